@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up the environment (first run only) and run the demo.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup_env.sh"
+cd "$ROOT"
+exec python -m sofx.demo "$@"

@@ -1,0 +1,414 @@
+"""The Adam family as pure, undoable transforms over pytrees.
+
+``sofx.adam(...)`` (L2 weight decay) and ``sofx.adamw(...)`` (decoupled weight
+decay) return an :class:`Adam` with three pure functions::
+
+    state = opt.init(params)                                  # AdamState(count, mu, nu)
+    params, state, record = opt.update(params, grads, state, hparams)
+    params, state = opt.undo(params, state, record)           # the state before update
+
+Per element, for a leaf stepped for the ``t``-th time (``t`` counted per leaf,
+from 1), with the hparams of that step (DESIGN.md "Numerics reference")::
+
+    L2:        g <- g + wd * p                decoupled: p <- p * (1 - lr * wd)
+    m <- b1 * m + (1 - b1) * g                v <- b2 * v + (1 - b2) * g^2
+    p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+(without bias correction both ``1 - b^t`` are 1). This is ``torch.optim.Adam``
+/ ``AdamW`` exactly, operation by operation.
+
+Hyperparameters are data: an :class:`AdamHParams` (floats or 0-d tensors,
+``None`` fields take the optimizer's defaults), or a pytree of them that is a
+prefix of the params tree (param groups). A ``None`` gradient leaf is not
+stepped: its parameter, moments and count stay as they are.
+
+Undo (SPECULATION.md section 2) is chosen per leaf and step by ``undo=``:
+``"auto"`` (algebraic where sound, snapshots where not), ``"algebraic"``
+(never snapshot; refuses the configurations where the inverse does not exist)
+or ``"exact"`` (always snapshot: bitwise identity). See :mod:`sofx.undo_record`.
+
+``donate=True`` lets ``update``/``undo`` write their results into the storage
+of the params and state passed in (the caller must not use those inputs
+again); by default nothing passed in is modified. The record keeps a
+reference to the gradient tensors: do not modify them in place while the
+record may still be undone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
+from sofx.kernels import select_backend
+from sofx.kernels.base import AdamScalars, AdamVariant, Scalar, as_number, is_number, is_traced
+from sofx.undo_record import LeafUndo, UndoRecord
+
+__all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
+
+# Below this beta the algebraic inverse divides by a small number and loses
+# more than float32 rounding; ``undo="auto"`` snapshots instead.
+ALGEBRAIC_MIN_BETA = 0.5
+# Decoupled decay: restoring p divides by (1 - lr*wd); below this the division
+# amplifies rounding, and ``undo="auto"`` keeps a snapshot of the parameter.
+ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
+
+_UNDO_MODES = ("auto", "algebraic", "exact")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class AdamHParams(NamedTuple):
+    """Dynamic Adam hyperparameters, passed at every step (``None``: the optimizer's default)."""
+
+    lr: Scalar | None = None
+    beta1: Scalar | None = None
+    beta2: Scalar | None = None
+    eps: Scalar | None = None
+    weight_decay: Scalar | None = None
+
+
+class AdamState(NamedTuple):
+    """Adam's state: per-leaf step counts (0-d int64 tensors) and the two moments."""
+
+    count: Any
+    mu: Any
+    nu: Any
+
+
+def _is_hparams(x: Any) -> bool:
+    return isinstance(x, AdamHParams)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """Everything ``update``/``undo`` need about one leaf, checked."""
+
+    path: str
+    p: torch.Tensor
+    g: torch.Tensor | None
+    count: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    hp: AdamHParams
+
+
+class Adam:
+    """Adam / AdamW as a pure transform. Build it with :func:`adam` or :func:`adamw`.
+
+    Static configuration: ``decoupled`` weight decay (AdamW) or L2,
+    ``bias_correction``, ``state_dtype`` (``None``: the parameter's dtype),
+    ``undo`` strategy and kernel ``backend``. ``defaults`` are the
+    hyperparameters used where a step's :class:`AdamHParams` leaves a field
+    ``None``.
+    """
+
+    def __init__(self, defaults: AdamHParams, *, decoupled: bool, bias_correction: bool = True,
+                 state_dtype: torch.dtype | None = None, undo: str = "auto", backend: str = "auto") -> None:
+        if undo not in _UNDO_MODES:
+            raise UnsupportedError(f"undo={undo!r}; expected one of {_UNDO_MODES}")
+        if state_dtype is not None and not state_dtype.is_floating_point:
+            raise UnsupportedError(f"state_dtype={state_dtype} is not a floating dtype")
+        self.defaults = defaults
+        self.variant = AdamVariant(decoupled=decoupled, bias_correction=bias_correction)
+        self.state_dtype = state_dtype
+        self.undo_mode = undo
+        self.backend = backend
+        _validate_hparams(defaults, "defaults")
+        if undo == "algebraic" and state_dtype in _LOW_PRECISION:
+            raise UnsupportedError(f"undo='algebraic' is impossible with state_dtype={state_dtype}: the stored "
+                                   "moments are rounded; use undo='auto' or 'exact'")
+
+    def __repr__(self) -> str:
+        kind = "adamw" if self.variant.decoupled else "adam"
+        return (f"sofx.{kind}({self.defaults}, bias_correction={self.variant.bias_correction}, "
+                f"state_dtype={self.state_dtype}, undo={self.undo_mode!r}, backend={self.backend!r})")
+
+    # ------------------------------------------------------------------ init
+    def init(self, params: Any) -> AdamState:
+        """Zero moments (in ``state_dtype``) and zero counts for every leaf of ``params``."""
+        leaves, spec = tree.flatten(params)
+        for path, p in zip(tree.leaf_paths(spec), leaves):
+            _check_param(path, p)
+        count = [torch.zeros((), dtype=torch.int64) for _ in leaves]
+        mu = [torch.zeros_like(p, dtype=self.state_dtype or p.dtype) for p in leaves]
+        nu = [torch.zeros_like(p, dtype=self.state_dtype or p.dtype) for p in leaves]
+        return AdamState(tree.unflatten(spec, count), tree.unflatten(spec, mu), tree.unflatten(spec, nu))
+
+    # ---------------------------------------------------------------- update
+    def update(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
+               donate: bool = False) -> tuple[Any, AdamState, UndoRecord]:
+        """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
+
+        Everything is checked before anything is computed: a bad input raises
+        a :class:`~sofx.errors.SofxError` naming the leaf path and modifies nothing.
+        """
+        spec, leaves = self._gather(params, grads, state, hparams)
+        plans = [self._plan(leaf) if leaf.g is not None else None for leaf in leaves]
+        new_p, new_c, new_m, new_v, records = [], [], [], [], []
+        for leaf, plan in zip(leaves, plans):
+            if plan is None:
+                new_p.append(leaf.p)
+                new_c.append(leaf.count)
+                new_m.append(leaf.m)
+                new_v.append(leaf.v)
+                records.append(None)
+                continue
+            scalars, strategy, reason = plan
+            p_old = m_old = v_old = None
+            if strategy in ("snapshot", "param_snapshot"):
+                p_old = leaf.p.clone() if donate else leaf.p
+            if strategy == "snapshot":
+                m_old = leaf.m.clone() if donate else leaf.m
+                v_old = leaf.v.clone() if donate else leaf.v
+            kernel = self._kernel(leaf)
+            out = (leaf.p, leaf.m, leaf.v) if donate else None
+            p2, m2, v2 = kernel.step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out)
+            new_p.append(p2)
+            new_m.append(m2)
+            new_v.append(v2)
+            new_c.append(leaf.count + 1)
+            records.append(LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason))
+        new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
+        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
+
+    # ------------------------------------------------------------------ undo
+    def undo(self, params: Any, state: AdamState, record: UndoRecord, *,
+             donate: bool = False) -> tuple[Any, AdamState]:
+        """Invert the :meth:`update` that produced ``(params, state)`` and ``record``.
+
+        Raises :class:`~sofx.errors.UndoError` (changing nothing) when the
+        record was used already, belongs to another state (structure or step
+        counts differ), or a leaf's step cannot be undone.
+        """
+        if not isinstance(record, UndoRecord):
+            raise UndoError(f"expected an UndoRecord, got {type(record).__name__}")
+        if record.used:
+            raise UndoError("this undo record was already used: a step can be undone once")
+        spec, leaves = self._gather(params, None, state, None, expect_spec=record.spec)
+        if len(record.leaves) != len(leaves):
+            raise UndoError(f"the record covers {len(record.leaves)} leaves, params have {len(leaves)}")
+        for leaf, rec in zip(leaves, record.leaves):
+            if rec is None:
+                continue
+            if rec.strategy == "none":
+                raise UndoError(f"{leaf.path}: this step cannot be undone ({rec.reason})")
+            have, want = as_number(leaf.count), as_number(rec.step)
+            if is_number(have) and is_number(want) and have != want:
+                raise UndoError(f"{leaf.path}: the state's step count is {have}, the record undoes step {want}: "
+                                "the record does not belong to this state")
+            if rec.grad.shape != leaf.p.shape:
+                raise UndoError(f"{leaf.path}: the record's gradient has shape {tuple(rec.grad.shape)}, "
+                                f"the parameter {tuple(leaf.p.shape)}")
+        new_p, new_c, new_m, new_v = [], [], [], []
+        for leaf, rec in zip(leaves, record.leaves):
+            if rec is None:
+                new_p.append(leaf.p)
+                new_c.append(leaf.count)
+                new_m.append(leaf.m)
+                new_v.append(leaf.v)
+                continue
+            if rec.strategy == "snapshot":
+                if donate:
+                    p0, m0, v0 = leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old)
+                else:
+                    p0, m0, v0 = rec.p_old, rec.m_old, rec.v_old
+            else:
+                out = (leaf.p, leaf.m, leaf.v) if donate else None
+                p0, m0, v0 = self._kernel(leaf).undo(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, self.variant,
+                                                     p_old=rec.p_old, out=out)
+            new_p.append(p0)
+            new_m.append(m0)
+            new_v.append(v0)
+            new_c.append(rec.count_before)
+        record.mark_used()
+        new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
+        return tree.unflatten(spec, new_p), new_state
+
+    # -------------------------------------------------------------- helpers
+    def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec) -> list[AdamHParams]:
+        """One complete :class:`AdamHParams` per leaf of ``spec`` (defaults filled in)."""
+        if hparams is None:
+            hparams = AdamHParams()
+        per_leaf = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams")
+        paths = tree.leaf_paths(spec)
+        out = []
+        for path, hp in zip(paths, per_leaf):
+            if hp is None:
+                hp = AdamHParams()
+            if not isinstance(hp, AdamHParams):
+                raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}")
+            full = AdamHParams(*(d if x is None else x for x, d in zip(hp, self.defaults)))
+            out.append(full)
+        return out
+
+    def _gather(self, params: Any, grads: Any, state: AdamState, hparams: Any,
+                expect_spec: tree.TreeSpec | None = None) -> tuple[tree.TreeSpec, list[_Leaf]]:
+        """Flatten and check params, grads, state and hparams against each other."""
+        p_leaves, spec = tree.flatten(params)
+        if expect_spec is not None and spec != expect_spec:
+            raise UndoError(f"the record was made for params of structure {expect_spec}, got {spec}")
+        if not isinstance(state, AdamState):
+            raise LeafError(f"state: expected an AdamState, got {type(state).__name__}")
+        paths = tree.leaf_paths(spec)
+        g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
+        counts = tree.flatten_up_to(spec, state.count, "state.count")
+        mus = tree.flatten_up_to(spec, state.mu, "state.mu")
+        nus = tree.flatten_up_to(spec, state.nu, "state.nu")
+        hps = self.resolve_hparams(hparams, spec) if expect_spec is None else [self.defaults] * len(p_leaves)
+        leaves = []
+        for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
+            _check_param(path, p)
+            if g is not None:
+                _check_like(f"grads{path[len('params'):]}", g, p, p.dtype)
+            _check_count(f"state.count{path[len('params'):]}", c)
+            want_state = self.state_dtype or p.dtype
+            _check_like(f"state.mu{path[len('params'):]}", m, p, want_state)
+            _check_like(f"state.nu{path[len('params'):]}", v, p, want_state)
+            if g is not None:
+                _validate_hparams(hp, f"hparams for {path}")
+            leaves.append(_Leaf(path, p, g, c, m, v, hp))
+        return spec, leaves
+
+    def _kernel(self, leaf: _Leaf) -> Any:
+        traced = any(is_traced(x) for x in (leaf.p, leaf.g, leaf.m, leaf.v, *leaf.hp))
+        if traced:
+            if self.backend not in ("auto", "reference"):
+                raise UnsupportedError(f"{leaf.path}: backend {self.backend!r} cannot run under torch.func "
+                                       "transforms, autograd or torch.compile; use backend='reference' or 'auto'")
+            return select_backend("reference", leaf.p.device, leaf.p.dtype, leaf.m.dtype)
+        return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
+
+    def _plan(self, leaf: _Leaf) -> tuple[AdamScalars, str, str]:
+        """The step's scalars and the undo strategy for this leaf (raises where refused)."""
+        hp = leaf.hp
+        count = as_number(leaf.count)
+        t = count + 1
+        scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t)
+        strategy, reason = self._choose_strategy(leaf, scalars)
+        return scalars, strategy, reason
+
+    def _choose_strategy(self, leaf: _Leaf, s: AdamScalars) -> tuple[str, str]:
+        if self.undo_mode == "exact":
+            return "snapshot", ""
+        values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
+        tensors = (leaf.p, leaf.g, leaf.m, leaf.v)
+        if any(is_traced(x) for x in tensors) or not all(is_number(x) for x in values):
+            # Values cannot be inspected (vmap, grad, compile): keep the inputs (exact, no copy when pure).
+            if self.undo_mode == "algebraic":
+                return "algebraic", ""
+            return "snapshot", ""
+        lr, b1, b2, wd = values
+        full_reasons = []  # reasons the moments cannot be recomputed
+        if b1 == 0 or b2 == 0:
+            full_reasons.append("a beta of 0 leaves no trace of the old moment")
+        if leaf.m.dtype in _LOW_PRECISION:
+            full_reasons.append(f"{leaf.m.dtype} optimizer states are rounded")
+        param_reasons = []  # reasons only the parameter cannot be recomputed
+        if leaf.p.dtype in _LOW_PRECISION:
+            param_reasons.append(f"{leaf.p.dtype} master weights are rounded")
+        decay_factor = 1 - lr * wd
+        if self.variant.decoupled and wd != 0 and decay_factor == 0:
+            param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
+        if self.undo_mode == "algebraic":
+            if full_reasons or param_reasons:
+                raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: "
+                                       f"{'; '.join(full_reasons + param_reasons)}; use undo='auto' or 'exact'")
+            if not _all_finite(leaf.g):
+                return "none", "the gradient is not finite"
+            return "algebraic", ""
+        # auto: also avoid the cases that are possible but too lossy.
+        if 0 < min(b1, b2) < ALGEBRAIC_MIN_BETA:
+            full_reasons.append(f"a beta below {ALGEBRAIC_MIN_BETA} amplifies rounding")
+        if full_reasons or not _all_finite(leaf.g):
+            return "snapshot", "; ".join(full_reasons) or "the gradient is not finite"
+        if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
+            param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
+        if param_reasons:
+            return "param_snapshot", "; ".join(param_reasons)
+        return "algebraic", ""
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    return x.numel() == 0 or bool(torch.isfinite(x).all())
+
+
+def _check_param(path: str, p: Any) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise LeafError(f"{path}: expected a tensor, got {type(p).__name__}")
+    if not p.dtype.is_floating_point:
+        raise LeafError(f"{path}: expected a floating-point tensor, got dtype {p.dtype}")
+
+
+def _check_like(path: str, x: Any, p: torch.Tensor, dtype: torch.dtype) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise LeafError(f"{path}: expected a tensor, got {type(x).__name__}")
+    if x.shape != p.shape:
+        raise LeafError(f"{path}: expected shape {tuple(p.shape)}, got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise LeafError(f"{path}: expected dtype {dtype}, got {x.dtype}")
+    if x.device != p.device:
+        raise LeafError(f"{path}: expected device {p.device}, got {x.device}")
+
+
+def _check_count(path: str, c: Any) -> None:
+    if not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0:
+        desc = f"a tensor of dtype {c.dtype} and shape {tuple(c.shape)}" if isinstance(c, torch.Tensor) \
+            else type(c).__name__
+        raise LeafError(f"{path}: expected a 0-d int64 tensor, got {desc}")
+    n = as_number(c)
+    if is_number(n) and n < 0:
+        raise LeafError(f"{path}: step count {n} is negative")
+
+
+_RANGES = {
+    "lr": (lambda x: x >= 0, "lr >= 0"),
+    "beta1": (lambda x: 0 <= x < 1, "0 <= beta1 < 1"),
+    "beta2": (lambda x: 0 <= x < 1, "0 <= beta2 < 1"),
+    "eps": (lambda x: x > 0, "eps > 0"),
+    "weight_decay": (lambda x: x >= 0, "weight_decay >= 0"),
+}
+
+
+def _validate_hparams(hp: AdamHParams, where: str) -> None:
+    """Check every concrete hparam value; traced tensors (vmap, grad, compile) are not inspected."""
+    for name, value in zip(AdamHParams._fields, hp):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+            raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor):
+            if is_traced(value):
+                continue
+            if value.dim() != 0:
+                raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got shape {tuple(value.shape)}")
+            value = value.item()
+        ok, rule = _RANGES[name]
+        if not math.isfinite(value) or not ok(value):
+            raise HParamError(f"{where}: {name} = {value!r} is invalid; expected {rule}")
+
+
+def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,
+          bias_correction: bool, state_dtype: torch.dtype | None, undo: str, backend: str) -> Adam:
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise HParamError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    defaults = AdamHParams(lr, betas[0], betas[1], eps, weight_decay)
+    return Adam(defaults, decoupled=decoupled, bias_correction=bias_correction, state_dtype=state_dtype,
+                undo=undo, backend=backend)
+
+
+def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
+         weight_decay: Scalar = 0.0, *, bias_correction: bool = True, state_dtype: torch.dtype | None = None,
+         undo: str = "auto", backend: str = "auto") -> Adam:
+    """Adam with L2 weight decay (``g <- g + wd * p``), as ``torch.optim.Adam``."""
+    return _make(False, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
+
+
+def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
+          weight_decay: Scalar = 1e-2, *, bias_correction: bool = True, state_dtype: torch.dtype | None = None,
+          undo: str = "auto", backend: str = "auto") -> Adam:
+    """AdamW: decoupled weight decay (``p <- p * (1 - lr * wd)``), as ``torch.optim.AdamW``."""
+    return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)

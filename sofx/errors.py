@@ -1,0 +1,32 @@
+"""Exceptions raised by sofx.
+
+Every error that concerns one leaf of a pytree names that leaf's path
+(``params['layers'][3]['w']``) together with what was expected and what was
+found. Raising one of these guarantees that nothing was modified.
+"""
+
+from __future__ import annotations
+
+
+class SofxError(ValueError):
+    """Base class of every error sofx raises for bad input."""
+
+
+class StructureError(SofxError):
+    """Two pytrees that must have the same structure do not."""
+
+
+class LeafError(SofxError):
+    """A leaf has the wrong shape, dtype or device."""
+
+
+class HParamError(SofxError):
+    """A hyperparameter is out of its valid range or has the wrong form."""
+
+
+class UndoError(SofxError):
+    """An undo record does not belong to the state it is applied to, or was used already."""
+
+
+class UnsupportedError(SofxError):
+    """A combination of options (backend, device, dtype, undo strategy) is not supported."""

@@ -1,0 +1,67 @@
+"""Adam kernels on flat tensors, one module per backend (see :mod:`sofx.kernels.base`).
+
+:func:`select_backend` maps ``backend="auto" | "reference" | "cpu" | "triton"``
+and a device/dtype combination to a backend module. Backends whose
+dependencies are missing (triton) are simply not available; the reference
+backend always is.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from sofx.errors import UnsupportedError
+from sofx.kernels.base import AdamScalars, AdamVariant
+
+__all__ = ["AdamScalars", "AdamVariant", "select_backend", "available_backends", "load_backend"]
+
+_BACKEND_MODULES = {
+    "reference": "sofx.kernels.reference",
+    "cpu": "sofx.kernels.cpu",
+    "triton": "sofx.kernels.triton",
+}
+
+
+def load_backend(name: str) -> ModuleType | None:
+    """The backend module called ``name``, or None when it cannot be imported here."""
+    if name not in _BACKEND_MODULES:
+        raise UnsupportedError(f"unknown backend {name!r}; expected one of {sorted(_BACKEND_MODULES)} or 'auto'")
+    try:
+        return importlib.import_module(_BACKEND_MODULES[name])
+    except ImportError:
+        return None
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that import on this machine."""
+    return [name for name in _BACKEND_MODULES if load_backend(name) is not None]
+
+
+def _auto_order(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        return ["triton", "reference"]
+    if device.type == "cpu":
+        return ["cpu", "reference"]
+    return ["reference"]
+
+
+def select_backend(backend: str, device: torch.device | str, param_dtype: torch.dtype,
+                   state_dtype: torch.dtype) -> ModuleType:
+    """The kernel module to use for one block, or a clear :class:`UnsupportedError`."""
+    device = torch.device(device)
+    names = _auto_order(device) if backend == "auto" else [backend]
+    for name in names:
+        module = load_backend(name)
+        if module is not None and module.supports(device, param_dtype, state_dtype):
+            return module
+    if backend == "auto":
+        raise UnsupportedError(f"no backend supports device={device}, param dtype {param_dtype}, "
+                               f"state dtype {state_dtype}")
+    module = load_backend(backend)
+    if module is None:
+        raise UnsupportedError(f"backend {backend!r} is not available here (its dependencies are not installed)")
+    raise UnsupportedError(f"backend {backend!r} does not support device={device}, param dtype {param_dtype}, "
+                           f"state dtype {state_dtype}")

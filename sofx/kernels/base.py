@@ -1,0 +1,97 @@
+"""The kernel contract: what every backend (reference, cpu, triton) implements.
+
+A kernel works on flat (or any same-shaped) tensors of one parameter block and
+knows nothing of pytrees, threads or speculation. Every backend module exposes
+
+``step(p, g, m, v, s, variant, *, out=None) -> (p', m', v')``
+    One Adam step (DESIGN.md "Numerics reference").
+``undo(p', g, m', v', s, variant, *, p_old=None, out=None) -> (p, m, v)``
+    The algebraic inverse of ``step`` (SPECULATION.md section 2). With
+    ``p_old`` the parameter is restored from that snapshot (exactly) and only
+    the moments are recomputed.
+``undo_redo(p', m', v', g_old, s_old, g_new, s_new, variant, *, p_old=None, out=None)``
+    ``step(*undo(p', g_old, m', v', s_old), g_new, s_new)`` as one call (fused
+    in the fast backends).
+``supports(device, param_dtype, state_dtype) -> bool``
+
+``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
+(buffer donation); without it the inputs are left untouched. ``p`` is any
+float dtype, ``g`` any float dtype, ``m``/``v`` the state dtype; the math is
+done in float32 (float64 when ``p`` is float64) and rounded on store.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple, Union
+
+import torch
+
+Scalar = Union[float, int, torch.Tensor]
+
+
+class AdamVariant(NamedTuple):
+    """Static configuration of an Adam kernel (fixed at optimizer construction).
+
+    ``decoupled``: AdamW's decoupled weight decay ``p *= 1 - lr*wd`` (else L2: ``g += wd*p``).
+    ``bias_correction``: divide by ``1 - beta**t`` (else both corrections are 1).
+    """
+
+    decoupled: bool = True
+    bias_correction: bool = True
+
+
+class AdamScalars(NamedTuple):
+    """The dynamic values one step uses: hparams, the step number and a gradient multiplier.
+
+    ``step`` is ``t`` of the step being taken (the first step is 1). The
+    gradient a kernel uses is ``g * grad_scale`` (unscaling and clipping folded
+    into one multiplier); the inverse must be given the same value. Each field
+    is a Python number or a 0-d tensor.
+    """
+
+    lr: Scalar
+    beta1: Scalar
+    beta2: Scalar
+    eps: Scalar
+    weight_decay: Scalar
+    step: Scalar
+    grad_scale: Scalar = 1.0
+
+
+def is_traced(x: object) -> bool:
+    """True for a tensor whose value cannot be read on the host right now.
+
+    That is a tensor wrapped by a ``torch.func`` transform (vmap, grad), a
+    tensor that requires grad, or any tensor while ``torch.compile`` traces.
+    """
+    if not isinstance(x, torch.Tensor):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x)) or x.requires_grad
+
+
+def as_number(x: Scalar) -> Scalar:
+    """A Python number for a concrete 0-d tensor, ``x`` itself otherwise.
+
+    Reading hyperparameters as Python numbers makes the float arithmetic of a
+    step identical to ``torch.optim``'s (done in double precision on the host).
+    """
+    if isinstance(x, torch.Tensor) and not is_traced(x) and x.dim() == 0:
+        return x.item()
+    return x
+
+
+def concrete_scalars(s: AdamScalars) -> AdamScalars:
+    """``s`` with every field that can be read as a Python number converted to one."""
+    return AdamScalars(*(as_number(x) for x in s))
+
+
+def is_number(x: object) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def compute_dtype(p: torch.Tensor) -> torch.dtype:
+    """float64 math for float64 parameters, float32 for everything else."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32

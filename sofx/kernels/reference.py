@@ -1,0 +1,211 @@
+"""Reference Adam kernels: plain torch, every variant, the readable specification.
+
+Every faster backend is tested against this module. It follows
+``torch.optim.Adam/AdamW`` (``foreach=False``) operation by operation, so that
+with float hyperparameters its results are those of ``torch.optim`` bit for
+bit, and it is differentiable and ``vmap``-able when the inputs or the
+hyperparameters are tensors under a ``torch.func`` transform.
+
+Per element, with ``t = s.step``, ``g = g * grad_scale`` and hparams of step ``t``::
+
+    L2:        g = g + wd * p                 decoupled: p = p * (1 - lr * wd)
+    m' = lerp(m, g, 1 - b1)   (= b1*m + (1-b1)*g)
+    v' = b2 * v + (1 - b2) * g * g
+    bc1 = 1 - b1**t, bc2 = 1 - b2**t          (1 and 1 without bias correction)
+    u  = (lr / bc1) * (m' / (sqrt(v') / sqrt(bc2) + eps))
+    p' = p - u
+
+Inverse (SPECULATION.md section 2): recompute ``u`` from ``m', v'`` with the
+same operations (bit-identical), ``p = p' + u`` (divided by ``1 - lr*wd`` when
+decoupled), ``gh = g`` (decoupled) or ``g + wd*p`` (L2),
+``m = (m' - (1-b1)*gh) / b1``, ``v = (v' - (1-b2)*gh*gh) / b2`` clamped at 0
+with nan kept as nan.
+
+``weight_decay == 0`` means no decay term at all (not a multiplication by 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sofx.errors import UnsupportedError
+from sofx.kernels.base import (
+    AdamScalars,
+    AdamVariant,
+    Scalar,
+    compute_dtype,
+    concrete_scalars,
+    is_number,
+)
+
+Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
+
+__all__ = ["step", "undo", "undo_redo", "supports", "bias_corrections", "NAME"]
+
+NAME = "reference"
+
+
+def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
+    """The reference backend runs on any device and any floating dtype."""
+    return param_dtype.is_floating_point and state_dtype.is_floating_point
+
+
+def bias_corrections(s: AdamScalars, variant: AdamVariant) -> tuple[Scalar, Scalar]:
+    """``(lr / bc1, sqrt(bc2))`` of the step, in double precision for Python numbers.
+
+    Computed from the step's own betas and ``t`` every time (no cache).
+    """
+    if not variant.bias_correction:
+        return s.lr, 1.0
+    if is_number(s.beta1) and is_number(s.step):
+        bc1 = 1 - s.beta1 ** s.step
+    else:
+        bc1 = 1 - torch.as_tensor(s.beta1, dtype=torch.float64) ** s.step
+    if is_number(s.beta2) and is_number(s.step):
+        bc2_sqrt = (1 - s.beta2 ** s.step) ** 0.5
+    else:
+        bc2_sqrt = (1 - torch.as_tensor(s.beta2, dtype=torch.float64) ** s.step).sqrt()
+    return s.lr / bc1, bc2_sqrt
+
+
+def _has_decay(wd: Scalar) -> bool:
+    """Whether a decay term exists: a nonzero number, or any tensor (masked below)."""
+    return not is_number(wd) or wd != 0
+
+
+def _axpy(y: torch.Tensor, x: torch.Tensor, alpha: Scalar) -> torch.Tensor:
+    """``y + alpha * x`` as torch.optim computes it (``add(alpha=)`` for numbers)."""
+    if is_number(alpha):
+        return y.add(x, alpha=alpha)
+    return y + alpha * x
+
+
+def _wd_mask(wd: Scalar, with_decay: torch.Tensor, without: torch.Tensor) -> torch.Tensor:
+    """For a tensor ``wd``: the decayed value where ``wd != 0``, else the value untouched."""
+    if is_number(wd):
+        return with_decay
+    return torch.where(torch.as_tensor(wd) != 0, with_decay, without)
+
+
+def _cast(x: Scalar, dtype: torch.dtype) -> Scalar:
+    return x.to(dtype) if isinstance(x, torch.Tensor) else x
+
+
+def _update_direction(m: torch.Tensor, v: torch.Tensor, s: AdamScalars, variant: AdamVariant) -> torch.Tensor:
+    """``u = (lr/bc1) * (m / (sqrt(v)/sqrt(bc2) + eps))``, the amount subtracted from ``p``."""
+    step_size, bc2_sqrt = bias_corrections(s, variant)
+    cd = m.dtype
+    denom = (v.sqrt() / _cast(bc2_sqrt, cd)) + _cast(s.eps, cd)
+    return (m / denom) * _cast(step_size, cd)
+
+
+def _effective_grad(g: torch.Tensor, s: AdamScalars, cd: torch.dtype) -> torch.Tensor:
+    g = g.to(cd)
+    if is_number(s.grad_scale) and s.grad_scale == 1:
+        return g
+    return g * _cast(s.grad_scale, cd)
+
+
+def _store(results: tuple[torch.Tensor, torch.Tensor, torch.Tensor], like: tuple[torch.Tensor, ...],
+           out: Out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round results to the dtypes of ``like`` and write them into ``out`` if given."""
+    if out is None:
+        return tuple(r.to(l.dtype) for r, l in zip(results, like))  # type: ignore[return-value]
+    for r, o in zip(results, out):
+        o.copy_(r)
+    return out  # type: ignore[return-value]
+
+
+def _step_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+               s: AdamScalars, variant: AdamVariant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cd = compute_dtype(p)
+    s = concrete_scalars(s)
+    p = p.to(cd)
+    g = _effective_grad(g, s, cd)
+    m = m.to(cd)
+    v = v.to(cd)
+    wd = _cast(s.weight_decay, cd)
+    if _has_decay(wd):
+        if variant.decoupled:
+            p = _wd_mask(wd, p * (1 - _cast(s.lr, cd) * wd), p)
+        else:
+            g = _wd_mask(wd, _axpy(g, p, wd), g)
+    one_minus_b1 = 1 - _cast(s.beta1, cd)
+    m = m.lerp(g, one_minus_b1)
+    b2 = _cast(s.beta2, cd)
+    if is_number(b2):
+        v = v.mul(b2).addcmul(g, g, value=1 - b2)
+    else:
+        v = v * b2 + (1 - b2) * (g * g)
+    step_size, bc2_sqrt = bias_corrections(s, variant)
+    if is_number(step_size) and is_number(bc2_sqrt) and is_number(s.eps):
+        # torch.optim's exact operations (addcdiv may fuse the multiply-add).
+        p = p.addcdiv(m, (v.sqrt() / bc2_sqrt).add(s.eps), value=-step_size)
+    else:
+        p = p - _update_direction(m, v, s, variant)
+    return p, m, v
+
+
+def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+         variant: AdamVariant, *, out: Out = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v``."""
+    return _store(_step_math(p, g, m, v, s, variant), (p, m, v), out)
+
+
+def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: bool) -> None:
+    for name in ("beta1", "beta2"):
+        b = getattr(s, name)
+        if is_number(b) and b == 0:
+            raise UnsupportedError(f"algebraic undo is impossible with {name} == 0: the old moment leaves no trace")
+    if variant.decoupled and not restoring_param and is_number(s.lr) and is_number(s.weight_decay):
+        if s.lr * s.weight_decay == 1:
+            raise UnsupportedError("algebraic undo is impossible with lr * weight_decay == 1 (decoupled decay)")
+
+
+def _undo_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+               variant: AdamVariant, p_old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cd = compute_dtype(p)
+    s = concrete_scalars(s)
+    _check_invertible(s, variant, p_old is not None)
+    g = _effective_grad(g, s, cd)
+    m = m.to(cd)
+    v = v.to(cd)
+    wd = _cast(s.weight_decay, cd)
+    if p_old is not None:
+        p0 = p_old.to(cd)
+    else:
+        p0 = p.to(cd) + _update_direction(m, v, s, variant)
+        if variant.decoupled and _has_decay(wd):
+            p0 = _wd_mask(wd, p0 / (1 - _cast(s.lr, cd) * wd), p0)
+    gh = g
+    if not variant.decoupled and _has_decay(wd):
+        gh = _wd_mask(wd, _axpy(g, p0, wd), g)
+    b1 = _cast(s.beta1, cd)
+    b2 = _cast(s.beta2, cd)
+    m0 = (m - (1 - b1) * gh) / b1
+    v0 = (v - (1 - b2) * (gh * gh)) / b2
+    v0 = torch.where(v0 < 0, torch.zeros_like(v0), v0)  # clamp at 0, nan stays nan
+    return p0, m0, v0
+
+
+def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+         variant: AdamVariant, *, p_old: torch.Tensor | None = None,
+         out: Out = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`step` given the step's gradient ``g`` and scalars ``s``.
+
+    Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not
+    exist (a beta of 0, decoupled ``lr*wd == 1`` without ``p_old``).
+    """
+    return _store(_undo_math(p, g, m, v, s, variant, p_old), (p, m, v), out)
+
+
+def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
+              g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
+              p_old: torch.Tensor | None = None, out: Out = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Undo the step taken with ``(g_old, s_old)`` and redo it with ``(g_new, s_new)``.
+
+    The intermediate (undone) values are rounded to the storage dtypes, as if
+    ``undo`` and ``step`` had been called one after the other.
+    """
+    p0, m0, v0 = undo(p, g_old, m, v, s_old, variant, p_old=p_old)
+    return _store(_step_math(p0, g_new, m0, v0, s_new, variant), (p, m, v), out)

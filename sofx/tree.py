@@ -1,0 +1,170 @@
+"""Pytree helpers on top of optree.
+
+sofx works on any pytree of tensors: dicts, lists, tuples, NamedTuples and
+``None`` (an empty subtree in a params tree, a "no gradient" marker in a
+grads tree). This module is the only place that knows how trees are walked:
+
+* :func:`flatten` / :func:`unflatten` -- leaves in a fixed order plus a spec;
+* :func:`leaf_paths` -- human readable paths (``params['layers'][3]['w']``)
+  used in every error message;
+* :func:`flatten_up_to` -- flatten a second tree (grads, states, hparams)
+  against the structure of the first, with an error naming the first leaf
+  path where the two differ;
+* :func:`broadcast_prefix` -- expand a prefix tree (e.g. per-group hparams)
+  to one value per leaf;
+* :func:`pack` / :func:`unpack` -- lay leaves out in one flat buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from sofx.errors import StructureError
+
+PyTree = Any
+TreeSpec = optree.PyTreeSpec
+
+__all__ = [
+    "PyTree",
+    "TreeSpec",
+    "flatten",
+    "unflatten",
+    "leaf_paths",
+    "flatten_up_to",
+    "broadcast_prefix",
+    "tree_map",
+    "pack",
+    "unpack",
+    "numel_of",
+]
+
+
+def flatten(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], TreeSpec]:
+    """Leaves of ``tree`` (``None`` is an empty subtree) and its structure."""
+    leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
+    return leaves, spec
+
+
+def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(spec, list(leaves))
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``optree.tree_map`` with sofx's conventions (``None`` is an empty subtree)."""
+    return optree.tree_map(fn, tree, *rest)
+
+
+def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[str]:
+    """Paths of the leaves, written as Python expressions rooted at ``root``.
+
+    >>> leaf_paths({"layers": [{"w": 0}]})
+    ["params['layers'][0]['w']"]
+    """
+    spec = spec_or_tree if isinstance(spec_or_tree, optree.PyTreeSpec) else optree.tree_structure(spec_or_tree)
+    return [acc.codify(root) for acc in spec.accessors()]
+
+
+def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = "params") -> list[Any]:
+    """Flatten ``tree`` against ``spec``: one entry (a leaf or a subtree) per leaf of ``spec``.
+
+    ``None`` where ``spec`` has a leaf is allowed and returned as ``None``
+    (a missing gradient). Raises :class:`StructureError` naming the first path
+    where ``tree`` does not match.
+    """
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError) as exc:
+        raise StructureError(
+            f"{what} does not have the structure of {root}: expected {spec}, "
+            f"got {optree.tree_structure(tree, none_is_leaf=True)} ({_first_difference(spec, tree, root)})"
+        ) from exc
+
+
+def _first_difference(spec: TreeSpec, tree: PyTree, root: str) -> str:
+    """Describe the first place where ``tree`` departs from ``spec``."""
+
+    def walk(sub_spec: TreeSpec, sub: Any, path: str) -> str | None:
+        if sub_spec.is_leaf():
+            return None  # anything (a tensor, None, a subtree) may stand at a leaf position
+        if sub is None:
+            return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {sub_spec}"
+        if optree.tree_is_leaf(sub, none_is_leaf=True):
+            return f"{path} is a {type(sub).__name__}, expected {sub_spec}"
+        children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
+        if type(sub) is not sub_spec.type:
+            return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__}"
+        want = list(sub_spec.entries())
+        if list(entries) != want:
+            return f"{path} has entries {list(entries)}, expected {want}"
+        for child_spec, child, entry in zip(sub_spec.children(), children, want):
+            found = walk(child_spec, child, path + _entry_str(entry, sub))
+            if found:
+                return found
+        return None
+
+    return walk(spec, tree, root) or "structures differ"
+
+
+def _entry_str(entry: Any, node: Any) -> str:
+    if optree.is_namedtuple_instance(node):
+        return f".{node._fields[entry]}" if isinstance(entry, int) else f".{entry}"
+    return f"[{entry!r}]"
+
+
+def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bool] | None = None,
+                     what: str = "hparams", root: str = "params") -> list[Any]:
+    """One value per leaf of ``spec`` from a tree that is a prefix of it.
+
+    ``is_leaf`` marks the values of the prefix tree (e.g. ``AdamHParams``
+    instances, which would otherwise be walked as NamedTuples).
+    """
+    full = optree.tree_unflatten(spec, [0] * spec.num_leaves)
+    try:
+        broadcast = optree.tree_broadcast_prefix(prefix, full, is_leaf=is_leaf)
+        return spec.flatten_up_to(broadcast)
+    except (ValueError, TypeError) as exc:
+        raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec}): {exc}") from exc
+
+
+def numel_of(leaves: Sequence[torch.Tensor]) -> int:
+    """Total number of elements of a sequence of tensors."""
+    return sum(t.numel() for t in leaves)
+
+
+def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
+         device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy ``leaves`` one after another into one flat 1-d tensor (``out`` if given)."""
+    n = numel_of(leaves)
+    if out is None:
+        if dtype is None:
+            dtype = leaves[0].dtype if leaves else torch.float32
+        if device is None:
+            device = leaves[0].device if leaves else "cpu"
+        out = torch.empty(n, dtype=dtype, device=device)
+    elif out.numel() != n or out.dim() != 1:
+        raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")
+    offset = 0
+    for t in leaves:
+        k = t.numel()
+        out[offset:offset + k].copy_(t.reshape(-1))
+        offset += k
+    return out
+
+
+def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` with the given shapes, laid out one after another."""
+    views = []
+    offset = 0
+    for shape in shapes:
+        k = 1
+        for d in shape:
+            k *= int(d)
+        views.append(flat[offset:offset + k].view(tuple(shape)))
+        offset += k
+    if offset != flat.numel():
+        raise ValueError(f"unpack: shapes cover {offset} elements, flat buffer has {flat.numel()}")
+    return views

@@ -1,0 +1,136 @@
+"""Undo records: what :meth:`sofx.Adam.update` returns so that the step can be inverted.
+
+A record holds, per parameter leaf, the undo strategy chosen for it, the
+gradient bits the step used, the step's scalars (hparams, ``t``,
+gradient multiplier) and, where the strategy needs them, snapshots of the
+pre-step values. Records are pytrees (registered with ``torch.utils._pytree``)
+whose children are tensors only, so they can be returned from
+``torch.func.vmap`` and traced by ``torch.compile``; Python numbers and the
+strategy names travel as static context.
+
+Strategies:
+
+``"algebraic"``       nothing stored; ``p, m, v`` recomputed from ``p', m', v'``
+``"param_snapshot"``  the old parameter is kept (low-precision masters,
+                      ``lr*wd`` near 1); the moments are recomputed
+``"snapshot"``        old ``p, m, v`` kept; restored bit for bit
+``"none"``            the step cannot be undone (``reason`` says why)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+from sofx.kernels.base import AdamScalars
+
+STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "none")
+
+_TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old")
+
+
+class LeafUndo:
+    """How to undo the step of one leaf."""
+
+    __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason", "_layout")
+
+    def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
+                 p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
+                 v_old: torch.Tensor | None = None, reason: str = "") -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown undo strategy {strategy!r}")
+        self.strategy = strategy
+        self.grad = grad
+        self.scalars = scalars
+        self.count_before = count_before
+        self.p_old = p_old
+        self.m_old = m_old
+        self.v_old = v_old
+        self.reason = reason
+        # Which fields are pytree children (tensors); fixed once made, so that the
+        # structure survives an unflatten with non-tensor leaves (torch.func does that).
+        self._layout: tuple[bool, ...] | None = None
+
+    @property
+    def step(self) -> Any:
+        """``t`` of the step this record undoes."""
+        return self.scalars.step
+
+    def snapshot_bytes(self) -> int:
+        """Bytes held by the snapshots of this leaf (0 for an algebraic undo)."""
+        return sum(t.numel() * t.element_size() for t in (self.p_old, self.m_old, self.v_old) if t is not None)
+
+    def __repr__(self) -> str:
+        return f"LeafUndo({self.strategy}, t={self.scalars.step}{', ' + self.reason if self.reason else ''})"
+
+
+def _flatten_leaf(leaf: LeafUndo) -> tuple[list[Any], Any]:
+    values = [getattr(leaf, f) for f in _TENSOR_FIELDS] + list(leaf.scalars)
+    is_tensor = leaf._layout or tuple(isinstance(x, torch.Tensor) for x in values)
+    children = [x for x, t in zip(values, is_tensor) if t]
+    static = tuple(None if t else x for x, t in zip(values, is_tensor))
+    return children, (leaf.strategy, leaf.reason, is_tensor, static)
+
+
+def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
+    strategy, reason, is_tensor, static = context
+    it = iter(children)
+    values = [next(it) if t else s for t, s in zip(is_tensor, static)]
+    n = len(_TENSOR_FIELDS)
+    fields = dict(zip(_TENSOR_FIELDS, values[:n]))
+    leaf = LeafUndo(strategy, scalars=AdamScalars(*values[n:]), reason=reason, **fields)
+    leaf._layout = is_tensor
+    return leaf
+
+
+class UndoRecord:
+    """The undo record of one :meth:`update` over a whole params tree.
+
+    ``leaves[i]`` is the :class:`LeafUndo` of leaf ``i`` (``None`` where the
+    leaf had no gradient and was not stepped). A record can be used once.
+    """
+
+    __slots__ = ("leaves", "spec", "donated", "_used")
+
+    def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, donated: bool,
+                 used: list[bool] | None = None) -> None:
+        self.leaves = tuple(leaves)
+        self.spec = spec
+        self.donated = donated
+        self._used = used if used is not None else [False]
+
+    @property
+    def used(self) -> bool:
+        """True once the record has been undone."""
+        return self._used[0]
+
+    def mark_used(self) -> None:
+        self._used[0] = True
+
+    def strategies(self) -> list[str | None]:
+        """The strategy of every leaf (``None`` for leaves that were not stepped)."""
+        return [None if leaf is None else leaf.strategy for leaf in self.leaves]
+
+    def snapshot_bytes(self) -> int:
+        """Bytes of snapshot memory this record holds."""
+        return sum(leaf.snapshot_bytes() for leaf in self.leaves if leaf is not None)
+
+    def __repr__(self) -> str:
+        return f"UndoRecord({list(self.leaves)}, used={self.used})"
+
+
+def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
+    return list(rec.leaves), (rec.spec, rec.donated, rec._used)
+
+
+def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
+    spec, donated, used = context
+    return UndoRecord(list(children), spec, donated, used)
+
+
+torch_pytree.register_pytree_node(LeafUndo, _flatten_leaf, _unflatten_leaf,
+                                  serialized_type_name="sofx.LeafUndo")
+torch_pytree.register_pytree_node(UndoRecord, _flatten_record, _unflatten_record,
+                                  serialized_type_name="sofx.UndoRecord")
