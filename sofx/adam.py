@@ -140,40 +140,44 @@ class Adam:
 
     # ---------------------------------------------------------------- update
     def update(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
-               donate: bool = False) -> tuple[Any, AdamState, UndoRecord]:
+               grad_scale: Scalar = 1.0, donate: bool = False) -> tuple[Any, AdamState, UndoRecord]:
         """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
 
-        Everything is checked before anything is computed: a bad input raises
-        a :class:`~sofx.errors.SofxError` naming the leaf path and modifies nothing.
+        The gradient used is ``grads * grad_scale`` (unscaling and clipping
+        folded into one multiplier, applied inside the kernel). Everything is
+        checked before anything is computed: a bad input raises a
+        :class:`~sofx.errors.SofxError` naming the leaf path and modifies nothing.
         """
         spec, leaves = self._gather(params, grads, state, hparams)
-        plans = [self._plan(leaf) if leaf.g is not None else None for leaf in leaves]
+        _validate_grad_scale(grad_scale)
+        plans = [self._plan(leaf, grad_scale) if leaf.g is not None else None for leaf in leaves]
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
         for leaf, plan in zip(leaves, plans):
             if plan is None:
-                new_p.append(leaf.p)
-                new_c.append(leaf.count)
-                new_m.append(leaf.m)
-                new_v.append(leaf.v)
-                records.append(None)
-                continue
-            scalars, strategy, reason = plan
-            p_old = m_old = v_old = None
-            if strategy in ("snapshot", "param_snapshot"):
-                p_old = leaf.p.clone() if donate else leaf.p
-            if strategy == "snapshot":
-                m_old = leaf.m.clone() if donate else leaf.m
-                v_old = leaf.v.clone() if donate else leaf.v
-            kernel = self._kernel(leaf)
-            out = (leaf.p, leaf.m, leaf.v) if donate else None
-            p2, m2, v2 = kernel.step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out)
+                p2, m2, v2, c2, rec = leaf.p, leaf.m, leaf.v, leaf.count, None
+            else:
+                p2, m2, v2, c2, rec = self._step_leaf(leaf, plan, donate)
             new_p.append(p2)
             new_m.append(m2)
             new_v.append(v2)
-            new_c.append(leaf.count + 1)
-            records.append(LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason))
+            new_c.append(c2)
+            records.append(rec)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
+
+    def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LeafUndo]:
+        scalars, strategy, reason = plan
+        p_old = m_old = v_old = None
+        if strategy in ("snapshot", "param_snapshot"):
+            p_old = leaf.p.clone() if donate else leaf.p
+        if strategy == "snapshot":
+            m_old = leaf.m.clone() if donate else leaf.m
+            v_old = leaf.v.clone() if donate else leaf.v
+        out = (leaf.p, leaf.m, leaf.v) if donate else None
+        p2, m2, v2 = self._kernel(leaf).step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out)
+        rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason)
+        return p2, m2, v2, leaf.count + 1, rec
 
     # ------------------------------------------------------------------ undo
     def undo(self, params: Any, state: AdamState, record: UndoRecord, *,
@@ -184,6 +188,67 @@ class Adam:
         record was used already, belongs to another state (structure or step
         counts differ), or a leaf's step cannot be undone.
         """
+        spec, leaves = self._check_record(params, state, record)
+        new_p, new_c, new_m, new_v = [], [], [], []
+        for leaf, rec in zip(leaves, record.leaves):
+            if rec is None:
+                p0, m0, v0, c0 = leaf.p, leaf.m, leaf.v, leaf.count
+            else:
+                p0, m0, v0, c0 = self._undo_leaf(leaf, rec, donate)
+            new_p.append(p0)
+            new_m.append(m0)
+            new_v.append(v0)
+            new_c.append(c0)
+        record.mark_used()
+        new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
+        return tree.unflatten(spec, new_p), new_state
+
+    def undo_redo(self, params: Any, state: AdamState, record: UndoRecord, grads: Any, hparams: Any = None, *,
+                  grad_scale: Scalar = 1.0, donate: bool = False) -> tuple[Any, AdamState, UndoRecord]:
+        """``update(*undo(params, state, record), grads, hparams)`` as one call.
+
+        Leaves whose step was algebraically undoable and whose redone step
+        needs no snapshot go through the backend's fused ``undo_redo`` kernel
+        (one pass over memory); the others are undone and stepped separately.
+        A leaf with no new gradient is only undone. Returns the new record.
+        """
+        spec, leaves = self._check_record(params, state, record)
+        _, grad_leaves = self._gather(params, grads, state, hparams)  # checks grads and hparams
+        _validate_grad_scale(grad_scale)
+        plans = []
+        for leaf, rec, new in zip(leaves, record.leaves, grad_leaves):
+            undone_count = rec.count_before if rec is not None else leaf.count
+            plans.append(None if new.g is None else self._plan(
+                _Leaf(new.path, leaf.p, new.g, undone_count, leaf.m, leaf.v, new.hp), grad_scale))
+        new_p, new_c, new_m, new_v, records = [], [], [], [], []
+        for leaf, rec, new, plan in zip(leaves, record.leaves, grad_leaves, plans):
+            fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
+                       and plan[1] == "algebraic")
+            if fusable:
+                out = (leaf.p, leaf.m, leaf.v) if donate else None
+                p2, m2, v2 = self._kernel(leaf).undo_redo(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, new.g,
+                                                          plan[0], self.variant, p_old=rec.p_old, out=out)
+                c2 = rec.count_before + 1
+                new_rec = LeafUndo("algebraic", new.g, plan[0], rec.count_before)
+            else:
+                p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
+                    self._undo_leaf(leaf, rec, donate)
+                if plan is None:
+                    p2, m2, v2, c2, new_rec = p0, m0, v0, c0, None
+                else:
+                    undone = _Leaf(leaf.path, p0, new.g, c0, m0, v0, new.hp)
+                    p2, m2, v2, c2, new_rec = self._step_leaf(undone, plan, donate)
+            new_p.append(p2)
+            new_m.append(m2)
+            new_v.append(v2)
+            new_c.append(c2)
+            records.append(new_rec)
+        record.mark_used()
+        new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
+        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
+
+    def _check_record(self, params: Any, state: AdamState, record: UndoRecord) -> tuple[tree.TreeSpec, list[_Leaf]]:
+        """Check that ``record`` can undo ``(params, state)``; raise :class:`UndoError` otherwise."""
         if not isinstance(record, UndoRecord):
             raise UndoError(f"expected an UndoRecord, got {type(record).__name__}")
         if record.used:
@@ -203,30 +268,18 @@ class Adam:
             if rec.grad.shape != leaf.p.shape:
                 raise UndoError(f"{leaf.path}: the record's gradient has shape {tuple(rec.grad.shape)}, "
                                 f"the parameter {tuple(leaf.p.shape)}")
-        new_p, new_c, new_m, new_v = [], [], [], []
-        for leaf, rec in zip(leaves, record.leaves):
-            if rec is None:
-                new_p.append(leaf.p)
-                new_c.append(leaf.count)
-                new_m.append(leaf.m)
-                new_v.append(leaf.v)
-                continue
-            if rec.strategy == "snapshot":
-                if donate:
-                    p0, m0, v0 = leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old)
-                else:
-                    p0, m0, v0 = rec.p_old, rec.m_old, rec.v_old
-            else:
-                out = (leaf.p, leaf.m, leaf.v) if donate else None
-                p0, m0, v0 = self._kernel(leaf).undo(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, self.variant,
-                                                     p_old=rec.p_old, out=out)
-            new_p.append(p0)
-            new_m.append(m0)
-            new_v.append(v0)
-            new_c.append(rec.count_before)
-        record.mark_used()
-        new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
-        return tree.unflatten(spec, new_p), new_state
+        return spec, leaves
+
+    def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rec.strategy == "snapshot":
+            if donate:
+                return leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old), rec.count_before
+            return rec.p_old, rec.m_old, rec.v_old, rec.count_before
+        out = (leaf.p, leaf.m, leaf.v) if donate else None
+        p0, m0, v0 = self._kernel(leaf).undo(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, self.variant,
+                                             p_old=rec.p_old, out=out)
+        return p0, m0, v0, rec.count_before
 
     # -------------------------------------------------------------- helpers
     def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec) -> list[AdamHParams]:
@@ -282,12 +335,11 @@ class Adam:
             return select_backend("reference", leaf.p.device, leaf.p.dtype, leaf.m.dtype)
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 
-    def _plan(self, leaf: _Leaf) -> tuple[AdamScalars, str, str]:
+    def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0) -> tuple[AdamScalars, str, str]:
         """The step's scalars and the undo strategy for this leaf (raises where refused)."""
         hp = leaf.hp
-        count = as_number(leaf.count)
-        t = count + 1
-        scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t)
+        t = as_number(leaf.count) + 1
+        scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
         strategy, reason = self._choose_strategy(leaf, scalars)
         return scalars, strategy, reason
 
@@ -330,6 +382,12 @@ class Adam:
         if param_reasons:
             return "param_snapshot", "; ".join(param_reasons)
         return "algebraic", ""
+
+
+def _validate_grad_scale(grad_scale: Scalar) -> None:
+    value = as_number(grad_scale)
+    if is_number(value) and not (math.isfinite(value) and value > 0):
+        raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
 
 
 def _all_finite(x: torch.Tensor) -> bool:
