@@ -5,6 +5,7 @@ The core contract (DESIGN.md): ``init(params) -> state``,
 ``undo(params, state, undo_record) -> (params, state)``, pure by default.
 """
 
+from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, adam, adamw
 from sofx.errors import HParamError, LeafError, SofxError, StructureError, UndoError, UnsupportedError
 from sofx.kernels.base import AdamScalars, AdamVariant

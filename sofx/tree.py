@@ -120,14 +120,19 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
     """One value per leaf of ``spec`` from a tree that is a prefix of it.
 
     ``is_leaf`` marks the values of the prefix tree (e.g. ``AdamHParams``
-    instances, which would otherwise be walked as NamedTuples).
+    instances, which would otherwise be walked as NamedTuples); it is applied
+    to the prefix tree only, never to the full structure.
     """
+    prefix_values, prefix_spec = optree.tree_flatten(prefix, is_leaf=is_leaf)
     full = optree.tree_unflatten(spec, [0] * spec.num_leaves)
     try:
-        broadcast = optree.tree_broadcast_prefix(prefix, full, is_leaf=is_leaf)
-        return spec.flatten_up_to(broadcast)
+        subtrees = prefix_spec.flatten_up_to(full)
     except (ValueError, TypeError) as exc:
         raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec}): {exc}") from exc
+    out: list[Any] = []
+    for value, sub in zip(prefix_values, subtrees):
+        out.extend([value] * len(optree.tree_leaves(sub)))
+    return out
 
 
 def numel_of(leaves: Sequence[torch.Tensor]) -> int:

@@ -1,0 +1,122 @@
+"""Every bad input raises a clear error naming the leaf path, and leaves all inputs unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sofx
+
+from helpers import clone_tree, trees_equal
+
+
+def _setup(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    params = {"layers": [{"w": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)}],
+              "head": torch.randn(2, generator=gen)}
+    grads = clone_tree(params)
+    grads = sofx.tree.tree_map(lambda t: torch.randn(t.shape, generator=gen), grads)
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(params)
+    params, state, _ = opt.update(params, grads, state)  # nonzero state
+    return opt, params, grads, state
+
+
+def _snapshot(*trees):
+    return [clone_tree(t) for t in trees]
+
+
+def _assert_unchanged(before, *trees):
+    for b, t in zip(before, trees):
+        assert trees_equal(b, t), "an input was modified by a call that raised"
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("mutate, error, pattern", [
+    (lambda p, g, s: (p, {"layers": [{"w": g["layers"][0]["w"]}], "head": g["head"]}, s),
+     sofx.StructureError, r"grads does not have the structure of params.*params\['layers'\]\[0\] has entries \['w'\]"),
+    (lambda p, g, s: (p, {**g, "head": torch.randn(3)}, s),
+     sofx.LeafError, r"grads\['head'\]: expected shape \(2,\), got \(3,\)"),
+    (lambda p, g, s: (p, {**g, "head": g["head"].double()}, s),
+     sofx.LeafError, r"grads\['head'\]: expected dtype torch.float32, got torch.float64"),
+    (lambda p, g, s: (p, {**g, "head": g["head"].to("meta")}, s),
+     sofx.LeafError, r"grads\['head'\]: expected device cpu, got meta"),
+    (lambda p, g, s: (p, g, s._replace(mu={**s.mu, "head": torch.zeros(5)})),
+     sofx.LeafError, r"state.mu\['head'\]: expected shape \(2,\), got \(5,\)"),
+    (lambda p, g, s: (p, g, s._replace(nu={**s.nu, "head": s.nu["head"].bfloat16()})),
+     sofx.LeafError, r"state.nu\['head'\]: expected dtype torch.float32, got torch.bfloat16"),
+    (lambda p, g, s: (p, g, s._replace(count={**s.count, "head": torch.tensor(1.0)})),
+     sofx.LeafError, r"state.count\['head'\]: expected a 0-d int64 tensor"),
+    (lambda p, g, s: (p, g, s._replace(mu={"head": s.mu["head"]})),
+     sofx.StructureError, r"state.mu does not have the structure of params"),
+    (lambda p, g, s: ({**p, "head": p["head"].long()}, g, s),
+     sofx.LeafError, r"params\['head'\]: expected a floating-point tensor"),
+])
+def test_bad_inputs_raise_naming_the_leaf_and_change_nothing(mutate, error, pattern, donate):
+    opt, params, grads, state = _setup()
+    p, g, s = mutate(params, grads, state)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(error, match=pattern):
+        opt.update(p, g, s, donate=donate)
+    _assert_unchanged(before, params, grads, state)
+
+
+@pytest.mark.parametrize("hp, pattern", [
+    (sofx.AdamHParams(lr=-1e-3), r"lr = -0.001 is invalid; expected lr >= 0"),
+    (sofx.AdamHParams(beta1=1.0), r"beta1 = 1.0 is invalid; expected 0 <= beta1 < 1"),
+    (sofx.AdamHParams(beta2=-0.1), r"beta2 = -0.1 is invalid"),
+    (sofx.AdamHParams(eps=0.0), r"eps = 0.0 is invalid; expected eps > 0"),
+    (sofx.AdamHParams(weight_decay=-1.0), r"weight_decay = -1.0 is invalid"),
+    (sofx.AdamHParams(lr=float("nan")), r"lr = nan is invalid"),
+    (sofx.AdamHParams(lr=torch.tensor([1e-3, 1e-3])), r"lr must be a float or a 0-d tensor, got shape \(2,\)"),
+    (sofx.AdamHParams(lr="fast"), r"lr must be a float or a 0-d tensor, got str"),
+    ({"layers": sofx.AdamHParams(), "head": sofx.AdamHParams(eps=torch.tensor(-1.0))},
+     r"hparams for params\['head'\]: eps = -1.0 is invalid"),
+    ({"layers": sofx.AdamHParams()}, r"hparams is not a prefix of the structure of params"),
+    ({"layers": sofx.AdamHParams(), "head": 0.1}, r"hparams for params\['head'\]: expected an AdamHParams"),
+])
+def test_invalid_hparams_raise_and_change_nothing(hp, pattern):
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.SofxError, match=pattern):
+        opt.update(params, grads, state, hp, donate=True)
+    _assert_unchanged(before, params, grads, state)
+
+
+def test_invalid_defaults_and_options_are_refused_at_construction():
+    with pytest.raises(sofx.HParamError, match="betas must be a pair"):
+        sofx.adamw(betas=(0.9,))
+    with pytest.raises(sofx.HParamError, match="eps = -1"):
+        sofx.adam(eps=-1)
+    with pytest.raises(sofx.UnsupportedError, match="undo='sometimes'"):
+        sofx.adamw(undo="sometimes")
+    with pytest.raises(sofx.UnsupportedError, match="unknown backend 'gpu'"):
+        opt = sofx.adamw(backend="gpu")
+        params = {"w": torch.randn(2)}
+        opt.update(params, params, opt.init(params))
+    with pytest.raises(sofx.HParamError, match="grad_scale = 0.0 is invalid"):
+        opt = sofx.adamw()
+        params = {"w": torch.randn(2)}
+        opt.update(params, params, opt.init(params), grad_scale=0.0)
+
+
+def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing():
+    opt, params, grads, state = _setup(2)
+    p1, s1, rec1 = opt.update(params, grads, state)
+    p2, s2, rec2 = opt.update(p1, grads, s1)
+    before = _snapshot(p2, s2)
+    # the record of step 2 applied to the state after step 1: counts differ
+    with pytest.raises(sofx.UndoError, match=r"params\['head'\]: the state's step count is 2, the record undoes step 3"):
+        opt.undo(p1, s1, rec2)
+    # a record for another structure
+    other = {"w": torch.randn(3)}
+    _, _, other_rec = opt.update(other, other, opt.init(other))
+    with pytest.raises(sofx.UndoError, match="the record was made for params of structure"):
+        opt.undo(p2, s2, other_rec)
+    with pytest.raises(sofx.UndoError, match="expected an UndoRecord"):
+        opt.undo(p2, s2, "not a record")
+    p1b, s1b = opt.undo(p2, s2, rec2, donate=False)
+    with pytest.raises(sofx.UndoError, match="already used"):
+        opt.undo(p2, s2, rec2, donate=True)
+    _assert_unchanged(before, p2, s2)
+    assert trees_equal(s1b.count, s1.count)

@@ -1,0 +1,271 @@
+"""The inverse: undo(update(x)) == x, by property tests over hparams, variants, dtypes and step counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sofx
+from sofx.kernels import reference
+from sofx.kernels.base import AdamScalars, AdamVariant
+
+from helpers import trees_equal
+
+# (param dtype, state dtype or None for "same as param")
+DTYPES = [
+    (torch.float32, None),
+    (torch.float64, None),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, None),
+    (torch.float32, torch.bfloat16),
+]
+
+betas = st.one_of(st.just(0.0), st.floats(0.0, 0.999), st.sampled_from([0.5, 0.9, 0.99, 0.999]))
+
+
+@st.composite
+def cases(draw):
+    p_dtype, s_dtype = draw(st.sampled_from(DTYPES))
+    decoupled = draw(st.booleans())
+    hp = sofx.AdamHParams(
+        lr=draw(st.one_of(st.just(0.0), st.floats(1e-5, 0.1))),
+        beta1=draw(betas),
+        beta2=draw(betas),
+        eps=draw(st.floats(1e-10, 1e-3)),
+        weight_decay=draw(st.one_of(st.just(0.0), st.floats(0.0, 0.5))),
+    )
+    return dict(
+        p_dtype=p_dtype, s_dtype=s_dtype, decoupled=decoupled, hp=hp,
+        bias_correction=draw(st.booleans()),
+        count=draw(st.integers(0, 60)),
+        grad_scale=draw(st.sampled_from([1.0, 0.5, 2.0, 0.3])),
+        undo=draw(st.sampled_from(["auto", "exact"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        n=draw(st.integers(0, 70)),
+    )
+
+
+def _setup(c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    s_dtype = c["s_dtype"] or c["p_dtype"]
+
+    def r(n, dtype):
+        return torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+
+    n = c["n"]
+    params = {"a": r(n, c["p_dtype"]), "b": [r(3, c["p_dtype"])]}
+    grads = {"a": r(n, c["p_dtype"]), "b": [r(3, c["p_dtype"])]}
+    mu = {"a": r(n, s_dtype), "b": [r(3, s_dtype)]}
+    nu = {"a": r(n, torch.float64).square().to(s_dtype), "b": [r(3, torch.float64).square().to(s_dtype)]}
+    count = {"a": torch.tensor(c["count"]), "b": [torch.tensor(c["count"])]}
+    make = sofx.adamw if c["decoupled"] else sofx.adam
+    opt = make(bias_correction=c["bias_correction"], state_dtype=c["s_dtype"], undo=c["undo"])
+    return opt, params, grads, sofx.AdamState(count, mu, nu)
+
+
+def _amax(x: torch.Tensor) -> float:
+    return float(x.double().abs().max()) if x.numel() else 0.0
+
+
+def _err(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """max |a - b| relative to ``scale``."""
+    if b.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max()) / max(scale, 1e-30)
+
+
+def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if b.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+@settings(max_examples=300)
+@given(cases())
+def test_undo_inverts_update(c):
+    opt, params, grads, state = _setup(c)
+    before = (sofx.tree.tree_map(torch.clone, params), sofx.tree.tree_map(torch.clone, state))
+    new_params, new_state, record = opt.update(params, grads, state, c["hp"], grad_scale=c["grad_scale"])
+    assert trees_equal(params, before[0]) and trees_equal(state, before[1]), "update modified its inputs"
+    for t in sofx.tree.flatten((new_params, new_state.mu, new_state.nu))[0]:
+        assert not torch.isnan(t).any(), "update produced a nan from finite inputs"
+    old_params, old_state = opt.undo(new_params, new_state, record)
+    assert trees_equal(old_state.count, state.count)
+    flat = sofx.tree.flatten
+    leaves = zip(flat(old_params)[0], flat(params)[0], flat(new_params)[0],
+                 flat(old_state.mu)[0], flat(state.mu)[0], flat(new_state.mu)[0],
+                 flat(old_state.nu)[0], flat(state.nu)[0], flat(new_state.nu)[0], record.leaves)
+    tol = 1e-12 if c["p_dtype"] == torch.float64 else 1e-6
+    for p0, p, p_new, m0, m, m_new, v0, v, v_new, rec in leaves:
+        for t in (p0, m0, v0):
+            assert not torch.isnan(t).any(), f"undo produced a nan ({rec.strategy})"
+        assert p0.dtype == p.dtype and m0.dtype == m.dtype and v0.dtype == v.dtype
+        if rec.strategy == "snapshot":
+            assert torch.equal(p0, p) and torch.equal(m0, m) and torch.equal(v0, v)
+            continue
+        assert rec.strategy in ("algebraic", "param_snapshot")
+        # The inverse restores values to a few ulps of the numbers it computes with: the stored
+        # post-step values divided by beta (SPECULATION.md section 2: cancellation when beta*m is
+        # much smaller than (1-beta)*g). Relative error is measured against that scale.
+        b1, b2 = rec.scalars.beta1, rec.scalars.beta2
+        if rec.strategy == "param_snapshot":
+            assert torch.equal(p0, p)
+        else:
+            decay = 1 - rec.scalars.lr * rec.scalars.weight_decay if c["decoupled"] else 1.0
+            assert _err(p0, p, max(_amax(p), _amax(p_new)) / decay) <= tol
+        assert _err(m0, m, max(_amax(m), _amax(m_new) / b1)) <= tol
+        assert _err(v0, v, max(_amax(v), _amax(v_new) / b2)) <= tol
+
+
+@settings(max_examples=200)
+@given(cases())
+def test_auto_strategy_is_sound(c):
+    """auto snapshots exactly where the algebraic inverse is impossible or too lossy."""
+    opt, params, grads, state = _setup(c)
+    _, _, record = opt.update(params, grads, state, c["hp"])
+    hp = c["hp"]
+    s_dtype = c["s_dtype"] or c["p_dtype"]
+    for rec in record.leaves:
+        if c["undo"] == "exact" or hp.beta1 < 0.5 or hp.beta2 < 0.5 or s_dtype in (torch.bfloat16, torch.float16):
+            assert rec.strategy == "snapshot"
+        elif c["p_dtype"] in (torch.bfloat16, torch.float16) or (
+                c["decoupled"] and hp.weight_decay and abs(1 - hp.lr * hp.weight_decay) < 0.5):
+            assert rec.strategy == "param_snapshot"
+        else:
+            assert rec.strategy == "algebraic"
+
+
+def test_exact_undo_is_bitwise_with_donation_and_reuses_storage():
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(100, generator=gen)}
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    state = opt.init(params)
+    params, state, _ = opt.update(params, {"w": torch.randn(100, generator=gen)}, state)
+    saved = (params["w"].clone(), state.mu["w"].clone(), state.nu["w"].clone())
+    ptrs = (params["w"].data_ptr(), state.mu["w"].data_ptr(), state.nu["w"].data_ptr())
+    p2, s2, rec = opt.update(params, {"w": torch.randn(100, generator=gen)}, state, donate=True)
+    assert (p2["w"].data_ptr(), s2.mu["w"].data_ptr(), s2.nu["w"].data_ptr()) == ptrs
+    assert not torch.equal(p2["w"], saved[0])
+    p3, s3 = opt.undo(p2, s2, rec, donate=True)
+    assert (p3["w"].data_ptr(), s3.mu["w"].data_ptr(), s3.nu["w"].data_ptr()) == ptrs
+    assert torch.equal(p3["w"], saved[0]) and torch.equal(s3.mu["w"], saved[1]) and torch.equal(s3.nu["w"], saved[2])
+
+
+def test_beta_zero_auto_snapshots_and_never_writes_nan():
+    gen = torch.Generator().manual_seed(4)
+    params = {"w": torch.randn(50, generator=gen)}
+    for b1, b2 in [(0.0, 0.999), (0.9, 0.0), (0.0, 0.0)]:
+        opt = sofx.adam(betas=(b1, b2), weight_decay=0.1)
+        state = opt.init(params)
+        p1, s1, _ = opt.update(params, {"w": torch.randn(50, generator=gen)}, state)
+        p2, s2, rec = opt.update(p1, {"w": torch.randn(50, generator=gen)}, s1)
+        assert rec.strategies() == ["snapshot"]
+        p3, s3 = opt.undo(p2, s2, rec)
+        assert torch.equal(p3["w"], p1["w"]) and torch.equal(s3.mu["w"], s1.mu["w"])
+        assert not any(torch.isnan(t).any() for t in (p3["w"], s3.mu["w"], s3.nu["w"]))
+
+
+def test_reference_undo_refuses_beta_zero_instead_of_writing_nan():
+    x = torch.randn(10)
+    s = AdamScalars(1e-3, 0.0, 0.999, 1e-8, 0.0, 3)
+    with pytest.raises(sofx.UnsupportedError, match="beta1 == 0"):
+        reference.undo(x, x, x, x.abs(), s, AdamVariant())
+
+
+def test_clamp_keeps_nan_as_nan_and_negative_rounding_becomes_zero():
+    g = torch.tensor([1.0, 2.0, 3.0])
+    m = torch.tensor([0.1, 0.2, 0.3])
+    b2 = 0.999
+    # v' slightly below (1-b2) g^2: the recovered v would be negative -> 0; a nan stays nan.
+    v = torch.tensor([(1 - b2) * 1.0 * 0.999, float("nan"), (1 - b2) * 9.0 + 0.5])
+    p = torch.randn(3)
+    s = AdamScalars(1e-3, 0.9, b2, 1e-8, 0.0, 2)
+    _, _, v0 = reference.undo(p, g, m, v, s, AdamVariant())
+    assert v0[0] == 0.0
+    assert torch.isnan(v0[1])
+    assert v0[2] > 0
+
+
+def test_non_finite_gradient_auto_snapshots_and_restores_finite_state():
+    params = {"w": torch.randn(6)}
+    opt = sofx.adamw()
+    state = opt.init(params)
+    g = torch.randn(6)
+    g[2] = float("inf")
+    p1, s1, rec = opt.update(params, {"w": g}, state)
+    assert rec.strategies() == ["snapshot"]
+    p0, s0 = opt.undo(p1, s1, rec)
+    assert torch.equal(p0["w"], params["w"]) and torch.equal(s0.nu["w"], state.nu["w"])
+
+
+def test_forced_algebraic_refuses_impossible_configurations_and_changes_nothing():
+    params = {"w": torch.randn(6)}
+    grads = {"w": torch.randn(6)}
+    with pytest.raises(sofx.UnsupportedError, match="bfloat16"):
+        sofx.adamw(state_dtype=torch.bfloat16, undo="algebraic")
+    opt = sofx.adamw(betas=(0.0, 0.99), undo="algebraic")
+    state = opt.init(params)
+    before = params["w"].clone()
+    with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\].*beta of 0"):
+        opt.update(params, grads, state, donate=True)
+    assert torch.equal(params["w"], before) and int(state.count["w"]) == 0
+    opt = sofx.adamw(lr=2.0, weight_decay=0.5, undo="algebraic")
+    with pytest.raises(sofx.UnsupportedError, match="lr \\* weight_decay == 1"):
+        opt.update(params, grads, opt.init(params))
+    opt = sofx.adamw(undo="algebraic")
+    half = {"w": params["w"].bfloat16()}
+    with pytest.raises(sofx.UnsupportedError, match="master weights"):
+        opt.update(half, {"w": grads["w"].bfloat16()}, opt.init(half))
+    # lr * wd == 1 with auto: the parameter is snapshotted, the moments recomputed.
+    opt = sofx.adamw(lr=2.0, weight_decay=0.5)
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    assert rec.strategies() == ["param_snapshot"]
+    p0, _ = opt.undo(p1, s1, rec)
+    assert torch.equal(p0["w"], params["w"])
+
+
+def test_forced_algebraic_with_non_finite_gradient_steps_but_refuses_to_undo():
+    params = {"w": torch.randn(4)}
+    opt = sofx.adamw(undo="algebraic")
+    state = opt.init(params)
+    g = torch.tensor([1.0, float("nan"), 0.5, 0.1])
+    p1, s1, rec = opt.update(params, {"w": g}, state)
+    assert rec.strategies() == ["none"]
+    with pytest.raises(sofx.UndoError, match=r"params\['w'\].*not finite"):
+        opt.undo(p1, s1, rec)
+    assert not rec.used
+
+
+@pytest.mark.parametrize("undo", ["auto", "exact"])
+def test_undo_redo_equals_undo_then_update(undo):
+    gen = torch.Generator().manual_seed(9)
+    params = {"a": torch.randn(40, generator=gen), "b": torch.randn(5, generator=gen), "c": torch.randn(3, generator=gen)}
+    opt = sofx.adam(lr=1e-2, weight_decay=0.1, undo=undo)
+    state = opt.init(params)
+    g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    p1, s1, _ = opt.update(params, g, state)
+    step_grads = {**g, "c": None}
+    p2, s2, rec = opt.update(p1, step_grads, s1, sofx.AdamHParams(lr=2e-2))
+    g_new = {"a": torch.randn(40, generator=gen), "b": None, "c": torch.randn(3, generator=gen)}
+    hp_new = sofx.AdamHParams(lr=5e-3, beta1=0.8)
+    fused_p, fused_s, fused_rec = opt.undo_redo(p2, s2, rec, g_new, hp_new, grad_scale=0.25)
+    assert rec.used
+    # The same by hand: an identical step (pure update: same inputs, same outputs), undone, then redone.
+    q2, t2, rec2 = opt.update(p1, step_grads, s1, sofx.AdamHParams(lr=2e-2))
+    q1, t1 = opt.undo(q2, t2, rec2)
+    ref_p, ref_s, _ = opt.update(q1, g_new, t1, hp_new, grad_scale=0.25)
+    for k in params:
+        assert _norm_rel(fused_p[k], ref_p[k]) <= 1e-6, k
+        assert _norm_rel(fused_s.mu[k], ref_s.mu[k]) <= 1e-6, k
+        assert _norm_rel(fused_s.nu[k], ref_s.nu[k]) <= 1e-6, k
+        assert int(fused_s.count[k]) == int(ref_s.count[k]), k
+    assert int(fused_s.count["b"]) == 1 and int(fused_s.count["c"]) == 2
+    # b had no new gradient: it is only undone, back to its state after the first step.
+    assert _norm_rel(fused_p["b"], p1["b"]) <= 1e-6
+    # The new record undoes the redone step.
+    back_p, back_s = opt.undo(fused_p, fused_s, fused_rec)
+    assert _norm_rel(back_p["a"], p1["a"]) <= 1e-6
+    assert trees_equal(back_s.count, s1.count)

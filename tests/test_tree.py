@@ -1,0 +1,59 @@
+import collections
+
+import pytest
+import torch
+
+from sofx import tree
+from sofx.errors import StructureError
+
+NT = collections.namedtuple("NT", "a b")
+
+
+def test_leaf_paths_name_dicts_lists_and_namedtuples():
+    t = {"layers": [{"w": torch.ones(1)}, {"w": torch.ones(1), "b": None}], "x": NT(torch.ones(1), torch.ones(1))}
+    assert tree.leaf_paths(t) == [
+        "params['layers'][0]['w']",
+        "params['layers'][1]['w']",
+        "params['x'].a",
+        "params['x'].b",
+    ]
+    assert tree.leaf_paths(t, root="grads")[0] == "grads['layers'][0]['w']"
+
+
+def test_none_is_an_empty_subtree_in_params_and_a_leaf_marker_in_grads():
+    params = {"a": torch.ones(2), "b": None, "c": [torch.ones(1)]}
+    leaves, spec = tree.flatten(params)
+    assert len(leaves) == 2
+    assert tree.flatten_up_to(spec, {"a": None, "b": None, "c": [torch.zeros(1)]}) [0] is None
+
+
+def test_flatten_up_to_names_the_first_difference():
+    spec = tree.flatten({"layers": [{"w": 1, "b": 2}, {"w": 3}]})[1]
+    with pytest.raises(StructureError, match=r"params\['layers'\]\[0\] has entries \['b', 'c'\]"):
+        tree.flatten_up_to(spec, {"layers": [{"b": 1, "c": 2}, {"w": 3}]}, "grads")
+    with pytest.raises(StructureError, match=r"params\['layers'\] has entries \[0\], expected \[0, 1\]"):
+        tree.flatten_up_to(spec, {"layers": [{"b": 1, "w": 2}]}, "grads")
+    with pytest.raises(StructureError, match=r"params\['layers'\] is a dict, expected a list"):
+        tree.flatten_up_to(spec, {"layers": {"b": 1}}, "grads")
+
+
+def test_broadcast_prefix_gives_one_value_per_leaf():
+    spec = tree.flatten({"enc": [torch.ones(1), torch.ones(1)], "dec": {"w": torch.ones(1)}, "z": None})[1]
+    assert tree.broadcast_prefix(0.5, spec) == [0.5, 0.5, 0.5]
+    assert tree.broadcast_prefix({"enc": 1, "dec": 2, "z": None}, spec) == [2, 1, 1]  # sorted keys: dec, enc
+    with pytest.raises(StructureError, match="not a prefix"):
+        tree.broadcast_prefix({"enc": 1}, spec)
+
+
+def test_pack_unpack_roundtrip_views_share_storage():
+    gen = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(3, 4, generator=gen), torch.randn(0, generator=gen), torch.randn(5, generator=gen)]
+    flat = tree.pack(leaves)
+    assert flat.shape == (17,)
+    views = tree.unpack(flat, [t.shape for t in leaves])
+    for v, t in zip(views, leaves):
+        assert torch.equal(v, t)
+    views[0].add_(1)
+    assert torch.equal(flat[:12], (leaves[0] + 1).reshape(-1))
+    with pytest.raises(ValueError):
+        tree.unpack(flat, [(3, 4)])
