@@ -64,8 +64,13 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
     >>> leaf_paths({"layers": [{"w": 0}]})
     ["params['layers'][0]['w']"]
     """
-    spec = spec_or_tree if isinstance(spec_or_tree, optree.PyTreeSpec) else optree.tree_structure(spec_or_tree)
+    spec = spec_or_tree if _is_treespec(spec_or_tree) else optree.tree_structure(spec_or_tree)
     return [acc.codify(root) for acc in spec.accessors()]
+
+
+def _is_treespec(x: Any) -> bool:
+    """True for an optree spec, including the stand-in class torch.compile traces optree with."""
+    return isinstance(x, optree.PyTreeSpec) or (torch.compiler.is_compiling() and type(x).__name__ == "PyTreeSpec")
 
 
 def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = "params") -> list[Any]:
@@ -123,6 +128,10 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
     instances, which would otherwise be walked as NamedTuples); it is applied
     to the prefix tree only, never to the full structure.
     """
+    if is_leaf is not None and is_leaf(prefix):
+        # One value for every leaf. Also the path torch.compile can trace: its optree
+        # stand-in fails to unflatten a dict spec over constant leaves (the line below).
+        return [prefix] * spec.num_leaves
     prefix_values, prefix_spec = optree.tree_flatten(prefix, is_leaf=is_leaf)
     full = optree.tree_unflatten(spec, [0] * spec.num_leaves)
     try:
