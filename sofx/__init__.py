@@ -7,6 +7,7 @@ The core contract (DESIGN.md): ``init(params) -> state``,
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, adam, adamw
+from sofx import checkpoint
 from sofx.errors import HParamError, LeafError, SofxError, StructureError, UndoError, UnsupportedError
 from sofx.kernels.base import AdamScalars, AdamVariant
 from sofx.undo_record import LeafUndo, UndoRecord
@@ -21,6 +22,7 @@ __all__ = [
     "AdamVariant",
     "adam",
     "adamw",
+    "checkpoint",
     "LeafUndo",
     "UndoRecord",
     "SofxError",

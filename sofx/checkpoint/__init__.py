@@ -1,0 +1,92 @@
+"""Checkpoints: atomic, asynchronous, dtype-exact, and interoperable (SPECULATION.md section 6).
+
+::
+
+    sofx.checkpoint.save("run.ckpt", {"params": params, "state": state, "step": 100})
+    tree = sofx.checkpoint.load("run.ckpt")                    # or like=template to check it
+    handle = sofx.checkpoint.save_async("run.ckpt", tree)      # snapshot taken before it returns
+    params, state, _ = opt.update(params, grads, state, hp, donate=True)   # safe right away
+    handle.wait()
+
+A checkpoint is one safetensors file: tensors in safetensors, the tree
+structure (dicts, lists, tuples, NamedTuples, None, Python scalars, dtypes)
+and metadata as JSON in its header. Every dtype and bit comes back as saved
+(a bf16 master with fp32 moments stays so). Nothing is ever unpickled and
+no name from a file is ever imported. Saves are atomic: an interrupted save
+leaves the previous checkpoint intact.
+
+Interop: :func:`to_torch_optim` / :func:`from_torch_optim` convert to and
+from ``torch.optim.Adam``/``AdamW`` state dicts; :func:`save_zero3` /
+:func:`load_zero3` write and read the DeepSpeed ZeRO-3 optimizer layout.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from sofx.checkpoint import io
+from sofx.checkpoint.async_save import AsyncSaver, SaveHandle, save_async
+from sofx.checkpoint.atomic import stale_temporaries
+from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                                    CheckpointVersionError, CorruptCheckpointError)
+
+__all__ = [
+    "save",
+    "load",
+    "save_async",
+    "read_metadata",
+    "SaveHandle",
+    "AsyncSaver",
+    "stale_temporaries",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "CheckpointVersionError",
+    "CheckpointMismatchError",
+    "FORMAT_VERSION",
+]
+
+FORMAT_VERSION = io.FORMAT_VERSION
+
+
+def save(path: str | os.PathLike, tree: Any) -> str:
+    """Write ``tree`` to ``path`` atomically and durably; returns the absolute path.
+
+    ``tree``: any pytree of tensors (any device, dtype safetensors stores,
+    contiguous or not, sharing storage or not), None, bool/int/float/str,
+    ``torch.dtype``, in lists, tuples, dicts (str or int keys) and
+    NamedTuples. Anything else raises :class:`CheckpointError` naming the leaf
+    path, before anything is written.
+    """
+    encoded = io.prepare(tree)
+    return io.write(path, encoded)
+
+
+def load(path: str | os.PathLike, like: Any = None, *,
+         types: Iterable[type] | Mapping[str, type] | None = None,
+         device: torch.device | str | None = None, verify: bool = True) -> Any:
+    """Read the tree saved at ``path``: same structure, dtypes and bits.
+
+    ``like``: a template tree (``None``: no template); the checkpoint must have its structure, dict
+    keys, NamedTuple types, leaf kinds, tensor shapes and dtypes, or a
+    :class:`CheckpointMismatchError` names the first leaf path that differs
+    (before any tensor is read). Tensors are placed on the template's devices.
+    ``types``: NamedTuple classes allowed besides sofx's own (needed without a
+    template for a NamedTuple type that sofx does not define).
+    ``device``: where to put every tensor (default: the template's device,
+    else the CPU). ``verify``: check each tensor's CRC-32.
+
+    Errors: :class:`CheckpointNotFoundError` (no file),
+    :class:`CorruptCheckpointError` (truncated, corrupted header or data, not a
+    sofx checkpoint), :class:`CheckpointVersionError` (another format version),
+    :class:`CheckpointMismatchError` (does not match ``like``).
+    """
+    return io.read(path, like, types=types, device=device, verify=verify)
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """Format version, writer and JSON structure of a checkpoint, without reading its tensors."""
+    return io.read_metadata(path)

@@ -1,0 +1,132 @@
+"""Asynchronous saves: snapshot now, write in a background thread.
+
+:func:`save_async` copies every tensor of the tree (to contiguous CPU memory)
+before it returns, then writes the file in a background thread. The caller
+may therefore modify the tree in place, e.g. with a donated
+``opt.update(..., donate=True)`` or a speculative step, as soon as
+``save_async`` returns: the file holds the values of the moment of the call.
+The snapshot costs one copy of the tree's tensors in host memory until the
+write finishes.
+
+Call it when no update is in flight on the tree (after ``step()``/``update``
+returned): the snapshot reads the buffers while it copies them.
+
+Saves to the same path complete in the order they were issued only when
+chained: pass ``after=`` the previous handle, or use one :class:`AsyncSaver`,
+which does that for you.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from sofx.checkpoint import io
+from sofx.checkpoint.codec import EncodedTree
+
+__all__ = ["SaveHandle", "save_async", "AsyncSaver"]
+
+_log = logging.getLogger("sofx.checkpoint")
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` returns the path or re-raises the save's error."""
+
+    def __init__(self, path: str, encoded: EncodedTree, after: SaveHandle | None) -> None:
+        self.path = path
+        self.nbytes = io.nbytes(encoded)
+        self._encoded: EncodedTree | None = encoded
+        self._after = after
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._waited = False
+        self._thread = threading.Thread(target=self._run, name=f"sofx-save:{os.path.basename(path)}", daemon=False)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._after is not None:
+                self._after._done.wait()  # keep the order of saves; its own error is its own business
+            self._after = None
+            io.write(self.path, self._encoded)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in wait()
+            self._error = exc
+            _log.error("asynchronous checkpoint save to %s failed: %s", self.path, exc)
+        finally:
+            self._encoded = None  # free the snapshot
+            self._done.set()
+
+    def done(self) -> bool:
+        """True once the file is committed or the save failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the save finished; return the path, or raise its error (``TimeoutError`` on timeout)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the checkpoint save to {self.path} did not finish within {timeout} s")
+        self._thread.join()
+        self._waited = True
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished save (``None`` if it succeeded or is still running)."""
+        return self._error if self._done.is_set() else None
+
+    def __repr__(self) -> str:
+        status = "running" if not self.done() else ("failed" if self._error else "done")
+        return f"SaveHandle({self.path!r}, {self.nbytes} bytes, {status})"
+
+
+def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None = None) -> SaveHandle:
+    """Snapshot ``tree`` now and write it to ``path`` in a background thread.
+
+    Bad input raises here, before anything is written. ``after``: a previous
+    handle whose save must be committed first (to keep the order of saves to
+    one path). The returned handle's ``wait()`` re-raises a failed write.
+    """
+    encoded = io.snapshot(tree)
+    return SaveHandle(os.path.abspath(os.fspath(path)), encoded, after)
+
+
+class AsyncSaver:
+    """Issues asynchronous saves that commit in the order they were requested.
+
+    >>> saver = AsyncSaver()
+    >>> saver.save("ckpt.safetensors", {"params": params, "state": state})  # returns at once
+    >>> saver.wait()                                                       # all saves committed
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[SaveHandle] = []
+        self._lock = threading.Lock()
+
+    def save(self, path: str | os.PathLike, tree: Any) -> SaveHandle:
+        """Snapshot ``tree`` now; write it after every save issued before by this saver."""
+        with self._lock:
+            last = self._pending[-1] if self._pending else None
+            handle = save_async(path, tree, after=last)
+            self._pending = [h for h in self._pending if not h.done() or h.exception() is not None] + [handle]
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every save issued so far; re-raise the first error (each error once)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first: BaseException | None = None
+        for h in pending:
+            try:
+                h.wait(timeout)
+            except BaseException as exc:  # noqa: BLE001 - the first is re-raised below
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wait()

@@ -1,0 +1,79 @@
+"""Atomic file replacement: write a temporary file, fsync it, rename it over the target, fsync the directory.
+
+A reader sees either the previous file or the complete new one, never a
+partial write, even if the writing process is killed or the machine loses
+power in the middle: the rename is the commit point. A killed writer may
+leave a temporary file (``.NAME.tmp-PID-RANDOM``) beside the target; it is
+never read, and :func:`stale_temporaries` lists such files for cleanup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import uuid
+from typing import Callable
+
+from sofx.checkpoint.errors import CheckpointError
+
+__all__ = ["atomic_write", "stale_temporaries", "fsync_directory"]
+
+
+def _temporary_name(path: str) -> str:
+    directory, base = os.path.split(path)
+    return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def stale_temporaries(path: str | os.PathLike) -> list[str]:
+    """Temporary files left beside ``path`` by interrupted saves (safe to delete when no save is running)."""
+    path = os.path.abspath(os.fspath(path))
+    directory, base = os.path.split(path)
+    return sorted(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(base)}.tmp-*")))
+
+
+def fsync_directory(directory: str) -> None:
+    """Make a rename inside ``directory`` durable (no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
+    """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns ``path``.
+
+    On any failure (including ``KeyboardInterrupt``) the temporary file is
+    removed and ``path`` is left as it was.
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"cannot save {path}: the directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot save {path}: it is a directory")
+    tmp = _temporary_name(path)
+    try:
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_directory(directory)
+    return path

@@ -1,0 +1,337 @@
+"""Encode a pytree as a JSON structure plus named tensors, and decode it back.
+
+The structure is plain JSON (no pickle, nothing imported by name): every node
+is a small dict whose ``"k"`` says what it is::
+
+    {"k": "tensor", "key": "tree.mu['w']", "dtype": "float32", "shape": [3, 4],
+     "requires_grad": false, "device": "cpu", "crc32": 123}
+    {"k": "none"} | {"k": "bool", "v": true} | {"k": "int", "v": 3}
+    {"k": "float", "v": "0x1.999999999999ap-4"}        (float.hex: exact, inf and nan too)
+    {"k": "str", "v": "..."} | {"k": "dtype", "v": "bfloat16"}
+    {"k": "list" | "tuple", "items": [...]}
+    {"k": "dict" | "odict", "keys": [["s", "name"], ["i", 3]], "items": [...]}
+    {"k": "namedtuple", "type": "sofx.adam.AdamState", "fields": [...], "items": [...]}
+
+Tensors are named by their leaf path (``tree['params']['w']``), which is
+also how every error message names them. A NamedTuple is rebuilt only from a
+class the caller allows: the template's own class (``like=``), a class in
+``types=``, or one of sofx's own NamedTuples (:mod:`sofx.checkpoint.known_types`).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+
+__all__ = ["EncodedTree", "NO_TEMPLATE", "encode", "decode", "dtype_name", "dtype_from_name", "type_name", "ROOT"]
+
+ROOT = "tree"
+
+# Tensor dtypes a checkpoint can hold (those safetensors stores), by name. A fixed
+# table: a dtype name read from a file is looked up here, never with getattr.
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                "uint16", "uint32", "uint64", "complex64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz")
+_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+_NAMES: dict[torch.dtype, str] = {d: n for n, d in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The checkpoint name of a tensor dtype (``None`` if it cannot be stored)."""
+    return _NAMES.get(dtype)
+
+
+def dtype_from_name(name: str) -> torch.dtype | None:
+    """The dtype of a checkpoint dtype name (``None`` if unknown)."""
+    return _DTYPES.get(name) if isinstance(name, str) else None
+
+
+def type_name(cls: type) -> str:
+    """The name a NamedTuple class is recorded under: ``module.QualName``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields") and isinstance(type(x)._fields, tuple)
+
+
+@dataclass
+class EncodedTree:
+    """A tree split into its JSON structure and its tensors (by key, in leaf order)."""
+
+    structure: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    nodes: dict[str, dict] = field(default_factory=dict)  # key -> its tensor node (to fill in crc32)
+
+
+def encode(tree: Any, root: str = ROOT) -> EncodedTree:
+    """Split ``tree`` into a JSON structure and its tensors.
+
+    Raises :class:`CheckpointError` naming the leaf path for anything that
+    cannot be stored faithfully (an arbitrary object, a sparse or meta tensor,
+    a dtype safetensors has no code for, a tensor inside ``torch.func``
+    transforms, a dict key that is not a str or an int).
+    """
+    out = EncodedTree({})
+    out.structure = _encode(tree, root, out)
+    return out
+
+
+def _encode(x: Any, path: str, out: EncodedTree) -> dict:
+    if isinstance(x, torch.Tensor):
+        return _encode_tensor(x, path, out)
+    if x is None:
+        return {"k": "none"}
+    if isinstance(x, bool):
+        return {"k": "bool", "v": x}
+    if type(x) is int:
+        return {"k": "int", "v": x}
+    if type(x) is float:
+        return {"k": "float", "v": x.hex()}
+    if type(x) is str:
+        return {"k": "str", "v": x}
+    if isinstance(x, torch.dtype):
+        name = dtype_name(x)
+        if name is None:
+            raise CheckpointError(f"{path}: the dtype {x} cannot be stored in a checkpoint")
+        return {"k": "dtype", "v": name}
+    if _is_namedtuple(x):
+        fields = list(type(x)._fields)
+        return {"k": "namedtuple", "type": type_name(type(x)), "fields": fields,
+                "items": [_encode(v, f"{path}.{f}", out) for f, v in zip(fields, x)]}
+    if type(x) in (list, tuple):
+        kind = "list" if type(x) is list else "tuple"
+        return {"k": kind, "items": [_encode(v, f"{path}[{i}]", out) for i, v in enumerate(x)]}
+    if type(x) in (dict, collections.OrderedDict):
+        keys, items = [], []
+        for key, value in x.items():
+            if isinstance(key, bool) or type(key) not in (str, int):
+                raise CheckpointError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be stored; "
+                                      "keys must be str or int")
+            keys.append(["s", key] if type(key) is str else ["i", key])
+            items.append(_encode(value, f"{path}[{key!r}]", out))
+        return {"k": "dict" if type(x) is dict else "odict", "keys": keys, "items": items}
+    raise CheckpointError(f"{path}: a {type(x).__module__}.{type(x).__qualname__} cannot be stored in a checkpoint; "
+                          "expected tensors, None, bool/int/float/str, torch.dtype, and lists, tuples, dicts "
+                          "(str or int keys) and NamedTuples of these")
+
+
+def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:
+    if t.layout != torch.strided:
+        raise CheckpointError(f"{path}: a tensor with layout {t.layout} cannot be stored; convert it to dense")
+    if t.device.type == "meta":
+        raise CheckpointError(f"{path}: a tensor on the meta device has no data to store")
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        raise CheckpointError(f"{path}: the tensor is traced by torch.func or torch.compile and has no value to store")
+    name = dtype_name(t.dtype)
+    if name is None:
+        raise CheckpointError(f"{path}: dtype {t.dtype} cannot be stored in a checkpoint (safetensors has no code "
+                              f"for it); supported: {', '.join(_DTYPES)}")
+    if path in out.tensors:
+        raise CheckpointError(f"{path}: two leaves have the same path")  # unreachable: paths are unique
+    node = {"k": "tensor", "key": path, "dtype": name, "shape": list(t.shape),
+            "requires_grad": bool(t.requires_grad), "device": str(t.device)}
+    out.tensors[path] = t
+    out.nodes[path] = node
+    return node
+
+
+# ----------------------------------------------------------------------- decode
+_SCALAR_KINDS = ("none", "bool", "int", "float", "str", "dtype")
+_NO_LIKE = NO_TEMPLATE = object()  # "no template given" (None is a valid template)
+
+
+def decode(structure: Any, load_tensor: Callable[[dict, str, Any], Any], *, like: Any = _NO_LIKE,
+           types: Mapping[str, type] | None = None, root: str = ROOT) -> Any:
+    """Rebuild a tree from its JSON structure; ``load_tensor(node, path, like_leaf)`` makes each tensor.
+
+    ``like_leaf`` is the template's tensor at that path (``None`` without a template).
+
+    With ``like`` every node is checked against the template first (kind,
+    NamedTuple type and fields, dict keys, sequence length, tensor shape and
+    dtype) and a :class:`CheckpointMismatchError` names the first leaf path
+    that differs; dict entries come back in the template's order and
+    NamedTuples as the template's classes. A malformed structure raises
+    :class:`CorruptCheckpointError`.
+    """
+    return _decode(structure, like, root, load_tensor, types if types is not None else {})
+
+
+def _corrupt(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"corrupted checkpoint structure at {path}: {what}")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if _is_namedtuple(x):
+        return f"a {type_name(type(x))}"
+    return f"a {type(x).__name__}"
+
+
+_KIND_OF_SAVED = {"tensor": "a tensor", "none": "None", "bool": "a bool", "int": "an int", "float": "a float",
+                  "str": "a str", "dtype": "a torch.dtype", "list": "a list", "tuple": "a tuple", "dict": "a dict",
+                  "odict": "an OrderedDict", "namedtuple": "a NamedTuple"}
+
+
+def _like_kind(x: Any) -> str | None:
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    if x is None:
+        return "none"
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, int):
+        return "int"
+    if isinstance(x, float):
+        return "float"
+    if isinstance(x, str):
+        return "str"
+    if isinstance(x, torch.dtype):
+        return "dtype"
+    if _is_namedtuple(x):
+        return "namedtuple"
+    if isinstance(x, list):
+        return "list"
+    if isinstance(x, collections.OrderedDict):
+        return "odict"
+    if isinstance(x, dict):
+        return "dict"
+    if isinstance(x, tuple):
+        return "tuple"
+    return None
+
+
+def _decode(node: Any, like: Any, path: str, load_tensor: Callable[[dict, str, Any], Any],
+            types: Mapping[str, type]) -> Any:
+    if not isinstance(node, dict) or not isinstance(node.get("k"), str):
+        raise _corrupt(path, f"expected a node object, got {str(node)[:80]!r}")
+    kind = node["k"]
+    has_like = like is not _NO_LIKE
+    if has_like:
+        want = _like_kind(like)
+        same = want == kind or (want == "dict" and kind == "odict") or (want == "odict" and kind == "dict")
+        if not same:
+            raise CheckpointMismatchError(f"{path}: the checkpoint holds {_KIND_OF_SAVED.get(kind, kind)}, "
+                                          f"the template has {_describe(like)}")
+    if kind == "tensor":
+        return _decode_tensor(node, like if has_like else None, path, load_tensor)
+    if kind in _SCALAR_KINDS:
+        return _decode_scalar(node, kind, path)
+    items = node.get("items")
+    if not isinstance(items, list):
+        raise _corrupt(path, f"a {kind} node without items")
+    if kind in ("list", "tuple"):
+        if has_like and len(like) != len(items):
+            raise CheckpointMismatchError(f"{path}: the checkpoint holds a {kind} of length {len(items)}, "
+                                          f"the template has length {len(like)}")
+        values = [_decode(n, like[i] if has_like else _NO_LIKE, f"{path}[{i}]", load_tensor, types)
+                  for i, n in enumerate(items)]
+        return values if kind == "list" else tuple(values)
+    if kind in ("dict", "odict"):
+        return _decode_dict(node, kind, items, like, has_like, path, load_tensor, types)
+    if kind == "namedtuple":
+        return _decode_namedtuple(node, items, like, has_like, path, load_tensor, types)
+    raise _corrupt(path, f"unknown node kind {kind!r}")
+
+
+def _decode_scalar(node: dict, kind: str, path: str) -> Any:
+    if kind == "none":
+        return None
+    v = node.get("v")
+    if kind == "bool" and isinstance(v, bool):
+        return v
+    if kind == "int" and type(v) is int:
+        return v
+    if kind == "str" and isinstance(v, str):
+        return v
+    if kind == "float" and isinstance(v, str):
+        try:
+            return float.fromhex(v)
+        except (ValueError, OverflowError):
+            raise _corrupt(path, f"bad float {v!r}") from None
+    if kind == "dtype":
+        dtype = dtype_from_name(v)
+        if dtype is not None:
+            return dtype
+    raise _corrupt(path, f"bad {kind} value {str(v)[:80]!r}")
+
+
+def _decode_tensor(node: dict, like: Any, path: str, load_tensor: Callable[[dict, str, Any], Any]) -> Any:
+    dtype = dtype_from_name(node.get("dtype"))
+    shape = node.get("shape")
+    if dtype is None:
+        raise _corrupt(path, f"unknown tensor dtype {str(node.get('dtype'))[:40]!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _corrupt(path, f"bad tensor shape {str(shape)[:80]!r}")
+    if not isinstance(node.get("key"), str):
+        raise _corrupt(path, "a tensor node without a key")
+    if like is not None:
+        if tuple(like.shape) != tuple(shape):
+            raise CheckpointMismatchError(f"{path}: the checkpoint holds shape {tuple(shape)}, "
+                                          f"the template has shape {tuple(like.shape)}")
+        if like.dtype != dtype:
+            raise CheckpointMismatchError(f"{path}: the checkpoint holds dtype {dtype}, "
+                                          f"the template has dtype {like.dtype}")
+    return load_tensor(node, path, like)
+
+
+def _decode_key(k: Any, path: str) -> str | int:
+    if isinstance(k, list) and len(k) == 2 and ((k[0] == "s" and isinstance(k[1], str))
+                                                or (k[0] == "i" and type(k[1]) is int)):
+        return k[1]
+    raise _corrupt(path, f"bad dict key {str(k)[:80]!r}")
+
+
+def _decode_dict(node: dict, kind: str, items: list, like: Any, has_like: bool, path: str,
+                 load_tensor: Callable[[dict, str, Any], Any], types: Mapping[str, type]) -> Any:
+    raw_keys = node.get("keys")
+    if not isinstance(raw_keys, list) or len(raw_keys) != len(items):
+        raise _corrupt(path, "dict keys and items do not match")
+    keys = [_decode_key(k, path) for k in raw_keys]
+    if len(set(map(repr, keys))) != len(keys):
+        raise _corrupt(path, "duplicate dict keys")
+    saved = dict(zip(keys, items))
+    order = keys
+    if has_like:
+        missing = [k for k in like if k not in saved]
+        extra = [k for k in keys if k not in like]
+        if missing or extra:
+            raise CheckpointMismatchError(
+                f"{path}: the dict keys differ from the template's: "
+                + "; ".join(s for s in (f"missing from the checkpoint: {missing}" if missing else "",
+                                        f"not in the template: {extra}" if extra else "") if s))
+        order = list(like.keys())
+    values = [(k, _decode(saved[k], like[k] if has_like else _NO_LIKE, f"{path}[{k!r}]", load_tensor, types))
+              for k in order]
+    return dict(values) if kind == "dict" else collections.OrderedDict(values)
+
+
+def _decode_namedtuple(node: dict, items: list, like: Any, has_like: bool, path: str,
+                       load_tensor: Callable[[dict, str, Any], Any], types: Mapping[str, type]) -> Any:
+    name, fields = node.get("type"), node.get("fields")
+    if not isinstance(name, str) or not isinstance(fields, list) or len(fields) != len(items) \
+            or not all(isinstance(f, str) for f in fields):
+        raise _corrupt(path, "a NamedTuple node without a type name or with fields not matching its items")
+    if has_like:
+        cls = type(like)
+        if type_name(cls) != name:
+            raise CheckpointMismatchError(f"{path}: the checkpoint holds a {name}, the template has a {type_name(cls)}")
+    else:
+        cls = types.get(name)
+        if cls is None:
+            raise CheckpointError(f"{path}: the checkpoint holds a NamedTuple of type {name!r}, which is not a sofx "
+                                  "type; pass the class in types=[...] (or a template with like=) to allow it "
+                                  "(checkpoints never import names found in a file)")
+    if list(cls._fields) != fields:
+        err = CheckpointMismatchError if has_like else CheckpointError
+        raise err(f"{path}: the checkpoint's {name} has fields {fields}, the class has {list(cls._fields)}")
+    values = [_decode(n, like[i] if has_like else _NO_LIKE, f"{path}.{f}", load_tensor, types)
+              for i, (f, n) in enumerate(zip(fields, items))]
+    return cls(*values)
+

@@ -1,0 +1,196 @@
+"""One checkpoint file: safetensors for the tensors, JSON in its header for everything else.
+
+The file is a standard safetensors file (any safetensors reader can list and
+read its tensors). Its header's ``__metadata__`` holds::
+
+    "format": "sofx.checkpoint"      "format_version": "1"
+    "writer": "sofx 0.1.0"           "tree": <the JSON structure of sofx.checkpoint.codec>
+
+Each tensor node of the structure records the tensor's dtype, shape and the
+CRC-32 of its bytes, checked on load. Writing is atomic
+(:mod:`sofx.checkpoint.atomic`) and zero-copy for contiguous CPU tensors;
+tensors that share storage (views of one flat buffer) are simply written
+once each. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from typing import Any, Iterable, Mapping
+
+import torch
+from safetensors import SafetensorError, TensorSpec, safe_open, serialize_file
+
+from sofx.checkpoint.atomic import atomic_write
+from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode
+from sofx.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointVersionError,
+                                    CorruptCheckpointError)
+from sofx.checkpoint.known_types import type_registry
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "write", "read", "read_metadata", "nbytes"]
+
+FORMAT = "sofx.checkpoint"
+FORMAT_VERSION = 1
+
+
+def _check_byteorder() -> None:
+    if sys.byteorder != "little":  # safetensors stores little-endian bytes; we write memory as it is
+        raise CheckpointError("sofx checkpoints are only supported on little-endian machines")
+
+
+def _as_cpu_contiguous(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.to("cpu", memory_format=torch.contiguous_format)  # always a copy
+    if copy:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def prepare(tree: Any) -> EncodedTree:
+    """Encode ``tree``; its tensors are CPU and contiguous, copied only where they were not."""
+    encoded = encode(tree)
+    encoded.tensors = {k: _as_cpu_contiguous(t, copy=False) for k, t in encoded.tensors.items()}
+    return encoded
+
+
+def snapshot(tree: Any) -> EncodedTree:
+    """Encode ``tree`` with a private copy of every tensor (for a save that finishes later)."""
+    encoded = encode(tree)
+    encoded.tensors = {k: _as_cpu_contiguous(t, copy=True) for k, t in encoded.tensors.items()}
+    return encoded
+
+
+def _bytes_view(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor as a numpy uint8 array (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def nbytes(encoded: EncodedTree) -> int:
+    """Bytes of tensor data in ``encoded``."""
+    return sum(t.numel() * t.element_size() for t in encoded.tensors.values())
+
+
+def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
+    """Write ``encoded`` (from :func:`prepare` or :func:`snapshot`) atomically to ``path``."""
+    _check_byteorder()
+    specs, views = {}, []
+    for key, t in encoded.tensors.items():
+        arr = _bytes_view(t)
+        views.append((t, arr))  # keep the buffers alive while safetensors reads them
+        encoded.nodes[key]["crc32"] = zlib.crc32(arr)
+        specs[key] = TensorSpec(dtype=dtype_name(t.dtype), shape=list(t.shape), data_ptr=arr.ctypes.data,
+                                data_len=arr.nbytes)
+    import sofx
+
+    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+                "writer": f"sofx {getattr(sofx, '__version__', '?')}",
+                "tree": json.dumps(encoded.structure, separators=(",", ":"), allow_nan=False)}
+
+    def _write(tmp: str) -> None:
+        serialize_file(specs, tmp, metadata=metadata)
+
+    try:
+        return atomic_write(path, _write)
+    finally:
+        del views
+
+
+def _open(path: str) -> Any:
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a directory, expected a file written by sofx.checkpoint.save")
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as exc:
+        size = os.path.getsize(path)
+        raise CorruptCheckpointError(f"{path} is not a readable checkpoint ({size} bytes): {exc}; the file is "
+                                     "truncated, corrupted, or not a sofx checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+
+
+def _header(f: Any, path: str) -> dict:
+    """The checked sofx metadata of an open file: ``{"version": int, "tree": <structure>}``."""
+    meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{path} is a safetensors file but not a sofx checkpoint (its metadata has "
+                                     f"format={meta.get('format')!r}, expected {FORMAT!r})")
+    raw_version = meta.get("format_version", "")
+    try:
+        version = int(raw_version)
+    except ValueError:
+        raise CorruptCheckpointError(f"{path}: bad format_version {raw_version[:40]!r}") from None
+    if version != FORMAT_VERSION:
+        newer = "a newer" if version > FORMAT_VERSION else "an older, unsupported"
+        raise CheckpointVersionError(f"{path} was written in {newer} checkpoint format (version {version}, by "
+                                     f"{meta.get('writer', 'an unknown writer')}); this sofx reads version "
+                                     f"{FORMAT_VERSION}")
+    try:
+        structure = json.loads(meta.get("tree", ""))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: the tree structure in the header is not valid JSON ({exc})") from None
+    return {"version": version, "writer": meta.get("writer"), "tree": structure}
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The format version, writer and JSON tree structure of a checkpoint, without reading tensors."""
+    path = os.fspath(path)
+    with _open(path) as f:
+        return _header(f, path)
+
+
+def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | Mapping[str, type] | None = None,
+         device: torch.device | str | None = None, verify: bool = True) -> Any:
+    """Load the tree saved at ``path`` (see :func:`sofx.checkpoint.load`); ``like=None``: no template."""
+    path = os.fspath(path)
+    _check_byteorder()
+    registry = type_registry(types)
+    with _open(path) as f:
+        header = _header(f, path)
+        structure = header["tree"]
+        file_keys = set(f.keys())
+        seen: set[str] = set()
+
+        def check_node(node: dict, leaf_path: str, _like: Any) -> None:
+            key = node["key"]
+            if key not in file_keys:
+                raise CorruptCheckpointError(f"{path}: tensor {leaf_path} is missing from the file")
+            if key in seen:
+                raise CorruptCheckpointError(f"{path}: tensor {key} is used twice in the structure")
+            seen.add(key)
+            view = f.get_slice(key)
+            shape = list(view.get_shape())
+            if shape != node["shape"]:
+                raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has shape {shape} in the file, "
+                                             f"{node['shape']} in the structure")
+
+        # Pass 1: check the structure (and the template) before reading any tensor data.
+        like_arg = {} if like is None else {"like": like}
+        decode(structure, check_node, types=registry, **like_arg)
+        extra = file_keys - seen
+        if extra:
+            raise CorruptCheckpointError(f"{path}: the file holds tensors the structure does not use: "
+                                         f"{sorted(extra)[:5]}")
+
+        def load_node(node: dict, leaf_path: str, like_leaf: Any) -> torch.Tensor:
+            t = f.get_tensor(node["key"])
+            if dtype_name(t.dtype) != node["dtype"]:
+                raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has dtype {t.dtype} in the file, "
+                                             f"{node['dtype']} in the structure")
+            crc = node.get("crc32")
+            if verify and crc is not None and zlib.crc32(_bytes_view(t)) != crc:
+                raise CorruptCheckpointError(f"{path}: tensor {leaf_path} fails its checksum: the data is corrupted")
+            target = device if device is not None else (like_leaf.device if like_leaf is not None else None)
+            if target is not None and torch.device(target) != t.device:
+                t = t.to(target)
+            if node.get("requires_grad") and (t.is_floating_point() or t.is_complex()):
+                t.requires_grad_(True)
+            return t
+
+        return decode(structure, load_node, types=registry, **like_arg)
+

@@ -1,0 +1,81 @@
+"""The NamedTuple classes a checkpoint may rebuild without being told: sofx's own.
+
+Loading never imports a name found in a file. It rebuilds a NamedTuple only
+from a class it was given: the template's (``like=``), one passed in
+``types=``, or a NamedTuple class defined by sofx itself in one of the fixed
+modules below (``sofx.adam.AdamState``, ``sofx.adam.AdamHParams``, ...). A
+recorded name is looked up in that fixed list: a module is imported only if it
+is one of them, and only a NamedTuple class defined there is accepted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Iterable, Iterator, Mapping
+
+from sofx.checkpoint.codec import type_name
+from sofx.checkpoint.errors import CheckpointError
+
+__all__ = ["SOFX_MODULES", "sofx_type", "TypeRegistry", "type_registry"]
+
+# sofx modules whose NamedTuples are state or configuration worth checkpointing.
+SOFX_MODULES = ("sofx.adam", "sofx.kernels.base", "sofx.loss_scale", "sofx.schedules", "sofx.transforms",
+                "sofx.speculate", "sofx.offload.facade", "sofx.offload.engine")
+
+
+def _is_namedtuple_class(cls: object) -> bool:
+    return inspect.isclass(cls) and issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
+
+
+def sofx_type(name: str) -> type | None:
+    """The sofx NamedTuple class recorded as ``name``, or ``None`` if sofx defines no such class."""
+    for module_name in SOFX_MODULES:
+        if not name.startswith(module_name + "."):
+            continue
+        qualname = name[len(module_name) + 1:]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue
+            raise
+        obj: object = module
+        for part in qualname.split("."):
+            obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+            if obj is None:
+                break
+        if _is_namedtuple_class(obj) and obj.__module__ == module_name and type_name(obj) == name:
+            return obj  # type: ignore[return-value]
+    return None
+
+
+class TypeRegistry(Mapping[str, type]):
+    """The caller's NamedTuple classes by recorded name, falling back to sofx's own."""
+
+    def __init__(self, user: Mapping[str, type]) -> None:
+        self._user = dict(user)
+
+    def __getitem__(self, name: str) -> type:
+        cls = self._user.get(name) or sofx_type(name)
+        if cls is None:
+            raise KeyError(name)
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._user)
+
+    def __len__(self) -> int:
+        return len(self._user)
+
+
+def type_registry(types: Iterable[type] | Mapping[str, type] | None) -> TypeRegistry:
+    """A registry of the user's types (NamedTuple classes, or a mapping name -> class) plus sofx's."""
+    user: dict[str, type] = {}
+    if types is not None:
+        items = types.items() if isinstance(types, Mapping) else ((None, cls) for cls in types)
+        for name, cls in items:
+            if not _is_namedtuple_class(cls):
+                raise CheckpointError(f"types: {cls!r} is not a NamedTuple class")
+            user[name if name is not None else type_name(cls)] = cls
+    return TypeRegistry(user)
