@@ -1,0 +1,242 @@
+"""Loss scaling as immutable state with a pure update.
+
+A *loss scaler* is a small frozen rule object with three pure functions::
+
+    state = scaler.init()
+    S     = scaler.scale(state)             # multiply the loss by S before backward
+    state = scaler.update(state, overflow)  # after the step: overflow = a non-finite gradient
+
+Nothing is mutated; ``update`` returns a new state (or raises, changing nothing).
+Three rules exist:
+
+:func:`grad_scaler` -- ``torch.amp.GradScaler`` exactly. Initial ``2**16``. On
+overflow ``S <- S * backoff_factor`` (0.5) and the clean-step counter resets;
+otherwise the counter grows and, when it reaches ``growth_interval`` (2000),
+``S <- S * growth_factor`` (2) unless that is not a finite float32, and the
+counter resets. The new scale is used from the next step on.
+
+:func:`deepspeed_scaler` -- DeepSpeed's ``DynamicLossScaler`` exactly, with the
+ZeRO defaults (initial ``2**16``, ``scale_window=1000``, hysteresis
+(``delayed_shift``) 2, not consecutive, factor 2, ``min_scale=1``). With
+``it`` the iteration counter and ``last`` the iteration of the last overflow
+(``-1`` at start)::
+
+    overflow:  if hysteresis == 1 (or delayed_shift == 1):
+                   error if S == min_scale (and raise_error_at_min_scale)
+                   else S <- max(S / factor, min_scale)
+               else hysteresis <- hysteresis - 1
+               last <- it
+    clean:     if consecutive_hysteresis: hysteresis <- delayed_shift
+               if (it - last) % scale_window == 0:
+                   if not consecutive_hysteresis: hysteresis <- delayed_shift
+                   S <- S * factor
+    it <- it + 1
+
+:func:`static_scale` -- a constant scale (``1.0``: no loss scaling, bf16/fp32).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Union
+
+from sofx.errors import HParamError
+
+__all__ = [
+    "LossScaler",
+    "GradScalerState",
+    "GradScalerRule",
+    "DynamicLossScaleState",
+    "DynamicLossScaleRule",
+    "StaticScaleState",
+    "StaticScaleRule",
+    "MinLossScaleError",
+    "grad_scaler",
+    "deepspeed_scaler",
+    "static_scale",
+    "FLOAT32_MAX",
+]
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class MinLossScaleError(RuntimeError):
+    """An overflow happened while the loss scale was already at its minimum (DeepSpeed semantics)."""
+
+
+class GradScalerState(NamedTuple):
+    """State of :class:`GradScalerRule`: the scale and the number of clean steps since the last change."""
+
+    scale: float
+    growth_tracker: int = 0
+
+
+class DynamicLossScaleState(NamedTuple):
+    """State of :class:`DynamicLossScaleRule` (DeepSpeed's ``cur_scale``, ``cur_iter``,
+    ``last_overflow_iter``, ``cur_hysteresis``)."""
+
+    scale: float
+    cur_iter: int = 0
+    last_overflow_iter: int = -1
+    cur_hysteresis: int = 2
+
+
+class StaticScaleState(NamedTuple):
+    """State of :class:`StaticScaleRule`: the constant scale."""
+
+    scale: float
+
+
+LossScaleState = Union[GradScalerState, DynamicLossScaleState, StaticScaleState]
+
+
+class LossScaler(Protocol):
+    """What every loss-scale rule provides (all pure)."""
+
+    def init(self) -> LossScaleState: ...
+
+    def scale(self, state: LossScaleState) -> float: ...
+
+    def update(self, state: LossScaleState, overflow: bool) -> LossScaleState: ...
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise HParamError(f"{name} = {value!r} is invalid; expected a finite number > 0")
+    return float(value)
+
+
+def _count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class GradScalerRule:
+    """``torch.amp.GradScaler``'s update rule (see the module docstring)."""
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        _positive("init_scale", self.init_scale)
+        if not self.growth_factor > 1:
+            raise HParamError(f"growth_factor = {self.growth_factor!r} is invalid; expected > 1")
+        if not 0 < self.backoff_factor < 1:
+            raise HParamError(f"backoff_factor = {self.backoff_factor!r} is invalid; expected 0 < backoff < 1")
+        _count("growth_interval", self.growth_interval)
+
+    def init(self) -> GradScalerState:
+        return GradScalerState(float(self.init_scale), 0)
+
+    def scale(self, state: GradScalerState) -> float:
+        return state.scale
+
+    def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
+        """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
+        if overflow:
+            return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
+        successful = state.growth_tracker + 1
+        if successful == self.growth_interval:
+            grown = _f32(state.scale * self.growth_factor)
+            return GradScalerState(grown if math.isfinite(grown) else state.scale, 0)
+        return GradScalerState(state.scale, successful)
+
+
+@dataclass(frozen=True)
+class DynamicLossScaleRule:
+    """DeepSpeed's ``DynamicLossScaler`` update rule (see the module docstring)."""
+
+    init_scale: float = 2.0 ** 16
+    scale_factor: float = 2.0
+    scale_window: int = 1000
+    min_scale: float = 1.0
+    delayed_shift: int = 2
+    consecutive_hysteresis: bool = False
+    raise_error_at_min_scale: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("init_scale", self.init_scale)
+        _positive("min_scale", self.min_scale)
+        if not self.scale_factor > 1:
+            raise HParamError(f"scale_factor = {self.scale_factor!r} is invalid; expected > 1")
+        _count("scale_window", self.scale_window)
+        _count("delayed_shift (hysteresis)", self.delayed_shift)
+
+    def init(self) -> DynamicLossScaleState:
+        return DynamicLossScaleState(float(self.init_scale), 0, -1, self.delayed_shift)
+
+    def scale(self, state: DynamicLossScaleState) -> float:
+        return state.scale
+
+    def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
+        """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
+        scale, it, last, hyst = state
+        if overflow:
+            if self.delayed_shift == 1 or hyst == 1:
+                if scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise MinLossScaleError(
+                        f"gradient overflow with the loss scale already at its minimum ({self.min_scale:g}): "
+                        "cannot decrease the scale further (DeepSpeed stops the run here)")
+                scale = max(scale / self.scale_factor, self.min_scale)
+            else:
+                hyst -= 1
+            last = it
+        else:
+            if self.consecutive_hysteresis:
+                hyst = self.delayed_shift
+            if (it - last) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    hyst = self.delayed_shift
+                scale = scale * self.scale_factor
+        return DynamicLossScaleState(scale, it + 1, last, hyst)
+
+
+@dataclass(frozen=True)
+class StaticScaleRule:
+    """A constant loss scale (``1.0`` means no loss scaling)."""
+
+    value: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("scale", self.value)
+
+    def init(self) -> StaticScaleState:
+        return StaticScaleState(float(self.value))
+
+    def scale(self, state: StaticScaleState) -> float:
+        return state.scale
+
+    def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
+        return state
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (GradScaler keeps its scale in a float32 tensor); inf past float32's range."""
+    if not math.isfinite(x) or abs(x) > FLOAT32_MAX:
+        return math.copysign(math.inf, x) if not math.isnan(x) else x
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                growth_interval: int = 2000) -> GradScalerRule:
+    """A ``torch.amp.GradScaler``-equivalent loss scaler (same arguments and defaults)."""
+    return GradScalerRule(init_scale, growth_factor, backoff_factor, growth_interval)
+
+
+def deepspeed_scaler(init_scale: float = 2.0 ** 16, scale_window: int = 1000, hysteresis: int = 2,
+                     min_scale: float = 1.0, scale_factor: float = 2.0, consecutive_hysteresis: bool = False,
+                     raise_error_at_min_scale: bool = True) -> DynamicLossScaleRule:
+    """A DeepSpeed ``DynamicLossScaler``-equivalent loss scaler with ZeRO's defaults."""
+    return DynamicLossScaleRule(init_scale, scale_factor, scale_window, min_scale, hysteresis,
+                                consecutive_hysteresis, raise_error_at_min_scale)
+
+
+def static_scale(value: float = 1.0) -> StaticScaleRule:
+    """A constant loss scale; ``static_scale()`` is "no loss scaling"."""
+    return StaticScaleRule(value)

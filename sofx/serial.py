@@ -1,0 +1,165 @@
+"""The non-speculative step: the semantics speculation must reproduce.
+
+:func:`serial_step` is one iteration of the plain training loop on a params
+pytree: check for overflow, update the loss scale, compute the global norm and
+the clip coefficient, and take one Adam step with the single gradient
+multiplier that unscaling and clipping fold into (applied inside the kernel).
+:func:`step_facts` is the part that only needs numbers -- it is shared with
+:func:`sofx.speculate.plan_validation`, so both paths compute the same bits.
+
+Profiles (SPECULATION.md section 4), with ``s = sum of squares of the raw
+(scaled) gradients``, ``S`` the loss scale and ``c`` the max norm:
+
+``"torch"`` -- ``torch.amp.GradScaler`` + ``clip_grad_norm_`` + ``torch.optim``:
+    overflow = ``s`` not finite; unscale with the scale of this backward,
+    ``S = scale(state)``; then ``state <- update(state, overflow)`` (the new
+    scale applies from the next step). ``norm = sqrt(s)/S``,
+    ``coef = c/(norm + 1e-6)`` if ``< 1`` else 1; multiplier ``coef / S``
+    (``1/S`` exactly when not clipped).
+
+``"deepspeed"`` -- ZeRO-3's ``step()``: ``state <- update(state, overflow)``
+    first, then unscale with the *new* scale ``S = scale(state)`` (on the step
+    where the scale grows, gradients are divided by the grown scale).
+    ``clip = max((sqrt(s)/S + 1e-6)/c, 1)``, multiplier ``1/(clip*S)``,
+    ``norm = sqrt(s)/S``.
+
+In both, an overflow skips the step: no parameter, moment or count changes,
+and the schedule position does not advance (``facts.skipped``). Without a
+dynamic scaler (``static_scale()``) a non-finite gradient still skips the
+step rather than writing nan (``torch.optim`` alone would write nan).
+
+Known difference from ``torch``: ``torch`` multiplies by ``1/S`` and by
+``coef`` as two float32 roundings and computes the norm in float32; sofx
+folds them into one multiplier and accumulates the norm in float64, so a
+clipped step differs from ``torch.optim`` by float32 rounding (<= 1e-6
+relative), never more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.adam import Adam, AdamState
+from sofx.errors import HParamError
+from sofx.loss_scale import LossScaler, LossScaleState
+from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
+
+__all__ = ["PROFILES", "StepFacts", "SerialStepResult", "step_facts", "serial_step", "check_profile",
+           "check_max_norm"]
+
+PROFILES = ("torch", "deepspeed")
+
+
+class StepFacts(NamedTuple):
+    """The global facts of one step, derived from numbers only.
+
+    ``grad_scale`` is the one multiplier Adam applies to the raw gradients
+    (unscale and clip folded); ``scale`` the loss scale they were unscaled
+    with; ``clip_coef`` the multiplier applied to the unscaled gradients (1.0
+    when not clipped); ``grad_norm`` the unscaled global norm (not finite on
+    overflow); ``scaler_state`` the loss-scaler state for the next step.
+    """
+
+    overflow: bool
+    sumsq: float
+    scale: float
+    grad_norm: float
+    clipped: bool
+    clip_coef: float
+    grad_scale: float
+    scaler_state: Any
+
+    @property
+    def skipped(self) -> bool:
+        """An overflow skips the step."""
+        return self.overflow
+
+
+class SerialStepResult(NamedTuple):
+    params: Any
+    state: AdamState
+    scaler_state: Any
+    facts: StepFacts
+
+
+def check_profile(profile: str) -> str:
+    if profile not in PROFILES:
+        raise HParamError(f"profile={profile!r}; expected one of {PROFILES}")
+    return profile
+
+
+def check_max_norm(max_norm: float | None) -> float | None:
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+            math.isfinite(max_norm) and max_norm > 0):
+        raise HParamError(f"max_norm = {max_norm!r} is invalid; expected a finite number > 0, or None (no clipping)")
+    return float(max_norm)
+
+
+def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, sumsq_total: float,
+               max_norm: float | None) -> StepFacts:
+    """Overflow, loss-scale update, norm and multiplier of one step (see the module docstring).
+
+    Raises :class:`~sofx.loss_scale.MinLossScaleError` (DeepSpeed rule, overflow at the minimum scale).
+    """
+    check_profile(profile)
+    max_norm = check_max_norm(max_norm)
+    overflow = not math.isfinite(sumsq_total)
+    if profile == "torch":
+        scale = scaler.scale(scaler_state)
+        next_state = scaler.update(scaler_state, overflow)
+    else:
+        next_state = scaler.update(scaler_state, overflow)
+        scale = scaler.scale(next_state)
+    scaled_norm = math.sqrt(sumsq_total) if not math.isnan(sumsq_total) else math.nan
+    norm = scaled_norm / scale
+    if overflow:
+        return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale, next_state)
+    if profile == "torch":
+        coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
+        grad_scale = 1.0 / scale if coef == 1.0 else (1.0 / scale) * coef
+        return StepFacts(False, sumsq_total, scale, norm, coef != 1.0, coef, grad_scale, next_state)
+    clip = 1.0 if max_norm is None else zero_clip_factor(scaled_norm, scale, max_norm)
+    return StepFacts(False, sumsq_total, scale, norm, clip > 1.0, 1.0 / clip, 1.0 / (clip * scale), next_state)
+
+
+def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler,
+                scaler_state: LossScaleState, hparams: Any = None, max_norm: float | None = None,
+                profile: str = "torch", missing_grad: str = "skip",
+                reduce_sumsq: Callable[[float], float] | None = None,
+                donate: bool = False) -> SerialStepResult:
+    """One non-speculative step on raw (loss-scaled) gradients; see the module docstring.
+
+    ``grads`` has the structure of ``params``; a ``None`` leaf had no gradient:
+    ``missing_grad="skip"`` leaves its parameter, moments and count alone,
+    ``"zero"`` steps it with a zero gradient. ``reduce_sumsq`` all-reduces the
+    local sum of squares across ranks (a nan/inf anywhere makes every rank skip).
+    Returns the new params, state, loss-scaler state and the step's
+    :class:`StepFacts`; on overflow params and state are returned unchanged.
+    """
+    check_profile(profile)
+    if missing_grad not in MISSING_GRAD_MODES:
+        raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
+    p_leaves, spec = tree.flatten(params)
+    g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
+    if missing_grad == "zero":
+        g_leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(p_leaves, g_leaves)]
+    total = total_sumsq([None if g is None else sumsq(g) for g in g_leaves])
+    if reduce_sumsq is not None:
+        total = float(reduce_sumsq(total))
+    facts = step_facts(profile, scaler, scaler_state, total, max_norm)
+    if facts.overflow:
+        return SerialStepResult(params, state, facts.scaler_state, facts)
+    new_params, new_state, _ = opt.update(params, tree.unflatten(spec, g_leaves), state, hparams,
+                                          grad_scale=facts.grad_scale, donate=donate)
+    return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
+
+
+def block_sumsq(grads: Sequence[torch.Tensor | None]) -> list[float | None]:
+    """Per-block sums of squares (``None`` for a missing gradient)."""
+    return [None if g is None else sumsq(g) for g in grads]

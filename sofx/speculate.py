@@ -1,0 +1,129 @@
+"""Speculation: take Adam steps before the global facts are known, then validate them.
+
+This is the public entry point of the speculation layer (SPECULATION.md
+sections 3-4). It works over *blocks*: block ``i`` is leaf ``i`` of a params
+pytree (the offload engine's params are a list of flat 1-d master tensors, one
+block each; a functional user's params are any pytree, one block per leaf).
+Everything here is a pure function; the only functions that touch tensors are
+the *application* functions, which call :class:`sofx.Adam`.
+
+The protocol, as an engine drives it
+------------------------------------
+
+At the start of the backward of the last micro-step::
+
+    ctx, tally = begin_step(opt, config, scaler, scaler_state, policy_state,
+                            hparams=hp, n_blocks=n, backward_scale=S)
+
+``ctx`` (:class:`StepContext`) freezes the facts assumed while backward runs:
+the loss scale ``S`` of this backward, the scale speculative steps will be
+unscaled with, the hparams of every block, the early-veto threshold
+``(max_norm * S)**2`` and whether the adaptive policy lets this step speculate.
+``tally`` (:class:`BackwardTally`) is the immutable running record of this
+backward (sum of squares so far, veto, decisions).
+
+When block ``i``'s gradient is final (hooks fire in reverse layer order)::
+
+    sumsq = grad_sumsq(grad_i)                               # one pass, float64 accumulation
+    tally, d = on_block_ready(ctx, tally, i, sumsq,
+                              lambda: block_eligibility(opt, p_i, grad_i, state_i, d_hp, ctx.grad_scale))
+    if d.speculate:                                          # run it in a worker, donating buffers
+        p_i, state_i, record_i = speculative_block_step(opt, p_i, grad_i, state_i, d, donate=True)
+
+:func:`on_block_ready` is pure: it adds ``sumsq`` to the running sum, vetoes
+speculation for the rest of the step once that sum exceeds
+``(max_norm * S)**2`` (clipping is then certain) or a gradient is not finite,
+checks the block's eligibility (its undo strategy, see
+:meth:`sofx.Adam.undo_strategies`, and the snapshot budget) -- the
+eligibility argument may be a callable, evaluated only when needed -- and
+returns a :class:`BlockDecision`. The speculative step is ``opt.update`` on
+that one block with ``grad_scale = 1/S_assumed`` and the context's hparams.
+The record references ``grad_i``: do not modify it in place until the block is
+validated.
+
+If a second gradient arrives for a block that was already ready (a parameter
+used twice), sum it *out of place* (``grad_i = grad_i + extra``) and call
+``tally = on_late_gradient(ctx, tally, i, grad_sumsq(grad_i))``: the block is
+then undone and redone in validation.
+
+In ``step()``, after every pending speculative step has finished::
+
+    plan = plan_validation(ctx, tally, final_sumsq, hparams=hp_now, reduce_sumsq=all_reduce)
+    for i in range(n):
+        p_i, state_i = apply_block_action(opt, plan.actions[i], p_i, grad_i, state_i, record_i, donate=True)
+    scaler_state, policy_state = plan.scaler_state, plan.policy_state
+    report = plan.report                                     # a StepReport
+
+:func:`plan_validation` is pure: from the per-block sums of squares of the
+final gradients (``None`` for a block that got no gradient) it derives the
+step's global facts exactly as the serial loop does
+(:func:`sofx.serial.step_facts`: overflow, loss-scale update in the
+profile's order, global norm, clip coefficient, the one gradient multiplier)
+and one :class:`BlockAction` per block:
+
+=============  ==========================================================
+``commit``     speculated with exactly the final multiplier, hparams and gradient
+``undo_redo``  speculated, but the multiplier (clip, scale), hparams or gradient changed
+``undo``       speculated, and the step is skipped (overflow)
+``step``       not speculated (vetoed, ineligible, policy, earlier micro-steps): step now
+``skip``       nothing to do (overflow, or no gradient with ``missing_grad="skip"``)
+=============  ==========================================================
+
+(a missing gradient with ``missing_grad="zero"`` is ``step`` with
+``zero_grad=True``). :func:`apply_block_action` carries one action out with
+:class:`sofx.Adam` (``undo_redo`` is the fused one-call undo+redo). The result
+equals :func:`sofx.serial.serial_step` on the same inputs: bitwise for blocks
+that were committed or stepped late, to float32 rounding for undone ones.
+
+:func:`speculative_step` does all of the above in one call over a whole
+params pytree (inline, in arrival order): the pure combinator for functional
+training loops and tests.
+"""
+
+from __future__ import annotations
+
+from sofx.speculation.apply import (
+    apply_block_action,
+    block_eligibility,
+    grad_sumsq,
+    speculative_block_step,
+)
+from sofx.speculation.decisions import (
+    BackwardTally,
+    BlockAction,
+    BlockDecision,
+    Eligibility,
+    SpeculationConfig,
+    StepContext,
+    ValidationPlan,
+    begin_step,
+    on_block_ready,
+    on_late_gradient,
+    plan_validation,
+)
+from sofx.speculation.policy import AdaptivePolicy, PolicyState
+from sofx.speculation.tree_step import SpeculativeStepResult, speculative_step
+from sofx.step_report import StepReport
+
+__all__ = [
+    "AdaptivePolicy",
+    "PolicyState",
+    "SpeculationConfig",
+    "StepContext",
+    "BackwardTally",
+    "Eligibility",
+    "BlockDecision",
+    "BlockAction",
+    "ValidationPlan",
+    "StepReport",
+    "SpeculativeStepResult",
+    "begin_step",
+    "on_block_ready",
+    "on_late_gradient",
+    "plan_validation",
+    "grad_sumsq",
+    "block_eligibility",
+    "speculative_block_step",
+    "apply_block_action",
+    "speculative_step",
+]

@@ -1,0 +1,111 @@
+"""Carrying speculation decisions out on one block's tensors, with :class:`sofx.Adam`.
+
+These are the only speculation functions that touch tensors. Each works on
+one block: ``param`` a tensor, ``grad`` a tensor of its dtype, ``state`` an
+:class:`~sofx.adam.AdamState` whose fields are that block's count (a 0-d int64
+tensor) and moments. An engine may run them in any worker; with
+``donate=True`` they write into the given buffers (the engine's flat blocks).
+
+* :func:`grad_sumsq` -- the block's sum of squares (float64 accumulation), the
+  number :func:`~sofx.speculation.decisions.on_block_ready` needs;
+* :func:`block_eligibility` -- the undo strategy ``Adam.update`` would choose;
+* :func:`speculative_block_step` -- the speculative Adam step, returning its record;
+* :func:`apply_block_action` -- commit, undo+redo (one call, fused where the
+  backend can), undo only, step late, or nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.errors import SofxError, UnsupportedError
+from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility
+from sofx.transforms import sumsq
+from sofx.undo_record import UndoRecord
+
+__all__ = ["grad_sumsq", "block_eligibility", "snapshot_bytes_of", "speculative_block_step", "apply_block_action"]
+
+
+def grad_sumsq(grad: torch.Tensor) -> float:
+    """``sum(grad**2)`` accumulated in float64: finite iff every element of ``grad`` is."""
+    return sumsq(grad)
+
+
+def snapshot_bytes_of(strategy: str, param: torch.Tensor, state: AdamState) -> int:
+    """Bytes a speculative step with undo ``strategy`` keeps alive for its snapshot."""
+    p_bytes = param.numel() * param.element_size()
+    if strategy == "param_snapshot":
+        return p_bytes
+    if strategy == "snapshot":
+        return p_bytes + sum(x.numel() * x.element_size() for x in (state.mu, state.nu))
+    return 0
+
+
+def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
+                      hparams: AdamHParams, grad_scale: float) -> Eligibility:
+    """Whether a speculative step of this block could be undone, and at what snapshot cost.
+
+    The strategy is the one :meth:`sofx.Adam.update` would choose for these
+    inputs (:meth:`sofx.Adam.undo_strategies`): algebraic (free),
+    param_snapshot or snapshot (costs memory), or none / refused (ineligible).
+    Bad inputs raise as ``update`` would.
+    """
+    try:
+        (plan,) = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale)
+    except UnsupportedError as exc:
+        return Eligibility(False, None, str(exc), 0)
+    if plan is None:  # pragma: no cover - grad is a tensor, so the leaf always has a plan
+        return Eligibility(False, None, "no gradient", 0)
+    strategy, reason = plan
+    if strategy == "none":
+        return Eligibility(False, strategy, reason or "the step cannot be undone", 0)
+    return Eligibility(True, strategy, reason, snapshot_bytes_of(strategy, param, state))
+
+
+def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
+                           decision: BlockDecision, *, donate: bool = False,
+                           ) -> tuple[torch.Tensor, AdamState, UndoRecord]:
+    """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed``.
+
+    Returns ``(param, state, record)``; keep ``record`` (and do not modify
+    ``grad`` in place) until validation has applied this block's action.
+    """
+    if not decision.speculate:
+        raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
+    return opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale, donate=donate)
+
+
+def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad: torch.Tensor | None,
+                       state: AdamState, record: UndoRecord | None = None, *,
+                       donate: bool = False) -> tuple[torch.Tensor, AdamState]:
+    """Carry out one validation action on one block; returns ``(param, state)``.
+
+    ``commit``: nothing to do (the speculative result stands). ``undo_redo``:
+    ``opt.undo_redo`` with the final gradient, hparams and multiplier.
+    ``undo``: ``opt.undo``. ``step``: ``opt.update`` with the final multiplier
+    (a zero gradient when ``action.zero_grad``). ``skip``: nothing.
+    ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``).
+    """
+    kind = action.kind
+    if kind in ("commit", "skip"):
+        return param, state
+    if kind in ("undo", "undo_redo") and record is None:
+        raise SofxError(f"block {action.block}: {kind} needs the record of its speculative step")
+    if kind == "undo":
+        return opt.undo(param, state, record, donate=donate)
+    if kind == "undo_redo":
+        if grad is None:
+            raise SofxError(f"block {action.block}: undo_redo needs the block's final gradient")
+        new_param, new_state, _ = opt.undo_redo(param, state, record, grad, action.hparams,
+                                                grad_scale=action.grad_scale, donate=donate)
+        return new_param, new_state
+    if kind == "step":
+        if action.zero_grad:
+            grad = torch.zeros_like(param)
+        elif grad is None:
+            raise SofxError(f"block {action.block}: step needs the block's final gradient")
+        new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
+                                             donate=donate)
+        return new_param, new_state
+    raise SofxError(f"block {action.block}: unknown action {kind!r}")

@@ -1,0 +1,499 @@
+"""The decision logic of speculation: pure functions on numbers, no tensor touched.
+
+An engine calls :func:`begin_step` when the backward of the last micro-step
+starts, :func:`on_block_ready` when a block's gradient is final,
+:func:`on_late_gradient` when a second gradient arrives for a block that was
+already ready, and :func:`plan_validation` in ``step()``. Each returns new
+immutable values; the engine carries the tensor work out with
+:mod:`sofx.speculation.apply` wherever it likes (inline, a thread, a process).
+
+Decisions (SPECULATION.md section 3):
+
+* a ready block is speculated iff the step may speculate (enabled, last
+  micro-step, adaptive policy not paused), speculation was not vetoed, its
+  gradient is finite, and it is eligible (its undo strategy exists and its
+  snapshot fits in the remaining budget);
+* early veto: once the running sum of squares of the ready blocks exceeds
+  ``(max_norm * S)**2`` (``S`` the scale the speculative steps unscale with),
+  clipping is certain: no further block is speculated this step. A
+  non-finite gradient vetoes too;
+* validation derives the global facts exactly as the serial loop does
+  (:func:`sofx.serial.step_facts`) and, per block: overflow -> ``undo`` what
+  was speculated, ``skip`` the rest; otherwise a speculated block is
+  ``commit``-ted iff its multiplier, hparams and gradient are the final ones,
+  else ``undo_redo``; a block that was not speculated is stepped (``step``);
+  a block with no gradient is ``skip``-ped (``missing_grad="skip"``) or
+  stepped with zeros (``"zero"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+from sofx import tree
+from sofx.adam import Adam, AdamHParams
+from sofx.errors import HParamError, SofxError
+from sofx.kernels.base import as_number
+from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
+from sofx.serial import StepFacts, check_max_norm, check_profile, step_facts
+from sofx.speculation.policy import AdaptivePolicy, PolicyState
+from sofx.step_report import StepReport
+from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
+
+__all__ = [
+    "SpeculationConfig",
+    "StepContext",
+    "Eligibility",
+    "BlockDecision",
+    "BackwardTally",
+    "BlockAction",
+    "ValidationPlan",
+    "DECISION_KINDS",
+    "ACTION_KINDS",
+    "begin_step",
+    "on_block_ready",
+    "on_late_gradient",
+    "plan_validation",
+    "resolve_block_hparams",
+]
+
+# Why a ready block was or was not speculated.
+DECISION_KINDS = ("speculate", "disabled", "micro_step", "policy", "vetoed", "ineligible", "budget")
+ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Static configuration of speculation for a training run.
+
+    ``max_norm``: global-norm clipping (``None``: none). ``profile``: ``"torch"``
+    or ``"deepspeed"`` (:mod:`sofx.serial`). ``missing_grad``: ``"skip"`` or
+    ``"zero"``. ``snapshot_budget_bytes``: the most snapshot memory the
+    speculative steps of one step may hold (``None``: unlimited; ``0``: only
+    algebraically undoable blocks are speculated). ``policy``: the
+    :class:`AdaptivePolicy`. ``predict_scale``: with the deepspeed profile,
+    speculate with the scale the loss scaler will have after a clean step
+    (which is what ZeRO unscales with), so that a scale growth costs no
+    undo+redo; ``False`` speculates with the scale of the backward.
+    ``enabled=False`` never speculates (every block is stepped in validation).
+    """
+
+    max_norm: float | None = None
+    profile: str = "torch"
+    missing_grad: str = "skip"
+    snapshot_budget_bytes: int | None = None
+    policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
+    predict_scale: bool = True
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        check_profile(self.profile)
+        check_max_norm(self.max_norm)
+        if self.missing_grad not in MISSING_GRAD_MODES:
+            raise HParamError(f"missing_grad={self.missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
+        b = self.snapshot_budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise HParamError(f"snapshot_budget_bytes = {b!r} is invalid; expected an integer >= 0 or None")
+        if not isinstance(self.policy, AdaptivePolicy):
+            raise HParamError(f"policy must be an AdaptivePolicy, got {type(self.policy).__name__}")
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """The facts assumed while the backward of one step runs (made by :func:`begin_step`).
+
+    ``hparams[i]``: block ``i``'s complete hparams for speculative steps.
+    ``backward_scale``: the loss scale of this backward. ``assumed_scale``: the
+    scale speculative steps unscale with; ``grad_scale = 1/assumed_scale`` is
+    their Adam multiplier. ``veto_sumsq = (max_norm * assumed_scale)**2``
+    (inf without clipping). ``speculating``/``reason``: whether this step may
+    speculate, and why not.
+    """
+
+    n_blocks: int
+    config: SpeculationConfig
+    scaler: LossScaler
+    scaler_state: LossScaleState
+    policy_state: PolicyState
+    defaults: AdamHParams
+    hparams: tuple[AdamHParams, ...]
+    backward_scale: float
+    assumed_scale: float
+    grad_scale: float
+    veto_sumsq: float
+    speculating: bool
+    kind: str
+    reason: str
+
+
+class Eligibility(NamedTuple):
+    """Whether a block's speculative step could be undone: the strategy ``Adam.update``
+    would choose, why, and the snapshot bytes it would hold."""
+
+    eligible: bool
+    strategy: str | None
+    reason: str
+    snapshot_bytes: int = 0
+
+
+class BlockDecision(NamedTuple):
+    """What :func:`on_block_ready` decided for one block.
+
+    ``speculate``: take the speculative step now, with ``hparams`` and
+    ``grad_scale``. ``kind`` is one of :data:`DECISION_KINDS`; ``reason`` says why.
+    """
+
+    block: int
+    speculate: bool
+    kind: str
+    reason: str
+    hparams: AdamHParams
+    grad_scale: float
+    strategy: str | None = None
+
+
+class BackwardTally(NamedTuple):
+    """The immutable running record of one backward.
+
+    ``sumsq``: running sum of squares of the ready blocks (arrival order; for
+    the veto only). ``block_sumsq[i]``/``decisions[i]``: block ``i``'s sum of
+    squares and decision (``None`` until ready). ``late``: blocks that got a
+    gradient after being ready. ``snapshot_bytes``: snapshot memory held by the
+    speculative steps so far.
+    """
+
+    sumsq: float
+    vetoed: bool
+    veto_reason: str
+    block_sumsq: tuple[float | None, ...]
+    decisions: tuple[BlockDecision | None, ...]
+    late: frozenset[int]
+    snapshot_bytes: int
+
+
+class BlockAction(NamedTuple):
+    """What validation does to one block; ``kind`` is one of :data:`ACTION_KINDS`.
+
+    ``grad_scale``/``hparams``: the final multiplier and hparams for ``step``
+    and ``undo_redo``. ``zero_grad``: step with a zero gradient (missing
+    gradient, ``missing_grad="zero"``). ``speculated``: a speculative step was taken.
+    """
+
+    block: int
+    kind: str
+    reason: str
+    grad_scale: float
+    hparams: AdamHParams
+    zero_grad: bool = False
+    speculated: bool = False
+
+
+class ValidationPlan(NamedTuple):
+    """The outcome of :func:`plan_validation`.
+
+    Apply ``actions`` (one per block), then carry ``scaler_state`` and
+    ``policy_state`` to the next step. If ``error`` is not ``None`` (an
+    overflow at DeepSpeed's minimum loss scale), ``actions`` undo every
+    speculative step: apply them, then raise ``error``.
+    """
+
+    facts: StepFacts | None
+    actions: tuple[BlockAction, ...]
+    scaler_state: LossScaleState
+    policy_state: PolicyState
+    report: StepReport
+    error: Exception | None = None
+
+
+EligibilityLike = Union[Eligibility, Callable[[], Eligibility]]
+
+
+def _is_hparams(x: Any) -> bool:
+    return isinstance(x, AdamHParams)
+
+
+def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) -> tuple[AdamHParams, ...]:
+    """One complete :class:`AdamHParams` per block from ``None``, one ``AdamHParams`` for
+    all blocks, or a sequence of ``n_blocks`` of them (``None`` fields take ``defaults``)."""
+    if hparams is None:
+        hparams = AdamHParams()
+    if not _is_hparams(hparams):
+        if not isinstance(hparams, Sequence) or isinstance(hparams, (str, bytes)):
+            raise HParamError(f"hparams: expected an AdamHParams or a sequence of {n_blocks} of them, "
+                              f"got {type(hparams).__name__}")
+        hparams = list(hparams)
+    spec = tree.flatten(list(range(n_blocks)))[1]
+    per_block = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams", root="blocks")
+    out = []
+    for i, hp in enumerate(per_block):
+        hp = AdamHParams() if hp is None else hp
+        if not _is_hparams(hp):
+            raise HParamError(f"hparams for blocks[{i}]: expected an AdamHParams, got {type(hp).__name__}")
+        out.append(AdamHParams(*(d if x is None else x for x, d in zip(hp, defaults))))
+    return tuple(out)
+
+
+def _check_scale(name: str, s: Any) -> float:
+    s = as_number(s)
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
+        raise HParamError(f"{name} = {s!r} is invalid; expected a finite number > 0")
+    return float(s)
+
+
+def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_state: LossScaleState,
+               policy_state: PolicyState | None = None, *, n_blocks: int, hparams: Any = None,
+               backward_scale: float | None = None,
+               last_micro_step: bool = True) -> tuple[StepContext, BackwardTally]:
+    """The context and an empty tally for the backward that is about to run.
+
+    ``opt`` supplies the hparams defaults; ``hparams`` are this step's
+    (``None``, one :class:`AdamHParams`, or one per block). ``backward_scale``
+    is the loss scale this backward multiplies the loss by (default:
+    ``scaler.scale(scaler_state)``). Speculation only happens in the backward
+    of the last micro-step (``last_micro_step=True``).
+    """
+    if not isinstance(config, SpeculationConfig):
+        raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+        raise HParamError(f"n_blocks = {n_blocks!r} is invalid; expected an integer >= 0")
+    policy_state = config.policy.init() if policy_state is None else policy_state
+    hps = resolve_block_hparams(opt.defaults, hparams, n_blocks)
+    current = _check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
+    s_back = current if backward_scale is None else _check_scale("backward_scale", backward_scale)
+    if config.profile == "deepspeed" and config.predict_scale:
+        assumed = _check_scale("predicted scale", scaler.scale(scaler.update(scaler_state, False)))
+    elif config.profile == "deepspeed":
+        assumed = s_back
+    else:
+        assumed = s_back  # GradScaler unscales with the scale of this backward
+    veto = math.inf if config.max_norm is None else (config.max_norm * assumed) ** 2
+    allowed, why = config.policy.allows(policy_state)
+    if not config.enabled:
+        speculating, kind, reason = False, "disabled", "speculation is disabled"
+    elif not last_micro_step:
+        speculating, kind, reason = False, "micro_step", "not the last micro-step (gradients are still accumulating)"
+    elif not allowed:
+        speculating, kind, reason = False, "policy", why
+    else:
+        speculating, kind, reason = True, "speculate", ""
+    ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
+                      1.0 / assumed, veto, speculating, kind, reason)
+    tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0)
+    return ctx, tally
+
+
+def _check_block(ctx: StepContext, block: int) -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < ctx.n_blocks:
+        raise SofxError(f"block {block!r} is out of range: the step has {ctx.n_blocks} blocks")
+    return block
+
+
+def _replace(t: tuple[Any, ...], i: int, value: Any) -> tuple[Any, ...]:
+    return t[:i] + (value,) + t[i + 1:]
+
+
+def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float,
+                   eligibility: EligibilityLike) -> tuple[BackwardTally, BlockDecision]:
+    """Decide whether to speculate block ``block``, whose final gradient has sum of squares ``sumsq``.
+
+    ``sumsq`` is of the raw (loss-scaled) gradient, accumulated in float64
+    (:func:`sofx.speculation.apply.grad_sumsq`); non-finite means the gradient
+    is. ``eligibility`` is an :class:`Eligibility` or a callable returning one,
+    called only when everything else allows speculation. Returns the new tally
+    and the decision.
+    """
+    _check_block(ctx, block)
+    if tally.decisions[block] is not None:
+        raise SofxError(f"block {block} was already ready this step; a further gradient for it is a late "
+                        "gradient: call on_late_gradient")
+    sumsq = float(sumsq)
+    running = tally.sumsq + sumsq
+    hp = ctx.hparams[block]
+    vetoed, veto_reason, snap = tally.vetoed, tally.veto_reason, tally.snapshot_bytes
+    strategy = None
+    if not ctx.speculating:
+        kind, reason = ctx.kind, ctx.reason
+    elif vetoed:
+        kind, reason = "vetoed", veto_reason
+    elif not math.isfinite(sumsq):
+        vetoed, veto_reason = True, f"block {block} has a non-finite gradient (overflow: the step will be skipped)"
+        kind, reason = "vetoed", veto_reason
+    elif running > ctx.veto_sumsq:
+        vetoed = True
+        veto_reason = (f"clipping is certain from block {block} on: the running sum of squares {running:.6g} "
+                       f"exceeds (max_norm * S)^2 = {ctx.veto_sumsq:.6g}")
+        kind, reason = "vetoed", veto_reason
+    else:
+        el = eligibility() if callable(eligibility) else eligibility
+        if not isinstance(el, Eligibility):
+            raise SofxError(f"eligibility must be an Eligibility, got {type(el).__name__}")
+        strategy = el.strategy
+        budget = ctx.config.snapshot_budget_bytes
+        if not el.eligible:
+            kind, reason = "ineligible", el.reason
+        elif budget is not None and snap + el.snapshot_bytes > budget:
+            kind = "budget"
+            reason = (f"its {el.strategy} undo needs {el.snapshot_bytes} bytes of snapshot "
+                      f"({el.reason}); {budget - snap} of the budget of {budget} bytes are left")
+        else:
+            kind, reason = "speculate", ""
+            snap += el.snapshot_bytes
+    decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy)
+    new = BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq),
+                        _replace(tally.decisions, block, decision), tally.late, snap)
+    return new, decision
+
+
+def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float) -> BackwardTally:
+    """Record that block ``block`` got a further gradient after it was ready.
+
+    ``sumsq`` is that of the summed gradient. The engine sums *out of place*
+    (the speculative step's record references the old gradient); validation
+    then undoes and redoes the block with the summed gradient. A non-finite
+    sum vetoes speculation of the blocks still to come.
+    """
+    _check_block(ctx, block)
+    if tally.decisions[block] is None:
+        raise SofxError(f"block {block} was not ready yet: a gradient before on_block_ready is not late")
+    sumsq = float(sumsq)
+    old = tally.block_sumsq[block]
+    running = tally.sumsq + (sumsq - old if math.isfinite(sumsq) and old is not None and math.isfinite(old)
+                             else sumsq)
+    vetoed, veto_reason = tally.vetoed, tally.veto_reason
+    if not vetoed and not math.isfinite(sumsq):
+        vetoed, veto_reason = True, f"block {block} got a non-finite late gradient"
+    return BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq), tally.decisions,
+                         tally.late | {block}, tally.snapshot_bytes)
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    a, b = as_number(a), as_number(b)
+    if a is b:
+        return True
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return False  # tensors that cannot be read: assume changed (undo+redo is always correct)
+
+
+def _same_hparams(a: AdamHParams, b: AdamHParams) -> bool:
+    return all(_same_number(x, y) for x, y in zip(a, b))
+
+
+def _changes(d: BlockDecision, late: bool, grad_scale: float, hp: AdamHParams, facts: StepFacts,
+             ctx: StepContext) -> list[str]:
+    why = []
+    if late:
+        why.append("a late gradient was summed in")
+    if d.grad_scale != grad_scale:
+        if facts.clipped:
+            why.append(f"clipping fired (norm {facts.grad_norm:.6g})")
+        if facts.scale != ctx.assumed_scale:
+            why.append(f"the gradients are unscaled with {facts.scale:g}, not the assumed {ctx.assumed_scale:g}")
+        if not why:
+            why.append("the gradient multiplier changed")
+    if not _same_hparams(d.hparams, hp):
+        why.append("the hparams changed since speculation")
+    return why
+
+
+def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], *,
+                    hparams: Any = None, taken: Sequence[bool] | None = None,
+                    reduce_sumsq: Callable[[float], float] | None = None) -> ValidationPlan:
+    """Validate the step: global facts, one :class:`BlockAction` per block, the next states and the report.
+
+    ``sumsq[i]``: the sum of squares of block ``i``'s final raw gradient
+    (``None``: no gradient this step). ``hparams``: the validation-time hparams
+    (default: those of the context); blocks speculated with other hparams are
+    undone and redone. ``taken[i]``: whether block ``i``'s speculative step
+    actually ran (default: every speculated block). ``reduce_sumsq``: the
+    all-reduce (sum) of the local sum of squares across ranks.
+    """
+    n = ctx.n_blocks
+    if len(sumsq) != n:
+        raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
+    if taken is not None and len(taken) != n:
+        raise SofxError(f"taken has {len(taken)} entries, the step has {n} blocks")
+    cfg = ctx.config
+    hps = ctx.hparams if hparams is None else resolve_block_hparams(ctx.defaults, hparams, n)
+    spec_taken = []
+    for i in range(n):
+        d = tally.decisions[i]
+        was = d is not None and d.speculate and (taken is None or bool(taken[i]))
+        if taken is not None and taken[i] and not (d is not None and d.speculate):
+            raise SofxError(f"block {i}: taken[{i}] is True but the block was not speculated")
+        if was and sumsq[i] is None:
+            raise SofxError(f"block {i} was speculated but has no gradient at validation")
+        spec_taken.append(was)
+    zero = cfg.missing_grad == "zero"
+    local = total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq])
+    total = float(reduce_sumsq(local)) if reduce_sumsq is not None else local
+    try:
+        facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, total, cfg.max_norm)
+    except MinLossScaleError as exc:
+        actions = tuple(BlockAction(i, "undo" if spec_taken[i] else "skip", "the run stops: " + str(exc), 1.0,
+                                    hps[i], False, spec_taken[i]) for i in range(n))
+        report = _report(ctx, tally, None, actions, ctx.policy_state)
+        return ValidationPlan(None, actions, ctx.scaler_state, ctx.policy_state, report, exc)
+    actions = []
+    for i in range(n):
+        d, s, hp, was = tally.decisions[i], sumsq[i], hps[i], spec_taken[i]
+        if facts.overflow:
+            if was:
+                actions.append(BlockAction(i, "undo", "overflow: the step is skipped", facts.grad_scale, hp,
+                                           False, True))
+            else:
+                actions.append(BlockAction(i, "skip", "overflow: the step is skipped", facts.grad_scale, hp))
+            continue
+        if was:
+            why = _changes(d, i in tally.late, facts.grad_scale, hp, facts, ctx)
+            if why:
+                actions.append(BlockAction(i, "undo_redo", "; ".join(why), facts.grad_scale, hp, False, True))
+            else:
+                actions.append(BlockAction(i, "commit", "as speculated", facts.grad_scale, hp, False, True))
+        elif s is not None:
+            why = d.reason if d is not None and d.reason else (
+                "not speculated" if d is not None else "the block was not reported ready during backward")
+            actions.append(BlockAction(i, "step", why, facts.grad_scale, hp))
+        elif zero:
+            actions.append(BlockAction(i, "step", "no gradient: stepped with zeros (missing_grad='zero')",
+                                       facts.grad_scale, hp, True))
+        else:
+            actions.append(BlockAction(i, "skip", "no gradient: not stepped (missing_grad='skip')",
+                                       facts.grad_scale, hp))
+    policy_state = cfg.policy.update(ctx.policy_state, None if facts.overflow else facts.clipped)
+    actions = tuple(actions)
+    report = _report(ctx, tally, facts, actions, policy_state)
+    return ValidationPlan(facts, actions, facts.scaler_state, policy_state, report)
+
+
+def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, actions: Sequence[BlockAction],
+            policy_state: PolicyState) -> StepReport:
+    kinds = [a.kind for a in actions]
+    decisions = [d.kind for d in tally.decisions if d is not None]
+    scale = ctx.scaler.scale(ctx.scaler_state)
+    return StepReport(
+        blocks=ctx.n_blocks,
+        speculated=sum(a.speculated for a in actions),
+        committed=kinds.count("commit"),
+        undone=kinds.count("undo") + kinds.count("undo_redo"),
+        redone=kinds.count("undo_redo"),
+        vetoed=decisions.count("vetoed"),
+        ineligible=decisions.count("ineligible") + decisions.count("budget"),
+        stepped_late=kinds.count("step"),
+        not_stepped=kinds.count("skip") + kinds.count("undo"),
+        skipped=facts is None or facts.overflow,
+        overflow=facts is None or facts.overflow,
+        clipped=facts is not None and facts.clipped,
+        clip_coef=1.0 if facts is None else facts.clip_coef,
+        grad_norm=math.nan if facts is None else facts.grad_norm,
+        scale=scale if facts is None else facts.scale,
+        next_scale=scale if facts is None else ctx.scaler.scale(facts.scaler_state),
+        grad_scale=1.0 if facts is None else facts.grad_scale,
+        speculating=ctx.speculating,
+        policy_paused=policy_state.paused,
+        policy_reason=ctx.reason if ctx.kind == "policy" else policy_state.reason,
+        veto_reason=tally.veto_reason,
+        actions=tuple(kinds),
+    )

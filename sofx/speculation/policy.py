@@ -1,0 +1,85 @@
+"""The adaptive speculation policy: stop speculating while clipping keeps firing.
+
+When clipping fires on most recent steps (typical during warm-up), every
+speculative step costs an undo and a redo, i.e. more work than not
+speculating. The policy watches the clip outcome of validated steps::
+
+    pause   when more than ``pause_fraction * window`` of the last ``window``
+            validated steps clipped;
+    resume  after ``quiet_steps`` consecutive validated steps without clipping
+            (the clip outcome is still known while paused: validation always
+            computes the global norm); the history then starts afresh.
+
+Skipped (overflow) steps carry no clip information and leave the state as is.
+State is an immutable :class:`PolicyState`; :meth:`AdaptivePolicy.update` is pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sofx.errors import HParamError
+
+__all__ = ["AdaptivePolicy", "PolicyState"]
+
+
+class PolicyState(NamedTuple):
+    """Recent clip outcomes (oldest first), whether speculation is paused, and why."""
+
+    recent: tuple[bool, ...] = ()
+    paused: bool = False
+    quiet: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """Pause speculation while clipping fires on most recent steps (see the module docstring).
+
+    ``enabled=False`` never pauses.
+    """
+
+    enabled: bool = True
+    window: int = 8
+    pause_fraction: float = 0.5
+    quiet_steps: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise HParamError(f"AdaptivePolicy.window = {self.window!r} is invalid; expected an integer >= 1")
+        if not 0 <= self.pause_fraction < 1:
+            raise HParamError(f"AdaptivePolicy.pause_fraction = {self.pause_fraction!r} is invalid; "
+                              "expected 0 <= pause_fraction < 1")
+        if isinstance(self.quiet_steps, bool) or not isinstance(self.quiet_steps, int) or self.quiet_steps < 1:
+            raise HParamError(f"AdaptivePolicy.quiet_steps = {self.quiet_steps!r} is invalid; "
+                              "expected an integer >= 1")
+
+    def init(self) -> PolicyState:
+        return PolicyState()
+
+    def allows(self, state: PolicyState) -> tuple[bool, str]:
+        """Whether this step may speculate, and a sentence saying why not."""
+        if not self.enabled or not state.paused:
+            return True, ""
+        return False, state.reason
+
+    def update(self, state: PolicyState, clipped: bool | None) -> PolicyState:
+        """The state after a validated step (``clipped=None``: a skipped step, no information)."""
+        if not self.enabled or clipped is None:
+            return state
+        if state.paused:
+            quiet = 0 if clipped else state.quiet + 1
+            if quiet >= self.quiet_steps:
+                return PolicyState((), False, 0, f"resumed: {quiet} steps without clipping")
+            return PolicyState(state.recent, True, quiet,
+                               f"paused: clipping fired on most recent steps; {quiet} of {self.quiet_steps} "
+                               "quiet steps needed to resume")
+        recent = (state.recent + (bool(clipped),))[-self.window:]
+        n_clipped = sum(recent)
+        if n_clipped > self.pause_fraction * self.window:
+            return PolicyState(recent, True, 0,
+                               f"paused: clipping fired on {n_clipped} of the last {len(recent)} steps "
+                               f"(each would cost an undo and a redo); resuming after {self.quiet_steps} "
+                               "steps without clipping")
+        return PolicyState(recent, False, 0, "")

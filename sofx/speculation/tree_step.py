@@ -1,0 +1,119 @@
+"""One speculative step over a whole params pytree, inline: the pure combinator.
+
+:func:`speculative_step` drives the block protocol of :mod:`sofx.speculate`
+exactly as an engine would, in one thread: every leaf is a block, gradients
+"arrive" in ``order`` (reverse leaf order by default, as in backward), each
+ready block is speculated or not, late gradients are summed in, then the step
+is validated and the actions applied. It returns what
+:func:`sofx.serial.serial_step` returns for the same inputs (bitwise where no
+block was undone), plus the :class:`~sofx.step_report.StepReport`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.adam import Adam, AdamState
+from sofx.errors import SofxError
+from sofx.loss_scale import LossScaler, LossScaleState
+from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
+from sofx.speculation.decisions import (
+    SpeculationConfig,
+    ValidationPlan,
+    begin_step,
+    on_block_ready,
+    on_late_gradient,
+    plan_validation,
+)
+from sofx.speculation.policy import PolicyState
+from sofx.step_report import StepReport
+
+__all__ = ["SpeculativeStepResult", "speculative_step"]
+
+_SAME = object()
+
+
+class SpeculativeStepResult(NamedTuple):
+    """New params, Adam state, loss-scaler state, policy state, the report and the validation plan."""
+
+    params: Any
+    state: AdamState
+    scaler_state: LossScaleState
+    policy_state: PolicyState
+    report: StepReport
+    plan: ValidationPlan
+
+
+def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, config: SpeculationConfig,
+                     scaler: LossScaler, scaler_state: LossScaleState, policy_state: PolicyState | None = None,
+                     hparams: Any = None, validation_hparams: Any = _SAME, backward_scale: float | None = None,
+                     order: Sequence[int] | None = None, late_grads: Mapping[int, torch.Tensor] | None = None,
+                     last_micro_step: bool = True, reduce_sumsq: Callable[[float], float] | None = None,
+                     donate: bool = False) -> SpeculativeStepResult:
+    """Speculate, validate and apply one step; every leaf of ``params`` is a block.
+
+    ``grads``: raw (loss-scaled) gradients with the structure of ``params``
+    (``None``: no gradient). ``hparams``: the hparams assumed during backward
+    (an :class:`~sofx.AdamHParams` prefix tree); ``validation_hparams``: those
+    in force at validation (default: the same). ``order``: leaf indices in
+    arrival order (default: reversed). ``late_grads[i]``: a further gradient
+    for leaf ``i`` arriving after the leaf was ready (summed out of place; the
+    final gradient of leaf ``i`` is ``grads_i + late_grads[i]``).
+    ``backward_scale``: the scale the loss was multiplied by (default: the
+    scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
+    every speculative step when DeepSpeed's scaler gives up.
+    """
+    p_leaves, spec = tree.flatten(params)
+    n = len(p_leaves)
+    g_leaves = list(tree.flatten_up_to(spec, grads, "grads")) if grads is not None else [None] * n
+    if not isinstance(state, AdamState):
+        raise SofxError(f"state: expected an AdamState, got {type(state).__name__}")
+    counts = tree.flatten_up_to(spec, state.count, "state.count")
+    mus = tree.flatten_up_to(spec, state.mu, "state.mu")
+    nus = tree.flatten_up_to(spec, state.nu, "state.nu")
+    block_states = [AdamState(c, m, v) for c, m, v in zip(counts, mus, nus)]
+    hps = opt.resolve_hparams(hparams, spec)
+    final_hps = hps if validation_hparams is _SAME else opt.resolve_hparams(validation_hparams, spec)
+    order = list(range(n - 1, -1, -1)) if order is None else list(order)
+    if sorted(order) != list(range(n)):
+        raise SofxError(f"order must be a permutation of the {n} leaf indices, got {order}")
+    late_grads = dict(late_grads or {})
+    for i in late_grads:
+        if not (isinstance(i, int) and 0 <= i < n) or g_leaves[i] is None:
+            raise SofxError(f"late_grads[{i!r}]: a late gradient needs a leaf that already has a gradient")
+
+    ctx, tally = begin_step(opt, config, scaler, scaler_state, policy_state, n_blocks=n, hparams=list(hps),
+                            backward_scale=backward_scale, last_micro_step=last_micro_step)
+    new_p = list(p_leaves)
+    records: list[Any] = [None] * n
+    for i in order:
+        g = g_leaves[i]
+        if g is None:
+            continue
+
+        def eligibility(i: int = i, g: torch.Tensor = g) -> Any:
+            return block_eligibility(opt, new_p[i], g, block_states[i], ctx.hparams[i], ctx.grad_scale)
+
+        tally, decision = on_block_ready(ctx, tally, i, grad_sumsq(g), eligibility)
+        if decision.speculate:
+            new_p[i], block_states[i], records[i] = speculative_block_step(opt, new_p[i], g, block_states[i],
+                                                                            decision, donate=donate)
+    for i, extra in late_grads.items():
+        g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
+        tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))
+
+    final = [None if g is None else tally.block_sumsq[i] for i, g in enumerate(g_leaves)]
+    plan = plan_validation(ctx, tally, final, hparams=list(final_hps), reduce_sumsq=reduce_sumsq)
+    for i, action in enumerate(plan.actions):
+        new_p[i], block_states[i] = apply_block_action(opt, action, new_p[i], g_leaves[i], block_states[i],
+                                                       records[i], donate=donate)
+    if plan.error is not None:
+        raise plan.error
+    new_state = AdamState(tree.unflatten(spec, [s.count for s in block_states]),
+                          tree.unflatten(spec, [s.mu for s in block_states]),
+                          tree.unflatten(spec, [s.nu for s in block_states]))
+    return SpeculativeStepResult(tree.unflatten(spec, new_p), new_state, plan.scaler_state, plan.policy_state,
+                                 plan.report, plan)

@@ -1,0 +1,73 @@
+"""What happened in one optimizer step: the numbers users and benchmarks need.
+
+A :class:`StepReport` is produced by validation (:func:`sofx.speculate.plan_validation`)
+and by :func:`sofx.speculate.speculative_step`. Block counts:
+
+``speculated``    speculative steps taken during backward
+``committed``     speculative steps that stood as they were
+``undone``        speculative steps undone (with or without a redo)
+``redone``        undone steps taken again with the final gradient, scale and hparams
+``vetoed``        ready blocks not speculated because of an early veto (clipping
+                  certain, or a non-finite gradient)
+``ineligible``    ready blocks not speculated because their step could not be
+                  undone within the snapshot budget
+``stepped_late``  blocks stepped in validation without a speculative step
+                  (vetoed, ineligible, policy pause, earlier micro-steps,
+                  missing gradient with ``missing_grad="zero"``)
+``not_stepped``   blocks without a step this iteration (overflow, or a missing
+                  gradient with ``missing_grad="skip"``)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["StepReport"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Counts and global facts of one step (see the module docstring)."""
+
+    blocks: int
+    speculated: int = 0
+    committed: int = 0
+    undone: int = 0
+    redone: int = 0
+    vetoed: int = 0
+    ineligible: int = 0
+    stepped_late: int = 0
+    not_stepped: int = 0
+    skipped: bool = False
+    overflow: bool = False
+    clipped: bool = False
+    clip_coef: float = 1.0
+    grad_norm: float = math.nan
+    scale: float = 1.0
+    next_scale: float = 1.0
+    grad_scale: float = 1.0
+    speculating: bool = True
+    policy_paused: bool = False
+    policy_reason: str = ""
+    veto_reason: str = ""
+    actions: tuple[str, ...] = field(default=())
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict (for logging, dataframes and plots)."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 late 4 | norm 0.93 scale 65536``."""
+        head = "SKIPPED (overflow) " if self.skipped else ""
+        line = (f"{head}spec {self.speculated} commit {self.committed} undo {self.undone} redo {self.redone} "
+                f"veto {self.vetoed} inelig {self.ineligible} late {self.stepped_late} | "
+                f"norm {self.grad_norm:.4g}{' clipped' if self.clipped else ''} scale {self.scale:g}")
+        if self.scale != self.next_scale:
+            line += f" -> {self.next_scale:g}"
+        if self.policy_reason:
+            line += f" | policy: {self.policy_reason}"
+        if self.veto_reason:
+            line += f" | veto: {self.veto_reason}"
+        return line

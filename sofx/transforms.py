@@ -1,0 +1,354 @@
+"""Gradient transforms: pure, pytree-wide and composable.
+
+Two levels:
+
+* plain functions on numbers and pytrees -- :func:`sumsq`, :func:`global_norm`,
+  :func:`all_finite`, :func:`clip_coefficient` (``clip_grad_norm_``),
+  :func:`zero_clip_factor` (ZeRO), :func:`scale_tree` -- which the serial loop
+  and the speculation layer share, so that both compute bit-identical numbers;
+* :class:`GradientTransformation` ``(init, update)`` objects in optax's style,
+  composed with :func:`chain`::
+
+      tx = chain(unscale(), check_finite(), clip_by_global_norm(1.0))
+      state = tx.init(params)
+      grads, state = tx.update(grads, state, params, loss_scale=S)
+
+  ``update(grads, state, params=None, **extra)`` returns new gradients and a
+  new state; nothing passed in is modified. ``extra`` carries per-step values
+  (``loss_scale``) through a chain.
+
+Gradient accumulation over micro-steps is :func:`accumulate` /
+:func:`accumulated` on an immutable :class:`AccumulationState`. Param groups
+are hparams prefix trees; :func:`label_params`, :func:`no_decay_labels` and
+:func:`group_hparams` build them from a labelling rule.
+
+Math. With ``n = sqrt(sum_i ||g_i||^2)`` over all leaves (``None`` leaves are
+absent), ``S`` the loss scale and ``c`` the max norm:
+
+* ``clip_grad_norm_`` form: ``coef = c / (n + 1e-6)``; ``g <- g * coef`` iff ``coef < 1``.
+* ZeRO form (``n`` of the *scaled* gradients): ``clip = max((n/S + 1e-6)/c, 1)``;
+  ``g <- g * 1/(clip*S)``; clipping happened iff ``clip > 1``.
+* unscale: ``g <- g / S``. Non-finite check: every element of every leaf finite.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.adam import AdamHParams
+from sofx.errors import HParamError, LeafError, SofxError
+
+__all__ = [
+    "CLIP_EPS",
+    "sumsq",
+    "total_sumsq",
+    "global_norm",
+    "all_finite",
+    "clip_coefficient",
+    "zero_clip_factor",
+    "scale_tree",
+    "GradientTransformation",
+    "EmptyState",
+    "ClipState",
+    "FiniteState",
+    "chain",
+    "identity",
+    "unscale",
+    "clip_by_global_norm",
+    "unscale_and_clip_zero",
+    "check_finite",
+    "AccumulationState",
+    "accumulation_init",
+    "accumulate",
+    "accumulated",
+    "label_params",
+    "no_decay_labels",
+    "merge_hparams",
+    "group_hparams",
+]
+
+CLIP_EPS = 1e-6  # the 1e-6 of clip_grad_norm_ and of ZeRO's clip factor
+
+MISSING_GRAD_MODES = ("skip", "zero")
+
+
+# ----------------------------------------------------------------- numbers
+def sumsq(x: torch.Tensor) -> float:
+    """``sum(x**2)`` as a Python float, accumulated in float64.
+
+    float64 accumulation cannot overflow for finite float32/16 inputs, so the
+    result is finite exactly when every element of ``x`` is (inf and nan
+    propagate): one pass gives both the norm and the non-finite check.
+    """
+    if x.numel() == 0:
+        return 0.0
+    n = torch.linalg.vector_norm(x, 2, dtype=torch.float64).item()
+    return n * n
+
+
+def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
+    """Sum of per-block sums of squares in block order (``None``: no gradient, left out).
+
+    The order is fixed (block index, not arrival order) so that every path
+    that sums the same blocks gets the same bits.
+    """
+    total = 0.0
+    for s in block_sumsq:
+        if s is not None:
+            total += s
+    return total
+
+
+def global_norm(grads: Any) -> float:
+    """The L2 norm over every leaf of a gradient pytree (``None`` leaves are absent)."""
+    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+    return math.sqrt(total_sumsq([sumsq(g) for g in leaves]))
+
+
+def all_finite(grads: Any) -> bool:
+    """True when every element of every (non-``None``) leaf is finite."""
+    return all(bool(torch.isfinite(g).all()) for g in tree.flatten(grads)[0] if g is not None)
+
+
+def _check_max_norm(max_norm: float) -> float:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+            math.isfinite(max_norm) and max_norm > 0):
+        raise HParamError(f"max_norm = {max_norm!r} is invalid; expected a finite number > 0")
+    return float(max_norm)
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """``clip_grad_norm_``'s multiplier: ``max_norm / (norm + 1e-6)`` when that is ``< 1``, else 1."""
+    coef = max_norm / (norm + CLIP_EPS)
+    return coef if coef < 1.0 else 1.0
+
+
+def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float:
+    """ZeRO's clip divisor ``max((scaled_norm/scale + 1e-6) / max_norm, 1)`` (``> 1``: clipping)."""
+    clip = ((scaled_norm / scale) + CLIP_EPS) / max_norm
+    return clip if clip > 1.0 else 1.0
+
+
+def scale_tree(grads: Any, factor: float) -> Any:
+    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors)."""
+    return tree.tree_map(lambda g: g * factor, grads)
+
+
+# -------------------------------------------------------- transformations
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(grads, state, params=None, **extra) -> (grads, state)``."""
+
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+class ClipState(NamedTuple):
+    """What the last clip saw: the global norm and the multiplier applied (1.0: not clipped)."""
+
+    norm: float = math.nan
+    coef: float = 1.0
+
+
+class FiniteState(NamedTuple):
+    """Whether the last gradients were all finite, and how many non-finite steps so far."""
+
+    all_finite: bool = True
+    nonfinite_steps: int = 0
+
+
+def identity() -> GradientTransformation:
+    """Leaves the gradients as they are."""
+    return GradientTransformation(lambda params: EmptyState(), lambda grads, state, params=None, **extra: (grads, state))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` one after another; the state is the tuple of their states."""
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise SofxError(f"chain: argument {i} is a {type(t).__name__}, expected a GradientTransformation")
+
+    def init(params: Any) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads: Any, state: tuple[Any, ...], params: Any = None, **extra: Any) -> tuple[Any, tuple[Any, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise SofxError(f"chain: expected a state tuple of {len(transforms)} entries, got {state!r:.80}")
+        new_states = []
+        for t, s in zip(transforms, state):
+            grads, s = t.update(grads, s, params, **extra)
+            new_states.append(s)
+        return grads, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def _loss_scale(extra: Mapping[str, Any], who: str) -> float:
+    if "loss_scale" not in extra:
+        raise SofxError(f"{who}: pass the loss scale of this backward as update(..., loss_scale=S)")
+    s = extra["loss_scale"]
+    s = s.item() if isinstance(s, torch.Tensor) else s
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
+        raise HParamError(f"{who}: loss_scale = {s!r} is invalid; expected a finite number > 0")
+    return float(s)
+
+
+def unscale() -> GradientTransformation:
+    """``g <- g * (1/S)`` with ``S = extra['loss_scale']`` (``GradScaler.unscale_``)."""
+
+    def update(grads: Any, state: EmptyState, params: Any = None, **extra: Any) -> tuple[Any, EmptyState]:
+        s = _loss_scale(extra, "unscale")
+        return (grads if s == 1.0 else scale_tree(grads, 1.0 / s)), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """``torch.nn.utils.clip_grad_norm_``: ``g <- g * max_norm/(norm + 1e-6)`` when that is ``< 1``."""
+    max_norm = _check_max_norm(max_norm)
+
+    def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
+        norm = global_norm(grads)
+        coef = clip_coefficient(norm, max_norm)
+        return (grads if coef == 1.0 else scale_tree(grads, coef)), ClipState(norm, coef)
+
+    return GradientTransformation(lambda params: ClipState(), update)
+
+
+def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
+    """ZeRO's combined unscale and clip: ``g <- g / (clip * S)``, ``clip = max((n/S + 1e-6)/max_norm, 1)``.
+
+    ``n`` is the norm of the *scaled* gradients and ``S = extra['loss_scale']``
+    (in ZeRO, the scale after this step's loss-scale update). ``max_norm=None``
+    only unscales. The state's ``norm`` is the unscaled norm ``n / S``.
+    """
+    max_norm = None if max_norm is None else _check_max_norm(max_norm)
+
+    def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
+        s = _loss_scale(extra, "unscale_and_clip_zero")
+        scaled = global_norm(grads)
+        clip = 1.0 if max_norm is None else zero_clip_factor(scaled, s, max_norm)
+        combined = clip * s
+        return (grads if combined == 1.0 else scale_tree(grads, 1.0 / combined)), ClipState(scaled / s, 1.0 / clip)
+
+    return GradientTransformation(lambda params: ClipState(), update)
+
+
+def check_finite() -> GradientTransformation:
+    """Records in its state whether every gradient element is finite (gradients pass unchanged)."""
+
+    def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
+        ok = all_finite(grads)
+        return grads, FiniteState(ok, state.nonfinite_steps + (0 if ok else 1))
+
+    return GradientTransformation(lambda params: FiniteState(), update)
+
+
+# ------------------------------------------------------------ accumulation
+class AccumulationState(NamedTuple):
+    """Gradients summed over the micro-steps so far (``None`` leaves: no gradient yet)."""
+
+    total: Any
+    micro_steps: int = 0
+
+
+def accumulation_init(params: Any) -> AccumulationState:
+    """No gradient yet for any leaf of ``params``."""
+    leaves, spec = tree.flatten(params)
+    return AccumulationState(tree.unflatten(spec, [None] * len(leaves)), 0)
+
+
+def accumulate(state: AccumulationState, grads: Any, params: Any) -> AccumulationState:
+    """Add one micro-step's gradients (``None`` leaves: no gradient this micro-step).
+
+    The sum is ``first + second + ...`` in micro-step order, as autograd
+    accumulates into ``.grad``. Nothing passed in is modified.
+    """
+    leaves, spec = tree.flatten(params)
+    paths = tree.leaf_paths(spec)
+    new = tree.flatten_up_to(spec, grads, "grads")
+    old = tree.flatten_up_to(spec, state.total, "accumulated gradients")
+    out = []
+    for path, p, acc, g in zip(paths, leaves, old, new):
+        if g is not None:
+            _check_grad(path, g, p)
+        out.append(acc if g is None else g if acc is None else acc + g)
+    return AccumulationState(tree.unflatten(spec, out), state.micro_steps + 1)
+
+
+def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip") -> Any:
+    """The summed gradients; a leaf that got no gradient in any micro-step is ``None``
+    (``missing_grad="skip"``: torch.optim leaves it untouched) or zeros (``"zero"``: DeepSpeed)."""
+    if missing_grad not in MISSING_GRAD_MODES:
+        raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
+    leaves, spec = tree.flatten(params)
+    totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
+    if missing_grad == "zero":
+        totals = [torch.zeros_like(p) if t is None else t for p, t in zip(leaves, totals)]
+    return tree.unflatten(spec, totals)
+
+
+def _check_grad(path: str, g: Any, p: torch.Tensor) -> None:
+    gpath = "grads" + path[len("params"):]
+    if not isinstance(g, torch.Tensor):
+        raise LeafError(f"{gpath}: expected a tensor, got {type(g).__name__}")
+    if g.shape != p.shape:
+        raise LeafError(f"{gpath}: expected shape {tuple(p.shape)}, got {tuple(g.shape)}")
+    if g.dtype != p.dtype:
+        raise LeafError(f"{gpath}: expected dtype {p.dtype}, got {g.dtype}")
+    if g.device != p.device:
+        raise LeafError(f"{gpath}: expected device {p.device}, got {g.device}")
+
+
+# ------------------------------------------------------------- param groups
+def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> Any:
+    """A tree of labels: ``label_fn(path, param)`` for every leaf (path as in error messages)."""
+    leaves, spec = tree.flatten(params)
+    return tree.unflatten(spec, [label_fn(path, p) for path, p in zip(tree.leaf_paths(spec), leaves)])
+
+
+_NO_DECAY_NAME = re.compile(r"bias|norm|(^|[^a-z])ln(_|\d|[^a-z]|$)|embed_positions", re.IGNORECASE)
+
+
+def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay") -> Any:
+    """``no_decay`` for biases and normalization weights, ``decay`` for the rest.
+
+    A leaf is ``no_decay`` when it has fewer than 2 dimensions (biases, norm
+    scales) or its path names a bias or a norm (``bias``, ``norm``, ``ln_1``).
+    """
+
+    def rule(path: str, p: torch.Tensor) -> str:
+        return no_decay if p.dim() < 2 or _NO_DECAY_NAME.search(path) else decay
+
+    return label_params(params, rule)
+
+
+def merge_hparams(base: AdamHParams, override: AdamHParams | None) -> AdamHParams:
+    """``base`` with every field that ``override`` sets (not ``None``) replaced."""
+    if override is None:
+        return base
+    return AdamHParams(*(b if o is None else o for b, o in zip(base, override)))
+
+
+def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHParams | None = None) -> Any:
+    """A per-leaf hparams tree (a valid prefix of the params tree) from labels.
+
+    Leaf ``x`` gets ``merge_hparams(base, groups[label(x)])``: e.g. ``base`` from a
+    schedule and ``groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}``.
+    """
+    base = base if base is not None else AdamHParams()
+    leaves, spec = tree.flatten(labels)
+    out = []
+    for path, label in zip(tree.leaf_paths(spec, root="labels"), leaves):
+        if label not in groups:
+            raise HParamError(f"{path} = {label!r} names no group; groups are {sorted(groups)}")
+        out.append(merge_hparams(base, groups[label]))
+    return tree.unflatten(spec, out)
