@@ -1,0 +1,175 @@
+"""Compile the native CPU kernels once per machine and load them with ctypes.
+
+The C source (:mod:`sofx.kernels._cpu_source`) is plain C99 with no Python or
+torch headers, so a cold compile takes about a second. The shared library is
+cached on disk under ``$SOFX_CACHE_DIR`` (default ``$XDG_CACHE_HOME/sofx`` or
+``~/.cache/sofx``), keyed by a hash of the source, the compiler, its flags and
+the CPU's instruction-set flags (the library is built with ``-march=native``),
+written to a temporary file and renamed into place, so that concurrent
+processes never load a half-written file. In the process it is built and
+loaded at most once (a lock guards the lazy load); the result, or the reason
+it is unavailable, is cached.
+
+Set ``SOFX_CPU_NATIVE=0`` to disable the native kernels (the CPU backend then
+runs the reference math), ``CC`` to choose the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+
+from sofx.kernels._cpu_source import SOURCE
+from sofx.kernels._torch_sqrt import torch_sqrt_routine
+
+__all__ = ["NativeLib", "load", "unavailable_reason"]
+
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"],
+    ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"],
+)
+_COMMON = ["-std=gnu11", "-shared", "-fPIC", "-pthread"]
+
+
+@dataclass(frozen=True)
+class NativeLib:
+    """The loaded library: ``adam`` is the C entry point ``sofx_adam``, ``has_f16`` whether float16 works.
+
+    ``sqrt_fn``/``sqrt_mode``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`).
+    """
+
+    path: str
+    adam: ctypes._CFuncPtr
+    has_f16: bool
+    sqrt_fn: int
+    sqrt_mode: int
+
+
+_lock = threading.Lock()
+_loaded: list[NativeLib | str] = []  # at most one entry: the library or why it is unavailable
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("SOFX_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "sofx")
+    return os.path.join(root, "kernels")
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU model and feature flags (what ``-march=native`` depends on)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc.split()[0]) and cc
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return name
+    return None
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _compile(cc: str, flags: list[str], target: str) -> str | None:
+    """Compile SOURCE to ``target`` atomically; the compiler's error text on failure, else None."""
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        src = os.path.join(tmp, "sofx_adam.c")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(SOURCE)
+        out = os.path.join(tmp, "sofx_adam.so")
+        try:
+            proc = subprocess.run([*cc.split(), *flags, *_COMMON, src, "-o", out, "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            return str(e)
+        if proc.returncode != 0:
+            return proc.stderr.strip() or f"exit status {proc.returncode}"
+        os.replace(out, target)
+    return None
+
+
+def _first_error(text: str) -> str:
+    lines = text.splitlines()
+    return next((line for line in lines if "error" in line), lines[0] if lines else "failed")
+
+
+def _open(path: str) -> NativeLib:
+    lib = ctypes.CDLL(path)
+    fn = lib.sofx_adam
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int64,
+                   ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_double),
+                   ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    has_f16 = lib.sofx_has_f16
+    has_f16.restype = ctypes.c_int
+    sqrt_fn, sqrt_mode = torch_sqrt_routine()
+    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode)
+
+
+def _build_and_open() -> NativeLib | str:
+    if os.environ.get("SOFX_CPU_NATIVE", "1") == "0":
+        return "disabled by SOFX_CPU_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return "no C compiler found (set CC to one)"
+    version = _compiler_version(cc)
+    errors = []
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256("\0".join([SOURCE, cc, version, *flags, *_COMMON, _cpu_fingerprint()])
+                             .encode()).hexdigest()[:24]
+        target = os.path.join(_cache_dir(), f"sofx_adam_{key}.so")
+        if not os.path.exists(target):
+            try:
+                err = _compile(cc, flags, target)
+            except OSError as e:  # unwritable cache directory and the like
+                err = str(e)
+            if err is not None:
+                errors.append(f"{cc} {' '.join(flags)}: {_first_error(err)}")
+                continue
+        try:
+            return _open(target)
+        except OSError as e:
+            errors.append(f"loading {target}: {e}")
+    return "the native CPU kernels could not be built: " + " | ".join(errors)
+
+
+def load() -> NativeLib | None:
+    """The native library, building it on first use; None when it cannot be built here."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _loaded.append(_build_and_open())
+    lib = _loaded[0]
+    return lib if isinstance(lib, NativeLib) else None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returns None (after it was called), or None when the library is loaded."""
+    load()
+    lib = _loaded[0]
+    return None if isinstance(lib, NativeLib) else lib

@@ -1,0 +1,303 @@
+"""C source of the native CPU Adam kernels (compiled on first use by :mod:`sofx.kernels._cpu_build`).
+
+The kernels work tile by tile: a tile of ``TILE`` elements of every input is
+converted to float32 into local arrays, the math runs as a few short loops
+over those arrays (each one vectorizes, and the local arrays cannot alias the
+inputs, so the outputs may be the inputs' own storage), then the results are
+rounded to the storage dtypes and written out. Main memory is touched once
+per input and once per output, which makes a step memory-bound.
+
+The arithmetic reproduces ``reference.py``, which follows torch's own CPU
+element-wise kernels operation by operation: ``lerp`` and ``add(alpha=)`` are
+fused multiply-adds, ``addcmul`` is ``fma(c*g, g, v)``, ``addcdiv`` is
+``p + (s*m)/d``, divisions are true divisions. The file is compiled with
+``-ffp-contract=off`` so that no other multiply-add is fused.
+
+Element types (per array): 0 float32, 1 bfloat16, 2 float16 (when the
+compiler has ``_Float16``). Rounding to bfloat16 is round-to-nearest-even,
+a nan stays a nan.
+"""
+
+SOURCE = r"""
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 512
+#define MIN_PER_THREAD 65536
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { OP_STEP = 0, OP_UNDO = 1, OP_UNDO_REDO = 2 };
+
+/* Scalars of one step, as doubles computed on the host (index = meaning). */
+enum {
+  S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
+  S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_COUNT
+};
+
+typedef struct {
+  float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss;
+  int has_gs, has_decay;
+} Sc;
+
+/* The square root: IEEE sqrtf, or the vector routine torch's own sqrt uses (MKL's
+   vmsSqrt_64(n, in, out, mode)), so that results match torch bit for bit. */
+typedef void (*vsqrt_fn)(int64_t, const float *, float *, int64_t);
+typedef struct {
+  vsqrt_fn fn;
+  int64_t mode;
+} Sqrt;
+
+typedef struct {
+  int op, decoupled;
+  int dp, dg, ds, dg2, dpo;          /* dtypes: p (and outputs), g, m/v, g_new, p_old */
+  int64_t n;
+  const void *p, *g, *m, *v, *g2, *pold;
+  void *po, *mo, *vo;
+  Sc s1, s2;
+  Sqrt sq;
+  int64_t begin, end;
+} Job;
+
+int sofx_has_f16(void) {
+#ifdef __FLT16_MAX__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (f != f) return (uint16_t)((u >> 16) | 0x0040u); /* quiet nan, sign kept */
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void load(float *dst, const void *src, int dt, int64_t off, int n) {
+  if (dt == DT_F32) {
+    memcpy(dst, (const float *)src + off, (size_t)n * 4);
+  } else if (dt == DT_BF16) {
+    const uint16_t *s = (const uint16_t *)src + off;
+    for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+  } else {
+#ifdef __FLT16_MAX__
+    const _Float16 *s = (const _Float16 *)src + off;
+    for (int i = 0; i < n; i++) dst[i] = (float)s[i];
+#endif
+  }
+}
+
+static void store(void *dst, int dt, int64_t off, const float *src, int n) {
+  if (dt == DT_F32) {
+    memcpy((float *)dst + off, src, (size_t)n * 4);
+  } else if (dt == DT_BF16) {
+    uint16_t *d = (uint16_t *)dst + off;
+    for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+  } else {
+#ifdef __FLT16_MAX__
+    _Float16 *d = (_Float16 *)dst + off;
+    for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
+#endif
+  }
+}
+
+/* Round a float tile to dtype dt and back (an intermediate stored to memory). */
+static void round_to(float *x, int dt, int n) {
+  if (dt == DT_BF16) {
+    for (int i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  } else if (dt == DT_F16) {
+#ifdef __FLT16_MAX__
+    for (int i = 0; i < n; i++) x[i] = (float)(_Float16)x[i];
+#endif
+  }
+}
+
+static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
+  if (sq->fn) {
+    sq->fn((int64_t)n, in, out, sq->mode);
+  } else {
+    for (int i = 0; i < n; i++) out[i] = sqrtf(in[i]);
+  }
+}
+
+static Sc make_sc(const double *d) {
+  Sc s;
+  s.gs = (float)d[S_GRAD_SCALE];
+  s.decay = (float)d[S_DECAY_FACTOR];
+  s.wd = (float)d[S_WD];
+  s.omb1 = (float)d[S_ONE_MINUS_B1];
+  s.b1 = (float)d[S_B1];
+  s.b2 = (float)d[S_B2];
+  s.omb2 = (float)d[S_ONE_MINUS_B2];
+  s.bc2 = (float)d[S_BC2_SQRT];
+  s.eps = (float)d[S_EPS];
+  s.ss = (float)d[S_STEP_SIZE];
+  s.has_gs = d[S_HAS_GRAD_SCALE] != 0.0;
+  s.has_decay = d[S_HAS_DECAY] != 0.0;
+  return s;
+}
+
+/* One Adam step on a tile (P, G, M, V in float32; G is modified). */
+static void step_tile(float *restrict P, float *restrict G, float *restrict M, float *restrict V,
+                      float *restrict D, const Sqrt *sq, const Sc *s, int decoupled, int n) {
+  if (s->has_gs) {
+    const float gs = s->gs;
+    for (int i = 0; i < n; i++) G[i] = G[i] * gs;
+  }
+  if (s->has_decay) {
+    if (decoupled) {
+      const float f = s->decay;
+      for (int i = 0; i < n; i++) P[i] = P[i] * f;
+    } else {
+      const float wd = s->wd;
+      for (int i = 0; i < n; i++) G[i] = fmaf(P[i], wd, G[i]); /* g.add(p, alpha=wd) */
+    }
+  }
+  const float w = s->omb1; /* m.lerp(g, w) as torch: fma from the nearer end */
+  if (fabsf(w) < 0.5f) {
+    for (int i = 0; i < n; i++) M[i] = fmaf(w, G[i] - M[i], M[i]);
+  } else {
+    const float w1 = w - 1.0f;
+    for (int i = 0; i < n; i++) M[i] = fmaf(w1, G[i] - M[i], G[i]);
+  }
+  const float b2 = s->b2, c2 = s->omb2; /* v.mul(b2).addcmul(g, g, value=1-b2) */
+  for (int i = 0; i < n; i++) V[i] = fmaf(c2 * G[i], G[i], V[i] * b2);
+  const float bc2 = s->bc2, eps = s->eps, nss = -s->ss; /* p.addcdiv(m, sqrt(v)/bc2 + eps, -ss) */
+  sqrt_tile(D, V, sq, n);
+  for (int i = 0; i < n; i++) {
+    const float d = D[i] / bc2 + eps;
+    P[i] = P[i] + (nss * M[i]) / d;
+  }
+}
+
+/* The inverse on a tile: P, M, V hold the stepped values on entry, the restored ones on exit.
+   With use_pold, P holds the snapshot of the old parameter on entry. */
+static void undo_tile(float *restrict P, float *restrict G, float *restrict M, float *restrict V,
+                      float *restrict D, const Sqrt *sq, const Sc *s, int decoupled, int use_pold, int n) {
+  if (s->has_gs) {
+    const float gs = s->gs;
+    for (int i = 0; i < n; i++) G[i] = G[i] * gs;
+  }
+  if (!use_pold) {
+    const float bc2 = s->bc2, eps = s->eps, ss = s->ss;
+    sqrt_tile(D, V, sq, n);
+    for (int i = 0; i < n; i++) {
+      const float d = D[i] / bc2 + eps;
+      P[i] = P[i] + (M[i] / d) * ss;
+    }
+    if (decoupled && s->has_decay) {
+      const float f = s->decay;
+      for (int i = 0; i < n; i++) P[i] = P[i] / f;
+    }
+  }
+  if (!decoupled && s->has_decay) {
+    const float wd = s->wd;
+    for (int i = 0; i < n; i++) G[i] = fmaf(P[i], wd, G[i]);
+  }
+  const float omb1 = s->omb1, b1 = s->b1, omb2 = s->omb2, b2 = s->b2;
+  for (int i = 0; i < n; i++) M[i] = (M[i] - omb1 * G[i]) / b1;
+  for (int i = 0; i < n; i++) {
+    const float x = (V[i] - omb2 * (G[i] * G[i])) / b2;
+    V[i] = x < 0.0f ? 0.0f : x; /* clamp at 0, nan stays nan */
+  }
+}
+
+static void run_range(const Job *j) {
+  float P[TILE], G[TILE], M[TILE], V[TILE], D[TILE];
+  for (int64_t off = j->begin; off < j->end; off += TILE) {
+    const int n = (int)((j->end - off) < TILE ? (j->end - off) : TILE);
+    if (j->op != OP_STEP && j->pold) load(P, j->pold, j->dpo, off, n);
+    else load(P, j->p, j->dp, off, n);
+    load(G, j->g, j->dg, off, n);
+    load(M, j->m, j->ds, off, n);
+    load(V, j->v, j->ds, off, n);
+    if (j->op == OP_STEP) {
+      step_tile(P, G, M, V, D, &j->sq, &j->s1, j->decoupled, n);
+    } else {
+      undo_tile(P, G, M, V, D, &j->sq, &j->s1, j->decoupled, j->pold != 0, n);
+      if (j->op == OP_UNDO_REDO) {
+        round_to(P, j->dp, n);
+        round_to(M, j->ds, n);
+        round_to(V, j->ds, n);
+        load(G, j->g2, j->dg2, off, n);
+        step_tile(P, G, M, V, D, &j->sq, &j->s2, j->decoupled, n);
+      }
+    }
+    store(j->po, j->dp, off, P, n);
+    store(j->mo, j->ds, off, M, n);
+    store(j->vo, j->ds, off, V, n);
+  }
+}
+
+static void *run_thread(void *arg) {
+  run_range((const Job *)arg);
+  return 0;
+}
+
+#define MAX_THREADS 256
+
+/* Entry point. dtypes = {p, g, m/v, g_new, p_old}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out, v_out}.
+   sqrt_fn/sqrt_mode: see Sqrt (0: IEEE sqrtf).
+   Returns 0 on success, a negative code for bad arguments (nothing written). */
+int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *ptrs,
+              const double *s_old, const double *s_new, int nthreads, void *sqrt_fn, int64_t sqrt_mode) {
+  if (op < OP_STEP || op > OP_UNDO_REDO || n < 0) return -1;
+  for (int k = 0; k < 5; k++) {
+    if (dtypes[k] < DT_F32 || dtypes[k] > DT_F16) return -2;
+    if (dtypes[k] == DT_F16 && !sofx_has_f16()) return -3;
+  }
+  Job job;
+  memset(&job, 0, sizeof job);
+  job.op = op;
+  job.decoupled = decoupled;
+  job.dp = dtypes[0]; job.dg = dtypes[1]; job.ds = dtypes[2]; job.dg2 = dtypes[3]; job.dpo = dtypes[4];
+  job.n = n;
+  job.p = ptrs[0]; job.g = ptrs[1]; job.m = ptrs[2]; job.v = ptrs[3]; job.g2 = ptrs[4]; job.pold = ptrs[5];
+  job.po = ptrs[6]; job.mo = ptrs[7]; job.vo = ptrs[8];
+  job.sq.fn = (vsqrt_fn)sqrt_fn;
+  job.sq.mode = sqrt_mode;
+  job.s1 = make_sc(s_old);
+  if (op == OP_UNDO_REDO) job.s2 = make_sc(s_new);
+  int nt = nthreads < 1 ? 1 : nthreads;
+  if (nt > MAX_THREADS) nt = MAX_THREADS;
+  if (n / MIN_PER_THREAD < nt) nt = (int)(n / MIN_PER_THREAD);
+  if (nt <= 1) {
+    job.begin = 0;
+    job.end = n;
+    run_range(&job);
+    return 0;
+  }
+  Job parts[MAX_THREADS];
+  pthread_t tids[MAX_THREADS];
+  int started[MAX_THREADS];
+  int64_t per = (n + nt - 1) / nt;
+  per = (per + TILE - 1) / TILE * TILE;
+  for (int k = 0; k < nt; k++) {
+    parts[k] = job;
+    parts[k].begin = per * k < n ? per * k : n;
+    parts[k].end = per * (k + 1) < n ? per * (k + 1) : n;
+  }
+  for (int k = 1; k < nt; k++) started[k] = pthread_create(&tids[k], 0, run_thread, &parts[k]) == 0;
+  run_range(&parts[0]);
+  for (int k = 1; k < nt; k++) {
+    if (started[k]) pthread_join(tids[k], 0);
+    else run_range(&parts[k]);
+  }
+  return 0;
+}
+"""
+
+# Keep in sync with the enum in SOURCE.
+(S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
+ S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_COUNT) = range(13)
+OP_STEP, OP_UNDO, OP_UNDO_REDO = 0, 1, 2
+DT_F32, DT_BF16, DT_F16 = 0, 1, 2

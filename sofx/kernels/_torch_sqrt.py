@@ -1,0 +1,71 @@
+"""Find the square root torch's CPU ``sqrt`` computes, so the native kernels can use the same one.
+
+With MKL, ATen computes ``Tensor.sqrt`` of float32 with MKL's vector math
+(``vmsSqrt`` in high-accuracy mode), which is within one ulp but not always
+correctly rounded (about 0.7% of values differ from IEEE ``sqrtf`` by an ulp).
+The reference kernels use ``Tensor.sqrt``; to give the same bits, the native
+kernels call that same routine, located in the already loaded ``libtorch_cpu``.
+The choice is verified on sample values (denormals, huge values, random
+ones) against ``torch.sqrt``: MKL's routine is used only if it matches bit for
+bit, else IEEE ``sqrtf`` (a correctly rounded result, within an ulp of torch).
+
+The routine is an element-wise function: its result for a value does not
+depend on the array length or position, which the check also covers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+__all__ = ["VML_MODE", "torch_sqrt_routine"]
+
+# VML_HA | VML_ERRMODE_IGNORE | VML_FTZDAZ_OFF: the mode ATen's vml.h passes.
+VML_MODE = 0x2 | 0x100 | 0x140000
+
+
+def _samples() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    parts = [
+        torch.rand(4099, generator=gen),
+        torch.rand(4099, generator=gen) * 1e-3,
+        torch.exp(torch.randn(4099, generator=gen) * 20),
+        torch.tensor([0.0, -0.0, 1e-45, 1e-40, 1.1754942e-38, 1.1754944e-38, 3.4e38, float("inf"), 1.0, 4.0, 2.0]),
+    ]
+    return torch.cat(parts)
+
+
+def _mkl_vms_sqrt() -> ctypes._CFuncPtr | None:
+    if not torch.backends.mkl.is_available():
+        return None
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        lib = ctypes.CDLL(path)
+        fn = lib.vmsSqrt_64
+    except (OSError, AttributeError):
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    return fn
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def torch_sqrt_routine() -> tuple[int, int]:
+    """``(address, mode)`` of a ``vmsSqrt_64``-like routine equal to ``torch.sqrt``, or ``(0, 0)`` for sqrtf."""
+    fn = _mkl_vms_sqrt()
+    if fn is None:
+        return 0, 0
+    x = _samples()
+    want = x.sqrt()
+    got = torch.empty_like(x)
+    # Odd lengths and offsets: the routine must not depend on them.
+    for start, stop in ((0, x.numel()), (3, 1000), (1000, 1517)):
+        fn(stop - start, x[start:].data_ptr(), got[start:].data_ptr(), VML_MODE)
+    if not _same_bits(got, want):
+        return 0, 0
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0, VML_MODE
