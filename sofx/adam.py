@@ -44,6 +44,7 @@ import torch
 
 from sofx import tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
+from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
 from sofx.kernels.base import AdamScalars, AdamVariant, Scalar, as_number, is_number, is_traced
 from sofx.undo_record import LeafUndo, UndoRecord
@@ -345,7 +346,7 @@ class Adam:
             if self.backend not in ("auto", "reference"):
                 raise UnsupportedError(f"{leaf.path}: backend {self.backend!r} cannot run under torch.func "
                                        "transforms, autograd or torch.compile; use backend='reference' or 'auto'")
-            return select_backend("reference", leaf.p.device, leaf.p.dtype, leaf.m.dtype)
+            return reference_kernels  # runs anywhere; no import machinery for torch.compile to trace
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 
     def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0) -> tuple[AdamScalars, str, str]:
@@ -399,7 +400,7 @@ class Adam:
 
 def _validate_grad_scale(grad_scale: Scalar) -> None:
     value = as_number(grad_scale)
-    if is_number(value) and not (math.isfinite(value) and value > 0):
+    if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
 
 
@@ -458,7 +459,8 @@ def _validate_hparams(hp: AdamHParams, where: str) -> None:
                 raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got shape {tuple(value.shape)}")
             value = value.item()
         ok, rule = _RANGES[name]
-        if not math.isfinite(value) or not ok(value):
+        # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
+        if not -math.inf < value < math.inf or not ok(value):
             raise HParamError(f"{where}: {name} = {value!r} is invalid; expected {rule}")
 
 
