@@ -1,0 +1,352 @@
+"""Hyperparameter schedules: pure functions ``step -> value`` or ``step -> AdamHParams``.
+
+``step`` is the number of optimizer steps already taken (0 for the first
+step), as in optax and as ``torch.optim.lr_scheduler`` after ``step`` calls to
+``scheduler.step()``. A skipped step (overflow) does not advance it.
+Schedules are small frozen dataclasses: callable, comparable, printable and
+picklable (a worker process can receive them).
+
+=====================  ==========================================================
+:func:`constant`       ``v``
+:func:`linear_warmup`  ``init + (peak - init) * min(step, W) / W``
+:func:`linear`         ``init + (end - init) * min(step, N) / N`` (``torch LinearLR``-like)
+:func:`cosine_decay`   ``init * ((1 - alpha) * (1 + cos(pi * min(step, N)/N)) / 2 + alpha)``
+:func:`warmup_cosine`  linear warm-up to ``peak`` over ``W`` steps, then cosine from
+                       ``peak`` to ``end`` over the remaining ``N - W`` steps
+:func:`step_decay`     ``init * gamma ** (step // every)`` (``torch StepLR``)
+:func:`one_cycle`      ``torch OneCycleLR``: lr up then down, beta1 down then up
+:func:`join`           schedule ``k`` on ``[b_{k-1}, b_k)``, called with ``step - b_{k-1}``
+:func:`hparams_schedule`  one schedule (or constant) per field -> ``AdamHParams``
+=====================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, Union
+
+from sofx.adam import AdamHParams
+from sofx.errors import HParamError
+
+__all__ = [
+    "Schedule",
+    "Constant",
+    "Linear",
+    "CosineDecay",
+    "WarmupCosine",
+    "StepDecay",
+    "OneCycle",
+    "Join",
+    "HParamsSchedule",
+    "constant",
+    "linear",
+    "linear_warmup",
+    "cosine_decay",
+    "warmup_cosine",
+    "step_decay",
+    "one_cycle",
+    "join",
+    "hparams_schedule",
+]
+
+Schedule = Callable[[int], Any]
+
+
+def _step(step: Any) -> int:
+    if hasattr(step, "item") and callable(step.item):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise HParamError(f"schedule step = {step!r} is invalid; expected an integer >= 0")
+    return step
+
+
+def _finite(name: str, x: float) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise HParamError(f"{name} = {x!r} is invalid; expected a finite number")
+    return float(x)
+
+
+def _steps(name: str, n: int, minimum: int = 1) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
+        raise HParamError(f"{name} = {n!r} is invalid; expected an integer >= {minimum}")
+    return n
+
+
+@dataclass(frozen=True)
+class Constant:
+    """``step -> value``."""
+
+    value: float
+
+    def __post_init__(self) -> None:
+        _finite("value", self.value)
+
+    def __call__(self, step: int) -> float:
+        _step(step)
+        return self.value
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``init + (end - init) * min(step, steps) / steps``."""
+
+    init: float
+    end: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        _finite("init", self.init)
+        _finite("end", self.end)
+        _steps("steps", self.steps)
+
+    def __call__(self, step: int) -> float:
+        frac = min(_step(step), self.steps) / self.steps
+        return self.init + (self.end - self.init) * frac
+
+
+@dataclass(frozen=True)
+class CosineDecay:
+    """``init * ((1 - alpha) * 0.5 * (1 + cos(pi * min(step, steps) / steps)) + alpha)``."""
+
+    init: float
+    steps: int
+    alpha: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite("init", self.init)
+        _steps("decay_steps", self.steps)
+        _finite("alpha", self.alpha)
+
+    def __call__(self, step: int) -> float:
+        frac = min(_step(step), self.steps) / self.steps
+        return self.init * ((1.0 - self.alpha) * 0.5 * (1.0 + math.cos(math.pi * frac)) + self.alpha)
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """Linear ``init -> peak`` over ``warmup`` steps, then cosine ``peak -> end`` until ``steps``."""
+
+    peak: float
+    warmup: int
+    steps: int
+    init: float = 0.0
+    end: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("peak", "init", "end"):
+            _finite(name, getattr(self, name))
+        _steps("warmup_steps", self.warmup, 0)
+        _steps("decay_steps", self.steps, self.warmup + 1)
+
+    def __call__(self, step: int) -> float:
+        step = _step(step)
+        if step < self.warmup:
+            return self.init + (self.peak - self.init) * step / self.warmup
+        frac = min(step - self.warmup, self.steps - self.warmup) / (self.steps - self.warmup)
+        return self.end + (self.peak - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass(frozen=True)
+class StepDecay:
+    """``init * gamma ** (step // every)`` (``torch.optim.lr_scheduler.StepLR``)."""
+
+    init: float
+    every: int
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        _finite("init", self.init)
+        _steps("step_size", self.every)
+        _finite("gamma", self.gamma)
+
+    def __call__(self, step: int) -> float:
+        return self.init * self.gamma ** (_step(step) // self.every)
+
+
+def _anneal_cos(start: float, end: float, pct: float) -> float:
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+
+
+def _anneal_linear(start: float, end: float, pct: float) -> float:
+    return (end - start) * pct + start
+
+
+@dataclass(frozen=True)
+class OneCycle:
+    """``torch.optim.lr_scheduler.OneCycleLR`` for lr and beta1 (its "momentum").
+
+    Phase ends (in steps): ``pct_start * total - 1`` and ``total - 1`` (three
+    phases: ``pct_start*total - 1``, ``2*pct_start*total - 2``, ``total - 1``).
+    lr goes ``max_lr/div_factor -> max_lr -> max_lr/(div_factor*final_div_factor)``
+    while beta1 goes ``max_beta1 -> base_beta1 -> max_beta1``, annealed by
+    cosine (or linearly). ``__call__`` returns ``AdamHParams(lr=..., beta1=...)``
+    (beta1 ``None`` when ``cycle_beta1=False``); :meth:`lr` and :meth:`beta1` give one field.
+    """
+
+    max_lr: float
+    total_steps: int
+    pct_start: float = 0.3
+    anneal: str = "cos"
+    cycle_beta1: bool = True
+    base_beta1: float = 0.85
+    max_beta1: float = 0.95
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    three_phase: bool = False
+
+    def __post_init__(self) -> None:
+        _finite("max_lr", self.max_lr)
+        _steps("total_steps", self.total_steps)
+        if not 0 <= self.pct_start <= 1:
+            raise HParamError(f"pct_start = {self.pct_start!r} is invalid; expected 0 <= pct_start <= 1")
+        if self.anneal not in ("cos", "linear"):
+            raise HParamError(f"anneal = {self.anneal!r}; expected 'cos' or 'linear'")
+        for name in ("base_beta1", "max_beta1", "div_factor", "final_div_factor"):
+            _finite(name, getattr(self, name))
+
+    def _phases(self) -> list[tuple[float, str, str]]:
+        n, p = self.total_steps, self.pct_start
+        if self.three_phase:
+            return [(float(p * n) - 1, "initial", "max"), (float(2 * p * n) - 2, "max", "initial"),
+                    (float(n) - 1, "initial", "min")]
+        return [(float(p * n) - 1, "initial", "max"), (float(n) - 1, "max", "min")]
+
+    def _at(self, step: int) -> tuple[float, float]:
+        step = _step(step)
+        if step > self.total_steps:
+            raise HParamError(f"one_cycle: step {step} is past total_steps = {self.total_steps} "
+                              "(torch's OneCycleLR raises here too)")
+        initial = self.max_lr / self.div_factor
+        lrs = {"initial": initial, "max": self.max_lr, "min": initial / self.final_div_factor}
+        # beta1 moves opposite to lr: max_beta1 where lr is low, base_beta1 where lr peaks
+        betas = {"initial": self.max_beta1, "max": self.base_beta1, "min": self.max_beta1}
+        anneal = _anneal_cos if self.anneal == "cos" else _anneal_linear
+        phases = self._phases()
+        start = 0.0
+        for k, (end, a, b) in enumerate(phases):
+            if step <= end or k == len(phases) - 1:
+                pct = (step - start) / (end - start)
+                return anneal(lrs[a], lrs[b], pct), anneal(betas[a], betas[b], pct)
+            start = end
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def lr(self, step: int) -> float:
+        return self._at(step)[0]
+
+    def beta1(self, step: int) -> float:
+        return self._at(step)[1]
+
+    def __call__(self, step: int) -> AdamHParams:
+        lr, b1 = self._at(step)
+        return AdamHParams(lr=lr, beta1=b1 if self.cycle_beta1 else None)
+
+
+@dataclass(frozen=True)
+class Join:
+    """Schedule ``k`` on ``[boundaries[k-1], boundaries[k])``, called with ``step - boundaries[k-1]``."""
+
+    schedules: tuple[Schedule, ...]
+    boundaries: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.schedules) != len(self.boundaries) + 1:
+            raise HParamError(f"join: {len(self.schedules)} schedules need {len(self.schedules) - 1} boundaries, "
+                              f"got {len(self.boundaries)}")
+        prev = 0
+        for b in self.boundaries:
+            _steps("boundary", b, prev)
+            prev = b
+        for i, s in enumerate(self.schedules):
+            if not callable(s):
+                raise HParamError(f"join: schedule {i} is a {type(s).__name__}, not callable")
+
+    def __call__(self, step: int) -> Any:
+        step = _step(step)
+        start = 0
+        for sched, b in zip(self.schedules, self.boundaries):
+            if step < b:
+                return sched(step - start)
+            start = b
+        return self.schedules[-1](step - start)
+
+
+FieldSchedule = Union[None, float, Schedule]
+
+
+@dataclass(frozen=True)
+class HParamsSchedule:
+    """``step -> AdamHParams`` from one schedule, constant or ``None`` per field.
+
+    ``base`` (a schedule returning :class:`AdamHParams`, e.g. :func:`one_cycle`)
+    is evaluated first; the per-field entries that are not ``None`` override it.
+    """
+
+    lr: FieldSchedule = None
+    beta1: FieldSchedule = None
+    beta2: FieldSchedule = None
+    eps: FieldSchedule = None
+    weight_decay: FieldSchedule = None
+    base: Schedule | None = None
+
+    def __call__(self, step: int) -> AdamHParams:
+        step = _step(step)
+        out = self.base(step) if self.base is not None else AdamHParams()
+        if not isinstance(out, AdamHParams):
+            raise HParamError(f"hparams_schedule: base returned a {type(out).__name__}, expected an AdamHParams")
+        values = []
+        for name, current in zip(AdamHParams._fields, out):
+            f = getattr(self, name)
+            values.append(current if f is None else f(step) if callable(f) else f)
+        return AdamHParams(*values)
+
+
+def constant(value: float) -> Constant:
+    """``step -> value``."""
+    return Constant(value)
+
+
+def linear(init: float, end: float, steps: int) -> Linear:
+    """Linear from ``init`` to ``end`` over ``steps`` steps, then ``end``."""
+    return Linear(init, end, steps)
+
+
+def linear_warmup(peak: float, warmup_steps: int, init: float = 0.0) -> Linear:
+    """Linear warm-up from ``init`` to ``peak`` over ``warmup_steps``, then ``peak``."""
+    return Linear(init, peak, warmup_steps)
+
+
+def cosine_decay(init: float, decay_steps: int, alpha: float = 0.0) -> CosineDecay:
+    """Cosine from ``init`` to ``alpha * init`` over ``decay_steps`` (``CosineAnnealingLR`` with ``eta_min = alpha*init``)."""
+    return CosineDecay(init, decay_steps, alpha)
+
+
+def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float = 0.0,
+                  end: float = 0.0) -> WarmupCosine:
+    """Linear warm-up to ``peak`` then cosine to ``end``; ``decay_steps`` counts the warm-up too (optax)."""
+    return WarmupCosine(peak, warmup_steps, decay_steps, init, end)
+
+
+def step_decay(init: float, step_size: int, gamma: float = 0.1) -> StepDecay:
+    """Multiply by ``gamma`` every ``step_size`` steps (``StepLR``)."""
+    return StepDecay(init, step_size, gamma)
+
+
+def one_cycle(max_lr: float, total_steps: int, pct_start: float = 0.3, anneal: str = "cos",
+              cycle_beta1: bool = True, base_beta1: float = 0.85, max_beta1: float = 0.95,
+              div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False) -> OneCycle:
+    """``OneCycleLR`` for lr and beta1 (same arguments, ``momentum`` -> ``beta1``)."""
+    return OneCycle(max_lr, total_steps, pct_start, anneal, cycle_beta1, base_beta1, max_beta1, div_factor,
+                    final_div_factor, three_phase)
+
+
+def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Join:
+    """Concatenate schedules at ``boundaries`` (each restarts its own step count at 0)."""
+    return Join(tuple(schedules), tuple(boundaries))
+
+
+def hparams_schedule(lr: FieldSchedule = None, beta1: FieldSchedule = None, beta2: FieldSchedule = None,
+                     eps: FieldSchedule = None, weight_decay: FieldSchedule = None,
+                     base: Schedule | None = None) -> HParamsSchedule:
+    """``step -> AdamHParams`` with one schedule or constant per field (``None``: the optimizer's default)."""
+    return HParamsSchedule(lr, beta1, beta2, eps, weight_decay, base)

@@ -1,0 +1,126 @@
+"""Schedules against torch.optim.lr_scheduler and against their formulas."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sofx import AdamHParams, schedules
+from sofx.errors import HParamError
+
+
+def _torch_lrs(make_scheduler, steps: int, lr: float = 0.1, **opt_kwargs):
+    """lr (and beta1) that torch uses for steps 0..steps-1."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([p], lr=lr, **opt_kwargs)
+    sched = make_scheduler(opt)
+    out = []
+    for _ in range(steps):
+        g = opt.param_groups[0]
+        out.append((g["lr"], g["betas"][0]))
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_step_decay_equals_steplr():
+    ours = schedules.step_decay(0.1, step_size=7, gamma=0.5)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.StepLR(o, 7, gamma=0.5), 40)
+    for t, (lr, _) in enumerate(ref):
+        assert ours(t) == pytest.approx(lr, rel=1e-12)
+
+
+def test_cosine_decay_equals_cosine_annealing():
+    ours = schedules.cosine_decay(0.1, decay_steps=30, alpha=0.01)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30, eta_min=0.001), 31)
+    for t, (lr, _) in enumerate(ref):
+        assert ours(t) == pytest.approx(lr, rel=1e-9, abs=1e-15)
+    assert ours(1000) == pytest.approx(0.001)
+
+
+def test_linear_equals_linearlr():
+    ours = schedules.linear(0.1 * 0.25, 0.1, steps=10)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.25, total_iters=10), 20)
+    for t, (lr, _) in enumerate(ref):
+        assert ours(t) == pytest.approx(lr, rel=1e-9)
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+@pytest.mark.parametrize("anneal", ["cos", "linear"])
+def test_one_cycle_equals_onecyclelr(three_phase: bool, anneal: str):
+    total = 50
+    ours = schedules.one_cycle(0.3, total, pct_start=0.25, anneal=anneal, three_phase=three_phase)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.3, total_steps=total, pct_start=0.25, anneal_strategy=anneal, three_phase=three_phase), total)
+    for t, (lr, b1) in enumerate(ref):
+        hp = ours(t)
+        assert hp.lr == pytest.approx(lr, rel=1e-9), t
+        assert hp.beta1 == pytest.approx(b1, rel=1e-9), t
+        assert ours.lr(t) == hp.lr and ours.beta1(t) == hp.beta1
+    with pytest.raises(HParamError, match="past total_steps"):
+        ours(total + 1)
+
+
+def test_one_cycle_without_beta1_cycling_leaves_beta1_default():
+    assert schedules.one_cycle(1.0, 10, cycle_beta1=False)(3).beta1 is None
+
+
+def test_linear_warmup_and_constant():
+    s = schedules.linear_warmup(1.0, warmup_steps=4, init=0.2)
+    assert [s(t) for t in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
+    assert schedules.constant(3e-4)(123) == 3e-4
+
+
+@given(peak=st.floats(1e-5, 1.0), warmup=st.integers(0, 20), extra=st.integers(1, 50), end=st.floats(0, 1e-5),
+       t=st.integers(0, 100))
+def test_warmup_cosine_formula(peak: float, warmup: int, extra: int, end: float, t: int):
+    steps = warmup + extra
+    s = schedules.warmup_cosine(peak, warmup, steps, init=0.0, end=end)
+    v = s(t)
+    if t < warmup:
+        assert v == pytest.approx(peak * t / warmup)
+    else:
+        frac = min(t - warmup, extra) / extra
+        assert v == pytest.approx(end + (peak - end) * 0.5 * (1 + math.cos(math.pi * frac)))
+    assert min(end, 0.0) - 1e-12 <= v <= peak + 1e-12
+    assert s(warmup) == pytest.approx(peak)
+    assert s(steps + 5) == pytest.approx(end)
+
+
+@given(b=st.lists(st.integers(1, 10), min_size=1, max_size=4), t=st.integers(0, 60))
+def test_join_restarts_each_schedule(b: list[int], t: int):
+    boundaries = [sum(b[:i + 1]) for i in range(len(b))]
+    parts = [schedules.linear(float(k), float(k) + 1.0, 100) for k in range(len(b) + 1)]
+    s = schedules.join(parts, boundaries)
+    starts = [0] + boundaries
+    k = sum(1 for x in boundaries if t >= x)
+    assert s(t) == parts[k](t - starts[k])
+
+
+def test_hparams_schedule_combines_fields_and_base():
+    s = schedules.hparams_schedule(lr=schedules.linear_warmup(1.0, 2), weight_decay=0.1,
+                                   base=schedules.one_cycle(5.0, 10))
+    hp = s(1)
+    assert isinstance(hp, AdamHParams)
+    assert hp.lr == 0.5 and hp.weight_decay == 0.1
+    assert hp.beta1 == schedules.one_cycle(5.0, 10).beta1(1)
+    assert hp.beta2 is None and hp.eps is None
+
+
+def test_schedules_pickle_and_reject_bad_input():
+    s = schedules.warmup_cosine(1.0, 3, 10)
+    assert pickle.loads(pickle.dumps(s)) == s
+    assert s(torch.tensor(4)) == s(4)
+    with pytest.raises(HParamError, match="step"):
+        s(-1)
+    with pytest.raises(HParamError, match="decay_steps"):
+        schedules.warmup_cosine(1.0, 10, 10)
+    with pytest.raises(HParamError, match="boundaries"):
+        schedules.join([schedules.constant(1.0)], [3])
+    with pytest.raises(HParamError, match="value"):
+        schedules.constant(float("nan"))
