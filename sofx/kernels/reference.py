@@ -36,6 +36,7 @@ from sofx.kernels.base import (
     compute_dtype,
     concrete_scalars,
     is_number,
+    is_traced,
 )
 
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
@@ -120,27 +121,37 @@ def _step_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
                s: AdamScalars, variant: AdamVariant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cd = compute_dtype(p)
     s = concrete_scalars(s)
+    # Plain tensors: update freshly made temporaries in place (three outputs and one
+    # temporary, as torch.optim). Under autograd or torch.func: out-of-place ops only.
+    inplace = not any(is_traced(x) for x in (p, g, m, v, *s))
     p = p.to(cd)
     g = _effective_grad(g, s, cd)
     m = m.to(cd)
     v = v.to(cd)
     wd = _cast(s.weight_decay, cd)
+    p_is_fresh = False
     if _has_decay(wd):
         if variant.decoupled:
             p = _wd_mask(wd, p * (1 - _cast(s.lr, cd) * wd), p)
+            p_is_fresh = True
         else:
             g = _wd_mask(wd, _axpy(g, p, wd), g)
     one_minus_b1 = 1 - _cast(s.beta1, cd)
     m = m.lerp(g, one_minus_b1)
     b2 = _cast(s.beta2, cd)
     if is_number(b2):
-        v = v.mul(b2).addcmul(g, g, value=1 - b2)
+        v = v.mul(b2)
+        v = v.addcmul_(g, g, value=1 - b2) if inplace else v.addcmul(g, g, value=1 - b2)
     else:
         v = v * b2 + (1 - b2) * (g * g)
     step_size, bc2_sqrt = bias_corrections(s, variant)
     if is_number(step_size) and is_number(bc2_sqrt) and is_number(s.eps):
         # torch.optim's exact operations (addcdiv may fuse the multiply-add).
-        p = p.addcdiv(m, (v.sqrt() / bc2_sqrt).add(s.eps), value=-step_size)
+        if inplace:
+            denom = v.sqrt().div_(bc2_sqrt).add_(s.eps)
+            p = p.addcdiv_(m, denom, value=-step_size) if p_is_fresh else p.addcdiv(m, denom, value=-step_size)
+        else:
+            p = p.addcdiv(m, (v.sqrt() / bc2_sqrt).add(s.eps), value=-step_size)
     else:
         p = p - _update_direction(m, v, s, variant)
     return p, m, v
