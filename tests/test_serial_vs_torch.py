@@ -1,0 +1,179 @@
+"""The serial loop equals torch.optim + clip_grad_norm_ + GradScaler ("torch") and ZeRO's step ("deepspeed").
+
+Driven on CPU with loss-scaled float32 gradients, forced clipping, injected
+infs (overflow), scale growth, a parameter that sometimes gets no gradient,
+and an lr schedule, for 60 steps. sofx folds unscale and clip into one
+multiplier and accumulates the norm in float64, so the comparison is at
+float32 rounding (relative 1e-6), not bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sofx
+from sofx import AdamHParams, loss_scale, schedules
+from sofx.serial import serial_step, step_facts
+
+STEPS = 60
+SHAPES = {"w1": (8, 6), "b1": (6,), "w2": (6, 3), "rare": (5,)}
+
+
+def _events(step: int) -> dict:
+    """Deterministic event pattern: overflow every 9th step, big gradients (clip) on some steps,
+    no gradient for "rare" on every 4th step."""
+    return {"overflow": step % 9 == 4, "big": step % 5 in (0, 1) or step < 3, "rare_missing": step % 4 == 2}
+
+
+def _grads(gen: torch.Generator, step: int, S: float) -> dict:
+    ev = _events(step)
+    mult = 4.0 if ev["big"] else 0.05
+    g = {k: torch.randn(s, generator=gen) * mult * S for k, s in SHAPES.items()}
+    if ev["overflow"]:
+        g["w2"][1, 2] = float("inf") if step % 2 else float("nan")
+    if ev["rare_missing"]:
+        g["rare"] = None
+    return g
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_torch_profile_equals_torch_optim_gradscaler_clip(decoupled: bool):
+    gen = torch.Generator().manual_seed(11)
+    init = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    lr_at = schedules.warmup_cosine(3e-2, warmup_steps=5, decay_steps=STEPS)
+    wd, max_norm = 0.05, 1.0
+    opt = (sofx.adamw if decoupled else sofx.adam)(lr=lr_at(0), weight_decay=wd)
+    rule = loss_scale.grad_scaler(init_scale=2.0 ** 10, growth_interval=4)
+
+    tparams = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    topt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
+        list(tparams.values()), lr=lr_at(0), weight_decay=wd, foreach=False)
+    tscaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=4)
+
+    params, state, sstate = {k: v.clone() for k, v in init.items()}, opt.init(init), rule.init()
+    pos = 0  # schedule position: steps actually taken
+    seen = {"overflow": 0, "clip": 0, "growth": 0, "missing": 0}
+    for step in range(STEPS):
+        S = rule.scale(sstate)
+        tscaler.scale(torch.ones(()))  # initialises the scale lazily, as scaler.scale(loss) would
+        assert tscaler.get_scale() == S
+        grads = _grads(gen, step, S)
+        lr = lr_at(pos)
+
+        for k, p in tparams.items():
+            p.grad = None if grads[k] is None else grads[k].clone()
+        for group in topt.param_groups:
+            group["lr"] = lr
+        tscaler.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_(list(p for p in tparams.values() if p.grad is not None), max_norm)
+        tscaler.step(topt)
+        tscaler.update()
+
+        params, state, sstate, facts = serial_step(opt, params, grads, state, scaler=rule, scaler_state=sstate,
+                                                   hparams=AdamHParams(lr=lr), max_norm=max_norm, profile="torch")
+        assert facts.overflow == _events(step)["overflow"]
+        assert rule.scale(sstate) == tscaler.get_scale()
+        seen["overflow"] += facts.overflow
+        seen["clip"] += facts.clipped
+        seen["growth"] += rule.scale(sstate) > S
+        seen["missing"] += grads["rare"] is None and not facts.overflow
+        if not facts.skipped:
+            pos += 1
+        for k, p in tparams.items():
+            _close(params[k], p.detach(), f"step {step} params[{k!r}]")
+            tstate = topt.state.get(p, {})
+            count = int(tstate["step"]) if tstate else 0
+            assert int(state.count[k]) == count, (step, k)
+            if tstate:
+                _close(state.mu[k], tstate["exp_avg"], f"step {step} mu[{k!r}]")
+                _close(state.nu[k], tstate["exp_avg_sq"], f"step {step} nu[{k!r}]")
+    assert min(seen.values()) >= 2, seen  # every event actually happened
+    assert seen["clip"] < STEPS - seen["overflow"]  # and unclipped steps too
+
+
+def _zero3_reference_step(params: list[torch.Tensor], grads: list[torch.Tensor | None], topt, rule, sstate,
+                          max_norm: float):
+    """ZeRO-3's step() on flat fp32 partitions, written from its description with torch ops."""
+    flat = [torch.zeros_like(p) if g is None else g.clone() for p, g in zip(params, grads)]  # missing -> zeros
+    overflow = not all(bool(torch.isfinite(g).all()) for g in flat)
+    sstate = rule.update(sstate, overflow)  # the scale is updated before unscaling
+    if overflow:
+        return sstate, True
+    loss_scale_ = rule.scale(sstate)
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in flat])
+    total_norm = torch.linalg.vector_norm(norms)  # norm of the *scaled* gradients
+    clip = ((total_norm / loss_scale_) + 1e-6) / max_norm
+    clip = torch.clamp(clip, min=1.0)
+    combined = clip * loss_scale_
+    for p, g in zip(params, flat):
+        p.grad = g.mul_(1.0 / combined)
+    topt.step()
+    return sstate, False
+
+
+def test_deepspeed_profile_equals_zero3_step():
+    gen = torch.Generator().manual_seed(5)
+    init = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    lr_at = schedules.step_decay(2e-2, step_size=15, gamma=0.5)
+    opt = sofx.adamw(lr=2e-2, weight_decay=0.01)
+    rule = loss_scale.deepspeed_scaler(init_scale=2.0 ** 12, scale_window=6, hysteresis=2)
+    tparams = [torch.nn.Parameter(init[k].clone()) for k in SHAPES]
+    topt = torch.optim.AdamW(tparams, lr=2e-2, weight_decay=0.01, foreach=False)
+    ref_state = rule.init()
+    params, state, sstate = {k: v.clone() for k, v in init.items()}, opt.init(init), rule.init()
+    pos, clipped, grew = 0, 0, 0
+    for step in range(STEPS):
+        S = rule.scale(sstate)
+        grads = _grads(gen, step, S)
+        lr = lr_at(pos)
+        for group in topt.param_groups:
+            group["lr"] = lr
+        with torch.no_grad():
+            ref_state, ref_skipped = _zero3_reference_step(tparams, [grads[k] for k in SHAPES], topt, rule,
+                                                           ref_state, 1.0)
+        params, state, sstate, facts = serial_step(opt, params, grads, state, scaler=rule, scaler_state=sstate,
+                                                   hparams=AdamHParams(lr=lr), max_norm=1.0, profile="deepspeed",
+                                                   missing_grad="zero")
+        assert facts.skipped == ref_skipped == _events(step)["overflow"]
+        assert sstate == ref_state
+        clipped += facts.clipped
+        grew += facts.scale > S
+        pos += not facts.skipped
+        for k, p in zip(SHAPES, tparams):
+            _close(params[k], p.detach(), f"step {step} params[{k!r}]")
+    assert clipped >= 2 and grew >= 1 and clipped < STEPS - 7
+
+
+def test_step_facts_profiles_differ_on_a_growth_step():
+    rule = loss_scale.deepspeed_scaler(init_scale=4.0, scale_window=1)
+    s = rule.init()
+    sumsq = (3.0 * 4.0) ** 2  # unscaled norm 3 with the backward's scale 4
+    torch_facts = step_facts("torch", rule, s, sumsq, max_norm=None)
+    ds_facts = step_facts("deepspeed", rule, s, sumsq, max_norm=None)
+    assert torch_facts.scale == 4.0 and torch_facts.grad_scale == 0.25 and torch_facts.grad_norm == 3.0
+    assert ds_facts.scale == 8.0 and ds_facts.grad_scale == 0.125 and ds_facts.grad_norm == 1.5
+    clipped = step_facts("deepspeed", rule, s, sumsq, max_norm=1.0)
+    assert clipped.clipped and clipped.grad_scale == pytest.approx(1.0 / ((1.5 + 1e-6) / 1.0 * 8.0))
+    over = step_facts("torch", loss_scale.grad_scaler(), loss_scale.grad_scaler().init(), math.inf, 1.0)
+    assert over.overflow and over.skipped and over.scaler_state.scale == 2.0 ** 15
+
+
+def test_serial_step_errors_change_nothing(rng):
+    opt = sofx.adamw()
+    params = {"a": torch.randn(3, generator=rng)}
+    state = opt.init(params)
+    rule = loss_scale.grad_scaler()
+    with pytest.raises(sofx.LeafError, match=r"grads\['a'\]"):
+        serial_step(opt, params, {"a": torch.randn(4)}, state, scaler=rule, scaler_state=rule.init())
+    with pytest.raises(sofx.HParamError, match="profile"):
+        serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), profile="x")
+    with pytest.raises(sofx.HParamError, match="max_norm"):
+        serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), max_norm=0.0)
+    assert int(state.count["a"]) == 0

@@ -1,0 +1,183 @@
+"""Gradient transforms against torch (clip_grad_norm_, GradScaler.unscale_, .grad accumulation) and formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sofx
+from sofx import AdamHParams
+from sofx import transforms as tx
+from sofx.errors import HParamError, LeafError, SofxError
+
+
+def _tree(gen: torch.Generator, scale: float = 1.0) -> dict:
+    return {"w": torch.randn(4, 3, generator=gen) * scale, "b": torch.randn(3, generator=gen) * scale,
+            "deep": [torch.randn(5, generator=gen) * scale]}
+
+
+def _assert_close(a, b, rel=1e-6):
+    for x, y in zip(sofx.tree.flatten(a)[0], sofx.tree.flatten(b)[0]):
+        torch.testing.assert_close(x, y, rtol=rel, atol=0)
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 50.0])
+def test_clip_by_global_norm_equals_clip_grad_norm_(rng, scale: float):
+    grads = _tree(rng, scale)
+    leaves = [g.clone() for g in sofx.tree.flatten(grads)[0]]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in leaves]
+    for p, g in zip(params, leaves):
+        p.grad = g
+    torch_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)
+    t = tx.clip_by_global_norm(1.0)
+    out, state = t.update(grads, t.init(grads))
+    assert state.norm == pytest.approx(torch_norm.item(), rel=1e-6)
+    _assert_close(out, sofx.tree.unflatten(sofx.tree.flatten(grads)[1], [p.grad for p in params]))
+    assert (state.coef < 1) == (torch_norm.item() > 1.0)
+
+
+def test_unscale_then_clip_equals_gradscaler_unscale_then_clip(rng):
+    S = 2.0 ** 14
+    grads = _tree(rng, 3 * S)
+    leaves = [g.clone() for g in sofx.tree.flatten(grads)[0]]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in leaves]
+    opt = torch.optim.SGD(params, lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=S)
+    scaler.scale(sum(p.sum() for p in params))  # initialises the scale
+    for p, g in zip(params, leaves):
+        p.grad = g
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    t = tx.chain(tx.unscale(), tx.check_finite(), tx.clip_by_global_norm(0.5))
+    out, (s0, fin, clip) = t.update(grads, t.init(grads), loss_scale=S)
+    assert fin.all_finite and clip.coef < 1
+    _assert_close(out, sofx.tree.unflatten(sofx.tree.flatten(grads)[1], [p.grad for p in params]))
+
+
+@given(norm_scale=st.floats(0.01, 100.0), S=st.sampled_from([1.0, 2.0 ** 10, 2.0 ** 16]),
+       max_norm=st.floats(0.1, 10.0))
+def test_zero_form_matches_its_formula(norm_scale: float, S: float, max_norm: float):
+    gen = torch.Generator().manual_seed(7)
+    grads = _tree(gen, norm_scale * S)
+    t = tx.unscale_and_clip_zero(max_norm)
+    out, state = t.update(grads, t.init(grads), loss_scale=S)
+    leaves = sofx.tree.flatten(grads)[0]
+    scaled = math.sqrt(sum(float((g.double() ** 2).sum()) for g in leaves))
+    clip = max((scaled / S + 1e-6) / max_norm, 1.0)
+    for g, o in zip(leaves, sofx.tree.flatten(out)[0]):
+        torch.testing.assert_close(o, (g.double() / (clip * S)).float(), rtol=1e-6, atol=0)
+    assert state.norm == pytest.approx(scaled / S, rel=1e-12)
+    assert tx.global_norm(out) <= max_norm * (1 + 1e-5)
+
+
+@given(st.floats(0.1, 10.0), st.floats(1e-3, 1e3))
+def test_clipping_bounds_the_norm_and_keeps_direction(max_norm: float, scale: float):
+    gen = torch.Generator().manual_seed(3)
+    grads = _tree(gen, scale)
+    t = tx.clip_by_global_norm(max_norm)
+    out, state = t.update(grads, t.init(grads))
+    assert tx.global_norm(out) <= max_norm * (1 + 1e-5) or state.coef == 1.0
+    for g, o in zip(sofx.tree.flatten(grads)[0], sofx.tree.flatten(out)[0]):
+        torch.testing.assert_close(o, g * state.coef, rtol=1e-6, atol=0)
+
+
+def test_sumsq_and_all_finite(rng):
+    g = torch.randn(100, generator=rng)
+    assert tx.sumsq(g) == pytest.approx(float((g.double() ** 2).sum()), rel=1e-12)
+    big = torch.full((1000,), 3.0e38)
+    assert math.isfinite(tx.sumsq(big))  # float64 accumulation: no spurious overflow
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        h = g.clone()
+        h[17] = bad
+        assert not math.isfinite(tx.sumsq(h))
+        assert not tx.all_finite({"a": g, "b": h})
+    assert tx.all_finite({"a": g, "b": None})
+    assert tx.sumsq(torch.zeros(0)) == 0.0
+    assert tx.total_sumsq([1.0, None, 2.0]) == 3.0
+
+
+def test_check_finite_counts_nonfinite_steps(rng):
+    t = tx.check_finite()
+    g = _tree(rng)
+    _, s = t.update(g, t.init(g))
+    bad = dict(g, b=torch.tensor([1.0, float("nan"), 0.0]))
+    out, s = t.update(bad, s)
+    assert out is bad and s == tx.FiniteState(False, 1)
+
+
+def test_accumulate_equals_grad_accumulation_bitwise(rng):
+    params = {"a": torch.randn(6, generator=rng), "b": torch.randn(2, 2, generator=rng),
+              "c": torch.randn(3, generator=rng)}
+    micro = [{"a": torch.randn(6, generator=rng), "b": None, "c": None},
+             {"a": torch.randn(6, generator=rng), "b": torch.randn(2, 2, generator=rng), "c": None},
+             {"a": torch.randn(6, generator=rng), "b": torch.randn(2, 2, generator=rng), "c": None}]
+    state = tx.accumulation_init(params)
+    for m in micro:
+        state = tx.accumulate(state, m, params)
+    assert state.micro_steps == 3
+    # autograd's accumulation: the first gradient, then grad = grad + new
+    p = torch.nn.Parameter(torch.zeros(6))
+    for m in micro:
+        (p * m["a"]).sum().backward()
+    skip = tx.accumulated(state, params, "skip")
+    assert torch.equal(skip["a"], p.grad)
+    assert torch.equal(skip["b"], micro[1]["b"] + micro[2]["b"])
+    assert skip["c"] is None
+    zero = tx.accumulated(state, params, "zero")
+    assert torch.equal(zero["c"], torch.zeros(3))
+    with pytest.raises(HParamError, match="missing_grad"):
+        tx.accumulated(state, params, "drop")
+
+
+def test_accumulate_rejects_bad_leaves_naming_the_path(rng):
+    params = {"a": torch.randn(6, generator=rng)}
+    state = tx.accumulation_init(params)
+    with pytest.raises(LeafError, match=r"grads\['a'\].*shape"):
+        tx.accumulate(state, {"a": torch.randn(5)}, params)
+    with pytest.raises(LeafError, match=r"grads\['a'\].*dtype"):
+        tx.accumulate(state, {"a": torch.randn(6, dtype=torch.float64)}, params)
+    assert state.micro_steps == 0
+
+
+def test_param_groups_no_decay_on_biases_and_norms_equals_torch_groups(rng):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    labels = tx.no_decay_labels(params)
+    assert labels == {"0.weight": "decay", "0.bias": "no_decay", "1.weight": "no_decay", "1.bias": "no_decay",
+                      "2.weight": "decay", "2.bias": "no_decay"}
+    hp = tx.group_hparams(labels, {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)},
+                          base=AdamHParams(lr=0.01))
+    opt = sofx.adamw(weight_decay=0.1)
+    grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    new, _, _ = opt.update(params, grads, opt.init(params), hp)
+    named = dict(model.named_parameters())
+    decay = [named[k] for k, v in labels.items() if v == "decay"]
+    no_decay = [named[k] for k, v in labels.items() if v == "no_decay"]
+    topt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=0.01,
+                             weight_decay=0.1, foreach=False)
+    for k, p in named.items():
+        p.grad = grads[k].clone()
+    topt.step()
+    for k, p in named.items():
+        torch.testing.assert_close(new[k], p.detach(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(HParamError, match="names no group"):
+        tx.group_hparams(labels, {"decay": AdamHParams()})
+
+
+def test_chain_and_transform_errors(rng):
+    with pytest.raises(SofxError, match="GradientTransformation"):
+        tx.chain(tx.identity(), lambda g: g)
+    t = tx.unscale()
+    with pytest.raises(SofxError, match="loss_scale"):
+        t.update(_tree(rng), t.init(None))
+    with pytest.raises(HParamError, match="loss_scale"):
+        t.update(_tree(rng), t.init(None), loss_scale=0.0)
+    with pytest.raises(HParamError, match="max_norm"):
+        tx.clip_by_global_norm(-1.0)
+    c = tx.chain(tx.identity())
+    with pytest.raises(SofxError, match="state tuple"):
+        c.update(_tree(rng), ())
