@@ -212,6 +212,8 @@ def _decode(node: Any, like: Any, path: str, load_tensor: Callable[[dict, str, A
     if not isinstance(node, dict) or not isinstance(node.get("k"), str):
         raise _corrupt(path, f"expected a node object, got {str(node)[:80]!r}")
     kind = node["k"]
+    if kind not in _KIND_OF_SAVED:
+        raise _corrupt(path, f"unknown node kind {kind[:40]!r}")
     has_like = like is not _NO_LIKE
     if has_like:
         want = _like_kind(like)
@@ -235,9 +237,7 @@ def _decode(node: Any, like: Any, path: str, load_tensor: Callable[[dict, str, A
         return values if kind == "list" else tuple(values)
     if kind in ("dict", "odict"):
         return _decode_dict(node, kind, items, like, has_like, path, load_tensor, types)
-    if kind == "namedtuple":
-        return _decode_namedtuple(node, items, like, has_like, path, load_tensor, types)
-    raise _corrupt(path, f"unknown node kind {kind!r}")
+    return _decode_namedtuple(node, items, like, has_like, path, load_tensor, types)
 
 
 def _decode_scalar(node: dict, kind: str, path: str) -> Any:

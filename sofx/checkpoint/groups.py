@@ -1,0 +1,136 @@
+"""Param groups of a functional params tree, for formats that number parameters (torch.optim, DeepSpeed).
+
+torch.optim numbers parameters across its param groups in order: group 0's
+parameters are ``0..n0-1``, group 1's follow, and so on. A sofx params tree
+has no such numbering, so the mapping is made explicit here:
+
+* ``groups=None`` and ``hparams`` a prefix tree of :class:`~sofx.AdamHParams`
+  (sofx's per-group hyperparameters): one group per ``AdamHParams`` of the
+  prefix, in flatten order, holding the params leaves under it in flatten order.
+* ``groups=None`` and ``hparams`` a single ``AdamHParams`` or ``None``: one group
+  with every leaf in flatten order.
+* ``groups=[[ref, ...], ...]``: exactly these groups in this order, each leaf
+  named by its index in flatten order, by its path (``"params['enc']['w']"``, as
+  :func:`sofx.tree.leaf_paths` writes it) or, for a leaf directly under the root
+  dict, by its key (``"enc.weight"`` for ``dict(model.named_parameters())``).
+  Every leaf must be in exactly one group and all leaves of a group must have
+  the same hyperparameters.
+
+Note that optree orders dict keys by sorted key, not by insertion: for a dict
+built from ``model.named_parameters()`` pass ``groups=`` to follow the model's
+parameter order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import optree
+
+from sofx import tree
+from sofx.adam import Adam, AdamHParams
+from sofx.checkpoint.errors import CheckpointError
+from sofx.kernels.base import as_number, is_number
+
+__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree"]
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One param group: complete hyperparameters (Python numbers) and its leaves (indices in flatten order)."""
+
+    hparams: AdamHParams
+    leaves: tuple[int, ...]
+
+
+def _numbers(hp: AdamHParams, where: str) -> AdamHParams:
+    values = []
+    for name, x in zip(AdamHParams._fields, hp):
+        v = as_number(x)
+        if not is_number(v):
+            raise CheckpointError(f"{where}: {name} must be a concrete number to be exported, got {x!r}")
+        values.append(float(v))
+    return AdamHParams(*values)
+
+
+def _leaf_index(ref: Any, paths: list[str]) -> int:
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        if not 0 <= ref < len(paths):
+            raise CheckpointError(f"groups: leaf index {ref} is out of range (the params have {len(paths)} leaves)")
+        return ref
+    if isinstance(ref, str):
+        for candidate in (ref, f"params[{ref!r}]"):
+            if candidate in paths:
+                return paths.index(candidate)
+        raise CheckpointError(f"groups: no params leaf is named {ref!r}; leaves are {paths[:8]}"
+                              f"{' ...' if len(paths) > 8 else ''}")
+    raise CheckpointError(f"groups: a leaf is named by its index or path, got {ref!r}")
+
+
+def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
+                   groups: Sequence[Sequence[Any]] | None = None) -> list[ParamGroup]:
+    """The param groups of a params tree of structure ``spec`` (see the module docstring)."""
+    paths = tree.leaf_paths(spec)
+    per_leaf = opt.resolve_hparams(hparams, spec)
+    if groups is not None:
+        if isinstance(groups, (str, bytes)) or not all(isinstance(g, Sequence) and not isinstance(g, str)
+                                                       for g in groups):
+            raise CheckpointError("groups must be a sequence of sequences of leaf indices or paths")
+        out, owner = [], {}
+        for gi, refs in enumerate(groups):
+            idx = tuple(_leaf_index(r, paths) for r in refs)
+            for i in idx:
+                if i in owner:
+                    raise CheckpointError(f"groups: {paths[i]} is in group {owner[i]} and in group {gi}")
+                owner[i] = gi
+            if not idx:
+                raise CheckpointError(f"groups: group {gi} is empty")
+            hps = [_numbers(per_leaf[i], f"hparams for {paths[i]}") for i in idx]
+            for i, hp in zip(idx, hps):
+                if hp != hps[0]:
+                    raise CheckpointError(f"groups: group {gi} mixes hyperparameters: {paths[idx[0]]} has {hps[0]}, "
+                                          f"{paths[i]} has {hp}")
+            out.append(ParamGroup(hps[0], idx))
+        missing = [paths[i] for i in range(len(paths)) if i not in owner]
+        if missing:
+            raise CheckpointError(f"groups: every leaf must be in a group; missing: {missing}")
+        return out
+    if hparams is None or isinstance(hparams, AdamHParams):
+        if not paths:
+            return []
+        return [ParamGroup(_numbers(per_leaf[0], "hparams"), tuple(range(len(paths))))]
+    _, leaf_ids = prefix_ids(hparams, spec)
+    order: dict[Any, list[int]] = {}
+    for i, gid in enumerate(leaf_ids):
+        order.setdefault(gid, []).append(i)
+    return [ParamGroup(_numbers(per_leaf[idx[0]], f"hparams for {paths[idx[0]]}"), tuple(idx))
+            for idx in order.values()]
+
+
+def prefix_ids(hparams: Any, spec: tree.TreeSpec) -> tuple[Any, list[int]]:
+    """``hparams`` (a prefix tree of AdamHParams) with each AdamHParams replaced by its number in
+    flatten order, and that number for every params leaf."""
+    counter = itertools.count()
+    ids = optree.tree_map(lambda _: next(counter), hparams, is_leaf=lambda x: isinstance(x, AdamHParams))
+    return ids, tree.broadcast_prefix(ids, spec, what="hparams")
+
+
+def hparams_tree(resolved: list[ParamGroup], group_hp: list[AdamHParams], spec: tree.TreeSpec, hparams: Any,
+                 groups: Any) -> Any:
+    """Hyperparameters read from a file (one per group) as an ``hparams`` argument for ``update``: in the
+    template's structure, one per leaf with explicit ``groups``, or a single one."""
+    per_leaf: list[Any] = [None] * spec.num_leaves
+    for g, hp in zip(resolved, group_hp):
+        for leaf in g.leaves:
+            per_leaf[leaf] = hp
+    if groups is not None:
+        return tree.unflatten(spec, per_leaf)
+    if hparams is None or isinstance(hparams, AdamHParams):
+        return group_hp[0] if group_hp else hparams
+    ids, leaf_ids = prefix_ids(hparams, spec)
+    first = {}
+    for leaf, gid in enumerate(leaf_ids):
+        first.setdefault(gid, per_leaf[leaf])
+    return optree.tree_map(lambda gid: first.get(gid, AdamHParams()), ids)  # no leaves: nothing to set

@@ -1,0 +1,209 @@
+"""Convert Adam state to and from ``torch.optim.Adam`` / ``AdamW`` state dicts.
+
+::
+
+    sd = to_torch_optim(opt, state, hparams)             # torch_opt.load_state_dict(sd) continues the run
+    state, hparams = from_torch_optim(opt, torch_opt.state_dict(), params, hparams)
+
+The parameter numbering of torch.optim (across param groups, in order) is
+mapped to the leaves of the params tree as :mod:`sofx.checkpoint.groups`
+describes; :func:`torch_param_groups` builds the matching param groups for
+constructing a torch optimizer over the params tree's tensors. A run continued
+in torch.optim after export, or in sofx after import, is the uninterrupted run
+(bitwise: sofx's Adam is torch.optim's operation by operation).
+
+torch.optim keeps no state for a parameter that was never stepped: such
+leaves (count 0) are left out on export and come back with count 0 and zero
+moments on import. Step counts travel as torch's float32 ``step`` tensors
+(exact up to 2**24). Moments come back in the optimizer's ``state_dtype``
+(the parameter's dtype when ``None``); torch casts them to the parameter
+dtype on ``load_state_dict``. Unsupported on either side: ``amsgrad``,
+``maximize``, and sofx's ``bias_correction=False`` (torch has no such option).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
+from sofx.errors import UnsupportedError
+from sofx.kernels.base import as_number
+
+__all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
+
+_EXACT_STEPS = 2 ** 24  # float32 holds every integer up to here
+
+
+def _check_opt(opt: Adam, what: str) -> None:
+    if not isinstance(opt, Adam):
+        raise CheckpointError(f"{what}: opt must be a sofx Adam (sofx.adam/sofx.adamw), got {type(opt).__name__}")
+    if not opt.variant.bias_correction:
+        raise UnsupportedError(f"{what}: torch.optim.Adam always applies bias correction; this optimizer has "
+                               "bias_correction=False")
+
+
+def _torch_group(opt: Adam, g: ParamGroup, first: int) -> dict:
+    hp = g.hparams
+    return {"lr": hp.lr, "betas": (hp.beta1, hp.beta2), "eps": hp.eps, "weight_decay": hp.weight_decay,
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None, "decoupled_weight_decay": opt.variant.decoupled,
+            "params": list(range(first, first + len(g.leaves)))}
+
+
+def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
+                       groups: Sequence[Sequence[Any]] | None = None) -> list[dict]:
+    """Param groups for ``torch.optim.Adam(...)``/``AdamW(...)`` over the leaves of ``params``, in the order
+    :func:`to_torch_optim` numbers them (with each group's lr, betas, eps and weight_decay)."""
+    leaves, spec = tree.flatten(params)
+    out = []
+    for g in resolve_groups(opt, spec, hparams, groups):
+        hp = g.hparams
+        out.append({"params": [leaves[i] for i in g.leaves], "lr": hp.lr, "betas": (hp.beta1, hp.beta2),
+                    "eps": hp.eps, "weight_decay": hp.weight_decay})
+    return out
+
+
+def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
+                   groups: Sequence[Sequence[Any]] | None = None) -> dict:
+    """A ``torch.optim.Adam``/``AdamW`` ``state_dict()`` holding ``state`` and the hyperparameters.
+
+    The state dict's tensors are the state's own (as torch's ``state_dict()``
+    does); ``load_state_dict`` copies them.
+    """
+    _check_opt(opt, "to_torch_optim")
+    if not isinstance(state, AdamState):
+        raise CheckpointError(f"to_torch_optim: expected an AdamState, got {type(state).__name__}")
+    mus, spec = tree.flatten(state.mu)
+    paths = tree.leaf_paths(spec)
+    counts = tree.flatten_up_to(spec, state.count, "state.count")
+    nus = tree.flatten_up_to(spec, state.nu, "state.nu")
+    resolved = resolve_groups(opt, spec, hparams, groups)
+    torch_state: dict[int, dict] = {}
+    param_groups = []
+    index = 0
+    for g in resolved:
+        param_groups.append(_torch_group(opt, g, index))
+        for leaf in g.leaves:
+            c = as_number(counts[leaf])
+            if not isinstance(c, int):
+                raise CheckpointError(f"state.count{paths[leaf][len('params'):]}: expected a concrete 0-d int64 "
+                                      f"tensor, got {counts[leaf]!r}")
+            if c > _EXACT_STEPS:
+                raise UnsupportedError(f"state.count{paths[leaf][len('params'):]} = {c}: torch.optim stores the "
+                                       f"step as float32, exact only up to {_EXACT_STEPS}")
+            if c > 0:
+                torch_state[index] = {"step": torch.tensor(float(c), dtype=torch.float32),
+                                      "exp_avg": mus[leaf], "exp_avg_sq": nus[leaf]}
+            index += 1
+    return {"state": torch_state, "param_groups": param_groups}
+
+
+def _as_step(x: Any, where: str) -> int:
+    v = as_number(x) if isinstance(x, torch.Tensor) else x
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or int(v) != v:
+        raise CheckpointError(f"{where}: step must be a non-negative integer value, got {x!r}")
+    return int(v)
+
+
+def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
+    if group.get("amsgrad"):
+        raise UnsupportedError(f"param_groups[{gi}]: amsgrad=True is not supported by sofx")
+    if group.get("maximize"):
+        raise UnsupportedError(f"param_groups[{gi}]: maximize=True is not supported by sofx")
+    decoupled = group.get("decoupled_weight_decay")
+    if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
+        want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
+        raise UnsupportedError(f"param_groups[{gi}] has decoupled_weight_decay={bool(decoupled)}, the optimizer "
+                               f"is not: use {want}")
+
+
+def _group_hparams(group: dict, gi: int) -> AdamHParams:
+    try:
+        b1, b2 = group["betas"]
+        values = [as_number(group["lr"]), as_number(b1), as_number(b2), as_number(group["eps"]),
+                  as_number(group["weight_decay"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay ({exc})") \
+            from None
+    return AdamHParams(*(float(v) for v in values))
+
+
+def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = None, *,
+                     groups: Sequence[Sequence[Any]] | None = None) -> tuple[AdamState, Any]:
+    """Import a ``torch.optim.Adam``/``AdamW`` ``state_dict()``: returns ``(state, hparams)``.
+
+    ``params``: the params tree (its leaves' shapes, dtypes and devices shape
+    the state). ``hparams``/``groups``: the param group layout (see
+    :mod:`sofx.checkpoint.groups`); ``hparams`` serves as a template only. The
+    returned hparams carry the state dict's values: in the template's
+    structure, or one :class:`AdamHParams` per leaf with ``groups=``, or a single
+    one without either. Nothing is shared with ``state_dict``.
+    """
+    _check_opt(opt, "from_torch_optim")
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+            or not isinstance(state_dict.get("param_groups"), (list, tuple)):
+        raise CheckpointError("from_torch_optim: expected a torch.optim state_dict() with 'state' (a dict) and "
+                              "'param_groups' (a list)")
+    leaves, spec = tree.flatten(params)
+    paths = tree.leaf_paths(spec)
+    resolved = resolve_groups(opt, spec, hparams, groups)
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(resolved):
+        raise CheckpointMismatchError(f"from_torch_optim: the state dict has {len(saved_groups)} param groups, the "
+                                      f"params tree is laid out in {len(resolved)}")
+    saved_state = state_dict["state"]
+    counts: list[Any] = [None] * len(leaves)
+    mus: list[Any] = [None] * len(leaves)
+    nus: list[Any] = [None] * len(leaves)
+    group_hp: list[AdamHParams] = []
+    used: set[Any] = set()
+    for gi, (g, saved) in enumerate(zip(resolved, saved_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise CheckpointError(f"from_torch_optim: param_groups[{gi}] has no 'params' list")
+        if len(saved["params"]) != len(g.leaves):
+            raise CheckpointMismatchError(f"from_torch_optim: param_groups[{gi}] has {len(saved['params'])} "
+                                          f"parameters, the params tree's group {gi} has {len(g.leaves)} "
+                                          f"({[paths[i] for i in g.leaves][:4]}...)")
+        _check_group_flags(opt, saved, gi)
+        group_hp.append(_group_hparams(saved, gi))
+        for pid, leaf in zip(saved["params"], g.leaves):
+            used.add(pid)
+            _import_leaf(opt, saved_state.get(pid), leaves[leaf], paths[leaf], pid, leaf, counts, mus, nus)
+    extra = [k for k in saved_state if k not in used]
+    if extra:
+        raise CheckpointMismatchError(f"from_torch_optim: the state dict has state for parameter ids {extra[:8]} "
+                                      "that no param group lists")
+    state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
+    return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, leaf: int,
+                 counts: list, mus: list, nus: list) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise CheckpointError(f"{path}: expected a tensor, got {type(p).__name__}")
+    dtype = opt.state_dtype or p.dtype
+    if entry is None or len(entry) == 0:
+        counts[leaf] = torch.zeros((), dtype=torch.int64)
+        mus[leaf] = torch.zeros_like(p, dtype=dtype)
+        nus[leaf] = torch.zeros_like(p, dtype=dtype)
+        return
+    if not isinstance(entry, dict) or any(k not in entry for k in ("step", "exp_avg", "exp_avg_sq")):
+        keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise CheckpointError(f"from_torch_optim: state[{pid!r}] ({path}) must have step, exp_avg and exp_avg_sq; "
+                              f"has {keys}")
+    if "max_exp_avg_sq" in entry:
+        raise UnsupportedError(f"from_torch_optim: state[{pid!r}] ({path}) has max_exp_avg_sq (amsgrad)")
+    counts[leaf] = torch.tensor(_as_step(entry["step"], f"state[{pid!r}] ({path})"), dtype=torch.int64)
+    for name, out in (("exp_avg", mus), ("exp_avg_sq", nus)):
+        t = entry[name]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointMismatchError(f"from_torch_optim: state[{pid!r}][{name!r}] for {path}: expected shape "
+                                          f"{tuple(p.shape)}, got {got}")
+        out[leaf] = t.detach().to(device=p.device, dtype=dtype, copy=True)
+

@@ -1,0 +1,332 @@
+"""Export and import the DeepSpeed ZeRO-3 optimizer checkpoint layout (SPECULATION.md section 6).
+
+One file per data-parallel rank ``dp`` (model-parallel rank ``mp``)::
+
+    [bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt
+    {"optimizer_state_dict": {                           # DeepSpeedZeroOptimizer_Stage3.state_dict()
+         "zero_stage": 3, "partition_count": W, "loss_scaler": ..., "dynamic_loss_scale": bool,
+         "overflow": False,
+         "optimizer_state_dict": {                       # the wrapped Adam's state_dict()
+             "state": {i: {"step": int, "exp_avg": flat_i, "exp_avg_sq": flat_i}},
+             "param_groups": [{"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad",
+                               "params": [i]}, ...]},
+         "fp32_flat_groups": [flat_0, flat_1, ...]},     # the fp32 master of each block
+     "ds_version": ..., "sofx": {...}}                    # "sofx": what sofx needs to check the layout
+
+Blocks: for the functional API a block is a param group (see
+:mod:`sofx.checkpoint.groups`): its leaves packed in order into one flat
+float32 tensor (:func:`sofx.tree.pack`), one param group entry per block, as
+DeepSpeed's sub-groups. Partitioning is ZeRO-3's: every parameter of ``n``
+elements is split into ``W`` pieces of ``ceil(n / W)`` elements (the last
+zero-padded) and rank ``r``'s flat block is the concatenation of its pieces of
+the block's parameters -- the layout ``deepspeed.utils.zero_to_fp32`` reads.
+
+These files are ``torch.save`` files by definition (a zip holding a pickle of
+plain containers and tensors). sofx writes only plain containers, numbers,
+strings and tensors, and reads them with ``torch.load(weights_only=True)``,
+which refuses to build any other object: nothing from the file is executed.
+DeepSpeed's own files pickle a ``LossScaler`` object under ``"loss_scaler"``;
+those are refused by the importer (load them with DeepSpeed and re-save, or
+strip that key). sofx writes a plain dict or ``None`` there, so DeepSpeed's
+engine, which expects its own object, cannot resume its loss scaler from a sofx
+export (``zero_to_fp32`` and the optimizer state are unaffected).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+from typing import Any, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.checkpoint.atomic import atomic_write
+from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                                    CheckpointVersionError, CorruptCheckpointError)
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
+from sofx.errors import UnsupportedError
+from sofx.kernels.base import as_number
+
+__all__ = ["zero3_file_name", "save_zero3", "load_zero3", "partition_numel"]
+
+FORMAT_VERSION = 1
+_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
+
+
+def zero3_file_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
+    """``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def partition_numel(numel: int, world_size: int) -> int:
+    """Elements of one rank's piece of a parameter of ``numel`` elements (ZeRO-3: ``ceil(numel / W)``)."""
+    return math.ceil(numel / world_size)
+
+
+def _pieces(leaves: Sequence[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+    """Rank ``r``'s flat float32 block: the concatenation of its piece of every leaf."""
+    sizes = [partition_numel(t.numel(), world_size) for t in leaves]
+    out = [torch.zeros(sum(sizes), dtype=torch.float32) for _ in range(world_size)]
+    offset = 0
+    for t, pn in zip(leaves, sizes):
+        flat = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        for r in range(world_size):
+            piece = flat[r * pn:(r + 1) * pn]
+            out[r][offset:offset + piece.numel()].copy_(piece)
+        offset += pn
+    return out
+
+
+def _block_count(counts: list[Any], g: ParamGroup, paths: list[str]) -> int:
+    values = [as_number(counts[i]) for i in g.leaves]
+    for i, v in zip(g.leaves, values):
+        if not isinstance(v, int):
+            raise CheckpointError(f"state.count{paths[i][len('params'):]}: expected a concrete 0-d int64 tensor")
+    if len(set(values)) > 1:
+        detail = ", ".join(f"{paths[i]}: {v}" for i, v in zip(g.leaves, values))
+        raise UnsupportedError(f"a ZeRO-3 block has one step count, the leaves of this block differ ({detail}); "
+                               "put leaves stepped a different number of times into different groups")
+    return values[0] if values else 0
+
+
+def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: AdamState, hparams: Any = None, *,
+               groups: Sequence[Sequence[Any]] | None = None, dp_world_size: int = 1, mp_rank: int = 0,
+               bf16: bool | None = None, loss_scaler: dict | None = None) -> list[str]:
+    """Write the DeepSpeed ZeRO-3 optimizer files of ``(params, state)`` into ``directory``; returns their paths.
+
+    One file per rank ``0..dp_world_size-1``, each written atomically (the
+    set of files is not one atomic unit, as with DeepSpeed). ``bf16`` sets the
+    ``bf16_`` file prefix (default: when a params leaf is bfloat16). ``loss_scaler``: a plain dict of numbers (e.g. a
+    loss scaler's ``state_dict()``) stored under ``"loss_scaler"``.
+    """
+    if not isinstance(opt, Adam):
+        raise CheckpointError(f"save_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
+    if not isinstance(dp_world_size, int) or dp_world_size < 1 or not isinstance(mp_rank, int) or mp_rank < 0:
+        raise CheckpointError(f"save_zero3: dp_world_size must be >= 1 and mp_rank >= 0, got {dp_world_size}, "
+                              f"{mp_rank}")
+    if not isinstance(state, AdamState):
+        raise CheckpointError(f"save_zero3: expected an AdamState, got {type(state).__name__}")
+    _check_plain(loss_scaler, "loss_scaler")
+    p_leaves, spec = tree.flatten(params)
+    paths = tree.leaf_paths(spec)
+    counts = tree.flatten_up_to(spec, state.count, "state.count")
+    mus = tree.flatten_up_to(spec, state.mu, "state.mu")
+    nus = tree.flatten_up_to(spec, state.nu, "state.nu")
+    for path, p, m, v in zip(paths, p_leaves, mus, nus):
+        for name, t in (("param", p), ("state.mu", m), ("state.nu", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{path}: {name} must be a tensor of the parameter's shape")
+    resolved = resolve_groups(opt, spec, hparams, groups)
+    if bf16 is None:
+        bf16 = any(p.dtype == torch.bfloat16 for p in p_leaves)
+    steps = [_block_count(counts, g, paths) for g in resolved]
+    masters = [_pieces([p_leaves[i] for i in g.leaves], dp_world_size) for g in resolved]
+    exp_avgs = [_pieces([mus[i] for i in g.leaves], dp_world_size) for g in resolved]
+    exp_avg_sqs = [_pieces([nus[i] for i in g.leaves], dp_world_size) for g in resolved]
+    param_groups = [{"lr": g.hparams.lr, "betas": (g.hparams.beta1, g.hparams.beta2), "eps": g.hparams.eps,
+                     "weight_decay": g.hparams.weight_decay, "bias_correction": opt.variant.bias_correction,
+                     "amsgrad": False, "params": [b]} for b, g in enumerate(resolved)]
+    layout = {"format_version": FORMAT_VERSION, "decoupled": opt.variant.decoupled,
+              "bias_correction": opt.variant.bias_correction,
+              "blocks": [[[paths[i], list(p_leaves[i].shape)] for i in g.leaves] for g in resolved]}
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for r in range(dp_world_size):
+        inner = {"state": {b: {"step": steps[b], "exp_avg": exp_avgs[b][r], "exp_avg_sq": exp_avg_sqs[b][r]}
+                           for b in range(len(resolved))},
+                 "param_groups": param_groups}
+        zero = {"zero_stage": 3, "loss_scaler": loss_scaler, "dynamic_loss_scale": bool(loss_scaler),
+                "overflow": False, "partition_count": dp_world_size, "optimizer_state_dict": inner,
+                "fp32_flat_groups": [masters[b][r] for b in range(len(resolved))]}
+        payload = {"optimizer_state_dict": zero, "ds_version": "sofx", "sofx": dict(layout, dp_rank=r)}
+        path = os.path.join(os.fspath(directory), zero3_file_name(r, mp_rank, bf16))
+        written.append(atomic_write(path, lambda tmp, obj=payload: torch.save(obj, tmp)))
+    return written
+
+
+def _check_plain(x: Any, where: str) -> None:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"{where}: keys must be str or int, got {k!r}")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    raise CheckpointError(f"{where}: only plain data (dicts, lists, numbers, strings) can be stored, got "
+                          f"{type(x).__name__}")
+
+
+# ------------------------------------------------------------------------ import
+def _torch_load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"ZeRO-3 checkpoint file {path} does not exist") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptCheckpointError(f"{path} cannot be read safely as a ZeRO-3 optimizer file: {first} (files "
+                                     "are read with torch.load(weights_only=True), which refuses arbitrary "
+                                     "objects)") from None
+
+
+def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[str], bool]:
+    if not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"ZeRO-3 checkpoint directory {directory} does not exist")
+    found: dict[bool, dict[int, str]] = {False: {}, True: {}}
+    for name in os.listdir(directory):
+        m = _FILE_RE.match(name)
+        if m and int(m.group(3)) == mp_rank:
+            found[m.group(1) is not None][int(m.group(2))] = os.path.join(directory, name)
+    if bf16 is None:
+        if found[True] and found[False]:
+            raise CheckpointError(f"{directory} holds both bf16_ and plain ZeRO-3 optimizer files for mp rank "
+                                  f"{mp_rank}; pass bf16=True or False")
+        bf16 = bool(found[True])
+    ranks = found[bf16]
+    if not ranks:
+        raise CheckpointNotFoundError(f"no {zero3_file_name(0, mp_rank, bf16)} (or other dp ranks) in {directory}")
+    world = len(ranks)
+    missing = [r for r in range(world) if r not in ranks]
+    if missing:
+        raise CorruptCheckpointError(f"{directory}: ZeRO-3 files of dp ranks {missing} are missing "
+                                     f"(found ranks {sorted(ranks)})")
+    return [ranks[r] for r in range(world)], bf16
+
+
+def _get(d: Any, key: str, path: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(d, dict) or key not in d or not isinstance(d[key], kind):
+        raise CorruptCheckpointError(f"{path}: expected the DeepSpeed ZeRO-3 layout, missing or bad {key!r}")
+    return d[key]
+
+
+def _step_value(x: Any, where: str) -> int:
+    v = as_number(x) if isinstance(x, torch.Tensor) else x
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or int(v) != v:
+        raise CorruptCheckpointError(f"{where}: step must be a non-negative integer, got {x!r}")
+    return int(v)
+
+
+def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: Any = None, *,
+               groups: Sequence[Sequence[Any]] | None = None, mp_rank: int = 0,
+               bf16: bool | None = None) -> tuple[Any, AdamState, Any]:
+    """Read the ZeRO-3 optimizer files in ``directory``: returns ``(params, state, hparams)``.
+
+    ``params`` is the template: the blocks are unpacked into its leaves'
+    shapes, dtypes (the fp32 master is cast to each leaf's dtype) and devices;
+    moments come back in ``opt.state_dtype`` (the leaf's dtype when ``None``).
+    ``hparams``/``groups`` lay out the blocks as for :func:`save_zero3`; the
+    returned hparams carry the file's values. ``bf16=None`` picks the files
+    present (``bf16_`` prefixed or not). Every dp rank's file must be there.
+    """
+    if not isinstance(opt, Adam):
+        raise CheckpointError(f"load_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
+    directory = os.fspath(directory)
+    files, _ = _find_files(directory, mp_rank, bf16)
+    p_leaves, spec = tree.flatten(params)
+    paths = tree.leaf_paths(spec)
+    resolved = resolve_groups(opt, spec, hparams, groups)
+    world = len(files)
+    ranks = [_read_rank(f, r, world, resolved, p_leaves, paths, opt) for r, f in enumerate(files)]
+    group_hp, steps = ranks[0]["hparams"], ranks[0]["steps"]
+    for r, rk in enumerate(ranks[1:], start=1):
+        if rk["steps"] != steps or rk["hparams"] != group_hp:
+            raise CorruptCheckpointError(f"{files[r]}: its step counts or hyperparameters differ from rank 0's")
+    new_p: list[Any] = [None] * len(p_leaves)
+    counts: list[Any] = [None] * len(p_leaves)
+    mus: list[Any] = [None] * len(p_leaves)
+    nus: list[Any] = [None] * len(p_leaves)
+    for b, g in enumerate(resolved):
+        offset = 0
+        for i in g.leaves:
+            p = p_leaves[i]
+            pn = partition_numel(p.numel(), world)
+            state_dtype = opt.state_dtype or p.dtype
+
+            def gather(key: str, dtype: torch.dtype) -> torch.Tensor:
+                full = torch.cat([rk[key][b][offset:offset + pn] for rk in ranks])[:p.numel()]
+                return full.reshape(p.shape).to(device=p.device, dtype=dtype, copy=True)
+
+            new_p[i] = gather("master", p.dtype)
+            mus[i] = gather("exp_avg", state_dtype)
+            nus[i] = gather("exp_avg_sq", state_dtype)
+            counts[i] = torch.tensor(steps[b], dtype=torch.int64)
+            offset += pn
+    state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
+    return tree.unflatten(spec, new_p), state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_leaves: list[Any],
+               paths: list[str], opt: Adam) -> dict:
+    top = _torch_load(path)
+    zero = _get(top, "optimizer_state_dict", path, dict)
+    if zero.get("zero_stage") != 3:
+        raise CheckpointVersionError(f"{path}: zero_stage is {zero.get('zero_stage')!r}; only ZeRO stage 3 files "
+                                     "are supported")
+    partitions = zero.get("partition_count")
+    if isinstance(partitions, list):
+        partitions = max(partitions)
+    if partitions != world:
+        raise CorruptCheckpointError(f"{path}: partition_count is {partitions!r} but {world} dp rank files were "
+                                     "found: a rank's file is missing or left over from another run")
+    sofx_meta = top.get("sofx") if isinstance(top, dict) else None
+    if isinstance(sofx_meta, dict):
+        version = sofx_meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointVersionError(f"{path}: written by sofx in layout version {version!r}; this sofx reads "
+                                         f"version {FORMAT_VERSION}")
+        if sofx_meta.get("decoupled") is not None and sofx_meta["decoupled"] != opt.variant.decoupled:
+            raise UnsupportedError(f"{path}: written by an optimizer with decoupled={sofx_meta['decoupled']}, "
+                                   f"loading into one with decoupled={opt.variant.decoupled}")
+    inner = _get(zero, "optimizer_state_dict", path, dict)
+    flats = _get(zero, "fp32_flat_groups", path, (list, tuple))
+    saved_groups = _get(inner, "param_groups", path, (list, tuple))
+    saved_state = _get(inner, "state", path, dict)
+    if not (len(flats) == len(saved_groups) == len(resolved)):
+        raise CheckpointMismatchError(f"{path}: {len(flats)} flat groups and {len(saved_groups)} param groups, "
+                                      f"the params tree is laid out in {len(resolved)} blocks")
+    hps, steps, exp_avg, exp_avg_sq = [], [], [], []
+    for b, (g, saved, flat) in enumerate(zip(resolved, saved_groups, flats)):
+        want = sum(partition_numel(p_leaves[i].numel(), world) for i in g.leaves)
+        where = f"{path}: block {b} ({paths[g.leaves[0]]}...)"
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != want:
+            got = f"{flat.numel()} elements" if isinstance(flat, torch.Tensor) else type(flat).__name__
+            raise CheckpointMismatchError(f"{where}: the flat master has {got}, the params need {want} per rank")
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)) \
+                or len(saved["params"]) != 1:
+            raise CorruptCheckpointError(f"{where}: a param group must list exactly one flat block")
+        if saved.get("bias_correction", True) != opt.variant.bias_correction:
+            raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "
+                                   f"{opt.variant.bias_correction}")
+        if saved.get("amsgrad"):
+            raise UnsupportedError(f"{where}: amsgrad=True is not supported by sofx")
+        try:
+            b1, b2 = saved["betas"]
+            hp = AdamHParams(*(float(as_number(x)) for x in (saved["lr"], b1, b2, saved["eps"],
+                                                             saved["weight_decay"])))
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(f"{where}: the param group lacks lr, betas, eps or weight_decay") from None
+        entry = saved_state.get(saved["params"][0])
+        if entry is None:
+            steps.append(0)
+            exp_avg.append(torch.zeros(want, dtype=torch.float32))
+            exp_avg_sq.append(torch.zeros(want, dtype=torch.float32))
+        else:
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = entry.get(key) if isinstance(entry, dict) else None
+                if not isinstance(t, torch.Tensor) or t.numel() != want:
+                    raise CheckpointMismatchError(f"{where}: {key} must be a flat tensor of {want} elements")
+            steps.append(_step_value(entry.get("step"), where))
+            exp_avg.append(entry["exp_avg"].reshape(-1))
+            exp_avg_sq.append(entry["exp_avg_sq"].reshape(-1))
+        hps.append(hp)
+    return {"hparams": hps, "steps": steps, "master": [f.reshape(-1) for f in flats], "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq}

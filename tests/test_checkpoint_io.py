@@ -1,0 +1,309 @@
+"""sofx.checkpoint.save / load: round trips (every dtype and bit), templates, atomicity and clear errors."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import struct
+from typing import NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import sofx
+import sofx.checkpoint as ck
+from sofx import tree
+from sofx.checkpoint import io as ck_io
+
+
+class Pair(NamedTuple):
+    a: object
+    b: object
+
+
+def _rand(shape, dtype, g):
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g).to(dtype)
+
+
+def _sample_tree(g):
+    opt = sofx.adamw(state_dtype=torch.float32)
+    flat = torch.randn(40, generator=g)
+    params = {"w": torch.randn(3, 4, generator=g).to(torch.bfloat16),      # bf16 master ...
+              "views": [flat[:12].view(3, 4), flat[10:30]],               # ... views sharing one storage
+              "t": torch.randn(5, 3, generator=g).t(),                   # non-contiguous
+              "none": None}
+    state = opt.init(params)                                              # ... fp32 moments, 0-d int64 counts
+    state = state._replace(count=tree.tree_map(lambda c: c + 7, state.count),
+                           mu=tree.tree_map(lambda m: torch.randn(m.shape, generator=g), state.mu))
+    dtypes = {str(d): _rand((2, 3), d, g) for d in (torch.float64, torch.float16, torch.int32, torch.int8,
+                                                    torch.uint8, torch.bool, torch.int16)}
+    return {"params": params, "state": state, "hp": sofx.AdamHParams(lr=3e-4, beta1=torch.tensor(0.9)),
+            "step": 12, "big": 2 ** 70, "flag": True, "lr": 0.1, "inf": float("-inf"), "name": "run-1",
+            "dtype": torch.bfloat16, "od": collections.OrderedDict([(3, "x"), ("k", None)]),
+            "tup": (1, [2.5, ()], {}), "dtypes": dtypes, "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5)}
+
+
+def _assert_same(a, b):
+    la, sa = tree.flatten(a, is_leaf=lambda x: x is None)
+    lb, sb = tree.flatten(b, is_leaf=lambda x: x is None)
+    assert sa == sb
+    for x, y in zip(la, lb):
+        assert type(x) is type(y) or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor))
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x.reshape(-1).view(torch.uint8) if x.numel() else x,
+                               y.reshape(-1).view(torch.uint8) if y.numel() else y)
+        elif isinstance(x, float) and x != x:
+            assert y != y
+        else:
+            assert x == y
+
+
+def test_round_trip_every_kind_dtype_and_bit(tmp_path, rng):
+    t = _sample_tree(rng)
+    path = ck.save(tmp_path / "a.ckpt", t)
+    assert os.path.isabs(path) and os.path.exists(path)
+    back = ck.load(path)
+    _assert_same(t, back)
+    assert type(back["state"]) is sofx.AdamState and type(back["hp"]) is sofx.AdamHParams
+    assert back["state"].mu["w"].dtype == torch.float32 and back["params"]["w"].dtype == torch.bfloat16
+    assert back["state"].count["w"].dtype == torch.int64 and back["state"].count["w"].dim() == 0
+    assert type(back["od"]) is collections.OrderedDict and list(back["od"]) == [3, "k"]
+    # loaded views are independent tensors (the saved tree's storage sharing is not kept)
+    back["params"]["views"][0].add_(1)
+    assert torch.equal(back["params"]["views"][1], t["params"]["views"][1])
+    # the saved tree is untouched and still usable
+    _assert_same(t, ck.load(path, like=t))
+    assert ck.stale_temporaries(path) == []
+
+
+def test_nan_payloads_and_negative_zero_kept_bitwise(tmp_path):
+    x = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45], dtype=torch.float32)
+    x.view(torch.int32)[0] = 0x7FC00123  # a nan with a payload
+    back = ck.load(ck.save(tmp_path / "n.ckpt", {"x": x, "h": x.to(torch.bfloat16)}))
+    assert torch.equal(back["x"].view(torch.int32), x.view(torch.int32))
+    assert torch.equal(back["h"].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+def test_requires_grad_and_parameters(tmp_path):
+    p = torch.nn.Parameter(torch.randn(3))
+    back = ck.load(ck.save(tmp_path / "p.ckpt", [p, torch.randn(2)]))
+    assert back[0].requires_grad and not back[1].requires_grad and torch.equal(back[0], p)
+
+
+def test_is_a_standard_safetensors_file(tmp_path, rng):
+    from safetensors import safe_open
+
+    path = ck.save(tmp_path / "s.ckpt", {"params": {"w": torch.randn(2, generator=rng)}})
+    with safe_open(path, "pt") as f:
+        assert list(f.keys()) == ["tree['params']['w']"]
+        assert f.metadata()["format"] == "sofx.checkpoint"
+    meta = ck.read_metadata(path)
+    assert meta["version"] == ck.FORMAT_VERSION and meta["tree"]["k"] == "dict"
+
+
+def test_like_places_on_template_device_and_orders_keys(tmp_path, rng):
+    t = {"b": torch.randn(2, generator=rng), "a": torch.randn(1, generator=rng)}
+    path = ck.save(tmp_path / "l.ckpt", t)
+    back = ck.load(path, like={"a": torch.zeros(1), "b": torch.zeros(2)})
+    assert list(back) == ["a", "b"] and torch.equal(back["b"], t["b"])
+    assert ck.load(path, device="cpu")["a"].device.type == "cpu"
+
+
+def test_overwrite_replaces_atomically(tmp_path, rng):
+    path = tmp_path / "o.ckpt"
+    ck.save(path, {"x": torch.zeros(3)})
+    ck.save(path, {"y": torch.ones(2)})
+    assert list(ck.load(path)) == ["y"]
+    assert ck.stale_temporaries(path) == []
+
+
+# ------------------------------------------------------------------ clear errors
+@pytest.mark.parametrize("bad, where", [
+    ({"x": object()}, "tree['x']"),
+    ({"x": [1, {"deep": 1 + 2j}]}, "tree['x'][1]['deep']"),
+    ({(1, 2): 1}, "tree"),
+    ({"x": torch.randn(2, 2).to_sparse()}, "tree['x']"),
+    ({"x": torch.empty(2, device="meta")}, "tree['x']"),
+    ({"x": torch.zeros(2, dtype=torch.complex128)}, "tree['x']"),
+    ({"x": collections.defaultdict(int)}, "tree['x']"),
+])
+def test_unsavable_leaf_names_path_and_writes_nothing(tmp_path, bad, where):
+    path = tmp_path / "u.ckpt"
+    ck.save(path, {"previous": torch.arange(3)})
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.save(path, bad)
+    assert where in str(err.value)
+    assert torch.equal(ck.load(path)["previous"], torch.arange(3))
+    assert ck.stale_temporaries(path) == []
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(ck.CheckpointNotFoundError, match="does not exist") as err:
+        ck.load(tmp_path / "nope.ckpt")
+    assert isinstance(err.value, FileNotFoundError)
+    with pytest.raises(ck.CheckpointError, match="directory .* does not exist"):
+        ck.save(tmp_path / "no" / "dir.ckpt", {"x": torch.zeros(1)})
+    with pytest.raises(ck.CheckpointError, match="is a directory"):
+        ck.load(tmp_path)
+
+
+def test_truncated_file(tmp_path, rng):
+    path = ck.save(tmp_path / "t.ckpt", {"x": torch.randn(100, generator=rng)})
+    data = open(path, "rb").read()
+    for cut in (len(data) - 1, len(data) // 2, 20, 7, 0):
+        open(path, "wb").write(data[:cut])
+        with pytest.raises(ck.CorruptCheckpointError, match="truncated, corrupted, or not a sofx checkpoint"):
+            ck.load(path)
+
+
+def test_corrupted_header(tmp_path, rng):
+    path = ck.save(tmp_path / "h.ckpt", {"x": torch.randn(4, generator=rng)})
+    data = bytearray(open(path, "rb").read())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8:8 + n]
+    header[header.index(b"{") + 1] = ord("#")  # break the JSON
+    open(path, "wb").write(bytes(data[:8] + header + data[8 + n:]))
+    with pytest.raises(ck.CorruptCheckpointError):
+        ck.load(path)
+    open(path, "wb").write(b"\xff" * 64)
+    with pytest.raises(ck.CorruptCheckpointError):
+        ck.load(path)
+
+
+def _rewrite_metadata(path, **changes):
+    """A checkpoint's tensors saved again with edited sofx metadata (keeps the data)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta.update(changes)
+    save_file(tensors, path, metadata=meta)
+
+
+def test_corrupted_tree_structure_and_data(tmp_path, rng):
+    path = ck.save(tmp_path / "c.ckpt", {"x": torch.randn(8, generator=rng)})
+    good = open(path, "rb").read()
+    _rewrite_metadata(path, tree="{not json")
+    with pytest.raises(ck.CorruptCheckpointError, match="not valid JSON"):
+        ck.load(path)
+    open(path, "wb").write(good)
+    _rewrite_metadata(path, tree=json.dumps({"k": "dict", "keys": [["s", "x"]], "items": [{"k": "???"}]}))
+    with pytest.raises(ck.CorruptCheckpointError, match="unknown node kind"):
+        ck.load(path)
+    # flip one bit of the tensor data: the checksum catches it
+    data = bytearray(good)
+    data[-3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ck.CorruptCheckpointError, match="checksum"):
+        ck.load(path)
+    assert ck.load(path, verify=False)["x"].shape == (8,)
+
+
+def test_version_mismatch(tmp_path):
+    path = ck.save(tmp_path / "v.ckpt", {"x": torch.zeros(1)})
+    _rewrite_metadata(path, format_version=str(ck.FORMAT_VERSION + 1))
+    with pytest.raises(ck.CheckpointVersionError, match="newer checkpoint format"):
+        ck.load(path)
+    _rewrite_metadata(path, format_version="0")
+    with pytest.raises(ck.CheckpointVersionError, match="older"):
+        ck.load(path)
+
+
+def test_not_a_sofx_checkpoint(tmp_path):
+    path = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, path)
+    with pytest.raises(ck.CorruptCheckpointError, match="not a sofx checkpoint"):
+        ck.load(path)
+
+
+def test_like_mismatch_errors_name_the_leaf(tmp_path, rng):
+    opt = sofx.adamw()
+    params = {"enc": {"w": torch.randn(2, 3, generator=rng)}, "dec": [torch.randn(4, generator=rng)]}
+    saved = {"params": params, "state": opt.init(params), "step": 3}
+    path = ck.save(tmp_path / "m.ckpt", saved)
+
+    def like(**edits):
+        t = {"params": {"enc": {"w": torch.zeros(2, 3)}, "dec": [torch.zeros(4)]}, "state": opt.init(params),
+             "step": 0}
+        for k, v in edits.items():
+            t[k] = v
+        return t
+
+    cases = [
+        (like(params={"enc": {"w": torch.zeros(3, 2)}, "dec": [torch.zeros(4)]}),
+         r"tree\['params'\]\['enc'\]\['w'\]: the checkpoint holds shape \(2, 3\), the template has shape \(3, 2\)"),
+        (like(params={"enc": {"w": torch.zeros(2, 3, dtype=torch.float64)}, "dec": [torch.zeros(4)]}),
+         r"tree\['params'\]\['enc'\]\['w'\]: the checkpoint holds dtype torch.float32, the template has dtype "
+         r"torch.float64"),
+        (like(params={"enc": {"w": torch.zeros(2, 3)}, "dec": [torch.zeros(4), torch.zeros(1)]}),
+         r"tree\['params'\]\['dec'\]: the checkpoint holds a list of length 1, the template has length 2"),
+        (like(params={"enc": {"w": torch.zeros(2, 3), "b": torch.zeros(1)}, "dec": [torch.zeros(4)]}),
+         r"tree\['params'\]\['enc'\]: the dict keys differ .*missing from the checkpoint: \['b'\]"),
+        (like(step=0.0), r"tree\['step'\]: the checkpoint holds an int, the template has a float"),
+        (like(state=Pair(1, 2)), r"tree\['state'\]: the checkpoint holds a sofx.adam.AdamState, the template has a "),
+        (like(params={"enc": {"w": None}, "dec": [torch.zeros(4)]}),
+         r"tree\['params'\]\['enc'\]\['w'\]: the checkpoint holds a tensor, the template has a NoneType"),
+    ]
+    for template, message in cases:
+        with pytest.raises(ck.CheckpointMismatchError, match=message):
+            ck.load(path, like=template)
+    bad_count = like()
+    bad_count["state"] = bad_count["state"]._replace(count={"enc": {"w": torch.zeros((), dtype=torch.int32)},
+                                                            "dec": [torch.zeros((), dtype=torch.int64)]})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"tree\['state'\].count\['enc'\]\['w'\]: .*dtype"):
+        ck.load(path, like=bad_count)
+    assert isinstance(ck.CheckpointMismatchError("x"), sofx.StructureError)
+
+
+def test_namedtuples_only_from_allowed_classes(tmp_path):
+    path = ck.save(tmp_path / "nt.ckpt", {"p": Pair(torch.ones(1), 2)})
+    with pytest.raises(ck.CheckpointError, match=r"tree\['p'\]: .*Pair.*pass the class in types="):
+        ck.load(path)
+    assert type(ck.load(path, types=[Pair])["p"]) is Pair
+    assert type(ck.load(path, like={"p": Pair(torch.zeros(1), 0)})["p"]) is Pair
+
+    class Other(NamedTuple):
+        a: object
+        c: object
+
+    with pytest.raises(ck.CheckpointError, match="fields"):
+        ck.load(path, types={f"{Pair.__module__}.{Pair.__qualname__}": Other})
+
+
+def test_type_names_in_a_file_are_never_imported(tmp_path, monkeypatch):
+    """A structure naming 'os.system' or an unimported module is refused, and nothing is imported."""
+    import sys
+
+    path = ck.save(tmp_path / "evil.ckpt", {"x": torch.zeros(1)})
+    for name in ("posix.system", "os.system", "sofx_evil_module_never_imported.Thing", "sofx.adam.math.pi",
+                 "sofx.adam.Adam", "sofx.adam.AdamState.__new__"):
+        structure = {"k": "namedtuple", "type": name, "fields": ["a"], "items": [{"k": "int", "v": 1}]}
+        _rewrite_metadata(path, tree=json.dumps({"k": "dict", "keys": [["s", "x"]], "items": [structure]}))
+        with pytest.raises(ck.CheckpointError, match="not a sofx type"):
+            ck.load(path)
+    assert "sofx_evil_module_never_imported" not in sys.modules
+
+
+def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "f.ckpt"
+    ck.save(path, {"x": torch.arange(4)})
+
+    def failing(specs, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck_io, "serialize_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save(path, {"x": torch.zeros(4)})
+    monkeypatch.undo()
+    assert torch.equal(ck.load(path)["x"], torch.arange(4))
+    assert ck.stale_temporaries(path) == []
