@@ -1,0 +1,91 @@
+"""Per-step bookkeeping of gradient arrivals: when is a block *ready*?
+
+A block is ready when every parameter of it that is *expected* this step
+(``requires_grad`` when the step began) has received its gradient of the last
+micro-step. With ``accumulation_steps = N`` a parameter's gradient is final
+at its N-th arrival; earlier arrivals are summed. An arrival after the block
+was ready is a *late* gradient (a parameter whose hook fires twice): it is
+summed, and the block's speculative step must be undone and redone.
+
+Pure bookkeeping: no tensors, no threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from sofx.offload.blocks import BlockLayout
+
+__all__ = ["ArrivalTracker", "Arrival"]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What one gradient arrival means.
+
+    ``block``/``slot``: where the parameter lives; ``first``: its first
+    gradient this step (copy into the buffer rather than add); ``ready``:
+    this arrival made the block ready; ``late``: the block was ready already.
+    """
+
+    block: int
+    slot: int
+    first: bool
+    ready: bool
+    late: bool
+
+
+class ArrivalTracker:
+    """Counts arrivals per parameter and readiness per block for one step at a time."""
+
+    def __init__(self, layouts: Sequence[BlockLayout], accumulation_steps: int = 1) -> None:
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        self.layouts = list(layouts)
+        self.accumulation_steps = accumulation_steps
+        self.where: dict[int, tuple[int, int]] = {}
+        for layout in self.layouts:
+            for slot, index in enumerate(layout.param_indices):
+                self.where[index] = (layout.index, slot)
+        self.n_params = len(self.where)
+        self.arrivals = [0] * self.n_params
+        self.expected = [True] * self.n_params
+        self.pending = [0] * len(self.layouts)
+        self.ready = [False] * len(self.layouts)
+
+    def reset(self, expected: Sequence[bool]) -> None:
+        """Start a new step; ``expected[i]``: parameter ``i`` requires grad."""
+        self.arrivals = [0] * self.n_params
+        self.expected = list(expected)
+        self.ready = [False] * len(self.layouts)
+        self.pending = [sum(1 for i in layout.param_indices if self.expected[i]) for layout in self.layouts]
+
+    def arrive(self, index: int) -> Arrival:
+        """Record one gradient arrival of parameter ``index``."""
+        block, slot = self.where[index]
+        self.arrivals[index] += 1
+        n = self.arrivals[index]
+        late = self.ready[block]
+        became_ready = False
+        if not late and self.expected[index] and n == self.accumulation_steps:
+            self.pending[block] -= 1
+            if self.pending[block] == 0:
+                self.ready[block] = True
+                became_ready = True
+        return Arrival(block, slot, n == 1, became_ready, late)
+
+    def present(self, block: int) -> tuple[bool, ...]:
+        """Per parameter of ``block``: has it any gradient this step."""
+        return tuple(self.arrivals[i] > 0 for i in self.layouts[block].param_indices)
+
+    def has_gradient(self, block: int) -> bool:
+        return any(self.arrivals[i] > 0 for i in self.layouts[block].param_indices)
+
+    def expected_in(self, block: int) -> tuple[bool, ...]:
+        return tuple(self.expected[i] for i in self.layouts[block].param_indices)
+
+    @property
+    def started(self) -> bool:
+        """Whether any gradient arrived this step."""
+        return any(self.arrivals)

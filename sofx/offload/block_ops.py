@@ -1,0 +1,65 @@
+"""The messages an executor carries: operations on one block, and their results.
+
+An operation names the block and carries the speculation layer's decision or
+action for it (:class:`sofx.speculate.BlockDecision` /
+:class:`sofx.speculate.BlockAction`), which hold *every* dynamic value the
+Adam call needs -- all five hyperparameters and the gradient multiplier
+(``1/loss_scale``, times the clip coefficient where one applies). A worker
+never relies on values it received earlier (a worker that only received
+``lr`` ran with stale betas after a schedule change or a resume); undoing
+uses the values recorded with the step being undone. Operations are small
+and picklable.
+
+Kinds:
+
+``"speculate"``  the speculative step of a ready block (``payload``: a BlockDecision); its undo record is kept
+``"undo_now"``   undo the block's speculative step at once (a late gradient is about to be summed into
+                 the buffer the record refers to); validation's ``undo_redo`` then only redoes
+``"apply"``      carry out validation's action for the block (``payload``: a BlockAction)
+``"commit_all"`` forget every kept record: the step is final
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["BlockOp", "OpResult", "OP_KINDS"]
+
+OP_KINDS = ("speculate", "undo_now", "apply", "commit_all")
+
+
+@dataclass(frozen=True)
+class BlockOp:
+    """One operation on one block (``block`` is -1 for ``"commit_all"``).
+
+    ``present`` marks, per parameter of the block, whether it has a gradient
+    this step (``None``: all do); parameters without one are not stepped and
+    keep their state and count (``missing_grad="skip"``, frozen parameters).
+    """
+
+    seq: int
+    kind: str
+    block: int = -1
+    payload: Any = None
+    present: Optional[tuple[bool, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in OP_KINDS:
+            raise ValueError(f"unknown block operation {self.kind!r}; expected one of {OP_KINDS}")
+        if self.kind in ("speculate", "apply") and self.payload is None:
+            raise ValueError(f"a {self.kind!r} operation needs its decision or action")
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """What came of an operation: ``error`` is a message (with the worker's traceback) or None."""
+
+    seq: int
+    kind: str
+    block: int
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

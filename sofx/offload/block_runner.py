@@ -1,0 +1,179 @@
+"""Carries block operations out on block tensors, through the speculation layer.
+
+The runner is the only part of the offload runtime that touches optimizer
+state. For each :class:`~sofx.offload.block_ops.BlockOp` it calls the pure
+speculation layer's tensor functions (:func:`sofx.speculate.speculative_block_step`,
+:func:`sofx.speculate.apply_block_action`, which call :class:`sofx.Adam`)
+with ``donate=True`` on views of the block's flat tensors, so the results are
+written in place, and keeps each block's undo record until the step is
+final. Every executor (inline, thread, process) runs the same runner, so all
+compute the same bits.
+
+Layout of a call: when every parameter of the block has a gradient and all
+share one step count (the usual case) the block is one flat leaf (one kernel
+call); otherwise one leaf per parameter, where a parameter without a gradient
+is a ``None`` leaf (not stepped, its count kept). Adam is elementwise, so both
+layouts give the same bits.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.offload.block_ops import BlockOp, OpResult
+from sofx.offload.blocks import BlockLayout, BlockTensors
+from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
+from sofx.undo_record import UndoRecord
+
+__all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
+
+_STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """The static configuration of the Adam transform, JSON-able (sent to worker processes)."""
+
+    decoupled: bool = True
+    bias_correction: bool = True
+    state_dtype: str = "float32"
+    undo: str = "auto"
+    backend: str = "auto"
+
+    def build(self) -> Adam:
+        dtype = getattr(torch, self.state_dtype)
+        # The defaults are never used: every decision and action carries all five hparams.
+        return Adam(AdamHParams(1e-3, 0.9, 0.999, 1e-8, 0.0), decoupled=self.decoupled,
+                    bias_correction=self.bias_correction, state_dtype=dtype, undo=self.undo, backend=self.backend)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def block_tree(t: BlockTensors, layout: BlockLayout, flat: bool, present: Sequence[bool] | None,
+               ) -> tuple[Any, Any, AdamState]:
+    """``(params, grads, state)`` of a block as the Adam transform sees them.
+
+    ``flat``: one leaf (the flat tensors; the count is the first parameter's).
+    Otherwise lists with one leaf per parameter; ``present[i] = False`` makes
+    parameter ``i``'s gradient ``None``. Counts are copies (Adam returns new ones).
+    """
+    if flat:
+        return t.master, t.grad, AdamState(t.counts[0].clone(), t.exp_avg, t.exp_avg_sq)
+    n = len(layout.numels)
+    present = tuple(present) if present is not None else (True,) * n
+    grads = [g if has else None for g, has in zip(t.views(t.grad, layout), present)]
+    counts = [t.counts[i].clone() for i in range(n)]
+    return (t.views(t.master, layout), grads,
+            AdamState(counts, t.views(t.exp_avg, layout), t.views(t.exp_avg_sq, layout)))
+
+
+def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None) -> bool:
+    """One flat leaf when every parameter has a gradient and all counts agree."""
+    if present is not None and not all(present):
+        return False
+    counts = t.counts
+    return counts.numel() == 1 or bool((counts == counts[0]).all())
+
+
+def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: bool,
+                         present: Sequence[bool] | None, hparams: AdamHParams, grad_scale: float) -> Eligibility:
+    """The block's :class:`~sofx.speculate.Eligibility` (per parameter, combined, when not flat)."""
+    params, grads, state = block_tree(t, layout, flat, present)
+    if flat:
+        return block_eligibility(opt, params, grads, state, hparams, grad_scale)
+    strategy, reasons, nbytes = "algebraic", [], 0
+    for p, g, c, m, v in zip(params, grads, state.count, state.mu, state.nu):
+        if g is None:
+            continue
+        el = block_eligibility(opt, p, g, AdamState(c, m, v), hparams, grad_scale)
+        if not el.eligible:
+            return el
+        if _STRATEGY_COST.get(el.strategy, 0) > _STRATEGY_COST[strategy]:
+            strategy = el.strategy
+        if el.reason:
+            reasons.append(el.reason)
+        nbytes += el.snapshot_bytes
+    return Eligibility(True, strategy, "; ".join(dict.fromkeys(reasons)), nbytes)
+
+
+@dataclass
+class _Kept:
+    record: UndoRecord | None  # None: undone already (undo_now)
+    flat: bool
+
+
+class BlockRunner:
+    """Runs block operations on ``tensors`` (block index -> :class:`BlockTensors`)."""
+
+    def __init__(self, adam: Adam, layouts: Sequence[BlockLayout], tensors: dict[int, BlockTensors]) -> None:
+        self.adam = adam
+        self.layouts = {layout.index: layout for layout in layouts}
+        self.tensors = tensors
+        self.kept: dict[int, _Kept] = {}
+
+    def run(self, op: BlockOp) -> OpResult:
+        """Apply ``op``; an exception becomes an error result (with its traceback)."""
+        try:
+            getattr(self, "_" + op.kind)(op)
+            return OpResult(op.seq, op.kind, op.block)
+        except Exception as exc:  # reported to the main process, which raises it
+            detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            return OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}\n{detail}")
+
+    # ------------------------------------------------------------ operations
+    def _speculate(self, op: BlockOp) -> None:
+        if op.block in self.kept:
+            raise RuntimeError(f"block {op.block} already holds an uncommitted speculative step")
+        t, layout = self.tensors[op.block], self.layouts[op.block]
+        flat = uses_flat_layout(t, op.present)
+        params, grads, state = block_tree(t, layout, flat, op.present)
+        _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True)
+        self._store_counts(op.block, flat, new_state)
+        self.kept[op.block] = _Kept(record, flat)
+
+    def _undo_now(self, op: BlockOp) -> None:
+        kept = self.kept.get(op.block)
+        if kept is None or kept.record is None:
+            raise RuntimeError(f"block {op.block} has no speculative step to undo")
+        params, _, state = block_tree(self.tensors[op.block], self.layouts[op.block], kept.flat, None)
+        _, new_state = self.adam.undo(params, state, kept.record, donate=True)
+        self._store_counts(op.block, kept.flat, new_state)
+        self.kept[op.block] = _Kept(None, kept.flat)
+
+    def _apply(self, op: BlockOp) -> None:
+        action = op.payload
+        kept = self.kept.pop(op.block, None)
+        if action.kind in ("commit", "skip"):
+            return
+        if kept is not None and kept.record is None:
+            # The speculative step was undone by undo_now: an undo is done, an undo_redo is a step.
+            if action.kind == "undo":
+                return
+            if action.kind == "undo_redo":
+                action = action._replace(kind="step")
+        t, layout = self.tensors[op.block], self.layouts[op.block]
+        if action.zero_grad:
+            # The engine zeroed the buffers of the parameters that got no gradient.
+            action = action._replace(zero_grad=False)
+        flat = kept.flat if kept is not None and kept.record is not None else uses_flat_layout(t, op.present)
+        params, grads, state = block_tree(t, layout, flat, op.present)
+        record = kept.record if kept is not None else None
+        _, new_state = apply_block_action(self.adam, action, params, grads, state, record, donate=True)
+        self._store_counts(op.block, flat, new_state)
+
+    def _commit_all(self, op: BlockOp) -> None:
+        self.kept.clear()
+
+    # --------------------------------------------------------------- helpers
+    def _store_counts(self, block: int, flat: bool, state: AdamState) -> None:
+        counts = self.tensors[block].counts
+        if flat:
+            counts.fill_(state.count)
+        else:
+            counts.copy_(torch.stack(list(state.count)))

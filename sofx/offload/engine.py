@@ -1,0 +1,519 @@
+"""The offload engine: fp32 master blocks on the CPU, Adam steps speculated during backward.
+
+:class:`OffloadEngine` binds to a list of param groups and drives one training
+step at a time (SPECULATION.md sections 3 and 5):
+
+1. **Backward.** A post-accumulate-grad hook per parameter moves the
+   gradient out of ``param.grad`` into its block's fp32 gradient buffer
+   (summing micro-steps). When a block is *ready* (every expected parameter
+   has its final gradient) the engine asks the speculation layer
+   (:func:`sofx.speculate.on_block_ready`: early veto, eligibility, adaptive
+   policy) and, if it says so, submits the block's speculative Adam step to
+   the executor -- while backward goes on with earlier layers.
+2. **step().** Wait for the executor, hand the per-block sums of squares to
+   :func:`sofx.speculate.plan_validation` (overflow, loss scale, global norm,
+   clipping, changed hparams), carry its per-block actions out (commit,
+   undo+redo, undo, step late, skip) in the executor, and copy the masters of
+   every stepped block into the model's parameters (cast to their dtype).
+
+The engine decides nothing about Adam, clipping or loss scaling itself: it
+moves gradients, counts arrivals, and carries decisions out. Device blocks
+(``n_device_blocks``, partial offload) live on the model's device and are
+stepped in ``step()`` by the device's backend, with the same actions.
+
+Executors: ``"inline"``, ``"thread"``, ``"process"`` (worker process on
+shared-memory tensors; falls back to ``"thread"`` with a warning when
+``/dev/shm`` cannot hold the state).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sofx.adam import AdamHParams
+from sofx.errors import SofxError, StructureError, UnsupportedError
+from sofx.loss_scale import LossScaler
+from sofx.offload.arena import LocalArena
+from sofx.offload.arrivals import ArrivalTracker
+from sofx.offload.block_ops import BlockOp, OpResult
+from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
+from sofx.offload.blocks import (
+    TENSOR_NAMES,
+    BlockLayout,
+    BlockTensors,
+    allocate_block_tensors,
+    block_nbytes,
+    check_params,
+    plan_blocks,
+)
+from sofx.offload.executor import Executor, ExecutorError, raise_failures
+from sofx.offload.grad_hooks import GradHooks
+from sofx.offload.inline_executor import InlineExecutor
+from sofx.offload.shared_memory import DEFAULT_SHM_DIR, SharedMemoryArena, shm_budget
+from sofx.offload.thread_executor import ThreadExecutor
+from sofx.speculate import (
+    BackwardTally,
+    PolicyState,
+    SpeculationConfig,
+    StepContext,
+    StepReport,
+    begin_step,
+    grad_sumsq,
+    on_block_ready,
+    on_late_gradient,
+    plan_validation,
+)
+
+__all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
+
+EXECUTORS = ("inline", "thread", "process")
+STATE_FORMAT = "sofx.offload/1"
+
+HParamsFn = Callable[[], Sequence[AdamHParams]]
+
+
+@dataclass(frozen=True)
+class EngineStepReport(StepReport):
+    """:class:`sofx.speculate.StepReport` plus what the engine saw.
+
+    ``events``: ``(what, block)`` in the order the main thread observed them
+    (``block = -1`` for step-wide events): ``"ready"`` (a block's gradient was
+    final during backward), ``"speculate"`` (its speculative step was
+    submitted), ``"speculated"`` (the executor reported it done),
+    ``"late_gradient"``, ``"step_called"``, then the validation actions
+    (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``) and ``"done"``.
+    ``executor``: the executor that ran the CPU blocks; ``iteration``: the
+    1-based number of ``step()`` calls.
+    """
+
+    events: tuple[tuple[str, int], ...] = ()
+    executor: str = ""
+    iteration: int = 0
+
+    def speculated_before_step(self) -> list[int]:
+        """Blocks whose speculative step was done before ``step()`` was called."""
+        out = []
+        for what, block in self.events:
+            if what == "step_called":
+                break
+            if what == "speculated":
+                out.append(block)
+        return out
+
+
+class OffloadEngine:
+    """Speculative offloaded Adam over ``groups`` of parameters; see the module docstring.
+
+    ``hparams_fn()`` returns the current :class:`~sofx.AdamHParams` of every
+    group (complete, Python floats); it is read when a step's first block is
+    ready and again at validation. ``adam``: the static Adam configuration;
+    ``speculation``: clipping, profile, missing gradients, snapshot budget,
+    adaptive policy, on/off; ``scaler``: the loss-scale rule.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], hparams_fn: HParamsFn, *,
+                 adam: AdamConfig, speculation: SpeculationConfig, scaler: LossScaler,
+                 executor: str = "thread", block_numel: int = 2 ** 22, n_device_blocks: int = 0,
+                 gradient_accumulation_steps: int = 1, timeout: float = 60.0, num_threads: int = 1,
+                 shm_dir: str = DEFAULT_SHM_DIR, shm_limit_bytes: int | None = None) -> None:
+        if executor not in EXECUTORS:
+            raise UnsupportedError(f"executor={executor!r}; expected one of {EXECUTORS}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise UnsupportedError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.device = check_params(groups)
+        self.params: list[torch.Tensor] = [p for g in groups for p in g]
+        self.hparams_fn = hparams_fn
+        self.adam_config = adam
+        self.adam = adam.build()
+        self.speculation = speculation
+        self.scaler = scaler
+        self.scaler_state = scaler.init()
+        self.policy_state: PolicyState = speculation.policy.init()
+        self.timeout = float(timeout)
+        self.layouts = plan_blocks(groups, block_numel, n_device_blocks)
+        self.n_groups = len(groups)
+        self.tracker = ArrivalTracker(self.layouts, gradient_accumulation_steps)
+        self.iteration = 0
+        self._seq = itertools.count()
+        self._failed: BaseException | None = None
+        self._closed = False
+
+        state_dtype = getattr(torch, adam.state_dtype)
+        cpu_layouts = [b for b in self.layouts if not b.on_device]
+        device_layouts = [b for b in self.layouts if b.on_device]
+        if executor == "process" and cpu_layouts:
+            need = sum(block_nbytes(b, state_dtype) for b in cpu_layouts)
+            budget = shm_budget(shm_dir, shm_limit_bytes)
+            if need > budget:
+                warnings.warn(
+                    f"sofx.offload: the process executor needs {need / 2**20:.1f} MiB of shared memory in "
+                    f"{shm_dir} for the optimizer state, but only {budget / 2**20:.1f} MiB are available"
+                    f"{' (shm_limit_bytes)' if shm_limit_bytes is not None else ''}; falling back to the "
+                    "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
+                    RuntimeWarning, stacklevel=3)
+                executor = "thread"
+        self.executor_name = executor
+        self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
+        device_arena = LocalArena(self.device)
+        self.tensors: dict[int, BlockTensors] = {}
+        try:
+            for b in cpu_layouts:
+                self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
+            for b in device_layouts:
+                self.tensors[b.index] = allocate_block_tensors(b, device_arena.allocate, state_dtype)
+            self._load_masters_from_model()
+            self.device_runner = BlockRunner(self.adam, device_layouts,
+                                             {b.index: self.tensors[b.index] for b in device_layouts})
+            self.executor = self._make_executor(executor, cpu_layouts, num_threads)
+        except BaseException:
+            self._cpu_arena.close()
+            raise
+        self.hooks = GradHooks(self.params, self._on_grad)
+        self._reset_step()
+
+    # ------------------------------------------------------------ setup
+    def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
+        cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
+        if name == "inline":
+            return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors))
+        if name == "thread":
+            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors))
+        from sofx.offload.process_executor import ProcessExecutor
+
+        config = {
+            "layouts": [b.to_json() for b in cpu_layouts],
+            "tensors": {name: spec.to_json() for name, spec in getattr(self._cpu_arena, "specs", {}).items()},
+            "adam": self.adam_config.to_json(),
+            "num_threads": num_threads,
+        }
+        return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0))
+
+    def _load_masters_from_model(self) -> None:
+        """Copy the model's parameter values into the fp32 masters."""
+        with torch.no_grad():
+            for layout in self.layouts:
+                t = self.tensors[layout.index]
+                for view, i in zip(t.views(t.master, layout), layout.param_indices):
+                    view.copy_(self.params[i].detach().reshape(-1))
+
+    def reload_params(self) -> None:
+        """Take the model's current parameter values as the new masters (after loading model weights)."""
+        self._check_usable()
+        self.wait()
+        self._load_masters_from_model()
+
+    # ------------------------------------------------------------ step state
+    def _reset_step(self) -> None:
+        self.tracker.reset([p.requires_grad for p in self.params])
+        self.hooks.refresh()
+        self._ctx: StepContext | None = None
+        self._tally: BackwardTally | None = None
+        self._speculated = [False] * len(self.layouts)
+        self._events: list[tuple[str, int]] = []
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next backward must use (1.0 without loss scaling)."""
+        return float(self.scaler.scale(self.scaler_state))
+
+    def block_hparams(self) -> list[AdamHParams]:
+        """The current hparams of every block (from its param group)."""
+        groups = list(self.hparams_fn())
+        if len(groups) != self.n_groups:
+            raise StructureError(f"hparams_fn returned {len(groups)} groups, the engine has {self.n_groups}")
+        return [groups[layout.group] for layout in self.layouts]
+
+    def _begin(self) -> None:
+        if self._ctx is None:
+            self._ctx, self._tally = begin_step(self.adam, self.speculation, self.scaler, self.scaler_state,
+                                                self.policy_state, n_blocks=len(self.layouts),
+                                                hparams=self.block_hparams(), backward_scale=self.loss_scale)
+
+    # ------------------------------------------------------------ backward
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of parameter ``index``."""
+        if self._failed is not None or self._closed:
+            return  # the gradient stays in param.grad; step() raises the failure
+        grad = param.grad
+        if grad is None:
+            return
+        self._take_gradient(index, grad, during_backward=True)
+        param.grad = None
+        self._poll()
+
+    def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool) -> None:
+        arrival = self.tracker.arrive(index)
+        b = arrival.block
+        layout, t = self.layouts[b], self.tensors[b]
+        view = t.grad[layout.offsets[arrival.slot]:layout.offsets[arrival.slot] + layout.numels[arrival.slot]]
+        g = grad.detach().reshape(-1)
+        if arrival.late and self._speculated[b]:
+            # The speculative step's record refers to this buffer: undo it before summing in place;
+            # validation's undo_redo then only redoes.
+            self._events.append(("undo_now", b))
+            self._run_now(BlockOp(next(self._seq), "undo_now", b), layout)
+            self._speculated[b] = False
+        with torch.no_grad():
+            if arrival.first:
+                view.copy_(g)
+            else:
+                view.add_(g)
+        if arrival.late:
+            self._events.append(("late_gradient", b))
+            if self._tally is not None and self._tally.decisions[b] is not None:
+                self._tally = on_late_gradient(self._ctx, self._tally, b, grad_sumsq(t.grad))
+        elif arrival.ready:
+            self._block_ready(b, during_backward)
+
+    def _block_ready(self, b: int, during_backward: bool) -> None:
+        layout, t = self.layouts[b], self.tensors[b]
+        present = self.tracker.present(b)
+        self._zero_absent(b, present)
+        if not during_backward or layout.on_device:
+            return  # stepped in step(), not speculated (its sum of squares is taken there)
+        self._begin()
+        self._events.append(("ready", b))
+        ctx = self._ctx
+        flat = uses_flat_layout(t, present)
+        self._tally, decision = on_block_ready(
+            ctx, self._tally, b, grad_sumsq(t.grad),
+            lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale))
+        if decision.speculate:
+            self._speculated[b] = True
+            self._events.append(("speculate", b))
+            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present))
+
+    def _zero_absent(self, b: int, arrived: Sequence[bool]) -> None:
+        """Zero the buffer slices of parameters without a gradient this step (they hold old values)."""
+        layout, t = self.layouts[b], self.tensors[b]
+        for slot, has in enumerate(arrived):
+            if not has:
+                t.grad[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]].zero_()
+
+    def _run_now(self, op: BlockOp, layout: BlockLayout) -> None:
+        if layout.on_device:
+            raise_failures([self.device_runner.run(op)], "device block")
+            return
+        self.executor.submit(op)
+        self._record(self._wait())
+
+    def _poll(self) -> None:
+        self._record(self.executor.poll())
+
+    def _record(self, results: Sequence[OpResult]) -> None:
+        for r in results:
+            if r.kind == "speculate":
+                self._events.append(("speculated" if r.ok else "speculate_failed", r.block))
+
+    def _wait(self) -> list[OpResult]:
+        try:
+            return self.executor.wait(self.timeout)
+        except ExecutorError as exc:
+            self._failed = exc
+            raise
+
+    def wait(self) -> None:
+        """Block until every operation submitted to the executor has finished."""
+        self._check_usable()
+        self._record(self._wait())
+
+    # ------------------------------------------------------------ step
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise SofxError("the optimizer is closed")
+        if self._failed is not None:
+            raise ExecutorError(f"the offload engine failed earlier and cannot continue: {self._failed}") \
+                from self._failed
+
+    def step(self) -> EngineStepReport:
+        """Validate this step's speculative updates and complete the step; returns its report."""
+        self._check_usable()
+        self._events.append(("step_called", -1))
+        # Gradients set by hand (no hook fired) are taken now; their blocks are stepped late.
+        for i, p in enumerate(self.params):
+            if p.grad is not None and self.tracker.arrivals[i] == 0:
+                self._take_gradient(i, p.grad, during_backward=False)
+                p.grad = None
+        self._begin()
+        self._record(self._wait())
+        zero_mode = self.speculation.missing_grad == "zero"
+        sumsq: list[float | None] = []
+        presents: list[tuple[bool, ...]] = []
+        for layout in self.layouts:
+            b = layout.index
+            arrived = self.tracker.present(b)
+            present = arrived
+            if zero_mode:  # a missing gradient is a zero gradient (kept zero by _zero_absent)
+                present = tuple(a or e for a, e in zip(arrived, self.tracker.expected_in(b)))
+            presents.append(present)
+            if self._tally.decisions[b] is not None:
+                sumsq.append(self._tally.block_sumsq[b])
+                continue
+            self._zero_absent(b, arrived)
+            sumsq.append(grad_sumsq(self.tensors[b].grad) if any(arrived) else None)
+        plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
+        stepped: list[int] = []
+        for action, layout in zip(plan.actions, self.layouts):
+            if action.kind == "skip" or (action.kind == "commit" and not layout.on_device):
+                if action.kind == "commit":
+                    stepped.append(layout.index)
+                    self._events.append(("commit", layout.index))
+                continue
+            self._events.append((action.kind, layout.index))
+            op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index])
+            if layout.on_device:
+                raise_failures([self.device_runner.run(op)], f"device block {layout.index}")
+            else:
+                self.executor.submit(op)
+            if action.kind in ("undo_redo", "step", "commit"):
+                stepped.append(layout.index)
+        self.executor.submit(BlockOp(next(self._seq), "commit_all"))
+        self.device_runner.run(BlockOp(next(self._seq), "commit_all"))
+        self._record(self._wait())
+        if plan.error is not None:
+            self._events.append(("done", -1))
+            self._reset_step()
+            raise plan.error
+        self._copy_to_model(stepped, presents)
+        self.scaler_state, self.policy_state = plan.scaler_state, plan.policy_state
+        self.iteration += 1
+        self._events.append(("done", -1))
+        report = EngineStepReport(**{f.name: getattr(plan.report, f.name) for f in fields(StepReport)},
+                                  events=tuple(self._events), executor=self.executor_name, iteration=self.iteration)
+        self._reset_step()
+        return report
+
+    def _copy_to_model(self, blocks: Sequence[int], presents: Sequence[tuple[bool, ...]]) -> None:
+        with torch.no_grad():
+            for b in blocks:
+                layout, t = self.layouts[b], self.tensors[b]
+                for view, i, has in zip(t.views(t.master, layout), layout.param_indices, presents[b]):
+                    if has:
+                        p = self.params[i]
+                        p.copy_(view.view(p.shape))
+
+    def discard_gradients(self) -> None:
+        """Forget this step's gradients (``zero_grad``); speculative steps already taken are undone."""
+        self._check_usable()
+        for p in self.params:
+            p.grad = None
+        if any(self._speculated):
+            self._record(self._wait())
+            for b, was in enumerate(self._speculated):
+                if was:
+                    self._run_now(BlockOp(next(self._seq), "undo_now", b), self.layouts[b])
+            self.executor.submit(BlockOp(next(self._seq), "commit_all"))
+            self._record(self._wait())
+        self._reset_step()
+
+    @property
+    def in_step(self) -> bool:
+        """Whether gradients of an unfinished step are held (between backward and ``step()``)."""
+        return self.tracker.started
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's complete state: a plain pytree of tensors and JSON-able values.
+
+        ``blocks[i]`` holds block ``i``'s ``master`` (fp32), ``exp_avg``,
+        ``exp_avg_sq`` and per-parameter ``counts`` (the live tensors, not
+        copies: snapshot them before the next step if you keep them);
+        ``layouts`` say which parameters each block holds. Must be called
+        between steps.
+        """
+        self._check_usable()
+        self.wait()
+        if any(self._speculated):
+            raise SofxError("state_dict() was called between backward and step(): blocks hold speculative "
+                            "steps that are not validated yet; call it after step()")
+        return {
+            "format": STATE_FORMAT,
+            "layouts": [layout.to_json() for layout in self.layouts],
+            "blocks": [{name: getattr(self.tensors[layout.index], name) for name in TENSOR_NAMES if name != "grad"}
+                       for layout in self.layouts],
+            "scaler_state": {"type": type(self.scaler_state).__name__, **_jsonable(self.scaler_state._asdict())},
+            "policy_state": _jsonable(self.policy_state._asdict()),
+            "iteration": self.iteration,
+            "adam": self.adam_config.to_json(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (checked first: nothing changes on a mismatch);
+        the masters are copied into the model's parameters."""
+        self._check_usable()
+        self.wait()
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise StructureError(f"not an offload engine state (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, expected {STATE_FORMAT!r})")
+        layouts = [BlockLayout.from_json(d) for d in state["layouts"]]
+        if [(b.numels, b.group) for b in layouts] != [(b.numels, b.group) for b in self.layouts]:
+            raise StructureError("the saved blocks do not match this optimizer's blocks (block_numel, parameter "
+                                 "sizes or param groups differ): saved "
+                                 f"{[list(b.numels) for b in layouts]}, here {[list(b.numels) for b in self.layouts]}")
+        blocks = state["blocks"]
+        for layout, saved in zip(self.layouts, blocks):
+            t = self.tensors[layout.index]
+            for name in ("master", "exp_avg", "exp_avg_sq", "counts"):
+                x, have = saved.get(name), getattr(t, name)
+                if not isinstance(x, torch.Tensor) or x.shape != have.shape or x.dtype != have.dtype:
+                    desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise StructureError(f"blocks[{layout.index}][{name!r}]: expected shape {tuple(have.shape)} "
+                                         f"dtype {have.dtype}, got {desc}")
+        scaler_fields = dict(state["scaler_state"])
+        kind = scaler_fields.pop("type")
+        if kind != type(self.scaler_state).__name__:
+            raise StructureError(f"the saved loss-scaler state is a {kind}, this optimizer's is a "
+                                 f"{type(self.scaler_state).__name__}")
+        scaler_state = type(self.scaler_state)(**scaler_fields)
+        pol = dict(state["policy_state"])
+        pol["recent"] = tuple(pol.get("recent", ()))
+        policy_state = PolicyState(**pol)
+        with torch.no_grad():
+            for layout, saved in zip(self.layouts, blocks):
+                t = self.tensors[layout.index]
+                for name in ("master", "exp_avg", "exp_avg_sq", "counts"):
+                    getattr(t, name).copy_(saved[name])
+        self.scaler_state, self.policy_state = scaler_state, policy_state
+        self.iteration = int(state.get("iteration", 0))
+        self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
+        self._reset_step()
+
+    def param_state(self, index: int) -> dict[str, torch.Tensor]:
+        """torch.optim-style state of parameter ``index``: ``step``, ``exp_avg``, ``exp_avg_sq`` (views)."""
+        block, slot = self.tracker.where[index]
+        layout, t = self.layouts[block], self.tensors[block]
+        shape = self.params[index].shape
+        sl = slice(layout.offsets[slot], layout.offsets[slot] + layout.numels[slot])
+        return {"step": t.counts[slot].to(torch.float32), "exp_avg": t.exp_avg[sl].view(shape),
+                "exp_avg_sq": t.exp_avg_sq[sl].view(shape), "master": t.master[sl].view(shape)}
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the executor, remove the hooks and release shared memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hooks.remove()
+        try:
+            self.executor.close()
+        finally:
+            self._cpu_arena.close()
+
+    def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, tuple):
+            v = list(v)
+        out[k] = v
+    return out

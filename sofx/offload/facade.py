@@ -1,0 +1,292 @@
+"""``SpeculativeAdamW`` / ``SpeculativeAdam``: the offload engine behind a ``torch.optim.Optimizer``.
+
+::
+
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(),      # or param-group dicts
+            lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+            max_grad_norm=1.0, loss_scale=None,   # None | "dynamic" | a float | a loss-scale rule
+            profile="torch", executor="thread", block_numel=2**22, n_device_blocks=0,
+            missing_grad="skip")
+    for batch in data:
+        opt.zero_grad()
+        opt.backward(loss_fn(model, batch))   # scales the loss when loss scaling is on
+        report = opt.step()                   # validates; returns the step report
+    opt.close()                               # or use the optimizer as a context manager
+
+The Adam steps of the parameter blocks are taken *during* backward (on a
+worker thread or process, from fp32 master weights) and validated in
+``step()``; the training trajectory is that of ``torch.optim.AdamW`` +
+``clip_grad_norm_(max_grad_norm)`` + ``torch.amp.GradScaler`` (profile
+``"torch"``) or of DeepSpeed ZeRO-3 (``"deepspeed"``).
+
+``param_groups`` are ordinary dicts (``lr``, ``betas``, ``eps``,
+``weight_decay``), read at every step, so every ``torch.optim.lr_scheduler``
+works, including those that change ``betas`` (``OneCycleLR`` with
+``cycle_momentum``). Differences from ``torch.optim``: gradients are moved
+out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
+backward) and ``step()`` consumes them (gradients do not carry over to the
+next step without ``gradient_accumulation_steps``); param groups cannot be
+added after construction; ``step()`` returns a
+:class:`~sofx.offload.engine.EngineStepReport`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from sofx.adam import AdamHParams
+from sofx.errors import HParamError, StructureError, UnsupportedError
+from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
+from sofx.offload.block_runner import AdamConfig
+from sofx.offload.engine import EngineStepReport, OffloadEngine
+from sofx.offload.shared_memory import DEFAULT_SHM_DIR
+from sofx.speculate import AdaptivePolicy, SpeculationConfig
+
+__all__ = ["SpeculativeAdamW", "SpeculativeAdam", "resolve_loss_scale"]
+
+_HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
+    """The loss-scale rule for ``loss_scale``: ``None`` (no scaling), ``"dynamic"`` (the profile's
+    dynamic scaler: GradScaler for "torch", DeepSpeed's for "deepspeed"), a number (static), or a rule
+    object with ``init``/``scale``/``update`` (e.g. :func:`sofx.loss_scale.grad_scaler`)."""
+    if loss_scale is None:
+        return static_scale(1.0)
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule")
+        return grad_scaler() if profile == "torch" else deepspeed_scaler()
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return static_scale(float(loss_scale))
+    if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):
+        return loss_scale
+    raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule "
+                      "(sofx.loss_scale.grad_scaler(...), deepspeed_scaler(...), static_scale(...))")
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise HParamError(f"{what} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HParamError(f"{what} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
+    """A param group's hparams as Python floats, checked (the message names the group)."""
+    lr = _number(group["lr"], f"{where}['lr']")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise HParamError(f"{where}['betas'] must be a pair (beta1, beta2), got {betas!r}")
+    b1, b2 = _number(betas[0], f"{where}['betas'][0]"), _number(betas[1], f"{where}['betas'][1]")
+    eps = _number(group["eps"], f"{where}['eps']")
+    wd = _number(group["weight_decay"], f"{where}['weight_decay']")
+    for name, value, ok, rule in (("lr", lr, lr >= 0, ">= 0"), ("betas[0]", b1, 0 <= b1 < 1, "in [0, 1)"),
+                                  ("betas[1]", b2, 0 <= b2 < 1, "in [0, 1)"), ("eps", eps, eps > 0, "> 0"),
+                                  ("weight_decay", wd, wd >= 0, ">= 0")):
+        if not (math.isfinite(value) and ok):
+            raise HParamError(f"{where}['{name}'] = {value!r} is invalid; expected {rule}")
+    return AdamHParams(lr, b1, b2, eps, wd)
+
+
+class _ParamStateView(Mapping):
+    """``opt.state[p]``: torch.optim-style per-parameter state (live views of the engine's blocks)."""
+
+    def __init__(self, opt: "_SpeculativeBase") -> None:
+        self._opt = opt
+
+    def _index(self, p: Any) -> int:
+        for i, q in enumerate(self._opt._engine.params):
+            if q is p:
+                return i
+        raise KeyError(p)
+
+    def __getitem__(self, p: Any) -> dict[str, torch.Tensor]:
+        return self._opt._engine.param_state(self._index(p))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._opt._engine.params)
+
+    def __len__(self) -> int:
+        return len(self._opt._engine.params)
+
+
+class _SpeculativeBase(torch.optim.Optimizer):
+    """Shared implementation of :class:`SpeculativeAdamW` and :class:`SpeculativeAdam`."""
+
+    _decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
+                 loss_scale: Any = None, profile: str = "torch", executor: str = "thread",
+                 block_numel: int = 2 ** 22, n_device_blocks: int = 0, missing_grad: str = "skip",
+                 gradient_accumulation_steps: int = 1, speculate: bool = True, bias_correction: bool = True,
+                 state_dtype: torch.dtype = torch.float32, undo: str = "auto", backend: str = "auto",
+                 policy: AdaptivePolicy | None = None, snapshot_budget_bytes: int | None = None,
+                 timeout: float = 60.0, num_threads: int = 1, shm_dir: str = DEFAULT_SHM_DIR,
+                 shm_limit_bytes: int | None = None) -> None:
+        self._engine: OffloadEngine | None = None
+        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, (list, tuple)) else betas, "eps": eps,
+                    "weight_decay": weight_decay}
+        group_hparams(defaults, "defaults")
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            group_hparams(group, f"param_groups[{i}]")
+        if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise UnsupportedError(f"state_dtype={state_dtype}; expected torch.float32, bfloat16 or float16")
+        speculation = SpeculationConfig(max_norm=max_grad_norm, profile=profile, missing_grad=missing_grad,
+                                        snapshot_budget_bytes=snapshot_budget_bytes,
+                                        policy=policy if policy is not None else AdaptivePolicy(), enabled=speculate)
+        adam = AdamConfig(decoupled=self._decoupled, bias_correction=bias_correction,
+                          state_dtype=str(state_dtype).replace("torch.", ""), undo=undo, backend=backend)
+        self._engine = OffloadEngine(
+            [g["params"] for g in self.param_groups], self._hparams, adam=adam, speculation=speculation,
+            scaler=resolve_loss_scale(loss_scale, profile), executor=executor, block_numel=block_numel,
+            n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
+            timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes)
+        self.state = _ParamStateView(self)  # type: ignore[assignment]
+
+    # ------------------------------------------------------------ torch.optim interface
+    def _hparams(self) -> list[AdamHParams]:
+        return [group_hparams(g, f"param_groups[{i}]") for i, g in enumerate(self.param_groups)]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._engine is not None:
+            raise UnsupportedError("param groups cannot be added to a speculative optimizer after construction: "
+                                   "its parameters are packed into blocks; pass every group to the constructor")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> EngineStepReport:  # type: ignore[override]
+        """Validate the step (see the module docstring); returns its report.
+
+        ``closure``, if given, is called first (with grad enabled) to
+        compute the loss and run backward.
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        return self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients of the current step (speculative steps already taken are undone)."""
+        self.engine.discard_gradients()
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"state": engine state (tensors + JSON-able values), "param_groups": [...]}``.
+
+        ``param_groups`` are torch.optim-style: every key but ``params``, and
+        ``params`` as indices in model order.
+        """
+        groups, start = [], 0
+        for g in self.param_groups:
+            entry = {k: _plain(v) for k, v in g.items() if k != "params"}
+            entry["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(entry)
+        return {"state": self.engine.state_dict(), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict`'s output: block state, loss scale, and every group's hparams."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise StructureError(f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
+                                 f"groups, this optimizer has {len(self.param_groups)}")
+        for i, (saved, g) in enumerate(zip(groups, self.param_groups)):
+            if len(saved.get("params", ())) != len(g["params"]):
+                raise StructureError(f"param_groups[{i}] has {len(g['params'])} parameters, the saved group "
+                                     f"{len(saved.get('params', ()))}")
+            group_hparams({**g, **{k: v for k, v in saved.items() if k in _HPARAM_KEYS}}, f"saved param_groups[{i}]")
+        self.engine.load_state_dict(state_dict["state"])
+        for saved, g in zip(groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+
+    # ------------------------------------------------------------ sofx additions
+    @property
+    def engine(self) -> OffloadEngine:
+        """The :class:`~sofx.offload.engine.OffloadEngine` doing the work."""
+        if self._engine is None:
+            raise UnsupportedError("the optimizer is not fully constructed")
+        return self._engine
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next backward must use (1.0 without loss scaling)."""
+        return self.engine.loss_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (``loss`` itself without loss scaling)."""
+        s = self.engine.loss_scale
+        return loss if s == 1.0 else loss * s
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``scale_loss(loss).backward(**kwargs)``."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    @property
+    def executor(self) -> str:
+        """The executor in use ("inline", "thread" or "process"; "thread" after a shared-memory fallback)."""
+        return self.engine.executor_name
+
+    @property
+    def speculate(self) -> bool:
+        """Whether blocks are speculated during backward (settable between steps)."""
+        return self.engine.speculation.enabled
+
+    @speculate.setter
+    def speculate(self, on: bool) -> None:
+        import dataclasses
+
+        self.engine.speculation = dataclasses.replace(self.engine.speculation, enabled=bool(on))
+
+    def reload_params(self) -> None:
+        """Take the model's current parameter values as the fp32 masters (after loading model weights)."""
+        self.engine.reload_params()
+
+    def close(self) -> None:
+        """Stop the worker thread/process and release shared memory (idempotent)."""
+        if self._engine is not None:
+            self._engine.close()
+
+    def __enter__(self) -> "_SpeculativeBase":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(f"{type(self).__name__} cannot be pickled (it owns a worker); use state_dict()")
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    return v
+
+
+class SpeculativeAdamW(_SpeculativeBase):
+    """AdamW (decoupled weight decay) with fp32 masters, speculated during backward; see the module docstring."""
+
+    _decoupled = True
+
+
+class SpeculativeAdam(_SpeculativeBase):
+    """Adam (L2 weight decay, ``g += wd * p``) with fp32 masters, speculated during backward.
+
+    Same arguments as :class:`SpeculativeAdamW`; ``weight_decay`` defaults to 0.
+    """
+
+    _decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)

@@ -1,0 +1,215 @@
+"""The process executor: a worker process steps blocks that live in shared memory.
+
+The block tensors are allocated in a
+:class:`~sofx.offload.shared_memory.SharedMemoryArena` by the engine; this
+executor starts one worker (``python -m sofx.offload.process_worker``, a
+fresh interpreter that maps the same files) and talks to it over a unix
+socket in a private temporary directory (mutually authenticated with a random
+key). Submitting never blocks the caller (a backward hook): a sender thread
+writes the operations. The worker uses ``num_threads`` torch threads.
+
+Failures are clear and bounded in time: a failing operation is raised by
+:meth:`wait` with the worker's traceback; a worker that died (killed, out of
+memory, crashed) is detected by :meth:`wait` within a fraction of a second
+and raised as :class:`~sofx.offload.executor.WorkerDiedError`; a worker that
+hangs makes :meth:`wait` raise :class:`~sofx.offload.executor.ExecutorTimeout`
+after the timeout. The shared tensors stay mapped in the main process in
+every case, so the state is still readable (and checkpointable) after a
+failure.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
+
+from sofx.offload.block_ops import BlockOp, OpResult
+from sofx.offload.executor import (
+    Executor,
+    ExecutorError,
+    ExecutorTimeout,
+    WorkerDiedError,
+    raise_failures,
+)
+
+__all__ = ["ProcessExecutor"]
+
+_POLL_S = 0.05
+_STOP = object()
+
+
+class ProcessExecutor(Executor):
+    """Runs operations in a worker process over shared-memory block tensors.
+
+    ``config`` is the JSON-able description the worker needs (see
+    :func:`sofx.offload.process_worker.build_runner`). The constructor waits
+    up to ``startup_timeout`` seconds for the worker to map the tensors.
+    """
+
+    name = "process"
+
+    def __init__(self, config: dict[str, Any], startup_timeout: float = 120.0) -> None:
+        super().__init__()
+        self._collected: list[OpResult] = []
+        self._send_error: BaseException | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._dir = tempfile.mkdtemp(prefix="sofx-worker-")  # mode 0700: only this user can connect
+        address = os.path.join(self._dir, "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn: Connection | None = None
+        self.process: subprocess.Popen | None = None
+        try:
+            server.bind(address)
+            server.listen(1)
+            server.settimeout(_POLL_S)
+            authkey = os.urandom(32)
+            self.process = subprocess.Popen([sys.executable, "-m", "sofx.offload.process_worker", address],
+                                            stdin=subprocess.PIPE, text=True, close_fds=True)
+            self.pid = self.process.pid
+            self.process.stdin.write(authkey.hex() + "\n")
+            self.process.stdin.close()
+            self.conn = self._accept(server, authkey, startup_timeout)
+            self.conn.send(config)
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            server.close()
+            self._kill()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        server.close()
+        self._sender = threading.Thread(target=self._send_loop, name="sofx-offload-sender", daemon=True)
+        self._sender.start()
+
+    # ------------------------------------------------------------ startup
+    def _accept(self, server: socket.socket, authkey: bytes, timeout: float) -> Connection:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock, _ = server.accept()
+                break
+            except socket.timeout:
+                self._check_alive("while starting")
+                if time.monotonic() > deadline:
+                    raise ExecutorTimeout(f"the offload worker process did not connect within {timeout:g} s")
+        sock.settimeout(None)
+        conn = Connection(sock.detach())
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        return conn
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(_POLL_S):
+            self._check_alive("while starting")
+            if time.monotonic() > deadline:
+                raise ExecutorTimeout(f"the offload worker process did not start within {timeout:g} s")
+        msg = self.conn.recv()
+        if msg[0] != "ready":
+            raise ExecutorError(f"the offload worker process failed to start:\n{msg[1]}")
+
+    def _check_alive(self, when: str) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise WorkerDiedError(f"the offload worker process (pid {self.pid}) exited with "
+                                  f"{_exit_description(code)} {when}")
+
+    # ------------------------------------------------------------ operations
+    def _send_loop(self) -> None:
+        while True:
+            op = self._outbox.get()
+            if op is _STOP:
+                return
+            try:
+                self.conn.send(op)
+            except BaseException as exc:  # the worker is gone: wait() reports it
+                self._send_error = exc
+                return
+
+    def submit(self, op: BlockOp) -> None:
+        self._check_open()
+        self._submitted += 1
+        self._outbox.put(op)
+
+    def _drain(self, block_s: float | None) -> bool:
+        """Move finished results into ``_collected``; True if anything arrived."""
+        got = False
+        try:
+            while self.conn.poll(block_s if block_s and not got else 0):
+                self._collected.append(self.conn.recv())
+                got = True
+        except (EOFError, OSError):
+            pass  # the worker is gone; wait() reports it
+        return got
+
+    def poll(self) -> list[OpResult]:
+        self._drain(None)
+        out, self._collected = self._collected, []
+        self._done += len(out)
+        return out
+
+    def _outstanding(self) -> int:
+        return self._submitted - self._done - len(self._collected)
+
+    def wait(self, timeout: float) -> list[OpResult]:
+        deadline = time.monotonic() + timeout
+        while self._outstanding() > 0:
+            if self._drain(_POLL_S):
+                continue
+            code = self.process.poll()
+            if code is not None or self._send_error is not None:
+                self._drain(None)  # results it sent before dying
+                if self._outstanding() == 0:
+                    break
+                raise WorkerDiedError(
+                    f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) with "
+                    f"{self._outstanding()} block operation(s) unfinished. The optimizer state in shared memory is "
+                    "intact and readable (state_dict() still works), but blocks of the current step may be partly "
+                    "stepped: reload a checkpoint to continue training")
+            if time.monotonic() > deadline:
+                raise ExecutorTimeout(f"process executor: {self._outstanding()} block operations did not finish "
+                                      f"within {timeout:g} s (worker pid {self.pid} is alive but not answering)")
+        return raise_failures(self.poll(), f"process executor (worker pid {self.pid})")
+
+    # ------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._outbox.put(None)  # tells the worker to stop, after everything queued
+        self._outbox.put(_STOP)
+        self._sender.join(timeout=10)
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill()
+        if self.conn is not None:
+            self.conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "the connection to it broke"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
