@@ -32,6 +32,8 @@ from sofx.checkpoint.async_save import AsyncSaver, SaveHandle, save_async
 from sofx.checkpoint.atomic import stale_temporaries
 from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError)
+from sofx.checkpoint.torch_optim import from_torch_optim, to_torch_optim, torch_param_groups
+from sofx.checkpoint.zero3 import load_zero3, save_zero3, zero3_file_name
 
 __all__ = [
     "save",
@@ -41,6 +43,12 @@ __all__ = [
     "SaveHandle",
     "AsyncSaver",
     "stale_temporaries",
+    "to_torch_optim",
+    "from_torch_optim",
+    "torch_param_groups",
+    "save_zero3",
+    "load_zero3",
+    "zero3_file_name",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

@@ -1,0 +1,120 @@
+"""sofx.checkpoint.save_async: the snapshot is taken before the call returns; errors come back on wait()."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import sofx
+import sofx.checkpoint as ck
+from sofx import tree
+from sofx.checkpoint import io as ck_io
+
+
+def _setup(rng, param_dtype=torch.float32, state_dtype=None):
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    params = {"a": torch.randn(64, 16, generator=rng).to(param_dtype), "b": [torch.randn(33, generator=rng)
+                                                                            .to(param_dtype)]}
+    state = opt.init(params)
+    for _ in range(2):
+        grads = tree.tree_map(lambda p: torch.randn(p.shape, generator=rng).to(p.dtype), params)
+        params, state, _ = opt.update(params, grads, state)
+    return opt, params, state
+
+
+def _clone(t):
+    return tree.tree_map(lambda x: x.clone(), t)
+
+
+def _bits_equal(a, b):
+    la, _ = tree.flatten(a)
+    lb, _ = tree.flatten(b)
+    return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("param_dtype, state_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32)])
+def test_async_save_before_donated_update_holds_pre_step_values(tmp_path, rng, param_dtype, state_dtype):
+    opt, params, state = _setup(rng, param_dtype, state_dtype)
+    before = _clone({"params": params, "state": state})
+    ids = [id(x) for x in tree.flatten((params, state.mu))[0]]
+    # Slow the write down so that the in-place step surely runs while the file is being written.
+    started, release = threading.Event(), threading.Event()
+    real_write = ck_io.serialize_file
+
+    def slow_write(*args, **kwargs):
+        started.set()
+        release.wait(10)
+        return real_write(*args, **kwargs)
+
+    ck_io.serialize_file = slow_write
+    try:
+        handle = ck.save_async(tmp_path / "pre.ckpt", {"params": params, "state": state})
+        assert started.wait(10) and not handle.done()
+        grads = tree.tree_map(lambda p: torch.randn(p.shape, generator=rng).to(p.dtype), params)
+        params2, state2, _ = opt.update(params, grads, state, donate=True)  # writes into params/state in place
+        assert [id(x) for x in tree.flatten((params2, state2.mu))[0]] == ids  # really donated
+        assert not _bits_equal(params2, before["params"])
+        release.set()
+        assert handle.wait(30) == str(tmp_path / "pre.ckpt")
+    finally:
+        ck_io.serialize_file = real_write
+        release.set()
+    assert handle.done() and handle.exception() is None
+    loaded = ck.load(tmp_path / "pre.ckpt", like=before)
+    assert _bits_equal(loaded, before)
+    assert loaded["state"].count["a"].item() == 2
+
+
+def test_wait_reraises_the_write_error_and_keeps_previous(tmp_path, rng, monkeypatch):
+    path = tmp_path / "e.ckpt"
+    ck.save(path, {"x": torch.arange(3)})
+
+    def failing(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ck_io, "serialize_file", failing)
+    handle = ck.save_async(path, {"x": torch.zeros(3)})
+    with pytest.raises(OSError, match="no space left"):
+        handle.wait(30)
+    assert isinstance(handle.exception(), OSError)
+    monkeypatch.undo()
+    assert torch.equal(ck.load(path)["x"], torch.arange(3))
+    assert ck.stale_temporaries(path) == []
+
+
+def test_bad_tree_raises_at_call_time(tmp_path):
+    with pytest.raises(ck.CheckpointError, match=r"tree\['x'\]"):
+        ck.save_async(tmp_path / "b.ckpt", {"x": object()})
+    assert not (tmp_path / "b.ckpt").exists()
+    handle = ck.save_async(tmp_path / "missing" / "b.ckpt", {"x": torch.zeros(1)})
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        handle.wait(30)
+
+
+def test_wait_timeout(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = ck_io.serialize_file
+    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(10), real(*a, **k)))
+    handle = ck.save_async(tmp_path / "slow.ckpt", {"x": torch.zeros(1)})
+    with pytest.raises(TimeoutError):
+        handle.wait(0.05)
+    assert not handle.done() and "running" in repr(handle)
+    release.set()
+    assert handle.wait(30) and handle.done()
+
+
+def test_async_saver_commits_in_order(tmp_path, rng):
+    path = tmp_path / "ordered.ckpt"
+    x = torch.randn(1000, generator=rng)
+    with ck.AsyncSaver() as saver:
+        handles = []
+        for i in range(6):
+            x.add_(1.0)  # in place after each call: each save must hold its own value
+            handles.append(saver.save(path, {"i": i, "x": x}))
+    assert all(h.done() for h in handles)
+    last = ck.load(path)
+    assert last["i"] == 5 and torch.equal(last["x"], x)
+    other = ck.save_async(tmp_path / "chain.ckpt", {"i": 0}, after=handles[-1])
+    assert other.wait(30).endswith("chain.ckpt")
