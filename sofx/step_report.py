@@ -16,6 +16,18 @@ and by :func:`sofx.speculate.speculative_step`. Block counts:
                   missing gradient with ``missing_grad="zero"``)
 ``not_stepped``   blocks without a step this iteration (overflow, or a missing
                   gradient with ``missing_grad="skip"``)
+
+Global facts: ``skipped``/``overflow`` (a non-finite gradient: the step was
+skipped), ``clipped``, ``clip_coef`` (multiplier of the unscaled gradients),
+``grad_norm`` (unscaled global norm), ``scale`` (the loss scale the gradients
+were unscaled with), ``next_scale`` (the scale for the next step),
+``grad_scale`` (the one multiplier Adam applied to the raw gradients).
+``speculating``: whether this step was allowed to speculate
+(``not_speculating_reason`` says why not: disabled, not the last micro-step,
+or the adaptive policy). ``policy_paused``/``policy_reason``: the adaptive
+policy's state *after* this step ("paused: clipping fired on 5 of the last 8
+steps ...", "resumed: ..."). ``veto_reason``: why speculation was vetoed
+during backward. ``actions``: the validation action of every block.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ class StepReport:
     next_scale: float = 1.0
     grad_scale: float = 1.0
     speculating: bool = True
+    not_speculating_reason: str = ""
     policy_paused: bool = False
     policy_reason: str = ""
     veto_reason: str = ""

@@ -492,8 +492,9 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         next_scale=scale if facts is None else ctx.scaler.scale(facts.scaler_state),
         grad_scale=1.0 if facts is None else facts.grad_scale,
         speculating=ctx.speculating,
+        not_speculating_reason=ctx.reason,
         policy_paused=policy_state.paused,
-        policy_reason=ctx.reason if ctx.kind == "policy" else policy_state.reason,
+        policy_reason=policy_state.reason,
         veto_reason=tally.veto_reason,
         actions=tuple(kinds),
     )

@@ -1,0 +1,367 @@
+"""Speculation, row by row of SPECULATION.md's outcomes table, against the serial loop.
+
+Each test runs one step on the same inputs through :func:`sofx.speculate.speculative_step`
+and :func:`sofx.serial.serial_step` and checks the report and the result:
+bitwise for blocks that were not undone, float32 rounding (relative 1e-6 of the
+tensor's largest value) for undone ones. The engine-style test drives the block
+protocol by hand on flat 1-d blocks with donation, as the offload engine does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sofx
+from sofx import AdamHParams, loss_scale
+from sofx import speculate as sp
+from sofx.serial import serial_step
+
+S16 = 2.0 ** 16
+
+
+def _params(gen: torch.Generator, n: int = 4, size: int = 6) -> list[torch.Tensor]:
+    return [torch.randn(size, generator=gen) for _ in range(n)]
+
+
+def _grads(gen: torch.Generator, n: int = 4, size: int = 6, scale: float = S16, mult=0.02) -> list[torch.Tensor]:
+    mults = mult if isinstance(mult, (list, tuple)) else [mult] * n
+    return [torch.randn(size, generator=gen) * m * scale for m in mults]
+
+
+def _warm(opt, params, gen, steps: int = 2):
+    """A few plain steps so that the moments are not zero."""
+    state = opt.init(params)
+    for _ in range(steps):
+        params, state, _ = opt.update(params, [torch.randn(p.shape, generator=gen) * 0.02 for p in params], state)
+    return params, state
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _compare(spec, ser, actions=None):
+    """Bitwise for blocks not undone; <= 1e-6 relative (of the tensor's largest value) for undone ones."""
+    undone = [a in ("undo", "undo_redo") for a in actions] if actions else [True] * len(spec.params)
+    for i, (p1, p2) in enumerate(zip(spec.params, ser.params)):
+        pairs = [(p1, p2), (spec.state.mu[i], ser.state.mu[i]), (spec.state.nu[i], ser.state.nu[i])]
+        assert int(spec.state.count[i]) == int(ser.state.count[i]), i
+        for a, b in pairs:
+            assert not (torch.isnan(a) & ~torch.isnan(b)).any(), f"block {i}: a nan the serial loop does not have"
+            if undone[i]:
+                assert _rel(a, b) <= 1e-6, (i, _rel(a, b))
+            else:
+                assert torch.equal(a, b), f"block {i} ({actions[i]}) is not bitwise equal to the serial loop"
+
+
+def _both(opt, params, grads, state, *, config, scaler=None, sstate=None, hparams=None, **kw):
+    scaler = scaler or loss_scale.grad_scaler()
+    sstate = sstate if sstate is not None else scaler.init()
+    spec = sp.speculative_step(opt, params, grads, state, config=config, scaler=scaler, scaler_state=sstate,
+                               hparams=hparams, **kw)
+    final_grads = list(grads)
+    for i, extra in (kw.get("late_grads") or {}).items():
+        final_grads[i] = final_grads[i] + extra
+    ser = serial_step(opt, params, final_grads, state, scaler=scaler, scaler_state=sstate,
+                      hparams=kw.get("validation_hparams", hparams), max_norm=config.max_norm,
+                      profile=config.profile, missing_grad=config.missing_grad)
+    assert spec.scaler_state == ser.scaler_state
+    return spec, ser
+
+
+def test_commit_when_nothing_changes(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(max_norm=10.0))
+    r = spec.report
+    assert (r.speculated, r.committed, r.undone, r.redone, r.vetoed, r.stepped_late) == (4, 4, 0, 0, 0, 0)
+    assert r.actions == ("commit",) * 4 and not r.clipped and not r.skipped
+    _compare(spec, ser, r.actions)
+    assert "spec 4 commit 4" in r.summary()
+
+
+def test_clipping_undoes_and_redoes_and_early_veto_stops_speculation(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    # arrival order is 3, 2, 1, 0; blocks 3 and 2 are small, block 1 pushes the sum past (max_norm*S)^2
+    grads = _grads(rng, mult=[5.0, 5.0, 0.01, 0.01])
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=1.0))
+    r = spec.report
+    assert r.clipped and r.clip_coef < 1
+    assert (r.speculated, r.undone, r.redone, r.vetoed, r.stepped_late) == (2, 2, 2, 2, 2)
+    assert r.actions == ("step", "step", "undo_redo", "undo_redo")
+    assert "clipping is certain from block 1" in r.veto_reason
+    assert [a.reason for a in spec.plan.actions][2].startswith("clipping fired")
+    _compare(spec, ser, r.actions)
+
+
+def test_clipping_without_veto_when_certainty_comes_late(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    # each block alone is below max_norm; the veto never fires, but the total clips
+    grads = [torch.full((6,), 0.3 * S16 / math.sqrt(6)) * (1 + 0.01 * torch.randn(6, generator=rng))
+             for _ in range(4)]
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=0.59))
+    r = spec.report
+    assert r.clipped and r.vetoed == 1 and r.speculated == 3 and r.redone == 3
+    _compare(spec, ser, r.actions)
+
+
+@pytest.mark.parametrize("undo", ["auto", "exact"])
+def test_overflow_undoes_only_what_was_stepped_and_skips(rng, undo: str):
+    opt = sofx.adamw(lr=1e-2, undo=undo)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    grads[1][2] = float("inf")  # block 1 arrives third: blocks 3 and 2 were speculated already
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=1.0))
+    r = spec.report
+    assert r.skipped and r.overflow
+    assert (r.speculated, r.undone, r.redone, r.vetoed, r.stepped_late) == (2, 2, 0, 2, 0)
+    assert r.actions == ("skip", "skip", "undo", "undo")
+    assert "non-finite" in r.veto_reason
+    assert r.next_scale == S16 / 2
+    assert [int(c) for c in spec.state.count] == [int(c) for c in state.count]  # counts do not advance
+    if undo == "exact":
+        for a, b in zip(spec.params, params):
+            assert torch.equal(a, b)
+    _compare(spec, ser, r.actions)
+
+
+def test_scale_assumed_wrong_is_undone_and_redone(rng):
+    opt = sofx.adam(lr=1e-2, weight_decay=0.01)
+    params, state = _warm(opt, _params(rng), rng)
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), backward_scale=S16 * 2)
+    r = spec.report
+    assert r.actions == ("undo_redo",) * 4 and not r.clipped
+    assert "not the assumed" in spec.plan.actions[0].reason
+    _compare(spec, ser, r.actions)
+
+
+@pytest.mark.parametrize("predict", [True, False])
+def test_deepspeed_scale_growth(rng, predict: bool):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.deepspeed_scaler(init_scale=S16, scale_window=1)  # every clean step grows the scale
+    spec, ser = _both(opt, params, _grads(rng), state, scaler=rule,
+                      config=sp.SpeculationConfig(profile="deepspeed", predict_scale=predict))
+    r = spec.report
+    assert r.scale == 2 * S16
+    assert r.actions == (("commit",) if predict else ("undo_redo",)) * 4
+    _compare(spec, ser, r.actions)
+
+
+def test_hparams_changed_between_speculation_and_validation(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    new_hp = [AdamHParams(), AdamHParams(lr=5e-3), AdamHParams(), AdamHParams(beta2=0.99)]
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), hparams=AdamHParams(),
+                      validation_hparams=new_hp)
+    r = spec.report
+    assert r.actions == ("commit", "undo_redo", "commit", "undo_redo")
+    assert "hparams changed" in spec.plan.actions[1].reason
+    _compare(spec, ser, r.actions)
+
+
+def test_late_second_gradient_is_summed_and_the_block_redone(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    late = {2: torch.randn(6, generator=rng) * 0.01 * S16}
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), late_grads=late)
+    r = spec.report
+    assert r.actions == ("commit", "commit", "undo_redo", "commit")
+    assert "late gradient" in spec.plan.actions[2].reason
+    _compare(spec, ser, r.actions)
+
+
+@pytest.mark.parametrize("missing", ["skip", "zero"])
+def test_missing_gradient(rng, missing: str):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    grads[1] = None
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(missing_grad=missing))
+    r = spec.report
+    assert r.actions[1] == ("skip" if missing == "skip" else "step")
+    assert r.committed == 3
+    assert int(spec.state.count[1]) == int(state.count[1]) + (missing == "zero")
+    if missing == "skip":
+        assert spec.params[1] is params[1]
+    _compare(spec, ser, r.actions)
+
+
+def test_earlier_micro_steps_do_not_speculate(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), last_micro_step=False)
+    r = spec.report
+    assert r.speculated == 0 and r.stepped_late == 4 and not r.speculating
+    assert "micro-step" in spec.plan.actions[0].reason
+    _compare(spec, ser, r.actions)
+
+
+def test_ineligible_blocks_are_stepped_late(rng):
+    # beta1 == 0: only a snapshot can undo; with no snapshot budget the blocks are not speculated
+    opt = sofx.adamw(lr=1e-2, betas=(0.0, 0.999))
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(snapshot_budget_bytes=0))
+    r = spec.report
+    assert r.speculated == 0 and r.ineligible == 4 and r.stepped_late == 4
+    assert "budget" in spec.plan.actions[0].reason and "beta of 0" in spec.plan.actions[0].reason
+    _compare(spec, ser, r.actions)
+    # a budget for two blocks' snapshots (p, m, v in float32): two speculated, exact undo on clipping
+    budget = 2 * 3 * 6 * 4
+    grads = _grads(rng, mult=5.0)
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(snapshot_budget_bytes=budget,
+                                                                           max_norm=1e9))
+    assert spec.report.speculated == 2 and spec.report.ineligible == 2
+
+
+def test_block_eligibility_reports_refusal_and_snapshot_cost(rng):
+    p, g = torch.randn(6, generator=rng), torch.randn(6, generator=rng)
+    strict = sofx.adamw(betas=(0.0, 0.999), undo="algebraic")
+    el = sp.block_eligibility(strict, p, g, strict.init(p), AdamHParams(), 1.0)
+    assert not el.eligible and "impossible" in el.reason
+    auto = sofx.adamw(betas=(0.0, 0.999))
+    el = sp.block_eligibility(auto, p, g, auto.init(p), AdamHParams(), 1.0)
+    assert el.eligible and el.strategy == "snapshot" and el.snapshot_bytes == 3 * 6 * 4
+    plain = sofx.adamw()
+    el = sp.block_eligibility(plain, p, g, plain.init(p), AdamHParams(), 1.0)
+    assert el == sp.Eligibility(True, "algebraic", "", 0)
+    with pytest.raises(sofx.LeafError, match="shape"):
+        sp.block_eligibility(plain, p, torch.randn(5), plain.init(p), AdamHParams(), 1.0)
+
+
+def test_bf16_states_use_snapshots_and_redo_bitwise(rng):
+    opt = sofx.adamw(lr=1e-2, state_dtype=torch.bfloat16)
+    params, state = _warm(opt, _params(rng), rng)
+    spec, ser = _both(opt, params, _grads(rng, mult=5.0), state, config=sp.SpeculationConfig(max_norm=1e6),
+                      backward_scale=S16 / 2)
+    assert spec.report.redone == 4
+    for a, b in zip(spec.params, ser.params):
+        assert torch.equal(a, b)  # snapshot undo is exact, so undo+redo is the serial step
+
+
+def test_adaptive_policy_pauses_while_clipping_and_resumes(rng):
+    opt = sofx.adamw(lr=1e-3)
+    params, state = _warm(opt, _params(rng), rng)
+    cfg = sp.SpeculationConfig(max_norm=1.0, policy=sp.AdaptivePolicy(window=4, pause_fraction=0.5,
+                                                                       quiet_steps=2))
+    rule = loss_scale.grad_scaler()
+    sstate, pstate = rule.init(), None
+    reports = []
+    for mult in [3.0, 3.0, 3.0, 3.0, 3.0, 0.001, 0.001, 0.001]:
+        grads = _grads(rng, mult=[mult, 0.001, 0.001, 0.001])  # block 0 arrives last: no early veto
+        res = sp.speculative_step(opt, params, grads, state, config=cfg, scaler=rule, scaler_state=sstate,
+                                  policy_state=pstate)
+        params, state, sstate, pstate = res.params, res.state, res.scaler_state, res.policy_state
+        reports.append(res.report)
+    assert [r.speculating for r in reports] == [True, True, True, False, False, False, False, True]
+    assert [r.policy_paused for r in reports] == [False, False, True, True, True, True, False, False]
+    assert "clipping fired on 3 of the last 3 steps" in reports[2].policy_reason
+    assert reports[3].speculated == 0 and reports[3].stepped_late == 4
+    assert "paused" in reports[3].policy_reason
+    assert reports[6].policy_reason.startswith("resumed")
+    assert reports[7].committed == 4
+
+
+def test_min_loss_scale_error_undoes_every_speculative_step(rng):
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.deepspeed_scaler(init_scale=1.0, hysteresis=1)
+    grads = _grads(rng, scale=1.0)
+    grads[0][0] = float("nan")
+    with pytest.raises(loss_scale.MinLossScaleError):
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(profile="deepspeed"),
+                            scaler=rule, scaler_state=rule.init(), donate=True)
+    for i in range(4):  # donated buffers are back to their values before the step
+        assert int(state.count[i]) == 2
+
+
+def test_engine_style_block_protocol_with_donation(rng):
+    """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    params, state = _warm(opt, _params(rng, 3, 10), rng)
+    grads = _grads(rng, 3, 10, mult=[2.0, 0.001, 0.001])
+    ser = serial_step(opt, params, grads, state, scaler=loss_scale.grad_scaler(),
+                      scaler_state=loss_scale.grad_scaler().init(), max_norm=1.0)
+    blocks = [p.clone() for p in params]
+    states = [sofx.AdamState(state.count[i].clone(), state.mu[i].clone(), state.nu[i].clone()) for i in range(3)]
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(max_norm=1.0), rule, rule.init(), n_blocks=3,
+                               hparams=AdamHParams())
+    records = [None] * 3
+    for i in (2, 1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]),
+                                     lambda i=i: sp.block_eligibility(opt, blocks[i], grads[i], states[i],
+                                                                      ctx.hparams[i], ctx.grad_scale))
+        if d.speculate:
+            p_before = blocks[i]
+            blocks[i], states[i], records[i] = sp.speculative_block_step(opt, blocks[i], grads[i], states[i], d,
+                                                                         donate=True)
+            assert blocks[i] is p_before  # in place
+    plan = sp.plan_validation(ctx, tally, [tally.block_sumsq[i] for i in range(3)])
+    assert [a.kind for a in plan.actions] == ["step", "undo_redo", "undo_redo"]  # block 0 vetoed
+    for i, a in enumerate(plan.actions):
+        blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], grads[i], states[i], records[i],
+                                                     donate=True)
+    for i in range(3):
+        assert _rel(blocks[i], ser.params[i]) <= 1e-6
+        assert int(states[i].count) == int(ser.state.count[i])
+
+
+def test_protocol_errors_are_clear(rng):
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    el = sp.Eligibility(True, "algebraic", "", 0)
+    tally2, _ = sp.on_block_ready(ctx, tally, 0, 1.0, el)
+    with pytest.raises(sofx.SofxError, match="already ready"):
+        sp.on_block_ready(ctx, tally2, 0, 1.0, el)
+    with pytest.raises(sofx.SofxError, match="not ready yet"):
+        sp.on_late_gradient(ctx, tally2, 1, 1.0)
+    with pytest.raises(sofx.SofxError, match="out of range"):
+        sp.on_block_ready(ctx, tally2, 2, 1.0, el)
+    with pytest.raises(sofx.SofxError, match="2 blocks"):
+        sp.plan_validation(ctx, tally2, [1.0])
+    with pytest.raises(sofx.SofxError, match="no gradient"):
+        sp.plan_validation(ctx, tally2, [None, None])
+    with pytest.raises(sofx.SofxError, match="taken"):
+        sp.plan_validation(ctx, tally2, [1.0, 1.0], taken=[False, True])
+    # a speculative step that did not run is not undone
+    plan = sp.plan_validation(ctx, tally2, [1.0, 1.0], taken=[False, False])
+    assert [a.kind for a in plan.actions] == ["step", "step"]
+    with pytest.raises(sofx.HParamError, match="missing_grad"):
+        sp.SpeculationConfig(missing_grad="drop")
+    with pytest.raises(sofx.HParamError, match="snapshot_budget_bytes"):
+        sp.SpeculationConfig(snapshot_budget_bytes=-1)
+    with pytest.raises(sofx.StructureError, match="hparams is not a prefix"):
+        sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=[AdamHParams()] * 3)
+
+
+def test_long_trajectory_does_not_drift(rng):
+    """100 steps, clipping on about half of them, no resynchronisation: the speculative path stays
+    within float32 rounding of the serial loop."""
+    opt = sofx.adamw(lr=3e-3, weight_decay=0.01)
+    params, state = _warm(opt, _params(rng, 3, 16), rng)
+    rule = loss_scale.grad_scaler(growth_interval=10)
+    cfg = sp.SpeculationConfig(max_norm=1.0, policy=sp.AdaptivePolicy(enabled=False))
+    sp_p, sp_s, sp_ss = params, state, rule.init()
+    se_p, se_s, se_ss = params, state, rule.init()
+    undone = 0
+    for step in range(100):
+        mult = [0.5 if step % 2 else 0.01, 0.01, 0.01]
+        grads = _grads(rng, 3, 16, scale=rule.scale(se_ss), mult=mult)
+        res = sp.speculative_step(opt, sp_p, grads, sp_s, config=cfg, scaler=rule, scaler_state=sp_ss)
+        ser = serial_step(opt, se_p, grads, se_s, scaler=rule, scaler_state=se_ss, max_norm=1.0)
+        sp_p, sp_s, sp_ss = res.params, res.state, res.scaler_state
+        se_p, se_s, se_ss = ser.params, ser.state, ser.scaler_state
+        assert sp_ss == se_ss
+        undone += res.report.undone
+    assert undone > 50
+    for a, b in zip(sp_p, se_p):
+        assert _rel(a, b) <= 1e-6
