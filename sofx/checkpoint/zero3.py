@@ -25,21 +25,25 @@ These files are ``torch.save`` files by definition (a zip holding a pickle of
 plain containers and tensors). sofx writes only plain containers, numbers,
 strings and tensors, and reads them with ``torch.load(weights_only=True)``,
 which refuses to build any other object: nothing from the file is executed.
-DeepSpeed's own files pickle a ``LossScaler`` object under ``"loss_scaler"``;
-those are refused by the importer (load them with DeepSpeed and re-save, or
-strip that key). sofx writes a plain dict or ``None`` there, so DeepSpeed's
-engine, which expects its own object, cannot resume its loss scaler from a sofx
-export (``zero_to_fp32`` and the optimizer state are unaffected).
+DeepSpeed's own files also pickle its ``ZeroStageEnum`` and its loss scaler
+object (``LossScaler``/``DynamicLossScaler``); the importer reads those into
+inert stand-ins (:data:`DEEPSPEED_STAND_INS`, an int and a record of plain
+attributes) without importing DeepSpeed, so real DeepSpeed files load too.
+sofx writes a plain dict or ``None`` under ``"loss_scaler"``, so DeepSpeed's
+engine, which expects its own object there, cannot resume its loss scaler from a
+sofx export (``zero_to_fp32`` and the optimizer state are unaffected).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import pickle
 import re
 from typing import Any, Sequence
 
+import optree
 import torch
 
 from sofx import tree
@@ -51,7 +55,7 @@ from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 
-__all__ = ["zero3_file_name", "save_zero3", "load_zero3", "partition_numel"]
+__all__ = ["zero3_file_name", "model_states_file_name", "save_zero3", "load_zero3", "partition_numel", "DEEPSPEED_STAND_INS"]
 
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
@@ -95,7 +99,7 @@ def _block_count(counts: list[Any], g: ParamGroup, paths: list[str]) -> int:
 
 def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: AdamState, hparams: Any = None, *,
                groups: Sequence[Sequence[Any]] | None = None, dp_world_size: int = 1, mp_rank: int = 0,
-               bf16: bool | None = None, loss_scaler: dict | None = None) -> list[str]:
+               bf16: bool | None = None, loss_scaler: dict | None = None, model_states: bool = False) -> list[str]:
     """Write the DeepSpeed ZeRO-3 optimizer files of ``(params, state)`` into ``directory``; returns their paths.
 
     One file per rank ``0..dp_world_size-1``, each written atomically (the
@@ -145,7 +149,22 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
         payload = {"optimizer_state_dict": zero, "ds_version": "sofx", "sofx": dict(layout, dp_rank=r)}
         path = os.path.join(os.fspath(directory), zero3_file_name(r, mp_rank, bf16))
         written.append(atomic_write(path, lambda tmp, obj=payload: torch.save(obj, tmp)))
+    if model_states:
+        names = [".".join(str(k) for k in keys) for keys in optree.tree_paths(params)]
+        shapes = [collections.OrderedDict((names[i], torch.Size(p_leaves[i].shape)) for i in g.leaves)
+                  for g in resolved]
+        states = {"module": {}, "buffer_names": [], "param_shapes": shapes, "frozen_param_shapes": None,
+                  "frozen_param_fragments": None, "shared_params": {}, "optimizer": None,
+                  "dp_world_size": dp_world_size, "mp_world_size": 1, "ds_version": "sofx"}
+        for r in range(dp_world_size):
+            path = os.path.join(os.fspath(directory), model_states_file_name(r, mp_rank))
+            written.append(atomic_write(path, lambda tmp: torch.save(states, tmp)))
     return written
+
+
+def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
+    """``zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed ZeRO-3's per-rank model file)."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def _check_plain(x: Any, where: str) -> None:
@@ -166,9 +185,50 @@ def _check_plain(x: Any, where: str) -> None:
 
 
 # ------------------------------------------------------------------------ import
+class _DeepSpeedRecord:
+    """Stand-in for an object DeepSpeed pickles into its files (its loss scaler): keeps the attributes as data.
+
+    ``torch.load(weights_only=True)`` builds it from the allow-list below
+    instead of importing DeepSpeed: creating it runs no code from the file.
+    """
+
+    def as_dict(self) -> dict:
+        return {"class": type(self).__qualname__, **vars(self)}
+
+
+def _record_class(module: str, name: str) -> type:
+    cls = type(name, (_DeepSpeedRecord,), {})
+    cls.__module__, cls.__qualname__ = module, name
+    return cls
+
+
+class _ZeroStageEnum(int):
+    """Stand-in for ``deepspeed.runtime.zero.config.ZeroStageEnum`` (an IntEnum): just its int value."""
+
+
+_ZeroStageEnum.__module__, _ZeroStageEnum.__qualname__ = "deepspeed.runtime.zero.config", "ZeroStageEnum"
+
+# The DeepSpeed objects a ZeRO-3 optimizer file may hold besides plain data and tensors.
+DEEPSPEED_STAND_INS = (
+    _ZeroStageEnum,
+    _record_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    _record_class("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+)
+
+
+def _plain(x: Any) -> Any:
+    """Stand-ins turned into plain data (an int for the stage, a dict for a loss scaler)."""
+    if isinstance(x, _ZeroStageEnum):
+        return int(x)
+    if isinstance(x, _DeepSpeedRecord):
+        return x.as_dict()
+    return x
+
+
 def _torch_load(path: str) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(DEEPSPEED_STAND_INS)):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint file {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError) as exc:
@@ -268,6 +328,7 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                paths: list[str], opt: Adam) -> dict:
     top = _torch_load(path)
     zero = _get(top, "optimizer_state_dict", path, dict)
+    zero = {k: _plain(v) for k, v in zero.items()}
     if zero.get("zero_stage") != 3:
         raise CheckpointVersionError(f"{path}: zero_stage is {zero.get('zero_stage')!r}; only ZeRO stage 3 files "
                                      "are supported")

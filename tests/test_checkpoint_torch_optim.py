@@ -1,0 +1,168 @@
+"""to_torch_optim / from_torch_optim: a run continued on the other side equals the uninterrupted run (bitwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sofx
+import sofx.checkpoint as ck
+from sofx import tree
+from sofx.errors import UnsupportedError
+
+N, M = 4, 4
+
+CASES = {
+    "adamw_one_group": (lambda: sofx.adamw(lr=1e-2, weight_decay=0.1), torch.optim.AdamW, None),
+    "adam_l2_two_groups": (lambda: sofx.adam(lr=1e-2, weight_decay=0.02), torch.optim.Adam,
+                           {"enc": sofx.AdamHParams(lr=2e-2, beta2=0.99), "dec": sofx.AdamHParams(weight_decay=0.0)}),
+    "adamw_two_groups": (lambda: sofx.adamw(lr=1e-2, weight_decay=0.1), torch.optim.AdamW,
+                         {"enc": sofx.AdamHParams(lr=3e-2, eps=1e-6), "dec": sofx.AdamHParams(beta1=0.8)}),
+}
+
+
+def _params():
+    g = torch.Generator().manual_seed(3)
+    return {"enc": {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g)},
+            "dec": [torch.randn(5, 2, generator=g), torch.randn(2, generator=g)]}
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    out = tree.tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+    if step < 2:
+        out["dec"][1] = None  # never stepped during the first steps: torch keeps no state for it
+    return out
+
+
+def _sofx_steps(opt, params, state, hparams, start, stop):
+    for step in range(start, stop):
+        params, state, _ = opt.update(params, _grads(params, step), state, hparams)
+    return params, state
+
+
+def _torch_steps(torch_opt, params, start, stop):
+    leaves, spec = tree.flatten(params)
+    for step in range(start, stop):
+        for p, g in zip(leaves, tree.flatten_up_to(spec, _grads(params, step))):
+            p.grad = g
+        torch_opt.step()
+
+
+def _clone(t):
+    return tree.tree_map(lambda x: x.clone(), t)
+
+
+def _equal(a, b):
+    la, _ = tree.flatten(a)
+    lb, _ = tree.flatten(b)
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_then_continue_in_torch_equals_uninterrupted(case):
+    make, torch_cls, hp = CASES[case]
+    opt = make()
+    # uninterrupted torch run
+    ref = _params()
+    ref_opt = torch_cls(ck.torch_param_groups(opt, ref, hp))
+    _torch_steps(ref_opt, ref, 0, N + M)
+    # sofx for N steps, export, torch for M steps (a fresh torch optimizer with other defaults)
+    params, state = _sofx_steps(opt, _params(), opt.init(_params()), hp, 0, N)
+    sd = ck.to_torch_optim(opt, state, hp)
+    # torch numbers dec[0], dec[1], enc.b, enc.w (flatten order, group by group); dec[1] missed 2 steps
+    assert [sd["state"][i]["step"].item() for i in range(4)] == [N, N - 2, N, N]
+    cont = _clone(params)
+    cont_opt = torch_cls([{"params": g["params"]} for g in ck.torch_param_groups(opt, cont, hp)], lr=0.5)
+    cont_opt.load_state_dict(sd)
+    _torch_steps(cont_opt, cont, N, N + M)
+    assert _equal(cont, ref)
+    # the continued torch optimizer's state equals the uninterrupted one's, bit for bit
+    a, b = cont_opt.state_dict(), ref_opt.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for i in b["state"]:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["state"][i][k], b["state"][i][k])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_import_then_continue_in_sofx_equals_uninterrupted(case):
+    make, torch_cls, hp = CASES[case]
+    opt = make()
+    ref_params, ref_state = _sofx_steps(opt, _params(), opt.init(_params()), hp, 0, N + M)
+    ref_torch = _params()
+    _torch_steps(torch_cls(ck.torch_param_groups(opt, ref_torch, hp)), ref_torch, 0, N + M)
+    assert _equal(ref_params, ref_torch)  # sofx == torch.optim, step by step
+    # torch for N steps, import, sofx for M steps
+    params = _params()
+    torch_opt = torch_cls(ck.torch_param_groups(opt, params, hp))
+    _torch_steps(torch_opt, params, 0, N)
+    state, hparams = ck.from_torch_optim(opt, torch_opt.state_dict(), params, hp)
+    assert state.count["dec"][1].item() == N - 2 and state.count["dec"][0].item() == N
+    params, state = _sofx_steps(opt, _clone(params), state, hparams, N, N + M)
+    assert _equal(params, ref_params)
+    assert _equal(state, ref_state)
+
+
+def test_import_returns_the_state_dicts_hparams():
+    opt = sofx.adamw()
+    params = _params()
+    torch_opt = torch.optim.AdamW([{"params": [params["dec"][0], params["dec"][1]], "lr": 0.25},
+                                   {"params": [params["enc"]["b"], params["enc"]["w"]], "betas": (0.5, 0.75)}],
+                                  weight_decay=0.3)
+    _torch_steps(torch_opt, params, 0, 3)
+    template = {"enc": sofx.AdamHParams(), "dec": sofx.AdamHParams()}
+    state, hp = ck.from_torch_optim(opt, torch_opt.state_dict(), params, template)
+    assert hp["dec"] == sofx.AdamHParams(0.25, 0.9, 0.999, 1e-8, 0.3)
+    assert hp["enc"] == sofx.AdamHParams(1e-3, 0.5, 0.75, 1e-8, 0.3)
+    # explicit groups in torch's own order: one AdamHParams per leaf comes back
+    groups = [["params['dec'][0]", "params['dec'][1]"], ["params['enc']['b']", 3]]
+    state2, per_leaf = ck.from_torch_optim(opt, torch_opt.state_dict(), params, groups=groups)
+    assert per_leaf["enc"]["w"] == hp["enc"] and per_leaf["dec"][1] == hp["dec"]
+    assert _equal(state, state2)
+    # the moments are copies: stepping torch further does not touch the imported state
+    before = _clone(state)
+    _torch_steps(torch_opt, params, 3, 4)
+    assert _equal(state, before)
+
+
+def test_state_dtype_and_devices_follow_the_optimizer():
+    opt = sofx.adamw(state_dtype=torch.float64)
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(opt, params))
+    _torch_steps(torch_opt, params, 0, 3)
+    state, _ = ck.from_torch_optim(opt, torch_opt.state_dict(), params)
+    assert state.mu["enc"]["w"].dtype == torch.float64 and state.count["enc"]["w"].dtype == torch.int64
+    sd = ck.to_torch_optim(opt, state)
+    back = torch.optim.AdamW(ck.torch_param_groups(opt, _clone(params)))
+    back.load_state_dict(sd)  # torch casts the moments to the parameter dtype
+    assert back.state_dict()["state"][0]["exp_avg"].dtype == torch.float32
+
+
+def test_interop_errors():
+    params = _params()
+    adamw, adam = sofx.adamw(), sofx.adam()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(adamw, params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    with pytest.raises(UnsupportedError, match="decoupled_weight_decay=True.*use sofx.adamw"):
+        ck.from_torch_optim(adam, sd, params)
+    with pytest.raises(UnsupportedError, match="bias_correction=False"):
+        ck.to_torch_optim(sofx.adamw(bias_correction=False), adamw.init(params))
+    with pytest.raises(ck.CheckpointMismatchError, match="1 param groups, the params tree is laid out in 2"):
+        ck.from_torch_optim(adamw, sd, params, {"enc": sofx.AdamHParams(), "dec": sofx.AdamHParams()})
+    wrong = {"enc": {"w": torch.zeros(5, 6), "b": torch.zeros(5)}, "dec": [torch.zeros(5, 2), torch.zeros(2)]}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"exp_avg.*params\['enc'\]\['w'\]: expected shape \(5, 6\)"):
+        ck.from_torch_optim(adamw, sd, wrong)
+    ams = torch.optim.AdamW(ck.torch_param_groups(adamw, _params()), amsgrad=True).state_dict()
+    with pytest.raises(UnsupportedError, match="amsgrad"):
+        ck.from_torch_optim(adamw, ams, params)
+    with pytest.raises(ck.CheckpointError, match="'state' .* 'param_groups'"):
+        ck.from_torch_optim(adamw, {"state": []}, params)
+    with pytest.raises(ck.CheckpointError, match="every leaf must be in a group"):
+        ck.to_torch_optim(adamw, adamw.init(params), groups=[[0, 1]])
+    with pytest.raises(ck.CheckpointError, match="mixes hyperparameters"):
+        ck.to_torch_optim(adamw, adamw.init(params), {"enc": sofx.AdamHParams(lr=1.0), "dec": sofx.AdamHParams()},
+                          groups=[[0, 1, 2, 3]])
+    with pytest.raises(ck.CheckpointError, match="no params leaf is named 'nope'"):
+        ck.torch_param_groups(adamw, params, groups=[["nope"]])

@@ -1,0 +1,212 @@
+"""DeepSpeed ZeRO-3 optimizer layout: file names, nesting, flat blocks, partitioning, round trips, DeepSpeed reading it."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import sofx
+import sofx.checkpoint as ck
+from sofx import tree
+from sofx.errors import UnsupportedError
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(11)
+    return {"enc": {"w": torch.randn(5, 3, generator=g).to(dtype), "b": torch.randn(7, generator=g).to(dtype)},
+            "dec": [torch.randn(4, generator=g).to(dtype)]}
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(50 + step)
+    return tree.tree_map(lambda p: torch.randn(p.shape, generator=g).to(p.dtype), params)
+
+
+HP = {"enc": sofx.AdamHParams(lr=2e-2), "dec": sofx.AdamHParams(lr=5e-3, beta2=0.99)}
+
+
+def _train(opt, params, state, start, stop, hp=HP):
+    for step in range(start, stop):
+        params, state, _ = opt.update(params, _grads(params, step), state, hp)
+    return params, state
+
+
+def _bits_equal(a, b):
+    la, sa = tree.flatten(a)
+    lb, sb = tree.flatten(b)
+    return sa == sb and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_layout_as_specified(tmp_path):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 3)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, mp_rank=1)
+    assert [os.path.basename(f) for f in files] == ["zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                                                    "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
+    top = torch.load(files[1], weights_only=True)
+    z = top["optimizer_state_dict"]
+    assert z["zero_stage"] == 3 and z["partition_count"] == 2
+    inner = z["optimizer_state_dict"]
+    # blocks = param groups in flatten order: dec (4 elements), enc (b: 7, w: 15)
+    assert [g["params"] for g in inner["param_groups"]] == [[0], [1]]
+    g0 = inner["param_groups"][0]
+    assert (g0["lr"], g0["betas"], g0["eps"], g0["weight_decay"], g0["bias_correction"]) == \
+        (5e-3, (0.9, 0.99), 1e-8, 1e-2, True)
+    assert set(inner["state"]) == {0, 1}
+    assert inner["state"][1]["step"] == 3 and set(inner["state"][1]) == {"step", "exp_avg", "exp_avg_sq"}
+    flats = z["fp32_flat_groups"]
+    # ZeRO-3 partitioning: each parameter split into ceil(n/2)-element pieces; rank 1 holds the second pieces
+    assert [f.numel() for f in flats] == [2, 4 + 8]
+    assert all(f.dtype == torch.float32 and f.dim() == 1 for f in flats)
+    b, w = params["enc"]["b"], params["enc"]["w"].reshape(-1)
+    assert torch.equal(flats[1][:4], torch.cat([b[4:], torch.zeros(1)]))  # zero padding at the end
+    assert torch.equal(flats[1][4:], torch.cat([w[8:], torch.zeros(1)]))
+    assert torch.equal(inner["state"][1]["exp_avg"][:3], state.mu["enc"]["b"][4:])
+    assert torch.equal(inner["state"][0]["exp_avg_sq"], state.nu["dec"][0][2:])
+    # bf16 params: the bf16_ prefix, and the flat master is still float32
+    opt16 = sofx.adamw(state_dtype=torch.float32)
+    p16 = _params(torch.bfloat16)
+    files16 = ck.save_zero3(tmp_path / "bf16", opt16, p16, opt16.init(p16))
+    assert os.path.basename(files16[0]) == "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    flat16 = torch.load(files16[0], weights_only=True)["optimizer_state_dict"]["fp32_flat_groups"][0]
+    assert flat16.dtype == torch.float32
+    assert torch.equal(flat16, tree.pack(tree.flatten(p16)[0], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("dtype, state_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32)])
+def test_round_trip_and_continue_equals_uninterrupted(tmp_path, world, dtype, state_dtype):
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    ref_params, ref_state = _train(opt, _params(dtype), opt.init(_params(dtype)), 0, 6)
+    params, state = _train(opt, _params(dtype), opt.init(_params(dtype)), 0, 3)
+    ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=world)
+    template = tree.tree_map(torch.zeros_like, _params(dtype))
+    p2, s2, hp2 = ck.load_zero3(tmp_path, opt, template, {"enc": sofx.AdamHParams(), "dec": sofx.AdamHParams()})
+    assert _bits_equal((p2, s2), (params, state))  # every dtype and bit: bf16 master, fp32 moments
+    assert hp2["dec"] == sofx.AdamHParams(5e-3, 0.9, 0.99, 1e-8, 0.1) and hp2["enc"].lr == 2e-2
+    p3, s3 = _train(opt, p2, s2, 3, 6, hp2)
+    assert _bits_equal((p3, s3), (ref_params, ref_state))
+
+
+def test_single_block_and_explicit_groups(tmp_path):
+    opt = sofx.adam(lr=1e-3)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2, hp=None)
+    ck.save_zero3(tmp_path / "one", opt, params, state)
+    z = torch.load(tmp_path / "one" / ck.zero3_file_name(0), weights_only=True)["optimizer_state_dict"]
+    assert len(z["fp32_flat_groups"]) == 1 and z["fp32_flat_groups"][0].numel() == 4 + 7 + 15
+    groups = [["params['enc']['w']"], ["params['enc']['b']", "params['dec'][0]"]]
+    ck.save_zero3(tmp_path / "two", opt, params, state, groups=groups)
+    p2, s2, per_leaf = ck.load_zero3(tmp_path / "two", opt, params, groups=groups)
+    assert _bits_equal((p2, s2), (params, state)) and per_leaf["enc"]["w"] == sofx.AdamHParams(1e-3, 0.9, 0.999,
+                                                                                             1e-8, 0.0)
+
+
+def test_errors(tmp_path):
+    opt = sofx.adamw()
+    params = _params()
+    state = opt.init(params)
+    grads = _grads(params, 0)
+    grads["enc"]["b"] = None
+    p1, s1, _ = opt.update(params, grads, state)
+    with pytest.raises(UnsupportedError, match=r"one step count.*params\['enc'\]\['b'\]: 0"):
+        ck.save_zero3(tmp_path, opt, p1, s1)
+    with pytest.raises(ck.CheckpointNotFoundError, match="no zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        ck.load_zero3(tmp_path, opt, params)
+    with pytest.raises(ck.CheckpointNotFoundError):
+        ck.load_zero3(tmp_path / "absent", opt, params)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=3)
+    with pytest.raises(ck.CheckpointMismatchError, match="2 flat groups and 2 param groups, the params tree is laid "
+                                                         "out in 1 blocks"):
+        ck.load_zero3(tmp_path, opt, params)
+    bigger = {"enc": {"w": torch.zeros(5, 4), "b": torch.zeros(7)}, "dec": [torch.zeros(4)]}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"block 1 \(params\['enc'\]\['b'\]...\): the flat master"):
+        ck.load_zero3(tmp_path, opt, bigger, HP)
+    with pytest.raises(UnsupportedError, match="decoupled=True"):
+        ck.load_zero3(tmp_path, sofx.adam(), params, HP)
+    os.unlink(files[1])
+    with pytest.raises(ck.CorruptCheckpointError, match=r"dp ranks \[1\] are missing"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    os.unlink(files[2])
+    with pytest.raises(ck.CorruptCheckpointError, match="partition_count is 3 but 1 dp rank files"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    with open(files[0], "r+b") as f:  # truncate the remaining file
+        f.truncate(100)
+    with pytest.raises(ck.CorruptCheckpointError, match="cannot be read safely"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
+
+# ------------------------------------------------------ files written by DeepSpeed
+@pytest.fixture
+def deepspeed_classes():
+    """DeepSpeed's loss scaler and ZeroStageEnum: the real ones when installed, else look-alikes in sys.modules."""
+    if HAS_DEEPSPEED:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        yield DynamicLossScaler(init_scale=4096.0, scale_window=1000, min_scale=1, delayed_shift=2,
+                                consecutive_hysteresis=False), ZeroStageEnum.weights
+        return
+    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler",
+             "deepspeed.runtime.zero", "deepspeed.runtime.zero.config"]
+    modules = {n: types.ModuleType(n) for n in names}
+
+    class DynamicLossScaler:
+        def __init__(self):
+            self.cur_scale, self.cur_iter, self.scale_window, self.dynamic = 4096.0, 0, 1000, True
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled = 0
+        weights = 3
+
+    DynamicLossScaler.__module__ = "deepspeed.runtime.fp16.loss_scaler"
+    ZeroStageEnum.__module__ = "deepspeed.runtime.zero.config"
+    DynamicLossScaler.__qualname__, ZeroStageEnum.__qualname__ = "DynamicLossScaler", "ZeroStageEnum"
+    modules["deepspeed.runtime.fp16.loss_scaler"].DynamicLossScaler = DynamicLossScaler
+    modules["deepspeed.runtime.zero.config"].ZeroStageEnum = ZeroStageEnum
+    sys.modules.update(modules)
+    try:
+        yield DynamicLossScaler(), ZeroStageEnum.weights
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+
+
+def test_reads_files_holding_deepspeed_objects_without_running_them(tmp_path, deepspeed_classes):
+    scaler, stage = deepspeed_classes
+    opt = sofx.adamw()
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP)
+    top = torch.load(files[0], weights_only=True)
+    top["optimizer_state_dict"]["loss_scaler"] = scaler  # what DeepSpeed's engine writes there
+    top["optimizer_state_dict"]["zero_stage"] = stage
+    torch.save(top, files[0])
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert _bits_equal((p2, s2), (params, state))
+    from sofx.checkpoint.zero3 import _plain, _torch_load
+
+    z = _torch_load(files[0])["optimizer_state_dict"]
+    assert _plain(z["zero_stage"]) == 3 and _plain(z["loss_scaler"])["cur_scale"] == 4096.0
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+@pytest.mark.parametrize("world", [1, 2])
+def test_deepspeed_zero_to_fp32_reads_the_export(tmp_path, world):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    opt = sofx.adamw(state_dtype=torch.float32)
+    params, state = _train(opt, _params(torch.bfloat16), opt.init(_params(torch.bfloat16)), 0, 2)
+    ck.save_zero3(tmp_path / "global_step2", opt, params, state, HP, dp_world_size=world, model_states=True)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="global_step2")
+    assert sorted(consolidated) == ["dec.0", "enc.b", "enc.w"]
+    for name, p in (("dec.0", params["dec"][0]), ("enc.b", params["enc"]["b"]), ("enc.w", params["enc"]["w"])):
+        assert consolidated[name].dtype == torch.float32 and torch.equal(consolidated[name], p.float())
+    assert math.prod(consolidated["enc.w"].shape) == 15
