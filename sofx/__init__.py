@@ -11,6 +11,9 @@ from sofx import checkpoint
 from sofx.errors import HParamError, LeafError, SofxError, StructureError, UndoError, UnsupportedError
 from sofx.kernels.base import AdamScalars, AdamVariant
 from sofx.undo_record import LeafUndo, UndoRecord
+from sofx import loss_scale, schedules, serial, speculate, transforms
+from sofx.speculate import SpeculationConfig
+from sofx.step_report import StepReport
 
 __version__ = "0.1.0"
 
@@ -23,6 +26,13 @@ __all__ = [
     "adam",
     "adamw",
     "checkpoint",
+    "loss_scale",
+    "schedules",
+    "serial",
+    "speculate",
+    "transforms",
+    "SpeculationConfig",
+    "StepReport",
     "LeafUndo",
     "UndoRecord",
     "SofxError",

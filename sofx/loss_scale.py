@@ -27,10 +27,18 @@ ZeRO defaults (initial ``2**16``, ``scale_window=1000``, hysteresis
                else hysteresis <- hysteresis - 1
                last <- it
     clean:     if consecutive_hysteresis: hysteresis <- delayed_shift
-               if (it - last) % scale_window == 0:
+               if window_complete(it, last):
                    if not consecutive_hysteresis: hysteresis <- delayed_shift
                    S <- S * factor
     it <- it + 1
+
+``window_complete`` is, with ``growth_rule="stable_interval"`` (default; the
+pinned DeepSpeed 0.19.8): ``k > 0 and k % scale_window == 0`` where
+``k = it - last - 1`` counts the clean iterations between the last overflow
+and this one -- the scale grows on the clean iteration that follows
+``scale_window`` clean iterations. With ``growth_rule="legacy"`` (older
+DeepSpeed, Megatron): ``(it - last) % scale_window == 0`` -- it grows on the
+``scale_window``-th clean iteration itself, one iteration earlier.
 
 :func:`static_scale` -- a constant scale (``1.0``: no loss scaling, bf16/fp32).
 """
@@ -60,6 +68,7 @@ __all__ = [
 ]
 
 FLOAT32_MAX = 3.4028234663852886e38
+GROWTH_RULES = ("stable_interval", "legacy")
 
 
 class MinLossScaleError(RuntimeError):
@@ -159,10 +168,13 @@ class DynamicLossScaleRule:
     delayed_shift: int = 2
     consecutive_hysteresis: bool = False
     raise_error_at_min_scale: bool = True
+    growth_rule: str = "stable_interval"
 
     def __post_init__(self) -> None:
         _positive("init_scale", self.init_scale)
         _positive("min_scale", self.min_scale)
+        if self.growth_rule not in GROWTH_RULES:
+            raise HParamError(f"growth_rule = {self.growth_rule!r}; expected one of {GROWTH_RULES}")
         if not self.scale_factor > 1:
             raise HParamError(f"scale_factor = {self.scale_factor!r} is invalid; expected > 1")
         _count("scale_window", self.scale_window)
@@ -190,11 +202,17 @@ class DynamicLossScaleRule:
         else:
             if self.consecutive_hysteresis:
                 hyst = self.delayed_shift
-            if (it - last) % self.scale_window == 0:
+            if self._window_complete(it, last):
                 if not self.consecutive_hysteresis:
                     hyst = self.delayed_shift
                 scale = scale * self.scale_factor
         return DynamicLossScaleState(scale, it + 1, last, hyst)
+
+    def _window_complete(self, it: int, last: int) -> bool:
+        if self.growth_rule == "legacy":
+            return (it - last) % self.scale_window == 0
+        stable = it - last - 1
+        return stable > 0 and stable % self.scale_window == 0
 
 
 @dataclass(frozen=True)
@@ -231,10 +249,15 @@ def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backo
 
 def deepspeed_scaler(init_scale: float = 2.0 ** 16, scale_window: int = 1000, hysteresis: int = 2,
                      min_scale: float = 1.0, scale_factor: float = 2.0, consecutive_hysteresis: bool = False,
-                     raise_error_at_min_scale: bool = True) -> DynamicLossScaleRule:
-    """A DeepSpeed ``DynamicLossScaler``-equivalent loss scaler with ZeRO's defaults."""
+                     raise_error_at_min_scale: bool = True,
+                     growth_rule: str = "stable_interval") -> DynamicLossScaleRule:
+    """A DeepSpeed ``DynamicLossScaler``-equivalent loss scaler with ZeRO's defaults.
+
+    ``growth_rule="legacy"`` reproduces DeepSpeed versions before the
+    ``stable_interval`` window count (growth one iteration earlier).
+    """
     return DynamicLossScaleRule(init_scale, scale_factor, scale_window, min_scale, hysteresis,
-                                consecutive_hysteresis, raise_error_at_min_scale)
+                                consecutive_hysteresis, raise_error_at_min_scale, growth_rule)
 
 
 def static_scale(value: float = 1.0) -> StaticScaleRule:

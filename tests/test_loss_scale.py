@@ -56,37 +56,56 @@ def test_grad_scaler_defaults_over_a_long_random_sequence():
     assert scales == [s for s, _ in ref]
 
 
-# DeepSpeed rule, window 3, hysteresis 2 (non-consecutive), init 16: the scale after each update.
-_DS_EVENTS = "...O.OO...O...OO"
-_DS_SCALES = [16, 16, 32, 32, 32, 16, 8, 8, 8, 16, 16, 16, 16, 32, 32, 16]
-# Same events with consecutive hysteresis: a clean step restores the hysteresis.
-_DS_SCALES_CONSECUTIVE = [16, 16, 32, 32, 32, 32, 16, 16, 16, 32, 32, 32, 32, 64, 64, 32]
+# DeepSpeed's rule, window 3, hysteresis 2 (non-consecutive), init 16: the scale after each update.
+# Written by hand from the rule in SPECULATION.md / sofx.loss_scale's docstring.
+_DS_EVENTS = "....O....O.O...."
+_DS_TABLE = {
+    # pinned DeepSpeed: grow on the clean iteration after 3 clean iterations since the last overflow
+    "stable_interval": [16, 16, 16, 32, 32, 32, 32, 32, 64, 64, 64, 32, 32, 32, 32, 64],
+    # older DeepSpeed / Megatron: grow on the 3rd clean iteration itself
+    "legacy": [16, 16, 32, 32, 32, 32, 32, 64, 64, 64, 64, 32, 32, 32, 64, 64],
+}
+# Legacy rule; with consecutive hysteresis a clean step restores the hysteresis.
+_DS_EVENTS_2 = "...O.OO...O...OO"
+_DS_TABLE_2 = {False: [16, 16, 32, 32, 32, 16, 8, 8, 8, 16, 16, 16, 16, 32, 32, 16],
+               True: [16, 16, 32, 32, 32, 32, 16, 16, 16, 32, 32, 32, 32, 64, 64, 32]}
 
 
-@pytest.mark.parametrize("consecutive, expected", [(False, _DS_SCALES), (True, _DS_SCALES_CONSECUTIVE)])
-def test_deepspeed_rule_table(consecutive: bool, expected: list[int]):
-    rule = ls.deepspeed_scaler(init_scale=16, scale_window=3, hysteresis=2, consecutive_hysteresis=consecutive)
+def _run(rule, events: str) -> list[float]:
     state = rule.init()
-    got = []
-    for e in _DS_EVENTS:
+    out = []
+    for e in events:
         state = rule.update(state, e == "O")
-        got.append(rule.scale(state))
-    assert got == expected
+        out.append(rule.scale(state))
+    return out
+
+
+@pytest.mark.parametrize("growth_rule", ["stable_interval", "legacy"])
+def test_deepspeed_rule_table(growth_rule: str):
+    rule = ls.deepspeed_scaler(init_scale=16, scale_window=3, hysteresis=2, growth_rule=growth_rule)
+    assert _run(rule, _DS_EVENTS) == _DS_TABLE[growth_rule]
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_deepspeed_rule_table_hysteresis(consecutive: bool):
+    rule = ls.deepspeed_scaler(init_scale=16, scale_window=3, hysteresis=2, consecutive_hysteresis=consecutive,
+                               growth_rule="legacy")
+    assert _run(rule, _DS_EVENTS_2) == _DS_TABLE_2[consecutive]
 
 
 def test_deepspeed_defaults_grow_after_1000_clean_iterations():
     rule = ls.deepspeed_scaler()
     state = rule.init()
     assert state == ls.DynamicLossScaleState(65536.0, 0, -1, 2)
-    for _ in range(999):
+    for _ in range(1000):
         state = rule.update(state, False)
     assert rule.scale(state) == 2.0 ** 16
-    state = rule.update(state, False)
+    state = rule.update(state, False)  # the clean iteration after 1000 clean ones
     assert rule.scale(state) == 2.0 ** 17
     # one overflow only uses up hysteresis; the window restarts from the overflow
     state = rule.update(state, True)
     assert rule.scale(state) == 2.0 ** 17 and state.cur_hysteresis == 1
-    for _ in range(999):
+    for _ in range(1000):
         state = rule.update(state, False)
     assert rule.scale(state) == 2.0 ** 17
     state = rule.update(state, False)
@@ -104,9 +123,8 @@ def test_deepspeed_min_scale_and_error():
 
 
 def _deepspeed_reference(events: list[bool], **kw) -> list[float]:
-    """The rule as SPECULATION.md states it, written independently as a loop."""
-    scale, it, last = kw["init_scale"], 0, -1
-    hyst = kw["hysteresis"]
+    """The rule written independently: count clean iterations since the last overflow."""
+    scale, hyst, clean_since = kw["init_scale"], kw["hysteresis"], 0
     out = []
     for ov in events:
         if ov:
@@ -114,41 +132,64 @@ def _deepspeed_reference(events: list[bool], **kw) -> list[float]:
                 scale = max(scale / 2, 1.0)
             else:
                 hyst -= 1
-            last = it
-        elif (it - last) % kw["scale_window"] == 0:
-            hyst = kw["hysteresis"]
-            scale *= 2
-        it += 1
+            clean_since = 0
+        else:
+            # stable_interval: grow when the clean iterations *before* this one fill whole windows
+            grow = clean_since > 0 and clean_since % kw["scale_window"] == 0
+            if kw["legacy"]:
+                grow = (clean_since + 1) % kw["scale_window"] == 0
+            if grow:
+                hyst = kw["hysteresis"]
+                scale *= 2
+            clean_since += 1
         out.append(scale)
     return out
 
 
-@given(events=st.lists(st.booleans(), max_size=60), window=st.integers(1, 5), hysteresis=st.integers(1, 3))
-def test_deepspeed_rule_matches_independent_loop(events: list[bool], window: int, hysteresis: int):
-    rule = ls.deepspeed_scaler(init_scale=2.0 ** 20, scale_window=window, hysteresis=hysteresis)
+@given(events=st.lists(st.booleans(), max_size=60), window=st.integers(1, 5), hysteresis=st.integers(1, 3),
+       legacy=st.booleans())
+def test_deepspeed_rule_matches_independent_loop(events: list[bool], window: int, hysteresis: int, legacy: bool):
+    rule = ls.deepspeed_scaler(init_scale=2.0 ** 20, scale_window=window, hysteresis=hysteresis,
+                               growth_rule="legacy" if legacy else "stable_interval")
     state = rule.init()
     ours = []
     for ov in events:
         state = rule.update(state, ov)
         ours.append(rule.scale(state))
-    assert ours == _deepspeed_reference(events, init_scale=2.0 ** 20, scale_window=window, hysteresis=hysteresis)
+    assert ours == _deepspeed_reference(events, init_scale=2.0 ** 20, scale_window=window, hysteresis=hysteresis,
+                                        legacy=legacy)
 
 
-def test_deepspeed_package_when_installed():
+def test_deepspeed_package_when_installed(monkeypatch):
     loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    # update_scale logs on rank 0; outside torch.distributed this process is rank 0
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)
     rnd = random.Random(1)
     for consecutive in (False, True):
-        events = [rnd.random() < 0.05 for _ in range(3000)]
-        theirs = loss_scaler.DynamicLossScaler(init_scale=2 ** 16, scale_window=100, delayed_shift=2,
+        # stretches with frequent overflows (backoff, hysteresis) and rare ones (growth)
+        events = [rnd.random() < (0.05 if (i // 500) % 2 else 0.003) for i in range(3000)]
+        grew = 0
+        theirs = loss_scaler.DynamicLossScaler(init_scale=2 ** 16, scale_window=100, min_scale=1, delayed_shift=2,
                                                consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
         rule = ls.deepspeed_scaler(scale_window=100, consecutive_hysteresis=consecutive,
                                    raise_error_at_min_scale=False)
         state = rule.init()
         for ov in events:
+            before = rule.scale(state)
             theirs.update_scale(ov)
             state = rule.update(state, ov)
             assert rule.scale(state) == theirs.cur_scale
             assert state.cur_hysteresis == theirs.cur_hysteresis
+            grew += rule.scale(state) > before
+        assert grew >= 3
+    # both give up when an overflow happens at the minimum scale
+    theirs = loss_scaler.DynamicLossScaler(init_scale=1, scale_window=100, min_scale=1, delayed_shift=1,
+                                           consecutive_hysteresis=False)
+    with pytest.raises(Exception, match="minimum"):
+        theirs.update_scale(True)
+    rule = ls.deepspeed_scaler(init_scale=1, hysteresis=1)
+    with pytest.raises(ls.MinLossScaleError):
+        rule.update(rule.init(), True)
 
 
 def test_static_scale_and_validation():

@@ -153,7 +153,8 @@ def test_deepspeed_profile_equals_zero3_step():
 
 def test_step_facts_profiles_differ_on_a_growth_step():
     rule = loss_scale.deepspeed_scaler(init_scale=4.0, scale_window=1)
-    s = rule.init()
+    s = rule.update(rule.init(), False)  # one clean iteration: the next clean one grows the scale
+    assert rule.scale(s) == 4.0
     sumsq = (3.0 * 4.0) ** 2  # unscaled norm 3 with the backward's scale 4
     torch_facts = step_facts("torch", rule, s, sumsq, max_norm=None)
     ds_facts = step_facts("deepspeed", rule, s, sumsq, max_norm=None)

@@ -146,7 +146,9 @@ def test_deepspeed_scale_growth(rng, predict: bool):
     opt = sofx.adamw(lr=1e-2)
     params, state = _warm(opt, _params(rng), rng)
     rule = loss_scale.deepspeed_scaler(init_scale=S16, scale_window=1)  # every clean step grows the scale
-    spec, ser = _both(opt, params, _grads(rng), state, scaler=rule,
+    sstate = rule.update(rule.init(), False)  # (from the second iteration on)
+    assert rule.scale(sstate) == S16
+    spec, ser = _both(opt, params, _grads(rng), state, scaler=rule, sstate=sstate,
                       config=sp.SpeculationConfig(profile="deepspeed", predict_scale=predict))
     r = spec.report
     assert r.scale == 2 * S16
