@@ -38,7 +38,7 @@ relative), never more.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -48,8 +48,8 @@ from sofx.errors import HParamError
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
-__all__ = ["PROFILES", "StepFacts", "SerialStepResult", "step_facts", "serial_step", "check_profile",
-           "check_max_norm"]
+__all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
+           "serial_step", "serial_loop_step", "check_profile", "check_max_norm"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -84,6 +84,31 @@ class SerialStepResult(NamedTuple):
     state: AdamState
     scaler_state: Any
     facts: StepFacts
+
+
+class LoopState(NamedTuple):
+    """Everything a training loop carries from step to step.
+
+    ``step`` counts the steps actually taken (a skipped overflow step does
+    not): it is the schedule position. ``policy_state`` is the adaptive
+    speculation policy's (``None`` for the serial loop).
+    """
+
+    params: Any
+    opt_state: AdamState
+    scaler_state: Any
+    step: int = 0
+    policy_state: Any = None
+
+
+def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
+    """The loop state before the first step."""
+    return LoopState(params, opt.init(params), scaler.init(), 0, None)
+
+
+def hparams_at(hparams: Any, step: int) -> Any:
+    """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise."""
+    return hparams(step) if callable(hparams) else hparams
 
 
 def check_profile(profile: str) -> str:
@@ -160,6 +185,22 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
 
 
-def block_sumsq(grads: Sequence[torch.Tensor | None]) -> list[float | None]:
-    """Per-block sums of squares (``None`` for a missing gradient)."""
-    return [None if g is None else sumsq(g) for g in grads]
+def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler, hparams: Any = None,
+                     max_norm: float | None = None, profile: str = "torch", missing_grad: str = "skip",
+                     reduce_sumsq: Callable[[float], float] | None = None,
+                     donate: bool = False) -> tuple[LoopState, StepFacts]:
+    """:func:`serial_step` on a :class:`LoopState`; ``hparams`` may be a schedule ``step -> hparams``.
+
+    The schedule is evaluated at ``loop.step`` (steps taken so far), and
+    ``loop.step`` advances only when the step was not skipped::
+
+        loop = init_loop(opt, params, scaler)
+        for batch in data:
+            grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
+            loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
+    """
+    res = serial_step(opt, loop.params, grads, loop.opt_state, scaler=scaler, scaler_state=loop.scaler_state,
+                      hparams=hparams_at(hparams, loop.step), max_norm=max_norm, profile=profile,
+                      missing_grad=missing_grad, reduce_sumsq=reduce_sumsq, donate=donate)
+    new = LoopState(res.params, res.state, res.scaler_state, loop.step + (not res.facts.skipped), loop.policy_state)
+    return new, res.facts

@@ -26,7 +26,8 @@ When block ``i``'s gradient is final (hooks fire in reverse layer order)::
 
     sumsq = grad_sumsq(grad_i)                               # one pass, float64 accumulation
     tally, d = on_block_ready(ctx, tally, i, sumsq,
-                              lambda: block_eligibility(opt, p_i, grad_i, state_i, d_hp, ctx.grad_scale))
+                              lambda: block_eligibility(opt, p_i, grad_i, state_i,
+                                                        ctx.hparams[i], ctx.grad_scale))
     if d.speculate:                                          # run it in a worker, donating buffers
         p_i, state_i, record_i = speculative_block_step(opt, p_i, grad_i, state_i, d, donate=True)
 
@@ -77,7 +78,15 @@ that were committed or stepped late, to float32 rounding for undone ones.
 
 :func:`speculative_step` does all of the above in one call over a whole
 params pytree (inline, in arrival order): the pure combinator for functional
-training loops and tests.
+training loops and tests. :func:`speculative_loop_step` is its twin of
+:func:`sofx.serial.serial_loop_step` on a :class:`sofx.serial.LoopState`
+(schedules evaluated at the number of steps taken; skipped steps do not count)::
+
+    loop = sofx.serial.init_loop(opt, params, scaler)
+    for batch in data:
+        grads = ...                          # of loss * scaler.scale(loop.scaler_state)
+        loop, report = speculative_loop_step(opt, loop, grads, config=cfg, scaler=scaler, hparams=schedule)
+        print(report.summary())
 """
 
 from __future__ import annotations
@@ -102,7 +111,7 @@ from sofx.speculation.decisions import (
     plan_validation,
 )
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
-from sofx.speculation.tree_step import SpeculativeStepResult, speculative_step
+from sofx.speculation.tree_step import SpeculativeStepResult, speculative_loop_step, speculative_step
 from sofx.step_report import StepReport
 
 __all__ = [
@@ -126,4 +135,5 @@ __all__ = [
     "speculative_block_step",
     "apply_block_action",
     "speculative_step",
+    "speculative_loop_step",
 ]

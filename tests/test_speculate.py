@@ -367,3 +367,31 @@ def test_long_trajectory_does_not_drift(rng):
     assert undone > 50
     for a, b in zip(sp_p, se_p):
         assert _rel(a, b) <= 1e-6
+
+
+def test_loop_helpers_follow_the_schedule_and_skip_overflow_steps(rng):
+    from sofx import schedules
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adam(lr=1e-2, weight_decay=0.01)
+    params = _params(rng, 3, 8)
+    rule = loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=5)
+    schedule = schedules.hparams_schedule(lr=schedules.warmup_cosine(1e-2, 4, 30))
+    cfg = sp.SpeculationConfig(max_norm=1.0)
+    spec_loop, ser_loop = init_loop(opt, params, rule), init_loop(opt, params, rule)
+    skipped = 0
+    for step in range(30):
+        S = rule.scale(ser_loop.scaler_state)
+        grads = _grads(rng, 3, 8, scale=S, mult=[0.3 if step % 3 == 0 else 0.02, 0.02, 0.02])
+        if step % 7 == 3:
+            grads[2][0] = float("nan")
+        spec_loop, report = sp.speculative_loop_step(opt, spec_loop, grads, config=cfg, scaler=rule,
+                                                     hparams=schedule)
+        ser_loop, facts = serial_loop_step(opt, ser_loop, grads, scaler=rule, hparams=schedule, max_norm=1.0)
+        assert report.skipped == facts.skipped == (step % 7 == 3)
+        skipped += facts.skipped
+        assert spec_loop.step == ser_loop.step == step + 1 - skipped
+        assert spec_loop.scaler_state == ser_loop.scaler_state
+        for a, b in zip(spec_loop.params, ser_loop.params):
+            assert _rel(a, b) <= 1e-6
+    assert skipped == 4 and ser_loop.policy_state is None and spec_loop.policy_state is not None

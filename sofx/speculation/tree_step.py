@@ -19,6 +19,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
+from sofx.serial import LoopState, hparams_at
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -31,7 +32,7 @@ from sofx.speculation.decisions import (
 from sofx.speculation.policy import PolicyState
 from sofx.step_report import StepReport
 
-__all__ = ["SpeculativeStepResult", "speculative_step"]
+__all__ = ["SpeculativeStepResult", "speculative_step", "speculative_loop_step"]
 
 _SAME = object()
 
@@ -117,3 +118,19 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
                           tree.unflatten(spec, [s.nu for s in block_states]))
     return SpeculativeStepResult(tree.unflatten(spec, new_p), new_state, plan.scaler_state, plan.policy_state,
                                  plan.report, plan)
+
+
+def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig, scaler: LossScaler,
+                          hparams: Any = None, **kwargs: Any) -> tuple[LoopState, StepReport]:
+    """:func:`speculative_step` on a :class:`~sofx.serial.LoopState` (the speculative twin of
+    :func:`sofx.serial.serial_loop_step`).
+
+    ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``;
+    ``loop.step`` advances only when the step was not skipped, and the policy
+    state travels in ``loop.policy_state``. ``kwargs`` go to :func:`speculative_step`.
+    """
+    res = speculative_step(opt, loop.params, grads, loop.opt_state, config=config, scaler=scaler,
+                           scaler_state=loop.scaler_state, policy_state=loop.policy_state,
+                           hparams=hparams_at(hparams, loop.step), **kwargs)
+    new = LoopState(res.params, res.state, res.scaler_state, loop.step + (not res.report.skipped), res.policy_state)
+    return new, res.report
