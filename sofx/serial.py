@@ -28,11 +28,14 @@ and the schedule position does not advance (``facts.skipped``). Without a
 dynamic scaler (``static_scale()``) a non-finite gradient still skips the
 step rather than writing nan (``torch.optim`` alone would write nan).
 
-Known difference from ``torch``: ``torch`` multiplies by ``1/S`` and by
+Known differences from ``torch``: ``torch`` multiplies by ``1/S`` and by
 ``coef`` as two float32 roundings and computes the norm in float32; sofx
 folds them into one multiplier and accumulates the norm in float64, so a
 clipped step differs from ``torch.optim`` by float32 rounding (<= 1e-6
-relative), never more.
+relative), never more. Overflow is decided on the raw gradients; with a loss
+scale below 1 and no clipping, an unscaled norm beyond float32's range also
+counts as an overflow (torch would turn such elements into inf, or, when
+clipping, compute an inf norm and zero every gradient; sofx clips them).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
-from sofx.loss_scale import LossScaler, LossScaleState
+from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
@@ -143,6 +146,11 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
         scale = scaler.scale(next_state)
     scaled_norm = math.sqrt(sumsq_total) if not math.isnan(sumsq_total) else math.nan
     norm = scaled_norm / scale
+    if not overflow and max_norm is None and norm > FLOAT32_MAX:
+        # unscaling (a loss scale below 1) would turn finite gradients into inf: an overflow
+        overflow = True
+        next_state = scaler.update(scaler_state, True)
+        scale = scaler.scale(scaler_state) if profile == "torch" else scaler.scale(next_state)
     if overflow:
         return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale, next_state)
     if profile == "torch":

@@ -335,7 +335,7 @@ def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> A
     return tree.unflatten(spec, [label_fn(path, p) for path, p in zip(tree.leaf_paths(spec), leaves)])
 
 
-_NO_DECAY_NAME = re.compile(r"bias|norm|(^|[^a-z])ln(_|\d|[^a-z]|$)|embed_positions", re.IGNORECASE)
+_NO_DECAY_NAME = re.compile(r"bias|norm|(^|[^a-z])ln(_|\d|[^a-z]|$)", re.IGNORECASE)
 
 
 def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay") -> Any:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 import sofx
@@ -395,3 +397,52 @@ def test_loop_helpers_follow_the_schedule_and_skip_overflow_steps(rng):
         for a, b in zip(spec_loop.params, ser_loop.params):
             assert _rel(a, b) <= 1e-6
     assert skipped == 4 and ser_loop.policy_state is None and spec_loop.policy_state is not None
+
+
+def test_huge_unscaled_gradients_are_never_speculated(rng):
+    """A loss scale below 1 can make finite gradients huge once unscaled: never speculate those."""
+    opt = sofx.adamw(lr=1e-2, undo="exact")  # the blocks before it are undone exactly (gradients 250x the moments)
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.grad_scaler(init_scale=2.0 ** -8)
+    grads = _grads(rng, scale=1.0)
+    grads[2] = torch.randn(6, generator=rng) * 1e37  # finite, but beyond float32 once unscaled
+    spec, ser = _both(opt, params, grads, state, scaler=rule, config=sp.SpeculationConfig())
+    assert "beyond" in spec.report.veto_reason
+    assert spec.report.skipped and ser.facts.overflow  # unscaled norm beyond float32: an overflow
+    for p in spec.params:
+        assert torch.isfinite(p).all()
+    _compare(spec, ser, spec.report.actions)
+
+
+@given(outcomes=st.lists(st.booleans(), max_size=40), window=st.integers(1, 6),
+       fraction=st.sampled_from([0.0, 0.25, 0.5, 0.75]), quiet=st.integers(1, 4))
+def test_adaptive_policy_matches_its_rule(outcomes, window, fraction, quiet):
+    policy = sp.AdaptivePolicy(window=window, pause_fraction=fraction, quiet_steps=quiet)
+    state = policy.init()
+    recent, paused, quiet_run = [], False, 0
+    for clipped in outcomes:
+        assert policy.allows(state)[0] == (not paused)
+        state = policy.update(state, clipped)
+        if paused:
+            quiet_run = 0 if clipped else quiet_run + 1
+            if quiet_run >= quiet:
+                paused, recent, quiet_run = False, [], 0
+        else:
+            recent = (recent + [clipped])[-window:]
+            paused = sum(recent) > fraction * window
+        assert state.paused == paused
+        state = policy.update(state, None)  # a skipped step changes nothing
+        assert state.paused == paused
+    assert sp.AdaptivePolicy(enabled=False).update(sp.PolicyState(paused=True), True).paused  # disabled: frozen
+    assert sp.AdaptivePolicy(enabled=False).allows(sp.PolicyState(paused=True))[0]
+
+
+def test_report_as_dict_and_summary(rng):
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    grads[0][0] = float("inf")
+    spec, _ = _both(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=1.0))
+    d = spec.report.as_dict()
+    assert d["skipped"] and d["speculated"] == 3 and d["undone"] == 3 and d["next_scale"] == S16 / 2
+    assert spec.report.summary().startswith("SKIPPED (overflow) spec 3")

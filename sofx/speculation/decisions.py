@@ -59,6 +59,10 @@ __all__ = [
     "resolve_block_hparams",
 ]
 
+# A block whose unscaled gradient norm exceeds this is not speculated: g*g may overflow
+# float32 in the step, and a step with non-finite moments cannot be undone.
+UNDO_SAFE_NORM = 1e18
+
 # Why a ready block was or was not speculated.
 DECISION_KINDS = ("speculate", "disabled", "micro_step", "policy", "vetoed", "ineligible", "budget")
 ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
@@ -319,6 +323,11 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
         kind, reason = "vetoed", veto_reason
     elif not math.isfinite(sumsq):
         vetoed, veto_reason = True, f"block {block} has a non-finite gradient (overflow: the step will be skipped)"
+        kind, reason = "vetoed", veto_reason
+    elif math.sqrt(sumsq) * ctx.grad_scale > UNDO_SAFE_NORM:
+        vetoed = True
+        veto_reason = (f"block {block}'s unscaled gradient norm {math.sqrt(sumsq) * ctx.grad_scale:.3g} is beyond "
+                       f"{UNDO_SAFE_NORM:g}: its squares may overflow float32, and the step could not be undone")
         kind, reason = "vetoed", veto_reason
     elif running > ctx.veto_sumsq:
         vetoed = True
