@@ -24,7 +24,7 @@ backward (sum of squares so far, veto, decisions).
 
 When block ``i``'s gradient is final (hooks fire in reverse layer order)::
 
-    sumsq = grad_sumsq(grad_i)                               # one pass, float64 accumulation
+    sumsq = grad_sumsq(grad_i)                               # one pass; finite iff grad_i is
     tally, d = on_block_ready(ctx, tally, i, sumsq,
                               lambda: block_eligibility(opt, p_i, grad_i, state_i,
                                                         ctx.hparams[i], ctx.grad_scale))
@@ -33,7 +33,9 @@ When block ``i``'s gradient is final (hooks fire in reverse layer order)::
 
 :func:`on_block_ready` is pure: it adds ``sumsq`` to the running sum, vetoes
 speculation for the rest of the step once that sum exceeds
-``(max_norm * S)**2`` (clipping is then certain) or a gradient is not finite,
+``(max_norm * S)**2`` (clipping is then certain; ``S`` is the scale the
+speculative steps unscale with) or a gradient is not finite (or so large once
+unscaled that its step could not be undone),
 checks the block's eligibility (its undo strategy, see
 :meth:`sofx.Adam.undo_strategies`, and the snapshot budget) -- the
 eligibility argument may be a callable, evaluated only when needed -- and
@@ -71,7 +73,12 @@ and one :class:`BlockAction` per block:
 =============  ==========================================================
 
 (a missing gradient with ``missing_grad="zero"`` is ``step`` with
-``zero_grad=True``). :func:`apply_block_action` carries one action out with
+``zero_grad=True``). ``reduce_sumsq`` all-reduces the local sum of squares
+across ranks (nan/inf anywhere makes every rank skip); ``taken=[...]`` says
+which speculative steps actually ran (a step that did not run is stepped
+late, not undone). If ``plan.error`` is set (DeepSpeed's scaler gave up at its
+minimum scale), the actions undo every speculative step: apply them, then
+raise it. :func:`apply_block_action` carries one action out with
 :class:`sofx.Adam` (``undo_redo`` is the fused one-call undo+redo). The result
 equals :func:`sofx.serial.serial_step` on the same inputs: bitwise for blocks
 that were committed or stepped late, to float32 rounding for undone ones.
