@@ -424,15 +424,21 @@ class OffloadEngine:
         ``exp_avg_sq`` and per-parameter ``counts`` (the live tensors, not
         copies: snapshot them before the next step if you keep them);
         ``layouts`` say which parameters each block holds. Must be called
-        between steps.
+        between steps. After an executor failure it still returns what is in
+        memory (the shared tensors survive a dead worker), marked
+        ``"complete": False``: blocks of the failed step may be partly stepped.
         """
-        self._check_usable()
-        self.wait()
-        if any(self._speculated):
-            raise SofxError("state_dict() was called between backward and step(): blocks hold speculative "
-                            "steps that are not validated yet; call it after step()")
+        if self._closed:
+            raise SofxError("the optimizer is closed")
+        complete = self._failed is None
+        if complete:
+            self.wait()
+            if any(self._speculated):
+                raise SofxError("state_dict() was called between backward and step(): blocks hold speculative "
+                                "steps that are not validated yet; call it after step()")
         return {
             "format": STATE_FORMAT,
+            "complete": complete,
             "layouts": [layout.to_json() for layout in self.layouts],
             "blocks": [{name: getattr(self.tensors[layout.index], name) for name in TENSOR_NAMES if name != "grad"}
                        for layout in self.layouts],
@@ -449,6 +455,10 @@ class OffloadEngine:
         self.wait()
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise StructureError(f"not an offload engine state (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, expected {STATE_FORMAT!r})")
+        if not state.get("complete", True):
+            raise StructureError("this state was taken after an executor failure in the middle of a step "
+                                 "(\"complete\": False): some blocks may be partly stepped; load a checkpoint "
+                                 "saved between steps")
         layouts = [BlockLayout.from_json(d) for d in state["layouts"]]
         if [(b.numels, b.group) for b in layouts] != [(b.numels, b.group) for b in self.layouts]:
             raise StructureError("the saved blocks do not match this optimizer's blocks (block_numel, parameter "

@@ -1,0 +1,373 @@
+"""Offload engine features, each against torch.optim run side by side on fresh random inputs.
+
+bf16 models with fp32 masters, partial offload (device blocks), speculation
+during backward (event order), a hook firing twice (late gradient), hparams
+changed between backward and step, missing gradients ("skip" / "zero"),
+OneCycleLR changing betas, gradients set by hand, the DeepSpeed profile,
+state_dict round trips, bad input and clean shutdown.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+    SharedMLP,
+    mlp_batch,
+    mlp_loss,
+    one_torch_thread,
+    relative_deviation,
+    run_side_by_side,
+)
+
+import sofx.offload
+from sofx.errors import HParamError, LeafError, StructureError, UnsupportedError
+from sofx.loss_scale import deepspeed_scaler, grad_scaler
+
+TOL = 1e-6
+
+
+def _models(seed: int = 0, cls: type = SharedMLP) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    model = cls()
+    return model, copy.deepcopy(model)
+
+
+def _trainable(m: nn.Module) -> list[torch.Tensor]:
+    return [p for p in m.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------- mixed precision
+def test_bf16_model_with_fp32_master_equals_torch_on_fp32_copy() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP().to(torch.bfloat16)
+    ref = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, max_grad_norm=3.0,
+                                        executor="thread", block_numel=100)
+    ropt = torch.optim.AdamW(ref, lr=3e-3, weight_decay=0.01, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    params = list(model.parameters())
+    with opt:
+        for _ in range(30):
+            x, y = mlp_batch(gen)
+            loss = mlp_loss(model, (x.bfloat16(), y.bfloat16()))
+            grads = torch.autograd.grad(loss, _trainable(model), retain_graph=True)
+            opt.backward(loss)
+            report = opt.step()
+            for p, g in zip([r for r in ref if r.requires_grad], grads):
+                p.grad = g.float()
+            torch.nn.utils.clip_grad_norm_([r for r in ref if r.requires_grad], 3.0)
+            ropt.step()
+            for p, r in zip(params, ref):
+                master = opt.state[p]["master"]
+                assert master.dtype == torch.float32
+                assert (master - r.detach()).abs().max() <= TOL * max(r.abs().max().item(), 1e-3)
+                assert torch.equal(p.detach(), master.to(torch.bfloat16)), "the model gets its master, rounded"
+                # the rounded reference: equal, but for a master that sits on a bf16 rounding boundary (1 ulp)
+                rounded = r.detach().bfloat16()
+                assert bool(((p.detach().float() - rounded.float()).abs() <= r.detach().abs() * 2 ** -7).all())
+                assert (p.detach() == rounded).float().mean() >= 0.99
+        assert report.committed > 0
+
+
+# ---------------------------------------------------------------- partial offload
+def test_device_blocks_equal_the_all_cpu_run() -> None:
+    cpu = run_side_by_side("transformer", "thread", steps=25)
+    dev = run_side_by_side("transformer", "thread", steps=25, opt_kwargs={"n_device_blocks": 3})
+    assert max(dev.deviations) <= TOL
+    for a, b in zip(cpu.final, dev.final):
+        assert (a - b).abs().max() <= TOL * max(b.abs().max().item(), 1e-3)
+    for rep in dev.reports:  # device blocks are stepped in step(), never speculated
+        assert rep.speculated <= rep.blocks - 3
+        assert not any(what == "speculate" and block < 3 for what, block in rep.events)
+    assert sum(rep.speculated for rep in dev.reports) > 0
+
+
+def test_device_block_state_is_in_the_state_dict() -> None:
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100,
+                                       n_device_blocks=2) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        sd = opt.state_dict()
+    assert [layout["on_device"] for layout in sd["state"]["layouts"]][:3] == [True, True, False]
+    assert all(int(b["counts"].max()) == 1 for b in sd["state"]["blocks"][:2])
+
+
+# ---------------------------------------------------------------- event order
+def test_speculation_happens_during_backward() -> None:
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=100) as opt:
+        n = len(opt.engine.layouts)
+        assert n >= 3
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.engine.wait()  # all speculative steps done: recorded before step() is called
+        report = opt.step()
+    events = list(report.events)
+    ready = [b for what, b in events if what == "ready"]
+    assert ready == sorted(ready, reverse=True), "gradients arrive in reverse layer order"
+    # the last block's step was submitted before the first block's gradient existed: during backward
+    assert events.index(("speculate", n - 1)) < events.index(("ready", 0))
+    assert sorted(report.speculated_before_step()) == list(range(n))
+    assert events.index(("speculated", n - 1)) < events.index(("step_called", -1))
+    assert report.speculated == report.committed == n
+
+
+# ---------------------------------------------------------------- late gradient, changed hparams
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_hook_firing_twice_sums_and_redoes(executor: str) -> None:
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for step in range(6):
+            b1, b2 = mlp_batch(gen), mlp_batch(gen)
+            opt.zero_grad()
+            ropt.zero_grad()
+            opt.backward(mlp_loss(model, b1))
+            mlp_loss(ref, b1).backward()
+            if step > 0:
+                # Not on the first step: undoing step t=1 algebraically leaves ulp-sized residues in the
+                # (zero) old moments, which a redo with a much smaller summed gradient would magnify.
+                opt.backward(mlp_loss(model, b2))  # every hook fires a second time: late gradients
+                mlp_loss(ref, b2).backward()
+            report = opt.step()
+            ropt.step()
+            if step > 0:
+                assert report.redone == report.speculated == report.blocks
+                assert ("late_gradient", 0) in report.events
+            assert relative_deviation(model, ref) <= TOL
+
+
+def test_hparams_changed_after_backward_are_redone() -> None:
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for step in range(6):
+            batch = mlp_batch(gen)
+            opt.backward(mlp_loss(model, batch))
+            mlp_loss(ref, batch).backward()
+            changed = step % 2 == 1
+            if changed:
+                for g in opt.param_groups + ropt.param_groups:
+                    g["lr"] *= 0.5
+                    g["betas"] = (g["betas"][0] - 0.05, g["betas"][1])
+            report = opt.step()
+            ropt.step()
+            ropt.zero_grad()
+            assert report.redone == (report.blocks if changed else 0)
+            assert relative_deviation(model, ref) <= TOL
+
+
+# ---------------------------------------------------------------- missing gradients
+class Branchy(nn.Module):
+    """``extra`` is used only when asked: its gradient is missing on the other steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.extra = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("mode", ["skip", "zero"])
+@pytest.mark.parametrize("block_numel", [8, 1000])  # extra alone in its blocks / sharing one block
+def test_missing_gradients(mode: str, block_numel: int) -> None:
+    model, ref = _models(cls=Branchy)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, executor="inline",
+                                        block_numel=block_numel, missing_grad=mode)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for step in range(8):
+            x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 2, generator=gen)
+            use = step % 3 == 0
+            opt.backward(nn.functional.mse_loss(model(x, use), y))
+            nn.functional.mse_loss(ref(x, use), y).backward()
+            if mode == "zero":  # DeepSpeed semantics: a missing gradient is a zero gradient
+                for p in ref.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            report = opt.step()
+            ropt.step()
+            ropt.zero_grad()
+            assert relative_deviation(model, ref) <= TOL
+            if not use and mode == "skip" and block_numel == 8:
+                assert report.not_stepped >= 1
+    counts = [int(opt.state[p]["step"]) for p in model.extra.parameters()]
+    assert counts == ([3, 3] if mode == "skip" else [8, 8])
+
+
+# ---------------------------------------------------------------- schedules changing betas
+def test_one_cycle_lr_with_cycle_momentum() -> None:
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, executor="thread", block_numel=100,
+                                        max_grad_norm=2.0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20, cycle_momentum=True)
+    rsched = torch.optim.lr_scheduler.OneCycleLR(ropt, max_lr=1e-2, total_steps=20, cycle_momentum=True)
+    gen = torch.Generator().manual_seed(0)
+    betas = set()
+    with opt:
+        for _ in range(20):
+            batch = mlp_batch(gen)
+            opt.backward(mlp_loss(model, batch))
+            mlp_loss(ref, batch).backward()
+            opt.step()
+            torch.nn.utils.clip_grad_norm_(_trainable(ref), 2.0)
+            ropt.step()
+            ropt.zero_grad()
+            sched.step()
+            rsched.step()
+            betas.add(opt.param_groups[0]["betas"][0])
+            assert relative_deviation(model, ref) <= TOL
+    assert len(betas) > 5
+
+
+# ---------------------------------------------------------------- gradients set by hand
+def test_gradients_set_by_hand_are_stepped_late() -> None:
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for _ in range(4):
+            for p, q in zip(_trainable(model), _trainable(ref)):
+                g = torch.randn(p.shape, generator=gen)
+                p.grad, q.grad = g.clone(), g.clone()
+            report = opt.step()
+            ropt.step()
+            assert report.speculated == 0 and report.stepped_late == report.blocks
+            assert relative_deviation(model, ref) == 0.0 or relative_deviation(model, ref) <= TOL
+
+
+# ---------------------------------------------------------------- deepspeed profile
+def test_deepspeed_profile_speculative_equals_not_speculative() -> None:
+    runs = {}
+    for speculate in (True, False):
+        scaler = deepspeed_scaler(init_scale=2.0 ** 10, scale_window=3)
+        runs[speculate] = run_side_by_side("mlp", "thread", steps=25,
+                                           opt_kwargs={"profile": "deepspeed", "loss_scale": scaler,
+                                                       "speculate": speculate})
+    a, b = runs[True], runs[False]
+    assert sum(r.speculated for r in a.reports) > 0 and sum(r.speculated for r in b.reports) == 0
+    assert [r.skipped for r in a.reports] == [r.skipped for r in b.reports]
+    assert [r.scale for r in a.reports] == [r.scale for r in b.reports]
+    assert len(set(r.scale for r in a.reports)) >= 3  # the scale grows every 3 clean steps, backs off on inf
+    for x, y in zip(a.final, b.final):
+        assert (x - y).abs().max() <= TOL * max(y.abs().max().item(), 1e-3)
+
+
+# ---------------------------------------------------------------- state dict
+def _clone_tree(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clone_tree(v) for v in x]
+    return x
+
+
+def test_state_dict_round_trip_continues_bitwise() -> None:
+    def make(model: nn.Module) -> sofx.offload.SpeculativeAdamW:
+        return sofx.offload.SpeculativeAdamW(
+            [{"params": [p for p in model.parameters() if p.dim() > 1]},
+             {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}],
+            lr=1e-2, executor="thread", block_numel=100, max_grad_norm=3.0,
+            loss_scale=grad_scaler(init_scale=256.0, growth_interval=3))
+
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    batches = [mlp_batch(gen) for _ in range(12)]
+    with make(model) as opt:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.7)
+        for batch in batches[:6]:
+            opt.backward(mlp_loss(model, batch))
+            opt.step()
+            sched.step()
+        saved = _clone_tree(opt.state_dict())
+        saved_sched = sched.state_dict()
+        saved_model = copy.deepcopy(model.state_dict())
+        for batch in batches[6:]:
+            opt.backward(mlp_loss(model, batch))
+            opt.step()
+            sched.step()
+    model2, _ = _models(seed=5)
+    model2.load_state_dict(saved_model)
+    with make(model2) as opt2:
+        sched2 = torch.optim.lr_scheduler.StepLR(opt2, 2, gamma=0.7)
+        opt2.load_state_dict(saved)
+        sched2.load_state_dict(saved_sched)
+        assert opt2.loss_scale == saved["state"]["scaler_state"]["scale"] != 256.0
+        for batch in batches[6:]:
+            opt2.backward(mlp_loss(model2, batch))
+            opt2.step()
+            sched2.step()
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_checks_before_changing_anything() -> None:
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100) as opt:
+        sd = _clone_tree(opt.state_dict())
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = _clone_tree(sd)
+        bad["state"]["blocks"][1]["exp_avg"] = bad["state"]["blocks"][1]["exp_avg"].double()
+        with pytest.raises(StructureError, match=r"blocks\[1\]\['exp_avg'\].*float32.*float64"):
+            opt.load_state_dict(bad)
+        bad = _clone_tree(sd)
+        bad["param_groups"].append(dict(bad["param_groups"][0]))
+        with pytest.raises(StructureError, match="2 param groups"):
+            opt.load_state_dict(bad)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+# ---------------------------------------------------------------- bad input, lifetime
+def test_bad_input_gives_clear_errors() -> None:
+    model, _ = _models()
+    with pytest.raises(UnsupportedError, match="executor='gpu'"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="gpu")
+    with pytest.raises(UnsupportedError, match="n_device_blocks=50"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), n_device_blocks=50)
+    with pytest.raises(HParamError, match=r"defaults\['lr'\] = -1.0"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), lr=-1.0)
+    with pytest.raises(HParamError, match="missing_grad='drop'"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), missing_grad="drop")
+    with pytest.raises(ValueError, match="non-leaf"):
+        sofx.offload.SpeculativeAdamW([model.inp.weight * 2])  # torch.optim checks this first (ValueError)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        with pytest.raises(UnsupportedError, match="cannot be added"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.param_groups[0]["betas"] = (0.9, 1.5)
+        with pytest.raises(HParamError, match=r"param_groups\[0\]\['betas\[1\]'\] = 1.5"):
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_close_and_context_manager_stop_the_worker_thread() -> None:
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread") as opt:
+        thread = opt.engine.executor._thread
+        assert thread.is_alive()
+    assert not thread.is_alive()
+    opt.close()  # idempotent
+    with pytest.raises(Exception, match="closed"):
+        opt.step()
