@@ -446,3 +446,25 @@ def test_report_as_dict_and_summary(rng):
     d = spec.report.as_dict()
     assert d["skipped"] and d["speculated"] == 3 and d["undone"] == 3 and d["next_scale"] == S16 / 2
     assert spec.report.summary().startswith("SKIPPED (overflow) spec 3")
+
+
+def test_reduce_sumsq_makes_other_ranks_count(rng):
+    """Another rank's overflow skips this rank's step; another rank's large norm clips it."""
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    cfg = sp.SpeculationConfig(max_norm=1.0)
+    rule = loss_scale.grad_scaler()
+    overflow = sp.speculative_step(opt, params, grads, state, config=cfg, scaler=rule, scaler_state=rule.init(),
+                                   reduce_sumsq=lambda s: s + math.inf)
+    assert overflow.report.skipped and overflow.report.actions == ("undo",) * 4
+    for a, b in zip(overflow.params, params):
+        assert torch.equal(a, b)
+    other = (3.0 * S16) ** 2  # the other rank's gradients have norm 3
+    res = sp.speculative_step(opt, params, grads, state, config=cfg, scaler=rule, scaler_state=rule.init(),
+                              reduce_sumsq=lambda s: s + other)
+    ser = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), max_norm=1.0,
+                      reduce_sumsq=lambda s: s + other)
+    assert res.report.clipped and res.report.actions == ("undo_redo",) * 4 and res.report.vetoed == 0
+    assert res.report.grad_norm == pytest.approx(ser.facts.grad_norm) and res.report.grad_norm > 3.0
+    _compare(res, ser, res.report.actions)
