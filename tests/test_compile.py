@@ -1,0 +1,256 @@
+"""``torch.compile`` of a whole functional training step that includes ``sofx.adamw().update``.
+
+The step under test is what a ``torch.func`` user writes::
+
+    grads, loss = grad_and_value(loss_fn)(params)           # functional_call inside
+    norm = global norm of grads; coef = min(max_norm / (norm + 1e-6), 1)   # clipping, in-graph
+    params, state, record = opt.update(params, grads, state, AdamHParams(lr=lr), grad_scale=coef)
+
+What works (tested below)
+-------------------------
+* ``fullgraph=True`` for the whole step (forward, backward, clipping, AdamW update) with
+  the inductor backend: one graph, no graph break, and no recompilation from step to step
+  when the step-dependent values (``lr`` from a schedule, the clip coefficient, the step
+  counts in ``state.count``) are 0-d tensors. Results equal the eager step to float32
+  rounding (inductor fuses and reorders the elementwise math; not bitwise).
+* Python-float hyperparameters that change between calls also stay in one graph: dynamo
+  specialises on the first value, then makes the float dynamic (one recompile, then none).
+* ``opt.undo`` compiles with ``fullgraph=True`` too, on its own or in the same graph as the
+  update (step, then undo). Under compilation ``undo="auto"`` picks the *snapshot* strategy
+  for every leaf (values cannot be inspected while tracing); without donation that keeps
+  references to the inputs, costs no copy and restores them bit for bit.
+  ``undo="algebraic"`` traces too (the inverse is then recomputed in the graph).
+* ``donate=True`` traces (the in-place writes are functionalised by AOTAutograd).
+
+What breaks the graph, and why
+------------------------------
+* A fast backend (``backend="cpu"`` or ``"triton"``): these run native/Triton kernels that
+  dynamo cannot trace; ``update`` raises :class:`sofx.UnsupportedError` naming the leaf
+  (with or without ``fullgraph``). Under tracing the library always uses the reference
+  kernels (``backend="auto"`` or ``"reference"``), which inductor then fuses itself.
+* Per-group hyperparameters given as a prefix *tree* (a dict of ``AdamHParams``): broadcasting
+  the prefix over the params structure unflattens an optree dict spec over constant leaves,
+  which torch's dynamo stand-in for optree (``torch/_dynamo/polyfills/pytree.py``) cannot do
+  (``optree.registry.DictMetaData`` is not wrappable -> graph break). Without ``fullgraph`` the
+  resumed frame then receives dynamo's stand-in ``PyTreeSpec`` and its dict unflatten fails
+  with ``ValueError: length mismatch``. A single ``AdamHParams`` (one value, or 0-d tensors, for
+  all leaves) has no such problem. This is a torch/optree interaction, documented here and
+  asserted by ``test_per_group_hparams_tree_does_not_trace`` so that a fix is noticed
+  (workaround: one ``update`` call per group, or the same hparams for every leaf).
+* Undo records cross the compile boundary only in compiled code: a record returned by a
+  compiled step holds dynamo's stand-in ``PyTreeSpec`` (``record.spec``), which eager
+  ``undo`` does not accept as the params' structure (and whose dict unflatten fails, as
+  above); a record made eagerly holds a real optree spec, whose C comparison dynamo cannot
+  trace (``Untraceable C tp_richcompare``). Undo a compiled step's record with a compiled
+  ``undo`` (or in the same graph), an eager one eagerly.
+* In general a graph break *inside* ``update`` is unsafe for the same reason (the stand-in
+  spec escapes into eager code); the library avoids every construct that would break there
+  (no ``importlib`` in the traced path, range checks by comparison, not ``math.isfinite``).
+
+Compiles are slow on 2 cores (a cold inductor compile of the tiny step below takes ~10 s),
+so the model is tiny and the inductor compiles happen once per module (a module fixture).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+from torch.func import functional_call, grad_and_value
+
+import sofx
+
+MAX_NORM = 0.5
+WEIGHT_DECAY = 1e-2
+
+
+def _problem(seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x = torch.randn(32, 4, generator=gen)
+    y = torch.sin(x.sum(dim=1, keepdim=True))
+    return model, params, x, y
+
+
+def _make_step(opt: sofx.Adam, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[..., Any]:
+    """The whole functional training step: loss, gradients, global-norm clipping, AdamW update."""
+
+    def loss_fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(functional_call(model, p, (x,)), y)
+
+    def train_step(params: dict[str, torch.Tensor], state: sofx.AdamState, lr: Any) -> tuple[Any, ...]:
+        grads, loss = grad_and_value(loss_fn)(params)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient
+        params, state, record = opt.update(params, grads, state, sofx.AdamHParams(lr=lr), grad_scale=coef)
+        return params, state, record, loss, norm
+
+    return train_step
+
+
+def _lr(step: int) -> torch.Tensor:
+    """A warm-up then decay schedule, as a 0-d tensor (a new value every step, no recompile)."""
+    return torch.tensor(0.05 * min(1.0, (step + 1) / 3) * 0.9 ** step)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def compiled_run() -> dict[str, Any]:
+    """Six compiled and six eager steps of the same problem (one inductor compile)."""
+    torch._dynamo.reset()
+    model, params, x, y = _problem()
+    opt = sofx.adamw(lr=1e-2, weight_decay=WEIGHT_DECAY)
+    step = _make_step(opt, model, x, y)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    pc, sc = params, opt.init(params)
+    pe, se = params, opt.init(params)
+    history = []
+    for t in range(6):
+        before = pc
+        pc, sc, rc, lc, nc = compiled(pc, sc, _lr(t))
+        pe, se, re, le, ne = step(pe, se, _lr(t))
+        history.append(dict(before=before, pc=pc, sc=sc, rc=rc, lc=lc, nc=nc, pe=pe, se=se, le=le, ne=ne))
+    return dict(opt=opt, step=step, counter=counter, history=history, params=params)
+
+
+def test_whole_step_compiles_to_one_graph_without_recompiles(compiled_run):
+    counter = compiled_run["counter"]
+    assert counter.frame_count == 1, "the whole step must be one graph, compiled once for all six steps"
+    assert counter.op_count > 0
+
+
+def test_compiled_step_equals_eager_step(compiled_run):
+    clipped = 0
+    for h in compiled_run["history"]:
+        assert torch.allclose(h["lc"], h["le"], rtol=1e-5, atol=1e-7)
+        assert torch.allclose(h["nc"], h["ne"], rtol=1e-5, atol=1e-7)
+        clipped += int(h["ne"].item() > MAX_NORM)
+        for k in h["pc"]:
+            assert torch.allclose(h["pc"][k], h["pe"][k], rtol=1e-5, atol=1e-6), k
+            assert torch.allclose(h["sc"].mu[k], h["se"].mu[k], rtol=1e-5, atol=1e-7), k
+            assert torch.allclose(h["sc"].nu[k], h["se"].nu[k], rtol=1e-5, atol=1e-9), k
+            assert torch.isfinite(h["pc"][k]).all()
+    last = compiled_run["history"][-1]
+    assert all(int(c) == 6 for c in last["sc"].count.values())
+    assert clipped >= 1, "the problem must exercise clipping inside the graph"
+    first_loss, last_loss = compiled_run["history"][0]["lc"].item(), last["lc"].item()
+    assert last_loss < first_loss
+
+
+def test_record_of_a_compiled_step_undoes_bitwise_in_compiled_undo(compiled_run):
+    opt = compiled_run["opt"]
+    h = compiled_run["history"][-1]
+    assert set(h["rc"].strategies()) == {"snapshot"}  # values cannot be inspected while tracing
+    undo = torch.compile(opt.undo, backend="eager", fullgraph=True)
+    p0, s0 = undo(h["pc"], h["sc"], h["rc"])
+    assert h["rc"].used
+    previous = compiled_run["history"][-2]
+    for k in p0:
+        assert torch.equal(p0[k], h["before"][k]), k
+        assert torch.equal(s0.mu[k], previous["sc"].mu[k]), k
+        assert torch.equal(s0.nu[k], previous["sc"].nu[k]), k
+        assert int(s0.count[k]) == 5
+
+
+def test_algebraic_undo_compiles_fullgraph_alone_and_in_the_step_graph():
+    torch._dynamo.reset()
+    model, params, x, y = _problem(1)
+    opt = sofx.adamw(lr=1e-2, weight_decay=WEIGHT_DECAY, undo="algebraic")
+    step = _make_step(opt, model, x, y)
+    counter = CompileCounter()
+    compiled_step = torch.compile(step, backend=counter, fullgraph=True)
+    compiled_undo = torch.compile(opt.undo, backend=counter, fullgraph=True)
+    p1, s1, _, _, _ = compiled_step(params, opt.init(params), _lr(0))
+    p2, s2, rec2, _, _ = compiled_step(p1, s1, _lr(1))
+    assert set(rec2.strategies()) == {"algebraic"}
+    p_back, s_back = compiled_undo(p2, s2, rec2)
+    assert counter.frame_count == 2  # the step once, the undo once
+
+    def step_then_undo(p, s, lr):
+        p_new, s_new, record, _, _ = step(p, s, lr)
+        return opt.undo(p_new, s_new, record)
+
+    in_graph = CompileCounter()
+    p_back2, s_back2 = torch.compile(step_then_undo, backend=in_graph, fullgraph=True)(p1, s1, _lr(1))
+    assert in_graph.frame_count == 1
+    for k in params:
+        for got in (p_back[k], p_back2[k]):
+            assert torch.allclose(got, p1[k], rtol=1e-6, atol=1e-7), k
+        for got in (s_back.mu[k], s_back2.mu[k]):
+            assert torch.allclose(got, s1.mu[k], rtol=1e-5, atol=1e-7), k
+        assert int(s_back.count[k]) == int(s_back2.count[k]) == 1
+
+
+def test_python_float_hparams_recompile_at_most_once():
+    torch._dynamo.reset()
+    model, params, x, y = _problem(2)
+    opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+    step = _make_step(opt, model, x, y)
+    counter = CompileCounter()  # dynamo only: this test is about graphs, not codegen
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    pc, sc = params, opt.init(params)
+    pe, se = params, opt.init(params)
+    for t in range(4):
+        lr = float(_lr(t))
+        pc, sc, *_ = compiled(pc, sc, lr)
+        pe, se, *_ = step(pe, se, lr)
+    assert counter.frame_count <= 2
+    assert _max_diff(pc, pe) < 1e-6
+
+
+@pytest.mark.parametrize("undo", ["auto", "algebraic"])
+def test_donated_update_traces(undo):
+    torch._dynamo.reset()
+    model, params, x, y = _problem(3)
+    opt = sofx.adamw(lr=1e-2, weight_decay=WEIGHT_DECAY, undo=undo)
+    step = _make_step(opt, model, x, y)
+    state = opt.init(params)
+    expected, _, _, _, _ = step(params, state, _lr(0))
+
+    def donated(p, s, lr):
+        grads, _ = grad_and_value(lambda q: torch.nn.functional.mse_loss(functional_call(model, q, (x,)), y))(p)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
+        return opt.update(p, grads, s, sofx.AdamHParams(lr=lr), grad_scale=coef, donate=True)
+
+    counter = CompileCounter()
+    mine = {k: v.clone() for k, v in params.items()}
+    out, _, record = torch.compile(donated, backend=counter, fullgraph=True)(mine, opt.init(mine), _lr(0))
+    assert counter.frame_count == 1
+    assert _max_diff(out, expected) < 1e-6
+    assert _max_diff(mine, expected) < 1e-6, "donated inputs receive the result"
+    assert record.donated
+
+
+def test_fast_backend_under_compile_is_a_clear_error():
+    torch._dynamo.reset()
+    model, params, x, y = _problem(4)
+    opt = sofx.adamw(backend="cpu")
+    step = _make_step(opt, model, x, y)
+    with pytest.raises(sofx.UnsupportedError, match="backend 'cpu' cannot run under"):
+        torch.compile(step, backend="eager")(params, opt.init(params), _lr(0))
+
+
+def test_per_group_hparams_tree_does_not_trace():
+    """Documents the torch/optree limitation of the module docstring; update it when this passes."""
+    torch._dynamo.reset()
+    model, params, x, y = _problem(5)
+    opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+
+    def step(p, s):
+        grads, _ = grad_and_value(lambda q: torch.nn.functional.mse_loss(functional_call(model, q, (x,)), y))(p)
+        groups = {k: sofx.AdamHParams(lr=1e-2 if k.endswith("weight") else 1e-3) for k in p}
+        return opt.update(p, grads, s, groups)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="DictMetaData"):
+        torch.compile(step, backend="eager", fullgraph=True)(params, opt.init(params))
