@@ -15,7 +15,9 @@ Two levels:
 
   ``update(grads, state, params=None, **extra)`` returns new gradients and a
   new state; nothing passed in is modified. ``extra`` carries per-step values
-  (``loss_scale``) through a chain.
+  (``loss_scale``) through a chain. Under ``torch.func`` transforms (``vmap``
+  over an ensemble, ``grad`` through the update), autograd or ``torch.compile``
+  the same math runs on tensors and the states hold 0-d tensors.
 
 Gradient accumulation over micro-steps is :func:`accumulate` /
 :func:`accumulated` on an immutable :class:`AccumulationState`. Param groups
@@ -42,6 +44,7 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
+from sofx.kernels.base import is_traced
 
 __all__ = [
     "CLIP_EPS",
@@ -159,6 +162,22 @@ def scale_tree(grads: Any, factor: float) -> Any:
     return tree.tree_map(lambda g: g * factor, grads)
 
 
+def _traced(grads: Any) -> bool:
+    """Whether any leaf cannot be read on the host (torch.func transforms, autograd, compile)."""
+    return any(is_traced(g) for g in tree.flatten(grads)[0] if g is not None)
+
+
+def _global_norm_tensor(grads: Any) -> torch.Tensor:
+    """:func:`global_norm` as a 0-d float32 (float64 for float64 leaves) tensor, for traced gradients."""
+    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=acc) for g in leaves]))
+
+
+def _scale_by_tensor(grads: Any, factor: torch.Tensor) -> Any:
+    return tree.tree_map(lambda g: g * factor.to(g.dtype), grads)
+
+
 # -------------------------------------------------------- transformations
 class GradientTransformation(NamedTuple):
     """``init(params) -> state`` and ``update(grads, state, params=None, **extra) -> (grads, state)``."""
@@ -236,6 +255,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     max_norm = _check_max_norm(max_norm)
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
+        if _traced(grads):  # torch.func (vmap, grad), autograd, compile: the same math on tensors
+            norm_t = _global_norm_tensor(grads)
+            coef_t = torch.clamp(max_norm / (norm_t + CLIP_EPS), max=1.0)
+            return _scale_by_tensor(grads, coef_t), ClipState(norm_t, coef_t)
         norm = global_norm(grads)
         coef = clip_coefficient(norm, max_norm)
         return (grads if coef == 1.0 else scale_tree(grads, coef)), ClipState(norm, coef)
@@ -254,6 +277,11 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         s = _loss_scale(extra, "unscale_and_clip_zero")
+        if _traced(grads):
+            scaled_t = _global_norm_tensor(grads)
+            clip_t = (torch.ones_like(scaled_t) if max_norm is None else
+                      torch.clamp((scaled_t / s + CLIP_EPS) / max_norm, min=1.0))
+            return _scale_by_tensor(grads, 1.0 / (clip_t * s)), ClipState(scaled_t / s, 1.0 / clip_t)
         scaled = global_norm(grads)
         clip = 1.0 if max_norm is None else zero_clip_factor(scaled, s, max_norm)
         combined = clip * s
@@ -266,6 +294,10 @@ def check_finite() -> GradientTransformation:
     """Records in its state whether every gradient element is finite (gradients pass unchanged)."""
 
     def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
+        if _traced(grads):
+            leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+            ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all()
+            return grads, FiniteState(ok_t, state.nonfinite_steps + (~ok_t).to(torch.int64))
         ok = all_finite(grads)
         return grads, FiniteState(ok, state.nonfinite_steps + (0 if ok else 1))
 

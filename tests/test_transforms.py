@@ -184,3 +184,28 @@ def test_chain_and_transform_errors(rng):
     c = tx.chain(tx.identity())
     with pytest.raises(SofxError, match="state tuple"):
         c.update(_tree(rng), ())
+
+
+def test_transforms_vmap_over_an_ensemble(rng):
+    """The chain runs under torch.func.vmap: each member equals the eager result."""
+    members = [_tree(rng, s) for s in (0.05, 1.0, 30.0)]
+    batched = sofx.tree.tree_map(lambda *xs: torch.stack(xs), *members)
+    t = tx.chain(tx.unscale(), tx.check_finite(), tx.clip_by_global_norm(1.0))
+    state = t.init(members[0])
+
+    def one(g):
+        out, (_, fin, clip) = t.update(g, state, loss_scale=4.0)
+        return out, clip.norm, fin.all_finite
+
+    out, norms, finite = torch.func.vmap(one)(batched)
+    assert bool(finite.all())
+    for k, m in enumerate(members):
+        eager, (_, _, clip) = t.update(m, state, loss_scale=4.0)
+        assert norms[k].item() == pytest.approx(clip.norm, rel=1e-6)
+        _assert_close(sofx.tree.tree_map(lambda x: x[k], out), eager)
+    z = tx.unscale_and_clip_zero(1.0)
+    zout, zstate = torch.func.vmap(lambda g: z.update(g, z.init(g), loss_scale=4.0))(batched)
+    for k, m in enumerate(members):
+        eager, es = z.update(m, z.init(m), loss_scale=4.0)
+        assert zstate.coef[k].item() == pytest.approx(es.coef, rel=1e-6)
+        _assert_close(sofx.tree.tree_map(lambda x: x[k], zout), eager)
