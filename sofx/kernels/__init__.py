@@ -1,9 +1,17 @@
 """Adam kernels on flat tensors, one module per backend (see :mod:`sofx.kernels.base`).
 
-:func:`select_backend` maps ``backend="auto" | "reference" | "cpu" | "triton"``
-and a device/dtype combination to a backend module. Backends whose
-dependencies are missing (triton) are simply not available; the reference
-backend always is.
+:func:`select_backend` maps ``backend="auto" | "reference" | "cpu" | "cpu_fast" | "triton"``
+and a device/dtype combination to a backend module:
+
+``reference``  plain torch, every device and dtype, the specification
+``cpu``        fused multi-threaded native CPU kernels, bitwise equal to ``reference``
+``cpu_fast``   the same with IEEE square roots: fastest, within an ulp of ``reference``
+``triton``     Triton GPU kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``)
+
+``"auto"`` picks ``cpu`` for CPU tensors and ``triton`` for CUDA tensors where
+they support the dtypes, else ``reference`` (float64, other devices).
+Backends whose dependencies are missing (triton) are simply not available;
+the reference backend always is.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ __all__ = ["AdamScalars", "AdamVariant", "select_backend", "available_backends",
 _BACKEND_MODULES = {
     "reference": "sofx.kernels.reference",
     "cpu": "sofx.kernels.cpu",
+    "cpu_fast": "sofx.kernels.cpu_fast",
     "triton": "sofx.kernels.triton",
 }
 

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 
 from sofx.kernels._cpu_source import SOURCE
-from sofx.kernels._torch_sqrt import torch_sqrt_routine
+from sofx.kernels._torch_sqrt import torch_sqrt_is_ieee, torch_sqrt_routine
 
 __all__ = ["NativeLib", "load", "unavailable_reason"]
 
@@ -42,7 +42,8 @@ _COMMON = ["-std=gnu11", "-shared", "-fPIC", "-pthread"]
 class NativeLib:
     """The loaded library: ``adam`` is the C entry point ``sofx_adam``, ``has_f16`` whether float16 works.
 
-    ``sqrt_fn``/``sqrt_mode``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`).
+    ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`);
+    ``bitwise_torch``: whether the exact mode then reproduces ``torch.sqrt`` bit for bit.
     """
 
     path: str
@@ -50,6 +51,8 @@ class NativeLib:
     has_f16: bool
     sqrt_fn: int
     sqrt_mode: int
+    sqrt_local: int
+    bitwise_torch: bool
 
 
 _lock = threading.Lock()
@@ -124,11 +127,13 @@ def _open(path: str) -> NativeLib:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int64,
                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_double),
-                   ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+                   ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p]
     has_f16 = lib.sofx_has_f16
     has_f16.restype = ctypes.c_int
-    sqrt_fn, sqrt_mode = torch_sqrt_routine()
-    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode)
+    sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
+    bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
+    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bitwise)
 
 
 def _build_and_open() -> NativeLib | str:

@@ -26,6 +26,9 @@ SOURCE = r"""
 
 #define TILE 512
 #define MIN_PER_THREAD 65536
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 2
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { OP_STEP = 0, OP_UNDO = 1, OP_UNDO_REDO = 2 };
@@ -42,11 +45,15 @@ typedef struct {
 } Sc;
 
 /* The square root: IEEE sqrtf, or the vector routine torch's own sqrt uses (MKL's
-   vmsSqrt_64(n, in, out, mode)), so that results match torch bit for bit. */
+   vmsSqrt_64(n, in, out, mode)), so that results match torch bit for bit. MKL would
+   open a parallel region per call when torch runs several threads; `local` (MKL's
+   mkl_set_num_threads_local) makes each calling thread's calls sequential. */
 typedef void (*vsqrt_fn)(int64_t, const float *, float *, int64_t);
+typedef int (*local_threads_fn)(int);
 typedef struct {
   vsqrt_fn fn;
   int64_t mode;
+  local_threads_fn local;
 } Sqrt;
 
 typedef struct {
@@ -84,7 +91,8 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static void load(float *dst, const void *src, int dt, int64_t off, int n) {
   if (dt == DT_F32) {
-    memcpy(dst, (const float *)src + off, (size_t)n * 4);
+    const float *s = (const float *)src + off;
+    for (int i = 0; i < n; i++) dst[i] = s[i];
   } else if (dt == DT_BF16) {
     const uint16_t *s = (const uint16_t *)src + off;
     for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
@@ -98,7 +106,8 @@ static void load(float *dst, const void *src, int dt, int64_t off, int n) {
 
 static void store(void *dst, int dt, int64_t off, const float *src, int n) {
   if (dt == DT_F32) {
-    memcpy((float *)dst + off, src, (size_t)n * 4);
+    float *d = (float *)dst + off;
+    for (int i = 0; i < n; i++) d[i] = src[i];
   } else if (dt == DT_BF16) {
     uint16_t *d = (uint16_t *)dst + off;
     for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
@@ -211,10 +220,27 @@ static void undo_tile(float *restrict P, float *restrict G, float *restrict M, f
   }
 }
 
-static void run_range(const Job *j) {
+/* Software prefetch of the tile `ahead` tiles on: the hardware prefetchers see each array in
+   bursts of one tile and ramp up too slowly for L3-resident data. */
+static void prefetch(const void *base, int dt, int64_t off, int64_t end) {
+  if (!base || off >= end) return;
+  const int es = dt == DT_F32 ? 4 : 2;
+  const char *b = (const char *)base + off * es;
+  const int64_t bytes = ((end - off) < TILE ? (end - off) : TILE) * es;
+  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(b + k, 0, 3);
+}
+
+static void run_tiles(const Job *j) {
   float P[TILE], G[TILE], M[TILE], V[TILE], D[TILE];
+  const int restore = (j->sq.fn && j->sq.local) ? j->sq.local(1) : -1;
   for (int64_t off = j->begin; off < j->end; off += TILE) {
     const int n = (int)((j->end - off) < TILE ? (j->end - off) : TILE);
+    const int64_t pf = off + PREFETCH_TILES * TILE;
+    prefetch(j->op != OP_STEP && j->pold ? j->pold : j->p, j->op != OP_STEP && j->pold ? j->dpo : j->dp, pf, j->end);
+    prefetch(j->g, j->dg, pf, j->end);
+    prefetch(j->m, j->ds, pf, j->end);
+    prefetch(j->v, j->ds, pf, j->end);
+    if (j->op == OP_UNDO_REDO) prefetch(j->g2, j->dg2, pf, j->end);
     if (j->op != OP_STEP && j->pold) load(P, j->pold, j->dpo, off, n);
     else load(P, j->p, j->dp, off, n);
     load(G, j->g, j->dg, off, n);
@@ -236,6 +262,187 @@ static void run_range(const Job *j) {
     store(j->mo, j->ds, off, M, n);
     store(j->vo, j->ds, off, V, n);
   }
+  if (restore >= 0) j->sq.local(restore);
+}
+
+/* ---------------------------------------------------------------- fused path
+   One loop per (param, grad, state) dtype combination, one element at a time from memory
+   to memory: loads, math and stores interleave, so the memory streams never stall on a
+   compute phase. Same operations as step_tile/undo_tile, with loop-invariant selects in
+   place of branches (multiplying by 1.0f or dividing by 1.0f is exact), and IEEE sqrtf. */
+typedef struct {
+  float gs, pmul, wd, coef, b2, c2, bc2, eps, nss;
+  int l2, small;
+} StepK;
+
+typedef struct {
+  float gs, pdiv, wd, bc2, eps, ss, omb1, b1, omb2, b2;
+  int l2;
+} UndoK;
+
+static StepK step_k(const Sc *s, int decoupled) {
+  StepK k;
+  k.gs = s->has_gs ? s->gs : 1.0f;
+  k.pmul = (decoupled && s->has_decay) ? s->decay : 1.0f;
+  k.wd = s->wd;
+  k.l2 = !decoupled && s->has_decay;
+  k.small = fabsf(s->omb1) < 0.5f;
+  k.coef = k.small ? s->omb1 : s->omb1 - 1.0f;
+  k.b2 = s->b2;
+  k.c2 = s->omb2;
+  k.bc2 = s->bc2;
+  k.eps = s->eps;
+  k.nss = -s->ss;
+  return k;
+}
+
+static UndoK undo_k(const Sc *s, int decoupled) {
+  UndoK k;
+  k.gs = s->has_gs ? s->gs : 1.0f;
+  k.pdiv = (decoupled && s->has_decay) ? s->decay : 1.0f;
+  k.wd = s->wd;
+  k.l2 = !decoupled && s->has_decay;
+  k.bc2 = s->bc2;
+  k.eps = s->eps;
+  k.ss = s->ss;
+  k.omb1 = s->omb1;
+  k.b1 = s->b1;
+  k.omb2 = s->omb2;
+  k.b2 = s->b2;
+  return k;
+}
+
+static inline void step_elem(float *P, float G, float *M, float *V, const StepK *k) {
+  float g = G * k->gs;
+  const float p = *P * k->pmul;
+  g = k->l2 ? fmaf(p, k->wd, g) : g;
+  const float m = fmaf(k->coef, g - *M, k->small ? *M : g);
+  const float v = fmaf(k->c2 * g, g, *V * k->b2);
+  const float d = sqrtf(v) / k->bc2 + k->eps;
+  *P = p + (k->nss * m) / d;
+  *M = m;
+  *V = v;
+}
+
+/* P: the stepped parameter (have_p_old 0) or the snapshot of the old one (have_p_old 1). */
+static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
+  float g = G * k->gs;
+  float p = *P;
+  if (!have_p_old) {
+    const float d = sqrtf(*V) / k->bc2 + k->eps;
+    p = (p + (*M / d) * k->ss) / k->pdiv;
+  }
+  g = k->l2 ? fmaf(p, k->wd, g) : g;
+  const float m = (*M - k->omb1 * g) / k->b1;
+  const float x = (*V - k->omb2 * (g * g)) / k->b2;
+  *P = p;
+  *M = m;
+  *V = x < 0.0f ? 0.0f : x;
+}
+
+/* Outputs may be the inputs' own storage, element for element (buffer donation): there is no
+   dependence between iterations, only within one, which vectorization keeps. */
+#define IVDEP _Pragma("GCC ivdep")
+
+#define LD_0(ptr, i) (((const float *)(ptr))[i])
+#define LD_1(ptr, i) bf16_to_f32(((const uint16_t *)(ptr))[i])
+#define LD_2(ptr, i) ((float)((const _Float16 *)(ptr))[i])
+#define ST_0(ptr, i, x) (((float *)(ptr))[i] = (x))
+#define ST_1(ptr, i, x) (((uint16_t *)(ptr))[i] = f32_to_bf16(x))
+#define ST_2(ptr, i, x) (((_Float16 *)(ptr))[i] = (_Float16)(x))
+#define RT_0(x) (x)
+#define RT_1(x) bf16_to_f32(f32_to_bf16(x))
+#define RT_2(x) ((float)(_Float16)(x))
+
+#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD)                                   \
+  IVDEP for (int64_t i = begin; i < end; i++) {                                    \
+    float P = LD_##DP(PSRC, i), M = LD_##DS(m, i), V = LD_##DS(v, i);              \
+    undo_elem(&P, LD_##DG(g, i), &M, &V, &u, HAVE_P_OLD);                           \
+    if (redo) {                                                                    \
+      P = RT_##DP(P);                                                              \
+      M = RT_##DS(M);                                                              \
+      V = RT_##DS(V);                                                              \
+      step_elem(&P, LD_##DG(g2, i), &M, &V, &k);                                   \
+    }                                                                              \
+    ST_##DP(po, i, P);                                                             \
+    ST_##DS(mo, i, M);                                                             \
+    ST_##DS(vo, i, V);                                                             \
+  }
+
+#define FUSED(DP, DG, DS)                                                          \
+  static void fused_##DP##DG##DS(const Job *j) {                                   \
+    /* Local copies: stores through po/mo/vo could otherwise alias *j. */          \
+    const void *p = j->p, *g = j->g, *m = j->m, *v = j->v, *g2 = j->g2;            \
+    const void *pold = j->pold;                                                    \
+    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const int64_t begin = j->begin, end = j->end;                                  \
+    if (j->op == OP_STEP) {                                                        \
+      const StepK k = step_k(&j->s1, j->decoupled);                                \
+      IVDEP for (int64_t i = begin; i < end; i++) {                                \
+        float P = LD_##DP(p, i), M = LD_##DS(m, i), V = LD_##DS(v, i);             \
+        step_elem(&P, LD_##DG(g, i), &M, &V, &k);                                  \
+        ST_##DP(po, i, P);                                                         \
+        ST_##DS(mo, i, M);                                                         \
+        ST_##DS(vo, i, V);                                                         \
+      }                                                                            \
+      return;                                                                      \
+    }                                                                              \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    const int redo = j->op == OP_UNDO_REDO;                                        \
+    if (pold) {                                                                    \
+      UNDO_LOOP(DP, DG, DS, pold, 1)                                               \
+    } else {                                                                       \
+      UNDO_LOOP(DP, DG, DS, p, 0)                                                  \
+    }                                                                              \
+  }
+
+FUSED(0, 0, 0)
+FUSED(0, 0, 1)
+FUSED(1, 1, 0)
+FUSED(1, 1, 1)
+FUSED(1, 0, 0)
+FUSED(1, 0, 1)
+#ifdef __FLT16_MAX__
+FUSED(2, 2, 0)
+FUSED(2, 2, 1)
+FUSED(2, 0, 0)
+FUSED(2, 0, 1)
+#endif
+
+typedef void (*fused_fn)(const Job *);
+
+/* The fused loop for this job's dtypes, or 0 (the tiled path handles every combination). */
+static fused_fn fused_for(const Job *j) {
+  if (j->g2 && j->dg2 != j->dg) return 0;
+  if (j->pold && j->dpo != j->dp) return 0;
+  const int key = j->dp * 100 + j->dg * 10 + j->ds;
+  switch (key) {
+    case 0: return fused_000;
+    case 1: return fused_001;
+    case 110: return fused_110;
+    case 111: return fused_111;
+    case 100: return fused_100;
+    case 101: return fused_101;
+#ifdef __FLT16_MAX__
+    case 220: return fused_220;
+    case 221: return fused_221;
+    case 200: return fused_200;
+    case 201: return fused_201;
+#endif
+    default: return 0;
+  }
+}
+
+static void run_range(const Job *j) {
+  if (!j->sq.fn) {
+    fused_fn f = fused_for(j);
+    if (f) {
+      f(j);
+      return;
+    }
+  }
+  run_tiles(j);
 }
 
 static void *run_thread(void *arg) {
@@ -246,10 +453,11 @@ static void *run_thread(void *arg) {
 #define MAX_THREADS 256
 
 /* Entry point. dtypes = {p, g, m/v, g_new, p_old}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out, v_out}.
-   sqrt_fn/sqrt_mode: see Sqrt (0: IEEE sqrtf).
+   sqrt_fn/sqrt_mode/sqrt_local: see Sqrt (sqrt_fn 0: IEEE sqrtf).
    Returns 0 on success, a negative code for bad arguments (nothing written). */
 int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *ptrs,
-              const double *s_old, const double *s_new, int nthreads, void *sqrt_fn, int64_t sqrt_mode) {
+              const double *s_old, const double *s_new, int nthreads, void *sqrt_fn, int64_t sqrt_mode,
+              void *sqrt_local) {
   if (op < OP_STEP || op > OP_UNDO_REDO || n < 0) return -1;
   for (int k = 0; k < 5; k++) {
     if (dtypes[k] < DT_F32 || dtypes[k] > DT_F16) return -2;
@@ -265,6 +473,7 @@ int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *
   job.po = ptrs[6]; job.mo = ptrs[7]; job.vo = ptrs[8];
   job.sq.fn = (vsqrt_fn)sqrt_fn;
   job.sq.mode = sqrt_mode;
+  job.sq.local = (local_threads_fn)sqrt_local;
   job.s1 = make_sc(s_old);
   if (op == OP_UNDO_REDO) job.s2 = make_sc(s_new);
   int nt = nthreads < 1 ? 1 : nthreads;

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-__all__ = ["VML_MODE", "torch_sqrt_routine"]
+__all__ = ["VML_MODE", "torch_sqrt_routine", "torch_sqrt_is_ieee"]
 
 # VML_HA | VML_ERRMODE_IGNORE | VML_FTZDAZ_OFF: the mode ATen's vml.h passes.
 VML_MODE = 0x2 | 0x100 | 0x140000
@@ -37,29 +37,41 @@ def _samples() -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _mkl_vms_sqrt() -> ctypes._CFuncPtr | None:
+def _mkl_functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """``vmsSqrt_64`` and ``MKL_Set_Num_Threads_Local`` from torch's MKL, if it exports them."""
     if not torch.backends.mkl.is_available():
         return None
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     try:
         lib = ctypes.CDLL(path)
         fn = lib.vmsSqrt_64
+        local = lib.MKL_Set_Num_Threads_Local  # the C interface (the lower-case name is Fortran)
     except (OSError, AttributeError):
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    return fn
+    local.restype = ctypes.c_int
+    local.argtypes = [ctypes.c_int]
+    return fn, local
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def torch_sqrt_routine() -> tuple[int, int]:
-    """``(address, mode)`` of a ``vmsSqrt_64``-like routine equal to ``torch.sqrt``, or ``(0, 0)`` for sqrtf."""
-    fn = _mkl_vms_sqrt()
-    if fn is None:
-        return 0, 0
+def torch_sqrt_is_ieee() -> bool:
+    """Whether ``torch.sqrt`` of float32 is correctly rounded here (no MKL, or MKL not used for it)."""
+    x = _samples()
+    return _same_bits(x.sqrt(), x.double().sqrt().float())
+
+
+def torch_sqrt_routine() -> tuple[int, int, int]:
+    """``(vmsSqrt_64 address, mode, mkl_set_num_threads_local address)`` if that routine equals
+    ``torch.sqrt`` bit for bit, else ``(0, 0, 0)`` (IEEE ``sqrtf``)."""
+    found = _mkl_functions()
+    if found is None:
+        return 0, 0, 0
+    fn, local = found
     x = _samples()
     want = x.sqrt()
     got = torch.empty_like(x)
@@ -67,5 +79,6 @@ def torch_sqrt_routine() -> tuple[int, int]:
     for start, stop in ((0, x.numel()), (3, 1000), (1000, 1517)):
         fn(stop - start, x[start:].data_ptr(), got[start:].data_ptr(), VML_MODE)
     if not _same_bits(got, want):
-        return 0, 0
-    return ctypes.cast(fn, ctypes.c_void_p).value or 0, VML_MODE
+        return 0, 0, 0
+    address = ctypes.cast(fn, ctypes.c_void_p).value or 0
+    return address, VML_MODE, ctypes.cast(local, ctypes.c_void_p).value or 0

@@ -14,7 +14,19 @@ fused multiply-add. Per element, ``t = s.step``, ``g = g * grad_scale``::
     undo_redo: undo, round to the storage dtypes, step with the new gradient and scalars
 
 in one pass over memory: every input is read once and every output written
-once, tile by tile, on ``torch.get_num_threads()`` threads. ``out`` may be the
+once, on ``torch.get_num_threads()`` threads.
+
+Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
+which is not always correctly rounded. To give the reference's (and
+``torch.optim``'s) bits, this backend calls that same routine (found in
+``libtorch_cpu`` and checked against ``torch.sqrt`` on load, see
+:mod:`sofx.kernels._torch_sqrt`) on tiles of 512 elements; the tiles cost
+speed (the memory streams pause while a tile is computed). Where torch's
+square root is IEEE, or MKL's routine cannot be found, the fully fused
+per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast` always
+uses those (as fast as ``torch.optim.AdamW(fused=True)``, within an ulp of
+the reference). :func:`bitwise_with_torch` says whether this backend's
+results are the reference's bit for bit on this machine. ``out`` may be the
 inputs' own tensors (donation): the update is then in place and allocates
 nothing. Any shape works (the tensors are treated as flat); non-contiguous
 tensors are computed through contiguous copies and written back.
@@ -41,7 +53,7 @@ from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import AdamScalars, AdamVariant, concrete_scalars, is_number
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available", "bitwise_with_torch"]
 
 NAME = "cpu"
 
@@ -59,6 +71,13 @@ def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: 
 def native_available() -> bool:
     """Whether the compiled kernels are in use (building them now if needed)."""
     return _cpu_build.load() is not None
+
+
+def bitwise_with_torch() -> bool:
+    """Whether :func:`step` and :func:`undo` give the reference's bits here (native kernels loaded and
+    torch's square root reproduced; the reference fallback is trivially bitwise)."""
+    lib = _cpu_build.load()
+    return lib is None or lib.bitwise_torch
 
 
 # ------------------------------------------------------------------ scalars
@@ -119,8 +138,11 @@ def _native_input(t: torch.Tensor) -> torch.Tensor:
 
 def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
          g2: torch.Tensor | None, p_old: torch.Tensor | None, s1: ctypes.Array, s2: ctypes.Array | None,
-         out: Sequence[torch.Tensor] | None, lib: _cpu_build.NativeLib) -> Triple:
-    """Run the C kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed."""
+         out: Sequence[torch.Tensor] | None, lib: _cpu_build.NativeLib, exact: bool) -> Triple:
+    """Run the C kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed.
+
+    ``exact``: take torch's own square root (bitwise the reference); else IEEE ``sqrtf`` in the fused loops.
+    """
     inputs = [_native_input(p), _native_input(g), _native_input(m), _native_input(v)]
     g2c = _native_input(g2) if g2 is not None else None
     poc = _native_input(p_old) if p_old is not None else None
@@ -142,7 +164,8 @@ def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: tor
                                      poc.data_ptr() if poc is not None else None,
                                      *(t.data_ptr() for t in targets))
         rc = lib.adam(op, int(variant.decoupled), dtypes, n, ptrs, s1, s2 if s2 is not None else s1,
-                      torch.get_num_threads(), lib.sqrt_fn or None, lib.sqrt_mode)
+                      torch.get_num_threads(), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
+                      lib.sqrt_local or None)
         if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
             raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
     if out is None:
@@ -169,14 +192,7 @@ def _native(p: torch.Tensor, m: torch.Tensor, tensors: Sequence[torch.Tensor | N
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, out: Triple | None = None) -> Triple:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (see the module docstring)."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p.shape)
-    _check_out("step", out, p.shape)
-    s = concrete_scalars(s)
-    block = _scalar_block(s, variant)
-    lib = _native(p, m, (v, g))
-    if block is None or lib is None:
-        return reference.step(p, g, m, v, s, variant, out=out)
-    return _run(src.OP_STEP, variant, p, g, m, v, None, None, block, None, out, lib)
+    return step_impl(p, g, m, v, s, variant, out=out, exact=True)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
@@ -185,15 +201,7 @@ def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
 
     Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not exist, as the reference.
     """
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p.shape)
-    _check_out("undo", out, p.shape)
-    s = concrete_scalars(s)
-    reference._check_invertible(s, variant, p_old is not None)
-    block = _scalar_block(s, variant)
-    lib = _native(p, m, (v, g, p_old))
-    if block is None or lib is None:
-        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out)
-    return _run(src.OP_UNDO, variant, p, g, m, v, None, p_old, block, None, out, lib)
+    return undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=True)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -204,6 +212,41 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     The undone values are rounded to the storage dtypes in between, exactly as
     two separate calls would store them.
     """
+    return undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=True)
+
+
+# ------------------------------------------------------------------ implementations (shared with cpu_fast)
+def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+              variant: AdamVariant, *, out: Triple | None, exact: bool) -> Triple:
+    """:func:`step`; ``exact=False`` uses IEEE ``sqrtf`` (see :mod:`sofx.kernels.cpu_fast`)."""
+    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p.shape)
+    _check_out("step", out, p.shape)
+    s = concrete_scalars(s)
+    block = _scalar_block(s, variant)
+    lib = _native(p, m, (v, g))
+    if block is None or lib is None:
+        return reference.step(p, g, m, v, s, variant, out=out)
+    return _run(src.OP_STEP, variant, p, g, m, v, None, None, block, None, out, lib, exact)
+
+
+def undo_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+              variant: AdamVariant, *, p_old: torch.Tensor | None, out: Triple | None, exact: bool) -> Triple:
+    """:func:`undo` with the choice of square root (see :func:`step_impl`)."""
+    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p.shape)
+    _check_out("undo", out, p.shape)
+    s = concrete_scalars(s)
+    reference._check_invertible(s, variant, p_old is not None)
+    block = _scalar_block(s, variant)
+    lib = _native(p, m, (v, g, p_old))
+    if block is None or lib is None:
+        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out)
+    return _run(src.OP_UNDO, variant, p, g, m, v, None, p_old, block, None, out, lib, exact)
+
+
+def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
+                   g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
+                   p_old: torch.Tensor | None, out: Triple | None, exact: bool) -> Triple:
+    """:func:`undo_redo` with the choice of square root (see :func:`step_impl`)."""
     _check("undo_redo", [("p", p), ("m", m), ("v", v), ("g_old", g_old), ("g_new", g_new), ("p_old", p_old)],
            p.shape)
     _check_out("undo_redo", out, p.shape)
@@ -215,4 +258,4 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     lib = _native(p, m, (v, g_old, g_new, p_old))
     if b_old is None or b_new is None or lib is None:
         return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out)
-    return _run(src.OP_UNDO_REDO, variant, p, g_old, m, v, g_new, p_old, b_old, b_new, out, lib)
+    return _run(src.OP_UNDO_REDO, variant, p, g_old, m, v, g_new, p_old, b_old, b_new, out, lib, exact)
