@@ -1,0 +1,82 @@
+"""Block packing, arrival bookkeeping and shared-memory tensors (no training)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sofx.errors import LeafError, UnsupportedError
+from sofx.offload.arrivals import ArrivalTracker
+from sofx.offload.blocks import BlockLayout, allocate_block_tensors, check_params, plan_blocks
+from sofx.offload.shared_memory import SharedMemoryArena, SharedTensorSpec, open_shared_tensor, shm_budget
+
+
+def _params(*sizes: int) -> list[torch.Tensor]:
+    return [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+
+
+def test_plan_blocks_packs_in_order_never_spans_groups_or_splits_parameters() -> None:
+    g0, g1 = _params(3, 4, 10, 2), _params(1, 1)
+    layouts = plan_blocks([g0, g1], block_numel=8, n_device_blocks=1)
+    assert [b.numels for b in layouts] == [(3, 4), (10,), (2,), (1, 1)]
+    assert [b.group for b in layouts] == [0, 0, 0, 1]
+    assert [b.param_indices for b in layouts] == [(0, 1), (2,), (3,), (4, 5)]
+    assert [b.on_device for b in layouts] == [True, False, False, False]
+    assert layouts[0].offsets == (0, 3)
+    assert all(BlockLayout.from_json(b.to_json()) == b for b in layouts)
+
+
+def test_plan_blocks_errors() -> None:
+    with pytest.raises(UnsupportedError, match="block_numel"):
+        plan_blocks([_params(2)], block_numel=0)
+    with pytest.raises(UnsupportedError, match="n_device_blocks=3 but the parameters make only 1 blocks"):
+        plan_blocks([_params(2)], block_numel=8, n_device_blocks=3)
+
+
+def test_check_params_names_the_offending_parameter() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(LeafError, match=r"param_groups\[1\]\['params'\]\[0\]: the same parameter is also "
+                                        r"param_groups\[0\]\['params'\]\[0\]"):
+        check_params([[p], [p]])
+    with pytest.raises(LeafError, match=r"param_groups\[0\]\['params'\]\[1\]: expected a float.*int64"):
+        check_params([[p, torch.zeros(2, dtype=torch.int64)]])
+    with pytest.raises(LeafError, match="empty parameter list"):
+        check_params([[]])
+
+
+def test_arrivals_readiness_accumulation_and_late_gradients() -> None:
+    layouts = plan_blocks([_params(2, 2, 2)], block_numel=4)  # blocks: (0, 1), (2,)
+    tracker = ArrivalTracker(layouts, accumulation_steps=2)
+    tracker.reset([True, True, False])  # parameter 2 is frozen
+    assert not tracker.started
+    a = tracker.arrive(1)
+    assert (a.block, a.slot, a.first, a.ready, a.late) == (0, 1, True, False, False)
+    assert not tracker.arrive(0).ready
+    assert not tracker.arrive(1).ready  # 2nd arrival of param 1: final, but param 0 is not
+    assert tracker.arrive(0).ready  # now the block is ready
+    late = tracker.arrive(0)
+    assert late.late and not late.first
+    assert tracker.present(1) == (False,) and not tracker.has_gradient(1)
+    tracker.reset([True, True, True])
+    assert tracker.present(0) == (False, False) and not tracker.started
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        ArrivalTracker(layouts, accumulation_steps=0)
+
+
+def test_shared_memory_arena_maps_the_same_bytes_and_cleans_up(tmp_path) -> None:
+    arena = SharedMemoryArena(str(tmp_path))
+    layout = plan_blocks([_params(3, 5)], block_numel=100)[0]
+    t = allocate_block_tensors(layout, arena.allocate, torch.bfloat16)
+    assert t.exp_avg.dtype == torch.bfloat16 and t.master.dtype == torch.float32 and t.counts.dtype == torch.int64
+    assert t.master.abs().sum() == 0
+    t.master.copy_(torch.arange(8.0))
+    again = open_shared_tensor(SharedTensorSpec.from_json(arena.specs[layout.tensor_name("master")].to_json()))
+    assert torch.equal(again, torch.arange(8.0))
+    assert len(os.listdir(tmp_path)) == 5
+    arena.close()
+    assert os.listdir(tmp_path) == []
+    assert torch.equal(t.master, torch.arange(8.0)), "mappings stay valid after the files are removed"
+    assert shm_budget(str(tmp_path), limit_bytes=10) == 10
+    assert shm_budget(str(tmp_path / "missing")) == 0

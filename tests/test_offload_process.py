@@ -1,0 +1,140 @@
+"""The process executor with real worker processes on shared memory.
+
+A killed worker is a clear error within the timeout and the shared state
+survives; a too-small shared-memory budget warns and falls back to the thread
+executor; an operation failing in the worker is raised with its traceback;
+every hparam reaches the worker with every step; close() stops the worker and
+removes the shared-memory files.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+    SharedMLP,
+    mlp_batch,
+    mlp_loss,
+    one_torch_thread,
+    relative_deviation,
+)
+
+import sofx.offload
+from sofx.offload.block_ops import BlockOp
+from sofx.offload.executor import ExecutorError, WorkerDiedError
+
+TOL = 1e-6
+
+
+def _shm_files(opt: sofx.offload.SpeculativeAdamW) -> list[str]:
+    arena = opt.engine._cpu_arena
+    return glob.glob(os.path.join(arena.shm_dir, arena.prefix + "*"))
+
+
+def test_killing_the_worker_mid_step_is_a_clear_error_and_the_state_survives() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
+                                        timeout=30.0)
+    assert opt.executor == "process"
+    assert len(_shm_files(opt)) > 0
+    for _ in range(2):
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    opt.backward(mlp_loss(model, mlp_batch(gen)))  # speculative steps submitted to the worker
+    worker = opt.engine.executor.process
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"worker process \(pid \d+\) died \(killed by signal SIGKILL\)"):
+        opt.step()
+    assert time.monotonic() - start < 30.0
+    with pytest.raises(ExecutorError, match="failed earlier"):
+        opt.step()
+    # the state in shared memory is intact and readable; it is marked as taken mid-step
+    state = opt.state_dict()["state"]
+    assert state["complete"] is False
+    for saved, now in zip(good["state"]["blocks"], state["blocks"]):
+        assert torch.isfinite(now["master"]).all()
+        assert now["counts"].min() >= saved["counts"].min()
+    opt.close()
+    assert _shm_files(opt) == []
+
+
+def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    with pytest.warns(RuntimeWarning, match=r"needs .* MiB of shared memory .* falling back to the thread executor"):
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
+                                            shm_limit_bytes=1024)
+    assert opt.executor == "thread"
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for _ in range(5):
+            batch = mlp_batch(gen)
+            opt.backward(mlp_loss(model, batch))
+            mlp_loss(ref, batch).backward()
+            report = opt.step()
+            ropt.step()
+            ropt.zero_grad()
+            assert report.executor == "thread" and report.committed > 0
+            assert relative_deviation(model, ref) <= TOL
+
+
+def test_an_operation_failing_in_the_worker_is_raised_with_its_traceback() -> None:
+    model = SharedMLP()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100) as opt:
+        executor = opt.engine.executor
+        executor.submit(BlockOp(10 ** 6, "undo_now", 0))  # block 0 holds no speculative step
+        with pytest.raises(ExecutorError, match=r"(?s)undo_now.*block 0.*has no speculative step.*Traceback"):
+            executor.wait(30.0)
+
+
+def test_the_worker_gets_every_hparam_with_every_operation() -> None:
+    """Betas, eps and weight decay change every step (a schedule, a resume): the worker must use them all."""
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
+                                        max_grad_norm=3.0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for step in range(12):
+            for g in opt.param_groups + ropt.param_groups:
+                g["lr"] = 1e-2 * (1 + step % 3)
+                g["betas"] = (0.8 + 0.01 * step, 0.99 - 0.001 * step)
+                g["eps"] = 10.0 ** -(6 + step % 3)
+                g["weight_decay"] = 0.01 * (step % 4)
+            batch = mlp_batch(gen)
+            opt.backward(mlp_loss(model, batch))
+            mlp_loss(ref, batch).backward()
+            report = opt.step()
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 3.0)
+            ropt.step()
+            ropt.zero_grad()
+            assert report.executor == "process"
+            assert relative_deviation(model, ref) <= TOL
+
+
+def test_close_stops_the_worker_and_removes_shared_memory() -> None:
+    model = SharedMLP()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100) as opt:
+        worker = opt.engine.executor.process
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        files = _shm_files(opt)
+        assert files and all(os.path.exists(f) for f in files)
+    assert worker.poll() == 0, "the worker exits cleanly"
+    assert not any(os.path.exists(f) for f in files)
