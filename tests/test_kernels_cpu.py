@@ -1,0 +1,272 @@
+"""The native CPU backends (``cpu``: bitwise the reference; ``cpu_fast``: IEEE sqrt) against reference.py.
+
+Fresh random inputs every time (never zeros), every variant and storage
+dtype, step / undo / fused undo+redo, odd sizes (partial tiles, thread
+splits), non-contiguous tensors, donation, zero-size tensors, nan handling
+and the fallback when no compiler is available.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sofx.errors import LeafError, UnsupportedError
+from sofx.kernels import cpu, cpu_fast, reference
+from sofx.kernels.base import AdamScalars, AdamVariant
+
+from helpers import max_rel_err
+
+BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
+VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
+# (param dtype, state dtype): fp32; bf16 master + fp32 states; all bf16; fp16 master + fp32 states
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+          (torch.float16, torch.float32)]
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
+
+
+def _inputs(gen: torch.Generator, n: int | tuple, pdt: torch.dtype, sdt: torch.dtype):
+    shape = (n,) if isinstance(n, int) else n
+    p = torch.randn(shape, generator=gen).to(pdt)
+    g = torch.randn(shape, generator=gen).to(pdt)
+    m = (0.1 * torch.randn(shape, generator=gen)).to(sdt)
+    v = (0.01 * torch.rand(shape, generator=gen) + 1e-4).to(sdt)
+    return p, g, m, v
+
+
+def _scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> AdamScalars:
+    u = torch.rand(4, generator=gen).tolist()
+    step = int(torch.randint(1, 500, (1,), generator=gen))
+    return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
+                       weight_decay=wd, step=step, grad_scale=grad_scale)
+
+
+def _assert_close(got, want, exact: bool) -> None:
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if exact:
+            assert torch.equal(a, b) or max_rel_err(a, b) == 0.0
+        else:
+            assert max_rel_err(a, b) <= TOL[a.dtype], max_rel_err(a, b)
+
+
+def _is_exact(backend) -> bool:
+    return backend is cpu and cpu.bitwise_with_torch()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"dec{int(v.decoupled)}-bc{int(v.bias_correction)}")
+@pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}")
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
+    backend = BACKENDS[name]
+    exact = _is_exact(backend)
+    for n, wd, gs in ((1, 0.1, 1.0), (31, 0.0, 0.5), (4099, 0.05, 0.25)):
+        p, g, m, v = _inputs(rng, n, *dtypes)
+        s = _scalars(rng, wd, gs)
+        got = backend.step(p, g, m, v, s, variant)
+        want = reference.step(p, g, m, v, s, variant)
+        _assert_close(got, want, exact)
+        # undo of the reference's step
+        _assert_close(backend.undo(*want[:1], g, *want[1:], s, variant),
+                      reference.undo(*want[:1], g, *want[1:], s, variant), exact)
+        # fused undo+redo == reference undo then step
+        g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
+        s2 = _scalars(rng, wd, 1.0)._replace(step=s.step)
+        got = backend.undo_redo(*want, g, s, g2, s2, variant)
+        undone = reference.undo(*want[:1], g, *want[1:], s, variant)
+        _assert_close(got, reference.step(*undone[:1], g2, *undone[1:], s2, variant), exact)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_threaded_sizes_with_partial_tiles(name, dtypes, rng):
+    backend = BACKENDS[name]
+    exact = _is_exact(backend)
+    torch.set_num_threads(2)
+    n = 2 * 65536 + 4099  # two threads, a partial last tile
+    p, g, m, v = _inputs(rng, n, *dtypes)
+    s = _scalars(rng, 0.1, 0.5)
+    for variant in (VARIANTS[0], VARIANTS[3]):
+        want = reference.step(p, g, m, v, s, variant)
+        _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
+        _assert_close(backend.undo(*want[:1], g, *want[1:], s, variant),
+                      reference.undo(*want[:1], g, *want[1:], s, variant), exact)
+
+
+def test_cpu_step_is_torch_optim_bit_for_bit(rng):
+    if not cpu.bitwise_with_torch():
+        pytest.skip("torch's square root cannot be reproduced here")
+    p0 = torch.randn(3000, generator=rng)
+    sofx_p, m, v = p0.clone(), torch.zeros(3000), torch.zeros(3000)
+    param = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([param], lr=3e-3, weight_decay=0.1, foreach=False)
+    for t in range(1, 6):
+        g = torch.randn(3000, generator=rng)
+        param.grad = g.clone()
+        opt.step()
+        cpu.step(sofx_p, g, m, v, AdamScalars(3e-3, 0.9, 0.999, 1e-8, 0.1, t), AdamVariant(), out=(sofx_p, m, v))
+        assert torch.equal(sofx_p, param.detach())
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_inputs_untouched_without_out_and_donation_reuses_storage(name, rng):
+    backend = BACKENDS[name]
+    variant = AdamVariant()
+    p, g, m, v = _inputs(rng, 5003, torch.float32, torch.float32)
+    s = _scalars(rng, 0.1)
+    copies = [t.clone() for t in (p, g, m, v)]
+    fresh = backend.step(p, g, m, v, s, variant)
+    assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
+    ptrs = [t.data_ptr() for t in (p, m, v)]
+    res = backend.step(p, g, m, v, s, variant, out=(p, m, v))
+    assert [t.data_ptr() for t in res] == ptrs and res[0] is p
+    assert all(torch.equal(a, b) for a, b in zip(res, fresh))
+    undone = backend.undo(p, g, m, v, s, variant, out=(p, m, v))
+    assert [t.data_ptr() for t in undone] == ptrs
+    _assert_close(undone, reference.undo(*fresh[:1], g, *fresh[1:], s, variant), _is_exact(backend))
+    redone = backend.undo_redo(p, m, v, g, s, g, s, variant, out=(p, m, v))
+    assert [t.data_ptr() for t in redone] == ptrs
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_non_contiguous_inputs_and_outputs(name, rng):
+    backend = BACKENDS[name]
+    exact = _is_exact(backend)
+    variant = AdamVariant(decoupled=False)
+    big = [t for t in _inputs(rng, (37, 64), torch.float32, torch.float32)]
+    p, g, m, v = (t[:, ::3] for t in big)  # strided views
+    assert not p.is_contiguous()
+    s = _scalars(rng, 0.1, 0.5)
+    want = reference.step(p, g, m, v, s, variant)
+    _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
+    # donation into non-contiguous storage writes through the views
+    before = big[0].clone()
+    res = backend.step(p, g, m, v, s, variant, out=(p, m, v))
+    assert res[0] is p
+    _assert_close((p, m, v), want, exact)
+    assert torch.equal(big[0][:, 1::3], before[:, 1::3])  # elements outside the view untouched
+    # a transposed (non-contiguous, different strides) set of tensors
+    pt, gt, mt, vt = (t.t() for t in big)
+    _assert_close(backend.step(pt, gt, mt, vt, s, variant), reference.step(pt, gt, mt, vt, s, variant), exact)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_zero_size_and_zero_dim(name, rng):
+    backend = BACKENDS[name]
+    variant = AdamVariant()
+    s = _scalars(rng, 0.1)
+    for shape in ((0,), (3, 0)):
+        p, g, m, v = (torch.empty(shape) for _ in range(4))
+        res = backend.step(p, g, m, v, s, variant)
+        assert all(t.shape == shape for t in res)
+        assert all(t.shape == shape for t in backend.undo(p, g, m, v, s, variant))
+        assert all(t.shape == shape for t in backend.undo_redo(p, m, v, g, s, g, s, variant, out=(p, m, v)))
+    p, g, m, v = _inputs(rng, (), torch.float32, torch.float32)
+    _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant), _is_exact(backend))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_tensor_scalars_and_float64_gradients(name, rng):
+    backend = BACKENDS[name]
+    variant = AdamVariant()
+    p, g, m, v = _inputs(rng, 1001, torch.float32, torch.float32)
+    s = _scalars(rng, 0.1, 0.5)
+    st = AdamScalars(*(torch.tensor(x, dtype=torch.float64 if isinstance(x, float) else torch.int64) for x in s))
+    assert all(torch.equal(a, b) for a, b in zip(backend.step(p, g, m, v, st, variant),
+                                                 backend.step(p, g, m, v, s, variant)))
+    g64 = torch.randn(1001, generator=rng, dtype=torch.float64)
+    _assert_close(backend.step(p, g64, m, v, s, variant), reference.step(p, g64, m, v, s, variant),
+                  _is_exact(backend))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_p_old_restores_low_precision_masters(name, rng):
+    backend = BACKENDS[name]
+    exact = _is_exact(backend)
+    for pdt in (torch.bfloat16, torch.float16):
+        p, g, m, v = _inputs(rng, 2049, pdt, torch.float32)
+        s = _scalars(rng, 0.1)
+        for variant in VARIANTS:
+            stepped = reference.step(p, g, m, v, s, variant)
+            got = backend.undo(*stepped[:1], g, *stepped[1:], s, variant, p_old=p)
+            assert torch.equal(got[0], p)
+            _assert_close(got, reference.undo(*stepped[:1], g, *stepped[1:], s, variant, p_old=p), exact)
+            g2 = torch.randn(2049, generator=rng).to(pdt)
+            _assert_close(backend.undo_redo(*stepped, g, s, g2, s, variant, p_old=p),
+                          reference.undo_redo(*stepped, g, s, g2, s, variant, p_old=p), exact)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_nan_propagates_and_the_clamp_keeps_nan(name, rng):
+    backend = BACKENDS[name]
+    variant = AdamVariant(decoupled=False)
+    p, g, m, v = _inputs(rng, 300, torch.float32, torch.float32)
+    g[5] = float("nan")
+    g[7] = float("inf")
+    s = _scalars(rng, 0.1)
+    res = backend.step(p, g, m, v, s, variant)
+    want = reference.step(p, g, m, v, s, variant)
+    for a, b in zip(res, want):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.isnan(a[5])
+    # undo where the recomputed v is negative (clamped to 0) or nan (kept)
+    p, g, m, v = _inputs(rng, 300, torch.float32, torch.float32)
+    v_small = v * 1e-6
+    v_small[11] = float("nan")
+    got = backend.undo(p, g, m, v_small, s, variant)
+    ref = reference.undo(p, g, m, v_small, s, variant)
+    assert torch.isnan(got[2][11]) and torch.isnan(ref[2][11])
+    assert (got[2][torch.arange(300) != 11] == 0).all()
+    assert torch.equal(torch.isnan(got[2]), torch.isnan(ref[2]))
+
+
+def test_bad_input_is_refused_and_changes_nothing(rng):
+    variant = AdamVariant()
+    p, g, m, v = _inputs(rng, 10, torch.float32, torch.float32)
+    copies = [t.clone() for t in (p, g, m, v)]
+    s = _scalars(rng, 0.1)
+    with pytest.raises(LeafError, match="shape"):
+        cpu.step(p, g[:9], m, v, s, variant, out=(p, m, v))
+    with pytest.raises(LeafError, match="out"):
+        cpu.step(p, g, m, v, s, variant, out=(p, m))
+    with pytest.raises(UnsupportedError, match="CPU"):
+        cpu.step(p, g.to("meta"), m, v, s, variant, out=(p, m, v))
+    with pytest.raises(UnsupportedError, match="beta1 == 0"):
+        cpu.undo(p, g, m, v, s._replace(beta1=0.0), variant, out=(p, m, v))
+    with pytest.raises(UnsupportedError, match="lr \\* weight_decay == 1"):
+        cpu.undo_redo(p, m, v, g, s._replace(lr=10.0, weight_decay=0.1), g, s, variant, out=(p, m, v))
+    assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
+
+
+def test_supports():
+    assert cpu.supports("cpu", torch.float32, torch.float32)
+    assert cpu.supports("cpu", torch.bfloat16, torch.bfloat16)
+    assert cpu.supports(torch.device("cpu"), torch.float16, torch.float32)
+    assert not cpu.supports("cpu", torch.float64, torch.float64)
+    assert not cpu.supports("meta", torch.float32, torch.float32)
+    assert cpu_fast.supports("cpu", torch.float32, torch.float32)
+
+
+def test_without_a_compiler_the_reference_math_runs(tmp_path):
+    code = """
+import torch
+from sofx.kernels import cpu, reference
+from sofx.kernels.base import AdamScalars, AdamVariant
+assert not cpu.native_available()
+g = torch.Generator().manual_seed(0)
+p, gr, m, v = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g)
+s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 3)
+a = cpu.step(p, gr, m, v, s, AdamVariant())
+b = reference.step(p, gr, m, v, s, AdamVariant())
+assert all(torch.equal(x, y) for x, y in zip(a, b))
+print("ok")
+"""
+    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ok" in out.stdout
