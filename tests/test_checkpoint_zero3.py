@@ -49,7 +49,7 @@ def _bits_equal(a, b):
 def test_layout_as_specified(tmp_path):
     opt = sofx.adamw(lr=1e-2)
     params, state = _train(opt, _params(), opt.init(_params()), 0, 3)
-    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, mp_rank=1)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, mp_rank=1, deepspeed_objects=False)
     assert [os.path.basename(f) for f in files] == ["zero_pp_rank_0_mp_rank_01_optim_states.pt",
                                                     "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
     top = torch.load(files[1], weights_only=True)
@@ -75,7 +75,7 @@ def test_layout_as_specified(tmp_path):
     # bf16 params: the bf16_ prefix, and the flat master is still float32
     opt16 = sofx.adamw(state_dtype=torch.float32)
     p16 = _params(torch.bfloat16)
-    files16 = ck.save_zero3(tmp_path / "bf16", opt16, p16, opt16.init(p16))
+    files16 = ck.save_zero3(tmp_path / "bf16", opt16, p16, opt16.init(p16), deepspeed_objects=False)
     assert os.path.basename(files16[0]) == "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     flat16 = torch.load(files16[0], weights_only=True)["optimizer_state_dict"]["fp32_flat_groups"][0]
     assert flat16.dtype == torch.float32
@@ -100,7 +100,7 @@ def test_round_trip_and_continue_equals_uninterrupted(tmp_path, world, dtype, st
 def test_single_block_and_explicit_groups(tmp_path):
     opt = sofx.adam(lr=1e-3)
     params, state = _train(opt, _params(), opt.init(_params()), 0, 2, hp=None)
-    ck.save_zero3(tmp_path / "one", opt, params, state)
+    ck.save_zero3(tmp_path / "one", opt, params, state, deepspeed_objects=False)
     z = torch.load(tmp_path / "one" / ck.zero3_file_name(0), weights_only=True)["optimizer_state_dict"]
     assert len(z["fp32_flat_groups"]) == 1 and z["fp32_flat_groups"][0].numel() == 4 + 7 + 15
     groups = [["params['enc']['w']"], ["params['enc']['b']", "params['dec'][0]"]]
@@ -184,7 +184,7 @@ def test_reads_files_holding_deepspeed_objects_without_running_them(tmp_path, de
     scaler, stage = deepspeed_classes
     opt = sofx.adamw()
     params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
-    files = ck.save_zero3(tmp_path, opt, params, state, HP)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, deepspeed_objects=False)
     top = torch.load(files[0], weights_only=True)
     top["optimizer_state_dict"]["loss_scaler"] = scaler  # what DeepSpeed's engine writes there
     top["optimizer_state_dict"]["zero_stage"] = stage
@@ -195,6 +195,14 @@ def test_reads_files_holding_deepspeed_objects_without_running_them(tmp_path, de
 
     z = _torch_load(files[0])["optimizer_state_dict"]
     assert _plain(z["zero_stage"]) == 3 and _plain(z["loss_scaler"])["cur_scale"] == 4096.0
+    # sofx's own export with DeepSpeed's objects (what DeepSpeed's engine needs) reads back the same way
+    if HAS_DEEPSPEED:
+        files = ck.save_zero3(tmp_path / "ds", opt, params, state, HP, deepspeed_objects=True,
+                              loss_scaler={"cur_scale": 256.0, "dynamic": True, "cur_iter": 7})
+        z = _torch_load(files[0])["optimizer_state_dict"]
+        assert _plain(z["loss_scaler"]) == {"class": "DynamicLossScaler", "cur_scale": 256.0, "dynamic": True,
+                                            "cur_iter": 7}
+        assert _bits_equal(ck.load_zero3(tmp_path / "ds", opt, params, HP)[:2], (params, state))
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
@@ -210,3 +218,114 @@ def test_deepspeed_zero_to_fp32_reads_the_export(tmp_path, world):
     for name, p in (("dec.0", params["dec"][0]), ("enc.b", params["enc"]["b"]), ("enc.w", params["enc"]["w"])):
         assert consolidated[name].dtype == torch.float32 and torch.equal(consolidated[name], p.float())
     assert math.prod(consolidated["enc.w"].shape) == 15
+
+
+DS_CHILD = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch
+import deepspeed
+import deepspeed.ops
+# DeepSpeed JIT-compiles a shared-memory all-reduce kernel for CPU collectives (minutes; unused with one rank)
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+sys.path.insert(0, sys.argv[3])
+from ds_common import N, M, batch, model_
+
+
+def engine_():
+    model = model_()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+           "zero_force_ds_cpu_optimizer": False, "gradient_clipping": 0.0}
+    return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+
+
+def train(engine, start, stop):
+    for step in range(start, stop):
+        x, y = batch(step)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+
+
+root = sys.argv[1]
+engine = engine_()                   # DeepSpeed: N steps, checkpoint "n", M more steps, checkpoint "nm"
+train(engine, 0, N)
+engine.save_checkpoint(root, tag="n")
+train(engine, N, N + M)
+engine.save_checkpoint(root, tag="nm")
+engine = engine_()                   # DeepSpeed resumes sofx's export "sofx" for M steps: "sofx_nm"
+engine.load_checkpoint(root, tag="sofx", load_optimizer_states=True, load_lr_scheduler_states=False)
+train(engine, N, N + M)
+engine.save_checkpoint(root, tag="sofx_nm")
+print("deepspeed ok")
+"""
+
+DS_COMMON = """
+import torch
+N, M = 3, 3
+
+
+def model_():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(900 + step)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+"""
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+def test_deepspeed_engine_and_sofx_continue_each_others_zero3_checkpoints(tmp_path):
+    """A real DeepSpeed ZeRO-3 engine (CPU, one rank, torch AdamW): its checkpoint imported into sofx and
+    continued equals DeepSpeed's own continuation, and DeepSpeed continuing sofx's export equals sofx's
+    uninterrupted run -- bitwise."""
+    import socket
+    import subprocess
+
+    (tmp_path / "ds_common.py").write_text(DS_COMMON)
+    (tmp_path / "ds_child.py").write_text(DS_CHILD)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sys.modules.pop("ds_common", None)
+        import ds_common
+    finally:
+        sys.path.remove(str(tmp_path))
+    model = ds_common.model_()
+    opt = sofx.adamw(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    names = [name for name, _ in model.named_parameters()]
+
+    def grads(params, step):
+        x, y = ds_common.batch(step)
+        ps = {k: v.detach().requires_grad_() for k, v in params.items()}
+        loss = ((torch.func.functional_call(model, ps, (x,)) - y) ** 2).mean()
+        return dict(zip(ps, torch.autograd.grad(loss, list(ps.values()))))
+
+    def train(params, state, start, stop):
+        for step in range(start, stop):
+            params, state, _ = opt.update(params, grads(params, step), state)
+        return params, state
+
+    n, m = ds_common.N, ds_common.M
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ref_p, ref_s = train(init, opt.init(init), 0, n + m)
+    p, s = train(init, opt.init(init), 0, n)
+    ck.save_zero3(tmp_path / "ckpt" / "sofx", opt, p, s, groups=[names], model_states=True)  # model order
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(tmp_path / "ds_child.py"), str(tmp_path / "ckpt"), str(port),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "deepspeed ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    template = {k: torch.zeros_like(v) for k, v in init.items()}  # sorted keys: mapped by name from param_shapes
+    ds_n = ck.load_zero3(tmp_path / "ckpt" / "n", opt, template)
+    ds_nm = ck.load_zero3(tmp_path / "ckpt" / "nm", opt, template)
+    assert ds_n[2]["0.weight"] == sofx.AdamHParams(1e-2, 0.9, 0.99, 1e-8, 0.1)
+    assert all(c.item() == n for c in ds_n[1].count.values())
+    # DeepSpeed's trajectory is sofx's, and continuing DeepSpeed's checkpoint in sofx stays on it
+    assert _bits_equal(ds_nm[:2], (ref_p, ref_s))
+    assert _bits_equal(train(ds_n[0], ds_n[1], n, n + m), (ref_p, ref_s))
+    # DeepSpeed continuing sofx's export stays on it too
+    assert _bits_equal(ck.load_zero3(tmp_path / "ckpt" / "sofx_nm", opt, template)[:2], (ref_p, ref_s))

@@ -29,14 +29,16 @@ DeepSpeed's own files also pickle its ``ZeroStageEnum`` and its loss scaler
 object (``LossScaler``/``DynamicLossScaler``); the importer reads those into
 inert stand-ins (:data:`DEEPSPEED_STAND_INS`, an int and a record of plain
 attributes) without importing DeepSpeed, so real DeepSpeed files load too.
-sofx writes a plain dict or ``None`` under ``"loss_scaler"``, so DeepSpeed's
-engine, which expects its own object there, cannot resume its loss scaler from a
-sofx export (``zero_to_fp32`` and the optimizer state are unaffected).
+On export, sofx writes DeepSpeed's own loss scaler object and stage enum when
+the ``deepspeed`` package is installed (``deepspeed_objects=True``: DeepSpeed's
+engine can then resume from the files), else a plain dict and an int
+(``zero_to_fp32`` and sofx read those; DeepSpeed's engine needs its objects).
 """
 
 from __future__ import annotations
 
 import collections
+import importlib.util
 import math
 import os
 import pickle
@@ -51,11 +53,11 @@ from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError)
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 
-__all__ = ["zero3_file_name", "model_states_file_name", "save_zero3", "load_zero3", "partition_numel", "DEEPSPEED_STAND_INS"]
+__all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3", "partition_numel", "DEEPSPEED_STAND_INS"]
 
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
@@ -99,13 +101,22 @@ def _block_count(counts: list[Any], g: ParamGroup, paths: list[str]) -> int:
 
 def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: AdamState, hparams: Any = None, *,
                groups: Sequence[Sequence[Any]] | None = None, dp_world_size: int = 1, mp_rank: int = 0,
-               bf16: bool | None = None, loss_scaler: dict | None = None, model_states: bool = False) -> list[str]:
+               bf16: bool | None = None, loss_scaler: dict | None = None, model_states: bool = False,
+               deepspeed_objects: bool | None = None) -> list[str]:
     """Write the DeepSpeed ZeRO-3 optimizer files of ``(params, state)`` into ``directory``; returns their paths.
 
     One file per rank ``0..dp_world_size-1``, each written atomically (the
     set of files is not one atomic unit, as with DeepSpeed). ``bf16`` sets the
-    ``bf16_`` file prefix (default: when a params leaf is bfloat16). ``loss_scaler``: a plain dict of numbers (e.g. a
-    loss scaler's ``state_dict()``) stored under ``"loss_scaler"``.
+    ``bf16_`` file prefix (default: when a params leaf is bfloat16).
+    ``loss_scaler``: the loss scaler's attributes as DeepSpeed names them
+    (``{"cur_scale": 1024.0, "dynamic": True, "cur_iter": ..., "scale_window": ...}``);
+    ``None``: a static scale of 1 (bf16/fp32 training).
+    ``deepspeed_objects``: store the loss scaler as DeepSpeed's own
+    ``LossScaler``/``DynamicLossScaler`` object and the stage as its
+    ``ZeroStageEnum``, which DeepSpeed's engine needs to resume
+    (``engine.load_checkpoint``) from the files; needs the ``deepspeed``
+    package (default: when it is installed). Otherwise they are stored as a
+    plain dict and an int (enough for ``zero_to_fp32`` and for sofx).
     """
     if not isinstance(opt, Adam):
         raise CheckpointError(f"save_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
@@ -137,24 +148,39 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     layout = {"format_version": FORMAT_VERSION, "decoupled": opt.variant.decoupled,
               "bias_correction": opt.variant.bias_correction,
               "blocks": [[[paths[i], list(p_leaves[i].shape)] for i in g.leaves] for g in resolved]}
+    scaler_attrs = {"cur_scale": 1.0, "dynamic": False, **(loss_scaler or {})}
+    dynamic = bool(scaler_attrs["dynamic"])
+    stage, scaler = 3, scaler_attrs
+    if deepspeed_objects is None:
+        deepspeed_objects = importlib.util.find_spec("deepspeed") is not None
+    if deepspeed_objects:
+        stage, scaler = _deepspeed_objects(scaler_attrs)
     os.makedirs(directory, exist_ok=True)
     written = []
     for r in range(dp_world_size):
         inner = {"state": {b: {"step": steps[b], "exp_avg": exp_avgs[b][r], "exp_avg_sq": exp_avg_sqs[b][r]}
                            for b in range(len(resolved))},
                  "param_groups": param_groups}
-        zero = {"zero_stage": 3, "loss_scaler": loss_scaler, "dynamic_loss_scale": bool(loss_scaler),
+        zero = {"zero_stage": stage, "loss_scaler": scaler, "dynamic_loss_scale": dynamic,
                 "overflow": False, "partition_count": dp_world_size, "optimizer_state_dict": inner,
                 "fp32_flat_groups": [masters[b][r] for b in range(len(resolved))]}
         payload = {"optimizer_state_dict": zero, "ds_version": "sofx", "sofx": dict(layout, dp_rank=r)}
         path = os.path.join(os.fspath(directory), zero3_file_name(r, mp_rank, bf16))
         written.append(atomic_write(path, lambda tmp, obj=payload: torch.save(obj, tmp)))
     if model_states:
-        names = [".".join(str(k) for k in keys) for keys in optree.tree_paths(params)]
+        names = param_names(params)
         shapes = [collections.OrderedDict((names[i], torch.Size(p_leaves[i].shape)) for i in g.leaves)
                   for g in resolved]
-        states = {"module": {}, "buffer_names": [], "param_shapes": shapes, "frozen_param_shapes": None,
-                  "frozen_param_fragments": None, "shared_params": {}, "optimizer": None,
+        global_steps = max(steps, default=0)
+        # as DeepSpeed's ZeRO-3 engine writes it: the module's parameters are empty placeholders (the weights
+        # are the fp32 flat groups of the optimizer files)
+        module = collections.OrderedDict((names[i], torch.empty(0, dtype=p_leaves[i].dtype)) for g in resolved
+                                         for i in g.leaves)
+        states = {"module": module, "buffer_names": [], "param_shapes": shapes,
+                  "frozen_param_shapes": collections.OrderedDict(),
+                  "frozen_param_fragments": collections.OrderedDict(), "shared_params": {}, "optimizer": None, "lr_scheduler": None,
+                  "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": [],
+                  "skipped_steps": 0, "global_steps": global_steps, "global_samples": 0,
                   "dp_world_size": dp_world_size, "mp_world_size": 1, "ds_version": "sofx"}
         for r in range(dp_world_size):
             path = os.path.join(os.fspath(directory), model_states_file_name(r, mp_rank))
@@ -165,6 +191,20 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
 def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
     """``zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed ZeRO-3's per-rank model file)."""
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def _deepspeed_objects(scaler_attrs: dict) -> tuple[Any, Any]:
+    """DeepSpeed's ``ZeroStageEnum.weights`` and its loss scaler object holding ``scaler_attrs`` exactly
+    (built without running its constructor, so every attribute is the one given)."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+    except ImportError as exc:
+        raise UnsupportedError(f"save_zero3(deepspeed_objects=True) needs the deepspeed package: {exc}") from None
+    cls = DynamicLossScaler if scaler_attrs.get("dynamic") else LossScaler
+    scaler = cls.__new__(cls)
+    scaler.__dict__.update(scaler_attrs)
+    return ZeroStageEnum.weights, scaler
 
 
 def _check_plain(x: Any, where: str) -> None:
@@ -283,9 +323,16 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     ``params`` is the template: the blocks are unpacked into its leaves'
     shapes, dtypes (the fp32 master is cast to each leaf's dtype) and devices;
     moments come back in ``opt.state_dtype`` (the leaf's dtype when ``None``).
-    ``hparams``/``groups`` lay out the blocks as for :func:`save_zero3`; the
-    returned hparams carry the file's values. ``bf16=None`` picks the files
-    present (``bf16_`` prefixed or not). Every dp rank's file must be there.
+    Block layout: with ``groups``, as given; else, when the directory holds
+    DeepSpeed's ``zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed
+    writes it; :func:`save_zero3` with ``model_states=True`` too), from its
+    ``param_shapes``: parameter names in model order per group, matched to the
+    params leaves by :func:`param_names` (so ``dict(model.named_parameters())``
+    or the module's nested structure map by name, whatever the tree's key order);
+    else from ``hparams`` as for :func:`save_zero3`. The returned hparams carry
+    the file's values (in the structure of ``hparams`` when given). ``bf16=None``
+    picks the files present (``bf16_`` prefixed or not). Every dp rank's file
+    must be there.
     """
     if not isinstance(opt, Adam):
         raise CheckpointError(f"load_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
@@ -293,7 +340,12 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     files, _ = _find_files(directory, mp_rank, bf16)
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
-    resolved = resolve_groups(opt, spec, hparams, groups)
+    if groups is None:
+        groups = _groups_from_model_states(directory, mp_rank, params, p_leaves)
+        from_model_states = groups is not None
+    else:
+        from_model_states = False
+    resolved = resolve_groups(opt, spec, None if from_model_states else hparams, groups)
     world = len(files)
     ranks = [_read_rank(f, r, world, resolved, p_leaves, paths, opt) for r, f in enumerate(files)]
     group_hp, steps = ranks[0]["hparams"], ranks[0]["steps"]
@@ -321,7 +373,58 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
             counts[i] = torch.tensor(steps[b], dtype=torch.int64)
             offset += pn
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
-    return tree.unflatten(spec, new_p), state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+    if from_model_states and hparams is not None:
+        per_leaf = {i: hp for g, hp in zip(resolved, group_hp) for i in g.leaves}
+        out_hp = _hparams_like(hparams, spec, per_leaf)
+    else:
+        out_hp = hparams_tree(resolved, group_hp, spec, hparams, groups)
+    return tree.unflatten(spec, new_p), state, out_hp
+
+
+def _hparams_like(hparams: Any, spec: tree.TreeSpec, per_leaf: dict[int, AdamHParams]) -> Any:
+    """The file's hyperparameters in the structure of the ``hparams`` template (each template entry takes the
+    values of its first leaf)."""
+    ids, leaf_ids = prefix_ids(hparams, spec)
+    first: dict[int, AdamHParams] = {}
+    for leaf, gid in enumerate(leaf_ids):
+        first.setdefault(gid, per_leaf[leaf])
+    return optree.tree_map(lambda gid: first.get(gid, AdamHParams()), ids)
+
+
+def param_names(params: Any) -> list[str]:
+    """DeepSpeed-style names of the leaves of a params tree: their tree paths joined by dots
+    (``{"enc": {"w": ...}}`` -> ``"enc.w"``; ``dict(model.named_parameters())`` -> the module's names)."""
+    return [".".join(str(k) for k in keys) for keys in optree.tree_paths(params)]
+
+
+def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
+                              p_leaves: list[Any]) -> list[list[int]] | None:
+    """The blocks as DeepSpeed laid them out (``param_shapes`` of the rank-0 model states file: parameter
+    names in model order, per group), mapped to the leaves of ``params`` by name; ``None`` without that file."""
+    path = os.path.join(directory, model_states_file_name(0, mp_rank))
+    if not os.path.exists(path):
+        return None
+    top = _torch_load(path)
+    shapes = top.get("param_shapes") if isinstance(top, dict) else None
+    if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
+        raise CorruptCheckpointError(f"{path}: expected 'param_shapes', a list of name -> shape dicts per group")
+    names = param_names(params)
+    index = {n: i for i, n in enumerate(names)}
+    groups = []
+    for gi, group in enumerate(shapes):
+        idx = []
+        for name, shape in group.items():
+            if name not in index:
+                raise CheckpointMismatchError(
+                    f"{path}: parameter {name!r} (param_shapes[{gi}]) is not a leaf of the params tree; its leaves "
+                    f"are named {names[:6]}{' ...' if len(names) > 6 else ''} (tree paths joined by dots)")
+            i = index[name]
+            if tuple(p_leaves[i].shape) != tuple(shape):
+                raise CheckpointMismatchError(f"{path}: parameter {name!r} has shape {tuple(shape)} in the checkpoint, "
+                                              f"the params tree has {tuple(p_leaves[i].shape)}")
+            idx.append(i)
+        groups.append(idx)
+    return groups
 
 
 def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_leaves: list[Any],
@@ -369,6 +472,12 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                                    f"{opt.variant.bias_correction}")
         if saved.get("amsgrad"):
             raise UnsupportedError(f"{where}: amsgrad=True is not supported by sofx")
+        if saved.get("maximize"):
+            raise UnsupportedError(f"{where}: maximize=True is not supported by sofx")
+        decoupled = saved.get("decoupled_weight_decay", saved.get("adam_w_mode"))
+        if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
+            raise UnsupportedError(f"{where}: the file's optimizer has decoupled weight decay={bool(decoupled)}, "
+                                   f"this one {opt.variant.decoupled}")
         try:
             b1, b2 = saved["betas"]
             hp = AdamHParams(*(float(as_number(x)) for x in (saved["lr"], b1, b2, saved["eps"],
