@@ -15,14 +15,15 @@ once each. Nothing is ever unpickled.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
 import zlib
+from types import ModuleType
 from typing import Any, Iterable, Mapping
 
 import torch
-from safetensors import SafetensorError, TensorSpec, safe_open, serialize_file
 
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode
@@ -64,9 +65,27 @@ def snapshot(tree: Any) -> EncodedTree:
     return encoded
 
 
-def _bytes_view(t: torch.Tensor) -> Any:
-    """The bytes of a contiguous CPU tensor as a numpy uint8 array (no copy)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+def _safetensors() -> ModuleType:
+    """The safetensors package (an optional dependency: ``pip install sofx[checkpoint]``)."""
+    try:
+        import safetensors
+    except ImportError as exc:
+        raise CheckpointError("sofx.checkpoint.save/load need the safetensors package: "
+                              "pip install 'sofx[checkpoint]' (or safetensors)") from exc
+    return safetensors
+
+
+def serialize_file(specs: dict, filename: str, metadata: dict[str, str]) -> None:
+    """Write a safetensors file from tensor specs (``safetensors.serialize_file``)."""
+    _safetensors().serialize_file(specs, filename, metadata=metadata)
+
+
+def _bytes_view(t: torch.Tensor) -> tuple[int, memoryview]:
+    """Address and bytes of a contiguous CPU tensor's data (no copy; valid while ``t`` lives)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return 0, memoryview(b"")
+    return t.data_ptr(), memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def nbytes(encoded: EncodedTree) -> int:
@@ -77,13 +96,13 @@ def nbytes(encoded: EncodedTree) -> int:
 def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
     """Write ``encoded`` (from :func:`prepare` or :func:`snapshot`) atomically to ``path``."""
     _check_byteorder()
+    tensor_spec = _safetensors().TensorSpec
     specs, views = {}, []
     for key, t in encoded.tensors.items():
-        arr = _bytes_view(t)
-        views.append((t, arr))  # keep the buffers alive while safetensors reads them
-        encoded.nodes[key]["crc32"] = zlib.crc32(arr)
-        specs[key] = TensorSpec(dtype=dtype_name(t.dtype), shape=list(t.shape), data_ptr=arr.ctypes.data,
-                                data_len=arr.nbytes)
+        ptr, data = _bytes_view(t)
+        views.append(t)  # keep the buffers alive while safetensors reads them
+        encoded.nodes[key]["crc32"] = zlib.crc32(data)
+        specs[key] = tensor_spec(dtype=dtype_name(t.dtype), shape=list(t.shape), data_ptr=ptr, data_len=len(data))
     import sofx
 
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
@@ -104,9 +123,10 @@ def _open(path: str) -> Any:
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a directory, expected a file written by sofx.checkpoint.save")
+    st = _safetensors()
     try:
-        return safe_open(path, framework="pt", device="cpu")
-    except SafetensorError as exc:
+        return st.safe_open(path, framework="pt", device="cpu")
+    except st.SafetensorError as exc:
         size = os.path.getsize(path)
         raise CorruptCheckpointError(f"{path} is not a readable checkpoint ({size} bytes): {exc}; the file is "
                                      "truncated, corrupted, or not a sofx checkpoint") from None
@@ -183,7 +203,7 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has dtype {t.dtype} in the file, "
                                              f"{node['dtype']} in the structure")
             crc = node.get("crc32")
-            if verify and crc is not None and zlib.crc32(_bytes_view(t)) != crc:
+            if verify and crc is not None and zlib.crc32(_bytes_view(t)[1]) != crc:
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} fails its checksum: the data is corrupted")
             target = device if device is not None else (like_leaf.device if like_leaf is not None else None)
             if target is not None and torch.device(target) != t.device:

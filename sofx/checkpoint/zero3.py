@@ -43,6 +43,7 @@ import math
 import os
 import pickle
 import re
+import threading
 from typing import Any, Sequence
 
 import optree
@@ -57,7 +58,8 @@ from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 
-__all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3", "partition_numel", "DEEPSPEED_STAND_INS"]
+__all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3",
+           "partition_numel", "DEEPSPEED_STAND_INS"]
 
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
@@ -265,9 +267,14 @@ def _plain(x: Any) -> Any:
     return x
 
 
+# torch.serialization.safe_globals() edits torch's process-wide allow-list for the duration of the block;
+# serialise our loads so that one thread leaving the block cannot drop the list another one is reading with.
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
 def _torch_load(path: str) -> Any:
     try:
-        with torch.serialization.safe_globals(list(DEEPSPEED_STAND_INS)):
+        with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals(list(DEEPSPEED_STAND_INS)):
             return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint file {path} does not exist") from None
@@ -376,6 +383,8 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     if from_model_states and hparams is not None:
         per_leaf = {i: hp for g, hp in zip(resolved, group_hp) for i in g.leaves}
         out_hp = _hparams_like(hparams, spec, per_leaf)
+    elif from_model_states and len(set(group_hp)) == 1:
+        out_hp = group_hp[0]  # one set of hyperparameters for every block
     else:
         out_hp = hparams_tree(resolved, group_hp, spec, hparams, groups)
     return tree.unflatten(spec, new_p), state, out_hp
