@@ -307,3 +307,86 @@ def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(ck.load(path)["x"], torch.arange(4))
     assert ck.stale_temporaries(path) == []
+
+
+# ------------------------------------------------------------ property: any tree
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+           torch.uint8, torch.bool]
+
+
+@st.composite
+def _tensors(draw):
+    dtype = draw(st.sampled_from(_DTYPES))
+    shape = draw(st.lists(st.integers(0, 4), max_size=3))
+    raw = draw(st.binary(min_size=0, max_size=1))  # seed material
+    g = torch.Generator().manual_seed(int.from_bytes(raw or b"\x00", "little") + len(shape) * 1000)
+    t = _rand(tuple(shape), dtype, g)
+    if draw(st.booleans()) and t.dim() >= 2:
+        t = t.transpose(0, 1)  # non-contiguous
+    return t
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True),
+                     st.text(max_size=5), st.sampled_from([torch.float32, torch.bfloat16]))
+_trees = st.recursive(
+    st.one_of(_scalars, _tensors()),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-5, 5)), children, max_size=3),
+        st.tuples(children, children).map(lambda ab: Pair(*ab)),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=_trees)
+def test_any_tree_round_trips_bitwise(tmp_path_factory, t):
+    path = tmp_path_factory.mktemp("prop") / "t.ckpt"
+    ck.save(path, t)
+    back = ck.load(path, types=[Pair])
+    _assert_same_deep(t, back)
+    _assert_same_deep(t, ck.load(path, like=t))
+
+
+def _assert_same_deep(a, b):
+    """Structure, node types, dict key order, dtypes and bits (nan == nan)."""
+    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.numel():
+            assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same_deep(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_deep(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+# ------------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_save_load_and_async_snapshot(tmp_path, rng):
+    x = torch.randn(1000, generator=rng).cuda()
+    m = torch.randn(10, generator=rng).to("cuda", torch.bfloat16)
+    ck.save(tmp_path / "c.ckpt", {"x": x, "m": m})
+    back = ck.load(tmp_path / "c.ckpt")
+    assert back["x"].device.type == "cpu" and torch.equal(back["x"], x.cpu())
+    on_gpu = ck.load(tmp_path / "c.ckpt", like={"x": torch.zeros(1000, device="cuda"),
+                                                "m": torch.zeros(10, device="cuda", dtype=torch.bfloat16)})
+    assert on_gpu["x"].is_cuda and torch.equal(on_gpu["m"], m)
+    before = x.clone()
+    handle = ck.save_async(tmp_path / "a.ckpt", {"x": x})
+    x.add_(1)  # in place right after the call
+    handle.wait(60)
+    assert torch.equal(ck.load(tmp_path / "a.ckpt", device="cuda")["x"], before)
