@@ -1,0 +1,285 @@
+"""Triton Adam kernels for CUDA tensors: step, inverse and one-pass undo+redo.
+
+One kernel, specialized at compile time on the operation (step, undo,
+undo+redo), the decay mode and whether a parameter snapshot is given; every
+step-dependent value is a runtime argument, so a training run compiles each
+variant once. Each program handles ``BLOCK`` elements (the last one masked):
+it loads ``p, g, m, v`` (and ``g_new``, ``p_old``) in their storage dtypes,
+computes in float32 and stores rounded to the dtypes of ``p, m, v``; the
+outputs may be the inputs' own storage (donation).
+
+The math is :mod:`sofx.kernels.reference`'s, operation by operation, with
+correctly rounded division and square root (``div_rn``, ``sqrt_rn``) and the
+same fused multiply-adds as torch's CPU kernels (see
+:mod:`sofx.kernels._cpu_source`)::
+
+    step:  L2: g = fma(p, wd, g)          decoupled: p = p * (1 - lr*wd)
+           m' = fma(c, g - m, m or g)     (torch's lerp)   v' = fma((1-b2)*g, g, v*b2)
+           p' = p + (-lr/bc1 * m') / (sqrt(v')/sqrt(bc2) + eps)
+    undo:  p = (p' + (m' / (sqrt(v')/sqrt(bc2) + eps)) * lr/bc1) / (1 - lr*wd if decoupled)
+           gh = g or fma(p, wd, g);  m = (m' - (1-b1)*gh) / b1;  v = max0((v' - (1-b2)*gh*gh) / b2)
+
+Tests run these kernels with ``TRITON_INTERPRET=1`` on CPU tensors (then
+:func:`supports` accepts CPU tensors too). Importing this module requires
+triton; :func:`sofx.kernels.select_backend` treats an ImportError as "not
+available".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from sofx.errors import LeafError, UnsupportedError
+from sofx.kernels import reference
+from sofx.kernels.base import AdamScalars, AdamVariant, concrete_scalars, is_number
+
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK"]
+
+NAME = "triton"
+BLOCK = 1024
+
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+_STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OP_STEP, _OP_UNDO, _OP_UNDO_REDO = 0, 1, 2
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
+    """CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``) with fp32/bf16/fp16 params and states."""
+    kind = torch.device(device).type
+    on_device = kind == "cuda" or (kind == "cpu" and _interpreting())
+    return on_device and param_dtype in _STORAGE_DTYPES and state_dtype in _STORAGE_DTYPES
+
+
+# ------------------------------------------------------------------ kernel
+@triton.jit
+def _to_storage(x, DT: tl.constexpr):
+    """float32 ``x`` rounded to the storage dtype ``DT``; bfloat16 by explicit round-to-nearest-even
+    (as torch; the interpreter's own cast truncates), a nan stays a nan."""
+    if DT == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, (u >> 16) | 0x40, r)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, n,
+                 # undo scalars (or the step's, for OP == 0)
+                 u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
+                 # step scalars
+                 s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss,
+                 OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n
+    if HAS_P_OLD:
+        p = tl.load(pold_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    else:
+        p = tl.load(p_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    if OP != 0:
+        # inverse of the step taken with the u_* scalars
+        g = g * u_gs
+        if not HAS_P_OLD:
+            d = tl.div_rn(tl.sqrt_rn(v), u_bc2) + u_eps
+            p = tl.div_rn(p + tl.div_rn(m, d) * u_ss, u_pdiv)
+        g = tl.where(u_l2 != 0, tl.fma(p, u_wd, g), g)
+        m = tl.div_rn(m - u_omb1 * g, u_b1)
+        x = tl.div_rn(v - u_omb2 * (g * g), u_b2)
+        v = tl.where(x < 0.0, 0.0, x)  # clamp at 0, nan stays nan
+        if OP == 2:
+            # the undone values as they would be stored, then the new gradient
+            p = _to_storage(p, ROUND_P).to(tl.float32)
+            m = _to_storage(m, ROUND_S).to(tl.float32)
+            v = _to_storage(v, ROUND_S).to(tl.float32)
+            g = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    if OP != 1:
+        g = g * s_gs
+        p = p * s_pmul
+        g = tl.where(s_l2 != 0, tl.fma(p, s_wd, g), g)
+        m = tl.fma(s_coef, g - m, tl.where(s_small != 0, m, g))
+        v = tl.fma(s_c2 * g, g, v * s_b2)
+        d = tl.div_rn(tl.sqrt_rn(v), s_bc2) + s_eps
+        p = p + tl.div_rn(s_nss * m, d)
+    tl.store(po_ptr + offs, _to_storage(p, ROUND_P), mask=mask)
+    tl.store(mo_ptr + offs, _to_storage(m, ROUND_S), mask=mask)
+    tl.store(vo_ptr + offs, _to_storage(v, ROUND_S), mask=mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ------------------------------------------------------------------ scalars
+class _UndoArgs(NamedTuple):
+    gs: float
+    pdiv: float
+    wd: float
+    l2: int
+    bc2: float
+    eps: float
+    ss: float
+    omb1: float
+    b1: float
+    omb2: float
+    b2: float
+
+
+class _StepArgs(NamedTuple):
+    gs: float
+    pmul: float
+    wd: float
+    l2: int
+    small: int
+    coef: float
+    b2: float
+    c2: float
+    bc2: float
+    eps: float
+    nss: float
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _step_args(s: AdamScalars, variant: AdamVariant) -> _StepArgs:
+    step_size, bc2_sqrt = reference.bias_corrections(s, variant)
+    has_decay = s.weight_decay != 0
+    omb1 = _f32(1 - s.beta1)
+    small = abs(omb1) < 0.5
+    coef = omb1 if small else float(np.float32(omb1) - np.float32(1.0))  # torch's lerp, in float32
+    return _StepArgs(gs=s.grad_scale if s.grad_scale != 1 else 1.0,
+                     pmul=(1 - s.lr * s.weight_decay) if variant.decoupled and has_decay else 1.0,
+                     wd=s.weight_decay, l2=int(not variant.decoupled and has_decay), small=int(small), coef=coef,
+                     b2=s.beta2, c2=1 - s.beta2, bc2=bc2_sqrt, eps=s.eps, nss=-step_size)
+
+
+def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
+    step_size, bc2_sqrt = reference.bias_corrections(s, variant)
+    has_decay = s.weight_decay != 0
+    return _UndoArgs(gs=s.grad_scale if s.grad_scale != 1 else 1.0,
+                     pdiv=(1 - s.lr * s.weight_decay) if variant.decoupled and has_decay else 1.0,
+                     wd=s.weight_decay, l2=int(not variant.decoupled and has_decay), bc2=bc2_sqrt, eps=s.eps,
+                     ss=step_size, omb1=1 - s.beta1, b1=s.beta1, omb2=1 - s.beta2, b2=s.beta2)
+
+
+# ------------------------------------------------------------------ checks and launch
+def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor) -> None:
+    for name, t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise LeafError(f"triton.{what}: {name} must be a tensor, got {type(t).__name__}")
+        if t.device != like.device:
+            raise UnsupportedError(f"triton.{what}: {name} is on {t.device}, p on {like.device}")
+        if not t.dtype.is_floating_point:
+            raise LeafError(f"triton.{what}: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.shape != like.shape:
+            raise LeafError(f"triton.{what}: {name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
+    if not supports(like.device, like.dtype, tensors[2][1].dtype):
+        raise UnsupportedError(f"triton.{what}: device {like.device} with param dtype {like.dtype} and state dtype "
+                               f"{tensors[2][1].dtype} is not supported (CUDA, or CPU under TRITON_INTERPRET=1; "
+                               "float32/bfloat16/float16)")
+
+
+def _check_out(what: str, out: Sequence[torch.Tensor] | None, like: torch.Tensor) -> None:
+    if out is None:
+        return
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise LeafError(f"triton.{what}: out must be a tuple (p_out, m_out, v_out)")
+    _check(what, list(zip(("p_out", "m_out", "v_out"), out)), like)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _STORAGE_DTYPES:
+        t = t.to(torch.float32)
+    return t.contiguous().view(-1)
+
+
+def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
+            p_old: torch.Tensor | None, u: _UndoArgs | None, st: _StepArgs | None,
+            out: Sequence[torch.Tensor] | None) -> Triple:
+    """Run the kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed."""
+    targets = []
+    for i, like in enumerate((p, m, v)):
+        o = out[i] if out is not None else None
+        if o is not None and o.dtype == like.dtype and o.is_contiguous():
+            targets.append(o)
+        else:
+            targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
+    n = p.numel()
+    if n:
+        fp, fg, fm, fv = _flat(p), _flat(g), _flat(m), _flat(v)
+        fg2 = _flat(g2) if g2 is not None else fg
+        fpo = _flat(p_old) if p_old is not None else fp
+        u = u or _UndoArgs(1.0, 1.0, 0.0, 0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0)
+        st = st or _StepArgs(1.0, 1.0, 0.0, 0, 1, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0)
+        grid = (triton.cdiv(n, BLOCK),)
+        _adam_kernel[grid](fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets), n, *u, *st,
+                           OP=op, HAS_P_OLD=p_old is not None, ROUND_P=_TL_DTYPES[p.dtype],
+                           ROUND_S=_TL_DTYPES[m.dtype], BLOCK_SIZE=BLOCK)
+    if out is None:
+        return targets[0], targets[1], targets[2]
+    for o, t in zip(out, targets):
+        if o is not t:
+            o.copy_(t)
+    return out[0], out[1], out[2]
+
+
+def _numbers(s: AdamScalars) -> bool:
+    return all(is_number(x) for x in s)
+
+
+# ------------------------------------------------------------------ API
+def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+         variant: AdamVariant, *, out: Triple | None = None) -> Triple:
+    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v``."""
+    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p)
+    _check_out("step", out, p)
+    s = concrete_scalars(s)
+    if not _numbers(s):
+        return reference.step(p, g, m, v, s, variant, out=out)
+    return _launch(_OP_STEP, p, g, m, v, None, None, None, _step_args(s, variant), out)
+
+
+def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+    """Inverse of :func:`step` given the step's gradient and scalars (``p_old``: restore p from it)."""
+    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p)
+    _check_out("undo", out, p)
+    s = concrete_scalars(s)
+    reference._check_invertible(s, variant, p_old is not None)
+    if not _numbers(s):
+        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out)
+    return _launch(_OP_UNDO, p, g, m, v, None, p_old, _undo_args(s, variant), None, out)
+
+
+def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
+              g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
+              p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+    """``step(*undo(p, g_old, m, v, s_old), g_new, s_new)`` in one kernel (one pass over memory)."""
+    _check("undo_redo", [("p", p), ("g_old", g_old), ("m", m), ("v", v), ("g_new", g_new), ("p_old", p_old)], p)
+    _check_out("undo_redo", out, p)
+    s_old = concrete_scalars(s_old)
+    s_new = concrete_scalars(s_new)
+    reference._check_invertible(s_old, variant, p_old is not None)
+    if not (_numbers(s_old) and _numbers(s_new)):
+        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out)
+    return _launch(_OP_UNDO_REDO, p, g_old, m, v, g_new, p_old, _undo_args(s_old, variant),
+                   _step_args(s_new, variant), out)

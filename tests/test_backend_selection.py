@@ -1,0 +1,108 @@
+"""Backend selection: "auto" by device and dtype, explicit names, clear errors, life without triton."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sofx
+from sofx.errors import UnsupportedError
+from sofx.kernels import available_backends, cpu, cpu_fast, load_backend, reference, select_backend
+
+from helpers import max_rel_err
+
+
+def test_auto_picks_cpu_for_cpu_tensors_and_reference_for_the_rest():
+    for pdt, sdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)):
+        assert select_backend("auto", "cpu", pdt, sdt) is cpu
+    assert select_backend("auto", "cpu", torch.float64, torch.float64) is reference
+    assert select_backend("auto", "meta", torch.float32, torch.float32) is reference
+
+
+def test_auto_on_cuda_prefers_triton_when_it_is_installed():
+    want = "triton" if "triton" in available_backends() else "reference"
+    assert select_backend("auto", torch.device("cuda"), torch.float32, torch.float32).NAME == want
+    assert select_backend("auto", "cuda", torch.float64, torch.float64) is reference
+
+
+def test_explicit_names():
+    assert select_backend("reference", "cpu", torch.float64, torch.float64) is reference
+    assert select_backend("cpu", "cpu", torch.bfloat16, torch.bfloat16) is cpu
+    assert select_backend("cpu_fast", "cpu", torch.float32, torch.float32) is cpu_fast
+    assert {"reference", "cpu", "cpu_fast"} <= set(available_backends())
+
+
+def test_clear_errors_for_unsupported_combinations():
+    with pytest.raises(UnsupportedError, match="backend 'cpu' does not support .*float64"):
+        select_backend("cpu", "cpu", torch.float64, torch.float64)
+    with pytest.raises(UnsupportedError, match="does not support device=cuda"):
+        select_backend("cpu", "cuda", torch.float32, torch.float32)
+    with pytest.raises(UnsupportedError, match="unknown backend 'gpu'"):
+        select_backend("gpu", "cpu", torch.float32, torch.float32)
+    if load_backend("triton") is not None:
+        with pytest.raises(UnsupportedError, match="backend 'triton' does not support device=cpu"):
+            select_backend("triton", "cpu", torch.float32, torch.float32)
+
+
+def test_adam_uses_the_selected_backend(rng):
+    params = {"w": torch.randn(300, 7, generator=rng), "b": torch.randn(7, generator=rng).to(torch.bfloat16)}
+    grads = {k: torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in params.items()}
+    results = {}
+    for backend in ("reference", "cpu", "cpu_fast"):
+        opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+        state = opt.init(params)
+        p, state, _ = opt.update(params, grads, state)
+        p, state, _ = opt.update(p, grads, state)
+        results[backend] = p
+    if cpu.bitwise_with_torch():
+        assert all(torch.equal(results["cpu"][k], results["reference"][k]) for k in params)
+    assert max_rel_err(results["cpu_fast"]["w"], results["reference"]["w"]) <= 1e-6
+    assert max_rel_err(results["cpu_fast"]["b"].float(), results["reference"]["b"].float()) <= 1e-2
+
+
+_WITHOUT_TRITON = r"""
+import importlib.abc, sys
+
+class _NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r} (blocked for this test)")
+        return None
+
+sys.meta_path.insert(0, _NoTriton())
+for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+    del sys.modules[name]
+
+import torch
+import sofx
+from sofx.errors import UnsupportedError
+from sofx.kernels import available_backends, select_backend
+
+assert "triton" not in available_backends(), available_backends()
+assert select_backend("auto", "cuda", torch.float32, torch.float32).NAME == "reference"
+assert select_backend("auto", "cpu", torch.float32, torch.float32).NAME == "cpu"
+try:
+    select_backend("triton", "cuda", torch.float32, torch.float32)
+except UnsupportedError as e:
+    assert "not available" in str(e), e
+else:
+    raise AssertionError("selecting triton without triton must fail")
+opt = sofx.adamw(lr=1e-2)
+params = {"w": torch.randn(50, 3)}
+state = opt.init(params)
+new, state, record = opt.update(params, {"w": torch.randn(50, 3)}, state)
+back, _ = opt.undo(new, state, record)
+assert (back["w"] - params["w"]).abs().max() < 1e-6
+assert "triton" not in sys.modules
+print("ok")
+"""
+
+
+def test_the_library_works_without_triton():
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")
