@@ -312,24 +312,34 @@ static UndoK undo_k(const Sc *s, int decoupled) {
   return k;
 }
 
-static inline void step_elem(float *P, float G, float *M, float *V, const StepK *k) {
+/* The step up to the square root: decayed p, m', v' (P, M, V updated in place). */
+static inline void step_pre(float *P, float G, float *M, float *V, const StepK *k) {
   float g = G * k->gs;
   const float p = *P * k->pmul;
   g = k->l2 ? fmaf(p, k->wd, g) : g;
-  const float m = fmaf(k->coef, g - *M, k->small ? *M : g);
-  const float v = fmaf(k->c2 * g, g, *V * k->b2);
-  const float d = sqrtf(v) / k->bc2 + k->eps;
-  *P = p + (k->nss * m) / d;
-  *M = m;
-  *V = v;
+  *M = fmaf(k->coef, g - *M, k->small ? *M : g);
+  *V = fmaf(k->c2 * g, g, *V * k->b2);
+  *P = p;
 }
 
-/* P: the stepped parameter (have_p_old 0) or the snapshot of the old one (have_p_old 1). */
-static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
+/* The parameter update, given D = sqrt(v'). */
+static inline float step_post(float P, float M, float D, const StepK *k) {
+  const float d = D / k->bc2 + k->eps;
+  return P + (k->nss * M) / d;
+}
+
+static inline void step_elem(float *P, float G, float *M, float *V, const StepK *k) {
+  step_pre(P, G, M, V, k);
+  *P = step_post(*P, *M, sqrtf(*V), k);
+}
+
+/* The inverse given D = sqrt(v') (unused with have_p_old). P: the stepped parameter
+   (have_p_old 0) or the snapshot of the old one (have_p_old 1). */
+static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, const UndoK *k, int have_p_old) {
   float g = G * k->gs;
   float p = *P;
   if (!have_p_old) {
-    const float d = sqrtf(*V) / k->bc2 + k->eps;
+    const float d = D / k->bc2 + k->eps;
     p = (p + (*M / d) * k->ss) / k->pdiv;
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
@@ -338,6 +348,10 @@ static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK 
   *P = p;
   *M = m;
   *V = x < 0.0f ? 0.0f : x;
+}
+
+static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
+  undo_elem_d(P, G, M, V, have_p_old ? 0.0f : sqrtf(*V), k, have_p_old);
 }
 
 /* Outputs may be the inputs' own storage, element for element (buffer donation): there is no
@@ -410,39 +424,115 @@ FUSED(2, 0, 0)
 FUSED(2, 0, 1)
 #endif
 
+/* ---------------------------------------------------------------- exact path
+   Bitwise torch: the square roots come from torch's own routine (Sqrt), called on chunks of
+   TILE elements. Per chunk, everything before a square root and everything after it runs as
+   one fused loop from memory to memory (stores of m', v' interleaved with the loads), so only
+   the square-root call and the final parameter loop run without memory traffic. */
+#define EXACT_UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD)                              \
+  IVDEP for (int i = 0; i < n; i++) {                                              \
+    const int64_t e = off + i;                                                     \
+    float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);              \
+    undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD);                 \
+    if (redo) {                                                                    \
+      P = RT_##DP(P);                                                              \
+      M = RT_##DS(M);                                                              \
+      V = RT_##DS(V);                                                              \
+      step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                    \
+      PT[i] = P;                                                                   \
+      MT[i] = M;                                                                   \
+      VT[i] = V;                                                                   \
+    } else {                                                                       \
+      ST_##DP(po, e, P);                                                           \
+    }                                                                              \
+    ST_##DS(mo, e, M);                                                             \
+    ST_##DS(vo, e, V);                                                             \
+  }
+
+#define EXACT(DP, DG, DS)                                                          \
+  static void exact_##DP##DG##DS(const Job *j) {                                   \
+    const void *p = j->p, *g = j->g, *m = j->m, *v = j->v, *g2 = j->g2;            \
+    const void *pold = j->pold;                                                    \
+    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const Sqrt sq = j->sq;                                                         \
+    const int redo = j->op == OP_UNDO_REDO;                                        \
+    const StepK k = step_k(j->op == OP_STEP ? &j->s1 : &j->s2, j->decoupled);      \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    float PT[TILE], MT[TILE], VT[TILE], D[TILE];                                   \
+    for (int64_t off = j->begin; off < j->end; off += TILE) {                      \
+      const int n = (int)((j->end - off) < TILE ? (j->end - off) : TILE);          \
+      if (j->op == OP_STEP) {                                                      \
+        IVDEP for (int i = 0; i < n; i++) {                                        \
+          const int64_t e = off + i;                                               \
+          float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);           \
+          step_pre(&P, LD_##DG(g, e), &M, &V, &k);                                 \
+          ST_##DS(mo, e, M);                                                       \
+          ST_##DS(vo, e, V);                                                       \
+          PT[i] = P;                                                               \
+          MT[i] = M;                                                               \
+          VT[i] = V;                                                               \
+        }                                                                          \
+      } else {                                                                     \
+        if (pold) {                                                                \
+          EXACT_UNDO_LOOP(DP, DG, DS, pold, 1)                                     \
+        } else {                                                                   \
+          for (int i = 0; i < n; i++) VT[i] = LD_##DS(v, off + i);                 \
+          sqrt_tile(D, VT, &sq, n);                                                \
+          EXACT_UNDO_LOOP(DP, DG, DS, p, 0)                                        \
+        }                                                                          \
+        if (!redo) continue;                                                       \
+      }                                                                            \
+      sqrt_tile(D, VT, &sq, n);                                                    \
+      IVDEP for (int i = 0; i < n; i++) ST_##DP(po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
+    }                                                                              \
+  }
+
+EXACT(0, 0, 0)
+EXACT(0, 0, 1)
+EXACT(1, 1, 0)
+EXACT(1, 1, 1)
+EXACT(1, 0, 0)
+EXACT(1, 0, 1)
+#ifdef __FLT16_MAX__
+EXACT(2, 2, 0)
+EXACT(2, 2, 1)
+EXACT(2, 0, 0)
+EXACT(2, 0, 1)
+#endif
+
 typedef void (*fused_fn)(const Job *);
 
-/* The fused loop for this job's dtypes, or 0 (the tiled path handles every combination). */
-static fused_fn fused_for(const Job *j) {
+/* The fused (or exact) loop for this job's dtypes, or 0 (the tiled path handles every combination). */
+static fused_fn fused_for(const Job *j, int exact) {
   if (j->g2 && j->dg2 != j->dg) return 0;
   if (j->pold && j->dpo != j->dp) return 0;
   const int key = j->dp * 100 + j->dg * 10 + j->ds;
   switch (key) {
-    case 0: return fused_000;
-    case 1: return fused_001;
-    case 110: return fused_110;
-    case 111: return fused_111;
-    case 100: return fused_100;
-    case 101: return fused_101;
+    case 0: return exact ? exact_000 : fused_000;
+    case 1: return exact ? exact_001 : fused_001;
+    case 110: return exact ? exact_110 : fused_110;
+    case 111: return exact ? exact_111 : fused_111;
+    case 100: return exact ? exact_100 : fused_100;
+    case 101: return exact ? exact_101 : fused_101;
 #ifdef __FLT16_MAX__
-    case 220: return fused_220;
-    case 221: return fused_221;
-    case 200: return fused_200;
-    case 201: return fused_201;
+    case 220: return exact ? exact_220 : fused_220;
+    case 221: return exact ? exact_221 : fused_221;
+    case 200: return exact ? exact_200 : fused_200;
+    case 201: return exact ? exact_201 : fused_201;
 #endif
     default: return 0;
   }
 }
 
 static void run_range(const Job *j) {
-  if (!j->sq.fn) {
-    fused_fn f = fused_for(j);
-    if (f) {
-      f(j);
-      return;
-    }
+  fused_fn f = fused_for(j, j->sq.fn != 0);
+  if (f) {
+    const int restore = (j->sq.fn && j->sq.local) ? j->sq.local(1) : -1;
+    f(j);
+    if (restore >= 0) j->sq.local(restore);
+  } else {
+    run_tiles(j);
   }
-  run_tiles(j);
 }
 
 static void *run_thread(void *arg) {

@@ -20,12 +20,13 @@ Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
 which is not always correctly rounded. To give the reference's (and
 ``torch.optim``'s) bits, this backend calls that same routine (found in
 ``libtorch_cpu`` and checked against ``torch.sqrt`` on load, see
-:mod:`sofx.kernels._torch_sqrt`) on tiles of 512 elements; the tiles cost
-speed (the memory streams pause while a tile is computed). Where torch's
-square root is IEEE, or MKL's routine cannot be found, the fully fused
-per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast` always
-uses those (as fast as ``torch.optim.AdamW(fused=True)``, within an ulp of
-the reference). :func:`bitwise_with_torch` says whether this backend's
+:mod:`sofx.kernels._torch_sqrt`) on chunks of 512 elements: everything before
+and after a square root runs as one fused loop per chunk, only the
+square-root call and the final parameter loop run without memory traffic.
+Where torch's square root is IEEE, or MKL's routine cannot be found, the fully
+fused per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast`
+always uses those (as fast as ``torch.optim.AdamW(fused=True)``, within an ulp
+of the reference). :func:`bitwise_with_torch` says whether this backend's
 results are the reference's bit for bit on this machine. ``out`` may be the
 inputs' own tensors (donation): the update is then in place and allocates
 nothing. Any shape works (the tensors are treated as flat); non-contiguous
