@@ -152,6 +152,8 @@ def test_missing_file_and_directory(tmp_path):
         ck.save(tmp_path / "no" / "dir.ckpt", {"x": torch.zeros(1)})
     with pytest.raises(ck.CheckpointError, match="is a directory"):
         ck.load(tmp_path)
+    with pytest.raises(ck.CheckpointError, match="is a directory"):
+        ck.save(tmp_path, {"x": torch.zeros(1)})
 
 
 def test_truncated_file(tmp_path, rng):

@@ -66,6 +66,8 @@ TRAINING = textwrap.dedent('''
 
 
     def train(name, run, steps):
+        if name == SERIAL:
+            return train_serial(run, steps)
         opt = CONFIGS[name][0]()
         params, state, step = run["params"], run["state"], run["step"]
         for _ in range(steps):
@@ -73,6 +75,42 @@ TRAINING = textwrap.dedent('''
                                           donate=True)
             step += 1
         return {"params": params, "state": state, "step": step}
+
+
+    # The functional loop with fp16-style dynamic loss scaling (sofx.serial): GradScaler's rule with a growth
+    # window of 3 clean steps; some gradients overflow. Its whole state is one sofx.serial.LoopState.
+    SERIAL = "serial_loop_loss_scaler"
+    CONFIGS[SERIAL] = (lambda: sofx.adamw(lr=1e-2, weight_decay=0.01), torch.float32, None)
+    OVERFLOW_STEPS = (2,)  # calls 0-1 clean, 2 overflows, 3-4 clean: the checkpoint after 5 is mid-window
+
+
+    def init_serial():
+        from sofx.loss_scale import grad_scaler
+        from sofx.serial import init_loop
+
+        params = init(SERIAL)["params"]
+        return {"loop": init_loop(CONFIGS[SERIAL][0](), params, grad_scaler(init_scale=2.0 ** 10,
+                                                                               growth_interval=3)), "calls": 0}
+
+
+    def train_serial(run, steps):
+        from sofx.loss_scale import grad_scaler
+        from sofx.serial import serial_loop_step
+
+        opt, scaler = CONFIGS[SERIAL][0](), grad_scaler(init_scale=2.0 ** 10, growth_interval=3)
+        loop, calls = run["loop"], run["calls"]
+        for _ in range(steps):
+            scale = scaler.scale(loop.scaler_state)
+            grads = sofx.tree.tree_map(lambda g: g * scale, grads_of(loop.params, calls))  # None stays None
+            if calls in OVERFLOW_STEPS:
+                grads["enc"]["w"][0, 0] = float("inf")
+            loop, _ = serial_loop_step(opt, loop, grads, scaler=scaler, max_norm=5.0,
+                                       hparams=lambda step: sofx.AdamHParams(lr=1e-2 * 0.97 ** step))
+            calls += 1
+        return {"loop": loop, "calls": calls}
+
+
+    grads_of = grads
 ''')
 
 CHILD = textwrap.dedent('''
@@ -82,7 +120,7 @@ CHILD = textwrap.dedent('''
     import training
     for name, src, dst, steps in zip(*[iter(sys.argv[2:])] * 4):
         run = ck.load(src)  # no template: sofx's own NamedTuples are known
-        assert type(run["state"]).__name__ == "AdamState"
+        assert type(run.get("state", run.get("loop"))).__name__ in ("AdamState", "LoopState")
         ck.save(dst, training.train(name, run, int(steps)))
     print("resumed ok")
 ''')
@@ -125,8 +163,9 @@ def test_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path):
     args = []
     expected = {}
     for name in training.CONFIGS:
-        expected[name] = training.train(name, training.init(name), n + m)
-        first = training.train(name, training.init(name), n)
+        start = training.init_serial if name == training.SERIAL else training.init
+        expected[name] = training.train(name, start(name) if start is training.init else start(), n + m)
+        first = training.train(name, start(name) if start is training.init else start(), n)
         src, dst = tmp_path / f"{name}.n.ckpt", tmp_path / f"{name}.nm.ckpt"
         ck.save(src, first)
         args += [name, str(src), str(dst), str(m)]
@@ -134,9 +173,16 @@ def test_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed ok" in proc.stdout
+    serial = ck.load(tmp_path / f"{training.SERIAL}.n.ckpt")["loop"]  # no template: sofx's types are known
+    assert type(serial).__name__ == "LoopState" and type(serial.scaler_state).__name__ == "GradScalerState"
+    assert serial.scaler_state == type(serial.scaler_state)(512.0, 2) and serial.step == n - 1  # mid-window
     for name in training.CONFIGS:
         resumed = ck.load(tmp_path / f"{name}.nm.ckpt", like=expected[name])
         _assert_bitwise(resumed, expected[name])
+        if name == training.SERIAL:
+            assert resumed["calls"] == n + m and resumed["loop"].step == n + m - 1  # the overflow was skipped
+            assert resumed["loop"].scaler_state.scale == 4 * serial.scaler_state.scale  # grew twice after resume
+            continue
         assert resumed["step"] == n + m
         if name == "bf16_master_fp32_moments":  # dtypes survive: bf16 master, fp32 moments
             assert resumed["params"]["enc"]["w"].dtype == torch.bfloat16
