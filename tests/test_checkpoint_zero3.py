@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3 optimizer layout: file names, nesting, flat blocks, partitioning, round trips, DeepSpeed reading it."""
+"""DeepSpeed ZeRO-3 optimizer layout: file names, nesting, flat blocks, partitioning, round trips, and DeepSpeed
+itself reading and writing it."""
 
 from __future__ import annotations
 

@@ -180,7 +180,8 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
                                          for i in g.leaves)
         states = {"module": module, "buffer_names": [], "param_shapes": shapes,
                   "frozen_param_shapes": collections.OrderedDict(),
-                  "frozen_param_fragments": collections.OrderedDict(), "shared_params": {}, "optimizer": None, "lr_scheduler": None,
+                  "frozen_param_fragments": collections.OrderedDict(), "shared_params": {}, "optimizer": None,
+                  "lr_scheduler": None,
                   "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": [],
                   "skipped_steps": 0, "global_steps": global_steps, "global_samples": 0,
                   "dp_world_size": dp_world_size, "mp_world_size": 1, "ds_version": "sofx"}
