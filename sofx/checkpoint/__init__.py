@@ -15,9 +15,20 @@ and metadata as JSON in its header. Every dtype and bit comes back as saved
 no name from a file is ever imported. Saves are atomic: an interrupted save
 leaves the previous checkpoint intact.
 
+The offload optimizer's complete state (fp32 master blocks, moments, counts,
+loss-scaler and policy state, param groups with their schedule position) is
+its ``state_dict()``, a plain tree::
+
+    sofx.checkpoint.save("run.ckpt", {"opt": opt.state_dict(), "sched": sched.state_dict()})
+    ckpt = sofx.checkpoint.load("run.ckpt")
+    opt.load_state_dict(ckpt["opt"]); sched.load_state_dict(ckpt["sched"])
+
 Interop: :func:`to_torch_optim` / :func:`from_torch_optim` convert to and
 from ``torch.optim.Adam``/``AdamW`` state dicts; :func:`save_zero3` /
-:func:`load_zero3` write and read the DeepSpeed ZeRO-3 optimizer layout.
+:func:`load_zero3` write and read the DeepSpeed ZeRO-3 optimizer layout
+(DeepSpeed's engine and ``zero_to_fp32`` read sofx's export, sofx reads
+DeepSpeed's). The parameter numbering both need is explicit: see
+:mod:`sofx.checkpoint.groups`.
 """
 
 from __future__ import annotations
