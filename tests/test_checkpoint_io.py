@@ -91,6 +91,16 @@ def test_nan_payloads_and_negative_zero_kept_bitwise(tmp_path):
     assert torch.equal(back["h"].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
+def test_module_state_dict_with_its_metadata(tmp_path, rng):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    sd = model.state_dict()
+    back = ck.load(ck.save(tmp_path / "m.ckpt", sd))
+    assert type(back) is collections.OrderedDict and list(back) == list(sd)
+    assert back._metadata == sd._metadata and back["1.num_batches_tracked"].dtype == torch.int64
+    model.load_state_dict(back)
+    assert ck.load(tmp_path / "m.ckpt", like=sd)._metadata == sd._metadata
+
+
 def test_requires_grad_and_parameters(tmp_path):
     p = torch.nn.Parameter(torch.randn(3))
     back = ck.load(ck.save(tmp_path / "p.ckpt", [p, torch.randn(2)]))

@@ -10,6 +10,7 @@ is a small dict whose ``"k"`` says what it is::
     {"k": "str", "v": "..."} | {"k": "dtype", "v": "bfloat16"}
     {"k": "list" | "tuple", "items": [...]}
     {"k": "dict" | "odict", "keys": [["s", "name"], ["i", 3]], "items": [...]}
+        (an OrderedDict's ``_metadata`` dict, as ``nn.Module.state_dict()`` sets it, under "metadata")
     {"k": "namedtuple", "type": "sofx.adam.AdamState", "fields": [...], "items": [...]}
 
 Tensors are named by their leaf path (``tree['params']['w']``), which is
@@ -115,7 +116,11 @@ def _encode(x: Any, path: str, out: EncodedTree) -> dict:
                                       "keys must be str or int")
             keys.append(["s", key] if type(key) is str else ["i", key])
             items.append(_encode(value, f"{path}[{key!r}]", out))
-        return {"k": "dict" if type(x) is dict else "odict", "keys": keys, "items": items}
+        node = {"k": "dict" if type(x) is dict else "odict", "keys": keys, "items": items}
+        meta = getattr(x, "_metadata", None)  # nn.Module.state_dict()'s per-module versions
+        if type(x) is collections.OrderedDict and isinstance(meta, dict):
+            node["metadata"] = _encode(meta, f"{path}._metadata", out)
+        return node
     raise CheckpointError(f"{path}: a {type(x).__module__}.{type(x).__qualname__} cannot be stored in a checkpoint; "
                           "expected tensors, None, bool/int/float/str, torch.dtype, and lists, tuples, dicts "
                           "(str or int keys) and NamedTuples of these")
@@ -309,7 +314,15 @@ def _decode_dict(node: dict, kind: str, items: list, like: Any, has_like: bool, 
         order = list(like.keys())
     values = [(k, _decode(saved[k], like[k] if has_like else _NO_LIKE, f"{path}[{k!r}]", load_tensor, types))
               for k in order]
-    return dict(values) if kind == "dict" else collections.OrderedDict(values)
+    if kind == "dict":
+        return dict(values)
+    out = collections.OrderedDict(values)
+    if "metadata" in node:
+        meta = _decode(node["metadata"], _NO_LIKE, f"{path}._metadata", load_tensor, types)
+        if not isinstance(meta, dict):
+            raise _corrupt(path, "the OrderedDict's _metadata is not a dict")
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
 
 
 def _decode_namedtuple(node: dict, items: list, like: Any, has_like: bool, path: str,
