@@ -13,6 +13,7 @@ from sofx.kernels.base import AdamScalars, AdamVariant
 from sofx.undo_record import LeafUndo, UndoRecord
 from sofx import loss_scale, schedules, serial, speculate, transforms
 from sofx.speculate import SpeculationConfig
+from sofx import offload
 from sofx.step_report import StepReport
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "schedules",
     "serial",
     "speculate",
+    "offload",
     "transforms",
     "SpeculationConfig",
     "StepReport",
