@@ -74,6 +74,71 @@ def test_bf16_model_with_fp32_master_equals_torch_on_fp32_copy() -> None:
         assert report.committed > 0
 
 
+def test_fp16_model_with_dynamic_loss_scale_equals_grad_scaler_on_fp32_copy() -> None:
+    """fp16 model, fp32 masters, GradScaler semantics: scaled fp16 gradients, injected inf -> skip + backoff."""
+    torch.manual_seed(0)
+    model = SharedMLP().half()
+    ref = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]
+    ref_train = [r for r in ref if r.requires_grad]
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=3e-3, max_grad_norm=3.0, executor="thread",
+                                        block_numel=100, loss_scale=grad_scaler(init_scale=2.0 ** 8,
+                                                                                growth_interval=3))
+    ropt = torch.optim.AdamW(ref, lr=3e-3, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3)
+    gen = torch.Generator().manual_seed(1)
+    params = list(model.parameters())
+    scales, skipped = set(), 0
+    with opt:
+        for step in range(20):
+            x, y = mlp_batch(gen)
+            loss = mlp_loss(model, (x.half(), y.half())).float()
+            assert opt.loss_scale == scaler.get_scale()
+            scaled = opt.scale_loss(loss)
+            assert torch.equal(scaled, scaler.scale(loss))
+            grads = torch.autograd.grad(scaled, _trainable(model), retain_graph=True)
+            if step % 6 == 4:  # an fp16 overflow
+                grads = list(grads)
+                grads[1] = grads[1].clone()
+                grads[1].view(-1)[0] = float("inf")
+                handle = _trainable(model)[1].register_hook(lambda g: grads[1])
+            else:
+                handle = None
+            scaled.backward()
+            if handle is not None:
+                handle.remove()
+            report = opt.step()
+            for r, g in zip(ref_train, grads):
+                r.grad = g.float()
+            scaler.unscale_(ropt)
+            torch.nn.utils.clip_grad_norm_(ref_train, 3.0)
+            scaler.step(ropt)
+            scaler.update()
+            scales.add(report.scale)
+            skipped += report.skipped
+            assert report.next_scale == scaler.get_scale()
+            for p, r in zip(params, ref):
+                master = opt.state[p]["master"]
+                assert (master - r.detach()).abs().max() <= TOL * max(r.abs().max().item(), 1e-3)
+                assert torch.equal(p.detach(), master.half())
+    assert skipped == 3 and len(scales) >= 2  # grows after 3 clean steps, backs off on overflow
+
+
+def test_deepspeed_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
+    from sofx.loss_scale import MinLossScaleError
+
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=100, profile="deepspeed",
+                                       loss_scale=deepspeed_scaler(init_scale=1.0, hysteresis=1)) as opt:
+        before = [p.detach().clone() for p in model.parameters()]
+        handle = model.inp.weight.register_hook(lambda g: g * float("inf"))
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        handle.remove()
+        with pytest.raises(MinLossScaleError, match="minimum"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
+
+
 # ---------------------------------------------------------------- partial offload
 def test_device_blocks_equal_the_all_cpu_run() -> None:
     cpu = run_side_by_side("transformer", "thread", steps=25)
@@ -224,7 +289,7 @@ def test_one_cycle_lr_with_cycle_momentum() -> None:
     with opt:
         for _ in range(20):
             batch = mlp_batch(gen)
-            opt.backward(mlp_loss(model, batch))
+            mlp_loss(model, batch).backward()  # plain backward works (no loss scaling)
             mlp_loss(ref, batch).backward()
             opt.step()
             torch.nn.utils.clip_grad_norm_(_trainable(ref), 2.0)

@@ -29,6 +29,7 @@ shared-memory tensors; falls back to ``"thread"`` with a warning when
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Sequence
@@ -142,6 +143,7 @@ class OffloadEngine:
         self._seq = itertools.count()
         self._failed: BaseException | None = None
         self._closed = False
+        self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
 
         state_dtype = getattr(torch, adam.state_dtype)
         cpu_layouts = [b for b in self.layouts if not b.on_device]
@@ -236,15 +238,16 @@ class OffloadEngine:
 
     # ------------------------------------------------------------ backward
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        """The post-accumulate-grad hook of parameter ``index``."""
+        """The post-accumulate-grad hook of parameter ``index`` (autograd may call it from a device thread)."""
         if self._failed is not None or self._closed:
             return  # the gradient stays in param.grad; step() raises the failure
-        grad = param.grad
-        if grad is None:
-            return
-        self._take_gradient(index, grad, during_backward=True)
-        param.grad = None
-        self._poll()
+        with self._hook_lock:
+            grad = param.grad
+            if grad is None:
+                return
+            self._take_gradient(index, grad, during_backward=True)
+            param.grad = None
+            self._poll()
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool) -> None:
         arrival = self.tracker.arrive(index)
