@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -97,6 +98,39 @@ def time_optimizer(model: nn.Module, make_opt: Callable[[nn.Module], sofx.offloa
             "executor": executor, **{k: v / steps for k, v in counts.items()}}
 
 
+def parallelism_probe(repeats: int = 2) -> float:
+    """How much two threads of plain torch work overlap here: ``time(both) / max(time(each))``.
+
+    1.0 means two free cores; about 2.0 means the machine gives this process one core (other
+    load). The overlap the optimizer can reach is bounded by this number.
+    """
+    a = torch.randn(384, 384)
+    p, g = torch.randn(1 << 21), torch.randn(1 << 21)
+
+    def main_work() -> None:
+        for _ in range(30):
+            a @ a
+
+    def side_work() -> None:
+        for _ in range(30):
+            p.mul_(0.999).add_(g, alpha=1e-3)
+
+    ratios = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        main_work()
+        t1 = time.perf_counter()
+        side_work()
+        t2 = time.perf_counter()
+        thread = threading.Thread(target=side_work)
+        thread.start()
+        main_work()
+        thread.join()
+        t3 = time.perf_counter()
+        ratios.append((t3 - t2) / max(t1 - t0, t2 - t1))
+    return min(ratios)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=1024)
@@ -127,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# overlap benchmark: MLP {args.depth}x{args.width} ({n_params / 1e6:.2f} M params), batch {args.batch}, "
           f"{args.steps} timed steps (median), torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"1 torch thread per side")
+    probe = parallelism_probe()
+    print(f"parallelism probe (two threads of plain torch work, time(both)/max(each); 1.0 = two free cores): "
+          f"{probe:.2f}; load average {os.getloadavg()[0]:.1f}")
     print(f"forward {plain['forward']:.1f} ms (excluded), plain backward {plain['backward']:.1f} ms")
     print()
     print("| executor | backward ms | optimizer ms | serial ms | speculative ms | spec / max | spec / sum | "

@@ -25,7 +25,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 )
 
 import sofx.offload
-from sofx.errors import HParamError, LeafError, StructureError, UnsupportedError
+from sofx.errors import HParamError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler
 
 TOL = 1e-6

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import threading
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any, Callable, Sequence
 
 import torch
@@ -44,7 +44,6 @@ from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.blocks import (
-    TENSOR_NAMES,
     BlockLayout,
     BlockTensors,
     allocate_block_tensors,
@@ -52,10 +51,12 @@ from sofx.offload.blocks import (
     check_params,
     plan_blocks,
 )
+from sofx.offload.engine_state import STATE_FORMAT, engine_state_dict, load_engine_state
 from sofx.offload.executor import Executor, ExecutorError, raise_failures
 from sofx.offload.grad_hooks import GradHooks
 from sofx.offload.inline_executor import InlineExecutor
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR, SharedMemoryArena, shm_budget
+from sofx.offload.step_events import EngineStepReport
 from sofx.offload.thread_executor import ThreadExecutor
 from sofx.speculate import (
     BackwardTally,
@@ -73,38 +74,8 @@ from sofx.speculate import (
 __all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
 
 EXECUTORS = ("inline", "thread", "process")
-STATE_FORMAT = "sofx.offload/1"
 
 HParamsFn = Callable[[], Sequence[AdamHParams]]
-
-
-@dataclass(frozen=True)
-class EngineStepReport(StepReport):
-    """:class:`sofx.speculate.StepReport` plus what the engine saw.
-
-    ``events``: ``(what, block)`` in the order the main thread observed them
-    (``block = -1`` for step-wide events): ``"ready"`` (a block's gradient was
-    final during backward), ``"speculate"`` (its speculative step was
-    submitted), ``"speculated"`` (the executor reported it done),
-    ``"late_gradient"``, ``"step_called"``, then the validation actions
-    (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``) and ``"done"``.
-    ``executor``: the executor that ran the CPU blocks; ``iteration``: the
-    1-based number of ``step()`` calls.
-    """
-
-    events: tuple[tuple[str, int], ...] = ()
-    executor: str = ""
-    iteration: int = 0
-
-    def speculated_before_step(self) -> list[int]:
-        """Blocks whose speculative step was done before ``step()`` was called."""
-        out = []
-        for what, block in self.events:
-            if what == "step_called":
-                break
-            if what == "speculated":
-                out.append(block)
-        return out
 
 
 class OffloadEngine:
@@ -423,12 +394,12 @@ class OffloadEngine:
     def state_dict(self) -> dict[str, Any]:
         """The engine's complete state: a plain pytree of tensors and JSON-able values.
 
-        ``blocks[i]`` holds block ``i``'s ``master`` (fp32), ``exp_avg``,
-        ``exp_avg_sq`` and per-parameter ``counts`` (the live tensors, not
-        copies: snapshot them before the next step if you keep them);
-        ``layouts`` say which parameters each block holds. Must be called
-        between steps. After an executor failure it still returns what is in
-        memory (the shared tensors survive a dead worker), marked
+        See :mod:`sofx.offload.engine_state`. ``blocks[i]`` holds block
+        ``i``'s ``master`` (fp32), ``exp_avg``, ``exp_avg_sq`` and
+        per-parameter ``counts`` (the live tensors, not copies: snapshot them
+        before the next step if you keep them). Must be called between
+        steps. After an executor failure it still returns what is in memory
+        (the shared tensors survive a dead worker), marked
         ``"complete": False``: blocks of the failed step may be partly stepped.
         """
         if self._closed:
@@ -439,59 +410,14 @@ class OffloadEngine:
             if any(self._speculated):
                 raise SofxError("state_dict() was called between backward and step(): blocks hold speculative "
                                 "steps that are not validated yet; call it after step()")
-        return {
-            "format": STATE_FORMAT,
-            "complete": complete,
-            "layouts": [layout.to_json() for layout in self.layouts],
-            "blocks": [{name: getattr(self.tensors[layout.index], name) for name in TENSOR_NAMES if name != "grad"}
-                       for layout in self.layouts],
-            "scaler_state": {"type": type(self.scaler_state).__name__, **_jsonable(self.scaler_state._asdict())},
-            "policy_state": _jsonable(self.policy_state._asdict()),
-            "iteration": self.iteration,
-            "adam": self.adam_config.to_json(),
-        }
+        return engine_state_dict(self, complete)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (checked first: nothing changes on a mismatch);
         the masters are copied into the model's parameters."""
         self._check_usable()
         self.wait()
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise StructureError(f"not an offload engine state (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, expected {STATE_FORMAT!r})")
-        if not state.get("complete", True):
-            raise StructureError("this state was taken after an executor failure in the middle of a step "
-                                 "(\"complete\": False): some blocks may be partly stepped; load a checkpoint "
-                                 "saved between steps")
-        layouts = [BlockLayout.from_json(d) for d in state["layouts"]]
-        if [(b.numels, b.group) for b in layouts] != [(b.numels, b.group) for b in self.layouts]:
-            raise StructureError("the saved blocks do not match this optimizer's blocks (block_numel, parameter "
-                                 "sizes or param groups differ): saved "
-                                 f"{[list(b.numels) for b in layouts]}, here {[list(b.numels) for b in self.layouts]}")
-        blocks = state["blocks"]
-        for layout, saved in zip(self.layouts, blocks):
-            t = self.tensors[layout.index]
-            for name in ("master", "exp_avg", "exp_avg_sq", "counts"):
-                x, have = saved.get(name), getattr(t, name)
-                if not isinstance(x, torch.Tensor) or x.shape != have.shape or x.dtype != have.dtype:
-                    desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise StructureError(f"blocks[{layout.index}][{name!r}]: expected shape {tuple(have.shape)} "
-                                         f"dtype {have.dtype}, got {desc}")
-        scaler_fields = dict(state["scaler_state"])
-        kind = scaler_fields.pop("type")
-        if kind != type(self.scaler_state).__name__:
-            raise StructureError(f"the saved loss-scaler state is a {kind}, this optimizer's is a "
-                                 f"{type(self.scaler_state).__name__}")
-        scaler_state = type(self.scaler_state)(**scaler_fields)
-        pol = dict(state["policy_state"])
-        pol["recent"] = tuple(pol.get("recent", ()))
-        policy_state = PolicyState(**pol)
-        with torch.no_grad():
-            for layout, saved in zip(self.layouts, blocks):
-                t = self.tensors[layout.index]
-                for name in ("master", "exp_avg", "exp_avg_sq", "counts"):
-                    getattr(t, name).copy_(saved[name])
-        self.scaler_state, self.policy_state = scaler_state, policy_state
-        self.iteration = int(state.get("iteration", 0))
+        load_engine_state(self, state)
         self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
         self._reset_step()
 
@@ -521,12 +447,3 @@ class OffloadEngine:
             self.close()
         except Exception:
             pass
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, tuple):
-            v = list(v)
-        out[k] = v
-    return out

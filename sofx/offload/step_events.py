@@ -1,0 +1,38 @@
+"""What :meth:`OffloadEngine.step` returns: the speculation report plus the engine's event log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sofx.speculate import StepReport
+
+__all__ = ["EngineStepReport"]
+
+
+@dataclass(frozen=True)
+class EngineStepReport(StepReport):
+    """:class:`sofx.speculate.StepReport` plus what the engine saw.
+
+    ``events``: ``(what, block)`` in the order the main thread observed them
+    (``block = -1`` for step-wide events): ``"ready"`` (a block's gradient was
+    final during backward), ``"speculate"`` (its speculative step was
+    submitted), ``"speculated"`` (the executor reported it done),
+    ``"late_gradient"``, ``"step_called"``, then the validation actions
+    (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``) and ``"done"``.
+    ``executor``: the executor that ran the CPU blocks; ``iteration``: the
+    1-based number of ``step()`` calls.
+    """
+
+    events: tuple[tuple[str, int], ...] = ()
+    executor: str = ""
+    iteration: int = 0
+
+    def speculated_before_step(self) -> list[int]:
+        """Blocks whose speculative step was done before ``step()`` was called."""
+        out = []
+        for what, block in self.events:
+            if what == "step_called":
+                break
+            if what == "speculated":
+                out.append(block)
+        return out
