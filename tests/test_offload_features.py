@@ -436,3 +436,18 @@ def test_close_and_context_manager_stop_the_worker_thread() -> None:
     opt.close()  # idempotent
     with pytest.raises(Exception, match="closed"):
         opt.step()
+
+
+def test_a_dropped_optimizer_stops_its_worker_and_leaves_the_model_alone() -> None:
+    import gc
+
+    model, _ = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    thread = opt.engine.executor._thread
+    del opt, sched
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))).backward()
+    assert model.inp.weight.grad is not None, "no hook of the dropped optimizer takes the gradient"

@@ -13,6 +13,8 @@ unfrozen; it is called at the start of every step.
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -27,7 +29,7 @@ class GradHooks:
 
     def __init__(self, params: Sequence[torch.Tensor], callback: Callback) -> None:
         self.params = list(params)
-        self.callback = callback
+        self.callback = callback  # a bound method is held weakly by the hooks
         self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.refresh()
 
@@ -38,10 +40,14 @@ class GradHooks:
                 self.handles[i] = p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        callback = self.callback
+        # The parameters outlive the optimizer: hold a bound-method callback weakly, so that the hooks
+        # do not keep a discarded optimizer (and its worker) alive.
+        ref = weakref.WeakMethod(self.callback) if inspect.ismethod(self.callback) else (lambda cb=self.callback: cb)
 
         def hook(param: torch.Tensor) -> None:
-            callback(index, param)
+            callback = ref()
+            if callback is not None:
+                callback(index, param)
 
         return hook
 
