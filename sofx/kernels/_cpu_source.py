@@ -368,11 +368,11 @@ static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK 
 #define RT_1(x) bf16_to_f32(f32_to_bf16(x))
 #define RT_2(x) ((float)(_Float16)(x))
 
-#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD)                                   \
+#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                             \
   IVDEP for (int64_t i = begin; i < end; i++) {                                    \
     float P = LD_##DP(PSRC, i), M = LD_##DS(m, i), V = LD_##DS(v, i);              \
     undo_elem(&P, LD_##DG(g, i), &M, &V, &u, HAVE_P_OLD);                           \
-    if (redo) {                                                                    \
+    if (REDO) {                                                                    \
       P = RT_##DP(P);                                                              \
       M = RT_##DS(M);                                                              \
       V = RT_##DS(V);                                                              \
@@ -404,10 +404,14 @@ static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK 
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const int redo = j->op == OP_UNDO_REDO;                                        \
-    if (pold) {                                                                    \
-      UNDO_LOOP(DP, DG, DS, pold, 1)                                               \
+    if (pold && redo) {                                                            \
+      UNDO_LOOP(DP, DG, DS, pold, 1, 1)                                            \
+    } else if (pold) {                                                             \
+      UNDO_LOOP(DP, DG, DS, pold, 1, 0)                                            \
+    } else if (redo) {                                                             \
+      UNDO_LOOP(DP, DG, DS, p, 0, 1)                                               \
     } else {                                                                       \
-      UNDO_LOOP(DP, DG, DS, p, 0)                                                  \
+      UNDO_LOOP(DP, DG, DS, p, 0, 0)                                               \
     }                                                                              \
   }
 
@@ -429,12 +433,12 @@ FUSED(2, 0, 1)
    TILE elements. Per chunk, everything before a square root and everything after it runs as
    one fused loop from memory to memory (stores of m', v' interleaved with the loads), so only
    the square-root call and the final parameter loop run without memory traffic. */
-#define EXACT_UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD)                              \
+#define EXACT_UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                        \
   IVDEP for (int i = 0; i < n; i++) {                                              \
     const int64_t e = off + i;                                                     \
     float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);              \
     undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD);                 \
-    if (redo) {                                                                    \
+    if (REDO) {                                                                    \
       P = RT_##DP(P);                                                              \
       M = RT_##DS(M);                                                              \
       V = RT_##DS(V);                                                              \
@@ -474,11 +478,19 @@ FUSED(2, 0, 1)
         }                                                                          \
       } else {                                                                     \
         if (pold) {                                                                \
-          EXACT_UNDO_LOOP(DP, DG, DS, pold, 1)                                     \
+          if (redo) {                                                              \
+            EXACT_UNDO_LOOP(DP, DG, DS, pold, 1, 1)                                \
+          } else {                                                                 \
+            EXACT_UNDO_LOOP(DP, DG, DS, pold, 1, 0)                                \
+          }                                                                        \
         } else {                                                                   \
           for (int i = 0; i < n; i++) VT[i] = LD_##DS(v, off + i);                 \
           sqrt_tile(D, VT, &sq, n);                                                \
-          EXACT_UNDO_LOOP(DP, DG, DS, p, 0)                                        \
+          if (redo) {                                                              \
+            EXACT_UNDO_LOOP(DP, DG, DS, p, 0, 1)                                   \
+          } else {                                                                 \
+            EXACT_UNDO_LOOP(DP, DG, DS, p, 0, 0)                                   \
+          }                                                                        \
         }                                                                          \
         if (!redo) continue;                                                       \
       }                                                                            \
