@@ -1,0 +1,186 @@
+"""CPU Adam kernel benchmark: sofx step / undo / undo+redo against torch.optim and memory bandwidth.
+
+    .venv/bin/python benchmarks/kernels.py            # 2^26 flat + GPT-2-small shapes, fp32 and bf16
+    .venv/bin/python benchmarks/kernels.py --quick    # small sizes, seconds
+
+For each tensor set (one flat tensor of 2^26 elements, the 148 tensors of
+GPT-2 small) and storage configuration (fp32; bf16 params + fp32 states; all
+bf16) it prints, per operation: median milliseconds, the effective bandwidth
+of the bytes the operation must move (step and undo read p, g, m, v and write
+p, m, v; fused undo+redo also reads the second gradient; undo then step moves
+twice a step's bytes), that bandwidth as a fraction of the machine's memory
+bandwidth measured right after each repetition (``xBW``, see
+``_bandwidth.py``), and the speed relative to ``torch.optim.AdamW(fused=True)``
+on the same tensors (``xfused``: > 1 is faster). ``undo+redo/step`` is the
+fused undo+redo's time over sofx's own step time.
+
+All sofx operations are in place (donated buffers), as the offload engine
+runs them. torch's fused AdamW keeps states in the parameter dtype, so its
+bf16 anchor is all-bf16. DeepSpeed's ``DeepSpeedCPUAdam`` is measured when the
+``deepspeed`` package imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _bandwidth import PairedBandwidth, Timing, time_paired  # noqa: E402
+
+from sofx.kernels import cpu, cpu_fast  # noqa: E402
+from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
+
+VARIANT = AdamVariant(decoupled=True, bias_correction=True)
+S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
+S2 = S1._replace(lr=9e-4, grad_scale=0.5)
+
+
+def gpt2_small_shapes(vocab: int = 50257, d: int = 768, layers: int = 12, ctx: int = 1024) -> list[tuple]:
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def make(shapes: list[tuple], pdt: torch.dtype, sdt: torch.dtype, gen: torch.Generator):
+    ps = [torch.randn(s, generator=gen).to(pdt) for s in shapes]
+    gs = [torch.randn(s, generator=gen).to(pdt) for s in shapes]
+    g2s = [torch.randn(s, generator=gen).to(pdt) for s in shapes]
+    ms = [(0.1 * torch.randn(s, generator=gen)).to(sdt) for s in shapes]
+    vs = [(0.01 * torch.rand(s, generator=gen) + 1e-4).to(sdt) for s in shapes]
+    return ps, gs, g2s, ms, vs
+
+
+def sofx_ops(backend, ps, gs, g2s, ms, vs) -> dict[str, Callable[[], None]]:
+    """In-place (donated) calls over every tensor of the set (an undo is followed by an untimed step)."""
+
+    def step():
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            backend.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
+
+    def undo():
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            backend.undo(p, g, m, v, S1, VARIANT, out=(p, m, v))
+
+    def undo_redo():
+        for p, g, g2, m, v in zip(ps, gs, g2s, ms, vs):
+            backend.undo_redo(p, m, v, g, S1, g, S1, VARIANT, out=(p, m, v))
+
+    def undo_then_step():
+        undo()
+        step()
+
+    return {"step": step, "undo": (undo, step), "undo+redo (fused)": undo_redo, "undo, then step": undo_then_step}
+
+
+def torch_ops(ps, gs) -> dict[str, Callable[[], None]]:
+    ops = {}
+    for kind in ("fused", "foreach"):
+        params = [torch.nn.Parameter(p.clone()) for p in ps]
+        for p, g in zip(params, gs):
+            p.grad = g
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **{kind: True})
+        ops[f"torch AdamW {kind}"] = opt.step
+    return ops
+
+
+def deepspeed_ops(ps, gs, ms, vs) -> tuple[dict[str, Callable[[], None]], str]:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+    except Exception as e:  # not installed, or its CPU op does not build
+        return {}, f"DeepSpeed CPUAdam: skipped ({type(e).__name__}: {str(e)[:80]})"
+    params = [torch.nn.Parameter(p.float().clone()) for p in ps]
+    for p, g in zip(params, gs):
+        p.grad = g.float()
+    opt = DeepSpeedCPUAdam(params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+    if len(params) != 1 or not hasattr(opt, "rollback_subgroup"):
+        return {"DeepSpeed CPUAdam step": opt.step}, "DeepSpeed rollback: measured on the flat tensor only"
+    # ZeRO-style: one flat tensor per sub-group; rollback_subgroup undoes the last step_subgroup
+    step = lambda: opt.step_subgroup(0)  # noqa: E731
+    return {"DeepSpeed CPUAdam step": step, "DeepSpeed CPUAdam rollback": (lambda: opt.rollback_subgroup(0), step)}, ""
+
+
+def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, with_torch: bool) -> list[str]:
+    ps, gs, g2s, ms, vs = make(shapes, pdt, sdt, gen)
+    n = sum(p.numel() for p in ps)
+    pb, sb = torch.finfo(pdt).bits // 8, torch.finfo(sdt).bits // 8
+    step_bytes = n * (2 * pb + pb + 4 * sb)  # read p, g, m, v; write p, m, v
+    nbytes = {"step": step_bytes, "undo": step_bytes, "undo+redo (fused)": step_bytes + n * pb,
+              "undo, then step": 2 * step_bytes}
+    rows: list[tuple[str, Timing]] = []
+    lines = [f"\n### {title}: {len(shapes)} tensor(s), {n / 1e6:.1f}M elements, params {str(pdt)[6:]}, "
+             f"states {str(sdt)[6:]}, {step_bytes / 2**20:.0f} MiB per step\n",
+             "| operation | ms | GB/s | xBW | xfused | note |", "|---|---:|---:|---:|---:|---|"]
+    anchors = {}
+    if with_torch:
+        tps = [p.to(pdt) for p in ps]
+        tgs = [g.to(pdt) for g in gs]
+        for name, fn in torch_ops(tps, tgs).items():
+            anchors[name] = time_paired(fn, step_bytes if pdt == sdt else n * 7 * pb, bw, reps)
+        del tps, tgs
+    fused = anchors.get("torch AdamW fused")
+    for backend in (cpu, cpu_fast):
+        for name, fn in sofx_ops(backend, ps, gs, g2s, ms, vs).items():
+            fn, reset = fn if isinstance(fn, tuple) else (fn, None)
+            rows.append((f"sofx {backend.NAME} {name}", time_paired(fn, nbytes[name], bw, reps, reset=reset)))
+    ds, skipped = deepspeed_ops(ps, gs, ms, vs) if pdt == sdt == torch.float32 else ({}, "")
+    for name, fn in ds.items():
+        fn, reset = fn if isinstance(fn, tuple) else (fn, None)
+        rows.append((name, time_paired(fn, step_bytes, bw, reps, reset=reset)))
+    steps = {b.NAME: t for b in (cpu, cpu_fast) for name, t in rows if name == f"sofx {b.NAME} step"}
+    for name, t in list(anchors.items()) + rows:
+        xf = f"{fused.median_s / t.median_s:.2f}" if fused is not None else "-"
+        note = ""
+        if "undo+redo" in name:
+            note = f"undo+redo/step = {t.median_s / steps[name.split(' ')[1]].median_s:.2f}"
+        if name.startswith("torch") and pdt != sdt:
+            note = "all-bf16 anchor (torch keeps states in the param dtype)"
+        lines.append(f"| {name} | {t.median_s * 1e3:.1f} | {t.gbps:.1f} | {t.bw_ratio:.2f} | {xf} | {note} |")
+    all_bw = [b for _, t in list(anchors.items()) + rows for b in t.bandwidth]
+    lines.append(f"\npaired bandwidth (in-place add_, 3 streams over {bw.bytes // 3 // 2**20} MiB buffers): "
+                 f"median {sorted(all_bw)[len(all_bw) // 2] / 1e9:.1f} GB/s, "
+                 f"min {min(all_bw) / 1e9:.1f}, max {max(all_bw) / 1e9:.1f}")
+    if skipped:
+        lines.append(skipped)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run, numbers mean little)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-gpt2", action="store_true", help="only the flat tensor")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    reps = args.reps or (3 if args.quick else 7)
+    gen = torch.Generator().manual_seed(0)
+    flat = [(2**20,)] if args.quick else [(2**26,)]
+    gpt2 = gpt2_small_shapes(vocab=5000, d=128, layers=2, ctx=256) if args.quick else gpt2_small_shapes()
+    bw = PairedBandwidth((32 if args.quick else 256) * 2**20)
+    print(f"# sofx CPU kernels, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch "
+          f"{torch.__version__}, {args.threads} threads, native kernels: {cpu.native_available()}, "
+          f"cpu bitwise with torch: {cpu.bitwise_with_torch()}")
+    print(f"command: {' '.join(sys.argv)}")
+    cases = [("flat", flat, torch.float32, torch.float32), ("flat", flat, torch.bfloat16, torch.float32),
+             ("flat", flat, torch.bfloat16, torch.bfloat16)]
+    if not args.no_gpt2:
+        cases += [("GPT-2 small", gpt2, torch.float32, torch.float32),
+                  ("GPT-2 small", gpt2, torch.bfloat16, torch.float32)]
+    for title, shapes, pdt, sdt in cases:
+        for line in run_case(title, shapes, pdt, sdt, bw, reps, gen, with_torch=True):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
