@@ -5,10 +5,10 @@ one core (``torch.set_num_threads(1)`` in the main process); the executor (a
 worker thread or a worker process, one torch thread) has the other core.
 Per training step we time, after warm-up, the median of:
 
-``backward``     ``loss.backward()`` alone, plain torch (no optimizer hooks)
+``backward``     ``loss.backward()`` alone, plain torch (a model copy without optimizer hooks)
 ``optimizer``    ``step()`` of the non-speculative optimizer (every block stepped in step())
 ``serial``       backward + step() with ``speculate=False``
-``speculative``  backward + step() with speculation on
+``speculative``  backward + step() with speculation on, nothing undone
 ``spec+clip``    the same, but every step clips late (the first layer's gradient, the last to
                  arrive, is boosted past ``max_grad_norm``): every speculated block is undone
                  and redone (adaptive policy off, so it keeps paying)
@@ -16,7 +16,10 @@ Per training step we time, after warm-up, the median of:
 and print the ratios to ``max(backward, optimizer)`` (what perfect overlap
 reaches) and to ``backward + optimizer`` (no overlap). Target:
 ``speculative <= 1.15 x max(backward, optimizer)`` when nothing is undone.
-Forward is timed separately and excluded (it cannot overlap with the step).
+Forward is excluded (it cannot overlap with the step). The variants run in
+rotation, step by step, so that a changing machine load hits them alike; a
+parallelism probe (two threads of plain torch work) says how much two-thread
+overlap the machine allowed during the run.
 
 Run: ``python benchmarks/overlap.py [--width 1024 --depth 6 --batch 64 --steps 30]``.
 """
@@ -24,12 +27,11 @@ Run: ``python benchmarks/overlap.py [--width 1024 --depth 6 --batch 64 --steps 3
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import threading
 import time
-from typing import Callable
-
 import torch
 from torch import nn
 
@@ -50,52 +52,71 @@ def _median_ms(samples: list[float]) -> float:
     return 1000 * statistics.median(samples)
 
 
-def time_plain_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int) -> dict:
-    fwd, bwd = [], []
-    for i in range(steps + warmup):
-        for p in model.parameters():
-            p.grad = None
-        t0 = time.perf_counter()
-        loss = nn.functional.mse_loss(model(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if i >= warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return {"forward": _median_ms(fwd), "backward": _median_ms(bwd)}
+VARIANTS = ("plain", "serial", "speculative", "clip")
 
 
-def time_optimizer(model: nn.Module, make_opt: Callable[[nn.Module], sofx.offload.SpeculativeAdamW],
-                   x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int, boost_first: bool = False) -> dict:
-    """Median backward, step() and backward+step() times (ms) and the speculation counts."""
-    opt = make_opt(model)
+def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int,
+                     block_numel: int) -> dict:
+    """Median times (ms) of the four variants, run in rotation within one loop.
+
+    The machine's load changes during a run; rotating the variants step by step exposes them to the
+    same load. ``plain`` is backward alone on a copy of the model without an optimizer; the others are
+    backward + step() of one SpeculativeAdamW with speculation off / on / on with a late clip.
+    """
+    plain_model = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, max_grad_norm=1.0,
+                                        executor=executor, block_numel=block_numel, num_threads=1,
+                                        policy=AdaptivePolicy(enabled=False))
     first = next(model.parameters())
-    bwd, stp, tot = [], [], []
-    counts = {"speculated": 0, "committed": 0, "redone": 0, "stepped_late": 0}
+    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    samples["optimizer"] = []
+    counts = {v: {"speculated": 0, "committed": 0, "redone": 0} for v in ("speculative", "clip")}
     try:
         for i in range(steps + warmup):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            handle = first.register_hook(lambda g: g * 1e4) if boost_first else None
-            t0 = time.perf_counter()
-            loss.backward()
-            t1 = time.perf_counter()
-            report = opt.step()
-            t2 = time.perf_counter()
-            if handle is not None:
-                handle.remove()
-            if i >= warmup:
-                bwd.append(t1 - t0)
-                stp.append(t2 - t1)
-                tot.append(t2 - t0)
-                for k in counts:
-                    counts[k] += getattr(report, k)
-        executor = opt.executor
+            for k in range(len(VARIANTS)):
+                variant = VARIANTS[(i + k) % len(VARIANTS)]
+                if variant == "plain":
+                    for p in plain_model.parameters():
+                        p.grad = None
+                    loss = nn.functional.mse_loss(plain_model(x), y)
+                    t0 = time.perf_counter()
+                    loss.backward()
+                    if i >= warmup:
+                        samples["plain"].append(time.perf_counter() - t0)
+                    continue
+                opt.speculate = variant != "serial"
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                # The loss is scaled down so that the gradient norm stays below max_grad_norm (nothing is
+                # undone); the clip variant boosts the first layer's gradient, the last to arrive, far above it.
+                if variant == "clip":
+                    handle = first.register_hook(lambda g: g * 1e4)
+                else:
+                    handle = None
+                    loss = loss * 1e-3
+                t0 = time.perf_counter()
+                loss.backward()
+                t1 = time.perf_counter()
+                report = opt.step()
+                t2 = time.perf_counter()
+                if handle is not None:
+                    handle.remove()
+                if i < warmup:
+                    continue
+                samples[variant].append(t2 - t0)
+                if variant == "serial":
+                    samples["optimizer"].append(t2 - t1)
+                else:
+                    for key in counts[variant]:
+                        counts[variant][key] += getattr(report, key)
+                    assert variant == "speculative" and not report.clipped or variant == "clip" and report.clipped
+        name = opt.executor
     finally:
         opt.close()
-    return {"backward": _median_ms(bwd), "step": _median_ms(stp), "total": _median_ms(tot),
-            "executor": executor, **{k: v / steps for k, v in counts.items()}}
+    out = {v: _median_ms(samples[v]) for v in samples}
+    out["executor"] = name
+    out["counts"] = {v: {k: n / steps for k, n in c.items()} for v, c in counts.items()}
+    return out
 
 
 def parallelism_probe(repeats: int = 2) -> float:
@@ -147,38 +168,25 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, 1)
-
-    plain = time_plain_backward(model, x, y, args.steps, args.warmup)
-
-    def factory(executor: str, speculate: bool, clip: bool) -> Callable[[nn.Module], sofx.offload.SpeculativeAdamW]:
-        def make(m: nn.Module) -> sofx.offload.SpeculativeAdamW:
-            return sofx.offload.SpeculativeAdamW(
-                m.parameters(), lr=1e-4, weight_decay=0.01, max_grad_norm=1e3 if not clip else 1.0,
-                executor=executor, block_numel=args.block_numel, speculate=speculate, num_threads=1,
-                policy=AdaptivePolicy(enabled=False))
-        return make
-
-    print(f"# overlap benchmark: MLP {args.depth}x{args.width} ({n_params / 1e6:.2f} M params), batch {args.batch}, "
-          f"{args.steps} timed steps (median), torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"1 torch thread per side")
     probe = parallelism_probe()
+    print(f"# overlap benchmark: MLP {args.depth}x{args.width} ({n_params / 1e6:.2f} M params), batch {args.batch}, "
+          f"median of {args.steps} steps per variant (variants interleaved), torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, 1 torch thread per side")
     print(f"parallelism probe (two threads of plain torch work, time(both)/max(each); 1.0 = two free cores): "
           f"{probe:.2f}; load average {os.getloadavg()[0]:.1f}")
-    print(f"forward {plain['forward']:.1f} ms (excluded), plain backward {plain['backward']:.1f} ms")
     print()
     print("| executor | backward ms | optimizer ms | serial ms | speculative ms | spec / max | spec / sum | "
-          "serial / sum | spec+clip ms | clip / max | blocks spec/commit/redo per step |")
+          "serial / sum | spec+clip ms | clip / max | blocks spec/commit/redo per step (clip) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for executor in args.executors.split(","):
-        serial = time_optimizer(model, factory(executor, False, False), x, y, args.steps, args.warmup)
-        spec = time_optimizer(model, factory(executor, True, False), x, y, args.steps, args.warmup)
-        clip = time_optimizer(model, factory(executor, True, True), x, y, args.steps, args.warmup, boost_first=True)
-        b, o = plain["backward"], serial["step"]
-        print(f"| {spec['executor']} | {b:.1f} | {o:.1f} | {serial['total']:.1f} | {spec['total']:.1f} | "
-              f"{spec['total'] / max(b, o):.2f} | {spec['total'] / (b + o):.2f} | {serial['total'] / (b + o):.2f} | "
-              f"{clip['total']:.1f} | {clip['total'] / max(b, o):.2f} | "
-              f"{spec['speculated']:.1f}/{spec['committed']:.1f}/{spec['redone']:.1f} "
-              f"(clip: {clip['speculated']:.1f}/{clip['committed']:.1f}/{clip['redone']:.1f}) |")
+        r = time_interleaved(model, executor, x, y, args.steps, args.warmup, args.block_numel)
+        b, o = r["plain"], r["optimizer"]
+        c, k = r["counts"]["speculative"], r["counts"]["clip"]
+        print(f"| {r['executor']} | {b:.1f} | {o:.1f} | {r['serial']:.1f} | {r['speculative']:.1f} | "
+              f"{r['speculative'] / max(b, o):.2f} | {r['speculative'] / (b + o):.2f} | {r['serial'] / (b + o):.2f} | "
+              f"{r['clip']:.1f} | {r['clip'] / max(b, o):.2f} | "
+              f"{c['speculated']:.1f}/{c['committed']:.1f}/{c['redone']:.1f} "
+              f"({k['speculated']:.1f}/{k['committed']:.1f}/{k['redone']:.1f}) |")
 
 
 if __name__ == "__main__":
