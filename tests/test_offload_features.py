@@ -183,7 +183,7 @@ def test_speculation_happens_during_backward() -> None:
 
 
 # ---------------------------------------------------------------- late gradient, changed hparams
-@pytest.mark.parametrize("executor", ["inline", "thread"])
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
 def test_hook_firing_twice_sums_and_redoes(executor: str) -> None:
     model, ref = _models()
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
