@@ -42,6 +42,8 @@ def test_check_params_names_the_offending_parameter() -> None:
         check_params([[p], [p]])
     with pytest.raises(LeafError, match=r"param_groups\[0\]\['params'\]\[1\]: expected a float.*int64"):
         check_params([[p, torch.zeros(2, dtype=torch.int64)]])
+    with pytest.raises(LeafError, match=r"param_groups\[0\]\['params'\]\[0\]: float64 parameters are not supported"):
+        check_params([[torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]])
     with pytest.raises(LeafError, match="empty parameter list"):
         check_params([[]])
 

@@ -25,7 +25,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 )
 
 import sofx.offload
-from sofx.errors import HParamError, StructureError, UnsupportedError
+from sofx.errors import HParamError, LeafError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler
 
 TOL = 1e-6
@@ -425,6 +425,13 @@ def test_bad_input_gives_clear_errors() -> None:
             opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
             opt.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_sparse_gradients_are_refused_clearly() -> None:
+    emb = nn.Embedding(10, 4, sparse=True)
+    with sofx.offload.SpeculativeAdamW(emb.parameters(), executor="inline") as opt:
+        with pytest.raises(LeafError, match="sparse gradients are not supported"):
+            emb(torch.tensor([1, 2])).sum().backward()
 
 
 def test_close_and_context_manager_stop_the_worker_thread() -> None:

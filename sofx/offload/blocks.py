@@ -146,8 +146,11 @@ def check_params(groups: Sequence[Sequence[torch.Tensor]]) -> torch.device:
                 raise LeafError(f"{where}: expected a tensor, got {type(p).__name__}")
             if not p.is_leaf:
                 raise LeafError(f"{where}: can't optimize a non-leaf tensor")
-            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-                raise LeafError(f"{where}: expected a float32/bfloat16/float16/float64 tensor, got dtype {p.dtype}")
+            if p.dtype == torch.float64:
+                raise LeafError(f"{where}: float64 parameters are not supported by the offload engine (its masters "
+                                "are float32); use sofx.adamw / sofx.adam directly, or a float32 model")
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise LeafError(f"{where}: expected a float32/bfloat16/float16 tensor, got dtype {p.dtype}")
             if id(p) in seen:
                 g0, p0 = seen[id(p)]
                 raise LeafError(f"{where}: the same parameter is also param_groups[{g0}]['params'][{p0}]; "

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sofx.adam import AdamHParams
-from sofx.errors import SofxError, StructureError, UnsupportedError
+from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
@@ -221,6 +221,9 @@ class OffloadEngine:
             self._poll()
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool) -> None:
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
+                            "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
         arrival = self.tracker.arrive(index)
         b = arrival.block
         layout, t = self.layouts[b], self.tensors[b]
