@@ -13,6 +13,8 @@ import copy
 import glob
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -138,3 +140,34 @@ def test_close_stops_the_worker_and_removes_shared_memory() -> None:
         assert files and all(os.path.exists(f) for f in files)
     assert worker.poll() == 0, "the worker exits cleanly"
     assert not any(os.path.exists(f) for f in files)
+
+
+def test_a_main_process_killed_without_close_leaves_no_shared_memory_behind() -> None:
+    script = (
+        "import os, signal, torch, sofx.offload\n"
+        "m = torch.nn.Linear(8, 8)\n"
+        "opt = sofx.offload.SpeculativeAdamW(m.parameters(), executor='process')\n"
+        "arena = opt.engine._cpu_arena\n"
+        "print(os.path.join(arena.shm_dir, arena.prefix), opt.engine.executor.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    prefix, worker = out.stdout.split()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (glob.glob(prefix + "*") or _alive(int(worker))):
+        time.sleep(0.1)
+    assert glob.glob(prefix + "*") == [], "the worker removes the files when its main process is gone"
+    assert not _alive(int(worker)), "the worker exits when its main process is gone"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -8,8 +8,10 @@ It reads an authentication key from stdin, connects to the unix socket
 block layouts, the Adam configuration -- all JSON-able), maps the shared
 tensors and answers ``("ready", pid)``. Then, for every
 :class:`~sofx.offload.block_ops.BlockOp` received, it sends back one
-:class:`~sofx.offload.block_ops.OpResult`, in order. ``None`` or a closed
-connection (the main process is gone) stops it.
+:class:`~sofx.offload.block_ops.OpResult`, in order. ``None`` stops it. A
+closed connection (the main process died or exited without closing the
+optimizer) stops it too, after removing the shared-memory files that nobody
+else will remove.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from sofx.offload.block_runner import AdamConfig, BlockRunner
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout, BlockTensors
-from sofx.offload.shared_memory import SharedTensorSpec, open_shared_tensor
+from sofx.offload.shared_memory import SharedTensorSpec, open_shared_tensor, remove_files
 
 __all__ = ["build_runner", "serve", "main"]
 
@@ -57,7 +59,9 @@ def serve(conn: Connection) -> int:
         try:
             op = conn.recv()
         except (EOFError, OSError):
-            return 0  # the main process closed the connection or died
+            # The main process died without closing the optimizer: nobody else will remove the files.
+            remove_files([spec["path"] for spec in config["tensors"].values()])
+            return 0
         if op is None:
             return 0
         conn.send(runner.run(op))

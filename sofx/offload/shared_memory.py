@@ -17,11 +17,13 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SharedMemoryArena", "SharedTensorSpec", "shm_budget", "open_shared_tensor", "DEFAULT_SHM_DIR"]
+__all__ = ["SharedMemoryArena", "SharedTensorSpec", "shm_budget", "open_shared_tensor", "remove_files",
+           "DEFAULT_SHM_DIR"]
 
 DEFAULT_SHM_DIR = "/dev/shm"
 
@@ -69,14 +71,29 @@ def open_shared_tensor(spec: SharedTensorSpec) -> torch.Tensor:
     return torch.from_file(spec.path, shared=True, size=spec.numel, dtype=dtype)
 
 
+def remove_files(paths: list[str]) -> None:
+    """Unlink ``paths`` (those already gone are skipped)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 class SharedMemoryArena:
-    """Zeroed tensors backed by files ``{shm_dir}/sofx-{pid}-{uuid}-{name}``; removed by :meth:`close`."""
+    """Zeroed tensors backed by files ``{shm_dir}/sofx-{pid}-{uuid}-{name}``.
+
+    The files are removed by :meth:`close`, when the arena is garbage collected, or at interpreter
+    exit, whichever comes first (mappings that are still open stay valid until released).
+    """
 
     def __init__(self, shm_dir: str = DEFAULT_SHM_DIR) -> None:
         self.shm_dir = shm_dir
         self.prefix = f"sofx-{os.getpid()}-{uuid.uuid4().hex[:12]}-"
         self.specs: dict[str, SharedTensorSpec] = {}
         self._closed = False
+        self._paths: list[str] = []
+        self._finalizer = weakref.finalize(self, remove_files, self._paths)
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self._closed:
@@ -96,17 +113,14 @@ class SharedMemoryArena:
                 raise OSError(exc.errno, f"cannot reserve {nbytes} bytes of shared memory in {self.shm_dir} "
                                          f"for {name}: {exc.strerror}") from exc
             os.close(fd)
+            self._paths.append(path)
         self.specs[name] = spec
         return open_shared_tensor(spec)  # a fresh file reads as zeros
 
     def close(self) -> None:
-        """Remove the files (mappings that are still open stay valid until released)."""
+        """Remove the files (idempotent)."""
         self._closed = True
-        for spec in self.specs.values():
-            try:
-                os.unlink(spec.path)
-            except FileNotFoundError:
-                pass
+        self._finalizer()
 
     def __repr__(self) -> str:
         return f"SharedMemoryArena({self.shm_dir!r}, {len(self.specs)} tensors)"
