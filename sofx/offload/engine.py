@@ -130,13 +130,23 @@ class OffloadEngine:
                     "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
                     RuntimeWarning, stacklevel=3)
                 executor = "thread"
-        self.executor_name = executor
         self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
         device_arena = LocalArena(self.device)
         self.tensors: dict[int, BlockTensors] = {}
         try:
-            for b in cpu_layouts:
-                self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
+            try:
+                for b in cpu_layouts:
+                    self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
+            except OSError as exc:  # /dev/shm filled up since the check (another process took the space)
+                if executor != "process":
+                    raise
+                warnings.warn(f"sofx.offload: {exc}; falling back to the thread executor", RuntimeWarning,
+                              stacklevel=3)
+                self._cpu_arena.close()
+                self._cpu_arena, executor = LocalArena("cpu"), "thread"
+                for b in cpu_layouts:
+                    self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
+            self.executor_name = executor
             for b in device_layouts:
                 self.tensors[b.index] = allocate_block_tensors(b, device_arena.allocate, state_dtype)
             self._load_masters_from_model()
