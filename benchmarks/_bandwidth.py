@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["PairedBandwidth", "Timing", "time_paired"]
+__all__ = ["PairedBandwidth", "Timing", "time_paired", "time_round_robin"]
 
 
 class PairedBandwidth:
@@ -93,3 +93,29 @@ def time_paired(fn: Callable[[], object], nbytes: int, bw: PairedBandwidth, reps
             reset()
             sync()
     return Timing(secs, bws, nbytes)
+
+
+def time_round_robin(ops: dict[str, tuple[Callable[[], object], Callable[[], object] | None, int]],
+                     bw: PairedBandwidth, reps: int, warmup: int = 1,
+                     sync: Callable[[], None] = lambda: None) -> dict[str, Timing]:
+    """Like :func:`time_paired` for several operations ``name -> (fn, reset, nbytes)``, interleaved:
+    repetition ``k`` of every operation runs before repetition ``k + 1`` of any, so that slow drifts of
+    the machine (other processes, bandwidth) affect all of them alike."""
+    for fn, reset, _ in ops.values():
+        for _ in range(warmup):
+            fn()
+            if reset is not None:
+                reset()
+    sync()
+    out = {name: Timing([], [], nbytes) for name, (_, _, nbytes) in ops.items()}
+    for _ in range(reps):
+        for name, (fn, reset, _) in ops.items():
+            t = time.perf_counter()
+            fn()
+            sync()
+            out[name].seconds.append(time.perf_counter() - t)
+            out[name].bandwidth.append(bw.measure())
+            if reset is not None:
+                reset()
+                sync()
+    return out

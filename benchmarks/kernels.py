@@ -11,8 +11,11 @@ p, m, v; fused undo+redo also reads the second gradient; undo then step moves
 twice a step's bytes), that bandwidth as a fraction of the machine's memory
 bandwidth measured right after each repetition (``xBW``, see
 ``_bandwidth.py``), and the speed relative to ``torch.optim.AdamW(fused=True)``
-on the same tensors (``xfused``: > 1 is faster). ``undo+redo/step`` is the
-fused undo+redo's time over sofx's own step time.
+on the same tensors (``xfused``, the median over repetitions of the fused
+time over this operation's time in the same round: > 1 is faster). ``undo+redo/step`` is the
+fused undo+redo's time over sofx's own step time. The operations of a table
+run round-robin (repetition k of each before repetition k+1 of any), so
+that the machine's drift affects them alike.
 
 All sofx operations are in place (donated buffers), as the offload engine
 runs them. torch's fused AdamW keeps states in the parameter dtype, so its
@@ -26,6 +29,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 from typing import Callable
 
@@ -34,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _bandwidth import PairedBandwidth, Timing, time_paired  # noqa: E402
+from _bandwidth import PairedBandwidth, time_round_robin  # noqa: E402
 
 from sofx.kernels import cpu, cpu_fast  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
@@ -116,32 +120,32 @@ def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, 
     step_bytes = n * (2 * pb + pb + 4 * sb)  # read p, g, m, v; write p, m, v
     nbytes = {"step": step_bytes, "undo": step_bytes, "undo+redo (fused)": step_bytes + n * pb,
               "undo, then step": 2 * step_bytes}
-    rows: list[tuple[str, Timing]] = []
     lines = [f"\n### {title}: {len(shapes)} tensor(s), {n / 1e6:.1f}M elements, params {str(pdt)[6:]}, "
              f"states {str(sdt)[6:]}, {step_bytes / 2**20:.0f} MiB per step\n",
              "| operation | ms | GB/s | xBW | xfused | note |", "|---|---:|---:|---:|---:|---|"]
-    anchors = {}
+    ops: dict[str, tuple] = {}
     if with_torch:
-        tps = [p.to(pdt) for p in ps]
-        tgs = [g.to(pdt) for g in gs]
-        for name, fn in torch_ops(tps, tgs).items():
-            anchors[name] = time_paired(fn, step_bytes if pdt == sdt else n * 7 * pb, bw, reps)
-        del tps, tgs
-    fused = anchors.get("torch AdamW fused")
+        for name, fn in torch_ops([p.to(pdt) for p in ps], [g.to(pdt) for g in gs]).items():
+            ops[name] = (fn, None, step_bytes if pdt == sdt else n * 7 * pb)
     for backend in (cpu, cpu_fast):
         for name, fn in sofx_ops(backend, ps, gs, g2s, ms, vs).items():
             fn, reset = fn if isinstance(fn, tuple) else (fn, None)
-            rows.append((f"sofx {backend.NAME} {name}", time_paired(fn, nbytes[name], bw, reps, reset=reset)))
+            ops[f"sofx {backend.NAME} {name}"] = (fn, reset, nbytes[name])
     ds, skipped = deepspeed_ops(ps, gs, ms, vs) if pdt == sdt == torch.float32 else ({}, "")
     for name, fn in ds.items():
         fn, reset = fn if isinstance(fn, tuple) else (fn, None)
-        rows.append((name, time_paired(fn, step_bytes, bw, reps, reset=reset)))
+        ops[name] = (fn, reset, step_bytes)
+    timings = time_round_robin(ops, bw, reps)
+    rows = [(name, t) for name, t in timings.items() if not name.startswith("torch")]
+    anchors = {name: t for name, t in timings.items() if name.startswith("torch")}
+    fused = anchors.get("torch AdamW fused")
     steps = {b.NAME: t for b in (cpu, cpu_fast) for name, t in rows if name == f"sofx {b.NAME} step"}
     for name, t in list(anchors.items()) + rows:
-        xf = f"{fused.median_s / t.median_s:.2f}" if fused is not None else "-"
+        xf = f"{statistics.median(f / x for f, x in zip(fused.seconds, t.seconds)):.2f}" if fused else "-"
         note = ""
         if "undo+redo" in name:
-            note = f"undo+redo/step = {t.median_s / steps[name.split(' ')[1]].median_s:.2f}"
+            own = steps[name.split(" ")[1]].seconds
+            note = f"undo+redo/step = {statistics.median(x / y for x, y in zip(t.seconds, own)):.2f}"
         if name.startswith("torch") and pdt != sdt:
             note = "all-bf16 anchor (torch keeps states in the param dtype)"
         lines.append(f"| {name} | {t.median_s * 1e3:.1f} | {t.gbps:.1f} | {t.bw_ratio:.2f} | {xf} | {note} |")

@@ -1,11 +1,15 @@
 """C source of the native CPU Adam kernels (compiled on first use by :mod:`sofx.kernels._cpu_build`).
 
-The kernels work tile by tile: a tile of ``TILE`` elements of every input is
-converted to float32 into local arrays, the math runs as a few short loops
-over those arrays (each one vectorizes, and the local arrays cannot alias the
-inputs, so the outputs may be the inputs' own storage), then the results are
-rounded to the storage dtypes and written out. Main memory is touched once
-per input and once per output, which makes a step memory-bound.
+Three code paths, all with the same arithmetic:
+
+``fused_*``  one loop per (param, grad, state) dtype combination, element by
+             element from memory to memory, IEEE ``sqrtf``: loads, math and
+             stores interleave, so the update runs at the memory bandwidth.
+``exact_*``  the same per chunk of ``TILE`` elements, split around calls to
+             torch's own square-root routine (MKL's ``vmsSqrt``, passed in as
+             a function pointer) so that results are torch's bit for bit.
+``run_tiles`` any other dtype combination (float16 states, mixed gradient
+             dtypes): tiles converted to float32 local arrays, then the math.
 
 The arithmetic reproduces ``reference.py``, which follows torch's own CPU
 element-wise kernels operation by operation: ``lerp`` and ``add(alpha=)`` are
@@ -13,9 +17,11 @@ fused multiply-adds, ``addcmul`` is ``fma(c*g, g, v)``, ``addcdiv`` is
 ``p + (s*m)/d``, divisions are true divisions. The file is compiled with
 ``-ffp-contract=off`` so that no other multiply-add is fused.
 
-Element types (per array): 0 float32, 1 bfloat16, 2 float16 (when the
-compiler has ``_Float16``). Rounding to bfloat16 is round-to-nearest-even,
-a nan stays a nan.
+Outputs may alias the inputs element for element (donation); the loops carry
+``GCC ivdep`` so that the compiler neither versions nor de-vectorizes them for
+that. Element types (per array): 0 float32, 1 bfloat16, 2 float16 (when the
+compiler has ``_Float16``). Rounding to bfloat16 is round-to-nearest-even, a
+nan stays a nan.
 """
 
 SOURCE = r"""

@@ -84,7 +84,7 @@ def bitwise_with_torch() -> bool:
 # ------------------------------------------------------------------ scalars
 def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
     """The doubles the C kernel reads (see ``S_*`` in the source), or None if a scalar is not a number."""
-    if not all(is_number(x) for x in s):
+    if not all(type(x) is float or type(x) is int or is_number(x) for x in s):  # fast path for floats
         return None
     step_size, bc2_sqrt = reference.bias_corrections(s, variant)
     block = (ctypes.c_double * src.S_COUNT)()
