@@ -247,9 +247,9 @@ class OffloadEngine:
             self._speculated[b] = False
         with torch.no_grad():
             if arrival.first:
-                view.copy_(g)
+                view.copy_(g)  # casts to the master dtype, copies across devices
             else:
-                view.add_(g)
+                view.add_(g.to(view.device))
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:
