@@ -36,6 +36,9 @@ class BlockOp:
     ``present`` marks, per parameter of the block, whether it has a gradient
     this step (``None``: all do); parameters without one are not stepped and
     keep their state and count (``missing_grad="skip"``, frozen parameters).
+    ``grads``: the parameters' 1-d gradients when they are not in the block's
+    gradient buffer (an in-process executor borrows them from autograd
+    instead of copying; never sent to a worker process).
     """
 
     seq: int
@@ -43,6 +46,7 @@ class BlockOp:
     block: int = -1
     payload: Any = None
     present: Optional[tuple[bool, ...]] = None
+    grads: Optional[tuple[Any, ...]] = None
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:

@@ -56,35 +56,43 @@ class AdamConfig:
 
 
 def block_tree(t: BlockTensors, layout: BlockLayout, flat: bool, present: Sequence[bool] | None,
-               ) -> tuple[Any, Any, AdamState]:
+               grads: Sequence[torch.Tensor] | None = None) -> tuple[Any, Any, AdamState]:
     """``(params, grads, state)`` of a block as the Adam transform sees them.
 
     ``flat``: one leaf (the flat tensors; the count is the first parameter's).
     Otherwise lists with one leaf per parameter; ``present[i] = False`` makes
-    parameter ``i``'s gradient ``None``. Counts are copies (Adam returns new ones).
+    parameter ``i``'s gradient ``None``. ``grads``: the parameters' 1-d
+    gradients when they are not in the block's gradient buffer (borrowed from
+    autograd by an in-process engine; never flat). Counts are copies (Adam
+    returns new ones).
     """
     if flat:
+        if grads is not None:
+            raise ValueError("a block with borrowed gradients is never stepped as one flat leaf")
         return t.master, t.grad, AdamState(t.counts[0].clone(), t.exp_avg, t.exp_avg_sq)
     n = len(layout.numels)
     present = tuple(present) if present is not None else (True,) * n
-    grads = [g if has else None for g, has in zip(t.views(t.grad, layout), present)]
+    sources = t.views(t.grad, layout) if grads is None else grads
+    grads = [g if has else None for g, has in zip(sources, present)]
     counts = [t.counts[i].clone() for i in range(n)]
     return (t.views(t.master, layout), grads,
             AdamState(counts, t.views(t.exp_avg, layout), t.views(t.exp_avg_sq, layout)))
 
 
-def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None) -> bool:
-    """One flat leaf when every parameter has a gradient and all counts agree."""
-    if present is not None and not all(present):
+def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None, borrowed: bool = False) -> bool:
+    """One flat leaf when the gradients are in the block's buffer, every parameter has one and all
+    counts agree."""
+    if borrowed or (present is not None and not all(present)):
         return False
     counts = t.counts
     return counts.numel() == 1 or bool((counts == counts[0]).all())
 
 
 def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: bool,
-                         present: Sequence[bool] | None, hparams: AdamHParams, grad_scale: float) -> Eligibility:
+                         present: Sequence[bool] | None, hparams: AdamHParams, grad_scale: float,
+                         grads: Sequence[torch.Tensor] | None = None) -> Eligibility:
     """The block's :class:`~sofx.speculate.Eligibility` (per parameter, combined, when not flat)."""
-    params, grads, state = block_tree(t, layout, flat, present)
+    params, grads, state = block_tree(t, layout, flat, present, grads)
     if flat:
         return block_eligibility(opt, params, grads, state, hparams, grad_scale)
     strategy, reasons, nbytes = "algebraic", [], 0
@@ -131,8 +139,8 @@ class BlockRunner:
         if op.block in self.kept:
             raise RuntimeError(f"block {op.block} already holds an uncommitted speculative step")
         t, layout = self.tensors[op.block], self.layouts[op.block]
-        flat = uses_flat_layout(t, op.present)
-        params, grads, state = block_tree(t, layout, flat, op.present)
+        flat = uses_flat_layout(t, op.present, op.grads is not None)
+        params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True)
         self._store_counts(op.block, flat, new_state)
         self.kept[op.block] = _Kept(record, flat)
@@ -161,8 +169,11 @@ class BlockRunner:
         if action.zero_grad:
             # The engine zeroed the buffers of the parameters that got no gradient.
             action = action._replace(zero_grad=False)
-        flat = kept.flat if kept is not None and kept.record is not None else uses_flat_layout(t, op.present)
-        params, grads, state = block_tree(t, layout, flat, op.present)
+        if kept is not None and kept.record is not None:
+            flat = kept.flat
+        else:
+            flat = uses_flat_layout(t, op.present, op.grads is not None)
+        params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         record = kept.record if kept is not None else None
         _, new_state = apply_block_action(self.adam, action, params, grads, state, record, donate=True)
         self._store_counts(op.block, flat, new_state)

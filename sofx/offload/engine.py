@@ -70,6 +70,7 @@ from sofx.speculate import (
     on_late_gradient,
     plan_validation,
 )
+from sofx.transforms import total_sumsq
 
 __all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
 
@@ -156,6 +157,8 @@ class OffloadEngine:
         except BaseException:
             self._cpu_arena.close()
             raise
+        # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
+        self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
         self.hooks = GradHooks(self.params, self._on_grad)
         self._reset_step()
 
@@ -198,6 +201,8 @@ class OffloadEngine:
         self._tally: BackwardTally | None = None
         self._speculated = [False] * len(self.layouts)
         self._events: list[tuple[str, int]] = []
+        # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
+        self._grads: list[list[torch.Tensor | None]] = [[None] * len(b.numels) for b in self.layouts]
 
     @property
     def loss_scale(self) -> float:
@@ -226,11 +231,13 @@ class OffloadEngine:
             grad = param.grad
             if grad is None:
                 return
-            self._take_gradient(index, grad, during_backward=True)
+            self._take_gradient(index, grad, during_backward=True, owned=True)
             param.grad = None
             self._poll()
 
-    def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool) -> None:
+    def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool) -> None:
+        """Record parameter ``index``'s gradient; ``owned``: nobody else holds ``grad`` (autograd's
+        accumulated gradient once ``param.grad`` is cleared), so it may be borrowed and summed into."""
         if grad.is_sparse or grad.layout != torch.strided:
             raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
                             "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
@@ -247,13 +254,19 @@ class OffloadEngine:
             self._speculated[b] = False
         with torch.no_grad():
             if arrival.first:
-                view.copy_(g)  # casts to the master dtype, copies across devices
+                if (owned and self._borrowing[b] and g.dtype == view.dtype and g.device == view.device
+                        and grad.is_contiguous()):
+                    self._grads[b][arrival.slot] = g  # a view of autograd's gradient: no copy
+                else:
+                    view.copy_(g)  # casts to the master dtype, copies across devices
+                    self._grads[b][arrival.slot] = view
             else:
-                view.add_(g.to(view.device))
+                target = self._grads[b][arrival.slot]
+                target.add_(g.to(target.device))
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:
-                self._tally = on_late_gradient(self._ctx, self._tally, b, grad_sumsq(t.grad))
+                self._tally = on_late_gradient(self._ctx, self._tally, b, self._block_sumsq(b))
         elif arrival.ready:
             self._block_ready(b, during_backward)
 
@@ -266,21 +279,35 @@ class OffloadEngine:
         self._begin()
         self._events.append(("ready", b))
         ctx = self._ctx
-        flat = uses_flat_layout(t, present)
+        grads = self._op_grads(b)
+        flat = uses_flat_layout(t, present, grads is not None)
         self._tally, decision = on_block_ready(
-            ctx, self._tally, b, grad_sumsq(t.grad),
-            lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale))
+            ctx, self._tally, b, self._block_sumsq(b),
+            lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale, grads))
         if decision.speculate:
             self._speculated[b] = True
             self._events.append(("speculate", b))
-            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present))
+            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads))
 
     def _zero_absent(self, b: int, arrived: Sequence[bool]) -> None:
-        """Zero the buffer slices of parameters without a gradient this step (they hold old values)."""
+        """Parameters without a gradient this step get a zeroed buffer slice (it held old values);
+        used only where ``missing_grad="zero"`` steps them."""
         layout, t = self.layouts[b], self.tensors[b]
         for slot, has in enumerate(arrived):
             if not has:
-                t.grad[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]].zero_()
+                view = t.grad[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
+                view.zero_()
+                self._grads[b][slot] = view
+
+    def _op_grads(self, b: int) -> tuple[torch.Tensor, ...] | None:
+        """The gradients to send with an operation on block ``b`` (None: they are in its buffer)."""
+        return tuple(self._grads[b]) if self._borrowing[b] else None
+
+    def _block_sumsq(self, b: int) -> float:
+        """Sum of squares of block ``b``'s gradient (absent parameters zeroed first), float64."""
+        if not self._borrowing[b]:
+            return grad_sumsq(self.tensors[b].grad)
+        return total_sumsq([None if g is None else grad_sumsq(g) for g in self._grads[b]])
 
     def _run_now(self, op: BlockOp, layout: BlockLayout) -> None:
         if layout.on_device:
@@ -324,7 +351,7 @@ class OffloadEngine:
         # Gradients set by hand (no hook fired) are taken now; their blocks are stepped late.
         for i, p in enumerate(self.params):
             if p.grad is not None and self.tracker.arrivals[i] == 0:
-                self._take_gradient(i, p.grad, during_backward=False)
+                self._take_gradient(i, p.grad, during_backward=False, owned=False)
                 p.grad = None
         self._begin()
         self._record(self._wait())
@@ -342,7 +369,7 @@ class OffloadEngine:
                 sumsq.append(self._tally.block_sumsq[b])
                 continue
             self._zero_absent(b, arrived)
-            sumsq.append(grad_sumsq(self.tensors[b].grad) if any(arrived) else None)
+            sumsq.append(self._block_sumsq(b) if any(arrived) else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
         stepped: list[int] = []
         for action, layout in zip(plan.actions, self.layouts):
@@ -352,7 +379,8 @@ class OffloadEngine:
                     self._events.append(("commit", layout.index))
                 continue
             self._events.append((action.kind, layout.index))
-            op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index])
+            op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index],
+                         self._op_grads(layout.index))
             if layout.on_device:
                 raise_failures([self.device_runner.run(op)], f"device block {layout.index}")
             else:
