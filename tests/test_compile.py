@@ -26,7 +26,8 @@ What breaks the graph, and why
 ------------------------------
 * A fast backend (``backend="cpu"`` or ``"triton"``): these run native/Triton kernels that
   dynamo cannot trace; ``update`` raises :class:`sofx.UnsupportedError` naming the leaf
-  (with or without ``fullgraph``). Under tracing the library always uses the reference
+  (with ``fullgraph=True`` dynamo reports it as ``Unsupported: Observed exception`` carrying
+  sofx's message). Under tracing the library always uses the reference
   kernels (``backend="auto"`` or ``"reference"``), which inductor then fuses itself.
 * Per-group hyperparameters given as a prefix *tree* (a dict of ``AdamHParams``): broadcasting
   the prefix over the params structure unflattens an optree dict spec over constant leaves,
@@ -239,6 +240,9 @@ def test_fast_backend_under_compile_is_a_clear_error():
     step = _make_step(opt, model, x, y)
     with pytest.raises(sofx.UnsupportedError, match="backend 'cpu' cannot run under"):
         torch.compile(step, backend="eager")(params, opt.init(params), _lr(0))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="backend 'cpu' cannot run under"):
+        torch.compile(step, backend="eager", fullgraph=True)(params, opt.init(params), _lr(0))
 
 
 def test_per_group_hparams_tree_does_not_trace():
