@@ -85,6 +85,12 @@ def test_there_are_notebooks():
     assert {"01_quickstart.ipynb", "03_ensembles.ipynb"} <= names, names
 
 
+def test_every_notebook_is_listed_in_the_notebooks_readme():
+    readme = (NOTEBOOK_DIR / "README.md").read_text(encoding="utf-8")
+    missing = [p.name for p in NOTEBOOKS if f"`{p.name}`" not in readme]
+    assert not missing, f"describe these in notebooks/README.md: {missing}"
+
+
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S + 60)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path: Path, kernel_env: str):
