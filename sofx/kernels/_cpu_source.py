@@ -8,8 +8,10 @@ Three code paths, all with the same arithmetic:
 ``exact_*``  the same per chunk of ``TILE`` elements, split around calls to
              torch's own square-root routine (MKL's ``vmsSqrt``, passed in as
              a function pointer) so that results are torch's bit for bit.
-``run_tiles`` any other dtype combination (float16 states, mixed gradient
-             dtypes): tiles converted to float32 local arrays, then the math.
+``run_tiles`` any other dtype combination (float16 params or states, mixed
+             gradient dtypes): tiles converted to float32 local arrays, then the
+             math (float16 conversions do not vectorize with gcc 12 anyway, and
+             fewer instantiations keep the cold compile short).
 
 The arithmetic reproduces ``reference.py``, which follows torch's own CPU
 element-wise kernels operation by operation: ``lerp`` and ``add(alpha=)`` are
@@ -427,12 +429,6 @@ FUSED(1, 1, 0)
 FUSED(1, 1, 1)
 FUSED(1, 0, 0)
 FUSED(1, 0, 1)
-#ifdef __FLT16_MAX__
-FUSED(2, 2, 0)
-FUSED(2, 2, 1)
-FUSED(2, 0, 0)
-FUSED(2, 0, 1)
-#endif
 
 /* ---------------------------------------------------------------- exact path
    Bitwise torch: the square roots come from torch's own routine (Sqrt), called on chunks of
@@ -511,12 +507,6 @@ EXACT(1, 1, 0)
 EXACT(1, 1, 1)
 EXACT(1, 0, 0)
 EXACT(1, 0, 1)
-#ifdef __FLT16_MAX__
-EXACT(2, 2, 0)
-EXACT(2, 2, 1)
-EXACT(2, 0, 0)
-EXACT(2, 0, 1)
-#endif
 
 typedef void (*fused_fn)(const Job *);
 
@@ -532,12 +522,6 @@ static fused_fn fused_for(const Job *j, int exact) {
     case 111: return exact ? exact_111 : fused_111;
     case 100: return exact ? exact_100 : fused_100;
     case 101: return exact ? exact_101 : fused_101;
-#ifdef __FLT16_MAX__
-    case 220: return exact ? exact_220 : fused_220;
-    case 221: return exact ? exact_221 : fused_221;
-    case 200: return exact ? exact_200 : fused_200;
-    case 201: return exact ? exact_201 : fused_201;
-#endif
     default: return 0;
   }
 }
