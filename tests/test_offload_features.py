@@ -458,3 +458,27 @@ def test_a_dropped_optimizer_stops_its_worker_and_leaves_the_model_alone() -> No
     assert not thread.is_alive()
     mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))).backward()
     assert model.inp.weight.grad is not None, "no hook of the dropped optimizer takes the gradient"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (not run on the CPU-only CI machine)")
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_cuda_model_with_cpu_masters_and_device_blocks_equals_torch(executor: str) -> None:
+    model, ref = _models()
+    model, ref = model.cuda(), ref.cuda()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100,
+                                        n_device_blocks=1, max_grad_norm=2.0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        assert opt.state[model.inp.weight]["master"].is_cuda  # the first block stays on the device
+        assert not opt.state[model.head.weight]["master"].is_cuda
+        for _ in range(10):
+            x, y = (t.cuda() for t in mlp_batch(gen))
+            opt.backward(mlp_loss(model, (x, y)))
+            mlp_loss(ref, (x, y)).backward()
+            report = opt.step()
+            torch.nn.utils.clip_grad_norm_(_trainable(ref), 2.0)
+            ropt.step()
+            ropt.zero_grad()
+            assert relative_deviation(model, ref) <= 1e-5  # CUDA kernels round differently from torch's
+        assert report.speculated > 0
