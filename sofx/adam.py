@@ -177,7 +177,8 @@ class Adam:
             v_old = leaf.v.clone() if donate else leaf.v
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         p2, m2, v2 = self._kernel(leaf).step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out)
-        rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason)
+        fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
+        rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
         return p2, m2, v2, leaf.count + 1, rec
 
     # ------------------------------------------------------------------ undo
@@ -224,7 +225,7 @@ class Adam:
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
         for leaf, rec, new, plan in zip(leaves, record.leaves, grad_leaves, plans):
             fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
-                       and plan[1] == "algebraic")
+                       and not rec.moments_were_zero and plan[1] == "algebraic")
             if fusable:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 p2, m2, v2 = self._kernel(leaf).undo_redo(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, new.g,
@@ -280,6 +281,9 @@ class Adam:
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         p0, m0, v0 = self._kernel(leaf).undo(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, self.variant,
                                              p_old=rec.p_old, out=out)
+        if rec.moments_were_zero:  # the first step from init: the old moments were exactly zero
+            m0 = m0.zero_() if donate else torch.zeros_like(m0)
+            v0 = v0.zero_() if donate else torch.zeros_like(v0)
         return p0, m0, v0, rec.count_before
 
     # -------------------------------------------------------------- helpers
@@ -404,8 +408,18 @@ def _validate_grad_scale(grad_scale: Scalar) -> None:
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
 
 
+def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:
+    """The leaf's first step from all-zero moments (checked on that step only)."""
+    if not (is_number(s.step) and s.step == 1) or any(is_traced(x) for x in (leaf.m, leaf.v)):
+        return False
+    return leaf.m.count_nonzero().item() == 0 and leaf.v.count_nonzero().item() == 0
+
+
 def _all_finite(x: torch.Tensor) -> bool:
-    return x.numel() == 0 or bool(torch.isfinite(x).all())
+    # A finite sum implies finite elements (nan and inf propagate); the sum is a much cheaper pass than
+    # isfinite().all() on CPU, so the exact check only runs when the sum is not finite.
+    total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)  # fp16 sums overflow
+    return x.numel() == 0 or bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
 
 
 def _check_param(path: str, p: Any) -> None:

@@ -15,6 +15,11 @@ Strategies:
                       ``lr*wd`` near 1); the moments are recomputed
 ``"snapshot"``        old ``p, m, v`` kept; restored bit for bit
 ``"none"``            the step cannot be undone (``reason`` says why)
+
+``moments_were_zero`` marks the first step of a leaf from freshly initialised
+(all-zero) moments: its undo restores those zeros exactly instead of the
+ulp-sized leftovers an algebraic inverse leaves, which a redo with a much
+smaller gradient (a clipped first step) would magnify.
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old")
 class LeafUndo:
     """How to undo the step of one leaf."""
 
-    __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason", "_layout")
+    __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
+                 "moments_were_zero", "_layout")
 
     def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
                  p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
-                 v_old: torch.Tensor | None = None, reason: str = "") -> None:
+                 v_old: torch.Tensor | None = None, reason: str = "", moments_were_zero: bool = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown undo strategy {strategy!r}")
         self.strategy = strategy
@@ -49,6 +55,7 @@ class LeafUndo:
         self.m_old = m_old
         self.v_old = v_old
         self.reason = reason
+        self.moments_were_zero = moments_were_zero
         # Which fields are pytree children (tensors); fixed once made, so that the
         # structure survives an unflatten with non-tensor leaves (torch.func does that).
         self._layout: tuple[bool, ...] | None = None
@@ -71,16 +78,17 @@ def _flatten_leaf(leaf: LeafUndo) -> tuple[list[Any], Any]:
     is_tensor = leaf._layout or tuple(isinstance(x, torch.Tensor) for x in values)
     children = [x for x, t in zip(values, is_tensor) if t]
     static = tuple(None if t else x for x, t in zip(values, is_tensor))
-    return children, (leaf.strategy, leaf.reason, is_tensor, static)
+    return children, (leaf.strategy, leaf.reason, leaf.moments_were_zero, is_tensor, static)
 
 
 def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
-    strategy, reason, is_tensor, static = context
+    strategy, reason, moments_were_zero, is_tensor, static = context
     it = iter(children)
     values = [next(it) if t else s for t, s in zip(is_tensor, static)]
     n = len(_TENSOR_FIELDS)
     fields = dict(zip(_TENSOR_FIELDS, values[:n]))
-    leaf = LeafUndo(strategy, scalars=AdamScalars(*values[n:]), reason=reason, **fields)
+    leaf = LeafUndo(strategy, scalars=AdamScalars(*values[n:]), reason=reason,
+                    moments_were_zero=moments_were_zero, **fields)
     leaf._layout = is_tensor
     return leaf
 

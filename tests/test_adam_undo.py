@@ -269,3 +269,28 @@ def test_undo_redo_equals_undo_then_update(undo):
     back_p, back_s = opt.undo(fused_p, fused_s, fused_rec)
     assert _norm_rel(back_p["a"], p1["a"]) <= 1e-6
     assert trees_equal(back_s.count, s1.count)
+
+
+def test_undoing_the_first_step_restores_exactly_zero_moments_even_when_the_redo_is_tiny():
+    gen = torch.Generator().manual_seed(11)
+    params = {"w": torch.randn(1000, generator=gen)}
+    opt = sofx.adamw(lr=1e-3)
+    state = opt.init(params)
+    g = {"w": 100 * torch.randn(1000, generator=gen)}
+    p1, s1, rec = opt.update(params, g, state)
+    assert rec.leaves[0].strategy == "algebraic" and rec.leaves[0].moments_were_zero
+    p0, s0 = opt.undo(p1, s1, rec)
+    assert torch.count_nonzero(s0.mu["w"]) == 0 and torch.count_nonzero(s0.nu["w"]) == 0
+    # A heavily clipped redo of the first step (coefficient 1e-6) equals the direct clipped step.
+    p1, s1, rec = opt.update(params, g, state, donate=False)
+    redone, redone_state, _ = opt.undo_redo(p1, s1, rec, g, grad_scale=1e-6)
+    direct, direct_state, _ = opt.update(params, g, state, grad_scale=1e-6)
+    assert torch.equal(redone_state.mu["w"], direct_state.mu["w"])
+    assert torch.equal(redone_state.nu["w"], direct_state.nu["w"])
+    assert _norm_rel(redone["w"], direct["w"]) <= 1e-6
+    # Donated: the same, in place.
+    buf = {"w": params["w"].clone()}
+    st = opt.init(buf)
+    p1, s1, rec = opt.update(buf, g, st, donate=True)
+    p0, s0 = opt.undo(p1, s1, rec, donate=True)
+    assert s0.mu["w"].data_ptr() == st.mu["w"].data_ptr() and torch.count_nonzero(s0.mu["w"]) == 0

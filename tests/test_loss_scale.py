@@ -149,8 +149,10 @@ def _deepspeed_reference(events: list[bool], **kw) -> list[float]:
 @given(events=st.lists(st.booleans(), max_size=60), window=st.integers(1, 5), hysteresis=st.integers(1, 3),
        legacy=st.booleans())
 def test_deepspeed_rule_matches_independent_loop(events: list[bool], window: int, hysteresis: int, legacy: bool):
+    # The error at the minimum scale is tested on its own above; here the scale just stays at the minimum.
     rule = ls.deepspeed_scaler(init_scale=2.0 ** 20, scale_window=window, hysteresis=hysteresis,
-                               growth_rule="legacy" if legacy else "stable_interval")
+                               growth_rule="legacy" if legacy else "stable_interval",
+                               raise_error_at_min_scale=False)
     state = rule.init()
     ours = []
     for ov in events:
