@@ -270,3 +270,18 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ok" in out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
+    backend = BACKENDS[name]
+    p, g, m, v = _inputs(rng, 3001, torch.float32, torch.float32)
+    for beta1 in (0.3, 0.0):
+        s = _scalars(rng, 0.1)._replace(beta1=beta1)
+        for variant in (VARIANTS[0], VARIANTS[3]):
+            _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant),
+                          _is_exact(backend))
+    s = _scalars(rng, 0.1)._replace(beta1=0.3)
+    stepped = reference.step(p, g, m, v, s, VARIANTS[0])
+    _assert_close(backend.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]),
+                  reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]), _is_exact(backend))

@@ -147,6 +147,13 @@ else:
             tk.undo(p, g, m, v, s._replace(beta2=0.0), variant, out=(p, m, v))
         assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
 
+    def test_small_and_zero_beta1_take_torchs_other_lerp_branch(rng):
+        p, g, m, v = _inputs(rng, 1500, torch.float32, torch.float32)
+        for beta1 in (0.3, 0.0):
+            s = _scalars(rng, 0.1)._replace(beta1=beta1)
+            for variant in (VARIANTS[0], VARIANTS[3]):
+                _close(tk.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant))
+
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)
         assert not tk.supports("cpu", torch.float64, torch.float64)
