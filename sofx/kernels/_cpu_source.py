@@ -32,7 +32,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-#define TILE 512
+#define TILE 128
 #define MIN_PER_THREAD 65536
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 2
