@@ -20,23 +20,26 @@ Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
 which is not always correctly rounded. To give the reference's (and
 ``torch.optim``'s) bits, this backend calls that same routine (found in
 ``libtorch_cpu`` and checked against ``torch.sqrt`` on load, see
-:mod:`sofx.kernels._torch_sqrt`) on chunks of 128 elements (the size measured fastest): everything before
-and after a square root runs as one fused loop per chunk, only the
-square-root call and the final parameter loop run without memory traffic.
+:mod:`sofx.kernels._torch_sqrt`) on chunks of 128 elements (the size that
+measured fastest): everything before and after a square root runs as one
+fused loop per chunk; only the square-root call and the final parameter loop
+run without memory traffic (about 5-10% slower than fully fused).
 Where torch's square root is IEEE, or MKL's routine cannot be found, the fully
 fused per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast`
-always uses those (as fast as ``torch.optim.AdamW(fused=True)``, within an ulp
-of the reference). :func:`bitwise_with_torch` says whether this backend's
+always uses those (about as fast as ``torch.optim.AdamW(fused=True)``, within
+an ulp of the reference). :func:`bitwise_with_torch` says whether this backend's
 results are the reference's bit for bit on this machine. ``out`` may be the
 inputs' own tensors (donation): the update is then in place and allocates
 nothing. Any shape works (the tensors are treated as flat); non-contiguous
 tensors are computed through contiguous copies and written back.
 
 Element types: float32, bfloat16 and float16 (params, gradients, states, in
-any combination; float16 where the C compiler has ``_Float16``). float64
-parameters are left to the reference backend (:func:`supports` is False).
+any combination; float16 where the C compiler has ``_Float16``, through a
+slower tiled path). float64 parameters are left to the reference backend
+(:func:`supports` is False). The outputs may alias the inputs element for
+element; other overlaps between outputs and inputs are not supported.
 
-The native code is compiled on first use (about a second, cached on disk, see
+The native code is compiled on first use (about 3 s, cached on disk, see
 :mod:`sofx.kernels._cpu_build`). Where it cannot be built (no C compiler,
 ``SOFX_CPU_NATIVE=0``) every function runs the reference math instead, with
 the same results.
