@@ -294,3 +294,16 @@ def test_undoing_the_first_step_restores_exactly_zero_moments_even_when_the_redo
     p1, s1, rec = opt.update(buf, g, st, donate=True)
     p0, s0 = opt.undo(p1, s1, rec, donate=True)
     assert s0.mu["w"].data_ptr() == st.mu["w"].data_ptr() and torch.count_nonzero(s0.mu["w"]) == 0
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_inverse_recomputes_exactly_the_update_the_step_subtracted(decoupled):
+    """SPECULATION.md section 2.1: u is recomputed with the step's operation order, bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    p, g, m = (torch.randn(100_000, generator=gen) for _ in range(3))
+    v = torch.rand(100_000, generator=gen)
+    s = AdamScalars(3e-3, 0.9, 0.999, 1e-8, 0.0, 7)
+    variant = AdamVariant(decoupled, True)
+    p1, m1, v1 = reference.step(p, g, m, v, s, variant)
+    u = reference._update_direction(m1, v1, s, variant)
+    assert torch.equal(p1, p - u)

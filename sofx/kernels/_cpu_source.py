@@ -209,7 +209,7 @@ static void undo_tile(float *restrict P, float *restrict G, float *restrict M, f
     sqrt_tile(D, V, sq, n);
     for (int i = 0; i < n; i++) {
       const float d = D[i] / bc2 + eps;
-      P[i] = P[i] + (M[i] / d) * ss;
+      P[i] = P[i] + (ss * M[i]) / d; /* u as the step computed it: (ss * m) / d */
     }
     if (decoupled && s->has_decay) {
       const float f = s->decay;
@@ -348,7 +348,7 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
   float p = *P;
   if (!have_p_old) {
     const float d = D / k->bc2 + k->eps;
-    p = (p + (*M / d) * k->ss) / k->pdiv;
+    p = (p + (k->ss * *M) / d) / k->pdiv; /* u as the step computed it: (ss * m) / d */
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
   const float m = (*M - k->omb1 * g) / k->b1;

@@ -12,7 +12,7 @@ Per element, with ``t = s.step``, ``g = g * grad_scale`` and hparams of step ``t
     m' = lerp(m, g, 1 - b1)   (= b1*m + (1-b1)*g)
     v' = b2 * v + (1 - b2) * g * g
     bc1 = 1 - b1**t, bc2 = 1 - b2**t          (1 and 1 without bias correction)
-    u  = (lr / bc1) * (m' / (sqrt(v') / sqrt(bc2) + eps))
+    u  = ((lr / bc1) * m') / (sqrt(v') / sqrt(bc2) + eps)
     p' = p - u
 
 Inverse (SPECULATION.md section 2): recompute ``u`` from ``m', v'`` with the
@@ -93,11 +93,15 @@ def _cast(x: Scalar, dtype: torch.dtype) -> Scalar:
 
 
 def _update_direction(m: torch.Tensor, v: torch.Tensor, s: AdamScalars, variant: AdamVariant) -> torch.Tensor:
-    """``u = (lr/bc1) * (m / (sqrt(v)/sqrt(bc2) + eps))``, the amount subtracted from ``p``."""
+    """``u = ((lr/bc1) * m) / (sqrt(v)/sqrt(bc2) + eps)``, the amount subtracted from ``p``.
+
+    The operation order of ``addcdiv`` (``value * t1 / t2``), so that the inverse
+    recomputes exactly the ``u`` the step subtracted.
+    """
     step_size, bc2_sqrt = bias_corrections(s, variant)
     cd = m.dtype
     denom = (v.sqrt() / _cast(bc2_sqrt, cd)) + _cast(s.eps, cd)
-    return (m / denom) * _cast(step_size, cd)
+    return (m * _cast(step_size, cd)) / denom
 
 
 def _effective_grad(g: torch.Tensor, s: AdamScalars, cd: torch.dtype) -> torch.Tensor:

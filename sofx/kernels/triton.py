@@ -16,7 +16,7 @@ same fused multiply-adds as torch's CPU kernels (see
     step:  L2: g = fma(p, wd, g)          decoupled: p = p * (1 - lr*wd)
            m' = fma(c, g - m, m or g)     (torch's lerp)   v' = fma((1-b2)*g, g, v*b2)
            p' = p + (-lr/bc1 * m') / (sqrt(v')/sqrt(bc2) + eps)
-    undo:  p = (p' + (m' / (sqrt(v')/sqrt(bc2) + eps)) * lr/bc1) / (1 - lr*wd if decoupled)
+    undo:  p = (p' + (lr/bc1 * m') / (sqrt(v')/sqrt(bc2) + eps)) / (1 - lr*wd if decoupled)
            gh = g or fma(p, wd, g);  m = (m' - (1-b1)*gh) / b1;  v = max0((v' - (1-b2)*gh*gh) / b2)
 
 Tests run these kernels with ``TRITON_INTERPRET=1`` on CPU tensors (then
@@ -98,7 +98,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
         g = g * u_gs
         if not HAS_P_OLD:
             d = tl.div_rn(tl.sqrt_rn(v), u_bc2) + u_eps
-            p = tl.div_rn(p + tl.div_rn(m, d) * u_ss, u_pdiv)
+            p = tl.div_rn(p + tl.div_rn(u_ss * m, d), u_pdiv)  # u exactly as the step computed it
         g = tl.where(u_l2 != 0, tl.fma(p, u_wd, g), g)
         m = tl.div_rn(m - u_omb1 * g, u_b1)
         x = tl.div_rn(v - u_omb2 * (g * g), u_b2)
