@@ -23,9 +23,11 @@ done in float32 (float64 when ``p`` is float64) and rounded on store.
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple, Union
+from typing import NamedTuple, Sequence, Union
 
 import torch
+
+from sofx.errors import LeafError, UnsupportedError
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -95,3 +97,31 @@ def is_number(x: object) -> bool:
 def compute_dtype(p: torch.Tensor) -> torch.dtype:
     """float64 math for float64 parameters, float32 for everything else."""
     return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
+def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
+                        out: Sequence[torch.Tensor] | None = None) -> None:
+    """Refuse, before anything is written, block tensors a kernel cannot take.
+
+    Every named tensor (``None`` entries are skipped) and every ``out`` tensor
+    must be a floating-point tensor with the shape and device of ``like`` (the
+    parameter); ``out`` must be ``(p_out, m_out, v_out)``. ``where`` prefixes
+    the message (``"cpu.step"``). Backend-specific limits (device type, dtypes)
+    are the backend's own check.
+    """
+    named = list(tensors)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise LeafError(f"{where}: out must be a tuple (p_out, m_out, v_out)")
+        named += list(zip(("p_out", "m_out", "v_out"), out))
+    for name, t in named:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        if t.device != like.device:
+            raise UnsupportedError(f"{where}: {name} is on {t.device}, p on {like.device}")
+        if not t.dtype.is_floating_point:
+            raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.shape != like.shape:
+            raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")

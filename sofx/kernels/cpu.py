@@ -52,10 +52,10 @@ from typing import Sequence
 
 import torch
 
-from sofx.errors import LeafError, UnsupportedError
+from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.base import AdamScalars, AdamVariant, concrete_scalars, is_number
+from sofx.kernels.base import AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available", "bitwise_with_torch"]
 
@@ -107,26 +107,12 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
 
 
 # ------------------------------------------------------------------ checks
-def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], shape: torch.Size) -> None:
-    for name, t in tensors:
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise LeafError(f"cpu.{what}: {name} must be a tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
+def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
+           out: Sequence[torch.Tensor] | None) -> None:
+    for name, t in [*tensors, *zip(("p_out", "m_out", "v_out"), out or ())]:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise UnsupportedError(f"cpu.{what}: {name} is on {t.device}; the cpu backend needs CPU tensors")
-        if not t.dtype.is_floating_point:
-            raise LeafError(f"cpu.{what}: {name} must be a floating-point tensor, got {t.dtype}")
-        if t.shape != shape:
-            raise LeafError(f"cpu.{what}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-
-
-def _check_out(what: str, out: Sequence[torch.Tensor] | None, shape: torch.Size) -> None:
-    if out is None:
-        return
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise LeafError(f"cpu.{what}: out must be a tuple (p_out, m_out, v_out)")
-    _check(what, list(zip(("p_out", "m_out", "v_out"), out)), shape)
+    check_block_tensors(f"cpu.{what}", tensors, like, out)
 
 
 # ------------------------------------------------------------------ dispatch
@@ -223,8 +209,7 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
 def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, out: Triple | None, exact: bool) -> Triple:
     """:func:`step`; ``exact=False`` uses IEEE ``sqrtf`` (see :mod:`sofx.kernels.cpu_fast`)."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p.shape)
-    _check_out("step", out, p.shape)
+    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p, out)
     s = concrete_scalars(s)
     block = _scalar_block(s, variant)
     lib = _native(p, m, (v, g))
@@ -236,8 +221,7 @@ def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
 def undo_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, p_old: torch.Tensor | None, out: Triple | None, exact: bool) -> Triple:
     """:func:`undo` with the choice of square root (see :func:`step_impl`)."""
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p.shape)
-    _check_out("undo", out, p.shape)
+    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p, out)
     s = concrete_scalars(s)
     reference._check_invertible(s, variant, p_old is not None)
     block = _scalar_block(s, variant)
@@ -252,8 +236,7 @@ def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: tor
                    p_old: torch.Tensor | None, out: Triple | None, exact: bool) -> Triple:
     """:func:`undo_redo` with the choice of square root (see :func:`step_impl`)."""
     _check("undo_redo", [("p", p), ("m", m), ("v", v), ("g_old", g_old), ("g_new", g_new), ("p_old", p_old)],
-           p.shape)
-    _check_out("undo_redo", out, p.shape)
+           p, out)
     s_old = concrete_scalars(s_old)
     s_new = concrete_scalars(s_new)
     reference._check_invertible(s_old, variant, p_old is not None)

@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sofx.errors import LeafError, UnsupportedError
+from sofx.errors import UnsupportedError
 from sofx.kernels import reference
-from sofx.kernels.base import AdamScalars, AdamVariant, concrete_scalars, is_number
+from sofx.kernels.base import AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK"]
 
@@ -180,30 +180,13 @@ def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
 
 
 # ------------------------------------------------------------------ checks and launch
-def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor) -> None:
-    for name, t in tensors:
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise LeafError(f"triton.{what}: {name} must be a tensor, got {type(t).__name__}")
-        if t.device != like.device:
-            raise UnsupportedError(f"triton.{what}: {name} is on {t.device}, p on {like.device}")
-        if not t.dtype.is_floating_point:
-            raise LeafError(f"triton.{what}: {name} must be a floating-point tensor, got {t.dtype}")
-        if t.shape != like.shape:
-            raise LeafError(f"triton.{what}: {name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
+def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
+           out: Sequence[torch.Tensor] | None) -> None:
+    check_block_tensors(f"triton.{what}", tensors, like, out)
     if not supports(like.device, like.dtype, tensors[2][1].dtype):
         raise UnsupportedError(f"triton.{what}: device {like.device} with param dtype {like.dtype} and state dtype "
                                f"{tensors[2][1].dtype} is not supported (CUDA, or CPU under TRITON_INTERPRET=1; "
                                "float32/bfloat16/float16)")
-
-
-def _check_out(what: str, out: Sequence[torch.Tensor] | None, like: torch.Tensor) -> None:
-    if out is None:
-        return
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise LeafError(f"triton.{what}: out must be a tuple (p_out, m_out, v_out)")
-    _check(what, list(zip(("p_out", "m_out", "v_out"), out)), like)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -250,8 +233,7 @@ def _numbers(s: AdamScalars) -> bool:
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, out: Triple | None = None) -> Triple:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v``."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p)
-    _check_out("step", out, p)
+    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p, out)
     s = concrete_scalars(s)
     if not _numbers(s):
         return reference.step(p, g, m, v, s, variant, out=out)
@@ -261,8 +243,7 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
     """Inverse of :func:`step` given the step's gradient and scalars (``p_old``: restore p from it)."""
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p)
-    _check_out("undo", out, p)
+    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p, out)
     s = concrete_scalars(s)
     reference._check_invertible(s, variant, p_old is not None)
     if not _numbers(s):
@@ -274,8 +255,8 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
               g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
               p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
     """``step(*undo(p, g_old, m, v, s_old), g_new, s_new)`` in one kernel (one pass over memory)."""
-    _check("undo_redo", [("p", p), ("g_old", g_old), ("m", m), ("v", v), ("g_new", g_new), ("p_old", p_old)], p)
-    _check_out("undo_redo", out, p)
+    _check("undo_redo", [("p", p), ("g_old", g_old), ("m", m), ("v", v), ("g_new", g_new), ("p_old", p_old)], p,
+           out)
     s_old = concrete_scalars(s_old)
     s_new = concrete_scalars(s_new)
     reference._check_invertible(s_old, variant, p_old is not None)
