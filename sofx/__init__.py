@@ -14,6 +14,7 @@ from sofx.undo_record import LeafUndo, UndoRecord
 from sofx import loss_scale, schedules, serial, speculate, transforms
 from sofx.speculate import SpeculationConfig
 from sofx import offload
+from sofx import distributed
 from sofx.step_report import StepReport
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "adam",
     "adamw",
     "checkpoint",
+    "distributed",
     "loss_scale",
     "schedules",
     "serial",

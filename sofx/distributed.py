@@ -1,0 +1,316 @@
+"""torch.distributed collectives for the serial and speculative loops.
+
+Plain functions over an optional process group (``None``: the default group);
+nothing here holds global state. Every function raises :class:`SofxError`
+with a clear message when ``torch.distributed`` is unavailable or not
+initialized, or when this process is not a member of ``group``.
+
+What the loops need
+-------------------
+
+The global facts of a step (SPECULATION.md sections 3-4) are the overflow flag
+and the global gradient norm; both derive from one number, the sum of squares
+``s = sum_r s_r`` of the raw gradients over every block of every rank ``r``:
+``overflow = not isfinite(s)`` and ``norm = sqrt(s) / S``.
+:func:`all_reduce_sumsq` returns the ``reduce_sumsq`` hook of
+:func:`sofx.serial.serial_loop_step` and
+:func:`sofx.speculate.speculative_loop_step` /
+:func:`sofx.speculate.plan_validation`::
+
+    reduce = sofx.distributed.all_reduce_sumsq(group)
+    loop, report = speculative_loop_step(opt, loop, local_grads, config=cfg, scaler=scaler,
+                                         hparams=local_hparams, reduce_sumsq=reduce)
+
+It all-gathers the ``world_size`` local float64 sums and adds them in rank
+order, ``s = (((s_0 + s_1) + s_2) + ...)``, on every rank: every rank gets the
+same bits whatever the backend's reduction algorithm, so every rank takes the
+same decisions (overflow, clip coefficient, loss-scale update). A nan or inf on
+any rank makes ``s`` non-finite on every rank (IEEE addition: ``inf + x = inf``
+for ``x >= 0``, ``nan + x = nan``; sums of squares are never negative), so
+every rank skips the step. (gloo's ``all_reduce(SUM)`` propagates inf and nan
+as well -- the tests check both -- but does not promise rank-identical bits.)
+Every rank must call the hook once per step, also a rank that owns no block
+or got no gradient (its local sum is then 0).
+
+ZeRO-style sharding: each rank owns a subset of the blocks (the leaves of the
+params pytree) and keeps their master weights and Adam state; :class:`Shard`
+says which (by default :func:`partition_blocks`: contiguous, balanced by
+element count), selects a rank's leaves from a full tree (params, gradients,
+per-leaf hparams or a schedule of them) and gathers the updated leaves back
+from their owners (:meth:`Shard.gather`, one broadcast per leaf). Each rank
+runs the ordinary loop on its local list of leaves with ``reduce_sumsq``; the
+result, gathered, equals the single-process loop over the whole tree: bitwise
+on steps that neither clipped nor undid a speculative step, to float32
+rounding on the others (the clip coefficient comes from ``s``, whose float64
+rounding depends on how the blocks are split across ranks).
+
+Data parallelism: :func:`all_reduce_mean_` averages a gradient pytree in place
+across ranks, ``g <- (sum_r g_r) / world_size`` (summed by the backend's
+all-reduce, then divided once), so replicated parameters stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.errors import SofxError
+
+__all__ = [
+    "is_ready",
+    "require_initialized",
+    "group_rank",
+    "group_size",
+    "all_reduce_sumsq",
+    "all_reduce_mean_",
+    "partition_blocks",
+    "Shard",
+    "shard_blocks",
+]
+
+try:  # a build of torch without distributed support still imports sofx
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - every supported build has it
+    dist = None  # type: ignore[assignment]
+
+
+def is_ready() -> bool:
+    """``True`` when ``torch.distributed`` is available and a default process group is initialized."""
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def require_initialized(group: Any = None, what: str = "sofx.distributed") -> None:
+    """Raise :class:`SofxError` unless collectives on ``group`` can run in this process."""
+    if dist is None or not dist.is_available():
+        raise SofxError(f"{what}: this build of torch has no torch.distributed support")
+    if not dist.is_initialized():
+        raise SofxError(f"{what}: torch.distributed is not initialized; call "
+                        "torch.distributed.init_process_group(...) on every rank first "
+                        "(or pass reduce_sumsq=None for a single process)")
+    if group is not None and dist.get_rank(group) < 0:
+        raise SofxError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given "
+                        "process group")
+
+
+def group_rank(group: Any = None) -> int:
+    """This process's rank within ``group``."""
+    require_initialized(group)
+    return dist.get_rank(group)
+
+
+def group_size(group: Any = None) -> int:
+    """The number of ranks in ``group``."""
+    require_initialized(group)
+    return dist.get_world_size(group)
+
+
+def _collective_device(group: Any, device: torch.device | str | None) -> torch.device:
+    """Where the collectives' buffers live: ``device``, else CUDA for NCCL groups, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (the ``src`` that ``broadcast`` expects)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None) -> Callable[[float], float]:
+    """The ``reduce_sumsq`` hook: ``s_local -> sum over ranks of s_local`` (float64, rank order).
+
+    ``s = (((s_0 + s_1) + s_2) + ...)`` with ``s_r`` rank ``r``'s local sum of
+    squares, computed identically on every rank from one ``all_gather`` of
+    ``world_size`` float64 values, so every rank sees the same bits. A nan or
+    inf on any rank gives a non-finite ``s`` on every rank (an overflow: every
+    rank skips). ``device``: where the gathered buffer lives (default: the
+    current CUDA device for NCCL, else the CPU). Every rank of ``group`` must
+    call the hook the same number of times (once per step).
+    """
+    require_initialized(group, "all_reduce_sumsq")
+
+    def reduce_sumsq(local: float) -> float:
+        require_initialized(group, "all_reduce_sumsq")
+        dev = _collective_device(group, device)
+        world = dist.get_world_size(group)
+        mine = torch.tensor([float(local)], dtype=torch.float64, device=dev)
+        parts = [torch.empty(1, dtype=torch.float64, device=dev) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+        total = 0.0
+        for value in torch.cat(parts).tolist():
+            total += value
+        return total
+
+    return reduce_sumsq
+
+
+def all_reduce_mean_(grads: Any, group: Any = None) -> Any:
+    """Average a gradient pytree across ranks, in place: ``g <- (sum_r g_r) / world_size``; returns ``grads``.
+
+    Leaves of one dtype and device are packed into one flat buffer, summed by
+    one ``all_reduce(SUM)`` and divided by the world size once (exact for a
+    power-of-two world size). ``None`` leaves (no gradient) are left out and
+    must be ``None`` on every rank. A non-finite element on any rank makes the
+    same element non-finite on every rank, so the overflow check skips the
+    step everywhere. Every rank gets the same bits.
+    """
+    require_initialized(group, "all_reduce_mean_")
+    world = dist.get_world_size(group)
+    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+    for g in leaves:
+        if not isinstance(g, torch.Tensor):
+            raise SofxError(f"all_reduce_mean_: gradients must be tensors, got {type(g).__name__}")
+        if not g.is_floating_point():
+            raise SofxError(f"all_reduce_mean_: gradients must be floating point, got {g.dtype}")
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in leaves:
+        buckets.setdefault((g.dtype, g.device), []).append(g)
+    for group_leaves in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in group_leaves]) if group_leaves else None
+        if flat is None or flat.numel() == 0:
+            continue
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        if world != 1:
+            flat.div_(world)
+        offset = 0
+        for g in group_leaves:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+    return grads
+
+
+def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """The owner rank of every block: contiguous runs of blocks, balanced by element count.
+
+    Block ``i`` (of ``sizes[i]`` elements) goes to rank
+    ``min(world_size - 1, floor(world_size * c_i / N))`` with ``c_i`` the number
+    of elements before the block's midpoint and ``N`` the total; owners never
+    decrease with ``i``. A rank may own no block (more ranks than blocks).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise SofxError(f"world_size = {world_size!r}; expected an int >= 1")
+    sizes = [int(s) for s in sizes]
+    if any(s < 0 for s in sizes):
+        raise SofxError(f"block sizes must be >= 0, got {sizes}")
+    total = sum(sizes)
+    if total == 0:  # nothing to balance: split by count
+        n = len(sizes)
+        return tuple(min(world_size - 1, (i * world_size) // max(n, 1)) for i in range(n))
+    owners = []
+    before = 0
+    for s in sizes:
+        mid2 = 2 * before + s  # twice the element offset of the block's midpoint
+        owners.append(min(world_size - 1, (world_size * mid2) // (2 * total)))
+        before += s
+    return tuple(owners)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which leaves (blocks) of a params pytree this rank owns.
+
+    ``owners[i]`` is the rank (within the group) owning leaf ``i`` of ``spec``.
+    A rank's local tree is the list of its owned leaves in leaf order
+    (:meth:`local`); run the loops on it and gather with :meth:`gather`.
+    Immutable; build one with :func:`shard_blocks`.
+    """
+
+    rank: int
+    world_size: int
+    owners: tuple[int, ...]
+    spec: tree.TreeSpec
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if len(self.owners) != self.spec.num_leaves:
+            raise SofxError(f"owners has {len(self.owners)} entries, the params tree has {self.spec.num_leaves} leaves")
+        bad = [o for o in self.owners if not (isinstance(o, int) and 0 <= o < self.world_size)]
+        if bad:
+            raise SofxError(f"owners must be ranks in [0, {self.world_size}), got {bad[0]!r}")
+
+    @property
+    def owned(self) -> tuple[int, ...]:
+        """The leaf indices this rank owns, in leaf order."""
+        return tuple(i for i, o in enumerate(self.owners) if o == self.rank)
+
+    def owned_by(self, rank: int) -> tuple[int, ...]:
+        """The leaf indices rank ``rank`` owns."""
+        return tuple(i for i, o in enumerate(self.owners) if o == rank)
+
+    def local(self, full: Any, what: str = "tree") -> list[Any]:
+        """This rank's leaves of ``full`` (a tree of the params' structure; ``None`` leaves allowed)."""
+        leaves = tree.flatten_up_to(self.spec, full, what)
+        return [leaves[i] for i in self.owned]
+
+    def local_hparams(self, opt: Any, hparams: Any) -> Any:
+        """This rank's per-leaf hparams: a list of complete ``AdamHParams`` for the local leaves.
+
+        ``hparams`` is an ``AdamHParams`` prefix tree of the full params (or
+        ``None``), or a schedule ``step -> hparams``, which gives a schedule.
+        """
+        if callable(hparams):
+            return lambda step: self.local_hparams(opt, hparams(step))
+        per_leaf = opt.resolve_hparams(hparams, self.spec)
+        return [per_leaf[i] for i in self.owned]
+
+    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None) -> Any:
+        """The full tree, every leaf broadcast from its owner: ``local`` from each rank, assembled.
+
+        ``local``: this rank's leaves (as :meth:`local` orders them, e.g. the
+        ``params``, ``opt_state.mu`` or ``opt_state.count`` of a loop state).
+        ``like``: a tree of the full structure whose leaves give each leaf's
+        shape and dtype (meta tensors are fine). One broadcast per leaf; every
+        rank of ``group`` must call it.
+        """
+        require_initialized(group, "Shard.gather")
+        if dist.get_world_size(group) != self.world_size or dist.get_rank(group) != self.rank:
+            raise SofxError(f"Shard.gather: the shard is rank {self.rank} of {self.world_size}, the group has this "
+                            f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
+        local = list(local)
+        owned = self.owned
+        if len(local) != len(owned):
+            raise SofxError(f"Shard.gather: {len(local)} local leaves, rank {self.rank} owns {len(owned)}")
+        templates = tree.flatten_up_to(self.spec, like, "like")
+        mine = dict(zip(owned, local))
+        dev = _collective_device(group, None)
+        out = []
+        for i, (owner, t) in enumerate(zip(self.owners, templates)):
+            if owner == self.rank:
+                x = mine[i]
+                if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+                    raise SofxError(f"Shard.gather: leaf {i} is {tuple(x.shape)} {x.dtype}, like says "
+                                    f"{tuple(t.shape)} {t.dtype}")
+                buf = x.detach().to(dev).clone()
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, device=dev)
+            dist.broadcast(buf, src=_global_rank(group, owner), group=group)
+            out.append(buf)
+        return tree.unflatten(self.spec, out)
+
+
+def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None = None,
+                 rank: int | None = None, world_size: int | None = None) -> Shard:
+    """The :class:`Shard` of this rank for the full ``params`` tree.
+
+    ``owners``: the owner rank of every leaf (default:
+    :func:`partition_blocks` of the leaves' sizes). ``rank``/``world_size``
+    default to ``group``'s (then ``torch.distributed`` must be initialized);
+    pass both to describe a shard without a process group.
+    """
+    leaves, spec = tree.flatten(params)
+    if rank is None or world_size is None:
+        if rank is not None or world_size is not None:
+            raise SofxError("shard_blocks: pass both rank and world_size, or neither")
+        require_initialized(group, "shard_blocks")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if owners is None:
+        owners = partition_blocks([math.prod(x.shape) for x in leaves], world_size)
+    return Shard(int(rank), int(world_size), tuple(int(o) for o in owners), spec)
