@@ -1,0 +1,424 @@
+"""sofx.distributed on real gloo process groups (2 and 3 local processes).
+
+Each process group is spawned once (a module fixture) and runs every scenario;
+the ranks save what they computed and the tests here compare it, side by side,
+with single-process runs on the same fresh random inputs:
+
+* sharded blocks (ZeRO-style): each rank owns a disjoint part of the params
+  tree and runs :func:`sofx.speculate.speculative_loop_step` with
+  ``reduce_sumsq=all_reduce_sumsq()``; gathered, the result equals
+  :func:`sofx.serial.serial_loop_step` over the whole tree -- bitwise until a
+  step clips or undoes a speculative step, <= 1e-6 relative afterwards --
+  over 20 steps with clipping, a loss scaler, a per-group schedule and an
+  overflow injected into one rank's blocks only (every rank skips);
+* data parallel: replicated params, gradients averaged by
+  :func:`all_reduce_mean_`: every rank bitwise identical and equal to one
+  process stepping on the averaged gradients;
+* the sharded serial loop equals ``torch.optim.AdamW`` + ``clip_grad_norm_``
+  over the full parameter set;
+* the collectives themselves: inf/nan on one rank reach every rank (also
+  through gloo's own ``all_reduce(SUM)``), sub-groups, errors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sofx
+from sofx import AdamHParams, loss_scale
+from sofx import distributed as sd
+from sofx import speculate as sp
+from sofx.serial import init_loop, serial_loop_step
+
+STEPS = 20
+MAX_NORM = 1.0
+SEED = 20261130
+BIG_STEPS = {10, 16}        # gradients 25x larger: every block's norm is above MAX_NORM (speculation vetoed)
+MODERATE_STEPS = {9, 13, 17}  # every leaf's norm is 0.6: ranks speculate, then the global norm clips (undo+redo)
+CLIP_STEPS = BIG_STEPS | MODERATE_STEPS
+INF_STEP, NAN_STEP = 3, 7               # overflow injected into one rank's blocks only
+
+
+# ---------------------------------------------------------------- shared inputs (parent and ranks)
+def _params() -> dict:
+    g = torch.Generator().manual_seed(SEED)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    return {"embed": r(6, 4), "layers": [{"w": r(4, 4), "b": r(4)}, {"w": r(4, 3), "b": r(3)}], "head": r(3, 5)}
+
+
+def _schedule(step: int) -> dict:
+    """Per-group hparams (a prefix tree of the params) that move every step."""
+    decay = 0.97 ** step
+    return {"embed": AdamHParams(lr=1e-2 * decay, weight_decay=0.0),
+            "layers": AdamHParams(lr=2e-2 * decay, beta1=0.85),
+            "head": AdamHParams(lr=5e-3, weight_decay=0.1)}
+
+
+def _raw_grads(step: int, stream: int = 0, *, owners: tuple[int, ...] | None = None,
+               inject: dict[int, tuple[int, float]] | None = None) -> dict:
+    """Fresh unscaled gradients of step ``step``; ``inject[step] = (rank, value)`` writes ``value``
+    into one element of the first leaf owned by ``rank`` (``owners``)."""
+    g = torch.Generator().manual_seed(SEED + 1000 * stream + step + 1)
+    leaves, spec = sofx.tree.flatten(_params())
+    out = [torch.randn(p.shape, generator=g) * (0.5 if step in BIG_STEPS else 0.02) for p in leaves]
+    if step in MODERATE_STEPS:
+        out = [x * (0.6 / x.norm()) for x in out]
+    if inject and step in inject:
+        rank, value = inject[step]
+        leaf = owners.index(rank)
+        out[leaf].view(-1)[1] = value
+    return sofx.tree.unflatten(spec, out)
+
+
+def _scaled(grads: dict, scale: float) -> dict:
+    return sofx.tree.tree_map(lambda g: g * scale, grads)
+
+
+def _scalers(profile: str):
+    if profile == "torch":
+        return loss_scale.grad_scaler(init_scale=2.0 ** 10, growth_interval=3)
+    return loss_scale.deepspeed_scaler(init_scale=2.0 ** 10, scale_window=3, hysteresis=1)
+
+
+def _opt(undo: str = "auto"):
+    return sofx.adamw(lr=1e-2, weight_decay=0.05, undo=undo)
+
+
+UNDO = {"torch": "exact", "deepspeed": "auto"}  # snapshot undo (bitwise) with one profile, algebraic with the other
+
+
+def _inject(world: int) -> dict[int, tuple[int, float]]:
+    return {INF_STEP: (world - 1, math.inf), NAN_STEP: (0, math.nan)}
+
+
+# ---------------------------------------------------------------- what each rank runs
+def _gather_loop(shard: sd.Shard, loop, like) -> dict:
+    return {"params": shard.gather(loop.params, like),
+            "mu": shard.gather(loop.opt_state.mu, like),
+            "nu": shard.gather(loop.opt_state.nu, like),
+            "count": shard.gather(loop.opt_state.count, sofx.tree.tree_map(lambda _: torch.zeros((), dtype=torch.int64),
+                                                                            like))}
+
+
+def _run_sharded_speculative(rank: int, world: int, profile: str) -> dict:
+    params = _params()
+    shard = sd.shard_blocks(params)
+    opt, scaler = _opt(UNDO[profile]), _scalers(profile)
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM, profile=profile)
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, shard.local(params), scaler)
+    hparams = shard.local_hparams(opt, _schedule)
+    steps = []
+    for step in range(STEPS):
+        scale = scaler.scale(loop.scaler_state)
+        grads = _scaled(_raw_grads(step, owners=shard.owners, inject=_inject(world)), scale)
+        loop, report = sp.speculative_loop_step(opt, loop, shard.local(grads, "grads"), config=cfg, scaler=scaler,
+                                                hparams=hparams, reduce_sumsq=reduce)
+        steps.append({"scale": scale, "skipped": report.skipped, "clipped": report.clipped,
+                      "actions": list(report.actions), "step": loop.step, **_gather_loop(shard, loop, params)})
+    return {"owned": list(shard.owned), "owners": list(shard.owners), "steps": steps}
+
+
+def _run_data_parallel(rank: int, world: int) -> dict:
+    opt, scaler = _opt(), _scalers("torch")
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    serial = spec = init_loop(opt, _params(), scaler)
+    averaged, steps = [], []
+    for step in range(STEPS):
+        scale = scaler.scale(serial.scaler_state)
+        assert scale == scaler.scale(spec.scaler_state)
+        mine = _raw_grads(step, stream=1 + rank)
+        if step == INF_STEP and rank == world - 1:
+            mine["layers"][0]["w"][1, 2] = math.inf
+        grads = sd.all_reduce_mean_(_scaled(mine, scale))
+        if step in (0, INF_STEP):
+            averaged.append(grads)
+        serial, facts = serial_loop_step(opt, serial, grads, scaler=scaler, hparams=_schedule, max_norm=MAX_NORM)
+        spec, report = sp.speculative_loop_step(opt, spec, grads, config=cfg, scaler=scaler, hparams=_schedule)
+        steps.append({"serial": serial.params, "serial_mu": serial.opt_state.mu, "spec": spec.params,
+                      "skipped": facts.skipped, "spec_skipped": report.skipped})
+    return {"averaged": averaged, "steps": steps}
+
+
+def _run_sharded_serial_static(rank: int, world: int) -> dict:
+    params = _params()
+    shard = sd.shard_blocks(params)
+    opt, scaler = _opt(), loss_scale.static_scale()
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, shard.local(params), scaler)
+    steps = []
+    for step in range(STEPS):
+        loop, facts = serial_loop_step(opt, loop, shard.local(_raw_grads(step), "grads"), scaler=scaler,
+                                       max_norm=MAX_NORM, reduce_sumsq=reduce)
+        steps.append({"norm": facts.grad_norm, "clipped": facts.clipped, **_gather_loop(shard, loop, params)})
+    return {"steps": steps}
+
+
+def _run_collectives(rank: int, world: int) -> dict:
+    out = {}
+    reduce = sd.all_reduce_sumsq()
+    out["sum"] = reduce(float(rank + 1) * 0.1)
+    out["inf"] = reduce(math.inf if rank == world - 1 else 1.0)
+    out["nan"] = reduce(math.nan if rank == 0 else 1.0)
+    for name, value in (("gloo_inf", math.inf), ("gloo_nan", math.nan)):
+        t = torch.tensor([value if rank == world - 1 else 2.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        out[name] = t.item()
+    g = {"a": torch.full((3,), float(rank + 1)), "b": None, "c": torch.full((2,), float(rank), dtype=torch.float64)}
+    sd.all_reduce_mean_(g)
+    out["mean_a"], out["mean_c"] = g["a"], g["c"]
+    if world >= 3:  # a sub-group of ranks 1..world-1: hooks, gathers and membership errors
+        sub = dist.new_group(list(range(1, world)))
+        if rank == 0:
+            try:
+                sd.all_reduce_sumsq(sub)
+            except sofx.SofxError as exc:
+                out["not_member"] = str(exc)
+        else:
+            out["sub_sum"] = sd.all_reduce_sumsq(sub)(float(rank))
+            params = _params()
+            shard = sd.shard_blocks(params, sub)
+            full = shard.gather(shard.local(params), params, group=sub)
+            out["sub_gather_equal"] = all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(full)[0],
+                                                                            sofx.tree.flatten(params)[0]))
+            out["sub_owned"] = list(shard.owned)
+    return out
+
+
+def _worker(rank: int, world: int, store: str, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {"collectives": _run_collectives(rank, world),
+                   "sharded_torch": _run_sharded_speculative(rank, world, "torch")}
+        if world == 2:
+            results["sharded_deepspeed"] = _run_sharded_speculative(rank, world, "deepspeed")
+            results["data_parallel"] = _run_data_parallel(rank, world)
+            results["serial_static"] = _run_sharded_serial_static(rank, world)
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp_path_factory) -> list[dict]:
+    d = tmp_path_factory.mktemp(f"gloo{world}")
+    mp.spawn(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True)
+    return [torch.load(d / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ranks2(tmp_path_factory) -> list[dict]:
+    return _spawn(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ranks3(tmp_path_factory) -> list[dict]:
+    return _spawn(3, tmp_path_factory)
+
+
+# ---------------------------------------------------------------- comparisons
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| relative to the largest |b| of the tensor."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+def _check_tree(got, want, exact: bool, what: str) -> None:
+    g_leaves, g_spec = sofx.tree.flatten(got)
+    w_leaves, w_spec = sofx.tree.flatten(want)
+    assert g_spec == w_spec, what
+    for i, (a, b) in enumerate(zip(g_leaves, w_leaves)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, i)
+        assert torch.isfinite(a).all(), f"{what} leaf {i}: not finite"
+        if exact:
+            assert torch.equal(a, b), f"{what} leaf {i}: not bitwise equal (rel {_rel(a, b):.3g})"
+        else:
+            assert _rel(a, b) <= 1e-6, f"{what} leaf {i}: rel {_rel(a, b):.3g}"
+
+
+def _check_sharded(ranks: list[dict], key: str, profile: str) -> None:
+    world = len(ranks)
+    runs = [r[key] for r in ranks]
+    owned = sorted(i for run in runs for i in run["owned"])
+    assert owned == list(range(len(sofx.tree.flatten(_params())[0]))), "the shards must partition the leaves"
+    assert all(run["owned"] for run in runs), "every rank owns blocks"
+    opt, scaler = _opt(UNDO[profile]), _scalers(profile)
+    ref = init_loop(opt, _params(), scaler)
+    exact = True
+    bitwise_steps = 0
+    seen = {"clipped": 0, "skipped": 0, "undo_redo": 0, "commit": 0, "undo": 0}
+    for step in range(STEPS):
+        scale = scaler.scale(ref.scaler_state)
+        grads = _scaled(_raw_grads(step, owners=tuple(runs[0]["owners"]), inject=_inject(world)), scale)
+        ref, facts = serial_loop_step(opt, ref, grads, scaler=scaler, hparams=_schedule, max_norm=MAX_NORM,
+                                      profile=profile)
+        rows = [run["steps"][step] for run in runs]
+        for row in rows:
+            assert row["scale"] == scale, (step, row["scale"], scale)
+            assert row["skipped"] == facts.skipped, f"step {step}: a rank disagrees on the overflow"
+            assert row["clipped"] == facts.clipped, f"step {step}: a rank disagrees on clipping"
+            assert row["step"] == ref.step
+        actions = [a for row in rows for a in row["actions"]]
+        if facts.clipped or (UNDO[profile] == "auto" and any(a in ("undo", "undo_redo") for a in actions)):
+            exact = False  # the clip coefficient's float64 sum depends on the split; algebraic undo rounds
+        seen["clipped"] += facts.clipped
+        seen["skipped"] += facts.skipped
+        for a in ("undo_redo", "commit", "undo"):
+            seen[a] += actions.count(a)
+        for row in rows[1:]:  # every rank gathered the same tree
+            for k in ("params", "mu", "nu", "count"):
+                _check_tree(row[k], rows[0][k], True, f"step {step} {k} rank-to-rank")
+        bitwise_steps += exact
+        _check_tree(rows[0]["params"], ref.params, exact, f"step {step} params")
+        _check_tree(rows[0]["mu"], ref.opt_state.mu, exact, f"step {step} mu")
+        _check_tree(rows[0]["nu"], ref.opt_state.nu, exact, f"step {step} nu")
+        _check_tree(rows[0]["count"], ref.opt_state.count, True, f"step {step} count")
+    # the scenario exercised what it claims to
+    # (deepspeed: on a step where the scale grows the gradients are divided by the grown scale, so one
+    # moderate step does not clip)
+    if UNDO[profile] == "exact":  # both overflows (undone speculative steps) fall in the bitwise stretch
+        assert bitwise_steps == min(CLIP_STEPS) > NAN_STEP, bitwise_steps
+    assert seen["skipped"] == 2 and seen["clipped"] >= len(CLIP_STEPS) - 1
+    assert seen["undo_redo"] > 0 and seen["commit"] > 0 and seen["undo"] > 0, seen
+    assert int(sofx.tree.flatten(ref.opt_state.count)[0][0]) == STEPS - 2
+
+
+# ---------------------------------------------------------------- tests
+def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
+    for ranks in (ranks2, ranks3):
+        world = len(ranks)
+        want = 0.0
+        for r in range(world):
+            want += (r + 1) * 0.1
+        for r in ranks:
+            c = r["collectives"]
+            assert c["sum"] == want  # the same bits on every rank, summed in rank order
+            assert c["inf"] == math.inf and math.isnan(c["nan"])
+            assert c["gloo_inf"] == math.inf and math.isnan(c["gloo_nan"])  # gloo's SUM propagates too
+            assert torch.equal(c["mean_a"], torch.full((3,), (world + 1) / 2))
+            assert torch.equal(c["mean_c"], torch.full((2,), (world - 1) / 2, dtype=torch.float64))
+    c0, c1, c2 = (r["collectives"] for r in ranks3)
+    assert "not a member" in c0["not_member"]
+    assert c1["sub_sum"] == c2["sub_sum"] == 3.0
+    assert c1["sub_gather_equal"] and c2["sub_gather_equal"]
+    assert sorted(c1["sub_owned"] + c2["sub_owned"]) == list(range(6))
+
+
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_sharded_speculation_equals_single_process_serial_loop(ranks2, profile):
+    _check_sharded(ranks2, f"sharded_{profile}", profile)
+
+
+def test_sharded_speculation_on_three_ranks(ranks3):
+    _check_sharded(ranks3, "sharded_torch", "torch")
+
+
+def test_data_parallel_ranks_identical_and_equal_to_averaged_single_process(ranks2):
+    world = len(ranks2)
+    opt, scaler = _opt(), _scalers("torch")
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    ref = init_loop(opt, _params(), scaler)
+    averaged = 0
+    skipped = 0
+    for step in range(STEPS):
+        scale = scaler.scale(ref.scaler_state)
+        per_rank = []
+        for r in range(world):
+            g = _raw_grads(step, stream=1 + r)
+            if step == INF_STEP and r == world - 1:
+                g["layers"][0]["w"][1, 2] = math.inf
+            per_rank.append(_scaled(g, scale))
+        mean = sofx.tree.tree_map(lambda *gs: sum(gs[1:], gs[0]) / world, *per_rank)
+        if step in (0, INF_STEP):
+            for r in ranks2:
+                got, want = sofx.tree.flatten(r["data_parallel"]["averaged"][averaged])[0], sofx.tree.flatten(mean)[0]
+                assert all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and
+                           torch.equal(torch.isinf(a), torch.isinf(b)) for a, b in zip(got, want))
+            averaged += 1
+        ref, facts = serial_loop_step(opt, ref, mean, scaler=scaler, hparams=_schedule, max_norm=MAX_NORM)
+        skipped += facts.skipped
+        spec_ref = None
+        for r in ranks2:
+            row = r["data_parallel"]["steps"][step]
+            assert row["skipped"] == row["spec_skipped"] == facts.skipped
+            _check_tree(row["serial"], ref.params, True, f"step {step} serial params")
+            _check_tree(row["serial_mu"], ref.opt_state.mu, True, f"step {step} serial mu")
+            if spec_ref is None:
+                spec_ref = row["spec"]
+            _check_tree(row["spec"], spec_ref, True, f"step {step} speculative params rank-to-rank")
+            _check_tree(row["spec"], ref.params, not any(s in CLIP_STEPS for s in range(step + 1)),
+                        f"step {step} speculative params")
+    assert skipped == 1
+
+
+def test_sharded_serial_loop_equals_torch_adamw_and_clip_grad_norm(ranks2):
+    ref = [torch.nn.Parameter(p.clone()) for p in sofx.tree.flatten(_params())[0]]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.05)
+    clipped = 0
+    for step in range(STEPS):
+        for p, g in zip(ref, sofx.tree.flatten(_raw_grads(step))[0]):
+            p.grad = g.clone()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref, MAX_NORM))
+        torch_opt.step()
+        for r in ranks2:
+            row = r["serial_static"]["steps"][step]
+            assert row["norm"] == pytest.approx(norm, rel=1e-6)
+            clipped += row["clipped"]
+            want_params = [p.detach() for p in ref]
+            want_mu = [torch_opt.state[p]["exp_avg"] for p in ref]
+            want_nu = [torch_opt.state[p]["exp_avg_sq"] for p in ref]
+            for k, want in (("params", want_params), ("mu", want_mu), ("nu", want_nu)):
+                for i, (a, b) in enumerate(zip(sofx.tree.flatten(row[k])[0], want)):
+                    assert _rel(a, b) <= 1e-6, (step, k, i, _rel(a, b))
+            assert all(int(c) == step + 1 for c in sofx.tree.flatten(row["count"])[0])
+    assert clipped == len(CLIP_STEPS) * len(ranks2)
+
+
+def test_errors_without_a_process_group():
+    assert not sd.is_ready()
+    for call in (lambda: sd.all_reduce_sumsq(), lambda: sd.all_reduce_mean_([torch.ones(2)]),
+                 lambda: sd.shard_blocks(_params()), lambda: sd.group_size()):
+        with pytest.raises(sofx.SofxError, match="not initialized"):
+            call()
+    shard = sd.shard_blocks(_params(), rank=1, world_size=2)
+    with pytest.raises(sofx.SofxError, match="not initialized"):
+        shard.gather(shard.local(_params()), _params())
+    with pytest.raises(sofx.SofxError, match="both rank and world_size"):
+        sd.shard_blocks(_params(), rank=1)
+    with pytest.raises(sofx.SofxError, match="owners"):
+        sd.shard_blocks(_params(), owners=[0, 1], rank=0, world_size=2)
+    with pytest.raises(sofx.SofxError, match="world_size"):
+        sd.partition_blocks([1, 2], 0)
+
+
+def test_partition_blocks_is_contiguous_balanced_and_complete():
+    assert sd.partition_blocks([10, 10], 2) == (0, 1)
+    assert sd.partition_blocks([1, 1, 1, 100, 1], 2) == (0, 0, 0, 1, 1)
+    assert sd.partition_blocks([3] * 6, 3) == (0, 0, 1, 1, 2, 2)
+    assert sd.partition_blocks([5], 3) == (1,)  # more ranks than blocks: some own nothing
+    assert sd.partition_blocks([0, 0, 0], 2) == (0, 0, 1)
+    g = torch.Generator().manual_seed(7)
+    for world in (1, 2, 3, 5):
+        sizes = (torch.randint(0, 50, (12,), generator=g)).tolist()
+        owners = sd.partition_blocks(sizes, world)
+        assert list(owners) == sorted(owners) and all(0 <= o < world for o in owners)
+        # every rank's load is at most an even share plus one block
+        for r in range(world):
+            load = sum(s for s, o in zip(sizes, owners) if o == r)
+            assert load <= sum(sizes) / world + max(sizes)
+    shard = sd.shard_blocks(_params(), rank=0, world_size=2)
+    hp = shard.local_hparams(_opt(), _schedule)(3)
+    full = _opt().resolve_hparams(_schedule(3), sofx.tree.flatten(_params())[1])
+    assert hp == [full[i] for i in shard.owned]
