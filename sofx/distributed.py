@@ -28,7 +28,9 @@ same decisions (overflow, clip coefficient, loss-scale update). A nan or inf on
 any rank makes ``s`` non-finite on every rank (IEEE addition: ``inf + x = inf``
 for ``x >= 0``, ``nan + x = nan``; sums of squares are never negative), so
 every rank skips the step. (gloo's ``all_reduce(SUM)`` propagates inf and nan
-as well -- the tests check both -- but does not promise rank-identical bits.)
+as well -- the tests check both -- but the association of its additions is the
+backend's and depends on its algorithm and the world size; the all-gather makes
+it explicit and the same for every backend.)
 Every rank must call the hook once per step, also a rank that owns no block
 or got no gradient (its local sum is then 0).
 
@@ -154,11 +156,16 @@ def all_reduce_mean_(grads: Any, group: Any = None) -> Any:
     """Average a gradient pytree across ranks, in place: ``g <- (sum_r g_r) / world_size``; returns ``grads``.
 
     Leaves of one dtype and device are packed into one flat buffer, summed by
-    one ``all_reduce(SUM)`` and divided by the world size once (exact for a
-    power-of-two world size). ``None`` leaves (no gradient) are left out and
-    must be ``None`` on every rank. A non-finite element on any rank makes the
-    same element non-finite on every rank, so the overflow check skips the
-    step everywhere. Every rank gets the same bits.
+    one ``all_reduce(SUM)`` and divided by the world size once (the division is
+    exact for a power-of-two world size). ``None`` leaves (no gradient) are
+    left out and must be ``None`` on every rank, in the same structure. A
+    non-finite element on any rank makes the same element non-finite on every
+    rank, so the overflow check skips the step everywhere. Every rank gets the
+    same bits (gloo's and NCCL's all-reduce reduce each element once and send
+    the result to every rank -- what ``DistributedDataParallel`` relies on; the
+    tests check it on 2 and 3 ranks), so replicated parameters stay bitwise
+    identical. With two ranks the sum ``g_0 + g_1`` is exactly what one
+    process computes; with more, the order of the additions is the backend's.
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)

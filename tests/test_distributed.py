@@ -177,6 +177,10 @@ def _run_collectives(rank: int, world: int) -> dict:
     g = {"a": torch.full((3,), float(rank + 1)), "b": None, "c": torch.full((2,), float(rank), dtype=torch.float64)}
     sd.all_reduce_mean_(g)
     out["mean_a"], out["mean_c"] = g["a"], g["c"]
+    g = torch.Generator().manual_seed(SEED + rank)
+    noisy = {"x": torch.randn(37, generator=g), "y": torch.randn(2, 3, generator=g, dtype=torch.float64)}
+    out["noisy_own"] = {k: v.clone() for k, v in noisy.items()}
+    out["noisy_mean"] = sd.all_reduce_mean_(noisy)
     if world >= 3:  # a sub-group of ranks 1..world-1: hooks, gathers and membership errors
         sub = dist.new_group(list(range(1, world)))
         if rank == 0:
@@ -195,6 +199,32 @@ def _run_collectives(rank: int, world: int) -> dict:
     return out
 
 
+IDLE_OWNERS = (0, 0, 0, 2, 2, 2)  # on 3 ranks, rank 1 owns no block but still takes part in every all-reduce
+IDLE_STEPS = 6
+
+
+def _idle_grads(step: int) -> dict:
+    grads = _raw_grads(step + 5)  # steps 4 and 5 are the main stream's 9 and 10: clipping
+    if step == 2:
+        grads["head"][0, 0] = math.inf  # owned by rank 2 only
+    return grads
+
+
+def _run_idle_rank(rank: int, world: int) -> dict:
+    params = _params()
+    shard = sd.shard_blocks(params, owners=IDLE_OWNERS)
+    opt, scaler = _opt(), _scalers("torch")
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, shard.local(params), scaler)
+    steps = []
+    for step in range(IDLE_STEPS):
+        grads = _scaled(_idle_grads(step), scaler.scale(loop.scaler_state))
+        loop, facts = serial_loop_step(opt, loop, shard.local(grads, "grads"), scaler=scaler, max_norm=MAX_NORM,
+                                       reduce_sumsq=reduce)
+        steps.append({"skipped": facts.skipped, "clipped": facts.clipped, **_gather_loop(shard, loop, params)})
+    return {"owned": list(shard.owned), "steps": steps}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -206,6 +236,8 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
             results["sharded_deepspeed"] = _run_sharded_speculative(rank, world, "deepspeed")
             results["data_parallel"] = _run_data_parallel(rank, world)
             results["serial_static"] = _run_sharded_serial_static(rank, world)
+        else:
+            results["idle_rank"] = _run_idle_rank(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -309,6 +341,16 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
             assert c["gloo_inf"] == math.inf and math.isnan(c["gloo_nan"])  # gloo's SUM propagates too
             assert torch.equal(c["mean_a"], torch.full((3,), (world + 1) / 2))
             assert torch.equal(c["mean_c"], torch.full((2,), (world - 1) / 2, dtype=torch.float64))
+        # the data-parallel mean: the same bits on every rank, the mean to float rounding
+        for k in ("x", "y"):
+            mean = ranks[0]["collectives"]["noisy_mean"][k]
+            want = sum(r["collectives"]["noisy_own"][k].double() for r in ranks) / world
+            assert _rel(mean, want) <= 1e-6
+            for r in ranks[1:]:
+                assert torch.equal(r["collectives"]["noisy_mean"][k], mean)
+            if world == 2:
+                a, b = (r["collectives"]["noisy_own"][k] for r in ranks)
+                assert torch.equal(mean, (a + b) / 2)
     c0, c1, c2 = (r["collectives"] for r in ranks3)
     assert "not a member" in c0["not_member"]
     assert c1["sub_sum"] == c2["sub_sum"] == 3.0
@@ -422,3 +464,23 @@ def test_partition_blocks_is_contiguous_balanced_and_complete():
     hp = shard.local_hparams(_opt(), _schedule)(3)
     full = _opt().resolve_hparams(_schedule(3), sofx.tree.flatten(_params())[1])
     assert hp == [full[i] for i in shard.owned]
+
+
+def test_a_rank_owning_no_block_still_takes_part(ranks3):
+    runs = [r["idle_rank"] for r in ranks3]
+    assert runs[1]["owned"] == [] and runs[0]["owned"] == [0, 1, 2] and runs[2]["owned"] == [3, 4, 5]
+    opt, scaler = _opt(), _scalers("torch")
+    ref = init_loop(opt, _params(), scaler)
+    seen = []
+    for step in range(IDLE_STEPS):
+        grads = _scaled(_idle_grads(step), scaler.scale(ref.scaler_state))
+        ref, facts = serial_loop_step(opt, ref, grads, scaler=scaler, max_norm=MAX_NORM)
+        seen.append((facts.skipped, facts.clipped))
+        for run in runs:
+            row = run["steps"][step]
+            assert (row["skipped"], row["clipped"]) == seen[-1]
+            exact = not any(c for _, c in seen)  # bitwise until the first clipped step
+            for k, want in (("params", ref.params), ("mu", ref.opt_state.mu), ("nu", ref.opt_state.nu),
+                            ("count", ref.opt_state.count)):
+                _check_tree(row[k], want, exact or k == "count", f"step {step} {k}")
+    assert seen[2] == (True, False) and [c for _, c in seen] == [False] * 4 + [True] * 2
