@@ -38,13 +38,28 @@ ZeRO-style sharding: each rank owns a subset of the blocks (the leaves of the
 params pytree) and keeps their master weights and Adam state; :class:`Shard`
 says which (by default :func:`partition_blocks`: contiguous, balanced by
 element count), selects a rank's leaves from a full tree (params, gradients,
-per-leaf hparams or a schedule of them) and gathers the updated leaves back
-from their owners (:meth:`Shard.gather`, one broadcast per leaf). Each rank
-runs the ordinary loop on its local list of leaves with ``reduce_sumsq``; the
-result, gathered, equals the single-process loop over the whole tree: bitwise
-on steps that neither clipped nor undid a speculative step, to float32
-rounding on the others (the clip coefficient comes from ``s``, whose float64
-rounding depends on how the blocks are split across ranks).
+per-leaf hparams or a schedule of them), averages a data-parallel rank's full
+gradients onto their owners (:meth:`Shard.reduce_mean`, ZeRO-2's
+reduce-scatter) and gathers the updated leaves back from their owners
+(:meth:`Shard.gather`, one broadcast per owner and dtype). Each rank runs the
+ordinary loop on its local list of leaves with ``reduce_sumsq``::
+
+    shard = sofx.distributed.shard_blocks(params)            # every rank, same params structure
+    loop = sofx.serial.init_loop(opt, shard.local(params), scaler)
+    hp = shard.local_hparams(opt, schedule)                  # a prefix tree or a schedule of one
+    reduce = sofx.distributed.all_reduce_sumsq()
+    for batch in data:
+        local_grads = shard.reduce_mean(grads)               # or shard.local(grads) if already averaged
+        loop, report = speculative_loop_step(opt, loop, local_grads, config=cfg, scaler=scaler,
+                                             hparams=hp, reduce_sumsq=reduce)
+    full_params = shard.gather(loop.params, like=params)
+
+The result, gathered, equals the single-process loop over the whole tree:
+bitwise on every step until one clips (the clip coefficient comes from ``s``,
+whose float64 rounding depends on how the blocks are split across ranks) or
+undoes a speculative step algebraically (snapshot undo, ``undo="exact"``, is
+bitwise); to float32 rounding (<= 1e-6 relative) after that. Overflow and loss
+scale decisions are identical on every rank and equal to the single process's.
 
 Data parallelism: :func:`all_reduce_mean_` averages a gradient pytree in place
 across ranks, ``g <- (sum_r g_r) / world_size`` (summed by the backend's
@@ -268,39 +283,90 @@ class Shard:
         per_leaf = opt.resolve_hparams(hparams, self.spec)
         return [per_leaf[i] for i in self.owned]
 
+    def _check_group(self, group: Any, what: str) -> None:
+        require_initialized(group, what)
+        if dist.get_world_size(group) != self.world_size or dist.get_rank(group) != self.rank:
+            raise SofxError(f"{what}: the shard is rank {self.rank} of {self.world_size}, the group has this "
+                            f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
+
     def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None) -> Any:
-        """The full tree, every leaf broadcast from its owner: ``local`` from each rank, assembled.
+        """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
 
         ``local``: this rank's leaves (as :meth:`local` orders them, e.g. the
         ``params``, ``opt_state.mu`` or ``opt_state.count`` of a loop state).
         ``like``: a tree of the full structure whose leaves give each leaf's
-        shape and dtype (meta tensors are fine). One broadcast per leaf; every
-        rank of ``group`` must call it.
+        shape and dtype (meta tensors are fine). The leaves of one owner and
+        dtype travel as one flat buffer: one broadcast per (owner, dtype).
+        Every rank of ``group`` must call it. The returned leaves are
+        non-overlapping views of those buffers, bit-identical to the owners'.
         """
-        require_initialized(group, "Shard.gather")
-        if dist.get_world_size(group) != self.world_size or dist.get_rank(group) != self.rank:
-            raise SofxError(f"Shard.gather: the shard is rank {self.rank} of {self.world_size}, the group has this "
-                            f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
+        self._check_group(group, "Shard.gather")
         local = list(local)
         owned = self.owned
         if len(local) != len(owned):
             raise SofxError(f"Shard.gather: {len(local)} local leaves, rank {self.rank} owns {len(owned)}")
         templates = tree.flatten_up_to(self.spec, like, "like")
         mine = dict(zip(owned, local))
+        for i, x in mine.items():
+            t = templates[i]
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
         dev = _collective_device(group, None)
-        out = []
-        for i, (owner, t) in enumerate(zip(self.owners, templates)):
+        out: list[Any] = [None] * len(templates)
+        for (owner, dtype), leaves in _buckets(self.owners, templates).items():
+            sizes = [math.prod(templates[i].shape) for i in leaves]
             if owner == self.rank:
-                x = mine[i]
-                if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
-                    raise SofxError(f"Shard.gather: leaf {i} is {tuple(x.shape)} {x.dtype}, like says "
-                                    f"{tuple(t.shape)} {t.dtype}")
-                buf = x.detach().to(dev).clone()
+                flat = torch.cat([mine[i].detach().reshape(-1).to(dev) for i in leaves])
             else:
-                buf = torch.empty(t.shape, dtype=t.dtype, device=dev)
-            dist.broadcast(buf, src=_global_rank(group, owner), group=group)
-            out.append(buf)
+                flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
+            if flat.numel():
+                dist.broadcast(flat, src=_global_rank(group, owner), group=group)
+            for i, part in zip(leaves, flat.split(sizes)):
+                out[i] = part.view(templates[i].shape)
         return tree.unflatten(self.spec, out)
+
+    def reduce_mean(self, grads: Any, group: Any = None) -> list[Any]:
+        """Data parallel + sharding: every leaf's gradient averaged onto its owner only.
+
+        ``grads``: this rank's full gradient tree (``None`` leaves: no
+        gradient, the same on every rank). Returns this rank's local gradient
+        list, ``g_i = (sum_r g_{r,i}) / world_size`` for each owned leaf ``i``
+        (``None`` where the leaf had none): the reduce-scatter of ZeRO-2, one
+        ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient.
+        ``grads`` is not modified. Non-finite elements reach the owner (and,
+        through :func:`all_reduce_sumsq`, every rank).
+        """
+        self._check_group(group, "Shard.reduce_mean")
+        g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
+        present = [i for i, g in enumerate(g_leaves) if g is not None]
+        for i in present:
+            if not isinstance(g_leaves[i], torch.Tensor) or not g_leaves[i].is_floating_point():
+                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
+        dev = _collective_device(group, None)
+        world = self.world_size
+        result: dict[int, torch.Tensor] = {}
+        owners = [self.owners[i] for i in present]
+        for (owner, dtype), idx in _buckets(owners, [g_leaves[i] for i in present]).items():
+            leaves = [present[j] for j in idx]
+            sizes = [g_leaves[i].numel() for i in leaves]
+            flat = torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves])
+            if flat.numel():
+                dist.reduce(flat, dst=_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
+            if owner == self.rank:
+                if world != 1:
+                    flat.div_(world)
+                for i, part in zip(leaves, flat.split(sizes)):
+                    result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
+        return [result.get(i) for i in self.owned]
+
+
+def _buckets(owners: Sequence[int], templates: Sequence[Any]) -> dict[tuple[int, torch.dtype], list[int]]:
+    """Positions grouped by (owner, dtype), in a fixed order (owner, then first position) on every rank."""
+    out: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, (owner, t) in enumerate(zip(owners, templates)):
+        out.setdefault((owner, t.dtype), []).append(i)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[1][0])))
 
 
 def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None = None,

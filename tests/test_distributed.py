@@ -150,6 +150,47 @@ def _run_data_parallel(rank: int, world: int) -> dict:
     return {"averaged": averaged, "steps": steps}
 
 
+NO_HEAD_STEP = 5  # no gradient for "head" on any rank (missing_grad="skip": its state does not move)
+
+
+def _zero2_grads(step: int, rank: int, world: int) -> dict:
+    g = _raw_grads(step, stream=1 + rank)
+    if step == INF_STEP and rank == world - 1:
+        g["layers"][1]["b"][0] = math.inf
+    if step == NO_HEAD_STEP:
+        g["head"] = None
+    return g
+
+
+def _run_zero2(rank: int, world: int) -> dict:
+    """Data parallel and sharded: full gradients per rank, averaged onto the owners, speculation on the shards."""
+    params = _params()
+    shard = sd.shard_blocks(params)
+    like = sofx.tree.tree_map(lambda p: torch.empty_like(p, device="meta"), params)
+    opt, scaler = _opt("exact"), _scalers("torch")
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, shard.local(params), scaler)
+    hparams = shard.local_hparams(opt, _schedule)
+    steps = []
+    for step in range(STEPS):
+        grads = _scaled_or_none(_zero2_grads(step, rank, world), scaler.scale(loop.scaler_state))
+        before = sofx.tree.tree_map(torch.clone, grads)
+        local = shard.reduce_mean(grads)
+        assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(grads)[0], sofx.tree.flatten(before)[0]))
+        loop, report = sp.speculative_loop_step(opt, loop, local, config=cfg, scaler=scaler, hparams=hparams,
+                                                reduce_sumsq=reduce)
+        steps.append({"skipped": report.skipped, "clipped": report.clipped, "actions": list(report.actions),
+                      "params": shard.gather(loop.params, like), "mu": shard.gather(loop.opt_state.mu, like),
+                      "count": shard.gather(loop.opt_state.count, sofx.tree.tree_map(
+                          lambda _: torch.zeros((), dtype=torch.int64), like))})
+    return {"steps": steps}
+
+
+def _scaled_or_none(grads: dict, scale: float) -> dict:
+    return sofx.tree.tree_map(lambda g: g * scale, grads)  # None is an empty subtree: stays None
+
+
 def _run_sharded_serial_static(rank: int, world: int) -> dict:
     params = _params()
     shard = sd.shard_blocks(params)
@@ -236,6 +277,7 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
             results["sharded_deepspeed"] = _run_sharded_speculative(rank, world, "deepspeed")
             results["data_parallel"] = _run_data_parallel(rank, world)
             results["serial_static"] = _run_sharded_serial_static(rank, world)
+            results["zero2"] = _run_zero2(rank, world)
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
@@ -484,3 +526,27 @@ def test_a_rank_owning_no_block_still_takes_part(ranks3):
                             ("count", ref.opt_state.count)):
                 _check_tree(row[k], want, exact or k == "count", f"step {step} {k}")
     assert seen[2] == (True, False) and [c for _, c in seen] == [False] * 4 + [True] * 2
+
+
+def test_zero2_reduce_mean_onto_owners_equals_single_process_on_the_mean(ranks2):
+    world = len(ranks2)
+    opt, scaler = _opt("exact"), _scalers("torch")
+    ref = init_loop(opt, _params(), scaler)
+    exact = True
+    undo_redo = 0
+    for step in range(STEPS):
+        scale = scaler.scale(ref.scaler_state)
+        per_rank = [_scaled_or_none(_zero2_grads(step, r, world), scale) for r in range(world)]
+        mean = sofx.tree.tree_map(lambda a, b: (a + b) / 2, *per_rank)  # two ranks: the sum is exact to order
+        ref, facts = serial_loop_step(opt, ref, mean, scaler=scaler, hparams=_schedule, max_norm=MAX_NORM)
+        exact = exact and not facts.clipped
+        rows = [r["zero2"]["steps"][step] for r in ranks2]
+        for row in rows:
+            assert (row["skipped"], row["clipped"]) == (facts.skipped, facts.clipped), step
+            _check_tree(row["params"], ref.params, exact, f"step {step} params")
+            _check_tree(row["mu"], ref.opt_state.mu, exact, f"step {step} mu")
+            _check_tree(row["count"], ref.opt_state.count, True, f"step {step} count")
+        undo_redo += sum(a == "undo_redo" for row in rows for a in row["actions"])
+    assert undo_redo > 0
+    counts = ref.opt_state.count
+    assert int(counts["embed"]) == STEPS - 1 and int(counts["head"]) == STEPS - 2  # "head" missed one step
