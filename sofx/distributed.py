@@ -194,8 +194,8 @@ def all_reduce_mean_(grads: Any, group: Any = None) -> Any:
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
     for group_leaves in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in group_leaves]) if group_leaves else None
-        if flat is None or flat.numel() == 0:
+        flat = torch.cat([g.reshape(-1) for g in group_leaves])
+        if flat.numel() == 0:
             continue
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if world != 1:

@@ -8,16 +8,23 @@ with single-process runs on the same fresh random inputs:
   tree and runs :func:`sofx.speculate.speculative_loop_step` with
   ``reduce_sumsq=all_reduce_sumsq()``; gathered, the result equals
   :func:`sofx.serial.serial_loop_step` over the whole tree -- bitwise until a
-  step clips or undoes a speculative step, <= 1e-6 relative afterwards --
-  over 20 steps with clipping, a loss scaler, a per-group schedule and an
-  overflow injected into one rank's blocks only (every rank skips);
+  step clips (the float64 sum of squares is associated per rank) or undoes a
+  speculative step algebraically, <= 1e-6 relative afterwards -- over 20
+  steps with clipping (vetoed and undone+redone), a loss scaler, a per-group
+  schedule, and an inf and a nan injected into one rank's blocks only (every
+  rank skips; with snapshot undo both lie in the bitwise stretch);
 * data parallel: replicated params, gradients averaged by
   :func:`all_reduce_mean_`: every rank bitwise identical and equal to one
   process stepping on the averaged gradients;
+* ZeRO-2 style: data-parallel gradients averaged onto their owners by
+  :meth:`Shard.reduce_mean`, speculation on the shards, a leaf with no
+  gradient on one step: equal to one process on the mean gradients;
 * the sharded serial loop equals ``torch.optim.AdamW`` + ``clip_grad_norm_``
   over the full parameter set;
+* a rank that owns no block still takes part (3 ranks);
 * the collectives themselves: inf/nan on one rank reach every rank (also
-  through gloo's own ``all_reduce(SUM)``), sub-groups, errors.
+  through gloo's own ``all_reduce(SUM)``), the mean is rank-identical,
+  sub-groups, errors without a process group.
 """
 
 from __future__ import annotations
@@ -81,7 +88,7 @@ def _raw_grads(step: int, stream: int = 0, *, owners: tuple[int, ...] | None = N
 
 
 def _scaled(grads: dict, scale: float) -> dict:
-    return sofx.tree.tree_map(lambda g: g * scale, grads)
+    return sofx.tree.tree_map(lambda g: g * scale, grads)  # a None leaf is an empty subtree: stays None
 
 
 def _scalers(profile: str):
@@ -174,7 +181,7 @@ def _run_zero2(rank: int, world: int) -> dict:
     hparams = shard.local_hparams(opt, _schedule)
     steps = []
     for step in range(STEPS):
-        grads = _scaled_or_none(_zero2_grads(step, rank, world), scaler.scale(loop.scaler_state))
+        grads = _scaled(_zero2_grads(step, rank, world), scaler.scale(loop.scaler_state))
         before = sofx.tree.tree_map(torch.clone, grads)
         local = shard.reduce_mean(grads)
         assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(grads)[0], sofx.tree.flatten(before)[0]))
@@ -185,10 +192,6 @@ def _run_zero2(rank: int, world: int) -> dict:
                       "count": shard.gather(loop.opt_state.count, sofx.tree.tree_map(
                           lambda _: torch.zeros((), dtype=torch.int64), like))})
     return {"steps": steps}
-
-
-def _scaled_or_none(grads: dict, scale: float) -> dict:
-    return sofx.tree.tree_map(lambda g: g * scale, grads)  # None is an empty subtree: stays None
 
 
 def _run_sharded_serial_static(rank: int, world: int) -> dict:
@@ -536,7 +539,7 @@ def test_zero2_reduce_mean_onto_owners_equals_single_process_on_the_mean(ranks2)
     undo_redo = 0
     for step in range(STEPS):
         scale = scaler.scale(ref.scaler_state)
-        per_rank = [_scaled_or_none(_zero2_grads(step, r, world), scale) for r in range(world)]
+        per_rank = [_scaled(_zero2_grads(step, r, world), scale) for r in range(world)]
         mean = sofx.tree.tree_map(lambda a, b: (a + b) / 2, *per_rank)  # two ranks: the sum is exact to order
         ref, facts = serial_loop_step(opt, ref, mean, scaler=scaler, hparams=_schedule, max_norm=MAX_NORM)
         exact = exact and not facts.clipped
