@@ -553,3 +553,13 @@ def test_zero2_reduce_mean_onto_owners_equals_single_process_on_the_mean(ranks2)
     assert undo_redo > 0
     counts = ref.opt_state.count
     assert int(counts["embed"]) == STEPS - 1 and int(counts["head"]) == STEPS - 2  # "head" missed one step
+
+
+def test_collective_buffers_follow_the_backend(monkeypatch):
+    """NCCL groups get CUDA buffers (the current device), every other backend CPU ones; ``device`` overrides."""
+    monkeypatch.setattr(sd.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert sd._collective_device(None, None) == torch.device("cuda", 3)
+    assert sd._collective_device(None, "cpu") == torch.device("cpu")
+    monkeypatch.setattr(sd.dist, "get_backend", lambda group=None: "gloo")
+    assert sd._collective_device(None, None) == torch.device("cpu")
