@@ -348,6 +348,11 @@ def _check_sharded(ranks: list[dict], key: str, profile: str) -> None:
             assert row["clipped"] == facts.clipped, f"step {step}: a rank disagrees on clipping"
             assert row["step"] == ref.step
         actions = [a for row in rows for a in row["actions"]]
+        if step in (INF_STEP, NAN_STEP):  # the ranks with finite gradients speculated every block, then undid it
+            bad_rank = _inject(world)[step][0]
+            for r, row in enumerate(rows):
+                if r != bad_rank:
+                    assert row["actions"] and set(row["actions"]) == {"undo"}, (step, r, row["actions"])
         if facts.clipped or (UNDO[profile] == "auto" and any(a in ("undo", "undo_redo") for a in actions)):
             exact = False  # the clip coefficient's float64 sum depends on the split; algebraic undo rounds
         seen["clipped"] += facts.clipped
