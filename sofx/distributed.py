@@ -238,10 +238,13 @@ def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
 class Shard:
     """Which leaves (blocks) of a params pytree this rank owns.
 
-    ``owners[i]`` is the rank (within the group) owning leaf ``i`` of ``spec``.
+    ``owners[i]`` is the rank (within the group) owning leaf ``i`` of ``spec``,
+    leaves numbered in :func:`sofx.tree.flatten` order (dict keys sorted).
     A rank's local tree is the list of its owned leaves in leaf order
-    (:meth:`local`); run the loops on it and gather with :meth:`gather`.
-    Immutable; build one with :func:`shard_blocks`.
+    (:meth:`local`, or :meth:`reduce_mean` for data-parallel gradients); run
+    the loops on it and gather with :meth:`gather`. Every rank must build its
+    ``Shard`` from a params tree of the same structure and shapes. Immutable;
+    build one with :func:`shard_blocks`.
     """
 
     rank: int
