@@ -13,10 +13,18 @@ and picklable.
 Kinds:
 
 ``"speculate"``  the speculative step of a ready block (``payload``: a BlockDecision); its undo record is kept
+``"ready"``      a block is ready (in-process executors only): ``payload()`` asks the speculation layer and
+                 returns its BlockDecision, or None not to speculate; then as ``"speculate"``
 ``"undo_now"``   undo the block's speculative step at once (a late gradient is about to be summed into
                  the buffer the record refers to); validation's ``undo_redo`` then only redoes
 ``"apply"``      carry out validation's action for the block (``payload``: a BlockAction)
 ``"commit_all"`` forget every kept record: the step is final
+
+A ``"speculate"`` or ``"apply"`` operation may also *publish* the block: write the
+new master values of some of its parameters into one of their two publish
+buffers (the engine's double-buffered model parameters, see
+:mod:`sofx.offload.engine`), so that ``step()`` only has to point the model's
+parameters at them instead of copying.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any, Optional
 
 __all__ = ["BlockOp", "OpResult", "OP_KINDS"]
 
-OP_KINDS = ("speculate", "undo_now", "apply", "commit_all")
+OP_KINDS = ("speculate", "ready", "undo_now", "apply", "commit_all")
 
 
 @dataclass(frozen=True)
@@ -47,11 +55,12 @@ class BlockOp:
     payload: Any = None
     present: Optional[tuple[bool, ...]] = None
     grads: Optional[tuple[Any, ...]] = None
+    publish: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:
             raise ValueError(f"unknown block operation {self.kind!r}; expected one of {OP_KINDS}")
-        if self.kind in ("speculate", "apply") and self.payload is None:
+        if self.kind in ("speculate", "ready", "apply") and self.payload is None:
             raise ValueError(f"a {self.kind!r} operation needs its decision or action")
 
 

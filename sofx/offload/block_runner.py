@@ -7,7 +7,10 @@ speculation layer's tensor functions (:func:`sofx.speculate.speculative_block_st
 with ``donate=True`` on views of the block's flat tensors, so the results are
 written in place, and keeps each block's undo record until the step is
 final. Every executor (inline, thread, process) runs the same runner, so all
-compute the same bits.
+compute the same bits. Where an operation asks for it (``BlockOp.publish``),
+the runner then copies the new master values of the block's parameters into
+their publish buffers (cast to the model's dtype): the copy into the model is
+done here, during backward, instead of in ``step()``.
 
 Layout of a call: when every parameter of the block has a gradient and all
 share one step count (the usual case) the block is one flat leaf (one kernel
@@ -119,16 +122,20 @@ class _Kept:
 class BlockRunner:
     """Runs block operations on ``tensors`` (block index -> :class:`BlockTensors`)."""
 
-    def __init__(self, adam: Adam, layouts: Sequence[BlockLayout], tensors: dict[int, BlockTensors]) -> None:
+    def __init__(self, adam: Adam, layouts: Sequence[BlockLayout], tensors: dict[int, BlockTensors],
+                 publish: dict[int, Sequence[Sequence[torch.Tensor] | None]] | None = None) -> None:
         self.adam = adam
         self.layouts = {layout.index: layout for layout in layouts}
         self.tensors = tensors
+        # block -> per parameter: its two publish buffers (1-d, the model's dtype), or None
+        self.publish = publish or {}
         self.kept: dict[int, _Kept] = {}
 
     def run(self, op: BlockOp) -> OpResult:
         """Apply ``op``; an exception becomes an error result (with its traceback)."""
         try:
-            getattr(self, "_" + op.kind)(op)
+            if getattr(self, "_" + op.kind)(op) is not False and op.publish is not None:
+                self._publish(op)
             return OpResult(op.seq, op.kind, op.block)
         except Exception as exc:  # reported to the main process, which raises it
             detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -144,6 +151,13 @@ class BlockRunner:
         _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True)
         self._store_counts(op.block, flat, new_state)
         self.kept[op.block] = _Kept(record, flat)
+
+    def _ready(self, op: BlockOp) -> bool:
+        decision = op.payload()
+        if decision is None:
+            return False  # not speculated: nothing to publish
+        self._speculate(BlockOp(op.seq, "speculate", op.block, decision, op.present, op.grads))
+        return True
 
     def _undo_now(self, op: BlockOp) -> None:
         kept = self.kept.get(op.block)
@@ -180,6 +194,15 @@ class BlockRunner:
 
     def _commit_all(self, op: BlockOp) -> None:
         self.kept.clear()
+
+    def _publish(self, op: BlockOp) -> None:
+        """Copy the block's new master values into the publish buffers ``op.publish`` names."""
+        t, layout, buffers = self.tensors[op.block], self.layouts[op.block], self.publish.get(op.block)
+        for slot, (which, view) in enumerate(zip(op.publish, t.views(t.master, layout))):
+            if which >= 0:
+                if buffers is None or buffers[slot] is None:
+                    raise RuntimeError(f"block {op.block}, parameter {slot}: no publish buffer")
+                buffers[slot][which].copy_(view)
 
     # --------------------------------------------------------------- helpers
     def _store_counts(self, block: int, flat: bool, state: AdamState) -> None:

@@ -9,12 +9,34 @@ step at a time (SPECULATION.md sections 3 and 5):
    has its final gradient) the engine asks the speculation layer
    (:func:`sofx.speculate.on_block_ready`: early veto, eligibility, adaptive
    policy) and, if it says so, submits the block's speculative Adam step to
-   the executor -- while backward goes on with earlier layers.
+   the executor -- while backward goes on with earlier layers. With an
+   in-process executor (inline, thread) the main thread only submits a
+   ``"ready"`` operation: the executor takes the block's sum of squares and
+   asks the speculation layer itself, in arrival order (the same calls with
+   the same values, off the thread that runs backward); a late gradient waits
+   for those decisions first. The process executor's worker cannot reach the
+   engine's state, so there the main thread decides.
 2. **step().** Wait for the executor, hand the per-block sums of squares to
    :func:`sofx.speculate.plan_validation` (overflow, loss scale, global norm,
    clipping, changed hparams), carry its per-block actions out (commit,
-   undo+redo, undo, step late, skip) in the executor, and copy the masters of
-   every stepped block into the model's parameters (cast to their dtype).
+   undo+redo, undo, step late, skip) in the executor, and give the model's
+   parameters the new masters of every stepped block (cast to their dtype).
+
+**Publishing without a copy in step()** (``swap_params``, CPU models): each
+parameter gets two buffers of its own dtype (the first is its original
+storage). The executor, right after it steps a block, writes the block's new
+masters into the buffer the model is *not* using -- during backward, off the
+main thread -- and ``step()`` only points the parameter at that buffer
+(``param.data = buffer``, bumping its version counter as an in-place update
+would). Until ``step()`` the model keeps its old values (a forward between
+backward and ``step()`` sees them, as with ``torch.optim``). A parameter's
+storage alternates between its two buffers, so a reference to ``param.data``
+taken earlier goes stale (read ``param`` itself). Parameters that are views
+of a larger storage, share storage with another parameter, are already in
+shared memory or are tensor subclasses are copied in ``step()`` as before;
+so is everything when ``swap_params=False``. With the process executor the
+buffers live in shared memory (the model's parameters then do too, until
+``close()`` moves them back to private memory).
 
 The engine decides nothing about Adam, clipping or loss scaling itself: it
 moves gradients, counts arrivals, and carries decisions out. Device blocks
@@ -30,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import Counter
 import warnings
 from dataclasses import fields
 from typing import Any, Callable, Sequence
@@ -93,7 +116,8 @@ class OffloadEngine:
                  adam: AdamConfig, speculation: SpeculationConfig, scaler: LossScaler,
                  executor: str = "thread", block_numel: int = 2 ** 22, n_device_blocks: int = 0,
                  gradient_accumulation_steps: int = 1, timeout: float = 60.0, num_threads: int = 1,
-                 shm_dir: str = DEFAULT_SHM_DIR, shm_limit_bytes: int | None = None) -> None:
+                 shm_dir: str = DEFAULT_SHM_DIR, shm_limit_bytes: int | None = None,
+                 swap_params: bool = True) -> None:
         if executor not in EXECUTORS:
             raise UnsupportedError(f"executor={executor!r}; expected one of {EXECUTORS}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -120,9 +144,14 @@ class OffloadEngine:
         state_dtype = getattr(torch, adam.state_dtype)
         cpu_layouts = [b for b in self.layouts if not b.on_device]
         device_layouts = [b for b in self.layouts if b.on_device]
+        swappable = self._swappable_params() if swap_params and self.device.type == "cpu" else set()
         if executor == "process" and cpu_layouts:
             need = sum(block_nbytes(b, state_dtype) for b in cpu_layouts)
             budget = shm_budget(shm_dir, shm_limit_bytes)
+            publish_bytes = sum(2 * self.params[i].numel() * self.params[i].element_size()
+                                for b in cpu_layouts for i in b.param_indices if i in swappable)
+            if need + publish_bytes > budget:
+                swappable = set()  # the publish buffers do not fit: copy in step() instead
             if need > budget:
                 warnings.warn(
                     f"sofx.offload: the process executor needs {need / 2**20:.1f} MiB of shared memory in "
@@ -151,6 +180,7 @@ class OffloadEngine:
             for b in device_layouts:
                 self.tensors[b.index] = allocate_block_tensors(b, device_arena.allocate, state_dtype)
             self._load_masters_from_model()
+            self._setup_publish(cpu_layouts, swappable)
             self.device_runner = BlockRunner(self.adam, device_layouts,
                                              {b.index: self.tensors[b.index] for b in device_layouts})
             self.executor = self._make_executor(executor, cpu_layouts, num_threads)
@@ -159,6 +189,8 @@ class OffloadEngine:
             raise
         # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
         self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
+        # In-process executors decide on speculation in the executor (see the module docstring).
+        self._deferred = self.executor_name != "process"
         self.hooks = GradHooks(self.params, self._on_grad)
         self._reset_step()
 
@@ -166,9 +198,9 @@ class OffloadEngine:
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
         cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
         if name == "inline":
-            return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors))
+            return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub))
         if name == "thread":
-            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors))
+            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub))
         from sofx.offload.process_executor import ProcessExecutor
 
         config = {
@@ -176,6 +208,7 @@ class OffloadEngine:
             "tensors": {name: spec.to_json() for name, spec in getattr(self._cpu_arena, "specs", {}).items()},
             "adam": self.adam_config.to_json(),
             "num_threads": num_threads,
+            "publish": self._pub_names,
         }
         return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0))
 
@@ -186,6 +219,64 @@ class OffloadEngine:
                 t = self.tensors[layout.index]
                 for view, i in zip(t.views(t.master, layout), layout.param_indices):
                     view.copy_(self.params[i].detach().reshape(-1))
+
+    def _swappable_params(self) -> set[int]:
+        """Indices of the parameters whose storage may alternate between two publish buffers: plain
+        contiguous CPU tensors that own their whole storage alone and are not in shared memory."""
+        def key(p: torch.Tensor) -> int:
+            return p.untyped_storage().data_ptr()
+
+        owners = Counter(key(p) for p in self.params if p.layout == torch.strided and p.numel() > 0)
+        out = set()
+        for i, p in enumerate(self.params):
+            if (type(p) in (torch.nn.Parameter, torch.Tensor) and p.device.type == "cpu"
+                    and p.layout == torch.strided and p.numel() > 0 and p.is_contiguous()
+                    and p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+                    and owners[key(p)] == 1 and not p.is_shared()):
+                out.add(i)
+        return out
+
+    def _setup_publish(self, cpu_layouts: Sequence[BlockLayout], swappable: set[int]) -> None:
+        """The two publish buffers of every swappable parameter of the CPU blocks (see the module docstring)."""
+        # block -> per parameter: [buffer 0, buffer 1] (1-d, the parameter's dtype) or None
+        self._pub: dict[int, list[list[torch.Tensor] | None]] = {}
+        self._pub_names: dict[int, list[list[str] | None]] = {}  # the same, as shared-tensor names
+        self._cur = [0] * len(self.params)  # which buffer each parameter uses now
+        self._published: list[tuple[int, ...] | None] = [None] * len(self.layouts)
+        shared = isinstance(self._cpu_arena, SharedMemoryArena)
+        for layout in cpu_layouts:
+            slots: list[list[torch.Tensor] | None] = []
+            names: list[list[str] | None] = []
+            for slot, i in enumerate(layout.param_indices):
+                p = self.params[i]
+                if i not in swappable:
+                    slots.append(None)
+                    names.append(None)
+                    continue
+                if shared:
+                    pair = [layout.tensor_name(f"pub{slot}.{k}") for k in (0, 1)]
+                    bufs = [self._cpu_arena.allocate(name, p.numel(), p.dtype) for name in pair]
+                    with torch.no_grad():
+                        bufs[0].copy_(p.detach().reshape(-1))
+                        p.data = bufs[0].view(p.shape)
+                    names.append(pair)
+                else:
+                    # .data, not detach(): writes into a buffer must not bump the parameter's version counter
+                    bufs = [p.data.view(-1), torch.empty(p.numel(), dtype=p.dtype)]
+                    names.append(None)
+                slots.append(bufs)
+            if any(x is not None for x in slots):
+                self._pub[layout.index] = slots
+                self._pub_names[layout.index] = names
+
+    def _publish_mask(self, b: int, present: Sequence[bool]) -> tuple[int, ...] | None:
+        """Which publish buffer an operation stepping block ``b`` writes, per parameter (-1: none)."""
+        slots = self._pub.get(b)
+        if slots is None:
+            return None
+        mask = tuple(1 - self._cur[i] if bufs is not None and has else -1
+                     for bufs, i, has in zip(slots, self.layouts[b].param_indices, present))
+        return None if all(k < 0 for k in mask) else mask
 
     def reload_params(self) -> None:
         """Take the model's current parameter values as the new masters (after loading model weights)."""
@@ -203,6 +294,8 @@ class OffloadEngine:
         self._events: list[tuple[str, int]] = []
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
         self._grads: list[list[torch.Tensor | None]] = [[None] * len(b.numels) for b in self.layouts]
+        if hasattr(self, "_published"):
+            self._published = [None] * len(self.layouts)
 
     @property
     def loss_scale(self) -> float:
@@ -246,12 +339,15 @@ class OffloadEngine:
         layout, t = self.layouts[b], self.tensors[b]
         view = t.grad[layout.offsets[arrival.slot]:layout.offsets[arrival.slot] + layout.numels[arrival.slot]]
         g = grad.detach().reshape(-1)
+        if arrival.late and self._deferred:
+            self._record(self._wait())  # the block's decision, taken in the executor, is known after this
         if arrival.late and self._speculated[b]:
             # The speculative step's record refers to this buffer: undo it before summing in place;
             # validation's undo_redo then only redoes.
             self._events.append(("undo_now", b))
             self._run_now(BlockOp(next(self._seq), "undo_now", b), layout)
             self._speculated[b] = False
+            self._published[b] = None
         with torch.no_grad():
             if arrival.first:
                 if (owned and self._borrowing[b] and g.dtype == view.dtype and g.device == view.device
@@ -277,17 +373,35 @@ class OffloadEngine:
         if not during_backward or layout.on_device:
             return  # stepped in step(), not speculated (its sum of squares is taken there)
         self._begin()
-        self._events.append(("ready", b))
-        ctx = self._ctx
         grads = self._op_grads(b)
+        publish = self._publish_mask(b, present)
+        if self._deferred:
+            self.executor.submit(BlockOp(next(self._seq), "ready", b, lambda: self._decide(b, present, grads, publish),
+                                         present, grads, publish))
+            return
+        decision = self._decide(b, present, grads, publish)
+        if decision is not None:
+            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish))
+
+    def _decide(self, b: int, present: tuple[bool, ...], grads: tuple[torch.Tensor, ...] | None,
+                publish: tuple[int, ...] | None) -> Any:
+        """Ask the speculation layer about ready block ``b``; its decision if it speculates, else None.
+
+        Runs on the main thread (process executor) or in the executor, in arrival order (in-process
+        executors: nothing else touches the tally during backward).
+        """
+        layout, t, ctx = self.layouts[b], self.tensors[b], self._ctx
+        self._events.append(("ready", b))
         flat = uses_flat_layout(t, present, grads is not None)
         self._tally, decision = on_block_ready(
             ctx, self._tally, b, self._block_sumsq(b),
             lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale, grads))
-        if decision.speculate:
-            self._speculated[b] = True
-            self._events.append(("speculate", b))
-            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads))
+        if not decision.speculate:
+            return None
+        self._speculated[b] = True
+        self._published[b] = publish
+        self._events.append(("speculate", b))
+        return decision
 
     def _zero_absent(self, b: int, arrived: Sequence[bool]) -> None:
         """Parameters without a gradient this step get a zeroed buffer slice (it held old values);
@@ -321,7 +435,7 @@ class OffloadEngine:
 
     def _record(self, results: Sequence[OpResult]) -> None:
         for r in results:
-            if r.kind == "speculate":
+            if r.kind == "speculate" or (r.kind == "ready" and (self._speculated[r.block] or not r.ok)):
                 self._events.append(("speculated" if r.ok else "speculate_failed", r.block))
 
     def _wait(self) -> list[OpResult]:
@@ -379,8 +493,12 @@ class OffloadEngine:
                     self._events.append(("commit", layout.index))
                 continue
             self._events.append((action.kind, layout.index))
+            publish = None
+            if action.kind in ("undo_redo", "step") and not layout.on_device:
+                publish = self._publish_mask(layout.index, presents[layout.index])
+            self._published[layout.index] = publish
             op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index],
-                         self._op_grads(layout.index))
+                         self._op_grads(layout.index), publish)
             if layout.on_device:
                 raise_failures([self.device_runner.run(op)], f"device block {layout.index}")
             else:
@@ -394,7 +512,7 @@ class OffloadEngine:
             self._events.append(("done", -1))
             self._reset_step()
             raise plan.error
-        self._copy_to_model(stepped, presents)
+        self._publish_to_model(stepped, presents)
         self.scaler_state, self.policy_state = plan.scaler_state, plan.policy_state
         self.iteration += 1
         self._events.append(("done", -1))
@@ -402,6 +520,30 @@ class OffloadEngine:
                                   events=tuple(self._events), executor=self.executor_name, iteration=self.iteration)
         self._reset_step()
         return report
+
+    def _publish_to_model(self, blocks: Sequence[int], presents: Sequence[tuple[bool, ...]]) -> None:
+        """Give the model the new masters of the stepped ``blocks``: point each parameter at the publish
+        buffer the executor wrote (no copy), or copy where nothing was published."""
+        copy: list[int] = []
+        with torch.no_grad():
+            for b in blocks:
+                mask, slots = self._published[b], self._pub.get(b)
+                if mask is None:
+                    copy.append(b)
+                    continue
+                layout, t = self.layouts[b], self.tensors[b]
+                for slot, (i, has) in enumerate(zip(layout.param_indices, presents[b])):
+                    if not has:
+                        continue
+                    p, k = self.params[i], mask[slot]
+                    if k < 0:
+                        view = t.master[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
+                        p.copy_(view.view(p.shape))
+                        continue
+                    p.data = slots[slot][k].view(p.shape)
+                    self._cur[i] = k
+                    torch.autograd.graph.increment_version(p)  # as the in-place update of torch.optim
+        self._copy_to_model(copy, presents)
 
     def _copy_to_model(self, blocks: Sequence[int], presents: Sequence[tuple[bool, ...]]) -> None:
         with torch.no_grad():
@@ -417,6 +559,8 @@ class OffloadEngine:
         self._check_usable()
         for p in self.params:
             p.grad = None
+        if self._deferred:
+            self._record(self._wait())  # decisions taken in the executor
         if any(self._speculated):
             self._record(self._wait())
             for b, was in enumerate(self._speculated):
@@ -481,7 +625,17 @@ class OffloadEngine:
         try:
             self.executor.close()
         finally:
-            self._cpu_arena.close()
+            try:
+                if isinstance(self._cpu_arena, SharedMemoryArena):
+                    # The parameters use shared-memory publish buffers: move them to private memory.
+                    with torch.no_grad():
+                        for b, slots in getattr(self, "_pub", {}).items():
+                            for bufs, i in zip(slots, self.layouts[b].param_indices):
+                                if bufs is not None:
+                                    p = self.params[i]
+                                    p.data = p.detach().clone()
+            finally:
+                self._cpu_arena.close()
 
     def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
         try:

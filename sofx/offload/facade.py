@@ -27,7 +27,11 @@ out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``); param groups cannot be
 added after construction; ``step()`` returns a
-:class:`~sofx.offload.engine.EngineStepReport`.
+:class:`~sofx.offload.engine.EngineStepReport`; with ``swap_params=True``
+(the default) a CPU parameter's storage alternates between two buffers that
+the worker fills during backward (``step()`` does not copy), so a reference
+to ``param.data`` taken earlier goes stale -- read the parameter itself, or
+pass ``swap_params=False`` to have the new values copied into the same storage.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                  state_dtype: torch.dtype = torch.float32, undo: str = "auto", backend: str = "auto",
                  policy: AdaptivePolicy | None = None, snapshot_budget_bytes: int | None = None,
                  timeout: float = 60.0, num_threads: int = 1, shm_dir: str = DEFAULT_SHM_DIR,
-                 shm_limit_bytes: int | None = None) -> None:
+                 shm_limit_bytes: int | None = None, swap_params: bool = True) -> None:
         self._engine: OffloadEngine | None = None
         defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, (list, tuple)) else betas, "eps": eps,
                     "weight_decay": weight_decay}
@@ -150,7 +154,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
             [g["params"] for g in self.param_groups], self._hparams, adam=adam, speculation=speculation,
             scaler=resolve_loss_scale(loss_scale, profile), executor=executor, block_numel=block_numel,
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
-            timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes)
+            timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
+            swap_params=swap_params)
         self.state = _ParamStateView(self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ torch.optim interface

@@ -5,7 +5,7 @@ interpreter (not ``multiprocessing``: no re-import of the user's ``__main__``,
 so scripts without an ``if __name__ == "__main__"`` guard and notebooks work).
 It reads an authentication key from stdin, connects to the unix socket
 ``ADDRESS``, receives its configuration (file names of the shared tensors,
-block layouts, the Adam configuration -- all JSON-able), maps the shared
+block layouts, the Adam configuration, the publish buffers -- all JSON-able), maps the shared
 tensors and answers ``("ready", pid)``. Then, for every
 :class:`~sofx.offload.block_ops.BlockOp` received, it sends back one
 :class:`~sofx.offload.block_ops.OpResult`, in order. ``None`` stops it. A
@@ -40,8 +40,11 @@ def build_runner(config: dict[str, Any]) -> BlockRunner:
     for layout in layouts:
         opened = {what: open_shared_tensor(specs[layout.tensor_name(what)]) for what in TENSOR_NAMES}
         tensors[layout.index] = BlockTensors(**opened)
+    publish = {int(b): [None if pair is None else [open_shared_tensor(specs[name]) for name in pair]
+                        for pair in slots]
+               for b, slots in config.get("publish", {}).items()}
     adam = AdamConfig(**config["adam"]).build()
-    return BlockRunner(adam, layouts, tensors)
+    return BlockRunner(adam, layouts, tensors, publish)
 
 
 def serve(conn: Connection) -> int:

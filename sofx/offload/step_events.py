@@ -19,6 +19,9 @@ class EngineStepReport(StepReport):
     submitted), ``"speculated"`` (the executor reported it done),
     ``"late_gradient"``, ``"step_called"``, then the validation actions
     (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``) and ``"done"``.
+    With an in-process executor (inline, thread) ``"ready"`` and
+    ``"speculate"`` are logged where the decision is taken, in the executor,
+    in arrival order.
     ``executor``: the executor that ran the CPU blocks; ``iteration``: the
     1-based number of ``step()`` calls.
     """
