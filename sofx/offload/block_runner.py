@@ -31,6 +31,7 @@ from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
+from sofx.speculation.apply import snapshot_bytes_of
 from sofx.undo_record import UndoRecord
 
 __all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
@@ -91,18 +92,36 @@ def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None, borrowed: 
     return counts.numel() == 1 or bool((counts == counts[0]).all())
 
 
+def _leaf_eligibility(opt: Adam, p: torch.Tensor, g: torch.Tensor, state: AdamState, hparams: AdamHParams,
+                      grad_scale: float, finite: bool) -> Eligibility:
+    if not finite or p.numel() == 0:
+        return block_eligibility(opt, p, g, state, hparams, grad_scale)
+    # The strategy depends on the gradient only through its finiteness (and on dtypes, shapes and
+    # hparams): decide it on one-element views with a finite stand-in gradient instead of passing over
+    # the whole gradient again, then count the snapshot bytes of the real tensors.
+    el = block_eligibility(opt, p[:1], torch.zeros(1, dtype=g.dtype, device=g.device),
+                           AdamState(state.count, state.mu[:1], state.nu[:1]), hparams, grad_scale)
+    if el.eligible:
+        el = el._replace(snapshot_bytes=snapshot_bytes_of(el.strategy, p, state))
+    return el
+
+
 def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: bool,
                          present: Sequence[bool] | None, hparams: AdamHParams, grad_scale: float,
-                         grads: Sequence[torch.Tensor] | None = None) -> Eligibility:
-    """The block's :class:`~sofx.speculate.Eligibility` (per parameter, combined, when not flat)."""
+                         grads: Sequence[torch.Tensor] | None = None, finite: bool = False) -> Eligibility:
+    """The block's :class:`~sofx.speculate.Eligibility` (per parameter, combined, when not flat).
+
+    ``finite=True``: the caller knows every gradient of the block is finite (its sum of squares is);
+    the gradients are then not read again.
+    """
     params, grads, state = block_tree(t, layout, flat, present, grads)
     if flat:
-        return block_eligibility(opt, params, grads, state, hparams, grad_scale)
+        return _leaf_eligibility(opt, params, grads, state, hparams, grad_scale, finite)
     strategy, reasons, nbytes = "algebraic", [], 0
     for p, g, c, m, v in zip(params, grads, state.count, state.mu, state.nu):
         if g is None:
             continue
-        el = block_eligibility(opt, p, g, AdamState(c, m, v), hparams, grad_scale)
+        el = _leaf_eligibility(opt, p, g, AdamState(c, m, v), hparams, grad_scale, finite)
         if not el.eligible:
             return el
         if _STRATEGY_COST.get(el.strategy, 0) > _STRATEGY_COST[strategy]:

@@ -395,7 +395,9 @@ class OffloadEngine:
         flat = uses_flat_layout(t, present, grads is not None)
         self._tally, decision = on_block_ready(
             ctx, self._tally, b, self._block_sumsq(b),
-            lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale, grads))
+            # Asked only when the sum of squares is finite, i.e. every gradient element is.
+            lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale, grads,
+                                         finite=True))
         if not decision.speculate:
             return None
         self._speculated[b] = True

@@ -1,0 +1,191 @@
+"""Publishing without a copy (``swap_params``) and the decisions taken in the executor.
+
+With ``swap_params=True`` (the default for CPU models) a parameter's storage
+alternates between two buffers that the executor fills during backward;
+``step()`` points the parameter at the new one. These tests check that this
+is invisible: the same bits as copying, the model unchanged until ``step()``,
+in-place-update semantics for autograd (version counter), parameters that
+cannot be swapped are copied, the process executor's shared buffers, and
+state_dict round trips. They also check the engine's shortcut for
+eligibility (decided on a stand-in once the sum of squares is finite).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_offload_support import SharedMLP, mlp_batch, mlp_loss, one_torch_thread  # noqa: F401 (autouse fixture)
+from torch import nn
+
+import sofx.offload
+from sofx.adam import Adam, AdamHParams
+from sofx.offload.block_runner import combined_eligibility, uses_flat_layout
+from sofx.offload.blocks import allocate_block_tensors, plan_blocks
+from sofx.offload.arena import LocalArena
+
+
+def _run(model: nn.Module, steps: int = 8, **kw) -> list[sofx.offload.EngineStepReport]:
+    gen = torch.Generator().manual_seed(1)
+    reports = []
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, max_grad_norm=10.0, block_numel=100,
+                                       **kw) as opt:
+        for _ in range(steps):
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            reports.append(opt.step())
+    return reports
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_swapping_gives_the_bits_of_copying(executor: str) -> None:
+    torch.manual_seed(0)
+    a = SharedMLP()
+    b = copy.deepcopy(a)
+    ra = _run(a, executor=executor)
+    _run(b, executor=executor, swap_params=False)
+    assert sum(r.speculated for r in ra) > 0
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_parameters_alternate_between_two_buffers_and_keep_their_values_until_step() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    w = model.inp.weight
+    original = w.data_ptr()
+    gen = torch.Generator().manual_seed(0)
+    ptrs = []
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100) as opt:
+        for _ in range(4):
+            opt.zero_grad()
+            before = w.detach().clone()
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.engine.wait()  # every speculative step is done ...
+            assert torch.equal(w, before)  # ... and the model still has the old values
+            report = opt.step()
+            assert report.speculated == report.committed == report.blocks
+            assert not torch.equal(w, before)
+            assert torch.equal(w.detach(), opt.state[w]["master"])
+            ptrs.append(w.data_ptr())
+    assert ptrs[1] == original and ptrs[0] == ptrs[2] != original and ptrs[3] == original
+    # close() leaves the model with valid parameters
+    assert torch.isfinite(mlp_loss(model, mlp_batch(gen)))
+
+
+def test_a_graph_saved_before_step_sees_the_update_as_in_place() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100) as opt:
+        loss = mlp_loss(model, mlp_batch(gen))
+        opt.backward(loss, retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_parameters_that_are_views_or_share_storage_are_copied() -> None:
+    torch.manual_seed(0)
+    flat = torch.randn(40)
+    view = nn.Parameter(flat[:20].view(4, 5))  # a view of a larger storage
+    alone = nn.Parameter(torch.randn(6))
+    base = copy.deepcopy([view, alone])
+    x = torch.randn(3, 5)
+
+    def loss_of(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return (x @ v.t()).pow(2).sum() + a.pow(2).sum()
+
+    opt = sofx.offload.SpeculativeAdamW([view, alone], lr=1e-2, executor="thread", block_numel=100)
+    ref = torch.optim.AdamW(base, lr=1e-2, foreach=False)
+    ptr = view.data_ptr()
+    with opt:
+        assert opt.engine._swappable_params() == {1}
+        for _ in range(3):
+            opt.zero_grad()
+            ref.zero_grad()
+            opt.backward(loss_of(view, alone))
+            loss_of(*base).backward()
+            opt.step()
+            ref.step()
+    assert view.data_ptr() == ptr and torch.equal(flat[:20].view(4, 5), view.detach())  # still a view of flat
+    torch.testing.assert_close(view.detach(), base[0].detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(alone.detach(), base[1].detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_process_executor_parameters_live_in_shared_memory_until_close() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100) as opt:
+        assert opt.executor == "process"
+        assert model.inp.weight.is_shared()
+        _ = opt  # trained by the bitwise test above
+    assert not model.inp.weight.is_shared()
+    assert torch.isfinite(model.inp.weight).all()
+
+
+def test_process_executor_without_room_for_the_buffers_copies() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    n = sum(p.numel() for p in model.parameters())
+    state_only = sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100)
+    state_bytes = sum(t.nbytes() for t in state_only.engine.tensors.values())
+    state_only.close()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100,
+                                       shm_limit_bytes=state_bytes + 4 * n) as opt:  # not 2 buffers of 4 bytes
+        assert opt.executor == "process" and not model.inp.weight.is_shared()
+        assert opt.engine._pub == {}
+
+
+def test_state_dict_round_trip_with_swapped_parameters() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100) as opt:
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        values = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.step()
+        opt.load_state_dict(saved)
+        for p, v in zip(model.parameters(), values):
+            assert torch.equal(p.detach(), v)
+        opt.zero_grad()
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        assert opt.step().speculated > 0
+
+
+@pytest.mark.parametrize("case", ["plain", "beta1_zero", "bf16_state", "lr_wd_one", "missing"])
+def test_eligibility_on_a_stand_in_equals_eligibility_on_the_gradient(case: str) -> None:
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3), torch.randn(7)]
+    state_dtype = torch.bfloat16 if case == "bf16_state" else torch.float32
+    adam = Adam(AdamHParams(1e-3, 0.9, 0.999, 1e-8, 0.0), decoupled=True, state_dtype=state_dtype)
+    (layout,) = plan_blocks([params], 100)
+    t = allocate_block_tensors(layout, LocalArena("cpu").allocate, state_dtype)
+    t.master.normal_()
+    t.exp_avg.normal_()
+    t.exp_avg_sq.uniform_(0, 1)
+    t.counts.fill_(3)
+    hp = {"beta1_zero": AdamHParams(1e-3, 0.0, 0.999, 1e-8, 0.1), "lr_wd_one": AdamHParams(0.5, 0.9, 0.999, 1e-8, 2.0)
+          }.get(case, AdamHParams(1e-3, 0.9, 0.999, 1e-8, 0.1))
+    present = (True, False) if case == "missing" else (True, True)
+    seen: set = set()
+    for borrowed in (False, True):
+        grads = (torch.randn(15), torch.randn(7)) if borrowed else None
+        if grads is None:
+            t.grad.normal_()
+        flat = uses_flat_layout(t, present, grads is not None)
+        want = combined_eligibility(adam, t, layout, flat, present, hp, 0.5, grads)
+        got = combined_eligibility(adam, t, layout, flat, present, hp, 0.5, grads, finite=True)
+        assert got == want
+        seen.add((want.strategy, want.snapshot_bytes > 0))
+    expected = {"plain": ("algebraic", False), "missing": ("algebraic", False), "beta1_zero": ("snapshot", True),
+                "bf16_state": ("snapshot", True), "lr_wd_one": ("param_snapshot", True)}[case]
+    assert seen == {expected}
