@@ -13,6 +13,7 @@ eligibility (decided on a stand-in once the sum of squares is finite).
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -189,3 +190,37 @@ def test_eligibility_on_a_stand_in_equals_eligibility_on_the_gradient(case: str)
     expected = {"plain": ("algebraic", False), "missing": ("algebraic", False), "beta1_zero": ("snapshot", True),
                 "bf16_state": ("snapshot", True), "lr_wd_one": ("param_snapshot", True)}[case]
     assert seen == {expected}
+
+
+def test_step_helps_the_worker_with_queued_speculative_steps() -> None:
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    batch = mlp_batch(torch.Generator().manual_seed(0))
+    where: dict[int, bool] = {}
+    gate = threading.Event()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100) as opt:
+        runner = opt.engine.executor.runner
+        run = runner.run
+
+        def gated_run(op):
+            result = run(op)
+            if op.kind == "ready":
+                on_main = threading.current_thread() is threading.main_thread()
+                where[op.block] = on_main
+                if not on_main:
+                    gate.wait(30)  # the worker stays busy with the first block ...
+                elif op.block == 0:
+                    gate.set()  # ... until step() has run the others
+            return result
+
+        runner.run = gated_run
+        opt.backward(mlp_loss(model, batch))
+        report = opt.step()
+    assert where[len(where) - 1] is False and where[0] is True
+    assert report.speculated == report.committed == report.blocks
+    with sofx.offload.SpeculativeAdamW(ref.parameters(), lr=1e-2, executor="inline", block_numel=100) as ropt:
+        ropt.backward(mlp_loss(ref, batch))
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import Counter
 import warnings
 from dataclasses import fields
@@ -75,7 +76,7 @@ from sofx.offload.blocks import (
     plan_blocks,
 )
 from sofx.offload.engine_state import STATE_FORMAT, engine_state_dict, load_engine_state
-from sofx.offload.executor import Executor, ExecutorError, raise_failures
+from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, raise_failures
 from sofx.offload.grad_hooks import GradHooks
 from sofx.offload.inline_executor import InlineExecutor
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR, SharedMemoryArena, shm_budget
@@ -140,6 +141,8 @@ class OffloadEngine:
         self._failed: BaseException | None = None
         self._closed = False
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
+        self._turn_cond = threading.Condition()  # orders the decisions taken in the executor
+        self._tickets = self._turn = 0
 
         state_dtype = getattr(torch, adam.state_dtype)
         cpu_layouts = [b for b in self.layouts if not b.on_device]
@@ -292,6 +295,7 @@ class OffloadEngine:
         self._tally: BackwardTally | None = None
         self._speculated = [False] * len(self.layouts)
         self._events: list[tuple[str, int]] = []
+        self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
         self._grads: list[list[torch.Tensor | None]] = [[None] * len(b.numels) for b in self.layouts]
         if hasattr(self, "_published"):
@@ -376,12 +380,33 @@ class OffloadEngine:
         grads = self._op_grads(b)
         publish = self._publish_mask(b, present)
         if self._deferred:
-            self.executor.submit(BlockOp(next(self._seq), "ready", b, lambda: self._decide(b, present, grads, publish),
+            ticket = self._tickets
+            self._tickets += 1
+            self.executor.submit(BlockOp(next(self._seq), "ready", b,
+                                         lambda: self._decide_in_turn(ticket, b, present, grads, publish),
                                          present, grads, publish))
             return
         decision = self._decide(b, present, grads, publish)
         if decision is not None:
             self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish))
+
+    def _decide_in_turn(self, ticket: int, *args: Any) -> Any:
+        """:meth:`_decide` after the decisions of every block that was ready before (the worker and a
+        helping ``step()`` may run "ready" operations at the same time; decisions stay in arrival order)."""
+        deadline = time.monotonic() + self.timeout
+        with self._turn_cond:
+            while self._turn != ticket:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExecutorTimeout(f"the decision for ready block {args[0]} waited {self.timeout:g} s for "
+                                          "the decisions of earlier blocks")
+                self._turn_cond.wait(left)
+        try:
+            return self._decide(*args)
+        finally:
+            with self._turn_cond:
+                self._turn += 1
+                self._turn_cond.notify_all()
 
     def _decide(self, b: int, present: tuple[bool, ...], grads: tuple[torch.Tensor, ...] | None,
                 publish: tuple[int, ...] | None) -> Any:
@@ -440,8 +465,10 @@ class OffloadEngine:
             if r.kind == "speculate" or (r.kind == "ready" and (self._speculated[r.block] or not r.ok)):
                 self._events.append(("speculated" if r.ok else "speculate_failed", r.block))
 
-    def _wait(self) -> list[OpResult]:
+    def _wait(self, help: bool = False) -> list[OpResult]:
         try:
+            if help and isinstance(self.executor, ThreadExecutor):
+                return self.executor.wait(self.timeout, help=True)  # step() runs queued speculative steps too
             return self.executor.wait(self.timeout)
         except ExecutorError as exc:
             self._failed = exc
@@ -470,7 +497,7 @@ class OffloadEngine:
                 self._take_gradient(i, p.grad, during_backward=False, owned=False)
                 p.grad = None
         self._begin()
-        self._record(self._wait())
+        self._record(self._wait(help=True))
         zero_mode = self.speculation.missing_grad == "zero"
         sumsq: list[float | None] = []
         presents: list[tuple[bool, ...]] = []

@@ -1,8 +1,17 @@
-"""The thread executor: one worker thread runs operations in order (torch kernels release the GIL)."""
+"""The thread executor: one worker thread runs operations in order (torch kernels release the GIL).
+
+While the caller waits in ``step()`` it may *help* (:meth:`ThreadExecutor.wait` with
+``help=True``): it takes queued ``"ready"`` operations (speculative steps of
+different blocks) from the head of the queue and runs them itself, so that the
+blocks whose gradients arrived last are stepped on two cores. Only ``"ready"``
+operations are taken this way; they touch disjoint blocks, and the engine keeps
+their decisions in arrival order. Every other operation runs on the worker, in
+submission order, after everything submitted before it.
+"""
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 
@@ -25,10 +34,11 @@ class ThreadExecutor(Executor):
     def __init__(self, runner: BlockRunner) -> None:
         super().__init__()
         self.runner = runner
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: collections.deque = collections.deque()
         self._results: list[OpResult] = []
         self._cond = threading.Condition()
         self._finished = 0
+        self._running = 0  # operations taken from the queue and not finished (worker and helper)
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="sofx-offload-worker", daemon=True)
         self._thread.start()
@@ -36,9 +46,15 @@ class ThreadExecutor(Executor):
     def _loop(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is thread-local: the worker never records autograd
         while True:
-            op = self._queue.get()
-            if op is _STOP:
-                return
+            with self._cond:
+                # An operation that is not "ready" waits until every earlier one (maybe run by a helper) is done.
+                while not self._queue or (self._running and self._queue[0] is not _STOP
+                                          and self._queue[0].kind != "ready"):
+                    self._cond.wait()
+                op = self._queue.popleft()
+                if op is _STOP:
+                    return
+                self._running += 1
             try:
                 result = self.runner.run(op)
             except BaseException as exc:  # runner.run reports ordinary errors itself
@@ -46,15 +62,21 @@ class ThreadExecutor(Executor):
                     self._crash = exc
                     self._cond.notify_all()
                 return
-            with self._cond:
-                self._results.append(result)
-                self._finished += 1
-                self._cond.notify_all()
+            self._finish(result)
+
+    def _finish(self, result: OpResult) -> None:
+        with self._cond:
+            self._results.append(result)
+            self._finished += 1
+            self._running -= 1
+            self._cond.notify_all()
 
     def submit(self, op: BlockOp) -> None:
         self._check_open()
-        self._submitted += 1
-        self._queue.put(op)
+        with self._cond:
+            self._submitted += 1
+            self._queue.append(op)
+            self._cond.notify_all()
 
     def poll(self) -> list[OpResult]:
         with self._cond:
@@ -62,8 +84,25 @@ class ThreadExecutor(Executor):
         self._done += len(out)
         return out
 
-    def wait(self, timeout: float) -> list[OpResult]:
+    def _steal(self) -> BlockOp | None:
+        with self._cond:
+            if self._crash is None and self._queue and self._queue[0] is not _STOP and self._queue[0].kind == "ready":
+                self._running += 1
+                return self._queue.popleft()
+        return None
+
+    def wait(self, timeout: float, help: bool = False) -> list[OpResult]:
+        """See :meth:`Executor.wait`; ``help``: run queued ``"ready"`` operations on this thread meanwhile."""
         deadline = time.monotonic() + timeout
+        if help:
+            with torch.no_grad():
+                while (op := self._steal()) is not None:
+                    try:
+                        result = self.runner.run(op)
+                    except BaseException as exc:  # e.g. KeyboardInterrupt: account for the operation, then raise
+                        self._finish(OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}"))
+                        raise
+                    self._finish(result)
         with self._cond:
             while self._finished < self._submitted and self._crash is None:
                 left = deadline - time.monotonic()
@@ -78,5 +117,7 @@ class ThreadExecutor(Executor):
     def close(self) -> None:
         if not self._closed:
             super().close()
-            self._queue.put(_STOP)
+            with self._cond:
+                self._queue.append(_STOP)
+                self._cond.notify_all()
             self._thread.join(timeout=30)
