@@ -547,6 +547,9 @@ class OffloadEngine:
         self._events.append(("done", -1))
         report = EngineStepReport(**{f.name: getattr(plan.report, f.name) for f in fields(StepReport)},
                                   events=tuple(self._events), executor=self.executor_name, iteration=self.iteration)
+        if isinstance(self.executor, ThreadExecutor):
+            # The borrowed gradients (~ the model's size) are freed by the worker, not on this thread.
+            self.executor.submit(BlockOp(next(self._seq), "commit_all", payload=self._grads))
         self._reset_step()
         return report
 
@@ -588,7 +591,7 @@ class OffloadEngine:
         self._check_usable()
         for p in self.params:
             p.grad = None
-        if self._deferred:
+        if self._deferred and self.tracker.started:
             self._record(self._wait())  # decisions taken in the executor
         if any(self._speculated):
             self._record(self._wait())

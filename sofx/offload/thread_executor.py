@@ -62,6 +62,7 @@ class ThreadExecutor(Executor):
                     self._crash = exc
                     self._cond.notify_all()
                 return
+            del op  # its references (gradients) are released here, not when the next operation arrives
             self._finish(result)
 
     def _finish(self, result: OpResult) -> None:
