@@ -3,23 +3,27 @@
 The core contract (DESIGN.md): ``init(params) -> state``,
 ``update(params, grads, state, hparams) -> (params, state, undo_record)`` and
 ``undo(params, state, undo_record) -> (params, state)``, pure by default.
+Layers above it: gradient transforms, loss scaling and schedules; the
+speculation protocol and its serial twin; the offload engine; checkpoints;
+torch.distributed collectives.
 """
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, adam, adamw
-from sofx import checkpoint
 from sofx.errors import HParamError, LeafError, SofxError, StructureError, UndoError, UnsupportedError
 from sofx.kernels.base import AdamScalars, AdamVariant
 from sofx.undo_record import LeafUndo, UndoRecord
+
 from sofx import loss_scale, schedules, serial, speculate, transforms
 from sofx.speculate import SpeculationConfig
-from sofx import offload
-from sofx import distributed
 from sofx.step_report import StepReport
+
+from sofx import checkpoint, distributed, offload
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # the core
     "Adam",
     "AdamHParams",
     "AdamState",
@@ -27,22 +31,25 @@ __all__ = [
     "AdamVariant",
     "adam",
     "adamw",
-    "checkpoint",
-    "distributed",
-    "loss_scale",
-    "schedules",
-    "serial",
-    "speculate",
-    "offload",
-    "transforms",
-    "SpeculationConfig",
-    "StepReport",
     "LeafUndo",
     "UndoRecord",
+    "tree",
+    # errors
     "SofxError",
     "StructureError",
     "LeafError",
     "HParamError",
     "UndoError",
     "UnsupportedError",
+    # layers above the core
+    "loss_scale",
+    "schedules",
+    "serial",
+    "speculate",
+    "transforms",
+    "SpeculationConfig",
+    "StepReport",
+    "checkpoint",
+    "distributed",
+    "offload",
 ]
