@@ -125,3 +125,15 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
             raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
         if t.shape != like.shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
+
+
+def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A kernel's ``(p, m, v)``: ``results`` as they are, or copied into ``out`` where a
+    result is not already ``out``'s own tensor (a kernel may have written in place)."""
+    if out is None:
+        return results[0], results[1], results[2]
+    for o, r in zip(out, results):
+        if o is not r:
+            o.copy_(r)
+    return out[0], out[1], out[2]

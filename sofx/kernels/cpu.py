@@ -55,7 +55,8 @@ import torch
 from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.base import AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number
+from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
+                               write_outputs)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available", "bitwise_with_torch"]
 
@@ -158,12 +159,7 @@ def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: tor
                       lib.sqrt_local or None)
         if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
             raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
-    if out is None:
-        return targets[0], targets[1], targets[2]
-    for o, t in zip(out, targets):
-        if o is not t:
-            o.copy_(t)
-    return out[0], out[1], out[2]
+    return write_outputs(targets, out)
 
 
 def _native(p: torch.Tensor, m: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> _cpu_build.NativeLib | None:

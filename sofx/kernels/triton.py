@@ -37,7 +37,8 @@ import triton.language as tl
 
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
-from sofx.kernels.base import AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number
+from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
+                               write_outputs)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK"]
 
@@ -217,12 +218,7 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
         _adam_kernel[grid](fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets), n, *u, *st,
                            OP=op, HAS_P_OLD=p_old is not None, ROUND_P=_TL_DTYPES[p.dtype],
                            ROUND_S=_TL_DTYPES[m.dtype], BLOCK_SIZE=BLOCK)
-    if out is None:
-        return targets[0], targets[1], targets[2]
-    for o, t in zip(out, targets):
-        if o is not t:
-            o.copy_(t)
-    return out[0], out[1], out[2]
+    return write_outputs(targets, out)
 
 
 def _numbers(s: AdamScalars) -> bool:
