@@ -42,3 +42,15 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     diff = (a64 - b64)[mask].abs()
     scale = b64[mask].abs().clamp_min(torch.finfo(a.dtype).tiny)
     return float((diff / scale).max())
+
+
+def assert_trees_bitwise(a, b) -> None:
+    """Same structure, and every leaf equal: tensors in dtype, shape and bits; other leaves by ==."""
+    la, sa = sofx.tree.flatten(a)
+    lb, sb = sofx.tree.flatten(b)
+    assert sa == sb
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        else:
+            assert x == y

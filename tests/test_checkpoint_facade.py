@@ -16,6 +16,8 @@ import sofx.checkpoint as ck
 from sofx import tree
 from sofx.checkpoint import io as ck_io
 
+from helpers import assert_trees_bitwise
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TRAINING = textwrap.dedent('''
@@ -106,17 +108,6 @@ def _snapshot(x):
     return tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, x)
 
 
-def _assert_bitwise(a, b):
-    la, sa = tree.flatten(a)
-    lb, sb = tree.flatten(b)
-    assert sa == sb
-    for x, y in zip(la, lb):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-        else:
-            assert x == y
-
-
 def test_facade_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path):
     ft = _training(tmp_path)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -136,7 +127,7 @@ def test_facade_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ft.CONFIGS:
         resumed = ck.load(tmp_path / f"{name}.nm.ckpt")
-        _assert_bitwise(resumed, expected[name])
+        assert_trees_bitwise(resumed, expected[name])
     # what the configurations were meant to exercise really happened
     fp16 = ck.load(tmp_path / "fp16_loss_scaler_mid_window.n.ckpt")["opt"]["state"]["scaler_state"]
     assert fp16["type"] == "GradScalerState" and 0 < fp16["growth_tracker"] < 3 and fp16["scale"] < 2.0 ** 20
@@ -181,7 +172,7 @@ def test_async_save_taken_just_before_a_speculative_step_holds_the_pre_step_valu
         finally:
             ck_io.serialize_file = real_write
             release.set()
-    _assert_bitwise(ck.load(tmp_path / "pre.ckpt"), before)
+    assert_trees_bitwise(ck.load(tmp_path / "pre.ckpt"), before)
 
 
 def test_facade_state_round_trips_through_a_checkpoint_file(tmp_path):
@@ -191,9 +182,9 @@ def test_facade_state_round_trips_through_a_checkpoint_file(tmp_path):
         ft.train(model, opt, sched, 0, 3)
         sd = _snapshot(opt.state_dict())
         back = ck.load(ck.save(tmp_path / "sd.ckpt", opt.state_dict()), like=sd)
-        _assert_bitwise(back, sd)
+        assert_trees_bitwise(back, sd)
         opt.load_state_dict(back)
-        _assert_bitwise(opt.state_dict(), sd)
+        assert_trees_bitwise(opt.state_dict(), sd)
         bad = _snapshot(sd)
         bad["state"]["blocks"][1]["exp_avg"] = bad["state"]["blocks"][1]["exp_avg"][:-1]
         with pytest.raises(ck.CheckpointMismatchError, match=r"tree\['state'\]\['blocks'\]\[1\]\['exp_avg'\]"):

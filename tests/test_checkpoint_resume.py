@@ -19,7 +19,8 @@ import torch
 
 import sofx
 import sofx.checkpoint as ck
-from sofx import tree
+
+from helpers import assert_trees_bitwise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,17 +147,6 @@ def _env():
     return env
 
 
-def _assert_bitwise(a, b):
-    la, sa = tree.flatten(a)
-    lb, sb = tree.flatten(b)
-    assert sa == sb
-    for x, y in zip(la, lb):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-        else:
-            assert x == y
-
-
 def test_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path):
     training = _import_training(tmp_path)
     n, m = 5, 4
@@ -178,7 +168,7 @@ def test_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path):
     assert serial.scaler_state == type(serial.scaler_state)(512.0, 2) and serial.step == n - 1  # mid-window
     for name in training.CONFIGS:
         resumed = ck.load(tmp_path / f"{name}.nm.ckpt", like=expected[name])
-        _assert_bitwise(resumed, expected[name])
+        assert_trees_bitwise(resumed, expected[name])
         if name == training.SERIAL:
             assert resumed["calls"] == n + m and resumed["loop"].step == n + m - 1  # the overflow was skipped
             assert resumed["loop"].scaler_state.scale == 4 * serial.scaler_state.scale  # grew twice after resume
