@@ -214,31 +214,30 @@ class Adam:
         (one pass over memory); the others are undone and stepped separately.
         A leaf with no new gradient is only undone. Returns the new record.
         """
-        spec, leaves = self._check_record(params, state, record)
-        _, grad_leaves = self._gather(params, grads, state, hparams)  # checks grads and hparams
+        spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         _validate_grad_scale(grad_scale)
         plans = []
-        for leaf, rec, new in zip(leaves, record.leaves, grad_leaves):
+        for leaf, rec in zip(leaves, record.leaves):
             undone_count = rec.count_before if rec is not None else leaf.count
-            plans.append(None if new.g is None else self._plan(
-                _Leaf(new.path, leaf.p, new.g, undone_count, leaf.m, leaf.v, new.hp), grad_scale))
+            plans.append(None if leaf.g is None else self._plan(
+                _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale))
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
-        for leaf, rec, new, plan in zip(leaves, record.leaves, grad_leaves, plans):
+        for leaf, rec, plan in zip(leaves, record.leaves, plans):
             fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
                        and not rec.moments_were_zero and plan[1] == "algebraic")
             if fusable:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
-                p2, m2, v2 = self._kernel(leaf).undo_redo(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, new.g,
+                p2, m2, v2 = self._kernel(leaf).undo_redo(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
                                                           plan[0], self.variant, p_old=rec.p_old, out=out)
                 c2 = rec.count_before + 1
-                new_rec = LeafUndo("algebraic", new.g, plan[0], rec.count_before)
+                new_rec = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before)
             else:
                 p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
                     self._undo_leaf(leaf, rec, donate)
                 if plan is None:
                     p2, m2, v2, c2, new_rec = p0, m0, v0, c0, None
                 else:
-                    undone = _Leaf(leaf.path, p0, new.g, c0, m0, v0, new.hp)
+                    undone = _Leaf(leaf.path, p0, leaf.g, c0, m0, v0, leaf.hp)
                     p2, m2, v2, c2, new_rec = self._step_leaf(undone, plan, donate)
             new_p.append(p2)
             new_m.append(m2)
@@ -249,13 +248,15 @@ class Adam:
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
-    def _check_record(self, params: Any, state: AdamState, record: UndoRecord) -> tuple[tree.TreeSpec, list[_Leaf]]:
-        """Check that ``record`` can undo ``(params, state)``; raise :class:`UndoError` otherwise."""
+    def _check_record(self, params: Any, state: AdamState, record: UndoRecord, grads: Any = None,
+                      hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf]]:
+        """Check that ``record`` can undo ``(params, state)`` (and, for a redo, the new ``grads`` and
+        ``hparams``, gathered into the leaves); raise :class:`UndoError` otherwise."""
         if not isinstance(record, UndoRecord):
             raise UndoError(f"expected an UndoRecord, got {type(record).__name__}")
         if record.used:
             raise UndoError("this undo record was already used: a step can be undone once")
-        spec, leaves = self._gather(params, None, state, None, expect_spec=record.spec)
+        spec, leaves = self._gather(params, grads, state, hparams, expect_spec=record.spec)
         if len(record.leaves) != len(leaves):
             raise UndoError(f"the record covers {len(record.leaves)} leaves, params have {len(leaves)}")
         for leaf, rec in zip(leaves, record.leaves):
@@ -329,7 +330,8 @@ class Adam:
         counts = tree.flatten_up_to(spec, state.count, "state.count")
         mus = tree.flatten_up_to(spec, state.mu, "state.mu")
         nus = tree.flatten_up_to(spec, state.nu, "state.nu")
-        hps = self.resolve_hparams(hparams, spec) if expect_spec is None else [self.defaults] * len(p_leaves)
+        stepping = expect_spec is None or grads is not None  # an update, or the redo of an undo_redo
+        hps = self.resolve_hparams(hparams, spec) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
