@@ -54,3 +54,22 @@ def assert_trees_bitwise(a, b) -> None:
             assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
         else:
             assert x == y
+
+
+def import_written_module(directory, name: str, source: str, extra_files: dict[str, str] | None = None):
+    """Write ``source`` as ``directory/name.py`` (and ``extra_files``) and import it afresh.
+
+    Used where a parent test and a child process must run the very same code.
+    """
+    import importlib
+    import sys
+
+    (directory / f"{name}.py").write_text(source)
+    for file_name, text in (extra_files or {}).items():
+        (directory / file_name).write_text(text)
+    sys.path.insert(0, str(directory))
+    try:
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(directory))

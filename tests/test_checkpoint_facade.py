@@ -16,7 +16,7 @@ import sofx.checkpoint as ck
 from sofx import tree
 from sofx.checkpoint import io as ck_io
 
-from helpers import assert_trees_bitwise
+from helpers import assert_trees_bitwise, import_written_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,16 +92,7 @@ N, M = 6, 4  # the fp16 run: tracker 1 of 3 at the checkpoint; after it a growth
 
 
 def _training(tmp_path):
-    import importlib
-
-    (tmp_path / "facade_training.py").write_text(TRAINING)
-    (tmp_path / "facade_child.py").write_text(CHILD)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        sys.modules.pop("facade_training", None)
-        return importlib.import_module("facade_training")
-    finally:
-        sys.path.remove(str(tmp_path))
+    return import_written_module(tmp_path, "facade_training", TRAINING, {"facade_child.py": CHILD})
 
 
 def _snapshot(x):

@@ -20,7 +20,7 @@ import torch
 import sofx
 import sofx.checkpoint as ck
 
-from helpers import assert_trees_bitwise
+from helpers import assert_trees_bitwise, import_written_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,16 +128,7 @@ CHILD = textwrap.dedent('''
 
 
 def _import_training(tmp_path):
-    (tmp_path / "training.py").write_text(TRAINING)
-    (tmp_path / "child.py").write_text(CHILD)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import importlib
-
-        sys.modules.pop("training", None)
-        return importlib.import_module("training")
-    finally:
-        sys.path.remove(str(tmp_path))
+    return import_written_module(tmp_path, "training", TRAINING, {"child.py": CHILD})
 
 
 def _env():
