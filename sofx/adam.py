@@ -141,17 +141,25 @@ class Adam:
 
     # ---------------------------------------------------------------- update
     def update(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
-               grad_scale: Scalar = 1.0, donate: bool = False) -> tuple[Any, AdamState, UndoRecord]:
+               grad_scale: Scalar = 1.0, donate: bool = False,
+               grads_finite: bool | None = None) -> tuple[Any, AdamState, UndoRecord]:
         """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
 
         The gradient used is ``grads * grad_scale`` (unscaling and clipping
         folded into one multiplier, applied inside the kernel). Everything is
         checked before anything is computed: a bad input raises a
         :class:`~sofx.errors.SofxError` naming the leaf path and modifies nothing.
+
+        ``grads_finite=True``: the caller guarantees that every element of
+        ``grads`` is finite (e.g. it took their sum of squares), so the undo
+        strategy is chosen without reading the gradients again; with
+        non-finite gradients the record would then be wrong. ``None``/``False``
+        (default): each gradient is checked (one pass over it).
         """
         spec, leaves = self._gather(params, grads, state, hparams)
         _validate_grad_scale(grad_scale)
-        plans = [self._plan(leaf, grad_scale) if leaf.g is not None else None for leaf in leaves]
+        _validate_grads_finite(grads_finite)
+        plans = [self._plan(leaf, grad_scale, grads_finite) if leaf.g is not None else None for leaf in leaves]
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
         for leaf, plan in zip(leaves, plans):
             if plan is None:
@@ -206,21 +214,24 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state
 
     def undo_redo(self, params: Any, state: AdamState, record: UndoRecord, grads: Any, hparams: Any = None, *,
-                  grad_scale: Scalar = 1.0, donate: bool = False) -> tuple[Any, AdamState, UndoRecord]:
+                  grad_scale: Scalar = 1.0, donate: bool = False,
+                  grads_finite: bool | None = None) -> tuple[Any, AdamState, UndoRecord]:
         """``update(*undo(params, state, record), grads, hparams)`` as one call.
 
         Leaves whose step was algebraically undoable and whose redone step
         needs no snapshot go through the backend's fused ``undo_redo`` kernel
         (one pass over memory); the others are undone and stepped separately.
         A leaf with no new gradient is only undone. Returns the new record.
+        ``grads_finite`` is the hint of :meth:`update` for the new ``grads``.
         """
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         _validate_grad_scale(grad_scale)
+        _validate_grads_finite(grads_finite)
         plans = []
         for leaf, rec in zip(leaves, record.leaves):
             undone_count = rec.count_before if rec is not None else leaf.count
             plans.append(None if leaf.g is None else self._plan(
-                _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale))
+                _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale, grads_finite))
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
         for leaf, rec, plan in zip(leaves, record.leaves, plans):
             fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
@@ -355,15 +366,19 @@ class Adam:
             return reference_kernels  # runs anywhere; no import machinery for torch.compile to trace
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 
-    def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0) -> tuple[AdamScalars, str, str]:
-        """The step's scalars and the undo strategy for this leaf (raises where refused)."""
+    def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0,
+              grads_finite: bool | None = None) -> tuple[AdamScalars, str, str]:
+        """The step's scalars and the undo strategy for this leaf (raises where refused).
+
+        ``grads_finite=True``: the caller guarantees the gradient is finite; it is not read.
+        """
         hp = leaf.hp
         t = as_number(leaf.count) + 1
         scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
-        strategy, reason = self._choose_strategy(leaf, scalars)
+        strategy, reason = self._choose_strategy(leaf, scalars, grads_finite is True)
         return scalars, strategy, reason
 
-    def _choose_strategy(self, leaf: _Leaf, s: AdamScalars) -> tuple[str, str]:
+    def _choose_strategy(self, leaf: _Leaf, s: AdamScalars, known_finite: bool = False) -> tuple[str, str]:
         if self.undo_mode == "exact":
             return "snapshot", ""
         values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
@@ -389,13 +404,13 @@ class Adam:
             if full_reasons or param_reasons:
                 raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: "
                                        f"{'; '.join(full_reasons + param_reasons)}; use undo='auto' or 'exact'")
-            if not _all_finite(leaf.g):
+            if not known_finite and not _all_finite(leaf.g):
                 return "none", "the gradient is not finite"
             return "algebraic", ""
         # auto: also avoid the cases that are possible but too lossy.
         if 0 < min(b1, b2) < ALGEBRAIC_MIN_BETA:
             full_reasons.append(f"a beta below {ALGEBRAIC_MIN_BETA} amplifies rounding")
-        if full_reasons or not _all_finite(leaf.g):
+        if full_reasons or not (known_finite or _all_finite(leaf.g)):
             return "snapshot", "; ".join(full_reasons) or "the gradient is not finite"
         if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
             param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
@@ -408,6 +423,11 @@ def _validate_grad_scale(grad_scale: Scalar) -> None:
     value = as_number(grad_scale)
     if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
+
+
+def _validate_grads_finite(grads_finite: Any) -> None:
+    if not (grads_finite is None or isinstance(grads_finite, bool)):
+        raise UnsupportedError(f"grads_finite = {grads_finite!r}; expected None, True or False")
 
 
 def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:

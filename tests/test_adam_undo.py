@@ -307,3 +307,100 @@ def test_inverse_recomputes_exactly_the_update_the_step_subtracted(decoupled):
     p1, m1, v1 = reference.step(p, g, m, v, s, variant)
     u = reference._update_direction(m1, v1, s, variant)
     assert torch.equal(p1, p - u)
+
+
+# ------------------------------------------------------------------ the grads_finite hint
+def _adam_module():
+    import sys
+
+    return sys.modules["sofx.adam"]  # ``sofx.adam`` is the function; the module holds _all_finite
+
+
+def _same_bits(a, b) -> bool:
+    """Same structure and every tensor leaf the same dtype, shape and bytes (a nan matches the same nan)."""
+    la, sa = sofx.tree.flatten(a)
+    lb, sb = sofx.tree.flatten(b)
+    return sa == sb and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+        x.reshape(-1).contiguous().view(torch.uint8), y.reshape(-1).contiguous().view(torch.uint8))
+        for x, y in zip(la, lb))
+
+
+def _assert_records_equal(a, b) -> None:
+    assert a.spec == b.spec and len(a.leaves) == len(b.leaves)
+    for x, y in zip(a.leaves, b.leaves):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
+        assert (x.strategy, x.reason, x.moments_were_zero) == (y.strategy, y.reason, y.moments_were_zero)
+        assert tuple(x.scalars) == tuple(y.scalars)
+        assert x.grad is y.grad and torch.equal(x.count_before, y.count_before)
+        for s, t in ((x.p_old, y.p_old), (x.m_old, y.m_old), (x.v_old, y.v_old)):
+            assert (s is None) == (t is None)
+            if s is not None:
+                assert _same_bits(s, t)
+
+
+@settings(max_examples=100)
+@given(cases(), st.sampled_from(["auto", "algebraic", "exact"]), st.booleans())
+def test_grads_finite_hint_gives_the_same_step_record_and_undo(c, undo, donate):
+    """With finite gradients the hint changes nothing: same outputs, same record, same undo, bit for bit."""
+    s_dtype = c["s_dtype"] or c["p_dtype"]
+    if undo == "algebraic" and (s_dtype in (torch.bfloat16, torch.float16) or c["p_dtype"] in (
+            torch.bfloat16, torch.float16) or c["hp"].beta1 == 0 or c["hp"].beta2 == 0
+            or (c["decoupled"] and c["hp"].lr * c["hp"].weight_decay == 1)):
+        undo = "auto"  # refused by undo='algebraic' (tested elsewhere)
+    opt, params, grads, state = _setup({**c, "undo": undo})
+    results = []
+    for hint in (None, True):
+        p_in, s_in = sofx.tree.tree_map(torch.clone, params), sofx.tree.tree_map(torch.clone, state)
+        new_p, new_s, rec = opt.update(p_in, grads, s_in, c["hp"], grad_scale=c["grad_scale"], donate=donate,
+                                       grads_finite=hint)
+        out = (sofx.tree.tree_map(torch.clone, new_p), sofx.tree.tree_map(torch.clone, new_s))
+        back = opt.undo(new_p, new_s, rec, donate=donate)
+        results.append((out, rec, back))
+    (out0, rec0, back0), (out1, rec1, back1) = results
+    assert _same_bits(out0, out1)  # (forced algebraic undo with a tiny beta may write nan: the same nan)
+    _assert_records_equal(rec0, rec1)
+    assert _same_bits(back0, back1)
+
+
+@pytest.mark.parametrize("undo", ["auto", "algebraic"])  # "exact" always snapshots and never checks
+def test_grads_finite_hint_skips_the_pass_over_the_gradients(undo, monkeypatch):
+    gen = torch.Generator().manual_seed(13)
+    params = {"a": torch.randn(50, generator=gen), "b": torch.randn(7, generator=gen)}
+    grads = {"a": torch.randn(50, generator=gen), "b": torch.randn(7, generator=gen)}
+    opt = sofx.adamw(lr=1e-2, undo=undo)
+    state = opt.init(params)
+    p1, s1, rec1 = opt.update(params, grads, state)
+    p2, s2, rec2 = opt.update(p1, grads, s1)
+    reads = []
+
+    def no_pass(x):
+        reads.append(x)
+        raise AssertionError("the gradients were read to check finiteness despite grads_finite=True")
+
+    monkeypatch.setattr(_adam_module(), "_all_finite", no_pass)
+    with pytest.raises(AssertionError, match="despite grads_finite"):
+        opt.update(params, grads, state)  # the check is really done without the hint...
+    for hint in (None, False):
+        with pytest.raises(AssertionError, match="despite grads_finite"):
+            opt.update(params, grads, state, grads_finite=hint)
+    reads.clear()
+    q1, t1, r1 = opt.update(params, grads, state, grads_finite=True)  # ...and skipped with it
+    q2, t2, r2 = opt.update(q1, grads, t1, grads_finite=True)
+    g_new = {"a": torch.randn(50, generator=gen), "b": None}
+    fused = opt.undo_redo(q2, t2, r2, g_new, grad_scale=0.5, grads_finite=True)
+    assert reads == []
+    monkeypatch.undo()
+    assert trees_equal(q2, p2) and trees_equal(t2, s2)
+    _assert_records_equal(r2, rec2)
+    ref = opt.undo_redo(p2, s2, rec2, g_new, grad_scale=0.5)
+    assert trees_equal(fused[0], ref[0]) and trees_equal(fused[1], ref[1])
+    _assert_records_equal(fused[2], ref[2])
+
+
+def test_grads_finite_must_be_a_bool_or_none():
+    params = {"w": torch.randn(3)}
+    opt = sofx.adamw()
+    with pytest.raises(sofx.UnsupportedError, match="grads_finite"):
+        opt.update(params, {"w": torch.randn(3)}, opt.init(params), grads_finite=1)
