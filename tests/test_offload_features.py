@@ -209,6 +209,77 @@ def test_hook_firing_twice_sums_and_redoes(executor: str) -> None:
             assert relative_deviation(model, ref) <= TOL
 
 
+# ---------------------------------------------------------------- Adam does not check finiteness again
+def _forbid_gradient_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make Adam's pass over a gradient to check its finiteness fail loudly (the one-element stand-in of
+    the eligibility check still runs): the engine must hand its knowledge on (``grads_finite=True``)."""
+    import sys
+
+    adam_module = sys.modules["sofx.adam"]  # ``sofx.adam`` is the function
+    real = adam_module._all_finite
+
+    def check(x: torch.Tensor) -> bool:
+        if x.numel() > 1:
+            raise AssertionError(f"Adam read a gradient of {x.numel()} elements again to check its finiteness")
+        return real(x)
+
+    monkeypatch.setattr(adam_module, "_all_finite", check)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_the_engine_tells_adam_the_gradients_are_finite(executor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculative steps, undo+redo after clipping, blocks stepped late after the veto, overflow steps,
+    gradient accumulation: no Adam call passes over a gradient again, and the trajectory is torch's."""
+    _forbid_gradient_pass(monkeypatch)
+    r = run_side_by_side("mlp", executor, steps=18)
+    assert max(r.deviations) <= TOL
+    assert [rep.skipped for rep in r.reports] == r.ref_skipped
+    assert sum(rep.skipped for rep in r.reports) >= 1
+    for what in ("committed", "redone", "stepped_late"):
+        assert sum(getattr(rep, what) for rep in r.reports) > 0, what
+
+
+@pytest.mark.parametrize("case", ["fp16_loss_scale", "late_gradient", "missing_zero", "missing_skip"])
+def test_the_engine_tells_adam_the_gradients_are_finite_in_special_cases(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 gradients cast into the fp32 buffers (the sum of squares is taken there), late gradients
+    summed in, zeroed missing gradients: the same tests, with Adam's own pass over the gradients forbidden."""
+    _forbid_gradient_pass(monkeypatch)
+    if case == "fp16_loss_scale":
+        test_fp16_model_with_dynamic_loss_scale_equals_grad_scaler_on_fp32_copy()
+    elif case == "late_gradient":
+        test_hook_firing_twice_sums_and_redoes("thread")
+    else:
+        test_missing_gradients(case.split("_")[1], 8)
+
+
+def test_the_process_worker_is_told_the_gradients_are_finite() -> None:
+    """The worker process cannot be patched: check what it is sent. Every operation that steps carries
+    grads_finite=True (the engine took the sum of squares of the very buffer the worker reads)."""
+    ops: list = []
+
+    def make_opt(*args, **kwargs):
+        opt = sofx.offload.SpeculativeAdamW(*args, **kwargs)
+        executor = opt.engine.executor
+        submit = executor.submit
+
+        def spy(op):
+            ops.append(op)
+            submit(op)
+
+        executor.submit = spy
+        return opt
+
+    r = run_side_by_side("mlp", "process", steps=12, make_opt=make_opt)
+    assert r.executor == "process"
+    assert max(r.deviations) <= TOL
+    stepping = [op for op in ops if op.kind == "speculate"
+                or (op.kind == "apply" and op.payload.kind in ("step", "undo_redo"))]
+    kinds = {op.kind if op.kind == "speculate" else op.payload.kind for op in stepping}
+    assert kinds == {"speculate", "step", "undo_redo"}
+    assert all(op.grads_finite for op in stepping)
+
+
 def test_hparams_changed_after_backward_are_redone() -> None:
     model, ref = _models()
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100)

@@ -47,6 +47,12 @@ class BlockOp:
     ``grads``: the parameters' 1-d gradients when they are not in the block's
     gradient buffer (an in-process executor borrows them from autograd
     instead of copying; never sent to a worker process).
+    ``grads_finite``: the engine took the sum of squares of exactly the
+    gradient values this operation steps with (the buffer or ``grads``) and it
+    was finite, so every element is; Adam then does not read the gradients
+    again to check (:meth:`sofx.Adam.update`'s ``grads_finite``). For a
+    ``"ready"`` operation it holds for a decision that speculates (the
+    speculation layer speculates only on a finite sum of squares).
     """
 
     seq: int
@@ -56,6 +62,7 @@ class BlockOp:
     present: Optional[tuple[bool, ...]] = None
     grads: Optional[tuple[Any, ...]] = None
     publish: Optional[tuple[int, ...]] = None
+    grads_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:

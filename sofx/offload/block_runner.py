@@ -167,7 +167,8 @@ class BlockRunner:
         t, layout = self.tensors[op.block], self.layouts[op.block]
         flat = uses_flat_layout(t, op.present, op.grads is not None)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
-        _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True)
+        _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
+                                                      grads_finite=op.grads_finite or None)
         self._store_counts(op.block, flat, new_state)
         self.kept[op.block] = _Kept(record, flat)
 
@@ -175,7 +176,8 @@ class BlockRunner:
         decision = op.payload()
         if decision is None:
             return False  # not speculated: nothing to publish
-        self._speculate(BlockOp(op.seq, "speculate", op.block, decision, op.present, op.grads))
+        self._speculate(BlockOp(op.seq, "speculate", op.block, decision, op.present, op.grads,
+                                grads_finite=op.grads_finite))
         return True
 
     def _undo_now(self, op: BlockOp) -> None:
@@ -208,7 +210,8 @@ class BlockRunner:
             flat = uses_flat_layout(t, op.present, op.grads is not None)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         record = kept.record if kept is not None else None
-        _, new_state = apply_block_action(self.adam, action, params, grads, state, record, donate=True)
+        _, new_state = apply_block_action(self.adam, action, params, grads, state, record, donate=True,
+                                          grads_finite=op.grads_finite or None)
         self._store_counts(op.block, flat, new_state)
 
     def _commit_all(self, op: BlockOp) -> None:

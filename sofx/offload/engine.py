@@ -51,6 +51,7 @@ shared-memory tensors; falls back to ``"thread"`` with a warning when
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import Counter
@@ -379,16 +380,19 @@ class OffloadEngine:
         self._begin()
         grads = self._op_grads(b)
         publish = self._publish_mask(b, present)
+        # grads_finite: a block is speculated only when the sum of squares _decide takes of these very
+        # gradient values (the buffer, or the borrowed tensors in ``grads``) is finite; Adam need not check.
         if self._deferred:
             ticket = self._tickets
             self._tickets += 1
             self.executor.submit(BlockOp(next(self._seq), "ready", b,
                                          lambda: self._decide_in_turn(ticket, b, present, grads, publish),
-                                         present, grads, publish))
+                                         present, grads, publish, grads_finite=True))
             return
         decision = self._decide(b, present, grads, publish)
         if decision is not None:
-            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish))
+            self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish,
+                                         grads_finite=True))
 
     def _decide_in_turn(self, ticket: int, *args: Any) -> Any:
         """:meth:`_decide` after the decisions of every block that was ready before (the worker and a
@@ -526,8 +530,12 @@ class OffloadEngine:
             if action.kind in ("undo_redo", "step") and not layout.on_device:
                 publish = self._publish_mask(layout.index, presents[layout.index])
             self._published[layout.index] = publish
+            # sumsq[b] was taken on exactly the gradient values the action steps with (in step() above, or
+            # during backward and again after a late gradient); finite means every element is.
+            s = sumsq[layout.index]
+            finite = math.isfinite(s) if s is not None else action.zero_grad  # zero_grad: zeroed buffers
             op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index],
-                         self._op_grads(layout.index), publish)
+                         self._op_grads(layout.index), publish, grads_finite=finite)
             if layout.on_device:
                 raise_failures([self.device_runner.run(op)], f"device block {layout.index}")
             else:

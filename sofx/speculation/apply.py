@@ -64,21 +64,25 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
 
 
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
-                           decision: BlockDecision, *, donate: bool = False,
+                           decision: BlockDecision, *, donate: bool = False, grads_finite: bool | None = None,
                            ) -> tuple[torch.Tensor, AdamState, UndoRecord]:
     """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed``.
 
     Returns ``(param, state, record)``; keep ``record`` (and do not modify
     ``grad`` in place) until validation has applied this block's action.
+    ``grads_finite``: :meth:`sofx.Adam.update`'s hint -- pass ``True`` when the
+    decision's sum of squares was taken on these very gradient values (it was
+    finite, or the block would not have been speculated).
     """
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
-    return opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale, donate=donate)
+    return opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale, donate=donate,
+                      grads_finite=grads_finite)
 
 
 def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad: torch.Tensor | None,
                        state: AdamState, record: UndoRecord | None = None, *,
-                       donate: bool = False) -> tuple[torch.Tensor, AdamState]:
+                       donate: bool = False, grads_finite: bool | None = None) -> tuple[torch.Tensor, AdamState]:
     """Carry out one validation action on one block; returns ``(param, state)``.
 
     ``commit``: nothing to do (the speculative result stands). ``undo_redo``:
@@ -86,6 +90,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``undo``: ``opt.undo``. ``step``: ``opt.update`` with the final multiplier
     (a zero gradient when ``action.zero_grad``). ``skip``: nothing.
     ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``).
+    ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
+    when the caller took its sum of squares on these very values and it was finite).
     """
     kind = action.kind
     if kind in ("commit", "skip"):
@@ -98,14 +104,15 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
         if grad is None:
             raise SofxError(f"block {action.block}: undo_redo needs the block's final gradient")
         new_param, new_state, _ = opt.undo_redo(param, state, record, grad, action.hparams,
-                                                grad_scale=action.grad_scale, donate=donate)
+                                                grad_scale=action.grad_scale, donate=donate,
+                                                grads_finite=grads_finite)
         return new_param, new_state
     if kind == "step":
         if action.zero_grad:
-            grad = torch.zeros_like(param)
+            grad, grads_finite = torch.zeros_like(param), True
         elif grad is None:
             raise SofxError(f"block {action.block}: step needs the block's final gradient")
         new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
-                                             donate=donate)
+                                             donate=donate, grads_finite=grads_finite)
         return new_param, new_state
     raise SofxError(f"block {action.block}: unknown action {kind!r}")
