@@ -390,6 +390,72 @@ def test_gradients_set_by_hand_are_stepped_late() -> None:
             assert relative_deviation(model, ref) == 0.0 or relative_deviation(model, ref) <= TOL
 
 
+# ---------------------------------------------------------------- step(closure)
+def test_step_with_a_closure_returns_its_loss_and_keeps_the_report() -> None:
+    """torch.optim's contract: step(closure) returns the closure's loss; the report is in last_report."""
+    from sofx.offload.engine import EngineStepReport
+
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100,
+                                        loss_scale=grad_scaler(init_scale=2.0 ** 8))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)  # wraps opt.step: the value passes
+    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, lambda k: 0.9 ** k)
+    gen = torch.Generator().manual_seed(0)
+    assert opt.last_report is None
+    with opt:
+        for step in range(6):
+            batch = mlp_batch(gen)
+            returned = []
+
+            def closure():
+                opt.zero_grad()
+                loss = mlp_loss(model, batch)
+                opt.backward(loss)  # scaled by the loss scale
+                returned.append(loss)
+                return loss
+
+            def ref_closure():
+                ropt.zero_grad()
+                loss = mlp_loss(ref, batch)
+                loss.backward()
+                return loss
+
+            if step % 2:
+                loss = opt.step(closure)
+                assert loss is returned[0], "step(closure) returns exactly what the closure returned"
+                assert torch.allclose(loss, ref_closure(), rtol=1e-6, atol=0) and loss.requires_grad
+                report = opt.last_report
+            else:
+                closure()
+                ref_closure()
+                report = opt.step()
+                assert report is opt.last_report, "step() without a closure returns the report"
+            ropt.step()
+            sched.step()
+            rsched.step()
+            assert isinstance(report, EngineStepReport) and report.iteration == step + 1
+            assert report.committed > 0
+            assert relative_deviation(model, ref) <= TOL
+
+
+def test_last_report_is_kept_when_a_step_fails() -> None:
+    from sofx.loss_scale import MinLossScaleError
+
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100, profile="deepspeed",
+                                       loss_scale=deepspeed_scaler(init_scale=1.0, hysteresis=1)) as opt:
+        gen = torch.Generator().manual_seed(0)
+        assert opt.step(lambda: opt.backward(mlp_loss(model, mlp_batch(gen)))) is None  # the closure's None
+        first = opt.last_report
+        assert first is not None and first.iteration == 1
+        handle = model.inp.weight.register_hook(lambda g: g * float("inf"))
+        with pytest.raises(MinLossScaleError):
+            opt.step(lambda: opt.backward(mlp_loss(model, mlp_batch(gen))))
+        handle.remove()
+        assert opt.last_report is first
+
+
 # ---------------------------------------------------------------- deepspeed profile
 def test_deepspeed_profile_speculative_equals_not_speculative() -> None:
     runs = {}

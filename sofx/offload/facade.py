@@ -13,6 +13,11 @@
         report = opt.step()                   # validates; returns the step report
     opt.close()                               # or use the optimizer as a context manager
 
+``step(closure)`` follows ``torch.optim``: it calls ``closure()`` (with grad
+enabled; the closure computes the loss, calls ``opt.backward(loss)`` and
+returns the loss) and returns the closure's loss. The report of the latest
+step is always in ``opt.last_report`` (``None`` before the first step).
+
 The Adam steps of the parameter blocks are taken *during* backward (on a
 worker thread or process, from fp32 master weights) and validated in
 ``step()``; the training trajectory is that of ``torch.optim.AdamW`` +
@@ -26,8 +31,9 @@ works, including those that change ``betas`` (``OneCycleLR`` with
 out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``); param groups cannot be
-added after construction; ``step()`` returns a
-:class:`~sofx.offload.engine.EngineStepReport`; with ``swap_params=True``
+added after construction; ``step()`` without a closure returns a
+:class:`~sofx.offload.engine.EngineStepReport` (``torch.optim`` returns
+``None``; with a closure both return its loss); with ``swap_params=True``
 (the default) a CPU parameter's storage alternates between two buffers that
 the worker fills during backward (``step()`` does not copy), so a reference
 to ``param.data`` taken earlier goes stale -- read the parameter itself, or
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
@@ -53,6 +59,8 @@ from sofx.speculate import AdaptivePolicy, SpeculationConfig
 __all__ = ["SpeculativeAdamW", "SpeculativeAdam", "resolve_loss_scale"]
 
 _HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+_Loss = TypeVar("_Loss")
 
 
 def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
@@ -157,6 +165,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params)
         self.state = _ParamStateView(self)  # type: ignore[assignment]
+        #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
+        #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
+        self.last_report: EngineStepReport | None = None
 
     # ------------------------------------------------------------ torch.optim interface
     def _hparams(self) -> list[AdamHParams]:
@@ -168,17 +179,30 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                    "its parameters are packed into blocks; pass every group to the constructor")
         super().add_param_group(param_group)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> EngineStepReport:  # type: ignore[override]
-        """Validate the step (see the module docstring); returns its report.
+    @overload
+    def step(self, closure: None = None) -> EngineStepReport: ...
 
-        ``closure``, if given, is called first (with grad enabled) to
-        compute the loss and run backward.
+    @overload
+    def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Validate the step (see the module docstring).
+
+        Without ``closure``: returns the step's
+        :class:`~sofx.offload.engine.EngineStepReport`. With ``closure``
+        (``torch.optim``'s contract): it is called first, with grad enabled,
+        to compute the loss and run backward (``opt.backward(loss)``, which
+        scales the loss when loss scaling is on), and ``step`` returns what
+        it returned. Either way the report is also kept in :attr:`last_report`.
         """
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
-        return self.engine.step()
+                loss = closure()
+        report = self.engine.step()
+        self.last_report = report
+        return report if closure is None else loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the current step (speculative steps already taken are undone)."""
