@@ -2,7 +2,8 @@
 
 A killed worker is a clear error within the timeout and the shared state
 survives; a too-small shared-memory budget warns and falls back to the thread
-executor; an operation failing in the worker is raised with its traceback;
+executor, and so does a reservation that fails after the space check passed
+(leaving no file, worker or shared parameter behind); an operation failing in the worker is raised with its traceback;
 every hparam reaches the worker with every step; close() stops the worker and
 removes the shared-memory files.
 """
@@ -92,6 +93,106 @@ def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None
             ropt.zero_grad()
             assert report.executor == "thread" and report.committed > 0
             assert relative_deviation(model, ref) <= TOL
+
+
+def _worker_children() -> list[int]:
+    """Pids of this process's children that run the offload worker."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[-1].split()
+            if int(fields[1]) != os.getpid() or fields[0] == "Z":
+                continue
+            with open(stat[:-len("stat")] + "cmdline", "rb") as f:
+                if b"sofx.offload.process_worker" in f.read():
+                    out.append(int(stat.split("/")[2]))
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return out
+
+
+# (what fails, at which call, the exception): the first reservation; a later block tensor; mapping a file
+# that was just created (it must be removed too); a publish buffer after parameters moved into shared memory.
+RESERVATION_FAILURES = {
+    "first_tensor": ("allocate", lambda name, k: k == 1, OSError(28, "No space left on device")),
+    "later_tensor": ("allocate", lambda name, k: k == 7, RuntimeError("unable to mmap 4800 bytes")),
+    "mapping": ("open", lambda name, k: k == 3, RuntimeError("unable to mmap: Cannot allocate memory")),
+    "publish_buffer": ("allocate", lambda name, k: ".pub" in name and name.endswith(".1") and k > 12,
+                       OSError(28, "No space left on device")),
+}
+
+
+@pytest.mark.parametrize("failure", list(RESERVATION_FAILURES))
+def test_a_failing_shared_memory_reservation_falls_back_to_thread_and_leaves_nothing_behind(
+        failure: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The /dev/shm space check passes, then reserving or mapping the shared tensors fails: a warning,
+    the thread executor, no worker started, no shared-memory file and no shared parameter left behind,
+    and the trajectory of an optimizer built with executor="thread"."""
+    from sofx.offload import shared_memory
+    from sofx.offload.thread_executor import ThreadExecutor
+
+    where, fails, error = RESERVATION_FAILURES[failure]
+    arenas, calls, failed = [], [0], []
+    real_allocate, real_open = shared_memory.SharedMemoryArena.allocate, shared_memory.open_shared_tensor
+
+    def allocate(arena, name, numel, dtype):
+        if arena not in arenas:
+            arenas.append(arena)
+        if where == "allocate":
+            calls[0] += 1
+            if not failed and fails(name, calls[0]):
+                failed.append(sorted(glob.glob(os.path.join(arena.shm_dir, arena.prefix + "*"))))
+                raise error
+        return real_allocate(arena, name, numel, dtype)
+
+    def open_shared(spec):
+        if where == "open":
+            calls[0] += 1
+            if not failed and fails(spec.path, calls[0]):
+                failed.append(sorted(glob.glob(spec.path.rsplit("-", 1)[0] + "-*")))
+                raise error
+        return real_open(spec)
+
+    monkeypatch.setattr(shared_memory.SharedMemoryArena, "allocate", allocate)
+    monkeypatch.setattr(shared_memory, "open_shared_tensor", open_shared)
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    kwargs = dict(lr=1e-2, weight_decay=0.05, max_grad_norm=3.0, block_numel=100)  # some steps clip
+    with pytest.warns(RuntimeWarning, match=r"reserving shared memory in \S+ for the process executor failed "
+                                            r"\((OSError|RuntimeError): .*\); falling back to the thread executor"):
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", **kwargs)
+    assert failed, "the injected failure happened"
+    if failure != "first_tensor":
+        assert failed[0], "shared tensors had been reserved before the failure"
+    if failure == "publish_buffer":
+        assert any(".pub" in f for f in failed[0]), "parameters had moved into shared publish buffers"
+    assert opt.executor == "thread" and isinstance(opt.engine.executor, ThreadExecutor)
+    assert not isinstance(opt.engine._cpu_arena, shared_memory.SharedMemoryArena)
+    # nothing half-built is left: no files of the failed arena, no worker, no parameter in shared memory
+    assert len(arenas) == 1
+    assert glob.glob(os.path.join(arenas[0].shm_dir, arenas[0].prefix + "*")) == []
+    assert _worker_children() == []
+    assert not any(p.is_shared() for p in model.parameters())
+    assert opt.engine._pub, "the thread executor still publishes into swapped buffers"
+    monkeypatch.undo()
+    ropt = sofx.offload.SpeculativeAdamW(ref.parameters(), executor="thread", **kwargs)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    gen = torch.Generator().manual_seed(0)
+    redone = 0
+    with opt, ropt:
+        for _ in range(5):
+            batch = mlp_batch(gen)
+            opt.backward(mlp_loss(model, batch))
+            ropt.backward(mlp_loss(ref, batch))
+            report, rreport = opt.step(), ropt.step()
+            assert report.executor == "thread"
+            assert (report.committed, report.redone) == (rreport.committed, rreport.redone)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), \
+                "the same trajectory as the thread executor, bit for bit"
+            redone += report.redone
+    assert redone > 0, "clipping undid and redid speculative steps"
 
 
 def test_an_operation_failing_in_the_worker_is_raised_with_its_traceback() -> None:

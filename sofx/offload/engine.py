@@ -45,7 +45,9 @@ stepped in ``step()`` by the device's backend, with the same actions.
 
 Executors: ``"inline"``, ``"thread"``, ``"process"`` (worker process on
 shared-memory tensors; falls back to ``"thread"`` with a warning when
-``/dev/shm`` cannot hold the state).
+``/dev/shm`` cannot hold the state, or when reserving it fails after the
+space check: then what was reserved is released first -- files removed,
+parameters moved back to private memory -- and no worker is started).
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ class OffloadEngine:
         state_dtype = getattr(torch, adam.state_dtype)
         cpu_layouts = [b for b in self.layouts if not b.on_device]
         device_layouts = [b for b in self.layouts if b.on_device]
-        swappable = self._swappable_params() if swap_params and self.device.type == "cpu" else set()
+        local_swappable = self._swappable_params() if swap_params and self.device.type == "cpu" else set()
+        swappable = local_swappable
         if executor == "process" and cpu_layouts:
             need = sum(block_nbytes(b, state_dtype) for b in cpu_layouts)
             budget = shm_budget(shm_dir, shm_limit_bytes)
@@ -163,33 +166,35 @@ class OffloadEngine:
                     f"{' (shm_limit_bytes)' if shm_limit_bytes is not None else ''}; falling back to the "
                     "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
                     RuntimeWarning, stacklevel=3)
-                executor = "thread"
+                executor, swappable = "thread", local_swappable
         self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
+        self._shared_params: list[int] = []  # parameters whose storage is a shared-memory publish buffer
         device_arena = LocalArena(self.device)
         self.tensors: dict[int, BlockTensors] = {}
         try:
             try:
-                for b in cpu_layouts:
-                    self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
-            except OSError as exc:  # /dev/shm filled up since the check (another process took the space)
+                self._reserve_cpu_blocks(cpu_layouts, state_dtype, swappable)
+            except (OSError, RuntimeError) as exc:
+                # The space check passed, but reserving or mapping the shared memory failed (another process
+                # took the space since, a mapping limit, ...): give back what was reserved, use the thread executor.
                 if executor != "process":
                     raise
-                warnings.warn(f"sofx.offload: {exc}; falling back to the thread executor", RuntimeWarning,
-                              stacklevel=3)
-                self._cpu_arena.close()
+                self._release_shared_memory()
+                self.tensors.clear()
+                warnings.warn(f"sofx.offload: reserving shared memory in {shm_dir} for the process executor failed "
+                              f"({type(exc).__name__}: {exc}); falling back to the thread executor",
+                              RuntimeWarning, stacklevel=3)
                 self._cpu_arena, executor = LocalArena("cpu"), "thread"
-                for b in cpu_layouts:
-                    self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
+                self._reserve_cpu_blocks(cpu_layouts, state_dtype, local_swappable)
             self.executor_name = executor
             for b in device_layouts:
                 self.tensors[b.index] = allocate_block_tensors(b, device_arena.allocate, state_dtype)
             self._load_masters_from_model()
-            self._setup_publish(cpu_layouts, swappable)
             self.device_runner = BlockRunner(self.adam, device_layouts,
                                              {b.index: self.tensors[b.index] for b in device_layouts})
             self.executor = self._make_executor(executor, cpu_layouts, num_threads)
         except BaseException:
-            self._cpu_arena.close()
+            self._release_shared_memory()
             raise
         # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
         self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
@@ -215,6 +220,25 @@ class OffloadEngine:
             "publish": self._pub_names,
         }
         return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0))
+
+    def _reserve_cpu_blocks(self, cpu_layouts: Sequence[BlockLayout], state_dtype: torch.dtype,
+                            swappable: set[int]) -> None:
+        """Allocate the CPU blocks' tensors and publish buffers in ``self._cpu_arena``."""
+        for b in cpu_layouts:
+            self.tensors[b.index] = allocate_block_tensors(b, self._cpu_arena.allocate, state_dtype)
+        self._setup_publish(cpu_layouts, swappable)
+
+    def _release_shared_memory(self) -> None:
+        """Move the parameters that live in shared-memory publish buffers back to private memory, then
+        remove the arena's files (idempotent; the values are kept)."""
+        try:
+            with torch.no_grad():
+                for i in self._shared_params:
+                    p = self.params[i]
+                    p.data = p.detach().clone()
+            self._shared_params.clear()
+        finally:
+            self._cpu_arena.close()
 
     def _load_masters_from_model(self) -> None:
         """Copy the model's parameter values into the fp32 masters."""
@@ -263,6 +287,7 @@ class OffloadEngine:
                     with torch.no_grad():
                         bufs[0].copy_(p.detach().reshape(-1))
                         p.data = bufs[0].view(p.shape)
+                    self._shared_params.append(i)
                     names.append(pair)
                 else:
                     # .data, not detach(): writes into a buffer must not bump the parameter's version counter
@@ -665,17 +690,8 @@ class OffloadEngine:
         try:
             self.executor.close()
         finally:
-            try:
-                if isinstance(self._cpu_arena, SharedMemoryArena):
-                    # The parameters use shared-memory publish buffers: move them to private memory.
-                    with torch.no_grad():
-                        for b, slots in getattr(self, "_pub", {}).items():
-                            for bufs, i in zip(slots, self.layouts[b].param_indices):
-                                if bufs is not None:
-                                    p = self.params[i]
-                                    p.data = p.detach().clone()
-            finally:
-                self._cpu_arena.close()
+            # Parameters using shared-memory publish buffers move to private memory; the files are removed.
+            self._release_shared_memory()
 
     def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
         try:
