@@ -132,8 +132,8 @@ def _open(path: str) -> NativeLib:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int64,
                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_double),
-                   ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p]
+                   ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p]
     has_f16 = lib.sofx_has_f16
     has_f16.restype = ctypes.c_int
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()

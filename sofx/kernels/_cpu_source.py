@@ -5,9 +5,15 @@ Three code paths, all with the same arithmetic:
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
+             The inverse multiplies by the reciprocals of 1 - lr*wd, beta1
+             and beta2 instead of dividing (the fused undo+redo would
+             otherwise be bound by the divider rather than by memory).
+             Used by ``cpu_fast`` (``exact`` 0).
 ``exact_*``  the same per chunk of ``TILE`` elements, split around calls to
              torch's own square-root routine (MKL's ``vmsSqrt``, passed in as
-             a function pointer) so that results are torch's bit for bit.
+             a function pointer) so that results are torch's bit for bit, and
+             the inverse with true divisions, as ``reference.py``. Used by
+             ``cpu`` (``exact`` 1).
 ``run_tiles`` any other dtype combination (float16 params or states, mixed
              gradient dtypes): tiles converted to float32 local arrays, then the
              math (float16 conversions do not vectorize with gcc 12 anyway, and
@@ -72,6 +78,7 @@ typedef struct {
   void *po, *mo, *vo;
   Sc s1, s2;
   Sqrt sq;
+  int exact;                         /* bitwise the reference: the exact_* loops, divisions in the inverse */
   int64_t begin, end;
 } Job;
 
@@ -285,6 +292,7 @@ typedef struct {
 
 typedef struct {
   float gs, pdiv, wd, bc2, eps, ss, omb1, b1, omb2, b2;
+  float rpdiv, rb1, rb2; /* reciprocals of pdiv, b1, b2 (the fast inverse) */
   int l2;
 } UndoK;
 
@@ -317,6 +325,9 @@ static UndoK undo_k(const Sc *s, int decoupled) {
   k.b1 = s->b1;
   k.omb2 = s->omb2;
   k.b2 = s->b2;
+  k.rpdiv = (float)(1.0 / (double)k.pdiv);
+  k.rb1 = (float)(1.0 / (double)k.b1);
+  k.rb2 = (float)(1.0 / (double)k.b2);
   return k;
 }
 
@@ -358,8 +369,24 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
   *V = x < 0.0f ? 0.0f : x;
 }
 
-static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
-  undo_elem_d(P, G, M, V, have_p_old ? 0.0f : sqrtf(*V), k, have_p_old);
+/* The fast inverse (cpu_fast): undo_elem_d with the divisions by constants replaced by products
+   with their reciprocals; u = (ss * m) / d is recomputed exactly as the step computed it (its
+   two divisions kept), so that p' + u recovers p where p is small against u.
+   Each product is within an ulp of the quotient; the fused undo+redo would otherwise do seven
+   divisions and two square roots per element and be bound by the divider, not by memory. */
+static inline void undo_elem_fast(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
+  float g = G * k->gs;
+  float p = *P;
+  if (!have_p_old) {
+    const float d = sqrtf(*V) / k->bc2 + k->eps; /* bit for bit the step's d: p' + u cancels exactly */
+    p = (p + (k->ss * *M) / d) * k->rpdiv;
+  }
+  g = k->l2 ? fmaf(p, k->wd, g) : g;
+  const float m = (*M - k->omb1 * g) * k->rb1;
+  const float x = (*V - k->omb2 * (g * g)) * k->rb2;
+  *P = p;
+  *M = m;
+  *V = x < 0.0f ? 0.0f : x;
 }
 
 /* Outputs may be the inputs' own storage, element for element (buffer donation): there is no
@@ -379,7 +406,7 @@ static inline void undo_elem(float *P, float G, float *M, float *V, const UndoK 
 #define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                             \
   IVDEP for (int64_t i = begin; i < end; i++) {                                    \
     float P = LD_##DP(PSRC, i), M = LD_##DS(m, i), V = LD_##DS(v, i);              \
-    undo_elem(&P, LD_##DG(g, i), &M, &V, &u, HAVE_P_OLD);                           \
+    undo_elem_fast(&P, LD_##DG(g, i), &M, &V, &u, HAVE_P_OLD);                      \
     if (REDO) {                                                                    \
       P = RT_##DP(P);                                                              \
       M = RT_##DS(M);                                                              \
@@ -527,7 +554,7 @@ static fused_fn fused_for(const Job *j, int exact) {
 }
 
 static void run_range(const Job *j) {
-  fused_fn f = fused_for(j, j->sq.fn != 0);
+  fused_fn f = fused_for(j, j->exact);
   if (f) {
     const int restore = (j->sq.fn && j->sq.local) ? j->sq.local(1) : -1;
     f(j);
@@ -545,11 +572,13 @@ static void *run_thread(void *arg) {
 #define MAX_THREADS 256
 
 /* Entry point. dtypes = {p, g, m/v, g_new, p_old}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out, v_out}.
+   exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions in the
+   inverse), 0 for the fused loops (IEEE sqrtf, reciprocal products in the inverse).
    sqrt_fn/sqrt_mode/sqrt_local: see Sqrt (sqrt_fn 0: IEEE sqrtf).
    Returns 0 on success, a negative code for bad arguments (nothing written). */
 int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *ptrs,
-              const double *s_old, const double *s_new, int nthreads, void *sqrt_fn, int64_t sqrt_mode,
-              void *sqrt_local) {
+              const double *s_old, const double *s_new, int nthreads, int exact, void *sqrt_fn,
+              int64_t sqrt_mode, void *sqrt_local) {
   if (op < OP_STEP || op > OP_UNDO_REDO || n < 0) return -1;
   for (int k = 0; k < 5; k++) {
     if (dtypes[k] < DT_F32 || dtypes[k] > DT_F16) return -2;
@@ -566,6 +595,7 @@ int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *
   job.sq.fn = (vsqrt_fn)sqrt_fn;
   job.sq.mode = sqrt_mode;
   job.sq.local = (local_threads_fn)sqrt_local;
+  job.exact = exact != 0;
   job.s1 = make_sc(s_old);
   if (op == OP_UNDO_REDO) job.s2 = make_sc(s_new);
   int nt = nthreads < 1 ? 1 : nthreads;

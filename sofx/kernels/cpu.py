@@ -155,8 +155,8 @@ def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: tor
                                      poc.data_ptr() if poc is not None else None,
                                      *(t.data_ptr() for t in targets))
         rc = lib.adam(op, int(variant.decoupled), dtypes, n, ptrs, s1, s2 if s2 is not None else s1,
-                      torch.get_num_threads(), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
-                      lib.sqrt_local or None)
+                      torch.get_num_threads(), int(exact), (lib.sqrt_fn or None) if exact else None,
+                      lib.sqrt_mode, lib.sqrt_local or None)
         if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
             raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
     return write_outputs(targets, out)
