@@ -54,6 +54,8 @@ __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_B
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
 ALGEBRAIC_MIN_BETA = 0.5
+# float32's smallest normal number: a divisor below it (0 once rounded, or subnormal) overflows the inverse.
+_F32_TINY = 1.1754943508222875e-38
 # Decoupled decay: restoring p divides by (1 - lr*wd); below this the division
 # amplifies rounding, and ``undo="auto"`` keeps a snapshot of the parameter.
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
@@ -390,15 +392,16 @@ class Adam:
             return "snapshot", ""
         lr, b1, b2, wd = values
         full_reasons = []  # reasons the moments cannot be recomputed
-        if b1 == 0 or b2 == 0:
-            full_reasons.append("a beta of 0 leaves no trace of the old moment")
+        if abs(b1) < _F32_TINY or abs(b2) < _F32_TINY:
+            # 0, or 0 / subnormal once rounded to float32 as the kernels compute: 1/beta overflows.
+            full_reasons.append("a beta of 0 (or below float32's smallest normal) leaves no trace of the old moment")
         if leaf.m.dtype in _LOW_PRECISION:
             full_reasons.append(f"{leaf.m.dtype} optimizer states are rounded")
         param_reasons = []  # reasons only the parameter cannot be recomputed
         if leaf.p.dtype in _LOW_PRECISION:
             param_reasons.append(f"{leaf.p.dtype} master weights are rounded")
         decay_factor = 1 - lr * wd
-        if self.variant.decoupled and wd != 0 and decay_factor == 0:
+        if self.variant.decoupled and wd != 0 and abs(decay_factor) < _F32_TINY:
             param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
         if self.undo_mode == "algebraic":
             if full_reasons or param_reasons:
