@@ -71,7 +71,7 @@ def _assert_undo_redo(backend, got, stepped, g, s, g2, s2, variant, p_old=None) 
     if _is_exact(backend):
         _assert_close(got, want, True)
         return
-    # cpu_fast's inverse multiplies by reciprocals (within an ulp of the reference's quotients). Where
+    # cpu_fast's inverse divides through reciprocals (rarely an ulp off the true quotient). Where
     # the redo cancels (p*decay - u near 0, b1*m + (1-b1)*g near 0) that ulp of the undone value is a
     # large part of the small result, so the error is measured against the magnitudes combined.
     for a, b, x in zip(got, want, undone):

@@ -5,9 +5,11 @@ Three code paths, all with the same arithmetic:
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
-             The inverse multiplies by the reciprocals of 1 - lr*wd, beta1
-             and beta2 instead of dividing (the fused undo+redo would
-             otherwise be bound by the divider rather than by memory).
+             The inverse divides by 1 - lr*wd, beta1 and beta2 through
+             their reciprocals and one multiply-add correction (div_by:
+             the quotient of a true division but in rare cases, an ulp off
+             there); the fused undo+redo would otherwise be bound by the
+             divider rather than by memory.
              Used by ``cpu_fast`` (``exact`` 0).
 ``exact_*``  the same per chunk of ``TILE`` elements, split around calls to
              torch's own square-root routine (MKL's ``vmsSqrt``, passed in as
@@ -369,9 +371,17 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
   *V = x < 0.0f ? 0.0f : x;
 }
 
-/* The fast inverse (cpu_fast): undo_elem_d with the divisions by constants replaced by products
-   with their reciprocals; u = (ss * m) / d is recomputed exactly as the step computed it (its
-   two divisions kept), so that p' + u recovers p where p is small against u.
+/* x / b from the precomputed rb = RN(1/b): the product, then one multiply-add correction with the
+   exact remainder x - b*q (Markstein): the correctly rounded quotient except in rare cases where
+   it is an ulp off, three multiply-adds instead of a division. */
+static inline float div_by(float x, float b, float rb) {
+  const float q = x * rb;
+  return fmaf(fmaf(-q, b, x), rb, q);
+}
+
+/* The fast inverse (cpu_fast): undo_elem_d with the divisions by constants done by div_by;
+   u = (ss * m) / d is recomputed exactly as the step computed it (its two divisions kept), so
+   that p' + u recovers p where p is small against u.
    Each product is within an ulp of the quotient; the fused undo+redo would otherwise do seven
    divisions and two square roots per element and be bound by the divider, not by memory. */
 static inline void undo_elem_fast(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
@@ -379,11 +389,11 @@ static inline void undo_elem_fast(float *P, float G, float *M, float *V, const U
   float p = *P;
   if (!have_p_old) {
     const float d = sqrtf(*V) / k->bc2 + k->eps; /* bit for bit the step's d: p' + u cancels exactly */
-    p = (p + (k->ss * *M) / d) * k->rpdiv;
+    p = div_by(p + (k->ss * *M) / d, k->pdiv, k->rpdiv);
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
-  const float m = (*M - k->omb1 * g) * k->rb1;
-  const float x = (*V - k->omb2 * (g * g)) * k->rb2;
+  const float m = div_by(*M - k->omb1 * g, k->b1, k->rb1);
+  const float x = div_by(*V - k->omb2 * (g * g), k->b2, k->rb2);
   *P = p;
   *M = m;
   *V = x < 0.0f ? 0.0f : x;

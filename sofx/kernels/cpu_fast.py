@@ -8,11 +8,11 @@ the correctly rounded IEEE ``sqrtf``, which is what
 ``torch.optim.Adam/AdamW(fused=True)`` computes: its step equals torch's
 fused CPU kernel bit for bit (float32 and bfloat16; tested), and differs
 from ``cpu`` / ``reference`` only where MKL's square root is an ulp off
-(about 1e-4 of the parameters, by an ulp, per step). Its inverse multiplies
-by the reciprocals of ``1 - lr*wd``, ``beta1`` and ``beta2`` instead of
-dividing (each within an ulp of the quotient; ``u`` itself is recomputed
-exactly as the step computed it), which keeps the fused undo+redo closer to
-memory speed. It runs at the memory bandwidth, as fast as torch's fused Adam.
+(about 1e-4 of the parameters, by an ulp, per step). Its inverse divides by
+``1 - lr*wd``, ``beta1`` and ``beta2`` through their reciprocals and one
+multiply-add correction (the true quotient but in rare cases, an ulp off
+there; ``u`` itself is recomputed exactly as the step computed it), which
+keeps the fused undo+redo closer to memory speed. It runs at the memory bandwidth, as fast as torch's fused Adam.
 Choose it with ``backend="cpu_fast"``; ``backend="auto"`` picks ``cpu`` (bitwise the reference).
 """
 
