@@ -316,6 +316,31 @@ print("ok")
     assert "ok" in out.stdout
 
 
+def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, monkeypatch):
+    """Where -fopenmp is unavailable the library is built without it and starts pthreads per call."""
+    from sofx.kernels import _cpu_build
+
+    cc = _cpu_build._compiler()
+    assert cc is not None
+    target = str(tmp_path / "sofx_adam_pthreads.so")
+    assert _cpu_build._compile(cc, _cpu_build._BASE_FLAG_SETS[0], target) is None
+    pthreads = _cpu_build._open(target)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    p, g, m, v = _inputs(rng, 3 * 65536 + 4099, torch.float32, torch.float32)
+    s = _scalars(rng, 0.1, 0.5)
+    g2 = torch.randn(p.shape, generator=rng)
+    for backend in (cpu, cpu_fast):
+        want = [backend.step(p, g, m, v, s, VARIANTS[0]),
+                backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[1])]
+        monkeypatch.setattr(_cpu_build, "_loaded", [pthreads])
+        got = [backend.step(p, g, m, v, s, VARIANTS[0]),
+               backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[1])]
+        monkeypatch.undo()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+        for a, b in zip(got, want):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
     backend = BACKENDS[name]

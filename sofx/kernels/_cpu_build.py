@@ -34,12 +34,15 @@ __all__ = ["NativeLib", "load", "unavailable_reason"]
 # -ffp-contract=off: no multiply-add is fused unless the source says fmaf (bitwise reference results).
 # vect-epilogues-nomask=0: no vectorized remainder loops (a third less compile time, tails are short).
 # Tried in order (clang has no such --param; some compilers or CPUs have no -march=native).
-_FLAG_SETS = (
+# -fopenmp: the threads come from torch's OpenMP runtime when torch uses libgomp (see the source);
+# without OpenMP (no libgomp, some clang setups) the kernels start pthreads per call instead.
+_BASE_FLAG_SETS = (
     ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
      "--param", "vect-epilogues-nomask=0"],
     ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"],
     ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"],
 )
+_FLAG_SETS = tuple([*f, "-fopenmp"] for f in _BASE_FLAG_SETS) + _BASE_FLAG_SETS
 _COMMON = ["-std=gnu11", "-shared", "-fPIC", "-pthread"]
 
 

@@ -294,7 +294,7 @@ typedef struct {
 
 typedef struct {
   float gs, pdiv, wd, bc2, eps, ss, omb1, b1, omb2, b2;
-  float rpdiv, rb1, rb2; /* reciprocals of pdiv, b1, b2 (the fast inverse) */
+  float rbc2, rpdiv, rb1, rb2; /* reciprocals of bc2, pdiv, b1, b2 (the fast inverse) */
   int l2;
 } UndoK;
 
@@ -327,6 +327,7 @@ static UndoK undo_k(const Sc *s, int decoupled) {
   k.b1 = s->b1;
   k.omb2 = s->omb2;
   k.b2 = s->b2;
+  k.rbc2 = (float)(1.0 / (double)k.bc2);
   k.rpdiv = (float)(1.0 / (double)k.pdiv);
   k.rb1 = (float)(1.0 / (double)k.b1);
   k.rb2 = (float)(1.0 / (double)k.b2);
@@ -388,7 +389,7 @@ static inline void undo_elem_fast(float *P, float G, float *M, float *V, const U
   float g = G * k->gs;
   float p = *P;
   if (!have_p_old) {
-    const float d = sqrtf(*V) / k->bc2 + k->eps; /* bit for bit the step's d: p' + u cancels exactly */
+    const float d = div_by(sqrtf(*V), k->bc2, k->rbc2) + k->eps; /* the step's d (but in rare cases) */
     p = div_by(p + (k->ss * *M) / d, k->pdiv, k->rpdiv);
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
@@ -574,10 +575,12 @@ static void run_range(const Job *j) {
   }
 }
 
+#ifndef _OPENMP
 static void *run_thread(void *arg) {
   run_range((const Job *)arg);
   return 0;
 }
+#endif
 
 #define MAX_THREADS 256
 
@@ -618,8 +621,6 @@ int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *
     return 0;
   }
   Job parts[MAX_THREADS];
-  pthread_t tids[MAX_THREADS];
-  int started[MAX_THREADS];
   int64_t per = (n + nt - 1) / nt;
   per = (per + TILE - 1) / TILE * TILE;
   for (int k = 0; k < nt; k++) {
@@ -627,12 +628,23 @@ int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *
     parts[k].begin = per * k < n ? per * k : n;
     parts[k].end = per * (k + 1) < n ? per * (k + 1) : n;
   }
+#ifdef _OPENMP
+  /* torch's own OpenMP runtime (libgomp.so.1 is already loaded by torch, so this library binds
+     to it): the threads of torch's last parallel region are still spinning for work and take
+     these parts at once. Threads of a second runtime (or pthreads) would fight them for the
+     cores for milliseconds after every torch operation. */
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int k = 0; k < nt; k++) run_range(&parts[k]);
+#else
+  pthread_t tids[MAX_THREADS];
+  int started[MAX_THREADS];
   for (int k = 1; k < nt; k++) started[k] = pthread_create(&tids[k], 0, run_thread, &parts[k]) == 0;
   run_range(&parts[0]);
   for (int k = 1; k < nt; k++) {
     if (started[k]) pthread_join(tids[k], 0);
     else run_range(&parts[k]);
   }
+#endif
   return 0;
 }
 """
