@@ -65,7 +65,8 @@ def make(shapes: list[tuple], pdt: torch.dtype, sdt: torch.dtype, gen: torch.Gen
 
 
 def sofx_ops(backend, ps, gs, g2s, ms, vs) -> dict[str, Callable[[], None]]:
-    """In-place (donated) calls over every tensor of the set (an undo is followed by an untimed step)."""
+    """In-place (donated) calls over every tensor of the set (an undo is followed by an untimed step, an
+    undo+redo by an untimed one back), so that each operation inverts a step that was really taken."""
 
     def step():
         for p, g, m, v in zip(ps, gs, ms, vs):
@@ -75,15 +76,20 @@ def sofx_ops(backend, ps, gs, g2s, ms, vs) -> dict[str, Callable[[], None]]:
         for p, g, m, v in zip(ps, gs, ms, vs):
             backend.undo(p, g, m, v, S1, VARIANT, out=(p, m, v))
 
-    def undo_redo():
+    def undo_redo():  # the step taken with (g, S1) becomes one with (g2, S2) ...
         for p, g, g2, m, v in zip(ps, gs, g2s, ms, vs):
-            backend.undo_redo(p, m, v, g, S1, g, S1, VARIANT, out=(p, m, v))
+            backend.undo_redo(p, m, v, g, S1, g2, S2, VARIANT, out=(p, m, v))
+
+    def redo_back():  # ... and back (untimed), so that every operation finds a step taken with (g, S1)
+        for p, g, g2, m, v in zip(ps, gs, g2s, ms, vs):
+            backend.undo_redo(p, m, v, g2, S2, g, S1, VARIANT, out=(p, m, v))
 
     def undo_then_step():
         undo()
         step()
 
-    return {"step": step, "undo": (undo, step), "undo+redo (fused)": undo_redo, "undo, then step": undo_then_step}
+    return {"step": step, "undo": (undo, step), "undo+redo (fused)": (undo_redo, redo_back),
+            "undo, then step": undo_then_step}
 
 
 def torch_ops(ps, gs) -> dict[str, Callable[[], None]]:
