@@ -302,6 +302,41 @@ def test_hparams_changed_after_backward_are_redone() -> None:
             assert relative_deviation(model, ref) <= TOL
 
 
+def test_eligibility_is_decided_once_per_block_until_the_hparams_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With finite gradients the undo strategy depends on hparams, grad scale, layout and dtypes only: the
+    engine reuses its last decision per block, and decides again when an hparam changes."""
+    from sofx.offload import engine as engine_module
+
+    calls = []
+    real = engine_module.combined_eligibility
+    monkeypatch.setattr(engine_module, "combined_eligibility", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, ref = _models()
+    # No snapshot memory: a block needing a snapshot (beta1 < 0.5) is not speculated ("budget").
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                        snapshot_budget_bytes=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    blocks, ineligible = None, []
+    with opt:
+        for step in range(6):
+            if step == 3:  # snapshots needed from here on: the memo must not answer "algebraic"
+                for g in opt.param_groups + ropt.param_groups:
+                    g["betas"] = (0.3, g["betas"][1])
+            batch = mlp_batch(gen)
+            opt.backward(mlp_loss(model, batch))
+            mlp_loss(ref, batch).backward()
+            report = opt.step()
+            ropt.step()
+            ropt.zero_grad()
+            blocks = report.blocks
+            ineligible.append(report.ineligible)
+            assert relative_deviation(model, ref) <= TOL
+            if step == 2:
+                assert len(calls) == blocks  # asked on the first step only
+    assert ineligible == [0, 0, 0, blocks, blocks, blocks]
+    assert len(calls) == 2 * blocks
+
+
 # ---------------------------------------------------------------- missing gradients
 class Branchy(nn.Module):
     """``extra`` is used only when asked: its gradient is missing on the other steps."""

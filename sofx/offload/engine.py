@@ -201,6 +201,8 @@ class OffloadEngine:
         # In-process executors decide on speculation in the executor (see the module docstring).
         self._deferred = self.executor_name != "process"
         self.hooks = GradHooks(self.params, self._on_grad)
+        # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
+        self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
         self._reset_step()
 
     # ------------------------------------------------------------ setup
@@ -450,14 +452,33 @@ class OffloadEngine:
         self._tally, decision = on_block_ready(
             ctx, self._tally, b, self._block_sumsq(b),
             # Asked only when the sum of squares is finite, i.e. every gradient element is.
-            lambda: combined_eligibility(self.adam, t, layout, flat, present, ctx.hparams[b], ctx.grad_scale, grads,
-                                         finite=True))
+            lambda: self._eligibility(b, flat, present, grads))
         if not decision.speculate:
             return None
         self._speculated[b] = True
         self._published[b] = publish
         self._events.append(("speculate", b))
         return decision
+
+    def _eligibility(self, b: int, flat: bool, present: tuple[bool, ...],
+                     grads: tuple[torch.Tensor, ...] | None) -> Any:
+        """Block ``b``'s eligibility for a speculative step, its gradients known to be finite.
+
+        With finite gradients the undo strategy depends only on the hparams, the grad scale, the
+        layout and the dtypes (never on the values), so the last answer is reused while those are
+        unchanged: Adam's planning is Python work that would otherwise run for every block of every
+        step (and hold the GIL against backward).
+        """
+        ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
+        hp = ctx.hparams[b]
+        key = (flat, present, tuple(None if x is None else float(x) for x in hp), float(ctx.grad_scale),
+               None if grads is None else tuple(None if g is None else g.dtype for g in grads))
+        memo = self._eligibility_memo[b]
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        el = combined_eligibility(self.adam, t, layout, flat, present, hp, ctx.grad_scale, grads, finite=True)
+        self._eligibility_memo[b] = (key, el)
+        return el
 
     def _zero_absent(self, b: int, arrived: Sequence[bool]) -> None:
         """Parameters without a gradient this step get a zeroed buffer slice (it held old values);
