@@ -302,17 +302,19 @@ class Adam:
 
     # -------------------------------------------------------------- helpers
     def undo_strategies(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
-                        grad_scale: Scalar = 1.0) -> list[tuple[str, str] | None]:
+                        grad_scale: Scalar = 1.0, grads_finite: bool | None = None) -> list[tuple[str, str] | None]:
         """``(strategy, reason)`` that :meth:`update` would choose per leaf, without stepping.
 
         ``None`` for a leaf without a gradient. Checks the inputs as
         :meth:`update` does and raises the same errors (e.g.
         :class:`~sofx.errors.UnsupportedError` for ``undo='algebraic'`` where
         the inverse does not exist). Speculation uses it to decide eligibility.
+        ``grads_finite``: as in :meth:`update` (True: the gradients are not read).
         """
+        _validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
         _validate_grad_scale(grad_scale)
-        return [None if leaf.g is None else self._plan(leaf, grad_scale)[1:] for leaf in leaves]
+        return [None if leaf.g is None else self._plan(leaf, grad_scale, grads_finite)[1:] for leaf in leaves]
 
     def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec) -> list[AdamHParams]:
         """One complete :class:`AdamHParams` per leaf of ``spec`` (defaults filled in)."""

@@ -393,7 +393,10 @@ def test_grads_finite_hint_skips_the_pass_over_the_gradients(undo, monkeypatch):
     for hint in (None, False):
         with pytest.raises(AssertionError, match="despite grads_finite"):
             opt.update(params, grads, state, grads_finite=hint)
+    with pytest.raises(AssertionError, match="despite grads_finite"):
+        opt.undo_strategies(params, grads, state)
     reads.clear()
+    assert opt.undo_strategies(params, grads, state, grads_finite=True) == [("algebraic", "")] * 2
     q1, t1, r1 = opt.update(params, grads, state, grads_finite=True)  # ...and skipped with it
     q2, t2, r2 = opt.update(q1, grads, t1, grads_finite=True)
     g_new = {"a": torch.randn(50, generator=gen), "b": None}

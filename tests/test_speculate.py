@@ -347,6 +347,28 @@ def test_protocol_errors_are_clear(rng):
         sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=[AdamHParams()] * 3)
 
 
+def test_speculative_step_does_not_read_finite_gradients_again(rng, monkeypatch):
+    """The speculation layer took each block's sum of squares: it tells Adam the gradients are finite
+    (eligibility, speculative step and validation), so Adam does not pass over them again."""
+    import importlib
+
+    opt = sofx.adamw(lr=3e-3, weight_decay=0.01)
+    params, state = _warm(opt, _params(rng, 3, 16), rng)
+    cfg = sp.SpeculationConfig(max_norm=1.0, policy=sp.AdaptivePolicy(enabled=False))
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=cfg, scaler=rule, scaler_state=rule.init())
+    for mult in ([0.01, 0.01, 0.01], [10.0, 0.01, 0.01]):  # all committed; then a late clip: undo_redo
+        grads = _grads(rng, 3, 16, scale=rule.scale(rule.init()), mult=mult)
+        want = sp.speculative_step(opt, params, grads, state, **kw)
+        adam_module = importlib.import_module("sofx.adam")
+        monkeypatch.setattr(adam_module, "_all_finite", lambda x: pytest.fail("gradients read again"))
+        got = sp.speculative_step(opt, params, grads, state, **kw)
+        monkeypatch.undo()
+        clipped = mult[0] == 10.0  # block 0 arrives last: the blocks before it were speculated, then redone
+        assert got.report.speculated == (2 if clipped else 3) and got.report.redone == (2 if clipped else 0)
+        assert all(torch.equal(a, b) for a, b in zip(got.params, want.params))
+
+
 def test_long_trajectory_does_not_drift(rng):
     """100 steps, clipping on about half of them, no resynchronisation: the speculative path stays
     within float32 rounding of the serial loop."""

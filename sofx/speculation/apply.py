@@ -43,16 +43,18 @@ def snapshot_bytes_of(strategy: str, param: torch.Tensor, state: AdamState) -> i
 
 
 def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
-                      hparams: AdamHParams, grad_scale: float) -> Eligibility:
+                      hparams: AdamHParams, grad_scale: float, grads_finite: bool | None = None) -> Eligibility:
     """Whether a speculative step of this block could be undone, and at what snapshot cost.
 
     The strategy is the one :meth:`sofx.Adam.update` would choose for these
     inputs (:meth:`sofx.Adam.undo_strategies`): algebraic (free),
     param_snapshot or snapshot (costs memory), or none / refused (ineligible).
-    Bad inputs raise as ``update`` would.
+    Bad inputs raise as ``update`` would. ``grads_finite``: the hint of
+    :meth:`sofx.Adam.update` (True when the caller knows every element of
+    ``grad`` is finite, e.g. from its sum of squares: it is not read again).
     """
     try:
-        (plan,) = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale)
+        (plan,) = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale, grads_finite=grads_finite)
     except UnsupportedError as exc:
         return Eligibility(False, None, str(exc), 0)
     if plan is None:  # pragma: no cover - grad is a tensor, so the leaf always has a plan

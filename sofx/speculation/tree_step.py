@@ -11,6 +11,8 @@ block was undone), plus the :class:`~sofx.step_report.StepReport`.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -96,12 +98,16 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
             continue
 
         def eligibility(i: int = i, g: torch.Tensor = g) -> Any:
-            return block_eligibility(opt, new_p[i], g, block_states[i], ctx.hparams[i], ctx.grad_scale)
+            # Asked only when the sum of squares of g is finite, i.e. every element is.
+            return block_eligibility(opt, new_p[i], g, block_states[i], ctx.hparams[i], ctx.grad_scale,
+                                     grads_finite=True)
 
         tally, decision = on_block_ready(ctx, tally, i, grad_sumsq(g), eligibility)
         if decision.speculate:
+            # Speculated only with a finite sum of squares of this very gradient: every element is finite.
             new_p[i], block_states[i], records[i] = speculative_block_step(opt, new_p[i], g, block_states[i],
-                                                                            decision, donate=donate)
+                                                                            decision, donate=donate,
+                                                                            grads_finite=True)
     for i, extra in late_grads.items():
         g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
         tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))
@@ -109,8 +115,9 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     final = [None if g is None else tally.block_sumsq[i] for i, g in enumerate(g_leaves)]
     plan = plan_validation(ctx, tally, final, hparams=list(final_hps), reduce_sumsq=reduce_sumsq)
     for i, action in enumerate(plan.actions):
+        finite = final[i] is not None and math.isfinite(final[i])  # this block's own gradient, as Adam reads it
         new_p[i], block_states[i] = apply_block_action(opt, action, new_p[i], g_leaves[i], block_states[i],
-                                                       records[i], donate=donate)
+                                                       records[i], donate=donate, grads_finite=finite or None)
     if plan.error is not None:
         raise plan.error
     new_state = AdamState(tree.unflatten(spec, [s.count for s in block_states]),
