@@ -31,7 +31,6 @@ from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
-from sofx.speculation.apply import snapshot_bytes_of
 from sofx.undo_record import UndoRecord
 
 __all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
@@ -94,16 +93,9 @@ def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None, borrowed: 
 
 def _leaf_eligibility(opt: Adam, p: torch.Tensor, g: torch.Tensor, state: AdamState, hparams: AdamHParams,
                       grad_scale: float, finite: bool) -> Eligibility:
-    if not finite or p.numel() == 0:
-        return block_eligibility(opt, p, g, state, hparams, grad_scale)
-    # The strategy depends on the gradient only through its finiteness (and on dtypes, shapes and
-    # hparams): decide it on one-element views with a finite stand-in gradient instead of passing over
-    # the whole gradient again, then count the snapshot bytes of the real tensors.
-    el = block_eligibility(opt, p[:1], torch.zeros(1, dtype=g.dtype, device=g.device),
-                           AdamState(state.count, state.mu[:1], state.nu[:1]), hparams, grad_scale)
-    if el.eligible:
-        el = el._replace(snapshot_bytes=snapshot_bytes_of(el.strategy, p, state))
-    return el
+    # The strategy depends on the gradient only through its finiteness: when the caller knows it (the
+    # block's sum of squares was finite), Adam is told so and does not pass over the gradient again.
+    return block_eligibility(opt, p, g, state, hparams, grad_scale, grads_finite=True if finite else None)
 
 
 def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: bool,
