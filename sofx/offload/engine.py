@@ -201,6 +201,7 @@ class OffloadEngine:
         # In-process executors decide on speculation in the executor (see the module docstring).
         self._deferred = self.executor_name != "process"
         self.hooks = GradHooks(self.params, self._on_grad)
+        self._stale_grads: list | None = None
         # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
         self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
         self._reset_step()
@@ -602,8 +603,14 @@ class OffloadEngine:
         report = EngineStepReport(**{f.name: getattr(plan.report, f.name) for f in fields(StepReport)},
                                   events=tuple(self._events), executor=self.executor_name, iteration=self.iteration)
         if isinstance(self.executor, ThreadExecutor):
-            # The borrowed gradients (~ the model's size) are freed by the worker, not on this thread.
-            self.executor.submit(BlockOp(next(self._seq), "commit_all", payload=self._grads))
+            self.executor.submit(BlockOp(next(self._seq), "commit_all"))
+        # This step's gradients (borrowed from autograd: about the model's size) are released in
+        # zero_grad, on this thread, where torch.optim's zero_grad(set_to_none=True) releases them.
+        # Released on the worker right after the step instead, glibc gave their memory back to the
+        # system and the next backward faulted every page of its new gradients in again (6000 page
+        # faults, backward 15 -> 24 ms in benchmarks/overlap.py). glibc's heuristics still return
+        # large freed blocks for some sizes and orders; README "Performance notes" has the fix.
+        self._stale_grads = self._grads
         self._reset_step()
         return report
 
@@ -643,6 +650,7 @@ class OffloadEngine:
     def discard_gradients(self) -> None:
         """Forget this step's gradients (``zero_grad``); speculative steps already taken are undone."""
         self._check_usable()
+        self._stale_grads = None  # the last step's gradients (see step())
         for p in self.params:
             p.grad = None
         if self._deferred and self.tracker.started:
@@ -708,6 +716,7 @@ class OffloadEngine:
             return
         self._closed = True
         self.hooks.remove()
+        self._stale_grads = None
         try:
             self.executor.close()
         finally:
