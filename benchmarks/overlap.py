@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
 import threading
 import time
@@ -46,6 +47,13 @@ def build_model(width: int, depth: int, seed: int = 0) -> nn.Module:
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, 1))
     return nn.Sequential(*layers)
+
+
+def _minor_faults() -> int:
+    """Page faults (minor) of the calling thread so far: a backward that faults its gradient pages in
+    again every step (see README "Performance notes") shows here."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -70,6 +78,7 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
     first = next(model.parameters())
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     samples["optimizer"] = []
+    faults: dict[str, list[int]] = {"plain": [], "speculative": []}
     counts = {v: {"speculated": 0, "committed": 0, "redone": 0} for v in ("speculative", "clip")}
     try:
         for i in range(steps + warmup):
@@ -79,10 +88,11 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
                     for p in plain_model.parameters():
                         p.grad = None
                     loss = nn.functional.mse_loss(plain_model(x), y)
-                    t0 = time.perf_counter()
+                    f0, t0 = _minor_faults(), time.perf_counter()
                     loss.backward()
                     if i >= warmup:
                         samples["plain"].append(time.perf_counter() - t0)
+                        faults["plain"].append(_minor_faults() - f0)
                     continue
                 opt.speculate = variant != "serial"
                 opt.zero_grad()
@@ -94,9 +104,11 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
                 else:
                     handle = None
                     loss = loss * 1e-3
-                t0 = time.perf_counter()
+                f0, t0 = _minor_faults(), time.perf_counter()
                 loss.backward()
                 t1 = time.perf_counter()
+                if variant == "speculative" and i >= warmup:
+                    faults["speculative"].append(_minor_faults() - f0)
                 report = opt.step()
                 t2 = time.perf_counter()
                 if handle is not None:
@@ -115,6 +127,7 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
         opt.close()
     out = {v: _median_ms(samples[v]) for v in samples}
     out["executor"] = name
+    out["faults"] = {k: statistics.median(v) for k, v in faults.items()}
     out["counts"] = {v: {k: n / steps for k, n in c.items()} for v, c in counts.items()}
     return out
 
@@ -176,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{probe:.2f}; load average {os.getloadavg()[0]:.1f}")
     print()
     print("| executor | backward ms | optimizer ms | serial ms | speculative ms | spec / max | spec / sum | "
-          "serial / sum | spec+clip ms | clip / max | blocks spec/commit/redo per step (clip) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "serial / sum | spec+clip ms | clip / max | blocks spec/commit/redo per step (clip) | "
+          "page faults per backward (plain / spec) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for executor in args.executors.split(","):
         r = time_interleaved(model, executor, x, y, args.steps, args.warmup, args.block_numel)
         b, o = r["plain"], r["optimizer"]
@@ -186,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['speculative'] / max(b, o):.2f} | {r['speculative'] / (b + o):.2f} | {r['serial'] / (b + o):.2f} | "
               f"{r['clip']:.1f} | {r['clip'] / max(b, o):.2f} | "
               f"{c['speculated']:.1f}/{c['committed']:.1f}/{c['redone']:.1f} "
-              f"({k['speculated']:.1f}/{k['committed']:.1f}/{k['redone']:.1f}) |")
+              f"({k['speculated']:.1f}/{k['committed']:.1f}/{k['redone']:.1f}) | "
+              f"{r['faults']['plain']:.0f} / {r['faults']['speculative']:.0f} |")
 
 
 if __name__ == "__main__":
