@@ -7,7 +7,7 @@ is invisible: the same bits as copying, the model unchanged until ``step()``,
 in-place-update semantics for autograd (version counter), parameters that
 cannot be swapped are copied, the process executor's shared buffers, and
 state_dict round trips. They also check the engine's shortcut for
-eligibility (decided on a stand-in once the sum of squares is finite).
+eligibility (Adam told the gradients are finite once their sum of squares is).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_state_dict_round_trip_with_swapped_parameters() -> None:
 
 
 @pytest.mark.parametrize("case", ["plain", "beta1_zero", "bf16_state", "lr_wd_one", "missing"])
-def test_eligibility_on_a_stand_in_equals_eligibility_on_the_gradient(case: str) -> None:
+def test_eligibility_told_the_gradients_are_finite_equals_eligibility_that_reads_them(case: str) -> None:
     torch.manual_seed(0)
     params = [torch.randn(5, 3), torch.randn(7)]
     state_dtype = torch.bfloat16 if case == "bf16_state" else torch.float32

@@ -382,9 +382,8 @@ static inline float div_by(float x, float b, float rb) {
 
 /* The fast inverse (cpu_fast): undo_elem_d with the divisions by constants done by div_by;
    u = (ss * m) / d is recomputed exactly as the step computed it (its two divisions kept), so
-   that p' + u recovers p where p is small against u.
-   Each product is within an ulp of the quotient; the fused undo+redo would otherwise do seven
-   divisions and two square roots per element and be bound by the divider, not by memory. */
+   that p' + u recovers p where p is small against u. With true divisions the fused undo+redo
+   would do seven divisions and two square roots per element and be bound by the divider. */
 static inline void undo_elem_fast(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
   float g = G * k->gs;
   float p = *P;
@@ -586,7 +585,7 @@ static void *run_thread(void *arg) {
 
 /* Entry point. dtypes = {p, g, m/v, g_new, p_old}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out, v_out}.
    exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions in the
-   inverse), 0 for the fused loops (IEEE sqrtf, reciprocal products in the inverse).
+   inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
    sqrt_fn/sqrt_mode/sqrt_local: see Sqrt (sqrt_fn 0: IEEE sqrtf).
    Returns 0 on success, a negative code for bad arguments (nothing written). */
 int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *ptrs,

@@ -12,7 +12,9 @@ from ``cpu`` / ``reference`` only where MKL's square root is an ulp off
 ``1 - lr*wd``, ``beta1`` and ``beta2`` through their reciprocals and one
 multiply-add correction (the true quotient but in rare cases, an ulp off
 there; ``u`` itself is recomputed exactly as the step computed it), which
-keeps the fused undo+redo closer to memory speed. It runs at the memory bandwidth, as fast as torch's fused Adam.
+keeps the fused undo+redo closer to memory speed. Its step runs at the memory
+bandwidth, as fast as torch's fused Adam.
+
 Choose it with ``backend="cpu_fast"``; ``backend="auto"`` picks ``cpu`` (bitwise the reference).
 """
 
