@@ -7,7 +7,9 @@ For each tensor set (one flat tensor of 2^26 elements, the 148 tensors of
 GPT-2 small) and storage configuration (fp32; bf16 params + fp32 states; all
 bf16) it prints, per operation: median milliseconds, the effective bandwidth
 of the bytes the operation must move (step and undo read p, g, m, v and write
-p, m, v; fused undo+redo also reads the second gradient; undo then step moves
+p, m, v; fused undo+redo also reads the second gradient, except in the
+``clip`` row, which redoes with the same gradient tensor and a new multiplier,
+as the speculation engine does when a step clips late; undo then step moves
 twice a step's bytes), that bandwidth as a fraction of the machine's memory
 bandwidth measured right after each repetition (``xBW``, see
 ``_bandwidth.py``), and the speed relative to ``torch.optim.AdamW(fused=True)``
@@ -46,6 +48,7 @@ from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
 S2 = S1._replace(lr=9e-4, grad_scale=0.5)
+S_CLIP = S1._replace(grad_scale=0.5)  # a late clip: the same gradient again, times the clip coefficient
 
 
 def gpt2_small_shapes(vocab: int = 50257, d: int = 768, layers: int = 12, ctx: int = 1024) -> list[tuple]:
@@ -84,12 +87,20 @@ def sofx_ops(backend, ps, gs, g2s, ms, vs) -> dict[str, Callable[[], None]]:
         for p, g, g2, m, v in zip(ps, gs, g2s, ms, vs):
             backend.undo_redo(p, m, v, g2, S2, g, S1, VARIANT, out=(p, m, v))
 
+    def undo_redo_clip():  # what a late clip runs: the same gradient tensor, a new multiplier
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            backend.undo_redo(p, m, v, g, S1, g, S_CLIP, VARIANT, out=(p, m, v))
+
+    def clip_back():
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            backend.undo_redo(p, m, v, g, S_CLIP, g, S1, VARIANT, out=(p, m, v))
+
     def undo_then_step():
         undo()
         step()
 
     return {"step": step, "undo": (undo, step), "undo+redo (fused)": (undo_redo, redo_back),
-            "undo, then step": undo_then_step}
+            "undo+redo (fused), clip": (undo_redo_clip, clip_back), "undo, then step": undo_then_step}
 
 
 def torch_ops(ps, gs) -> dict[str, Callable[[], None]]:
@@ -125,7 +136,7 @@ def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, 
     pb, sb = torch.finfo(pdt).bits // 8, torch.finfo(sdt).bits // 8
     step_bytes = n * (2 * pb + pb + 4 * sb)  # read p, g, m, v; write p, m, v
     nbytes = {"step": step_bytes, "undo": step_bytes, "undo+redo (fused)": step_bytes + n * pb,
-              "undo, then step": 2 * step_bytes}
+              "undo+redo (fused), clip": step_bytes, "undo, then step": 2 * step_bytes}
     lines = [f"\n### {title}: {len(shapes)} tensor(s), {n / 1e6:.1f}M elements, params {str(pdt)[6:]}, "
              f"states {str(sdt)[6:]}, {step_bytes / 2**20:.0f} MiB per step\n",
              "| operation | ms | GB/s | xBW | xfused | note |", "|---|---:|---:|---:|---:|---|"]
