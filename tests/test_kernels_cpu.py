@@ -100,6 +100,9 @@ def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
         g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
         s2 = _scalars(rng, wd, 1.0)._replace(step=s.step)
         _assert_undo_redo(backend, backend.undo_redo(*want, g, s, g2, s2, variant), want, g, s, g2, s2, variant)
+        # a late clip: the same gradient tensor again, a new multiplier
+        s_clip = s._replace(grad_scale=0.3 * s.grad_scale)
+        _assert_undo_redo(backend, backend.undo_redo(*want, g, s, g, s_clip, variant), want, g, s, g, s_clip, variant)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
