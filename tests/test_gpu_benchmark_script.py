@@ -1,0 +1,44 @@
+"""``benchmarks/gpu_kernels.py`` runs end to end (``--smoke``: CPU tensors under the Triton interpreter).
+
+A GPU is lent to a session only now and then, for minutes: the script it runs must work the first
+time. The smoke run goes through the same code (correctness check against the reference, every
+storage configuration, the timing tables, the file written to ``$OUT``) at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_gpu_benchmark_script_smoke_run(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels.py"), "--smoke"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    written = (tmp_path / "gpu_kernels.md").read_text()
+    checks = [line for line in written.splitlines() if line.startswith("| float32 /") or line.startswith("| bfloat16 /")]
+    assert len(checks) == 6 and all(line.endswith("| yes |") for line in checks), written
+    for config in ("params float32, states float32", "params bfloat16, states float32",
+                   "params bfloat16, states bfloat16"):
+        assert config in written
+    assert written.count("sofx triton undo+redo (fused, clip: same gradient)") == 3
+
+
+def test_gpu_benchmark_script_refuses_a_smoke_run_without_the_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels.py"), "--smoke"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "TRITON_INTERPRET=1" in proc.stdout
