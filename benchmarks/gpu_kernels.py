@@ -57,17 +57,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def inputs(n: int, pdt: torch.dtype, sdt: torch.dtype, dev: torch.device, gen: torch.Generator):
-    p = torch.randn(n, generator=gen).to(dev, pdt)
-    g = torch.randn(n, generator=gen).to(dev, pdt)
-    g2 = torch.randn(n, generator=gen).to(dev, pdt)
-    m = (0.1 * torch.randn(n, generator=gen)).to(dev, sdt)
-    v = (0.01 * torch.rand(n, generator=gen) + 1e-4).to(dev, sdt)
+    """Fresh random p, g, g2, m, v on ``dev`` (drawn there: 2^28 elements would take seconds on the CPU)."""
+    p = torch.randn(n, generator=gen, device=dev).to(pdt)
+    g = torch.randn(n, generator=gen, device=dev).to(pdt)
+    g2 = torch.randn(n, generator=gen, device=dev).to(pdt)
+    m = (0.1 * torch.randn(n, generator=gen, device=dev)).to(sdt)
+    v = (0.01 * torch.rand(n, generator=gen, device=dev) + 1e-4).to(sdt)
     return p, g, g2, m, v
 
 
 def check(tk, n: int, dev: torch.device, out: list[str]) -> bool:
     """Compiled Triton kernels against the reference on the device; True when within DESIGN.md's tolerances."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(0)
     out += ["\n## Correctness (Triton vs reference.py on the same device)\n",
             f"{n} elements (a partial last block), fresh random inputs; largest relative error per output p / m / v\n",
             "| params / states | weight decay | step | undo | undo+redo (new gradient) | undo+redo (clip) | ok |",
@@ -136,7 +137,7 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, out: list[str]) ->
                 reset()
         return statistics.median(secs), statistics.median(ratios)
 
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device=dev).manual_seed(1)
     variant = AdamVariant()
     for n in sizes:
         for pdt, sdt in CONFIGS:
