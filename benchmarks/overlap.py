@@ -64,7 +64,7 @@ VARIANTS = ("plain", "serial", "speculative", "clip")
 
 
 def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int,
-                     block_numel: int) -> dict:
+                     block_numel: int, backend: str = "auto") -> dict:
     """Median times (ms) of the four variants, run in rotation within one loop.
 
     The machine's load changes during a run; rotating the variants step by step exposes them to the
@@ -73,7 +73,7 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
     """
     plain_model = copy.deepcopy(model)
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, max_grad_norm=1.0,
-                                        executor=executor, block_numel=block_numel, num_threads=1,
+                                        executor=executor, block_numel=block_numel, num_threads=1, backend=backend,
                                         policy=AdaptivePolicy(enabled=False))
     first = next(model.parameters())
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block-numel", type=int, default=2 ** 20)
     parser.add_argument("--executors", default="thread,process")
+    parser.add_argument("--backend", default="auto", help="the CPU kernels: auto (= cpu, bitwise torch.optim's "
+                        "default AdamW) or cpu_fast (bitwise torch's fused AdamW, faster)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # backward on one core; the executor gets the other
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     probe = parallelism_probe()
     print(f"# overlap benchmark: MLP {args.depth}x{args.width} ({n_params / 1e6:.2f} M params), batch {args.batch}, "
           f"median of {args.steps} steps per variant (variants interleaved), torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, 1 torch thread per side")
+          f"{os.cpu_count()} CPUs, 1 torch thread per side, backend {args.backend}")
     print(f"parallelism probe (two threads of plain torch work, time(both)/max(each); 1.0 = two free cores): "
           f"{probe:.2f}; load average {os.getloadavg()[0]:.1f}")
     print()
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
           "page faults per backward (plain / spec) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for executor in args.executors.split(","):
-        r = time_interleaved(model, executor, x, y, args.steps, args.warmup, args.block_numel)
+        r = time_interleaved(model, executor, x, y, args.steps, args.warmup, args.block_numel, args.backend)
         b, o = r["plain"], r["optimizer"]
         c, k = r["counts"]["speculative"], r["counts"]["clip"]
         print(f"| {r['executor']} | {b:.1f} | {o:.1f} | {r['serial']:.1f} | {r['speculative']:.1f} | "
