@@ -355,23 +355,6 @@ static inline void step_elem(float *P, float G, float *M, float *V, const StepK 
   *P = step_post(*P, *M, sqrtf(*V), k);
 }
 
-/* The inverse given D = sqrt(v') (unused with have_p_old). P: the stepped parameter
-   (have_p_old 0) or the snapshot of the old one (have_p_old 1). */
-static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, const UndoK *k, int have_p_old) {
-  float g = G * k->gs;
-  float p = *P;
-  if (!have_p_old) {
-    const float d = D / k->bc2 + k->eps;
-    p = (p + (k->ss * *M) / d) / k->pdiv; /* u as the step computed it: (ss * m) / d */
-  }
-  g = k->l2 ? fmaf(p, k->wd, g) : g;
-  const float m = (*M - k->omb1 * g) / k->b1;
-  const float x = (*V - k->omb2 * (g * g)) / k->b2;
-  *P = p;
-  *M = m;
-  *V = x < 0.0f ? 0.0f : x;
-}
-
 /* x / b from the precomputed rb = RN(1/b): the product, then one multiply-add correction with the
    exact remainder x - b*q (Markstein): the correctly rounded quotient except in rare cases where
    it is an ulp off, three multiply-adds instead of a division. */
@@ -380,20 +363,29 @@ static inline float div_by(float x, float b, float rb) {
   return fmaf(fmaf(-q, b, x), rb, q);
 }
 
-/* The fast inverse (cpu_fast): undo_elem_d with the divisions by constants done by div_by;
-   u = (ss * m) / d is recomputed exactly as the step computed it (its two divisions kept), so
-   that p' + u recovers p where p is small against u. With true divisions the fused undo+redo
-   would do seven divisions and two square roots per element and be bound by the divider. */
-static inline void undo_elem_fast(float *P, float G, float *M, float *V, const UndoK *k, int have_p_old) {
+/* x / b, a true division (fast 0) or div_by (fast 1); fast is a constant at every call site. */
+static inline float quot(float x, float b, float rb, int fast) {
+  return fast ? div_by(x, b, rb) : x / b;
+}
+
+/* The inverse given D = sqrt(v') (unused with have_p_old). P: the stepped parameter
+   (have_p_old 0) or the snapshot of the old one (have_p_old 1). u = (ss * m) / d is recomputed
+   as the step computed it, so that p' + u recovers p where p is small against u.
+   fast 0: true divisions, as the reference (the exact path). fast 1 (cpu_fast's fused loops): the
+   divisions by the constants sqrt(bc2), 1 - lr*wd, beta1 and beta2 by div_by; with true divisions
+   the fused undo+redo would do seven divisions and two square roots per element and be bound by
+   the divider. */
+static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, const UndoK *k, int have_p_old,
+                               int fast) {
   float g = G * k->gs;
   float p = *P;
   if (!have_p_old) {
-    const float d = div_by(sqrtf(*V), k->bc2, k->rbc2) + k->eps; /* the step's d (but in rare cases) */
-    p = div_by(p + (k->ss * *M) / d, k->pdiv, k->rpdiv);
+    const float d = quot(D, k->bc2, k->rbc2, fast) + k->eps;
+    p = quot(p + (k->ss * *M) / d, k->pdiv, k->rpdiv, fast);
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
-  const float m = div_by(*M - k->omb1 * g, k->b1, k->rb1);
-  const float x = div_by(*V - k->omb2 * (g * g), k->b2, k->rb2);
+  const float m = quot(*M - k->omb1 * g, k->b1, k->rb1, fast);
+  const float x = quot(*V - k->omb2 * (g * g), k->b2, k->rb2, fast);
   *P = p;
   *M = m;
   *V = x < 0.0f ? 0.0f : x;
@@ -416,7 +408,7 @@ static inline void undo_elem_fast(float *P, float G, float *M, float *V, const U
 #define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                             \
   IVDEP for (int64_t i = begin; i < end; i++) {                                    \
     float P = LD_##DP(PSRC, i), M = LD_##DS(m, i), V = LD_##DS(v, i);              \
-    undo_elem_fast(&P, LD_##DG(g, i), &M, &V, &u, HAVE_P_OLD);                      \
+    undo_elem_d(&P, LD_##DG(g, i), &M, &V, HAVE_P_OLD ? 0.0f : sqrtf(V), &u, HAVE_P_OLD, 1); \
     if (REDO) {                                                                    \
       P = RT_##DP(P);                                                              \
       M = RT_##DS(M);                                                              \
@@ -476,7 +468,7 @@ FUSED(1, 0, 1)
   IVDEP for (int i = 0; i < n; i++) {                                              \
     const int64_t e = off + i;                                                     \
     float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);              \
-    undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD);                 \
+    undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);              \
     if (REDO) {                                                                    \
       P = RT_##DP(P);                                                              \
       M = RT_##DS(M);                                                              \
