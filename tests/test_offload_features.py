@@ -19,6 +19,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
     SharedMLP,
     mlp_batch,
     mlp_loss,
+    mlp_step_side_by_side,
     one_torch_thread,
     relative_deviation,
     run_side_by_side,
@@ -319,12 +320,7 @@ def test_eligibility_is_decided_once_per_block_until_the_hparams_change(monkeypa
             if step == 3:  # snapshots needed from here on: the memo must not answer "algebraic"
                 for g in opt.param_groups + ropt.param_groups:
                     g["betas"] = (0.3, g["betas"][1])
-            batch = mlp_batch(gen)
-            opt.backward(mlp_loss(model, batch))
-            mlp_loss(ref, batch).backward()
-            report = opt.step()
-            ropt.step()
-            ropt.zero_grad()
+            report = mlp_step_side_by_side(opt, ropt, model, ref, gen)
             blocks = report.blocks
             ineligible.append(report.ineligible)
             assert relative_deviation(model, ref) <= TOL

@@ -25,6 +25,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
     SharedMLP,
     mlp_batch,
     mlp_loss,
+    mlp_step_side_by_side,
     one_torch_thread,
     relative_deviation,
 )
@@ -85,12 +86,7 @@ def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None
     gen = torch.Generator().manual_seed(0)
     with opt:
         for _ in range(5):
-            batch = mlp_batch(gen)
-            opt.backward(mlp_loss(model, batch))
-            mlp_loss(ref, batch).backward()
-            report = opt.step()
-            ropt.step()
-            ropt.zero_grad()
+            report = mlp_step_side_by_side(opt, ropt, model, ref, gen)
             assert report.executor == "thread" and report.committed > 0
             assert relative_deviation(model, ref) <= TOL
 

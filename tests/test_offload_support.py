@@ -115,6 +115,19 @@ def relative_deviation(a: nn.Module, b: nn.Module) -> float:
     return worst
 
 
+def mlp_step_side_by_side(opt, ropt: torch.optim.Optimizer, model: nn.Module, ref: nn.Module,
+                          gen: torch.Generator):
+    """One training step of ``model`` with the sofx optimizer ``opt`` and of ``ref`` with the torch
+    optimizer ``ropt`` on the same batch; returns ``opt``'s step report."""
+    batch = mlp_batch(gen)
+    opt.backward(mlp_loss(model, batch))
+    mlp_loss(ref, batch).backward()
+    report = opt.step()
+    ropt.step()
+    ropt.zero_grad()
+    return report
+
+
 @dataclass
 class SideBySide:
     deviations: list[float] = field(default_factory=list)
