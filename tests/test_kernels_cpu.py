@@ -128,8 +128,9 @@ def test_cpu_step_is_torch_optim_bit_for_bit(rng):
     sofx_p, m, v = p0.clone(), torch.zeros(3000), torch.zeros(3000)
     param = torch.nn.Parameter(p0.clone())
     opt = torch.optim.AdamW([param], lr=3e-3, weight_decay=0.1, foreach=False)
+    scales = torch.tensor([1.0, 1.0, 1e-38, 1e-20, 0.0, 1e-42])  # zero and subnormal m, v among them
     for t in range(1, 6):
-        g = torch.randn(3000, generator=rng)
+        g = torch.randn(3000, generator=rng) * scales[torch.randint(0, len(scales), (3000,), generator=rng)]
         param.grad = g.clone()
         opt.step()
         cpu.step(sofx_p, g, m, v, AdamScalars(3e-3, 0.9, 0.999, 1e-8, 0.1, t), AdamVariant(), out=(sofx_p, m, v))
@@ -143,15 +144,21 @@ def test_cpu_fast_step_is_torch_fused_adam_bit_for_bit(decoupled, dtype, rng):
 
     On whole vectors: torch's scalar remainder loop (the last ``n % 16`` elements of a tensor) forms
     ``v`` without the multiply-add its vector loop uses, so a size that leaves a remainder differs
-    there by an ulp of ``v`` (torch against itself, not against sofx's one formula)."""
+    there by an ulp of ``v`` (torch against itself, not against sofx's one formula).
+
+    Gradients are mixed with zeros and tiny ones (bf16/float subnormals among them), so that m and v
+    take zero and subnormal values: bf16 results go through the CPU's conversion instruction, which
+    flushes subnormals, and its software fix-up; sqrt(v) / sqrt(bc2) through div_by."""
     n = 70016
     p0 = torch.randn(n, generator=rng).to(dtype)
+    p0[::7] = 0
+    scales = torch.tensor([1.0, 1.0, 1.0, 1e-38, 5e-39, 1e-20, 0.0, 3e-39, 1e-25])
     sofx_p, m, v = p0.clone(), torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
     param = torch.nn.Parameter(p0.clone())
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     opt = cls([param], lr=3e-3, betas=(0.85, 0.995), weight_decay=0.1, fused=True)
     for t in range(1, 8):
-        g = torch.randn(n, generator=rng).to(dtype)
+        g = (torch.randn(n, generator=rng) * scales[torch.randint(0, len(scales), (n,), generator=rng)]).to(dtype)
         param.grad = g.clone()
         opt.step()
         cpu_fast.step(sofx_p, g, m, v, AdamScalars(3e-3, 0.85, 0.995, 1e-8, 0.1, t), AdamVariant(decoupled=decoupled),

@@ -5,12 +5,12 @@ Three code paths, all with the same arithmetic:
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
-             The inverse divides by 1 - lr*wd, beta1 and beta2 through
-             their reciprocals and one multiply-add correction (div_by:
-             the quotient of a true division but in rare cases, an ulp off
-             there); the fused undo+redo would otherwise be bound by the
-             divider rather than by memory.
-             Used by ``cpu_fast`` (``exact`` 0).
+             Where a storage dtype is bfloat16 the loops run per chunk, the
+             bfloat16 results converted by the CPU's own instruction where it
+             has one (store_bf16). The inverse divides by 1 - lr*wd, beta1 and
+             beta2 through div_by (below; exact but for quotients of tiny or
+             huge numbers, where it may be an ulp off). Used by ``cpu_fast``
+             (``exact`` 0).
 ``exact_*``  the same per chunk of ``TILE`` elements, split around calls to
              torch's own square-root routine (MKL's ``vmsSqrt``, passed in as
              a function pointer) so that results are torch's bit for bit, and
@@ -24,7 +24,8 @@ Three code paths, all with the same arithmetic:
 The arithmetic reproduces ``reference.py``, which follows torch's own CPU
 element-wise kernels operation by operation: ``lerp`` and ``add(alpha=)`` are
 fused multiply-adds, ``addcmul`` is ``fma(c*g, g, v)``, ``addcdiv`` is
-``p + (s*m)/d``, divisions are true divisions. The file is compiled with
+``p + (s*m)/d``, divisions are true divisions (sqrt(v) / sqrt(bc2) is computed by div_by,
+which gives a true division's bits there: see its comment). The file is compiled with
 ``-ffp-contract=off`` so that no other multiply-add is fused.
 
 Outputs may alias the inputs element for element (donation); the loops carry
@@ -39,6 +40,10 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HW_BF16 1
+#endif
 
 #define TILE 128
 #define MIN_PER_THREAD 65536
@@ -147,6 +152,44 @@ static void round_to(float *x, int dt, int n) {
   }
 }
 
+/* Float tile -> bfloat16, bit for bit f32_to_bf16. Where the CPU converts in hardware
+   (AVX512-BF16's vcvtneps2bf16: round-to-nearest-even, nan kept quiet with its sign and upper
+   payload bits, as f32_to_bf16) it takes 16 elements per instruction, but it flushes subnormal
+   inputs to zero: a vector with any (+-)zero result is converted again in software (checked
+   over all 2^32 floats: no difference). */
+static inline void store_bf16(uint16_t *restrict d, const float *restrict s, int n) {
+  int i = 0;
+#ifdef HW_BF16
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i));
+    if (__builtin_expect(_mm256_testn_epi16_mask(h, magnitude) != 0, 0)) {
+      for (int k = i; k < i + 16; k++) d[k] = f32_to_bf16(s[k]);
+    } else {
+      _mm256_storeu_si256((__m256i *)(d + i), h);
+    }
+  }
+#endif
+  for (; i < n; i++) d[i] = f32_to_bf16(s[i]);
+}
+
+/* x = float(bfloat16(x)) on a tile (what storing and reloading a bfloat16 array gives). */
+static inline void round_bf16(float *x, int n) {
+  int i = 0;
+#ifdef HW_BF16
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    if (__builtin_expect(_mm256_testn_epi16_mask(h, magnitude) != 0, 0)) {
+      for (int k = i; k < i + 16; k++) x[k] = bf16_to_f32(f32_to_bf16(x[k]));
+    } else {
+      _mm512_storeu_si512(x + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+#endif
+  for (; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
 static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
   if (sq->fn) {
     sq->fn((int64_t)n, in, out, sq->mode);
@@ -170,6 +213,30 @@ static Sc make_sc(const double *d) {
   s.has_gs = d[S_HAS_GRAD_SCALE] != 0.0;
   s.has_decay = d[S_HAS_DECAY] != 0.0;
   return s;
+}
+
+/* x / b from rb = RN(1/b) (rounded once: (float)(1.0 / (double)b)): the product q, the remainder
+   r = x - b*q by one multiply-add, and one multiply-add correction q + r*rb (Markstein), in place
+   of a division (the divider bounds these loops: a square root and two divisions per element of a
+   step take about as long as the memory traffic on two cores). Where r is 0 (q exact), infinite or
+   nan (x infinite or nan) q is the answer.
+   Exact, i.e. the bits of x / b, for every normal b and every x with no subnormal r and no overflow
+   (|x| >= 2^-100 or so, x / b finite), in particular for x = sqrt(v) (0, nan, inf or >= 2^-75) over
+   b = sqrt(1 - beta2^t) (>= 2^-12). Why: scaling x or b by a power of two scales every step exactly,
+   so take x, b in [1, 2). |x/b - q| < 2^-23 and, with b*rb = 1 + d (|d| < 2^-24) and r = (x - b*q)(1 + e)
+   (|e| <= 2^-24), q + r*rb = x/b + (x/b - q)(d + e + d*e): within 2^-46 (1 + 2^-25) of x/b. A quotient
+   of two 24-bit significands X/B is never a rounding midpoint (an odd 25-bit number times a power of
+   two) and lies at least N / (B 2^K) from one, N = |X 2^K - M B| a positive integer (K = 24 or 25,
+   M odd); so the correction can round differently from x / b only where N <= 8. Those (x, b) pairs
+   are few (about 1.7e8 over all 2^23 x 2^23 significands) and tests/test_cpu_division.py computes
+   every one of them with this function: none differs. Outside that domain (r subnormal: |x| below
+   ~2^-100, or x / b overflowing) the result may be an ulp off; the inverse, which is an
+   approximation of a few ulps anyway, accepts that for its divisions by beta1, beta2 and 1 - lr*wd
+   (a true float reciprocal alone would be 1.5 ulps off, and wrong for 27% of all x). */
+static inline float div_by(float x, float b, float rb) {
+  const float q = x * rb;
+  const float r = fmaf(-q, b, x);
+  return islessgreater(r, 0.0f) ? fmaf(r, rb, q) : q;
 }
 
 /* One Adam step on a tile (P, G, M, V in float32; G is modified). */
@@ -288,7 +355,7 @@ static void run_tiles(const Job *j) {
    compute phase. Same operations as step_tile/undo_tile, with loop-invariant selects in
    place of branches (multiplying by 1.0f or dividing by 1.0f is exact), and IEEE sqrtf. */
 typedef struct {
-  float gs, pmul, wd, coef, b2, c2, bc2, eps, nss;
+  float gs, pmul, wd, coef, b2, c2, bc2, rbc2, eps, nss;
   int l2, small;
 } StepK;
 
@@ -309,6 +376,7 @@ static StepK step_k(const Sc *s, int decoupled) {
   k.b2 = s->b2;
   k.c2 = s->omb2;
   k.bc2 = s->bc2;
+  k.rbc2 = (float)(1.0 / (double)s->bc2);
   k.eps = s->eps;
   k.nss = -s->ss;
   return k;
@@ -344,23 +412,15 @@ static inline void step_pre(float *P, float G, float *M, float *V, const StepK *
   *P = p;
 }
 
-/* The parameter update, given D = sqrt(v'). */
+/* The parameter update, given D = sqrt(v'); D / sqrt(bc2) by div_by (exact there). */
 static inline float step_post(float P, float M, float D, const StepK *k) {
-  const float d = D / k->bc2 + k->eps;
+  const float d = div_by(D, k->bc2, k->rbc2) + k->eps;
   return P + (k->nss * M) / d;
 }
 
 static inline void step_elem(float *P, float G, float *M, float *V, const StepK *k) {
   step_pre(P, G, M, V, k);
   *P = step_post(*P, *M, sqrtf(*V), k);
-}
-
-/* x / b from the precomputed rb = RN(1/b): the product, then one multiply-add correction with the
-   exact remainder x - b*q (Markstein): the correctly rounded quotient except in rare cases where
-   it is an ulp off, three multiply-adds instead of a division. */
-static inline float div_by(float x, float b, float rb) {
-  const float q = x * rb;
-  return fmaf(fmaf(-q, b, x), rb, q);
 }
 
 /* x / b, a true division (fast 0) or div_by (fast 1); fast is a constant at every call site. */
@@ -380,7 +440,7 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
   float g = G * k->gs;
   float p = *P;
   if (!have_p_old) {
-    const float d = quot(D, k->bc2, k->rbc2, fast) + k->eps;
+    const float d = div_by(D, k->bc2, k->rbc2) + k->eps;
     p = quot(p + (k->ss * *M) / d, k->pdiv, k->rpdiv, fast);
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
@@ -452,37 +512,161 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     }                                                                              \
   }
 
+/* The fused loops where some storage is bfloat16: per chunk of FTILE elements, float32 outputs are
+   stored as they are computed, bfloat16 ones go to a float tile that store_bf16 converts after the
+   loop (and the undone values of an undo+redo are rounded by round_bf16 between an undo loop and a
+   redo loop): a hardware conversion takes 16 elements per instruction where the software rounding
+   needs eight vector operations, and the bfloat16 loops are bound by those rather than by memory. */
+#define FTILE 512
+#define TST_0(ptr, T, e, i, x) (((float *)(ptr))[e] = (x))
+#define TST_1(ptr, T, e, i, x) ((T)[i] = (x))
+#define TFLUSH_0(ptr, off, T, n)
+#define TFLUSH_1(ptr, off, T, n) store_bf16((uint16_t *)(ptr) + (off), (T), (n))
+#define TRT_0(T, n)
+#define TRT_1(T, n) round_bf16((T), (n))
+
+#define TILED_UNDO(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                            \
+  for (int64_t off = begin; off < end; off += FTILE) {                            \
+    const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);               \
+    IVDEP for (int i = 0; i < n; i++) {                                            \
+      const int64_t e = off + i;                                                   \
+      float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
+      undo_elem_d(&P, LD_##DG(g, e), &M, &V, HAVE_P_OLD ? 0.0f : sqrtf(V), &u, HAVE_P_OLD, 1); \
+      if (REDO) {                                                                  \
+        PT[i] = P;                                                                 \
+        MT[i] = M;                                                                 \
+        VT[i] = V;                                                                 \
+      } else {                                                                     \
+        TST_##DP(po, PT, e, i, P);                                                 \
+        TST_##DS(mo, MT, e, i, M);                                                 \
+        TST_##DS(vo, VT, e, i, V);                                                 \
+      }                                                                            \
+    }                                                                              \
+    if (REDO) {                                                                    \
+      TRT_##DP(PT, n);                                                             \
+      TRT_##DS(MT, n);                                                             \
+      TRT_##DS(VT, n);                                                             \
+      IVDEP for (int i = 0; i < n; i++) {                                          \
+        const int64_t e = off + i;                                                 \
+        float P = PT[i], M = MT[i], V = VT[i];                                     \
+        step_elem(&P, LD_##DG(g2, e), &M, &V, &k);                                 \
+        TST_##DP(po, PT, e, i, P);                                                 \
+        TST_##DS(mo, MT, e, i, M);                                                 \
+        TST_##DS(vo, VT, e, i, V);                                                 \
+      }                                                                            \
+    }                                                                              \
+    TFLUSH_##DP(po, off, PT, n);                                                   \
+    TFLUSH_##DS(mo, off, MT, n);                                                   \
+    TFLUSH_##DS(vo, off, VT, n);                                                   \
+  }
+
+#define FUSED_TILED(DP, DG, DS)                                                    \
+  static void fused_##DP##DG##DS(const Job *j) {                                   \
+    const void *p = j->p, *g = j->g, *m = j->m, *v = j->v, *g2 = j->g2;            \
+    const void *pold = j->pold;                                                    \
+    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const int64_t begin = j->begin, end = j->end;                                  \
+    float PT[FTILE], MT[FTILE], VT[FTILE];                                         \
+    if (j->op == OP_STEP) {                                                        \
+      const StepK k = step_k(&j->s1, j->decoupled);                                \
+      for (int64_t off = begin; off < end; off += FTILE) {                         \
+        const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);            \
+        IVDEP for (int i = 0; i < n; i++) {                                        \
+          const int64_t e = off + i;                                               \
+          float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);           \
+          step_elem(&P, LD_##DG(g, e), &M, &V, &k);                                \
+          TST_##DP(po, PT, e, i, P);                                               \
+          TST_##DS(mo, MT, e, i, M);                                               \
+          TST_##DS(vo, VT, e, i, V);                                               \
+        }                                                                          \
+        TFLUSH_##DP(po, off, PT, n);                                               \
+        TFLUSH_##DS(mo, off, MT, n);                                               \
+        TFLUSH_##DS(vo, off, VT, n);                                               \
+      }                                                                            \
+      return;                                                                      \
+    }                                                                              \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    const int redo = j->op == OP_UNDO_REDO;                                        \
+    if (pold && redo) {                                                            \
+      TILED_UNDO(DP, DG, DS, pold, 1, 1)                                           \
+    } else if (pold) {                                                             \
+      TILED_UNDO(DP, DG, DS, pold, 1, 0)                                           \
+    } else if (redo) {                                                             \
+      TILED_UNDO(DP, DG, DS, p, 0, 1)                                              \
+    } else {                                                                       \
+      TILED_UNDO(DP, DG, DS, p, 0, 0)                                              \
+    }                                                                              \
+  }
+
 FUSED(0, 0, 0)
+#ifdef HW_BF16
+FUSED_TILED(0, 0, 1)
+FUSED_TILED(1, 1, 0)
+FUSED_TILED(1, 1, 1)
+FUSED_TILED(1, 0, 0)
+FUSED_TILED(1, 0, 1)
+#else
 FUSED(0, 0, 1)
 FUSED(1, 1, 0)
 FUSED(1, 1, 1)
 FUSED(1, 0, 0)
 FUSED(1, 0, 1)
+#endif
 
 /* ---------------------------------------------------------------- exact path
    Bitwise torch: the square roots come from torch's own routine (Sqrt), called on chunks of
    TILE elements. Per chunk, everything before a square root and everything after it runs as
    one fused loop from memory to memory (stores of m', v' interleaved with the loads), so only
    the square-root call and the final parameter loop run without memory traffic. */
+/* Stores of the exact loops go through TST/TFLUSH as in the tiled fused loops: float32 arrays
+   directly, bfloat16 ones after the loop by store_bf16. With a bfloat16 storage an undo+redo
+   rounds the undone values by round_bf16 between two loops; with float32 storage it is one loop. */
 #define EXACT_UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                        \
-  IVDEP for (int i = 0; i < n; i++) {                                              \
-    const int64_t e = off + i;                                                     \
-    float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);              \
-    undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);              \
-    if (REDO) {                                                                    \
-      P = RT_##DP(P);                                                              \
-      M = RT_##DS(M);                                                              \
-      V = RT_##DS(V);                                                              \
-      step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                    \
+  if (REDO && (DP || DS)) {                                                        \
+    IVDEP for (int i = 0; i < n; i++) {                                            \
+      const int64_t e = off + i;                                                   \
+      float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
+      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);            \
       PT[i] = P;                                                                   \
       MT[i] = M;                                                                   \
       VT[i] = V;                                                                   \
-    } else {                                                                       \
-      ST_##DP(po, e, P);                                                           \
     }                                                                              \
-    ST_##DS(mo, e, M);                                                             \
-    ST_##DS(vo, e, V);                                                             \
-  }
+    TRT_##DP(PT, n);                                                               \
+    TRT_##DS(MT, n);                                                               \
+    TRT_##DS(VT, n);                                                               \
+    IVDEP for (int i = 0; i < n; i++) {                                            \
+      const int64_t e = off + i;                                                   \
+      float P = PT[i], M = MT[i], V = VT[i];                                       \
+      step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                    \
+      PT[i] = P;                                                                   \
+      TST_##DS(mo, MT, e, i, M);                                                   \
+      TST_##DS(vo, VT, e, i, V);                                                   \
+      MT[i] = M;                                                                   \
+      VT[i] = V;                                                                   \
+    }                                                                              \
+  } else {                                                                         \
+    IVDEP for (int i = 0; i < n; i++) {                                            \
+      const int64_t e = off + i;                                                   \
+      float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
+      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);            \
+      if (REDO) {                                                                  \
+        step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                  \
+        PT[i] = P;                                                                 \
+      } else {                                                                     \
+        TST_##DP(po, PT, e, i, P);                                                 \
+      }                                                                            \
+      TST_##DS(mo, MT, e, i, M);                                                   \
+      TST_##DS(vo, VT, e, i, V);                                                   \
+      if (REDO) {                                                                  \
+        MT[i] = M;                                                                 \
+        VT[i] = V;                                                                 \
+      }                                                                            \
+    }                                                                              \
+    if (!REDO) TFLUSH_##DP(po, off, PT, n);                                        \
+  }                                                                                \
+  TFLUSH_##DS(mo, off, MT, n);                                                     \
+  TFLUSH_##DS(vo, off, VT, n);
 
 #define EXACT(DP, DG, DS)                                                          \
   static void exact_##DP##DG##DS(const Job *j) {                                   \
@@ -501,12 +685,14 @@ FUSED(1, 0, 1)
           const int64_t e = off + i;                                               \
           float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);           \
           step_pre(&P, LD_##DG(g, e), &M, &V, &k);                                 \
-          ST_##DS(mo, e, M);                                                       \
-          ST_##DS(vo, e, V);                                                       \
+          TST_##DS(mo, MT, e, i, M);                                               \
+          TST_##DS(vo, VT, e, i, V);                                               \
           PT[i] = P;                                                               \
           MT[i] = M;                                                               \
           VT[i] = V;                                                               \
         }                                                                          \
+        TFLUSH_##DS(mo, off, MT, n);                                               \
+        TFLUSH_##DS(vo, off, VT, n);                                               \
       } else {                                                                     \
         if (pold) {                                                                \
           if (redo) {                                                              \
@@ -526,7 +712,11 @@ FUSED(1, 0, 1)
         if (!redo) continue;                                                       \
       }                                                                            \
       sqrt_tile(D, VT, &sq, n);                                                    \
-      IVDEP for (int i = 0; i < n; i++) ST_##DP(po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
+      IVDEP for (int i = 0; i < n; i++) {                                          \
+        const float r = step_post(PT[i], MT[i], D[i], &k);                         \
+        TST_##DP(po, PT, off + i, i, r);                                           \
+      }                                                                            \
+      TFLUSH_##DP(po, off, PT, n);                                                 \
     }                                                                              \
   }
 
