@@ -517,7 +517,9 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
    loop (and the undone values of an undo+redo are rounded by round_bf16 between an undo loop and a
    redo loop): a hardware conversion takes 16 elements per instruction where the software rounding
    needs eight vector operations, and the bfloat16 loops are bound by those rather than by memory. */
-#define FTILE 512
+#ifndef FTILE
+#define FTILE 256
+#endif
 #define TST_0(ptr, T, e, i, x) (((float *)(ptr))[e] = (x))
 #define TST_1(ptr, T, e, i, x) ((T)[i] = (x))
 #define TFLUSH_0(ptr, off, T, n)
