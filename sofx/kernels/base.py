@@ -87,11 +87,15 @@ def as_number(x: Scalar) -> Scalar:
 
 def concrete_scalars(s: AdamScalars) -> AdamScalars:
     """``s`` with every field that can be read as a Python number converted to one."""
+    if all(type(x) is float or type(x) is int for x in s):  # the common case, once per leaf and step
+        return s
     return AdamScalars(*(as_number(x) for x in s))
 
 
 def is_number(x: object) -> bool:
-    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+    """A Python (or numpy) number, not a bool."""
+    t = type(x)
+    return t is float or t is int or (isinstance(x, numbers.Number) and t is not bool)
 
 
 def compute_dtype(p: torch.Tensor) -> torch.dtype:

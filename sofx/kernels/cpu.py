@@ -110,10 +110,12 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
 # ------------------------------------------------------------------ checks
 def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> None:
-    for name, t in [*tensors, *zip(("p_out", "m_out", "v_out"), out or ())]:
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            raise UnsupportedError(f"cpu.{what}: {name} is on {t.device}; the cpu backend needs CPU tensors")
-    check_block_tensors(f"cpu.{what}", tensors, like, out)
+    if like.device.type != "cpu":  # the others must be on like's device (checked below)
+        raise UnsupportedError(f"cpu.{what}: p is on {like.device}; the cpu backend needs CPU tensors")
+    try:
+        check_block_tensors(f"cpu.{what}", tensors, like, out)
+    except UnsupportedError as e:  # a tensor on another device than p
+        raise UnsupportedError(f"{e}; the cpu backend needs CPU tensors") from None
 
 
 # ------------------------------------------------------------------ dispatch
