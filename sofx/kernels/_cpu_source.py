@@ -431,10 +431,10 @@ static inline float quot(float x, float b, float rb, int fast) {
 /* The inverse given D = sqrt(v') (unused with have_p_old). P: the stepped parameter
    (have_p_old 0) or the snapshot of the old one (have_p_old 1). u = (ss * m) / d is recomputed
    as the step computed it, so that p' + u recovers p where p is small against u.
-   fast 0: true divisions, as the reference (the exact path). fast 1 (cpu_fast's fused loops): the
-   divisions by the constants sqrt(bc2), 1 - lr*wd, beta1 and beta2 by div_by; with true divisions
-   the fused undo+redo would do seven divisions and two square roots per element and be bound by
-   the divider. */
+   D / sqrt(bc2) is div_by on both paths (exact there). The divisions by 1 - lr*wd, beta1 and beta2:
+   fast 0 true divisions, as the reference (the exact path); fast 1 (cpu_fast's fused loops) div_by,
+   an ulp off only for tiny or huge operands; with true divisions the fused undo+redo would do six
+   divisions and two square roots per element and be bound by the divider. */
 static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, const UndoK *k, int have_p_old,
                                int fast) {
   float g = G * k->gs;

@@ -23,7 +23,10 @@ which is not always correctly rounded. To give the reference's (and
 :mod:`sofx.kernels._torch_sqrt`) on chunks of 128 elements (the size that
 measured fastest): everything before and after a square root runs as one
 fused loop per chunk; only the square-root call and the final parameter loop
-run without memory traffic (about 5-10% slower than fully fused).
+run without memory traffic (about 5-10% slower than fully fused). Divisions
+are true divisions, except sqrt(v') / sqrt(bc2), computed through the
+reciprocal and a multiply-add correction, which gives the same bits there
+(see ``div_by`` in the C source).
 Where torch's square root is IEEE, or MKL's routine cannot be found, the fully
 fused per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast`
 always uses those (about as fast as ``torch.optim.AdamW(fused=True)``, within
