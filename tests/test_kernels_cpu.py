@@ -351,6 +351,44 @@ def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, mon
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    """The kernels built without -march=native (no FMA or AVX-512 instructions)."""
+    from sofx.kernels import _cpu_build
+
+    cc = _cpu_build._compiler()
+    assert cc is not None
+    portable = [f for f in _cpu_build._BASE_FLAG_SETS if "-march=native" not in f][0]
+    target = str(tmp_path_factory.mktemp("portable") / "sofx_adam_portable.so")
+    assert _cpu_build._compile(cc, portable, target) is None
+    return _cpu_build._open(target)
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_the_portable_build_gives_the_same_bits(dtypes, portable_lib, rng, monkeypatch):
+    """Built without -march=native (software fmaf, the software bf16 rounding, the untiled fused
+    loops) the kernels give the native build's bits."""
+    from sofx.kernels import _cpu_build
+
+    lib = portable_lib
+    p, g, m, v = _inputs(rng, 2 * 65536 + 4099, *dtypes)
+    m[::5] = 0
+    v[::7] = 0
+    m[1::9] = 1e-39  # subnormal moments: the hardware bf16 conversion's fix-up
+    s = _scalars(rng, 0.1, 0.5)
+    g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
+    for backend in (cpu, cpu_fast):
+        runs = [lambda: backend.step(p, g, m, v, s, VARIANTS[0]),
+                lambda: backend.undo(p, g, m, v, s, VARIANTS[1]),
+                lambda: backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[0])]
+        want = [run() for run in runs]
+        monkeypatch.setattr(_cpu_build, "_loaded", [lib])
+        got = [run() for run in runs]
+        monkeypatch.undo()
+        for a, b in zip(got, want):
+            assert all(torch.equal(x, y) or max_rel_err(x, y) == 0.0 for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
     backend = BACKENDS[name]
