@@ -126,32 +126,6 @@ static void load(float *dst, const void *src, int dt, int64_t off, int n) {
   }
 }
 
-static void store(void *dst, int dt, int64_t off, const float *src, int n) {
-  if (dt == DT_F32) {
-    float *d = (float *)dst + off;
-    for (int i = 0; i < n; i++) d[i] = src[i];
-  } else if (dt == DT_BF16) {
-    uint16_t *d = (uint16_t *)dst + off;
-    for (int i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
-  } else {
-#ifdef __FLT16_MAX__
-    _Float16 *d = (_Float16 *)dst + off;
-    for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
-#endif
-  }
-}
-
-/* Round a float tile to dtype dt and back (an intermediate stored to memory). */
-static void round_to(float *x, int dt, int n) {
-  if (dt == DT_BF16) {
-    for (int i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
-  } else if (dt == DT_F16) {
-#ifdef __FLT16_MAX__
-    for (int i = 0; i < n; i++) x[i] = (float)(_Float16)x[i];
-#endif
-  }
-}
-
 /* Float tile -> bfloat16, bit for bit f32_to_bf16. Where the CPU converts in hardware
    (AVX512-BF16's vcvtneps2bf16: round-to-nearest-even, nan kept quiet with its sign and upper
    payload bits, as f32_to_bf16) it takes 16 elements per instruction, but it flushes subnormal
@@ -188,6 +162,31 @@ static inline void round_bf16(float *x, int n) {
   }
 #endif
   for (; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
+static void store(void *dst, int dt, int64_t off, const float *src, int n) {
+  if (dt == DT_F32) {
+    float *d = (float *)dst + off;
+    for (int i = 0; i < n; i++) d[i] = src[i];
+  } else if (dt == DT_BF16) {
+    store_bf16((uint16_t *)dst + off, src, n);
+  } else {
+#ifdef __FLT16_MAX__
+    _Float16 *d = (_Float16 *)dst + off;
+    for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
+#endif
+  }
+}
+
+/* Round a float tile to dtype dt and back (an intermediate stored to memory). */
+static void round_to(float *x, int dt, int n) {
+  if (dt == DT_BF16) {
+    round_bf16(x, n);
+  } else if (dt == DT_F16) {
+#ifdef __FLT16_MAX__
+    for (int i = 0; i < n; i++) x[i] = (float)(_Float16)x[i];
+#endif
+  }
 }
 
 static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
@@ -351,8 +350,8 @@ static void run_tiles(const Job *j) {
 
 /* ---------------------------------------------------------------- fused path
    One loop per (param, grad, state) dtype combination, one element at a time from memory
-   to memory: loads, math and stores interleave, so the memory streams never stall on a
-   compute phase. Same operations as step_tile/undo_tile, with loop-invariant selects in
+   to memory (bfloat16 outputs through small tiles, see FUSED): loads, math and stores
+   interleave, so the memory streams never stall on a compute phase. Same operations as step_tile/undo_tile, with loop-invariant selects in
    place of branches (multiplying by 1.0f or dividing by 1.0f is exact), and IEEE sqrtf. */
 typedef struct {
   float gs, pmul, wd, coef, b2, c2, bc2, rbc2, eps, nss;
@@ -458,65 +457,13 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
 #define LD_0(ptr, i) (((const float *)(ptr))[i])
 #define LD_1(ptr, i) bf16_to_f32(((const uint16_t *)(ptr))[i])
 #define LD_2(ptr, i) ((float)((const _Float16 *)(ptr))[i])
-#define ST_0(ptr, i, x) (((float *)(ptr))[i] = (x))
-#define ST_1(ptr, i, x) (((uint16_t *)(ptr))[i] = f32_to_bf16(x))
-#define ST_2(ptr, i, x) (((_Float16 *)(ptr))[i] = (_Float16)(x))
-#define RT_0(x) (x)
-#define RT_1(x) bf16_to_f32(f32_to_bf16(x))
-#define RT_2(x) ((float)(_Float16)(x))
 
-#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                             \
-  IVDEP for (int64_t i = begin; i < end; i++) {                                    \
-    float P = LD_##DP(PSRC, i), M = LD_##DS(m, i), V = LD_##DS(v, i);              \
-    undo_elem_d(&P, LD_##DG(g, i), &M, &V, HAVE_P_OLD ? 0.0f : sqrtf(V), &u, HAVE_P_OLD, 1); \
-    if (REDO) {                                                                    \
-      P = RT_##DP(P);                                                              \
-      M = RT_##DS(M);                                                              \
-      V = RT_##DS(V);                                                              \
-      step_elem(&P, LD_##DG(g2, i), &M, &V, &k);                                   \
-    }                                                                              \
-    ST_##DP(po, i, P);                                                             \
-    ST_##DS(mo, i, M);                                                             \
-    ST_##DS(vo, i, V);                                                             \
-  }
-
-#define FUSED(DP, DG, DS)                                                          \
-  static void fused_##DP##DG##DS(const Job *j) {                                   \
-    /* Local copies: stores through po/mo/vo could otherwise alias *j. */          \
-    const void *p = j->p, *g = j->g, *m = j->m, *v = j->v, *g2 = j->g2;            \
-    const void *pold = j->pold;                                                    \
-    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
-    const int64_t begin = j->begin, end = j->end;                                  \
-    if (j->op == OP_STEP) {                                                        \
-      const StepK k = step_k(&j->s1, j->decoupled);                                \
-      IVDEP for (int64_t i = begin; i < end; i++) {                                \
-        float P = LD_##DP(p, i), M = LD_##DS(m, i), V = LD_##DS(v, i);             \
-        step_elem(&P, LD_##DG(g, i), &M, &V, &k);                                  \
-        ST_##DP(po, i, P);                                                         \
-        ST_##DS(mo, i, M);                                                         \
-        ST_##DS(vo, i, V);                                                         \
-      }                                                                            \
-      return;                                                                      \
-    }                                                                              \
-    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
-    const StepK k = step_k(&j->s2, j->decoupled);                                  \
-    const int redo = j->op == OP_UNDO_REDO;                                        \
-    if (pold && redo) {                                                            \
-      UNDO_LOOP(DP, DG, DS, pold, 1, 1)                                            \
-    } else if (pold) {                                                             \
-      UNDO_LOOP(DP, DG, DS, pold, 1, 0)                                            \
-    } else if (redo) {                                                             \
-      UNDO_LOOP(DP, DG, DS, p, 0, 1)                                               \
-    } else {                                                                       \
-      UNDO_LOOP(DP, DG, DS, p, 0, 0)                                               \
-    }                                                                              \
-  }
-
-/* The fused loops where some storage is bfloat16: per chunk of FTILE elements, float32 outputs are
-   stored as they are computed, bfloat16 ones go to a float tile that store_bf16 converts after the
-   loop (and the undone values of an undo+redo are rounded by round_bf16 between an undo loop and a
-   redo loop): a hardware conversion takes 16 elements per instruction where the software rounding
-   needs eight vector operations, and the bfloat16 loops are bound by those rather than by memory. */
+/* The loops run per chunk of FTILE elements: float32 outputs are stored as they are computed,
+   bfloat16 ones go to a float tile that store_bf16 converts after the loop, and with a bfloat16
+   storage the undone values of an undo+redo are rounded by round_bf16 between an undo loop and a
+   redo loop (with float32 storage it is one loop). Where the CPU converts to bfloat16 in hardware
+   that takes 16 elements per instruction, where the software rounding inline needs eight vector
+   operations, and the bfloat16 loops are bound by those rather than by memory. */
 #ifndef FTILE
 #define FTILE 256
 #endif
@@ -527,24 +474,25 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
 #define TRT_0(T, n)
 #define TRT_1(T, n) round_bf16((T), (n))
 
-#define TILED_UNDO(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                            \
+#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                            \
   for (int64_t off = begin; off < end; off += FTILE) {                            \
     const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);               \
     IVDEP for (int i = 0; i < n; i++) {                                            \
       const int64_t e = off + i;                                                   \
       float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
       undo_elem_d(&P, LD_##DG(g, e), &M, &V, HAVE_P_OLD ? 0.0f : sqrtf(V), &u, HAVE_P_OLD, 1); \
-      if (REDO) {                                                                  \
+      if (REDO && (DP || DS)) {                                                    \
         PT[i] = P;                                                                 \
         MT[i] = M;                                                                 \
         VT[i] = V;                                                                 \
       } else {                                                                     \
+        if (REDO) step_elem(&P, LD_##DG(g2, e), &M, &V, &k);                       \
         TST_##DP(po, PT, e, i, P);                                                 \
         TST_##DS(mo, MT, e, i, M);                                                 \
         TST_##DS(vo, VT, e, i, V);                                                 \
       }                                                                            \
     }                                                                              \
-    if (REDO) {                                                                    \
+    if (REDO && (DP || DS)) {                                                      \
       TRT_##DP(PT, n);                                                             \
       TRT_##DS(MT, n);                                                             \
       TRT_##DS(VT, n);                                                             \
@@ -562,7 +510,7 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     TFLUSH_##DS(vo, off, VT, n);                                                   \
   }
 
-#define FUSED_TILED(DP, DG, DS)                                                    \
+#define FUSED(DP, DG, DS)                                                    \
   static void fused_##DP##DG##DS(const Job *j) {                                   \
     const void *p = j->p, *g = j->g, *m = j->m, *v = j->v, *g2 = j->g2;            \
     const void *pold = j->pold;                                                    \
@@ -591,30 +539,22 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const int redo = j->op == OP_UNDO_REDO;                                        \
     if (pold && redo) {                                                            \
-      TILED_UNDO(DP, DG, DS, pold, 1, 1)                                           \
+      UNDO_LOOP(DP, DG, DS, pold, 1, 1)                                           \
     } else if (pold) {                                                             \
-      TILED_UNDO(DP, DG, DS, pold, 1, 0)                                           \
+      UNDO_LOOP(DP, DG, DS, pold, 1, 0)                                           \
     } else if (redo) {                                                             \
-      TILED_UNDO(DP, DG, DS, p, 0, 1)                                              \
+      UNDO_LOOP(DP, DG, DS, p, 0, 1)                                              \
     } else {                                                                       \
-      TILED_UNDO(DP, DG, DS, p, 0, 0)                                              \
+      UNDO_LOOP(DP, DG, DS, p, 0, 0)                                              \
     }                                                                              \
   }
 
 FUSED(0, 0, 0)
-#ifdef HW_BF16
-FUSED_TILED(0, 0, 1)
-FUSED_TILED(1, 1, 0)
-FUSED_TILED(1, 1, 1)
-FUSED_TILED(1, 0, 0)
-FUSED_TILED(1, 0, 1)
-#else
 FUSED(0, 0, 1)
 FUSED(1, 1, 0)
 FUSED(1, 1, 1)
 FUSED(1, 0, 0)
 FUSED(1, 0, 1)
-#endif
 
 /* ---------------------------------------------------------------- exact path
    Bitwise torch: the square roots come from torch's own routine (Sqrt), called on chunks of
