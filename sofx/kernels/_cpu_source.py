@@ -351,8 +351,9 @@ static void run_tiles(const Job *j) {
 /* ---------------------------------------------------------------- fused path
    One loop per (param, grad, state) dtype combination, one element at a time from memory
    to memory (bfloat16 outputs through small tiles, see FUSED): loads, math and stores
-   interleave, so the memory streams never stall on a compute phase. Same operations as step_tile/undo_tile, with loop-invariant selects in
-   place of branches (multiplying by 1.0f or dividing by 1.0f is exact), and IEEE sqrtf. */
+   interleave, so the memory streams never stall on a compute phase. Same operations as
+   step_tile/undo_tile, with loop-invariant selects in place of branches (multiplying by 1.0f
+   or dividing by 1.0f is exact), and IEEE sqrtf. */
 typedef struct {
   float gs, pmul, wd, coef, b2, c2, bc2, rbc2, eps, nss;
   int l2, small;
@@ -461,9 +462,9 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
 /* The loops run per chunk of FTILE elements: float32 outputs are stored as they are computed,
    bfloat16 ones go to a float tile that store_bf16 converts after the loop, and with a bfloat16
    storage the undone values of an undo+redo are rounded by round_bf16 between an undo loop and a
-   redo loop (with float32 storage it is one loop). Where the CPU converts to bfloat16 in hardware
-   that takes 16 elements per instruction, where the software rounding inline needs eight vector
-   operations, and the bfloat16 loops are bound by those rather than by memory. */
+   redo loop (with float32 storage it is one loop). A hardware conversion (where the CPU has one)
+   takes one instruction per 16 elements where rounding in software inline takes eight vector
+   operations, and the bfloat16 loops were bound by those rather than by memory. */
 #ifndef FTILE
 #define FTILE 256
 #endif
@@ -474,9 +475,9 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
 #define TRT_0(T, n)
 #define TRT_1(T, n) round_bf16((T), (n))
 
-#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                            \
-  for (int64_t off = begin; off < end; off += FTILE) {                            \
-    const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);               \
+#define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                              \
+  for (int64_t off = begin; off < end; off += FTILE) {                             \
+    const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);                \
     IVDEP for (int i = 0; i < n; i++) {                                            \
       const int64_t e = off + i;                                                   \
       float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
@@ -510,8 +511,9 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     TFLUSH_##DS(vo, off, VT, n);                                                   \
   }
 
-#define FUSED(DP, DG, DS)                                                    \
+#define FUSED(DP, DG, DS)                                                          \
   static void fused_##DP##DG##DS(const Job *j) {                                   \
+    /* Local copies: stores through po/mo/vo could otherwise alias *j. */          \
     const void *p = j->p, *g = j->g, *m = j->m, *v = j->v, *g2 = j->g2;            \
     const void *pold = j->pold;                                                    \
     void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
@@ -539,13 +541,13 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const int redo = j->op == OP_UNDO_REDO;                                        \
     if (pold && redo) {                                                            \
-      UNDO_LOOP(DP, DG, DS, pold, 1, 1)                                           \
+      UNDO_LOOP(DP, DG, DS, pold, 1, 1)                                            \
     } else if (pold) {                                                             \
-      UNDO_LOOP(DP, DG, DS, pold, 1, 0)                                           \
+      UNDO_LOOP(DP, DG, DS, pold, 1, 0)                                            \
     } else if (redo) {                                                             \
-      UNDO_LOOP(DP, DG, DS, p, 0, 1)                                              \
+      UNDO_LOOP(DP, DG, DS, p, 0, 1)                                               \
     } else {                                                                       \
-      UNDO_LOOP(DP, DG, DS, p, 0, 0)                                              \
+      UNDO_LOOP(DP, DG, DS, p, 0, 0)                                               \
     }                                                                              \
   }
 
@@ -561,7 +563,7 @@ FUSED(1, 0, 1)
    TILE elements. Per chunk, everything before a square root and everything after it runs as
    one fused loop from memory to memory (stores of m', v' interleaved with the loads), so only
    the square-root call and the final parameter loop run without memory traffic. */
-/* Stores of the exact loops go through TST/TFLUSH as in the tiled fused loops: float32 arrays
+/* Stores of the exact loops go through TST/TFLUSH as in the fused loops: float32 arrays
    directly, bfloat16 ones after the loop by store_bf16. With a bfloat16 storage an undo+redo
    rounds the undone values by round_bf16 between two loops; with float32 storage it is one loop. */
 #define EXACT_UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                        \
@@ -569,7 +571,7 @@ FUSED(1, 0, 1)
     IVDEP for (int i = 0; i < n; i++) {                                            \
       const int64_t e = off + i;                                                   \
       float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
-      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);            \
+      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);             \
       PT[i] = P;                                                                   \
       MT[i] = M;                                                                   \
       VT[i] = V;                                                                   \
@@ -591,7 +593,7 @@ FUSED(1, 0, 1)
     IVDEP for (int i = 0; i < n; i++) {                                            \
       const int64_t e = off + i;                                                   \
       float P = LD_##DP(PSRC, e), M = LD_##DS(m, e), V = LD_##DS(v, e);            \
-      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);            \
+      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D[i], &u, HAVE_P_OLD, 0);             \
       if (REDO) {                                                                  \
         step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                  \
         PT[i] = P;                                                                 \
