@@ -219,8 +219,8 @@ static Sc make_sc(const double *d) {
    of a division (the divider bounds these loops: a square root and two divisions per element of a
    step take about as long as the memory traffic on two cores). Where r is 0 (q exact), infinite or
    nan (x infinite or nan) q is the answer.
-   Exact, i.e. the bits of x / b, for every normal b and every x with no subnormal r and no overflow
-   (|x| >= 2^-100 or so, x / b finite), in particular for x = sqrt(v) (0, nan, inf or >= 2^-75) over
+   Exact, i.e. the bits of x / b, for every b with b and 1/b normal and every x with no subnormal r
+   and no overflow (|x| >= 2^-100 or so, x / b finite), in particular for x = sqrt(v) (0, nan, inf or >= 2^-75) over
    b = sqrt(1 - beta2^t) (>= 2^-12). Why: scaling x or b by a power of two scales every step exactly,
    so take x, b in [1, 2). |x/b - q| < 2^-23 and, with b*rb = 1 + d (|d| < 2^-24) and r = (x - b*q)(1 + e)
    (|e| <= 2^-24), q + r*rb = x/b + (x/b - q)(d + e + d*e): within 2^-46 (1 + 2^-25) of x/b. A quotient
