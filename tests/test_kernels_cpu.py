@@ -105,6 +105,33 @@ def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
         _assert_undo_redo(backend, backend.undo_redo(*want, g, s, g, s_clip, variant), want, g, s, g, s_clip, variant)
 
 
+# Every (param, grad, state) dtype combination the native loops specialise (the C source's fused_for),
+# gradients of another dtype than the params among them.
+NATIVE_COMBOS = [(p, g, s) for p, g, s in
+                 [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float32, torch.bfloat16),
+                  (torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                  (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16)]]
+
+
+@pytest.mark.parametrize("combo", NATIVE_COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_native_dtype_combination_matches_reference(name, combo, rng):
+    backend = BACKENDS[name]
+    exact = _is_exact(backend)
+    pdt, gdt, sdt = combo
+    p, g, m, v = _inputs(rng, 4099, pdt, sdt)
+    g = g.to(gdt)
+    g2 = torch.randn(p.shape, generator=rng).to(gdt)
+    s = _scalars(rng, 0.1, 0.5)
+    s2 = _scalars(rng, 0.1)._replace(step=s.step)
+    for variant in (VARIANTS[0], VARIANTS[3]):
+        want = reference.step(p, g, m, v, s, variant)
+        _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
+        _assert_close(backend.undo(*want[:1], g, *want[1:], s, variant),
+                      reference.undo(*want[:1], g, *want[1:], s, variant), exact)
+        _assert_undo_redo(backend, backend.undo_redo(*want, g, s, g2, s2, variant), want, g, s, g2, s2, variant)
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
 def test_threaded_sizes_with_partial_tiles(name, dtypes, rng, monkeypatch):
@@ -364,14 +391,15 @@ def portable_lib(tmp_path_factory):
     return _cpu_build._open(target)
 
 
-@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
-def test_the_portable_build_gives_the_same_bits(dtypes, portable_lib, rng, monkeypatch):
+@pytest.mark.parametrize("combo", NATIVE_COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkeypatch):
     """Built without -march=native (software fmaf, the software bf16 rounding, the untiled fused
     loops) the kernels give the native build's bits."""
     from sofx.kernels import _cpu_build
 
     lib = portable_lib
-    p, g, m, v = _inputs(rng, 2 * 65536 + 4099, *dtypes)
+    p, g, m, v = _inputs(rng, 2 * 65536 + 4099, combo[0], combo[2])
+    g = g.to(combo[1])
     m[::5] = 0
     v[::7] = 0
     m[1::9] = 1e-39  # subnormal moments: the hardware bf16 conversion's fix-up
