@@ -19,10 +19,13 @@ fused undo+redo's time over sofx's own step time. The operations of a table
 run round-robin (repetition k of each before repetition k+1 of any), so
 that the machine's drift affects them alike.
 
+The run ends with issue 4's targets judged on the flat tensor's numbers (``met`` / ``not met``,
+per backend).
+
 All sofx operations are in place (donated buffers), as the offload engine
 runs them. torch's fused AdamW keeps states in the parameter dtype, so its
 bf16 anchor is all-bf16. DeepSpeed's ``DeepSpeedCPUAdam`` is measured when the
-``deepspeed`` package imports.
+``deepspeed`` package imports (``--no-deepspeed`` leaves it out: its CPU op is compiled on first use).
 """
 
 from __future__ import annotations
@@ -130,7 +133,10 @@ def deepspeed_ops(ps, gs, ms, vs) -> tuple[dict[str, Callable[[], None]], str]:
     return {"DeepSpeed CPUAdam step": step, "DeepSpeed CPUAdam rollback": (lambda: opt.rollback_subgroup(0), step)}, ""
 
 
-def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, with_torch: bool) -> list[str]:
+def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, with_torch: bool,
+             with_deepspeed: bool = True) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """The table of one tensor set and storage configuration, and per operation its numbers
+    (``xBW``, ``xfused``, and ``per_step`` for the undo+redo rows)."""
     ps, gs, g2s, ms, vs = make(shapes, pdt, sdt, gen)
     n = sum(p.numel() for p in ps)
     pb, sb = torch.finfo(pdt).bits // 8, torch.finfo(sdt).bits // 8
@@ -148,7 +154,7 @@ def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, 
         for name, fn in sofx_ops(backend, ps, gs, g2s, ms, vs).items():
             fn, reset = fn if isinstance(fn, tuple) else (fn, None)
             ops[f"sofx {backend.NAME} {name}"] = (fn, reset, nbytes[name])
-    ds, skipped = deepspeed_ops(ps, gs, ms, vs) if pdt == sdt == torch.float32 else ({}, "")
+    ds, skipped = deepspeed_ops(ps, gs, ms, vs) if with_deepspeed and pdt == sdt == torch.float32 else ({}, "")
     for name, fn in ds.items():
         fn, reset = fn if isinstance(fn, tuple) else (fn, None)
         ops[name] = (fn, reset, step_bytes)
@@ -157,12 +163,17 @@ def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, 
     anchors = {name: t for name, t in timings.items() if name.startswith("torch")}
     fused = anchors.get("torch AdamW fused")
     steps = {b.NAME: t for b in (cpu, cpu_fast) for name, t in rows if name == f"sofx {b.NAME} step"}
+    numbers: dict[str, dict[str, float]] = {}
     for name, t in list(anchors.items()) + rows:
-        xf = f"{statistics.median(f / x for f, x in zip(fused.seconds, t.seconds)):.2f}" if fused else "-"
+        numbers[name] = {"xBW": t.bw_ratio}
+        if fused:
+            numbers[name]["xfused"] = statistics.median(f / x for f, x in zip(fused.seconds, t.seconds))
+        xf = f"{numbers[name]['xfused']:.2f}" if fused else "-"
         note = ""
         if "undo+redo" in name:
             own = steps[name.split(" ")[1]].seconds
-            note = f"undo+redo/step = {statistics.median(x / y for x, y in zip(t.seconds, own)):.2f}"
+            numbers[name]["per_step"] = statistics.median(x / y for x, y in zip(t.seconds, own))
+            note = f"undo+redo/step = {numbers[name]['per_step']:.2f}"
         if name.startswith("torch") and pdt != sdt:
             note = "all-bf16 anchor (torch keeps states in the param dtype)"
         lines.append(f"| {name} | {t.median_s * 1e3:.1f} | {t.gbps:.1f} | {t.bw_ratio:.2f} | {xf} | {note} |")
@@ -172,6 +183,34 @@ def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, 
                  f"min {min(all_bw) / 1e9:.1f}, max {max(all_bw) / 1e9:.1f}")
     if skipped:
         lines.append(skipped)
+    return lines, numbers
+
+
+# Issue 4's targets, on the flat tensor: (row, storage, operation, measure, bound, "ge" | "le").
+TARGETS = [
+    ("step >= 0.97 xBW", "fp32", "step", "xBW", 0.97, "ge"),
+    ("step >= 0.97x torch fused", "fp32", "step", "xfused", 0.97, "ge"),
+    ("undo >= 0.9 xBW", "fp32", "undo", "xBW", 0.9, "ge"),
+    ("fused undo+redo <= 1.25x step, clip (same gradient)", "fp32", "undo+redo (fused), clip", "per_step", 1.25, "le"),
+    ("fused undo+redo <= 1.25x step, a new gradient", "fp32", "undo+redo (fused)", "per_step", 1.25, "le"),
+    ("bf16 params + fp32 states step >= 0.9 xBW", "bf16-fp32", "step", "xBW", 0.9, "ge"),
+    ("all-bf16 step >= 0.9 xBW", "bf16", "step", "xBW", 0.9, "ge"),
+]
+
+
+def targets_table(flat: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """The targets against the flat tensor's numbers (``flat[storage][operation name]``), per backend."""
+    lines = ["\n### Against issue 4's targets (flat tensor)\n", "| target | cpu | cpu_fast |", "|---|---|---|"]
+    for label, storage, op, measure, bound, sense in TARGETS:
+        cells = []
+        for backend in (cpu, cpu_fast):
+            value = flat.get(storage, {}).get(f"sofx {backend.NAME} {op}", {}).get(measure)
+            if value is None:
+                cells.append("-")
+                continue
+            met = value >= bound if sense == "ge" else value <= bound
+            cells.append(f"{'met' if met else 'not met'}: {value:.2f}")
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
     return lines
 
 
@@ -181,6 +220,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-gpt2", action="store_true", help="only the flat tensor")
+    ap.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's CPUAdam out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reps = args.reps or (3 if args.quick else 7)
@@ -198,9 +238,17 @@ def main() -> None:
     if not args.no_gpt2:
         cases += [("GPT-2 small", gpt2, torch.float32, torch.float32),
                   ("GPT-2 small", gpt2, torch.bfloat16, torch.float32)]
+    flat_numbers: dict[str, dict[str, dict[str, float]]] = {}
     for title, shapes, pdt, sdt in cases:
-        for line in run_case(title, shapes, pdt, sdt, bw, reps, gen, with_torch=True):
+        lines, numbers = run_case(title, shapes, pdt, sdt, bw, reps, gen, with_torch=True,
+                                  with_deepspeed=not args.no_deepspeed)
+        for line in lines:
             print(line, flush=True)
+        if title == "flat":
+            storage = "fp32" if pdt == torch.float32 else ("bf16-fp32" if sdt == torch.float32 else "bf16")
+            flat_numbers[storage] = numbers
+    for line in targets_table(flat_numbers):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "kernels.py")
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_run_prints_every_table_and_the_targets():
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--no-gpt2", "--no-deepspeed", "--reps", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for config in ("params float32, states float32", "params bfloat16, states float32",
+                   "params bfloat16, states bfloat16"):
+        assert config in out
+    targets = out[out.index("Against issue 4's targets"):].splitlines()
+    rows = [line for line in targets if line.startswith("| ") and not line.startswith("| target")]
+    assert len(rows) == 7
+    for row in rows:
+        assert re.fullmatch(r"\| .+ \| (met|not met): \d+\.\d\d \| (met|not met): \d+\.\d\d \|", row), row
+
+
+def test_targets_table_judges_bounds_in_both_directions():
+    mod = _module()
+    numbers = {
+        "fp32": {"sofx cpu step": {"xBW": 0.97, "xfused": 0.96}, "sofx cpu_fast step": {"xBW": 1.1, "xfused": 1.0},
+                 "sofx cpu undo+redo (fused)": {"xBW": 0.7, "per_step": 1.26},
+                 "sofx cpu_fast undo+redo (fused)": {"xBW": 0.9, "per_step": 1.25}},
+    }
+    rows = {line.split(" | ")[0][2:]: line for line in mod.targets_table(numbers) if line.startswith("| ")}
+    assert rows["step >= 0.97 xBW"].endswith("| met: 0.97 | met: 1.10 |")
+    assert rows["step >= 0.97x torch fused"].endswith("| not met: 0.96 | met: 1.00 |")
+    assert rows["fused undo+redo <= 1.25x step, a new gradient"].endswith("| not met: 1.26 | met: 1.25 |")
+    assert rows["all-bf16 step >= 0.9 xBW"].endswith("| - | - |")  # not measured
