@@ -219,17 +219,18 @@ static Sc make_sc(const double *d) {
    of a division (the divider bounds these loops: a square root and two divisions per element of a
    step take about as long as the memory traffic on two cores). Where r is 0 (q exact), infinite or
    nan (x infinite or nan) q is the answer.
-   Exact, i.e. the bits of x / b, for every b with b and 1/b normal and every x with no subnormal r
-   and no overflow (|x| >= 2^-100 or so, x / b finite), in particular for x = sqrt(v) (0, nan, inf or >= 2^-75) over
-   b = sqrt(1 - beta2^t) (>= 2^-12). Why: scaling x or b by a power of two scales every step exactly,
-   so take x, b in [1, 2). |x/b - q| < 2^-23 and, with b*rb = 1 + d (|d| < 2^-24) and r = (x - b*q)(1 + e)
-   (|e| <= 2^-24), q + r*rb = x/b + (x/b - q)(d + e + d*e): within 2^-46 (1 + 2^-25) of x/b. A quotient
-   of two 24-bit significands X/B is never a rounding midpoint (an odd 25-bit number times a power of
-   two) and lies at least N / (B 2^K) from one, N = |X 2^K - M B| a positive integer (K = 24 or 25,
-   M odd); so the correction can round differently from x / b only where N <= 8. Those (x, b) pairs
-   are few (about 1.7e8 over all 2^23 x 2^23 significands) and tests/test_cpu_division.py computes
-   every one of them with this function: none differs. Outside that domain (r subnormal: |x| below
-   ~2^-100, or x / b overflowing) the result may be an ulp off; the inverse, which is an
+   Exact, i.e. the bits of x / b, for every b with b and 1/b normal and every x with x / b finite and
+   |x| >= 2^-78 (so that a nonzero r, a multiple of about |x| 2^-48, is normal), and for x 0, inf or
+   nan; in particular for x = sqrt(v) (>= 2^-74.5 where not 0) over b = sqrt(1 - beta2^t) (>= 2^-12).
+   Why: scaling x or b by a power of two scales every step exactly, so take x, b in [1, 2).
+   |x/b - q| < 2^-23 and, with b*rb = 1 + d (|d| < 2^-24) and r = (x - b*q)(1 + e) (|e| <= 2^-24),
+   q + r*rb = x/b + (x/b - q)(d + e + d*e): within 2^-46 (1 + 2^-25) of x/b. A quotient of two 24-bit
+   significands X/B is never a rounding midpoint (an odd 25-bit number times a power of two) and lies
+   at least N / (B 2^K) from one, N = |X 2^K - M B| a positive integer (K = 24 or 25, M odd); so the
+   correction can round differently from x / b only where N <= 8. Those (x, b) pairs are few (about
+   1.7e8 over all 2^23 x 2^23 significands) and tests/test_cpu_division.py computes every one of them
+   with this function: none differs. Below that range (|x| < 2^-78; differences seen only below
+   ~2^-100) or where x / b overflows the result may be an ulp off; the inverse, which is an
    approximation of a few ulps anyway, accepts that for its divisions by beta1, beta2 and 1 - lr*wd
    (a true float reciprocal alone would be 1.5 ulps off, and wrong for 27% of all x). */
 static inline float div_by(float x, float b, float rb) {

@@ -10,7 +10,7 @@ fused CPU kernel bit for bit (float32 and bfloat16; tested), and differs
 from ``cpu`` / ``reference`` only where MKL's square root is an ulp off
 (about 1e-4 of the parameters, by an ulp, per step). Its inverse divides by
 ``1 - lr*wd``, ``beta1`` and ``beta2`` through their reciprocals and one
-multiply-add correction (the true quotient but for operands below ~2^-100 or
+multiply-add correction (the true quotient but for operands below ~2^-78 or
 quotients that overflow, where it may be an ulp off; ``u`` itself is
 recomputed exactly as the step computed it), which keeps the fused undo+redo
 closer to memory speed. Its step runs at the memory bandwidth, as fast as
