@@ -107,10 +107,9 @@ def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
 
 # Every (param, grad, state) dtype combination the native loops specialise (the C source's fused_for),
 # gradients of another dtype than the params among them.
-NATIVE_COMBOS = [(p, g, s) for p, g, s in
-                 [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float32, torch.bfloat16),
-                  (torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-                  (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16)]]
+NATIVE_COMBOS = [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float32, torch.bfloat16),
+                 (torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                 (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("combo", NATIVE_COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
