@@ -11,7 +11,7 @@ outputs may be the inputs' own storage (donation).
 The math is :mod:`sofx.kernels.reference`'s, operation by operation, with
 correctly rounded division and square root (``div_rn``, ``sqrt_rn``) and the
 same fused multiply-adds as torch's CPU kernels (see
-:mod:`sofx.kernels._cpu_source`)::
+:mod:`sofx.kernels._cpu_source`) and no others (``COMPILE_OPTIONS``)::
 
     step:  L2: g = fma(p, wd, g)          decoupled: p = p * (1 - lr*wd)
            m' = fma(c, g - m, m or g)     (torch's lerp)   v' = fma((1-b2)*g, g, v*b2)
@@ -28,6 +28,7 @@ available".
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -40,10 +41,16 @@ from sofx.kernels import reference
 from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
                                write_outputs)
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK", "COMPILE_OPTIONS"]
 
 NAME = "triton"
 BLOCK = 1024
+# Compiled exactly as written: Triton fuses a*b + c into one multiply-add by default on GPUs (and
+# leaves plain mul/add free for ptxas to contract), which rounds differently from the reference's
+# separate operations. The interpreter never fuses, so only a compiled kernel shows the difference;
+# tests/test_triton_ptx.py compiles the kernel for sm_80 and sm_90 on CPU and checks the PTX.
+COMPILE_OPTIONS = MappingProxyType({"enable_fp_fusion": False})
+VECTOR_MULTIPLE = 16
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -214,10 +221,17 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
         fpo = _flat(p_old) if p_old is not None else fp
         u = u or _UndoArgs(1.0, 1.0, 0.0, 0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0)
         st = st or _StepArgs(1.0, 1.0, 0.0, 0, 1, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0)
-        grid = (triton.cdiv(n, BLOCK),)
-        _adam_kernel[grid](fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets), n, *u, *st,
-                           OP=op, HAS_P_OLD=p_old is not None, ROUND_P=_TL_DTYPES[p.dtype],
-                           ROUND_S=_TL_DTYPES[m.dtype], BLOCK_SIZE=BLOCK)
+        arrays = (fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets))
+        # Triton loads and stores 128 bits at a time only where the mask is provably constant over
+        # each group of elements, i.e. where n is a multiple of 16 (it specializes on that at launch):
+        # the last n % 16 elements, if any, get a launch of their own (16-element offsets keep the
+        # pointers 16-byte aligned).
+        head = n - n % VECTOR_MULTIPLE
+        for start, count in ((0, head), (head, n - head)):
+            if count:
+                _adam_kernel[(triton.cdiv(count, BLOCK),)](
+                    *(a[start:] for a in arrays), count, *u, *st, OP=op, HAS_P_OLD=p_old is not None,
+                    ROUND_P=_TL_DTYPES[p.dtype], ROUND_S=_TL_DTYPES[m.dtype], BLOCK_SIZE=BLOCK, **COMPILE_OPTIONS)
     return write_outputs(targets, out)
 
 
