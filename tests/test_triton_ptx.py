@@ -9,6 +9,8 @@ combination the launcher uses, with the launcher's options, and checks the PTX:
   may fuse it into a multiply-add) and the only fused multiply-adds are the source's ``tl.fma``;
 - divisions and square roots are the correctly rounded ones (``div.rn``, ``sqrt.rn``), nothing
   flushes subnormals (``.ftz``), no approximate reciprocal or square root is used;
+- bfloat16 stores use the round-to-nearest-even conversion instruction (``cvt.rn.bf16x2.f32``,
+  ``cvt.rn.bf16.f32``);
 - every global load and store is 128 bits wide (for 16-byte aligned tensors, which torch's
   allocators give, and an element count that is a multiple of 16: Triton specializes on both at
   launch, and the launcher gives the last n % 16 elements a launch of their own), so the kernel
@@ -22,6 +24,8 @@ import collections
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -30,58 +34,21 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the kernel is an interpreted function under TRITON_INTERPRET=1", allow_module_level=True)
 
-import triton.language as tl  # noqa: E402
-
 from sofx.kernels import triton as tk  # noqa: E402
+from sofx.kernels._triton_aot import available, compile_kernel  # noqa: E402
 
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-    HAVE_NVIDIA_BACKEND = all(get_ptxas(arch) is not None for arch in (80, 90))
-except Exception:  # noqa: BLE001 - any missing piece means: cannot compile here
-    HAVE_NVIDIA_BACKEND = False
-
-pytestmark = pytest.mark.skipif(not HAVE_NVIDIA_BACKEND, reason="triton's NVIDIA backend (with ptxas) is not available")
+pytestmark = pytest.mark.skipif(not available(), reason="triton's NVIDIA backend (with ptxas) is not available")
 
 OPS = [(0, False), (1, False), (1, True), (2, False), (2, True)]  # (OP, HAS_P_OLD)
-EXPLICIT_FMAS = {0: 3, 1: 1, 2: 4}  # tl.fma calls per element in _adam_kernel for each OP
+# tl.fma per element in _adam_kernel: step 3 + 2 in _div_by (sqrt(v) / sqrt(bc2)); undo 1 + 2 per _div_by
+# (sqrt(v) / sqrt(bc2) and by 1 - lr*wd only without a snapshot, by beta1 and beta2 always)
+EXPLICIT_FMAS = {(0, False): 5, (1, False): 9, (1, True): 5, (2, False): 14, (2, True): 10}
 DTYPES = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")]
-TL = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 CASES = [(90, op, dt) for op in OPS for dt in DTYPES] + [(80, op, DTYPES[0]) for op in OPS]
 
 F32_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|div|sqrt|rcp|rsqrt|ex2|lg2)(?:\.[a-z0-9]+)*?\.f32)\s",
                     re.M)
 GLOBAL_MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global(?:\.[a-z0-9]+)*)\s", re.M)
-
-
-def _scalar_type(name: str) -> str:
-    """Triton's type for a runtime argument, from the launcher's NamedTuple field types."""
-    if name.endswith("_ptr"):
-        raise AssertionError(name)
-    if name == "n":
-        return "i32"
-    fields = (tk._UndoArgs if name.startswith("u_") else tk._StepArgs).__annotations__
-    return "i32" if fields[name[2:]] in (int, "int") else "fp32"
-
-
-def _compile(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str, options=tk.COMPILE_OPTIONS):
-    fn = tk._adam_kernel
-    names = fn.arg_names
-    storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt)
-    constexprs = dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=TL[pdt], ROUND_S=TL[sdt], BLOCK_SIZE=tk.BLOCK)
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*" + storage[name[:-4]]
-        else:
-            signature[name] = _scalar_type(name)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if name.endswith("_ptr") or name == "n"}  # as Triton specializes a launch of the head
-    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -101,7 +68,7 @@ def _own_cache(tmp_path_factory):
 @pytest.mark.parametrize("arch,op,dtypes", CASES,
                          ids=[f"sm{a}-op{o[0]}{'-pold' if o[1] else ''}-{d[0]}-{d[1]}" for a, o, d in CASES])
 def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes):
-    kernel = _compile(arch, op[0], op[1], *dtypes)
+    kernel = compile_kernel(arch, op[0], op[1], *dtypes)
     ptx = kernel.asm["ptx"]
     assert len(kernel.asm["cubin"]) > 0
 
@@ -114,9 +81,14 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes):
 
     per_thread = tk.BLOCK // (kernel.metadata.num_warps * 32)
     fmas = sum(c for name, c in ops.items() if name.startswith("fma"))
-    assert fmas == EXPLICIT_FMAS[op[0]] * per_thread, dict(ops)
-    assert ops["div.rn.f32"] > 0, dict(ops)
-    assert (ops["sqrt.rn.f32"] > 0) != (op == (1, True)), dict(ops)  # an undo from a snapshot needs no sqrt
+    assert fmas == EXPLICIT_FMAS[op] * per_thread, dict(ops)
+    # an undo from a snapshot needs no square root and divides only by constants (_div_by)
+    assert (ops["sqrt.rn.f32"] > 0) == (ops["div.rn.f32"] > 0) == (op != (1, True)), dict(ops)
+
+    conversions = set(re.findall(r"cvt(?:\.[a-z0-9]+)*\.bf16(?:x2)?\.f32", ptx))
+    # (an undo from a bf16 snapshot stores the snapshot's own values: the compiler drops that round trip)
+    expect_some = dtypes[1] == "bf16" or (dtypes[0] == "bf16" and op != (1, True))
+    assert conversions <= {"cvt.rn.bf16x2.f32", "cvt.rn.bf16.f32"} and bool(conversions) == expect_some, conversions
 
     mem = collections.Counter(GLOBAL_MEM.findall(ptx))
     assert mem and set(mem) <= {"ld.global.v4.b32", "st.global.v4.b32"}, dict(mem)
@@ -125,8 +97,22 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes):
 def test_fusion_is_what_the_check_would_catch():
     """With Triton's default (fusion on) the same kernel has extra multiply-adds: the check above bites."""
     assert dict(tk.COMPILE_OPTIONS) == {"enable_fp_fusion": False}
-    kernel = _compile(90, 2, False, "fp32", "fp32", options={**tk.COMPILE_OPTIONS, "enable_fp_fusion": True})
+    kernel = compile_kernel(90, 2, False, "fp32", "fp32", options={**tk.COMPILE_OPTIONS, "enable_fp_fusion": True})
     ops = collections.Counter(F32_OP.findall(kernel.asm["ptx"]))
     fmas = sum(c for name, c in ops.items() if name.startswith("fma"))
     per_thread = tk.BLOCK // (kernel.metadata.num_warps * 32)
-    assert fmas > EXPLICIT_FMAS[2] * per_thread and any(".rn" not in name for name in ops), dict(ops)
+    assert fmas > EXPLICIT_FMAS[(2, False)] * per_thread and any(".rn" not in name for name in ops), dict(ops)
+
+
+def test_sass_count_script_runs(tmp_path):
+    """benchmarks/triton_sass.py end to end: one row per operation and dtype combination."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "triton_sass.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2:5] in ("ste", "und")]
+    assert len(rows) == 9, proc.stdout
+    for row in rows:
+        per_elem, budget, share = (float(x) for x in row.strip("| ").split(" | ")[3:6])
+        assert 10 < per_elem < budget * 2 and abs(share - per_elem / budget) < 0.01, row

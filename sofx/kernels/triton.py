@@ -71,26 +71,47 @@ def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: 
 
 # ------------------------------------------------------------------ kernel
 @triton.jit
-def _to_storage(x, DT: tl.constexpr):
-    """float32 ``x`` rounded to the storage dtype ``DT``; bfloat16 by explicit round-to-nearest-even
-    (as torch; the interpreter's own cast truncates), a nan stays a nan."""
+def _to_storage(x, DT: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """float32 ``x`` rounded to the storage dtype ``DT`` (round to nearest even, a nan stays a nan).
+
+    bfloat16 on a GPU: the hardware conversion (``cvt.rn.bf16x2.f32``, two values per instruction,
+    what torch's own CUDA conversion uses: a nan becomes the canonical one). Under the interpreter,
+    whose cast truncates, ``SOFT_BF16``: the same rounding in integer arithmetic, a nan keeping its
+    sign and payload as torch's CPU conversion does (six integer operations per value: on a GPU that
+    would make the all-bf16 step compute bound, see benchmarks/triton_sass.py)."""
     if DT == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where(x != x, (u >> 16) | 0x40, r)
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if SOFT_BF16:
+            u = x.to(tl.uint32, bitcast=True)
+            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            r = tl.where(x != x, (u >> 16) | 0x40, r)
+            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
     else:
         return x.to(DT)
+
+
+@triton.jit
+def _div_by(x, b, rb):
+    """``x / b`` for a scalar ``b`` given ``rb = RN(1/b)``: the product, its remainder by one multiply-add,
+    one multiply-add correction (three operations where ``div_rn`` takes about ten). The bits of
+    ``div_rn(x, b)`` wherever ``|x| >= 2^-78`` (or x is 0, inf or nan), ``x / b`` is finite and ``b``, ``1/b``
+    are normal (the proof and its exhaustive check: ``div_by`` in sofx/kernels/_cpu_source.py,
+    tests/test_cpu_division.py); elsewhere within an ulp."""
+    q = x * rb
+    r = tl.fma(-q, b, x)
+    return tl.where((r < 0.0) | (r > 0.0), tl.fma(r, rb, q), q)
 
 
 @triton.jit
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, n,
                  # undo scalars (or the step's, for OP == 0)
                  u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
+                 u_rbc2, u_rpdiv, u_rb1, u_rb2,
                  # step scalars
-                 s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss,
+                 s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
                  OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
+                 SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
@@ -105,17 +126,17 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
         # inverse of the step taken with the u_* scalars
         g = g * u_gs
         if not HAS_P_OLD:
-            d = tl.div_rn(tl.sqrt_rn(v), u_bc2) + u_eps
-            p = tl.div_rn(p + tl.div_rn(u_ss * m, d), u_pdiv)  # u exactly as the step computed it
+            d = _div_by(tl.sqrt_rn(v), u_bc2, u_rbc2) + u_eps
+            p = _div_by(p + tl.div_rn(u_ss * m, d), u_pdiv, u_rpdiv)  # u exactly as the step computed it
         g = tl.where(u_l2 != 0, tl.fma(p, u_wd, g), g)
-        m = tl.div_rn(m - u_omb1 * g, u_b1)
-        x = tl.div_rn(v - u_omb2 * (g * g), u_b2)
+        m = _div_by(m - u_omb1 * g, u_b1, u_rb1)
+        x = _div_by(v - u_omb2 * (g * g), u_b2, u_rb2)
         v = tl.where(x < 0.0, 0.0, x)  # clamp at 0, nan stays nan
         if OP == 2:
             # the undone values as they would be stored, then the new gradient
-            p = _to_storage(p, ROUND_P).to(tl.float32)
-            m = _to_storage(m, ROUND_S).to(tl.float32)
-            v = _to_storage(v, ROUND_S).to(tl.float32)
+            p = _to_storage(p, ROUND_P, SOFT_BF16).to(tl.float32)
+            m = _to_storage(m, ROUND_S, SOFT_BF16).to(tl.float32)
+            v = _to_storage(v, ROUND_S, SOFT_BF16).to(tl.float32)
             g = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     if OP != 1:
         g = g * s_gs
@@ -123,11 +144,11 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
         g = tl.where(s_l2 != 0, tl.fma(p, s_wd, g), g)
         m = tl.fma(s_coef, g - m, tl.where(s_small != 0, m, g))
         v = tl.fma(s_c2 * g, g, v * s_b2)
-        d = tl.div_rn(tl.sqrt_rn(v), s_bc2) + s_eps
+        d = _div_by(tl.sqrt_rn(v), s_bc2, s_rbc2) + s_eps
         p = p + tl.div_rn(s_nss * m, d)
-    tl.store(po_ptr + offs, _to_storage(p, ROUND_P), mask=mask)
-    tl.store(mo_ptr + offs, _to_storage(m, ROUND_S), mask=mask)
-    tl.store(vo_ptr + offs, _to_storage(v, ROUND_S), mask=mask)
+    tl.store(po_ptr + offs, _to_storage(p, ROUND_P, SOFT_BF16), mask=mask)
+    tl.store(mo_ptr + offs, _to_storage(m, ROUND_S, SOFT_BF16), mask=mask)
+    tl.store(vo_ptr + offs, _to_storage(v, ROUND_S, SOFT_BF16), mask=mask)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -146,6 +167,10 @@ class _UndoArgs(NamedTuple):
     b1: float
     omb2: float
     b2: float
+    rbc2: float  # float32 reciprocals of bc2, pdiv, b1, b2 (for _div_by)
+    rpdiv: float
+    rb1: float
+    rb2: float
 
 
 class _StepArgs(NamedTuple):
@@ -160,10 +185,16 @@ class _StepArgs(NamedTuple):
     bc2: float
     eps: float
     nss: float
+    rbc2: float
 
 
 def _f32(x: float) -> float:
     return float(np.float32(x))
+
+
+def _recip(x: float) -> float:
+    """RN(1/b) in float32 for b = float32(x), the divisor the kernel sees."""
+    return _f32(1.0 / _f32(x))
 
 
 def _step_args(s: AdamScalars, variant: AdamVariant) -> _StepArgs:
@@ -175,16 +206,24 @@ def _step_args(s: AdamScalars, variant: AdamVariant) -> _StepArgs:
     return _StepArgs(gs=s.grad_scale if s.grad_scale != 1 else 1.0,
                      pmul=(1 - s.lr * s.weight_decay) if variant.decoupled and has_decay else 1.0,
                      wd=s.weight_decay, l2=int(not variant.decoupled and has_decay), small=int(small), coef=coef,
-                     b2=s.beta2, c2=1 - s.beta2, bc2=bc2_sqrt, eps=s.eps, nss=-step_size)
+                     b2=s.beta2, c2=1 - s.beta2, bc2=bc2_sqrt, eps=s.eps, nss=-step_size, rbc2=_recip(bc2_sqrt))
 
 
 def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
     step_size, bc2_sqrt = reference.bias_corrections(s, variant)
     has_decay = s.weight_decay != 0
-    return _UndoArgs(gs=s.grad_scale if s.grad_scale != 1 else 1.0,
-                     pdiv=(1 - s.lr * s.weight_decay) if variant.decoupled and has_decay else 1.0,
+    pdiv = (1 - s.lr * s.weight_decay) if variant.decoupled and has_decay else 1.0
+    return _UndoArgs(gs=s.grad_scale if s.grad_scale != 1 else 1.0, pdiv=pdiv,
                      wd=s.weight_decay, l2=int(not variant.decoupled and has_decay), bc2=bc2_sqrt, eps=s.eps,
-                     ss=step_size, omb1=1 - s.beta1, b1=s.beta1, omb2=1 - s.beta2, b2=s.beta2)
+                     ss=step_size, omb1=1 - s.beta1, b1=s.beta1, omb2=1 - s.beta2, b2=s.beta2,
+                     rbc2=_recip(bc2_sqrt), rpdiv=_recip(pdiv), rb1=_recip(s.beta1), rb2=_recip(s.beta2))
+
+
+# placeholders for the unused half of a launch (step: no undo scalars; undo: no step scalars)
+_NO_UNDO = _UndoArgs(gs=1.0, pdiv=1.0, wd=0.0, l2=0, bc2=1.0, eps=1.0, ss=0.0, omb1=0.0, b1=1.0, omb2=0.0, b2=1.0,
+                     rbc2=1.0, rpdiv=1.0, rb1=1.0, rb2=1.0)
+_NO_STEP = _StepArgs(gs=1.0, pmul=1.0, wd=0.0, l2=0, small=1, coef=0.0, b2=1.0, c2=0.0, bc2=1.0, eps=1.0, nss=0.0,
+                     rbc2=1.0)
 
 
 # ------------------------------------------------------------------ checks and launch
@@ -219,8 +258,8 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
         fp, fg, fm, fv = _flat(p), _flat(g), _flat(m), _flat(v)
         fg2 = _flat(g2) if g2 is not None else fg
         fpo = _flat(p_old) if p_old is not None else fp
-        u = u or _UndoArgs(1.0, 1.0, 0.0, 0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0)
-        st = st or _StepArgs(1.0, 1.0, 0.0, 0, 1, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0)
+        u = u or _NO_UNDO
+        st = st or _NO_STEP
         arrays = (fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets))
         # Triton loads and stores 128 bits at a time only where the mask is provably constant over
         # each group of elements, i.e. where n is a multiple of 16 (it specializes on that at launch):
@@ -231,7 +270,8 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
             if count:
                 _adam_kernel[(triton.cdiv(count, BLOCK),)](
                     *(a[start:] for a in arrays), count, *u, *st, OP=op, HAS_P_OLD=p_old is not None,
-                    ROUND_P=_TL_DTYPES[p.dtype], ROUND_S=_TL_DTYPES[m.dtype], BLOCK_SIZE=BLOCK, **COMPILE_OPTIONS)
+                    ROUND_P=_TL_DTYPES[p.dtype], ROUND_S=_TL_DTYPES[m.dtype], SOFT_BF16=_interpreting(),
+                    BLOCK_SIZE=BLOCK, **COMPILE_OPTIONS)
     return write_outputs(targets, out)
 
 

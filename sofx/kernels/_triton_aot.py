@@ -1,0 +1,79 @@
+"""The Triton Adam kernel compiled ahead of time for an NVIDIA GPU, on any machine (no GPU needed).
+
+Triton's NVIDIA backend lowers to PTX with its own LLVM and assembles with the ``ptxas`` it ships;
+its ``cuobjdump`` disassembles the result. ``tests/test_triton_ptx.py`` checks the PTX of every
+operation and dtype combination; ``benchmarks/triton_sass.py`` counts the machine instructions.
+The kernel is specialized as for a launch on 16-byte aligned tensors with an element count that
+is a multiple of 16 (what :func:`sofx.kernels.triton._launch` arranges for all but the last n % 16
+elements).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Any, Mapping
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sofx.kernels import triton as tk
+
+__all__ = ["available", "compile_kernel", "sass"]
+
+TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+
+
+def available() -> bool:
+    """Whether this triton can compile for sm_80 and sm_90 here (its NVIDIA backend and ptxas)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return all(get_ptxas(arch) is not None for arch in (80, 90))
+    except Exception:  # noqa: BLE001 - any missing piece means: cannot compile here
+        return False
+
+
+def _scalar_type(name: str) -> str:
+    """Triton's type for a runtime argument of the kernel (from the launcher's NamedTuple fields)."""
+    if name == "n":
+        return "i32"
+    fields = (tk._UndoArgs if name.startswith("u_") else tk._StepArgs).__annotations__
+    return "i32" if fields[name[2:]] in (int, "int") else "fp32"
+
+
+def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
+                   options: Mapping[str, Any] = tk.COMPILE_OPTIONS):
+    """``_adam_kernel`` for ``sm_<arch>``: ``op`` 0 step, 1 undo, 2 undo+redo; dtypes "fp32"/"bf16"/"fp16"."""
+    fn = tk._adam_kernel
+    names = fn.arg_names
+    storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt)
+    constexprs = dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=TL_DTYPES[pdt], ROUND_S=TL_DTYPES[sdt], SOFT_BF16=False,
+                      BLOCK_SIZE=tk.BLOCK)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + storage[name[:-4]]
+        else:
+            signature[name] = _scalar_type(name)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr") or name == "n"}
+    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+
+
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of a cubin, by the cuobjdump that ships with triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTR.match, text.splitlines()) if m]
