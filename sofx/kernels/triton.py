@@ -9,8 +9,10 @@ computes in float32 and stores rounded to the dtypes of ``p, m, v``; the
 outputs may be the inputs' own storage (donation).
 
 The math is :mod:`sofx.kernels.reference`'s, operation by operation, with
-correctly rounded division and square root (``div_rn``, ``sqrt_rn``) and the
-same fused multiply-adds as torch's CPU kernels (see
+correctly rounded square roots and divisions (``sqrt_rn``, ``div_rn``; a
+division by a step constant, sqrt(bc2), 1 - lr*wd, beta1 or beta2, is
+``_div_by``: a true division's bits but for tiny or huge operands, where it is
+within an ulp) and the same fused multiply-adds as torch's CPU kernels (see
 :mod:`sofx.kernels._cpu_source`) and no others (``COMPILE_OPTIONS``)::
 
     step:  L2: g = fma(p, wd, g)          decoupled: p = p * (1 - lr*wd)
