@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 from sofx.kernels import triton as tk  # noqa: E402
-from sofx.kernels._triton_aot import available, compile_kernel, sass  # noqa: E402
+from sofx.kernels._triton_aot import available, compile_kernel, resource_usage, sass  # noqa: E402
 
 OPS = {"step": (0, False), "undo": (1, False), "undo+redo": (2, False)}
 DTYPES = {"fp32": ("fp32", "fp32"), "bf16 p + fp32 states": ("bf16", "fp32"), "all-bf16": ("bf16", "bf16")}
@@ -70,8 +70,8 @@ def main() -> None:
 
     print(f"Triton {triton.__version__}, sm_{args.arch}, BLOCK {tk.BLOCK}; budget: {args.sms} SMs x 4 x "
           f"{args.clock_ghz} GHz x 32 lanes over {args.hbm_tbps} TB/s\n")
-    print("| operation | dtypes | bytes/elem | instr/elem (common path) | budget at bandwidth | share |")
-    print("|---|---|---|---|---|---|")
+    print("| operation | dtypes | bytes/elem | instr/elem (common path) | budget at bandwidth | share | registers |")
+    print("|---|---|---|---|---|---|---|")
     for op_name, (op, has_p_old) in OPS.items():
         for dt_name, (pdt, sdt) in DTYPES.items():
             kernel = compile_kernel(args.arch, op, has_p_old, pdt, sdt)
@@ -80,7 +80,9 @@ def main() -> None:
             per_elem = len(path) / per_thread
             nbytes = 2 * SIZE[pdt] + SIZE[pdt] + 4 * SIZE[sdt] + (SIZE[pdt] if op == 2 else 0)
             budget = issue * nbytes / (args.hbm_tbps * 1e12)
-            print(f"| {op_name} | {dt_name} | {nbytes} | {per_elem:.0f} | {budget:.0f} | {per_elem / budget:.2f} |")
+            regs = resource_usage(kernel.asm["cubin"])["REG"]
+            print(f"| {op_name} | {dt_name} | {nbytes} | {per_elem:.0f} | {budget:.0f} | {per_elem / budget:.2f} "
+                  f"| {regs} |")
 
 
 if __name__ == "__main__":

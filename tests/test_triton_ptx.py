@@ -15,7 +15,7 @@ combination the launcher uses, with the launcher's options, and checks the PTX:
   allocators give, and an element count that is a multiple of 16: Triton specializes on both at
   launch, and the launcher gives the last n % 16 elements a launch of their own), so the kernel
   can reach the bandwidth;
-- ptxas accepts it (a cubin comes out).
+- ptxas accepts it (a cubin comes out) and nothing spills to local memory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("the kernel is an interpreted function under TRITON_INTERPRET=1", allow_module_level=True)
 
 from sofx.kernels import triton as tk  # noqa: E402
-from sofx.kernels._triton_aot import available, compile_kernel  # noqa: E402
+from sofx.kernels._triton_aot import available, compile_kernel, resource_usage  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton's NVIDIA backend (with ptxas) is not available")
 
@@ -71,6 +71,8 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes):
     kernel = compile_kernel(arch, op[0], op[1], *dtypes)
     ptx = kernel.asm["ptx"]
     assert len(kernel.asm["cubin"]) > 0
+    usage = resource_usage(kernel.asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 128, usage  # no spills
 
     ops = collections.Counter(F32_OP.findall(ptx))
     assert ops, "no float32 arithmetic found: the PTX format changed?"

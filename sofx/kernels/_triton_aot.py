@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 from sofx.kernels import triton as tk
 
-__all__ = ["available", "compile_kernel", "sass"]
+__all__ = ["available", "compile_kernel", "resource_usage", "sass"]
 
 TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 
@@ -66,14 +66,23 @@ def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
 
 
+def _cuobjdump(flag: str, cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and bytes of stack, local (spilled) and shared memory: {"REG": .., "LOCAL": ..}."""
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", _cuobjdump("-res-usage", cubin))}
+
+
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 def sass(cubin: bytes) -> list[tuple[int, str]]:
     """(address, instruction) of a cubin, by the cuobjdump that ships with triton."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    text = _cuobjdump("-sass", cubin)
     return [(int(m.group(1), 16), m.group(2)) for m in map(_INSTR.match, text.splitlines()) if m]
