@@ -61,12 +61,27 @@ def gpt2_small_shapes(vocab: int = 50257, d: int = 768, layers: int = 12, ctx: i
     return shapes + [(d,), (d,)]
 
 
-def make(shapes: list[tuple], pdt: torch.dtype, sdt: torch.dtype, gen: torch.Generator):
-    ps = [torch.randn(s, generator=gen).to(pdt) for s in shapes]
-    gs = [torch.randn(s, generator=gen).to(pdt) for s in shapes]
-    g2s = [torch.randn(s, generator=gen).to(pdt) for s in shapes]
-    ms = [(0.1 * torch.randn(s, generator=gen)).to(sdt) for s in shapes]
-    vs = [(0.01 * torch.rand(s, generator=gen) + 1e-4).to(sdt) for s in shapes]
+def placed(t: torch.Tensor, offset_bytes: int | None) -> torch.Tensor:
+    """A copy of ``t`` starting ``offset_bytes`` past a 4 KiB boundary (None: ``t`` itself, as torch allocated it)."""
+    if offset_bytes is None:
+        return t
+    es = t.element_size()
+    buf = torch.empty(t.numel() + (offset_bytes + 4096) // es, dtype=t.dtype)
+    skip = (-(buf.data_ptr() % 4096) + offset_bytes) % 4096 // es
+    out = buf[skip:skip + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def make(shapes: list[tuple], pdt: torch.dtype, sdt: torch.dtype, gen: torch.Generator, stagger: int = 0):
+    """p, g, g2, m, v per shape; ``stagger`` > 0: the five arrays of a shape start k * stagger bytes
+    (k = 0..4, modulo 4 KiB) past a page boundary instead of all at the offset torch's allocator gives."""
+    at = [k * stagger % 4096 if stagger else None for k in range(5)]
+    ps = [placed(torch.randn(s, generator=gen).to(pdt), at[0]) for s in shapes]
+    gs = [placed(torch.randn(s, generator=gen).to(pdt), at[1]) for s in shapes]
+    g2s = [placed(torch.randn(s, generator=gen).to(pdt), at[2]) for s in shapes]
+    ms = [placed((0.1 * torch.randn(s, generator=gen)).to(sdt), at[3]) for s in shapes]
+    vs = [placed((0.01 * torch.rand(s, generator=gen) + 1e-4).to(sdt), at[4]) for s in shapes]
     return ps, gs, g2s, ms, vs
 
 
@@ -134,10 +149,10 @@ def deepspeed_ops(ps, gs, ms, vs) -> tuple[dict[str, Callable[[], None]], str]:
 
 
 def run_case(title: str, shapes, pdt, sdt, bw: PairedBandwidth, reps: int, gen, with_torch: bool,
-             with_deepspeed: bool = True) -> tuple[list[str], dict[str, dict[str, float]]]:
+             with_deepspeed: bool = True, stagger: int = 0) -> tuple[list[str], dict[str, dict[str, float]]]:
     """The table of one tensor set and storage configuration, and per operation its numbers
     (``xBW``, ``xfused``, and ``per_step`` for the undo+redo rows)."""
-    ps, gs, g2s, ms, vs = make(shapes, pdt, sdt, gen)
+    ps, gs, g2s, ms, vs = make(shapes, pdt, sdt, gen, stagger)
     n = sum(p.numel() for p in ps)
     pb, sb = torch.finfo(pdt).bits // 8, torch.finfo(sdt).bits // 8
     step_bytes = n * (2 * pb + pb + 4 * sb)  # read p, g, m, v; write p, m, v
@@ -221,6 +236,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-gpt2", action="store_true", help="only the flat tensor")
     ap.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's CPUAdam out")
+    ap.add_argument("--stagger", type=int, default=0, metavar="BYTES",
+                    help="start p, g, g2, m, v at 0, 1, 2, 3, 4 x BYTES past a page boundary (default 0: every array "
+                         "at the same page offset, as torch allocates them)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reps = args.reps or (3 if args.quick else 7)
@@ -241,7 +259,7 @@ def main() -> None:
     flat_numbers: dict[str, dict[str, dict[str, float]]] = {}
     for title, shapes, pdt, sdt in cases:
         lines, numbers = run_case(title, shapes, pdt, sdt, bw, reps, gen, with_torch=True,
-                                  with_deepspeed=not args.no_deepspeed)
+                                  with_deepspeed=not args.no_deepspeed, stagger=args.stagger)
         for line in lines:
             print(line, flush=True)
         if title == "flat":

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "kernels.py")
 
@@ -46,3 +48,16 @@ def test_targets_table_judges_bounds_in_both_directions():
     assert rows["step >= 0.97x torch fused"].endswith("| not met: 0.96 | met: 1.00 |")
     assert rows["fused undo+redo <= 1.25x step, a new gradient"].endswith("| not met: 1.26 | met: 1.25 |")
     assert rows["all-bf16 step >= 0.9 xBW"].endswith("| - | - |")  # not measured
+
+
+def test_stagger_places_the_arrays_at_distinct_page_offsets():
+    mod = _module()
+    gen = torch.Generator().manual_seed(0)
+    for stagger, dtype in ((0, torch.float32), (1088, torch.float32), (1088, torch.bfloat16)):
+        ps, gs, g2s, ms, vs = mod.make([(3000,), (5, 7)], dtype, torch.float32, gen, stagger)
+        for k, arrays in enumerate((ps, gs, g2s, ms, vs)):
+            for t in arrays:
+                assert t.is_contiguous()
+                if stagger:
+                    assert t.data_ptr() % 4096 == k * stagger % 4096
+        assert torch.all(vs[0] > 0) and ps[1].shape == (5, 7)
