@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from sofx.errors import LeafError, UnsupportedError
+from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS, LocalArena
 from sofx.offload.arrivals import ArrivalTracker
-from sofx.offload.blocks import BlockLayout, allocate_block_tensors, check_params, plan_blocks
+from sofx.offload.blocks import BlockLayout, allocate_block_tensors, block_nbytes, check_params, plan_blocks
 from sofx.offload.shared_memory import SharedMemoryArena, SharedTensorSpec, open_shared_tensor, shm_budget
 
 
@@ -82,3 +83,29 @@ def test_shared_memory_arena_maps_the_same_bytes_and_cleans_up(tmp_path) -> None
     assert torch.equal(t.master, torch.arange(8.0)), "mappings stay valid after the files are removed"
     assert shm_budget(str(tmp_path), limit_bytes=10) == 10
     assert shm_budget(str(tmp_path / "missing")) == 0
+
+
+def test_cpu_arenas_colour_the_page_offsets_of_large_tensors(tmp_path) -> None:
+    """A block's four large tensors start at four distinct page offsets (small ones are not padded);
+    the shared ones map to the same bytes in another mapping, and the budget covers the padding."""
+    big = MIN_COLOURED_BYTES // 4 + 3  # float32 elements: just over the threshold
+    layout = plan_blocks([_params(big)], block_numel=big)[0]
+    shared = SharedMemoryArena(str(tmp_path))
+    for allocate in (LocalArena("cpu").allocate, shared.allocate):
+        t = allocate_block_tensors(layout, allocate, torch.float32)
+        large = (t.master, t.exp_avg, t.exp_avg_sq, t.grad)
+        skips = [x.storage_offset() * x.element_size() for x in large]
+        assert sorted(skips) == [k * COLOUR_BYTES for k in range(PAGE_COLOURS)]
+        assert t.counts.storage_offset() == 0
+        for x in large:
+            assert x.is_contiguous() and x.numel() == big and x.abs().sum() == 0
+            assert x.untyped_storage().nbytes() <= (big * 4 + (PAGE_COLOURS - 1) * COLOUR_BYTES)
+        if allocate == shared.allocate:
+            assert len({x.data_ptr() % 4096 for x in large}) == PAGE_COLOURS  # mmap'd files start on a page
+            t.exp_avg.copy_(torch.arange(float(big)))
+            spec = SharedTensorSpec.from_json(shared.specs[layout.tensor_name("exp_avg")].to_json())
+            assert spec.offset * 4 == skips[1]
+            assert torch.equal(open_shared_tensor(spec), torch.arange(float(big)))
+            used = sum(os.path.getsize(os.path.join(tmp_path, f)) for f in os.listdir(tmp_path))
+            assert used <= block_nbytes(layout, torch.float32)
+    shared.close()

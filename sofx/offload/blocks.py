@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from sofx.errors import LeafError, UnsupportedError
+from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS
 
 __all__ = ["BlockLayout", "BlockTensors", "plan_blocks", "allocate_block_tensors", "TENSOR_NAMES"]
 
@@ -179,7 +180,9 @@ def allocate_block_tensors(layout: BlockLayout, allocate: Allocator, state_dtype
 
 
 def block_nbytes(layout: BlockLayout, state_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes :func:`allocate_block_tensors` needs for ``layout``."""
+    """Bytes :func:`allocate_block_tensors` needs for ``layout`` (at most: with page colouring's padding)."""
     m = torch.empty((), dtype=master_dtype).element_size()
     s = torch.empty((), dtype=state_dtype).element_size()
-    return layout.numel * (2 * m + 2 * s) + 8 * len(layout.numels)
+    padding = sum((PAGE_COLOURS - 1) * COLOUR_BYTES  # the most a coloured (large) tensor is padded by
+                  for size in (m, m, s, s) if layout.numel * size >= MIN_COLOURED_BYTES)
+    return layout.numel * (2 * m + 2 * s) + 8 * len(layout.numels) + padding

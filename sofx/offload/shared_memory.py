@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sofx.offload.arena import colour_offset
+
 __all__ = ["SharedMemoryArena", "SharedTensorSpec", "shm_budget", "open_shared_tensor", "remove_files",
            "DEFAULT_SHM_DIR"]
 
@@ -42,18 +44,20 @@ def shm_budget(shm_dir: str = DEFAULT_SHM_DIR, limit_bytes: int | None = None) -
 
 @dataclass(frozen=True)
 class SharedTensorSpec:
-    """How a worker finds a shared tensor: file path, number of elements, dtype name."""
+    """How a worker finds a shared tensor: file path, number of elements, dtype name, and where in
+    the file it starts (elements; page colouring, see :mod:`sofx.offload.arena`)."""
 
     path: str
     numel: int
     dtype: str
+    offset: int = 0
 
     def to_json(self) -> dict:
-        return {"path": self.path, "numel": self.numel, "dtype": self.dtype}
+        return {"path": self.path, "numel": self.numel, "dtype": self.dtype, "offset": self.offset}
 
     @staticmethod
     def from_json(d: dict) -> "SharedTensorSpec":
-        return SharedTensorSpec(d["path"], d["numel"], d["dtype"])
+        return SharedTensorSpec(d["path"], d["numel"], d["dtype"], d.get("offset", 0))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -68,7 +72,7 @@ def open_shared_tensor(spec: SharedTensorSpec) -> torch.Tensor:
     dtype = _dtype(spec.dtype)
     if spec.numel == 0:
         return torch.zeros(0, dtype=dtype)
-    return torch.from_file(spec.path, shared=True, size=spec.numel, dtype=dtype)
+    return torch.from_file(spec.path, shared=True, size=spec.offset + spec.numel, dtype=dtype)[spec.offset:]
 
 
 def remove_files(paths: list[str]) -> None:
@@ -81,7 +85,8 @@ def remove_files(paths: list[str]) -> None:
 
 
 class SharedMemoryArena:
-    """Zeroed tensors backed by files ``{shm_dir}/sofx-{pid}-{uuid}-{name}``.
+    """Zeroed tensors backed by files ``{shm_dir}/sofx-{pid}-{uuid}-{name}`` (page-coloured: large ones
+    start ``colour_offset`` elements into their file).
 
     The files are removed by :meth:`close`, when the arena is garbage collected, or at interpreter
     exit, whichever comes first (mappings that are still open stay valid until released).
@@ -101,8 +106,10 @@ class SharedMemoryArena:
         if name in self.specs:
             raise ValueError(f"shared tensor {name!r} exists already")
         path = os.path.join(self.shm_dir, self.prefix + name)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        spec = SharedTensorSpec(path, numel, str(dtype).replace("torch.", ""))
+        element_size = torch.empty((), dtype=dtype).element_size()
+        offset = colour_offset(len(self.specs), numel, element_size)
+        nbytes = (offset + numel) * element_size
+        spec = SharedTensorSpec(path, numel, str(dtype).replace("torch.", ""), offset)
         if numel > 0:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:

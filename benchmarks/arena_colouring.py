@@ -1,0 +1,86 @@
+"""The offload engine's page colouring, A/B: a block's four arrays from ``LocalArena`` (coloured: four
+distinct page offsets) or plain ``torch.zeros`` (all at one page offset), both CPU backends.
+
+    python benchmarks/arena_colouring.py            # 2^26 float32 elements, 2 threads, 7 repetitions
+
+Prints, per placement and backend, the median step and the median fused undo+redo with the same
+gradient and a new multiplier (what a late clip runs in the engine); the placements alternate twice,
+so that the machine's bandwidth drift shows as a difference between the two rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sofx.kernels import cpu, cpu_fast  # noqa: E402
+from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
+from sofx.offload.arena import LocalArena  # noqa: E402
+
+VARIANT = AdamVariant(decoupled=True, bias_correction=True)
+S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
+S_CLIP = S1._replace(grad_scale=0.5)
+
+
+def block_arrays(n: int, coloured: bool) -> list[torch.Tensor]:
+    """p, g, m, v with fresh random values."""
+    if coloured:
+        arena = LocalArena("cpu")
+        arrays = [arena.allocate(name, n, torch.float32) for name in ("p", "g", "m", "v")]
+    else:
+        arrays = [torch.zeros(n) for _ in range(4)]
+    gen = torch.Generator().manual_seed(0)
+    p, g, m, v = arrays
+    p.copy_(torch.randn(n, generator=gen))
+    g.copy_(torch.randn(n, generator=gen))
+    m.copy_(0.1 * torch.randn(n, generator=gen))
+    v.copy_(0.01 * torch.rand(n, generator=gen) + 1e-4)
+    return arrays
+
+
+def time_backend(backend, arrays: list[torch.Tensor], reps: int) -> tuple[float, float]:
+    """Median seconds of a step and of a clip's undo+redo (each on a state a real step produced)."""
+    p, g, m, v = arrays
+    backend.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
+    steps, clips = [], []
+    for _ in range(reps):
+        backend.undo(p, g, m, v, S1, VARIANT, out=(p, m, v))
+        t = time.perf_counter()
+        backend.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
+        steps.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        backend.undo_redo(p, m, v, g, S1, g, S_CLIP, VARIANT, out=(p, m, v))
+        clips.append(time.perf_counter() - t)
+        backend.undo_redo(p, m, v, g, S_CLIP, g, S1, VARIANT, out=(p, m, v))  # back to the S1 step
+    return statistics.median(steps), statistics.median(clips)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--log2-numel", type=int, default=26)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print("| round | placement | backend | step ms | clip undo+redo ms | undo+redo / step |")
+    print("|---|---|---|---:|---:|---:|")
+    for rnd in (1, 2):
+        for coloured in (False, True):
+            arrays = block_arrays(1 << args.log2_numel, coloured)
+            for backend in (cpu, cpu_fast):
+                step, clip = time_backend(backend, arrays, args.reps)
+                placement = "coloured (LocalArena)" if coloured else "one page offset"
+                print(f"| {rnd} | {placement} | {backend.NAME} | {step * 1e3:.1f} | {clip * 1e3:.1f} | "
+                      f"{clip / step:.2f} |", flush=True)
+            del arrays
+
+
+if __name__ == "__main__":
+    main()
