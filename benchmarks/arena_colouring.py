@@ -4,8 +4,8 @@ distinct page offsets) or plain ``torch.zeros`` (all at one page offset), both C
     python benchmarks/arena_colouring.py            # 2^26 float32 elements, 2 threads, 7 repetitions
 
 Prints, per placement and backend, the median step and the median fused undo+redo with the same
-gradient and a new multiplier (what a late clip runs in the engine); the placements alternate twice,
-so that the machine's bandwidth drift shows as a difference between the two rounds.
+gradient and a new multiplier (what a late clip runs in the engine). Both placements stay in memory
+and alternate (in both orders) round by round, so that the machine's bandwidth drift hits them alike.
 """
 
 from __future__ import annotations
@@ -66,20 +66,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--log2-numel", type=int, default=26)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print("| round | placement | backend | step ms | clip undo+redo ms | undo+redo / step |")
-    print("|---|---|---|---:|---:|---:|")
-    for rnd in (1, 2):
-        for coloured in (False, True):
-            arrays = block_arrays(1 << args.log2_numel, coloured)
-            for backend in (cpu, cpu_fast):
-                step, clip = time_backend(backend, arrays, args.reps)
-                placement = "coloured (LocalArena)" if coloured else "one page offset"
-                print(f"| {rnd} | {placement} | {backend.NAME} | {step * 1e3:.1f} | {clip * 1e3:.1f} | "
-                      f"{clip / step:.2f} |", flush=True)
-            del arrays
+    placements = {"one page offset": block_arrays(1 << args.log2_numel, False),
+                  "coloured (LocalArena)": block_arrays(1 << args.log2_numel, True)}
+    print("| placement | backend | step ms | clip undo+redo ms | undo+redo / step |")
+    print("|---|---|---:|---:|---:|")
+    for backend in (cpu, cpu_fast):
+        times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in placements}
+        for rnd in range(args.rounds):
+            for name in (list(placements) if rnd % 2 == 0 else list(reversed(placements))):
+                step, clip = time_backend(backend, placements[name], 3)
+                times[name][0].append(step)
+                times[name][1].append(clip)
+        for name, (steps, clips) in times.items():
+            step, clip = statistics.median(steps), statistics.median(clips)
+            print(f"| {name} | {backend.NAME} | {step * 1e3:.1f} | {clip * 1e3:.1f} | {clip / step:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
