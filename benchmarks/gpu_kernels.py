@@ -114,7 +114,24 @@ def make_timer(dev: torch.device) -> Callable[[Callable[[], object]], float]:
     return timed
 
 
-def speed(tk, sizes: list[int], reps: int, dev: torch.device, out: list[str]) -> None:
+class Report:
+    """The lines so far; ``flush`` prints the new ones and rewrites ``$OUT/gpu_kernels.md`` (when ``OUT``
+    is set), so that a run stopped by a time limit still leaves every table it finished."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        self._printed = 0
+
+    def flush(self) -> None:
+        print("\n".join(self.lines[self._printed:]), flush=True)
+        self._printed = len(self.lines)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "gpu_kernels.md"), "w", encoding="utf-8") as f:
+                f.write("\n".join(self.lines) + "\n")
+
+
+def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) -> None:
+    out = report.lines
     timed = make_timer(dev)
     copy_n = 2**28 if dev.type == "cuda" else 2**16  # 1 GiB on the GPU
     src = torch.empty(copy_n, device=dev)
@@ -172,6 +189,7 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, out: list[str]) ->
                        f"{rows['sofx triton undo+redo (fused, new gradient)'][0] / step_t:.2f}, clip "
                        f"{rows['sofx triton undo+redo (fused, clip: same gradient)'][0] / step_t:.2f}; "
                        f"copy bandwidth {copy_bw() / 1e9:.0f} GB/s")
+            report.flush()
             del p, g, g2, m, v
 
 
@@ -198,14 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (Triton interpreter, smoke run)"
     out = [f"# sofx Triton kernels on {name}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
            f"torch {torch.__version__}; command: {' '.join(sys.argv)}"]
+    report = Report(out)
     ok = check(tk, check_n, dev, out)
-    print("\n".join(out), flush=True)
-    start = len(out)
-    speed(tk, sizes, reps, dev, out)
-    print("\n".join(out[start:]))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_kernels.md"), "w", encoding="utf-8") as f:
-            f.write("\n".join(out) + "\n")
+    report.flush()
+    speed(tk, sizes, reps, dev, report)
     return 0 if ok else 1
 
 

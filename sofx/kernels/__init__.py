@@ -23,7 +23,10 @@ from types import ModuleType
 import torch
 
 from sofx.errors import UnsupportedError
+from sofx.kernels._torch_sqrt import initialize_vml
 from sofx.kernels.base import AdamScalars, AdamVariant
+
+initialize_vml()  # MKL's first vector-math call must not be a multi-threaded one (see _torch_sqrt)
 
 __all__ = ["AdamScalars", "AdamVariant", "select_backend", "available_backends", "load_backend"]
 

@@ -11,6 +11,16 @@ bit, else IEEE ``sqrtf`` (a correctly rounded result, within an ulp of torch).
 
 The routine is an element-wise function: its result for a value does not
 depend on the array length or position, which the check also covers.
+
+:func:`initialize_vml` works around an initialization race in torch's MKL
+(seen with torch 2.13.0): when a process's first vector-math call is long
+enough for MKL to split it over its threads, the part computed by the other
+thread comes back at low accuracy in about half of fresh processes (relative
+error 3e-4 for ``torch.sqrt`` of 5000 float32 values, where high accuracy is
+1e-7); later calls are right. One call on a single value first avoids it
+(``tests/test_torch_sqrt_first_call.py``), so importing :mod:`sofx.kernels`
+makes that call: the reference kernels, and torch's own optimizers in the same
+process, then get MKL's accurate results from the first step on.
 """
 
 from __future__ import annotations
@@ -20,10 +30,15 @@ import os
 
 import torch
 
-__all__ = ["VML_MODE", "torch_sqrt_routine", "torch_sqrt_is_ieee"]
+__all__ = ["VML_MODE", "initialize_vml", "torch_sqrt_routine", "torch_sqrt_is_ieee"]
 
 # VML_HA | VML_ERRMODE_IGNORE | VML_FTZDAZ_OFF: the mode ATen's vml.h passes.
 VML_MODE = 0x2 | 0x100 | 0x140000
+
+
+def initialize_vml() -> None:
+    """Make MKL's first vector-math call of this process a single-threaded one (see the module doc)."""
+    torch.sqrt(torch.ones(1))
 
 
 def _samples() -> torch.Tensor:
