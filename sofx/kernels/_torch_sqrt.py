@@ -12,15 +12,17 @@ bit, else IEEE ``sqrtf`` (a correctly rounded result, within an ulp of torch).
 The routine is an element-wise function: its result for a value does not
 depend on the array length or position, which the check also covers.
 
-:func:`initialize_vml` works around an initialization race in torch's MKL
-(seen with torch 2.13.0): when a process's first vector-math call is long
-enough for MKL to split it over its threads, the part computed by the other
-thread comes back at low accuracy in about half of fresh processes (relative
-error 3e-4 for ``torch.sqrt`` of 5000 float32 values, where high accuracy is
-1e-7); later calls are right. One call on a single value first avoids it
+:func:`initialize_vml` works around a race in torch's MKL (pytorch/pytorch
+issue 188792, oneMKL 2024.2 as bundled with torch 2.13.0): MKL picks each
+vector-math function's kernel on that function's first call, and when that first
+call is long enough to be split over the intra-op threads, one thread can run a
+low-accuracy kernel for its part (here: relative error 3e-4 for ``torch.sqrt``
+of 5000 float32 values, where high accuracy is 1e-7, in about half of fresh
+processes); later calls are right. One call on a single value first avoids it
 (``tests/test_torch_sqrt_first_call.py``), so importing :mod:`sofx.kernels`
-makes that call: the reference kernels, and torch's own optimizers in the same
-process, then get MKL's accurate results from the first step on.
+makes that call for float32 and float64 square roots: the reference kernels, and
+torch's own optimizers in the same process, then get MKL's accurate results
+from the first step on.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ VML_MODE = 0x2 | 0x100 | 0x140000
 
 
 def initialize_vml() -> None:
-    """Make MKL's first vector-math call of this process a single-threaded one (see the module doc)."""
-    torch.sqrt(torch.ones(1))
+    """Make the first square root MKL computes in this process a single-threaded one (see the module doc)."""
+    for dtype in (torch.float32, torch.float64):
+        torch.sqrt(torch.ones(1, dtype=dtype))
 
 
 def _samples() -> torch.Tensor:
