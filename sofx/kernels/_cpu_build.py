@@ -26,6 +26,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from sofx.kernels._cpu_source import SOURCE
 from sofx.kernels._torch_sqrt import torch_sqrt_is_ieee, torch_sqrt_routine
 
@@ -51,7 +53,9 @@ class NativeLib:
     """The loaded library: ``adam`` is the C entry point ``sofx_adam``, ``has_f16`` whether float16 works.
 
     ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`);
-    ``bitwise_torch``: whether the exact mode then reproduces ``torch.sqrt`` bit for bit.
+    ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
+    in the source: checked here against ``torch.sqrt``); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
+    the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit.
     """
 
     path: str
@@ -60,6 +64,8 @@ class NativeLib:
     sqrt_fn: int
     sqrt_mode: int
     sqrt_local: int
+    sqrt_replica: bool
+    sqrt: ctypes._CFuncPtr
     bitwise_torch: bool
 
 
@@ -136,12 +142,29 @@ def _open(path: str) -> NativeLib:
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int64,
                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_double),
                    ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p]
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     has_f16 = lib.sofx_has_f16
     has_f16.restype = ctypes.c_int
+    sqrt = lib.sofx_sqrt
+    sqrt.restype = None
+    sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    has_replica = lib.sofx_has_sqrt_replica
+    has_replica.restype = ctypes.c_int
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
+    replica = bool(sqrt_fn) and bool(has_replica()) and _replica_matches(sqrt)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
-    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bitwise)
+    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, replica, sqrt, bitwise)
+
+
+def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:
+    """Whether the inline replica of MKL's square root gives ``torch.sqrt``'s bits, on every 7th float of
+    [1, 4) (2.4M values: every significand pattern class, both exponent parities; the replica scales
+    exactly by powers of 4, so a different algorithm shows here) and on the specials. A few ms."""
+    x = torch.arange(0x3F800000, 0x40800000, 7, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -1.0, float("nan"), 2.0**-95, 3.4e38])])
+    got = torch.empty_like(x)
+    sqrt(x.numel(), x.data_ptr(), got.data_ptr(), None, 0, 1)
+    return torch.equal(got.view(torch.int32), x.sqrt().view(torch.int32))
 
 
 def _build_and_open() -> NativeLib | str:

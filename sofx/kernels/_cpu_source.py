@@ -40,8 +40,12 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <float.h>
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define HW_RSQRT14 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HW_BF16 1
 #endif
 
@@ -75,6 +79,7 @@ typedef struct {
   vsqrt_fn fn;
   int64_t mode;
   local_threads_fn local;
+  int replica;                       /* 1: mkl_sqrt_replica first (checked against torch.sqrt at load) */
 } Sqrt;
 
 typedef struct {
@@ -189,7 +194,43 @@ static void round_to(float *x, int dt, int n) {
   }
 }
 
+#ifdef HW_RSQRT14
+/* MKL's high-accuracy float32 square root as ATen calls it (vmsSqrt, its AVX-512 code path), computed
+   inline: y = rsqrt14(x) (the instruction's result is defined bit for bit), s = x*y, then one
+   multiply-add correction s + (x - s*s) * (y/2). Within an ulp, not always correctly rounded: this is
+   where MKL's bits differ from IEEE sqrtf (0.6% of values). Equal to MKL's for every x in
+   [2^-95, FLT_MAX], nan, +-0, +inf and every negative number (tests/test_cpu_mkl_sqrt.py compares them
+   over every float of those ranges that matter); below 2^-95 (tiny positive v) it returns 0 and the
+   caller calls MKL for the tile. The library uses it only where a check at load (sofx.kernels._cpu_build)
+   finds it equal to torch.sqrt, i.e. where torch's MKL takes this code path. */
+static int mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
+  const __m512 half = _mm512_set1_ps(0.5f), lo = _mm512_set1_ps(0x1p-95f), hi = _mm512_set1_ps(FLT_MAX);
+  const __m512 zero = _mm512_setzero_ps(), inf = _mm512_set1_ps(INFINITY);
+  const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)); /* MKL's result for x < 0 */
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, in + i);
+    const __mmask16 direct = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x, hi, _CMP_LE_OQ);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, zero, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ);
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+    if ((__mmask16)(lanes & ~(direct | nan | keep | neg))) return 0; /* 0 < x < 2^-95: MKL's other path */
+    const __m512 y = _mm512_rsqrt14_ps(x);
+    const __m512 s0 = _mm512_mul_ps(x, y);
+    const __m512 r = _mm512_fnmadd_ps(s0, s0, x);
+    __m512 s = _mm512_fmadd_ps(r, _mm512_mul_ps(y, half), s0);
+    s = _mm512_mask_mov_ps(s, keep, x);
+    s = _mm512_mask_mov_ps(s, neg, qnan);
+    _mm512_mask_storeu_ps(out + i, lanes, s);
+  }
+  return 1;
+}
+#endif
+
 static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
+#ifdef HW_RSQRT14
+  if (sq->replica && mkl_sqrt_replica(out, in, n)) return;
+#endif
   if (sq->fn) {
     sq->fn((int64_t)n, in, out, sq->mode);
   } else {
@@ -710,14 +751,33 @@ static void *run_thread(void *arg) {
 
 #define MAX_THREADS 256
 
+/* 1 where this build has mkl_sqrt_replica (AVX-512), else 0. */
+int sofx_has_sqrt_replica(void) {
+#ifdef HW_RSQRT14
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* out = the square roots of in[0..n) as the exact loops take them: sqrt_tile per TILE elements, with the
+   given routine (see Sqrt; sqrt_fn 0: IEEE sqrtf) and replica flag. For the load-time check and tests. */
+void sofx_sqrt(int64_t n, const float *in, float *out, void *sqrt_fn, int64_t sqrt_mode, int sqrt_replica) {
+  Sqrt sq = {(vsqrt_fn)sqrt_fn, sqrt_mode, 0, sqrt_replica != 0};
+  for (int64_t off = 0; off < n; off += TILE) {
+    const int k = (int)((n - off) < TILE ? (n - off) : TILE);
+    sqrt_tile(out + off, in + off, &sq, k);
+  }
+}
+
 /* Entry point. dtypes = {p, g, m/v, g_new, p_old}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out, v_out}.
    exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions in the
    inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
-   sqrt_fn/sqrt_mode/sqrt_local: see Sqrt (sqrt_fn 0: IEEE sqrtf).
+   sqrt_fn/sqrt_mode/sqrt_local/sqrt_replica: see Sqrt (sqrt_fn 0: IEEE sqrtf).
    Returns 0 on success, a negative code for bad arguments (nothing written). */
 int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *ptrs,
               const double *s_old, const double *s_new, int nthreads, int exact, void *sqrt_fn,
-              int64_t sqrt_mode, void *sqrt_local) {
+              int64_t sqrt_mode, void *sqrt_local, int sqrt_replica) {
   if (op < OP_STEP || op > OP_UNDO_REDO || n < 0) return -1;
   for (int k = 0; k < 5; k++) {
     if (dtypes[k] < DT_F32 || dtypes[k] > DT_F16) return -2;
@@ -734,6 +794,7 @@ int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *
   job.sq.fn = (vsqrt_fn)sqrt_fn;
   job.sq.mode = sqrt_mode;
   job.sq.local = (local_threads_fn)sqrt_local;
+  job.sq.replica = sqrt_replica != 0;
   job.exact = exact != 0;
   job.s1 = make_sc(s_old);
   if (op == OP_UNDO_REDO) job.s2 = make_sc(s_new);

@@ -161,7 +161,7 @@ def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: tor
                                      *(t.data_ptr() for t in targets))
         rc = lib.adam(op, int(variant.decoupled), dtypes, n, ptrs, s1, s2 if s2 is not None else s1,
                       torch.get_num_threads(), int(exact), (lib.sqrt_fn or None) if exact else None,
-                      lib.sqrt_mode, lib.sqrt_local or None)
+                      lib.sqrt_mode, lib.sqrt_local or None, int(exact and lib.sqrt_replica))
         if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
             raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
     return write_outputs(targets, out)
