@@ -11,11 +11,13 @@ Three code paths, all with the same arithmetic:
              beta2 through div_by (below; exact but for quotients of tiny or
              huge numbers, where it may be an ulp off). Used by ``cpu_fast``
              (``exact`` 0).
-``exact_*``  the same per chunk of ``TILE`` elements, split around calls to
-             torch's own square-root routine (MKL's ``vmsSqrt``, passed in as
-             a function pointer) so that results are torch's bit for bit, and
-             the inverse with true divisions, as ``reference.py``. Used by
-             ``cpu`` (``exact`` 1).
+``exact_*``  the same per chunk of ``TILE`` elements, split around the square
+             roots of the chunk, which are torch's own bit for bit: MKL's
+             ``vmsSqrt`` computed inline where a load-time check finds the
+             replica (``mkl_sqrt_replica``) equal to ``torch.sqrt``, else a call
+             to that routine (passed in as a function pointer); the inverse
+             with true divisions, as ``reference.py``. Used by ``cpu``
+             (``exact`` 1).
 ``run_tiles`` any other dtype combination (float16 params or states, mixed
              gradient dtypes): tiles converted to float32 local arrays, then the
              math (float16 conversions do not vectorize with gcc 12 anyway, and
