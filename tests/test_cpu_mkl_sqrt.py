@@ -65,3 +65,15 @@ def test_replica_is_not_ieee_and_random_bits_agree():
     r = bits.to(torch.int32).view(torch.float32)
     assert torch.equal(_kernel_sqrt(r, True).view(torch.int32), r.sqrt().view(torch.int32))
 
+
+
+def test_partial_vectors_and_tiles():
+    """Lengths that leave a partial 16-lane vector or a partial tile (masked loads and stores), and
+    the output beyond ``n`` untouched."""
+    gen = torch.Generator().manual_seed(1)
+    for n in (*range(1, 40), 127, 129, 300):
+        x = torch.rand(n + 8, generator=gen) * 10
+        out = torch.full((n + 8,), -7.0)
+        LIB.sqrt(n, x.data_ptr(), out.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, 1)
+        assert torch.equal(out[:n].view(torch.int32), x[:n].sqrt().view(torch.int32)), n
+        assert torch.all(out[n:] == -7.0), n
