@@ -205,24 +205,34 @@ static void round_to(float *x, int dt, int n) {
    over every float of those ranges that matter); below 2^-95 (tiny positive v) it returns 0 and the
    caller calls MKL for the tile. The library uses it only where a check at load (sofx.kernels._cpu_build)
    finds it equal to torch.sqrt, i.e. where torch's MKL takes this code path. */
+/* The replica on one vector; *tiny: the lanes it cannot take (0 < x < 2^-95). The usual vector, every
+   lane in [2^-95, FLT_MAX], costs one integer compare beyond the formula. */
+static inline __m512 mkl_sqrt_replica16(__m512 x, __mmask16 *tiny) {
+  const __m512 y = _mm512_rsqrt14_ps(x);
+  const __m512 s0 = _mm512_mul_ps(x, y);
+  const __m512 r = _mm512_fnmadd_ps(s0, s0, x);
+  const __m512 s = _mm512_fmadd_ps(r, _mm512_mul_ps(y, _mm512_set1_ps(0.5f)), s0);
+  /* bits - bits(2^-95) < bits(inf) - bits(2^-95), unsigned: 2^-95 <= x <= FLT_MAX */
+  const __m512i u = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x10000000));
+  const __mmask16 direct = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7F800000 - 0x10000000));
+  *tiny = 0;
+  if (__builtin_expect(direct == (__mmask16)0xFFFF, 1)) return s;
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, zero, _CMP_EQ_OQ) |
+                         _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+  *tiny = (__mmask16)~(direct | nan | keep | neg);
+  const __m512 t = _mm512_mask_mov_ps(s, keep, x);
+  return _mm512_mask_mov_ps(t, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))); /* MKL's for x < 0 */
+}
+
 static int mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
-  const __m512 half = _mm512_set1_ps(0.5f), lo = _mm512_set1_ps(0x1p-95f), hi = _mm512_set1_ps(FLT_MAX);
-  const __m512 zero = _mm512_setzero_ps(), inf = _mm512_set1_ps(INFINITY);
-  const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)); /* MKL's result for x < 0 */
   for (int i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-    const __m512 x = _mm512_maskz_loadu_ps(lanes, in + i);
-    const __mmask16 direct = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(x, hi, _CMP_LE_OQ);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, zero, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ);
-    const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
-    if ((__mmask16)(lanes & ~(direct | nan | keep | neg))) return 0; /* 0 < x < 2^-95: MKL's other path */
-    const __m512 y = _mm512_rsqrt14_ps(x);
-    const __m512 s0 = _mm512_mul_ps(x, y);
-    const __m512 r = _mm512_fnmadd_ps(s0, s0, x);
-    __m512 s = _mm512_fmadd_ps(r, _mm512_mul_ps(y, half), s0);
-    s = _mm512_mask_mov_ps(s, keep, x);
-    s = _mm512_mask_mov_ps(s, neg, qnan);
+    __mmask16 tiny;
+    const __m512 s = mkl_sqrt_replica16(_mm512_maskz_loadu_ps(lanes, in + i), &tiny);
+    if (tiny & lanes) return 0; /* 0 < x < 2^-95: MKL's other path */
     _mm512_mask_storeu_ps(out + i, lanes, s);
   }
   return 1;
@@ -555,6 +565,105 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     TFLUSH_##DS(vo, off, VT, n);                                                   \
   }
 
+/* The step with explicit 16-lane vectors where the CPU converts bfloat16 in hardware (HW_BF16): the same
+   operations as step_elem in the same order (so the same bits: the portable build's scalar loops are
+   checked against it), but bfloat16 values are converted in registers, with no float tiles and no
+   separate conversion pass. That is what the all-bf16 step needed: 0.82 -> 0.94 of the bandwidth its
+   bytes imply at 2^26 elements (benchmarks/RESULTS.md). A vector whose bfloat16 result has a zero lane
+   is stored in software (store_bf16's fix-up: the instruction flushes subnormals). */
+#ifdef HW_BF16
+static const Sqrt IEEE_SQRT = {0, 0, 0, 0};
+
+static inline __m512 vld_0(const void *p, int64_t e) { return _mm512_loadu_ps((const float *)p + e); }
+static inline __m512 vld_1(const void *p, int64_t e) {
+  const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline void vst_0(void *p, int64_t e, __m512 x) { _mm512_storeu_ps((float *)p + e, x); }
+static inline void vst_1(void *p, int64_t e, __m512 x) {
+  uint16_t *d = (uint16_t *)p + e;
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  if (__builtin_expect(_mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)) != 0, 0)) {
+    float t[16];
+    _mm512_storeu_ps(t, x);
+    for (int k = 0; k < 16; k++) d[k] = f32_to_bf16(t[k]);
+  } else {
+    _mm256_storeu_si256((__m256i *)d, h);
+  }
+}
+
+/* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica; MKL itself for a vector
+   with a lane the replica does not take). */
+static inline __m512 sqrt_vec(__m512 x, const Sqrt *sq) {
+  if (!sq) return _mm512_sqrt_ps(x);
+  __mmask16 tiny;
+  const __m512 s = mkl_sqrt_replica16(x, &tiny);
+  if (__builtin_expect(tiny == 0, 1)) return s;
+  float in[16], out[16];
+  _mm512_storeu_ps(in, x);
+  sq->fn(16, in, out, sq->mode);
+  return _mm512_loadu_ps(out);
+}
+
+/* step_elem on 16 lanes (div_by's islessgreater is an ordered not-equal compare), the square root by
+   sqrt_vec. */
+static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const StepK *k, const Sqrt *sq) {
+  __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
+  const __m512 p = _mm512_mul_ps(*P, _mm512_set1_ps(k->pmul));
+  if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
+  *M = _mm512_fmadd_ps(_mm512_set1_ps(k->coef), _mm512_sub_ps(g, *M), k->small ? *M : g);
+  *V = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k->c2), g), g, _mm512_mul_ps(*V, _mm512_set1_ps(k->b2)));
+  const __m512 D = sqrt_vec(*V, sq), rb = _mm512_set1_ps(k->rbc2);
+  const __m512 q = _mm512_mul_ps(D, rb);
+  const __m512 r = _mm512_fnmadd_ps(q, _mm512_set1_ps(k->bc2), D);
+  const __mmask16 correct = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  const __m512 d = _mm512_add_ps(_mm512_mask3_fmadd_ps(r, rb, q, correct), _mm512_set1_ps(k->eps)); /* q where r is 0 */
+  *P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->nss), *M), d));
+}
+
+#define VSTEP(DP, DG, DS)                                                          \
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
+    const void *p = j->p, *g = j->g, *m = j->m, *v = j->v;                         \
+    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const StepK k = step_k(&j->s1, j->decoupled);                                  \
+    int64_t e = j->begin;                                                          \
+    for (; e + 16 <= j->end; e += 16) {                                            \
+      __m512 P = vld_##DP(p, e), M = vld_##DS(m, e), V = vld_##DS(v, e);           \
+      step_vec(&P, vld_##DG(g, e), &M, &V, &k, sq);                                \
+      vst_##DP(po, e, P);                                                          \
+      vst_##DS(mo, e, M);                                                          \
+      vst_##DS(vo, e, V);                                                          \
+    }                                                                              \
+    for (; e < j->end; e++) {                                                      \
+      float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);               \
+      step_pre(&P, LD_##DG(g, e), &M, &V, &k);                                     \
+      float D;                                                                     \
+      sqrt_tile(&D, &V, sq ? sq : &IEEE_SQRT, 1);                                  \
+      P = step_post(P, M, D, &k);                                                  \
+      TAIL_ST_##DP(po, e, P);                                                      \
+      TAIL_ST_##DS(mo, e, M);                                                      \
+      TAIL_ST_##DS(vo, e, V);                                                      \
+    }                                                                              \
+  }
+#define TAIL_ST_0(ptr, e, x) (((float *)(ptr))[e] = (x))
+#define TAIL_ST_1(ptr, e, x) (((uint16_t *)(ptr))[e] = f32_to_bf16(x))
+VSTEP(0, 0, 0)
+VSTEP(0, 0, 1)
+VSTEP(1, 1, 0)
+VSTEP(1, 1, 1)
+VSTEP(1, 0, 0)
+VSTEP(1, 0, 1)
+#define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
+#define EXACT_STEP_VECTORS(DP, DG, DS)                                             \
+  if (j->op == OP_STEP && sq.replica) {                                            \
+    vstep_##DP##DG##DS(j, &sq);                                                    \
+    return;                                                                        \
+  }
+#else
+#define STEP_VECTORS(DP, DG, DS)
+#define EXACT_STEP_VECTORS(DP, DG, DS)
+#endif
+
 #define FUSED(DP, DG, DS)                                                          \
   static void fused_##DP##DG##DS(const Job *j) {                                   \
     /* Local copies: stores through po/mo/vo could otherwise alias *j. */          \
@@ -564,6 +673,7 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
     const int64_t begin = j->begin, end = j->end;                                  \
     float PT[FTILE], MT[FTILE], VT[FTILE];                                         \
     if (j->op == OP_STEP) {                                                        \
+      STEP_VECTORS(DP, DG, DS)                                                     \
       const StepK k = step_k(&j->s1, j->decoupled);                                \
       for (int64_t off = begin; off < end; off += FTILE) {                         \
         const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);            \
@@ -666,6 +776,7 @@ FUSED(1, 0, 1)
     const StepK k = step_k(j->op == OP_STEP ? &j->s1 : &j->s2, j->decoupled);      \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     float PT[TILE], MT[TILE], VT[TILE], D[TILE];                                   \
+    EXACT_STEP_VECTORS(DP, DG, DS)                                                 \
     for (int64_t off = j->begin; off < j->end; off += TILE) {                      \
       const int n = (int)((j->end - off) < TILE ? (j->end - off) : TILE);          \
       if (j->op == OP_STEP) {                                                      \
