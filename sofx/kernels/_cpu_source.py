@@ -653,14 +653,109 @@ VSTEP(1, 1, 0)
 VSTEP(1, 1, 1)
 VSTEP(1, 0, 0)
 VSTEP(1, 0, 1)
+
+/* x / b by a constant b, as quot (fast 1: div_by; fast 0: a true division). */
+static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
+  if (!fast) return _mm512_div_ps(x, _mm512_set1_ps(b));
+  const __m512 vb = _mm512_set1_ps(b), vrb = _mm512_set1_ps(rb);
+  const __m512 q = _mm512_mul_ps(x, vrb);
+  const __m512 r = _mm512_fnmadd_ps(q, vb, x);
+  return _mm512_mask3_fmadd_ps(r, vrb, q, _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ));
+}
+
+/* undo_elem_d on 16 lanes; D = sqrt_vec(V) is taken here (not with have_p_old). */
+static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const UndoK *k, int have_p_old, int fast,
+                            const Sqrt *sq) {
+  __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
+  __m512 p = *P;
+  if (!have_p_old) {
+    const __m512 d = _mm512_add_ps(quot_vec(sqrt_vec(*V, sq), k->bc2, k->rbc2, 1), _mm512_set1_ps(k->eps));
+    p = quot_vec(_mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->ss), *M), d)), k->pdiv, k->rpdiv, fast);
+  }
+  if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
+  const __m512 m = quot_vec(_mm512_sub_ps(*M, _mm512_mul_ps(_mm512_set1_ps(k->omb1), g)), k->b1, k->rb1, fast);
+  const __m512 x = quot_vec(_mm512_sub_ps(*V, _mm512_mul_ps(_mm512_set1_ps(k->omb2), _mm512_mul_ps(g, g))),
+                            k->b2, k->rb2, fast);
+  *P = p;
+  *M = m;
+  *V = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+/* x as stored in bfloat16 and loaded back (round_bf16 on a vector). */
+static inline __m512 vround_1(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  if (__builtin_expect(_mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)) != 0, 0)) {
+    float t[16];
+    _mm512_storeu_ps(t, x);
+    for (int k = 0; k < 16; k++) t[k] = bf16_to_f32(f32_to_bf16(t[k]));
+    return _mm512_loadu_ps(t);
+  }
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 vround_0(__m512 x) { return x; }
+#define TAIL_RT_0(x) (x)
+#define TAIL_RT_1(x) bf16_to_f32(f32_to_bf16(x))
+
+/* The inverse (op OP_UNDO) or the fused undo+redo (OP_UNDO_REDO) on 16-lane vectors: undo_vec, the undone
+   values rounded to their storage dtypes, step_vec with the new gradient. fast and sq as in undo_vec
+   (cpu_fast: 1 and IEEE; cpu: 0 and MKL's square root). */
+#define VUNDO(DP, DG, DS)                                                          \
+  static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
+    const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
+    const void *ps = have_p_old ? j->pold : j->p, *g = j->g, *m = j->m, *v = j->v; \
+    const void *g2 = j->g2;                                                        \
+    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    const Sqrt *tail_sq = sq ? sq : &IEEE_SQRT;                                    \
+    int64_t e = j->begin;                                                          \
+    for (; e + 16 <= j->end; e += 16) {                                            \
+      __m512 P = vld_##DP(ps, e), M = vld_##DS(m, e), V = vld_##DS(v, e);          \
+      undo_vec(&P, vld_##DG(g, e), &M, &V, &u, have_p_old, fast, sq);              \
+      if (redo) {                                                                  \
+        P = vround_##DP(P);                                                        \
+        M = vround_##DS(M);                                                        \
+        V = vround_##DS(V);                                                        \
+        step_vec(&P, vld_##DG(g2, e), &M, &V, &k, sq);                             \
+      }                                                                            \
+      vst_##DP(po, e, P);                                                          \
+      vst_##DS(mo, e, M);                                                          \
+      vst_##DS(vo, e, V);                                                          \
+    }                                                                              \
+    for (; e < j->end; e++) {                                                      \
+      float P = LD_##DP(ps, e), M = LD_##DS(m, e), V = LD_##DS(v, e), D = 0.0f;    \
+      if (!have_p_old) sqrt_tile(&D, &V, tail_sq, 1);                              \
+      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D, &u, have_p_old, fast);             \
+      if (redo) {                                                                  \
+        P = TAIL_RT_##DP(P);                                                       \
+        M = TAIL_RT_##DS(M);                                                       \
+        V = TAIL_RT_##DS(V);                                                       \
+        step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                  \
+        sqrt_tile(&D, &V, tail_sq, 1);                                             \
+        P = step_post(P, M, D, &k);                                                \
+      }                                                                            \
+      TAIL_ST_##DP(po, e, P);                                                      \
+      TAIL_ST_##DS(mo, e, M);                                                      \
+      TAIL_ST_##DS(vo, e, V);                                                      \
+    }                                                                              \
+  }
+VUNDO(0, 0, 0)
+VUNDO(0, 0, 1)
+VUNDO(1, 1, 0)
+VUNDO(1, 1, 1)
+VUNDO(1, 0, 0)
+VUNDO(1, 0, 1)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
+#define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
 #define EXACT_STEP_VECTORS(DP, DG, DS)                                             \
-  if (j->op == OP_STEP && sq.replica) {                                            \
-    vstep_##DP##DG##DS(j, &sq);                                                    \
+  if (sq.replica) {                                                                \
+    if (j->op == OP_STEP) vstep_##DP##DG##DS(j, &sq);                              \
+    else vundo_##DP##DG##DS(j, 0, &sq);                                            \
     return;                                                                        \
   }
 #else
 #define STEP_VECTORS(DP, DG, DS)
+#define UNDO_VECTORS(DP, DG, DS)
 #define EXACT_STEP_VECTORS(DP, DG, DS)
 #endif
 
@@ -691,6 +786,7 @@ VSTEP(1, 0, 1)
       }                                                                            \
       return;                                                                      \
     }                                                                              \
+    UNDO_VECTORS(DP, DG, DS)                                                       \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const int redo = j->op == OP_UNDO_REDO;                                        \
