@@ -1,7 +1,16 @@
 """C source of the native CPU Adam kernels (compiled on first use by :mod:`sofx.kernels._cpu_build`).
 
-Three code paths, all with the same arithmetic:
+Four code paths, all with the same arithmetic:
 
+``vstep_*``, ``vundo_*``  explicit AVX-512 vectors (where the CPU also converts
+             bfloat16 in hardware, HW_BF16): one loop per dtype combination,
+             16 elements at a time from memory to memory, bfloat16 converted in
+             registers; IEEE square roots and div_by for ``cpu_fast``, MKL's
+             square root inline and true divisions for ``cpu`` (when the replica
+             passed its load-time check). They take every operation of the two
+             paths below on such CPUs (the step of ``exact_*`` only with the
+             replica); the portable build (no -march=native) checks them bit
+             for bit.
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
