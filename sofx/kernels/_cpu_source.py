@@ -8,7 +8,7 @@ Four code paths, all with the same arithmetic:
              registers; IEEE square roots and div_by for ``cpu_fast``, MKL's
              square root inline and true divisions for ``cpu`` (when the replica
              passed its load-time check). They take every operation of the two
-             paths below on such CPUs (the step of ``exact_*`` only with the
+             paths below on such CPUs (those of ``exact_*`` only with the
              replica); the portable build (no -march=native) checks them bit
              for bit.
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
