@@ -614,6 +614,14 @@ static inline __m512 sqrt_vec(__m512 x, const Sqrt *sq) {
   return _mm512_loadu_ps(out);
 }
 
+/* step_elem with the square root sq takes (a vector loop's scalar remainder). */
+static inline void step_elem_sq(float *P, float G, float *M, float *V, const StepK *k, const Sqrt *sq) {
+  float D;
+  step_pre(P, G, M, V, k);
+  sqrt_tile(&D, V, sq, 1);
+  *P = step_post(*P, *M, D, k);
+}
+
 /* step_elem on 16 lanes (div_by's islessgreater is an ordered not-equal compare), the square root by
    sqrt_vec. */
 static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const StepK *k, const Sqrt *sq) {
@@ -645,10 +653,7 @@ static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Ste
     }                                                                              \
     for (; e < j->end; e++) {                                                      \
       float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);               \
-      step_pre(&P, LD_##DG(g, e), &M, &V, &k);                                     \
-      float D;                                                                     \
-      sqrt_tile(&D, &V, sq ? sq : &IEEE_SQRT, 1);                                  \
-      P = step_post(P, M, D, &k);                                                  \
+      step_elem_sq(&P, LD_##DG(g, e), &M, &V, &k, sq ? sq : &IEEE_SQRT);           \
       TAIL_ST_##DP(po, e, P);                                                      \
       TAIL_ST_##DS(mo, e, M);                                                      \
       TAIL_ST_##DS(vo, e, V);                                                      \
@@ -656,12 +661,6 @@ static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Ste
   }
 #define TAIL_ST_0(ptr, e, x) (((float *)(ptr))[e] = (x))
 #define TAIL_ST_1(ptr, e, x) (((uint16_t *)(ptr))[e] = f32_to_bf16(x))
-VSTEP(0, 0, 0)
-VSTEP(0, 0, 1)
-VSTEP(1, 1, 0)
-VSTEP(1, 1, 1)
-VSTEP(1, 0, 0)
-VSTEP(1, 0, 1)
 
 /* x / b by a constant b, as quot (fast 1: div_by; fast 0: a true division). */
 static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
@@ -739,24 +738,23 @@ static inline __m512 vround_0(__m512 x) { return x; }
         P = TAIL_RT_##DP(P);                                                       \
         M = TAIL_RT_##DS(M);                                                       \
         V = TAIL_RT_##DS(V);                                                       \
-        step_pre(&P, LD_##DG(g2, e), &M, &V, &k);                                  \
-        sqrt_tile(&D, &V, tail_sq, 1);                                             \
-        P = step_post(P, M, D, &k);                                                \
+        step_elem_sq(&P, LD_##DG(g2, e), &M, &V, &k, tail_sq);                     \
       }                                                                            \
       TAIL_ST_##DP(po, e, P);                                                      \
       TAIL_ST_##DS(mo, e, M);                                                      \
       TAIL_ST_##DS(vo, e, V);                                                      \
     }                                                                              \
   }
-VUNDO(0, 0, 0)
-VUNDO(0, 0, 1)
-VUNDO(1, 1, 0)
-VUNDO(1, 1, 1)
-VUNDO(1, 0, 0)
-VUNDO(1, 0, 1)
+#define VECTORS(DP, DG, DS) VSTEP(DP, DG, DS) VUNDO(DP, DG, DS)
+VECTORS(0, 0, 0)
+VECTORS(0, 0, 1)
+VECTORS(1, 1, 0)
+VECTORS(1, 1, 1)
+VECTORS(1, 0, 0)
+VECTORS(1, 0, 1)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
 #define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
-#define EXACT_STEP_VECTORS(DP, DG, DS)                                             \
+#define EXACT_VECTORS(DP, DG, DS)                                             \
   if (sq.replica) {                                                                \
     if (j->op == OP_STEP) vstep_##DP##DG##DS(j, &sq);                              \
     else vundo_##DP##DG##DS(j, 0, &sq);                                            \
@@ -765,7 +763,7 @@ VUNDO(1, 0, 1)
 #else
 #define STEP_VECTORS(DP, DG, DS)
 #define UNDO_VECTORS(DP, DG, DS)
-#define EXACT_STEP_VECTORS(DP, DG, DS)
+#define EXACT_VECTORS(DP, DG, DS)
 #endif
 
 #define FUSED(DP, DG, DS)                                                          \
@@ -881,7 +879,7 @@ FUSED(1, 0, 1)
     const StepK k = step_k(j->op == OP_STEP ? &j->s1 : &j->s2, j->decoupled);      \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     float PT[TILE], MT[TILE], VT[TILE], D[TILE];                                   \
-    EXACT_STEP_VECTORS(DP, DG, DS)                                                 \
+    EXACT_VECTORS(DP, DG, DS)                                                 \
     for (int64_t off = j->begin; off < j->end; off += TILE) {                      \
       const int n = (int)((j->end - off) < TILE ? (j->end - off) : TILE);          \
       if (j->op == OP_STEP) {                                                      \
