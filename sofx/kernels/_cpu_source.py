@@ -753,7 +753,13 @@ VECTORS(1, 1, 1)
 VECTORS(1, 0, 0)
 VECTORS(1, 0, 1)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
-#define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
+/* cpu_fast's inverse with float32 storage: the compiler's loop is 5% faster than vundo (57.9-59.1 vs
+   55.2-55.4 ms for an undo+redo of 2^26 elements); with bfloat16 storage vundo is 2% faster. */
+#define UNDO_VECTORS(DP, DG, DS)                                                   \
+  if (DP || DS) {                                                                  \
+    vundo_##DP##DG##DS(j, 1, 0);                                                   \
+    return;                                                                        \
+  }
 #define EXACT_VECTORS(DP, DG, DS)                                             \
   if (sq.replica) {                                                                \
     if (j->op == OP_STEP) vstep_##DP##DG##DS(j, &sq);                              \
