@@ -429,3 +429,25 @@ def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
     stepped = reference.step(p, g, m, v, s, VARIANTS[0])
     _assert_close(backend.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]),
                   reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]), _is_exact(backend))
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_in_place_updates_leave_the_memory_after_the_tensors_alone(name, dtypes, rng):
+    """The last, partial vector of a tensor is read and written only in its own lanes: in-place updates of
+    tensors followed by other data (here a sentinel in the same buffer) leave that data untouched."""
+    backend = BACKENDS[name]
+    pdt, sdt = dtypes
+    for n in (1, 31, 4099):
+        p0, g, m0, v0 = _inputs(rng, n, pdt, sdt)
+        bufs = [torch.full((n + 40,), -3.0, dtype=t.dtype) for t in (p0, m0, v0)]
+        for b, t in zip(bufs, (p0, m0, v0)):
+            b[:n] = t
+        p, m, v = (b[:n] for b in bufs)
+        s = _scalars(rng, 0.1, 0.5)
+        want = reference.step(p0, g, m0, v0, s, VARIANTS[0])
+        backend.step(p, g, m, v, s, VARIANTS[0], out=(p, m, v))
+        _assert_close((p, m, v), want, _is_exact(backend))
+        backend.undo_redo(p, m, v, g, s, g, s._replace(grad_scale=0.3), VARIANTS[0], out=(p, m, v))
+        backend.undo(p, g, m, v, s._replace(grad_scale=0.3), VARIANTS[0], out=(p, m, v))
+        assert all(torch.all(b[n:] == -3.0) for b in bufs), n

@@ -579,27 +579,45 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
    checked against it), but bfloat16 values are converted in registers, with no float tiles and no
    separate conversion pass. That is what the all-bf16 step needed: 0.82 -> 0.94 of the bandwidth its
    bytes imply at 2^26 elements (benchmarks/RESULTS.md). A vector whose bfloat16 result has a zero lane
-   is stored in software (store_bf16's fix-up: the instruction flushes subnormals). */
+   is stored in software (store_bf16's fix-up: the instruction flushes subnormals). The last, partial
+   vector of a range takes only its `lanes` (masked loads read zeros elsewhere, masked stores leave the
+   rest of memory alone), so there is no scalar remainder loop. */
 #ifdef HW_BF16
-static const Sqrt IEEE_SQRT = {0, 0, 0, 0};
-
-static inline __m512 vld_0(const void *p, int64_t e) { return _mm512_loadu_ps((const float *)p + e); }
-static inline __m512 vld_1(const void *p, int64_t e) {
-  const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e));
+static inline __mmask16 lanes_left(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+#define ALL_LANES ((__mmask16)0xFFFF)
+/* With lanes a constant ALL_LANES (the loops' full vectors) these are plain loads and stores: masked
+   ones cost 5-8% of the all-bf16 step. */
+static inline __m512 vld_0(const void *p, int64_t e, __mmask16 lanes) {
+  const float *a = (const float *)p + e;
+  return lanes == ALL_LANES ? _mm512_loadu_ps(a) : _mm512_maskz_loadu_ps(lanes, a);
+}
+static inline __m512 vld_1(const void *p, int64_t e, __mmask16 lanes) {
+  const uint16_t *a = (const uint16_t *)p + e;
+  const __m256i h = lanes == ALL_LANES ? _mm256_loadu_si256((const __m256i *)a) : _mm256_maskz_loadu_epi16(lanes, a);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-static inline void vst_0(void *p, int64_t e, __m512 x) { _mm512_storeu_ps((float *)p + e, x); }
-static inline void vst_1(void *p, int64_t e, __m512 x) {
+static inline void vst_0(void *p, int64_t e, __m512 x, __mmask16 lanes) {
+  float *a = (float *)p + e;
+  if (lanes == ALL_LANES) _mm512_storeu_ps(a, x);
+  else _mm512_mask_storeu_ps(a, lanes, x);
+}
+static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
   uint16_t *d = (uint16_t *)p + e;
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  if (__builtin_expect(_mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)) != 0, 0)) {
+  if (__builtin_expect((_mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)) & lanes) != 0, 0)) {
     float t[16];
     _mm512_storeu_ps(t, x);
-    for (int k = 0; k < 16; k++) d[k] = f32_to_bf16(t[k]);
-  } else {
+    for (int k = 0; k < 16; k++)
+      if (lanes >> k & 1) d[k] = f32_to_bf16(t[k]);
+  } else if (lanes == ALL_LANES) {
     _mm256_storeu_si256((__m256i *)d, h);
+  } else {
+    _mm256_mask_storeu_epi16(d, lanes, h);
   }
 }
+
 
 /* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica; MKL itself for a vector
    with a lane the replica does not take). */
@@ -612,14 +630,6 @@ static inline __m512 sqrt_vec(__m512 x, const Sqrt *sq) {
   _mm512_storeu_ps(in, x);
   sq->fn(16, in, out, sq->mode);
   return _mm512_loadu_ps(out);
-}
-
-/* step_elem with the square root sq takes (a vector loop's scalar remainder). */
-static inline void step_elem_sq(float *P, float G, float *M, float *V, const StepK *k, const Sqrt *sq) {
-  float D;
-  step_pre(P, G, M, V, k);
-  sqrt_tile(&D, V, sq, 1);
-  *P = step_post(*P, *M, D, k);
 }
 
 /* step_elem on 16 lanes (div_by's islessgreater is an ordered not-equal compare), the square root by
@@ -638,29 +648,28 @@ static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Ste
   *P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->nss), *M), d));
 }
 
+/* The arrays of a job (a local copy: stores through po/mo/vo cannot alias it). */
+typedef struct {
+  const void *p, *g, *m, *v, *g2;
+  void *po, *mo, *vo;
+} Arrays;
+
 #define VSTEP(DP, DG, DS)                                                          \
+  static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
+      const Arrays *a, const StepK *k, const Sqrt *sq, int64_t e, __mmask16 l) {   \
+    __m512 P = vld_##DP(a->p, e, l), M = vld_##DS(a->m, e, l), V = vld_##DS(a->v, e, l); \
+    step_vec(&P, vld_##DG(a->g, e, l), &M, &V, k, sq);                             \
+    vst_##DP(a->po, e, P, l);                                                      \
+    vst_##DS(a->mo, e, M, l);                                                      \
+    vst_##DS(a->vo, e, V, l);                                                      \
+  }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
-    const void *p = j->p, *g = j->g, *m = j->m, *v = j->v;                         \
-    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
-    int64_t e = j->begin;                                                          \
-    for (; e + 16 <= j->end; e += 16) {                                            \
-      __m512 P = vld_##DP(p, e), M = vld_##DS(m, e), V = vld_##DS(v, e);           \
-      step_vec(&P, vld_##DG(g, e), &M, &V, &k, sq);                                \
-      vst_##DP(po, e, P);                                                          \
-      vst_##DS(mo, e, M);                                                          \
-      vst_##DS(vo, e, V);                                                          \
-    }                                                                              \
-    for (; e < j->end; e++) {                                                      \
-      float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);               \
-      step_elem_sq(&P, LD_##DG(g, e), &M, &V, &k, sq ? sq : &IEEE_SQRT);           \
-      TAIL_ST_##DP(po, e, P);                                                      \
-      TAIL_ST_##DS(mo, e, M);                                                      \
-      TAIL_ST_##DS(vo, e, V);                                                      \
-    }                                                                              \
+    int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
+    for (; e + 16 <= j->end; e += 16) vstep_at_##DP##DG##DS(&a, &k, sq, e, ALL_LANES); \
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
   }
-#define TAIL_ST_0(ptr, e, x) (((float *)(ptr))[e] = (x))
-#define TAIL_ST_1(ptr, e, x) (((uint16_t *)(ptr))[e] = f32_to_bf16(x))
 
 /* x / b by a constant b, as quot (fast 1: div_by; fast 0: a true division). */
 static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
@@ -701,49 +710,36 @@ static inline __m512 vround_1(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 static inline __m512 vround_0(__m512 x) { return x; }
-#define TAIL_RT_0(x) (x)
-#define TAIL_RT_1(x) bf16_to_f32(f32_to_bf16(x))
 
 /* The inverse (op OP_UNDO) or the fused undo+redo (OP_UNDO_REDO) on 16-lane vectors: undo_vec, the undone
    values rounded to their storage dtypes, step_vec with the new gradient. fast and sq as in undo_vec
    (cpu_fast: 1 and IEEE; cpu: 0 and MKL's square root). */
 #define VUNDO(DP, DG, DS)                                                          \
+  static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
+      const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
+      const Sqrt *sq, int64_t e, __mmask16 l) {                                    \
+    __m512 P = vld_##DP(a->p, e, l), M = vld_##DS(a->m, e, l), V = vld_##DS(a->v, e, l); \
+    undo_vec(&P, vld_##DG(a->g, e, l), &M, &V, u, have_p_old, fast, sq);           \
+    if (redo) {                                                                    \
+      P = vround_##DP(P);                                                          \
+      M = vround_##DS(M);                                                          \
+      V = vround_##DS(V);                                                          \
+      step_vec(&P, vld_##DG(a->g2, e, l), &M, &V, k, sq);                          \
+    }                                                                              \
+    vst_##DP(a->po, e, P, l);                                                      \
+    vst_##DS(a->mo, e, M, l);                                                      \
+    vst_##DS(a->vo, e, V, l);                                                      \
+  }                                                                                \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
-    const void *ps = have_p_old ? j->pold : j->p, *g = j->g, *m = j->m, *v = j->v; \
-    const void *g2 = j->g2;                                                        \
-    void *po = j->po, *mo = j->mo, *vo = j->vo;                                    \
+    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
-    const Sqrt *tail_sq = sq ? sq : &IEEE_SQRT;                                    \
     int64_t e = j->begin;                                                          \
-    for (; e + 16 <= j->end; e += 16) {                                            \
-      __m512 P = vld_##DP(ps, e), M = vld_##DS(m, e), V = vld_##DS(v, e);          \
-      undo_vec(&P, vld_##DG(g, e), &M, &V, &u, have_p_old, fast, sq);              \
-      if (redo) {                                                                  \
-        P = vround_##DP(P);                                                        \
-        M = vround_##DS(M);                                                        \
-        V = vround_##DS(V);                                                        \
-        step_vec(&P, vld_##DG(g2, e), &M, &V, &k, sq);                             \
-      }                                                                            \
-      vst_##DP(po, e, P);                                                          \
-      vst_##DS(mo, e, M);                                                          \
-      vst_##DS(vo, e, V);                                                          \
-    }                                                                              \
-    for (; e < j->end; e++) {                                                      \
-      float P = LD_##DP(ps, e), M = LD_##DS(m, e), V = LD_##DS(v, e), D = 0.0f;    \
-      if (!have_p_old) sqrt_tile(&D, &V, tail_sq, 1);                              \
-      undo_elem_d(&P, LD_##DG(g, e), &M, &V, D, &u, have_p_old, fast);             \
-      if (redo) {                                                                  \
-        P = TAIL_RT_##DP(P);                                                       \
-        M = TAIL_RT_##DS(M);                                                       \
-        V = TAIL_RT_##DS(V);                                                       \
-        step_elem_sq(&P, LD_##DG(g2, e), &M, &V, &k, tail_sq);                     \
-      }                                                                            \
-      TAIL_ST_##DP(po, e, P);                                                      \
-      TAIL_ST_##DS(mo, e, M);                                                      \
-      TAIL_ST_##DS(vo, e, V);                                                      \
-    }                                                                              \
+    for (; e + 16 <= j->end; e += 16)                                              \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, sq, e, ALL_LANES); \
+    if (e < j->end)                                                                \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, sq, e, lanes_left(j->end - e)); \
   }
 #define VECTORS(DP, DG, DS) VSTEP(DP, DG, DS) VUNDO(DP, DG, DS)
 VECTORS(0, 0, 0)
