@@ -56,7 +56,7 @@ SOURCE = r"""
 #include <immintrin.h>
 #define HW_RSQRT14 1
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define HW_BF16 1
 #endif
 
@@ -142,18 +142,27 @@ static void load(float *dst, const void *src, int dt, int64_t off, int n) {
   }
 }
 
-/* Float tile -> bfloat16, bit for bit f32_to_bf16. Where the CPU converts in hardware
-   (AVX512-BF16's vcvtneps2bf16: round-to-nearest-even, nan kept quiet with its sign and upper
-   payload bits, as f32_to_bf16) it takes 16 elements per instruction, but it flushes subnormal
-   inputs to zero: a vector with any (+-)zero result is converted again in software (checked
-   over all 2^32 floats: no difference). */
+#ifdef HW_BF16
+/* 16 floats -> bfloat16 by the CPU's instruction (AVX512-BF16's vcvtneps2bf16: round-to-nearest-even,
+   nan kept quiet with its sign and upper payload bits, as f32_to_bf16), which flushes subnormal inputs
+   to zero: *h holds f32_to_bf16's bits in every lane but those of the returned mask, the subnormal
+   lanes of x (one vfpclassps; checked over all 2^32 floats, tests/test_cpu_division.py). Zeros take
+   the fast way (until this stop a vector with a zero result was converted again in software, which
+   made the bf16 inverse 2x slower where v clamps to 0 or m and v are 0: untouched embedding rows). */
+static inline __mmask16 cvt_bf16_16(__m512 x, __m256i *h) {
+  *h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_fpclass_ps_mask(x, 0x20);
+}
+#endif
+
+/* Float tile -> bfloat16, bit for bit f32_to_bf16: 16 elements per instruction where the CPU converts
+   in hardware (cvt_bf16_16), a vector with a subnormal lane in software. */
 static inline void store_bf16(uint16_t *restrict d, const float *restrict s, int n) {
   int i = 0;
 #ifdef HW_BF16
-  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
   for (; i + 16 <= n; i += 16) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i));
-    if (__builtin_expect(_mm256_testn_epi16_mask(h, magnitude) != 0, 0)) {
+    __m256i h;
+    if (__builtin_expect(cvt_bf16_16(_mm512_loadu_ps(s + i), &h) != 0, 0)) {
       for (int k = i; k < i + 16; k++) d[k] = f32_to_bf16(s[k]);
     } else {
       _mm256_storeu_si256((__m256i *)(d + i), h);
@@ -167,10 +176,9 @@ static inline void store_bf16(uint16_t *restrict d, const float *restrict s, int
 static inline void round_bf16(float *x, int n) {
   int i = 0;
 #ifdef HW_BF16
-  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
   for (; i + 16 <= n; i += 16) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-    if (__builtin_expect(_mm256_testn_epi16_mask(h, magnitude) != 0, 0)) {
+    __m256i h;
+    if (__builtin_expect(cvt_bf16_16(_mm512_loadu_ps(x + i), &h) != 0, 0)) {
       for (int k = i; k < i + 16; k++) x[k] = bf16_to_f32(f32_to_bf16(x[k]));
     } else {
       _mm512_storeu_si512(x + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -578,8 +586,8 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
    operations as step_elem in the same order (so the same bits: the portable build's scalar loops are
    checked against it), but bfloat16 values are converted in registers, with no float tiles and no
    separate conversion pass. That is what the all-bf16 step needed: 0.82 -> 0.94 of the bandwidth its
-   bytes imply at 2^26 elements (benchmarks/RESULTS.md). A vector whose bfloat16 result has a zero lane
-   is stored in software (store_bf16's fix-up: the instruction flushes subnormals). The last, partial
+   bytes imply at 2^26 elements (benchmarks/RESULTS.md). A vector with a subnormal lane is converted
+   in software (cvt_bf16_16: the instruction flushes subnormals). The last, partial
    vector of a range takes only its `lanes` (masked loads read zeros elsewhere, masked stores leave the
    rest of memory alone), so there is no scalar remainder loop. */
 #ifdef HW_BF16
@@ -605,8 +613,8 @@ static inline void vst_0(void *p, int64_t e, __m512 x, __mmask16 lanes) {
 }
 static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
   uint16_t *d = (uint16_t *)p + e;
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  if (__builtin_expect((_mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)) & lanes) != 0, 0)) {
+  __m256i h;
+  if (__builtin_expect((cvt_bf16_16(x, &h) & lanes) != 0, 0)) {
     float t[16];
     _mm512_storeu_ps(t, x);
     for (int k = 0; k < 16; k++)
@@ -720,8 +728,8 @@ static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Und
 
 /* x as stored in bfloat16 and loaded back (round_bf16 on a vector). */
 static inline __m512 vround_1(__m512 x) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  if (__builtin_expect(_mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)) != 0, 0)) {
+  __m256i h;
+  if (__builtin_expect(cvt_bf16_16(x, &h) != 0, 0)) {
     float t[16];
     _mm512_storeu_ps(t, x);
     for (int k = 0; k < 16; k++) t[k] = bf16_to_f32(f32_to_bf16(t[k]));
