@@ -143,31 +143,32 @@ static void load(float *dst, const void *src, int dt, int64_t off, int n) {
 }
 
 #ifdef HW_BF16
-/* 16 floats -> bfloat16 by the CPU's instruction (AVX512-BF16's vcvtneps2bf16: round-to-nearest-even,
-   nan kept quiet with its sign and upper payload bits, as f32_to_bf16), which flushes subnormal inputs
-   to zero: *h holds f32_to_bf16's bits in every lane but those of the returned mask, the subnormal
-   lanes of x (one vfpclassps; checked over all 2^32 floats, tests/test_cpu_division.py). Zeros take
-   the fast way (until this stop a vector with a zero result was converted again in software, which
-   made the bf16 inverse 2x slower where v clamps to 0 or m and v are 0: untouched embedding rows). */
-static inline __mmask16 cvt_bf16_16(__m512 x, __m256i *h) {
-  *h = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_fpclass_ps_mask(x, 0x20);
+/* 16 floats -> bfloat16, f32_to_bf16's bits (checked over all 2^32 floats, tests/test_cpu_division.py):
+   the CPU's instruction (AVX512-BF16's vcvtneps2bf16: round-to-nearest-even, nan kept quiet with its
+   sign and upper payload bits, as f32_to_bf16), which flushes subnormal inputs to zero; the subnormal
+   lanes (one vfpclassps), rare, are rounded with integers in registers (f32_to_bf16's formula: no nan
+   there). No scalar fall-back: until this stop a vector with any zero result went through a scalar
+   loop, which made all-bf16 steps 3-4x slower where m and v are 0 (untouched embedding rows) and, kept
+   in the loops as a cold path, cost registers. */
+static inline __m256i cvt_bf16_16(__m512 x) {
+  __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  const __mmask16 sub = _mm512_fpclass_ps_mask(x, 0x20);
+  if (__builtin_expect(sub != 0, 0)) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    h = _mm256_mask_mov_epi16(h, sub, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  }
+  return h;
 }
 #endif
 
 /* Float tile -> bfloat16, bit for bit f32_to_bf16: 16 elements per instruction where the CPU converts
-   in hardware (cvt_bf16_16), a vector with a subnormal lane in software. */
+   in hardware (cvt_bf16_16). */
 static inline void store_bf16(uint16_t *restrict d, const float *restrict s, int n) {
   int i = 0;
 #ifdef HW_BF16
-  for (; i + 16 <= n; i += 16) {
-    __m256i h;
-    if (__builtin_expect(cvt_bf16_16(_mm512_loadu_ps(s + i), &h) != 0, 0)) {
-      for (int k = i; k < i + 16; k++) d[k] = f32_to_bf16(s[k]);
-    } else {
-      _mm256_storeu_si256((__m256i *)(d + i), h);
-    }
-  }
+  for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(d + i), cvt_bf16_16(_mm512_loadu_ps(s + i)));
 #endif
   for (; i < n; i++) d[i] = f32_to_bf16(s[i]);
 }
@@ -177,12 +178,8 @@ static inline void round_bf16(float *x, int n) {
   int i = 0;
 #ifdef HW_BF16
   for (; i + 16 <= n; i += 16) {
-    __m256i h;
-    if (__builtin_expect(cvt_bf16_16(_mm512_loadu_ps(x + i), &h) != 0, 0)) {
-      for (int k = i; k < i + 16; k++) x[k] = bf16_to_f32(f32_to_bf16(x[k]));
-    } else {
-      _mm512_storeu_si512(x + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    const __m256i h = cvt_bf16_16(_mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(x + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 #endif
   for (; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
@@ -586,8 +583,8 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
    operations as step_elem in the same order (so the same bits: the portable build's scalar loops are
    checked against it), but bfloat16 values are converted in registers, with no float tiles and no
    separate conversion pass. That is what the all-bf16 step needed: 0.82 -> 0.94 of the bandwidth its
-   bytes imply at 2^26 elements (benchmarks/RESULTS.md). A vector with a subnormal lane is converted
-   in software (cvt_bf16_16: the instruction flushes subnormals). The last, partial
+   bytes imply at 2^26 elements (benchmarks/RESULTS.md). Subnormal lanes are converted with integer
+   arithmetic (cvt_bf16_16: the instruction flushes them). The last, partial
    vector of a range takes only its `lanes` (masked loads read zeros elsewhere, masked stores leave the
    rest of memory alone), so there is no scalar remainder loop. */
 #ifdef HW_BF16
@@ -613,17 +610,9 @@ static inline void vst_0(void *p, int64_t e, __m512 x, __mmask16 lanes) {
 }
 static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
   uint16_t *d = (uint16_t *)p + e;
-  __m256i h;
-  if (__builtin_expect((cvt_bf16_16(x, &h) & lanes) != 0, 0)) {
-    float t[16];
-    _mm512_storeu_ps(t, x);
-    for (int k = 0; k < 16; k++)
-      if (lanes >> k & 1) d[k] = f32_to_bf16(t[k]);
-  } else if (lanes == ALL_LANES) {
-    _mm256_storeu_si256((__m256i *)d, h);
-  } else {
-    _mm256_mask_storeu_epi16(d, lanes, h);
-  }
+  const __m256i h = cvt_bf16_16(x);
+  if (lanes == ALL_LANES) _mm256_storeu_si256((__m256i *)d, h);
+  else _mm256_mask_storeu_epi16(d, lanes, h);
 }
 
 
@@ -728,14 +717,7 @@ static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Und
 
 /* x as stored in bfloat16 and loaded back (round_bf16 on a vector). */
 static inline __m512 vround_1(__m512 x) {
-  __m256i h;
-  if (__builtin_expect(cvt_bf16_16(x, &h) != 0, 0)) {
-    float t[16];
-    _mm512_storeu_ps(t, x);
-    for (int k = 0; k < 16; k++) t[k] = bf16_to_f32(f32_to_bf16(t[k]));
-    return _mm512_loadu_ps(t);
-  }
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt_bf16_16(x)), 16));
 }
 static inline __m512 vround_0(__m512 x) { return x; }
 
