@@ -451,3 +451,21 @@ def test_in_place_updates_leave_the_memory_after_the_tensors_alone(name, dtypes,
         backend.undo_redo(p, m, v, g, s, g, s._replace(grad_scale=0.3), VARIANTS[0], out=(p, m, v))
         backend.undo(p, g, m, v, s._replace(grad_scale=0.3), VARIANTS[0], out=(p, m, v))
         assert all(torch.all(b[n:] == -3.0) for b in bufs), n
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "portable"])
+def test_the_kernel_source_compiles_without_warnings(native, tmp_path):
+    """-Wall -Wextra clean, with the CPU's own instruction sets (the vector loops) and without them."""
+    from sofx.kernels import _cpu_build
+    from sofx.kernels._cpu_source import SOURCE
+
+    cc = _cpu_build._compiler()
+    if cc is None or _cpu_build.load() is None:
+        pytest.skip("no native CPU kernels here")
+    flags = [f for f in _cpu_build._BASE_FLAG_SETS if ("-march=native" in f) == native][0]
+    src = tmp_path / "sofx_adam.c"
+    src.write_text(SOURCE)
+    proc = subprocess.run([*cc.split(), *flags, "-Wall", "-Wextra", "-fsyntax-only", str(src)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning" not in proc.stderr, proc.stderr[-2000:]

@@ -879,7 +879,7 @@ FUSED(1, 0, 1)
         VT[i] = V;                                                                 \
       }                                                                            \
     }                                                                              \
-    if (!REDO) TFLUSH_##DP(po, off, PT, n);                                        \
+    if (!REDO) { TFLUSH_##DP(po, off, PT, n); }                                    \
   }                                                                                \
   TFLUSH_##DS(mo, off, MT, n);                                                     \
   TFLUSH_##DS(vo, off, VT, n);
