@@ -543,6 +543,20 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
 #define TRT_0(T, n)
 #define TRT_1(T, n) round_bf16((T), (n))
 
+/* The step of the compiler-vectorized loops (the build without AVX-512, e.g. AVX2 CPUs) prefetches
+   the line 1 KiB ahead in each float32 stream, 16 elements at a time: measured by building without
+   AVX-512 (-mno-avx512f) on the benchmark machine, the float32 step at 2^26 elements 46.8-47.2 ->
+   39.0-39.2 ms. Not done where a dtype is bfloat16 or float16 (there the split loop was slower:
+   45.8 -> 54 ms), nor in the inverse (77 -> 87 ms: compute bound there). */
+#define STEP_STRIDE(DP, DG, DS) ((DP || DG || DS) ? FTILE : 16)
+static inline int prefetch_lines(const void *p, const void *g, const void *m, const void *v, int64_t e) {
+  __builtin_prefetch((const char *)p + e * 4 + 1024, 0, 3);
+  __builtin_prefetch((const char *)g + e * 4 + 1024, 0, 3);
+  __builtin_prefetch((const char *)m + e * 4 + 1024, 0, 3);
+  __builtin_prefetch((const char *)v + e * 4 + 1024, 0, 3);
+  return 1;
+}
+
 #define UNDO_LOOP(DP, DG, DS, PSRC, HAVE_P_OLD, REDO)                              \
   for (int64_t off = begin; off < end; off += FTILE) {                             \
     const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);                \
@@ -794,7 +808,9 @@ VECTORS(1, 0, 1)
       const StepK k = step_k(&j->s1, j->decoupled);                                \
       for (int64_t off = begin; off < end; off += FTILE) {                         \
         const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);            \
-        IVDEP for (int i = 0; i < n; i++) {                                        \
+        /* float32 arrays: 16 elements (a line per stream) at a time, each line prefetched */\
+        for (int i0 = 0; i0 < n && (DP || DG || DS || prefetch_lines(p, g, m, v, off + i0)); i0 += STEP_STRIDE(DP, DG, DS))\
+        IVDEP for (int i = i0, i1 = i0 + STEP_STRIDE(DP, DG, DS) < n ? i0 + STEP_STRIDE(DP, DG, DS) : n; i < i1; i++) {\
           const int64_t e = off + i;                                               \
           float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);           \
           step_elem(&P, LD_##DG(g, e), &M, &V, &k);                                \
