@@ -372,14 +372,24 @@ static void undo_tile(float *restrict P, float *restrict G, float *restrict M, f
   }
 }
 
+/* Ask for the cache line at byte `off` of an array, for reading (locality 3: into L1). The address is
+   computed as an integer: the fused loops prefetch a fixed distance ahead, past the end of the array
+   near its end, where a prefetch does not fault (and pointer arithmetic would be undefined). */
+static inline void prefetch_line(const void *base, int64_t off) {
+  __builtin_prefetch((const void *)((uintptr_t)base + (uintptr_t)off), 0, 3);
+}
+
+/* How far ahead the fused loops prefetch their streams (benchmarks/RESULTS.md "Prefetch": 1-2 KiB did
+   best at 2^26 elements, 512 bytes less). */
+#define PREFETCH_BYTES 1024
+
 /* Software prefetch of the tile `ahead` tiles on: the hardware prefetchers see each array in
    bursts of one tile and ramp up too slowly for L3-resident data. */
 static void prefetch(const void *base, int dt, int64_t off, int64_t end) {
   if (!base || off >= end) return;
   const int es = dt == DT_F32 ? 4 : 2;
-  const char *b = (const char *)base + off * es;
   const int64_t bytes = ((end - off) < TILE ? (end - off) : TILE) * es;
-  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(b + k, 0, 3);
+  for (int64_t k = 0; k < bytes; k += 64) prefetch_line(base, off * es + k);
 }
 
 static void run_tiles(const Job *j) {
@@ -551,10 +561,10 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
    45.8 -> 54 ms), nor in the inverse (77 -> 87 ms: compute bound there). */
 #define STEP_STRIDE(DP, DG, DS) ((DP || DG || DS) ? FTILE : 16)
 static inline int prefetch_lines(const void *p, const void *g, const void *m, const void *v, int64_t e) {
-  __builtin_prefetch((const char *)p + e * 4 + 1024, 0, 3);
-  __builtin_prefetch((const char *)g + e * 4 + 1024, 0, 3);
-  __builtin_prefetch((const char *)m + e * 4 + 1024, 0, 3);
-  __builtin_prefetch((const char *)v + e * 4 + 1024, 0, 3);
+  prefetch_line(p, e * 4 + PREFETCH_BYTES);
+  prefetch_line(g, e * 4 + PREFETCH_BYTES);
+  prefetch_line(m, e * 4 + PREFETCH_BYTES);
+  prefetch_line(v, e * 4 + PREFETCH_BYTES);
   return 1;
 }
 
@@ -635,12 +645,11 @@ static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
    prefetch per stream and vector (a bfloat16 stream's line is asked for twice: cheaper than testing).
    The hardware prefetchers alone leave 5 or 6 streams read and 3 written at one page offset short of
    the bandwidth; with this the float32 step at 2^26 elements went from 43.6 to 37.9 ms and the
-   undo+redo with a new gradient from 58.5 to 48.9 ms (benchmarks/RESULTS.md "Prefetch"; 512 bytes
-   ahead did less, 4096 as well as 1024-2048; NTA hints made the undo+redo slower). A prefetch past the
-   end of an array does not fault. */
-#define PREFETCH_BYTES 1024
+   undo+redo with a new gradient from 58.5 to 48.9 ms (benchmarks/RESULTS.md "Prefetch"; 4096 bytes
+   ahead as good as 1024-2048 for the step, worse for the undo+redo; NTA hints made the undo+redo
+   slower). */
 static inline void prefetch_at(const void *base, int64_t e, int es) {
-  __builtin_prefetch((const char *)base + e * es + PREFETCH_BYTES, 0, 3);
+  prefetch_line(base, e * es + PREFETCH_BYTES);
 }
 #define ES_0 4
 #define ES_1 2
