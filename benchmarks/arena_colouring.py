@@ -10,11 +10,9 @@ and alternate (in both orders) round by round, so that the machine's bandwidth d
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -23,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sofx.kernels import cpu, cpu_fast  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 from sofx.offload.arena import LocalArena  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ab import alternating, size_arguments, time_step_and_undo_redo  # noqa: E402
 
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
@@ -49,37 +50,22 @@ def time_backend(backend, arrays: list[torch.Tensor], reps: int) -> tuple[float,
     """Median seconds of a step and of a clip's undo+redo (each on a state a real step produced)."""
     p, g, m, v = arrays
     backend.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
-    steps, clips = [], []
-    for _ in range(reps):
-        backend.undo(p, g, m, v, S1, VARIANT, out=(p, m, v))
-        t = time.perf_counter()
-        backend.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
-        steps.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        backend.undo_redo(p, m, v, g, S1, g, S_CLIP, VARIANT, out=(p, m, v))
-        clips.append(time.perf_counter() - t)
-        backend.undo_redo(p, m, v, g, S_CLIP, g, S1, VARIANT, out=(p, m, v))  # back to the S1 step
-    return statistics.median(steps), statistics.median(clips)
+    times = [time_step_and_undo_redo(backend, p, g, m, v, S1, g, S_CLIP, VARIANT) for _ in range(reps)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--log2-numel", type=int, default=26)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=6)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = size_arguments(__doc__.split("\n")[0], rounds=6)
     placements = {"one page offset": block_arrays(1 << args.log2_numel, False),
                   "coloured (LocalArena)": block_arrays(1 << args.log2_numel, True)}
     print("| placement | backend | step ms | clip undo+redo ms | undo+redo / step |")
     print("|---|---|---:|---:|---:|")
     for backend in (cpu, cpu_fast):
         times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in placements}
-        for rnd in range(args.rounds):
-            for name in (list(placements) if rnd % 2 == 0 else list(reversed(placements))):
-                step, clip = time_backend(backend, placements[name], 3)
-                times[name][0].append(step)
-                times[name][1].append(clip)
+        for name in alternating(list(placements), args.rounds):
+            step, clip = time_backend(backend, placements[name], 3)
+            times[name][0].append(step)
+            times[name][1].append(clip)
         for name, (steps, clips) in times.items():
             step, clip = statistics.median(steps), statistics.median(clips)
             print(f"| {name} | {backend.NAME} | {step * 1e3:.1f} | {clip * 1e3:.1f} | {clip / step:.2f} |", flush=True)

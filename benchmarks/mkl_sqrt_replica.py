@@ -9,12 +9,10 @@ differs. Prints the median step and fused undo+redo (a new gradient) per storage
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -23,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sofx.kernels import _cpu_build, cpu  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ab import alternating, size_arguments, time_step_and_undo_redo  # noqa: E402
+
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
 S2 = S1._replace(lr=9e-4, grad_scale=0.5)
@@ -30,12 +31,7 @@ CONFIGS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (tor
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--log2-numel", type=int, default=26)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=8)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = size_arguments(__doc__.split("\n")[0], rounds=8)
     lib = _cpu_build.load()
     if lib is None or not lib.sqrt_replica:
         sys.exit(f"the replica is not in use here ({_cpu_build.unavailable_reason() or 'load-time check failed'})")
@@ -50,17 +46,11 @@ def main() -> None:
         v = (0.01 * torch.rand(n, generator=gen) + 1e-4).to(sdt)
         cpu.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
         times = {name: ([], []) for name in variants}
-        for rnd in range(args.rounds):
-            for name in (list(variants) if rnd % 2 == 0 else list(reversed(variants))):
-                _cpu_build._loaded[0] = variants[name]  # the same library, one flag changed
-                cpu.undo(p, g, m, v, S1, VARIANT, out=(p, m, v))
-                t = time.perf_counter()
-                cpu.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
-                times[name][0].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                cpu.undo_redo(p, m, v, g, S1, g2, S2, VARIANT, out=(p, m, v))
-                times[name][1].append(time.perf_counter() - t)
-                cpu.undo_redo(p, m, v, g2, S2, g, S1, VARIANT, out=(p, m, v))  # back to the S1 step
+        for name in alternating(list(variants), args.rounds):
+            _cpu_build._loaded[0] = variants[name]  # the same library, one flag changed
+            step, undo_redo = time_step_and_undo_redo(cpu, p, g, m, v, S1, g2, S2, VARIANT)
+            times[name][0].append(step)
+            times[name][1].append(undo_redo)
         _cpu_build._loaded[0] = lib
         for name, (steps, urs) in times.items():
             print(f"| {str(pdt)[6:]} / {str(sdt)[6:]} | {name} | {statistics.median(steps) * 1e3:.1f} | "

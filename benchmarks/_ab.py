@@ -1,0 +1,45 @@
+"""A/B timing helpers shared by the small benchmark scripts (arena_colouring.py, mkl_sqrt_replica.py)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+def alternating(names: Sequence[str], rounds: int) -> Iterator[str]:
+    """The variants in the order to time them: as given in even rounds, reversed in odd ones, so that a
+    drift of the machine's memory bandwidth during the run hits every variant alike."""
+    for rnd in range(rounds):
+        yield from (names if rnd % 2 == 0 else list(reversed(names)))
+
+
+def time_step_and_undo_redo(backend, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s1,
+                            g2: torch.Tensor, s2, variant) -> tuple[float, float]:
+    """Seconds of one in-place step (``g``, ``s1``) and of one fused undo+redo to (``g2``, ``s2``).
+
+    Expects the state a step with (``g``, ``s1``) produced and leaves it so: the step runs after an undo,
+    and a second undo+redo takes the state back.
+    """
+    backend.undo(p, g, m, v, s1, variant, out=(p, m, v))
+    t = time.perf_counter()
+    backend.step(p, g, m, v, s1, variant, out=(p, m, v))
+    step = time.perf_counter() - t
+    t = time.perf_counter()
+    backend.undo_redo(p, m, v, g, s1, g2, s2, variant, out=(p, m, v))
+    undo_redo = time.perf_counter() - t
+    backend.undo_redo(p, m, v, g2, s2, g, s1, variant, out=(p, m, v))  # back to the (g, s1) step
+    return step, undo_redo
+
+
+def size_arguments(description: str, rounds: int) -> argparse.Namespace:
+    """``--log2-numel`` (default 26), ``--threads`` (2, applied to torch) and ``--rounds`` (``rounds``)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--log2-numel", type=int, default=26)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
