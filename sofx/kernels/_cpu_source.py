@@ -545,13 +545,13 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
    takes one instruction per 16 elements where rounding in software inline takes eight vector
    operations, and the bfloat16 loops were bound by those rather than by memory. */
 #ifndef FTILE
+#define FTILE 256
+#endif
+
 /* The (param, grad, state) storage dtypes with loops of their own (0 float32, 1 bfloat16): all fp32
    with fp32 or bf16 states; bf16 params and grads with fp32 or bf16 states; bf16 params with fp32
    grads and fp32 or bf16 states. Every other combination runs run_tiles. */
 #define NATIVE_COMBOS(X) X(0, 0, 0) X(0, 0, 1) X(1, 1, 0) X(1, 1, 1) X(1, 0, 0) X(1, 0, 1)
-
-#define FTILE 256
-#endif
 #define TST_0(ptr, T, e, i, x) (((float *)(ptr))[e] = (x))
 #define TST_1(ptr, T, e, i, x) ((T)[i] = (x))
 #define TFLUSH_0(ptr, off, T, n)
@@ -658,6 +658,15 @@ static inline void prefetch_at(const void *base, int64_t e, int es) {
 }
 #define ES_0 4
 #define ES_1 2
+/* The arrays of a step (and the new gradient where with_g2 is set) at element e. */
+#define PREFETCH_ARRAYS(DP, DG, DS, a, e, with_g2)                                      \
+  do {                                                                             \
+    prefetch_at((a).p, (e), ES_##DP);                                              \
+    prefetch_at((a).g, (e), ES_##DG);                                              \
+    prefetch_at((a).m, (e), ES_##DS);                                              \
+    prefetch_at((a).v, (e), ES_##DS);                                              \
+    if (with_g2) prefetch_at((a).g2, (e), ES_##DG);                                \
+  } while (0)
 
 /* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica; MKL itself for a vector
    with a lane the replica does not take). */
@@ -708,10 +717,7 @@ typedef struct {
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
     for (; e + 16 <= j->end; e += 16) {                                           \
-      prefetch_at(a.p, e, ES_##DP);                                                \
-      prefetch_at(a.g, e, ES_##DG);                                                \
-      prefetch_at(a.m, e, ES_##DS);                                                \
-      prefetch_at(a.v, e, ES_##DS);                                                \
+      PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
       vstep_at_##DP##DG##DS(&a, &k, sq, e, ALL_LANES);                             \
     }                                                                              \
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
@@ -776,11 +782,7 @@ static inline __m512 vround_0(__m512 x) { return x; }
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     int64_t e = j->begin;                                                          \
     for (; e + 16 <= j->end; e += 16) {                                           \
-      prefetch_at(a.p, e, ES_##DP);                                                \
-      prefetch_at(a.g, e, ES_##DG);                                                \
-      prefetch_at(a.m, e, ES_##DS);                                                \
-      prefetch_at(a.v, e, ES_##DS);                                                \
-      if (redo) prefetch_at(a.g2, e, ES_##DG);                                     \
+      PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                                     \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, sq, e, ALL_LANES); \
     }                                                                              \
     if (e < j->end)                                                                \
