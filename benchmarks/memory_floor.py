@@ -1,0 +1,106 @@
+"""What the memory traffic alone costs: the fused kernels against the same loops with the arithmetic taken out.
+
+    python benchmarks/memory_floor.py            # 2^26 float32 elements, 2 threads, 6 rounds
+
+Builds a second copy of the native library (in a temporary cache directory) whose vector loops keep
+every load, prefetch and store but replace Adam's arithmetic by one add (step) or subtract (undo) per
+array, then times the `cpu` backend's step and fused undo+redo with a new gradient on both libraries,
+alternating round by round. The ratio undo+redo / step of the second library is the floor that the
+memory system alone sets on this machine for issue #4's "undo+redo <= 1.25x a step" (5 streams read
+and 3 written against 4 and 3). Needs the AVX-512 vector loops (HW_BF16 CPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sofx.kernels import _cpu_build, cpu  # noqa: E402
+from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ab import alternating, size_arguments, time_step_and_undo_redo  # noqa: E402
+
+VARIANT = AdamVariant(decoupled=True, bias_correction=True)
+S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
+S2 = S1._replace(lr=9e-4, grad_scale=0.5)
+
+# The first lines of the vector loops' step and undo; the traffic-only library returns right after them.
+_STEP_HEAD = "static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const StepK *k, const Sqrt *sq) {"
+_UNDO_HEAD = ("static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const UndoK *k, "
+              "int have_p_old, int fast,\n                            const Sqrt *sq) {")
+
+
+def traffic_only_source(source: str) -> str:
+    """The kernel source with the vector step and undo reduced to one add / subtract per array."""
+    for head, op in ((_STEP_HEAD, "add"), (_UNDO_HEAD, "sub")):
+        if source.count(head) != 1:
+            sys.exit(f"the kernel source changed: update {__file__} ({head[:40]}...)")
+        body = (f"\n  *P = _mm512_{op}_ps(*P, G); *M = _mm512_{op}_ps(*M, G); *V = _mm512_{op}_ps(*V, G);"
+                "\n  (void)k; (void)sq; return;")
+        source = source.replace(head, head + body)
+    return source
+
+
+def build_traffic_only() -> _cpu_build.NativeLib:
+    original, saved_env = _cpu_build.SOURCE, os.environ.get("SOFX_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["SOFX_CACHE_DIR"] = cache
+        _cpu_build.SOURCE = traffic_only_source(original)
+        try:
+            lib = _cpu_build._build_and_open()
+        finally:
+            _cpu_build.SOURCE = original
+            if saved_env is None:
+                os.environ.pop("SOFX_CACHE_DIR")
+            else:
+                os.environ["SOFX_CACHE_DIR"] = saved_env
+        if isinstance(lib, str):
+            sys.exit(lib)
+        return lib  # the .so stays mapped after its file is removed
+
+
+def main() -> None:
+    args = size_arguments(__doc__.split("\n")[0], rounds=6)
+    lib = _cpu_build.load()
+    if lib is None or not lib.sqrt_replica:
+        sys.exit("needs the native library with its vector loops (AVX-512 with bf16 conversion) "
+                 f"({_cpu_build.unavailable_reason() or 'the vector loops are not in use here'})")
+    libraries = {"kernels": lib, "memory traffic only": build_traffic_only()}
+    n = 1 << args.log2_numel
+    arrays = {}  # each library its own arrays (the traffic-only one leaves no Adam state behind)
+    for name, library in libraries.items():
+        gen = torch.Generator().manual_seed(0)
+        p, g, g2 = (torch.randn(n, generator=gen) for _ in range(3))
+        m = 0.1 * torch.randn(n, generator=gen)
+        v = 0.01 * torch.rand(n, generator=gen) + 1e-4
+        _cpu_build._loaded[0] = library
+        cpu.step(p, g, m, v, S1, VARIANT, out=(p, m, v))  # the state a step with (g, S1) produced
+        arrays[name] = (p, g, m, v, g2)
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in libraries}
+    try:
+        for name in alternating(list(libraries), args.rounds):
+            _cpu_build._loaded[0] = libraries[name]
+            p, g, m, v, g2 = arrays[name]
+            step, undo_redo = time_step_and_undo_redo(cpu, p, g, m, v, S1, g2, S2, VARIANT)
+            times[name][0].append(step)
+            times[name][1].append(undo_redo)
+    finally:
+        _cpu_build._loaded[0] = lib
+    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend cpu, median of {args.rounds} rounds")
+    print()
+    print("| library | step ms | undo+redo ms (new gradient) | undo+redo / step |")
+    print("|---|---:|---:|---:|")
+    for name, (steps, urs) in times.items():
+        step, ur = statistics.median(steps), statistics.median(urs)
+        print(f"| {name} | {step * 1e3:.1f} | {ur * 1e3:.1f} | {ur / step:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
