@@ -159,12 +159,12 @@ def _open(path: str) -> NativeLib:
 def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:
     """Whether the inline replica of MKL's square root gives ``torch.sqrt``'s bits: on every 7th float of
     [1, 4) (2.4M values: every significand pattern class, both exponent parities, so a different algorithm
-    shows here), on 256 random floats of every binade the replica computes, 2^-95 up to the largest (a
-    different treatment of some exponent range shows there), and on the specials. About 10 ms. (Below 2^-95
-    the kernels call MKL itself.)"""
+    shows here), on 256 random floats of every binade, the subnormals and the tiny ones below 2^-95 (which
+    the replica scales) up to the largest (a different treatment of some exponent range shows there), and
+    on the specials. About 10 ms."""
     x = torch.arange(0x3F800000, 0x40800000, 7, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    fractions = torch.randint(0, 1 << 23, (223, 256), generator=torch.Generator().manual_seed(0))
-    binades = ((torch.arange(223) + 32).unsqueeze(1) << 23) | fractions  # exponent field 32 (2^-95) to 254
+    fractions = torch.randint(0, 1 << 23, (255, 256), generator=torch.Generator().manual_seed(0))
+    binades = (torch.arange(255).unsqueeze(1) << 23) | fractions  # exponent field 0 (subnormals) to 254
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), -1.0, -1e-40, float("nan"), 2.0**-95, 3.4e38])
     x = torch.cat([x, binades.reshape(-1).to(torch.int32).view(torch.float32), specials])
     got = torch.empty_like(x)

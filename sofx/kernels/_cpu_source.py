@@ -216,47 +216,55 @@ static void round_to(float *x, int dt, int n) {
    inline: y = rsqrt14(x) (the instruction's result is defined bit for bit), s = x*y, then one
    multiply-add correction s + (x - s*s) * (y/2). Within an ulp, not always correctly rounded: this is
    where MKL's bits differ from IEEE sqrtf (0.6% of values). Equal to MKL's for every x in
-   [2^-95, FLT_MAX], nan, +-0, +inf and every negative number (tests/test_cpu_mkl_sqrt.py compares them
-   over every float of those ranges that matter); below 2^-95 (tiny positive v) it returns 0 and the
-   caller calls MKL for the tile. The library uses it only where a check at load (sofx.kernels._cpu_build)
-   finds it equal to torch.sqrt, i.e. where torch's MKL takes this code path. */
-/* The replica on one vector; *tiny: the lanes it cannot take (0 < x < 2^-95). The usual vector, every
-   lane in [2^-95, FLT_MAX], costs one integer compare beyond the formula. */
-static inline __m512 mkl_sqrt_replica16(__m512 x, __mmask16 *tiny) {
+   [2^-95, FLT_MAX], nan, +-0, +inf and every negative number; below 2^-95 (tiny positive x, subnormals
+   included) MKL's result is the formula's on x * 2^64, times 2^-32 (both exact scalings). Every float
+   of those ranges that matters is compared in tests/test_cpu_mkl_sqrt.py (all 2^28 tiny ones among
+   them). The library uses it only where a check at load (sofx.kernels._cpu_build) finds it equal to
+   torch.sqrt, i.e. where torch's MKL takes this code path. */
+static inline __m512 mkl_sqrt_formula(__m512 x) {
   const __m512 y = _mm512_rsqrt14_ps(x);
   const __m512 s0 = _mm512_mul_ps(x, y);
   const __m512 r = _mm512_fnmadd_ps(s0, s0, x);
-  const __m512 s = _mm512_fmadd_ps(r, _mm512_mul_ps(y, _mm512_set1_ps(0.5f)), s0);
+  return _mm512_fmadd_ps(r, _mm512_mul_ps(y, _mm512_set1_ps(0.5f)), s0);
+}
+
+/* The replica on one vector. The usual vector, every lane in [2^-95, FLT_MAX], costs one integer compare
+   beyond the formula; the others (zeros, tiny values, infinities, nans, negatives) a few more operations.
+   Tiny lanes go through the formula only scaled: on x itself its remainder x - s*s would be subnormal,
+   and subnormal results cost a microcode assist each (this, and a call to MKL for such vectors, made the
+   exact step 6-8x slower where second moments had decayed below 2^-95 and the gradient was 0: rows of
+   an embedding unused for ~50k steps). */
+static inline __m512 mkl_sqrt_replica16(__m512 x) {
   /* bits - bits(2^-95) < bits(inf) - bits(2^-95), unsigned: 2^-95 <= x <= FLT_MAX */
   const __m512i u = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x10000000));
   const __mmask16 direct = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7F800000 - 0x10000000));
-  *tiny = 0;
-  if (__builtin_expect(direct == (__mmask16)0xFFFF, 1)) return s;
+  if (__builtin_expect(direct == (__mmask16)0xFFFF, 1)) return mkl_sqrt_formula(x);
   const __m512 zero = _mm512_setzero_ps();
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __mmask16 keep = _mm512_cmp_ps_mask(x, zero, _CMP_EQ_OQ) |
                          _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
   const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
-  *tiny = (__mmask16)~(direct | nan | keep | neg);
-  const __m512 t = _mm512_mask_mov_ps(s, keep, x);
-  return _mm512_mask_mov_ps(t, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))); /* MKL's for x < 0 */
+  const __mmask16 tiny = (__mmask16)~(direct | nan | keep | neg); /* 0 < x < 2^-95 */
+  __m512 s = mkl_sqrt_formula(_mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p64f)));
+  s = _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p-32f));
+  s = _mm512_mask_mov_ps(s, keep, x);
+  return _mm512_mask_mov_ps(s, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))); /* MKL's for x < 0 */
 }
 
-static int mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
+static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-    __mmask16 tiny;
-    const __m512 s = mkl_sqrt_replica16(_mm512_maskz_loadu_ps(lanes, in + i), &tiny);
-    if (tiny & lanes) return 0; /* 0 < x < 2^-95: MKL's other path */
-    _mm512_mask_storeu_ps(out + i, lanes, s);
+    _mm512_mask_storeu_ps(out + i, lanes, mkl_sqrt_replica16(_mm512_maskz_loadu_ps(lanes, in + i)));
   }
-  return 1;
 }
 #endif
 
 static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
 #ifdef HW_RSQRT14
-  if (sq->replica && mkl_sqrt_replica(out, in, n)) return;
+  if (sq->replica) {
+    mkl_sqrt_replica(out, in, n);
+    return;
+  }
 #endif
   if (sq->fn) {
     sq->fn((int64_t)n, in, out, sq->mode);
@@ -668,17 +676,10 @@ static inline void prefetch_at(const void *base, int64_t e, int es) {
     if (with_g2) prefetch_at((a).g2, (e), ES_##DG);                                \
   } while (0)
 
-/* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica; MKL itself for a vector
-   with a lane the replica does not take). */
+/* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the vector loops run the
+   exact path only where it is in use). */
 static inline __m512 sqrt_vec(__m512 x, const Sqrt *sq) {
-  if (!sq) return _mm512_sqrt_ps(x);
-  __mmask16 tiny;
-  const __m512 s = mkl_sqrt_replica16(x, &tiny);
-  if (__builtin_expect(tiny == 0, 1)) return s;
-  float in[16], out[16];
-  _mm512_storeu_ps(in, x);
-  sq->fn(16, in, out, sq->mode);
-  return _mm512_loadu_ps(out);
+  return sq ? mkl_sqrt_replica16(x) : _mm512_sqrt_ps(x);
 }
 
 /* step_elem on 16 lanes (div_by's islessgreater is an ordered not-equal compare), the square root by
