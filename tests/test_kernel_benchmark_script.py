@@ -1,5 +1,5 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
-``benchmarks/memory_floor.py`` builds and runs."""
+``benchmarks/memory_floor.py`` and ``benchmarks/idle_rows.py`` run."""
 
 from __future__ import annotations
 
@@ -83,3 +83,14 @@ def test_memory_floor_script_runs():
     assert len(rows) == 2
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
+
+
+def test_idle_rows_script_runs():
+    script = os.path.join(ROOT, "benchmarks", "idle_rows.py")
+    proc = subprocess.run([sys.executable, script, "--log2-numel", "12", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| float32") or line.startswith("| bfloat16")]
+    assert len(rows) == 12
+    for row in rows:
+        assert re.fullmatch(r"\| \w+ \| (zero|decayed) \| [\d.]+ \| \d+\.\d \| \d+\.\d \| \d+\.\d \|", row), row
