@@ -65,32 +65,32 @@ def test_stagger_places_the_arrays_at_distinct_page_offsets():
         assert torch.all(vs[0] > 0) and ps[1].shape == (5, 7)
 
 
+def _table_rows(script: str, args: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    """Run ``benchmarks/<script>`` with ``args``; the lines of its table that start with one of ``prefixes``."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [line for line in proc.stdout.splitlines() if line.startswith(prefixes)]
+
+
 def test_memory_floor_script_runs():
     """``benchmarks/memory_floor.py`` patches the kernel source by text; this keeps it building and running."""
     from sofx.kernels import _cpu_build
 
-    script = os.path.join(ROOT, "benchmarks", "memory_floor.py")
-    spec = importlib.util.spec_from_file_location("memory_floor", script)
+    spec = importlib.util.spec_from_file_location("memory_floor", os.path.join(ROOT, "benchmarks", "memory_floor.py"))
     floor = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(floor)
     lib = _cpu_build.load()
     if lib is None or not lib.sqrt_replica or not floor.has_vector_loops():
         pytest.skip("needs the native vector loops")
-    proc = subprocess.run([sys.executable, script, "--log2-numel", "14", "--rounds", "2"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| kernels") or line.startswith("| memory")]
+    rows = _table_rows("memory_floor.py", ["--log2-numel", "14", "--rounds", "2"], ("| kernels", "| memory"))
     assert len(rows) == 2
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
 
 
 def test_idle_rows_script_runs():
-    script = os.path.join(ROOT, "benchmarks", "idle_rows.py")
-    proc = subprocess.run([sys.executable, script, "--log2-numel", "12", "--rounds", "1"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| float32") or line.startswith("| bfloat16")]
+    rows = _table_rows("idle_rows.py", ["--log2-numel", "12", "--rounds", "1"], ("| float32", "| bfloat16"))
     assert len(rows) == 12
     for row in rows:
         assert re.fullmatch(r"\| \w+ \| (zero|decayed) \| [\d.]+ \| \d+\.\d \| \d+\.\d \| \d+\.\d \|", row), row
