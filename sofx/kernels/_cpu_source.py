@@ -11,7 +11,7 @@ Four code paths, all with the same arithmetic:
              passed its load-time check). They take every operation of the two
              paths below on such CPUs (those of ``exact_*`` only with the
              replica); the portable build (no -march=native) checks them bit
-             for bit.
+             for bit (but for cpu_fast's inverse of tiny values: quot_vec).
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
@@ -19,8 +19,8 @@ Four code paths, all with the same arithmetic:
              bfloat16 results converted by the CPU's own instruction where it
              has one (store_bf16). The inverse divides by 1 - lr*wd, beta1 and
              beta2 through div_by (below; exact but for quotients of tiny or
-             huge numbers, where it may be an ulp off). Used by ``cpu_fast``
-             (``exact`` 0).
+             huge numbers, where it may be an ulp off; the vector loops scale
+             tiny ones first). Used by ``cpu_fast`` (``exact`` 0).
 ``exact_*``  the same per chunk of ``TILE`` elements, split around the square
              roots of the chunk, which are torch's own bit for bit: MKL's
              ``vmsSqrt`` computed inline where a load-time check finds the
@@ -306,9 +306,8 @@ static Sc make_sc(const double *d) {
    correction can round differently from x / b only where N <= 8. Those (x, b) pairs are few (about
    1.7e8 over all 2^23 x 2^23 significands) and tests/test_cpu_division.py computes every one of them
    with this function: none differs. Below that range (|x| < 2^-78; differences seen only below
-   ~2^-100) or where x / b overflows the result may be an ulp off; the inverse, which is an
-   approximation of a few ulps anyway, accepts that for its divisions by beta1, beta2 and 1 - lr*wd
-   (a true float reciprocal alone would be 1.5 ulps off, and wrong for 27% of all x). */
+   ~2^-100) or where x / b overflows the result may be an ulp off, and below it the remainder is
+   subnormal: a microcode assist per element (quot_vec scales such x into the range). */
 static inline float div_by(float x, float b, float rb) {
   const float q = x * rb;
   const float r = fmaf(-q, b, x);
@@ -510,7 +509,10 @@ static inline void step_elem(float *P, float G, float *M, float *V, const StepK 
   *P = step_post(*P, *M, sqrtf(*V), k);
 }
 
-/* x / b, a true division (fast 0) or div_by (fast 1); fast is a constant at every call site. */
+/* x / b, a true division (fast 0) or div_by (fast 1: cpu_fast's inverse, by beta1, beta2, 1 - lr*wd; the
+   inverse is an approximation of a few ulps anyway, and a true float reciprocal alone would be 1.5 ulps
+   off, wrong for 27% of all x); fast is a constant at every call site. The vector loops (quot_vec)
+   differ for 0 < |x| < 2^-78 only: see there. */
 static inline float quot(float x, float b, float rb, int fast) {
   return fast ? div_by(x, b, rb) : x / b;
 }
@@ -725,12 +727,28 @@ typedef struct {
   }
 
 /* x / b by a constant b, as quot (fast 1: div_by; fast 0: a true division). */
-static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
-  if (!fast) return _mm512_div_ps(x, _mm512_set1_ps(b));
+static inline __m512 div_by_vec(__m512 x, float b, float rb) {
   const __m512 vb = _mm512_set1_ps(b), vrb = _mm512_set1_ps(rb);
   const __m512 q = _mm512_mul_ps(x, vrb);
   const __m512 r = _mm512_fnmadd_ps(q, vb, x);
   return _mm512_mask3_fmadd_ps(r, vrb, q, _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ));
+}
+
+/* fast 0: a true division; fast 1: div_by, except that lanes with 0 < |x| < 2^-78 (found by integer
+   compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range and the quotient by 2^-100
+   back: exactly x / b there unless the quotient is subnormal (rounded twice). Unscaled, such x (second
+   moments decayed on rows without gradient for ~50k steps) made div_by's remainder subnormal, a
+   microcode assist per lane: cpu_fast's inverse was 6x slower there. The compiler-vectorized loops (no
+   AVX-512) keep plain div_by, whose bits differ there by up to an ulp: scaling in those loops, where
+   every lane pays for both ways, made their inverse 2x slower. */
+static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
+  if (!fast) return _mm512_div_ps(x, _mm512_set1_ps(b));
+  const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
+  const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
+                                                 _mm512_set1_epi32((0x18800000 << 1) - 1)); /* 2^-78 */
+  if (__builtin_expect(tiny == 0, 1)) return div_by_vec(x, b, rb);
+  const __m512 q = div_by_vec(_mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p100f)), b, rb);
+  return _mm512_mask_mul_ps(q, tiny, q, _mm512_set1_ps(0x1p-100f));
 }
 
 /* undo_elem_d on 16 lanes; D = sqrt_vec(V) is taken here (not with have_p_old). */
@@ -739,7 +757,7 @@ static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Und
   __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
   __m512 p = *P;
   if (!have_p_old) {
-    const __m512 d = _mm512_add_ps(quot_vec(sqrt_vec(*V, sq), k->bc2, k->rbc2, 1), _mm512_set1_ps(k->eps));
+    const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, sq), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
     p = quot_vec(_mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->ss), *M), d)), k->pdiv, k->rpdiv, fast);
   }
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
