@@ -48,15 +48,6 @@ def traffic_only_source(source: str) -> str:
     return source
 
 
-def has_vector_loops() -> bool:
-    """Whether this CPU takes the library's vector loops (its flags include avx512_bf16; Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def build_traffic_only() -> _cpu_build.NativeLib:
     original, saved_env = _cpu_build.SOURCE, os.environ.get("SOFX_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
@@ -78,7 +69,7 @@ def build_traffic_only() -> _cpu_build.NativeLib:
 def main() -> None:
     args = size_arguments(__doc__.split("\n")[0], rounds=6)
     lib = _cpu_build.load()
-    if lib is None or not lib.sqrt_replica or not has_vector_loops():
+    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
         sys.exit("needs the native library with its vector loops (AVX-512 with bf16 conversion) "
                  f"({_cpu_build.unavailable_reason() or 'the vector loops are not in use here'})")
     libraries = {"kernels": lib, "memory traffic only": build_traffic_only()}

@@ -485,12 +485,8 @@ def _has_vector_loops() -> bool:
     """Whether the native library runs its AVX-512 vector loops here (the CPU converts bf16 in hardware)."""
     from sofx.kernels import _cpu_build
 
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
-    except OSError:
-        return False
-    return flags and _cpu_build.load() is not None
+    lib = _cpu_build.load()
+    return lib is not None and lib.vector_loops
 
 
 @pytest.mark.skipif(not _has_vector_loops(), reason="the vector loops do not run here")

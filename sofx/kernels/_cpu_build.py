@@ -53,7 +53,8 @@ class NativeLib:
     """The loaded library: ``adam`` is the C entry point ``sofx_adam``, ``has_f16`` whether float16 works.
 
     ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`);
-    ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
+    ``vector_loops``: whether this build has the explicit AVX-512 vector loops (the CPU converts bf16 in
+    hardware); ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
     in the source: checked here against ``torch.sqrt``); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit.
     """
@@ -64,6 +65,7 @@ class NativeLib:
     sqrt_fn: int
     sqrt_mode: int
     sqrt_local: int
+    vector_loops: bool
     sqrt_replica: bool
     sqrt: ctypes._CFuncPtr
     bitwise_torch: bool
@@ -150,10 +152,13 @@ def _open(path: str) -> NativeLib:
     sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     has_replica = lib.sofx_has_sqrt_replica
     has_replica.restype = ctypes.c_int
+    has_vector_loops = lib.sofx_has_vector_loops
+    has_vector_loops.restype = ctypes.c_int
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
     replica = bool(sqrt_fn) and bool(has_replica()) and _replica_matches(sqrt)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
-    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, replica, sqrt, bitwise)
+    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
+                     sqrt, bitwise)
 
 
 def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:

@@ -1027,6 +1027,15 @@ static void *run_thread(void *arg) {
 
 #define MAX_THREADS 256
 
+/* 1 where this build has the explicit AVX-512 vector loops (HW_BF16), else 0. */
+int sofx_has_vector_loops(void) {
+#ifdef HW_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 /* 1 where this build has mkl_sqrt_replica (AVX-512), else 0. */
 int sofx_has_sqrt_replica(void) {
 #ifdef HW_RSQRT14
