@@ -239,26 +239,21 @@ static inline __m512 mkl_sqrt_replica16(__m512 x) {
   const __m512i u = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x10000000));
   const __mmask16 direct = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7F800000 - 0x10000000));
   if (__builtin_expect(direct == (__mmask16)0xFFFF, 1)) return mkl_sqrt_formula(x);
-  /* vectors of rows without gradient: lanes in range, +0 (v of a row never touched) or tiny (a decayed
-     v), all told apart by the bits: formula(0) is a nan (0 * inf), replaced by the +0 */
+  /* the tiny lanes (0 < x < 2^-95, subnormals included: positive bit patterns below 2^-95's) scaled */
   const __m512i bits = _mm512_castps_si512(x);
+  const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(bits, _mm512_set1_epi32(1)),
+                                                 _mm512_set1_epi32(0x10000000 - 1));
+  __m512 s = mkl_sqrt_formula(_mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p64f)));
+  s = _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p-32f));
+  /* vectors of rows without gradient (lanes in range, +0 or tiny) stop here: formula(+0) is a nan (0 * inf),
+     replaced by the +0 */
   const __mmask16 plus_zero = _mm512_testn_epi32_mask(bits, bits);
-  const __mmask16 tiny_bits = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(bits, _mm512_set1_epi32(1)),
-                                                      _mm512_set1_epi32(0x10000000 - 1)); /* 0 < x < 2^-95 */
-  if ((direct | plus_zero | tiny_bits) == (__mmask16)0xFFFF) {
-    __m512 t = mkl_sqrt_formula(_mm512_mask_mul_ps(x, tiny_bits, x, _mm512_set1_ps(0x1p64f)));
-    t = _mm512_mask_mul_ps(t, tiny_bits, t, _mm512_set1_ps(0x1p-32f));
-    return _mm512_mask_mov_ps(t, plus_zero, x);
-  }
+  if ((direct | tiny | plus_zero) == (__mmask16)0xFFFF) return _mm512_mask_mov_ps(s, plus_zero, x);
   const __m512 zero = _mm512_setzero_ps();
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   const __mmask16 keep = _mm512_cmp_ps_mask(x, zero, _CMP_EQ_OQ) |
                          _mm512_cmp_ps_mask(x, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
   const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
-  const __mmask16 tiny = (__mmask16)~(direct | nan | keep | neg); /* 0 < x < 2^-95 */
-  __m512 s = mkl_sqrt_formula(_mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p64f)));
-  s = _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p-32f));
-  s = _mm512_mask_mov_ps(s, keep, x);
+  s = _mm512_mask_mov_ps(s, keep, x); /* nans: the formula's nan */
   return _mm512_mask_mov_ps(s, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))); /* MKL's for x < 0 */
 }
 
