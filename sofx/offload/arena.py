@@ -10,8 +10,9 @@ cycle through ``PAGE_COLOURS`` values ``COLOUR_BYTES`` apart, so that a block's
 master weights, moments and gradient (allocated one after another) do not all
 start at the same offset within a 4 KiB page. The kernels stream these arrays at
 the same index; when all of them share a page offset (what any allocator gives
-large tensors) the fused undo+redo ran 1.28-1.52x a step, 1.24-1.35x with the
-offsets spread (``benchmarks/kernels.py --stagger 1088``, benchmarks/RESULTS.md).
+large tensors) a late clip's fused undo+redo runs 2-5% slower than with the
+offsets spread (``benchmarks/arena_colouring.py``, benchmarks/RESULTS.md; it was
+more before the kernels prefetched their streams).
 """
 
 from __future__ import annotations
