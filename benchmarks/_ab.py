@@ -1,8 +1,12 @@
-"""A/B timing helpers shared by the small benchmark scripts (arena_colouring.py, mkl_sqrt_replica.py)."""
+"""A/B helpers shared by the small benchmark scripts (arena_colouring.py, memory_floor.py, idle_rows.py,
+prefetch_stagger.py): alternating rounds, timing a step and an undo+redo, building a variant of the kernels."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
@@ -43,3 +47,25 @@ def size_arguments(description: str, rounds: int) -> argparse.Namespace:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     return args
+
+
+def build_variant(source: str):
+    """The native library built from ``source`` (a variant of ``sofx.kernels._cpu_build.SOURCE``) in a
+    temporary cache, so that the library's own cache is left alone; exits with the reason on failure."""
+    from sofx.kernels import _cpu_build
+
+    original, saved_env = _cpu_build.SOURCE, os.environ.get("SOFX_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["SOFX_CACHE_DIR"] = cache
+        _cpu_build.SOURCE = source
+        try:
+            lib = _cpu_build._build_and_open()
+        finally:
+            _cpu_build.SOURCE = original
+            if saved_env is None:
+                os.environ.pop("SOFX_CACHE_DIR")
+            else:
+                os.environ["SOFX_CACHE_DIR"] = saved_env
+    if isinstance(lib, str):
+        sys.exit(lib)
+    return lib  # the .so stays mapped after its file is removed

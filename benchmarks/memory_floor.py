@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
@@ -25,7 +24,7 @@ from sofx.kernels import _cpu_build, cpu  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import alternating, size_arguments, time_step_and_undo_redo  # noqa: E402
+from _ab import alternating, build_variant, size_arguments, time_step_and_undo_redo  # noqa: E402
 
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
@@ -49,21 +48,7 @@ def traffic_only_source(source: str) -> str:
 
 
 def build_traffic_only() -> _cpu_build.NativeLib:
-    original, saved_env = _cpu_build.SOURCE, os.environ.get("SOFX_CACHE_DIR")
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["SOFX_CACHE_DIR"] = cache
-        _cpu_build.SOURCE = traffic_only_source(original)
-        try:
-            lib = _cpu_build._build_and_open()
-        finally:
-            _cpu_build.SOURCE = original
-            if saved_env is None:
-                os.environ.pop("SOFX_CACHE_DIR")
-            else:
-                os.environ["SOFX_CACHE_DIR"] = saved_env
-        if isinstance(lib, str):
-            sys.exit(lib)
-        return lib  # the .so stays mapped after its file is removed
+    return build_variant(traffic_only_source(_cpu_build.SOURCE))
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
-``benchmarks/memory_floor.py`` and ``benchmarks/idle_rows.py`` run."""
+``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py`` and ``benchmarks/idle_rows.py`` run."""
 
 from __future__ import annotations
 
@@ -82,6 +82,20 @@ def test_memory_floor_script_runs():
         pytest.skip("needs the native vector loops")
     rows = _table_rows("memory_floor.py", ["--log2-numel", "14", "--rounds", "2"], ("| kernels", "| memory"))
     assert len(rows) == 2
+    for row in rows:
+        assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
+
+
+def test_prefetch_stagger_script_runs():
+    """``benchmarks/prefetch_stagger.py`` rewrites a #define of the kernel source; this keeps it building."""
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
+        pytest.skip("needs the native vector loops")
+    rows = _table_rows("prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--log2-numel", "14",
+                                               "--rounds", "2"], ("| kernels", "| traffic"))
+    assert [row.split(" | ")[0] for row in rows] == ["| kernels, stagger 64", "| traffic only, stagger 64"]
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
 
