@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -38,12 +38,16 @@ def time_step_and_undo_redo(backend, p: torch.Tensor, g: torch.Tensor, m: torch.
     return step, undo_redo
 
 
-def size_arguments(description: str, rounds: int) -> argparse.Namespace:
-    """``--log2-numel`` (default 26), ``--threads`` (2, applied to torch) and ``--rounds`` (``rounds``)."""
+def size_arguments(description: str, rounds: int,
+                   more: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """``--log2-numel`` (default 26), ``--threads`` (2, applied to torch) and ``--rounds`` (``rounds``);
+    ``more`` adds a script's own arguments."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--log2-numel", type=int, default=26)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=rounds)
+    if more is not None:
+        more(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     return args

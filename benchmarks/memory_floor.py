@@ -51,40 +51,57 @@ def build_traffic_only() -> _cpu_build.NativeLib:
     return build_variant(traffic_only_source(_cpu_build.SOURCE))
 
 
-def main() -> None:
-    args = size_arguments(__doc__.split("\n")[0], rounds=6)
-    lib = _cpu_build.load()
-    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
-        sys.exit("needs the native library with its vector loops (AVX-512 with bf16 conversion) "
-                 f"({_cpu_build.unavailable_reason() or 'the vector loops are not in use here'})")
-    libraries = {"kernels": lib, "memory traffic only": build_traffic_only()}
-    n = 1 << args.log2_numel
-    arrays = {}  # each library its own arrays (the traffic-only one leaves no Adam state behind)
-    for name, library in libraries.items():
-        gen = torch.Generator().manual_seed(0)
-        p, g, g2 = (torch.randn(n, generator=gen) for _ in range(3))
-        m = 0.1 * torch.randn(n, generator=gen)
-        v = 0.01 * torch.rand(n, generator=gen) + 1e-4
-        _cpu_build._loaded[0] = library
-        cpu.step(p, g, m, v, S1, VARIANT, out=(p, m, v))  # the state a step with (g, S1) produced
-        arrays[name] = (p, g, m, v, g2)
+def fresh_state(n: int) -> tuple[torch.Tensor, ...]:
+    """(p, g, m, v, g2): the state a step with (g, S1) produced, and a second gradient."""
+    gen = torch.Generator().manual_seed(0)
+    p, g, g2 = (torch.randn(n, generator=gen) for _ in range(3))
+    m = 0.1 * torch.randn(n, generator=gen)
+    v = 0.01 * torch.rand(n, generator=gen) + 1e-4
+    cpu.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
+    return p, g, m, v, g2
+
+
+def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n: int, rounds: int) -> None:
+    """Time the ``cpu`` backend's step and undo+redo with a new gradient on each library (name -> (library,
+    traffic_only)), alternating round by round, and print the table. The kernel libraries share one set
+    of arrays (every timed pair leaves it as it found it); the traffic-only ones, which change the values,
+    another."""
+    arrays = {False: fresh_state(n), True: fresh_state(n)}
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in libraries}
+    loaded = _cpu_build._loaded[0]
     try:
-        for name in alternating(list(libraries), args.rounds):
-            _cpu_build._loaded[0] = libraries[name]
-            p, g, m, v, g2 = arrays[name]
+        for name in alternating(list(libraries), rounds):
+            library, traffic_only = libraries[name]
+            _cpu_build._loaded[0] = library
+            p, g, m, v, g2 = arrays[traffic_only]
             step, undo_redo = time_step_and_undo_redo(cpu, p, g, m, v, S1, g2, S2, VARIANT)
             times[name][0].append(step)
             times[name][1].append(undo_redo)
     finally:
-        _cpu_build._loaded[0] = lib
-    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend cpu, median of {args.rounds} rounds")
+        _cpu_build._loaded[0] = loaded
+    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend cpu, median of {rounds} rounds")
     print()
     print("| library | step ms | undo+redo ms (new gradient) | undo+redo / step |")
     print("|---|---:|---:|---:|")
     for name, (steps, urs) in times.items():
         step, ur = statistics.median(steps), statistics.median(urs)
         print(f"| {name} | {step * 1e3:.1f} | {ur * 1e3:.1f} | {ur / step:.2f} |", flush=True)
+
+
+def require_vector_loops() -> _cpu_build.NativeLib:
+    """The loaded native library; exits unless it has the vector loops these scripts patch."""
+    lib = _cpu_build.load()
+    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
+        sys.exit("needs the native library with its vector loops (AVX-512 with bf16 conversion) "
+                 f"({_cpu_build.unavailable_reason() or 'the vector loops are not in use here'})")
+    return lib
+
+
+def main() -> None:
+    args = size_arguments(__doc__.split("\n")[0], rounds=6)
+    lib = require_vector_loops()
+    compare_libraries({"kernels": (lib, False), "memory traffic only": (build_traffic_only(), True)},
+                      1 << args.log2_numel, args.rounds)
 
 
 if __name__ == "__main__":
