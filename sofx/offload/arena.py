@@ -10,9 +10,12 @@ cycle through ``PAGE_COLOURS`` values ``COLOUR_BYTES`` apart, so that a block's
 master weights, moments and gradient (allocated one after another) do not all
 start at the same offset within a 4 KiB page. The kernels stream these arrays at
 the same index; when all of them share a page offset (what any allocator gives
-large tensors) a late clip's fused undo+redo runs 2-5% slower than with the
-offsets spread (``benchmarks/arena_colouring.py``, benchmarks/RESULTS.md; it was
-more before the kernels prefetched their streams).
+large tensors) a late clip's fused undo+redo ran 2-5% slower than with the
+offsets spread (``benchmarks/arena_colouring.py``, benchmarks/RESULTS.md; more
+before the kernels prefetched their streams). Since the AVX-512 vector loops
+stagger their streams' prefetch distances the placement is within 1% there;
+colouring costs nothing and stays for the builds without those loops (not
+measured there).
 """
 
 from __future__ import annotations
