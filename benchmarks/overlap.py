@@ -17,8 +17,9 @@ and print the ratios to ``max(backward, optimizer)`` (what perfect overlap
 reaches) and to ``backward + optimizer`` (no overlap). Target:
 ``speculative <= 1.15 x max(backward, optimizer)`` when nothing is undone.
 Forward is excluded (it cannot overlap with the step). The variants run in
-rotation, step by step, so that a changing machine load hits them alike; a
-parallelism probe (two threads of plain torch work) says how much two-thread
+rotation, in runs of a few steps (the first of each run is not recorded: it
+starts with another variant's data in the caches), so that a changing machine
+load hits them alike; a parallelism probe (two threads of plain torch work) says how much two-thread
 overlap the machine allowed during the run.
 
 Run: ``python benchmarks/overlap.py [--width 1024 --depth 6 --batch 64 --steps 30]``.
@@ -64,12 +65,17 @@ VARIANTS = ("plain", "serial", "speculative", "clip")
 
 
 def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int,
-                     block_numel: int, backend: str = "auto") -> dict:
+                     block_numel: int, backend: str = "auto", run_length: int = 4) -> dict:
     """Median times (ms) of the four variants, run in rotation within one loop.
 
-    The machine's load changes during a run; rotating the variants step by step exposes them to the
-    same load. ``plain`` is backward alone on a copy of the model without an optimizer; the others are
-    backward + step() of one SpeculativeAdamW with speculation off / on / on with a late clip.
+    The machine's load changes during a run; rotating the variants exposes them to the same load. Each
+    variant runs ``run_length`` steps in a row per turn and the first of them is not recorded (with
+    ``run_length`` 1 every step is, as before 2026-11-30 12:00): a step right after another variant
+    starts with that variant's data in the caches (the plain backward's model copy costs the next
+    speculative step ~1 ms), which a training loop never does. ``steps`` recorded steps per variant,
+    after ``warmup`` rounds. ``plain`` is backward alone on a copy of the model without an optimizer;
+    the others are backward + step() of one SpeculativeAdamW with speculation off / on / on with a
+    late clip.
     """
     plain_model = copy.deepcopy(model)
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, max_grad_norm=1.0,
@@ -80,55 +86,62 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
     samples["optimizer"] = []
     faults: dict[str, list[int]] = {"plain": [], "speculative": []}
     counts = {v: {"speculated": 0, "committed": 0, "redone": 0} for v in ("speculative", "clip")}
+
+    def _one_step(variant: str, record: bool) -> None:
+        if variant == "plain":
+            for p in plain_model.parameters():
+                p.grad = None
+            loss = nn.functional.mse_loss(plain_model(x), y)
+            f0, t0 = _minor_faults(), time.perf_counter()
+            loss.backward()
+            if record:
+                samples["plain"].append(time.perf_counter() - t0)
+                faults["plain"].append(_minor_faults() - f0)
+            return
+        opt.speculate = variant != "serial"
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        # The loss is scaled down so that the gradient norm stays below max_grad_norm (nothing is
+        # undone); the clip variant boosts the first layer's gradient, the last to arrive, far above it.
+        if variant == "clip":
+            handle = first.register_hook(lambda g: g * 1e4)
+        else:
+            handle = None
+            loss = loss * 1e-3
+        f0, t0 = _minor_faults(), time.perf_counter()
+        loss.backward()
+        t1 = time.perf_counter()
+        if variant == "speculative" and record:
+            faults["speculative"].append(_minor_faults() - f0)
+        report = opt.step()
+        t2 = time.perf_counter()
+        if handle is not None:
+            handle.remove()
+        if not record:
+            return
+        samples[variant].append(t2 - t0)
+        if variant == "serial":
+            samples["optimizer"].append(t2 - t1)
+        else:
+            for key in counts[variant]:
+                counts[variant][key] += getattr(report, key)
+            assert variant == "speculative" and not report.clipped or variant == "clip" and report.clipped
+
+    recorded = max(run_length - 1, 1)  # steps recorded per run: all but the first (it follows another variant)
+    rounds = -(-steps // recorded)
     try:
-        for i in range(steps + warmup):
+        for i in range(rounds + warmup):
             for k in range(len(VARIANTS)):
                 variant = VARIANTS[(i + k) % len(VARIANTS)]
-                if variant == "plain":
-                    for p in plain_model.parameters():
-                        p.grad = None
-                    loss = nn.functional.mse_loss(plain_model(x), y)
-                    f0, t0 = _minor_faults(), time.perf_counter()
-                    loss.backward()
-                    if i >= warmup:
-                        samples["plain"].append(time.perf_counter() - t0)
-                        faults["plain"].append(_minor_faults() - f0)
-                    continue
-                opt.speculate = variant != "serial"
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x), y)
-                # The loss is scaled down so that the gradient norm stays below max_grad_norm (nothing is
-                # undone); the clip variant boosts the first layer's gradient, the last to arrive, far above it.
-                if variant == "clip":
-                    handle = first.register_hook(lambda g: g * 1e4)
-                else:
-                    handle = None
-                    loss = loss * 1e-3
-                f0, t0 = _minor_faults(), time.perf_counter()
-                loss.backward()
-                t1 = time.perf_counter()
-                if variant == "speculative" and i >= warmup:
-                    faults["speculative"].append(_minor_faults() - f0)
-                report = opt.step()
-                t2 = time.perf_counter()
-                if handle is not None:
-                    handle.remove()
-                if i < warmup:
-                    continue
-                samples[variant].append(t2 - t0)
-                if variant == "serial":
-                    samples["optimizer"].append(t2 - t1)
-                else:
-                    for key in counts[variant]:
-                        counts[variant][key] += getattr(report, key)
-                    assert variant == "speculative" and not report.clipped or variant == "clip" and report.clipped
+                for j in range(run_length):
+                    _one_step(variant, record=i >= warmup and (j > 0 or run_length == 1))
         name = opt.executor
     finally:
         opt.close()
     out = {v: _median_ms(samples[v]) for v in samples}
     out["executor"] = name
     out["faults"] = {k: statistics.median(v) for k, v in faults.items()}
-    out["counts"] = {v: {k: n / steps for k, n in c.items()} for v, c in counts.items()}
+    out["counts"] = {v: {k: n / len(samples[v]) for k, n in c.items()} for v, c in counts.items()}
     return out
 
 
@@ -171,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="rounds (every variant) not recorded first")
+    parser.add_argument("--run-length", type=int, default=4,
+                        help="steps of one variant in a row; the first of each run is not recorded (1: record all)")
     parser.add_argument("--block-numel", type=int, default=2 ** 20)
     parser.add_argument("--executors", default="thread,process")
     parser.add_argument("--backend", default="auto", help="the CPU kernels: auto (= cpu, bitwise torch.optim's "
@@ -185,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     y = torch.randn(args.batch, 1)
     probe = parallelism_probe()
     print(f"# overlap benchmark: MLP {args.depth}x{args.width} ({n_params / 1e6:.2f} M params), batch {args.batch}, "
-          f"median of {args.steps} steps per variant (variants interleaved), torch {torch.__version__}, "
+          f"median of {args.steps} steps per variant (variants interleaved, runs of {args.run_length}), "
+          f"torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, 1 torch thread per side, backend {args.backend}")
     print(f"parallelism probe (two threads of plain torch work, time(both)/max(each); 1.0 = two free cores): "
           f"{probe:.2f}; load average {os.getloadavg()[0]:.1f}")
@@ -195,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
           "page faults per backward (plain / spec) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for executor in args.executors.split(","):
-        r = time_interleaved(model, executor, x, y, args.steps, args.warmup, args.block_numel, args.backend)
+        r = time_interleaved(model, executor, x, y, args.steps, args.warmup, args.block_numel, args.backend,
+                             args.run_length)
         b, o = r["plain"], r["optimizer"]
         c, k = r["counts"]["speculative"], r["counts"]["clip"]
         print(f"| {r['executor']} | {b:.1f} | {o:.1f} | {r['serial']:.1f} | {r['speculative']:.1f} | "
