@@ -19,8 +19,8 @@ reaches) and to ``backward + optimizer`` (no overlap). Target:
 Forward is excluded (it cannot overlap with the step). The variants run in
 rotation, in runs of a few steps (the first of each run is not recorded: it
 starts with another variant's data in the caches), so that a changing machine
-load hits them alike; a parallelism probe (two threads of plain torch work) says how much two-thread
-overlap the machine allowed during the run.
+load hits them alike; a parallelism probe (two threads of plain torch work)
+says how much two-thread overlap the machine allowed during the run.
 
 Run: ``python benchmarks/overlap.py [--width 1024 --depth 6 --batch 64 --steps 30]``.
 """
