@@ -5,7 +5,7 @@ Four code paths, all with the same arithmetic:
 ``vstep_*``, ``vundo_*``  explicit AVX-512 vectors (where the CPU also converts
              bfloat16 in hardware, HW_BF16): one loop per dtype combination,
              16 elements at a time from memory to memory, every stream read
-             prefetched 1 KiB ahead, bfloat16 converted in registers; IEEE
+             prefetched 1-2.3 KiB ahead (staggered by stream), bfloat16 converted in registers; IEEE
              square roots and div_by for ``cpu_fast``, MKL's
              square root inline and true divisions for ``cpu`` (when the replica
              passed its load-time check). They take every operation of the two
