@@ -66,7 +66,7 @@ def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n
     traffic_only)), alternating round by round, and print the table. The kernel libraries share one set
     of arrays (every timed pair leaves it as it found it); the traffic-only ones, which change the values,
     another."""
-    arrays = {False: fresh_state(n), True: fresh_state(n)}
+    arrays = {kind: fresh_state(n) for kind in sorted({t for _, t in libraries.values()})}
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in libraries}
     loaded = _cpu_build._loaded[0]
     try:
