@@ -9,7 +9,9 @@ validation, a late second gradient, a missing gradient, micro-steps, an
 earlier micro-step's backward (no speculation) and the arrival order.
 
 After every step the speculative path must equal the serial loop: the same
-loss-scaler state and step counts; bitwise for every block that was not
+loss-scaler state and step counts (or both raise DeepSpeed's error for an
+overflow at the minimum loss scale, the speculative path having undone what it
+speculated: nothing changed); bitwise for every block that was not
 undone; within float32 rounding (1e-6 of the tensor's largest value) for
 undone ones; never a nan that the serial loop does not have. The paths are
 then re-synchronised (the serial values copied), so that every step is
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -49,9 +52,9 @@ class SpeculationMachine(RuleBasedStateMachine):
                 budget=st.sampled_from([None, None, 0, 2 * 7 * 3 * 4]), profile=st.sampled_from(["torch", "deepspeed"]),
                 predict=st.booleans(), max_norm=st.sampled_from([None, 1.0, 1.0]),
                 missing=st.sampled_from(["skip", "zero"]), donate=st.booleans(), n=st.integers(2, 4),
-                seed=st.integers(0, 2 ** 16))
+                seed=st.integers(0, 2 ** 16), low_scale=st.sampled_from([False, False, True]))
     def setup(self, decoupled, beta1, bf16_states, undo, budget, profile, predict, max_norm, missing, donate, n,
-              seed):
+              seed, low_scale):
         self.gen = torch.Generator().manual_seed(seed)
         make = sofx.adamw if decoupled else sofx.adam
         self.opt = make(lr=1e-2, betas=(beta1, 0.999), weight_decay=0.05,
@@ -59,8 +62,10 @@ class SpeculationMachine(RuleBasedStateMachine):
         self.config = sp.SpeculationConfig(max_norm=max_norm, profile=profile, missing_grad=missing,
                                            snapshot_budget_bytes=budget, predict_scale=predict,
                                            policy=sp.AdaptivePolicy(window=3, quiet_steps=2))
-        self.scaler = (loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=3) if profile == "torch" else
-                       loss_scale.deepspeed_scaler(init_scale=2.0 ** 8, scale_window=3, hysteresis=2))
+        # low_scale: DeepSpeed's scaler starts near its minimum (1), where an overflow raises MinLossScaleError
+        init_scale = 2.0 if low_scale else 2.0 ** 8
+        self.scaler = (loss_scale.grad_scaler(init_scale=init_scale, growth_interval=3) if profile == "torch" else
+                       loss_scale.deepspeed_scaler(init_scale=init_scale, scale_window=3, hysteresis=2))
         self.schedule = schedules.warmup_cosine(1e-2, warmup_steps=3, decay_steps=40, init=1e-3)
         self.donate = donate
         params = [torch.randn(SIZES[i], generator=self.gen) for i in range(n)]
@@ -114,16 +119,34 @@ class SpeculationMachine(RuleBasedStateMachine):
 
         spec_params = [p.clone() for p in self.params] if self.donate else self.params
         spec_state = _clone_state(self.state) if self.donate else self.state
-        res = sp.speculative_step(self.opt, spec_params, grads, spec_state, config=self.config, scaler=self.scaler,
-                                  scaler_state=self.sstate, policy_state=self.policy, hparams=hp,
-                                  validation_hparams=final_hp, backward_scale=backward_scale, order=order,
-                                  late_grads=late_grads, last_micro_step=not not_last, donate=self.donate)
         final_grads = list(grads)
         for i, extra in late_grads.items():
             final_grads[i] = final_grads[i] + extra
-        ser = serial_step(self.opt, self.params, final_grads, self.state, scaler=self.scaler,
-                          scaler_state=self.sstate, hparams=final_hp, max_norm=self.config.max_norm,
-                          profile=self.config.profile, missing_grad=self.config.missing_grad)
+
+        def serial():
+            return serial_step(self.opt, self.params, final_grads, self.state, scaler=self.scaler,
+                               scaler_state=self.sstate, hparams=final_hp, max_norm=self.config.max_norm,
+                               profile=self.config.profile, missing_grad=self.config.missing_grad)
+
+        try:
+            res = sp.speculative_step(self.opt, spec_params, grads, spec_state, config=self.config,
+                                      scaler=self.scaler, scaler_state=self.sstate, policy_state=self.policy,
+                                      hparams=hp, validation_hparams=final_hp, backward_scale=backward_scale,
+                                      order=order, late_grads=late_grads, last_micro_step=not not_last,
+                                      donate=self.donate)
+        except loss_scale.MinLossScaleError:
+            with pytest.raises(loss_scale.MinLossScaleError):
+                serial()
+            # The blocks speculated were undone before the error: the (donated) inputs hold the old values
+            # again, to float32 rounding where an algebraic inverse ran.
+            for i in range(n):
+                assert int(spec_state.count[i]) == int(self.state.count[i])
+                for a, b in ((spec_params[i], self.params[i]), (spec_state.mu[i], self.state.mu[i]),
+                             (spec_state.nu[i], self.state.nu[i])):
+                    assert _rel(a, b) <= 1e-6, (i, _rel(a, b))
+            self.steps += 1
+            return
+        ser = serial()
 
         r = res.report
         assert res.scaler_state == ser.scaler_state
