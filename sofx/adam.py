@@ -185,9 +185,10 @@ class Adam:
         if strategy == "snapshot":
             m_old = leaf.m.clone() if donate else leaf.m
             v_old = leaf.v.clone() if donate else leaf.v
+        # Before the step: with donation the kernel overwrites leaf.m and leaf.v with the new moments.
+        fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         p2, m2, v2 = self._kernel(leaf).step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out)
-        fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
         return p2, m2, v2, leaf.count + 1, rec
 
