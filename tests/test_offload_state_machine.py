@@ -7,7 +7,8 @@ clipping norm, undo mode), the copy with ``torch.optim.AdamW`` + ``clip_grad_nor
 boosted past the clipping norm (on a random parameter, so on blocks speculated early or late), an inf
 or nan gradient (overflow: skipped step, scale backoff), and hyperparameters of one param group changed
 between backward and ``step()`` (lr, betas, weight decay: validation must redo the speculated blocks
-with the new values). After every step: the same skip decision and loss scale as the GradScaler, and
+with the new values); or the step's gradients are thrown away after backward (``zero_grad`` without
+``step()``: the blocks speculated during that backward are undone, nothing else changes). After every step: the same skip decision and loss scale as the GradScaler, and
 the parameters within DESIGN.md's float32 rounding of torch's (1e-6 relative per step). Then the
 engine's masters, moments and the model are set to torch's values, so that every step is checked at
 the per-step tolerance (an algebraic undo restores the moments to a few ulps of the stepped ones; where
@@ -66,8 +67,9 @@ class OffloadMachine(RuleBasedStateMachine):
 
     @rule(boost=st.sampled_from([None, None, 0, 1, 2, 3, 4, 5, 6, 7]),
           bad=st.sampled_from([None, None, None, "inf", "nan"]), bad_param=st.integers(0, 7),
-          change=st.sampled_from([None, None, "lr", "betas", "weight_decay"]), group=st.integers(0, 1))
-    def step(self, boost, bad, bad_param, change, group):
+          change=st.sampled_from([None, None, "lr", "betas", "weight_decay"]), group=st.integers(0, 1),
+          discard=st.sampled_from([False, False, False, False, True]))
+    def step(self, boost, bad, bad_param, change, group, discard):
         self.opt.zero_grad()
         self.ropt.zero_grad()
         for micro in range(self.accumulate):
@@ -86,6 +88,13 @@ class OffloadMachine(RuleBasedStateMachine):
             self.scaler.scale(self.loss_fn(self.ref, batch)).backward()
             for h in handles:
                 h.remove()
+        if discard:  # the gradients are thrown away: nothing changes (the engine undoes what it speculated)
+            self.opt.zero_grad()
+            self.ropt.zero_grad()
+            assert self.opt.engine.loss_scale == self.scaler.get_scale()
+            self._check_masters()
+            self._resync()
+            return
         # Hyperparameters changed after backward (speculated blocks used the old ones), in both optimizers.
         if change is not None:
             for opt in (self.opt, self.ropt):
@@ -108,7 +117,18 @@ class OffloadMachine(RuleBasedStateMachine):
         assert report.speculated == report.committed + report.undone
         worst = relative_deviation(self.model, self.ref)
         assert worst <= TOL, (worst, report.summary())
+        self._check_masters()
         self._resync()
+
+    def _check_masters(self):
+        """The engine's fp32 masters hold what the model shows (fp32 model: the same values), within the
+        per-step tolerance of torch's."""
+        engine = self.opt.engine
+        ref_params = [p for g in self.ropt.param_groups for p in g["params"]]
+        for i, q in enumerate(ref_params):
+            master = engine.param_state(i)["master"]
+            d = (master.double() - q.detach().double()).abs().max().item()
+            assert d / max(q.detach().abs().max().item(), 1e-3) <= TOL, (i, d)
 
     def _resync(self):
         """Give the engine (masters, moments) and the model torch's values (see the module docstring)."""
