@@ -8,7 +8,9 @@ boosted past the clipping norm (on a random parameter, so on blocks speculated e
 or nan gradient (overflow: skipped step, scale backoff), and hyperparameters of one param group changed
 between backward and ``step()`` (lr, betas, weight decay: validation must redo the speculated blocks
 with the new values); or the step's gradients are thrown away after backward (``zero_grad`` without
-``step()``: the blocks speculated during that backward are undone, nothing else changes). After every step: the same skip decision and loss scale as the GradScaler, and
+``step()``: the blocks speculated during that backward are undone, nothing else changes). Between
+steps the optimizer may be replaced by a new one loaded from its ``state_dict()`` (a resumed run: masters,
+moments, counts, loss scale and param-group hyperparameters come back). After every step: the same skip decision and loss scale as the GradScaler, and
 the parameters within DESIGN.md's float32 rounding of torch's (1e-6 relative per step). Then the
 engine's masters, moments and the model are set to torch's values, so that every step is checked at
 the per-step tolerance (an algebraic undo restores the moments to a few ulps of the stepped ones; where
@@ -56,10 +58,11 @@ class OffloadMachine(RuleBasedStateMachine):
         self.ref = copy.deepcopy(self.model)
         self.accumulate, self.max_norm = accumulate, max_norm
         self.boost = 100.0 if undo == "exact" else 3.0  # see the module docstring
-        self.opt = sofx.offload.SpeculativeAdamW(
+        self.make_opt = lambda: sofx.offload.SpeculativeAdamW(
             param_groups(self.model), lr=2e-3, betas=(0.9, 0.99), eps=1e-8, max_grad_norm=max_norm,
             loss_scale=grad_scaler(init_scale=2.0 ** 10, growth_interval=3), executor=executor,
             block_numel=block_numel, gradient_accumulation_steps=accumulate, timeout=60.0, undo=undo)
+        self.opt = self.make_opt()
         self.ropt = torch.optim.AdamW(param_groups(self.ref), lr=2e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
         self.gen = torch.Generator().manual_seed(seed + 1)
@@ -119,6 +122,18 @@ class OffloadMachine(RuleBasedStateMachine):
         assert worst <= TOL, (worst, report.summary())
         self._check_masters()
         self._resync()
+
+    @rule()
+    def resume(self):
+        """Replace the optimizer by a new one loaded from its state_dict (the model keeps its values)."""
+        state = copy.deepcopy(self.opt.state_dict())
+        self.opt.close()
+        self.opt = self.make_opt()
+        self.opt.load_state_dict(state)
+        assert self.opt.engine.loss_scale == self.scaler.get_scale()
+        for g, rg in zip(self.opt.param_groups, self.ropt.param_groups):
+            assert (g["lr"], tuple(g["betas"]), g["weight_decay"]) == (rg["lr"], tuple(rg["betas"]), rg["weight_decay"])
+        self._check_masters()
 
     def _check_masters(self):
         """The engine's fp32 masters hold what the model shows (fp32 model: the same values), within the
