@@ -5,25 +5,23 @@ trained with ``sofx.offload.SpeculativeAdamW`` (a random executor, block size, g
 clipping norm, undo mode), the copy with ``torch.optim.AdamW`` + ``clip_grad_norm_`` +
 ``torch.amp.GradScaler`` (the "torch" profile's definition). Every step draws its events: a gradient
 boosted past the clipping norm (on a random parameter, so on blocks speculated early or late), an inf
-or nan gradient (overflow: skipped step, scale backoff), and hyperparameters of one param group changed
+or nan gradient (overflow: skipped step, scale backoff), hyperparameters of one param group changed
 between backward and ``step()`` (lr, betas, weight decay: validation must redo the speculated blocks
-with the new values); or the step's gradients are thrown away after backward (``zero_grad`` without
-``step()``: the blocks speculated during that backward are undone, nothing else changes). Between
-steps the optimizer may be replaced by a new one loaded from its ``state_dict()`` (a resumed run: masters,
-moments, counts, loss scale and param-group hyperparameters come back). After every step: the same skip decision and loss scale as the GradScaler, and
-the parameters within DESIGN.md's float32 rounding of torch's (1e-6 relative per step). Then the
-engine's masters, moments and the model are set to torch's values, so that every step is checked at
-the per-step tolerance (an algebraic undo restores the moments to a few ulps of the stepped ones; where
-the undone gradient dominated the second moment that is a larger relative error, and several overflow
-steps undone in a row add up: 1.6e-6 after three, without this re-synchronisation).
+with the new values), or the gradients thrown away after backward (``zero_grad`` without ``step()``:
+what was speculated is undone, nothing else changes). Between steps the optimizer may be replaced by a
+new one loaded from its ``state_dict()`` (a resumed run).
 
-How hard a boost clips depends on the undo mode. An algebraic undo restores the moments to a few ulps
-of the stepped ones; where the undone gradient dominated the second moment, a redo with a much smaller
-gradient magnifies that by about 1/coef^2 (SPECULATION.md: "the moments suffer cancellation"; README).
-With this harness's beta2 = 0.99 a x100 boost (clip coefficients down to ~0.07) passed 1e-6 by a little
-(1.2e-6), so under ``undo="auto"`` a boost is x3; under ``undo="exact"`` (snapshots, bit for bit) x100.
-This machine also found a real bug: a donated first step was recorded as not fresh (its moments were
-read after the kernel overwrote them), so its undo left leftovers that a clipped redo magnified.
+After every step: the same skip decision and loss scale as the GradScaler, and the model's parameters
+and the engine's masters within DESIGN.md's float32 rounding of torch's (1e-6 relative per step). Then
+masters, moments and model are set to torch's values, so that every step is checked at the per-step
+tolerance. An algebraic undo restores the moments to a few ulps of the stepped ones (SPECULATION.md:
+"the moments suffer cancellation"; README): where the undone gradient dominated the second moment,
+several overflow steps undone in a row add up (1.6e-6 after three without the re-synchronisation), and
+a redo with a much smaller gradient magnifies it by about 1/coef^2 (with this harness's beta2 = 0.99 a
+x100 boost, clip coefficients down to ~0.07, gave 1.2e-6). So under ``undo="auto"`` a boost is x3, under
+``undo="exact"`` (snapshots, bit for bit) x100. This machine found a real bug: a donated first step was
+recorded as not fresh (its moments were read after the kernel overwrote them), and its undo left
+leftovers that a clipped redo magnified.
 """
 
 from __future__ import annotations
