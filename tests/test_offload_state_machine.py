@@ -1,8 +1,8 @@
 """Hypothesis state machine: the facade against torch.optim under random sequences of events.
 
 Each run builds one of the harness's models (shared/tied and frozen parameters included) twice: one
-trained with ``sofx.offload.SpeculativeAdamW`` (a random executor, block size, gradient accumulation,
-clipping norm, undo mode), the copy with ``torch.optim.AdamW`` + ``clip_grad_norm_`` +
+trained with ``sofx.offload.SpeculativeAdamW`` (a random executor, CPU backend, block size, partial
+offload, gradient accumulation, clipping norm, undo mode, swapped or copied parameters), the copy with ``torch.optim.AdamW`` + ``clip_grad_norm_`` +
 ``torch.amp.GradScaler`` (the "torch" profile's definition). Every step draws its events: a gradient
 boosted past the clipping norm (on a random parameter, so on blocks speculated early or late), an inf
 or nan gradient (overflow: skipped step, scale backoff), hyperparameters of one param group changed
@@ -46,8 +46,10 @@ class OffloadMachine(RuleBasedStateMachine):
     @initialize(model_name=st.sampled_from(["mlp", "transformer"]), executor=st.sampled_from(["inline", "thread"]),
                 accumulate=st.integers(1, 2), block_numel=st.sampled_from([40, 200, 1 << 20]),
                 max_norm=st.sampled_from([1.0, 20.0]), undo=st.sampled_from(["auto", "auto", "exact"]),
-                seed=st.integers(0, 2 ** 16))
-    def setup(self, model_name, executor, accumulate, block_numel, max_norm, undo, seed):
+                backend=st.sampled_from(["auto", "auto", "cpu_fast", "reference"]), n_device_blocks=st.integers(0, 1),
+                swap_params=st.booleans(), seed=st.integers(0, 2 ** 16))
+    def setup(self, model_name, executor, accumulate, block_numel, max_norm, undo, backend, n_device_blocks,
+              swap_params, seed):
         self.threads = torch.get_num_threads()
         torch.set_num_threads(1)
         make_model, self.make_batch, self.loss_fn = MODELS[model_name]
@@ -59,7 +61,8 @@ class OffloadMachine(RuleBasedStateMachine):
         self.make_opt = lambda: sofx.offload.SpeculativeAdamW(
             param_groups(self.model), lr=2e-3, betas=(0.9, 0.99), eps=1e-8, max_grad_norm=max_norm,
             loss_scale=grad_scaler(init_scale=2.0 ** 10, growth_interval=3), executor=executor,
-            block_numel=block_numel, gradient_accumulation_steps=accumulate, timeout=60.0, undo=undo)
+            block_numel=block_numel, gradient_accumulation_steps=accumulate, timeout=60.0, undo=undo,
+            backend=backend, n_device_blocks=n_device_blocks, swap_params=swap_params)
         self.opt = self.make_opt()
         self.ropt = torch.optim.AdamW(param_groups(self.ref), lr=2e-3, betas=(0.9, 0.99), eps=1e-8, foreach=False)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
