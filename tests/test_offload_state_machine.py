@@ -43,7 +43,8 @@ TOL = 1e-6
 
 
 class OffloadMachine(RuleBasedStateMachine):
-    @initialize(model_name=st.sampled_from(["mlp", "transformer"]), executor=st.sampled_from(["inline", "thread"]),
+    @initialize(model_name=st.sampled_from(["mlp", "transformer"]),
+                executor=st.sampled_from(["inline", "thread", "thread", "process"]),
                 accumulate=st.integers(1, 2), block_numel=st.sampled_from([40, 200, 1 << 20]),
                 max_norm=st.sampled_from([1.0, 20.0]), undo=st.sampled_from(["auto", "auto", "exact"]),
                 backend=st.sampled_from(["auto", "auto", "cpu_fast", "reference"]), n_device_blocks=st.integers(0, 1),
