@@ -2,14 +2,14 @@
 
 Each run builds one of the harness's models (shared/tied and frozen parameters included) twice: one
 trained with ``sofx.offload.SpeculativeAdamW`` (a random executor, CPU backend, block size, partial
-offload, gradient accumulation, clipping norm, undo mode, swapped or copied parameters), the copy with ``torch.optim.AdamW`` + ``clip_grad_norm_`` +
-``torch.amp.GradScaler`` (the "torch" profile's definition). Every step draws its events: a gradient
-boosted past the clipping norm (on a random parameter, so on blocks speculated early or late), an inf
-or nan gradient (overflow: skipped step, scale backoff), hyperparameters of one param group changed
-between backward and ``step()`` (lr, betas, weight decay: validation must redo the speculated blocks
-with the new values), or the gradients thrown away after backward (``zero_grad`` without ``step()``:
-what was speculated is undone, nothing else changes). Between steps the optimizer may be replaced by a
-new one loaded from its ``state_dict()`` (a resumed run).
+offload, gradient accumulation, clipping norm, undo mode, swapped or copied parameters), the copy with
+``torch.optim.AdamW`` + ``clip_grad_norm_`` + ``torch.amp.GradScaler`` (the "torch" profile's
+definition). Every step draws its events: a gradient boosted past the clipping norm (on a random
+parameter, so on blocks speculated early or late), an inf or nan gradient (overflow: skipped step, scale
+backoff), hyperparameters of one param group changed between backward and ``step()`` (lr, betas, weight
+decay: validation must redo the speculated blocks with the new values), or the gradients thrown away
+after backward (``zero_grad`` without ``step()``: what was speculated is undone, nothing else changes).
+Between steps the optimizer may be replaced by a new one loaded from its ``state_dict()`` (a resumed run).
 
 After every step: the same skip decision and loss scale as the GradScaler, and the model's parameters
 and the engine's masters within DESIGN.md's float32 rounding of torch's (1e-6 relative per step). Then
