@@ -106,13 +106,15 @@ def schedule(step: int) -> float:
     return min(1.0, (step + 1) / 10) * 0.97 ** step
 
 
+def tensor_deviation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max(max|b|, 1e-3): DESIGN.md's relative error of ``a`` against the reference ``b``."""
+    d = (a.detach().double() - b.detach().double()).abs().max().item()
+    return d / max(b.detach().abs().max().item(), 1e-3)
+
+
 def relative_deviation(a: nn.Module, b: nn.Module) -> float:
-    """max over parameters of max|a - b| / max(max|b|, 1e-3)."""
-    worst = 0.0
-    for p, q in zip(a.parameters(), b.parameters()):
-        d = (p.detach().double() - q.detach().double()).abs().max().item()
-        worst = max(worst, d / max(q.detach().abs().max().item(), 1e-3))
-    return worst
+    """max over parameters of :func:`tensor_deviation`."""
+    return max((tensor_deviation(p, q) for p, q in zip(a.parameters(), b.parameters())), default=0.0)
 
 
 def mlp_step_side_by_side(opt, ropt: torch.optim.Optimizer, model: nn.Module, ref: nn.Module,
