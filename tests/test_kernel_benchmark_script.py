@@ -1,11 +1,13 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
-``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py`` and ``benchmarks/idle_rows.py`` run."""
+``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py`` and
+``benchmarks/read_streams.py`` run."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -105,3 +107,13 @@ def test_idle_rows_script_runs():
     assert len(rows) == 12
     for row in rows:
         assert re.fullmatch(r"\| \w+ \| (zero|decayed) \| [\d.]+( \| \d+\.\d){5} \|", row), row
+
+
+def test_read_streams_script_runs():
+    """``benchmarks/read_streams.py`` builds its own small C library: one row per mix, then the ratios."""
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("needs a C compiler")
+    rows = _table_rows("read_streams.py", ["--log2-numel", "14", "--rounds", "2"], ("| ", "5/"))
+    mixes = [row.split(" | ")[0] for row in rows if row.startswith("| ") and row[2].isdigit()]
+    assert mixes == ["| 4 / 0", "| 5 / 0", "| 4 / 3", "| 5 / 3", "| 3 / 3", "| 4 / 4", "| 5 / 5", "| 2 / 1"]
+    assert any(row.startswith("5/3 over 4/3") for row in rows)
