@@ -7,7 +7,8 @@ every load, prefetch and store but replace Adam's arithmetic by one add (step) o
 array, then times the `cpu` backend's step and fused undo+redo with a new gradient on both libraries,
 alternating round by round. The ratio undo+redo / step of the second library is the floor that the
 memory system alone sets on this machine for issue #4's "undo+redo <= 1.25x a step" (5 streams read
-and 3 written against 4 and 3). Needs the AVX-512 vector loops (HW_BF16 CPUs).
+and 3 written against 4 and 3; ``read_streams.py`` shows the reads alone set it here: 5/4). Needs the
+AVX-512 vector loops (HW_BF16 CPUs).
 """
 
 from __future__ import annotations
