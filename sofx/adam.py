@@ -46,7 +46,7 @@ from sofx import tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
-from sofx.kernels.base import AdamScalars, AdamVariant, Scalar, as_number, is_number, is_traced
+from sofx.kernels.base import AdamScalars, AdamVariant, Scalar, any_traced, as_number, is_number, is_traced
 from sofx.undo_record import LeafUndo, UndoRecord
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
@@ -317,12 +317,15 @@ class Adam:
         _validate_grad_scale(grad_scale)
         return [None if leaf.g is None else self._plan(leaf, grad_scale, grads_finite)[1:] for leaf in leaves]
 
-    def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec) -> list[AdamHParams]:
-        """One complete :class:`AdamHParams` per leaf of ``spec`` (defaults filled in)."""
+    def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec, paths: list[str] | None = None,
+                        ) -> list[AdamHParams]:
+        """One complete :class:`AdamHParams` per leaf of ``spec`` (defaults filled in); ``paths``: the
+        leaves' paths if the caller has them."""
         if hparams is None:
             hparams = AdamHParams()
         per_leaf = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams")
-        paths = tree.leaf_paths(spec)
+        if paths is None:
+            paths = tree.leaf_paths(spec)
         out = []
         for path, hp in zip(paths, per_leaf):
             if hp is None:
@@ -347,7 +350,7 @@ class Adam:
         mus = tree.flatten_up_to(spec, state.mu, "state.mu")
         nus = tree.flatten_up_to(spec, state.nu, "state.nu")
         stepping = expect_spec is None or grads is not None  # an update, or the redo of an undo_redo
-        hps = self.resolve_hparams(hparams, spec) if stepping else [self.defaults] * len(p_leaves)
+        hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
@@ -363,7 +366,7 @@ class Adam:
         return spec, leaves
 
     def _kernel(self, leaf: _Leaf) -> Any:
-        traced = any(is_traced(x) for x in (leaf.p, leaf.g, leaf.m, leaf.v, *leaf.hp))
+        traced = any_traced((leaf.p, leaf.g, leaf.m, leaf.v, *leaf.hp))
         if traced:
             if self.backend not in ("auto", "reference"):
                 raise UnsupportedError(f"{leaf.path}: backend {self.backend!r} cannot run under torch.func "
@@ -388,7 +391,7 @@ class Adam:
             return "snapshot", ""
         values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
         tensors = (leaf.p, leaf.g, leaf.m, leaf.v)
-        if any(is_traced(x) for x in tensors) or not all(is_number(x) for x in values):
+        if any_traced(tensors) or not all(is_number(x) for x in values):
             # Values cannot be inspected (vmap, grad, compile): keep the inputs (exact, no copy when pure).
             if self.undo_mode == "algebraic":
                 return "algebraic", ""
@@ -438,7 +441,7 @@ def _validate_grads_finite(grads_finite: Any) -> None:
 
 def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:
     """The leaf's first step from all-zero moments (checked on that step only)."""
-    if not (is_number(s.step) and s.step == 1) or any(is_traced(x) for x in (leaf.m, leaf.v)):
+    if not (is_number(s.step) and s.step == 1) or any_traced((leaf.m, leaf.v)):
         return False
     return leaf.m.count_nonzero().item() == 0 and leaf.v.count_nonzero().item() == 0
 
@@ -492,14 +495,16 @@ def _validate_hparams(hp: AdamHParams, where: str) -> None:
     for name, value in zip(AdamHParams._fields, hp):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-            raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
-        if isinstance(value, torch.Tensor):
-            if is_traced(value):
-                continue
-            if value.dim() != 0:
-                raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got shape {tuple(value.shape)}")
-            value = value.item()
+        if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
+            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+                raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
+            if isinstance(value, torch.Tensor):
+                if is_traced(value):
+                    continue
+                if value.dim() != 0:
+                    raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, "
+                                      f"got shape {tuple(value.shape)}")
+                value = value.item()
         ok, rule = _RANGES[name]
         # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
         if not -math.inf < value < math.inf or not ok(value):

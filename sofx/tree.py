@@ -65,6 +65,8 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
     ["params['layers'][0]['w']"]
     """
     spec = spec_or_tree if _is_treespec(spec_or_tree) else optree.tree_structure(spec_or_tree)
+    if spec.is_leaf():  # a single tensor (the offload engine's flat blocks): no accessor objects
+        return [root]
     return [acc.codify(root) for acc in spec.accessors()]
 
 

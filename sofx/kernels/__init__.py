@@ -18,6 +18,7 @@ the reference backend always is.
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 import torch
@@ -42,6 +43,9 @@ def load_backend(name: str) -> ModuleType | None:
     """The backend module called ``name``, or None when it cannot be imported here."""
     if name not in _BACKEND_MODULES:
         raise UnsupportedError(f"unknown backend {name!r}; expected one of {sorted(_BACKEND_MODULES)} or 'auto'")
+    module = sys.modules.get(_BACKEND_MODULES[name])  # imported already: once per leaf and step, skip importlib
+    if module is not None:
+        return module
     try:
         return importlib.import_module(_BACKEND_MODULES[name])
     except ImportError:

@@ -23,7 +23,7 @@ done in float32 (float64 when ``p`` is float64) and rounded on store.
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple, Sequence, Union
+from typing import Iterable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -74,6 +74,18 @@ def is_traced(x: object) -> bool:
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(x)) or x.requires_grad
 
 
+def any_traced(xs: Iterable[object]) -> bool:
+    """``any(is_traced(x) for x in xs)``, asking ``torch.compiler.is_compiling()`` once (it runs for every
+    leaf of every step)."""
+    tensors = [x for x in xs if isinstance(x, torch.Tensor)]
+    if not tensors:
+        return False
+    if torch.compiler.is_compiling():  # first: torch.compile cannot trace the functorch query
+        return True
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(x.requires_grad or wrapped(x) for x in tensors)
+
+
 def as_number(x: Scalar) -> Scalar:
     """A Python number for a concrete 0-d tensor, ``x`` itself otherwise.
 
@@ -118,17 +130,18 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise LeafError(f"{where}: out must be a tuple (p_out, m_out, v_out)")
         named += list(zip(("p_out", "m_out", "v_out"), out))
+    device, shape = like.device, like.shape
     for name, t in named:
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-        if t.device != like.device:
-            raise UnsupportedError(f"{where}: {name} is on {t.device}, p on {like.device}")
+        if t.device != device:
+            raise UnsupportedError(f"{where}: {name} is on {t.device}, p on {device}")
         if not t.dtype.is_floating_point:
             raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
-        if t.shape != like.shape:
-            raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(like.shape)}")
+        if t.shape != shape:
+            raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
 def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None,

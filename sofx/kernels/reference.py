@@ -33,10 +33,10 @@ from sofx.kernels.base import (
     AdamScalars,
     AdamVariant,
     Scalar,
+    any_traced,
     compute_dtype,
     concrete_scalars,
     is_number,
-    is_traced,
 )
 
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
@@ -127,7 +127,7 @@ def _step_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     s = concrete_scalars(s)
     # Plain tensors: update freshly made temporaries in place (three outputs and one
     # temporary, as torch.optim). Under autograd or torch.func: out-of-place ops only.
-    inplace = not any(is_traced(x) for x in (p, g, m, v, *s))
+    inplace = not any_traced((p, g, m, v, *s))
     p = p.to(cd)
     g = _effective_grad(g, s, cd)
     m = m.to(cd)
