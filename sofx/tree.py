@@ -17,6 +17,7 @@ grads tree). This module is the only place that knows how trees are walked:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import optree
@@ -65,9 +66,22 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
     ["params['layers'][0]['w']"]
     """
     spec = spec_or_tree if _is_treespec(spec_or_tree) else optree.tree_structure(spec_or_tree)
-    if spec.is_leaf():  # a single tensor (the offload engine's flat blocks): no accessor objects
-        return [root]
+    if isinstance(spec, optree.PyTreeSpec):  # not torch.compile's stand-in
+        try:
+            return list(_codified_paths(spec, root))
+        except TypeError:  # a custom node whose metadata cannot be hashed
+            pass
     return [acc.codify(root) for acc in spec.accessors()]
+
+
+@functools.lru_cache(maxsize=1024)
+def _codified_paths(spec: TreeSpec, root: str) -> tuple[str, ...]:
+    """:func:`leaf_paths` of a real optree spec, memoized: an update asks for the same structure's paths
+    every step (to name leaves in errors), and building the accessors costs more than the rest of the
+    checks of a small leaf."""
+    if spec.is_leaf():
+        return (root,)
+    return tuple(acc.codify(root) for acc in spec.accessors())
 
 
 def _is_treespec(x: Any) -> bool:

@@ -18,7 +18,8 @@ a worker process needs to rebuild views of the same shared tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -55,8 +56,9 @@ class BlockLayout:
     def numel(self) -> int:
         return sum(self.numels)
 
-    @property
+    @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
+        """Where each parameter starts in the block's flat tensors."""
         out, acc = [], 0
         for n in self.numels:
             out.append(acc)
@@ -87,9 +89,16 @@ class BlockTensors:
     grad: torch.Tensor
     counts: torch.Tensor
 
+    # flat tensor's id -> (the tensor, its layout, its views): every operation on the block asks again
+    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
     def views(self, flat: torch.Tensor, layout: BlockLayout) -> list[torch.Tensor]:
-        """1-d views of ``flat``, one per parameter of ``layout``."""
-        return [flat[o:o + n] for o, n in zip(layout.offsets, layout.numels)]
+        """1-d views of ``flat``, one per parameter of ``layout`` (made once per tensor and layout)."""
+        cached = self._views.get(id(flat))
+        if cached is None or cached[0] is not flat or cached[1] is not layout:
+            cached = (flat, layout, tuple(flat[o:o + n] for o, n in zip(layout.offsets, layout.numels)))
+            self._views[id(flat)] = cached
+        return list(cached[2])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq,
