@@ -147,6 +147,52 @@ def test_threaded_sizes_with_partial_tiles(name, dtypes, rng, monkeypatch):
                       reference.undo(*want[:1], g, *want[1:], s, variant), exact)
 
 
+COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+def test_p_copy_receives_the_new_params_in_its_dtype(name, dtypes, rng, monkeypatch):
+    """``p_copy`` gets ``p'`` as ``p_copy.copy_(p')`` would, for every op: written by the kernel per chunk
+    (streaming stores, a start that is not 64-byte aligned, three threads, a partial last chunk), or
+    copied afterwards where it cannot (float64, a strided view); the results are those without it."""
+    backend = reference if name == "reference" else BACKENDS[name]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    n = 3 * 65536 + 4099
+    p, g, m, v = _inputs(rng, n, *dtypes)
+    g2 = torch.randn(n, generator=rng).to(g.dtype)
+    s = _scalars(rng, 0.1, 0.5)
+    variant = VARIANTS[0]
+    stepped = reference.step(p, g, m, v, s, variant)
+    ops = {"step": lambda **kw: backend.step(p, g, m, v, s, variant, **kw),
+           "undo": lambda **kw: backend.undo(*stepped[:1], g, *stepped[1:], s, variant, **kw),
+           "undo_redo": lambda **kw: backend.undo_redo(*stepped, g, s, g2, s._replace(grad_scale=0.25), variant,
+                                                       **kw)}
+    for op, run in ops.items():
+        want = run()
+        for dtype in COPY_DTYPES:
+            buffer = torch.full((2 * n + 40,), 7.0, dtype=dtype)
+            for copy in (buffer[3:3 + n], buffer[:2 * n:2]):  # unaligned; strided (copied afterwards)
+                got = run(p_copy=copy)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (op, dtype)
+                assert torch.equal(copy, want[0].to(dtype)), (op, dtype)
+            assert (buffer[2 * n:] == 7).all() and buffer[1] == 7  # nothing written beside the copies
+
+
+def test_p_copy_is_checked_like_the_other_tensors(rng):
+    variant = AdamVariant()
+    p, g, m, v = _inputs(rng, 10, torch.float32, torch.float32)
+    copies = [t.clone() for t in (p, g, m, v)]
+    s = _scalars(rng, 0.1)
+    with pytest.raises(LeafError, match="p_copy has shape"):
+        cpu.step(p, g, m, v, s, variant, out=(p, m, v), p_copy=torch.empty(9))
+    with pytest.raises(LeafError, match="p_copy must be a floating-point tensor"):
+        cpu.undo_redo(p, m, v, g, s, g, s, variant, out=(p, m, v), p_copy=torch.empty(10, dtype=torch.int32))
+    with pytest.raises(UnsupportedError, match="p_copy is on meta"):
+        cpu.undo(p, g, m, v, s, variant, out=(p, m, v), p_copy=torch.empty(10, device="meta"))
+    assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
+
+
 def test_cpu_step_is_torch_optim_bit_for_bit(rng):
     if not cpu.bitwise_with_torch():
         pytest.skip("torch's square root cannot be reproduced here")
@@ -405,15 +451,17 @@ def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkey
     s = _scalars(rng, 0.1, 0.5)
     g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
     for backend in (cpu, cpu_fast):
-        runs = [lambda: backend.step(p, g, m, v, s, VARIANTS[0]),
-                lambda: backend.undo(p, g, m, v, s, VARIANTS[1]),
-                lambda: backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[0])]
-        want = [run() for run in runs]
+        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for _ in range(6)]
+        runs = [lambda c: backend.step(p, g, m, v, s, VARIANTS[0], p_copy=c),
+                lambda c: backend.undo(p, g, m, v, s, VARIANTS[1], p_copy=c),
+                lambda c: backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[0], p_copy=c)]
+        want = [run(c) for run, c in zip(runs, copies)]
         monkeypatch.setattr(_cpu_build, "_loaded", [lib])
-        got = [run() for run in runs]
+        got = [run(c) for run, c in zip(runs, copies[3:])]
         monkeypatch.undo()
         for a, b in zip(got, want):
             assert all(torch.equal(x, y) or max_rel_err(x, y) == 0.0 for x, y in zip(a, b))
+        assert all(torch.equal(a, b) for a, b in zip(copies[3:], copies[:3]))  # the copy without AVX-512
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

@@ -118,6 +118,19 @@ else:
         _close(tk.undo_redo(*stepped, gb, s, gb, s, variant, p_old=pb),
                reference.undo_redo(*stepped, gb, s, gb, s, variant, p_old=pb))
 
+    def test_p_copy_receives_the_new_params_in_its_dtype(rng):
+        variant = AdamVariant()
+        p, g, m, v = _inputs(rng, tk.BLOCK + 9, torch.float32, torch.float32)
+        s = _scalars(rng, 0.1, 0.5)
+        for dtype in (torch.float32, torch.bfloat16):
+            copy = torch.full(p.shape, 7.0, dtype=dtype)
+            stepped = tk.step(p, g, m, v, s, variant, p_copy=copy)
+            assert torch.equal(copy, stepped[0].to(dtype))
+            undone = tk.undo(*stepped[:1], g, *stepped[1:], s, variant, p_copy=copy)
+            assert torch.equal(copy, undone[0].to(dtype))
+            redone = tk.undo_redo(*stepped, g, s, g, s._replace(grad_scale=0.25), variant, p_copy=copy)
+            assert torch.equal(copy, redone[0].to(dtype))
+
     def test_nan_propagates_and_the_clamp_keeps_nan(rng):
         variant = AdamVariant()
         p, g, m, v = _inputs(rng, 100, torch.float32, torch.float32)

@@ -3,19 +3,23 @@
 A kernel works on flat (or any same-shaped) tensors of one parameter block and
 knows nothing of pytrees, threads or speculation. Every backend module exposes
 
-``step(p, g, m, v, s, variant, *, out=None) -> (p', m', v')``
+``step(p, g, m, v, s, variant, *, out=None, p_copy=None) -> (p', m', v')``
     One Adam step (DESIGN.md "Numerics reference").
-``undo(p', g, m', v', s, variant, *, p_old=None, out=None) -> (p, m, v)``
+``undo(p', g, m', v', s, variant, *, p_old=None, out=None, p_copy=None) -> (p, m, v)``
     The algebraic inverse of ``step`` (SPECULATION.md section 2). With
     ``p_old`` the parameter is restored from that snapshot (exactly) and only
     the moments are recomputed.
-``undo_redo(p', m', v', g_old, s_old, g_new, s_new, variant, *, p_old=None, out=None)``
+``undo_redo(p', m', v', g_old, s_old, g_new, s_new, variant, *, p_old=None, out=None, p_copy=None)``
     ``step(*undo(p', g_old, m', v', s_old), g_new, s_new)`` as one call (fused
     in the fast backends).
 ``supports(device, param_dtype, state_dtype) -> bool``
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
-(buffer donation); without it the inputs are left untouched. ``p`` is any
+(buffer donation); without it the inputs are left untouched. ``p_copy``, a
+float tensor of ``p``'s shape and device in any float dtype, also receives the
+new parameters, cast to its dtype as ``p_copy.copy_(p')`` would (the offload
+engine's model parameters; the CPU kernels write it in the same pass). It must
+not overlap the other tensors. ``p`` is any
 float dtype, ``g`` any float dtype, ``m``/``v`` the state dtype; the math is
 done in float32 (float64 when ``p`` is float64) and rounded on store.
 """
@@ -142,6 +146,12 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
             raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
         if t.shape != shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def write_param_copy(p_copy: torch.Tensor | None, p_new: torch.Tensor) -> None:
+    """``p_copy.copy_(p_new)`` where a kernel did not write the copy itself (``p_copy`` may be None)."""
+    if p_copy is not None:
+        p_copy.copy_(p_new)
 
 
 def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None,

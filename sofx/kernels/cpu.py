@@ -59,7 +59,7 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               write_outputs)
+                               write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available", "bitwise_with_torch"]
 
@@ -134,14 +134,18 @@ def _native_input(t: torch.Tensor) -> torch.Tensor:
 
 def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
          g2: torch.Tensor | None, p_old: torch.Tensor | None, s1: ctypes.Array, s2: ctypes.Array | None,
-         out: Sequence[torch.Tensor] | None, lib: _cpu_build.NativeLib, exact: bool) -> Triple:
+         out: Sequence[torch.Tensor] | None, lib: _cpu_build.NativeLib, exact: bool,
+         p_copy: torch.Tensor | None = None) -> Triple:
     """Run the C kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed.
 
     ``exact``: take torch's own square root (bitwise the reference); else IEEE ``sqrtf`` in the fused loops.
+    ``p_copy``: written by the kernel in the same pass where it is contiguous in a storage dtype, else
+    copied afterwards.
     """
     inputs = [_native_input(p), _native_input(g), _native_input(m), _native_input(v)]
     g2c = _native_input(g2) if g2 is not None else None
     poc = _native_input(p_old) if p_old is not None else None
+    pc = p_copy if p_copy is not None and p_copy.dtype in _DTYPE_CODES and p_copy.is_contiguous() else None
     want = (p.dtype, m.dtype, v.dtype)
     targets: list[torch.Tensor] = []
     for i, dtype in enumerate(want):
@@ -152,19 +156,24 @@ def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: tor
             targets.append(torch.empty(p.shape, dtype=dtype))
     n = p.numel()
     if n:
-        dtypes = (ctypes.c_int * 5)(_DTYPE_CODES[p.dtype], _DTYPE_CODES[inputs[1].dtype], _DTYPE_CODES[m.dtype],
+        dtypes = (ctypes.c_int * 6)(_DTYPE_CODES[p.dtype], _DTYPE_CODES[inputs[1].dtype], _DTYPE_CODES[m.dtype],
                                     _DTYPE_CODES[g2c.dtype] if g2c is not None else src.DT_F32,
-                                    _DTYPE_CODES[poc.dtype] if poc is not None else src.DT_F32)
-        ptrs = (ctypes.c_void_p * 9)(*(t.data_ptr() for t in inputs),
-                                     g2c.data_ptr() if g2c is not None else None,
-                                     poc.data_ptr() if poc is not None else None,
-                                     *(t.data_ptr() for t in targets))
+                                    _DTYPE_CODES[poc.dtype] if poc is not None else src.DT_F32,
+                                    _DTYPE_CODES[pc.dtype] if pc is not None else src.DT_F32)
+        ptrs = (ctypes.c_void_p * 10)(*(t.data_ptr() for t in inputs),
+                                      g2c.data_ptr() if g2c is not None else None,
+                                      poc.data_ptr() if poc is not None else None,
+                                      *(t.data_ptr() for t in targets),
+                                      pc.data_ptr() if pc is not None else None)
         rc = lib.adam(op, int(variant.decoupled), dtypes, n, ptrs, s1, s2 if s2 is not None else s1,
                       torch.get_num_threads(), int(exact), (lib.sqrt_fn or None) if exact else None,
                       lib.sqrt_mode, lib.sqrt_local or None, int(exact and lib.sqrt_replica))
         if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
             raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
-    return write_outputs(targets, out)
+    results = write_outputs(targets, out)
+    if pc is None:
+        write_param_copy(p_copy, results[0])
+    return results
 
 
 def _native(p: torch.Tensor, m: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> _cpu_build.NativeLib | None:
@@ -181,69 +190,77 @@ def _native(p: torch.Tensor, m: torch.Tensor, tensors: Sequence[torch.Tensor | N
 
 # ------------------------------------------------------------------ API
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, out: Triple | None = None) -> Triple:
-    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (see the module docstring)."""
-    return step_impl(p, g, m, v, s, variant, out=out, exact=True)
+         variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
+    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (see the module docstring;
+    ``p_copy``: also gets ``p'``, in the same pass)."""
+    return step_impl(p, g, m, v, s, variant, out=out, exact=True, p_copy=p_copy)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None,
+         p_copy: torch.Tensor | None = None) -> Triple:
     """Inverse of :func:`step` given the step's gradient and scalars (``p_old``: restore p from it).
 
     Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not exist, as the reference.
     """
-    return undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=True)
+    return undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=True, p_copy=p_copy)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
               g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
-              p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+              p_old: torch.Tensor | None = None, out: Triple | None = None,
+              p_copy: torch.Tensor | None = None) -> Triple:
     """``step(*undo(p, g_old, m, v, s_old), g_new, s_new)`` in one pass over memory.
 
     The undone values are rounded to the storage dtypes in between, exactly as
     two separate calls would store them.
     """
-    return undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=True)
+    return undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=True,
+                          p_copy=p_copy)
 
 
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)
 def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-              variant: AdamVariant, *, out: Triple | None, exact: bool) -> Triple:
+              variant: AdamVariant, *, out: Triple | None, exact: bool, p_copy: torch.Tensor | None = None,
+              ) -> Triple:
     """:func:`step`; ``exact=False`` uses IEEE ``sqrtf`` (see :mod:`sofx.kernels.cpu_fast`)."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p, out)
+    _check("step", [("p", p), ("g", g), ("m", m), ("v", v), ("p_copy", p_copy)], p, out)
     s = concrete_scalars(s)
     block = _scalar_block(s, variant)
-    lib = _native(p, m, (v, g))
+    lib = _native(p, m, (v, g, p_copy))
     if block is None or lib is None:
-        return reference.step(p, g, m, v, s, variant, out=out)
-    return _run(src.OP_STEP, variant, p, g, m, v, None, None, block, None, out, lib, exact)
+        return reference.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)
+    return _run(src.OP_STEP, variant, p, g, m, v, None, None, block, None, out, lib, exact, p_copy)
 
 
 def undo_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-              variant: AdamVariant, *, p_old: torch.Tensor | None, out: Triple | None, exact: bool) -> Triple:
+              variant: AdamVariant, *, p_old: torch.Tensor | None, out: Triple | None, exact: bool,
+              p_copy: torch.Tensor | None = None) -> Triple:
     """:func:`undo` with the choice of square root (see :func:`step_impl`)."""
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p, out)
+    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old), ("p_copy", p_copy)], p, out)
     s = concrete_scalars(s)
     reference._check_invertible(s, variant, p_old is not None)
     block = _scalar_block(s, variant)
-    lib = _native(p, m, (v, g, p_old))
+    lib = _native(p, m, (v, g, p_old, p_copy))
     if block is None or lib is None:
-        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out)
-    return _run(src.OP_UNDO, variant, p, g, m, v, None, p_old, block, None, out, lib, exact)
+        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out, p_copy=p_copy)
+    return _run(src.OP_UNDO, variant, p, g, m, v, None, p_old, block, None, out, lib, exact, p_copy)
 
 
 def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
                    g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
-                   p_old: torch.Tensor | None, out: Triple | None, exact: bool) -> Triple:
+                   p_old: torch.Tensor | None, out: Triple | None, exact: bool,
+                   p_copy: torch.Tensor | None = None) -> Triple:
     """:func:`undo_redo` with the choice of square root (see :func:`step_impl`)."""
-    _check("undo_redo", [("p", p), ("m", m), ("v", v), ("g_old", g_old), ("g_new", g_new), ("p_old", p_old)],
-           p, out)
+    _check("undo_redo", [("p", p), ("m", m), ("v", v), ("g_old", g_old), ("g_new", g_new), ("p_old", p_old),
+                         ("p_copy", p_copy)], p, out)
     s_old = concrete_scalars(s_old)
     s_new = concrete_scalars(s_new)
     reference._check_invertible(s_old, variant, p_old is not None)
     b_old = _scalar_block(s_old, variant)
     b_new = _scalar_block(s_new, variant)
-    lib = _native(p, m, (v, g_old, g_new, p_old))
+    lib = _native(p, m, (v, g_old, g_new, p_old, p_copy))
     if b_old is None or b_new is None or lib is None:
-        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out)
-    return _run(src.OP_UNDO_REDO, variant, p, g_old, m, v, g_new, p_old, b_old, b_new, out, lib, exact)
+        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out,
+                                   p_copy=p_copy)
+    return _run(src.OP_UNDO_REDO, variant, p, g_old, m, v, g_new, p_old, b_old, b_new, out, lib, exact, p_copy)

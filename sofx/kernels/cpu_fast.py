@@ -39,19 +39,22 @@ def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: 
 
 
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, out: Triple | None = None) -> Triple:
+         variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
     """One Adam step (:func:`sofx.kernels.cpu.step` with IEEE square roots)."""
-    return cpu.step_impl(p, g, m, v, s, variant, out=out, exact=False)
+    return cpu.step_impl(p, g, m, v, s, variant, out=out, exact=False, p_copy=p_copy)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None,
+         p_copy: torch.Tensor | None = None) -> Triple:
     """Inverse of :func:`step` (:func:`sofx.kernels.cpu.undo` with IEEE square roots)."""
-    return cpu.undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=False)
+    return cpu.undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=False, p_copy=p_copy)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
               g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
-              p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+              p_old: torch.Tensor | None = None, out: Triple | None = None,
+              p_copy: torch.Tensor | None = None) -> Triple:
     """One-pass undo and redo (:func:`sofx.kernels.cpu.undo_redo` with IEEE square roots)."""
-    return cpu.undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=False)
+    return cpu.undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=False,
+                              p_copy=p_copy)

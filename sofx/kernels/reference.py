@@ -37,6 +37,7 @@ from sofx.kernels.base import (
     compute_dtype,
     concrete_scalars,
     is_number,
+    write_param_copy,
 )
 
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
@@ -162,9 +163,12 @@ def _step_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
 
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, out: Out = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v``."""
-    return _store(_step_math(p, g, m, v, s, variant), (p, m, v), out)
+         variant: AdamVariant, *, out: Out = None,
+         p_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also ``p'``)."""
+    results = _store(_step_math(p, g, m, v, s, variant), (p, m, v), out)
+    write_param_copy(p_copy, results[0])
+    return results
 
 
 def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: bool) -> None:
@@ -204,23 +208,28 @@ def _undo_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, p_old: torch.Tensor | None = None,
-         out: Out = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Out = None,
+         p_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`step` given the step's gradient ``g`` and scalars ``s``.
 
     Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not
     exist (a beta of 0, decoupled ``lr*wd == 1`` without ``p_old``).
     """
-    return _store(_undo_math(p, g, m, v, s, variant, p_old), (p, m, v), out)
+    results = _store(_undo_math(p, g, m, v, s, variant, p_old), (p, m, v), out)
+    write_param_copy(p_copy, results[0])
+    return results
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
               g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
-              p_old: torch.Tensor | None = None, out: Out = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              p_old: torch.Tensor | None = None, out: Out = None,
+              p_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Undo the step taken with ``(g_old, s_old)`` and redo it with ``(g_new, s_new)``.
 
     The intermediate (undone) values are rounded to the storage dtypes, as if
     ``undo`` and ``step`` had been called one after the other.
     """
     p0, m0, v0 = undo(p, g_old, m, v, s_old, variant, p_old=p_old)
-    return _store(_step_math(p0, g_new, m0, v0, s_new, variant), (p, m, v), out)
+    results = _store(_step_math(p0, g_new, m0, v0, s_new, variant), (p, m, v), out)
+    write_param_copy(p_copy, results[0])
+    return results

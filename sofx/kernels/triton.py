@@ -41,7 +41,7 @@ import triton.language as tl
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               write_outputs)
+                               write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK", "COMPILE_OPTIONS"]
 
@@ -277,42 +277,52 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
     return write_outputs(targets, out)
 
 
+def _copied(results: Triple, p_copy: torch.Tensor | None) -> Triple:
+    """``results``, with ``p_copy`` (if any) given the new parameters (a copy after the kernel)."""
+    write_param_copy(p_copy, results[0])
+    return results
+
+
 def _numbers(s: AdamScalars) -> bool:
     return all(is_number(x) for x in s)
 
 
 # ------------------------------------------------------------------ API
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, out: Triple | None = None) -> Triple:
-    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v``."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v)], p, out)
+         variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
+    """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also gets ``p'``,
+    copied after the kernel)."""
+    _check("step", [("p", p), ("g", g), ("m", m), ("v", v), ("p_copy", p_copy)], p, out)
     s = concrete_scalars(s)
     if not _numbers(s):
-        return reference.step(p, g, m, v, s, variant, out=out)
-    return _launch(_OP_STEP, p, g, m, v, None, None, None, _step_args(s, variant), out)
+        return reference.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)
+    return _copied(_launch(_OP_STEP, p, g, m, v, None, None, None, _step_args(s, variant), out), p_copy)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
-         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+         variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None,
+         p_copy: torch.Tensor | None = None) -> Triple:
     """Inverse of :func:`step` given the step's gradient and scalars (``p_old``: restore p from it)."""
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old)], p, out)
+    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old), ("p_copy", p_copy)], p, out)
     s = concrete_scalars(s)
     reference._check_invertible(s, variant, p_old is not None)
     if not _numbers(s):
-        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out)
-    return _launch(_OP_UNDO, p, g, m, v, None, p_old, _undo_args(s, variant), None, out)
+        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out, p_copy=p_copy)
+    return _copied(_launch(_OP_UNDO, p, g, m, v, None, p_old, _undo_args(s, variant), None, out), p_copy)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
               g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
-              p_old: torch.Tensor | None = None, out: Triple | None = None) -> Triple:
+              p_old: torch.Tensor | None = None, out: Triple | None = None,
+              p_copy: torch.Tensor | None = None) -> Triple:
     """``step(*undo(p, g_old, m, v, s_old), g_new, s_new)`` in one kernel (one pass over memory)."""
-    _check("undo_redo", [("p", p), ("g_old", g_old), ("m", m), ("v", v), ("g_new", g_new), ("p_old", p_old)], p,
-           out)
+    _check("undo_redo", [("p", p), ("g_old", g_old), ("m", m), ("v", v), ("g_new", g_new), ("p_old", p_old),
+                         ("p_copy", p_copy)], p, out)
     s_old = concrete_scalars(s_old)
     s_new = concrete_scalars(s_new)
     reference._check_invertible(s_old, variant, p_old is not None)
     if not (_numbers(s_old) and _numbers(s_new)):
-        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out)
-    return _launch(_OP_UNDO_REDO, p, g_old, m, v, g_new, p_old, _undo_args(s_old, variant),
-                   _step_args(s_new, variant), out)
+        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out,
+                                   p_copy=p_copy)
+    return _copied(_launch(_OP_UNDO_REDO, p, g_old, m, v, g_new, p_old, _undo_args(s_old, variant),
+                           _step_args(s_new, variant), out), p_copy)
