@@ -46,7 +46,8 @@ from sofx import tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
-from sofx.kernels.base import AdamScalars, AdamVariant, Scalar, any_traced, as_number, is_number, is_traced
+from sofx.kernels.base import (AdamScalars, AdamVariant, Scalar, any_traced, as_number, is_number, is_traced,
+                               write_param_copy)
 from sofx.undo_record import LeafUndo, UndoRecord
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
@@ -143,8 +144,8 @@ class Adam:
 
     # ---------------------------------------------------------------- update
     def update(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
-               grad_scale: Scalar = 1.0, donate: bool = False,
-               grads_finite: bool | None = None) -> tuple[Any, AdamState, UndoRecord]:
+               grad_scale: Scalar = 1.0, donate: bool = False, grads_finite: bool | None = None,
+               param_copies: Any = None) -> tuple[Any, AdamState, UndoRecord]:
         """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
 
         The gradient used is ``grads * grad_scale`` (unscaling and clipping
@@ -157,17 +158,25 @@ class Adam:
         strategy is chosen without reading the gradients again; with
         non-finite gradients the record would then be wrong. ``None``/``False``
         (default): each gradient is checked (one pass over it).
+
+        ``param_copies``: a tree with the structure of ``params`` whose leaves
+        are ``None`` or tensors of the parameter's shape and device in any
+        float dtype; each receives the leaf's new parameters, cast to its dtype
+        (e.g. a model's bf16 weights beside fp32 masters). The CPU kernels write
+        it in the same pass as the step.
         """
         spec, leaves = self._gather(params, grads, state, hparams)
+        copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
         plans = [self._plan(leaf, grad_scale, grads_finite) if leaf.g is not None else None for leaf in leaves]
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
-        for leaf, plan in zip(leaves, plans):
+        for leaf, plan, copy in zip(leaves, plans, copies):
             if plan is None:
                 p2, m2, v2, c2, rec = leaf.p, leaf.m, leaf.v, leaf.count, None
+                write_param_copy(copy, p2)
             else:
-                p2, m2, v2, c2, rec = self._step_leaf(leaf, plan, donate)
+                p2, m2, v2, c2, rec = self._step_leaf(leaf, plan, donate, copy)
             new_p.append(p2)
             new_m.append(m2)
             new_v.append(v2)
@@ -177,6 +186,7 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
     def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
+                   copy: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LeafUndo]:
         scalars, strategy, reason = plan
         p_old = m_old = v_old = None
@@ -188,26 +198,30 @@ class Adam:
         # Before the step: with donation the kernel overwrites leaf.m and leaf.v with the new moments.
         fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
-        p2, m2, v2 = self._kernel(leaf).step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out)
+        p2, m2, v2 = self._kernel(leaf).step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out,
+                                             p_copy=copy)
         rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
         return p2, m2, v2, leaf.count + 1, rec
 
     # ------------------------------------------------------------------ undo
     def undo(self, params: Any, state: AdamState, record: UndoRecord, *,
-             donate: bool = False) -> tuple[Any, AdamState]:
+             donate: bool = False, param_copies: Any = None) -> tuple[Any, AdamState]:
         """Invert the :meth:`update` that produced ``(params, state)`` and ``record``.
 
         Raises :class:`~sofx.errors.UndoError` (changing nothing) when the
         record was used already, belongs to another state (structure or step
-        counts differ), or a leaf's step cannot be undone.
+        counts differ), or a leaf's step cannot be undone. ``param_copies``:
+        as in :meth:`update` (they receive the restored parameters).
         """
         spec, leaves = self._check_record(params, state, record)
+        copies = _param_copies(spec, leaves, param_copies)
         new_p, new_c, new_m, new_v = [], [], [], []
-        for leaf, rec in zip(leaves, record.leaves):
+        for leaf, rec, copy in zip(leaves, record.leaves, copies):
             if rec is None:
                 p0, m0, v0, c0 = leaf.p, leaf.m, leaf.v, leaf.count
+                write_param_copy(copy, p0)
             else:
-                p0, m0, v0, c0 = self._undo_leaf(leaf, rec, donate)
+                p0, m0, v0, c0 = self._undo_leaf(leaf, rec, donate, copy)
             new_p.append(p0)
             new_m.append(m0)
             new_v.append(v0)
@@ -217,17 +231,19 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state
 
     def undo_redo(self, params: Any, state: AdamState, record: UndoRecord, grads: Any, hparams: Any = None, *,
-                  grad_scale: Scalar = 1.0, donate: bool = False,
-                  grads_finite: bool | None = None) -> tuple[Any, AdamState, UndoRecord]:
+                  grad_scale: Scalar = 1.0, donate: bool = False, grads_finite: bool | None = None,
+                  param_copies: Any = None) -> tuple[Any, AdamState, UndoRecord]:
         """``update(*undo(params, state, record), grads, hparams)`` as one call.
 
         Leaves whose step was algebraically undoable and whose redone step
         needs no snapshot go through the backend's fused ``undo_redo`` kernel
         (one pass over memory); the others are undone and stepped separately.
         A leaf with no new gradient is only undone. Returns the new record.
-        ``grads_finite`` is the hint of :meth:`update` for the new ``grads``.
+        ``grads_finite`` is the hint of :meth:`update` for the new ``grads``;
+        ``param_copies`` as in :meth:`update`.
         """
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
+        copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
         plans = []
@@ -236,13 +252,14 @@ class Adam:
             plans.append(None if leaf.g is None else self._plan(
                 _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale, grads_finite))
         new_p, new_c, new_m, new_v, records = [], [], [], [], []
-        for leaf, rec, plan in zip(leaves, record.leaves, plans):
+        for leaf, rec, plan, copy in zip(leaves, record.leaves, plans, copies):
             fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
                        and not rec.moments_were_zero and plan[1] == "algebraic")
             if fusable:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 p2, m2, v2 = self._kernel(leaf).undo_redo(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
-                                                          plan[0], self.variant, p_old=rec.p_old, out=out)
+                                                          plan[0], self.variant, p_old=rec.p_old, out=out,
+                                                          p_copy=copy)
                 c2 = rec.count_before + 1
                 new_rec = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before)
             else:
@@ -250,9 +267,10 @@ class Adam:
                     self._undo_leaf(leaf, rec, donate)
                 if plan is None:
                     p2, m2, v2, c2, new_rec = p0, m0, v0, c0, None
+                    write_param_copy(copy, p2)
                 else:
                     undone = _Leaf(leaf.path, p0, leaf.g, c0, m0, v0, leaf.hp)
-                    p2, m2, v2, c2, new_rec = self._step_leaf(undone, plan, donate)
+                    p2, m2, v2, c2, new_rec = self._step_leaf(undone, plan, donate, copy)
             new_p.append(p2)
             new_m.append(m2)
             new_v.append(v2)
@@ -287,15 +305,16 @@ class Adam:
                                 f"the parameter {tuple(leaf.p.shape)}")
         return spec, leaves
 
-    def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool,
+    def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if rec.strategy == "snapshot":
+            write_param_copy(copy, rec.p_old)
             if donate:
                 return leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old), rec.count_before
             return rec.p_old, rec.m_old, rec.v_old, rec.count_before
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         p0, m0, v0 = self._kernel(leaf).undo(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, self.variant,
-                                             p_old=rec.p_old, out=out)
+                                             p_old=rec.p_old, out=out, p_copy=copy)
         if rec.moments_were_zero:  # the first step from init: the old moments were exactly zero
             m0 = m0.zero_() if donate else torch.zeros_like(m0)
             v0 = v0.zero_() if donate else torch.zeros_like(v0)
@@ -451,6 +470,26 @@ def _all_finite(x: torch.Tensor) -> bool:
     # isfinite().all() on CPU, so the exact check only runs when the sum is not finite.
     total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)  # fp16 sums overflow
     return x.numel() == 0 or bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
+
+
+def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -> list[torch.Tensor | None]:
+    """One copy target (or None) per leaf, checked: a float tensor of the parameter's shape and device."""
+    if param_copies is None:
+        return [None] * len(leaves)
+    copies = tree.flatten_up_to(spec, param_copies, "param_copies")
+    for leaf, c in zip(leaves, copies):
+        if c is None:
+            continue
+        path = f"param_copies{leaf.path[len('params'):]}"
+        if not isinstance(c, torch.Tensor):
+            raise LeafError(f"{path}: expected a tensor or None, got {type(c).__name__}")
+        if not c.dtype.is_floating_point:
+            raise LeafError(f"{path}: expected a floating-point tensor, got dtype {c.dtype}")
+        if c.shape != leaf.p.shape:
+            raise LeafError(f"{path}: expected shape {tuple(leaf.p.shape)}, got {tuple(c.shape)}")
+        if c.device != leaf.p.device:
+            raise LeafError(f"{path}: expected device {leaf.p.device}, got {c.device}")
+    return copies
 
 
 def _check_param(path: str, p: Any) -> None:

@@ -8,9 +8,12 @@ with ``donate=True`` on views of the block's flat tensors, so the results are
 written in place, and keeps each block's undo record until the step is
 final. Every executor (inline, thread, process) runs the same runner, so all
 compute the same bits. Where an operation asks for it (``BlockOp.publish``),
-the runner then copies the new master values of the block's parameters into
-their publish buffers (cast to the model's dtype): the copy into the model is
-done here, during backward, instead of in ``step()``.
+the new master values of the block's parameters also go to their publish
+buffers (cast to the model's dtype): the copy into the model is done here,
+during backward, instead of in ``step()``. With one leaf per parameter the
+Adam call writes them (``param_copies``: the CPU kernels in the same pass as
+the step, which saves reading the masters again); with one flat leaf they are
+copied after it.
 
 Layout of a call: when every parameter of the block has a gradient and all
 share one step count (the usual case) the block is one flat leaf (one kernel
@@ -36,6 +39,9 @@ from sofx.undo_record import UndoRecord
 __all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
 
 _STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
+
+# An operation's handler returns this when the Adam call wrote the publish buffers (param_copies).
+_PUBLISHED = object()
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,8 @@ class BlockRunner:
     def run(self, op: BlockOp) -> OpResult:
         """Apply ``op``; an exception becomes an error result (with its traceback)."""
         try:
-            if getattr(self, "_" + op.kind)(op) is not False and op.publish is not None:
+            done = getattr(self, "_" + op.kind)(op)
+            if done is not False and done is not _PUBLISHED and op.publish is not None:
                 self._publish(op)
             return OpResult(op.seq, op.kind, op.block)
         except Exception as exc:  # reported to the main process, which raises it
@@ -153,24 +160,25 @@ class BlockRunner:
             return OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}\n{detail}")
 
     # ------------------------------------------------------------ operations
-    def _speculate(self, op: BlockOp) -> None:
+    def _speculate(self, op: BlockOp) -> object:
         if op.block in self.kept:
             raise RuntimeError(f"block {op.block} already holds an uncommitted speculative step")
         t, layout = self.tensors[op.block], self.layouts[op.block]
         flat = uses_flat_layout(t, op.present, op.grads is not None)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
+        copies = self._copies(op, flat)
         _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
-                                                      grads_finite=op.grads_finite or None)
+                                                      grads_finite=op.grads_finite or None, param_copies=copies)
         self._store_counts(op.block, flat, new_state)
         self.kept[op.block] = _Kept(record, flat)
+        return _PUBLISHED if copies is not None else None
 
-    def _ready(self, op: BlockOp) -> bool:
+    def _ready(self, op: BlockOp) -> object:
         decision = op.payload()
         if decision is None:
             return False  # not speculated: nothing to publish
-        self._speculate(BlockOp(op.seq, "speculate", op.block, decision, op.present, op.grads,
-                                grads_finite=op.grads_finite))
-        return True
+        return self._speculate(BlockOp(op.seq, "speculate", op.block, decision, op.present, op.grads,
+                                       op.publish, grads_finite=op.grads_finite))
 
     def _undo_now(self, op: BlockOp) -> None:
         kept = self.kept.get(op.block)
@@ -181,7 +189,7 @@ class BlockRunner:
         self._store_counts(op.block, kept.flat, new_state)
         self.kept[op.block] = _Kept(None, kept.flat)
 
-    def _apply(self, op: BlockOp) -> None:
+    def _apply(self, op: BlockOp) -> object:
         action = op.payload
         kept = self.kept.pop(op.block, None)
         if action.kind in ("commit", "skip"):
@@ -202,12 +210,30 @@ class BlockRunner:
             flat = uses_flat_layout(t, op.present, op.grads is not None)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         record = kept.record if kept is not None else None
+        copies = self._copies(op, flat)
         _, new_state = apply_block_action(self.adam, action, params, grads, state, record, donate=True,
-                                          grads_finite=op.grads_finite or None)
+                                          grads_finite=op.grads_finite or None, param_copies=copies)
         self._store_counts(op.block, flat, new_state)
+        return _PUBLISHED if copies is not None else None
 
     def _commit_all(self, op: BlockOp) -> None:
         self.kept.clear()
+
+    def _copies(self, op: BlockOp, flat: bool) -> list[torch.Tensor | None] | None:
+        """The publish buffers ``op.publish`` names, one per parameter (None where it names none), for the
+        Adam call to write (``param_copies``); None when the block is one flat leaf or nothing is published."""
+        if op.publish is None or flat:
+            return None
+        buffers = self.publish.get(op.block)
+        copies = []
+        for slot, which in enumerate(op.publish):
+            if which < 0:
+                copies.append(None)
+                continue
+            if buffers is None or buffers[slot] is None:
+                raise RuntimeError(f"block {op.block}, parameter {slot}: no publish buffer")
+            copies.append(buffers[slot][which])
+        return copies
 
     def _publish(self, op: BlockOp) -> None:
         """Copy the block's new master values into the publish buffers ``op.publish`` names."""

@@ -16,6 +16,8 @@ tensor) and moments. An engine may run them in any worker; with
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sofx.adam import Adam, AdamHParams, AdamState
@@ -67,24 +69,26 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
 
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
                            decision: BlockDecision, *, donate: bool = False, grads_finite: bool | None = None,
-                           ) -> tuple[torch.Tensor, AdamState, UndoRecord]:
+                           param_copies: Any = None) -> tuple[torch.Tensor, AdamState, UndoRecord]:
     """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed``.
 
     Returns ``(param, state, record)``; keep ``record`` (and do not modify
     ``grad`` in place) until validation has applied this block's action.
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint -- pass ``True`` when the
     decision's sum of squares was taken on these very gradient values (it was
-    finite, or the block would not have been speculated).
+    finite, or the block would not have been speculated). ``param_copies``: :meth:`sofx.Adam.update`'s
+    (second buffers that also receive the new parameters).
     """
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
     return opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale, donate=donate,
-                      grads_finite=grads_finite)
+                      grads_finite=grads_finite, param_copies=param_copies)
 
 
 def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad: torch.Tensor | None,
                        state: AdamState, record: UndoRecord | None = None, *,
-                       donate: bool = False, grads_finite: bool | None = None) -> tuple[torch.Tensor, AdamState]:
+                       donate: bool = False, grads_finite: bool | None = None,
+                       param_copies: Any = None) -> tuple[torch.Tensor, AdamState]:
     """Carry out one validation action on one block; returns ``(param, state)``.
 
     ``commit``: nothing to do (the speculative result stands). ``undo_redo``:
@@ -94,6 +98,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
+    ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
+    parameters (not by ``commit`` and ``skip``).
     """
     kind = action.kind
     if kind in ("commit", "skip"):
@@ -101,13 +107,13 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     if kind in ("undo", "undo_redo") and record is None:
         raise SofxError(f"block {action.block}: {kind} needs the record of its speculative step")
     if kind == "undo":
-        return opt.undo(param, state, record, donate=donate)
+        return opt.undo(param, state, record, donate=donate, param_copies=param_copies)
     if kind == "undo_redo":
         if grad is None:
             raise SofxError(f"block {action.block}: undo_redo needs the block's final gradient")
         new_param, new_state, _ = opt.undo_redo(param, state, record, grad, action.hparams,
                                                 grad_scale=action.grad_scale, donate=donate,
-                                                grads_finite=grads_finite)
+                                                grads_finite=grads_finite, param_copies=param_copies)
         return new_param, new_state
     if kind == "step":
         if action.zero_grad:
@@ -115,6 +121,6 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
         elif grad is None:
             raise SofxError(f"block {action.block}: step needs the block's final gradient")
         new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
-                                             donate=donate, grads_finite=grads_finite)
+                                             donate=donate, grads_finite=grads_finite, param_copies=param_copies)
         return new_param, new_state
     raise SofxError(f"block {action.block}: unknown action {kind!r}")
