@@ -1,6 +1,6 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
-``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py`` and
-``benchmarks/read_streams.py`` run."""
+``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
+``benchmarks/read_streams.py`` and ``benchmarks/param_copy.py`` run."""
 
 from __future__ import annotations
 
@@ -117,3 +117,12 @@ def test_read_streams_script_runs():
     mixes = [row.split(" | ")[0] for row in rows if row.startswith("| ") and row[2].isdigit()]
     assert mixes == ["| 4 / 0", "| 5 / 0", "| 4 / 3", "| 5 / 3", "| 3 / 3", "| 4 / 4", "| 5 / 5", "| 2 / 1"]
     assert any(row.startswith("5/3 over 4/3") for row in rows)
+
+
+def test_param_copy_script_runs():
+    rows = _table_rows("param_copy.py", ["--cases", "12:1,13:2", "--rounds", "2"], ("| step",))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| step", "| step, then copy_ (float32)", "| step(p_copy) (float32)", "| step, then copy_ (bfloat16)",
+        "| step(p_copy) (bfloat16)"]
+    for row in rows:
+        assert re.fullmatch(r"\| [^|]+( \| \d+\.\d\d){2} \|", row), row
