@@ -24,9 +24,11 @@ step at a time (SPECULATION.md sections 3 and 5):
 
 **Publishing without a copy in step()** (``swap_params``, CPU models): each
 parameter gets two buffers of its own dtype (the first is its original
-storage). The executor, right after it steps a block, writes the block's new
-masters into the buffer the model is *not* using -- during backward, off the
-main thread -- and ``step()`` only points the parameter at that buffer
+storage). The executor, as it steps a block, writes the block's new masters
+into the buffer the model is *not* using -- during backward, off the main
+thread; in the same pass as the step where the block is stepped one leaf per
+parameter (in-process executors: the kernels' ``p_copy``), after it otherwise
+-- and ``step()`` only points the parameter at that buffer
 (``param.data = buffer``, bumping its version counter as an in-place update
 would). Until ``step()`` the model keeps its old values (a forward between
 backward and ``step()`` sees them, as with ``torch.optim``). A parameter's
