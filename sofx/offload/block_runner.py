@@ -10,16 +10,18 @@ final. Every executor (inline, thread, process) runs the same runner, so all
 compute the same bits. Where an operation asks for it (``BlockOp.publish``),
 the new master values of the block's parameters also go to their publish
 buffers (cast to the model's dtype): the copy into the model is done here,
-during backward, instead of in ``step()``. With one leaf per parameter the
-Adam call writes them (``param_copies``: the CPU kernels in the same pass as
-the step, which saves reading the masters again); with one flat leaf they are
-copied after it.
+during backward, instead of in ``step()``. The Adam call writes them
+(``param_copies``: the CPU kernels in the same pass as the step, which saves
+reading the masters again), for which a published block of up to
+:data:`MAX_LEAVES_FOR_FUSED_PUBLISH` parameters is stepped one leaf per
+parameter; a larger one is stepped as one flat leaf and copied after.
 
-Layout of a call: when every parameter of the block has a gradient and all
-share one step count (the usual case) the block is one flat leaf (one kernel
-call); otherwise one leaf per parameter, where a parameter without a gradient
-is a ``None`` leaf (not stepped, its count kept). Adam is elementwise, so both
-layouts give the same bits.
+Layout of a call: when every parameter of the block has a gradient in the
+block's buffer, all share one step count and the block is not published (or
+has many parameters), the block is one flat leaf (one kernel call); otherwise
+one leaf per parameter, where a parameter without a gradient is a ``None``
+leaf (not stepped, its count kept). Adam is elementwise, so both layouts give
+the same bits.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ _STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
 
 # An operation's handler returns this when the Adam call wrote the publish buffers (param_copies).
 _PUBLISHED = object()
+
+# A block whose new values are published is stepped one leaf per parameter when it has at most this many
+# parameters, so that each leaf's kernel writes its publish buffer in the same pass (param_copies): one
+# more kernel call per parameter (~0.05-0.1 ms of Python) against reading the block's masters again.
+MAX_LEAVES_FOR_FUSED_PUBLISH = 16
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ class BlockRunner:
         if op.block in self.kept:
             raise RuntimeError(f"block {op.block} already holds an uncommitted speculative step")
         t, layout = self.tensors[op.block], self.layouts[op.block]
-        flat = uses_flat_layout(t, op.present, op.grads is not None)
+        flat = self._flat(op, t)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         copies = self._copies(op, flat)
         _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
@@ -207,7 +214,7 @@ class BlockRunner:
         if kept is not None and kept.record is not None:
             flat = kept.flat
         else:
-            flat = uses_flat_layout(t, op.present, op.grads is not None)
+            flat = self._flat(op, t)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         record = kept.record if kept is not None else None
         copies = self._copies(op, flat)
@@ -218,6 +225,13 @@ class BlockRunner:
 
     def _commit_all(self, op: BlockOp) -> None:
         self.kept.clear()
+
+    def _flat(self, op: BlockOp, t: BlockTensors) -> bool:
+        """Whether to step the block as one flat leaf (see :func:`uses_flat_layout` and
+        :data:`MAX_LEAVES_FOR_FUSED_PUBLISH`)."""
+        if not uses_flat_layout(t, op.present, op.grads is not None):
+            return False
+        return op.publish is None or len(op.publish) > MAX_LEAVES_FOR_FUSED_PUBLISH
 
     def _copies(self, op: BlockOp, flat: bool) -> list[torch.Tensor | None] | None:
         """The publish buffers ``op.publish`` names, one per parameter (None where it names none), for the
