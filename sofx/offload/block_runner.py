@@ -42,9 +42,6 @@ __all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
 
 _STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
 
-# An operation's handler returns this when the Adam call wrote the publish buffers (param_copies).
-_PUBLISHED = object()
-
 # A block whose new values are published is stepped one leaf per parameter when it has at most this many
 # parameters, so that each leaf's kernel writes its publish buffer in the same pass (param_copies): one
 # more kernel call per parameter (~0.05-0.1 ms of Python) against reading the block's masters again.
@@ -158,8 +155,8 @@ class BlockRunner:
     def run(self, op: BlockOp) -> OpResult:
         """Apply ``op``; an exception becomes an error result (with its traceback)."""
         try:
-            done = getattr(self, "_" + op.kind)(op)
-            if done is not False and done is not _PUBLISHED and op.publish is not None:
+            # A handler returns whether the publish buffers op.publish names are still to be written.
+            if getattr(self, "_" + op.kind)(op) and op.publish is not None:
                 self._publish(op)
             return OpResult(op.seq, op.kind, op.block)
         except Exception as exc:  # reported to the main process, which raises it
@@ -167,7 +164,7 @@ class BlockRunner:
             return OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}\n{detail}")
 
     # ------------------------------------------------------------ operations
-    def _speculate(self, op: BlockOp) -> object:
+    def _speculate(self, op: BlockOp) -> bool:
         if op.block in self.kept:
             raise RuntimeError(f"block {op.block} already holds an uncommitted speculative step")
         t, layout = self.tensors[op.block], self.layouts[op.block]
@@ -178,16 +175,16 @@ class BlockRunner:
                                                       grads_finite=op.grads_finite or None, param_copies=copies)
         self._store_counts(op.block, flat, new_state)
         self.kept[op.block] = _Kept(record, flat)
-        return _PUBLISHED if copies is not None else None
+        return copies is None
 
-    def _ready(self, op: BlockOp) -> object:
+    def _ready(self, op: BlockOp) -> bool:
         decision = op.payload()
         if decision is None:
             return False  # not speculated: nothing to publish
         return self._speculate(BlockOp(op.seq, "speculate", op.block, decision, op.present, op.grads,
                                        op.publish, grads_finite=op.grads_finite))
 
-    def _undo_now(self, op: BlockOp) -> None:
+    def _undo_now(self, op: BlockOp) -> bool:
         kept = self.kept.get(op.block)
         if kept is None or kept.record is None:
             raise RuntimeError(f"block {op.block} has no speculative step to undo")
@@ -195,16 +192,17 @@ class BlockRunner:
         _, new_state = self.adam.undo(params, state, kept.record, donate=True)
         self._store_counts(op.block, kept.flat, new_state)
         self.kept[op.block] = _Kept(None, kept.flat)
+        return False
 
-    def _apply(self, op: BlockOp) -> object:
+    def _apply(self, op: BlockOp) -> bool:
         action = op.payload
         kept = self.kept.pop(op.block, None)
         if action.kind in ("commit", "skip"):
-            return
+            return True
         if kept is not None and kept.record is None:
             # The speculative step was undone by undo_now: an undo is done, an undo_redo is a step.
             if action.kind == "undo":
-                return
+                return True
             if action.kind == "undo_redo":
                 action = action._replace(kind="step")
         t, layout = self.tensors[op.block], self.layouts[op.block]
@@ -221,10 +219,11 @@ class BlockRunner:
         _, new_state = apply_block_action(self.adam, action, params, grads, state, record, donate=True,
                                           grads_finite=op.grads_finite or None, param_copies=copies)
         self._store_counts(op.block, flat, new_state)
-        return _PUBLISHED if copies is not None else None
+        return copies is None
 
-    def _commit_all(self, op: BlockOp) -> None:
+    def _commit_all(self, op: BlockOp) -> bool:
         self.kept.clear()
+        return False
 
     def _flat(self, op: BlockOp, t: BlockTensors) -> bool:
         """Whether to step the block as one flat leaf (see :func:`uses_flat_layout` and
