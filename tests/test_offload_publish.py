@@ -53,6 +53,25 @@ def test_swapping_gives_the_bits_of_copying(executor: str) -> None:
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_the_kernels_write_the_publish_buffers_in_the_steps_pass(executor: str, monkeypatch) -> None:
+    """Blocks of up to MAX_LEAVES_FOR_FUSED_PUBLISH parameters are published by the Adam call itself
+    (``param_copies``): the runner's copy after the step never runs; the bits are those of copying."""
+    from sofx.offload.block_runner import BlockRunner
+
+    copies_after = []
+    monkeypatch.setattr(BlockRunner, "_publish", lambda self, op: copies_after.append(op.block))
+    torch.manual_seed(0)
+    a = SharedMLP()
+    b = copy.deepcopy(a)
+    reports = _run(a, executor=executor)
+    assert sum(r.speculated for r in reports) > 0 and copies_after == []
+    monkeypatch.undo()
+    _run(b, executor=executor, swap_params=False)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_parameters_alternate_between_two_buffers_and_keep_their_values_until_step() -> None:
     torch.manual_seed(0)
     model = SharedMLP()
