@@ -179,6 +179,12 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) ->
             rows["sofx triton undo+redo (fused, clip: same gradient)"] = bench(
                 lambda: tk.undo_redo(p, m, v, g, S1, g, S_CLIP, variant, out=o), step_bytes,
                 reset=lambda: tk.undo_redo(p, m, v, g, S_CLIP, g, S1, variant, out=o))
+            copy = torch.empty(n, dtype=torch.bfloat16, device=dev)  # a bf16 model beside the masters
+            rows["sofx triton step + bf16 copy (p_copy)"] = bench(
+                lambda: tk.step(p, g, m, v, S1, variant, out=o, p_copy=copy), step_bytes + 2 * n)
+            rows["sofx triton step, then copy_ to bf16"] = bench(
+                lambda: (tk.step(p, g, m, v, S1, variant, out=o), copy.copy_(p)), step_bytes + 2 * n)
+            del copy
             fused = rows[f"torch AdamW fused ({str(pdt)[6:]} states)"][0]
             out += [f"\n### {n / 2**20:.2f}M elements, params {str(pdt)[6:]}, states {str(sdt)[6:]}\n",
                     "| operation | ms | xcopy | xfused |", "|---|---:|---:|---:|"]

@@ -36,6 +36,7 @@ def test_gpu_benchmark_script_smoke_run(tmp_path):
                    "params bfloat16, states bfloat16"):
         assert config in written
     assert written.count("sofx triton undo+redo (fused, clip: same gradient)") == 3
+    assert written.count("sofx triton step + bf16 copy (p_copy)") == 3
 
 
 def test_gpu_benchmark_script_refuses_a_smoke_run_without_the_interpreter():

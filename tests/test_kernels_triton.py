@@ -118,18 +118,26 @@ else:
         _close(tk.undo_redo(*stepped, gb, s, gb, s, variant, p_old=pb),
                reference.undo_redo(*stepped, gb, s, gb, s, variant, p_old=pb))
 
-    def test_p_copy_receives_the_new_params_in_its_dtype(rng):
+    @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+    def test_p_copy_receives_the_new_params_in_its_dtype(dtypes, rng):
+        """Stored by the kernel (contiguous, a storage dtype) or copied afterwards (float64, strided),
+        as ``p_copy.copy_(p')``; the results are those without a copy."""
         variant = AdamVariant()
-        p, g, m, v = _inputs(rng, tk.BLOCK + 9, torch.float32, torch.float32)
+        n = tk.BLOCK + 9
+        p, g, m, v = _inputs(rng, n, *dtypes)
         s = _scalars(rng, 0.1, 0.5)
-        for dtype in (torch.float32, torch.bfloat16):
-            copy = torch.full(p.shape, 7.0, dtype=dtype)
-            stepped = tk.step(p, g, m, v, s, variant, p_copy=copy)
-            assert torch.equal(copy, stepped[0].to(dtype))
-            undone = tk.undo(*stepped[:1], g, *stepped[1:], s, variant, p_copy=copy)
-            assert torch.equal(copy, undone[0].to(dtype))
-            redone = tk.undo_redo(*stepped, g, s, g, s._replace(grad_scale=0.25), variant, p_copy=copy)
-            assert torch.equal(copy, redone[0].to(dtype))
+        stepped = tk.step(p, g, m, v, s, variant)
+        ops = {"step": lambda **kw: tk.step(p, g, m, v, s, variant, **kw),
+               "undo": lambda **kw: tk.undo(*stepped[:1], g, *stepped[1:], s, variant, **kw),
+               "undo_redo": lambda **kw: tk.undo_redo(*stepped, g, s, g, s._replace(grad_scale=0.25), variant, **kw)}
+        for op, run in ops.items():
+            want = run()
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                buffer = torch.full((2 * n,), 7.0, dtype=dtype)
+                for copy in (buffer[:n], buffer[::2]):
+                    got = run(p_copy=copy)
+                    assert all(torch.equal(a, b) for a, b in zip(got, want)), (op, dtype)
+                    assert torch.equal(copy, want[0].to(dtype)), (op, dtype)
 
     def test_nan_propagates_and_the_clamp_keeps_nan(rng):
         variant = AdamVariant()

@@ -45,6 +45,9 @@ OPS = [(0, False), (1, False), (1, True), (2, False), (2, True)]  # (OP, HAS_P_O
 EXPLICIT_FMAS = {(0, False): 5, (1, False): 9, (1, True): 5, (2, False): 14, (2, True): 10}
 DTYPES = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32")]
 CASES = [(90, op, dt) for op in OPS for dt in DTYPES] + [(80, op, DTYPES[0]) for op in OPS]
+# with a p_copy: (op, param/state dtypes, copy dtype)
+COPY_CASES = [((0, False), ("fp32", "fp32"), "bf16"), ((2, False), ("fp32", "fp32"), "fp32"),
+              ((1, True), ("bf16", "fp32"), "fp32"), ((2, True), ("bf16", "bf16"), "bf16")]
 
 F32_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|div|sqrt|rcp|rsqrt|ex2|lg2)(?:\.[a-z0-9]+)*?\.f32)\s",
                     re.M)
@@ -65,10 +68,12 @@ def _own_cache(tmp_path_factory):
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("arch,op,dtypes", CASES,
-                         ids=[f"sm{a}-op{o[0]}{'-pold' if o[1] else ''}-{d[0]}-{d[1]}" for a, o, d in CASES])
-def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes):
-    kernel = compile_kernel(arch, op[0], op[1], *dtypes)
+@pytest.mark.parametrize("arch,op,dtypes,copy_dtype", [(*case, None) for case in CASES]
+                         + [(90, *case) for case in COPY_CASES],
+                         ids=[f"sm{a}-op{o[0]}{'-pold' if o[1] else ''}-{d[0]}-{d[1]}" for a, o, d in CASES]
+                         + [f"sm90-op{o[0]}{'-pold' if o[1] else ''}-{d[0]}-{d[1]}-copy-{c}" for o, d, c in COPY_CASES])
+def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_dtype):
+    kernel = compile_kernel(arch, op[0], op[1], *dtypes, copy_dtype=copy_dtype)
     ptx = kernel.asm["ptx"]
     assert len(kernel.asm["cubin"]) > 0
     usage = resource_usage(kernel.asm["cubin"])
@@ -89,7 +94,8 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes):
 
     conversions = set(re.findall(r"cvt(?:\.[a-z0-9]+)*\.bf16(?:x2)?\.f32", ptx))
     # (an undo from a bf16 snapshot stores the snapshot's own values: the compiler drops that round trip)
-    expect_some = dtypes[1] == "bf16" or (dtypes[0] == "bf16" and op != (1, True))
+    expect_some = dtypes[1] == "bf16" or (dtypes[0] == "bf16" and op != (1, True)) or (
+        copy_dtype == "bf16" and dtypes[0] != "bf16")
     assert conversions <= {"cvt.rn.bf16x2.f32", "cvt.rn.bf16.f32"} and bool(conversions) == expect_some, conversions
 
     mem = collections.Counter(GLOBAL_MEM.findall(ptx))

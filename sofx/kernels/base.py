@@ -18,8 +18,8 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
 (buffer donation); without it the inputs are left untouched. ``p_copy``, a
 float tensor of ``p``'s shape and device in any float dtype, also receives the
 new parameters, cast to its dtype as ``p_copy.copy_(p')`` would (the offload
-engine's model parameters; the CPU kernels write it in the same pass). It must
-not overlap the other tensors. ``p`` is any
+engine's model parameters; the CPU and Triton kernels write it in the same
+pass). It must not overlap the other tensors. ``p`` is any
 float dtype, ``g`` any float dtype, ``m``/``v`` the state dtype; the math is
 done in float32 (float64 when ``p`` is float64) and rounded on store.
 """

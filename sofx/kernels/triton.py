@@ -106,14 +106,15 @@ def _div_by(x, b, rb):
 
 
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, n,
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, n,
                  # undo scalars (or the step's, for OP == 0)
                  u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
                  u_rbc2, u_rpdiv, u_rb1, u_rb2,
                  # step scalars
                  s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
                  OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
-                 SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offs < n
@@ -148,9 +149,12 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
         v = tl.fma(s_c2 * g, g, v * s_b2)
         d = _div_by(tl.sqrt_rn(v), s_bc2, s_rbc2) + s_eps
         p = p + tl.div_rn(s_nss * m, d)
-    tl.store(po_ptr + offs, _to_storage(p, ROUND_P, SOFT_BF16), mask=mask)
+    p_stored = _to_storage(p, ROUND_P, SOFT_BF16)
+    tl.store(po_ptr + offs, p_stored, mask=mask)
     tl.store(mo_ptr + offs, _to_storage(m, ROUND_S, SOFT_BF16), mask=mask)
     tl.store(vo_ptr + offs, _to_storage(v, ROUND_S, SOFT_BF16), mask=mask)
+    if HAS_COPY:  # p_copy: the stored parameters in the copy's dtype, as p_copy.copy_(p_out)
+        tl.store(pc_ptr + offs, _to_storage(p_stored.to(tl.float32), ROUND_C, SOFT_BF16), mask=mask)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -246,8 +250,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
             p_old: torch.Tensor | None, u: _UndoArgs | None, st: _StepArgs | None,
-            out: Sequence[torch.Tensor] | None) -> Triple:
-    """Run the kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed."""
+            out: Sequence[torch.Tensor] | None, p_copy: torch.Tensor | None = None) -> Triple:
+    """Run the kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed.
+    ``p_copy`` is written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
     targets = []
     for i, like in enumerate((p, m, v)):
         o = out[i] if out is not None else None
@@ -255,6 +260,7 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
             targets.append(o)
         else:
             targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
+    pc = p_copy if p_copy is not None and p_copy.dtype in _STORAGE_DTYPES and p_copy.is_contiguous() else None
     n = p.numel()
     if n:
         fp, fg, fm, fv = _flat(p), _flat(g), _flat(m), _flat(v)
@@ -262,7 +268,7 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
         fpo = _flat(p_old) if p_old is not None else fp
         u = u or _NO_UNDO
         st = st or _NO_STEP
-        arrays = (fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets))
+        arrays = (fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets), pc.view(-1) if pc is not None else fp)
         # Triton loads and stores 128 bits at a time only where the mask is provably constant over
         # each group of elements, i.e. where n is a multiple of 16 (it specializes on that at launch):
         # the last n % 16 elements, if any, get a launch of their own (16-element offsets keep the
@@ -273,13 +279,11 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
                 _adam_kernel[(triton.cdiv(count, BLOCK),)](
                     *(a[start:] for a in arrays), count, *u, *st, OP=op, HAS_P_OLD=p_old is not None,
                     ROUND_P=_TL_DTYPES[p.dtype], ROUND_S=_TL_DTYPES[m.dtype], SOFT_BF16=_interpreting(),
-                    BLOCK_SIZE=BLOCK, **COMPILE_OPTIONS)
-    return write_outputs(targets, out)
-
-
-def _copied(results: Triple, p_copy: torch.Tensor | None) -> Triple:
-    """``results``, with ``p_copy`` (if any) given the new parameters (a copy after the kernel)."""
-    write_param_copy(p_copy, results[0])
+                    BLOCK_SIZE=BLOCK, HAS_COPY=pc is not None,
+                    ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **COMPILE_OPTIONS)
+    results = write_outputs(targets, out)
+    if pc is None:
+        write_param_copy(p_copy, results[0])
     return results
 
 
@@ -291,12 +295,12 @@ def _numbers(s: AdamScalars) -> bool:
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also gets ``p'``,
-    copied after the kernel)."""
+    stored by the kernel)."""
     _check("step", [("p", p), ("g", g), ("m", m), ("v", v), ("p_copy", p_copy)], p, out)
     s = concrete_scalars(s)
     if not _numbers(s):
         return reference.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)
-    return _copied(_launch(_OP_STEP, p, g, m, v, None, None, None, _step_args(s, variant), out), p_copy)
+    return _launch(_OP_STEP, p, g, m, v, None, None, None, _step_args(s, variant), out, p_copy)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
@@ -308,7 +312,7 @@ def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
     reference._check_invertible(s, variant, p_old is not None)
     if not _numbers(s):
         return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out, p_copy=p_copy)
-    return _copied(_launch(_OP_UNDO, p, g, m, v, None, p_old, _undo_args(s, variant), None, out), p_copy)
+    return _launch(_OP_UNDO, p, g, m, v, None, p_old, _undo_args(s, variant), None, out, p_copy)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -324,5 +328,5 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     if not (_numbers(s_old) and _numbers(s_new)):
         return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out,
                                    p_copy=p_copy)
-    return _copied(_launch(_OP_UNDO_REDO, p, g_old, m, v, g_new, p_old, _undo_args(s_old, variant),
-                           _step_args(s_new, variant), out), p_copy)
+    return _launch(_OP_UNDO_REDO, p, g_old, m, v, g_new, p_old, _undo_args(s_old, variant),
+                   _step_args(s_new, variant), out, p_copy)
