@@ -27,7 +27,7 @@ done in float32 (float64 when ``p`` is float64) and rounded on store.
 from __future__ import annotations
 
 import numbers
-from typing import Iterable, NamedTuple, Sequence, Union
+from typing import Collection, Iterable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -146,6 +146,14 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
             raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
         if t.shape != shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def kernel_param_copy(p_copy: torch.Tensor | None, dtypes: Collection[torch.dtype]) -> torch.Tensor | None:
+    """``p_copy`` where a kernel can store it itself (contiguous, in one of its storage ``dtypes``), else
+    None: the caller then copies after the kernel (:func:`write_param_copy`)."""
+    if p_copy is not None and p_copy.dtype in dtypes and p_copy.is_contiguous():
+        return p_copy
+    return None
 
 
 def write_param_copy(p_copy: torch.Tensor | None, p_new: torch.Tensor) -> None:

@@ -59,7 +59,7 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               write_outputs, write_param_copy)
+                               kernel_param_copy, write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available", "bitwise_with_torch"]
 
@@ -145,7 +145,7 @@ def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: tor
     inputs = [_native_input(p), _native_input(g), _native_input(m), _native_input(v)]
     g2c = _native_input(g2) if g2 is not None else None
     poc = _native_input(p_old) if p_old is not None else None
-    pc = p_copy if p_copy is not None and p_copy.dtype in _DTYPE_CODES and p_copy.is_contiguous() else None
+    pc = kernel_param_copy(p_copy, _DTYPE_CODES)
     want = (p.dtype, m.dtype, v.dtype)
     targets: list[torch.Tensor] = []
     for i, dtype in enumerate(want):

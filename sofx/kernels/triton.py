@@ -41,7 +41,7 @@ import triton.language as tl
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               write_outputs, write_param_copy)
+                               kernel_param_copy, write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK", "COMPILE_OPTIONS"]
 
@@ -260,7 +260,7 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
             targets.append(o)
         else:
             targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
-    pc = p_copy if p_copy is not None and p_copy.dtype in _STORAGE_DTYPES and p_copy.is_contiguous() else None
+    pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
     n = p.numel()
     if n:
         fp, fg, fm, fv = _flat(p), _flat(g), _flat(m), _flat(v)
