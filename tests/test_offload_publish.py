@@ -72,6 +72,23 @@ def test_the_kernels_write_the_publish_buffers_in_the_steps_pass(executor: str, 
         assert torch.equal(p, q)
 
 
+def test_a_published_block_of_a_few_large_parameters_is_stepped_per_parameter() -> None:
+    """So that each parameter's kernel writes its publish buffer; a block of many or small parameters stays
+    one flat leaf (one kernel call, copied after)."""
+    from sofx.offload.block_runner import MAX_LEAVES_FOR_FUSED_PUBLISH as most, MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH as least
+
+    def block(numels):
+        (layout,) = plan_blocks([[torch.zeros(n) for n in numels]], sum(numels))
+        return allocate_block_tensors(layout, LocalArena("cpu").allocate, torch.float32)
+
+    large, small, many = block([least, least + 8]), block([least, 8]), block([least] * (most + 1))
+    assert not uses_flat_layout(large, None, publish=(0, 1))
+    assert uses_flat_layout(large, None) and uses_flat_layout(large, None, publish=None)
+    assert uses_flat_layout(small, None, publish=(1, 1))  # ~16K elements per parameter on average
+    assert uses_flat_layout(many, None, publish=(0,) * (most + 1))
+    assert not uses_flat_layout(large, (True, False)) and not uses_flat_layout(large, None, borrowed=True)
+
+
 def test_parameters_alternate_between_two_buffers_and_keep_their_values_until_step() -> None:
     torch.manual_seed(0)
     model = SharedMLP()

@@ -12,13 +12,13 @@ the new master values of the block's parameters also go to their publish
 buffers (cast to the model's dtype): the copy into the model is done here,
 during backward, instead of in ``step()``. The Adam call writes them
 (``param_copies``: the CPU kernels in the same pass as the step, which saves
-reading the masters again), for which a published block of up to
-:data:`MAX_LEAVES_FOR_FUSED_PUBLISH` parameters is stepped one leaf per
-parameter; a larger one is stepped as one flat leaf and copied after.
+reading the masters again), for which a published block of a few large
+parameters is stepped one leaf per parameter (:func:`uses_flat_layout`); a
+block of many small ones is stepped as one flat leaf and copied after.
 
 Layout of a call: when every parameter of the block has a gradient in the
-block's buffer, all share one step count and the block is not published (or
-has many parameters), the block is one flat leaf (one kernel call); otherwise
+block's buffer, all share one step count and the block is not published one
+parameter at a time, the block is one flat leaf (one kernel call); otherwise
 one leaf per parameter, where a parameter without a gradient is a ``None``
 leaf (not stepped, its count kept). Adam is elementwise, so both layouts give
 the same bits.
@@ -42,10 +42,13 @@ __all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
 
 _STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
 
-# A block whose new values are published is stepped one leaf per parameter when it has at most this many
-# parameters, so that each leaf's kernel writes its publish buffer in the same pass (param_copies): one
-# more kernel call per parameter (~0.05-0.1 ms of Python) against reading the block's masters again.
+# A block whose new values are published is stepped one leaf per parameter when it has at most
+# MAX_LEAVES_FOR_FUSED_PUBLISH parameters of MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH elements or more on
+# average, so that each leaf's kernel writes its publish buffer in the same pass (param_copies): one more
+# Adam leaf and kernel call per parameter (~0.05 ms of Python) against reading the block's masters again
+# for a copy (~0.05 ms per 32K float32 elements here).
 MAX_LEAVES_FOR_FUSED_PUBLISH = 16
+MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,15 @@ def block_tree(t: BlockTensors, layout: BlockLayout, flat: bool, present: Sequen
             AdamState(counts, t.views(t.exp_avg, layout), t.views(t.exp_avg_sq, layout)))
 
 
-def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None, borrowed: bool = False) -> bool:
-    """One flat leaf when the gradients are in the block's buffer, every parameter has one and all
-    counts agree."""
+def uses_flat_layout(t: BlockTensors, present: Sequence[bool] | None, borrowed: bool = False,
+                     publish: Sequence[int] | None = None) -> bool:
+    """One flat leaf when the gradients are in the block's buffer, every parameter has one, all counts
+    agree and the block is not published one parameter at a time (``publish``: the operation's publish
+    mask; see MAX_LEAVES_FOR_FUSED_PUBLISH)."""
     if borrowed or (present is not None and not all(present)):
+        return False
+    if (publish is not None and len(publish) <= MAX_LEAVES_FOR_FUSED_PUBLISH
+            and t.master.numel() >= len(publish) * MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH):
         return False
     counts = t.counts
     return counts.numel() == 1 or bool((counts == counts[0]).all())
@@ -168,7 +176,7 @@ class BlockRunner:
         if op.block in self.kept:
             raise RuntimeError(f"block {op.block} already holds an uncommitted speculative step")
         t, layout = self.tensors[op.block], self.layouts[op.block]
-        flat = self._flat(op, t)
+        flat = uses_flat_layout(t, op.present, op.grads is not None, op.publish)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         copies = self._copies(op, flat)
         _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
@@ -212,7 +220,7 @@ class BlockRunner:
         if kept is not None and kept.record is not None:
             flat = kept.flat
         else:
-            flat = self._flat(op, t)
+            flat = uses_flat_layout(t, op.present, op.grads is not None, op.publish)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         record = kept.record if kept is not None else None
         copies = self._copies(op, flat)
@@ -224,13 +232,6 @@ class BlockRunner:
     def _commit_all(self, op: BlockOp) -> bool:
         self.kept.clear()
         return False
-
-    def _flat(self, op: BlockOp, t: BlockTensors) -> bool:
-        """Whether to step the block as one flat leaf (see :func:`uses_flat_layout` and
-        :data:`MAX_LEAVES_FOR_FUSED_PUBLISH`)."""
-        if not uses_flat_layout(t, op.present, op.grads is not None):
-            return False
-        return op.publish is None or len(op.publish) > MAX_LEAVES_FOR_FUSED_PUBLISH
 
     def _copies(self, op: BlockOp, flat: bool) -> list[torch.Tensor | None] | None:
         """The publish buffers ``op.publish`` names, one per parameter (None where it names none), for the
