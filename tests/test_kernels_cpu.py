@@ -168,12 +168,19 @@ def test_p_copy_receives_the_new_params_in_its_dtype(name, dtypes, rng, monkeypa
            "undo": lambda **kw: backend.undo(*stepped[:1], g, *stepped[1:], s, variant, **kw),
            "undo_redo": lambda **kw: backend.undo_redo(*stepped, g, s, g2, s._replace(grad_scale=0.25), variant,
                                                        **kw)}
+    copied_after = []
+    if backend is not reference:  # the native kernels store a contiguous copy in a storage dtype themselves
+        monkeypatch.setattr(cpu, "write_param_copy",
+                            lambda c, p: c is not None and (copied_after.append(c.dtype), c.copy_(p)))
     for op, run in ops.items():
         want = run()
         for dtype in COPY_DTYPES:
             buffer = torch.full((2 * n + 40,), 7.0, dtype=dtype)
             for copy in (buffer[3:3 + n], buffer[:2 * n:2]):  # unaligned; strided (copied afterwards)
+                copied_after.clear()
                 got = run(p_copy=copy)
+                if backend is not reference:
+                    assert copied_after == ([] if copy.is_contiguous() and dtype != torch.float64 else [dtype])
                 assert all(torch.equal(a, b) for a, b in zip(got, want)), (op, dtype)
                 assert torch.equal(copy, want[0].to(dtype)), (op, dtype)
             assert (buffer[2 * n:] == 7).all() and buffer[1] == 7  # nothing written beside the copies

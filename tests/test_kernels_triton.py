@@ -119,9 +119,12 @@ else:
                reference.undo_redo(*stepped, gb, s, gb, s, variant, p_old=pb))
 
     @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
-    def test_p_copy_receives_the_new_params_in_its_dtype(dtypes, rng):
+    def test_p_copy_receives_the_new_params_in_its_dtype(dtypes, rng, monkeypatch):
         """Stored by the kernel (contiguous, a storage dtype) or copied afterwards (float64, strided),
         as ``p_copy.copy_(p')``; the results are those without a copy."""
+        copied_after = []
+        monkeypatch.setattr(tk, "write_param_copy",
+                            lambda c, p: c is not None and (copied_after.append(c.dtype), c.copy_(p)))
         variant = AdamVariant()
         n = tk.BLOCK + 9
         p, g, m, v = _inputs(rng, n, *dtypes)
@@ -135,7 +138,9 @@ else:
             for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
                 buffer = torch.full((2 * n,), 7.0, dtype=dtype)
                 for copy in (buffer[:n], buffer[::2]):
+                    copied_after.clear()
                     got = run(p_copy=copy)
+                    assert copied_after == ([] if copy.is_contiguous() and dtype != torch.float64 else [dtype])
                     assert all(torch.equal(a, b) for a, b in zip(got, want)), (op, dtype)
                     assert torch.equal(copy, want[0].to(dtype)), (op, dtype)
 
