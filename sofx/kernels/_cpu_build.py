@@ -56,7 +56,8 @@ class NativeLib:
     ``vector_loops``: whether this build has the explicit AVX-512 vector loops (the CPU converts bf16 in
     hardware); ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
     in the source: checked here against ``torch.sqrt``); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
-    the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit.
+    the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
+    ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`).
     """
 
     path: str
@@ -69,6 +70,7 @@ class NativeLib:
     sqrt_replica: bool
     sqrt: ctypes._CFuncPtr
     bitwise_torch: bool
+    copy_sumsq: ctypes._CFuncPtr
 
 
 _lock = threading.Lock()
@@ -154,11 +156,14 @@ def _open(path: str) -> NativeLib:
     has_replica.restype = ctypes.c_int
     has_vector_loops = lib.sofx_has_vector_loops
     has_vector_loops.restype = ctypes.c_int
+    copy_sumsq = lib.sofx_copy_sumsq
+    copy_sumsq.restype = ctypes.c_double
+    copy_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
     replica = bool(sqrt_fn) and bool(has_replica()) and _replica_matches(sqrt)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
     return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
-                     sqrt, bitwise)
+                     sqrt, bitwise, copy_sumsq)
 
 
 def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:

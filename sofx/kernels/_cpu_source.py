@@ -1110,6 +1110,55 @@ void sofx_sqrt(int64_t n, const float *in, float *out, void *sqrt_fn, int64_t sq
   }
 }
 
+/* dst[0..n) = src[0..n) converted to dst's dtype, and the sum of squares of the values stored, in one pass
+   over src: the offload engine's copy of a gradient into its block's buffer, whose sum of squares it needs
+   next (clipping, the overflow check). Rows of 1024 elements are summed in float32 and the row sums in
+   double, as sofx.transforms.sumsq does (relative error ~1e-7; not its bits: its rows are torch's
+   reductions); a row whose float32 sum is not finite is summed again in double, so that the result is
+   finite exactly when every element is. Streaming stores for a float32 destination where the CPU has
+   AVX-512: the buffer's lines are not read before they are written (benchmarks/RESULTS.md "Gradient
+   copies"). Returns the sum; -1 for a dtype it does not know (nothing written). */
+#define SUMSQ_ROW 1024
+double sofx_copy_sumsq(const void *src, int src_dt, void *dst, int dst_dt, int64_t n) {
+  if (src_dt < DT_F32 || src_dt > DT_F16 || dst_dt < DT_F32 || dst_dt > DT_F16) return -1.0;
+  if ((src_dt == DT_F16 || dst_dt == DT_F16) && !sofx_has_f16()) return -1.0;
+  double total = 0.0;
+  float T[SUMSQ_ROW];
+  for (int64_t off = 0; off < n; off += SUMSQ_ROW) {
+    const int k = (int)((n - off) < SUMSQ_ROW ? (n - off) : SUMSQ_ROW);
+    load(T, src, src_dt, off, k);
+    if (dst_dt == DT_BF16) round_bf16(T, k); /* the values stored */
+#ifdef __FLT16_MAX__
+    else if (dst_dt == DT_F16) for (int i = 0; i < k; i++) T[i] = (float)(_Float16)T[i];
+#endif
+    float acc[16] = {0};
+    int i = 0;
+    for (; i + 16 <= k; i += 16)
+      for (int l = 0; l < 16; l++) acc[l] += T[i + l] * T[i + l];
+    float row = 0.0f;
+    for (int l = 0; l < 16; l++) row += acc[l];
+    for (; i < k; i++) row += T[i] * T[i];
+    if (row - row != 0.0f) { /* inf or nan: finite squares that overflowed float32, or a non-finite element */
+      double d = 0.0;
+      for (int j = 0; j < k; j++) d += (double)T[j] * (double)T[j];
+      total += d;
+    } else {
+      total += (double)row;
+    }
+#if defined(__AVX512F__)
+    if (dst_dt == DT_F32 && ((uintptr_t)((float *)dst + off) & 63) == 0 && k == SUMSQ_ROW) {
+      for (int j = 0; j < k; j += 16) _mm512_stream_ps((float *)dst + off + j, _mm512_loadu_ps(T + j));
+      continue;
+    }
+#endif
+    store(dst, dst_dt, off, T, k);
+  }
+#if defined(__AVX512F__)
+  _mm_sfence();
+#endif
+  return total;
+}
+
 /* Entry point. dtypes = {p, g, m/v, g_new, p_old, p_copy}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out,
    v_out, p_copy} (p_copy: 0, or a second buffer for the new parameters in its own dtype, see copy_params).
    exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions in the

@@ -67,6 +67,7 @@ import torch
 
 from sofx.adam import AdamHParams
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
+from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
@@ -329,6 +330,8 @@ class OffloadEngine:
         self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
         self._grads: list[list[torch.Tensor | None]] = [[None] * len(b.numels) for b in self.layouts]
+        # ... and the sum of squares of a buffer slice, where it was taken while copying the gradient in.
+        self._slot_sumsq: list[list[float | None]] = [[None] * len(b.numels) for b in self.layouts]
         if hasattr(self, "_published"):
             self._published = [None] * len(self.layouts)
 
@@ -389,11 +392,14 @@ class OffloadEngine:
                         and grad.is_contiguous()):
                     self._grads[b][arrival.slot] = g  # a view of autograd's gradient: no copy
                 else:
-                    view.copy_(g)  # casts to the master dtype, copies across devices
+                    # casts to the master dtype, copies across devices; one pass with the sum of squares where
+                    # the native library can (the process executor's copies into shared memory)
+                    self._slot_sumsq[b][arrival.slot] = copy_with_sumsq(view, g)
                     self._grads[b][arrival.slot] = view
             else:
                 target = self._grads[b][arrival.slot]
                 target.add_(g.to(target.device))
+                self._slot_sumsq[b][arrival.slot] = None
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:
@@ -492,14 +498,19 @@ class OffloadEngine:
                 view = t.grad[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
                 view.zero_()
                 self._grads[b][slot] = view
+                self._slot_sumsq[b][slot] = 0.0
 
     def _op_grads(self, b: int) -> tuple[torch.Tensor, ...] | None:
         """The gradients to send with an operation on block ``b`` (None: they are in its buffer)."""
         return tuple(self._grads[b]) if self._borrowing[b] else None
 
     def _block_sumsq(self, b: int) -> float:
-        """Sum of squares of block ``b``'s gradient (absent parameters zeroed first), float64."""
+        """Sum of squares of block ``b``'s gradient (absent parameters zeroed first), float64: the sums
+        taken while copying the gradients in where every parameter has one, else one pass now."""
         if not self._borrowing[b]:
+            slots = self._slot_sumsq[b]
+            if all(s is not None for s in slots):
+                return total_sumsq(slots)
             return grad_sumsq(self.tensors[b].grad)
         return total_sumsq([None if g is None else grad_sumsq(g) for g in self._grads[b]])
 

@@ -1,0 +1,40 @@
+"""A gradient copied into a buffer and its sum of squares, in one pass over the gradient.
+
+The offload engine copies each gradient of the process executor into its block's shared buffer, on the
+training thread during backward, and then needs the block's sum of squares (the global norm for
+clipping, the overflow check). :func:`copy_with_sumsq` does both in the native library's one pass
+(``sofx_copy_sumsq`` in :mod:`sofx.kernels._cpu_source`): the gradient is read once, and the buffer is
+written with streaming stores, which do not read its lines first. Elsewhere it is a plain ``copy_`` and
+the caller takes the sum of squares itself (:func:`sofx.transforms.sumsq`).
+
+The sum: rows of 1024 elements in float32, the row sums in float64, finite exactly when every element
+stored is (relative error ~1e-7, as :func:`sofx.transforms.sumsq`, not its bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sofx.kernels import _cpu_build
+from sofx.kernels import _cpu_source as src
+
+__all__ = ["copy_with_sumsq"]
+
+_DTYPE_CODES = {torch.float32: src.DT_F32, torch.bfloat16: src.DT_BF16, torch.float16: src.DT_F16}
+
+
+def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
+    """``dst.copy_(grad)`` (``dst`` 1-d, ``grad`` of as many elements); returns the sum of squares of the
+    values written to ``dst`` where the native library took it in the same pass, else None."""
+    lib = _cpu_build.load()
+    if (lib is None or dst.device.type != "cpu" or grad.device.type != "cpu" or not dst.is_contiguous()
+            or not grad.is_contiguous() or dst.dtype not in _DTYPE_CODES or grad.dtype not in _DTYPE_CODES
+            or dst.numel() != grad.numel()):
+        dst.copy_(grad.reshape(dst.shape))
+        return None
+    total = lib.copy_sumsq(grad.data_ptr(), _DTYPE_CODES[grad.dtype], dst.data_ptr(), _DTYPE_CODES[dst.dtype],
+                           grad.numel())
+    if total == -1.0:  # a dtype this build cannot convert (float16 without compiler support)
+        dst.copy_(grad.reshape(dst.shape))
+        return None
+    return total
