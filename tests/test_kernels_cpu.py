@@ -461,6 +461,14 @@ def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkey
         for a, b in zip(got, want):
             assert all(torch.equal(x, y) or max_rel_err(x, y) == 0.0 for x, y in zip(a, b))
         assert all(torch.equal(a, b) for a, b in zip(copies[3:], copies[:3]))  # the copy without AVX-512
+    from sofx.kernels.grad_copy import copy_with_sumsq  # and the gradient copy with its sum of squares
+
+    dst = [torch.empty(p.shape, dtype=combo[0]) for _ in range(2)]
+    want = copy_with_sumsq(dst[0], g)
+    monkeypatch.setattr(_cpu_build, "_loaded", [lib])
+    got = copy_with_sumsq(dst[1], g)
+    monkeypatch.undo()
+    assert torch.equal(dst[0], dst[1]) and got == want
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
