@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import shutil
 import signal
 import socket
@@ -87,6 +88,10 @@ class ProcessExecutor(Executor):
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         server.close()
+        # One poll object for the results' socket: Connection.poll builds a selector per call (~40 us), and
+        # every gradient hook asks whether results arrived.
+        self._results_ready = select.poll()
+        self._results_ready.register(self.conn.fileno(), select.POLLIN)
         self._sender = threading.Thread(target=self._send_loop, name="sofx-offload-sender", daemon=True)
         self._sender.start()
 
@@ -144,7 +149,7 @@ class ProcessExecutor(Executor):
         """Move finished results into ``_collected``; True if anything arrived."""
         got = False
         try:
-            while self.conn.poll(block_s if block_s and not got else 0):
+            while self._results_ready.poll(int(block_s * 1000) if block_s and not got else 0):
                 self._collected.append(self.conn.recv())
                 got = True
         except (EOFError, OSError):
