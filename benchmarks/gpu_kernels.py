@@ -21,13 +21,16 @@ its numbers mean nothing). The tables are printed and, when ``$OUT`` is set
    divided by that paired copy bandwidth (``xcopy``) and compared with
    ``torch.optim.AdamW(fused=True)`` on the same tensors (``xfused``: > 1 is
    faster). Targets (issue 4): Triton step >= 0.9 of the copy bandwidth and
-   >= 1.0x torch fused.
+   >= 1.0x torch fused. Then a GPT-2-small-shaped list of tensors (the shapes
+   of ``kernels.py``): one Triton call per tensor against torch's fused AdamW,
+   which steps many tensors per kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import statistics
 import sys
@@ -37,7 +40,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py: the CPU table's shapes)
 from sofx.kernels import reference  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
@@ -214,6 +219,28 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) ->
                        f"copy bandwidth {copy_bw() / 1e9:.0f} GB/s")
             report.flush()
             del p, g, g2, m, v
+    # A GPT-2-small-shaped list of tensors (148, 124M elements; tiny shapes in a smoke run): the Triton
+    # backend launches once per tensor, torch's fused AdamW applies one kernel to many tensors at a time.
+    shapes = gpt2_small_shapes() if dev.type == "cuda" else gpt2_small_shapes(vocab=40, d=8, layers=1, ctx=8)
+    n_total = sum(math.prod(s) for s in shapes)
+    tensors = [inputs(math.prod(s), torch.float32, torch.float32, dev, gen) for s in shapes]
+    params = [torch.nn.Parameter(t[0].clone()) for t in tensors]
+    for param, t in zip(params, tensors):
+        param.grad = t[1].clone()
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+
+    def sofx_step() -> None:
+        for p, g, _, m, v in tensors:
+            tk.step(p, g, m, v, S1, variant, out=(p, m, v))
+
+    rows = {"torch AdamW fused (float32 states)": bench(opt.step, n_total * 28),
+            "sofx triton step, one call per tensor": bench(sofx_step, n_total * 28)}
+    fused = rows["torch AdamW fused (float32 states)"][0]
+    out += [f"\n### GPT-2 small: {len(shapes)} tensors, {n_total / 2**20:.2f}M elements, float32\n",
+            "| operation | ms | xcopy | xfused |", "|---|---:|---:|---:|"]
+    for name, (t, r) in rows.items():
+        out.append(f"| {name} | {t * 1e3:.2f} | {r:.2f} | {fused / t:.2f} |")
+    report.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
