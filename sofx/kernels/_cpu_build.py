@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sofx.kernels._cpu_source import SOURCE
+from sofx.kernels._cpu_source import DT_BF16, DT_F16, DT_F32, SOURCE
 from sofx.kernels._torch_sqrt import torch_sqrt_is_ieee, torch_sqrt_routine
 
 __all__ = ["NativeLib", "load", "unavailable_reason"]
@@ -72,6 +72,9 @@ class NativeLib:
     bitwise_torch: bool
     copy_sumsq: ctypes._CFuncPtr
 
+
+# The element types the library's entry points take, by their codes (DT_* in the source).
+DTYPE_CODES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT_F16}
 
 _lock = threading.Lock()
 _loaded: list[NativeLib | str] = []  # at most one entry: the library or why it is unavailable

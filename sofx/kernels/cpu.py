@@ -67,7 +67,7 @@ NAME = "cpu"
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-_DTYPE_CODES = {torch.float32: src.DT_F32, torch.bfloat16: src.DT_BF16, torch.float16: src.DT_F16}
+_DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 import torch
 
 from sofx.kernels import _cpu_build
-from sofx.kernels import _cpu_source as src
+from sofx.kernels._cpu_build import DTYPE_CODES as _DTYPE_CODES
 
 __all__ = ["copy_with_sumsq"]
-
-_DTYPE_CODES = {torch.float32: src.DT_F32, torch.bfloat16: src.DT_BF16, torch.float16: src.DT_F16}
 
 
 def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
