@@ -22,8 +22,9 @@ its numbers mean nothing). The tables are printed and, when ``$OUT`` is set
    ``torch.optim.AdamW(fused=True)`` on the same tensors (``xfused``: > 1 is
    faster). Targets (issue 4): Triton step >= 0.9 of the copy bandwidth and
    >= 1.0x torch fused. Then a GPT-2-small-shaped list of tensors (the shapes
-   of ``kernels.py``): one Triton call per tensor against torch's fused AdamW,
-   which steps many tensors per kernel.
+   of ``kernels.py``) against torch's fused AdamW, which steps many tensors per
+   kernel: one Triton call per tensor, the multi-tensor launch
+   (``step_many``) and ``sofx.adamw(backend="triton").update`` over them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py: the CPU table's shapes)
 from sofx.kernels import reference  # noqa: E402
-from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
+import sofx  # noqa: E402
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall  # noqa: E402
 
 CONFIGS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
 S1 = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10, 1.0)
@@ -219,8 +221,10 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) ->
                        f"copy bandwidth {copy_bw() / 1e9:.0f} GB/s")
             report.flush()
             del p, g, g2, m, v
-    # A GPT-2-small-shaped list of tensors (148, 124M elements; tiny shapes in a smoke run): the Triton
-    # backend launches once per tensor, torch's fused AdamW applies one kernel to many tensors at a time.
+    # A GPT-2-small-shaped list of tensors (148, 124M elements; tiny shapes in a smoke run), as torch's fused
+    # AdamW steps them (many tensors per kernel): the Triton step called once per tensor, the multi-tensor
+    # launch (step_many), and the functional optimizer over a dict of them (one step_many per update, the
+    # gradients' finiteness checked in one read back).
     shapes = gpt2_small_shapes() if dev.type == "cuda" else gpt2_small_shapes(vocab=40, d=8, layers=1, ctx=8)
     n_total = sum(math.prod(s) for s in shapes)
     tensors = [inputs(math.prod(s), torch.float32, torch.float32, dev, gen) for s in shapes]
@@ -233,8 +237,21 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) ->
         for p, g, _, m, v in tensors:
             tk.step(p, g, m, v, S1, variant, out=(p, m, v))
 
+    calls = [StepCall(p, g, m, v, S1, (p, m, v)) for p, g, _, m, v in tensors]
+    adam = sofx.adamw(lr=1e-3, weight_decay=0.01, backend="triton")
+    tree = {"params": {f"t{i}": t[0] for i, t in enumerate(tensors)},
+            "grads": {f"t{i}": t[1] for i, t in enumerate(tensors)}}
+    tree["state"] = adam.init(tree["params"])
+
+    def adam_update(grads_finite: bool | None) -> None:
+        tree["params"], tree["state"], _ = adam.update(tree["params"], tree["grads"], tree["state"], donate=True,
+                                                       grads_finite=grads_finite)
+
     rows = {"torch AdamW fused (float32 states)": bench(opt.step, n_total * 28),
-            "sofx triton step, one call per tensor": bench(sofx_step, n_total * 28)}
+            "sofx triton step, one call per tensor": bench(sofx_step, n_total * 28),
+            "sofx triton step_many (one launch)": bench(lambda: tk.step_many(calls, variant), n_total * 28),
+            "sofx.adamw(backend='triton').update, donated": bench(lambda: adam_update(None), n_total * 28),
+            "same, grads_finite=True (no finiteness check)": bench(lambda: adam_update(True), n_total * 28)}
     fused = rows["torch AdamW fused (float32 states)"][0]
     out += [f"\n### GPT-2 small: {len(shapes)} tensors, {n_total / 2**20:.2f}M elements, float32\n",
             "| operation | ms | xcopy | xfused |", "|---|---:|---:|---:|"]

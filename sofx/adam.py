@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -46,8 +46,8 @@ from sofx import tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
-from sofx.kernels.base import (AdamScalars, AdamVariant, Scalar, any_traced, as_number, is_number, is_traced,
-                               write_param_copy)
+from sofx.kernels.base import (AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall, any_traced,
+                               as_number, is_number, is_traced, write_param_copy)
 from sofx.undo_record import LeafUndo, UndoRecord
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
@@ -169,25 +169,30 @@ class Adam:
         copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
-        plans = [self._plan(leaf, grad_scale, grads_finite) if leaf.g is not None else None for leaf in leaves]
-        new_p, new_c, new_m, new_v, records = [], [], [], [], []
-        for leaf, plan, copy in zip(leaves, plans, copies):
+        finite = self._gradients_finite(leaves, grads_finite)
+        plans = [self._plan(leaf, grad_scale, f) if leaf.g is not None else None for leaf, f in zip(leaves, finite)]
+        new_p = [leaf.p for leaf in leaves]
+        new_m = [leaf.m for leaf in leaves]
+        new_v = [leaf.v for leaf in leaves]
+        new_c = [leaf.count for leaf in leaves]
+        records: list[LeafUndo | None] = [None] * len(leaves)
+        pending = []  # (leaf index, backend, call): the kernels run per backend, many leaves per call
+        for k, (leaf, plan, copy) in enumerate(zip(leaves, plans, copies)):
             if plan is None:
-                p2, m2, v2, c2, rec = leaf.p, leaf.m, leaf.v, leaf.count, None
-                write_param_copy(copy, p2)
-            else:
-                p2, m2, v2, c2, rec = self._step_leaf(leaf, plan, donate, copy)
-            new_p.append(p2)
-            new_m.append(m2)
-            new_v.append(v2)
-            new_c.append(c2)
-            records.append(rec)
+                write_param_copy(copy, leaf.p)
+                continue
+            call, records[k] = self._prepare_step(leaf, plan, donate, copy)
+            new_c[k] = leaf.count + 1
+            pending.append((k, self._kernel(leaf), call))
+        for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant)):
+            new_p[k], new_m[k], new_v[k] = p2, m2, v2
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
-    def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
-                   copy: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LeafUndo]:
+    def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
+                      copy: torch.Tensor | None = None) -> tuple[StepCall, LeafUndo]:
+        """The kernel call of one leaf's step and its undo record (snapshots taken now, before any kernel
+        overwrites the leaf under donation)."""
         scalars, strategy, reason = plan
         p_old = m_old = v_old = None
         if strategy in ("snapshot", "param_snapshot"):
@@ -198,9 +203,14 @@ class Adam:
         # Before the step: with donation the kernel overwrites leaf.m and leaf.v with the new moments.
         fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
-        p2, m2, v2 = self._kernel(leaf).step(leaf.p, leaf.g, leaf.m, leaf.v, scalars, self.variant, out=out,
-                                             p_copy=copy)
         rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
+        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy), rec
+
+    def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
+                   copy: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LeafUndo]:
+        call, rec = self._prepare_step(leaf, plan, donate, copy)
+        p2, m2, v2 = self._kernel(leaf).step_many([call], self.variant)[0]
         return p2, m2, v2, leaf.count + 1, rec
 
     # ------------------------------------------------------------------ undo
@@ -215,17 +225,22 @@ class Adam:
         """
         spec, leaves = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
-        new_p, new_c, new_m, new_v = [], [], [], []
-        for leaf, rec, copy in zip(leaves, record.leaves, copies):
+        new_p = [leaf.p for leaf in leaves]
+        new_m = [leaf.m for leaf in leaves]
+        new_v = [leaf.v for leaf in leaves]
+        new_c = [leaf.count for leaf in leaves]
+        pending = []
+        for k, (leaf, rec, copy) in enumerate(zip(leaves, record.leaves, copies)):
             if rec is None:
-                p0, m0, v0, c0 = leaf.p, leaf.m, leaf.v, leaf.count
-                write_param_copy(copy, p0)
+                write_param_copy(copy, leaf.p)
+            elif rec.strategy == "snapshot":
+                new_p[k], new_m[k], new_v[k], new_c[k] = _restore_snapshot(leaf, rec, donate, copy)
             else:
-                p0, m0, v0, c0 = self._undo_leaf(leaf, rec, donate, copy)
-            new_p.append(p0)
-            new_m.append(m0)
-            new_v.append(v0)
-            new_c.append(c0)
+                new_c[k] = rec.count_before
+                pending.append((k, self._kernel(leaf), _undo_call(leaf, rec, donate, copy)))
+        for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant)):
+            m0, v0 = _zero_if_fresh(record.leaves[k], m0, v0, donate)
+            new_p[k], new_m[k], new_v[k] = p0, m0, v0
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state
@@ -246,36 +261,38 @@ class Adam:
         copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
+        finite = self._gradients_finite(leaves, grads_finite)
         plans = []
-        for leaf, rec in zip(leaves, record.leaves):
+        for leaf, rec, f in zip(leaves, record.leaves, finite):
             undone_count = rec.count_before if rec is not None else leaf.count
             plans.append(None if leaf.g is None else self._plan(
-                _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale, grads_finite))
-        new_p, new_c, new_m, new_v, records = [], [], [], [], []
-        for leaf, rec, plan, copy in zip(leaves, record.leaves, plans, copies):
+                _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale, f))
+        new_p = [leaf.p for leaf in leaves]
+        new_m = [leaf.m for leaf in leaves]
+        new_v = [leaf.v for leaf in leaves]
+        new_c = [leaf.count for leaf in leaves]
+        records: list[LeafUndo | None] = [None] * len(leaves)
+        pending = []  # the fused undo+redo calls
+        for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
             fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
                        and not rec.moments_were_zero and plan[1] == "algebraic")
             if fusable:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
-                p2, m2, v2 = self._kernel(leaf).undo_redo(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
-                                                          plan[0], self.variant, p_old=rec.p_old, out=out,
-                                                          p_copy=copy)
-                c2 = rec.count_before + 1
-                new_rec = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before)
+                pending.append((k, self._kernel(leaf), UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars,
+                                                                    leaf.g, plan[0], rec.p_old, out, copy)))
+                new_c[k] = rec.count_before + 1
+                records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before)
+                continue
+            p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
+                self._undo_leaf(leaf, rec, donate)
+            if plan is None:
+                new_p[k], new_m[k], new_v[k], new_c[k] = p0, m0, v0, c0
+                write_param_copy(copy, p0)
             else:
-                p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
-                    self._undo_leaf(leaf, rec, donate)
-                if plan is None:
-                    p2, m2, v2, c2, new_rec = p0, m0, v0, c0, None
-                    write_param_copy(copy, p2)
-                else:
-                    undone = _Leaf(leaf.path, p0, leaf.g, c0, m0, v0, leaf.hp)
-                    p2, m2, v2, c2, new_rec = self._step_leaf(undone, plan, donate, copy)
-            new_p.append(p2)
-            new_m.append(m2)
-            new_v.append(v2)
-            new_c.append(c2)
-            records.append(new_rec)
+                undone = _Leaf(leaf.path, p0, leaf.g, c0, m0, v0, leaf.hp)
+                new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
+        for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant)):
+            new_p[k], new_m[k], new_v[k] = p2, m2, v2
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
@@ -308,17 +325,27 @@ class Adam:
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if rec.strategy == "snapshot":
-            write_param_copy(copy, rec.p_old)
-            if donate:
-                return leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old), rec.count_before
-            return rec.p_old, rec.m_old, rec.v_old, rec.count_before
-        out = (leaf.p, leaf.m, leaf.v) if donate else None
-        p0, m0, v0 = self._kernel(leaf).undo(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, self.variant,
-                                             p_old=rec.p_old, out=out, p_copy=copy)
-        if rec.moments_were_zero:  # the first step from init: the old moments were exactly zero
-            m0 = m0.zero_() if donate else torch.zeros_like(m0)
-            v0 = v0.zero_() if donate else torch.zeros_like(v0)
-        return p0, m0, v0, rec.count_before
+            return _restore_snapshot(leaf, rec, donate, copy)
+        p0, m0, v0 = self._kernel(leaf).undo_many([_undo_call(leaf, rec, donate, copy)], self.variant)[0]
+        return (p0, *_zero_if_fresh(rec, m0, v0, donate), rec.count_before)
+
+    def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None) -> list[bool | None]:
+        """Per leaf: whether its gradient is finite, where the undo strategy will ask (``None``: not
+        looked at). ``grads_finite=True`` is the caller's word; otherwise the gradients of each device
+        are checked together (:func:`_finite_flags`): one wait for a GPU instead of one per leaf."""
+        if grads_finite is True:
+            return [True] * len(leaves)
+        flags: list[bool | None] = [None] * len(leaves)
+        if self.undo_mode == "exact":
+            return flags
+        by_device: dict[torch.device, list[int]] = {}
+        for k, leaf in enumerate(leaves):
+            if leaf.g is not None and leaf.m.dtype not in _LOW_PRECISION and not any_traced((leaf.g,)):
+                by_device.setdefault(leaf.g.device, []).append(k)
+        for device, ks in by_device.items():
+            for k, ok in zip(ks, _finite_flags([leaves[k].g for k in ks], batched=device.type == "cuda")):
+                flags[k] = ok
+        return flags
 
     # -------------------------------------------------------------- helpers
     def undo_strategies(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
@@ -334,7 +361,8 @@ class Adam:
         _validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
         _validate_grad_scale(grad_scale)
-        return [None if leaf.g is None else self._plan(leaf, grad_scale, grads_finite)[1:] for leaf in leaves]
+        finite = self._gradients_finite(leaves, grads_finite)
+        return [None if leaf.g is None else self._plan(leaf, grad_scale, f)[1:] for leaf, f in zip(leaves, finite)]
 
     def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec, paths: list[str] | None = None,
                         ) -> list[AdamHParams]:
@@ -394,18 +422,18 @@ class Adam:
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 
     def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0,
-              grads_finite: bool | None = None) -> tuple[AdamScalars, str, str]:
+              finite: bool | None = None) -> tuple[AdamScalars, str, str]:
         """The step's scalars and the undo strategy for this leaf (raises where refused).
 
-        ``grads_finite=True``: the caller guarantees the gradient is finite; it is not read.
+        ``finite``: whether the gradient is finite, if known (``None``: read it where the strategy asks).
         """
         hp = leaf.hp
         t = as_number(leaf.count) + 1
         scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
-        strategy, reason = self._choose_strategy(leaf, scalars, grads_finite is True)
+        strategy, reason = self._choose_strategy(leaf, scalars, finite)
         return scalars, strategy, reason
 
-    def _choose_strategy(self, leaf: _Leaf, s: AdamScalars, known_finite: bool = False) -> tuple[str, str]:
+    def _choose_strategy(self, leaf: _Leaf, s: AdamScalars, finite: bool | None = None) -> tuple[str, str]:
         if self.undo_mode == "exact":
             return "snapshot", ""
         values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
@@ -432,13 +460,13 @@ class Adam:
             if full_reasons or param_reasons:
                 raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: "
                                        f"{'; '.join(full_reasons + param_reasons)}; use undo='auto' or 'exact'")
-            if not known_finite and not _all_finite(leaf.g):
+            if not (finite if finite is not None else _all_finite(leaf.g)):
                 return "none", "the gradient is not finite"
             return "algebraic", ""
         # auto: also avoid the cases that are possible but too lossy.
         if 0 < min(b1, b2) < ALGEBRAIC_MIN_BETA:
             full_reasons.append(f"a beta below {ALGEBRAIC_MIN_BETA} amplifies rounding")
-        if full_reasons or not (known_finite or _all_finite(leaf.g)):
+        if full_reasons or not (finite if finite is not None else _all_finite(leaf.g)):
             return "snapshot", "; ".join(full_reasons) or "the gradient is not finite"
         if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
             param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
@@ -470,6 +498,58 @@ def _all_finite(x: torch.Tensor) -> bool:
     # isfinite().all() on CPU, so the exact check only runs when the sum is not finite.
     total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)  # fp16 sums overflow
     return x.numel() == 0 or bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
+
+
+def _finite_flags(gs: Sequence[torch.Tensor], batched: bool) -> list[bool]:
+    """``[_all_finite(g) for g in gs]``; ``batched`` (for GPUs): with one read back to the host instead
+    of one per tensor, by the multi-tensor norm (a launch or a few; a norm that overflows is checked
+    exactly). On CPUs a sum per tensor is cheaper than the norm and reading it back costs nothing."""
+    if not batched:
+        return [_all_finite(g) for g in gs]
+    if not gs:
+        return []
+    norms = torch._foreach_norm(list(gs), 2.0)
+    flags = torch.stack([x.float() for x in norms]).isfinite().tolist()
+    return [ok or bool(torch.isfinite(g).all()) for ok, g in zip(flags, gs)]
+
+
+def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
+                    run: Callable[[Any, list], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                    ) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """``(leaf index, results)`` for every ``(leaf index, backend, call)`` of ``pending``: one
+    ``run(backend, calls)`` per backend (its ``*_many`` function, which runs many leaves per launch
+    where it can)."""
+    by_backend: dict[int, list[int]] = {}
+    for i, (_, backend, _) in enumerate(pending):
+        by_backend.setdefault(id(backend), []).append(i)
+    out = []
+    for members in by_backend.values():
+        results = run(pending[members[0]][1], [pending[i][2] for i in members])
+        out += [(pending[i][0], r) for i, r in zip(members, results)]
+    return out
+
+
+def _undo_call(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None) -> UndoCall:
+    """The kernel call that inverts ``rec``'s step of ``leaf`` (not a full snapshot)."""
+    out = (leaf.p, leaf.m, leaf.v) if donate else None
+    return UndoCall(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, rec.p_old, out, copy)
+
+
+def _restore_snapshot(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    write_param_copy(copy, rec.p_old)
+    if donate:
+        return leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old), rec.count_before
+    return rec.p_old, rec.m_old, rec.v_old, rec.count_before
+
+
+def _zero_if_fresh(rec: LeafUndo, m0: torch.Tensor, v0: torch.Tensor, donate: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The undone moments; exactly zero where the step was the first from init."""
+    if rec.moments_were_zero:
+        m0 = m0.zero_() if donate else torch.zeros_like(m0)
+        v0 = v0.zero_() if donate else torch.zeros_like(v0)
+    return m0, v0
 
 
 def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -> list[torch.Tensor | None]:

@@ -426,3 +426,18 @@ def test_grads_finite_must_be_a_bool_or_none():
     opt = sofx.adamw()
     with pytest.raises(sofx.UnsupportedError, match="grads_finite"):
         opt.update(params, {"w": torch.randn(3)}, opt.init(params), grads_finite=1)
+
+
+def test_batched_finiteness_check_agrees_with_the_per_leaf_one():
+    """The GPU path (one multi-tensor norm, one read back) gives the per-leaf answers, also where the
+    norm overflows although every element is finite (then checked exactly)."""
+    adam_module = _adam_module()
+    nan, inf = float("nan"), float("inf")
+    gs = [torch.tensor([1.0, nan]), torch.tensor([inf, 1.0]), torch.tensor([-inf], dtype=torch.float16),
+          torch.tensor([3e38, 3e38]), torch.tensor([6e4, 6e4], dtype=torch.float16),
+          torch.ones(5, dtype=torch.bfloat16), torch.empty(0), torch.randn(100, dtype=torch.float64)]
+    want = [False, False, False, True, True, True, True, True]
+    assert [adam_module._all_finite(g) for g in gs] == want
+    assert adam_module._finite_flags(gs, batched=True) == want
+    assert adam_module._finite_flags(gs, batched=False) == want
+    assert adam_module._finite_flags([], batched=True) == []

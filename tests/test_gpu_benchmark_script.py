@@ -40,6 +40,8 @@ def test_gpu_benchmark_script_smoke_run(tmp_path):
     assert written.count("sofx triton undo+redo (fused, clip: same gradient)") == 3
     assert written.count("sofx triton step + bf16 copy (p_copy)") == 3
     assert "### GPT-2 small: 16 tensors" in written and "| sofx triton step, one call per tensor |" in written
+    assert "| sofx triton step_many (one launch) |" in written
+    assert "| sofx.adamw(backend='triton').update, donated |" in written
 
 
 def test_gpu_benchmark_script_refuses_a_smoke_run_without_the_interpreter():

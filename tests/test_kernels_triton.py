@@ -39,7 +39,7 @@ else:
     from sofx.errors import LeafError, UnsupportedError
     from sofx.kernels import reference, select_backend
     from sofx.kernels import triton as tk
-    from sofx.kernels.base import AdamScalars, AdamVariant
+    from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
 
     from helpers import max_rel_err
 
@@ -179,6 +179,154 @@ else:
             s = _scalars(rng, 0.1)._replace(beta1=beta1)
             for variant in (VARIANTS[0], VARIANTS[3]):
                 _close(tk.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant))
+
+    def _many_blocks(rng):
+        """Blocks that exercise the multi-tensor launch: aligned and not (n % 16, a view at an odd offset),
+        one block per program and several, a partial last program, an empty block, a strided one, two
+        dtype combinations."""
+        blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (16, tk.BLOCK, 3 * tk.BLOCK + 48, 7,
+                                                                          tk.BLOCK + 417, 0)]
+        odd = _inputs(rng, 200, torch.float32, torch.float32)
+        blocks.append(tuple(t[3:163] for t in odd))  # 160 elements, not 16-element aligned
+        wide = _inputs(rng, (20, 30), torch.float32, torch.float32)
+        blocks.append(tuple(t[:, ::3] for t in wide))  # strided
+        blocks += [_inputs(rng, n, torch.bfloat16, torch.float32) for n in (48, 2 * tk.BLOCK + 5, 64)]
+        return blocks
+
+    def _count_multi_launches(monkeypatch):
+        launches = []
+        run_multi = tk._run_multi
+
+        def counting(op, group, *args):
+            launches.append(len(group))
+            return run_multi(op, group, *args)
+
+        monkeypatch.setattr(tk, "_run_multi", counting)
+        return launches
+
+    def _same(got, want):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+    def test_many_blocks_in_one_launch_equal_one_call_per_block(rng, monkeypatch):
+        """step_many / undo_many / undo_redo_many: each block's results are the one-block functions' bits
+        (those are checked against the reference above), whatever the grouping; blocks with the same
+        dtypes, scalars and alignment share a launch."""
+        launches = _count_multi_launches(monkeypatch)
+        variant = AdamVariant(decoupled=False)
+        blocks = _many_blocks(rng)
+        s_a, s_b = _scalars(rng, 0.1, 0.5), _scalars(rng, 0.0)
+        scalars = [s_a if i % 3 else s_b for i in range(len(blocks))]
+        want = [tk.step(*b, s, variant) for b, s in zip(blocks, scalars)]
+        assert launches == []  # one block per call: the flat kernel
+        got = tk.step_many([StepCall(*b, s) for b, s in zip(blocks, scalars)], variant)
+        for g_, w in zip(got, want):
+            _same(g_, w)
+        assert launches and sum(launches) >= 6, launches
+        # undo, some from a parameter snapshot
+        launches.clear()
+        calls = [UndoCall(w[0], b[1], w[1], w[2], s, b[0].to(w[0].dtype) if i % 4 == 1 else None)
+                 for i, (b, w, s) in enumerate(zip(blocks, want, scalars))]
+        got = tk.undo_many(calls, variant)
+        for c, g_ in zip(calls, got):
+            _same(g_, tk.undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old))
+        assert launches
+        # undo+redo with new gradients and scalars
+        launches.clear()
+        calls = [UndoRedoCall(w[0], w[1], w[2], b[1], s, torch.randn(b[1].shape, generator=rng).to(b[1].dtype),
+                              s._replace(grad_scale=0.25)) for b, w, s in zip(blocks, want, scalars)]
+        got = tk.undo_redo_many(calls, variant)
+        for c, g_ in zip(calls, got):
+            _same(g_, tk.undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant))
+        assert launches
+
+    def test_many_blocks_donate_copy_and_tensor_scalars(rng):
+        """In place (out = the inputs) and with parameter copies, as one call per block; a block whose
+        scalars are 0-d tensors takes the reference path in between."""
+        variant = AdamVariant()
+        blocks = _many_blocks(rng)
+        s = _scalars(rng, 0.1)
+        tensor_s = s._replace(lr=torch.tensor(s.lr))
+        scalars = [tensor_s if i == 2 else s for i in range(len(blocks))]
+        want = [tk.step(*b, s, variant) for b in blocks]
+        copies = [torch.full(b[0].shape, 3.0, dtype=torch.bfloat16) for b in blocks]
+        inputs = [tuple(t.clone() for t in b) for b in blocks]
+        got = tk.step_many([StepCall(p, g, m, v, sc, (p, m, v) if p.is_contiguous() else None, c)
+                            for (p, g, m, v), sc, c in zip(inputs, scalars, copies)], variant)
+        for i, (g_, w, (p, _, m, v), c) in enumerate(zip(got, want, inputs, copies)):
+            if i == 2:
+                _close(g_, w)
+            else:
+                _same(g_, w)
+            if p.is_contiguous():
+                assert [t.data_ptr() for t in g_] == [t.data_ptr() for t in (p, m, v)]
+            assert torch.equal(c, g_[0].to(torch.bfloat16))
+
+    def test_many_blocks_checks_every_block_before_running_any(rng):
+        variant = AdamVariant()
+        blocks = _many_blocks(rng)[:4]
+        s = _scalars(rng, 0.1)
+        before = [[t.clone() for t in b] for b in blocks]
+        calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
+        p, g, m, v = blocks[3]
+        calls[3] = StepCall(p, g[:-1], m, v, s, out=(p, m, v))
+        with pytest.raises(LeafError, match="shape"):
+            tk.step_many(calls, variant)
+        undo_calls = [UndoCall(*b, s._replace(beta2=0.0) if i == 2 else s, out=(b[0], b[2], b[3]))
+                      for i, b in enumerate(blocks)]
+        with pytest.raises(UnsupportedError, match="beta2 == 0"):
+            tk.undo_many(undo_calls, variant)
+        for b, old in zip(blocks, before):
+            assert all(torch.equal(a, o) for a, o in zip(b, old))
+
+    def test_adam_on_a_tree_of_many_leaves(rng, monkeypatch):
+        """sofx.adamw(backend="triton") over many leaves: one launch per group, each leaf's bits those of
+        the one-block kernels; undo and undo_redo too."""
+        import sofx
+        launches = _count_multi_launches(monkeypatch)
+        shapes = [(16,), (48, 16), (7,), (3, 5), (tk.BLOCK + 32,), (64,)]
+        params = {f"w{i}": torch.randn(sh, generator=rng) for i, sh in enumerate(shapes)}
+        grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+        grads2 = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+        grads["w2"] = None
+        opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="triton")
+        one_by_one = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="triton")
+        monkeypatch.setattr(one_by_one, "_kernel", lambda leaf: _OneByOne)
+        state = opt.init(params)
+        p1, s1, r1 = opt.update(params, grads, state)
+        q1, t1, _ = one_by_one.update(params, grads, state)
+        assert launches == [4], launches  # four aligned fp32 leaves; (3, 5) alone; w2 has no gradient
+        for a, b in zip(sofx.tree.flatten((p1, s1))[0], sofx.tree.flatten((q1, t1))[0]):
+            assert torch.equal(a, b)
+        for op in ("undo_redo", "undo"):
+            launches.clear()
+            results = []
+            for o in (opt, one_by_one):
+                p2, s2, r2 = o.update(p1, grads2, s1)
+                if op == "undo":
+                    results.append(o.undo(p2, s2, r2))
+                else:
+                    results.append(o.undo_redo(p2, s2, r2, grads, grad_scale=0.5)[:2])
+            assert launches == [4, 4], (op, launches)  # the update, then the undo (+redo)
+            for a, b in zip(sofx.tree.flatten(results[0])[0], sofx.tree.flatten(results[1])[0]):
+                assert torch.equal(a, b), op
+
+    class _OneByOne:
+        """The triton backend with one kernel call per leaf (what Adam did before the *_many functions)."""
+
+        @staticmethod
+        def step_many(calls, variant):
+            return [tk.step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
+
+        @staticmethod
+        def undo_many(calls, variant):
+            return [tk.undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy)
+                    for c in calls]
+
+        @staticmethod
+        def undo_redo_many(calls, variant):
+            return [tk.undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old,
+                                 out=c.out, p_copy=c.p_copy) for c in calls]
 
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)

@@ -16,6 +16,10 @@ combination the launcher uses, with the launcher's options, and checks the PTX:
   launch, and the launcher gives the last n % 16 elements a launch of their own), so the kernel
   can reach the bandwidth;
 - ptxas accepts it (a cubin comes out) and nothing spills to local memory.
+
+The multi-tensor kernel (many tensors per launch, ``_adam_multi_kernel``) is checked the same way, as
+launched on aligned tensors: the same arithmetic and 128-bit accesses as the flat kernel, plus the scalar
+loads of its table.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ CASES = [(90, op, dt) for op in OPS for dt in DTYPES] + [(80, op, DTYPES[0]) for
 # with a p_copy: (op, param/state dtypes, copy dtype)
 COPY_CASES = [((0, False), ("fp32", "fp32"), "bf16"), ((2, False), ("fp32", "fp32"), "fp32"),
               ((1, True), ("bf16", "fp32"), "fp32"), ((2, True), ("bf16", "bf16"), "bf16")]
+# the multi-tensor kernel: every operation in fp32, the step in every dtype combination, one with a copy
+MULTI_CASES = ([(op, DTYPES[0], None) for op in OPS] + [((0, False), dt, None) for dt in DTYPES[1:]]
+               + [COPY_CASES[0]])
+# the table's scalar loads in the multi-tensor kernel (each row's int64 fields, the program's tensor index)
+TABLE_LOADS = {"ld.global.b64", "ld.global.b32"}
 
 F32_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|div|sqrt|rcp|rsqrt|ex2|lg2)(?:\.[a-z0-9]+)*?\.f32)\s",
                     re.M)
@@ -68,12 +77,18 @@ def _own_cache(tmp_path_factory):
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("arch,op,dtypes,copy_dtype", [(*case, None) for case in CASES]
-                         + [(90, *case) for case in COPY_CASES],
-                         ids=[f"sm{a}-op{o[0]}{'-pold' if o[1] else ''}-{d[0]}-{d[1]}" for a, o, d in CASES]
-                         + [f"sm90-op{o[0]}{'-pold' if o[1] else ''}-{d[0]}-{d[1]}-copy-{c}" for o, d, c in COPY_CASES])
-def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_dtype):
-    kernel = compile_kernel(arch, op[0], op[1], *dtypes, copy_dtype=copy_dtype)
+def _case_id(arch, op, dtypes, copy_dtype, multi):
+    return (f"sm{arch}-op{op[0]}{'-pold' if op[1] else ''}-{dtypes[0]}-{dtypes[1]}"
+            + (f"-copy-{copy_dtype}" if copy_dtype else "") + ("-multi" if multi else ""))
+
+
+ALL_CASES = ([(*case, None, False) for case in CASES] + [(90, *case, False) for case in COPY_CASES]
+             + [(90, *case, True) for case in MULTI_CASES])
+
+
+@pytest.mark.parametrize("arch,op,dtypes,copy_dtype,multi", ALL_CASES, ids=[_case_id(*c) for c in ALL_CASES])
+def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_dtype, multi):
+    kernel = compile_kernel(arch, op[0], op[1], *dtypes, copy_dtype=copy_dtype, multi=multi)
     ptx = kernel.asm["ptx"]
     assert len(kernel.asm["cubin"]) > 0
     usage = resource_usage(kernel.asm["cubin"])
@@ -99,7 +114,12 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_d
     assert conversions <= {"cvt.rn.bf16x2.f32", "cvt.rn.bf16.f32"} and bool(conversions) == expect_some, conversions
 
     mem = collections.Counter(GLOBAL_MEM.findall(ptx))
-    assert mem and set(mem) <= {"ld.global.v4.b32", "st.global.v4.b32"}, dict(mem)
+    vector = {"ld.global.v4.b32", "st.global.v4.b32"}
+    assert mem and set(mem) <= (vector | TABLE_LOADS if multi else vector), dict(mem)
+    if multi:  # the elements' accesses exactly as in the flat kernel
+        flat = collections.Counter(GLOBAL_MEM.findall(compile_kernel(arch, op[0], op[1], *dtypes,
+                                                                     copy_dtype=copy_dtype).asm["ptx"]))
+        assert {k: c for k, c in mem.items() if k in vector} == dict(flat), (dict(mem), dict(flat))
 
 
 def test_fusion_is_what_the_check_would_catch():

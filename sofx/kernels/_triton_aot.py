@@ -46,15 +46,20 @@ def _scalar_type(name: str) -> str:
 
 
 def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
-                   options: Mapping[str, Any] = tk.COMPILE_OPTIONS, copy_dtype: str | None = None):
+                   options: Mapping[str, Any] = tk.COMPILE_OPTIONS, copy_dtype: str | None = None,
+                   multi: bool = False):
     """``_adam_kernel`` for ``sm_<arch>``: ``op`` 0 step, 1 undo, 2 undo+redo; dtypes "fp32"/"bf16"/"fp16";
-    ``copy_dtype``: the dtype of a ``p_copy`` (None: without one)."""
-    fn = tk._adam_kernel
+    ``copy_dtype``: the dtype of a ``p_copy`` (None: without one). ``multi``: the multi-tensor kernel
+    (``_adam_multi_kernel``) as launched on tensors that are all aligned (``ALIGNED``)."""
+    fn = tk._adam_multi_kernel if multi else tk._adam_kernel
     names = fn.arg_names
-    storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt, pc=copy_dtype or pdt)
+    storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt, pc=copy_dtype or pdt,
+                   rows="i64", tensor_of="i32")
     constexprs = dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=TL_DTYPES[pdt], ROUND_S=TL_DTYPES[sdt], SOFT_BF16=False,
                       BLOCK_SIZE=tk.BLOCK, HAS_COPY=copy_dtype is not None,
                       ROUND_C=TL_DTYPES[copy_dtype or "fp32"])
+    if multi:
+        constexprs["ALIGNED"] = True
     signature = {}
     for name in names:
         if name in constexprs:

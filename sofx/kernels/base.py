@@ -12,6 +12,13 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
 ``undo_redo(p', m', v', g_old, s_old, g_new, s_new, variant, *, p_old=None, out=None, p_copy=None)``
     ``step(*undo(p', g_old, m', v', s_old), g_new, s_new)`` as one call (fused
     in the fast backends).
+``step_many(calls, variant)``, ``undo_many(calls, variant)``, ``undo_redo_many(calls, variant)``
+    The same for a list of blocks (:class:`StepCall`, :class:`UndoCall`,
+    :class:`UndoRedoCall`, each with its own scalars): a list of ``(p, m, v)``
+    in order. The Triton backend launches one kernel per group of blocks with
+    the same dtypes and scalars (a model's many small tensors cost one launch,
+    as torch's fused optimizers do); the others call the one-block function
+    per block (:func:`step_each` and friends).
 ``supports(device, param_dtype, state_dtype) -> bool``
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
@@ -27,7 +34,7 @@ done in float32 (float64 when ``p`` is float64) and rounded on store.
 from __future__ import annotations
 
 import numbers
-from typing import Collection, Iterable, NamedTuple, Sequence, Union
+from typing import Callable, Collection, Iterable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -172,3 +179,63 @@ def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] |
         if o is not r:
             o.copy_(r)
     return out[0], out[1], out[2]
+
+
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class StepCall(NamedTuple):
+    """The arguments of one block's ``step`` (for ``step_many``)."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    s: AdamScalars
+    out: Triple | None = None
+    p_copy: torch.Tensor | None = None
+
+
+class UndoCall(NamedTuple):
+    """The arguments of one block's ``undo`` (for ``undo_many``)."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    s: AdamScalars
+    p_old: torch.Tensor | None = None
+    out: Triple | None = None
+    p_copy: torch.Tensor | None = None
+
+
+class UndoRedoCall(NamedTuple):
+    """The arguments of one block's ``undo_redo`` (for ``undo_redo_many``)."""
+
+    p: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    g_old: torch.Tensor
+    s_old: AdamScalars
+    g_new: torch.Tensor
+    s_new: AdamScalars
+    p_old: torch.Tensor | None = None
+    out: Triple | None = None
+    p_copy: torch.Tensor | None = None
+
+
+def step_each(step: Callable[..., Triple], calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """``step_many`` by one ``step`` per block."""
+    return [step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
+
+
+def undo_each(undo: Callable[..., Triple], calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """``undo_many`` by one ``undo`` per block."""
+    return [undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy) for c in calls]
+
+
+def undo_redo_each(undo_redo: Callable[..., Triple], calls: Sequence[UndoRedoCall],
+                   variant: AdamVariant) -> list[Triple]:
+    """``undo_redo_many`` by one ``undo_redo`` per block."""
+    return [undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old, out=c.out,
+                      p_copy=c.p_copy) for c in calls]

@@ -59,13 +59,12 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               kernel_param_copy, write_outputs, write_param_copy)
+                               kernel_param_copy, write_outputs, write_param_copy,
+                               StepCall, Triple, UndoCall, UndoRedoCall, step_each, undo_each, undo_redo_each)
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "native_available", "bitwise_with_torch"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "native_available", "bitwise_with_torch"]
 
 NAME = "cpu"
-
-Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 _DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -217,6 +216,21 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     """
     return undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=True,
                           p_copy=p_copy)
+
+
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for each block (the kernel contract's list form)."""
+    return step_each(step, calls, variant)
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for each block."""
+    return undo_each(undo, calls, variant)
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for each block."""
+    return undo_redo_each(undo_redo, calls, variant)
 
 
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)

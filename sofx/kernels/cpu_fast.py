@@ -21,16 +21,16 @@ Choose it with ``backend="cpu_fast"``; ``backend="auto"`` picks ``cpu`` (bitwise
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from sofx.kernels import cpu
-from sofx.kernels.base import AdamScalars, AdamVariant
+from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall, step_each, undo_each, undo_redo_each)
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many"]
 
 NAME = "cpu_fast"
-
-Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
@@ -58,3 +58,18 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     """One-pass undo and redo (:func:`sofx.kernels.cpu.undo_redo` with IEEE square roots)."""
     return cpu.undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=False,
                               p_copy=p_copy)
+
+
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for each block (the kernel contract's list form)."""
+    return step_each(step, calls, variant)
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for each block."""
+    return undo_each(undo, calls, variant)
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for each block."""
+    return undo_redo_each(undo_redo, calls, variant)

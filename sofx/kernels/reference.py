@@ -26,6 +26,8 @@ with nan kept as nan.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from sofx.errors import UnsupportedError
@@ -38,11 +40,12 @@ from sofx.kernels.base import (
     concrete_scalars,
     is_number,
     write_param_copy,
+    StepCall, Triple, UndoCall, UndoRedoCall, step_each, undo_each, undo_redo_each,
 )
 
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
 
-__all__ = ["step", "undo", "undo_redo", "supports", "bias_corrections", "NAME"]
+__all__ = ["step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "supports", "bias_corrections", "NAME"]
 
 NAME = "reference"
 
@@ -233,3 +236,18 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     results = _store(_step_math(p0, g_new, m0, v0, s_new, variant), (p, m, v), out)
     write_param_copy(p_copy, results[0])
     return results
+
+
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for each block (the kernel contract's list form)."""
+    return step_each(step, calls, variant)
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for each block."""
+    return undo_each(undo, calls, variant)
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for each block."""
+    return undo_redo_each(undo_redo, calls, variant)

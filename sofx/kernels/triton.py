@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -40,10 +40,12 @@ import triton.language as tl
 
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
-from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               kernel_param_copy, write_outputs, write_param_copy)
+from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+                               check_block_tensors, concrete_scalars, is_number, kernel_param_copy, write_outputs,
+                               write_param_copy)
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "BLOCK", "COMPILE_OPTIONS"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
+           "COMPILE_OPTIONS"]
 
 NAME = "triton"
 BLOCK = 1024
@@ -53,8 +55,6 @@ BLOCK = 1024
 # tests/test_triton_ptx.py compiles the kernel for sm_80 and sm_90 on CPU and checks the PTX.
 COMPILE_OPTIONS = MappingProxyType({"enable_fp_fusion": False})
 VECTOR_MULTIPLE = 16
-
-Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OP_STEP, _OP_UNDO, _OP_UNDO_REDO = 0, 1, 2
@@ -106,18 +106,12 @@ def _div_by(x, b, rb):
 
 
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, n,
-                 # undo scalars (or the step's, for OP == 0)
-                 u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
-                 u_rbc2, u_rpdiv, u_rb1, u_rb2,
-                 # step scalars
-                 s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                 OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
-                 SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n
+def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, offs, mask,
+                   u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
+                   u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                   OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
+                   SOFT_BF16: tl.constexpr, HAS_COPY: tl.constexpr, ROUND_C: tl.constexpr):
+    """The operation ``OP`` on the elements ``offs`` (where ``mask``) of one block's tensors."""
     if HAS_P_OLD:
         p = tl.load(pold_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     else:
@@ -155,6 +149,79 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
     tl.store(vo_ptr + offs, _to_storage(v, ROUND_S, SOFT_BF16), mask=mask)
     if HAS_COPY:  # p_copy: the stored parameters in the copy's dtype, as p_copy.copy_(p_out)
         tl.store(pc_ptr + offs, _to_storage(p_stored.to(tl.float32), ROUND_C, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, n,
+                 # undo scalars (or the step's, for OP == 0)
+                 u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
+                 u_rbc2, u_rpdiv, u_rb1, u_rb2,
+                 # step scalars
+                 s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                 OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
+                 SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32):
+    """One flat block of ``n`` elements, ``BLOCK_SIZE`` per program."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, offs, offs < n,
+                   u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
+                   u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                   OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C)
+
+
+# The multi-tensor kernel's table: a row of 13 int64 per tensor of a launch: its first program, its element
+# count, per pointer argument (in this order) the element offset of its storage from that argument, and its
+# number of programs (for the launcher's program-to-tensor map).
+_ROW_SLOTS = ("p", "g", "m", "v", "g2", "pold", "po", "mo", "vo", "pc")
+_ROW_WIDTH = 2 + len(_ROW_SLOTS)  # 12 fields the kernel reads, then the count
+
+
+@triton.jit
+def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr,
+                       rows_ptr, tensor_of_ptr,
+                       u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
+                       u_rbc2, u_rpdiv, u_rb1, u_rb2,
+                       s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                       OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
+                       SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_COPY: tl.constexpr,
+                       ROUND_C: tl.constexpr, ALIGNED: tl.constexpr):
+    """Many tensors in one launch: program ``pid`` runs ``BLOCK_SIZE`` elements of tensor
+    ``tensor_of[pid]``, whose row in ``rows`` holds its first program, its element count and, per
+    pointer argument, the element offset of its storage from that argument (every tensor of a slot
+    lives in the same address space, so ``ptr + offset`` addresses it). ``ALIGNED``: every count and
+    offset is a multiple of 16 (the launcher checks), so loads and stores are 128-bit wide."""
+    pid = tl.program_id(0)
+    row = rows_ptr + tl.load(tensor_of_ptr + pid).to(tl.int64) * 13
+    n = tl.load(row + 1)
+    d_p = tl.load(row + 2)
+    d_g = tl.load(row + 3)
+    d_m = tl.load(row + 4)
+    d_v = tl.load(row + 5)
+    d_g2 = tl.load(row + 6)
+    d_pold = tl.load(row + 7)
+    d_po = tl.load(row + 8)
+    d_mo = tl.load(row + 9)
+    d_vo = tl.load(row + 10)
+    d_pc = tl.load(row + 11)
+    if ALIGNED:
+        n = tl.multiple_of(n, 16)
+        d_p = tl.multiple_of(d_p, 16)
+        d_g = tl.multiple_of(d_g, 16)
+        d_m = tl.multiple_of(d_m, 16)
+        d_v = tl.multiple_of(d_v, 16)
+        d_g2 = tl.multiple_of(d_g2, 16)
+        d_pold = tl.multiple_of(d_pold, 16)
+        d_po = tl.multiple_of(d_po, 16)
+        d_mo = tl.multiple_of(d_mo, 16)
+        d_vo = tl.multiple_of(d_vo, 16)
+        d_pc = tl.multiple_of(d_pc, 16)
+    offs = (pid - tl.load(row)) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    _adam_elements(p_ptr + d_p, g_ptr + d_g, m_ptr + d_m, v_ptr + d_v, g2_ptr + d_g2, pold_ptr + d_pold,
+                   po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, offs, offs < n,
+                   u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
+                   u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                   OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -242,17 +309,33 @@ def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: 
                                "float32/bfloat16/float16)")
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it: contiguous, in a storage dtype (a copy where it is not already)."""
     if t.dtype not in _STORAGE_DTYPES:
         t = t.to(torch.float32)
-    return t.contiguous().view(-1)
+    return t if t.is_contiguous() else t.contiguous()
 
 
-def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
-            p_old: torch.Tensor | None, u: _UndoArgs | None, st: _StepArgs | None,
-            out: Sequence[torch.Tensor] | None, p_copy: torch.Tensor | None = None) -> Triple:
-    """Run the kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed.
-    ``p_copy`` is written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
+class _Operands(NamedTuple):
+    """One block's launch: its tensors contiguous in the kernel's pointer order (``_ROW_SLOTS``; an absent
+    one is ``p`` again), their addresses and element sizes, the element count, the result targets, the
+    kernel-written copy and the caller's ``out``."""
+
+    arrays: tuple[torch.Tensor, ...]
+    ptrs: tuple[int, ...]
+    sizes: tuple[int, ...]
+    n: int
+    targets: list[torch.Tensor]
+    pc: torch.Tensor | None
+    out: Sequence[torch.Tensor] | None
+    p_copy: torch.Tensor | None
+
+
+def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
+              p_old: torch.Tensor | None, out: Sequence[torch.Tensor] | None,
+              p_copy: torch.Tensor | None) -> _Operands:
+    """Results go to ``out`` (or fresh tensors), via contiguous temporaries where needed; ``p_copy`` is
+    written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
     targets = []
     for i, like in enumerate((p, m, v)):
         o = out[i] if out is not None else None
@@ -261,30 +344,97 @@ def _launch(op: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
         else:
             targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
     pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
-    n = p.numel()
-    if n:
-        fp, fg, fm, fv = _flat(p), _flat(g), _flat(m), _flat(v)
-        fg2 = _flat(g2) if g2 is not None else fg
-        fpo = _flat(p_old) if p_old is not None else fp
-        u = u or _NO_UNDO
-        st = st or _NO_STEP
-        arrays = (fp, fg, fm, fv, fg2, fpo, *(t.view(-1) for t in targets), pc.view(-1) if pc is not None else fp)
-        # Triton loads and stores 128 bits at a time only where the mask is provably constant over
-        # each group of elements, i.e. where n is a multiple of 16 (it specializes on that at launch):
-        # the last n % 16 elements, if any, get a launch of their own (16-element offsets keep the
-        # pointers 16-byte aligned).
-        head = n - n % VECTOR_MULTIPLE
-        for start, count in ((0, head), (head, n - head)):
-            if count:
-                _adam_kernel[(triton.cdiv(count, BLOCK),)](
-                    *(a[start:] for a in arrays), count, *u, *st, OP=op, HAS_P_OLD=p_old is not None,
-                    ROUND_P=_TL_DTYPES[p.dtype], ROUND_S=_TL_DTYPES[m.dtype], SOFT_BF16=_interpreting(),
-                    BLOCK_SIZE=BLOCK, HAS_COPY=pc is not None,
-                    ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **COMPILE_OPTIONS)
-    results = write_outputs(targets, out)
-    if pc is None:
-        write_param_copy(p_copy, results[0])
+    cp, cg = _contiguous(p), _contiguous(g)
+    arrays = (cp, cg, _contiguous(m), _contiguous(v), _contiguous(g2) if g2 is not None else cg,
+              _contiguous(p_old) if p_old is not None else cp, *targets, pc if pc is not None else cp)
+    return _Operands(arrays, tuple(a.data_ptr() for a in arrays), tuple(a.element_size() for a in arrays),
+                     p.numel(), targets, pc, out, p_copy)
+
+
+def _finish(ops: _Operands) -> Triple:
+    results = write_outputs(ops.targets, ops.out)
+    if ops.pc is None:
+        write_param_copy(ops.p_copy, results[0])
     return results
+
+
+def _constexprs(op: int, ops: _Operands, has_p_old: bool) -> dict:
+    fp, fm, pc = ops.arrays[0], ops.arrays[2], ops.pc
+    return dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=_TL_DTYPES[fp.dtype], ROUND_S=_TL_DTYPES[fm.dtype],
+                SOFT_BF16=_interpreting(), BLOCK_SIZE=BLOCK, HAS_COPY=pc is not None,
+                ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **COMPILE_OPTIONS)
+
+
+def _programs(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepArgs) -> None:
+    """One block by the flat kernel. Triton loads and stores 128 bits at a time only where the mask is
+    provably constant over each group of elements, i.e. where n is a multiple of 16 (it specializes on
+    that at launch): the last n % 16 elements, if any, get a launch of their own (16-element offsets
+    keep the pointers 16-byte aligned)."""
+    n = ops.n
+    flat = [a.view(-1) for a in ops.arrays]
+    head = n - n % VECTOR_MULTIPLE
+    for start, count in ((0, head), (head, n - head)):
+        if count:
+            _adam_kernel[(_programs(count),)](*(a[start:] for a in flat), count, *u, *st,
+                                              **_constexprs(op, ops, has_p_old))
+
+
+def _aligned(ops: _Operands) -> bool:
+    """Whether the multi-tensor kernel may take this block as ``ALIGNED``: 16 | n, and every pointer a
+    multiple of 16 elements (so every offset between two blocks' pointers is one too)."""
+    return ops.n % VECTOR_MULTIPLE == 0 and all(ptr % (VECTOR_MULTIPLE * size) == 0
+                                                for ptr, size in zip(ops.ptrs, ops.sizes))
+
+
+def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bool, u: _UndoArgs,
+               st: _StepArgs) -> None:
+    """Blocks of the same dtypes and scalars by one launch of the multi-tensor kernel. Its table is built
+    on the host and copied to the device without waiting for it (pinned memory); the program-to-tensor
+    map is expanded on the device."""
+    base, sizes = group[0].ptrs, group[0].sizes
+    count = len(group)
+    table = np.empty((count, _ROW_WIDTH + 1), dtype=np.int64)
+    first = 0
+    for row, ops in zip(table, group):  # [first program, n, the offsets..., the tensor's program count]
+        programs = _programs(ops.n)
+        row[:] = (first, ops.n, *((ptr - b) // size for ptr, b, size in zip(ops.ptrs, base, sizes)), programs)
+        first += programs
+    device = group[0].arrays[0].device
+    host = torch.from_numpy(table)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)
+    tensor_of = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device),
+                                        on_device[:, _ROW_WIDTH], output_size=first)
+    _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, ALIGNED=aligned,
+                                 **_constexprs(op, group[0], has_p_old))
+
+
+def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
+            st: Sequence[_StepArgs | None]) -> list[Triple]:
+    """Run ``op`` on ``blocks`` (each ``(p, g, m, v, g2, p_old, out, p_copy)``, with its undo and step
+    arguments ``u[i]``, ``st[i]``): blocks that share dtypes, scalars and alignment go to one launch of the
+    multi-tensor kernel, a block on its own to the flat kernel."""
+    prepared = [_operands(*b) for b in blocks]
+    groups: dict[tuple, list[int]] = {}
+    for i, (ops, b) in enumerate(zip(prepared, blocks)):
+        if ops.n == 0:
+            continue
+        # same dtypes, and addresses that differ by whole elements (the kernel adds element offsets)
+        layout = tuple((a.dtype, ptr % size) for a, ptr, size in zip(ops.arrays, ops.ptrs, ops.sizes))
+        key = (b[5] is not None, ops.pc is not None, layout, u[i], st[i], _aligned(ops))
+        groups.setdefault(key, []).append(i)
+    for (has_p_old, _, _, ui, sti, aligned), members in groups.items():
+        ui, sti = ui or _NO_UNDO, sti or _NO_STEP
+        if len(members) == 1:
+            _run_flat(op, prepared[members[0]], has_p_old, ui, sti)
+        else:
+            _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti)
+    return [_finish(ops) for ops in prepared]
 
 
 def _numbers(s: AdamScalars) -> bool:
@@ -296,23 +446,14 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
          variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also gets ``p'``,
     stored by the kernel)."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v), ("p_copy", p_copy)], p, out)
-    s = concrete_scalars(s)
-    if not _numbers(s):
-        return reference.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)
-    return _launch(_OP_STEP, p, g, m, v, None, None, None, _step_args(s, variant), out, p_copy)
+    return step_many([StepCall(p, g, m, v, s, out, p_copy)], variant)[0]
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None,
          p_copy: torch.Tensor | None = None) -> Triple:
     """Inverse of :func:`step` given the step's gradient and scalars (``p_old``: restore p from it)."""
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old), ("p_copy", p_copy)], p, out)
-    s = concrete_scalars(s)
-    reference._check_invertible(s, variant, p_old is not None)
-    if not _numbers(s):
-        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out, p_copy=p_copy)
-    return _launch(_OP_UNDO, p, g, m, v, None, p_old, _undo_args(s, variant), None, out, p_copy)
+    return undo_many([UndoCall(p, g, m, v, s, p_old, out, p_copy)], variant)[0]
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -320,13 +461,71 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
               p_old: torch.Tensor | None = None, out: Triple | None = None,
               p_copy: torch.Tensor | None = None) -> Triple:
     """``step(*undo(p, g_old, m, v, s_old), g_new, s_new)`` in one kernel (one pass over memory)."""
-    _check("undo_redo", [("p", p), ("g_old", g_old), ("m", m), ("v", v), ("g_new", g_new), ("p_old", p_old),
-                         ("p_copy", p_copy)], p, out)
-    s_old = concrete_scalars(s_old)
-    s_new = concrete_scalars(s_new)
-    reference._check_invertible(s_old, variant, p_old is not None)
-    if not (_numbers(s_old) and _numbers(s_new)):
-        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out,
-                                   p_copy=p_copy)
-    return _launch(_OP_UNDO_REDO, p, g_old, m, v, g_new, p_old, _undo_args(s_old, variant),
-                   _step_args(s_new, variant), out, p_copy)
+    return undo_redo_many([UndoRedoCall(p, m, v, g_old, s_old, g_new, s_new, p_old, out, p_copy)], variant)[0]
+
+
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
+    checked before anything runs."""
+    for c in calls:
+        _check("step", [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out)
+    scalars = [concrete_scalars(c.s) for c in calls]
+    return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
+                      lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy),
+                      lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for every block (as :func:`step_many`)."""
+    for c in calls:
+        _check("undo", [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old), ("p_copy", c.p_copy)],
+               c.p, c.out)
+    scalars = [concrete_scalars(c.s) for c in calls]
+    for c, s in zip(calls, scalars):
+        reference._check_invertible(s, variant, c.p_old is not None)
+    return _by_kernel(_OP_UNDO, calls, scalars, [None] * len(calls), variant,
+                      lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy),
+                      lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
+                                                     p_copy=c.p_copy))
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for every block (as :func:`step_many`)."""
+    for c in calls:
+        _check("undo_redo", [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v), ("g_new", c.g_new),
+                             ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out)
+    olds = [concrete_scalars(c.s_old) for c in calls]
+    news = [concrete_scalars(c.s_new) for c in calls]
+    for c, s in zip(calls, olds):
+        reference._check_invertible(s, variant, c.p_old is not None)
+    return _by_kernel(_OP_UNDO_REDO, calls, olds, news, variant,
+                      lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy),
+                      lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
+                                                            p_old=c.p_old, out=c.out, p_copy=c.p_copy))
+
+
+def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | None],
+               step_scalars: Sequence[AdamScalars | None], variant: AdamVariant,
+               block: Callable[..., tuple], fallback: Callable[..., Triple]) -> list[Triple]:
+    """The calls whose scalars are all numbers through the kernels (``block(call, s_undo, s_step)``: the
+    launch operands), the others (0-d tensors that cannot be read on the host) through ``fallback``, in
+    the calls' order. Kernel arguments are derived once per distinct scalars."""
+    derived: dict[tuple, tuple[_UndoArgs | None, _StepArgs | None]] = {}
+    results: list[Triple | None] = [None] * len(calls)
+    launch, u_args, s_args = [], [], []
+    for i, (c, su, ss) in enumerate(zip(calls, undo_scalars, step_scalars)):
+        if (su is not None and not _numbers(su)) or (ss is not None and not _numbers(ss)):
+            results[i] = fallback(c, su, ss)
+            continue
+        key = (su, ss)
+        if key not in derived:
+            derived[key] = (_undo_args(su, variant) if su is not None else None,
+                            _step_args(ss, variant) if ss is not None else None)
+        launch.append(i)
+        u_args.append(derived[key][0])
+        s_args.append(derived[key][1])
+    if launch:
+        done = _launch(op, [block(calls[i], undo_scalars[i], step_scalars[i]) for i in launch], u_args, s_args)
+        for i, r in zip(launch, done):
+            results[i] = r
+    return results  # type: ignore[return-value]
