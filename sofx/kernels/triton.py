@@ -29,6 +29,7 @@ available".
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import MappingProxyType
 from typing import Callable, NamedTuple, Sequence
@@ -426,15 +427,21 @@ def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
             continue
         # same dtypes, and addresses that differ by whole elements (the kernel adds element offsets)
         layout = tuple((a.dtype, ptr % size) for a, ptr, size in zip(ops.arrays, ops.ptrs, ops.sizes))
-        key = (b[5] is not None, ops.pc is not None, layout, u[i], st[i], _aligned(ops))
+        key = (ops.arrays[0].device, b[5] is not None, ops.pc is not None, layout, u[i], st[i], _aligned(ops))
         groups.setdefault(key, []).append(i)
-    for (has_p_old, _, _, ui, sti, aligned), members in groups.items():
+    for (device, has_p_old, _, _, ui, sti, aligned), members in groups.items():
         ui, sti = ui or _NO_UNDO, sti or _NO_STEP
-        if len(members) == 1:
-            _run_flat(op, prepared[members[0]], has_p_old, ui, sti)
-        else:
-            _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti)
+        with _on(device):  # Triton launches on the current device
+            if len(members) == 1:
+                _run_flat(op, prepared[members[0]], has_p_old, ui, sti)
+            else:
+                _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti)
     return [_finish(ops) for ops in prepared]
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` made the current CUDA device for the block (nothing to do for CPU tensors)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _numbers(s: AdamScalars) -> bool:
