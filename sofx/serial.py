@@ -188,8 +188,10 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     facts = step_facts(profile, scaler, scaler_state, total, max_norm)
     if facts.overflow:
         return SerialStepResult(params, state, facts.scaler_state, facts)
+    # No overflow: the sum of squares is finite, so is every gradient element (transforms.sumsq); the
+    # update need not read the gradients again to choose its undo strategies.
     new_params, new_state, _ = opt.update(params, tree.unflatten(spec, g_leaves), state, hparams,
-                                          grad_scale=facts.grad_scale, donate=donate)
+                                          grad_scale=facts.grad_scale, donate=donate, grads_finite=True)
     return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
 
 

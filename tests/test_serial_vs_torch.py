@@ -178,3 +178,27 @@ def test_serial_step_errors_change_nothing(rng):
     with pytest.raises(sofx.HParamError, match="max_norm"):
         serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), max_norm=0.0)
     assert int(state.count["a"]) == 0
+
+
+def test_serial_step_reads_each_gradient_once(rng, monkeypatch):
+    """The sum of squares decides overflow and finiteness at once: the update is told the gradients are
+    finite and does not read them again (the undo strategies are those of a checked update)."""
+    import importlib
+    adam_module = importlib.import_module("sofx.adam")
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(30, generator=rng), "b": torch.randn(4, 5, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    state = opt.init(params)
+    rule = loss_scale.grad_scaler(init_scale=8.0)
+    want = opt.undo_strategies(params, grads, state, grad_scale=1 / 8.0)
+
+    def no_pass(x):
+        raise AssertionError("a gradient was read again to check its finiteness")
+
+    monkeypatch.setattr(adam_module, "_all_finite", no_pass)
+    out = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init())
+    assert not out.facts.overflow and int(out.state.count["a"]) == 1
+    assert want == [("algebraic", "")] * 2
+    grads["b"][1, 2] = float("inf")  # an overflow: skipped before any update
+    skipped = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init())
+    assert skipped.facts.overflow and int(skipped.state.count["a"]) == 0
