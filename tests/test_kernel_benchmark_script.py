@@ -126,3 +126,13 @@ def test_param_copy_script_runs():
         "| step(p_copy) (bfloat16)"]
     for row in rows:
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d\d){2} \|", row), row
+
+
+def test_serial_step_script_runs():
+    """``benchmarks/serial_step.py --smoke``: every variant, and the same parameters after the same steps
+    (the script exits 1 otherwise)."""
+    rows = _table_rows("serial_step.py", ["--smoke"], ("| torch", "| sofx"))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| torch: GradScaler + clip_grad_norm_ + AdamW(fused=True)",
+        "| torch: clip_grad_norm_ + AdamW(fused=True), no scaler",
+        "| sofx serial_step (backend cpu)", "| sofx serial_step (backend cpu_fast)"]
