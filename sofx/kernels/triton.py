@@ -432,11 +432,17 @@ def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
     for (device, has_p_old, _, _, ui, sti, aligned), members in groups.items():
         ui, sti = ui or _NO_UNDO, sti or _NO_STEP
         with _on(device):  # Triton launches on the current device
-            if len(members) == 1:
-                _run_flat(op, prepared[members[0]], has_p_old, ui, sti)
+            if len(members) == 1 or _capturing(device):  # a graph would replay the table's host buffer
+                for i in members:
+                    _run_flat(op, prepared[i], has_p_old, ui, sti)
             else:
                 _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti)
     return [_finish(ops) for ops in prepared]
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
