@@ -18,7 +18,7 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     in order. The Triton backend launches one kernel per group of blocks with
     the same dtypes and scalars (a model's many small tensors cost one launch,
     as torch's fused optimizers do); the others call the one-block function
-    per block (:func:`step_each` and friends).
+    per block (:func:`one_call_per_block`).
 ``supports(device, param_dtype, state_dtype) -> bool``
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
@@ -224,18 +224,22 @@ class UndoRedoCall(NamedTuple):
     p_copy: torch.Tensor | None = None
 
 
-def step_each(step: Callable[..., Triple], calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-    """``step_many`` by one ``step`` per block."""
-    return [step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
+def one_call_per_block(step: Callable[..., Triple], undo: Callable[..., Triple], undo_redo: Callable[..., Triple],
+                       ) -> tuple[Callable[..., list[Triple]], Callable[..., list[Triple]], Callable[..., list[Triple]]]:
+    """``(step_many, undo_many, undo_redo_many)`` of a backend that runs one block per call: each calls the
+    backend's one-block function for every block, in order."""
 
+    def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+        """``step`` for each block (the kernel contract's list form)."""
+        return [step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
 
-def undo_each(undo: Callable[..., Triple], calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
-    """``undo_many`` by one ``undo`` per block."""
-    return [undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy) for c in calls]
+    def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+        """``undo`` for each block."""
+        return [undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy) for c in calls]
 
+    def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+        """``undo_redo`` for each block."""
+        return [undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old, out=c.out,
+                          p_copy=c.p_copy) for c in calls]
 
-def undo_redo_each(undo_redo: Callable[..., Triple], calls: Sequence[UndoRedoCall],
-                   variant: AdamVariant) -> list[Triple]:
-    """``undo_redo_many`` by one ``undo_redo`` per block."""
-    return [undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old, out=c.out,
-                      p_copy=c.p_copy) for c in calls]
+    return step_many, undo_many, undo_redo_many

@@ -58,9 +58,8 @@ import torch
 from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.base import (AdamScalars, AdamVariant, check_block_tensors, concrete_scalars, is_number,
-                               kernel_param_copy, write_outputs, write_param_copy,
-                               StepCall, Triple, UndoCall, UndoRedoCall, step_each, undo_each, undo_redo_each)
+from sofx.kernels.base import (AdamScalars, AdamVariant, Triple, check_block_tensors, concrete_scalars, is_number,
+                               kernel_param_copy, one_call_per_block, write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "native_available", "bitwise_with_torch"]
 
@@ -218,19 +217,7 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
                           p_copy=p_copy)
 
 
-def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`step` for each block (the kernel contract's list form)."""
-    return step_each(step, calls, variant)
-
-
-def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo` for each block."""
-    return undo_each(undo, calls, variant)
-
-
-def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo_redo` for each block."""
-    return undo_redo_each(undo_redo, calls, variant)
+step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo)
 
 
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)

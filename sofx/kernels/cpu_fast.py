@@ -21,12 +21,10 @@ Choose it with ``backend="cpu_fast"``; ``backend="auto"`` picks ``cpu`` (bitwise
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from sofx.kernels import cpu
-from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall, step_each, undo_each, undo_redo_each)
+from sofx.kernels.base import AdamScalars, AdamVariant, Triple, one_call_per_block
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many"]
 
@@ -60,16 +58,4 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
                               p_copy=p_copy)
 
 
-def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`step` for each block (the kernel contract's list form)."""
-    return step_each(step, calls, variant)
-
-
-def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo` for each block."""
-    return undo_each(undo, calls, variant)
-
-
-def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo_redo` for each block."""
-    return undo_redo_each(undo_redo, calls, variant)
+step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo)

@@ -26,8 +26,6 @@ with nan kept as nan.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from sofx.errors import UnsupportedError
@@ -39,13 +37,14 @@ from sofx.kernels.base import (
     compute_dtype,
     concrete_scalars,
     is_number,
+    one_call_per_block,
     write_param_copy,
-    StepCall, Triple, UndoCall, UndoRedoCall, step_each, undo_each, undo_redo_each,
 )
 
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
 
-__all__ = ["step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "supports", "bias_corrections", "NAME"]
+__all__ = ["step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "supports", "bias_corrections",
+           "NAME"]
 
 NAME = "reference"
 
@@ -238,16 +237,4 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     return results
 
 
-def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`step` for each block (the kernel contract's list form)."""
-    return step_each(step, calls, variant)
-
-
-def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo` for each block."""
-    return undo_each(undo, calls, variant)
-
-
-def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo_redo` for each block."""
-    return undo_redo_each(undo_redo, calls, variant)
+step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo)
