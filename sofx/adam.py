@@ -37,7 +37,7 @@ record may still be undone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -83,6 +83,9 @@ class AdamState(NamedTuple):
     nu: Any
 
 
+_NO_HPARAMS = AdamHParams()  # a leaf whose group gives none: the optimizer's defaults
+
+
 def _is_hparams(x: Any) -> bool:
     return isinstance(x, AdamHParams)
 
@@ -98,6 +101,7 @@ class _Leaf:
     m: torch.Tensor
     v: torch.Tensor
     hp: AdamHParams
+    traced: bool  # a tensor or hparam of the leaf is traced (vmap, grad, compile): values cannot be read
 
 
 class Adam:
@@ -266,7 +270,7 @@ class Adam:
         for leaf, rec, f in zip(leaves, record.leaves, finite):
             undone_count = rec.count_before if rec is not None else leaf.count
             plans.append(None if leaf.g is None else self._plan(
-                _Leaf(leaf.path, leaf.p, leaf.g, undone_count, leaf.m, leaf.v, leaf.hp), grad_scale, f))
+                replace(leaf, count=undone_count), grad_scale, f))
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
@@ -289,7 +293,7 @@ class Adam:
                 new_p[k], new_m[k], new_v[k], new_c[k] = p0, m0, v0, c0
                 write_param_copy(copy, p0)
             else:
-                undone = _Leaf(leaf.path, p0, leaf.g, c0, m0, v0, leaf.hp)
+                undone = replace(leaf, p=p0, count=c0, m=m0, v=v0)
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
@@ -340,7 +344,7 @@ class Adam:
             return flags
         by_device: dict[torch.device, list[int]] = {}
         for k, leaf in enumerate(leaves):
-            if leaf.g is not None and leaf.m.dtype not in _LOW_PRECISION and not any_traced((leaf.g,)):
+            if leaf.g is not None and leaf.m.dtype not in _LOW_PRECISION and not leaf.traced:
                 by_device.setdefault(leaf.g.device, []).append(k)
         for device, ks in by_device.items():
             for k, ok in zip(ks, _finite_flags([leaves[k].g for k in ks], batched=device.type == "cuda")):
@@ -374,12 +378,15 @@ class Adam:
         if paths is None:
             paths = tree.leaf_paths(spec)
         out = []
+        filled: dict[int, AdamHParams] = {}  # per group: the leaves of a group share one AdamHParams
         for path, hp in zip(paths, per_leaf):
             if hp is None:
-                hp = AdamHParams()
+                hp = _NO_HPARAMS
             if not isinstance(hp, AdamHParams):
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}")
-            full = AdamHParams(*(d if x is None else x for x, d in zip(hp, self.defaults)))
+            full = filled.get(id(hp))
+            if full is None:
+                full = filled[id(hp)] = AdamHParams(*(d if x is None else x for x, d in zip(hp, self.defaults)))
             out.append(full)
         return out
 
@@ -399,6 +406,7 @@ class Adam:
         stepping = expect_spec is None or grads is not None  # an update, or the redo of an undo_redo
         hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
+        validated: set[int] = set()  # hparams objects checked already (a group's leaves share one)
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
             if g is not None:
@@ -407,14 +415,14 @@ class Adam:
             want_state = self.state_dtype or p.dtype
             _check_like(f"state.mu{path[len('params'):]}", m, p, want_state)
             _check_like(f"state.nu{path[len('params'):]}", v, p, want_state)
-            if g is not None:
+            if g is not None and id(hp) not in validated:
                 _validate_hparams(hp, f"hparams for {path}")
-            leaves.append(_Leaf(path, p, g, c, m, v, hp))
+                validated.add(id(hp))
+            leaves.append(_Leaf(path, p, g, c, m, v, hp, any_traced((p, g, m, v, *hp))))
         return spec, leaves
 
     def _kernel(self, leaf: _Leaf) -> Any:
-        traced = any_traced((leaf.p, leaf.g, leaf.m, leaf.v, *leaf.hp))
-        if traced:
+        if leaf.traced:
             if self.backend not in ("auto", "reference"):
                 raise UnsupportedError(f"{leaf.path}: backend {self.backend!r} cannot run under torch.func "
                                        "transforms, autograd or torch.compile; use backend='reference' or 'auto'")
@@ -437,8 +445,7 @@ class Adam:
         if self.undo_mode == "exact":
             return "snapshot", ""
         values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
-        tensors = (leaf.p, leaf.g, leaf.m, leaf.v)
-        if any_traced(tensors) or not all(is_number(x) for x in values):
+        if leaf.traced or not all(is_number(x) for x in values):
             # Values cannot be inspected (vmap, grad, compile): keep the inputs (exact, no copy when pure).
             if self.undo_mode == "algebraic":
                 return "algebraic", ""
@@ -488,7 +495,7 @@ def _validate_grads_finite(grads_finite: Any) -> None:
 
 def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:
     """The leaf's first step from all-zero moments (checked on that step only)."""
-    if not (is_number(s.step) and s.step == 1) or any_traced((leaf.m, leaf.v)):
+    if not (is_number(s.step) and s.step == 1) or leaf.traced:
         return False
     return leaf.m.count_nonzero().item() == 0 and leaf.v.count_nonzero().item() == 0
 

@@ -61,14 +61,14 @@ _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OP_STEP, _OP_UNDO, _OP_UNDO_REDO = 0, 1, 2
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton decides when it decorates the kernels (at import) whether they run under its interpreter.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
     """CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``) with fp32/bf16/fp16 params and states."""
     kind = torch.device(device).type
-    on_device = kind == "cuda" or (kind == "cpu" and _interpreting())
+    on_device = kind == "cuda" or (kind == "cpu" and _INTERPRETING)
     return on_device and param_dtype in _STORAGE_DTYPES and state_dtype in _STORAGE_DTYPES
 
 
@@ -362,7 +362,7 @@ def _finish(ops: _Operands) -> Triple:
 def _constexprs(op: int, ops: _Operands, has_p_old: bool) -> dict:
     fp, fm, pc = ops.arrays[0], ops.arrays[2], ops.pc
     return dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=_TL_DTYPES[fp.dtype], ROUND_S=_TL_DTYPES[fm.dtype],
-                SOFT_BF16=_interpreting(), BLOCK_SIZE=BLOCK, HAS_COPY=pc is not None,
+                SOFT_BF16=_INTERPRETING, BLOCK_SIZE=BLOCK, HAS_COPY=pc is not None,
                 ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **COMPILE_OPTIONS)
 
 
