@@ -36,6 +36,9 @@ if not INTERPRETING:
         assert " passed" in proc.stdout
 
 else:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
     from sofx.errors import LeafError, UnsupportedError
     from sofx.kernels import reference, select_backend
     from sofx.kernels import triton as tk
@@ -278,6 +281,49 @@ else:
             tk.undo_many(undo_calls, variant)
         for b, old in zip(blocks, before):
             assert all(torch.equal(a, o) for a, o in zip(b, old))
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(blocks=st.lists(st.tuples(st.integers(0, 300), st.sampled_from(range(3)), st.integers(0, 2),
+                                     st.booleans(), st.booleans(), st.integers(0, 3)), min_size=1, max_size=7),
+           op=st.sampled_from(["step", "undo", "undo_redo"]), decoupled=st.booleans(), seed=st.integers(0, 2**16))
+    def test_many_blocks_equal_one_call_per_block_property(blocks, op, decoupled, seed):
+        """Any list of blocks (sizes from 0 to 300 elements, at offsets 0-3 into their storage, three dtype
+        combinations, two scalar sets, donated or not, with or without a bf16 copy): each block's results
+        from the ``*_many`` function are those of its one-block call, bit for bit, whatever the grouping."""
+        gen = torch.Generator().manual_seed(seed)
+        variant = AdamVariant(decoupled=decoupled)
+        scalar_sets = [_scalars(gen, 0.1, 0.5), _scalars(gen, 0.0), _scalars(gen, 0.05, 2.0)]
+        ins, calls_args = [], []
+        for n, dt, sc, donate, copy, offset in blocks:
+            pdt, sdt = DTYPES[dt]
+            stor = _inputs(gen, n + offset, pdt, sdt)
+            p, g, m, v = (t[offset:] for t in stor)
+            g2 = torch.randn(n, generator=gen).to(pdt)
+            ins.append((p, g, m, v, g2, scalar_sets[sc], donate, torch.empty(n, dtype=torch.bfloat16) if copy else None))
+
+        def run(many: bool):
+            work = [(p.clone(), g, m.clone(), v.clone(), g2, s, d, c) for p, g, m, v, g2, s, d, c in ins]
+            if op == "step":
+                calls = [StepCall(p, g, m, v, s, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
+                res = tk.step_many(calls, variant) if many else [
+                    tk.step(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+            elif op == "undo":
+                calls = [UndoCall(p, g, m, v, s, None, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
+                res = tk.undo_many(calls, variant) if many else [
+                    tk.undo(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+            else:
+                calls = [UndoRedoCall(p, m, v, g, s, g2, scalar_sets[2], None, (p, m, v) if d else None, c)
+                         for p, g, m, v, g2, s, d, c in work]
+                res = tk.undo_redo_many(calls, variant) if many else [
+                    tk.undo_redo(*c[:7], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+            return [[_bits(t) for t in r] + ([_bits(c)] if c is not None else []) for r, (*_, c) in zip(res, work)]
+
+        for a, b in zip(run(True), run(False)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def _bits(t):
+        """The tensor's bits as integers (nan payloads compared too)."""
+        return t.view(torch.int32 if t.element_size() == 4 else torch.int16).clone()
 
     def test_adam_on_a_tree_of_many_leaves(rng, monkeypatch):
         """sofx.adamw(backend="triton") over many leaves: one launch per group, each leaf's bits those of
