@@ -480,8 +480,9 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
     checked before anything runs."""
-    for c in calls:
-        _check("step", [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out)
+    for i, c in enumerate(calls):
+        _check(_name("step", calls, i), [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p,
+               c.out)
     scalars = [concrete_scalars(c.s) for c in calls]
     return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
                       lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy),
@@ -490,9 +491,9 @@ def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
 
 def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for every block (as :func:`step_many`)."""
-    for c in calls:
-        _check("undo", [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old), ("p_copy", c.p_copy)],
-               c.p, c.out)
+    for i, c in enumerate(calls):
+        _check(_name("undo", calls, i), [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
+                                         ("p_copy", c.p_copy)], c.p, c.out)
     scalars = [concrete_scalars(c.s) for c in calls]
     for c, s in zip(calls, scalars):
         reference._check_invertible(s, variant, c.p_old is not None)
@@ -504,9 +505,10 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
 
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for every block (as :func:`step_many`)."""
-    for c in calls:
-        _check("undo_redo", [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v), ("g_new", c.g_new),
-                             ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out)
+    for i, c in enumerate(calls):
+        _check(_name("undo_redo", calls, i), [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
+                                              ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)],
+               c.p, c.out)
     olds = [concrete_scalars(c.s_old) for c in calls]
     news = [concrete_scalars(c.s_new) for c in calls]
     for c, s in zip(calls, olds):
@@ -515,6 +517,11 @@ def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[
                       lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
                                                             p_old=c.p_old, out=c.out, p_copy=c.p_copy))
+
+
+def _name(op: str, calls: Sequence, i: int) -> str:
+    """How an error names the call: ``step`` for a single block, ``step_many[i]`` for block ``i`` of many."""
+    return op if len(calls) == 1 else f"{op}_many[{i}]"
 
 
 def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | None],
