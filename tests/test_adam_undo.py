@@ -441,3 +441,29 @@ def test_batched_finiteness_check_agrees_with_the_per_leaf_one():
     assert adam_module._finite_flags(gs, batched=True) == want
     assert adam_module._finite_flags(gs, batched=False) == want
     assert adam_module._finite_flags([], batched=True) == []
+
+
+def test_leaves_of_several_backends_in_one_update(rng):
+    """float64 leaves go to the reference backend, float32 ones to the native kernels, bf16 params to
+    the native kernels with snapshots (bf16 states): one update / undo_redo / undo hands each backend its leaves at
+    once; every leaf gets exactly what a tree of that leaf alone gets, in the tree's order."""
+    params = {"a": torch.randn(50, generator=rng), "b": torch.randn(6, generator=rng, dtype=torch.float64),
+              "c": torch.randn(20, generator=rng).to(torch.bfloat16), "d": torch.randn(3, 4, generator=rng),
+              "e": torch.randn(7, generator=rng, dtype=torch.float64)}
+    grads = {k: torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in params.items()}
+    grads2 = {k: torch.randn(v.shape, generator=rng).to(v.dtype) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    p1, s1, r1 = opt.update(params, grads, state)
+    p2, s2, r2 = opt.update(p1, grads2, s1)
+    p3, s3, _ = opt.undo_redo(p2, s2, r2, grads, grad_scale=0.5)
+    p4, s4 = opt.undo(*opt.update(p1, grads2, s1))
+    assert r1.strategies() == ["algebraic", "algebraic", "snapshot", "algebraic", "algebraic"]  # c: bf16 states
+    for k in params:
+        one = lambda t: {k: t[k]}  # noqa: E731
+        q1, t1, _ = opt.update(one(params), one(grads), sofx.AdamState(*(one(x) for x in state)))
+        q2, t2, rq2 = opt.update(q1, one(grads2), t1)
+        q3, t3, _ = opt.undo_redo(q2, t2, rq2, one(grads), grad_scale=0.5)
+        q4, t4 = opt.undo(*opt.update(q1, one(grads2), t1))
+        for got, want in ((p1, q1), (p3, q3), (p4, q4), (s3.mu, t3.mu), (s3.nu, t3.nu), (s4.nu, t4.nu)):
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
