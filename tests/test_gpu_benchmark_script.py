@@ -58,3 +58,15 @@ def test_back_to_back_script_says_when_there_is_no_gpu():
         assert proc.returncode == 0 and "| 2^28 | sofx triton step |" in proc.stdout
     else:
         assert proc.returncode == 0 and "no CUDA device here" in proc.stdout
+
+
+def test_gpu_offload_script_smoke_run(tmp_path):
+    """``benchmarks/gpu_offload.py --smoke`` (a tiny model on the CPU): every variant, and the sofx
+    variants' parameters equal the plain-torch offload's after the same steps (exit status 1 otherwise)."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_offload.py"), "--smoke"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = (tmp_path / "gpu_offload.md").read_text()
+    rows = [line.split(" | ")[0] for line in written.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == ["| backward", "| gpu fused", "| cpu offload, torch", "| sofx serial", "| sofx speculative"]
