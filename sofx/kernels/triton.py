@@ -6,7 +6,11 @@ step-dependent value is a runtime argument, so a training run compiles each
 variant once. Each program handles ``BLOCK`` elements (the last one masked):
 it loads ``p, g, m, v`` (and ``g_new``, ``p_old``) in their storage dtypes,
 computes in float32 and stores rounded to the dtypes of ``p, m, v``; the
-outputs may be the inputs' own storage (donation).
+outputs may be the inputs' own storage (donation). The same body runs in two
+kernels: ``_adam_kernel`` over one flat block, and ``_adam_multi_kernel`` over
+many blocks at once (``step_many`` and friends: blocks with the same dtypes
+and scalars share a launch, each program finding its tensor in a table of
+element offsets), as torch's fused optimizers step many tensors per launch.
 
 The math is :mod:`sofx.kernels.reference`'s, operation by operation, with
 correctly rounded square roots and divisions (``sqrt_rn``, ``div_rn``; a
