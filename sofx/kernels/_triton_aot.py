@@ -59,7 +59,7 @@ def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
                       BLOCK_SIZE=tk.BLOCK, HAS_COPY=copy_dtype is not None,
                       ROUND_C=TL_DTYPES[copy_dtype or "fp32"])
     if multi:
-        constexprs["ALIGNED"] = True
+        constexprs.update(ALIGNED=True, ROW=tk._ROW_WIDTH + 1)
     signature = {}
     for name in names:
         if name in constexprs:

@@ -190,14 +190,15 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
                        s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
                        OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                        SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_COPY: tl.constexpr,
-                       ROUND_C: tl.constexpr, ALIGNED: tl.constexpr):
+                       ROUND_C: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr):
     """Many tensors in one launch: program ``pid`` runs ``BLOCK_SIZE`` elements of tensor
     ``tensor_of[pid]``, whose row in ``rows`` holds its first program, its element count and, per
     pointer argument, the element offset of its storage from that argument (every tensor of a slot
     lives in the same address space, so ``ptr + offset`` addresses it). ``ALIGNED``: every count and
-    offset is a multiple of 16 (the launcher checks), so loads and stores are 128-bit wide."""
+    offset is a multiple of 16 (the launcher checks), so loads and stores are 128-bit wide. ``ROW``: the
+    table's row length (``_ROW_WIDTH + 1``)."""
     pid = tl.program_id(0)
-    row = rows_ptr + tl.load(tensor_of_ptr + pid).to(tl.int64) * 13
+    row = rows_ptr + tl.load(tensor_of_ptr + pid).to(tl.int64) * ROW
     n = tl.load(row + 1)
     d_p = tl.load(row + 2)
     d_g = tl.load(row + 3)
@@ -416,7 +417,7 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     tensor_of = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device),
                                         on_device[:, _ROW_WIDTH], output_size=first)
     _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, ALIGNED=aligned,
-                                 **_constexprs(op, group[0], has_p_old))
+                                 ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old))
 
 
 def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
