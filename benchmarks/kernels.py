@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _bandwidth import PairedBandwidth, time_round_robin  # noqa: E402
 
 from sofx.kernels import cpu, cpu_fast  # noqa: E402
-from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall  # noqa: E402
 
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
@@ -86,32 +86,36 @@ def make(shapes: list[tuple], pdt: torch.dtype, sdt: torch.dtype, gen: torch.Gen
 
 
 def sofx_ops(backend, ps, gs, g2s, ms, vs) -> dict[str, Callable[[], None]]:
-    """In-place (donated) calls over every tensor of the set (an undo is followed by an untimed step, an
-    undo+redo by an untimed one back), so that each operation inverts a step that was really taken."""
+    """In-place (donated) calls over every tensor of the set, all tensors in one call of the list forms
+    (``step_many`` ...; an undo is followed by an untimed step, an undo+redo by an untimed one back), so
+    that each operation inverts a step that was really taken."""
+    outs = [(p, m, v) for p, m, v in zip(ps, ms, vs)]
+    steps = [StepCall(p, g, m, v, S1, o) for p, g, m, v, o in zip(ps, gs, ms, vs, outs)]
+    undos = [UndoCall(p, g, m, v, S1, None, o) for p, g, m, v, o in zip(ps, gs, ms, vs, outs)]
+    # the step taken with (g, S1) becomes one with (g2, S2) and back (untimed), so that every operation
+    # finds a step taken with (g, S1); a late clip: the same gradient tensor, a new multiplier
+    redos = [UndoRedoCall(p, m, v, g, S1, g2, S2, None, o) for p, g, g2, m, v, o in zip(ps, gs, g2s, ms, vs, outs)]
+    backs = [UndoRedoCall(p, m, v, g2, S2, g, S1, None, o) for p, g, g2, m, v, o in zip(ps, gs, g2s, ms, vs, outs)]
+    clips = [UndoRedoCall(p, m, v, g, S1, g, S_CLIP, None, o) for p, g, m, v, o in zip(ps, gs, ms, vs, outs)]
+    unclips = [UndoRedoCall(p, m, v, g, S_CLIP, g, S1, None, o) for p, g, m, v, o in zip(ps, gs, ms, vs, outs)]
 
     def step():
-        for p, g, m, v in zip(ps, gs, ms, vs):
-            backend.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
+        backend.step_many(steps, VARIANT)
 
     def undo():
-        for p, g, m, v in zip(ps, gs, ms, vs):
-            backend.undo(p, g, m, v, S1, VARIANT, out=(p, m, v))
+        backend.undo_many(undos, VARIANT)
 
-    def undo_redo():  # the step taken with (g, S1) becomes one with (g2, S2) ...
-        for p, g, g2, m, v in zip(ps, gs, g2s, ms, vs):
-            backend.undo_redo(p, m, v, g, S1, g2, S2, VARIANT, out=(p, m, v))
+    def undo_redo():
+        backend.undo_redo_many(redos, VARIANT)
 
-    def redo_back():  # ... and back (untimed), so that every operation finds a step taken with (g, S1)
-        for p, g, g2, m, v in zip(ps, gs, g2s, ms, vs):
-            backend.undo_redo(p, m, v, g2, S2, g, S1, VARIANT, out=(p, m, v))
+    def redo_back():
+        backend.undo_redo_many(backs, VARIANT)
 
-    def undo_redo_clip():  # what a late clip runs: the same gradient tensor, a new multiplier
-        for p, g, m, v in zip(ps, gs, ms, vs):
-            backend.undo_redo(p, m, v, g, S1, g, S_CLIP, VARIANT, out=(p, m, v))
+    def undo_redo_clip():
+        backend.undo_redo_many(clips, VARIANT)
 
     def clip_back():
-        for p, g, m, v in zip(ps, gs, ms, vs):
-            backend.undo_redo(p, m, v, g, S_CLIP, g, S1, VARIANT, out=(p, m, v))
+        backend.undo_redo_many(unclips, VARIANT)
 
     def undo_then_step():
         undo()

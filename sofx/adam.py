@@ -37,7 +37,6 @@ record may still be undone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -46,8 +45,8 @@ from sofx import tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
-from sofx.kernels.base import (AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall, any_traced,
-                               as_number, is_number, is_traced, write_param_copy)
+from sofx.kernels.base import (AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
+                               is_number, is_traced, leaf_tracer, write_param_copy)
 from sofx.undo_record import LeafUndo, UndoRecord
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
@@ -90,8 +89,7 @@ def _is_hparams(x: Any) -> bool:
     return isinstance(x, AdamHParams)
 
 
-@dataclass(frozen=True)
-class _Leaf:
+class _Leaf(NamedTuple):
     """Everything ``update``/``undo`` need about one leaf, checked."""
 
     path: str
@@ -102,6 +100,7 @@ class _Leaf:
     v: torch.Tensor
     hp: AdamHParams
     traced: bool  # a tensor or hparam of the leaf is traced (vmap, grad, compile): values cannot be read
+    steps: Any  # the count as a Python int where it can be read (else the tensor itself)
 
 
 class Adam:
@@ -270,7 +269,7 @@ class Adam:
         for leaf, rec, f in zip(leaves, record.leaves, finite):
             undone_count = rec.count_before if rec is not None else leaf.count
             plans.append(None if leaf.g is None else self._plan(
-                replace(leaf, count=undone_count), grad_scale, f))
+                leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, f))
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
@@ -293,7 +292,7 @@ class Adam:
                 new_p[k], new_m[k], new_v[k], new_c[k] = p0, m0, v0, c0
                 write_param_copy(copy, p0)
             else:
-                undone = replace(leaf, p=p0, count=c0, m=m0, v=v0)
+                undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
@@ -317,7 +316,7 @@ class Adam:
                 continue
             if rec.strategy == "none":
                 raise UndoError(f"{leaf.path}: this step cannot be undone ({rec.reason})")
-            have, want = as_number(leaf.count), as_number(rec.step)
+            have, want = leaf.steps, as_number(rec.step)
             if is_number(have) and is_number(want) and have != want:
                 raise UndoError(f"{leaf.path}: the state's step count is {have}, the record undoes step {want}: "
                                 "the record does not belong to this state")
@@ -407,18 +406,22 @@ class Adam:
         hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
         validated: set[int] = set()  # hparams objects checked already (a group's leaves share one)
+        traced = leaf_tracer()
+        hp_traced: dict[int, bool] = {}  # per hparams object
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
             if g is not None:
-                _check_like(f"grads{path[len('params'):]}", g, p, p.dtype)
-            _check_count(f"state.count{path[len('params'):]}", c)
+                _check_like("grads", path, g, p, p.dtype)
+            steps = _check_count(path, c, traced)
             want_state = self.state_dtype or p.dtype
-            _check_like(f"state.mu{path[len('params'):]}", m, p, want_state)
-            _check_like(f"state.nu{path[len('params'):]}", v, p, want_state)
+            _check_like("state.mu", path, m, p, want_state)
+            _check_like("state.nu", path, v, p, want_state)
             if g is not None and id(hp) not in validated:
                 _validate_hparams(hp, f"hparams for {path}")
                 validated.add(id(hp))
-            leaves.append(_Leaf(path, p, g, c, m, v, hp, any_traced((p, g, m, v, *hp))))
+            if id(hp) not in hp_traced:
+                hp_traced[id(hp)] = traced(*hp)
+            leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
         return spec, leaves
 
     def _kernel(self, leaf: _Leaf) -> Any:
@@ -436,7 +439,7 @@ class Adam:
         ``finite``: whether the gradient is finite, if known (``None``: read it where the strategy asks).
         """
         hp = leaf.hp
-        t = as_number(leaf.count) + 1
+        t = leaf.steps + 1
         scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
         strategy, reason = self._choose_strategy(leaf, scalars, finite)
         return scalars, strategy, reason
@@ -586,7 +589,11 @@ def _check_param(path: str, p: Any) -> None:
         raise LeafError(f"{path}: expected a floating-point tensor, got dtype {p.dtype}")
 
 
-def _check_like(path: str, x: Any, p: torch.Tensor, dtype: torch.dtype) -> None:
+def _check_like(tree_name: str, param_path: str, x: Any, p: torch.Tensor, dtype: torch.dtype) -> None:
+    """``x`` (the leaf of ``tree_name`` at the parameter's ``param_path``) is a tensor like ``p`` of ``dtype``."""
+    if type(x) is torch.Tensor and x.shape == p.shape and x.dtype == dtype and x.device == p.device:
+        return  # the common case, three times per leaf and step
+    path = tree_name + param_path[len("params"):]
     if not isinstance(x, torch.Tensor):
         raise LeafError(f"{path}: expected a tensor, got {type(x).__name__}")
     if x.shape != p.shape:
@@ -597,14 +604,19 @@ def _check_like(path: str, x: Any, p: torch.Tensor, dtype: torch.dtype) -> None:
         raise LeafError(f"{path}: expected device {p.device}, got {x.device}")
 
 
-def _check_count(path: str, c: Any) -> None:
+def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:
+    """The step count ``c`` (of the parameter at ``param_path``) checked; its value as an int where it
+    can be read (``traced``: :func:`~sofx.kernels.base.leaf_tracer`'s function), else ``c``."""
     if not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0:
         desc = f"a tensor of dtype {c.dtype} and shape {tuple(c.shape)}" if isinstance(c, torch.Tensor) \
             else type(c).__name__
-        raise LeafError(f"{path}: expected a 0-d int64 tensor, got {desc}")
-    n = as_number(c)
-    if is_number(n) and n < 0:
-        raise LeafError(f"{path}: step count {n} is negative")
+        raise LeafError(f"state.count{param_path[len('params'):]}: expected a 0-d int64 tensor, got {desc}")
+    if traced(c):
+        return c
+    n = c.item()
+    if n < 0:
+        raise LeafError(f"state.count{param_path[len('params'):]}: step count {n} is negative")
+    return n
 
 
 _RANGES = {

@@ -17,7 +17,7 @@ import torch
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
-from sofx.kernels.base import AdamScalars, AdamVariant
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
 
 from helpers import max_rel_err
 
@@ -381,7 +381,7 @@ def test_without_a_compiler_the_reference_math_runs(tmp_path):
     code = """
 import torch
 from sofx.kernels import cpu, reference
-from sofx.kernels.base import AdamScalars, AdamVariant
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
 assert not cpu.native_available()
 g = torch.Generator().manual_seed(0)
 p, gr, m, v = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g)
@@ -398,7 +398,8 @@ print("ok")
 
 
 def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, monkeypatch):
-    """Where -fopenmp is unavailable the library is built without it and starts pthreads per call."""
+    """Where -fopenmp is unavailable the library is built without it and starts pthreads per call (one
+    share of the blocks' elements each)."""
     from sofx.kernels import _cpu_build
 
     cc = _cpu_build._compiler()
@@ -410,15 +411,19 @@ def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, mon
     p, g, m, v = _inputs(rng, 3 * 65536 + 4099, torch.float32, torch.float32)
     s = _scalars(rng, 0.1, 0.5)
     g2 = torch.randn(p.shape, generator=rng)
+    blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (70001, 3, 130003, 65536 + 129)]
+
+    def run(backend):  # one block on three threads; several, the threads' splits inside blocks
+        return [backend.step(p, g, m, v, s, VARIANTS[0]), backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[1]),
+                *backend.step_many([StepCall(*b, s) for b in blocks], VARIANTS[0])]
+
     for backend in (cpu, cpu_fast):
-        want = [backend.step(p, g, m, v, s, VARIANTS[0]),
-                backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[1])]
+        want = run(backend)
         monkeypatch.setattr(_cpu_build, "_loaded", [pthreads])
-        got = [backend.step(p, g, m, v, s, VARIANTS[0]),
-               backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[1])]
+        got = run(backend)
         monkeypatch.undo()
         monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

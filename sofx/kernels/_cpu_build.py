@@ -50,7 +50,8 @@ _COMMON = ["-std=gnu11", "-shared", "-fPIC", "-pthread"]
 
 @dataclass(frozen=True)
 class NativeLib:
-    """The loaded library: ``adam`` is the C entry point ``sofx_adam``, ``has_f16`` whether float16 works.
+    """The loaded library: ``adam_many`` is the C entry point ``sofx_adam_many`` (any number of blocks in one
+    call), ``has_f16`` whether float16 works.
 
     ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`);
     ``vector_loops``: whether this build has the explicit AVX-512 vector loops (the CPU converts bf16 in
@@ -61,7 +62,7 @@ class NativeLib:
     """
 
     path: str
-    adam: ctypes._CFuncPtr
+    adam_many: ctypes._CFuncPtr
     has_f16: bool
     sqrt_fn: int
     sqrt_mode: int
@@ -144,11 +145,12 @@ def _first_error(text: str) -> str:
 
 def _open(path: str) -> NativeLib:
     lib = ctypes.CDLL(path)
-    fn = lib.sofx_adam
+    fn = lib.sofx_adam_many
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int64,
-                   ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_double),
-                   ctypes.POINTER(ctypes.c_double), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    # op, decoupled, count, dtypes (int[6 count]), ns (int64[count]), ptrs (void*[10 count]), s_old and s_new
+    # (double*[count]), threads, exact, sqrt_fn, sqrt_mode, sqrt_local, sqrt_replica
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     has_f16 = lib.sofx_has_f16
     has_f16.restype = ctypes.c_int

@@ -51,6 +51,7 @@ SOURCE = r"""
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <float.h>
 #if defined(__AVX512F__)
@@ -1073,12 +1074,6 @@ static void run_range(const Job *j) {
   if (restore >= 0) j->sq.local(restore);
 }
 
-#ifndef _OPENMP
-static void *run_thread(void *arg) {
-  run_range((const Job *)arg);
-  return 0;
-}
-#endif
 
 #define MAX_THREADS 256
 
@@ -1159,70 +1154,134 @@ double sofx_copy_sumsq(const void *src, int src_dt, void *dst, int dst_dt, int64
   return total;
 }
 
-/* Entry point. dtypes = {p, g, m/v, g_new, p_old, p_copy}; ptrs = {p, g, m, v, g_new, p_old, p_out, m_out,
-   v_out, p_copy} (p_copy: 0, or a second buffer for the new parameters in its own dtype, see copy_params).
-   exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions in the
-   inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
-   sqrt_fn/sqrt_mode/sqrt_local/sqrt_replica: see Sqrt (sqrt_fn 0: IEEE sqrtf).
-   Returns 0 on success, a negative code for bad arguments (nothing written). */
-int sofx_adam(int op, int decoupled, const int *dtypes, int64_t n, void *const *ptrs,
-              const double *s_old, const double *s_new, int nthreads, int exact, void *sqrt_fn,
-              int64_t sqrt_mode, void *sqrt_local, int sqrt_replica) {
-  if (op < OP_STEP || op > OP_UNDO_REDO || n < 0) return -1;
-  for (int k = 0; k < 6; k++) {
-    if (dtypes[k] < DT_F32 || dtypes[k] > DT_F16) return -2;
-    if (dtypes[k] == DT_F16 && !sofx_has_f16()) return -3;
+/* One block of a call: its job (begin/end unset) and where its elements start among all the blocks'. */
+typedef struct {
+  const Job *jobs;
+  const int64_t *starts;             /* starts[b]: the first element of block b in the blocks' concatenation */
+  int64_t count, per;                /* blocks; elements per thread (the last thread takes the rest) */
+} Parts;
+
+/* Block b's local element where thread k's share of the concatenation begins: rounded up to a multiple of
+   TILE (the exact loops' square-root chunks fall where a single thread would put them), within [0, n]. */
+static int64_t split_at(const Parts *ps, int64_t b, int64_t k) {
+  int64_t local = k * ps->per - ps->starts[b];
+  const int64_t n = ps->jobs[b].n;
+  if (local <= 0) return 0;
+  local = (local + TILE - 1) / TILE * TILE;
+  return local < n ? local : n;
+}
+
+/* Thread k's share: the part of every block between its splits k and k + 1, block after block. */
+static void run_share(const Parts *ps, int64_t k) {
+  for (int64_t b = 0; b < ps->count; b++) {
+    Job part = ps->jobs[b];
+    part.begin = split_at(ps, b, k);
+    part.end = split_at(ps, b, k + 1);
+    if (part.begin < part.end) run_range(&part);
   }
-  Job job;
-  memset(&job, 0, sizeof job);
-  job.op = op;
-  job.decoupled = decoupled;
-  job.dp = dtypes[0]; job.dg = dtypes[1]; job.ds = dtypes[2]; job.dg2 = dtypes[3]; job.dpo = dtypes[4];
-  job.n = n;
-  job.p = ptrs[0]; job.g = ptrs[1]; job.m = ptrs[2]; job.v = ptrs[3]; job.g2 = ptrs[4]; job.pold = ptrs[5];
-  job.po = ptrs[6]; job.mo = ptrs[7]; job.vo = ptrs[8];
-  job.pc = ptrs[9]; job.dpc = dtypes[5];
-  job.sq.fn = (vsqrt_fn)sqrt_fn;
-  job.sq.mode = sqrt_mode;
-  job.sq.local = (local_threads_fn)sqrt_local;
-  job.sq.replica = sqrt_replica != 0;
-  job.exact = exact != 0;
-  job.s1 = make_sc(s_old);
-  if (op == OP_UNDO_REDO) job.s2 = make_sc(s_new);
+}
+
+#ifndef _OPENMP
+typedef struct {
+  const Parts *ps;
+  int64_t k;
+} Share;
+
+static void *run_share_thread(void *arg) {
+  const Share *sh = (const Share *)arg;
+  run_share(sh->ps, sh->k);
+  return 0;
+}
+#endif
+
+/* Entry point: `count` blocks in one call, each with its own dtypes, element count, pointers and
+   scalars. Block b: dtypes[6b..6b+5] = {p, g, m/v, g_new, p_old, p_copy}; ptrs[10b..10b+9] = {p, g, m, v,
+   g_new, p_old, p_out, m_out, v_out, p_copy} (p_copy: 0, or a second buffer for the new parameters in its
+   own dtype, see copy_params); ns[b] its element count; s_old[b] (and s_new[b] for undo+redo) its S_COUNT
+   scalars. exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions
+   in the inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
+   sqrt_fn/sqrt_mode/sqrt_local/sqrt_replica: see Sqrt (sqrt_fn 0: IEEE sqrtf).
+   The threads share the blocks' elements evenly (a model's many small tensors cost one parallel region,
+   not one each); thread k runs its part of each block in turn, split inside a block at a multiple of
+   TILE. Every block is checked first: returns 0 on success, or -(1 + 3b) - reason for block b's bad
+   argument (reason 0: op or count, 1: a dtype, 2: float16 without _Float16), nothing written. */
+int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, const int64_t *ns,
+                   void *const *ptrs, const double *const *s_old, const double *const *s_new, int nthreads,
+                   int exact, void *sqrt_fn, int64_t sqrt_mode, void *sqrt_local, int sqrt_replica) {
+  if (op < OP_STEP || op > OP_UNDO_REDO || count < 0) return -1;
+  for (int64_t b = 0; b < count; b++) {
+    if (ns[b] < 0) return (int)(-(1 + 3 * b));
+    for (int k = 0; k < 6; k++) {
+      const int dt = dtypes[6 * b + k];
+      if (dt < DT_F32 || dt > DT_F16) return (int)(-(1 + 3 * b) - 1);
+      if (dt == DT_F16 && !sofx_has_f16()) return (int)(-(1 + 3 * b) - 2);
+    }
+  }
+  Job one;
+  Job *jobs = count == 1 ? &one : (Job *)malloc((size_t)count * sizeof(Job));
+  int64_t starts_one;
+  int64_t *starts = count == 1 ? &starts_one : (int64_t *)malloc((size_t)count * sizeof(int64_t));
+  if (!jobs || !starts) {
+    if (jobs != &one) free(jobs);
+    if (starts != &starts_one) free(starts);
+    return -1000000000; /* out of memory: nothing written */
+  }
+  int64_t total = 0;
+  for (int64_t b = 0; b < count; b++) {
+    const int *dt = dtypes + 6 * b;
+    void *const *pt = ptrs + 10 * b;
+    Job *job = &jobs[b];
+    memset(job, 0, sizeof *job);
+    job->op = op;
+    job->decoupled = decoupled;
+    job->dp = dt[0]; job->dg = dt[1]; job->ds = dt[2]; job->dg2 = dt[3]; job->dpo = dt[4];
+    job->n = ns[b];
+    job->p = pt[0]; job->g = pt[1]; job->m = pt[2]; job->v = pt[3]; job->g2 = pt[4]; job->pold = pt[5];
+    job->po = pt[6]; job->mo = pt[7]; job->vo = pt[8];
+    job->pc = pt[9]; job->dpc = dt[5];
+    job->sq.fn = (vsqrt_fn)sqrt_fn;
+    job->sq.mode = sqrt_mode;
+    job->sq.local = (local_threads_fn)sqrt_local;
+    job->sq.replica = sqrt_replica != 0;
+    job->exact = exact != 0;
+    job->s1 = make_sc(s_old[b]);
+    if (op == OP_UNDO_REDO) job->s2 = make_sc(s_new[b]);
+    starts[b] = total;
+    total += ns[b];
+  }
   int nt = nthreads < 1 ? 1 : nthreads;
   if (nt > MAX_THREADS) nt = MAX_THREADS;
-  if (n / MIN_PER_THREAD < nt) nt = (int)(n / MIN_PER_THREAD);
-  if (nt <= 1) {
-    job.begin = 0;
-    job.end = n;
-    run_range(&job);
-    return 0;
-  }
-  Job parts[MAX_THREADS];
-  int64_t per = (n + nt - 1) / nt;
-  per = (per + TILE - 1) / TILE * TILE;
-  for (int k = 0; k < nt; k++) {
-    parts[k] = job;
-    parts[k].begin = per * k < n ? per * k : n;
-    parts[k].end = per * (k + 1) < n ? per * (k + 1) : n;
-  }
+  if (total / MIN_PER_THREAD < nt) nt = (int)(total / MIN_PER_THREAD);
+  if (nt < 1) nt = 1;
+  Parts ps = {jobs, starts, count, (total + nt - 1) / nt};
+  if (nt == 1) {
+    run_share(&ps, 0);
+  } else {
 #ifdef _OPENMP
-  /* torch's own OpenMP runtime (libgomp.so.1 is already loaded by torch, so this library binds
-     to it): the threads of torch's last parallel region are still spinning for work and take
-     these parts at once. Threads of a second runtime (or pthreads) would fight them for the
-     cores for milliseconds after every torch operation. */
+    /* torch's own OpenMP runtime (libgomp.so.1 is already loaded by torch, so this library binds
+       to it): the threads of torch's last parallel region are still spinning for work and take
+       these shares at once. Threads of a second runtime (or pthreads) would fight them for the
+       cores for milliseconds after every torch operation. */
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int k = 0; k < nt; k++) run_range(&parts[k]);
+    for (int k = 0; k < nt; k++) run_share(&ps, k);
 #else
-  pthread_t tids[MAX_THREADS];
-  int started[MAX_THREADS];
-  for (int k = 1; k < nt; k++) started[k] = pthread_create(&tids[k], 0, run_thread, &parts[k]) == 0;
-  run_range(&parts[0]);
-  for (int k = 1; k < nt; k++) {
-    if (started[k]) pthread_join(tids[k], 0);
-    else run_range(&parts[k]);
-  }
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS];
+    Share shares[MAX_THREADS];
+    for (int k = 1; k < nt; k++) {
+      shares[k].ps = &ps;
+      shares[k].k = k;
+      started[k] = pthread_create(&tids[k], 0, run_share_thread, &shares[k]) == 0;
+    }
+    run_share(&ps, 0);
+    for (int k = 1; k < nt; k++) {
+      if (started[k]) pthread_join(tids[k], 0);
+      else run_share(&ps, k);
+    }
 #endif
+  }
+  if (jobs != &one) free(jobs);
+  if (starts != &starts_one) free(starts);
   return 0;
 }
 """

@@ -16,9 +16,11 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     The same for a list of blocks (:class:`StepCall`, :class:`UndoCall`,
     :class:`UndoRedoCall`, each with its own scalars): a list of ``(p, m, v)``
     in order. The Triton backend launches one kernel per group of blocks with
-    the same dtypes and scalars (a model's many small tensors cost one launch,
-    as torch's fused optimizers do); the others call the one-block function
-    per block (:func:`one_call_per_block`).
+    the same dtypes and scalars, the CPU backends run all blocks in one call of
+    their native code (a model's many small tensors cost one launch, as
+    torch's fused optimizers do); the reference calls the one-block function
+    per block (:func:`one_call_per_block`). Every block is checked before any
+    is computed.
 ``supports(device, param_dtype, state_dtype) -> bool``
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
@@ -86,15 +88,24 @@ def is_traced(x: object) -> bool:
 
 
 def any_traced(xs: Iterable[object]) -> bool:
-    """``any(is_traced(x) for x in xs)``, asking ``torch.compiler.is_compiling()`` once (it runs for every
-    leaf of every step)."""
-    tensors = [x for x in xs if isinstance(x, torch.Tensor)]
-    if not tensors:
-        return False
+    """``any(is_traced(x) for x in xs)``, asking ``torch.compiler.is_compiling()`` once."""
+    return leaf_tracer()(*xs)
+
+
+def leaf_tracer() -> Callable[..., bool]:
+    """A function ``traced(*xs)``: ``any(is_traced(x) for x in xs)`` as of now, for the many calls of one
+    step (``torch.compiler.is_compiling()`` asked once, here)."""
     if torch.compiler.is_compiling():  # first: torch.compile cannot trace the functorch query
-        return True
+        return lambda *xs: any(isinstance(x, torch.Tensor) for x in xs)
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(x.requires_grad or wrapped(x) for x in tensors)
+
+    def traced(*xs: object) -> bool:
+        for x in xs:  # a loop, not any(...): this runs for every leaf of every step
+            if isinstance(x, torch.Tensor) and (x.requires_grad or wrapped(x)):
+                return True
+        return False
+
+    return traced
 
 
 def as_number(x: Scalar) -> Scalar:
@@ -140,7 +151,8 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise LeafError(f"{where}: out must be a tuple (p_out, m_out, v_out)")
-        named += list(zip(("p_out", "m_out", "v_out"), out))
+        seen = {id(t) for _, t in named if t is not None}  # donation: out is the inputs, checked already
+        named += [(name, o) for name, o in zip(("p_out", "m_out", "v_out"), out) if id(o) not in seen]
     device, shape = like.device, like.shape
     for name, t in named:
         if t is None:

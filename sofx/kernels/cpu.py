@@ -14,7 +14,10 @@ fused multiply-add. Per element, ``t = s.step``, ``g = g * grad_scale``::
     undo_redo: undo, round to the storage dtypes, step with the new gradient and scalars
 
 in one pass over memory: every input is read once and every output written
-once, on ``torch.get_num_threads()`` threads.
+once, on ``torch.get_num_threads()`` threads. The list forms (``step_many``,
+...) run all their blocks in one call of the native code, whose threads share
+the blocks' elements evenly: a model's many small tensors cost one parallel
+region, not one call and region each.
 
 Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
 which is not always correctly rounded. To give the reference's (and
@@ -51,17 +54,20 @@ the same results.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from array import array
+from typing import NamedTuple, Sequence
 
 import torch
 
 from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.base import (AdamScalars, AdamVariant, Triple, check_block_tensors, concrete_scalars, is_number,
-                               kernel_param_copy, one_call_per_block, write_outputs, write_param_copy)
+from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+                               check_block_tensors, concrete_scalars, is_number, kernel_param_copy, write_outputs,
+                               write_param_copy)
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "native_available", "bitwise_with_torch"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "native_available",
+           "bitwise_with_torch"]
 
 NAME = "cpu"
 
@@ -109,17 +115,47 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
 
 
 # ------------------------------------------------------------------ checks
-def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
+def _check(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> None:
+    """``where``: the call's name in errors (``"cpu.step"``, ``"cpu.step_many[3]"``)."""
     if like.device.type != "cpu":  # the others must be on like's device (checked below)
-        raise UnsupportedError(f"cpu.{what}: p is on {like.device}; the cpu backend needs CPU tensors")
+        raise UnsupportedError(f"{where}: p is on {like.device}; the cpu backend needs CPU tensors")
     try:
-        check_block_tensors(f"cpu.{what}", tensors, like, out)
+        check_block_tensors(where, tensors, like, out)
     except UnsupportedError as e:  # a tensor on another device than p
         raise UnsupportedError(f"{e}; the cpu backend needs CPU tensors") from None
 
 
 # ------------------------------------------------------------------ dispatch
+class _Block(NamedTuple):
+    """One block of a call in the C entry's terms (``g2``/``s2``: undo+redo's new gradient and scalars)."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    g2: torch.Tensor | None
+    p_old: torch.Tensor | None
+    s1: AdamScalars
+    s2: AdamScalars | None
+    out: Triple | None
+    p_copy: torch.Tensor | None
+
+
+class _Native(NamedTuple):
+    """A block ready for the C entry: its table entries and where its results go."""
+
+    dtypes: tuple[int, int, int, int, int, int]
+    ptrs: tuple[int, ...]
+    n: int
+    s1: ctypes.Array
+    s2: ctypes.Array | None
+    targets: list[torch.Tensor]
+    out: Triple | None
+    p_copy: torch.Tensor | None
+    copied: bool  # the kernel writes p_copy itself
+
+
 def _native_input(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous tensor of a dtype the C kernel reads (a copy only where needed).
 
@@ -130,60 +166,127 @@ def _native_input(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _run(op: int, variant: AdamVariant, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-         g2: torch.Tensor | None, p_old: torch.Tensor | None, s1: ctypes.Array, s2: ctypes.Array | None,
-         out: Sequence[torch.Tensor] | None, lib: _cpu_build.NativeLib, exact: bool,
-         p_copy: torch.Tensor | None = None) -> Triple:
-    """Run the C kernel; results go to ``out`` (or fresh tensors), via contiguous temporaries where needed.
-
-    ``exact``: take torch's own square root (bitwise the reference); else IEEE ``sqrtf`` in the fused loops.
-    ``p_copy``: written by the kernel in the same pass where it is contiguous in a storage dtype, else
-    copied afterwards.
-    """
-    inputs = [_native_input(p), _native_input(g), _native_input(m), _native_input(v)]
-    g2c = _native_input(g2) if g2 is not None else None
-    poc = _native_input(p_old) if p_old is not None else None
-    pc = kernel_param_copy(p_copy, _DTYPE_CODES)
-    want = (p.dtype, m.dtype, v.dtype)
-    targets: list[torch.Tensor] = []
-    for i, dtype in enumerate(want):
-        o = out[i] if out is not None else None
-        if o is not None and o.dtype == dtype and o.is_contiguous():
-            targets.append(o)
-        else:
-            targets.append(torch.empty(p.shape, dtype=dtype))
-    n = p.numel()
-    if n:
-        dtypes = (ctypes.c_int * 6)(_DTYPE_CODES[p.dtype], _DTYPE_CODES[inputs[1].dtype], _DTYPE_CODES[m.dtype],
-                                    _DTYPE_CODES[g2c.dtype] if g2c is not None else src.DT_F32,
-                                    _DTYPE_CODES[poc.dtype] if poc is not None else src.DT_F32,
-                                    _DTYPE_CODES[pc.dtype] if pc is not None else src.DT_F32)
-        ptrs = (ctypes.c_void_p * 10)(*(t.data_ptr() for t in inputs),
-                                      g2c.data_ptr() if g2c is not None else None,
-                                      poc.data_ptr() if poc is not None else None,
-                                      *(t.data_ptr() for t in targets),
-                                      pc.data_ptr() if pc is not None else None)
-        rc = lib.adam(op, int(variant.decoupled), dtypes, n, ptrs, s1, s2 if s2 is not None else s1,
-                      torch.get_num_threads(), int(exact), (lib.sqrt_fn or None) if exact else None,
-                      lib.sqrt_mode, lib.sqrt_local or None, int(exact and lib.sqrt_replica))
-        if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
-            raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
-    results = write_outputs(targets, out)
-    if pc is None:
-        write_param_copy(p_copy, results[0])
-    return results
-
-
-def _native(p: torch.Tensor, m: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> _cpu_build.NativeLib | None:
-    """The native library if it can run this call, else None (the reference math is used)."""
-    if p.dtype not in _STORAGE_DTYPES or m.dtype not in _STORAGE_DTYPES or tensors[0].dtype != m.dtype:
+def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib | None:
+    """``lib`` if it can run this block, else None (the reference math is used)."""
+    p, m = b.p, b.m
+    if lib is None or p.dtype not in _STORAGE_DTYPES or m.dtype not in _STORAGE_DTYPES or b.v.dtype != m.dtype:
         return None
-    lib = _cpu_build.load()
-    if lib is None:
-        return None
-    if not lib.has_f16 and any(t is not None and t.dtype == torch.float16 for t in (p, m, *tensors)):
+    if not lib.has_f16 and any(t is not None and t.dtype == torch.float16
+                               for t in (p, m, b.g, b.g2, b.p_old, b.p_copy)):
         return None
     return lib
+
+
+def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
+    """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed) and the
+    tensors it writes (``out``'s own where they fit, else fresh ones)."""
+    p, m, v = b.p, b.m, b.v
+    inputs = (_native_input(p), _native_input(b.g), _native_input(m), _native_input(v))
+    g2 = _native_input(b.g2) if b.g2 is not None else None
+    p_old = _native_input(b.p_old) if b.p_old is not None else None
+    pc = kernel_param_copy(b.p_copy, _DTYPE_CODES)
+    targets = []
+    for i, dtype in enumerate((p.dtype, m.dtype, v.dtype)):
+        o = b.out[i] if b.out is not None else None
+        targets.append(o if o is not None and o.dtype == dtype and o.is_contiguous()
+                       else torch.empty(p.shape, dtype=dtype))
+    dtypes = (_DTYPE_CODES[p.dtype], _DTYPE_CODES[inputs[1].dtype], _DTYPE_CODES[m.dtype],
+              _DTYPE_CODES[g2.dtype] if g2 is not None else src.DT_F32,
+              _DTYPE_CODES[p_old.dtype] if p_old is not None else src.DT_F32,
+              _DTYPE_CODES[pc.dtype] if pc is not None else src.DT_F32)
+    ptrs = (*(t.data_ptr() for t in inputs), g2.data_ptr() if g2 is not None else 0,
+            p_old.data_ptr() if p_old is not None else 0, *(t.data_ptr() for t in targets),
+            pc.data_ptr() if pc is not None else 0)
+    # The inputs' contiguous copies (if any) stay alive through the tuple below until the call returns.
+    return _Native(dtypes, ptrs, p.numel(), s1, s2, targets + [*inputs, g2, p_old], b.out, b.p_copy,
+                   pc is not None)
+
+
+def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
+    if op == src.OP_STEP:
+        return [("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("p_copy", b.p_copy)]
+    if op == src.OP_UNDO:
+        return [("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("p_old", b.p_old), ("p_copy", b.p_copy)]
+    return [("p", b.p), ("m", b.m), ("v", b.v), ("g_old", b.g), ("g_new", b.g2), ("p_old", b.p_old),
+            ("p_copy", b.p_copy)]
+
+
+def _reference(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None) -> Triple:
+    if op == src.OP_STEP:
+        return reference.step(b.p, b.g, b.m, b.v, s1, variant, out=b.out, p_copy=b.p_copy)
+    if op == src.OP_UNDO:
+        return reference.undo(b.p, b.g, b.m, b.v, s1, variant, p_old=b.p_old, out=b.out, p_copy=b.p_copy)
+    return reference.undo_redo(b.p, b.m, b.v, b.g, s1, b.g2, s2, variant, p_old=b.p_old, out=b.out,
+                               p_copy=b.p_copy)
+
+
+def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: bool,
+                where: Sequence[str]) -> list[Triple]:
+    """Every block's results (see :func:`step`, :func:`undo`, :func:`undo_redo`); ``where[i]`` names
+    block i in errors. All blocks are checked before any is computed; those the native code takes run
+    in one call of the C entry (its threads share all their elements), the others through the reference.
+
+    ``exact``: take torch's own square root (bitwise the reference); else IEEE ``sqrtf`` in the fused loops.
+    """
+    lib = _cpu_build.load()
+    memo: dict[tuple[AdamScalars, AdamVariant], ctypes.Array | None] = {}  # a group's blocks share scalars
+
+    def scalar_block(s: AdamScalars) -> ctypes.Array | None:
+        key = (s, variant)
+        if key not in memo:
+            memo[key] = _scalar_block(s, variant)
+        return memo[key]
+
+    plans: list[tuple[AdamScalars, AdamScalars | None, _cpu_build.NativeLib | None]] = []
+    for b, name in zip(blocks, where):
+        _check(name, _named(op, b), b.p, b.out)
+        s1 = concrete_scalars(b.s1)
+        s2 = concrete_scalars(b.s2) if b.s2 is not None else None
+        if op != src.OP_STEP:
+            reference._check_invertible(s1, variant, b.p_old is not None)
+        plans.append((s1, s2, _native(b, lib)))
+    results: list[Triple | None] = [None] * len(blocks)
+    native: list[tuple[int, _Native]] = []
+    for i, (b, (s1, s2, blib)) in enumerate(zip(blocks, plans)):
+        c1 = scalar_block(s1) if blib is not None else None
+        c2 = scalar_block(s2) if blib is not None and s2 is not None else None
+        if c1 is None or (s2 is not None and c2 is None):
+            results[i] = _reference(op, b, variant, s1, s2)
+        elif b.p.numel() == 0:
+            results[i] = _empty_results(b)
+        else:
+            native.append((i, _prepare(b, c1, c2)))
+    if native:
+        assert lib is not None
+        _call(lib, op, variant, [nb for _, nb in native], exact)
+        for i, nb in native:
+            res = write_outputs(nb.targets, nb.out)
+            if not nb.copied:
+                write_param_copy(nb.p_copy, res[0])
+            results[i] = res
+    return results  # type: ignore[return-value]
+
+
+def _empty_results(b: _Block) -> Triple:
+    targets = [torch.empty(b.p.shape, dtype=t.dtype) for t in (b.p, b.m, b.v)]
+    res = write_outputs(targets, b.out)
+    write_param_copy(b.p_copy, res[0])
+    return res
+
+
+def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, blocks: Sequence[_Native], exact: bool) -> None:
+    """One call of the C entry ``sofx_adam_many`` over ``blocks`` (tables built here, in its layout)."""
+    dtypes = array("i", [d for nb in blocks for d in nb.dtypes])
+    ns = array("q", [nb.n for nb in blocks])
+    ptrs = array("Q", [x for nb in blocks for x in nb.ptrs])
+    s1 = array("Q", [ctypes.addressof(nb.s1) for nb in blocks])
+    s2 = array("Q", [ctypes.addressof(nb.s2) if nb.s2 is not None else 0 for nb in blocks])
+    rc = lib.adam_many(op, int(variant.decoupled), len(blocks), dtypes.buffer_info()[0], ns.buffer_info()[0],
+                       ptrs.buffer_info()[0], s1.buffer_info()[0], s2.buffer_info()[0], torch.get_num_threads(),
+                       int(exact), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
+                       lib.sqrt_local or None, int(exact and lib.sqrt_replica))
+    if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
+        raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
 
 
 # ------------------------------------------------------------------ API
@@ -217,7 +320,19 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
                           p_copy=p_copy)
 
 
-step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo)
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for each block, in one call of the native code (the kernel contract's list form)."""
+    return step_many_impl(calls, variant, exact=True)
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for each block, in one call of the native code."""
+    return undo_many_impl(calls, variant, exact=True)
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for each block, in one call of the native code."""
+    return undo_redo_many_impl(calls, variant, exact=True)
 
 
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)
@@ -225,27 +340,16 @@ def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
               variant: AdamVariant, *, out: Triple | None, exact: bool, p_copy: torch.Tensor | None = None,
               ) -> Triple:
     """:func:`step`; ``exact=False`` uses IEEE ``sqrtf`` (see :mod:`sofx.kernels.cpu_fast`)."""
-    _check("step", [("p", p), ("g", g), ("m", m), ("v", v), ("p_copy", p_copy)], p, out)
-    s = concrete_scalars(s)
-    block = _scalar_block(s, variant)
-    lib = _native(p, m, (v, g, p_copy))
-    if block is None or lib is None:
-        return reference.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)
-    return _run(src.OP_STEP, variant, p, g, m, v, None, None, block, None, out, lib, exact, p_copy)
+    return _run_blocks(src.OP_STEP, [_Block(p, g, m, v, None, None, s, None, out, p_copy)], variant, exact,
+                       ["cpu.step"])[0]
 
 
 def undo_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, p_old: torch.Tensor | None, out: Triple | None, exact: bool,
               p_copy: torch.Tensor | None = None) -> Triple:
     """:func:`undo` with the choice of square root (see :func:`step_impl`)."""
-    _check("undo", [("p", p), ("g", g), ("m", m), ("v", v), ("p_old", p_old), ("p_copy", p_copy)], p, out)
-    s = concrete_scalars(s)
-    reference._check_invertible(s, variant, p_old is not None)
-    block = _scalar_block(s, variant)
-    lib = _native(p, m, (v, g, p_old, p_copy))
-    if block is None or lib is None:
-        return reference.undo(p, g, m, v, s, variant, p_old=p_old, out=out, p_copy=p_copy)
-    return _run(src.OP_UNDO, variant, p, g, m, v, None, p_old, block, None, out, lib, exact, p_copy)
+    return _run_blocks(src.OP_UNDO, [_Block(p, g, m, v, None, p_old, s, None, out, p_copy)], variant, exact,
+                       ["cpu.undo"])[0]
 
 
 def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -253,15 +357,24 @@ def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: tor
                    p_old: torch.Tensor | None, out: Triple | None, exact: bool,
                    p_copy: torch.Tensor | None = None) -> Triple:
     """:func:`undo_redo` with the choice of square root (see :func:`step_impl`)."""
-    _check("undo_redo", [("p", p), ("m", m), ("v", v), ("g_old", g_old), ("g_new", g_new), ("p_old", p_old),
-                         ("p_copy", p_copy)], p, out)
-    s_old = concrete_scalars(s_old)
-    s_new = concrete_scalars(s_new)
-    reference._check_invertible(s_old, variant, p_old is not None)
-    b_old = _scalar_block(s_old, variant)
-    b_new = _scalar_block(s_new, variant)
-    lib = _native(p, m, (v, g_old, g_new, p_old, p_copy))
-    if b_old is None or b_new is None or lib is None:
-        return reference.undo_redo(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out,
-                                   p_copy=p_copy)
-    return _run(src.OP_UNDO_REDO, variant, p, g_old, m, v, g_new, p_old, b_old, b_new, out, lib, exact, p_copy)
+    return _run_blocks(src.OP_UNDO_REDO, [_Block(p, g_old, m, v, g_new, p_old, s_old, s_new, out, p_copy)],
+                       variant, exact, ["cpu.undo_redo"])[0]
+
+
+def step_many_impl(calls: Sequence[StepCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
+    """:func:`step_many` with the choice of square root (see :func:`step_impl`)."""
+    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy) for c in calls]
+    return _run_blocks(src.OP_STEP, blocks, variant, exact, [f"cpu.step_many[{i}]" for i in range(len(calls))])
+
+
+def undo_many_impl(calls: Sequence[UndoCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
+    """:func:`undo_many` with the choice of square root (see :func:`step_impl`)."""
+    blocks = [_Block(c.p, c.g, c.m, c.v, None, c.p_old, c.s, None, c.out, c.p_copy) for c in calls]
+    return _run_blocks(src.OP_UNDO, blocks, variant, exact, [f"cpu.undo_many[{i}]" for i in range(len(calls))])
+
+
+def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
+    """:func:`undo_redo_many` with the choice of square root (see :func:`step_impl`)."""
+    blocks = [_Block(c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.s_old, c.s_new, c.out, c.p_copy) for c in calls]
+    return _run_blocks(src.OP_UNDO_REDO, blocks, variant, exact,
+                       [f"cpu.undo_redo_many[{i}]" for i in range(len(calls))])

@@ -21,10 +21,12 @@ Choose it with ``backend="cpu_fast"``; ``backend="auto"`` picks ``cpu`` (bitwise
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from sofx.kernels import cpu
-from sofx.kernels.base import AdamScalars, AdamVariant, Triple, one_call_per_block
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many"]
 
@@ -58,4 +60,16 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
                               p_copy=p_copy)
 
 
-step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo)
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for each block, in one call of the native code."""
+    return cpu.step_many_impl(calls, variant, exact=False)
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for each block, in one call of the native code."""
+    return cpu.undo_many_impl(calls, variant, exact=False)
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for each block, in one call of the native code."""
+    return cpu.undo_redo_many_impl(calls, variant, exact=False)

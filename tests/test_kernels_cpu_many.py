@@ -1,0 +1,181 @@
+"""The CPU backends' list forms (``step_many``, ``undo_many``, ``undo_redo_many``): all blocks in one call
+of the native code, whose threads share the blocks' elements.
+
+Each block's results must be the bits of its one-block call (which tests/test_kernels_cpu.py checks
+against the reference), whatever the list around it: sizes, dtypes, scalars, donation, parameter copies,
+thread splits that fall inside blocks, and blocks that only the reference math can take. Every block is
+checked before any is computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sofx.errors import LeafError, UnsupportedError
+from sofx.kernels import cpu, cpu_fast, reference
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
+
+BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
+# (param dtype, state dtype)
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+          (torch.float16, torch.float32)]
+
+pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
+
+
+def _inputs(gen: torch.Generator, n: int, pdt: torch.dtype, sdt: torch.dtype):
+    p = torch.randn(n, generator=gen).to(pdt)
+    g = torch.randn(n, generator=gen).to(pdt)
+    m = (0.1 * torch.randn(n, generator=gen)).to(sdt)
+    v = (0.01 * torch.rand(n, generator=gen) + 1e-4).to(sdt)
+    return p, g, m, v
+
+
+def _scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> AdamScalars:
+    u = torch.rand(3, generator=gen).tolist()
+    step = int(torch.randint(1, 500, (1,), generator=gen))
+    return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
+                       weight_decay=wd, step=step, grad_scale=grad_scale)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (nan payloads compared too)."""
+    if t.dtype == torch.float64:
+        return t.view(torch.int64).clone()
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16).clone()
+
+
+def _run(backend, op: str, work: list, variant: AdamVariant, s_new: AdamScalars, many: bool) -> list:
+    """``op`` over ``work`` = [(p, g, m, v, g2, s, donate, copy)], through the list form or one call per
+    block; the results' and copies' bits."""
+    if op == "step":
+        calls = [StepCall(p, g, m, v, s, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
+        res = backend.step_many(calls, variant) if many else [
+            backend.step(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+    elif op == "undo":
+        calls = [UndoCall(p, g, m, v, s, None, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
+        res = backend.undo_many(calls, variant) if many else [
+            backend.undo(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+    else:
+        calls = [UndoRedoCall(p, m, v, g, s, g2, s_new, None, (p, m, v) if d else None, c)
+                 for p, g, m, v, g2, s, d, c in work]
+        res = backend.undo_redo_many(calls, variant) if many else [
+            backend.undo_redo(*c[:7], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+    return [[_bits(t) for t in r] + ([_bits(c)] if c is not None else []) for r, (*_, c) in zip(res, work)]
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(blocks=st.lists(st.tuples(st.integers(0, 700), st.sampled_from(range(len(DTYPES))), st.integers(0, 2),
+                                 st.booleans(), st.sampled_from([None, torch.float32, torch.bfloat16]),
+                                 st.integers(0, 3)), min_size=1, max_size=8),
+       op=st.sampled_from(["step", "undo", "undo_redo"]), decoupled=st.booleans(),
+       name=st.sampled_from(sorted(BACKENDS)), seed=st.integers(0, 2**16))
+def test_many_blocks_equal_one_call_per_block_property(blocks, op, decoupled, name, seed):
+    """Any list of blocks (0 to 700 elements, at offsets 0-3 into their storage, four dtype combinations,
+    three scalar sets, donated or not, with or without a copy): each block's results from the list form
+    are the bits of its one-block call."""
+    gen = torch.Generator().manual_seed(seed)
+    variant = AdamVariant(decoupled=decoupled)
+    scalar_sets = [_scalars(gen, 0.1, 0.5), _scalars(gen, 0.0), _scalars(gen, 0.05, 2.0)]
+    ins = []
+    for n, dt, sc, donate, copy, offset in blocks:
+        pdt, sdt = DTYPES[dt]
+        p, g, m, v = (t[offset:] for t in _inputs(gen, n + offset, pdt, sdt))
+        g2 = torch.randn(n, generator=gen).to(pdt)
+        ins.append((p, g, m, v, g2, scalar_sets[sc], donate, copy))
+
+    def run(many: bool) -> list:
+        work = [(p.clone(), g, m.clone(), v.clone(), g2, s, d, torch.empty(p.shape, dtype=c) if c else None)
+                for p, g, m, v, g2, s, d, c in ins]
+        return _run(BACKENDS[name], op, work, variant, scalar_sets[1], many)
+
+    _same(run(True), run(False))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("op", ["step", "undo", "undo_redo"])
+def test_thread_splits_inside_blocks(name, op, rng, monkeypatch):
+    """Three threads over blocks of ~290k elements in all: the splits fall inside blocks, away from
+    multiples of the square-root tile; every block's bits are its one-block call's (and for ``cpu`` the
+    reference's)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    variant = AdamVariant(decoupled=op != "undo")
+    sizes = [70001, 5, 130003, 0, 65536 + 129, 1000, 23]
+    s, s_new = _scalars(rng, 0.1, 0.5), _scalars(rng, 0.05)
+    work = []
+    for i, n in enumerate(sizes):
+        p, g, m, v = _inputs(rng, n, *DTYPES[i % 3])
+        work.append((p, g, m, v, torch.randn(n, generator=rng).to(p.dtype), s, False,
+                     torch.empty(n, dtype=torch.bfloat16) if i % 2 else None))
+    backend = BACKENDS[name]
+    got = _run(backend, op, work, variant, s_new, many=True)
+    _same(got, _run(backend, op, work, variant, s_new, many=False))
+    if backend is cpu and cpu.bitwise_with_torch() and op == "step":
+        for (p, g, m, v, *_), bits in zip(work, got):
+            _same([bits[:3]], [[_bits(t) for t in reference.step(p, g, m, v, s, variant)]])
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_blocks_only_the_reference_takes_run_beside_native_ones(name, rng):
+    """float64 parameters and a float64 gradient: the reference's results (the others native), in order."""
+    backend = BACKENDS[name]
+    variant = AdamVariant()
+    s = _scalars(rng, 0.1)
+    b64 = [t.double() for t in _inputs(rng, 300, torch.float32, torch.float32)]
+    b32 = _inputs(rng, 500, torch.float32, torch.float32)
+    mixed = (b32[0], b32[1].double(), b32[2], b32[3])  # a float64 gradient: rounded to float32 first
+    b16 = _inputs(rng, 257, torch.bfloat16, torch.float32)
+    blocks = [b32, b64, mixed, b16]
+    got = backend.step_many([StepCall(*b, s) for b in blocks], variant)
+    for b, r in zip(blocks, got):
+        _same([[_bits(t) for t in r]], [[_bits(t) for t in backend.step(*b, s, variant)]])
+    assert got[1][0].dtype == torch.float64
+    _same([[_bits(t) for t in got[1]]], [[_bits(t) for t in reference.step(*b64, s, variant)]])
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_donated_blocks_are_updated_in_place(name, rng):
+    backend = BACKENDS[name]
+    s = _scalars(rng, 0.1)
+    blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (100, 4096, 3)]
+    ptrs = [[t.data_ptr() for t in (p, m, v)] for p, _, m, v in blocks]
+    got = backend.step_many([StepCall(p, g, m, v, s, (p, m, v)) for p, g, m, v in blocks], AdamVariant())
+    assert [[t.data_ptr() for t in r] for r in got] == ptrs
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_block_is_checked_before_any_runs(name, rng):
+    backend = BACKENDS[name]
+    variant = AdamVariant()
+    s = _scalars(rng, 0.1)
+    blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (100, 200, 300, 400)]
+    before = [[t.clone() for t in b] for b in blocks]
+    calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
+    p, g, m, v = blocks[3]
+    calls[3] = StepCall(p, g[:-1], m, v, s, out=(p, m, v))
+    with pytest.raises(LeafError, match=r"cpu\.step_many\[3\]: g has shape"):
+        backend.step_many(calls, variant)
+    undo_calls = [UndoCall(*b, s._replace(beta2=0.0) if i == 2 else s, out=(b[0], b[2], b[3]))
+                  for i, b in enumerate(blocks)]
+    with pytest.raises(UnsupportedError, match="beta2 == 0"):
+        backend.undo_many(undo_calls, variant)
+    redo_calls = [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], s, out=(b[0], b[2], b[3])) for b in blocks]
+    redo_calls[1] = redo_calls[1]._replace(g_new=torch.randn(200, dtype=torch.float64).to("meta"))
+    with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[1\]: g_new is on meta"):
+        backend.undo_redo_many(redo_calls, variant)
+    for b, old in zip(blocks, before):
+        assert all(torch.equal(a, o) for a, o in zip(b, old))
+
+
+def test_an_empty_list_runs_nothing():
+    assert cpu.step_many([], AdamVariant()) == []
+    assert cpu_fast.undo_redo_many([], AdamVariant()) == []
