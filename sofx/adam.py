@@ -36,6 +36,7 @@ record may still be undone.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -45,8 +46,8 @@ from sofx import tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
-from sofx.kernels.base import (AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
-                               is_number, is_traced, leaf_tracer, write_param_copy)
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall,
+                               as_number, is_number, is_traced, leaf_tracer, write_param_copy)
 from sofx.undo_record import LeafUndo, UndoRecord
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
@@ -61,6 +62,7 @@ _F32_TINY = 1.1754943508222875e-38
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 
 _UNDO_MODES = ("auto", "algebraic", "exact")
+_INVERTED = ("algebraic", "param_snapshot")  # strategies whose undo inverts m and v (needs a finite gradient)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -160,7 +162,12 @@ class Adam:
         ``grads`` is finite (e.g. it took their sum of squares), so the undo
         strategy is chosen without reading the gradients again; with
         non-finite gradients the record would then be wrong. ``None``/``False``
-        (default): each gradient is checked (one pass over it).
+        (default): each gradient is checked. The CPU kernels check a leaf's
+        gradient in the step's own pass, a chunk at a time (contiguous leaves
+        with ``undo="auto"``; a chunk with an inf or a nan is kept, then
+        stepped: the leaf's record holds its old values, see
+        :meth:`_step_skipped_chunks`); elsewhere each gradient is read once
+        before the step (on a GPU, all of a device's in one pass).
 
         ``param_copies``: a tree with the structure of ``params`` whose leaves
         are ``None`` or tensors of the parameter's shape and device in any
@@ -172,28 +179,85 @@ class Adam:
         copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
-        finite = self._gradients_finite(leaves, grads_finite)
-        plans = [self._plan(leaf, grad_scale, f) if leaf.g is not None else None for leaf, f in zip(leaves, finite)]
+        in_step = self._checked_in_step(leaves, copies, grads_finite)
+        finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
+        plans = [self._plan(leaf, grad_scale, True if chk else f) if leaf.g is not None else None
+                 for leaf, f, chk in zip(leaves, finite, in_step)]
+        flags = _chunk_flags(leaves, plans, in_step)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
         new_c = [leaf.count for leaf in leaves]
         records: list[LeafUndo | None] = [None] * len(leaves)
         pending = []  # (leaf index, backend, call): the kernels run per backend, many leaves per call
-        for k, (leaf, plan, copy) in enumerate(zip(leaves, plans, copies)):
+        for k, (leaf, plan, copy, skip) in enumerate(zip(leaves, plans, copies, flags.views)):
             if plan is None:
                 write_param_copy(copy, leaf.p)
                 continue
-            call, records[k] = self._prepare_step(leaf, plan, donate, copy)
+            call, records[k] = self._prepare_step(leaf, plan, donate, copy, skip)
             new_c[k] = leaf.count + 1
             pending.append((k, self._kernel(leaf), call))
+        calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
+        if flags.any_set():  # a chunk of some gradient is not finite (rare: an overflow)
+            for k, skip in enumerate(flags.views):
+                if skip is not None and bool(skip.any()):
+                    records[k] = self._step_skipped_chunks(leaves[k], calls[k], records[k], new_p[k], new_m[k],
+                                                           new_v[k], donate)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
+    def _checked_in_step(self, leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None],
+                         grads_finite: bool | None) -> list[bool]:
+        """Per leaf: whether its kernel checks its gradient in the step itself (``StepCall.skip``) instead
+        of a pass before: backends with ``CHECKS_FINITE``, contiguous tensors, ``undo="auto"``, moments
+        whose undo depends on it (not rounded: those are kept whole anyway)."""
+        if grads_finite is True or self.undo_mode != "auto":
+            return [False] * len(leaves)
+        out = []
+        for leaf, copy in zip(leaves, copies):
+            out.append(leaf.g is not None and not leaf.traced and leaf.m.dtype not in _LOW_PRECISION
+                       and self._kernel(leaf).CHECKS_FINITE and leaf.p.is_contiguous() and leaf.g.is_contiguous()
+                       and leaf.m.is_contiguous() and leaf.v.is_contiguous()
+                       and (copy is None or copy.is_contiguous()))
+        return out
+
+    def _step_skipped_chunks(self, leaf: _Leaf, call: StepCall, rec: LeafUndo, p2: torch.Tensor, m2: torch.Tensor,
+                             v2: torch.Tensor, donate: bool) -> LeafUndo:
+        """Finish a checked step whose kernel left chunks alone (``call.skip``: their gradient has an inf
+        or a nan) and return the leaf's record, now a snapshot of its old values (no algebraic inverse
+        exists where the gradient is not finite).
+
+        Without donation the old values are the inputs, untouched. With donation the skipped chunks are
+        still the old values in place; the stepped ones are recovered by the algebraic inverse (as an
+        algebraic undo would recover them) into new tensors. Then the skipped chunks are stepped from
+        their old values, which completes exactly the step an unchecked kernel would have taken."""
+        assert call.skip is not None
+        n = leaf.p.numel()
+        ranges = [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in call.skip.nonzero().flatten().tolist()]
+        kernel = self._kernel(leaf)
+        if donate:
+            p0, m0, v0 = kernel.undo_many([UndoCall(p2, leaf.g, m2, v2, rec.scalars, rec.p_old)], self.variant)[0]
+            for (old, new), (a, b) in itertools.product(((p0, p2), (m0, m2), (v0, v2)), ranges):
+                old.view(-1)[a:b] = new.view(-1)[a:b]
+            if rec.moments_were_zero:
+                m0.zero_()
+                v0.zero_()
+            src = (p2, m2, v2)
+        else:
+            p0, m0, v0 = leaf.p, leaf.m, leaf.v
+            src = (leaf.p, leaf.m, leaf.v)
+        flat = [t.view(-1) for t in (*src, leaf.g, p2, m2, v2)]
+        copy = call.p_copy.view(-1) if call.p_copy is not None else None
+        kernel.step_many([StepCall(flat[0][a:b], flat[3][a:b], flat[1][a:b], flat[2][a:b], rec.scalars,
+                                   (flat[4][a:b], flat[5][a:b], flat[6][a:b]), copy[a:b] if copy is not None else None)
+                          for a, b in ranges], self.variant)
+        return LeafUndo("snapshot", leaf.g, rec.scalars, rec.count_before, p0, m0, v0, "the gradient is not finite")
+
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
-                      copy: torch.Tensor | None = None) -> tuple[StepCall, LeafUndo]:
+                      copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+                      ) -> tuple[StepCall, LeafUndo]:
         """The kernel call of one leaf's step and its undo record (snapshots taken now, before any kernel
         overwrites the leaf under donation)."""
         scalars, strategy, reason = plan
@@ -207,7 +271,7 @@ class Adam:
         fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
-        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy), rec
+        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip), rec
 
     def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                    copy: torch.Tensor | None = None,
@@ -332,10 +396,12 @@ class Adam:
         p0, m0, v0 = self._kernel(leaf).undo_many([_undo_call(leaf, rec, donate, copy)], self.variant)[0]
         return (p0, *_zero_if_fresh(rec, m0, v0, donate), rec.count_before)
 
-    def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None) -> list[bool | None]:
+    def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None,
+                          skip: Sequence[bool] | None = None) -> list[bool | None]:
         """Per leaf: whether its gradient is finite, where the undo strategy will ask (``None``: not
-        looked at). ``grads_finite=True`` is the caller's word; otherwise the gradients of each device
-        are checked together (:func:`_finite_flags`): one wait for a GPU instead of one per leaf."""
+        looked at; ``skip[k]``: leaf k is not looked at, its step checks it). ``grads_finite=True`` is the
+        caller's word; otherwise the gradients of each device are checked together
+        (:func:`_finite_flags`): one wait for a GPU instead of one per leaf."""
         if grads_finite is True:
             return [True] * len(leaves)
         flags: list[bool | None] = [None] * len(leaves)
@@ -343,7 +409,8 @@ class Adam:
             return flags
         by_device: dict[torch.device, list[int]] = {}
         for k, leaf in enumerate(leaves):
-            if leaf.g is not None and leaf.m.dtype not in _LOW_PRECISION and not leaf.traced:
+            if leaf.g is not None and leaf.m.dtype not in _LOW_PRECISION and not leaf.traced \
+                    and not (skip and skip[k]):
                 by_device.setdefault(leaf.g.device, []).append(k)
         for device, ks in by_device.items():
             for k, ok in zip(ks, _finite_flags([leaves[k].g for k in ks], batched=device.type == "cuda")):
@@ -521,6 +588,34 @@ def _finite_flags(gs: Sequence[torch.Tensor], batched: bool) -> list[bool]:
     norms = torch._foreach_norm(list(gs), 2.0)
     flags = torch.stack([x.float() for x in norms]).isfinite().tolist()
     return [ok or bool(torch.isfinite(g).all()) for ok, g in zip(flags, gs)]
+
+
+class _ChunkFlags(NamedTuple):
+    """The finiteness flags of a checked update: one uint8 buffer, a view of it per checked leaf."""
+
+    buffer: torch.Tensor | None
+    views: list[torch.Tensor | None]
+
+    def any_set(self) -> bool:
+        return self.buffer is not None and bool(self.buffer.any())
+
+
+def _chunk_flags(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamScalars, str, str] | None],
+                 in_step: Sequence[bool]) -> _ChunkFlags:
+    """Zeroed flags (``StepCall.skip``) for the leaves whose step checks its gradient and whose record
+    depends on it (an algebraic inverse of m and v); None for the others. One buffer, read once after."""
+    sizes = [-(-leaf.p.numel() // FINITE_CHUNK) if chk and plan is not None and plan[1] in _INVERTED else None
+             for leaf, plan, chk in zip(leaves, plans, in_step)]
+    total = sum(n for n in sizes if n is not None)
+    if not any(n is not None for n in sizes):
+        return _ChunkFlags(None, [None] * len(leaves))
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    views: list[torch.Tensor | None] = []
+    at = 0
+    for n in sizes:
+        views.append(None if n is None else buffer[at:at + n])
+        at += n or 0
+    return _ChunkFlags(buffer, views)
 
 
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],

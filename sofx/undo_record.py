@@ -13,7 +13,10 @@ Strategies:
 ``"algebraic"``       nothing stored; ``p, m, v`` recomputed from ``p', m', v'``
 ``"param_snapshot"``  the old parameter is kept (low-precision masters,
                       ``lr*wd`` near 1); the moments are recomputed
-``"snapshot"``        old ``p, m, v`` kept; restored bit for bit
+``"snapshot"``        old ``p, m, v`` kept; restored bit for bit (but for a donated
+                      update whose gradient had an inf or a nan, checked in the
+                      step: there the chunks with a finite gradient were recovered
+                      by the inverse, as an algebraic undo recovers them)
 ``"none"``            the step cannot be undone (``reason`` says why)
 
 ``moments_were_zero`` marks the first step of a leaf from freshly initialised

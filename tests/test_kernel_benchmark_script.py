@@ -1,6 +1,7 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
 ``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
-``benchmarks/read_streams.py`` and ``benchmarks/param_copy.py`` run."""
+``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py`` and
+``benchmarks/checked_update.py`` run."""
 
 from __future__ import annotations
 
@@ -136,3 +137,14 @@ def test_serial_step_script_runs():
         "| torch: GradScaler + clip_grad_norm_ + AdamW(fused=True)",
         "| torch: clip_grad_norm_ + AdamW(fused=True), no scaler",
         "| sofx serial_step (backend cpu)", "| sofx serial_step (backend cpu_fast)"]
+
+
+def test_checked_update_script_runs():
+    """``benchmarks/checked_update.py --smoke``: every variant; the sofx ones took the same steps (the
+    script exits 1 otherwise)."""
+    rows = _table_rows("checked_update.py", ["--smoke"], ("| torch", "| sofx"))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| torch AdamW(fused=True).step()", "| sofx update, hinted (grads_finite=True)",
+        "| sofx update, checked in the step", "| sofx update, checked by a pass before",
+        "| sofx update, checked in the step, an inf in one chunk"]
+    assert all(row.endswith(("| yes |", "| - |")) for row in rows), rows

@@ -4,7 +4,8 @@ of the native code, whose threads share the blocks' elements.
 Each block's results must be the bits of its one-block call (which tests/test_kernels_cpu.py checks
 against the reference), whatever the list around it: sizes, dtypes, scalars, donation, parameter copies,
 thread splits that fall inside blocks, and blocks that only the reference math can take. Every block is
-checked before any is computed.
+checked before any is computed. Checked steps (``StepCall.skip``) leave the chunks whose gradient is not
+finite alone and flag them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
-from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
+from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 # (param dtype, state dtype)
@@ -179,3 +180,83 @@ def test_every_block_is_checked_before_any_runs(name, rng):
 def test_an_empty_list_runs_nothing():
     assert cpu.step_many([], AdamVariant()) == []
     assert cpu_fast.undo_redo_many([], AdamVariant()) == []
+
+
+# ---------------------------------------------------------------- checked steps (StepCall.skip)
+def _nonfinite_gradient(gen: torch.Generator, n: int, dtype: torch.dtype, where: list[int]) -> torch.Tensor:
+    g = torch.randn(n, generator=gen).to(dtype)
+    for i, x in zip(where, (float("inf"), float("nan"), -float("inf"))):
+        g[i] = x
+    return g
+
+
+def _flags_for(g: torch.Tensor) -> list[int]:
+    n = g.numel()
+    return [int(not bool(torch.isfinite(g[c:c + FINITE_CHUNK]).all())) for c in range(0, n, FINITE_CHUNK)]
+
+
+def _checked_step(backend, blocks, s, variant, donate: bool, copies: bool):
+    """``step_many`` with flags over ``blocks`` (clones): results, flags, copies, inputs after."""
+    work = [tuple(t.clone() for t in b) for b in blocks]
+    flags = [torch.zeros(-(-b[0].numel() // FINITE_CHUNK), dtype=torch.uint8) for b in blocks]
+    cps = [torch.full(b[0].shape, 7.0, dtype=torch.bfloat16) if copies else None for b in blocks]
+    res = backend.step_many([StepCall(p, g, m, v, s, (p, m, v) if donate else None, c, f)
+                             for (p, g, m, v), c, f in zip(work, cps, flags)], variant)
+    return res, flags, cps, work
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "fresh"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "no-compiler"])
+def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate, native, rng, monkeypatch):
+    """Flags exactly on the chunks whose gradient has an inf or a nan (partial last chunks, bf16
+    gradients, three threads splitting the blocks); the other chunks get the unchecked step's bits, the
+    flagged ones keep their old values (donated) and their copy is not written. Without a compiler the
+    reference math gives the same."""
+    from sofx.kernels import _cpu_build
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    if not native:
+        monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    backend = BACKENDS[name]
+    variant = AdamVariant()
+    s = _scalars(rng, 0.1, 0.5)
+    blocks = []
+    for n, dt, where in ((3 * FINITE_CHUNK + 77, 0, [FINITE_CHUNK + 5, 3 * FINITE_CHUNK + 76]),
+                         (100, 1, [99]), (2 * FINITE_CHUNK, 0, []), (70000, 2, [0, 40000, 65537]),
+                         (5 * FINITE_CHUNK + 1, 0, [5 * FINITE_CHUNK])):
+        p, _, m, v = _inputs(rng, n, *DTYPES[dt])
+        blocks.append((p, _nonfinite_gradient(rng, n, p.dtype, where), m, v))
+    res, flags, cps, work = _checked_step(backend, blocks, s, variant, donate, copies=True)
+    for (p, g, m, v), r, f, c in zip(blocks, res, flags, cps):
+        assert f.tolist() == _flags_for(g)
+        keep = (f == 0).repeat_interleave(FINITE_CHUNK)[:p.numel()]
+        want = backend.step(p, g, m, v, s, variant)
+        for got, w, old in zip(r, want, (p, m, v)):
+            assert torch.equal(_bits(got[keep]), _bits(w[keep]))
+            if donate:
+                assert torch.equal(_bits(got[~keep]), _bits(old[~keep]))
+        assert torch.equal(c[keep], want[0][keep].to(torch.bfloat16))
+        assert bool((c[~keep] == 7.0).all())
+
+
+def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
+    s = _scalars(rng, 0.1)
+    p, g, m, v = _inputs(rng, 5000, torch.float32, torch.float32)
+    ok = torch.zeros(2, dtype=torch.uint8)
+    assert cpu.CHECKS_FINITE and cpu_fast.CHECKS_FINITE and not reference.CHECKS_FINITE
+    with pytest.raises(UnsupportedError, match=r"step_many\[0\]: this backend has no checked step"):
+        reference.step_many([StepCall(p, g, m, v, s, skip=ok)], AdamVariant())
+    for bad in (torch.zeros(3, dtype=torch.uint8), torch.zeros(2, dtype=torch.int32), [0, 0]):
+        with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous CPU uint8 tensor of shape \(2,\)"):
+            cpu.step_many([StepCall(p, g, m, v, s, skip=bad)], AdamVariant())
+    wide = torch.randn(5000, 2)[:, 0]
+    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: g is not contiguous"):
+        cpu.step_many([StepCall(p, wide, m, v, s, skip=ok)], AdamVariant())
+    assert ok.tolist() == [0, 0]
+
+
+def test_the_c_source_chunk_is_the_contracts():
+    from sofx.kernels._cpu_source import SOURCE
+
+    assert f"#define CHUNK {FINITE_CHUNK}\n" in SOURCE

@@ -360,6 +360,8 @@ else:
     class _OneByOne:
         """The triton backend with one kernel call per leaf (what Adam did before the *_many functions)."""
 
+        CHECKS_FINITE = False
+
         @staticmethod
         def step_many(calls, variant):
             return [tk.step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]

@@ -147,7 +147,7 @@ def _open(path: str) -> NativeLib:
     lib = ctypes.CDLL(path)
     fn = lib.sofx_adam_many
     fn.restype = ctypes.c_int
-    # op, decoupled, count, dtypes (int[6 count]), ns (int64[count]), ptrs (void*[10 count]), s_old and s_new
+    # op, decoupled, count, dtypes (int[6 count]), ns (int64[count]), ptrs (void*[11 count]), s_old and s_new
     # (double*[count]), threads, exact, sqrt_fn, sqrt_mode, sqrt_local, sqrt_replica
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,

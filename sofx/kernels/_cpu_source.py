@@ -103,6 +103,7 @@ typedef struct {
   void *po, *mo, *vo;
   void *pc;                          /* 0, or where the new parameters also go (see copy_params) */
   int dpc;                           /* pc's dtype */
+  uint8_t *skip;                     /* 0, or one flag per CHUNK elements: see run_range */
   Sc s1, s2;
   Sqrt sq;
   int exact;                         /* bitwise the reference: the exact_* loops, divisions in the inverse */
@@ -1048,32 +1049,57 @@ static void copy_params(const Job *j, int64_t begin, int64_t end) {
   }
 }
 
-/* Elements copied by copy_params after the step of each chunk: 16 KiB of float32 per array, in L2 when
-   the copy reads them (a multiple of TILE: the exact loops' square-root chunks stay where they were). */
-#define COPY_CHUNK 4096
+/* Elements per chunk: copy_params runs after the step of each chunk, and the finiteness check (skip) is
+   per chunk. 16 KiB of float32 per array, in L2 when the copy reads them (a multiple of TILE: the exact
+   loops' square-root chunks stay where they were). */
+#define CHUNK 4096
 
+/* 1 if no element of g[begin, end) (of dtype dg) is an inf or a nan: exponent bits all ones. */
+static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end) {
+  if (dg == DT_F32) {
+    const uint32_t *u = (const uint32_t *)g;
+    uint32_t bad = 0;
+    for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    return !bad;
+  }
+  const uint16_t *u = (const uint16_t *)g;
+  const uint16_t e = dg == DT_BF16 ? 0x7F80u : 0x7C00u;
+  uint16_t bad = 0;
+  for (int64_t i = begin; i < end; i++) bad |= (u[i] & e) == e;
+  return !bad;
+}
+
+/* The job's elements [begin, end). With skip (a step only): per chunk of CHUNK elements (counted from
+   the block's start; begin is a multiple of CHUNK), the gradient is read first and a chunk with an inf or
+   a nan in it is left alone (nothing of it written: outputs, p_copy) and its flag set to 1; the chunk
+   then comes from the cache for the step. That spares the caller a pass over the gradient to learn
+   whether the step can be undone algebraically: it snapshots the flagged chunks (still the old values)
+   and steps them afterwards. */
 static void run_range(const Job *j) {
   fused_fn f = fused_for(j, j->exact);
   const int restore = (f && j->sq.fn && j->sq.local) ? j->sq.local(1) : -1;
-  if (!j->pc) {
+  if (!j->pc && !j->skip) {
     if (f) f(j);
     else run_tiles(j);
   } else {
     Job part = *j;
-    for (int64_t c = j->begin; c < j->end; c += COPY_CHUNK) {
+    for (int64_t c = j->begin; c < j->end; c += CHUNK) {
       part.begin = c;
-      part.end = j->end - c < COPY_CHUNK ? j->end : c + COPY_CHUNK;
+      part.end = j->end - c < CHUNK ? j->end : c + CHUNK;
+      if (j->skip && !chunk_finite(j->g, j->dg, part.begin, part.end)) {
+        j->skip[c / CHUNK] = 1;
+        continue;
+      }
       if (f) f(&part);
       else run_tiles(&part);
-      copy_params(j, part.begin, part.end);
+      if (j->pc) copy_params(j, part.begin, part.end);
     }
 #if defined(__AVX512F__)
-    _mm_sfence(); /* the streaming stores are visible to other threads before this thread's part ends */
+    if (j->pc) _mm_sfence(); /* the streaming stores are visible to other threads before this thread's part ends */
 #endif
   }
   if (restore >= 0) j->sq.local(restore);
 }
-
 
 #define MAX_THREADS 256
 
@@ -1162,12 +1188,14 @@ typedef struct {
 } Parts;
 
 /* Block b's local element where thread k's share of the concatenation begins: rounded up to a multiple of
-   TILE (the exact loops' square-root chunks fall where a single thread would put them), within [0, n]. */
+   TILE (the exact loops' square-root chunks fall where a single thread would put them), of CHUNK where the
+   block's chunks are checked (one thread per chunk), within [0, n]. */
 static int64_t split_at(const Parts *ps, int64_t b, int64_t k) {
   int64_t local = k * ps->per - ps->starts[b];
   const int64_t n = ps->jobs[b].n;
+  const int64_t align = ps->jobs[b].skip ? CHUNK : TILE;
   if (local <= 0) return 0;
-  local = (local + TILE - 1) / TILE * TILE;
+  local = (local + align - 1) / align * align;
   return local < n ? local : n;
 }
 
@@ -1195,9 +1223,10 @@ static void *run_share_thread(void *arg) {
 #endif
 
 /* Entry point: `count` blocks in one call, each with its own dtypes, element count, pointers and
-   scalars. Block b: dtypes[6b..6b+5] = {p, g, m/v, g_new, p_old, p_copy}; ptrs[10b..10b+9] = {p, g, m, v,
-   g_new, p_old, p_out, m_out, v_out, p_copy} (p_copy: 0, or a second buffer for the new parameters in its
-   own dtype, see copy_params); ns[b] its element count; s_old[b] (and s_new[b] for undo+redo) its S_COUNT
+   scalars. Block b: dtypes[6b..6b+5] = {p, g, m/v, g_new, p_old, p_copy}; ptrs[11b..11b+10] = {p, g, m, v,
+   g_new, p_old, p_out, m_out, v_out, p_copy, skip} (p_copy: 0, or a second buffer for the new parameters in
+   its own dtype, see copy_params; skip: 0, or for a step ceil(n / CHUNK) bytes of 0, see run_range); ns[b]
+   its element count; s_old[b] (and s_new[b] for undo+redo) its S_COUNT
    scalars. exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions
    in the inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
    sqrt_fn/sqrt_mode/sqrt_local/sqrt_replica: see Sqrt (sqrt_fn 0: IEEE sqrtf).
@@ -1229,7 +1258,7 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
   int64_t total = 0;
   for (int64_t b = 0; b < count; b++) {
     const int *dt = dtypes + 6 * b;
-    void *const *pt = ptrs + 10 * b;
+    void *const *pt = ptrs + 11 * b;
     Job *job = &jobs[b];
     memset(job, 0, sizeof *job);
     job->op = op;
@@ -1239,6 +1268,7 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
     job->p = pt[0]; job->g = pt[1]; job->m = pt[2]; job->v = pt[3]; job->g2 = pt[4]; job->pold = pt[5];
     job->po = pt[6]; job->mo = pt[7]; job->vo = pt[8];
     job->pc = pt[9]; job->dpc = dt[5];
+    job->skip = op == OP_STEP ? (uint8_t *)pt[10] : 0;
     job->sq.fn = (vsqrt_fn)sqrt_fn;
     job->sq.mode = sqrt_mode;
     job->sq.local = (local_threads_fn)sqrt_local;

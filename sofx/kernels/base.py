@@ -22,6 +22,8 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     per block (:func:`one_call_per_block`). Every block is checked before any
     is computed.
 ``supports(device, param_dtype, state_dtype) -> bool``
+``CHECKS_FINITE``
+    Whether ``step_many`` takes checked steps (``StepCall.skip``, see :data:`FINITE_CHUNK`).
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
 (buffer donation); without it the inputs are left untouched. ``p_copy``, a
@@ -197,7 +199,7 @@ Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class StepCall(NamedTuple):
-    """The arguments of one block's ``step`` (for ``step_many``)."""
+    """The arguments of one block's ``step`` (for ``step_many``); ``skip``: see :data:`FINITE_CHUNK`."""
 
     p: torch.Tensor
     g: torch.Tensor
@@ -206,6 +208,16 @@ class StepCall(NamedTuple):
     s: AdamScalars
     out: Triple | None = None
     p_copy: torch.Tensor | None = None
+    skip: torch.Tensor | None = None
+
+
+# A checked step (``StepCall.skip``, backends whose ``CHECKS_FINITE`` is True): ``skip`` is a contiguous
+# CPU uint8 tensor of ceil(n / FINITE_CHUNK) zeros. The kernel reads each chunk of FINITE_CHUNK elements
+# of the (flat) gradient before stepping it; a chunk with an inf or a nan is left alone (none of its
+# outputs written: p, m, v, out, p_copy) and its flag set to 1. The caller learns whether the step can be
+# undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
+# keeping their old values. The tensors must be contiguous.
+FINITE_CHUNK = 4096
 
 
 class UndoCall(NamedTuple):
@@ -236,13 +248,22 @@ class UndoRedoCall(NamedTuple):
     p_copy: torch.Tensor | None = None
 
 
+def refuse_checked_steps(calls: Sequence[StepCall], where: str) -> None:
+    """Raise for a ``StepCall`` with ``skip`` in a backend without checked steps (``CHECKS_FINITE`` False)."""
+    for i, c in enumerate(calls):
+        if c.skip is not None:
+            raise UnsupportedError(f"{where}[{i}]: this backend has no checked step (skip); use a backend whose "
+                                   "CHECKS_FINITE is True or check the gradient first")
+
+
 def one_call_per_block(step: Callable[..., Triple], undo: Callable[..., Triple], undo_redo: Callable[..., Triple],
                        ) -> tuple[Callable[..., list[Triple]], Callable[..., list[Triple]], Callable[..., list[Triple]]]:
     """``(step_many, undo_many, undo_redo_many)`` of a backend that runs one block per call: each calls the
     backend's one-block function for every block, in order."""
 
     def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-        """``step`` for each block (the kernel contract's list form)."""
+        """``step`` for each block (the kernel contract's list form; no checked steps: ``skip`` refused)."""
+        refuse_checked_steps(calls, "step_many")
         return [step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
 
     def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:

@@ -17,7 +17,9 @@ in one pass over memory: every input is read once and every output written
 once, on ``torch.get_num_threads()`` threads. The list forms (``step_many``,
 ...) run all their blocks in one call of the native code, whose threads share
 the blocks' elements evenly: a model's many small tensors cost one parallel
-region, not one call and region each.
+region, not one call and region each. ``step_many`` also takes checked steps
+(``StepCall.skip``): the gradient's finiteness is read chunk by chunk in the
+step's pass, for :meth:`sofx.Adam.update`'s undo strategy.
 
 Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
 which is not always correctly rounded. To give the reference's (and
@@ -59,17 +61,18 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from sofx.errors import UnsupportedError
+from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, concrete_scalars, is_number, kernel_param_copy, write_outputs,
                                write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "native_available",
-           "bitwise_with_torch"]
+           "bitwise_with_torch", "CHECKS_FINITE"]
 
 NAME = "cpu"
+CHECKS_FINITE = True  # step_many takes checked steps (StepCall.skip)
 
 _DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -140,6 +143,7 @@ class _Block(NamedTuple):
     s2: AdamScalars | None
     out: Triple | None
     p_copy: torch.Tensor | None
+    skip: torch.Tensor | None = None  # a step's finiteness flags (see step_many)
 
 
 class _Native(NamedTuple):
@@ -196,7 +200,7 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
               _DTYPE_CODES[pc.dtype] if pc is not None else src.DT_F32)
     ptrs = (*(t.data_ptr() for t in inputs), g2.data_ptr() if g2 is not None else 0,
             p_old.data_ptr() if p_old is not None else 0, *(t.data_ptr() for t in targets),
-            pc.data_ptr() if pc is not None else 0)
+            pc.data_ptr() if pc is not None else 0, b.skip.data_ptr() if b.skip is not None else 0)
     # The inputs' contiguous copies (if any) stay alive through the tuple below until the call returns.
     return _Native(dtypes, ptrs, p.numel(), s1, s2, targets + [*inputs, g2, p_old], b.out, b.p_copy,
                    pc is not None)
@@ -211,7 +215,45 @@ def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
             ("p_copy", b.p_copy)]
 
 
+def _check_skip(where: str, b: _Block) -> None:
+    """``b.skip`` (a step's finiteness flags) where given: one uint8 per chunk, zeros; contiguous tensors."""
+    chunks = -(-b.p.numel() // FINITE_CHUNK)
+    sk = b.skip
+    if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device.type != "cpu" \
+            or sk.shape != (chunks,) or not sk.is_contiguous():
+        desc = f"{sk.dtype} of shape {tuple(sk.shape)} on {sk.device}" if isinstance(sk, torch.Tensor) \
+            else type(sk).__name__
+        raise LeafError(f"{where}: skip must be a contiguous CPU uint8 tensor of shape ({chunks},) (one flag per "
+                        f"{FINITE_CHUNK} elements), got {desc}")
+    for name, t in (("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("p_copy", b.p_copy),
+                    *zip(("p_out", "m_out", "v_out"), b.out or ())):
+        if t is not None and not t.is_contiguous():
+            raise UnsupportedError(f"{where}: {name} is not contiguous; the finiteness flags (skip) need "
+                                   "contiguous tensors")
+
+
+def _reference_checked_step(b: _Block, variant: AdamVariant, s1: AdamScalars) -> Triple:
+    """The checked step (see :func:`step_many`) through the reference math: flags from the gradient, the
+    step of the flagged chunks not written."""
+    n = b.p.numel()
+    bad = ~torch.isfinite(b.g.reshape(-1))
+    flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
+    b.skip.copy_(flags)
+    if not bool(flags.any()):
+        return reference.step(b.p, b.g, b.m, b.v, s1, variant, out=b.out, p_copy=b.p_copy)
+    new = reference.step(b.p, b.g, b.m, b.v, s1, variant)
+    keep = (~flags).repeat_interleave(FINITE_CHUNK)[:n]
+    targets = b.out if b.out is not None else tuple(torch.empty_like(t) for t in (b.p, b.m, b.v))
+    for t, r in zip(targets, new):
+        t.view(-1)[keep] = r.view(-1)[keep].to(t.dtype)
+    if b.p_copy is not None:
+        b.p_copy.view(-1)[keep] = new[0].view(-1)[keep].to(b.p_copy.dtype)
+    return targets[0], targets[1], targets[2]
+
+
 def _reference(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None) -> Triple:
+    if op == src.OP_STEP and b.skip is not None:
+        return _reference_checked_step(b, variant, s1)
     if op == src.OP_STEP:
         return reference.step(b.p, b.g, b.m, b.v, s1, variant, out=b.out, p_copy=b.p_copy)
     if op == src.OP_UNDO:
@@ -240,6 +282,8 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     plans: list[tuple[AdamScalars, AdamScalars | None, _cpu_build.NativeLib | None]] = []
     for b, name in zip(blocks, where):
         _check(name, _named(op, b), b.p, b.out)
+        if b.skip is not None:
+            _check_skip(name, b)
         s1 = concrete_scalars(b.s1)
         s2 = concrete_scalars(b.s2) if b.s2 is not None else None
         if op != src.OP_STEP:
@@ -321,7 +365,9 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
 
 
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`step` for each block, in one call of the native code (the kernel contract's list form)."""
+    """:func:`step` for each block, in one call of the native code (the kernel contract's list form). A
+    block with ``skip`` is a checked step (:data:`~sofx.kernels.base.FINITE_CHUNK`): each chunk's gradient
+    is read first, in the same pass, and a chunk with an inf or a nan is left alone and flagged."""
     return step_many_impl(calls, variant, exact=True)
 
 
@@ -363,7 +409,7 @@ def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: tor
 
 def step_many_impl(calls: Sequence[StepCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
     """:func:`step_many` with the choice of square root (see :func:`step_impl`)."""
-    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy) for c in calls]
+    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy, c.skip) for c in calls]
     return _run_blocks(src.OP_STEP, blocks, variant, exact, [f"cpu.step_many[{i}]" for i in range(len(calls))])
 
 

@@ -28,9 +28,10 @@ import torch
 from sofx.kernels import cpu
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "CHECKS_FINITE"]
 
 NAME = "cpu_fast"
+CHECKS_FINITE = True  # step_many takes checked steps (StepCall.skip)
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:

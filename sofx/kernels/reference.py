@@ -44,9 +44,10 @@ from sofx.kernels.base import (
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
 
 __all__ = ["step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "supports", "bias_corrections",
-           "NAME"]
+           "NAME", "CHECKS_FINITE"]
 
 NAME = "reference"
+CHECKS_FINITE = False  # no checked steps (StepCall.skip)
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:

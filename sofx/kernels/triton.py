@@ -46,13 +46,14 @@ import triton.language as tl
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               check_block_tensors, concrete_scalars, is_number, kernel_param_copy, write_outputs,
-                               write_param_copy)
+                               check_block_tensors, concrete_scalars, is_number, kernel_param_copy,
+                               refuse_checked_steps, write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
-           "COMPILE_OPTIONS"]
+           "COMPILE_OPTIONS", "CHECKS_FINITE"]
 
 NAME = "triton"
+CHECKS_FINITE = False  # no checked steps (StepCall.skip): Adam checks CUDA gradients in one batched pass
 BLOCK = 1024
 # Compiled exactly as written: Triton fuses a*b + c into one multiply-add by default on GPUs (and
 # leaves plain mul/add free for ptxas to contract), which rounds differently from the reference's
@@ -485,6 +486,7 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
     checked before anything runs."""
+    refuse_checked_steps(calls, "triton.step_many")
     for i, c in enumerate(calls):
         _check(_name("step", calls, i), [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p,
                c.out)

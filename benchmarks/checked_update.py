@@ -1,0 +1,119 @@
+"""``Adam.update`` without ``grads_finite``: the gradients' finiteness checked in the step, on CPU.
+
+    python benchmarks/checked_update.py            # GPT-2 small's 148 tensors (124M elements), float32
+    python benchmarks/checked_update.py --smoke    # tiny shapes: checks that the script runs
+
+To choose each leaf's undo strategy ``update`` must know whether its gradient is finite. The CPU kernels
+read each chunk of 4096 gradient elements just before stepping it (``StepCall.skip``); the variants:
+
+- ``hinted``: ``grads_finite=True`` (the caller knows, e.g. from a sum of squares): no check;
+- ``checked in the step``: the default on CPU;
+- ``checked by a pass before``: the same update with the check as a pass of its own over the gradients
+  (what the update did before the checked step; what it still does for GPU or non-contiguous leaves);
+- ``checked in the step, an inf in one chunk``: the rare overflow path (that chunk saved and stepped
+  afterwards, the leaf's old values recovered for its record);
+
+and ``torch.optim.AdamW(fused=True).step()`` on the same tensors as the anchor. All donated, two threads,
+the variants alternating round by round, medians. Each sofx variant's parameters are checked equal to
+the hinted one's after the run (they took the same steps; exit 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import sofx  # noqa: E402
+from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py)
+
+_adam = importlib.import_module("sofx.adam")
+
+
+def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bool | None, pass_before: bool,
+                 ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
+    """(step, params) of ``sofx.adamw(backend="cpu").update`` with donation."""
+    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend="cpu")
+    if pass_before:  # the check as its own pass over the gradients, as for leaves the kernels cannot check
+        opt._checked_in_step = lambda leaves, copies, grads_finite: [False] * len(leaves)  # type: ignore[method-assign]
+    box = {"params": [v.clone() for v in values]}
+    box["state"] = opt.init(box["params"])
+
+    def step() -> None:
+        box["params"], box["state"], _ = opt.update(box["params"], grads, box["state"], donate=True,
+                                                    grads_finite=hint)
+
+    return step, lambda: box["params"]
+
+
+def torch_variant(values: list[torch.Tensor], grads: list[torch.Tensor],
+                  ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    return opt.step, lambda: [p.detach() for p in params]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds: checks that the script runs")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = gpt2_small_shapes(vocab=40, d=16, layers=1, ctx=8) if args.smoke else gpt2_small_shapes()
+    rounds = 2 if args.smoke else args.rounds
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    overflowing = [g.clone() for g in grads]
+    big = max(range(len(shapes)), key=lambda k: overflowing[k].numel())
+    overflowing[big].view(-1)[overflowing[big].numel() // 2] = float("inf")
+    variants = {
+        "torch AdamW(fused=True).step()": torch_variant(values, grads),
+        "sofx update, hinted (grads_finite=True)": sofx_variant(values, grads, True, False),
+        "sofx update, checked in the step": sofx_variant(values, grads, None, False),
+        "sofx update, checked by a pass before": sofx_variant(values, grads, None, True),
+        "sofx update, checked in the step, an inf in one chunk": sofx_variant(values, overflowing, None, False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rnd in range(rounds + 1):
+        for name in variants if rnd % 2 == 0 else reversed(list(variants)):
+            step, _ = variants[name]
+            t = time.perf_counter()
+            step()
+            if rnd > 0:  # round 0 warms up (builds, first touch)
+                times[name].append(time.perf_counter() - t)
+    n = sum(math.prod(s) for s in shapes)
+    anchor = statistics.median(times["torch AdamW(fused=True).step()"])
+    print(f"{len(shapes)} tensors, {n / 1e6:.1f}M elements, float32; {args.threads} threads; "
+          f"median of {rounds} rounds; donated")
+    print()
+    want = variants["sofx update, hinted (grads_finite=True)"][1]()
+    print("| variant | ms | x torch fused | params equal to the hinted update's |")
+    print("|---|---:|---:|---|")
+    ok = True
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        same = "-"
+        if name.startswith("sofx") and "inf" not in name:
+            equal = all(torch.equal(a, b) for a, b in zip(variants[name][1](), want))
+            ok = ok and equal
+            same = "yes" if equal else "NO"
+        print(f"| {name} | {t * 1e3:.1f} | {anchor / t:.2f} | {same} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

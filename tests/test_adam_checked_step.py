@@ -1,0 +1,153 @@
+"""``Adam.update`` without ``grads_finite``: the CPU kernels check each gradient in the step's own pass.
+
+The update must be the unchecked update bit for bit (params, moments, parameter copies); a leaf whose
+gradient has an inf or a nan gets a snapshot record whose undo restores the old values (bit for bit
+without donation; with donation bit for bit where the gradient was not finite and as an algebraic undo
+elsewhere), and the gradients are not read a second time.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sofx
+from sofx.kernels import cpu
+from sofx.kernels.base import FINITE_CHUNK
+
+pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no checked steps to test")
+
+_adam = importlib.import_module("sofx.adam")
+
+
+def _tree(gen: torch.Generator, sizes: list[int], pdt: torch.dtype, bad: list[list[int]]):
+    params = {f"w{i}": torch.randn(n, generator=gen).to(pdt) for i, n in enumerate(sizes)}
+    grads = {}
+    for i, (n, where) in enumerate(zip(sizes, bad)):
+        g = torch.randn(n, generator=gen).to(pdt)
+        for j, x in zip(where, (float("inf"), float("nan"), -float("inf"))):
+            g[j % n] = x
+        grads[f"w{i}"] = g
+    return params, grads
+
+
+def _clone(tree):
+    return sofx.tree.tree_map(torch.clone, tree)
+
+
+def _warm_state(opt, params, gen):
+    """A state after a few steps (moments not zero), and the params it left."""
+    state = opt.init(params)
+    for _ in range(3):
+        grads = sofx.tree.tree_map(lambda p: torch.randn(p.shape, generator=gen).to(p.dtype), params)
+        params, state, _ = opt.update(params, grads, state, grads_finite=True)
+    return params, state
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits as integers (nan payloads compared too); counts as they are."""
+    if not t.is_floating_point():
+        return t
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _same(a, b) -> bool:
+    la, lb = sofx.tree.flatten(a)[0], sofx.tree.flatten(b)[0]
+    return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)) for x, y in zip(la, lb))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 3 * FINITE_CHUNK + 50), min_size=1, max_size=4),
+       bad=st.lists(st.lists(st.integers(0, 10**6), max_size=3), min_size=4, max_size=4),
+       pdt=st.sampled_from([torch.float32, torch.bfloat16]), donate=st.booleans(),
+       backend=st.sampled_from(["cpu", "cpu_fast"]), copies=st.booleans(), seed=st.integers(0, 2**16))
+def test_checked_update_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate, backend, copies, seed):
+    gen = torch.Generator().manual_seed(seed)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend, state_dtype=torch.float32)
+    params, _ = _tree(gen, sizes, pdt, bad)
+    params, state = _warm_state(opt, params, gen)
+    _, grads = _tree(gen, sizes, pdt, bad)
+    make_copies = (lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.bfloat16), params)) \
+        if copies else (lambda: None)
+    before = (_clone(params), _clone(state))
+
+    want_copies = make_copies()
+    want = opt.update(_clone(params), grads, _clone(state), donate=True, grads_finite=True,
+                      param_copies=want_copies)
+    got_copies = make_copies()
+    p_in, s_in = (_clone(params), _clone(state)) if donate else (params, state)
+    got = opt.update(p_in, grads, s_in, donate=donate, param_copies=got_copies)
+    assert _same(got[0], want[0]) and _same(got[1], want[1]) and _same(got_copies, want_copies)
+
+    finite = [bool(torch.isfinite(grads[k]).all()) for k in sorted(grads)]
+    normal = "param_snapshot" if pdt == torch.bfloat16 else "algebraic"
+    assert got[2].strategies() == [normal if ok else "snapshot" for ok in finite]
+    if not donate:
+        assert _same(params, before[0]) and _same(state, before[1])  # the inputs are untouched
+
+    p0, s0 = opt.undo(got[0], got[1], got[2])
+    assert _same(s0.count, before[1].count)
+    for i, ok in enumerate(finite):
+        k = f"w{i}"
+        olds = (before[0][k], before[1].mu[k], before[1].nu[k])
+        news = (p0[k], s0.mu[k], s0.nu[k])
+        if not donate and not ok:
+            assert all(torch.equal(a, b) for a, b in zip(news, olds))  # a snapshot of the untouched inputs
+            continue
+        if not ok:  # donated: the chunks with a non-finite gradient kept their old values exactly
+            g = grads[k]
+            for c in range(0, g.numel(), FINITE_CHUNK):
+                if not bool(torch.isfinite(g[c:c + FINITE_CHUNK]).all()):
+                    assert all(torch.equal(a[c:c + FINITE_CHUNK], b[c:c + FINITE_CHUNK]) for a, b in zip(news, olds))
+        for a, b, stepped in zip(news, olds, (got[0][k], got[1].mu[k], got[1].nu[k])):
+            if pdt == torch.bfloat16 and a is news[0]:
+                assert torch.equal(a, b)  # param_snapshot: the old masters kept
+                continue
+            scale = max(float(b.double().abs().max()), float(stepped.double().nan_to_num(0, 0, 0).abs().max()))
+            err = float((a.double() - b.double()).abs().max())
+            assert err <= 1e-5 * scale, (k, err, scale)
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_gradients_are_read_once(donate, rng, monkeypatch):
+    """Contiguous CPU leaves with a native backend: no pass before the step (the step checks); a
+    non-contiguous leaf is checked before, as are all of them with undo='algebraic'."""
+    calls = []
+    real = _adam._finite_flags
+    monkeypatch.setattr(_adam, "_finite_flags", lambda gs, batched: calls.append(len(gs)) or real(gs, batched))
+    params = {"a": torch.randn(5000, generator=rng), "b": torch.randn(30, 40, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    opt = sofx.adamw(backend="cpu")
+    p1, s1, rec = opt.update(params, grads, opt.init(params), donate=donate)
+    assert calls == [] and rec.strategies() == ["algebraic", "algebraic"]
+    grads["b"] = torch.randn(40, 30, generator=rng).t()  # not contiguous
+    grads["b"][3, 4] = float("nan")
+    _, _, rec = opt.update(p1, grads, s1)
+    assert calls == [1] and rec.strategies() == ["algebraic", "snapshot"]
+    calls.clear()
+    strict = sofx.adamw(backend="cpu", undo="algebraic")
+    strict.update(params, {k: g.contiguous() for k, g in grads.items()}, strict.init(params))
+    assert calls == [2]
+
+
+def test_undo_redo_after_a_checked_update_with_an_overflow(rng):
+    """The speculation's sequence after an overflowing step: the record of the checked update is
+    undone and redone with clean gradients, as after an unchecked update."""
+    params = {"a": torch.randn(2 * FINITE_CHUNK + 3, generator=rng), "b": torch.randn(7, generator=rng)}
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    params, state = _warm_state(opt, params, rng)
+    bad = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    bad["a"][FINITE_CHUNK + 1] = float("inf")
+    clean = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    want = opt.update(_clone(params), clean, _clone(state), grads_finite=True)
+    p1, s1, rec = opt.update(_clone(params), bad, _clone(state), donate=True)
+    assert rec.strategies() == ["snapshot", "algebraic"]
+    p2, s2, _ = opt.undo_redo(p1, s1, rec, clean, donate=True)
+    for k in params:
+        assert torch.allclose(p2[k], want[0][k], rtol=0, atol=1e-6)
+        assert torch.allclose(s2.mu[k], want[1].mu[k], rtol=0, atol=1e-6)
+        assert torch.allclose(s2.nu[k], want[1].nu[k], rtol=1e-5, atol=1e-12)
