@@ -1,5 +1,6 @@
 """A/B helpers shared by the small benchmark scripts (arena_colouring.py, memory_floor.py, idle_rows.py,
-prefetch_stagger.py): alternating rounds, timing a step and an undo+redo, building a variant of the kernels."""
+prefetch_stagger.py, serial_step.py, checked_update.py): alternating rounds, timing a step and an
+undo+redo, building a variant of the kernels."""
 
 from __future__ import annotations
 
@@ -18,6 +19,23 @@ def alternating(names: Sequence[str], rounds: int) -> Iterator[str]:
     drift of the machine's memory bandwidth during the run hits every variant alike."""
     for rnd in range(rounds):
         yield from (names if rnd % 2 == 0 else list(reversed(names)))
+
+
+def time_alternating(steps: dict[str, Callable[[], None]], rounds: int,
+                     resets: dict[str, Callable[[], None]] | None = None) -> dict[str, list[float]]:
+    """Seconds of each call of every step: one untimed round first (builds, first touch), then ``rounds``
+    timed ones in :func:`alternating` order; ``resets[name]()`` (untimed) runs before each call of
+    ``steps[name]``."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i, name in enumerate(alternating(list(steps), rounds + 1)):
+        if resets is not None:
+            resets[name]()
+        t = time.perf_counter()
+        steps[name]()
+        elapsed = time.perf_counter() - t
+        if i >= len(steps):
+            times[name].append(elapsed)
+    return times
 
 
 def time_step_and_undo_redo(backend, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s1,

@@ -26,7 +26,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sofx  # noqa: E402
+from _ab import time_alternating  # noqa: E402
 from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py)
 
 _adam = importlib.import_module("sofx.adam")
@@ -87,14 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "sofx update, checked by a pass before": sofx_variant(values, grads, None, True),
         "sofx update, checked in the step, an inf in one chunk": sofx_variant(values, overflowing, None, False),
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for rnd in range(rounds + 1):
-        for name in variants if rnd % 2 == 0 else reversed(list(variants)):
-            step, _ = variants[name]
-            t = time.perf_counter()
-            step()
-            if rnd > 0:  # round 0 warms up (builds, first touch)
-                times[name].append(time.perf_counter() - t)
+    times = time_alternating({name: v[0] for name, v in variants.items()}, rounds)
     n = sum(math.prod(s) for s in shapes)
     anchor = statistics.median(times["torch AdamW(fused=True).step()"])
     print(f"{len(shapes)} tensors, {n / 1e6:.1f}M elements, float32; {args.threads} threads; "

@@ -20,7 +20,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sofx  # noqa: E402
+from _ab import time_alternating  # noqa: E402
 from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py)
 from sofx import loss_scale  # noqa: E402
 from sofx.serial import serial_step  # noqa: E402
@@ -107,15 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "sofx serial_step (backend cpu)": sofx_variant(values, grads, "cpu"),
         "sofx serial_step (backend cpu_fast)": sofx_variant(values, grads, "cpu_fast"),
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for rnd in range(rounds + 1):
-        for name in variants if rnd % 2 == 0 else reversed(list(variants)):
-            reset, step, _ = variants[name]
-            reset()
-            t = time.perf_counter()
-            step()
-            if rnd > 0:  # round 0 warms up (builds, first-touch)
-                times[name].append(time.perf_counter() - t)
+    times = time_alternating({name: v[1] for name, v in variants.items()}, rounds,
+                             resets={name: v[0] for name, v in variants.items()})
     n = sum(math.prod(s) for s in shapes)
     anchor = statistics.median(times["torch: GradScaler + clip_grad_norm_ + AdamW(fused=True)"])
     print(f"{len(shapes)} tensors, {n / 1e6:.1f}M elements, float32; {args.threads} threads; "

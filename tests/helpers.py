@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import sofx
+from sofx.kernels.base import AdamScalars
 
 
 def rand_tree(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> dict:
@@ -73,3 +74,22 @@ def import_written_module(directory, name: str, source: str, extra_files: dict[s
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(directory))
+
+
+def block_inputs(gen: torch.Generator, n: int | tuple, pdt: torch.dtype, sdt: torch.dtype):
+    """Random ``p, g, m, v`` of one kernel block (params and gradient in ``pdt``, moments in ``sdt``;
+    ``v`` positive, nothing zero)."""
+    shape = (n,) if isinstance(n, int) else n
+    p = torch.randn(shape, generator=gen).to(pdt)
+    g = torch.randn(shape, generator=gen).to(pdt)
+    m = (0.1 * torch.randn(shape, generator=gen)).to(sdt)
+    v = (0.01 * torch.rand(shape, generator=gen) + 1e-4).to(sdt)
+    return p, g, m, v
+
+
+def block_scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> AdamScalars:
+    """Random scalars of a step: lr, betas and the step number drawn, ``eps`` 1e-8."""
+    u = torch.rand(4, generator=gen).tolist()
+    step = int(torch.randint(1, 500, (1,), generator=gen))
+    return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
+                       weight_decay=wd, step=step, grad_scale=grad_scale)

@@ -19,7 +19,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
 
-from helpers import max_rel_err
+from helpers import block_inputs, block_scalars, max_rel_err
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -29,22 +29,6 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torc
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
-
-
-def _inputs(gen: torch.Generator, n: int | tuple, pdt: torch.dtype, sdt: torch.dtype):
-    shape = (n,) if isinstance(n, int) else n
-    p = torch.randn(shape, generator=gen).to(pdt)
-    g = torch.randn(shape, generator=gen).to(pdt)
-    m = (0.1 * torch.randn(shape, generator=gen)).to(sdt)
-    v = (0.01 * torch.rand(shape, generator=gen) + 1e-4).to(sdt)
-    return p, g, m, v
-
-
-def _scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> AdamScalars:
-    u = torch.rand(4, generator=gen).tolist()
-    step = int(torch.randint(1, 500, (1,), generator=gen))
-    return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
-                       weight_decay=wd, step=step, grad_scale=grad_scale)
 
 
 def _assert_close(got, want, exact: bool) -> None:
@@ -88,8 +72,8 @@ def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
     backend = BACKENDS[name]
     exact = _is_exact(backend)
     for n, wd, gs in ((1, 0.1, 1.0), (31, 0.0, 0.5), (4099, 0.05, 0.25)):
-        p, g, m, v = _inputs(rng, n, *dtypes)
-        s = _scalars(rng, wd, gs)
+        p, g, m, v = block_inputs(rng, n, *dtypes)
+        s = block_scalars(rng, wd, gs)
         got = backend.step(p, g, m, v, s, variant)
         want = reference.step(p, g, m, v, s, variant)
         _assert_close(got, want, exact)
@@ -98,7 +82,7 @@ def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
                       reference.undo(*want[:1], g, *want[1:], s, variant), exact)
         # fused undo+redo == the backend's undo then step, and ~ the reference's
         g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
-        s2 = _scalars(rng, wd, 1.0)._replace(step=s.step)
+        s2 = block_scalars(rng, wd, 1.0)._replace(step=s.step)
         _assert_undo_redo(backend, backend.undo_redo(*want, g, s, g2, s2, variant), want, g, s, g2, s2, variant)
         # a late clip: the same gradient tensor again, a new multiplier
         s_clip = s._replace(grad_scale=0.3 * s.grad_scale)
@@ -118,11 +102,11 @@ def test_every_native_dtype_combination_matches_reference(name, combo, rng):
     backend = BACKENDS[name]
     exact = _is_exact(backend)
     pdt, gdt, sdt = combo
-    p, g, m, v = _inputs(rng, 4099, pdt, sdt)
+    p, g, m, v = block_inputs(rng, 4099, pdt, sdt)
     g = g.to(gdt)
     g2 = torch.randn(p.shape, generator=rng).to(gdt)
-    s = _scalars(rng, 0.1, 0.5)
-    s2 = _scalars(rng, 0.1)._replace(step=s.step)
+    s = block_scalars(rng, 0.1, 0.5)
+    s2 = block_scalars(rng, 0.1)._replace(step=s.step)
     for variant in (VARIANTS[0], VARIANTS[3]):
         want = reference.step(p, g, m, v, s, variant)
         _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
@@ -138,8 +122,8 @@ def test_threaded_sizes_with_partial_tiles(name, dtypes, rng, monkeypatch):
     exact = _is_exact(backend)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # the kernels split the range over 3 threads
     n = 3 * 65536 + 4099  # three threads, a partial last tile
-    p, g, m, v = _inputs(rng, n, *dtypes)
-    s = _scalars(rng, 0.1, 0.5)
+    p, g, m, v = block_inputs(rng, n, *dtypes)
+    s = block_scalars(rng, 0.1, 0.5)
     for variant in (VARIANTS[0], VARIANTS[3]):
         want = reference.step(p, g, m, v, s, variant)
         _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
@@ -159,9 +143,9 @@ def test_p_copy_receives_the_new_params_in_its_dtype(name, dtypes, rng, monkeypa
     backend = reference if name == "reference" else BACKENDS[name]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     n = 3 * 65536 + 4099
-    p, g, m, v = _inputs(rng, n, *dtypes)
+    p, g, m, v = block_inputs(rng, n, *dtypes)
     g2 = torch.randn(n, generator=rng).to(g.dtype)
-    s = _scalars(rng, 0.1, 0.5)
+    s = block_scalars(rng, 0.1, 0.5)
     variant = VARIANTS[0]
     stepped = reference.step(p, g, m, v, s, variant)
     ops = {"step": lambda **kw: backend.step(p, g, m, v, s, variant, **kw),
@@ -237,8 +221,8 @@ def test_cpu_fast_step_is_torch_fused_adam_bit_for_bit(decoupled, dtype, rng):
 def test_inputs_untouched_without_out_and_donation_reuses_storage(name, rng):
     backend = BACKENDS[name]
     variant = AdamVariant()
-    p, g, m, v = _inputs(rng, 5003, torch.float32, torch.float32)
-    s = _scalars(rng, 0.1)
+    p, g, m, v = block_inputs(rng, 5003, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1)
     copies = [t.clone() for t in (p, g, m, v)]
     fresh = backend.step(p, g, m, v, s, variant)
     assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
@@ -258,10 +242,10 @@ def test_non_contiguous_inputs_and_outputs(name, rng):
     backend = BACKENDS[name]
     exact = _is_exact(backend)
     variant = AdamVariant(decoupled=False)
-    big = [t for t in _inputs(rng, (37, 64), torch.float32, torch.float32)]
+    big = [t for t in block_inputs(rng, (37, 64), torch.float32, torch.float32)]
     p, g, m, v = (t[:, ::3] for t in big)  # strided views
     assert not p.is_contiguous()
-    s = _scalars(rng, 0.1, 0.5)
+    s = block_scalars(rng, 0.1, 0.5)
     want = reference.step(p, g, m, v, s, variant)
     _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
     # donation into non-contiguous storage writes through the views
@@ -279,14 +263,14 @@ def test_non_contiguous_inputs_and_outputs(name, rng):
 def test_zero_size_and_zero_dim(name, rng):
     backend = BACKENDS[name]
     variant = AdamVariant()
-    s = _scalars(rng, 0.1)
+    s = block_scalars(rng, 0.1)
     for shape in ((0,), (3, 0)):
         p, g, m, v = (torch.empty(shape) for _ in range(4))
         res = backend.step(p, g, m, v, s, variant)
         assert all(t.shape == shape for t in res)
         assert all(t.shape == shape for t in backend.undo(p, g, m, v, s, variant))
         assert all(t.shape == shape for t in backend.undo_redo(p, m, v, g, s, g, s, variant, out=(p, m, v)))
-    p, g, m, v = _inputs(rng, (), torch.float32, torch.float32)
+    p, g, m, v = block_inputs(rng, (), torch.float32, torch.float32)
     _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant), _is_exact(backend))
 
 
@@ -294,8 +278,8 @@ def test_zero_size_and_zero_dim(name, rng):
 def test_tensor_scalars_and_float64_gradients(name, rng):
     backend = BACKENDS[name]
     variant = AdamVariant()
-    p, g, m, v = _inputs(rng, 1001, torch.float32, torch.float32)
-    s = _scalars(rng, 0.1, 0.5)
+    p, g, m, v = block_inputs(rng, 1001, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1, 0.5)
     st = AdamScalars(*(torch.tensor(x, dtype=torch.float64 if isinstance(x, float) else torch.int64) for x in s))
     assert all(torch.equal(a, b) for a, b in zip(backend.step(p, g, m, v, st, variant),
                                                  backend.step(p, g, m, v, s, variant)))
@@ -309,8 +293,8 @@ def test_p_old_restores_low_precision_masters(name, rng):
     backend = BACKENDS[name]
     exact = _is_exact(backend)
     for pdt in (torch.bfloat16, torch.float16):
-        p, g, m, v = _inputs(rng, 2049, pdt, torch.float32)
-        s = _scalars(rng, 0.1)
+        p, g, m, v = block_inputs(rng, 2049, pdt, torch.float32)
+        s = block_scalars(rng, 0.1)
         for variant in VARIANTS:
             stepped = reference.step(p, g, m, v, s, variant)
             got = backend.undo(*stepped[:1], g, *stepped[1:], s, variant, p_old=p)
@@ -325,16 +309,16 @@ def test_p_old_restores_low_precision_masters(name, rng):
 def test_nan_propagates_and_the_clamp_keeps_nan(name, rng):
     backend = BACKENDS[name]
     variant = AdamVariant(decoupled=False)
-    p, g, m, v = _inputs(rng, 300, torch.float32, torch.float32)
+    p, g, m, v = block_inputs(rng, 300, torch.float32, torch.float32)
     g[5] = float("nan")
     g[7] = float("inf")
-    s = _scalars(rng, 0.1)
+    s = block_scalars(rng, 0.1)
     res = backend.step(p, g, m, v, s, variant)
     want = reference.step(p, g, m, v, s, variant)
     for a, b in zip(res, want):
         assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.isnan(a[5])
     # undo where the recomputed v is negative (clamped to 0) or nan (kept)
-    p, g, m, v = _inputs(rng, 300, torch.float32, torch.float32)
+    p, g, m, v = block_inputs(rng, 300, torch.float32, torch.float32)
     v_small = v * 1e-6
     v_small[11] = float("nan")
     got = backend.undo(p, g, m, v_small, s, variant)
@@ -346,9 +330,9 @@ def test_nan_propagates_and_the_clamp_keeps_nan(name, rng):
 
 def test_bad_input_is_refused_and_changes_nothing(rng):
     variant = AdamVariant()
-    p, g, m, v = _inputs(rng, 10, torch.float32, torch.float32)
+    p, g, m, v = block_inputs(rng, 10, torch.float32, torch.float32)
     copies = [t.clone() for t in (p, g, m, v)]
-    s = _scalars(rng, 0.1)
+    s = block_scalars(rng, 0.1)
     with pytest.raises(LeafError, match="shape"):
         cpu.step(p, g[:9], m, v, s, variant, out=(p, m, v))
     with pytest.raises(LeafError, match="out"):
@@ -408,10 +392,10 @@ def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, mon
     assert _cpu_build._compile(cc, _cpu_build._BASE_FLAG_SETS[0], target) is None
     pthreads = _cpu_build._open(target)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    p, g, m, v = _inputs(rng, 3 * 65536 + 4099, torch.float32, torch.float32)
-    s = _scalars(rng, 0.1, 0.5)
+    p, g, m, v = block_inputs(rng, 3 * 65536 + 4099, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1, 0.5)
     g2 = torch.randn(p.shape, generator=rng)
-    blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (70001, 3, 130003, 65536 + 129)]
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (70001, 3, 130003, 65536 + 129)]
 
     def run(backend):  # one block on three threads; several, the threads' splits inside blocks
         return [backend.step(p, g, m, v, s, VARIANTS[0]), backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[1]),
@@ -447,12 +431,12 @@ def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkey
     from sofx.kernels import _cpu_build
 
     lib = portable_lib
-    p, g, m, v = _inputs(rng, 2 * 65536 + 4099, combo[0], combo[2])
+    p, g, m, v = block_inputs(rng, 2 * 65536 + 4099, combo[0], combo[2])
     g = g.to(combo[1])
     m[::5] = 0
     v[::7] = 0
     m[1::9] = 1e-39  # subnormal moments: the hardware bf16 conversion's fix-up
-    s = _scalars(rng, 0.1, 0.5)
+    s = block_scalars(rng, 0.1, 0.5)
     g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
     for backend in (cpu, cpu_fast):
         copies = [torch.empty(p.shape, dtype=torch.bfloat16) for _ in range(6)]
@@ -479,13 +463,13 @@ def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkey
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
     backend = BACKENDS[name]
-    p, g, m, v = _inputs(rng, 3001, torch.float32, torch.float32)
+    p, g, m, v = block_inputs(rng, 3001, torch.float32, torch.float32)
     for beta1 in (0.3, 0.0):
-        s = _scalars(rng, 0.1)._replace(beta1=beta1)
+        s = block_scalars(rng, 0.1)._replace(beta1=beta1)
         for variant in (VARIANTS[0], VARIANTS[3]):
             _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant),
                           _is_exact(backend))
-    s = _scalars(rng, 0.1)._replace(beta1=0.3)
+    s = block_scalars(rng, 0.1)._replace(beta1=0.3)
     stepped = reference.step(p, g, m, v, s, VARIANTS[0])
     _assert_close(backend.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]),
                   reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]), _is_exact(backend))
@@ -499,12 +483,12 @@ def test_in_place_updates_leave_the_memory_after_the_tensors_alone(name, dtypes,
     backend = BACKENDS[name]
     pdt, sdt = dtypes
     for n in (1, 31, 4099):
-        p0, g, m0, v0 = _inputs(rng, n, pdt, sdt)
+        p0, g, m0, v0 = block_inputs(rng, n, pdt, sdt)
         bufs = [torch.full((n + 40,), -3.0, dtype=t.dtype) for t in (p0, m0, v0)]
         for b, t in zip(bufs, (p0, m0, v0)):
             b[:n] = t
         p, m, v = (b[:n] for b in bufs)
-        s = _scalars(rng, 0.1, 0.5)
+        s = block_scalars(rng, 0.1, 0.5)
         want = reference.step(p0, g, m0, v0, s, VARIANTS[0])
         backend.step(p, g, m, v, s, VARIANTS[0], out=(p, m, v))
         _assert_close((p, m, v), want, _is_exact(backend))
@@ -561,7 +545,7 @@ def test_the_inverse_of_decayed_moments_divides_exactly(name, rng):
     g = torch.zeros(n)
     m = torch.rand(n, generator=rng) * 1e-36 + 1e-37
     v = torch.rand(n, generator=rng) * 1e-37 + 1e-37  # quotients stay normal (subnormal ones round twice)
-    s = _scalars(rng, 0.1)
+    s = block_scalars(rng, 0.1)
     stepped = reference.step(p, g, m, v, s, VARIANTS[0])
     got = backend.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0])
     want = reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0])

@@ -19,27 +19,14 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
 
+from helpers import block_inputs, block_scalars
+
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 # (param dtype, state dtype)
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
           (torch.float16, torch.float32)]
 
 pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
-
-
-def _inputs(gen: torch.Generator, n: int, pdt: torch.dtype, sdt: torch.dtype):
-    p = torch.randn(n, generator=gen).to(pdt)
-    g = torch.randn(n, generator=gen).to(pdt)
-    m = (0.1 * torch.randn(n, generator=gen)).to(sdt)
-    v = (0.01 * torch.rand(n, generator=gen) + 1e-4).to(sdt)
-    return p, g, m, v
-
-
-def _scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> AdamScalars:
-    u = torch.rand(3, generator=gen).tolist()
-    step = int(torch.randint(1, 500, (1,), generator=gen))
-    return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
-                       weight_decay=wd, step=step, grad_scale=grad_scale)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -86,11 +73,11 @@ def test_many_blocks_equal_one_call_per_block_property(blocks, op, decoupled, na
     are the bits of its one-block call."""
     gen = torch.Generator().manual_seed(seed)
     variant = AdamVariant(decoupled=decoupled)
-    scalar_sets = [_scalars(gen, 0.1, 0.5), _scalars(gen, 0.0), _scalars(gen, 0.05, 2.0)]
+    scalar_sets = [block_scalars(gen, 0.1, 0.5), block_scalars(gen, 0.0), block_scalars(gen, 0.05, 2.0)]
     ins = []
     for n, dt, sc, donate, copy, offset in blocks:
         pdt, sdt = DTYPES[dt]
-        p, g, m, v = (t[offset:] for t in _inputs(gen, n + offset, pdt, sdt))
+        p, g, m, v = (t[offset:] for t in block_inputs(gen, n + offset, pdt, sdt))
         g2 = torch.randn(n, generator=gen).to(pdt)
         ins.append((p, g, m, v, g2, scalar_sets[sc], donate, copy))
 
@@ -111,10 +98,10 @@ def test_thread_splits_inside_blocks(name, op, rng, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     variant = AdamVariant(decoupled=op != "undo")
     sizes = [70001, 5, 130003, 0, 65536 + 129, 1000, 23]
-    s, s_new = _scalars(rng, 0.1, 0.5), _scalars(rng, 0.05)
+    s, s_new = block_scalars(rng, 0.1, 0.5), block_scalars(rng, 0.05)
     work = []
     for i, n in enumerate(sizes):
-        p, g, m, v = _inputs(rng, n, *DTYPES[i % 3])
+        p, g, m, v = block_inputs(rng, n, *DTYPES[i % 3])
         work.append((p, g, m, v, torch.randn(n, generator=rng).to(p.dtype), s, False,
                      torch.empty(n, dtype=torch.bfloat16) if i % 2 else None))
     backend = BACKENDS[name]
@@ -130,11 +117,11 @@ def test_blocks_only_the_reference_takes_run_beside_native_ones(name, rng):
     """float64 parameters and a float64 gradient: the reference's results (the others native), in order."""
     backend = BACKENDS[name]
     variant = AdamVariant()
-    s = _scalars(rng, 0.1)
-    b64 = [t.double() for t in _inputs(rng, 300, torch.float32, torch.float32)]
-    b32 = _inputs(rng, 500, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1)
+    b64 = [t.double() for t in block_inputs(rng, 300, torch.float32, torch.float32)]
+    b32 = block_inputs(rng, 500, torch.float32, torch.float32)
     mixed = (b32[0], b32[1].double(), b32[2], b32[3])  # a float64 gradient: rounded to float32 first
-    b16 = _inputs(rng, 257, torch.bfloat16, torch.float32)
+    b16 = block_inputs(rng, 257, torch.bfloat16, torch.float32)
     blocks = [b32, b64, mixed, b16]
     got = backend.step_many([StepCall(*b, s) for b in blocks], variant)
     for b, r in zip(blocks, got):
@@ -146,8 +133,8 @@ def test_blocks_only_the_reference_takes_run_beside_native_ones(name, rng):
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_donated_blocks_are_updated_in_place(name, rng):
     backend = BACKENDS[name]
-    s = _scalars(rng, 0.1)
-    blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (100, 4096, 3)]
+    s = block_scalars(rng, 0.1)
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (100, 4096, 3)]
     ptrs = [[t.data_ptr() for t in (p, m, v)] for p, _, m, v in blocks]
     got = backend.step_many([StepCall(p, g, m, v, s, (p, m, v)) for p, g, m, v in blocks], AdamVariant())
     assert [[t.data_ptr() for t in r] for r in got] == ptrs
@@ -157,8 +144,8 @@ def test_donated_blocks_are_updated_in_place(name, rng):
 def test_every_block_is_checked_before_any_runs(name, rng):
     backend = BACKENDS[name]
     variant = AdamVariant()
-    s = _scalars(rng, 0.1)
-    blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (100, 200, 300, 400)]
+    s = block_scalars(rng, 0.1)
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (100, 200, 300, 400)]
     before = [[t.clone() for t in b] for b in blocks]
     calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
     p, g, m, v = blocks[3]
@@ -220,12 +207,12 @@ def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate
         monkeypatch.setattr(_cpu_build, "load", lambda: None)
     backend = BACKENDS[name]
     variant = AdamVariant()
-    s = _scalars(rng, 0.1, 0.5)
+    s = block_scalars(rng, 0.1, 0.5)
     blocks = []
     for n, dt, where in ((3 * FINITE_CHUNK + 77, 0, [FINITE_CHUNK + 5, 3 * FINITE_CHUNK + 76]),
                          (100, 1, [99]), (2 * FINITE_CHUNK, 0, []), (70000, 2, [0, 40000, 65537]),
                          (5 * FINITE_CHUNK + 1, 0, [5 * FINITE_CHUNK])):
-        p, _, m, v = _inputs(rng, n, *DTYPES[dt])
+        p, _, m, v = block_inputs(rng, n, *DTYPES[dt])
         blocks.append((p, _nonfinite_gradient(rng, n, p.dtype, where), m, v))
     res, flags, cps, work = _checked_step(backend, blocks, s, variant, donate, copies=True)
     for (p, g, m, v), r, f, c in zip(blocks, res, flags, cps):
@@ -241,8 +228,8 @@ def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate
 
 
 def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
-    s = _scalars(rng, 0.1)
-    p, g, m, v = _inputs(rng, 5000, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1)
+    p, g, m, v = block_inputs(rng, 5000, torch.float32, torch.float32)
     ok = torch.zeros(2, dtype=torch.uint8)
     assert cpu.CHECKS_FINITE and cpu_fast.CHECKS_FINITE and not reference.CHECKS_FINITE
     with pytest.raises(UnsupportedError, match=r"step_many\[0\]: this backend has no checked step"):
