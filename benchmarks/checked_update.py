@@ -45,7 +45,7 @@ def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bo
     """(step, params) of ``sofx.adamw(backend="cpu").update`` with donation."""
     opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend="cpu")
     if pass_before:  # the check as its own pass over the gradients, as for leaves the kernels cannot check
-        opt._checked_in_step = lambda leaves, copies, grads_finite: [False] * len(leaves)  # type: ignore[method-assign]
+        opt._checked_in_step = lambda leaves, *_: [False] * len(leaves)  # type: ignore[method-assign]
     box = {"params": [v.clone() for v in values]}
     box["state"] = opt.init(box["params"])
 

@@ -179,7 +179,8 @@ class Adam:
         copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
-        in_step = self._checked_in_step(leaves, copies, grads_finite)
+        kernels = [self._kernel(leaf) if leaf.g is not None else None for leaf in leaves]
+        in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
         finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
         plans = [self._plan(leaf, grad_scale, True if chk else f) if leaf.g is not None else None
                  for leaf, f, chk in zip(leaves, finite, in_step)]
@@ -196,7 +197,7 @@ class Adam:
                 continue
             call, records[k] = self._prepare_step(leaf, plan, donate, copy, skip)
             new_c[k] = leaf.count + 1
-            pending.append((k, self._kernel(leaf), call))
+            pending.append((k, kernels[k], call))
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
@@ -208,17 +209,17 @@ class Adam:
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
-    def _checked_in_step(self, leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None],
-                         grads_finite: bool | None) -> list[bool]:
+    def _checked_in_step(self, leaves: Sequence[_Leaf], kernels: Sequence[Any],
+                         copies: Sequence[torch.Tensor | None], grads_finite: bool | None) -> list[bool]:
         """Per leaf: whether its kernel checks its gradient in the step itself (``StepCall.skip``) instead
         of a pass before: backends with ``CHECKS_FINITE``, contiguous tensors, ``undo="auto"``, moments
         whose undo depends on it (not rounded: those are kept whole anyway)."""
         if grads_finite is True or self.undo_mode != "auto":
             return [False] * len(leaves)
         out = []
-        for leaf, copy in zip(leaves, copies):
+        for leaf, kernel, copy in zip(leaves, kernels, copies):
             out.append(leaf.g is not None and not leaf.traced and leaf.m.dtype not in _LOW_PRECISION
-                       and self._kernel(leaf).CHECKS_FINITE and leaf.p.is_contiguous() and leaf.g.is_contiguous()
+                       and kernel.CHECKS_FINITE and leaf.p.is_contiguous() and leaf.g.is_contiguous()
                        and leaf.m.is_contiguous() and leaf.v.is_contiguous()
                        and (copy is None or copy.is_contiguous()))
         return out
