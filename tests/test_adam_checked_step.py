@@ -52,7 +52,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     """The bits as integers (nan payloads compared too); counts as they are."""
     if not t.is_floating_point():
         return t
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def _same(a, b) -> bool:
@@ -64,14 +64,16 @@ def _same(a, b) -> bool:
 @given(sizes=st.lists(st.integers(1, 3 * FINITE_CHUNK + 50), min_size=1, max_size=4),
        bad=st.lists(st.lists(st.integers(0, 10**6), max_size=3), min_size=4, max_size=4),
        pdt=st.sampled_from([torch.float32, torch.bfloat16]), donate=st.booleans(),
-       backend=st.sampled_from(["cpu", "cpu_fast"]), copies=st.booleans(), seed=st.integers(0, 2**16))
+       backend=st.sampled_from(["cpu", "cpu_fast"]), copies=st.sampled_from([None, torch.bfloat16, torch.float64]),
+       seed=st.integers(0, 2**16))
 def test_checked_update_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate, backend, copies, seed):
     gen = torch.Generator().manual_seed(seed)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend, state_dtype=torch.float32)
     params, _ = _tree(gen, sizes, pdt, bad)
     params, state = _warm_state(opt, params, gen)
     _, grads = _tree(gen, sizes, pdt, bad)
-    make_copies = (lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=torch.bfloat16), params)) \
+    # bfloat16 copies are written by the kernel, float64 ones after it
+    make_copies = (lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=copies), params)) \
         if copies else (lambda: None)
     before = (_clone(params), _clone(state))
 
