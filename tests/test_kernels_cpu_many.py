@@ -194,26 +194,37 @@ def _checked_step(backend, blocks, s, variant, donate: bool, copies: bool):
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("donate", [True, False], ids=["donated", "fresh"])
-@pytest.mark.parametrize("native", [True, False], ids=["native", "no-compiler"])
-def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate, native, rng, monkeypatch):
-    """Flags exactly on the chunks whose gradient has an inf or a nan (partial last chunks, bf16
-    gradients, three threads splitting the blocks); the other chunks get the unchecked step's bits, the
-    flagged ones keep their old values (donated) and their copy is not written. Without a compiler the
-    reference math gives the same."""
+@pytest.mark.parametrize("library", ["native", "no-replica", "no-compiler"])
+def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate, library, rng, monkeypatch):
+    """Flags exactly on the chunks whose gradient has an inf or a nan (anywhere in a chunk: its first
+    vector, its last, the partial last chunk's tail; float32 and bf16 gradients beside either parameter
+    dtype; three threads splitting the blocks); the other chunks get the unchecked step's bits, the
+    flagged ones keep their old values (donated) and their copy is not written. The vector loops read
+    the next chunk's gradient while stepping one (``native``); the exact loops without the inline square
+    root read each chunk just before its step (``no-replica``); without a compiler the reference math
+    gives the same."""
+    import dataclasses
+
     from sofx.kernels import _cpu_build
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    if not native:
+    if library == "no-compiler":
         monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    elif library == "no-replica":
+        lib = _cpu_build.load()
+        monkeypatch.setattr(_cpu_build, "_loaded", [dataclasses.replace(lib, sqrt_replica=False)])
     backend = BACKENDS[name]
     variant = AdamVariant()
     s = block_scalars(rng, 0.1, 0.5)
     blocks = []
-    for n, dt, where in ((3 * FINITE_CHUNK + 77, 0, [FINITE_CHUNK + 5, 3 * FINITE_CHUNK + 76]),
-                         (100, 1, [99]), (2 * FINITE_CHUNK, 0, []), (70000, 2, [0, 40000, 65537]),
-                         (5 * FINITE_CHUNK + 1, 0, [5 * FINITE_CHUNK])):
+    c = FINITE_CHUNK
+    for n, dt, gdt, where in ((3 * c + 77, 0, None, [c + 5, 3 * c + 76]), (100, 1, None, [99]), (2 * c, 0, None, []),
+                              (70000, 2, None, [0, 40000, 65537]), (5 * c + 1, 0, None, [5 * c]),
+                              (4 * c + 33, 0, None, [c, 2 * c + c - 1, 4 * c + 32]),
+                              (3 * c + 20, 1, torch.float32, [2 * c + 15, 3 * c + 19]),
+                              (3 * c, 0, torch.bfloat16, [c + 16 * 7])):
         p, _, m, v = block_inputs(rng, n, *DTYPES[dt])
-        blocks.append((p, _nonfinite_gradient(rng, n, p.dtype, where), m, v))
+        blocks.append((p, _nonfinite_gradient(rng, n, gdt or p.dtype, where), m, v))
     res, flags, cps, work = _checked_step(backend, blocks, s, variant, donate, copies=True)
     for (p, g, m, v), r, f, c in zip(blocks, res, flags, cps):
         assert f.tolist() == _flags_for(g)
