@@ -165,9 +165,9 @@ class Adam:
         (default): each gradient is checked. The CPU kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (contiguous leaves
         with ``undo="auto"``; a chunk with an inf or a nan is kept, then
-        stepped: the leaf's record holds its old values, see
-        :meth:`_step_skipped_chunks`); elsewhere each gradient is read once
-        before the step (on a GPU, all of a device's in one pass).
+        stepped, and the leaf's record becomes a snapshot of its old values);
+        elsewhere each gradient is read once before the step (on a GPU, all
+        of a device's in one pass).
 
         ``param_copies``: a tree with the structure of ``params`` whose leaves
         are ``None`` or tensors of the parameter's shape and device in any
