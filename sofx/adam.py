@@ -323,13 +323,20 @@ class Adam:
         (one pass over memory); the others are undone and stepped separately.
         A leaf with no new gradient is only undone. Returns the new record.
         ``grads_finite`` is the hint of :meth:`update` for the new ``grads``;
+        without it a gradient is read to check it, except where it is the very
+        tensor the undone step used and found finite (a late clip or a new
+        loss scale redoes with the same gradient and a new ``grad_scale``).
         ``param_copies`` as in :meth:`update`.
         """
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
-        finite = self._gradients_finite(leaves, grads_finite)
+        # The record's own gradient: its strategy says it was finite (the tensor must not have been modified
+        # since, as the module docstring asks).
+        known = [rec is not None and leaf.g is not None and leaf.g is rec.grad and rec.strategy in _INVERTED
+                 for leaf, rec in zip(leaves, record.leaves)]
+        finite = [True if k else f for k, f in zip(known, self._gradients_finite(leaves, grads_finite, skip=known))]
         plans = []
         for leaf, rec, f in zip(leaves, record.leaves, finite):
             undone_count = rec.count_before if rec is not None else leaf.count

@@ -153,3 +153,24 @@ def test_undo_redo_after_a_checked_update_with_an_overflow(rng):
         assert torch.allclose(p2[k], want[0][k], rtol=0, atol=1e-6)
         assert torch.allclose(s2.mu[k], want[1].mu[k], rtol=0, atol=1e-6)
         assert torch.allclose(s2.nu[k], want[1].nu[k], rtol=1e-5, atol=1e-12)
+
+
+def test_undo_redo_with_the_records_own_gradient_does_not_read_it(rng, monkeypatch):
+    """A late clip redoes with the gradient tensor the step used (algebraic record: it was finite);
+    a new gradient tensor is checked."""
+    calls = []
+    real = _adam._finite_flags
+    monkeypatch.setattr(_adam, "_finite_flags", lambda gs, batched: calls.append(len(gs)) or real(gs, batched))
+    params = {"a": torch.randn(300, generator=rng), "b": torch.randn(7, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    want = opt.undo_redo(p1, s1, rec, grads, grad_scale=0.5, grads_finite=True)
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    got = opt.undo_redo(p1, s1, rec, grads, grad_scale=0.5)
+    assert calls == [] and _same(got[0], want[0]) and _same(got[1], want[1])
+    assert got[2].strategies() == ["algebraic", "algebraic"]
+    other = {"a": grads["a"], "b": grads["b"].clone()}
+    other["b"][0] = float("inf")
+    _, _, rec2 = opt.undo_redo(*opt.update(params, grads, opt.init(params)), other)
+    assert calls == [1] and rec2.strategies() == ["algebraic", "snapshot"]
