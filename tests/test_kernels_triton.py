@@ -42,9 +42,9 @@ else:
     from sofx.errors import LeafError, UnsupportedError
     from sofx.kernels import reference, select_backend
     from sofx.kernels import triton as tk
-    from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
+    from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import max_rel_err
+    from helpers import block_inputs, block_scalars, max_rel_err
 
     VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
     DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -52,20 +52,6 @@ else:
     TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
     # a partial single block, exactly one block, a partial last block
     SIZES = (7, tk.BLOCK, 3 * tk.BLOCK + 417)
-
-    def _inputs(gen, shape, pdt, sdt):
-        shape = (shape,) if isinstance(shape, int) else shape
-        p = torch.randn(shape, generator=gen).to(pdt)
-        g = torch.randn(shape, generator=gen).to(pdt)
-        m = (0.1 * torch.randn(shape, generator=gen)).to(sdt)
-        v = (0.01 * torch.rand(shape, generator=gen) + 1e-4).to(sdt)
-        return p, g, m, v
-
-    def _scalars(gen, wd, grad_scale=1.0):
-        u = torch.rand(3, generator=gen).tolist()
-        return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
-                           weight_decay=wd, step=int(torch.randint(1, 500, (1,), generator=gen)),
-                           grad_scale=grad_scale)
 
     def _close(got, want):
         for a, b in zip(got, want):
@@ -77,20 +63,20 @@ else:
     @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}")
     def test_step_undo_undo_redo_match_reference(dtypes, variant, rng):
         for n, wd, gs in zip(SIZES, (0.1, 0.0, 0.05), (1.0, 0.5, 0.25)):
-            p, g, m, v = _inputs(rng, n, *dtypes)
-            s = _scalars(rng, wd, gs)
+            p, g, m, v = block_inputs(rng, n, *dtypes)
+            s = block_scalars(rng, wd, gs)
             want = reference.step(p, g, m, v, s, variant)
             _close(tk.step(p, g, m, v, s, variant), want)
             _close(tk.undo(*want[:1], g, *want[1:], s, variant), reference.undo(*want[:1], g, *want[1:], s, variant))
             g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
-            s2 = _scalars(rng, wd)._replace(step=s.step)
+            s2 = block_scalars(rng, wd)._replace(step=s.step)
             undone = reference.undo(*want[:1], g, *want[1:], s, variant)
             _close(tk.undo_redo(*want, g, s, g2, s2, variant), reference.step(*undone[:1], g2, *undone[1:], s2, variant))
 
     def test_donation_reuses_storage_and_inputs_stay_untouched_otherwise(rng):
         variant = AdamVariant()
-        p, g, m, v = _inputs(rng, 2 * tk.BLOCK + 5, torch.float32, torch.float32)
-        s = _scalars(rng, 0.1)
+        p, g, m, v = block_inputs(rng, 2 * tk.BLOCK + 5, torch.float32, torch.float32)
+        s = block_scalars(rng, 0.1)
         copies = [t.clone() for t in (p, g, m, v)]
         fresh = tk.step(p, g, m, v, s, variant)
         assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
@@ -104,16 +90,16 @@ else:
 
     def test_non_contiguous_zero_size_and_p_old(rng):
         variant = AdamVariant(decoupled=False)
-        big = _inputs(rng, (33, 90), torch.float32, torch.float32)
+        big = block_inputs(rng, (33, 90), torch.float32, torch.float32)
         p, g, m, v = (t[:, ::2] for t in big)
-        s = _scalars(rng, 0.1, 0.5)
+        s = block_scalars(rng, 0.1, 0.5)
         want = reference.step(p, g, m, v, s, variant)
         _close(tk.step(p, g, m, v, s, variant), want)
         tk.step(p, g, m, v, s, variant, out=(p, m, v))
         _close((p, m, v), want)
         empty = [torch.empty(0, 3) for _ in range(4)]
         assert all(t.shape == (0, 3) for t in tk.step(*empty, s, variant))
-        pb, gb, mb, vb = _inputs(rng, 1500, torch.bfloat16, torch.float32)
+        pb, gb, mb, vb = block_inputs(rng, 1500, torch.bfloat16, torch.float32)
         stepped = reference.step(pb, gb, mb, vb, s, variant)
         got = tk.undo(*stepped[:1], gb, *stepped[1:], s, variant, p_old=pb)
         assert torch.equal(got[0], pb)
@@ -130,8 +116,8 @@ else:
                             lambda c, p: c is not None and (copied_after.append(c.dtype), c.copy_(p)))
         variant = AdamVariant()
         n = tk.BLOCK + 9
-        p, g, m, v = _inputs(rng, n, *dtypes)
-        s = _scalars(rng, 0.1, 0.5)
+        p, g, m, v = block_inputs(rng, n, *dtypes)
+        s = block_scalars(rng, 0.1, 0.5)
         stepped = tk.step(p, g, m, v, s, variant)
         ops = {"step": lambda **kw: tk.step(p, g, m, v, s, variant, **kw),
                "undo": lambda **kw: tk.undo(*stepped[:1], g, *stepped[1:], s, variant, **kw),
@@ -149,25 +135,25 @@ else:
 
     def test_nan_propagates_and_the_clamp_keeps_nan(rng):
         variant = AdamVariant()
-        p, g, m, v = _inputs(rng, 100, torch.float32, torch.float32)
+        p, g, m, v = block_inputs(rng, 100, torch.float32, torch.float32)
         g[3] = float("nan")
-        s = _scalars(rng, 0.1)
+        s = block_scalars(rng, 0.1)
         got = tk.step(p, g, m, v, s, variant)
         assert all(bool(torch.isnan(t[3])) for t in got)
-        p, g, m, v = _inputs(rng, 100, torch.float32, torch.float32)
+        p, g, m, v = block_inputs(rng, 100, torch.float32, torch.float32)
         v_small = v * 1e-6
         v_small[9] = float("nan")
         got = tk.undo(p, g, m, v_small, s, variant)
         assert torch.isnan(got[2][9]) and (got[2][torch.arange(100) != 9] == 0).all()
-        pb, gb, mb, vb = _inputs(rng, 100, torch.bfloat16, torch.bfloat16)
+        pb, gb, mb, vb = block_inputs(rng, 100, torch.bfloat16, torch.bfloat16)
         gb[4] = float("nan")
         assert all(bool(torch.isnan(t[4])) for t in tk.step(pb, gb, mb, vb, s, variant))
 
     def test_bad_input_is_refused_and_changes_nothing(rng):
         variant = AdamVariant()
-        p, g, m, v = _inputs(rng, 10, torch.float32, torch.float32)
+        p, g, m, v = block_inputs(rng, 10, torch.float32, torch.float32)
         copies = [t.clone() for t in (p, g, m, v)]
-        s = _scalars(rng, 0.1)
+        s = block_scalars(rng, 0.1)
         with pytest.raises(LeafError, match="shape"):
             tk.step(p, g[:9], m, v, s, variant, out=(p, m, v))
         with pytest.raises(UnsupportedError, match="not supported"):
@@ -177,9 +163,9 @@ else:
         assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
 
     def test_small_and_zero_beta1_take_torchs_other_lerp_branch(rng):
-        p, g, m, v = _inputs(rng, 1500, torch.float32, torch.float32)
+        p, g, m, v = block_inputs(rng, 1500, torch.float32, torch.float32)
         for beta1 in (0.3, 0.0):
-            s = _scalars(rng, 0.1)._replace(beta1=beta1)
+            s = block_scalars(rng, 0.1)._replace(beta1=beta1)
             for variant in (VARIANTS[0], VARIANTS[3]):
                 _close(tk.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant))
 
@@ -187,13 +173,13 @@ else:
         """Blocks that exercise the multi-tensor launch: aligned and not (n % 16, a view at an odd offset),
         one block per program and several, a partial last program, an empty block, a strided one, two
         dtype combinations."""
-        blocks = [_inputs(rng, n, torch.float32, torch.float32) for n in (16, tk.BLOCK, 3 * tk.BLOCK + 48, 7,
+        blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (16, tk.BLOCK, 3 * tk.BLOCK + 48, 7,
                                                                           tk.BLOCK + 417, 0)]
-        odd = _inputs(rng, 200, torch.float32, torch.float32)
+        odd = block_inputs(rng, 200, torch.float32, torch.float32)
         blocks.append(tuple(t[3:163] for t in odd))  # 160 elements, not 16-element aligned
-        wide = _inputs(rng, (20, 30), torch.float32, torch.float32)
+        wide = block_inputs(rng, (20, 30), torch.float32, torch.float32)
         blocks.append(tuple(t[:, ::3] for t in wide))  # strided
-        blocks += [_inputs(rng, n, torch.bfloat16, torch.float32) for n in (48, 2 * tk.BLOCK + 5, 64)]
+        blocks += [block_inputs(rng, n, torch.bfloat16, torch.float32) for n in (48, 2 * tk.BLOCK + 5, 64)]
         return blocks
 
     def _count_multi_launches(monkeypatch):
@@ -218,7 +204,7 @@ else:
         launches = _count_multi_launches(monkeypatch)
         variant = AdamVariant(decoupled=False)
         blocks = _many_blocks(rng)
-        s_a, s_b = _scalars(rng, 0.1, 0.5), _scalars(rng, 0.0)
+        s_a, s_b = block_scalars(rng, 0.1, 0.5), block_scalars(rng, 0.0)
         scalars = [s_a if i % 3 else s_b for i in range(len(blocks))]
         want = [tk.step(*b, s, variant) for b, s in zip(blocks, scalars)]
         assert launches == []  # one block per call: the flat kernel
@@ -243,12 +229,12 @@ else:
             _same(g_, tk.undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant))
         assert launches
 
-    def test_many_blocks_donate_copy_and_tensor_scalars(rng):
+    def test_many_blocks_donate_copy_and_tensorblock_scalars(rng):
         """In place (out = the inputs) and with parameter copies, as one call per block; a block whose
         scalars are 0-d tensors takes the reference path in between."""
         variant = AdamVariant()
         blocks = _many_blocks(rng)
-        s = _scalars(rng, 0.1)
+        s = block_scalars(rng, 0.1)
         tensor_s = s._replace(lr=torch.tensor(s.lr))
         scalars = [tensor_s if i == 2 else s for i in range(len(blocks))]
         want = [tk.step(*b, s, variant) for b in blocks]
@@ -268,7 +254,7 @@ else:
     def test_many_blocks_checks_every_block_before_running_any(rng):
         variant = AdamVariant()
         blocks = _many_blocks(rng)[:4]
-        s = _scalars(rng, 0.1)
+        s = block_scalars(rng, 0.1)
         before = [[t.clone() for t in b] for b in blocks]
         calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
         p, g, m, v = blocks[3]
@@ -292,11 +278,11 @@ else:
         from the ``*_many`` function are those of its one-block call, bit for bit, whatever the grouping."""
         gen = torch.Generator().manual_seed(seed)
         variant = AdamVariant(decoupled=decoupled)
-        scalar_sets = [_scalars(gen, 0.1, 0.5), _scalars(gen, 0.0), _scalars(gen, 0.05, 2.0)]
+        scalar_sets = [block_scalars(gen, 0.1, 0.5), block_scalars(gen, 0.0), block_scalars(gen, 0.05, 2.0)]
         ins, calls_args = [], []
         for n, dt, sc, donate, copy, offset in blocks:
             pdt, sdt = DTYPES[dt]
-            stor = _inputs(gen, n + offset, pdt, sdt)
+            stor = block_inputs(gen, n + offset, pdt, sdt)
             p, g, m, v = (t[offset:] for t in stor)
             g2 = torch.randn(n, generator=gen).to(pdt)
             ins.append((p, g, m, v, g2, scalar_sets[sc], donate, torch.empty(n, dtype=torch.bfloat16) if copy else None))
