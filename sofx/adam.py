@@ -184,7 +184,8 @@ class Adam:
         finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
         plans = [self._plan(leaf, grad_scale, True if chk else f) if leaf.g is not None else None
                  for leaf, f, chk in zip(leaves, finite, in_step)]
-        flags = _chunk_flags(leaves, plans, in_step)
+        flags = _chunk_flags(leaves, [chk and plan is not None and plan[1] in _INVERTED
+                                      for plan, chk in zip(plans, in_step)])
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
@@ -256,6 +257,52 @@ class Adam:
                           for a, b in ranges], self.variant)
         return LeafUndo("snapshot", leaf.g, rec.scalars, rec.count_before, p0, m0, v0, "the gradient is not finite")
 
+    def _redo_plan(self, leaf: _Leaf, rec: LeafUndo | None, grad_scale: Scalar,
+                   finite: bool | None) -> tuple[AdamScalars, str, str] | None:
+        """The plan of an undo_redo's new step of ``leaf`` (taken from the undone count; None: no gradient)."""
+        if leaf.g is None:
+            return None
+        undone_count = rec.count_before if rec is not None else leaf.count
+        return self._plan(leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, finite)
+
+    def _redo_skipped_chunks(self, leaf: _Leaf, call: UndoRedoCall, p2: torch.Tensor, m2: torch.Tensor,
+                             v2: torch.Tensor, donate: bool, count_before: torch.Tensor) -> LeafUndo:
+        """Finish a checked undo+redo whose kernel left chunks alone (``call.skip``: the new gradient has an
+        inf or a nan there) and return the record of the redone step: a snapshot of the undone values.
+
+        Without donation the inputs are untouched: their undo gives exactly the values the fused kernel
+        redid from. With donation the skipped chunks still hold the old step's values (undone here exactly
+        so) and the others the redone ones, whose inverse recovers the undone values for the record (as an
+        algebraic undo would). The skipped chunks are then stepped from their undone values, which
+        completes exactly the undo+redo an unchecked kernel would have done."""
+        assert call.skip is not None
+        n = leaf.p.numel()
+        ranges = [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in call.skip.nonzero().flatten().tolist()]
+        kernel = self._kernel(leaf)
+
+        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.view(-1) if t is not None else None
+
+        if donate:
+            p0, m0, v0 = kernel.undo_many([UndoCall(p2, call.g_new, m2, v2, call.s_new)], self.variant)[0]
+            cur, g_old, p_old = [flat(t) for t in (p2, m2, v2)], flat(call.g_old), flat(call.p_old)
+            olds = kernel.undo_many([UndoCall(cur[0][a:b], g_old[a:b], cur[1][a:b], cur[2][a:b], call.s_old,
+                                              p_old[a:b] if p_old is not None else None) for a, b in ranges],
+                                    self.variant)
+            for (a, b), old in zip(ranges, olds):
+                for whole, part in zip((p0, m0, v0), old):
+                    whole.view(-1)[a:b] = part
+        else:
+            p0, m0, v0 = kernel.undo_many([UndoCall(leaf.p, call.g_old, leaf.m, leaf.v, call.s_old, call.p_old)],
+                                          self.variant)[0]
+        src = [flat(t) for t in (p0, m0, v0)]
+        dst = [flat(t) for t in (p2, m2, v2)]
+        g_new, copy = flat(call.g_new), flat(call.p_copy)
+        kernel.step_many([StepCall(src[0][a:b], g_new[a:b], src[1][a:b], src[2][a:b], call.s_new,
+                                   (dst[0][a:b], dst[1][a:b], dst[2][a:b]), copy[a:b] if copy is not None else None)
+                          for a, b in ranges], self.variant)
+        return LeafUndo("snapshot", leaf.g, call.s_new, count_before, p0, m0, v0, "the gradient is not finite")
+
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                       copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
                       ) -> tuple[StepCall, LeafUndo]:
@@ -322,11 +369,14 @@ class Adam:
         needs no snapshot go through the backend's fused ``undo_redo`` kernel
         (one pass over memory); the others are undone and stepped separately.
         A leaf with no new gradient is only undone. Returns the new record.
-        ``grads_finite`` is the hint of :meth:`update` for the new ``grads``;
-        without it a gradient is read to check it, except where it is the very
+        ``grads_finite`` is the hint of :meth:`update` for the new ``grads``.
+        Without it a new gradient is not read again where it is the very
         tensor the undone step used and found finite (a late clip or a new
-        loss scale redoes with the same gradient and a new ``grad_scale``).
-        ``param_copies`` as in :meth:`update`.
+        loss scale redoes with the same gradient and a new ``grad_scale``);
+        the CPU kernels check the others in the fused pass, as :meth:`update`
+        does (a leaf whose new gradient has an inf or a nan gets a snapshot
+        record); elsewhere they are read before. ``param_copies`` as in
+        :meth:`update`.
         """
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
@@ -336,12 +386,17 @@ class Adam:
         # since, as the module docstring asks).
         known = [rec is not None and leaf.g is not None and leaf.g is rec.grad and rec.strategy in _INVERTED
                  for leaf, rec in zip(leaves, record.leaves)]
-        finite = [True if k else f for k, f in zip(known, self._gradients_finite(leaves, grads_finite, skip=known))]
-        plans = []
-        for leaf, rec, f in zip(leaves, record.leaves, finite):
-            undone_count = rec.count_before if rec is not None else leaf.count
-            plans.append(None if leaf.g is None else self._plan(
-                leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, f))
+        # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
+        # finite), else read before.
+        kernels = [self._kernel(leaf) if leaf.g is not None else None for leaf in leaves]
+        candidates = self._checked_in_step(leaves, kernels, copies, grads_finite)
+        in_kernel = [c and not k and _fusable(rec, self._redo_plan(leaf, rec, grad_scale, True)) and rec.grad.is_contiguous()
+                     and (rec.p_old is None or rec.p_old.is_contiguous())
+                     for leaf, rec, c, k in zip(leaves, record.leaves, candidates, known)]
+        skip = [k or c for k, c in zip(known, in_kernel)]
+        finite = [True if sk else f for sk, f in zip(skip, self._gradients_finite(leaves, grads_finite, skip=skip))]
+        plans = [self._redo_plan(leaf, rec, grad_scale, f) for leaf, rec, f in zip(leaves, record.leaves, finite)]
+        flags = _chunk_flags(leaves, in_kernel)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
@@ -349,12 +404,10 @@ class Adam:
         records: list[LeafUndo | None] = [None] * len(leaves)
         pending = []  # the fused undo+redo calls
         for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
-            fusable = (rec is not None and plan is not None and rec.strategy in ("algebraic", "param_snapshot")
-                       and not rec.moments_were_zero and plan[1] == "algebraic")
-            if fusable:
+            if _fusable(rec, plan):
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
-                pending.append((k, self._kernel(leaf), UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars,
-                                                                    leaf.g, plan[0], rec.p_old, out, copy)))
+                pending.append((k, kernels[k], UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
+                                                            plan[0], rec.p_old, out, copy, flags.views[k])))
                 new_c[k] = rec.count_before + 1
                 records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before)
                 continue
@@ -366,8 +419,14 @@ class Adam:
             else:
                 undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
+        calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
+        if flags.any_set():  # a chunk of some new gradient is not finite (rare: an overflow)
+            for k, sk in enumerate(flags.views):
+                if sk is not None and bool(sk.any()):
+                    records[k] = self._redo_skipped_chunks(leaves[k], calls[k], new_p[k], new_m[k], new_v[k], donate,
+                                                           records[k].count_before)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
@@ -598,6 +657,13 @@ def _finite_flags(gs: Sequence[torch.Tensor], batched: bool) -> list[bool]:
     return [ok or bool(torch.isfinite(g).all()) for ok, g in zip(flags, gs)]
 
 
+def _fusable(rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None) -> bool:
+    """Whether an undo_redo runs a leaf's undo and redo as one kernel call: the step to undo was inverted
+    algebraically (and not the first from zero moments) and the new one needs no snapshot."""
+    return (rec is not None and plan is not None and rec.strategy in _INVERTED and not rec.moments_were_zero
+            and plan[1] == "algebraic")
+
+
 class _ChunkFlags(NamedTuple):
     """The finiteness flags of a checked update: one uint8 buffer, a view of it per checked leaf."""
 
@@ -608,12 +674,10 @@ class _ChunkFlags(NamedTuple):
         return self.buffer is not None and bool(self.buffer.any())
 
 
-def _chunk_flags(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamScalars, str, str] | None],
-                 in_step: Sequence[bool]) -> _ChunkFlags:
-    """Zeroed flags (``StepCall.skip``) for the leaves whose step checks its gradient and whose record
-    depends on it (an algebraic inverse of m and v); None for the others. One buffer, read once after."""
-    sizes = [-(-leaf.p.numel() // FINITE_CHUNK) if chk and plan is not None and plan[1] in _INVERTED else None
-             for leaf, plan, chk in zip(leaves, plans, in_step)]
+def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags:
+    """Zeroed flags (``skip`` of a checked step) for the ``wanted`` leaves, None for the others. One
+    buffer, read once after the kernels."""
+    sizes = [-(-leaf.p.numel() // FINITE_CHUNK) if w else None for leaf, w in zip(leaves, wanted)]
     total = sum(n for n in sizes if n is not None)
     if not any(n is not None for n in sizes):
         return _ChunkFlags(None, [None] * len(leaves))

@@ -174,3 +174,52 @@ def test_undo_redo_with_the_records_own_gradient_does_not_read_it(rng, monkeypat
     other["b"][0] = float("inf")
     _, _, rec2 = opt.undo_redo(*opt.update(params, grads, opt.init(params)), other)
     assert calls == [1] and rec2.strategies() == ["algebraic", "snapshot"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 3 * FINITE_CHUNK + 50), min_size=1, max_size=3),
+       bad=st.lists(st.lists(st.integers(0, 10**6), max_size=3), min_size=3, max_size=3),
+       pdt=st.sampled_from([torch.float32, torch.bfloat16]), donate=st.booleans(),
+       backend=st.sampled_from(["cpu", "cpu_fast"]), copies=st.sampled_from([None, torch.bfloat16, torch.float64]),
+       seed=st.integers(0, 2**16))
+def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate, backend, copies, seed):
+    """undo_redo with new gradients, some with an inf or a nan, not hinted: the fused kernel checks them
+    (bf16 masters: the redo keeps a parameter snapshot, so it is not fused and its gradient is read
+    before). The results are the hinted call's bit for bit; a leaf whose new gradient is not finite gets
+    a snapshot record whose undo restores the undone state (what undo of the first update gives)."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend, state_dtype=torch.float32)
+    params, _ = _tree(gen, sizes, pdt, [[]] * len(sizes))
+    params, state = _warm_state(opt, params, gen)
+    _, first = _tree(gen, sizes, pdt, [[]] * len(sizes))
+    _, new = _tree(gen, sizes, pdt, bad)
+    make_copies = (lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=copies), params)) \
+        if copies else (lambda: None)
+
+    def stepped():
+        return opt.update(_clone(params), first, _clone(state), donate=True, grads_finite=True)
+
+    want_copies, got_copies = make_copies(), make_copies()
+    want = opt.undo_redo(*stepped(), new, grad_scale=0.5, donate=True, grads_finite=True, param_copies=want_copies)
+    p1, s1, r1 = stepped()
+    before = (_clone(p1), _clone(s1))
+    got = opt.undo_redo(p1, s1, r1, new, grad_scale=0.5, donate=donate, param_copies=got_copies)
+    assert _same(got[0], want[0]) and _same(got[1], want[1]) and _same(got_copies, want_copies)
+    if not donate:
+        assert _same(p1, before[0]) and _same(s1, before[1])
+    finite = [bool(torch.isfinite(new[k]).all()) for k in sorted(new)]
+    normal = "param_snapshot" if pdt == torch.bfloat16 else "algebraic"
+    assert got[2].strategies() == [normal if ok else "snapshot" for ok in finite]
+
+    undone = opt.undo(*stepped())  # the state the redo started from
+    p0, s0 = opt.undo(got[0], got[1], got[2])
+    for i, ok in enumerate(finite):
+        k = f"w{i}"
+        if ok:
+            continue
+        for a, b in zip((p0[k], s0.mu[k], s0.nu[k]), (undone[0][k], undone[1].mu[k], undone[1].nu[k])):
+            if not donate:
+                assert torch.equal(a, b)  # the undo of the untouched inputs, as the fused kernel had it
+                continue
+            scale = float(b.double().abs().max())
+            assert float((a.double() - b.double()).abs().max()) <= 1e-5 * scale

@@ -182,27 +182,34 @@ def _flags_for(g: torch.Tensor) -> list[int]:
     return [int(not bool(torch.isfinite(g[c:c + FINITE_CHUNK]).all())) for c in range(0, n, FINITE_CHUNK)]
 
 
-def _checked_step(backend, blocks, s, variant, donate: bool, copies: bool):
-    """``step_many`` with flags over ``blocks`` (clones): results, flags, copies, inputs after."""
-    work = [tuple(t.clone() for t in b) for b in blocks]
+def _checked(backend, op: str, blocks, s, s_new, variant, donate: bool):
+    """``step_many`` (``op`` "step") or ``undo_redo_many`` (blocks ``(p, g, m, v, g_new)``, the step taken
+    with ``g``, ``s`` undone and redone with ``g_new``, ``s_new``) with flags over clones of ``blocks``:
+    results, flags, copies."""
+    work = [tuple(t.clone() for t in b[:4]) for b in blocks]
     flags = [torch.zeros(-(-b[0].numel() // FINITE_CHUNK), dtype=torch.uint8) for b in blocks]
-    cps = [torch.full(b[0].shape, 7.0, dtype=torch.bfloat16) if copies else None for b in blocks]
-    res = backend.step_many([StepCall(p, g, m, v, s, (p, m, v) if donate else None, c, f)
-                             for (p, g, m, v), c, f in zip(work, cps, flags)], variant)
-    return res, flags, cps, work
+    cps = [torch.full(b[0].shape, 7.0, dtype=torch.bfloat16) for b in blocks]
+    if op == "step":
+        res = backend.step_many([StepCall(p, g, m, v, s, (p, m, v) if donate else None, c, f)
+                                 for (p, g, m, v), c, f in zip(work, cps, flags)], variant)
+    else:
+        res = backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, b[4], s_new, None, (p, m, v) if donate else None, c, f)
+                                      for (p, g, m, v), b, c, f in zip(work, blocks, cps, flags)], variant)
+    return res, flags, cps
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("donate", [True, False], ids=["donated", "fresh"])
 @pytest.mark.parametrize("library", ["native", "no-replica", "no-compiler"])
-def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate, library, rng, monkeypatch):
-    """Flags exactly on the chunks whose gradient has an inf or a nan (anywhere in a chunk: its first
-    vector, its last, the partial last chunk's tail; float32 and bf16 gradients beside either parameter
-    dtype; three threads splitting the blocks); the other chunks get the unchecked step's bits, the
-    flagged ones keep their old values (donated) and their copy is not written. The vector loops read
-    the next chunk's gradient while stepping one (``native``); the exact loops without the inline square
-    root read each chunk just before its step (``no-replica``); without a compiler the reference math
-    gives the same."""
+@pytest.mark.parametrize("op", ["step", "undo_redo"])
+def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(op, name, donate, library, rng, monkeypatch):
+    """Flags exactly on the chunks whose gradient (an undo+redo's new one) has an inf or a nan (anywhere
+    in a chunk: its first vector, its last, the partial last chunk's tail; float32 and bf16 gradients
+    beside either parameter dtype; three threads splitting the blocks); the other chunks get the
+    unchecked call's bits, the flagged ones keep their old values (donated) and their copy is not
+    written. The vector loops read the next chunk's gradient while stepping one (``native``, a step);
+    the exact loops without the inline square root read each chunk just before (``no-replica``);
+    without a compiler the reference math gives the same."""
     import dataclasses
 
     from sofx.kernels import _cpu_build
@@ -223,13 +230,17 @@ def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(name, donate
                               (4 * c + 33, 0, None, [c, 2 * c + c - 1, 4 * c + 32]),
                               (3 * c + 20, 1, torch.float32, [2 * c + 15, 3 * c + 19]),
                               (3 * c, 0, torch.bfloat16, [c + 16 * 7])):
-        p, _, m, v = block_inputs(rng, n, *DTYPES[dt])
-        blocks.append((p, _nonfinite_gradient(rng, n, gdt or p.dtype, where), m, v))
-    res, flags, cps, work = _checked_step(backend, blocks, s, variant, donate, copies=True)
-    for (p, g, m, v), r, f, c in zip(blocks, res, flags, cps):
-        assert f.tolist() == _flags_for(g)
+        p, g, m, v = block_inputs(rng, n, *DTYPES[dt])
+        bad = _nonfinite_gradient(rng, n, gdt or p.dtype, where)
+        blocks.append((p, bad, m, v) if op == "step" else (p, g.to(bad.dtype), m, v, bad))
+    s_new = s._replace(grad_scale=0.25, lr=2 * s.lr)
+    res, flags, cps = _checked(backend, op, blocks, s, s_new, variant, donate)
+    for b, r, f, c in zip(blocks, res, flags, cps):
+        p, g, m, v = b[:4]
+        assert f.tolist() == _flags_for(b[1] if op == "step" else b[4])  # the gradient of the step taken
         keep = (f == 0).repeat_interleave(FINITE_CHUNK)[:p.numel()]
-        want = backend.step(p, g, m, v, s, variant)
+        want = backend.step(p, g, m, v, s, variant) if op == "step" else \
+            backend.undo_redo(p, m, v, g, s, b[4], s_new, variant)
         for got, w, old in zip(r, want, (p, m, v)):
             assert torch.equal(_bits(got[keep]), _bits(w[keep]))
             if donate:
@@ -245,6 +256,10 @@ def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
     assert cpu.CHECKS_FINITE and cpu_fast.CHECKS_FINITE and not reference.CHECKS_FINITE
     with pytest.raises(UnsupportedError, match=r"step_many\[0\]: this backend has no checked step"):
         reference.step_many([StepCall(p, g, m, v, s, skip=ok)], AdamVariant())
+    with pytest.raises(UnsupportedError, match=r"undo_redo_many\[0\]: this backend has no checked step"):
+        reference.undo_redo_many([UndoRedoCall(p, m, v, g, s, g, s, skip=ok)], AdamVariant())
+    with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[0\]: g_new is not contiguous"):
+        cpu.undo_redo_many([UndoRedoCall(p, m, v, g, s, torch.randn(5000, 2)[:, 0], s, skip=ok)], AdamVariant())
     for bad in (torch.zeros(3, dtype=torch.uint8), torch.zeros(2, dtype=torch.int32), [0, 0]):
         with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous CPU uint8 tensor of shape \(2,\)"):
             cpu.step_many([StepCall(p, g, m, v, s, skip=bad)], AdamVariant())

@@ -1073,7 +1073,7 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end) {
    gradient of the next chunk, [end, scan_end), a vector per vector of this chunk: 1 if it holds an inf
    or a nan. The next chunk's check then runs beside this chunk's four streams instead of as a pass of
    one stream before its step (GPT-2 small's update: the pass before cost ~6 ms of ~79). */
-typedef int (*scan_step_fn)(const Job *, const Sqrt *, int64_t);
+typedef int (*scan_step_fn)(const Job *, int, const Sqrt *, int64_t);
 #ifndef SCAN_PREFETCH
 #define SCAN_PREFETCH 2048
 #endif
@@ -1087,34 +1087,63 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e) {
                                      _mm256_set1_epi16(0x7F80));
   return _mm256_cmpeq_epi16_mask(x, _mm256_set1_epi16(0x7F80));
 }
-#define VSTEP_SCAN(DP, DG, DS)                                                     \
-  static int vstep_scan_##DP##DG##DS(const Job *j, const Sqrt *sq, int64_t scan_end) { \
+/* The next chunk's vector at e (of the gradient gs, dtype DG) into bad, with its line prefetched ahead. */
+#define SCAN_AT(DG, gs, e, scan_end, bad)                                          \
+  if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
+    _mm_prefetch((const char *)(gs) + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    (bad) |= vnonfinite_##DG((gs), (e) + CHUNK);                                   \
+  }
+/* 1 if the next chunk (from begin + CHUNK to scan_end) has an inf or a nan: bad from the loop, the rest
+   (the next chunk's partial last vector) by chunk_finite. */
+#define SCAN_RESULT(DG, gs, begin, scan_end, bad)                                  \
+  ((bad) != 0 || !chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
+#define VSCAN(DP, DG, DS)                                                          \
+  static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
+    (void)fast;                                                                    \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
       vstep_at_##DP##DG##DS(&a, &k, sq, e, ALL_LANES);                             \
-      if (e + CHUNK + 16 <= scan_end) {                                            \
-        _mm_prefetch((const char *)a.g + (e + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
-        bad |= vnonfinite_##DG(a.g, e + CHUNK);                                    \
-      }                                                                            \
+      SCAN_AT(DG, a.g, e, scan_end, bad)                                           \
     }                                                                              \
-    const int64_t scanned = j->begin + CHUNK + (scan_end - j->begin - CHUNK) / 16 * 16; \
-    return bad != 0 || !chunk_finite(a.g, DG, scanned, scan_end);                 \
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
+    return SCAN_RESULT(DG, a.g, j->begin, scan_end, bad);                          \
+  }                                                                                \
+  static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    const int have_p_old = j->pold != 0;                                           \
+    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    __mmask16 bad = 0;                                                             \
+    int64_t e = j->begin;                                                          \
+    for (; e + 16 <= j->end; e += 16) {                                           \
+      PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, sq, e, ALL_LANES);     \
+      SCAN_AT(DG, a.g2, e, scan_end, bad)                                          \
+    }                                                                              \
+    if (e < j->end)                                                                \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, sq, e, lanes_left(j->end - e)); \
+    return SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad);                         \
   }
-NATIVE_COMBOS(VSTEP_SCAN)
+NATIVE_COMBOS(VSCAN)
 #endif
 
-/* The scanning step for this job (a step whose vector loop runs: cpu_fast's, or cpu's where the inline
-   square root is in use), with its square root in *sq; 0 where there is none. */
-static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq) {
+/* The step (vstep_scan) or undo+redo (vredo_scan) of one chunk by the vector loop that also reads the
+   gradient of the next chunk ([end, scan_end): the step's own, or the redo's new one), a vector per vector
+   of this chunk, with a prefetch ahead: 1 if it holds an inf or a nan. The next chunk's check then runs
+   beside this chunk's streams instead of as a pass of one stream before its step (GPT-2 small's update:
+   that pass cost ~6 ms of ~79). For a job whose vector loop runs (cpu_fast's; cpu's where the inline
+   square root is in use), with its loop's square root in *sq and division mode in *fast; 0 elsewhere. */
+static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
 #ifdef HW_BF16
-  if (j->op != OP_STEP || (j->exact && !j->sq.replica)) return 0;
+  if (j->op == OP_UNDO || (j->exact && !j->sq.replica) || !fused_for(j, j->exact)) return 0;
   *sq = j->exact ? &j->sq : 0;
+  *fast = !j->exact;
 #define COMBO_CASE(DP, DG, DS) \
-  case DP * 100 + DG * 10 + DS: return vstep_scan_##DP##DG##DS;
+  case DP * 100 + DG * 10 + DS: return j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
   switch (j->dp * 100 + j->dg * 10 + j->ds) {
     NATIVE_COMBOS(COMBO_CASE)
     default: return 0;
@@ -1123,17 +1152,18 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq) {
 #else
   (void)j;
   (void)sq;
+  (void)fast;
   return 0;
 #endif
 }
 
-/* The job's elements [begin, end). With skip (a step only): per chunk of CHUNK elements (counted from
-   the block's start; begin is a multiple of CHUNK), the gradient is read before the chunk is written (in
-   the previous chunk's vector loop where there is one, see vstep_scan, else in a pass of its own just
-   before) and a chunk with an inf or a nan in it is left alone (nothing of it written: outputs, p_copy)
-   and its flag set to 1. That spares the caller a pass over the gradient to learn whether the step can
-   be undone algebraically: it snapshots the flagged chunks (still the old values) and steps them
-   afterwards. */
+/* The job's elements [begin, end). With skip (a step, or an undo+redo: its new gradient): per chunk of
+   CHUNK elements (counted from the block's start; begin is a multiple of CHUNK), the gradient is read
+   before the chunk is written (in the previous chunk's vector loop where there is one, see vstep_scan,
+   else in a pass of its own just before) and a chunk with an inf or a nan in it is left alone (nothing
+   of it written: outputs, p_copy) and its flag set to 1. That spares the caller a pass over the gradient
+   to learn whether the step can be undone algebraically: it snapshots the flagged chunks (still the old
+   values) and steps them afterwards. */
 static void run_range(const Job *j) {
   fused_fn f = fused_for(j, j->exact);
   const int restore = (f && j->sq.fn && j->sq.local) ? j->sq.local(1) : -1;
@@ -1143,20 +1173,23 @@ static void run_range(const Job *j) {
   } else {
     Job part = *j;
     const Sqrt *ssq = 0;
-    const scan_step_fn scan_step = j->skip ? scan_step_for(j, &ssq) : 0;
+    int sfast = 0;
+    const scan_step_fn scan_step = j->skip ? scan_step_for(j, &ssq, &sfast) : 0;
+    const void *checked = j->op == OP_UNDO_REDO ? j->g2 : j->g; /* the gradient of the step taken */
+    const int dchecked = j->op == OP_UNDO_REDO ? j->dg2 : j->dg;
     int next_bad = -1; /* the chunk's gradient as the previous chunk's loop found it; -1: not read yet */
     for (int64_t c = j->begin; c < j->end; c += CHUNK) {
       part.begin = c;
       part.end = j->end - c < CHUNK ? j->end : c + CHUNK;
       if (j->skip) {
-        const int bad = next_bad >= 0 ? next_bad : !chunk_finite(j->g, j->dg, part.begin, part.end);
+        const int bad = next_bad >= 0 ? next_bad : !chunk_finite(checked, dchecked, part.begin, part.end);
         next_bad = -1;
         if (bad) {
           j->skip[c / CHUNK] = 1;
           continue;
         }
         if (scan_step && part.end - part.begin == CHUNK && part.end < j->end) {
-          next_bad = scan_step(&part, ssq, j->end - part.end < CHUNK ? j->end : part.end + CHUNK);
+          next_bad = scan_step(&part, sfast, ssq, j->end - part.end < CHUNK ? j->end : part.end + CHUNK);
           if (j->pc) copy_params(j, part.begin, part.end);
           continue;
         }
@@ -1296,7 +1329,8 @@ static void *run_share_thread(void *arg) {
 /* Entry point: `count` blocks in one call, each with its own dtypes, element count, pointers and
    scalars. Block b: dtypes[6b..6b+5] = {p, g, m/v, g_new, p_old, p_copy}; ptrs[11b..11b+10] = {p, g, m, v,
    g_new, p_old, p_out, m_out, v_out, p_copy, skip} (p_copy: 0, or a second buffer for the new parameters in
-   its own dtype, see copy_params; skip: 0, or for a step ceil(n / CHUNK) bytes of 0, see run_range); ns[b]
+   its own dtype, see copy_params; skip: 0, or for a step or an undo+redo ceil(n / CHUNK) bytes of 0, see
+   run_range); ns[b]
    its element count; s_old[b] (and s_new[b] for undo+redo) its S_COUNT
    scalars. exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions
    in the inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
@@ -1339,7 +1373,7 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
     job->p = pt[0]; job->g = pt[1]; job->m = pt[2]; job->v = pt[3]; job->g2 = pt[4]; job->pold = pt[5];
     job->po = pt[6]; job->mo = pt[7]; job->vo = pt[8];
     job->pc = pt[9]; job->dpc = dt[5];
-    job->skip = op == OP_STEP ? (uint8_t *)pt[10] : 0;
+    job->skip = op != OP_UNDO ? (uint8_t *)pt[10] : 0;
     job->sq.fn = (vsqrt_fn)sqrt_fn;
     job->sq.mode = sqrt_mode;
     job->sq.local = (local_threads_fn)sqrt_local;

@@ -23,7 +23,7 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     is computed.
 ``supports(device, param_dtype, state_dtype) -> bool``
 ``CHECKS_FINITE``
-    Whether ``step_many`` takes checked steps (``StepCall.skip``, see :data:`FINITE_CHUNK`).
+    Whether ``step_many`` and ``undo_redo_many`` take checked steps (``skip``, see :data:`FINITE_CHUNK`).
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
 (buffer donation); without it the inputs are left untouched. ``p_copy``, a
@@ -211,10 +211,11 @@ class StepCall(NamedTuple):
     skip: torch.Tensor | None = None
 
 
-# A checked step (``StepCall.skip``, backends whose ``CHECKS_FINITE`` is True): ``skip`` is a contiguous
-# CPU uint8 tensor of ceil(n / FINITE_CHUNK) zeros. The kernel reads each chunk of FINITE_CHUNK elements
-# of the (flat) gradient before stepping it; a chunk with an inf or a nan is left alone (none of its
-# outputs written: p, m, v, out, p_copy) and its flag set to 1. The caller learns whether the step can be
+# A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; backends whose ``CHECKS_FINITE`` is True):
+# ``skip`` is a contiguous CPU uint8 tensor of ceil(n / FINITE_CHUNK) zeros. The kernel reads each chunk of
+# FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
+# writing the chunk; a chunk with an inf or a nan is left alone (none of its outputs written: p, m, v,
+# out, p_copy) and its flag set to 1. The caller learns whether the step can be
 # undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
 # keeping their old values. The tensors must be contiguous.
 FINITE_CHUNK = 4096
@@ -246,10 +247,11 @@ class UndoRedoCall(NamedTuple):
     p_old: torch.Tensor | None = None
     out: Triple | None = None
     p_copy: torch.Tensor | None = None
+    skip: torch.Tensor | None = None  # checked on g_new, see FINITE_CHUNK
 
 
-def refuse_checked_steps(calls: Sequence[StepCall], where: str) -> None:
-    """Raise for a ``StepCall`` with ``skip`` in a backend without checked steps (``CHECKS_FINITE`` False)."""
+def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], where: str) -> None:
+    """Raise for a call with ``skip`` in a backend without checked steps (``CHECKS_FINITE`` False)."""
     for i, c in enumerate(calls):
         if c.skip is not None:
             raise UnsupportedError(f"{where}[{i}]: this backend has no checked step (skip); use a backend whose "
@@ -271,7 +273,8 @@ def one_call_per_block(step: Callable[..., Triple], undo: Callable[..., Triple],
         return [undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy) for c in calls]
 
     def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-        """``undo_redo`` for each block."""
+        """``undo_redo`` for each block (no checked ones: ``skip`` refused)."""
+        refuse_checked_steps(calls, "undo_redo_many")
         return [undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old, out=c.out,
                           p_copy=c.p_copy) for c in calls]
 

@@ -216,7 +216,8 @@ def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
 
 
 def _check_skip(where: str, b: _Block) -> None:
-    """``b.skip`` (a step's finiteness flags) where given: one uint8 per chunk, zeros; contiguous tensors."""
+    """``b.skip`` (the finiteness flags of a step or an undo+redo) where given: one uint8 per chunk, zeros;
+    contiguous tensors."""
     chunks = -(-b.p.numel() // FINITE_CHUNK)
     sk = b.skip
     if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device.type != "cpu" \
@@ -225,23 +226,26 @@ def _check_skip(where: str, b: _Block) -> None:
             else type(sk).__name__
         raise LeafError(f"{where}: skip must be a contiguous CPU uint8 tensor of shape ({chunks},) (one flag per "
                         f"{FINITE_CHUNK} elements), got {desc}")
-    for name, t in (("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("p_copy", b.p_copy),
+    for name, t in (("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("g_new", b.g2), ("p_old", b.p_old),
+                    ("p_copy", b.p_copy),
                     *zip(("p_out", "m_out", "v_out"), b.out or ())):
         if t is not None and not t.is_contiguous():
             raise UnsupportedError(f"{where}: {name} is not contiguous; the finiteness flags (skip) need "
                                    "contiguous tensors")
 
 
-def _reference_checked_step(b: _Block, variant: AdamVariant, s1: AdamScalars) -> Triple:
-    """The checked step (see :func:`step_many`) through the reference math: flags from the gradient, the
-    step of the flagged chunks not written."""
+def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None,
+                        ) -> Triple:
+    """A checked step or undo+redo (see :func:`step_many`) through the reference math: flags from the
+    gradient of the step taken (the new one of an undo+redo), the flagged chunks not written."""
     n = b.p.numel()
-    bad = ~torch.isfinite(b.g.reshape(-1))
+    bad = ~torch.isfinite((b.g2 if op == src.OP_UNDO_REDO else b.g).reshape(-1))
     flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
     b.skip.copy_(flags)
+    unchecked = b._replace(skip=None)
     if not bool(flags.any()):
-        return reference.step(b.p, b.g, b.m, b.v, s1, variant, out=b.out, p_copy=b.p_copy)
-    new = reference.step(b.p, b.g, b.m, b.v, s1, variant)
+        return _reference(op, unchecked, variant, s1, s2)
+    new = _reference(op, unchecked._replace(out=None, p_copy=None), variant, s1, s2)
     keep = (~flags).repeat_interleave(FINITE_CHUNK)[:n]
     targets = b.out if b.out is not None else tuple(torch.empty_like(t) for t in (b.p, b.m, b.v))
     for t, r in zip(targets, new):
@@ -252,8 +256,8 @@ def _reference_checked_step(b: _Block, variant: AdamVariant, s1: AdamScalars) ->
 
 
 def _reference(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None) -> Triple:
-    if op == src.OP_STEP and b.skip is not None:
-        return _reference_checked_step(b, variant, s1)
+    if b.skip is not None:
+        return _reference_checked(op, b, variant, s1, s2)
     if op == src.OP_STEP:
         return reference.step(b.p, b.g, b.m, b.v, s1, variant, out=b.out, p_copy=b.p_copy)
     if op == src.OP_UNDO:
@@ -377,7 +381,8 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
 
 
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo_redo` for each block, in one call of the native code."""
+    """:func:`undo_redo` for each block, in one call of the native code; a block with ``skip`` is checked
+    as in :func:`step_many`, on its new gradient."""
     return undo_redo_many_impl(calls, variant, exact=True)
 
 
@@ -421,6 +426,7 @@ def undo_many_impl(calls: Sequence[UndoCall], variant: AdamVariant, *, exact: bo
 
 def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
     """:func:`undo_redo_many` with the choice of square root (see :func:`step_impl`)."""
-    blocks = [_Block(c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.s_old, c.s_new, c.out, c.p_copy) for c in calls]
+    blocks = [_Block(c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.s_old, c.s_new, c.out, c.p_copy, c.skip)
+              for c in calls]
     return _run_blocks(src.OP_UNDO_REDO, blocks, variant, exact,
                        [f"cpu.undo_redo_many[{i}]" for i in range(len(calls))])

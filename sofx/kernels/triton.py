@@ -512,6 +512,7 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
 
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for every block (as :func:`step_many`)."""
+    refuse_checked_steps(calls, "triton.undo_redo_many")
     for i, c in enumerate(calls):
         _check(_name("undo_redo", calls, i), [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
                                               ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)],
