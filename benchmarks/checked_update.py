@@ -1,4 +1,4 @@
-"""``Adam.update`` without ``grads_finite``: the gradients' finiteness checked in the step, on CPU.
+"""``update`` / ``undo_redo`` without ``grads_finite``: the gradients' finiteness checked in the pass, on CPU.
 
     python benchmarks/checked_update.py            # GPT-2 small's 148 tensors (124M elements), float32
     python benchmarks/checked_update.py --smoke    # tiny shapes: checks that the script runs
@@ -13,6 +13,9 @@ read each chunk of 4096 gradient elements just before stepping it (``StepCall.sk
 - ``checked in the step, an inf in one chunk``: the rare overflow path (that chunk saved and stepped
   afterwards, the leaf's old values recovered for its record);
 
+and ``undo_redo`` of the last step with new gradients (hinted, checked in the fused pass, checked by a pass
+before) or with the step's own gradients and a new ``grad_scale`` (a late clip: not read again);
+
 and ``torch.optim.AdamW(fused=True).step()`` on the same tensors as the anchor. All donated, two threads,
 the variants alternating round by round, medians. Each sofx variant's parameters are checked equal to
 the hinted one's after the run (they took the same steps; exit 1 otherwise).
@@ -21,7 +24,6 @@ the hinted one's after the run (they took the same steps; exit 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import statistics
@@ -37,9 +39,6 @@ import sofx  # noqa: E402
 from _ab import time_alternating  # noqa: E402
 from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py)
 
-_adam = importlib.import_module("sofx.adam")
-
-
 def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bool | None, pass_before: bool,
                  ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
     """(step, params) of ``sofx.adamw(backend="cpu").update`` with donation."""
@@ -54,6 +53,32 @@ def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bo
                                                     grads_finite=hint)
 
     return step, lambda: box["params"]
+
+
+def sofx_redo_variant(values: list[torch.Tensor], grads: list[torch.Tensor], grads2: list[torch.Tensor] | None,
+                      hint: bool | None, pass_before: bool,
+                      ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
+    """(call, params) of ``undo_redo`` of the last step, donated, from a warm state. ``grads2``: each call
+    redoes with the other of ``grads`` / ``grads2`` than the step it undoes (new gradients); None: with the
+    step's own ``grads`` and a new ``grad_scale`` (a late clip)."""
+    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend="cpu")
+    if pass_before:
+        opt._checked_in_step = lambda leaves, *_: [False] * len(leaves)  # type: ignore[method-assign]
+    box = {"params": [v.clone() for v in values], "calls": 0}
+    box["state"] = opt.init(box["params"])
+    for _ in range(2):  # not the first step (whose undo restores zero moments and is not fused)
+        box["params"], box["state"], box["record"] = opt.update(box["params"], grads, box["state"], donate=True,
+                                                                grads_finite=True)
+
+    def call() -> None:
+        box["calls"] += 1
+        odd = box["calls"] % 2
+        new = grads if grads2 is None or not odd else grads2
+        box["params"], box["state"], box["record"] = opt.undo_redo(
+            box["params"], box["state"], box["record"], new, grad_scale=0.5 if odd else 1.0, donate=True,
+            grads_finite=hint)
+
+    return call, lambda: box["params"]
 
 
 def torch_variant(values: list[torch.Tensor], grads: list[torch.Tensor],
@@ -77,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(s, generator=gen) for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
+    grads2 = [torch.randn(s, generator=gen) for s in shapes]
     overflowing = [g.clone() for g in grads]
     big = max(range(len(shapes)), key=lambda k: overflowing[k].numel())
     overflowing[big].view(-1)[overflowing[big].numel() // 2] = float("inf")
@@ -86,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         "sofx update, checked in the step": sofx_variant(values, grads, None, False),
         "sofx update, checked by a pass before": sofx_variant(values, grads, None, True),
         "sofx update, checked in the step, an inf in one chunk": sofx_variant(values, overflowing, None, False),
+        "sofx undo_redo, new gradients, hinted": sofx_redo_variant(values, grads, grads2, True, False),
+        "sofx undo_redo, new gradients, checked in the pass": sofx_redo_variant(values, grads, grads2, None, False),
+        "sofx undo_redo, new gradients, checked by a pass before": sofx_redo_variant(values, grads, grads2, None,
+                                                                                     True),
+        "sofx undo_redo, the step's own gradients, new grad_scale": sofx_redo_variant(values, grads, None, None,
+                                                                                      False),
     }
     times = time_alternating({name: v[0] for name, v in variants.items()}, rounds)
     n = sum(math.prod(s) for s in shapes)
@@ -93,15 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(shapes)} tensors, {n / 1e6:.1f}M elements, float32; {args.threads} threads; "
           f"median of {rounds} rounds; donated")
     print()
-    want = variants["sofx update, hinted (grads_finite=True)"][1]()
-    print("| variant | ms | x torch fused | params equal to the hinted update's |")
+    # the variants that took the same steps as the hinted one of their kind
+    references = {"sofx update": "sofx update, hinted (grads_finite=True)",
+                  "sofx undo_redo, new": "sofx undo_redo, new gradients, hinted"}
+    print("| variant | ms | x torch fused | params equal to the hinted call's |")
     print("|---|---:|---:|---|")
     ok = True
     for name, ts in times.items():
         t = statistics.median(ts)
         same = "-"
-        if name.startswith("sofx") and "inf" not in name:
-            equal = all(torch.equal(a, b) for a, b in zip(variants[name][1](), want))
+        ref = next((r for prefix, r in references.items() if name.startswith(prefix)), None)
+        if ref is not None and "inf" not in name:
+            equal = all(torch.equal(a, b) for a, b in zip(variants[name][1](), variants[ref][1]()))
             ok = ok and equal
             same = "yes" if equal else "NO"
         print(f"| {name} | {t * 1e3:.1f} | {anchor / t:.2f} | {same} |")

@@ -140,11 +140,14 @@ def test_serial_step_script_runs():
 
 
 def test_checked_update_script_runs():
-    """``benchmarks/checked_update.py --smoke``: every variant; the sofx ones took the same steps (the
-    script exits 1 otherwise)."""
+    """``benchmarks/checked_update.py --smoke``: every variant; the sofx ones took the same steps as the
+    hinted one of their kind (the script exits 1 otherwise)."""
     rows = _table_rows("checked_update.py", ["--smoke"], ("| torch", "| sofx"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| torch AdamW(fused=True).step()", "| sofx update, hinted (grads_finite=True)",
         "| sofx update, checked in the step", "| sofx update, checked by a pass before",
-        "| sofx update, checked in the step, an inf in one chunk"]
+        "| sofx update, checked in the step, an inf in one chunk", "| sofx undo_redo, new gradients, hinted",
+        "| sofx undo_redo, new gradients, checked in the pass",
+        "| sofx undo_redo, new gradients, checked by a pass before",
+        "| sofx undo_redo, the step's own gradients, new grad_scale"]
     assert all(row.endswith(("| yes |", "| - |")) for row in rows), rows
