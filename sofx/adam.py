@@ -36,13 +36,12 @@ record may still be undone.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from sofx import tree
+from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import select_backend
@@ -165,7 +164,8 @@ class Adam:
         (default): each gradient is checked. The CPU kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (contiguous leaves
         with ``undo="auto"``; a chunk with an inf or a nan is kept, then
-        stepped, and the leaf's record becomes a snapshot of its old values);
+        stepped, and the leaf's record becomes a snapshot of its old values:
+        :mod:`sofx.skipped_chunks`);
         elsewhere each gradient is read once before the step (on a GPU, all
         of a device's in one pass).
 
@@ -205,8 +205,10 @@ class Adam:
         if flags.any_set():  # a chunk of some gradient is not finite (rare: an overflow)
             for k, skip in enumerate(flags.views):
                 if skip is not None and bool(skip.any()):
-                    records[k] = self._step_skipped_chunks(leaves[k], calls[k], records[k], new_p[k], new_m[k],
-                                                           new_v[k], donate)
+                    leaf = leaves[k]
+                    records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v),
+                                                            calls[k], records[k], (new_p[k], new_m[k], new_v[k]),
+                                                            donate)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
@@ -225,38 +227,6 @@ class Adam:
                        and (copy is None or copy.is_contiguous()))
         return out
 
-    def _step_skipped_chunks(self, leaf: _Leaf, call: StepCall, rec: LeafUndo, p2: torch.Tensor, m2: torch.Tensor,
-                             v2: torch.Tensor, donate: bool) -> LeafUndo:
-        """Finish a checked step whose kernel left chunks alone (``call.skip``: their gradient has an inf
-        or a nan) and return the leaf's record, now a snapshot of its old values (no algebraic inverse
-        exists where the gradient is not finite).
-
-        Without donation the old values are the inputs, untouched. With donation the skipped chunks are
-        still the old values in place; the stepped ones are recovered by the algebraic inverse (as an
-        algebraic undo would recover them) into new tensors. Then the skipped chunks are stepped from
-        their old values, which completes exactly the step an unchecked kernel would have taken."""
-        assert call.skip is not None
-        n = leaf.p.numel()
-        ranges = [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in call.skip.nonzero().flatten().tolist()]
-        kernel = self._kernel(leaf)
-        if donate:
-            p0, m0, v0 = kernel.undo_many([UndoCall(p2, leaf.g, m2, v2, rec.scalars, rec.p_old)], self.variant)[0]
-            for (old, new), (a, b) in itertools.product(((p0, p2), (m0, m2), (v0, v2)), ranges):
-                old.view(-1)[a:b] = new.view(-1)[a:b]
-            if rec.moments_were_zero:
-                m0.zero_()
-                v0.zero_()
-            src = (p2, m2, v2)
-        else:
-            p0, m0, v0 = leaf.p, leaf.m, leaf.v
-            src = (leaf.p, leaf.m, leaf.v)
-        flat = [t.view(-1) for t in (*src, leaf.g, p2, m2, v2)]
-        copy = call.p_copy.view(-1) if call.p_copy is not None else None
-        kernel.step_many([StepCall(flat[0][a:b], flat[3][a:b], flat[1][a:b], flat[2][a:b], rec.scalars,
-                                   (flat[4][a:b], flat[5][a:b], flat[6][a:b]), copy[a:b] if copy is not None else None)
-                          for a, b in ranges], self.variant)
-        return LeafUndo("snapshot", leaf.g, rec.scalars, rec.count_before, p0, m0, v0, "the gradient is not finite")
-
     def _redo_plan(self, leaf: _Leaf, rec: LeafUndo | None, grad_scale: Scalar,
                    finite: bool | None) -> tuple[AdamScalars, str, str] | None:
         """The plan of an undo_redo's new step of ``leaf`` (taken from the undone count; None: no gradient)."""
@@ -264,44 +234,6 @@ class Adam:
             return None
         undone_count = rec.count_before if rec is not None else leaf.count
         return self._plan(leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, finite)
-
-    def _redo_skipped_chunks(self, leaf: _Leaf, call: UndoRedoCall, p2: torch.Tensor, m2: torch.Tensor,
-                             v2: torch.Tensor, donate: bool, count_before: torch.Tensor) -> LeafUndo:
-        """Finish a checked undo+redo whose kernel left chunks alone (``call.skip``: the new gradient has an
-        inf or a nan there) and return the record of the redone step: a snapshot of the undone values.
-
-        Without donation the inputs are untouched: their undo gives exactly the values the fused kernel
-        redid from. With donation the skipped chunks still hold the old step's values (undone here exactly
-        so) and the others the redone ones, whose inverse recovers the undone values for the record (as an
-        algebraic undo would). The skipped chunks are then stepped from their undone values, which
-        completes exactly the undo+redo an unchecked kernel would have done."""
-        assert call.skip is not None
-        n = leaf.p.numel()
-        ranges = [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in call.skip.nonzero().flatten().tolist()]
-        kernel = self._kernel(leaf)
-
-        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.view(-1) if t is not None else None
-
-        if donate:
-            p0, m0, v0 = kernel.undo_many([UndoCall(p2, call.g_new, m2, v2, call.s_new)], self.variant)[0]
-            cur, g_old, p_old = [flat(t) for t in (p2, m2, v2)], flat(call.g_old), flat(call.p_old)
-            olds = kernel.undo_many([UndoCall(cur[0][a:b], g_old[a:b], cur[1][a:b], cur[2][a:b], call.s_old,
-                                              p_old[a:b] if p_old is not None else None) for a, b in ranges],
-                                    self.variant)
-            for (a, b), old in zip(ranges, olds):
-                for whole, part in zip((p0, m0, v0), old):
-                    whole.view(-1)[a:b] = part
-        else:
-            p0, m0, v0 = kernel.undo_many([UndoCall(leaf.p, call.g_old, leaf.m, leaf.v, call.s_old, call.p_old)],
-                                          self.variant)[0]
-        src = [flat(t) for t in (p0, m0, v0)]
-        dst = [flat(t) for t in (p2, m2, v2)]
-        g_new, copy = flat(call.g_new), flat(call.p_copy)
-        kernel.step_many([StepCall(src[0][a:b], g_new[a:b], src[1][a:b], src[2][a:b], call.s_new,
-                                   (dst[0][a:b], dst[1][a:b], dst[2][a:b]), copy[a:b] if copy is not None else None)
-                          for a, b in ranges], self.variant)
-        return LeafUndo("snapshot", leaf.g, call.s_new, count_before, p0, m0, v0, "the gradient is not finite")
 
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                       copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
@@ -425,8 +357,10 @@ class Adam:
         if flags.any_set():  # a chunk of some new gradient is not finite (rare: an overflow)
             for k, sk in enumerate(flags.views):
                 if sk is not None and bool(sk.any()):
-                    records[k] = self._redo_skipped_chunks(leaves[k], calls[k], new_p[k], new_m[k], new_v[k], donate,
-                                                           records[k].count_before)
+                    leaf = leaves[k]
+                    records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v),
+                                                                 calls[k], (new_p[k], new_m[k], new_v[k]), donate,
+                                                                 records[k].count_before)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
