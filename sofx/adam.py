@@ -164,10 +164,9 @@ class Adam:
         (default): each gradient is checked. The CPU kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (contiguous leaves
         with ``undo="auto"``; a chunk with an inf or a nan is kept, then
-        stepped, and the leaf's record becomes a snapshot of its old values:
-        :mod:`sofx.skipped_chunks`);
-        elsewhere each gradient is read once before the step (on a GPU, all
-        of a device's in one pass).
+        stepped, and the leaf's record becomes a snapshot of its old values,
+        see :mod:`sofx.skipped_chunks`); elsewhere each gradient is read once
+        before the step (on a GPU, all of a device's in one pass).
 
         ``param_copies``: a tree with the structure of ``params`` whose leaves
         are ``None`` or tensors of the parameter's shape and device in any
@@ -322,12 +321,15 @@ class Adam:
         # finite), else read before.
         kernels = [self._kernel(leaf) if leaf.g is not None else None for leaf in leaves]
         candidates = self._checked_in_step(leaves, kernels, copies, grads_finite)
-        in_kernel = [c and not k and _fusable(rec, self._redo_plan(leaf, rec, grad_scale, True)) and rec.grad.is_contiguous()
+        assumed = [self._redo_plan(leaf, rec, grad_scale, True) if k or c else None  # planned as if finite
+                   for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
+        in_kernel = [c and not k and _fusable(rec, plan) and rec.grad.is_contiguous()
                      and (rec.p_old is None or rec.p_old.is_contiguous())
-                     for leaf, rec, c, k in zip(leaves, record.leaves, candidates, known)]
+                     for rec, plan, c, k in zip(record.leaves, assumed, candidates, known)]
         skip = [k or c for k, c in zip(known, in_kernel)]
-        finite = [True if sk else f for sk, f in zip(skip, self._gradients_finite(leaves, grads_finite, skip=skip))]
-        plans = [self._redo_plan(leaf, rec, grad_scale, f) for leaf, rec, f in zip(leaves, record.leaves, finite)]
+        finite = self._gradients_finite(leaves, grads_finite, skip=skip)
+        plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f)
+                 for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
         flags = _chunk_flags(leaves, in_kernel)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]

@@ -53,7 +53,8 @@ class NativeLib:
     """The loaded library: ``adam_many`` is the C entry point ``sofx_adam_many`` (any number of blocks in one
     call), ``has_f16`` whether float16 works.
 
-    ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam`` (see :mod:`sofx.kernels._torch_sqrt`);
+    ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam_many`` (see
+    :mod:`sofx.kernels._torch_sqrt`);
     ``vector_loops``: whether this build has the explicit AVX-512 vector loops (the CPU converts bf16 in
     hardware); ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
     in the source: checked here against ``torch.sqrt``); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as

@@ -68,8 +68,8 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                check_block_tensors, concrete_scalars, is_number, kernel_param_copy, write_outputs,
                                write_param_copy)
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "native_available",
-           "bitwise_with_torch", "CHECKS_FINITE"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
+           "native_available", "bitwise_with_torch", "CHECKS_FINITE"]
 
 NAME = "cpu"
 CHECKS_FINITE = True  # step_many takes checked steps (StepCall.skip)
