@@ -17,7 +17,7 @@ import torch
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
-from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
+from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall
 
 from helpers import block_inputs, block_scalars, max_rel_err
 
@@ -365,7 +365,7 @@ def test_without_a_compiler_the_reference_math_runs(tmp_path):
     code = """
 import torch
 from sofx.kernels import cpu, reference
-from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
+from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall
 assert not cpu.native_available()
 g = torch.Generator().manual_seed(0)
 p, gr, m, v = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g)
@@ -427,7 +427,7 @@ def portable_lib(tmp_path_factory):
 @pytest.mark.parametrize("combo", NATIVE_COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
 def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkeypatch):
     """Built without -march=native (software fmaf, the software bf16 rounding, the untiled fused
-    loops) the kernels give the native build's bits."""
+    loops) the kernels give the native build's bits, checked steps included (their pass per chunk)."""
     from sofx.kernels import _cpu_build
 
     lib = portable_lib
@@ -438,18 +438,28 @@ def test_the_portable_build_gives_the_same_bits(combo, portable_lib, rng, monkey
     m[1::9] = 1e-39  # subnormal moments: the hardware bf16 conversion's fix-up
     s = block_scalars(rng, 0.1, 0.5)
     g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
+    bad = g.clone()
+    bad[70000] = float("inf")  # a checked step leaves that chunk alone and flags it
+
+    def checked(backend):  # donated: the skipped chunk keeps its values
+        flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
+        pc, mc, vc = p.clone(), m.clone(), v.clone()
+        return (*backend.step_many([StepCall(pc, bad, mc, vc, s, (pc, mc, vc), skip=flags)], VARIANTS[0])[0], flags)
+
     for backend in (cpu, cpu_fast):
-        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for _ in range(6)]
+        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for _ in range(8)]
         runs = [lambda c: backend.step(p, g, m, v, s, VARIANTS[0], p_copy=c),
                 lambda c: backend.undo(p, g, m, v, s, VARIANTS[1], p_copy=c),
-                lambda c: backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[0], p_copy=c)]
+                lambda c: backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[0], p_copy=c),
+                lambda c: checked(backend)]
         want = [run(c) for run, c in zip(runs, copies)]
         monkeypatch.setattr(_cpu_build, "_loaded", [lib])
-        got = [run(c) for run, c in zip(runs, copies[3:])]
+        got = [run(c) for run, c in zip(runs, copies[4:])]
         monkeypatch.undo()
         for a, b in zip(got, want):
             assert all(torch.equal(x, y) or max_rel_err(x, y) == 0.0 for x, y in zip(a, b))
-        assert all(torch.equal(a, b) for a, b in zip(copies[3:], copies[:3]))  # the copy without AVX-512
+        assert int(got[3][3].sum()) == 1  # the flag of the chunk with the inf
+        assert all(torch.equal(a, b) for a, b in zip(copies[4:7], copies[:3]))  # the copy without AVX-512
     from sofx.kernels.grad_copy import copy_with_sumsq  # and the gradient copy with its sum of squares
 
     dst = [torch.empty(p.shape, dtype=combo[0]) for _ in range(2)]
