@@ -71,6 +71,22 @@ def size_arguments(description: str, rounds: int,
     return args
 
 
+def gpt2_arguments(description: str, argv: Sequence[str] | None = None,
+                   ) -> tuple[argparse.Namespace, list[tuple[int, ...]], int]:
+    """``--rounds`` (9), ``--threads`` (2, applied to torch), ``--smoke`` (tiny shapes, 2 rounds: checks that
+    a script runs): the arguments, GPT-2 small's tensor shapes (tiny ones with ``--smoke``) and the rounds."""
+    from kernels import gpt2_small_shapes  # benchmarks/kernels.py
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds: checks that the script runs")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = gpt2_small_shapes(vocab=40, d=16, layers=1, ctx=8) if args.smoke else gpt2_small_shapes()
+    return args, shapes, 2 if args.smoke else args.rounds
+
+
 def build_variant(source: str):
     """The native library built from ``source`` (a variant of ``sofx.kernels._cpu_build.SOURCE``) in a
     temporary cache, so that the library's own cache is left alone; exits with the reason on failure."""

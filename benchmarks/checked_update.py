@@ -23,7 +23,6 @@ the hinted one's after the run (they took the same steps; exit 1 otherwise).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -36,8 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sofx  # noqa: E402
-from _ab import time_alternating  # noqa: E402
-from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py)
+from _ab import gpt2_arguments, time_alternating  # noqa: E402
 
 def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bool | None, pass_before: bool,
                  ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
@@ -91,14 +89,7 @@ def torch_variant(values: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds: checks that the script runs")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    shapes = gpt2_small_shapes(vocab=40, d=16, layers=1, ctx=8) if args.smoke else gpt2_small_shapes()
-    rounds = 2 if args.smoke else args.rounds
+    args, shapes, rounds = gpt2_arguments(__doc__.split("\n")[0], argv)
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(s, generator=gen) for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
