@@ -223,3 +223,24 @@ def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, dona
                 continue
             scale = float(b.double().abs().max())
             assert float((a.double() - b.double()).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_first_checked_step_with_an_overflow_undoes_to_zero_moments(donate, rng):
+    """The first step from init with an inf in one chunk: the snapshot's moments are exactly the zeros
+    the step started from, the parameters within an algebraic undo's rounding (donated) or exact."""
+    params = {"w": torch.randn(2 * FINITE_CHUNK + 9, generator=rng)}
+    g = torch.randn(params["w"].shape, generator=rng)
+    g[FINITE_CHUNK + 3] = float("inf")
+    opt = sofx.adamw(lr=1e-2, backend="cpu_fast")
+    state = opt.init(params)
+    p1, s1, rec = opt.update(_clone(params), {"w": g}, _clone(state), donate=donate)
+    want = opt.update(_clone(params), {"w": g}, _clone(state), grads_finite=True)
+    assert _same(p1, want[0]) and _same(s1, want[1]) and rec.strategies() == ["snapshot"]
+    p0, s0 = opt.undo(p1, s1, rec)
+    assert torch.equal(s0.mu["w"], state.mu["w"]) and torch.equal(s0.nu["w"], state.nu["w"])
+    assert torch.equal(s0.count["w"], state.count["w"])
+    if donate:
+        assert torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(p0["w"], params["w"])
