@@ -249,23 +249,51 @@ def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(op, name, do
         assert bool((c[~keep] == 7.0).all())
 
 
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("native", [True, False], ids=["native", "no-compiler"])
+def test_checked_step_of_strided_inputs_and_a_copy_the_kernel_does_not_write(name, native, rng, monkeypatch):
+    """Inputs need not be contiguous (they are read through copies); a float64 parameter copy, written
+    after the kernel, gets only the stepped chunks."""
+    from sofx.kernels import _cpu_build
+
+    if not native:
+        monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    backend = BACKENDS[name]
+    s = block_scalars(rng, 0.1)
+    n = 2 * FINITE_CHUNK + 10
+    p, g, m, v = (t[:, 0] for t in block_inputs(rng, (n, 2), torch.float32, torch.float32))
+    g = g.clone()
+    g[FINITE_CHUNK + 1] = float("nan")
+    copy = torch.full((n,), 5.0, dtype=torch.float64)
+    flags = torch.zeros(3, dtype=torch.uint8)
+    got = backend.step_many([StepCall(p, g, m, v, s, None, copy, flags)], AdamVariant())[0]
+    want = backend.step(p, g, m, v, s, AdamVariant())
+    assert flags.tolist() == [0, 1, 0]
+    keep = (flags == 0).repeat_interleave(FINITE_CHUNK)[:n]
+    assert all(torch.equal(a[keep], b[keep]) for a, b in zip(got, want))
+    assert torch.equal(copy[keep], want[0][keep].double()) and bool((copy[~keep] == 5.0).all())
+
+
 def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
     s = block_scalars(rng, 0.1)
     p, g, m, v = block_inputs(rng, 5000, torch.float32, torch.float32)
     ok = torch.zeros(2, dtype=torch.uint8)
+    wide = torch.randn(5000, 2)[:, 0]
     assert cpu.CHECKS_FINITE and cpu_fast.CHECKS_FINITE and not reference.CHECKS_FINITE
     with pytest.raises(UnsupportedError, match=r"step_many\[0\]: this backend has no checked step"):
         reference.step_many([StepCall(p, g, m, v, s, skip=ok)], AdamVariant())
     with pytest.raises(UnsupportedError, match=r"undo_redo_many\[0\]: this backend has no checked step"):
         reference.undo_redo_many([UndoRedoCall(p, m, v, g, s, g, s, skip=ok)], AdamVariant())
-    with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[0\]: g_new is not contiguous"):
-        cpu.undo_redo_many([UndoRedoCall(p, m, v, g, s, torch.randn(5000, 2)[:, 0], s, skip=ok)], AdamVariant())
+    with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[0\]: p_copy is not contiguous"):
+        cpu.undo_redo_many([UndoRedoCall(p, m, v, g, s, g, s, p_copy=wide, skip=ok)], AdamVariant())
     for bad in (torch.zeros(3, dtype=torch.uint8), torch.zeros(2, dtype=torch.int32), [0, 0]):
-        with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous CPU uint8 tensor of shape \(2,\)"):
+        with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous CPU uint8 tensor "
+                                            r"of shape \(2,\)"):
             cpu.step_many([StepCall(p, g, m, v, s, skip=bad)], AdamVariant())
-    wide = torch.randn(5000, 2)[:, 0]
-    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: g is not contiguous"):
-        cpu.step_many([StepCall(p, wide, m, v, s, skip=ok)], AdamVariant())
+    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: m_out is not contiguous"):
+        cpu.step_many([StepCall(p, g, m, v, s, (p, wide, v), skip=ok)], AdamVariant())
+    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: p_out is not contiguous or not of its"):
+        cpu.step_many([StepCall(p, g, m, v, s, (p.double(), m, v), skip=ok)], AdamVariant())
     assert ok.tolist() == [0, 0]
 
 

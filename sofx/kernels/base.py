@@ -217,7 +217,8 @@ class StepCall(NamedTuple):
 # writing the chunk; a chunk with an inf or a nan is left alone (none of its outputs written: p, m, v,
 # out, p_copy) and its flag set to 1. The caller learns whether the step can be
 # undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
-# keeping their old values. The tensors must be contiguous.
+# keeping their old values. What the kernel writes in place must be contiguous (``out`` also in the
+# dtypes of p, m, v; ``p_copy``).
 FINITE_CHUNK = 4096
 
 

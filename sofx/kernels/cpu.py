@@ -217,7 +217,8 @@ def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
 
 def _check_skip(where: str, b: _Block) -> None:
     """``b.skip`` (the finiteness flags of a step or an undo+redo) where given: one uint8 per chunk, zeros;
-    contiguous tensors."""
+    what is written in place (``out``: contiguous, of the dtypes of ``p, m, v``; ``p_copy``: contiguous),
+    so that a skipped chunk's outputs are not touched."""
     chunks = -(-b.p.numel() // FINITE_CHUNK)
     sk = b.skip
     if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device.type != "cpu" \
@@ -226,12 +227,13 @@ def _check_skip(where: str, b: _Block) -> None:
             else type(sk).__name__
         raise LeafError(f"{where}: skip must be a contiguous CPU uint8 tensor of shape ({chunks},) (one flag per "
                         f"{FINITE_CHUNK} elements), got {desc}")
-    for name, t in (("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("g_new", b.g2), ("p_old", b.p_old),
-                    ("p_copy", b.p_copy),
-                    *zip(("p_out", "m_out", "v_out"), b.out or ())):
-        if t is not None and not t.is_contiguous():
-            raise UnsupportedError(f"{where}: {name} is not contiguous; the finiteness flags (skip) need "
-                                   "contiguous tensors")
+    written = [("p_copy", b.p_copy, None)]
+    if b.out is not None:
+        written += zip(("p_out", "m_out", "v_out"), b.out, (b.p.dtype, b.m.dtype, b.v.dtype))
+    for name, t, dtype in written:
+        if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
+            raise UnsupportedError(f"{where}: {name} is not contiguous or not of its input's dtype; a checked step "
+                                   "(skip) writes its outputs in place")
 
 
 def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None,
@@ -247,7 +249,7 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
         return _reference(op, unchecked, variant, s1, s2)
     new = _reference(op, unchecked._replace(out=None, p_copy=None), variant, s1, s2)
     keep = (~flags).repeat_interleave(FINITE_CHUNK)[:n]
-    targets = b.out if b.out is not None else tuple(torch.empty_like(t) for t in (b.p, b.m, b.v))
+    targets = b.out if b.out is not None else tuple(torch.empty(b.p.shape, dtype=t.dtype) for t in (b.p, b.m, b.v))
     for t, r in zip(targets, new):
         t.view(-1)[keep] = r.view(-1)[keep].to(t.dtype)
     if b.p_copy is not None:
@@ -307,12 +309,22 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     if native:
         assert lib is not None
         _call(lib, op, variant, [nb for _, nb in native], exact)
-        for i, nb in native:
+        for (i, nb), b in zip(native, [blocks[i] for i, _ in native]):
             res = write_outputs(nb.targets, nb.out)
             if not nb.copied:
-                write_param_copy(nb.p_copy, res[0])
+                _copy_kept(nb.p_copy, res[0], b.skip)
             results[i] = res
     return results  # type: ignore[return-value]
+
+
+def _copy_kept(p_copy: torch.Tensor | None, p_new: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """``p_copy.copy_(p_new)`` where the kernel did not write the copy itself; of a checked block only the
+    chunks it did not skip."""
+    if p_copy is None or skip is None or not bool(skip.any()):
+        write_param_copy(p_copy, p_new)
+        return
+    keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:p_new.numel()]
+    p_copy.view(-1)[keep] = p_new.reshape(-1)[keep].to(p_copy.dtype)
 
 
 def _empty_results(b: _Block) -> Triple:
