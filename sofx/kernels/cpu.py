@@ -184,25 +184,30 @@ def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib
 def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
     """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed) and the
     tensors it writes (``out``'s own where they fit, else fresh ones)."""
-    p, m, v = b.p, b.m, b.v
-    inputs = (_native_input(p), _native_input(b.g), _native_input(m), _native_input(v))
+    p, g, m, v = _native_input(b.p), _native_input(b.g), _native_input(b.m), _native_input(b.v)
     g2 = _native_input(b.g2) if b.g2 is not None else None
     p_old = _native_input(b.p_old) if b.p_old is not None else None
     pc = kernel_param_copy(b.p_copy, _DTYPE_CODES)
-    targets = []
-    for i, dtype in enumerate((p.dtype, m.dtype, v.dtype)):
-        o = b.out[i] if b.out is not None else None
-        targets.append(o if o is not None and o.dtype == dtype and o.is_contiguous()
-                       else torch.empty(p.shape, dtype=dtype))
-    dtypes = (_DTYPE_CODES[p.dtype], _DTYPE_CODES[inputs[1].dtype], _DTYPE_CODES[m.dtype],
-              _DTYPE_CODES[g2.dtype] if g2 is not None else src.DT_F32,
-              _DTYPE_CODES[p_old.dtype] if p_old is not None else src.DT_F32,
-              _DTYPE_CODES[pc.dtype] if pc is not None else src.DT_F32)
-    ptrs = (*(t.data_ptr() for t in inputs), g2.data_ptr() if g2 is not None else 0,
-            p_old.data_ptr() if p_old is not None else 0, *(t.data_ptr() for t in targets),
-            pc.data_ptr() if pc is not None else 0, b.skip.data_ptr() if b.skip is not None else 0)
-    # The inputs' contiguous copies (if any) stay alive through the tuple below until the call returns.
-    return _Native(dtypes, ptrs, p.numel(), s1, s2, targets + [*inputs, g2, p_old], b.out, b.p_copy,
+    out = b.out
+    dp, ds = p.dtype, m.dtype
+    if out is not None and out[0] is p and out[1] is m and out[2] is v:
+        targets = [p, m, v]  # donation: the inputs themselves, contiguous (the common case, checked cheaply)
+    else:
+        targets = []
+        for i, dtype in enumerate((dp, ds, v.dtype)):
+            o = out[i] if out is not None else None
+            targets.append(o if o is not None and o.dtype == dtype and o.is_contiguous()
+                           else torch.empty(p.shape, dtype=dtype))
+    codes = _DTYPE_CODES
+    dtypes = (codes[dp], codes[g.dtype], codes[ds], codes[g2.dtype] if g2 is not None else src.DT_F32,
+              codes[p_old.dtype] if p_old is not None else src.DT_F32,
+              codes[pc.dtype] if pc is not None else src.DT_F32)
+    ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), g2.data_ptr() if g2 is not None else 0,
+            p_old.data_ptr() if p_old is not None else 0, targets[0].data_ptr(), targets[1].data_ptr(),
+            targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0,
+            b.skip.data_ptr() if b.skip is not None else 0)
+    # The inputs' contiguous copies (if any) stay alive through this list until the call returns.
+    return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], out, b.p_copy,
                    pc is not None)
 
 
