@@ -17,9 +17,10 @@ in one pass over memory: every input is read once and every output written
 once, on ``torch.get_num_threads()`` threads. The list forms (``step_many``,
 ...) run all their blocks in one call of the native code, whose threads share
 the blocks' elements evenly: a model's many small tensors cost one parallel
-region, not one call and region each. ``step_many`` also takes checked steps
-(``StepCall.skip``): the gradient's finiteness is read chunk by chunk in the
-step's pass, for :meth:`sofx.Adam.update`'s undo strategy.
+region, not one call and region each. ``step_many`` and ``undo_redo_many``
+also take checked calls (``skip``): the gradient's finiteness is read chunk by
+chunk in the same pass, for the undo strategy of :meth:`sofx.Adam.update` and
+:meth:`sofx.Adam.undo_redo`.
 
 Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
 which is not always correctly rounded. To give the reference's (and
@@ -72,7 +73,7 @@ __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_m
            "native_available", "bitwise_with_torch", "CHECKS_FINITE"]
 
 NAME = "cpu"
-CHECKS_FINITE = True  # step_many takes checked steps (StepCall.skip)
+CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
 
 _DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

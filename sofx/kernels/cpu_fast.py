@@ -31,7 +31,7 @@ from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCa
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "CHECKS_FINITE"]
 
 NAME = "cpu_fast"
-CHECKS_FINITE = True  # step_many takes checked steps (StepCall.skip)
+CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:

@@ -47,7 +47,7 @@ __all__ = ["step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_man
            "NAME", "CHECKS_FINITE"]
 
 NAME = "reference"
-CHECKS_FINITE = False  # no checked steps (StepCall.skip)
+CHECKS_FINITE = False  # no checked calls (skip)
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:

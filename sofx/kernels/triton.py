@@ -53,7 +53,7 @@ __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_m
            "COMPILE_OPTIONS", "CHECKS_FINITE"]
 
 NAME = "triton"
-CHECKS_FINITE = False  # no checked steps (StepCall.skip): Adam checks CUDA gradients in one batched pass
+CHECKS_FINITE = False  # no checked calls (skip): Adam checks CUDA gradients in one batched pass before
 BLOCK = 1024
 # Compiled exactly as written: Triton fuses a*b + c into one multiply-add by default on GPUs (and
 # leaves plain mul/add free for ptxas to contract), which rounds differently from the reference's
