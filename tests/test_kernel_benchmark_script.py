@@ -1,7 +1,7 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
 ``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
-``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py`` and
-``benchmarks/checked_update.py`` run."""
+``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
+``benchmarks/checked_update.py`` and ``benchmarks/host_overhead.py`` run."""
 
 from __future__ import annotations
 
@@ -151,3 +151,14 @@ def test_checked_update_script_runs():
         "| sofx undo_redo, new gradients, checked by a pass before",
         "| sofx undo_redo, the step's own gradients, new grad_scale"]
     assert all(row.endswith(("| yes |", "| - |")) for row in rows), rows
+
+
+def test_host_overhead_script_runs():
+    """``benchmarks/host_overhead.py --smoke``: every variant prints its time per call and per tensor."""
+    rows = _table_rows("host_overhead.py", ["--smoke"], ("| torch", "| sofx"))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| torch AdamW(fused=True).step()", "| torch AdamW(foreach=True).step()", "| sofx update, cpu, hinted",
+        "| sofx update, cpu, checked in the pass", "| sofx update, cpu_fast, hinted",
+        "| sofx update, cpu_fast, checked in the pass", "| sofx.kernels.cpu.step, one call per tensor"]
+    for row in rows:
+        assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
