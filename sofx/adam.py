@@ -201,13 +201,10 @@ class Adam:
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
-        if flags.any_set():  # a chunk of some gradient is not finite (rare: an overflow)
-            for k, skip in enumerate(flags.views):
-                if skip is not None and bool(skip.any()):
-                    leaf = leaves[k]
-                    records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v),
-                                                            calls[k], records[k], (new_p[k], new_m[k], new_v[k]),
-                                                            donate)
+        for k in flags.flagged():  # a chunk of the leaf's gradient is not finite (rare: an overflow)
+            leaf = leaves[k]
+            records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
+                                                    records[k], (new_p[k], new_m[k], new_v[k]), donate)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
 
@@ -356,13 +353,11 @@ class Adam:
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
-        if flags.any_set():  # a chunk of some new gradient is not finite (rare: an overflow)
-            for k, sk in enumerate(flags.views):
-                if sk is not None and bool(sk.any()):
-                    leaf = leaves[k]
-                    records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v),
-                                                                 calls[k], (new_p[k], new_m[k], new_v[k]), donate,
-                                                                 records[k].count_before)
+        for k in flags.flagged():  # a chunk of the leaf's new gradient is not finite (rare: an overflow)
+            leaf = leaves[k]
+            records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
+                                                         (new_p[k], new_m[k], new_v[k]), donate,
+                                                         records[k].count_before)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
@@ -606,8 +601,11 @@ class _ChunkFlags(NamedTuple):
     buffer: torch.Tensor | None
     views: list[torch.Tensor | None]
 
-    def any_set(self) -> bool:
-        return self.buffer is not None and bool(self.buffer.any())
+    def flagged(self) -> list[int]:
+        """The leaves with a flagged chunk (one read of the buffer when none is)."""
+        if self.buffer is None or not bool(self.buffer.any()):
+            return []
+        return [k for k, view in enumerate(self.views) if view is not None and bool(view.any())]
 
 
 def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags:

@@ -144,7 +144,7 @@ class _Block(NamedTuple):
     s2: AdamScalars | None
     out: Triple | None
     p_copy: torch.Tensor | None
-    skip: torch.Tensor | None = None  # a step's finiteness flags (see step_many)
+    skip: torch.Tensor | None = None  # the finiteness flags of a checked step or undo+redo (see step_many)
 
 
 class _Native(NamedTuple):
@@ -156,8 +156,6 @@ class _Native(NamedTuple):
     s1: ctypes.Array
     s2: ctypes.Array | None
     targets: list[torch.Tensor]
-    out: Triple | None
-    p_copy: torch.Tensor | None
     copied: bool  # the kernel writes p_copy itself
 
 
@@ -208,8 +206,7 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
             targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0,
             b.skip.data_ptr() if b.skip is not None else 0)
     # The inputs' contiguous copies (if any) stay alive through this list until the call returns.
-    return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], out, b.p_copy,
-                   pc is not None)
+    return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], pc is not None)
 
 
 def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
@@ -254,12 +251,11 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     if not bool(flags.any()):
         return _reference(op, unchecked, variant, s1, s2)
     new = _reference(op, unchecked._replace(out=None, p_copy=None), variant, s1, s2)
-    keep = (~flags).repeat_interleave(FINITE_CHUNK)[:n]
+    keep = _kept(b.skip, n)
     targets = b.out if b.out is not None else tuple(torch.empty(b.p.shape, dtype=t.dtype) for t in (b.p, b.m, b.v))
     for t, r in zip(targets, new):
         t.view(-1)[keep] = r.view(-1)[keep].to(t.dtype)
-    if b.p_copy is not None:
-        b.p_copy.view(-1)[keep] = new[0].view(-1)[keep].to(b.p_copy.dtype)
+    _copy_kept(b.p_copy, new[0], b.skip)
     return targets[0], targets[1], targets[2]
 
 
@@ -315,10 +311,11 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     if native:
         assert lib is not None
         _call(lib, op, variant, [nb for _, nb in native], exact)
-        for (i, nb), b in zip(native, [blocks[i] for i, _ in native]):
-            res = write_outputs(nb.targets, nb.out)
+        for i, nb in native:
+            b = blocks[i]
+            res = write_outputs(nb.targets, b.out)
             if not nb.copied:
-                _copy_kept(nb.p_copy, res[0], b.skip)
+                _copy_kept(b.p_copy, res[0], b.skip)
             results[i] = res
     return results  # type: ignore[return-value]
 
@@ -329,8 +326,13 @@ def _copy_kept(p_copy: torch.Tensor | None, p_new: torch.Tensor, skip: torch.Ten
     if p_copy is None or skip is None or not bool(skip.any()):
         write_param_copy(p_copy, p_new)
         return
-    keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:p_new.numel()]
+    keep = _kept(skip, p_new.numel())
     p_copy.view(-1)[keep] = p_new.reshape(-1)[keep].to(p_copy.dtype)
+
+
+def _kept(skip: torch.Tensor, n: int) -> torch.Tensor:
+    """A mask of the ``n`` elements whose chunk ``skip`` does not flag."""
+    return (skip == 0).repeat_interleave(FINITE_CHUNK)[:n]
 
 
 def _empty_results(b: _Block) -> Triple:
