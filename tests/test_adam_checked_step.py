@@ -60,21 +60,33 @@ def _same(a, b) -> bool:
     return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)) for x, y in zip(la, lb))
 
 
+def _trees(leaves: int) -> dict:
+    """The strategies of a checked-step property: up to ``leaves`` leaves of up to 3 chunks and a bit, up to
+    3 non-finite elements each (positions modulo the size), parameter dtype, donation, backend, copies."""
+    return dict(sizes=st.lists(st.integers(1, 3 * FINITE_CHUNK + 50), min_size=1, max_size=leaves),
+                bad=st.lists(st.lists(st.integers(0, 10**6), max_size=3), min_size=leaves, max_size=leaves),
+                pdt=st.sampled_from([torch.float32, torch.bfloat16]), donate=st.booleans(),
+                backend=st.sampled_from(["cpu", "cpu_fast"]),
+                copies=st.sampled_from([None, torch.bfloat16, torch.float64]), seed=st.integers(0, 2**16))
+
+
+def _copies_like(params, dtype):
+    """A function making fresh parameter copies of ``dtype`` (None: no copies); bfloat16 ones are written by
+    the kernel, float64 ones after it."""
+    if dtype is None:
+        return lambda: None
+    return lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=dtype), params)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(sizes=st.lists(st.integers(1, 3 * FINITE_CHUNK + 50), min_size=1, max_size=4),
-       bad=st.lists(st.lists(st.integers(0, 10**6), max_size=3), min_size=4, max_size=4),
-       pdt=st.sampled_from([torch.float32, torch.bfloat16]), donate=st.booleans(),
-       backend=st.sampled_from(["cpu", "cpu_fast"]), copies=st.sampled_from([None, torch.bfloat16, torch.float64]),
-       seed=st.integers(0, 2**16))
+@given(**_trees(4))
 def test_checked_update_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate, backend, copies, seed):
     gen = torch.Generator().manual_seed(seed)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend, state_dtype=torch.float32)
     params, _ = _tree(gen, sizes, pdt, bad)
     params, state = _warm_state(opt, params, gen)
     _, grads = _tree(gen, sizes, pdt, bad)
-    # bfloat16 copies are written by the kernel, float64 ones after it
-    make_copies = (lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=copies), params)) \
-        if copies else (lambda: None)
+    make_copies = _copies_like(params, copies)
     before = (_clone(params), _clone(state))
 
     want_copies = make_copies()
@@ -177,11 +189,7 @@ def test_undo_redo_with_the_records_own_gradient_does_not_read_it(rng, monkeypat
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(sizes=st.lists(st.integers(1, 3 * FINITE_CHUNK + 50), min_size=1, max_size=3),
-       bad=st.lists(st.lists(st.integers(0, 10**6), max_size=3), min_size=3, max_size=3),
-       pdt=st.sampled_from([torch.float32, torch.bfloat16]), donate=st.booleans(),
-       backend=st.sampled_from(["cpu", "cpu_fast"]), copies=st.sampled_from([None, torch.bfloat16, torch.float64]),
-       seed=st.integers(0, 2**16))
+@given(**_trees(3))
 def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate, backend, copies, seed):
     """undo_redo with new gradients, some with an inf or a nan, not hinted: the fused kernel checks them
     (bf16 masters: the redo keeps a parameter snapshot, so it is not fused and its gradient is read
@@ -193,8 +201,7 @@ def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, dona
     params, state = _warm_state(opt, params, gen)
     _, first = _tree(gen, sizes, pdt, [[]] * len(sizes))
     _, new = _tree(gen, sizes, pdt, bad)
-    make_copies = (lambda: sofx.tree.tree_map(lambda p: torch.zeros(p.shape, dtype=copies), params)) \
-        if copies else (lambda: None)
+    make_copies = _copies_like(params, copies)
 
     def stepped():
         return opt.update(_clone(params), first, _clone(state), donate=True, grads_finite=True)
