@@ -178,10 +178,11 @@ class Adam:
         copies = _param_copies(spec, leaves, param_copies)
         _validate_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
-        kernels = [self._kernel(leaf) if leaf.g is not None else None for leaf in leaves]
+        kernels = self._kernels(leaves)
         in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
         finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
-        plans = [self._plan(leaf, grad_scale, True if chk else f) if leaf.g is not None else None
+        memo: dict = {}
+        plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
                  for leaf, f, chk in zip(leaves, finite, in_step)]
         flags = _chunk_flags(leaves, [chk and plan is not None and plan[1] in _INVERTED
                                       for plan, chk in zip(plans, in_step)])
@@ -224,12 +225,14 @@ class Adam:
         return out
 
     def _redo_plan(self, leaf: _Leaf, rec: LeafUndo | None, grad_scale: Scalar,
-                   finite: bool | None) -> tuple[AdamScalars, str, str] | None:
-        """The plan of an undo_redo's new step of ``leaf`` (taken from the undone count; None: no gradient)."""
+                   finite: bool | None, memo: dict | None = None) -> tuple[AdamScalars, str, str] | None:
+        """The plan of an undo_redo's new step of ``leaf`` (taken from the undone count; None: no gradient;
+        ``memo``: see :meth:`_plan`)."""
         if leaf.g is None:
             return None
         undone_count = rec.count_before if rec is not None else leaf.count
-        return self._plan(leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, finite)
+        return self._plan(leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, finite,
+                          memo)
 
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                       copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
@@ -316,16 +319,17 @@ class Adam:
                  for leaf, rec in zip(leaves, record.leaves)]
         # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
         # finite), else read before.
-        kernels = [self._kernel(leaf) if leaf.g is not None else None for leaf in leaves]
+        kernels = self._kernels(leaves)
         candidates = self._checked_in_step(leaves, kernels, copies, grads_finite)
-        assumed = [self._redo_plan(leaf, rec, grad_scale, True) if k or c else None  # planned as if finite
+        memo: dict = {}
+        assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
                    for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
         in_kernel = [c and not k and _fusable(rec, plan) and rec.grad.is_contiguous()
                      and (rec.p_old is None or rec.p_old.is_contiguous())
                      for rec, plan, c, k in zip(record.leaves, assumed, candidates, known)]
         skip = [k or c for k, c in zip(known, in_kernel)]
         finite = self._gradients_finite(leaves, grads_finite, skip=skip)
-        plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f)
+        plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
                  for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
         flags = _chunk_flags(leaves, in_kernel)
         new_p = [leaf.p for leaf in leaves]
@@ -473,14 +477,26 @@ class Adam:
         validated: set[int] = set()  # hparams objects checked already (a group's leaves share one)
         traced = leaf_tracer()
         hp_traced: dict[int, bool] = {}  # per hparams object
+        tensor = torch.Tensor
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
-            _check_param(path, p)
-            if g is not None:
-                _check_like("grads", path, g, p, p.dtype)
+            if type(p) is tensor and type(m) is tensor and type(v) is tensor and (g is None or type(g) is tensor):
+                # The common case in one expression (each attribute read once); the checks below name a problem.
+                dtype, shape, device = p.dtype, p.shape, p.device
+                want_state = self.state_dtype or dtype
+                plain = (dtype.is_floating_point and m.dtype == want_state and v.dtype == want_state
+                         and m.shape == shape and v.shape == shape and m.device == device and v.device == device
+                         and (g is None or (g.dtype == dtype and g.shape == shape and g.device == device)))
+            else:
+                plain = False
+            if not plain:
+                _check_param(path, p)
+                if g is not None:
+                    _check_like("grads", path, g, p, p.dtype)
             steps = _check_count(path, c, traced)
-            want_state = self.state_dtype or p.dtype
-            _check_like("state.mu", path, m, p, want_state)
-            _check_like("state.nu", path, v, p, want_state)
+            if not plain:
+                want_state = self.state_dtype or p.dtype
+                _check_like("state.mu", path, m, p, want_state)
+                _check_like("state.nu", path, v, p, want_state)
             if g is not None and id(hp) not in validated:
                 _validate_hparams(hp, f"hparams for {path}")
                 validated.add(id(hp))
@@ -497,17 +513,42 @@ class Adam:
             return reference_kernels  # runs anywhere; no import machinery for torch.compile to trace
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 
-    def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0,
-              finite: bool | None = None) -> tuple[AdamScalars, str, str]:
+    def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0, finite: bool | None = None,
+              memo: dict | None = None) -> tuple[AdamScalars, str, str]:
         """The step's scalars and the undo strategy for this leaf (raises where refused).
 
         ``finite``: whether the gradient is finite, if known (``None``: read it where the strategy asks).
+        ``memo``: a dict shared by the leaves of one call (one ``grad_scale``): leaves that agree on
+        everything the plan depends on (hparams object, count, finiteness, dtypes) share one plan.
         """
+        key = None
+        if memo is not None and finite is not None and not leaf.traced:
+            key = (id(leaf.hp), leaf.steps, finite, leaf.p.dtype, leaf.m.dtype)  # the leaves hold the hparams
+            plan = memo.get(key)
+            if plan is not None:
+                return plan
         hp = leaf.hp
         t = leaf.steps + 1
         scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
         strategy, reason = self._choose_strategy(leaf, scalars, finite)
+        if key is not None:
+            memo[key] = scalars, strategy, reason
         return scalars, strategy, reason
+
+    def _kernels(self, leaves: Sequence[_Leaf]) -> list[Any]:
+        """:meth:`_kernel` of each leaf with a gradient (None for the others), chosen once per kind of leaf."""
+        chosen: dict[tuple, Any] = {}
+        out = []
+        for leaf in leaves:
+            if leaf.g is None:
+                out.append(None)
+                continue
+            key = (leaf.traced, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
+            kernel = chosen.get(key)
+            if kernel is None:
+                kernel = chosen[key] = self._kernel(leaf)
+            out.append(kernel)
+        return out
 
     def _choose_strategy(self, leaf: _Leaf, s: AdamScalars, finite: bool | None = None) -> tuple[str, str]:
         if self.undo_mode == "exact":

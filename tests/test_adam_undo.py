@@ -445,6 +445,22 @@ def test_batched_finiteness_check_agrees_with_the_per_leaf_one():
     assert adam_module._finite_flags([], batched=True) == []
 
 
+@pytest.mark.parametrize("hint", [True, None])
+def test_leaves_sharing_hparams_and_count_keep_their_own_strategy(hint):
+    """Plans are shared by leaves alike in hparams, count, finiteness and dtypes only: a bf16 master beside
+    float32 ones (one group, one count) gets its parameter snapshot, and leaves of other counts their t."""
+    gen = torch.Generator().manual_seed(5)
+    params = {"a": torch.randn(40, generator=gen), "b": torch.randn(40, generator=gen).to(torch.bfloat16),
+              "c": torch.randn(40, generator=gen)}
+    grads = {k: torch.randn(40, generator=gen).to(v.dtype) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32)
+    state = opt.init(params)
+    state = state._replace(count={**state.count, "c": torch.tensor(7)})
+    _, _, record = opt.update(params, grads, state, grads_finite=hint)
+    assert record.strategies() == ["algebraic", "param_snapshot", "algebraic"]
+    assert [rec.scalars.step for rec in record.leaves] == [1, 1, 8]
+
+
 def test_leaves_of_several_backends_in_one_update(rng):
     """float64 leaves go to the reference backend, float32 ones to the native kernels, bf16 params to
     the native kernels with snapshots (bf16 states): one update / undo_redo / undo hands each backend its leaves at

@@ -64,6 +64,21 @@ def test_adam_uses_the_selected_backend(rng):
     assert max_rel_err(results["cpu_fast"]["b"].float(), results["reference"]["b"].float()) <= 1e-2
 
 
+def test_each_leaf_of_a_tree_is_refused_by_its_own_kind(rng):
+    """The backend is chosen once per kind of leaf (device, dtypes, traced): a leaf that the named backend
+    cannot take is refused even after leaves it can take, and nothing is written."""
+    a = torch.randn(5, generator=rng)
+    for other, match in ((torch.randn(3, generator=rng, dtype=torch.float64), r"does not support .*float64"),
+                         (torch.randn(3, generator=rng).requires_grad_(), r"params\['b'\].*cannot run under")):
+        params = {"a": a.clone(), "b": other}
+        opt = sofx.adamw(lr=1e-2, backend="cpu")
+        state = opt.init({"a": a, "b": other.detach()})
+        grads = {"a": torch.randn(5, generator=rng), "b": torch.randn(3, generator=rng, dtype=other.dtype)}
+        with pytest.raises(UnsupportedError, match=match):
+            opt.update(params, grads, state, donate=True, grads_finite=True)
+        assert torch.equal(params["a"], a)
+
+
 _WITHOUT_TRITON = r"""
 import importlib.abc, sys
 

@@ -8,6 +8,7 @@ and the fallback when no compiler is available.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -359,6 +360,33 @@ def test_supports():
     assert not cpu.supports("cpu", torch.float64, torch.float64)
     assert not cpu.supports("meta", torch.float32, torch.float32)
     assert cpu_fast.supports("cpu", torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_blocks_the_native_code_cannot_take_run_the_reference(name, rng, monkeypatch):
+    """Moments of two dtypes, and float16 on a build without ``_Float16``: the reference's results (the C
+    entry reads one state dtype, and no float16 there), beside a native block of the same call."""
+    backend = BACKENDS[name]
+    s, variant = block_scalars(rng, 0.1), VARIANTS[0]
+    p, g, m, v = block_inputs(rng, 4099, torch.float32, torch.float32)
+    mixed = StepCall(p, g, m, v.to(torch.bfloat16), s)
+    plain = StepCall(*block_inputs(rng, 4099, torch.float32, torch.float32), s)
+    got = backend.step_many([mixed, plain], variant)
+    want = [reference.step(c.p, c.g, c.m, c.v, s, variant) for c in (mixed, plain)]
+    for a, b in zip(got[0], want[0]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    _assert_close(got[1], want[1], _is_exact(backend))
+    lib = cpu._cpu_build.load()
+    without_f16 = dataclasses.replace(lib, has_f16=False)
+    monkeypatch.setattr(cpu._cpu_build, "load", lambda: without_f16)
+    half = StepCall(*block_inputs(rng, 4099, torch.float16, torch.float32), s)
+    want = reference.step(half.p, half.g, half.m, half.v, s, variant)
+    taken = []  # the blocks the reference computed (this build has float16: the results alone cannot tell)
+    step = reference.step
+    monkeypatch.setattr(reference, "step", lambda *a, **k: taken.append(a[0]) or step(*a, **k))
+    for a, b in zip(backend.step_many([half], variant)[0], want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert len(taken) == 1 and taken[0] is half.p
 
 
 def test_without_a_compiler_the_reference_math_runs(tmp_path):

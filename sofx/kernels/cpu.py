@@ -77,6 +77,7 @@ CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
 
 _DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_F16_FREE_CODES = {d: c for d, c in _DTYPE_CODES.items() if d != torch.float16}  # a build without _Float16
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
@@ -209,6 +210,36 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
     return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], pc is not None)
 
 
+def _plain_native(b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ctypes.Array | None,
+                  ) -> _Native | None:
+    """The C entry's view of ``b`` when it is the common case, else None (the block then goes through the
+    checks and :func:`_prepare`): every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype
+    ``lib`` reads, states of one storage dtype, ``out`` None or the inputs themselves (donation), ``skip``
+    (if any) a contiguous uint8 vector of one flag per chunk, and at least one element. What this accepts
+    passes every check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry."""
+    p, g, m, v, g2, p_old, pc, out, sk = b.p, b.g, b.m, b.v, b.g2, b.p_old, b.p_copy, b.out, b.skip
+    codes = _DTYPE_CODES if lib.has_f16 else _F16_FREE_CODES
+    shape = p.shape
+    for t in (p, g, m, v, g2, p_old, pc):
+        if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
+                                  and t.is_contiguous()):
+            return None
+    n = p.numel()
+    if n == 0 or m.dtype != v.dtype or not (out is None or (type(out) is tuple and len(out) == 3 and out[0] is p
+                                                             and out[1] is m and out[2] is v)):
+        return None
+    if sk is not None and not (type(sk) is torch.Tensor and sk.dtype == torch.uint8 and sk.is_cpu
+                               and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()):
+        return None
+    targets = [p, m, v] if out is not None else [torch.empty(shape, dtype=t.dtype) for t in (p, m, v)]
+    dtypes = (codes[p.dtype], codes[g.dtype], codes[m.dtype], codes[g2.dtype] if g2 is not None else src.DT_F32,
+              codes[p_old.dtype] if p_old is not None else src.DT_F32, codes[pc.dtype] if pc is not None else src.DT_F32)
+    ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), g2.data_ptr() if g2 is not None else 0,
+            p_old.data_ptr() if p_old is not None else 0, targets[0].data_ptr(), targets[1].data_ptr(),
+            targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0, sk.data_ptr() if sk is not None else 0)
+    return _Native(dtypes, ptrs, n, s1, s2, targets, pc is not None)
+
+
 def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
     if op == src.OP_STEP:
         return [("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("p_copy", b.p_copy)]
@@ -280,29 +311,45 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     """
     lib = _cpu_build.load()
     memo: dict[tuple[AdamScalars, AdamVariant], ctypes.Array | None] = {}  # a group's blocks share scalars
+    seen: dict[int, tuple[AdamScalars, ctypes.Array | None]] = {}  # by id: the blocks hold the objects
 
-    def scalar_block(s: AdamScalars) -> ctypes.Array | None:
-        key = (s, variant)
-        if key not in memo:
-            memo[key] = _scalar_block(s, variant)
-        return memo[key]
+    def scalars(s: AdamScalars, undone: bool, restoring_param: bool) -> tuple[AdamScalars, ctypes.Array | None]:
+        """``s`` with numbers read, checked where it is undone, and its C block (None: not all numbers)."""
+        key = id(s), undone, restoring_param
+        if key not in seen:
+            sc = concrete_scalars(s)
+            if undone:
+                reference._check_invertible(sc, variant, restoring_param)
+            if lib is None:
+                seen[key] = sc, None
+            else:
+                value_key = (sc, variant)
+                if value_key not in memo:
+                    memo[value_key] = _scalar_block(sc, variant)
+                seen[key] = sc, memo[value_key]
+        return seen[key]
 
-    plans: list[tuple[AdamScalars, AdamScalars | None, _cpu_build.NativeLib | None]] = []
+    plans: list[tuple[AdamScalars, AdamScalars | None, ctypes.Array | None, ctypes.Array | None,
+                      _Native | None]] = []
     for b, name in zip(blocks, where):
-        _check(name, _named(op, b), b.p, b.out)
-        if b.skip is not None:
-            _check_skip(name, b)
-        s1 = concrete_scalars(b.s1)
-        s2 = concrete_scalars(b.s2) if b.s2 is not None else None
-        if op != src.OP_STEP:
-            reference._check_invertible(s1, variant, b.p_old is not None)
-        plans.append((s1, s2, _native(b, lib)))
+        s1, c1 = scalars(b.s1, op != src.OP_STEP, b.p_old is not None)
+        s2, c2 = scalars(b.s2, False, False) if b.s2 is not None else (None, None)
+        fast = None
+        if lib is not None and c1 is not None and (s2 is None or c2 is not None):
+            fast = _plain_native(b, lib, c1, c2)
+        if fast is None:
+            _check(name, _named(op, b), b.p, b.out)
+            if b.skip is not None:
+                _check_skip(name, b)
+            if _native(b, lib) is None:
+                c1 = c2 = None
+        plans.append((s1, s2, c1, c2, fast))
     results: list[Triple | None] = [None] * len(blocks)
     native: list[tuple[int, _Native]] = []
-    for i, (b, (s1, s2, blib)) in enumerate(zip(blocks, plans)):
-        c1 = scalar_block(s1) if blib is not None else None
-        c2 = scalar_block(s2) if blib is not None and s2 is not None else None
-        if c1 is None or (s2 is not None and c2 is None):
+    for i, (b, (s1, s2, c1, c2, fast)) in enumerate(zip(blocks, plans)):
+        if fast is not None:
+            native.append((i, fast))
+        elif c1 is None or (s2 is not None and c2 is None):
             results[i] = _reference(op, b, variant, s1, s2)
         elif b.p.numel() == 0:
             results[i] = _empty_results(b)
