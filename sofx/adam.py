@@ -230,9 +230,11 @@ class Adam:
         ``memo``: see :meth:`_plan`)."""
         if leaf.g is None:
             return None
-        undone_count = rec.count_before if rec is not None else leaf.count
-        return self._plan(leaf._replace(count=undone_count, steps=as_number(undone_count)), grad_scale, finite,
-                          memo)
+        if rec is None:
+            return self._plan(leaf, grad_scale, finite, memo)
+        t = rec.scalars.step  # the undone step's t: count_before + 1 (read from the record, not the tensor)
+        steps = t - 1 if type(t) is int else as_number(rec.count_before)
+        return self._plan(leaf, grad_scale, finite, memo, steps)
 
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                       copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
@@ -514,21 +516,24 @@ class Adam:
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 
     def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0, finite: bool | None = None,
-              memo: dict | None = None) -> tuple[AdamScalars, str, str]:
+              memo: dict | None = None, steps: Any = None) -> tuple[AdamScalars, str, str]:
         """The step's scalars and the undo strategy for this leaf (raises where refused).
 
         ``finite``: whether the gradient is finite, if known (``None``: read it where the strategy asks).
         ``memo``: a dict shared by the leaves of one call (one ``grad_scale``): leaves that agree on
         everything the plan depends on (hparams object, count, finiteness, dtypes) share one plan.
+        ``steps``: the count the step starts from, if not ``leaf.steps`` (an undo_redo's redo).
         """
+        if steps is None:
+            steps = leaf.steps
         key = None
         if memo is not None and finite is not None and not leaf.traced:
-            key = (id(leaf.hp), leaf.steps, finite, leaf.p.dtype, leaf.m.dtype)  # the leaves hold the hparams
+            key = (id(leaf.hp), steps, finite, leaf.p.dtype, leaf.m.dtype)  # the leaves hold the hparams
             plan = memo.get(key)
             if plan is not None:
                 return plan
         hp = leaf.hp
-        t = leaf.steps + 1
+        t = steps + 1
         scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
         strategy, reason = self._choose_strategy(leaf, scalars, finite)
         if key is not None:
