@@ -1,7 +1,7 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
 ``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
-``benchmarks/checked_update.py`` and ``benchmarks/host_overhead.py`` run."""
+``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py`` and ``benchmarks/triton_host.py`` run."""
 
 from __future__ import annotations
 
@@ -160,5 +160,17 @@ def test_host_overhead_script_runs():
         "| torch AdamW(fused=True).step()", "| torch AdamW(foreach=True).step()", "| sofx update, cpu, hinted",
         "| sofx update, cpu, checked in the pass", "| sofx update, cpu_fast, hinted",
         "| sofx update, cpu_fast, checked in the pass", "| sofx.kernels.cpu.step, one call per tensor"]
+    for row in rows:
+        assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
+
+
+def test_triton_host_script_runs():
+    """``benchmarks/triton_host.py --smoke``: the Triton backend's host work with no-op launches, every row."""
+    pytest.importorskip("triton")
+    rows = _table_rows("triton_host.py", ["--smoke"], ("| triton", "| adamw", "| the same"))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| triton.step, one call per tensor", "| triton.step_many, all tensors", "| triton.undo_redo_many, all tensors",
+        "| adamw(backend='triton').update(..., grads_finite=True)",
+        "| the same update, then undo_redo(new grads, grads_finite=True)"]
     for row in rows:
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row

@@ -251,7 +251,7 @@ else:
                 assert [t.data_ptr() for t in g_] == [t.data_ptr() for t in (p, m, v)]
             assert torch.equal(c, g_[0].to(torch.bfloat16))
 
-    def test_many_blocks_checks_every_block_before_running_any(rng):
+    def test_many_blocks_checks_every_block_before_running_any(rng, monkeypatch):
         variant = AdamVariant()
         blocks = _many_blocks(rng)[:4]
         s = block_scalars(rng, 0.1)
@@ -265,6 +265,19 @@ else:
                       for i, b in enumerate(blocks)]
         with pytest.raises(UnsupportedError, match="beta2 == 0"):
             tk.undo_many(undo_calls, variant)
+        # after blocks that passed, a block of the same kind with an out of another shape, and one of a kind
+        # the backend refuses (its plain tensors alone do not let it through)
+        calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
+        q, mq, vq = (torch.empty(b.shape[0] + 1, dtype=b.dtype) for b in (p, m, v))
+        calls[3] = StepCall(p, g, m, v, s, out=(q, mq, vq))
+        with pytest.raises(LeafError, match=r"triton\.step_many\[3\]: p_out has shape"):
+            tk.step_many(calls, variant)
+        supports = tk.supports
+        monkeypatch.setattr(tk, "supports", lambda device, pd, sd: pd != torch.bfloat16 and supports(device, pd, sd))
+        hp, hg, hm, hv = block_inputs(rng, 48, torch.bfloat16, torch.float32)
+        with pytest.raises(UnsupportedError, match=r"triton\.step_many\[4\]: .*param dtype torch.bfloat16"):
+            tk.step_many(calls[:3] + [StepCall(p, g, m, v, s, out=(p, m, v)),
+                                      StepCall(hp, hg, hm, hv, s, out=(hp, hm, hv))], variant)
         for b, old in zip(blocks, before):
             assert all(torch.equal(a, o) for a, o in zip(b, old))
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 from types import MappingProxyType
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -326,7 +326,10 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 class _Operands(NamedTuple):
     """One block's launch: its tensors contiguous in the kernel's pointer order (``_ROW_SLOTS``; an absent
     one is ``p`` again), their addresses and element sizes, the element count, the result targets, the
-    kernel-written copy and the caller's ``out``."""
+    kernel-written copy and the caller's ``out``; ``layout``: its tensors' dtypes and misalignments within
+    an element (blocks launched together must agree); ``aligned``: whether the multi-tensor kernel may take
+    it as ``ALIGNED``: 16 | n, and every pointer a multiple of 16 elements (so every offset between two
+    blocks' pointers is one too)."""
 
     arrays: tuple[torch.Tensor, ...]
     ptrs: tuple[int, ...]
@@ -336,6 +339,8 @@ class _Operands(NamedTuple):
     pc: torch.Tensor | None
     out: Sequence[torch.Tensor] | None
     p_copy: torch.Tensor | None
+    layout: tuple
+    aligned: bool
 
 
 def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
@@ -343,19 +348,36 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
               p_copy: torch.Tensor | None) -> _Operands:
     """Results go to ``out`` (or fresh tensors), via contiguous temporaries where needed; ``p_copy`` is
     written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
-    targets = []
-    for i, like in enumerate((p, m, v)):
-        o = out[i] if out is not None else None
-        if o is not None and o.dtype == like.dtype and o.is_contiguous():
-            targets.append(o)
-        else:
-            targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
+    cp, cg, cm, cv = _contiguous(p), _contiguous(g), _contiguous(m), _contiguous(v)
+    ip, ig, im, iv = _address(cp), _address(cg), _address(cm), _address(cv)
+    if out is not None and out[0] is p and out[1] is m and out[2] is v and cp is p and cm is m and cv is v:
+        targets, it = [p, m, v], (ip, im, iv)  # donation: the inputs themselves (the common case, cheaply)
+    else:
+        targets = []
+        for i, like in enumerate((p, m, v)):
+            o = out[i] if out is not None else None
+            if o is not None and o.dtype == like.dtype and o.is_contiguous():
+                targets.append(o)
+            else:
+                targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
+        it = tuple(_address(t) for t in targets)
     pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
-    cp, cg = _contiguous(p), _contiguous(g)
-    arrays = (cp, cg, _contiguous(m), _contiguous(v), _contiguous(g2) if g2 is not None else cg,
-              _contiguous(p_old) if p_old is not None else cp, *targets, pc if pc is not None else cp)
-    return _Operands(arrays, tuple(a.data_ptr() for a in arrays), tuple(a.element_size() for a in arrays),
-                     p.numel(), targets, pc, out, p_copy)
+    c2 = _contiguous(g2) if g2 is not None else cg
+    co = _contiguous(p_old) if p_old is not None else cp
+    arrays = (cp, cg, cm, cv, c2, co, *targets, pc if pc is not None else cp)
+    # An absent tensor's slot holds p (or g) again: its address is not asked twice (every tensor of every step).
+    info = (ip, ig, im, iv, _address(c2) if g2 is not None else ig, _address(co) if p_old is not None else ip,
+            *it, _address(pc) if pc is not None else ip)
+    n = p.numel()
+    return _Operands(arrays, tuple([a[0] for a in info]), tuple([a[1] for a in info]), n, targets, pc, out, p_copy,
+                     tuple([a[2] for a in info]), n % VECTOR_MULTIPLE == 0 and all([a[3] for a in info]))
+
+
+def _address(t: torch.Tensor) -> tuple[int, int, tuple[torch.dtype, int], bool]:
+    """``t``'s address, element size, (dtype, misalignment within an element) and whether the address is a
+    multiple of 16 elements."""
+    ptr, size = t.data_ptr(), t.element_size()
+    return ptr, size, (t.dtype, ptr % size), ptr % (VECTOR_MULTIPLE * size) == 0
 
 
 def _finish(ops: _Operands) -> Triple:
@@ -382,19 +404,21 @@ def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepA
     that at launch): the last n % 16 elements, if any, get a launch of their own (16-element offsets
     keep the pointers 16-byte aligned)."""
     n = ops.n
-    flat = [a.view(-1) for a in ops.arrays]
     head = n - n % VECTOR_MULTIPLE
+    constexprs = _constexprs(op, ops, has_p_old)
     for start, count in ((0, head), (head, n - head)):
-        if count:
-            _adam_kernel[(_programs(count),)](*(a[start:] for a in flat), count, *u, *st,
-                                              **_constexprs(op, ops, has_p_old))
+        if count:  # the kernel takes the tensors' addresses: the arrays themselves from element 0
+            arrays = ops.arrays if start == 0 else _from(ops.arrays, start)
+            _adam_kernel[(_programs(count),)](*arrays, count, *u, *st, **constexprs)
 
 
-def _aligned(ops: _Operands) -> bool:
-    """Whether the multi-tensor kernel may take this block as ``ALIGNED``: 16 | n, and every pointer a
-    multiple of 16 elements (so every offset between two blocks' pointers is one too)."""
-    return ops.n % VECTOR_MULTIPLE == 0 and all(ptr % (VECTOR_MULTIPLE * size) == 0
-                                                for ptr, size in zip(ops.ptrs, ops.sizes))
+def _from(arrays: Sequence[torch.Tensor], start: int) -> list[torch.Tensor]:
+    """Each of ``arrays`` (contiguous) from element ``start`` on; a tensor in several slots is sliced once."""
+    sliced: dict[int, torch.Tensor] = {}
+    for a in arrays:
+        if id(a) not in sliced:
+            sliced[id(a)] = a.view(-1)[start:]
+    return [sliced[id(a)] for a in arrays]
 
 
 def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bool, u: _UndoArgs,
@@ -404,14 +428,14 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     map is expanded on the device."""
     base, sizes = group[0].ptrs, group[0].sizes
     count = len(group)
-    table = np.empty((count, _ROW_WIDTH + 1), dtype=np.int64)
+    rows = []
     first = 0
-    for row, ops in zip(table, group):  # [first program, n, the offsets..., the tensor's program count]
+    for ops in group:  # [first program, n, the offsets..., the tensor's program count]
         programs = _programs(ops.n)
-        row[:] = (first, ops.n, *((ptr - b) // size for ptr, b, size in zip(ops.ptrs, base, sizes)), programs)
+        rows.append([first, ops.n, *[(ptr - b) // size for ptr, b, size in zip(ops.ptrs, base, sizes)], programs])
         first += programs
     device = group[0].arrays[0].device
-    host = torch.from_numpy(table)
+    host = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(count, _ROW_WIDTH + 1))
     if device.type == "cuda":
         host = host.pin_memory()
     on_device = host.to(device, non_blocking=True)
@@ -431,12 +455,13 @@ def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
     for i, (ops, b) in enumerate(zip(prepared, blocks)):
         if ops.n == 0:
             continue
-        # same dtypes, and addresses that differ by whole elements (the kernel adds element offsets)
-        layout = tuple((a.dtype, ptr % size) for a, ptr, size in zip(ops.arrays, ops.ptrs, ops.sizes))
-        key = (ops.arrays[0].device, b[5] is not None, ops.pc is not None, layout, u[i], st[i], _aligned(ops))
+        # same dtypes, and addresses that differ by whole elements (the kernel adds element offsets); the
+        # scalars' arguments by identity (the caller derives one object per distinct scalars)
+        key = (ops.arrays[0].device, b[5] is not None, ops.pc is not None, ops.layout, id(u[i]), id(st[i]),
+               ops.aligned)
         groups.setdefault(key, []).append(i)
-    for (device, has_p_old, _, _, ui, sti, aligned), members in groups.items():
-        ui, sti = ui or _NO_UNDO, sti or _NO_STEP
+    for (device, has_p_old, _, _, _, _, aligned), members in groups.items():
+        ui, sti = u[members[0]] or _NO_UNDO, st[members[0]] or _NO_STEP
         with _on(device):  # Triton launches on the current device
             if len(members) == 1 or _capturing(device):  # a graph would replay the table's host buffer
                 for i in members:
@@ -487,10 +512,8 @@ def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
     checked before anything runs."""
     refuse_checked_steps(calls, "triton.step_many")
-    for i, c in enumerate(calls):
-        _check(_name("step", calls, i), [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p,
-               c.out)
-    scalars = [concrete_scalars(c.s) for c in calls]
+    _check_calls("step", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
+    scalars = _concrete([c.s for c in calls])
     return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
                       lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy),
                       lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
@@ -498,12 +521,9 @@ def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
 
 def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for every block (as :func:`step_many`)."""
-    for i, c in enumerate(calls):
-        _check(_name("undo", calls, i), [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
-                                         ("p_copy", c.p_copy)], c.p, c.out)
-    scalars = [concrete_scalars(c.s) for c in calls]
-    for c, s in zip(calls, scalars):
-        reference._check_invertible(s, variant, c.p_old is not None)
+    _check_calls("undo", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
+                                           ("p_copy", c.p_copy)])
+    scalars = _concrete([c.s for c in calls], variant, [c.p_old is not None for c in calls])
     return _by_kernel(_OP_UNDO, calls, scalars, [None] * len(calls), variant,
                       lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy),
                       lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
@@ -513,18 +533,57 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for every block (as :func:`step_many`)."""
     refuse_checked_steps(calls, "triton.undo_redo_many")
-    for i, c in enumerate(calls):
-        _check(_name("undo_redo", calls, i), [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
-                                              ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)],
-               c.p, c.out)
-    olds = [concrete_scalars(c.s_old) for c in calls]
-    news = [concrete_scalars(c.s_new) for c in calls]
-    for c, s in zip(calls, olds):
-        reference._check_invertible(s, variant, c.p_old is not None)
+    _check_calls("undo_redo", calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
+                                                ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
+    olds = _concrete([c.s_old for c in calls], variant, [c.p_old is not None for c in calls])
+    news = _concrete([c.s_new for c in calls])
     return _by_kernel(_OP_UNDO_REDO, calls, olds, news, variant,
                       lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
                                                             p_old=c.p_old, out=c.out, p_copy=c.p_copy))
+
+
+def _check_calls(what: str, calls: Sequence, named: Callable[[Any], list[tuple[str, torch.Tensor | None]]]) -> None:
+    """Every call checked (:func:`_check` on ``named(call)``, its tensors by name) before anything runs. A
+    call whose tensors are plain tensors of ``p``'s shape and device in storage dtypes, with ``out`` None or
+    the inputs themselves, passes once a call of its device and dtypes has passed the full check."""
+    supported: set[tuple] = set()  # (device, param dtype, state dtype) that passed the full check
+    for i, c in enumerate(calls):
+        tensors = named(c)
+        p = c.p
+        if type(p) is torch.Tensor and (p.device, p.dtype, c.m.dtype) in supported \
+                and _plain(tensors, p, c.m, c.v, c.out):
+            continue
+        _check(_name(what, calls, i), tensors, p, c.out)
+        supported.add((p.device, p.dtype, c.m.dtype))
+
+
+def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+           out: Sequence[torch.Tensor] | None) -> bool:
+    """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors`)."""
+    device, shape = p.device, p.shape
+    for _, t in tensors:
+        if t is not None and not (type(t) is torch.Tensor and t.dtype in _STORAGE_DTYPES and t.shape == shape
+                                  and t.device == device):
+            return False
+    return out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)
+
+
+def _concrete(scalars: Sequence[AdamScalars], variant: AdamVariant | None = None,
+              restoring_param: Sequence[bool] | None = None) -> list[AdamScalars]:
+    """:func:`concrete_scalars` of each (once per object: a group's blocks share theirs); with ``variant``,
+    each checked as an undo's (``restoring_param[i]``: block i restores p from ``p_old``)."""
+    done: dict[tuple[int, bool], AdamScalars] = {}
+    out = []
+    for i, s in enumerate(scalars):
+        restoring = restoring_param[i] if restoring_param is not None else False
+        key = (id(s), restoring)
+        if key not in done:
+            done[key] = concrete_scalars(s)
+            if variant is not None:
+                reference._check_invertible(done[key], variant, restoring)
+        out.append(done[key])
+    return out
 
 
 def _name(op: str, calls: Sequence, i: int) -> str:
@@ -538,20 +597,26 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
     """The calls whose scalars are all numbers through the kernels (``block(call, s_undo, s_step)``: the
     launch operands), the others (0-d tensors that cannot be read on the host) through ``fallback``, in
     the calls' order. Kernel arguments are derived once per distinct scalars."""
-    derived: dict[tuple, tuple[_UndoArgs | None, _StepArgs | None]] = {}
+    derived: dict[tuple, tuple[_UndoArgs | None, _StepArgs | None] | None] = {}  # None: not all numbers
+    by_id: dict[tuple[int, int], tuple[_UndoArgs | None, _StepArgs | None] | None] = {}  # the same, by identity
     results: list[Triple | None] = [None] * len(calls)
     launch, u_args, s_args = [], [], []
     for i, (c, su, ss) in enumerate(zip(calls, undo_scalars, step_scalars)):
-        if (su is not None and not _numbers(su)) or (ss is not None and not _numbers(ss)):
+        ids = (id(su), id(ss))  # the lists hold the objects
+        if ids not in by_id:
+            key = (su, ss)
+            if key not in derived:
+                numbers = (su is None or _numbers(su)) and (ss is None or _numbers(ss))
+                derived[key] = (_undo_args(su, variant) if su is not None else None,
+                                _step_args(ss, variant) if ss is not None else None) if numbers else None
+            by_id[ids] = derived[key]
+        args = by_id[ids]
+        if args is None:
             results[i] = fallback(c, su, ss)
             continue
-        key = (su, ss)
-        if key not in derived:
-            derived[key] = (_undo_args(su, variant) if su is not None else None,
-                            _step_args(ss, variant) if ss is not None else None)
         launch.append(i)
-        u_args.append(derived[key][0])
-        s_args.append(derived[key][1])
+        u_args.append(args[0])
+        s_args.append(args[1])
     if launch:
         done = _launch(op, [block(calls[i], undo_scalars[i], step_scalars[i]) for i in launch], u_args, s_args)
         for i, r in zip(launch, done):
