@@ -121,3 +121,41 @@ def test_the_library_works_without_triton():
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+_RACE = r"""
+import importlib.abc, importlib.machinery, sys, threading, time
+
+class _Slow(importlib.abc.MetaPathFinder):
+    # Imports sofx.kernels.cpu slowly: the module is in sys.modules, still empty, meanwhile.
+    def find_spec(self, name, path, target=None):
+        if name != "sofx.kernels.cpu":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        exec_module = spec.loader.exec_module
+        def slow(module):
+            time.sleep(0.5)
+            exec_module(module)
+        spec.loader.exec_module = slow
+        return spec
+
+sys.meta_path.insert(0, _Slow())
+from sofx.kernels import load_backend
+assert "sofx.kernels.cpu" not in sys.modules
+first = threading.Thread(target=load_backend, args=("cpu",))
+first.start()
+time.sleep(0.2)
+assert "sofx.kernels.cpu" in sys.modules  # being imported by the first thread
+module = load_backend("cpu")
+assert hasattr(module, "supports") and hasattr(module, "step_many"), "a half-imported backend was returned"
+first.join()
+print("ok")
+"""
+
+
+def test_a_backend_two_threads_load_at_once_is_whole_in_both():
+    """The offload engine's worker and a helping step() may load a backend at the same time: the second
+    must wait for the first's import, not take the module half-initialized from sys.modules."""
+    proc = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("ok")

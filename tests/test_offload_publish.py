@@ -267,6 +267,58 @@ def test_step_helps_the_worker_with_queued_speculative_steps() -> None:
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
+    """step()'s actions ("apply": a late step of every block without speculation; an undo+redo of every
+    speculated block when the learning rate changed after backward) are shared by the worker and the waiting
+    main thread, one block each at a time; the results are the inline executor's bit for bit."""
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    batch = mlp_batch(torch.Generator().manual_seed(0))
+    kwargs = dict(lr=1e-2, block_numel=100, speculate=speculate)
+    ran: list[tuple[int, bool]] = []
+    running: set[int] = set()
+    overlapped = []
+    gate = threading.Event()
+    lock = threading.Lock()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", **kwargs) as opt:
+        runner = opt.engine.executor.runner
+        run = runner.run
+
+        def gated_run(op):
+            if op.kind != "apply":
+                return run(op)
+            on_main = threading.current_thread() is threading.main_thread()
+            with lock:
+                assert op.block not in running  # one operation per block at a time
+                overlapped.append(bool(running))
+                running.add(op.block)
+            result = run(op)
+            with lock:
+                running.discard(op.block)
+                ran.append((op.block, on_main))
+            if not on_main and not gate.is_set():
+                gate.wait(5)  # the worker stays on its first block ...
+            elif on_main:
+                gate.set()  # ... until the main thread has run one
+            return result
+
+        runner.run = gated_run
+        opt.backward(mlp_loss(model, batch))
+        opt.param_groups[0]["lr"] *= 0.5
+        report = opt.step()
+    assert sorted(b for b, _ in ran) == list(range(report.blocks))
+    assert {on_main for _, on_main in ran} == {True, False} and any(overlapped)
+    assert (report.redone if speculate else report.stepped_late) == report.blocks
+    with sofx.offload.SpeculativeAdamW(ref.parameters(), executor="inline", **kwargs) as ropt:
+        ropt.backward(mlp_loss(ref, batch))
+        ropt.param_groups[0]["lr"] *= 0.5
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_borrowed_gradients_are_released_after_step(executor: str) -> None:
     torch.manual_seed(0)

@@ -44,9 +44,9 @@ def load_backend(name: str) -> ModuleType | None:
     if name not in _BACKEND_MODULES:
         raise UnsupportedError(f"unknown backend {name!r}; expected one of {sorted(_BACKEND_MODULES)} or 'auto'")
     module = sys.modules.get(_BACKEND_MODULES[name])  # imported already: once per leaf and step, skip importlib
-    if module is not None:
+    if module is not None and not getattr(module.__spec__, "_initializing", False):
         return module
-    try:
+    try:  # (a module another thread is importing: import_module waits for it)
         return importlib.import_module(_BACKEND_MODULES[name])
     except ImportError:
         return None

@@ -532,7 +532,7 @@ class OffloadEngine:
     def _wait(self, help: bool = False) -> list[OpResult]:
         try:
             if help and isinstance(self.executor, ThreadExecutor):
-                return self.executor.wait(self.timeout, help=True)  # step() runs queued speculative steps too
+                return self.executor.wait(self.timeout, help=True)  # step() runs queued block operations too
             return self.executor.wait(self.timeout)
         except ExecutorError as exc:
             self._failed = exc
@@ -604,7 +604,7 @@ class OffloadEngine:
                 stepped.append(layout.index)
         self.executor.submit(BlockOp(next(self._seq), "commit_all"))
         self.device_runner.run(BlockOp(next(self._seq), "commit_all"))
-        self._record(self._wait())
+        self._record(self._wait(help=True))  # the thread executor's actions run on two threads
         if plan.error is not None:
             self._events.append(("done", -1))
             self._reset_step()

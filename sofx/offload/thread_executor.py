@@ -1,12 +1,14 @@
 """The thread executor: one worker thread runs operations in order (torch kernels release the GIL).
 
 While the caller waits in ``step()`` it may *help* (:meth:`ThreadExecutor.wait` with
-``help=True``): it takes queued ``"ready"`` operations (speculative steps of
-different blocks) from the head of the queue and runs them itself, so that the
-blocks whose gradients arrived last are stepped on two cores. Only ``"ready"``
-operations are taken this way; they touch disjoint blocks, and the engine keeps
-their decisions in arrival order. Every other operation runs on the worker, in
-submission order, after everything submitted before it.
+``help=True``): it takes queued operations that touch one block each from the head
+of the queue and runs them itself, so that blocks are stepped on two cores:
+``"ready"`` operations (speculative steps of different blocks, whose decisions the
+engine keeps in arrival order; they may start beside anything) and ``"apply"``
+operations (``step()``'s actions: commit, undo+redo, a late step, of a block each;
+they may start beside other ``"apply"`` operations on other blocks). Every other
+operation runs on the worker, in submission order, after everything submitted
+before it has finished.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, rais
 __all__ = ["ThreadExecutor"]
 
 _STOP = object()
+_HELPABLE = ("ready", "apply")  # operations on one block each, which a helper may run (see _may_start)
 
 
 class ThreadExecutor(Executor):
@@ -39,6 +42,7 @@ class ThreadExecutor(Executor):
         self._cond = threading.Condition()
         self._finished = 0
         self._running = 0  # operations taken from the queue and not finished (worker and helper)
+        self._active: dict[int, tuple[str, int]] = {}  # seq -> (kind, block) of the operations running
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="sofx-offload-worker", daemon=True)
         self._thread.start()
@@ -47,14 +51,13 @@ class ThreadExecutor(Executor):
         torch.set_grad_enabled(False)  # grad mode is thread-local: the worker never records autograd
         while True:
             with self._cond:
-                # An operation that is not "ready" waits until every earlier one (maybe run by a helper) is done.
-                while not self._queue or (self._running and self._queue[0] is not _STOP
-                                          and self._queue[0].kind != "ready"):
+                # An operation waits until it may run beside those running (maybe run by a helper).
+                while not self._queue or (self._queue[0] is not _STOP and not self._may_start(self._queue[0])):
                     self._cond.wait()
                 op = self._queue.popleft()
                 if op is _STOP:
                     return
-                self._running += 1
+                self._start(op)
             try:
                 result = self.runner.run(op)
             except BaseException as exc:  # runner.run reports ordinary errors itself
@@ -65,11 +68,24 @@ class ThreadExecutor(Executor):
             del op  # its references (gradients) are released here, not when the next operation arrives
             self._finish(result)
 
+    def _may_start(self, op: BlockOp) -> bool:
+        """Whether ``op`` (the head of the queue) may start now (``self._cond`` held): with nothing running;
+        a "ready" operation beside anything; an "apply" operation beside "apply" operations on other blocks."""
+        if not self._running or op.kind == "ready":
+            return True
+        return op.kind == "apply" and all(kind == "apply" and block != op.block
+                                          for kind, block in self._active.values())
+
+    def _start(self, op: BlockOp) -> None:
+        self._running += 1
+        self._active[op.seq] = (op.kind, op.block)
+
     def _finish(self, result: OpResult) -> None:
         with self._cond:
             self._results.append(result)
             self._finished += 1
             self._running -= 1
+            self._active.pop(result.seq, None)
             self._cond.notify_all()
 
     def submit(self, op: BlockOp) -> None:
@@ -86,14 +102,18 @@ class ThreadExecutor(Executor):
         return out
 
     def _steal(self) -> BlockOp | None:
+        """The head of the queue for a helper, if it is a one-block operation that may start now."""
         with self._cond:
-            if self._crash is None and self._queue and self._queue[0] is not _STOP and self._queue[0].kind == "ready":
-                self._running += 1
+            head = self._queue[0] if self._queue else None
+            if self._crash is None and head is not None and head is not _STOP and head.kind in _HELPABLE \
+                    and self._may_start(head):
+                self._start(head)
                 return self._queue.popleft()
         return None
 
     def wait(self, timeout: float, help: bool = False) -> list[OpResult]:
-        """See :meth:`Executor.wait`; ``help``: run queued ``"ready"`` operations on this thread meanwhile."""
+        """See :meth:`Executor.wait`; ``help``: run queued one-block operations (``"ready"``, ``"apply"``) on this
+        thread meanwhile."""
         deadline = time.monotonic() + timeout
         if help:
             with torch.no_grad():
