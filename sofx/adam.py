@@ -125,6 +125,7 @@ class Adam:
         self.state_dtype = state_dtype
         self.undo_mode = undo
         self.backend = backend
+        self._selected: dict[tuple, Any] = {}  # (traced, device, param dtype, state dtype) -> backend module
         _validate_hparams(defaults, "defaults")
         if undo == "algebraic" and state_dtype in _LOW_PRECISION:
             raise UnsupportedError(f"undo='algebraic' is impossible with state_dtype={state_dtype}: the stored "
@@ -455,8 +456,9 @@ class Adam:
             if not isinstance(hp, AdamHParams):
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}")
             full = filled.get(id(hp))
-            if full is None:
-                full = filled[id(hp)] = AdamHParams(*(d if x is None else x for x, d in zip(hp, self.defaults)))
+            if full is None:  # (a group that gives every field, as the offload engine's, is taken as it is)
+                full = filled[id(hp)] = hp if not any(x is None for x in hp) else \
+                    AdamHParams(*(d if x is None else x for x, d in zip(hp, self.defaults)))
             out.append(full)
         return out
 
@@ -500,7 +502,7 @@ class Adam:
                 _check_like("state.mu", path, m, p, want_state)
                 _check_like("state.nu", path, v, p, want_state)
             if g is not None and id(hp) not in validated:
-                _validate_hparams(hp, f"hparams for {path}")
+                _validate_hparams(hp, "hparams for ", path)
                 validated.add(id(hp))
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
@@ -541,7 +543,8 @@ class Adam:
         return scalars, strategy, reason
 
     def _kernels(self, leaves: Sequence[_Leaf]) -> list[Any]:
-        """:meth:`_kernel` of each leaf with a gradient (None for the others), chosen once per kind of leaf."""
+        """:meth:`_kernel` of each leaf with a gradient (None for the others), chosen once per kind of leaf
+        (untraced kinds once per optimizer: the choice depends on nothing else)."""
         chosen: dict[tuple, Any] = {}
         out = []
         for leaf in leaves:
@@ -549,9 +552,11 @@ class Adam:
                 out.append(None)
                 continue
             key = (leaf.traced, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
-            kernel = chosen.get(key)
+            kernel = chosen.get(key) or (self._selected.get(key) if not leaf.traced else None)
             if kernel is None:
                 kernel = chosen[key] = self._kernel(leaf)
+                if not leaf.traced:
+                    self._selected[key] = kernel
             out.append(kernel)
         return out
 
@@ -775,25 +780,26 @@ _RANGES = {
 }
 
 
-def _validate_hparams(hp: AdamHParams, where: str) -> None:
-    """Check every concrete hparam value; traced tensors (vmap, grad, compile) are not inspected."""
+def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
+    """Check every concrete hparam value; traced tensors (vmap, grad, compile) are not inspected. Errors
+    name ``where + path`` (joined only then: this runs for every group of every step)."""
     for name, value in zip(AdamHParams._fields, hp):
         if value is None:
             continue
         if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
             if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
+                raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
             if isinstance(value, torch.Tensor):
                 if is_traced(value):
                     continue
                 if value.dim() != 0:
-                    raise HParamError(f"{where}: {name} must be a float or a 0-d tensor, "
+                    raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, "
                                       f"got shape {tuple(value.shape)}")
                 value = value.item()
         ok, rule = _RANGES[name]
         # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
         if not -math.inf < value < math.inf or not ok(value):
-            raise HParamError(f"{where}: {name} = {value!r} is invalid; expected {rule}")
+            raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
 
 
 def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,

@@ -232,8 +232,9 @@ def _plain_native(b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ct
                                and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()):
         return None
     targets = [p, m, v] if out is not None else [torch.empty(shape, dtype=t.dtype) for t in (p, m, v)]
-    dtypes = (codes[p.dtype], codes[g.dtype], codes[m.dtype], codes[g2.dtype] if g2 is not None else src.DT_F32,
-              codes[p_old.dtype] if p_old is not None else src.DT_F32, codes[pc.dtype] if pc is not None else src.DT_F32)
+    f32 = src.DT_F32
+    dtypes = (codes[p.dtype], codes[g.dtype], codes[m.dtype], codes[g2.dtype] if g2 is not None else f32,
+              codes[p_old.dtype] if p_old is not None else f32, codes[pc.dtype] if pc is not None else f32)
     ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), g2.data_ptr() if g2 is not None else 0,
             p_old.data_ptr() if p_old is not None else 0, targets[0].data_ptr(), targets[1].data_ptr(),
             targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0, sk.data_ptr() if sk is not None else 0)
