@@ -44,7 +44,7 @@ import torch
 from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
-from sofx.kernels import select_backend
+from sofx.kernels import load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall,
                                as_number, is_number, is_traced, leaf_tracer, write_param_copy)
 from sofx.undo_record import LeafUndo, UndoRecord
@@ -125,7 +125,7 @@ class Adam:
         self.state_dtype = state_dtype
         self.undo_mode = undo
         self.backend = backend
-        self._selected: dict[tuple, Any] = {}  # (traced, device, param dtype, state dtype) -> backend module
+        self._selected: dict[tuple, str] = {}  # (traced, device, param dtype, state dtype) -> backend name
         _validate_hparams(defaults, "defaults")
         if undo == "algebraic" and state_dtype in _LOW_PRECISION:
             raise UnsupportedError(f"undo='algebraic' is impossible with state_dtype={state_dtype}: the stored "
@@ -552,11 +552,12 @@ class Adam:
                 out.append(None)
                 continue
             key = (leaf.traced, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
-            kernel = chosen.get(key) or (self._selected.get(key) if not leaf.traced else None)
+            kernel = chosen.get(key)
             if kernel is None:
-                kernel = chosen[key] = self._kernel(leaf)
+                name = self._selected.get(key) if not leaf.traced else None
+                kernel = chosen[key] = load_backend(name) if name is not None else self._kernel(leaf)
                 if not leaf.traced:
-                    self._selected[key] = kernel
+                    self._selected[key] = kernel.NAME
             out.append(kernel)
         return out
 

@@ -159,3 +159,19 @@ def test_a_backend_two_threads_load_at_once_is_whole_in_both():
     proc = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_an_optimizer_that_chose_its_backends_still_copies_and_pickles(rng):
+    """The backends an optimizer remembers (by name) do not keep it from being deep-copied or pickled, and
+    a copy steps as the original does."""
+    import copy
+    import pickle
+
+    params = {"w": torch.randn(40, generator=rng), "d": torch.randn(5, generator=rng, dtype=torch.float64)}
+    grads = {k: torch.randn(v.shape, generator=rng, dtype=v.dtype) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(params)
+    want, _, _ = opt.update(params, grads, state)
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        got, _, _ = other.update(params, grads, state)
+        assert all(torch.equal(got[k], want[k]) for k in params)
