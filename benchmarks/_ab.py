@@ -1,11 +1,12 @@
 """A/B helpers shared by the small benchmark scripts (arena_colouring.py, memory_floor.py, idle_rows.py,
-prefetch_stagger.py, serial_step.py, checked_update.py): alternating rounds, timing a step and an
-undo+redo, building a variant of the kernels."""
+prefetch_stagger.py, serial_step.py, checked_update.py, host_overhead.py, triton_host.py): alternating
+rounds, timing a step and an undo+redo, a table per tensor, building a variant of the kernels."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +55,16 @@ def time_step_and_undo_redo(backend, p: torch.Tensor, g: torch.Tensor, m: torch.
     undo_redo = time.perf_counter() - t
     backend.undo_redo(p, m, v, g2, s2, g, s1, variant, out=(p, m, v))  # back to the (g, s1) step
     return step, undo_redo
+
+
+def print_per_tensor_table(times: dict[str, list[float]], tensors: int, first_column: str) -> None:
+    """A markdown table of ``times`` (seconds per call, as :func:`time_alternating` returns them): per
+    variant the median in ms and in us per tensor (``tensors`` per call)."""
+    print(f"| {first_column} | ms per call | us per tensor |")
+    print("|---|---:|---:|")
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"| {name} | {t * 1e3:.2f} | {t * 1e6 / tensors:.1f} |")
 
 
 def size_arguments(description: str, rounds: int,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sofx  # noqa: E402
-from _ab import time_alternating  # noqa: E402
+from _ab import print_per_tensor_table, time_alternating  # noqa: E402
 from sofx.kernels import cpu  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
@@ -89,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{tensors} tensors of {args.numel} float32 elements; {args.threads} threads; median of {rounds} calls; "
           f"native kernels: {cpu.native_available()}")
     print()
-    print("| variant | ms per call | us per tensor |")
-    print("|---|---:|---:|")
-    for name, ts in times.items():
-        t = statistics.median(ts)
-        print(f"| {name} | {t * 1e3:.2f} | {t * 1e6 / tensors:.1f} |")
+    print_per_tensor_table(times, tensors, "variant")
     return 0
 
 

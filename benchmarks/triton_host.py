@@ -17,7 +17,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before sofx.kernels.triton is imported
 
-import statistics  # noqa: E402
 import sys  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -27,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sofx  # noqa: E402
-from _ab import gpt2_arguments, time_alternating  # noqa: E402
+from _ab import gpt2_arguments, print_per_tensor_table, time_alternating  # noqa: E402
 from sofx.kernels import load_backend  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoRedoCall  # noqa: E402
 
@@ -87,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT-2 small{' (smoke: tiny)' if args.smoke else ''}: {len(shapes)} tensors; launches replaced by no-ops "
           f"({_NoLaunch.calls} made); median of {rounds} rounds")
     print()
-    print("| host work | ms | us per tensor |")
-    print("|---|---:|---:|")
-    for name, ts in times.items():
-        t = statistics.median(ts)
-        print(f"| {name} | {t * 1e3:.2f} | {t * 1e6 / len(shapes):.1f} |")
+    print_per_tensor_table(times, len(shapes), "host work")
     return 0
 
 
