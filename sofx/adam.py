@@ -556,8 +556,9 @@ class Adam:
             if kernel is None:
                 name = self._selected.get(key) if not leaf.traced else None
                 kernel = chosen[key] = load_backend(name) if name is not None else self._kernel(leaf)
-                if not leaf.traced:
-                    self._selected[key] = kernel.NAME
+                name = getattr(kernel, "NAME", None)
+                if not leaf.traced and name is not None and load_backend(name) is kernel:  # a registered backend
+                    self._selected[key] = name
             out.append(kernel)
         return out
 

@@ -350,6 +350,12 @@ def test_bad_input_is_refused_and_changes_nothing(rng):
         cpu.undo_redo(p, m, v, g, s, g, s, variant, out=(p, m, v), p_copy=torch.empty(10, dtype=torch.int32))
     with pytest.raises(UnsupportedError, match="p_copy is on meta"):
         cpu.undo(p, g, m, v, s, variant, out=(p, m, v), p_copy=torch.empty(10, device="meta"))
+    with pytest.raises(LeafError, match=r"cpu.step_many\[1\]: m must be a tensor, got NoneType"):
+        cpu.step_many([StepCall(p, g, m, v, s, (p, m, v)), StepCall(p.clone(), g, None, v.clone(), s)], variant)
+    with pytest.raises(LeafError, match="cpu.step: p must be a tensor, got NoneType"):
+        cpu.step(None, g, m, v, s, variant)
+    with pytest.raises(LeafError, match="g_new must be a tensor"):
+        cpu.undo_redo(p, m, v, g, s, None, s, variant, out=(p, m, v))
     assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
 
 

@@ -272,6 +272,8 @@ else:
         calls[3] = StepCall(p, g, m, v, s, out=(q, mq, vq))
         with pytest.raises(LeafError, match=r"triton\.step_many\[3\]: p_out has shape"):
             tk.step_many(calls, variant)
+        with pytest.raises(LeafError, match=r"triton\.step_many\[1\]: m must be a tensor"):
+            tk.step_many([calls[0], StepCall(p, g, None, v, s)], variant)
         supports = tk.supports
         monkeypatch.setattr(tk, "supports", lambda device, pd, sd: pd != torch.bfloat16 and supports(device, pd, sd))
         hp, hg, hm, hv = block_inputs(rng, 48, torch.bfloat16, torch.float32)

@@ -139,16 +139,22 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
+_OPTIONAL_TENSORS = ("p_old", "p_copy")  # a block's tensors that may be None
+
+
 def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
                         out: Sequence[torch.Tensor] | None = None) -> None:
     """Refuse, before anything is written, block tensors a kernel cannot take.
 
-    Every named tensor (``None`` entries are skipped) and every ``out`` tensor
-    must be a floating-point tensor with the shape and device of ``like`` (the
-    parameter); ``out`` must be ``(p_out, m_out, v_out)``. ``where`` prefixes
-    the message (``"cpu.step"``). Backend-specific limits (device type, dtypes)
-    are the backend's own check.
+    Every named tensor (``None`` where the name is an optional one, ``p_old``
+    or ``p_copy``) and every ``out`` tensor must be a floating-point tensor
+    with the shape and device of ``like`` (the parameter); ``out`` must be
+    ``(p_out, m_out, v_out)``. ``where`` prefixes the message
+    (``"cpu.step"``). Backend-specific limits (device type, dtypes) are the
+    backend's own check.
     """
+    if not isinstance(like, torch.Tensor):
+        raise LeafError(f"{where}: p must be a tensor, got {type(like).__name__}")
     named = list(tensors)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
@@ -157,7 +163,7 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
         named += [(name, o) for name, o in zip(("p_out", "m_out", "v_out"), out) if id(o) not in seen]
     device, shape = like.device, like.shape
     for name, t in named:
-        if t is None:
+        if t is None and name in _OPTIONAL_TENSORS:
             continue
         if not isinstance(t, torch.Tensor):
             raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")

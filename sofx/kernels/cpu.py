@@ -123,7 +123,7 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
 def _check(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> None:
     """``where``: the call's name in errors (``"cpu.step"``, ``"cpu.step_many[3]"``)."""
-    if like.device.type != "cpu":  # the others must be on like's device (checked below)
+    if isinstance(like, torch.Tensor) and like.device.type != "cpu":  # the others must be on like's device
         raise UnsupportedError(f"{where}: p is on {like.device}; the cpu backend needs CPU tensors")
     try:
         check_block_tensors(where, tensors, like, out)
@@ -210,20 +210,25 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
     return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], pc is not None)
 
 
-def _plain_native(b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ctypes.Array | None,
+def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ctypes.Array | None,
                   ) -> _Native | None:
-    """The C entry's view of ``b`` when it is the common case, else None (the block then goes through the
-    checks and :func:`_prepare`): every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype
-    ``lib`` reads, states of one storage dtype, ``out`` None or the inputs themselves (donation), ``skip``
-    (if any) a contiguous uint8 vector of one flag per chunk, and at least one element. What this accepts
-    passes every check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry."""
+    """The C entry's view of ``b`` (a block of ``op``) when it is the common case, else None (the block then
+    goes through the checks and :func:`_prepare`): every tensor ``op`` needs given (the second gradient an
+    undo+redo's only), every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype ``lib`` reads,
+    states of one storage dtype, ``out`` None or the inputs themselves (donation), ``skip`` (if any) a
+    contiguous uint8 vector of one flag per chunk, and at least one element. What this accepts passes every
+    check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry."""
     p, g, m, v, g2, p_old, pc, out, sk = b.p, b.g, b.m, b.v, b.g2, b.p_old, b.p_copy, b.out, b.skip
+    if type(p) is not torch.Tensor or (g2 is None) != (op != src.OP_UNDO_REDO):  # g2: an undo+redo's, only
+        return None
     codes = _DTYPE_CODES if lib.has_f16 else _F16_FREE_CODES
     shape = p.shape
     for t in (p, g, m, v, g2, p_old, pc):
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
                                   and t.is_contiguous()):
             return None
+    if g is None or m is None or v is None:
+        return None
     n = p.numel()
     if n == 0 or m.dtype != v.dtype or not (out is None or (type(out) is tuple and len(out) == 3 and out[0] is p
                                                              and out[1] is m and out[2] is v)):
@@ -337,7 +342,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         s2, c2 = scalars(b.s2, False, False) if b.s2 is not None else (None, None)
         fast = None
         if lib is not None and c1 is not None and (s2 is None or c2 is not None):
-            fast = _plain_native(b, lib, c1, c2)
+            fast = _plain_native(op, b, lib, c1, c2)
         if fast is None:
             _check(name, _named(op, b), b.p, b.out)
             if b.skip is not None:

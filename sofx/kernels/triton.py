@@ -550,12 +550,12 @@ def _check_calls(what: str, calls: Sequence, named: Callable[[Any], list[tuple[s
     supported: set[tuple] = set()  # (device, param dtype, state dtype) that passed the full check
     for i, c in enumerate(calls):
         tensors = named(c)
-        p = c.p
-        if type(p) is torch.Tensor and (p.device, p.dtype, c.m.dtype) in supported \
-                and _plain(tensors, p, c.m, c.v, c.out):
+        p, m = c.p, c.m
+        if type(p) is torch.Tensor and type(m) is torch.Tensor and (p.device, p.dtype, m.dtype) in supported \
+                and _plain(tensors, p, m, c.v, c.out):
             continue
         _check(_name(what, calls, i), tensors, p, c.out)
-        supported.add((p.device, p.dtype, c.m.dtype))
+        supported.add((p.device, p.dtype, m.dtype))
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
