@@ -280,7 +280,7 @@ def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
     ran: list[tuple[int, bool]] = []
     running: set[int] = set()
     overlapped = []
-    gate = threading.Event()
+    worker_in, main_done = threading.Event(), threading.Event()
     lock = threading.Lock()
     with sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", **kwargs) as opt:
         runner = opt.engine.executor.runner
@@ -290,18 +290,22 @@ def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
             if op.kind != "apply":
                 return run(op)
             on_main = threading.current_thread() is threading.main_thread()
+            if on_main:
+                worker_in.wait(5)  # the worker holds a block of its own meanwhile ...
             with lock:
                 assert op.block not in running  # one operation per block at a time
                 overlapped.append(bool(running))
                 running.add(op.block)
+            if not on_main:
+                worker_in.set()
             result = run(op)
+            if on_main:
+                main_done.set()
+            elif not main_done.is_set():
+                main_done.wait(5)  # ... until the main thread has run one beside it
             with lock:
                 running.discard(op.block)
                 ran.append((op.block, on_main))
-            if not on_main and not gate.is_set():
-                gate.wait(5)  # the worker stays on its first block ...
-            elif on_main:
-                gate.set()  # ... until the main thread has run one
             return result
 
         runner.run = gated_run
@@ -317,6 +321,36 @@ def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
         ropt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def test_thread_executor_runs_apply_operations_of_one_block_in_order() -> None:
+    """Two "apply" operations of one block never run at the same time (the second waits for the first,
+    whoever runs it), while one of another block may run beside them; "commit_all" waits for all."""
+    from sofx.offload.block_ops import BlockOp, OpResult
+    from sofx.offload.thread_executor import ThreadExecutor
+
+    spans: list[tuple[int, int, float, float]] = []  # (seq, block, start, end)
+
+    class SlowRunner:
+        def run(self, op):
+            start = time.monotonic()
+            time.sleep(0.05)
+            spans.append((op.seq, op.block, start, time.monotonic()))
+            return OpResult(op.seq, op.kind, op.block)
+
+    executor = ThreadExecutor(SlowRunner())
+    try:
+        for seq, block in enumerate((0, 0, 1)):
+            executor.submit(BlockOp(seq, "apply", block, payload="action"))
+        executor.submit(BlockOp(3, "commit_all"))
+        executor.wait(30, help=True)
+    finally:
+        executor.close()
+    by_seq = {seq: (block, start, end) for seq, block, start, end in spans}
+    assert sorted(by_seq) == [0, 1, 2, 3]
+    assert by_seq[1][1] >= by_seq[0][2]  # block 0's second action after its first
+    assert by_seq[3][1] >= max(by_seq[k][2] for k in (0, 1, 2))  # commit_all after every action
+    assert by_seq[2][1] < max(by_seq[0][2], by_seq[1][2])  # block 1's beside one of block 0's
 
 
 @pytest.mark.parametrize("executor", ["inline", "thread"])
