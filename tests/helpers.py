@@ -93,3 +93,24 @@ def block_scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> A
     step = int(torch.randint(1, 500, (1,), generator=gen))
     return AdamScalars(lr=1e-3 * (0.5 + u[0]), beta1=0.85 + 0.1 * u[1], beta2=0.99 + 0.009 * u[2], eps=1e-8,
                        weight_decay=wd, step=step, grad_scale=grad_scale)
+
+
+def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
+    """``backend.step_many`` refuses a gradient of another shape in block 3 and ``backend.undo_many`` a
+    beta2 of 0 in block 2, naming the block (``prefix``: the backend's name), before running any block:
+    the callers check that every block kept its values. ``blocks``: four ``(p, g, m, v)``, donated."""
+    import pytest
+
+    from sofx.errors import LeafError, UnsupportedError
+    from sofx.kernels.base import StepCall, UndoCall
+
+    calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
+    p, g, m, v = blocks[3]
+    calls[3] = StepCall(p, g[:-1], m, v, s, out=(p, m, v))
+    with pytest.raises(LeafError, match=rf"{prefix}\.step_many\[3\]: g has shape"):
+        backend.step_many(calls, variant)
+    undo_calls = [UndoCall(*b, s._replace(beta2=0.0) if i == 2 else s, out=(b[0], b[2], b[3]))
+                  for i, b in enumerate(blocks)]
+    with pytest.raises(UnsupportedError, match="beta2 == 0"):
+        backend.undo_many(undo_calls, variant)
+

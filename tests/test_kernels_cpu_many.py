@@ -19,7 +19,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-from helpers import block_inputs, block_scalars
+from helpers import block_inputs, block_scalars, refuse_bad_blocks_first
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 # (param dtype, state dtype)
@@ -147,15 +147,7 @@ def test_every_block_is_checked_before_any_runs(name, rng):
     s = block_scalars(rng, 0.1)
     blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (100, 200, 300, 400)]
     before = [[t.clone() for t in b] for b in blocks]
-    calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
-    p, g, m, v = blocks[3]
-    calls[3] = StepCall(p, g[:-1], m, v, s, out=(p, m, v))
-    with pytest.raises(LeafError, match=r"cpu\.step_many\[3\]: g has shape"):
-        backend.step_many(calls, variant)
-    undo_calls = [UndoCall(*b, s._replace(beta2=0.0) if i == 2 else s, out=(b[0], b[2], b[3]))
-                  for i, b in enumerate(blocks)]
-    with pytest.raises(UnsupportedError, match="beta2 == 0"):
-        backend.undo_many(undo_calls, variant)
+    refuse_bad_blocks_first(backend, "cpu", blocks, s, variant)
     redo_calls = [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], s, out=(b[0], b[2], b[3])) for b in blocks]
     redo_calls[1] = redo_calls[1]._replace(g_new=torch.randn(200, dtype=torch.float64).to("meta"))
     with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[1\]: g_new is on meta"):
