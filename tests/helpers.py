@@ -114,3 +114,30 @@ def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, varian
     with pytest.raises(UnsupportedError, match="beta2 == 0"):
         backend.undo_many(undo_calls, variant)
 
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (nan payloads compared too)."""
+    if t.dtype == torch.float64:
+        return t.view(torch.int64).clone()
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16).clone()
+
+
+def run_blocks(backend, op: str, work: list, variant, s_new: AdamScalars, many: bool) -> list:
+    """``op`` over ``work`` = [(p, g, m, v, g2, s, donate, copy)] through ``backend``'s list form
+    (``many``) or one call per block; the results' and copies' bits."""
+    from sofx.kernels.base import StepCall, UndoCall, UndoRedoCall
+
+    if op == "step":
+        calls = [StepCall(p, g, m, v, s, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
+        res = backend.step_many(calls, variant) if many else [
+            backend.step(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+    elif op == "undo":
+        calls = [UndoCall(p, g, m, v, s, None, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
+        res = backend.undo_many(calls, variant) if many else [
+            backend.undo(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+    else:
+        calls = [UndoRedoCall(p, m, v, g, s, g2, s_new, None, (p, m, v) if d else None, c)
+                 for p, g, m, v, g2, s, d, c in work]
+        res = backend.undo_redo_many(calls, variant) if many else [
+            backend.undo_redo(*c[:7], variant, out=c.out, p_copy=c.p_copy) for c in calls]
+    return [[bits(t) for t in r] + ([bits(c)] if c is not None else []) for r, (*_, c) in zip(res, work)]

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
-from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
+from sofx.kernels.base import FINITE_CHUNK, AdamVariant, StepCall, UndoRedoCall
 
-from helpers import block_inputs, block_scalars, refuse_bad_blocks_first
+from helpers import bits, block_inputs, block_scalars, refuse_bad_blocks_first, run_blocks
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 # (param dtype, state dtype)
@@ -27,32 +27,6 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torc
           (torch.float16, torch.float32)]
 
 pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers (nan payloads compared too)."""
-    if t.dtype == torch.float64:
-        return t.view(torch.int64).clone()
-    return t.view(torch.int32 if t.element_size() == 4 else torch.int16).clone()
-
-
-def _run(backend, op: str, work: list, variant: AdamVariant, s_new: AdamScalars, many: bool) -> list:
-    """``op`` over ``work`` = [(p, g, m, v, g2, s, donate, copy)], through the list form or one call per
-    block; the results' and copies' bits."""
-    if op == "step":
-        calls = [StepCall(p, g, m, v, s, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
-        res = backend.step_many(calls, variant) if many else [
-            backend.step(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
-    elif op == "undo":
-        calls = [UndoCall(p, g, m, v, s, None, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
-        res = backend.undo_many(calls, variant) if many else [
-            backend.undo(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
-    else:
-        calls = [UndoRedoCall(p, m, v, g, s, g2, s_new, None, (p, m, v) if d else None, c)
-                 for p, g, m, v, g2, s, d, c in work]
-        res = backend.undo_redo_many(calls, variant) if many else [
-            backend.undo_redo(*c[:7], variant, out=c.out, p_copy=c.p_copy) for c in calls]
-    return [[_bits(t) for t in r] + ([_bits(c)] if c is not None else []) for r, (*_, c) in zip(res, work)]
 
 
 def _same(a: list, b: list) -> None:
@@ -84,7 +58,7 @@ def test_many_blocks_equal_one_call_per_block_property(blocks, op, decoupled, na
     def run(many: bool) -> list:
         work = [(p.clone(), g, m.clone(), v.clone(), g2, s, d, torch.empty(p.shape, dtype=c) if c else None)
                 for p, g, m, v, g2, s, d, c in ins]
-        return _run(BACKENDS[name], op, work, variant, scalar_sets[1], many)
+        return run_blocks(BACKENDS[name], op, work, variant, scalar_sets[1], many)
 
     _same(run(True), run(False))
 
@@ -105,11 +79,11 @@ def test_thread_splits_inside_blocks(name, op, rng, monkeypatch):
         work.append((p, g, m, v, torch.randn(n, generator=rng).to(p.dtype), s, False,
                      torch.empty(n, dtype=torch.bfloat16) if i % 2 else None))
     backend = BACKENDS[name]
-    got = _run(backend, op, work, variant, s_new, many=True)
-    _same(got, _run(backend, op, work, variant, s_new, many=False))
+    got = run_blocks(backend, op, work, variant, s_new, many=True)
+    _same(got, run_blocks(backend, op, work, variant, s_new, many=False))
     if backend is cpu and cpu.bitwise_with_torch() and op == "step":
-        for (p, g, m, v, *_), bits in zip(work, got):
-            _same([bits[:3]], [[_bits(t) for t in reference.step(p, g, m, v, s, variant)]])
+        for (p, g, m, v, *_), got_bits in zip(work, got):
+            _same([got_bits[:3]], [[bits(t) for t in reference.step(p, g, m, v, s, variant)]])
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -125,9 +99,9 @@ def test_blocks_only_the_reference_takes_run_beside_native_ones(name, rng):
     blocks = [b32, b64, mixed, b16]
     got = backend.step_many([StepCall(*b, s) for b in blocks], variant)
     for b, r in zip(blocks, got):
-        _same([[_bits(t) for t in r]], [[_bits(t) for t in backend.step(*b, s, variant)]])
+        _same([[bits(t) for t in r]], [[bits(t) for t in backend.step(*b, s, variant)]])
     assert got[1][0].dtype == torch.float64
-    _same([[_bits(t) for t in got[1]]], [[_bits(t) for t in reference.step(*b64, s, variant)]])
+    _same([[bits(t) for t in got[1]]], [[bits(t) for t in reference.step(*b64, s, variant)]])
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -234,9 +208,9 @@ def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(op, name, do
         want = backend.step(p, g, m, v, s, variant) if op == "step" else \
             backend.undo_redo(p, m, v, g, s, b[4], s_new, variant)
         for got, w, old in zip(r, want, (p, m, v)):
-            assert torch.equal(_bits(got[keep]), _bits(w[keep]))
+            assert torch.equal(bits(got[keep]), bits(w[keep]))
             if donate:
-                assert torch.equal(_bits(got[~keep]), _bits(old[~keep]))
+                assert torch.equal(bits(got[~keep]), bits(old[~keep]))
         assert torch.equal(c[keep], want[0][keep].to(torch.bfloat16))
         assert bool((c[~keep] == 7.0).all())
 

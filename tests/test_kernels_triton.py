@@ -44,7 +44,7 @@ else:
     from sofx.kernels import triton as tk
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first
+    from helpers import block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, run_blocks
 
     VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
     DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -297,27 +297,10 @@ else:
 
         def run(many: bool):
             work = [(p.clone(), g, m.clone(), v.clone(), g2, s, d, c) for p, g, m, v, g2, s, d, c in ins]
-            if op == "step":
-                calls = [StepCall(p, g, m, v, s, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
-                res = tk.step_many(calls, variant) if many else [
-                    tk.step(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
-            elif op == "undo":
-                calls = [UndoCall(p, g, m, v, s, None, (p, m, v) if d else None, c) for p, g, m, v, _, s, d, c in work]
-                res = tk.undo_many(calls, variant) if many else [
-                    tk.undo(*c[:5], variant, out=c.out, p_copy=c.p_copy) for c in calls]
-            else:
-                calls = [UndoRedoCall(p, m, v, g, s, g2, scalar_sets[2], None, (p, m, v) if d else None, c)
-                         for p, g, m, v, g2, s, d, c in work]
-                res = tk.undo_redo_many(calls, variant) if many else [
-                    tk.undo_redo(*c[:7], variant, out=c.out, p_copy=c.p_copy) for c in calls]
-            return [[_bits(t) for t in r] + ([_bits(c)] if c is not None else []) for r, (*_, c) in zip(res, work)]
+            return run_blocks(tk, op, work, variant, scalar_sets[2], many)
 
         for a, b in zip(run(True), run(False)):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-    def _bits(t):
-        """The tensor's bits as integers (nan payloads compared too)."""
-        return t.view(torch.int32 if t.element_size() == 4 else torch.int16).clone()
 
     def test_adam_on_a_tree_of_many_leaves(rng, monkeypatch):
         """sofx.adamw(backend="triton") over many leaves: one launch per group, each leaf's bits those of
