@@ -41,8 +41,8 @@ class ThreadExecutor(Executor):
         self._results: list[OpResult] = []
         self._cond = threading.Condition()
         self._finished = 0
-        self._running = 0  # operations taken from the queue and not finished (worker and helper)
-        self._active: dict[int, tuple[str, int]] = {}  # seq -> (kind, block) of the operations running
+        # seq -> (kind, block) of the operations taken from the queue and not finished (worker and helper)
+        self._active: dict[int, tuple[str, int]] = {}
         self._crash: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="sofx-offload-worker", daemon=True)
         self._thread.start()
@@ -65,27 +65,27 @@ class ThreadExecutor(Executor):
                     self._crash = exc
                     self._cond.notify_all()
                 return
+            seq = op.seq
             del op  # its references (gradients) are released here, not when the next operation arrives
-            self._finish(result)
+            self._finish(seq, result)
 
     def _may_start(self, op: BlockOp) -> bool:
         """Whether ``op`` (the head of the queue) may start now (``self._cond`` held): with nothing running;
         a "ready" operation beside anything; an "apply" operation beside "apply" operations on other blocks."""
-        if not self._running or op.kind == "ready":
+        if not self._active or op.kind == "ready":
             return True
         return op.kind == "apply" and all(kind == "apply" and block != op.block
                                           for kind, block in self._active.values())
 
     def _start(self, op: BlockOp) -> None:
-        self._running += 1
         self._active[op.seq] = (op.kind, op.block)
 
-    def _finish(self, result: OpResult) -> None:
+    def _finish(self, seq: int, result: OpResult) -> None:
+        """Operation ``seq`` (taken with :meth:`_start`) finished with ``result``."""
         with self._cond:
             self._results.append(result)
             self._finished += 1
-            self._running -= 1
-            self._active.pop(result.seq, None)
+            del self._active[seq]
             self._cond.notify_all()
 
     def submit(self, op: BlockOp) -> None:
@@ -121,9 +121,9 @@ class ThreadExecutor(Executor):
                     try:
                         result = self.runner.run(op)
                     except BaseException as exc:  # e.g. KeyboardInterrupt: account for the operation, then raise
-                        self._finish(OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}"))
+                        self._finish(op.seq, OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}"))
                         raise
-                    self._finish(result)
+                    self._finish(op.seq, result)
         with self._cond:
             while self._finished < self._submitted and self._crash is None:
                 left = deadline - time.monotonic()
