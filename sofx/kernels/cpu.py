@@ -66,7 +66,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               check_block_tensors, concrete_scalars, is_number, kernel_param_copy, write_outputs,
+                               check_block_tensors, is_number, kernel_param_copy, write_outputs,
                                write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
@@ -316,32 +316,28 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     ``exact``: take torch's own square root (bitwise the reference); else IEEE ``sqrtf`` in the fused loops.
     """
     lib = _cpu_build.load()
-    memo: dict[tuple[AdamScalars, AdamVariant], ctypes.Array | None] = {}  # a group's blocks share scalars
-    seen: dict[int, tuple[AdamScalars, ctypes.Array | None]] = {}  # by id: the blocks hold the objects
+    undone = op != src.OP_STEP
+    s1s = reference.concrete_checked([b.s1 for b in blocks], variant if undone else None,
+                                     [b.p_old is not None for b in blocks] if undone else None)
+    s2s = reference.concrete_checked([b.s2 for b in blocks]) if op == src.OP_UNDO_REDO else [None] * len(blocks)
+    by_value: dict[AdamScalars, ctypes.Array | None] = {}  # a group's blocks share scalars ...
+    by_id: dict[int, ctypes.Array | None] = {}  # ... and mostly the very objects (the lists hold them)
 
-    def scalars(s: AdamScalars, undone: bool, restoring_param: bool) -> tuple[AdamScalars, ctypes.Array | None]:
-        """``s`` with numbers read, checked where it is undone, and its C block (None: not all numbers)."""
-        key = id(s), undone, restoring_param
-        if key not in seen:
-            sc = concrete_scalars(s)
-            if undone:
-                reference._check_invertible(sc, variant, restoring_param)
-            if lib is None:
-                seen[key] = sc, None
-            else:
-                value_key = (sc, variant)
-                if value_key not in memo:
-                    memo[value_key] = _scalar_block(sc, variant)
-                seen[key] = sc, memo[value_key]
-        return seen[key]
+    def scalar_block(s: AdamScalars | None) -> ctypes.Array | None:
+        """The C block of ``s`` (None: no scalars, no library, or not all numbers)."""
+        if s is None or lib is None:
+            return None
+        if id(s) not in by_id:
+            if s not in by_value:
+                by_value[s] = _scalar_block(s, variant)
+            by_id[id(s)] = by_value[s]
+        return by_id[id(s)]
 
-    plans: list[tuple[AdamScalars, AdamScalars | None, ctypes.Array | None, ctypes.Array | None,
-                      _Native | None]] = []
-    for b, name in zip(blocks, where):
-        s1, c1 = scalars(b.s1, op != src.OP_STEP, b.p_old is not None)
-        s2, c2 = scalars(b.s2, False, False) if b.s2 is not None else (None, None)
+    plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
+    for b, name, s1, s2 in zip(blocks, where, s1s, s2s):
+        c1, c2 = scalar_block(s1), scalar_block(s2)
         fast = None
-        if lib is not None and c1 is not None and (s2 is None or c2 is not None):
+        if c1 is not None and (s2 is None or c2 is not None):
             fast = _plain_native(op, b, lib, c1, c2)
         if fast is None:
             _check(name, _named(op, b), b.p, b.out)
@@ -349,10 +345,10 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
                 _check_skip(name, b)
             if _native(b, lib) is None:
                 c1 = c2 = None
-        plans.append((s1, s2, c1, c2, fast))
+        plans.append((c1, c2, fast))
     results: list[Triple | None] = [None] * len(blocks)
     native: list[tuple[int, _Native]] = []
-    for i, (b, (s1, s2, c1, c2, fast)) in enumerate(zip(blocks, plans)):
+    for i, (b, s1, s2, (c1, c2, fast)) in enumerate(zip(blocks, s1s, s2s, plans)):
         if fast is not None:
             native.append((i, fast))
         elif c1 is None or (s2 is not None and c2 is None):

@@ -26,6 +26,8 @@ with nan kept as nan.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from sofx.errors import UnsupportedError
@@ -182,6 +184,27 @@ def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: boo
     if variant.decoupled and not restoring_param and is_number(s.lr) and is_number(s.weight_decay):
         if s.lr * s.weight_decay == 1:
             raise UnsupportedError("algebraic undo is impossible with lr * weight_decay == 1 (decoupled decay)")
+
+
+def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant | None = None,
+                     restoring_param: Sequence[bool] | None = None) -> list[AdamScalars | None]:
+    """:func:`concrete_scalars` of each of a list form's scalars (None stays None), once per object (a
+    group's blocks share theirs); with ``variant``, each checked as an undo's (``restoring_param[i]``: block
+    ``i`` restores p from ``p_old``)."""
+    done: dict[tuple[int, bool], AdamScalars] = {}
+    out: list[AdamScalars | None] = []
+    for i, s in enumerate(scalars):
+        if s is None:
+            out.append(None)
+            continue
+        restoring = restoring_param[i] if restoring_param is not None else False
+        key = (id(s), restoring)  # the caller's list holds the objects
+        if key not in done:
+            done[key] = concrete_scalars(s)
+            if variant is not None:
+                _check_invertible(done[key], variant, restoring)
+        out.append(done[key])
+    return out
 
 
 def _undo_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,

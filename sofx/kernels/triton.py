@@ -46,7 +46,7 @@ import triton.language as tl
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               check_block_tensors, concrete_scalars, is_number, kernel_param_copy,
+                               check_block_tensors, is_number, kernel_param_copy,
                                refuse_checked_steps, write_outputs, write_param_copy)
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
@@ -513,7 +513,7 @@ def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     checked before anything runs."""
     refuse_checked_steps(calls, "triton.step_many")
     _check_calls("step", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
-    scalars = _concrete([c.s for c in calls])
+    scalars = reference.concrete_checked([c.s for c in calls])
     return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
                       lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy),
                       lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
@@ -523,7 +523,7 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for every block (as :func:`step_many`)."""
     _check_calls("undo", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
                                            ("p_copy", c.p_copy)])
-    scalars = _concrete([c.s for c in calls], variant, [c.p_old is not None for c in calls])
+    scalars = reference.concrete_checked([c.s for c in calls], variant, [c.p_old is not None for c in calls])
     return _by_kernel(_OP_UNDO, calls, scalars, [None] * len(calls), variant,
                       lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy),
                       lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
@@ -535,8 +535,8 @@ def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[
     refuse_checked_steps(calls, "triton.undo_redo_many")
     _check_calls("undo_redo", calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
                                                 ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
-    olds = _concrete([c.s_old for c in calls], variant, [c.p_old is not None for c in calls])
-    news = _concrete([c.s_new for c in calls])
+    olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls])
+    news = reference.concrete_checked([c.s_new for c in calls])
     return _by_kernel(_OP_UNDO_REDO, calls, olds, news, variant,
                       lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
@@ -567,23 +567,6 @@ def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, 
                                   and t.device == device):
             return False
     return out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)
-
-
-def _concrete(scalars: Sequence[AdamScalars], variant: AdamVariant | None = None,
-              restoring_param: Sequence[bool] | None = None) -> list[AdamScalars]:
-    """:func:`concrete_scalars` of each (once per object: a group's blocks share theirs); with ``variant``,
-    each checked as an undo's (``restoring_param[i]``: block i restores p from ``p_old``)."""
-    done: dict[tuple[int, bool], AdamScalars] = {}
-    out = []
-    for i, s in enumerate(scalars):
-        restoring = restoring_param[i] if restoring_param is not None else False
-        key = (id(s), restoring)
-        if key not in done:
-            done[key] = concrete_scalars(s)
-            if variant is not None:
-                reference._check_invertible(done[key], variant, restoring)
-        out.append(done[key])
-    return out
 
 
 def _name(op: str, calls: Sequence, i: int) -> str:
