@@ -481,26 +481,14 @@ class Adam:
         validated: set[int] = set()  # hparams objects checked already (a group's leaves share one)
         traced = leaf_tracer()
         hp_traced: dict[int, bool] = {}  # per hparams object
-        tensor = torch.Tensor
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
-            if type(p) is tensor and type(m) is tensor and type(v) is tensor and (g is None or type(g) is tensor):
-                # The common case in one expression (each attribute read once); the checks below name a problem.
-                dtype, shape, device = p.dtype, p.shape, p.device
-                want_state = self.state_dtype or dtype
-                plain = (dtype.is_floating_point and m.dtype == want_state and v.dtype == want_state
-                         and m.shape == shape and v.shape == shape and m.device == device and v.device == device
-                         and (g is None or (g.dtype == dtype and g.shape == shape and g.device == device)))
-            else:
-                plain = False
-            if not plain:
-                _check_param(path, p)
-                if g is not None:
-                    _check_like("grads", path, g, p, p.dtype)
+            _check_param(path, p)
+            if g is not None:
+                _check_like("grads", path, g, p, p.dtype)
             steps = _check_count(path, c, traced)
-            if not plain:
-                want_state = self.state_dtype or p.dtype
-                _check_like("state.mu", path, m, p, want_state)
-                _check_like("state.nu", path, v, p, want_state)
+            want_state = self.state_dtype or p.dtype
+            _check_like("state.mu", path, m, p, want_state)
+            _check_like("state.nu", path, v, p, want_state)
             if g is not None and id(hp) not in validated:
                 _validate_hparams(hp, "hparams for ", path)
                 validated.add(id(hp))
