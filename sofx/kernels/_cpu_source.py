@@ -1313,7 +1313,6 @@ static void run_share(const Parts *ps, int64_t k) {
   }
 }
 
-#ifndef _OPENMP
 typedef struct {
   const Parts *ps;
   int64_t k;
@@ -1324,7 +1323,24 @@ static void *run_share_thread(void *arg) {
   run_share(sh->ps, sh->k);
   return 0;
 }
-#endif
+
+/* Shares 1..nt-1 on threads started for this call and joined before it returns (nothing runs on after it);
+   share 0 on the calling thread. A thread that cannot be started has its share run here. */
+static void run_on_started_threads(const Parts *ps, int nt) {
+  pthread_t tids[MAX_THREADS];
+  int started[MAX_THREADS];
+  Share shares[MAX_THREADS];
+  for (int k = 1; k < nt; k++) {
+    shares[k].ps = ps;
+    shares[k].k = k;
+    started[k] = pthread_create(&tids[k], 0, run_share_thread, &shares[k]) == 0;
+  }
+  run_share(ps, 0);
+  for (int k = 1; k < nt; k++) {
+    if (started[k]) pthread_join(tids[k], 0);
+    else run_share(ps, k);
+  }
+}
 
 /* Entry point: `count` blocks in one call, each with its own dtypes, element count, pointers and
    scalars. Block b: dtypes[6b..6b+5] = {p, g, m/v, g_new, p_old, p_copy}; ptrs[11b..11b+10] = {p, g, m, v,
@@ -1335,6 +1351,8 @@ static void *run_share_thread(void *arg) {
    scalars. exact: 1 for the reference's bits (the exact_* loops: sqrt_fn's square roots, true divisions
    in the inverse), 0 for the fused loops (IEEE sqrtf, div_by in the inverse).
    sqrt_fn/sqrt_mode/sqrt_local/sqrt_replica: see Sqrt (sqrt_fn 0: IEEE sqrtf).
+   nthreads > 0: that many threads of the OpenMP runtime (in a build with OpenMP); nthreads < 0: -nthreads
+   threads started for this call and joined before it returns (sofx.kernels.threads).
    The threads share the blocks' elements evenly (a model's many small tensors cost one parallel region,
    not one each); thread k runs its part of each block in turn, split inside a block at a multiple of
    TILE. Every block is checked first: returns 0 on success, or -(1 + 3b) - reason for block b's bad
@@ -1384,36 +1402,27 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
     starts[b] = total;
     total += ns[b];
   }
-  int nt = nthreads < 1 ? 1 : nthreads;
+  const int started_threads = nthreads < 0;
+  int nt = started_threads ? -nthreads : nthreads;
+  if (nt < 1) nt = 1;
   if (nt > MAX_THREADS) nt = MAX_THREADS;
   if (total / MIN_PER_THREAD < nt) nt = (int)(total / MIN_PER_THREAD);
   if (nt < 1) nt = 1;
   Parts ps = {jobs, starts, count, (total + nt - 1) / nt};
   if (nt == 1) {
     run_share(&ps, 0);
-  } else {
 #ifdef _OPENMP
+  } else if (!started_threads) {
     /* torch's own OpenMP runtime (libgomp.so.1 is already loaded by torch, so this library binds
        to it): the threads of torch's last parallel region are still spinning for work and take
        these shares at once. Threads of a second runtime (or pthreads) would fight them for the
-       cores for milliseconds after every torch operation. */
+       cores for milliseconds after every torch operation; but the runtime's threads spin on after
+       this region too, which a caller that wants the cores back at once avoids with nthreads < 0. */
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
     for (int k = 0; k < nt; k++) run_share(&ps, k);
-#else
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS];
-    Share shares[MAX_THREADS];
-    for (int k = 1; k < nt; k++) {
-      shares[k].ps = &ps;
-      shares[k].k = k;
-      started[k] = pthread_create(&tids[k], 0, run_share_thread, &shares[k]) == 0;
-    }
-    run_share(&ps, 0);
-    for (int k = 1; k < nt; k++) {
-      if (started[k]) pthread_join(tids[k], 0);
-      else run_share(&ps, k);
-    }
 #endif
+  } else {
+    run_on_started_threads(&ps, nt);
   }
   if (jobs != &one) free(jobs);
   if (starts != &starts_one) free(starts);

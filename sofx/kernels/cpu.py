@@ -68,6 +68,7 @@ from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, is_number, kernel_param_copy, write_outputs,
                                write_param_copy)
+from sofx.kernels.threads import native_thread_request
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
            "native_available", "bitwise_with_torch", "CHECKS_FINITE"]
@@ -399,7 +400,7 @@ def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, blocks: Sequ
     s1 = array("Q", [ctypes.addressof(nb.s1) for nb in blocks])
     s2 = array("Q", [ctypes.addressof(nb.s2) if nb.s2 is not None else 0 for nb in blocks])
     rc = lib.adam_many(op, int(variant.decoupled), len(blocks), dtypes.buffer_info()[0], ns.buffer_info()[0],
-                       ptrs.buffer_info()[0], s1.buffer_info()[0], s2.buffer_info()[0], torch.get_num_threads(),
+                       ptrs.buffer_info()[0], s1.buffer_info()[0], s2.buffer_info()[0], native_thread_request(),
                        int(exact), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
                        lib.sqrt_local or None, int(exact and lib.sqrt_replica))
     if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
