@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from sofx import skipped_chunks, tree
+from sofx.donation import MemorySpans, check_writable
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import load_backend, select_backend
@@ -177,9 +178,10 @@ class Adam:
         """
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
-        _validate_grad_scale(grad_scale)
+        grad_scale = _checked_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
         kernels = self._kernels(leaves)
+        _check_writes(leaves, copies, donate)
         in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
         finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
         memo: dict = {}
@@ -274,6 +276,10 @@ class Adam:
         """
         spec, leaves = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
+        # every leaf's kernel chosen (or refused) before any snapshot is restored
+        kernels = [self._kernel(leaf) if rec is not None and rec.strategy != "snapshot" else None
+                   for leaf, rec in zip(leaves, record.leaves)]
+        _check_writes(leaves, copies, donate, record)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
@@ -286,7 +292,7 @@ class Adam:
                 new_p[k], new_m[k], new_v[k], new_c[k] = _restore_snapshot(leaf, rec, donate, copy)
             else:
                 new_c[k] = rec.count_before
-                pending.append((k, self._kernel(leaf), _undo_call(leaf, rec, donate, copy)))
+                pending.append((k, kernels[k], _undo_call(leaf, rec, donate, copy)))
         for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant)):
             m0, v0 = _zero_if_fresh(record.leaves[k], m0, v0, donate)
             new_p[k], new_m[k], new_v[k] = p0, m0, v0
@@ -314,7 +320,7 @@ class Adam:
         """
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
-        _validate_grad_scale(grad_scale)
+        grad_scale = _checked_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
         # The record's own gradient: its strategy says it was finite (the tensor must not have been modified
         # since, as the module docstring asks).
@@ -323,6 +329,7 @@ class Adam:
         # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
         # finite), else read before.
         kernels = self._kernels(leaves)
+        _check_writes(leaves, copies, donate, record)
         candidates = self._checked_in_step(leaves, kernels, copies, grads_finite)
         memo: dict = {}
         assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
@@ -423,6 +430,15 @@ class Adam:
         return flags
 
     # -------------------------------------------------------------- helpers
+    def check_inputs(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
+                     donate: bool = False, param_copies: Any = None) -> None:
+        """Raise the :class:`~sofx.errors.SofxError` that :meth:`update` would raise for these inputs
+        (structure, shapes, dtypes, devices, hparams, in-place writes), reading no gradient and changing
+        nothing. For callers that step the leaves of one tree in several calls (the speculation layer),
+        so that a bad leaf is refused before any other leaf is stepped."""
+        spec, leaves = self._gather(params, grads, state, hparams)
+        _check_writes(leaves, _param_copies(spec, leaves, param_copies), donate)
+
     def undo_strategies(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
                         grad_scale: Scalar = 1.0, grads_finite: bool | None = None) -> list[tuple[str, str] | None]:
         """``(strategy, reason)`` that :meth:`update` would choose per leaf, without stepping.
@@ -435,7 +451,7 @@ class Adam:
         """
         _validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
-        _validate_grad_scale(grad_scale)
+        grad_scale = _checked_grad_scale(grad_scale)
         finite = self._gradients_finite(leaves, grads_finite)
         return [None if leaf.g is None else self._plan(leaf, grad_scale, f)[1:] for leaf, f in zip(leaves, finite)]
 
@@ -456,9 +472,11 @@ class Adam:
             if not isinstance(hp, AdamHParams):
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}")
             full = filled.get(id(hp))
-            if full is None:  # (a group that gives every field, as the offload engine's, is taken as it is)
-                full = filled[id(hp)] = hp if not any(x is None for x in hp) else \
-                    AdamHParams(*(d if x is None else x for x, d in zip(hp, self.defaults)))
+            if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)
+                # A concrete tensor is read now: the step (and its undo record) must not see later in-place
+                # changes of it (a schedule's lr.fill_()).
+                full = filled[id(hp)] = hp if not any(x is None or isinstance(x, torch.Tensor) for x in hp) else \
+                    AdamHParams(*(as_number(d if x is None else x) for x, d in zip(hp, self.defaults)))
             out.append(full)
         return out
 
@@ -591,10 +609,74 @@ class Adam:
         return "algebraic", ""
 
 
-def _validate_grad_scale(grad_scale: Scalar) -> None:
-    value = as_number(grad_scale)
+def _checked_grad_scale(grad_scale: Any) -> Scalar:
+    """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
+    number or a 0-d floating-point tensor, finite and > 0."""
+    if type(grad_scale) is float or type(grad_scale) is int:
+        value = grad_scale
+    elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
+        raise HParamError(f"grad_scale must be a number or a 0-d floating-point tensor, got "
+                          f"{type(grad_scale).__name__}")
+    elif isinstance(grad_scale, torch.Tensor) and (grad_scale.dim() != 0 or not grad_scale.dtype.is_floating_point):
+        raise HParamError(f"grad_scale must be a number or a 0-d floating-point tensor, got a tensor of shape "
+                          f"{tuple(grad_scale.shape)} and dtype {grad_scale.dtype}")
+    else:
+        value = as_number(grad_scale)
     if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
+    return value
+
+
+def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
+                  record: UndoRecord | None = None) -> None:
+    """Refuse a call whose in-place writes (``donate``, parameter copies) cannot be done or would overwrite
+    what it still reads (:mod:`sofx.donation`); nothing is written before. ~1 us per leaf."""
+    has_copies = any(c is not None for c in copies)
+    if not (donate or has_copies) or torch.compiler.is_compiling():
+        return
+    spans = MemorySpans()
+    add = spans.add
+    for k in range(len(leaves)):  # (no tuple per leaf: they would bring the cycle collector round sooner)
+        leaf, copy = leaves[k], copies[k]
+        if copy is not None:
+            check_writable(_role_name(leaf, _COPY), copy)
+        if leaf.traced:  # torch.func wrappers have no memory to compare; a leaf requiring grad is refused here
+            if donate:
+                check_writable(_role_name(leaf, 0), leaf.p)
+                check_writable(_role_name(leaf, 1), leaf.m)
+                check_writable(_role_name(leaf, 2), leaf.v)
+            continue
+        base = 16 * k  # a span's tag: 16 * leaf + role
+        # a non-contiguous written tensor must not overlap itself either
+        if not add(leaf.p, donate, base) and donate:
+            check_writable(_role_name(leaf, 0), leaf.p)
+        if not add(leaf.m, donate, base + 1) and donate:
+            check_writable(_role_name(leaf, 1), leaf.m)
+        if not add(leaf.v, donate, base + 2) and donate:
+            check_writable(_role_name(leaf, 2), leaf.v)
+        if leaf.g is not None:
+            add(leaf.g, False, base + _GRAD)
+        if copy is not None:
+            add(copy, True, base + _COPY)
+        rec = record.leaves[k] if record is not None else None
+        if rec is not None:
+            for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1):
+                if t is not None:
+                    add(t, False, base + role)
+    spans.check_disjoint(lambda tag: _role_name(leaves[tag // 16], tag % 16))
+
+
+# The tensors of a leaf a call may read or write, by role (_check_writes)
+_GRAD, _COPY = 3, 4
+_ROLES = ("params", "state.mu", "state.nu", "grads", "param_copies", "the undo record's gradient of",
+          "the undo record's saved parameters of", "the undo record's saved first moments of",
+          "the undo record's saved second moments of")
+
+
+def _role_name(leaf: _Leaf, role: int) -> str:
+    if role <= _COPY:
+        return _ROLES[role] + leaf.path[len("params"):]
+    return f"{_ROLES[role]} {leaf.path}"
 
 
 def _validate_grads_finite(grads_finite: Any) -> None:
@@ -717,6 +799,7 @@ def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -
             raise LeafError(f"{path}: expected a tensor or None, got {type(c).__name__}")
         if not c.dtype.is_floating_point:
             raise LeafError(f"{path}: expected a floating-point tensor, got dtype {c.dtype}")
+        _check_dense(path, c)
         if c.shape != leaf.p.shape:
             raise LeafError(f"{path}: expected shape {tuple(leaf.p.shape)}, got {tuple(c.shape)}")
         if c.device != leaf.p.device:
@@ -729,15 +812,24 @@ def _check_param(path: str, p: Any) -> None:
         raise LeafError(f"{path}: expected a tensor, got {type(p).__name__}")
     if not p.dtype.is_floating_point:
         raise LeafError(f"{path}: expected a floating-point tensor, got dtype {p.dtype}")
+    _check_dense(path, p)
+
+
+def _check_dense(path: str, x: torch.Tensor) -> None:
+    if x.layout != torch.strided:
+        raise LeafError(f"{path}: expected a dense (strided) tensor, got layout {x.layout}; sparse tensors are "
+                        "not supported (e.g. nn.Embedding(sparse=True) gives sparse gradients)")
 
 
 def _check_like(tree_name: str, param_path: str, x: Any, p: torch.Tensor, dtype: torch.dtype) -> None:
     """``x`` (the leaf of ``tree_name`` at the parameter's ``param_path``) is a tensor like ``p`` of ``dtype``."""
-    if type(x) is torch.Tensor and x.shape == p.shape and x.dtype == dtype and x.device == p.device:
+    if type(x) is torch.Tensor and x.shape == p.shape and x.dtype == dtype and x.device == p.device \
+            and x.layout is torch.strided:
         return  # the common case, three times per leaf and step
     path = tree_name + param_path[len("params"):]
     if not isinstance(x, torch.Tensor):
         raise LeafError(f"{path}: expected a tensor, got {type(x).__name__}")
+    _check_dense(path, x)
     if x.shape != p.shape:
         raise LeafError(f"{path}: expected shape {tuple(p.shape)}, got {tuple(x.shape)}")
     if x.dtype != dtype:

@@ -1,0 +1,193 @@
+"""In-place writes (``donate=True``, ``param_copies``) that cannot be done, or would overwrite what the call
+still reads, are refused naming the leaf before anything is written, on every backend; layouts that only look
+alike (disjoint views of one buffer, interleaved strided views, a gradient read by two leaves) are not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sofx
+
+from helpers import clone_tree
+
+BACKENDS = ["reference", "cpu", "cpu_fast"]
+
+
+def _tree(gen: torch.Generator, n: int = 6) -> dict:
+    # "a" is the first leaf in order, "z" the last: a refusal of "z" must leave "a" unwritten
+    return {"a": torch.randn(n, generator=gen), "z": torch.randn(n, generator=gen)}
+
+
+def _stepped(backend: str, seed: int = 0):
+    """An optimizer, params, grads and a state with nonzero moments."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    params, grads = _tree(gen), _tree(gen)
+    state = opt.init(params)
+    params, state, _ = opt.update(params, grads, state)
+    return opt, params, _tree(gen), state
+
+
+def _bits(*trees) -> list:
+    return [t.clone() for tree in trees for t in sofx.tree.flatten(tree)[0]]
+
+
+def _same_bits(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _refused(call, pattern: str, *trees) -> None:
+    before = _bits(*trees)
+    with pytest.raises(sofx.LeafError, match=pattern):
+        call()
+    assert _same_bits(before, _bits(*trees)), "an input was written by a call that raised"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_written_tensor_that_overlaps_itself_is_refused(backend):
+    opt, params, grads, state = _stepped(backend)
+    expanded = torch.randn(1).expand(6)
+    p = {**params, "z": expanded}
+    _refused(lambda: opt.update(p, grads, state, donate=True), r"params\['z'\]: its elements overlap", p, state)
+    s = state._replace(nu={**state.nu, "z": torch.rand(1).expand(6)})
+    _refused(lambda: opt.update(params, grads, s, donate=True), r"state.nu\['z'\]: its elements overlap",
+             params, s)
+    copies = {"a": None, "z": torch.zeros(1).expand(6)}
+    _refused(lambda: opt.update(params, grads, state, param_copies=copies),
+             r"param_copies\['z'\]: its elements overlap", params, state)
+    opt.update(p, {**grads, "z": torch.randn(1).expand(6)}, state)  # read only: fine
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_leaf_that_requires_grad_is_not_donated(backend):
+    opt, params, grads, state = _stepped(backend)
+    p = {**params, "z": torch.nn.Parameter(params["z"].clone())}
+    _refused(lambda: opt.update(p, grads, state, donate=True), r"params\['z'\]: a leaf tensor that requires grad",
+             p, state)
+    with torch.no_grad():  # autograd allows the write there
+        opt.update(p, grads, state, donate=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_tensors_are_refused_by_name(backend):
+    opt, params, grads, state = _stepped(backend)
+    g = {**grads, "z": grads["z"].to_sparse()}
+    for donate in (False, True):
+        _refused(lambda: opt.update(params, g, state, donate=donate), r"grads\['z'\]: expected a dense", params,
+                 state)
+    p = {**params, "z": params["z"].to_sparse()}
+    with pytest.raises(sofx.LeafError, match=r"params\['z'\]: expected a dense"):
+        opt.init(p)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_donated_tensors_that_share_memory_with_another_are_refused(backend):
+    opt, params, grads, state = _stepped(backend)
+    tied = {"a": params["a"], "z": params["a"]}  # one tensor as two leaves
+    tied_state = opt.init(tied)
+    _refused(lambda: opt.update(tied, grads, tied_state, donate=True),
+             r"params\['a'\] and params\['z'\] share memory", tied, tied_state)
+    # a gradient that is the parameter itself: the record's gradient would be overwritten
+    g = {**grads, "z": params["z"]}
+    _refused(lambda: opt.update(params, g, state, donate=True), r"params\['z'\] and grads\['z'\] share memory",
+             params, state)
+    # a moment that overlaps another leaf's moment partly
+    buf = torch.rand(9)
+    s = state._replace(mu={"a": buf[:6], "z": buf[3:]})
+    _refused(lambda: opt.update(params, grads, s, donate=True), r"state.mu\['a'\] and state.mu\['z'\] share memory",
+             params, s)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameter_copies_that_are_inputs_are_refused(backend):
+    opt, params, grads, state = _stepped(backend)
+    for copies, pattern in (({"a": None, "z": params["z"]}, r"param_copies\['z'\] and params\['z'\] share"),
+                            ({"a": None, "z": grads["a"]}, r"param_copies\['z'\] and grads\['a'\] share"),
+                            ({"a": state.nu["a"], "z": None}, r"param_copies\['a'\] and state.nu\['a'\] share")):
+        _refused(lambda: opt.update(params, grads, state, param_copies=copies), pattern, params, grads, state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_undo_that_would_overwrite_its_record_is_refused(backend):
+    """A non-donated snapshot record keeps the caller's old tensors: an undo donating those very tensors (the
+    old params passed instead of the new) would overwrite the snapshot it restores from."""
+    gen = torch.Generator().manual_seed(3)
+    opt = sofx.adamw(lr=1e-2, backend=backend, undo="exact")
+    params, grads = _tree(gen), _tree(gen)
+    state = opt.init(params)
+    new_p, new_s, rec = opt.update(params, grads, state)
+    wrong = {"a": new_p["a"], "z": params["z"]}
+    _refused(lambda: opt.undo(wrong, new_s, rec, donate=True),
+             r"params\['z'\] and the undo record's saved parameters of params\['z'\] share memory", wrong, new_s)
+    old_p, _ = opt.undo(new_p, new_s, rec, donate=True)  # the record is still usable
+    assert all(torch.equal(old_p[k], params[k]) for k in params)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_that_only_look_alike_are_accepted(backend):
+    """Disjoint views of one flat buffer (as the offload engine's blocks), interleaved strided views, one
+    gradient read by two leaves, empty leaves: donated steps give the bits of separate tensors."""
+    gen = torch.Generator().manual_seed(5)
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    flat_p, flat_m, flat_v = torch.randn(20, generator=gen), torch.randn(20, generator=gen), \
+        torch.rand(20, generator=gen)
+    inter = torch.randn(12, generator=gen)
+    g = torch.randn(6, generator=gen)
+    params = {"a": flat_p[:6], "b": flat_p[6:12], "c": inter[0::2], "d": inter[1::2], "e": flat_p[12:12]}
+    state = sofx.AdamState({k: torch.tensor(2) for k in params},
+                           {"a": flat_m[:6], "b": flat_m[6:12], "c": flat_m[12:18], "d": torch.randn(6, generator=gen),
+                            "e": flat_m[18:18]},
+                           {"a": flat_v[:6], "b": flat_v[6:12], "c": flat_v[12:18], "d": torch.rand(6, generator=gen),
+                            "e": flat_v[18:18]})
+    grads = {"a": g, "b": g, "c": g, "d": g, "e": torch.zeros(0)}
+    separate = clone_tree(params), grads, sofx.AdamState(*(clone_tree(x) for x in state))
+    want_p, want_s, _ = opt.update(*separate)
+    got_p, got_s, _ = opt.update(params, grads, state, donate=True)
+    for k in params:
+        assert got_p[k].data_ptr() == params[k].data_ptr() or params[k].numel() == 0
+        assert torch.equal(got_p[k], want_p[k]) and torch.equal(got_s.nu[k], want_s.nu[k])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hparam_tensors_are_read_when_the_step_is_taken(backend):
+    """A schedule that updates a tensor lr in place (as torch's schedulers do with ``fill_``) after the step
+    does not change what the record undoes."""
+    opt, params, grads, state = _stepped(backend)
+    lr = torch.tensor(2e-2)
+    new_p, new_s, rec = opt.update(params, grads, state, sofx.AdamHParams(lr=lr, weight_decay=torch.tensor(0.1)))
+    want = opt.update(params, grads, state, sofx.AdamHParams(lr=2e-2, weight_decay=0.1))[0]
+    lr.fill_(0.5)
+    assert all(torch.equal(new_p[k], want[k]) for k in params)
+    old_p, old_s = opt.undo(new_p, new_s, rec)
+    assert all(torch.allclose(old_p[k], params[k], rtol=1e-6, atol=0) for k in params)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (torch.tensor([0.5]), r"grad_scale must be a number or a 0-d floating-point tensor, got a tensor of shape \(1,\)"),
+    (torch.full((6,), 0.5), r"got a tensor of shape \(6,\)"),
+    (torch.tensor(-1.0), r"grad_scale = -1.0 is invalid"),
+    (torch.tensor(2), r"dtype torch.int64"),
+    ("2", r"got str"),
+    (True, r"got bool"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bad_grad_scale_is_refused_before_anything_is_written(bad, pattern, backend):
+    opt, params, grads, state = _stepped(backend)
+    before = _bits(params, state)
+    with pytest.raises(sofx.HParamError, match=pattern):
+        opt.update(params, grads, state, grad_scale=bad, donate=True)
+    assert _same_bits(before, _bits(params, state))
+    opt.update(params, grads, state, grad_scale=torch.tensor(0.5))  # a 0-d float tensor is a value
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_tensors_that_start_together_are_refused(backend):
+    """A transposed parameter given as its own gradient: strided views that may interleave are told apart by
+    where they start."""
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    w = torch.randn(2, 3).t()
+    params = {"w": w}
+    state = opt.init(params)
+    _refused(lambda: opt.update(params, {"w": w}, state, donate=True), r"params\['w'\] and grads\['w'\] share",
+             params, state)
