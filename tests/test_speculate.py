@@ -170,6 +170,28 @@ def test_hparams_changed_between_speculation_and_validation(rng):
     _compare(spec, ser, r.actions)
 
 
+def test_an_hparam_tensor_changed_in_place_after_speculation_is_seen_as_a_change(rng):
+    """A schedule that moves a tensor lr in place (``lr.fill_``) between speculation and validation: the
+    speculative step was taken with the old value, so validation must undo and redo it with the new one."""
+    opt = sofx.adamw(backend="cpu")
+    p = torch.randn(100, generator=rng)
+    g = torch.randn(100, generator=rng) * 0.01
+    state = opt.init(p)
+    rule = loss_scale.static_scale()
+    lr = torch.tensor(1e-2)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1,
+                               hparams=[AdamHParams(lr=lr)])
+    tally, d = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(g), lambda: sp.block_eligibility(
+        opt, p, g, state, ctx.hparams[0], ctx.grad_scale))
+    p1, s1, rec = sp.speculative_block_step(opt, p, g, state, d)
+    lr.fill_(5e-2)
+    plan = sp.plan_validation(ctx, tally, [sp.grad_sumsq(g)], hparams=[AdamHParams(lr=lr)])
+    assert plan.actions[0].kind == "undo_redo"
+    p2, _ = sp.apply_block_action(opt, plan.actions[0], p1, g, s1, rec)
+    want = opt.update(p, g, state, AdamHParams(lr=5e-2))[0]
+    assert _rel(p2, want) <= 1e-6
+
+
 def test_late_second_gradient_is_summed_and_the_block_redone(rng):
     opt = sofx.adamw(lr=1e-2)
     params, state = _warm(opt, _params(rng), rng)
@@ -345,6 +367,34 @@ def test_protocol_errors_are_clear(rng):
         sp.SpeculationConfig(snapshot_budget_bytes=-1)
     with pytest.raises(sofx.StructureError, match="hparams is not a prefix"):
         sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=[AdamHParams()] * 3)
+
+
+@pytest.mark.parametrize("bad_grad, pattern", [
+    (torch.randn(2, 6), r"grads\[0\]: expected shape \(6,\), got \(2, 6\)"),
+    (torch.randn(6).double(), r"grads\[0\]: expected dtype torch.float32, got torch.float64"),
+    (torch.ones(6, dtype=torch.int64), r"grads\[0\]: expected dtype torch.float32, got torch.int64"),
+    ([1.0] * 6, r"grads\[0\]: expected a tensor, got list"),
+])
+def test_a_bad_leaf_is_refused_before_any_leaf_is_stepped(rng, bad_grad, pattern):
+    """The leaves arrive last to first: a bad first leaf must not leave the others stepped in place (donated),
+    and the serial step refuses it before reading any gradient."""
+    opt = sofx.adamw()
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    grads[0] = bad_grad
+    before = [t.clone() for t in [*params, *state.mu, *state.nu, *state.count]]
+    rule = loss_scale.grad_scaler()
+    with pytest.raises(sofx.LeafError, match=pattern):
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), donate=True)
+    with pytest.raises(sofx.LeafError, match=pattern):
+        serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), donate=True)
+    after = [*params, *state.mu, *state.nu, *state.count]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(sofx.LeafError, match=r"late_grads\[1\]: expected a tensor like the leaf's gradient"):
+        sp.speculative_step(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), late_grads={1: torch.randn(2, 6)}, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_speculative_step_does_not_read_finite_gradients_again(rng, monkeypatch):

@@ -235,7 +235,8 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
         hp = AdamHParams() if hp is None else hp
         if not _is_hparams(hp):
             raise HParamError(f"hparams for blocks[{i}]: expected an AdamHParams, got {type(hp).__name__}")
-        out.append(AdamHParams(*(d if x is None else x for x, d in zip(hp, defaults))))
+        # concrete tensors read now: validation compares these values, not tensors changed in place since
+        out.append(AdamHParams(*(as_number(d if x is None else x) for x, d in zip(hp, defaults))))
     return tuple(out)
 
 
@@ -379,8 +380,6 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
 
 def _same_number(a: Any, b: Any) -> bool:
     a, b = as_number(a), as_number(b)
-    if a is b:
-        return True
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return a == b
     return False  # tensors that cannot be read: assume changed (undo+redo is always correct)

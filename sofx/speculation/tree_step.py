@@ -19,7 +19,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamState
-from sofx.errors import SofxError
+from sofx.errors import LeafError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.serial import LoopState, hparams_at
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
@@ -69,6 +69,10 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
     every speculative step when DeepSpeed's scaler gives up.
     """
+    # Every leaf is checked before any is stepped (the leaves are stepped one call each, as they "arrive").
+    opt.check_inputs(params, grads, state, hparams, donate=donate)
+    if validation_hparams is not _SAME:
+        opt.check_inputs(params, grads, state, validation_hparams)
     p_leaves, spec = tree.flatten(params)
     n = len(p_leaves)
     g_leaves = list(tree.flatten_up_to(spec, grads, "grads")) if grads is not None else [None] * n
@@ -84,9 +88,16 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     if sorted(order) != list(range(n)):
         raise SofxError(f"order must be a permutation of the {n} leaf indices, got {order}")
     late_grads = dict(late_grads or {})
-    for i in late_grads:
+    for i, extra in late_grads.items():
         if not (isinstance(i, int) and 0 <= i < n) or g_leaves[i] is None:
             raise SofxError(f"late_grads[{i!r}]: a late gradient needs a leaf that already has a gradient")
+        g = g_leaves[i]
+        if not isinstance(extra, torch.Tensor) or extra.shape != g.shape or extra.dtype != g.dtype \
+                or extra.device != g.device:
+            got = (f"shape {tuple(extra.shape)}, dtype {extra.dtype}, device {extra.device}"
+                   if isinstance(extra, torch.Tensor) else type(extra).__name__)
+            raise LeafError(f"late_grads[{i}]: expected a tensor like the leaf's gradient (shape {tuple(g.shape)}, "
+                            f"dtype {g.dtype}, device {g.device}), got {got}")
 
     ctx, tally = begin_step(opt, config, scaler, scaler_state, policy_state, n_blocks=n, hparams=list(hps),
                             backward_scale=backward_scale, last_micro_step=last_micro_step)
