@@ -141,7 +141,7 @@ class GradScalerRule:
         _count("growth_interval", self.growth_interval)
 
     def init(self) -> GradScalerState:
-        return GradScalerState(float(self.init_scale), 0)
+        return GradScalerState(_f32(float(self.init_scale)), 0)  # torch keeps its scale in a float32 tensor
 
     def scale(self, state: GradScalerState) -> float:
         return state.scale

@@ -146,9 +146,10 @@ def _check_max_norm(max_norm: float) -> float:
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
-    """``clip_grad_norm_``'s multiplier: ``max_norm / (norm + 1e-6)`` when that is ``< 1``, else 1."""
+    """``clip_grad_norm_``'s multiplier: ``max_norm / (norm + 1e-6)`` when that is ``< 1``, else 1 (a nan norm
+    gives nan, as ``torch.clamp`` keeps it: the gradients become nan, as torch's do)."""
     coef = max_norm / (norm + CLIP_EPS)
-    return coef if coef < 1.0 else 1.0
+    return 1.0 if coef >= 1.0 else coef
 
 
 def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float:
@@ -322,7 +323,9 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     """Add one micro-step's gradients (``None`` leaves: no gradient this micro-step).
 
     The sum is ``first + second + ...`` in micro-step order, as autograd
-    accumulates into ``.grad``. Nothing passed in is modified.
+    accumulates into ``.grad``. Nothing passed in is modified, and the state
+    holds no tensor passed in: a first gradient is copied, so that a loop that
+    reuses its gradient buffers (``zero_grad(set_to_none=False)``) keeps its sum.
     """
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
@@ -332,7 +335,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     for path, p, acc, g in zip(paths, leaves, old, new):
         if g is not None:
             _check_grad(path, g, p)
-        out.append(acc if g is None else g if acc is None else acc + g)
+        out.append(acc if g is None else g.clone() if acc is None else acc + g)
     return AccumulationState(tree.unflatten(spec, out), state.micro_steps + 1)
 
 

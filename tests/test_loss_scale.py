@@ -31,7 +31,7 @@ def _torch_scales(overflows: list[bool], **kwargs) -> list[tuple[float, int]]:
 
 
 @given(seq=st.lists(st.booleans(), min_size=1, max_size=40), interval=st.integers(1, 4),
-       init=st.sampled_from([1.0, 3.0, 2.0 ** 16, 2.0 ** 126]))
+       init=st.sampled_from([1.0, 3.0, 2.0 ** 16, 2.0 ** 126, 0.1, 1000.1]))  # the last two: not float32 values
 def test_grad_scaler_equals_torch(seq: list[bool], interval: int, init: float):
     rule = ls.grad_scaler(init_scale=init, growth_interval=interval)
     state = rule.init()

@@ -40,6 +40,22 @@ def test_clip_by_global_norm_equals_clip_grad_norm_(rng, scale: float):
     assert (state.coef < 1) == (torch_norm.item() > 1.0)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_clip_by_global_norm_of_non_finite_gradients_equals_clip_grad_norm_(rng, bad: float):
+    """A nan norm makes every gradient nan (torch.clamp keeps the nan), an inf norm zeroes the finite ones."""
+    grads = _tree(rng, 1.0)
+    leaves, spec = sofx.tree.flatten(grads)
+    leaves[0][1] = bad
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in leaves]
+    for p, g in zip(params, leaves):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)
+    t = tx.clip_by_global_norm(1.0)
+    out, _ = t.update(grads, t.init(grads))
+    for got, want in zip(sofx.tree.flatten(out)[0], [p.grad for p in params]):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_unscale_then_clip_equals_gradscaler_unscale_then_clip(rng):
     S = 2.0 ** 14
     grads = _tree(rng, 3 * S)
@@ -134,6 +150,23 @@ def test_accumulate_equals_grad_accumulation_bitwise(rng):
     assert torch.equal(zero["c"], torch.zeros(3))
     with pytest.raises(HParamError, match="missing_grad"):
         tx.accumulated(state, params, "drop")
+
+
+def test_accumulate_keeps_its_sum_when_the_loop_reuses_its_gradient_buffers(rng):
+    """``model.zero_grad(set_to_none=False)`` zeroes ``.grad`` in place, and each micro-step's gradients are the
+    same tensors: the accumulated sum must not be one of them."""
+    model = torch.nn.Linear(4, 2)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = tx.accumulation_init(params)
+    want = {n: torch.zeros_like(p) for n, p in params.items()}
+    for _ in range(3):
+        model.zero_grad(set_to_none=False)
+        model(torch.randn(8, 4, generator=rng)).pow(2).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        want = {n: want[n] + grads[n] for n in want}
+        state = tx.accumulate(state, grads, params)
+    got = tx.accumulated(state, params)
+    assert all(torch.allclose(got[n], want[n], rtol=1e-6, atol=1e-7) for n in want)
 
 
 def test_accumulate_rejects_bad_leaves_naming_the_path(rng):
