@@ -13,7 +13,8 @@ is a small dict whose ``"k"`` says what it is::
         (an OrderedDict's ``_metadata`` dict, as ``nn.Module.state_dict()`` sets it, under "metadata")
     {"k": "namedtuple", "type": "sofx.adam.AdamState", "fields": [...], "items": [...]}
 
-Tensors are named by their leaf path (``tree['params']['w']``), which is
+numpy scalars (``np.float64`` in a scheduler's state) are stored as the Python bool, int or float of their
+value and load back as that. Tensors are named by their leaf path (``tree['params']['w']``), which is
 also how every error message names them. A NamedTuple is rebuilt only from a
 class the caller allows: the template's own class (``like=``), a class in
 ``types=``, or one of sofx's own NamedTuples (:mod:`sofx.checkpoint.known_types`).
@@ -22,10 +23,17 @@ class the caller allows: the template's own class (``like=``), a class in
 from __future__ import annotations
 
 import collections
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
+
+try:
+    from numpy import bool_ as _NumpyBool
+except ImportError:  # numpy is optional: no numpy scalar can reach the codec then
+    class _NumpyBool:  # type: ignore[no-redef]
+        pass
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 
@@ -96,6 +104,12 @@ def _encode(x: Any, path: str, out: EncodedTree) -> dict:
         return {"k": "float", "v": x.hex()}
     if type(x) is str:
         return {"k": "str", "v": x}
+    if type(x).__module__ == "numpy" and isinstance(x, (numbers.Real, _NumpyBool)):
+        # numpy scalars (a LambdaLR of np.cos puts np.float64 in a scheduler's state): stored as the Python
+        # number of the same value (np.float32 widened exactly), loaded back as that number
+        if isinstance(x, _NumpyBool):
+            return {"k": "bool", "v": bool(x)}
+        return _encode(int(x) if isinstance(x, numbers.Integral) else float(x), path, out)
     if isinstance(x, torch.dtype):
         name = dtype_name(x)
         if name is None:

@@ -316,8 +316,15 @@ class OffloadEngine:
     def reload_params(self) -> None:
         """Take the model's current parameter values as the new masters (after loading model weights)."""
         self._check_usable()
+        self._check_between_steps("reload_params()")
         self.wait()
         self._load_masters_from_model()
+
+    def _check_between_steps(self, what: str) -> None:
+        if self.in_step:
+            raise SofxError(f"{what} was called between backward and step(): this step's gradients are held and "
+                            "blocks may hold speculative steps of the current masters; call step() or zero_grad() "
+                            "first")
 
     # ------------------------------------------------------------ step state
     def _reset_step(self) -> None:
@@ -526,6 +533,11 @@ class OffloadEngine:
 
     def _record(self, results: Sequence[OpResult]) -> None:
         for r in results:
+            if not r.ok and self._failed is None:
+                # A result polled during backward (a wait raises its failures itself): the block's speculative
+                # step did not happen as planned; step() must not commit or publish it. The engine stops here.
+                self._failed = ExecutorError(f"{self.executor_name} executor: the {r.kind!r} operation on block "
+                                             f"{r.block} failed: {r.error}")
             if r.kind == "speculate" or (r.kind == "ready" and (self._speculated[r.block] or not r.ok)):
                 self._events.append(("speculated" if r.ok else "speculate_failed", r.block))
 
@@ -554,6 +566,12 @@ class OffloadEngine:
     def step(self) -> EngineStepReport:
         """Validate this step's speculative updates and complete the step; returns its report."""
         self._check_usable()
+        for i, p in enumerate(self.params):
+            if p.grad is not None and self.tracker.arrivals[i] > 0:
+                raise SofxError(f"parameter {i} (shape {tuple(p.shape)}): .grad was set after backward took this "
+                                "step's gradient of it, so it would be ignored: the offload engine takes gradients "
+                                "in hooks during backward (they are not left in .grad); change them in a tensor hook "
+                                "(Tensor.register_hook) instead, or call zero_grad() to drop this step")
         self._events.append(("step_called", -1))
         # Gradients set by hand (no hook fired) are taken now; their blocks are stepped late.
         for i, p in enumerate(self.params):
@@ -666,14 +684,14 @@ class OffloadEngine:
         self._stale_grads = None  # the last step's gradients (see step())
         for p in self.params:
             p.grad = None
-        if self._deferred and self.tracker.started:
-            self._record(self._wait())  # decisions taken in the executor
-        if any(self._speculated):
-            self._record(self._wait())
+        if self.tracker.started:
+            self._record(self._wait())  # speculative steps (and decisions) still running
             for b, was in enumerate(self._speculated):
                 if was:
                     self._run_now(BlockOp(next(self._seq), "undo_now", b), self.layouts[b])
+            # Always: a late gradient's undo_now left its block's (used) record in the runner too.
             self.executor.submit(BlockOp(next(self._seq), "commit_all"))
+            self.device_runner.run(BlockOp(next(self._seq), "commit_all"))
             self._record(self._wait())
         self._reset_step()
 
@@ -708,6 +726,7 @@ class OffloadEngine:
         """Restore :meth:`state_dict`'s output (checked first: nothing changes on a mismatch);
         the masters are copied into the model's parameters."""
         self._check_usable()
+        self._check_between_steps("load_state_dict()")
         self.wait()
         load_engine_state(self, state)
         self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])

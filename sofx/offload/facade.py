@@ -43,13 +43,15 @@ pass ``swap_params=False`` to have the new values copied into the same storage.
 from __future__ import annotations
 
 import math
+import numbers
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
 from sofx.adam import AdamHParams
-from sofx.errors import HParamError, StructureError, UnsupportedError
+from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.engine import EngineStepReport, OffloadEngine
@@ -111,23 +113,40 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
 class _ParamStateView(Mapping):
     """``opt.state[p]``: torch.optim-style per-parameter state (live views of the engine's blocks)."""
 
-    def __init__(self, opt: "_SpeculativeBase") -> None:
-        self._opt = opt
+    def __init__(self, engine: OffloadEngine) -> None:
+        self._engine = engine  # (not the optimizer: no reference cycle, see _hparams_of)
 
     def _index(self, p: Any) -> int:
-        for i, q in enumerate(self._opt._engine.params):
+        for i, q in enumerate(self._engine.params):
             if q is p:
                 return i
         raise KeyError(p)
 
     def __getitem__(self, p: Any) -> dict[str, torch.Tensor]:
-        return self._opt._engine.param_state(self._index(p))
+        return self._engine.param_state(self._index(p))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._opt._engine.params)
+        return iter(self._engine.params)
 
     def __len__(self) -> int:
-        return len(self._opt._engine.params)
+        return len(self._engine.params)
+
+
+def _hparams_of(opt: "_SpeculativeBase") -> Callable[[], list[AdamHParams]]:
+    """The engine's ``hparams_fn``: the optimizer's param groups, read through a weak reference. Nothing the
+    optimizer owns refers back to it, so dropping its last reference frees it (and closes its engine, which
+    removes the gradient hooks) at once, without waiting for the cycle collector: an optimizer created again
+    over the same parameters (``opt = SpeculativeAdamW(model.parameters())`` twice) must not find the old one's
+    hooks still taking the gradients."""
+    ref = weakref.ref(opt)
+
+    def hparams() -> list[AdamHParams]:
+        live = ref()
+        if live is None:
+            raise SofxError("the optimizer that owns this engine was garbage-collected")
+        return live._hparams()
+
+    return hparams
 
 
 class _SpeculativeBase(torch.optim.Optimizer):
@@ -159,12 +178,12 @@ class _SpeculativeBase(torch.optim.Optimizer):
         adam = AdamConfig(decoupled=self._decoupled, bias_correction=bias_correction,
                           state_dtype=str(state_dtype).replace("torch.", ""), undo=undo, backend=backend)
         self._engine = OffloadEngine(
-            [g["params"] for g in self.param_groups], self._hparams, adam=adam, speculation=speculation,
+            [g["params"] for g in self.param_groups], _hparams_of(self), adam=adam, speculation=speculation,
             scaler=resolve_loss_scale(loss_scale, profile), executor=executor, block_numel=block_numel,
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params)
-        self.state = _ParamStateView(self)  # type: ignore[assignment]
+        self.state = _ParamStateView(self._engine)  # type: ignore[assignment]
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
         self.last_report: EngineStepReport | None = None
@@ -297,8 +316,18 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
 
 def _plain(v: Any) -> Any:
+    """A group value as checkpoints store it: one-element tensors and numpy scalars (a LambdaLR of np.cos)
+    as Python numbers, tuples and lists element by element."""
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         return v.item()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_plain(x) for x in v)
+    if type(v) in (bool, int, float):  # (numpy's float64 is a float subclass)
+        return v
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
     return v
 
 

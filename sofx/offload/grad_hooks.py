@@ -29,7 +29,10 @@ class GradHooks:
 
     def __init__(self, params: Sequence[torch.Tensor], callback: Callback) -> None:
         self.params = list(params)
-        self.callback = callback  # a bound method is held weakly by the hooks
+        # The parameters outlive the optimizer: a bound-method callback is held weakly (here and by the hooks),
+        # so that neither keeps a discarded optimizer (and its worker) alive, nor makes a reference cycle with it
+        # (the engine holds these hooks): dropping the optimizer's last reference removes its hooks at once.
+        self._callback = weakref.WeakMethod(callback) if inspect.ismethod(callback) else (lambda cb=callback: cb)
         self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.refresh()
 
@@ -40,9 +43,7 @@ class GradHooks:
                 self.handles[i] = p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        # The parameters outlive the optimizer: hold a bound-method callback weakly, so that the hooks
-        # do not keep a discarded optimizer (and its worker) alive.
-        ref = weakref.WeakMethod(self.callback) if inspect.ismethod(self.callback) else (lambda cb=self.callback: cb)
+        ref = self._callback
 
         def hook(param: torch.Tensor) -> None:
             callback = ref()
