@@ -110,6 +110,7 @@ def test_loading_state_or_weights_between_backward_and_step_is_refused(executor)
         ropt.zero_grad()
         saved = copy.deepcopy(opt.state_dict())
         opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.engine.wait()  # the speculative steps of the thread executor have finished
         masters = [opt.state[p]["master"].clone() for p in model.parameters()]
         with pytest.raises(SofxError, match=r"load_state_dict\(\) was called between backward and step\(\)"):
             opt.load_state_dict(saved)
