@@ -53,7 +53,6 @@ class ArrivalTracker:
         self.expected = [True] * self.n_params
         self.pending = [0] * len(self.layouts)
         self.ready = [False] * len(self.layouts)
-        self.waiting = 0  # blocks with an expected parameter whose gradient is not final yet
 
     def reset(self, expected: Sequence[bool]) -> None:
         """Start a new step; ``expected[i]``: parameter ``i`` requires grad."""
@@ -61,7 +60,6 @@ class ArrivalTracker:
         self.expected = list(expected)
         self.ready = [False] * len(self.layouts)
         self.pending = [sum(1 for i in layout.param_indices if self.expected[i]) for layout in self.layouts]
-        self.waiting = sum(1 for n in self.pending if n > 0)
 
     def arrive(self, index: int) -> Arrival:
         """Record one gradient arrival of parameter ``index``."""
@@ -75,7 +73,6 @@ class ArrivalTracker:
             if self.pending[block] == 0:
                 self.ready[block] = True
                 became_ready = True
-                self.waiting -= 1
         return Arrival(block, slot, n == 1, became_ready, late)
 
     def present(self, block: int) -> tuple[bool, ...]:
@@ -87,11 +84,6 @@ class ArrivalTracker:
 
     def expected_in(self, block: int) -> tuple[bool, ...]:
         return tuple(self.expected[i] for i in self.layouts[block].param_indices)
-
-    @property
-    def all_ready(self) -> bool:
-        """Whether every block with an expected parameter is ready (the last gradient of backward is in)."""
-        return self.waiting == 0
 
     @property
     def started(self) -> bool:

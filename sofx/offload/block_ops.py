@@ -53,11 +53,6 @@ class BlockOp:
     again to check (:meth:`sofx.Adam.update`'s ``grads_finite``). For a
     ``"ready"`` operation it holds for a decision that speculates (the
     speculation layer speculates only on a finite sum of squares).
-    ``extra_threads``: the training thread has nothing else to do while this
-    operation runs (the last block of backward, ``step()``'s actions on a
-    worker process), so its kernels may use that many more threads than the
-    executor's own, started per call (:func:`sofx.kernels.threads.started_threads`:
-    none of them runs on into the next backward).
     """
 
     seq: int
@@ -68,7 +63,6 @@ class BlockOp:
     grads: Optional[tuple[Any, ...]] = None
     publish: Optional[tuple[int, ...]] = None
     grads_finite: bool = False
-    extra_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:

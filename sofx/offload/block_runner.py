@@ -26,8 +26,6 @@ the same bits.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import traceback
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -35,7 +33,6 @@ from typing import Any, Sequence
 import torch
 
 from sofx.adam import Adam, AdamHParams, AdamState
-from sofx.kernels.threads import started_threads
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
@@ -145,16 +142,6 @@ def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: 
     return Eligibility(True, strategy, "; ".join(dict.fromkeys(reasons)), nbytes)
 
 
-def _threads_for(op: BlockOp) -> contextlib.AbstractContextManager:
-    """The native kernels' threads for ``op``: with ``extra_threads``, that many more than this thread's
-    ``torch.get_num_threads()`` (up to the machine's cores), started per call; else torch's own."""
-    if op.extra_threads <= 0:
-        return contextlib.nullcontext()
-    own = torch.get_num_threads()
-    want = min(own + op.extra_threads, os.cpu_count() or 1)
-    return started_threads(want) if want > own else contextlib.nullcontext()
-
-
 @dataclass
 class _Kept:
     record: UndoRecord | None  # None: undone already (undo_now)
@@ -176,10 +163,9 @@ class BlockRunner:
     def run(self, op: BlockOp) -> OpResult:
         """Apply ``op``; an exception becomes an error result (with its traceback)."""
         try:
-            with _threads_for(op):
-                # A handler returns whether the publish buffers op.publish names are still to be written.
-                if getattr(self, "_" + op.kind)(op) and op.publish is not None:
-                    self._publish(op)
+            # A handler returns whether the publish buffers op.publish names are still to be written.
+            if getattr(self, "_" + op.kind)(op) and op.publish is not None:
+                self._publish(op)
             return OpResult(op.seq, op.kind, op.block)
         except Exception as exc:  # reported to the main process, which raises it
             detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

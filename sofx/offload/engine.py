@@ -105,9 +105,6 @@ from sofx.transforms import total_sumsq
 __all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
 
 EXECUTORS = ("inline", "thread", "process")
-# Threads an operation may add while the training thread only waits for it (BlockOp.extra_threads): the
-# training thread's own.
-TAIL_EXTRA_THREADS = 1
 
 HParamsFn = Callable[[], Sequence[AdamHParams]]
 
@@ -426,8 +423,6 @@ class OffloadEngine:
         self._begin()
         grads = self._op_grads(b)
         publish = self._publish_mask(b, present)
-        # The last block of backward: the training thread will only wait in step() while it is stepped.
-        extra = TAIL_EXTRA_THREADS if self.tracker.all_ready else 0
         # grads_finite: a block is speculated only when the sum of squares _decide takes of these very
         # gradient values (the buffer, or the borrowed tensors in ``grads``) is finite; Adam need not check.
         if self._deferred:
@@ -435,12 +430,12 @@ class OffloadEngine:
             self._tickets += 1
             self.executor.submit(BlockOp(next(self._seq), "ready", b,
                                          lambda: self._decide_in_turn(ticket, b, present, grads, publish),
-                                         present, grads, publish, grads_finite=True, extra_threads=extra))
+                                         present, grads, publish, grads_finite=True))
             return
         decision = self._decide(b, present, grads, publish)
         if decision is not None:
             self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish,
-                                         grads_finite=True, extra_threads=extra))
+                                         grads_finite=True))
 
     def _decide_in_turn(self, ticket: int, *args: Any) -> Any:
         """:meth:`_decide` after the decisions of every block that was ready before (the worker and a
@@ -602,9 +597,6 @@ class OffloadEngine:
             sumsq.append(self._block_sumsq(b) if any(arrived) else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
         stepped: list[int] = []
-        # The training thread waits while the executor carries the actions out: a worker process may use its
-        # core too (the thread executor's actions already run on both threads: step() helps).
-        apply_extra = 0 if isinstance(self.executor, ThreadExecutor) else TAIL_EXTRA_THREADS
         for action, layout in zip(plan.actions, self.layouts):
             if action.kind == "skip" or (action.kind == "commit" and not layout.on_device):
                 if action.kind == "commit":
@@ -621,7 +613,7 @@ class OffloadEngine:
             s = sumsq[layout.index]
             finite = math.isfinite(s) if s is not None else action.zero_grad  # zero_grad: zeroed buffers
             op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index],
-                         self._op_grads(layout.index), publish, grads_finite=finite, extra_threads=apply_extra)
+                         self._op_grads(layout.index), publish, grads_finite=finite)
             if layout.on_device:
                 raise_failures([self.device_runner.run(op)], f"device block {layout.index}")
             else:
