@@ -630,40 +630,57 @@ def _checked_grad_scale(grad_scale: Any) -> Scalar:
 def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
                   record: UndoRecord | None = None) -> None:
     """Refuse a call whose in-place writes (``donate``, parameter copies) cannot be done or would overwrite
-    what it still reads (:mod:`sofx.donation`); nothing is written before. ~1 us per leaf."""
+    what it still reads (:mod:`sofx.donation`); nothing is written before. ~3 us per leaf."""
     has_copies = any(c is not None for c in copies)
     if not (donate or has_copies) or torch.compiler.is_compiling():
         return
     spans = MemorySpans()
-    add = spans.add
-    for k in range(len(leaves)):  # (no tuple per leaf: they would bring the cycle collector round sooner)
-        leaf, copy = leaves[k], copies[k]
-        if copy is not None:
-            check_writable(_role_name(leaf, _COPY), copy)
+    _add_spans(leaves, copies, donate, record, spans)
+
+    def name(number: int) -> str:  # (on the way to an error only)
+        roles: list[tuple[int, int]] = []
+        _add_spans(leaves, copies, donate, record, None, roles)
+        k, role = roles[number]
+        return _role_name(leaves[k], role)
+
+    spans.check_disjoint(name)
+
+
+def _add_spans(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
+               record: UndoRecord | None, spans: MemorySpans | None,
+               roles: list[tuple[int, int]] | None = None) -> None:
+    """Add every plain tensor of the call to ``spans`` (their numbers: this order) and check the written ones
+    that must be (:func:`~sofx.donation.check_writable`); or, with ``spans=None``, append ``(leaf, role)`` of
+    each, in the same order, to ``roles`` (the names of the numbers)."""
+    for k, leaf in enumerate(leaves):  # (no tuple per tensor on the common path: the cycle collector)
+        copy = copies[k]
         if leaf.traced:  # torch.func wrappers have no memory to compare; a leaf requiring grad is refused here
-            if donate:
-                check_writable(_role_name(leaf, 0), leaf.p)
-                check_writable(_role_name(leaf, 1), leaf.m)
-                check_writable(_role_name(leaf, 2), leaf.v)
+            if spans is not None:
+                if copy is not None:
+                    check_writable(_role_name(leaf, _COPY), copy)
+                if donate:
+                    for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
+                        check_writable(_role_name(leaf, role), t)
             continue
-        base = 16 * k  # a span's tag: 16 * leaf + role
-        # a non-contiguous written tensor must not overlap itself either
-        if not add(leaf.p, donate, base) and donate:
-            check_writable(_role_name(leaf, 0), leaf.p)
-        if not add(leaf.m, donate, base + 1) and donate:
-            check_writable(_role_name(leaf, 1), leaf.m)
-        if not add(leaf.v, donate, base + 2) and donate:
-            check_writable(_role_name(leaf, 2), leaf.v)
-        if leaf.g is not None:
-            add(leaf.g, False, base + _GRAD)
+        if spans is None:
+            roles.extend((k, role) for role in range(_GRAD + (leaf.g is not None)))
+        elif not spans.add_leaf(leaf.p, leaf.m, leaf.v, leaf.g, donate) and donate:
+            for role, t in enumerate((leaf.p, leaf.m, leaf.v)):  # a non-contiguous one must not overlap itself
+                check_writable(_role_name(leaf, role), t)
         if copy is not None:
-            add(copy, True, base + _COPY)
+            if spans is None:
+                roles.append((k, _COPY))
+            else:
+                check_writable(_role_name(leaf, _COPY), copy)
+                spans.add(copy, True)
         rec = record.leaves[k] if record is not None else None
         if rec is not None:
             for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1):
                 if t is not None:
-                    add(t, False, base + role)
-    spans.check_disjoint(lambda tag: _role_name(leaves[tag // 16], tag % 16))
+                    if spans is None:
+                        roles.append((k, role))
+                    else:
+                        spans.add(t, False)
 
 
 # The tensors of a leaf a call may read or write, by role (_check_writes)

@@ -20,9 +20,8 @@ Memory is compared as byte ranges: ``[data_ptr, data_ptr + nbytes)`` for a
 contiguous tensor, its first element for a non-contiguous one (strided views
 may interleave without sharing an element, e.g. ``x[0::2]`` and ``x[1::2]``;
 such a view conflicts with a tensor that starts where it starts or a
-contiguous one that covers its start). The ranges are sorted and swept with
-torch operations (a model's hundreds of leaves cost a few torch calls, not a
-Python loop over pairs).
+contiguous one that covers its start). The ranges are sorted and swept once
+(in Python for a few, with torch operations for a model's hundreds of leaves).
 """
 
 from __future__ import annotations
@@ -48,59 +47,94 @@ def check_writable(path: str, t: torch.Tensor) -> None:
                         "written in place; pass a tensor with its own memory (.clone()) or do not donate it")
 
 
+_FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
+
+
 class MemorySpans:
     """The memory of a call's tensors, for :meth:`check_disjoint`: plain tensors (no ``torch.func`` wrappers),
-    each with a tag that names it in an error."""
+    numbered in the order they are added (the numbers name them in an error)."""
 
     def __init__(self) -> None:
-        # (four lists, not a list of tuples: no tuple per tensor for the cycle collector to traverse, nor an
-        # unzip of a thousand-argument zip)
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        self.written: list[bool] = []
-        self.tags: list[int] = []
+        # Two arrays of twice the addresses, the low bit of a start saying whether the tensor is written (no
+        # Python object per tensor for the cycle collector; torch reads the arrays as they are). ``numbers``:
+        # each span's number (tensors without elements have none).
+        self.starts = array("q")
+        self.ends = array("q")
+        self.numbers = array("q")
+        self.count = 0
+        self.any_written = False
 
-    def add(self, t: torch.Tensor, written: bool, tag: int) -> bool:
-        """Add ``t``'s span; returns whether ``t`` is contiguous (a non-contiguous written tensor must also
-        pass :func:`check_writable`)."""
+    def add(self, t: torch.Tensor, written: bool) -> bool:
+        """Add ``t`` (its number is the count of tensors added before); returns whether it is contiguous (a
+        non-contiguous written tensor must also pass :func:`check_writable`)."""
         contiguous = t.is_contiguous()
         n = t.nbytes
         if n:
             s = t.data_ptr()
-            self.starts.append(s)
-            self.ends.append(s + n if contiguous else s + 1)
-            self.written.append(written)
-            self.tags.append(tag)
+            self.starts.append(2 * s + written)
+            self.ends.append(2 * (s + n if contiguous else s + 1))
+            self.numbers.append(self.count)
+            self.any_written |= written
+        self.count += 1
+        return contiguous
+
+    def add_leaf(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+                 written: bool) -> bool:
+        """:meth:`add` of a leaf's parameter, moments (``written``) and gradient (read; None: none, and no
+        number taken); whether the first three are contiguous."""
+        contiguous = self.add(p, written)
+        contiguous &= self.add(m, written)
+        contiguous &= self.add(v, written)
+        if g is not None:
+            self.add(g, False)
         return contiguous
 
     def check_disjoint(self, name: Callable[[int], str]) -> None:
-        """Refuse (naming both by ``name(tag)``) a written tensor whose memory another one shares."""
-        starts, ends, written = self.starts, self.ends, self.written
-        if len(starts) < 2 or not any(written):
+        """Refuse (naming both by ``name(number)``) a written tensor whose memory another one shares."""
+        starts = self.starts
+        if len(starts) < 2 or not self.any_written:
             return
-        # (array -> frombuffer: torch.tensor parses a list of Python ints one by one, ~50x slower)
-        s = torch.frombuffer(array("q", starts), dtype=torch.int64)
-        e = torch.frombuffer(array("q", ends), dtype=torch.int64)
-        w = torch.frombuffer(array("b", written), dtype=torch.bool)
-        order = torch.argsort(s, stable=True)
-        s, e, w = s[order], e[order], w[order]
-        # the furthest end among the earlier spans, and among the earlier written ones
-        zero = s.new_zeros(1)
-        before = torch.cat([zero, torch.cummax(e, 0).values[:-1]])
-        before_written = torch.cat([zero, torch.cummax(torch.where(w, e, 0), 0).values[:-1]])
-        clash = (s < before_written) | (w & (s < before))
+        if len(starts) <= _FEW:
+            self._sweep(sorted(range(len(starts)), key=starts.__getitem__), name)
+            return
+        # (frombuffer: torch.tensor parses a list of Python ints one by one, ~50x slower)
+        s2 = torch.frombuffer(starts, dtype=torch.int64)
+        e2 = torch.frombuffer(self.ends, dtype=torch.int64)
+        order = torch.argsort(s2)  # (ties: the same address written and read sort read first)
+        s2, e2 = s2[order], e2[order]
+        w = (s2 & 1).bool()
+        # twice the address against twice the furthest end among the earlier spans, and the earlier written ones
+        zero = s2.new_zeros(1)
+        before = torch.cat([zero, torch.cummax(e2, 0).values[:-1]])
+        before_written = torch.cat([zero, torch.cummax(torch.where(w, e2, 0), 0).values[:-1]])
+        clash = (s2 - w.long() < before_written) | (w & (s2 - 1 < before))
         if bool(clash.any()):
             self._raise(int(clash.nonzero()[0]), order.tolist(), name)
+
+    def _sweep(self, order: list[int], name: Callable[[int], str]) -> None:
+        """check_disjoint's sweep in Python (a few spans: a dozen torch calls would cost more)."""
+        reach = reach_written = -1
+        for j, i in enumerate(order):
+            s2, e2 = self.starts[i], self.ends[i]
+            w = s2 & 1
+            s2 -= w
+            if s2 < reach_written or (w and s2 < reach):
+                self._raise(j, order, name)
+            if e2 > reach:
+                reach = e2
+            if w and e2 > reach_written:
+                reach_written = e2
 
     def _raise(self, j: int, order: list[int], name: Callable[[int], str]) -> None:
         """The clash of the ``j``-th span in order of start: find the earlier span it overlaps."""
         a = order[j]
+        sa, wa = self.starts[a] & ~1, self.starts[a] & 1
         for b in order[:j]:
-            if self.starts[a] < self.ends[b] and (self.written[a] or self.written[b]):
+            if sa < self.ends[b] and (wa or self.starts[b] & 1):
                 first, second = sorted((a, b))  # in the order the caller added them, a written one first
-                if not self.written[first]:
+                if not self.starts[first] & 1:
                     first, second = second, first
-                x, y = name(self.tags[first]), name(self.tags[second])
+                x, y = name(self.numbers[first]), name(self.numbers[second])
                 raise LeafError(f"{x} and {y} share memory, and {x} is written in place (donate=True or "
                                 "param_copies): the call would overwrite values it still reads; pass distinct "
                                 "tensors (e.g. tied weights as one leaf) or do not donate")

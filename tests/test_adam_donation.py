@@ -191,3 +191,24 @@ def test_non_contiguous_tensors_that_start_together_are_refused(backend):
     state = opt.init(params)
     _refused(lambda: opt.update(params, {"w": w}, state, donate=True), r"params\['w'\] and grads\['w'\] share",
              params, state)
+
+
+@pytest.mark.parametrize("n_leaves", [3, 100], ids=["few", "many"])  # swept in Python / with torch operations
+def test_an_overlap_among_many_leaves_is_found(n_leaves):
+    """Leaves that are disjoint views of one buffer (with gaps) pass; a parameter that overlaps the next by one
+    element, or a gradient that starts in a gap and reaches into a parameter, is refused naming the pair."""
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    buf = torch.randn(20 * n_leaves + 1)
+    gen = torch.Generator().manual_seed(0)
+    params = {f"p{k:03d}": buf[20 * k:20 * k + 10] for k in range(n_leaves)}
+    grads = {k: torch.randn(10, generator=gen) for k in params}
+    state = opt.init(params)
+    opt.update(params, grads, state, donate=True)
+    mid = n_leaves // 2
+    stretched = {**params, f"p{mid:03d}": buf[20 * mid + 11:20 * mid + 21]}  # its last element: the next's first
+    _refused(lambda: opt.update(stretched, grads, state, donate=True),
+             rf"params\['p{mid:03d}'\] and params\['p{mid + 1:03d}'\] share memory", stretched, state)
+    for start in (20 * mid - 5, 20 * mid + 5):  # read only: from a gap into p_mid, from inside p_mid on
+        into = {**grads, "p000": buf[start:start + 10]}
+        _refused(lambda: opt.update(params, into, state, donate=True),
+                 rf"params\['p{mid:03d}'\] and grads\['p000'\] share memory", params, state)
