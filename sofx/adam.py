@@ -630,57 +630,36 @@ def _checked_grad_scale(grad_scale: Any) -> Scalar:
 def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
                   record: UndoRecord | None = None) -> None:
     """Refuse a call whose in-place writes (``donate``, parameter copies) cannot be done or would overwrite
-    what it still reads (:mod:`sofx.donation`); nothing is written before. ~3 us per leaf."""
+    what it still reads (:mod:`sofx.donation`); nothing is written before."""
     has_copies = any(c is not None for c in copies)
     if not (donate or has_copies) or torch.compiler.is_compiling():
         return
-    spans = MemorySpans()
-    _add_spans(leaves, copies, donate, record, spans)
-
-    def name(number: int) -> str:  # (on the way to an error only)
-        roles: list[tuple[int, int]] = []
-        _add_spans(leaves, copies, donate, record, None, roles)
-        k, role = roles[number]
-        return _role_name(leaves[k], role)
-
-    spans.check_disjoint(name)
-
-
-def _add_spans(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
-               record: UndoRecord | None, spans: MemorySpans | None,
-               roles: list[tuple[int, int]] | None = None) -> None:
-    """Add every plain tensor of the call to ``spans`` (their numbers: this order) and check the written ones
-    that must be (:func:`~sofx.donation.check_writable`); or, with ``spans=None``, append ``(leaf, role)`` of
-    each, in the same order, to ``roles`` (the names of the numbers)."""
-    for k, leaf in enumerate(leaves):  # (no tuple per tensor on the common path: the cycle collector)
-        copy = copies[k]
-        if leaf.traced:  # torch.func wrappers have no memory to compare; a leaf requiring grad is refused here
-            if spans is not None:
-                if copy is not None:
-                    check_writable(_role_name(leaf, _COPY), copy)
-                if donate:
-                    for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
-                        check_writable(_role_name(leaf, role), t)
+    plain = []
+    for k, leaf in enumerate(leaves):
+        if not leaf.traced:
+            plain.append(leaf)
             continue
-        if spans is None:
-            roles.extend((k, role) for role in range(_GRAD + (leaf.g is not None)))
-        elif not spans.add_leaf(leaf.p, leaf.m, leaf.v, leaf.g, donate) and donate:
-            for role, t in enumerate((leaf.p, leaf.m, leaf.v)):  # a non-contiguous one must not overlap itself
+        # torch.func wrappers have no memory to compare; a leaf that requires grad is refused here
+        if copies[k] is not None:
+            check_writable(_role_name(leaf, _COPY), copies[k])
+        if donate:
+            for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
                 check_writable(_role_name(leaf, role), t)
-        if copy is not None:
-            if spans is None:
-                roles.append((k, _COPY))
-            else:
-                check_writable(_role_name(leaf, _COPY), copy)
-                spans.add(copy, True)
-        rec = record.leaves[k] if record is not None else None
-        if rec is not None:
-            for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1):
-                if t is not None:
-                    if spans is None:
-                        roles.append((k, role))
-                    else:
-                        spans.add(t, False)
+    spans = MemorySpans()
+    spans.add([t for leaf in plain for t in (leaf.p, leaf.m, leaf.v)], donate,
+              lambda i: _role_name(plain[i // 3], i % 3))
+    with_grad = [leaf for leaf in plain if leaf.g is not None]
+    spans.add([leaf.g for leaf in with_grad], False, lambda i: _role_name(with_grad[i], _GRAD))
+    if has_copies:
+        copied = [(leaf, c) for leaf, c in zip(leaves, copies) if c is not None and not leaf.traced]
+        for leaf, c in copied:
+            check_writable(_role_name(leaf, _COPY), c)  # (it may require grad while its leaf does not)
+        spans.add([c for _, c in copied], True, lambda i: _role_name(copied[i][0], _COPY))
+    if record is not None:
+        kept = [(leaf, role, t) for leaf, rec in zip(leaves, record.leaves) if rec is not None and not leaf.traced
+                for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1) if t is not None]
+        spans.add([t for _, _, t in kept], False, lambda i: _role_name(kept[i][0], kept[i][1]))
+    spans.check_disjoint()
 
 
 # The tensors of a leaf a call may read or write, by role (_check_writes)

@@ -26,8 +26,10 @@ contiguous one that covers its start). The ranges are sorted and swept once
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from array import array
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -52,66 +54,71 @@ _FEW = 256  # spans swept in Python; more are sorted and swept with torch operat
 
 class MemorySpans:
     """The memory of a call's tensors, for :meth:`check_disjoint`: plain tensors (no ``torch.func`` wrappers),
-    numbered in the order they are added (the numbers name them in an error)."""
+    added in groups (each a list of tensors, all written or all read, and a function naming its i-th)."""
 
     def __init__(self) -> None:
-        # Two arrays of twice the addresses, the low bit of a start saying whether the tensor is written (no
-        # Python object per tensor for the cycle collector; torch reads the arrays as they are). ``numbers``:
-        # each span's number (tensors without elements have none).
-        self.starts = array("q")
-        self.ends = array("q")
-        self.numbers = array("q")
-        self.count = 0
-        self.any_written = False
+        self._groups: list[tuple[Sequence[torch.Tensor], bool, Callable[[int], str]]] = []
 
-    def add(self, t: torch.Tensor, written: bool) -> bool:
-        """Add ``t`` (its number is the count of tensors added before); returns whether it is contiguous (a
-        non-contiguous written tensor must also pass :func:`check_writable`)."""
-        contiguous = t.is_contiguous()
-        n = t.nbytes
-        if n:
-            s = t.data_ptr()
-            self.starts.append(2 * s + written)
-            self.ends.append(2 * (s + n if contiguous else s + 1))
-            self.numbers.append(self.count)
-            self.any_written |= written
-        self.count += 1
-        return contiguous
+    def add(self, tensors: Sequence[torch.Tensor], written: bool, name: Callable[[int], str]) -> None:
+        self._groups.append((tensors, written, name))
 
-    def add_leaf(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-                 written: bool) -> bool:
-        """:meth:`add` of a leaf's parameter, moments (``written``) and gradient (read; None: none, and no
-        number taken); whether the first three are contiguous."""
-        contiguous = self.add(p, written)
-        contiguous &= self.add(m, written)
-        contiguous &= self.add(v, written)
-        if g is not None:
-            self.add(g, False)
-        return contiguous
-
-    def check_disjoint(self, name: Callable[[int], str]) -> None:
-        """Refuse (naming both by ``name(number)``) a written tensor whose memory another one shares."""
-        starts = self.starts
-        if len(starts) < 2 or not self.any_written:
+    def check_disjoint(self) -> None:
+        """Refuse a written tensor whose memory another tensor shares, or whose elements overlap (a
+        non-contiguous one, :func:`check_writable`; whether a written tensor requires grad is the caller's to
+        check)."""
+        # Spans are twice the addresses, the low bit of a start saying whether the tensor is written.
+        starts, ends, where = [], [], []  # where: the index of each span's tensor, all groups in order
+        ptrs, sizes, flat, groups = array("q"), array("q"), array("b"), []  # groups: (written, count)
+        for gi, (tensors, written, name) in enumerate(self._groups):
+            contiguous = [t.is_contiguous() for t in tensors]
+            if written and not all(contiguous):
+                for i, c in enumerate(contiguous):
+                    if not c:
+                        check_writable(name(i), tensors[i])
+            # list comprehensions over the group: a method call per tensor cost ~3x more
+            ptrs.extend([t.data_ptr() for t in tensors])
+            sizes.extend([t.nbytes for t in tensors])
+            flat.extend(contiguous)
+            groups.append((written, len(tensors)))
+        total = len(ptrs)
+        if total < 2 or not any(w and n for w, n in groups):
             return
-        if len(starts) <= _FEW:
-            self._sweep(sorted(range(len(starts)), key=starts.__getitem__), name)
+        self._offsets = list(itertools.accumulate((n for _, n in groups), initial=0))
+        if total <= _FEW:
+            for gi, (w, n) in enumerate(groups):
+                for i in range(self._offsets[gi], self._offsets[gi] + n):
+                    if sizes[i]:
+                        starts.append(2 * ptrs[i] + w)
+                        ends.append(2 * (ptrs[i] + sizes[i]) if flat[i] else 2 * ptrs[i] + 2)
+                        where.append(i)
+            self.starts, self.ends, self._where = starts, ends, where
+            self._sweep(sorted(range(len(starts)), key=starts.__getitem__))
             return
-        # (frombuffer: torch.tensor parses a list of Python ints one by one, ~50x slower)
-        s2 = torch.frombuffer(starts, dtype=torch.int64)
-        e2 = torch.frombuffer(self.ends, dtype=torch.int64)
-        order = torch.argsort(s2)  # (ties: the same address written and read sort read first)
-        s2, e2 = s2[order], e2[order]
-        w = (s2 & 1).bool()
+        p = torch.frombuffer(ptrs, dtype=torch.int64)  # (torch.tensor parses a list one int at a time)
+        n = torch.frombuffer(sizes, dtype=torch.int64)
+        c = torch.frombuffer(flat, dtype=torch.bool)
+        w = torch.cat([torch.full((k,), bool(wr)) for wr, k in groups])
+        keep = (n > 0).nonzero().squeeze(1)
+        s2 = (2 * p + w)[keep]
+        e2 = torch.where(c, 2 * (p + n), 2 * p + 2)[keep]
+        order = torch.argsort(s2)  # (the same address written and read: read first)
+        s2, e2, w = s2[order], e2[order], w[keep][order]
         # twice the address against twice the furthest end among the earlier spans, and the earlier written ones
         zero = s2.new_zeros(1)
         before = torch.cat([zero, torch.cummax(e2, 0).values[:-1]])
         before_written = torch.cat([zero, torch.cummax(torch.where(w, e2, 0), 0).values[:-1]])
         clash = (s2 - w.long() < before_written) | (w & (s2 - 1 < before))
         if bool(clash.any()):
-            self._raise(int(clash.nonzero()[0]), order.tolist(), name)
+            self.starts, self.ends = s2.tolist(), e2.tolist()
+            self._where = keep[order].tolist()
+            self._raise(int(clash.nonzero()[0]), list(range(len(self.starts))))
 
-    def _sweep(self, order: list[int], name: Callable[[int], str]) -> None:
+    def _name(self, span: int) -> str:
+        i = self._where[span]
+        gi = bisect.bisect_right(self._offsets, i) - 1
+        return self._groups[gi][2](i - self._offsets[gi])
+
+    def _sweep(self, order: list[int]) -> None:
         """check_disjoint's sweep in Python (a few spans: a dozen torch calls would cost more)."""
         reach = reach_written = -1
         for j, i in enumerate(order):
@@ -119,22 +126,22 @@ class MemorySpans:
             w = s2 & 1
             s2 -= w
             if s2 < reach_written or (w and s2 < reach):
-                self._raise(j, order, name)
+                self._raise(j, order)
             if e2 > reach:
                 reach = e2
             if w and e2 > reach_written:
                 reach_written = e2
 
-    def _raise(self, j: int, order: list[int], name: Callable[[int], str]) -> None:
+    def _raise(self, j: int, order: list[int]) -> None:
         """The clash of the ``j``-th span in order of start: find the earlier span it overlaps."""
         a = order[j]
         sa, wa = self.starts[a] & ~1, self.starts[a] & 1
         for b in order[:j]:
             if sa < self.ends[b] and (wa or self.starts[b] & 1):
-                first, second = sorted((a, b))  # in the order the caller added them, a written one first
+                first, second = sorted((a, b), key=self._where.__getitem__)  # the caller's order, written first
                 if not self.starts[first] & 1:
                     first, second = second, first
-                x, y = name(self.numbers[first]), name(self.numbers[second])
+                x, y = self._name(first), self._name(second)
                 raise LeafError(f"{x} and {y} share memory, and {x} is written in place (donate=True or "
                                 "param_copies): the call would overwrite values it still reads; pass distinct "
                                 "tensors (e.g. tied weights as one leaf) or do not donate")
