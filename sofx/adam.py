@@ -42,12 +42,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from sofx import skipped_chunks, tree
-from sofx.donation import MemorySpans, check_writable
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import load_backend, select_backend
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, Scalar, StepCall, UndoCall, UndoRedoCall,
-                               as_number, is_number, is_traced, leaf_tracer, write_param_copy)
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, Scalar, StepCall,
+                               UndoCall, UndoRedoCall, as_number, is_number, is_traced, leaf_tracer,
+                               write_param_copy)
+from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
@@ -181,7 +182,9 @@ class Adam:
         grad_scale = _checked_grad_scale(grad_scale)
         _validate_grads_finite(grads_finite)
         kernels = self._kernels(leaves)
-        _check_writes(leaves, copies, donate)
+        covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies)
+        if not covered:
+            _check_writes(leaves, copies, donate)
         in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
         finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
         memo: dict = {}
@@ -203,7 +206,8 @@ class Adam:
             new_c[k] = leaf.count + 1
             pending.append((k, kernels[k], call))
         calls = {k: call for k, _, call in pending}
-        for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant)):
+        for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant),
+                                               leaves if covered else None):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
         for k in flags.flagged():  # a chunk of the leaf's gradient is not finite (rare: an overflow)
             leaf = leaves[k]
@@ -329,7 +333,6 @@ class Adam:
         # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
         # finite), else read before.
         kernels = self._kernels(leaves)
-        _check_writes(leaves, copies, donate, record)
         candidates = self._checked_in_step(leaves, kernels, copies, grads_finite)
         memo: dict = {}
         assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
@@ -341,6 +344,12 @@ class Adam:
         finite = self._gradients_finite(leaves, grads_finite, skip=skip)
         plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
                  for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
+        # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
+        # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
+        covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
+                                        leaves, copies)
+        if not covered:
+            _check_writes(leaves, copies, donate, record)
         flags = _chunk_flags(leaves, in_kernel)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
@@ -365,7 +374,8 @@ class Adam:
                 undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
         calls = {k: call for k, _, call in pending}
-        for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant)):
+        for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
+                                               leaves if covered else None):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
         for k in flags.flagged():  # a chunk of the leaf's new gradient is not finite (rare: an overflow)
             leaf = leaves[k]
@@ -630,7 +640,7 @@ def _checked_grad_scale(grad_scale: Any) -> Scalar:
 def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
                   record: UndoRecord | None = None) -> None:
     """Refuse a call whose in-place writes (``donate``, parameter copies) cannot be done or would overwrite
-    what it still reads (:mod:`sofx.donation`); nothing is written before."""
+    what it still reads (:mod:`sofx.kernels.donation`); nothing is written before."""
     has_copies = any(c is not None for c in copies)
     if not (donate or has_copies) or torch.compiler.is_compiling():
         return
@@ -646,27 +656,29 @@ def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None]
             for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
                 check_writable(_role_name(leaf, role), t)
     spans = MemorySpans()
-    spans.add([t for leaf in plain for t in (leaf.p, leaf.m, leaf.v)], donate,
-              lambda i: _role_name(plain[i // 3], i % 3))
+    spans.add([t for leaf in plain for t in (leaf.p, leaf.m, leaf.v)], donate, lambda i: (plain[i // 3], i % 3))
     with_grad = [leaf for leaf in plain if leaf.g is not None]
-    spans.add([leaf.g for leaf in with_grad], False, lambda i: _role_name(with_grad[i], _GRAD))
+    spans.add([leaf.g for leaf in with_grad], False, lambda i: (with_grad[i], _GRAD))
     if has_copies:
         copied = [(leaf, c) for leaf, c in zip(leaves, copies) if c is not None and not leaf.traced]
         for leaf, c in copied:
             check_writable(_role_name(leaf, _COPY), c)  # (it may require grad while its leaf does not)
-        spans.add([c for _, c in copied], True, lambda i: _role_name(copied[i][0], _COPY))
+        spans.add([c for _, c in copied], True, lambda i: (copied[i][0], _COPY))
     if record is not None:
         kept = [(leaf, role, t) for leaf, rec in zip(leaves, record.leaves) if rec is not None and not leaf.traced
                 for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1) if t is not None]
-        spans.add([t for _, _, t in kept], False, lambda i: _role_name(kept[i][0], kept[i][1]))
-    spans.check_disjoint()
+        spans.add([t for _, _, t in kept], False, lambda i: kept[i][:2])
+    spans.check_disjoint(lambda tag: _role_name(*tag))
 
 
 # The tensors of a leaf a call may read or write, by role (_check_writes)
 _GRAD, _COPY = 3, 4
 _ROLES = ("params", "state.mu", "state.nu", "grads", "param_copies", "the undo record's gradient of",
           "the undo record's saved parameters of", "the undo record's saved first moments of",
-          "the undo record's saved second moments of")
+          "the undo record's saved second moments of", "the finiteness flags of")
+# A kernel call's roles (base.MemoryOverlapError) as a leaf's
+_KERNEL_ROLES = {"p": 0, "out[0]": 0, "m": 1, "out[1]": 1, "v": 2, "out[2]": 2, "g": _GRAD, "g_new": _GRAD,
+                 "g_old": 5, "p_old": 6, "p_copy": _COPY, "skip": 9}
 
 
 def _role_name(leaf: _Leaf, role: int) -> str:
@@ -745,18 +757,42 @@ def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags
 
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
                     run: Callable[[Any, list], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                    leaves: Sequence[_Leaf] | None = None,
                     ) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """``(leaf index, results)`` for every ``(leaf index, backend, call)`` of ``pending``: one
     ``run(backend, calls)`` per backend (its ``*_many`` function, which runs many leaves per launch
-    where it can)."""
+    where it can). ``leaves``: a backend's refusal of shared memory is named by leaf paths (the call's
+    memory was left to the kernel, see :func:`_kernel_checks_memory`)."""
     by_backend: dict[int, list[int]] = {}
     for i, (_, backend, _) in enumerate(pending):
         by_backend.setdefault(id(backend), []).append(i)
     out = []
     for members in by_backend.values():
-        results = run(pending[members[0]][1], [pending[i][2] for i in members])
+        try:
+            results = run(pending[members[0]][1], [pending[i][2] for i in members])
+        except MemoryOverlapError as e:
+            if leaves is None:
+                raise
+            a, b = (_role_name(leaves[pending[members[i]][0]], _KERNEL_ROLES[role]) for i, role in (e.first, e.second))
+            raise LeafError(overlap_message(a) if e.first == e.second else shared_memory_message(a, b)) from None
         out += [(pending[i][0], r) for i, r in zip(members, results)]
     return out
+
+
+def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leaves: Sequence[_Leaf],
+                          copies: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the memory of a call is left to its kernel: every leaf goes to it (``in_call``: in its list
+    call; a leaf without a gradient has no kernel), one backend, which checks (``CHECKS_OVERLAP``), and the
+    A parameter copy that requires grad is refused here (the kernel writes raw memory; a leaf that does is
+    traced, stepped by the reference)."""
+    first = kernels[0] if kernels else None
+    if not (first is not None and getattr(first, "CHECKS_OVERLAP", False) and all(in_call)
+            and all(k is first for k in kernels)):
+        return False
+    for leaf, copy in zip(leaves, copies):
+        if copy is not None:
+            check_writable(_role_name(leaf, _COPY), copy)
+    return True
 
 
 def _undo_call(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None) -> UndoCall:

@@ -267,3 +267,41 @@ def test_the_c_source_chunk_is_the_contracts():
     from sofx.kernels._cpu_source import SOURCE
 
     assert f"#define CHUNK {FINITE_CHUNK}\n" in SOURCE
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_written_arrays_that_share_memory_are_refused_before_anything_is_computed(name, rng):
+    """The contract's CHECKS_OVERLAP: an ``out`` that is not its own input, a ``p_copy`` or a donated input that
+    shares memory with another array of the call is refused naming block and role (MemoryOverlapError), for
+    calls in the C entry's terms (plain) and others (a strided block among them); donation itself is not."""
+    from sofx.kernels.base import MemoryOverlapError
+
+    backend = BACKENDS[name]
+    s = block_scalars(rng, 0.1)
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (300, 5000, 70)]
+    before = [[t.clone() for t in b] for b in blocks]
+    donated = [StepCall(p, g, m, v, s, (p, m, v)) for p, g, m, v in blocks]
+    cases = [
+        # block 2's p_copy is block 0's gradient
+        ([*donated[:2], donated[2]._replace(p_copy=blocks[0][1][:70])], (2, "p_copy"), (0, "g")),
+        # block 1's first moment is also block 0's second moment (donated: written twice)
+        ([donated[0]._replace(v=blocks[1][2][:300], out=(blocks[0][0], blocks[0][2], blocks[1][2][:300])),
+          *donated[1:]], (0, "v"), (1, "m")),
+        # an out that is another block's (donated, so written) parameter: the first written one is named first
+        ([donated[0], donated[1], StepCall(*blocks[2][:4], s, (blocks[0][0][:70], blocks[2][2], blocks[2][3]))],
+         (0, "p"), (2, "out[0]")),
+        # a strided (not plain) block whose out[0] is its own gradient
+        ([donated[0], StepCall(blocks[1][0][::2], blocks[1][1][::2], blocks[1][2][::2], blocks[1][3][::2], s,
+                               (blocks[1][1][::2], blocks[1][2][::2], blocks[1][3][::2]))], (1, "out[0]"), (1, "g")),
+    ]
+    for calls, first, second in cases:
+        with pytest.raises(MemoryOverlapError) as err:
+            backend.step_many(calls, AdamVariant())
+        assert (err.value.first, err.value.second) == (first, second)
+        assert f"step_many[{first[0]}]: {first[1]} and" in str(err.value)
+        assert all(torch.equal(x, y) for b, c in zip(blocks, before) for x, y in zip(b, c)), "written before refusing"
+    p, g, m, v = blocks[0]
+    with pytest.raises(MemoryOverlapError, match=r"undo_redo_many\[0\]: p and .*undo_redo_many\[0\]: p_old share"):
+        backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, g.clone(), s, p, (p, m, v))], AdamVariant())
+    backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, g.clone(), s, g, (p, m, v))], AdamVariant())  # reads
+    backend.step_many(donated, AdamVariant())  # donation is no overlap

@@ -22,6 +22,11 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     per block (:func:`one_call_per_block`). Every block is checked before any
     is computed.
 ``supports(device, param_dtype, state_dtype) -> bool``
+``CHECKS_OVERLAP``
+    Whether the list forms refuse a call whose written arrays (``out`` but
+    where it is the very input it replaces, ``p_copy``, ``skip``) share
+    memory with any other array of the call, raising
+    :class:`MemoryOverlapError` before anything is computed.
 ``CHECKS_FINITE``
     Whether ``step_many`` and ``undo_redo_many`` take checked steps (``skip``, see :data:`FINITE_CHUNK`).
 
@@ -45,6 +50,18 @@ import torch
 from sofx.errors import LeafError, UnsupportedError
 
 Scalar = Union[float, int, torch.Tensor]
+
+
+class MemoryOverlapError(LeafError):
+    """A list form's written array shares memory with another array of the call (nothing was computed).
+
+    ``first``/``second``: ``(block index, role)``, role one of ``"p", "g"`` (``"g_old"`` in an undo+redo),
+    ``"m", "v", "g_new", "p_old", "out[0]", "out[1]", "out[2]", "p_copy", "skip"``; ``first`` is written.
+    """
+
+    def __init__(self, message: str, first: tuple[int, str], second: tuple[int, str]) -> None:
+        super().__init__(message)
+        self.first, self.second = first, second
 
 
 class AdamVariant(NamedTuple):

@@ -58,23 +58,25 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               check_block_tensors, is_number, kernel_param_copy, write_outputs,
-                               write_param_copy)
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
+                               UndoCall, UndoRedoCall, check_block_tensors, is_number, kernel_param_copy,
+                               write_outputs, write_param_copy)
+from sofx.kernels.donation import MemorySpans, first_clash, overlap_message, overlaps_itself, shared_memory_message
 from sofx.kernels.threads import native_thread_request
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
-           "native_available", "bitwise_with_torch", "CHECKS_FINITE"]
+           "native_available", "bitwise_with_torch", "CHECKS_FINITE", "CHECKS_OVERLAP"]
 
 NAME = "cpu"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
+CHECKS_OVERLAP = True  # the list forms refuse written arrays that share memory (base.MemoryOverlapError)
 
 _DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -347,6 +349,12 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             if _native(b, lib) is None:
                 c1 = c2 = None
         plans.append((c1, c2, fast))
+    if all(fast is not None for _, _, fast in plans):  # the common case: the C entry's table says it all
+        table = _Table.of([fast for _, _, fast in plans])  # type: ignore[misc]
+        _refuse_overlap(op, table.clash(), where)
+    else:
+        table = None
+        _refuse_overlap(op, _blocks_clash(op, blocks, where), where)
     results: list[Triple | None] = [None] * len(blocks)
     native: list[tuple[int, _Native]] = []
     for i, (b, s1, s2, (c1, c2, fast)) in enumerate(zip(blocks, s1s, s2s, plans)):
@@ -360,7 +368,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             native.append((i, _prepare(b, c1, c2)))
     if native:
         assert lib is not None
-        _call(lib, op, variant, [nb for _, nb in native], exact)
+        _call(lib, op, variant, table if table is not None else _Table.of([nb for _, nb in native]), exact)
         for i, nb in native:
             b = blocks[i]
             res = write_outputs(nb.targets, b.out)
@@ -392,11 +400,112 @@ def _empty_results(b: _Block) -> Triple:
     return res
 
 
-def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, blocks: Sequence[_Native], exact: bool) -> None:
-    """One call of the C entry ``sofx_adam_many`` over ``blocks`` (tables built here, in its layout)."""
-    dtypes = array("i", [d for nb in blocks for d in nb.dtypes])
-    ns = array("q", [nb.n for nb in blocks])
-    ptrs = array("Q", [x for nb in blocks for x in nb.ptrs])
+class _Table(NamedTuple):
+    """The C entry's tables of a list of blocks, in its layout (see ``sofx_adam_many``)."""
+
+    blocks: Sequence[_Native]
+    dtypes: array
+    ns: array
+    ptrs: array
+
+    @staticmethod
+    def of(blocks: Sequence[_Native]) -> "_Table":
+        return _Table(blocks, array("i", [d for nb in blocks for d in nb.dtypes]), array("q", [nb.n for nb in blocks]),
+                      array("q", [x for nb in blocks for x in nb.ptrs]))
+
+    def clash(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """``(block, table column)`` of a written array and another that shares its memory, or None. The
+        table's own arrays are contiguous; its outputs are the inputs themselves (donation: the input is
+        written) or fresh tensors (not compared); ``p_copy`` and ``skip`` are written."""
+        count = len(self.blocks)
+        if count * len(_SPAN_COLUMNS) <= _FEW_SPANS:
+            starts2, ends2, where = [], [], []
+            for b, (nb, n) in enumerate(zip(self.blocks, self.ns)):
+                ptrs, dtypes = nb.ptrs, nb.dtypes
+                donated = ptrs[6] == ptrs[0]
+                for col, dcol, written in zip(_SPAN_COLUMNS, _SPAN_DTYPES, (donated, False, donated, donated, False,
+                                                                            False, True, True)):
+                    ptr = ptrs[col]
+                    if ptr:
+                        size = n * _ELEMENT_BYTES[dtypes[dcol]] if dcol >= 0 else -(-n // FINITE_CHUNK)
+                        starts2.append(2 * ptr + written)
+                        ends2.append(2 * (ptr + size))
+                        where.append((b, col))
+            found = first_clash(starts2, ends2)
+            return None if found is None else (where[found[0]], where[found[1]])
+        ptrs = torch.frombuffer(self.ptrs, dtype=torch.int64).view(count, 11)
+        ns = torch.frombuffer(self.ns, dtype=torch.int64)
+        element = torch.tensor(_ELEMENT_BYTES)[torch.frombuffer(self.dtypes, dtype=torch.int32).view(count, 6).long()]
+        cols = ptrs[:, list(_SPAN_COLUMNS)]
+        sizes = torch.stack([ns * element[:, d] if d >= 0 else (ns + FINITE_CHUNK - 1) // FINITE_CHUNK
+                             for d in _SPAN_DTYPES], dim=1)
+        donated = ptrs[:, 6] == ptrs[:, 0]
+        no, yes = torch.zeros_like(donated), torch.ones_like(donated)
+        written = torch.stack([donated, no, donated, donated, no, no, yes, yes], dim=1)
+        keep = (cols != 0).flatten().nonzero().squeeze(1)
+        found = first_clash((2 * cols + written).flatten()[keep], (2 * (cols + sizes)).flatten()[keep])
+        if found is None:
+            return None
+        at = [int(keep[k]) for k in found]
+        return ((at[0] // 8, _SPAN_COLUMNS[at[0] % 8]), (at[1] // 8, _SPAN_COLUMNS[at[1] % 8]))
+
+
+# The table's columns a call's memory check compares (p, g, m, v, g_new, p_old, p_copy, skip), the dtype column
+# of each (-1: skip, one byte per chunk), the bytes of an element by dtype code, and the columns' roles.
+_SPAN_COLUMNS = (0, 1, 2, 3, 4, 5, 9, 10)
+_SPAN_DTYPES = (0, 1, 2, 2, 3, 4, 5, -1)
+_ELEMENT_BYTES = (4, 2, 2)  # DT_F32, DT_BF16, DT_F16
+_COLUMN_ROLES = ("p", "g", "m", "v", "g_new", "p_old", "out[0]", "out[1]", "out[2]", "p_copy", "skip")
+_FEW_SPANS = 256
+
+
+def _role(op: int, role: str) -> str:
+    return "g_old" if role == "g" and op == src.OP_UNDO_REDO else role
+
+
+def _refuse_overlap(op: int, found: tuple[tuple[int, Any], tuple[int, Any]] | None, where: Sequence[str]) -> None:
+    """Raise :class:`~sofx.kernels.base.MemoryOverlapError` for a clash (``(block, column or role)`` twice)."""
+    if found is None:
+        return
+    (b1, r1), (b2, r2) = ((b, _role(op, _COLUMN_ROLES[r] if isinstance(r, int) else r)) for b, r in found)
+    a, b = f"{where[b1]}: {r1}", f"{where[b2]}: {r2}"
+    raise MemoryOverlapError(overlap_message(a) if a == b else shared_memory_message(a, b), (b1, r1), (b2, r2))
+
+
+def _blocks_clash(op: int, blocks: Sequence[_Block], where: Sequence[str]) -> tuple[tuple[int, str], ...] | None:
+    """:meth:`_Table.clash` for blocks that are not all in the table's terms: from the tensors themselves."""
+    spans = MemorySpans()
+    for i, b in enumerate(blocks):
+        out = b.out if b.out is not None else (None, None, None)
+        donated = [_same_memory(o, t) for o, t in zip(out, (b.p, b.m, b.v))]
+        read, written = [], []
+        for role, t, d in (("p", b.p, donated[0]), ("g", b.g, False), ("m", b.m, donated[1]), ("v", b.v, donated[2]),
+                           ("g_new", b.g2, False), ("p_old", b.p_old, False)):
+            if isinstance(t, torch.Tensor):
+                (written if d else read).append((role, t))
+        for k, o in enumerate(out):
+            if isinstance(o, torch.Tensor) and not donated[k]:
+                written.append((f"out[{k}]", o))
+        for role, t in (("p_copy", b.p_copy), ("skip", b.skip)):
+            if isinstance(t, torch.Tensor):
+                written.append((role, t))
+        for role, t in written:
+            if overlaps_itself(t):
+                return (i, role), (i, role)
+        for group, w in ((read, False), (written, True)):
+            spans.add([t for _, t in group], w, lambda j, i=i, group=group: (i, group[j][0]))
+    return spans.clash(lambda tag: f"{where[tag[0]]}: {_role(op, tag[1])}")
+
+
+def _same_memory(out: Any, t: Any) -> bool:
+    """Whether ``out`` is ``t``'s own memory (donation; possibly another view object of it)."""
+    return out is t or (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and out.dtype == t.dtype
+                        and out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride())
+
+
+def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Table, exact: bool) -> None:
+    """One call of the C entry ``sofx_adam_many`` over ``table``'s blocks."""
+    blocks, dtypes, ns, ptrs = table
     s1 = array("Q", [ctypes.addressof(nb.s1) for nb in blocks])
     s2 = array("Q", [ctypes.addressof(nb.s2) if nb.s2 is not None else 0 for nb in blocks])
     rc = lib.adam_many(op, int(variant.decoupled), len(blocks), dtypes.buffer_info()[0], ns.buffer_info()[0],

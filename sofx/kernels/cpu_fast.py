@@ -28,10 +28,12 @@ import torch
 from sofx.kernels import cpu
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "CHECKS_FINITE"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "CHECKS_FINITE",
+           "CHECKS_OVERLAP"]
 
 NAME = "cpu_fast"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
+CHECKS_OVERLAP = True  # the list forms refuse written arrays that share memory (cpu._run_blocks)
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:

@@ -1,0 +1,181 @@
+"""What a call that writes tensors in place must refuse before it writes anything.
+
+:meth:`sofx.Adam.update`, :meth:`~sofx.Adam.undo` and :meth:`~sofx.Adam.undo_redo`
+write into the caller's tensors where asked: with ``donate=True`` into the
+parameters and moments (``params``, ``state.mu``, ``state.nu``), and always into
+``param_copies``; a kernel's list form writes its blocks' ``out`` and
+``p_copy``. Before anything is written, a written tensor is refused
+
+- whose elements overlap each other (an ``expand()``-ed tensor:
+  :func:`check_writable`);
+- that is a leaf requiring grad while grad mode is on (autograd refuses
+  in-place writes into it: :func:`check_writable`);
+- that shares memory with any other tensor of the call, written or read (the
+  gradients, the undo record's gradient and snapshots): the same tensor given
+  twice (tied weights as two leaves), a gradient that is the parameter itself,
+  a parameter copy that is the parameter, views that overlap
+  (:meth:`MemorySpans.check_disjoint`, :func:`first_clash`).
+
+Memory is compared as byte ranges: ``[data_ptr, data_ptr + nbytes)`` for a
+contiguous tensor, its first element for a non-contiguous one (strided views
+may interleave without sharing an element, e.g. ``x[0::2]`` and ``x[1::2]``;
+such a view conflicts with a tensor that starts where it starts or a
+contiguous one that covers its start). A span is kept as twice its start,
+plus one when the tensor is written, and twice its end; the spans are sorted
+and swept once (in Python for a few, with torch operations for many).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from array import array
+from typing import Any, Callable, Sequence, Union
+
+import torch
+
+from sofx.errors import LeafError
+
+__all__ = ["check_writable", "MemorySpans", "first_clash", "overlaps_itself", "overlap_message", "shared_memory_message"]
+
+_FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
+
+Spans = Union[Sequence[int], torch.Tensor]
+
+
+def check_writable(path: str, t: torch.Tensor) -> None:
+    """Refuse a tensor that cannot be written in place: a leaf that requires grad (with grad mode on) or one
+    whose elements overlap."""
+    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        raise LeafError(f"{path}: a leaf tensor that requires grad cannot be written in place (donate=True or "
+                        "param_copies); pass it detached, call under torch.no_grad(), or do not donate it")
+    if overlaps_itself(t):
+        raise LeafError(overlap_message(path))
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    return not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1
+
+
+def overlap_message(path: str) -> str:
+    return (f"{path}: its elements overlap in memory (e.g. an expand()-ed tensor), so it cannot be written in "
+            "place; pass a tensor with its own memory (.clone()) or do not donate it")
+
+
+def shared_memory_message(written: str, other: str) -> str:
+    return (f"{written} and {other} share memory, and {written} is written in place (donate=True or "
+            "param_copies): the call would overwrite values it still reads; pass distinct tensors (e.g. tied "
+            "weights as one leaf) or do not donate")
+
+
+def first_clash(starts2: Spans, ends2: Spans) -> tuple[int, int] | None:
+    """Spans as twice the start (+1: written) and twice the end, as lists or int64 tensors: ``(a, b)``, the
+    indices of two overlapping spans of which one is written (``a`` the first written one in the order of the
+    arguments), or None."""
+    n = len(starts2)
+    if n < 2:
+        return None
+    if n <= _FEW:
+        starts2 = starts2.tolist() if isinstance(starts2, torch.Tensor) else starts2
+        ends2 = ends2.tolist() if isinstance(ends2, torch.Tensor) else ends2
+        order = sorted(range(n), key=starts2.__getitem__)
+        reach = reach_written = -1
+        for j, i in enumerate(order):
+            s2 = starts2[i]
+            w = s2 & 1
+            if s2 - w < reach_written or (w and s2 - w < reach):
+                return _pair(order, j, starts2, ends2)
+            reach = max(reach, ends2[i])
+            if w:
+                reach_written = max(reach_written, ends2[i])
+        return None
+    s2 = torch.as_tensor(starts2, dtype=torch.int64)
+    e2 = torch.as_tensor(ends2, dtype=torch.int64)
+    order = torch.argsort(s2)  # (the same address written and read: read first)
+    ss, es = s2[order], e2[order]
+    w = (ss & 1).bool()
+    # twice the address against twice the furthest end among the earlier spans, and the earlier written ones
+    zero = ss.new_zeros(1)
+    before = torch.cat([zero, torch.cummax(es, 0).values[:-1]])
+    before_written = torch.cat([zero, torch.cummax(torch.where(w, es, 0), 0).values[:-1]])
+    clash = (ss - w.long() < before_written) | (w & (ss - 1 < before))
+    if not bool(clash.any()):
+        return None
+    return _pair(order.tolist(), int(clash.nonzero()[0]), s2.tolist(), e2.tolist())
+
+
+def _pair(order: list[int], j: int, starts2: Sequence[int], ends2: Sequence[int]) -> tuple[int, int]:
+    """The clash of the ``j``-th span in ``order``: the earlier span it overlaps, the written one first (the
+    first in the arguments' order when both are)."""
+    a = order[j]
+    start = starts2[a] & ~1
+    for b in order[:j]:
+        if start < ends2[b] and (starts2[a] & 1 or starts2[b] & 1):
+            first, second = sorted((a, b))
+            return (first, second) if starts2[first] & 1 else (second, first)
+    raise AssertionError("unreachable: a clash without an earlier overlapping span")
+
+
+class MemorySpans:
+    """The memory of a call's tensors, for :meth:`clash`: plain tensors (no ``torch.func`` wrappers), added in
+    groups (each a list of tensors, all written or all read, and a function giving its i-th one's tag)."""
+
+    def __init__(self) -> None:
+        self._groups: list[tuple[Sequence[torch.Tensor], bool, Callable[[int], Any]]] = []
+
+    def add(self, tensors: Sequence[torch.Tensor], written: bool, tag: Callable[[int], Any]) -> None:
+        self._groups.append((tensors, written, tag))
+
+    def clash(self, name: Callable[[Any], str]) -> tuple[Any, Any] | None:
+        """The tags of a written tensor and another whose memory it shares (see :func:`first_clash`), or None.
+        A non-contiguous written tensor whose elements overlap is refused here (:func:`check_writable`,
+        named by ``name(tag)``); whether a written tensor requires grad is the caller's to check."""
+        ptrs, sizes, flat, counts = array("q"), array("q"), array("b"), []
+        any_written = False
+        for tensors, written, tag in self._groups:
+            contiguous = [t.is_contiguous() for t in tensors]
+            if written and not all(contiguous):
+                for i, c in enumerate(contiguous):
+                    if not c:
+                        check_writable(name(tag(i)), tensors[i])
+            # list comprehensions over the group: a method call per tensor cost ~3x more
+            ptrs.extend([t.data_ptr() for t in tensors])
+            sizes.extend([t.nbytes for t in tensors])
+            flat.extend(contiguous)
+            counts.append(len(tensors))
+            any_written |= written and len(tensors) > 0
+        if len(ptrs) < 2 or not any_written:
+            return None
+        offsets = list(itertools.accumulate(counts, initial=0))
+        if len(ptrs) <= _FEW:
+            starts2, ends2, where = [], [], []
+            for (_, written, _), lo, hi in zip(self._groups, offsets, offsets[1:]):
+                for i in range(lo, hi):
+                    if sizes[i]:
+                        starts2.append(2 * ptrs[i] + written)
+                        ends2.append(2 * (ptrs[i] + sizes[i]) if flat[i] else 2 * ptrs[i] + 2)
+                        where.append(i)
+        else:
+            p = torch.frombuffer(ptrs, dtype=torch.int64)  # (torch.tensor parses a list one int at a time)
+            n = torch.frombuffer(sizes, dtype=torch.int64)
+            c = torch.frombuffer(flat, dtype=torch.bool)
+            w = torch.cat([torch.full((k,), bool(written)) for (_, written, _), k in zip(self._groups, counts)])
+            keep = (n > 0).nonzero().squeeze(1)
+            starts2 = (2 * p + w)[keep]
+            ends2 = torch.where(c, 2 * (p + n), 2 * p + 2)[keep]
+            where = keep
+        found = first_clash(starts2, ends2)
+        if found is None:
+            return None
+        tags = []
+        for k in found:
+            i = int(where[k])
+            g = bisect.bisect_right(offsets, i) - 1
+            tags.append(self._groups[g][2](i - offsets[g]))
+        return tags[0], tags[1]
+
+    def check_disjoint(self, name: Callable[[Any], str]) -> None:
+        """Raise a :class:`LeafError` naming both (``name(tag)``) for :meth:`clash`'s pair."""
+        found = self.clash(name)
+        if found is not None:
+            raise LeafError(shared_memory_message(name(found[0]), name(found[1])))
