@@ -105,6 +105,25 @@ def test_wait_timeout(tmp_path, monkeypatch):
     assert handle.wait(30) and handle.done()
 
 
+def test_a_saver_wait_that_times_out_keeps_the_saves_pending(tmp_path, monkeypatch):
+    """A timed-out ``AsyncSaver.wait`` forgets nothing: the next wait waits for the save and re-raises its error."""
+    release = threading.Event()
+
+    def slow_failing(*args, **kwargs):
+        release.wait(10)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ck_io, "serialize_file", slow_failing)
+    saver = ck.AsyncSaver()
+    saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(1)})
+    with pytest.raises(TimeoutError):
+        saver.wait(timeout=0.05)
+    release.set()
+    with pytest.raises(OSError, match="no space left"):
+        saver.wait(timeout=30)
+    saver.wait(timeout=30)  # each error once
+
+
 def test_async_saver_commits_in_order(tmp_path, rng):
     path = tmp_path / "ordered.ckpt"
     x = torch.randn(1000, generator=rng)

@@ -91,6 +91,40 @@ def test_nan_payloads_and_negative_zero_kept_bitwise(tmp_path):
     assert torch.equal(back["h"].view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
+def test_python_scalars_beyond_json_and_nan_payloads(tmp_path):
+    """An int beyond int64 (and beyond Python's 4300-digit decimal limit), a Python nan's sign and payload."""
+    nan = struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000123))[0]  # negative, with a payload
+    tree_ = {"big": 10 ** 5000, "neg": -(2 ** 70), "edge": 2 ** 63 - 1, "nan": nan}
+    back = ck.load(ck.save(tmp_path / "s.ckpt", tree_))
+    assert back["big"] == 10 ** 5000 and back["neg"] == -(2 ** 70) and back["edge"] == 2 ** 63 - 1
+    assert struct.pack("<d", back["nan"]) == struct.pack("<d", nan)
+
+
+def test_lazy_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    x = torch.tensor([1.0, -2.0])
+    views = {"conj": z.conj(), "neg": torch._neg_view(x), "imag": z.conj().imag}
+    assert views["conj"].is_conj() and views["neg"].is_neg()
+    for save in (ck.save, lambda p, t: ck.save_async(p, t).wait()):
+        back = ck.load(save(tmp_path / "v.ckpt", views))
+        for k, v in views.items():
+            assert torch.equal(back[k], v.resolve_conj().resolve_neg()), k
+
+
+def test_loaded_tensors_do_not_change_with_the_file(tmp_path):
+    """Loaded tensors are the process's own: a file rewritten in place afterwards (cp, rsync --inplace) or
+    truncated does not change them."""
+    path = tmp_path / "a.ckpt"
+    ck.save(path, {"x": torch.zeros(100000)})
+    other = ck.save(tmp_path / "b.ckpt", {"x": torch.ones(100000)})
+    back = ck.load(path)
+    with open(other, "rb") as src, open(path, "r+b") as dst:  # in place, as cp does
+        dst.write(src.read())
+    assert float(back["x"].sum()) == 0.0
+    os.truncate(path, 10)
+    assert float(back["x"].sum()) == 0.0  # (a mapped tensor would be a bus error here)
+
+
 def test_module_state_dict_with_its_metadata(tmp_path, rng):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     sd = model.state_dict()
@@ -314,7 +348,15 @@ def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ck_io, "serialize_file", failing)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="disk full") as err:  # an OSError still, and a CheckpointError naming the file
+        ck.save(path, {"x": torch.zeros(4)})
+    assert isinstance(err.value, ck.CheckpointIOError) and str(path) in str(err.value)
+
+    def writer_error(specs, filename, metadata=None):  # e.g. safetensors' own error type
+        raise RuntimeError("Error while serializing")
+
+    monkeypatch.setattr(ck_io, "serialize_file", writer_error)
+    with pytest.raises(ck.CheckpointError, match=r"cannot save .*f.ckpt: RuntimeError: Error while serializing"):
         ck.save(path, {"x": torch.zeros(4)})
     monkeypatch.undo()
     assert torch.equal(ck.load(path)["x"], torch.arange(4))

@@ -111,6 +111,29 @@ def test_single_block_and_explicit_groups(tmp_path):
                                                                                              1e-8, 0.0)
 
 
+def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
+    """Saved with groups= (the model's order), loaded without them: the file's recorded layout; loaded with
+    groups that put other leaves in a block: refused naming them (the flat sizes alone would agree)."""
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}
+    state = opt.init(params)
+    ck.save_zero3(tmp_path, opt, params, state, groups=[["params['b']"], ["params['a']"]], dp_world_size=2,
+                  deepspeed_objects=False)
+    template = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    p2, _, _ = ck.load_zero3(tmp_path, opt, template)
+    assert torch.equal(p2["a"], params["a"]) and torch.equal(p2["b"], params["b"])
+    with pytest.raises(ck.CheckpointMismatchError, match=r"block 0, leaf 0: the file holds \[\"params\['b'\]\""):
+        ck.load_zero3(tmp_path, opt, template, groups=[["params['a']"], ["params['b']"]])
+
+
+def test_float64_is_refused_not_rounded(tmp_path):
+    opt = sofx.adamw()
+    params = {"w": torch.randn(3, dtype=torch.float64)}
+    with pytest.raises(UnsupportedError, match=r"params\['w'\]: param has dtype torch.float64"):
+        ck.save_zero3(tmp_path, opt, params, opt.init(params))
+    assert not os.listdir(tmp_path)
+
+
 def test_errors(tmp_path):
     opt = sofx.adamw()
     params = _params()
@@ -125,11 +148,17 @@ def test_errors(tmp_path):
     with pytest.raises(ck.CheckpointNotFoundError):
         ck.load_zero3(tmp_path / "absent", opt, params)
     files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=3)
-    with pytest.raises(ck.CheckpointMismatchError, match="2 flat groups and 2 param groups, the params tree is laid "
-                                                         "out in 1 blocks"):
-        ck.load_zero3(tmp_path, opt, params)
+    one_block = [["params['enc']['w']", "params['enc']['b']", "params['dec'][0]"]]
+    with pytest.raises(ck.CheckpointMismatchError, match="the file's block layout has 2 blocks, the load resolves 1"):
+        ck.load_zero3(tmp_path, opt, params, groups=one_block)
+    swapped = [["params['enc']['b']", "params['dec'][0]"], ["params['enc']['w']"]]
+    with pytest.raises(ck.CheckpointMismatchError, match=r"block 0, leaf 0: the file holds \[\"params\['dec'\]\[0\]\", \[4\]\], "
+                                                         r"the load puts \[\"params\['enc'\]\['b'\]\""):
+        ck.load_zero3(tmp_path, opt, params, groups=swapped)
+    ck.load_zero3(tmp_path, opt, params)  # without groups=: the layout the file records
     bigger = {"enc": {"w": torch.zeros(5, 4), "b": torch.zeros(7)}, "dec": [torch.zeros(4)]}
-    with pytest.raises(ck.CheckpointMismatchError, match=r"block 1 \(params\['enc'\]\['b'\]...\): the flat master"):
+    with pytest.raises(ck.CheckpointMismatchError, match=r"block 1, leaf 1: the file holds \[\"params\['enc'\]\['w'\]\", "
+                                                         r"\[5, 3\]\], the load puts \[\"params\['enc'\]\['w'\]\", \[5, 4\]\]"):
         ck.load_zero3(tmp_path, opt, bigger, HP)
     with pytest.raises(UnsupportedError, match="decoupled=True"):
         ck.load_zero3(tmp_path, sofx.adam(), params, HP)

@@ -41,8 +41,8 @@ import torch
 from sofx.checkpoint import io
 from sofx.checkpoint.async_save import AsyncSaver, SaveHandle, save_async
 from sofx.checkpoint.atomic import stale_temporaries
-from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                                    CheckpointVersionError, CorruptCheckpointError)
+from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.torch_optim import from_torch_optim, to_torch_optim, torch_param_groups
 from sofx.checkpoint.zero3 import load_zero3, save_zero3, zero3_file_name
 
@@ -62,6 +62,7 @@ __all__ = [
     "zero3_file_name",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointIOError",
     "CorruptCheckpointError",
     "CheckpointVersionError",
     "CheckpointMismatchError",

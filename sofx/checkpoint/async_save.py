@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from sofx.checkpoint import io
@@ -113,15 +114,27 @@ class AsyncSaver:
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for every save issued so far; re-raise the first error (each error once)."""
+        """Wait for every save issued so far (``timeout``: for all of them together); re-raise the first error
+        (each error once). On a timeout the saves still running stay pending: a later ``wait`` waits for them
+        and reports their errors."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending = list(self._pending)
         first: BaseException | None = None
-        for h in pending:
-            try:
-                h.wait(timeout)
-            except BaseException as exc:  # noqa: BLE001 - the first is re-raised below
-                first = first or exc
+        finished = []
+        try:
+            for h in pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    h.wait(left)
+                except TimeoutError:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - the first is re-raised below
+                    first = first or exc
+                finished.append(h)
+        finally:
+            with self._lock:  # forget only what finished (saves issued meanwhile stay)
+                self._pending = [h for h in self._pending if not any(h is f for f in finished)]
         if first is not None:
             raise first
 

@@ -15,7 +15,8 @@ import os
 import uuid
 from typing import Callable
 
-from sofx.checkpoint.errors import CheckpointError
+from sofx.checkpoint.errors import CheckpointError, CheckpointIOError
+from sofx.errors import SofxError
 
 __all__ = ["atomic_write", "stale_temporaries", "fsync_directory"]
 
@@ -71,9 +72,14 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
         write(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, Exception) and not isinstance(exc, SofxError):
+            # a full disk, a quota, an I/O error in the writer (safetensors', torch.save's): named, one type
+            error = CheckpointIOError if isinstance(exc, OSError) else CheckpointError
+            raise error(f"cannot save {path}: {type(exc).__name__}: {exc} (the previous file, if any, is "
+                        "unchanged)") from exc
         raise
     fsync_directory(directory)
     return path

@@ -5,8 +5,9 @@ is a small dict whose ``"k"`` says what it is::
 
     {"k": "tensor", "key": "tree.mu['w']", "dtype": "float32", "shape": [3, 4],
      "requires_grad": false, "device": "cpu", "crc32": 123}
-    {"k": "none"} | {"k": "bool", "v": true} | {"k": "int", "v": 3}
-    {"k": "float", "v": "0x1.999999999999ap-4"}        (float.hex: exact, inf and nan too)
+    {"k": "none"} | {"k": "bool", "v": true} | {"k": "int", "v": 3} | {"k": "int", "hex": "0x..."} (beyond int64)
+    {"k": "float", "v": "0x1.999999999999ap-4"}        (float.hex: exact, inf too)
+    {"k": "float", "bits": 9221120237041090560}          (a nan: its 64 bits, sign and payload kept)
     {"k": "str", "v": "..."} | {"k": "dtype", "v": "bfloat16"}
     {"k": "list" | "tuple", "items": [...]}
     {"k": "dict" | "odict", "keys": [["s", "name"], ["i", 3]], "items": [...]}
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import numbers
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -99,8 +101,12 @@ def _encode(x: Any, path: str, out: EncodedTree) -> dict:
     if isinstance(x, bool):
         return {"k": "bool", "v": x}
     if type(x) is int:
-        return {"k": "int", "v": x}
+        # beyond int64, as hexadecimal text (JSON has no limit, but Python's decimal conversion stops at 4300
+        # digits; hex is exact at any size)
+        return {"k": "int", "v": x} if -2 ** 63 <= x < 2 ** 63 else {"k": "int", "hex": hex(x)}
     if type(x) is float:
+        if x != x:  # nan: float.hex drops its sign and payload; the 64 bits keep them
+            return {"k": "float", "bits": struct.unpack("<Q", struct.pack("<d", x))[0]}
         return {"k": "float", "v": x.hex()}
     if type(x) is str:
         return {"k": "str", "v": x}
@@ -267,6 +273,13 @@ def _decode_scalar(node: dict, kind: str, path: str) -> Any:
         return v
     if kind == "int" and type(v) is int:
         return v
+    if kind == "int" and v is None and isinstance(node.get("hex"), str):
+        try:
+            return int(node["hex"], 16)
+        except ValueError:
+            raise _corrupt(path, f"bad int {node['hex'][:80]!r}") from None
+    if kind == "float" and v is None and type(node.get("bits")) is int and 0 <= node["bits"] < 2 ** 64:
+        return struct.unpack("<d", struct.pack("<Q", node["bits"]))[0]
     if kind == "str" and isinstance(v, str):
         return v
     if kind == "float" and isinstance(v, str):

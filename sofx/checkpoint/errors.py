@@ -29,3 +29,9 @@ class CheckpointVersionError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError, StructureError):
     """The checkpoint does not match the template (``like=``): structure, shape, dtype or kind of a leaf."""
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """Writing or reading a checkpoint file failed at the operating system (a full disk, a quota, an I/O
+    error); an ``OSError`` too, with the cause chained."""
+

@@ -43,7 +43,8 @@ def _check_byteorder() -> None:
 
 
 def _as_cpu_contiguous(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    t = t.detach()
+    # a conjugate or negative view's memory holds the values before the lazy op: resolve it (a copy)
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         return t.to("cpu", memory_format=torch.contiguous_format)  # always a copy
     if copy:
@@ -198,7 +199,9 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
                                          f"{sorted(extra)[:5]}")
 
         def load_node(node: dict, leaf_path: str, like_leaf: Any) -> torch.Tensor:
-            t = f.get_tensor(node["key"])
+            # A private copy: safetensors maps the file, and a file rewritten in place afterwards (cp, rsync
+            # --inplace; sofx's own saves replace it) would change, or truncated kill, what was loaded.
+            t = f.get_tensor(node["key"]).clone()
             if dtype_name(t.dtype) != node["dtype"]:
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has dtype {t.dtype} in the file, "
                                              f"{node['dtype']} in the structure")

@@ -75,6 +75,20 @@ def partition_numel(numel: int, world_size: int) -> int:
     return math.ceil(numel / world_size)
 
 
+def _first_layout_difference(saved: Any, here: list) -> str:
+    """Where the block layout recorded in a file first differs from the one resolved for the load."""
+    if not isinstance(saved, list) or len(saved) != len(here):
+        return (f"the file's block layout has {len(saved) if isinstance(saved, list) else '?'} blocks, the load "
+                f"resolves {len(here)}")
+    for b, (a, h) in enumerate(zip(saved, here)):
+        if a != h:
+            for k, (x, y) in enumerate(zip(a, h)):
+                if x != y:
+                    return f"block {b}, leaf {k}: the file holds {x}, the load puts {y} there"
+            return f"block {b}: the file holds {len(a)} leaves, the load {len(h)}"
+    return "the block layouts differ"
+
+
 def _pieces(leaves: Sequence[torch.Tensor], world_size: int) -> list[torch.Tensor]:
     """Rank ``r``'s flat float32 block: the concatenation of its piece of every leaf."""
     sizes = [partition_numel(t.numel(), world_size) for t in leaves]
@@ -137,6 +151,10 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
         for name, t in (("param", p), ("state.mu", m), ("state.nu", v)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{path}: {name} must be a tensor of the parameter's shape")
+            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                # the layout's flat groups are float32: wider values would be rounded without a word
+                raise UnsupportedError(f"{path}: {name} has dtype {t.dtype}; the ZeRO-3 layout stores float32 (from "
+                                       "float32, bfloat16 or float16); use sofx.checkpoint.save for other dtypes")
     resolved = resolve_groups(opt, spec, hparams, groups)
     if bf16 is None:
         bf16 = any(p.dtype == torch.bfloat16 for p in p_leaves)
@@ -331,13 +349,15 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     ``params`` is the template: the blocks are unpacked into its leaves'
     shapes, dtypes (the fp32 master is cast to each leaf's dtype) and devices;
     moments come back in ``opt.state_dtype`` (the leaf's dtype when ``None``).
-    Block layout: with ``groups``, as given; else, when the directory holds
+    Block layout: with ``groups``, as given (checked against the layout a sofx-written file records);
+    else, when the directory holds
     DeepSpeed's ``zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed
     writes it; :func:`save_zero3` with ``model_states=True`` too), from its
     ``param_shapes``: parameter names in model order per group, matched to the
     params leaves by :func:`param_names` (so ``dict(model.named_parameters())``
     or the module's nested structure map by name, whatever the tree's key order);
-    else from ``hparams`` as for :func:`save_zero3`. The returned hparams carry
+    else, for a file sofx wrote, the layout it records (leaf paths per block); else from ``hparams`` as for
+    :func:`save_zero3`. The returned hparams carry
     the file's values (in the structure of ``hparams`` when given). ``bf16=None``
     picks the files present (``bf16_`` prefixed or not). Every dp rank's file
     must be there.
@@ -348,14 +368,21 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     files, _ = _find_files(directory, mp_rank, bf16)
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
+    first = _torch_load(files[0])
+    from_file = False
     if groups is None:
         groups = _groups_from_model_states(directory, mp_rank, params, p_leaves)
-        from_model_states = groups is not None
-    else:
-        from_model_states = False
-    resolved = resolve_groups(opt, spec, None if from_model_states else hparams, groups)
+        from_file = groups is not None
+    if groups is None:  # the layout sofx recorded in the file (save_zero3's groups=, whatever the tree's order)
+        recorded = first.get("sofx", {}).get("blocks") if isinstance(first, dict) and \
+            isinstance(first.get("sofx"), dict) else None
+        if isinstance(recorded, list) and all(isinstance(b, list) for b in recorded):
+            groups = [[leaf[0] for leaf in block if isinstance(leaf, list) and leaf] for block in recorded]
+            from_file = True
+    resolved = resolve_groups(opt, spec, None if from_file else hparams, groups)
     world = len(files)
-    ranks = [_read_rank(f, r, world, resolved, p_leaves, paths, opt) for r, f in enumerate(files)]
+    ranks = [_read_rank(f, r, world, resolved, p_leaves, paths, opt, first if r == 0 else None)
+             for r, f in enumerate(files)]
     group_hp, steps = ranks[0]["hparams"], ranks[0]["steps"]
     for r, rk in enumerate(ranks[1:], start=1):
         if rk["steps"] != steps or rk["hparams"] != group_hp:
@@ -381,10 +408,10 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
             counts[i] = torch.tensor(steps[b], dtype=torch.int64)
             offset += pn
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
-    if from_model_states and hparams is not None:
+    if from_file and hparams is not None:
         per_leaf = {i: hp for g, hp in zip(resolved, group_hp) for i in g.leaves}
         out_hp = _hparams_like(hparams, spec, per_leaf)
-    elif from_model_states and len(set(group_hp)) == 1:
+    elif from_file and len(set(group_hp)) == 1:
         out_hp = group_hp[0]  # one set of hyperparameters for every block
     else:
         out_hp = hparams_tree(resolved, group_hp, spec, hparams, groups)
@@ -438,8 +465,10 @@ def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
 
 
 def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_leaves: list[Any],
-               paths: list[str], opt: Adam) -> dict:
-    top = _torch_load(path)
+               paths: list[str], opt: Adam, top: Any = None) -> dict:
+    """Rank ``rank``'s file, checked against the layout (``top``: its contents, if loaded already)."""
+    if top is None:
+        top = _torch_load(path)
     zero = _get(top, "optimizer_state_dict", path, dict)
     zero = {k: _plain(v) for k, v in zero.items()}
     if zero.get("zero_stage") != 3:
@@ -460,6 +489,12 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if sofx_meta.get("decoupled") is not None and sofx_meta["decoupled"] != opt.variant.decoupled:
             raise UnsupportedError(f"{path}: written by an optimizer with decoupled={sofx_meta['decoupled']}, "
                                    f"loading into one with decoupled={opt.variant.decoupled}")
+        saved_blocks = sofx_meta.get("blocks")
+        if saved_blocks is not None:  # the leaves of each block, as written: another grouping would mix them up
+            here = [[[paths[i], list(p_leaves[i].shape)] for i in g.leaves] for g in resolved]
+            if saved_blocks != here:
+                raise CheckpointMismatchError(f"{path}: {_first_layout_difference(saved_blocks, here)}; pass the "
+                                              "groups= it was saved with")
     inner = _get(zero, "optimizer_state_dict", path, dict)
     flats = _get(zero, "fp32_flat_groups", path, (list, tuple))
     saved_groups = _get(inner, "param_groups", path, (list, tuple))
