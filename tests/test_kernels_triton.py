@@ -133,6 +133,21 @@ else:
                     assert all(torch.equal(a, b) for a, b in zip(got, want)), (op, dtype)
                     assert torch.equal(copy, want[0].to(dtype)), (op, dtype)
 
+    def test_a_decay_factor_of_zero_undoes_from_p_old(rng):
+        """Decoupled lr * wd == 1 (1 - lr*wd == 0: sofx.adamw undoes such a step from a parameter snapshot):
+        the kernel's divisor 0 is never used, the undo and the undo+redo give the reference's results."""
+        p, g, m, v = block_inputs(rng, 1000, torch.float32, torch.float32)
+        s = block_scalars(rng, 0.0)._replace(lr=0.5, weight_decay=2.0)
+        variant = AdamVariant(decoupled=True)
+        stepped = reference.step(p, g, m, v, s, variant)
+        want = reference.undo(stepped[0], g, *stepped[1:], s, variant, p_old=p)
+        got = tk.undo(stepped[0], g, *stepped[1:], s, variant, p_old=p)
+        assert torch.equal(got[0], p)
+        _close(got, want)
+        g2 = torch.randn(p.shape, generator=rng)
+        _close(tk.undo_redo(*stepped, g, s, g2, s, variant, p_old=p), reference.step(*want[:1], g2, *want[1:], s,
+                                                                                      variant))
+
     def test_nan_propagates_and_the_clamp_keeps_nan(rng):
         variant = AdamVariant()
         p, g, m, v = block_inputs(rng, 100, torch.float32, torch.float32)

@@ -34,6 +34,7 @@ available".
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple, Sequence
@@ -273,8 +274,10 @@ def _f32(x: float) -> float:
 
 
 def _recip(x: float) -> float:
-    """RN(1/b) in float32 for b = float32(x), the divisor the kernel sees."""
-    return _f32(1.0 / _f32(x))
+    """RN(1/b) in float32 for b = float32(x), the divisor the kernel sees; inf for 0, as float32 division
+    gives (a divisor of 0 is never used: the undo of a step whose 1 - lr*wd is 0 restores p from p_old)."""
+    b = _f32(x)
+    return _f32(1.0 / b) if b != 0 else math.copysign(math.inf, b)
 
 
 def _step_args(s: AdamScalars, variant: AdamVariant) -> _StepArgs:
