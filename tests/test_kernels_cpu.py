@@ -594,3 +594,17 @@ def test_the_inverse_of_decayed_moments_divides_exactly(name, rng):
     got = backend.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0])
     want = reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0])
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_bitwise_with_torch_is_false_where_torchs_kernels_do_not_fuse():
+    """torch's unvectorized build computes ``a*b + c`` unfused (lerp, addcmul), the native kernels fused:
+    ``bitwise_with_torch()`` must say so (the tests then compare within tolerance), in a fresh process."""
+    script = ("import torch\nfrom sofx.kernels import cpu\n"
+              "print(torch.backends.cpu.get_cpu_capability(), cpu.native_available(), cpu.bitwise_with_torch())")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, ATEN_CPU_CAPABILITY="default"))
+    assert res.returncode == 0, res.stderr
+    capability, native, bitwise = res.stdout.split()
+    assert capability == "DEFAULT"
+    if native == "True":
+        assert bitwise == "False"
