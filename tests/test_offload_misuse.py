@@ -28,6 +28,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
     relative_deviation,
 )
 
+import sofx
 import sofx.checkpoint
 import sofx.offload
 from sofx.errors import SofxError
@@ -200,3 +201,24 @@ def test_numpy_values_in_param_groups_reach_checkpoints_as_numbers(tmp_path):
         assert loaded["sched"]["_last_lr"][0] == pytest.approx(1e-2 * np.cos(0.1))
         assert type(loaded["sched"]["_last_lr"][0]) is float
         opt.load_state_dict(loaded["opt"])
+
+
+def test_a_state_of_another_adam_kind_is_refused():
+    model, _ = _models()
+    w = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    with w:
+        w.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        w.step()
+        state = w.state_dict()
+    l2 = sofx.offload.SpeculativeAdam(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    with l2:
+        masters = [l2.state[p]["master"].clone() for p in model.parameters()]
+        with pytest.raises(sofx.SofxError, match="decoupled=True, this one has decoupled=False"):
+            l2.load_state_dict(state)
+        assert all(torch.equal(l2.state[p]["master"], m) for p, m in zip(model.parameters(), masters))
+    w2 = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    with w2:
+        broken = {**state, "state": {**state["state"], "blocks": state["state"]["blocks"][:-1]}}
+        with pytest.raises(sofx.SofxError, match=r"the state holds \d+ blocks, this optimizer has \d+"):
+            w2.load_state_dict(broken)
+        w2.load_state_dict(state)

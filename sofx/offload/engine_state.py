@@ -63,7 +63,19 @@ def load_engine_state(engine: "OffloadEngine", state: Any) -> None:
         raise StructureError("the saved blocks do not match this optimizer's blocks (block_numel, parameter "
                              "sizes or param groups differ): saved "
                              f"{[list(b.numels) for b in layouts]}, here {[list(b.numels) for b in engine.layouts]}")
+    saved_adam = state.get("adam")
+    if isinstance(saved_adam, dict):
+        here = engine.adam_config.to_json()
+        # what the moments mean (the backend and undo mode are free to differ)
+        for key in ("decoupled", "bias_correction", "state_dtype"):
+            if key in saved_adam and saved_adam[key] != here.get(key):
+                raise StructureError(f"the state was saved by an optimizer with {key}={saved_adam[key]!r}, this one "
+                                     f"has {key}={here.get(key)!r} (e.g. SpeculativeAdamW's state into "
+                                     "SpeculativeAdam)")
     blocks = state["blocks"]
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != len(engine.layouts):
+        raise StructureError(f"the state holds {len(blocks) if isinstance(blocks, (list, tuple)) else 'no'} blocks, "
+                             f"this optimizer has {len(engine.layouts)}")
     for layout, saved in zip(engine.layouts, blocks):
         t = engine.tensors[layout.index]
         for name in _SAVED:
