@@ -45,8 +45,8 @@ from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import load_backend, select_backend
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, Scalar, StepCall,
-                               UndoCall, UndoRedoCall, as_number, is_number, is_traced, leaf_tracer,
+from sofx.kernels.base import (FINITE_CHUNK, GRADIENT_LIMIT, AdamScalars, AdamVariant, MemoryOverlapError, Scalar,
+                               StepCall, UndoCall, UndoRedoCall, as_number, is_number, is_traced, leaf_tracer,
                                write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
@@ -63,6 +63,7 @@ _F32_TINY = 1.1754943508222875e-38
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 
 _UNDO_MODES = ("auto", "algebraic", "exact")
+_NOT_FINITE = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
 _INVERTED = ("algebraic", "param_snapshot")  # strategies whose undo inverts m and v (needs a finite gradient)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -186,7 +187,7 @@ class Adam:
         if not covered:
             _check_writes(leaves, copies, donate)
         in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
-        finite = self._gradients_finite(leaves, grads_finite, skip=in_step)
+        finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
         memo: dict = {}
         plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
                  for leaf, f, chk in zip(leaves, finite, in_step)]
@@ -341,7 +342,7 @@ class Adam:
                      and (rec.p_old is None or rec.p_old.is_contiguous())
                      for rec, plan, c, k in zip(record.leaves, assumed, candidates, known)]
         skip = [k or c for k, c in zip(known, in_kernel)]
-        finite = self._gradients_finite(leaves, grads_finite, skip=skip)
+        finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=skip)
         plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
                  for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
@@ -418,7 +419,7 @@ class Adam:
         p0, m0, v0 = self._kernel(leaf).undo_many([_undo_call(leaf, rec, donate, copy)], self.variant)[0]
         return (p0, *_zero_if_fresh(rec, m0, v0, donate), rec.count_before)
 
-    def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None,
+    def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None, grad_scale: Scalar,
                           skip: Sequence[bool] | None = None) -> list[bool | None]:
         """Per leaf: whether its gradient is finite, where the undo strategy will ask (``None``: not
         looked at; ``skip[k]``: leaf k is not looked at, its step checks it). ``grads_finite=True`` is the
@@ -435,7 +436,7 @@ class Adam:
                     and not (skip and skip[k]):
                 by_device.setdefault(leaf.g.device, []).append(k)
         for device, ks in by_device.items():
-            for k, ok in zip(ks, _finite_flags([leaves[k].g for k in ks], batched=device.type == "cuda")):
+            for k, ok in zip(ks, _finite_flags([leaves[k].g for k in ks], grad_scale, batched=device.type == "cuda")):
                 flags[k] = ok
         return flags
 
@@ -462,7 +463,7 @@ class Adam:
         _validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
         grad_scale = _checked_grad_scale(grad_scale)
-        finite = self._gradients_finite(leaves, grads_finite)
+        finite = self._gradients_finite(leaves, grads_finite, grad_scale)
         return [None if leaf.g is None else self._plan(leaf, grad_scale, f)[1:] for leaf, f in zip(leaves, finite)]
 
     def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec, paths: list[str] | None = None,
@@ -604,14 +605,14 @@ class Adam:
             if full_reasons or param_reasons:
                 raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: "
                                        f"{'; '.join(full_reasons + param_reasons)}; use undo='auto' or 'exact'")
-            if not (finite if finite is not None else _all_finite(leaf.g)):
-                return "none", "the gradient is not finite"
+            if not (finite if finite is not None else _all_finite(leaf.g, s.grad_scale)):
+                return "none", _NOT_FINITE
             return "algebraic", ""
         # auto: also avoid the cases that are possible but too lossy.
         if 0 < min(b1, b2) < ALGEBRAIC_MIN_BETA:
             full_reasons.append(f"a beta below {ALGEBRAIC_MIN_BETA} amplifies rounding")
-        if full_reasons or not (finite if finite is not None else _all_finite(leaf.g)):
-            return "snapshot", "; ".join(full_reasons) or "the gradient is not finite"
+        if full_reasons or not (finite if finite is not None else _all_finite(leaf.g, s.grad_scale)):
+            return "snapshot", "; ".join(full_reasons) or _NOT_FINITE
         if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
             param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
         if param_reasons:
@@ -699,24 +700,28 @@ def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:
     return leaf.m.count_nonzero().item() == 0 and leaf.v.count_nonzero().item() == 0
 
 
-def _all_finite(x: torch.Tensor) -> bool:
-    # A finite sum implies finite elements (nan and inf propagate); the sum is a much cheaper pass than
-    # isfinite().all() on CPU, so the exact check only runs when the sum is not finite.
-    total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)  # fp16 sums overflow
-    return x.numel() == 0 or bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
+def _all_finite(x: torch.Tensor, grad_scale: Scalar) -> bool:
+    """Whether the step of gradient ``x`` can be undone algebraically as far as the gradient goes: every
+    element finite and ``|x * grad_scale| <= GRADIENT_LIMIT`` (a larger one's square could overflow the
+    second moment, whose inverse would then be nan; the checked kernels flag the same elements). One pass:
+    the largest magnitude (nan if any element is)."""
+    if x.numel() == 0:
+        return True
+    return bool(torch.linalg.vector_norm(x, ord=math.inf).float() * abs(grad_scale) <= GRADIENT_LIMIT)
 
 
-def _finite_flags(gs: Sequence[torch.Tensor], batched: bool) -> list[bool]:
-    """``[_all_finite(g) for g in gs]``; ``batched`` (for GPUs): with one read back to the host instead
-    of one per tensor, by the multi-tensor norm (a launch or a few; a norm that overflows is checked
-    exactly). On CPUs a sum per tensor is cheaper than the norm and reading it back costs nothing."""
+def _finite_flags(gs: Sequence[torch.Tensor], grad_scale: Scalar, batched: bool) -> list[bool]:
+    """``[_all_finite(g, grad_scale) for g in gs]``; ``batched`` (for GPUs): with one read back to the host
+    instead of one per tensor (the multi-tensor largest magnitudes: a launch or a few)."""
     if not batched:
-        return [_all_finite(g) for g in gs]
-    if not gs:
-        return []
-    norms = torch._foreach_norm(list(gs), 2.0)
-    flags = torch.stack([x.float() for x in norms]).isfinite().tolist()
-    return [ok or bool(torch.isfinite(g).all()) for ok, g in zip(flags, gs)]
+        return [_all_finite(g, grad_scale) for g in gs]
+    full = [k for k, g in enumerate(gs) if g.numel()]  # (an empty tensor has no largest magnitude)
+    out = [True] * len(gs)
+    if full:
+        tops = torch._foreach_norm([gs[k] for k in full], math.inf)
+        for k, ok in zip(full, (torch.stack([x.float() for x in tops]) * abs(grad_scale) <= GRADIENT_LIMIT).tolist()):
+            out[k] = ok
+    return out
 
 
 def _fusable(rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None) -> bool:

@@ -18,7 +18,7 @@ from sofx.undo_record import LeafUndo
 
 __all__ = ["finish_step", "finish_undo_redo"]
 
-_REASON = "the gradient is not finite"
+_REASON = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
 
 Ranges = Sequence[tuple[int, int]]
 

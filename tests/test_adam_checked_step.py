@@ -132,7 +132,8 @@ def test_the_gradients_are_read_once(donate, rng, monkeypatch):
     non-contiguous leaf is checked before, as are all of them with undo='algebraic'."""
     calls = []
     real = _adam._finite_flags
-    monkeypatch.setattr(_adam, "_finite_flags", lambda gs, batched: calls.append(len(gs)) or real(gs, batched))
+    monkeypatch.setattr(_adam, "_finite_flags",
+                        lambda gs, scale, batched: calls.append(len(gs)) or real(gs, scale, batched))
     params = {"a": torch.randn(5000, generator=rng), "b": torch.randn(30, 40, generator=rng)}
     grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
     opt = sofx.adamw(backend="cpu")
@@ -172,7 +173,8 @@ def test_undo_redo_with_the_records_own_gradient_does_not_read_it(rng, monkeypat
     a new gradient tensor is checked."""
     calls = []
     real = _adam._finite_flags
-    monkeypatch.setattr(_adam, "_finite_flags", lambda gs, batched: calls.append(len(gs)) or real(gs, batched))
+    monkeypatch.setattr(_adam, "_finite_flags",
+                        lambda gs, scale, batched: calls.append(len(gs)) or real(gs, scale, batched))
     params = {"a": torch.randn(300, generator=rng), "b": torch.randn(7, generator=rng)}
     grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
     opt = sofx.adamw(lr=1e-2, backend="cpu")
@@ -251,3 +253,34 @@ def test_first_checked_step_with_an_overflow_undoes_to_zero_moments(donate, rng)
         assert torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=0)
     else:
         assert torch.equal(p0["w"], params["w"])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_finite_gradient_whose_square_overflows_is_undone_exactly(backend, donate, rng):
+    """|g * grad_scale| beyond GRADIENT_LIMIT: v' may be inf, whose algebraic inverse is nan; such a leaf
+    gets a snapshot record (the checked kernels flag its chunk, the others' pass finds it), so its undo and a
+    late clip's undo+redo are exact and finite."""
+    from sofx.kernels.base import GRADIENT_LIMIT
+
+    opt = sofx.adamw(lr=1e-3, backend=backend)
+    params = {"w": torch.randn(2 * FINITE_CHUNK + 5, generator=rng), "b": torch.randn(9, generator=rng)}
+    params, state = _warm_state(opt, params, rng)
+    huge = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    huge["w"][FINITE_CHUNK + 7] = 3.0 * GRADIENT_LIMIT  # finite; its square overflows float32
+    before = (_clone(params), _clone(state))
+    new_p, new_s, rec = opt.update(_clone(params) if not donate else params,
+                                   huge, _clone(state) if not donate else state, donate=donate)
+    assert rec.strategies()[1:] == ["snapshot"] and rec.strategies()[0] == "algebraic"  # b, then w
+    old_p, old_s = opt.undo(new_p, new_s, rec)
+    was_p, was_s = before
+    # the snapshot: exact (with donation, exact in the flagged chunk; the others recovered algebraically)
+    flagged = slice(FINITE_CHUNK, 2 * FINITE_CHUNK) if donate and backend != "reference" else slice(None)
+    assert all(torch.equal(a[flagged], b[flagged]) for a, b in (
+        (old_p["w"], was_p["w"]), (old_s.mu["w"], was_s.mu["w"]), (old_s.nu["w"], was_s.nu["w"])))
+    for a, b in ((old_p["w"], was_p["w"]), (old_s.mu["w"], was_s.mu["w"]), (old_s.nu["w"], was_s.nu["w"]),
+                 (old_p["b"], was_p["b"]), (old_s.mu["b"], was_s.mu["b"]), (old_s.nu["b"], was_s.nu["b"])):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    # at half the scale the same gradient is within the limit: algebraic again
+    _, _, rec = opt.update(_clone(before[0]), huge, _clone(before[1]), grad_scale=0.25)
+    assert rec.strategies() == ["algebraic", "algebraic"]

@@ -396,7 +396,7 @@ def test_grads_finite_hint_skips_the_pass_over_the_gradients(undo, monkeypatch):
     p2, s2, rec2 = opt.update(p1, grads, s1)
     reads = []
 
-    def no_pass(x):
+    def no_pass(x, *_):
         reads.append(x)
         raise AssertionError("the gradients were read to check finiteness despite grads_finite=True")
 
@@ -431,18 +431,23 @@ def test_grads_finite_must_be_a_bool_or_none():
 
 
 def test_batched_finiteness_check_agrees_with_the_per_leaf_one():
-    """The GPU path (one multi-tensor norm, one read back) gives the per-leaf answers, also where the
-    norm overflows although every element is finite (then checked exactly)."""
+    """The GPU path (one multi-tensor largest magnitude, one read back) gives the per-leaf answers: a nan or
+    an inf, or a finite element whose scaled magnitude exceeds GRADIENT_LIMIT (its square could overflow the
+    second moment) is not undone algebraically."""
+    from sofx.kernels.base import GRADIENT_LIMIT
+
     adam_module = _adam_module()
     nan, inf = float("nan"), float("inf")
     gs = [torch.tensor([1.0, nan]), torch.tensor([inf, 1.0]), torch.tensor([-inf], dtype=torch.float16),
           torch.tensor([3e38, 3e38]), torch.tensor([6e4, 6e4], dtype=torch.float16),
-          torch.ones(5, dtype=torch.bfloat16), torch.empty(0), torch.randn(100, dtype=torch.float64)]
-    want = [False, False, False, True, True, True, True, True]
-    assert [adam_module._all_finite(g) for g in gs] == want
-    assert adam_module._finite_flags(gs, batched=True) == want
-    assert adam_module._finite_flags(gs, batched=False) == want
-    assert adam_module._finite_flags([], batched=True) == []
+          torch.ones(5, dtype=torch.bfloat16), torch.empty(0), torch.randn(100, dtype=torch.float64),
+          torch.tensor([1.5 * GRADIENT_LIMIT, 1.0])]
+    for scale, last in ((1.0, False), (0.5, True)):  # the limit is on |g * grad_scale|
+        want = [False, False, False, False, True, True, True, True, last]
+        assert [adam_module._all_finite(g, scale) for g in gs] == want
+        assert adam_module._finite_flags(gs, scale, batched=True) == want
+        assert adam_module._finite_flags(gs, scale, batched=False) == want
+    assert adam_module._finite_flags([], 1.0, batched=True) == []
 
 
 @pytest.mark.parametrize("hint", [True, None])

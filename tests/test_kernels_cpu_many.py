@@ -305,3 +305,33 @@ def test_written_arrays_that_share_memory_are_refused_before_anything_is_compute
         backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, g.clone(), s, p, (p, m, v))], AdamVariant())
     backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, g.clone(), s, g, (p, m, v))], AdamVariant())  # reads
     backend.step_many(donated, AdamVariant())  # donation is no overlap
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5, 3e-15])
+def test_checked_steps_flag_gradients_beyond_the_limit(name, gdtype, grad_scale, rng):
+    """A chunk is flagged for an inf, a nan, or a finite element whose scaled magnitude exceeds
+    GRADIENT_LIMIT, by the native vector loop, its per-chunk check and the reference fallback alike
+    (base.beyond_limit's bits): one value per chunk, just above and just below the limit."""
+    from sofx.kernels.base import GRADIENT_LIMIT, beyond_limit
+
+    limit = GRADIENT_LIMIT / grad_scale
+    finfo = torch.finfo(gdtype)
+    # (a value after an unflagged chunk is found by that chunk's vector loop, the others by the per-chunk check)
+    values = [1.0, limit * 1.01, limit * 0.99, -limit * 1.01, float("inf"), 1.0, float("nan"), limit * 0.99]
+    n = len(values) * FINITE_CHUNK + 100
+    p, _, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    g = torch.randn(n, generator=rng).to(gdtype)
+    for c, x in enumerate(values):
+        g[c * FINITE_CHUNK + 11] = min(max(x, -finfo.max), finfo.max) if x == x and abs(x) != float("inf") else x
+    want = beyond_limit(g, grad_scale).view(-1)
+    want = torch.nn.functional.pad(want, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1).to(torch.uint8)
+    s = block_scalars(rng, 0.1)._replace(grad_scale=grad_scale)
+    assert want.tolist() == [int(not abs(float(g[c * FINITE_CHUNK + 11])) * grad_scale <= GRADIENT_LIMIT)
+                             for c in range(len(values))] + [0]
+    for states in (torch.float32, torch.float64):  # the native loops / the reference fallback (float64)
+        skip = torch.zeros(-(-n // FINITE_CHUNK), dtype=torch.uint8)
+        BACKENDS[name].step_many([StepCall(p.to(states), g, m.to(states), v.to(states), s, None, None, skip)],
+                                 AdamVariant())
+        assert torch.equal(skip, want), (states, skip.tolist(), want.tolist())

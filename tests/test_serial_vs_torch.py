@@ -193,7 +193,7 @@ def test_serial_step_reads_each_gradient_once(rng, monkeypatch):
     assert opt.undo_strategies(params, grads, state, grad_scale=1 / 8.0) == [("algebraic", "")] * 2
     want_params, want_state, _ = opt.update(params, grads, state, grad_scale=1 / 8.0)
 
-    def no_pass(x):
+    def no_pass(x, *_):
         raise AssertionError("a gradient was read again to check its finiteness")
 
     monkeypatch.setattr(adam_module, "_all_finite", no_pass)

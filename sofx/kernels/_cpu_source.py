@@ -74,12 +74,17 @@ enum { OP_STEP = 0, OP_UNDO = 1, OP_UNDO_REDO = 2 };
 /* Scalars of one step, as doubles computed on the host (index = meaning). */
 enum {
   S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
-  S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_COUNT
+  S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY,
+  S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16, S_COUNT
 };
 
+/* lim[dtype]: a checked step flags a chunk whose gradient has an element whose magnitude bits (sign cleared)
+   exceed lim, in the gradient's own dtype: an inf, a nan, or a finite value so large that its square (scaled)
+   could overflow float32, whose step's inverse would be inf - inf (see Adam's undo strategies). */
 typedef struct {
   float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss;
   int has_gs, has_decay;
+  uint32_t lim[3];
 } Sc;
 
 /* The square root: IEEE sqrtf, or the vector routine torch's own sqrt uses (MKL's
@@ -297,6 +302,9 @@ static Sc make_sc(const double *d) {
   s.ss = (float)d[S_STEP_SIZE];
   s.has_gs = d[S_HAS_GRAD_SCALE] != 0.0;
   s.has_decay = d[S_HAS_DECAY] != 0.0;
+  s.lim[DT_F32] = (uint32_t)d[S_LIMIT_F32];
+  s.lim[DT_BF16] = (uint32_t)d[S_LIMIT_BF16];
+  s.lim[DT_F16] = (uint32_t)d[S_LIMIT_F16];
   return s;
 }
 
@@ -1054,18 +1062,18 @@ static void copy_params(const Job *j, int64_t begin, int64_t end) {
    loops' square-root chunks stay where they were). */
 #define CHUNK 4096
 
-/* 1 if no element of g[begin, end) (of dtype dg) is an inf or a nan: exponent bits all ones. */
-static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end) {
+/* 1 if no element of g[begin, end) (of dtype dg) has magnitude bits above lim (an inf or a nan has the
+   largest: see Sc.lim). */
+static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint32_t lim) {
   if (dg == DT_F32) {
     const uint32_t *u = (const uint32_t *)g;
     uint32_t bad = 0;
-    for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7FFFFFFFu) > lim;
     return !bad;
   }
   const uint16_t *u = (const uint16_t *)g;
-  const uint16_t e = dg == DT_BF16 ? 0x7F80u : 0x7C00u;
-  uint16_t bad = 0;
-  for (int64_t i = begin; i < end; i++) bad |= (u[i] & e) == e;
+  uint32_t bad = 0;
+  for (int64_t i = begin; i < end; i++) bad |= (uint32_t)(u[i] & 0x7FFFu) > lim;
   return !bad;
 }
 
@@ -1078,55 +1086,57 @@ typedef int (*scan_step_fn)(const Job *, int, const Sqrt *, int64_t);
 #define SCAN_PREFETCH 2048
 #endif
 #ifdef HW_BF16
-static inline __mmask16 vnonfinite_0(const void *g, int64_t e) {
-  const __m512i x = _mm512_and_si512(_mm512_loadu_si512((const float *)g + e), _mm512_set1_epi32(0x7F800000));
-  return _mm512_cmpeq_epi32_mask(x, _mm512_set1_epi32(0x7F800000));
+static inline __mmask16 vnonfinite_0(const void *g, int64_t e, uint32_t lim) {
+  const __m512i x = _mm512_and_si512(_mm512_loadu_si512((const float *)g + e), _mm512_set1_epi32(0x7FFFFFFF));
+  return _mm512_cmpgt_epu32_mask(x, _mm512_set1_epi32((int)lim));
 }
-static inline __mmask16 vnonfinite_1(const void *g, int64_t e) {
+static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
   const __m256i x = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + e)),
-                                     _mm256_set1_epi16(0x7F80));
-  return _mm256_cmpeq_epi16_mask(x, _mm256_set1_epi16(0x7F80));
+                                     _mm256_set1_epi16(0x7FFF));
+  return _mm256_cmpgt_epu16_mask(x, _mm256_set1_epi16((short)lim));
 }
 /* The next chunk's vector at e (of the gradient gs, dtype DG) into bad, with its line prefetched ahead. */
-#define SCAN_AT(DG, gs, e, scan_end, bad)                                          \
+#define SCAN_AT(DG, gs, e, scan_end, bad, lim)                                     \
   if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
     _mm_prefetch((const char *)(gs) + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
-    (bad) |= vnonfinite_##DG((gs), (e) + CHUNK);                                   \
+    (bad) |= vnonfinite_##DG((gs), (e) + CHUNK, (lim));                            \
   }
 /* 1 if the next chunk (from begin + CHUNK to scan_end) has an inf or a nan: bad from the loop, the rest
    (the next chunk's partial last vector) by chunk_finite. */
-#define SCAN_RESULT(DG, gs, begin, scan_end, bad)                                  \
-  ((bad) != 0 || !chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
+#define SCAN_RESULT(DG, gs, begin, scan_end, bad, lim)                             \
+  ((bad) != 0 || !chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
 #define VSCAN(DP, DG, DS)                                                          \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
+    const uint32_t lim = j->s1.lim[DG];                                            \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
     (void)fast;                                                                    \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
       vstep_at_##DP##DG##DS(&a, &k, sq, e, ALL_LANES);                             \
-      SCAN_AT(DG, a.g, e, scan_end, bad)                                           \
+      SCAN_AT(DG, a.g, e, scan_end, bad, lim)                                      \
     }                                                                              \
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
-    return SCAN_RESULT(DG, a.g, j->begin, scan_end, bad);                          \
+    return SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                     \
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     const int have_p_old = j->pold != 0;                                           \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    const uint32_t lim = j->s2.lim[DG];                                            \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, sq, e, ALL_LANES);     \
-      SCAN_AT(DG, a.g2, e, scan_end, bad)                                          \
+      SCAN_AT(DG, a.g2, e, scan_end, bad, lim)                                     \
     }                                                                              \
     if (e < j->end)                                                                \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, sq, e, lanes_left(j->end - e)); \
-    return SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad);                         \
+    return SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                    \
   }
 NATIVE_COMBOS(VSCAN)
 #endif
@@ -1177,12 +1187,13 @@ static void run_range(const Job *j) {
     const scan_step_fn scan_step = j->skip ? scan_step_for(j, &ssq, &sfast) : 0;
     const void *checked = j->op == OP_UNDO_REDO ? j->g2 : j->g; /* the gradient of the step taken */
     const int dchecked = j->op == OP_UNDO_REDO ? j->dg2 : j->dg;
+    const uint32_t lim = (j->op == OP_UNDO_REDO ? &j->s2 : &j->s1)->lim[dchecked];
     int next_bad = -1; /* the chunk's gradient as the previous chunk's loop found it; -1: not read yet */
     for (int64_t c = j->begin; c < j->end; c += CHUNK) {
       part.begin = c;
       part.end = j->end - c < CHUNK ? j->end : c + CHUNK;
       if (j->skip) {
-        const int bad = next_bad >= 0 ? next_bad : !chunk_finite(checked, dchecked, part.begin, part.end);
+        const int bad = next_bad >= 0 ? next_bad : !chunk_finite(checked, dchecked, part.begin, part.end, lim);
         next_bad = -1;
         if (bad) {
           j->skip[c / CHUNK] = 1;
@@ -1432,6 +1443,7 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
 
 # Keep in sync with the enum in SOURCE.
 (S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
- S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_COUNT) = range(13)
+ S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16,
+ S_COUNT) = range(16)
 OP_STEP, OP_UNDO, OP_UNDO_REDO = 0, 1, 2
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2

@@ -42,7 +42,9 @@ done in float32 (float64 when ``p`` is float64) and rounded on store.
 
 from __future__ import annotations
 
+import math
 import numbers
+import struct
 from typing import Callable, Collection, Iterable, NamedTuple, Sequence, Union
 
 import torch
@@ -237,12 +239,43 @@ class StepCall(NamedTuple):
 # A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; backends whose ``CHECKS_FINITE`` is True):
 # ``skip`` is a contiguous CPU uint8 tensor of ceil(n / FINITE_CHUNK) zeros. The kernel reads each chunk of
 # FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
-# writing the chunk; a chunk with an inf or a nan is left alone (none of its outputs written: p, m, v,
-# out, p_copy) and its flag set to 1. The caller learns whether the step can be
+# writing the chunk; a chunk with an inf, a nan, or an element beyond ``GRADIENT_LIMIT / grad_scale`` (see
+# :func:`gradient_limit_bits`) is left alone (none of its outputs written: p, m, v, out, p_copy) and its
+# flag set to 1. The caller learns whether the step can be
 # undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
 # keeping their old values. What the kernel writes in place must be contiguous (``out`` also in the
 # dtypes of p, m, v; ``p_copy``).
 FINITE_CHUNK = 4096
+
+# The largest scaled gradient magnitude |g * grad_scale| whose step is undone algebraically: its square (and
+# a second moment made of such squares) stays below FLT_MAX / 4, so v' = b2 v + (1 - b2) g^2 is finite and
+# its inverse is not inf - inf = nan. The factor 4 leaves room for a redo whose grad_scale doubled (a loss
+# scale halved) on a gradient checked with the old one.
+GRADIENT_LIMIT = math.sqrt(float(torch.finfo(torch.float32).max) / 4)
+
+
+def gradient_limit_bits(grad_scale: float) -> tuple[int, int, int]:
+    """The magnitude bits (sign cleared) above which a gradient element of dtype float32, bfloat16,
+    float16 is flagged for ``grad_scale`` (the largest value at most ``GRADIENT_LIMIT / grad_scale``; an inf
+    or a nan always has larger bits)."""
+    limit = min(GRADIENT_LIMIT / abs(grad_scale), float(torch.finfo(torch.float32).max))
+    f32 = struct.unpack("<I", struct.pack("<f", limit))[0]
+    if struct.unpack("<f", struct.pack("<I", f32))[0] > limit:  # rounded up: the float below
+        f32 -= 1
+    f16 = 0x7BFF if limit >= 65504.0 else struct.unpack("<H", struct.pack("<e", limit))[0]
+    if limit < 65504.0 and struct.unpack("<e", struct.pack("<H", f16))[0] > limit:
+        f16 -= 1
+    return f32, f32 >> 16, f16  # bfloat16: float32's upper half, truncated (at most the limit)
+
+
+def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """The elements of ``g`` a checked step flags (:func:`gradient_limit_bits`, compared on the bits of the
+    gradient's own dtype; other dtypes as float32, as the kernels read them)."""
+    lim32, lim_bf16, lim_f16 = gradient_limit_bits(grad_scale)
+    if g.dtype in (torch.bfloat16, torch.float16):
+        return (g.view(torch.int16) & 0x7FFF) > (lim_bf16 if g.dtype == torch.bfloat16 else lim_f16)
+    x = g if g.dtype == torch.float32 else g.to(torch.float32)
+    return (x.view(torch.int32) & 0x7FFFFFFF) > lim32
 
 
 class UndoCall(NamedTuple):

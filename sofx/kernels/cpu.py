@@ -67,8 +67,8 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
-                               UndoCall, UndoRedoCall, check_block_tensors, is_number, kernel_param_copy,
-                               write_outputs, write_param_copy)
+                               UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, gradient_limit_bits,
+                               is_number, kernel_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, first_clash, overlap_message, overlaps_itself, shared_memory_message
 from sofx.kernels.threads import native_thread_request
 
@@ -140,6 +140,7 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
     block[src.S_BC2_SQRT] = bc2_sqrt
     block[src.S_EPS] = s.eps
     block[src.S_STEP_SIZE] = step_size
+    block[src.S_LIMIT_F32], block[src.S_LIMIT_BF16], block[src.S_LIMIT_F16] = gradient_limit_bits(s.grad_scale)
     return block
 
 
@@ -305,7 +306,8 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     """A checked step or undo+redo (see :func:`step_many`) through the reference math: flags from the
     gradient of the step taken (the new one of an undo+redo), the flagged chunks not written."""
     n = b.p.numel()
-    bad = ~torch.isfinite((b.g2 if op == src.OP_UNDO_REDO else b.g).reshape(-1))
+    checked, s = (b.g2, s2) if op == src.OP_UNDO_REDO else (b.g, s1)
+    bad = beyond_limit(checked.reshape(-1), s.grad_scale)  # the bits the native check compares
     flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
     b.skip.copy_(flags)
     unchecked = b._replace(skip=None)
