@@ -32,13 +32,18 @@ import copy
 import os
 import resource
 import statistics
+import sys
 import threading
 import time
+
 import torch
 from torch import nn
 
-import sofx.offload
-from sofx.speculate import AdaptivePolicy
+# the sofx of this checkout (a worktree's, for an A/B), not the one installed into the environment
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sofx.offload  # noqa: E402
+from sofx.speculate import AdaptivePolicy  # noqa: E402
 
 
 def build_model(width: int, depth: int, seed: int = 0) -> nn.Module:

@@ -14,13 +14,18 @@ by round, medians.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from sofx.kernels import cpu
-from sofx.kernels.base import AdamScalars, AdamVariant
+# the sofx of this checkout (a worktree's, for an A/B), not the one installed into the environment
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sofx.kernels import cpu  # noqa: E402
+from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
 S = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=0.5)
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
