@@ -59,7 +59,8 @@ class NativeLib:
     hardware); ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
     in the source: checked here against ``torch.sqrt``); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
-    ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`).
+    ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`); ``overlap``: the C entry
+    ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables).
     """
 
     path: str
@@ -73,6 +74,7 @@ class NativeLib:
     sqrt: ctypes._CFuncPtr
     bitwise_torch: bool
     copy_sumsq: ctypes._CFuncPtr
+    overlap: ctypes._CFuncPtr
 
 
 # The element types the library's entry points take, by their codes (DT_* in the source).
@@ -165,11 +167,15 @@ def _open(path: str) -> NativeLib:
     copy_sumsq = lib.sofx_copy_sumsq
     copy_sumsq.restype = ctypes.c_double
     copy_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    overlap = lib.sofx_overlap
+    overlap.restype = ctypes.c_int
+    # count, dtypes, ns, ptrs (sofx_adam_many's tables), out (int64[4])
+    overlap.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
     replica = bool(sqrt_fn) and bool(has_replica()) and _replica_matches(sqrt)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
     return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
-                     sqrt, bitwise, copy_sumsq)
+                     sqrt, bitwise, copy_sumsq, overlap)
 
 
 def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:

@@ -1218,6 +1218,77 @@ static void run_range(const Job *j) {
 
 #define MAX_THREADS 256
 
+/* Memory of a call (sofx_overlap): one span per array, twice its start plus 1 if written, twice its end. */
+typedef struct {
+  uint64_t s2, e2;
+  int64_t b;
+  int col;
+} Span;
+
+static int span_order(const void *x, const void *y) {
+  const uint64_t a = ((const Span *)x)->s2, b = ((const Span *)y)->s2;
+  return a < b ? -1 : a > b;
+}
+
+/* Whether a written array of a sofx_adam_many call (its tables: count blocks, dtypes, ns, ptrs; every array
+   contiguous) shares memory with another array of the call. Compared: p, g, m, v, g_new, p_old (read, but p,
+   m, v written where the outputs are the inputs: ptrs p_out == p), p_copy and skip (written); outputs that are
+   not the inputs are fresh. Returns 0 for none; 1 with out = {block, column, block, column} of a written
+   array and one it overlaps (the written one first; of two written ones the first in the tables); -1 out of
+   memory. */
+int sofx_overlap(int64_t count, const int *dtypes, const int64_t *ns, void *const *ptrs, int64_t *out) {
+  static const int cols[8] = {0, 1, 2, 3, 4, 5, 9, 10};
+  static const int dcols[8] = {0, 1, 2, 2, 3, 4, 5, -1};
+  Span *sp = (Span *)malloc((size_t)(count > 0 ? count : 1) * 8 * sizeof(Span));
+  if (!sp) return -1;
+  int64_t n = 0;
+  for (int64_t b = 0; b < count; b++) {
+    void *const *pt = ptrs + 11 * b;
+    const int donated = pt[6] == pt[0];
+    for (int k = 0; k < 8; k++) {
+      const uint64_t ptr = (uint64_t)(uintptr_t)pt[cols[k]];
+      if (!ptr) continue;
+      const int64_t bytes = dcols[k] >= 0 ? ns[b] * (dtypes[6 * b + dcols[k]] == DT_F32 ? 4 : 2)
+                                          : (ns[b] + CHUNK - 1) / CHUNK;
+      if (bytes <= 0) continue;
+      const int w = k >= 6 || ((k == 0 || k == 2 || k == 3) && donated);
+      sp[n].s2 = 2 * ptr + (uint64_t)w;
+      sp[n].e2 = 2 * (ptr + (uint64_t)bytes);
+      sp[n].b = b;
+      sp[n].col = cols[k];
+      n++;
+    }
+  }
+  qsort(sp, (size_t)n, sizeof(Span), span_order);
+  uint64_t reach = 0, reach_w = 0;
+  for (int64_t j = 0; j < n; j++) {
+    const uint64_t w = sp[j].s2 & 1, s = sp[j].s2 - w;
+    if (s < reach_w || (w && s < reach)) {
+      for (int64_t i = 0; i < j; i++) {
+        if (s < sp[i].e2 && (w || (sp[i].s2 & 1))) {
+          const Span *x = &sp[j], *y = &sp[i];
+          const int y_first = y->b < x->b || (y->b == x->b && y->col < x->col);
+          if ((y_first && (y->s2 & 1)) || !(x->s2 & 1)) {
+            const Span *t = x;
+            x = y;
+            y = t;
+          }
+          out[0] = x->b;
+          out[1] = x->col;
+          out[2] = y->b;
+          out[3] = y->col;
+          free(sp);
+          return 1;
+        }
+      }
+    }
+    if (sp[j].e2 > reach) reach = sp[j].e2;
+    if (w && sp[j].e2 > reach_w) reach_w = sp[j].e2;
+  }
+  free(sp);
+  return 0;
+}
+
 /* 1 where this build has the explicit AVX-512 vector loops (HW_BF16), else 0. */
 int sofx_has_vector_loops(void) {
 #ifdef HW_BF16

@@ -69,7 +69,7 @@ from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
                                UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, gradient_limit_bits,
                                is_number, kernel_param_copy, write_outputs, write_param_copy)
-from sofx.kernels.donation import MemorySpans, first_clash, overlap_message, overlaps_itself, shared_memory_message
+from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself, shared_memory_message
 from sofx.kernels.threads import native_thread_request
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
@@ -374,7 +374,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         plans.append((c1, c2, fast))
     if all(fast is not None for _, _, fast in plans):  # the common case: the C entry's table says it all
         table = _Table.of([fast for _, _, fast in plans])  # type: ignore[misc]
-        _refuse_overlap(op, table.clash(), where)
+        _refuse_overlap(op, table.clash(lib), where)
     else:
         table = None
         _refuse_overlap(op, _blocks_clash(op, blocks, where), where)
@@ -436,50 +436,20 @@ class _Table(NamedTuple):
         return _Table(blocks, array("i", [d for nb in blocks for d in nb.dtypes]), array("q", [nb.n for nb in blocks]),
                       array("q", [x for nb in blocks for x in nb.ptrs]))
 
-    def clash(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """``(block, table column)`` of a written array and another that shares its memory, or None. The
-        table's own arrays are contiguous; its outputs are the inputs themselves (donation: the input is
-        written) or fresh tensors (not compared); ``p_copy`` and ``skip`` are written."""
-        count = len(self.blocks)
-        if count * len(_SPAN_COLUMNS) <= _FEW_SPANS:
-            starts2, ends2, where = [], [], []
-            for b, (nb, n) in enumerate(zip(self.blocks, self.ns)):
-                ptrs, dtypes = nb.ptrs, nb.dtypes
-                donated = ptrs[6] == ptrs[0]
-                for col, dcol, written in zip(_SPAN_COLUMNS, _SPAN_DTYPES, (donated, False, donated, donated, False,
-                                                                            False, True, True)):
-                    ptr = ptrs[col]
-                    if ptr:
-                        size = n * _ELEMENT_BYTES[dtypes[dcol]] if dcol >= 0 else -(-n // FINITE_CHUNK)
-                        starts2.append(2 * ptr + written)
-                        ends2.append(2 * (ptr + size))
-                        where.append((b, col))
-            found = first_clash(starts2, ends2)
-            return None if found is None else (where[found[0]], where[found[1]])
-        ptrs = torch.frombuffer(self.ptrs, dtype=torch.int64).view(count, 11)
-        ns = torch.frombuffer(self.ns, dtype=torch.int64)
-        element = torch.tensor(_ELEMENT_BYTES)[torch.frombuffer(self.dtypes, dtype=torch.int32).view(count, 6).long()]
-        cols = ptrs[:, list(_SPAN_COLUMNS)]
-        sizes = torch.stack([ns * element[:, d] if d >= 0 else (ns + FINITE_CHUNK - 1) // FINITE_CHUNK
-                             for d in _SPAN_DTYPES], dim=1)
-        donated = ptrs[:, 6] == ptrs[:, 0]
-        no, yes = torch.zeros_like(donated), torch.ones_like(donated)
-        written = torch.stack([donated, no, donated, donated, no, no, yes, yes], dim=1)
-        keep = (cols != 0).flatten().nonzero().squeeze(1)
-        found = first_clash((2 * cols + written).flatten()[keep], (2 * (cols + sizes)).flatten()[keep])
-        if found is None:
-            return None
-        at = [int(keep[k]) for k in found]
-        return ((at[0] // 8, _SPAN_COLUMNS[at[0] % 8]), (at[1] // 8, _SPAN_COLUMNS[at[1] % 8]))
+    def clash(self, lib: _cpu_build.NativeLib) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """``(block, table column)`` of a written array and another that shares its memory, or None (the C
+        entry ``sofx_overlap``: the table's arrays are contiguous; its outputs are the inputs themselves, then
+        written, or fresh tensors; ``p_copy`` and ``skip`` are written)."""
+        out = array("q", [0, 0, 0, 0])
+        rc = lib.overlap(len(self.blocks), self.dtypes.buffer_info()[0], self.ns.buffer_info()[0],
+                         self.ptrs.buffer_info()[0], out.buffer_info()[0])
+        if rc < 0:
+            raise MemoryError("cpu: no memory to compare a call's arrays")
+        return ((out[0], out[1]), (out[2], out[3])) if rc else None
 
 
-# The table's columns a call's memory check compares (p, g, m, v, g_new, p_old, p_copy, skip), the dtype column
-# of each (-1: skip, one byte per chunk), the bytes of an element by dtype code, and the columns' roles.
-_SPAN_COLUMNS = (0, 1, 2, 3, 4, 5, 9, 10)
-_SPAN_DTYPES = (0, 1, 2, 2, 3, 4, 5, -1)
-_ELEMENT_BYTES = (4, 2, 2)  # DT_F32, DT_BF16, DT_F16
+# The roles of the C entry's table columns
 _COLUMN_ROLES = ("p", "g", "m", "v", "g_new", "p_old", "out[0]", "out[1]", "out[2]", "p_copy", "skip")
-_FEW_SPANS = 256
 
 
 def _role(op: int, role: str) -> str:
