@@ -704,10 +704,11 @@ def _all_finite(x: torch.Tensor, grad_scale: Scalar) -> bool:
     """Whether the step of gradient ``x`` can be undone algebraically as far as the gradient goes: every
     element finite and ``|x * grad_scale| <= GRADIENT_LIMIT`` (a larger one's square could overflow the
     second moment, whose inverse would then be nan; the checked kernels flag the same elements). One pass:
-    the largest magnitude (nan if any element is)."""
+    the smallest and largest values (nan if any element is; ``vector_norm(ord=inf)`` was ~15x slower on CPU)."""
     if x.numel() == 0:
         return True
-    return bool(torch.linalg.vector_norm(x, ord=math.inf).float() * abs(grad_scale) <= GRADIENT_LIMIT)
+    low, high = torch.aminmax(x)
+    return bool(torch.maximum(low.neg(), high).float() * abs(grad_scale) <= GRADIENT_LIMIT)
 
 
 def _finite_flags(gs: Sequence[torch.Tensor], grad_scale: Scalar, batched: bool) -> list[bool]:
