@@ -24,6 +24,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
     SharedMLP,
     mlp_batch,
     mlp_loss,
+    mlp_step_side_by_side,
     one_torch_thread,
     relative_deviation,
 )
@@ -81,13 +82,7 @@ def test_zero_grad_after_late_gradients_leaves_the_engine_usable(executor):
     gen = torch.Generator().manual_seed(0)
     with opt:
         for step in range(4):
-            b = mlp_batch(gen)
-            opt.backward(mlp_loss(model, b))
-            mlp_loss(ref, b).backward()
-            opt.step()
-            ropt.step()
-            opt.zero_grad()
-            ropt.zero_grad()
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
             if step == 1:
                 b1, b2 = mlp_batch(gen), mlp_batch(gen)
                 opt.backward(mlp_loss(model, b1))
@@ -103,12 +98,7 @@ def test_loading_state_or_weights_between_backward_and_step_is_refused(executor)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     gen = torch.Generator().manual_seed(0)
     with opt:
-        b = mlp_batch(gen)
-        opt.backward(mlp_loss(model, b))
-        mlp_loss(ref, b).backward()
-        opt.step()
-        ropt.step()
-        ropt.zero_grad()
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
         saved = copy.deepcopy(opt.state_dict())
         opt.backward(mlp_loss(model, mlp_batch(gen)))
         opt.engine.wait()  # the speculative steps of the thread executor have finished
@@ -121,12 +111,7 @@ def test_loading_state_or_weights_between_backward_and_step_is_refused(executor)
         opt.zero_grad()  # then both work: the rollback pattern
         opt.load_state_dict(saved)
         for _ in range(2):
-            b = mlp_batch(gen)
-            opt.backward(mlp_loss(model, b))
-            mlp_loss(ref, b).backward()
-            opt.step()
-            ropt.step()
-            ropt.zero_grad()
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
         assert relative_deviation(model, ref) <= TOL
 
 
@@ -168,15 +153,11 @@ def test_an_optimizer_created_again_over_the_same_parameters_owns_them_at_once(e
         mlp_loss(ref, b).backward()
         ropt.step()
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        ropt.zero_grad()
         with opt:
+            opt.zero_grad()  # gradients the first optimizer's backward left in .grad
             for _ in range(3):
-                opt.zero_grad()  # (the first step: gradients the first optimizer's backward left in .grad)
-                ropt.zero_grad()
-                b = mlp_batch(gen)
-                opt.backward(mlp_loss(model, b))
-                mlp_loss(ref, b).backward()
-                opt.step()
-                ropt.step()
+                mlp_step_side_by_side(opt, ropt, model, ref, gen)
             trainable = [p for p in model.parameters() if p.requires_grad]
             assert [int(opt.state[p]["step"]) for p in trainable] == [3] * len(trainable)
         assert relative_deviation(model, ref) <= TOL
