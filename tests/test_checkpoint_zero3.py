@@ -152,13 +152,15 @@ def test_errors(tmp_path):
     with pytest.raises(ck.CheckpointMismatchError, match="the file's block layout has 2 blocks, the load resolves 1"):
         ck.load_zero3(tmp_path, opt, params, groups=one_block)
     swapped = [["params['enc']['b']", "params['dec'][0]"], ["params['enc']['w']"]]
-    with pytest.raises(ck.CheckpointMismatchError, match=r"block 0, leaf 0: the file holds \[\"params\['dec'\]\[0\]\", \[4\]\], "
-                                                         r"the load puts \[\"params\['enc'\]\['b'\]\""):
+    with pytest.raises(ck.CheckpointMismatchError,
+                       match=r"block 0, leaf 0: the file holds \[\"params\['dec'\]\[0\]\", \[4\]\], "
+                             r"the load puts \[\"params\['enc'\]\['b'\]\""):
         ck.load_zero3(tmp_path, opt, params, groups=swapped)
     ck.load_zero3(tmp_path, opt, params)  # without groups=: the layout the file records
     bigger = {"enc": {"w": torch.zeros(5, 4), "b": torch.zeros(7)}, "dec": [torch.zeros(4)]}
-    with pytest.raises(ck.CheckpointMismatchError, match=r"block 1, leaf 1: the file holds \[\"params\['enc'\]\['w'\]\", "
-                                                         r"\[5, 3\]\], the load puts \[\"params\['enc'\]\['w'\]\", \[5, 4\]\]"):
+    with pytest.raises(ck.CheckpointMismatchError,
+                       match=r"block 1, leaf 1: the file holds \[\"params\['enc'\]\['w'\]\", \[5, 3\]\], "
+                             r"the load puts \[\"params\['enc'\]\['w'\]\", \[5, 4\]\]"):
         ck.load_zero3(tmp_path, opt, bigger, HP)
     with pytest.raises(UnsupportedError, match="decoupled=True"):
         ck.load_zero3(tmp_path, sofx.adam(), params, HP)

@@ -36,7 +36,8 @@ import torch
 
 from sofx.errors import LeafError
 
-__all__ = ["check_writable", "MemorySpans", "first_clash", "overlaps_itself", "overlap_message", "shared_memory_message"]
+__all__ = ["check_writable", "MemorySpans", "first_clash", "overlaps_itself", "overlap_message",
+           "shared_memory_message"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
 
