@@ -163,9 +163,8 @@ class Adam:
 
         ``grads_finite=True``: the caller guarantees that every element of
         ``grads`` is finite and ``|g * grad_scale| <= GRADIENT_LIMIT`` (e.g. it
-        took their sum of squares in float32 rows, as the speculation layer
-        does), so the undo strategy is chosen without reading the gradients
-        again; otherwise the record would be wrong. ``None``/``False``
+        took their sum of squares), so the undo strategy is chosen without
+        reading the gradients again; otherwise the record would be wrong. ``None``/``False``
         (default): each gradient is checked. The CPU kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (contiguous leaves
         with ``undo="auto"``; a chunk with an inf or a nan is kept, then
