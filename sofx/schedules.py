@@ -89,7 +89,8 @@ class Constant:
 
 @dataclass(frozen=True)
 class Linear:
-    """``init + (end - init) * min(step, steps) / steps``."""
+    """``init + (end - init) * min(step, steps) / steps``; ``end`` from the first step when ``steps`` is 0
+    (a warm-up of no steps starts at its peak, as optax's warm-up schedules do)."""
 
     init: float
     end: float
@@ -98,10 +99,13 @@ class Linear:
     def __post_init__(self) -> None:
         _finite("init", self.init)
         _finite("end", self.end)
-        _steps("steps", self.steps)
+        _steps("steps", self.steps, minimum=0)
 
     def __call__(self, step: int) -> float:
-        frac = min(_step(step), self.steps) / self.steps
+        step = _step(step)
+        if self.steps == 0:
+            return self.end
+        frac = min(step, self.steps) / self.steps
         return self.init + (self.end - self.init) * frac
 
 

@@ -74,6 +74,10 @@ def test_linear_warmup_and_constant():
     s = schedules.linear_warmup(1.0, warmup_steps=4, init=0.2)
     assert [s(t) for t in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
     assert schedules.constant(3e-4)(123) == 3e-4
+    none = schedules.linear_warmup(1.0, warmup_steps=0, init=0.2)  # no warm-up: the peak from the first step
+    assert [none(t) for t in range(3)] == [1.0, 1.0, 1.0]
+    with pytest.raises(HParamError, match="steps = -1"):
+        schedules.linear_warmup(1.0, warmup_steps=-1)
 
 
 @given(peak=st.floats(1e-5, 1.0), warmup=st.integers(0, 20), extra=st.integers(1, 50), end=st.floats(0, 1e-5),
