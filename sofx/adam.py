@@ -645,15 +645,12 @@ def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None]
     has_copies = any(c is not None for c in copies)
     if not (donate or has_copies) or torch.compiler.is_compiling():
         return
+    copied = _writable_copies(leaves, copies)
     plain = []
-    for k, leaf in enumerate(leaves):
+    for leaf in leaves:
         if not leaf.traced:
             plain.append(leaf)
-            continue
-        # torch.func wrappers have no memory to compare; a leaf that requires grad is refused here
-        if copies[k] is not None:
-            check_writable(_role_name(leaf, _COPY), copies[k])
-        if donate:
+        elif donate:  # torch.func wrappers have no memory to compare; a leaf that requires grad is refused here
             for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
                 check_writable(_role_name(leaf, role), t)
     spans = MemorySpans()
@@ -661,9 +658,7 @@ def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None]
     with_grad = [leaf for leaf in plain if leaf.g is not None]
     spans.add([leaf.g for leaf in with_grad], False, lambda i: (with_grad[i], _GRAD))
     if has_copies:
-        copied = [(leaf, c) for leaf, c in zip(leaves, copies) if c is not None and not leaf.traced]
-        for leaf, c in copied:
-            check_writable(_role_name(leaf, _COPY), c)  # (it may require grad while its leaf does not)
+        copied = [(leaf, c) for leaf, c in copied if not leaf.traced]
         spans.add([c for _, c in copied], True, lambda i: (copied[i][0], _COPY))
     if record is not None:
         kept = [(leaf, role, t) for leaf, rec in zip(leaves, record.leaves) if rec is not None and not leaf.traced
@@ -795,10 +790,18 @@ def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leave
     if not (first is not None and getattr(first, "CHECKS_OVERLAP", False) and all(in_call)
             and all(k is first for k in kernels)):
         return False
-    for leaf, copy in zip(leaves, copies):
-        if copy is not None:
-            check_writable(_role_name(leaf, _COPY), copy)
+    _writable_copies(leaves, copies)
     return True
+
+
+def _writable_copies(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None],
+                     ) -> list[tuple[_Leaf, torch.Tensor]]:
+    """The ``(leaf, copy)`` pairs that have a parameter copy, each checked writable (a copy may require grad
+    while its leaf does not)."""
+    copied = [(leaf, c) for leaf, c in zip(leaves, copies) if c is not None]
+    for leaf, c in copied:
+        check_writable(_role_name(leaf, _COPY), c)
+    return copied
 
 
 def _undo_call(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None) -> UndoCall:

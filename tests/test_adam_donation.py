@@ -70,6 +70,17 @@ def test_a_leaf_that_requires_grad_is_not_donated(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_copy_that_requires_grad_is_refused(backend):
+    """The kernels write copies as raw memory: a copy that is a leaf requiring grad (the model's own
+    nn.Parameter, say) is refused under grad mode, whatever its parameter."""
+    opt, params, grads, state = _stepped(backend)
+    copies = {"a": None, "z": torch.nn.Parameter(torch.zeros(6))}
+    for donate in (False, True):
+        _refused(lambda: opt.update(params, grads, state, donate=donate, param_copies=copies),
+                 r"param_copies\['z'\]: a leaf tensor that requires grad", params, state, copies)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sparse_tensors_are_refused_by_name(backend):
     opt, params, grads, state = _stepped(backend)
     g = {**grads, "z": grads["z"].to_sparse()}
