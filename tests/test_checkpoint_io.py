@@ -135,6 +135,18 @@ def test_module_state_dict_with_its_metadata(tmp_path, rng):
     assert ck.load(tmp_path / "m.ckpt", like=sd)._metadata == sd._metadata
 
 
+def test_meta_template_loads_real_data_on_the_cpu(tmp_path, rng):
+    """A model built on the meta device is a template of shapes and dtypes: the data comes to the CPU
+    (a meta tensor would have dropped it); an explicit ``device="meta"`` is still obeyed."""
+    sd = torch.nn.Linear(3, 2).state_dict()
+    path = ck.save(tmp_path / "m.ckpt", sd)
+    with torch.device("meta"):
+        template = torch.nn.Linear(3, 2).state_dict()
+    back = ck.load(path, like=template)
+    assert all(t.device.type == "cpu" and torch.equal(t, sd[k]) for k, t in back.items())
+    assert all(t.is_meta for t in ck.load(path, like=template, device="meta").values())
+
+
 def test_requires_grad_and_parameters(tmp_path):
     p = torch.nn.Parameter(torch.randn(3))
     back = ck.load(ck.save(tmp_path / "p.ckpt", [p, torch.randn(2)]))

@@ -111,6 +111,15 @@ def test_single_block_and_explicit_groups(tmp_path):
                                                                                              1e-8, 0.0)
 
 
+def test_meta_template_params_load_on_the_cpu(tmp_path):
+    opt = sofx.adam(lr=1e-3)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2, hp=None)
+    ck.save_zero3(tmp_path / "z", opt, params, state)
+    meta = tree.tree_map(lambda p: torch.empty_like(p, device="meta"), params)
+    p2, s2, _ = ck.load_zero3(tmp_path / "z", opt, meta)
+    assert _bits_equal((p2, s2), (params, state))
+
+
 def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
     """Saved with groups= (the model's order), loaded without them: the file's recorded layout; loaded with
     groups that put other leaves in a block: refused naming them (the flat sizes alone would agree)."""

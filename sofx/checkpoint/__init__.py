@@ -93,7 +93,8 @@ def load(path: str | os.PathLike, like: Any = None, *,
     ``like``: a template tree (``None``: no template); the checkpoint must have its structure, dict
     keys, NamedTuple types, leaf kinds, tensor shapes and dtypes, or a
     :class:`CheckpointMismatchError` names the first leaf path that differs
-    (before any tensor is read). Tensors are placed on the template's devices.
+    (before any tensor is read). Tensors are placed on the template's devices (a meta
+    template's on the CPU: a model built on the meta device loads real data).
     ``types``: NamedTuple classes allowed besides sofx's own (needed without a
     template for a NamedTuple type that sofx does not define).
     ``device``: where to put every tensor (default: the template's device,

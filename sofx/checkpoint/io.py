@@ -165,6 +165,14 @@ def read_metadata(path: str | os.PathLike) -> dict:
         return _header(f, path)
 
 
+def template_device(like_leaf: Any) -> torch.device | None:
+    """Where a template leaf puts its loaded tensor: its device, except a meta template (it has no storage,
+    as a model built under ``torch.device("meta")``): the CPU, so the data is not dropped."""
+    if not isinstance(like_leaf, torch.Tensor) or like_leaf.device.type == "meta":
+        return None
+    return like_leaf.device
+
+
 def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | Mapping[str, type] | None = None,
          device: torch.device | str | None = None, verify: bool = True) -> Any:
     """Load the tree saved at ``path`` (see :func:`sofx.checkpoint.load`); ``like=None``: no template."""
@@ -208,7 +216,7 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
             crc = node.get("crc32")
             if verify and crc is not None and zlib.crc32(_bytes_view(t)[1]) != crc:
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} fails its checksum: the data is corrupted")
-            target = device if device is not None else (like_leaf.device if like_leaf is not None else None)
+            target = device if device is not None else template_device(like_leaf)
             if target is not None and torch.device(target) != t.device:
                 t = t.to(target)
             if node.get("requires_grad") and (t.is_floating_point() or t.is_complex()):

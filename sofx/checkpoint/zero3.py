@@ -55,6 +55,7 @@ from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
+from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 
@@ -347,7 +348,7 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     """Read the ZeRO-3 optimizer files in ``directory``: returns ``(params, state, hparams)``.
 
     ``params`` is the template: the blocks are unpacked into its leaves'
-    shapes, dtypes (the fp32 master is cast to each leaf's dtype) and devices;
+    shapes, dtypes (the fp32 master is cast to each leaf's dtype) and devices (a meta leaf's: the CPU);
     moments come back in ``opt.state_dtype`` (the leaf's dtype when ``None``).
     Block layout: with ``groups``, as given (checked against the layout a sofx-written file records);
     else, when the directory holds
@@ -400,7 +401,7 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
 
             def gather(key: str, dtype: torch.dtype) -> torch.Tensor:
                 full = torch.cat([rk[key][b][offset:offset + pn] for rk in ranks])[:p.numel()]
-                return full.reshape(p.shape).to(device=p.device, dtype=dtype, copy=True)
+                return full.reshape(p.shape).to(device=template_device(p), dtype=dtype, copy=True)
 
             new_p[i] = gather("master", p.dtype)
             mus[i] = gather("exp_avg", state_dtype)
