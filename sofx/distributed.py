@@ -68,6 +68,8 @@ all-reduce, then divided once), so replicated parameters stay identical.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -139,6 +141,53 @@ def _global_rank(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+@functools.lru_cache(maxsize=256)
+def _structure_digest(spec: tree.TreeSpec) -> bytes:
+    """A digest of a tree structure (its leaf paths), memoized: a loop passes the same structure every step."""
+    return hashlib.blake2b("\n".join(tree.leaf_paths(spec)).encode(), digest_size=16).digest()
+
+
+def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[Any, ...]]:
+    """What must agree between ranks for a packed collective: the structure and every leaf's dtype and shape
+    (``None`` where a leaf has no tensor)."""
+    return _structure_digest(spec), tuple((x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else None
+                                          for x in leaves)
+
+
+def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
+                       dev: torch.device) -> None:
+    """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
+    are ``None``, or in a leaf's dtype or shape: the packed buffers would otherwise be summed or sent
+    element by element between unrelated leaves (silently, when the totals agree) or break inside the
+    backend. One all-reduce of two int64 (a digest of the layout: its max and minus its min); only when they
+    differ does an ``all_gather_object`` fetch the layouts to name the first leaf that differs."""
+    mine = _layout(spec, leaves)
+    digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=7).digest(), "little")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    if int(bounds[0]) == digest and -int(bounds[1]) == digest:
+        return
+    paths = tree.leaf_paths(spec, root)
+    layouts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, (paths, mine[1]), group=group)
+    me = dist.get_rank(group)
+    for r, (other_paths, other) in enumerate(layouts):
+        if r == me or (other_paths, other) == (paths, mine[1]):
+            continue
+        if other_paths != paths:
+            theirs, ours = sorted(set(other_paths) - set(paths)), sorted(set(paths) - set(other_paths))
+            raise SofxError(f"{what}: the {root} tree of rank {r} has another structure than rank {me}'s "
+                            f"(only on rank {r}: {theirs[:3]}; only on rank {me}: {ours[:3]})")
+        i = next(i for i, (a, b) in enumerate(zip(mine[1], other)) if a != b)
+
+        def said(x: Any) -> str:
+            return "no tensor" if x is None else f"{x[0]} {x[1]}"
+
+        raise SofxError(f"{what}: {paths[i]} is {said(other[i])} on rank {r}, {said(mine[1][i])} on rank {me}; "
+                        "every rank must pass the same structure, dtypes and shapes")
+    raise SofxError(f"{what}: the ranks' {root} trees differ (their digests do)")
+
+
 def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None) -> Callable[[float], float]:
     """The ``reduce_sumsq`` hook: ``s_local -> sum over ranks of s_local`` (float64, rank order).
 
@@ -167,13 +216,16 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
     return reduce_sumsq
 
 
-def all_reduce_mean_(grads: Any, group: Any = None) -> Any:
+def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True) -> Any:
     """Average a gradient pytree across ranks, in place: ``g <- (sum_r g_r) / world_size``; returns ``grads``.
 
     Leaves of one dtype and device are packed into one flat buffer, summed by
     one ``all_reduce(SUM)`` and divided by the world size once (the division is
     exact for a power-of-two world size). ``None`` leaves (no gradient) are
-    left out and must be ``None`` on every rank, in the same structure. A
+    left out and must be ``None`` on every rank, in the same structure (checked
+    first by one all-reduce of 16 bytes, ``check_layout=False`` skips it: where
+    they differ every rank raises naming the first leaf, before any gradient
+    moves). A
     non-finite element on any rank makes the same element non-finite on every
     rank, so the overflow check skips the step everywhere. Every rank gets the
     same bits (gloo's and NCCL's all-reduce reduce each element once and send
@@ -190,6 +242,10 @@ def all_reduce_mean_(grads: Any, group: Any = None) -> Any:
             raise SofxError(f"all_reduce_mean_: gradients must be tensors, got {type(g).__name__}")
         if not g.is_floating_point():
             raise SofxError(f"all_reduce_mean_: gradients must be floating point, got {g.dtype}")
+    if check_layout:
+        with_none, spec_with_none = tree.flatten(grads, is_leaf=lambda x: x is None)  # to name a None leaf
+        _check_same_layout("all_reduce_mean_", spec_with_none, with_none, "grads", group,
+                           _collective_device(group, None))
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
@@ -292,7 +348,8 @@ class Shard:
             raise SofxError(f"{what}: the shard is rank {self.rank} of {self.world_size}, the group has this "
                             f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
 
-    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None) -> Any:
+    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
+               check_layout: bool = True) -> Any:
         """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
 
         ``local``: this rank's leaves (as :meth:`local` orders them, e.g. the
@@ -300,7 +357,8 @@ class Shard:
         ``like``: a tree of the full structure whose leaves give each leaf's
         shape and dtype (meta tensors are fine). The leaves of one owner and
         dtype travel as one flat buffer: one broadcast per (owner, dtype).
-        Every rank of ``group`` must call it. The returned leaves are
+        Every rank of ``group`` must call it, with ``like`` of the same dtypes and
+        shapes (checked first, as in :func:`all_reduce_mean_`). The returned leaves are
         non-overlapping views of those buffers, bit-identical to the owners'.
         """
         self._check_group(group, "Shard.gather")
@@ -316,6 +374,8 @@ class Shard:
                 got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
                 raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
         dev = _collective_device(group, None)
+        if check_layout:
+            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev)
         out: list[Any] = [None] * len(templates)
         for (owner, dtype), leaves in _buckets(self.owners, templates).items():
             sizes = [math.prod(templates[i].shape) for i in leaves]
@@ -329,7 +389,7 @@ class Shard:
                 out[i] = part.view(templates[i].shape)
         return tree.unflatten(self.spec, out)
 
-    def reduce_mean(self, grads: Any, group: Any = None) -> list[Any]:
+    def reduce_mean(self, grads: Any, group: Any = None, *, check_layout: bool = True) -> list[Any]:
         """Data parallel + sharding: every leaf's gradient averaged onto its owner only.
 
         ``grads``: this rank's full gradient tree (``None`` leaves: no
@@ -338,7 +398,9 @@ class Shard:
         (``None`` where the leaf had none): the reduce-scatter of ZeRO-2, one
         ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient.
         ``grads`` is not modified. Non-finite elements reach the owner (and,
-        through :func:`all_reduce_sumsq`, every rank).
+        through :func:`all_reduce_sumsq`, every rank). The ranks' trees must
+        agree in structure, ``None`` leaves, dtypes and shapes (checked first,
+        as in :func:`all_reduce_mean_`).
         """
         self._check_group(group, "Shard.reduce_mean")
         g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
@@ -347,6 +409,8 @@ class Shard:
             if not isinstance(g_leaves[i], torch.Tensor) or not g_leaves[i].is_floating_point():
                 raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
         dev = _collective_device(group, None)
+        if check_layout:
+            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev)
         world = self.world_size
         result: dict[int, torch.Tensor] = {}
         owners = [self.owners[i] for i in present]

@@ -225,6 +225,7 @@ def _run_collectives(rank: int, world: int) -> dict:
     noisy = {"x": torch.randn(37, generator=g), "y": torch.randn(2, 3, generator=g, dtype=torch.float64)}
     out["noisy_own"] = {k: v.clone() for k, v in noisy.items()}
     out["noisy_mean"] = sd.all_reduce_mean_(noisy)
+    out["layout_errors"] = _layout_errors(rank)
     if world >= 3:  # a sub-group of ranks 1..world-1: hooks, gathers and membership errors
         sub = dist.new_group(list(range(1, world)))
         if rank == 0:
@@ -241,6 +242,30 @@ def _run_collectives(rank: int, world: int) -> dict:
                                                                             sofx.tree.flatten(params)[0]))
             out["sub_owned"] = list(shard.owned)
     return out
+
+
+def _layout_errors(rank: int) -> list[str]:
+    """Trees that differ between ranks (a None leaf on one rank only; the same sizes in other shapes; another
+    dtype): every rank raises naming the leaf, nothing is summed, and the group works on afterwards."""
+    x = torch.arange(6.0) * (rank + 1)
+    cases = [
+        lambda: sd.all_reduce_mean_({"a": torch.ones(3), "b": None if rank == 0 else torch.ones(2)}),
+        lambda: sd.all_reduce_mean_({"a": x.view(2, 3) if rank == 0 else x.view(3, 2)}),
+        lambda: sd.shard_blocks({"p": torch.ones(3), "q": torch.ones(4)}).reduce_mean(
+            {"p": torch.ones(3), "q": None if rank == 1 else torch.ones(4)}),
+        lambda: sd.shard_blocks({"p": torch.ones(3)}, owners=(0,)).gather(
+            [torch.ones(3)] if rank == 0 else [], {"p": torch.ones(3, dtype=torch.float64 if rank else None)}),
+    ]
+    errors = []
+    for case in cases:
+        try:
+            case()
+            errors.append("no error")
+        except sofx.SofxError as exc:
+            errors.append(str(exc))
+    errors.append(x)  # untouched: not averaged with the other rank's differently shaped view
+    sd.all_reduce_mean_({"after": torch.ones(1)})      # the group still works
+    return errors
 
 
 IDLE_OWNERS = (0, 0, 0, 2, 2, 2)  # on 3 ranks, rank 1 owns no block but still takes part in every all-reduce
@@ -401,6 +426,13 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
             if world == 2:
                 a, b = (r["collectives"]["noisy_own"][k] for r in ranks)
                 assert torch.equal(mean, (a + b) / 2)
+        for r in ranks:
+            *msgs, untouched = r["collectives"]["layout_errors"]
+            assert "grads['b'] is" in msgs[0] and "no tensor on rank" in msgs[0]
+            assert "grads['a'] is" in msgs[1] and "(3, 2)" in msgs[1] and "(2, 3)" in msgs[1]
+            assert "Shard.reduce_mean: grads['q']" in msgs[2]
+            assert "Shard.gather: like['p']" in msgs[3] and "torch.float64" in msgs[3]
+            assert torch.equal(untouched, torch.arange(6.0) * (ranks.index(r) + 1))
     c0, c1, c2 = (r["collectives"] for r in ranks3)
     assert "not a member" in c0["not_member"]
     assert c1["sub_sum"] == c2["sub_sum"] == 3.0
