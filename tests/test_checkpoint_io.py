@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import struct
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 import sofx
 import sofx.checkpoint as ck
 from sofx import tree
+from sofx.checkpoint import atomic as ck_atomic
 from sofx.checkpoint import io as ck_io
 
 
@@ -373,6 +375,20 @@ def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.equal(ck.load(path)["x"], torch.arange(4))
     assert ck.stale_temporaries(path) == []
+
+
+def test_the_writers_own_system_errors_are_checkpoint_io_errors():
+    """safetensors reports the system's errors as its own exception type (not an OSError), the number in its
+    message: a real failing write (a directory no file can be created in, even by root) is a
+    CheckpointIOError, an OSError with that number."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    with pytest.raises(ck.CheckpointIOError) as err:
+        ck.save("/proc/self/f.ckpt", {"x": torch.arange(4)})
+    assert isinstance(err.value, OSError) and err.value.errno == errno.ENOENT and "f.ckpt" in str(err.value)
+    assert "SafetensorError" in str(err.value)  # what the writer raised: not an OSError itself
+    assert ck_atomic.system_errno(RuntimeError("I/O error: No space left on device (os error 28)")) == 28
+    assert ck_atomic.system_errno(RuntimeError("Error while serializing")) is None
 
 
 # ------------------------------------------------------------ property: any tree

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import uuid
 from typing import Callable
 
@@ -55,6 +56,15 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def system_errno(exc: BaseException) -> int | None:
+    """The operating system's error number behind ``exc``: an ``OSError``'s, or the one that safetensors
+    (Rust) writes into its own exception's message, ``"... (os error 28)"``; ``None`` for other failures."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
     """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns ``path``.
 
@@ -77,9 +87,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
             os.unlink(tmp)
         if isinstance(exc, Exception) and not isinstance(exc, SofxError):
             # a full disk, a quota, an I/O error in the writer (safetensors', torch.save's): named, one type
-            error = CheckpointIOError if isinstance(exc, OSError) else CheckpointError
-            raise error(f"cannot save {path}: {type(exc).__name__}: {exc} (the previous file, if any, is "
-                        "unchanged)") from exc
+            errno = system_errno(exc)
+            at_system = isinstance(exc, OSError) or errno is not None
+            error = CheckpointIOError if at_system else CheckpointError
+            failure = error(f"cannot save {path}: {type(exc).__name__}: {exc} (the previous file, if any, is "
+                            "unchanged)")
+            failure.errno = errno if at_system else None
+            raise failure from exc
         raise
     fsync_directory(directory)
     return path
