@@ -937,12 +937,28 @@ def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar
 def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
          weight_decay: Scalar = 0.0, *, bias_correction: bool = True, state_dtype: torch.dtype | None = None,
          undo: str = "auto", backend: str = "auto") -> Adam:
-    """Adam with L2 weight decay (``g <- g + wd * p``), as ``torch.optim.Adam``."""
+    """Adam with L2 weight decay, as ``torch.optim.Adam``. Per element, at a leaf's ``t``-th step::
+
+        g <- g + wd * p
+        m <- b1 * m + (1 - b1) * g                v <- b2 * v + (1 - b2) * g^2
+        p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    (``bias_correction=False``: both ``1 - b^t`` are 1). ``state_dtype``: the moments' dtype (default: the
+    parameter's); ``undo``: ``"auto" | "algebraic" | "exact"``; ``backend``: ``"auto" | "reference" | "cpu"
+    | "cpu_fast" | "triton"``. The hparams given here are the defaults of every :class:`AdamHParams`.
+    """
     return _make(False, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
 
 def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
           weight_decay: Scalar = 1e-2, *, bias_correction: bool = True, state_dtype: torch.dtype | None = None,
           undo: str = "auto", backend: str = "auto") -> Adam:
-    """AdamW: decoupled weight decay (``p <- p * (1 - lr * wd)``), as ``torch.optim.AdamW``."""
+    """AdamW: decoupled weight decay, as ``torch.optim.AdamW``. Per element, at a leaf's ``t``-th step::
+
+        p <- p * (1 - lr * wd)
+        m <- b1 * m + (1 - b1) * g                v <- b2 * v + (1 - b2) * g^2
+        p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    Arguments as :func:`adam`.
+    """
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)

@@ -107,9 +107,9 @@ def require_initialized(group: Any = None, what: str = "sofx.distributed") -> No
     if dist is None or not dist.is_available():
         raise SofxError(f"{what}: this build of torch has no torch.distributed support")
     if not dist.is_initialized():
+        single = " (or pass reduce_sumsq=None for a single process)" if what == "all_reduce_sumsq" else ""
         raise SofxError(f"{what}: torch.distributed is not initialized; call "
-                        "torch.distributed.init_process_group(...) on every rank first "
-                        "(or pass reduce_sumsq=None for a single process)")
+                        f"torch.distributed.init_process_group(...) on every rank first{single}")
     if group is not None and dist.get_rank(group) < 0:
         raise SofxError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given "
                         "process group")

@@ -104,11 +104,17 @@ LossScaleState = Union[GradScalerState, DynamicLossScaleState, StaticScaleState]
 class LossScaler(Protocol):
     """What every loss-scale rule provides (all pure)."""
 
-    def init(self) -> LossScaleState: ...
+    def init(self) -> LossScaleState:
+        """The state before the first step."""
+        ...
 
-    def scale(self, state: LossScaleState) -> float: ...
+    def scale(self, state: LossScaleState) -> float:
+        """The scale ``S`` the loss is multiplied by in this state (gradients are unscaled by ``1/S``)."""
+        ...
 
-    def update(self, state: LossScaleState, overflow: bool) -> LossScaleState: ...
+    def update(self, state: LossScaleState, overflow: bool) -> LossScaleState:
+        """The state after a step whose gradients did (``overflow=True``) or did not hold an inf or a nan."""
+        ...
 
 
 def _positive(name: str, value: float) -> float:
@@ -141,9 +147,11 @@ class GradScalerRule:
         _count("growth_interval", self.growth_interval)
 
     def init(self) -> GradScalerState:
+        """``S = init_scale`` rounded to float32, no clean step counted yet."""
         return GradScalerState(_f32(float(self.init_scale)), 0)  # torch keeps its scale in a float32 tensor
 
     def scale(self, state: GradScalerState) -> float:
+        """The current scale ``S``."""
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
@@ -181,9 +189,11 @@ class DynamicLossScaleRule:
         _count("delayed_shift (hysteresis)", self.delayed_shift)
 
     def init(self) -> DynamicLossScaleState:
+        """``S = init_scale``, iteration 0, no overflow yet (``last = -1``), full hysteresis."""
         return DynamicLossScaleState(float(self.init_scale), 0, -1, self.delayed_shift)
 
     def scale(self, state: DynamicLossScaleState) -> float:
+        """The current scale ``S``."""
         return state.scale
 
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
@@ -225,12 +235,15 @@ class StaticScaleRule:
         _positive("scale", self.value)
 
     def init(self) -> StaticScaleState:
+        """``S = value``."""
         return StaticScaleState(float(self.value))
 
     def scale(self, state: StaticScaleState) -> float:
+        """The constant scale ``S``."""
         return state.scale
 
     def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
+        """Unchanged: a static scale ignores overflow (the step is still skipped by the loop)."""
         return state
 
 

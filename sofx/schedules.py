@@ -236,9 +236,11 @@ class OneCycle:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def lr(self, step: int) -> float:
+        """The learning rate after ``step`` steps (as ``OneCycleLR`` after ``step`` scheduler steps)."""
         return self._at(step)[0]
 
     def beta1(self, step: int) -> float:
+        """beta1 after ``step`` steps: it cycles opposite to the learning rate (``cycle_momentum``)."""
         return self._at(step)[1]
 
     def __call__(self, step: int) -> AdamHParams:

@@ -115,12 +115,14 @@ def hparams_at(hparams: Any, step: int) -> Any:
 
 
 def check_profile(profile: str) -> str:
+    """``profile`` if it is one of ``PROFILES`` (``"torch"``, ``"deepspeed"``), else an :class:`HParamError`."""
     if profile not in PROFILES:
         raise HParamError(f"profile={profile!r}; expected one of {PROFILES}")
     return profile
 
 
 def check_max_norm(max_norm: float | None) -> float | None:
+    """``max_norm`` as a float if it is finite and > 0, ``None`` (no clipping) as is, else an :class:`HParamError`."""
     if max_norm is None:
         return None
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (

@@ -118,6 +118,7 @@ class UndoRecord:
         return self._used[0]
 
     def mark_used(self) -> None:
+        """Mark the record consumed (by an undo or undo+redo): a second use raises :class:`UndoError`."""
         self._used[0] = True
 
     def strategies(self) -> list[str | None]:

@@ -58,15 +58,18 @@ def check_writable(path: str, t: torch.Tensor) -> None:
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (e.g. ``expand()``, a zero stride): not writable in place."""
     return not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1
 
 
 def overlap_message(path: str) -> str:
+    """The error for a written leaf at ``path`` whose elements overlap in memory."""
     return (f"{path}: its elements overlap in memory (e.g. an expand()-ed tensor), so it cannot be written in "
             "place; pass a tensor with its own memory (.clone()) or do not donate it")
 
 
 def shared_memory_message(written: str, other: str) -> str:
+    """The error for a leaf written in place (``written``) that shares memory with another of the call."""
     return (f"{written} and {other} share memory, and {written} is written in place (donate=True or "
             "param_copies): the call would overwrite values it still reads; pass distinct tensors (e.g. tied "
             "weights as one leaf) or do not donate")
@@ -128,6 +131,7 @@ class MemorySpans:
         self._groups: list[tuple[Sequence[torch.Tensor], bool, Callable[[int], Any]]] = []
 
     def add(self, tensors: Sequence[torch.Tensor], written: bool, tag: Callable[[int], Any]) -> None:
+        """One group of the call's tensors: all written (``written=True``) or all read; ``tag(i)`` names the i-th."""
         self._groups.append((tensors, written, tag))
 
     def clash(self, name: Callable[[Any], str]) -> tuple[Any, Any] | None:

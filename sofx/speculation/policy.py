@@ -56,6 +56,7 @@ class AdaptivePolicy:
                               "expected an integer >= 1")
 
     def init(self) -> PolicyState:
+        """The state before the first step: no history, speculation allowed."""
         return PolicyState()
 
     def allows(self, state: PolicyState) -> tuple[bool, str]:
