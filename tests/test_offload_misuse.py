@@ -194,8 +194,12 @@ def test_a_state_of_another_adam_kind_is_refused():
     l2 = sofx.offload.SpeculativeAdam(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
     with l2:
         masters = [l2.state[p]["master"].clone() for p in model.parameters()]
-        with pytest.raises(sofx.SofxError, match="decoupled=True, this one has decoupled=False"):
+        with pytest.raises(sofx.SofxError, match=r"\['decoupled_weight_decay'\] = True: a SpeculativeAdam has L2"):
             l2.load_state_dict(state)
+        # without the groups' flag (a state dict of an older sofx), the engine state's own record refuses it
+        old_groups = [{k: v for k, v in g.items() if k != "decoupled_weight_decay"} for g in state["param_groups"]]
+        with pytest.raises(sofx.SofxError, match="decoupled=True, this one has decoupled=False"):
+            l2.load_state_dict({**state, "param_groups": old_groups})
         assert all(torch.equal(l2.state[p]["master"], m) for p, m in zip(model.parameters(), masters))
     w2 = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
     with w2:
@@ -203,3 +207,70 @@ def test_a_state_of_another_adam_kind_is_refused():
         with pytest.raises(sofx.SofxError, match=r"the state holds \d+ blocks, this optimizer has \d+"):
             w2.load_state_dict(broken)
         w2.load_state_dict(state)
+
+
+def test_torch_optim_options_are_carried_and_unsupported_ones_refused_not_ignored():
+    """The groups carry torch.optim.AdamW's options with its defaults (state dicts move between the two);
+    amsgrad / maximize / differentiable set, or the other weight decay, are refused wherever they come from:
+    the constructor, a group dict (e.g. a torch optimizer's groups), a later edit, a loaded state dict."""
+    model, ref = _models()
+    torch_groups = torch.optim.AdamW(ref.parameters()).param_groups
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", foreach=True, fused=True,
+                                       capturable=True) as opt:
+        assert {k: v for k, v in opt.param_groups[0].items() if k != "params"}.keys() == \
+            {k for k in torch_groups[0] if k != "params"}
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        state = opt.state_dict()
+        opt.param_groups[0]["maximize"] = True   # an edit between steps: refused at the next step's first block
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['maximize'\] = True"):
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+        opt.zero_grad()
+        opt.param_groups[0]["maximize"] = False
+        saved = {**state, "param_groups": [{**state["param_groups"][0], "amsgrad": True}]}
+        masters = [opt.state[p]["master"].clone() for p in model.parameters()]
+        with pytest.raises(sofx.UnsupportedError, match=r"saved param_groups\[0\]\['amsgrad'\] = True"):
+            opt.load_state_dict(saved)
+        assert all(torch.equal(opt.state[p]["master"], m) for p, m in zip(model.parameters(), masters))
+        assert opt.param_groups[0]["amsgrad"] is False
+    for kwargs in ({"amsgrad": True}, {"maximize": True}, {"differentiable": True}):
+        with pytest.raises(sofx.UnsupportedError, match=f"defaults\\['{next(iter(kwargs))}'\\] = True"):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **kwargs)
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['maximize'\]"):
+        sofx.offload.SpeculativeAdamW([{"params": list(model.parameters()), "maximize": True}], executor="inline")
+    with pytest.raises(sofx.UnsupportedError, match="a SpeculativeAdam has L2 weight decay; use SpeculativeAdamW"):
+        sofx.offload.SpeculativeAdam(model.parameters(), executor="inline", decoupled_weight_decay=True)
+    with sofx.offload.SpeculativeAdam(model.parameters(), 1e-3, (0.9, 0.999), 1e-8, 0.0, False,
+                                      executor="inline") as adam:  # torch.optim.Adam's positional order
+        assert adam.param_groups[0]["decoupled_weight_decay"] is False
+
+
+def test_numpy_float32_hparams_are_numbers():
+    """A LambdaLR whose lambda returns numpy's float32 (numpy 2 keeps the type) gives a float32 lr: accepted as
+    torch accepts it, the trajectory torch's."""
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: np.float32(0.9) ** k) for o in (opt, ropt)]
+    gen = torch.Generator().manual_seed(0)
+    with opt:
+        for _ in range(3):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+            for s in scheds:
+                s.step()
+        assert type(opt.param_groups[0]["lr"]) is np.float32
+    assert relative_deviation(model, ref) <= TOL
+
+
+def test_state_dict_hooks_run_as_in_torch_optim():
+    model, _ = _models()
+    calls = []
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+        state = opt.state_dict()
+        assert state["extra"] == 1
+        opt.load_state_dict(state)
+    assert calls == ["sd_pre", "load_post"]

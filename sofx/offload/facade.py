@@ -27,7 +27,13 @@ worker thread or process, from fp32 master weights) and validated in
 ``param_groups`` are ordinary dicts (``lr``, ``betas``, ``eps``,
 ``weight_decay``), read at every step, so every ``torch.optim.lr_scheduler``
 works, including those that change ``betas`` (``OneCycleLR`` with
-``cycle_momentum``). Differences from ``torch.optim``: gradients are moved
+``cycle_momentum``). They also carry ``torch.optim.AdamW``'s other options
+with its defaults, so state dicts and group dicts move between the two:
+``foreach``, ``fused`` and ``capturable`` (torch's implementation choices)
+take any value and are ignored; ``amsgrad``, ``maximize`` and
+``differentiable`` set, or a ``decoupled_weight_decay`` other than the
+class's, are refused (at construction, at every step, and in
+``load_state_dict``) rather than ignored. Differences from ``torch.optim``: gradients are moved
 out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``); param groups cannot be
@@ -60,8 +66,6 @@ from sofx.speculate import AdaptivePolicy, SpeculationConfig
 
 __all__ = ["SpeculativeAdamW", "SpeculativeAdam", "resolve_loss_scale"]
 
-_HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-
 _Loss = TypeVar("_Loss")
 
 
@@ -88,9 +92,30 @@ def _number(value: Any, what: str) -> float:
         if value.numel() != 1:
             raise HParamError(f"{what} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's float32 too (a LambdaLR's)
         raise HParamError(f"{what} must be a number, got {type(value).__name__}")
     return float(value)
+
+
+# torch.optim.Adam/AdamW's other options: (key, the value sofx implements, whether other values are refused).
+# foreach / fused / capturable choose torch's implementation, not the math: any value is accepted (and ignored).
+_TORCH_FLAGS = (("amsgrad", False, True), ("maximize", False, True), ("differentiable", False, True),
+                ("foreach", None, False), ("fused", None, False), ("capturable", False, False))
+
+
+def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> None:
+    """Refuse a param group asking for what the speculative optimizer does not implement: ``amsgrad``,
+    ``maximize`` or ``differentiable`` set, or ``decoupled_weight_decay`` other than the class's (AdamW: True,
+    Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s."""
+    for key, _, refused in _TORCH_FLAGS:
+        if refused and group.get(key):
+            raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
+                                   "optimizer (only its default, False)")
+    if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != decoupled:
+        kind = "SpeculativeAdamW" if decoupled else "SpeculativeAdam"
+        other = "SpeculativeAdam" if decoupled else "SpeculativeAdamW"
+        raise UnsupportedError(f"{where}['decoupled_weight_decay'] = {group['decoupled_weight_decay']!r}: a "
+                               f"{kind} has {'decoupled' if decoupled else 'L2'} weight decay; use {other}")
 
 
 def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
@@ -155,7 +180,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
     _decoupled = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay: bool | None = None,
+                 max_grad_norm: float | None = None,
                  loss_scale: Any = None, profile: str = "torch", executor: str = "thread",
                  block_numel: int = 2 ** 22, n_device_blocks: int = 0, missing_grad: str = "skip",
                  gradient_accumulation_steps: int = 1, speculate: bool = True, bias_correction: bool = True,
@@ -165,11 +193,16 @@ class _SpeculativeBase(torch.optim.Optimizer):
                  shm_limit_bytes: int | None = None, swap_params: bool = True) -> None:
         self._engine: OffloadEngine | None = None
         defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, (list, tuple)) else betas, "eps": eps,
-                    "weight_decay": weight_decay}
+                    "weight_decay": weight_decay, "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
+                    "capturable": capturable, "differentiable": differentiable, "fused": fused,
+                    "decoupled_weight_decay": self._decoupled if decoupled_weight_decay is None
+                    else decoupled_weight_decay}
         group_hparams(defaults, "defaults")
+        check_group_flags(defaults, "defaults", self._decoupled)
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
             group_hparams(group, f"param_groups[{i}]")
+            check_group_flags(group, f"param_groups[{i}]", self._decoupled)
         if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise UnsupportedError(f"state_dtype={state_dtype}; expected torch.float32, bfloat16 or float16")
         speculation = SpeculationConfig(max_norm=max_grad_norm, profile=profile, missing_grad=missing_grad,
@@ -190,7 +223,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ torch.optim interface
     def _hparams(self) -> list[AdamHParams]:
-        return [group_hparams(g, f"param_groups[{i}]") for i, g in enumerate(self.param_groups)]
+        out = []
+        for i, g in enumerate(self.param_groups):
+            check_group_flags(g, f"param_groups[{i}]", self._decoupled)
+            out.append(group_hparams(g, f"param_groups[{i}]"))
+        return out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._engine is not None:
@@ -231,18 +268,36 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """``{"state": engine state (tensors + JSON-able values), "param_groups": [...]}``.
 
         ``param_groups`` are torch.optim-style: every key but ``params``, and
-        ``params`` as indices in model order.
+        ``params`` as indices in model order. The hooks of
+        ``register_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         groups, start = [], 0
         for g in self.param_groups:
             entry = {k: _plain(v) for k, v in g.items() if k != "params"}
             entry["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(entry)
-        return {"state": self.engine.state_dict(), "param_groups": groups}
+        state_dict = {"state": self.engine.state_dict(), "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict`'s output: block state, loss scale, and every group's hparams."""
+        """Restore :meth:`state_dict`'s output: block state, loss scale, and every group's hparams (the
+        hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise StructureError(f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
@@ -251,7 +306,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
             if len(saved.get("params", ())) != len(g["params"]):
                 raise StructureError(f"param_groups[{i}] has {len(g['params'])} parameters, the saved group "
                                      f"{len(saved.get('params', ()))}")
-            group_hparams({**g, **{k: v for k, v in saved.items() if k in _HPARAM_KEYS}}, f"saved param_groups[{i}]")
+            merged = {**g, **{k: v for k, v in saved.items() if k != "params"}}
+            group_hparams(merged, f"saved param_groups[{i}]")
+            check_group_flags(merged, f"saved param_groups[{i}]", self._decoupled)
         self.engine.load_state_dict(state_dict["state"])
         for saved, g in zip(groups, self.param_groups):
             for k, v in saved.items():
@@ -346,5 +403,5 @@ class SpeculativeAdam(_SpeculativeBase):
     _decoupled = False
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
