@@ -274,3 +274,25 @@ def test_state_dict_hooks_run_as_in_torch_optim():
         assert state["extra"] == 1
         opt.load_state_dict(state)
     assert calls == ["sd_pre", "load_post"]
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_an_optimizer_created_again_while_the_old_one_lives_supersedes_it(executor):
+    """The first optimizer is still referenced (a scheduler, a notebook's output history): its hooks ran first
+    and took every gradient, so the new one stepped nothing, silently. The new one takes the parameters over;
+    the old one refuses to step, naming why."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    old = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    sched = torch.optim.lr_scheduler.StepLR(old, 1)  # holds the old optimizer
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with opt:
+        for _ in range(3):
+            report = mlp_step_side_by_side(opt, ropt, model, ref, gen)
+            assert report.committed + report.redone + report.stepped_late > 0
+        assert relative_deviation(model, ref) <= TOL
+    with pytest.raises(SofxError, match=r"another optimizer was created over parameter 0 \(shape"):
+        old.step()
+    old.close()
+    assert sched.optimizer is old

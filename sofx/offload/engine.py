@@ -559,6 +559,13 @@ class OffloadEngine:
     def _check_usable(self) -> None:
         if self._closed:
             raise SofxError("the optimizer is closed")
+        lost = self.hooks.superseded_at
+        if lost is not None:
+            p = self.params[lost] if lost >= 0 else None
+            which = f"parameter {lost} (shape {tuple(p.shape)})" if p is not None else "one of its parameters"
+            raise SofxError(f"another optimizer was created over {which} of this one and takes their gradients "
+                            "now: this optimizer cannot step any more; use the new one, and close() this one (an "
+                            "optimizer created again over the same parameters replaces the old)")
         if self._failed is not None:
             raise ExecutorError(f"the offload engine failed earlier and cannot continue: {self._failed}") \
                 from self._failed

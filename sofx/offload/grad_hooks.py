@@ -9,6 +9,14 @@ gradient out of ``param.grad`` into the block's buffer.
 Hooks can only be registered on tensors that require grad. :meth:`refresh`
 registers the hooks of parameters that were frozen and have since been
 unfrozen; it is called at the start of every step.
+
+One owner per parameter: hooks registered on a parameter that another live
+:class:`GradHooks` still hooks *supersede* that one (it removes all its hooks
+and reports ``superseded``). Otherwise the older optimizer's hook, which runs
+first, would take every gradient and the newer one would silently step
+nothing -- what ``opt = SpeculativeAdamW(model.parameters())`` run twice
+does while something (a scheduler, a notebook's output history) still holds
+the first optimizer.
 """
 
 from __future__ import annotations
@@ -24,11 +32,37 @@ __all__ = ["GradHooks"]
 Callback = Callable[[int, torch.Tensor], None]
 
 
+class _Hook:
+    """The hook of one parameter: calls its owner's callback (both held weakly, see :class:`GradHooks`)."""
+
+    __slots__ = ("owner", "index", "callback")
+
+    def __init__(self, owner: "GradHooks", index: int, callback: Callable[[], Callback | None]) -> None:
+        self.owner = weakref.ref(owner)
+        self.index = index
+        self.callback = callback
+
+    def __call__(self, param: torch.Tensor) -> None:
+        callback = self.callback()
+        if callback is not None:
+            callback(self.index, param)
+
+
+def _other_owners(p: torch.Tensor, me: "GradHooks") -> list["GradHooks"]:
+    """The live :class:`GradHooks` other than ``me`` whose hooks are registered on ``p``."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}  # (torch's own registry of these hooks)
+    owners = [h.owner() for h in list(hooks.values()) if isinstance(h, _Hook)]
+    return [o for o in owners if o is not None and o is not me]
+
+
 class GradHooks:
     """Post-accumulate-grad hooks on ``params`` (index ``i`` is ``params[i]``) calling ``callback(i, param)``."""
 
     def __init__(self, params: Sequence[torch.Tensor], callback: Callback) -> None:
         self.params = list(params)
+        #: Set when hooks of a newer owner were registered on one of the parameters (see the module docstring):
+        #: the index of that parameter; the hooks are removed then and never registered again.
+        self.superseded_at: int | None = None
         # The parameters outlive the optimizer: a bound-method callback is held weakly (here and by the hooks),
         # so that neither keeps a discarded optimizer (and its worker) alive, nor makes a reference cycle with it
         # (the engine holds these hooks): dropping the optimizer's last reference removes its hooks at once.
@@ -37,20 +71,20 @@ class GradHooks:
         self.refresh()
 
     def refresh(self) -> None:
-        """Register the hooks of parameters that require grad and have none yet."""
+        """Register the hooks of parameters that require grad and have none yet (superseding their older
+        owners)."""
+        if self.superseded_at is not None:
+            return
         for i, p in enumerate(self.params):
             if i not in self.handles and p.requires_grad:
-                self.handles[i] = p.register_post_accumulate_grad_hook(self._make_hook(i))
+                for older in _other_owners(p, self):
+                    older.supersede(next((j for j, q in enumerate(older.params) if q is p), -1))
+                self.handles[i] = p.register_post_accumulate_grad_hook(_Hook(self, i, self._callback))
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        ref = self._callback
-
-        def hook(param: torch.Tensor) -> None:
-            callback = ref()
-            if callback is not None:
-                callback(index, param)
-
-        return hook
+    def supersede(self, index: int) -> None:
+        """Another owner hooked parameter ``index``: remove every hook of this one, for good."""
+        self.superseded_at = index
+        self.remove()
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
