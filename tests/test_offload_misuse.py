@@ -10,6 +10,7 @@ checkpoints as Python numbers.
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import sys
@@ -296,3 +297,46 @@ def test_an_optimizer_created_again_while_the_old_one_lives_supersedes_it(execut
         old.step()
     old.close()
     assert sched.optimizer is old
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_resetting_the_optimizer_state_as_torch_users_do(executor):
+    """Both reset habits act on the engine's state, side by side with torch: zeroing the moments and the step
+    in place through ``opt.state[p]`` (the step was a detached copy: moments reset, step count not), and
+    ``opt.state = defaultdict(dict)`` (was silently a no-op). Bad values change nothing."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with opt:
+        for _ in range(3):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        for o in (opt, ropt):
+            for s in o.state.values():
+                s["exp_avg"].zero_()
+                s["exp_avg_sq"].zero_()
+                s["step"].zero_()
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+        opt.state = collections.defaultdict(dict)
+        ropt.state = collections.defaultdict(dict)
+        p = next(model.parameters())
+        assert int(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any()
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+        opt.state[p]["step"] = torch.tensor(7.0)  # torch's own type for it
+        assert int(opt.state[p]["step"]) == 7
+        before = {k: v.clone() for k, v in opt.state[p].items()}
+        for key, bad in (("step", 2.5), ("step", -1), ("exp_avg", torch.zeros(3)), ("nu", torch.zeros(1))):
+            with pytest.raises(sofx.UnsupportedError):
+                opt.state[p][key] = bad
+        with pytest.raises(sofx.UnsupportedError, match="can only be reset"):
+            opt.state = {p: {}}
+        assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        with pytest.raises(SofxError, match="between backward and step"):
+            opt.state[p]["step"] = 0
+        opt.zero_grad()  # (undoes the speculative steps: algebraically, to a few ulps)
+        assert int(opt.state[p]["step"]) == 7

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import threading
 import time
 from collections import Counter
@@ -740,13 +741,54 @@ class OffloadEngine:
         self._reset_step()
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
-        """torch.optim-style state of parameter ``index``: ``step``, ``exp_avg``, ``exp_avg_sq`` (views)."""
+        """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,
+        ``master``: live views of the block's tensors (an in-place change, e.g. ``zero_()``, is the state's)."""
         block, slot = self.tracker.where[index]
         layout, t = self.layouts[block], self.tensors[block]
         shape = self.params[index].shape
         sl = slice(layout.offsets[slot], layout.offsets[slot] + layout.numels[slot])
-        return {"step": t.counts[slot].to(torch.float32), "exp_avg": t.exp_avg[sl].view(shape),
+        return {"step": t.counts[slot], "exp_avg": t.exp_avg[sl].view(shape),
                 "exp_avg_sq": t.exp_avg_sq[sl].view(shape), "master": t.master[sl].view(shape)}
+
+    def set_param_state(self, index: int, key: str, value: Any) -> None:
+        """Write ``value`` into parameter ``index``'s ``key`` of :meth:`param_state` (between steps; checked
+        first: nothing changes on a bad value)."""
+        self._check_usable()
+        self._check_between_steps(f"changing the optimizer state ({key!r})")
+        views = self.param_state(index)
+        if key not in views:
+            raise UnsupportedError(f"optimizer state key {key!r}; a parameter's state has {sorted(views)}")
+        target = views[key]
+        if key == "step":
+            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if isinstance(number, bool) or not isinstance(number, numbers.Real) or number != int(number) \
+                    or number < 0:
+                raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0, got "
+                                       f"{value!r}")
+            self.wait()
+            target.fill_(int(number))
+            return
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape) \
+                or not value.is_floating_point():
+            got = f"{type(value).__name__} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
+                                   f"{tuple(target.shape)}, got {got}")
+        self.wait()
+        with torch.no_grad():
+            target.copy_(value)
+
+    def reset_state(self) -> None:
+        """Forget the Adam state (moments and step counts of every parameter; the masters are kept): the next
+        step is every parameter's first, as in ``torch.optim`` after ``opt.state = defaultdict(dict)``."""
+        self._check_usable()
+        self._check_between_steps("resetting the optimizer state")
+        self.wait()
+        with torch.no_grad():
+            for t in self.tensors.values():
+                t.exp_avg.zero_()
+                t.exp_avg_sq.zero_()
+                t.counts.zero_()
+        self._eligibility_memo = [None] * len(self.layouts)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

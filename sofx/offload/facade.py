@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
@@ -135,8 +135,36 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
     return AdamHParams(lr, b1, b2, eps, wd)
 
 
+class _ParamState(MutableMapping):
+    """``opt.state[p]``: one parameter's ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq`` and ``master`` as live
+    views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``)."""
+
+    def __init__(self, engine: OffloadEngine, index: int) -> None:
+        self._engine, self._index = engine, index
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._engine.param_state(self._index)[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._engine.set_param_state(self._index, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        raise UnsupportedError(f"the state of a speculative optimizer's parameter always has {sorted(self)}: "
+                               "assign a key (state['step'] = 0) instead, or reset everything with "
+                               "opt.state = collections.defaultdict(dict)")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._engine.param_state(self._index))
+
+    def __len__(self) -> int:
+        return len(self._engine.param_state(self._index))
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 class _ParamStateView(Mapping):
-    """``opt.state[p]``: torch.optim-style per-parameter state (live views of the engine's blocks)."""
+    """``opt.state``: torch.optim-style per-parameter state (live views of the engine's blocks)."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self._engine = engine  # (not the optimizer: no reference cycle, see _hparams_of)
@@ -147,8 +175,8 @@ class _ParamStateView(Mapping):
                 return i
         raise KeyError(p)
 
-    def __getitem__(self, p: Any) -> dict[str, torch.Tensor]:
-        return self._engine.param_state(self._index(p))
+    def __getitem__(self, p: Any) -> _ParamState:
+        return _ParamState(self._engine, self._index(p))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._engine.params)
@@ -216,12 +244,34 @@ class _SpeculativeBase(torch.optim.Optimizer):
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params)
-        self.state = _ParamStateView(self._engine)  # type: ignore[assignment]
+        self._state_view = _ParamStateView(self._engine)
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
         self.last_report: EngineStepReport | None = None
 
     # ------------------------------------------------------------ torch.optim interface
+    @property  # type: ignore[override]
+    def state(self) -> Mapping:
+        """``opt.state[p]``: the parameter's ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master`` (live views;
+        assigning a key writes it). ``opt.state = collections.defaultdict(dict)`` (or any empty mapping)
+        resets every parameter's moments and step count, as it does for ``torch.optim``."""
+        view = self.__dict__.get("_state_view")
+        return view if view is not None else self.__dict__["_torch_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if self.__dict__.get("_state_view") is None:  # torch.optim.Optimizer.__init__'s empty state
+            self.__dict__["_torch_state"] = value
+            return
+        if value is self._state_view:
+            return
+        if isinstance(value, Mapping) and len(value) == 0:
+            self.engine.reset_state()
+            return
+        raise UnsupportedError("opt.state of a speculative optimizer can only be reset (assign an empty "
+                               "mapping, e.g. collections.defaultdict(dict)); change a parameter's state with "
+                               "opt.state[p][key] = value, or load a state dict")
+
     def _hparams(self) -> list[AdamHParams]:
         out = []
         for i, g in enumerate(self.param_groups):
