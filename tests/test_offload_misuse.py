@@ -340,3 +340,41 @@ def test_resetting_the_optimizer_state_as_torch_users_do(executor):
             opt.state[p]["step"] = 0
         opt.zero_grad()  # (undoes the speculative steps: algebraically, to a few ulps)
         assert int(opt.state[p]["step"]) == 7
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("swap_params", [True, False])
+def test_parameters_changed_in_place_between_steps_are_the_new_masters(executor, swap_params):
+    """Weight clipping after each step, and loading model weights mid-run, side by side with torch: the
+    engine takes what the parameters hold (it overwrote the edits from its masters at the next step). A change
+    between backward and step() -- after blocks began stepping -- is refused, naming the parameter."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=5e-2, executor=executor, block_numel=100,
+                                        swap_params=swap_params)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=5e-2, foreach=False)
+    with opt:
+        for _ in range(4):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+            with torch.no_grad():
+                for m in (model, ref):
+                    for p in m.parameters():
+                        p.clamp_(-0.05, 0.05)
+        assert relative_deviation(model, ref) <= TOL
+        loaded, _ = _models(seed=5)
+        model.load_state_dict(loaded.state_dict())
+        ref.load_state_dict(loaded.state_dict())
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+        with torch.no_grad():
+            next(model.parameters()).mul_(0.5)
+        saved = opt.state_dict()  # the masters of an edited model: what it holds
+        assert torch.equal(opt.state[next(model.parameters())]["master"], next(model.parameters()).float())
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        with pytest.raises(SofxError, match=r"parameter 0 \(shape .*\) was changed in place between backward and"):
+            opt.step()
+        opt.zero_grad()
+    assert saved["state"]["blocks"]

@@ -209,6 +209,7 @@ class OffloadEngine:
         # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
         self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
         self._reset_step()
+        self._note_versions()
 
     # ------------------------------------------------------------ setup
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
@@ -254,6 +255,30 @@ class OffloadEngine:
                 t = self.tensors[layout.index]
                 for view, i in zip(t.views(t.master, layout), layout.param_indices):
                     view.copy_(self.params[i].detach().reshape(-1))
+
+    def _note_versions(self) -> None:
+        """Remember every parameter's version counter: what the model holds now is what the masters hold."""
+        self._versions = [p._version for p in self.params]
+
+    def _edited_params(self) -> list[int]:
+        """The parameters changed in place since :meth:`_note_versions` (through autograd's view of them:
+        ``p.clamp_()``, ``p.copy_()`` under ``no_grad``, ``model.load_state_dict()``; a write through
+        ``p.data`` is not seen)."""
+        return [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+
+    def _adopt_model_edits(self) -> None:
+        """Take parameters changed in place since the last step (weight clipping, a projection, a reloaded
+        layer) as their new masters, as ``torch.optim`` steps from whatever the parameter holds."""
+        edited = self._edited_params()
+        if not edited:
+            return
+        with torch.no_grad():
+            for i in edited:
+                block, slot = self.tracker.where[i]
+                layout, t = self.layouts[block], self.tensors[block]
+                view = t.master[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
+                view.copy_(self.params[i].detach().reshape(-1))
+        self._note_versions()
 
     def _swappable_params(self) -> set[int]:
         """Indices of the parameters whose storage may alternate between two publish buffers: plain
@@ -320,6 +345,7 @@ class OffloadEngine:
         self._check_between_steps("reload_params()")
         self.wait()
         self._load_masters_from_model()
+        self._note_versions()
 
     def _check_between_steps(self, what: str) -> None:
         if self.in_step:
@@ -370,6 +396,8 @@ class OffloadEngine:
             grad = param.grad
             if grad is None:
                 return
+            if not self.tracker.started:
+                self._adopt_model_edits()  # before any block of this step is stepped from its masters
             self._take_gradient(index, grad, during_backward=True, owned=True)
             param.grad = None
             self._poll()
@@ -580,6 +608,16 @@ class OffloadEngine:
                                 "step's gradient of it, so it would be ignored: the offload engine takes gradients "
                                 "in hooks during backward (they are not left in .grad); change them in a tensor hook "
                                 "(Tensor.register_hook) instead, or call zero_grad() to drop this step")
+        if self.tracker.started:
+            edited = self._edited_params()
+            if edited:
+                i = edited[0]
+                raise SofxError(f"parameter {i} (shape {tuple(self.params[i].shape)}) was changed in place between "
+                                "backward and step(), after this step's blocks began stepping from their masters; "
+                                "change parameters after step() or before backward (they are then taken as the "
+                                "new masters), or call zero_grad() to drop this step")
+        else:
+            self._adopt_model_edits()
         self._events.append(("step_called", -1))
         # Gradients set by hand (no hook fired) are taken now; their blocks are stepped late.
         for i, p in enumerate(self.params):
@@ -636,6 +674,7 @@ class OffloadEngine:
             self._reset_step()
             raise plan.error
         self._publish_to_model(stepped, presents)
+        self._note_versions()
         self.scaler_state, self.policy_state = plan.scaler_state, plan.policy_state
         self.iteration += 1
         self._events.append(("done", -1))
@@ -725,6 +764,8 @@ class OffloadEngine:
         complete = self._failed is None
         if complete:
             self.wait()
+            if not self.tracker.started:
+                self._adopt_model_edits()  # the saved masters are what the model holds
             if any(self._speculated):
                 raise SofxError("state_dict() was called between backward and step(): blocks hold speculative "
                                 "steps that are not validated yet; call it after step()")
@@ -738,6 +779,7 @@ class OffloadEngine:
         self.wait()
         load_engine_state(self, state)
         self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
+        self._note_versions()
         self._reset_step()
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
