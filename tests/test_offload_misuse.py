@@ -378,3 +378,31 @@ def test_parameters_changed_in_place_between_steps_are_the_new_masters(executor,
             opt.step()
         opt.zero_grad()
     assert saved["state"]["blocks"]
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_zero_grad_without_set_to_none_steps_unused_parameters_as_torch(executor):
+    """After zero_grad(set_to_none=False) a parameter that once had a gradient keeps a zero one, so torch steps
+    it (moment and weight decay) on steps where it is unused; set_to_none=True forgets that again."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+
+    def step(use_head: bool, set_to_none: bool) -> None:
+        for o in (opt, ropt):
+            o.zero_grad(set_to_none=set_to_none)
+        batch = mlp_batch(gen)
+        for m, o in ((model, opt), (ref, ropt)):
+            loss = mlp_loss(m, batch) if use_head else m.norm(torch.tanh(m.inp(batch[0]))[:, :12]).square().mean()
+            o.backward(loss) if o is opt else loss.backward()
+            o.step()
+
+    with opt:
+        for use_head, set_to_none in ((True, False), (False, False), (False, False), (True, True), (False, True),
+                                      (True, False), (False, False)):
+            step(use_head, set_to_none)
+            assert relative_deviation(model, ref) <= TOL
+        head = list(model.head.parameters())
+        steps = [int(ropt.state[q]["step"]) if ropt.state[q] else 0 for q in ref.head.parameters()]
+        assert [int(opt.state[p]["step"]) for p in head] == steps and steps[0] == 6

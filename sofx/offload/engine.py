@@ -210,6 +210,10 @@ class OffloadEngine:
         self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
         self._reset_step()
         self._note_versions()
+        # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
+        # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
+        self._had_grad = [False] * len(self.params)
+        self._zero_grads = [False] * len(self.params)
 
     # ------------------------------------------------------------ setup
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
@@ -627,20 +631,23 @@ class OffloadEngine:
         self._begin()
         self._record(self._wait(help=True))
         zero_mode = self.speculation.missing_grad == "zero"
+        self._note_gradients()
         sumsq: list[float | None] = []
         presents: list[tuple[bool, ...]] = []
         for layout in self.layouts:
             b = layout.index
             arrived = self.tracker.present(b)
-            present = arrived
-            if zero_mode:  # a missing gradient is a zero gradient (kept zero by _zero_absent)
-                present = tuple(a or e for a, e in zip(arrived, self.tracker.expected_in(b)))
+            # A missing gradient is a zero gradient (kept zero by _zero_absent) with missing_grad="zero", and
+            # for a parameter whose gradient zero_grad(set_to_none=False) zeroed: torch steps it as well.
+            kept = tuple(self._zero_grads[i] for i in layout.param_indices)
+            expected = self.tracker.expected_in(b) if zero_mode else kept
+            present = tuple(a or e or k for a, e, k in zip(arrived, expected, kept))
             presents.append(present)
             if self._tally.decisions[b] is not None:
                 sumsq.append(self._tally.block_sumsq[b])
                 continue
             self._zero_absent(b, arrived)
-            sumsq.append(self._block_sumsq(b) if any(arrived) else None)
+            sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if any(kept) else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
         stepped: list[int] = []
         for action, layout in zip(plan.actions, self.layouts):
@@ -725,9 +732,25 @@ class OffloadEngine:
                         p = self.params[i]
                         p.copy_(view.view(p.shape))
 
-    def discard_gradients(self) -> None:
-        """Forget this step's gradients (``zero_grad``); speculative steps already taken are undone."""
+    def _note_gradients(self) -> None:
+        """Remember the parameters that got a gradient this step (see :meth:`discard_gradients`)."""
+        for i, n in enumerate(self.tracker.arrivals):
+            if n > 0:
+                self._had_grad[i] = True
+
+    def discard_gradients(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients (``zero_grad``); speculative steps already taken are undone.
+
+        ``set_to_none=False`` follows ``torch.optim``: a parameter that has had a gradient keeps a zero one,
+        so later steps step it (with a zero gradient) when it gets none; ``True`` (torch's default) forgets
+        that too.
+        """
         self._check_usable()
+        if set_to_none:
+            self._had_grad = [False] * len(self.params)
+        else:
+            self._note_gradients()
+        self._zero_grads = list(self._had_grad)
         self._stale_grads = None  # the last step's gradients (see step())
         for p in self.params:
             p.grad = None

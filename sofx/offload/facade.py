@@ -311,8 +311,12 @@ class _SpeculativeBase(torch.optim.Optimizer):
         return report if closure is None else loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients of the current step (speculative steps already taken are undone)."""
-        self.engine.discard_gradients()
+        """Drop the gradients of the current step (speculative steps already taken are undone).
+
+        ``set_to_none=False``: as in ``torch.optim``, a parameter that has had a gradient keeps a zero one, so
+        a later step steps it (with a zero gradient: moment decay, weight decay) when backward gives it none.
+        """
+        self.engine.discard_gradients(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"state": engine state (tensors + JSON-able values), "param_groups": [...]}``.
