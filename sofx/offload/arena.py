@@ -41,9 +41,13 @@ def colour_offset(index: int, numel: int, element_size: int) -> int:
 class TensorArena(Protocol):
     """Allocates named, zero-initialised 1-d tensors."""
 
-    def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new zeroed 1-d tensor of ``numel`` elements of ``dtype``, known by ``name`` in this arena."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release what the arena holds (idempotent); its tensors must not be used afterwards."""
+        ...
 
 
 class LocalArena:
@@ -54,6 +58,7 @@ class LocalArena:
         self._count = 0
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor; on the CPU starting at this arena's next page colour (see :func:`colour_offset`)."""
         offset = 0
         if self.device.type == "cpu":
             offset = colour_offset(self._count, numel, torch.empty((), dtype=dtype).element_size())
@@ -61,6 +66,7 @@ class LocalArena:
         return torch.zeros(offset + numel, dtype=dtype, device=self.device)[offset:]
 
     def close(self) -> None:
+        """Nothing to release: the tensors are freed with their last reference."""
         pass
 
     def __repr__(self) -> str:

@@ -80,9 +80,11 @@ class ArrivalTracker:
         return tuple(self.arrivals[i] > 0 for i in self.layouts[block].param_indices)
 
     def has_gradient(self, block: int) -> bool:
+        """Whether any parameter of ``block`` got a gradient this step."""
         return any(self.arrivals[i] > 0 for i in self.layouts[block].param_indices)
 
     def expected_in(self, block: int) -> tuple[bool, ...]:
+        """Per parameter of ``block``: whether a gradient is expected this step (it requires grad)."""
         return tuple(self.expected[i] for i in self.layouts[block].param_indices)
 
     @property

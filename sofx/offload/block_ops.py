@@ -82,4 +82,5 @@ class OpResult:
 
     @property
     def ok(self) -> bool:
+        """Whether the operation succeeded."""
         return self.error is None

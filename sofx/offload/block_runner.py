@@ -62,12 +62,14 @@ class AdamConfig:
     backend: str = "auto"
 
     def build(self) -> Adam:
+        """The :class:`~sofx.Adam` transform of this configuration (hparams come with each operation)."""
         dtype = getattr(torch, self.state_dtype)
         # The defaults are never used: every decision and action carries all five hparams.
         return Adam(AdamHParams(1e-3, 0.9, 0.999, 1e-8, 0.0), decoupled=self.decoupled,
                     bias_correction=self.bias_correction, state_dtype=dtype, undo=self.undo, backend=self.backend)
 
     def to_json(self) -> dict:
+        """The configuration as JSON-able values (sent to a worker process)."""
         return dict(self.__dict__)
 
 

@@ -54,6 +54,7 @@ class BlockLayout:
 
     @property
     def numel(self) -> int:
+        """Elements in the block (all its parameters)."""
         return sum(self.numels)
 
     @functools.cached_property
@@ -70,11 +71,13 @@ class BlockLayout:
         return f"block{self.index}.{what}"
 
     def to_json(self) -> dict:
+        """The layout as JSON-able values (sent to a worker process; :meth:`from_json` reads it back)."""
         return {"index": self.index, "group": self.group, "param_indices": list(self.param_indices),
                 "numels": list(self.numels), "shapes": [list(s) for s in self.shapes], "on_device": self.on_device}
 
     @staticmethod
     def from_json(d: dict) -> "BlockLayout":
+        """The layout :meth:`to_json` wrote."""
         return BlockLayout(d["index"], d["group"], tuple(d["param_indices"]), tuple(d["numels"]),
                            tuple(tuple(s) for s in d["shapes"]), d["on_device"])
 
@@ -101,6 +104,7 @@ class BlockTensors:
         return list(cached[2])
 
     def nbytes(self) -> int:
+        """Bytes of the block's tensors (master, moments, gradient buffer, counts)."""
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq,
                                                           self.grad, self.counts))
 

@@ -71,6 +71,8 @@ def serve(conn: Connection) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """The worker process's entry: connect to ``argv[1]`` (the authkey on stdin), serve block operations until
+    told to stop; returns the exit status."""
     if len(argv) != 2:
         print("usage: python -m sofx.offload.process_worker SOCKET_PATH  (authkey in hex on stdin)", file=sys.stderr)
         return 2

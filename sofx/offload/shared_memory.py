@@ -53,10 +53,12 @@ class SharedTensorSpec:
     offset: int = 0
 
     def to_json(self) -> dict:
+        """The spec as JSON-able values (sent to a worker process; :meth:`from_json` reads it back)."""
         return {"path": self.path, "numel": self.numel, "dtype": self.dtype, "offset": self.offset}
 
     @staticmethod
     def from_json(d: dict) -> "SharedTensorSpec":
+        """The spec :meth:`to_json` wrote."""
         return SharedTensorSpec(d["path"], d["numel"], d["dtype"], d.get("offset", 0))
 
 
@@ -101,6 +103,7 @@ class SharedMemoryArena:
         self._finalizer = weakref.finalize(self, remove_files, self._paths)
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor in a new file of the shared-memory directory (its spec in :attr:`specs`)."""
         if self._closed:
             raise RuntimeError("the shared-memory arena is closed")
         if name in self.specs:
