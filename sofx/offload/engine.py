@@ -628,9 +628,14 @@ class OffloadEngine:
             if p.grad is not None and self.tracker.arrivals[i] == 0:
                 self._take_gradient(i, p.grad, during_backward=False, owned=False)
                 p.grad = None
+        zero_mode = self.speculation.missing_grad == "zero"
+        if not self.tracker.started and not zero_mode and not any(self._zero_grads):
+            warnings.warn("sofx.offload: step() found no gradients (no backward since the last step(), or every "
+                          "parameter frozen), so nothing is stepped; torch.optim would step again with what is "
+                          "left in .grad, but here step() consumes a backward's gradients", RuntimeWarning,
+                          stacklevel=3)
         self._begin()
         self._record(self._wait(help=True))
-        zero_mode = self.speculation.missing_grad == "zero"
         self._note_gradients()
         sumsq: list[float | None] = []
         presents: list[tuple[bool, ...]] = []
