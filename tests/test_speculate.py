@@ -75,6 +75,17 @@ def _both(opt, params, grads, state, *, config, scaler=None, sstate=None, hparam
     return spec, ser
 
 
+def _snapshot(params, state) -> list[torch.Tensor]:
+    """Copies of every tensor a step may write: params, moments, counts."""
+    return [t.clone() for t in [*params, *state.mu, *state.nu, *state.count]]
+
+
+def _unchanged(before: list[torch.Tensor], params, state) -> bool:
+    """Bitwise the values of :func:`_snapshot` (dtypes included)."""
+    after = [*params, *state.mu, *state.nu, *state.count]
+    return len(after) == len(before) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(after, before))
+
+
 def test_commit_when_nothing_changes(rng):
     opt = sofx.adamw(lr=1e-2)
     params, state = _warm(opt, _params(rng), rng)
@@ -395,6 +406,23 @@ def test_a_bad_leaf_is_refused_before_any_leaf_is_stepped(rng, bad_grad, pattern
         sp.speculative_step(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), scaler=rule,
                             scaler_state=rule.init(), late_grads={1: torch.randn(2, 6)}, donate=True)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_block_indices_that_are_not_ints_are_refused_before_any_leaf_is_stepped(rng):
+    """True and False are ints to isinstance and to sorted(), not to the block protocol: refused up front,
+    not after the first blocks were speculated in place."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    before = _snapshot(params, state)
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(), scaler=rule, scaler_state=rule.init(), donate=True)
+    for order in ([3, 2, 1, False], [3, 2, 1, 0.0]):
+        with pytest.raises(sofx.SofxError, match="order must be a permutation of the 4 leaf indices"):
+            sp.speculative_step(opt, params, _grads(rng), state, order=order, **kw)
+    for key in (True, 1.0):
+        with pytest.raises(sofx.SofxError, match=rf"late_grads\[{key}\]: a late gradient needs a leaf"):
+            sp.speculative_step(opt, params, _grads(rng), state, late_grads={key: torch.ones(6)}, **kw)
+    assert _unchanged(before, params, state)
 
 
 def test_speculative_step_does_not_read_finite_gradients_again(rng, monkeypatch):

@@ -85,12 +85,13 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     hps = opt.resolve_hparams(hparams, spec)
     final_hps = hps if validation_hparams is _SAME else opt.resolve_hparams(validation_hparams, spec)
     order = list(range(n - 1, -1, -1)) if order is None else list(order)
-    if sorted(order) != list(range(n)):
-        raise SofxError(f"order must be a permutation of the {n} leaf indices, got {order}")
+    if not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
+        raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {order}")
     late_grads = dict(late_grads or {})
     for i, extra in late_grads.items():
-        if not (isinstance(i, int) and 0 <= i < n) or g_leaves[i] is None:
-            raise SofxError(f"late_grads[{i!r}]: a late gradient needs a leaf that already has a gradient")
+        if not (_is_index(i) and 0 <= i < n) or g_leaves[i] is None:
+            raise SofxError(f"late_grads[{i!r}]: a late gradient needs a leaf (an int index) that already has "
+                            "a gradient")
         g = g_leaves[i]
         if not isinstance(extra, torch.Tensor) or extra.shape != g.shape or extra.dtype != g.dtype \
                 or extra.device != g.device:
@@ -136,6 +137,11 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
                           tree.unflatten(spec, [s.nu for s in block_states]))
     return SpeculativeStepResult(tree.unflatten(spec, new_p), new_state, plan.scaler_state, plan.policy_state,
                                  plan.report, plan)
+
+
+def _is_index(i: Any) -> bool:
+    """A leaf index: an int, not a bool (the block protocol refuses ``True``/``False`` as block ids)."""
+    return isinstance(i, int) and not isinstance(i, bool)
 
 
 def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig, scaler: LossScaler,
