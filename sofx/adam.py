@@ -442,13 +442,23 @@ class Adam:
 
     # -------------------------------------------------------------- helpers
     def check_inputs(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
-                     donate: bool = False, param_copies: Any = None) -> None:
+                     donate: bool = False, param_copies: Any = None, check_undo: bool = True) -> None:
         """Raise the :class:`~sofx.errors.SofxError` that :meth:`update` would raise for these inputs
-        (structure, shapes, dtypes, devices, hparams, in-place writes), reading no gradient and changing
-        nothing. For callers that step the leaves of one tree in several calls (the speculation layer),
-        so that a bad leaf is refused before any other leaf is stepped."""
+        (structure, shapes, dtypes, devices, hparams, ``undo='algebraic'`` where the inverse does not exist,
+        in-place writes), reading no gradient and changing nothing. For callers that step the leaves of one
+        tree in several calls (the speculation layer), so that a bad leaf is refused before any other leaf
+        is stepped.
+
+        ``check_undo=False``: the refusals of ``undo='algebraic'`` are not checked (a speculation layer does
+        not speculate such a leaf).
+        """
         spec, leaves = self._gather(params, grads, state, hparams)
         _check_writes(leaves, _param_copies(spec, leaves, param_copies), donate)
+        if check_undo and self.undo_mode == "algebraic":
+            memo: dict = {}
+            for leaf in leaves:
+                if leaf.g is not None:
+                    self._plan(leaf, 1.0, True, memo)  # raises where update refuses; the gradient is not read
 
     def undo_strategies(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
                         grad_scale: Scalar = 1.0, grads_finite: bool | None = None) -> list[tuple[str, str] | None]:

@@ -235,6 +235,33 @@ def test_forced_algebraic_refuses_impossible_configurations_and_changes_nothing(
     assert torch.equal(p0["w"], params["w"])
 
 
+def test_check_inputs_refuses_what_update_refuses_reading_no_gradient(monkeypatch):
+    """check_inputs (for callers that step a tree's leaves in several calls) raises update's refusals, naming
+    the leaf, without reading a gradient."""
+    import importlib
+
+    from sofx import AdamHParams
+
+    adam_module = importlib.import_module("sofx.adam")
+    monkeypatch.setattr(adam_module, "_all_finite", lambda *_: pytest.fail("a gradient was read"))
+    params = {"a": torch.randn(4), "w": torch.randn(6)}
+    grads = {"a": torch.randn(4), "w": torch.randn(6)}
+    opt = sofx.adamw(undo="algebraic")
+    state = opt.init(params)
+    bad = {"a": AdamHParams(), "w": AdamHParams(beta1=0.0)}
+    with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\]: undo='algebraic' is impossible.*beta of 0"):
+        opt.check_inputs(params, grads, state, bad)
+    opt.check_inputs(params, grads, state, bad, check_undo=False)
+    no_w = {"a": grads["a"], "w": None}
+    opt.check_inputs(params, no_w, state, bad)  # w is not stepped
+    half = {"w": params["w"].bfloat16()}
+    with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\].*master weights"):
+        opt.check_inputs(half, {"w": grads["w"].bfloat16()}, opt.init(half))
+    with pytest.raises(sofx.UnsupportedError, match=r"params\['a'\].*lr \* weight_decay == 1"):
+        opt.check_inputs(params, grads, state, AdamHParams(lr=2.0, weight_decay=0.5))
+    sofx.adamw(betas=(0.0, 0.99)).check_inputs(params, grads, state)  # auto: a snapshot, no refusal
+
+
 def test_forced_algebraic_with_non_finite_gradient_steps_but_refuses_to_undo():
     params = {"w": torch.randn(4)}
     opt = sofx.adamw(undo="algebraic")

@@ -37,7 +37,8 @@ def _warm(opt, params, gen, steps: int = 2):
     """A few plain steps so that the moments are not zero."""
     state = opt.init(params)
     for _ in range(steps):
-        params, state, _ = opt.update(params, [torch.randn(p.shape, generator=gen) * 0.02 for p in params], state)
+        grads = [(torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype) for p in params]
+        params, state, _ = opt.update(params, grads, state)
     return params, state
 
 
@@ -406,6 +407,48 @@ def test_a_bad_leaf_is_refused_before_any_leaf_is_stepped(rng, bad_grad, pattern
         sp.speculative_step(opt, params, _grads(rng), state, config=sp.SpeculationConfig(), scaler=rule,
                             scaler_state=rule.init(), late_grads={1: torch.randn(2, 6)}, donate=True)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("case", ["beta1_zero", "bf16_master", "lr_times_wd_one", "validation_hparams"])
+def test_an_algebraic_refusal_is_raised_before_any_leaf_is_stepped(rng, case):
+    """undo='algebraic' refuses some leaves outright (SPECULATION.md section 2). Block 0 arrives first and is
+    speculated in place (donated): the refusal of block 1 must come before, naming params[1], as serial_step's
+    does -- also on a step that overflows (the speculation cannot know that yet)."""
+    opt = sofx.adamw(lr=1e-2, undo="algebraic")
+    params, grads = _params(rng, 2), _grads(rng, 2)
+    hp, kw = [AdamHParams(), AdamHParams()], {}
+    if case == "beta1_zero":
+        hp[1] = AdamHParams(beta1=0.0)
+    elif case == "bf16_master":
+        params[1], grads[1] = params[1].bfloat16(), grads[1].bfloat16()
+    elif case == "lr_times_wd_one":
+        hp[1] = AdamHParams(weight_decay=100.0)  # lr * wd == 1: the decay cannot be divided out
+    else:
+        kw["validation_hparams"] = [AdamHParams(), AdamHParams(beta1=0.0)]  # a schedule moved since backward
+    params, state = _warm(sofx.adamw(lr=1e-2), params, rng)
+    before = _snapshot(params, state)
+    rule = loss_scale.grad_scaler()
+    pattern = r"params\[1\]: undo='algebraic' is impossible"
+    for g in (grads, [grads[0] * math.nan, grads[1]]):
+        with pytest.raises(sofx.UnsupportedError, match=pattern):
+            sp.speculative_step(opt, params, g, state, config=sp.SpeculationConfig(), scaler=rule,
+                                scaler_state=rule.init(), hparams=hp, order=[0, 1], donate=True, **kw)
+        with pytest.raises(sofx.UnsupportedError, match=pattern):
+            serial_step(opt, params, g, state, scaler=rule, scaler_state=rule.init(),
+                        hparams=kw.get("validation_hparams", hp), donate=True)
+        assert _unchanged(before, params, state)
+
+
+def test_a_leaf_refused_only_with_the_speculation_hparams_is_stepped_late(rng):
+    """With the validation hparams the leaf is fine: it is not speculated (no undo is needed), and the step
+    is serial_step's with the validation hparams."""
+    opt = sofx.adamw(lr=1e-2, undo="algebraic")
+    params, state = _warm(opt, _params(rng), rng)
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(),
+                      hparams=[AdamHParams()] * 3 + [AdamHParams(beta1=0.0)], validation_hparams=AdamHParams())
+    assert spec.report.actions == ("commit", "commit", "commit", "step") and spec.report.ineligible == 1
+    assert "impossible" in spec.plan.actions[3].reason
+    _compare(spec, ser, spec.report.actions)
 
 
 def test_block_indices_that_are_not_ints_are_refused_before_any_leaf_is_stepped(rng):

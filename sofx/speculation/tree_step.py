@@ -68,11 +68,14 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     ``backward_scale``: the scale the loss was multiplied by (default: the
     scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
     every speculative step when DeepSpeed's scaler gives up.
+
+    Bad input raises before any leaf is stepped, naming the leaf: as
+    :func:`~sofx.serial.serial_step` refuses it with the validation hparams
+    (``undo='algebraic'`` where the inverse does not exist included). A leaf
+    whose speculative step ``undo='algebraic'`` refuses only with the
+    speculation hparams is not speculated (stepped in validation).
     """
-    # Every leaf is checked before any is stepped (the leaves are stepped one call each, as they "arrive").
-    opt.check_inputs(params, grads, state, hparams, donate=donate)
-    if validation_hparams is not _SAME:
-        opt.check_inputs(params, grads, state, validation_hparams)
+    _check_step_inputs(opt, params, grads, state, hparams, validation_hparams, donate)
     p_leaves, spec = tree.flatten(params)
     n = len(p_leaves)
     g_leaves = list(tree.flatten_up_to(spec, grads, "grads")) if grads is not None else [None] * n
@@ -142,6 +145,19 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
 def _is_index(i: Any) -> bool:
     """A leaf index: an int, not a bool (the block protocol refuses ``True``/``False`` as block ids)."""
     return isinstance(i, int) and not isinstance(i, bool)
+
+
+def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, hparams: Any,
+                       validation_hparams: Any, donate: bool) -> None:
+    """Refuse what any of the step's calls of ``opt`` would refuse, before any leaf is stepped (they are
+    stepped one call each, as they "arrive", in place with ``donate``): the leaves with the speculation
+    hparams, and as :func:`sofx.serial.serial_step` checks them, with the validation hparams
+    (``undo='algebraic'`` where its inverse does not exist included). A leaf refused only with the
+    speculation hparams is not speculated (stepped in validation)."""
+    same = validation_hparams is _SAME
+    opt.check_inputs(params, grads, state, hparams, donate=donate, check_undo=same)
+    if not same:
+        opt.check_inputs(params, grads, state, validation_hparams)
 
 
 def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig, scaler: LossScaler,
