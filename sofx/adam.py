@@ -442,23 +442,30 @@ class Adam:
 
     # -------------------------------------------------------------- helpers
     def check_inputs(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
-                     donate: bool = False, param_copies: Any = None, check_undo: bool = True) -> None:
+                     donate: bool = False, param_copies: Any = None, zero_missing: bool = False,
+                     check_undo: bool = True) -> None:
         """Raise the :class:`~sofx.errors.SofxError` that :meth:`update` would raise for these inputs
         (structure, shapes, dtypes, devices, hparams, ``undo='algebraic'`` where the inverse does not exist,
         in-place writes), reading no gradient and changing nothing. For callers that step the leaves of one
         tree in several calls (the speculation layer), so that a bad leaf is refused before any other leaf
         is stepped.
 
-        ``check_undo=False``: the refusals of ``undo='algebraic'`` are not checked (a speculation layer does
-        not speculate such a leaf).
+        ``zero_missing=True``: a leaf without a gradient is checked as one stepped with a zero gradient
+        (``missing_grad="zero"``: its hparams and its undo). ``check_undo=False``: the refusals of
+        ``undo='algebraic'`` are not checked (a speculation layer does not speculate such a leaf).
         """
         spec, leaves = self._gather(params, grads, state, hparams)
+        stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
+        validated = {id(leaf.hp) for leaf in leaves if leaf.g is not None}  # by _gather
+        for leaf in stepped:
+            if id(leaf.hp) not in validated:
+                _validate_hparams(leaf.hp, "hparams for ", leaf.path)
+                validated.add(id(leaf.hp))
         _check_writes(leaves, _param_copies(spec, leaves, param_copies), donate)
         if check_undo and self.undo_mode == "algebraic":
             memo: dict = {}
-            for leaf in leaves:
-                if leaf.g is not None:
-                    self._plan(leaf, 1.0, True, memo)  # raises where update refuses; the gradient is not read
+            for leaf in stepped:
+                self._plan(leaf, 1.0, True, memo)  # raises where update refuses; the gradient is not read
 
     def undo_strategies(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
                         grad_scale: Scalar = 1.0, grads_finite: bool | None = None) -> list[tuple[str, str] | None]:

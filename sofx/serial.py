@@ -180,7 +180,8 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     check_profile(profile)
     if missing_grad not in MISSING_GRAD_MODES:
         raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
-    opt.check_inputs(params, grads, state, hparams, donate=donate)  # before any gradient is read
+    # before any gradient is read; also on a step that will overflow (speculation checks before it knows)
+    opt.check_inputs(params, grads, state, hparams, donate=donate, zero_missing=missing_grad == "zero")
     p_leaves, spec = tree.flatten(params)
     g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
     if missing_grad == "zero":

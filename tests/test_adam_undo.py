@@ -237,7 +237,7 @@ def test_forced_algebraic_refuses_impossible_configurations_and_changes_nothing(
 
 def test_check_inputs_refuses_what_update_refuses_reading_no_gradient(monkeypatch):
     """check_inputs (for callers that step a tree's leaves in several calls) raises update's refusals, naming
-    the leaf, without reading a gradient."""
+    the leaf, without reading a gradient; zero_missing checks a leaf without one as stepped with zeros."""
     import importlib
 
     from sofx import AdamHParams
@@ -254,6 +254,10 @@ def test_check_inputs_refuses_what_update_refuses_reading_no_gradient(monkeypatc
     opt.check_inputs(params, grads, state, bad, check_undo=False)
     no_w = {"a": grads["a"], "w": None}
     opt.check_inputs(params, no_w, state, bad)  # w is not stepped
+    with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\]: undo='algebraic' is impossible"):
+        opt.check_inputs(params, no_w, state, bad, zero_missing=True)
+    with pytest.raises(sofx.HParamError, match=r"hparams for params\['w'\]: lr = -1.0 is invalid"):
+        opt.check_inputs(params, no_w, state, {"a": AdamHParams(), "w": AdamHParams(lr=-1.0)}, zero_missing=True)
     half = {"w": params["w"].bfloat16()}
     with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\].*master weights"):
         opt.check_inputs(half, {"w": grads["w"].bfloat16()}, opt.init(half))

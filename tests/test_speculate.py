@@ -451,6 +451,36 @@ def test_a_leaf_refused_only_with_the_speculation_hparams_is_stepped_late(rng):
     _compare(spec, ser, spec.report.actions)
 
 
+@pytest.mark.parametrize("undo, bad, error, pattern", [
+    ("auto", AdamHParams(lr=-1.0), sofx.HParamError, r"hparams for params\[1\]: lr = -1.0 is invalid"),
+    ("algebraic", AdamHParams(beta1=0.0), sofx.UnsupportedError, r"params\[1\]: undo='algebraic' is impossible"),
+])
+def test_a_missing_gradient_stepped_with_zeros_is_checked_before_any_leaf_is_stepped(rng, undo, bad, error,
+                                                                                     pattern):
+    """missing_grad='zero' steps leaf 1 (no gradient) with zeros in validation: its hparams are checked with the
+    others, before blocks 3 and 2 (arriving first) are speculated in place."""
+    opt = sofx.adamw(lr=1e-2, undo=undo)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    grads[1] = None
+    hp = [AdamHParams(), bad, AdamHParams(), AdamHParams()]
+    before = _snapshot(params, state)
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(missing_grad="zero"), scaler=rule, scaler_state=rule.init(), donate=True)
+    with pytest.raises(error, match=pattern):
+        sp.speculative_step(opt, params, grads, state, hparams=hp, **kw)
+    with pytest.raises(error, match=pattern):
+        sp.speculative_step(opt, params, grads, state, hparams=AdamHParams(), validation_hparams=hp, **kw)
+    with pytest.raises(error, match=pattern):
+        serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), hparams=hp,
+                    missing_grad="zero", donate=True)
+    assert _unchanged(before, params, state)
+    # missing_grad='skip': the leaf is not stepped, its hparams are not used
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(), hparams=hp)
+    assert spec.report.actions[1] == "skip"
+    _compare(spec, ser, spec.report.actions)
+
+
 def test_block_indices_that_are_not_ints_are_refused_before_any_leaf_is_stepped(rng):
     """True and False are ints to isinstance and to sorted(), not to the block protocol: refused up front,
     not after the first blocks were speculated in place."""

@@ -19,7 +19,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamState
-from sofx.errors import LeafError, SofxError
+from sofx.errors import HParamError, LeafError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.serial import LoopState, hparams_at
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
@@ -71,11 +71,12 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
 
     Bad input raises before any leaf is stepped, naming the leaf: as
     :func:`~sofx.serial.serial_step` refuses it with the validation hparams
-    (``undo='algebraic'`` where the inverse does not exist included). A leaf
-    whose speculative step ``undo='algebraic'`` refuses only with the
-    speculation hparams is not speculated (stepped in validation).
+    (``undo='algebraic'`` where the inverse does not exist included; with
+    ``missing_grad="zero"``, a leaf without a gradient too). A leaf whose
+    speculative step ``undo='algebraic'`` refuses only with the speculation
+    hparams is not speculated (stepped in validation).
     """
-    _check_step_inputs(opt, params, grads, state, hparams, validation_hparams, donate)
+    _check_step_inputs(opt, params, grads, state, config, hparams, validation_hparams, donate)
     p_leaves, spec = tree.flatten(params)
     n = len(p_leaves)
     g_leaves = list(tree.flatten_up_to(spec, grads, "grads")) if grads is not None else [None] * n
@@ -147,17 +148,20 @@ def _is_index(i: Any) -> bool:
     return isinstance(i, int) and not isinstance(i, bool)
 
 
-def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, hparams: Any,
-                       validation_hparams: Any, donate: bool) -> None:
+def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, config: SpeculationConfig,
+                       hparams: Any, validation_hparams: Any, donate: bool) -> None:
     """Refuse what any of the step's calls of ``opt`` would refuse, before any leaf is stepped (they are
     stepped one call each, as they "arrive", in place with ``donate``): the leaves with the speculation
-    hparams, and as :func:`sofx.serial.serial_step` checks them, with the validation hparams
-    (``undo='algebraic'`` where its inverse does not exist included). A leaf refused only with the
-    speculation hparams is not speculated (stepped in validation)."""
+    hparams, and as :func:`sofx.serial.serial_step` checks them, with the validation hparams (a missing
+    gradient stepped with zeros included; ``undo='algebraic'`` where its inverse does not exist). A
+    leaf refused only with the speculation hparams is not speculated (stepped in validation)."""
+    if not isinstance(config, SpeculationConfig):
+        raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
+    zero = config.missing_grad == "zero"
     same = validation_hparams is _SAME
-    opt.check_inputs(params, grads, state, hparams, donate=donate, check_undo=same)
+    opt.check_inputs(params, grads, state, hparams, donate=donate, zero_missing=zero and same, check_undo=same)
     if not same:
-        opt.check_inputs(params, grads, state, validation_hparams)
+        opt.check_inputs(params, grads, state, validation_hparams, zero_missing=zero)
 
 
 def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig, scaler: LossScaler,
