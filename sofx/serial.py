@@ -36,6 +36,11 @@ relative), never more. Overflow is decided on the raw gradients; with a loss
 scale below 1 and no clipping, an unscaled norm beyond float32's range also
 counts as an overflow (torch would turn such elements into inf, or, when
 clipping, compute an inf norm and zero every gradient; sofx clips them).
+A loss scale that cannot unscale (:func:`can_unscale`: 0, which
+``GradScaler`` reaches after about 166 overflows in a row, or one whose
+inverse is beyond float32) makes every step an overflow, skipped with the
+scale backed off; torch skips such a step only when the raw gradients are not
+finite, and otherwise writes the nan of ``0 * inf`` into the parameters.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
-           "serial_step", "serial_loop_step", "check_profile", "check_max_norm"]
+           "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "can_unscale"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -131,6 +136,22 @@ def check_max_norm(max_norm: float | None) -> float | None:
     return float(max_norm)
 
 
+def can_unscale(scale: float) -> bool:
+    """Whether gradients can be unscaled with ``1/scale`` in float32: ``scale > 0`` and ``1/scale`` finite there.
+
+    ``torch.amp.GradScaler``'s scale reaches 0 after about 166 overflows in a row (it halves a float32);
+    a step at such a scale is an overflow (:func:`step_facts`): skipped, and the scale backs off again.
+    """
+    return scale > 0 and 1.0 / scale <= FLOAT32_MAX
+
+
+def _scale_after(profile: str, scaler: LossScaler, scaler_state: LossScaleState,
+                 overflow: bool) -> tuple[LossScaleState, float]:
+    """The scaler's next state and the scale the gradients are unscaled with, in the profile's order."""
+    next_state = scaler.update(scaler_state, overflow)
+    return next_state, scaler.scale(scaler_state if profile == "torch" else next_state)
+
+
 def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, sumsq_total: float,
                max_norm: float | None) -> StepFacts:
     """Overflow, loss-scale update, norm and multiplier of one step (see the module docstring).
@@ -140,21 +161,20 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
     check_profile(profile)
     max_norm = check_max_norm(max_norm)
     overflow = not math.isfinite(sumsq_total)
-    if profile == "torch":
-        scale = scaler.scale(scaler_state)
-        next_state = scaler.update(scaler_state, overflow)
-    else:
-        next_state = scaler.update(scaler_state, overflow)
-        scale = scaler.scale(next_state)
+    next_state, scale = _scale_after(profile, scaler, scaler_state, overflow)
+    if not overflow and not can_unscale(scale):
+        # a loss scale of 0 (or so small that 1/S is beyond float32) cannot unscale: an overflow
+        overflow = True
+        next_state, scale = _scale_after(profile, scaler, scaler_state, True)
     scaled_norm = math.sqrt(sumsq_total) if not math.isnan(sumsq_total) else math.nan
-    norm = scaled_norm / scale
+    norm = scaled_norm / scale if scale > 0 else scaled_norm * math.inf  # x/0 as IEEE: inf, or nan for 0
     if not overflow and max_norm is None and norm > FLOAT32_MAX:
         # unscaling (a loss scale below 1) would turn finite gradients into inf: an overflow
         overflow = True
-        next_state = scaler.update(scaler_state, True)
-        scale = scaler.scale(scaler_state) if profile == "torch" else scaler.scale(next_state)
+        next_state, scale = _scale_after(profile, scaler, scaler_state, True)
     if overflow:
-        return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale, next_state)
+        return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale if scale > 0 else math.inf,
+                         next_state)
     if profile == "torch":
         coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
         grad_scale = 1.0 / scale if coef == 1.0 else (1.0 / scale) * coef

@@ -141,6 +141,23 @@ def test_deepspeed_overflow_at_the_minimum_scale_raises_and_changes_nothing() ->
         assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
 
 
+def test_a_loss_scale_that_cannot_unscale_skips_every_step() -> None:
+    """GradScaler's scale below 2**-127 (1/S beyond float32), then 0 after a backoff: every step is skipped
+    and the model is left alone (begin_step refused a scale of 0; at 2**-149 the step wrote nan)."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100,
+                                       loss_scale=grad_scaler(init_scale=2.0 ** -149)) as opt:
+        before = [p.detach().clone() for p in model.parameters()]
+        for scale in (2.0 ** -149, 0.0, 0.0):
+            assert opt.loss_scale == scale
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+            report = opt.step()
+            assert report.skipped and report.speculated == 0 and "cannot unscale" in report.not_speculating_reason
+            opt.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
+
+
 # ---------------------------------------------------------------- partial offload
 def test_device_blocks_equal_the_all_cpu_run() -> None:
     cpu = run_side_by_side("transformer", "thread", steps=25)

@@ -166,6 +166,21 @@ def test_step_facts_profiles_differ_on_a_growth_step():
     assert over.overflow and over.skipped and over.scaler_state.scale == 2.0 ** 15
 
 
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_step_facts_at_a_loss_scale_that_cannot_unscale(profile: str):
+    """A scale of 0 (GradScaler's after ~166 overflows in a row) or one whose inverse is beyond float32 makes the
+    step an overflow: skipped, the scaler backs off; never a division by zero, never a nan multiplier."""
+    for rule, state in [(loss_scale.grad_scaler(), loss_scale.GradScalerState(0.0, 3)),
+                        (loss_scale.grad_scaler(), loss_scale.GradScalerState(2.0 ** -128, 3)),
+                        (loss_scale.static_scale(2.0 ** -140), loss_scale.static_scale(2.0 ** -140).init())]:
+        for max_norm in (None, 1.0):
+            facts = step_facts(profile, rule, state, 4.0, max_norm)
+            assert facts.overflow and facts.skipped and not facts.clipped, (state, max_norm)
+            assert facts.scaler_state == rule.update(state, True)
+    ok = step_facts(profile, loss_scale.grad_scaler(), loss_scale.GradScalerState(2.0 ** -126, 3), 4.0, 1.0)
+    assert not ok.overflow and ok.clipped  # 2**126 is a float32: unscaled (and clipped) as usual
+
+
 def test_serial_step_errors_change_nothing(rng):
     opt = sofx.adamw()
     params = {"a": torch.randn(3, generator=rng)}

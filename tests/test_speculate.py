@@ -587,6 +587,58 @@ def test_huge_unscaled_gradients_are_never_speculated(rng):
     _compare(spec, ser, spec.report.actions)
 
 
+@pytest.mark.parametrize("scale", [0.0, 2.0 ** -128, 2.0 ** -149])
+def test_a_loss_scale_that_cannot_unscale_is_an_overflow(rng, scale):
+    """GradScaler's float32 scale reaches 0 after ~166 overflows in a row; 1/S is inf from 2**-128 down.
+    Such a step is skipped (scale backed off), never speculated, and writes nothing, even with finite
+    gradients (torch would step them to the nan of 0 * inf)."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    before = _snapshot(params, state)
+    rule = loss_scale.grad_scaler()
+    sstate = loss_scale.GradScalerState(scale, 7)
+    for max_norm in (None, 1.0):
+        spec, ser = _both(opt, params, _grads(rng, scale=1.0), state, config=sp.SpeculationConfig(max_norm=max_norm),
+                          scaler=rule, sstate=sstate, donate=True)
+        r = spec.report
+        assert r.skipped and ser.facts.skipped and r.actions == ("skip",) * 4
+        assert r.speculated == 0 and not r.speculating and "cannot unscale" in r.not_speculating_reason
+        assert spec.scaler_state == rule.update(sstate, True) and r.next_scale == rule.update(sstate, True).scale
+        assert _unchanged(before, spec.params, spec.state) and _unchanged(before, params, state)
+
+
+def test_loops_keep_skipping_at_a_loss_scale_of_zero_as_torch(rng):
+    """A run whose gradients are never finite (a nan loss): torch's GradScaler halves its scale down to 0 and
+    keeps skipping; so do both loops, with torch's scale at every step (they raised at 0)."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    ser = spec = init_loop(opt, _params(rng, 2), rule)
+    before = _snapshot(ser.params, ser.opt_state)
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.scale(torch.ones(()))  # creates its scale tensor
+    p = torch.nn.Parameter(torch.zeros(6))
+    torch_opt = torch.optim.AdamW([p])
+    cfg = sp.SpeculationConfig(max_norm=1.0)
+    for _ in range(170):
+        p.grad = torch.full((6,), math.nan)
+        torch_scaler.unscale_(torch_opt)
+        torch_scaler.step(torch_opt)
+        torch_scaler.update()
+        nan = [torch.full((6,), math.nan)] * 2
+        ser, facts = serial_loop_step(opt, ser, nan, scaler=rule, max_norm=1.0, donate=True)
+        spec, report = sp.speculative_loop_step(opt, spec, nan, config=cfg, scaler=rule, donate=True)
+        assert facts.skipped and report.skipped
+        assert ser.scaler_state.scale == spec.scaler_state.scale == torch_scaler.get_scale()
+    assert torch_scaler.get_scale() == 0.0 and ser.step == spec.step == 0
+    grads = _grads(rng, 2, scale=1.0)  # finite gradients at scale 0: still skipped
+    ser, facts = serial_loop_step(opt, ser, grads, scaler=rule, max_norm=1.0, donate=True)
+    spec, report = sp.speculative_loop_step(opt, spec, grads, config=cfg, scaler=rule, donate=True)
+    assert facts.skipped and report.skipped and ser.step == spec.step == 0 and spec.scaler_state.scale == 0.0
+    assert _unchanged(before, ser.params, ser.opt_state) and _unchanged(before, spec.params, spec.opt_state)
+
+
 @given(outcomes=st.lists(st.booleans(), max_size=40), window=st.integers(1, 6),
        fraction=st.sampled_from([0.0, 0.25, 0.5, 0.75]), quiet=st.integers(1, 4))
 def test_adaptive_policy_matches_its_rule(outcomes, window, fraction, quiet):

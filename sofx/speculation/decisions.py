@@ -37,7 +37,7 @@ from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
-from sofx.serial import StepFacts, check_max_norm, check_profile, step_facts
+from sofx.serial import StepFacts, can_unscale, check_max_norm, check_profile, step_facts
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -111,9 +111,9 @@ class StepContext:
     ``hparams[i]``: block ``i``'s complete hparams for speculative steps.
     ``backward_scale``: the loss scale of this backward. ``assumed_scale``: the
     scale speculative steps unscale with; ``grad_scale = 1/assumed_scale`` is
-    their Adam multiplier. ``veto_sumsq = (max_norm * assumed_scale)**2``
-    (inf without clipping). ``speculating``/``reason``: whether this step may
-    speculate, and why not.
+    their Adam multiplier (inf for a scale of 0, which never speculates).
+    ``veto_sumsq = (max_norm * assumed_scale)**2`` (inf without clipping).
+    ``speculating``/``reason``: whether this step may speculate, and why not.
     """
 
     n_blocks: int
@@ -241,9 +241,11 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
 
 
 def _check_scale(name: str, s: Any) -> float:
+    """A loss scale as a float: finite and >= 0 (a scale of 0, which GradScaler reaches after many
+    overflows in a row, is not refused: the step is an overflow, see :func:`sofx.serial.can_unscale`)."""
     s = as_number(s)
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
-        raise HParamError(f"{name} = {s!r} is invalid; expected a finite number > 0")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
+        raise HParamError(f"{name} = {s!r} is invalid; expected a finite number >= 0")
     return float(s)
 
 
@@ -281,10 +283,14 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         speculating, kind, reason = False, "micro_step", "not the last micro-step (gradients are still accumulating)"
     elif not allowed:
         speculating, kind, reason = False, "policy", why
+    elif not can_unscale(assumed):
+        speculating, kind = False, "vetoed"
+        reason = (f"the loss scale {assumed:g} cannot unscale the gradients (1/S is not a finite float32): "
+                  "the step will be skipped as an overflow")
     else:
         speculating, kind, reason = True, "speculate", ""
     ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
-                      1.0 / assumed, veto, speculating, kind, reason)
+                      1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason)
     tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0)
     return ctx, tally
 
