@@ -596,6 +596,36 @@ class Adam:
             out.append(kernel)
         return out
 
+    def _no_inverse(self, lr: float, b1: float, b2: float, wd: float, param_dtype: torch.dtype,
+                    state_dtype: torch.dtype) -> tuple[list[str], list[str]]:
+        """Why a step has no algebraic inverse: (reasons the moments cannot be recomputed, reasons only the
+        parameter cannot)."""
+        full_reasons = []
+        if abs(b1) < _F32_TINY or abs(b2) < _F32_TINY:
+            # 0, or 0 / subnormal once rounded to float32 as the kernels compute: 1/beta overflows.
+            full_reasons.append("a beta of 0 (or below float32's smallest normal) leaves no trace of the old moment")
+        if state_dtype in _LOW_PRECISION:
+            full_reasons.append(f"{state_dtype} optimizer states are rounded")
+        param_reasons = []
+        if param_dtype in _LOW_PRECISION:
+            param_reasons.append(f"{param_dtype} master weights are rounded")
+        if self.variant.decoupled and wd != 0 and abs(1 - lr * wd) < _F32_TINY:
+            param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
+        return full_reasons, param_reasons
+
+    def algebraic_refusal(self, hparams: AdamHParams, param_dtype: torch.dtype = torch.float32) -> str | None:
+        """Why ``undo='algebraic'`` would refuse a step of a ``param_dtype`` leaf with these complete hparams
+        (a beta of 0, ``lr * weight_decay == 1`` with decoupled decay, rounded masters or states), or ``None``:
+        what :meth:`update` raises, for callers that know the hparams before the tensors (the offload facade
+        checks its param groups with it before backward steps any block)."""
+        if self.undo_mode != "algebraic":
+            return None
+        state_dtype = self.state_dtype or param_dtype
+        full, param = self._no_inverse(float(hparams.lr), float(hparams.beta1), float(hparams.beta2),
+                                       float(hparams.weight_decay), param_dtype, state_dtype)
+        reasons = full + param
+        return f"undo='algebraic' is impossible: {'; '.join(reasons)}; use undo='auto' or 'exact'" if reasons else None
+
     def _choose_strategy(self, leaf: _Leaf, s: AdamScalars, finite: bool | None = None) -> tuple[str, str]:
         if self.undo_mode == "exact":
             return "snapshot", ""
@@ -606,18 +636,8 @@ class Adam:
                 return "algebraic", ""
             return "snapshot", ""
         lr, b1, b2, wd = values
-        full_reasons = []  # reasons the moments cannot be recomputed
-        if abs(b1) < _F32_TINY or abs(b2) < _F32_TINY:
-            # 0, or 0 / subnormal once rounded to float32 as the kernels compute: 1/beta overflows.
-            full_reasons.append("a beta of 0 (or below float32's smallest normal) leaves no trace of the old moment")
-        if leaf.m.dtype in _LOW_PRECISION:
-            full_reasons.append(f"{leaf.m.dtype} optimizer states are rounded")
-        param_reasons = []  # reasons only the parameter cannot be recomputed
-        if leaf.p.dtype in _LOW_PRECISION:
-            param_reasons.append(f"{leaf.p.dtype} master weights are rounded")
+        full_reasons, param_reasons = self._no_inverse(lr, b1, b2, wd, leaf.p.dtype, leaf.m.dtype)
         decay_factor = 1 - lr * wd
-        if self.variant.decoupled and wd != 0 and abs(decay_factor) < _F32_TINY:
-            param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
         if self.undo_mode == "algebraic":
             if full_reasons or param_reasons:
                 raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: "

@@ -406,3 +406,33 @@ def test_zero_grad_without_set_to_none_steps_unused_parameters_as_torch(executor
         head = list(model.head.parameters())
         steps = [int(ropt.state[q]["step"]) if ropt.state[q] else 0 for q in ref.head.parameters()]
         assert [int(opt.state[p]["step"]) for p in head] == steps and steps[0] == 6
+
+
+def test_undo_algebraic_refusals_come_before_any_block_is_stepped():
+    """undo='algebraic' has no inverse for a beta of 0 or lr*wd == 1: refused at construction, and for a group
+    changed so later, before backward steps any block (it raised in step() after other blocks were stepped)."""
+    model, _ = _models()
+    groups = [{"params": list(model.inp.parameters())}, {"params": list(model.head.parameters()) +
+                                                         list(model.mid.parameters()) + list(model.norm.parameters())}]
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]: undo='algebraic' is impossible: a beta"):
+        sofx.offload.SpeculativeAdamW([{**groups[0], "betas": (0.0, 0.999)}, groups[1]], undo="algebraic",
+                                      executor="inline")
+    with sofx.offload.SpeculativeAdamW(groups, lr=1e-2, undo="algebraic", executor="inline", block_numel=50) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        counts = [int(opt.state[p]["step"]) for p in model.parameters()]
+        opt.param_groups[1]["lr"], opt.param_groups[1]["weight_decay"] = 2.0, 0.5
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[1\]: .*lr \* weight_decay == 1"):
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == counts
+
+
+def test_a_step_without_gradients_warns_that_nothing_is_stepped():
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        with pytest.warns(RuntimeWarning, match="step\\(\\) found no gradients"):
+            report = opt.step()  # torch.optim would step again with the old .grad
+        assert report.committed + report.redone + report.stepped_late == 0

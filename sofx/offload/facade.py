@@ -245,6 +245,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params)
         self._state_view = _ParamStateView(self._engine)
+        try:
+            self._hparams()  # what every step checks, checked now too
+        except BaseException:
+            self._engine.close()
+            raise
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
         self.last_report: EngineStepReport | None = None
@@ -274,9 +279,14 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     def _hparams(self) -> list[AdamHParams]:
         out = []
+        adam = self.engine.adam
         for i, g in enumerate(self.param_groups):
             check_group_flags(g, f"param_groups[{i}]", self._decoupled)
-            out.append(group_hparams(g, f"param_groups[{i}]"))
+            hp = group_hparams(g, f"param_groups[{i}]")
+            refusal = adam.algebraic_refusal(hp)  # (fp32 masters) before any block of the step is stepped
+            if refusal is not None:
+                raise UnsupportedError(f"param_groups[{i}]: {refusal}")
+            out.append(hp)
         return out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
