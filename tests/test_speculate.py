@@ -2,8 +2,9 @@
 
 Each test runs one step on the same inputs through :func:`sofx.speculate.speculative_step`
 and :func:`sofx.serial.serial_step` and checks the report and the result:
-bitwise for blocks that were not undone, float32 rounding (relative 1e-6 of the
-tensor's largest value) for undone ones. The engine-style test drives the block
+bitwise for blocks that were not undone and for every block without donation,
+float32 rounding (relative 1e-6 of the tensor's largest value) for undone ones
+with donation (an algebraic undo). The engine-style test drives the block
 protocol by hand on flat 1-d blocks with donation, as the offload engine does.
 """
 
@@ -47,9 +48,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _compare(spec, ser, actions=None):
-    """Bitwise for blocks not undone; <= 1e-6 relative (of the tensor's largest value) for undone ones."""
-    undone = [a in ("undo", "undo_redo") for a in actions] if actions else [True] * len(spec.params)
+def _compare(spec, ser, actions=None, donated: bool = False):
+    """Bitwise for blocks not undone, and for undone ones without donation (the undone block is its input, the
+    redo a step from it); <= 1e-6 relative (of the tensor's largest value) for donated undone ones."""
+    undone = [a in ("undo", "undo_redo") and donated for a in actions] if actions else [donated] * len(spec.params)
     for i, (p1, p2) in enumerate(zip(spec.params, ser.params)):
         pairs = [(p1, p2), (spec.state.mu[i], ser.state.mu[i]), (spec.state.nu[i], ser.state.nu[i])]
         assert int(spec.state.count[i]) == int(ser.state.count[i]), i

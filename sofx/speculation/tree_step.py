@@ -69,6 +69,12 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
     every speculative step when DeepSpeed's scaler gives up.
 
+    Without ``donate`` the inputs are never modified, so a block validation
+    undoes is returned as its input (bitwise) and one it undoes and redoes is
+    stepped from its input: the result is :func:`~sofx.serial.serial_step`'s
+    bit for bit whatever happened (with ``donate``, algebraic undos are exact
+    to a few ulps, see :mod:`sofx.undo_record`).
+
     Bad input raises before any leaf is stepped, naming the leaf: as
     :func:`~sofx.serial.serial_step` refuses it with the validation hparams
     (``undo='algebraic'`` where the inverse does not exist included; with
@@ -86,6 +92,7 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     mus = tree.flatten_up_to(spec, state.mu, "state.mu")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
     block_states = [AdamState(c, m, v) for c, m, v in zip(counts, mus, nus)]
+    input_states = list(block_states)
     hps = opt.resolve_hparams(hparams, spec)
     final_hps = hps if validation_hparams is _SAME else opt.resolve_hparams(validation_hparams, spec)
     order = list(range(n - 1, -1, -1)) if order is None else list(order)
@@ -132,8 +139,14 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     plan = plan_validation(ctx, tally, final, hparams=list(final_hps), reduce_sumsq=reduce_sumsq)
     for i, action in enumerate(plan.actions):
         finite = final[i] is not None and math.isfinite(final[i])  # this block's own gradient, as Adam reads it
+        record = records[i]
+        if not donate and action.kind in ("undo", "undo_redo"):
+            # The inputs are untouched: the undone block is the input itself (bitwise, where an algebraic undo
+            # is a few ulps off), and its redo a plain step from it (no inverse computed).
+            new_p[i], block_states[i], record = p_leaves[i], input_states[i], None
+            action = action._replace(kind="skip" if action.kind == "undo" else "step")
         new_p[i], block_states[i] = apply_block_action(opt, action, new_p[i], g_leaves[i], block_states[i],
-                                                       records[i], donate=donate, grads_finite=finite or None)
+                                                       record, donate=donate, grads_finite=finite or None)
     if plan.error is not None:
         raise plan.error
     new_state = AdamState(tree.unflatten(spec, [s.count for s in block_states]),
