@@ -268,3 +268,75 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_ctrl_c_reaches_the_main_process_only() -> None:
+    """Ctrl-C in a terminal signals the whole process group: a script that catches the KeyboardInterrupt and
+    goes on training must find its worker alive (it died of the SIGINT)."""
+    model, ref = SharedMLP(), None
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100) as opt:
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        os.kill(opt.engine.executor.pid, signal.SIGINT)
+        time.sleep(0.2)
+        assert opt.engine.executor.process.poll() is None
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+    assert relative_deviation(model, ref) <= TOL
+
+
+def test_an_interrupt_while_waiting_loses_no_result() -> None:
+    """KeyboardInterrupt (here from a timer) while the main thread waits for the worker: the results are read
+    by the receiver thread, so waiting again collects every one (an interrupt inside the socket read lost a
+    result, or left a message half read and later reads misaligned)."""
+    model = SharedMLP()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100) as opt:
+        ex = opt.engine.executor
+        os.kill(ex.pid, signal.SIGSTOP)
+        try:
+            for k in range(20):
+                ex.submit(BlockOp(k, "commit_all"))
+
+            def interrupt(*_):
+                raise KeyboardInterrupt
+
+            old = signal.signal(signal.SIGALRM, interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    ex.wait(30)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+        finally:
+            os.kill(ex.pid, signal.SIGCONT)
+        assert [r.kind for r in ex.wait(30)] == ["commit_all"] * 20
+
+
+def test_a_main_process_killed_during_a_step_leaves_no_shared_memory_behind() -> None:
+    """Killed (the OOM killer) while the worker steps blocks: the worker cannot send its result and must still
+    remove the shared-memory files and the socket's directory (it exited with a broken pipe, leaving both)."""
+    script = (
+        "import os, signal, torch, sofx.offload\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])\n"
+        "opt = sofx.offload.SpeculativeAdamW(m.parameters(), executor='process', block_numel=2**20)\n"
+        "arena = opt.engine._cpu_arena\n"
+        "print(os.path.join(arena.shm_dir, arena.prefix), opt.engine.executor.pid, opt.engine.executor._dir, "
+        "flush=True)\n"
+        "for _ in range(3):\n"
+        "    opt.backward(m(torch.randn(8, 1024)).square().mean())\n"
+        "    opt.step()\n"
+        "opt.backward(m(torch.randn(8, 1024)).square().mean())\n"
+        "os.kill(os.getpid(), signal.SIGKILL)  # blocks are being stepped\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    prefix, worker, sockdir = out.stdout.split()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (glob.glob(prefix + "*") or _alive(int(worker))):
+        time.sleep(0.1)
+    assert glob.glob(prefix + "*") == [], "the worker removes the files when its main process is gone"
+    assert not _alive(int(worker)) and not os.path.exists(sockdir)

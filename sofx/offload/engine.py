@@ -465,10 +465,12 @@ class OffloadEngine:
                                          lambda: self._decide_in_turn(ticket, b, present, grads, publish),
                                          present, grads, publish, grads_finite=True))
             return
-        decision = self._decide(b, present, grads, publish)
+        decision = self._decide(b, present, grads, publish, mark=False)
         if decision is not None:
             self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish,
                                          grads_finite=True))
+            self._mark_speculated(b, publish)  # after the submission (an interrupt between would leave a
+            # block marked whose step was never sent, and zero_grad() would ask the worker to undo it)
 
     def _decide_in_turn(self, ticket: int, *args: Any) -> Any:
         """:meth:`_decide` after the decisions of every block that was ready before (the worker and a
@@ -489,11 +491,12 @@ class OffloadEngine:
                 self._turn_cond.notify_all()
 
     def _decide(self, b: int, present: tuple[bool, ...], grads: tuple[torch.Tensor, ...] | None,
-                publish: tuple[int, ...] | None) -> Any:
+                publish: tuple[int, ...] | None, mark: bool = True) -> Any:
         """Ask the speculation layer about ready block ``b``; its decision if it speculates, else None.
 
         Runs on the main thread (process executor) or in the executor, in arrival order (in-process
-        executors: nothing else touches the tally during backward).
+        executors: nothing else touches the tally during backward). ``mark=False``: the caller marks the block
+        speculated (:meth:`_mark_speculated`) once it submitted the step.
         """
         layout, t, ctx = self.layouts[b], self.tensors[b], self._ctx
         self._events.append(("ready", b))
@@ -504,10 +507,14 @@ class OffloadEngine:
             lambda: self._eligibility(b, flat, present, grads))
         if not decision.speculate:
             return None
+        if mark:
+            self._mark_speculated(b, publish)
+        return decision
+
+    def _mark_speculated(self, b: int, publish: tuple[int, ...] | None) -> None:
         self._speculated[b] = True
         self._published[b] = publish
         self._events.append(("speculate", b))
-        return decision
 
     def _eligibility(self, b: int, flat: bool, present: tuple[bool, ...],
                      grads: tuple[torch.Tensor, ...] | None) -> Any:

@@ -6,7 +6,11 @@ executor starts one worker (``python -m sofx.offload.process_worker``, a
 fresh interpreter that maps the same files) and talks to it over a unix
 socket in a private temporary directory (mutually authenticated with a random
 key). Submitting never blocks the caller (a backward hook): a sender thread
-writes the operations. The worker uses ``num_threads`` torch threads.
+writes the operations, and a receiver thread reads the results into a queue,
+so an interrupt of the main thread (Ctrl-C in a backward hook or in
+:meth:`wait`; Python delivers signals to the main thread only) can never lose
+a result or leave a message half read. The worker uses ``num_threads`` torch
+threads and ignores Ctrl-C (the main process decides what it means).
 
 Failures are clear and bounded in time: a failing operation is raised by
 :meth:`wait` with the worker's traceback; a worker that died (killed, out of
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import os
 import queue
-import select
 import shutil
 import signal
 import socket
@@ -64,6 +67,8 @@ class ProcessExecutor(Executor):
         self._collected: list[OpResult] = []
         self._send_error: BaseException | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # results, then _STOP once the connection ends
+        self._received_all = False
         self._dir = tempfile.mkdtemp(prefix="sofx-worker-")  # mode 0700: only this user can connect
         address = os.path.join(self._dir, "socket")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -88,12 +93,10 @@ class ProcessExecutor(Executor):
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         server.close()
-        # One poll object for the results' socket: Connection.poll builds a selector per call (~40 us), and
-        # every gradient hook asks whether results arrived.
-        self._results_ready = select.poll()
-        self._results_ready.register(self.conn.fileno(), select.POLLIN)
         self._sender = threading.Thread(target=self._send_loop, name="sofx-offload-sender", daemon=True)
         self._sender.start()
+        self._receiver = threading.Thread(target=self._receive_loop, name="sofx-offload-receiver", daemon=True)
+        self._receiver.start()
 
     # ------------------------------------------------------------ startup
     def _accept(self, server: socket.socket, authkey: bytes, timeout: float) -> Connection:
@@ -140,20 +143,33 @@ class ProcessExecutor(Executor):
                 self._send_error = exc
                 return
 
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                result = self.conn.recv()
+            except BaseException:  # (EOFError, OSError) the worker is gone or the connection closed
+                self._inbox.put(_STOP)
+                return
+            self._inbox.put(result)
+
     def submit(self, op: BlockOp) -> None:
         self._check_open()
-        self._submitted += 1
         self._outbox.put(op)
+        self._submitted += 1
 
     def _drain(self, block_s: float | None) -> bool:
-        """Move finished results into ``_collected``; True if anything arrived."""
+        """Move received results into ``_collected``, waiting up to ``block_s`` for the first; True if any."""
         got = False
-        try:
-            while self._results_ready.poll(int(block_s * 1000) if block_s and not got else 0):
-                self._collected.append(self.conn.recv())
-                got = True
-        except (EOFError, OSError):
-            pass  # the worker is gone; wait() reports it
+        while not self._received_all:
+            try:
+                item = self._inbox.get(timeout=block_s) if block_s and not got else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP:
+                self._received_all = True  # the worker is gone; wait() reports it
+                break
+            self._collected.append(item)
+            got = True
         return got
 
     def poll(self) -> list[OpResult]:
@@ -171,7 +187,12 @@ class ProcessExecutor(Executor):
             if self._drain(_POLL_S):
                 continue
             code = self.process.poll()
-            if code is not None or self._send_error is not None:
+            if code is None and self._received_all:  # the connection ended: the worker is exiting or gone
+                try:
+                    code = self.process.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            if code is not None or self._send_error is not None or self._received_all:
                 self._drain(None)  # results it sent before dying
                 if self._outstanding() == 0:
                     break
@@ -201,6 +222,8 @@ class ProcessExecutor(Executor):
         self._kill()
         if self.conn is not None:
             self.conn.close()
+        if getattr(self, "_receiver", None) is not None:
+            self._receiver.join(timeout=10)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _kill(self) -> None:

@@ -17,6 +17,8 @@ else will remove.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
 import sys
 import traceback
@@ -61,13 +63,14 @@ def serve(conn: Connection) -> int:
     while True:
         try:
             op = conn.recv()
+            if op is None:
+                return 0
+            conn.send(runner.run(op))
         except (EOFError, OSError):
-            # The main process died without closing the optimizer: nobody else will remove the files.
+            # The main process died without closing the optimizer (also while an operation ran: its result
+            # cannot be sent): nobody else will remove the files.
             remove_files([spec["path"] for spec in config["tensors"].values()])
             return 0
-        if op is None:
-            return 0
-        conn.send(runner.run(op))
 
 
 def main(argv: list[str]) -> int:
@@ -76,6 +79,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m sofx.offload.process_worker SOCKET_PATH  (authkey in hex on stdin)", file=sys.stderr)
         return 2
+    # Ctrl-C in a terminal signals the whole process group: the main process decides what an interrupt means
+    # (a script may catch it and go on training); the worker stops when told to or when the main process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(argv[1])
@@ -86,6 +92,9 @@ def main(argv: list[str]) -> int:
         return serve(conn)
     finally:
         conn.close()
+        # The main process's private directory of the socket (it removes it itself in close(); a killed one
+        # cannot).
+        shutil.rmtree(os.path.dirname(argv[1]), ignore_errors=True)
 
 
 if __name__ == "__main__":
