@@ -134,12 +134,16 @@ class UndoRecord:
 
 
 def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
-    return list(rec.leaves), (rec.spec, rec.donated, rec._used)
+    # Leaves that were not stepped (None) travel in the context: a None child is a pytree leaf that
+    # torch.func.vmap refuses to return.
+    present = tuple(leaf is not None for leaf in rec.leaves)
+    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.donated, rec._used, present)
 
 
 def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
-    spec, donated, used = context
-    return UndoRecord(list(children), spec, donated, used)
+    spec, donated, used, present = context
+    it = iter(children)
+    return UndoRecord([next(it) if has else None for has in present], spec, donated, used)
 
 
 torch_pytree.register_pytree_node(LeafUndo, _flatten_leaf, _unflatten_leaf,

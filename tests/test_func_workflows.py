@@ -122,6 +122,26 @@ def test_vmapped_undo_restores_every_member(undo):
         assert (s_back.count[k] == 1).all()
 
 
+def test_vmapped_update_returns_a_record_with_leaves_not_stepped():
+    """A frozen member leaf (None gradient): the record's unstepped leaves are not pytree children (vmap refuses
+    to return a None), and the undo restores the stepped ones and leaves the frozen one alone."""
+    members = [_mlp(30 + i) for i in range(E)]
+    stacked, _ = stack_module_state(members)
+    params = {k: v.detach().clone() for k, v in stacked.items()}
+    frozen = sorted(params)[0]
+    gen = torch.Generator().manual_seed(5)
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    state = vmap(opt.init)(params)
+    update = vmap(lambda p, g, s: opt.update(p, {**g, frozen: None}, s))  # the frozen leaf: no gradient
+    p1, s1, record = update(params, grads, state)
+    assert record.strategies()[sorted(params).index(frozen)] is None
+    assert torch.equal(p1[frozen], params[frozen])
+    p_back, s_back = vmap(opt.undo)(p1, s1, record)
+    for k in params:
+        assert torch.equal(p_back[k], params[k]) and torch.equal(s_back.count[k], state.count[k])
+
+
 def test_per_group_hparams_prefix_tree_under_vmap():
     members = [_mlp(20 + i) for i in range(E)]
     stacked, _ = stack_module_state(members)
