@@ -370,18 +370,33 @@ def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> A
     return tree.unflatten(spec, [label_fn(path, p) for path, p in zip(tree.leaf_paths(spec), leaves)])
 
 
-_NO_DECAY_NAME = re.compile(r"bias|norm|(^|[^a-z])ln(_|\d|[^a-z]|$)", re.IGNORECASE)
+# A path's names: split at non-alphanumerics and camel case ("LayerNorm" -> "Layer", "Norm"); the names of a
+# bias or a normalization layer, with a number (norm1, ln_2 -> "ln", "2") or BatchNorm's "2d".
+_NAME_PARTS = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
+_NO_DECAY_NAME = re.compile(r"(?:[a-z0-9]*norm|ln|bias)(?:\d+d?)?")
 
 
-def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay") -> Any:
+def _names_bias_or_norm(path: str) -> bool:
+    """Whether a name in ``path`` is a bias or a normalization layer: ``bias`` (``qkv_bias``), a name ending
+    in ``norm`` (``norm1``, ``layernorm``, ``LayerNorm``, ``rms_norm``, ``BatchNorm2d``) or ``ln`` (``ln_1``,
+    ``ln_f``); not a name that merely contains those letters (``abnormal_proj``, ``kiln``)."""
+    return any(_NO_DECAY_NAME.fullmatch(part.lower()) for part in _NAME_PARTS.split(path))
+
+
+def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay", *, batch_dims: int = 0) -> Any:
     """``no_decay`` for biases and normalization weights, ``decay`` for the rest.
 
     A leaf is ``no_decay`` when it has fewer than 2 dimensions (biases, norm
-    scales) or its path names a bias or a norm (``bias``, ``norm``, ``ln_1``).
+    scales) or a name in its path is a bias or a norm (``bias``, ``qkv_bias``,
+    ``norm1``, ``LayerNorm``, ``ln_f``; not ``abnormal_proj``). ``batch_dims``:
+    leading dimensions not counted (1 for an ensemble's stacked parameters,
+    ``torch.func.stack_module_state``).
     """
+    if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
+        raise HParamError(f"batch_dims = {batch_dims!r}; expected an integer >= 0")
 
     def rule(path: str, p: torch.Tensor) -> str:
-        return no_decay if p.dim() < 2 or _NO_DECAY_NAME.search(path) else decay
+        return no_decay if p.dim() - batch_dims < 2 or _names_bias_or_norm(path) else decay
 
     return label_params(params, rule)
 

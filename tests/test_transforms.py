@@ -179,6 +179,17 @@ def test_accumulate_rejects_bad_leaves_naming_the_path(rng):
     assert state.micro_steps == 0
 
 
+def test_no_decay_names_are_whole_names():
+    w = torch.zeros(2, 2)
+    names = ["bias", "attn.qkv_bias", "norm1", "encoder.LayerNorm", "final_layernorm", "ln_f", "h.0.ln_1",
+             "rms_norm", "BatchNorm2d_3", "abnormal_proj", "kiln", "normal_init", "lnx", "weight", "unbiased"]
+    labels = tx.no_decay_labels({n: w for n in names})
+    assert [n for n in names if labels[n] == "no_decay"] == names[:9]
+    stacked = {"0.weight": torch.zeros(4, 3, 2), "1.weight": torch.zeros(4, 3)}  # an ensemble of 4: Linear, norm
+    assert tx.no_decay_labels(stacked, batch_dims=1) == {"0.weight": "decay", "1.weight": "no_decay"}
+    assert tx.no_decay_labels(stacked)["1.weight"] == "decay"
+
+
 def test_param_groups_no_decay_on_biases_and_norms_equals_torch_groups(rng):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
