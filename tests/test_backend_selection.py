@@ -23,6 +23,23 @@ def test_auto_picks_cpu_for_cpu_tensors_and_reference_for_the_rest():
     assert select_backend("auto", "meta", torch.float32, torch.float32) is reference
 
 
+@pytest.mark.parametrize("undo", ["auto", "algebraic", "exact"])
+def test_meta_tensors_plan_every_operation_without_reading_values(undo):
+    """Meta tensors (a model's optimizer state planned without memory) go through update, undo and undo_redo:
+    the undo strategy is chosen without reading values (a snapshot where it would have read them), and the
+    results are meta tensors of the right shapes and dtypes (it failed on Tensor.item())."""
+    opt = sofx.adamw(lr=1e-2, undo=undo, state_dtype=torch.float32)
+    params = {"w": torch.empty(3, 4, device="meta", dtype=torch.bfloat16), "b": torch.empty(4, device="meta")}
+    state = opt.init(params)
+    p1, s1, record = opt.update(params, params, state)
+    assert record.strategies() == ["algebraic" if undo == "algebraic" else "snapshot"] * 2
+    p0, s0 = opt.undo(p1, s1, record)
+    p2, s2, _ = opt.undo_redo(*opt.update(params, params, state), params)
+    for tree in (p0, p1, p2, s1.mu, s2.nu):
+        assert all(t.is_meta for t in tree.values())
+    assert p2["w"].dtype == torch.bfloat16 and s2.mu["w"].dtype == torch.float32 and p2["w"].shape == (3, 4)
+
+
 def test_auto_on_cuda_prefers_triton_when_it_is_installed():
     want = "triton" if "triton" in available_backends() else "reference"
     assert select_backend("auto", torch.device("cuda"), torch.float32, torch.float32).NAME == want

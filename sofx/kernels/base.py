@@ -99,13 +99,15 @@ def is_traced(x: object) -> bool:
     """True for a tensor whose value cannot be read on the host right now.
 
     That is a tensor wrapped by a ``torch.func`` transform (vmap, grad), a
-    tensor that requires grad, or any tensor while ``torch.compile`` traces.
+    tensor that requires grad, a meta tensor (shapes only: planning a model's
+    optimizer state without memory), or any tensor while ``torch.compile``
+    traces.
     """
     if not isinstance(x, torch.Tensor):
         return False
     if torch.compiler.is_compiling():
         return True
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x)) or x.requires_grad
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x)) or x.requires_grad or x.is_meta
 
 
 def any_traced(xs: Iterable[object]) -> bool:
@@ -122,7 +124,7 @@ def leaf_tracer() -> Callable[..., bool]:
 
     def traced(*xs: object) -> bool:
         for x in xs:  # a loop, not any(...): this runs for every leaf of every step
-            if isinstance(x, torch.Tensor) and (x.requires_grad or wrapped(x)):
+            if isinstance(x, torch.Tensor) and (x.requires_grad or wrapped(x) or x.is_meta):
                 return True
         return False
 
