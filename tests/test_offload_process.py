@@ -251,11 +251,16 @@ def test_a_main_process_killed_without_close_leaves_no_shared_memory_behind() ->
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGKILL, out.stderr
     prefix, worker = out.stdout.split()
+    _wait_for_the_worker_to_clean_up(prefix, int(worker))
+
+
+def _wait_for_the_worker_to_clean_up(prefix: str, worker: int) -> None:
+    """A worker whose main process was killed removes the shared-memory files (``prefix*``) and exits."""
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (glob.glob(prefix + "*") or _alive(int(worker))):
+    while time.monotonic() < deadline and (glob.glob(prefix + "*") or _alive(worker)):
         time.sleep(0.1)
     assert glob.glob(prefix + "*") == [], "the worker removes the files when its main process is gone"
-    assert not _alive(int(worker)), "the worker exits when its main process is gone"
+    assert not _alive(worker), "the worker exits when its main process is gone"
 
 
 def _alive(pid: int) -> bool:
@@ -335,8 +340,5 @@ def test_a_main_process_killed_during_a_step_leaves_no_shared_memory_behind() ->
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGKILL, out.stderr
     prefix, worker, sockdir = out.stdout.split()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (glob.glob(prefix + "*") or _alive(int(worker))):
-        time.sleep(0.1)
-    assert glob.glob(prefix + "*") == [], "the worker removes the files when its main process is gone"
-    assert not _alive(int(worker)) and not os.path.exists(sockdir)
+    _wait_for_the_worker_to_clean_up(prefix, int(worker))
+    assert not os.path.exists(sockdir)
