@@ -66,6 +66,11 @@ class BlockLayout:
             acc += n
         return tuple(out)
 
+    def span(self, slot: int) -> slice:
+        """Where parameter ``slot`` of the block lies in its flat tensors."""
+        start = self.offsets[slot]
+        return slice(start, start + self.numels[slot])
+
     def tensor_name(self, what: str) -> str:
         """The arena name of one of this block's tensors (``what`` in :data:`TENSOR_NAMES`)."""
         return f"block{self.index}.{what}"

@@ -280,7 +280,7 @@ class OffloadEngine:
             for i in edited:
                 block, slot = self.tracker.where[i]
                 layout, t = self.layouts[block], self.tensors[block]
-                view = t.master[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
+                view = t.master[layout.span(slot)]
                 view.copy_(self.params[i].detach().reshape(-1))
         self._note_versions()
 
@@ -415,7 +415,7 @@ class OffloadEngine:
         arrival = self.tracker.arrive(index)
         b = arrival.block
         layout, t = self.layouts[b], self.tensors[b]
-        view = t.grad[layout.offsets[arrival.slot]:layout.offsets[arrival.slot] + layout.numels[arrival.slot]]
+        view = t.grad[layout.span(arrival.slot)]
         g = grad.detach().reshape(-1)
         if arrival.late and self._deferred:
             self._record(self._wait())  # the block's decision, taken in the executor, is known after this
@@ -542,7 +542,7 @@ class OffloadEngine:
         layout, t = self.layouts[b], self.tensors[b]
         for slot, has in enumerate(arrived):
             if not has:
-                view = t.grad[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
+                view = t.grad[layout.span(slot)]
                 view.zero_()
                 self._grads[b][slot] = view
                 self._slot_sumsq[b][slot] = 0.0
@@ -727,7 +727,7 @@ class OffloadEngine:
                         continue
                     p, k = self.params[i], mask[slot]
                     if k < 0:
-                        view = t.master[layout.offsets[slot]:layout.offsets[slot] + layout.numels[slot]]
+                        view = t.master[layout.span(slot)]
                         p.copy_(view.view(p.shape))
                         continue
                     p.data = slots[slot][k].view(p.shape)
@@ -823,7 +823,7 @@ class OffloadEngine:
         block, slot = self.tracker.where[index]
         layout, t = self.layouts[block], self.tensors[block]
         shape = self.params[index].shape
-        sl = slice(layout.offsets[slot], layout.offsets[slot] + layout.numels[slot])
+        sl = layout.span(slot)
         return {"step": t.counts[slot], "exp_avg": t.exp_avg[sl].view(shape),
                 "exp_avg_sq": t.exp_avg_sq[sl].view(shape), "master": t.master[sl].view(shape)}
 
