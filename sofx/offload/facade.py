@@ -97,18 +97,17 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-# torch.optim.Adam/AdamW's other options: (key, the value sofx implements, whether other values are refused).
-# foreach / fused / capturable choose torch's implementation, not the math: any value is accepted (and ignored).
-_TORCH_FLAGS = (("amsgrad", False, True), ("maximize", False, True), ("differentiable", False, True),
-                ("foreach", None, False), ("fused", None, False), ("capturable", False, False))
+# torch.optim.Adam/AdamW's options that change the math: only their default (False) is implemented. (Its other
+# options, foreach / fused / capturable, choose torch's implementation: any value is accepted and ignored.)
+_REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable")
 
 
 def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> None:
     """Refuse a param group asking for what the speculative optimizer does not implement: ``amsgrad``,
     ``maximize`` or ``differentiable`` set, or ``decoupled_weight_decay`` other than the class's (AdamW: True,
     Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s."""
-    for key, _, refused in _TORCH_FLAGS:
-        if refused and group.get(key):
+    for key in _REFUSED_FLAGS:
+        if group.get(key):
             raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
                                    "optimizer (only its default, False)")
     if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != decoupled:
