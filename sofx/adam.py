@@ -30,8 +30,9 @@ or ``"exact"`` (always snapshot: bitwise identity). See :mod:`sofx.undo_record`.
 ``donate=True`` lets ``update``/``undo`` write their results into the storage
 of the params and state passed in (the caller must not use those inputs
 again); by default nothing passed in is modified. The record keeps a
-reference to the gradient tensors: do not modify them in place while the
-record may still be undone.
+reference to the gradient tensors, and a snapshot of an update without
+donation refers to the params and state passed in instead of copying them:
+do not modify those in place while the record may still be undone.
 """
 
 from __future__ import annotations
