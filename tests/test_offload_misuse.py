@@ -103,12 +103,12 @@ def test_loading_state_or_weights_between_backward_and_step_is_refused(executor)
         saved = copy.deepcopy(opt.state_dict())
         opt.backward(mlp_loss(model, mlp_batch(gen)))
         opt.engine.wait()  # the speculative steps of the thread executor have finished
-        masters = [opt.state[p]["master"].clone() for p in model.parameters()]
+        masters = [t.master.clone() for t in opt.engine.tensors.values()]
         with pytest.raises(SofxError, match=r"load_state_dict\(\) was called between backward and step\(\)"):
             opt.load_state_dict(saved)
         with pytest.raises(SofxError, match=r"reload_params\(\) was called between backward and step\(\)"):
             opt.reload_params()
-        assert all(torch.equal(opt.state[p]["master"], m) for p, m in zip(model.parameters(), masters))
+        assert all(torch.equal(t.master, m) for t, m in zip(opt.engine.tensors.values(), masters))
         opt.zero_grad()  # then both work: the rollback pattern
         opt.load_state_dict(saved)
         for _ in range(2):
@@ -338,6 +338,8 @@ def test_resetting_the_optimizer_state_as_torch_users_do(executor):
         opt.backward(mlp_loss(model, mlp_batch(gen)))
         with pytest.raises(SofxError, match="between backward and step"):
             opt.state[p]["step"] = 0
+        with pytest.raises(SofxError, match="between backward and step"):  # speculated values, and zero_() on
+            opt.state[p]["exp_avg"].zero_()                                 # them was mixed into the step
         opt.zero_grad()  # (undoes the speculative steps: algebraically, to a few ulps)
         assert int(opt.state[p]["step"]) == 7
 
@@ -436,3 +438,28 @@ def test_a_step_without_gradients_warns_that_nothing_is_stepped():
         with pytest.warns(RuntimeWarning, match="step\\(\\) found no gradients"):
             report = opt.step()  # torch.optim would step again with the old .grad
         assert report.committed + report.redone + report.stepped_late == 0
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_parameter_frozen_with_a_zeroed_gradient_is_stepped_as_torch(executor):
+    """torch steps a parameter whose .grad zero_grad(set_to_none=False) zeroed, also once it is frozen; its block
+    made ready by the others during backward was speculated without it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)  # weight and bias in one block
+    ref = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(8, 4)
+    with opt:
+        for t in range(3):
+            if t == 1:
+                model.bias.requires_grad_(False)
+                ref.bias.requires_grad_(False)
+            opt.zero_grad(set_to_none=False)
+            ropt.zero_grad(set_to_none=False)
+            opt.backward(model(x).square().mean())
+            ref(x).square().mean().backward()
+            report = opt.step()
+            ropt.step()
+            assert torch.equal(model.bias, ref.bias) and int(opt.state[model.bias]["step"]) == t + 1
+        assert report.committed == 1  # speculated, with the frozen bias

@@ -449,8 +449,9 @@ class OffloadEngine:
 
     def _block_ready(self, b: int, during_backward: bool) -> None:
         layout, t = self.layouts[b], self.tensors[b]
-        present = self.tracker.present(b)
-        self._zero_absent(b, present)
+        arrived = self.tracker.present(b)
+        self._zero_absent(b, arrived)
+        present = self._stepped(b, arrived)
         if not during_backward or layout.on_device:
             return  # stepped in step(), not speculated (its sum of squares is taken there)
         self._begin()
@@ -635,8 +636,7 @@ class OffloadEngine:
             if p.grad is not None and self.tracker.arrivals[i] == 0:
                 self._take_gradient(i, p.grad, during_backward=False, owned=False)
                 p.grad = None
-        zero_mode = self.speculation.missing_grad == "zero"
-        if not self.tracker.started and not zero_mode and not any(self._zero_grads):
+        if not self.tracker.started and self.speculation.missing_grad != "zero" and not any(self._zero_grads):
             warnings.warn("sofx.offload: step() found no gradients (no backward since the last step(), or every "
                           "parameter frozen), so nothing is stepped; torch.optim would step again with what is "
                           "left in .grad, but here step() consumes a backward's gradients", RuntimeWarning,
@@ -649,17 +649,14 @@ class OffloadEngine:
         for layout in self.layouts:
             b = layout.index
             arrived = self.tracker.present(b)
-            # A missing gradient is a zero gradient (kept zero by _zero_absent) with missing_grad="zero", and
-            # for a parameter whose gradient zero_grad(set_to_none=False) zeroed: torch steps it as well.
-            kept = tuple(self._zero_grads[i] for i in layout.param_indices)
-            expected = self.tracker.expected_in(b) if zero_mode else kept
-            present = tuple(a or e or k for a, e, k in zip(arrived, expected, kept))
+            present = self._stepped(b, arrived)
             presents.append(present)
             if self._tally.decisions[b] is not None:
                 sumsq.append(self._tally.block_sumsq[b])
                 continue
             self._zero_absent(b, arrived)
-            sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if any(kept) else None)
+            kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
+            sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
         stepped: list[int] = []
         for action, layout in zip(plan.actions, self.layouts):
@@ -744,6 +741,15 @@ class OffloadEngine:
                         p = self.params[i]
                         p.copy_(view.view(p.shape))
 
+    def _stepped(self, b: int, arrived: Sequence[bool]) -> tuple[bool, ...]:
+        """Which parameters of block ``b`` a step steps: those with a gradient, and with a zero one (their
+        slice kept zero by :meth:`_zero_absent`) the expected ones with ``missing_grad="zero"`` and those whose
+        gradient ``zero_grad(set_to_none=False)`` zeroed -- torch steps those too, frozen or not."""
+        zero_mode = self.speculation.missing_grad == "zero"
+        expected = self.tracker.expected_in(b)
+        return tuple(a or self._zero_grads[i] or (zero_mode and e)
+                     for a, e, i in zip(arrived, expected, self.layouts[b].param_indices))
+
     def _note_gradients(self) -> None:
         """Remember the parameters that got a gradient this step (see :meth:`discard_gradients`)."""
         for i, n in enumerate(self.tracker.arrivals):
@@ -819,7 +825,13 @@ class OffloadEngine:
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
         """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,
-        ``master``: live views of the block's tensors (an in-place change, e.g. ``zero_()``, is the state's)."""
+        ``master``: live views of the block's tensors (an in-place change, e.g. ``zero_()``, is the state's).
+        Refused between backward and ``step()``: blocks may hold speculative steps then (torch.optim would show
+        the state before the step), and a change would be mixed into them."""
+        if self.in_step:
+            raise SofxError("opt.state[p] was read between backward and step(): blocks may hold speculative steps "
+                            "that are not validated yet (torch.optim would show the state before the step), and a "
+                            "change would mix into them; read it after step() or zero_grad()")
         block, slot = self.tracker.where[index]
         layout, t = self.layouts[block], self.tensors[block]
         shape = self.params[index].shape

@@ -134,6 +134,9 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
     return AdamHParams(lr, b1, b2, eps, wd)
 
 
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # (as OffloadEngine.param_state gives them)
+
+
 class _ParamState(MutableMapping):
     """``opt.state[p]``: one parameter's ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq`` and ``master`` as live
     views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``)."""
@@ -153,10 +156,10 @@ class _ParamState(MutableMapping):
                                "opt.state = collections.defaultdict(dict)")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._engine.param_state(self._index))
+        return iter(_STATE_KEYS)
 
     def __len__(self) -> int:
-        return len(self._engine.param_state(self._index))
+        return len(_STATE_KEYS)
 
     def __repr__(self) -> str:
         return repr(dict(self))
