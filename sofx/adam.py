@@ -605,11 +605,8 @@ class Adam:
         if abs(b1) < _F32_TINY or abs(b2) < _F32_TINY:
             # 0, or 0 / subnormal once rounded to float32 as the kernels compute: 1/beta overflows.
             full_reasons.append("a beta of 0 (or below float32's smallest normal) leaves no trace of the old moment")
-        if state_dtype in _LOW_PRECISION:
-            full_reasons.append(f"{state_dtype} optimizer states are rounded")
-        param_reasons = []
-        if param_dtype in _LOW_PRECISION:
-            param_reasons.append(f"{param_dtype} master weights are rounded")
+        full_reasons += _rounded(None, state_dtype)
+        param_reasons = _rounded(param_dtype, None)
         if self.variant.decoupled and wd != 0 and abs(1 - lr * wd) < _F32_TINY:
             param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
         return full_reasons, param_reasons
@@ -632,8 +629,12 @@ class Adam:
             return "snapshot", ""
         values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
         if leaf.traced or not all(is_number(x) for x in values):
-            # Values cannot be inspected (vmap, grad, compile): keep the inputs (exact, no copy when pure).
+            # Values cannot be inspected (vmap, grad, compile, meta): keep the inputs (exact, no copy when pure).
             if self.undo_mode == "algebraic":
+                rounded = _rounded(leaf.p.dtype, leaf.m.dtype)  # (the dtypes are known, the values not)
+                if rounded:
+                    raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: {'; '.join(rounded)}; "
+                                           "use undo='auto' or 'exact'")
                 return "algebraic", ""
             return "snapshot", ""
         lr, b1, b2, wd = values
@@ -724,6 +725,16 @@ def _role_name(leaf: _Leaf, role: int) -> str:
 def _validate_grads_finite(grads_finite: Any) -> None:
     if not (grads_finite is None or isinstance(grads_finite, bool)):
         raise UnsupportedError(f"grads_finite = {grads_finite!r}; expected None, True or False")
+
+
+def _rounded(param_dtype: torch.dtype | None, state_dtype: torch.dtype | None) -> list[str]:
+    """The dtypes among these that round what an algebraic inverse would need exactly."""
+    out = []
+    if state_dtype in _LOW_PRECISION:
+        out.append(f"{state_dtype} optimizer states are rounded")
+    if param_dtype in _LOW_PRECISION:
+        out.append(f"{param_dtype} master weights are rounded")
+    return out
 
 
 def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:
