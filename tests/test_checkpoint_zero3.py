@@ -120,6 +120,21 @@ def test_meta_template_params_load_on_the_cpu(tmp_path):
     assert _bits_equal((p2, s2), (params, state))
 
 
+def test_a_save_into_an_older_checkpoint_directory_leaves_one_checkpoint(tmp_path, monkeypatch):
+    """An older save with more dp ranks (or the other bf16_ prefix) in the same directory: its files that the new
+    save does not overwrite are removed (loading read them as ranks of the new one, or refused)."""
+    opt = sofx.adam(lr=1e-3)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=4, model_states=True, bf16=True)
+    other = tmp_path / "notes.txt"
+    other.write_text("kept")
+    monkeypatch.chdir(tmp_path.parent)  # a relative directory
+    written = ck.save_zero3(tmp_path.name, opt, params, state, HP, dp_world_size=2, model_states=True)
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(w) for w in written] + ["notes.txt"])
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert _bits_equal((p2, s2), (params, state))
+
+
 def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
     """Saved with groups= (the model's order), loaded without them: the file's recorded layout; loaded with
     groups that put other leaves in a block: refused naming them (the flat sizes alone would agree)."""

@@ -63,7 +63,8 @@ __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zer
            "partition_numel", "DEEPSPEED_STAND_INS"]
 
 FORMAT_VERSION = 1
-_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2,})_optim_states\.pt$")
+_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_optim_states\.pt$")
+_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_model_states\.pt$")
 
 
 def zero3_file_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
@@ -123,7 +124,10 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     """Write the DeepSpeed ZeRO-3 optimizer files of ``(params, state)`` into ``directory``; returns their paths.
 
     One file per rank ``0..dp_world_size-1``, each written atomically (the
-    set of files is not one atomic unit, as with DeepSpeed). ``bf16`` sets the
+    set of files is not one atomic unit, as with DeepSpeed); then this
+    ``mp_rank``'s files of an older save that the new set does not overwrite
+    (more dp ranks, the other ``bf16_`` prefix) are removed, so the directory
+    holds one consistent checkpoint. ``bf16`` sets the
     ``bf16_`` file prefix (default: when a params leaf is bfloat16).
     ``loss_scaler``: the loss scaler's attributes as DeepSpeed names them
     (``{"cur_scale": 1024.0, "dynamic": True, "cur_iter": ..., "scale_window": ...}``);
@@ -207,7 +211,18 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
         for r in range(dp_world_size):
             path = os.path.join(os.fspath(directory), model_states_file_name(r, mp_rank))
             written.append(atomic_write(path, lambda tmp: torch.save(states, tmp)))
+    _remove_older_files(os.path.abspath(os.fspath(directory)), mp_rank, {os.path.abspath(w) for w in written})
     return written
+
+
+def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
+    """Remove ``mp_rank``'s ZeRO-3 optimizer and model files in ``directory`` other than ``keep`` (an older save
+    with more dp ranks or the other prefix: loading would read them as part of the new one, or refuse)."""
+    for name in os.listdir(directory):
+        m = _FILE_RE.match(name) or _MODEL_FILE_RE.match(name)
+        path = os.path.join(directory, name)
+        if m and int(m.group("mp")) == mp_rank and path not in keep:
+            os.remove(path)
 
 
 def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
