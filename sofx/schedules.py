@@ -204,6 +204,10 @@ class OneCycle:
         _steps("total_steps", self.total_steps)
         if not 0 <= self.pct_start <= 1:
             raise HParamError(f"pct_start = {self.pct_start!r} is invalid; expected 0 <= pct_start <= 1")
+        if self.pct_start == 1 and not self.three_phase:
+            # the annealing phase would have no steps (torch's OneCycleLR divides by zero)
+            raise HParamError("pct_start = 1 leaves the two-phase cycle no annealing phase; expected pct_start < 1 "
+                              "(or three_phase=True)")
         if self.anneal not in ("cos", "linear"):
             raise HParamError(f"anneal = {self.anneal!r}; expected 'cos' or 'linear'")
         for name in ("base_beta1", "max_beta1", "div_factor", "final_div_factor"):

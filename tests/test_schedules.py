@@ -128,3 +128,6 @@ def test_schedules_pickle_and_reject_bad_input():
         schedules.join([schedules.constant(1.0)], [3])
     with pytest.raises(HParamError, match="value"):
         schedules.constant(float("nan"))
+    with pytest.raises(HParamError, match="pct_start = 1 leaves the two-phase cycle no annealing phase"):
+        schedules.one_cycle(0.1, 10, pct_start=1.0)  # (a ZeroDivisionError at the last step; torch's at once)
+    assert schedules.one_cycle(0.1, 10, pct_start=1.0, three_phase=True).lr(10) > 0
