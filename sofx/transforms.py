@@ -231,10 +231,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def _loss_scale(extra: Mapping[str, Any], who: str) -> float:
+def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
+    """The loss scale ``S`` passed to ``update``: a checked float, or a 0-d tensor as is where its value cannot
+    be read (``vmap`` over loss scales, ``compile``)."""
     if "loss_scale" not in extra:
         raise SofxError(f"{who}: pass the loss scale of this backward as update(..., loss_scale=S)")
     s = extra["loss_scale"]
+    if isinstance(s, torch.Tensor) and is_traced(s):
+        if s.numel() != 1 or not s.is_floating_point():
+            raise HParamError(f"{who}: loss_scale must be a number or a 1-element float tensor, got {s.dtype} "
+                              f"{tuple(s.shape)}")
+        return s.reshape(())
     s = s.item() if isinstance(s, torch.Tensor) else s
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
         raise HParamError(f"{who}: loss_scale = {s!r} is invalid; expected a finite number > 0")
@@ -246,6 +253,10 @@ def unscale() -> GradientTransformation:
 
     def update(grads: Any, state: EmptyState, params: Any = None, **extra: Any) -> tuple[Any, EmptyState]:
         s = _loss_scale(extra, "unscale")
+        if isinstance(s, torch.Tensor):  # as the float path: 1/S in float64, applied in float32 (float64 leaves)
+            inv = torch.reciprocal(s.double())
+            return tree.tree_map(lambda g: g * inv if g.dtype == torch.float64
+                                 else (g.float() * inv.float()).to(g.dtype), grads), state
         return (grads if s == 1.0 else scale_tree(grads, 1.0 / s)), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
@@ -278,7 +289,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         s = _loss_scale(extra, "unscale_and_clip_zero")
-        if _traced(grads):
+        if _traced(grads) or isinstance(s, torch.Tensor):
             scaled_t = _global_norm_tensor(grads)
             clip_t = (torch.ones_like(scaled_t) if max_norm is None else
                       torch.clamp((scaled_t / s + CLIP_EPS) / max_norm, min=1.0))
