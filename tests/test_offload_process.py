@@ -248,10 +248,15 @@ def test_a_main_process_killed_without_close_leaves_no_shared_memory_behind() ->
         "print(os.path.join(arena.shm_dir, arena.prefix), opt.engine.executor.pid, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
+    prefix, worker = _run_until_it_kills_itself(script)
+    _wait_for_the_worker_to_clean_up(prefix, int(worker))
+
+
+def _run_until_it_kills_itself(script: str) -> list[str]:
+    """Run ``script`` in a fresh interpreter that ends by SIGKILL-ing itself; the words it printed."""
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGKILL, out.stderr
-    prefix, worker = out.stdout.split()
-    _wait_for_the_worker_to_clean_up(prefix, int(worker))
+    return out.stdout.split()
 
 
 def _wait_for_the_worker_to_clean_up(prefix: str, worker: int) -> None:
@@ -337,8 +342,6 @@ def test_a_main_process_killed_during_a_step_leaves_no_shared_memory_behind() ->
         "opt.backward(m(torch.randn(8, 1024)).square().mean())\n"
         "os.kill(os.getpid(), signal.SIGKILL)  # blocks are being stepped\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == -signal.SIGKILL, out.stderr
-    prefix, worker, sockdir = out.stdout.split()
+    prefix, worker, sockdir = _run_until_it_kills_itself(script)
     _wait_for_the_worker_to_clean_up(prefix, int(worker))
     assert not os.path.exists(sockdir)
