@@ -49,7 +49,7 @@ def test_killing_the_worker_mid_step_is_a_clear_error_and_the_state_survives() -
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
                                         timeout=30.0)
     assert opt.executor == "process"
-    assert len(_shm_files(opt)) > 0
+    assert _shm_files(opt) == []  # their names are removed once both processes mapped them
     for _ in range(2):
         opt.backward(mlp_loss(model, mlp_batch(gen)))
         opt.step()
@@ -227,16 +227,46 @@ def test_the_worker_gets_every_hparam_with_every_operation() -> None:
             assert relative_deviation(model, ref) <= TOL
 
 
-def test_close_stops_the_worker_and_removes_shared_memory() -> None:
-    model = SharedMLP()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100) as opt:
+def test_close_stops_the_worker_and_no_shared_memory_file_outlives_the_start() -> None:
+    """The shared tensors' files are unlinked as soon as both processes mapped them: training works on the
+    mappings, and nothing can be left in /dev/shm however the processes end."""
+    model, ref = SharedMLP(), None
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100) as opt:
         worker = opt.engine.executor.process
-        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
-        opt.step()
-        files = _shm_files(opt)
-        assert files and all(os.path.exists(f) for f in files)
+        assert opt.engine._cpu_arena.specs and _shm_files(opt) == []
+        for _ in range(3):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert _shm_files(opt) == []
     assert worker.poll() == 0, "the worker exits cleanly"
-    assert not any(os.path.exists(f) for f in files)
+    assert relative_deviation(model, ref) <= TOL
+
+
+def test_sigterm_to_the_process_group_leaves_no_shared_memory_behind() -> None:
+    """``timeout``, ``docker stop``, a batch scheduler: SIGTERM to the main process and its worker at once (the
+    worker died before it could remove the files; they stayed in /dev/shm)."""
+    script = (
+        "import os, sys, time, torch, sofx.offload\n"
+        "m = torch.nn.Linear(64, 64)\n"
+        "opt = sofx.offload.SpeculativeAdamW(m.parameters(), executor='process')\n"
+        "opt.backward(m(torch.randn(4, 64)).sum())\n"
+        "opt.step()\n"
+        "arena = opt.engine._cpu_arena\n"
+        "print(os.path.join(arena.shm_dir, arena.prefix), opt.engine.executor.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        prefix, worker = proc.stdout.readline().split()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _wait_for_the_worker_to_clean_up(prefix, int(worker))
 
 
 def test_a_main_process_killed_without_close_leaves_no_shared_memory_behind() -> None:

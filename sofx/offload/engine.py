@@ -197,6 +197,10 @@ class OffloadEngine:
             self.device_runner = BlockRunner(self.adam, device_layouts,
                                              {b.index: self.tensors[b.index] for b in device_layouts})
             self.executor = self._make_executor(executor, cpu_layouts, num_threads)
+            # Both processes have mapped the shared tensors now: their file names are not needed any more, and
+            # removing them means that nothing is left in /dev/shm however both processes end (SIGTERM to the
+            # process group, SIGKILL); the memory is released when the last mapping goes.
+            self._cpu_arena.close()
         except BaseException:
             self._release_shared_memory()
             raise

@@ -91,7 +91,8 @@ class SharedMemoryArena:
     start ``colour_offset`` elements into their file).
 
     The files are removed by :meth:`close`, when the arena is garbage collected, or at interpreter
-    exit, whichever comes first (mappings that are still open stay valid until released).
+    exit, whichever comes first (mappings that are still open stay valid until released: the offload
+    engine closes its arena as soon as the worker process has mapped the tensors).
     """
 
     def __init__(self, shm_dir: str = DEFAULT_SHM_DIR) -> None:
