@@ -10,8 +10,8 @@ tensors and answers ``("ready", pid)``. Then, for every
 :class:`~sofx.offload.block_ops.BlockOp` received, it sends back one
 :class:`~sofx.offload.block_ops.OpResult`, in order. ``None`` stops it. A
 closed connection (the main process died or exited without closing the
-optimizer) stops it too, after removing the shared-memory files that nobody
-else will remove.
+optimizer) stops it too, after removing any shared-memory file still named
+(the engine unlinks them once this process has mapped them).
 """
 
 from __future__ import annotations
