@@ -109,6 +109,9 @@ EXECUTORS = ("inline", "thread", "process")
 
 HParamsFn = Callable[[], Sequence[AdamHParams]]
 
+#: The keys of a parameter's torch.optim-style state (:meth:`OffloadEngine.param_state`), in order.
+PARAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
+
 
 class OffloadEngine:
     """Speculative offloaded Adam over ``groups`` of parameters; see the module docstring.
@@ -281,11 +284,8 @@ class OffloadEngine:
         if not edited:
             return
         with torch.no_grad():
-            for i in edited:
-                block, slot = self.tracker.where[i]
-                layout, t = self.layouts[block], self.tensors[block]
-                view = t.master[layout.span(slot)]
-                view.copy_(self.params[i].detach().reshape(-1))
+            for i in edited:  # (between steps: param_state's views are allowed)
+                self.param_state(i)["master"].copy_(self.params[i].detach())
         self._note_versions()
 
     def _swappable_params(self) -> set[int]:
@@ -840,8 +840,8 @@ class OffloadEngine:
         layout, t = self.layouts[block], self.tensors[block]
         shape = self.params[index].shape
         sl = layout.span(slot)
-        return {"step": t.counts[slot], "exp_avg": t.exp_avg[sl].view(shape),
-                "exp_avg_sq": t.exp_avg_sq[sl].view(shape), "master": t.master[sl].view(shape)}
+        views = (t.counts[slot], t.exp_avg[sl].view(shape), t.exp_avg_sq[sl].view(shape), t.master[sl].view(shape))
+        return dict(zip(PARAM_STATE_KEYS, views))
 
     def set_param_state(self, index: int, key: str, value: Any) -> None:
         """Write ``value`` into parameter ``index``'s ``key`` of :meth:`param_state` (between steps; checked

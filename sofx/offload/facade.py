@@ -60,7 +60,7 @@ from sofx.adam import AdamHParams
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
-from sofx.offload.engine import EngineStepReport, OffloadEngine
+from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR
 from sofx.speculate import AdaptivePolicy, SpeculationConfig
 
@@ -134,9 +134,6 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
     return AdamHParams(lr, b1, b2, eps, wd)
 
 
-_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # (as OffloadEngine.param_state gives them)
-
-
 class _ParamState(MutableMapping):
     """``opt.state[p]``: one parameter's ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq`` and ``master`` as live
     views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``)."""
@@ -156,10 +153,10 @@ class _ParamState(MutableMapping):
                                "opt.state = collections.defaultdict(dict)")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_STATE_KEYS)
+        return iter(PARAM_STATE_KEYS)
 
     def __len__(self) -> int:
-        return len(_STATE_KEYS)
+        return len(PARAM_STATE_KEYS)
 
     def __repr__(self) -> str:
         return repr(dict(self))
