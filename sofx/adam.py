@@ -605,8 +605,8 @@ class Adam:
         if abs(b1) < _F32_TINY or abs(b2) < _F32_TINY:
             # 0, or 0 / subnormal once rounded to float32 as the kernels compute: 1/beta overflows.
             full_reasons.append("a beta of 0 (or below float32's smallest normal) leaves no trace of the old moment")
-        full_reasons += _rounded(None, state_dtype)
-        param_reasons = _rounded(param_dtype, None)
+        full_reasons += _rounded(state_dtype, "optimizer states")
+        param_reasons = _rounded(param_dtype, "master weights")
         if self.variant.decoupled and wd != 0 and abs(1 - lr * wd) < _F32_TINY:
             param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
         return full_reasons, param_reasons
@@ -631,7 +631,8 @@ class Adam:
         if leaf.traced or not all(is_number(x) for x in values):
             # Values cannot be inspected (vmap, grad, compile, meta): keep the inputs (exact, no copy when pure).
             if self.undo_mode == "algebraic":
-                rounded = _rounded(leaf.p.dtype, leaf.m.dtype)  # (the dtypes are known, the values not)
+                # (the dtypes are known, the values not)
+                rounded = _rounded(leaf.m.dtype, "optimizer states") + _rounded(leaf.p.dtype, "master weights")
                 if rounded:
                     raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: {'; '.join(rounded)}; "
                                            "use undo='auto' or 'exact'")
@@ -727,14 +728,10 @@ def _validate_grads_finite(grads_finite: Any) -> None:
         raise UnsupportedError(f"grads_finite = {grads_finite!r}; expected None, True or False")
 
 
-def _rounded(param_dtype: torch.dtype | None, state_dtype: torch.dtype | None) -> list[str]:
-    """The dtypes among these that round what an algebraic inverse would need exactly."""
-    out = []
-    if state_dtype in _LOW_PRECISION:
-        out.append(f"{state_dtype} optimizer states are rounded")
-    if param_dtype in _LOW_PRECISION:
-        out.append(f"{param_dtype} master weights are rounded")
-    return out
+def _rounded(dtype: torch.dtype, what: str) -> list[str]:
+    """``[why]`` when ``what`` (master weights, optimizer states) of ``dtype`` round what an algebraic inverse
+    would need exactly, else ``[]``."""
+    return [f"{dtype} {what} are rounded"] if dtype in _LOW_PRECISION else []
 
 
 def _is_fresh(leaf: _Leaf, s: AdamScalars) -> bool:
