@@ -32,8 +32,12 @@ def trees_equal(a, b) -> bool:
     return sa == sb and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
 
 
-def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| relative to max(|b|, tiny), elementwise (nan-aware: nan only matches nan)."""
+def max_rel_err(a: torch.Tensor, b: torch.Tensor, operand: torch.Tensor | None = None) -> float:
+    """Largest |a - b| relative to max(|b|, tiny), elementwise (nan-aware: nan only matches nan).
+
+    With ``operand`` (e.g. the parameter a step started from) relative to max(|b|, |operand|, tiny): the error
+    of a result that is a sum (p' = p - u) is a fraction of its operands' magnitudes, which cancellation makes
+    large against the result alone (an ulp of u where p' ~ 0)."""
     a64, b64 = a.double(), b.double()
     if not torch.equal(torch.isnan(a64), torch.isnan(b64)):
         return float("inf")
@@ -41,8 +45,10 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if mask.sum() == 0:
         return 0.0
     diff = (a64 - b64)[mask].abs()
-    scale = b64[mask].abs().clamp_min(torch.finfo(a.dtype).tiny)
-    return float((diff / scale).max())
+    scale = b64[mask].abs()
+    if operand is not None:
+        scale = torch.maximum(scale, operand.double().expand_as(b64)[mask].abs().nan_to_num(0.0))
+    return float((diff / scale.clamp_min(torch.finfo(a.dtype).tiny)).max())
 
 
 def assert_trees_bitwise(a, b) -> None:

@@ -82,7 +82,8 @@ def test_adam_uses_the_selected_backend(rng):
         results[backend] = p
     if cpu.bitwise_with_torch():
         assert all(torch.equal(results["cpu"][k], results["reference"][k]) for k in params)
-    assert max_rel_err(results["cpu_fast"]["w"], results["reference"]["w"]) <= 1e-6
+    # relative to the parameters' magnitudes too: the square roots differ by an ulp where torch's is MKL's
+    assert max_rel_err(results["cpu_fast"]["w"], results["reference"]["w"], params["w"]) <= 1e-6
     assert max_rel_err(results["cpu_fast"]["b"].float(), results["reference"]["b"].float()) <= 1e-2
 
 

@@ -32,13 +32,17 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
 
 
-def _assert_close(got, want, exact: bool) -> None:
-    for a, b in zip(got, want):
+def _assert_close(got, want, exact: bool, like=(None, None, None)) -> None:
+    """Bitwise (exact) or within TOL, the error of a step's results relative to their magnitudes and those of
+    ``like``, the step's inputs (p, m, v): cpu_fast's IEEE square root and the reference's (torch's, MKL's on
+    some CPUs: an ulp off for 17% of values on AMD Zen 3) differ by an ulp of the update u, which is large
+    against p' = p - u where that cancels."""
+    for a, b, x in zip(got, want, like):
         assert a.dtype == b.dtype and a.shape == b.shape
         if exact:
             assert torch.equal(a, b) or max_rel_err(a, b) == 0.0
         else:
-            assert max_rel_err(a, b) <= TOL[a.dtype], max_rel_err(a, b)
+            assert max_rel_err(a, b, x) <= TOL[a.dtype], max_rel_err(a, b, x)
 
 
 def _is_exact(backend) -> bool:
@@ -77,10 +81,10 @@ def test_step_undo_undo_redo_match_reference(name, dtypes, variant, rng):
         s = block_scalars(rng, wd, gs)
         got = backend.step(p, g, m, v, s, variant)
         want = reference.step(p, g, m, v, s, variant)
-        _assert_close(got, want, exact)
+        _assert_close(got, want, exact, (p, m, v))
         # undo of the reference's step
         _assert_close(backend.undo(*want[:1], g, *want[1:], s, variant),
-                      reference.undo(*want[:1], g, *want[1:], s, variant), exact)
+                      reference.undo(*want[:1], g, *want[1:], s, variant), exact, want)
         # fused undo+redo == the backend's undo then step, and ~ the reference's
         g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
         s2 = block_scalars(rng, wd, 1.0)._replace(step=s.step)
@@ -110,9 +114,9 @@ def test_every_native_dtype_combination_matches_reference(name, combo, rng):
     s2 = block_scalars(rng, 0.1)._replace(step=s.step)
     for variant in (VARIANTS[0], VARIANTS[3]):
         want = reference.step(p, g, m, v, s, variant)
-        _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
+        _assert_close(backend.step(p, g, m, v, s, variant), want, exact, (p, m, v))
         _assert_close(backend.undo(*want[:1], g, *want[1:], s, variant),
-                      reference.undo(*want[:1], g, *want[1:], s, variant), exact)
+                      reference.undo(*want[:1], g, *want[1:], s, variant), exact, want)
         _assert_undo_redo(backend, backend.undo_redo(*want, g, s, g2, s2, variant), want, g, s, g2, s2, variant)
 
 
@@ -127,9 +131,9 @@ def test_threaded_sizes_with_partial_tiles(name, dtypes, rng, monkeypatch):
     s = block_scalars(rng, 0.1, 0.5)
     for variant in (VARIANTS[0], VARIANTS[3]):
         want = reference.step(p, g, m, v, s, variant)
-        _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
+        _assert_close(backend.step(p, g, m, v, s, variant), want, exact, (p, m, v))
         _assert_close(backend.undo(*want[:1], g, *want[1:], s, variant),
-                      reference.undo(*want[:1], g, *want[1:], s, variant), exact)
+                      reference.undo(*want[:1], g, *want[1:], s, variant), exact, want)
 
 
 COPY_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -248,7 +252,7 @@ def test_non_contiguous_inputs_and_outputs(name, rng):
     assert not p.is_contiguous()
     s = block_scalars(rng, 0.1, 0.5)
     want = reference.step(p, g, m, v, s, variant)
-    _assert_close(backend.step(p, g, m, v, s, variant), want, exact)
+    _assert_close(backend.step(p, g, m, v, s, variant), want, exact, (p, m, v))
     # donation into non-contiguous storage writes through the views
     before = big[0].clone()
     res = backend.step(p, g, m, v, s, variant, out=(p, m, v))
@@ -257,7 +261,8 @@ def test_non_contiguous_inputs_and_outputs(name, rng):
     assert torch.equal(big[0][:, 1::3], before[:, 1::3])  # elements outside the view untouched
     # a transposed (non-contiguous, different strides) set of tensors
     pt, gt, mt, vt = (t.t() for t in big)
-    _assert_close(backend.step(pt, gt, mt, vt, s, variant), reference.step(pt, gt, mt, vt, s, variant), exact)
+    _assert_close(backend.step(pt, gt, mt, vt, s, variant), reference.step(pt, gt, mt, vt, s, variant), exact,
+                  (pt, mt, vt))
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -272,7 +277,8 @@ def test_zero_size_and_zero_dim(name, rng):
         assert all(t.shape == shape for t in backend.undo(p, g, m, v, s, variant))
         assert all(t.shape == shape for t in backend.undo_redo(p, m, v, g, s, g, s, variant, out=(p, m, v)))
     p, g, m, v = block_inputs(rng, (), torch.float32, torch.float32)
-    _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant), _is_exact(backend))
+    _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant), _is_exact(backend),
+                  (p, m, v))
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -286,7 +292,7 @@ def test_tensor_scalars_and_float64_gradients(name, rng):
                                                  backend.step(p, g, m, v, s, variant)))
     g64 = torch.randn(1001, generator=rng, dtype=torch.float64)
     _assert_close(backend.step(p, g64, m, v, s, variant), reference.step(p, g64, m, v, s, variant),
-                  _is_exact(backend))
+                  _is_exact(backend), (p, m, v))
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -512,11 +518,11 @@ def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
         s = block_scalars(rng, 0.1)._replace(beta1=beta1)
         for variant in (VARIANTS[0], VARIANTS[3]):
             _assert_close(backend.step(p, g, m, v, s, variant), reference.step(p, g, m, v, s, variant),
-                          _is_exact(backend))
+                          _is_exact(backend), (p, m, v))
     s = block_scalars(rng, 0.1)._replace(beta1=0.3)
     stepped = reference.step(p, g, m, v, s, VARIANTS[0])
     _assert_close(backend.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]),
-                  reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]), _is_exact(backend))
+                  reference.undo(*stepped[:1], g, *stepped[1:], s, VARIANTS[0]), _is_exact(backend), stepped)
 
 
 @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])

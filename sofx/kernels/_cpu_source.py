@@ -12,6 +12,11 @@ Four code paths, all with the same arithmetic:
              paths below on such CPUs (those of ``exact_*`` only with the
              replica); the portable build (no -march=native) checks them bit
              for bit (but for cpu_fast's inverse of tiny values: quot_vec).
+             On CPUs with AVX2 and FMA but without that (AMD Zen 2/3, older
+             Intel) the same loops with 8-lane vectors, bfloat16 converted by
+             integer operations: every operation of ``fused_*``, and of
+             ``exact_*`` as ``xexact_*`` (MKL's square root called per chunk
+             of XTILE elements between two vector passes).
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
@@ -54,8 +59,10 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <float.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define HW_RSQRT14 1
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -637,6 +644,39 @@ static inline int prefetch_lines(const void *p, const void *g, const void *m, co
     TFLUSH_##DS(vo, off, VT, n);                                                   \
   }
 
+/* Software prefetch of the line PREFETCH_BYTES ahead in every stream the vector loops read, one
+   prefetch per stream and vector (a bfloat16 stream's line is asked for twice: cheaper than testing).
+   The hardware prefetchers alone leave 5 or 6 streams read and 3 written at one page offset short of
+   the bandwidth; with this the float32 step at 2^26 elements went from 43.6 to 37.9 ms and the
+   undo+redo with a new gradient from 58.5 to 48.9 ms (benchmarks/RESULTS.md "Prefetch"; 4096 bytes
+   ahead as good as 1024-2048 for the step, worse for the undo+redo; NTA hints made the undo+redo
+   slower). The streams' distances are staggered by PREFETCH_STAGGER bytes (p, g, m, v, g2 in that
+   order), so that the lines in flight at one moment lie at different page offsets although torch gives
+   the arrays one: the undo+redo with a new gradient 3% faster, the step unchanged (RESULTS.md
+   "Staggered prefetch": 0 to 448 bytes tried; the traffic-only floor does not move, the arithmetic
+   hides better behind it). */
+#define PREFETCH_STAGGER 320
+static inline void prefetch_at(const void *base, int64_t e, int es, int stream) {
+  prefetch_line(base, e * es + PREFETCH_BYTES + stream * PREFETCH_STAGGER);
+}
+#define ES_0 4
+#define ES_1 2
+/* The arrays of a step (and the new gradient where with_g2 is set) at element e. */
+#define PREFETCH_ARRAYS(DP, DG, DS, a, e, with_g2)                                      \
+  do {                                                                             \
+    prefetch_at((a).p, (e), ES_##DP, 0);                                           \
+    prefetch_at((a).g, (e), ES_##DG, 1);                                           \
+    prefetch_at((a).m, (e), ES_##DS, 2);                                           \
+    prefetch_at((a).v, (e), ES_##DS, 3);                                           \
+    if (with_g2) prefetch_at((a).g2, (e), ES_##DG, 4);                             \
+  } while (0)
+
+/* The arrays of a job (a local copy: stores through po/mo/vo cannot alias it). */
+typedef struct {
+  const void *p, *g, *m, *v, *g2;
+  void *po, *mo, *vo;
+} Arrays;
+
 /* The step with explicit 16-lane vectors where the CPU converts bfloat16 in hardware (HW_BF16): the same
    operations as step_elem in the same order (so the same bits: the portable build's scalar loops are
    checked against it), but bfloat16 values are converted in registers, with no float tiles and no
@@ -674,32 +714,6 @@ static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
 }
 
 
-/* Software prefetch of the line PREFETCH_BYTES ahead in every stream the vector loops read, one
-   prefetch per stream and vector (a bfloat16 stream's line is asked for twice: cheaper than testing).
-   The hardware prefetchers alone leave 5 or 6 streams read and 3 written at one page offset short of
-   the bandwidth; with this the float32 step at 2^26 elements went from 43.6 to 37.9 ms and the
-   undo+redo with a new gradient from 58.5 to 48.9 ms (benchmarks/RESULTS.md "Prefetch"; 4096 bytes
-   ahead as good as 1024-2048 for the step, worse for the undo+redo; NTA hints made the undo+redo
-   slower). The streams' distances are staggered by PREFETCH_STAGGER bytes (p, g, m, v, g2 in that
-   order), so that the lines in flight at one moment lie at different page offsets although torch gives
-   the arrays one: the undo+redo with a new gradient 3% faster, the step unchanged (RESULTS.md
-   "Staggered prefetch": 0 to 448 bytes tried; the traffic-only floor does not move, the arithmetic
-   hides better behind it). */
-#define PREFETCH_STAGGER 320
-static inline void prefetch_at(const void *base, int64_t e, int es, int stream) {
-  prefetch_line(base, e * es + PREFETCH_BYTES + stream * PREFETCH_STAGGER);
-}
-#define ES_0 4
-#define ES_1 2
-/* The arrays of a step (and the new gradient where with_g2 is set) at element e. */
-#define PREFETCH_ARRAYS(DP, DG, DS, a, e, with_g2)                                      \
-  do {                                                                             \
-    prefetch_at((a).p, (e), ES_##DP, 0);                                           \
-    prefetch_at((a).g, (e), ES_##DG, 1);                                           \
-    prefetch_at((a).m, (e), ES_##DS, 2);                                           \
-    prefetch_at((a).v, (e), ES_##DS, 3);                                           \
-    if (with_g2) prefetch_at((a).g2, (e), ES_##DG, 4);                             \
-  } while (0)
 
 /* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the vector loops run the
    exact path only where it is in use). */
@@ -723,11 +737,6 @@ static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Ste
   *P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->nss), *M), d));
 }
 
-/* The arrays of a job (a local copy: stores through po/mo/vo cannot alias it). */
-typedef struct {
-  const void *p, *g, *m, *v, *g2;
-  void *po, *mo, *vo;
-} Arrays;
 
 #define VSTEP(DP, DG, DS)                                                          \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
@@ -843,6 +852,275 @@ NATIVE_COMBOS(VECTORS)
     else vundo_##DP##DG##DS(j, 0, &sq);                                            \
     return;                                                                        \
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same loops with explicit 8-lane AVX2 vectors (AVX2 CPUs without AVX-512: AMD Zen 2/3, Intel before
+   Skylake-SP): the operations of step_vec / undo_vec in the same order (so the same bits as the AVX-512
+   loops and the portable build's scalar ones), every stream prefetched as there, bfloat16 converted in
+   registers by f32_to_bf16's integer formula (no conversion instruction). The compiler-vectorized loops
+   they replace stayed well below the memory bandwidth here: on a 2-core AMD EPYC (Zen 3) the float32
+   step at 2^26 elements took 65 ms against torch's fused AdamW's 45 (benchmarks/RESULTS.md "AVX2 vector
+   loops"). Square roots are IEEE: cpu_fast's loops; cpu's exact loops need torch's MKL square root, which
+   has no inline replica here. A range's last, partial vector goes through a zero-padded local copy. */
+#define VLOOPS_AVX2 1
+typedef __m256 v8;
+static inline v8 v8ld_0(const void *p, int64_t e) { return _mm256_loadu_ps((const float *)p + e); }
+static inline v8 v8ld_1(const void *p, int64_t e) {
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + e));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* 8 floats -> bfloat16, f32_to_bf16's bits: round-to-nearest-even on the integer bits, a nan quiet with
+   its sign and upper payload. */
+static inline __m128i cvt_bf16_8(v8 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i h = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
+  /* every lane < 2^16: packus keeps it; lanes 0-3 and 4-7 sit in qwords 0 and 2 */
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+}
+static inline void v8st_0(void *p, int64_t e, v8 x) { _mm256_storeu_ps((float *)p + e, x); }
+static inline void v8st_1(void *p, int64_t e, v8 x) {
+  _mm_storeu_si128((__m128i *)((uint16_t *)p + e), cvt_bf16_8(x));
+}
+static inline v8 v8round_0(v8 x) { return x; }
+static inline v8 v8round_1(v8 x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(cvt_bf16_8(x)), 16));
+}
+static inline v8 v8set(float x) { return _mm256_set1_ps(x); }
+/* a where r is not 0 (ordered), else b */
+static inline v8 v8where_nonzero(v8 r, v8 a, v8 b) {
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+}
+
+/* step_pre, step_post and step_elem on 8 lanes. */
+static inline void step_pre8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
+  v8 g = _mm256_mul_ps(G, v8set(k->gs));
+  const v8 p = _mm256_mul_ps(*P, v8set(k->pmul));
+  if (k->l2) g = _mm256_fmadd_ps(p, v8set(k->wd), g);
+  *M = _mm256_fmadd_ps(v8set(k->coef), _mm256_sub_ps(g, *M), k->small ? *M : g);
+  *V = _mm256_fmadd_ps(_mm256_mul_ps(v8set(k->c2), g), g, _mm256_mul_ps(*V, v8set(k->b2)));
+  *P = p;
+}
+static inline v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {
+  const v8 rb = v8set(k->rbc2);
+  const v8 q = _mm256_mul_ps(D, rb);
+  const v8 r = _mm256_fnmadd_ps(q, v8set(k->bc2), D);
+  const v8 d = _mm256_add_ps(v8where_nonzero(r, _mm256_fmadd_ps(r, rb, q), q), v8set(k->eps));
+  return _mm256_add_ps(P, _mm256_div_ps(_mm256_mul_ps(v8set(k->nss), M), d));
+}
+static inline void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
+  step_pre8(P, G, M, V, k);
+  *P = step_post8(*P, *M, _mm256_sqrt_ps(*V), k);
+}
+
+static inline v8 div_by8(v8 x, float b, float rb) {
+  const v8 vrb = v8set(rb);
+  const v8 q = _mm256_mul_ps(x, vrb);
+  const v8 r = _mm256_fnmadd_ps(q, v8set(b), x);
+  return v8where_nonzero(r, _mm256_fmadd_ps(r, vrb, q), q);
+}
+
+/* quot_vec on 8 lanes (tiny lanes, 0 < |x| < 2^-78, scaled into div_by's exact range; unsigned compares
+   as signed ones with the sign bit flipped). */
+static inline v8 quot8(v8 x, float b, float rb, int fast) {
+  if (!fast) return _mm256_div_ps(x, v8set(b));
+  const __m256i flip = _mm256_set1_epi32((int)0x80000000u);
+  const __m256i twice = _mm256_slli_epi32(_mm256_castps_si256(x), 1);
+  const __m256i lhs = _mm256_xor_si256(_mm256_sub_epi32(twice, _mm256_set1_epi32(1)), flip);
+  const __m256i rhs = _mm256_xor_si256(_mm256_set1_epi32((0x18800000 << 1) - 1), flip);
+  const v8 tiny = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rhs, lhs));
+  if (__builtin_expect(_mm256_movemask_ps(tiny) == 0, 1)) return div_by8(x, b, rb);
+  const v8 q = div_by8(_mm256_blendv_ps(x, _mm256_mul_ps(x, v8set(0x1p100f)), tiny), b, rb);
+  return _mm256_blendv_ps(q, _mm256_mul_ps(q, v8set(0x1p-100f)), tiny);
+}
+
+/* undo_elem_d on 8 lanes, given D = sqrt(v') (unused with have_p_old); undo8 takes the IEEE one. */
+static inline void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int have_p_old, int fast) {
+  v8 g = _mm256_mul_ps(G, v8set(k->gs));
+  v8 p = *P;
+  if (!have_p_old) {
+    const v8 d = _mm256_add_ps(div_by8(D, k->bc2, k->rbc2), v8set(k->eps));
+    p = quot8(_mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(v8set(k->ss), *M), d)), k->pdiv, k->rpdiv, fast);
+  }
+  if (k->l2) g = _mm256_fmadd_ps(p, v8set(k->wd), g);
+  const v8 m = quot8(_mm256_sub_ps(*M, _mm256_mul_ps(v8set(k->omb1), g)), k->b1, k->rb1, fast);
+  const v8 x = quot8(_mm256_sub_ps(*V, _mm256_mul_ps(v8set(k->omb2), _mm256_mul_ps(g, g))), k->b2, k->rb2, fast);
+  *P = p;
+  *M = m;
+  *V = _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast) {
+  undo8_d(P, G, M, V, have_p_old ? *V : _mm256_sqrt_ps(*V), k, have_p_old, fast);
+}
+
+/* A range's last, partial vector (n < 8 elements at e): the inputs copied into zero-padded local arrays,
+   fn (a vector function: the arrays, an element, its other arguments) run on those in place, the n
+   results copied back. */
+#define TAIL8(DP, DG, DS, a, e, n, with_g2, fn, ...)                               \
+  do {                                                                             \
+    float tp[8] = {0}, tg[8] = {0}, tm[8] = {0}, tv[8] = {0}, tg2[8] = {0};        \
+    const size_t np = (size_t)(n) * ES_##DP, ng = (size_t)(n) * ES_##DG, ns = (size_t)(n) * ES_##DS; \
+    memcpy(tp, (const char *)(a).p + (e) * ES_##DP, np);                           \
+    memcpy(tg, (const char *)(a).g + (e) * ES_##DG, ng);                           \
+    memcpy(tm, (const char *)(a).m + (e) * ES_##DS, ns);                           \
+    memcpy(tv, (const char *)(a).v + (e) * ES_##DS, ns);                           \
+    if (with_g2) memcpy(tg2, (const char *)(a).g2 + (e) * ES_##DG, ng);            \
+    const Arrays t = {tp, tg, tm, tv, tg2, tp, tm, tv};                            \
+    fn(&t, 0, __VA_ARGS__);                                                        \
+    memcpy((char *)(a).po + (e) * ES_##DP, tp, np);                                \
+    memcpy((char *)(a).mo + (e) * ES_##DS, tm, ns);                                \
+    memcpy((char *)(a).vo + (e) * ES_##DS, tv, ns);                                \
+  } while (0)
+
+/* Full vectors two at a time (a line of each float32 stream, prefetched), then one, then the partial one. */
+#define LOOP8(DP, DG, DS, a, begin, end, with_g2, fn, ...)                         \
+  do {                                                                             \
+    int64_t e = (begin);                                                           \
+    for (; e + 16 <= (end); e += 16) {                                             \
+      PREFETCH_ARRAYS(DP, DG, DS, a, e, with_g2);                                  \
+      fn(&(a), e, __VA_ARGS__);                                                    \
+      fn(&(a), e + 8, __VA_ARGS__);                                                \
+    }                                                                              \
+    if (e + 8 <= (end)) {                                                          \
+      fn(&(a), e, __VA_ARGS__);                                                    \
+      e += 8;                                                                      \
+    }                                                                              \
+    if (e < (end)) TAIL8(DP, DG, DS, a, e, (end) - e, with_g2, fn, __VA_ARGS__);  \
+  } while (0)
+
+#define VSTEP8(DP, DG, DS)                                                         \
+  static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
+      const Arrays *a, int64_t e, const StepK *k) {                                \
+    v8 P = v8ld_##DP(a->p, e), M = v8ld_##DS(a->m, e), V = v8ld_##DS(a->v, e);     \
+    step8(&P, v8ld_##DG(a->g, e), &M, &V, k);                                      \
+    v8st_##DP(a->po, e, P);                                                        \
+    v8st_##DS(a->mo, e, M);                                                        \
+    v8st_##DS(a->vo, e, V);                                                        \
+  }                                                                                \
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
+    const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
+    const StepK k = step_k(&j->s1, j->decoupled);                                  \
+    (void)sq;                                                                      \
+    LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vstep_at_##DP##DG##DS, &k);          \
+  }
+
+/* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
+#define VUNDO8(DP, DG, DS)                                                         \
+  static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
+      const Arrays *a, int64_t e, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast) { \
+    v8 P = v8ld_##DP(a->p, e), M = v8ld_##DS(a->m, e), V = v8ld_##DS(a->v, e);     \
+    undo8(&P, v8ld_##DG(a->g, e), &M, &V, u, have_p_old, fast);                    \
+    if (redo) {                                                                    \
+      P = v8round_##DP(P);                                                         \
+      M = v8round_##DS(M);                                                         \
+      V = v8round_##DS(V);                                                         \
+      step8(&P, v8ld_##DG(a->g2, e), &M, &V, k);                                   \
+    }                                                                              \
+    v8st_##DP(a->po, e, P);                                                        \
+    v8st_##DS(a->mo, e, M);                                                        \
+    v8st_##DS(a->vo, e, V);                                                        \
+  }                                                                                \
+  static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
+    const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
+    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    (void)sq;                                                                      \
+    /* the loop per case, so that the flags are constants in it */                 \
+    if (redo && have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 1, 1, fast); \
+    else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast); \
+    else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast); \
+    else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast); \
+  }
+/* cpu's exact loops (torch's square root: MKL's, which differs from IEEE sqrtf here and has no inline
+   replica) with the vectors above: per chunk of XTILE elements, a vector pass from memory to memory up to
+   the square roots (the inverse, given the chunk's sqrt(v'), and the redo's step_pre; m', v' stored, p',
+   m', v' kept in local float arrays), one call of the routine on the chunk, then the parameter update.
+   MKL's results do not depend on how an array is cut into calls, so the chunk is larger than TILE: a call
+   costs ~0.1 us of its own. Scalar code (the same operations) takes a chunk's last n % 8 elements. */
+#ifndef XTILE
+#define XTILE 1024
+#endif
+#define SST_0(ptr, e, x) (((float *)(ptr))[e] = (x))
+#define SST_1(ptr, e, x) (((uint16_t *)(ptr))[e] = f32_to_bf16(x))
+#define SRD_0(x) (x)
+#define SRD_1(x) bf16_to_f32(f32_to_bf16(x))
+#define XEXACT8(DP, DG, DS)                                                        \
+  static void xexact_##DP##DG##DS(const Job *j) {                                   \
+    const int step = j->op == OP_STEP, redo = j->op == OP_UNDO_REDO, have_p_old = !step && j->pold; \
+    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(step ? &j->s1 : &j->s2, j->decoupled);                  \
+    const void *gs = step ? a.g : a.g2; /* the gradient of the step taken */       \
+    float PT[XTILE], MT[XTILE], VT[XTILE], D[XTILE];                               \
+    for (int64_t off = j->begin; off < j->end; off += XTILE) {                     \
+      const int n = (int)((j->end - off) < XTILE ? (j->end - off) : XTILE), nv = n / 8 * 8; \
+      if (!step && !have_p_old) {                                                  \
+        for (int i = 0; i < nv; i += 8) _mm256_storeu_ps(VT + i, v8ld_##DS(a.v, off + i)); \
+        for (int i = nv; i < n; i++) VT[i] = LD_##DS(a.v, off + i);                \
+        sqrt_tile(D, VT, &j->sq, n);                                               \
+      }                                                                            \
+      for (int i = 0; i < nv; i += 8) {                                            \
+        const int64_t e = off + i;                                                 \
+        if (!(i & 8)) PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                     \
+        v8 P = v8ld_##DP(a.p, e), M = v8ld_##DS(a.m, e), V = v8ld_##DS(a.v, e);    \
+        if (!step) {                                                               \
+          undo8_d(&P, v8ld_##DG(a.g, e), &M, &V, _mm256_loadu_ps(D + i), &u, have_p_old, 0); \
+          if (!redo) {                                                             \
+            v8st_##DP(a.po, e, P);                                                 \
+            v8st_##DS(a.mo, e, M);                                                 \
+            v8st_##DS(a.vo, e, V);                                                 \
+            continue;                                                              \
+          }                                                                        \
+          P = v8round_##DP(P);                                                     \
+          M = v8round_##DS(M);                                                     \
+          V = v8round_##DS(V);                                                     \
+        }                                                                          \
+        step_pre8(&P, v8ld_##DG(gs, e), &M, &V, &k);                               \
+        v8st_##DS(a.mo, e, M);                                                     \
+        v8st_##DS(a.vo, e, V);                                                     \
+        _mm256_storeu_ps(PT + i, P);                                               \
+        _mm256_storeu_ps(MT + i, M);                                               \
+        _mm256_storeu_ps(VT + i, V);                                               \
+      }                                                                            \
+      for (int i = nv; i < n; i++) {                                               \
+        const int64_t e = off + i;                                                 \
+        float P = LD_##DP(a.p, e), M = LD_##DS(a.m, e), V = LD_##DS(a.v, e);       \
+        if (!step) {                                                               \
+          undo_elem_d(&P, LD_##DG(a.g, e), &M, &V, D[i], &u, have_p_old, 0);      \
+          if (!redo) {                                                             \
+            SST_##DP(a.po, e, P);                                                  \
+            SST_##DS(a.mo, e, M);                                                  \
+            SST_##DS(a.vo, e, V);                                                  \
+            continue;                                                              \
+          }                                                                        \
+          P = SRD_##DP(P);                                                         \
+          M = SRD_##DS(M);                                                         \
+          V = SRD_##DS(V);                                                         \
+        }                                                                          \
+        step_pre(&P, LD_##DG(gs, e), &M, &V, &k);                                  \
+        SST_##DS(a.mo, e, M);                                                      \
+        SST_##DS(a.vo, e, V);                                                      \
+        PT[i] = P;                                                                 \
+        MT[i] = M;                                                                 \
+        VT[i] = V;                                                                 \
+      }                                                                            \
+      if (!step && !redo) continue;                                                \
+      sqrt_tile(D, VT, &j->sq, n);                                                 \
+      for (int i = 0; i < nv; i += 8)                                              \
+        v8st_##DP(a.po, off + i, step_post8(_mm256_loadu_ps(PT + i), _mm256_loadu_ps(MT + i), \
+                                            _mm256_loadu_ps(D + i), &k));         \
+      for (int i = nv; i < n; i++) SST_##DP(a.po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
+    }                                                                              \
+  }
+NATIVE_COMBOS(XEXACT8)
+#define VECTORS8(DP, DG, DS) VSTEP8(DP, DG, DS) VUNDO8(DP, DG, DS)
+NATIVE_COMBOS(VECTORS8)
+#define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
+#define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
+#define EXACT_VECTORS(DP, DG, DS) xexact_##DP##DG##DS(j); return;
 #else
 #define STEP_VECTORS(DP, DG, DS)
 #define UNDO_VECTORS(DP, DG, DS)
@@ -1289,9 +1567,9 @@ int sofx_overlap(int64_t count, const int *dtypes, const int64_t *ns, void *cons
   return 0;
 }
 
-/* 1 where this build has the explicit AVX-512 vector loops (HW_BF16), else 0. */
+/* 1 where this build has the explicit vector loops (AVX-512 with HW_BF16, or AVX2), else 0. */
 int sofx_has_vector_loops(void) {
-#ifdef HW_BF16
+#if defined(HW_BF16) || defined(VLOOPS_AVX2)
   return 1;
 #else
   return 0;
