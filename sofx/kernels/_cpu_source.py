@@ -14,9 +14,10 @@ Four code paths, all with the same arithmetic:
              for bit (but for cpu_fast's inverse of tiny values: quot_vec).
              On CPUs with AVX2 and FMA but without that (AMD Zen 2/3, older
              Intel) the same loops with 8-lane vectors, bfloat16 converted by
-             integer operations: every operation of ``fused_*``, and of
-             ``exact_*`` as ``xexact_*`` (MKL's square root called per chunk
-             of XTILE elements between two vector passes).
+             integer operations, tiny quotients unscaled (quot8): every
+             operation of ``fused_*``, and of ``exact_*`` as ``xexact_*``
+             (MKL's square root called per chunk of XTILE elements between two
+             vector passes).
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
@@ -861,7 +862,6 @@ NATIVE_COMBOS(VECTORS)
    step at 2^26 elements took 65 ms against torch's fused AdamW's 45 (benchmarks/RESULTS.md "AVX2 vector
    loops"). Square roots are IEEE: cpu_fast's loops; cpu's exact loops need torch's MKL square root, which
    has no inline replica here. A range's last, partial vector goes through a zero-padded local copy. */
-#define VLOOPS_AVX2 1
 typedef __m256 v8;
 static inline v8 v8ld_0(const void *p, int64_t e) { return _mm256_loadu_ps((const float *)p + e); }
 static inline v8 v8ld_1(const void *p, int64_t e) {
@@ -922,18 +922,14 @@ static inline v8 div_by8(v8 x, float b, float rb) {
   return v8where_nonzero(r, _mm256_fmadd_ps(r, vrb, q), q);
 }
 
-/* quot_vec on 8 lanes (tiny lanes, 0 < |x| < 2^-78, scaled into div_by's exact range; unsigned compares
-   as signed ones with the sign bit flipped). */
+/* quot on 8 lanes: a true division (fast 0) or div_by (fast 1). Unlike quot_vec, tiny x (0 < |x| < 2^-78)
+   is not scaled first: as in the compiler-vectorized loops, div_by's quotient may be an ulp off there. On
+   the AMD EPYC (Zen 3) of benchmarks/RESULTS.md ("AVX2 vector loops") the test for such lanes alone, never
+   taken, made the float32 undo 20% slower and the bfloat16 one 2x (inline, out of line, or branch-free),
+   while unscaled tiny values cost that CPU less than the scaling did (an undo of moments ~1e-37: 86 ms
+   against 150 at 2^26 elements). */
 static inline v8 quot8(v8 x, float b, float rb, int fast) {
-  if (!fast) return _mm256_div_ps(x, v8set(b));
-  const __m256i flip = _mm256_set1_epi32((int)0x80000000u);
-  const __m256i twice = _mm256_slli_epi32(_mm256_castps_si256(x), 1);
-  const __m256i lhs = _mm256_xor_si256(_mm256_sub_epi32(twice, _mm256_set1_epi32(1)), flip);
-  const __m256i rhs = _mm256_xor_si256(_mm256_set1_epi32((0x18800000 << 1) - 1), flip);
-  const v8 tiny = _mm256_castsi256_ps(_mm256_cmpgt_epi32(rhs, lhs));
-  if (__builtin_expect(_mm256_movemask_ps(tiny) == 0, 1)) return div_by8(x, b, rb);
-  const v8 q = div_by8(_mm256_blendv_ps(x, _mm256_mul_ps(x, v8set(0x1p100f)), tiny), b, rb);
-  return _mm256_blendv_ps(q, _mm256_mul_ps(q, v8set(0x1p-100f)), tiny);
+  return fast ? div_by8(x, b, rb) : _mm256_div_ps(x, v8set(b));
 }
 
 /* undo_elem_d on 8 lanes, given D = sqrt(v') (unused with have_p_old); undo8 takes the IEEE one. */
@@ -1567,9 +1563,10 @@ int sofx_overlap(int64_t count, const int *dtypes, const int64_t *ns, void *cons
   return 0;
 }
 
-/* 1 where this build has the explicit vector loops (AVX-512 with HW_BF16, or AVX2), else 0. */
+/* 1 where this build has the explicit AVX-512 vector loops (HW_BF16), else 0 (also where it has the AVX2 ones,
+   which do not scale tiny quotients: see quot8). */
 int sofx_has_vector_loops(void) {
-#if defined(HW_BF16) || defined(VLOOPS_AVX2)
+#ifdef HW_BF16
   return 1;
 #else
   return 0;
