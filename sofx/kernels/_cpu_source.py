@@ -1035,22 +1035,48 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
    the square roots (the inverse, given the chunk's sqrt(v'), and the redo's step_pre; m', v' stored, p',
    m', v' kept in local float arrays), one call of the routine on the chunk, then the parameter update.
    MKL's results do not depend on how an array is cut into calls, so the chunk is larger than TILE: a call
-   costs ~0.1 us of its own. Scalar code (the same operations) takes a chunk's last n % 8 elements. */
+   costs ~0.1 us of its own. A chunk's partial vector goes through TAIL8's local copies, its parameter update
+   through step_post (the same operations). */
 #ifndef XTILE
 #define XTILE 1024
 #endif
 #define SST_0(ptr, e, x) (((float *)(ptr))[e] = (x))
 #define SST_1(ptr, e, x) (((uint16_t *)(ptr))[e] = f32_to_bf16(x))
-#define SRD_0(x) (x)
-#define SRD_1(x) bf16_to_f32(f32_to_bf16(x))
+/* The pass up to the square roots on the 8 elements at e: the inverse given D = sqrt(v') (not for a step;
+   an undo stores its results and is done), the undone values rounded to their storage dtypes, step_pre with
+   the step's gradient; m', v' stored, p', m', v' kept in PT, MT, VT (the chunk's local arrays at e). */
+#define XPRE8(DP, DG, DS)                                                          \
+  static inline __attribute__((always_inline)) void xpre_at_##DP##DG##DS(          \
+      const Arrays *a, int64_t e, float *PT, float *MT, float *VT, const float *D, const UndoK *u, \
+      const StepK *k, int step, int redo, int have_p_old) {                        \
+    v8 P = v8ld_##DP(a->p, e), M = v8ld_##DS(a->m, e), V = v8ld_##DS(a->v, e);     \
+    if (!step) {                                                                   \
+      undo8_d(&P, v8ld_##DG(a->g, e), &M, &V, _mm256_loadu_ps(D), u, have_p_old, 0); \
+      if (!redo) {                                                                 \
+        v8st_##DP(a->po, e, P);                                                    \
+        v8st_##DS(a->mo, e, M);                                                    \
+        v8st_##DS(a->vo, e, V);                                                    \
+        return;                                                                    \
+      }                                                                            \
+      P = v8round_##DP(P);                                                         \
+      M = v8round_##DS(M);                                                         \
+      V = v8round_##DS(V);                                                         \
+    }                                                                              \
+    step_pre8(&P, v8ld_##DG(step ? a->g : a->g2, e), &M, &V, k);                   \
+    v8st_##DS(a->mo, e, M);                                                        \
+    v8st_##DS(a->vo, e, V);                                                        \
+    _mm256_storeu_ps(PT, P);                                                       \
+    _mm256_storeu_ps(MT, M);                                                       \
+    _mm256_storeu_ps(VT, V);                                                       \
+  }
 #define XEXACT8(DP, DG, DS)                                                        \
+  XPRE8(DP, DG, DS)                                                                \
   static void xexact_##DP##DG##DS(const Job *j) {                                   \
     const int step = j->op == OP_STEP, redo = j->op == OP_UNDO_REDO, have_p_old = !step && j->pold; \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(step ? &j->s1 : &j->s2, j->decoupled);                  \
-    const void *gs = step ? a.g : a.g2; /* the gradient of the step taken */       \
-    float PT[XTILE], MT[XTILE], VT[XTILE], D[XTILE];                               \
+    float PT[XTILE], MT[XTILE], VT[XTILE], D[XTILE] = {0};                         \
     for (int64_t off = j->begin; off < j->end; off += XTILE) {                     \
       const int n = (int)((j->end - off) < XTILE ? (j->end - off) : XTILE), nv = n / 8 * 8; \
       if (!step && !have_p_old) {                                                  \
@@ -1059,50 +1085,12 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
         sqrt_tile(D, VT, &j->sq, n);                                               \
       }                                                                            \
       for (int i = 0; i < nv; i += 8) {                                            \
-        const int64_t e = off + i;                                                 \
-        if (!(i & 8)) PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                     \
-        v8 P = v8ld_##DP(a.p, e), M = v8ld_##DS(a.m, e), V = v8ld_##DS(a.v, e);    \
-        if (!step) {                                                               \
-          undo8_d(&P, v8ld_##DG(a.g, e), &M, &V, _mm256_loadu_ps(D + i), &u, have_p_old, 0); \
-          if (!redo) {                                                             \
-            v8st_##DP(a.po, e, P);                                                 \
-            v8st_##DS(a.mo, e, M);                                                 \
-            v8st_##DS(a.vo, e, V);                                                 \
-            continue;                                                              \
-          }                                                                        \
-          P = v8round_##DP(P);                                                     \
-          M = v8round_##DS(M);                                                     \
-          V = v8round_##DS(V);                                                     \
-        }                                                                          \
-        step_pre8(&P, v8ld_##DG(gs, e), &M, &V, &k);                               \
-        v8st_##DS(a.mo, e, M);                                                     \
-        v8st_##DS(a.vo, e, V);                                                     \
-        _mm256_storeu_ps(PT + i, P);                                               \
-        _mm256_storeu_ps(MT + i, M);                                               \
-        _mm256_storeu_ps(VT + i, V);                                               \
+        if (!(i & 8)) PREFETCH_ARRAYS(DP, DG, DS, a, off + i, redo);               \
+        xpre_at_##DP##DG##DS(&a, off + i, PT + i, MT + i, VT + i, D + i, &u, &k, step, redo, have_p_old); \
       }                                                                            \
-      for (int i = nv; i < n; i++) {                                               \
-        const int64_t e = off + i;                                                 \
-        float P = LD_##DP(a.p, e), M = LD_##DS(a.m, e), V = LD_##DS(a.v, e);       \
-        if (!step) {                                                               \
-          undo_elem_d(&P, LD_##DG(a.g, e), &M, &V, D[i], &u, have_p_old, 0);      \
-          if (!redo) {                                                             \
-            SST_##DP(a.po, e, P);                                                  \
-            SST_##DS(a.mo, e, M);                                                  \
-            SST_##DS(a.vo, e, V);                                                  \
-            continue;                                                              \
-          }                                                                        \
-          P = SRD_##DP(P);                                                         \
-          M = SRD_##DS(M);                                                         \
-          V = SRD_##DS(V);                                                         \
-        }                                                                          \
-        step_pre(&P, LD_##DG(gs, e), &M, &V, &k);                                  \
-        SST_##DS(a.mo, e, M);                                                      \
-        SST_##DS(a.vo, e, V);                                                      \
-        PT[i] = P;                                                                 \
-        MT[i] = M;                                                                 \
-        VT[i] = V;                                                                 \
-      }                                                                            \
+      if (nv < n) /* the chunk's partial vector (its lanes past n are in the local arrays' range) */ \
+        TAIL8(DP, DG, DS, a, off + nv, n - nv, redo, xpre_at_##DP##DG##DS, PT + nv, MT + nv, VT + nv, \
+              D + nv, &u, &k, step, redo, have_p_old);                             \
       if (!step && !redo) continue;                                                \
       sqrt_tile(D, VT, &j->sq, n);                                                 \
       for (int i = 0; i < nv; i += 8)                                              \
