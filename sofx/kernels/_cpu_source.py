@@ -1105,6 +1105,7 @@ NATIVE_COMBOS(VECTORS8)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
 #define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
 #define EXACT_VECTORS(DP, DG, DS) xexact_##DP##DG##DS(j); return;
+#define AVX2_LOOPS 1
 #else
 #define STEP_VECTORS(DP, DG, DS)
 #define UNDO_VECTORS(DP, DG, DS)
@@ -1402,6 +1403,64 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
   }
 NATIVE_COMBOS(VSCAN)
 #endif
+#ifdef AVX2_LOOPS
+/* vstep_scan / vredo_scan with the AVX2 loops: 16 elements of the next chunk's gradient per 16 of this
+   chunk's (two vectors), the lanes above lim collected in one vector. */
+static inline __m256i vnonfinite8_0(const void *g, int64_t e, uint32_t lim) {
+  const float *a = (const float *)g + e;
+  const __m256i mag = _mm256_set1_epi32(0x7FFFFFFF), l = _mm256_set1_epi32((int)lim);
+  const __m256i x0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)a), mag);
+  const __m256i x1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(a + 8)), mag);
+  return _mm256_or_si256(_mm256_cmpgt_epi32(x0, l), _mm256_cmpgt_epi32(x1, l)); /* both sides >= 0 */
+}
+static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
+  const __m256i x = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + e)),
+                                     _mm256_set1_epi16(0x7FFF));
+  return _mm256_cmpgt_epi16(x, _mm256_set1_epi16((short)lim));
+}
+#define SCAN8_AT(DG, gs, e, scan_end, bad, lim)                                    \
+  if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
+    _mm_prefetch((const char *)(gs) + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    (bad) = _mm256_or_si256((bad), vnonfinite8_##DG((gs), (e) + CHUNK, (lim)));    \
+  }
+#define SCAN8_RESULT(DG, gs, begin, scan_end, bad, lim)                            \
+  (!_mm256_testz_si256((bad), (bad)) ||                                            \
+   !chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
+/* j is a full chunk (CHUNK elements, a multiple of 16): the loop leaves no remainder. */
+#define VSCAN8(DP, DG, DS)                                                         \
+  static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
+    const StepK k = step_k(&j->s1, j->decoupled);                                  \
+    const uint32_t lim = j->s1.lim[DG];                                            \
+    __m256i bad = _mm256_setzero_si256();                                          \
+    (void)fast;                                                                    \
+    (void)sq;                                                                      \
+    for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
+      PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
+      vstep_at_##DP##DG##DS(&a, e, &k);                                            \
+      vstep_at_##DP##DG##DS(&a, e + 8, &k);                                        \
+      SCAN8_AT(DG, a.g, e, scan_end, bad, lim)                                     \
+    }                                                                              \
+    return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                    \
+  }                                                                                \
+  static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    const int have_p_old = j->pold != 0;                                           \
+    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    const uint32_t lim = j->s2.lim[DG];                                            \
+    __m256i bad = _mm256_setzero_si256();                                          \
+    (void)sq;                                                                      \
+    for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
+      PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
+      vundo_at_##DP##DG##DS(&a, e, &u, &k, have_p_old, 1, fast);                   \
+      vundo_at_##DP##DG##DS(&a, e + 8, &u, &k, have_p_old, 1, fast);               \
+      SCAN8_AT(DG, a.g2, e, scan_end, bad, lim)                                    \
+    }                                                                              \
+    return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                   \
+  }
+NATIVE_COMBOS(VSCAN8)
+#endif
 
 /* The step (vstep_scan) or undo+redo (vredo_scan) of one chunk by the vector loop that also reads the
    gradient of the next chunk ([end, scan_end): the step's own, or the redo's new one), a vector per vector
@@ -1414,6 +1473,18 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
   if (j->op == OP_UNDO || (j->exact && !j->sq.replica) || !fused_for(j, j->exact)) return 0;
   *sq = j->exact ? &j->sq : 0;
   *fast = !j->exact;
+#define COMBO_CASE(DP, DG, DS) \
+  case DP * 100 + DG * 10 + DS: return j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
+  switch (j->dp * 100 + j->dg * 10 + j->ds) {
+    NATIVE_COMBOS(COMBO_CASE)
+    default: return 0;
+  }
+#undef COMBO_CASE
+#elif defined(AVX2_LOOPS)
+  /* cpu_fast's jobs (the AVX2 exact loops call MKL per chunk of XTILE: no scan there) */
+  if (j->op == OP_UNDO || j->exact || !fused_for(j, 0)) return 0;
+  *sq = 0;
+  *fast = 1;
 #define COMBO_CASE(DP, DG, DS) \
   case DP * 100 + DG * 10 + DS: return j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
   switch (j->dp * 100 + j->dg * 10 + j->ds) {
