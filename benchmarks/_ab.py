@@ -82,13 +82,16 @@ def size_arguments(description: str, rounds: int,
     return args
 
 
-def gpt2_arguments(description: str, argv: Sequence[str] | None = None,
+def gpt2_arguments(description: str, argv: Sequence[str] | None = None, backend: bool = False,
                    ) -> tuple[argparse.Namespace, list[tuple[int, ...]], int]:
     """``--rounds`` (9), ``--threads`` (2, applied to torch), ``--smoke`` (tiny shapes, 2 rounds: checks that
-    a script runs): the arguments, GPT-2 small's tensor shapes (tiny ones with ``--smoke``) and the rounds."""
+    a script runs), with ``backend`` also ``--backend`` (sofx's, default ``cpu``): the arguments, GPT-2 small's
+    tensor shapes (tiny ones with ``--smoke``) and the rounds."""
     from kernels import gpt2_small_shapes  # benchmarks/kernels.py
 
     ap = argparse.ArgumentParser(description=description)
+    if backend:
+        ap.add_argument("--backend", default="cpu", choices=["cpu", "cpu_fast"])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds: checks that the script runs")

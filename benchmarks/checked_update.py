@@ -2,6 +2,7 @@
 
     python benchmarks/checked_update.py            # GPT-2 small's 148 tensors (124M elements), float32
     python benchmarks/checked_update.py --smoke    # tiny shapes: checks that the script runs
+    python benchmarks/checked_update.py --backend cpu_fast
 
 To choose each leaf's undo strategy ``update`` must know whether its gradient is finite. The CPU kernels
 read each chunk of 4096 gradient elements just before stepping it (``StepCall.skip``); the variants:
@@ -38,9 +39,9 @@ import sofx  # noqa: E402
 from _ab import gpt2_arguments, time_alternating  # noqa: E402
 
 def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bool | None, pass_before: bool,
-                 ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
-    """(step, params) of ``sofx.adamw(backend="cpu").update`` with donation."""
-    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend="cpu")
+                 backend: str) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
+    """(step, params) of ``sofx.adamw(backend=backend).update`` with donation."""
+    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend=backend)
     if pass_before:  # the check as its own pass over the gradients, as for leaves the kernels cannot check
         opt._checked_in_step = lambda leaves, *_: [False] * len(leaves)  # type: ignore[method-assign]
     box = {"params": [v.clone() for v in values]}
@@ -54,12 +55,12 @@ def sofx_variant(values: list[torch.Tensor], grads: list[torch.Tensor], hint: bo
 
 
 def sofx_redo_variant(values: list[torch.Tensor], grads: list[torch.Tensor], grads2: list[torch.Tensor] | None,
-                      hint: bool | None, pass_before: bool,
+                      hint: bool | None, pass_before: bool, backend: str,
                       ) -> tuple[Callable[[], None], Callable[[], list[torch.Tensor]]]:
     """(call, params) of ``undo_redo`` of the last step, donated, from a warm state. ``grads2``: each call
     redoes with the other of ``grads`` / ``grads2`` than the step it undoes (new gradients); None: with the
     step's own ``grads`` and a new ``grad_scale`` (a late clip)."""
-    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend="cpu")
+    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend=backend)
     if pass_before:
         opt._checked_in_step = lambda leaves, *_: [False] * len(leaves)  # type: ignore[method-assign]
     box = {"params": [v.clone() for v in values], "calls": 0}
@@ -89,7 +90,8 @@ def torch_variant(values: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, shapes, rounds = gpt2_arguments(__doc__.split("\n")[0], argv)
+    args, shapes, rounds = gpt2_arguments(__doc__.split("\n")[0], argv, backend=True)
+    b = args.backend
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(s, generator=gen) for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
@@ -99,21 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     overflowing[big].view(-1)[overflowing[big].numel() // 2] = float("inf")
     variants = {
         "torch AdamW(fused=True).step()": torch_variant(values, grads),
-        "sofx update, hinted (grads_finite=True)": sofx_variant(values, grads, True, False),
-        "sofx update, checked in the step": sofx_variant(values, grads, None, False),
-        "sofx update, checked by a pass before": sofx_variant(values, grads, None, True),
-        "sofx update, checked in the step, an inf in one chunk": sofx_variant(values, overflowing, None, False),
-        "sofx undo_redo, new gradients, hinted": sofx_redo_variant(values, grads, grads2, True, False),
-        "sofx undo_redo, new gradients, checked in the pass": sofx_redo_variant(values, grads, grads2, None, False),
+        "sofx update, hinted (grads_finite=True)": sofx_variant(values, grads, True, False, b),
+        "sofx update, checked in the step": sofx_variant(values, grads, None, False, b),
+        "sofx update, checked by a pass before": sofx_variant(values, grads, None, True, b),
+        "sofx update, checked in the step, an inf in one chunk": sofx_variant(values, overflowing, None, False, b),
+        "sofx undo_redo, new gradients, hinted": sofx_redo_variant(values, grads, grads2, True, False, b),
+        "sofx undo_redo, new gradients, checked in the pass": sofx_redo_variant(values, grads, grads2, None, False, b),
         "sofx undo_redo, new gradients, checked by a pass before": sofx_redo_variant(values, grads, grads2, None,
-                                                                                     True),
+                                                                                     True, b),
         "sofx undo_redo, the step's own gradients, new grad_scale": sofx_redo_variant(values, grads, None, None,
-                                                                                      False),
+                                                                                      False, b),
     }
     times = time_alternating({name: v[0] for name, v in variants.items()}, rounds)
     n = sum(math.prod(s) for s in shapes)
     anchor = statistics.median(times["torch AdamW(fused=True).step()"])
-    print(f"{len(shapes)} tensors, {n / 1e6:.1f}M elements, float32; {args.threads} threads; "
+    print(f"{len(shapes)} tensors, {n / 1e6:.1f}M elements, float32; backend {b}; {args.threads} threads; "
           f"median of {rounds} rounds; donated")
     print()
     # the variants that took the same steps as the hinted one of their kind
