@@ -1069,37 +1069,10 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     _mm256_storeu_ps(MT, M);                                                       \
     _mm256_storeu_ps(VT, V);                                                       \
   }
-#define XEXACT8(DP, DG, DS)                                                        \
-  XPRE8(DP, DG, DS)                                                                \
-  static void xexact_##DP##DG##DS(const Job *j) {                                   \
-    const int step = j->op == OP_STEP, redo = j->op == OP_UNDO_REDO, have_p_old = !step && j->pold; \
-    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
-    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
-    const StepK k = step_k(step ? &j->s1 : &j->s2, j->decoupled);                  \
-    float PT[XTILE], MT[XTILE], VT[XTILE], D[XTILE] = {0};                         \
-    for (int64_t off = j->begin; off < j->end; off += XTILE) {                     \
-      const int n = (int)((j->end - off) < XTILE ? (j->end - off) : XTILE), nv = n / 8 * 8; \
-      if (!step && !have_p_old) {                                                  \
-        for (int i = 0; i < nv; i += 8) _mm256_storeu_ps(VT + i, v8ld_##DS(a.v, off + i)); \
-        for (int i = nv; i < n; i++) VT[i] = LD_##DS(a.v, off + i);                \
-        sqrt_tile(D, VT, &j->sq, n);                                               \
-      }                                                                            \
-      for (int i = 0; i < nv; i += 8) {                                            \
-        if (!(i & 8)) PREFETCH_ARRAYS(DP, DG, DS, a, off + i, redo);               \
-        xpre_at_##DP##DG##DS(&a, off + i, PT + i, MT + i, VT + i, D + i, &u, &k, step, redo, have_p_old); \
-      }                                                                            \
-      if (nv < n) /* the chunk's partial vector (its lanes past n are in the local arrays' range) */ \
-        TAIL8(DP, DG, DS, a, off + nv, n - nv, redo, xpre_at_##DP##DG##DS, PT + nv, MT + nv, VT + nv, \
-              D + nv, &u, &k, step, redo, have_p_old);                             \
-      if (!step && !redo) continue;                                                \
-      sqrt_tile(D, VT, &j->sq, n);                                                 \
-      for (int i = 0; i < nv; i += 8)                                              \
-        v8st_##DP(a.po, off + i, step_post8(_mm256_loadu_ps(PT + i), _mm256_loadu_ps(MT + i), \
-                                            _mm256_loadu_ps(D + i), &k));         \
-      for (int i = nv; i < n; i++) SST_##DP(a.po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
-    }                                                                              \
-  }
-NATIVE_COMBOS(XEXACT8)
+NATIVE_COMBOS(XPRE8)
+/* (defined below, with the scan of the next chunk's gradient) */
+#define XEXACT8_DECL(DP, DG, DS) static void xexact_##DP##DG##DS(const Job *j);
+NATIVE_COMBOS(XEXACT8_DECL)
 #define VECTORS8(DP, DG, DS) VSTEP8(DP, DG, DS) VUNDO8(DP, DG, DS)
 NATIVE_COMBOS(VECTORS8)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
@@ -1460,6 +1433,52 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                   \
   }
 NATIVE_COMBOS(VSCAN8)
+/* xexact_* (cpu's AVX2 loops), optionally (scan_g) reading the next chunk's gradient scan_g as vstep_scan does:
+   returns 1 if it holds an element above lim. */
+#define XEXACT8(DP, DG, DS)                                                        \
+  static inline __attribute__((always_inline)) int xexact_run_##DP##DG##DS(       \
+      const Job *j, const void *scan_g, int64_t scan_end, uint32_t lim) {          \
+    const int step = j->op == OP_STEP, redo = j->op == OP_UNDO_REDO, have_p_old = !step && j->pold; \
+    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
+    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
+    const StepK k = step_k(step ? &j->s1 : &j->s2, j->decoupled);                  \
+    float PT[XTILE], MT[XTILE], VT[XTILE], D[XTILE] = {0};                         \
+    __m256i bad = _mm256_setzero_si256();                                          \
+    for (int64_t off = j->begin; off < j->end; off += XTILE) {                     \
+      const int n = (int)((j->end - off) < XTILE ? (j->end - off) : XTILE), nv = n / 8 * 8; \
+      if (!step && !have_p_old) {                                                  \
+        for (int i = 0; i < nv; i += 8) _mm256_storeu_ps(VT + i, v8ld_##DS(a.v, off + i)); \
+        for (int i = nv; i < n; i++) VT[i] = LD_##DS(a.v, off + i);                \
+        sqrt_tile(D, VT, &j->sq, n);                                               \
+      }                                                                            \
+      for (int i = 0; i < nv; i += 8) {                                            \
+        if (!(i & 8)) {                                                            \
+          PREFETCH_ARRAYS(DP, DG, DS, a, off + i, redo);                           \
+          if (scan_g) SCAN8_AT(DG, scan_g, off + i, scan_end, bad, lim)            \
+        }                                                                          \
+        xpre_at_##DP##DG##DS(&a, off + i, PT + i, MT + i, VT + i, D + i, &u, &k, step, redo, have_p_old); \
+      }                                                                            \
+      if (nv < n) /* the chunk's partial vector (its lanes past n are in the local arrays' range) */ \
+        TAIL8(DP, DG, DS, a, off + nv, n - nv, redo, xpre_at_##DP##DG##DS, PT + nv, MT + nv, VT + nv, \
+              D + nv, &u, &k, step, redo, have_p_old);                             \
+      if (!step && !redo) continue;                                                \
+      sqrt_tile(D, VT, &j->sq, n);                                                 \
+      for (int i = 0; i < nv; i += 8)                                              \
+        v8st_##DP(a.po, off + i, step_post8(_mm256_loadu_ps(PT + i), _mm256_loadu_ps(MT + i), \
+                                            _mm256_loadu_ps(D + i), &k));         \
+      for (int i = nv; i < n; i++) SST_##DP(a.po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
+    }                                                                              \
+    return scan_g ? SCAN8_RESULT(DG, scan_g, j->begin, scan_end, bad, lim) : 0;    \
+  }                                                                                \
+  static void xexact_##DP##DG##DS(const Job *j) { xexact_run_##DP##DG##DS(j, 0, 0, 0); } \
+  /* a full chunk (see vstep_scan) */                                              \
+  static int xexact_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    const int redo = j->op == OP_UNDO_REDO;                                        \
+    (void)fast;                                                                    \
+    (void)sq;                                                                      \
+    return xexact_run_##DP##DG##DS(j, redo ? j->g2 : j->g, scan_end, (redo ? &j->s2 : &j->s1)->lim[DG]); \
+  }
+NATIVE_COMBOS(XEXACT8)
 #endif
 
 /* The step (vstep_scan) or undo+redo (vredo_scan) of one chunk by the vector loop that also reads the
@@ -1481,12 +1500,12 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
   }
 #undef COMBO_CASE
 #elif defined(AVX2_LOOPS)
-  /* cpu_fast's jobs (the AVX2 exact loops call MKL per chunk of XTILE: no scan there) */
-  if (j->op == OP_UNDO || j->exact || !fused_for(j, 0)) return 0;
+  if (j->op == OP_UNDO || !fused_for(j, j->exact)) return 0;
   *sq = 0;
   *fast = 1;
 #define COMBO_CASE(DP, DG, DS) \
-  case DP * 100 + DG * 10 + DS: return j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
+  case DP * 100 + DG * 10 + DS:  \
+    return j->exact ? xexact_scan_##DP##DG##DS : j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
   switch (j->dp * 100 + j->dg * 10 + j->ds) {
     NATIVE_COMBOS(COMBO_CASE)
     default: return 0;
