@@ -6,7 +6,8 @@ small C program with the kernels' own flags), over every case that matters rathe
   8 / (B 2^K) of a rounding midpoint; the program enumerates all of them (about 1.7e8, every
   b significand) and compares with ``x / b``.
 - ``store_bf16`` / ``round_bf16`` and the vector loops' ``vst_1`` / ``vround_1`` (the hardware bf16
-  conversion plus its fix-up for subnormal inputs) give ``f32_to_bf16``'s bits for all 2^32 floats.
+  conversion plus its fix-up for subnormal inputs), or the AVX2 loops' ``v8st_1`` / ``v8round_1`` (integer
+  operations), give ``f32_to_bf16``'s bits for all 2^32 floats.
 
 About 10 CPU-seconds.
 """
@@ -97,6 +98,19 @@ int main(void) {
       for (int i = 0; i < 4096; i++) {
         const uint16_t want = f32_to_bf16(x[i]);
         bf16_bad += h[i] != ((0x5A5A >> (i % 16) & 1) ? want : (uint16_t)(want ^ 1u));
+      }
+#endif
+#ifdef AVX2_LOOPS
+      /* the AVX2 loops' conversions (integer operations): v8st_1, v8round_1 */
+      for (int i = 0; i < 4096; i += 8) {
+        const v8 v = _mm256_loadu_ps(x + i);
+        v8st_1(h, i, v);
+        _mm256_storeu_ps(r + i, v8round_1(v));
+      }
+      for (int i = 0; i < 4096; i++) {
+        const uint16_t want = f32_to_bf16(x[i]);
+        bf16_bad += h[i] != want;
+        bf16_bad += bits(r[i]) != bits(bf16_to_f32(want));
       }
 #endif
     }

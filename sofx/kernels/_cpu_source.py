@@ -855,13 +855,14 @@ NATIVE_COMBOS(VECTORS)
   }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The same loops with explicit 8-lane AVX2 vectors (AVX2 CPUs without AVX-512: AMD Zen 2/3, Intel before
-   Skylake-SP): the operations of step_vec / undo_vec in the same order (so the same bits as the AVX-512
-   loops and the portable build's scalar ones), every stream prefetched as there, bfloat16 converted in
-   registers by f32_to_bf16's integer formula (no conversion instruction). The compiler-vectorized loops
-   they replace stayed well below the memory bandwidth here: on a 2-core AMD EPYC (Zen 3) the float32
-   step at 2^26 elements took 65 ms against torch's fused AdamW's 45 (benchmarks/RESULTS.md "AVX2 vector
-   loops"). Square roots are IEEE: cpu_fast's loops; cpu's exact loops need torch's MKL square root, which
-   has no inline replica here. A range's last, partial vector goes through a zero-padded local copy. */
+   Skylake-SP, and AVX-512 ones without bf16 conversion): the operations of step_vec / undo_vec in the same
+   order (so the portable build's scalar loops' bits, and the AVX-512 loops' but for quotients of tiny
+   values: see quot8), every stream prefetched as there, bfloat16 converted in registers by f32_to_bf16's
+   integer formula (no conversion instruction). The compiler-vectorized loops they replace stayed well
+   below the memory bandwidth: on a 2-core AMD EPYC (Zen 3) the float32 step at 2^26 elements took 65 ms
+   against torch's fused AdamW's 45 (benchmarks/RESULTS.md "AVX2 vector loops"). cpu_fast's loops take
+   IEEE square roots; cpu's (xexact_*, below) torch's, MKL's, called per chunk. A range's last, partial
+   vector goes through a zero-padded local copy (TAIL8). */
 typedef __m256 v8;
 static inline v8 v8ld_0(const void *p, int64_t e) { return _mm256_loadu_ps((const float *)p + e); }
 static inline v8 v8ld_1(const void *p, int64_t e) {
