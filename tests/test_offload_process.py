@@ -254,19 +254,21 @@ def test_sigterm_to_the_process_group_leaves_no_shared_memory_behind() -> None:
         "opt.backward(m(torch.randn(4, 64)).sum())\n"
         "opt.step()\n"
         "arena = opt.engine._cpu_arena\n"
-        "print(os.path.join(arena.shm_dir, arena.prefix), opt.engine.executor.pid, flush=True)\n"
+        "print(os.path.join(arena.shm_dir, arena.prefix), opt.engine.executor.pid, opt.engine.executor._dir, "
+        "flush=True)\n"
         "time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        prefix, worker = proc.stdout.readline().split()
+        prefix, worker, socket_dir = proc.stdout.readline().split()
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == -signal.SIGTERM
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     _wait_for_the_worker_to_clean_up(prefix, int(worker))
+    assert not os.path.exists(socket_dir)  # removed once the worker had connected (it stayed in /tmp)
 
 
 def test_a_main_process_killed_without_close_leaves_no_shared_memory_behind() -> None:

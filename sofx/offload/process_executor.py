@@ -85,6 +85,9 @@ class ProcessExecutor(Executor):
             self.process.stdin.write(authkey.hex() + "\n")
             self.process.stdin.close()
             self.conn = self._accept(server, authkey, startup_timeout)
+            # connected: the socket's path is not needed any more, so a process group killed at once (SIGKILL,
+            # SIGTERM: neither process gets to clean up) leaves nothing in /tmp
+            shutil.rmtree(self._dir, ignore_errors=True)
             self.conn.send(config)
             self._wait_ready(startup_timeout)
         except BaseException:
