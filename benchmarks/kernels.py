@@ -61,6 +61,21 @@ def gpt2_small_shapes(vocab: int = 50257, d: int = 768, layers: int = 12, ctx: i
     return shapes + [(d,), (d,)]
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its widest vector extension (the kernels' loops differ between AVX-512 and
+    AVX2 machines), from /proc/cpuinfo where there is one."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({platform.machine()}, {isa})"
+
+
 def placed(t: torch.Tensor, offset_bytes: int | None) -> torch.Tensor:
     """A copy of ``t`` starting ``offset_bytes`` past a 4 KiB boundary (None: ``t`` itself, as torch allocated it)."""
     if offset_bytes is None:
@@ -251,7 +266,7 @@ def main() -> None:
     gpt2 = gpt2_small_shapes(vocab=5000, d=128, layers=2, ctx=256) if args.quick else gpt2_small_shapes()
     bw = PairedBandwidth((32 if args.quick else 256) * 2**20)
     print(f"# sofx CPU kernels, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch "
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cpus, torch "
           f"{torch.__version__}, {args.threads} threads, native kernels: {cpu.native_available()}, "
           f"cpu bitwise with torch: {cpu.bitwise_with_torch()}")
     print(f"command: {' '.join(sys.argv)}")
