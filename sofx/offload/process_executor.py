@@ -227,7 +227,6 @@ class ProcessExecutor(Executor):
             self.conn.close()
         if getattr(self, "_receiver", None) is not None:
             self._receiver.join(timeout=10)
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

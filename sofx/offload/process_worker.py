@@ -17,7 +17,6 @@ optimizer) stops it too, after removing any shared-memory file still named
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -92,9 +91,6 @@ def main(argv: list[str]) -> int:
         return serve(conn)
     finally:
         conn.close()
-        # The main process's private directory of the socket (it removes it itself in close(); a killed one
-        # cannot).
-        shutil.rmtree(os.path.dirname(argv[1]), ignore_errors=True)
 
 
 if __name__ == "__main__":
