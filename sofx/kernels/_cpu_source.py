@@ -1322,6 +1322,10 @@ typedef int (*scan_step_fn)(const Job *, int, const Sqrt *, int64_t);
 #ifndef SCAN_PREFETCH
 #define SCAN_PREFETCH 2048
 #endif
+/* 1 if the next chunk's elements the loop's vectors did not read (from begin + CHUNK + a multiple of 16 to
+   scan_end: its partial last vector) hold an inf or a nan. */
+#define SCAN_REST_BAD(DG, gs, begin, scan_end, lim)                                \
+  (!chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
 #ifdef HW_BF16
 static inline __mmask16 vnonfinite_0(const void *g, int64_t e, uint32_t lim) {
   const __m512i x = _mm512_and_si512(_mm512_loadu_si512((const float *)g + e), _mm512_set1_epi32(0x7FFFFFFF));
@@ -1341,7 +1345,7 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
 /* 1 if the next chunk (from begin + CHUNK to scan_end) has an inf or a nan: bad from the loop, the rest
    (the next chunk's partial last vector) by chunk_finite. */
 #define SCAN_RESULT(DG, gs, begin, scan_end, bad, lim)                             \
-  ((bad) != 0 || !chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
+  ((bad) != 0 || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
 #define VSCAN(DP, DG, DS)                                                          \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
@@ -1398,8 +1402,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     (bad) = _mm256_or_si256((bad), vnonfinite8_##DG((gs), (e) + CHUNK, (lim)));    \
   }
 #define SCAN8_RESULT(DG, gs, begin, scan_end, bad, lim)                            \
-  (!_mm256_testz_si256((bad), (bad)) ||                                            \
-   !chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
+  (!_mm256_testz_si256((bad), (bad)) || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
 /* j is a full chunk (CHUNK elements, a multiple of 16): the loop leaves no remainder. */
 #define VSCAN8(DP, DG, DS)                                                         \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
