@@ -869,16 +869,19 @@ static inline v8 v8ld_1(const void *p, int64_t e) {
   const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + e));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-/* 8 floats -> bfloat16, f32_to_bf16's bits: round-to-nearest-even on the integer bits, a nan quiet with
-   its sign and upper payload. */
-static inline __m128i cvt_bf16_8(v8 x) {
+/* 8 floats -> bfloat16, f32_to_bf16's bits, each in the low half of a 32-bit lane: round-to-nearest-even
+   on the integer bits, a nan quiet with its sign and upper payload. */
+static inline __m256i bf16_bits8(v8 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
   const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
   const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i h = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
-  /* every lane < 2^16: packus keeps it; lanes 0-3 and 4-7 sit in qwords 0 and 2 */
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
+}
+/* every lane < 2^16: packus keeps it; lanes 0-3 and 4-7 sit in qwords 0 and 2 */
+static inline __m128i cvt_bf16_8(v8 x) {
+  const __m256i h = bf16_bits8(x);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
 }
 static inline void v8st_0(void *p, int64_t e, v8 x) { _mm256_storeu_ps((float *)p + e, x); }
@@ -886,9 +889,52 @@ static inline void v8st_1(void *p, int64_t e, v8 x) {
   _mm_storeu_si128((__m128i *)((uint16_t *)p + e), cvt_bf16_8(x));
 }
 static inline v8 v8round_0(v8 x) { return x; }
-static inline v8 v8round_1(v8 x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(cvt_bf16_8(x)), 16));
+static inline v8 v8round_1(v8 x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16)); }
+/* Two vectors at e: elements e..e+7 in x[0], e+8..e+15 in x[1] ("natural" order), or, with inlane, the
+   order of the 256-bit unpack and pack instructions: x[0] holds e..e+3 and e+8..e+11, x[1] e+4..e+7 and
+   e+12..e+15. Elementwise arithmetic does not care which, as long as every stream of a loop uses the same:
+   the loops of all-bfloat16 jobs take inlane (no lane-crossing permute at all), the others natural. A
+   bfloat16 pair costs one load, (a permute,) two unpacks; a store two conversions, one pack, (a permute,) one
+   store: fewer operations than two single vectors (the bf16 step is bound by its arithmetic here). */
+static inline void v8ld2_0(const void *p, int64_t e, v8 *x, int inlane) {
+  (void)inlane;
+  x[0] = _mm256_loadu_ps((const float *)p + e);
+  x[1] = _mm256_loadu_ps((const float *)p + e + 8);
 }
+static inline void v8ld2_1(const void *p, int64_t e, v8 *x, int inlane) {
+  __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e));
+  if (!inlane) h = _mm256_permute4x64_epi64(h, 0xD8);
+  x[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
+  x[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
+}
+static inline void v8st2_0(void *p, int64_t e, const v8 *x, int inlane) {
+  (void)inlane;
+  _mm256_storeu_ps((float *)p + e, x[0]);
+  _mm256_storeu_ps((float *)p + e + 8, x[1]);
+}
+static inline void v8st2_1(void *p, int64_t e, const v8 *x, int inlane) {
+  __m256i h = _mm256_packus_epi32(bf16_bits8(x[0]), bf16_bits8(x[1]));
+  if (!inlane) h = _mm256_permute4x64_epi64(h, 0xD8);
+  _mm256_storeu_si256((__m256i *)((uint16_t *)p + e), h);
+}
+/* w (1 or 2, a constant where these are inlined) vectors at e: v8ld_ / v8st_, or the pairs above. */
+#define V8LDW(D, p, e, w, x, inlane)                                               \
+  do {                                                                             \
+    if ((w) == 2) v8ld2_##D((p), (e), (x), (inlane));                              \
+    else (x)[0] = v8ld_##D((p), (e));                                              \
+  } while (0)
+#define V8STW(D, p, e, w, x, inlane)                                               \
+  do {                                                                             \
+    if ((w) == 2) v8st2_##D((p), (e), (x), (inlane));                              \
+    else v8st_##D((p), (e), (x)[0]);                                               \
+  } while (0)
+/* inlane order for the jobs whose streams are all bfloat16 */
+#define INLANE_000 0
+#define INLANE_001 0
+#define INLANE_100 0
+#define INLANE_101 0
+#define INLANE_110 0
+#define INLANE_111 1
 static inline v8 v8set(float x) { return _mm256_set1_ps(x); }
 /* a where r is not 0 (ordered), else b */
 static inline v8 v8where_nonzero(v8 r, v8 a, v8 b) {
@@ -971,30 +1017,45 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     memcpy((char *)(a).vo + (e) * ES_##DS, tv, ns);                                \
   } while (0)
 
-/* Full vectors two at a time (a line of each float32 stream, prefetched), then one, then the partial one. */
+/* fn on the two vectors at e: as a pair (w = 2) where a stream is bfloat16 (see v8ld2_1), else one by one
+   (w = 1; the float32 undo+redo ran ~5% slower as a pair, with more values live at once). */
+#define TWO8(DP, DG, DS, fn, a, e, ...)                                            \
+  do {                                                                             \
+    if (DP || DG || DS) {                                                          \
+      fn((a), (e), 2, __VA_ARGS__);                                                \
+    } else {                                                                       \
+      fn((a), (e), 1, __VA_ARGS__);                                                \
+      fn((a), (e) + 8, 1, __VA_ARGS__);                                            \
+    }                                                                              \
+  } while (0)
+/* Full vectors two at a time (TWO8; a line of each float32 stream, prefetched), then one (w = 1), then the
+   partial one. */
 #define LOOP8(DP, DG, DS, a, begin, end, with_g2, fn, ...)                         \
   do {                                                                             \
     int64_t e = (begin);                                                           \
     for (; e + 16 <= (end); e += 16) {                                             \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, with_g2);                                  \
-      fn(&(a), e, __VA_ARGS__);                                                    \
-      fn(&(a), e + 8, __VA_ARGS__);                                                \
+      TWO8(DP, DG, DS, fn, &(a), e, __VA_ARGS__);                                  \
     }                                                                              \
     if (e + 8 <= (end)) {                                                          \
-      fn(&(a), e, __VA_ARGS__);                                                    \
+      fn(&(a), e, 1, __VA_ARGS__);                                                 \
       e += 8;                                                                      \
     }                                                                              \
-    if (e < (end)) TAIL8(DP, DG, DS, a, e, (end) - e, with_g2, fn, __VA_ARGS__);  \
+    if (e < (end)) TAIL8(DP, DG, DS, a, e, (end) - e, with_g2, fn, 1, __VA_ARGS__); \
   } while (0)
 
 #define VSTEP8(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
-      const Arrays *a, int64_t e, const StepK *k) {                                \
-    v8 P = v8ld_##DP(a->p, e), M = v8ld_##DS(a->m, e), V = v8ld_##DS(a->v, e);     \
-    step8(&P, v8ld_##DG(a->g, e), &M, &V, k);                                      \
-    v8st_##DP(a->po, e, P);                                                        \
-    v8st_##DS(a->mo, e, M);                                                        \
-    v8st_##DS(a->vo, e, V);                                                        \
+      const Arrays *a, int64_t e, int w, const StepK *k) {                         \
+    v8 P[2], G[2], M[2], V[2];                                                     \
+    V8LDW(DP, a->p, e, w, P, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DG, a->g, e, w, G, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DS, a->m, e, w, M, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DS, a->v, e, w, V, INLANE_##DP##DG##DS);                                 \
+    for (int i = 0; i < w; i++) step8(&P[i], G[i], &M[i], &V[i], k);               \
+    V8STW(DP, a->po, e, w, P, INLANE_##DP##DG##DS);                                \
+    V8STW(DS, a->mo, e, w, M, INLANE_##DP##DG##DS);                                \
+    V8STW(DS, a->vo, e, w, V, INLANE_##DP##DG##DS);                                \
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
@@ -1006,18 +1067,25 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
 #define VUNDO8(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
-      const Arrays *a, int64_t e, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast) { \
-    v8 P = v8ld_##DP(a->p, e), M = v8ld_##DS(a->m, e), V = v8ld_##DS(a->v, e);     \
-    undo8(&P, v8ld_##DG(a->g, e), &M, &V, u, have_p_old, fast);                    \
-    if (redo) {                                                                    \
-      P = v8round_##DP(P);                                                         \
-      M = v8round_##DS(M);                                                         \
-      V = v8round_##DS(V);                                                         \
-      step8(&P, v8ld_##DG(a->g2, e), &M, &V, k);                                   \
+      const Arrays *a, int64_t e, int w, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast) { \
+    v8 P[2], G[2], M[2], V[2], G2[2];                                              \
+    V8LDW(DP, a->p, e, w, P, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DG, a->g, e, w, G, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DS, a->m, e, w, M, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DS, a->v, e, w, V, INLANE_##DP##DG##DS);                                 \
+    if (redo) V8LDW(DG, a->g2, e, w, G2, INLANE_##DP##DG##DS);                     \
+    for (int i = 0; i < w; i++) {                                                  \
+      undo8(&P[i], G[i], &M[i], &V[i], u, have_p_old, fast);                       \
+      if (redo) {                                                                  \
+        P[i] = v8round_##DP(P[i]);                                                 \
+        M[i] = v8round_##DS(M[i]);                                                 \
+        V[i] = v8round_##DS(V[i]);                                                 \
+        step8(&P[i], G2[i], &M[i], &V[i], k);                                      \
+      }                                                                            \
     }                                                                              \
-    v8st_##DP(a->po, e, P);                                                        \
-    v8st_##DS(a->mo, e, M);                                                        \
-    v8st_##DS(a->vo, e, V);                                                        \
+    V8STW(DP, a->po, e, w, P, INLANE_##DP##DG##DS);                                \
+    V8STW(DS, a->mo, e, w, M, INLANE_##DP##DG##DS);                                \
+    V8STW(DS, a->vo, e, w, V, INLANE_##DP##DG##DS);                                \
   }                                                                                \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
@@ -1414,8 +1482,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     (void)sq;                                                                      \
     for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, e, &k);                                            \
-      vstep_at_##DP##DG##DS(&a, e + 8, &k);                                        \
+      TWO8(DP, DG, DS, vstep_at_##DP##DG##DS, &a, e, &k);                          \
       SCAN8_AT(DG, a.g, e, scan_end, bad, lim)                                     \
     }                                                                              \
     return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                    \
@@ -1430,8 +1497,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     (void)sq;                                                                      \
     for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
-      vundo_at_##DP##DG##DS(&a, e, &u, &k, have_p_old, 1, fast);                   \
-      vundo_at_##DP##DG##DS(&a, e + 8, &u, &k, have_p_old, 1, fast);               \
+      TWO8(DP, DG, DS, vundo_at_##DP##DG##DS, &a, e, &u, &k, have_p_old, 1, fast); \
       SCAN8_AT(DG, a.g2, e, scan_end, bad, lim)                                    \
     }                                                                              \
     return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                   \
