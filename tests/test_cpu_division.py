@@ -7,7 +7,8 @@ small C program with the kernels' own flags), over every case that matters rathe
   b significand) and compares with ``x / b``.
 - ``store_bf16`` / ``round_bf16`` and the vector loops' ``vst_1`` / ``vround_1`` (the hardware bf16
   conversion plus its fix-up for subnormal inputs), or the AVX2 loops' ``v8st_1`` / ``v8round_1`` (integer
-  operations), give ``f32_to_bf16``'s bits for all 2^32 floats.
+  operations; also two vectors at a time, ``v8st2_1`` and back by ``v8ld2_1``, in both element orders), give
+  ``f32_to_bf16``'s bits for all 2^32 floats.
 
 About 10 CPU-seconds.
 """
@@ -111,6 +112,36 @@ int main(void) {
         const uint16_t want = f32_to_bf16(x[i]);
         bf16_bad += h[i] != want;
         bf16_bad += bits(r[i]) != bits(bf16_to_f32(want));
+      }
+      /* the pairs: v8st2_1 in natural order and in the unpack/pack order (x[0] holding elements 0-3 and 8-11
+         of 16, x[1] 4-7 and 12-15; a nan in either vector takes the other rounding), v8ld2_1 back; on the same
+         floats with the halves of their bits swapped, so that neighbours differ in their upper half (and an
+         element in the wrong place shows) */
+      for (int i = 0; i < 4096; i++) {
+        const uint32_t u = (uint32_t)((lo + i) << 16 | hi);
+        memcpy(&x[i], &u, 4);
+      }
+      for (int inlane = 0; inlane < 2; inlane++) {
+        for (int i = 0; i < 4096; i += 16) {
+          v8 pair[2] = {_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8)};
+          if (inlane) {
+            pair[0] = _mm256_permute2f128_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8), 0x20);
+            pair[1] = _mm256_permute2f128_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8), 0x31);
+          }
+          v8st2_1(h, i, pair, inlane);
+        }
+        for (int i = 0; i < 4096; i++) bf16_bad += h[i] != f32_to_bf16(x[i]);
+        for (int i = 0; i < 4096; i += 16) {
+          v8 pair[2];
+          v8ld2_1(h, i, pair, inlane);
+          float got[16];
+          _mm256_storeu_ps(got, pair[0]);
+          _mm256_storeu_ps(got + 8, pair[1]);
+          for (int k = 0; k < 16; k++) {
+            const int elem = inlane ? (k % 8 < 4 ? 0 : 8) + (k / 8) * 4 + k % 4 : k;
+            bf16_bad += bits(got[k]) != bits(bf16_to_f32(h[i + elem]));
+          }
+        }
       }
 #endif
     }

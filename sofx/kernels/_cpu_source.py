@@ -871,13 +871,20 @@ static inline v8 v8ld_1(const void *p, int64_t e) {
 }
 /* 8 floats -> bfloat16, f32_to_bf16's bits, each in the low half of a 32-bit lane: round-to-nearest-even
    on the integer bits, a nan quiet with its sign and upper payload. */
+static inline __m256i bf16_bits8_rounded(__m256i u, __m256i hi) {
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
 static inline __m256i bf16_bits8(v8 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i hi = _mm256_srli_epi32(u, 16);
-  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
+  return _mm256_blendv_epi8(bf16_bits8_rounded(u, hi), _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
+}
+/* bf16_bits8 of two vectors without a nan: the rounding alone */
+static inline __m256i bf16_bits8_no_nan(v8 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  return bf16_bits8_rounded(u, _mm256_srli_epi32(u, 16));
 }
 /* every lane < 2^16: packus keeps it; lanes 0-3 and 4-7 sit in qwords 0 and 2 */
 static inline __m128i cvt_bf16_8(v8 x) {
@@ -913,7 +920,10 @@ static inline void v8st2_0(void *p, int64_t e, const v8 *x, int inlane) {
   _mm256_storeu_ps((float *)p + e + 8, x[1]);
 }
 static inline void v8st2_1(void *p, int64_t e, const v8 *x, int inlane) {
-  __m256i h = _mm256_packus_epi32(bf16_bits8(x[0]), bf16_bits8(x[1]));
+  /* one test for a nan in either vector (rare) instead of a nan lane blend per vector */
+  const v8 nan = _mm256_cmp_ps(x[0], x[1], _CMP_UNORD_Q);
+  __m256i h = _mm256_testz_ps(nan, nan) ? _mm256_packus_epi32(bf16_bits8_no_nan(x[0]), bf16_bits8_no_nan(x[1]))
+                                        : _mm256_packus_epi32(bf16_bits8(x[0]), bf16_bits8(x[1]));
   if (!inlane) h = _mm256_permute4x64_epi64(h, 0xD8);
   _mm256_storeu_si256((__m256i *)((uint16_t *)p + e), h);
 }
