@@ -1126,27 +1126,37 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
    the step's gradient; m', v' stored, p', m', v' kept in PT, MT, VT (the chunk's local arrays at e). */
 #define XPRE8(DP, DG, DS)                                                          \
   static inline __attribute__((always_inline)) void xpre_at_##DP##DG##DS(          \
-      const Arrays *a, int64_t e, float *PT, float *MT, float *VT, const float *D, const UndoK *u, \
+      const Arrays *a, int64_t e, int w, float *PT, float *MT, float *VT, const float *D, const UndoK *u, \
       const StepK *k, int step, int redo, int have_p_old) {                        \
-    v8 P = v8ld_##DP(a->p, e), M = v8ld_##DS(a->m, e), V = v8ld_##DS(a->v, e);     \
+    v8 P[2], G[2], M[2], V[2];                                                     \
+    V8LDW(DP, a->p, e, w, P, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DS, a->m, e, w, M, INLANE_##DP##DG##DS);                                 \
+    V8LDW(DS, a->v, e, w, V, INLANE_##DP##DG##DS);                                 \
     if (!step) {                                                                   \
-      undo8_d(&P, v8ld_##DG(a->g, e), &M, &V, _mm256_loadu_ps(D), u, have_p_old, 0); \
+      V8LDW(DG, a->g, e, w, G, INLANE_##DP##DG##DS);                               \
+      for (int i = 0; i < w; i++)                                                  \
+        undo8_d(&P[i], G[i], &M[i], &V[i], _mm256_loadu_ps(D + 8 * i), u, have_p_old, 0); \
       if (!redo) {                                                                 \
-        v8st_##DP(a->po, e, P);                                                    \
-        v8st_##DS(a->mo, e, M);                                                    \
-        v8st_##DS(a->vo, e, V);                                                    \
+        V8STW(DP, a->po, e, w, P, INLANE_##DP##DG##DS);                            \
+        V8STW(DS, a->mo, e, w, M, INLANE_##DP##DG##DS);                            \
+        V8STW(DS, a->vo, e, w, V, INLANE_##DP##DG##DS);                            \
         return;                                                                    \
       }                                                                            \
-      P = v8round_##DP(P);                                                         \
-      M = v8round_##DS(M);                                                         \
-      V = v8round_##DS(V);                                                         \
+      for (int i = 0; i < w; i++) {                                                \
+        P[i] = v8round_##DP(P[i]);                                                 \
+        M[i] = v8round_##DS(M[i]);                                                 \
+        V[i] = v8round_##DS(V[i]);                                                 \
+      }                                                                            \
     }                                                                              \
-    step_pre8(&P, v8ld_##DG(step ? a->g : a->g2, e), &M, &V, k);                   \
-    v8st_##DS(a->mo, e, M);                                                        \
-    v8st_##DS(a->vo, e, V);                                                        \
-    _mm256_storeu_ps(PT, P);                                                       \
-    _mm256_storeu_ps(MT, M);                                                       \
-    _mm256_storeu_ps(VT, V);                                                       \
+    V8LDW(DG, step ? a->g : a->g2, e, w, G, INLANE_##DP##DG##DS);                  \
+    for (int i = 0; i < w; i++) step_pre8(&P[i], G[i], &M[i], &V[i], k);           \
+    V8STW(DS, a->mo, e, w, M, INLANE_##DP##DG##DS);                                \
+    V8STW(DS, a->vo, e, w, V, INLANE_##DP##DG##DS);                                \
+    for (int i = 0; i < w; i++) {                                                  \
+      _mm256_storeu_ps(PT + 8 * i, P[i]);                                          \
+      _mm256_storeu_ps(MT + 8 * i, M[i]);                                          \
+      _mm256_storeu_ps(VT + 8 * i, V[i]);                                          \
+    }                                                                              \
   }
 NATIVE_COMBOS(XPRE8)
 /* (defined below, with the scan of the next chunk's gradient) */
@@ -1526,26 +1536,43 @@ NATIVE_COMBOS(VSCAN8)
     __m256i bad = _mm256_setzero_si256();                                          \
     for (int64_t off = j->begin; off < j->end; off += XTILE) {                     \
       const int n = (int)((j->end - off) < XTILE ? (j->end - off) : XTILE), nv = n / 8 * 8; \
+      /* vectors in pairs (see v8ld2_1: the local arrays hold a pair's elements in the order its loads give) */ \
+      const int np = nv / 16 * 16;                                                 \
       if (!step && !have_p_old) {                                                  \
-        for (int i = 0; i < nv; i += 8) _mm256_storeu_ps(VT + i, v8ld_##DS(a.v, off + i)); \
+        for (int i = 0; i < np; i += 16) {                                         \
+          v8 X[2];                                                                 \
+          v8ld2_##DS(a.v, off + i, X, INLANE_##DP##DG##DS);                        \
+          _mm256_storeu_ps(VT + i, X[0]);                                          \
+          _mm256_storeu_ps(VT + i + 8, X[1]);                                      \
+        }                                                                          \
+        for (int i = np; i < nv; i += 8) _mm256_storeu_ps(VT + i, v8ld_##DS(a.v, off + i)); \
         for (int i = nv; i < n; i++) VT[i] = LD_##DS(a.v, off + i);                \
         sqrt_tile(D, VT, &j->sq, n);                                               \
       }                                                                            \
-      for (int i = 0; i < nv; i += 8) {                                            \
-        if (!(i & 8)) {                                                            \
-          PREFETCH_ARRAYS(DP, DG, DS, a, off + i, redo);                           \
-          if (scan_g) SCAN8_AT(DG, scan_g, off + i, scan_end, bad, lim)            \
-        }                                                                          \
-        xpre_at_##DP##DG##DS(&a, off + i, PT + i, MT + i, VT + i, D + i, &u, &k, step, redo, have_p_old); \
+      for (int i = 0; i < np; i += 16) {                                           \
+        PREFETCH_ARRAYS(DP, DG, DS, a, off + i, redo);                             \
+        if (scan_g) SCAN8_AT(DG, scan_g, off + i, scan_end, bad, lim)              \
+        xpre_at_##DP##DG##DS(&a, off + i, 2, PT + i, MT + i, VT + i, D + i, &u, &k, step, redo, have_p_old); \
+      }                                                                            \
+      if (np < nv) {                                                               \
+        PREFETCH_ARRAYS(DP, DG, DS, a, off + np, redo);                            \
+        if (scan_g) SCAN8_AT(DG, scan_g, off + np, scan_end, bad, lim)             \
+        xpre_at_##DP##DG##DS(&a, off + np, 1, PT + np, MT + np, VT + np, D + np, &u, &k, step, redo, have_p_old); \
       }                                                                            \
       if (nv < n) /* the chunk's partial vector (its lanes past n are in the local arrays' range) */ \
-        TAIL8(DP, DG, DS, a, off + nv, n - nv, redo, xpre_at_##DP##DG##DS, PT + nv, MT + nv, VT + nv, \
+        TAIL8(DP, DG, DS, a, off + nv, n - nv, redo, xpre_at_##DP##DG##DS, 1, PT + nv, MT + nv, VT + nv, \
               D + nv, &u, &k, step, redo, have_p_old);                             \
       if (!step && !redo) continue;                                                \
       sqrt_tile(D, VT, &j->sq, n);                                                 \
-      for (int i = 0; i < nv; i += 8)                                              \
-        v8st_##DP(a.po, off + i, step_post8(_mm256_loadu_ps(PT + i), _mm256_loadu_ps(MT + i), \
-                                            _mm256_loadu_ps(D + i), &k));         \
+      for (int i = 0; i < np; i += 16) {                                           \
+        const v8 R[2] = {step_post8(_mm256_loadu_ps(PT + i), _mm256_loadu_ps(MT + i), _mm256_loadu_ps(D + i), &k), \
+                         step_post8(_mm256_loadu_ps(PT + i + 8), _mm256_loadu_ps(MT + i + 8),                  \
+                                    _mm256_loadu_ps(D + i + 8), &k)};                                         \
+        v8st2_##DP(a.po, off + i, R, INLANE_##DP##DG##DS);                         \
+      }                                                                            \
+      if (np < nv)                                                                 \
+        v8st_##DP(a.po, off + np, step_post8(_mm256_loadu_ps(PT + np), _mm256_loadu_ps(MT + np),             \
+                                             _mm256_loadu_ps(D + np), &k));       \
       for (int i = nv; i < n; i++) SST_##DP(a.po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
     }                                                                              \
     return scan_g ? SCAN8_RESULT(DG, scan_g, j->begin, scan_end, bad, lim) : 0;    \
