@@ -1,7 +1,8 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
 ``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
-``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py`` and ``benchmarks/triton_host.py`` run."""
+``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/triton_host.py`` and
+``benchmarks/kernel_compute.py`` run."""
 
 from __future__ import annotations
 
@@ -118,6 +119,19 @@ def test_read_streams_script_runs():
     mixes = [row.split(" | ")[0] for row in rows if row.startswith("| ") and row[2].isdigit()]
     assert mixes == ["| 4 / 0", "| 5 / 0", "| 4 / 3", "| 5 / 3", "| 3 / 3", "| 4 / 4", "| 5 / 5", "| 2 / 1"]
     assert any(row.startswith("5/3 over 4/3") for row in rows)
+
+
+def test_kernel_compute_script_runs():
+    """``benchmarks/kernel_compute.py`` compiles the kernel source with its own C harness: one row per dtype
+    combination, a positive time per operation and place."""
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("needs a C compiler")
+    rows = _table_rows("kernel_compute.py", ["--quick"], ("| ",))
+    body = [row for row in rows if row.startswith("| ") and not row.startswith("| ns per")]
+    assert [row.split(" | ")[0] for row in body] == ["| float32", "| bf16 params + fp32 states", "| all-bf16"]
+    for row in body:
+        times = [float(x) for x in row.strip("| ").split(" | ")[1:]]
+        assert len(times) == 6 and all(0 < t < 1000 for t in times), row
 
 
 def test_param_copy_script_runs():

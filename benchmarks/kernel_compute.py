@@ -1,0 +1,193 @@
+"""The CPU kernels' arithmetic, apart from the memory: nanoseconds per element on one core.
+
+    .venv/bin/python benchmarks/kernel_compute.py            # in cache, and from memory
+    .venv/bin/python benchmarks/kernel_compute.py --quick    # smaller, fewer repetitions (a smoke run)
+
+``kernels.py`` times the operations where they meet the memory (2^26 elements, two threads), so a row there is
+bound by the memory traffic or by the arithmetic, whichever is slower, and says which only by its ratio. This
+script separates the two: it compiles the kernel source (``sofx/kernels/_cpu_source.py``, with the library's
+own flags) together with a small C program that runs the loops of ``cpu_fast`` (``run_range`` on one range,
+``exact`` off, i.e. whichever loops this build selects: AVX-512, AVX2 or the portable ones) on the calling
+thread alone, over
+
+- ``cache``: 16384 elements, which stay in the core's L2 between repetitions: the arithmetic's own rate;
+- ``memory``: 2^24 elements (64 MiB per float32 stream), one core's view of the memory.
+
+for float32, bf16 params + fp32 states, and all-bf16, each of step, undo and undo+redo with a new gradient.
+An operation whose ``cache`` time times the number of cores exceeds its share of ``kernels.py``'s time is
+bound by its arithmetic there. Timings are the minimum over repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import cpu_model  # noqa: E402
+
+from sofx.kernels import _cpu_build  # noqa: E402
+from sofx.kernels._cpu_source import SOURCE  # noqa: E402
+
+HARNESS = r"""
+#include "sofx_adam.c"
+#include <stdio.h>
+#include <time.h>
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void scalars(double *d, double lr, double gs) {
+  const double b1 = 0.9, b2 = 0.999, wd = 0.01;
+  const int t = 10;
+  memset(d, 0, sizeof(double) * S_COUNT);
+  d[S_GRAD_SCALE] = gs;
+  d[S_HAS_GRAD_SCALE] = gs != 1.0;
+  d[S_HAS_DECAY] = 1;
+  d[S_WD] = wd;
+  d[S_DECAY_FACTOR] = 1 - lr * wd;
+  d[S_ONE_MINUS_B1] = 1 - b1;
+  d[S_B1] = b1;
+  d[S_B2] = b2;
+  d[S_ONE_MINUS_B2] = 1 - b2;
+  d[S_BC2_SQRT] = sqrt(1 - pow(b2, t));
+  d[S_EPS] = 1e-8;
+  d[S_STEP_SIZE] = lr / (1 - pow(b1, t));
+  d[S_LIMIT_F32] = 0x7F7FFFFF;
+  d[S_LIMIT_BF16] = 0x7F7F;
+  d[S_LIMIT_F16] = 0x7BFF;
+}
+
+static float uniform(uint32_t *s) { /* in [-1, 1) */
+  *s = *s * 1664525u + 1013904223u;
+  return (float)(*s >> 8) / 8388608.0f - 1.0f;
+}
+
+static void *filled(int64_t n, int bf16, float scale, float shift, uint32_t *seed) {
+  void *a = aligned_alloc(64, (size_t)(n * 4 + 64) / 64 * 64);
+  for (int64_t i = 0; i < n; i++) {
+    const float x = scale * uniform(seed) + shift;
+    if (bf16) ((uint16_t *)a)[i] = f32_to_bf16(x);
+    else ((float *)a)[i] = x;
+  }
+  return a;
+}
+
+/* ns per element of step, undo, undo+redo (a new gradient) on n elements of dtypes (dp, dg, ds): each
+   operation runs reps times and is then inverted (untimed), so that the states stay those of a real step. */
+static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, double *out) {
+  uint32_t seed = 12345;
+  void *p = filled(n, dp, 1.0f, 0.0f, &seed), *g = filled(n, dg, 1.0f, 0.0f, &seed);
+  void *g2 = filled(n, dg, 1.0f, 0.0f, &seed), *m = filled(n, ds, 0.1f, 0.0f, &seed);
+  void *v = filled(n, ds, 0.005f, 0.006f, &seed);
+  double d1[S_COUNT], d2[S_COUNT];
+  scalars(d1, 1e-3, 1.0);
+  scalars(d2, 9e-4, 0.5);
+  Job j;
+  memset(&j, 0, sizeof j);
+  j.decoupled = 1;
+  j.dp = dp; j.dg = dg; j.ds = ds; j.dg2 = dg; j.dpo = dp;
+  j.n = n;
+  j.p = p; j.g = g; j.m = m; j.v = v; j.g2 = g2; j.po = p; j.mo = m; j.vo = v;
+  j.begin = 0;
+  j.end = n;
+  j.s1 = make_sc(d1);
+  j.s2 = make_sc(d2);
+  Job back = j; /* the undo+redo back to the step with (g, s1) */
+  back.g = g2; back.g2 = g; back.s1 = j.s2; back.s2 = j.s1;
+  for (int k = 0; k < 3; k++) out[k] = 1e30;
+  for (int round = 0; round < rounds; round++)
+    for (int k = 0; k < 3; k++) {
+      double t = 0;
+      for (int r = 0; r < reps; r++) {
+        j.op = k == 0 ? OP_STEP : k == 1 ? OP_UNDO : OP_UNDO_REDO;
+        const double t0 = now();
+        run_range(&j);
+        t += now() - t0;
+        if (k == 1) { j.op = OP_STEP; run_range(&j); }
+        if (k == 2) { back.op = OP_UNDO_REDO; run_range(&back); }
+      }
+      if (k == 0) { /* the steps are taken: undo them (untimed) */
+        j.op = OP_UNDO;
+        for (int r = 0; r < reps; r++) run_range(&j);
+      }
+      t = t / reps / (double)n * 1e9;
+      if (t < out[k]) out[k] = t;
+    }
+  free(p); free(g); free(g2); free(m); free(v);
+}
+
+int main(int argc, char **argv) {
+  const int64_t n = atoll(argv[1]);
+  const int reps = atoi(argv[2]), rounds = atoi(argv[3]);
+  static const int combos[3][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 1}};
+  for (int c = 0; c < 3; c++) {
+    double out[3];
+    bench(combos[c][0], combos[c][1], combos[c][2], n, reps, rounds, out);
+    printf("%d%d%d %.4f %.4f %.4f\n", combos[c][0], combos[c][1], combos[c][2], out[0], out[1], out[2]);
+  }
+  return 0;
+}
+"""
+
+COMBOS = {"000": "float32", "100": "bf16 params + fp32 states", "111": "all-bf16"}
+
+
+def build(directory: str) -> str:
+    """The harness compiled with the kernels' first flag set that works here."""
+    cc = _cpu_build._compiler()
+    if cc is None:
+        raise SystemExit("no C compiler found (set CC to one)")
+    with open(os.path.join(directory, "sofx_adam.c"), "w", encoding="utf-8") as f:
+        f.write(SOURCE)
+    with open(os.path.join(directory, "compute.c"), "w", encoding="utf-8") as f:
+        f.write(HARNESS)
+    exe = os.path.join(directory, "compute")
+    errors = []
+    for flags in _cpu_build._FLAG_SETS:
+        proc = subprocess.run([*cc.split(), *flags, "-std=gnu11", "-pthread", os.path.join(directory, "compute.c"),
+                               "-o", exe, "-lm"], capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0:
+            return exe
+        errors.append(proc.stderr[-300:])
+    raise SystemExit("the harness did not build: " + " | ".join(errors))
+
+
+def run(exe: str, n: int, reps: int, rounds: int) -> dict[str, tuple[float, float, float]]:
+    out = subprocess.run([exe, str(n), str(reps), str(rounds)], capture_output=True, text=True, check=True,
+                         timeout=1800).stdout
+    rows = {}
+    for line in out.splitlines():
+        combo, *times = line.split()
+        rows[combo] = tuple(float(t) for t in times)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (numbers mean little)")
+    args = ap.parse_args()
+    sizes = {"cache": (4096, 50, 3), "memory": (1 << 16, 2, 2)} if args.quick else \
+        {"cache": (16384, 2000, 15), "memory": (1 << 24, 2, 5)}
+    with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
+        exe = build(tmp)
+        results = {where: run(exe, *spec) for where, spec in sizes.items()}
+    print(f"# sofx CPU kernels' arithmetic (cpu_fast loops, one core), machine: {cpu_model()}")
+    print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
+    print("| ns per element | step cache | step memory | undo cache | undo memory | undo+redo cache | undo+redo memory |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for combo, name in COMBOS.items():
+        c, m = results["cache"][combo], results["memory"][combo]
+        print(f"| {name} | {c[0]:.3f} | {m[0]:.3f} | {c[1]:.3f} | {m[1]:.3f} | {c[2]:.3f} | {m[2]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
