@@ -881,7 +881,7 @@ static inline __m256i bf16_bits8(v8 x) {
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   return _mm256_blendv_epi8(bf16_bits8_rounded(u, hi), _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
 }
-/* bf16_bits8 of two vectors without a nan: the rounding alone */
+/* bf16_bits8 of a vector without a nan: the rounding alone */
 static inline __m256i bf16_bits8_no_nan(v8 x) {
   const __m256i u = _mm256_castps_si256(x);
   return bf16_bits8_rounded(u, _mm256_srli_epi32(u, 16));
