@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
-from sofx.kernels._cpu_source import SOURCE  # noqa: E402
 
 HARNESS = r"""
 #include "sofx_adam.c"
@@ -143,22 +142,10 @@ COMBOS = {"000": "float32", "100": "bf16 params + fp32 states", "111": "all-bf16
 
 def build(directory: str) -> str:
     """The harness compiled with the kernels' first flag set that works here."""
-    cc = _cpu_build._compiler()
-    if cc is None:
-        raise SystemExit("no C compiler found (set CC to one)")
-    with open(os.path.join(directory, "sofx_adam.c"), "w", encoding="utf-8") as f:
-        f.write(SOURCE)
-    with open(os.path.join(directory, "compute.c"), "w", encoding="utf-8") as f:
-        f.write(HARNESS)
-    exe = os.path.join(directory, "compute")
-    errors = []
-    for flags in _cpu_build._FLAG_SETS:
-        proc = subprocess.run([*cc.split(), *flags, "-std=gnu11", "-pthread", os.path.join(directory, "compute.c"),
-                               "-o", exe, "-lm"], capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0:
-            return exe
-        errors.append(proc.stderr[-300:])
-    raise SystemExit("the harness did not build: " + " | ".join(errors))
+    try:
+        return _cpu_build.compile_program(HARNESS, directory, "compute")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def run(exe: str, n: int, reps: int, rounds: int) -> dict[str, tuple[float, float, float]]:

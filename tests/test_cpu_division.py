@@ -20,7 +20,6 @@ import subprocess
 import pytest
 
 from sofx.kernels import _cpu_build
-from sofx.kernels._cpu_source import SOURCE
 
 HARNESS = r"""
 #include "sofx_adam.c"
@@ -161,18 +160,10 @@ pytestmark = pytest.mark.skipif(_cpu_build.load() is None, reason="no native CPU
 
 
 def _build(tmp_path) -> str:
-    cc = _cpu_build._compiler()
-    (tmp_path / "sofx_adam.c").write_text(SOURCE)
-    (tmp_path / "check.c").write_text(HARNESS)
-    exe = str(tmp_path / "check")
-    errors = []
-    for flags in _cpu_build._FLAG_SETS:  # the kernels' own flags (-ffp-contract=off, -march=native, ...)
-        proc = subprocess.run([*cc.split(), *flags, "-std=gnu11", "-pthread", str(tmp_path / "check.c"),
-                               "-o", exe, "-lm"], capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0:
-            return exe
-        errors.append(proc.stderr[-500:])
-    pytest.fail("the check program did not build: " + " | ".join(errors))
+    try:
+        return _cpu_build.compile_program(HARNESS, str(tmp_path), "check")
+    except RuntimeError as e:
+        pytest.fail(f"the check program did not build: {e}")
 
 
 def test_div_by_and_bf16_conversions_are_exact(tmp_path):

@@ -141,6 +141,30 @@ def _compile(cc: str, flags: list[str], target: str) -> str | None:
     return None
 
 
+def compile_program(program: str, directory: str, name: str = "program") -> str:
+    """Compile ``program`` (C that ``#include "sofx_adam.c"``, the kernel source, written beside it) into an
+    executable in ``directory`` with the kernels' own flags (the first set that works here), for the checks
+    and benchmarks that call the kernels' internal functions directly. Returns its path; raises RuntimeError
+    with the compiler's errors when no flag set builds it (or there is no compiler)."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC to one)")
+    with open(os.path.join(directory, "sofx_adam.c"), "w", encoding="utf-8") as f:
+        f.write(SOURCE)
+    src = os.path.join(directory, name + ".c")
+    with open(src, "w", encoding="utf-8") as f:
+        f.write(program)
+    exe = os.path.join(directory, name)
+    errors = []
+    for flags in _FLAG_SETS:  # -ffp-contract=off, -march=native, ...
+        proc = subprocess.run([*cc.split(), *flags, "-std=gnu11", "-pthread", src, "-o", exe, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0:
+            return exe
+        errors.append(proc.stderr[-500:])
+    raise RuntimeError(f"{name}.c did not build: " + " | ".join(errors))
+
+
 def _first_error(text: str) -> str:
     lines = text.splitlines()
     return next((line for line in lines if "error" in line), lines[0] if lines else "failed")
