@@ -317,10 +317,14 @@ static Sc make_sc(const double *d) {
 }
 
 /* x / b from rb = RN(1/b) (rounded once: (float)(1.0 / (double)b)): the product q, the remainder
-   r = x - b*q by one multiply-add, and one multiply-add correction q + r*rb (Markstein), in place
+   r = b*q - x by one multiply-add, and one multiply-add correction q - r*rb (Markstein), in place
    of a division (the divider bounds these loops: a square root and two divisions per element of a
-   step take about as long as the memory traffic on two cores). Where r is 0 (q exact), infinite or
-   nan (x infinite or nan) q is the answer.
+   step take about as long as the memory traffic on two cores). No test for the special cases: with
+   the remainder taken this way round, x = +-0 gives q - (+0) = +-0 and a nan x its own (quieted) nan,
+   and r clamped to FLT_MAX (a nan r, from x = +-inf, becomes FLT_MAX; the clamp is one min, which
+   returns its second operand for a nan first one) keeps q = +-inf. That is one vector operation
+   instead of a compare and a blend: the AVX2 undo's arithmetic 16% faster, the undo+redo's 9%
+   (benchmarks/RESULTS.md "AVX2: one operation per division's guard").
    Exact, i.e. the bits of x / b, for every b with b and 1/b normal and every x with x / b finite and
    |x| >= 2^-78 (so that a nonzero r, a multiple of about |x| 2^-48, is normal), and for x 0, inf or
    nan; in particular for x = sqrt(v) (>= 2^-74.5 where not 0) over b = sqrt(1 - beta2^t) (>= 2^-12).
@@ -332,12 +336,14 @@ static Sc make_sc(const double *d) {
    correction can round differently from x / b only where N <= 8. Those (x, b) pairs are few (about
    1.7e8 over all 2^23 x 2^23 significands) and tests/test_cpu_division.py computes every one of them
    with this function: none differs. Below that range (|x| < 2^-78; differences seen only below
-   ~2^-100) or where x / b overflows the result may be an ulp off, and below it the remainder is
-   subnormal: a microcode assist per element (quot_vec scales such x into the range). */
+   ~2^-100) the result may be an ulp off, and below it the remainder is subnormal: a microcode assist
+   per element (quot_vec scales such x into the range). Where x / b overflows: +inf for a positive x (as
+   the division), nan for a negative one (r = -inf there; the division gives -inf). */
 static inline float div_by(float x, float b, float rb) {
   const float q = x * rb;
-  const float r = fmaf(-q, b, x);
-  return islessgreater(r, 0.0f) ? fmaf(r, rb, q) : q;
+  const float r = fmaf(q, b, -x);
+  const float rc = r < FLT_MAX ? r : FLT_MAX; /* minss: FLT_MAX for a nan r */
+  return fmaf(-rc, rb, q);
 }
 
 /* One Adam step on a tile (P, G, M, V in float32; G is modified). */
@@ -722,19 +728,22 @@ static inline __m512 sqrt_vec(__m512 x, const Sqrt *sq) {
   return sq ? mkl_sqrt_replica16(x) : _mm512_sqrt_ps(x);
 }
 
-/* step_elem on 16 lanes (div_by's islessgreater is an ordered not-equal compare), the square root by
-   sqrt_vec. */
+/* div_by on 16 lanes (the min returns its second operand where the first is nan, as minss). */
+static inline __m512 div_by_vec(__m512 x, float b, float rb) {
+  const __m512 vrb = _mm512_set1_ps(rb);
+  const __m512 q = _mm512_mul_ps(x, vrb);
+  const __m512 r = _mm512_min_ps(_mm512_fmsub_ps(q, _mm512_set1_ps(b), x), _mm512_set1_ps(FLT_MAX));
+  return _mm512_fnmadd_ps(r, vrb, q);
+}
+
+/* step_elem on 16 lanes, the square root by sqrt_vec. */
 static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const StepK *k, const Sqrt *sq) {
   __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
   const __m512 p = _mm512_mul_ps(*P, _mm512_set1_ps(k->pmul));
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
   *M = _mm512_fmadd_ps(_mm512_set1_ps(k->coef), _mm512_sub_ps(g, *M), k->small ? *M : g);
   *V = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k->c2), g), g, _mm512_mul_ps(*V, _mm512_set1_ps(k->b2)));
-  const __m512 D = sqrt_vec(*V, sq), rb = _mm512_set1_ps(k->rbc2);
-  const __m512 q = _mm512_mul_ps(D, rb);
-  const __m512 r = _mm512_fnmadd_ps(q, _mm512_set1_ps(k->bc2), D);
-  const __mmask16 correct = _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-  const __m512 d = _mm512_add_ps(_mm512_mask3_fmadd_ps(r, rb, q, correct), _mm512_set1_ps(k->eps)); /* q where r is 0 */
+  const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, sq), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
   *P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->nss), *M), d));
 }
 
@@ -758,14 +767,6 @@ static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Ste
     }                                                                              \
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
   }
-
-/* x / b by a constant b, as quot (fast 1: div_by; fast 0: a true division). */
-static inline __m512 div_by_vec(__m512 x, float b, float rb) {
-  const __m512 vb = _mm512_set1_ps(b), vrb = _mm512_set1_ps(rb);
-  const __m512 q = _mm512_mul_ps(x, vrb);
-  const __m512 r = _mm512_fnmadd_ps(q, vb, x);
-  return _mm512_mask3_fmadd_ps(r, vrb, q, _mm512_cmp_ps_mask(r, _mm512_setzero_ps(), _CMP_NEQ_OQ));
-}
 
 /* fast 0: a true division; fast 1: div_by, except that lanes with 0 < |x| < 2^-78 (found by integer
    compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range and the quotient by 2^-100
@@ -946,9 +947,13 @@ static inline void v8st2_1(void *p, int64_t e, const v8 *x, int inlane) {
 #define INLANE_110 0
 #define INLANE_111 1
 static inline v8 v8set(float x) { return _mm256_set1_ps(x); }
-/* a where r is not 0 (ordered), else b */
-static inline v8 v8where_nonzero(v8 r, v8 a, v8 b) {
-  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(r, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+
+/* div_by on 8 lanes (the min returns its second operand where the first is nan, as minss). */
+static inline v8 div_by8(v8 x, float b, float rb) {
+  const v8 vrb = v8set(rb);
+  const v8 q = _mm256_mul_ps(x, vrb);
+  const v8 r = _mm256_min_ps(_mm256_fmsub_ps(q, v8set(b), x), v8set(FLT_MAX));
+  return _mm256_fnmadd_ps(r, vrb, q);
 }
 
 /* step_pre, step_post and step_elem on 8 lanes. */
@@ -961,22 +966,12 @@ static inline void step_pre8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
   *P = p;
 }
 static inline v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {
-  const v8 rb = v8set(k->rbc2);
-  const v8 q = _mm256_mul_ps(D, rb);
-  const v8 r = _mm256_fnmadd_ps(q, v8set(k->bc2), D);
-  const v8 d = _mm256_add_ps(v8where_nonzero(r, _mm256_fmadd_ps(r, rb, q), q), v8set(k->eps));
+  const v8 d = _mm256_add_ps(div_by8(D, k->bc2, k->rbc2), v8set(k->eps));
   return _mm256_add_ps(P, _mm256_div_ps(_mm256_mul_ps(v8set(k->nss), M), d));
 }
 static inline void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
   step_pre8(P, G, M, V, k);
   *P = step_post8(*P, *M, _mm256_sqrt_ps(*V), k);
-}
-
-static inline v8 div_by8(v8 x, float b, float rb) {
-  const v8 vrb = v8set(rb);
-  const v8 q = _mm256_mul_ps(x, vrb);
-  const v8 r = _mm256_fnmadd_ps(q, v8set(b), x);
-  return v8where_nonzero(r, _mm256_fmadd_ps(r, vrb, q), q);
 }
 
 /* quot on 8 lanes: a true division (fast 0) or div_by (fast 1). Unlike quot_vec, tiny x (0 < |x| < 2^-78)
@@ -1002,7 +997,7 @@ static inline void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int 
   const v8 x = quot8(_mm256_sub_ps(*V, _mm256_mul_ps(v8set(k->omb2), _mm256_mul_ps(g, g))), k->b2, k->rb2, fast);
   *P = p;
   *M = m;
-  *V = _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  *V = _mm256_max_ps(_mm256_setzero_ps(), x); /* x < 0 ? 0 : x, as maxps: -0 and nan x kept */
 }
 static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast) {
   undo8_d(P, G, M, V, have_p_old ? *V : _mm256_sqrt_ps(*V), k, have_p_old, fast);
