@@ -1169,27 +1169,28 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     T[1] = M;                                                                      \
     T[2] = _mm256_sqrt_ps(V);                                                      \
   }                                                                                \
-  static void vredo3_##DP##DG##DS(const Arrays *ap, int64_t begin, int64_t end, const UndoK *u, const StepK *k, int fast) { \
+  static void vredo3_##DP##DG##DS(                                                 \
+      const Arrays *ap, int64_t begin, int64_t end, const UndoK *u, const StepK *k) { \
     const Arrays a = *ap;                                                          \
     v8 S1[6], Sn[6], T0[3], Tn[3];                                                 \
     int64_t e = begin;                                                             \
     PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                          \
     vredo_a_##DP##DG##DS(&a, e, Sn);                                               \
     vredo_a_##DP##DG##DS(&a, e + 8, S1);                                           \
-    vredo_b_##DP##DG##DS(&a, e, Sn, T0, u, k, fast);                               \
+    vredo_b_##DP##DG##DS(&a, e, Sn, T0, u, k, 1);                                  \
     for (e = begin + 16; e + 8 <= end; e += 8) {                                   \
       if (!((e - begin) & 8)) PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                \
       vredo_a_##DP##DG##DS(&a, e, Sn);                                             \
-      vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, fast);                         \
+      vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, 1);                            \
       v8st_##DP(a.po, e - 16, step_post8(T0[0], T0[1], T0[2], k));                 \
       for (int i = 0; i < 6; i++) S1[i] = Sn[i];                                   \
       for (int i = 0; i < 3; i++) T0[i] = Tn[i];                                   \
     }                                                                              \
-    vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, fast);                           \
+    vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, 1);                              \
     v8st_##DP(a.po, e - 16, step_post8(T0[0], T0[1], T0[2], k));                   \
     v8st_##DP(a.po, e - 8, step_post8(Tn[0], Tn[1], Tn[2], k));                    \
     const int64_t rest = e; /* LOOP8 declares its own e */                        \
-    if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, fast); \
+    if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, 1); \
   }                                                                                \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
@@ -1199,7 +1200,8 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     (void)sq;                                                                      \
     /* the loop per case, so that the flags are constants in it */                 \
     if (redo && have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 1, 1, fast); \
-    else if (redo && fast && !DS && (DP || DG) && j->end - j->begin >= 24) vredo3_##DP##DG##DS(&a, j->begin, j->end, &u, &k, 1); \
+    else if (redo && fast && !DS && (DP || DG) && j->end - j->begin >= 24)         \
+      vredo3_##DP##DG##DS(&a, j->begin, j->end, &u, &k);                           \
     else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast); \
     else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast); \
     else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast); \
