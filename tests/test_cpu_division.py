@@ -63,14 +63,17 @@ int main(void) {
         }
       }
   }
-  /* div_by by beta1 = 0.9 on all 2^32 floats x: x / b's bits (nan payloads included) but where its comment
-     allows otherwise (0 < |x| < 2^-78; a negative x whose quotient overflows: nan), and the vector loops'
-     div_by_vec / div_by8 (no test for +-0, +-inf, nan: the clamped remainder) the scalar one's bits. */
-  long div_all_bad = 0, div_vec_bad = 0, div_overflow = 0;
+  /* All 2^32 floats x.
+     div_by by beta1 = 0.9: x / b's bits (nan payloads included) but where its comment allows otherwise
+     (0 < |x| < 2^-78; a negative x whose quotient overflows: nan), and the vector loops' div_by_vec / div_by8
+     (no test for +-0, +-inf, nan: the clamped remainder) the scalar one's bits.
+     bf16: store_bf16 and round_bf16 (and the vector loops' conversions). */
+  long div_all_bad = 0, div_vec_bad = 0, div_overflow = 0, bf16_bad = 0;
   const float b1 = 0.9f, rb1 = (float)(1.0 / (double)b1);
-#pragma omp parallel for reduction(+ : div_all_bad, div_vec_bad, div_overflow) schedule(static)
+#pragma omp parallel for reduction(+ : div_all_bad, div_vec_bad, div_overflow, bf16_bad) schedule(static)
   for (int64_t hi = 0; hi < 65536; hi++) {
-    float x[4096], q[4096];
+    float x[4096], r[4096], q[4096];
+    uint16_t h[4096];
     for (int64_t lo = 0; lo < 65536; lo += 4096) {
       for (int i = 0; i < 4096; i++) {
         const uint32_t u = (uint32_t)(hi << 16 | (lo + i));
@@ -98,19 +101,6 @@ int main(void) {
         for (int k = 0; k < 8; k++) div_vec_bad += bits(got[k]) != bits(q[i + k]);
       }
 #endif
-    }
-  }
-  /* bf16: all 2^32 floats through store_bf16 and round_bf16. */
-  long bf16_bad = 0;
-#pragma omp parallel for reduction(+ : bf16_bad) schedule(static)
-  for (int64_t hi = 0; hi < 65536; hi++) {
-    float x[4096], r[4096];
-    uint16_t h[4096];
-    for (int64_t lo = 0; lo < 65536; lo += 4096) {
-      for (int i = 0; i < 4096; i++) {
-        const uint32_t u = (uint32_t)(hi << 16 | (lo + i));
-        memcpy(&x[i], &u, 4);
-      }
       store_bf16(h, x, 4096);
       memcpy(r, x, sizeof r);
       round_bf16(r, 4096);
