@@ -280,10 +280,56 @@ static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int 
     _mm512_mask_storeu_ps(out + i, lanes, mkl_sqrt_replica16(_mm512_maskz_loadu_ps(lanes, in + i)));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HW_RSQRT8 1
+/* MKL's high-accuracy float32 square root as ATen calls it, where MKL runs its generic SSE code path (seen on
+   an AMD EPYC, Zen 3, which is not given MKL's AVX2 kernels), computed inline on 8 lanes: the rsqrt
+   estimate y (the CPU's own instruction: its table differs between vendors, which the load-time check
+   covers), s = x*y, h = y/2, then one Goldschmidt iteration and a final correction, every operation rounded
+   on its own (no multiply-add; -ffp-contract=off keeps it so):
+     e = 1/2 - s*h,  s1 = s*e + s,  h1 = e*h + h,  sqrt(x) ~ (x - s1*s1)*h1 + s1.
+   Within an ulp, not always correctly rounded (17% of values differ from IEEE sqrtf there). MKL takes this
+   formula where bits(x) + bits(+inf), as a signed 32-bit sum, is at most 0xFEFFF000: the positive normal x
+   up to 0x7F7FF000 (just below FLT_MAX); for every other x (+-0, subnormals, the top 4095 floats, +inf,
+   nans, negative numbers) its results are IEEE sqrtf's, except that a negative non-nan x gives the
+   positive default nan 0x7FC00000 (sqrtps gives the negative one). tests/test_cpu_mkl_sqrt.py compares the
+   replica with torch.sqrt on every float32 bit pattern. The library uses it only where a check at load
+   (sofx.kernels._cpu_build) finds it equal to torch.sqrt, i.e. where torch's MKL takes this code path. */
+static inline __m256 mkl_sqrt_formula8(__m256 x) {
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 y = _mm256_rsqrt_ps(x);
+  const __m256 s = _mm256_mul_ps(x, y);
+  const __m256 h = _mm256_mul_ps(y, half);
+  const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+  const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
+  const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(e, h), h);
+  return _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_mul_ps(s1, s1)), h1), s1);
+}
+/* The replica on one vector: the formula, and for a vector with a lane outside its range (rare in Adam's
+   second moments: exact zeros, subnormals) sqrtps there and MKL's nan for negative numbers. */
+static inline __m256 mkl_sqrt_replica8(__m256 x) {
+  const __m256i sum = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7F800000));
+  const __m256 other = _mm256_castsi256_ps(_mm256_cmpgt_epi32(sum, _mm256_set1_epi32((int)0xFEFFF000)));
+  const __m256 s = mkl_sqrt_formula8(x);
+  if (__builtin_expect(_mm256_testz_ps(other, other), 1)) return s;
+  const __m256 r = _mm256_blendv_ps(s, _mm256_sqrt_ps(x), other);
+  const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
+  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), neg);
+}
+static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, mkl_sqrt_replica8(_mm256_loadu_ps(in + i)));
+  if (i < n) {
+    float t[8] = {0};
+    memcpy(t, in + i, sizeof(float) * (size_t)(n - i));
+    _mm256_storeu_ps(t, mkl_sqrt_replica8(_mm256_loadu_ps(t)));
+    memcpy(out + i, t, sizeof(float) * (size_t)(n - i));
+  }
+}
 #endif
 
 static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
-#ifdef HW_RSQRT14
+#if defined(HW_RSQRT14) || defined(HW_RSQRT8)
   if (sq->replica) {
     mkl_sqrt_replica(out, in, n);
     return;
@@ -969,9 +1015,19 @@ static inline v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {
   const v8 d = _mm256_add_ps(div_by8(D, k->bc2, k->rbc2), v8set(k->eps));
   return _mm256_add_ps(P, _mm256_div_ps(_mm256_mul_ps(v8set(k->nss), M), d));
 }
-static inline void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
+/* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the exact path runs these loops only
+   where it is in use, see EXACT_VECTORS). */
+static inline v8 sqrt8(v8 x, const Sqrt *sq) {
+#ifdef HW_RSQRT8
+  if (sq) return mkl_sqrt_replica8(x);
+#else
+  (void)sq;
+#endif
+  return _mm256_sqrt_ps(x);
+}
+static inline void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
-  *P = step_post8(*P, *M, _mm256_sqrt_ps(*V), k);
+  *P = step_post8(*P, *M, sqrt8(*V, sq), k);
 }
 
 /* quot on 8 lanes: a true division (fast 0) or div_by (fast 1). Unlike quot_vec, tiny x (0 < |x| < 2^-78)
@@ -984,7 +1040,7 @@ static inline v8 quot8(v8 x, float b, float rb, int fast) {
   return fast ? div_by8(x, b, rb) : _mm256_div_ps(x, v8set(b));
 }
 
-/* undo_elem_d on 8 lanes, given D = sqrt(v') (unused with have_p_old); undo8 takes the IEEE one. */
+/* undo_elem_d on 8 lanes, given D = sqrt(v') (unused with have_p_old); undo8 takes sqrt8's. */
 static inline void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int have_p_old, int fast) {
   v8 g = _mm256_mul_ps(G, v8set(k->gs));
   v8 p = *P;
@@ -999,8 +1055,8 @@ static inline void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int 
   *M = m;
   *V = _mm256_max_ps(_mm256_setzero_ps(), x); /* x < 0 ? 0 : x, as maxps: -0 and nan x kept */
 }
-static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast) {
-  undo8_d(P, G, M, V, have_p_old ? *V : _mm256_sqrt_ps(*V), k, have_p_old, fast);
+static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast, const Sqrt *sq) {
+  undo8_d(P, G, M, V, have_p_old ? *V : sqrt8(*V, sq), k, have_p_old, fast);
 }
 
 /* A range's last, partial vector (n < 8 elements at e): the inputs copied into zero-padded local arrays,
@@ -1055,16 +1111,16 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
    fills, holds independent work of two pairs (the all-bf16 step's arithmetic on the EPYC of
    benchmarks/RESULTS.md: 0.85 -> 0.70 ns per element per core). EXTRA, a statement, runs once per pair at pe
    (vstep_scan's look at the next chunk). Leaves pe (declared by the caller) past the last pair. */
-#define PIPE8(DP, DG, DS, a, begin, end, k, EXTRA)                                 \
+#define PIPE8(DP, DG, DS, a, begin, end, k, sq, EXTRA)                             \
   do {                                                                             \
     v8 P_[2], M_[2], D_[2];                                                        \
     pe = (begin);                                                                  \
     if (pe + 16 > (end)) break;                                                    \
-    vstep_a_##DP##DG##DS(&(a), pe, (k), P_, M_, D_);                               \
+    vstep_a_##DP##DG##DS(&(a), pe, (k), (sq), P_, M_, D_);                         \
     EXTRA;                                                                         \
     for (pe += 16; pe + 16 <= (end); pe += 16) {                                   \
       v8 Pn_[2], Mn_[2], Dn_[2];                                                   \
-      vstep_a_##DP##DG##DS(&(a), pe, (k), Pn_, Mn_, Dn_);                          \
+      vstep_a_##DP##DG##DS(&(a), pe, (k), (sq), Pn_, Mn_, Dn_);                    \
       EXTRA;                                                                       \
       vstep_b_##DP##DG##DS(&(a), pe - 16, (k), P_, M_, D_);                        \
       for (int i_ = 0; i_ < 2; i_++) {                                             \
@@ -1077,20 +1133,20 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
   } while (0)
 #define VSTEP8(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
-      const Arrays *a, int64_t e, int w, const StepK *k) {                         \
+      const Arrays *a, int64_t e, int w, const StepK *k, const Sqrt *sq) {         \
     v8 P[2], G[2], M[2], V[2];                                                     \
     V8LDW(DP, a->p, e, w, P, INLANE_##DP##DG##DS);                                 \
     V8LDW(DG, a->g, e, w, G, INLANE_##DP##DG##DS);                                 \
     V8LDW(DS, a->m, e, w, M, INLANE_##DP##DG##DS);                                 \
     V8LDW(DS, a->v, e, w, V, INLANE_##DP##DG##DS);                                 \
-    for (int i = 0; i < w; i++) step8(&P[i], G[i], &M[i], &V[i], k);               \
+    for (int i = 0; i < w; i++) step8(&P[i], G[i], &M[i], &V[i], k, sq);           \
     V8STW(DP, a->po, e, w, P, INLANE_##DP##DG##DS);                                \
     V8STW(DS, a->mo, e, w, M, INLANE_##DP##DG##DS);                                \
     V8STW(DS, a->vo, e, w, V, INLANE_##DP##DG##DS);                                \
   }                                                                                \
   /* the two stages of PIPE8 on the pair at e: loads, moments (stored), square roots; the update of p */     \
   static inline __attribute__((always_inline)) void vstep_a_##DP##DG##DS(         \
-      const Arrays *a, int64_t e, const StepK *k, v8 *P, v8 *M, v8 *D) {           \
+      const Arrays *a, int64_t e, const StepK *k, const Sqrt *sq, v8 *P, v8 *M, v8 *D) { \
     v8 G[2], V[2];                                                                 \
     PREFETCH_ARRAYS(DP, DG, DS, *a, e, 0);                                         \
     v8ld2_##DP(a->p, e, P, INLANE_##DP##DG##DS);                                   \
@@ -1099,7 +1155,7 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     v8ld2_##DS(a->v, e, V, INLANE_##DP##DG##DS);                                   \
     for (int i = 0; i < 2; i++) {                                                  \
       step_pre8(&P[i], G[i], &M[i], &V[i], k);                                     \
-      D[i] = _mm256_sqrt_ps(V[i]);                                                 \
+      D[i] = sqrt8(V[i], sq);                                                      \
     }                                                                              \
     v8st2_##DS(a->mo, e, M, INLANE_##DP##DG##DS);                                  \
     v8st2_##DS(a->vo, e, V, INLANE_##DP##DG##DS);                                  \
@@ -1113,15 +1169,15 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     int64_t pe = j->begin;                                                         \
-    (void)sq;                                                                      \
-    if (DP || DG || DS) PIPE8(DP, DG, DS, a, j->begin, j->end, &k, (void)0);       \
-    LOOP8(DP, DG, DS, a, pe, j->end, 0, vstep_at_##DP##DG##DS, &k);                \
+    if (DP || DG || DS) PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, (void)0);   \
+    LOOP8(DP, DG, DS, a, pe, j->end, 0, vstep_at_##DP##DG##DS, &k, sq);            \
   }
 
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
 #define VUNDO8(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
-      const Arrays *a, int64_t e, int w, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast) { \
+      const Arrays *a, int64_t e, int w, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
+      const Sqrt *sq) {                                                            \
     v8 P[2], G[2], M[2], V[2], G2[2];                                              \
     V8LDW(DP, a->p, e, w, P, INLANE_##DP##DG##DS);                                 \
     V8LDW(DG, a->g, e, w, G, INLANE_##DP##DG##DS);                                 \
@@ -1129,12 +1185,12 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     V8LDW(DS, a->v, e, w, V, INLANE_##DP##DG##DS);                                 \
     if (redo) V8LDW(DG, a->g2, e, w, G2, INLANE_##DP##DG##DS);                     \
     for (int i = 0; i < w; i++) {                                                  \
-      undo8(&P[i], G[i], &M[i], &V[i], u, have_p_old, fast);                       \
+      undo8(&P[i], G[i], &M[i], &V[i], u, have_p_old, fast, sq);                   \
       if (redo) {                                                                  \
         P[i] = v8round_##DP(P[i]);                                                 \
         M[i] = v8round_##DS(M[i]);                                                 \
         V[i] = v8round_##DS(V[i]);                                                 \
-        step8(&P[i], G2[i], &M[i], &V[i], k);                                      \
+        step8(&P[i], G2[i], &M[i], &V[i], k, sq);                                  \
       }                                                                            \
     }                                                                              \
     V8STW(DP, a->po, e, w, P, INLANE_##DP##DG##DS);                                \
@@ -1190,21 +1246,20 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     v8st_##DP(a.po, e - 16, step_post8(T0[0], T0[1], T0[2], k));                   \
     v8st_##DP(a.po, e - 8, step_post8(Tn[0], Tn[1], Tn[2], k));                    \
     const int64_t rest = e; /* LOOP8 declares its own e */                        \
-    if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, 1); \
+    if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, 1, 0); \
   }                                                                                \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
-    (void)sq;                                                                      \
-    /* the loop per case, so that the flags are constants in it */                 \
-    if (redo && have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 1, 1, fast); \
-    else if (redo && fast && !DS && (DP || DG) && j->end - j->begin >= 24)         \
+    /* the loop per case, so that the flags are constants in it (vredo3: cpu_fast's, IEEE square roots) */ \
+    if (redo && have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 1, 1, fast, sq); \
+    else if (redo && fast && !sq && !DS && (DP || DG) && j->end - j->begin >= 24)  \
       vredo3_##DP##DG##DS(&a, j->begin, j->end, &u, &k);                           \
-    else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast); \
-    else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast); \
-    else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast); \
+    else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast, sq); \
+    else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast, sq); \
+    else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast, sq); \
   }
 /* cpu's exact loops (torch's square root: MKL's, which differs from IEEE sqrtf here and has no inline
    replica) with the vectors above: per chunk of XTILE elements, a vector pass from memory to memory up to
@@ -1263,7 +1318,20 @@ NATIVE_COMBOS(XEXACT8_DECL)
 NATIVE_COMBOS(VECTORS8)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
 #define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
+/* cpu's loops: where the inline replica of MKL's square root is in use, the vector loops above with it and true
+   divisions in the inverse; else xexact_* (MKL called per chunk). */
+#ifdef HW_RSQRT8
+#define EXACT_VECTORS(DP, DG, DS)                                                  \
+  if (sq.replica) {                                                                \
+    if (j->op == OP_STEP) vstep_##DP##DG##DS(j, &sq);                              \
+    else vundo_##DP##DG##DS(j, 0, &sq);                                            \
+    return;                                                                        \
+  }                                                                                \
+  xexact_##DP##DG##DS(j);                                                          \
+  return;
+#else
 #define EXACT_VECTORS(DP, DG, DS) xexact_##DP##DG##DS(j); return;
+#endif
 #define AVX2_LOOPS 1
 #else
 #define STEP_VECTORS(DP, DG, DS)
@@ -1596,14 +1664,13 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     const uint32_t lim = j->s1.lim[DG];                                            \
     __m256i bad = _mm256_setzero_si256();                                          \
     (void)fast;                                                                    \
-    (void)sq;                                                                      \
     int64_t pe;                                                                    \
     if (DP || DG || DS) {                                                          \
-      PIPE8(DP, DG, DS, a, j->begin, j->end, &k, SCAN8_AT(DG, a.g, pe, scan_end, bad, lim)); \
+      PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, SCAN8_AT(DG, a.g, pe, scan_end, bad, lim)); \
     } else {                                                                       \
       for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                     \
         PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                      \
-        TWO8(DP, DG, DS, vstep_at_##DP##DG##DS, &a, e, &k);                        \
+        TWO8(DP, DG, DS, vstep_at_##DP##DG##DS, &a, e, &k, sq);                    \
         SCAN8_AT(DG, a.g, e, scan_end, bad, lim)                                   \
       }                                                                            \
     }                                                                              \
@@ -1616,10 +1683,9 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
     __m256i bad = _mm256_setzero_si256();                                          \
-    (void)sq;                                                                      \
     for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
-      TWO8(DP, DG, DS, vundo_at_##DP##DG##DS, &a, e, &u, &k, have_p_old, 1, fast); \
+      TWO8(DP, DG, DS, vundo_at_##DP##DG##DS, &a, e, &u, &k, have_p_old, 1, fast, sq); \
       SCAN8_AT(DG, a.g2, e, scan_end, bad, lim)                                    \
     }                                                                              \
     return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                   \
@@ -1710,11 +1776,16 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
 #undef COMBO_CASE
 #elif defined(AVX2_LOOPS)
   if (j->op == OP_UNDO || !fused_for(j, j->exact)) return 0;
-  *sq = 0;
-  *fast = 1;
+#ifdef HW_RSQRT8
+  const int xexact = j->exact && !j->sq.replica; /* else the vector loops, with the replica where exact */
+#else
+  const int xexact = j->exact;
+#endif
+  *sq = j->exact ? &j->sq : 0;
+  *fast = !j->exact;
 #define COMBO_CASE(DP, DG, DS) \
   case DP * 100 + DG * 10 + DS:  \
-    return j->exact ? xexact_scan_##DP##DG##DS : j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
+    return xexact ? xexact_scan_##DP##DG##DS : j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
   switch (j->dp * 100 + j->dg * 10 + j->ds) {
     NATIVE_COMBOS(COMBO_CASE)
     default: return 0;
@@ -1860,9 +1931,9 @@ int sofx_has_vector_loops(void) {
 #endif
 }
 
-/* 1 where this build has mkl_sqrt_replica (AVX-512), else 0. */
+/* 1 where this build has mkl_sqrt_replica (AVX-512: MKL's AVX-512 code path; AVX2: its generic one), else 0. */
 int sofx_has_sqrt_replica(void) {
-#ifdef HW_RSQRT14
+#if defined(HW_RSQRT14) || defined(HW_RSQRT8)
   return 1;
 #else
   return 0;
