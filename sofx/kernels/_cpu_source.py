@@ -15,9 +15,11 @@ Four code paths, all with the same arithmetic:
              On CPUs with AVX2 and FMA but without that (AMD Zen 2/3, older
              Intel) the same loops with 8-lane vectors, bfloat16 converted by
              integer operations, tiny quotients unscaled (quot8): every
-             operation of ``fused_*``, and of ``exact_*`` as ``xexact_*``
-             (MKL's square root called per chunk of XTILE elements between two
-             vector passes).
+             operation of ``fused_*``, and of ``exact_*``: with the AVX2 replica
+             of MKL's square root inline where the load-time check finds it
+             equal to ``torch.sqrt`` (MKL's generic code path, which it runs on
+             AMD CPUs), else as ``xexact_*`` (MKL's square root called per chunk
+             of XTILE elements between two vector passes).
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
@@ -908,8 +910,9 @@ NATIVE_COMBOS(VECTORS)
    integer formula (no conversion instruction). The compiler-vectorized loops they replace stayed well
    below the memory bandwidth: on a 2-core AMD EPYC (Zen 3) the float32 step at 2^26 elements took 65 ms
    against torch's fused AdamW's 45 (benchmarks/RESULTS.md "AVX2 vector loops"). cpu_fast's loops take
-   IEEE square roots; cpu's (xexact_*, below) torch's, MKL's, called per chunk. A range's last, partial
-   vector goes through a zero-padded local copy (TAIL8). */
+   IEEE square roots; cpu's torch's, MKL's: the same loops with mkl_sqrt_replica8 (sqrt8) where it is in use,
+   else xexact_* (below), which call MKL per chunk. A range's last, partial vector goes through a zero-padded
+   local copy (TAIL8). */
 typedef __m256 v8;
 static inline v8 v8ld_0(const void *p, int64_t e) { return _mm256_loadu_ps((const float *)p + e); }
 static inline v8 v8ld_1(const void *p, int64_t e) {
@@ -1261,8 +1264,9 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast, sq); \
     else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast, sq); \
   }
-/* cpu's exact loops (torch's square root: MKL's, which differs from IEEE sqrtf here and has no inline
-   replica) with the vectors above: per chunk of XTILE elements, a vector pass from memory to memory up to
+/* cpu's exact loops where MKL's square root has no inline replica in use (another MKL code path than the
+   one mkl_sqrt_replica8 reproduces; also tests, with the replica switched off) with the vectors above: per
+   chunk of XTILE elements, a vector pass from memory to memory up to
    the square roots (the inverse, given the chunk's sqrt(v'), and the redo's step_pre; m', v' stored, p',
    m', v' kept in local float arrays), one call of the routine on the chunk, then the parameter update.
    MKL's results do not depend on how an array is cut into calls, so the chunk is larger than TILE: a call
