@@ -1,14 +1,17 @@
 """The CPU kernels' arithmetic, apart from the memory: nanoseconds per element on one core.
 
-    .venv/bin/python benchmarks/kernel_compute.py            # in cache, and from memory
-    .venv/bin/python benchmarks/kernel_compute.py --quick    # smaller, fewer repetitions (a smoke run)
+    .venv/bin/python benchmarks/kernel_compute.py                 # in cache, and from memory
+    .venv/bin/python benchmarks/kernel_compute.py --quick         # smaller, fewer repetitions (a smoke run)
+    .venv/bin/python benchmarks/kernel_compute.py --backend cpu   # cpu's loops (MKL's square root inline)
 
 ``kernels.py`` times the operations where they meet the memory (2^26 elements, two threads), so a row there is
 bound by the memory traffic or by the arithmetic, whichever is slower, and says which only by its ratio. This
 script separates the two: it compiles the kernel source (``sofx/kernels/_cpu_source.py``, with the library's
 own flags) together with a small C program that runs the loops of ``cpu_fast`` (``run_range`` on one range,
-``exact`` off, i.e. whichever loops this build selects: AVX-512, AVX2 or the portable ones) on the calling
-thread alone, over
+``exact`` off, i.e. whichever loops this build selects: AVX-512, AVX2 or the portable ones; with ``--backend
+cpu``, ``exact`` on with the build's inline replica of MKL's square root, where it has one: the loops ``cpu``
+runs where the load-time check accepts the replica, which this harness does not make) on the calling thread
+alone, over
 
 - ``cache``: 16384 elements, which stay in the core's L2 between repetitions: the arithmetic's own rate;
 - ``memory``: 2^24 elements (64 MiB per float32 stream), one core's view of the memory.
@@ -82,7 +85,7 @@ static void *filled(int64_t n, int bf16, float scale, float shift, uint32_t *see
 
 /* ns per element of step, undo, undo+redo (a new gradient) on n elements of dtypes (dp, dg, ds): each
    operation runs reps times and is then inverted (untimed), so that the states stay those of a real step. */
-static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, double *out) {
+static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, int exact, double *out) {
   uint32_t seed = 12345;
   void *p = filled(n, dp, 1.0f, 0.0f, &seed), *g = filled(n, dg, 1.0f, 0.0f, &seed);
   void *g2 = filled(n, dg, 1.0f, 0.0f, &seed), *m = filled(n, ds, 0.1f, 0.0f, &seed);
@@ -100,6 +103,8 @@ static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, doubl
   j.end = n;
   j.s1 = make_sc(d1);
   j.s2 = make_sc(d2);
+  j.exact = exact;
+  j.sq.replica = exact; /* no routine to call: the replica, or sqrtf where the build has none */
   Job back = j; /* the undo+redo back to the step with (g, s1) */
   back.g = g2; back.g2 = g; back.s1 = j.s2; back.s2 = j.s1;
   for (int k = 0; k < 3; k++) out[k] = 1e30;
@@ -126,11 +131,11 @@ static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, doubl
 
 int main(int argc, char **argv) {
   const int64_t n = atoll(argv[1]);
-  const int reps = atoi(argv[2]), rounds = atoi(argv[3]);
+  const int reps = atoi(argv[2]), rounds = atoi(argv[3]), exact = argc > 4 ? atoi(argv[4]) : 0;
   static const int combos[3][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 1}};
   for (int c = 0; c < 3; c++) {
     double out[3];
-    bench(combos[c][0], combos[c][1], combos[c][2], n, reps, rounds, out);
+    bench(combos[c][0], combos[c][1], combos[c][2], n, reps, rounds, exact, out);
     printf("%d%d%d %.4f %.4f %.4f\n", combos[c][0], combos[c][1], combos[c][2], out[0], out[1], out[2]);
   }
   return 0;
@@ -148,9 +153,9 @@ def build(directory: str) -> str:
         raise SystemExit(str(e)) from None
 
 
-def run(exe: str, n: int, reps: int, rounds: int) -> dict[str, tuple[float, float, float]]:
-    out = subprocess.run([exe, str(n), str(reps), str(rounds)], capture_output=True, text=True, check=True,
-                         timeout=1800).stdout
+def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> dict[str, tuple[float, float, float]]:
+    out = subprocess.run([exe, str(n), str(reps), str(rounds), str(int(exact))], capture_output=True, text=True,
+                         check=True, timeout=1800).stdout
     rows = {}
     for line in out.splitlines():
         combo, *times = line.split()
@@ -161,13 +166,15 @@ def run(exe: str, n: int, reps: int, rounds: int) -> dict[str, tuple[float, floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (numbers mean little)")
+    ap.add_argument("--backend", choices=("cpu_fast", "cpu"), default="cpu_fast",
+                    help="whose loops: cpu_fast's (IEEE square roots) or cpu's (exact: MKL's square root inline)")
     args = ap.parse_args()
     sizes = {"cache": (4096, 50, 3), "memory": (1 << 16, 2, 2)} if args.quick else \
         {"cache": (16384, 2000, 15), "memory": (1 << 24, 2, 5)}
     with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
         exe = build(tmp)
-        results = {where: run(exe, *spec) for where, spec in sizes.items()}
-    print(f"# sofx CPU kernels' arithmetic (cpu_fast loops, one core), machine: {cpu_model()}")
+        results = {where: run(exe, *spec, args.backend == "cpu") for where, spec in sizes.items()}
+    print(f"# sofx CPU kernels' arithmetic ({args.backend} loops, one core), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
     print("| ns per element | step cache | step memory | undo cache | undo memory | undo+redo cache | undo+redo memory |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -121,12 +121,13 @@ def test_read_streams_script_runs():
     assert any(row.startswith("5/3 over 4/3") for row in rows)
 
 
-def test_kernel_compute_script_runs():
+@pytest.mark.parametrize("backend", ["cpu_fast", "cpu"])
+def test_kernel_compute_script_runs(backend):
     """``benchmarks/kernel_compute.py`` compiles the kernel source with its own C harness: one row per dtype
-    combination, a positive time per operation and place."""
+    combination, a positive time per operation and place, for either backend's loops."""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("needs a C compiler")
-    rows = _table_rows("kernel_compute.py", ["--quick"], ("| ",))
+    rows = _table_rows("kernel_compute.py", ["--quick", "--backend", backend], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| ns per")]
     assert [row.split(" | ")[0] for row in body] == ["| float32", "| bf16 params + fp32 states", "| all-bf16"]
     for row in body:

@@ -297,7 +297,7 @@ static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int 
    positive default nan 0x7FC00000 (sqrtps gives the negative one). tests/test_cpu_mkl_sqrt.py compares the
    replica with torch.sqrt on every float32 bit pattern. The library uses it only where a check at load
    (sofx.kernels._cpu_build) finds it equal to torch.sqrt, i.e. where torch's MKL takes this code path. */
-static inline __m256 mkl_sqrt_formula8(__m256 x) {
+static inline __attribute__((always_inline)) __m256 mkl_sqrt_formula8(__m256 x) {
   const __m256 half = _mm256_set1_ps(0.5f);
   const __m256 y = _mm256_rsqrt_ps(x);
   const __m256 s = _mm256_mul_ps(x, y);
@@ -308,15 +308,19 @@ static inline __m256 mkl_sqrt_formula8(__m256 x) {
   return _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_mul_ps(s1, s1)), h1), s1);
 }
 /* The replica on one vector: the formula, and for a vector with a lane outside its range (rare in Adam's
-   second moments: exact zeros, subnormals) sqrtps there and MKL's nan for negative numbers. */
-static inline __m256 mkl_sqrt_replica8(__m256 x) {
-  const __m256i sum = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7F800000));
-  const __m256 other = _mm256_castsi256_ps(_mm256_cmpgt_epi32(sum, _mm256_set1_epi32((int)0xFEFFF000)));
-  const __m256 s = mkl_sqrt_formula8(x);
-  if (__builtin_expect(_mm256_testz_ps(other, other), 1)) return s;
-  const __m256 r = _mm256_blendv_ps(s, _mm256_sqrt_ps(x), other);
+   second moments: exact zeros, subnormals) sqrtps there and MKL's nan for negative numbers. Tiny normal x, whose
+   remainder x - s1*s1 is subnormal, are not scaled into range first (as the AVX-512 replica does): on the
+   AMD EPYC of benchmarks/RESULTS.md that made them slower (1.26 -> 1.55 ns per element), not faster. */
+static __attribute__((noinline)) __m256 mkl_sqrt_rare8(__m256 x, __m256 other) {
+  const __m256 r = _mm256_blendv_ps(mkl_sqrt_formula8(x), _mm256_sqrt_ps(x), other);
   const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
   return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), neg);
+}
+static inline __attribute__((always_inline)) __m256 mkl_sqrt_replica8(__m256 x) {
+  const __m256i sum = _mm256_add_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x7F800000));
+  const __m256 other = _mm256_castsi256_ps(_mm256_cmpgt_epi32(sum, _mm256_set1_epi32((int)0xFEFFF000)));
+  if (__builtin_expect(_mm256_testz_ps(other, other), 1)) return mkl_sqrt_formula8(x);
+  return mkl_sqrt_rare8(x, other); /* out of line: the loops stay smaller (and compile faster) */
 }
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
   int i = 0;
@@ -998,7 +1002,7 @@ static inline void v8st2_1(void *p, int64_t e, const v8 *x, int inlane) {
 static inline v8 v8set(float x) { return _mm256_set1_ps(x); }
 
 /* div_by on 8 lanes (the min returns its second operand where the first is nan, as minss). */
-static inline v8 div_by8(v8 x, float b, float rb) {
+static inline __attribute__((always_inline)) v8 div_by8(v8 x, float b, float rb) {
   const v8 vrb = v8set(rb);
   const v8 q = _mm256_mul_ps(x, vrb);
   const v8 r = _mm256_min_ps(_mm256_fmsub_ps(q, v8set(b), x), v8set(FLT_MAX));
@@ -1006,7 +1010,7 @@ static inline v8 div_by8(v8 x, float b, float rb) {
 }
 
 /* step_pre, step_post and step_elem on 8 lanes. */
-static inline void step_pre8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
+static inline __attribute__((always_inline)) void step_pre8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
   v8 g = _mm256_mul_ps(G, v8set(k->gs));
   const v8 p = _mm256_mul_ps(*P, v8set(k->pmul));
   if (k->l2) g = _mm256_fmadd_ps(p, v8set(k->wd), g);
@@ -1014,13 +1018,14 @@ static inline void step_pre8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {
   *V = _mm256_fmadd_ps(_mm256_mul_ps(v8set(k->c2), g), g, _mm256_mul_ps(*V, v8set(k->b2)));
   *P = p;
 }
-static inline v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {
+static inline __attribute__((always_inline)) v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {
   const v8 d = _mm256_add_ps(div_by8(D, k->bc2, k->rbc2), v8set(k->eps));
   return _mm256_add_ps(P, _mm256_div_ps(_mm256_mul_ps(v8set(k->nss), M), d));
 }
 /* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the exact path runs these loops only
-   where it is in use, see EXACT_VECTORS). */
-static inline v8 sqrt8(v8 x, const Sqrt *sq) {
+   where it is in use, see EXACT_VECTORS). These 8-lane helpers are always inlined: with the replica in sqrt8 gcc
+   stopped inlining some into the loops (its growth limits), which made cpu_fast's undo 2x slower in cache. */
+static inline __attribute__((always_inline)) v8 sqrt8(v8 x, const Sqrt *sq) {
 #ifdef HW_RSQRT8
   if (sq) return mkl_sqrt_replica8(x);
 #else
@@ -1028,7 +1033,7 @@ static inline v8 sqrt8(v8 x, const Sqrt *sq) {
 #endif
   return _mm256_sqrt_ps(x);
 }
-static inline void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
+static inline __attribute__((always_inline)) void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
   *P = step_post8(*P, *M, sqrt8(*V, sq), k);
 }
@@ -1039,12 +1044,12 @@ static inline void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *
    taken, made the float32 undo 20% slower and the bfloat16 one 2x (inline, out of line, or branch-free),
    while unscaled tiny values cost that CPU less than the scaling did (an undo of moments ~1e-37: 86 ms
    against 150 at 2^26 elements). */
-static inline v8 quot8(v8 x, float b, float rb, int fast) {
+static inline __attribute__((always_inline)) v8 quot8(v8 x, float b, float rb, int fast) {
   return fast ? div_by8(x, b, rb) : _mm256_div_ps(x, v8set(b));
 }
 
 /* undo_elem_d on 8 lanes, given D = sqrt(v') (unused with have_p_old); undo8 takes sqrt8's. */
-static inline void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int have_p_old, int fast) {
+static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int have_p_old, int fast) {
   v8 g = _mm256_mul_ps(G, v8set(k->gs));
   v8 p = *P;
   if (!have_p_old) {
@@ -1058,7 +1063,7 @@ static inline void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int 
   *M = m;
   *V = _mm256_max_ps(_mm256_setzero_ps(), x); /* x < 0 ? 0 : x, as maxps: -0 and nan x kept */
 }
-static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast, const Sqrt *sq) {
+static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast, const Sqrt *sq) {
   undo8_d(P, G, M, V, have_p_old ? *V : sqrt8(*V, sq), k, have_p_old, fast);
 }
 
@@ -1168,12 +1173,19 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     const v8 R[2] = {step_post8(P[0], M[0], D[0], k), step_post8(P[1], M[1], D[1], k)}; \
     v8st2_##DP(a->po, e, R, INLANE_##DP##DG##DS);                                  \
   }                                                                                \
-  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
+  static inline __attribute__((always_inline)) void vstep_run_##DP##DG##DS(       \
+      const Job *j, const Sqrt *sq) {                                              \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     int64_t pe = j->begin;                                                         \
     if (DP || DG || DS) PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, (void)0);   \
     LOOP8(DP, DG, DS, a, pe, j->end, 0, vstep_at_##DP##DG##DS, &k, sq);            \
+  }                                                                                \
+  /* the loops with sq (and fast) constants: a square root chosen per vector made cpu_fast's undo 2x slower \
+     in cache (benchmarks/kernel_compute.py); the same for vundo and the scans below */ \
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
+    if (sq) vstep_run_##DP##DG##DS(j, sq);                                         \
+    else vstep_run_##DP##DG##DS(j, 0);                                             \
   }
 
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
@@ -1251,7 +1263,8 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     const int64_t rest = e; /* LOOP8 declares its own e */                        \
     if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, 1, 0); \
   }                                                                                \
-  static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
+  static inline __attribute__((always_inline)) void vundo_run_##DP##DG##DS(       \
+      const Job *j, int fast, const Sqrt *sq) {                                    \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
@@ -1263,6 +1276,12 @@ static inline void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_o
     else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast, sq); \
     else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast, sq); \
     else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast, sq); \
+  }                                                                                \
+  static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
+    /* every caller pairs them so: cpu's (MKL's square root, true divisions) or cpu_fast's (IEEE, div_by) */ \
+    (void)fast;                                                                    \
+    if (sq) vundo_run_##DP##DG##DS(j, 0, sq);                                      \
+    else vundo_run_##DP##DG##DS(j, 1, 0);                                          \
   }
 /* cpu's exact loops where MKL's square root has no inline replica in use (another MKL code path than the
    one mkl_sqrt_replica8 reproduces; also tests, with the replica switched off) with the vectors above: per
@@ -1662,12 +1681,12 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   (!_mm256_testz_si256((bad), (bad)) || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
 /* j is a full chunk (CHUNK elements, a multiple of 16): the loop leaves no remainder. */
 #define VSCAN8(DP, DG, DS)                                                         \
-  static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+  static inline __attribute__((always_inline)) int vstep_scan_run_##DP##DG##DS(  \
+      const Job *j, const Sqrt *sq, int64_t scan_end) {                            \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
     __m256i bad = _mm256_setzero_si256();                                          \
-    (void)fast;                                                                    \
     int64_t pe;                                                                    \
     if (DP || DG || DS) {                                                          \
       PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, SCAN8_AT(DG, a.g, pe, scan_end, bad, lim)); \
@@ -1680,7 +1699,12 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     }                                                                              \
     return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                    \
   }                                                                                \
-  static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+  static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    (void)fast;                                                                    \
+    return sq ? vstep_scan_run_##DP##DG##DS(j, sq, scan_end) : vstep_scan_run_##DP##DG##DS(j, 0, scan_end); \
+  }                                                                                \
+  static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
+      const Job *j, int fast, const Sqrt *sq, int64_t scan_end) {                  \
     const int have_p_old = j->pold != 0;                                           \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
@@ -1693,6 +1717,10 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
       SCAN8_AT(DG, a.g2, e, scan_end, bad, lim)                                    \
     }                                                                              \
     return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                   \
+  }                                                                                \
+  static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    (void)fast; /* !sq, as in vundo */                                             \
+    return sq ? vredo_scan_run_##DP##DG##DS(j, 0, sq, scan_end) : vredo_scan_run_##DP##DG##DS(j, 1, 0, scan_end); \
   }
 NATIVE_COMBOS(VSCAN8)
 /* xexact_* (cpu's AVX2 loops), optionally (scan_g) reading the next chunk's gradient scan_g as vstep_scan does:
