@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/kernel_compute.py                 # in cache, and from memory
     .venv/bin/python benchmarks/kernel_compute.py --quick         # smaller, fewer repetitions (a smoke run)
     .venv/bin/python benchmarks/kernel_compute.py --backend cpu   # cpu's loops (MKL's square root inline)
+    .venv/bin/python benchmarks/kernel_compute.py --against HEAD  # this tree's kernels against a revision's
 
 ``kernels.py`` times the operations where they meet the memory (2^26 elements, two threads), so a row there is
 bound by the memory traffic or by the arithmetic, whichever is slower, and says which only by its ratio. This
@@ -19,6 +20,10 @@ alone, over
 for float32, bf16 params + fp32 states, and all-bf16, each of step, undo and undo+redo with a new gradient.
 An operation whose ``cache`` time times the number of cores exceeds its share of ``kernels.py``'s time is
 bound by its arithmetic there. Timings are the minimum over repetitions.
+
+``--against REV`` also builds the kernel source of a git revision (``git show REV:sofx/kernels/_cpu_source.py``)
+and runs the two programs in alternation, a few repetitions at a time (this machine's speed drifts between
+runs by more than the changes being measured), then prints both tables and their ratio (this tree / REV).
 """
 
 from __future__ import annotations
@@ -145,12 +150,23 @@ int main(int argc, char **argv) {
 COMBOS = {"000": "float32", "100": "bf16 params + fp32 states", "111": "all-bf16"}
 
 
-def build(directory: str) -> str:
-    """The harness compiled with the kernels' first flag set that works here."""
+def build(directory: str, source: str | None = None) -> str:
+    """The harness compiled with the kernels' first flag set that works here (``source``: another kernel
+    source than this tree's)."""
     try:
-        return _cpu_build.compile_program(HARNESS, directory, "compute")
+        return _cpu_build.compile_program(HARNESS, directory, "compute", source)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
+
+
+def source_at(rev: str) -> str:
+    """The kernel source (``SOURCE``) of ``sofx/kernels/_cpu_source.py`` at git revision ``rev``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = subprocess.run(["git", "show", f"{rev}:sofx/kernels/_cpu_source.py"], cwd=root, capture_output=True,
+                          text=True, check=True).stdout
+    namespace: dict = {}
+    exec(compile(text, f"{rev}:_cpu_source.py", "exec"), namespace)  # noqa: S102 (the repository's own file)
+    return namespace["SOURCE"]
 
 
 def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> dict[str, tuple[float, float, float]]:
@@ -163,24 +179,65 @@ def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> dict[str, tupl
     return rows
 
 
+Rows = dict[str, tuple[float, float, float]]
+
+
+def alternated(exes: list[str], n: int, reps: int, rounds: int, exact: bool, calls: int) -> list[Rows]:
+    """Each program's rows, the minimum over ``calls`` runs of ``rounds`` rounds each, the programs taking
+    turns (in reversed order every other time)."""
+    best: list[Rows] = [{} for _ in exes]
+    for call in range(calls):
+        order = list(range(len(exes)))
+        for i in order if call % 2 == 0 else order[::-1]:
+            for combo, times in run(exes[i], n, reps, rounds, exact).items():
+                old = best[i].get(combo)
+                best[i][combo] = times if old is None else tuple(min(a, b) for a, b in zip(old, times))
+    return best
+
+
+def print_table(results: dict[str, Rows], digits: int = 3) -> None:
+    print("| ns per element | step cache | step memory | undo cache | undo memory | undo+redo cache | undo+redo memory |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for combo, name in COMBOS.items():
+        c, m = results["cache"][combo], results["memory"][combo]
+        cells = " | ".join(f"{x:.{digits}f}" for pair in zip(c, m) for x in pair)
+        print(f"| {name} | {cells} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (numbers mean little)")
     ap.add_argument("--backend", choices=("cpu_fast", "cpu"), default="cpu_fast",
                     help="whose loops: cpu_fast's (IEEE square roots) or cpu's (exact: MKL's square root inline)")
+    ap.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
     args = ap.parse_args()
-    sizes = {"cache": (4096, 50, 3), "memory": (1 << 16, 2, 2)} if args.quick else \
-        {"cache": (16384, 2000, 15), "memory": (1 << 24, 2, 5)}
+    # (elements, repetitions, rounds, calls): the minimum over calls x rounds rounds
+    sizes = {"cache": (4096, 50, 3, 1), "memory": (1 << 16, 2, 2, 1)} if args.quick else \
+        {"cache": (16384, 2000, 15, 1), "memory": (1 << 24, 2, 5, 1)}
+    if args.against:
+        sizes = {where: (n, reps, max(1, rounds // 5), 5) for where, (n, reps, rounds, _) in sizes.items()}
+    exact = args.backend == "cpu"
     with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
-        exe = build(tmp)
-        results = {where: run(exe, *spec, args.backend == "cpu") for where, spec in sizes.items()}
+        exes = [build(tmp)]
+        if args.against:
+            os.mkdir(os.path.join(tmp, "against"))
+            exes.append(build(os.path.join(tmp, "against"), source_at(args.against)))
+        per_size = {where: alternated(exes, n, reps, rounds, exact, calls)
+                    for where, (n, reps, rounds, calls) in sizes.items()}
+    results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]
     print(f"# sofx CPU kernels' arithmetic ({args.backend} loops, one core), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
-    print("| ns per element | step cache | step memory | undo cache | undo memory | undo+redo cache | undo+redo memory |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for combo, name in COMBOS.items():
-        c, m = results["cache"][combo], results["memory"][combo]
-        print(f"| {name} | {c[0]:.3f} | {m[0]:.3f} | {c[1]:.3f} | {m[1]:.3f} | {c[2]:.3f} | {m[2]:.3f} |")
+    if not args.against:
+        print_table(results[0])
+        return
+    print("this tree:\n")
+    print_table(results[0])
+    print(f"\n{args.against}:\n")
+    print_table(results[1])
+    ratio = {where: {combo: tuple(a / b for a, b in zip(results[0][where][combo], results[1][where][combo]))
+                     for combo in COMBOS} for where in sizes}
+    print(f"\nthis tree / {args.against}:\n")
+    print_table(ratio, digits=2)
 
 
 if __name__ == "__main__":

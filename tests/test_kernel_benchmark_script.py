@@ -135,6 +135,19 @@ def test_kernel_compute_script_runs(backend):
         assert len(times) == 6 and all(0 < t < 1000 for t in times), row
 
 
+def test_kernel_compute_reads_a_revisions_source():
+    """``kernel_compute.py --against REV`` builds the kernel source of a git revision: ``source_at`` returns
+    that file's ``SOURCE`` (the C text, not the Python module around it)."""
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("needs git and the repository's history")
+    spec = importlib.util.spec_from_file_location(
+        "kernel_compute_benchmark", os.path.join(ROOT, "benchmarks", "kernel_compute.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    source = mod.source_at("HEAD")
+    assert "sofx_adam_many" in source and not source.lstrip().startswith('"""')
+
+
 def test_param_copy_script_runs():
     rows = _table_rows("param_copy.py", ["--cases", "12:1,13:2", "--rounds", "2"], ("| step",))
     assert [row.split(" | ")[0] for row in rows] == [

@@ -141,16 +141,17 @@ def _compile(cc: str, flags: list[str], target: str) -> str | None:
     return None
 
 
-def compile_program(program: str, directory: str, name: str = "program") -> str:
+def compile_program(program: str, directory: str, name: str = "program", source: str | None = None) -> str:
     """Compile ``program`` (C that ``#include "sofx_adam.c"``, the kernel source, written beside it) into an
     executable in ``directory`` with the kernels' own flags (the first set that works here), for the checks
-    and benchmarks that call the kernels' internal functions directly. Returns its path; raises RuntimeError
-    with the compiler's errors when no flag set builds it (or there is no compiler)."""
+    and benchmarks that call the kernels' internal functions directly. ``source`` replaces the kernel source
+    (a benchmark's other revision). Returns its path; raises RuntimeError with the compiler's errors when no
+    flag set builds it (or there is no compiler)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC to one)")
     with open(os.path.join(directory, "sofx_adam.c"), "w", encoding="utf-8") as f:
-        f.write(SOURCE)
+        f.write(SOURCE if source is None else source)
     src = os.path.join(directory, name + ".c")
     with open(src, "w", encoding="utf-8") as f:
         f.write(program)
