@@ -210,12 +210,13 @@ def main() -> None:
     ap.add_argument("--backend", choices=("cpu_fast", "cpu"), default="cpu_fast",
                     help="whose loops: cpu_fast's (IEEE square roots) or cpu's (exact: MKL's square root inline)")
     ap.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
+    ap.add_argument("--calls", type=int, default=5, help="with --against: turns per program (default 5)")
     args = ap.parse_args()
     # (elements, repetitions, rounds, calls): the minimum over calls x rounds rounds
     sizes = {"cache": (4096, 50, 3, 1), "memory": (1 << 16, 2, 2, 1)} if args.quick else \
         {"cache": (16384, 2000, 15, 1), "memory": (1 << 24, 2, 5, 1)}
     if args.against:
-        sizes = {where: (n, reps, max(1, rounds // 5), 5) for where, (n, reps, rounds, _) in sizes.items()}
+        sizes = {where: (n, reps, max(1, rounds // 5), args.calls) for where, (n, reps, rounds, _) in sizes.items()}
     exact = args.backend == "cpu"
     with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
         exes = [build(tmp)]

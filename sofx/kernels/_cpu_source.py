@@ -1213,21 +1213,24 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     V8STW(DS, a->vo, e, w, V, INLANE_##DP##DG##DS);                                \
   }                                                                                \
   /* The undo+redo with a new gradient, software-pipelined in three stages a vector apart (vredo3; jobs with   \
-     float32 states and a bfloat16 stream): loads and sqrt(v'); the inverse, rounding, the redo's moments   \
-     (stored) and square root; the parameter. Same operations as vundo_at. bf16 params + fp32 states: its   \
-     arithmetic 1.76-1.90 -> 1.35-1.48 ns per element per core (kernel_compute.py); float32 and all-bf16   \
-     gained nothing (the pairs serve all-bf16 better). */                                                  \
+     float32 states: cpu's all of them, cpu_fast's those with a bfloat16 stream): loads and sqrt(v'); the   \
+     inverse, rounding, the redo's moments (stored) and square root; the parameter. Same operations as      \
+     vundo_at. Its arithmetic per element per core (kernel_compute.py): cpu_fast's bf16 params + fp32      \
+     states 1.76-1.90 -> 1.35-1.48 ns; cpu's (two replicas of MKL's square root: longer chains) float32    \
+     -14-26%, bf16 params -7-23%. cpu_fast's float32 (2 threads a few % slower) and all-bf16 jobs (the     \
+     pairs serve them better) keep the plain loop. */                                                      \
   static inline __attribute__((always_inline)) void vredo_a_##DP##DG##DS(         \
-      const Arrays *a, int64_t e, v8 *S) {                                         \
+      const Arrays *a, int64_t e, v8 *S, const Sqrt *sq) {                         \
     S[0] = v8ld_##DP(a->p, e);                                                     \
     S[1] = v8ld_##DG(a->g, e);                                                     \
     S[2] = v8ld_##DS(a->m, e);                                                     \
     S[3] = v8ld_##DS(a->v, e);                                                     \
     S[4] = v8ld_##DG(a->g2, e);                                                    \
-    S[5] = _mm256_sqrt_ps(S[3]);                                                   \
+    S[5] = sqrt8(S[3], sq);                                                        \
   }                                                                                \
   static inline __attribute__((always_inline)) void vredo_b_##DP##DG##DS(         \
-      const Arrays *a, int64_t e, const v8 *S, v8 *T, const UndoK *u, const StepK *k, int fast) { \
+      const Arrays *a, int64_t e, const v8 *S, v8 *T, const UndoK *u, const StepK *k, int fast,        \
+      const Sqrt *sq) {                                                            \
     v8 P = S[0], M = S[2], V = S[3];                                               \
     undo8_d(&P, S[1], &M, &V, S[5], u, 0, fast);                                   \
     P = v8round_##DP(P);                                                           \
@@ -1238,30 +1241,31 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     v8st_##DS(a->vo, e, V);                                                        \
     T[0] = P;                                                                      \
     T[1] = M;                                                                      \
-    T[2] = _mm256_sqrt_ps(V);                                                      \
+    T[2] = sqrt8(V, sq);                                                           \
   }                                                                                \
-  static void vredo3_##DP##DG##DS(                                                 \
-      const Arrays *ap, int64_t begin, int64_t end, const UndoK *u, const StepK *k) { \
+  static inline __attribute__((always_inline)) void vredo3_##DP##DG##DS(         \
+      const Arrays *ap, int64_t begin, int64_t end, const UndoK *u, const StepK *k, int fast, \
+      const Sqrt *sq) {                                                            \
     const Arrays a = *ap;                                                          \
     v8 S1[6], Sn[6], T0[3], Tn[3];                                                 \
     int64_t e = begin;                                                             \
     PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                          \
-    vredo_a_##DP##DG##DS(&a, e, Sn);                                               \
-    vredo_a_##DP##DG##DS(&a, e + 8, S1);                                           \
-    vredo_b_##DP##DG##DS(&a, e, Sn, T0, u, k, 1);                                  \
+    vredo_a_##DP##DG##DS(&a, e, Sn, sq);                                           \
+    vredo_a_##DP##DG##DS(&a, e + 8, S1, sq);                                       \
+    vredo_b_##DP##DG##DS(&a, e, Sn, T0, u, k, fast, sq);                           \
     for (e = begin + 16; e + 8 <= end; e += 8) {                                   \
       if (!((e - begin) & 8)) PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                \
-      vredo_a_##DP##DG##DS(&a, e, Sn);                                             \
-      vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, 1);                            \
+      vredo_a_##DP##DG##DS(&a, e, Sn, sq);                                         \
+      vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, fast, sq);                     \
       v8st_##DP(a.po, e - 16, step_post8(T0[0], T0[1], T0[2], k));                 \
       for (int i = 0; i < 6; i++) S1[i] = Sn[i];                                   \
       for (int i = 0; i < 3; i++) T0[i] = Tn[i];                                   \
     }                                                                              \
-    vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, 1);                              \
+    vredo_b_##DP##DG##DS(&a, e - 8, S1, Tn, u, k, fast, sq);                       \
     v8st_##DP(a.po, e - 16, step_post8(T0[0], T0[1], T0[2], k));                   \
     v8st_##DP(a.po, e - 8, step_post8(Tn[0], Tn[1], Tn[2], k));                    \
     const int64_t rest = e; /* LOOP8 declares its own e */                        \
-    if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, 1, 0); \
+    if (rest < end) LOOP8(DP, DG, DS, a, rest, end, 1, vundo_at_##DP##DG##DS, u, k, 0, 1, fast, sq); \
   }                                                                                \
   static inline __attribute__((always_inline)) void vundo_run_##DP##DG##DS(       \
       const Job *j, int fast, const Sqrt *sq) {                                    \
@@ -1269,10 +1273,10 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
-    /* the loop per case, so that the flags are constants in it (vredo3: cpu_fast's, IEEE square roots) */ \
+    /* the loop per case, so that the flags are constants in it */                \
     if (redo && have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 1, 1, fast, sq); \
-    else if (redo && fast && !sq && !DS && (DP || DG) && j->end - j->begin >= 24)  \
-      vredo3_##DP##DG##DS(&a, j->begin, j->end, &u, &k);                           \
+    else if (redo && !DS && (sq || DP || DG) && j->end - j->begin >= 24)           \
+      vredo3_##DP##DG##DS(&a, j->begin, j->end, &u, &k, fast, sq);                 \
     else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast, sq); \
     else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast, sq); \
     else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast, sq); \
