@@ -169,7 +169,10 @@ def source_at(rev: str) -> str:
     return namespace["SOURCE"]
 
 
-def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> dict[str, tuple[float, float, float]]:
+Rows = dict[str, tuple[float, float, float]]  # a program's times per dtype combination: step, undo, undo+redo
+
+
+def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> Rows:
     out = subprocess.run([exe, str(n), str(reps), str(rounds), str(int(exact))], capture_output=True, text=True,
                          check=True, timeout=1800).stdout
     rows = {}
@@ -177,9 +180,6 @@ def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> dict[str, tupl
         combo, *times = line.split()
         rows[combo] = tuple(float(t) for t in times)
     return rows
-
-
-Rows = dict[str, tuple[float, float, float]]
 
 
 def alternated(exes: list[str], n: int, reps: int, rounds: int, exact: bool, calls: int) -> list[Rows]:

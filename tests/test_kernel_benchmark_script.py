@@ -20,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "kernels.py")
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("kernels_benchmark", SCRIPT)
+def _module(script: str = SCRIPT):
+    """A benchmark script imported as a module (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(os.path.basename(script)[:-3] + "_benchmark", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -140,11 +141,7 @@ def test_kernel_compute_reads_a_revisions_source():
     that file's ``SOURCE`` (the C text, not the Python module around it)."""
     if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
         pytest.skip("needs git and the repository's history")
-    spec = importlib.util.spec_from_file_location(
-        "kernel_compute_benchmark", os.path.join(ROOT, "benchmarks", "kernel_compute.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    source = mod.source_at("HEAD")
+    source = _module(os.path.join(ROOT, "benchmarks", "kernel_compute.py")).source_at("HEAD")
     assert "sofx_adam_many" in source and not source.lstrip().startswith('"""')
 
 
