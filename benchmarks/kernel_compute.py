@@ -10,9 +10,9 @@ bound by the memory traffic or by the arithmetic, whichever is slower, and says 
 script separates the two: it compiles the kernel source (``sofx/kernels/_cpu_source.py``, with the library's
 own flags) together with a small C program that runs the loops of ``cpu_fast`` (``run_range`` on one range,
 ``exact`` off, i.e. whichever loops this build selects: AVX-512, AVX2 or the portable ones; with ``--backend
-cpu``, ``exact`` on with the build's inline replica of MKL's square root, where it has one: the loops ``cpu``
-runs where the load-time check accepts the replica, which this harness does not make) on the calling thread
-alone, over
+cpu``, ``exact`` on with an inline replica of MKL's square root: the one the library's load-time check accepts
+here, else the first the build has, or ``--replica``'s: the loops ``cpu`` runs where that check accepts it; a
+revision older than the replicas' kinds takes its own, its only one) on the calling thread alone, over
 
 - ``cache``: 16384 elements, which stay in the core's L2 between repetitions: the arithmetic's own rate;
 - ``memory``: 2^24 elements (64 MiB per float32 stream), one core's view of the memory.
@@ -90,7 +90,8 @@ static void *filled(int64_t n, int bf16, float scale, float shift, uint32_t *see
 
 /* ns per element of step, undo, undo+redo (a new gradient) on n elements of dtypes (dp, dg, ds): each
    operation runs reps times and is then inverted (untimed), so that the states stay those of a real step. */
-static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, int exact, double *out) {
+/* replica: 0 for cpu_fast's loops (exact off), else the inline replica of MKL's square root to use (REPLICA_*) */
+static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, int replica, double *out) {
   uint32_t seed = 12345;
   void *p = filled(n, dp, 1.0f, 0.0f, &seed), *g = filled(n, dg, 1.0f, 0.0f, &seed);
   void *g2 = filled(n, dg, 1.0f, 0.0f, &seed), *m = filled(n, ds, 0.1f, 0.0f, &seed);
@@ -108,8 +109,8 @@ static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, int e
   j.end = n;
   j.s1 = make_sc(d1);
   j.s2 = make_sc(d2);
-  j.exact = exact;
-  j.sq.replica = exact; /* no routine to call: the replica, or sqrtf where the build has none */
+  j.exact = replica != 0;
+  j.sq.replica = replica; /* no routine to call: the replica, or sqrtf where the build has none */
   Job back = j; /* the undo+redo back to the step with (g, s1) */
   back.g = g2; back.g2 = g; back.s1 = j.s2; back.s2 = j.s1;
   for (int k = 0; k < 3; k++) out[k] = 1e30;
@@ -136,11 +137,11 @@ static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, int e
 
 int main(int argc, char **argv) {
   const int64_t n = atoll(argv[1]);
-  const int reps = atoi(argv[2]), rounds = atoi(argv[3]), exact = argc > 4 ? atoi(argv[4]) : 0;
+  const int reps = atoi(argv[2]), rounds = atoi(argv[3]), replica = argc > 4 ? atoi(argv[4]) : 0;
   static const int combos[3][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 1}};
   for (int c = 0; c < 3; c++) {
     double out[3];
-    bench(combos[c][0], combos[c][1], combos[c][2], n, reps, rounds, exact, out);
+    bench(combos[c][0], combos[c][1], combos[c][2], n, reps, rounds, replica, out);
     printf("%d%d%d %.4f %.4f %.4f\n", combos[c][0], combos[c][1], combos[c][2], out[0], out[1], out[2]);
   }
   return 0;
@@ -172,8 +173,9 @@ def source_at(rev: str) -> str:
 Rows = dict[str, tuple[float, float, float]]  # a program's times per dtype combination: step, undo, undo+redo
 
 
-def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> Rows:
-    out = subprocess.run([exe, str(n), str(reps), str(rounds), str(int(exact))], capture_output=True, text=True,
+def run(exe: str, n: int, reps: int, rounds: int, replica: int) -> Rows:
+    """The program's rows; ``replica``: 0 for cpu_fast's loops, else the replica kind of cpu's."""
+    out = subprocess.run([exe, str(n), str(reps), str(rounds), str(replica)], capture_output=True, text=True,
                          check=True, timeout=1800).stdout
     rows = {}
     for line in out.splitlines():
@@ -182,14 +184,14 @@ def run(exe: str, n: int, reps: int, rounds: int, exact: bool) -> Rows:
     return rows
 
 
-def alternated(exes: list[str], n: int, reps: int, rounds: int, exact: bool, calls: int) -> list[Rows]:
+def alternated(exes: list[str], n: int, reps: int, rounds: int, replica: int, calls: int) -> list[Rows]:
     """Each program's rows, the minimum over ``calls`` runs of ``rounds`` rounds each, the programs taking
     turns (in reversed order every other time)."""
     best: list[Rows] = [{} for _ in exes]
     for call in range(calls):
         order = list(range(len(exes)))
         for i in order if call % 2 == 0 else order[::-1]:
-            for combo, times in run(exes[i], n, reps, rounds, exact).items():
+            for combo, times in run(exes[i], n, reps, rounds, replica).items():
                 old = best[i].get(combo)
                 best[i][combo] = times if old is None else tuple(min(a, b) for a, b in zip(old, times))
     return best
@@ -204,11 +206,32 @@ def print_table(results: dict[str, Rows], digits: int = 3) -> None:
         print(f"| {name} | {cells} |")
 
 
+REPLICAS = {"avx512": 1, "generic": 2}  # the kinds of the source's REPLICA_* (MKL's AVX-512 and generic code paths)
+
+
+def replica_kind(name: str | None) -> int:
+    """The replica kind for cpu's loops: ``name``'s, else the one the load-time check accepts here, else the
+    first this build has (any: the harness calls no MKL routine)."""
+    if name is not None:
+        return REPLICAS[name]
+    lib = _cpu_build.load()
+    if lib is None:
+        raise SystemExit("no native library here (see sofx.kernels.cpu's unavailable reason)")
+    if lib.sqrt_replica:
+        return lib.sqrt_replica
+    import ctypes
+
+    kinds = ctypes.CDLL(lib.path).sofx_has_sqrt_replica()
+    return kinds & -kinds if kinds else REPLICAS["generic"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (numbers mean little)")
     ap.add_argument("--backend", choices=("cpu_fast", "cpu"), default="cpu_fast",
                     help="whose loops: cpu_fast's (IEEE square roots) or cpu's (exact: MKL's square root inline)")
+    ap.add_argument("--replica", choices=tuple(REPLICAS),
+                    help="with --backend cpu: which inline replica of MKL's square root (default: the one in use here)")
     ap.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
     ap.add_argument("--calls", type=int, default=5, help="with --against: turns per program (default 5)")
     args = ap.parse_args()
@@ -217,16 +240,17 @@ def main() -> None:
         {"cache": (16384, 2000, 15, 1), "memory": (1 << 24, 2, 5, 1)}
     if args.against:
         sizes = {where: (n, reps, max(1, rounds // 5), args.calls) for where, (n, reps, rounds, _) in sizes.items()}
-    exact = args.backend == "cpu"
+    replica = replica_kind(args.replica) if args.backend == "cpu" else 0
     with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
         exes = [build(tmp)]
         if args.against:
             os.mkdir(os.path.join(tmp, "against"))
             exes.append(build(os.path.join(tmp, "against"), source_at(args.against)))
-        per_size = {where: alternated(exes, n, reps, rounds, exact, calls)
+        per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}
     results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]
-    print(f"# sofx CPU kernels' arithmetic ({args.backend} loops, one core), machine: {cpu_model()}")
+    with_replica = f", {next(k for k, v in REPLICAS.items() if v == replica)} replica" if replica else ""
+    print(f"# sofx CPU kernels' arithmetic ({args.backend} loops{with_replica}, one core), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
     if not args.against:
         print_table(results[0])

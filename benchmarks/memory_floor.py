@@ -32,9 +32,10 @@ S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, s
 S2 = S1._replace(lr=9e-4, grad_scale=0.5)
 
 # The first lines of the vector loops' step and undo; the traffic-only library returns right after them.
-_STEP_HEAD = "static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const StepK *k, const Sqrt *sq) {"
-_UNDO_HEAD = ("static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const UndoK *k, "
-              "int have_p_old, int fast,\n                            const Sqrt *sq) {")
+_STEP_HEAD = ("static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,\n"
+              + " " * 60 + "const StepK *k, int rk) {")
+_UNDO_HEAD = ("static inline __attribute__((always_inline)) void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,\n"
+              + " " * 60 + "const UndoK *k, int have_p_old, int fast, int rk) {")
 
 
 def traffic_only_source(source: str) -> str:
@@ -43,7 +44,7 @@ def traffic_only_source(source: str) -> str:
         if source.count(head) != 1:
             sys.exit(f"the kernel source changed: update {__file__} ({head[:40]}...)")
         body = (f"\n  *P = _mm512_{op}_ps(*P, G); *M = _mm512_{op}_ps(*M, G); *V = _mm512_{op}_ps(*V, G);"
-                "\n  (void)k; (void)sq; return;")
+                "\n  (void)k; (void)rk; return;")
         source = source.replace(head, head + body)
     return source
 

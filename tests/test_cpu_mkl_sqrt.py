@@ -39,10 +39,10 @@ def _cpu_vendor() -> str:
 @pytest.mark.skipif(not (HAS_REPLICA and _cpu_vendor() == "AuthenticAMD"),
                     reason="needs the native library with a replica, torch's MKL square root and an AMD CPU")
 def test_the_replica_is_in_use_on_amd_cpus():
-    """On AMD CPUs torch's MKL runs its generic code path, which the AVX2 build's replica reproduces: there the
-    load-time check must accept it (a fallback to MKL calls would pass every other test, slower, and skip this
-    module's). AVX-512 builds replicate MKL's AVX-512 path, which MKL may not take on such a CPU."""
-    assert LIB.sqrt_replica or ctypes.CDLL(LIB.path).sofx_has_vector_loops()
+    """On AMD CPUs torch's MKL runs its generic code path, with or without AVX-512 (Zen 4 and 5 have it), which
+    both builds replicate (REPLICA_GENERIC, 2): there the load-time check must accept it (a fallback to MKL calls
+    would pass every other test, slower, and skip this module's)."""
+    assert LIB.sqrt_replica == 2
 
 
 RANGES = {  # [first, last) float32 bit patterns
@@ -62,7 +62,7 @@ def _floats(first: int, last: int) -> torch.Tensor:
 
 def _kernel_sqrt(x: torch.Tensor, replica: bool) -> torch.Tensor:
     out = torch.empty_like(x)
-    LIB.sqrt(x.numel(), x.data_ptr(), out.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, int(replica))
+    LIB.sqrt(x.numel(), x.data_ptr(), out.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, LIB.sqrt_replica if replica else 0)
     return out
 
 
@@ -86,7 +86,7 @@ def test_every_non_negative_float():
     for first in range(0, 1 << 31, chunk):
         torch.add(offsets, first, out=bits)
         x = bits.view(torch.float32)
-        LIB.sqrt(chunk, x.data_ptr(), got.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, 1)
+        LIB.sqrt(chunk, x.data_ptr(), got.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, LIB.sqrt_replica)
         torch.sqrt(x, out=want)
         bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero()[:5, 0]
         assert bad.numel() == 0, [(hex(first + int(i)), hex(int(got.view(torch.int32)[i]) & 0xFFFFFFFF),
@@ -115,7 +115,7 @@ def test_every_tiny_float_without_calling_mkl():
         last = min(first + chunk, 0x10000000)
         x = torch.arange(first, last, dtype=torch.int32).view(torch.float32)
         got = torch.empty_like(x)
-        LIB.sqrt(x.numel(), x.data_ptr(), got.data_ptr(), None, 0, 1)
+        LIB.sqrt(x.numel(), x.data_ptr(), got.data_ptr(), None, 0, LIB.sqrt_replica)
         bad = (got.view(torch.int32) != x.sqrt().view(torch.int32)).nonzero()[:5, 0]
         assert bad.numel() == 0, [hex(int(x.view(torch.int32)[i])) for i in bad]
 
@@ -128,6 +128,6 @@ def test_partial_vectors_and_tiles():
     for n in (*range(1, 40), 127, 129, 300):
         x = torch.rand(n + 8, generator=gen) * 10
         out = torch.full((n + 8,), -7.0)
-        LIB.sqrt(n, x.data_ptr(), out.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, 1)
+        LIB.sqrt(n, x.data_ptr(), out.data_ptr(), LIB.sqrt_fn, LIB.sqrt_mode, LIB.sqrt_replica)
         assert torch.equal(out[:n].view(torch.int32), x[:n].sqrt().view(torch.int32)), n
         assert torch.all(out[n:] == -7.0), n

@@ -56,8 +56,9 @@ class NativeLib:
     ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam_many`` (see
     :mod:`sofx.kernels._torch_sqrt`);
     ``vector_loops``: whether this build has the explicit AVX-512 vector loops (the CPU converts bf16 in
-    hardware); ``sqrt_replica``: whether the exact mode may compute that routine's results inline (``mkl_sqrt_replica``
-    in the source: checked here against ``torch.sqrt``); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
+    hardware); ``sqrt_replica``: 0, or which inline replica of that routine the exact mode computes its results with
+    (``REPLICA_*`` in the source: 1 MKL's AVX-512 code path, 2 its generic one; the first that this build has and
+    that gives ``torch.sqrt``'s bits here); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
     ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`); ``overlap``: the C entry
     ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables).
@@ -70,7 +71,7 @@ class NativeLib:
     sqrt_mode: int
     sqrt_local: int
     vector_loops: bool
-    sqrt_replica: bool
+    sqrt_replica: int
     sqrt: ctypes._CFuncPtr
     bitwise_torch: bool
     copy_sumsq: ctypes._CFuncPtr
@@ -197,14 +198,20 @@ def _open(path: str) -> NativeLib:
     # count, dtypes, ns, ptrs (sofx_adam_many's tables), out (int64[4])
     overlap.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
-    replica = bool(sqrt_fn) and bool(has_replica()) and _replica_matches(sqrt)
+    kinds = has_replica() if sqrt_fn else 0
+    replica = next((kind for kind in REPLICA_KINDS if kinds & kind and _replica_matches(sqrt, kind)), 0)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
     return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
                      sqrt, bitwise, copy_sumsq, overlap)
 
 
-def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:
-    """Whether the inline replica of MKL's square root gives ``torch.sqrt``'s bits: on every 7th float of
+# The inline replicas of MKL's square root (REPLICA_* in the source), in the order they are tried: its AVX-512 code
+# path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512).
+REPLICA_KINDS = (1, 2)
+
+
+def _replica_matches(sqrt: ctypes._CFuncPtr, kind: int) -> bool:
+    """Whether the inline replica ``kind`` of MKL's square root gives ``torch.sqrt``'s bits: on every 7th float of
     [1, 4) (2.4M values: every significand pattern class, both exponent parities, so a different algorithm
     shows here), on 256 random floats of every binade, the subnormals and the tiny ones below 2^-95 (which
     the replica scales) up to the largest (a different treatment of some exponent range shows there), and
@@ -215,7 +222,7 @@ def _replica_matches(sqrt: ctypes._CFuncPtr) -> bool:
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), -1.0, -1e-40, float("nan"), 2.0**-95, 3.4e38])
     x = torch.cat([x, binades.reshape(-1).to(torch.int32).view(torch.float32), specials])
     got = torch.empty_like(x)
-    sqrt(x.numel(), x.data_ptr(), got.data_ptr(), None, 0, 1)
+    sqrt(x.numel(), x.data_ptr(), got.data_ptr(), None, 0, kind)
     return torch.equal(got.view(torch.int32), x.sqrt().view(torch.int32))
 
 

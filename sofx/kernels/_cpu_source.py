@@ -7,8 +7,10 @@ Four code paths, all with the same arithmetic:
              16 elements at a time from memory to memory, every stream read
              prefetched 1-2.3 KiB ahead (staggered by stream), bfloat16 converted in registers; IEEE
              square roots and div_by for ``cpu_fast``, MKL's
-             square root inline and true divisions for ``cpu`` (when the replica
-             passed its load-time check). They take every operation of the two
+             square root inline and true divisions for ``cpu`` (when a replica
+             passed its load-time check: of MKL's AVX-512 code path on Intel
+             CPUs, of its generic one on AMD's, Zen 4 and 5, as in AVX2
+             builds; each its own instance of the loops). They take every operation of the two
              paths below on such CPUs (those of ``exact_*`` only with the
              replica); the portable build (no -march=native) checks them bit
              for bit (but for cpu_fast's inverse of tiny values: quot_vec).
@@ -107,8 +109,13 @@ typedef struct {
   vsqrt_fn fn;
   int64_t mode;
   local_threads_fn local;
-  int replica;                       /* 1: mkl_sqrt_replica first (checked against torch.sqrt at load) */
+  int replica;                       /* 0, or which inline replica of MKL's square root stands in for fn (a REPLICA_*
+                                        kind this build has, checked against torch.sqrt at load) */
 } Sqrt;
+/* The inline replicas of MKL's square root: of its AVX-512 code path (what it runs on Intel CPUs with
+   AVX-512; rsqrt14 and one multiply-add) and of its generic one (what it runs on AMD CPUs, with or without
+   AVX-512; rsqrtps and a Goldschmidt iteration). AVX-512 builds have both, AVX2 builds the generic one. */
+enum { REPLICA_AVX512 = 1, REPLICA_GENERIC = 2 };
 
 typedef struct {
   int op, decoupled;
@@ -170,7 +177,7 @@ static void load(float *dst, const void *src, int dt, int64_t off, int n) {
    there). No scalar fall-back: until this stop a vector with any zero result went through a scalar
    loop, which made all-bf16 steps 3-4x slower where m and v are 0 (untouched embedding rows) and, kept
    in the loops as a cold path, cost registers. */
-static inline __m256i cvt_bf16_16(__m512 x) {
+static inline __attribute__((always_inline)) __m256i cvt_bf16_16(__m512 x) {
   __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
   const __mmask16 sub = _mm512_fpclass_ps_mask(x, 0x20);
   if (__builtin_expect(sub != 0, 0)) {
@@ -240,7 +247,7 @@ static void round_to(float *x, int dt, int n) {
    of those ranges that matters is compared in tests/test_cpu_mkl_sqrt.py (all 2^28 tiny ones among
    them). The library uses it only where a check at load (sofx.kernels._cpu_build) finds it equal to
    torch.sqrt, i.e. where torch's MKL takes this code path. */
-static inline __m512 mkl_sqrt_formula(__m512 x) {
+static inline __attribute__((always_inline)) __m512 mkl_sqrt_formula(__m512 x) {
   const __m512 y = _mm512_rsqrt14_ps(x);
   const __m512 s0 = _mm512_mul_ps(x, y);
   const __m512 r = _mm512_fnmadd_ps(s0, s0, x);
@@ -253,7 +260,7 @@ static inline __m512 mkl_sqrt_formula(__m512 x) {
    and subnormal results cost a microcode assist each (this, and a call to MKL for such vectors, made the
    exact step 6-8x slower where second moments had decayed below 2^-95 and the gradient was 0: rows of
    an embedding unused for ~50k steps). */
-static inline __m512 mkl_sqrt_replica16(__m512 x) {
+static inline __attribute__((always_inline)) __m512 mkl_sqrt_replica16(__m512 x) {
   /* bits - bits(2^-95) < bits(inf) - bits(2^-95), unsigned: 2^-95 <= x <= FLT_MAX */
   const __m512i u = _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x10000000));
   const __mmask16 direct = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(0x7F800000 - 0x10000000));
@@ -276,10 +283,42 @@ static inline __m512 mkl_sqrt_replica16(__m512 x) {
   return _mm512_mask_mov_ps(s, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))); /* MKL's for x < 0 */
 }
 
-static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
+/* MKL's generic code path on 16 lanes (AMD CPUs with AVX-512: Zen 4 and 5, where MKL does not take its
+   AVX-512 path): the formula and the cases of mkl_sqrt_replica8 below (the AVX2 builds' replica, whose
+   comment gives them), every operation rounded on its own, with the CPU's 8-lane rsqrtps estimate on
+   each half of the vector (rsqrt14 is another, more accurate estimate; AVX-512 has no 16-lane rsqrtps). */
+static inline __attribute__((always_inline)) __m512 rsqrt_estimate16(__m512 x) {
+  const __m256 lo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
+  const __m256 hi = _mm256_rsqrt_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __attribute__((always_inline)) __m512 mkl_generic_formula16(__m512 x) {
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const __m512 y = rsqrt_estimate16(x);
+  const __m512 s = _mm512_mul_ps(x, y);
+  const __m512 h = _mm512_mul_ps(y, half);
+  const __m512 e = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
+  const __m512 s1 = _mm512_add_ps(_mm512_mul_ps(s, e), s);
+  const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(e, h), h);
+  return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(x, _mm512_mul_ps(s1, s1)), h1), s1);
+}
+static __attribute__((noinline)) __m512 mkl_generic_rare16(__m512 x, __mmask16 other) {
+  const __m512 r = _mm512_mask_sqrt_ps(mkl_generic_formula16(x), other, x);
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
+  return _mm512_mask_mov_ps(r, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+static inline __attribute__((always_inline)) __m512 mkl_generic_replica16(__m512 x) {
+  const __m512i sum = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7F800000));
+  const __mmask16 other = _mm512_cmpgt_epi32_mask(sum, _mm512_set1_epi32((int)0xFEFFF000));
+  if (__builtin_expect(other == 0, 1)) return mkl_generic_formula16(x);
+  return mkl_generic_rare16(x, other); /* out of line, as mkl_sqrt_rare8 */
+}
+
+static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-    _mm512_mask_storeu_ps(out + i, lanes, mkl_sqrt_replica16(_mm512_maskz_loadu_ps(lanes, in + i)));
+    const __m512 x = _mm512_maskz_loadu_ps(lanes, in + i);
+    _mm512_mask_storeu_ps(out + i, lanes, kind == REPLICA_GENERIC ? mkl_generic_replica16(x) : mkl_sqrt_replica16(x));
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -322,7 +361,8 @@ static inline __attribute__((always_inline)) __m256 mkl_sqrt_replica8(__m256 x) 
   if (__builtin_expect(_mm256_testz_ps(other, other), 1)) return mkl_sqrt_formula8(x);
   return mkl_sqrt_rare8(x, other); /* out of line: the loops stay smaller (and compile faster) */
 }
-static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n) {
+static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
+  (void)kind; /* REPLICA_GENERIC, the only one here */
   int i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, mkl_sqrt_replica8(_mm256_loadu_ps(in + i)));
   if (i < n) {
@@ -337,7 +377,7 @@ static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int 
 static void sqrt_tile(float *restrict out, const float *restrict in, const Sqrt *sq, int n) {
 #if defined(HW_RSQRT14) || defined(HW_RSQRT8)
   if (sq->replica) {
-    mkl_sqrt_replica(out, in, n);
+    mkl_sqrt_replica(out, in, n, sq->replica);
     return;
   }
 #endif
@@ -751,21 +791,21 @@ static inline __mmask16 lanes_left(int64_t left) {
 #define ALL_LANES ((__mmask16)0xFFFF)
 /* With lanes a constant ALL_LANES (the loops' full vectors) these are plain loads and stores: masked
    ones cost 5-8% of the all-bf16 step. */
-static inline __m512 vld_0(const void *p, int64_t e, __mmask16 lanes) {
+static inline __attribute__((always_inline)) __m512 vld_0(const void *p, int64_t e, __mmask16 lanes) {
   const float *a = (const float *)p + e;
   return lanes == ALL_LANES ? _mm512_loadu_ps(a) : _mm512_maskz_loadu_ps(lanes, a);
 }
-static inline __m512 vld_1(const void *p, int64_t e, __mmask16 lanes) {
+static inline __attribute__((always_inline)) __m512 vld_1(const void *p, int64_t e, __mmask16 lanes) {
   const uint16_t *a = (const uint16_t *)p + e;
   const __m256i h = lanes == ALL_LANES ? _mm256_loadu_si256((const __m256i *)a) : _mm256_maskz_loadu_epi16(lanes, a);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-static inline void vst_0(void *p, int64_t e, __m512 x, __mmask16 lanes) {
+static inline __attribute__((always_inline)) void vst_0(void *p, int64_t e, __m512 x, __mmask16 lanes) {
   float *a = (float *)p + e;
   if (lanes == ALL_LANES) _mm512_storeu_ps(a, x);
   else _mm512_mask_storeu_ps(a, lanes, x);
 }
-static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
+static inline __attribute__((always_inline)) void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
   uint16_t *d = (uint16_t *)p + e;
   const __m256i h = cvt_bf16_16(x);
   if (lanes == ALL_LANES) _mm256_storeu_si256((__m256i *)d, h);
@@ -774,14 +814,25 @@ static inline void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
 
 
 
-/* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the vector loops run the
-   exact path only where it is in use). */
-static inline __m512 sqrt_vec(__m512 x, const Sqrt *sq) {
-  return sq ? mkl_sqrt_replica16(x) : _mm512_sqrt_ps(x);
+/* The square roots of a vector: IEEE (rk 0) or torch's, MKL's (rk: the REPLICA_* kind in use; the vector
+   loops run the exact path only where there is one). The loops take rk from their Sqrt once (a value: their
+   vector stores may alias any memory, a Sqrt's field too, so it would be loaded again per vector). */
+static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
+  if (!rk) return _mm512_sqrt_ps(x);
+  return rk == REPLICA_GENERIC ? mkl_generic_replica16(x) : mkl_sqrt_replica16(x);
 }
+#define REPLICA_KIND(sq) ((sq) ? (sq)->replica : 0)
+/* f(args..., fast, rk) with constant fast and rk (the loops are always inlined bodies, one instance each):
+   cpu_fast's (sq 0: div_by and IEEE square roots) or cpu's with its replica (true divisions). A kind
+   chosen inside one loop costs a branch per vector and the registers of both formulas: 1.2-1.5x slower
+   undo+redo. */
+#define BY_SQRT(sq, f, ...)                                                        \
+  (REPLICA_KIND(sq) == REPLICA_GENERIC  ? f(__VA_ARGS__, 0, REPLICA_GENERIC)        \
+   : REPLICA_KIND(sq) == REPLICA_AVX512 ? f(__VA_ARGS__, 0, REPLICA_AVX512)         \
+                                        : f(__VA_ARGS__, 1, 0))
 
 /* div_by on 16 lanes (the min returns its second operand where the first is nan, as minss). */
-static inline __m512 div_by_vec(__m512 x, float b, float rb) {
+static inline __attribute__((always_inline)) __m512 div_by_vec(__m512 x, float b, float rb) {
   const __m512 vrb = _mm512_set1_ps(rb);
   const __m512 q = _mm512_mul_ps(x, vrb);
   const __m512 r = _mm512_min_ps(_mm512_fmsub_ps(q, _mm512_set1_ps(b), x), _mm512_set1_ps(FLT_MAX));
@@ -789,36 +840,40 @@ static inline __m512 div_by_vec(__m512 x, float b, float rb) {
 }
 
 /* step_elem on 16 lanes, the square root by sqrt_vec. */
-static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const StepK *k, const Sqrt *sq) {
+static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,
+                                                            const StepK *k, int rk) {
   __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
   const __m512 p = _mm512_mul_ps(*P, _mm512_set1_ps(k->pmul));
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
   *M = _mm512_fmadd_ps(_mm512_set1_ps(k->coef), _mm512_sub_ps(g, *M), k->small ? *M : g);
   *V = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k->c2), g), g, _mm512_mul_ps(*V, _mm512_set1_ps(k->b2)));
-  const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, sq), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
+  const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, rk), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
   *P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->nss), *M), d));
 }
 
 
 #define VSTEP(DP, DG, DS)                                                          \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
-      const Arrays *a, const StepK *k, const Sqrt *sq, int64_t e, __mmask16 l) {   \
+      const Arrays *a, const StepK *k, int rk, int64_t e, __mmask16 l) {           \
     __m512 P = vld_##DP(a->p, e, l), M = vld_##DS(a->m, e, l), V = vld_##DS(a->v, e, l); \
-    step_vec(&P, vld_##DG(a->g, e, l), &M, &V, k, sq);                             \
+    step_vec(&P, vld_##DG(a->g, e, l), &M, &V, k, rk);                             \
     vst_##DP(a->po, e, P, l);                                                      \
     vst_##DS(a->mo, e, M, l);                                                      \
     vst_##DS(a->vo, e, V, l);                                                      \
   }                                                                                \
-  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
+  static inline __attribute__((always_inline)) void vstep_run_##DP##DG##DS(      \
+      const Job *j, int fast, int rk) {                                            \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
+    (void)fast;                                                                    \
     int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, &k, sq, e, ALL_LANES);                             \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, ALL_LANES);                             \
     }                                                                              \
-    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
-  }
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, lanes_left(j->end - e)); \
+  }                                                                                \
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { BY_SQRT(sq, vstep_run_##DP##DG##DS, j); }
 
 /* fast 0: a true division; fast 1: div_by, except that lanes with 0 < |x| < 2^-78 (found by integer
    compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range and the quotient by 2^-100
@@ -827,7 +882,7 @@ static inline void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Ste
    microcode assist per lane: cpu_fast's inverse was 6x slower there. The compiler-vectorized loops (no
    AVX-512) keep plain div_by, whose bits differ there by up to an ulp: scaling in those loops, where
    every lane pays for both ways, made their inverse 2x slower. */
-static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
+static inline __attribute__((always_inline)) __m512 quot_vec(__m512 x, float b, float rb, int fast) {
   if (!fast) return _mm512_div_ps(x, _mm512_set1_ps(b));
   const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
   const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
@@ -838,12 +893,12 @@ static inline __m512 quot_vec(__m512 x, float b, float rb, int fast) {
 }
 
 /* undo_elem_d on 16 lanes; D = sqrt_vec(V) is taken here (not with have_p_old). */
-static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const UndoK *k, int have_p_old, int fast,
-                            const Sqrt *sq) {
+static inline __attribute__((always_inline)) void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,
+                                                            const UndoK *k, int have_p_old, int fast, int rk) {
   __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
   __m512 p = *P;
   if (!have_p_old) {
-    const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, sq), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
+    const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, rk), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
     p = quot_vec(_mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->ss), *M), d)), k->pdiv, k->rpdiv, fast);
   }
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
@@ -856,31 +911,32 @@ static inline void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V, const Und
 }
 
 /* x as stored in bfloat16 and loaded back (round_bf16 on a vector). */
-static inline __m512 vround_1(__m512 x) {
+static inline __attribute__((always_inline)) __m512 vround_1(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt_bf16_16(x)), 16));
 }
 static inline __m512 vround_0(__m512 x) { return x; }
 
 /* The inverse (op OP_UNDO) or the fused undo+redo (OP_UNDO_REDO) on 16-lane vectors: undo_vec, the undone
-   values rounded to their storage dtypes, step_vec with the new gradient. fast and sq as in undo_vec
+   values rounded to their storage dtypes, step_vec with the new gradient. fast and rk as in undo_vec
    (cpu_fast: 1 and IEEE; cpu: 0 and MKL's square root). */
 #define VUNDO(DP, DG, DS)                                                          \
   static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
       const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
-      const Sqrt *sq, int64_t e, __mmask16 l) {                                    \
+      int rk, int64_t e, __mmask16 l) {                                            \
     __m512 P = vld_##DP(a->p, e, l), M = vld_##DS(a->m, e, l), V = vld_##DS(a->v, e, l); \
-    undo_vec(&P, vld_##DG(a->g, e, l), &M, &V, u, have_p_old, fast, sq);           \
+    undo_vec(&P, vld_##DG(a->g, e, l), &M, &V, u, have_p_old, fast, rk);           \
     if (redo) {                                                                    \
       P = vround_##DP(P);                                                          \
       M = vround_##DS(M);                                                          \
       V = vround_##DS(V);                                                          \
-      step_vec(&P, vld_##DG(a->g2, e, l), &M, &V, k, sq);                          \
+      step_vec(&P, vld_##DG(a->g2, e, l), &M, &V, k, rk);                          \
     }                                                                              \
     vst_##DP(a->po, e, P, l);                                                      \
     vst_##DS(a->mo, e, M, l);                                                      \
     vst_##DS(a->vo, e, V, l);                                                      \
   }                                                                                \
-  static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
+  static inline __attribute__((always_inline)) void vundo_run_##DP##DG##DS(      \
+      const Job *j, int fast, int rk) {                                            \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
@@ -888,10 +944,15 @@ static inline __m512 vround_0(__m512 x) { return x; }
     int64_t e = j->begin;                                                          \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                                     \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, sq, e, ALL_LANES); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, ALL_LANES); \
     }                                                                              \
     if (e < j->end)                                                                \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, sq, e, lanes_left(j->end - e)); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, lanes_left(j->end - e)); \
+  }                                                                                \
+  /* fast: 1 with sq 0 (cpu_fast), 0 with sq (cpu) */                              \
+  static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
+    (void)fast;                                                                    \
+    BY_SQRT(sq, vundo_run_##DP##DG##DS, j);                                        \
   }
 #define VECTORS(DP, DG, DS) VSTEP(DP, DG, DS) VUNDO(DP, DG, DS)
 NATIVE_COMBOS(VECTORS)
@@ -1627,7 +1688,8 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
 #define SCAN_RESULT(DG, gs, begin, scan_end, bad, lim)                             \
   ((bad) != 0 || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
 #define VSCAN(DP, DG, DS)                                                          \
-  static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+  static inline __attribute__((always_inline)) int vstep_scan_run_##DP##DG##DS(  \
+      const Job *j, int64_t scan_end, int fast, int rk) {                          \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
@@ -1636,13 +1698,18 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
     (void)fast;                                                                    \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, &k, sq, e, ALL_LANES);                             \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, ALL_LANES);                             \
       SCAN_AT(DG, a.g, e, scan_end, bad, lim)                                      \
     }                                                                              \
-    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, sq, e, lanes_left(j->end - e)); \
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, lanes_left(j->end - e)); \
     return SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                     \
   }                                                                                \
-  static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+  static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    (void)fast;                                                                    \
+    return BY_SQRT(sq, vstep_scan_run_##DP##DG##DS, j, scan_end);                  \
+  }                                                                                \
+  static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
+      const Job *j, int64_t scan_end, int fast, int rk) {                          \
     const int have_p_old = j->pold != 0;                                           \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
@@ -1652,12 +1719,16 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
     int64_t e = j->begin;                                                          \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, sq, e, ALL_LANES);     \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, ALL_LANES);     \
       SCAN_AT(DG, a.g2, e, scan_end, bad, lim)                                     \
     }                                                                              \
     if (e < j->end)                                                                \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, sq, e, lanes_left(j->end - e)); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, lanes_left(j->end - e)); \
     return SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                    \
+  }                                                                                \
+  static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
+    (void)fast;                                                                    \
+    return BY_SQRT(sq, vredo_scan_run_##DP##DG##DS, j, scan_end);                  \
   }
 NATIVE_COMBOS(VSCAN)
 #endif
@@ -1967,19 +2038,27 @@ int sofx_has_vector_loops(void) {
 #endif
 }
 
-/* 1 where this build has mkl_sqrt_replica (AVX-512: MKL's AVX-512 code path; AVX2: its generic one), else 0. */
+/* The replicas of MKL's square root this build has, as a mask of their REPLICA_* kinds (AVX-512: both, its
+   AVX-512 code path and its generic one; AVX2: the generic one), else 0. */
 int sofx_has_sqrt_replica(void) {
-#if defined(HW_RSQRT14) || defined(HW_RSQRT8)
-  return 1;
+#if defined(HW_RSQRT14)
+  return REPLICA_AVX512 | REPLICA_GENERIC;
+#elif defined(HW_RSQRT8)
+  return REPLICA_GENERIC;
 #else
   return 0;
 #endif
 }
 
+/* kind if it names a replica this build has, else 0 (no replica: the routine's calls). */
+static int replica_kind(int kind) {
+  return (kind == REPLICA_AVX512 || kind == REPLICA_GENERIC) && (sofx_has_sqrt_replica() & kind) ? kind : 0;
+}
+
 /* out = the square roots of in[0..n) as the exact loops take them: sqrt_tile per TILE elements, with the
-   given routine (see Sqrt; sqrt_fn 0: IEEE sqrtf) and replica flag. For the load-time check and tests. */
+   given routine (see Sqrt; sqrt_fn 0: IEEE sqrtf) and replica kind (0: none). For the load-time check and tests. */
 void sofx_sqrt(int64_t n, const float *in, float *out, void *sqrt_fn, int64_t sqrt_mode, int sqrt_replica) {
-  Sqrt sq = {(vsqrt_fn)sqrt_fn, sqrt_mode, 0, sqrt_replica != 0};
+  Sqrt sq = {(vsqrt_fn)sqrt_fn, sqrt_mode, 0, replica_kind(sqrt_replica)};
   for (int64_t off = 0; off < n; off += TILE) {
     const int k = (int)((n - off) < TILE ? (n - off) : TILE);
     sqrt_tile(out + off, in + off, &sq, k);
@@ -2146,7 +2225,7 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
     job->sq.fn = (vsqrt_fn)sqrt_fn;
     job->sq.mode = sqrt_mode;
     job->sq.local = (local_threads_fn)sqrt_local;
-    job->sq.replica = sqrt_replica != 0;
+    job->sq.replica = replica_kind(sqrt_replica);
     job->exact = exact != 0;
     job->s1 = make_sc(s_old[b]);
     if (op == OP_UNDO_REDO) job->s2 = make_sc(s_new[b]);

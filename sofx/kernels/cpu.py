@@ -504,7 +504,7 @@ def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Tabl
     rc = lib.adam_many(op, int(variant.decoupled), len(blocks), dtypes.buffer_info()[0], ns.buffer_info()[0],
                        ptrs.buffer_info()[0], s1.buffer_info()[0], s2.buffer_info()[0], native_thread_request(),
                        int(exact), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
-                       lib.sqrt_local or None, int(exact and lib.sqrt_replica))
+                       lib.sqrt_local or None, lib.sqrt_replica if exact else 0)
     if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
         raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
 
