@@ -93,6 +93,29 @@ def _cache_dir() -> str:
     return os.path.join(root, "kernels")
 
 
+def _cpuinfo_field(name: str) -> str:
+    """The first value of ``name`` in /proc/cpuinfo ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == name), "")
+    except OSError:
+        return ""
+
+
+def _tuning_defines() -> list[str]:
+    """Defines for choices the source leaves to measurement on the CPU: ``QUOT_DIVIDES=1`` (cpu_fast's inverse
+    divides in the AVX-512 loops, see quot_vec) on AMD Zen 5 (family 26) and later, whose 512-bit divider made
+    its undo 13-35% faster in cache than div_by (benchmarks/RESULTS.md); elsewhere div_by (Intel's AVX-512
+    CPUs and Zen 4 divide 512-bit vectors more slowly; not measured here)."""
+    family = _cpuinfo_field("cpu family")
+    if _cpuinfo_field("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26:
+        return ["-DQUOT_DIVIDES=1"]
+    return []
+
+
+_TUNING = _tuning_defines()
+
+
 def _cpu_fingerprint() -> str:
     """The CPU model and feature flags (what ``-march=native`` depends on)."""
     try:
@@ -132,7 +155,7 @@ def _compile(cc: str, flags: list[str], target: str) -> str | None:
             f.write(SOURCE)
         out = os.path.join(tmp, "sofx_adam.so")
         try:
-            proc = subprocess.run([*cc.split(), *flags, *_COMMON, src, "-o", out, "-lm"],
+            proc = subprocess.run([*cc.split(), *flags, *_TUNING, *_COMMON, src, "-o", out, "-lm"],
                                   capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
             return str(e)
@@ -159,7 +182,7 @@ def compile_program(program: str, directory: str, name: str = "program", source:
     exe = os.path.join(directory, name)
     errors = []
     for flags in _FLAG_SETS:  # -ffp-contract=off, -march=native, ...
-        proc = subprocess.run([*cc.split(), *flags, "-std=gnu11", "-pthread", src, "-o", exe, "-lm"],
+        proc = subprocess.run([*cc.split(), *flags, *_TUNING, "-std=gnu11", "-pthread", src, "-o", exe, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode == 0:
             return exe
@@ -235,7 +258,7 @@ def _build_and_open() -> NativeLib | str:
     version = _compiler_version(cc)
     errors = []
     for flags in _FLAG_SETS:
-        key = hashlib.sha256("\0".join([SOURCE, cc, version, *flags, *_COMMON, _cpu_fingerprint()])
+        key = hashlib.sha256("\0".join([SOURCE, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
                              .encode()).hexdigest()[:24]
         target = os.path.join(_cache_dir(), f"sofx_adam_{key}.so")
         if not os.path.exists(target):

@@ -881,9 +881,14 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
    moments decayed on rows without gradient for ~50k steps) made div_by's remainder subnormal, a
    microcode assist per lane: cpu_fast's inverse was 6x slower there. The compiler-vectorized loops (no
    AVX-512) keep plain div_by, whose bits differ there by up to an ulp: scaling in those loops, where
-   every lane pays for both ways, made their inverse 2x slower. */
+   every lane pays for both ways, made their inverse 2x slower. QUOT_DIVIDES 1 (set by the build where measured
+   faster: AMD Zen 5, whose 512-bit divider made cpu_fast's undo 13-35% faster in cache, its undo+redo 13-20%)
+   takes a true division for fast 1 too: the reference's bits, no tiny lanes to scale. */
+#ifndef QUOT_DIVIDES
+#define QUOT_DIVIDES 0
+#endif
 static inline __attribute__((always_inline)) __m512 quot_vec(__m512 x, float b, float rb, int fast) {
-  if (!fast) return _mm512_div_ps(x, _mm512_set1_ps(b));
+  if (!fast || QUOT_DIVIDES) return _mm512_div_ps(x, _mm512_set1_ps(b));
   const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
   const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
                                                  _mm512_set1_epi32((0x18800000 << 1) - 1)); /* 2^-78 */
