@@ -421,6 +421,36 @@ print("ok")
     assert "ok" in out.stdout
 
 
+def test_the_build_divides_in_cpu_fasts_inverse_on_zen5_and_later(monkeypatch):
+    """QUOT_DIVIDES (true divisions in cpu_fast's inverse, AVX-512 loops) only where it was measured faster."""
+    from sofx.kernels import _cpu_build
+
+    for vendor, family, want in (("AuthenticAMD", "26", True), ("AuthenticAMD", "27", True),
+                                 ("AuthenticAMD", "25", False), ("GenuineIntel", "6", False), ("", "", False)):
+        fields = {"vendor_id": vendor, "cpu family": family}
+        monkeypatch.setattr(_cpu_build, "_cpuinfo_field", fields.get)
+        assert (_cpu_build._tuning_defines() == ["-DQUOT_DIVIDES=1"]) == want, (vendor, family)
+
+
+def test_with_quot_divides_cpu_fasts_undone_moments_are_cpus(rng):
+    """Where the build divides in cpu_fast's inverse, its undone moments (decoupled weight decay: no square
+    root in them) are the reference's bits, tiny quotients included (div_by scaled them, and rounded the
+    subnormal ones twice)."""
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    if "-DQUOT_DIVIDES=1" not in _cpu_build._TUNING or not lib.vector_loops:
+        pytest.skip("the build takes div_by in cpu_fast's inverse here")
+    p, g, m, v = block_inputs(rng, 4099, torch.float32, torch.float32)
+    g[::3] *= 1e-37  # moments whose undone value is tiny, subnormal for some
+    m[::3] *= 1e-37
+    v[::3] *= 1e-36
+    s = block_scalars(rng, 0.1, 0.5)
+    fast, exact = cpu_fast.undo(p, g, m, v, s, VARIANTS[0]), reference.undo(p, g, m, v, s, VARIANTS[0])
+    assert (exact[1][::3].abs() < 1.2e-38).any()  # subnormal quotients among them
+    assert torch.equal(fast[1], exact[1]) and torch.equal(fast[2], exact[2])
+
+
 def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, monkeypatch):
     """Where -fopenmp is unavailable the library is built without it and starts pthreads per call (one
     share of the blocks' elements each)."""
