@@ -489,11 +489,12 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@pytest.fixture(scope="module", params=["portable", "avx2"])
+@pytest.fixture(scope="module", params=["portable", "avx2", "avx512-without-bf16"])
 def other_build(request, tmp_path_factory):
     """The kernels built without -march=native (no FMA or AVX-512 instructions: the portable loops), or on a CPU
-    with AVX-512 without it (-mno-avx512f: the AVX2 loops that AMD Zen 2/3 CPUs run), so that a machine with
-    AVX-512 checks the AVX2 loops too."""
+    with AVX-512 without it (-mno-avx512f: the AVX2 loops that AMD Zen 2/3 CPUs run) or without its bf16
+    conversion (-mno-avx512bf16: the AVX2 loops with the AVX-512 builds' square-root replicas in their tile
+    pass, as on Intel's Skylake-SP to Ice Lake), so that a machine with AVX-512 checks those loops too."""
     from sofx.kernels import _cpu_build
 
     cc = _cpu_build._compiler()
@@ -503,7 +504,9 @@ def other_build(request, tmp_path_factory):
     else:
         if not {"avx512f", "avx2", "fma"} <= _cpu_flags():
             pytest.skip("the native build is the AVX2 one (or there is none) on a CPU without AVX-512")
-        flags = [*_cpu_build._BASE_FLAG_SETS[0], "-mno-avx512f"]
+        if request.param == "avx512-without-bf16" and "avx512_bf16" not in _cpu_flags():
+            pytest.skip("the native build is this one on an AVX-512 CPU without bf16 conversion")
+        flags = [*_cpu_build._BASE_FLAG_SETS[0], "-mno-avx512f" if request.param == "avx2" else "-mno-avx512bf16"]
     target = str(tmp_path_factory.mktemp(request.param) / f"sofx_adam_{request.param}.so")
     err = _cpu_build._compile(cc, flags, target)
     assert err is None, err
