@@ -61,6 +61,19 @@ def gpt2_small_shapes(vocab: int = 50257, d: int = 768, layers: int = 12, ctx: i
     return shapes + [(d,), (d,)]
 
 
+def cpu_square_root() -> str:
+    """How ``cpu`` takes torch's (MKL's) square roots with the library loaded here."""
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    if lib is None:
+        return "the reference's (no native library)"
+    if not lib.sqrt_fn:
+        return "IEEE sqrtf (torch's is IEEE here)"
+    kinds = {1: "inline, the replica of MKL's AVX-512 path", 2: "inline, the replica of MKL's generic path"}
+    return kinds.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
+
+
 def cpu_model() -> str:
     """The CPU's model name and its widest vector extension (the kernels' loops differ between AVX-512 and
     AVX2 machines), from /proc/cpuinfo where there is one."""
@@ -268,7 +281,7 @@ def main() -> None:
     print(f"# sofx CPU kernels, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cpus, torch "
           f"{torch.__version__}, {args.threads} threads, native kernels: {cpu.native_available()}, "
-          f"cpu bitwise with torch: {cpu.bitwise_with_torch()}")
+          f"cpu bitwise with torch: {cpu.bitwise_with_torch()}, cpu's square root: {cpu_square_root()}")
     print(f"command: {' '.join(sys.argv)}")
     cases = [("flat", flat, torch.float32, torch.float32), ("flat", flat, torch.bfloat16, torch.float32),
              ("flat", flat, torch.bfloat16, torch.bfloat16)]

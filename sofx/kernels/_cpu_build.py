@@ -195,6 +195,11 @@ def _first_error(text: str) -> str:
     return next((line for line in lines if "error" in line), lines[0] if lines else "failed")
 
 
+# The inline replicas of MKL's square root (REPLICA_* in the source), in the order they are tried: its AVX-512 code
+# path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512).
+REPLICA_KINDS = (1, 2)
+
+
 def _open(path: str) -> NativeLib:
     lib = ctypes.CDLL(path)
     fn = lib.sofx_adam_many
@@ -226,11 +231,6 @@ def _open(path: str) -> NativeLib:
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
     return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
                      sqrt, bitwise, copy_sumsq, overlap)
-
-
-# The inline replicas of MKL's square root (REPLICA_* in the source), in the order they are tried: its AVX-512 code
-# path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512).
-REPLICA_KINDS = (1, 2)
 
 
 def _replica_matches(sqrt: ctypes._CFuncPtr, kind: int) -> bool:
