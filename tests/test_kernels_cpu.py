@@ -655,6 +655,29 @@ def test_the_inverse_of_decayed_moments_divides_exactly(name, rng):
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_cpu_on_decayed_rows_is_torchs(dtypes, rng):
+    """Rows whose second moment decayed into the tiny normal floats (below 2^-102, where MKL's generic square
+    root has a subnormal remainder and the AVX-512 replica of it scales them instead) mixed with ordinary
+    ones and exact zeros: cpu's step and fused undo+redo are the reference's bits (torch's square roots)."""
+    if not _is_exact(cpu):
+        pytest.skip("cpu is not bitwise torch here")
+    pdt, sdt = dtypes
+    p, g, m, v = block_inputs(rng, 4099, pdt, sdt)
+    decayed = torch.rand(p.shape, generator=rng) < 0.6
+    g[decayed] = 0
+    m[decayed] = (torch.rand(int(decayed.sum()), generator=rng) * 1e-30).to(sdt)
+    v[decayed] = (torch.rand(int(decayed.sum()), generator=rng) * 1e-34 + 1e-37).to(sdt)
+    v[::11] = 0
+    g2 = torch.randn(p.shape, generator=rng).to(pdt) * (~decayed)
+    s = block_scalars(rng, 0.1, 0.5)
+    stepped = cpu.step(p, g, m, v, s, VARIANTS[0])
+    _assert_close(stepped, reference.step(p, g, m, v, s, VARIANTS[0]), True)
+    assert int((stepped[2].float() < 2.0**-102).sum()) > 1000  # the tiny ones are there after the step
+    got = cpu.undo_redo(*stepped, g, s, g2, s._replace(grad_scale=0.3), VARIANTS[0])
+    _assert_undo_redo(cpu, got, stepped, g, s, g2, s._replace(grad_scale=0.3), VARIANTS[0])
+
+
 def test_bitwise_with_torch_is_false_where_torchs_kernels_do_not_fuse():
     """torch's unvectorized build computes ``a*b + c`` unfused (lerp, addcmul), the native kernels fused:
     ``bitwise_with_torch()`` must say so (the tests then compare within tolerance), in a fresh process."""

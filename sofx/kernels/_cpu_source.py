@@ -302,16 +302,43 @@ static inline __attribute__((always_inline)) __m512 mkl_generic_formula16(__m512
   const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(e, h), h);
   return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(x, _mm512_mul_ps(s1, s1)), h1), s1);
 }
-static __attribute__((noinline)) __m512 mkl_generic_rare16(__m512 x, __mmask16 other) {
-  const __m512 r = _mm512_mask_sqrt_ps(mkl_generic_formula16(x), other, x);
+/* The formula on the tiny normal lanes (2^-126 <= x < 2^-102) scaled: x * 2^64 through it, the result times
+   2^-32. On x itself the remainder x - s1*s1 is subnormal there, and subnormal operands and results cost a
+   microcode assist each on this CPU (Zen 5: `cpu`'s undo+redo 2.9x slower on rows whose second moment had
+   decayed to 1e-34, benchmarks/RESULTS.md); the Zen 3 of the AVX2 replica has no such cost (see
+   mkl_sqrt_replica8). The bits are the same: rsqrtps of x * 4^32 is its estimate of x times 2^-32 (its table
+   depends on the significand and the exponent's parity), so every intermediate scales by a power of two
+   exactly, and the remainder, a difference of two floats within a factor of 2 of each other, is exact in
+   both (Sterbenz; subnormal or not). */
+static inline __attribute__((always_inline)) __m512 mkl_generic_scaled16(__m512 x, __mmask16 tiny) {
+  const __m512 s = mkl_generic_formula16(_mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p64f)));
+  return _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p-32f));
+}
+static inline __attribute__((always_inline)) __mmask16 tiny_normal16(__m512i bits) { /* 2^-126 <= x < 2^-102 */
+  return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(bits, _mm512_set1_epi32(0x00800000)),
+                                 _mm512_set1_epi32(0x0C800000 - 0x00800000));
+}
+/* The lanes outside the formula's range, as mkl_sqrt_rare8: sqrtps, and MKL's nan for negative numbers. */
+static __attribute__((noinline)) __m512 mkl_generic_rare16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_set1_epi32(0x7F800000));
+  const __mmask16 other = _mm512_cmpgt_epi32_mask(sum, _mm512_set1_epi32((int)0xFEFFF000));
+  const __m512 r = _mm512_mask_sqrt_ps(mkl_generic_scaled16(x, tiny_normal16(bits)), other, x);
   const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
   return _mm512_mask_mov_ps(r, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
+/* The usual vector, every lane in [2^-102, 0x7F7FF000], costs one integer compare beyond the formula; vectors
+   of tiny normal lanes and +0 (the rows without gradient for long: decayed or never touched) take the scaled
+   formula inline, the others (subnormals, the largest floats, infinities, nans, negatives) a call. */
 static inline __attribute__((always_inline)) __m512 mkl_generic_replica16(__m512 x) {
-  const __m512i sum = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x7F800000));
-  const __mmask16 other = _mm512_cmpgt_epi32_mask(sum, _mm512_set1_epi32((int)0xFEFFF000));
-  if (__builtin_expect(other == 0, 1)) return mkl_generic_formula16(x);
-  return mkl_generic_rare16(x, other); /* out of line, as mkl_sqrt_rare8 */
+  const __m512i bits = _mm512_castps_si512(x);
+  const __mmask16 direct = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(bits, _mm512_set1_epi32(0x0C800000)),
+                                                   _mm512_set1_epi32(0x7F7FF001 - 0x0C800000));
+  if (__builtin_expect(direct == (__mmask16)0xFFFF, 1)) return mkl_generic_formula16(x);
+  const __mmask16 tiny = tiny_normal16(bits), plus_zero = _mm512_testn_epi32_mask(bits, bits);
+  if ((direct | tiny | plus_zero) == (__mmask16)0xFFFF) /* formula(+0) is a nan (0 * inf): the +0 instead */
+    return _mm512_mask_mov_ps(mkl_generic_scaled16(x, tiny), plus_zero, x);
+  return mkl_generic_rare16(x); /* out of line, as mkl_sqrt_rare8 */
 }
 
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
