@@ -951,6 +951,15 @@ static inline __m512 vround_0(__m512 x) { return x; }
 /* The inverse (op OP_UNDO) or the fused undo+redo (OP_UNDO_REDO) on 16-lane vectors: undo_vec, the undone
    values rounded to their storage dtypes, step_vec with the new gradient. fast and rk as in undo_vec
    (cpu_fast: 1 and IEEE; cpu: 0 and MKL's square root). */
+/* The inverse and the undo+redo take UNDO_WIDTH vectors at a time: all their loads, then each stage for every
+   vector, then their stores (the in-place outputs alias their own vectors' inputs only, element for element),
+   so that the chains of UNDO_WIDTH vectors interleave. Their chain (two square roots, two to five divisions)
+   is longer than the out-of-order window covers one vector at a time: on the Zen 5 EPYC, in cache, cpu's
+   undo+redo took 0.80-0.87 of the time of one vector at a time with 3, 0.84-0.88 with 2, 0.85-0.90 with 4
+   (spills), cpu_fast's all-bf16 one 0.80 (kernel_compute.py --against, alternated). */
+#ifndef UNDO_WIDTH
+#define UNDO_WIDTH 3
+#endif
 #define VUNDO(DP, DG, DS)                                                          \
   static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
       const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
@@ -967,6 +976,34 @@ static inline __m512 vround_0(__m512 x) { return x; }
     vst_##DS(a->mo, e, M, l);                                                      \
     vst_##DS(a->vo, e, V, l);                                                      \
   }                                                                                \
+  static inline __attribute__((always_inline)) void vundo_wide_at_##DP##DG##DS(   \
+      const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
+      int rk, int64_t e) {                                                         \
+    __m512 P[UNDO_WIDTH], M[UNDO_WIDTH], V[UNDO_WIDTH];                            \
+    for (int i = 0; i < UNDO_WIDTH; i++) {                                         \
+      const int64_t ei = e + 16 * i;                                               \
+      P[i] = vld_##DP(a->p, ei, ALL_LANES);                                        \
+      M[i] = vld_##DS(a->m, ei, ALL_LANES);                                        \
+      V[i] = vld_##DS(a->v, ei, ALL_LANES);                                        \
+    }                                                                              \
+    for (int i = 0; i < UNDO_WIDTH; i++)                                           \
+      undo_vec(&P[i], vld_##DG(a->g, e + 16 * i, ALL_LANES), &M[i], &V[i], u, have_p_old, fast, rk); \
+    if (redo) {                                                                    \
+      for (int i = 0; i < UNDO_WIDTH; i++) {                                       \
+        P[i] = vround_##DP(P[i]);                                                  \
+        M[i] = vround_##DS(M[i]);                                                  \
+        V[i] = vround_##DS(V[i]);                                                  \
+      }                                                                            \
+      for (int i = 0; i < UNDO_WIDTH; i++)                                         \
+        step_vec(&P[i], vld_##DG(a->g2, e + 16 * i, ALL_LANES), &M[i], &V[i], k, rk); \
+    }                                                                              \
+    for (int i = 0; i < UNDO_WIDTH; i++) {                                         \
+      const int64_t ei = e + 16 * i;                                               \
+      vst_##DP(a->po, ei, P[i], ALL_LANES);                                        \
+      vst_##DS(a->mo, ei, M[i], ALL_LANES);                                        \
+      vst_##DS(a->vo, ei, V[i], ALL_LANES);                                        \
+    }                                                                              \
+  }                                                                                \
   static inline __attribute__((always_inline)) void vundo_run_##DP##DG##DS(      \
       const Job *j, int fast, int rk) {                                            \
     const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
@@ -974,6 +1011,10 @@ static inline __m512 vround_0(__m512 x) { return x; }
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     int64_t e = j->begin;                                                          \
+    for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
+      for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
+      vundo_wide_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e);       \
+    }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                                     \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, ALL_LANES); \
@@ -1749,6 +1790,11 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
     const uint32_t lim = j->s2.lim[DG];                                            \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
+    for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
+      for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 1); \
+      vundo_wide_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e);          \
+      for (int i = 0; i < UNDO_WIDTH; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
+    }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, ALL_LANES);     \
