@@ -422,14 +422,15 @@ print("ok")
 
 
 def test_the_build_divides_in_cpu_fasts_inverse_on_zen5_and_later(monkeypatch):
-    """QUOT_DIVIDES (true divisions in cpu_fast's inverse, AVX-512 loops) only where it was measured faster."""
+    """FAST_DIVIDER (true divisions in cpu_fast's inverse and cpu's denominators, AVX-512 loops) only where it was
+    measured faster."""
     from sofx.kernels import _cpu_build
 
     for vendor, family, want in (("AuthenticAMD", "26", True), ("AuthenticAMD", "27", True),
                                  ("AuthenticAMD", "25", False), ("GenuineIntel", "6", False), ("", "", False)):
         fields = {"vendor_id": vendor, "cpu family": family}
         monkeypatch.setattr(_cpu_build, "_cpuinfo_field", fields.get)
-        assert (_cpu_build._tuning_defines() == ["-DQUOT_DIVIDES=1"]) == want, (vendor, family)
+        assert (_cpu_build._tuning_defines() == ["-DFAST_DIVIDER=1"]) == want, (vendor, family)
 
 
 def test_with_quot_divides_cpu_fasts_undone_moments_are_cpus(rng):
@@ -439,7 +440,7 @@ def test_with_quot_divides_cpu_fasts_undone_moments_are_cpus(rng):
     from sofx.kernels import _cpu_build
 
     lib = _cpu_build.load()
-    if "-DQUOT_DIVIDES=1" not in _cpu_build._TUNING or not lib.vector_loops:
+    if "-DFAST_DIVIDER=1" not in _cpu_build._TUNING or not lib.vector_loops:
         pytest.skip("the build takes div_by in cpu_fast's inverse here")
     p, g, m, v = block_inputs(rng, 4099, torch.float32, torch.float32)
     g[::3] *= 1e-37  # moments whose undone value is tiny, subnormal for some

@@ -103,13 +103,14 @@ def _cpuinfo_field(name: str) -> str:
 
 
 def _tuning_defines() -> list[str]:
-    """Defines for choices the source leaves to measurement on the CPU: ``QUOT_DIVIDES=1`` (cpu_fast's inverse
-    divides in the AVX-512 loops, see quot_vec) on AMD Zen 5 (family 26) and later, whose 512-bit divider made
-    its undo 13-35% faster in cache than div_by (benchmarks/RESULTS.md); elsewhere div_by (Intel's AVX-512
-    CPUs and Zen 4 divide 512-bit vectors more slowly; not measured here)."""
+    """Defines for choices the source leaves to measurement on the CPU: ``FAST_DIVIDER=1`` (the AVX-512 loops take
+    true divisions in cpu_fast's inverse, see quot_vec, and in cpu's denominators, see adam_denominator) on AMD
+    Zen 5 (family 26) and later, whose 512-bit divider made cpu_fast's undo 13-35% and cpu's step ~10% faster
+    in cache than div_by (benchmarks/RESULTS.md); elsewhere div_by (Intel's AVX-512 CPUs and Zen 4 divide
+    512-bit vectors more slowly; not measured here)."""
     family = _cpuinfo_field("cpu family")
     if _cpuinfo_field("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26:
-        return ["-DQUOT_DIVIDES=1"]
+        return ["-DFAST_DIVIDER=1"]
     return []
 
 

@@ -866,6 +866,24 @@ static inline __attribute__((always_inline)) __m512 div_by_vec(__m512 x, float b
   return _mm512_fnmadd_ps(r, vrb, q);
 }
 
+/* FAST_DIVIDER 1: the build found a CPU whose 512-bit divider is fast (AMD Zen 5 and later), where true divisions
+   beat div_by in two places: cpu's denominators (below) and cpu_fast's inverse (quot_vec). */
+#ifndef FAST_DIVIDER
+#define FAST_DIVIDER 0
+#endif
+/* d = sqrt(v) / sqrt(bc2) + eps, the division by div_by, or where the CPU's divider is fast (FAST_DIVIDER)
+   and the square root is a replica (cpu's loops: the replica's multiplies and adds, not the divider, fill
+   the vector units) a true division: the same bits (div_by's comment). On the Zen 5 EPYC, in cache, cpu's
+   steps took 0.83-0.86 of the time with it and three vectors at a time (those alone: 0.91-0.96), its
+   undo+redo 0.90-0.94 (kernel_compute.py --against); cpu_fast's steps, whose IEEE square root is on the
+   divider already, were slower so (1.07-1.16 for float32). */
+static inline __attribute__((always_inline)) __m512 adam_denominator(__m512 v, float bc2, float rbc2, float eps,
+                                                                     int rk) {
+  const __m512 r = sqrt_vec(v, rk);
+  const __m512 q = FAST_DIVIDER && rk ? _mm512_div_ps(r, _mm512_set1_ps(bc2)) : div_by_vec(r, bc2, rbc2);
+  return _mm512_add_ps(q, _mm512_set1_ps(eps));
+}
+
 /* step_elem on 16 lanes, the square root by sqrt_vec. */
 static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,
                                                             const StepK *k, int rk) {
@@ -874,11 +892,16 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
   *M = _mm512_fmadd_ps(_mm512_set1_ps(k->coef), _mm512_sub_ps(g, *M), k->small ? *M : g);
   *V = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k->c2), g), g, _mm512_mul_ps(*V, _mm512_set1_ps(k->b2)));
-  const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, rk), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
+  const __m512 d = adam_denominator(*V, k->bc2, k->rbc2, k->eps, rk);
   *P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->nss), *M), d));
 }
 
 
+/* The step takes STEP_WIDTH vectors at a time, as the inverse does (UNDO_WIDTH below): on the Zen 5 EPYC, in cache,
+   3 took 0.91-0.96 of the time of one at a time (both backends; 2: 0.94-0.98). */
+#ifndef STEP_WIDTH
+#define STEP_WIDTH 3
+#endif
 #define VSTEP(DP, DG, DS)                                                          \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
       const Arrays *a, const StepK *k, int rk, int64_t e, __mmask16 l) {           \
@@ -888,12 +911,34 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
     vst_##DS(a->mo, e, M, l);                                                      \
     vst_##DS(a->vo, e, V, l);                                                      \
   }                                                                                \
+  static inline __attribute__((always_inline)) void vstep_wide_at_##DP##DG##DS(   \
+      const Arrays *a, const StepK *k, int rk, int64_t e) {                        \
+    __m512 P[STEP_WIDTH], M[STEP_WIDTH], V[STEP_WIDTH];                            \
+    for (int i = 0; i < STEP_WIDTH; i++) {                                         \
+      const int64_t ei = e + 16 * i;                                               \
+      P[i] = vld_##DP(a->p, ei, ALL_LANES);                                        \
+      M[i] = vld_##DS(a->m, ei, ALL_LANES);                                        \
+      V[i] = vld_##DS(a->v, ei, ALL_LANES);                                        \
+    }                                                                              \
+    for (int i = 0; i < STEP_WIDTH; i++)                                           \
+      step_vec(&P[i], vld_##DG(a->g, e + 16 * i, ALL_LANES), &M[i], &V[i], k, rk); \
+    for (int i = 0; i < STEP_WIDTH; i++) {                                         \
+      const int64_t ei = e + 16 * i;                                               \
+      vst_##DP(a->po, ei, P[i], ALL_LANES);                                        \
+      vst_##DS(a->mo, ei, M[i], ALL_LANES);                                        \
+      vst_##DS(a->vo, ei, V[i], ALL_LANES);                                        \
+    }                                                                              \
+  }                                                                                \
   static inline __attribute__((always_inline)) void vstep_run_##DP##DG##DS(      \
       const Job *j, int fast, int rk) {                                            \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     (void)fast;                                                                    \
     int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
+    for (; e + 16 * STEP_WIDTH <= j->end; e += 16 * STEP_WIDTH) {                 \
+      for (int i = 0; i < STEP_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0); \
+      vstep_wide_at_##DP##DG##DS(&a, &k, rk, e);                                   \
+    }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, ALL_LANES);                             \
@@ -908,14 +953,11 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
    moments decayed on rows without gradient for ~50k steps) made div_by's remainder subnormal, a
    microcode assist per lane: cpu_fast's inverse was 6x slower there. The compiler-vectorized loops (no
    AVX-512) keep plain div_by, whose bits differ there by up to an ulp: scaling in those loops, where
-   every lane pays for both ways, made their inverse 2x slower. QUOT_DIVIDES 1 (set by the build where measured
+   every lane pays for both ways, made their inverse 2x slower. FAST_DIVIDER 1 (set by the build where measured
    faster: AMD Zen 5, whose 512-bit divider made cpu_fast's undo 13-35% faster in cache, its undo+redo 13-20%)
    takes a true division for fast 1 too: the reference's bits, no tiny lanes to scale. */
-#ifndef QUOT_DIVIDES
-#define QUOT_DIVIDES 0
-#endif
 static inline __attribute__((always_inline)) __m512 quot_vec(__m512 x, float b, float rb, int fast) {
-  if (!fast || QUOT_DIVIDES) return _mm512_div_ps(x, _mm512_set1_ps(b));
+  if (!fast || FAST_DIVIDER) return _mm512_div_ps(x, _mm512_set1_ps(b));
   const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
   const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
                                                  _mm512_set1_epi32((0x18800000 << 1) - 1)); /* 2^-78 */
@@ -930,7 +972,7 @@ static inline __attribute__((always_inline)) void undo_vec(__m512 *P, __m512 G, 
   __m512 g = _mm512_mul_ps(G, _mm512_set1_ps(k->gs));
   __m512 p = *P;
   if (!have_p_old) {
-    const __m512 d = _mm512_add_ps(div_by_vec(sqrt_vec(*V, rk), k->bc2, k->rbc2), _mm512_set1_ps(k->eps));
+    const __m512 d = adam_denominator(*V, k->bc2, k->rbc2, k->eps, rk);
     p = quot_vec(_mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(k->ss), *M), d)), k->pdiv, k->rpdiv, fast);
   }
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
