@@ -4,9 +4,11 @@ Four code paths, all with the same arithmetic:
 
 ``vstep_*``, ``vundo_*``  explicit AVX-512 vectors (where the CPU also converts
              bfloat16 in hardware, HW_BF16): one loop per dtype combination,
-             16 elements at a time from memory to memory, every stream read
+             three 16-lane vectors at a time (their chains interleave) from
+             memory to memory, every stream read
              prefetched 1-2.3 KiB ahead (staggered by stream), bfloat16 converted in registers; IEEE
-             square roots and div_by for ``cpu_fast``, MKL's
+             square roots and div_by (true divisions in the inverse where the
+             CPU's divider is fast: FAST_DIVIDER) for ``cpu_fast``, MKL's
              square root inline and true divisions for ``cpu`` (when a replica
              passed its load-time check: of MKL's AVX-512 code path on Intel
              CPUs, of its generic one on AMD's, Zen 4 and 5, as in AVX2
