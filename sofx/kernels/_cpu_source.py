@@ -239,6 +239,20 @@ static void round_to(float *x, int dt, int n) {
   }
 }
 
+/* The steps of MKL's generic square root from the CPU's rsqrt estimate y of x (mkl_sqrt_formula8's comment gives
+   them), on a vector type V with the intrinsics P##_*_ps, every operation rounded on its own: one definition for
+   the AVX2 builds' 8-lane replica and the AVX-512 builds' 16-lane one, whose bits must agree. */
+#define MKL_GENERIC_STEPS(name, V, P)                                              \
+  static inline __attribute__((always_inline)) V name(V x, V y) {                 \
+    const V half = P##_set1_ps(0.5f);                                              \
+    const V s = P##_mul_ps(x, y);                                                  \
+    const V h = P##_mul_ps(y, half);                                               \
+    const V e = P##_sub_ps(half, P##_mul_ps(s, h));                                \
+    const V s1 = P##_add_ps(P##_mul_ps(s, e), s);                                  \
+    const V h1 = P##_add_ps(P##_mul_ps(e, h), h);                                  \
+    return P##_add_ps(P##_mul_ps(P##_sub_ps(x, P##_mul_ps(s1, s1)), h1), s1);      \
+  }
+
 #ifdef HW_RSQRT14
 /* MKL's high-accuracy float32 square root as ATen calls it (vmsSqrt, its AVX-512 code path), computed
    inline: y = rsqrt14(x) (the instruction's result is defined bit for bit), s = x*y, then one
@@ -294,15 +308,9 @@ static inline __attribute__((always_inline)) __m512 rsqrt_estimate16(__m512 x) {
   const __m256 hi = _mm256_rsqrt_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
+MKL_GENERIC_STEPS(mkl_generic_steps16, __m512, _mm512)
 static inline __attribute__((always_inline)) __m512 mkl_generic_formula16(__m512 x) {
-  const __m512 half = _mm512_set1_ps(0.5f);
-  const __m512 y = rsqrt_estimate16(x);
-  const __m512 s = _mm512_mul_ps(x, y);
-  const __m512 h = _mm512_mul_ps(y, half);
-  const __m512 e = _mm512_sub_ps(half, _mm512_mul_ps(s, h));
-  const __m512 s1 = _mm512_add_ps(_mm512_mul_ps(s, e), s);
-  const __m512 h1 = _mm512_add_ps(_mm512_mul_ps(e, h), h);
-  return _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(x, _mm512_mul_ps(s1, s1)), h1), s1);
+  return mkl_generic_steps16(x, rsqrt_estimate16(x));
 }
 /* The formula on the tiny normal lanes (2^-126 <= x < 2^-102) scaled: x * 2^64 through it, the result times
    2^-32. On x itself the remainder x - s1*s1 is subnormal there, and subnormal operands and results cost a
@@ -365,15 +373,9 @@ static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int 
    positive default nan 0x7FC00000 (sqrtps gives the negative one). tests/test_cpu_mkl_sqrt.py compares the
    replica with torch.sqrt on every float32 bit pattern. The library uses it only where a check at load
    (sofx.kernels._cpu_build) finds it equal to torch.sqrt, i.e. where torch's MKL takes this code path. */
+MKL_GENERIC_STEPS(mkl_generic_steps8, __m256, _mm256)
 static inline __attribute__((always_inline)) __m256 mkl_sqrt_formula8(__m256 x) {
-  const __m256 half = _mm256_set1_ps(0.5f);
-  const __m256 y = _mm256_rsqrt_ps(x);
-  const __m256 s = _mm256_mul_ps(x, y);
-  const __m256 h = _mm256_mul_ps(y, half);
-  const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
-  const __m256 s1 = _mm256_add_ps(_mm256_mul_ps(s, e), s);
-  const __m256 h1 = _mm256_add_ps(_mm256_mul_ps(e, h), h);
-  return _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_mul_ps(s1, s1)), h1), s1);
+  return mkl_generic_steps8(x, _mm256_rsqrt_ps(x));
 }
 /* The replica on one vector: the formula, and for a vector with a lane outside its range (rare in Adam's
    second moments: exact zeros, subnormals) sqrtps there and MKL's nan for negative numbers. Tiny normal x, whose
@@ -905,31 +907,31 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
 #define STEP_WIDTH 3
 #endif
 #define VSTEP(DP, DG, DS)                                                          \
-  static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
-      const Arrays *a, const StepK *k, int rk, int64_t e, __mmask16 l) {           \
-    __m512 P = vld_##DP(a->p, e, l), M = vld_##DS(a->m, e, l), V = vld_##DS(a->v, e, l); \
-    step_vec(&P, vld_##DG(a->g, e, l), &M, &V, k, rk);                             \
-    vst_##DP(a->po, e, P, l);                                                      \
-    vst_##DS(a->mo, e, M, l);                                                      \
-    vst_##DS(a->vo, e, V, l);                                                      \
+  /* p, m, v of w vectors at e, in lanes l of each (the loops' full vectors: ALL_LANES; a range's last,     \
+     partial vector: w 1 and its lanes), loaded and stored (the step's and the inverse's) */               \
+  static inline __attribute__((always_inline)) void vld_pmv_##DP##DG##DS(         \
+      const Arrays *a, int64_t e, int w, __mmask16 l, __m512 *P, __m512 *M, __m512 *V) { \
+    for (int i = 0; i < w; i++) {                                                  \
+      P[i] = vld_##DP(a->p, e + 16 * i, l);                                        \
+      M[i] = vld_##DS(a->m, e + 16 * i, l);                                        \
+      V[i] = vld_##DS(a->v, e + 16 * i, l);                                        \
+    }                                                                              \
   }                                                                                \
-  static inline __attribute__((always_inline)) void vstep_wide_at_##DP##DG##DS(   \
-      const Arrays *a, const StepK *k, int rk, int64_t e) {                        \
+  static inline __attribute__((always_inline)) void vst_pmv_##DP##DG##DS(         \
+      const Arrays *a, int64_t e, int w, __mmask16 l, const __m512 *P, const __m512 *M, const __m512 *V) { \
+    for (int i = 0; i < w; i++) {                                                  \
+      vst_##DP(a->po, e + 16 * i, P[i], l);                                        \
+      vst_##DS(a->mo, e + 16 * i, M[i], l);                                        \
+      vst_##DS(a->vo, e + 16 * i, V[i], l);                                        \
+    }                                                                              \
+  }                                                                                \
+  /* w (<= STEP_WIDTH) vectors at e: their loads, the step of each, their stores */ \
+  static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
+      const Arrays *a, const StepK *k, int rk, int64_t e, int w, __mmask16 l) {    \
     __m512 P[STEP_WIDTH], M[STEP_WIDTH], V[STEP_WIDTH];                            \
-    for (int i = 0; i < STEP_WIDTH; i++) {                                         \
-      const int64_t ei = e + 16 * i;                                               \
-      P[i] = vld_##DP(a->p, ei, ALL_LANES);                                        \
-      M[i] = vld_##DS(a->m, ei, ALL_LANES);                                        \
-      V[i] = vld_##DS(a->v, ei, ALL_LANES);                                        \
-    }                                                                              \
-    for (int i = 0; i < STEP_WIDTH; i++)                                           \
-      step_vec(&P[i], vld_##DG(a->g, e + 16 * i, ALL_LANES), &M[i], &V[i], k, rk); \
-    for (int i = 0; i < STEP_WIDTH; i++) {                                         \
-      const int64_t ei = e + 16 * i;                                               \
-      vst_##DP(a->po, ei, P[i], ALL_LANES);                                        \
-      vst_##DS(a->mo, ei, M[i], ALL_LANES);                                        \
-      vst_##DS(a->vo, ei, V[i], ALL_LANES);                                        \
-    }                                                                              \
+    vld_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
+    for (int i = 0; i < w; i++) step_vec(&P[i], vld_##DG(a->g, e + 16 * i, l), &M[i], &V[i], k, rk); \
+    vst_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
   }                                                                                \
   static inline __attribute__((always_inline)) void vstep_run_##DP##DG##DS(      \
       const Job *j, int fast, int rk) {                                            \
@@ -939,13 +941,13 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
     int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
     for (; e + 16 * STEP_WIDTH <= j->end; e += 16 * STEP_WIDTH) {                 \
       for (int i = 0; i < STEP_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0); \
-      vstep_wide_at_##DP##DG##DS(&a, &k, rk, e);                                   \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, STEP_WIDTH, ALL_LANES);                 \
     }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, &k, rk, e, ALL_LANES);                             \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, ALL_LANES);                          \
     }                                                                              \
-    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, lanes_left(j->end - e)); \
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, lanes_left(j->end - e)); \
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { BY_SQRT(sq, vstep_run_##DP##DG##DS, j); }
 
@@ -1005,48 +1007,24 @@ static inline __m512 vround_0(__m512 x) { return x; }
 #define UNDO_WIDTH 3
 #endif
 #define VUNDO(DP, DG, DS)                                                          \
+  /* w (<= UNDO_WIDTH) vectors at e, in lanes l of each, as vstep_at */               \
   static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
       const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
-      int rk, int64_t e, __mmask16 l) {                                            \
-    __m512 P = vld_##DP(a->p, e, l), M = vld_##DS(a->m, e, l), V = vld_##DS(a->v, e, l); \
-    undo_vec(&P, vld_##DG(a->g, e, l), &M, &V, u, have_p_old, fast, rk);           \
-    if (redo) {                                                                    \
-      P = vround_##DP(P);                                                          \
-      M = vround_##DS(M);                                                          \
-      V = vround_##DS(V);                                                          \
-      step_vec(&P, vld_##DG(a->g2, e, l), &M, &V, k, rk);                          \
-    }                                                                              \
-    vst_##DP(a->po, e, P, l);                                                      \
-    vst_##DS(a->mo, e, M, l);                                                      \
-    vst_##DS(a->vo, e, V, l);                                                      \
-  }                                                                                \
-  static inline __attribute__((always_inline)) void vundo_wide_at_##DP##DG##DS(   \
-      const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
-      int rk, int64_t e) {                                                         \
+      int rk, int64_t e, int w, __mmask16 l) {                                     \
     __m512 P[UNDO_WIDTH], M[UNDO_WIDTH], V[UNDO_WIDTH];                            \
-    for (int i = 0; i < UNDO_WIDTH; i++) {                                         \
-      const int64_t ei = e + 16 * i;                                               \
-      P[i] = vld_##DP(a->p, ei, ALL_LANES);                                        \
-      M[i] = vld_##DS(a->m, ei, ALL_LANES);                                        \
-      V[i] = vld_##DS(a->v, ei, ALL_LANES);                                        \
-    }                                                                              \
-    for (int i = 0; i < UNDO_WIDTH; i++)                                           \
-      undo_vec(&P[i], vld_##DG(a->g, e + 16 * i, ALL_LANES), &M[i], &V[i], u, have_p_old, fast, rk); \
+    vld_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
+    for (int i = 0; i < w; i++)                                                    \
+      undo_vec(&P[i], vld_##DG(a->g, e + 16 * i, l), &M[i], &V[i], u, have_p_old, fast, rk); \
     if (redo) {                                                                    \
-      for (int i = 0; i < UNDO_WIDTH; i++) {                                       \
+      for (int i = 0; i < w; i++) {                                                \
         P[i] = vround_##DP(P[i]);                                                  \
         M[i] = vround_##DS(M[i]);                                                  \
         V[i] = vround_##DS(V[i]);                                                  \
       }                                                                            \
-      for (int i = 0; i < UNDO_WIDTH; i++)                                         \
-        step_vec(&P[i], vld_##DG(a->g2, e + 16 * i, ALL_LANES), &M[i], &V[i], k, rk); \
+      for (int i = 0; i < w; i++)                                                  \
+        step_vec(&P[i], vld_##DG(a->g2, e + 16 * i, l), &M[i], &V[i], k, rk);      \
     }                                                                              \
-    for (int i = 0; i < UNDO_WIDTH; i++) {                                         \
-      const int64_t ei = e + 16 * i;                                               \
-      vst_##DP(a->po, ei, P[i], ALL_LANES);                                        \
-      vst_##DS(a->mo, ei, M[i], ALL_LANES);                                        \
-      vst_##DS(a->vo, ei, V[i], ALL_LANES);                                        \
-    }                                                                              \
+    vst_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
   }                                                                                \
   static inline __attribute__((always_inline)) void vundo_run_##DP##DG##DS(      \
       const Job *j, int fast, int rk) {                                            \
@@ -1057,14 +1035,14 @@ static inline __m512 vround_0(__m512 x) { return x; }
     int64_t e = j->begin;                                                          \
     for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
       for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
-      vundo_wide_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e);       \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, UNDO_WIDTH, ALL_LANES); \
     }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                                     \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, ALL_LANES); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, 1, ALL_LANES); \
     }                                                                              \
     if (e < j->end)                                                                \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, lanes_left(j->end - e)); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, 1, lanes_left(j->end - e)); \
   }                                                                                \
   /* fast: 1 with sq 0 (cpu_fast), 0 with sq (cpu) */                              \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
@@ -1815,10 +1793,10 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
     (void)fast;                                                                    \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, &k, rk, e, ALL_LANES);                             \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, ALL_LANES);                          \
       SCAN_AT(DG, a.g, e, scan_end, bad, lim)                                      \
     }                                                                              \
-    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, lanes_left(j->end - e)); \
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, lanes_left(j->end - e)); \
     return SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                     \
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
@@ -1836,16 +1814,16 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
     int64_t e = j->begin;                                                          \
     for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
       for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 1); \
-      vundo_wide_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e);          \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, UNDO_WIDTH, ALL_LANES); \
       for (int i = 0; i < UNDO_WIDTH; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, ALL_LANES);     \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, 1, ALL_LANES); \
       SCAN_AT(DG, a.g2, e, scan_end, bad, lim)                                     \
     }                                                                              \
     if (e < j->end)                                                                \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, lanes_left(j->end - e)); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, 1, lanes_left(j->end - e)); \
     return SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                    \
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
