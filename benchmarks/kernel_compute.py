@@ -206,14 +206,11 @@ def print_table(results: dict[str, Rows], digits: int = 3) -> None:
         print(f"| {name} | {cells} |")
 
 
-REPLICAS = {"avx512": 1, "generic": 2}  # the kinds of the source's REPLICA_* (MKL's AVX-512 and generic code paths)
-
-
 def replica_kind(name: str | None) -> int:
     """The replica kind for cpu's loops: ``name``'s, else the one the load-time check accepts here, else the
     first this build has (any: the harness calls no MKL routine)."""
     if name is not None:
-        return REPLICAS[name]
+        return _cpu_build.REPLICA_KINDS[name]
     lib = _cpu_build.load()
     if lib is None:
         raise SystemExit("no native library here (see sofx.kernels.cpu's unavailable reason)")
@@ -222,7 +219,7 @@ def replica_kind(name: str | None) -> int:
     import ctypes
 
     kinds = ctypes.CDLL(lib.path).sofx_has_sqrt_replica()
-    return kinds & -kinds if kinds else REPLICAS["generic"]
+    return kinds & -kinds if kinds else _cpu_build.REPLICA_KINDS["generic"]
 
 
 def main() -> None:
@@ -230,7 +227,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (numbers mean little)")
     ap.add_argument("--backend", choices=("cpu_fast", "cpu"), default="cpu_fast",
                     help="whose loops: cpu_fast's (IEEE square roots) or cpu's (exact: MKL's square root inline)")
-    ap.add_argument("--replica", choices=tuple(REPLICAS),
+    ap.add_argument("--replica", choices=tuple(_cpu_build.REPLICA_KINDS),
                     help="with --backend cpu: which inline replica of MKL's square root (default: the one in use here)")
     ap.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
     ap.add_argument("--calls", type=int, default=5, help="with --against: turns per program (default 5)")
@@ -249,7 +246,7 @@ def main() -> None:
         per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}
     results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]
-    with_replica = f", {next(k for k, v in REPLICAS.items() if v == replica)} replica" if replica else ""
+    with_replica = f", {next(k for k, v in _cpu_build.REPLICA_KINDS.items() if v == replica)} replica" if replica else ""
     print(f"# sofx CPU kernels' arithmetic ({args.backend} loops{with_replica}, one core), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
     if not args.against:

@@ -70,8 +70,10 @@ def cpu_square_root() -> str:
         return "the reference's (no native library)"
     if not lib.sqrt_fn:
         return "IEEE sqrtf (torch's is IEEE here)"
-    kinds = {1: "inline, the replica of MKL's AVX-512 path", 2: "inline, the replica of MKL's generic path"}
-    return kinds.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
+    kinds = _cpu_build.REPLICA_KINDS
+    paths = {kinds["avx512"]: "inline, the replica of MKL's AVX-512 path",
+             kinds["generic"]: "inline, the replica of MKL's generic path"}
+    return paths.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
 
 
 def cpu_model() -> str:

@@ -28,21 +28,13 @@ needs_replica = pytest.mark.skipif(not (HAS_REPLICA and LIB.sqrt_replica),
                                           "AVX2, or an MKL whose square root the replica does not reproduce")
 
 
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
-@pytest.mark.skipif(not (HAS_REPLICA and _cpu_vendor() == "AuthenticAMD"),
+@pytest.mark.skipif(not (HAS_REPLICA and _cpu_build._cpuinfo_field("vendor_id") == "AuthenticAMD"),
                     reason="needs the native library with a replica, torch's MKL square root and an AMD CPU")
 def test_the_replica_is_in_use_on_amd_cpus():
     """On AMD CPUs torch's MKL runs its generic code path, with or without AVX-512 (Zen 4 and 5 have it), which
     both builds replicate (REPLICA_GENERIC, 2): there the load-time check must accept it (a fallback to MKL calls
     would pass every other test, slower, and skip this module's)."""
-    assert LIB.sqrt_replica == 2
+    assert LIB.sqrt_replica == _cpu_build.REPLICA_KINDS["generic"]
 
 
 RANGES = {  # [first, last) float32 bit patterns

@@ -482,14 +482,6 @@ def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, mon
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
 @pytest.fixture(scope="module", params=["portable", "avx2", "avx512-without-bf16"])
 def other_build(request, tmp_path_factory):
     """The kernels built without -march=native (no FMA or AVX-512 instructions: the portable loops), or on a CPU
@@ -503,9 +495,10 @@ def other_build(request, tmp_path_factory):
     if request.param == "portable":
         flags = [f for f in _cpu_build._BASE_FLAG_SETS if "-march=native" not in f][0]
     else:
-        if not {"avx512f", "avx2", "fma"} <= _cpu_flags():
+        cpu_flags = set(_cpu_build._cpuinfo_field("flags").split())
+        if not {"avx512f", "avx2", "fma"} <= cpu_flags:
             pytest.skip("the native build is the AVX2 one (or there is none) on a CPU without AVX-512")
-        if request.param == "avx512-without-bf16" and "avx512_bf16" not in _cpu_flags():
+        if request.param == "avx512-without-bf16" and "avx512_bf16" not in cpu_flags:
             pytest.skip("the native build is this one on an AVX-512 CPU without bf16 conversion")
         flags = [*_cpu_build._BASE_FLAG_SETS[0], "-mno-avx512f" if request.param == "avx2" else "-mno-avx512bf16"]
     target = str(tmp_path_factory.mktemp(request.param) / f"sofx_adam_{request.param}.so")

@@ -196,9 +196,9 @@ def _first_error(text: str) -> str:
     return next((line for line in lines if "error" in line), lines[0] if lines else "failed")
 
 
-# The inline replicas of MKL's square root (REPLICA_* in the source), in the order they are tried: its AVX-512 code
-# path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512).
-REPLICA_KINDS = (1, 2)
+# The inline replicas of MKL's square root by name (REPLICA_* in the source), in the order they are tried: its
+# AVX-512 code path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512).
+REPLICA_KINDS = {"avx512": 1, "generic": 2}
 
 
 def _open(path: str) -> NativeLib:
@@ -228,7 +228,7 @@ def _open(path: str) -> NativeLib:
     overlap.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
     kinds = has_replica() if sqrt_fn else 0
-    replica = next((kind for kind in REPLICA_KINDS if kinds & kind and _replica_matches(sqrt, kind)), 0)
+    replica = next((kind for kind in REPLICA_KINDS.values() if kinds & kind and _replica_matches(sqrt, kind)), 0)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
     return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
                      sqrt, bitwise, copy_sumsq, overlap)
