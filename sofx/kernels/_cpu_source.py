@@ -1791,6 +1791,11 @@ static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
     (void)fast;                                                                    \
+    for (; e + 16 * STEP_WIDTH <= j->end; e += 16 * STEP_WIDTH) {                 \
+      for (int i = 0; i < STEP_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0); \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, STEP_WIDTH, ALL_LANES);                 \
+      for (int i = 0; i < STEP_WIDTH; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
+    }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, ALL_LANES);                          \
