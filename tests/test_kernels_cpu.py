@@ -191,7 +191,7 @@ def test_cpu_step_is_torch_optim_bit_for_bit(rng):
         assert torch.equal(sofx_p, param.detach())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
 def test_cpu_fast_step_is_torch_fused_adam_bit_for_bit(decoupled, dtype, rng):
     """cpu_fast computes what torch's fused CPU kernel computes (IEEE square roots, the same operations).
