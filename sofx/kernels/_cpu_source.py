@@ -842,6 +842,22 @@ static inline __attribute__((always_inline)) void vst_1(void *p, int64_t e, __m5
   if (lanes == ALL_LANES) _mm256_storeu_si256((__m256i *)d, h);
   else _mm256_mask_storeu_epi16(d, lanes, h);
 }
+/* vst_* by the CPU's conversion alone, the lanes it would get wrong (subnormal: it flushes them) or'd into *sub
+   (a caller that finds *sub set stores its vectors again by vst_*): one test per group of stores instead of one
+   per vector. */
+static inline __attribute__((always_inline)) void vst_fast_0(void *p, int64_t e, __m512 x, __mmask16 lanes,
+                                                             __mmask16 *sub) {
+  (void)sub;
+  vst_0(p, e, x, lanes);
+}
+static inline __attribute__((always_inline)) void vst_fast_1(void *p, int64_t e, __m512 x, __mmask16 lanes,
+                                                             __mmask16 *sub) {
+  uint16_t *d = (uint16_t *)p + e;
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  *sub |= _mm512_fpclass_ps_mask(x, 0x20);
+  if (lanes == ALL_LANES) _mm256_storeu_si256((__m256i *)d, h);
+  else _mm256_mask_storeu_epi16(d, lanes, h);
+}
 
 
 
@@ -919,11 +935,18 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
   }                                                                                \
   static inline __attribute__((always_inline)) void vst_pmv_##DP##DG##DS(         \
       const Arrays *a, int64_t e, int w, __mmask16 l, const __m512 *P, const __m512 *M, const __m512 *V) { \
+    __mmask16 sub = 0;                                                             \
     for (int i = 0; i < w; i++) {                                                  \
-      vst_##DP(a->po, e + 16 * i, P[i], l);                                        \
-      vst_##DS(a->mo, e + 16 * i, M[i], l);                                        \
-      vst_##DS(a->vo, e + 16 * i, V[i], l);                                        \
+      vst_fast_##DP(a->po, e + 16 * i, P[i], l, &sub);                             \
+      vst_fast_##DS(a->mo, e + 16 * i, M[i], l, &sub);                             \
+      vst_fast_##DS(a->vo, e + 16 * i, V[i], l, &sub);                             \
     }                                                                              \
+    if (__builtin_expect(sub != 0, 0))                                             \
+      for (int i = 0; i < w; i++) {                                                \
+        vst_##DP(a->po, e + 16 * i, P[i], l);                                      \
+        vst_##DS(a->mo, e + 16 * i, M[i], l);                                      \
+        vst_##DS(a->vo, e + 16 * i, V[i], l);                                      \
+      }                                                                            \
   }                                                                                \
   /* w (<= STEP_WIDTH) vectors at e: their loads, the step of each, their stores */ \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
