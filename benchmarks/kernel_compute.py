@@ -41,7 +41,9 @@ from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
 
-HARNESS = r"""
+# The harnesses' common part (also kernel_memory_ab.py's): the kernel source, a clock, a step's scalars, arrays of
+# random values.
+HELPERS = r"""
 #include "sofx_adam.c"
 #include <stdio.h>
 #include <time.h>
@@ -87,7 +89,9 @@ static void *filled(int64_t n, int bf16, float scale, float shift, uint32_t *see
   }
   return a;
 }
+"""
 
+HARNESS = HELPERS + r"""
 /* ns per element of step, undo, undo+redo (a new gradient) on n elements of dtypes (dp, dg, ds): each
    operation runs reps times and is then inverted (untimed), so that the states stay those of a real step. */
 /* replica: 0 for cpu_fast's loops (exact off), else the inline replica of MKL's square root to use (REPLICA_*) */

@@ -1,8 +1,8 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
 ``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
-``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/triton_host.py`` and
-``benchmarks/kernel_compute.py`` run."""
+``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/triton_host.py``,
+``benchmarks/kernel_compute.py`` and ``benchmarks/kernel_memory_ab.py`` run."""
 
 from __future__ import annotations
 
@@ -143,6 +143,24 @@ def test_kernel_compute_reads_a_revisions_source():
         pytest.skip("needs git and the repository's history")
     source = _module(os.path.join(ROOT, "benchmarks", "kernel_compute.py")).source_at("HEAD")
     assert "sofx_adam_many" in source and not source.lstrip().startswith('"""')
+
+
+def test_kernel_memory_ab_script_runs():
+    """``benchmarks/kernel_memory_ab.py`` builds two kernel sources as libraries and times both in one process:
+    here this tree's against itself with one of its knobs changed (STEP_WIDTH 2), a row per dtype combination and
+    operation with positive times and ratios; a name that is no knob of the source is refused."""
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("needs a C compiler")
+    rows = _table_rows("kernel_memory_ab.py", ["--quick", "--define", "STEP_WIDTH=2", "--backend", "cpu"], ("| ",))
+    body = [row for row in rows if row.startswith("| ") and not row.startswith("| dtypes")]
+    assert [tuple(row.split(" | ")[:2]) for row in body] == [
+        (f"| {d}", op) for d in ("float32", "bf16 params + fp32 states", "all-bf16") for op in ("step", "undo+redo", "undo")]
+    for row in body:
+        a, b, ratio = (float(x) for x in row.split(" | ")[2:5])
+        assert a > 0 and b > 0 and ratio > 0, row
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_memory_ab.py"), "--quick",
+                           "--define", "NOT_A_KNOB=1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "NOT_A_KNOB is not one of the kernel source's #ifndef knobs" in proc.stderr
 
 
 def test_param_copy_script_runs():

@@ -166,12 +166,13 @@ def _compile(cc: str, flags: list[str], target: str) -> str | None:
     return None
 
 
-def compile_program(program: str, directory: str, name: str = "program", source: str | None = None) -> str:
+def compile_program(program: str, directory: str, name: str = "program", source: str | None = None,
+                    shared: bool = False) -> str:
     """Compile ``program`` (C that ``#include "sofx_adam.c"``, the kernel source, written beside it) into an
     executable in ``directory`` with the kernels' own flags (the first set that works here), for the checks
     and benchmarks that call the kernels' internal functions directly. ``source`` replaces the kernel source
-    (a benchmark's other revision). Returns its path; raises RuntimeError with the compiler's errors when no
-    flag set builds it (or there is no compiler)."""
+    (a benchmark's other revision); ``shared``: a shared library (``name.so``, for ctypes) instead. Returns its
+    path; raises RuntimeError with the compiler's errors when no flag set builds it (or there is no compiler)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC to one)")
@@ -180,10 +181,11 @@ def compile_program(program: str, directory: str, name: str = "program", source:
     src = os.path.join(directory, name + ".c")
     with open(src, "w", encoding="utf-8") as f:
         f.write(program)
-    exe = os.path.join(directory, name)
+    exe = os.path.join(directory, name + (".so" if shared else ""))
+    kind = ["-shared", "-fPIC"] if shared else []
     errors = []
     for flags in _FLAG_SETS:  # -ffp-contract=off, -march=native, ...
-        proc = subprocess.run([*cc.split(), *flags, *_TUNING, "-std=gnu11", "-pthread", src, "-o", exe, "-lm"],
+        proc = subprocess.run([*cc.split(), *flags, *_TUNING, *kind, "-std=gnu11", "-pthread", src, "-o", exe, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode == 0:
             return exe

@@ -543,7 +543,9 @@ static inline void prefetch_line(const void *base, int64_t off) {
 
 /* How far ahead the fused loops prefetch their streams (benchmarks/RESULTS.md "Prefetch": 1-2 KiB did
    best at 2^26 elements, 512 bytes less). */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
+#endif
 
 /* Software prefetch of the tile `ahead` tiles on: the hardware prefetchers see each array in
    bursts of one tile and ramp up too slowly for L3-resident data. */
