@@ -809,6 +809,34 @@ typedef struct {
   void *po, *mo, *vo;
 } Arrays;
 
+/* Elements per chunk: copy_params runs after the step of each chunk, and the finiteness check (skip) is
+   per chunk. 16 KiB of float32 per array, in L2 when the copy reads them (a multiple of TILE: the exact
+   loops' square-root chunks stay where they were). */
+#define CHUNK 4096
+
+/* 1 if no element of g[begin, end) (of dtype dg) has magnitude bits above lim (an inf or a nan has the
+   largest: see Sc.lim). */
+static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint32_t lim) {
+  if (dg == DT_F32) {
+    const uint32_t *u = (const uint32_t *)g;
+    uint32_t bad = 0;
+    for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7FFFFFFFu) > lim;
+    return !bad;
+  }
+  const uint16_t *u = (const uint16_t *)g;
+  uint32_t bad = 0;
+  for (int64_t i = begin; i < end; i++) bad |= (uint32_t)(u[i] & 0x7FFFu) > lim;
+  return !bad;
+}
+
+#ifndef SCAN_PREFETCH
+#define SCAN_PREFETCH 2048
+#endif
+/* 1 if the next chunk's elements the loop's vectors did not read (from begin + CHUNK + a multiple of 16 to
+   scan_end: its partial last vector) hold an inf or a nan. */
+#define SCAN_REST_BAD(DG, gs, begin, scan_end, lim)                                \
+  (!chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
+
 /* The step with explicit 16-lane vectors where the CPU converts bfloat16 in hardware (HW_BF16): the same
    operations as step_elem in the same order (so the same bits: the portable build's scalar loops are
    checked against it), but bfloat16 values are converted in registers, with no float tiles and no
@@ -818,6 +846,26 @@ typedef struct {
    vector of a range takes only its `lanes` (masked loads read zeros elsewhere, masked stores leave the
    rest of memory alone), so there is no scalar remainder loop. */
 #ifdef HW_BF16
+/* The vector loops' read of the next chunk's gradient (vstep_run and vundo_run with scan; see scan_step_for). */
+static inline __mmask16 vnonfinite_0(const void *g, int64_t e, uint32_t lim) {
+  const __m512i x = _mm512_and_si512(_mm512_loadu_si512((const float *)g + e), _mm512_set1_epi32(0x7FFFFFFF));
+  return _mm512_cmpgt_epu32_mask(x, _mm512_set1_epi32((int)lim));
+}
+static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
+  const __m256i x = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + e)),
+                                     _mm256_set1_epi16(0x7FFF));
+  return _mm256_cmpgt_epu16_mask(x, _mm256_set1_epi16((short)lim));
+}
+/* The next chunk's vector at e (of the gradient gs, dtype DG) into bad, with its line prefetched ahead. */
+#define SCAN_AT(DG, gs, e, scan_end, bad, lim)                                     \
+  if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
+    _mm_prefetch((const char *)(gs) + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    (bad) |= vnonfinite_##DG((gs), (e) + CHUNK, (lim));                            \
+  }
+/* 1 if the next chunk (from begin + CHUNK to scan_end) has an inf or a nan: bad from the loop, the rest
+   (the next chunk's partial last vector) by chunk_finite. */
+#define SCAN_RESULT(DG, gs, begin, scan_end, bad, lim)                             \
+  ((bad) != 0 || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
 static inline __mmask16 lanes_left(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
@@ -838,11 +886,14 @@ static inline __attribute__((always_inline)) void vst_0(void *p, int64_t e, __m5
   if (lanes == ALL_LANES) _mm512_storeu_ps(a, x);
   else _mm512_mask_storeu_ps(a, lanes, x);
 }
-static inline __attribute__((always_inline)) void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
+/* 16 bfloat16 bit patterns h stored at element e of p, in its lanes */
+static inline __attribute__((always_inline)) void vst_bits(void *p, int64_t e, __m256i h, __mmask16 lanes) {
   uint16_t *d = (uint16_t *)p + e;
-  const __m256i h = cvt_bf16_16(x);
   if (lanes == ALL_LANES) _mm256_storeu_si256((__m256i *)d, h);
   else _mm256_mask_storeu_epi16(d, lanes, h);
+}
+static inline __attribute__((always_inline)) void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
+  vst_bits(p, e, cvt_bf16_16(x), lanes);
 }
 /* vst_* by the CPU's conversion alone, the lanes it would get wrong (subnormal: it flushes them) or'd into *sub
    (a caller that finds *sub set stores its vectors again by vst_*): one test per group of stores instead of one
@@ -854,11 +905,8 @@ static inline __attribute__((always_inline)) void vst_fast_0(void *p, int64_t e,
 }
 static inline __attribute__((always_inline)) void vst_fast_1(void *p, int64_t e, __m512 x, __mmask16 lanes,
                                                              __mmask16 *sub) {
-  uint16_t *d = (uint16_t *)p + e;
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
   *sub |= _mm512_fpclass_ps_mask(x, 0x20);
-  if (lanes == ALL_LANES) _mm256_storeu_si256((__m256i *)d, h);
-  else _mm256_mask_storeu_epi16(d, lanes, h);
+  vst_bits(p, e, (__m256i)_mm512_cvtneps_pbh(x), lanes);
 }
 
 
@@ -958,23 +1006,32 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
     for (int i = 0; i < w; i++) step_vec(&P[i], vld_##DG(a->g, e + 16 * i, l), &M[i], &V[i], k, rk); \
     vst_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
   }                                                                                \
-  static inline __attribute__((always_inline)) void vstep_run_##DP##DG##DS(      \
-      const Job *j, int fast, int rk) {                                            \
+  /* The step of j's range; with scan (a constant: 1 for a full chunk of vstep_scan) it also reads the next   \
+     chunk's gradient, [j->end, scan_end), a vector per vector of this chunk, and returns 1 if it holds an  \
+     inf or a nan (else 0) */                                                                               \
+  static inline __attribute__((always_inline)) int vstep_run_##DP##DG##DS(       \
+      const Job *j, int64_t scan_end, int scan, int fast, int rk) {                \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
+    const uint32_t lim = j->s1.lim[DG];                                            \
+    __mmask16 bad = 0;                                                             \
     (void)fast;                                                                    \
     int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
     for (; e + 16 * STEP_WIDTH <= j->end; e += 16 * STEP_WIDTH) {                 \
       for (int i = 0; i < STEP_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0); \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, STEP_WIDTH, ALL_LANES);                 \
+      if (scan)                                                                    \
+        for (int i = 0; i < STEP_WIDTH; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, ALL_LANES);                          \
+      if (scan) SCAN_AT(DG, a.g, e, scan_end, bad, lim)                            \
     }                                                                              \
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, lanes_left(j->end - e)); \
+    return scan && SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);             \
   }                                                                                \
-  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { BY_SQRT(sq, vstep_run_##DP##DG##DS, j); }
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(sq, vstep_run_##DP##DG##DS, j, 0, 0); }
 
 /* fast 0: a true division; fast 1: div_by, except that lanes with 0 < |x| < 2^-78 (found by integer
    compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range and the quotient by 2^-100
@@ -1051,28 +1108,36 @@ static inline __m512 vround_0(__m512 x) { return x; }
     }                                                                              \
     vst_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
   }                                                                                \
-  static inline __attribute__((always_inline)) void vundo_run_##DP##DG##DS(      \
-      const Job *j, int fast, int rk) {                                            \
-    const int have_p_old = j->pold != 0, redo = j->op == OP_UNDO_REDO;             \
+  /* The inverse or the undo+redo of j's range; with scan (a constant: 1 for a full chunk of vredo_scan, an      \
+     undo+redo) it also reads the next chunk's new gradient as vstep_run does the step's */                     \
+  static inline __attribute__((always_inline)) int vundo_run_##DP##DG##DS(       \
+      const Job *j, int64_t scan_end, int scan, int fast, int rk) {                \
+    const int have_p_old = j->pold != 0, redo = scan || j->op == OP_UNDO_REDO;     \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
+    const uint32_t lim = j->s2.lim[DG];                                            \
+    __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
     for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
       for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, UNDO_WIDTH, ALL_LANES); \
+      if (scan)                                                                    \
+        for (int i = 0; i < UNDO_WIDTH; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
     for (; e + 16 <= j->end; e += 16) {                                           \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                                     \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, 1, ALL_LANES); \
+      if (scan) SCAN_AT(DG, a.g2, e, scan_end, bad, lim)                           \
     }                                                                              \
     if (e < j->end)                                                                \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, 1, lanes_left(j->end - e)); \
+    return scan && SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);            \
   }                                                                                \
   /* fast: 1 with sq 0 (cpu_fast), 0 with sq (cpu) */                              \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     (void)fast;                                                                    \
-    BY_SQRT(sq, vundo_run_##DP##DG##DS, j);                                        \
+    (void)BY_SQRT(sq, vundo_run_##DP##DG##DS, j, 0, 0);                            \
   }
 #define VECTORS(DP, DG, DS) VSTEP(DP, DG, DS) VUNDO(DP, DG, DS)
 NATIVE_COMBOS(VECTORS)
@@ -1755,110 +1820,21 @@ static void copy_params(const Job *j, int64_t begin, int64_t end) {
   }
 }
 
-/* Elements per chunk: copy_params runs after the step of each chunk, and the finiteness check (skip) is
-   per chunk. 16 KiB of float32 per array, in L2 when the copy reads them (a multiple of TILE: the exact
-   loops' square-root chunks stay where they were). */
-#define CHUNK 4096
-
-/* 1 if no element of g[begin, end) (of dtype dg) has magnitude bits above lim (an inf or a nan has the
-   largest: see Sc.lim). */
-static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint32_t lim) {
-  if (dg == DT_F32) {
-    const uint32_t *u = (const uint32_t *)g;
-    uint32_t bad = 0;
-    for (int64_t i = begin; i < end; i++) bad |= (u[i] & 0x7FFFFFFFu) > lim;
-    return !bad;
-  }
-  const uint16_t *u = (const uint16_t *)g;
-  uint32_t bad = 0;
-  for (int64_t i = begin; i < end; i++) bad |= (uint32_t)(u[i] & 0x7FFFu) > lim;
-  return !bad;
-}
-
 /* The step of one full chunk (j: begin..end, CHUNK elements) by the vector loop, which also reads the
    gradient of the next chunk, [end, scan_end), a vector per vector of this chunk: 1 if it holds an inf
    or a nan. The next chunk's check then runs beside this chunk's four streams instead of as a pass of
    one stream before its step (GPT-2 small's update: the pass before cost ~6 ms of ~79). */
 typedef int (*scan_step_fn)(const Job *, int, const Sqrt *, int64_t);
-#ifndef SCAN_PREFETCH
-#define SCAN_PREFETCH 2048
-#endif
-/* 1 if the next chunk's elements the loop's vectors did not read (from begin + CHUNK + a multiple of 16 to
-   scan_end: its partial last vector) hold an inf or a nan. */
-#define SCAN_REST_BAD(DG, gs, begin, scan_end, lim)                                \
-  (!chunk_finite((gs), DG, (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end), (lim)))
 #ifdef HW_BF16
-static inline __mmask16 vnonfinite_0(const void *g, int64_t e, uint32_t lim) {
-  const __m512i x = _mm512_and_si512(_mm512_loadu_si512((const float *)g + e), _mm512_set1_epi32(0x7FFFFFFF));
-  return _mm512_cmpgt_epu32_mask(x, _mm512_set1_epi32((int)lim));
-}
-static inline __mmask16 vnonfinite_1(const void *g, int64_t e, uint32_t lim) {
-  const __m256i x = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + e)),
-                                     _mm256_set1_epi16(0x7FFF));
-  return _mm256_cmpgt_epu16_mask(x, _mm256_set1_epi16((short)lim));
-}
-/* The next chunk's vector at e (of the gradient gs, dtype DG) into bad, with its line prefetched ahead. */
-#define SCAN_AT(DG, gs, e, scan_end, bad, lim)                                     \
-  if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
-    _mm_prefetch((const char *)(gs) + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
-    (bad) |= vnonfinite_##DG((gs), (e) + CHUNK, (lim));                            \
-  }
-/* 1 if the next chunk (from begin + CHUNK to scan_end) has an inf or a nan: bad from the loop, the rest
-   (the next chunk's partial last vector) by chunk_finite. */
-#define SCAN_RESULT(DG, gs, begin, scan_end, bad, lim)                             \
-  ((bad) != 0 || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
+/* a full chunk (see scan_step_for): vstep_run / vundo_run with the next chunk's gradient read */
 #define VSCAN(DP, DG, DS)                                                          \
-  static inline __attribute__((always_inline)) int vstep_scan_run_##DP##DG##DS(  \
-      const Job *j, int64_t scan_end, int fast, int rk) {                          \
-    const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
-    const StepK k = step_k(&j->s1, j->decoupled);                                  \
-    const uint32_t lim = j->s1.lim[DG];                                            \
-    __mmask16 bad = 0;                                                             \
-    int64_t e = j->begin;                                                          \
-    (void)fast;                                                                    \
-    for (; e + 16 * STEP_WIDTH <= j->end; e += 16 * STEP_WIDTH) {                 \
-      for (int i = 0; i < STEP_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0); \
-      vstep_at_##DP##DG##DS(&a, &k, rk, e, STEP_WIDTH, ALL_LANES);                 \
-      for (int i = 0; i < STEP_WIDTH; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
-    }                                                                              \
-    for (; e + 16 <= j->end; e += 16) {                                           \
-      PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, ALL_LANES);                          \
-      SCAN_AT(DG, a.g, e, scan_end, bad, lim)                                      \
-    }                                                                              \
-    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, lanes_left(j->end - e)); \
-    return SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                     \
-  }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    return BY_SQRT(sq, vstep_scan_run_##DP##DG##DS, j, scan_end);                  \
-  }                                                                                \
-  static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
-      const Job *j, int64_t scan_end, int fast, int rk) {                          \
-    const int have_p_old = j->pold != 0;                                           \
-    const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
-    const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
-    const StepK k = step_k(&j->s2, j->decoupled);                                  \
-    const uint32_t lim = j->s2.lim[DG];                                            \
-    __mmask16 bad = 0;                                                             \
-    int64_t e = j->begin;                                                          \
-    for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
-      for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 1); \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, UNDO_WIDTH, ALL_LANES); \
-      for (int i = 0; i < UNDO_WIDTH; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
-    }                                                                              \
-    for (; e + 16 <= j->end; e += 16) {                                           \
-      PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, 1, ALL_LANES); \
-      SCAN_AT(DG, a.g2, e, scan_end, bad, lim)                                     \
-    }                                                                              \
-    if (e < j->end)                                                                \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, 1, fast, rk, e, 1, lanes_left(j->end - e)); \
-    return SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                    \
+    return BY_SQRT(sq, vstep_run_##DP##DG##DS, j, scan_end, 1);                    \
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    return BY_SQRT(sq, vredo_scan_run_##DP##DG##DS, j, scan_end);                  \
+    return BY_SQRT(sq, vundo_run_##DP##DG##DS, j, scan_end, 1);                    \
   }
 NATIVE_COMBOS(VSCAN)
 #endif
