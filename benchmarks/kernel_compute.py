@@ -42,7 +42,7 @@ from kernels import cpu_model  # noqa: E402
 from sofx.kernels import _cpu_build  # noqa: E402
 
 # The harnesses' common part (also kernel_memory_ab.py's): the kernel source, a clock, a step's scalars, arrays of
-# random values.
+# random values, the jobs on them.
 HELPERS = r"""
 #include "sofx_adam.c"
 #include <stdio.h>
@@ -89,34 +89,43 @@ static void *filled(int64_t n, int bf16, float scale, float shift, uint32_t *see
   }
   return a;
 }
+
+/* The harnesses' jobs on n elements at p, g, g2, m, v (dtypes dp for the params, dg for both gradients, ds for
+   the states), in place: j a step with (g, the scalars of lr 1e-3) whose undo+redo takes (g2, lr 9e-4 and a
+   gradient scale of 0.5), its op set per call; back the undo+redo from there back to the step with g. replica:
+   0 for cpu_fast's loops (exact off), else the inline replica of MKL's square root to use (REPLICA_*). */
+static void make_jobs(Job *j, Job *back, int dp, int dg, int ds, int64_t n, void *p, void *g, void *g2, void *m,
+                      void *v, int replica) {
+  double d1[S_COUNT], d2[S_COUNT];
+  scalars(d1, 1e-3, 1.0);
+  scalars(d2, 9e-4, 0.5);
+  memset(j, 0, sizeof *j);
+  j->decoupled = 1;
+  j->dp = dp; j->dg = dg; j->ds = ds; j->dg2 = dg; j->dpo = dp;
+  j->n = n;
+  j->p = p; j->g = g; j->m = m; j->v = v; j->g2 = g2; j->po = p; j->mo = m; j->vo = v;
+  j->begin = 0;
+  j->end = n;
+  j->s1 = make_sc(d1);
+  j->s2 = make_sc(d2);
+  j->exact = replica != 0;
+  j->sq.replica = replica; /* no routine to call: the replica, or sqrtf where the build has none */
+  *back = *j;
+  back->g = g2; back->g2 = g; back->s1 = j->s2; back->s2 = j->s1;
+}
 """
 
 HARNESS = HELPERS + r"""
 /* ns per element of step, undo, undo+redo (a new gradient) on n elements of dtypes (dp, dg, ds): each
-   operation runs reps times and is then inverted (untimed), so that the states stay those of a real step. */
-/* replica: 0 for cpu_fast's loops (exact off), else the inline replica of MKL's square root to use (REPLICA_*) */
+   operation runs reps times and is then inverted (untimed), so that the states stay those of a real step.
+   replica as in make_jobs. */
 static void bench(int dp, int dg, int ds, int64_t n, int reps, int rounds, int replica, double *out) {
   uint32_t seed = 12345;
   void *p = filled(n, dp, 1.0f, 0.0f, &seed), *g = filled(n, dg, 1.0f, 0.0f, &seed);
   void *g2 = filled(n, dg, 1.0f, 0.0f, &seed), *m = filled(n, ds, 0.1f, 0.0f, &seed);
   void *v = filled(n, ds, 0.005f, 0.006f, &seed);
-  double d1[S_COUNT], d2[S_COUNT];
-  scalars(d1, 1e-3, 1.0);
-  scalars(d2, 9e-4, 0.5);
-  Job j;
-  memset(&j, 0, sizeof j);
-  j.decoupled = 1;
-  j.dp = dp; j.dg = dg; j.ds = ds; j.dg2 = dg; j.dpo = dp;
-  j.n = n;
-  j.p = p; j.g = g; j.m = m; j.v = v; j.g2 = g2; j.po = p; j.mo = m; j.vo = v;
-  j.begin = 0;
-  j.end = n;
-  j.s1 = make_sc(d1);
-  j.s2 = make_sc(d2);
-  j.exact = replica != 0;
-  j.sq.replica = replica; /* no routine to call: the replica, or sqrtf where the build has none */
-  Job back = j; /* the undo+redo back to the step with (g, s1) */
-  back.g = g2; back.g2 = g; back.s1 = j.s2; back.s2 = j.s1;
+  Job j, back;
+  make_jobs(&j, &back, dp, dg, ds, n, p, g, g2, m, v, replica);
   for (int k = 0; k < 3; k++) out[k] = 1e30;
   for (int round = 0; round < rounds; round++)
     for (int k = 0; k < 3; k++) {
@@ -226,6 +235,12 @@ def replica_kind(name: str | None) -> int:
     return kinds & -kinds if kinds else _cpu_build.REPLICA_KINDS["generic"]
 
 
+def loops_title(backend: str, replica: int) -> str:
+    """Whose loops a run times, for its header: the backend's, and with cpu's the replica kind's name."""
+    names = {kind: name for name, kind in _cpu_build.REPLICA_KINDS.items()}
+    return f"{backend} loops, {names[replica]} replica" if replica else f"{backend} loops"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (numbers mean little)")
@@ -250,8 +265,7 @@ def main() -> None:
         per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}
     results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]
-    with_replica = f", {next(k for k, v in _cpu_build.REPLICA_KINDS.items() if v == replica)} replica" if replica else ""
-    print(f"# sofx CPU kernels' arithmetic ({args.backend} loops{with_replica}, one core), machine: {cpu_model()}")
+    print(f"# sofx CPU kernels' arithmetic ({loops_title(args.backend, replica)}, one core), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
     if not args.against:
         print_table(results[0])

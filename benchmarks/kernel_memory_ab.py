@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernel_compute import HELPERS, replica_kind, source_at  # noqa: E402
+from kernel_compute import HELPERS, loops_title, replica_kind, source_at  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
@@ -83,22 +83,7 @@ static void run_threads(const Job *j, int nt) {
    cpu's with that inline replica. */
 void *ab_new(int dt, int ds, int replica, int64_t n, void *p, void *g, void *g2, void *m, void *v) {
   AB *h = (AB *)calloc(1, sizeof(AB));
-  double d1[S_COUNT], d2[S_COUNT];
-  scalars(d1, 1e-3, 1.0);
-  scalars(d2, 9e-4, 0.5);
-  Job *j = &h->j;
-  j->decoupled = 1;
-  j->dp = dt; j->dg = dt; j->ds = ds; j->dg2 = dt; j->dpo = dt;
-  j->n = n;
-  j->p = p; j->g = g; j->m = m; j->v = v; j->g2 = g2; j->po = p; j->mo = m; j->vo = v;
-  j->begin = 0;
-  j->end = n;
-  j->s1 = make_sc(d1);
-  j->s2 = make_sc(d2);
-  j->exact = replica != 0;
-  j->sq.replica = replica;
-  h->back = *j; /* the undo+redo back to the step with (g, s1) */
-  h->back.g = g2; h->back.g2 = g; h->back.s1 = j->s2; h->back.s2 = j->s1;
+  make_jobs(&h->j, &h->back, dt, dt, ds, n, p, g, g2, m, v, replica);
   return h;
 }
 
@@ -212,8 +197,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sofx-memory-ab-") as tmp:
         libs = [load(os.path.join(tmp, "tree"), SOURCE), load(os.path.join(tmp, "other"), other)]
         results = {name: timed(libs, dt, fs, replica, n, reps, args.threads) for name, (dt, fs) in COMBOS.items()}
-    with_replica = f", {next(k for k, v in _cpu_build.REPLICA_KINDS.items() if v == replica)} replica" if replica else ""
-    print(f"# sofx CPU kernels where the memory sets the time ({args.backend} loops{with_replica}, {args.threads} "
+    print(f"# sofx CPU kernels where the memory sets the time ({loops_title(args.backend, replica)}, {args.threads} "
           f"threads, {n} elements), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_memory_ab.py', *sys.argv[1:]])}\n")
     print(f"| dtypes | operation | this tree ms | {label} ms | ratio (median) | ratio (min-max) |")
