@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kernels.py            # 2^26 flat + GPT-2-small shapes, fp32 and bf16
     .venv/bin/python benchmarks/kernels.py --quick    # small sizes, seconds
+    .venv/bin/python benchmarks/kernels.py --huge-pages   # every array in 2 MiB pages, as the engine's arena
 
 For each tensor set (one flat tensor of 2^26 elements, the 148 tensors of
 GPT-2 small) and storage configuration (fp32; bf16 params + fp32 states; all
@@ -47,6 +48,7 @@ from _bandwidth import PairedBandwidth, time_round_robin  # noqa: E402
 
 from sofx.kernels import cpu, cpu_fast  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall  # noqa: E402
+from sofx.offload.huge_pages import huge_pages_mode  # noqa: E402
 
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
@@ -89,6 +91,18 @@ def cpu_model() -> str:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     return f"{name} ({platform.machine()}, {isa})"
+
+
+THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
+
+
+def page_setting() -> str:
+    """Which pages the arrays get: 2 MiB ones where torch's allocator advises them (``--huge-pages``) and the
+    system allows, else 4 KiB ones (torch's default)."""
+    mode = huge_pages_mode() or "unknown"
+    if os.environ.get(THP_VARIABLE) == "1":
+        return f"transparent huge pages advised for every allocation ({THP_VARIABLE}=1; system mode: {mode})"
+    return f"4 KiB (torch's default allocation; the system's transparent huge pages: {mode}; see --huge-pages)"
 
 
 def placed(t: torch.Tensor, offset_bytes: int | None) -> torch.Tensor:
@@ -273,7 +287,14 @@ def main() -> None:
     ap.add_argument("--stagger", type=int, default=0, metavar="BYTES",
                     help="start p, g, g2, m, v at 0, 1, 2, 3, 4 x BYTES past a page boundary (default 0: every array "
                          "at the same page offset, as torch allocates them)")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="run with torch's allocator advising transparent huge pages for every allocation "
+                         "(THP_MEM_ALLOC_ENABLE=1: the arrays, torch's optimizer states, the bandwidth buffers), "
+                         "as the offload engine's CPU arena does for its own (sofx.offload.huge_pages)")
     args = ap.parse_args()
+    if args.huge_pages and os.environ.get(THP_VARIABLE) != "1":
+        # torch reads the variable once, at its first allocation: start again with it set
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, THP_VARIABLE: "1"})
     torch.set_num_threads(args.threads)
     reps = args.reps or (3 if args.quick else 7)
     gen = torch.Generator().manual_seed(0)
@@ -285,6 +306,7 @@ def main() -> None:
           f"{torch.__version__}, {args.threads} threads, native kernels: {cpu.native_available()}, "
           f"cpu bitwise with torch: {cpu.bitwise_with_torch()}, cpu's square root: {cpu_square_root()}")
     print(f"command: {' '.join(sys.argv)}")
+    print(f"pages: {page_setting()}")
     cases = [("flat", flat, torch.float32, torch.float32), ("flat", flat, torch.bfloat16, torch.float32),
              ("flat", flat, torch.bfloat16, torch.bfloat16)]
     if not args.no_gpt2:

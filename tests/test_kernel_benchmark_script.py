@@ -43,6 +43,16 @@ def test_quick_run_prints_every_table_and_the_targets():
         assert re.fullmatch(r"\| .+ \| (met|not met): \d+\.\d\d \| (met|not met): \d+\.\d\d \|", row), row
 
 
+def test_huge_pages_run_restarts_with_torchs_variable_set():
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--no-gpt2", "--no-deepspeed", "--reps", "1",
+                           "--huge-pages"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pages: transparent huge pages advised for every allocation (THP_MEM_ALLOC_ENABLE=1" in proc.stdout
+    assert proc.stdout.count("# sofx CPU kernels") == 1
+    assert "Against issue 4's targets" in proc.stdout
+
+
 def test_targets_table_judges_bounds_in_both_directions():
     mod = _module()
     numbers = {
