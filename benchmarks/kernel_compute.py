@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/kernel_compute.py --quick         # smaller, fewer repetitions (a smoke run)
     .venv/bin/python benchmarks/kernel_compute.py --backend cpu   # cpu's loops (MKL's square root inline)
     .venv/bin/python benchmarks/kernel_compute.py --against HEAD  # this tree's kernels against a revision's
+    .venv/bin/python benchmarks/kernel_compute.py --define UNDO_WIDTH=2   # against this tree with one knob set
 
 ``kernels.py`` times the operations where they meet the memory (2^26 elements, two threads), so a row there is
 bound by the memory traffic or by the arithmetic, whichever is slower, and says which only by its ratio. This
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
+from sofx.kernels._cpu_source import SOURCE  # noqa: E402
 
 # The harnesses' common part (also kernel_memory_ab.py's): the kernel source, a clock, a step's scalars, arrays of
 # random values, the jobs on them.
@@ -183,6 +185,16 @@ def source_at(rev: str) -> str:
     return namespace["SOURCE"]
 
 
+def with_define(source: str, define: str) -> str:
+    """``source`` with ``#define NAME VALUE`` first (``define``: NAME=VALUE)."""
+    name, sep, value = define.partition("=")
+    if not sep or not name.isidentifier():
+        raise SystemExit(f"--define takes NAME=VALUE, not {define!r}")
+    if f"#ifndef {name}\n" not in source:  # a plain #define later in the source would override it, silently
+        raise SystemExit(f"{name} is not one of the kernel source's #ifndef knobs")
+    return f"#define {name} {value}\n" + source
+
+
 Rows = dict[str, tuple[float, float, float]]  # a program's times per dtype combination: step, undo, undo+redo
 
 
@@ -248,35 +260,40 @@ def main() -> None:
                     help="whose loops: cpu_fast's (IEEE square roots) or cpu's (exact: MKL's square root inline)")
     ap.add_argument("--replica", choices=tuple(_cpu_build.REPLICA_KINDS),
                     help="with --backend cpu: which inline replica of MKL's square root (default: the one in use here)")
-    ap.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
+    other = ap.add_mutually_exclusive_group()
+    other.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
+    other.add_argument("--define", metavar="NAME=VALUE",
+                       help="also time this tree's kernel source with this define (an #ifndef knob), in turns")
     ap.add_argument("--calls", type=int, default=5, help="with --against: turns per program (default 5)")
     args = ap.parse_args()
     # (elements, repetitions, rounds, calls): the minimum over calls x rounds rounds
     sizes = {"cache": (4096, 50, 3, 1), "memory": (1 << 16, 2, 2, 1)} if args.quick else \
         {"cache": (16384, 2000, 15, 1), "memory": (1 << 24, 2, 5, 1)}
-    if args.against:
+    against = args.against or args.define
+    if against:
         sizes = {where: (n, reps, max(1, rounds // 5), args.calls) for where, (n, reps, rounds, _) in sizes.items()}
     replica = replica_kind(args.replica) if args.backend == "cpu" else 0
     with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
         exes = [build(tmp)]
-        if args.against:
+        if against:
             os.mkdir(os.path.join(tmp, "against"))
-            exes.append(build(os.path.join(tmp, "against"), source_at(args.against)))
+            other_source = source_at(args.against) if args.against else with_define(SOURCE, args.define)
+            exes.append(build(os.path.join(tmp, "against"), other_source))
         per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}
     results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]
     print(f"# sofx CPU kernels' arithmetic ({loops_title(args.backend, replica)}, one core), machine: {cpu_model()}")
     print(f"command: {' '.join(['benchmarks/kernel_compute.py', *sys.argv[1:]])}\n")
-    if not args.against:
+    if not against:
         print_table(results[0])
         return
     print("this tree:\n")
     print_table(results[0])
-    print(f"\n{args.against}:\n")
+    print(f"\n{against}:\n")
     print_table(results[1])
     ratio = {where: {combo: tuple(a / b for a, b in zip(results[0][where][combo], results[1][where][combo]))
                      for combo in COMBOS} for where in sizes}
-    print(f"\nthis tree / {args.against}:\n")
+    print(f"\nthis tree / {against}:\n")
     print_table(ratio, digits=2)
 
 

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernel_compute import HELPERS, loops_title, replica_kind, source_at  # noqa: E402
+from kernel_compute import HELPERS, loops_title, replica_kind, source_at, with_define  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
@@ -127,16 +127,6 @@ def load(directory: str, source: str) -> ctypes.CDLL:
     lib.ab_rep.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
     lib.ab_free.argtypes = [ctypes.c_void_p]
     return lib
-
-
-def with_define(source: str, define: str) -> str:
-    """``source`` with ``#define NAME VALUE`` first (``define``: NAME=VALUE)."""
-    name, sep, value = define.partition("=")
-    if not sep or not name.isidentifier():
-        raise SystemExit(f"--define takes NAME=VALUE, not {define!r}")
-    if f"#ifndef {name}\n" not in source:  # a plain #define later in the source would override it, silently
-        raise SystemExit(f"{name} is not one of the kernel source's #ifndef knobs")
-    return f"#define {name} {value}\n" + source
 
 
 def arrays(dt: int, fp32_states: int, n: int) -> list[torch.Tensor]:
