@@ -2,10 +2,11 @@
 
 The CPU kernels stream four to six arrays at once (a fused undo+redo reads ``p', m', v'``, the old and
 the new gradient). With 4 KiB pages every stream crosses a page, and needs a translation, every 1024
-float32 elements: on the 2-core Intel Xeon of stop 27 (benchmarks/RESULTS.md "Huge pages") a float32
-undo+redo of 2^26 elements took 47.8-49.7 ms in 4 KiB pages against 44.4 in 2 MiB ones, a step 37.5-38.8
-against 36.7, and the memory traffic alone (``memory_floor.py``) set undo+redo / step at 1.28 with
-small pages, above issue 4's 1.25.
+float32 elements: on the 2-core Intel Xeon of stop 27 (benchmarks/RESULTS.md, "Intel Xeon (AVX-512, AMX),
+stop 27") ``cpu_fast``'s float32 undo+redo of 2^26 elements took 47.8-50.0 ms in 4 KiB pages against
+42.3-45.1 in 2 MiB ones, its step 37.5-39.8 against 35.3-36.7; the memory traffic alone
+(``benchmarks/memory_floor.py``) set undo+redo / step at 1.24-1.28 in small pages, above issue 4's 1.25,
+and at 1.22 in huge ones.
 
 Linux gives an anonymous mapping huge pages on first touch where the region is advised with
 ``madvise(MADV_HUGEPAGE)`` and ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
