@@ -1,6 +1,7 @@
 """Large CPU arrays of the offload engine in transparent huge pages (``sofx.offload.huge_pages``): the advice
-reaches the kernel where the system allows it, the tensors are ordinary zeroed ones, and small or non-CPU
-tensors are left alone."""
+reaches the kernel where the system allows it (also after other allocations), the tensors are ordinary
+zeroed ones that keep their mapping alive, and small tensors, or any where the system has no transparent
+huge pages, are plain ``torch.zeros``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from sofx.offload import huge_pages
 from sofx.offload.arena import LocalArena
-from sofx.offload.huge_pages import MIN_ADVISED_BYTES, advise_huge_pages, huge_pages_mode, zeros_advised
+from sofx.offload.huge_pages import HUGE_PAGE_BYTES, MIN_ADVISED_BYTES, huge_pages_mode, zeros_advised
 
 THP = sys.platform.startswith("linux") and huge_pages_mode() in ("always", "madvise")
 
@@ -30,19 +31,36 @@ def _huge_bytes_at(address: int) -> int:
     return 0
 
 
+def _why(t: torch.Tensor) -> str:
+    """What to look at when a tensor has no huge pages: the kernel's THP fault counters."""
+    with open("/proc/vmstat", encoding="ascii") as f:
+        counters = [line.strip() for line in f if line.startswith(("thp_fault", "compact_"))]
+    return f"address {t.data_ptr():#x}, mode {huge_pages_mode()}; " + ", ".join(counters)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zeros_advised_is_a_zeroed_cpu_tensor(dtype) -> None:
-    t = zeros_advised((MIN_ADVISED_BYTES // 2) + 12345, dtype)
-    assert t.dtype == dtype and t.device.type == "cpu" and t.numel() == MIN_ADVISED_BYTES // 2 + 12345
+@pytest.mark.parametrize("numel", [MIN_ADVISED_BYTES // 2 + 12345, 12345])
+def test_zeros_advised_is_a_zeroed_cpu_tensor(dtype, numel) -> None:
+    t = zeros_advised(numel, dtype)
+    assert t.dtype == dtype and t.device.type == "cpu" and t.shape == (numel,)
     assert t.is_contiguous() and not t.any()
+    t[-1] = 3.0
+    assert float(t.sum()) == 3.0
 
 
 @pytest.mark.skipif(not THP, reason="needs Linux with transparent huge pages in mode always or madvise")
-def test_large_arrays_get_huge_pages() -> None:
+def test_large_arrays_get_huge_pages_even_after_other_allocations() -> None:
+    # memory torch's allocator recycles has been touched already: zeros_advised maps its own
+    scratch = [torch.ones(1 << 22) for _ in range(8)]
+    del scratch
     t = zeros_advised(8 << 20, torch.float32)  # 32 MiB
-    assert _huge_bytes_at(t.data_ptr() + t.numel() * 2) >= huge_pages.HUGE_PAGE_BYTES
-    t += 1.0  # an ordinary tensor
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+    t += 1.0
+    assert _huge_bytes_at(t.data_ptr() + t.numel() * 2) >= HUGE_PAGE_BYTES, _why(t)
     assert float(t.sum()) == t.numel()
+    view = t[5:]
+    del t
+    assert float(view[-1]) == 1.0  # the mapping lives as long as any view of it
 
 
 @pytest.mark.skipif(not THP, reason="needs Linux with transparent huge pages in mode always or madvise")
@@ -51,19 +69,15 @@ def test_the_engine_arena_allocates_large_cpu_tensors_in_huge_pages() -> None:
     tensors = [arena.allocate(f"t{i}", 4 << 20, torch.float32) for i in range(3)]  # 16 MiB each
     for t in tensors:
         assert not t.any()
-        assert _huge_bytes_at(t.data_ptr() + t.numel() * 2) >= huge_pages.HUGE_PAGE_BYTES
+        t.fill_(2.0)
+        assert _huge_bytes_at(t.data_ptr() + t.numel() * 2) >= HUGE_PAGE_BYTES, _why(t)
 
 
-def test_small_and_meta_tensors_are_left_alone() -> None:
-    assert advise_huge_pages(torch.empty(MIN_ADVISED_BYTES // 4 - 1)) is False
-    assert advise_huge_pages(torch.empty(1 << 24, device="meta")) is False
-
-
-def test_no_advice_where_the_system_has_none(monkeypatch) -> None:
+def test_small_tensors_and_systems_without_huge_pages_get_plain_zeros(monkeypatch) -> None:
+    assert zeros_advised(MIN_ADVISED_BYTES // 4 - 1, torch.float32).untyped_storage().resizable()
     monkeypatch.setattr(huge_pages, "huge_pages_mode", lambda: "never")
-    t = torch.empty(1 << 22)
-    assert advise_huge_pages(t) is False
-    assert not zeros_advised(1 << 22, torch.float32).any()
+    t = zeros_advised(1 << 22, torch.float32)
+    assert t.untyped_storage().resizable() and not t.any()
 
 
 def test_mode_is_read_from_the_bracketed_word(tmp_path, monkeypatch) -> None:

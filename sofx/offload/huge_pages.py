@@ -11,27 +11,26 @@ and at 1.22 in huge ones.
 Linux gives an anonymous mapping huge pages on first touch where the region is advised with
 ``madvise(MADV_HUGEPAGE)`` and ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
 ``madvise`` (torch's own allocator does the same for every allocation when ``THP_MEM_ALLOC_ENABLE=1``
-is set). :func:`zeros_advised` allocates a tensor, advises the 2 MiB-aligned part of it, then zeroes
-it (the first touch). The advice is a hint: where the kernel has no huge pages to give, or on other
-systems, nothing changes but the page size. Small tensors (below :data:`MIN_ADVISED_BYTES`) are left
-alone, as are file-backed mappings (the process executor's ``/dev/shm`` tensors follow
-``shmem_enabled``, which is ``never`` on the machines seen so far).
+is set). Advising memory that torch's allocator hands out is not enough: in a process that has run for a
+while it comes back from pages already touched, which keep their 4 KiB (seen in the test suite). So
+:func:`zeros_advised` maps fresh anonymous memory of its own (Python's ``mmap``, already zero), advises it
+and wraps it as a tensor (``torch.frombuffer``, which keeps the mapping alive while the tensor's storage
+lives; such a tensor cannot be resized). The advice is a hint: where the kernel has no huge pages to give,
+nothing changes but the page size; on other systems, or without transparent huge pages, or for tensors
+below :data:`MIN_ADVISED_BYTES`, it is an ordinary ``torch.zeros``. File-backed mappings (the process
+executor's ``/dev/shm`` tensors) follow ``shmem_enabled`` instead, ``never`` on the machines seen so far.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+import mmap
 
 import torch
 
-__all__ = ["HUGE_PAGE_BYTES", "MIN_ADVISED_BYTES", "MADV_HUGEPAGE", "huge_pages_mode", "advise_huge_pages",
-           "zeros_advised"]
+__all__ = ["HUGE_PAGE_BYTES", "MIN_ADVISED_BYTES", "huge_pages_mode", "zeros_advised"]
 
 HUGE_PAGE_BYTES = 2 << 20
 MIN_ADVISED_BYTES = 8 << 20  # four huge pages: below that the translations cost little
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 _MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -46,44 +45,26 @@ def huge_pages_mode() -> str:
     return text[start + 1:end] if 0 <= start < end else ""
 
 
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Advise huge pages for the 2 MiB-aligned part of ``t``'s memory; True if advice was given.
-
-    Pages already touched keep their size (the kernel may merge them later); call it before the first
-    write. A no-op (False) for non-CPU or small tensors, where the system has no transparent huge pages
-    (mode ``never``), or where ``madvise`` is missing or refuses (a file mapping, say).
-    """
-    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_ADVISED_BYTES:
-        return False
-    if huge_pages_mode() not in ("always", "madvise"):
-        return False
-    fn = _madvise()
-    if fn is None:
-        return False
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if last <= first:
-        return False
-    return fn(first, last - first, MADV_HUGEPAGE) == 0
+def _advisable(nbytes: int) -> bool:
+    return (nbytes >= MIN_ADVISED_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
+            and huge_pages_mode() in ("always", "madvise"))
 
 
 def zeros_advised(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(numel, dtype=dtype)`` on the CPU, its memory advised for huge pages before it is zeroed."""
-    t = torch.empty(numel, dtype=dtype)
-    advise_huge_pages(t)
-    return t.zero_()
+    """``torch.zeros(numel, dtype=dtype)`` on the CPU; a large one in its own anonymous mapping, advised for
+    huge pages before anything touches it, starting at a 2 MiB boundary (see the module doc)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * element_size
+    if not _advisable(nbytes):
+        return torch.zeros(numel, dtype=dtype)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError):
+        return torch.zeros(numel, dtype=dtype)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE_BYTES
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+    except OSError:
+        pass  # a hint only: the memory is the same
+    return whole[skip:skip + nbytes].view(dtype)
