@@ -87,3 +87,8 @@ def test_mode_is_read_from_the_bracketed_word(tmp_path, monkeypatch) -> None:
     assert huge_pages_mode() == "madvise"
     monkeypatch.setattr(huge_pages, "_MODE_FILE", str(tmp_path / "missing"))
     assert huge_pages_mode() == ""
+
+
+def test_the_arena_can_be_told_to_keep_small_pages() -> None:
+    t = LocalArena("cpu", huge_pages=False).allocate("t", 4 << 20, torch.float32)
+    assert t.untyped_storage().resizable() and not t.any()

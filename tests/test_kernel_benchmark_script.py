@@ -1,5 +1,6 @@
 """``benchmarks/kernels.py`` runs end to end (``--quick``: small sizes) and judges issue 4's targets right;
-``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/idle_rows.py``,
+``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/arena_colouring.py``,
+``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/triton_host.py``,
 ``benchmarks/kernel_compute.py`` and ``benchmarks/kernel_memory_ab.py`` run."""
@@ -113,6 +114,14 @@ def test_prefetch_stagger_script_runs():
     assert [row.split(" | ")[0] for row in rows] == ["| kernels, stagger 64", "| traffic only, stagger 64"]
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
+
+
+def test_arena_placement_script_runs():
+    rows = _table_rows("arena_colouring.py", ["--log2-numel", "22", "--rounds", "1"], ("| one", "| coloured"))
+    assert [row.split(" | ")[0] for row in rows] == ["| one page offset", "| coloured, 4 KiB pages",
+                                                     "| coloured, huge pages (LocalArena)"] * 2
+    for row in rows:
+        assert re.fullmatch(r"\| .+ \| cpu(_fast)? \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \| \d+\.\d\d \|", row), row
 
 
 def test_idle_rows_script_runs():

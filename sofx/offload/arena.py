@@ -60,17 +60,21 @@ class TensorArena(Protocol):
 class LocalArena:
     """Plain tensors on ``device`` (nothing to release but references); page-coloured on the CPU."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", huge_pages: bool = True) -> None:
         self.device = torch.device(device)
+        self.huge_pages = huge_pages  # CPU: advise huge pages for large tensors (zeros_advised)
         self._count = 0
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor; on the CPU starting at this arena's next page colour (see :func:`colour_offset`),
-        a large one in huge pages where the system gives them (:func:`sofx.offload.huge_pages.zeros_advised`)."""
+        a large one in huge pages where the system gives them (:func:`sofx.offload.huge_pages.zeros_advised`;
+        ``huge_pages=False``: plain ``torch.zeros``)."""
         if self.device.type != "cpu":
             return torch.zeros(numel, dtype=dtype, device=self.device)
         offset = colour_offset(self._count, numel, torch.empty((), dtype=dtype).element_size())
         self._count += 1
+        if not self.huge_pages:
+            return torch.zeros(offset + numel, dtype=dtype)[offset:]
         return zeros_advised(offset + numel, dtype)[offset:]
 
     def close(self) -> None:
