@@ -11,8 +11,8 @@ and at 1.22 in huge ones.
 Linux gives an anonymous mapping huge pages on first touch where the region is advised with
 ``madvise(MADV_HUGEPAGE)`` and ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
 ``madvise`` (torch's own allocator does the same for every allocation when ``THP_MEM_ALLOC_ENABLE=1``
-is set). Advising memory that torch's allocator hands out is not enough: in a process that has run for a
-while it comes back from pages already touched, which keep their 4 KiB (seen in the test suite). So
+is set). Advising the memory torch's allocator hands out was not enough: in the full test suite such
+tensors came back in 4 KiB pages (pages touched before keep their size; the likely cause, not proven). So
 :func:`zeros_advised` maps fresh anonymous memory of its own (Python's ``mmap``, already zero), advises it
 and wraps it as a tensor (``torch.frombuffer``, which keeps the mapping alive while the tensor's storage
 lives; such a tensor cannot be resized). The advice is a hint: where the kernel has no huge pages to give,
