@@ -92,3 +92,18 @@ def test_mode_is_read_from_the_bracketed_word(tmp_path, monkeypatch) -> None:
 def test_the_arena_can_be_told_to_keep_small_pages() -> None:
     t = LocalArena("cpu", huge_pages=False).allocate("t", 4 << 20, torch.float32)
     assert t.untyped_storage().resizable() and not t.any()
+
+
+@pytest.mark.skipif(not THP, reason="needs Linux with transparent huge pages in mode always or madvise")
+def test_the_offload_engine_keeps_its_cpu_blocks_in_huge_pages() -> None:
+    import sofx.offload
+
+    model = torch.nn.Linear(1024, 4096, bias=False)  # one block of 2^22 elements: 16 MiB per float32 array
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, executor="thread") as opt:
+        model(torch.randn(2, 1024)).square().sum().backward()
+        opt.step()
+        blocks = list(opt.engine.tensors.values())
+        assert blocks
+        for t in blocks:
+            for a in (t.master, t.exp_avg, t.exp_avg_sq):  # (grad: untouched where gradients come straight in)
+                assert _huge_bytes_at(a.data_ptr() + a.numel() * a.element_size() // 2) >= HUGE_PAGE_BYTES, _why(a)
