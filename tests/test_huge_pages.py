@@ -105,5 +105,5 @@ def test_the_offload_engine_keeps_its_cpu_blocks_in_huge_pages() -> None:
         blocks = list(opt.engine.tensors.values())
         assert blocks
         for t in blocks:
-            for a in (t.master, t.exp_avg, t.exp_avg_sq):  # (grad: untouched where gradients come straight in)
+            for a in (t.master, t.exp_avg, t.exp_avg_sq):  # (the grad buffer: untouched by this step)
                 assert _huge_bytes_at(a.data_ptr() + a.numel() * a.element_size() // 2) >= HUGE_PAGE_BYTES, _why(a)
