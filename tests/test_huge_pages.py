@@ -107,3 +107,11 @@ def test_the_offload_engine_keeps_its_cpu_blocks_in_huge_pages() -> None:
         for t in blocks:
             for a in (t.master, t.exp_avg, t.exp_avg_sq):  # (the grad buffer: untouched by this step)
                 assert _huge_bytes_at(a.data_ptr() + a.numel() * a.element_size() // 2) >= HUGE_PAGE_BYTES, _why(a)
+
+
+@pytest.mark.skipif(not THP, reason="needs Linux with transparent huge pages in mode always or madvise")
+def test_only_whole_huge_pages_inside_the_tensor_are_advised() -> None:
+    t = zeros_advised((9 << 20) // 4 + 100, torch.float32)  # 9 MiB and 400 bytes
+    t.fill_(1.0)
+    assert _huge_bytes_at(t.data_ptr()) >= 8 << 20, _why(t)
+    assert _huge_bytes_at(t.data_ptr() + t.numel() * 4 - 4) == 0  # the last 1 MiB: small pages, no 2 MiB taken

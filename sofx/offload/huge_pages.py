@@ -30,7 +30,7 @@ import torch
 __all__ = ["HUGE_PAGE_BYTES", "MIN_ADVISED_BYTES", "huge_pages_mode", "zeros_advised"]
 
 HUGE_PAGE_BYTES = 2 << 20
-MIN_ADVISED_BYTES = 8 << 20  # four huge pages: below that the translations cost little
+MIN_ADVISED_BYTES = 8 << 20  # a mapping of its own per tensor from here on (an engine block: 16 MiB per fp32 array)
 _MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -51,8 +51,9 @@ def _advisable(nbytes: int) -> bool:
 
 
 def zeros_advised(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(numel, dtype=dtype)`` on the CPU; a large one in its own anonymous mapping, advised for
-    huge pages before anything touches it, starting at a 2 MiB boundary (see the module doc)."""
+    """``torch.zeros(numel, dtype=dtype)`` on the CPU; a large one in its own anonymous mapping, starting at a
+    2 MiB boundary, its whole huge pages advised before anything touches them (the rest, under 2 MiB at the
+    end, keeps small pages: no memory beyond the tensor's is taken; see the module doc)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * element_size
     if not _advisable(nbytes):
@@ -64,7 +65,8 @@ def zeros_advised(numel: int, dtype: torch.dtype) -> torch.Tensor:
     whole = torch.frombuffer(region, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE_BYTES
     try:
-        region.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+        # only whole huge pages inside the tensor: a last partial one would take 2 MiB for less
+        region.madvise(mmap.MADV_HUGEPAGE, skip, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
     except OSError:
         pass  # a hint only: the memory is the same
     return whole[skip:skip + nbytes].view(dtype)
