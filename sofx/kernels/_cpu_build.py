@@ -106,8 +106,9 @@ def _tuning_defines() -> list[str]:
     """Defines for choices the source leaves to measurement on the CPU: ``FAST_DIVIDER=1`` (the AVX-512 loops take
     true divisions in cpu_fast's inverse, see quot_vec, and in cpu's denominators, see adam_denominator) on AMD
     Zen 5 (family 26) and later, whose 512-bit divider made cpu_fast's undo 13-35% and cpu's step ~10% faster
-    in cache than div_by (benchmarks/RESULTS.md); elsewhere div_by (Intel's AVX-512 CPUs and Zen 4 divide
-    512-bit vectors more slowly; not measured here)."""
+    in cache than div_by (benchmarks/RESULTS.md); elsewhere div_by: Intel's AVX-512 CPUs divide 512-bit vectors
+    more slowly (on the Xeon of stop 27, 10.6 cycles per division and 12.7 per square root, on one divider: there
+    the define made cpu_fast's undo 1.3-1.9x slower in cache), and Zen 4 splits them in halves (not measured)."""
     family = _cpuinfo_field("cpu family")
     if _cpuinfo_field("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 26:
         return ["-DFAST_DIVIDER=1"]
