@@ -264,7 +264,7 @@ def main() -> None:
     other.add_argument("--against", metavar="REV", help="also time the kernel source of this git revision, in turns")
     other.add_argument("--define", metavar="NAME=VALUE",
                        help="also time this tree's kernel source with this define (an #ifndef knob), in turns")
-    ap.add_argument("--calls", type=int, default=5, help="with --against: turns per program (default 5)")
+    ap.add_argument("--calls", type=int, default=5, help="with --against or --define: turns per program (default 5)")
     args = ap.parse_args()
     # (elements, repetitions, rounds, calls): the minimum over calls x rounds rounds
     sizes = {"cache": (4096, 50, 3, 1), "memory": (1 << 16, 2, 2, 1)} if args.quick else \

@@ -54,8 +54,7 @@ def zeros_advised(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(numel, dtype=dtype)`` on the CPU; a large one in its own anonymous mapping, starting at a
     2 MiB boundary, its whole huge pages advised before anything touches them (the rest, under 2 MiB at the
     end, keeps small pages: no memory beyond the tensor's is taken; see the module doc)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * element_size
+    nbytes = numel * dtype.itemsize
     if not _advisable(nbytes):
         return torch.zeros(numel, dtype=dtype)
     try:
