@@ -909,6 +909,88 @@ static inline __attribute__((always_inline)) void vst_fast_1(void *p, int64_t e,
   vst_bits(p, e, (__m256i)_mm512_cvtneps_pbh(x), lanes);
 }
 
+/* Even/odd order for the jobs whose streams are all bfloat16 (EO_111): a pair of vectors holds 32 elements,
+   those at e, e+2, ..., e+30 in x[0] and e+1, ..., e+31 in x[1]. Elementwise arithmetic does not care, as
+   long as every stream of a loop uses the same order. A pair loads by one 512-bit load, a shift and an and (the
+   natural order: two loads, two zero-extensions across lanes, two shifts) and stores by one two-vector
+   conversion (vcvtne2ps2bf16), one word permute, one store (two conversions, two stores). The subnormal lanes
+   are found as vst_fast_1 finds them; the exact store (vst2_eo) converts each vector by cvt_bf16_16. On the Zen 5
+   EPYC, in cache, the all-bf16 step took 0.82-0.88 (cpu) and 0.83-0.85 (cpu_fast) of the natural order's time, the
+   inverse 0.90-0.99, the undo+redo 0.99-1.07 (kernel_compute.py --against, stop 30); rounding the undo+redo's
+   undone pairs by one two-vector conversion and two permutes instead of vround_1 per vector: no clear gain. */
+#define ALL_LANES32 0xFFFFFFFFu
+static inline __mmask32 lanes32_left(int64_t left) {
+  return left >= 32 ? (__mmask32)ALL_LANES32 : (__mmask32)((1u << left) - 1u);
+}
+static inline __attribute__((always_inline)) void vld2_eo(const void *p, int64_t e, __mmask32 lanes, __m512 *x) {
+  const uint16_t *a = (const uint16_t *)p + e;
+  const __m512i h = lanes == ALL_LANES32 ? _mm512_loadu_si512(a) : _mm512_maskz_loadu_epi16(lanes, a);
+  x[0] = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  x[1] = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+/* 32 bit patterns, those of x[0] in words 0-15 and of x[1] in words 16-31, stored interleaved at e */
+static inline __attribute__((always_inline)) void vst2_eo_bits(void *p, int64_t e, __m512i h, __mmask32 lanes) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  h = _mm512_permutexvar_epi16(order, h);
+  uint16_t *d = (uint16_t *)p + e;
+  if (lanes == ALL_LANES32) _mm512_storeu_si512(d, h);
+  else _mm512_mask_storeu_epi16(d, lanes, h);
+}
+static inline __attribute__((always_inline)) void vst2_eo(void *p, int64_t e, const __m512 *x, __mmask32 lanes) {
+  vst2_eo_bits(p, e, _mm512_inserti64x4(_mm512_castsi256_si512(cvt_bf16_16(x[0])), cvt_bf16_16(x[1]), 1), lanes);
+}
+static inline __attribute__((always_inline)) void vst2_fast_eo(void *p, int64_t e, const __m512 *x, __mmask32 lanes,
+                                                               __mmask16 *sub) {
+  *sub |= _mm512_fpclass_ps_mask(x[0], 0x20) | _mm512_fpclass_ps_mask(x[1], 0x20);
+  vst2_eo_bits(p, e, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]), lanes);
+}
+/* w vectors at e (w even with eo: w / 2 pairs), in lanes l: of each vector (16 bits), or with eo of each
+   pair (32 bits) */
+#define EO_000 0
+#define EO_001 0
+#define EO_100 0
+#define EO_101 0
+#define EO_110 0
+#define EO_111 1
+static inline __attribute__((always_inline)) void vldw_0(const void *p, int64_t e, int w, uint32_t l, int eo,
+                                                         __m512 *x) {
+  (void)eo;
+  for (int i = 0; i < w; i++) x[i] = vld_0(p, e + 16 * i, (__mmask16)l);
+}
+static inline __attribute__((always_inline)) void vldw_1(const void *p, int64_t e, int w, uint32_t l, int eo,
+                                                         __m512 *x) {
+  if (eo)
+    for (int i = 0; i < w; i += 2) vld2_eo(p, e + 16 * i, (__mmask32)l, x + i);
+  else
+    for (int i = 0; i < w; i++) x[i] = vld_1(p, e + 16 * i, (__mmask16)l);
+}
+static inline __attribute__((always_inline)) void vstw_0(void *p, int64_t e, int w, uint32_t l, int eo,
+                                                         const __m512 *x) {
+  (void)eo;
+  for (int i = 0; i < w; i++) vst_0(p, e + 16 * i, x[i], (__mmask16)l);
+}
+static inline __attribute__((always_inline)) void vstw_1(void *p, int64_t e, int w, uint32_t l, int eo,
+                                                         const __m512 *x) {
+  if (eo)
+    for (int i = 0; i < w; i += 2) vst2_eo(p, e + 16 * i, x + i, (__mmask32)l);
+  else
+    for (int i = 0; i < w; i++) vst_1(p, e + 16 * i, x[i], (__mmask16)l);
+}
+static inline __attribute__((always_inline)) void vstw_fast_0(void *p, int64_t e, int w, uint32_t l, int eo,
+                                                              const __m512 *x, __mmask16 *sub) {
+  (void)eo;
+  (void)sub;
+  vstw_0(p, e, w, l, 0, x);
+}
+static inline __attribute__((always_inline)) void vstw_fast_1(void *p, int64_t e, int w, uint32_t l, int eo,
+                                                              const __m512 *x, __mmask16 *sub) {
+  if (eo)
+    for (int i = 0; i < w; i += 2) vst2_fast_eo(p, e + 16 * i, x + i, (__mmask32)l, sub);
+  else
+    for (int i = 0; i < w; i++) vst_fast_1(p, e + 16 * i, x[i], (__mmask16)l, sub);
+}
+
 
 
 /* The square roots of a vector: IEEE (rk 0) or torch's, MKL's (rk: the REPLICA_* kind in use; the vector
@@ -972,38 +1054,56 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
 #ifndef STEP_WIDTH
 #define STEP_WIDTH 3
 #endif
+/* The all-bfloat16 loops (EO_111) take vectors in even/odd pairs: EO_STEP_WIDTH and EO_UNDO_WIDTH vectors at a
+   time (even). On the Zen 5 EPYC, in cache, 4 instead of 2 made cpu's step 1.22x and its inverse 1.4x slower
+   (spills), cpu_fast's alike. */
+#ifndef EO_STEP_WIDTH
+#define EO_STEP_WIDTH 2
+#endif
+#ifndef EO_UNDO_WIDTH
+#define EO_UNDO_WIDTH 2
+#endif
+_Static_assert(EO_STEP_WIDTH % 2 == 0 && EO_UNDO_WIDTH % 2 == 0, "even/odd widths are pairs of vectors");
+#define SWIDTH(eo) ((eo) ? EO_STEP_WIDTH : STEP_WIDTH)
+#define UWIDTH(eo) ((eo) ? EO_UNDO_WIDTH : UNDO_WIDTH)
+#define MAX_WIDTH 8
+_Static_assert(STEP_WIDTH <= MAX_WIDTH && EO_STEP_WIDTH <= MAX_WIDTH && EO_UNDO_WIDTH <= MAX_WIDTH,
+               "widths up to MAX_WIDTH");
+/* The vectors of one unit of a loop (one, or an even/odd pair), their lanes when full, and those of a last,
+   partial unit of left elements. */
+#define UNIT(eo) ((eo) ? 2 : 1)
+#define FULL_LANES(eo) ((eo) ? ALL_LANES32 : (uint32_t)ALL_LANES)
+static inline uint32_t unit_lanes_left(int eo, int64_t left) {
+  return eo ? (uint32_t)lanes32_left(left) : (uint32_t)lanes_left(left);
+}
 #define VSTEP(DP, DG, DS)                                                          \
-  /* p, m, v of w vectors at e, in lanes l of each (the loops' full vectors: ALL_LANES; a range's last,     \
-     partial vector: w 1 and its lanes), loaded and stored (the step's and the inverse's) */               \
+  /* p, m, v of w vectors at e, in lanes l (the loops' full units: FULL_LANES; a range's last, partial unit:  \
+     w UNIT and its lanes), loaded and stored (the step's and the inverse's) */                             \
   static inline __attribute__((always_inline)) void vld_pmv_##DP##DG##DS(         \
-      const Arrays *a, int64_t e, int w, __mmask16 l, __m512 *P, __m512 *M, __m512 *V) { \
-    for (int i = 0; i < w; i++) {                                                  \
-      P[i] = vld_##DP(a->p, e + 16 * i, l);                                        \
-      M[i] = vld_##DS(a->m, e + 16 * i, l);                                        \
-      V[i] = vld_##DS(a->v, e + 16 * i, l);                                        \
-    }                                                                              \
+      const Arrays *a, int64_t e, int w, uint32_t l, __m512 *P, __m512 *M, __m512 *V) { \
+    vldw_##DP(a->p, e, w, l, EO_##DP##DG##DS, P);                                  \
+    vldw_##DS(a->m, e, w, l, EO_##DP##DG##DS, M);                                  \
+    vldw_##DS(a->v, e, w, l, EO_##DP##DG##DS, V);                                  \
   }                                                                                \
   static inline __attribute__((always_inline)) void vst_pmv_##DP##DG##DS(         \
-      const Arrays *a, int64_t e, int w, __mmask16 l, const __m512 *P, const __m512 *M, const __m512 *V) { \
+      const Arrays *a, int64_t e, int w, uint32_t l, const __m512 *P, const __m512 *M, const __m512 *V) { \
     __mmask16 sub = 0;                                                             \
-    for (int i = 0; i < w; i++) {                                                  \
-      vst_fast_##DP(a->po, e + 16 * i, P[i], l, &sub);                             \
-      vst_fast_##DS(a->mo, e + 16 * i, M[i], l, &sub);                             \
-      vst_fast_##DS(a->vo, e + 16 * i, V[i], l, &sub);                             \
+    vstw_fast_##DP(a->po, e, w, l, EO_##DP##DG##DS, P, &sub);                      \
+    vstw_fast_##DS(a->mo, e, w, l, EO_##DP##DG##DS, M, &sub);                      \
+    vstw_fast_##DS(a->vo, e, w, l, EO_##DP##DG##DS, V, &sub);                      \
+    if (__builtin_expect(sub != 0, 0)) {                                           \
+      vstw_##DP(a->po, e, w, l, EO_##DP##DG##DS, P);                               \
+      vstw_##DS(a->mo, e, w, l, EO_##DP##DG##DS, M);                               \
+      vstw_##DS(a->vo, e, w, l, EO_##DP##DG##DS, V);                               \
     }                                                                              \
-    if (__builtin_expect(sub != 0, 0))                                             \
-      for (int i = 0; i < w; i++) {                                                \
-        vst_##DP(a->po, e + 16 * i, P[i], l);                                      \
-        vst_##DS(a->mo, e + 16 * i, M[i], l);                                      \
-        vst_##DS(a->vo, e + 16 * i, V[i], l);                                      \
-      }                                                                            \
   }                                                                                \
-  /* w (<= STEP_WIDTH) vectors at e: their loads, the step of each, their stores */ \
+  /* w (<= the loop's width) vectors at e: their loads, the step of each, their stores */ \
   static inline __attribute__((always_inline)) void vstep_at_##DP##DG##DS(        \
-      const Arrays *a, const StepK *k, int rk, int64_t e, int w, __mmask16 l) {    \
-    __m512 P[STEP_WIDTH], M[STEP_WIDTH], V[STEP_WIDTH];                            \
+      const Arrays *a, const StepK *k, int rk, int64_t e, int w, uint32_t l) {     \
+    __m512 P[MAX_WIDTH], G[MAX_WIDTH], M[MAX_WIDTH], V[MAX_WIDTH];                 \
     vld_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
-    for (int i = 0; i < w; i++) step_vec(&P[i], vld_##DG(a->g, e + 16 * i, l), &M[i], &V[i], k, rk); \
+    vldw_##DG(a->g, e, w, l, EO_##DP##DG##DS, G);                                  \
+    for (int i = 0; i < w; i++) step_vec(&P[i], G[i], &M[i], &V[i], k, rk);        \
     vst_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
   }                                                                                \
   /* The step of j's range; with scan (a constant: 1 for a full chunk of vstep_scan) it also reads the next   \
@@ -1011,24 +1111,26 @@ static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, 
      inf or a nan (else 0) */                                                                               \
   static inline __attribute__((always_inline)) int vstep_run_##DP##DG##DS(       \
       const Job *j, int64_t scan_end, int scan, int fast, int rk) {                \
+    enum { EO = EO_##DP##DG##DS, W = SWIDTH(EO_##DP##DG##DS), U = UNIT(EO_##DP##DG##DS) }; \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
     __mmask16 bad = 0;                                                             \
     (void)fast;                                                                    \
-    int64_t e = j->begin; /* full vectors with the constant ALL_LANES, then the partial one */ \
-    for (; e + 16 * STEP_WIDTH <= j->end; e += 16 * STEP_WIDTH) {                 \
-      for (int i = 0; i < STEP_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0); \
-      vstep_at_##DP##DG##DS(&a, &k, rk, e, STEP_WIDTH, ALL_LANES);                 \
+    int64_t e = j->begin; /* full widths and units with the constant FULL_LANES, then the partial unit */ \
+    for (; e + 16 * W <= j->end; e += 16 * W) {                                    \
+      for (int i = 0; i < W; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0);   \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, W, FULL_LANES(EO));                     \
       if (scan)                                                                    \
-        for (int i = 0; i < STEP_WIDTH; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
+        for (int i = 0; i < W; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
-    for (; e + 16 <= j->end; e += 16) {                                           \
-      PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                        \
-      vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, ALL_LANES);                          \
-      if (scan) SCAN_AT(DG, a.g, e, scan_end, bad, lim)                            \
+    for (; e + 16 * U <= j->end; e += 16 * U) {                                    \
+      for (int i = 0; i < U; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0);   \
+      vstep_at_##DP##DG##DS(&a, &k, rk, e, U, FULL_LANES(EO));                     \
+      if (scan)                                                                    \
+        for (int i = 0; i < U; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
-    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, 1, lanes_left(j->end - e)); \
+    if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, U, unit_lanes_left(EO, j->end - e)); \
     return scan && SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);             \
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(sq, vstep_run_##DP##DG##DS, j, 0, 0); }
@@ -1088,23 +1190,24 @@ static inline __m512 vround_0(__m512 x) { return x; }
 #ifndef UNDO_WIDTH
 #define UNDO_WIDTH 3
 #endif
+_Static_assert(UNDO_WIDTH <= MAX_WIDTH, "widths up to MAX_WIDTH");
 #define VUNDO(DP, DG, DS)                                                          \
-  /* w (<= UNDO_WIDTH) vectors at e, in lanes l of each, as vstep_at */               \
+  /* w (<= the loop's width) vectors at e, in lanes l, as vstep_at */               \
   static inline __attribute__((always_inline)) void vundo_at_##DP##DG##DS(        \
       const Arrays *a, const UndoK *u, const StepK *k, int have_p_old, int redo, int fast, \
-      int rk, int64_t e, int w, __mmask16 l) {                                     \
-    __m512 P[UNDO_WIDTH], M[UNDO_WIDTH], V[UNDO_WIDTH];                            \
+      int rk, int64_t e, int w, uint32_t l) {                                      \
+    __m512 P[MAX_WIDTH], G[MAX_WIDTH], M[MAX_WIDTH], V[MAX_WIDTH];                 \
     vld_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
-    for (int i = 0; i < w; i++)                                                    \
-      undo_vec(&P[i], vld_##DG(a->g, e + 16 * i, l), &M[i], &V[i], u, have_p_old, fast, rk); \
+    vldw_##DG(a->g, e, w, l, EO_##DP##DG##DS, G);                                  \
+    for (int i = 0; i < w; i++) undo_vec(&P[i], G[i], &M[i], &V[i], u, have_p_old, fast, rk); \
     if (redo) {                                                                    \
       for (int i = 0; i < w; i++) {                                                \
         P[i] = vround_##DP(P[i]);                                                  \
         M[i] = vround_##DS(M[i]);                                                  \
         V[i] = vround_##DS(V[i]);                                                  \
       }                                                                            \
-      for (int i = 0; i < w; i++)                                                  \
-        step_vec(&P[i], vld_##DG(a->g2, e + 16 * i, l), &M[i], &V[i], k, rk);      \
+      vldw_##DG(a->g2, e, w, l, EO_##DP##DG##DS, G);                               \
+      for (int i = 0; i < w; i++) step_vec(&P[i], G[i], &M[i], &V[i], k, rk);      \
     }                                                                              \
     vst_pmv_##DP##DG##DS(a, e, w, l, P, M, V);                                     \
   }                                                                                \
@@ -1112,6 +1215,7 @@ static inline __m512 vround_0(__m512 x) { return x; }
      undo+redo) it also reads the next chunk's new gradient as vstep_run does the step's */                     \
   static inline __attribute__((always_inline)) int vundo_run_##DP##DG##DS(       \
       const Job *j, int64_t scan_end, int scan, int fast, int rk) {                \
+    enum { EO = EO_##DP##DG##DS, W = UWIDTH(EO_##DP##DG##DS), U = UNIT(EO_##DP##DG##DS) }; \
     const int have_p_old = j->pold != 0, redo = scan || j->op == OP_UNDO_REDO;     \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
@@ -1119,19 +1223,20 @@ static inline __m512 vround_0(__m512 x) { return x; }
     const uint32_t lim = j->s2.lim[DG];                                            \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
-    for (; e + 16 * UNDO_WIDTH <= j->end; e += 16 * UNDO_WIDTH) {                 \
-      for (int i = 0; i < UNDO_WIDTH; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, UNDO_WIDTH, ALL_LANES); \
+    for (; e + 16 * W <= j->end; e += 16 * W) {                                    \
+      for (int i = 0; i < W; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, W, FULL_LANES(EO)); \
       if (scan)                                                                    \
-        for (int i = 0; i < UNDO_WIDTH; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
+        for (int i = 0; i < W; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
-    for (; e + 16 <= j->end; e += 16) {                                           \
-      PREFETCH_ARRAYS(DP, DG, DS, a, e, redo);                                     \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, 1, ALL_LANES); \
-      if (scan) SCAN_AT(DG, a.g2, e, scan_end, bad, lim)                           \
+    for (; e + 16 * U <= j->end; e += 16 * U) {                                    \
+      for (int i = 0; i < U; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, FULL_LANES(EO)); \
+      if (scan)                                                                    \
+        for (int i = 0; i < U; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
     }                                                                              \
     if (e < j->end)                                                                \
-      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, 1, lanes_left(j->end - e)); \
+      vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, unit_lanes_left(EO, j->end - e)); \
     return scan && SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);            \
   }                                                                                \
   /* fast: 1 with sq 0 (cpu_fast), 0 with sq (cpu) */                              \
