@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -274,11 +275,13 @@ def main() -> None:
         sizes = {where: (n, reps, max(1, rounds // 5), args.calls) for where, (n, reps, rounds, _) in sizes.items()}
     replica = replica_kind(args.replica) if args.backend == "cpu" else 0
     with tempfile.TemporaryDirectory(prefix="sofx-compute-") as tmp:
-        exes = [build(tmp)]
+        builds = [(tmp, None)]
         if against:
             os.mkdir(os.path.join(tmp, "against"))
             other_source = source_at(args.against) if args.against else with_define(SOURCE, args.define)
-            exes.append(build(os.path.join(tmp, "against"), other_source))
+            builds.append((os.path.join(tmp, "against"), other_source))
+        with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # both compilers at once (~25 s each)
+            exes = list(pool.map(lambda b: build(*b), builds))
         per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}
     results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]

@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -185,7 +186,8 @@ def main() -> None:
     other = source_at(args.against) if args.against else with_define(SOURCE, args.define)
     label = args.against or args.define
     with tempfile.TemporaryDirectory(prefix="sofx-memory-ab-") as tmp:
-        libs = [load(os.path.join(tmp, "tree"), SOURCE), load(os.path.join(tmp, "other"), other)]
+        with ThreadPoolExecutor(max_workers=2) as pool:  # both compilers at once (~25 s each)
+            libs = list(pool.map(load, [os.path.join(tmp, "tree"), os.path.join(tmp, "other")], [SOURCE, other]))
         results = {name: timed(libs, dt, fs, replica, n, reps, args.threads) for name, (dt, fs) in COMBOS.items()}
     print(f"# sofx CPU kernels where the memory sets the time ({loops_title(args.backend, replica)}, {args.threads} "
           f"threads, {n} elements), machine: {cpu_model()}")

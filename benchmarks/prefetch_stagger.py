@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sofx.kernels import _cpu_build  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import build_variant, size_arguments  # noqa: E402
+from _ab import build_variants, size_arguments  # noqa: E402
 from memory_floor import compare_libraries, require_vector_loops, traffic_only_source  # noqa: E402
 
 _DEFINE = re.compile(r"^#define PREFETCH_STAGGER \d+$", re.M)
@@ -43,12 +43,14 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
 def main() -> None:
     args = size_arguments(__doc__.split("\n")[0], rounds=8, more=_arguments)
     require_vector_loops()
-    libraries = {}
+    sources = {}  # name: (source, traffic only)
     for stagger in (int(x) for x in args.staggers.split(",")):
         source = stagger_source(_cpu_build.SOURCE, stagger)
-        libraries[f"kernels, stagger {stagger}"] = (build_variant(source), False)
+        sources[f"kernels, stagger {stagger}"] = (source, False)
         if args.traffic_only:
-            libraries[f"traffic only, stagger {stagger}"] = (build_variant(traffic_only_source(source)), True)
+            sources[f"traffic only, stagger {stagger}"] = (traffic_only_source(source), True)
+    built = build_variants([source for source, _ in sources.values()])
+    libraries = {name: (lib, traffic) for (name, (_, traffic)), lib in zip(sources.items(), built)}
     compare_libraries(libraries, 1 << args.log2_numel, args.rounds)
 
 

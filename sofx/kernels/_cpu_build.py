@@ -147,14 +147,15 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
-def _compile(cc: str, flags: list[str], target: str) -> str | None:
-    """Compile SOURCE to ``target`` atomically; the compiler's error text on failure, else None."""
+def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE) -> str | None:
+    """Compile ``source`` (the kernel source) to ``target`` atomically; the compiler's error text on failure,
+    else None."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         src = os.path.join(tmp, "sofx_adam.c")
         with open(src, "w", encoding="utf-8") as f:
-            f.write(SOURCE)
+            f.write(source)
         out = os.path.join(tmp, "sofx_adam.so")
         try:
             proc = subprocess.run([*cc.split(), *flags, *_TUNING, *_COMMON, src, "-o", out, "-lm"],
@@ -253,7 +254,9 @@ def _replica_matches(sqrt: ctypes._CFuncPtr, kind: int) -> bool:
     return torch.equal(got.view(torch.int32), x.sqrt().view(torch.int32))
 
 
-def _build_and_open() -> NativeLib | str:
+def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> NativeLib | str:
+    """The library built from ``source`` (the kernel source; a benchmark's variant of it) and opened, cached in
+    ``cache_dir`` (default: the library's cache); why it is unavailable where it cannot be."""
     if os.environ.get("SOFX_CPU_NATIVE", "1") == "0":
         return "disabled by SOFX_CPU_NATIVE=0"
     cc = _compiler()
@@ -262,12 +265,12 @@ def _build_and_open() -> NativeLib | str:
     version = _compiler_version(cc)
     errors = []
     for flags in _FLAG_SETS:
-        key = hashlib.sha256("\0".join([SOURCE, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
+        key = hashlib.sha256("\0".join([source, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
                              .encode()).hexdigest()[:24]
-        target = os.path.join(_cache_dir(), f"sofx_adam_{key}.so")
+        target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
         if not os.path.exists(target):
             try:
-                err = _compile(cc, flags, target)
+                err = _compile(cc, flags, target, source)
             except OSError as e:  # unwritable cache directory and the like
                 err = str(e)
             if err is not None:
