@@ -200,19 +200,18 @@ def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib
     p, m = b.p, b.m
     if lib is None or p.dtype not in _STORAGE_DTYPES or m.dtype not in _STORAGE_DTYPES or b.v.dtype != m.dtype:
         return None
-    if not lib.has_f16 and any(t is not None and t.dtype == torch.float16
-                               for t in (p, m, b.g, b.g2, b.p_old, b.p_copy)):
-        return None
+    if not lib.has_f16 and any(t is not None and t.dtype == torch.float16 for t in (p, m, b.g, b.g2, b.p_old)):
+        return None  # (a float16 p_copy is copied after the kernel there: see _prepare)
     return lib
 
 
-def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None) -> _Native:
+def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_build.NativeLib) -> _Native:
     """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed) and the
     tensors it writes (``out``'s own where they fit, else fresh ones)."""
     p, g, m, v = _native_input(b.p), _native_input(b.g), _native_input(b.m), _native_input(b.v)
     g2 = _native_input(b.g2) if b.g2 is not None else None
     p_old = _native_input(b.p_old) if b.p_old is not None else None
-    pc = kernel_param_copy(b.p_copy, _DTYPE_CODES)
+    pc = kernel_param_copy(b.p_copy, _DTYPE_CODES if lib.has_f16 else _F16_FREE_CODES)
     out = b.out
     dp, ds = p.dtype, m.dtype
     if out is not None and out[0] is p and out[1] is m and out[2] is v:
@@ -388,7 +387,8 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         elif b.p.numel() == 0:
             results[i] = _empty_results(b)
         else:
-            native.append((i, _prepare(b, c1, c2)))
+            assert lib is not None
+            native.append((i, _prepare(b, c1, c2, lib)))
     if native:
         assert lib is not None
         _call(lib, op, variant, table if table is not None else _Table.of([nb for _, nb in native]), exact)
