@@ -32,6 +32,9 @@ def test_copy_and_sum_match_copy_and_sumsq(grad_dtype, dst_dtype, rng):
         total = copy_with_sumsq(dst, grad)
         assert torch.equal(dst, grad.to(dst_dtype)), (n, grad_dtype, dst_dtype)
         assert buffer[:3].eq(7).all() and buffer[3 + n:].eq(7).all()
+        if torch.float16 in (grad_dtype, dst_dtype) and not _cpu_build.load().has_f16:
+            assert total is None  # a compiler without _Float16 (clang before 15): the plain copy
+            continue
         want = sumsq(dst)
         assert total is not None and abs(total - want) <= 1e-6 * want, (total, want)
 

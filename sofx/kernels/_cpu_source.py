@@ -698,8 +698,12 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
 }
 
 /* Outputs may be the inputs' own storage, element for element (buffer donation): there is no
-   dependence between iterations, only within one, which vectorization keeps. */
+   dependence between iterations, only within one, which vectorization keeps. (clang: its own pragma.) */
+#if defined(__clang__)
+#define IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#else
 #define IVDEP _Pragma("GCC ivdep")
+#endif
 
 #define LD_0(ptr, i) (((const float *)(ptr))[i])
 #define LD_1(ptr, i) bf16_to_f32(((const uint16_t *)(ptr))[i])
@@ -788,7 +792,8 @@ static inline int prefetch_lines(const void *p, const void *g, const void *m, co
    "Staggered prefetch": 0 to 448 bytes tried; the traffic-only floor does not move, the arithmetic
    hides better behind it). */
 #define PREFETCH_STAGGER 320
-static inline void prefetch_at(const void *base, int64_t e, int es, int stream) {
+/* (the vector loops' only: unused in the portable build) */
+static inline __attribute__((unused)) void prefetch_at(const void *base, int64_t e, int es, int stream) {
   prefetch_line(base, e * es + PREFETCH_BYTES + stream * PREFETCH_STAGGER);
 }
 #define ES_0 4
@@ -895,14 +900,9 @@ static inline __attribute__((always_inline)) void vst_bits(void *p, int64_t e, _
 static inline __attribute__((always_inline)) void vst_1(void *p, int64_t e, __m512 x, __mmask16 lanes) {
   vst_bits(p, e, cvt_bf16_16(x), lanes);
 }
-/* vst_* by the CPU's conversion alone, the lanes it would get wrong (subnormal: it flushes them) or'd into *sub
+/* vst_1 by the CPU's conversion alone, the lanes it would get wrong (subnormal: it flushes them) or'd into *sub
    (a caller that finds *sub set stores its vectors again by vst_*): one test per group of stores instead of one
    per vector. */
-static inline __attribute__((always_inline)) void vst_fast_0(void *p, int64_t e, __m512 x, __mmask16 lanes,
-                                                             __mmask16 *sub) {
-  (void)sub;
-  vst_0(p, e, x, lanes);
-}
 static inline __attribute__((always_inline)) void vst_fast_1(void *p, int64_t e, __m512 x, __mmask16 lanes,
                                                              __mmask16 *sub) {
   *sub |= _mm512_fpclass_ps_mask(x, 0x20);
