@@ -432,6 +432,31 @@ print("ok")
     assert "ok" in out.stdout
 
 
+def test_flag_sets_the_compiler_refused_are_not_tried_again_by_later_processes(tmp_path):
+    """A compiler that refuses every flag set (as clang without an OpenMP runtime refuses -fopenmp, ~10 s a
+    try): the first process tries each set once and records the refusals in the cache; the next one runs the
+    reference math at once, with the compiler's reason, without calling the compiler to build."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "fakecc"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n"
+                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
+                    'echo "fakecc: error: this flag set is refused" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    code = "from sofx.kernels import _cpu_build, cpu; assert not cpu.native_available(); print(_cpu_build.unavailable_reason())"
+    env = dict(os.environ, CC=str(fake), SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    builds = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "this flag set is refused" in out.stdout
+        calls = log.read_text().splitlines()
+        builds.append(sum("--version" not in c for c in calls))
+        log.write_text("")
+    from sofx.kernels import _cpu_build
+
+    assert builds == [len(_cpu_build._FLAG_SETS), 0]
+
+
 def test_the_build_divides_in_cpu_fasts_inverse_on_zen5_and_later(monkeypatch):
     """FAST_DIVIDER (true divisions in cpu_fast's inverse and cpu's denominators, AVX-512 loops) only where it was
     measured faster."""

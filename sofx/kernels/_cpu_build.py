@@ -1,12 +1,15 @@
 """Compile the native CPU kernels once per machine and load them with ctypes.
 
 The C source (:mod:`sofx.kernels._cpu_source`) is plain C99 with no Python or
-torch headers, so a cold compile takes about a second. The shared library is
+torch headers; a cold compile takes ~25 s (``-O3``, several vector loops). The shared library is
 cached on disk under ``$SOFX_CACHE_DIR`` (default ``$XDG_CACHE_HOME/sofx`` or
 ``~/.cache/sofx``), keyed by a hash of the source, the compiler, its flags and
 the CPU's instruction-set flags (the library is built with ``-march=native``),
 written to a temporary file and renamed into place, so that concurrent
-processes never load a half-written file. In the process it is built and
+processes never load a half-written file. A flag set the compiler refused
+(``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
+``.failed`` file beside the library's name) and skipped by later processes;
+delete the cache to try it again. In the process it is built and
 loaded at most once (a lock guards the lazy load); the result, or the reason
 it is unavailable, is cached.
 
@@ -147,9 +150,17 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
+def _failed_marker(target: str) -> str:
+    """The file beside ``target`` that records the compiler's refusal of it (see :func:`_compile`)."""
+    return target[:-len(".so")] + ".failed"
+
+
 def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE) -> str | None:
     """Compile ``source`` (the kernel source) to ``target`` atomically; the compiler's error text on failure,
-    else None."""
+    else None. Where the compiler ran and refused (a flag set it lacks: ``-fopenmp`` without an OpenMP
+    runtime, say) that text is also left in :func:`_failed_marker`'s file, so that later processes skip the
+    flag set instead of paying the failed build again (~10 s each; a timeout or a compiler that did not start
+    leaves no marker)."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -163,7 +174,12 @@ def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE) -> st
         except (OSError, subprocess.SubprocessError) as e:
             return str(e)
         if proc.returncode != 0:
-            return proc.stderr.strip() or f"exit status {proc.returncode}"
+            err = proc.stderr.strip() or f"exit status {proc.returncode}"
+            marker = os.path.join(tmp, "failed")
+            with open(marker, "w", encoding="utf-8") as f:
+                f.write(err)
+            os.replace(marker, _failed_marker(target))
+            return err
         os.replace(out, target)
     return None
 
@@ -270,9 +286,13 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
         target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
         if not os.path.exists(target):
             try:
-                err = _compile(cc, flags, target, source)
-            except OSError as e:  # unwritable cache directory and the like
-                err = str(e)
+                with open(_failed_marker(target), encoding="utf-8") as f:  # refused by this compiler before
+                    err = f.read() or "failed before"
+            except OSError:
+                try:
+                    err = _compile(cc, flags, target, source)
+                except OSError as e:  # unwritable cache directory and the like
+                    err = str(e)
             if err is not None:
                 errors.append(f"{cc} {' '.join(flags)}: {_first_error(err)}")
                 continue
