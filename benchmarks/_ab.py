@@ -110,8 +110,8 @@ def build_variants(sources: list[str]) -> list:
     from sofx.kernels import _cpu_build
 
     with tempfile.TemporaryDirectory() as cache, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        libs = list(pool.map(lambda i: _cpu_build._build_and_open(sources[i], os.path.join(cache, str(i))),
-                             range(len(sources))))
+        libs = list(pool.map(_cpu_build._build_and_open, sources,
+                             [os.path.join(cache, str(i)) for i in range(len(sources))]))
     for lib in libs:
         if isinstance(lib, str):
             sys.exit(lib)

@@ -111,9 +111,14 @@ double time_mix(int reads, int writes, int64_t n) {
 """
 
 
+def compiler() -> str | None:
+    """The system compiler: ``CC``, else the first of cc, gcc, clang on the PATH (None if none)."""
+    return os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
 def build(directory: str) -> ctypes.CDLL:
     """The C library above, compiled with the system compiler into ``directory``; exits if none works."""
-    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    cc = compiler()
     if cc is None:
         sys.exit("needs a C compiler (cc, gcc or clang)")
     src, out = os.path.join(directory, "read_streams.c"), os.path.join(directory, "read_streams.so")

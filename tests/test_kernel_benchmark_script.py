@@ -134,7 +134,7 @@ def test_idle_rows_script_runs():
 
 def test_read_streams_script_runs():
     """``benchmarks/read_streams.py`` builds its own small C library: one row per mix, then the ratios."""
-    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    cc = _module(os.path.join(ROOT, "benchmarks", "read_streams.py")).compiler()
     if cc is None:
         pytest.skip("needs a C compiler")
     with tempfile.TemporaryDirectory() as tmp:

@@ -84,6 +84,11 @@ _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _F16_FREE_CODES = {d: c for d, c in _DTYPE_CODES.items() if d != torch.float16}  # a build without _Float16
 
 
+def _codes(lib: _cpu_build.NativeLib) -> dict[torch.dtype, int]:
+    """The element types ``lib`` reads and writes, by their codes."""
+    return _DTYPE_CODES if lib.has_f16 else _F16_FREE_CODES
+
+
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
     """CPU tensors with float32, bfloat16 or float16 parameters and states."""
     return torch.device(device).type == "cpu" and param_dtype in _STORAGE_DTYPES and state_dtype in _STORAGE_DTYPES
@@ -211,7 +216,7 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_bui
     p, g, m, v = _native_input(b.p), _native_input(b.g), _native_input(b.m), _native_input(b.v)
     g2 = _native_input(b.g2) if b.g2 is not None else None
     p_old = _native_input(b.p_old) if b.p_old is not None else None
-    pc = kernel_param_copy(b.p_copy, _DTYPE_CODES if lib.has_f16 else _F16_FREE_CODES)
+    pc = kernel_param_copy(b.p_copy, _codes(lib))
     out = b.out
     dp, ds = p.dtype, m.dtype
     if out is not None and out[0] is p and out[1] is m and out[2] is v:
@@ -245,7 +250,7 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     p, g, m, v, g2, p_old, pc, out, sk = b.p, b.g, b.m, b.v, b.g2, b.p_old, b.p_copy, b.out, b.skip
     if type(p) is not torch.Tensor or (g2 is None) != (op != src.OP_UNDO_REDO):  # g2: an undo+redo's, only
         return None
-    codes = _DTYPE_CODES if lib.has_f16 else _F16_FREE_CODES
+    codes = _codes(lib)
     shape = p.shape
     for t in (p, g, m, v, g2, p_old, pc):
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
