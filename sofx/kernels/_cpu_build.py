@@ -122,15 +122,10 @@ _TUNING = _tuning_defines()
 
 
 def _cpu_fingerprint() -> str:
-    """The CPU model and feature flags (what ``-march=native`` depends on)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.strip()
-    except OSError:
-        pass
-    return platform.processor() + platform.machine()
+    """The CPU's vendor, family, model and feature flags (what ``-march=native`` depends on: its instruction sets
+    and its tuning; Arm's /proc/cpuinfo names its flags ``Features`` and its model ``CPU part``)."""
+    fields = [_cpuinfo_field(name) for name in ("vendor_id", "cpu family", "model", "flags", "Features", "CPU part")]
+    return "|".join(fields) if any(fields) else platform.processor() + platform.machine()
 
 
 def _compiler() -> str | None:
