@@ -1,14 +1,17 @@
 """What the memory traffic alone costs: the fused kernels against the same loops with the arithmetic taken out.
 
-    python benchmarks/memory_floor.py            # 2^26 float32 elements, 2 threads, 6 rounds
+    python benchmarks/memory_floor.py                      # 2^26 float32 elements, 2 threads, 6 rounds
+    python benchmarks/memory_floor.py --backend cpu_fast
+    CC="gcc -mno-avx512f" python benchmarks/memory_floor.py   # the AVX2 loops on an AVX-512 CPU
 
 Builds a second copy of the native library (in a temporary cache directory) whose vector loops keep
 every load, prefetch and store but replace Adam's arithmetic by one add (step) or subtract (undo) per
-array, then times the `cpu` backend's step and fused undo+redo with a new gradient on both libraries,
-alternating round by round. The ratio undo+redo / step of the second library is the floor that the
-memory system alone sets on this machine for issue #4's "undo+redo <= 1.25x a step" (5 streams read
-and 3 written against 4 and 3; ``read_streams.py`` shows the reads alone set it here: 5/4). Needs the
-AVX-512 vector loops (HW_BF16 CPUs).
+array, then times the ``cpu`` backend's step and fused undo+redo with a new gradient on both libraries
+(``cpu_fast`` where ``cpu``'s vector loops do not run: no inline replica of MKL's square root in use, so that
+it calls MKL per chunk; or ``--backend``'s), alternating round by round. The ratio undo+redo / step of the
+second library is the floor that the memory system alone sets on this machine for issue #4's "undo+redo <=
+1.25x a step" (5 streams read and 3 written against 4 and 3; ``read_streams.py`` shows the reads alone set it
+here: 5/4). Needs the vector loops: the AVX-512 ones (HW_BF16 CPUs) or the AVX2 ones.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from types import ModuleType
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sofx.kernels import _cpu_build, cpu  # noqa: E402
+from sofx.kernels import _cpu_build, cpu, cpu_fast  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,21 +35,38 @@ VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
 S2 = S1._replace(lr=9e-4, grad_scale=0.5)
 
-# The first lines of the vector loops' step and undo; the traffic-only library returns right after them.
+# The first lines of the vector loops' arithmetic, with what the traffic-only library does instead (its loads,
+# prefetches and stores kept): the AVX-512 step and undo (one add / subtract per array), and the AVX2 loops'
+# helpers, which every AVX2 loop (pipelined ones included) is made of: no square root, the step's moments and
+# parameter one add each, the undo one subtract per array. Both sets are patched: the build compiles one.
 _STEP_HEAD = ("static inline __attribute__((always_inline)) void step_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,\n"
               + " " * 60 + "const StepK *k, int rk) {")
 _UNDO_HEAD = ("static inline __attribute__((always_inline)) void undo_vec(__m512 *P, __m512 G, __m512 *M, __m512 *V,\n"
               + " " * 60 + "const UndoK *k, int have_p_old, int fast, int rk) {")
+_PATCHES = (
+    (_STEP_HEAD, "*P = _mm512_add_ps(*P, G); *M = _mm512_add_ps(*M, G); *V = _mm512_add_ps(*V, G);"
+                 " (void)k; (void)rk; return;"),
+    (_UNDO_HEAD, "*P = _mm512_sub_ps(*P, G); *M = _mm512_sub_ps(*M, G); *V = _mm512_sub_ps(*V, G);"
+                 " (void)k; (void)rk; return;"),
+    ("static inline __attribute__((always_inline)) v8 sqrt8(v8 x, const Sqrt *sq) {",
+     "(void)sq; return x;"),
+    ("static inline __attribute__((always_inline)) void step_pre8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k) {",
+     "*M = _mm256_add_ps(*M, G); *V = _mm256_add_ps(*V, G); (void)P; (void)k; return;"),
+    ("static inline __attribute__((always_inline)) v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {",
+     "(void)M; (void)k; return _mm256_add_ps(P, D);"),
+    ("static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, "
+     "int have_p_old, int fast) {",
+     "*P = _mm256_sub_ps(*P, G); *M = _mm256_sub_ps(*M, G); *V = _mm256_sub_ps(*V, G);"
+     " (void)D; (void)k; (void)have_p_old; (void)fast; return;"),
+)
 
 
 def traffic_only_source(source: str) -> str:
-    """The kernel source with the vector step and undo reduced to one add / subtract per array."""
-    for head, op in ((_STEP_HEAD, "add"), (_UNDO_HEAD, "sub")):
+    """The kernel source with the vector loops' arithmetic reduced to one add / subtract per array."""
+    for head, body in _PATCHES:
         if source.count(head) != 1:
-            sys.exit(f"the kernel source changed: update {__file__} ({head[:40]}...)")
-        body = (f"\n  *P = _mm512_{op}_ps(*P, G); *M = _mm512_{op}_ps(*M, G); *V = _mm512_{op}_ps(*V, G);"
-                "\n  (void)k; (void)rk; return;")
-        source = source.replace(head, head + body)
+            sys.exit(f"the kernel source changed: update {__file__} ({head[:60]}...)")
+        source = source.replace(head, head + "\n  " + body)
     return source
 
 
@@ -63,8 +84,9 @@ def fresh_state(n: int) -> tuple[torch.Tensor, ...]:
     return p, g, m, v, g2
 
 
-def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n: int, rounds: int) -> None:
-    """Time the ``cpu`` backend's step and undo+redo with a new gradient on each library (name -> (library,
+def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n: int, rounds: int,
+                      backend: ModuleType = cpu) -> None:
+    """Time ``backend``'s step and undo+redo with a new gradient on each library (name -> (library,
     traffic_only)), alternating round by round, and print the table. The kernel libraries share one set
     of arrays (every timed pair leaves it as it found it); the traffic-only ones, which change the values,
     another."""
@@ -76,12 +98,12 @@ def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n
             library, traffic_only = libraries[name]
             _cpu_build._loaded[0] = library
             p, g, m, v, g2 = arrays[traffic_only]
-            step, undo_redo = time_step_and_undo_redo(cpu, p, g, m, v, S1, g2, S2, VARIANT)
+            step, undo_redo = time_step_and_undo_redo(backend, p, g, m, v, S1, g2, S2, VARIANT)
             times[name][0].append(step)
             times[name][1].append(undo_redo)
     finally:
         _cpu_build._loaded[0] = loaded
-    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend cpu, median of {rounds} rounds")
+    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend {backend.__name__.rsplit('.', 1)[-1]}, median of {rounds} rounds")
     print()
     print("| library | step ms | undo+redo ms (new gradient) | undo+redo / step |")
     print("|---|---:|---:|---:|")
@@ -91,19 +113,30 @@ def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n
 
 
 def require_vector_loops() -> _cpu_build.NativeLib:
-    """The loaded native library; exits unless it has the vector loops these scripts patch."""
+    """The loaded native library; exits unless it has the vector loops these scripts patch (AVX-512 or AVX2)."""
     lib = _cpu_build.load()
-    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
-        sys.exit("needs the native library with its vector loops (AVX-512 with bf16 conversion) "
-                 f"({_cpu_build.unavailable_reason() or 'the vector loops are not in use here'})")
+    if lib is None or not lib.vector_width:
+        sys.exit("needs the native library with its vector loops (AVX-512 or AVX2) "
+                 f"({_cpu_build.unavailable_reason() or 'this build has the portable loops alone'})")
     return lib
 
 
+def backend_for(lib: _cpu_build.NativeLib, name: str | None) -> ModuleType:
+    """The backend to time: ``name``'s, else ``cpu`` where its vector loops run (an inline replica of MKL's
+    square root in use), else ``cpu_fast`` (``cpu`` calls MKL per chunk there: its square roots are not
+    patched)."""
+    name = name or ("cpu" if lib.sqrt_replica else "cpu_fast")
+    if name == "cpu" and not lib.sqrt_replica:
+        sys.exit("cpu's vector loops do not run here (no inline replica of MKL's square root in use): --backend cpu_fast")
+    return {"cpu": cpu, "cpu_fast": cpu_fast}[name]
+
+
 def main() -> None:
-    args = size_arguments(__doc__.split("\n")[0], rounds=6)
+    args = size_arguments(__doc__.split("\n")[0], rounds=6, more=lambda ap: ap.add_argument(
+        "--backend", choices=("cpu", "cpu_fast"), help="default: cpu where its vector loops run, else cpu_fast"))
     lib = require_vector_loops()
     compare_libraries({"kernels": (lib, False), "memory traffic only": (build_traffic_only(), True)},
-                      1 << args.log2_numel, args.rounds)
+                      1 << args.log2_numel, args.rounds, backend_for(lib, args.backend))
 
 
 if __name__ == "__main__":

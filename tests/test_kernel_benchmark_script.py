@@ -95,7 +95,7 @@ def test_memory_floor_script_runs():
     from sofx.kernels import _cpu_build
 
     lib = _cpu_build.load()
-    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
+    if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
     rows = _table_rows("memory_floor.py", ["--log2-numel", "14", "--rounds", "2"], ("| kernels", "| memory"))
     assert len(rows) == 2
@@ -103,12 +103,46 @@ def test_memory_floor_script_runs():
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
 
 
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, tmp_path, monkeypatch):
+    """The traffic-only library's loops (the AVX-512 ones, or the AVX2 ones: on an AVX-512 CPU built with
+    -mno-avx512f) are patched: a step adds the gradient to each moment, not Adam's update (a patch that missed
+    the loops in use would leave a floor equal to the kernels')."""
+    from sofx.kernels import _cpu_build, cpu_fast
+    from sofx.kernels.base import AdamScalars, AdamVariant
+
+    lib = _cpu_build.load()
+    cc = _cpu_build._compiler()
+    if lib is None or cc is None or not lib.vector_width:
+        pytest.skip("needs the native vector loops")
+    flags = list(_cpu_build._BASE_FLAG_SETS[0])
+    if build == "avx2":
+        if not lib.vector_loops:
+            pytest.skip("the native build is the AVX2 one here")
+        flags.append("-mno-avx512f")
+    floor = _module(os.path.join(ROOT, "benchmarks", "memory_floor.py"))
+    target = str(tmp_path / "traffic_only.so")
+    err = _cpu_build._compile(cc, flags, target, floor.traffic_only_source(_cpu_build.SOURCE))
+    assert err is None, err
+    traffic = _cpu_build._open(target)
+    assert traffic.vector_width == (8 if build == "avx2" else lib.vector_width)
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * 4096 + 37  # a partial last vector too
+    p, g, m, v = (torch.randn(n, generator=gen) for _ in range(4))
+    v = v.abs()
+    s = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, grad_scale=1.0)
+    monkeypatch.setattr(_cpu_build, "_loaded", [traffic])
+    p2, m2, v2 = cpu_fast.step(p, g, m, v, s, AdamVariant(decoupled=True, bias_correction=True))
+    assert torch.equal(m2, m + g) and torch.equal(v2, v + g)
+    assert torch.equal(p2, p + g) or torch.equal(p2, p + v2)  # the AVX-512 step's add, or the AVX2 one's
+
+
 def test_prefetch_stagger_script_runs():
     """``benchmarks/prefetch_stagger.py`` rewrites a #define of the kernel source; this keeps it building."""
     from sofx.kernels import _cpu_build
 
     lib = _cpu_build.load()
-    if lib is None or not lib.sqrt_replica or not lib.vector_loops:
+    if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
     rows = _table_rows("prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--log2-numel", "14",
                                                "--rounds", "2"], ("| kernels", "| traffic"))

@@ -58,8 +58,9 @@ class NativeLib:
 
     ``sqrt_fn``/``sqrt_mode``/``sqrt_local``: the square-root routine to pass to ``adam_many`` (see
     :mod:`sofx.kernels._torch_sqrt`);
-    ``vector_loops``: whether this build has the explicit AVX-512 vector loops (the CPU converts bf16 in
-    hardware); ``sqrt_replica``: 0, or which inline replica of that routine the exact mode computes its results with
+    ``vector_width``: the lanes of this build's explicit vector loops, 16 (AVX-512 with bf16 conversion in
+    hardware), 8 (AVX2) or 0 (the portable loops alone), and ``vector_loops`` whether they are the AVX-512 ones;
+    ``sqrt_replica``: 0, or which inline replica of that routine the exact mode computes its results with
     (``REPLICA_*`` in the source: 1 MKL's AVX-512 code path, 2 its generic one; the first that this build has and
     that gives ``torch.sqrt``'s bits here); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
@@ -73,12 +74,16 @@ class NativeLib:
     sqrt_fn: int
     sqrt_mode: int
     sqrt_local: int
-    vector_loops: bool
+    vector_width: int
     sqrt_replica: int
     sqrt: ctypes._CFuncPtr
     bitwise_torch: bool
     copy_sumsq: ctypes._CFuncPtr
     overlap: ctypes._CFuncPtr
+
+    @property
+    def vector_loops(self) -> bool:
+        return self.vector_width == 16
 
 
 # The element types the library's entry points take, by their codes (DT_* in the source).
@@ -232,8 +237,8 @@ def _open(path: str) -> NativeLib:
     sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     has_replica = lib.sofx_has_sqrt_replica
     has_replica.restype = ctypes.c_int
-    has_vector_loops = lib.sofx_has_vector_loops
-    has_vector_loops.restype = ctypes.c_int
+    vector_width = lib.sofx_vector_width
+    vector_width.restype = ctypes.c_int
     copy_sumsq = lib.sofx_copy_sumsq
     copy_sumsq.restype = ctypes.c_double
     copy_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
@@ -245,7 +250,7 @@ def _open(path: str) -> NativeLib:
     kinds = has_replica() if sqrt_fn else 0
     replica = next((kind for kind in REPLICA_KINDS.values() if kinds & kind and _replica_matches(sqrt, kind)), 0)
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
-    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, bool(has_vector_loops()), replica,
+    return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, vector_width(), replica,
                      sqrt, bitwise, copy_sumsq, overlap)
 
 

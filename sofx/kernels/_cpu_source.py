@@ -2239,11 +2239,13 @@ int sofx_overlap(int64_t count, const int *dtypes, const int64_t *ns, void *cons
   return 0;
 }
 
-/* 1 where this build has the explicit AVX-512 vector loops (HW_BF16), else 0 (also where it has the AVX2 ones,
-   which do not scale tiny quotients: see quot8). */
-int sofx_has_vector_loops(void) {
-#ifdef HW_BF16
-  return 1;
+/* The lanes of this build's explicit vector loops: 16 (the AVX-512 ones, HW_BF16), 8 (the AVX2 ones, which do
+   not scale tiny quotients: see quot8), or 0 (the portable loops alone). */
+int sofx_vector_width(void) {
+#if defined(HW_BF16)
+  return 16;
+#elif defined(AVX2_LOOPS)
+  return 8;
 #else
   return 0;
 #endif
