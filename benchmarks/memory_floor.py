@@ -103,7 +103,8 @@ def compare_libraries(libraries: dict[str, tuple[_cpu_build.NativeLib, bool]], n
             times[name][1].append(undo_redo)
     finally:
         _cpu_build._loaded[0] = loaded
-    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend {backend.__name__.rsplit('.', 1)[-1]}, median of {rounds} rounds")
+    name = backend.__name__.rsplit(".", 1)[-1]
+    print(f"float32, {n} elements, {torch.get_num_threads()} threads, backend {name}, median of {rounds} rounds")
     print()
     print("| library | step ms | undo+redo ms (new gradient) | undo+redo / step |")
     print("|---|---:|---:|---:|")
@@ -127,7 +128,8 @@ def backend_for(lib: _cpu_build.NativeLib, name: str | None) -> ModuleType:
     patched)."""
     name = name or ("cpu" if lib.sqrt_replica else "cpu_fast")
     if name == "cpu" and not lib.sqrt_replica:
-        sys.exit("cpu's vector loops do not run here (no inline replica of MKL's square root in use): --backend cpu_fast")
+        sys.exit("cpu's vector loops do not run here (no inline replica of MKL's square root in use): "
+                 "--backend cpu_fast")
     return {"cpu": cpu, "cpu_fast": cpu_fast}[name]
 
 

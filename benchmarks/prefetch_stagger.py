@@ -39,7 +39,8 @@ def stagger_source(source: str, stagger: int) -> str:
 def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--staggers", default="0,320", help="comma-separated bytes (default 0,320)")
     ap.add_argument("--traffic-only", action="store_true", help="also each stagger's traffic-only library")
-    ap.add_argument("--backend", choices=("cpu", "cpu_fast"), help="default: cpu where its vector loops run, else cpu_fast")
+    ap.add_argument("--backend", choices=("cpu", "cpu_fast"),
+                    help="default: cpu where its vector loops run, else cpu_fast")
 
 
 def main() -> None:
