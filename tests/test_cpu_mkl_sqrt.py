@@ -2,9 +2,11 @@
 ``torch.sqrt``'s bits: the exact CPU kernels compute their square roots with it where this check holds.
 
 ``torch.sqrt`` of float32 is MKL's ``vmsSqrt`` (high accuracy): within an ulp, not correctly rounded for
-0.6% (AVX-512 code path) to 17% (the generic SSE path MKL runs on AMD CPUs) of values. The replica
-reproduces the AVX-512 path in AVX-512 builds and the generic path in AVX2 builds; these tests compare the
-two on every non-negative float32 (all 2^31 bit patterns: zeros, subnormals, every binade, +inf, nans), on
+0.6% (AVX-512 code path) to 17% (the generic SSE path MKL runs on AMD CPUs) of values, or only for tiny
+ones (the AVX2 path of Intel CPUs without AVX-512). AVX-512 builds reproduce all three paths, AVX2 builds
+the generic and AVX2 ones (the load-time check picks the one MKL takes here; tests/test_cpu_mkl_code_paths.py
+runs this module under the other paths); these tests compare the replica in use with torch.sqrt on every
+non-negative float32 (all 2^31 bit patterns: zeros, subnormals, every binade, +inf, nans), on
 every float of [1, 4) and every tiny positive float below 2^-95 once more (there the AVX-512 replica scales
 by 2^64 and back by 2^-32, as MKL does), and on ranges of negative numbers and nans. Each range goes
 through ``sofx_sqrt``, the kernels' own tile routine.
@@ -85,12 +87,20 @@ def test_every_non_negative_float():
                                    hex(int(want.view(torch.int32)[i]) & 0xFFFFFFFF)) for i in bad]
 
 
+# Where each code path's results differ from a correctly rounded square root: the AVX-512 and generic ones
+# on [1, 4) (0.6% and 17% of values), the AVX2 one only on the tiny normal floats (~1% of those below 2^-125).
+TEETH = {"avx512": RANGES["[1, 4)"], "generic": RANGES["[1, 4)"], "avx2": (0x00800000, 0x01000000)}
+
+
 @needs_replica
 def test_replica_is_not_ieee_and_random_bits_agree():
-    """The comparison has teeth: on [1, 4) MKL differs from a correctly rounded square root (so the
-    replica is not sqrtf in disguise); and on random bit patterns of every exponent it agrees too."""
-    x = _floats(*RANGES["[1, 4)"])
+    """The comparison has teeth: MKL differs from a correctly rounded square root on the replica's range
+    (so the replica is not sqrtf in disguise) and the replica agrees there; on random bit patterns of
+    every exponent it agrees too."""
+    name = next(name for name, kind in _cpu_build.REPLICA_KINDS.items() if kind == LIB.sqrt_replica)
+    x = _floats(*TEETH[name])
     assert int((x.sqrt() != x.double().sqrt().float()).sum()) > 50_000
+    assert torch.equal(_kernel_sqrt(x, True).view(torch.int32), x.sqrt().view(torch.int32))
     bits = torch.randint(-2**31, 2**31, (1 << 22,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
     r = bits.to(torch.int32).view(torch.float32)
     assert torch.equal(_kernel_sqrt(r, True).view(torch.int32), r.sqrt().view(torch.int32))

@@ -61,8 +61,8 @@ class NativeLib:
     ``vector_width``: the lanes of this build's explicit vector loops, 16 (AVX-512 with bf16 conversion in
     hardware), 8 (AVX2) or 0 (the portable loops alone), and ``vector_loops`` whether they are the AVX-512 ones;
     ``sqrt_replica``: 0, or which inline replica of that routine the exact mode computes its results with
-    (``REPLICA_*`` in the source: 1 MKL's AVX-512 code path, 2 its generic one; the first that this build has and
-    that gives ``torch.sqrt``'s bits here); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
+    (``REPLICA_*`` in the source: 1 MKL's AVX-512 code path, 2 its generic one, 4 its AVX2 one; the first that this
+    build has and that gives ``torch.sqrt``'s bits here; 0: the routine called per chunk); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
     ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`); ``overlap``: the C entry
     ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables).
@@ -217,8 +217,9 @@ def _first_error(text: str) -> str:
 
 
 # The inline replicas of MKL's square root by name (REPLICA_* in the source), in the order they are tried: its
-# AVX-512 code path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512).
-REPLICA_KINDS = {"avx512": 1, "generic": 2}
+# AVX-512 code path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512), its
+# AVX2 one (Intel CPUs with AVX2 but not AVX-512).
+REPLICA_KINDS = {"avx512": 1, "generic": 2, "avx2": 4}
 
 
 def _open(path: str) -> NativeLib:

@@ -12,7 +12,8 @@ Four code paths, all with the same arithmetic:
              square root inline and true divisions for ``cpu`` (when a replica
              passed its load-time check: of MKL's AVX-512 code path on Intel
              CPUs, of its generic one on AMD's, Zen 4 and 5, as in AVX2
-             builds; each its own instance of the loops). They take every operation of the two
+             builds, of its AVX2 one under MKL_ENABLE_INSTRUCTIONS=AVX2; each
+             its own instance of the loops). They take every operation of the two
              paths below on such CPUs (those of ``exact_*`` only with the
              replica); the portable build (no -march=native) checks them bit
              for bit (but for cpu_fast's inverse of tiny values: quot_vec).
@@ -22,7 +23,8 @@ Four code paths, all with the same arithmetic:
              operation of ``fused_*``, and of ``exact_*``: with the AVX2 replica
              of MKL's square root inline where the load-time check finds it
              equal to ``torch.sqrt`` (MKL's generic code path, which it runs on
-             AMD CPUs), else as ``xexact_*`` (MKL's square root called per chunk
+             AMD CPUs, or its AVX2 one, which it runs on Intel CPUs without
+             AVX-512), else as ``xexact_*`` (MKL's square root called per chunk
              of XTILE elements between two vector passes).
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
@@ -111,13 +113,16 @@ typedef struct {
   vsqrt_fn fn;
   int64_t mode;
   local_threads_fn local;
-  int replica;                       /* 0, or which inline replica of MKL's square root stands in for fn (a REPLICA_*
-                                        kind this build has, checked against torch.sqrt at load) */
+  int replica;                       /* 0, or which inline replica of torch's square root stands in for fn (a
+                                        REPLICA_* kind this build has, checked against torch.sqrt at load) */
 } Sqrt;
-/* The inline replicas of MKL's square root: of its AVX-512 code path (what it runs on Intel CPUs with
-   AVX-512; rsqrt14 and one multiply-add) and of its generic one (what it runs on AMD CPUs, with or without
-   AVX-512; rsqrtps and a Goldschmidt iteration). AVX-512 builds have both, AVX2 builds the generic one. */
-enum { REPLICA_AVX512 = 1, REPLICA_GENERIC = 2 };
+/* The inline replicas of torch's square root, MKL's vmsSqrt: of its AVX-512 code path (what it runs on Intel CPUs
+   with AVX-512; rsqrt14 and one multiply-add), of its generic one (what it runs on AMD CPUs, with or without
+   AVX-512; rsqrtps and a Goldschmidt iteration) and of its AVX2 one (what it runs on Intel CPUs with AVX2 but
+   not AVX-512; the generic one's steps as multiply-adds: correctly rounded but for tiny numbers, see
+   mkl_avx2_replica8). AVX-512 builds have all three, AVX2 builds (with FMA) the generic and the AVX2 ones, the
+   portable build none. Each is a bit in the mask sofx_has_sqrt_replica returns. */
+enum { REPLICA_AVX512 = 1, REPLICA_GENERIC = 2, REPLICA_AVX2 = 4 };
 
 typedef struct {
   int op, decoupled;
@@ -253,6 +258,47 @@ static void round_to(float *x, int dt, int n) {
     return P##_add_ps(P##_mul_ps(P##_sub_ps(x, P##_mul_ps(s1, s1)), h1), s1);      \
   }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* MKL's high-accuracy float32 square root where it runs its AVX2 code path (Intel CPUs with AVX2 but without
+   AVX-512; any Intel CPU under MKL_ENABLE_INSTRUCTIONS=AVX2): the generic path's steps (MKL_GENERIC_STEPS) with
+   every multiply and add fused, from the CPU's rsqrtps estimate y:
+     s = x*y,  h = y/2,  e = fma(-s, h, 1/2),  s1 = fma(s, e, s),  h1 = fma(h, e, h),
+     sqrt(x) ~ fma(fma(-s1, s1, x), h1, s1).
+   That is correctly rounded (IEEE sqrtf's result) for every x >= 2^-104, but not for the tiny normal x below,
+   where the remainder x - s1*s1 is subnormal (about 1% of them an ulp off); for +-0, the subnormals, +inf and
+   nans MKL's results are sqrtf's, and a negative non-nan x gives the positive default nan 0x7FC00000 (sqrtps:
+   the negative one). So the replica is the CPU's square root where no lane is below 2^-104 but +0 (two compares
+   and a test beyond it), else mkl_avx2_rare*: the formula on the tiny normal lanes, MKL's nan on the negative
+   ones. tests/test_cpu_mkl_sqrt.py compares it with torch.sqrt on every float32 bit pattern where MKL runs
+   this code path (test_the_avx2_code_paths_replica_under_mkl_enable_instructions). */
+#define MKL_AVX2_STEPS(name, V, P)                                                 \
+  static inline __attribute__((always_inline)) V name(V x, V y) {                 \
+    const V half = P##_set1_ps(0.5f);                                              \
+    const V s = P##_mul_ps(x, y);                                                  \
+    const V h = P##_mul_ps(y, half);                                               \
+    const V e = P##_fnmadd_ps(s, h, half);                                         \
+    const V s1 = P##_fmadd_ps(s, e, s);                                            \
+    const V h1 = P##_fmadd_ps(h, e, h);                                            \
+    return P##_fmadd_ps(P##_fnmadd_ps(s1, s1, x), h1, s1);                         \
+  }
+MKL_AVX2_STEPS(mkl_avx2_steps8, __m256, _mm256)
+static __attribute__((noinline, unused)) __m256 mkl_avx2_rare8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i tiny = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), bits),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(0x0B800000), bits)); /* 2^-126.. */
+  const __m256 r = _mm256_blendv_ps(_mm256_sqrt_ps(x), mkl_avx2_steps8(x, _mm256_rsqrt_ps(x)), _mm256_castsi256_ps(tiny));
+  const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
+  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), neg);
+}
+static inline __attribute__((always_inline)) __m256 mkl_avx2_replica8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x0B800000), bits); /* < 2^-104, negatives included */
+  const __m256i plus_zero = _mm256_cmpeq_epi32(bits, _mm256_setzero_si256());
+  if (__builtin_expect(_mm256_testc_si256(plus_zero, low), 1)) return _mm256_sqrt_ps(x); /* low lanes all +0 */
+  return mkl_avx2_rare8(x);
+}
+#endif
+
 #ifdef HW_RSQRT14
 /* MKL's high-accuracy float32 square root as ATen calls it (vmsSqrt, its AVX-512 code path), computed
    inline: y = rsqrt14(x) (the instruction's result is defined bit for bit), s = x*y, then one
@@ -351,11 +397,31 @@ static inline __attribute__((always_inline)) __m512 mkl_generic_replica16(__m512
   return mkl_generic_rare16(x); /* out of line, as mkl_sqrt_rare8 */
 }
 
+/* MKL's AVX2 code path on 16 lanes: mkl_avx2_replica8's cases, with the 8-lane rsqrtps estimate on each half. */
+MKL_AVX2_STEPS(mkl_avx2_steps16, __m512, _mm512)
+static __attribute__((noinline)) __m512 mkl_avx2_rare16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(bits, _mm512_set1_epi32(0x00800000)),
+                                                 _mm512_set1_epi32(0x0B800000 - 0x00800000)); /* 2^-126.. */
+  const __m512 r = _mm512_mask_mov_ps(_mm512_sqrt_ps(x), tiny, mkl_avx2_steps16(x, rsqrt_estimate16(x)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
+  return _mm512_mask_mov_ps(r, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+static inline __attribute__((always_inline)) __m512 mkl_avx2_replica16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __mmask16 low = _mm512_mask_cmplt_epi32_mask(_mm512_test_epi32_mask(bits, bits), bits,
+                                                     _mm512_set1_epi32(0x0B800000)); /* < 2^-104 but +0 */
+  if (__builtin_expect(low == 0, 1)) return _mm512_sqrt_ps(x);
+  return mkl_avx2_rare16(x);
+}
+
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
     const __m512 x = _mm512_maskz_loadu_ps(lanes, in + i);
-    _mm512_mask_storeu_ps(out + i, lanes, kind == REPLICA_GENERIC ? mkl_generic_replica16(x) : mkl_sqrt_replica16(x));
+    _mm512_mask_storeu_ps(out + i, lanes, kind == REPLICA_GENERIC ? mkl_generic_replica16(x)
+                                          : kind == REPLICA_AVX2  ? mkl_avx2_replica16(x)
+                                                                  : mkl_sqrt_replica16(x));
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -393,13 +459,16 @@ static inline __attribute__((always_inline)) __m256 mkl_sqrt_replica8(__m256 x) 
   return mkl_sqrt_rare8(x, other); /* out of line: the loops stay smaller (and compile faster) */
 }
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
-  (void)kind; /* REPLICA_GENERIC, the only one here */
-  int i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, mkl_sqrt_replica8(_mm256_loadu_ps(in + i)));
+  int i = 0; /* kind: REPLICA_GENERIC or REPLICA_AVX2 */
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    _mm256_storeu_ps(out + i, kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : mkl_sqrt_replica8(x));
+  }
   if (i < n) {
     float t[8] = {0};
     memcpy(t, in + i, sizeof(float) * (size_t)(n - i));
-    _mm256_storeu_ps(t, mkl_sqrt_replica8(_mm256_loadu_ps(t)));
+    const __m256 x = _mm256_loadu_ps(t);
+    _mm256_storeu_ps(t, kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : mkl_sqrt_replica8(x));
     memcpy(out + i, t, sizeof(float) * (size_t)(n - i));
   }
 }
@@ -998,6 +1067,7 @@ static inline __attribute__((always_inline)) void vstw_fast_1(void *p, int64_t e
    vector stores may alias any memory, a Sqrt's field too, so it would be loaded again per vector). */
 static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
   if (!rk) return _mm512_sqrt_ps(x);
+  if (rk == REPLICA_AVX2) return mkl_avx2_replica16(x);
   return rk == REPLICA_GENERIC ? mkl_generic_replica16(x) : mkl_sqrt_replica16(x);
 }
 #define REPLICA_KIND(sq) ((sq) ? (sq)->replica : 0)
@@ -1008,6 +1078,7 @@ static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
 #define BY_SQRT(sq, f, ...)                                                        \
   (REPLICA_KIND(sq) == REPLICA_GENERIC  ? f(__VA_ARGS__, 0, REPLICA_GENERIC)        \
    : REPLICA_KIND(sq) == REPLICA_AVX512 ? f(__VA_ARGS__, 0, REPLICA_AVX512)         \
+   : REPLICA_KIND(sq) == REPLICA_AVX2   ? f(__VA_ARGS__, 0, REPLICA_AVX2)           \
                                         : f(__VA_ARGS__, 1, 0))
 
 /* div_by on 16 lanes (the min returns its second operand where the first is nan, as minss). */
@@ -1032,7 +1103,8 @@ static inline __attribute__((always_inline)) __m512 div_by_vec(__m512 x, float b
 static inline __attribute__((always_inline)) __m512 adam_denominator(__m512 v, float bc2, float rbc2, float eps,
                                                                      int rk) {
   const __m512 r = sqrt_vec(v, rk);
-  const __m512 q = FAST_DIVIDER && rk ? _mm512_div_ps(r, _mm512_set1_ps(bc2)) : div_by_vec(r, bc2, rbc2);
+  const int replica_on_fma = rk && rk != REPLICA_AVX2; /* the AVX2 replica's square root is on the divider */
+  const __m512 q = FAST_DIVIDER && replica_on_fma ? _mm512_div_ps(r, _mm512_set1_ps(bc2)) : div_by_vec(r, bc2, rbc2);
   return _mm512_add_ps(q, _mm512_set1_ps(eps));
 }
 
@@ -1374,16 +1446,31 @@ static inline __attribute__((always_inline)) v8 step_post8(v8 P, v8 M, v8 D, con
   return _mm256_add_ps(P, _mm256_div_ps(_mm256_mul_ps(v8set(k->nss), M), d));
 }
 /* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the exact path runs these loops only
-   where it is in use, see EXACT_VECTORS). These 8-lane helpers are always inlined: with the replica in sqrt8 gcc
-   stopped inlining some into the loops (its growth limits), which made cpu_fast's undo 2x slower in cache. */
+   where a replica is in use, see EXACT_VECTORS, with sq GENERIC8 or AVX2_8). These 8-lane helpers
+   are always inlined: with the replica in sqrt8 gcc stopped inlining some into the loops (its growth limits),
+   which made cpu_fast's undo 2x slower in cache. */
 static inline __attribute__((always_inline)) v8 sqrt8(v8 x, const Sqrt *sq) {
+  if (!sq) return _mm256_sqrt_ps(x);
+  if (sq->replica == REPLICA_AVX2) return mkl_avx2_replica8(x);
 #ifdef HW_RSQRT8
-  if (sq) return mkl_sqrt_replica8(x);
+  return mkl_sqrt_replica8(x);
 #else
-  (void)sq;
+  return _mm256_sqrt_ps(x); /* no such loops: see VECTOR_REPLICA8 */
 #endif
-  return _mm256_sqrt_ps(x);
 }
+/* The loops' square roots as the constants they are instanced with (sq: 0 for cpu_fast's IEEE ones, else one of
+   these two, whose field sqrt8 reads is then known when the loop compiles; a job's own Sqrt would be read again
+   after every vector store, which may alias it): the replica of MKL's generic code path, of its AVX2 one. */
+static const Sqrt GENERIC8 __attribute__((unused)) = {0, 0, 0, REPLICA_GENERIC}, AVX2_8 = {0, 0, 0, REPLICA_AVX2};
+/* Whether cpu's loops run the vector loops with replica kind r: the replica of MKL's generic code path (where
+   the build has it) or of its AVX2 one; else xexact_*. */
+#ifdef HW_RSQRT8
+#define VECTOR_REPLICA8(r) ((r) == REPLICA_GENERIC || (r) == REPLICA_AVX2)
+#define GENERIC8_ONLY(statement) statement
+#else
+#define VECTOR_REPLICA8(r) ((r) == REPLICA_AVX2)
+#define GENERIC8_ONLY(statement) (void)0
+#endif
 static inline __attribute__((always_inline)) void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
   *P = step_post8(*P, *M, sqrt8(*V, sq), k);
@@ -1535,8 +1622,9 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
   /* the loops with sq (and fast) constants: a square root chosen per vector made cpu_fast's undo 2x slower \
      in cache (benchmarks/kernel_compute.py); the same for vundo and the scans below */ \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
-    if (sq) vstep_run_##DP##DG##DS(j, sq);                                         \
-    else vstep_run_##DP##DG##DS(j, 0);                                             \
+    if (!sq) vstep_run_##DP##DG##DS(j, 0);                                         \
+    else if (sq->replica == REPLICA_AVX2) vstep_run_##DP##DG##DS(j, &AVX2_8);       \
+    else GENERIC8_ONLY(vstep_run_##DP##DG##DS(j, &GENERIC8));                      \
   }
 
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
@@ -1633,10 +1721,11 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     else LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 0, 0, fast, sq); \
   }                                                                                \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
-    /* every caller pairs them so: cpu's (MKL's square root, true divisions) or cpu_fast's (IEEE, div_by) */ \
+    /* every caller pairs them so: cpu's (torch's square root, true divisions) or cpu_fast's (IEEE, div_by) */ \
     (void)fast;                                                                    \
-    if (sq) vundo_run_##DP##DG##DS(j, 0, sq);                                      \
-    else vundo_run_##DP##DG##DS(j, 1, 0);                                          \
+    if (!sq) vundo_run_##DP##DG##DS(j, 1, 0);                                      \
+    else if (sq->replica == REPLICA_AVX2) vundo_run_##DP##DG##DS(j, 0, &AVX2_8);    \
+    else GENERIC8_ONLY(vundo_run_##DP##DG##DS(j, 0, &GENERIC8));                   \
   }
 /* cpu's exact loops where MKL's square root has no inline replica in use (another MKL code path than the
    one mkl_sqrt_replica8 reproduces; also tests, with the replica switched off) with the vectors above: per
@@ -1696,20 +1785,16 @@ NATIVE_COMBOS(XEXACT8_DECL)
 NATIVE_COMBOS(VECTORS8)
 #define STEP_VECTORS(DP, DG, DS) vstep_##DP##DG##DS(j, 0); return;
 #define UNDO_VECTORS(DP, DG, DS) vundo_##DP##DG##DS(j, 1, 0); return;
-/* cpu's loops: where the inline replica of MKL's square root is in use, the vector loops above with it and true
-   divisions in the inverse; else xexact_* (MKL called per chunk). */
-#ifdef HW_RSQRT8
+/* cpu's loops: where an inline replica of torch's square root is in use (VECTOR_REPLICA8), the vector loops above
+   with it and true divisions in the inverse; else xexact_* (MKL called per chunk). */
 #define EXACT_VECTORS(DP, DG, DS)                                                  \
-  if (sq.replica) {                                                                \
+  if (VECTOR_REPLICA8(sq.replica)) {                                               \
     if (j->op == OP_STEP) vstep_##DP##DG##DS(j, &sq);                              \
     else vundo_##DP##DG##DS(j, 0, &sq);                                            \
     return;                                                                        \
   }                                                                                \
   xexact_##DP##DG##DS(j);                                                          \
   return;
-#else
-#define EXACT_VECTORS(DP, DG, DS) xexact_##DP##DG##DS(j); return;
-#endif
 #define AVX2_LOOPS 1
 #else
 #define STEP_VECTORS(DP, DG, DS)
@@ -1987,7 +2072,10 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    return sq ? vstep_scan_run_##DP##DG##DS(j, sq, scan_end) : vstep_scan_run_##DP##DG##DS(j, 0, scan_end); \
+    if (!sq) return vstep_scan_run_##DP##DG##DS(j, 0, scan_end);                   \
+    if (sq->replica == REPLICA_AVX2) return vstep_scan_run_##DP##DG##DS(j, &AVX2_8, scan_end); \
+    GENERIC8_ONLY(return vstep_scan_run_##DP##DG##DS(j, &GENERIC8, scan_end));      \
+    return 0;                                                                      \
   }                                                                                \
   static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
       const Job *j, int fast, const Sqrt *sq, int64_t scan_end) {                  \
@@ -2006,7 +2094,10 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast; /* !sq, as in vundo */                                             \
-    return sq ? vredo_scan_run_##DP##DG##DS(j, 0, sq, scan_end) : vredo_scan_run_##DP##DG##DS(j, 1, 0, scan_end); \
+    if (!sq) return vredo_scan_run_##DP##DG##DS(j, 1, 0, scan_end);                \
+    if (sq->replica == REPLICA_AVX2) return vredo_scan_run_##DP##DG##DS(j, 0, &AVX2_8, scan_end); \
+    GENERIC8_ONLY(return vredo_scan_run_##DP##DG##DS(j, 0, &GENERIC8, scan_end));   \
+    return 0;                                                                      \
   }
 NATIVE_COMBOS(VSCAN8)
 /* xexact_* (cpu's AVX2 loops), optionally (scan_g) reading the next chunk's gradient scan_g as vstep_scan does:
@@ -2094,11 +2185,7 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
 #undef COMBO_CASE
 #elif defined(AVX2_LOOPS)
   if (j->op == OP_UNDO || !fused_for(j, j->exact)) return 0;
-#ifdef HW_RSQRT8
-  const int xexact = j->exact && !j->sq.replica; /* else the vector loops, with the replica where exact */
-#else
-  const int xexact = j->exact;
-#endif
+  const int xexact = j->exact && !VECTOR_REPLICA8(j->sq.replica); /* else the vector loops (see EXACT_VECTORS) */
   *sq = j->exact ? &j->sq : 0;
   *fast = !j->exact;
 #define COMBO_CASE(DP, DG, DS) \
@@ -2251,13 +2338,13 @@ int sofx_vector_width(void) {
 #endif
 }
 
-/* The replicas of MKL's square root this build has, as a mask of their REPLICA_* kinds (AVX-512: both, its
-   AVX-512 code path and its generic one; AVX2: the generic one), else 0. */
+/* The replicas of MKL's square root this build has, as a mask of their REPLICA_* kinds (AVX-512: its AVX-512,
+   generic and AVX2 code paths; AVX2: the generic and AVX2 ones), else 0. */
 int sofx_has_sqrt_replica(void) {
 #if defined(HW_RSQRT14)
-  return REPLICA_AVX512 | REPLICA_GENERIC;
+  return REPLICA_AVX512 | REPLICA_GENERIC | REPLICA_AVX2;
 #elif defined(HW_RSQRT8)
-  return REPLICA_GENERIC;
+  return REPLICA_GENERIC | REPLICA_AVX2;
 #else
   return 0;
 #endif
@@ -2265,7 +2352,10 @@ int sofx_has_sqrt_replica(void) {
 
 /* kind if it names a replica this build has, else 0 (no replica: the routine's calls). */
 static int replica_kind(int kind) {
-  return (kind == REPLICA_AVX512 || kind == REPLICA_GENERIC) && (sofx_has_sqrt_replica() & kind) ? kind : 0;
+  return (kind == REPLICA_AVX512 || kind == REPLICA_GENERIC || kind == REPLICA_AVX2) &&
+                 (sofx_has_sqrt_replica() & kind)
+             ? kind
+             : 0;
 }
 
 /* out = the square roots of in[0..n) as the exact loops take them: sqrt_tile per TILE elements, with the

@@ -23,24 +23,26 @@ chunk in the same pass, for the undo strategy of :meth:`sofx.Adam.update` and
 :meth:`sofx.Adam.undo_redo`.
 
 Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
-which is not always correctly rounded. To give the reference's (and
-``torch.optim``'s) bits, this backend calls that same routine (found in
-``libtorch_cpu`` and checked against ``torch.sqrt`` on load, see
-:mod:`sofx.kernels._torch_sqrt`) on chunks of 128 elements (the size that
-measured fastest): everything before and after a square root runs as one
-fused loop per chunk; only the square-root call and the final parameter loop
-run without memory traffic (about 5-10% slower than fully fused). Divisions
-are true divisions, except sqrt(v') / sqrt(bc2), computed through the
-reciprocal and a multiply-add correction, which gives the same bits there
-(see ``div_by`` in the C source).
-Where torch's square root is IEEE, or MKL's routine cannot be found, the fully
-fused per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast`
-always uses those (about as fast as ``torch.optim.AdamW(fused=True)``, within
-an ulp of the reference). :func:`bitwise_with_torch` says whether this backend's
-results are the reference's bit for bit on this machine. ``out`` may be the
-inputs' own tensors (donation): the update is then in place and allocates
-nothing. Any shape works (the tensors are treated as flat); non-contiguous
-tensors are computed through contiguous copies and written back.
+which is not always correctly rounded, and rounds differently by the code
+path MKL picks for the CPU (its AVX-512 one on Intel CPUs with AVX-512, its
+AVX2 one on Intel CPUs without, its generic one on AMD CPUs). To give the
+reference's (and ``torch.optim``'s) bits, the native code computes that
+path's square root inline (a replica of each path's formula, checked against
+``torch.sqrt`` on load, see ``_replica_matches`` in
+:mod:`sofx.kernels._cpu_build`) in the same vector loops as ``cpu_fast``;
+where no replica matches (another MKL), it calls MKL's routine itself (found
+in ``libtorch_cpu``, see :mod:`sofx.kernels._torch_sqrt`) per chunk, slower.
+Divisions are true divisions, except sqrt(v') / sqrt(bc2), computed through
+the reciprocal and a multiply-add correction, which gives the same bits there
+(see ``div_by`` in the C source). Where torch's square root is IEEE (no MKL),
+the per-element loops with ``sqrtf`` are used. :mod:`sofx.kernels.cpu_fast`
+always takes IEEE square roots (about as fast as
+``torch.optim.AdamW(fused=True)``, within an ulp of the reference).
+:func:`bitwise_with_torch` says whether this backend's results are the
+reference's bit for bit on this machine. ``out`` may be the inputs' own
+tensors (donation): the update is then in place and allocates nothing. Any
+shape works (the tensors are treated as flat); non-contiguous tensors are
+computed through contiguous copies and written back.
 
 Element types: float32, bfloat16 and float16 (params, gradients, states, in
 any combination; float16 where the C compiler has ``_Float16``, through a
