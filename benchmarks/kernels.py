@@ -74,13 +74,24 @@ def cpu_square_root() -> str:
         return "IEEE sqrtf (torch's is IEEE here)"
     kinds = _cpu_build.REPLICA_KINDS
     paths = {kinds["avx512"]: "inline, the replica of MKL's AVX-512 path",
-             kinds["generic"]: "inline, the replica of MKL's generic path"}
+             kinds["generic"]: "inline, the replica of MKL's generic path",
+             kinds["avx2"]: "inline, the replica of MKL's AVX2 path"}
     return paths.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
 
 
+def kernel_loops() -> str:
+    """Which vector loops the native library built here runs (a compiler forced to AVX2, ``CC="gcc
+    -mno-avx512f"``, builds the AVX2 ones on an AVX-512 CPU)."""
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    width = lib.vector_width if lib is not None else 0
+    return {16: "AVX-512", 8: "AVX2"}.get(width, "portable") + " loops"
+
+
 def cpu_model() -> str:
-    """The CPU's model name and its widest vector extension (the kernels' loops differ between AVX-512 and
-    AVX2 machines), from /proc/cpuinfo where there is one."""
+    """The CPU's model name, its widest vector extension and the kernel loops built for it (the kernels'
+    loops differ between AVX-512 and AVX2 machines), from /proc/cpuinfo where there is one."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             info = f.read()
@@ -90,7 +101,7 @@ def cpu_model() -> str:
                 platform.machine())
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} ({platform.machine()}, {isa})"
+    return f"{name} ({platform.machine()}, {isa}; {kernel_loops()})"
 
 
 THP_VARIABLE = "THP_MEM_ALLOC_ENABLE"
