@@ -8,6 +8,7 @@ and the fallback when no compiler is available.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import subprocess
@@ -622,6 +623,32 @@ def test_another_build_gives_the_same_bits_for_nans_and_infinities_in_bf16(other
         for a, b in zip(got, want, strict=True):
             assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True))
         assert want[0][0][[10, 11, n - 1]].isnan().all() and want[2][0][[n - 3, n - 1]].isnan().all()
+
+
+def test_another_builds_replica_gives_torchs_square_roots(other_build):
+    """Where another build has an inline replica of MKL's square root in use here (the AVX-512 path's on 8 lanes
+    in the AVX-512 build without bf16 conversion: its AVX2 loops take it), every non-negative float32 and
+    ranges of negative ones through its tile routine (which runs the loops' replica) give torch.sqrt's bits."""
+    from sofx.kernels import _cpu_build
+
+    native = _cpu_build.load()
+    if native is not None and native.sqrt_replica and ctypes.CDLL(other_build.path).sofx_has_sqrt_replica() & \
+            native.sqrt_replica:  # the build has the replica of the code path taken here: its check must accept it
+        assert other_build.sqrt_replica == native.sqrt_replica
+    if not other_build.sqrt_replica:
+        pytest.skip("no replica of the MKL code path taken here in this build: its exact loops call MKL")
+    chunk = 1 << 24
+    offsets = torch.arange(chunk, dtype=torch.int32)
+    bits, got, want = torch.empty_like(offsets), torch.empty(chunk), torch.empty(chunk)
+    firsts = [*range(0, 1 << 31, chunk), -(1 << 31), -(1 << 31) + 0x3F000000, -chunk]  # -0 on, near -1, nans
+    for first in firsts:
+        torch.add(offsets, first, out=bits)
+        x = bits.view(torch.float32)
+        other_build.sqrt(chunk, x.data_ptr(), got.data_ptr(), None, 0, other_build.sqrt_replica)
+        torch.sqrt(x, out=want)
+        bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero()[:5, 0]
+        assert bad.numel() == 0, [(hex((first + int(i)) & 0xFFFFFFFF), hex(int(got.view(torch.int32)[i]) & 0xFFFFFFFF),
+                                   hex(int(want.view(torch.int32)[i]) & 0xFFFFFFFF)) for i in bad]
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

@@ -24,8 +24,10 @@ Four code paths, all with the same arithmetic:
              of MKL's square root inline where the load-time check finds it
              equal to ``torch.sqrt`` (MKL's generic code path, which it runs on
              AMD CPUs, or its AVX2 one, which it runs on Intel CPUs without
-             AVX-512), else as ``xexact_*`` (MKL's square root called per chunk
-             of XTILE elements between two vector passes).
+             AVX-512; in AVX-512 builds without bfloat16 conversion, Skylake-SP
+             to Ice Lake-SP, the replica of its AVX-512 path on 8 lanes), else
+             as ``xexact_*`` (MKL's square root called per chunk of XTILE
+             elements between two vector passes).
 ``fused_*``  one loop per (param, grad, state) dtype combination, element by
              element from memory to memory, IEEE ``sqrtf``: loads, math and
              stores interleave, so the update runs at the memory bandwidth.
@@ -286,7 +288,8 @@ static __attribute__((noinline, unused)) __m256 mkl_avx2_rare8(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i tiny = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x00800000), bits),
                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(0x0B800000), bits)); /* 2^-126.. */
-  const __m256 r = _mm256_blendv_ps(_mm256_sqrt_ps(x), mkl_avx2_steps8(x, _mm256_rsqrt_ps(x)), _mm256_castsi256_ps(tiny));
+  const __m256 r = _mm256_blendv_ps(_mm256_sqrt_ps(x), mkl_avx2_steps8(x, _mm256_rsqrt_ps(x)),
+                                    _mm256_castsi256_ps(tiny));
   const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ); /* not -0, not a nan */
   return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), neg);
 }
@@ -345,6 +348,29 @@ static inline __attribute__((always_inline)) __m512 mkl_sqrt_replica16(__m512 x)
   return _mm512_mask_mov_ps(s, neg, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000))); /* MKL's for x < 0 */
 }
 
+#ifndef HW_BF16
+/* MKL's AVX-512 code path on 8 lanes, for the AVX2 loops of AVX-512 builds without bfloat16 conversion (and their
+   tile routine, mkl_sqrt_replica below, so that the tests of sofx_sqrt check what the loops run): its formula with
+   the 256-bit rsqrt14 (the same estimate per lane as the 512-bit one) where every lane is in [2^-95, FLT_MAX], as
+   mkl_sqrt_replica16's usual vector; any other vector through mkl_sqrt_replica16 itself, the vector twice. */
+static __attribute__((noinline)) __m256 mkl_avx512_path_rare8(__m256 x) {
+  const __m512 twice = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(x)),
+                                                           _mm256_castps_pd(x), 1));
+  return _mm512_castps512_ps256(mkl_sqrt_replica16(twice));
+}
+static inline __attribute__((always_inline)) __m256 mkl_avx512_path_replica8(__m256 x) {
+#ifdef __AVX512VL__
+  const __m256i u = _mm256_sub_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(0x10000000));
+  if (__builtin_expect(_mm256_cmplt_epu32_mask(u, _mm256_set1_epi32(0x7F800000 - 0x10000000)) == 0xFF, 1)) {
+    const __m256 y = _mm256_rsqrt14_ps(x);
+    const __m256 s0 = _mm256_mul_ps(x, y);
+    const __m256 r = _mm256_fnmadd_ps(s0, s0, x);
+    return _mm256_fmadd_ps(r, _mm256_mul_ps(y, _mm256_set1_ps(0.5f)), s0);
+  }
+#endif
+  return mkl_avx512_path_rare8(x);
+}
+#endif
 /* MKL's generic code path on 16 lanes (AMD CPUs with AVX-512: Zen 4 and 5, where MKL does not take its
    AVX-512 path): the formula and the cases of mkl_sqrt_replica8 below (the AVX2 builds' replica, whose
    comment gives them), every operation rounded on its own, with the CPU's 8-lane rsqrtps estimate on
@@ -415,13 +441,23 @@ static inline __attribute__((always_inline)) __m512 mkl_avx2_replica16(__m512 x)
   return mkl_avx2_rare16(x);
 }
 
+/* The AVX-512 path's replica as the build's loops take it: 16 lanes, or 8 at a time (see above). */
+static inline __attribute__((always_inline)) __m512 mkl_avx512_path_replica16(__m512 x) {
+#ifdef HW_BF16
+  return mkl_sqrt_replica16(x);
+#else
+  const __m256 lo = mkl_avx512_path_replica8(_mm512_castps512_ps256(x));
+  const __m256 hi = mkl_avx512_path_replica8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+#endif
+}
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
     const __m512 x = _mm512_maskz_loadu_ps(lanes, in + i);
     _mm512_mask_storeu_ps(out + i, lanes, kind == REPLICA_GENERIC ? mkl_generic_replica16(x)
                                           : kind == REPLICA_AVX2  ? mkl_avx2_replica16(x)
-                                                                  : mkl_sqrt_replica16(x));
+                                                                  : mkl_avx512_path_replica16(x));
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -1337,9 +1373,10 @@ NATIVE_COMBOS(VECTORS)
    integer formula (no conversion instruction). The compiler-vectorized loops they replace stayed well
    below the memory bandwidth: on a 2-core AMD EPYC (Zen 3) the float32 step at 2^26 elements took 65 ms
    against torch's fused AdamW's 45 (benchmarks/RESULTS.md "AVX2 vector loops"). cpu_fast's loops take
-   IEEE square roots; cpu's torch's, MKL's: the same loops with mkl_sqrt_replica8 (sqrt8) where it is in use,
-   else xexact_* (below), which call MKL per chunk. A range's last, partial vector goes through a zero-padded
-   local copy (TAIL8). */
+   IEEE square roots; cpu's torch's, MKL's: the same loops with an inline replica of it (sqrt8: of MKL's
+   generic or AVX2 code path in AVX2 builds, of its AVX-512 one on 8 lanes in AVX-512 builds without bfloat16
+   conversion) where it is in use, else xexact_* (below), which call MKL per chunk. A range's last, partial
+   vector goes through a zero-padded local copy (TAIL8). */
 typedef __m256 v8;
 static inline v8 v8ld_0(const void *p, int64_t e) { return _mm256_loadu_ps((const float *)p + e); }
 static inline v8 v8ld_1(const void *p, int64_t e) {
@@ -1446,30 +1483,32 @@ static inline __attribute__((always_inline)) v8 step_post8(v8 P, v8 M, v8 D, con
   return _mm256_add_ps(P, _mm256_div_ps(_mm256_mul_ps(v8set(k->nss), M), d));
 }
 /* The square roots of a vector: IEEE (sq 0) or torch's, MKL's (the replica: the exact path runs these loops only
-   where a replica is in use, see EXACT_VECTORS, with sq GENERIC8 or AVX2_8). These 8-lane helpers
+   where a replica is in use, see EXACT_VECTORS, with sq one of the constants below). These 8-lane helpers
    are always inlined: with the replica in sqrt8 gcc stopped inlining some into the loops (its growth limits),
    which made cpu_fast's undo 2x slower in cache. */
 static inline __attribute__((always_inline)) v8 sqrt8(v8 x, const Sqrt *sq) {
   if (!sq) return _mm256_sqrt_ps(x);
-  if (sq->replica == REPLICA_AVX2) return mkl_avx2_replica8(x);
 #ifdef HW_RSQRT8
+  if (sq->replica == REPLICA_AVX2) return mkl_avx2_replica8(x);
   return mkl_sqrt_replica8(x);
 #else
-  return _mm256_sqrt_ps(x); /* no such loops: see VECTOR_REPLICA8 */
+  return mkl_avx512_path_replica8(x); /* REPLICA_AVX512, the only kind these loops take here */
 #endif
 }
-/* The loops' square roots as the constants they are instanced with (sq: 0 for cpu_fast's IEEE ones, else one of
-   these two, whose field sqrt8 reads is then known when the loop compiles; a job's own Sqrt would be read again
-   after every vector store, which may alias it): the replica of MKL's generic code path, of its AVX2 one. */
-static const Sqrt GENERIC8 __attribute__((unused)) = {0, 0, 0, REPLICA_GENERIC}, AVX2_8 = {0, 0, 0, REPLICA_AVX2};
-/* Whether cpu's loops run the vector loops with replica kind r: the replica of MKL's generic code path (where
-   the build has it) or of its AVX2 one; else xexact_*. */
+/* The replicas the loops take, as the constants they are instanced with (sq: 0 for cpu_fast's IEEE square roots,
+   else &OTHER8 or &AVX2_8, whose field sqrt8 reads is then known when the loop compiles; a job's own Sqrt would
+   be read again after every vector store, which may alias it), and VECTOR_REPLICA8(r): whether cpu's loops run
+   these loops with replica kind r (else xexact_*). AVX2 builds: MKL's generic code path (OTHER8; AMD CPUs) and
+   its AVX2 one (AVX2_8; Intel CPUs without AVX-512). AVX-512 builds without bfloat16 conversion (these loops on
+   Intel's AVX-512 CPUs before Cooper Lake: Skylake-SP, Cascade Lake, Ice Lake-SP): its AVX-512 one (OTHER8). */
 #ifdef HW_RSQRT8
+static const Sqrt OTHER8 = {0, 0, 0, REPLICA_GENERIC}, AVX2_8 = {0, 0, 0, REPLICA_AVX2};
 #define VECTOR_REPLICA8(r) ((r) == REPLICA_GENERIC || (r) == REPLICA_AVX2)
-#define GENERIC8_ONLY(statement) statement
+#define AVX2_IN_LOOPS8 1
 #else
-#define VECTOR_REPLICA8(r) ((r) == REPLICA_AVX2)
-#define GENERIC8_ONLY(statement) (void)0
+static const Sqrt OTHER8 = {0, 0, 0, REPLICA_AVX512}, AVX2_8 __attribute__((unused)) = {0, 0, 0, REPLICA_AVX2};
+#define VECTOR_REPLICA8(r) ((r) == REPLICA_AVX512)
+#define AVX2_IN_LOOPS8 0
 #endif
 static inline __attribute__((always_inline)) void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
@@ -1623,8 +1662,8 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
      in cache (benchmarks/kernel_compute.py); the same for vundo and the scans below */ \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
     if (!sq) vstep_run_##DP##DG##DS(j, 0);                                         \
-    else if (sq->replica == REPLICA_AVX2) vstep_run_##DP##DG##DS(j, &AVX2_8);       \
-    else GENERIC8_ONLY(vstep_run_##DP##DG##DS(j, &GENERIC8));                      \
+    else if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) vstep_run_##DP##DG##DS(j, &AVX2_8); \
+    else vstep_run_##DP##DG##DS(j, &OTHER8);                                       \
   }
 
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
@@ -1724,11 +1763,11 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     /* every caller pairs them so: cpu's (torch's square root, true divisions) or cpu_fast's (IEEE, div_by) */ \
     (void)fast;                                                                    \
     if (!sq) vundo_run_##DP##DG##DS(j, 1, 0);                                      \
-    else if (sq->replica == REPLICA_AVX2) vundo_run_##DP##DG##DS(j, 0, &AVX2_8);    \
-    else GENERIC8_ONLY(vundo_run_##DP##DG##DS(j, 0, &GENERIC8));                   \
+    else if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) vundo_run_##DP##DG##DS(j, 0, &AVX2_8); \
+    else vundo_run_##DP##DG##DS(j, 0, &OTHER8);                                    \
   }
 /* cpu's exact loops where MKL's square root has no inline replica in use (another MKL code path than the
-   one mkl_sqrt_replica8 reproduces; also tests, with the replica switched off) with the vectors above: per
+   ones sqrt8 reproduces; also tests, with the replica switched off) with the vectors above: per
    chunk of XTILE elements, a vector pass from memory to memory up to
    the square roots (the inverse, given the chunk's sqrt(v'), and the redo's step_pre; m', v' stored, p',
    m', v' kept in local float arrays), one call of the routine on the chunk, then the parameter update.
@@ -2073,9 +2112,8 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
     if (!sq) return vstep_scan_run_##DP##DG##DS(j, 0, scan_end);                   \
-    if (sq->replica == REPLICA_AVX2) return vstep_scan_run_##DP##DG##DS(j, &AVX2_8, scan_end); \
-    GENERIC8_ONLY(return vstep_scan_run_##DP##DG##DS(j, &GENERIC8, scan_end));      \
-    return 0;                                                                      \
+    if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) return vstep_scan_run_##DP##DG##DS(j, &AVX2_8, scan_end); \
+    return vstep_scan_run_##DP##DG##DS(j, &OTHER8, scan_end);                      \
   }                                                                                \
   static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
       const Job *j, int fast, const Sqrt *sq, int64_t scan_end) {                  \
@@ -2095,9 +2133,8 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast; /* !sq, as in vundo */                                             \
     if (!sq) return vredo_scan_run_##DP##DG##DS(j, 1, 0, scan_end);                \
-    if (sq->replica == REPLICA_AVX2) return vredo_scan_run_##DP##DG##DS(j, 0, &AVX2_8, scan_end); \
-    GENERIC8_ONLY(return vredo_scan_run_##DP##DG##DS(j, 0, &GENERIC8, scan_end));   \
-    return 0;                                                                      \
+    if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) return vredo_scan_run_##DP##DG##DS(j, 0, &AVX2_8, scan_end); \
+    return vredo_scan_run_##DP##DG##DS(j, 0, &OTHER8, scan_end);                   \
   }
 NATIVE_COMBOS(VSCAN8)
 /* xexact_* (cpu's AVX2 loops), optionally (scan_g) reading the next chunk's gradient scan_g as vstep_scan does:
