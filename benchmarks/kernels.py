@@ -71,7 +71,8 @@ def cpu_square_root() -> str:
     if lib is None:
         return "the reference's (no native library)"
     if not lib.sqrt_fn:
-        return "IEEE sqrtf (torch's is IEEE here)"
+        where = "inline in the vector loops" if lib.sqrt_replica else "sqrtf in tiles"
+        return f"IEEE, {where} (torch's is not MKL's routine here)"
     kinds = _cpu_build.REPLICA_KINDS
     paths = {kinds["avx512"]: "inline, the replica of MKL's AVX-512 path",
              kinds["generic"]: "inline, the replica of MKL's generic path",

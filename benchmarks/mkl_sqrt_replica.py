@@ -1,6 +1,11 @@
 """The exact (``cpu``) kernels with MKL's square root inline (the replica) or called per tile, A/B.
 
     python benchmarks/mkl_sqrt_replica.py            # 2^26 elements, 2 threads, 8 rounds
+    python benchmarks/mkl_sqrt_replica.py --ieee     # as with a torch whose square root is IEEE, not MKL's
+
+``--ieee``: the library as it loads where torch's square root is not MKL's routine (``sqrt_fn`` 0): the IEEE
+kind (the vector loops with the hardware's square root) against the exact tile loops with ``sqrtf`` (the same
+bits; what ran there before the kind), and ``cpu_fast`` as the anchor.
 
 Both variants run on the same tensors, alternating (in both orders) round by round, so that the
 machine's bandwidth drift hits them alike; the library is the same, only its ``sqrt_replica`` flag
@@ -9,6 +14,7 @@ differs. Prints the median step and fused undo+redo (a new gradient) per storage
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import statistics
@@ -18,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sofx.kernels import _cpu_build, cpu  # noqa: E402
+from sofx.kernels import _cpu_build, cpu, cpu_fast  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,11 +37,23 @@ CONFIGS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (tor
 
 
 def main() -> None:
-    args = size_arguments(__doc__.split("\n")[0], rounds=8)
+    args = size_arguments(__doc__.split("\n")[0], rounds=8, more=lambda ap: ap.add_argument(
+        "--ieee", action="store_true", help="IEEE square roots inline against sqrtf per tile (torch without MKL)"))
     lib = _cpu_build.load()
-    if lib is None or not lib.sqrt_replica:
+    if lib is None:
+        sys.exit(f"no native library here ({_cpu_build.unavailable_reason()})")
+    if args.ieee:
+        ieee = lib.path and ctypes.CDLL(lib.path).sofx_has_sqrt_replica() & _cpu_build.REPLICA_KINDS["ieee"]
+        if not ieee:
+            sys.exit("this build has no vector loops: its tile loops are the only ones")
+        variants = {"IEEE inline (vector loops)": (cpu, dataclasses.replace(lib, sqrt_fn=0, sqrt_replica=ieee)),
+                    "sqrtf per tile": (cpu, dataclasses.replace(lib, sqrt_fn=0, sqrt_replica=0)),
+                    "cpu_fast": (cpu_fast, lib)}
+    elif not lib.sqrt_replica:
         sys.exit(f"the replica is not in use here ({_cpu_build.unavailable_reason() or 'load-time check failed'})")
-    variants = {"inline (replica)": lib, "MKL call per tile": dataclasses.replace(lib, sqrt_replica=False)}
+    else:
+        variants = {"inline (replica)": (cpu, lib),
+                    "MKL call per tile": (cpu, dataclasses.replace(lib, sqrt_replica=False))}
     n = 1 << args.log2_numel
     print("| params / states | square root | step ms | undo+redo ms |")
     print("|---|---|---:|---:|")
@@ -47,8 +65,8 @@ def main() -> None:
         cpu.step(p, g, m, v, S1, VARIANT, out=(p, m, v))
         times = {name: ([], []) for name in variants}
         for name in alternating(list(variants), args.rounds):
-            _cpu_build._loaded[0] = variants[name]  # the same library, one flag changed
-            step, undo_redo = time_step_and_undo_redo(cpu, p, g, m, v, S1, g2, S2, VARIANT)
+            backend, _cpu_build._loaded[0] = variants[name]  # the same library, one flag changed
+            step, undo_redo = time_step_and_undo_redo(backend, p, g, m, v, S1, g2, S2, VARIANT)
             times[name][0].append(step)
             times[name][1].append(undo_redo)
         _cpu_build._loaded[0] = lib

@@ -651,6 +651,74 @@ def test_another_builds_replica_gives_torchs_square_roots(other_build):
                                    hex(int(want.view(torch.int32)[i]) & 0xFFFFFFFF)) for i in bad]
 
 
+def _ieee_kind_against_tiles(lib, combo, rng, monkeypatch):
+    """cpu where torch's square root is not MKL's routine (sqrt_fn 0): with the IEEE kind (its vector loops, the
+    hardware's square root) against without it (the exact tile loops, sqrtf), every operation, bit for bit."""
+    from sofx.kernels import _cpu_build
+
+    if not ctypes.CDLL(lib.path).sofx_has_sqrt_replica() & _cpu_build.REPLICA_KINDS["ieee"]:
+        pytest.skip("a build without vector loops: its exact tile loops are the only ones")
+    p, g, m, v = block_inputs(rng, 2 * 65536 + 4099, combo[0], combo[2])
+    g = g.to(combo[1])
+    m[::5] = 0
+    v[::7] = 0
+    v[3::11] = 1e-39  # subnormal and tiny second moments: their square roots
+    v[4::11] = 3e-30
+    s = block_scalars(rng, 0.1, 0.5)
+    g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
+    bad = g.clone()
+    bad[70000] = float("nan")
+
+    def runs():
+        out = []
+        for variant in (VARIANTS[0], VARIANTS[3]):
+            c = torch.empty(p.shape, dtype=torch.bfloat16)
+            flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
+            pc, mc, vc = p.clone(), m.clone(), v.clone()
+            out += [cpu.step(p, g, m, v, s, variant, p_copy=c), (c,), cpu.undo(p, g, m, v, s, variant),
+                    cpu.undo_redo(p, m, v, g, s, g2, s, variant),
+                    cpu.step_many([StepCall(pc, bad, mc, vc, s, (pc, mc, vc), skip=flags)], variant)[0], (flags,)]
+        return out
+
+    results = []
+    for kind in (_cpu_build.REPLICA_KINDS["ieee"], 0):
+        monkeypatch.setattr(_cpu_build, "_loaded", [dataclasses.replace(lib, sqrt_fn=0, sqrt_replica=kind)])
+        results.append(runs())
+        monkeypatch.undo()
+    for a, b in zip(*results, strict=True):
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("combo", NATIVE_COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+def test_ieee_kind_gives_the_tile_loops_bits(combo, rng, monkeypatch):
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library")
+    _ieee_kind_against_tiles(lib, combo, rng, monkeypatch)
+
+
+@pytest.mark.parametrize("combo", NATIVE_COMBOS[::3], ids=lambda c: "-".join(str(d)[6:] for d in c))
+def test_ieee_kind_gives_the_tile_loops_bits_in_another_build(combo, other_build, rng, monkeypatch):
+    _ieee_kind_against_tiles(other_build, combo, rng, monkeypatch)
+
+
+def test_torch_without_mkls_square_root_takes_the_ieee_kind(monkeypatch):
+    """Where torch's square root is not MKL's routine (a torch built without MKL: its sqrt is IEEE), the load
+    picks the IEEE kind in builds with vector loops, so that cpu runs them."""
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library")
+    monkeypatch.setattr(_cpu_build, "torch_sqrt_routine", lambda: (0, 0, 0))
+    opened = _cpu_build._open(lib.path)
+    has = ctypes.CDLL(lib.path).sofx_has_sqrt_replica() & _cpu_build.REPLICA_KINDS["ieee"]
+    assert opened.sqrt_fn == 0 and opened.sqrt_replica == has
+    assert has or lib.vector_width == 0
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_small_and_zero_beta1_take_torchs_other_lerp_branch(name, rng):
     backend = BACKENDS[name]

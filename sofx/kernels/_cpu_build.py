@@ -62,7 +62,9 @@ class NativeLib:
     hardware), 8 (AVX2) or 0 (the portable loops alone), and ``vector_loops`` whether they are the AVX-512 ones;
     ``sqrt_replica``: 0, or which inline replica of that routine the exact mode computes its results with
     (``REPLICA_*`` in the source: 1 MKL's AVX-512 code path, 2 its generic one, 4 its AVX2 one; the first that this
-    build has and that gives ``torch.sqrt``'s bits here; 0: the routine called per chunk); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
+    build has and that gives ``torch.sqrt``'s bits here; 0: the routine called per chunk; 8 where torch's square
+    root is not MKL's routine: IEEE square roots in the vector loops, as the exact mode's sqrtf, where the build has
+    them); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
     ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`); ``overlap``: the C entry
     ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables).
@@ -218,8 +220,9 @@ def _first_error(text: str) -> str:
 
 # The inline replicas of MKL's square root by name (REPLICA_* in the source), in the order they are tried: its
 # AVX-512 code path (Intel CPUs with AVX-512), its generic one (AMD CPUs, whether or not they have AVX-512), its
-# AVX2 one (Intel CPUs with AVX2 but not AVX-512).
-REPLICA_KINDS = {"avx512": 1, "generic": 2, "avx2": 4}
+# AVX2 one (Intel CPUs with AVX2 but not AVX-512); and "ieee", the hardware's IEEE square root, for a torch whose
+# square root is not MKL's routine (sqrtf's bits: those the exact mode computes then anyway).
+REPLICA_KINDS = {"avx512": 1, "generic": 2, "avx2": 4, "ieee": 8}
 
 
 def _open(path: str) -> NativeLib:
@@ -248,8 +251,12 @@ def _open(path: str) -> NativeLib:
     # count, dtypes, ns, ptrs (sofx_adam_many's tables), out (int64[4])
     overlap.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     sqrt_fn, sqrt_mode, sqrt_local = torch_sqrt_routine()
-    kinds = has_replica() if sqrt_fn else 0
-    replica = next((kind for kind in REPLICA_KINDS.values() if kinds & kind and _replica_matches(sqrt, kind)), 0)
+    ieee = REPLICA_KINDS["ieee"]
+    if sqrt_fn:  # a replica of torch's MKL routine, where one gives its bits
+        kinds = has_replica() & ~ieee
+        replica = next((kind for kind in REPLICA_KINDS.values() if kinds & kind and _replica_matches(sqrt, kind)), 0)
+    else:  # the exact mode takes IEEE sqrtf: in the vector loops where the build has them
+        replica = has_replica() & ieee
     bitwise = bool(sqrt_fn) or torch_sqrt_is_ieee()
     return NativeLib(path, fn, bool(has_f16()), sqrt_fn, sqrt_mode, sqrt_local, vector_width(), replica,
                      sqrt, bitwise, copy_sumsq, overlap)

@@ -12,8 +12,9 @@ Four code paths, all with the same arithmetic:
              square root inline and true divisions for ``cpu`` (when a replica
              passed its load-time check: of MKL's AVX-512 code path on Intel
              CPUs, of its generic one on AMD's, Zen 4 and 5, as in AVX2
-             builds, of its AVX2 one under MKL_ENABLE_INSTRUCTIONS=AVX2; each
-             its own instance of the loops). They take every operation of the two
+             builds, of its AVX2 one under MKL_ENABLE_INSTRUCTIONS=AVX2, the
+             IEEE square root where torch's is not MKL's routine; each its own
+             instance of the loops). They take every operation of the two
              paths below on such CPUs (those of ``exact_*`` only with the
              replica); the portable build (no -march=native) checks them bit
              for bit (but for cpu_fast's inverse of tiny values: quot_vec).
@@ -123,8 +124,11 @@ typedef struct {
    AVX-512; rsqrtps and a Goldschmidt iteration) and of its AVX2 one (what it runs on Intel CPUs with AVX2 but
    not AVX-512; the generic one's steps as multiply-adds: correctly rounded but for tiny numbers, see
    mkl_avx2_replica8). AVX-512 builds have all three, AVX2 builds (with FMA) the generic and the AVX2 ones, the
-   portable build none. Each is a bit in the mask sofx_has_sqrt_replica returns. */
-enum { REPLICA_AVX512 = 1, REPLICA_GENERIC = 2, REPLICA_AVX2 = 4 };
+   portable build none. REPLICA_IEEE stands for a torch whose square root is IEEE's (built without MKL, or not
+   using it for sqrt): cpu's vector loops then take the hardware's square root with their true divisions (else
+   the exact tile loops would run, with sqrtf, 1.1-1.8x slower); the builds with vector loops have it. Each is a
+   bit in the mask sofx_has_sqrt_replica returns. */
+enum { REPLICA_AVX512 = 1, REPLICA_GENERIC = 2, REPLICA_AVX2 = 4, REPLICA_IEEE = 8 };
 
 typedef struct {
   int op, decoupled;
@@ -457,6 +461,7 @@ static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int 
     const __m512 x = _mm512_maskz_loadu_ps(lanes, in + i);
     _mm512_mask_storeu_ps(out + i, lanes, kind == REPLICA_GENERIC ? mkl_generic_replica16(x)
                                           : kind == REPLICA_AVX2  ? mkl_avx2_replica16(x)
+                                          : kind == REPLICA_IEEE  ? _mm512_sqrt_ps(x)
                                                                   : mkl_avx512_path_replica16(x));
   }
 }
@@ -495,16 +500,19 @@ static inline __attribute__((always_inline)) __m256 mkl_sqrt_replica8(__m256 x) 
   return mkl_sqrt_rare8(x, other); /* out of line: the loops stay smaller (and compile faster) */
 }
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
-  int i = 0; /* kind: REPLICA_GENERIC or REPLICA_AVX2 */
+  int i = 0; /* kind: REPLICA_GENERIC, REPLICA_AVX2 or REPLICA_IEEE */
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(in + i);
-    _mm256_storeu_ps(out + i, kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : mkl_sqrt_replica8(x));
+    _mm256_storeu_ps(out + i, kind == REPLICA_AVX2   ? mkl_avx2_replica8(x)
+                              : kind == REPLICA_IEEE ? _mm256_sqrt_ps(x)
+                                                     : mkl_sqrt_replica8(x));
   }
   if (i < n) {
     float t[8] = {0};
     memcpy(t, in + i, sizeof(float) * (size_t)(n - i));
     const __m256 x = _mm256_loadu_ps(t);
-    _mm256_storeu_ps(t, kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : mkl_sqrt_replica8(x));
+    _mm256_storeu_ps(t, kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : kind == REPLICA_IEEE ? _mm256_sqrt_ps(x)
+                                                                    : mkl_sqrt_replica8(x));
     memcpy(out + i, t, sizeof(float) * (size_t)(n - i));
   }
 }
@@ -1102,7 +1110,7 @@ static inline __attribute__((always_inline)) void vstw_fast_1(void *p, int64_t e
    loops run the exact path only where there is one). The loops take rk from their Sqrt once (a value: their
    vector stores may alias any memory, a Sqrt's field too, so it would be loaded again per vector). */
 static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
-  if (!rk) return _mm512_sqrt_ps(x);
+  if (!rk || rk == REPLICA_IEEE) return _mm512_sqrt_ps(x);
   if (rk == REPLICA_AVX2) return mkl_avx2_replica16(x);
   return rk == REPLICA_GENERIC ? mkl_generic_replica16(x) : mkl_sqrt_replica16(x);
 }
@@ -1115,7 +1123,10 @@ static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
   (REPLICA_KIND(sq) == REPLICA_GENERIC  ? f(__VA_ARGS__, 0, REPLICA_GENERIC)        \
    : REPLICA_KIND(sq) == REPLICA_AVX512 ? f(__VA_ARGS__, 0, REPLICA_AVX512)         \
    : REPLICA_KIND(sq) == REPLICA_AVX2   ? f(__VA_ARGS__, 0, REPLICA_AVX2)           \
+   : REPLICA_KIND(sq) == REPLICA_IEEE   ? f(__VA_ARGS__, 0, REPLICA_IEEE)           \
                                         : f(__VA_ARGS__, 1, 0))
+/* The step's: with IEEE square roots cpu's step is cpu_fast's (fast only chooses the inverse's divisions). */
+#define STEP_SQ(sq) (REPLICA_KIND(sq) == REPLICA_IEEE ? (const Sqrt *)0 : (sq))
 
 /* div_by on 16 lanes (the min returns its second operand where the first is nan, as minss). */
 static inline __attribute__((always_inline)) __m512 div_by_vec(__m512 x, float b, float rb) {
@@ -1139,7 +1150,7 @@ static inline __attribute__((always_inline)) __m512 div_by_vec(__m512 x, float b
 static inline __attribute__((always_inline)) __m512 adam_denominator(__m512 v, float bc2, float rbc2, float eps,
                                                                      int rk) {
   const __m512 r = sqrt_vec(v, rk);
-  const int replica_on_fma = rk && rk != REPLICA_AVX2; /* the AVX2 replica's square root is on the divider */
+  const int replica_on_fma = rk && rk != REPLICA_AVX2 && rk != REPLICA_IEEE; /* those two: on the divider */
   const __m512 q = FAST_DIVIDER && replica_on_fma ? _mm512_div_ps(r, _mm512_set1_ps(bc2)) : div_by_vec(r, bc2, rbc2);
   return _mm512_add_ps(q, _mm512_set1_ps(eps));
 }
@@ -1241,7 +1252,7 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, U, unit_lanes_left(EO, j->end - e)); \
     return scan && SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);             \
   }                                                                                \
-  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(sq, vstep_run_##DP##DG##DS, j, 0, 0); }
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, 0, 0); }
 
 /* fast 0: a true division; fast 1: div_by, except that lanes with 0 < |x| < 2^-78 (found by integer
    compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range and the quotient by 2^-100
@@ -1487,7 +1498,7 @@ static inline __attribute__((always_inline)) v8 step_post8(v8 P, v8 M, v8 D, con
    are always inlined: with the replica in sqrt8 gcc stopped inlining some into the loops (its growth limits),
    which made cpu_fast's undo 2x slower in cache. */
 static inline __attribute__((always_inline)) v8 sqrt8(v8 x, const Sqrt *sq) {
-  if (!sq) return _mm256_sqrt_ps(x);
+  if (!sq || sq->replica == REPLICA_IEEE) return _mm256_sqrt_ps(x);
 #ifdef HW_RSQRT8
   if (sq->replica == REPLICA_AVX2) return mkl_avx2_replica8(x);
   return mkl_sqrt_replica8(x);
@@ -1503,13 +1514,14 @@ static inline __attribute__((always_inline)) v8 sqrt8(v8 x, const Sqrt *sq) {
    Intel's AVX-512 CPUs before Cooper Lake: Skylake-SP, Cascade Lake, Ice Lake-SP): its AVX-512 one (OTHER8). */
 #ifdef HW_RSQRT8
 static const Sqrt OTHER8 = {0, 0, 0, REPLICA_GENERIC}, AVX2_8 = {0, 0, 0, REPLICA_AVX2};
-#define VECTOR_REPLICA8(r) ((r) == REPLICA_GENERIC || (r) == REPLICA_AVX2)
+#define VECTOR_REPLICA8(r) ((r) == REPLICA_GENERIC || (r) == REPLICA_AVX2 || (r) == REPLICA_IEEE)
 #define AVX2_IN_LOOPS8 1
 #else
 static const Sqrt OTHER8 = {0, 0, 0, REPLICA_AVX512}, AVX2_8 __attribute__((unused)) = {0, 0, 0, REPLICA_AVX2};
-#define VECTOR_REPLICA8(r) ((r) == REPLICA_AVX512)
+#define VECTOR_REPLICA8(r) ((r) == REPLICA_AVX512 || (r) == REPLICA_IEEE)
 #define AVX2_IN_LOOPS8 0
 #endif
+static const Sqrt IEEE8 = {0, 0, 0, REPLICA_IEEE}; /* cpu's inverse with IEEE square roots (its step: cpu_fast's) */
 static inline __attribute__((always_inline)) void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
   *P = step_post8(*P, *M, sqrt8(*V, sq), k);
@@ -1661,7 +1673,7 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
   /* the loops with sq (and fast) constants: a square root chosen per vector made cpu_fast's undo 2x slower \
      in cache (benchmarks/kernel_compute.py); the same for vundo and the scans below */ \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
-    if (!sq) vstep_run_##DP##DG##DS(j, 0);                                         \
+    if (!sq || sq->replica == REPLICA_IEEE) vstep_run_##DP##DG##DS(j, 0);          \
     else if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) vstep_run_##DP##DG##DS(j, &AVX2_8); \
     else vstep_run_##DP##DG##DS(j, &OTHER8);                                       \
   }
@@ -1753,7 +1765,7 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     /* the loop per case, so that the flags are constants in it */                \
     if (redo && have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 1, 1, fast, sq); \
-    else if (redo && !DS && (sq || DP || DG) && j->end - j->begin >= 24)           \
+    else if (redo && !DS && ((sq && sq->replica != REPLICA_IEEE) || DP || DG) && j->end - j->begin >= 24) \
       vredo3_##DP##DG##DS(&a, j->begin, j->end, &u, &k, fast, sq);                 \
     else if (redo) LOOP8(DP, DG, DS, a, j->begin, j->end, 1, vundo_at_##DP##DG##DS, &u, &k, 0, 1, fast, sq); \
     else if (have_p_old) LOOP8(DP, DG, DS, a, j->begin, j->end, 0, vundo_at_##DP##DG##DS, &u, &k, 1, 0, fast, sq); \
@@ -1763,6 +1775,7 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     /* every caller pairs them so: cpu's (torch's square root, true divisions) or cpu_fast's (IEEE, div_by) */ \
     (void)fast;                                                                    \
     if (!sq) vundo_run_##DP##DG##DS(j, 1, 0);                                      \
+    else if (sq->replica == REPLICA_IEEE) vundo_run_##DP##DG##DS(j, 0, &IEEE8);     \
     else if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) vundo_run_##DP##DG##DS(j, 0, &AVX2_8); \
     else vundo_run_##DP##DG##DS(j, 0, &OTHER8);                                    \
   }
@@ -2059,7 +2072,7 @@ typedef int (*scan_step_fn)(const Job *, int, const Sqrt *, int64_t);
 #define VSCAN(DP, DG, DS)                                                          \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    return BY_SQRT(sq, vstep_run_##DP##DG##DS, j, scan_end, 1);                    \
+    return BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, scan_end, 1);                    \
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
@@ -2111,7 +2124,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    if (!sq) return vstep_scan_run_##DP##DG##DS(j, 0, scan_end);                   \
+    if (!sq || sq->replica == REPLICA_IEEE) return vstep_scan_run_##DP##DG##DS(j, 0, scan_end); \
     if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) return vstep_scan_run_##DP##DG##DS(j, &AVX2_8, scan_end); \
     return vstep_scan_run_##DP##DG##DS(j, &OTHER8, scan_end);                      \
   }                                                                                \
@@ -2133,6 +2146,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast; /* !sq, as in vundo */                                             \
     if (!sq) return vredo_scan_run_##DP##DG##DS(j, 1, 0, scan_end);                \
+    if (sq->replica == REPLICA_IEEE) return vredo_scan_run_##DP##DG##DS(j, 0, &IEEE8, scan_end); \
     if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) return vredo_scan_run_##DP##DG##DS(j, 0, &AVX2_8, scan_end); \
     return vredo_scan_run_##DP##DG##DS(j, 0, &OTHER8, scan_end);                   \
   }
@@ -2376,12 +2390,12 @@ int sofx_vector_width(void) {
 }
 
 /* The replicas of MKL's square root this build has, as a mask of their REPLICA_* kinds (AVX-512: its AVX-512,
-   generic and AVX2 code paths; AVX2: the generic and AVX2 ones), else 0. */
+   generic and AVX2 code paths; AVX2: the generic and AVX2 ones; both REPLICA_IEEE), else 0. */
 int sofx_has_sqrt_replica(void) {
 #if defined(HW_RSQRT14)
-  return REPLICA_AVX512 | REPLICA_GENERIC | REPLICA_AVX2;
+  return REPLICA_AVX512 | REPLICA_GENERIC | REPLICA_AVX2 | REPLICA_IEEE;
 #elif defined(HW_RSQRT8)
-  return REPLICA_GENERIC | REPLICA_AVX2;
+  return REPLICA_GENERIC | REPLICA_AVX2 | REPLICA_IEEE;
 #else
   return 0;
 #endif
@@ -2389,7 +2403,7 @@ int sofx_has_sqrt_replica(void) {
 
 /* kind if it names a replica this build has, else 0 (no replica: the routine's calls). */
 static int replica_kind(int kind) {
-  return (kind == REPLICA_AVX512 || kind == REPLICA_GENERIC || kind == REPLICA_AVX2) &&
+  return (kind == REPLICA_AVX512 || kind == REPLICA_GENERIC || kind == REPLICA_AVX2 || kind == REPLICA_IEEE) &&
                  (sofx_has_sqrt_replica() & kind)
              ? kind
              : 0;
