@@ -43,7 +43,7 @@ def main() -> None:
     if lib is None:
         sys.exit(f"no native library here ({_cpu_build.unavailable_reason()})")
     if args.ieee:
-        ieee = lib.path and ctypes.CDLL(lib.path).sofx_has_sqrt_replica() & _cpu_build.REPLICA_KINDS["ieee"]
+        ieee = ctypes.CDLL(lib.path).sofx_has_sqrt_replica() & _cpu_build.REPLICA_KINDS["ieee"]
         if not ieee:
             sys.exit("this build has no vector loops: its tile loops are the only ones")
         variants = {"IEEE inline (vector loops)": (cpu, dataclasses.replace(lib, sqrt_fn=0, sqrt_replica=ieee)),

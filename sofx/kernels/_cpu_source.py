@@ -499,20 +499,17 @@ static inline __attribute__((always_inline)) __m256 mkl_sqrt_replica8(__m256 x) 
   if (__builtin_expect(_mm256_testz_ps(other, other), 1)) return mkl_sqrt_formula8(x);
   return mkl_sqrt_rare8(x, other); /* out of line: the loops stay smaller (and compile faster) */
 }
+/* kind: REPLICA_GENERIC, REPLICA_AVX2 or REPLICA_IEEE */
+static inline __m256 replica8_of_kind(__m256 x, int kind) {
+  return kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : kind == REPLICA_IEEE ? _mm256_sqrt_ps(x) : mkl_sqrt_replica8(x);
+}
 static void mkl_sqrt_replica(float *restrict out, const float *restrict in, int n, int kind) {
-  int i = 0; /* kind: REPLICA_GENERIC, REPLICA_AVX2 or REPLICA_IEEE */
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(in + i);
-    _mm256_storeu_ps(out + i, kind == REPLICA_AVX2   ? mkl_avx2_replica8(x)
-                              : kind == REPLICA_IEEE ? _mm256_sqrt_ps(x)
-                                                     : mkl_sqrt_replica8(x));
-  }
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, replica8_of_kind(_mm256_loadu_ps(in + i), kind));
   if (i < n) {
     float t[8] = {0};
     memcpy(t, in + i, sizeof(float) * (size_t)(n - i));
-    const __m256 x = _mm256_loadu_ps(t);
-    _mm256_storeu_ps(t, kind == REPLICA_AVX2 ? mkl_avx2_replica8(x) : kind == REPLICA_IEEE ? _mm256_sqrt_ps(x)
-                                                                    : mkl_sqrt_replica8(x));
+    _mm256_storeu_ps(t, replica8_of_kind(_mm256_loadu_ps(t), kind));
     memcpy(out + i, t, sizeof(float) * (size_t)(n - i));
   }
 }
