@@ -6,7 +6,9 @@ small C program with the kernels' own flags), over every case that matters rathe
   8 / (B 2^K) of a rounding midpoint; the program enumerates all of them (about 1.7e8, every
   b significand) and compares with ``x / b``. Then, for b = 0.9, all 2^32 floats x: ``x / b``'s bits
   (+-0, +-inf, nan payloads, overflow) except where the comment says otherwise, and the vector loops'
-  ``div_by_vec`` / ``div_by8`` the scalar one's bits.
+  ``div_by_vec`` / ``div_by8`` the scalar one's bits; and, in the AVX-512 build, the inverse's exact quotient
+  (``quot_vec`` with fast 2: ``div_by`` where exact, a division elsewhere) ``x / b``'s bits for all 2^32 x and
+  eight divisors b, inside and outside its ``div_by`` range.
 - ``store_bf16`` / ``round_bf16`` and the vector loops' ``vst_1`` / ``vround_1`` (the hardware bf16
   conversion plus its fix-up for subnormal inputs), or the AVX2 loops' ``v8st_1`` / ``v8round_1`` (integer
   operations; also two vectors at a time, ``v8st2_1`` and back by ``v8ld2_1``, in both element orders), give
@@ -68,9 +70,14 @@ int main(void) {
      (0 < |x| < 2^-78; a negative x whose quotient overflows: nan), and the vector loops' div_by_vec / div_by8
      (no test for +-0, +-inf, nan: the clamped remainder) the scalar one's bits.
      bf16: store_bf16 and round_bf16 (and the vector loops' conversions). */
-  long div_all_bad = 0, div_vec_bad = 0, div_overflow = 0, bf16_bad = 0;
+  long div_all_bad = 0, div_vec_bad = 0, div_overflow = 0, bf16_bad = 0, exact_bad = 0, exact_checked = 0;
   const float b1 = 0.9f, rb1 = (float)(1.0 / (double)b1);
-#pragma omp parallel for reduction(+ : div_all_bad, div_vec_bad, div_overflow, bf16_bad) schedule(static)
+  /* the AVX-512 loops' exact quotient (fast 2) by divisors inside its div_by range (beta1, beta2, 1 - lr*wd,
+     both ends) and outside it (every lane divided: a negative one, a small one, a large one) */
+  const float exact_b[] = {0.9f, 0.999f, 0.9999f, 0.5f, 2.0f, -0.75f, 0.3f, 3.0f};
+  enum { N_EXACT = sizeof exact_b / sizeof exact_b[0] };
+#pragma omp parallel for reduction(+ : div_all_bad, div_vec_bad, div_overflow, bf16_bad, exact_bad, exact_checked) \
+    schedule(static)
   for (int64_t hi = 0; hi < 65536; hi++) {
     float x[4096], r[4096], q[4096];
     uint16_t h[4096];
@@ -92,6 +99,12 @@ int main(void) {
         float got[16];
         _mm512_storeu_ps(got, div_by_vec(_mm512_loadu_ps(x + i), b1, rb1));
         for (int k = 0; k < 16; k++) div_vec_bad += bits(got[k]) != bits(q[i + k]);
+      }
+      for (int d = 0; d < N_EXACT; d++) {
+        const float b = exact_b[d], rb = (float)(1.0 / (double)b);
+        for (int i = 0; i < 4096; i += 16) _mm512_storeu_ps(r + i, quot_vec(_mm512_loadu_ps(x + i), b, rb, 2));
+        for (int i = 0; i < 4096; i++) exact_bad += bits(r[i]) != bits(x[i] / b);
+        exact_checked += 4096;
       }
 #endif
 #ifdef AVX2_LOOPS
@@ -179,7 +192,8 @@ int main(void) {
 #else
   const int hw = 0;
 #endif
-  printf("%ld %ld %ld %d %ld %ld %ld\n", candidates, div_bad, bf16_bad, hw, div_all_bad, div_vec_bad, div_overflow);
+  printf("%ld %ld %ld %d %ld %ld %ld %ld %ld\n", candidates, div_bad, bf16_bad, hw, div_all_bad, div_vec_bad,
+         div_overflow, exact_bad, exact_checked);
   return 0;
 }
 """
@@ -198,9 +212,13 @@ def _build(tmp_path) -> str:
 def test_div_by_and_bf16_conversions_are_exact(tmp_path):
     out = subprocess.run([_build(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    candidates, div_bad, bf16_bad, _hw, div_all_bad, div_vec_bad, div_overflow = map(int, out.stdout.split())
+    (candidates, div_bad, bf16_bad, hw, div_all_bad, div_vec_bad, div_overflow, exact_bad,
+     exact_checked) = map(int, out.stdout.split())
     assert candidates > 100_000_000  # the enumeration ran (about 1.7e8 pairs)
     assert div_bad == 0
     assert div_all_bad == 0 and div_vec_bad == 0
     assert div_overflow == 2 * 1_677_722  # the quotients of |x| > 0.9 FLT_MAX, both signs, were among them
     assert bf16_bad == 0
+    # the AVX-512 inverse's exact quotient (cpu with IEEE square roots): x / b's bits for every float32 x, eight b
+    assert exact_bad == 0 and exact_checked == (8 << 32 if hw else 0)
+

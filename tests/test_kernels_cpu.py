@@ -664,6 +664,10 @@ def _ieee_kind_against_tiles(lib, combo, rng, monkeypatch):
     v[::7] = 0
     v[3::11] = 1e-39  # subnormal and tiny second moments: their square roots
     v[4::11] = 3e-30
+    g[5::13] = g[6::13] = 0  # no gradient: the inverse divides m' and v' themselves, outside div_by's exact range:
+    tiny = torch.exp2(torch.empty(m[5::13].shape).uniform_(-149, -78, generator=rng))  # below 2^-78, subnormal too
+    m[5::13], v[5::13] = tiny * torch.randn(tiny.shape, generator=rng).sign(), tiny.flip(0)
+    m[6::13], v[6::13] = -3.3e38, 3.3e38  # huge (>= 2^126): quotients beyond FLT_MAX (div_by: nan for the negative)
     s = block_scalars(rng, 0.1, 0.5)
     g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
     bad = g.clone()
@@ -675,8 +679,9 @@ def _ieee_kind_against_tiles(lib, combo, rng, monkeypatch):
             c = torch.empty(p.shape, dtype=torch.bfloat16)
             flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
             pc, mc, vc = p.clone(), m.clone(), v.clone()
+            low = s._replace(beta1=0.3)  # a divisor outside div_by's range: every lane divided
             out += [cpu.step(p, g, m, v, s, variant, p_copy=c), (c,), cpu.undo(p, g, m, v, s, variant),
-                    cpu.undo_redo(p, m, v, g, s, g2, s, variant),
+                    cpu.undo_redo(p, m, v, g, s, g2, s, variant), cpu.undo_redo(p, m, v, g, low, g2, low, variant),
                     cpu.step_many([StepCall(pc, bad, mc, vc, s, (pc, mc, vc), skip=flags)], variant)[0], (flags,)]
         return out
 

@@ -1113,14 +1113,15 @@ static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
 }
 #define REPLICA_KIND(sq) ((sq) ? (sq)->replica : 0)
 /* f(args..., fast, rk) with constant fast and rk (the loops are always inlined bodies, one instance each):
-   cpu_fast's (sq 0: div_by and IEEE square roots) or cpu's with its replica (true divisions). A kind
+   cpu_fast's (sq 0: div_by and IEEE square roots), cpu's with its replica (true divisions) or cpu's with IEEE
+   square roots (fast 2: the divisions exact by div_by where it is exact, see quot_exact_vec). A kind
    chosen inside one loop costs a branch per vector and the registers of both formulas: 1.2-1.5x slower
    undo+redo. */
 #define BY_SQRT(sq, f, ...)                                                        \
   (REPLICA_KIND(sq) == REPLICA_GENERIC  ? f(__VA_ARGS__, 0, REPLICA_GENERIC)        \
    : REPLICA_KIND(sq) == REPLICA_AVX512 ? f(__VA_ARGS__, 0, REPLICA_AVX512)         \
    : REPLICA_KIND(sq) == REPLICA_AVX2   ? f(__VA_ARGS__, 0, REPLICA_AVX2)           \
-   : REPLICA_KIND(sq) == REPLICA_IEEE   ? f(__VA_ARGS__, 0, REPLICA_IEEE)           \
+   : REPLICA_KIND(sq) == REPLICA_IEEE   ? f(__VA_ARGS__, 2, REPLICA_IEEE)           \
                                         : f(__VA_ARGS__, 1, 0))
 /* The step's: with IEEE square roots cpu's step is cpu_fast's (fast only chooses the inverse's divisions). */
 #define STEP_SQ(sq) (REPLICA_KIND(sq) == REPLICA_IEEE ? (const Sqrt *)0 : (sq))
@@ -1251,17 +1252,39 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, 0, 0); }
 
-/* fast 0: a true division; fast 1: div_by, except that lanes with 0 < |x| < 2^-78 (found by integer
-   compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range and the quotient by 2^-100
-   back: exactly x / b there unless the quotient is subnormal (rounded twice). Unscaled, such x (second
-   moments decayed on rows without gradient for ~50k steps) made div_by's remainder subnormal, a
-   microcode assist per lane: cpu_fast's inverse was 6x slower there. The compiler-vectorized loops (no
-   AVX-512) keep plain div_by, whose bits differ there by up to an ulp: scaling in those loops, where
-   every lane pays for both ways, made their inverse 2x slower. FAST_DIVIDER 1 (set by the build where measured
-   faster: AMD Zen 5, whose 512-bit divider made cpu_fast's undo 13-35% faster in cache, its undo+redo 13-20%)
-   takes a true division for fast 1 too: the reference's bits, no tiny lanes to scale. */
+/* x / b with the division's bits: div_by where its comment proves it exact, a true division elsewhere (fast 2
+   in quot_vec: cpu's inverse where torch's square root is IEEE, REPLICA_IEEE, whose loops are bound by the
+   one divider: with true divisions two square roots and four divisions per element of an undo+redo). div_by
+   is exact for 0.5 <= b <= 2 (b and 1/b normal, the quotient of |x| >= 2^-78 normal; a negative b gives +0
+   for +0 / b) and 2^-78 <= |x| < 2^126 (the quotient below 2^127: finite), and for x = +-0. The other lanes
+   (tiny, huge, inf, nan: integer compares on 2|x|'s bits) are divided, a masked division where a vector has
+   any; any other b divides every lane. tests/test_cpu_division.py compares it with x / b for every float32 x
+   and eight b. Measured (benchmarks/RESULTS.md "Exact div_by in cpu's inverse with IEEE square roots"): the
+   new-gradient undo+redo 0.81-0.86x in memory. The AVX2 loops keep true divisions for that kind: the same
+   guard there (no mask registers: an unsigned min and two compares per quotient) made it 0.96-1.34x. */
+static inline __attribute__((always_inline)) __m512 quot_exact_vec(__m512 x, float b, float rb) {
+  if (!(b >= 0.5f && b <= 2.0f)) return _mm512_div_ps(x, _mm512_set1_ps(b));
+  const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
+  const __mmask16 off = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
+                                                _mm512_set1_epi32((0x18800000 << 1) - 1)) | /* 0 < |x| < 2^-78 */
+                        _mm512_cmpge_epu32_mask(twice, _mm512_set1_epi32((int)(0x7E800000u << 1))); /* >= 2^126 */
+  const __m512 q = div_by_vec(x, b, rb);
+  if (__builtin_expect(off == 0, 1)) return q;
+  return _mm512_mask_div_ps(q, off, x, _mm512_set1_ps(b));
+}
+
+/* fast 0: a true division; fast 2: quot_exact_vec (the same bits); fast 1: div_by, except that lanes with
+   0 < |x| < 2^-78 (found by integer compares on 2|x|'s bits) are first scaled by 2^100 into div_by's exact range
+   and the quotient by 2^-100 back: exactly x / b there unless the quotient is subnormal (rounded twice).
+   Unscaled, such x (second moments decayed on rows without gradient for ~50k steps) made div_by's remainder
+   subnormal, a microcode assist per lane: cpu_fast's inverse was 6x slower there. The compiler-vectorized loops
+   (no AVX-512) keep plain div_by, whose bits differ there by up to an ulp: scaling in those loops, where every
+   lane pays for both ways, made their inverse 2x slower. FAST_DIVIDER 1 (set by the build where measured faster:
+   AMD Zen 5, whose 512-bit divider made cpu_fast's undo 13-35% faster in cache, its undo+redo 13-20%) takes a
+   true division for fast 1 too: the reference's bits, no tiny lanes to scale. */
 static inline __attribute__((always_inline)) __m512 quot_vec(__m512 x, float b, float rb, int fast) {
   if (!fast || FAST_DIVIDER) return _mm512_div_ps(x, _mm512_set1_ps(b));
+  if (fast == 2) return quot_exact_vec(x, b, rb);
   const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
   const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
                                                  _mm512_set1_epi32((0x18800000 << 1) - 1)); /* 2^-78 */
@@ -1355,7 +1378,7 @@ _Static_assert(UNDO_WIDTH <= MAX_WIDTH, "widths up to MAX_WIDTH");
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, unit_lanes_left(EO, j->end - e)); \
     return scan && SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);            \
   }                                                                                \
-  /* fast: 1 with sq 0 (cpu_fast), 0 with sq (cpu) */                              \
+  /* fast: 1 with sq 0 (cpu_fast), 0 or 2 with sq (cpu; see BY_SQRT) */           \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     (void)fast;                                                                    \
     (void)BY_SQRT(sq, vundo_run_##DP##DG##DS, j, 0, 0);                            \

@@ -36,8 +36,10 @@ Divisions are true divisions, except sqrt(v') / sqrt(bc2), computed through
 the reciprocal and a multiply-add correction, which gives the same bits there
 (see ``div_by`` in the C source). Where torch's square root is not MKL's
 routine (a torch without MKL: IEEE), the same vector loops take the
-hardware's IEEE square root with true divisions (the ``ieee`` kind; its tile
-loops with ``sqrtf`` give the same bits, 1.1-1.8x slower). :mod:`sofx.kernels.cpu_fast`
+hardware's IEEE square root (the ``ieee`` kind; in the AVX-512 loops the
+inverse's divisions by beta1, beta2 and 1 - lr*wd go through that correction
+where it is exact and divide the other lanes, the same bits as true divisions;
+its tile loops with ``sqrtf`` give the same bits, 1.1-1.8x slower). :mod:`sofx.kernels.cpu_fast`
 always takes IEEE square roots (about as fast as
 ``torch.optim.AdamW(fused=True)``, within an ulp of the reference).
 :func:`bitwise_with_torch` says whether this backend's results are the
