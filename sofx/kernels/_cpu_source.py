@@ -1542,6 +1542,17 @@ static const Sqrt OTHER8 = {0, 0, 0, REPLICA_AVX512}, AVX2_8 __attribute__((unus
 #define AVX2_IN_LOOPS8 0
 #endif
 static const Sqrt IEEE8 = {0, 0, 0, REPLICA_IEEE}; /* cpu's inverse with IEEE square roots (its step: cpu_fast's) */
+/* f(args..., fast, sq8) with constant fast and sq8 (the twin of the AVX-512 loops' BY_SQRT; a square root chosen
+   per vector made cpu_fast's undo 2x slower in cache, benchmarks/kernel_compute.py): cpu_fast's (sq 0: fast 1,
+   div_by in the inverse, IEEE square roots) or cpu's (fast 0, true divisions) with IEEE square roots (IEEE8),
+   MKL's AVX2 path (AVX2_8, where these loops replicate it) or its other replicated path (OTHER8). */
+#define BY_SQRT8(sq, f, ...)                                                       \
+  (!(sq)                                             ? f(__VA_ARGS__, 1, 0)        \
+   : (sq)->replica == REPLICA_IEEE                   ? f(__VA_ARGS__, 0, &IEEE8)   \
+   : AVX2_IN_LOOPS8 && (sq)->replica == REPLICA_AVX2 ? f(__VA_ARGS__, 0, &AVX2_8)  \
+                                                     : f(__VA_ARGS__, 0, &OTHER8))
+/* The step's (its loops take no fast): with IEEE square roots cpu's step is cpu_fast's. */
+#define STEP_SQ8(sq) ((sq) && (sq)->replica == REPLICA_IEEE ? (const Sqrt *)0 : (sq))
 static inline __attribute__((always_inline)) void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
   *P = step_post8(*P, *M, sqrt8(*V, sq), k);
@@ -1683,19 +1694,16 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     v8st2_##DP(a->po, e, R, INLANE_##DP##DG##DS);                                  \
   }                                                                                \
   static inline __attribute__((always_inline)) void vstep_run_##DP##DG##DS(       \
-      const Job *j, const Sqrt *sq) {                                              \
+      const Job *j, int fast, const Sqrt *sq) {                                    \
+    (void)fast;                                                                    \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     int64_t pe = j->begin;                                                         \
     if (DP || DG || DS) PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, (void)0);   \
     LOOP8(DP, DG, DS, a, pe, j->end, 0, vstep_at_##DP##DG##DS, &k, sq);            \
   }                                                                                \
-  /* the loops with sq (and fast) constants: a square root chosen per vector made cpu_fast's undo 2x slower \
-     in cache (benchmarks/kernel_compute.py); the same for vundo and the scans below */ \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
-    if (!sq || sq->replica == REPLICA_IEEE) vstep_run_##DP##DG##DS(j, 0);          \
-    else if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) vstep_run_##DP##DG##DS(j, &AVX2_8); \
-    else vstep_run_##DP##DG##DS(j, &OTHER8);                                       \
+    BY_SQRT8(STEP_SQ8(sq), vstep_run_##DP##DG##DS, j);                             \
   }
 
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
@@ -1794,10 +1802,7 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
     /* every caller pairs them so: cpu's (torch's square root, true divisions) or cpu_fast's (IEEE, div_by) */ \
     (void)fast;                                                                    \
-    if (!sq) vundo_run_##DP##DG##DS(j, 1, 0);                                      \
-    else if (sq->replica == REPLICA_IEEE) vundo_run_##DP##DG##DS(j, 0, &IEEE8);     \
-    else if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) vundo_run_##DP##DG##DS(j, 0, &AVX2_8); \
-    else vundo_run_##DP##DG##DS(j, 0, &OTHER8);                                    \
+    BY_SQRT8(sq, vundo_run_##DP##DG##DS, j);                                       \
   }
 /* cpu's exact loops where MKL's square root has no inline replica in use (another MKL code path than the
    ones sqrt8 reproduces; also tests, with the replica switched off) with the vectors above: per
@@ -2125,7 +2130,8 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
 /* j is a full chunk (CHUNK elements, a multiple of 16): the loop leaves no remainder. */
 #define VSCAN8(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) int vstep_scan_run_##DP##DG##DS(  \
-      const Job *j, const Sqrt *sq, int64_t scan_end) {                            \
+      const Job *j, int64_t scan_end, int fast, const Sqrt *sq) {                  \
+    (void)fast;                                                                    \
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
@@ -2144,12 +2150,10 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    if (!sq || sq->replica == REPLICA_IEEE) return vstep_scan_run_##DP##DG##DS(j, 0, scan_end); \
-    if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) return vstep_scan_run_##DP##DG##DS(j, &AVX2_8, scan_end); \
-    return vstep_scan_run_##DP##DG##DS(j, &OTHER8, scan_end);                      \
+    return BY_SQRT8(STEP_SQ8(sq), vstep_scan_run_##DP##DG##DS, j, scan_end);        \
   }                                                                                \
   static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
-      const Job *j, int fast, const Sqrt *sq, int64_t scan_end) {                  \
+      const Job *j, int64_t scan_end, int fast, const Sqrt *sq) {                  \
     const int have_p_old = j->pold != 0;                                           \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
@@ -2165,10 +2169,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast; /* !sq, as in vundo */                                             \
-    if (!sq) return vredo_scan_run_##DP##DG##DS(j, 1, 0, scan_end);                \
-    if (sq->replica == REPLICA_IEEE) return vredo_scan_run_##DP##DG##DS(j, 0, &IEEE8, scan_end); \
-    if (AVX2_IN_LOOPS8 && sq->replica == REPLICA_AVX2) return vredo_scan_run_##DP##DG##DS(j, 0, &AVX2_8, scan_end); \
-    return vredo_scan_run_##DP##DG##DS(j, 0, &OTHER8, scan_end);                   \
+    return BY_SQRT8(sq, vredo_scan_run_##DP##DG##DS, j, scan_end);                 \
   }
 NATIVE_COMBOS(VSCAN8)
 /* xexact_* (cpu's AVX2 loops), optionally (scan_g) reading the next chunk's gradient scan_g as vstep_scan does:
