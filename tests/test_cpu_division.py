@@ -221,4 +221,3 @@ def test_div_by_and_bf16_conversions_are_exact(tmp_path):
     assert bf16_bad == 0
     # the AVX-512 inverse's exact quotient (cpu with IEEE square roots): x / b's bits for every float32 x, eight b
     assert exact_bad == 0 and exact_checked == (8 << 32 if hw else 0)
-

@@ -673,13 +673,14 @@ def _ieee_kind_against_tiles(lib, combo, rng, monkeypatch):
     bad = g.clone()
     bad[70000] = float("nan")
 
+    low = s._replace(beta1=0.3)  # a divisor outside div_by's range: every lane divided
+
     def runs():
         out = []
         for variant in (VARIANTS[0], VARIANTS[3]):
             c = torch.empty(p.shape, dtype=torch.bfloat16)
             flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
             pc, mc, vc = p.clone(), m.clone(), v.clone()
-            low = s._replace(beta1=0.3)  # a divisor outside div_by's range: every lane divided
             out += [cpu.step(p, g, m, v, s, variant, p_copy=c), (c,), cpu.undo(p, g, m, v, s, variant),
                     cpu.undo_redo(p, m, v, g, s, g2, s, variant), cpu.undo_redo(p, m, v, g, low, g2, low, variant),
                     cpu.step_many([StepCall(pc, bad, mc, vc, s, (pc, mc, vc), skip=flags)], variant)[0], (flags,)]

@@ -129,6 +129,10 @@ typedef struct {
    the exact tile loops would run, with sqrtf, 1.1-1.8x slower); the builds with vector loops have it. Each is a
    bit in the mask sofx_has_sqrt_replica returns. */
 enum { REPLICA_AVX512 = 1, REPLICA_GENERIC = 2, REPLICA_AVX2 = 4, REPLICA_IEEE = 8 };
+#define REPLICA_KIND(sq) ((sq) ? (sq)->replica : 0)
+/* The Sqrt a vector loop's step takes (both vector sections): with IEEE square roots cpu's step is cpu_fast's
+   (only the inverse's divisions differ between the two). */
+#define STEP_SQ(sq) (REPLICA_KIND(sq) == REPLICA_IEEE ? (const Sqrt *)0 : (sq))
 
 typedef struct {
   int op, decoupled;
@@ -1111,7 +1115,6 @@ static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
   if (rk == REPLICA_AVX2) return mkl_avx2_replica16(x);
   return rk == REPLICA_GENERIC ? mkl_generic_replica16(x) : mkl_sqrt_replica16(x);
 }
-#define REPLICA_KIND(sq) ((sq) ? (sq)->replica : 0)
 /* f(args..., fast, rk) with constant fast and rk (the loops are always inlined bodies, one instance each):
    cpu_fast's (sq 0: div_by and IEEE square roots), cpu's with its replica (true divisions) or cpu's with IEEE
    square roots (fast 2: the divisions exact by div_by where it is exact, see quot_exact_vec). A kind
@@ -1123,8 +1126,6 @@ static inline __attribute__((always_inline)) __m512 sqrt_vec(__m512 x, int rk) {
    : REPLICA_KIND(sq) == REPLICA_AVX2   ? f(__VA_ARGS__, 0, REPLICA_AVX2)           \
    : REPLICA_KIND(sq) == REPLICA_IEEE   ? f(__VA_ARGS__, 2, REPLICA_IEEE)           \
                                         : f(__VA_ARGS__, 1, 0))
-/* The step's: with IEEE square roots cpu's step is cpu_fast's (fast only chooses the inverse's divisions). */
-#define STEP_SQ(sq) (REPLICA_KIND(sq) == REPLICA_IEEE ? (const Sqrt *)0 : (sq))
 
 /* div_by on 16 lanes (the min returns its second operand where the first is nan, as minss). */
 static inline __attribute__((always_inline)) __m512 div_by_vec(__m512 x, float b, float rb) {
@@ -1260,14 +1261,18 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
    (tiny, huge, inf, nan: integer compares on 2|x|'s bits) are divided, a masked division where a vector has
    any; any other b divides every lane. tests/test_cpu_division.py compares it with x / b for every float32 x
    and eight b. Measured (benchmarks/RESULTS.md "Exact div_by in cpu's inverse with IEEE square roots"): the
-   new-gradient undo+redo 0.81-0.86x in memory. The AVX2 loops keep true divisions for that kind: the same
+   new-gradient undo+redo 0.81-0.92x in memory. The AVX2 loops keep true divisions for that kind: the same
    guard there (no mask registers: an unsigned min and two compares per quotient) made it 0.96-1.34x. */
+/* The lanes with 0 < |x| < 2^-78, given twice = x's bits shifted left by one (the sign shifted out). */
+static inline __attribute__((always_inline)) __mmask16 tiny_lanes(__m512i twice) {
+  return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
+                                 _mm512_set1_epi32((0x18800000 << 1) - 1)); /* 2^-78 */
+}
 static inline __attribute__((always_inline)) __m512 quot_exact_vec(__m512 x, float b, float rb) {
   if (!(b >= 0.5f && b <= 2.0f)) return _mm512_div_ps(x, _mm512_set1_ps(b));
-  const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
-  const __mmask16 off = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
-                                                _mm512_set1_epi32((0x18800000 << 1) - 1)) | /* 0 < |x| < 2^-78 */
-                        _mm512_cmpge_epu32_mask(twice, _mm512_set1_epi32((int)(0x7E800000u << 1))); /* >= 2^126 */
+  const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1);
+  const __mmask16 off =
+      tiny_lanes(twice) | _mm512_cmpge_epu32_mask(twice, _mm512_set1_epi32((int)(0x7E800000u << 1))); /* >= 2^126 */
   const __m512 q = div_by_vec(x, b, rb);
   if (__builtin_expect(off == 0, 1)) return q;
   return _mm512_mask_div_ps(q, off, x, _mm512_set1_ps(b));
@@ -1285,9 +1290,7 @@ static inline __attribute__((always_inline)) __m512 quot_exact_vec(__m512 x, flo
 static inline __attribute__((always_inline)) __m512 quot_vec(__m512 x, float b, float rb, int fast) {
   if (!fast || FAST_DIVIDER) return _mm512_div_ps(x, _mm512_set1_ps(b));
   if (fast == 2) return quot_exact_vec(x, b, rb);
-  const __m512i twice = _mm512_slli_epi32(_mm512_castps_si512(x), 1); /* the sign shifted out */
-  const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(twice, _mm512_set1_epi32(1)),
-                                                 _mm512_set1_epi32((0x18800000 << 1) - 1)); /* 2^-78 */
+  const __mmask16 tiny = tiny_lanes(_mm512_slli_epi32(_mm512_castps_si512(x), 1));
   if (__builtin_expect(tiny == 0, 1)) return div_by_vec(x, b, rb);
   const __m512 q = div_by_vec(_mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p100f)), b, rb);
   return _mm512_mask_mul_ps(q, tiny, q, _mm512_set1_ps(0x1p-100f));
@@ -1551,8 +1554,6 @@ static const Sqrt IEEE8 = {0, 0, 0, REPLICA_IEEE}; /* cpu's inverse with IEEE sq
    : (sq)->replica == REPLICA_IEEE                   ? f(__VA_ARGS__, 0, &IEEE8)   \
    : AVX2_IN_LOOPS8 && (sq)->replica == REPLICA_AVX2 ? f(__VA_ARGS__, 0, &AVX2_8)  \
                                                      : f(__VA_ARGS__, 0, &OTHER8))
-/* The step's (its loops take no fast): with IEEE square roots cpu's step is cpu_fast's. */
-#define STEP_SQ8(sq) ((sq) && (sq)->replica == REPLICA_IEEE ? (const Sqrt *)0 : (sq))
 static inline __attribute__((always_inline)) void step8(v8 *P, v8 G, v8 *M, v8 *V, const StepK *k, const Sqrt *sq) {
   step_pre8(P, G, M, V, k);
   *P = step_post8(*P, *M, sqrt8(*V, sq), k);
@@ -1703,7 +1704,7 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     LOOP8(DP, DG, DS, a, pe, j->end, 0, vstep_at_##DP##DG##DS, &k, sq);            \
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                  \
-    BY_SQRT8(STEP_SQ8(sq), vstep_run_##DP##DG##DS, j);                             \
+    BY_SQRT8(STEP_SQ(sq), vstep_run_##DP##DG##DS, j);                              \
   }
 
 /* undo8, the undone values rounded to their storage dtypes, step8 with the new gradient (redo). */
@@ -2150,7 +2151,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
-    return BY_SQRT8(STEP_SQ8(sq), vstep_scan_run_##DP##DG##DS, j, scan_end);        \
+    return BY_SQRT8(STEP_SQ(sq), vstep_scan_run_##DP##DG##DS, j, scan_end);         \
   }                                                                                \
   static inline __attribute__((always_inline)) int vredo_scan_run_##DP##DG##DS(  \
       const Job *j, int64_t scan_end, int fast, const Sqrt *sq) {                  \
