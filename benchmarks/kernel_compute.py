@@ -280,7 +280,7 @@ def main() -> None:
             os.mkdir(os.path.join(tmp, "against"))
             other_source = source_at(args.against) if args.against else with_define(SOURCE, args.define)
             builds.append((os.path.join(tmp, "against"), other_source))
-        with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # both compilers at once (~25 s each)
+        with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # both compilers at once (~25 s of a core each)
             exes = list(pool.map(lambda b: build(*b), builds))
         per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}

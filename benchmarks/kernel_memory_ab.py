@@ -186,7 +186,7 @@ def main() -> None:
     other = source_at(args.against) if args.against else with_define(SOURCE, args.define)
     label = args.against or args.define
     with tempfile.TemporaryDirectory(prefix="sofx-memory-ab-") as tmp:
-        with ThreadPoolExecutor(max_workers=2) as pool:  # both compilers at once (~25 s each)
+        with ThreadPoolExecutor(max_workers=2) as pool:  # both compilers at once (~25 s of a core each)
             libs = list(pool.map(load, [os.path.join(tmp, "tree"), os.path.join(tmp, "other")], [SOURCE, other]))
         results = {name: timed(libs, dt, fs, replica, n, reps, args.threads) for name, (dt, fs) in COMBOS.items()}
     print(f"# sofx CPU kernels where the memory sets the time ({loops_title(args.backend, replica)}, {args.threads} "

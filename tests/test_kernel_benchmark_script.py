@@ -3,7 +3,7 @@
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/triton_host.py``,
-``benchmarks/kernel_compute.py`` and ``benchmarks/kernel_memory_ab.py`` run."""
+``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
 
 from __future__ import annotations
 
@@ -223,6 +223,27 @@ def test_kernel_memory_ab_script_runs():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_memory_ab.py"), "--quick",
                            "--define", "NOT_A_KNOB=1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "NOT_A_KNOB is not one of the kernel source's #ifndef knobs" in proc.stderr
+
+
+def test_build_parallel_script_runs():
+    """``benchmarks/build_parallel.py`` builds the library with and without the parallel flags and times both in
+    turns: a row per build with positive seconds, a row per dtype combination, backend and operation with positive
+    times and ratios."""
+    from sofx.kernels import _cpu_build
+
+    cc = _cpu_build._compiler()
+    if cc is None or not _cpu_build._parallel_flags(cc):
+        pytest.skip("needs GCC 10 or later")
+    rows = _table_rows("build_parallel.py", ["--quick"], ("| parallel", "| serial", "| 2^16"))
+    builds, body = rows[:2], rows[2:]
+    assert [row.split(" (")[0] for row in builds] == ["| parallel", "| serial"]
+    assert all(float(x) > 0 for row in builds for x in row.strip(" |").split(" | ")[1:])
+    assert [tuple(row.split(" | ")[1:4]) for row in body] == [
+        (d, b, op) for d in ("float32", "bf16 params + fp32 states", "all-bf16") for b in ("cpu", "cpu_fast")
+        for op in ("step", "undo", "undo+redo")]
+    for row in body:
+        a, b, ratio = (float(x) for x in row.split(" | ")[4:7])
+        assert a > 0 and b > 0 and ratio > 0, row
 
 
 def test_param_copy_script_runs():

@@ -458,6 +458,62 @@ def test_flag_sets_the_compiler_refused_are_not_tried_again_by_later_processes(t
     assert builds == [len(_cpu_build._FLAG_SETS), 0]
 
 
+@pytest.mark.parametrize("version, want", [
+    ("cc (Debian 12.2.0-14+deb12u1) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.\n", True),
+    ("gcc (GCC) 13.2.1 20230801\nCopyright (C) 2023 Free Software Foundation, Inc.\n", True),
+    ("gcc-10 (Homebrew GCC 10.5.0) 10.5.0\nCopyright (C) 2020 Free Software Foundation, Inc.\n", True),
+    ("gcc (Ubuntu 9.4.0-1ubuntu1~20.04.2) 9.4.0\nCopyright (C) 2019 Free Software Foundation, Inc.\n", False),
+    ("Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu\n", False),
+    ("Apple clang version 15.0.0 (clang-1500.3.9.4)\nTarget: arm64-apple-darwin23.4.0\n", False),
+    ("", False),
+])
+def test_gcc_10_and_later_compile_in_parallel(version, want, monkeypatch):
+    """-flto=auto (GCC's link-time partitions compiled on every core) where the compiler is GCC 10 or later, whose
+    spelling that is; nothing for clang, older GCCs or a compiler that does not say what it is."""
+    from sofx.kernels import _cpu_build
+
+    monkeypatch.setattr(_cpu_build, "_compiler_version", lambda cc: version)
+    assert _cpu_build._parallel_flags("cc") == (["-flto=auto"] if want else [])
+
+
+def _gcc_like_compiler(tmp_path, refuse: str, error: str):
+    """A wrapper of the real compiler (it answers --version as it) that refuses any command containing ``refuse``
+    with ``error``, logging every command it gets but --version; returns (its path, the log's path)."""
+    from sofx.kernels import _cpu_build
+
+    real = _cpu_build._compiler()
+    if real is None or not _cpu_build._parallel_flags(real):
+        pytest.skip("needs GCC 10 or later")
+    tmp_path.mkdir()
+    log, fake = tmp_path / "calls", tmp_path / "gcclike"
+    fake.write_text(f"#!/bin/sh\ncase \" $* \" in *\" --version \"*) exec {real} --version;; esac\n"
+                    f"echo \"$@\" >> {log}\n"
+                    f"case \" $* \" in *\" {refuse} \"*) echo \"{error}\" >&2; exit 1;; esac\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    return str(fake), log
+
+
+def test_a_failed_link_time_step_is_built_again_without_it(tmp_path):
+    """GCC whose link-time step fails (no LTO plugin, say: its errors name lto): the library is built again without
+    -flto=auto and works; a refusal that is not the link-time step's is not retried (the flag sets' fallback and
+    its record of refusals take it)."""
+    from sofx.kernels import _cpu_build
+
+    source = "int sofx_answer(void) { return 42; }\n"
+    cc, log = _gcc_like_compiler(tmp_path / "lto", "-flto=auto",
+                                 "lto-wrapper: fatal error: make returned 2 exit status")
+    target = str(tmp_path / "built.so")
+    assert _cpu_build._compile(cc, _cpu_build._BASE_FLAG_SETS[0], target, source) is None
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and "-flto=auto" in calls[0].split() and "-flto=auto" not in calls[1].split()
+    assert ctypes.CDLL(target).sofx_answer() == 42
+
+    cc, log = _gcc_like_compiler(tmp_path / "march", "-march=native", "gcc: error: unrecognized argument in option")
+    err = _cpu_build._compile(cc, _cpu_build._BASE_FLAG_SETS[0], str(tmp_path / "refused.so"), source)
+    assert err is not None and "unrecognized argument" in err
+    assert len(log.read_text().splitlines()) == 1 and os.path.exists(str(tmp_path / "refused.failed"))
+
+
 def test_the_build_divides_in_cpu_fasts_inverse_on_zen5_and_later(monkeypatch):
     """FAST_DIVIDER (true divisions in cpu_fast's inverse and cpu's denominators, AVX-512 loops) only where it was
     measured faster."""
