@@ -458,6 +458,34 @@ def test_flag_sets_the_compiler_refused_are_not_tried_again_by_later_processes(t
     assert builds == [len(_cpu_build._FLAG_SETS), 0]
 
 
+def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
+    """Three processes loading the library from an empty cache at the same moment (ranks on one machine): one
+    compiles, the others wait for it and load what it built. The compiler here stands in for the real one: it
+    waits until three builds have started (or 5 s: the others never start where the lock holds them back), then
+    gives the library this process loaded."""
+    from sofx.kernels import _cpu_build
+
+    log, fake = tmp_path / "builds", tmp_path / "fakecc"
+    log.write_text("")
+    fake.write_text("#!/bin/sh\n"
+                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
+                    f"echo build >> {log}\n"
+                    f"i=0; while [ $(wc -l < {log}) -lt 3 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done\n"
+                    'out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
+                    f'cp {_cpu_build.load().path} "$out"\n')
+    fake.chmod(0o755)
+    code = ("from sofx.kernels import _cpu_build; lib = _cpu_build.load(); "
+            "print(lib.path if lib else _cpu_build.unavailable_reason())")
+    env = dict(os.environ, CC=str(fake), SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1 and paths.pop().startswith(str(tmp_path / "cache")), outs
+    assert log.read_text().splitlines() == ["build"]
+
+
 @pytest.mark.parametrize("version, want", [
     ("cc (Debian 12.2.0-14+deb12u1) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.\n", True),
     ("gcc (GCC) 13.2.1 20230801\nCopyright (C) 2023 Free Software Foundation, Inc.\n", True),

@@ -8,7 +8,8 @@ leaves it out). The shared library is cached on disk under ``$SOFX_CACHE_DIR`` (
 ``$XDG_CACHE_HOME/sofx`` or ``~/.cache/sofx``), keyed by a hash of the source, the compiler, its flags and
 the CPU's instruction-set flags (the library is built with ``-march=native``),
 written to a temporary file and renamed into place, so that concurrent
-processes never load a half-written file. A flag set the compiler refused
+processes never load a half-written file, and built by one process while the others that need it wait
+(a lock file beside it). A flag set the compiler refused
 (``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
 ``.failed`` file beside the library's name) and skipped by later processes;
 delete the cache to try it again. In the process it is built and
@@ -21,6 +22,7 @@ runs the reference math), ``CC`` to choose the compiler.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -30,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -302,6 +305,44 @@ def _replica_matches(sqrt: ctypes._CFuncPtr, kind: int) -> bool:
     return torch.equal(got.view(torch.int32), x.sqrt().view(torch.int32))
 
 
+@contextlib.contextmanager
+def _build_lock(target: str) -> Iterator[None]:
+    """An exclusive lock on the lock file beside ``target``, held while a process builds it: the other processes
+    that need it at the same moment (ranks started together on one machine, test workers) wait, then find it
+    built, or refused, instead of compiling it again each. The operating system releases it when the holder
+    exits, however it exits. Where the file cannot be made (an unwritable cache; no ``fcntl``), nothing is
+    locked."""
+    try:
+        import fcntl
+
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd = os.open(target[:-len(".so")] + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> str | None:
+    """None where ``target`` is built (already, or now by :func:`_compile`), else why not: the compiler's
+    refusal recorded before (:func:`_failed_marker`) or now, or an unwritable cache."""
+    if os.path.exists(target):  # built by another process while this one waited for the lock
+        return None
+    try:
+        with open(_failed_marker(target), encoding="utf-8") as f:  # refused by this compiler before
+            return f.read() or "failed before"
+    except OSError:
+        pass
+    try:
+        return _compile(cc, flags, target, source)
+    except OSError as e:  # unwritable cache directory and the like
+        return str(e)
+
+
 def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> NativeLib | str:
     """The library built from ``source`` (the kernel source; a benchmark's variant of it) and opened, cached in
     ``cache_dir`` (default: the library's cache); why it is unavailable where it cannot be."""
@@ -317,14 +358,8 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
                              .encode()).hexdigest()[:24]
         target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
         if not os.path.exists(target):
-            try:
-                with open(_failed_marker(target), encoding="utf-8") as f:  # refused by this compiler before
-                    err = f.read() or "failed before"
-            except OSError:
-                try:
-                    err = _compile(cc, flags, target, source)
-                except OSError as e:  # unwritable cache directory and the like
-                    err = str(e)
+            with _build_lock(target):
+                err = _cached_or_compiled(cc, flags, target, source)
             if err is not None:
                 errors.append(f"{cc} {' '.join(flags)}: {_first_error(err)}")
                 continue
