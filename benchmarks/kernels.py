@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _bandwidth import PairedBandwidth, time_round_robin  # noqa: E402
 
-from sofx.kernels import cpu, cpu_fast  # noqa: E402
+from sofx.kernels import _cpu_build, cpu, cpu_fast, report  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall  # noqa: E402
 from sofx.offload.huge_pages import huge_pages_mode  # noqa: E402
 
@@ -63,31 +63,10 @@ def gpt2_small_shapes(vocab: int = 50257, d: int = 768, layers: int = 12, ctx: i
     return shapes + [(d,), (d,)]
 
 
-def cpu_square_root() -> str:
-    """How ``cpu`` takes torch's (MKL's) square roots with the library loaded here."""
-    from sofx.kernels import _cpu_build
-
-    lib = _cpu_build.load()
-    if lib is None:
-        return "the reference's (no native library)"
-    if not lib.sqrt_fn:
-        where = "inline in the vector loops" if lib.sqrt_replica else "sqrtf in tiles"
-        return f"IEEE, {where} (torch's is not MKL's routine here)"
-    kinds = _cpu_build.REPLICA_KINDS
-    paths = {kinds["avx512"]: "inline, the replica of MKL's AVX-512 path",
-             kinds["generic"]: "inline, the replica of MKL's generic path",
-             kinds["avx2"]: "inline, the replica of MKL's AVX2 path"}
-    return paths.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
-
-
 def kernel_loops() -> str:
     """Which vector loops the native library built here runs (a compiler forced to AVX2, ``CC="gcc
     -mno-avx512f"``, builds the AVX2 ones on an AVX-512 CPU)."""
-    from sofx.kernels import _cpu_build
-
-    lib = _cpu_build.load()
-    width = lib.vector_width if lib is not None else 0
-    return {16: "AVX-512", 8: "AVX2"}.get(width, "portable") + " loops"
+    return report.vector_loops(_cpu_build.load())
 
 
 def cpu_model() -> str:
@@ -316,7 +295,8 @@ def main() -> None:
     print(f"# sofx CPU kernels, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cpus, torch "
           f"{torch.__version__}, {args.threads} threads, native kernels: {cpu.native_available()}, "
-          f"cpu bitwise with torch: {cpu.bitwise_with_torch()}, cpu's square root: {cpu_square_root()}")
+          f"cpu bitwise with torch: {cpu.bitwise_with_torch()}, "
+          f"cpu's square root: {report.cpu_square_root(_cpu_build.load())}")
     print(f"command: {' '.join(sys.argv)}")
     print(f"pages: {page_setting()}")
     cases = [("flat", flat, torch.float32, torch.float32), ("flat", flat, torch.bfloat16, torch.float32),

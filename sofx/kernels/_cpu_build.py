@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import platform
@@ -33,7 +34,6 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -57,7 +57,7 @@ _FLAG_SETS = tuple([*f, "-fopenmp"] for f in _BASE_FLAG_SETS) + _BASE_FLAG_SETS
 _COMMON = ["-std=gnu11", "-shared", "-fPIC", "-pthread"]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class NativeLib:
     """The loaded library: ``adam_many`` is the C entry point ``sofx_adam_many`` (any number of blocks in one
     call), ``has_f16`` whether float16 works.
@@ -73,7 +73,9 @@ class NativeLib:
     them); ``sqrt``: the C entry ``sofx_sqrt`` (square roots as
     the exact mode takes them); ``bitwise_torch``: whether the exact mode reproduces ``torch.sqrt`` bit for bit;
     ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`); ``overlap``: the C entry
-    ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables).
+    ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables); ``flags``: the
+    flag set and tuning defines it was built with (empty where it was opened by path); ``built``: whether it was
+    not in the cache when this process asked for it (so built then, by this process or one it waited for).
     """
 
     path: str
@@ -88,6 +90,8 @@ class NativeLib:
     bitwise_torch: bool
     copy_sumsq: ctypes._CFuncPtr
     overlap: ctypes._CFuncPtr
+    flags: tuple[str, ...] = ()
+    built: bool = False
 
     @property
     def vector_loops(self) -> bool:
@@ -357,14 +361,15 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
         key = hashlib.sha256("\0".join([source, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
                              .encode()).hexdigest()[:24]
         target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
-        if not os.path.exists(target):
+        built = not os.path.exists(target)
+        if built:
             with _build_lock(target):
                 err = _cached_or_compiled(cc, flags, target, source)
             if err is not None:
                 errors.append(f"{cc} {' '.join(flags)}: {_first_error(err)}")
                 continue
         try:
-            return _open(target)
+            return dataclasses.replace(_open(target), flags=(*flags, *_TUNING), built=built)
         except OSError as e:
             errors.append(f"loading {target}: {e}")
     return "the native CPU kernels could not be built: " + " | ".join(errors)

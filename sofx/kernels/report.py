@@ -1,0 +1,90 @@
+"""What the kernels are on this machine, in words; ``python -m sofx.kernels`` prints it.
+
+That command also builds the native CPU library where it is not built yet (the first update on a CPU would,
+~12-30 s), so that a container image, a cluster's shared cache or a job's first step can have it done before
+training starts, and it says why the CPU backends run the reference math where they do. It exits with status 1
+when the native library is unavailable (no compiler, ``SOFX_CPU_NATIVE=0``, a build that failed), else 0.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+import time
+
+import torch
+
+from sofx.kernels import _cpu_build, available_backends, cpu
+
+__all__ = ["vector_loops", "cpu_square_root", "lines", "main"]
+
+
+def vector_loops(lib: _cpu_build.NativeLib | None) -> str:
+    """Which vector loops ``lib`` runs: the AVX-512 ones, the AVX2 ones (a CPU without AVX-512, or a compiler
+    told so: ``CC="gcc -mno-avx512f"``) or the portable loops the compiler vectorizes (no library: none)."""
+    width = lib.vector_width if lib is not None else 0
+    return {16: "AVX-512", 8: "AVX2"}.get(width, "portable") + " loops"
+
+
+def cpu_square_root(lib: _cpu_build.NativeLib | None) -> str:
+    """How the ``cpu`` backend takes torch's square root with ``lib`` (None: the reference's own)."""
+    if lib is None:
+        return "the reference's (no native library)"
+    if not lib.sqrt_fn:
+        where = "inline in the vector loops" if lib.sqrt_replica else "sqrtf in tiles"
+        return f"IEEE, {where} (torch's is not MKL's routine here)"
+    kinds = _cpu_build.REPLICA_KINDS
+    paths = {kinds["avx512"]: "inline, the replica of MKL's AVX-512 path",
+             kinds["generic"]: "inline, the replica of MKL's generic path",
+             kinds["avx2"]: "inline, the replica of MKL's AVX2 path"}
+    return paths.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def lines() -> list[str]:
+    """The report, a line each, building the native library first where it is not built yet."""
+    t0 = time.perf_counter()
+    lib = _cpu_build.load()
+    ready = time.perf_counter() - t0
+    out = [f"sofx {_version('sofx') or '(not installed)'}, torch {torch.__version__}, Python "
+           f"{platform.python_version()}, {platform.system()} {platform.machine()}, {torch.get_num_threads()} "
+           f"torch threads"]
+    if lib is None:
+        out.append(f"cpu, cpu_fast: the reference math ({_cpu_build.unavailable_reason()})")
+    else:
+        threads = "OpenMP" if "-fopenmp" in lib.flags else "pthreads started per call (no OpenMP runtime)"
+        how = f"built now, {ready:.1f} s" if lib.built else "from the cache"
+        out += [f"cpu, cpu_fast: native kernels, {lib.path} ({how})",
+                f"  built with: {' '.join(lib.flags)}",
+                f"  {vector_loops(lib)}; threads: {threads}; "
+                f"float16: {'yes' if lib.has_f16 else 'no (the reference math)'}",
+                f"  cpu's square root: {cpu_square_root(lib)}; cpu bitwise with the reference: "
+                f"{'yes' if cpu.bitwise_with_torch() else 'no'}"]
+    triton = _version("triton")
+    if "triton" in available_backends():
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        out.append(f"triton: triton {triton}, {devices} CUDA device(s) (CUDA tensors; CPU tensors only under "
+                   f"TRITON_INTERPRET=1)")
+    else:
+        out.append("triton: not available" + (f" (triton {triton} installed but not importable here)" if triton
+                                              else " (pip install triton)"))
+    out.append("reference: always (any device and dtype)")
+    return out
+
+
+def main() -> int:
+    """Print :func:`lines`; 1 where the native CPU library is unavailable, else 0."""
+    for line in lines():
+        print(line)
+    return 0 if _cpu_build.load() is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""``python -m sofx.kernels`` (:mod:`sofx.kernels.report`): it builds the native library where the cache has none,
+says what the kernels are here, and exits with 1 where the CPU backends run the reference math."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sofx.kernels import _cpu_build, report
+
+
+def _run(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sofx.kernels"], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_report_names_the_cached_library_and_what_it_runs():
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library here")
+    proc = _run({})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"native kernels, {lib.path} (from the cache)" in out
+    assert f"built with: {' '.join(lib.flags)}" in out and "-O3" in lib.flags
+    assert report.vector_loops(lib) in out and report.cpu_square_root(lib) in out
+    assert ("threads: OpenMP" in out) == ("-fopenmp" in lib.flags)
+    assert "triton:" in out and "reference: always" in out
+
+
+def test_an_empty_cache_is_filled_and_the_report_says_so(tmp_path):
+    """The command builds the library where the cache has none (a compiler standing in for the real one gives this
+    process's library, quickly)."""
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library here")
+    fake = tmp_path / "fakecc"
+    fake.write_text("#!/bin/sh\n"
+                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
+                    'out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
+                    f'cp {lib.path} "$out"\n')
+    fake.chmod(0o755)
+    env = {"CC": str(fake), "SOFX_CACHE_DIR": str(tmp_path / "cache")}
+    first, second = _run(env), _run(env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert f"native kernels, {tmp_path / 'cache'}" in first.stdout and "(built now, " in first.stdout
+    assert "(from the cache)" in second.stdout
+    assert f"built with: {' '.join([*_cpu_build._FLAG_SETS[0], *_cpu_build._TUNING])}" in first.stdout
+
+
+@pytest.mark.parametrize("env, reason", [({"SOFX_CPU_NATIVE": "0"}, "disabled by SOFX_CPU_NATIVE=0"),
+                                         ({"CC": "/no/such/compiler"}, "no C compiler found")])
+def test_without_the_native_library_it_says_why_and_exits_with_1(env, reason, tmp_path):
+    proc = _run({**env, "SOFX_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 1, proc.stderr
+    assert f"cpu, cpu_fast: the reference math ({reason}" in proc.stdout
+
+
+def test_the_descriptions_of_each_build_kind():
+    assert report.vector_loops(None) == "portable loops"
+    assert report.cpu_square_root(None) == "the reference's (no native library)"
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library here")
+    assert [report.vector_loops(dataclasses.replace(lib, vector_width=w)) for w in (16, 8, 0)] == [
+        "AVX-512 loops", "AVX2 loops", "portable loops"]
+    kinds = _cpu_build.REPLICA_KINDS
+    mkl = dataclasses.replace(lib, sqrt_fn=1)
+    assert report.cpu_square_root(dataclasses.replace(mkl, sqrt_replica=kinds["generic"])) == (
+        "inline, the replica of MKL's generic path")
+    assert report.cpu_square_root(dataclasses.replace(mkl, sqrt_replica=0)).startswith("MKL called per tile")
+    ieee = dataclasses.replace(lib, sqrt_fn=0)
+    assert report.cpu_square_root(dataclasses.replace(ieee, sqrt_replica=kinds["ieee"])).startswith(
+        "IEEE, inline in the vector loops")
+    assert report.cpu_square_root(dataclasses.replace(ieee, sqrt_replica=0)).startswith("IEEE, sqrtf in tiles")
