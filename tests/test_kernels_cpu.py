@@ -413,24 +413,44 @@ def test_blocks_the_native_code_cannot_take_run_the_reference(name, rng, monkeyp
     _assert_close(got, reference.step(plain.p, plain.g, plain.m, plain.v, s, variant), _is_exact(backend))
 
 
-def test_without_a_compiler_the_reference_math_runs(tmp_path):
-    code = """
+_REFERENCE_MATH_RUNS = """
+import warnings
 import torch
 from sofx.kernels import cpu, reference
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall
-assert not cpu.native_available()
-g = torch.Generator().manual_seed(0)
-p, gr, m, v = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g)
-s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 3)
-a = cpu.step(p, gr, m, v, s, AdamVariant())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert not cpu.native_available()
+    g = torch.Generator().manual_seed(0)
+    p, gr, m, v = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g)
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 3)
+    a = cpu.step(p, gr, m, v, s, AdamVariant())
+    a2 = cpu.step(p, gr, m, v, s, AdamVariant())
 b = reference.step(p, gr, m, v, s, AdamVariant())
-assert all(torch.equal(x, y) for x, y in zip(a, b))
+assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(x, y) for x, y in zip(a2, b))
 print("ok")
+for w in caught:
+    print(f"{w.category.__name__}: {w.message}")
 """
+
+
+def test_without_a_compiler_the_reference_math_runs_and_a_warning_says_so_once(tmp_path):
     env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), SOFX_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _REFERENCE_MATH_RUNS], env=env, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ok" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0] == "ok" and len(lines) == 2, out.stdout
+    assert lines[1].startswith("RuntimeWarning: sofx: the native CPU kernels are unavailable (no C compiler found")
+    assert "run the reference math" in lines[1] and "python -m sofx.kernels" in lines[1]
+
+
+def test_the_reference_math_asked_for_runs_without_a_warning(tmp_path):
+    env = dict(os.environ, SOFX_CPU_NATIVE="0", SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", _REFERENCE_MATH_RUNS], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["ok"]
 
 
 def test_flag_sets_the_compiler_refused_are_not_tried_again_by_later_processes(tmp_path):

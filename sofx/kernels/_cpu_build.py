@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -103,6 +104,7 @@ DTYPE_CODES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT
 
 _lock = threading.Lock()
 _loaded: list[NativeLib | str] = []  # at most one entry: the library or why it is unavailable
+_DISABLED = "disabled by SOFX_CPU_NATIVE=0"
 
 
 def _cache_dir() -> str:
@@ -351,7 +353,7 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
     """The library built from ``source`` (the kernel source; a benchmark's variant of it) and opened, cached in
     ``cache_dir`` (default: the library's cache); why it is unavailable where it cannot be."""
     if os.environ.get("SOFX_CPU_NATIVE", "1") == "0":
-        return "disabled by SOFX_CPU_NATIVE=0"
+        return _DISABLED
     cc = _compiler()
     if cc is None:
         return "no C compiler found (set CC to one)"
@@ -376,11 +378,17 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
 
 
 def load() -> NativeLib | None:
-    """The native library, building it on first use; None when it cannot be built here."""
+    """The native library, building it on first use; None when it cannot be built here, which a
+    :class:`RuntimeWarning` says once (the CPU backends then run the reference math, several times slower;
+    not where ``SOFX_CPU_NATIVE=0`` asked for that)."""
     if not _loaded:
         with _lock:
             if not _loaded:
                 _loaded.append(_build_and_open())
+                if isinstance(_loaded[0], str) and _loaded[0] != _DISABLED:
+                    warnings.warn(f"sofx: the native CPU kernels are unavailable ({_loaded[0]}); the cpu and cpu_fast "
+                                  "backends run the reference math, several times slower (`python -m sofx.kernels` "
+                                  "reports; SOFX_CPU_NATIVE=0 silences this)", RuntimeWarning, stacklevel=2)
     lib = _loaded[0]
     return lib if isinstance(lib, NativeLib) else None
 

@@ -12,6 +12,7 @@ import importlib.metadata
 import platform
 import sys
 import time
+import warnings
 
 import torch
 
@@ -51,7 +52,9 @@ def _version(package: str) -> str | None:
 def lines() -> list[str]:
     """The report, a line each, building the native library first where it is not built yet."""
     t0 = time.perf_counter()
-    lib = _cpu_build.load()
+    with warnings.catch_warnings():  # the reason is in the report
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lib = _cpu_build.load()
     ready = time.perf_counter() - t0
     out = [f"sofx {_version('sofx') or '(not installed)'}, torch {torch.__version__}, Python "
            f"{platform.python_version()}, {platform.system()} {platform.machine()}, {torch.get_num_threads()} "
