@@ -187,9 +187,14 @@ def _run_compiler(cc: str, args: list[str], parallel: bool = True) -> subprocess
     return proc
 
 
+def _beside(target: str, ext: str) -> str:
+    """The file named as ``target`` (a ``.so``) but for its extension, ``ext``."""
+    return target[:-len(".so")] + ext
+
+
 def _failed_marker(target: str) -> str:
     """The file beside ``target`` that records the compiler's refusal of it (see :func:`_compile`)."""
-    return target[:-len(".so")] + ".failed"
+    return _beside(target, ".failed")
 
 
 def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, parallel: bool = True) -> str | None:
@@ -322,7 +327,7 @@ def _build_lock(target: str) -> Iterator[None]:
         import fcntl
 
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd = os.open(target[:-len(".so")] + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(_beside(target, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except (ImportError, OSError):
         yield
         return
