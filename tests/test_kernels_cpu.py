@@ -506,6 +506,25 @@ def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
     assert log.read_text().splitlines() == ["build"]
 
 
+def test_a_cache_that_cannot_be_locked_is_built_without_the_lock(tmp_path, monkeypatch):
+    """A file system without locks (flock fails: ENOLCK): the library is built and loaded as without the lock."""
+    import errno
+    import fcntl
+
+    from sofx.kernels import _cpu_build
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    source = "int sofx_answer(void) { return 42; }\n"
+    target = str(tmp_path / "cache" / "built.so")
+    with _cpu_build._build_lock(target):
+        assert _cpu_build._cached_or_compiled(_cpu_build._compiler(), _cpu_build._BASE_FLAG_SETS[0], target,
+                                              source) is None
+    assert ctypes.CDLL(target).sofx_answer() == 42
+
+
 @pytest.mark.parametrize("version, want", [
     ("cc (Debian 12.2.0-14+deb12u1) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.\n", True),
     ("gcc (GCC) 13.2.1 20230801\nCopyright (C) 2023 Free Software Foundation, Inc.\n", True),

@@ -321,8 +321,8 @@ def _build_lock(target: str) -> Iterator[None]:
     """An exclusive lock on the lock file beside ``target``, held while a process builds it: the other processes
     that need it at the same moment (ranks started together on one machine, test workers) wait, then find it
     built, or refused, instead of compiling it again each. The operating system releases it when the holder
-    exits, however it exits. Where the file cannot be made (an unwritable cache; no ``fcntl``), nothing is
-    locked."""
+    exits, however it exits. Where the file cannot be made or locked (an unwritable cache, a file system without
+    locks, no ``fcntl``), nothing is locked: each process builds it, as without the lock."""
     try:
         import fcntl
 
@@ -332,7 +332,10 @@ def _build_lock(target: str) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK and the like
+            pass
         yield
     finally:
         os.close(fd)  # and with it the lock
