@@ -63,7 +63,9 @@ def lines() -> list[str]:
         out.append(f"cpu, cpu_fast: the reference math ({_cpu_build.unavailable_reason()})")
     else:
         threads = "OpenMP" if "-fopenmp" in lib.flags else "pthreads started per call (no OpenMP runtime)"
-        how = f"built now, {ready:.1f} s" if lib.built else "from the cache"
+        how = "built by this process" if lib.built else "loaded from the cache"
+        if ready >= 0.05:  # where this call built or loaded it (not a process that had it already)
+            how += f" in {ready:.1f} s"
         out += [f"cpu, cpu_fast: native kernels, {lib.path} ({how})",
                 f"  built with: {' '.join(lib.flags)}",
                 f"  {vector_loops(lib)}; threads: {threads}; "
