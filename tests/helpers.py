@@ -63,6 +63,20 @@ def assert_trees_bitwise(a, b) -> None:
             assert x == y
 
 
+def library_copying_compiler(directory, library: str, before_copy: str = "") -> str:
+    """A stand-in C compiler in ``directory`` (its path returned): it answers ``--version`` as "fakecc 1.0" and
+    "builds" by copying ``library`` (a native library built before) to its ``-o`` target, after running the shell
+    lines ``before_copy`` (a log, a wait). Quick where a test needs a build, not the compiler's work."""
+    fake = directory / "fakecc"
+    fake.write_text("#!/bin/sh\n"
+                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
+                    f"{before_copy}"
+                    'out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
+                    f'cp {library} "$out"\n')
+    fake.chmod(0o755)
+    return str(fake)
+
+
 def import_written_module(directory, name: str, source: str, extra_files: dict[str, str] | None = None):
     """Write ``source`` as ``directory/name.py`` (and ``extra_files``) and import it afresh.
 

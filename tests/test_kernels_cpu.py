@@ -21,7 +21,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall
 
-from helpers import block_inputs, block_scalars, max_rel_err
+from helpers import block_inputs, block_scalars, library_copying_compiler, max_rel_err
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -485,18 +485,15 @@ def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
     gives the library this process loaded."""
     from sofx.kernels import _cpu_build
 
-    log, fake = tmp_path / "builds", tmp_path / "fakecc"
+    log = tmp_path / "builds"
     log.write_text("")
-    fake.write_text("#!/bin/sh\n"
-                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
-                    f"echo build >> {log}\n"
-                    f"i=0; while [ $(wc -l < {log}) -lt 3 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done\n"
-                    'out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
-                    f'cp {_cpu_build.load().path} "$out"\n')
-    fake.chmod(0o755)
+    fake = library_copying_compiler(
+        tmp_path, _cpu_build.load().path,
+        before_copy=(f"echo build >> {log}\n"
+                     f"i=0; while [ $(wc -l < {log}) -lt 3 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done\n"))
     code = ("from sofx.kernels import _cpu_build; lib = _cpu_build.load(); "
             "print(lib.path if lib else _cpu_build.unavailable_reason())")
-    env = dict(os.environ, CC=str(fake), SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, CC=fake, SOFX_CACHE_DIR=str(tmp_path / "cache"))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]

@@ -12,6 +12,8 @@ import pytest
 
 from sofx.kernels import _cpu_build, report
 
+from helpers import library_copying_compiler
+
 
 def _run(env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sofx.kernels"], env={**os.environ, **env}, capture_output=True,
@@ -38,13 +40,7 @@ def test_an_empty_cache_is_filled_and_the_report_says_so(tmp_path):
     lib = _cpu_build.load()
     if lib is None:
         pytest.skip("no native library here")
-    fake = tmp_path / "fakecc"
-    fake.write_text("#!/bin/sh\n"
-                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
-                    'out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
-                    f'cp {lib.path} "$out"\n')
-    fake.chmod(0o755)
-    env = {"CC": str(fake), "SOFX_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"CC": library_copying_compiler(tmp_path, lib.path), "SOFX_CACHE_DIR": str(tmp_path / "cache")}
     first, second = _run(env), _run(env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert f"native kernels, {tmp_path / 'cache'}" in first.stdout and "(built by this process" in first.stdout
