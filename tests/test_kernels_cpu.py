@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -491,7 +493,8 @@ def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
         tmp_path, _cpu_build.load().path,
         before_copy=(f"echo build >> {log}\n"
                      f"i=0; while [ $(wc -l < {log}) -lt 3 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done\n"))
-    code = ("from sofx.kernels import _cpu_build; lib = _cpu_build.load(); "
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "from sofx.kernels import _cpu_build; lib = _cpu_build.load(); "
             "print(lib.path if lib else _cpu_build.unavailable_reason())")
     env = dict(os.environ, CC=fake, SOFX_CACHE_DIR=str(tmp_path / "cache"))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -501,6 +504,56 @@ def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
     paths = {out.strip() for out, _ in outs}
     assert len(paths) == 1 and paths.pop().startswith(str(tmp_path / "cache")), outs
     assert log.read_text().splitlines() == ["build"]
+    logged = "".join(err for _, err in outs)  # the build is logged once, by the process that built it
+    assert logged.count("INFO:sofx.kernels:building the native CPU kernels") == 1, logged
+    assert len(re.findall(r"INFO:sofx.kernels:built \S+ in \d+\.\d s", logged)) == 1, logged
+
+
+def test_a_wait_for_another_processs_build_is_logged(tmp_path, caplog):
+    """A process that finds the build lock held says, on the sofx.kernels logger, that it waits, and whose build
+    (a first update that pauses is not a hang); the lock is taken once the holder lets it go."""
+    import fcntl
+    import threading
+
+    from sofx.kernels import _cpu_build
+
+    target = str(tmp_path / "cache" / "built.so")
+    os.makedirs(os.path.dirname(target))
+    holder = os.open(str(tmp_path / "cache" / "built.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: conflicts as another process's would
+    entered = threading.Event()
+
+    def build():
+        with _cpu_build._build_lock(target):
+            entered.set()
+
+    caplog.set_level("INFO", logger="sofx.kernels")
+    thread = threading.Thread(target=build)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not any("waiting for another process" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.01)
+    assert not entered.is_set()
+    os.close(holder)
+    thread.join(30)
+    assert entered.is_set()
+    assert caplog.records[-1].getMessage() == f"waiting for another process building {target}"
+
+
+def test_a_refused_flag_set_is_logged(tmp_path, caplog):
+    from sofx.kernels import _cpu_build
+
+    fake = tmp_path / "fakecc"
+    fake.write_text("#!/bin/sh\necho 'fakecc: error: no such flag' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    caplog.set_level("INFO", logger="sofx.kernels")
+    err = _cpu_build._cached_or_compiled(str(fake), ["-O3"], str(tmp_path / "x.so"), "int x;\n")
+    assert "no such flag" in err
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("building the native CPU kernels") and "-O3" in messages[0]
+    assert re.fullmatch(rf"{re.escape(str(fake))} refused -O3 \(\d+\.\d s\): fakecc: error: no such flag",
+                        messages[1]), messages
 
 
 def test_a_cache_that_cannot_be_locked_is_built_without_the_lock(tmp_path, monkeypatch):

@@ -16,6 +16,10 @@ delete the cache to try it again. In the process it is built and
 loaded at most once (a lock guards the lazy load); the result, or the reason
 it is unavailable, is cached.
 
+The build is logged on the ``sofx.kernels`` logger at level INFO (the compiler and flags, a wait for another
+process's build, the time it took, a refused flag set), so that a first update's pause of 10-30 s can be
+told apart from a hang: ``logging.basicConfig(level=logging.INFO)`` shows it.
+
 Set ``SOFX_CPU_NATIVE=0`` to disable the native kernels (the CPU backend then
 runs the reference math), ``CC`` to choose the compiler.
 """
@@ -26,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -33,6 +38,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -42,6 +48,8 @@ from sofx.kernels._cpu_source import DT_BF16, DT_F16, DT_F32, SOURCE
 from sofx.kernels._torch_sqrt import torch_sqrt_is_ieee, torch_sqrt_routine
 
 __all__ = ["NativeLib", "load", "unavailable_reason"]
+
+_log = logging.getLogger("sofx.kernels")
 
 # -ffp-contract=off: no multiply-add is fused unless the source says fmaf (bitwise reference results).
 # vect-epilogues-nomask=0: no vectorized remainder loops (a third less compile time, tails are short).
@@ -333,7 +341,11 @@ def _build_lock(target: str) -> Iterator[None]:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: another process builds it
+                _log.info("waiting for another process building %s", target)
+                fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:  # ENOLCK and the like
             pass
         yield
@@ -351,10 +363,18 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
             return f.read() or "failed before"
     except OSError:
         pass
+    _log.info("building the native CPU kernels (once per compiler and CPU; 10-30 s): %s %s -> %s",
+              cc, " ".join(flags), target)
+    start = time.perf_counter()
     try:
-        return _compile(cc, flags, target, source)
+        err = _compile(cc, flags, target, source)
     except OSError as e:  # unwritable cache directory and the like
-        return str(e)
+        err = str(e)
+    if err is None:
+        _log.info("built %s in %.1f s", target, time.perf_counter() - start)
+    else:
+        _log.info("%s refused %s (%.1f s): %s", cc, " ".join(flags), time.perf_counter() - start, _first_error(err))
+    return err
 
 
 def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> NativeLib | str:
