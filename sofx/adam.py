@@ -660,9 +660,14 @@ class Adam:
         return "algebraic", ""
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _checked_grad_scale(grad_scale: Any) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
-    number or a 0-d floating-point tensor, finite and > 0."""
+    number or a 0-d floating-point tensor, > 0 and at most float32's largest value (the kernels multiply
+    float32 gradients by it in float32, where a larger one is inf: the step's values would be nan, and no
+    finiteness check sees it before)."""
     if type(grad_scale) is float or type(grad_scale) is int:
         value = grad_scale
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
@@ -675,6 +680,9 @@ def _checked_grad_scale(grad_scale: Any) -> Scalar:
         value = as_number(grad_scale)
     if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
+    if is_number(value) and value > _FLOAT32_MAX:
+        raise HParamError(f"grad_scale = {value!r} is beyond float32's range (largest {_FLOAT32_MAX!r}); the kernels "
+                          "multiply gradients by it in float32, where it is inf")
     return value
 
 

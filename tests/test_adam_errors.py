@@ -100,6 +100,30 @@ def test_invalid_defaults_and_options_are_refused_at_construction():
         opt.update(params, params, opt.init(params), grad_scale=0.0)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_grad_scale_beyond_float32_is_refused_and_changes_nothing(backend, donate):
+    """A grad_scale that is inf in float32 (where the kernels multiply by it) would write nan that the checked step
+    does not see (an algebraic record whose undo gives nan): refused, in update and in undo_redo; the largest
+    float32 and a 0-d tensor are read as numbers."""
+    _, params, grads, _ = _setup(3)
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    state = opt.init(params)
+    p1, s1, record = opt.update(params, grads, state)
+    before = _snapshot(params, grads, state, p1, s1)
+    for scale in (3.5e38, torch.tensor(1e39, dtype=torch.float64)):
+        with pytest.raises(sofx.HParamError, match=r"grad_scale = .* is beyond float32's range"):
+            opt.update(params, grads, state, grad_scale=scale, donate=donate)
+        with pytest.raises(sofx.HParamError, match=r"grad_scale = .* is beyond float32's range"):
+            opt.undo_redo(p1, s1, record, grads, grad_scale=scale, donate=donate)
+    _assert_unchanged(before, params, grads, state, p1, s1)
+    tiny = sofx.tree.tree_map(lambda g: g * 1e-30, grads)
+    p2, s2, rec2 = opt.update(params, tiny, state, grad_scale=torch.finfo(torch.float32).max)
+    assert all(bool(t.isfinite().all()) for t in sofx.tree.flatten(p2)[0])
+    p3, _ = opt.undo(p2, s2, rec2)
+    assert all((a - b).abs().max() <= 1e-6 for a, b in zip(sofx.tree.flatten(p3)[0], sofx.tree.flatten(params)[0]))
+
+
 def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing():
     opt, params, grads, state = _setup(2)
     p1, s1, rec1 = opt.update(params, grads, state)
