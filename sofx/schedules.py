@@ -212,6 +212,16 @@ class OneCycle:
             raise HParamError(f"anneal = {self.anneal!r}; expected 'cos' or 'linear'")
         for name in ("base_beta1", "max_beta1", "div_factor", "final_div_factor"):
             _finite(name, getattr(self, name))
+        # A phase of no steps that a step still reaches (torch's OneCycleLR divides by zero there): the first
+        # where it ends at step 0, the last where it ends where the one before it ends.
+        ends = [end for end, _, _ in self._phases()]
+        if ends[0] == 0:
+            raise HParamError(f"pct_start * total_steps = {self.pct_start!r} * {self.total_steps} = 1 leaves the "
+                              "warm-up phase no steps (it ends at step 0); expected a product other than 1")
+        if ends[-1] == ends[-2]:
+            raise HParamError(f"pct_start = {self.pct_start!r} with total_steps = {self.total_steps} leaves the "
+                              "three-phase cycle's last phase no steps (2 * pct_start * total_steps = "
+                              "total_steps + 1)")
 
     def _phases(self) -> list[tuple[float, str, str]]:
         n, p = self.total_steps, self.pct_start

@@ -66,6 +66,29 @@ def test_one_cycle_equals_onecyclelr(three_phase: bool, anneal: str):
         ours(total + 1)
 
 
+@pytest.mark.parametrize("total, pct_start, three_phase", [
+    (10, 0.1, False), (4, 0.25, False), (2, 0.5, False), (10, 0.1, True), (3, 2 / 3, True)])
+def test_one_cycle_with_a_phase_of_no_steps_is_refused_at_construction(total, pct_start, three_phase):
+    """Where a phase that a step reaches has no steps (pct_start * total_steps = 1, or, in three phases,
+    2 * pct_start * total_steps = total_steps + 1) torch's OneCycleLR divides by zero at that step; sofx
+    refuses the schedule when it is made."""
+    with pytest.raises(HParamError, match="no steps"):
+        schedules.one_cycle(0.3, total, pct_start=pct_start, three_phase=three_phase)
+    with pytest.raises(ZeroDivisionError):
+        _torch_lrs(lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=0.3, total_steps=total, pct_start=pct_start, three_phase=three_phase), total + 1)
+
+
+@pytest.mark.parametrize("total, pct_start, three_phase", [(10, 0.05, False), (10, 0.05, True), (3, 0.5, True)])
+def test_one_cycle_with_a_phase_before_step_0_equals_onecyclelr(total, pct_start, three_phase):
+    """A first phase that ends before step 0 (pct_start * total_steps < 1) is not refused: no step reaches it."""
+    ours = schedules.one_cycle(0.3, total, pct_start=pct_start, three_phase=three_phase)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=0.3, total_steps=total, pct_start=pct_start, three_phase=three_phase), total)
+    for t, (lr, b1) in enumerate(ref):
+        assert ours(t).lr == pytest.approx(lr, rel=1e-9) and ours(t).beta1 == pytest.approx(b1, rel=1e-9), t
+
+
 def test_one_cycle_without_beta1_cycling_leaves_beta1_default():
     assert schedules.one_cycle(1.0, 10, cycle_beta1=False)(3).beta1 is None
 
