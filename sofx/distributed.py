@@ -155,23 +155,36 @@ def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[An
 
 
 def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
-                       dev: torch.device) -> None:
+                       dev: torch.device, refused: SofxError | None = None) -> None:
     """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
     are ``None``, or in a leaf's dtype or shape: the packed buffers would otherwise be summed or sent
     element by element between unrelated leaves (silently, when the totals agree) or break inside the
     backend. One all-reduce of two int64 (a digest of the layout: its max and minus its min); only when they
-    differ does an ``all_gather_object`` fetch the layouts to name the first leaf that differs."""
+    differ does an ``all_gather_object`` fetch the layouts to name the first leaf that differs.
+
+    ``refused``: this rank's own check of its input failed (a gradient that is not floating point, a tree of
+    another structure than the shard's): it still takes part, so that the others do not wait in the
+    collective for it; it raises that error, and every other rank says which rank refused what."""
     mine = _layout(spec, leaves)
-    digest = int.from_bytes(hashlib.blake2b(repr(mine).encode(), digest_size=7).digest(), "little")
+    digest = int.from_bytes(hashlib.blake2b(repr((mine, refused is None)).encode(), digest_size=7).digest(),
+                            "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     if int(bounds[0]) == digest and -int(bounds[1]) == digest:
+        if refused is not None:  # every rank refused its input
+            raise refused
         return
     paths = tree.leaf_paths(spec, root)
     layouts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, (paths, mine[1]), group=group)
+    dist.all_gather_object(layouts, (paths, mine[1], None if refused is None else str(refused)), group=group)
+    if refused is not None:
+        raise refused
     me = dist.get_rank(group)
-    for r, (other_paths, other) in enumerate(layouts):
+    first_refusal = next(((r, text) for r, (_, _, text) in enumerate(layouts) if text is not None), None)
+    if first_refusal is not None:
+        r, text = first_refusal
+        raise SofxError(f"{what}: rank {r} refused its input ({text}); no data was sent")
+    for r, (other_paths, other, _) in enumerate(layouts):
         if r == me or (other_paths, other) == (paths, mine[1]):
             continue
         if other_paths != paths:
@@ -225,7 +238,9 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     left out and must be ``None`` on every rank, in the same structure (checked
     first by one all-reduce of 16 bytes, ``check_layout=False`` skips it: where
     they differ every rank raises naming the first leaf, before any gradient
-    moves). A
+    moves; a rank whose own gradients are refused, not tensors or not floating
+    point, raises that error and every other rank names it: none waits in a
+    collective for a rank that left). A
     non-finite element on any rank makes the same element non-finite on every
     rank, so the overflow check skips the step everywhere. Every rank gets the
     same bits (gloo's and NCCL's all-reduce reduce each element once and send
@@ -237,15 +252,20 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
     leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+    refused = None
     for g in leaves:
         if not isinstance(g, torch.Tensor):
-            raise SofxError(f"all_reduce_mean_: gradients must be tensors, got {type(g).__name__}")
-        if not g.is_floating_point():
-            raise SofxError(f"all_reduce_mean_: gradients must be floating point, got {g.dtype}")
-    if check_layout:
+            refused = SofxError(f"all_reduce_mean_: gradients must be tensors, got {type(g).__name__}")
+        elif not g.is_floating_point():
+            refused = SofxError(f"all_reduce_mean_: gradients must be floating point, got {g.dtype}")
+        if refused is not None:
+            break
+    if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
         with_none, spec_with_none = tree.flatten(grads, is_leaf=lambda x: x is None)  # to name a None leaf
         _check_same_layout("all_reduce_mean_", spec_with_none, with_none, "grads", group,
-                           _collective_device(group, None))
+                           _collective_device(group, None), refused)
+    elif refused is not None:
+        raise refused
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
@@ -348,6 +368,27 @@ class Shard:
             raise SofxError(f"{what}: the shard is rank {self.rank} of {self.world_size}, the group has this "
                             f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
 
+    def _gather_inputs(self, local: list[Any], like: Any) -> list[Any]:
+        """``like``'s leaves (the templates), checked against this rank's ``local`` leaves."""
+        owned = self.owned
+        if len(local) != len(owned):
+            raise SofxError(f"Shard.gather: {len(local)} local leaves, rank {self.rank} owns {len(owned)}")
+        templates = tree.flatten_up_to(self.spec, like, "like")
+        for i, x in zip(owned, local):
+            t = templates[i]
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
+        return templates
+
+    def _reduce_inputs(self, grads: Any) -> list[Any]:
+        """``grads``' leaves in the shard's structure, checked: tensors of a floating-point dtype, or None."""
+        g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
+        for i, g in enumerate(g_leaves):
+            if g is not None and (not isinstance(g, torch.Tensor) or not g.is_floating_point()):
+                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
+        return g_leaves
+
     def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
                check_layout: bool = True) -> Any:
         """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
@@ -363,19 +404,17 @@ class Shard:
         """
         self._check_group(group, "Shard.gather")
         local = list(local)
-        owned = self.owned
-        if len(local) != len(owned):
-            raise SofxError(f"Shard.gather: {len(local)} local leaves, rank {self.rank} owns {len(owned)}")
-        templates = tree.flatten_up_to(self.spec, like, "like")
-        mine = dict(zip(owned, local))
-        for i, x in mine.items():
-            t = templates[i]
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
-                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
+        mine = dict(zip(self.owned, local))
+        refused = None
+        try:
+            templates = self._gather_inputs(local, like)
+        except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
+            if not check_layout:
+                raise
+            refused, templates = e, [None] * self.spec.num_leaves
         dev = _collective_device(group, None)
         if check_layout:
-            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev)
+            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused)
         out: list[Any] = [None] * len(templates)
         for (owner, dtype), leaves in _buckets(self.owners, templates).items():
             sizes = [math.prod(templates[i].shape) for i in leaves]
@@ -403,14 +442,17 @@ class Shard:
         as in :func:`all_reduce_mean_`).
         """
         self._check_group(group, "Shard.reduce_mean")
-        g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
+        refused = None
+        try:
+            g_leaves = self._reduce_inputs(grads)
+        except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
+            if not check_layout:
+                raise
+            refused, g_leaves = e, [None] * self.spec.num_leaves
         present = [i for i, g in enumerate(g_leaves) if g is not None]
-        for i in present:
-            if not isinstance(g_leaves[i], torch.Tensor) or not g_leaves[i].is_floating_point():
-                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
         dev = _collective_device(group, None)
         if check_layout:
-            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev)
+            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev, refused)
         world = self.world_size
         result: dict[int, torch.Tensor] = {}
         owners = [self.owners[i] for i in present]

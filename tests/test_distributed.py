@@ -248,6 +248,8 @@ def _layout_errors(rank: int) -> list[str]:
     """Trees that differ between ranks (a None leaf on one rank only; the same sizes in other shapes; another
     dtype): every rank raises naming the leaf, nothing is summed, and the group works on afterwards."""
     x = torch.arange(6.0) * (rank + 1)
+    full = {"p": torch.ones(3), "q": torch.ones(4)}
+    two = sd.shard_blocks(full, owners=(0, 1))  # rank 1 owns q
     cases = [
         lambda: sd.all_reduce_mean_({"a": torch.ones(3), "b": None if rank == 0 else torch.ones(2)}),
         lambda: sd.all_reduce_mean_({"a": x.view(2, 3) if rank == 0 else x.view(3, 2)}),
@@ -255,6 +257,13 @@ def _layout_errors(rank: int) -> list[str]:
             {"p": torch.ones(3), "q": None if rank == 1 else torch.ones(4)}),
         lambda: sd.shard_blocks({"p": torch.ones(3)}, owners=(0,)).gather(
             [torch.ones(3)] if rank == 0 else [], {"p": torch.ones(3, dtype=torch.float64 if rank else None)}),
+        # rank 1's own input refused (before, rank 1 raised at once and the others waited in the collective):
+        lambda: sd.all_reduce_mean_({"a": torch.ones(3, dtype=torch.int64 if rank == 1 else None)}),
+        lambda: two.reduce_mean({"p": torch.ones(3), **({} if rank == 1 else {"q": torch.ones(4)})}),
+        lambda: two.reduce_mean({"p": torch.ones(3), "q": torch.ones(4, dtype=torch.int32 if rank == 1 else None)}),
+        lambda: two.gather(two.local(full), {"p": torch.ones(3), **({} if rank == 1 else {"q": torch.ones(4)})}),
+        lambda: two.gather(two.local(full), {"p": torch.ones(3), "q": torch.ones(4, dtype=torch.float64
+                                                                                 if rank == 1 else None)}),
     ]
     errors = []
     for case in cases:
@@ -432,6 +441,16 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
             assert "grads['a'] is" in msgs[1] and "(3, 2)" in msgs[1] and "(2, 3)" in msgs[1]
             assert "Shard.reduce_mean: grads['q']" in msgs[2]
             assert "Shard.gather: like['p']" in msgs[3] and "torch.float64" in msgs[3]
+            own = ["all_reduce_mean_: gradients must be floating point, got torch.int64",
+                   "grads does not have the structure of params",
+                   "Shard.reduce_mean: gradient 1 must be a floating-point tensor",
+                   "like does not have the structure of params",
+                   "Shard.gather: leaf 1 is (4,) torch.float32, like says (4,) torch.float64"]
+            for msg, want in zip(msgs[4:], own, strict=True):
+                if ranks.index(r) == 1:
+                    assert want in msg and "refused its input" not in msg, msg
+                else:
+                    assert "rank 1 refused its input (" in msg and want in msg, msg
             assert torch.equal(untouched, torch.arange(6.0) * (ranks.index(r) + 1))
     c0, c1, c2 = (r["collectives"] for r in ranks3)
     assert "not a member" in c0["not_member"]
