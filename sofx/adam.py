@@ -548,7 +548,9 @@ class Adam:
         if leaf.traced:
             if self.backend not in ("auto", "reference"):
                 raise UnsupportedError(f"{leaf.path}: backend {self.backend!r} cannot run under torch.func "
-                                       "transforms, autograd or torch.compile; use backend='reference' or 'auto'")
+                                       "transforms, autograd (a tensor that requires grad, in grad mode: call "
+                                       "under torch.no_grad() to step its value) or torch.compile; use "
+                                       "backend='reference' or 'auto'")
             return reference_kernels  # runs anywhere; no import machinery for torch.compile to trace
         return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
 

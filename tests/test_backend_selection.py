@@ -87,6 +87,35 @@ def test_adam_uses_the_selected_backend(rng):
     assert max_rel_err(results["cpu_fast"]["b"].float(), results["reference"]["b"].float()) <= 1e-2
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_models_parameters_under_no_grad_take_the_native_kernels(donate):
+    """A model's parameters (they require grad) stepped under torch.no_grad(), as torch.optim steps them: values,
+    not traced tensors, so "auto" takes the cpu kernels and an algebraic undo, with the bits of the same step on
+    detached tensors; donated, the parameters themselves are written. In grad mode the step stays
+    differentiable (the reference, snapshots), and an explicit native backend is refused saying why."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    params = dict(model.named_parameters())
+    values = {k: v.detach().clone() for k, v in params.items()}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(values)
+    want, _, _ = opt.update(values, grads, state)
+    with torch.no_grad():
+        got, new_state, record = opt.update(params, grads, state, donate=donate)
+        assert record.strategies() == ["algebraic", "algebraic"]
+        assert all(torch.equal(got[k], want[k]) for k in params)
+        assert all((got[k] is params[k]) == donate for k in params)
+        assert all(p.requires_grad for p in model.parameters())
+        back, _ = opt.undo(got, new_state, record, donate=donate)
+    assert all((back[k] - values[k]).abs().max() <= 1e-6 for k in params)
+    fresh = dict(torch.nn.Linear(5, 3).named_parameters())
+    _, _, record = opt.update(fresh, grads, state)
+    assert record.strategies() == ["snapshot", "snapshot"]
+    with pytest.raises(UnsupportedError, match=r"requires grad, in grad mode: call under torch.no_grad\(\)"):
+        sofx.adamw(backend="cpu").update(fresh, grads, state)
+
+
 def test_each_leaf_of_a_tree_is_refused_by_its_own_kind(rng):
     """The backend is chosen once per kind of leaf (device, dtypes, traced): a leaf that the named backend
     cannot take is refused even after leaves it can take, and nothing is written."""

@@ -99,15 +99,18 @@ def is_traced(x: object) -> bool:
     """True for a tensor whose value cannot be read on the host right now.
 
     That is a tensor wrapped by a ``torch.func`` transform (vmap, grad), a
-    tensor that requires grad, a meta tensor (shapes only: planning a model's
-    optimizer state without memory), or any tensor while ``torch.compile``
-    traces.
+    tensor that requires grad while grad mode is on (autograd records what is
+    computed from it; under ``torch.no_grad()`` a model's parameters are plain
+    values, as ``torch.optim`` steps them), a meta tensor (shapes only: planning
+    a model's optimizer state without memory), or any tensor while
+    ``torch.compile`` traces.
     """
     if not isinstance(x, torch.Tensor):
         return False
     if torch.compiler.is_compiling():
         return True
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x)) or x.requires_grad or x.is_meta
+    return (bool(torch._C._functorch.is_functorch_wrapped_tensor(x)) or (x.requires_grad and torch.is_grad_enabled())
+            or x.is_meta)
 
 
 def any_traced(xs: Iterable[object]) -> bool:
@@ -121,10 +124,11 @@ def leaf_tracer() -> Callable[..., bool]:
     if torch.compiler.is_compiling():  # first: torch.compile cannot trace the functorch query
         return lambda *xs: any(isinstance(x, torch.Tensor) for x in xs)
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    recorded = torch.is_grad_enabled()  # requires_grad matters only where autograd records
 
     def traced(*xs: object) -> bool:
         for x in xs:  # a loop, not any(...): this runs for every leaf of every step
-            if isinstance(x, torch.Tensor) and (x.requires_grad or wrapped(x) or x.is_meta):
+            if isinstance(x, torch.Tensor) and ((recorded and x.requires_grad) or wrapped(x) or x.is_meta):
                 return True
         return False
 
