@@ -19,6 +19,8 @@ from sofx import tree
 from sofx.checkpoint import atomic as ck_atomic
 from sofx.checkpoint import io as ck_io
 
+from helpers import trees_equal
+
 
 class Pair(NamedTuple):
     a: object
@@ -265,6 +267,37 @@ def test_corrupted_tree_structure_and_data(tmp_path, rng):
     with pytest.raises(ck.CorruptCheckpointError, match="checksum"):
         ck.load(path)
     assert ck.load(path, verify=False)["x"].shape == (8,)
+
+
+def test_trees_nested_too_deeply_are_refused_and_deep_headers_are_corrupt(tmp_path, rng):
+    """A tree nested beyond MAX_NESTING containers is refused when saved (a CheckpointError naming where; the file
+    before it kept), so that every file sofx writes reads back (its JSON is read recursively); one at the limit
+    round-trips; a header nested deeper than Python's json can read (crafted, damaged) is corrupt, not a
+    RecursionError."""
+    from sofx.checkpoint import codec
+
+    def nested(depth):
+        t = torch.randn(2, generator=rng)
+        for k in range(depth):
+            t = [t] if k % 2 else {"a": t}
+        return t
+
+    deep = nested(codec.MAX_NESTING)
+    path = ck.save(tmp_path / "n.ckpt", deep)
+    assert trees_equal(ck.load(path), deep)
+    before = open(path, "rb").read()
+    for depth in (codec.MAX_NESTING + 1, 600):
+        with pytest.raises(ck.CheckpointError, match=f"nested more than {codec.MAX_NESTING} containers deep"):
+            ck.save(path, nested(depth))
+    assert open(path, "rb").read() == before
+    _rewrite_metadata(path, tree="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ck.CorruptCheckpointError, match="nested too deeply to read"):
+        ck.load(path)
+    structure = {"k": "none"}
+    for _ in range(5000):  # beyond the recursion limit of the decoder itself (json stops sooner, above)
+        structure = {"k": "list", "items": [structure]}
+    with pytest.raises(ck.CorruptCheckpointError, match="nested too deeply to read"):
+        codec.decode(structure, lambda node, path, like: None)
 
 
 def test_version_mismatch(tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import numbers
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -93,7 +94,16 @@ def encode(tree: Any, root: str = ROOT) -> EncodedTree:
     return out
 
 
-def _encode(x: Any, path: str, out: EncodedTree) -> dict:
+# Containers within containers, at most: the structure is nested JSON (two levels per container), which Python's
+# json reads and writes recursively (its limit: sys.getrecursionlimit(), 1000 by default, less the caller's frames).
+MAX_NESTING = 200
+
+
+def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
+    if depth > MAX_NESTING:
+        where = path if len(path) <= 160 else f"{path[:80]}...{path[-60:]}"
+        raise CheckpointError(f"{where}: the tree is nested more than {MAX_NESTING} containers deep; a checkpoint's "
+                              "structure is nested JSON, which Python reads back recursively")
     if isinstance(x, torch.Tensor):
         return _encode_tensor(x, path, out)
     if x is None:
@@ -124,10 +134,10 @@ def _encode(x: Any, path: str, out: EncodedTree) -> dict:
     if _is_namedtuple(x):
         fields = list(type(x)._fields)
         return {"k": "namedtuple", "type": type_name(type(x)), "fields": fields,
-                "items": [_encode(v, f"{path}.{f}", out) for f, v in zip(fields, x)]}
+                "items": [_encode(v, f"{path}.{f}", out, depth + 1) for f, v in zip(fields, x)]}
     if type(x) in (list, tuple):
         kind = "list" if type(x) is list else "tuple"
-        return {"k": kind, "items": [_encode(v, f"{path}[{i}]", out) for i, v in enumerate(x)]}
+        return {"k": kind, "items": [_encode(v, f"{path}[{i}]", out, depth + 1) for i, v in enumerate(x)]}
     if type(x) in (dict, collections.OrderedDict):
         keys, items = [], []
         for key, value in x.items():
@@ -135,11 +145,11 @@ def _encode(x: Any, path: str, out: EncodedTree) -> dict:
                 raise CheckpointError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be stored; "
                                       "keys must be str or int")
             keys.append(["s", key] if type(key) is str else ["i", key])
-            items.append(_encode(value, f"{path}[{key!r}]", out))
+            items.append(_encode(value, f"{path}[{key!r}]", out, depth + 1))
         node = {"k": "dict" if type(x) is dict else "odict", "keys": keys, "items": items}
         meta = getattr(x, "_metadata", None)  # nn.Module.state_dict()'s per-module versions
         if type(x) is collections.OrderedDict and isinstance(meta, dict):
-            node["metadata"] = _encode(meta, f"{path}._metadata", out)
+            node["metadata"] = _encode(meta, f"{path}._metadata", out, depth + 1)
         return node
     raise CheckpointError(f"{path}: a {type(x).__module__}.{type(x).__qualname__} cannot be stored in a checkpoint; "
                           "expected tensors, None, bool/int/float/str, torch.dtype, and lists, tuples, dicts "
@@ -184,7 +194,11 @@ def decode(structure: Any, load_tensor: Callable[[dict, str, Any], Any], *, like
     NamedTuples as the template's classes. A malformed structure raises
     :class:`CorruptCheckpointError`.
     """
-    return _decode(structure, like, root, load_tensor, types if types is not None else {})
+    try:
+        return _decode(structure, like, root, load_tensor, types if types is not None else {})
+    except RecursionError:
+        raise CorruptCheckpointError(f"{root}: the tree structure is nested too deeply to read (Python's recursion "
+                                     f"limit, {sys.getrecursionlimit()}, is reached)") from None
 
 
 def _corrupt(path: str, what: str) -> CorruptCheckpointError:

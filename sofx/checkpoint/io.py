@@ -155,6 +155,9 @@ def _header(f: Any, path: str) -> dict:
         structure = json.loads(meta.get("tree", ""))
     except ValueError as exc:
         raise CorruptCheckpointError(f"{path}: the tree structure in the header is not valid JSON ({exc})") from None
+    except RecursionError:  # a crafted or damaged header: "[[[[..."
+        raise CorruptCheckpointError(f"{path}: the tree structure in the header is nested too deeply to "
+                                     "read") from None
     return {"version": version, "writer": meta.get("writer"), "tree": structure}
 
 
