@@ -71,6 +71,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -493,6 +494,13 @@ def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None
             raise SofxError("shard_blocks: pass both rank and world_size, or neither")
         require_initialized(group, "shard_blocks")
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    for path, x in zip(tree.leaf_paths(spec), leaves):
+        if not isinstance(x, torch.Tensor):
+            raise SofxError(f"shard_blocks: {path} is a {type(x).__name__}; expected a tensor (a meta tensor "
+                            "describes a leaf without its data)")
     if owners is None:
         owners = partition_blocks([math.prod(x.shape) for x in leaves], world_size)
+    bad = [o for o in owners if isinstance(o, bool) or not isinstance(o, numbers.Integral)]
+    if bad:
+        raise SofxError(f"shard_blocks: owners must be ranks (ints), got {bad[0]!r}")
     return Shard(int(rank), int(world_size), tuple(int(o) for o in owners), spec)

@@ -543,6 +543,12 @@ def test_errors_without_a_process_group():
         sd.shard_blocks(_params(), rank=1)
     with pytest.raises(sofx.SofxError, match="owners"):
         sd.shard_blocks(_params(), owners=[0, 1], rank=0, world_size=2)
+    n = len(sofx.tree.flatten(_params())[0])
+    for bad in (0.5, True):  # truncated to rank 0, taken as rank 1 before
+        with pytest.raises(sofx.SofxError, match=rf"owners must be ranks \(ints\), got {bad!r}"):
+            sd.shard_blocks(_params(), owners=[0] * (n - 1) + [bad], rank=0, world_size=2)
+    with pytest.raises(sofx.SofxError, match=r"shard_blocks: params\['w'\] is a float; expected a tensor"):
+        sd.shard_blocks({"w": 1.0, "b": torch.ones(2)}, rank=0, world_size=2)
     with pytest.raises(sofx.SofxError, match="world_size"):
         sd.partition_blocks([1, 2], 0)
 
