@@ -28,7 +28,7 @@ worker thread or process, from fp32 master weights) and validated in
 ``weight_decay``), read at every step, so every ``torch.optim.lr_scheduler``
 works, including those that change ``betas`` (``OneCycleLR`` with
 ``cycle_momentum``). They also carry ``torch.optim.AdamW``'s other options
-with its defaults, so state dicts and group dicts move between the two:
+with its defaults, so that group dicts (and a state dict's ``param_groups``) read as torch's do:
 ``foreach``, ``fused`` and ``capturable`` (torch's implementation choices)
 take any value and are ignored; ``amsgrad``, ``maximize`` and
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
@@ -44,6 +44,10 @@ added after construction; ``step()`` without a closure returns a
 the worker fills during backward (``step()`` does not copy), so a reference
 to ``param.data`` taken earlier goes stale -- read the parameter itself, or
 pass ``swap_params=False`` to have the new values copied into the same storage.
+:meth:`state_dict` keeps the engine's own layout (flat blocks; the shared
+SPECULATION.md's checkpoint layout), not ``torch.optim``'s per-parameter
+``state``: ``torch.optim.AdamW.load_state_dict`` does not check what it is given and would
+take it without its moments; :meth:`load_state_dict` refuses torch's.
 """
 
 from __future__ import annotations
