@@ -140,6 +140,10 @@ def test_an_optimizer_created_again_over_the_same_parameters_owns_them_at_once(e
     collector, which is off here."""
     model, ref = _models()
     gen = torch.Generator().manual_seed(0)
+    # The first optimizer a process makes imports torch._dynamo (torch.optim's add_param_group is wrapped by
+    # torch._disable_dynamo), and that import keeps the frames that called it, the optimizer's among them:
+    # a test run first in its process would see the first optimizer kept alive by torch, not by sofx.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     gc.disable()
     try:
         opt = sofx.offload.SpeculativeAdamW(model.head.parameters(), lr=1e-2, executor=executor, block_numel=100)
