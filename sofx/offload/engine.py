@@ -86,6 +86,7 @@ from sofx.offload.engine_state import STATE_FORMAT, engine_state_dict, load_engi
 from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, raise_failures
 from sofx.offload.grad_hooks import GradHooks
 from sofx.offload.inline_executor import InlineExecutor
+from sofx.offload.interrupts import NO_GATE, acquire_gate, release_gate
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR, SharedMemoryArena, shm_budget
 from sofx.offload.step_events import EngineStepReport
 from sofx.offload.thread_executor import ThreadExecutor
@@ -95,6 +96,7 @@ from sofx.speculate import (
     SpeculationConfig,
     StepContext,
     StepReport,
+    ValidationPlan,
     begin_step,
     grad_sumsq,
     on_block_ready,
@@ -174,6 +176,8 @@ class OffloadEngine:
                     "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
                     RuntimeWarning, stacklevel=3)
                 executor, swappable = "thread", local_swappable
+        # Ctrl-C is held back in the sections that change the engine's state whole (sofx.offload.interrupts).
+        self._interrupts = acquire_gate()
         self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
         self._shared_params: list[int] = []  # parameters whose storage is a shared-memory publish buffer
         device_arena = LocalArena(self.device)
@@ -206,6 +210,7 @@ class OffloadEngine:
             self._cpu_arena.close()
         except BaseException:
             self._release_shared_memory()
+            release_gate(self._interrupts)
             raise
         # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
         self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
@@ -228,7 +233,7 @@ class OffloadEngine:
         if name == "inline":
             return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub))
         if name == "thread":
-            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub))
+            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self._interrupts)
         from sofx.offload.process_executor import ProcessExecutor
 
         config = {
@@ -238,7 +243,7 @@ class OffloadEngine:
             "num_threads": num_threads,
             "publish": self._pub_names,
         }
-        return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0))
+        return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0), interrupts=self._interrupts)
 
     def _reserve_cpu_blocks(self, cpu_layouts: Sequence[BlockLayout], state_dtype: torch.dtype,
                             swappable: set[int]) -> None:
@@ -400,7 +405,7 @@ class OffloadEngine:
         """The post-accumulate-grad hook of parameter ``index`` (autograd may call it from a device thread)."""
         if self._failed is not None or self._closed:
             return  # the gradient stays in param.grad; step() raises the failure
-        with self._hook_lock:
+        with self._hook_lock, self._interrupts:  # Ctrl-C waits until the gradient is taken and its block sent
             grad = param.grad
             if grad is None:
                 return
@@ -662,6 +667,15 @@ class OffloadEngine:
             kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
             sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
+        # From here on the blocks' records are used: Ctrl-C waits until the step is complete (an interrupted
+        # apply would leave blocks marked speculative whose records are gone, and zero_grad() could not undo).
+        with self._interrupts:
+            return self._apply(plan, presents, sumsq)
+
+    def _apply(self, plan: ValidationPlan, presents: list[tuple[bool, ...]],
+               sumsq: list[float | None]) -> EngineStepReport:
+        """Run ``plan``'s actions (commit, undo+redo, late steps; ``sumsq``: each block's sum of squares),
+        publish the new masters, end the step."""
         stepped: list[int] = []
         for action, layout in zip(plan.actions, self.layouts):
             if action.kind == "skip" or (action.kind == "commit" and not layout.on_device):
@@ -768,6 +782,10 @@ class OffloadEngine:
         that too.
         """
         self._check_usable()
+        with self._interrupts:  # the speculative steps are undone whole
+            self._discard_gradients(set_to_none)
+
+    def _discard_gradients(self, set_to_none: bool) -> None:
         if set_to_none:
             self._had_grad = [False] * len(self.params)
         else:
@@ -895,7 +913,11 @@ class OffloadEngine:
             self.executor.close()
         finally:
             # Parameters using shared-memory publish buffers move to private memory; the files are removed.
-            self._release_shared_memory()
+            try:
+                self._release_shared_memory()
+            finally:
+                release_gate(self._interrupts)
+                self._interrupts = NO_GATE
 
     def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
         try:

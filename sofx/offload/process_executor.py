@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
@@ -45,6 +46,7 @@ from sofx.offload.executor import (
     WorkerDiedError,
     raise_failures,
 )
+from sofx.offload.interrupts import NO_GATE
 
 __all__ = ["ProcessExecutor"]
 
@@ -62,8 +64,10 @@ class ProcessExecutor(Executor):
 
     name = "process"
 
-    def __init__(self, config: dict[str, Any], startup_timeout: float = 120.0) -> None:
+    def __init__(self, config: dict[str, Any], startup_timeout: float = 120.0,
+                 interrupts: AbstractContextManager[Any] = NO_GATE) -> None:
         super().__init__()
+        self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._collected: list[OpResult] = []
         self._send_error: BaseException | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -157,28 +161,31 @@ class ProcessExecutor(Executor):
 
     def submit(self, op: BlockOp) -> None:
         self._check_open()
-        self._outbox.put(op)
-        self._submitted += 1
+        with self._interrupts:  # sent and counted together
+            self._outbox.put(op)
+            self._submitted += 1
 
     def _drain(self, block_s: float | None) -> bool:
         """Move received results into ``_collected``, waiting up to ``block_s`` for the first; True if any."""
         got = False
         while not self._received_all:
-            try:
-                item = self._inbox.get(timeout=block_s) if block_s and not got else self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                self._received_all = True  # the worker is gone; wait() reports it
-                break
-            self._collected.append(item)
+            with self._interrupts:  # a result taken from the queue is kept (Ctrl-C waits out block_s at most)
+                try:
+                    item = self._inbox.get(timeout=block_s) if block_s and not got else self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    self._received_all = True  # the worker is gone; wait() reports it
+                    break
+                self._collected.append(item)
             got = True
         return got
 
     def poll(self) -> list[OpResult]:
         self._drain(None)
-        out, self._collected = self._collected, []
-        self._done += len(out)
+        with self._interrupts:  # results handed out and counted together
+            out, self._collected = self._collected, []
+            self._done += len(out)
         return out
 
     def _outstanding(self) -> int:

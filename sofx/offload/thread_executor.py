@@ -16,12 +16,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import BlockRunner
 from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, raise_failures
+from sofx.offload.interrupts import NO_GATE
 
 __all__ = ["ThreadExecutor"]
 
@@ -34,9 +37,10 @@ class ThreadExecutor(Executor):
 
     name = "thread"
 
-    def __init__(self, runner: BlockRunner) -> None:
+    def __init__(self, runner: BlockRunner, interrupts: AbstractContextManager[Any] = NO_GATE) -> None:
         super().__init__()
         self.runner = runner
+        self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._queue: collections.deque = collections.deque()
         self._results: list[OpResult] = []
         self._cond = threading.Condition()
@@ -90,15 +94,16 @@ class ThreadExecutor(Executor):
 
     def submit(self, op: BlockOp) -> None:
         self._check_open()
-        with self._cond:
+        with self._interrupts, self._cond:  # counted and queued together
             self._submitted += 1
             self._queue.append(op)
             self._cond.notify_all()
 
     def poll(self) -> list[OpResult]:
-        with self._cond:
-            out, self._results = self._results, []
-        self._done += len(out)
+        with self._interrupts:  # results taken and counted together
+            with self._cond:
+                out, self._results = self._results, []
+            self._done += len(out)
         return out
 
     def _steal(self) -> BlockOp | None:
@@ -117,13 +122,17 @@ class ThreadExecutor(Executor):
         deadline = time.monotonic() + timeout
         if help:
             with torch.no_grad():
-                while (op := self._steal()) is not None:
-                    try:
-                        result = self.runner.run(op)
-                    except BaseException as exc:  # e.g. KeyboardInterrupt: account for the operation, then raise
-                        self._finish(op.seq, OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}"))
-                        raise
-                    self._finish(op.seq, result)
+                while True:
+                    with self._interrupts:  # an operation taken is run whole: Ctrl-C waits for its end
+                        op = self._steal()
+                        if op is None:
+                            break
+                        try:
+                            result = self.runner.run(op)
+                        except BaseException as exc:  # runner.run reports ordinary errors itself: account, raise
+                            self._finish(op.seq, OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}"))
+                            raise
+                        self._finish(op.seq, result)
         with self._cond:
             while self._finished < self._submitted and self._crash is None:
                 left = deadline - time.monotonic()

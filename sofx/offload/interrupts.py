@@ -1,0 +1,103 @@
+"""Ctrl-C held back while the engine changes state that must change whole.
+
+Python raises ``KeyboardInterrupt`` in the main thread between any two bytecodes. Inside the
+engine's bookkeeping (an operation sent to the executor but not yet recorded as sent, a result
+taken from a queue but not yet counted, a block's undo record used but the block still marked
+speculative) such an interrupt would leave the optimizer inconsistent: a later ``zero_grad()``
+would commit a step it should undo, or wait for a result that was dropped. A script may catch
+the interrupt and go on (README), so these sections hold SIGINT back and deliver it as soon as
+they end: the interrupt arrives a little late, between two consistent states.
+
+An engine created in the main thread installs an :class:`InterruptGate` as the SIGINT handler
+(:func:`acquire_gate`; engines share one) and removes it when the last of them closes
+(:func:`release_gate`), unless something else replaced it since. The gate hands every SIGINT
+to the handler that was there before, at once outside a section, when the outermost section
+ends inside one. Entering and leaving a section costs two counter updates (the handler is not
+swapped per section: ``signal.signal`` takes ~4 us, and a section runs for every gradient).
+Python runs signal handlers in the main thread only, so sections in other threads (autograd's
+device threads, the executors' own) hold nothing and need not; where SIGINT is ignored or has
+the default action (not a Python handler), or the engine is made in another thread, there is no
+gate (:data:`NO_GATE`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any, Callable
+
+__all__ = ["InterruptGate", "NO_GATE", "acquire_gate", "release_gate"]
+
+
+class InterruptGate:
+    """The SIGINT handler while engines live; ``with gate:`` is a section that holds SIGINT back."""
+
+    def __init__(self, previous: Callable[[int, FrameType | None], Any]) -> None:
+        self._previous = previous  # the handler before: receives every SIGINT
+        self._main = threading.main_thread().ident
+        self._depth = 0  # sections entered in the main thread, not yet left
+        self._caught: tuple[int, FrameType | None] | None = None
+        self._users = 0  # engines that acquired the gate and have not released it
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self._depth:
+            if self._caught is None:
+                self._caught = (signum, frame)
+        else:
+            self._previous(signum, frame)
+
+    def __enter__(self) -> InterruptGate:
+        if threading.get_ident() == self._main:
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.get_ident() != self._main:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self._caught is not None:
+            caught, self._caught = self._caught, None
+            self._previous(*caught)  # e.g. raises KeyboardInterrupt here, the section's state whole
+
+
+class _NoGate:
+    """A section that holds nothing (no gate: see the module docstring)."""
+
+    def __enter__(self) -> _NoGate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+NO_GATE = _NoGate()
+
+
+def acquire_gate() -> InterruptGate | _NoGate:
+    """The process's :class:`InterruptGate`, installed now if it is not yet; :data:`NO_GATE` outside the main thread
+    or where SIGINT has no Python handler. Give it back with :func:`release_gate`."""
+    if threading.current_thread() is not threading.main_thread():
+        return NO_GATE
+    current = signal.getsignal(signal.SIGINT)
+    if isinstance(current, InterruptGate):
+        current._users += 1
+        return current
+    if not callable(current):
+        return NO_GATE
+    gate = InterruptGate(current)
+    gate._users = 1
+    signal.signal(signal.SIGINT, gate)
+    return gate
+
+
+def release_gate(gate: InterruptGate | _NoGate) -> None:
+    """Give back what :func:`acquire_gate` returned; the last user puts the handler before it back (from the main
+    thread, and where the gate is still the handler: a handler installed since is left alone)."""
+    if not isinstance(gate, InterruptGate):
+        return
+    gate._users -= 1
+    if gate._users > 0 or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is gate:
+        signal.signal(signal.SIGINT, gate._previous)
