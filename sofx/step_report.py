@@ -72,7 +72,7 @@ class StepReport:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 late 4 | norm 0.93 scale 65536``."""
+        """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 inelig 0 late 4 | norm 0.93 scale 65536``."""
         head = "SKIPPED (overflow) " if self.skipped else ""
         line = (f"{head}spec {self.speculated} commit {self.committed} undo {self.undone} redo {self.redone} "
                 f"veto {self.vetoed} inelig {self.ineligible} late {self.stepped_late} | "

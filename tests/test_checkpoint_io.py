@@ -210,6 +210,9 @@ def test_missing_file_and_directory(tmp_path):
     assert isinstance(err.value, FileNotFoundError)
     with pytest.raises(ck.CheckpointError, match="directory .* does not exist"):
         ck.save(tmp_path / "no" / "dir.ckpt", {"x": torch.zeros(1)})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ck.CheckpointError, match="directory .*file is not a directory"):
+        ck.save(tmp_path / "file" / "x.ckpt", {"x": torch.zeros(1)})
     with pytest.raises(ck.CheckpointError, match="is a directory"):
         ck.load(tmp_path)
     with pytest.raises(ck.CheckpointError, match="is a directory"):

@@ -74,7 +74,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"cannot save {path}: the directory {directory} does not exist")
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise CheckpointError(f"cannot save {path}: the directory {directory} {what}")
     if os.path.isdir(path):
         raise CheckpointError(f"cannot save {path}: it is a directory")
     tmp = _temporary_name(path)
