@@ -2,7 +2,8 @@
 ``benchmarks/memory_floor.py``, ``benchmarks/prefetch_stagger.py``, ``benchmarks/arena_colouring.py``,
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
-``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/triton_host.py``,
+``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
+``benchmarks/triton_host.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
 
 from __future__ import annotations
@@ -286,6 +287,17 @@ def test_host_overhead_script_runs():
         "| torch AdamW(fused=True).step()", "| torch AdamW(foreach=True).step()", "| sofx update, cpu, hinted",
         "| sofx update, cpu, checked in the pass", "| sofx update, cpu_fast, hinted",
         "| sofx update, cpu_fast, checked in the pass", "| sofx.kernels.cpu.step, one call per tensor"]
+    for row in rows:
+        assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
+
+
+def test_facade_overhead_script_runs():
+    """``benchmarks/facade_overhead.py --smoke``: the torch anchors and the facade with and without the SIGINT
+    gate, each with its time per iteration and per parameter."""
+    rows = _table_rows("facade_overhead.py", ["--smoke"], ("| torch", "| SpeculativeAdamW"))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| torch AdamW(foreach=True)", "| torch AdamW(fused=True)", "| SpeculativeAdamW, inline executor",
+        "| SpeculativeAdamW, thread executor", "| SpeculativeAdamW, thread executor, no SIGINT gate"]
     for row in rows:
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
 
