@@ -177,6 +177,54 @@ else:
             tk.undo(p, g, m, v, s._replace(beta2=0.0), variant, out=(p, m, v))
         assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
 
+    def test_kernel_level_misuse_is_refused_before_anything_is_written(rng):
+        """Three inputs the optimizers never pass but the kernel API takes: moments of two dtypes (the kernels
+        rounded v to m's dtype: silently wrong), a written tensor whose elements overlap (torch raised after m
+        and v were written), also as the second block of a launch, whose dtypes skip the full check; refused
+        first, nothing written."""
+        from sofx.kernels.base import StepCall
+
+        variant = AdamVariant()
+        s = block_scalars(rng, 0.1)
+        p, g, m, v = block_inputs(rng, 37, torch.float32, torch.float32)
+        copies = [t.clone() for t in (p, g, m, v)]
+        for mb, vb in ((m.bfloat16(), v), (m, v.bfloat16())):
+            with pytest.raises(UnsupportedError, match="the kernels keep both moments in one state dtype"):
+                tk.step(p, g, mb, vb, s, variant)
+            with pytest.raises(UnsupportedError, match="one state dtype"):
+                tk.step_many([StepCall(p, g, m, v, s), StepCall(p, g, mb, vb, s)], variant)
+        wide = torch.randn(1).expand(37)
+        with pytest.raises(LeafError, match=r"triton.step: out\[0\]: its elements overlap in memory"):
+            tk.step(wide, g, m, v, s, variant, out=(wide, m, v))
+        with pytest.raises(LeafError, match=r"step_many\[1\]: out\[0\]: its elements overlap"):
+            tk.step_many([StepCall(p, g, m, v, s, out=(p, m, v)), StepCall(wide, g, m, v, s, out=(wide, m, v))],
+                         variant)
+        with pytest.raises(LeafError, match=r"p_copy: its elements overlap"):
+            tk.step(p, g, m, v, s, variant, p_copy=torch.zeros(1).expand(37))
+        assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
+
+    def test_numpy_scalars_and_overflowing_quotients_give_cpu_fasts_bits(rng):
+        """numpy numbers are numbers to the contract (the launch took Python's only and failed); an inverse whose
+        quotient overflows gives cpu_fast's div_by bits (+inf, nan for a negative one; it gave nan for both)."""
+        import numpy as np
+
+        from sofx.kernels import cpu_fast
+        from sofx.kernels.base import AdamScalars
+
+        variant = AdamVariant()
+        p, g, m, v = block_inputs(rng, 37, torch.float32, torch.float32)
+        s = AdamScalars(np.float32(1e-3), np.float64(0.9), 0.999, np.float32(1e-8), 0.1, np.int64(5), np.float32(0.5))
+        for op in ("step", "undo"):
+            want = getattr(cpu_fast, op)(p, g, m, v, s, variant)
+            got = getattr(tk, op)(p, g, m, v, s, variant)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), op
+        s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 5, 1.0)
+        for sign in (1.0, -1.0):  # m = (m' - 0.1 g) / 0.9 beyond float32's range
+            g, m = torch.full((37,), -1.5e38 * sign), torch.full((37,), 3.0e38 * sign)
+            want = cpu_fast.undo(p, g, m, v, s, variant)[1]
+            got = tk.undo(p, g, m, v, s, variant)[1]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (sign, got[:2], want[:2])
+
     def test_small_and_zero_beta1_take_torchs_other_lerp_branch(rng):
         p, g, m, v = block_inputs(rng, 1500, torch.float32, torch.float32)
         for beta1 in (0.3, 0.0):

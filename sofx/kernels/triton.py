@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple, Sequence
@@ -44,11 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from sofx.errors import UnsupportedError
+from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, is_number, kernel_param_copy,
                                refuse_checked_steps, write_outputs, write_param_copy)
+from sofx.kernels.donation import overlap_message, overlaps_itself
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
            "COMPILE_OPTIONS", "CHECKS_FINITE"]
@@ -106,10 +108,13 @@ def _div_by(x, b, rb):
     one multiply-add correction (three operations where ``div_rn`` takes about ten). The bits of
     ``div_rn(x, b)`` wherever ``|x| >= 2^-78`` (or x is 0, inf or nan), ``x / b`` is finite and ``b``, ``1/b``
     are normal (the proof and its exhaustive check: ``div_by`` in sofx/kernels/_cpu_source.py,
-    tests/test_cpu_division.py); elsewhere within an ulp."""
+    tests/test_cpu_division.py); elsewhere within an ulp. The C function's operations, so its bits everywhere:
+    where ``x / b`` overflows, +inf for a positive ``x`` and nan for a negative one (the remainder clamped to
+    the largest float, a nan one too, as its ``minss``)."""
     q = x * rb
-    r = tl.fma(-q, b, x)
-    return tl.where((r < 0.0) | (r > 0.0), tl.fma(r, rb, q), q)
+    r = tl.fma(q, b, -x)
+    rc = tl.where(r < 3.4028234663852886e38, r, 3.4028234663852886e38)
+    return tl.fma(-rc, rb, q)
 
 
 @triton.jit
@@ -280,7 +285,17 @@ def _recip(x: float) -> float:
     return _f32(1.0 / b) if b != 0 else math.copysign(math.inf, b)
 
 
+def _python_numbers(s: AdamScalars) -> AdamScalars:
+    """``s`` with every field a Python int or float (numpy's numbers are numbers to the contract, but a kernel
+    launch takes Python's only)."""
+    if all(type(x) is float or type(x) is int for x in s):
+        return s
+    return AdamScalars(*(x if type(x) in (int, float) else int(x) if isinstance(x, numbers.Integral) else float(x)
+                         for x in s))
+
+
 def _step_args(s: AdamScalars, variant: AdamVariant) -> _StepArgs:
+    s = _python_numbers(s)
     step_size, bc2_sqrt = reference.bias_corrections(s, variant)
     has_decay = s.weight_decay != 0
     omb1 = _f32(1 - s.beta1)
@@ -293,6 +308,7 @@ def _step_args(s: AdamScalars, variant: AdamVariant) -> _StepArgs:
 
 
 def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
+    s = _python_numbers(s)
     step_size, bc2_sqrt = reference.bias_corrections(s, variant)
     has_decay = s.weight_decay != 0
     pdiv = (1 - s.lr * s.weight_decay) if variant.decoupled and has_decay else 1.0
@@ -313,10 +329,18 @@ _NO_STEP = _StepArgs(gs=1.0, pmul=1.0, wd=0.0, l2=0, small=1, coef=0.0, b2=1.0, 
 def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> None:
     check_block_tensors(f"triton.{what}", tensors, like, out)
-    if not supports(like.device, like.dtype, tensors[2][1].dtype):
+    m, v = tensors[2][1], tensors[3][1]
+    if not supports(like.device, like.dtype, m.dtype):
         raise UnsupportedError(f"triton.{what}: device {like.device} with param dtype {like.dtype} and state dtype "
-                               f"{tensors[2][1].dtype} is not supported (CUDA, or CPU under TRITON_INTERPRET=1; "
+                               f"{m.dtype} is not supported (CUDA, or CPU under TRITON_INTERPRET=1; "
                                "float32/bfloat16/float16)")
+    if v.dtype != m.dtype:
+        raise UnsupportedError(f"triton.{what}: m is {m.dtype} and v {v.dtype}; the kernels keep both moments in "
+                               "one state dtype")
+    written = [(f"out[{k}]", o) for k, o in enumerate(out or ())] + [(n, t) for n, t in tensors if n == "p_copy"]
+    for name, t in written:
+        if t is not None and overlaps_itself(t):
+            raise LeafError(overlap_message(f"triton.{what}: {name}"))
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -565,9 +589,11 @@ def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, 
            out: Sequence[torch.Tensor] | None) -> bool:
     """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors`)."""
     device, shape = p.device, p.shape
+    if v.dtype != m.dtype:
+        return False
     for _, t in tensors:
         if t is not None and not (type(t) is torch.Tensor and t.dtype in _STORAGE_DTYPES and t.shape == shape
-                                  and t.device == device):
+                                  and t.device == device and t.is_contiguous()):
             return False
     return out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)
 
