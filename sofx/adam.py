@@ -552,7 +552,10 @@ class Adam:
                                        "under torch.no_grad() to step its value) or torch.compile; use "
                                        "backend='reference' or 'auto'")
             return reference_kernels  # runs anywhere; no import machinery for torch.compile to trace
-        return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
+        try:
+            return select_backend(self.backend, leaf.p.device, leaf.p.dtype, leaf.m.dtype)
+        except UnsupportedError as e:
+            raise UnsupportedError(f"{leaf.path}: {e}") from None
 
     def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0, finite: bool | None = None,
               memo: dict | None = None, steps: Any = None) -> tuple[AdamScalars, str, str]:

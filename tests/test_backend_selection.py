@@ -68,6 +68,14 @@ def test_clear_errors_for_unsupported_combinations():
     if load_backend("triton") is not None:
         with pytest.raises(UnsupportedError, match="backend 'triton' does not support device=cpu"):
             select_backend("triton", "cpu", torch.float32, torch.float32)
+    # through an optimizer: the leaf is named, nothing is changed
+    params = {"a": torch.randn(3), "b": torch.randn(3, dtype=torch.float64)}
+    opt = sofx.adamw(backend="cpu")
+    state = opt.init(params)
+    before = [t.clone() for t in (params["a"], params["b"], *state.mu.values())]
+    with pytest.raises(UnsupportedError, match=r"params\['b'\]: backend 'cpu' does not support .*float64"):
+        opt.update(params, params, state, donate=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, (params["a"], params["b"], *state.mu.values())))
 
 
 def test_adam_uses_the_selected_backend(rng):

@@ -251,6 +251,25 @@ def test_inputs_untouched_without_out_and_donation_reuses_storage(name, rng):
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_outputs_of_another_dtype_get_the_rounded_results(name, rng):
+    """``out`` tensors of other dtypes than p, m, v receive the results in p's, m's and v's dtypes (bf16 here),
+    converted: p' is a bf16 parameter whatever it is stored into. The reference wrote its float32 values
+    unrounded, the native backends the rounded ones."""
+    backend, variant = BACKENDS[name], AdamVariant()
+    p, g, m, v = block_inputs(rng, 301, torch.bfloat16, torch.bfloat16)
+    s = block_scalars(rng, 0.1)
+    want = reference.step(p, g, m, v, s, variant)
+    for kernel in (reference, backend):
+        out = tuple(torch.empty(301, dtype=torch.float32) for _ in range(3))
+        kernel.step(p, g, m, v, s, variant, out=out)
+        if kernel is reference:
+            assert all(torch.equal(o, w.float()) for o, w in zip(out, want))
+        else:
+            _assert_close(tuple(o.bfloat16() for o in out), want, _is_exact(backend), (p, m, v))
+            assert all(torch.equal(o.bfloat16().float(), o) for o in out)  # bf16 values
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_non_contiguous_inputs_and_outputs(name, rng):
     backend = BACKENDS[name]
     exact = _is_exact(backend)

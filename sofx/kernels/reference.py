@@ -119,11 +119,12 @@ def _effective_grad(g: torch.Tensor, s: AdamScalars, cd: torch.dtype) -> torch.T
 
 def _store(results: tuple[torch.Tensor, torch.Tensor, torch.Tensor], like: tuple[torch.Tensor, ...],
            out: Out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round results to the dtypes of ``like`` and write them into ``out`` if given."""
+    """Round results to the dtypes of ``like`` and write them into ``out`` if given (an ``out`` of another dtype
+    gets the rounded value, as from the other backends: ``p'`` is in ``p``'s dtype)."""
     if out is None:
         return tuple(r.to(l.dtype) for r, l in zip(results, like))  # type: ignore[return-value]
-    for r, o in zip(results, out):
-        o.copy_(r)
+    for r, o, l in zip(results, out, like):
+        o.copy_(r if o.dtype == l.dtype else r.to(l.dtype))
     return out  # type: ignore[return-value]
 
 
