@@ -176,13 +176,14 @@ class OffloadEngine:
                     "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
                     RuntimeWarning, stacklevel=3)
                 executor, swappable = "thread", local_swappable
-        # Ctrl-C is held back in the sections that change the engine's state whole (sofx.offload.interrupts).
-        self._interrupts = acquire_gate()
+        self._interrupts: Any = NO_GATE
         self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
         self._shared_params: list[int] = []  # parameters whose storage is a shared-memory publish buffer
         device_arena = LocalArena(self.device)
         self.tensors: dict[int, BlockTensors] = {}
         try:
+            # Ctrl-C is held back in the sections that change the engine's state whole (sofx.offload.interrupts).
+            self._interrupts = acquire_gate()
             try:
                 self._reserve_cpu_blocks(cpu_layouts, state_dtype, swappable)
             except (OSError, RuntimeError) as exc:
@@ -603,7 +604,8 @@ class OffloadEngine:
     def wait(self) -> None:
         """Block until every operation submitted to the executor has finished."""
         self._check_usable()
-        self._record(self._wait())
+        with self._interrupts:  # the results taken are recorded (a failure among them stops the engine)
+            self._record(self._wait())
 
     # ------------------------------------------------------------ step
     def _check_usable(self) -> None:
@@ -621,8 +623,15 @@ class OffloadEngine:
                 from self._failed
 
     def step(self) -> EngineStepReport:
-        """Validate this step's speculative updates and complete the step; returns its report."""
+        """Validate this step's speculative updates and complete the step; returns its report.
+
+        Ctrl-C during ``step()`` is raised as it returns (or raises): the step is taken whole or, where it
+        refuses, not begun (a second Ctrl-C goes through at once, see :mod:`sofx.offload.interrupts`)."""
         self._check_usable()
+        with self._interrupts:
+            return self._step()
+
+    def _step(self) -> EngineStepReport:
         for i, p in enumerate(self.params):
             if p.grad is not None and self.tracker.arrivals[i] > 0:
                 raise SofxError(f"parameter {i} (shape {tuple(p.shape)}): .grad was set after backward took this "
@@ -667,10 +676,7 @@ class OffloadEngine:
             kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
             sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
-        # From here on the blocks' records are used: Ctrl-C waits until the step is complete (an interrupted
-        # apply would leave blocks marked speculative whose records are gone, and zero_grad() could not undo).
-        with self._interrupts:
-            return self._apply(plan, presents, sumsq)
+        return self._apply(plan, presents, sumsq)
 
     def _apply(self, plan: ValidationPlan, presents: list[tuple[bool, ...]],
                sumsq: list[float | None]) -> EngineStepReport:

@@ -9,10 +9,17 @@ the interrupt and go on (README), so these sections hold SIGINT back and deliver
 they end: the interrupt arrives a little late, between two consistent states.
 
 An engine created in the main thread installs an :class:`InterruptGate` as the SIGINT handler
-(:func:`acquire_gate`; engines share one) and removes it when the last of them closes
-(:func:`release_gate`), unless something else replaced it since. The gate hands every SIGINT
-to the handler that was there before, at once outside a section, when the outermost section
-ends inside one. Entering and leaving a section costs two counter updates (the handler is not
+(:func:`acquire_gate`; engines share one) and removes it when the last of them closes in the
+main thread (:func:`release_gate`; closed elsewhere, e.g. collected on another thread, it leaves
+the gate in place, which only passes signals on), unless something else replaced it since
+(which also ends the holding for the engines still alive). The gate hands every SIGINT to the
+handler that was there before, at once outside a section, when the outermost section ends
+inside one. A second SIGINT within one section goes through at once: a section that waits for a
+worker that does not answer (up to the engine's ``timeout``) can still be interrupted by pressing
+Ctrl-C twice, at the price of leaving that step's state undefined (close the optimizer then).
+While the gate is installed ``asyncio.run`` keeps SIGINT's handler as it finds it (the gate, which
+raises ``KeyboardInterrupt`` in the main thread as Python's default handler does) instead of
+installing its own, which cancels the main task. Entering and leaving a section costs two counter updates (the handler is not
 swapped per section: ``signal.signal`` takes ~4 us, and a section runs for every gradient).
 Python runs signal handlers in the main thread only, so sections in other threads (autograd's
 device threads, the executors' own) hold nothing and need not; where SIGINT is ignored or has
@@ -38,13 +45,14 @@ class InterruptGate:
         self._main = threading.main_thread().ident
         self._depth = 0  # sections entered in the main thread, not yet left
         self._caught: tuple[int, FrameType | None] | None = None
-        self._users = 0  # engines that acquired the gate and have not released it
+        self._users = 0  # engines that acquired the gate and have not released it (under _lock)
+        self._lock = threading.Lock()  # a release may run on another thread (an engine collected there)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self._depth:
-            if self._caught is None:
-                self._caught = (signum, frame)
-        else:
+        if self._depth and self._caught is None:
+            self._caught = (signum, frame)
+        else:  # outside a section, or a second Ctrl-C within one: at once
+            self._caught = None
             self._previous(signum, frame)
 
     def __enter__(self) -> InterruptGate:
@@ -81,7 +89,8 @@ def acquire_gate() -> InterruptGate | _NoGate:
         return NO_GATE
     current = signal.getsignal(signal.SIGINT)
     if isinstance(current, InterruptGate):
-        current._users += 1
+        with current._lock:
+            current._users += 1
         return current
     if not callable(current):
         return NO_GATE
@@ -96,8 +105,10 @@ def release_gate(gate: InterruptGate | _NoGate) -> None:
     thread, and where the gate is still the handler: a handler installed since is left alone)."""
     if not isinstance(gate, InterruptGate):
         return
-    gate._users -= 1
-    if gate._users > 0 or threading.current_thread() is not threading.main_thread():
+    with gate._lock:
+        gate._users -= 1
+        users = gate._users
+    if users > 0 or threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGINT) is gate:
         signal.signal(signal.SIGINT, gate._previous)
