@@ -241,7 +241,8 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     they differ every rank raises naming the first leaf, before any gradient
     moves; a rank whose own gradients are refused, not tensors or not floating
     point, raises that error and every other rank names it: none waits in a
-    collective for a rank that left). A
+    collective for a rank that left; with ``check_layout=False`` a rank raises
+    alone, and the others wait for it until the group's timeout). A
     non-finite element on any rank makes the same element non-finite on every
     rank, so the overflow check skips the step everywhere. Every rank gets the
     same bits (gloo's and NCCL's all-reduce reduce each element once and send
@@ -375,6 +376,10 @@ class Shard:
         if len(local) != len(owned):
             raise SofxError(f"Shard.gather: {len(local)} local leaves, rank {self.rank} owns {len(owned)}")
         templates = tree.flatten_up_to(self.spec, like, "like")
+        for path, t in zip(tree.leaf_paths(self.spec, "like"), templates):
+            if not isinstance(t, torch.Tensor):
+                raise SofxError(f"Shard.gather: {path} is {type(t).__name__}; like's leaves must be tensors (meta "
+                                "tensors will do) giving each leaf's shape and dtype")
         for i, x in zip(owned, local):
             t = templates[i]
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
@@ -404,15 +409,15 @@ class Shard:
         non-overlapping views of those buffers, bit-identical to the owners'.
         """
         self._check_group(group, "Shard.gather")
-        local = list(local)
-        mine = dict(zip(self.owned, local))
         refused = None
         try:
+            local = list(local)  # (a TypeError for None: refused below, as the checks' errors)
             templates = self._gather_inputs(local, like)
-        except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
+        except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
             if not check_layout:
                 raise
-            refused, templates = e, [None] * self.spec.num_leaves
+            refused, templates = _as_refusal("Shard.gather", e), [None] * self.spec.num_leaves
+        mine = dict(zip(self.owned, local)) if refused is None else {}
         dev = _collective_device(group, None)
         if check_layout:
             _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused)
@@ -446,10 +451,10 @@ class Shard:
         refused = None
         try:
             g_leaves = self._reduce_inputs(grads)
-        except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
+        except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
             if not check_layout:
                 raise
-            refused, g_leaves = e, [None] * self.spec.num_leaves
+            refused, g_leaves = _as_refusal("Shard.reduce_mean", e), [None] * self.spec.num_leaves
         present = [i for i, g in enumerate(g_leaves) if g is not None]
         dev = _collective_device(group, None)
         if check_layout:
@@ -469,6 +474,16 @@ class Shard:
                 for i, part in zip(leaves, flat.split(sizes)):
                     result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
         return [result.get(i) for i in self.owned]
+
+
+def _as_refusal(what: str, error: Exception) -> SofxError:
+    """``error``, raised by this rank's check of its own input, as the refusal it raises after telling the others
+    (a :class:`SofxError` as it is; anything else, an input the checks did not foresee, wrapped)."""
+    if isinstance(error, SofxError):
+        return error
+    refusal = SofxError(f"{what}: this rank's input could not be read ({type(error).__name__}: {error})")
+    refusal.__cause__ = error
+    return refusal
 
 
 def _buckets(owners: Sequence[int], templates: Sequence[Any]) -> dict[tuple[int, torch.dtype], list[int]]:

@@ -264,6 +264,8 @@ def _layout_errors(rank: int) -> list[str]:
         lambda: two.gather(two.local(full), {"p": torch.ones(3), **({} if rank == 1 else {"q": torch.ones(4)})}),
         lambda: two.gather(two.local(full), {"p": torch.ones(3), "q": torch.ones(4, dtype=torch.float64
                                                                                  if rank == 1 else None)}),
+        lambda: two.gather(two.local(full), {"p": torch.ones(3), "q": None if rank == 1 else torch.ones(4)}),
+        lambda: two.gather(None if rank == 1 else two.local(full), full),  # not a list: TypeError on rank 1
     ]
     errors = []
     for case in cases:
@@ -445,7 +447,9 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
                    "grads does not have the structure of params",
                    "Shard.reduce_mean: gradient 1 must be a floating-point tensor",
                    "like does not have the structure of params",
-                   "Shard.gather: leaf 1 is (4,) torch.float32, like says (4,) torch.float64"]
+                   "Shard.gather: leaf 1 is (4,) torch.float32, like says (4,) torch.float64",
+                   "Shard.gather: like['q'] is NoneType; like's leaves must be tensors",
+                   "Shard.gather: this rank's input could not be read (TypeError: "]
             for msg, want in zip(msgs[4:], own, strict=True):
                 if ranks.index(r) == 1:
                     assert want in msg and "refused its input" not in msg, msg
