@@ -181,7 +181,7 @@ class Adam:
         """
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
-        grad_scale = _checked_grad_scale(grad_scale)
+        grad_scale = _checked_grad_scale(grad_scale, leaves)
         _validate_grads_finite(grads_finite)
         kernels = self._kernels(leaves)
         covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies)
@@ -326,7 +326,7 @@ class Adam:
         """
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
-        grad_scale = _checked_grad_scale(grad_scale)
+        grad_scale = _checked_grad_scale(grad_scale, leaves)
         _validate_grads_finite(grads_finite)
         # The record's own gradient: its strategy says it was finite (the tensor must not have been modified
         # since, as the module docstring asks).
@@ -480,7 +480,7 @@ class Adam:
         """
         _validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
-        grad_scale = _checked_grad_scale(grad_scale)
+        grad_scale = _checked_grad_scale(grad_scale, leaves)
         finite = self._gradients_finite(leaves, grads_finite, grad_scale)
         return [None if leaf.g is None else self._plan(leaf, grad_scale, f)[1:] for leaf, f in zip(leaves, finite)]
 
@@ -668,11 +668,11 @@ class Adam:
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _checked_grad_scale(grad_scale: Any) -> Scalar:
+def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
-    number or a 0-d floating-point tensor, > 0 and at most float32's largest value (the kernels multiply
-    float32 gradients by it in float32, where a larger one is inf: the step's values would be nan, and no
-    finiteness check sees it before)."""
+    number or a 0-d floating-point tensor, > 0, and at most float32's largest value where a leaf with a
+    gradient is stepped in float32 (every dtype but float64: the kernels multiply its gradient by it in
+    float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it)."""
     if type(grad_scale) is float or type(grad_scale) is int:
         value = grad_scale
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
@@ -686,8 +686,10 @@ def _checked_grad_scale(grad_scale: Any) -> Scalar:
     if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
     if is_number(value) and value > _FLOAT32_MAX:
-        raise HParamError(f"grad_scale = {value!r} is beyond float32's range (largest {_FLOAT32_MAX!r}); the kernels "
-                          "multiply gradients by it in float32, where it is inf")
+        in_f32 = next((leaf.path for leaf in leaves if leaf.g is not None and leaf.p.dtype != torch.float64), None)
+        if in_f32 is not None:
+            raise HParamError(f"grad_scale = {value!r} is beyond float32's range (largest {_FLOAT32_MAX!r}); {in_f32} "
+                              "is stepped in float32, where the gradient times it is inf")
     return value
 
 

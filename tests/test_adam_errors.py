@@ -112,7 +112,8 @@ def test_a_grad_scale_beyond_float32_is_refused_and_changes_nothing(backend, don
     p1, s1, record = opt.update(params, grads, state)
     before = _snapshot(params, grads, state, p1, s1)
     for scale in (3.5e38, torch.tensor(1e39, dtype=torch.float64)):
-        with pytest.raises(sofx.HParamError, match=r"grad_scale = .* is beyond float32's range"):
+        with pytest.raises(sofx.HParamError, match=r"grad_scale = .* is beyond float32's range .*; params\['head'\] "
+                                                   "is stepped in float32"):
             opt.update(params, grads, state, grad_scale=scale, donate=donate)
         with pytest.raises(sofx.HParamError, match=r"grad_scale = .* is beyond float32's range"):
             opt.undo_redo(p1, s1, record, grads, grad_scale=scale, donate=donate)
@@ -122,6 +123,13 @@ def test_a_grad_scale_beyond_float32_is_refused_and_changes_nothing(backend, don
     assert all(bool(t.isfinite().all()) for t in sofx.tree.flatten(p2)[0])
     p3, _ = opt.undo(p2, s2, rec2)
     assert all((a - b).abs().max() <= 1e-6 for a, b in zip(sofx.tree.flatten(p3)[0], sofx.tree.flatten(params)[0]))
+    if backend == "reference":  # float64 leaves are stepped in float64, where such a scale is a number like others
+        wide = {"w": torch.randn(5, dtype=torch.float64)}
+        tiny64 = {"w": torch.randn(5, dtype=torch.float64) * 1e-300}
+        st64 = opt.init(wide)
+        new, st1, rec = opt.update(wide, tiny64, st64, grad_scale=1e300)
+        assert bool(new["w"].isfinite().all()) and not torch.equal(new["w"], wide["w"])
+        assert torch.allclose(opt.undo(new, st1, rec)[0]["w"], wide["w"], rtol=1e-12, atol=0)
 
 
 def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing():

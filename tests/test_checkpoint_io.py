@@ -275,8 +275,8 @@ def test_corrupted_tree_structure_and_data(tmp_path, rng):
 def test_trees_nested_too_deeply_are_refused_and_deep_headers_are_corrupt(tmp_path, rng):
     """A tree nested beyond MAX_NESTING containers is refused when saved (a CheckpointError naming where; the file
     before it kept), so that every file sofx writes reads back (its JSON is read recursively); one at the limit
-    round-trips; a header nested deeper than Python's json can read (crafted, damaged) is corrupt, not a
-    RecursionError."""
+    round-trips; a header nested deeper than Python's json can read (crafted, damaged) is corrupt, and a structure
+    too deep for the decoder a CheckpointError, not a RecursionError."""
     from sofx.checkpoint import codec
 
     def nested(depth):
@@ -299,7 +299,7 @@ def test_trees_nested_too_deeply_are_refused_and_deep_headers_are_corrupt(tmp_pa
     structure = {"k": "none"}
     for _ in range(5000):  # beyond the recursion limit of the decoder itself (json stops sooner, above)
         structure = {"k": "list", "items": [structure]}
-    with pytest.raises(ck.CorruptCheckpointError, match="nested too deeply to read"):
+    with pytest.raises(ck.CheckpointError, match="nested too deeply to read here"):
         codec.decode(structure, lambda node, path, like: None)
 
 

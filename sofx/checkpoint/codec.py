@@ -196,9 +196,10 @@ def decode(structure: Any, load_tensor: Callable[[dict, str, Any], Any], *, like
     """
     try:
         return _decode(structure, like, root, load_tensor, types if types is not None else {})
-    except RecursionError:
-        raise CorruptCheckpointError(f"{root}: the tree structure is nested too deeply to read (Python's recursion "
-                                     f"limit, {sys.getrecursionlimit()}, is reached)") from None
+    except RecursionError:  # a crafted structure, or a caller deep in its own stack already
+        raise CheckpointError(f"{root}: the tree structure is nested too deeply to read here (Python's recursion "
+                              f"limit, {sys.getrecursionlimit()}, is reached; sofx writes at most {MAX_NESTING} "
+                              "containers deep)") from None
 
 
 def _corrupt(path: str, what: str) -> CorruptCheckpointError:
