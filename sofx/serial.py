@@ -46,6 +46,7 @@ finite, and otherwise writes the nan of ``0 * inf`` into the parameters.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -53,11 +54,13 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
+from sofx.kernels.base import as_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
-           "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "can_unscale"]
+           "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "check_scale", "can_unscale",
+           "reduced_sumsq"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -136,6 +139,26 @@ def check_max_norm(max_norm: float | None) -> float | None:
     return float(max_norm)
 
 
+def check_scale(name: str, s: Any) -> float:
+    """A loss scale as a float: finite and >= 0 (a scale of 0, which GradScaler reaches after many
+    overflows in a row, is not refused: the step is an overflow, see :func:`can_unscale`)."""
+    s = as_number(s)
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
+        raise HParamError(f"{name} = {s!r} is invalid; expected a finite number >= 0")
+    return float(s)
+
+
+def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float) -> float:
+    """``reduce_sumsq(local)`` (the sum of squares over ranks) as a float, ``local`` without a hook; a hook that
+    returns something other than a real number is refused (an :class:`HParamError`, not a TypeError later)."""
+    if reduce_sumsq is None:
+        return local
+    total = as_number(reduce_sumsq(local))
+    if isinstance(total, bool) or not isinstance(total, numbers.Real):
+        raise HParamError(f"reduce_sumsq returned {total!r}; expected the sum of squares over ranks, a number")
+    return float(total)
+
+
 def can_unscale(scale: float) -> bool:
     """Whether gradients can be unscaled with ``1/scale`` in float32: ``scale > 0`` and ``1/scale`` finite there.
 
@@ -160,6 +183,7 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
     """
     check_profile(profile)
     max_norm = check_max_norm(max_norm)
+    check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))  # before it decides anything
     overflow = not math.isfinite(sumsq_total)
     next_state, scale = _scale_after(profile, scaler, scaler_state, overflow)
     if not overflow and not can_unscale(scale):
@@ -207,8 +231,7 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     if missing_grad == "zero":
         g_leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(p_leaves, g_leaves)]
     total = total_sumsq([None if g is None else sumsq(g) for g in g_leaves])
-    if reduce_sumsq is not None:
-        total = float(reduce_sumsq(total))
+    total = reduced_sumsq(reduce_sumsq, total)
     facts = step_facts(profile, scaler, scaler_state, total, max_norm)
     if facts.overflow:
         return SerialStepResult(params, state, facts.scaler_state, facts)

@@ -322,6 +322,52 @@ def test_min_loss_scale_error_undoes_every_speculative_step(rng):
         assert int(state.count[i]) == 2
 
 
+@pytest.mark.parametrize("undo", ["exact", "auto"])
+def test_a_failing_reduce_sumsq_leaves_the_state_as_it_was(rng, undo):
+    """The all-reduce of the sum of squares fails (a timeout, another rank gone) or returns something that is not
+    a number: the call raises, and with donation the speculative steps already written in place are undone
+    (bitwise with snapshots, to a few ulps algebraically), as serial_step changes nothing. Before, they stayed:
+    moved parameters and moments under unchanged step counts, which a retry would step again."""
+    from sofx.errors import HParamError
+    from sofx.serial import serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2, undo=undo)
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.grad_scaler(init_scale=1.0)
+
+    def timed_out(total):
+        raise RuntimeError("all_reduce timed out")
+
+    for reduce, error in ((timed_out, RuntimeError), (lambda total: None, HParamError)):
+        before = [t.clone() for t in (*params, *state.mu, *state.nu)]
+        with pytest.raises(error):
+            sp.speculative_step(opt, params, _grads(rng, scale=1.0), state, config=sp.SpeculationConfig(),
+                                scaler=rule, scaler_state=rule.init(), reduce_sumsq=reduce, donate=True)
+        after = (*params, *state.mu, *state.nu)
+        for a, b in zip(after, before):
+            assert torch.equal(a, b) if undo == "exact" else (a - b).abs().max() <= 1e-6 * b.abs().max()
+        assert [int(c) for c in state.count] == [2] * 4
+        loop = sofx.serial.init_loop(opt, params, rule)
+        with pytest.raises(error):
+            serial_loop_step(opt, loop, _grads(rng, scale=1.0), scaler=rule, reduce_sumsq=reduce, donate=True)
+
+
+@pytest.mark.parametrize("scale", [-1.0, math.nan, math.inf])
+def test_an_invalid_loss_scale_is_refused_by_both_loops(rng, scale):
+    """A scaler state whose scale is negative, nan or inf: both loops raise the same HParamError (the serial one
+    took every step as an overflow and skipped it forever)."""
+    from sofx.errors import HParamError
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    loop = init_loop(opt, _params(rng), rule)._replace(scaler_state=loss_scale.GradScalerState(scale, 0))
+    for step in (lambda: serial_loop_step(opt, loop, _grads(rng), scaler=rule),
+                 lambda: sp.speculative_loop_step(opt, loop, _grads(rng), config=sp.SpeculationConfig(), scaler=rule)):
+        with pytest.raises(HParamError, match=r"scaler.scale\(scaler_state\) = .* is invalid"):
+            step()
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

@@ -37,7 +37,7 @@ from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
-from sofx.serial import StepFacts, can_unscale, check_max_norm, check_profile, step_facts
+from sofx.serial import StepFacts, can_unscale, check_max_norm, check_profile, check_scale, reduced_sumsq, step_facts
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -240,15 +240,6 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
     return tuple(out)
 
 
-def _check_scale(name: str, s: Any) -> float:
-    """A loss scale as a float: finite and >= 0 (a scale of 0, which GradScaler reaches after many
-    overflows in a row, is not refused: the step is an overflow, see :func:`sofx.serial.can_unscale`)."""
-    s = as_number(s)
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
-        raise HParamError(f"{name} = {s!r} is invalid; expected a finite number >= 0")
-    return float(s)
-
-
 def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_state: LossScaleState,
                policy_state: PolicyState | None = None, *, n_blocks: int, hparams: Any = None,
                backward_scale: float | None = None,
@@ -267,10 +258,10 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         raise HParamError(f"n_blocks = {n_blocks!r} is invalid; expected an integer >= 0")
     policy_state = config.policy.init() if policy_state is None else policy_state
     hps = resolve_block_hparams(opt.defaults, hparams, n_blocks)
-    current = _check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
-    s_back = current if backward_scale is None else _check_scale("backward_scale", backward_scale)
+    current = check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
+    s_back = current if backward_scale is None else check_scale("backward_scale", backward_scale)
     if config.profile == "deepspeed" and config.predict_scale:
-        assumed = _check_scale("predicted scale", scaler.scale(scaler.update(scaler_state, False)))
+        assumed = check_scale("predicted scale", scaler.scale(scaler.update(scaler_state, False)))
     elif config.profile == "deepspeed":
         assumed = s_back
     else:
@@ -442,7 +433,7 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
         spec_taken.append(was)
     zero = cfg.missing_grad == "zero"
     local = total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq])
-    total = float(reduce_sumsq(local)) if reduce_sumsq is not None else local
+    total = reduced_sumsq(reduce_sumsq, local)
     try:
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, total, cfg.max_norm)
     except MinLossScaleError as exc:

@@ -115,28 +115,38 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
                             backward_scale=backward_scale, last_micro_step=last_micro_step)
     new_p = list(p_leaves)
     records: list[Any] = [None] * n
-    for i in order:
-        g = g_leaves[i]
-        if g is None:
-            continue
+    try:
+        for i in order:
+            g = g_leaves[i]
+            if g is None:
+                continue
 
-        def eligibility(i: int = i, g: torch.Tensor = g) -> Any:
-            # Asked only when the sum of squares of g is finite, i.e. every element is.
-            return block_eligibility(opt, new_p[i], g, block_states[i], ctx.hparams[i], ctx.grad_scale,
-                                     grads_finite=True)
+            def eligibility(i: int = i, g: torch.Tensor = g) -> Any:
+                # Asked only when the sum of squares of g is finite, i.e. every element is.
+                return block_eligibility(opt, new_p[i], g, block_states[i], ctx.hparams[i], ctx.grad_scale,
+                                         grads_finite=True)
 
-        tally, decision = on_block_ready(ctx, tally, i, grad_sumsq(g), eligibility)
-        if decision.speculate:
-            # Speculated only with a finite sum of squares of this very gradient: every element is finite.
-            new_p[i], block_states[i], records[i] = speculative_block_step(opt, new_p[i], g, block_states[i],
-                                                                            decision, donate=donate,
-                                                                            grads_finite=True)
-    for i, extra in late_grads.items():
-        g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
-        tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))
+            tally, decision = on_block_ready(ctx, tally, i, grad_sumsq(g), eligibility)
+            if decision.speculate:
+                # Speculated only with a finite sum of squares of this very gradient: every element is finite.
+                new_p[i], block_states[i], records[i] = speculative_block_step(opt, new_p[i], g, block_states[i],
+                                                                                decision, donate=donate,
+                                                                                grads_finite=True)
+        for i, extra in late_grads.items():
+            g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
+            tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))
 
-    final = [None if g is None else tally.block_sumsq[i] for i, g in enumerate(g_leaves)]
-    plan = plan_validation(ctx, tally, final, hparams=list(final_hps), reduce_sumsq=reduce_sumsq)
+        final = [None if g is None else tally.block_sumsq[i] for i, g in enumerate(g_leaves)]
+        plan = plan_validation(ctx, tally, final, hparams=list(final_hps), reduce_sumsq=reduce_sumsq)
+    except BaseException:
+        # A failure before validation decided (reduce_sumsq's all-reduce, say): the speculative steps written in
+        # place are undone (to a few ulps where the inverse is algebraic), so that the state is the one passed in,
+        # as after serial_step's failures. (Without donation the inputs were never written.)
+        if donate:
+            for i in reversed(order):
+                if records[i] is not None:
+                    new_p[i], block_states[i] = opt.undo(new_p[i], block_states[i], records[i], donate=True)
+        raise
     for i, action in enumerate(plan.actions):
         finite = final[i] is not None and math.isfinite(final[i])  # this block's own gradient, as Adam reads it
         record = records[i]
