@@ -112,7 +112,7 @@ print(i, caught, dropped, completed, dev)
 def test_a_script_that_catches_ctrl_c_and_goes_on_trains_as_torch_optim(executor, phase, tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(_SCRIPT)
-    for seed in (1, 2):
+    for seed in (1,):  # (the every-line test below is the thorough one)
         out = subprocess.run([sys.executable, str(script), executor, phase, str(seed)], capture_output=True,
                              text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert out.returncode == 0, out.stderr[-3000:]
