@@ -110,10 +110,10 @@ def _div_by(x, b, rb):
     are normal (the proof and its exhaustive check: ``div_by`` in sofx/kernels/_cpu_source.py,
     tests/test_cpu_division.py); elsewhere within an ulp. The C function's operations, so its bits everywhere:
     where ``x / b`` overflows, +inf for a positive ``x`` and nan for a negative one (the remainder clamped to
-    the largest float, a nan one too, as its ``minss``)."""
+    the largest float, a nan one too, as its ``minss``: ``tl.minimum`` does not propagate nan, one ``min.f32``)."""
     q = x * rb
     r = tl.fma(q, b, -x)
-    rc = tl.where(r < 3.4028234663852886e38, r, 3.4028234663852886e38)
+    rc = tl.minimum(r, 3.4028234663852886e38)
     return tl.fma(-rc, rb, q)
 
 
