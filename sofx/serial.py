@@ -60,7 +60,7 @@ from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_s
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "check_scale", "can_unscale",
-           "reduced_sumsq"]
+           "loss_scale_of", "reduced_sumsq"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -148,6 +148,16 @@ def check_scale(name: str, s: Any) -> float:
     return float(s)
 
 
+def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:
+    """``scaler.scale(scaler_state)``, checked (:func:`check_scale`); a state of another kind than the scaler's
+    own (what ``scaler.init()`` makes) is refused first, as an :class:`HParamError` naming both."""
+    expected = type(scaler.init())
+    if type(scaler_state) is not expected:
+        raise HParamError(f"scaler_state is a {type(scaler_state).__name__}; this scaler's state is a "
+                          f"{expected.__name__} (as scaler.init() makes it)")
+    return check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
+
+
 def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float) -> float:
     """``reduce_sumsq(local)`` (the sum of squares over ranks) as a float, ``local`` without a hook; a hook that
     returns something other than a real number is refused (an :class:`HParamError`, not a TypeError later)."""
@@ -183,7 +193,7 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
     """
     check_profile(profile)
     max_norm = check_max_norm(max_norm)
-    check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))  # before it decides anything
+    loss_scale_of(scaler, scaler_state)  # checked before it decides anything
     overflow = not math.isfinite(sumsq_total)
     next_state, scale = _scale_after(profile, scaler, scaler_state, overflow)
     if not overflow and not can_unscale(scale):

@@ -368,6 +368,27 @@ def test_an_invalid_loss_scale_is_refused_by_both_loops(rng, scale):
             step()
 
 
+def test_states_of_another_kind_are_refused_by_both_loops(rng):
+    """A scaler state that is not the scaler's kind (a plain tuple, another scaler's state) or a policy state that
+    is not the policy's: an HParamError saying what was expected (an AttributeError before)."""
+    from sofx.errors import HParamError
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    loop = init_loop(opt, _params(rng), rule)
+    for state in ((65536.0, 0), loss_scale.deepspeed_scaler().init()):
+        bad = loop._replace(scaler_state=state)
+        for step in (lambda: serial_loop_step(opt, bad, _grads(rng), scaler=rule),
+                     lambda: sp.speculative_loop_step(opt, bad, _grads(rng), config=sp.SpeculationConfig(),
+                                                      scaler=rule)):
+            with pytest.raises(HParamError, match=r"scaler_state is a \w+; this scaler's state is a GradScalerState"):
+                step()
+    with pytest.raises(HParamError, match=r"policy_state is a tuple; the policy's state is a"):
+        sp.speculative_loop_step(opt, loop._replace(policy_state=(1, 2)), _grads(rng), config=sp.SpeculationConfig(),
+                                 scaler=rule)
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

@@ -37,7 +37,8 @@ from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
-from sofx.serial import StepFacts, can_unscale, check_max_norm, check_profile, check_scale, reduced_sumsq, step_facts
+from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
+                         reduced_sumsq, step_facts)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -257,8 +258,11 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
         raise HParamError(f"n_blocks = {n_blocks!r} is invalid; expected an integer >= 0")
     policy_state = config.policy.init() if policy_state is None else policy_state
+    if type(policy_state) is not type(config.policy.init()):
+        raise HParamError(f"policy_state is a {type(policy_state).__name__}; the policy's state is a "
+                          f"{type(config.policy.init()).__name__} (as config.policy.init() makes it)")
     hps = resolve_block_hparams(opt.defaults, hparams, n_blocks)
-    current = check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
+    current = loss_scale_of(scaler, scaler_state)
     s_back = current if backward_scale is None else check_scale("backward_scale", backward_scale)
     if config.profile == "deepspeed" and config.predict_scale:
         assumed = check_scale("predicted scale", scaler.scale(scaler.update(scaler_state, False)))
