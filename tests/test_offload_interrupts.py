@@ -21,15 +21,15 @@ import sys
 
 import pytest
 
-_SCRIPT = r"""
-import os, random, signal, sys, threading, time
+# Both scripts: argv[1] the executor; a small MLP under SpeculativeAdamW and its copy under torch.optim.AdamW.
+_SETUP = r"""
+import os, signal, sys, time
 import torch
 import sofx.offload
 
-executor, phase, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+executor = sys.argv[1]
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores SIGINT)
 torch.set_num_threads(1)
-random.seed(seed)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())])
 ref = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())])
@@ -43,6 +43,13 @@ def batch(i):
 
 def loss(m, x, y):
     return (m(x) - y).square().mean()
+"""
+
+_SCRIPT = _SETUP + r"""
+import random, threading
+
+phase, seed = sys.argv[2], int(sys.argv[3])
+random.seed(seed)
 
 def arm(span):
     timer = threading.Timer(random.uniform(0.0, span), os.kill, (os.getpid(), signal.SIGINT))
@@ -122,21 +129,10 @@ def test_a_script_that_catches_ctrl_c_and_goes_on_trains_as_torch_optim(executor
         assert float(dev) <= 1e-5, (executor, phase, seed, out.stdout)
 
 
-_EVERY_LINE = r"""
-import inspect, os, signal, sys, time
-import torch
-import sofx.offload
+_EVERY_LINE = _SETUP + r"""
+import inspect
 from sofx.offload import engine, inline_executor, process_executor, thread_executor
 
-executor = sys.argv[1]
-signal.signal(signal.SIGINT, signal.default_int_handler)
-torch.set_num_threads(1)
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(24, 24), torch.nn.Tanh())])
-ref = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(24, 24), torch.nn.Tanh())])
-ref.load_state_dict(model.state_dict())
-ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=200, timeout=20)
 ex = {"inline": inline_executor.InlineExecutor, "thread": thread_executor.ThreadExecutor,
       "process": process_executor.ProcessExecutor}[executor]
 E = engine.OffloadEngine
@@ -157,13 +153,6 @@ def local(frame, event, arg):  # a SIGINT sent as this line is about to run, onc
 
 def calls(frame, event, arg):
     return local if armed is not None and frame.f_code is armed[0] else None
-
-def batch(i):
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(8, 24, generator=g), torch.randn(8, 24, generator=g)
-
-def loss(m, x, y):
-    return (m(x) - y).square().mean()
 
 fired = caught = 0
 for i, target in enumerate(targets):
