@@ -19,9 +19,10 @@ worker that does not answer (up to the engine's ``timeout``) can still be interr
 Ctrl-C twice, at the price of leaving that step's state undefined (close the optimizer then).
 While the gate is installed ``asyncio.run`` keeps SIGINT's handler as it finds it (the gate, which
 raises ``KeyboardInterrupt`` in the main thread as Python's default handler does) instead of
-installing its own, which cancels the main task. Entering and leaving a section costs two counter updates (the handler is not
-swapped per section: ``signal.signal`` takes ~4 us, and a section runs for every gradient).
-Python runs signal handlers in the main thread only, so sections in other threads (autograd's
+installing its own, which cancels the main task.
+
+Entering and leaving a section costs two counter updates (the handler is not swapped per section:
+``signal.signal`` takes ~4 us, and a section runs for every gradient). Python runs signal handlers in the main thread only, so sections in other threads (autograd's
 device threads, the executors' own) hold nothing and need not; where SIGINT is ignored or has
 the default action (not a Python handler), or the engine is made in another thread, there is no
 gate (:data:`NO_GATE`).
