@@ -22,10 +22,10 @@ raises ``KeyboardInterrupt`` in the main thread as Python's default handler does
 installing its own, which cancels the main task.
 
 Entering and leaving a section costs two counter updates (the handler is not swapped per section:
-``signal.signal`` takes ~4 us, and a section runs for every gradient). Python runs signal handlers in the main thread only, so sections in other threads (autograd's
-device threads, the executors' own) hold nothing and need not; where SIGINT is ignored or has
-the default action (not a Python handler), or the engine is made in another thread, there is no
-gate (:data:`NO_GATE`).
+``signal.signal`` takes ~4 us, and a section runs for every gradient). Python runs signal
+handlers in the main thread only, so sections in other threads (autograd's device threads, the
+executors' own) hold nothing and need not; where SIGINT is ignored or has the default action (not
+a Python handler), or the engine is made in another thread, there is no gate (:data:`NO_GATE`).
 """
 
 from __future__ import annotations
