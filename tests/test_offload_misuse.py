@@ -92,6 +92,23 @@ def test_zero_grad_after_late_gradients_leaves_the_engine_usable(executor):
         assert relative_deviation(model, ref) <= TOL
 
 
+@pytest.mark.parametrize("options", [dict(), dict(speculate=False), dict(gradient_accumulation_steps=2)],
+                         ids=["speculated", "not-speculated", "mid-accumulation"])
+def test_a_state_dict_between_backward_and_step_is_refused(options):
+    """state_dict() holds no gradients: taken between backward and step() it would drop the held ones (mid-
+    accumulation: the resumed run would step on the remaining micro-batches only). Refused whether or not a
+    block was speculated (it was refused only then); after step() or zero_grad() it works."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       **options) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        with pytest.raises(SofxError, match=r"state_dict\(\) was called between backward and step\(\)"):
+            opt.state_dict()
+        opt.zero_grad()
+        assert opt.state_dict()["state"]
+
+
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_loading_state_or_weights_between_backward_and_step_is_refused(executor):
     model, ref = _models()

@@ -832,12 +832,11 @@ class OffloadEngine:
             raise SofxError("the optimizer is closed")
         complete = self._failed is None
         if complete:
+            # Between backward and step() (also mid-accumulation, or with nothing speculated): the held gradients
+            # are not in the state, and blocks may hold speculative steps not validated yet.
+            self._check_between_steps("state_dict()")
             self.wait()
-            if not self.tracker.started:
-                self._adopt_model_edits()  # the saved masters are what the model holds
-            if any(self._speculated):
-                raise SofxError("state_dict() was called between backward and step(): blocks hold speculative "
-                                "steps that are not validated yet; call it after step()")
+            self._adopt_model_edits()  # the saved masters are what the model holds
         return engine_state_dict(self, complete)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
