@@ -46,9 +46,9 @@ from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import load_backend, select_backend
-from sofx.kernels.base import (FINITE_CHUNK, GRADIENT_LIMIT, AdamScalars, AdamVariant, MemoryOverlapError, Scalar,
-                               StepCall, UndoCall, UndoRedoCall, as_number, is_number, is_traced, leaf_tracer,
-                               write_param_copy)
+from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
+                               MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
+                               is_traced, leaf_tracer, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
 
@@ -665,9 +665,6 @@ class Adam:
         return "algebraic", ""
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
 def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
     number or a 0-d floating-point tensor, > 0, and at most float32's largest value where a leaf with a
@@ -685,10 +682,10 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
         value = as_number(grad_scale)
     if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
-    if is_number(value) and value > _FLOAT32_MAX:
+    if is_number(value) and value > FLOAT32_MAX:
         in_f32 = next((leaf.path for leaf in leaves if leaf.g is not None and leaf.p.dtype != torch.float64), None)
         if in_f32 is not None:
-            raise HParamError(f"grad_scale = {value!r} is beyond float32's range (largest {_FLOAT32_MAX!r}); {in_f32} "
+            raise HParamError(f"grad_scale = {value!r} is beyond float32's range (largest {FLOAT32_MAX!r}); {in_f32} "
                               "is stepped in float32, where the gradient times it is inf")
     return value
 

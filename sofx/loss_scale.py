@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
+from sofx.kernels.base import FLOAT32_MAX
 
 __all__ = [
     "LossScaler",
@@ -67,7 +68,6 @@ __all__ = [
     "FLOAT32_MAX",
 ]
 
-FLOAT32_MAX = 3.4028234663852886e38
 GROWTH_RULES = ("stable_interval", "legacy")
 
 

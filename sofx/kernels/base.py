@@ -253,18 +253,20 @@ class StepCall(NamedTuple):
 # dtypes of p, m, v; ``p_copy``).
 FINITE_CHUNK = 4096
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4028234663852886e38
+
 # The largest scaled gradient magnitude |g * grad_scale| whose step is undone algebraically: its square (and
 # a second moment made of such squares) stays below FLT_MAX / 4, so v' = b2 v + (1 - b2) g^2 is finite and
 # its inverse is not inf - inf = nan. The factor 4 leaves room for a redo whose grad_scale doubled (a loss
 # scale halved) on a gradient checked with the old one.
-GRADIENT_LIMIT = math.sqrt(float(torch.finfo(torch.float32).max) / 4)
+GRADIENT_LIMIT = math.sqrt(FLOAT32_MAX / 4)
 
 
 def gradient_limit_bits(grad_scale: float) -> tuple[int, int, int]:
     """The magnitude bits (sign cleared) above which a gradient element of dtype float32, bfloat16,
     float16 is flagged for ``grad_scale`` (the largest value at most ``GRADIENT_LIMIT / grad_scale``; an inf
     or a nan always has larger bits)."""
-    limit = min(GRADIENT_LIMIT / abs(grad_scale), float(torch.finfo(torch.float32).max))
+    limit = min(GRADIENT_LIMIT / abs(grad_scale), FLOAT32_MAX)
     f32 = struct.unpack("<I", struct.pack("<f", limit))[0]
     if struct.unpack("<f", struct.pack("<I", f32))[0] > limit:  # rounded up: the float below
         f32 -= 1
