@@ -255,13 +255,10 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     world = dist.get_world_size(group)
     leaves = [g for g in tree.flatten(grads)[0] if g is not None]
     refused = None
-    for g in leaves:
-        if not isinstance(g, torch.Tensor):
-            refused = SofxError(f"all_reduce_mean_: gradients must be tensors, got {type(g).__name__}")
-        elif not g.is_floating_point():
-            refused = SofxError(f"all_reduce_mean_: gradients must be floating point, got {g.dtype}")
-        if refused is not None:
-            break
+    try:
+        _check_floating_tensors("all_reduce_mean_", leaves)
+    except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
+        refused = e
     if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
         with_none, spec_with_none = tree.flatten(grads, is_leaf=lambda x: x is None)  # to name a None leaf
         _check_same_layout("all_reduce_mean_", spec_with_none, with_none, "grads", group,
@@ -474,6 +471,15 @@ class Shard:
                 for i, part in zip(leaves, flat.split(sizes)):
                     result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
         return [result.get(i) for i in self.owned]
+
+
+def _check_floating_tensors(what: str, grads: Sequence[Any]) -> None:
+    """Refuse a gradient that is not a floating-point tensor."""
+    for g in grads:
+        if not isinstance(g, torch.Tensor):
+            raise SofxError(f"{what}: gradients must be tensors, got {type(g).__name__}")
+        if not g.is_floating_point():
+            raise SofxError(f"{what}: gradients must be floating point, got {g.dtype}")
 
 
 def _as_refusal(what: str, error: Exception) -> SofxError:
