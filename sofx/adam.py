@@ -186,7 +186,7 @@ class Adam:
         kernels = self._kernels(leaves)
         covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies)
         if not covered:
-            _check_writes(leaves, copies, donate)
+            _check_writes(leaves, copies, donate, grad_scale=grad_scale)
         in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
         finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
         memo: dict = {}
@@ -351,7 +351,7 @@ class Adam:
         covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
                                         leaves, copies)
         if not covered:
-            _check_writes(leaves, copies, donate, record)
+            _check_writes(leaves, copies, donate, record, grad_scale)
         flags = _chunk_flags(leaves, in_kernel)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
@@ -691,32 +691,118 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
 
 
 def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
-                  record: UndoRecord | None = None) -> None:
+                  record: UndoRecord | None = None, grad_scale: Any = None) -> None:
     """Refuse a call whose in-place writes (``donate``, parameter copies) cannot be done or would overwrite
-    what it still reads (:mod:`sofx.kernels.donation`); nothing is written before."""
+    what it still reads (:mod:`sofx.kernels.donation`); nothing is written before. A ``torch.func``
+    wrapper's memory is the tensor it wraps; under ``torch.compile`` the checks are by identity."""
     has_copies = any(c is not None for c in copies)
-    if not (donate or has_copies) or torch.compiler.is_compiling():
+    if not (donate or has_copies):
+        return
+    if torch.compiler.is_compiling():
+        _check_distinct_writes(leaves, copies, donate, record)
         return
     copied = _writable_copies(leaves, copies)
-    plain = []
-    for leaf in leaves:
-        if not leaf.traced:
-            plain.append(leaf)
-        elif donate:  # torch.func wrappers have no memory to compare; a leaf that requires grad is refused here
-            for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
-                check_writable(_role_name(leaf, role), t)
+    if donate:
+        for leaf in leaves:
+            if leaf.traced:  # a leaf that requires grad is refused here (a plain one cannot, in grad mode)
+                for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
+                    check_writable(_role_name(leaf, role), t)
+    _check_transform_levels(leaves, copies, donate, record, grad_scale)
+    real = [leaf for leaf in leaves if not leaf.p.is_meta]  # meta tensors have no memory
     spans = MemorySpans()
-    spans.add([t for leaf in plain for t in (leaf.p, leaf.m, leaf.v)], donate, lambda i: (plain[i // 3], i % 3))
-    with_grad = [leaf for leaf in plain if leaf.g is not None]
-    spans.add([leaf.g for leaf in with_grad], False, lambda i: (with_grad[i], _GRAD))
+    spans.add([_memory(t) if leaf.traced else t for leaf in real for t in (leaf.p, leaf.m, leaf.v)], donate,
+              lambda i: (real[i // 3], i % 3))
+    with_grad = [leaf for leaf in real if leaf.g is not None]
+    spans.add([_memory(leaf.g) if leaf.traced else leaf.g for leaf in with_grad], False,
+              lambda i: (with_grad[i], _GRAD))
     if has_copies:
-        copied = [(leaf, c) for leaf, c in copied if not leaf.traced]
-        spans.add([c for _, c in copied], True, lambda i: (copied[i][0], _COPY))
+        copied = [(leaf, c) for leaf, c in copied if not c.is_meta]
+        spans.add([_memory(c) for _, c in copied], True, lambda i: (copied[i][0], _COPY))
     if record is not None:
-        kept = [(leaf, role, t) for leaf, rec in zip(leaves, record.leaves) if rec is not None and not leaf.traced
+        kept = [(leaf, role, t) for leaf, rec in zip(real, _record_leaves(leaves, real, record)) if rec is not None
                 for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1) if t is not None]
-        spans.add([t for _, _, t in kept], False, lambda i: kept[i][:2])
+        spans.add([_memory(t) if leaf.traced else t for leaf, _, t in kept], False, lambda i: kept[i][:2])
     spans.check_disjoint(lambda tag: _role_name(*tag))
+
+
+def _record_leaves(leaves: Sequence[_Leaf], real: Sequence[_Leaf], record: UndoRecord) -> list[LeafUndo | None]:
+    """The records of ``real``, a sublist of ``leaves``."""
+    if len(real) == len(leaves):
+        return list(record.leaves)
+    by_leaf = {id(leaf): rec for leaf, rec in zip(leaves, record.leaves)}
+    return [by_leaf[id(leaf)] for leaf in real]
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` is: the tensor a ``torch.func`` transform (vmap, grad) wraps, at the
+    bottom of every level."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _transform_levels(x: Any) -> set[int]:
+    """The ``torch.func`` levels (vmap, grad) that wrap ``x`` (none for a plain tensor or a number)."""
+    levels = set()
+    while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
+        levels.add(torch._C._functorch.maybe_get_level(x))
+        x = torch._C._functorch.get_unwrapped(x)
+    return levels
+
+
+def _check_transform_levels(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
+                            record: UndoRecord | None, grad_scale: Any) -> None:
+    """Under ``torch.func`` transforms: refuse a written tensor that a level of the transforms which wraps
+    the values it receives does not wrap (an unbatched state given to a vmap whose parameters or gradients
+    are batched, ``in_dims=None``): torch would refuse that write after the call had written others."""
+    recs = list(record.leaves) if record is not None else [None] * len(leaves)
+    shared = _transform_levels(grad_scale)
+    for leaf, copy, rec in zip(leaves, copies, recs):
+        if not leaf.traced:
+            continue
+        written = [(role, t) for role, t in enumerate((leaf.p, leaf.m, leaf.v)) if donate]
+        if copy is not None:
+            written.append((_COPY, copy))
+        if not written:
+            continue
+        inputs = [leaf.p, leaf.g, leaf.m, leaf.v, *leaf.hp]
+        if rec is not None:
+            inputs += [rec.grad, rec.p_old, rec.m_old, rec.v_old, *rec.scalars]
+        need = set(shared)
+        for x in inputs:
+            need |= _transform_levels(x)
+        for role, t in written:
+            missing = need - _transform_levels(t)
+            if missing:
+                raise LeafError(f"{_role_name(leaf, role)} is written in place, but its new values are transformed "
+                                f"by torch.func level(s) {sorted(missing)} that it is not (e.g. a state that vmap "
+                                "does not batch, in_dims=None, for batched parameters or gradients); pass it "
+                                "transformed as the others are, or do not donate")
+
+
+def _check_distinct_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
+                           record: UndoRecord | None) -> None:
+    """:func:`_check_writes` while ``torch.compile`` traces, where memory cannot be read: a tensor written
+    twice (tied weights as two leaves) or written and read by the call (a gradient that is the parameter) is
+    refused by identity; views of one buffer are not seen."""
+    written: dict[int, tuple[_Leaf, int]] = {}
+    for leaf, copy in zip(leaves, copies):
+        for role, t in [*((r, t) for r, t in enumerate((leaf.p, leaf.m, leaf.v)) if donate), (_COPY, copy)]:
+            if t is None:
+                continue
+            if id(t) in written:
+                raise LeafError(shared_memory_message(_role_name(*written[id(t)]), _role_name(leaf, role)))
+            written[id(t)] = (leaf, role)
+    recs = list(record.leaves) if record is not None else [None] * len(leaves)
+    for leaf, rec in zip(leaves, recs):
+        read = [(_GRAD, leaf.g)]
+        if rec is not None:
+            read += list(enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1))
+        if not donate:  # the moments and the parameter are read; param copies are written
+            read += list(enumerate((leaf.p, leaf.m, leaf.v)))
+        for role, t in read:
+            if t is not None and id(t) in written:
+                raise LeafError(shared_memory_message(_role_name(*written[id(t)]), _role_name(leaf, role)))
 
 
 # The tensors of a leaf a call may read or write, by role (_check_writes)

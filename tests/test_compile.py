@@ -20,7 +20,10 @@ What works (tested below)
   for every leaf (values cannot be inspected while tracing); without donation that keeps
   references to the inputs, costs no copy and restores them bit for bit.
   ``undo="algebraic"`` traces too (the inverse is then recomputed in the graph).
-* ``donate=True`` traces (the in-place writes are functionalised by AOTAutograd).
+* ``donate=True`` traces (the in-place writes are functionalised by AOTAutograd). Memory
+  cannot be read while tracing: a tensor written twice (tied weights as two leaves) or
+  written and read (a gradient that is the parameter) is refused by identity; views of one
+  buffer that overlap are not seen there (eager calls refuse them).
 
 What breaks the graph, and why
 ------------------------------
@@ -231,6 +234,28 @@ def test_donated_update_traces(undo):
     assert _max_diff(out, expected) < 1e-6
     assert _max_diff(mine, expected) < 1e-6, "donated inputs receive the result"
     assert record.donated
+
+
+def test_donated_tied_leaves_are_refused_under_compile():
+    """One tensor as two leaves, or a gradient that is its parameter, with donation: the eager refusal, by
+    identity while tracing, and nothing written."""
+    opt = sofx.adamw(lr=0.1)
+
+    def step(params, grads, state):
+        return opt.update(params, grads, state, donate=True)
+
+    w = torch.randn(4)
+    before = w.clone()
+    for params, grads, pattern in (({"a": w, "b": w}, {"a": torch.ones(4), "b": torch.ones(4)},
+                                    r"params\['a'\] and params\['b'\] share memory"),
+                                   ({"a": w}, {"a": w}, r"params\['a'\] and grads\['a'\] share memory")):
+        torch._dynamo.reset()
+        with pytest.raises(sofx.LeafError, match=pattern):
+            torch.compile(step, backend="eager")(params, grads, opt.init(params))
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=pattern):
+            torch.compile(step, backend="eager", fullgraph=True)(params, grads, opt.init(params))
+        assert torch.equal(w, before)
 
 
 def test_fast_backend_under_compile_is_a_clear_error():

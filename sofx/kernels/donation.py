@@ -17,12 +17,17 @@ parameters and moments (``params``, ``state.mu``, ``state.nu``), and always into
   (:meth:`MemorySpans.check_disjoint`, :func:`first_clash`).
 
 Memory is compared as byte ranges: ``[data_ptr, data_ptr + nbytes)`` for a
-contiguous tensor, its first element for a non-contiguous one (strided views
-may interleave without sharing an element, e.g. ``x[0::2]`` and ``x[1::2]``;
-such a view conflicts with a tensor that starts where it starts or a
-contiguous one that covers its start). A span is kept as twice its start,
-plus one when the tensor is written, and twice its end; the spans are sorted
-and swept once (in Python for a few, with torch operations for many). The CPU
+contiguous tensor (or a permutation of one: a transpose, channels_last); a
+non-contiguous one is the contiguous runs its elements form (:func:`runs`:
+a column slice of a matrix is a run per row, ``x[0::2]`` an element per run),
+so strided views that interleave without sharing an element (``x[0::2]`` and
+``x[1::2]``, two column blocks of one matrix) pass and views that share one
+(a row and a column of one matrix) do not. A tensor of more than
+``MAX_RUNS`` runs is taken as the whole range from its first element to its
+last, which may refuse views that only interleave. A span is kept as twice
+its start, plus one when the tensor is written, and twice its end; the spans
+are sorted and swept once (in Python for a few, with torch operations for
+many). The CPU
 kernels' list forms do the same in their native code (``sofx_overlap``) from
 the table of addresses they build anyway, which spares :class:`sofx.Adam` this
 module's pass for a call they take whole.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from array import array
 from typing import Any, Callable, Sequence, Union
 
@@ -39,10 +45,11 @@ import torch
 
 from sofx.errors import LeafError
 
-__all__ = ["check_writable", "MemorySpans", "first_clash", "overlaps_itself", "overlap_message",
-           "shared_memory_message"]
+__all__ = ["check_writable", "MemorySpans", "first_clash", "runs", "overlaps_itself", "overlap_message",
+           "shared_memory_message", "MAX_RUNS"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
+MAX_RUNS = 1 << 20  # a non-contiguous tensor of more runs is compared as the range it spans
 
 Spans = Union[Sequence[int], torch.Tensor]
 
@@ -73,6 +80,34 @@ def shared_memory_message(written: str, other: str) -> str:
     return (f"{written} and {other} share memory, and {written} is written in place (donate=True or "
             "param_copies): the call would overwrite values it still reads; pass distinct tensors (e.g. tied "
             "weights as one leaf) or do not donate")
+
+
+def runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The memory of ``t``'s elements as runs of one length: the byte offsets of their starts from
+    ``t.data_ptr()`` (an int64 tensor) and that length in bytes; None where there are more than
+    :data:`MAX_RUNS` of them.
+
+    The strides are taken from the smallest up: while a dimension's stride is the run's length so far, the
+    run extends over it (a permuted contiguous tensor is one run); the remaining dimensions place the runs.
+    Dimensions of size 1 or stride 0 (``expand()``) add no memory and are left out."""
+    size = t.element_size()
+    dims = sorted((stride, n) for stride, n in zip(t.stride(), t.shape) if n > 1 and stride != 0)
+    length, k = size, 0
+    while k < len(dims) and dims[k][0] * size == length:
+        length *= dims[k][1]
+        k += 1
+    outer = dims[k:]
+    if math.prod(n for _, n in outer) > MAX_RUNS:
+        return None
+    starts = torch.zeros(1, dtype=torch.int64)
+    for stride, n in outer:
+        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * (stride * size)).reshape(-1)
+    return starts, length
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to the end of its last (strides are not negative in torch)."""
+    return (sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def first_clash(starts2: Spans, ends2: Spans) -> tuple[int, int] | None:
@@ -138,39 +173,42 @@ class MemorySpans:
         """The tags of a written tensor and another whose memory it shares (see :func:`first_clash`), or None.
         A non-contiguous written tensor whose elements overlap is refused here (:func:`check_writable`,
         named by ``name(tag)``); whether a written tensor requires grad is the caller's to check."""
-        ptrs, sizes, flat, counts = array("q"), array("q"), array("b"), []
+        ptrs, sizes, counts = array("q"), array("q"), []
+        strided: dict[int, torch.Tensor] = {}  # the non-contiguous tensors, by their index among all
         any_written = False
         for tensors, written, tag in self._groups:
             contiguous = [t.is_contiguous() for t in tensors]
-            if written and not all(contiguous):
+            if not all(contiguous):
                 for i, c in enumerate(contiguous):
                     if not c:
-                        check_writable(name(tag(i)), tensors[i])
+                        if written:
+                            check_writable(name(tag(i)), tensors[i])
+                        strided[len(ptrs) + i] = tensors[i]
             # list comprehensions over the group: a method call per tensor cost ~3x more
             ptrs.extend([t.data_ptr() for t in tensors])
             sizes.extend([t.nbytes for t in tensors])
-            flat.extend(contiguous)
             counts.append(len(tensors))
             any_written |= written and len(tensors) > 0
         if len(ptrs) < 2 or not any_written:
             return None
         offsets = list(itertools.accumulate(counts, initial=0))
-        if len(ptrs) <= _FEW:
+        if strided:
+            starts2, ends2, where = self._spans_with_runs(ptrs, sizes, offsets, strided)
+        elif len(ptrs) <= _FEW:
             starts2, ends2, where = [], [], []
             for (_, written, _), lo, hi in zip(self._groups, offsets, offsets[1:]):
                 for i in range(lo, hi):
                     if sizes[i]:
                         starts2.append(2 * ptrs[i] + written)
-                        ends2.append(2 * (ptrs[i] + sizes[i]) if flat[i] else 2 * ptrs[i] + 2)
+                        ends2.append(2 * (ptrs[i] + sizes[i]))
                         where.append(i)
         else:
             p = torch.frombuffer(ptrs, dtype=torch.int64)  # (torch.tensor parses a list one int at a time)
             n = torch.frombuffer(sizes, dtype=torch.int64)
-            c = torch.frombuffer(flat, dtype=torch.bool)
             w = torch.cat([torch.full((k,), bool(written)) for (_, written, _), k in zip(self._groups, counts)])
             keep = (n > 0).nonzero().squeeze(1)
             starts2 = (2 * p + w)[keep]
-            ends2 = torch.where(c, 2 * (p + n), 2 * p + 2)[keep]
+            ends2 = (2 * (p + n))[keep]
             where = keep
         found = first_clash(starts2, ends2)
         if found is None:
@@ -181,6 +219,32 @@ class MemorySpans:
             g = bisect.bisect_right(offsets, i) - 1
             tags.append(self._groups[g][2](i - offsets[g]))
         return tags[0], tags[1]
+
+    def _spans_with_runs(self, ptrs: array, sizes: array, offsets: list[int], strided: dict[int, torch.Tensor],
+                         ) -> tuple[Spans, Spans, Spans]:
+        """The spans (twice the start, +1 where written; twice the end) and the index of the tensor of each,
+        in the tensors' order: a contiguous tensor's memory, a non-contiguous one's runs (:func:`runs`; the
+        range it spans where it has too many)."""
+        starts, ends, where = [], [], []
+        for (_, written, _), lo, hi in zip(self._groups, offsets, offsets[1:]):
+            for i in range(lo, hi):
+                if not sizes[i]:
+                    continue
+                t = strided.get(i)
+                found = runs(t) if t is not None else None
+                if found is None:
+                    length = _extent(t) if t is not None else sizes[i]
+                    starts.append(torch.tensor([2 * ptrs[i] + written]))
+                    ends.append(torch.tensor([2 * (ptrs[i] + length)]))
+                else:
+                    first, length = found
+                    starts.append(2 * (ptrs[i] + first) + written)
+                    ends.append(2 * (ptrs[i] + first + length))
+                where.append(torch.full((len(starts[-1]),), i, dtype=torch.int64))
+        if not starts:
+            return [], [], []
+        s2, e2, w = torch.cat(starts), torch.cat(ends), torch.cat(where)
+        return (s2.tolist(), e2.tolist(), w.tolist()) if len(s2) <= _FEW else (s2, e2, w)
 
     def check_disjoint(self, name: Callable[[Any], str]) -> None:
         """Raise a :class:`LeafError` naming both (``name(tag)``) for :meth:`clash`'s pair."""
