@@ -26,6 +26,10 @@ Undo (SPECULATION.md section 2) is chosen per leaf and step by ``undo=``:
 ``"auto"`` (algebraic where sound, snapshots where not), ``"algebraic"``
 (never snapshot; refuses the configurations where the inverse does not exist)
 or ``"exact"`` (always snapshot: bitwise identity). See :mod:`sofx.undo_record`.
+Under ``torch.func`` transforms and ``torch.compile`` the hyperparameters'
+values cannot be read: ``"auto"`` keeps snapshots there, and ``"algebraic"``
+checks only the dtypes, so a traced beta of 0 or ``lr * weight_decay`` of 1
+(no inverse) gives an undo of nan where eager refuses it.
 
 ``donate=True`` lets ``update``/``undo`` write their results into the storage
 of the params and state passed in (the caller must not use those inputs

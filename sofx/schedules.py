@@ -111,7 +111,10 @@ class Linear:
 
 @dataclass(frozen=True)
 class CosineDecay:
-    """``init * ((1 - alpha) * 0.5 * (1 + cos(pi * min(step, steps) / steps)) + alpha)``."""
+    """``init * ((1 - alpha) * 0.5 * (1 + cos(pi * min(step, steps) / steps)) + alpha)``.
+
+    ``torch.optim.lr_scheduler.CosineAnnealingLR(T_max=steps, eta_min=alpha*init)`` up to ``steps``; past it
+    this holds ``alpha * init`` where torch's cosine rises again (it is periodic)."""
 
     init: float
     steps: int
@@ -212,6 +215,11 @@ class OneCycle:
             raise HParamError(f"anneal = {self.anneal!r}; expected 'cos' or 'linear'")
         for name in ("base_beta1", "max_beta1", "div_factor", "final_div_factor"):
             _finite(name, getattr(self, name))
+        if self.max_lr < 0:
+            raise HParamError(f"max_lr = {self.max_lr!r} is invalid; expected a learning rate >= 0")
+        for name in ("div_factor", "final_div_factor"):  # lr is divided by them: 0 divides by zero, < 0 flips it
+            if not getattr(self, name) > 0:
+                raise HParamError(f"{name} = {getattr(self, name)!r} is invalid; expected a number > 0")
         # A phase of no steps that a step still reaches (torch's OneCycleLR divides by zero there): the first
         # where it ends at step 0, the last where it ends where the one before it ends.
         ends = [end for end, _, _ in self._phases()]
@@ -337,7 +345,8 @@ def linear_warmup(peak: float, warmup_steps: int, init: float = 0.0) -> Linear:
 
 
 def cosine_decay(init: float, decay_steps: int, alpha: float = 0.0) -> CosineDecay:
-    """Cosine from ``init`` to ``alpha * init`` over ``decay_steps`` (``CosineAnnealingLR`` with ``eta_min = alpha*init``)."""
+    """Cosine from ``init`` to ``alpha * init`` over ``decay_steps``, then held there (``CosineAnnealingLR``
+    with ``eta_min = alpha*init`` up to ``decay_steps``; torch's rises again after it)."""
     return CosineDecay(init, decay_steps, alpha)
 
 

@@ -36,6 +36,7 @@ absent), ``S`` the loss scale and ``c`` the max norm:
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -127,15 +128,30 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
     return total
 
 
+def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
+    """The leaves of a gradient pytree that are not ``None``, each checked: a dense floating-point tensor
+    (else a :class:`LeafError` naming ``who`` and the leaf's path)."""
+    leaves, spec = tree.flatten(grads)
+    present = [g for g in leaves if g is not None]
+    for g in present:
+        if not (isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided):
+            path = tree.leaf_paths(spec, root="grads")[[i for i, x in enumerate(leaves) if x is g][0]]
+            if not isinstance(g, torch.Tensor):
+                raise LeafError(f"{who}: {path}: expected a tensor, got {type(g).__name__}")
+            if g.layout != torch.strided:
+                raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got {g.layout}")
+            raise LeafError(f"{who}: {path}: expected a floating-point tensor, got {g.dtype}")
+    return present
+
+
 def global_norm(grads: Any) -> float:
     """The L2 norm over every leaf of a gradient pytree (``None`` leaves are absent)."""
-    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
-    return math.sqrt(total_sumsq([sumsq(g) for g in leaves]))
+    return math.sqrt(total_sumsq([sumsq(g) for g in _gradient_leaves(grads, "global_norm")]))
 
 
 def all_finite(grads: Any) -> bool:
     """True when every element of every (non-``None``) leaf is finite."""
-    return all(bool(torch.isfinite(g).all()) for g in tree.flatten(grads)[0] if g is not None)
+    return all(bool(torch.isfinite(g).all()) for g in _gradient_leaves(grads, "all_finite"))
 
 
 def _check_max_norm(max_norm: float) -> float:
@@ -160,17 +176,17 @@ def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float
 
 def scale_tree(grads: Any, factor: float) -> Any:
     """Every (non-``None``) leaf multiplied by ``factor`` (new tensors)."""
+    _gradient_leaves(grads, "scale_tree")
     return tree.tree_map(lambda g: g * factor, grads)
 
 
-def _traced(grads: Any) -> bool:
+def _traced(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether any leaf cannot be read on the host (torch.func transforms, autograd, compile)."""
-    return any(is_traced(g) for g in tree.flatten(grads)[0] if g is not None)
+    return any(is_traced(g) for g in leaves)
 
 
-def _global_norm_tensor(grads: Any) -> torch.Tensor:
+def _global_norm_tensor(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`global_norm` as a 0-d float32 (float64 for float64 leaves) tensor, for traced gradients."""
-    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
     acc = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=acc) for g in leaves]))
 
@@ -237,13 +253,17 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
     if "loss_scale" not in extra:
         raise SofxError(f"{who}: pass the loss scale of this backward as update(..., loss_scale=S)")
     s = extra["loss_scale"]
-    if isinstance(s, torch.Tensor) and is_traced(s):
+    if isinstance(s, torch.Tensor):
         if s.numel() != 1 or not s.is_floating_point():
             raise HParamError(f"{who}: loss_scale must be a number or a 1-element float tensor, got {s.dtype} "
                               f"{tuple(s.shape)}")
-        return s.reshape(())
-    s = s.item() if isinstance(s, torch.Tensor) else s
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
+        if is_traced(s):
+            return s.reshape(())
+        s = s.item()
+    if isinstance(s, bool) or not isinstance(s, numbers.Real):
+        raise HParamError(f"{who}: loss_scale must be a number or a 1-element float tensor, got {type(s).__name__}")
+    s = float(s)
+    if not (math.isfinite(s) and s > 0):
         raise HParamError(f"{who}: loss_scale = {s!r} is invalid; expected a finite number > 0")
     return float(s)
 
@@ -253,11 +273,12 @@ def unscale() -> GradientTransformation:
 
     def update(grads: Any, state: EmptyState, params: Any = None, **extra: Any) -> tuple[Any, EmptyState]:
         s = _loss_scale(extra, "unscale")
+        _gradient_leaves(grads, "unscale")
         if isinstance(s, torch.Tensor):  # as the float path: 1/S in float64, applied in float32 (float64 leaves)
             inv = torch.reciprocal(s.double())
             return tree.tree_map(lambda g: g * inv if g.dtype == torch.float64
                                  else (g.float() * inv.float()).to(g.dtype), grads), state
-        return (grads if s == 1.0 else scale_tree(grads, 1.0 / s)), state
+        return (grads if s == 1.0 else tree.tree_map(lambda g: g * (1.0 / s), grads)), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -267,13 +288,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     max_norm = _check_max_norm(max_norm)
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
-        if _traced(grads):  # torch.func (vmap, grad), autograd, compile: the same math on tensors
-            norm_t = _global_norm_tensor(grads)
+        leaves = _gradient_leaves(grads, "clip_by_global_norm")
+        if _traced(leaves):  # torch.func (vmap, grad), autograd, compile: the same math on tensors
+            norm_t = _global_norm_tensor(leaves)
             coef_t = torch.clamp(max_norm / (norm_t + CLIP_EPS), max=1.0)
             return _scale_by_tensor(grads, coef_t), ClipState(norm_t, coef_t)
-        norm = global_norm(grads)
+        norm = math.sqrt(total_sumsq([sumsq(g) for g in leaves]))
         coef = clip_coefficient(norm, max_norm)
-        return (grads if coef == 1.0 else scale_tree(grads, coef)), ClipState(norm, coef)
+        return (grads if coef == 1.0 else tree.tree_map(lambda g: g * coef, grads)), ClipState(norm, coef)
 
     return GradientTransformation(lambda params: ClipState(), update)
 
@@ -289,15 +311,17 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         s = _loss_scale(extra, "unscale_and_clip_zero")
-        if _traced(grads) or isinstance(s, torch.Tensor):
-            scaled_t = _global_norm_tensor(grads)
+        leaves = _gradient_leaves(grads, "unscale_and_clip_zero")
+        if _traced(leaves) or isinstance(s, torch.Tensor):
+            scaled_t = _global_norm_tensor(leaves)
             clip_t = (torch.ones_like(scaled_t) if max_norm is None else
                       torch.clamp((scaled_t / s + CLIP_EPS) / max_norm, min=1.0))
             return _scale_by_tensor(grads, 1.0 / (clip_t * s)), ClipState(scaled_t / s, 1.0 / clip_t)
-        scaled = global_norm(grads)
+        scaled = math.sqrt(total_sumsq([sumsq(g) for g in leaves]))
         clip = 1.0 if max_norm is None else zero_clip_factor(scaled, s, max_norm)
         combined = clip * s
-        return (grads if combined == 1.0 else scale_tree(grads, 1.0 / combined)), ClipState(scaled / s, 1.0 / clip)
+        return ((grads if combined == 1.0 else tree.tree_map(lambda g: g * (1.0 / combined), grads)),
+                ClipState(scaled / s, 1.0 / clip))
 
     return GradientTransformation(lambda params: ClipState(), update)
 
@@ -306,11 +330,11 @@ def check_finite() -> GradientTransformation:
     """Records in its state whether every gradient element is finite (gradients pass unchanged)."""
 
     def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
-        if _traced(grads):
-            leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+        leaves = _gradient_leaves(grads, "check_finite")
+        if _traced(leaves):
             ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all()
             return grads, FiniteState(ok_t, state.nonfinite_steps + (~ok_t).to(torch.int64))
-        ok = all_finite(grads)
+        ok = all(bool(torch.isfinite(g).all()) for g in leaves)
         return grads, FiniteState(ok, state.nonfinite_steps + (0 if ok else 1))
 
     return GradientTransformation(lambda params: FiniteState(), update)
@@ -414,9 +438,17 @@ def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay
 
 def merge_hparams(base: AdamHParams, override: AdamHParams | None) -> AdamHParams:
     """``base`` with every field that ``override`` sets (not ``None``) replaced."""
+    _check_is_hparams("base", base)
     if override is None:
         return base
+    _check_is_hparams("override", override)
     return AdamHParams(*(b if o is None else o for b, o in zip(base, override)))
+
+
+def _check_is_hparams(name: str, x: Any) -> None:
+    if not isinstance(x, AdamHParams):
+        raise HParamError(f"{name} is a {type(x).__name__}; expected sofx.AdamHParams (e.g. "
+                          f"AdamHParams(weight_decay=0.0), not a dict or a tuple)")
 
 
 def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHParams | None = None) -> Any:
@@ -426,6 +458,10 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
     schedule and ``groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}``.
     """
     base = base if base is not None else AdamHParams()
+    _check_is_hparams("base", base)
+    for label, hp in groups.items():
+        if hp is not None:
+            _check_is_hparams(f"groups[{label!r}]", hp)
     leaves, spec = tree.flatten(labels)
     out = []
     for path, label in zip(tree.leaf_paths(spec, root="labels"), leaves):

@@ -154,3 +154,16 @@ def test_schedules_pickle_and_reject_bad_input():
     with pytest.raises(HParamError, match="pct_start = 1 leaves the two-phase cycle no annealing phase"):
         schedules.one_cycle(0.1, 10, pct_start=1.0)  # (a ZeroDivisionError at the last step; torch's at once)
     assert schedules.one_cycle(0.1, 10, pct_start=1.0, three_phase=True).lr(10) > 0
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(div_factor=0.0), r"div_factor = 0.0 is invalid; expected a number > 0"),
+    (dict(div_factor=-25.0), r"div_factor = -25.0"),
+    (dict(final_div_factor=0.0), r"final_div_factor = 0.0"),
+    (dict(max_lr=-0.1), r"max_lr = -0.1 is invalid"),
+])
+def test_one_cycle_factors_that_divide_by_zero_or_flip_the_lr_are_refused_at_construction(kwargs, pattern):
+    """(They raised ZeroDivisionError at every step, or gave a negative lr that update refused later.)"""
+    args = dict(max_lr=0.1, total_steps=10) | kwargs
+    with pytest.raises(HParamError, match=pattern):
+        schedules.one_cycle(**args)

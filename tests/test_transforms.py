@@ -215,6 +215,56 @@ def test_param_groups_no_decay_on_biases_and_norms_equals_torch_groups(rng):
         tx.group_hparams(labels, {"decay": AdamHParams()})
 
 
+@pytest.mark.parametrize("leaf, pattern", [
+    (3.0, r"grads\['enc'\]\['b'\]: expected a tensor, got float"),
+    (torch.tensor([3]), r"grads\['enc'\]\['b'\]: expected a floating-point tensor, got torch.int64"),
+    (torch.ones(2).to_sparse(), r"grads\['enc'\]\['b'\]: expected a dense \(strided\) tensor"),
+])
+def test_gradient_transforms_refuse_bad_leaves_naming_the_path(leaf, pattern):
+    grads = {"enc": {"w": torch.ones(2), "b": leaf}}
+    for name, t, extra in (("clip_by_global_norm", tx.clip_by_global_norm(1.0), {}),
+                           ("check_finite", tx.check_finite(), {}), ("unscale", tx.unscale(), {"loss_scale": 2.0}),
+                           ("unscale_and_clip_zero", tx.unscale_and_clip_zero(1.0), {"loss_scale": 2.0})):
+        with pytest.raises(LeafError, match=name + ": " + pattern):
+            t.update(grads, t.init(None), **extra)
+    for name, f in (("global_norm", tx.global_norm), ("all_finite", tx.all_finite),
+                    ("scale_tree", lambda g: tx.scale_tree(g, 0.5))):
+        with pytest.raises(LeafError, match=name + ": " + pattern):
+            f(grads)
+
+
+def test_loss_scale_of_any_real_number_type_or_a_one_element_float_tensor(rng):
+    """numpy scalars are numbers (they were refused as invalid); a tensor of several elements, or of an integer
+    dtype, is refused by name (a raw RuntimeError before)."""
+    np = pytest.importorskip("numpy")
+    grads = _tree(rng)
+    t = tx.unscale()
+    want, _ = t.update(grads, t.init(None), loss_scale=4.0)
+    for s in (np.float32(4.0), np.float64(4.0), np.int64(4), torch.tensor(4.0), torch.tensor([4.0])):
+        got, _ = t.update(grads, t.init(None), loss_scale=s)
+        assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(got)[0], sofx.tree.flatten(want)[0]))
+    for s in (torch.tensor([4.0, 4.0]), torch.tensor(4)):
+        with pytest.raises(HParamError, match=r"unscale: loss_scale must be a number or a 1-element float tensor"):
+            t.update(grads, t.init(None), loss_scale=s)
+
+
+def test_hparams_given_as_dicts_or_tuples_are_refused():
+    """A torch-style dict for a group (or a tuple) was zipped over its keys: lr became the string
+    'weight_decay', or base's later fields were dropped."""
+    base = AdamHParams(lr=1e-3, weight_decay=0.1)
+    for override in ({"weight_decay": 0.0}, (None, 0.5)):
+        with pytest.raises(HParamError, match=r"override is a (dict|tuple); expected sofx.AdamHParams"):
+            tx.merge_hparams(base, override)
+    with pytest.raises(HParamError, match=r"base is a dict"):
+        tx.merge_hparams({"lr": 1e-3}, AdamHParams())
+    labels = {"w": "decay", "b": "no_decay"}
+    with pytest.raises(HParamError, match=r"groups\['no_decay'\] is a dict; expected sofx.AdamHParams"):
+        tx.group_hparams(labels, {"decay": AdamHParams(), "no_decay": {"weight_decay": 0.0}})
+    with pytest.raises(HParamError, match=r"base is a tuple"):
+        tx.group_hparams(labels, {"decay": AdamHParams(), "no_decay": AdamHParams()}, base=(1e-3,))
+    assert tx.merge_hparams(base, AdamHParams(beta1=0.5)) == AdamHParams(lr=1e-3, beta1=0.5, weight_decay=0.1)
+
+
 def test_chain_and_transform_errors(rng):
     with pytest.raises(SofxError, match="GradientTransformation"):
         tx.chain(tx.identity(), lambda g: g)
