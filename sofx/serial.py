@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_s
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "check_scale", "can_unscale",
-           "loss_scale_of", "reduced_sumsq"]
+           "loss_scale_of", "reduced_sumsq", "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -120,6 +120,13 @@ def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
 def hparams_at(hparams: Any, step: int) -> Any:
     """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise."""
     return hparams(step) if callable(hparams) else hparams
+
+
+def without_gradients(present: Sequence[bool], reduce_sumsq: Callable[[float], float] | None) -> bool:
+    """Whether a step has no gradient at all (``present``: per leaf or block, after ``missing_grad="zero"``
+    filled them in) and no other rank to hear from: nothing is stepped, and the loss scaler does not count
+    the step (GradScaler refuses one without gradients; a count would move every later scale off torch's)."""
+    return reduce_sumsq is None and not any(present)
 
 
 def check_profile(profile: str) -> str:
@@ -243,6 +250,8 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     total = total_sumsq([None if g is None else sumsq(g) for g in g_leaves])
     total = reduced_sumsq(reduce_sumsq, total)
     facts = step_facts(profile, scaler, scaler_state, total, max_norm)
+    if without_gradients([g is not None for g in g_leaves], reduce_sumsq):
+        facts = facts._replace(scaler_state=scaler_state)
     if facts.overflow:
         return SerialStepResult(params, state, facts.scaler_state, facts)
     # No overflow: the sum of squares is finite, so is every gradient element (transforms.sumsq); the

@@ -233,6 +233,22 @@ def test_missing_gradient(rng, missing: str):
     _compare(spec, ser, r.actions)
 
 
+@pytest.mark.parametrize("missing", ["skip", "zero"])
+def test_a_step_without_any_gradient_is_not_counted_by_the_scaler(rng, missing: str):
+    """Every gradient None: nothing is stepped (``missing_grad="skip"``) and the loss scaler does not count the
+    step (GradScaler refuses one without gradients), in both loops; with zeros filled in it is a step."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    scaler = loss_scale.grad_scaler(init_scale=S16, growth_interval=1)
+    sstate = scaler.init()
+    spec, ser = _both(opt, params, [None] * len(params), state, scaler=scaler, sstate=sstate,
+                      config=sp.SpeculationConfig(missing_grad=missing))
+    grown = scaler.scale(ser.scaler_state) > scaler.scale(sstate)
+    assert grown == (missing == "zero")
+    assert spec.report.actions == (("skip",) if missing == "skip" else ("step",)) * len(params)
+    _compare(spec, ser, spec.report.actions)
+
+
 def test_earlier_micro_steps_do_not_speculate(rng):
     opt = sofx.adamw(lr=1e-2)
     params, state = _warm(opt, _params(rng), rng)

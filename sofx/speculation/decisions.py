@@ -38,7 +38,7 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
-                         reduced_sumsq, step_facts)
+                         reduced_sumsq, step_facts, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -436,6 +436,7 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
             raise SofxError(f"block {i} was speculated but has no gradient at validation")
         spec_taken.append(was)
     zero = cfg.missing_grad == "zero"
+    empty = without_gradients([zero or s is not None for s in sumsq], reduce_sumsq)  # the policy skips it too
     local = total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq])
     total = reduced_sumsq(reduce_sumsq, local)
     try:
@@ -445,6 +446,8 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
                                     hps[i], False, spec_taken[i]) for i in range(n))
         report = _report(ctx, tally, None, actions, ctx.policy_state)
         return ValidationPlan(None, actions, ctx.scaler_state, ctx.policy_state, report, exc)
+    if empty:
+        facts = facts._replace(scaler_state=ctx.scaler_state)
     actions = []
     for i in range(n):
         d, s, hp, was = tally.decisions[i], sumsq[i], hps[i], spec_taken[i]
@@ -471,7 +474,8 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
         else:
             actions.append(BlockAction(i, "skip", "no gradient: not stepped (missing_grad='skip')",
                                        facts.grad_scale, hp))
-    policy_state = cfg.policy.update(ctx.policy_state, None if facts.overflow else facts.clipped)
+    policy_state = ctx.policy_state if empty else cfg.policy.update(ctx.policy_state,
+                                                                    None if facts.overflow else facts.clipped)
     actions = tuple(actions)
     report = _report(ctx, tally, facts, actions, policy_state)
     return ValidationPlan(facts, actions, facts.scaler_state, policy_state, report)
