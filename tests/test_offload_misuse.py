@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import threading
 import gc
 import sys
 import weakref
@@ -459,6 +460,65 @@ def test_a_step_without_gradients_warns_that_nothing_is_stepped():
         with pytest.warns(RuntimeWarning, match="step\\(\\) found no gradients"):
             report = opt.step()  # torch.optim would step again with the old .grad
         assert report.committed + report.redone + report.stepped_late == 0
+
+
+def test_a_step_without_gradients_is_not_counted_by_the_loss_scaler():
+    """GradScaler refuses a step without gradients; sofx warns and steps nothing, and its scaler does not count
+    the step either: the scales stay torch's (growth every 2 steps, an empty step between the real ones)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ref = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(3, 4)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline",
+                                       loss_scale=sofx.loss_scale.grad_scaler(init_scale=1024.0,
+                                                                               growth_interval=2)) as opt:
+        for step in range(4):
+            opt.zero_grad()
+            opt.backward(model(x).pow(2).mean())
+            opt.step()
+            topt.zero_grad()
+            scaler.scale(ref(x).pow(2).mean()).backward()
+            scaler.step(topt)
+            scaler.update()
+            if step % 2 == 0:
+                with pytest.warns(RuntimeWarning, match="step\\(\\) found no gradients"):
+                    report = opt.step()
+                assert report.scale == report.next_scale == opt.loss_scale
+            assert opt.loss_scale == scaler.get_scale(), step
+            for a, b in zip(model.parameters(), ref.parameters()):
+                assert torch.equal(a, b)
+
+
+def test_step_zero_grad_and_state_calls_from_two_threads_at_once_are_refused():
+    """Two step()s at once took one step and counted two (the thread executor), or failed with an
+    AttributeError (the process one): a call while another thread is in one of them is refused, changing
+    nothing, and the optimizer goes on."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread") as opt:
+        saved = opt.state_dict()
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        before = [p.detach().clone() for p in model.parameters()]
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            for call in (opt.step, opt.zero_grad, opt.state_dict, lambda: opt.load_state_dict(saved)):
+                try:
+                    call()
+                except sofx.SofxError as e:
+                    errors.append(e)
+
+        with opt.engine._exclusive("step()"):  # as a step() running in this thread holds it
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join(60)
+        assert len(errors) == 4
+        for e, what in zip(errors, ("step()", "zero_grad()", "state_dict()", "load_state_dict()")):
+            assert str(e).startswith(f"{what} was called while another thread is in step()")
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        report = opt.step()
+        assert report.committed + report.stepped_late + report.redone > 0
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

@@ -54,6 +54,7 @@ parameters moved back to private memory -- and no worker is started).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -62,7 +63,7 @@ import time
 from collections import Counter
 import warnings
 from dataclasses import fields
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -153,6 +154,7 @@ class OffloadEngine:
         self._failed: BaseException | None = None
         self._closed = False
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
+        self._call_lock = threading.Lock()  # step(), zero_grad() and the state calls: one at a time (_exclusive)
         self._turn_cond = threading.Condition()  # orders the decisions taken in the executor
         self._tickets = self._turn = 0
 
@@ -628,7 +630,7 @@ class OffloadEngine:
         Ctrl-C during ``step()`` is raised as it returns (or raises): the step is taken whole or, where it
         refuses, not begun (a second Ctrl-C goes through at once, see :mod:`sofx.offload.interrupts`)."""
         self._check_usable()
-        with self._interrupts:
+        with self._exclusive("step()"), self._interrupts:
             return self._step()
 
     def _step(self) -> EngineStepReport:
@@ -788,7 +790,7 @@ class OffloadEngine:
         that too.
         """
         self._check_usable()
-        with self._interrupts:  # the speculative steps are undone whole
+        with self._exclusive("zero_grad()"), self._interrupts:  # the speculative steps are undone whole
             self._discard_gradients(set_to_none)
 
     def _discard_gradients(self, set_to_none: bool) -> None:
@@ -830,25 +832,39 @@ class OffloadEngine:
         """
         if self._closed:
             raise SofxError("the optimizer is closed")
-        complete = self._failed is None
-        if complete:
-            # Between backward and step() (also mid-accumulation, or with nothing speculated): the held gradients
-            # are not in the state, and blocks may hold speculative steps not validated yet.
-            self._check_between_steps("state_dict()")
-            self.wait()
-            self._adopt_model_edits()  # the saved masters are what the model holds
-        return engine_state_dict(self, complete)
+        with self._exclusive("state_dict()"):
+            complete = self._failed is None
+            if complete:
+                # Between backward and step() (also mid-accumulation, or with nothing speculated): the held
+                # gradients are not in the state, and blocks may hold speculative steps not validated yet.
+                self._check_between_steps("state_dict()")
+                self.wait()
+                self._adopt_model_edits()  # the saved masters are what the model holds
+            return engine_state_dict(self, complete)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (checked first: nothing changes on a mismatch);
         the masters are copied into the model's parameters."""
         self._check_usable()
-        self._check_between_steps("load_state_dict()")
-        self.wait()
-        load_engine_state(self, state)
-        self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
-        self._note_versions()
-        self._reset_step()
+        with self._exclusive("load_state_dict()"):
+            self._check_between_steps("load_state_dict()")
+            self.wait()
+            load_engine_state(self, state)
+            self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
+            self._note_versions()
+            self._reset_step()
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """``what`` (a public call that changes the step or the state) while no other such call runs: one in
+        another thread at the same time is refused (two step()s took one step and counted two)."""
+        if not self._call_lock.acquire(blocking=False):
+            raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), state_dict() or "
+                            "load_state_dict() of this optimizer; call them from one thread at a time")
+        try:
+            yield
+        finally:
+            self._call_lock.release()
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
         """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,

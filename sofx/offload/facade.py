@@ -328,6 +328,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
         ``set_to_none=False``: as in ``torch.optim``, a parameter that has had a gradient keeps a zero one, so
         a later step steps it (with a zero gradient: moment decay, weight decay) when backward gives it none.
+        Which parameters have had one is this optimizer's, not in :meth:`state_dict` (torch keeps the zero
+        ``.grad`` on the parameter, here ``.grad`` is ``None`` after ``step()``): a new optimizer starts without.
         """
         self.engine.discard_gradients(set_to_none)
 
