@@ -19,7 +19,8 @@ from 1), with the hparams of that step (DESIGN.md "Numerics reference")::
 
 Hyperparameters are data: an :class:`AdamHParams` (floats or 0-d tensors,
 ``None`` fields take the optimizer's defaults), or a pytree of them that is a
-prefix of the params tree (param groups). A ``None`` gradient leaf is not
+prefix of the params tree (param groups; ``None`` in it: the defaults for
+that subtree). A ``None`` gradient leaf is not
 stepped: its parameter, moments and count stay as they are.
 
 Undo (SPECULATION.md section 2) is chosen per leaf and step by ``undo=``:

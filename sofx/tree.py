@@ -101,7 +101,7 @@ def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = 
     except (ValueError, TypeError) as exc:
         raise StructureError(
             f"{what} does not have the structure of {root}: expected {spec}, "
-            f"got {optree.tree_structure(tree, none_is_leaf=True)} ({_first_difference(spec, tree, root)})"
+            f"got {optree.tree_structure(tree, none_is_leaf=True)} ({_first_difference(spec, tree, what)})"
         ) from exc
 
 
@@ -130,6 +130,31 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str) -> str:
     return walk(spec, tree, root) or "structures differ"
 
 
+def _prefix_difference(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bool], what: str, root: str) -> str:
+    """Describe the first place where ``prefix`` is not a prefix of ``spec`` (a value of it, ``is_leaf``, may
+    stand for any subtree)."""
+
+    def walk(sub: Any, sub_spec: TreeSpec, path: str, full: str) -> str | None:
+        if is_leaf(sub) or optree.tree_is_leaf(sub, none_is_leaf=True):
+            return None
+        if sub_spec.is_leaf():
+            return f"{path} is a {type(sub).__name__} where {full} is a leaf"
+        children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
+        if type(sub) is not sub_spec.type:
+            return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__} (as {full})"
+        want = list(sub_spec.entries())
+        if sorted(map(repr, entries)) != sorted(map(repr, want)):
+            return f"{path} has entries {list(entries)}, expected {want} (as {full})"
+        specs = dict(zip(map(repr, want), sub_spec.children()))
+        for child, entry in zip(children, entries):
+            found = walk(child, specs[repr(entry)], path + _entry_str(entry, sub), full + _entry_str(entry, sub))
+            if found:
+                return found
+        return None
+
+    return walk(prefix, spec, what, root) or "structures differ"
+
+
 def _entry_str(entry: Any, node: Any) -> str:
     if optree.is_namedtuple_instance(node):
         return f".{node._fields[entry]}" if isinstance(entry, int) else f".{entry}"
@@ -148,12 +173,16 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
         # One value for every leaf. Also the path torch.compile can trace: its optree
         # stand-in fails to unflatten a dict spec over constant leaves (the line below).
         return [prefix] * spec.num_leaves
+    if is_leaf is not None:  # a value tree: None is a value too ("the defaults" for its subtree)
+        values_of = is_leaf
+        is_leaf = lambda x: x is None or values_of(x)  # noqa: E731
     prefix_values, prefix_spec = optree.tree_flatten(prefix, is_leaf=is_leaf)
     full = optree.tree_unflatten(spec, [0] * spec.num_leaves)
     try:
         subtrees = prefix_spec.flatten_up_to(full)
     except (ValueError, TypeError) as exc:
-        raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec}): {exc}") from exc
+        where = _prefix_difference(prefix, spec, is_leaf or (lambda x: False), what, root)
+        raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec}): {where}") from exc
     out: list[Any] = []
     for value, sub in zip(prefix_values, subtrees):
         out.extend([value] * len(optree.tree_leaves(sub)))

@@ -34,7 +34,7 @@ def _assert_unchanged(before, *trees):
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("mutate, error, pattern", [
     (lambda p, g, s: (p, {"layers": [{"w": g["layers"][0]["w"]}], "head": g["head"]}, s),
-     sofx.StructureError, r"grads does not have the structure of params.*params\['layers'\]\[0\] has entries \['w'\]"),
+     sofx.StructureError, r"grads does not have the structure of params.*grads\['layers'\]\[0\] has entries \['w'\]"),
     (lambda p, g, s: (p, {**g, "head": torch.randn(3)}, s),
      sofx.LeafError, r"grads\['head'\]: expected shape \(2,\), got \(3,\)"),
     (lambda p, g, s: (p, {**g, "head": g["head"].double()}, s),

@@ -604,7 +604,7 @@ def test_bad_input_gives_clear_errors() -> None:
             opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
         before = [p.detach().clone() for p in model.parameters()]
         opt.param_groups[0]["betas"] = (0.9, 1.5)
-        with pytest.raises(HParamError, match=r"param_groups\[0\]\['betas\[1\]'\] = 1.5"):
+        with pytest.raises(HParamError, match=r"param_groups\[0\]\['betas'\]\[1\] = 1.5"):
             opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
             opt.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -3,6 +3,7 @@ import collections
 import pytest
 import torch
 
+import sofx
 from sofx import tree
 from sofx.errors import StructureError
 
@@ -29,12 +30,40 @@ def test_none_is_an_empty_subtree_in_params_and_a_leaf_marker_in_grads():
 
 def test_flatten_up_to_names_the_first_difference():
     spec = tree.flatten({"layers": [{"w": 1, "b": 2}, {"w": 3}]})[1]
-    with pytest.raises(StructureError, match=r"params\['layers'\]\[0\] has entries \['b', 'c'\]"):
+    # the path is in the tree that departs (grads), not in params
+    with pytest.raises(StructureError, match=r"\(grads\['layers'\]\[0\] has entries \['b', 'c'\]"):
         tree.flatten_up_to(spec, {"layers": [{"b": 1, "c": 2}, {"w": 3}]}, "grads")
-    with pytest.raises(StructureError, match=r"params\['layers'\] has entries \[0\], expected \[0, 1\]"):
+    with pytest.raises(StructureError, match=r"\(grads\['layers'\] has entries \[0\], expected \[0, 1\]"):
         tree.flatten_up_to(spec, {"layers": [{"b": 1, "w": 2}]}, "grads")
-    with pytest.raises(StructureError, match=r"params\['layers'\] is a dict, expected a list"):
+    with pytest.raises(StructureError, match=r"\(grads\['layers'\] is a dict, expected a list"):
         tree.flatten_up_to(spec, {"layers": {"b": 1}}, "grads")
+
+
+def test_a_prefix_that_departs_is_named_where_it_departs():
+    spec = tree.flatten({"enc": {"w": 1, "b": 2}, "head": [3, 4]})[1]
+    hp = sofx.AdamHParams()
+    is_hp = lambda x: isinstance(x, sofx.AdamHParams)  # noqa: E731
+    for prefix, where in (({"enc": hp, "head": (hp, hp)}, r"hparams\['head'\] is a tuple, expected a list \(as "
+                                                           r"params\['head'\]\)"),
+                          ({"enc": {"w": hp}, "head": hp}, r"hparams\['enc'\] has entries \['w'\], expected "
+                                                           r"\['b', 'w'\] \(as params\['enc'\]\)"),
+                          ({"enc": hp, "head": [hp, [hp]]}, r"hparams\['head'\]\[1\] is a list where "
+                                                            r"params\['head'\]\[1\] is a leaf")):
+        with pytest.raises(StructureError, match=r"hparams is not a prefix of the structure of params \(.*\): "
+                                                 + where):
+            tree.broadcast_prefix(prefix, spec, is_leaf=is_hp)
+
+
+def test_none_in_an_hparams_prefix_is_the_defaults_of_its_subtree(rng):
+    """``{"enc": AdamHParams(lr=...), "head": None}``: the head takes the optimizer's defaults, as
+    ``AdamHParams()`` there does."""
+    params = {"enc": {"w": torch.randn(2, 2, generator=rng)}, "head": [torch.randn(3, generator=rng)]}
+    grads = {"enc": {"w": torch.randn(2, 2, generator=rng)}, "head": [torch.randn(3, generator=rng)]}
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(params)
+    got = opt.update(params, grads, state, {"enc": sofx.AdamHParams(lr=0.1), "head": None})[0]
+    want = opt.update(params, grads, state, {"enc": sofx.AdamHParams(lr=0.1), "head": sofx.AdamHParams()})[0]
+    assert torch.equal(got["enc"]["w"], want["enc"]["w"]) and torch.equal(got["head"][0], want["head"][0])
 
 
 def test_broadcast_prefix_gives_one_value_per_leaf():

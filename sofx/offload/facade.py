@@ -130,11 +130,11 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
     b1, b2 = _number(betas[0], f"{where}['betas'][0]"), _number(betas[1], f"{where}['betas'][1]")
     eps = _number(group["eps"], f"{where}['eps']")
     wd = _number(group["weight_decay"], f"{where}['weight_decay']")
-    for name, value, ok, rule in (("lr", lr, lr >= 0, ">= 0"), ("betas[0]", b1, 0 <= b1 < 1, "in [0, 1)"),
-                                  ("betas[1]", b2, 0 <= b2 < 1, "in [0, 1)"), ("eps", eps, eps > 0, "> 0"),
-                                  ("weight_decay", wd, wd >= 0, ">= 0")):
+    for name, value, ok, rule in (("['lr']", lr, lr >= 0, ">= 0"), ("['betas'][0]", b1, 0 <= b1 < 1, "in [0, 1)"),
+                                  ("['betas'][1]", b2, 0 <= b2 < 1, "in [0, 1)"), ("['eps']", eps, eps > 0, "> 0"),
+                                  ("['weight_decay']", wd, wd >= 0, ">= 0")):
         if not (math.isfinite(value) and ok):
-            raise HParamError(f"{where}['{name}'] = {value!r} is invalid; expected {rule}")
+            raise HParamError(f"{where}{name} = {value!r} is invalid; expected {rule}")
     return AdamHParams(lr, b1, b2, eps, wd)
 
 
