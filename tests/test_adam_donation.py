@@ -270,6 +270,21 @@ def test_a_tensor_of_too_many_runs_is_taken_as_its_whole_range(monkeypatch):
              r"params\['even'\] and params\['odd'\] share memory", params, state)
 
 
+def test_the_range_of_a_tensor_of_too_many_runs_reaches_its_last_element(monkeypatch):
+    """A gradient that starts on the last element of such a parameter is refused (the range ends after that
+    element, not at its start)."""
+    monkeypatch.setattr(donation, "MAX_RUNS", 2)
+    opt = sofx.adamw(lr=1e-2, backend="reference")
+    buf = torch.randn(40)
+    params = {"p": buf[0:20:2]}  # 10 runs: taken as elements 0..18
+    grads = {"p": buf[18:28]}  # read only, from the parameter's last element on
+    state = opt.init(params)
+    _refused(lambda: opt.update(params, grads, state, donate=True), r"params\['p'\] and grads\['p'\] share memory",
+             params, state)
+    grads = {"p": buf[19:29]}  # from just after it: disjoint
+    opt.update(params, grads, state, donate=True)
+
+
 @st.composite
 def _strided_views(draw):
     """A view of a 1-d buffer: up to 3 dimensions, any order of strides, steps, expanded dimensions."""

@@ -122,6 +122,24 @@ def test_undo_inverts_update(c):
         assert _err(v0, v, max(_amax(v), _amax(v_new) / b2)) <= tol
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_undo_restores_the_moments_of_a_decayed_step_in_float64(decoupled):
+    """A fixed case the property test above rarely draws: strong weight decay (L2: the decay term enters the
+    moments, so their inverse needs the old parameter), nonzero moments, count 5; float64 to 1e-12."""
+    gen = torch.Generator().manual_seed(2)
+    opt = (sofx.adamw if decoupled else sofx.adam)(lr=0.05, betas=(0.9, 0.99), weight_decay=0.3)
+    params = {"w": torch.randn(64, generator=gen, dtype=torch.float64)}
+    state = sofx.AdamState({"w": torch.tensor(5)}, {"w": torch.randn(64, generator=gen, dtype=torch.float64) * 0.1},
+                           {"w": torch.rand(64, generator=gen, dtype=torch.float64) * 0.01})
+    grads = {"w": torch.randn(64, generator=gen, dtype=torch.float64)}
+    new_p, new_s, record = opt.update(params, grads, state)
+    assert record.strategies() == ["algebraic"]
+    old_p, old_s = opt.undo(new_p, new_s, record)
+    for got, want in ((old_p["w"], params["w"]), (old_s.mu["w"], state.mu["w"]), (old_s.nu["w"], state.nu["w"])):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert int(old_s.count["w"]) == 5
+
+
 @settings(max_examples=200)
 @given(cases())
 def test_auto_strategy_is_sound(c):

@@ -362,6 +362,25 @@ def test_nan_propagates_and_the_clamp_keeps_nan(name, rng):
     assert torch.equal(torch.isnan(got[2]), torch.isnan(ref[2]))
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_no_weight_decay_has_no_decay_term(name, decoupled, rng):
+    """weight_decay = 0 adds no term at all (reference.py): an infinite parameter stays inf, its moments
+    finite (a ``0 * p`` term would make them nan), bitwise the reference's."""
+    backend = BACKENDS[name]
+    variant = AdamVariant(decoupled=decoupled)
+    p, g, m, v = block_inputs(rng, 300, torch.float32, torch.float32)
+    p[3], p[200] = float("inf"), float("-inf")
+    s = block_scalars(rng, 0.0)
+    got = backend.step(p, g, m, v, s, variant)
+    want = reference.step(p, g, m, v, s, variant)
+    assert torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()
+    assert got[0][3] == float("inf") and got[0][200] == float("-inf")
+    if name == "cpu":
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
 def test_bad_input_is_refused_and_changes_nothing(rng):
     variant = AdamVariant()
     p, g, m, v = block_inputs(rng, 10, torch.float32, torch.float32)

@@ -53,3 +53,27 @@ def test_without_loss_scaling_or_clipping_is_bitwise_where_nothing_is_undone() -
                          opt_kwargs={"loss_scale": None, "backend": "reference"})
     assert all(rep.undone == 0 and rep.committed > 0 for rep in r.reports)
     assert max(r.deviations) == 0.0
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_parameters_of_one_block_keep_their_own_step_counts(executor: str) -> None:
+    """Two parameters in one block, the second without a gradient on the first step: each is bias-corrected
+    with its own count, as torch.optim's (the process executor's flat block path once took one count for
+    all)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    ta, tb = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    topt = torch.optim.AdamW([ta, tb], lr=1e-2, weight_decay=0.0, foreach=False)
+    with sofx.offload.SpeculativeAdamW([a, b], lr=1e-2, weight_decay=0.0, executor=executor,
+                                       block_numel=1024) as opt:
+        for step in range(4):
+            x = torch.randn(8)
+            opt.zero_grad()
+            topt.zero_grad()
+            opt.backward((a * x).sum() ** 2 + ((b * x).sum() ** 2 if step else 0))
+            ((ta * x).sum() ** 2 + ((tb * x).sum() ** 2 if step else 0)).backward()
+            opt.step()
+            topt.step()
+            for p, t in ((a, ta), (b, tb)):
+                torch.testing.assert_close(p.detach(), t.detach(), rtol=TOL, atol=0)
+                assert int(opt.state[p]["step"]) == int(topt.state[t].get("step", 0))

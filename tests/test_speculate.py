@@ -302,6 +302,25 @@ def test_bf16_states_use_snapshots_and_redo_bitwise(rng):
         assert torch.equal(a, b)  # snapshot undo is exact, so undo+redo is the serial step
 
 
+@pytest.mark.parametrize("paused", [False, True])
+def test_an_overflow_step_leaves_the_policy_as_it_was(rng, paused: bool):
+    """A skipped step carries no clip information (policy.py): an overflow neither counts as a quiet step
+    towards resuming nor as an unclipped one in the window."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    policy = sp.AdaptivePolicy(window=4, pause_fraction=0.5, quiet_steps=1)
+    pstate = (sp.PolicyState((True, True, True), True, 0, "paused") if paused
+              else sp.PolicyState((True, True), False, 0, ""))
+    grads = _grads(rng)
+    grads[0][1] = float("inf")
+    spec = sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=1.0, policy=policy),
+                               scaler=loss_scale.grad_scaler(), scaler_state=loss_scale.grad_scaler().init(),
+                               policy_state=pstate)
+    assert spec.report.overflow
+    assert spec.policy_state == pstate
+    assert spec.report.policy_paused == paused
+
+
 def test_adaptive_policy_pauses_while_clipping_and_resumes(rng):
     opt = sofx.adamw(lr=1e-3)
     params, state = _warm(opt, _params(rng), rng)

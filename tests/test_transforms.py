@@ -265,6 +265,19 @@ def test_hparams_given_as_dicts_or_tuples_are_refused():
     assert tx.merge_hparams(base, AdamHParams(beta1=0.5)) == AdamHParams(lr=1e-3, beta1=0.5, weight_decay=0.1)
 
 
+def test_the_clip_epsilon_is_torchs_where_it_shows(rng):
+    """Norms near 1e-3: the 1e-6 of clip_grad_norm_ moves the coefficient by 1e-3 relative."""
+    assert tx.clip_coefficient(1e-3, 1e-4) == 1e-4 / (1e-3 + 1e-6)
+    grads = {"w": torch.randn(4, 3, generator=rng) * 3e-4, "b": torch.randn(3, generator=rng) * 3e-4}
+    ours, st = tx.clip_by_global_norm(1e-4).update(grads, tx.ClipState())
+    theirs = {k: v.clone().requires_grad_() for k, v in grads.items()}
+    for t in theirs.values():
+        t.grad = t.detach().clone()
+    torch.nn.utils.clip_grad_norm_(list(theirs.values()), 1e-4)
+    for k in grads:
+        torch.testing.assert_close(ours[k], theirs[k].grad, rtol=1e-6, atol=0)
+
+
 def test_chain_and_transform_errors(rng):
     with pytest.raises(SofxError, match="GradientTransformation"):
         tx.chain(tx.identity(), lambda g: g)
