@@ -547,6 +547,30 @@ def test_processes_that_need_the_library_at_once_build_it_once(tmp_path):
     assert len(re.findall(r"INFO:sofx.kernels:built \S+ in \d+\.\d s", logged)) == 1, logged
 
 
+def test_a_damaged_cached_library_is_built_again_not_mapped(tmp_path):
+    """A cached library cut short (a crash before its blocks reached the disk, a partial copy) killed every
+    process that loaded it with SIGBUS; now it is found damaged, logged, and built again."""
+    from sofx.kernels import _cpu_build
+
+    fake = library_copying_compiler(tmp_path, _cpu_build.load().path)
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "from sofx.kernels import _cpu_build; lib = _cpu_build.load(); "
+            "print(lib.path if lib else _cpu_build.unavailable_reason())")
+    env = dict(os.environ, CC=fake, SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    cached = first.stdout.strip()
+    assert _cpu_build.elf_problem(cached) is None
+    for size in (600000, 100, 0):
+        os.truncate(cached, min(size, os.path.getsize(cached) - 1))
+        assert _cpu_build.elf_problem(cached) is not None
+        again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, (again.returncode, again.stderr)
+        assert again.stdout.strip() == cached
+        assert "WARNING:sofx.kernels:the cached native library" in again.stderr and "is damaged" in again.stderr
+        assert _cpu_build.elf_problem(cached) is None
+
+
 def test_a_wait_for_another_processs_build_is_logged(tmp_path, caplog):
     """A process that finds the build lock held says, on the sofx.kernels logger, that it waits, and whose build
     (a first update that pauses is not a hang); the lock is taken once the holder lets it go."""

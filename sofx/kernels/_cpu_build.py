@@ -7,8 +7,9 @@ cores here, the same code speed; a build whose link-time step fails is built aga
 leaves it out). The shared library is cached on disk under ``$SOFX_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/sofx`` or ``~/.cache/sofx``), keyed by a hash of the source, the compiler, its flags and
 the CPU's instruction-set flags (the library is built with ``-march=native``),
-written to a temporary file and renamed into place, so that concurrent
-processes never load a half-written file, and built by one process while the others that need it wait
+written to a temporary file, synced to disk and renamed into place, so that concurrent
+processes never load a half-written file (a cached file cut short anyway, by a copy say, is found
+damaged by :func:`elf_problem`, logged and built again: mapped, it would kill the process with SIGBUS), and built by one process while the others that need it wait
 (a lock file beside it). A flag set the compiler refused
 (``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
 ``.failed`` file beside the library's name) and skipped by later processes;
@@ -35,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -229,7 +231,55 @@ def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, paral
                 f.write(err)
             os.replace(marker, _failed_marker(target))
             return err
+        _sync(out)  # on disk before it has its name: a crash after the rename leaves a whole file or none
         os.replace(out, target)
+        _sync(directory)
+    return None
+
+
+def _sync(path: str) -> None:
+    """fsync ``path`` (a file or a directory; a file system that cannot is left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def elf_problem(path: str) -> str | None:
+    """Why the shared library at ``path`` is not a whole ELF file (truncated by a crash or a copy: mapping it
+    would kill the process with SIGBUS), or None. Checks the header and that every table and loaded segment
+    it names lies within the file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 16 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+                return "not an ELF file"
+            wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+            fields = struct.Struct(order + ("QQQIHHHHHH" if wide else "IIIIHHHHHH"))
+            if len(head) < 16 + 8 + fields.size:
+                return f"{size} bytes: shorter than its header"
+            _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _ = fields.unpack_from(head, 24)
+            for what, offset, count, entry in (("program headers", phoff, phnum, phentsize),
+                                               ("section headers", shoff, shnum, shentsize)):
+                if offset + count * entry > size:
+                    return f"{size} bytes: its {what} end at byte {offset + count * entry}"
+            program = struct.Struct(order + ("IIQQQQQQ" if wide else "IIIIIIII"))
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+        for i in range(phnum):
+            entry = program.unpack_from(table, i * phentsize)
+            offset, filesz = (entry[2], entry[5]) if wide else (entry[1], entry[4])
+            if entry[0] == 1 and offset + filesz > size:  # PT_LOAD
+                return f"{size} bytes: a loaded segment ends at byte {offset + filesz}"
+    except (OSError, struct.error) as e:
+        return f"unreadable: {e}"
     return None
 
 
@@ -392,6 +442,12 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
                              .encode()).hexdigest()[:24]
         target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
         built = not os.path.exists(target)
+        broken = None if built else elf_problem(target)
+        if broken is not None:  # a cached library cut short (a crash, a copy): built again, not mapped
+            _log.warning("the cached native library %s is damaged (%s); building it again", target, broken)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(target)
+            built = True
         if built:
             with _build_lock(target):
                 err = _cached_or_compiled(cc, flags, target, source)
