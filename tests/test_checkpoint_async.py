@@ -84,6 +84,31 @@ def test_wait_reraises_the_write_error_and_keeps_previous(tmp_path, rng, monkeyp
     assert ck.stale_temporaries(path) == []
 
 
+def test_a_failed_save_does_not_keep_its_snapshot(tmp_path, monkeypatch):
+    """Its error is kept until wait(); the traceback's frames no longer hold the snapshot (a loop saving to a
+    full disk and waiting at the end grew by a copy of the tree per failed save)."""
+    import gc
+    import weakref
+
+    def failing(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ck_io, "serialize_file", failing)
+    saver = ck.AsyncSaver()
+    big = torch.randn(1 << 16)
+    for _ in range(3):
+        saver.save(tmp_path / "f.ckpt", {"w": big})
+    handles = list(saver._pending)
+    for h in handles:
+        with pytest.raises(OSError):
+            h.wait(30)
+    gc.collect()
+    copies = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == big.numel()
+              and o is not big and not isinstance(o, weakref.ref)]
+    assert copies == [], f"{len(copies)} snapshot copies alive after the failed saves"
+    assert handles[0].exception().__traceback__ is not None  # where it failed is still shown
+
+
 def test_bad_tree_raises_at_call_time(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"tree\['x'\]"):
         ck.save_async(tmp_path / "b.ckpt", {"x": object()})

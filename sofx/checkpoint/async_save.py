@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import traceback
 import time
 from typing import Any
 
@@ -53,6 +54,7 @@ class SaveHandle:
             self._after = None
             io.write(self.path, self._encoded)
         except BaseException as exc:  # noqa: BLE001 - re-raised in wait()
+            _drop_locals(exc)
             self._error = exc
             _log.error("asynchronous checkpoint save to %s failed: %s", self.path, exc)
         finally:
@@ -143,3 +145,14 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.wait()
+
+
+def _drop_locals(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames in the tracebacks of ``exc`` and of the exceptions it
+    chains: a failed save keeps its error until ``wait()``, and a frame of the writer holds the whole snapshot
+    (a loop saving to a full disk grew by a model's copy per save). The tracebacks still show where."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
