@@ -377,3 +377,31 @@ def test_a_main_process_killed_during_a_step_leaves_no_shared_memory_behind() ->
     prefix, worker, sockdir = _run_until_it_kills_itself(script)
     _wait_for_the_worker_to_clean_up(prefix, int(worker))
     assert not os.path.exists(sockdir)
+
+
+_EXIT_WITHOUT_CLOSE = """
+import atexit, sys, torch
+import sofx.offload
+seen = {}
+# registered first, so it runs after the optimizer's own exit handler (atexit runs last-in first-out)
+atexit.register(lambda: print("closed", seen["engine"]._closed, "worker", seen["engine"].executor.process.poll(),
+                              flush=True))
+model = torch.nn.Linear(4, 2)
+opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor=sys.argv[1])
+seen["engine"] = opt.engine
+opt.backward(model(torch.randn(3, 4)).square().mean())
+opt.step()
+if sys.argv[2] == "raise":
+    raise RuntimeError("the script fails")
+"""
+
+
+@pytest.mark.parametrize("ending", ["end", "raise"])
+def test_a_script_that_ends_without_close_stops_the_worker_by_its_stop_message(ending: str) -> None:
+    """The optimizer is closed before the interpreter finalizes: its worker exits by the stop message (code 0).
+    Closed from __del__ during finalization, the sender thread could no longer run, and close() waited 10 s,
+    then killed the worker."""
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, "process", ending], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == (0 if ending == "end" else 1), out.stderr
+    assert out.stdout.strip().endswith("closed True worker 0"), (out.stdout, out.stderr)

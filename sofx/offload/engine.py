@@ -54,7 +54,9 @@ parameters moved back to private memory -- and no worker is started).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import itertools
 import math
 import numbers
@@ -62,6 +64,7 @@ import threading
 import time
 from collections import Counter
 import warnings
+import weakref
 from dataclasses import fields
 from typing import Any, Callable, Iterator, Sequence
 
@@ -220,6 +223,11 @@ class OffloadEngine:
         # In-process executors decide on speculation in the executor (see the module docstring).
         self._deferred = self.executor_name != "process"
         self.hooks = GradHooks(self.params, self._on_grad)
+        # Closed before the interpreter finalizes if the script did not: daemon threads cannot run after it (the
+        # process executor's stop message was never sent, and close() waited 10 s to kill the worker; a thread
+        # executor's worker inside a kernel could abort the exit). The registry holds a weak reference.
+        self._close_at_exit = functools.partial(_close_if_alive, weakref.ref(self))
+        atexit.register(self._close_at_exit)
         self._stale_grads: list | None = None
         # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
         self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
@@ -928,6 +936,7 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(getattr(self, "_close_at_exit", None))
         self.hooks.remove()
         self._stale_grads = None
         try:
@@ -943,5 +952,15 @@ class OffloadEngine:
     def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
         try:
             self.close()
+        except Exception:
+            pass
+
+
+def _close_if_alive(engine: weakref.ReferenceType[OffloadEngine]) -> None:
+    """At interpreter exit: close the engine if it still lives (best effort, as ``__del__``)."""
+    alive = engine()
+    if alive is not None:
+        try:
+            alive.close()
         except Exception:
             pass

@@ -427,7 +427,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.engine.reload_params()
 
     def close(self) -> None:
-        """Stop the worker thread/process and release shared memory (idempotent)."""
+        """Stop the worker thread/process and release shared memory (idempotent). An optimizer still open when
+        the interpreter exits is closed then (before finalization, where its threads could no longer run)."""
         if self._engine is not None:
             self._engine.close()
 
