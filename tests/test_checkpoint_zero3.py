@@ -253,12 +253,60 @@ def test_reads_files_holding_deepspeed_objects_without_running_them(tmp_path, de
     assert _plain(z["zero_stage"]) == 3 and _plain(z["loss_scaler"])["cur_scale"] == 4096.0
     # sofx's own export with DeepSpeed's objects (what DeepSpeed's engine needs) reads back the same way
     if HAS_DEEPSPEED:
+        rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0)
         files = ck.save_zero3(tmp_path / "ds", opt, params, state, HP, deepspeed_objects=True,
-                              loss_scaler={"cur_scale": 256.0, "dynamic": True, "cur_iter": 7})
+                              loss_scaler=(rule, rule.init()._replace(cur_iter=7)))
         z = _torch_load(files[0])["optimizer_state_dict"]
-        assert _plain(z["loss_scaler"]) == {"class": "DynamicLossScaler", "cur_scale": 256.0, "dynamic": True,
-                                            "cur_iter": 7}
+        read = _plain(z["loss_scaler"])
+        assert read["class"] == "DynamicLossScaler" and read["cur_scale"] == 256.0 and read["cur_iter"] == 7
+        assert read["dtype"] == torch.half
         assert _bits_equal(ck.load_zero3(tmp_path / "ds", opt, params, HP)[:2], (params, state))
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+def test_deepspeeds_own_scaler_resumes_from_the_export_as_sofxs_would_go_on(tmp_path, monkeypatch):
+    """The DynamicLossScaler in the files is the one DeepSpeed's engine puts in place on resume: its
+    update_scale runs (a partial attribute dict failed with an AttributeError at the first step) and follows
+    sofx's rule from the saved state, overflows and clean steps alike."""
+    import random
+
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    from sofx.checkpoint.zero3 import _plain, _torch_load
+
+    # update_scale logs on rank 0; outside torch.distributed this process is rank 0
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    state = opt.init(params)
+    rule = sofx.loss_scale.deepspeed_scaler(init_scale=2.0 ** 10, scale_window=3, hysteresis=2, min_scale=4.0,
+                                           raise_error_at_min_scale=False)
+    ours = rule.init()
+    for overflow in (True, False, False, False, True):
+        ours = rule.update(ours, overflow)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, deepspeed_objects=True, loss_scaler=(rule, ours))
+    with open(files[0], "rb") as f:
+        theirs = torch.load(f, weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+    assert type(theirs).__name__ == "DynamicLossScaler"
+    pick = random.Random(0)
+    for _ in range(40):
+        overflow = pick.random() < 0.3
+        theirs.update_scale(overflow)
+        ours = rule.update(ours, overflow)
+        assert (theirs.cur_scale, theirs.cur_iter, theirs.last_overflow_iter, theirs.cur_hysteresis) == tuple(ours)
+    assert _plain(_torch_load(files[0])["optimizer_state_dict"]["loss_scaler"])["scale_window"] == 3
+
+
+def test_a_dynamic_scaler_dict_deepspeed_could_not_run_is_refused(tmp_path):
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    with pytest.raises(ck.CheckpointError, match=r"needs \['last_overflow_iter', 'scale_factor'"):
+        ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=True,
+                      loss_scaler={"cur_scale": 256.0, "dynamic": True, "cur_iter": 7, "scale_window": 10})
+    with pytest.raises(ck.CheckpointError, match=r"GradScalerRule with a GradScalerState has no DeepSpeed"):
+        rule = sofx.loss_scale.grad_scaler()
+        ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, loss_scaler=(rule, rule.init()))
+    assert not os.path.exists(tmp_path / ck.zero3_file_name(0))
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")

@@ -44,7 +44,7 @@ from sofx.checkpoint.atomic import stale_temporaries
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.torch_optim import from_torch_optim, to_torch_optim, torch_param_groups
-from sofx.checkpoint.zero3 import load_zero3, save_zero3, zero3_file_name
+from sofx.checkpoint.zero3 import deepspeed_loss_scaler, load_zero3, save_zero3, zero3_file_name
 
 __all__ = [
     "save",
@@ -58,6 +58,7 @@ __all__ = [
     "from_torch_optim",
     "torch_param_groups",
     "save_zero3",
+    "deepspeed_loss_scaler",
     "load_zero3",
     "zero3_file_name",
     "CheckpointError",

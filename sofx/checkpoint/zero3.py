@@ -58,6 +58,7 @@ from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
+from sofx.loss_scale import DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule, StaticScaleState
 
 __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3",
            "partition_numel", "DEEPSPEED_STAND_INS"]
@@ -119,7 +120,7 @@ def _block_count(counts: list[Any], g: ParamGroup, paths: list[str]) -> int:
 
 def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: AdamState, hparams: Any = None, *,
                groups: Sequence[Sequence[Any]] | None = None, dp_world_size: int = 1, mp_rank: int = 0,
-               bf16: bool | None = None, loss_scaler: dict | None = None, model_states: bool = False,
+               bf16: bool | None = None, loss_scaler: dict | tuple | None = None, model_states: bool = False,
                deepspeed_objects: bool | None = None) -> list[str]:
     """Write the DeepSpeed ZeRO-3 optimizer files of ``(params, state)`` into ``directory``; returns their paths.
 
@@ -129,8 +130,11 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     (more dp ranks, the other ``bf16_`` prefix) are removed, so the directory
     holds one consistent checkpoint. ``bf16`` sets the
     ``bf16_`` file prefix (default: when a params leaf is bfloat16).
-    ``loss_scaler``: the loss scaler's attributes as DeepSpeed names them
-    (``{"cur_scale": 1024.0, "dynamic": True, "cur_iter": ..., "scale_window": ...}``);
+    ``loss_scaler``: sofx's loss scaler as a ``(rule, state)`` pair
+    (:func:`sofx.loss_scale.deepspeed_scaler` or ``static_scale``, see
+    :func:`deepspeed_loss_scaler`), or its attributes as DeepSpeed names them;
+    with ``deepspeed_objects`` a dynamic one must have every attribute
+    DeepSpeed's ``update_scale`` reads (``DEEPSPEED_DYNAMIC_ATTRIBUTES``);
     ``None``: a static scale of 1 (bf16/fp32 training).
     ``deepspeed_objects``: store the loss scaler as DeepSpeed's own
     ``LossScaler``/``DynamicLossScaler`` object and the stage as its
@@ -146,6 +150,8 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
                               f"{mp_rank}")
     if not isinstance(state, AdamState):
         raise CheckpointError(f"save_zero3: expected an AdamState, got {type(state).__name__}")
+    if isinstance(loss_scaler, tuple):
+        loss_scaler = deepspeed_loss_scaler(*loss_scaler)
     _check_plain(loss_scaler, "loss_scaler")
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
@@ -179,6 +185,11 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     if deepspeed_objects is None:
         deepspeed_objects = importlib.util.find_spec("deepspeed") is not None
     if deepspeed_objects:
+        missing = [a for a in DEEPSPEED_DYNAMIC_ATTRIBUTES if a not in scaler_attrs] if dynamic else []
+        if missing:
+            raise CheckpointError(f"save_zero3: a dynamic loss_scaler for DeepSpeed's engine needs {missing} too "
+                                  "(its update_scale reads them); pass loss_scaler=(rule, state), sofx's own "
+                                  "deepspeed_scaler() rule and its state")
         stage, scaler = _deepspeed_objects(scaler_attrs)
     os.makedirs(directory, exist_ok=True)
     written = []
@@ -241,7 +252,33 @@ def _deepspeed_objects(scaler_attrs: dict) -> tuple[Any, Any]:
     cls = DynamicLossScaler if scaler_attrs.get("dynamic") else LossScaler
     scaler = cls.__new__(cls)
     scaler.__dict__.update(scaler_attrs)
+    if scaler_attrs.get("dynamic"):
+        scaler.__dict__.setdefault("dtype", torch.half)  # dynamic loss scaling is fp16 training's
     return ZeroStageEnum.weights, scaler
+
+
+# What DeepSpeed's DynamicLossScaler.update_scale reads (besides ``dtype``, fp16 for a dynamic scaler)
+DEEPSPEED_DYNAMIC_ATTRIBUTES = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window",
+                                "min_scale", "delayed_shift", "cur_hysteresis", "consecutive_hysteresis",
+                                "raise_error_at_min_scale")
+
+
+def deepspeed_loss_scaler(rule: Any, state: Any) -> dict:
+    """DeepSpeed's loss-scaler attributes for sofx's ``rule`` and ``state``: a
+    :class:`~sofx.loss_scale.DynamicLossScaleRule` (``deepspeed_scaler()``) gives a ``DynamicLossScaler``'s,
+    which DeepSpeed's engine resumes from; a :class:`~sofx.loss_scale.StaticScaleRule` a ``LossScaler``'s.
+    torch's GradScaler rule has no DeepSpeed counterpart."""
+    if isinstance(rule, DynamicLossScaleRule) and isinstance(state, DynamicLossScaleState):
+        return {"cur_scale": float(state.scale), "dynamic": True, "cur_iter": int(state.cur_iter),
+                "last_overflow_iter": int(state.last_overflow_iter), "scale_factor": float(rule.scale_factor),
+                "scale_window": int(rule.scale_window), "min_scale": float(rule.min_scale),
+                "delayed_shift": int(rule.delayed_shift), "cur_hysteresis": int(state.cur_hysteresis),
+                "consecutive_hysteresis": bool(rule.consecutive_hysteresis),
+                "raise_error_at_min_scale": bool(rule.raise_error_at_min_scale)}
+    if isinstance(rule, StaticScaleRule) and isinstance(state, StaticScaleState):
+        return {"cur_scale": float(state.scale), "dynamic": False}
+    raise CheckpointError(f"loss_scaler: a {type(rule).__name__} with a {type(state).__name__} has no DeepSpeed "
+                          "counterpart; expected deepspeed_scaler() or static_scale() with its state")
 
 
 def _check_plain(x: Any, where: str) -> None:
