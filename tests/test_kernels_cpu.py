@@ -571,6 +571,24 @@ def test_a_damaged_cached_library_is_built_again_not_mapped(tmp_path):
         assert _cpu_build.elf_problem(cached) is None
 
 
+def test_a_build_removes_what_killed_builds_left_in_the_cache(tmp_path, monkeypatch):
+    """A build's temporary directory outlives a process killed mid-build; the next build removes those older
+    than any build takes, and leaves a recent one (another process's build going on) alone."""
+    from sofx.kernels import _cpu_build
+
+    cache = tmp_path / "cache"
+    old, recent = cache / "tmpold123", cache / "tmprecent"
+    for d in (old, recent):
+        d.mkdir(parents=True)
+        (d / "sofx_adam.so").write_bytes(b"x" * 1000)
+    long_ago = time.time() - 2 * _cpu_build._ABANDONED_AFTER_S
+    os.utime(old, (long_ago, long_ago))
+    fake = library_copying_compiler(tmp_path, _cpu_build.load().path)
+    err = _cpu_build._cached_or_compiled(fake, ["-O2"], str(cache / "x.so"), "int x;\n")
+    assert err is None and (cache / "x.so").exists()
+    assert not old.exists() and recent.exists()
+
+
 def test_a_wait_for_another_processs_build_is_logged(tmp_path, caplog):
     """A process that finds the build lock held says, on the sofx.kernels logger, that it waits, and whose build
     (a first update that pauses is not a hang); the lock is taken once the holder lets it go."""

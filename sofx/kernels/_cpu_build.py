@@ -403,6 +403,25 @@ def _build_lock(target: str) -> Iterator[None]:
         os.close(fd)  # and with it the lock
 
 
+_ABANDONED_AFTER_S = 900  # a build's temporary directory this old was left by a killed process (builds: <= 300 s)
+
+
+def _remove_abandoned_builds(directory: str) -> None:
+    """Remove the temporary build directories a killed process left in the cache (a megabyte or more each)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if name.startswith("tmp") and os.path.isdir(path) and now - os.path.getmtime(path) > _ABANDONED_AFTER_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> str | None:
     """None where ``target`` is built (already, or now by :func:`_compile`), else why not: the compiler's
     refusal recorded before (:func:`_failed_marker`) or now, or an unwritable cache."""
@@ -413,6 +432,7 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
             return f.read() or "failed before"
     except OSError:
         pass
+    _remove_abandoned_builds(os.path.dirname(target))
     _log.info("building the native CPU kernels (once per compiler and CPU; 10-30 s): %s %s -> %s",
               cc, " ".join(flags), target)
     start = time.perf_counter()
