@@ -109,6 +109,32 @@ def test_a_failed_save_does_not_keep_its_snapshot(tmp_path, monkeypatch):
     assert handles[0].exception().__traceback__ is not None  # where it failed is still shown
 
 
+def test_a_saver_with_max_pending_waits_for_the_oldest_save(tmp_path, monkeypatch):
+    """Saves issued faster than the disk writes them held a snapshot each (190 at once in a loop); with
+    ``max_pending=2`` a third save waits until the first is written, and all commit in order."""
+    release = threading.Event()
+    real = ck_io.serialize_file
+
+    def slow(*args, **kwargs):
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck_io, "serialize_file", slow)
+    saver = ck.AsyncSaver(max_pending=2)
+    saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(3)})
+    saver.save(tmp_path / "b.ckpt", {"x": torch.ones(3)})
+    third = threading.Thread(target=lambda: saver.save(tmp_path / "c.ckpt", {"x": torch.full((3,), 2.0)}))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive(), "the third save did not wait while two were unfinished"
+    release.set()
+    third.join(30)
+    saver.wait(30)
+    assert [float(ck.load(tmp_path / f"{n}.ckpt")["x"][0]) for n in "abc"] == [0.0, 1.0, 2.0]
+    with pytest.raises(ck.CheckpointError, match="max_pending = 0"):
+        ck.AsyncSaver(max_pending=0)
+
+
 def test_bad_tree_raises_at_call_time(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"tree\['x'\]"):
         ck.save_async(tmp_path / "b.ckpt", {"x": object()})

@@ -27,6 +27,7 @@ from typing import Any
 
 from sofx.checkpoint import io
 from sofx.checkpoint.codec import EncodedTree
+from sofx.checkpoint.errors import CheckpointError
 
 __all__ = ["SaveHandle", "save_async", "AsyncSaver"]
 
@@ -101,14 +102,29 @@ class AsyncSaver:
     >>> saver = AsyncSaver()
     >>> saver.save("ckpt.safetensors", {"params": params, "state": state})  # returns at once
     >>> saver.wait()                                                       # all saves committed
+
+    ``max_pending``: at most this many saves unfinished at once; ``save`` first waits for the oldest (each
+    holds a snapshot of its tree: saves issued faster than the disk writes them would hold one each).
+    ``None``: no bound.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int | None = None) -> None:
+        if max_pending is not None and (isinstance(max_pending, bool) or not isinstance(max_pending, int)
+                                        or max_pending < 1):
+            raise CheckpointError(f"AsyncSaver: max_pending = {max_pending!r}; expected an integer >= 1 or None")
+        self.max_pending = max_pending
         self._pending: list[SaveHandle] = []
         self._lock = threading.Lock()
 
     def save(self, path: str | os.PathLike, tree: Any) -> SaveHandle:
-        """Snapshot ``tree`` now; write it after every save issued before by this saver."""
+        """Snapshot ``tree`` now (after waiting for a save to finish where ``max_pending`` are running); write
+        it after every save issued before by this saver."""
+        while self.max_pending is not None:
+            with self._lock:
+                running = [h for h in self._pending if not h.done()]
+            if len(running) < self.max_pending:
+                break
+            running[0]._done.wait()  # its error, if any, stays for wait()
         with self._lock:
             last = self._pending[-1] if self._pending else None
             handle = save_async(path, tree, after=last)
