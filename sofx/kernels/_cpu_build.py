@@ -439,7 +439,8 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
     try:
         err = _compile(cc, flags, target, source)
     except OSError as e:  # unwritable cache directory and the like
-        err = str(e)
+        _log.info("cannot build %s there: %s", target, e)
+        return str(e)
     if err is None:
         _log.info("built %s in %.1f s", target, time.perf_counter() - start)
     else:
