@@ -30,10 +30,12 @@ step rather than writing nan (``torch.optim`` alone would write nan).
 
 Known differences from ``torch``: ``torch`` multiplies by ``1/S`` and by
 ``coef`` as two float32 roundings and computes the norm in float32; sofx
-folds them into one multiplier and accumulates the norm in float64, so a
+folds them into one multiplier and sums the squares of rows of 1024 elements in
+float64 (:func:`sofx.transforms.sumsq`), so a
 clipped step differs from ``torch.optim`` by float32 rounding (<= 1e-6
 relative), never more. Overflow is decided on the raw gradients; with a loss
-scale below 1 and no clipping, an unscaled norm beyond float32's range also
+scale below 1 (only there can unscaling make an inf) and no clipping, an
+unscaled norm beyond float32's range also
 counts as an overflow (torch would turn such elements into inf, or, when
 clipping, compute an inf norm and zero every gradient; sofx clips them).
 A loss scale that cannot unscale (:func:`can_unscale`: 0, which
@@ -209,8 +211,9 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
         next_state, scale = _scale_after(profile, scaler, scaler_state, True)
     scaled_norm = math.sqrt(sumsq_total) if not math.isnan(sumsq_total) else math.nan
     norm = scaled_norm / scale if scale > 0 else scaled_norm * math.inf  # x/0 as IEEE: inf, or nan for 0
-    if not overflow and max_norm is None and norm > FLOAT32_MAX:
-        # unscaling (a loss scale below 1) would turn finite gradients into inf: an overflow
+    if not overflow and max_norm is None and scale < 1 and norm > FLOAT32_MAX:
+        # unscaling by a loss scale below 1 may turn finite gradients into inf: an overflow (at 1 and above
+        # unscaling cannot, and torch and DeepSpeed step with such gradients)
         overflow = True
         next_state, scale = _scale_after(profile, scaler, scaler_state, True)
     if overflow:

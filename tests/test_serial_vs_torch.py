@@ -181,6 +181,28 @@ def test_step_facts_at_a_loss_scale_that_cannot_unscale(profile: str):
     assert not ok.overflow and ok.clipped  # 2**126 is a float32: unscaled (and clipped) as usual
 
 
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_finite_gradients_whose_norm_is_beyond_float32_overflow_only_below_a_scale_of_1(profile: str):
+    """Two gradient elements of 3e38 (finite float32; their norm 4.2e38 is not): at a scale of 1 unscaling
+    cannot make an inf, and torch's GradScaler and DeepSpeed step (sofx skipped the step); below 1 it may,
+    and without clipping sofx counts that as an overflow (documented: the norm stands for the elements)."""
+    sumsq = 2 * 3e38 ** 2
+    rule = loss_scale.static_scale(1.0)
+    assert not step_facts(profile, rule, rule.init(), sumsq, None).overflow
+    ds = loss_scale.deepspeed_scaler(init_scale=1.0, hysteresis=1, raise_error_at_min_scale=False)
+    assert not step_facts(profile, ds, ds.init(), sumsq, None).overflow
+    half = loss_scale.static_scale(0.5)
+    assert step_facts(profile, half, half.init(), sumsq, None).overflow
+    # torch: the same gradients at scale 1 are stepped
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    scaler.scale(w.sum()).backward()  # the scale is set up; the gradients are then the huge ones
+    w.grad = torch.tensor([3e38, 3e38])
+    scaler.step(opt)
+    assert int(opt.state[w]["step"]) == 1
+
+
 def test_serial_step_errors_change_nothing(rng):
     opt = sofx.adamw()
     params = {"a": torch.randn(3, generator=rng)}
