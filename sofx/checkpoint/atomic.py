@@ -17,6 +17,7 @@ import uuid
 from typing import Callable
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointIOError
+from sofx.durable import fsync_best_effort
 from sofx.errors import SofxError
 
 __all__ = ["atomic_write", "stale_temporaries", "fsync_directory"]
@@ -36,16 +37,7 @@ def stale_temporaries(path: str | os.PathLike) -> list[str]:
 
 def fsync_directory(directory: str) -> None:
     """Make a rename inside ``directory`` durable (no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_best_effort(directory)
 
 
 def _fsync_file(path: str) -> None:

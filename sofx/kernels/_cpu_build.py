@@ -9,8 +9,8 @@ leaves it out). The shared library is cached on disk under ``$SOFX_CACHE_DIR`` (
 the CPU's instruction-set flags (the library is built with ``-march=native``),
 written to a temporary file, synced to disk and renamed into place, so that concurrent
 processes never load a half-written file (a cached file cut short anyway, by a copy say, is found
-damaged by :func:`elf_problem`, logged and built again: mapped, it would kill the process with SIGBUS), and built by one process while the others that need it wait
-(a lock file beside it). A flag set the compiler refused
+damaged by :func:`elf_problem`, logged and built again: mapped, it would kill the process with
+SIGBUS), and built by one process while the others that need it wait (a lock file beside it). A flag set the compiler refused
 (``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
 ``.failed`` file beside the library's name) and skipped by later processes;
 delete the cache to try it again. In the process it is built and
@@ -46,6 +46,7 @@ from collections.abc import Iterator
 
 import torch
 
+from sofx.durable import fsync_best_effort
 from sofx.kernels._cpu_source import DT_BF16, DT_F16, DT_F32, SOURCE
 from sofx.kernels._torch_sqrt import torch_sqrt_is_ieee, torch_sqrt_routine
 
@@ -231,24 +232,10 @@ def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, paral
                 f.write(err)
             os.replace(marker, _failed_marker(target))
             return err
-        _sync(out)  # on disk before it has its name: a crash after the rename leaves a whole file or none
+        fsync_best_effort(out)  # on disk before it has its name: a crash after the rename leaves a whole file or none
         os.replace(out, target)
-        _sync(directory)
+        fsync_best_effort(directory)
     return None
-
-
-def _sync(path: str) -> None:
-    """fsync ``path`` (a file or a directory; a file system that cannot is left as it is)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def elf_problem(path: str) -> str | None:
