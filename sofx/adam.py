@@ -724,35 +724,28 @@ def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None]
         copied = [(leaf, c) for leaf, c in copied if not c.is_meta]
         spans.add([_memory(c) for _, c in copied], True, lambda i: (copied[i][0], _COPY))
     if record is not None:
-        kept = [(leaf, role, t) for leaf, rec in zip(real, _record_leaves(leaves, real, record)) if rec is not None
+        kept = [(leaf, role, t) for leaf, rec in zip(leaves, record.leaves) if rec is not None and not leaf.p.is_meta
                 for role, t in enumerate((rec.grad, rec.p_old, rec.m_old, rec.v_old), _COPY + 1) if t is not None]
         spans.add([_memory(t) if leaf.traced else t for leaf, _, t in kept], False, lambda i: kept[i][:2])
     spans.check_disjoint(lambda tag: _role_name(*tag))
 
 
-def _record_leaves(leaves: Sequence[_Leaf], real: Sequence[_Leaf], record: UndoRecord) -> list[LeafUndo | None]:
-    """The records of ``real``, a sublist of ``leaves``."""
-    if len(real) == len(leaves):
-        return list(record.leaves)
-    by_leaf = {id(leaf): rec for leaf, rec in zip(leaves, record.leaves)}
-    return [by_leaf[id(leaf)] for leaf in real]
-
-
-def _memory(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory ``t`` is: the tensor a ``torch.func`` transform (vmap, grad) wraps, at the
-    bottom of every level."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
-
-
-def _transform_levels(x: Any) -> set[int]:
-    """The ``torch.func`` levels (vmap, grad) that wrap ``x`` (none for a plain tensor or a number)."""
+def _functorch_layers(x: Any) -> tuple[set[int], Any]:
+    """The ``torch.func`` levels (vmap, grad) that wrap ``x`` (none for a plain tensor or a number), and what
+    they wrap at the bottom (the tensor whose memory ``x`` is)."""
     levels = set()
     while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
         levels.add(torch._C._functorch.maybe_get_level(x))
         x = torch._C._functorch.get_unwrapped(x)
-    return levels
+    return levels, x
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    return _functorch_layers(t)[1]
+
+
+def _transform_levels(x: Any) -> set[int]:
+    return _functorch_layers(x)[0]
 
 
 def _check_transform_levels(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,
