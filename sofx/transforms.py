@@ -133,9 +133,10 @@ def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
     (else a :class:`LeafError` naming ``who`` and the leaf's path)."""
     leaves, spec = tree.flatten(grads)
     present = [g for g in leaves if g is not None]
-    for g in present:
-        if not (isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided):
-            path = tree.leaf_paths(spec, root="grads")[[i for i, x in enumerate(leaves) if x is g][0]]
+    for i, g in enumerate(leaves):
+        if g is not None and not (isinstance(g, torch.Tensor) and g.is_floating_point()
+                                  and g.layout == torch.strided):
+            path = tree.leaf_paths(spec, root="grads")[i]
             if not isinstance(g, torch.Tensor):
                 raise LeafError(f"{who}: {path}: expected a tensor, got {type(g).__name__}")
             if g.layout != torch.strided:
@@ -265,7 +266,7 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
     s = float(s)
     if not (math.isfinite(s) and s > 0):
         raise HParamError(f"{who}: loss_scale = {s!r} is invalid; expected a finite number > 0")
-    return float(s)
+    return s
 
 
 def unscale() -> GradientTransformation:

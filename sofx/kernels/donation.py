@@ -225,26 +225,30 @@ class MemorySpans:
         """The spans (twice the start, +1 where written; twice the end) and the index of the tensor of each,
         in the tensors' order: a contiguous tensor's memory, a non-contiguous one's runs (:func:`runs`; the
         range it spans where it has too many)."""
-        starts, ends, where = [], [], []
+        starts: list[int] = []
+        ends: list[int] = []
+        where: list[int] = []
         for (_, written, _), lo, hi in zip(self._groups, offsets, offsets[1:]):
             for i in range(lo, hi):
                 if not sizes[i]:
                     continue
                 t = strided.get(i)
                 found = runs(t) if t is not None else None
-                if found is None:
+                if found is None:  # contiguous, or too many runs: one span
                     length = _extent(t) if t is not None else sizes[i]
-                    starts.append(torch.tensor([2 * ptrs[i] + written]))
-                    ends.append(torch.tensor([2 * (ptrs[i] + length)]))
+                    starts.append(2 * ptrs[i] + written)
+                    ends.append(2 * (ptrs[i] + length))
+                    where.append(i)
                 else:
                     first, length = found
-                    starts.append(2 * (ptrs[i] + first) + written)
-                    ends.append(2 * (ptrs[i] + first + length))
-                where.append(torch.full((len(starts[-1]),), i, dtype=torch.int64))
-        if not starts:
-            return [], [], []
-        s2, e2, w = torch.cat(starts), torch.cat(ends), torch.cat(where)
-        return (s2.tolist(), e2.tolist(), w.tolist()) if len(s2) <= _FEW else (s2, e2, w)
+                    first = (first + ptrs[i]).tolist()
+                    starts.extend([2 * a + written for a in first])
+                    ends.extend([2 * (a + length) for a in first])
+                    where.extend([i] * len(first))
+        if len(starts) <= _FEW:
+            return starts, ends, where
+        return (torch.tensor(starts, dtype=torch.int64), torch.tensor(ends, dtype=torch.int64),
+                torch.tensor(where, dtype=torch.int64))
 
     def check_disjoint(self, name: Callable[[Any], str]) -> None:
         """Raise a :class:`LeafError` naming both (``name(tag)``) for :meth:`clash`'s pair."""
