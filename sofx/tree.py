@@ -105,54 +105,41 @@ def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = 
         ) from exc
 
 
-def _first_difference(spec: TreeSpec, tree: PyTree, root: str) -> str:
-    """Describe the first place where ``tree`` departs from ``spec``."""
+def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[Any], bool] | None = None,
+                      spec_root: str = "params") -> str:
+    """Describe the first place where ``tree`` departs from ``spec`` (paths from ``root``). ``value``: ``tree``
+    is a prefix of ``spec`` whose values (``value(x)``, or any other leaf) stand for whole subtrees; where its
+    containers depart, the message also names ``spec``'s place (from ``spec_root``)."""
 
-    def walk(sub_spec: TreeSpec, sub: Any, path: str) -> str | None:
-        if sub_spec.is_leaf():
-            return None  # anything (a tensor, None, a subtree) may stand at a leaf position
-        if sub is None:
-            return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {sub_spec}"
-        if optree.tree_is_leaf(sub, none_is_leaf=True):
-            return f"{path} is a {type(sub).__name__}, expected {sub_spec}"
+    def walk(sub_spec: TreeSpec, sub: Any, path: str, full: str) -> str | None:
+        as_full = ""
+        if value is not None:
+            if value(sub) or optree.tree_is_leaf(sub, none_is_leaf=True):
+                return None
+            if sub_spec.is_leaf():
+                return f"{path} is a {type(sub).__name__} where {full} is a leaf"
+            as_full = f" (as {full})"
+        else:
+            if sub_spec.is_leaf():
+                return None  # anything (a tensor, None, a subtree) may stand at a leaf position
+            if sub is None:
+                return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {sub_spec}"
+            if optree.tree_is_leaf(sub, none_is_leaf=True):
+                return f"{path} is a {type(sub).__name__}, expected {sub_spec}"
         children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
         if type(sub) is not sub_spec.type:
-            return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__}"
+            return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__}{as_full}"
         want = list(sub_spec.entries())
         if list(entries) != want:
-            return f"{path} has entries {list(entries)}, expected {want}"
+            return f"{path} has entries {list(entries)}, expected {want}{as_full}"
         for child_spec, child, entry in zip(sub_spec.children(), children, want):
-            found = walk(child_spec, child, path + _entry_str(entry, sub))
+            step = _entry_str(entry, sub)
+            found = walk(child_spec, child, path + step, full + step)
             if found:
                 return found
         return None
 
-    return walk(spec, tree, root) or "structures differ"
-
-
-def _prefix_difference(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bool], what: str, root: str) -> str:
-    """Describe the first place where ``prefix`` is not a prefix of ``spec`` (a value of it, ``is_leaf``, may
-    stand for any subtree)."""
-
-    def walk(sub: Any, sub_spec: TreeSpec, path: str, full: str) -> str | None:
-        if is_leaf(sub) or optree.tree_is_leaf(sub, none_is_leaf=True):
-            return None
-        if sub_spec.is_leaf():
-            return f"{path} is a {type(sub).__name__} where {full} is a leaf"
-        children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
-        if type(sub) is not sub_spec.type:
-            return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__} (as {full})"
-        want = list(sub_spec.entries())
-        if sorted(map(repr, entries)) != sorted(map(repr, want)):
-            return f"{path} has entries {list(entries)}, expected {want} (as {full})"
-        specs = dict(zip(map(repr, want), sub_spec.children()))
-        for child, entry in zip(children, entries):
-            found = walk(child, specs[repr(entry)], path + _entry_str(entry, sub), full + _entry_str(entry, sub))
-            if found:
-                return found
-        return None
-
-    return walk(prefix, spec, what, root) or "structures differ"
+    return walk(spec, tree, root, spec_root) or "structures differ"
 
 
 def _entry_str(entry: Any, node: Any) -> str:
@@ -181,7 +168,7 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
     try:
         subtrees = prefix_spec.flatten_up_to(full)
     except (ValueError, TypeError) as exc:
-        where = _prefix_difference(prefix, spec, is_leaf or (lambda x: False), what, root)
+        where = _first_difference(spec, prefix, what, is_leaf or (lambda x: False), root)
         raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec}): {where}") from exc
     out: list[Any] = []
     for value, sub in zip(prefix_values, subtrees):
