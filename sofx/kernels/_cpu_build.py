@@ -10,8 +10,8 @@ the CPU's instruction-set flags (the library is built with ``-march=native``),
 written to a temporary file, synced to disk and renamed into place, so that concurrent
 processes never load a half-written file (a cached file cut short anyway, by a copy say, is found
 damaged by :func:`elf_problem`, logged and built again: mapped, it would kill the process with
-SIGBUS), and built by one process while the others that need it wait (a lock file beside it). A flag set the compiler refused
-(``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
+SIGBUS), and built by one process while the others that need it wait (a lock file beside it). A flag set
+the compiler refused (``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
 ``.failed`` file beside the library's name) and skipped by later processes;
 delete the cache to try it again. In the process it is built and
 loaded at most once (a lock guards the lazy load); the result, or the reason
