@@ -673,6 +673,35 @@ def test_gcc_10_and_later_compile_in_parallel(version, want, monkeypatch):
     assert _cpu_build._parallel_flags("cc") == (["-flto=auto"] if want else [])
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left unreaped where the container's init does not reap is not running)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "killpg"), reason="needs /proc and process groups")
+def test_a_compiler_past_its_time_is_killed_with_its_children(tmp_path, monkeypatch):
+    """A compile that overruns its time is killed with the processes it started (GCC's cc1, as, the link-time
+    partitions): subprocess.run's timeout killed the driver alone, and its children compiled on to their end."""
+    from sofx.kernels import _cpu_build
+
+    pid_file = tmp_path / "child.pid"
+    fake = tmp_path / "slowcc"
+    fake.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pid_file}\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(_cpu_build, "_COMPILE_TIMEOUT_S", 1.0)
+    with pytest.raises(subprocess.TimeoutExpired):
+        _cpu_build._run_compiler(str(fake), ["x.c"], parallel=False)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
 def _gcc_like_compiler(tmp_path, refuse: str, error: str):
     """A wrapper of the real compiler (it answers --version as it) that refuses any command containing ``refuse``
     with ``error``, logging every command it gets but --version; returns (its path, the log's path)."""

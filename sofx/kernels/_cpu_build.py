@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import tempfile
@@ -188,13 +189,39 @@ def _parallel_flags(cc: str) -> list[str]:
     return ["-flto=auto"] if is_gcc and int(major.group(1)) >= 10 else []
 
 
+_COMPILE_TIMEOUT_S = 300.0
+
+
+def _run_as_group(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` run to its end, its output captured, in a process group of its own: where it overruns
+    ``timeout`` (``subprocess.TimeoutExpired``) or this process is interrupted while it runs (Ctrl-C, any
+    exception), the whole group is killed, the compiler's own children (``cc1``, ``as``, the link-time
+    partitions of ``-flto=auto``) with it, not only the driver (``subprocess.run`` kills that one alone, and its
+    children ran on to their end). Ctrl-C at a terminal reaches this process alone, which then kills the group."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=hasattr(os, "killpg"))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        if hasattr(os, "killpg"):
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 def _run_compiler(cc: str, args: list[str], parallel: bool = True) -> subprocess.CompletedProcess:
-    """``cc`` on ``args``, with :func:`_parallel_flags` in front (``parallel``); again without them where the first
-    run failed in its link-time step (its errors name lto: a GCC without its LTO plugin, say)."""
+    """``cc`` on ``args`` (:func:`_run_as_group`), with :func:`_parallel_flags` in front (``parallel``); again
+    without them where the first run failed in its link-time step (its errors name lto: a GCC without its LTO
+    plugin, say)."""
     extra = _parallel_flags(cc) if parallel else []
-    proc = subprocess.run([*cc.split(), *extra, *args], capture_output=True, text=True, timeout=300)
+    proc = _run_as_group([*cc.split(), *extra, *args], _COMPILE_TIMEOUT_S)
     if proc.returncode != 0 and extra and "lto" in proc.stderr.lower():
-        proc = subprocess.run([*cc.split(), *args], capture_output=True, text=True, timeout=300)
+        proc = _run_as_group([*cc.split(), *args], _COMPILE_TIMEOUT_S)
     return proc
 
 
