@@ -25,7 +25,8 @@ stepped: its parameter, moments and count stay as they are.
 
 Undo (SPECULATION.md section 2) is chosen per leaf and step by ``undo=``:
 ``"auto"`` (algebraic where sound, snapshots where not), ``"algebraic"``
-(never snapshot; refuses the configurations where the inverse does not exist)
+(never snapshot; refuses the configurations where the inverse does not exist
+or divides by less than ``ALGEBRAIC_MIN_DIVISOR``, 2^-12: a beta, ``1 - lr*wd``)
 or ``"exact"`` (always snapshot: bitwise identity). See :mod:`sofx.undo_record`.
 Under ``torch.func`` transforms and ``torch.compile`` the hyperparameters'
 values cannot be read: ``"auto"`` keeps snapshots there, and ``"algebraic"``
@@ -57,13 +58,15 @@ from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamSc
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
 
-__all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA"]
+__all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
 ALGEBRAIC_MIN_BETA = 0.5
-# float32's smallest normal number: a divisor below it (0 once rounded, or subnormal) overflows the inverse.
-_F32_TINY = 1.1754943508222875e-38
+# ``undo="algebraic"`` refuses a beta or a decay factor ``1 - lr*wd`` below this: the inverse divides by it,
+# which multiplies float32's rounding by up to its inverse (2^12: half of float32's 24 bits lost), and 0 (a
+# beta of 0 leaves no trace of the old moment) or a subnormal divisor turns it into inf or nan.
+ALGEBRAIC_MIN_DIVISOR = 2.0 ** -12
 # Decoupled decay: restoring p divides by (1 - lr*wd); below this the division
 # amplifies rounding, and ``undo="auto"`` keeps a snapshot of the parameter.
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
@@ -612,13 +615,14 @@ class Adam:
         """Why a step has no algebraic inverse: (reasons the moments cannot be recomputed, reasons only the
         parameter cannot)."""
         full_reasons = []
-        if abs(b1) < _F32_TINY or abs(b2) < _F32_TINY:
-            # 0, or 0 / subnormal once rounded to float32 as the kernels compute: 1/beta overflows.
-            full_reasons.append("a beta of 0 (or below float32's smallest normal) leaves no trace of the old moment")
+        if abs(b1) < ALGEBRAIC_MIN_DIVISOR or abs(b2) < ALGEBRAIC_MIN_DIVISOR:
+            full_reasons.append("a beta of 0 leaves no trace of the old moment (below 2^-12, dividing by it "
+                                "loses more than half of float32's bits)")
         full_reasons += _rounded(state_dtype, "optimizer states")
         param_reasons = _rounded(param_dtype, "master weights")
-        if self.variant.decoupled and wd != 0 and abs(1 - lr * wd) < _F32_TINY:
-            param_reasons.append("lr * weight_decay == 1 (decoupled decay)")
+        if self.variant.decoupled and wd != 0 and abs(1 - lr * wd) < ALGEBRAIC_MIN_DIVISOR:
+            param_reasons.append("lr * weight_decay == 1 (decoupled decay; |1 - lr * weight_decay| below 2^-12 "
+                                 "loses more than half of float32's bits)")
         return full_reasons, param_reasons
 
     def algebraic_refusal(self, hparams: AdamHParams, param_dtype: torch.dtype = torch.float32) -> str | None:

@@ -13,7 +13,7 @@ from sofx.kernels.base import AdamScalars, AdamVariant
 
 from helpers import trees_equal
 
-F32_TINY = torch.finfo(torch.float32).tiny  # a beta or decay factor below it is refused by undo='algebraic'
+from sofx.adam import ALGEBRAIC_MIN_DIVISOR  # a beta or decay factor below it is refused by undo='algebraic'
 
 # (param dtype, state dtype or None for "same as param")
 DTYPES = [
@@ -232,15 +232,22 @@ def test_forced_algebraic_refuses_impossible_configurations_and_changes_nothing(
     with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\].*beta of 0"):
         opt.update(params, grads, state, donate=True)
     assert torch.equal(params["w"], before) and int(state.count["w"]) == 0
-    # Betas that are 0 or subnormal in float32 (as the kernels compute): 1/beta would overflow into nan.
-    for tiny in (1.8e-291, 1e-40):
-        opt = sofx.adamw(betas=(0.9, tiny), undo="algebraic")
-        with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\].*beta of 0"):
-            opt.update(params, grads, opt.init(params), donate=True)
-        assert torch.equal(params["w"], before)
-    opt = sofx.adamw(lr=2.0, weight_decay=0.5, undo="algebraic")
-    with pytest.raises(sofx.UnsupportedError, match="lr \\* weight_decay == 1"):
-        opt.update(params, grads, opt.init(params))
+    # Betas that are 0 or subnormal in float32 (as the kernels compute: 1/beta would overflow into nan), or so
+    # small that dividing by them loses more than half of float32's bits (1e-6: m restored 19% off).
+    for tiny in (1.8e-291, 1e-40, 1e-6, ALGEBRAIC_MIN_DIVISOR / 2):
+        for betas in ((0.9, tiny), (tiny, 0.999)):
+            opt = sofx.adamw(betas=betas, undo="algebraic")
+            with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\].*beta of 0"):
+                opt.update(params, grads, opt.init(params), donate=True)
+            assert torch.equal(params["w"], before)
+    opt = sofx.adamw(betas=(ALGEBRAIC_MIN_DIVISOR, ALGEBRAIC_MIN_DIVISOR), undo="algebraic")
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    assert rec.strategies() == ["algebraic"]
+    # lr * wd == 1, or within 2^-12 of it (1 + 3e-8: the parameter restored off by about 1 before)
+    for lr, wd in ((2.0, 0.5), (1.0, 1 + 3e-8), (1.0, 1 - ALGEBRAIC_MIN_DIVISOR / 2)):
+        opt = sofx.adamw(lr=lr, weight_decay=wd, undo="algebraic")
+        with pytest.raises(sofx.UnsupportedError, match="lr \\* weight_decay == 1"):
+            opt.update(params, grads, opt.init(params))
     opt = sofx.adamw(undo="algebraic")
     half = {"w": params["w"].bfloat16()}
     with pytest.raises(sofx.UnsupportedError, match="master weights"):
@@ -414,8 +421,8 @@ def test_grads_finite_hint_gives_the_same_step_record_and_undo(c, undo, donate):
     """With finite gradients the hint changes nothing: same outputs, same record, same undo, bit for bit."""
     s_dtype = c["s_dtype"] or c["p_dtype"]
     if undo == "algebraic" and (s_dtype in (torch.bfloat16, torch.float16) or c["p_dtype"] in (
-            torch.bfloat16, torch.float16) or min(c["hp"].beta1, c["hp"].beta2) < F32_TINY
-            or (c["decoupled"] and abs(1 - c["hp"].lr * c["hp"].weight_decay) < F32_TINY)):
+            torch.bfloat16, torch.float16) or min(c["hp"].beta1, c["hp"].beta2) < ALGEBRAIC_MIN_DIVISOR
+            or (c["decoupled"] and abs(1 - c["hp"].lr * c["hp"].weight_decay) < ALGEBRAIC_MIN_DIVISOR)):
         undo = "auto"  # refused by undo='algebraic' (tested elsewhere)
     opt, params, grads, state = _setup({**c, "undo": undo})
     results = []
@@ -427,7 +434,7 @@ def test_grads_finite_hint_gives_the_same_step_record_and_undo(c, undo, donate):
         back = opt.undo(new_p, new_s, rec, donate=donate)
         results.append((out, rec, back))
     (out0, rec0, back0), (out1, rec1, back1) = results
-    assert _same_bits(out0, out1)  # (forced algebraic undo with a tiny beta may write nan: the same nan)
+    assert _same_bits(out0, out1)
     _assert_records_equal(rec0, rec1)
     assert _same_bits(back0, back1)
 
