@@ -169,12 +169,14 @@ def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:
 
 def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float) -> float:
     """``reduce_sumsq(local)`` (the sum of squares over ranks) as a float, ``local`` without a hook; a hook that
-    returns something other than a real number is refused (an :class:`HParamError`, not a TypeError later)."""
+    returns something other than a real number, or a negative one (a sum of squares is not; inf and nan are:
+    an overflow somewhere), is refused (an :class:`HParamError`, not a TypeError or a math domain error later)."""
     if reduce_sumsq is None:
         return local
     total = as_number(reduce_sumsq(local))
-    if isinstance(total, bool) or not isinstance(total, numbers.Real):
-        raise HParamError(f"reduce_sumsq returned {total!r}; expected the sum of squares over ranks, a number")
+    if isinstance(total, bool) or not isinstance(total, numbers.Real) or total < 0:
+        raise HParamError(f"reduce_sumsq returned {total!r}; expected the sum of squares over ranks, a number >= 0 "
+                          "(inf or nan where a gradient is not finite)")
     return float(total)
 
 

@@ -360,9 +360,10 @@ def test_min_loss_scale_error_undoes_every_speculative_step(rng):
 @pytest.mark.parametrize("undo", ["exact", "auto"])
 def test_a_failing_reduce_sumsq_leaves_the_state_as_it_was(rng, undo):
     """The all-reduce of the sum of squares fails (a timeout, another rank gone) or returns something that is not
-    a number: the call raises, and with donation the speculative steps already written in place are undone
-    (bitwise with snapshots, to a few ulps algebraically), as serial_step changes nothing. Before, they stayed:
-    moved parameters and moments under unchanged step counts, which a retry would step again."""
+    a number, or a negative one (a math domain error before): the call raises, and with donation the speculative
+    steps already written in place are undone (bitwise with snapshots, to a few ulps algebraically), as
+    serial_step changes nothing. Before, they stayed: moved parameters and moments under unchanged step counts,
+    which a retry would step again."""
     from sofx.errors import HParamError
     from sofx.serial import serial_loop_step
 
@@ -373,7 +374,8 @@ def test_a_failing_reduce_sumsq_leaves_the_state_as_it_was(rng, undo):
     def timed_out(total):
         raise RuntimeError("all_reduce timed out")
 
-    for reduce, error in ((timed_out, RuntimeError), (lambda total: None, HParamError)):
+    for reduce, error in ((timed_out, RuntimeError), (lambda total: None, HParamError),
+                          (lambda total: -1.0, HParamError)):
         before = [t.clone() for t in (*params, *state.mu, *state.nu)]
         with pytest.raises(error):
             sp.speculative_step(opt, params, _grads(rng, scale=1.0), state, config=sp.SpeculationConfig(),
