@@ -192,7 +192,7 @@ class Adam:
         grad_scale = _checked_grad_scale(grad_scale, leaves)
         _validate_grads_finite(grads_finite)
         kernels = self._kernels(leaves)
-        covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies)
+        covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies, donate)
         if not covered:
             _check_writes(leaves, copies, donate, grad_scale=grad_scale)
         in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
@@ -357,7 +357,7 @@ class Adam:
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
         covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
-                                        leaves, copies)
+                                        leaves, copies, donate)
         if not covered:
             _check_writes(leaves, copies, donate, record, grad_scale)
         flags = _chunk_flags(leaves, in_kernel)
@@ -712,10 +712,7 @@ def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None]
         return
     copied = _writable_copies(leaves, copies)
     if donate:
-        for leaf in leaves:
-            if leaf.traced:  # a leaf that requires grad is refused here (a plain one cannot, in grad mode)
-                for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
-                    check_writable(_role_name(leaf, role), t)
+        _writable_leaves(leaves)
     _check_transform_levels(leaves, copies, donate, record, grad_scale)
     real = [leaf for leaf in leaves if not leaf.p.is_meta]  # meta tensors have no memory
     spans = MemorySpans()
@@ -927,17 +924,27 @@ def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
 
 
 def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leaves: Sequence[_Leaf],
-                          copies: Sequence[torch.Tensor | None]) -> bool:
+                          copies: Sequence[torch.Tensor | None], donate: bool) -> bool:
     """Whether the memory of a call is left to its kernel: every leaf goes to it (``in_call``: in its list
     call; a leaf without a gradient has no kernel), one backend, which checks (``CHECKS_OVERLAP``), and the
-    A parameter copy that requires grad is refused here (the kernel writes raw memory; a leaf that does is
-    traced, stepped by the reference)."""
+    A parameter copy that requires grad, or a donated inference tensor, is refused here (the kernel writes raw
+    memory; a leaf that requires grad is traced, stepped by the reference)."""
     first = kernels[0] if kernels else None
     if not (first is not None and getattr(first, "CHECKS_OVERLAP", False) and all(in_call)
             and all(k is first for k in kernels)):
         return False
     _writable_copies(leaves, copies)
+    if donate:
+        _writable_leaves(leaves)
     return True
+
+
+def _writable_leaves(leaves: Sequence[_Leaf]) -> None:
+    """Each leaf's parameter and moments checked writable in place (:func:`check_writable`: not a leaf that
+    requires grad, not an inference tensor outside inference mode, no overlapping elements)."""
+    for leaf in leaves:
+        for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
+            check_writable(_role_name(leaf, role), t)
 
 
 def _writable_copies(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None],

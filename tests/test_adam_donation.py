@@ -74,6 +74,28 @@ def test_a_leaf_that_requires_grad_is_not_donated(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inference_tensor_is_not_written_outside_inference_mode(backend):
+    """torch refuses an in-place update of an inference tensor outside inference mode: the reference backend
+    raised it after writing the leaves before ("a" stepped, "z" not), and the native kernels wrote it. Donated
+    leaves, their moments and parameter copies are refused first; under inference_mode the update runs."""
+    opt, params, grads, state = _stepped(backend)
+    with torch.inference_mode():
+        z = params["z"].clone()
+        m = state.mu["z"].clone()
+        copy = torch.zeros(6)
+    p = {**params, "z": z}
+    _refused(lambda: opt.update(p, grads, state, donate=True), r"params\['z'\]: an inference tensor", p, state)
+    s = state._replace(mu={**state.mu, "z": m})
+    _refused(lambda: opt.update(params, grads, s, donate=True), r"exp_avg\['z'\]|mu\['z'\]: an inference",
+             params, s)
+    _refused(lambda: opt.update(params, grads, state, param_copies={"a": None, "z": copy}),
+             r"param_copies\['z'\]: an inference tensor", params, state)
+    opt.update(params, grads, state, param_copies={"a": None, "z": torch.zeros(6)})  # an ordinary copy: fine
+    with torch.inference_mode():
+        opt.update(p, grads, state, donate=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_parameter_copy_that_requires_grad_is_refused(backend):
     """The kernels write copies as raw memory: a copy that is a leaf requiring grad (the model's own
     nn.Parameter, say) is refused under grad mode, whatever its parameter."""

@@ -55,11 +55,16 @@ Spans = Union[Sequence[int], torch.Tensor]
 
 
 def check_writable(path: str, t: torch.Tensor) -> None:
-    """Refuse a tensor that cannot be written in place: a leaf that requires grad (with grad mode on) or one
-    whose elements overlap."""
+    """Refuse a tensor that cannot be written in place: a leaf that requires grad (with grad mode on), an
+    inference tensor outside inference mode (torch refuses its in-place update; a native kernel would write it
+    anyway) or one whose elements overlap."""
     if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
         raise LeafError(f"{path}: a leaf tensor that requires grad cannot be written in place (donate=True or "
                         "param_copies); pass it detached, call under torch.no_grad(), or do not donate it")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise LeafError(f"{path}: an inference tensor (made under torch.inference_mode()) cannot be written in "
+                        "place outside inference mode (donate=True or param_copies); pass a .clone() made outside "
+                        "it, call under torch.inference_mode(), or do not donate it")
     if overlaps_itself(t):
         raise LeafError(overlap_message(path))
 
