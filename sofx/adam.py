@@ -224,7 +224,7 @@ class Adam:
             records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                     records[k], (new_p[k], new_m[k], new_v[k]), donate)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
-        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
+        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
     def _checked_in_step(self, leaves: Sequence[_Leaf], kernels: Sequence[Any],
                          copies: Sequence[torch.Tensor | None], grads_finite: bool | None) -> list[bool]:
@@ -394,7 +394,7 @@ class Adam:
                                                          records[k].count_before)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
-        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate)
+        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
     def _check_record(self, params: Any, state: AdamState, record: UndoRecord, grads: Any = None,
                       hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf]]:
@@ -404,6 +404,9 @@ class Adam:
             raise UndoError(f"expected an UndoRecord, got {type(record).__name__}")
         if record.used:
             raise UndoError("this undo record was already used: a step can be undone once")
+        if record.variant != self.variant:
+            raise UndoError(f"the record is of a step by an optimizer with {_variant_words(record.variant)}, this "
+                            f"one has {_variant_words(self.variant)}: its inverse would restore other values")
         spec, leaves = self._gather(params, grads, state, hparams, expect_spec=record.spec)
         if len(record.leaves) != len(leaves):
             raise UndoError(f"the record covers {len(record.leaves)} leaves, params have {len(leaves)}")
@@ -697,6 +700,12 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
             raise HParamError(f"grad_scale = {value!r} is beyond float32's range (largest {FLOAT32_MAX!r}); {in_f32} "
                               "is stepped in float32, where the gradient times it is inf")
     return value
+
+
+def _variant_words(variant: AdamVariant) -> str:
+    """``variant`` in words, for an error."""
+    decay = "decoupled weight decay (AdamW)" if variant.decoupled else "L2 weight decay (Adam)"
+    return f"{decay} and bias correction {'on' if variant.bias_correction else 'off'}"
 
 
 def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None], donate: bool,

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as torch_pytree
 
-from sofx.kernels.base import AdamScalars
+from sofx.kernels.base import AdamScalars, AdamVariant
 
 STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "none")
 
@@ -100,16 +100,19 @@ class UndoRecord:
     """The undo record of one :meth:`update` over a whole params tree.
 
     ``leaves[i]`` is the :class:`LeafUndo` of leaf ``i`` (``None`` where the
-    leaf had no gradient and was not stepped). A record can be used once.
+    leaf had no gradient and was not stepped). ``variant``: the stepping
+    optimizer's (decoupled decay, bias correction), which the inverse must
+    share. A record can be used once.
     """
 
-    __slots__ = ("leaves", "spec", "donated", "_used")
+    __slots__ = ("leaves", "spec", "donated", "variant", "_used")
 
-    def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, donated: bool,
+    def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, donated: bool, variant: AdamVariant,
                  used: list[bool] | None = None) -> None:
         self.leaves = tuple(leaves)
         self.spec = spec
         self.donated = donated
+        self.variant = variant
         self._used = used if used is not None else [False]
 
     @property
@@ -137,13 +140,13 @@ def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
     # Leaves that were not stepped (None) travel in the context: a None child is a pytree leaf that
     # torch.func.vmap refuses to return.
     present = tuple(leaf is not None for leaf in rec.leaves)
-    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.donated, rec._used, present)
+    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.donated, rec.variant, rec._used, present)
 
 
 def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
-    spec, donated, used, present = context
+    spec, donated, variant, used, present = context
     it = iter(children)
-    return UndoRecord([next(it) if has else None for has in present], spec, donated, used)
+    return UndoRecord([next(it) if has else None for has in present], spec, donated, variant, used)
 
 
 torch_pytree.register_pytree_node(LeafUndo, _flatten_leaf, _unflatten_leaf,

@@ -291,6 +291,27 @@ def test_check_inputs_refuses_what_update_refuses_reading_no_gradient(monkeypatc
     sofx.adamw(betas=(0.0, 0.99)).check_inputs(params, grads, state)  # auto: a snapshot, no refusal
 
 
+@pytest.mark.parametrize("other", [dict(decoupled=False), dict(bias_correction=False)])
+def test_a_record_is_undone_only_by_an_optimizer_of_its_variant(other):
+    """A record undone (or undone and redone) by an optimizer with other weight decay or bias correction: its
+    inverse would restore other values (0.002-0.04 off before, silently); refused, nothing changes, and the
+    record still undoes with its own optimizer."""
+    gen = torch.Generator().manual_seed(3)
+    params, grads = {"w": torch.randn(6, generator=gen)}, {"w": torch.randn(6, generator=gen)}
+    own = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, bias_correction=other.get("bias_correction", True))
+    stranger = sofx.adamw(**kwargs) if other.get("decoupled", True) else sofx.adam(**kwargs)
+    p1, s1, rec = own.update(params, grads, own.init(params))
+    before = [t.clone() for t in (p1["w"], s1.mu["w"], s1.nu["w"])]
+    with pytest.raises(sofx.UndoError, match="other values"):
+        stranger.undo(p1, s1, rec, donate=True)
+    with pytest.raises(sofx.UndoError, match="other values"):
+        stranger.undo_redo(p1, s1, rec, grads, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip((p1["w"], s1.mu["w"], s1.nu["w"]), before))
+    p0, _ = own.undo(p1, s1, rec)
+    assert torch.allclose(p0["w"], params["w"], rtol=0, atol=1e-6)
+
+
 def test_forced_algebraic_with_non_finite_gradient_steps_but_refuses_to_undo():
     params = {"w": torch.randn(4)}
     opt = sofx.adamw(undo="algebraic")
