@@ -12,6 +12,7 @@ move (read p, g, m, v; write p, m, v) over that time. Without CUDA it says so an
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -26,7 +27,8 @@ S = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10, 1.0)
 CALLS = 50
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)  # --help; no options
     if not torch.cuda.is_available():
         print("no CUDA device here: nothing to measure")
         return 0

@@ -283,6 +283,23 @@ class Adam:
              donate: bool = False, param_copies: Any = None) -> tuple[Any, AdamState]:
         """Invert the :meth:`update` that produced ``(params, state)`` and ``record``.
 
+        Per leaf, by the record's strategy. ``"snapshot"``: the kept ``p, m, v``
+        restored bit for bit. ``"algebraic"``: from the stepped ``p', m', v'``,
+        the gradient ``g`` the step used (times its ``grad_scale``) and that
+        step's hparams and ``t`` (never the current ones)::
+
+            u  = (lr / bc1) * m' / (sqrt(v') / sqrt(bc2) + eps)    # the step's own u, bit for bit
+            p  = p' + u                   decoupled: p = (p' + u) / (1 - lr * wd)
+            gh = g                        L2:        gh = g + wd * p
+            m  = (m' - (1 - b1) * gh) / b1
+            v  = max((v' - (1 - b2) * gh^2) / b2, 0)    (nan kept as nan)
+
+        (``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^t``; 1 without bias correction;
+        no decay term where ``wd == 0``): exact in real arithmetic, a few ulps
+        in float32. ``"param_snapshot"``: ``p`` restored from the record, ``m``
+        and ``v`` as above. The step count goes back to ``t - 1``, and the
+        moments of a leaf's first step from init back to exact zeros.
+
         Raises :class:`~sofx.errors.UndoError` (changing nothing) when the
         record was used already, belongs to another state (structure or step
         counts differ), or a leaf's step cannot be undone. ``param_copies``:

@@ -340,7 +340,10 @@ def linear(init: float, end: float, steps: int) -> Linear:
 
 
 def linear_warmup(peak: float, warmup_steps: int, init: float = 0.0) -> Linear:
-    """Linear warm-up from ``init`` to ``peak`` over ``warmup_steps``, then ``peak``."""
+    """Linear warm-up from ``init`` to ``peak`` over ``warmup_steps``, then ``peak`` (:class:`Linear`)::
+
+        init + (peak - init) * min(step, warmup_steps) / warmup_steps     (peak from step 0 if warmup_steps == 0)
+    """
     return Linear(init, peak, warmup_steps)
 
 
@@ -352,12 +355,19 @@ def cosine_decay(init: float, decay_steps: int, alpha: float = 0.0) -> CosineDec
 
 def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float = 0.0,
                   end: float = 0.0) -> WarmupCosine:
-    """Linear warm-up to ``peak`` then cosine to ``end``; ``decay_steps`` counts the warm-up too (optax)."""
+    """Linear warm-up to ``peak`` then cosine to ``end``; ``decay_steps`` counts the warm-up too (optax).
+
+    With ``W = warmup_steps``, ``N = decay_steps`` (:class:`WarmupCosine`)::
+
+        step < W:  init + (peak - init) * step / W
+        else:      end + (peak - end) * (1 + cos(pi * min(step - W, N - W) / (N - W))) / 2
+    """
     return WarmupCosine(peak, warmup_steps, decay_steps, init, end)
 
 
 def step_decay(init: float, step_size: int, gamma: float = 0.1) -> StepDecay:
-    """Multiply by ``gamma`` every ``step_size`` steps (``StepLR``)."""
+    """Multiply by ``gamma`` every ``step_size`` steps (``StepLR``): ``init * gamma ** (step // step_size)``
+    (:class:`StepDecay`)."""
     return StepDecay(init, step_size, gamma)
 
 
@@ -370,7 +380,10 @@ def one_cycle(max_lr: float, total_steps: int, pct_start: float = 0.3, anneal: s
 
 
 def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Join:
-    """Concatenate schedules at ``boundaries`` (each restarts its own step count at 0)."""
+    """Concatenate schedules at ``boundaries`` (each restarts its own step count at 0; :class:`Join`)::
+
+        schedules[k](step - s[k])   for s[k] <= step < s[k + 1],   with s = (0, *boundaries, inf)
+    """
     return Join(tuple(schedules), tuple(boundaries))
 
 

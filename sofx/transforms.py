@@ -118,8 +118,9 @@ def sumsq(x: torch.Tensor) -> float:
 def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
     """Sum of per-block sums of squares in block order (``None``: no gradient, left out).
 
-    The order is fixed (block index, not arrival order) so that every path
-    that sums the same blocks gets the same bits.
+    ``total = sum_b s_b`` over the blocks ``b`` whose ``s_b`` (:func:`sumsq` of the block) is not ``None``,
+    added left to right in float64 (Python floats). The order is fixed (block index, not arrival order) so
+    that every path that sums the same blocks gets the same bits.
     """
     total = 0.0
     for s in block_sumsq:
@@ -146,7 +147,11 @@ def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
 
 
 def global_norm(grads: Any) -> float:
-    """The L2 norm over every leaf of a gradient pytree (``None`` leaves are absent)."""
+    """The L2 norm over every leaf of a gradient pytree (``None`` leaves are absent).
+
+    ``||g|| = sqrt(sum_leaves sum_i g_i^2)``: :func:`sumsq` per leaf, :func:`total_sumsq` over the leaves in
+    tree order, the square root in float64 (a Python float).
+    """
     return math.sqrt(total_sumsq([sumsq(g) for g in _gradient_leaves(grads, "global_norm")]))
 
 

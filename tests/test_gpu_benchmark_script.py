@@ -70,3 +70,12 @@ def test_gpu_offload_script_smoke_run(tmp_path):
     written = (tmp_path / "gpu_offload.md").read_text()
     rows = [line.split(" | ")[0] for line in written.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == ["| backward", "| gpu fused", "| cpu offload, torch", "| sofx serial", "| sofx speculative"]
+
+
+@pytest.mark.parametrize("script", ["gpu_kernels.py", "gpu_back_to_back.py"])
+def test_gpu_benchmark_scripts_print_their_usage_with_help(script):
+    """``--help`` prints the usage and exits 0 before the CUDA check (which says "no CUDA device here")."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:") and "no CUDA device" not in proc.stdout, (
+        proc.stdout + proc.stderr)

@@ -28,7 +28,10 @@ def test_the_report_names_the_cached_library_and_what_it_runs():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"native kernels, {lib.path} (loaded from the cache" in out
-    assert f"built with: {' '.join(lib.flags)}" in out and "-O3" in lib.flags
+    assert f"built with: {report.build_command(lib)}" in out and "-O3" in lib.flags
+    cc = _cpu_build._compiler()
+    parallel = _cpu_build._parallel_flags(cc)  # -flto=auto for GCC 10 or later: given outside lib.flags
+    assert report.build_command(lib) == " ".join([cc, *parallel, *lib.flags, *_cpu_build._COMMON])
     assert report.vector_loops(lib) in out and report.cpu_square_root(lib) in out
     assert ("threads: OpenMP" in out) == ("-fopenmp" in lib.flags)
     assert "triton:" in out and "reference: always" in out
@@ -45,7 +48,31 @@ def test_an_empty_cache_is_filled_and_the_report_says_so(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert f"native kernels, {tmp_path / 'cache'}" in first.stdout and "(built by this process" in first.stdout
     assert "(loaded from the cache" in second.stdout
-    assert f"built with: {' '.join([*_cpu_build._FLAG_SETS[0], *_cpu_build._TUNING])}" in first.stdout
+    flags = [*_cpu_build._FLAG_SETS[0], *_cpu_build._TUNING, *_cpu_build._COMMON]
+    assert f"built with: {env['CC']} {' '.join(flags)}\n" in first.stdout  # not GCC: no -flto=auto
+
+
+def test_the_report_names_the_parallel_flags_given_outside_the_flag_set(tmp_path):
+    """A GCC 10 or later compiles with ``-flto=auto`` in front of the library's flags (``_run_compiler``); the
+    report's ``built with`` line says so (a stand-in answering ``--version`` as GCC 12 does, copying the library)."""
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library here")
+    fake = tmp_path / "gcc-12"
+    fake.write_text("#!/bin/sh\n"
+                    'case " $* " in *" --version "*) echo "gcc (Debian 12.2.0-14) 12.2.0"; '
+                    'echo "Copyright (C) 2022 Free Software Foundation, Inc."; exit 0;; esac\n'
+                    'echo "$*" >> "$0.log"\n'
+                    'out=""; while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done\n'
+                    f'cp {lib.path} "$out"\n')
+    fake.chmod(0o755)
+    assert _cpu_build._parallel_flags(str(fake)) == ["-flto=auto"]
+    proc = _run({"CC": str(fake), "SOFX_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    flags = [*_cpu_build._FLAG_SETS[0], *_cpu_build._TUNING, *_cpu_build._COMMON]
+    assert f"built with: {fake} -flto=auto {' '.join(flags)}\n" in proc.stdout
+    build = [line for line in (tmp_path / "gcc-12.log").read_text().splitlines() if "-shared" in line]
+    assert build and build[0].startswith(f"-flto=auto {' '.join(flags)} "), build  # what the compiler was given
 
 
 @pytest.mark.parametrize("env, reason", [({"SOFX_CPU_NATIVE": "0"}, "disabled by SOFX_CPU_NATIVE=0"),

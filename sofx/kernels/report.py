@@ -18,7 +18,7 @@ import torch
 
 from sofx.kernels import _cpu_build, available_backends, cpu
 
-__all__ = ["vector_loops", "cpu_square_root", "lines", "main"]
+__all__ = ["vector_loops", "cpu_square_root", "build_command", "lines", "main"]
 
 
 def vector_loops(lib: _cpu_build.NativeLib | None) -> str:
@@ -40,6 +40,18 @@ def cpu_square_root(lib: _cpu_build.NativeLib | None) -> str:
              kinds["generic"]: "inline, the replica of MKL's generic path",
              kinds["avx2"]: "inline, the replica of MKL's AVX2 path"}
     return paths.get(lib.sqrt_replica, "MKL called per tile (no replica matches torch.sqrt here)")
+
+
+def build_command(lib: _cpu_build.NativeLib) -> str:
+    """The compiler and every flag the library was compiled with, in the compiler's order: the parallel-build
+    flags ``_cpu_build`` puts in front (``-flto=auto`` for GCC 10 or later, :func:`_cpu_build._parallel_flags`;
+    they change the build's time, not the code, and the cache key leaves them out), the flag set and tuning
+    defines it chose (``lib.flags``) and the flags every build has. The compiler is the one the cache key names
+    (``CC``, else the first of cc, gcc, clang found). A build whose link-time step failed ran again without the
+    parallel flags, which the cached library does not record."""
+    cc = _cpu_build._compiler()
+    parallel = _cpu_build._parallel_flags(cc) if cc else []
+    return " ".join([cc or "(no compiler found now)", *parallel, *lib.flags, *_cpu_build._COMMON])
 
 
 def _version(package: str) -> str | None:
@@ -67,7 +79,7 @@ def lines() -> list[str]:
         if ready >= 0.05:  # where this call built or loaded it (not a process that had it already)
             how += f" in {ready:.1f} s"
         out += [f"cpu, cpu_fast: native kernels, {lib.path} ({how})",
-                f"  built with: {' '.join(lib.flags)}",
+                f"  built with: {build_command(lib)}",
                 f"  {vector_loops(lib)}; threads: {threads}; "
                 f"float16: {'yes' if lib.has_f16 else 'no (the reference math)'}",
                 f"  cpu's square root: {cpu_square_root(lib)}; cpu bitwise with the reference: "
