@@ -554,6 +554,7 @@ class Adam:
         hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
         validated: set[int] = set()  # hparams objects checked already (a group's leaves share one)
+        in_float32: set[int] = set()  # ... and checked for a leaf stepped in float32
         traced = leaf_tracer()
         hp_traced: dict[int, bool] = {}  # per hparams object
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
@@ -567,6 +568,9 @@ class Adam:
             if g is not None and id(hp) not in validated:
                 _validate_hparams(hp, "hparams for ", path)
                 validated.add(id(hp))
+            if g is not None and p.dtype != torch.float64 and id(hp) not in in_float32:
+                _check_float32_range(hp, path)
+                in_float32.add(id(hp))
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
             leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
@@ -1102,6 +1106,23 @@ def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
         # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
         if not -math.inf < value < math.inf or not ok(value):
             raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
+
+
+_F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
+
+
+def _check_float32_range(hp: AdamHParams, path: str) -> None:
+    """Refuse hparams that float32, in which the kernels step every leaf but float64 ones, cannot hold: an lr
+    or weight_decay beyond its largest value (inf there: nan steps), an eps that rounds to 0 (0/0 where a
+    moment is 0). Traced values are not read."""
+    for name in ("lr", "weight_decay", "eps"):
+        value = as_number(getattr(hp, name))
+        if not is_number(value):
+            continue
+        if value > FLOAT32_MAX or (name == "eps" and value <= _F32_ROUNDS_TO_0):
+            limit = f"largest {FLOAT32_MAX!r}" if value > FLOAT32_MAX else "an eps this small is 0 there"
+            raise HParamError(f"hparams for {path}: {name} = {value!r} is beyond float32's range ({limit}); "
+                              f"{path} is stepped in float32")
 
 
 def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,

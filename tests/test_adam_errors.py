@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sofx
+from sofx import AdamHParams
 
 from helpers import clone_tree, trees_equal
 
@@ -130,6 +131,28 @@ def test_a_grad_scale_beyond_float32_is_refused_and_changes_nothing(backend, don
         new, st1, rec = opt.update(wide, tiny64, st64, grad_scale=1e300)
         assert bool(new["w"].isfinite().all()) and not torch.equal(new["w"], wide["w"])
         assert torch.allclose(opt.undo(new, st1, rec)[0]["w"], wide["w"], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("hp, name", [(AdamHParams(lr=1e39), "lr"), (AdamHParams(weight_decay=1e39), "weight_decay"),
+                                      (AdamHParams(eps=1e-46), "eps"), (AdamHParams(eps=2.0 ** -150), "eps")])
+def test_hparams_float32_cannot_hold_are_refused_where_a_leaf_is_stepped_in_float32(backend, hp, name):
+    """An lr or weight_decay beyond float32's largest value (inf there) or an eps that rounds to 0 (0/0 where a
+    moment is 0) wrote nan on the native backends (the reference raised torch's overflow error): refused naming
+    the leaf, nothing written; float64 leaves are stepped in float64, where they are numbers like others."""
+    _, params, grads, _ = _setup(3)
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    state = opt.init(params)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.HParamError, match=rf"hparams for params\['\w+'\]: {name} = .* is beyond float32's "
+                                               "range .*is stepped in float32"):
+        opt.update(params, grads, state, hp, donate=True)
+    _assert_unchanged(before, params, grads, state)
+    smallest = AdamHParams(eps=2.0 ** -149)  # float32's smallest subnormal: a number there
+    opt.update(params, grads, state, smallest)
+    if backend == "reference":
+        wide = {"w": torch.randn(5, dtype=torch.float64)}
+        opt.update(wide, {"w": torch.randn(5, dtype=torch.float64)}, opt.init(wide), hp)
 
 
 def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing():
