@@ -474,8 +474,9 @@ class Adam:
                      donate: bool = False, param_copies: Any = None, zero_missing: bool = False,
                      check_undo: bool = True) -> None:
         """Raise the :class:`~sofx.errors.SofxError` that :meth:`update` would raise for these inputs
-        (structure, shapes, dtypes, devices, hparams, ``undo='algebraic'`` where the inverse does not exist,
-        in-place writes), reading no gradient and changing nothing. For callers that step the leaves of one
+        (structure, shapes, dtypes, devices, hparams, a backend that does not support a leaf,
+        ``undo='algebraic'`` where the inverse does not exist, in-place writes), reading no gradient and
+        changing nothing. For callers that step the leaves of one
         tree in several calls (the speculation layer), so that a bad leaf is refused before any other leaf
         is stepped.
 
@@ -490,6 +491,9 @@ class Adam:
             if id(leaf.hp) not in validated:
                 _validate_hparams(leaf.hp, "hparams for ", leaf.path)
                 validated.add(id(leaf.hp))
+        # each stepped leaf's backend chosen, or refused (a dtype or device it does not support); a leaf stepped
+        # with a zero gradient (zero_missing) as one with a gradient
+        self._kernels([leaf if leaf.g is not None else leaf._replace(g=leaf.p) for leaf in stepped])
         _check_writes(leaves, _param_copies(spec, leaves, param_copies), donate)
         if check_undo and self.undo_mode == "algebraic":
             memo: dict = {}

@@ -389,6 +389,25 @@ def test_a_failing_reduce_sumsq_leaves_the_state_as_it_was(rng, undo):
             serial_loop_step(opt, loop, _grads(rng, scale=1.0), scaler=rule, reduce_sumsq=reduce, donate=True)
 
 
+@pytest.mark.parametrize("order", [None, [1, 2, 0]])
+def test_a_leaf_its_backend_cannot_step_is_refused_before_any_block_is_stepped(rng, order):
+    """backend='cpu' steps no float64 leaf: the speculative step refused it only when it reached its block,
+    after stepping (and, with donation, undoing to a few ulps) the blocks before it, and named no leaf. Now
+    check_inputs chooses every leaf's backend first: refused naming the leaf, nothing written."""
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    warm = sofx.adamw(lr=1e-2)
+    params, state = _warm(warm, [torch.randn(3, dtype=torch.float64), *_params(rng, 2)], rng)
+    grads = [torch.randn(3, dtype=torch.float64), *_grads(rng, 2, scale=1.0)]
+    rule = loss_scale.static_scale()
+    before = [t.clone() for t in (*params, *state.mu, *state.nu)]
+    with pytest.raises(sofx.UnsupportedError, match=r"params\[0\]: backend 'cpu' does not support"):
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), donate=True, order=order)
+    assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
+    with pytest.raises(sofx.UnsupportedError, match=r"params\[0\]: backend 'cpu'"):  # also a zero-filled leaf
+        opt.check_inputs(params, [None, *grads[1:]], state, zero_missing=True)
+
+
 @pytest.mark.parametrize("scale", [-1.0, math.nan, math.inf])
 def test_an_invalid_loss_scale_is_refused_by_both_loops(rng, scale):
     """A scaler state whose scale is negative, nan or inf: both loops raise the same HParamError (the serial one
