@@ -71,6 +71,7 @@ ALGEBRAIC_MIN_DIVISOR = 2.0 ** -12
 # amplifies rounding, and ``undo="auto"`` keeps a snapshot of the parameter.
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 
+_F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
 _UNDO_MODES = ("auto", "algebraic", "exact")
 _NOT_FINITE = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
 _INVERTED = ("algebraic", "param_snapshot")  # strategies whose undo inverts m and v (needs a finite gradient)
@@ -187,6 +188,7 @@ class Adam:
         (e.g. a model's bf16 weights beside fp32 masters). The CPU kernels write
         it in the same pass as the step.
         """
+        _validate_donate(donate)
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
@@ -305,6 +307,7 @@ class Adam:
         counts differ), or a leaf's step cannot be undone. ``param_copies``:
         as in :meth:`update` (they receive the restored parameters).
         """
+        _validate_donate(donate)
         spec, leaves = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
         # every leaf's kernel chosen (or refused) before any snapshot is restored
@@ -349,6 +352,7 @@ class Adam:
         record); elsewhere they are read before. ``param_copies`` as in
         :meth:`update`.
         """
+        _validate_donate(donate)
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
@@ -484,6 +488,7 @@ class Adam:
         (``missing_grad="zero"``: its hparams and its undo). ``check_undo=False``: the refusals of
         ``undo='algebraic'`` are not checked (a speculation layer does not speculate such a leaf).
         """
+        _validate_donate(donate)
         spec, leaves = self._gather(params, grads, state, hparams)
         stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
         validated = {id(leaf.hp) for leaf in leaves if leaf.g is not None}  # by _gather
@@ -706,7 +711,8 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
     number or a 0-d floating-point tensor, > 0, and at most float32's largest value where a leaf with a
     gradient is stepped in float32 (every dtype but float64: the kernels multiply its gradient by it in
-    float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it)."""
+    float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it). One
+    so small that it is 0 there steps with zero gradients, as torch's unscaling and clipping underflow would."""
     if type(grad_scale) is float or type(grad_scale) is int:
         value = grad_scale
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
@@ -857,6 +863,12 @@ def _role_name(leaf: _Leaf, role: int) -> str:
 def _validate_grads_finite(grads_finite: Any) -> None:
     if not (grads_finite is None or isinstance(grads_finite, bool)):
         raise UnsupportedError(f"grads_finite = {grads_finite!r}; expected None, True or False")
+
+
+def _validate_donate(donate: Any) -> None:
+    """``donate`` must be a bool: a string such as ``"no"`` is true, and would donate."""
+    if not isinstance(donate, bool):
+        raise UnsupportedError(f"donate = {donate!r}; expected True or False")
 
 
 def _rounded(dtype: torch.dtype, what: str) -> list[str]:
@@ -1110,9 +1122,6 @@ def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
         # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
         if not -math.inf < value < math.inf or not ok(value):
             raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
-
-
-_F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
 
 
 def _check_float32_range(hp: AdamHParams, path: str) -> None:

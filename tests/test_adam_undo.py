@@ -507,6 +507,21 @@ def test_grads_finite_must_be_a_bool_or_none():
         opt.update(params, {"w": torch.randn(3)}, opt.init(params), grads_finite=1)
 
 
+def test_donate_must_be_a_bool():
+    """donate="no" is true: it donated (and the reference backend raised a TypeError later); refused by every
+    call that takes it, nothing written."""
+    params, grads = {"w": torch.randn(3)}, {"w": torch.randn(3)}
+    opt = sofx.adamw()
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    before = [p1["w"].clone(), s1.mu["w"].clone()]
+    for call in (lambda: opt.update(p1, grads, s1, donate="no"), lambda: opt.undo(p1, s1, rec, donate="no"),
+                 lambda: opt.undo_redo(p1, s1, rec, grads, donate=1),
+                 lambda: opt.check_inputs(p1, grads, s1, donate="no")):
+        with pytest.raises(sofx.UnsupportedError, match="donate = .*; expected True or False"):
+            call()
+    assert torch.equal(p1["w"], before[0]) and torch.equal(s1.mu["w"], before[1]) and not rec.used
+
+
 def test_batched_finiteness_check_agrees_with_the_per_leaf_one():
     """The GPU path (one multi-tensor largest magnitude, one read back) gives the per-leaf answers: a nan or
     an inf, or a finite element whose scaled magnitude exceeds GRADIENT_LIMIT (its square could overflow the
