@@ -48,10 +48,10 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX
+from sofx.kernels.base import FLOAT32_MAX, as_number
 
 __all__ = [
     "LossScaler",
@@ -123,6 +123,18 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+def _float32_scale(name: str, value: float) -> float:
+    """``value`` (finite, > 0) as float32 holds it: refused where it is beyond float32's largest value or rounds
+    to 0 there (torch's GradScaler keeps its scale in a float32 tensor; it fails with "value cannot be converted
+    to type float without overflow" at its first ``scale``)."""
+    rounded = _f32(_positive(name, value))
+    if not math.isfinite(rounded) or rounded == 0:
+        raise HParamError(f"{name} = {value!r} is invalid; expected a scale float32 can hold (GradScaler keeps it "
+                          f"in a float32 tensor): at most {FLOAT32_MAX!r} and not rounding to 0 there, got "
+                          f"{rounded!r} in float32")
+    return rounded
+
+
 def _count(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}")
@@ -139,7 +151,7 @@ class GradScalerRule:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        _positive("init_scale", self.init_scale)
+        _float32_scale("init_scale", self.init_scale)
         if not self.growth_factor > 1:
             raise HParamError(f"growth_factor = {self.growth_factor!r} is invalid; expected > 1")
         if not 0 < self.backoff_factor < 1:
@@ -256,7 +268,10 @@ def _f32(x: float) -> float:
 
 def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                 growth_interval: int = 2000) -> GradScalerRule:
-    """A ``torch.amp.GradScaler``-equivalent loss scaler (same arguments and defaults)."""
+    """A ``torch.amp.GradScaler``-equivalent loss scaler (same arguments and defaults).
+
+    ``init_scale`` is held in float32, as GradScaler holds it: one beyond float32's largest value (torch fails
+    at the first ``scale``) or rounding to 0 there is refused (:class:`~sofx.errors.HParamError`)."""
     return GradScalerRule(init_scale, growth_factor, backoff_factor, growth_interval)
 
 

@@ -203,3 +203,12 @@ def test_static_scale_and_validation():
         ls.grad_scaler(backoff_factor=1.0)
     with pytest.raises(HParamError, match="scale_window"):
         ls.deepspeed_scaler(scale_window=0)
+
+
+@pytest.mark.parametrize("init", [1e39, 3.4028235e38, 1e-50])
+def test_grad_scaler_refuses_an_init_scale_float32_cannot_hold(init: float):
+    """GradScaler keeps its scale in a float32 tensor (torch fails at its first scale() for 1e39): an init scale
+    beyond float32's largest value was an inf scale, one that rounds to 0 there a scale of 0."""
+    with pytest.raises(HParamError, match=r"init_scale = .* expected a scale float32 can hold.* got (inf|0\.0) in float32"):
+        ls.grad_scaler(init_scale=init)
+    assert ls.grad_scaler(init_scale=ls.FLOAT32_MAX).init().scale == ls.FLOAT32_MAX
