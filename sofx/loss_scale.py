@@ -193,6 +193,11 @@ class DynamicLossScaleRule:
     def __post_init__(self) -> None:
         _positive("init_scale", self.init_scale)
         _positive("min_scale", self.min_scale)
+        if self.min_scale > self.init_scale:
+            # DeepSpeed accepts it, and its first overflow past the hysteresis *raises* the scale to min_scale
+            raise HParamError(f"min_scale = {self.min_scale!r} is above init_scale = {self.init_scale!r}; expected "
+                              "min_scale <= init_scale (DeepSpeed takes it, and an overflow then raises the scale "
+                              "to min_scale)")
         if self.growth_rule not in GROWTH_RULES:
             raise HParamError(f"growth_rule = {self.growth_rule!r}; expected one of {GROWTH_RULES}")
         if not self.scale_factor > 1:
@@ -283,6 +288,8 @@ def deepspeed_scaler(init_scale: float = 2.0 ** 16, scale_window: int = 1000, hy
 
     ``growth_rule="legacy"`` reproduces DeepSpeed versions before the
     ``stable_interval`` window count (growth one iteration earlier).
+    ``min_scale`` above ``init_scale`` is refused (:class:`~sofx.errors.HParamError`): DeepSpeed accepts it,
+    and there an overflow past the hysteresis raises the scale to ``min_scale`` instead of lowering it.
     """
     return DynamicLossScaleRule(init_scale, scale_factor, scale_window, min_scale, hysteresis,
                                 consecutive_hysteresis, raise_error_at_min_scale, growth_rule)

@@ -212,3 +212,12 @@ def test_grad_scaler_refuses_an_init_scale_float32_cannot_hold(init: float):
     with pytest.raises(HParamError, match=r"init_scale = .* expected a scale float32 can hold.* got (inf|0\.0) in float32"):
         ls.grad_scaler(init_scale=init)
     assert ls.grad_scaler(init_scale=ls.FLOAT32_MAX).init().scale == ls.FLOAT32_MAX
+
+
+def test_deepspeed_scaler_refuses_min_scale_above_init_scale():
+    """DeepSpeed's DynamicLossScaler takes min_scale > init_scale, and its overflow then *raises* the scale to
+    min_scale (max(S / 2, min_scale)); sofx refuses the configuration, naming both values."""
+    with pytest.raises(HParamError, match=r"min_scale = 4.0 is above init_scale = 1.0; expected min_scale <= init_scale"):
+        ls.deepspeed_scaler(init_scale=1.0, min_scale=4.0)
+    rule = ls.deepspeed_scaler(init_scale=4.0, min_scale=4.0, hysteresis=1, raise_error_at_min_scale=False)
+    assert rule.scale(rule.update(rule.init(), True)) == 4.0  # equal is fine: the floor from the start
