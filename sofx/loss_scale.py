@@ -141,6 +141,31 @@ def _count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
+def _check_state(state: Any, expected: type) -> None:
+    """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (as
+    :func:`sofx.serial.loss_scale_of` does for a loop's ``scaler_state``)."""
+    if not isinstance(state, expected):
+        raise HParamError(f"scaler_state is a {type(state).__name__}; this scaler's state is a "
+                          f"{expected.__name__} (as scaler.init() makes it)")
+
+
+def _check_scale_field(state: Any) -> None:
+    """The state's scale: a finite number >= 0 (GradScaler's reaches 0 after ~166 overflows in a row)."""
+    s = state.scale
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
+        raise HParamError(f"scaler_state.scale = {s!r} is invalid; expected a finite number >= 0")
+
+
+def _overflow(value: Any) -> bool:
+    """``overflow`` as a bool: a Python or numpy bool, or a 0-d bool tensor; a string, a number or ``None`` is
+    refused (any non-empty string was taken as an overflow)."""
+    x = as_number(value)  # a concrete 0-d tensor as its Python value
+    if isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool")):
+        return bool(x)
+    raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
+                      f"nan), got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class GradScalerRule:
     """``torch.amp.GradScaler``'s update rule (see the module docstring)."""
@@ -164,11 +189,15 @@ class GradScalerRule:
 
     def scale(self, state: GradScalerState) -> float:
         """The current scale ``S``."""
+        _check_state(state, GradScalerState)
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
         """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
-        if overflow:
+        _check_state(state, GradScalerState)
+        _check_scale_field(state)
+        _count("scaler_state.growth_tracker", state.growth_tracker, 0)
+        if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
         if successful == self.growth_interval:
@@ -211,12 +240,18 @@ class DynamicLossScaleRule:
 
     def scale(self, state: DynamicLossScaleState) -> float:
         """The current scale ``S``."""
+        _check_state(state, DynamicLossScaleState)
         return state.scale
 
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
         """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
+        _check_state(state, DynamicLossScaleState)
+        _check_scale_field(state)
+        _count("scaler_state.cur_iter", state.cur_iter, 0)
+        _count("scaler_state.last_overflow_iter", state.last_overflow_iter, -1)
+        _count("scaler_state.cur_hysteresis", state.cur_hysteresis, 1)
         scale, it, last, hyst = state
-        if overflow:
+        if _overflow(overflow):
             if self.delayed_shift == 1 or hyst == 1:
                 if scale == self.min_scale and self.raise_error_at_min_scale:
                     raise MinLossScaleError(
@@ -257,10 +292,13 @@ class StaticScaleRule:
 
     def scale(self, state: StaticScaleState) -> float:
         """The constant scale ``S``."""
+        _check_state(state, StaticScaleState)
         return state.scale
 
     def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
         """Unchanged: a static scale ignores overflow (the step is still skipped by the loop)."""
+        _check_state(state, StaticScaleState)
+        _overflow(overflow)
         return state
 
 

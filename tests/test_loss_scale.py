@@ -221,3 +221,56 @@ def test_deepspeed_scaler_refuses_min_scale_above_init_scale():
         ls.deepspeed_scaler(init_scale=1.0, min_scale=4.0)
     rule = ls.deepspeed_scaler(init_scale=4.0, min_scale=4.0, hysteresis=1, raise_error_at_min_scale=False)
     assert rule.scale(rule.update(rule.init(), True)) == 4.0  # equal is fine: the floor from the start
+
+
+_RULES = [ls.grad_scaler(), ls.deepspeed_scaler(), ls.static_scale()]
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("overflow", ["yes", "", 1, 0.0, None, torch.tensor([True, False])], ids=repr)
+def test_update_refuses_an_overflow_that_is_not_a_bool(rule, overflow):
+    """overflow must be a bool: a string ("yes", but also "") was read as its truth value."""
+    with pytest.raises(HParamError, match=r"overflow = .* is invalid; expected a bool"):
+        rule.update(rule.init(), overflow)
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+def test_update_takes_python_numpy_and_0d_tensor_bools(rule):
+    np = pytest.importorskip("numpy")
+    for flag in (True, False):
+        want = rule.update(rule.init(), flag)
+        assert rule.update(rule.init(), np.bool_(flag)) == want
+        assert rule.update(rule.init(), torch.tensor(flag)) == want
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+def test_scale_and_update_refuse_a_state_of_another_kind(rule):
+    """A plain tuple or another rule's state: an HParamError naming both types (an AttributeError, a ValueError
+    from unpacking, or another scaler's scale silently used before)."""
+    expected = type(rule.init()).__name__
+    others = [(65536.0, 0)] + [r.init() for r in _RULES if type(r.init()) is not type(rule.init())]
+    for state in others:
+        pattern = rf"scaler_state is a {type(state).__name__}; this scaler's state is a {expected}"
+        with pytest.raises(HParamError, match=pattern):
+            rule.scale(state)
+        with pytest.raises(HParamError, match=pattern):
+            rule.update(state, False)
+
+
+@pytest.mark.parametrize("state, field", [
+    (ls.GradScalerState(float("nan"), 0), "scale"), (ls.GradScalerState(float("inf"), 0), "scale"),
+    (ls.GradScalerState(-1.0, 0), "scale"), (ls.GradScalerState(65536.0, -5), "growth_tracker"),
+    (ls.GradScalerState(65536.0, 1.5), "growth_tracker")])
+def test_grad_scaler_update_refuses_a_state_with_invalid_values(state, field):
+    """A hand-made state with a nan scale went on as nan (a negative counter counted up from there)."""
+    with pytest.raises(HParamError, match=rf"scaler_state.{field} = .* is invalid"):
+        ls.grad_scaler().update(state, False)
+
+
+@pytest.mark.parametrize("state, field", [
+    (ls.DynamicLossScaleState(float("nan")), "scale"), (ls.DynamicLossScaleState(2.0, -1), "cur_iter"),
+    (ls.DynamicLossScaleState(2.0, 0, -2), "last_overflow_iter"), (ls.DynamicLossScaleState(2.0, 0, -1, 0),
+                                                                    "cur_hysteresis")])
+def test_deepspeed_update_refuses_a_state_with_invalid_values(state, field):
+    with pytest.raises(HParamError, match=rf"scaler_state.{field} = .* is invalid"):
+        ls.deepspeed_scaler().update(state, False)
