@@ -135,6 +135,12 @@ def _float32_scale(name: str, value: float) -> float:
     return rounded
 
 
+def _flag(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise HParamError(f"{name} = {value!r} is invalid; expected a bool, got {type(value).__name__}")
+    return value
+
+
 def _count(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}")
@@ -177,9 +183,9 @@ class GradScalerRule:
 
     def __post_init__(self) -> None:
         _float32_scale("init_scale", self.init_scale)
-        if not self.growth_factor > 1:
+        if not _positive("growth_factor", self.growth_factor) > 1:
             raise HParamError(f"growth_factor = {self.growth_factor!r} is invalid; expected > 1")
-        if not 0 < self.backoff_factor < 1:
+        if not _positive("backoff_factor", self.backoff_factor) < 1:
             raise HParamError(f"backoff_factor = {self.backoff_factor!r} is invalid; expected 0 < backoff < 1")
         _count("growth_interval", self.growth_interval)
 
@@ -229,10 +235,12 @@ class DynamicLossScaleRule:
                               "to min_scale)")
         if self.growth_rule not in GROWTH_RULES:
             raise HParamError(f"growth_rule = {self.growth_rule!r}; expected one of {GROWTH_RULES}")
-        if not self.scale_factor > 1:
+        if not _positive("scale_factor", self.scale_factor) > 1:
             raise HParamError(f"scale_factor = {self.scale_factor!r} is invalid; expected > 1")
         _count("scale_window", self.scale_window)
         _count("delayed_shift (hysteresis)", self.delayed_shift)
+        _flag("consecutive_hysteresis", self.consecutive_hysteresis)
+        _flag("raise_error_at_min_scale", self.raise_error_at_min_scale)
 
     def init(self) -> DynamicLossScaleState:
         """``S = init_scale``, iteration 0, no overflow yet (``last = -1``), full hysteresis."""

@@ -274,3 +274,19 @@ def test_grad_scaler_update_refuses_a_state_with_invalid_values(state, field):
 def test_deepspeed_update_refuses_a_state_with_invalid_values(state, field):
     with pytest.raises(HParamError, match=rf"scaler_state.{field} = .* is invalid"):
         ls.deepspeed_scaler().update(state, False)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: ls.grad_scaler(growth_factor="2"), "growth_factor"),
+    (lambda: ls.grad_scaler(growth_factor=float("inf")), "growth_factor"),
+    (lambda: ls.grad_scaler(backoff_factor="0.5"), "backoff_factor"),
+    (lambda: ls.grad_scaler(backoff_factor=True), "backoff_factor"),
+    (lambda: ls.deepspeed_scaler(scale_factor="2"), "scale_factor"),
+    (lambda: ls.deepspeed_scaler(scale_factor=float("inf")), "scale_factor"),
+    (lambda: ls.deepspeed_scaler(consecutive_hysteresis="no"), "consecutive_hysteresis"),
+    (lambda: ls.deepspeed_scaler(raise_error_at_min_scale=0), "raise_error_at_min_scale")])
+def test_scalers_refuse_factors_and_flags_of_the_wrong_type(make, name):
+    """A string factor raised a TypeError from a comparison, an inf one was taken (DeepSpeed's scale grew to inf),
+    a string flag was read as its truth value ("no" is true)."""
+    with pytest.raises(HParamError, match=rf"{name} = .* is invalid"):
+        make()
