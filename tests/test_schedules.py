@@ -198,3 +198,26 @@ def test_schedule_values_beyond_the_float_range_are_refused(sched, step, who):
     """An inf learning rate was returned silently."""
     with pytest.raises(HParamError, match=rf"{who}: the value at step {step} is inf, beyond the float range"):
         sched(step)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"lr": "x"}, r"lr = 'x' \(str\) is invalid; expected a schedule"),
+    ({"beta1": True}, r"beta1 = True \(bool\) is invalid"),
+    ({"eps": [1e-8]}, r"eps = \[1e-08\] \(list\) is invalid"),
+    ({"weight_decay": torch.ones(2)}, r"weight_decay = a torch.float32 tensor of shape \(2,\) \(Tensor\) is invalid"),
+    ({"lr": math.nan}, r"lr = nan is invalid; expected a finite number"),
+    ({"base": 3.0}, r"base = 3.0 \(float\) is invalid; expected a schedule step -> AdamHParams")])
+def test_hparams_schedule_refuses_fields_that_are_neither_numbers_nor_schedules(kwargs, pattern):
+    """hparams_schedule(lr="x") was taken and handed "x" to the optimizer as the lr; base=3.0 raised a TypeError
+    at the first call."""
+    with pytest.raises(HParamError, match=r"hparams_schedule: " + pattern):
+        schedules.hparams_schedule(**kwargs)
+
+
+def test_hparams_schedule_refuses_a_field_schedule_returning_a_non_number():
+    sched = schedules.hparams_schedule(lr=lambda step: "x")
+    with pytest.raises(HParamError, match=r"hparams_schedule: lr\(2\) returned 'x' \(str\); expected a number"):
+        sched(2)
+    ok = schedules.hparams_schedule(lr=torch.tensor(0.1), beta1=0.9, eps=lambda step: None,
+                                    weight_decay=lambda step: torch.tensor(0.01))(2)
+    assert ok.beta1 == 0.9 and ok.eps is None and float(ok.lr) == pytest.approx(0.1)
