@@ -253,6 +253,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:
+    """A state of another type than the transformation's own is refused, naming both (an AttributeError later)."""
+    if not isinstance(state, expected):
+        raise SofxError(f"{who}: state is a {type(state).__name__}; expected a {expected.__name__} (as {made_by} "
+                        "makes it)")
+
+
 def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
     """The loss scale ``S`` passed to ``update``: a checked float, or a 0-d tensor as is where its value cannot
     be read (``vmap`` over loss scales, ``compile``)."""
@@ -336,6 +343,7 @@ def check_finite() -> GradientTransformation:
     """Records in its state whether every gradient element is finite (gradients pass unchanged)."""
 
     def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
+        _check_state("check_finite", state, FiniteState, "check_finite().init(params)")
         leaves = _gradient_leaves(grads, "check_finite")
         if _traced(leaves):
             ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all()
@@ -368,6 +376,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     holds no tensor passed in: a first gradient is copied, so that a loop that
     reuses its gradient buffers (``zero_grad(set_to_none=False)``) keeps its sum.
     """
+    _check_state("accumulate", state, AccumulationState, "accumulation_init(params)")
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
     new = tree.flatten_up_to(spec, grads, "grads")
@@ -385,6 +394,7 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     (``missing_grad="skip"``: torch.optim leaves it untouched) or zeros (``"zero"``: DeepSpeed)."""
     if missing_grad not in MISSING_GRAD_MODES:
         raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
+    _check_state("accumulated", state, AccumulationState, "accumulation_init(params)")
     leaves, spec = tree.flatten(params)
     totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
     if missing_grad == "zero":

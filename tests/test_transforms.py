@@ -333,3 +333,15 @@ def test_unscale_under_vmap_over_loss_scales_equals_each_scale(rng):
     out = torch.func.vmap(lambda s: z.update(grads, z.init(grads), loss_scale=s)[0])(scales)
     want = z.update(grads, z.init(grads), loss_scale=3.0)[0]
     torch.testing.assert_close(out["a"][1], want["a"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: tx.accumulate((None, 0), {"a": torch.ones(3)}, p),
+    lambda p: tx.accumulated((None, 0), p),
+    lambda p: tx.check_finite().update({"a": torch.ones(3)}, (), p)],
+    ids=["accumulate", "accumulated", "check_finite"])
+def test_transforms_refuse_a_state_of_another_type(call):
+    """A plain tuple as the state raised an AttributeError ('tuple' object has no attribute 'total')."""
+    p = {"a": torch.ones(3)}
+    with pytest.raises(SofxError, match=r": state is a tuple; expected a (AccumulationState|FiniteState) \(as "):
+        call(p)
