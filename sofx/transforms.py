@@ -181,7 +181,11 @@ def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float
 
 
 def scale_tree(grads: Any, factor: float) -> Any:
-    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors)."""
+    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors); ``factor`` a finite number or a tensor."""
+    if not isinstance(factor, torch.Tensor) and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                                                 or not math.isfinite(factor)):
+        raise HParamError(f"scale_tree: factor = {factor!r:.60} ({type(factor).__name__}) is invalid; expected a "
+                          "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")
     return tree.tree_map(lambda g: g * factor, grads)
 
@@ -417,6 +421,9 @@ def _check_grad(path: str, g: Any, p: torch.Tensor) -> None:
 # ------------------------------------------------------------- param groups
 def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> Any:
     """A tree of labels: ``label_fn(path, param)`` for every leaf (path as in error messages)."""
+    if not callable(label_fn):
+        raise HParamError(f"label_fn = {label_fn!r:.60} ({type(label_fn).__name__}) is invalid; expected a callable "
+                          "(path, param) -> label")
     leaves, spec = tree.flatten(params)
     return tree.unflatten(spec, [label_fn(path, p) for path, p in zip(tree.leaf_paths(spec), leaves)])
 
@@ -475,6 +482,9 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
     """
     base = base if base is not None else AdamHParams()
     _check_is_hparams("base", base)
+    if not isinstance(groups, Mapping):
+        raise HParamError(f"groups is a {type(groups).__name__}; expected a mapping label -> AdamHParams (e.g. "
+                          "{'no_decay': AdamHParams(weight_decay=0.0)})")
     for label, hp in groups.items():
         if hp is not None:
             _check_is_hparams(f"groups[{label!r}]", hp)

@@ -345,3 +345,17 @@ def test_transforms_refuse_a_state_of_another_type(call):
     p = {"a": torch.ones(3)}
     with pytest.raises(SofxError, match=r": state is a tuple; expected a (AccumulationState|FiniteState) \(as "):
         call(p)
+
+
+def test_param_group_helpers_and_scale_tree_refuse_arguments_of_the_wrong_type():
+    """A list of pairs as groups raised an AttributeError, a string label_fn a TypeError; scale_tree with a string
+    factor a TypeError from torch, with a nan factor gave nan gradients."""
+    p = {"w": torch.ones(2, 2)}
+    with pytest.raises(HParamError, match=r"groups is a list; expected a mapping label -> AdamHParams"):
+        tx.group_hparams({"w": "decay"}, [("decay", AdamHParams())])
+    with pytest.raises(HParamError, match=r"label_fn = 'decay' \(str\) is invalid; expected a callable"):
+        tx.label_params(p, "decay")
+    for factor in ("x", math.nan, math.inf, True, None):
+        with pytest.raises(HParamError, match=r"scale_tree: factor = .* is invalid; expected a finite number"):
+            tx.scale_tree(p, factor)
+    assert torch.equal(tx.scale_tree(p, torch.tensor(2.0))["w"], torch.full((2, 2), 2.0))
