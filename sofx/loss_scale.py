@@ -48,10 +48,10 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX
+from sofx.kernels.base import FLOAT32_MAX, as_number
 
 __all__ = [
     "LossScaler",
@@ -123,10 +123,53 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+def _float32_scale(name: str, value: float) -> float:
+    """``value`` (finite, > 0) as float32 holds it: refused where it is beyond float32's largest value or rounds
+    to 0 there (torch's GradScaler keeps its scale in a float32 tensor; it fails with "value cannot be converted
+    to type float without overflow" at its first ``scale``)."""
+    rounded = _f32(_positive(name, value))
+    if not math.isfinite(rounded) or rounded == 0:
+        raise HParamError(f"{name} = {value!r} is invalid; expected a scale float32 can hold (GradScaler keeps it "
+                          f"in a float32 tensor): at most {FLOAT32_MAX!r} and not rounding to 0 there, got "
+                          f"{rounded!r} in float32")
+    return rounded
+
+
+def _flag(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise HParamError(f"{name} = {value!r} is invalid; expected a bool, got {type(value).__name__}")
+    return value
+
+
 def _count(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}")
     return value
+
+
+def _check_state(state: Any, expected: type) -> None:
+    """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (as
+    :func:`sofx.serial.loss_scale_of` does for a loop's ``scaler_state``)."""
+    if not isinstance(state, expected):
+        raise HParamError(f"scaler_state is a {type(state).__name__}; this scaler's state is a "
+                          f"{expected.__name__} (as scaler.init() makes it)")
+
+
+def _check_scale_field(state: Any) -> None:
+    """The state's scale: a finite number >= 0 (GradScaler's reaches 0 after ~166 overflows in a row)."""
+    s = state.scale
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
+        raise HParamError(f"scaler_state.scale = {s!r} is invalid; expected a finite number >= 0")
+
+
+def _overflow(value: Any) -> bool:
+    """``overflow`` as a bool: a Python or numpy bool, or a 0-d bool tensor; a string, a number or ``None`` is
+    refused (any non-empty string was taken as an overflow)."""
+    x = as_number(value)  # a concrete 0-d tensor as its Python value
+    if isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool")):
+        return bool(x)
+    raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
+                      f"nan), got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -139,10 +182,10 @@ class GradScalerRule:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        _positive("init_scale", self.init_scale)
-        if not self.growth_factor > 1:
+        _float32_scale("init_scale", self.init_scale)
+        if not _positive("growth_factor", self.growth_factor) > 1:
             raise HParamError(f"growth_factor = {self.growth_factor!r} is invalid; expected > 1")
-        if not 0 < self.backoff_factor < 1:
+        if not _positive("backoff_factor", self.backoff_factor) < 1:
             raise HParamError(f"backoff_factor = {self.backoff_factor!r} is invalid; expected 0 < backoff < 1")
         _count("growth_interval", self.growth_interval)
 
@@ -152,11 +195,15 @@ class GradScalerRule:
 
     def scale(self, state: GradScalerState) -> float:
         """The current scale ``S``."""
+        _check_state(state, GradScalerState)
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
         """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
-        if overflow:
+        _check_state(state, GradScalerState)
+        _check_scale_field(state)
+        _count("scaler_state.growth_tracker", state.growth_tracker, 0)
+        if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
         if successful == self.growth_interval:
@@ -181,12 +228,19 @@ class DynamicLossScaleRule:
     def __post_init__(self) -> None:
         _positive("init_scale", self.init_scale)
         _positive("min_scale", self.min_scale)
+        if self.min_scale > self.init_scale:
+            # DeepSpeed accepts it, and its first overflow past the hysteresis *raises* the scale to min_scale
+            raise HParamError(f"min_scale = {self.min_scale!r} is above init_scale = {self.init_scale!r}; expected "
+                              "min_scale <= init_scale (DeepSpeed takes it, and an overflow then raises the scale "
+                              "to min_scale)")
         if self.growth_rule not in GROWTH_RULES:
             raise HParamError(f"growth_rule = {self.growth_rule!r}; expected one of {GROWTH_RULES}")
-        if not self.scale_factor > 1:
+        if not _positive("scale_factor", self.scale_factor) > 1:
             raise HParamError(f"scale_factor = {self.scale_factor!r} is invalid; expected > 1")
         _count("scale_window", self.scale_window)
         _count("delayed_shift (hysteresis)", self.delayed_shift)
+        _flag("consecutive_hysteresis", self.consecutive_hysteresis)
+        _flag("raise_error_at_min_scale", self.raise_error_at_min_scale)
 
     def init(self) -> DynamicLossScaleState:
         """``S = init_scale``, iteration 0, no overflow yet (``last = -1``), full hysteresis."""
@@ -194,12 +248,18 @@ class DynamicLossScaleRule:
 
     def scale(self, state: DynamicLossScaleState) -> float:
         """The current scale ``S``."""
+        _check_state(state, DynamicLossScaleState)
         return state.scale
 
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
         """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
+        _check_state(state, DynamicLossScaleState)
+        _check_scale_field(state)
+        _count("scaler_state.cur_iter", state.cur_iter, 0)
+        _count("scaler_state.last_overflow_iter", state.last_overflow_iter, -1)
+        _count("scaler_state.cur_hysteresis", state.cur_hysteresis, 1)
         scale, it, last, hyst = state
-        if overflow:
+        if _overflow(overflow):
             if self.delayed_shift == 1 or hyst == 1:
                 if scale == self.min_scale and self.raise_error_at_min_scale:
                     raise MinLossScaleError(
@@ -240,10 +300,13 @@ class StaticScaleRule:
 
     def scale(self, state: StaticScaleState) -> float:
         """The constant scale ``S``."""
+        _check_state(state, StaticScaleState)
         return state.scale
 
     def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
         """Unchanged: a static scale ignores overflow (the step is still skipped by the loop)."""
+        _check_state(state, StaticScaleState)
+        _overflow(overflow)
         return state
 
 
@@ -256,7 +319,10 @@ def _f32(x: float) -> float:
 
 def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                 growth_interval: int = 2000) -> GradScalerRule:
-    """A ``torch.amp.GradScaler``-equivalent loss scaler (same arguments and defaults)."""
+    """A ``torch.amp.GradScaler``-equivalent loss scaler (same arguments and defaults).
+
+    ``init_scale`` is held in float32, as GradScaler holds it: one beyond float32's largest value (torch fails
+    at the first ``scale``) or rounding to 0 there is refused (:class:`~sofx.errors.HParamError`)."""
     return GradScalerRule(init_scale, growth_factor, backoff_factor, growth_interval)
 
 
@@ -268,6 +334,8 @@ def deepspeed_scaler(init_scale: float = 2.0 ** 16, scale_window: int = 1000, hy
 
     ``growth_rule="legacy"`` reproduces DeepSpeed versions before the
     ``stable_interval`` window count (growth one iteration earlier).
+    ``min_scale`` above ``init_scale`` is refused (:class:`~sofx.errors.HParamError`): DeepSpeed accepts it,
+    and there an overflow past the hysteresis raises the scale to ``min_scale`` instead of lowering it.
     """
     return DynamicLossScaleRule(init_scale, scale_factor, scale_window, min_scale, hysteresis,
                                 consecutive_hysteresis, raise_error_at_min_scale, growth_rule)

@@ -18,13 +18,20 @@ picklable (a worker process can receive them).
 :func:`join`           schedule ``k`` on ``[b_{k-1}, b_k)``, called with ``step - b_{k-1}``
 :func:`hparams_schedule`  one schedule (or constant) per field -> ``AdamHParams``
 =====================  ==========================================================
+
+A schedule whose value leaves the float range is refused (:class:`~sofx.errors.HParamError`): at construction
+where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), else at the step where it happens
+(``step_decay`` with ``|gamma| > 1``, where torch's StepLR gives an inf lr).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
+
+import torch
 
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError
@@ -67,6 +74,21 @@ def _finite(name: str, x: float) -> float:
     return float(x)
 
 
+def _span(who: str, name: str, a: float, b: float) -> None:
+    """``b - a`` (a schedule interpolates over it) must be a finite float: ``-1e308 -> 1e308`` gave nan."""
+    if not math.isfinite(b - a):
+        raise HParamError(f"{who}: {name} = {b!r} - {a!r} is beyond the float range; expected values whose "
+                          "difference is a finite float")
+
+
+def _value(who: str, step: int, value: float) -> float:
+    """A schedule's value at ``step``, refused where it left the float range (inf, or nan from inf - inf)."""
+    if not math.isfinite(value):
+        raise HParamError(f"{who}: the value at step {step} is {value!r}, beyond the float range; expected "
+                          "hyperparameters whose schedule stays finite")
+    return value
+
+
 def _steps(name: str, n: int, minimum: int = 1) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
         raise HParamError(f"{name} = {n!r} is invalid; expected an integer >= {minimum}")
@@ -100,6 +122,7 @@ class Linear:
         _finite("init", self.init)
         _finite("end", self.end)
         _steps("steps", self.steps, minimum=0)
+        _span("linear", "end - init", self.init, self.end)
 
     def __call__(self, step: int) -> float:
         step = _step(step)
@@ -126,8 +149,10 @@ class CosineDecay:
         _finite("alpha", self.alpha)
 
     def __call__(self, step: int) -> float:
-        frac = min(_step(step), self.steps) / self.steps
-        return self.init * ((1.0 - self.alpha) * 0.5 * (1.0 + math.cos(math.pi * frac)) + self.alpha)
+        step = _step(step)
+        frac = min(step, self.steps) / self.steps
+        return _value("cosine_decay", step,
+                      self.init * ((1.0 - self.alpha) * 0.5 * (1.0 + math.cos(math.pi * frac)) + self.alpha))
 
 
 @dataclass(frozen=True)
@@ -145,13 +170,16 @@ class WarmupCosine:
             _finite(name, getattr(self, name))
         _steps("warmup_steps", self.warmup, 0)
         _steps("decay_steps", self.steps, self.warmup + 1)
+        _span("warmup_cosine", "peak - init", self.init, self.peak)
+        _span("warmup_cosine", "peak - end", self.end, self.peak)
 
     def __call__(self, step: int) -> float:
         step = _step(step)
         if step < self.warmup:
             return self.init + (self.peak - self.init) * step / self.warmup
         frac = min(step - self.warmup, self.steps - self.warmup) / (self.steps - self.warmup)
-        return self.end + (self.peak - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+        return _value("warmup_cosine", step,
+                      self.end + (self.peak - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
 @dataclass(frozen=True)
@@ -168,7 +196,16 @@ class StepDecay:
         _finite("gamma", self.gamma)
 
     def __call__(self, step: int) -> float:
-        return self.init * self.gamma ** (_step(step) // self.every)
+        """``init * gamma ** (step // every)``; a step where that leaves the float range (``|gamma| > 1``) is refused
+        (torch's StepLR gives an inf lr there, Python's ``**`` an OverflowError)."""
+        step = _step(step)
+        k = step // self.every
+        try:
+            value = self.init * self.gamma ** k
+        except OverflowError:
+            value = math.inf
+        return _value(f"step_decay (init * gamma ** (step // step_size) = {self.init!r} * {self.gamma!r} ** {k})",
+                      step, value)
 
 
 def _anneal_cos(start: float, end: float, pct: float) -> float:
@@ -253,7 +290,8 @@ class OneCycle:
         for k, (end, a, b) in enumerate(phases):
             if step <= end or k == len(phases) - 1:
                 pct = (step - start) / (end - start)
-                return anneal(lrs[a], lrs[b], pct), anneal(betas[a], betas[b], pct)
+                return (_value("one_cycle lr", step, anneal(lrs[a], lrs[b], pct)),
+                        _value("one_cycle beta1", step, anneal(betas[a], betas[b], pct)))
             start = end
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -302,6 +340,17 @@ class Join:
 FieldSchedule = Union[None, float, Schedule]
 
 
+def _is_value(x: Any) -> bool:
+    """A hyperparameter value: a real number (not a bool) or a 1-element floating-point tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and x.is_floating_point()
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _describe(x: Any) -> str:
+    return f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"{x!r:.60}"
+
+
 @dataclass(frozen=True)
 class HParamsSchedule:
     """``step -> AdamHParams`` from one schedule, constant or ``None`` per field.
@@ -317,6 +366,20 @@ class HParamsSchedule:
     weight_decay: FieldSchedule = None
     base: Schedule | None = None
 
+    def __post_init__(self) -> None:
+        for name in AdamHParams._fields:
+            f = getattr(self, name)
+            if f is None or callable(f):
+                continue
+            if not _is_value(f):
+                raise HParamError(f"hparams_schedule: {name} = {_describe(f)} ({type(f).__name__}) is invalid; "
+                                  "expected a schedule (a callable step -> value), a number or None")
+            if not isinstance(f, torch.Tensor) and not math.isfinite(f):
+                raise HParamError(f"hparams_schedule: {name} = {f!r} is invalid; expected a finite number")
+        if self.base is not None and not callable(self.base):
+            raise HParamError(f"hparams_schedule: base = {self.base!r:.60} ({type(self.base).__name__}) is invalid; "
+                              "expected a schedule step -> AdamHParams (e.g. one_cycle(...)) or None")
+
     def __call__(self, step: int) -> AdamHParams:
         step = _step(step)
         out = self.base(step) if self.base is not None else AdamHParams()
@@ -325,7 +388,11 @@ class HParamsSchedule:
         values = []
         for name, current in zip(AdamHParams._fields, out):
             f = getattr(self, name)
-            values.append(current if f is None else f(step) if callable(f) else f)
+            value = current if f is None else f(step) if callable(f) else f
+            if callable(f) and value is not None and not _is_value(value):
+                raise HParamError(f"hparams_schedule: {name}({step}) returned {_describe(value)} "
+                                  f"({type(value).__name__}); expected a number, a 1-element float tensor or None")
+            values.append(value)
         return AdamHParams(*values)
 
 

@@ -181,7 +181,11 @@ def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float
 
 
 def scale_tree(grads: Any, factor: float) -> Any:
-    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors)."""
+    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors); ``factor`` a finite number or a tensor."""
+    if not isinstance(factor, torch.Tensor) and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                                                 or not math.isfinite(factor)):
+        raise HParamError(f"scale_tree: factor = {factor!r:.60} ({type(factor).__name__}) is invalid; expected a "
+                          "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")
     return tree.tree_map(lambda g: g * factor, grads)
 
@@ -251,6 +255,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return grads, tuple(new_states)
 
     return GradientTransformation(init, update)
+
+
+def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:
+    """A state of another type than the transformation's own is refused, naming both (an AttributeError later)."""
+    if not isinstance(state, expected):
+        raise SofxError(f"{who}: state is a {type(state).__name__}; expected a {expected.__name__} (as {made_by} "
+                        "makes it)")
 
 
 def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
@@ -336,6 +347,7 @@ def check_finite() -> GradientTransformation:
     """Records in its state whether every gradient element is finite (gradients pass unchanged)."""
 
     def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
+        _check_state("check_finite", state, FiniteState, "check_finite().init(params)")
         leaves = _gradient_leaves(grads, "check_finite")
         if _traced(leaves):
             ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all()
@@ -368,6 +380,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     holds no tensor passed in: a first gradient is copied, so that a loop that
     reuses its gradient buffers (``zero_grad(set_to_none=False)``) keeps its sum.
     """
+    _check_state("accumulate", state, AccumulationState, "accumulation_init(params)")
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
     new = tree.flatten_up_to(spec, grads, "grads")
@@ -385,6 +398,7 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     (``missing_grad="skip"``: torch.optim leaves it untouched) or zeros (``"zero"``: DeepSpeed)."""
     if missing_grad not in MISSING_GRAD_MODES:
         raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
+    _check_state("accumulated", state, AccumulationState, "accumulation_init(params)")
     leaves, spec = tree.flatten(params)
     totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
     if missing_grad == "zero":
@@ -407,6 +421,9 @@ def _check_grad(path: str, g: Any, p: torch.Tensor) -> None:
 # ------------------------------------------------------------- param groups
 def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> Any:
     """A tree of labels: ``label_fn(path, param)`` for every leaf (path as in error messages)."""
+    if not callable(label_fn):
+        raise HParamError(f"label_fn = {label_fn!r:.60} ({type(label_fn).__name__}) is invalid; expected a callable "
+                          "(path, param) -> label")
     leaves, spec = tree.flatten(params)
     return tree.unflatten(spec, [label_fn(path, p) for path, p in zip(tree.leaf_paths(spec), leaves)])
 
@@ -465,6 +482,9 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
     """
     base = base if base is not None else AdamHParams()
     _check_is_hparams("base", base)
+    if not isinstance(groups, Mapping):
+        raise HParamError(f"groups is a {type(groups).__name__}; expected a mapping label -> AdamHParams (e.g. "
+                          "{'no_decay': AdamHParams(weight_decay=0.0)})")
     for label, hp in groups.items():
         if hp is not None:
             _check_is_hparams(f"groups[{label!r}]", hp)

@@ -203,3 +203,90 @@ def test_static_scale_and_validation():
         ls.grad_scaler(backoff_factor=1.0)
     with pytest.raises(HParamError, match="scale_window"):
         ls.deepspeed_scaler(scale_window=0)
+
+
+@pytest.mark.parametrize("init", [1e39, 3.4028235e38, 1e-50])
+def test_grad_scaler_refuses_an_init_scale_float32_cannot_hold(init: float):
+    """GradScaler keeps its scale in a float32 tensor (torch fails at its first scale() for 1e39): an init scale
+    beyond float32's largest value was an inf scale, one that rounds to 0 there a scale of 0."""
+    with pytest.raises(HParamError, match=r"init_scale = .* expected a scale float32 can hold.* got (inf|0\.0) in float32"):
+        ls.grad_scaler(init_scale=init)
+    assert ls.grad_scaler(init_scale=ls.FLOAT32_MAX).init().scale == ls.FLOAT32_MAX
+
+
+def test_deepspeed_scaler_refuses_min_scale_above_init_scale():
+    """DeepSpeed's DynamicLossScaler takes min_scale > init_scale, and its overflow then *raises* the scale to
+    min_scale (max(S / 2, min_scale)); sofx refuses the configuration, naming both values."""
+    with pytest.raises(HParamError, match=r"min_scale = 4.0 is above init_scale = 1.0; expected min_scale <= init_scale"):
+        ls.deepspeed_scaler(init_scale=1.0, min_scale=4.0)
+    rule = ls.deepspeed_scaler(init_scale=4.0, min_scale=4.0, hysteresis=1, raise_error_at_min_scale=False)
+    assert rule.scale(rule.update(rule.init(), True)) == 4.0  # equal is fine: the floor from the start
+
+
+_RULES = [ls.grad_scaler(), ls.deepspeed_scaler(), ls.static_scale()]
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("overflow", ["yes", "", 1, 0.0, None, torch.tensor([True, False])], ids=repr)
+def test_update_refuses_an_overflow_that_is_not_a_bool(rule, overflow):
+    """overflow must be a bool: a string ("yes", but also "") was read as its truth value."""
+    with pytest.raises(HParamError, match=r"overflow = .* is invalid; expected a bool"):
+        rule.update(rule.init(), overflow)
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+def test_update_takes_python_numpy_and_0d_tensor_bools(rule):
+    np = pytest.importorskip("numpy")
+    for flag in (True, False):
+        want = rule.update(rule.init(), flag)
+        assert rule.update(rule.init(), np.bool_(flag)) == want
+        assert rule.update(rule.init(), torch.tensor(flag)) == want
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+def test_scale_and_update_refuse_a_state_of_another_kind(rule):
+    """A plain tuple or another rule's state: an HParamError naming both types (an AttributeError, a ValueError
+    from unpacking, or another scaler's scale silently used before)."""
+    expected = type(rule.init()).__name__
+    others = [(65536.0, 0)] + [r.init() for r in _RULES if type(r.init()) is not type(rule.init())]
+    for state in others:
+        pattern = rf"scaler_state is a {type(state).__name__}; this scaler's state is a {expected}"
+        with pytest.raises(HParamError, match=pattern):
+            rule.scale(state)
+        with pytest.raises(HParamError, match=pattern):
+            rule.update(state, False)
+
+
+@pytest.mark.parametrize("state, field", [
+    (ls.GradScalerState(float("nan"), 0), "scale"), (ls.GradScalerState(float("inf"), 0), "scale"),
+    (ls.GradScalerState(-1.0, 0), "scale"), (ls.GradScalerState(65536.0, -5), "growth_tracker"),
+    (ls.GradScalerState(65536.0, 1.5), "growth_tracker")])
+def test_grad_scaler_update_refuses_a_state_with_invalid_values(state, field):
+    """A hand-made state with a nan scale went on as nan (a negative counter counted up from there)."""
+    with pytest.raises(HParamError, match=rf"scaler_state.{field} = .* is invalid"):
+        ls.grad_scaler().update(state, False)
+
+
+@pytest.mark.parametrize("state, field", [
+    (ls.DynamicLossScaleState(float("nan")), "scale"), (ls.DynamicLossScaleState(2.0, -1), "cur_iter"),
+    (ls.DynamicLossScaleState(2.0, 0, -2), "last_overflow_iter"), (ls.DynamicLossScaleState(2.0, 0, -1, 0),
+                                                                    "cur_hysteresis")])
+def test_deepspeed_update_refuses_a_state_with_invalid_values(state, field):
+    with pytest.raises(HParamError, match=rf"scaler_state.{field} = .* is invalid"):
+        ls.deepspeed_scaler().update(state, False)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: ls.grad_scaler(growth_factor="2"), "growth_factor"),
+    (lambda: ls.grad_scaler(growth_factor=float("inf")), "growth_factor"),
+    (lambda: ls.grad_scaler(backoff_factor="0.5"), "backoff_factor"),
+    (lambda: ls.grad_scaler(backoff_factor=True), "backoff_factor"),
+    (lambda: ls.deepspeed_scaler(scale_factor="2"), "scale_factor"),
+    (lambda: ls.deepspeed_scaler(scale_factor=float("inf")), "scale_factor"),
+    (lambda: ls.deepspeed_scaler(consecutive_hysteresis="no"), "consecutive_hysteresis"),
+    (lambda: ls.deepspeed_scaler(raise_error_at_min_scale=0), "raise_error_at_min_scale")])
+def test_scalers_refuse_factors_and_flags_of_the_wrong_type(make, name):
+    """A string factor raised a TypeError from a comparison, an inf one was taken (DeepSpeed's scale grew to inf),
+    a string flag was read as its truth value ("no" is true)."""
+    with pytest.raises(HParamError, match=rf"{name} = .* is invalid"):
+        make()

@@ -167,3 +167,57 @@ def test_one_cycle_factors_that_divide_by_zero_or_flip_the_lr_are_refused_at_con
     args = dict(max_lr=0.1, total_steps=10) | kwargs
     with pytest.raises(HParamError, match=pattern):
         schedules.one_cycle(**args)
+
+
+def test_step_decay_refuses_the_step_where_its_value_leaves_the_float_range():
+    """gamma = 1e308: Python's ** raised a raw OverflowError at step 3 (init * gamma ** k overflowing silently to inf
+    for a large init); torch's StepLR gives an inf lr there. The steps before stay as they were."""
+    sched = schedules.step_decay(1.0, 1, gamma=1e308)
+    assert sched(1) == 1e308
+    with pytest.raises(HParamError, match=r"step_decay .* = 1.0 \* 1e\+308 \*\* 3\): the value at step 3 is inf"):
+        sched(3)
+    with pytest.raises(HParamError, match=r"step_decay .*: the value at step 1 is inf"):
+        schedules.step_decay(1e300, 1, gamma=1e10)(1)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: schedules.linear(-1e308, 1e308, 10), r"linear: end - init = 1e\+308 - -1e\+308 is beyond the float"),
+    (lambda: schedules.linear_warmup(1e308, 10, init=-1e308), r"linear: end - init"),
+    (lambda: schedules.warmup_cosine(1e308, 2, 10, init=-1e308), r"warmup_cosine: peak - init"),
+    (lambda: schedules.warmup_cosine(1e308, 2, 10, end=-1e308), r"warmup_cosine: peak - end")])
+def test_interpolations_beyond_the_float_range_are_refused_at_construction(make, pattern):
+    """linear(-1e308, 1e308, 10) gave nan at step 0 (inf * 0) and inf after it."""
+    with pytest.raises(HParamError, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize("sched, step, who", [
+    (schedules.cosine_decay(1e200, 10, alpha=1e200), 10, "cosine_decay"),
+    (schedules.one_cycle(1e10, 10, div_factor=1e-300), 0, "one_cycle lr")])
+def test_schedule_values_beyond_the_float_range_are_refused(sched, step, who):
+    """An inf learning rate was returned silently."""
+    with pytest.raises(HParamError, match=rf"{who}: the value at step {step} is inf, beyond the float range"):
+        sched(step)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"lr": "x"}, r"lr = 'x' \(str\) is invalid; expected a schedule"),
+    ({"beta1": True}, r"beta1 = True \(bool\) is invalid"),
+    ({"eps": [1e-8]}, r"eps = \[1e-08\] \(list\) is invalid"),
+    ({"weight_decay": torch.ones(2)}, r"weight_decay = a torch.float32 tensor of shape \(2,\) \(Tensor\) is invalid"),
+    ({"lr": math.nan}, r"lr = nan is invalid; expected a finite number"),
+    ({"base": 3.0}, r"base = 3.0 \(float\) is invalid; expected a schedule step -> AdamHParams")])
+def test_hparams_schedule_refuses_fields_that_are_neither_numbers_nor_schedules(kwargs, pattern):
+    """hparams_schedule(lr="x") was taken and handed "x" to the optimizer as the lr; base=3.0 raised a TypeError
+    at the first call."""
+    with pytest.raises(HParamError, match=r"hparams_schedule: " + pattern):
+        schedules.hparams_schedule(**kwargs)
+
+
+def test_hparams_schedule_refuses_a_field_schedule_returning_a_non_number():
+    sched = schedules.hparams_schedule(lr=lambda step: "x")
+    with pytest.raises(HParamError, match=r"hparams_schedule: lr\(2\) returned 'x' \(str\); expected a number"):
+        sched(2)
+    ok = schedules.hparams_schedule(lr=torch.tensor(0.1), beta1=0.9, eps=lambda step: None,
+                                    weight_decay=lambda step: torch.tensor(0.01))(2)
+    assert ok.beta1 == 0.9 and ok.eps is None and float(ok.lr) == pytest.approx(0.1)

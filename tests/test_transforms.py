@@ -333,3 +333,29 @@ def test_unscale_under_vmap_over_loss_scales_equals_each_scale(rng):
     out = torch.func.vmap(lambda s: z.update(grads, z.init(grads), loss_scale=s)[0])(scales)
     want = z.update(grads, z.init(grads), loss_scale=3.0)[0]
     torch.testing.assert_close(out["a"][1], want["a"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: tx.accumulate((None, 0), {"a": torch.ones(3)}, p),
+    lambda p: tx.accumulated((None, 0), p),
+    lambda p: tx.check_finite().update({"a": torch.ones(3)}, (), p)],
+    ids=["accumulate", "accumulated", "check_finite"])
+def test_transforms_refuse_a_state_of_another_type(call):
+    """A plain tuple as the state raised an AttributeError ('tuple' object has no attribute 'total')."""
+    p = {"a": torch.ones(3)}
+    with pytest.raises(SofxError, match=r": state is a tuple; expected a (AccumulationState|FiniteState) \(as "):
+        call(p)
+
+
+def test_param_group_helpers_and_scale_tree_refuse_arguments_of_the_wrong_type():
+    """A list of pairs as groups raised an AttributeError, a string label_fn a TypeError; scale_tree with a string
+    factor a TypeError from torch, with a nan factor gave nan gradients."""
+    p = {"w": torch.ones(2, 2)}
+    with pytest.raises(HParamError, match=r"groups is a list; expected a mapping label -> AdamHParams"):
+        tx.group_hparams({"w": "decay"}, [("decay", AdamHParams())])
+    with pytest.raises(HParamError, match=r"label_fn = 'decay' \(str\) is invalid; expected a callable"):
+        tx.label_params(p, "decay")
+    for factor in ("x", math.nan, math.inf, True, None):
+        with pytest.raises(HParamError, match=r"scale_tree: factor = .* is invalid; expected a finite number"):
+            tx.scale_tree(p, factor)
+    assert torch.equal(tx.scale_tree(p, torch.tensor(2.0))["w"], torch.full((2, 2), 2.0))
