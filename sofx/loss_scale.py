@@ -66,6 +66,7 @@ __all__ = [
     "deepspeed_scaler",
     "static_scale",
     "FLOAT32_MAX",
+    "check_state",
 ]
 
 GROWTH_RULES = ("stable_interval", "legacy")
@@ -147,9 +148,9 @@ def _count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
-def _check_state(state: Any, expected: type) -> None:
-    """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (as
-    :func:`sofx.serial.loss_scale_of` does for a loop's ``scaler_state``)."""
+def check_state(state: Any, expected: type) -> None:
+    """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (the rules'
+    ``scale`` and ``update``, and :func:`sofx.serial.loss_scale_of` for a loop's ``scaler_state``)."""
     if not isinstance(state, expected):
         raise HParamError(f"scaler_state is a {type(state).__name__}; this scaler's state is a "
                           f"{expected.__name__} (as scaler.init() makes it)")
@@ -195,12 +196,12 @@ class GradScalerRule:
 
     def scale(self, state: GradScalerState) -> float:
         """The current scale ``S``."""
-        _check_state(state, GradScalerState)
+        check_state(state, GradScalerState)
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
         """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
-        _check_state(state, GradScalerState)
+        check_state(state, GradScalerState)
         _check_scale_field(state)
         _count("scaler_state.growth_tracker", state.growth_tracker, 0)
         if _overflow(overflow):
@@ -248,12 +249,12 @@ class DynamicLossScaleRule:
 
     def scale(self, state: DynamicLossScaleState) -> float:
         """The current scale ``S``."""
-        _check_state(state, DynamicLossScaleState)
+        check_state(state, DynamicLossScaleState)
         return state.scale
 
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
         """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
-        _check_state(state, DynamicLossScaleState)
+        check_state(state, DynamicLossScaleState)
         _check_scale_field(state)
         _count("scaler_state.cur_iter", state.cur_iter, 0)
         _count("scaler_state.last_overflow_iter", state.last_overflow_iter, -1)
@@ -300,12 +301,12 @@ class StaticScaleRule:
 
     def scale(self, state: StaticScaleState) -> float:
         """The constant scale ``S``."""
-        _check_state(state, StaticScaleState)
+        check_state(state, StaticScaleState)
         return state.scale
 
     def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
         """Unchanged: a static scale ignores overflow (the step is still skipped by the loop)."""
-        _check_state(state, StaticScaleState)
+        check_state(state, StaticScaleState)
         _overflow(overflow)
         return state
 
