@@ -63,7 +63,9 @@ scale decisions are identical on every rank and equal to the single process's.
 
 Data parallelism: :func:`all_reduce_mean_` averages a gradient pytree in place
 across ranks, ``g <- (sum_r g_r) / world_size`` (summed by the backend's
-all-reduce, then divided once), so replicated parameters stay identical.
+all-reduce, then divided once; fp16 and bf16 gradients in float32, divided
+first as ``DistributedDataParallel`` does, so that finite gradients never sum
+to inf), so replicated parameters stay identical.
 """
 
 from __future__ import annotations
@@ -235,7 +237,10 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
 
     Leaves of one dtype and device are packed into one flat buffer, summed by
     one ``all_reduce(SUM)`` and divided by the world size once (the division is
-    exact for a power-of-two world size). ``None`` leaves (no gradient) are
+    exact for a power-of-two world size). fp16 and bf16 leaves are summed in
+    float32, each divided by the world size first, and rounded back once:
+    ``g <- cast(sum_r fp32(g_r) / world_size)``, finite wherever every ``g_r``
+    is (in fp16, two gradients of 40000 would sum to inf). ``None`` leaves (no gradient) are
     left out and must be ``None`` on every rank, in the same structure (checked
     first by one all-reduce of 16 bytes, ``check_layout=False`` skips it: where
     they differ every rank raises naming the first leaf, before any gradient
@@ -249,7 +254,8 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     the result to every rank -- what ``DistributedDataParallel`` relies on; the
     tests check it on 2 and 3 ranks), so replicated parameters stay bitwise
     identical. With two ranks the sum ``g_0 + g_1`` is exactly what one
-    process computes; with more, the order of the additions is the backend's.
+    process computes (for fp16/bf16: ``cast((fp32(g_0) + fp32(g_1)) / 2)``);
+    with more, the order of the additions is the backend's.
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
@@ -268,19 +274,50 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
-    for group_leaves in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in group_leaves])
+    for (dtype, _), group_leaves in buckets.items():
+        flat = _summands(torch.cat([g.reshape(-1) for g in group_leaves]), world)
         if flat.numel() == 0:
             continue
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        if world != 1:
-            flat.div_(world)
+        flat = _mean_from_sum(flat, world, dtype)
         offset = 0
         for g in group_leaves:
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
     return grads
+
+
+def _summands(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """What this rank adds to the sum over ranks of a bucket of gradients ``flat`` (a buffer of its own, which
+    the collective overwrites).
+
+    float32 and wider: ``flat`` itself; the mean is then ``(sum_r g_r) / world``
+    (:func:`_mean_from_sum`). Narrower (fp16, bf16): a float32 copy divided by
+    ``world`` first, as ``DistributedDataParallel`` divides before its
+    all-reduce, so the mean is ``cast(sum_r (fp32(g_r) / world))``. Summed in
+    fp16, two finite gradients of 40000 make inf (fp16's largest is 65504)
+    though their mean is finite; in float32, pre-divided, the sum of finite
+    values is at most ``max_r |g_r| * (1 + 2^-24)`` (one rounding per
+    division, exact for a power-of-two world size), below float32's largest
+    and, cast back, never beyond the gradients' own largest finite value
+    (bf16's is below float32's by far more than that rounding). An inf or nan
+    stays one (``inf / w = inf``, ``inf + x = inf``, ``nan + x = nan``), so
+    overflow detection sees it. The float32 sum is also more accurate than
+    an fp16 or bf16 one (the gradients travel as float32: twice the bytes).
+    """
+    if flat.dtype.itemsize >= 4:
+        return flat
+    wide = flat.to(torch.float32)
+    return wide.div_(world) if world != 1 else wide
+
+
+def _mean_from_sum(total: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mean from the sum over ranks of :func:`_summands` (``total``, written in place): divided by ``world``
+    where the gradients' ``dtype`` is float32 or wider, else (pre-divided) rounded back to ``dtype`` once."""
+    if dtype.itemsize >= 4:
+        return total.div_(world) if world != 1 else total
+    return total.to(dtype)
 
 
 def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
@@ -438,7 +475,8 @@ class Shard:
         gradient, the same on every rank). Returns this rank's local gradient
         list, ``g_i = (sum_r g_{r,i}) / world_size`` for each owned leaf ``i``
         (``None`` where the leaf had none): the reduce-scatter of ZeRO-2, one
-        ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient.
+        ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient (fp16
+        and bf16 ones in float32, divided first, as in :func:`all_reduce_mean_`).
         ``grads`` is not modified. Non-finite elements reach the owner (and,
         through :func:`all_reduce_sumsq`, every rank). The ranks' trees must
         agree in structure, ``None`` leaves, dtypes and shapes (checked first,
@@ -462,12 +500,11 @@ class Shard:
         for (owner, dtype), idx in _buckets(owners, [g_leaves[i] for i in present]).items():
             leaves = [present[j] for j in idx]
             sizes = [g_leaves[i].numel() for i in leaves]
-            flat = torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves])
+            flat = _summands(torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves]), world)
             if flat.numel():
                 dist.reduce(flat, dst=_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
             if owner == self.rank:
-                if world != 1:
-                    flat.div_(world)
+                flat = _mean_from_sum(flat, world, dtype)
                 for i, part in zip(leaves, flat.split(sizes)):
                     result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
         return [result.get(i) for i in self.owned]

@@ -305,6 +305,27 @@ def _run_idle_rank(rank: int, world: int) -> dict:
     return {"owned": list(shard.owned), "steps": steps}
 
 
+# ---------------------------------------------------------------- audit regressions (what each rank runs)
+HALF_BIG = {torch.float16: 40000.0, torch.bfloat16: 3e38}  # finite alone, inf when two are summed in the dtype
+
+
+def _half_grads(rank: int, world: int) -> dict:
+    """fp16 and bf16 gradients: a value near the top of the range on every rank (the mean is finite, the sum
+    in the dtype is not), a value that differs per rank, an inf on the last rank and a nan on rank 0."""
+    def row(dtype: torch.dtype) -> torch.Tensor:
+        big = HALF_BIG[dtype]
+        return torch.tensor([big, -big, 0.3 * (rank + 1) + 1e-3 * rank, math.inf if rank == world - 1 else 1.0,
+                             math.nan if rank == 0 else 1.0], dtype=dtype)
+
+    return {"bf16": row(torch.bfloat16), "fp16": row(torch.float16)}
+
+
+def _run_half_means(rank: int, world: int) -> dict:
+    shard = sd.shard_blocks(_half_grads(rank, world), owners=(world - 1, 0))  # bf16 onto the last rank
+    return {"all_reduce": sd.all_reduce_mean_(_half_grads(rank, world)),
+            "reduce_mean": shard.reduce_mean(_half_grads(rank, world)), "owned": list(shard.owned)}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -319,6 +340,8 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
             results["zero2"] = _run_zero2(rank, world)
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
+        for name, run in (("half_means", _run_half_means),):
+            results[name] = run(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -630,3 +653,22 @@ def test_collective_buffers_follow_the_backend(monkeypatch):
     assert sd._collective_device(None, "cpu") == torch.device("cpu")
     monkeypatch.setattr(sd.dist, "get_backend", lambda group=None: "gloo")
     assert sd._collective_device(None, None) == torch.device("cpu")
+
+
+def test_fp16_and_bf16_means_are_finite_where_the_mean_is(ranks2, ranks3):
+    """Summed in fp16, two gradients of 40000 make inf (DDP divides first); sofx sums them in float32, divided
+    first: the mean of finite values is finite, inf and nan still reach every rank, every rank has the same bits."""
+    for ranks in (ranks2, ranks3):
+        world = len(ranks)
+        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            per_rank = [_half_grads(r, world)[key] for r in range(world)]
+            want = sum(g.float() / world for g in per_rank).to(dtype)  # the float32 sum, in rank order
+            assert torch.isfinite(want[:3]).all() and want[3] == math.inf and math.isnan(want[4])
+            assert want[0] == torch.tensor(HALF_BIG[dtype], dtype=dtype)
+            means = [r["half_means"]["all_reduce"][key] for r in ranks]
+            owner = world - 1 if key == "bf16" else 0  # each owns this one leaf
+            assert ranks[owner]["half_means"]["owned"] == [0 if key == "bf16" else 1]
+            means.append(ranks[owner]["half_means"]["reduce_mean"][0])
+            for mean in means:
+                assert mean.dtype == dtype
+                assert torch.equal(mean[:4], want[:4]) and math.isnan(mean[4]), (key, world, mean, want)
