@@ -158,19 +158,22 @@ def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[An
 
 
 def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
-                       dev: torch.device, refused: SofxError | None = None) -> None:
+                       dev: torch.device, refused: SofxError | None = None, owners: tuple[int, ...] = ()) -> None:
     """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
-    are ``None``, or in a leaf's dtype or shape: the packed buffers would otherwise be summed or sent
-    element by element between unrelated leaves (silently, when the totals agree) or break inside the
-    backend. One all-reduce of two int64 (a digest of the layout: its max and minus its min); only when they
-    differ does an ``all_gather_object`` fetch the layouts to name the first leaf that differs.
+    are ``None``, or in a leaf's dtype or shape, or their shards in a leaf's owner (``owners``, one per leaf;
+    empty without a shard): the packed buffers would otherwise be summed or sent element by element between
+    unrelated leaves (silently, when the totals agree), reduced onto or broadcast from different ranks (a
+    leaf swapped with another), or break inside the backend. (A shard's world size is the group's, checked
+    before: :meth:`Shard._check_group`.) One all-reduce of two int64 (a digest of the layout: its max and
+    minus its min); only when they differ does an ``all_gather_object`` fetch the layouts to name the first
+    leaf that differs.
 
     ``refused``: this rank's own check of its input failed (a gradient that is not floating point, a tree of
     another structure than the shard's): it still takes part, so that the others do not wait in the
     collective for it; it raises that error, and every other rank says which rank refused what."""
     mine = _layout(spec, leaves)
-    digest = int.from_bytes(hashlib.blake2b(repr((mine, refused is None)).encode(), digest_size=7).digest(),
-                            "little")
+    digest = int.from_bytes(hashlib.blake2b(repr((mine, owners, refused is None)).encode(),
+                                            digest_size=7).digest(), "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     if int(bounds[0]) == digest and -int(bounds[1]) == digest:
@@ -179,21 +182,27 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
         return
     paths = tree.leaf_paths(spec, root)
     layouts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, (paths, mine[1], None if refused is None else str(refused)), group=group)
+    dist.all_gather_object(layouts, (paths, mine[1], owners, None if refused is None else str(refused)),
+                           group=group)
     if refused is not None:
         raise refused
     me = dist.get_rank(group)
-    first_refusal = next(((r, text) for r, (_, _, text) in enumerate(layouts) if text is not None), None)
+    first_refusal = next(((r, text) for r, (*_, text) in enumerate(layouts) if text is not None), None)
     if first_refusal is not None:
         r, text = first_refusal
         raise SofxError(f"{what}: rank {r} refused its input ({text}); no data was sent")
-    for r, (other_paths, other, _) in enumerate(layouts):
-        if r == me or (other_paths, other) == (paths, mine[1]):
+    for r, (other_paths, other, other_owners, _) in enumerate(layouts):
+        if r == me or (other_paths, other, other_owners) == (paths, mine[1], owners):
             continue
         if other_paths != paths:
             theirs, ours = sorted(set(other_paths) - set(paths)), sorted(set(paths) - set(other_paths))
             raise SofxError(f"{what}: the {root} tree of rank {r} has another structure than rank {me}'s "
                             f"(only on rank {r}: {theirs[:3]}; only on rank {me}: {ours[:3]})")
+        if other_owners != owners:
+            i = next(i for i, (a, b) in enumerate(zip(owners, other_owners)) if a != b)
+            raise SofxError(f"{what}: {paths[i]} is owned by rank {other_owners[i]} in rank {r}'s shard, by rank "
+                            f"{owners[i]} in rank {me}'s; every rank must build its Shard with the same owners "
+                            "(shard_blocks with the same params sizes, or the same owners=)")
         i = next(i for i, (a, b) in enumerate(zip(mine[1], other)) if a != b)
 
         def said(x: Any) -> str:
@@ -355,8 +364,9 @@ class Shard:
     A rank's local tree is the list of its owned leaves in leaf order
     (:meth:`local`, or :meth:`reduce_mean` for data-parallel gradients); run
     the loops on it and gather with :meth:`gather`. Every rank must build its
-    ``Shard`` from a params tree of the same structure and shapes. Immutable;
-    build one with :func:`shard_blocks`.
+    ``Shard`` from a params tree of the same structure and shapes, with the
+    same owners (:meth:`gather` and :meth:`reduce_mean` check it first, with
+    the layout). Immutable; build one with :func:`shard_blocks`.
     """
 
     rank: int
@@ -454,7 +464,7 @@ class Shard:
         mine = dict(zip(self.owned, local)) if refused is None else {}
         dev = _collective_device(group, None)
         if check_layout:
-            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused)
+            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused, self.owners)
         out: list[Any] = [None] * len(templates)
         for (owner, dtype), leaves in _buckets(self.owners, templates).items():
             sizes = [math.prod(templates[i].shape) for i in leaves]
@@ -493,7 +503,8 @@ class Shard:
         present = [i for i, g in enumerate(g_leaves) if g is not None]
         dev = _collective_device(group, None)
         if check_layout:
-            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev, refused)
+            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev, refused,
+                               self.owners)
         world = self.world_size
         result: dict[int, torch.Tensor] = {}
         owners = [self.owners[i] for i in present]

@@ -326,6 +326,22 @@ def _run_half_means(rank: int, world: int) -> dict:
             "reduce_mean": shard.reduce_mean(_half_grads(rank, world)), "owned": list(shard.owned)}
 
 
+def _run_owner_errors(rank: int, world: int) -> dict:
+    """Shards built with other owners on rank 1 (say from rank-local sizes): every rank raises naming the
+    first leaf whose owner differs, nothing is sent, the group works on afterwards."""
+    full = {"p": torch.full((3,), 1.0 + rank), "q": torch.full((3,), 2.0 + rank)}
+    shard = sd.shard_blocks(full, owners=(1, 0) if rank == 1 else (0, 1))
+    errors = []
+    for call in (lambda: shard.gather(shard.local(full), full), lambda: shard.reduce_mean(full)):
+        try:
+            call()
+            errors.append("no error")
+        except sofx.SofxError as exc:
+            errors.append(str(exc))
+    sd.all_reduce_mean_({"after": torch.ones(1)})
+    return {"errors": errors}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -340,7 +356,7 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
             results["zero2"] = _run_zero2(rank, world)
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
-        for name, run in (("half_means", _run_half_means),):
+        for name, run in (("half_means", _run_half_means), ("owner_errors", _run_owner_errors)):
             results[name] = run(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
@@ -672,3 +688,13 @@ def test_fp16_and_bf16_means_are_finite_where_the_mean_is(ranks2, ranks3):
             for mean in means:
                 assert mean.dtype == dtype
                 assert torch.equal(mean[:4], want[:4]) and math.isnan(mean[4]), (key, world, mean, want)
+
+
+def test_shards_with_other_owners_are_refused_on_every_rank(ranks2, ranks3):
+    for ranks in (ranks2, ranks3):
+        for r, run in enumerate(ranks):
+            gather, reduce = run["owner_errors"]["errors"]
+            for what, root, msg in (("Shard.gather", "like", gather), ("Shard.reduce_mean", "grads", reduce)):
+                assert msg.startswith(f"{what}: {root}['p'] is owned by rank "), msg
+                assert "every rank must build its Shard with the same owners" in msg
+                assert ("in rank 1's shard" in msg) == (r != 1), msg  # each names a rank that differs from it
