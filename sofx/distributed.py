@@ -81,6 +81,7 @@ import torch
 
 from sofx import tree
 from sofx.errors import SofxError
+from sofx.kernels.donation import overlaps_itself
 
 __all__ = [
     "is_ready",
@@ -249,14 +250,17 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     exact for a power-of-two world size). fp16 and bf16 leaves are summed in
     float32, each divided by the world size first, and rounded back once:
     ``g <- cast(sum_r fp32(g_r) / world_size)``, finite wherever every ``g_r``
-    is (in fp16, two gradients of 40000 would sum to inf). ``None`` leaves (no gradient) are
-    left out and must be ``None`` on every rank, in the same structure (checked
-    first by one all-reduce of 16 bytes, ``check_layout=False`` skips it: where
-    they differ every rank raises naming the first leaf, before any gradient
-    moves; a rank whose own gradients are refused, not tensors or not floating
-    point, raises that error and every other rank names it: none waits in a
-    collective for a rank that left; with ``check_layout=False`` a rank raises
-    alone, and the others wait for it until the group's timeout). A
+    is (in fp16, two gradients of 40000 would sum to inf). ``None`` leaves (no
+    gradient) are left out and must be ``None`` on every rank, in the same
+    structure (checked first by one all-reduce of 16 bytes,
+    ``check_layout=False`` skips it: where they differ every rank raises naming
+    the first leaf, before any gradient moves; a rank whose own gradients are
+    refused, not tensors, not floating point, or not writable in place
+    (elements that overlap in memory, as an ``expand()``-ed tensor's; a leaf
+    that requires grad, or a view of one; an inference tensor), raises that
+    error and every other rank names it, before any gradient is written: none
+    waits in a collective for a rank that left; with ``check_layout=False`` a
+    rank raises alone, and the others wait for it until the group's timeout). A
     non-finite element on any rank makes the same element non-finite on every
     rank, so the overflow check skips the step everywhere. Every rank gets the
     same bits (gloo's and NCCL's all-reduce reduce each element once and send
@@ -268,10 +272,11 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
-    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+    leaves, spec = tree.flatten(grads)  # None leaves: empty subtrees, left out
     refused = None
     try:
         _check_floating_tensors("all_reduce_mean_", leaves)
+        _check_writable("all_reduce_mean_", tree.leaf_paths(spec, "grads"), leaves)
     except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
         refused = e
     if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
@@ -528,6 +533,26 @@ def _check_floating_tensors(what: str, grads: Sequence[Any]) -> None:
             raise SofxError(f"{what}: gradients must be tensors, got {type(g).__name__}")
         if not g.is_floating_point():
             raise SofxError(f"{what}: gradients must be floating point, got {g.dtype}")
+
+
+def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+    """Refuse a gradient the mean cannot be written into in place, before any is written (``copy_`` would
+    raise on it after the leaves before it were overwritten): one whose elements overlap in memory
+    (``expand()``), a leaf that requires grad or a view of one (with grad mode on), an inference tensor
+    outside inference mode."""
+    for path, g in zip(paths, grads):
+        base = g if g._base is None else g._base
+        if g.requires_grad and base.is_leaf and torch.is_grad_enabled():
+            raise SofxError(f"{what}: {path} is {'a leaf' if g is base else 'a view of a leaf'} that requires grad, "
+                            "which cannot be written in place; pass it detached (.detach()) or call under "
+                            "torch.no_grad()")
+        if g.is_inference() and not torch.is_inference_mode_enabled():
+            raise SofxError(f"{what}: {path} is an inference tensor (made under torch.inference_mode()), which "
+                            "cannot be written in place outside it; pass a .clone() or call under "
+                            "torch.inference_mode()")
+        if overlaps_itself(g):
+            raise SofxError(f"{what}: {path}: its elements overlap in memory (e.g. an expand()-ed tensor), so the "
+                            "mean cannot be written into it; pass a tensor with its own memory (.clone())")
 
 
 def _as_refusal(what: str, error: Exception) -> SofxError:

@@ -342,6 +342,33 @@ def _run_owner_errors(rank: int, world: int) -> dict:
     return {"errors": errors}
 
 
+def _unwritable(rank: int) -> list:
+    """Gradients rank 1 passes that the mean cannot be written into (the others pass ordinary ones)."""
+    if rank != 1:
+        return [torch.ones(4)] * 4
+    with torch.inference_mode():
+        inference = torch.ones(4)
+    leaf = torch.ones(4, requires_grad=True)
+    return [torch.ones(1).expand(4), leaf, leaf[:4], inference]
+
+
+def _run_unwritable(rank: int, world: int) -> dict:
+    """all_reduce_mean_ on {"a": fine, "b": unwritable on rank 1}: every rank raises, "a" is unchanged."""
+    out = []
+    for bad in _unwritable(rank):
+        a = torch.full((3,), float(rank + 1))
+        try:
+            sd.all_reduce_mean_({"a": a, "b": bad})
+            msg = "no error"
+        except sofx.SofxError as exc:
+            msg = str(exc)
+        except RuntimeError as exc:  # what torch's in-place write raised (halfway) before the check
+            msg = f"RuntimeError: {exc}"
+        out.append({"msg": msg, "a": a})
+    sd.all_reduce_mean_({"after": torch.ones(1)})
+    return {"cases": out}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -356,7 +383,8 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
             results["zero2"] = _run_zero2(rank, world)
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
-        for name, run in (("half_means", _run_half_means), ("owner_errors", _run_owner_errors)):
+        for name, run in (("half_means", _run_half_means), ("owner_errors", _run_owner_errors),
+                          ("unwritable", _run_unwritable)):
             results[name] = run(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
@@ -698,3 +726,17 @@ def test_shards_with_other_owners_are_refused_on_every_rank(ranks2, ranks3):
                 assert msg.startswith(f"{what}: {root}['p'] is owned by rank "), msg
                 assert "every rank must build its Shard with the same owners" in msg
                 assert ("in rank 1's shard" in msg) == (r != 1), msg  # each names a rank that differs from it
+
+
+def test_all_reduce_mean_refuses_an_unwritable_gradient_before_writing_any(ranks2, ranks3):
+    """An expanded tensor, a leaf that requires grad, a view of one, an inference tensor on rank 1 only:
+    every rank raises (rank 1 its own error, the others naming rank 1) and no gradient changed."""
+    wanted = ["grads['b']: its elements overlap in memory", "grads['b'] is a leaf that requires grad",
+              "grads['b'] is a view of a leaf that requires grad", "grads['b'] is an inference tensor"]
+    for ranks in (ranks2, ranks3):
+        for r, run in enumerate(ranks):
+            for case, want in zip(run["unwritable"]["cases"], wanted, strict=True):
+                msg = case["msg"]
+                assert msg.startswith("all_reduce_mean_: ") and want in msg, msg
+                assert ("rank 1 refused its input (" in msg) == (r != 1), msg
+                assert torch.equal(case["a"], torch.full((3,), float(r + 1))), (msg, case["a"])
