@@ -32,7 +32,14 @@ as well -- the tests check both -- but the association of its additions is the
 backend's and depends on its algorithm and the world size; the all-gather makes
 it explicit and the same for every backend.)
 Every rank must call the hook once per step, also a rank that owns no block
-or got no gradient (its local sum is then 0).
+or got no gradient: its local sum is then ``-0.0``
+(:func:`sofx.serial.local_sumsq`), IEEE addition's identity, so ``s`` is
+``-0.0`` exactly when no rank has a gradient, and such a step is not counted
+by the loss scaler or the speculation policy, as in one process
+(:func:`sofx.serial.without_gradients`). A hook of one's own that adds the
+ranks' values (``dist.all_reduce(SUM)`` of a float64 tensor will do) keeps
+that; one that returns ``+0.0`` there makes the step count as a step with zero
+gradients.
 
 ZeRO-style sharding: each rank owns a subset of the blocks (the leaves of the
 params pytree) and keeps their master weights and Adam state; :class:`Shard`
@@ -223,7 +230,9 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
     inf on any rank gives a non-finite ``s`` on every rank (an overflow: every
     rank skips). ``device``: where the gathered buffer lives (default: the
     current CUDA device for NCCL, else the CPU). Every rank of ``group`` must
-    call the hook the same number of times (once per step).
+    call the hook the same number of times (once per step). The sum starts
+    from ``-0.0`` (``-0.0 + x = x`` for every ``x``): ``-0.0`` from every rank
+    (no gradient anywhere) gives ``-0.0``; every other sum is unchanged.
     """
     require_initialized(group, "all_reduce_sumsq")
 
@@ -234,7 +243,7 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
         mine = torch.tensor([float(local)], dtype=torch.float64, device=dev)
         parts = [torch.empty(1, dtype=torch.float64, device=dev) for _ in range(world)]
         dist.all_gather(parts, mine, group=group)
-        total = 0.0
+        total = -0.0  # IEEE addition's identity: -0.0 (no gradient) on every rank sums to -0.0, as it should
         for value in torch.cat(parts).tolist():
             total += value
         return total

@@ -369,6 +369,51 @@ def _run_unwritable(rank: int, world: int) -> dict:
     return {"cases": out}
 
 
+EMPTY_STEP, ZERO_STEP = 1, 2  # no gradient on any rank; zero gradients on every rank (a step that counts)
+
+
+def _empty_step_grads(step: int) -> dict:
+    if step == EMPTY_STEP:
+        return {"a": None, "b": None}
+    return {"a": torch.full((3,), 0.0 if step == ZERO_STEP else 0.1), "b": torch.full((2,), 0.0 if step == ZERO_STEP
+                                                                                        else 0.2)}
+
+
+def _empty_step_run(reduce, local) -> dict:
+    """The serial and the speculative loop over 5 steps with a GradScaler that grows every 2 steps counted;
+    ``local`` selects this rank's gradients (the identity in one process)."""
+    opt, scaler = sofx.adamw(lr=1e-2), loss_scale.grad_scaler(init_scale=4.0, growth_interval=2)
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    serial = spec = init_loop(opt, local(params), scaler)
+    out = {"serial": [], "spec": [], "recent": []}
+    for step in range(5):
+        serial, _ = serial_loop_step(opt, serial, local(_empty_step_grads(step)), scaler=scaler, max_norm=MAX_NORM,
+                                     reduce_sumsq=reduce)
+        spec, _ = sp.speculative_loop_step(opt, spec, local(_empty_step_grads(step)), config=cfg, scaler=scaler,
+                                           reduce_sumsq=reduce)
+        out["serial"].append(scaler.scale(serial.scaler_state))
+        out["spec"].append(scaler.scale(spec.scaler_state))
+        out["recent"].append(list(spec.policy_state.recent))
+    return out
+
+
+def _run_empty_step(rank: int, world: int) -> dict:
+    """A step without gradient on any rank (with 3 ranks and 2 leaves, rank 1 owns none: it never has one):
+    with sofx's hook and with a user's hook that sums by gloo's all_reduce."""
+    shard = sd.shard_blocks({"a": torch.ones(3), "b": torch.ones(2)})
+
+    def users_hook(local: float) -> float:
+        t = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item()
+
+    def local(full: dict) -> list:
+        return shard.local(full, "grads")
+
+    return {"sofx": _empty_step_run(sd.all_reduce_sumsq(), local), "user": _empty_step_run(users_hook, local)}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -384,7 +429,7 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
         for name, run in (("half_means", _run_half_means), ("owner_errors", _run_owner_errors),
-                          ("unwritable", _run_unwritable)):
+                          ("unwritable", _run_unwritable), ("empty_step", _run_empty_step)):
             results[name] = run(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
@@ -740,3 +785,17 @@ def test_all_reduce_mean_refuses_an_unwritable_gradient_before_writing_any(ranks
                 assert msg.startswith("all_reduce_mean_: ") and want in msg, msg
                 assert ("rank 1 refused its input (" in msg) == (r != 1), msg
                 assert torch.equal(case["a"], torch.full((3,), float(r + 1))), (msg, case["a"])
+
+
+def test_a_step_without_gradient_on_any_rank_is_not_counted_as_in_one_process(ranks2, ranks3):
+    """GradScaler (growth every 2 counted steps) and the adaptive policy skip a step without any gradient in
+    one process; on many ranks too, with sofx's hook and with a user's hook summing by all_reduce (-0.0, the
+    local sum of a rank without gradient, sums to -0.0 only where every rank has none). A step of zero
+    gradients counts."""
+    ref = _empty_step_run(None, lambda t: t)
+    assert ref["serial"] == ref["spec"] == [4.0, 4.0, 8.0, 8.0, 16.0]  # the scale after each step: 1 not counted
+    assert len(ref["recent"][EMPTY_STEP]) == len(ref["recent"][EMPTY_STEP - 1])
+    for ranks in (ranks2, ranks3):
+        for run in ranks:
+            assert run["empty_step"]["sofx"] == ref
+            assert run["empty_step"]["user"] == ref
