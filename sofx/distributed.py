@@ -32,7 +32,14 @@ as well -- the tests check both -- but the association of its additions is the
 backend's and depends on its algorithm and the world size; the all-gather makes
 it explicit and the same for every backend.)
 Every rank must call the hook once per step, also a rank that owns no block
-or got no gradient (its local sum is then 0).
+or got no gradient: its local sum is then ``-0.0``
+(:func:`sofx.serial.local_sumsq`), IEEE addition's identity, so ``s`` is
+``-0.0`` exactly when no rank has a gradient, and such a step is not counted
+by the loss scaler or the speculation policy, as in one process
+(:func:`sofx.serial.without_gradients`). A hook of one's own that adds the
+ranks' values (``dist.all_reduce(SUM)`` of a float64 tensor will do) keeps
+that; one that returns ``+0.0`` there makes the step count as a step with zero
+gradients.
 
 ZeRO-style sharding: each rank owns a subset of the blocks (the leaves of the
 params pytree) and keeps their master weights and Adam state; :class:`Shard`
@@ -63,7 +70,9 @@ scale decisions are identical on every rank and equal to the single process's.
 
 Data parallelism: :func:`all_reduce_mean_` averages a gradient pytree in place
 across ranks, ``g <- (sum_r g_r) / world_size`` (summed by the backend's
-all-reduce, then divided once), so replicated parameters stay identical.
+all-reduce, then divided once; fp16 and bf16 gradients in float32, divided
+first as ``DistributedDataParallel`` does, so that finite gradients never sum
+to inf), so replicated parameters stay identical.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ import torch
 
 from sofx import tree
 from sofx.errors import SofxError
+from sofx.kernels.donation import overlaps_itself
 
 __all__ = [
     "is_ready",
@@ -156,19 +166,22 @@ def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[An
 
 
 def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
-                       dev: torch.device, refused: SofxError | None = None) -> None:
+                       dev: torch.device, refused: SofxError | None = None, owners: tuple[int, ...] = ()) -> None:
     """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
-    are ``None``, or in a leaf's dtype or shape: the packed buffers would otherwise be summed or sent
-    element by element between unrelated leaves (silently, when the totals agree) or break inside the
-    backend. One all-reduce of two int64 (a digest of the layout: its max and minus its min); only when they
-    differ does an ``all_gather_object`` fetch the layouts to name the first leaf that differs.
+    are ``None``, or in a leaf's dtype or shape, or their shards in a leaf's owner (``owners``, one per leaf;
+    empty without a shard): the packed buffers would otherwise be summed or sent element by element between
+    unrelated leaves (silently, when the totals agree), reduced onto or broadcast from different ranks (a
+    leaf swapped with another), or break inside the backend. (A shard's world size is the group's, checked
+    before: :meth:`Shard._check_group`.) One all-reduce of two int64 (a digest of the layout: its max and
+    minus its min); only when they differ does an ``all_gather_object`` fetch the layouts to name the first
+    leaf that differs.
 
     ``refused``: this rank's own check of its input failed (a gradient that is not floating point, a tree of
     another structure than the shard's): it still takes part, so that the others do not wait in the
     collective for it; it raises that error, and every other rank says which rank refused what."""
     mine = _layout(spec, leaves)
-    digest = int.from_bytes(hashlib.blake2b(repr((mine, refused is None)).encode(), digest_size=7).digest(),
-                            "little")
+    digest = int.from_bytes(hashlib.blake2b(repr((mine, owners, refused is None)).encode(),
+                                            digest_size=7).digest(), "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
     if int(bounds[0]) == digest and -int(bounds[1]) == digest:
@@ -177,21 +190,27 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
         return
     paths = tree.leaf_paths(spec, root)
     layouts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, (paths, mine[1], None if refused is None else str(refused)), group=group)
+    dist.all_gather_object(layouts, (paths, mine[1], owners, None if refused is None else str(refused)),
+                           group=group)
     if refused is not None:
         raise refused
     me = dist.get_rank(group)
-    first_refusal = next(((r, text) for r, (_, _, text) in enumerate(layouts) if text is not None), None)
+    first_refusal = next(((r, text) for r, (*_, text) in enumerate(layouts) if text is not None), None)
     if first_refusal is not None:
         r, text = first_refusal
         raise SofxError(f"{what}: rank {r} refused its input ({text}); no data was sent")
-    for r, (other_paths, other, _) in enumerate(layouts):
-        if r == me or (other_paths, other) == (paths, mine[1]):
+    for r, (other_paths, other, other_owners, _) in enumerate(layouts):
+        if r == me or (other_paths, other, other_owners) == (paths, mine[1], owners):
             continue
         if other_paths != paths:
             theirs, ours = sorted(set(other_paths) - set(paths)), sorted(set(paths) - set(other_paths))
             raise SofxError(f"{what}: the {root} tree of rank {r} has another structure than rank {me}'s "
                             f"(only on rank {r}: {theirs[:3]}; only on rank {me}: {ours[:3]})")
+        if other_owners != owners:
+            i = next(i for i, (a, b) in enumerate(zip(owners, other_owners)) if a != b)
+            raise SofxError(f"{what}: {paths[i]} is owned by rank {other_owners[i]} in rank {r}'s shard, by rank "
+                            f"{owners[i]} in rank {me}'s; every rank must build its Shard with the same owners "
+                            "(shard_blocks with the same params sizes, or the same owners=)")
         i = next(i for i, (a, b) in enumerate(zip(mine[1], other)) if a != b)
 
         def said(x: Any) -> str:
@@ -211,7 +230,9 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
     inf on any rank gives a non-finite ``s`` on every rank (an overflow: every
     rank skips). ``device``: where the gathered buffer lives (default: the
     current CUDA device for NCCL, else the CPU). Every rank of ``group`` must
-    call the hook the same number of times (once per step).
+    call the hook the same number of times (once per step). The sum starts
+    from ``-0.0`` (``-0.0 + x = x`` for every ``x``): ``-0.0`` from every rank
+    (no gradient anywhere) gives ``-0.0``; every other sum is unchanged.
     """
     require_initialized(group, "all_reduce_sumsq")
 
@@ -222,7 +243,7 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
         mine = torch.tensor([float(local)], dtype=torch.float64, device=dev)
         parts = [torch.empty(1, dtype=torch.float64, device=dev) for _ in range(world)]
         dist.all_gather(parts, mine, group=group)
-        total = 0.0
+        total = -0.0  # IEEE addition's identity: -0.0 (no gradient) on every rank sums to -0.0, as it should
         for value in torch.cat(parts).tolist():
             total += value
         return total
@@ -235,28 +256,36 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
 
     Leaves of one dtype and device are packed into one flat buffer, summed by
     one ``all_reduce(SUM)`` and divided by the world size once (the division is
-    exact for a power-of-two world size). ``None`` leaves (no gradient) are
-    left out and must be ``None`` on every rank, in the same structure (checked
-    first by one all-reduce of 16 bytes, ``check_layout=False`` skips it: where
-    they differ every rank raises naming the first leaf, before any gradient
-    moves; a rank whose own gradients are refused, not tensors or not floating
-    point, raises that error and every other rank names it: none waits in a
-    collective for a rank that left; with ``check_layout=False`` a rank raises
-    alone, and the others wait for it until the group's timeout). A
+    exact for a power-of-two world size). fp16 and bf16 leaves are summed in
+    float32, each divided by the world size first, and rounded back once:
+    ``g <- cast(sum_r fp32(g_r) / world_size)``, finite wherever every ``g_r``
+    is (in fp16, two gradients of 40000 would sum to inf). ``None`` leaves (no
+    gradient) are left out and must be ``None`` on every rank, in the same
+    structure (checked first by one all-reduce of 16 bytes,
+    ``check_layout=False`` skips it: where they differ every rank raises naming
+    the first leaf, before any gradient moves; a rank whose own gradients are
+    refused, not tensors, not floating point, or not writable in place
+    (elements that overlap in memory, as an ``expand()``-ed tensor's; a leaf
+    that requires grad, or a view of one; an inference tensor), raises that
+    error and every other rank names it, before any gradient is written: none
+    waits in a collective for a rank that left; with ``check_layout=False`` a
+    rank raises alone, and the others wait for it until the group's timeout). A
     non-finite element on any rank makes the same element non-finite on every
     rank, so the overflow check skips the step everywhere. Every rank gets the
     same bits (gloo's and NCCL's all-reduce reduce each element once and send
     the result to every rank -- what ``DistributedDataParallel`` relies on; the
     tests check it on 2 and 3 ranks), so replicated parameters stay bitwise
     identical. With two ranks the sum ``g_0 + g_1`` is exactly what one
-    process computes; with more, the order of the additions is the backend's.
+    process computes (for fp16/bf16: ``cast((fp32(g_0) + fp32(g_1)) / 2)``);
+    with more, the order of the additions is the backend's.
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
-    leaves = [g for g in tree.flatten(grads)[0] if g is not None]
+    leaves, spec = tree.flatten(grads)  # None leaves: empty subtrees, left out
     refused = None
     try:
         _check_floating_tensors("all_reduce_mean_", leaves)
+        _check_writable("all_reduce_mean_", tree.leaf_paths(spec, "grads"), leaves)
     except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
         refused = e
     if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
@@ -268,19 +297,50 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
-    for group_leaves in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in group_leaves])
+    for (dtype, _), group_leaves in buckets.items():
+        flat = _summands(torch.cat([g.reshape(-1) for g in group_leaves]), world)
         if flat.numel() == 0:
             continue
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        if world != 1:
-            flat.div_(world)
+        flat = _mean_from_sum(flat, world, dtype)
         offset = 0
         for g in group_leaves:
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
     return grads
+
+
+def _summands(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """What this rank adds to the sum over ranks of a bucket of gradients ``flat`` (a buffer of its own, which
+    the collective overwrites).
+
+    float32 and wider: ``flat`` itself; the mean is then ``(sum_r g_r) / world``
+    (:func:`_mean_from_sum`). Narrower (fp16, bf16): a float32 copy divided by
+    ``world`` first, as ``DistributedDataParallel`` divides before its
+    all-reduce, so the mean is ``cast(sum_r (fp32(g_r) / world))``. Summed in
+    fp16, two finite gradients of 40000 make inf (fp16's largest is 65504)
+    though their mean is finite; in float32, pre-divided, the sum of finite
+    values is at most ``max_r |g_r| * (1 + 2^-24)`` (one rounding per
+    division, exact for a power-of-two world size), below float32's largest
+    and, cast back, never beyond the gradients' own largest finite value
+    (bf16's is below float32's by far more than that rounding). An inf or nan
+    stays one (``inf / w = inf``, ``inf + x = inf``, ``nan + x = nan``), so
+    overflow detection sees it. The float32 sum is also more accurate than
+    an fp16 or bf16 one (the gradients travel as float32: twice the bytes).
+    """
+    if flat.dtype.itemsize >= 4:
+        return flat
+    wide = flat.to(torch.float32)
+    return wide.div_(world) if world != 1 else wide
+
+
+def _mean_from_sum(total: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mean from the sum over ranks of :func:`_summands` (``total``, written in place): divided by ``world``
+    where the gradients' ``dtype`` is float32 or wider, else (pre-divided) rounded back to ``dtype`` once."""
+    if dtype.itemsize >= 4:
+        return total.div_(world) if world != 1 else total
+    return total.to(dtype)
 
 
 def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
@@ -318,8 +378,9 @@ class Shard:
     A rank's local tree is the list of its owned leaves in leaf order
     (:meth:`local`, or :meth:`reduce_mean` for data-parallel gradients); run
     the loops on it and gather with :meth:`gather`. Every rank must build its
-    ``Shard`` from a params tree of the same structure and shapes. Immutable;
-    build one with :func:`shard_blocks`.
+    ``Shard`` from a params tree of the same structure and shapes, with the
+    same owners (:meth:`gather` and :meth:`reduce_mean` check it first, with
+    the layout). Immutable; build one with :func:`shard_blocks`.
     """
 
     rank: int
@@ -417,7 +478,7 @@ class Shard:
         mine = dict(zip(self.owned, local)) if refused is None else {}
         dev = _collective_device(group, None)
         if check_layout:
-            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused)
+            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused, self.owners)
         out: list[Any] = [None] * len(templates)
         for (owner, dtype), leaves in _buckets(self.owners, templates).items():
             sizes = [math.prod(templates[i].shape) for i in leaves]
@@ -438,7 +499,8 @@ class Shard:
         gradient, the same on every rank). Returns this rank's local gradient
         list, ``g_i = (sum_r g_{r,i}) / world_size`` for each owned leaf ``i``
         (``None`` where the leaf had none): the reduce-scatter of ZeRO-2, one
-        ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient.
+        ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient (fp16
+        and bf16 ones in float32, divided first, as in :func:`all_reduce_mean_`).
         ``grads`` is not modified. Non-finite elements reach the owner (and,
         through :func:`all_reduce_sumsq`, every rank). The ranks' trees must
         agree in structure, ``None`` leaves, dtypes and shapes (checked first,
@@ -455,19 +517,19 @@ class Shard:
         present = [i for i, g in enumerate(g_leaves) if g is not None]
         dev = _collective_device(group, None)
         if check_layout:
-            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev, refused)
+            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev, refused,
+                               self.owners)
         world = self.world_size
         result: dict[int, torch.Tensor] = {}
         owners = [self.owners[i] for i in present]
         for (owner, dtype), idx in _buckets(owners, [g_leaves[i] for i in present]).items():
             leaves = [present[j] for j in idx]
             sizes = [g_leaves[i].numel() for i in leaves]
-            flat = torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves])
+            flat = _summands(torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves]), world)
             if flat.numel():
                 dist.reduce(flat, dst=_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
             if owner == self.rank:
-                if world != 1:
-                    flat.div_(world)
+                flat = _mean_from_sum(flat, world, dtype)
                 for i, part in zip(leaves, flat.split(sizes)):
                     result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
         return [result.get(i) for i in self.owned]
@@ -480,6 +542,26 @@ def _check_floating_tensors(what: str, grads: Sequence[Any]) -> None:
             raise SofxError(f"{what}: gradients must be tensors, got {type(g).__name__}")
         if not g.is_floating_point():
             raise SofxError(f"{what}: gradients must be floating point, got {g.dtype}")
+
+
+def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+    """Refuse a gradient the mean cannot be written into in place, before any is written (``copy_`` would
+    raise on it after the leaves before it were overwritten): one whose elements overlap in memory
+    (``expand()``), a leaf that requires grad or a view of one (with grad mode on), an inference tensor
+    outside inference mode."""
+    for path, g in zip(paths, grads):
+        base = g if g._base is None else g._base
+        if g.requires_grad and base.is_leaf and torch.is_grad_enabled():
+            raise SofxError(f"{what}: {path} is {'a leaf' if g is base else 'a view of a leaf'} that requires grad, "
+                            "which cannot be written in place; pass it detached (.detach()) or call under "
+                            "torch.no_grad()")
+        if g.is_inference() and not torch.is_inference_mode_enabled():
+            raise SofxError(f"{what}: {path} is an inference tensor (made under torch.inference_mode()), which "
+                            "cannot be written in place outside it; pass a .clone() or call under "
+                            "torch.inference_mode()")
+        if overlaps_itself(g):
+            raise SofxError(f"{what}: {path}: its elements overlap in memory (e.g. an expand()-ed tensor), so the "
+                            "mean cannot be written into it; pass a tensor with its own memory (.clone())")
 
 
 def _as_refusal(what: str, error: Exception) -> SofxError:

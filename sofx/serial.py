@@ -62,7 +62,7 @@ from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_s
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "check_scale", "can_unscale",
-           "loss_scale_of", "reduced_sumsq", "without_gradients"]
+           "loss_scale_of", "reduced_sumsq", "local_sumsq", "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -124,11 +124,23 @@ def hparams_at(hparams: Any, step: int) -> Any:
     return hparams(step) if callable(hparams) else hparams
 
 
-def without_gradients(present: Sequence[bool], reduce_sumsq: Callable[[float], float] | None) -> bool:
-    """Whether a step has no gradient at all (``present``: per leaf or block, after ``missing_grad="zero"``
-    filled them in) and no other rank to hear from: nothing is stepped, and the loss scaler does not count
-    the step (GradScaler refuses one without gradients; a count would move every later scale off torch's)."""
-    return reduce_sumsq is None and not any(present)
+def local_sumsq(total: float, present: Sequence[bool]) -> float:
+    """What this rank passes to ``reduce_sumsq``: its sum of squares ``total``, or ``-0.0`` where it has no
+    gradient at all (``present``: per leaf or block, after ``missing_grad="zero"`` filled them in).
+
+    ``-0.0`` is IEEE addition's identity (``-0.0 + x = x`` for every ``x``, ``+0.0`` included), and a sum of
+    squares of gradients is otherwise ``+0.0`` or more: a hook that adds the ranks' values returns ``-0.0``
+    exactly where no rank has a gradient (:func:`without_gradients`); every other sum keeps its bits.
+    """
+    return total if any(present) else -0.0
+
+
+def without_gradients(total: float) -> bool:
+    """Whether a step has no gradient on any rank: ``total``, the sum of :func:`local_sumsq` over ranks (this
+    rank's own without ``reduce_sumsq``), is ``-0.0``. Nothing is stepped, and the loss scaler does not count
+    the step (GradScaler refuses one without gradients; a count would move every later scale off torch's).
+    A ``reduce_sumsq`` hook that returns ``+0.0`` there makes the step count as one with zero gradients."""
+    return total == 0.0 and math.copysign(1.0, total) < 0.0
 
 
 def check_profile(profile: str) -> str:
@@ -236,7 +248,10 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     ``grads`` has the structure of ``params``; a ``None`` leaf had no gradient:
     ``missing_grad="skip"`` leaves its parameter, moments and count alone,
     ``"zero"`` steps it with a zero gradient. ``reduce_sumsq`` all-reduces the
-    local sum of squares across ranks (a nan/inf anywhere makes every rank skip).
+    local sum of squares across ranks (a nan/inf anywhere makes every rank skip;
+    a rank without any gradient passes ``-0.0``, :func:`local_sumsq`, and a
+    step without gradient on any rank is not counted by the loss scaler,
+    :func:`without_gradients`).
     Returns the new params, state, loss-scaler state and the step's
     :class:`StepFacts`; on overflow params and state are returned unchanged.
     """
@@ -249,10 +264,12 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
     if missing_grad == "zero":
         g_leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(p_leaves, g_leaves)]
-    total = total_sumsq([None if g is None else sumsq(g) for g in g_leaves])
-    total = reduced_sumsq(reduce_sumsq, total)
-    facts = step_facts(profile, scaler, scaler_state, total, max_norm)
-    if without_gradients([g is not None for g in g_leaves], reduce_sumsq):
+    local = local_sumsq(total_sumsq([None if g is None else sumsq(g) for g in g_leaves]),
+                        [g is not None for g in g_leaves])
+    total = reduced_sumsq(reduce_sumsq, local)
+    empty = without_gradients(total)
+    facts = step_facts(profile, scaler, scaler_state, 0.0 if empty else total, max_norm)
+    if empty:
         facts = facts._replace(scaler_state=scaler_state)
     if facts.overflow:
         return SerialStepResult(params, state, facts.scaler_state, facts)

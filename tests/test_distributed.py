@@ -305,6 +305,115 @@ def _run_idle_rank(rank: int, world: int) -> dict:
     return {"owned": list(shard.owned), "steps": steps}
 
 
+# ---------------------------------------------------------------- audit regressions (what each rank runs)
+HALF_BIG = {torch.float16: 40000.0, torch.bfloat16: 3e38}  # finite alone, inf when two are summed in the dtype
+
+
+def _half_grads(rank: int, world: int) -> dict:
+    """fp16 and bf16 gradients: a value near the top of the range on every rank (the mean is finite, the sum
+    in the dtype is not), a value that differs per rank, an inf on the last rank and a nan on rank 0."""
+    def row(dtype: torch.dtype) -> torch.Tensor:
+        big = HALF_BIG[dtype]
+        return torch.tensor([big, -big, 0.3 * (rank + 1) + 1e-3 * rank, math.inf if rank == world - 1 else 1.0,
+                             math.nan if rank == 0 else 1.0], dtype=dtype)
+
+    return {"bf16": row(torch.bfloat16), "fp16": row(torch.float16)}
+
+
+def _run_half_means(rank: int, world: int) -> dict:
+    shard = sd.shard_blocks(_half_grads(rank, world), owners=(world - 1, 0))  # bf16 onto the last rank
+    return {"all_reduce": sd.all_reduce_mean_(_half_grads(rank, world)),
+            "reduce_mean": shard.reduce_mean(_half_grads(rank, world)), "owned": list(shard.owned)}
+
+
+def _run_owner_errors(rank: int, world: int) -> dict:
+    """Shards built with other owners on rank 1 (say from rank-local sizes): every rank raises naming the
+    first leaf whose owner differs, nothing is sent, the group works on afterwards."""
+    full = {"p": torch.full((3,), 1.0 + rank), "q": torch.full((3,), 2.0 + rank)}
+    shard = sd.shard_blocks(full, owners=(1, 0) if rank == 1 else (0, 1))
+    errors = []
+    for call in (lambda: shard.gather(shard.local(full), full), lambda: shard.reduce_mean(full)):
+        try:
+            call()
+            errors.append("no error")
+        except sofx.SofxError as exc:
+            errors.append(str(exc))
+    sd.all_reduce_mean_({"after": torch.ones(1)})
+    return {"errors": errors}
+
+
+def _unwritable(rank: int) -> list:
+    """Gradients rank 1 passes that the mean cannot be written into (the others pass ordinary ones)."""
+    if rank != 1:
+        return [torch.ones(4)] * 4
+    with torch.inference_mode():
+        inference = torch.ones(4)
+    leaf = torch.ones(4, requires_grad=True)
+    return [torch.ones(1).expand(4), leaf, leaf[:4], inference]
+
+
+def _run_unwritable(rank: int, world: int) -> dict:
+    """all_reduce_mean_ on {"a": fine, "b": unwritable on rank 1}: every rank raises, "a" is unchanged."""
+    out = []
+    for bad in _unwritable(rank):
+        a = torch.full((3,), float(rank + 1))
+        try:
+            sd.all_reduce_mean_({"a": a, "b": bad})
+            msg = "no error"
+        except sofx.SofxError as exc:
+            msg = str(exc)
+        except RuntimeError as exc:  # what torch's in-place write raised (halfway) before the check
+            msg = f"RuntimeError: {exc}"
+        out.append({"msg": msg, "a": a})
+    sd.all_reduce_mean_({"after": torch.ones(1)})
+    return {"cases": out}
+
+
+EMPTY_STEP, ZERO_STEP = 1, 2  # no gradient on any rank; zero gradients on every rank (a step that counts)
+
+
+def _empty_step_grads(step: int) -> dict:
+    if step == EMPTY_STEP:
+        return {"a": None, "b": None}
+    return {"a": torch.full((3,), 0.0 if step == ZERO_STEP else 0.1), "b": torch.full((2,), 0.0 if step == ZERO_STEP
+                                                                                        else 0.2)}
+
+
+def _empty_step_run(reduce, local) -> dict:
+    """The serial and the speculative loop over 5 steps with a GradScaler that grows every 2 steps counted;
+    ``local`` selects this rank's gradients (the identity in one process)."""
+    opt, scaler = sofx.adamw(lr=1e-2), loss_scale.grad_scaler(init_scale=4.0, growth_interval=2)
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    serial = spec = init_loop(opt, local(params), scaler)
+    out = {"serial": [], "spec": [], "recent": []}
+    for step in range(5):
+        serial, _ = serial_loop_step(opt, serial, local(_empty_step_grads(step)), scaler=scaler, max_norm=MAX_NORM,
+                                     reduce_sumsq=reduce)
+        spec, _ = sp.speculative_loop_step(opt, spec, local(_empty_step_grads(step)), config=cfg, scaler=scaler,
+                                           reduce_sumsq=reduce)
+        out["serial"].append(scaler.scale(serial.scaler_state))
+        out["spec"].append(scaler.scale(spec.scaler_state))
+        out["recent"].append(list(spec.policy_state.recent))
+    return out
+
+
+def _run_empty_step(rank: int, world: int) -> dict:
+    """A step without gradient on any rank (with 3 ranks and 2 leaves, rank 1 owns none: it never has one):
+    with sofx's hook and with a user's hook that sums by gloo's all_reduce."""
+    shard = sd.shard_blocks({"a": torch.ones(3), "b": torch.ones(2)})
+
+    def users_hook(local: float) -> float:
+        t = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item()
+
+    def local(full: dict) -> list:
+        return shard.local(full, "grads")
+
+    return {"sofx": _empty_step_run(sd.all_reduce_sumsq(), local), "user": _empty_step_run(users_hook, local)}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -319,6 +428,9 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
             results["zero2"] = _run_zero2(rank, world)
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
+        for name, run in (("half_means", _run_half_means), ("owner_errors", _run_owner_errors),
+                          ("unwritable", _run_unwritable), ("empty_step", _run_empty_step)):
+            results[name] = run(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -630,3 +742,60 @@ def test_collective_buffers_follow_the_backend(monkeypatch):
     assert sd._collective_device(None, "cpu") == torch.device("cpu")
     monkeypatch.setattr(sd.dist, "get_backend", lambda group=None: "gloo")
     assert sd._collective_device(None, None) == torch.device("cpu")
+
+
+def test_fp16_and_bf16_means_are_finite_where_the_mean_is(ranks2, ranks3):
+    """Summed in fp16, two gradients of 40000 make inf (DDP divides first); sofx sums them in float32, divided
+    first: the mean of finite values is finite, inf and nan still reach every rank, every rank has the same bits."""
+    for ranks in (ranks2, ranks3):
+        world = len(ranks)
+        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            per_rank = [_half_grads(r, world)[key] for r in range(world)]
+            want = sum(g.float() / world for g in per_rank).to(dtype)  # the float32 sum, in rank order
+            assert torch.isfinite(want[:3]).all() and want[3] == math.inf and math.isnan(want[4])
+            assert want[0] == torch.tensor(HALF_BIG[dtype], dtype=dtype)
+            means = [r["half_means"]["all_reduce"][key] for r in ranks]
+            owner = world - 1 if key == "bf16" else 0  # each owns this one leaf
+            assert ranks[owner]["half_means"]["owned"] == [0 if key == "bf16" else 1]
+            means.append(ranks[owner]["half_means"]["reduce_mean"][0])
+            for mean in means:
+                assert mean.dtype == dtype
+                assert torch.equal(mean[:4], want[:4]) and math.isnan(mean[4]), (key, world, mean, want)
+
+
+def test_shards_with_other_owners_are_refused_on_every_rank(ranks2, ranks3):
+    for ranks in (ranks2, ranks3):
+        for r, run in enumerate(ranks):
+            gather, reduce = run["owner_errors"]["errors"]
+            for what, root, msg in (("Shard.gather", "like", gather), ("Shard.reduce_mean", "grads", reduce)):
+                assert msg.startswith(f"{what}: {root}['p'] is owned by rank "), msg
+                assert "every rank must build its Shard with the same owners" in msg
+                assert ("in rank 1's shard" in msg) == (r != 1), msg  # each names a rank that differs from it
+
+
+def test_all_reduce_mean_refuses_an_unwritable_gradient_before_writing_any(ranks2, ranks3):
+    """An expanded tensor, a leaf that requires grad, a view of one, an inference tensor on rank 1 only:
+    every rank raises (rank 1 its own error, the others naming rank 1) and no gradient changed."""
+    wanted = ["grads['b']: its elements overlap in memory", "grads['b'] is a leaf that requires grad",
+              "grads['b'] is a view of a leaf that requires grad", "grads['b'] is an inference tensor"]
+    for ranks in (ranks2, ranks3):
+        for r, run in enumerate(ranks):
+            for case, want in zip(run["unwritable"]["cases"], wanted, strict=True):
+                msg = case["msg"]
+                assert msg.startswith("all_reduce_mean_: ") and want in msg, msg
+                assert ("rank 1 refused its input (" in msg) == (r != 1), msg
+                assert torch.equal(case["a"], torch.full((3,), float(r + 1))), (msg, case["a"])
+
+
+def test_a_step_without_gradient_on_any_rank_is_not_counted_as_in_one_process(ranks2, ranks3):
+    """GradScaler (growth every 2 counted steps) and the adaptive policy skip a step without any gradient in
+    one process; on many ranks too, with sofx's hook and with a user's hook summing by all_reduce (-0.0, the
+    local sum of a rank without gradient, sums to -0.0 only where every rank has none). A step of zero
+    gradients counts."""
+    ref = _empty_step_run(None, lambda t: t)
+    assert ref["serial"] == ref["spec"] == [4.0, 4.0, 8.0, 8.0, 16.0]  # the scale after each step: 1 not counted
+    assert len(ref["recent"][EMPTY_STEP]) == len(ref["recent"][EMPTY_STEP - 1])
+    for ranks in (ranks2, ranks3):
+        for run in ranks:
+            assert run["empty_step"]["sofx"] == ref
+            assert run["empty_step"]["user"] == ref

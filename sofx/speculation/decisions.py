@@ -38,7 +38,7 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
-                         reduced_sumsq, step_facts, without_gradients)
+                         local_sumsq, reduced_sumsq, step_facts, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -417,7 +417,9 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     (default: those of the context); blocks speculated with other hparams are
     undone and redone. ``taken[i]``: whether block ``i``'s speculative step
     actually ran (default: every speculated block). ``reduce_sumsq``: the
-    all-reduce (sum) of the local sum of squares across ranks.
+    all-reduce (sum) of the local sum of squares across ranks (``-0.0`` where
+    this rank has no gradient, :func:`sofx.serial.local_sumsq`; a step without
+    gradient on any rank moves neither the loss scaler nor the policy).
     """
     n = ctx.n_blocks
     if len(sumsq) != n:
@@ -436,11 +438,12 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
             raise SofxError(f"block {i} was speculated but has no gradient at validation")
         spec_taken.append(was)
     zero = cfg.missing_grad == "zero"
-    empty = without_gradients([zero or s is not None for s in sumsq], reduce_sumsq)  # the policy skips it too
-    local = total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq])
+    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq]),
+                        [zero or s is not None for s in sumsq])
     total = reduced_sumsq(reduce_sumsq, local)
+    empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
     try:
-        facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, total, cfg.max_norm)
+        facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)
     except MinLossScaleError as exc:
         actions = tuple(BlockAction(i, "undo" if spec_taken[i] else "skip", "the run stops: " + str(exc), 1.0,
                                     hps[i], False, spec_taken[i]) for i in range(n))
