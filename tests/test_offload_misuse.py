@@ -544,3 +544,21 @@ def test_a_parameter_frozen_with_a_zeroed_gradient_is_stepped_as_torch(executor)
             ropt.step()
             assert torch.equal(model.bias, ref.bias) and int(opt.state[model.bias]["step"]) == t + 1
         assert report.committed == 1  # speculated, with the frozen bias
+
+
+def test_a_backend_that_cannot_step_the_blocks_is_refused_at_construction():
+    """backend='gpu' was taken, and so was backend='triton' for CPU blocks: the engine failed at the first step,
+    for good. Refused now, naming the first parameter of a block the backend cannot step."""
+    model, _ = _models()
+    groups = [{"params": list(model.inp.parameters())}, {"params": list(model.head.parameters())}]
+    with pytest.raises(sofx.UnsupportedError, match=r"unknown backend 'gpu'; expected one of"):
+        sofx.offload.SpeculativeAdamW(groups, backend="gpu", executor="inline")
+    triton = sys.modules.get("sofx.kernels.triton") or sofx.kernels.load_backend("triton")
+    if triton is not None and triton.supports("cpu", torch.float32, torch.float32):
+        pytest.skip("Triton runs on CPU tensors here (TRITON_INTERPRET=1)")
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['params'\]\[0\] \(block 0, stepped on cpu "
+                                                    r"as fp32 masters\): backend 'triton' "):
+        sofx.offload.SpeculativeAdamW(groups, backend="triton", executor="inline")
+    with sofx.offload.SpeculativeAdamW(groups, backend="cpu_fast", executor="inline") as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        assert opt.step().blocks > 0

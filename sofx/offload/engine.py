@@ -72,6 +72,7 @@ import torch
 
 from sofx.adam import AdamHParams
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
+from sofx.kernels import select_backend
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
@@ -150,6 +151,7 @@ class OffloadEngine:
         self.policy_state: PolicyState = speculation.policy.init()
         self.timeout = float(timeout)
         self.layouts = plan_blocks(groups, block_numel, n_device_blocks)
+        self._check_backend(groups, getattr(torch, adam.state_dtype))
         self.n_groups = len(groups)
         self.tracker = ArrivalTracker(self.layouts, gradient_accumulation_steps)
         self.iteration = 0
@@ -239,6 +241,24 @@ class OffloadEngine:
         self._zero_grads = [False] * len(self.params)
 
     # ------------------------------------------------------------ setup
+    def _check_backend(self, groups: Sequence[Sequence[torch.Tensor]], state_dtype: torch.dtype) -> None:
+        """Refuse now a backend that cannot step some block (the CPU blocks' or the device blocks' fp32 masters
+        and ``state_dtype`` moments), naming the block's first parameter: the executor would fail at the first
+        step, and the engine for good."""
+        checked = set()
+        for layout in self.layouts:
+            device = self.device if layout.on_device else torch.device("cpu")
+            if device in checked:
+                continue
+            checked.add(device)
+            try:
+                select_backend(self.adam_config.backend, device, torch.float32, state_dtype)
+            except UnsupportedError as exc:
+                first = layout.param_indices[0]
+                k = first - sum(len(g) for g in groups[:layout.group])
+                raise UnsupportedError(f"param_groups[{layout.group}]['params'][{k}] (block {layout.index}, stepped "
+                                       f"on {device} as fp32 masters): {exc}") from None
+
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
         cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
         if name == "inline":
