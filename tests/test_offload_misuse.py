@@ -546,6 +546,39 @@ def test_a_parameter_frozen_with_a_zeroed_gradient_is_stepped_as_torch(executor)
         assert report.committed == 1  # speculated, with the frozen bias
 
 
+def _constructor_traces(params: list[torch.Tensor]) -> tuple[int, int, list[int]]:
+    """What a constructor leaves behind: threads, atexit callbacks, gradient hooks per parameter."""
+    import atexit
+
+    hooks = [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params]
+    return threading.active_count(), atexit._ncallbacks(), hooks
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_refused_constructor_leaves_no_trace_and_the_running_optimizer_working(executor):
+    """SpeculativeAdamW(..., undo='algebraic', lr * weight_decay == 1) was refused after its engine had hooked the
+    parameters, superseding the running optimizer over them, which then refused to step for good. Every refusal
+    now comes before: no hooks, threads or atexit callbacks are left, and the first optimizer steps on."""
+    model, _ = _models()
+    params = list(model.parameters())
+    opt = sofx.offload.SpeculativeAdamW(params, lr=1e-2, executor=executor, block_numel=100)
+    with opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        traces = _constructor_traces(params)
+        refused = [(dict(undo="algebraic", lr=0.5, weight_decay=2.0), r"lr \* weight_decay == 1"),
+                   (dict(backend="gpu"), "unknown backend 'gpu'"),
+                   (dict(loss_scale="static"), "loss_scale='static'")]
+        for k, (kwargs, match) in enumerate(refused):
+            with pytest.raises(SofxError, match=match):
+                sofx.offload.SpeculativeAdamW(params, executor=executor, block_numel=100, **kwargs)
+            assert _constructor_traces(params) == traces
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(k + 1))))
+            report = opt.step()
+            assert report.committed + report.redone + report.stepped_late > 0
+
+
 def test_a_backend_that_cannot_step_the_blocks_is_refused_at_construction():
     """backend='gpu' was taken, and so was backend='triton' for CPU blocks: the engine failed at the first step,
     for good. Refused now, naming the first parameter of a block the backend cannot step."""

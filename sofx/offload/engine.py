@@ -217,28 +217,34 @@ class OffloadEngine:
             # process group, SIGKILL); the memory is released when the last mapping goes.
             self._cpu_arena.close()
         except BaseException:
-            self._release_shared_memory()
-            release_gate(self._interrupts)
+            try:
+                if "executor" in self.__dict__:  # (only the arena's close() comes after the executor's start)
+                    self.executor.close()
+            finally:
+                self._release_shared_memory()
+                release_gate(self._interrupts)
             raise
         # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
         self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
         # In-process executors decide on speculation in the executor (see the module docstring).
         self._deferred = self.executor_name != "process"
+        self._stale_grads: list | None = None
+        # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
+        self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
+        # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
+        # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
+        self._had_grad = [False] * len(self.params)
+        self._zero_grads = [False] * len(self.params)
+        # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
+        # which then refuses to step for good (a constructor that raised after that broke it).
         self.hooks = GradHooks(self.params, self._on_grad)
+        self._reset_step()
+        self._note_versions()
         # Closed before the interpreter finalizes if the script did not: daemon threads cannot run after it (the
         # process executor's stop message was never sent, and close() waited 10 s to kill the worker; a thread
         # executor's worker inside a kernel could abort the exit). The registry holds a weak reference.
         self._close_at_exit = functools.partial(_close_if_alive, weakref.ref(self))
         atexit.register(self._close_at_exit)
-        self._stale_grads: list | None = None
-        # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
-        self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
-        self._reset_step()
-        self._note_versions()
-        # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
-        # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
-        self._had_grad = [False] * len(self.params)
-        self._zero_grads = [False] * len(self.params)
 
     # ------------------------------------------------------------ setup
     def _check_backend(self, groups: Sequence[Sequence[torch.Tensor]], state_dtype: torch.dtype) -> None:

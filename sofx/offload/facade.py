@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import AdamHParams
+from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
@@ -241,18 +241,18 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                         policy=policy if policy is not None else AdaptivePolicy(), enabled=speculate)
         adam = AdamConfig(decoupled=self._decoupled, bias_correction=bias_correction,
                           state_dtype=str(state_dtype).replace("torch.", ""), undo=undo, backend=backend)
+        # What every step checks, checked now too -- before the engine takes the parameters over from an older
+        # optimizer (its hooks supersede that one's): a refused constructor leaves the old optimizer working.
+        self._checked_hparams(adam.build())
+        scaler = resolve_loss_scale(loss_scale, profile)
+        # The engine is the last thing made: it checks everything before it registers hooks and starts a worker.
         self._engine = OffloadEngine(
             [g["params"] for g in self.param_groups], _hparams_of(self), adam=adam, speculation=speculation,
-            scaler=resolve_loss_scale(loss_scale, profile), executor=executor, block_numel=block_numel,
+            scaler=scaler, executor=executor, block_numel=block_numel,
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params)
         self._state_view = _ParamStateView(self._engine)
-        try:
-            self._hparams()  # what every step checks, checked now too
-        except BaseException:
-            self._engine.close()
-            raise
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
         self.last_report: EngineStepReport | None = None
@@ -281,8 +281,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                "opt.state[p][key] = value, or load a state dict")
 
     def _hparams(self) -> list[AdamHParams]:
+        return self._checked_hparams(self.engine.adam)
+
+    def _checked_hparams(self, adam: Adam) -> list[AdamHParams]:
+        """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses)."""
         out = []
-        adam = self.engine.adam
         for i, g in enumerate(self.param_groups):
             check_group_flags(g, f"param_groups[{i}]", self._decoupled)
             hp = group_hparams(g, f"param_groups[{i}]")
