@@ -65,6 +65,7 @@ __all__ = [
     "grad_scaler",
     "deepspeed_scaler",
     "static_scale",
+    "check_state",
     "FLOAT32_MAX",
 ]
 
@@ -127,6 +128,30 @@ def _count(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}")
     return value
+
+
+# The least value of each count of the states of the rules here (DeepSpeed's last_overflow_iter is -1 before the
+# first overflow; its hysteresis counts down to 1, where the next overflow lowers the scale).
+_LEAST_COUNTS: dict[type, dict[str, int]] = {
+    GradScalerState: {"growth_tracker": 0},
+    DynamicLossScaleState: {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 1},
+    StaticScaleState: {},
+}
+
+
+def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
+    """Refuse (an :class:`HParamError` naming ``where`` and the field) a state of one of the rules here that no
+    run reaches: a scale that is not a finite number >= 0 (GradScaler's reaches 0 after many overflows in a
+    row), a count that is not an integer or is below its least value. Another kind (a custom rule's state) is
+    not inspected."""
+    least = _LEAST_COUNTS.get(type(state))
+    if least is None:
+        return
+    scale = state.scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
+        raise HParamError(f"{where}['scale'] = {scale!r} is invalid; expected a finite number >= 0")
+    for name, low in least.items():
+        _count(f"{where}[{name!r}]", getattr(state, name), low)
 
 
 @dataclass(frozen=True)

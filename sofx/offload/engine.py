@@ -876,14 +876,14 @@ class OffloadEngine:
                 self._adopt_model_edits()  # the saved masters are what the model holds
             return engine_state_dict(self, complete)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (checked first: nothing changes on a mismatch);
-        the masters are copied into the model's parameters."""
+    def load_state_dict(self, state: dict[str, Any], where: str = "state") -> None:
+        """Restore :meth:`state_dict`'s output (checked whole first: nothing changes on a mismatch, the error
+        names the entry as ``where`` + its keys); the masters are copied into the model's parameters."""
         self._check_usable()
         with self._exclusive("load_state_dict()"):
             self._check_between_steps("load_state_dict()")
             self.wait()
-            load_engine_state(self, state)
+            load_engine_state(self, state, where)
             self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
             self._note_versions()
             self._reset_step()

@@ -370,22 +370,33 @@ class _SpeculativeBase(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise StructureError(f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
                                  f"groups, this optimizer has {len(self.param_groups)}")
+        if "state" not in state_dict:
+            raise StructureError("the state dict has no 'state' entry (the engine state)")
         for i, (saved, g) in enumerate(zip(groups, self.param_groups)):
-            if len(saved.get("params", ())) != len(g["params"]):
-                raise StructureError(f"param_groups[{i}] has {len(g['params'])} parameters, the saved group "
-                                     f"{len(saved.get('params', ()))}")
-            merged = {**g, **{k: v for k, v in saved.items() if k != "params"}}
-            group_hparams(merged, f"saved param_groups[{i}]")
-            check_group_flags(merged, f"saved param_groups[{i}]", self._decoupled)
-        self.engine.load_state_dict(state_dict["state"])
+            self._check_saved_group(saved, g, f"saved param_groups[{i}]")
+        # the engine checks its whole state before it changes anything; the groups cannot fail after it
+        self.engine.load_state_dict(state_dict["state"], where="state_dict['state']")
         for saved, g in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
+
+    def _check_saved_group(self, saved: Any, group: Mapping[str, Any], where: str) -> None:
+        """A saved param group fits ``group``: a dict with as many ``params``, with valid hparams and flags."""
+        if not isinstance(saved, Mapping):
+            raise StructureError(f"{where}: expected a dict (a param group), got {type(saved).__name__}")
+        params = saved.get("params", ())
+        if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
+            found = f"{len(params)} parameters" if isinstance(params, (list, tuple)) else repr(params)
+            raise StructureError(f"{where}['params']: this optimizer's group has {len(group['params'])} parameters, "
+                                 f"the saved group {found}")
+        merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+        group_hparams(merged, where)
+        check_group_flags(merged, where, self._decoupled)
 
     # ------------------------------------------------------------ sofx additions
     @property
