@@ -51,7 +51,7 @@ import torch
 from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
-from sofx.kernels import load_backend, select_backend
+from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
                                is_traced, leaf_tracer, write_param_copy)
@@ -133,6 +133,7 @@ class Adam:
             raise UnsupportedError(f"undo={undo!r}; expected one of {_UNDO_MODES}")
         if state_dtype is not None and not state_dtype.is_floating_point:
             raise UnsupportedError(f"state_dtype={state_dtype} is not a floating dtype")
+        check_backend_name(backend)  # (an unknown name failed only at the first step)
         self.defaults = defaults
         self.variant = AdamVariant(decoupled=decoupled, bias_correction=bias_correction)
         self.state_dtype = state_dtype

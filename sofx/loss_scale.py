@@ -65,8 +65,9 @@ __all__ = [
     "grad_scaler",
     "deepspeed_scaler",
     "static_scale",
-    "FLOAT32_MAX",
     "check_state",
+    "check_state_kind",
+    "FLOAT32_MAX",
 ]
 
 GROWTH_RULES = ("stable_interval", "legacy")
@@ -148,19 +149,12 @@ def _count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
-def check_state(state: Any, expected: type) -> None:
+def check_state_kind(state: Any, expected: type) -> None:
     """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (the rules'
     ``scale`` and ``update``, and :func:`sofx.serial.loss_scale_of` for a loop's ``scaler_state``)."""
     if not isinstance(state, expected):
         raise HParamError(f"scaler_state is a {type(state).__name__}; this scaler's state is a "
                           f"{expected.__name__} (as scaler.init() makes it)")
-
-
-def _check_scale_field(state: Any) -> None:
-    """The state's scale: a finite number >= 0 (GradScaler's reaches 0 after ~166 overflows in a row)."""
-    s = state.scale
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
-        raise HParamError(f"scaler_state.scale = {s!r} is invalid; expected a finite number >= 0")
 
 
 def _overflow(value: Any) -> bool:
@@ -171,6 +165,30 @@ def _overflow(value: Any) -> bool:
         return bool(x)
     raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
                       f"nan), got {type(value).__name__}")
+
+
+# The least value of each count of the states of the rules here (DeepSpeed's last_overflow_iter is -1 before the
+# first overflow; its hysteresis counts down to 1, where the next overflow lowers the scale).
+_LEAST_COUNTS: dict[type, dict[str, int]] = {
+    GradScalerState: {"growth_tracker": 0},
+    DynamicLossScaleState: {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 1},
+    StaticScaleState: {},
+}
+
+
+def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
+    """Refuse (an :class:`HParamError` naming ``where`` and the field) a state of one of the rules here that no
+    run reaches: a scale that is not a finite number >= 0 (GradScaler's reaches 0 after many overflows in a
+    row), a count that is not an integer or is below its least value. Another kind (a custom rule's state) is
+    not inspected."""
+    least = _LEAST_COUNTS.get(type(state))
+    if least is None:
+        return
+    scale = state.scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
+        raise HParamError(f"{where}['scale'] = {scale!r} is invalid; expected a finite number >= 0")
+    for name, low in least.items():
+        _count(f"{where}[{name!r}]", getattr(state, name), low)
 
 
 @dataclass(frozen=True)
@@ -196,14 +214,13 @@ class GradScalerRule:
 
     def scale(self, state: GradScalerState) -> float:
         """The current scale ``S``."""
-        check_state(state, GradScalerState)
+        check_state_kind(state, GradScalerState)
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
         """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
-        check_state(state, GradScalerState)
-        _check_scale_field(state)
-        _count("scaler_state.growth_tracker", state.growth_tracker, 0)
+        check_state_kind(state, GradScalerState)
+        check_state(state)
         if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
@@ -249,16 +266,13 @@ class DynamicLossScaleRule:
 
     def scale(self, state: DynamicLossScaleState) -> float:
         """The current scale ``S``."""
-        check_state(state, DynamicLossScaleState)
+        check_state_kind(state, DynamicLossScaleState)
         return state.scale
 
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
         """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
-        check_state(state, DynamicLossScaleState)
-        _check_scale_field(state)
-        _count("scaler_state.cur_iter", state.cur_iter, 0)
-        _count("scaler_state.last_overflow_iter", state.last_overflow_iter, -1)
-        _count("scaler_state.cur_hysteresis", state.cur_hysteresis, 1)
+        check_state_kind(state, DynamicLossScaleState)
+        check_state(state)
         scale, it, last, hyst = state
         if _overflow(overflow):
             if self.delayed_shift == 1 or hyst == 1:
@@ -301,12 +315,12 @@ class StaticScaleRule:
 
     def scale(self, state: StaticScaleState) -> float:
         """The constant scale ``S``."""
-        check_state(state, StaticScaleState)
+        check_state_kind(state, StaticScaleState)
         return state.scale
 
     def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
         """Unchanged: a static scale ignores overflow (the step is still skipped by the loop)."""
-        check_state(state, StaticScaleState)
+        check_state_kind(state, StaticScaleState)
         _overflow(overflow)
         return state
 

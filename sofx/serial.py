@@ -57,7 +57,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
 from sofx.kernels.base import as_number
-from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state
+from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
@@ -172,7 +172,7 @@ def check_scale(name: str, s: Any) -> float:
 def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:
     """``scaler.scale(scaler_state)``, checked (:func:`check_scale`); a state of another kind than the scaler's
     own (what ``scaler.init()`` makes) is refused first, as an :class:`HParamError` naming both."""
-    check_state(scaler_state, type(scaler.init()))
+    check_state_kind(scaler_state, type(scaler.init()))
     return check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
 
 

@@ -175,3 +175,12 @@ def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing
         opt.undo(p2, s2, rec2, donate=True)
     _assert_unchanged(before, p2, s2)
     assert trees_equal(s1b.count, s1.count)
+
+
+def test_an_unknown_backend_is_refused_at_construction():
+    """An unknown backend was taken by the constructor and failed only at the first step (the offload engine
+    then stopped for good)."""
+    for backend in ("gpu", None, "Auto"):
+        with pytest.raises(sofx.UnsupportedError, match=f"unknown backend {backend!r}; expected one of"):
+            sofx.adamw(backend=backend)
+    assert sofx.adam(backend="reference").backend == "reference"

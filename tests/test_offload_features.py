@@ -577,7 +577,8 @@ def test_load_state_dict_checks_before_changing_anything() -> None:
         before = [p.detach().clone() for p in model.parameters()]
         bad = _clone_tree(sd)
         bad["state"]["blocks"][1]["exp_avg"] = bad["state"]["blocks"][1]["exp_avg"].double()
-        with pytest.raises(StructureError, match=r"blocks\[1\]\['exp_avg'\].*float32.*float64"):
+        with pytest.raises(StructureError,
+                           match=r"state_dict\['state'\]\['blocks'\]\[1\]\['exp_avg'\].*float32.*float64"):
             opt.load_state_dict(bad)
         bad = _clone_tree(sd)
         bad["param_groups"].append(dict(bad["param_groups"][0]))

@@ -5,7 +5,9 @@ failed step did not write); ``zero_grad()`` after late gradients leaves the engi
 reloading weights between backward and ``step()`` is refused; a ``.grad`` set after backward took the
 gradient is refused; an optimizer created again over the same parameters (the old one dropped without
 ``close()``) owns them at once; numpy values in the param groups (a LambdaLR of ``np.cos``) reach
-checkpoints as Python numbers.
+checkpoints as Python numbers; a refused constructor (an unknown backend or one that cannot step the
+blocks among the refusals) leaves no trace and the running optimizer working; a bad state dict is refused
+whole, naming the entry, before anything is loaded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_trees_bitwise
 from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     SharedMLP,
     mlp_batch,
@@ -544,3 +547,142 @@ def test_a_parameter_frozen_with_a_zeroed_gradient_is_stepped_as_torch(executor)
             ropt.step()
             assert torch.equal(model.bias, ref.bias) and int(opt.state[model.bias]["step"]) == t + 1
         assert report.committed == 1  # speculated, with the frozen bias
+
+
+def _corrupt(key_path: tuple, value: object) -> object:
+    """A state-dict mutation: the entry at ``key_path`` (under ``state_dict['state']``) set to ``value`` (a
+    function of the old value when callable)."""
+    def mutate(sd: dict) -> None:
+        *parents, last = key_path
+        entry = sd["state"]
+        for k in parents:
+            entry = entry[k]
+        entry[last] = value(entry[last]) if callable(value) else value
+    return mutate
+
+
+_BAD_STATES = {  # name: (mutation, the error's match)
+    "iteration None": (_corrupt(("iteration",), None), r"\['state'\]\['iteration'\] = None; expected an integer"),
+    "iteration -5": (_corrupt(("iteration",), -5), r"\['iteration'\] = -5; expected an integer >= 0"),
+    "iteration 2.7": (_corrupt(("iteration",), 2.7), r"\['iteration'\] = 2.7; expected an integer >= 0"),
+    "meta tensor in the last block": (_corrupt(("blocks", -1, "exp_avg_sq"), lambda t: t.to("meta")),
+                                      r"state_dict\['state'\]\['blocks'\]\[\d+\]\['exp_avg_sq'\]: expected a "
+                                      "tensor with data, got one on device meta"),
+    "negative count": (_corrupt(("blocks", 1, "counts"), lambda t: t - 5),
+                       r"\['blocks'\]\[1\]\['counts'\]\[0\] = -\d: expected a step count >= 0"),
+    "negative second moment": (_corrupt(("blocks", 1, "exp_avg_sq"), lambda t: -t - 1),
+                               r"\['blocks'\]\[1\]\['exp_avg_sq'\]\[0\] = -1\.\d+: expected a second moment >= 0"),
+    "scale nan": (_corrupt(("scaler_state", "scale"), float("nan")),
+                  r"\['scaler_state'\]\['scale'\] = nan is invalid; expected a finite number >= 0"),
+    "scale str": (_corrupt(("scaler_state", "scale"), "big"), r"\['scale'\] = 'big' is invalid"),
+    "negative growth tracker": (_corrupt(("scaler_state", "growth_tracker"), -1),
+                                r"\['growth_tracker'\] = -1 is invalid; expected an integer >= 0"),
+    "unknown scaler field": (_corrupt(("scaler_state", "hysteresis"), 2), r"\['hysteresis'\]: a GradScalerState"),
+    "policy recent 5": (_corrupt(("policy_state", "recent"), 5), r"\['recent'\] = 5; expected a list of bools"),
+    "policy quiet str": (_corrupt(("policy_state", "quiet"), "x"), r"\['quiet'\] = 'x'; expected an integer"),
+    "layouts str": (_corrupt(("layouts",), "x"), r"\['layouts'\]: expected a list of block layouts, got str"),
+    "layout None": (_corrupt(("layouts", 0), None), r"\['layouts'\]\[0\]: not a block layout"),
+    "block None": (_corrupt(("blocks", 0), None), r"\['blocks'\]\[0\]: expected a dict of tensors"),
+    "counts float": (_corrupt(("blocks", 0, "counts"), lambda t: t.float()),
+                     r"\['counts'\]: expected shape \(\d+,\) dtype torch.int64, got \(\d+,\) torch.float32"),
+    "group a list": (lambda sd: sd["param_groups"].__setitem__(0, [1, 2]),
+                     r"saved param_groups\[0\]: expected a dict \(a param group\), got list"),
+}
+
+
+@pytest.mark.parametrize("bad", _BAD_STATES)
+def test_a_bad_state_dict_is_refused_whole_before_anything_is_loaded(bad):
+    """load_state_dict checks the whole state dict first: it wrote every block (and the loss-scaler state) before
+    int(iteration) or the copy from a meta tensor in the last block failed, and took negative counts or second
+    moments, a nan or str loss scale, a policy state of wrong types; raw AttributeErrors for non-dict entries."""
+    mutate, match = _BAD_STATES[bad]
+    model, _ = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                        loss_scale="dynamic", max_grad_norm=1.0)
+    with opt:
+        for k in range(2):
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(k))))
+            opt.step()
+        assert len(opt.engine.layouts) >= 3
+        state = copy.deepcopy(opt.state_dict())
+        for block in state["state"]["blocks"]:  # a load would show
+            block["master"] += 1
+        state["state"]["iteration"] += 1
+        state["state"]["scaler_state"]["growth_tracker"] += 1
+        mutate(state)
+        before = (copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()])
+        with pytest.raises(SofxError, match=match):
+            opt.load_state_dict(state)
+        after = (opt.state_dict(), list(model.parameters()))
+        assert_trees_bitwise(before, after)
+
+
+def test_a_diverged_state_loads_as_torch_loads_it():
+    """nan and inf masters and moments are a diverged run's state, not a corrupt one: they load (as torch.optim
+    loads them), and the model gets the nan masters."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        state = copy.deepcopy(opt.state_dict())
+        block = state["state"]["blocks"][0]
+        block["master"][0], block["exp_avg"][1] = float("nan"), float("-inf")
+        block["exp_avg_sq"][2], block["exp_avg_sq"][3] = float("nan"), float("inf")
+        opt.load_state_dict(state)
+        for loaded, saved in zip(opt.state_dict()["state"]["blocks"], state["state"]["blocks"]):
+            for name, x in loaded.items():
+                assert torch.equal(x.isnan(), saved[name].isnan())
+                assert torch.equal(x.nan_to_num(), saved[name].nan_to_num())
+        assert torch.isnan(next(iter(model.parameters())).reshape(-1)[0])
+
+
+def _constructor_traces(params: list[torch.Tensor]) -> tuple[int, int, list[int]]:
+    """What a constructor leaves behind: threads, atexit callbacks, gradient hooks per parameter."""
+    import atexit
+
+    hooks = [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params]
+    return threading.active_count(), atexit._ncallbacks(), hooks
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_refused_constructor_leaves_no_trace_and_the_running_optimizer_working(executor):
+    """SpeculativeAdamW(..., undo='algebraic', lr * weight_decay == 1) was refused after its engine had hooked the
+    parameters, superseding the running optimizer over them, which then refused to step for good. Every refusal
+    now comes before: no hooks, threads or atexit callbacks are left, and the first optimizer steps on."""
+    model, _ = _models()
+    params = list(model.parameters())
+    opt = sofx.offload.SpeculativeAdamW(params, lr=1e-2, executor=executor, block_numel=100)
+    with opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        traces = _constructor_traces(params)
+        refused = [(dict(undo="algebraic", lr=0.5, weight_decay=2.0), r"lr \* weight_decay == 1"),
+                   (dict(backend="gpu"), "unknown backend 'gpu'"),
+                   (dict(loss_scale="static"), "loss_scale='static'")]
+        for k, (kwargs, match) in enumerate(refused):
+            with pytest.raises(SofxError, match=match):
+                sofx.offload.SpeculativeAdamW(params, executor=executor, block_numel=100, **kwargs)
+            assert _constructor_traces(params) == traces
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(k + 1))))
+            report = opt.step()
+            assert report.committed + report.redone + report.stepped_late > 0
+
+
+def test_a_backend_that_cannot_step_the_blocks_is_refused_at_construction():
+    """backend='gpu' was taken, and so was backend='triton' for CPU blocks: the engine failed at the first step,
+    for good. Refused now, naming the first parameter of a block the backend cannot step."""
+    model, _ = _models()
+    groups = [{"params": list(model.inp.parameters())}, {"params": list(model.head.parameters())}]
+    with pytest.raises(sofx.UnsupportedError, match=r"unknown backend 'gpu'; expected one of"):
+        sofx.offload.SpeculativeAdamW(groups, backend="gpu", executor="inline")
+    triton = sys.modules.get("sofx.kernels.triton") or sofx.kernels.load_backend("triton")
+    if triton is not None and triton.supports("cpu", torch.float32, torch.float32):
+        pytest.skip("Triton runs on CPU tensors here (TRITON_INTERPRET=1)")
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['params'\]\[0\] \(block 0, stepped on cpu "
+                                                    r"as fp32 masters\): backend 'triton' "):
+        sofx.offload.SpeculativeAdamW(groups, backend="triton", executor="inline")
+    with sofx.offload.SpeculativeAdamW(groups, backend="cpu_fast", executor="inline") as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        assert opt.step().blocks > 0

@@ -29,7 +29,8 @@ from sofx.kernels.base import AdamScalars, AdamVariant
 
 initialize_vml()  # MKL's first vector-math call must not be a multi-threaded one (see _torch_sqrt)
 
-__all__ = ["AdamScalars", "AdamVariant", "select_backend", "available_backends", "load_backend"]
+__all__ = ["AdamScalars", "AdamVariant", "select_backend", "available_backends", "load_backend",
+           "check_backend_name"]
 
 _BACKEND_MODULES = {
     "reference": "sofx.kernels.reference",
@@ -39,10 +40,18 @@ _BACKEND_MODULES = {
 }
 
 
+def check_backend_name(name: str) -> None:
+    """Refuse a ``backend`` that names no backend (``"auto"`` or one of ``_BACKEND_MODULES``); whether it
+    runs here, on which devices and dtypes, is :func:`select_backend`'s."""
+    if name != "auto" and (not isinstance(name, str) or name not in _BACKEND_MODULES):
+        raise UnsupportedError(f"unknown backend {name!r}; expected one of {sorted(_BACKEND_MODULES)} or 'auto'")
+
+
 def load_backend(name: str) -> ModuleType | None:
     """The backend module called ``name``, or None when it cannot be imported here."""
     if name not in _BACKEND_MODULES:
-        raise UnsupportedError(f"unknown backend {name!r}; expected one of {sorted(_BACKEND_MODULES)} or 'auto'")
+        check_backend_name(name)
+        raise UnsupportedError("'auto' names no single backend module: use select_backend")
     module = sys.modules.get(_BACKEND_MODULES[name])  # imported already: once per leaf and step, skip importlib
     if module is not None and not getattr(module.__spec__, "_initializing", False):
         return module

@@ -72,6 +72,7 @@ import torch
 
 from sofx.adam import AdamHParams
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
+from sofx.kernels import select_backend
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
@@ -150,6 +151,7 @@ class OffloadEngine:
         self.policy_state: PolicyState = speculation.policy.init()
         self.timeout = float(timeout)
         self.layouts = plan_blocks(groups, block_numel, n_device_blocks)
+        self._check_backend(groups, getattr(torch, adam.state_dtype))
         self.n_groups = len(groups)
         self.tracker = ArrivalTracker(self.layouts, gradient_accumulation_steps)
         self.iteration = 0
@@ -215,30 +217,54 @@ class OffloadEngine:
             # process group, SIGKILL); the memory is released when the last mapping goes.
             self._cpu_arena.close()
         except BaseException:
-            self._release_shared_memory()
-            release_gate(self._interrupts)
+            try:
+                if "executor" in self.__dict__:  # (only the arena's close() comes after the executor's start)
+                    self.executor.close()
+            finally:
+                self._release_shared_memory()
+                release_gate(self._interrupts)
             raise
         # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
         self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
         # In-process executors decide on speculation in the executor (see the module docstring).
         self._deferred = self.executor_name != "process"
+        self._stale_grads: list | None = None
+        # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
+        self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
+        # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
+        # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
+        self._had_grad = [False] * len(self.params)
+        self._zero_grads = [False] * len(self.params)
+        # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
+        # which then refuses to step for good (a constructor that raised after that broke it).
         self.hooks = GradHooks(self.params, self._on_grad)
+        self._reset_step()
+        self._note_versions()
         # Closed before the interpreter finalizes if the script did not: daemon threads cannot run after it (the
         # process executor's stop message was never sent, and close() waited 10 s to kill the worker; a thread
         # executor's worker inside a kernel could abort the exit). The registry holds a weak reference.
         self._close_at_exit = functools.partial(_close_if_alive, weakref.ref(self))
         atexit.register(self._close_at_exit)
-        self._stale_grads: list | None = None
-        # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
-        self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
-        self._reset_step()
-        self._note_versions()
-        # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
-        # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
-        self._had_grad = [False] * len(self.params)
-        self._zero_grads = [False] * len(self.params)
 
     # ------------------------------------------------------------ setup
+    def _check_backend(self, groups: Sequence[Sequence[torch.Tensor]], state_dtype: torch.dtype) -> None:
+        """Refuse now a backend that cannot step some block (the CPU blocks' or the device blocks' fp32 masters
+        and ``state_dtype`` moments), naming the block's first parameter: the executor would fail at the first
+        step, and the engine for good."""
+        checked = set()
+        for layout in self.layouts:
+            device = self.device if layout.on_device else torch.device("cpu")
+            if device in checked:
+                continue
+            checked.add(device)
+            try:
+                select_backend(self.adam_config.backend, device, torch.float32, state_dtype)
+            except UnsupportedError as exc:
+                first = layout.param_indices[0]
+                k = first - sum(len(g) for g in groups[:layout.group])
+                raise UnsupportedError(f"param_groups[{layout.group}]['params'][{k}] (block {layout.index}, stepped "
+                                       f"on {device} as fp32 masters): {exc}") from None
+
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
         cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
         if name == "inline":
@@ -850,14 +876,14 @@ class OffloadEngine:
                 self._adopt_model_edits()  # the saved masters are what the model holds
             return engine_state_dict(self, complete)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (checked first: nothing changes on a mismatch);
-        the masters are copied into the model's parameters."""
+    def load_state_dict(self, state: dict[str, Any], where: str = "state") -> None:
+        """Restore :meth:`state_dict`'s output (checked whole first: nothing changes on a mismatch, the error
+        names the entry as ``where`` + its keys); the masters are copied into the model's parameters."""
         self._check_usable()
         with self._exclusive("load_state_dict()"):
             self._check_between_steps("load_state_dict()")
             self.wait()
-            load_engine_state(self, state)
+            load_engine_state(self, state, where)
             self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
             self._note_versions()
             self._reset_step()

@@ -10,19 +10,27 @@ do. The format (``STATE_FORMAT``)::
      "scaler_state": {"type": "GradScalerState", ...fields},
      "policy_state": {...fields}, "iteration": int, "adam": AdamConfig.to_json()}
 
-Loading checks everything (format, block layout, every tensor's shape and
-dtype, the loss-scaler type) before it changes anything, and keeps the saved
-dtypes (a bf16 ``exp_avg`` is never cast to the master's fp32).
+Loading checks everything before it changes anything -- format, block layout,
+every tensor's type, shape and dtype (any device that holds data: not ``meta``),
+the loss-scaler and policy states' kinds, fields and ranges, the iteration (an
+integer >= 0) -- and keeps the saved dtypes (a bf16 ``exp_avg`` is never cast
+to the master's fp32). Values no run writes are refused as corrupt: a negative
+step count or second moment. A nan or an inf in the masters or moments (a
+diverged run's state) loads, as ``torch.optim`` loads it.
 """
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sofx.errors import StructureError
+from sofx.errors import HParamError, StructureError
+from sofx.loss_scale import check_state
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
+from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,60 +57,168 @@ def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]
     }
 
 
-def load_engine_state(engine: "OffloadEngine", state: Any) -> None:
-    """Check ``state`` against ``engine``, then copy it in (nothing changes on a mismatch)."""
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise StructureError(f"not an offload engine state (format {found!r}, expected {STATE_FORMAT!r})")
-    if not state.get("complete", True):
-        raise StructureError("this state was taken after an executor failure in the middle of a step "
-                             "(\"complete\": False): some blocks may be partly stepped; load a checkpoint "
-                             "saved between steps")
-    layouts = [BlockLayout.from_json(d) for d in state["layouts"]]
-    if [(b.numels, b.group) for b in layouts] != [(b.numels, b.group) for b in engine.layouts]:
-        raise StructureError("the saved blocks do not match this optimizer's blocks (block_numel, parameter "
-                             "sizes or param groups differ): saved "
-                             f"{[list(b.numels) for b in layouts]}, here {[list(b.numels) for b in engine.layouts]}")
-    saved_adam = state.get("adam")
-    if isinstance(saved_adam, dict):
-        here = engine.adam_config.to_json()
-        # what the moments mean (the backend and undo mode are free to differ)
-        for key in ("decoupled", "bias_correction", "state_dtype"):
-            if key in saved_adam and saved_adam[key] != here.get(key):
-                raise StructureError(f"the state was saved by an optimizer with {key}={saved_adam[key]!r}, this one "
-                                     f"has {key}={here.get(key)!r} (e.g. SpeculativeAdamW's state into "
-                                     "SpeculativeAdam)")
-    blocks = state["blocks"]
-    if not isinstance(blocks, (list, tuple)) or len(blocks) != len(engine.layouts):
-        raise StructureError(f"the state holds {len(blocks) if isinstance(blocks, (list, tuple)) else 'no'} blocks, "
-                             f"this optimizer has {len(engine.layouts)}")
-    for layout, saved in zip(engine.layouts, blocks):
-        t = engine.tensors[layout.index]
-        for name in _SAVED:
-            x, have = saved.get(name), getattr(t, name)
-            if not isinstance(x, torch.Tensor) or x.shape != have.shape or x.dtype != have.dtype:
-                desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise StructureError(f"blocks[{layout.index}][{name!r}]: expected shape {tuple(have.shape)} "
-                                     f"dtype {have.dtype}, got {desc}")
-    scaler_fields = dict(state["scaler_state"])
-    kind = scaler_fields.pop("type")
-    if kind != type(engine.scaler_state).__name__:
-        raise StructureError(f"the saved loss-scaler state is a {kind}, this optimizer's is a "
-                             f"{type(engine.scaler_state).__name__}")
-    try:
-        scaler_state = type(engine.scaler_state)(**scaler_fields)
-        pol = dict(state["policy_state"])
-        pol["recent"] = tuple(pol.get("recent", ()))
-        policy_state = PolicyState(**pol)
-    except TypeError as exc:
-        raise StructureError(f"the saved loss-scaler or policy state does not fit: {exc}") from exc
+def load_engine_state(engine: "OffloadEngine", state: Any, where: str = "state") -> None:
+    """Check ``state`` against ``engine`` whole, then copy it in: a bad state raises a
+    :class:`~sofx.errors.SofxError` naming the entry (``where``: what the caller calls ``state``) and
+    what was expected, and changes nothing."""
+    blocks, scaler_state, policy_state, iteration = _checked_state(engine, state, where)
     with torch.no_grad():
         for layout, saved in zip(engine.layouts, blocks):
             t = engine.tensors[layout.index]
             for name in _SAVED:
                 getattr(t, name).copy_(saved[name])
-    engine.scaler_state, engine.policy_state = scaler_state, policy_state
-    engine.iteration = int(state.get("iteration", 0))
+    engine.scaler_state, engine.policy_state, engine.iteration = scaler_state, policy_state, iteration
+
+
+def _checked_state(engine: "OffloadEngine", state: Any,
+                   where: str) -> tuple[list[Mapping[str, torch.Tensor]], Any, PolicyState, int]:
+    """Everything :func:`load_engine_state` writes, checked: the blocks' tensors, the loss-scaler and policy
+    states, the iteration."""
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        raise StructureError(f"{where}: not an offload engine state (format {found!r}, expected {STATE_FORMAT!r})")
+    complete = state.get("complete", True)
+    if not isinstance(complete, bool):
+        raise StructureError(f"{where}['complete']: expected a bool, got {complete!r}")
+    if not complete:
+        raise StructureError(f"{where}: this state was taken after an executor failure in the middle of a step "
+                             "(\"complete\": False): some blocks may be partly stepped; load a checkpoint "
+                             "saved between steps")
+    _check_layouts(engine, _entry(state, "layouts", where), f"{where}['layouts']")
+    _check_adam_config(engine, state.get("adam"), f"{where}['adam']")
+    blocks = _checked_blocks(engine, _entry(state, "blocks", where), f"{where}['blocks']")
+    scaler_state = _checked_scaler_state(engine, _entry(state, "scaler_state", where), f"{where}['scaler_state']")
+    policy_state = _checked_policy_state(_entry(state, "policy_state", where), f"{where}['policy_state']")
+    iteration = state.get("iteration", 0)
+    if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral) or iteration < 0:
+        raise StructureError(f"{where}['iteration'] = {iteration!r}; expected an integer >= 0 (steps taken)")
+    return blocks, scaler_state, policy_state, int(iteration)
+
+
+def _entry(state: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in state:
+        raise StructureError(f"{where}: the entry {key!r} is missing")
+    return state[key]
+
+
+def _check_layouts(engine: "OffloadEngine", saved: Any, where: str) -> None:
+    """The saved blocks hold the parameters as this engine's do (sizes and param groups)."""
+    if not isinstance(saved, (list, tuple)):
+        raise StructureError(f"{where}: expected a list of block layouts, got {type(saved).__name__}")
+    layouts = []
+    for i, d in enumerate(saved):
+        try:
+            layouts.append(BlockLayout.from_json(d))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StructureError(f"{where}[{i}]: not a block layout ({type(exc).__name__}: {exc})") from None
+    if [(b.numels, b.group) for b in layouts] != [(b.numels, b.group) for b in engine.layouts]:
+        raise StructureError(f"{where}: the saved blocks do not match this optimizer's blocks (block_numel, "
+                             f"parameter sizes or param groups differ): saved {[list(b.numels) for b in layouts]}, "
+                             f"here {[list(b.numels) for b in engine.layouts]}")
+
+
+def _check_adam_config(engine: "OffloadEngine", saved: Any, where: str) -> None:
+    """What the moments mean is this engine's (the backend and undo mode are free to differ); a state without
+    the entry (an older sofx's) is taken as is."""
+    if saved is None:
+        return
+    if not isinstance(saved, Mapping):
+        raise StructureError(f"{where}: expected a dict (AdamConfig.to_json()), got {type(saved).__name__}")
+    here = engine.adam_config.to_json()
+    for key in ("decoupled", "bias_correction", "state_dtype"):
+        if key in saved and saved[key] != here.get(key):
+            raise StructureError(f"{where}[{key!r}]: the state was saved by an optimizer with {key}={saved[key]!r}, "
+                                 f"this one has {key}={here.get(key)!r} (e.g. SpeculativeAdamW's state into "
+                                 "SpeculativeAdam)")
+
+
+def _checked_blocks(engine: "OffloadEngine", saved: Any, where: str) -> list[Mapping[str, torch.Tensor]]:
+    """The saved blocks, each a dict of tensors of this engine's shapes and dtypes (any device with data), with
+    counts >= 0 and no negative second moment."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(engine.layouts):
+        raise StructureError(f"{where}: the state holds {len(saved) if isinstance(saved, (list, tuple)) else 'no'} "
+                             f"blocks, this optimizer has {len(engine.layouts)}")
+    for layout, block in zip(engine.layouts, saved):
+        at = f"{where}[{layout.index}]"
+        if not isinstance(block, Mapping):
+            raise StructureError(f"{at}: expected a dict of tensors {list(_SAVED)}, got {type(block).__name__}")
+        t = engine.tensors[layout.index]
+        for name in _SAVED:
+            _check_tensor(block.get(name), getattr(t, name), f"{at}[{name!r}]")
+        _check_values(block, at)
+    return list(saved)
+
+
+def _check_tensor(x: Any, have: torch.Tensor, where: str) -> None:
+    """``x`` can be copied into ``have``: a dense tensor with data, of its shape and dtype."""
+    if not isinstance(x, torch.Tensor) or x.shape != have.shape or x.dtype != have.dtype:
+        desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise StructureError(f"{where}: expected shape {tuple(have.shape)} dtype {have.dtype}, got {desc}")
+    if x.layout != torch.strided:
+        raise StructureError(f"{where}: expected a dense (strided) tensor, got layout {x.layout}")
+    if x.is_meta:
+        raise StructureError(f"{where}: expected a tensor with data, got one on device {x.device}")
+
+
+def _check_values(block: Mapping[str, torch.Tensor], where: str) -> None:
+    """Values no run writes: a negative step count or second moment (a nan or an inf is a diverged run's state
+    and loads, as ``torch.optim`` loads it; rounding never makes a stored second moment negative: algebraic undo
+    clamps it at 0)."""
+    for name, what in (("counts", "step count"), ("exp_avg_sq", "second moment")):
+        below = block[name] < 0
+        if bool(below.any()):
+            i = int(below.nonzero()[0, 0])
+            raise StructureError(f"{where}[{name!r}][{i}] = {block[name][i].item()!r}: expected a {what} >= 0 "
+                                 "(no run stores a negative one: the state is corrupt)")
+
+
+def _checked_scaler_state(engine: "OffloadEngine", saved: Any, where: str) -> Any:
+    """The saved loss-scaler state, of this engine's kind, with fields any run can reach (see
+    :func:`sofx.loss_scale.check_state`) and a scale that is a finite number >= 0."""
+    if not isinstance(saved, Mapping):
+        raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
+    fields = dict(saved)
+    kind, expected = fields.pop("type", None), type(engine.scaler_state)
+    if kind != expected.__name__:
+        raise StructureError(f"{where}: the saved loss-scaler state is a {kind}, this optimizer's is a "
+                             f"{expected.__name__}")
+    unknown = sorted(set(fields) - set(expected._fields))
+    if unknown:
+        raise StructureError(f"{where}[{unknown[0]!r}]: a {expected.__name__} has no such field (it has "
+                             f"{list(expected._fields)})")
+    try:
+        scaler_state = expected(**fields)
+    except TypeError as exc:  # a field without a default is missing
+        raise StructureError(f"{where}: {exc}") from None
+    check_state(scaler_state, where)
+    try:
+        loss_scale_of(engine.scaler, scaler_state)  # (a custom rule's state: its scale at least)
+    except HParamError as exc:
+        raise HParamError(f"{where}: {exc}") from None
+    return scaler_state
+
+
+def _checked_policy_state(saved: Any, where: str) -> PolicyState:
+    """The saved adaptive-policy state: ``recent`` a list of bools, ``paused`` a bool, ``quiet`` an integer
+    >= 0, ``reason`` a str (each missing field takes its default)."""
+    if not isinstance(saved, Mapping):
+        raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
+    unknown = sorted(set(saved) - set(PolicyState._fields))
+    if unknown:
+        raise StructureError(f"{where}[{unknown[0]!r}]: a PolicyState has no such field (it has "
+                             f"{list(PolicyState._fields)})")
+    out = PolicyState()._replace(**saved)
+    recent, quiet = out.recent, out.quiet
+    checks = (("recent", isinstance(recent, (list, tuple)) and all(isinstance(x, bool) for x in recent),
+               "a list of bools"),
+              ("paused", isinstance(out.paused, bool), "a bool"),
+              ("quiet", not isinstance(quiet, bool) and isinstance(quiet, numbers.Integral) and quiet >= 0,
+               "an integer >= 0"),
+              ("reason", isinstance(out.reason, str), "a str"))
+    for name, ok, expected in checks:
+        if not ok:
+            raise StructureError(f"{where}[{name!r}] = {getattr(out, name)!r}; expected {expected}")
+    return out._replace(recent=tuple(recent), quiet=int(quiet))
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

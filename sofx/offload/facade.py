@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import AdamHParams
+from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
@@ -241,18 +241,18 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                         policy=policy if policy is not None else AdaptivePolicy(), enabled=speculate)
         adam = AdamConfig(decoupled=self._decoupled, bias_correction=bias_correction,
                           state_dtype=str(state_dtype).replace("torch.", ""), undo=undo, backend=backend)
+        # What every step checks, checked now too -- before the engine takes the parameters over from an older
+        # optimizer (its hooks supersede that one's): a refused constructor leaves the old optimizer working.
+        self._checked_hparams(adam.build())
+        scaler = resolve_loss_scale(loss_scale, profile)
+        # The engine is the last thing made: it checks everything before it registers hooks and starts a worker.
         self._engine = OffloadEngine(
             [g["params"] for g in self.param_groups], _hparams_of(self), adam=adam, speculation=speculation,
-            scaler=resolve_loss_scale(loss_scale, profile), executor=executor, block_numel=block_numel,
+            scaler=scaler, executor=executor, block_numel=block_numel,
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params)
         self._state_view = _ParamStateView(self._engine)
-        try:
-            self._hparams()  # what every step checks, checked now too
-        except BaseException:
-            self._engine.close()
-            raise
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
         self.last_report: EngineStepReport | None = None
@@ -281,8 +281,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                "opt.state[p][key] = value, or load a state dict")
 
     def _hparams(self) -> list[AdamHParams]:
+        return self._checked_hparams(self.engine.adam)
+
+    def _checked_hparams(self, adam: Adam) -> list[AdamHParams]:
+        """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses)."""
         out = []
-        adam = self.engine.adam
         for i, g in enumerate(self.param_groups):
             check_group_flags(g, f"param_groups[{i}]", self._decoupled)
             hp = group_hparams(g, f"param_groups[{i}]")
@@ -367,22 +370,33 @@ class _SpeculativeBase(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise StructureError(f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
                                  f"groups, this optimizer has {len(self.param_groups)}")
+        if "state" not in state_dict:
+            raise StructureError("the state dict has no 'state' entry (the engine state)")
         for i, (saved, g) in enumerate(zip(groups, self.param_groups)):
-            if len(saved.get("params", ())) != len(g["params"]):
-                raise StructureError(f"param_groups[{i}] has {len(g['params'])} parameters, the saved group "
-                                     f"{len(saved.get('params', ()))}")
-            merged = {**g, **{k: v for k, v in saved.items() if k != "params"}}
-            group_hparams(merged, f"saved param_groups[{i}]")
-            check_group_flags(merged, f"saved param_groups[{i}]", self._decoupled)
-        self.engine.load_state_dict(state_dict["state"])
+            self._check_saved_group(saved, g, f"saved param_groups[{i}]")
+        # the engine checks its whole state before it changes anything; the groups cannot fail after it
+        self.engine.load_state_dict(state_dict["state"], where="state_dict['state']")
         for saved, g in zip(groups, self.param_groups):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
+
+    def _check_saved_group(self, saved: Any, group: Mapping[str, Any], where: str) -> None:
+        """A saved param group fits ``group``: a dict with as many ``params``, with valid hparams and flags."""
+        if not isinstance(saved, Mapping):
+            raise StructureError(f"{where}: expected a dict (a param group), got {type(saved).__name__}")
+        params = saved.get("params", ())
+        if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
+            found = f"{len(params)} parameters" if isinstance(params, (list, tuple)) else repr(params)
+            raise StructureError(f"{where}['params']: this optimizer's group has {len(group['params'])} parameters, "
+                                 f"the saved group {found}")
+        merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+        group_hparams(merged, where)
+        check_group_flags(merged, where, self._decoupled)
 
     # ------------------------------------------------------------ sofx additions
     @property
