@@ -88,7 +88,7 @@ import torch
 
 from sofx import tree
 from sofx.errors import SofxError
-from sofx.kernels.donation import overlaps_itself
+from sofx.kernels.donation import unwritable
 
 __all__ = [
     "is_ready",
@@ -546,22 +546,11 @@ def _check_floating_tensors(what: str, grads: Sequence[Any]) -> None:
 
 def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
     """Refuse a gradient the mean cannot be written into in place, before any is written (``copy_`` would
-    raise on it after the leaves before it were overwritten): one whose elements overlap in memory
-    (``expand()``), a leaf that requires grad or a view of one (with grad mode on), an inference tensor
-    outside inference mode."""
+    raise on it after the leaves before it were overwritten): :func:`sofx.kernels.donation.unwritable`."""
     for path, g in zip(paths, grads):
-        base = g if g._base is None else g._base
-        if g.requires_grad and base.is_leaf and torch.is_grad_enabled():
-            raise SofxError(f"{what}: {path} is {'a leaf' if g is base else 'a view of a leaf'} that requires grad, "
-                            "which cannot be written in place; pass it detached (.detach()) or call under "
-                            "torch.no_grad()")
-        if g.is_inference() and not torch.is_inference_mode_enabled():
-            raise SofxError(f"{what}: {path} is an inference tensor (made under torch.inference_mode()), which "
-                            "cannot be written in place outside it; pass a .clone() or call under "
-                            "torch.inference_mode()")
-        if overlaps_itself(g):
-            raise SofxError(f"{what}: {path}: its elements overlap in memory (e.g. an expand()-ed tensor), so the "
-                            "mean cannot be written into it; pass a tensor with its own memory (.clone())")
+        why = unwritable(path, g)
+        if why is not None:
+            raise SofxError(f"{what}: {why} (the mean is written into the gradients)")
 
 
 def _as_refusal(what: str, error: Exception) -> SofxError:

@@ -71,6 +71,11 @@ def test_a_leaf_that_requires_grad_is_not_donated(backend):
              p, state)
     with torch.no_grad():  # autograd allows the write there
         opt.update(p, grads, state, donate=True)
+    # a view of such a leaf: autograd refused the write after the leaves before it were written
+    whole = torch.nn.Parameter(torch.randn(12))
+    v = {**params, "z": whole[:6]}
+    _refused(lambda: opt.update(v, grads, state, donate=True),
+             r"params\['z'\]: a view of a leaf tensor that requires grad", v, state)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -776,8 +776,8 @@ def test_shards_with_other_owners_are_refused_on_every_rank(ranks2, ranks3):
 def test_all_reduce_mean_refuses_an_unwritable_gradient_before_writing_any(ranks2, ranks3):
     """An expanded tensor, a leaf that requires grad, a view of one, an inference tensor on rank 1 only:
     every rank raises (rank 1 its own error, the others naming rank 1) and no gradient changed."""
-    wanted = ["grads['b']: its elements overlap in memory", "grads['b'] is a leaf that requires grad",
-              "grads['b'] is a view of a leaf that requires grad", "grads['b'] is an inference tensor"]
+    wanted = ["grads['b']: its elements overlap in memory", "grads['b']: a leaf tensor that requires grad",
+              "grads['b']: a view of a leaf tensor that requires grad", "grads['b']: an inference tensor"]
     for ranks in (ranks2, ranks3):
         for r, run in enumerate(ranks):
             for case, want in zip(run["unwritable"]["cases"], wanted, strict=True):

@@ -45,7 +45,7 @@ import torch
 
 from sofx.errors import LeafError
 
-__all__ = ["check_writable", "MemorySpans", "first_clash", "runs", "overlaps_itself", "overlap_message",
+__all__ = ["check_writable", "unwritable", "MemorySpans", "first_clash", "runs", "overlaps_itself", "overlap_message",
            "shared_memory_message", "MAX_RUNS"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
@@ -54,19 +54,29 @@ MAX_RUNS = 1 << 20  # a non-contiguous tensor of more runs is compared as the ra
 Spans = Union[Sequence[int], torch.Tensor]
 
 
-def check_writable(path: str, t: torch.Tensor) -> None:
-    """Refuse a tensor that cannot be written in place: a leaf that requires grad (with grad mode on), an
-    inference tensor outside inference mode (torch refuses its in-place update; a native kernel would write it
-    anyway) or one whose elements overlap."""
-    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
-        raise LeafError(f"{path}: a leaf tensor that requires grad cannot be written in place (donate=True or "
-                        "param_copies); pass it detached, call under torch.no_grad(), or do not donate it")
+def unwritable(path: str, t: torch.Tensor) -> str | None:
+    """Why ``t`` (named ``path``) cannot be written in place, as an error message (what it is, what to pass
+    instead), or None: a leaf that requires grad or a view of one (with grad mode on: autograd refuses the
+    write), an inference tensor outside inference mode (torch refuses its in-place update; a native kernel
+    would write it anyway), or one whose elements overlap."""
+    base = t if t._base is None else t._base
+    if t.requires_grad and base.is_leaf and torch.is_grad_enabled():
+        kind = "a leaf tensor" if t is base else "a view of a leaf tensor"
+        return (f"{path}: {kind} that requires grad cannot be written in place; pass it detached (.detach()) or "
+                "call under torch.no_grad()")
     if t.is_inference() and not torch.is_inference_mode_enabled():
-        raise LeafError(f"{path}: an inference tensor (made under torch.inference_mode()) cannot be written in "
-                        "place outside inference mode (donate=True or param_copies); pass a .clone() made outside "
-                        "it, call under torch.inference_mode(), or do not donate it")
+        return (f"{path}: an inference tensor (made under torch.inference_mode()) cannot be written in place "
+                "outside inference mode; pass a .clone() made outside it or call under torch.inference_mode()")
     if overlaps_itself(t):
-        raise LeafError(overlap_message(path))
+        return f"{path}: {_OVERLAP}"
+    return None
+
+
+def check_writable(path: str, t: torch.Tensor) -> None:
+    """Refuse (a :class:`LeafError`) a tensor a call would write in place that cannot be: :func:`unwritable`."""
+    why = unwritable(path, t)
+    if why is not None:
+        raise LeafError(f"{why}, or do not donate it (donate=True and param_copies write in place)")
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
@@ -74,10 +84,13 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     return not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1
 
 
+_OVERLAP = ("its elements overlap in memory (e.g. an expand()-ed tensor), so it cannot be written in place; pass a "
+            "tensor with its own memory (.clone())")
+
+
 def overlap_message(path: str) -> str:
     """The error for a written leaf at ``path`` whose elements overlap in memory."""
-    return (f"{path}: its elements overlap in memory (e.g. an expand()-ed tensor), so it cannot be written in "
-            "place; pass a tensor with its own memory (.clone()) or do not donate it")
+    return f"{path}: {_OVERLAP} or do not donate it"
 
 
 def shared_memory_message(written: str, other: str) -> str:
