@@ -988,10 +988,16 @@ def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leave
 
 def _writable_leaves(leaves: Sequence[_Leaf]) -> None:
     """Each leaf's parameter and moments checked writable in place (:func:`check_writable`: not a leaf that
-    requires grad, not an inference tensor outside inference mode, no overlapping elements)."""
+    requires grad or a view of one, not an inference tensor outside inference mode, no overlapping elements).
+    A plain leaf (untraced: it does not require grad) is checked whole only where one of its tensors is an
+    inference tensor (a cheap test per tensor: this runs for every leaf of every donated call); the overlap
+    of its tensors is its kernel's or :class:`MemorySpans`' to refuse."""
+    outside_inference = not torch.is_inference_mode_enabled()
     for leaf in leaves:
-        for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
-            check_writable(_role_name(leaf, role), t)
+        if leaf.traced or (outside_inference and (leaf.p.is_inference() or leaf.m.is_inference()
+                                                  or leaf.v.is_inference())):
+            for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
+                check_writable(_role_name(leaf, role), t)
 
 
 def _writable_copies(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None],
