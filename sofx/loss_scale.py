@@ -46,6 +46,7 @@ DeepSpeed, Megatron): ``(it - last) % scale_window == 0`` -- it grows on the
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Union
@@ -119,10 +120,23 @@ class LossScaler(Protocol):
         ...
 
 
+def _real(value: Any) -> Any:
+    """``value`` as a Python number where it is a real one (a 0-d tensor read; numpy's numbers are
+    ``numbers.Real``), else as given (a bool is no number here)."""
+    x = as_number(value)
+    return x if isinstance(x, numbers.Real) and not _is_bool(x) else value
+
+
+def _is_bool(x: Any) -> bool:
+    """A Python or numpy bool."""
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+
+
 def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise HParamError(f"{name} = {value!r} is invalid; expected a finite number > 0")
-    return float(value)
+    x = _real(value)
+    if not isinstance(x, numbers.Real) or _is_bool(x) or not math.isfinite(x) or x <= 0:
+        raise HParamError(f"{name} = {value!r} is invalid; expected a finite number > 0, got {type(value).__name__}")
+    return float(x)
 
 
 def _float32_scale(name: str, value: float) -> float:
@@ -138,15 +152,17 @@ def _float32_scale(name: str, value: float) -> float:
 
 
 def _flag(name: str, value: bool) -> bool:
-    if not isinstance(value, bool):
+    if not _is_bool(as_number(value)):
         raise HParamError(f"{name} = {value!r} is invalid; expected a bool, got {type(value).__name__}")
-    return value
+    return bool(value)
 
 
 def _count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}")
-    return value
+    x = _real(value)
+    if not isinstance(x, numbers.Integral) or _is_bool(x) or x < minimum:
+        raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}, got "
+                          f"{type(value).__name__}")
+    return int(x)
 
 
 def check_state_kind(state: Any, expected: type) -> None:
@@ -161,7 +177,7 @@ def _overflow(value: Any) -> bool:
     """``overflow`` as a bool: a Python or numpy bool, or a 0-d bool tensor; a string, a number or ``None`` is
     refused (any non-empty string was taken as an overflow)."""
     x = as_number(value)  # a concrete 0-d tensor as its Python value
-    if isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool")):
+    if _is_bool(x):
         return bool(x)
     raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
                       f"nan), got {type(value).__name__}")
@@ -184,9 +200,10 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return
-    scale = state.scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale >= 0):
-        raise HParamError(f"{where}['scale'] = {scale!r} is invalid; expected a finite number >= 0")
+    scale = _real(state.scale)  # (torch's GradScaler keeps a 0-d tensor; numpy numbers come from files)
+    if not isinstance(scale, numbers.Real) or _is_bool(scale) or not (math.isfinite(scale) and scale >= 0):
+        raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number >= 0, got "
+                          f"{type(state.scale).__name__}")
     for name, low in least.items():
         _count(f"{where}[{name!r}]", getattr(state, name), low)
 

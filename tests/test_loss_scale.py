@@ -209,7 +209,8 @@ def test_static_scale_and_validation():
 def test_grad_scaler_refuses_an_init_scale_float32_cannot_hold(init: float):
     """GradScaler keeps its scale in a float32 tensor (torch fails at its first scale() for 1e39): an init scale
     beyond float32's largest value was an inf scale, one that rounds to 0 there a scale of 0."""
-    with pytest.raises(HParamError, match=r"init_scale = .* expected a scale float32 can hold.* got (inf|0\.0) in float32"):
+    with pytest.raises(HParamError,
+                       match=r"init_scale = .* expected a scale float32 can hold.* got (inf|0\.0) in float32"):
         ls.grad_scaler(init_scale=init)
     assert ls.grad_scaler(init_scale=ls.FLOAT32_MAX).init().scale == ls.FLOAT32_MAX
 
@@ -217,7 +218,8 @@ def test_grad_scaler_refuses_an_init_scale_float32_cannot_hold(init: float):
 def test_deepspeed_scaler_refuses_min_scale_above_init_scale():
     """DeepSpeed's DynamicLossScaler takes min_scale > init_scale, and its overflow then *raises* the scale to
     min_scale (max(S / 2, min_scale)); sofx refuses the configuration, naming both values."""
-    with pytest.raises(HParamError, match=r"min_scale = 4.0 is above init_scale = 1.0; expected min_scale <= init_scale"):
+    with pytest.raises(HParamError,
+                       match=r"min_scale = 4.0 is above init_scale = 1.0; expected min_scale <= init_scale"):
         ls.deepspeed_scaler(init_scale=1.0, min_scale=4.0)
     rule = ls.deepspeed_scaler(init_scale=4.0, min_scale=4.0, hysteresis=1, raise_error_at_min_scale=False)
     assert rule.scale(rule.update(rule.init(), True)) == 4.0  # equal is fine: the floor from the start
@@ -290,3 +292,22 @@ def test_scalers_refuse_factors_and_flags_of_the_wrong_type(make, name):
     a string flag was read as its truth value ("no" is true)."""
     with pytest.raises(HParamError, match=rf"{name} = .* is invalid"):
         make()
+
+
+def test_numbers_of_numpy_and_0d_tensors_are_taken_where_python_numbers_are():
+    """torch's GradScaler keeps its scale as a 0-d tensor and numpy numbers come back from files: the state and
+    argument checks (added with the refusals of strings and bools) refused them, blaming the value."""
+    import numpy as np
+
+    rule = ls.grad_scaler(init_scale=np.float32(1024.0), growth_factor=np.float32(2.0),
+                                  backoff_factor=np.float64(0.5), growth_interval=np.int64(2))
+    state = rule.update(ls.GradScalerState(torch.tensor(1024.0), np.int64(1)), False)
+    assert float(state.scale) == 2048.0 and state.growth_tracker == 0
+    ds = ls.deepspeed_scaler(consecutive_hysteresis=np.bool_(True), scale_window=np.int64(3))
+    out = ds.update(ls.DynamicLossScaleState(65536.0, np.int64(5), np.int64(-1), np.int64(2)), np.bool_(False))
+    assert out.scale == 65536.0 and out.cur_iter == 6
+    for bad, pattern in ((ls.GradScalerState("big", 0), r"scaler_state\['scale'\] = 'big' is invalid"),
+                         (ls.GradScalerState(1.0, 1.5), r"scaler_state\['growth_tracker'\] = 1.5 is invalid"),
+                         (ls.GradScalerState(np.bool_(True), 0), r"scaler_state\['scale'\] = .* is invalid")):
+        with pytest.raises(HParamError, match=pattern):
+            rule.update(bad, False)
