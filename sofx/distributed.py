@@ -393,9 +393,12 @@ class Shard:
             raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
         if len(self.owners) != self.spec.num_leaves:
             raise SofxError(f"owners has {len(self.owners)} entries, the params tree has {self.spec.num_leaves} leaves")
-        bad = [o for o in self.owners if not (isinstance(o, int) and 0 <= o < self.world_size)]
+        bad = [o for o in self.owners if isinstance(o, bool) or not (isinstance(o, int) and 0 <= o < self.world_size)]
         if bad:
             raise SofxError(f"owners must be ranks in [0, {self.world_size}), got {bad[0]!r}")
+        # one form on every rank (a list or a tuple of the same ranks describe the same shard: the ranks compare
+        # their owners in the layout check)
+        object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
 
     @property
     def owned(self) -> tuple[int, ...]:

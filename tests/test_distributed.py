@@ -799,3 +799,16 @@ def test_a_step_without_gradient_on_any_rank_is_not_counted_as_in_one_process(ra
         for run in ranks:
             assert run["empty_step"]["sofx"] == ref
             assert run["empty_step"]["user"] == ref
+
+
+def test_a_shard_holds_its_owners_in_one_form():
+    """The ranks compare their shards' owners in the layout check: owners given as a list on one rank and as a
+    tuple on another (shard_blocks') differed there (a bare StopIteration on every rank), and True passed for
+    rank 1 (a digest mismatch). Owners are held as a tuple of ints; a bool is refused."""
+    from sofx.distributed import Shard
+
+    _, spec = sofx.tree.flatten({"p": torch.zeros(2), "q": torch.zeros(3)})
+    assert Shard(0, 2, [0, 1], spec).owners == Shard(0, 2, (0, 1), spec).owners == (0, 1)
+    assert type(Shard(0, 2, [0, 1], spec).owners) is tuple
+    with pytest.raises(sofx.SofxError, match=r"owners must be ranks in \[0, 2\), got True"):
+        Shard(0, 2, (0, True), spec)
