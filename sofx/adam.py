@@ -44,6 +44,7 @@ do not modify those in place while the record may still be undone.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -58,7 +59,8 @@ from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamSc
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
 
-__all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR"]
+__all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
+           "check_hparam_value", "check_float32_range"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -379,7 +381,7 @@ class Adam:
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
         covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
-                                        leaves, copies, donate)
+                                        leaves, copies, donate, record)
         if not covered:
             _check_writes(leaves, copies, donate, record, grad_scale)
         flags = _chunk_flags(leaves, in_kernel)
@@ -494,8 +496,10 @@ class Adam:
         stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
         validated = {id(leaf.hp) for leaf in leaves if leaf.g is not None}  # by _gather
         for leaf in stepped:
-            if id(leaf.hp) not in validated:
+            if id(leaf.hp) not in validated:  # a leaf stepped with a zero gradient (zero_missing)
                 _validate_hparams(leaf.hp, "hparams for ", leaf.path)
+                if leaf.p.dtype != torch.float64:
+                    check_float32_range(leaf.hp, "hparams for ", leaf.path)
                 validated.add(id(leaf.hp))
         # each stepped leaf's backend chosen, or refused (a dtype or device it does not support); a leaf stepped
         # with a zero gradient (zero_missing) as one with a gradient
@@ -579,7 +583,7 @@ class Adam:
                 _validate_hparams(hp, "hparams for ", path)
                 validated.add(id(hp))
             if g is not None and p.dtype != torch.float64 and id(hp) not in in_float32:
-                _check_float32_range(hp, path)
+                check_float32_range(hp, "hparams for ", path)
                 in_float32.add(id(hp))
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
@@ -649,14 +653,16 @@ class Adam:
         """Why a step has no algebraic inverse: (reasons the moments cannot be recomputed, reasons only the
         parameter cannot)."""
         full_reasons = []
-        if abs(b1) < ALGEBRAIC_MIN_DIVISOR or abs(b2) < ALGEBRAIC_MIN_DIVISOR:
-            full_reasons.append("a beta of 0 leaves no trace of the old moment (below 2^-12, dividing by it "
-                                "loses more than half of float32's bits)")
+        for name, beta in (("beta1", b1), ("beta2", b2)):
+            if abs(beta) < ALGEBRAIC_MIN_DIVISOR:
+                full_reasons.append(f"{name} = {beta!r}: a beta of 0 leaves no trace of the old moment, and dividing "
+                                    "by one below 2^-12 loses more than half of float32's bits")
         full_reasons += _rounded(state_dtype, "optimizer states")
         param_reasons = _rounded(param_dtype, "master weights")
         if self.variant.decoupled and wd != 0 and abs(1 - lr * wd) < ALGEBRAIC_MIN_DIVISOR:
-            param_reasons.append("lr * weight_decay == 1 (decoupled decay; |1 - lr * weight_decay| below 2^-12 "
-                                 "loses more than half of float32's bits)")
+            param_reasons.append(f"lr * weight_decay == 1 or near it (decoupled decay; |1 - lr * weight_decay| = "
+                                 f"{abs(1 - lr * wd):.3g} is below 2^-12: dividing by it loses more than half of "
+                                 "float32's bits)")
         return full_reasons, param_reasons
 
     def algebraic_refusal(self, hparams: AdamHParams, param_dtype: torch.dtype = torch.float32) -> str | None:
@@ -753,7 +759,7 @@ def _check_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | None]
         return
     copied = _writable_copies(leaves, copies)
     if donate:
-        _writable_leaves(leaves)
+        _writable_leaves(leaves, record)
     _check_transform_levels(leaves, copies, donate, record, grad_scale)
     real = [leaf for leaf in leaves if not leaf.p.is_meta]  # meta tensors have no memory
     spans = MemorySpans()
@@ -971,7 +977,8 @@ def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
 
 
 def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leaves: Sequence[_Leaf],
-                          copies: Sequence[torch.Tensor | None], donate: bool) -> bool:
+                          copies: Sequence[torch.Tensor | None], donate: bool,
+                          record: UndoRecord | None = None) -> bool:
     """Whether the memory of a call is left to its kernel: every leaf goes to it (``in_call``: in its list
     call; a leaf without a gradient has no kernel), one backend, which checks (``CHECKS_OVERLAP``), and the
     A parameter copy that requires grad, or a donated inference tensor, is refused here (the kernel writes raw
@@ -982,18 +989,21 @@ def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leave
         return False
     _writable_copies(leaves, copies)
     if donate:
-        _writable_leaves(leaves)
+        _writable_leaves(leaves, record)
     return True
 
 
-def _writable_leaves(leaves: Sequence[_Leaf]) -> None:
-    """Each leaf's parameter and moments checked writable in place (:func:`check_writable`: not a leaf that
-    requires grad or a view of one, not an inference tensor outside inference mode, no overlapping elements).
-    A plain leaf (untraced: it does not require grad) is checked whole only where one of its tensors is an
-    inference tensor (a cheap test per tensor: this runs for every leaf of every donated call); the overlap
-    of its tensors is its kernel's or :class:`MemorySpans`' to refuse."""
+def _writable_leaves(leaves: Sequence[_Leaf], record: UndoRecord | None) -> None:
+    """The parameter and moments of each leaf the call writes (stepped: it has a gradient; undone: ``record``
+    has it) checked writable in place (:func:`check_writable`: not a leaf that requires grad or a view of one,
+    not an inference tensor outside inference mode, no overlapping elements). A plain leaf (untraced: it does
+    not require grad) is checked whole only where one of its tensors is an inference tensor (a cheap test per
+    tensor: this runs for every leaf of every donated call); the overlap of its tensors is its kernel's or
+    :class:`MemorySpans`' to refuse."""
     outside_inference = not torch.is_inference_mode_enabled()
-    for leaf in leaves:
+    for k, leaf in enumerate(leaves):
+        if leaf.g is None and (record is None or record.leaves[k] is None):
+            continue  # not written
         if leaf.traced or (outside_inference and (leaf.p.is_inference() or leaf.m.is_inference()
                                                   or leaf.v.is_inference())):
             for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
@@ -1110,39 +1120,50 @@ _RANGES = {
 
 
 def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
-    """Check every concrete hparam value; traced tensors (vmap, grad, compile) are not inspected. Errors
-    name ``where + path`` (joined only then: this runs for every group of every step)."""
+    """Check every concrete hparam value (:func:`check_hparam_value`); traced tensors (vmap, grad, compile) are
+    not inspected. Errors name ``where + path`` (joined only then: this runs for every group of every step)."""
     for name, value in zip(AdamHParams._fields, hp):
-        if value is None:
-            continue
-        if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
-            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
-            if isinstance(value, torch.Tensor):
-                if is_traced(value):
-                    continue
-                if value.dim() != 0:
-                    raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, "
-                                      f"got shape {tuple(value.shape)}")
-                value = value.item()
-        ok, rule = _RANGES[name]
-        # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
-        if not -math.inf < value < math.inf or not ok(value):
-            raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
+        if value is not None:
+            check_hparam_value(name, value, where, path)
 
 
-def _check_float32_range(hp: AdamHParams, path: str) -> None:
-    """Refuse hparams that float32, in which the kernels step every leaf but float64 ones, cannot hold: an lr
-    or weight_decay beyond its largest value (inf there: nan steps), an eps that rounds to 0 (0/0 where a
-    moment is 0). Traced values are not read."""
+def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> None:
+    """Refuse a value of hparam ``name`` that :meth:`Adam.update` cannot take (an :class:`HParamError` naming
+    ``where + path``): not a real number or a 0-d tensor (a bool, a string, a tensor of another shape), or out
+    of its range (``lr >= 0``, ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite). A traced
+    tensor is not read. Schedules check their constants and results with it too."""
+    if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+            raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor):
+            if is_traced(value):
+                return
+            if value.dim() != 0:
+                raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, "
+                                  f"got shape {tuple(value.shape)}")
+            value = value.item()
+        if isinstance(value, int) and not -sys.float_info.max <= value <= sys.float_info.max:
+            # an int no float holds: the kernels' float(value) would raise an OverflowError
+            raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {_RANGES[name][1]}, a finite "
+                              "number (this int is beyond the float range)")
+    ok, rule = _RANGES[name]
+    # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
+    if not -math.inf < value < math.inf or not ok(value):
+        raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
+
+
+def check_float32_range(hp: AdamHParams, where: str, path: str = "") -> None:
+    """Refuse (an :class:`HParamError` naming ``where + path``) hparams that float32, in which the kernels
+    step every leaf but float64 ones, cannot hold: an lr or weight_decay beyond its largest value (inf there:
+    nan steps), an eps that rounds to 0 (0/0 where a moment is 0). Traced values are not read."""
     for name in ("lr", "weight_decay", "eps"):
         value = as_number(getattr(hp, name))
         if not is_number(value):
             continue
         if value > FLOAT32_MAX or (name == "eps" and value <= _F32_ROUNDS_TO_0):
             limit = f"largest {FLOAT32_MAX!r}" if value > FLOAT32_MAX else "an eps this small is 0 there"
-            raise HParamError(f"hparams for {path}: {name} = {value!r} is beyond float32's range ({limit}); "
-                              f"{path} is stepped in float32")
+            raise HParamError(f"{where}{path}: {name} = {value!r} is beyond float32's range ({limit}); it is "
+                              "stepped in float32")
 
 
 def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,

@@ -27,13 +27,10 @@ where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), els
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
-import torch
-
-from sofx.adam import AdamHParams
+from sofx.adam import AdamHParams, check_hparam_value
 from sofx.errors import HParamError
 
 __all__ = [
@@ -340,17 +337,6 @@ class Join:
 FieldSchedule = Union[None, float, Schedule]
 
 
-def _is_value(x: Any) -> bool:
-    """A hyperparameter value: a real number (not a bool) or a 1-element floating-point tensor."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() == 1 and x.is_floating_point()
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _describe(x: Any) -> str:
-    return f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"{x!r:.60}"
-
-
 @dataclass(frozen=True)
 class HParamsSchedule:
     """``step -> AdamHParams`` from one schedule, constant or ``None`` per field.
@@ -369,13 +355,8 @@ class HParamsSchedule:
     def __post_init__(self) -> None:
         for name in AdamHParams._fields:
             f = getattr(self, name)
-            if f is None or callable(f):
-                continue
-            if not _is_value(f):
-                raise HParamError(f"hparams_schedule: {name} = {_describe(f)} ({type(f).__name__}) is invalid; "
-                                  "expected a schedule (a callable step -> value), a number or None")
-            if not isinstance(f, torch.Tensor) and not math.isfinite(f):
-                raise HParamError(f"hparams_schedule: {name} = {f!r} is invalid; expected a finite number")
+            if f is not None and not callable(f):  # a constant: what the optimizer takes (else a schedule, None)
+                check_hparam_value(name, f, "hparams_schedule")
         if self.base is not None and not callable(self.base):
             raise HParamError(f"hparams_schedule: base = {self.base!r:.60} ({type(self.base).__name__}) is invalid; "
                               "expected a schedule step -> AdamHParams (e.g. one_cycle(...)) or None")
@@ -389,9 +370,8 @@ class HParamsSchedule:
         for name, current in zip(AdamHParams._fields, out):
             f = getattr(self, name)
             value = current if f is None else f(step) if callable(f) else f
-            if callable(f) and value is not None and not _is_value(value):
-                raise HParamError(f"hparams_schedule: {name}({step}) returned {_describe(value)} "
-                                  f"({type(value).__name__}); expected a number, a 1-element float tensor or None")
+            if callable(f) and value is not None:
+                check_hparam_value(name, value, "hparams_schedule", f" at step {step}")
             values.append(value)
         return AdamHParams(*values)
 

@@ -98,6 +98,7 @@ def test_an_inference_tensor_is_not_written_outside_inference_mode(backend):
     opt.update(params, grads, state, param_copies={"a": None, "z": torch.zeros(6)})  # an ordinary copy: fine
     with torch.inference_mode():
         opt.update(p, grads, state, donate=True)
+    opt.update(p, {**grads, "z": None}, state, donate=True)  # a leaf without a gradient is not written
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

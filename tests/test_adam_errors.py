@@ -71,6 +71,7 @@ def test_bad_inputs_raise_naming_the_leaf_and_change_nothing(mutate, error, patt
     (sofx.AdamHParams(lr=float("nan")), r"lr = nan is invalid"),
     (sofx.AdamHParams(lr=torch.tensor([1e-3, 1e-3])), r"lr must be a float or a 0-d tensor, got shape \(2,\)"),
     (sofx.AdamHParams(lr="fast"), r"lr must be a float or a 0-d tensor, got str"),
+    (sofx.AdamHParams(lr=2 ** 1100), r"lr = \d+ is invalid; .*beyond the float range"),  # float() would raise
     ({"layers": sofx.AdamHParams(), "head": sofx.AdamHParams(eps=torch.tensor(-1.0))},
      r"hparams for params\['head'\]: eps = -1.0 is invalid"),
     ({"layers": sofx.AdamHParams()}, r"hparams is not a prefix of the structure of params"),
@@ -148,6 +149,13 @@ def test_hparams_float32_cannot_hold_are_refused_where_a_leaf_is_stepped_in_floa
                                                "range .*is stepped in float32"):
         opt.update(params, grads, state, hp, donate=True)
     _assert_unchanged(before, params, grads, state)
+    # a leaf stepped with a zero gradient (missing_grad="zero") too: check_inputs passed it, and a speculative
+    # step wrote the other leaves before update refused it
+    only_head = {"layers": AdamHParams(), "head": hp}
+    no_head = {**grads, "head": None}
+    with pytest.raises(sofx.HParamError, match=rf"hparams for params\['head'\]: {name} = .* is beyond float32's"):
+        opt.check_inputs(params, no_head, state, only_head, zero_missing=True)
+    opt.check_inputs(params, no_head, state, only_head)  # not stepped: not checked
     smallest = AdamHParams(eps=2.0 ** -149)  # float32's smallest subnormal: a number there
     opt.update(params, grads, state, smallest)
     if backend == "reference":

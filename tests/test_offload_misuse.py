@@ -441,7 +441,8 @@ def test_undo_algebraic_refusals_come_before_any_block_is_stepped():
     model, _ = _models()
     groups = [{"params": list(model.inp.parameters())}, {"params": list(model.head.parameters()) +
                                                          list(model.mid.parameters()) + list(model.norm.parameters())}]
-    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]: undo='algebraic' is impossible: a beta"):
+    with pytest.raises(sofx.UnsupportedError,
+                       match=r"param_groups\[0\]: undo='algebraic' is impossible: beta1 = 0.0: a beta of 0"):
         sofx.offload.SpeculativeAdamW([{**groups[0], "betas": (0.0, 0.999)}, groups[1]], undo="algebraic",
                                       executor="inline")
     with sofx.offload.SpeculativeAdamW(groups, lr=1e-2, undo="algebraic", executor="inline", block_numel=50) as opt:
@@ -453,6 +454,32 @@ def test_undo_algebraic_refusals_come_before_any_block_is_stepped():
             opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
         opt.zero_grad()
         assert [int(opt.state[p]["step"]) for p in model.parameters()] == counts
+
+
+def test_hparams_float32_cannot_hold_are_refused_before_any_block_is_stepped():
+    """The masters are float32: an lr beyond its range, or an eps that is 0 there, was taken by the constructor
+    and refused inside the executor at the first step, which stopped the engine for good (a scheduler setting
+    such an lr mid-run did the same). Refused at construction, and for a group changed so later before backward
+    steps any block; the engine keeps working once the value is put back."""
+    model, _ = _models()
+    for kw, name in (({"lr": 1e39}, "lr"), ({"eps": 1e-46}, "eps"),
+                     ({"lr": 0.0, "weight_decay": 1e39}, "weight_decay")):
+        with pytest.raises(sofx.HParamError, match=rf"{name} = .* is beyond float32's range"):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **kw)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread") as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        counts = [int(opt.state[p]["step"]) for p in model.parameters()]
+        opt.param_groups[0]["lr"] = 1e39
+        with pytest.raises(sofx.HParamError, match=r"param_groups\[0\]: lr = 1e\+39 is beyond float32's range"):
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == counts
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(2))))
+        opt.step()
+        # (a parameter the loss does not reach has no gradient and stays at 0)
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == [c + 1 if c else 0 for c in counts]
 
 
 def test_a_step_without_gradients_warns_that_nothing_is_stepped():

@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import Adam, AdamHParams
+from sofx.adam import Adam, AdamHParams, check_float32_range
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
@@ -135,7 +135,9 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
                                   ("['weight_decay']", wd, wd >= 0, ">= 0")):
         if not (math.isfinite(value) and ok):
             raise HParamError(f"{where}{name} = {value!r} is invalid; expected {rule}")
-    return AdamHParams(lr, b1, b2, eps, wd)
+    hp = AdamHParams(lr, b1, b2, eps, wd)
+    check_float32_range(hp, where)  # the masters are float32
+    return hp
 
 
 class _ParamState(MutableMapping):
