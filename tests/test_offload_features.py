@@ -592,6 +592,11 @@ def test_bad_input_gives_clear_errors() -> None:
     model, _ = _models()
     with pytest.raises(UnsupportedError, match="executor='gpu'"):
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="gpu")
+    before = [p.data_ptr() for p in model.parameters()]
+    for threads in (0, 1.5, True):  # the process worker refused 0 only once started, the parameters moved
+        with pytest.raises(UnsupportedError, match=rf"num_threads must be an integer >= 1.*got {threads!r}"):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", num_threads=threads)
+    assert [p.data_ptr() for p in model.parameters()] == before
     with pytest.raises(UnsupportedError, match="n_device_blocks=50"):
         sofx.offload.SpeculativeAdamW(model.parameters(), n_device_blocks=50)
     with pytest.raises(HParamError, match=r"defaults\['lr'\] = -1.0"):

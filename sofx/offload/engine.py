@@ -140,6 +140,10 @@ class OffloadEngine:
             raise UnsupportedError(f"executor={executor!r}; expected one of {EXECUTORS}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise UnsupportedError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            # (the process executor's worker refused it only once started, after the parameters had moved)
+            raise UnsupportedError(f"num_threads must be an integer >= 1 (the process executor's worker threads), "
+                                   f"got {num_threads!r}")
         self.device = check_params(groups)
         self.params: list[torch.Tensor] = [p for g in groups for p in g]
         self.hparams_fn = hparams_fn
