@@ -166,3 +166,24 @@ def test_interop_errors():
                           groups=[[0, 1, 2, 3]])
     with pytest.raises(ck.CheckpointError, match="no params leaf is named 'nope'"):
         ck.torch_param_groups(adamw, params, groups=[["nope"]])
+
+
+def test_the_exported_moments_are_copies_and_none_in_the_hparams_prefix_means_the_defaults():
+    """torch's load_state_dict keeps a tensor of its parameter's dtype and device as it is: the exported moments
+    were the state's own, and torch's steps wrote into the sofx state a run went on from. A None in the hparams
+    prefix tree (the defaults for its subtree, as update takes it) was refused by every interop function."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    hp = {"enc": sofx.AdamHParams(lr=3e-2), "dec": None}
+    params, state = _sofx_steps(opt, _params(), opt.init(_params()), hp, 0, 3)
+    before = _clone(state)
+    exported = ck.to_torch_optim(opt, state, hp)
+    assert [g["lr"] for g in exported["param_groups"]] == [1e-2, 3e-2]  # dec: the defaults (flatten order)
+    torch_params = _clone(params)
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(opt, torch_params, hp))
+    torch_opt.load_state_dict(exported)
+    _torch_steps(torch_opt, torch_params, 3, 5)
+    assert _equal(state, before)  # untouched by torch's steps
+    sofx_params, sofx_state = _sofx_steps(opt, _clone(params), _clone(state), hp, 3, 5)
+    assert _equal(torch_params, sofx_params)
+    back, _ = ck.from_torch_optim(opt, torch_opt.state_dict(), torch_params, hp)
+    assert _equal(back, sofx_state)

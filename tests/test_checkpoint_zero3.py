@@ -433,3 +433,15 @@ def test_deepspeed_engine_and_sofx_continue_each_others_zero3_checkpoints(tmp_pa
     assert _bits_equal(train(ds_n[0], ds_n[1], n, n + m), (ref_p, ref_s))
     # DeepSpeed continuing sofx's export stays on it too
     assert _bits_equal(ck.load_zero3(tmp_path / "ckpt" / "sofx_nm", opt, template)[:2], (ref_p, ref_s))
+
+
+def test_leaves_deepspeed_would_name_alike_are_refused_before_any_file(tmp_path):
+    """DeepSpeed names a parameter by its tree path joined by dots: {"a": {"b": x}, "a.b": y} gave two "a.b"
+    in the model states file, which neither load_zero3 nor zero_to_fp32 could read back. Refused first."""
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": {"b": torch.randn(3)}, "a.b": torch.randn(4)}
+    state = opt.init(params)
+    with pytest.raises(ck.CheckpointError, match=r"leaves 0 and 1 are both named 'a.b'"):
+        ck.save_zero3(tmp_path / "ck", opt, params, state, model_states=True, deepspeed_objects=False)
+    assert not (tmp_path / "ck").exists()
+    ck.save_zero3(tmp_path / "ok", opt, params, state, deepspeed_objects=False)  # no names written: fine

@@ -111,9 +111,11 @@ def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
 
 def prefix_ids(hparams: Any, spec: tree.TreeSpec) -> tuple[Any, list[int]]:
     """``hparams`` (a prefix tree of AdamHParams) with each AdamHParams replaced by its number in
-    flatten order, and that number for every params leaf."""
+    flatten order, and that number for every params leaf. A ``None`` in it (the defaults for its subtree, as
+    ``update`` reads it) is a value too, with its own number."""
     counter = itertools.count()
-    ids = optree.tree_map(lambda _: next(counter), hparams, is_leaf=lambda x: isinstance(x, AdamHParams))
+    ids = optree.tree_map(lambda _: next(counter), hparams, is_leaf=lambda x: isinstance(x, AdamHParams),
+                          none_is_leaf=True)
     return ids, tree.broadcast_prefix(ids, spec, what="hparams")
 
 

@@ -72,8 +72,8 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
                    groups: Sequence[Sequence[Any]] | None = None) -> dict:
     """A ``torch.optim.Adam``/``AdamW`` ``state_dict()`` holding ``state`` and the hyperparameters.
 
-    The state dict's tensors are the state's own (as torch's ``state_dict()``
-    does); ``load_state_dict`` copies them.
+    The state dict's moments are copies of the state's: torch's ``load_state_dict`` keeps a tensor of its
+    parameter's dtype and device as it is, and its steps would then write into ``state``.
     """
     _check_opt(opt, "to_torch_optim")
     if not isinstance(state, AdamState):
@@ -98,7 +98,8 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
                                        f"step as float32, exact only up to {_EXACT_STEPS}")
             if c > 0:
                 torch_state[index] = {"step": torch.tensor(float(c), dtype=torch.float32),
-                                      "exp_avg": mus[leaf], "exp_avg_sq": nus[leaf]}
+                                      "exp_avg": mus[leaf].detach().clone(),
+                                      "exp_avg_sq": nus[leaf].detach().clone()}
             index += 1
     return {"state": torch_state, "param_groups": param_groups}
 

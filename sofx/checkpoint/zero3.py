@@ -167,6 +167,7 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
                 raise UnsupportedError(f"{path}: {name} has dtype {t.dtype}; the ZeRO-3 layout stores float32 (from "
                                        "float32, bfloat16 or float16); use sofx.checkpoint.save for other dtypes")
     resolved = resolve_groups(opt, spec, hparams, groups)
+    names = param_names(params) if model_states else []  # (refused before any file is written)
     if bf16 is None:
         bf16 = any(p.dtype == torch.bfloat16 for p in p_leaves)
     steps = [_block_count(counts, g, paths) for g in resolved]
@@ -204,7 +205,6 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
         path = os.path.join(os.fspath(directory), zero3_file_name(r, mp_rank, bf16))
         written.append(atomic_write(path, lambda tmp, obj=payload: torch.save(obj, tmp)))
     if model_states:
-        names = param_names(params)
         shapes = [collections.OrderedDict((names[i], torch.Size(p_leaves[i].shape)) for i in g.leaves)
                   for g in resolved]
         global_steps = max(steps, default=0)
@@ -484,7 +484,15 @@ def _hparams_like(hparams: Any, spec: tree.TreeSpec, per_leaf: dict[int, AdamHPa
 def param_names(params: Any) -> list[str]:
     """DeepSpeed-style names of the leaves of a params tree: their tree paths joined by dots
     (``{"enc": {"w": ...}}`` -> ``"enc.w"``; ``dict(model.named_parameters())`` -> the module's names)."""
-    return [".".join(str(k) for k in keys) for keys in optree.tree_paths(params)]
+    names = [".".join(str(k) for k in keys) for keys in optree.tree_paths(params)]
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:  # {"a": {"b": x}, "a.b": y}: DeepSpeed's files would hold two parameters of one name
+            raise CheckpointError(f"params: leaves {seen[name]} and {i} are both named {name!r} as DeepSpeed names "
+                                  "parameters (tree path joined by dots); rename one (a model's named_parameters() "
+                                  "never clashes)")
+        seen[name] = i
+    return names
 
 
 def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
