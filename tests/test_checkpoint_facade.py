@@ -180,3 +180,41 @@ def test_facade_state_round_trips_through_a_checkpoint_file(tmp_path):
         bad["state"]["blocks"][1]["exp_avg"] = bad["state"]["blocks"][1]["exp_avg"][:-1]
         with pytest.raises(ck.CheckpointMismatchError, match=r"tree\['state'\]\['blocks'\]\[1\]\['exp_avg'\]"):
             ck.load(tmp_path / "sd.ckpt", like=bad)
+
+
+def test_a_custom_loss_scale_rules_tuple_state_fields_come_back_as_tuples(tmp_path):
+    """The facade's state dict holds a tuple field of a loss-scale rule's state as a list (JSON-like); loaded
+    back (directly or through a checkpoint file) the field stayed a list, and the rule's update failed at the
+    next step (a list plus a tuple). The field comes back as the tuple the rule's state holds."""
+    from typing import NamedTuple
+
+    import sofx.offload
+
+    class RecentState(NamedTuple):
+        scale: float = 4.0
+        recent: tuple = ()
+
+    class RecentRule:
+        def init(self) -> RecentState:
+            return RecentState()
+
+        def scale(self, state: RecentState) -> float:
+            return state.scale
+
+        def update(self, state: RecentState, overflow: bool) -> RecentState:
+            return RecentState(state.scale, (state.recent + (bool(overflow),))[-3:])
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale=RecentRule(), executor="inline") as opt:
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(3, 4)).sum())
+            opt.step()
+        back = ck.load(ck.save(tmp_path / "sd.ckpt", opt.state_dict()))
+        for sd in (opt.state_dict(), back):
+            opt.load_state_dict(sd)
+            assert opt.engine.scaler_state == RecentState(4.0, (False, False))
+            opt.zero_grad()
+            opt.backward(model(torch.randn(3, 4)).sum())
+            opt.step()

@@ -186,6 +186,9 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, where: str) -> An
     if unknown:
         raise StructureError(f"{where}[{unknown[0]!r}]: a {expected.__name__} has no such field (it has "
                              f"{list(expected._fields)})")
+    for name, value in fields.items():  # the state dict holds a tuple field as a list (JSON-like, as torch's betas)
+        if isinstance(value, list) and isinstance(getattr(engine.scaler_state, name), tuple):
+            fields[name] = tuple(value)
     try:
         scaler_state = expected(**fields)
     except TypeError as exc:  # a field without a default is missing
