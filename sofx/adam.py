@@ -494,13 +494,9 @@ class Adam:
         _validate_donate(donate)
         spec, leaves = self._gather(params, grads, state, hparams)
         stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
-        validated = {id(leaf.hp) for leaf in leaves if leaf.g is not None}  # by _gather
-        for leaf in stepped:
-            if id(leaf.hp) not in validated:  # a leaf stepped with a zero gradient (zero_missing)
-                _validate_hparams(leaf.hp, "hparams for ", leaf.path)
-                if leaf.p.dtype != torch.float64:
-                    check_float32_range(leaf.hp, "hparams for ", leaf.path)
-                validated.add(id(leaf.hp))
+        checked = {_hparams_key(leaf.hp, leaf.p.dtype) for leaf in leaves if leaf.g is not None}  # by _gather
+        for leaf in stepped:  # and those of the leaves stepped with a zero gradient (zero_missing)
+            _check_stepped_hparams(leaf.hp, leaf.path, leaf.p.dtype, checked)
         # each stepped leaf's backend chosen, or refused (a dtype or device it does not support); a leaf stepped
         # with a zero gradient (zero_missing) as one with a gradient
         self._kernels([leaf if leaf.g is not None else leaf._replace(g=leaf.p) for leaf in stepped])
@@ -567,8 +563,7 @@ class Adam:
         stepping = expect_spec is None or grads is not None  # an update, or the redo of an undo_redo
         hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
-        validated: set[int] = set()  # hparams objects checked already (a group's leaves share one)
-        in_float32: set[int] = set()  # ... and checked for a leaf stepped in float32
+        checked: set[tuple[int, bool]] = set()  # hparams objects checked already (a group's leaves share one)
         traced = leaf_tracer()
         hp_traced: dict[int, bool] = {}  # per hparams object
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
@@ -579,12 +574,8 @@ class Adam:
             want_state = self.state_dtype or p.dtype
             _check_like("state.mu", path, m, p, want_state)
             _check_like("state.nu", path, v, p, want_state)
-            if g is not None and id(hp) not in validated:
-                _validate_hparams(hp, "hparams for ", path)
-                validated.add(id(hp))
-            if g is not None and p.dtype != torch.float64 and id(hp) not in in_float32:
-                check_float32_range(hp, "hparams for ", path)
-                in_float32.add(id(hp))
+            if g is not None:
+                _check_stepped_hparams(hp, path, p.dtype, checked)
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
             leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
@@ -1117,6 +1108,24 @@ _RANGES = {
     "eps": (lambda x: x > 0, "eps > 0"),
     "weight_decay": (lambda x: x >= 0, "weight_decay >= 0"),
 }
+
+
+def _hparams_key(hp: AdamHParams, dtype: torch.dtype) -> tuple[int, bool]:
+    """What :func:`_check_stepped_hparams` checks once: the hparams object, and whether its leaf is stepped in
+    float32 (every dtype but float64)."""
+    return id(hp), dtype != torch.float64
+
+
+def _check_stepped_hparams(hp: AdamHParams, path: str, dtype: torch.dtype, checked: set[tuple[int, bool]]) -> None:
+    """The hparams of a leaf of ``dtype`` that is stepped: their values (:func:`_validate_hparams`) and, stepped in
+    float32, its range (:func:`check_float32_range`); once per :func:`_hparams_key` in ``checked``."""
+    key = _hparams_key(hp, dtype)
+    if key in checked:
+        return
+    _validate_hparams(hp, "hparams for ", path)
+    if key[1]:
+        check_float32_range(hp, "hparams for ", path)
+    checked.add(key)
 
 
 def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
