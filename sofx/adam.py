@@ -55,7 +55,7 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
-                               is_traced, leaf_tracer, write_param_copy)
+                               is_traced, leaf_tracer, lossy_elements, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
 
@@ -76,6 +76,9 @@ ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 _F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
 _UNDO_MODES = ("auto", "algebraic", "exact")
 _NOT_FINITE = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
+_LOSSY = ("the gradient dominates the second moment somewhere (a spike, a rarely updated row): an algebraic "
+          "inverse would restore it less exactly than 1e-6 (see sofx.kernels.base.lossy_factor)")
+_NOT_UNDOABLE = "stepped with undoable=False"
 _INVERTED = ("algebraic", "param_snapshot")  # strategies whose undo inverts m and v (needs a finite gradient)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -166,7 +169,7 @@ class Adam:
     # ---------------------------------------------------------------- update
     def update(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
                grad_scale: Scalar = 1.0, donate: bool = False, grads_finite: bool | None = None,
-               param_copies: Any = None) -> tuple[Any, AdamState, UndoRecord]:
+               param_copies: Any = None, undoable: bool = True) -> tuple[Any, AdamState, UndoRecord]:
         """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
 
         The gradient used is ``grads * grad_scale`` (unscaling and clipping
@@ -185,6 +188,19 @@ class Adam:
         see :mod:`sofx.skipped_chunks`); elsewhere each gradient is read once
         before the step (on a GPU, all of a device's in one pass).
 
+        With ``undo="auto"`` a leaf's record is also a snapshot where its
+        gradient dominates its second moment somewhere (a spike, a rarely
+        updated row of an embedding): the algebraic inverse would restore
+        ``v`` and ``m`` less exactly than DESIGN.md's 1e-6 there (a gradient
+        1000x the ones before it left ``v`` 62% off). The test,
+        :func:`sofx.kernels.base.lossy_elements`, runs in the CPU kernels'
+        checked step (a chunk at a time, as above, also with
+        ``grads_finite=True``), elsewhere as a pass before the step.
+
+        ``undoable=False``: the caller will not undo this step (a plain
+        training loop); nothing is read or copied to choose an undo strategy,
+        and every leaf's record says it cannot be undone.
+
         ``param_copies``: a tree with the structure of ``params`` whose leaves
         are ``None`` or tensors of the parameter's shape and device in any
         float dtype; each receives the leaf's new parameters, cast to its dtype
@@ -192,6 +208,7 @@ class Adam:
         it in the same pass as the step.
         """
         _validate_donate(donate)
+        _validate_undoable(undoable)
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
@@ -200,11 +217,17 @@ class Adam:
         covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies, donate)
         if not covered:
             _check_writes(leaves, copies, donate, grad_scale=grad_scale)
-        in_step = self._checked_in_step(leaves, kernels, copies, grads_finite)
-        finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
         memo: dict = {}
-        plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
-                 for leaf, f, chk in zip(leaves, finite, in_step)]
+        if undoable:
+            in_step = self._checked_in_step(leaves, kernels, copies)
+            finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
+            plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
+                     for leaf, f, chk in zip(leaves, finite, in_step)]
+            plans = self._snapshot_lossy(leaves, plans, in_step)
+        else:
+            in_step = [False] * len(leaves)
+            plans = [_not_undoable(self._plan(leaf, grad_scale, True, memo)) if leaf.g is not None else None
+                     for leaf in leaves]
         flags = _chunk_flags(leaves, [chk and plan is not None and plan[1] in _INVERTED
                                       for plan, chk in zip(plans, in_step)])
         new_p = [leaf.p for leaf in leaves]
@@ -232,11 +255,12 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
     def _checked_in_step(self, leaves: Sequence[_Leaf], kernels: Sequence[Any],
-                         copies: Sequence[torch.Tensor | None], grads_finite: bool | None) -> list[bool]:
-        """Per leaf: whether its kernel checks its gradient in the step itself (``StepCall.skip``) instead
-        of a pass before: backends with ``CHECKS_FINITE``, contiguous tensors, ``undo="auto"``, moments
-        whose undo depends on it (not rounded: those are kept whole anyway)."""
-        if grads_finite is True or self.undo_mode != "auto":
+                         copies: Sequence[torch.Tensor | None]) -> list[bool]:
+        """Per leaf: whether its kernel checks its step in the step itself (``StepCall.skip``: the gradient's
+        finiteness and :func:`~sofx.kernels.base.lossy_elements`) instead of a pass before: backends with
+        ``CHECKS_FINITE``, contiguous tensors, ``undo="auto"``, moments whose undo depends on it (not rounded:
+        those are kept whole anyway)."""
+        if self.undo_mode != "auto":
             return [False] * len(leaves)
         out = []
         for leaf, kernel, copy in zip(leaves, kernels, copies):
@@ -244,6 +268,37 @@ class Adam:
                        and kernel.CHECKS_FINITE and leaf.p.is_contiguous() and leaf.g.is_contiguous()
                        and leaf.m.is_contiguous() and leaf.v.is_contiguous()
                        and (copy is None or copy.is_contiguous()))
+        return out
+
+    def _snapshot_lossy(self, leaves: Sequence[_Leaf], plans: list, in_step: Sequence[bool],
+                        old: Sequence[LeafUndo | None] | None = None) -> list:
+        """``plans`` with a snapshot for each leaf whose step would be undone algebraically
+        (``undo="auto"``, not checked in its kernel: ``in_step``) where :func:`lossy_elements` finds an
+        element (the pass before the step; on a GPU one read back per device). ``old``: the records of an
+        undo+redo's undone steps, whose redo (``leaves``: the state before the undo) is tested against the
+        undone second moment."""
+        if self.undo_mode != "auto":
+            return plans
+        tests: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for k, (leaf, plan) in enumerate(zip(leaves, plans)):
+            if plan is None or plan[1] not in _INVERTED or in_step[k] or leaf.traced or leaf.p.numel() == 0:
+                continue
+            rec = old[k] if old is not None else None
+            if rec is None and _is_fresh(leaf, plan[0]):
+                continue  # from zero moments: undone to exact zeros
+            if rec is not None:
+                p = rec.p_old if rec.p_old is not None else leaf.p
+                bad = lossy_elements(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars)
+            else:
+                bad = lossy_elements(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled)
+            tests.setdefault(leaf.p.device, []).append((k, bad.any()))
+        if not tests:
+            return plans
+        out = list(plans)
+        for found in tests.values():
+            for (k, _), lossy in zip(found, torch.stack([t for _, t in found]).tolist()):
+                if lossy:
+                    out[k] = (out[k][0], "snapshot", _LOSSY)
         return out
 
     def _redo_plan(self, leaf: _Leaf, rec: LeafUndo | None, grad_scale: Scalar,
@@ -339,7 +394,7 @@ class Adam:
 
     def undo_redo(self, params: Any, state: AdamState, record: UndoRecord, grads: Any, hparams: Any = None, *,
                   grad_scale: Scalar = 1.0, donate: bool = False, grads_finite: bool | None = None,
-                  param_copies: Any = None) -> tuple[Any, AdamState, UndoRecord]:
+                  param_copies: Any = None, undoable: bool = True) -> tuple[Any, AdamState, UndoRecord]:
         """``update(*undo(params, state, record), grads, hparams)`` as one call.
 
         Leaves whose step was algebraically undoable and whose redone step
@@ -352,10 +407,12 @@ class Adam:
         loss scale redoes with the same gradient and a new ``grad_scale``);
         the CPU kernels check the others in the fused pass, as :meth:`update`
         does (a leaf whose new gradient has an inf or a nan gets a snapshot
-        record); elsewhere they are read before. ``param_copies`` as in
-        :meth:`update`.
+        record); elsewhere they are read before. ``param_copies`` and
+        ``undoable`` as in :meth:`update` (the redone step's record is a
+        snapshot where its new gradient dominates the undone second moment).
         """
         _validate_donate(donate)
+        _validate_undoable(undoable)
         spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
@@ -367,17 +424,25 @@ class Adam:
         # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
         # finite), else read before.
         kernels = self._kernels(leaves)
-        candidates = self._checked_in_step(leaves, kernels, copies, grads_finite)
         memo: dict = {}
-        assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
-                   for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
-        in_kernel = [c and not k and _fusable(rec, plan) and rec.grad.is_contiguous()
-                     and (rec.p_old is None or rec.p_old.is_contiguous())
-                     for rec, plan, c, k in zip(record.leaves, assumed, candidates, known)]
-        skip = [k or c for k, c in zip(known, in_kernel)]
-        finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=skip)
-        plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
-                 for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
+        if undoable:
+            candidates = self._checked_in_step(leaves, kernels, copies)
+            assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
+                       for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
+            # (a known gradient too: the kernel also tests the redo against the undone moments)
+            in_kernel = [c and _fusable(rec, plan) and rec.grad.is_contiguous()
+                         and (rec.p_old is None or rec.p_old.is_contiguous())
+                         for rec, plan, c in zip(record.leaves, assumed, candidates)]
+            skip = [k or c for k, c in zip(known, in_kernel)]
+            finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=skip)
+            plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
+                     for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
+            # fused ones not checked in a kernel: against the undone second moment (the others after their undo)
+            plans = self._snapshot_lossy(leaves, plans, [ik or not _fusable(rec, plan) for ik, rec, plan
+                                                         in zip(in_kernel, record.leaves, plans)], record.leaves)
+        else:
+            in_kernel = [False] * len(leaves)
+            plans = [self._redo_plan(leaf, rec, grad_scale, True, memo) for leaf, rec in zip(leaves, record.leaves)]
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
         covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
@@ -397,7 +462,8 @@ class Adam:
                 pending.append((k, kernels[k], UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
                                                             plan[0], rec.p_old, out, copy, flags.views[k])))
                 new_c[k] = rec.count_before + 1
-                records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before)
+                records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before) if undoable else \
+                    LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
                 continue
             p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
                 self._undo_leaf(leaf, rec, donate)
@@ -406,6 +472,7 @@ class Adam:
                 write_param_copy(copy, p0)
             else:
                 undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
+                plan = self._snapshot_lossy([undone], [plan], [False])[0] if undoable else _not_undoable(plan)
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
@@ -856,6 +923,16 @@ def _role_name(leaf: _Leaf, role: int) -> str:
     if role <= _COPY:
         return _ROLES[role] + leaf.path[len("params"):]
     return f"{_ROLES[role]} {leaf.path}"
+
+
+def _validate_undoable(undoable: Any) -> None:
+    if not isinstance(undoable, bool):
+        raise UnsupportedError(f"undoable = {undoable!r}; expected True or False")
+
+
+def _not_undoable(plan: tuple[AdamScalars, str, str]) -> tuple[AdamScalars, str, str]:
+    """The plan of a step that will not be undone (``undoable=False``): no snapshot, a record that refuses."""
+    return plan[0], "none", _NOT_UNDOABLE
 
 
 def _validate_grads_finite(grads_finite: Any) -> None:

@@ -276,7 +276,8 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     # No overflow: the sum of squares is finite, so is every gradient element (transforms.sumsq); the
     # update need not read the gradients again to choose its undo strategies.
     new_params, new_state, _ = opt.update(params, tree.unflatten(spec, g_leaves), state, hparams,
-                                          grad_scale=facts.grad_scale, donate=donate, grads_finite=True)
+                                          grad_scale=facts.grad_scale, donate=donate, grads_finite=True,
+                                          undoable=False)
     return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
 
 

@@ -2,9 +2,11 @@
 
 A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; :data:`sofx.kernels.base.FINITE_CHUNK`) reads
 each chunk of the gradient of the step it takes before writing the chunk and leaves a chunk with an inf
-or a nan alone. No algebraic inverse exists there, so :class:`sofx.Adam` gives such a leaf a snapshot
+or a nan alone, or one whose inverse would be too lossy (:func:`sofx.kernels.base.lossy_elements`). No
+(exact enough) algebraic inverse exists there, so :class:`sofx.Adam` gives such a leaf a snapshot
 record: the functions here recover the values before the step for it, then step the skipped chunks,
-which completes exactly the call an unchecked kernel would have made (the same bits). Rare: an overflow.
+which completes exactly the call an unchecked kernel would have made (the same bits). Rare: an overflow,
+a gradient spike, the first steps of a run (a second moment still small by chance).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from sofx.undo_record import LeafUndo
 
 __all__ = ["finish_step", "finish_undo_redo"]
 
-_REASON = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
+_REASON = ("the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT), or it "
+           "dominates the second moment somewhere: an algebraic inverse would restore it less exactly than 1e-6 "
+           "(see sofx.kernels.base.lossy_factor)")
 
 Ranges = Sequence[tuple[int, int]]
 

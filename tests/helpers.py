@@ -96,14 +96,19 @@ def import_written_module(directory, name: str, source: str, extra_files: dict[s
         sys.path.remove(str(directory))
 
 
-def block_inputs(gen: torch.Generator, n: int | tuple, pdt: torch.dtype, sdt: torch.dtype):
+def block_inputs(gen: torch.Generator, n: int | tuple, pdt: torch.dtype, sdt: torch.dtype, sound: bool = False):
     """Random ``p, g, m, v`` of one kernel block (params and gradient in ``pdt``, moments in ``sdt``;
-    ``v`` positive, nothing zero)."""
+    ``v`` positive, nothing zero). ``sound``: a second moment large enough that no step with the gradient (or
+    another of its law) is too lossy to undo (``lossy_elements``, betas of :func:`block_scalars`), so that a
+    checked step flags only what a test plants."""
     shape = (n,) if isinstance(n, int) else n
     p = torch.randn(shape, generator=gen).to(pdt)
     g = torch.randn(shape, generator=gen).to(pdt)
     m = (0.1 * torch.randn(shape, generator=gen)).to(sdt)
-    v = (0.01 * torch.rand(shape, generator=gen) + 1e-4).to(sdt)
+    if sound:
+        v = (0.05 * torch.rand(shape, generator=gen) + 0.05).to(sdt)
+    else:
+        v = (0.01 * torch.rand(shape, generator=gen) + 1e-4).to(sdt)
     return p, g, m, v
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import sofx
 from sofx.kernels import reference
-from sofx.kernels.base import AdamScalars, AdamVariant
+from sofx.kernels.base import AdamScalars, AdamVariant, lossy_elements
 
 from helpers import trees_equal
 
@@ -148,8 +148,12 @@ def test_auto_strategy_is_sound(c):
     _, _, record = opt.update(params, grads, state, c["hp"])
     hp = c["hp"]
     s_dtype = c["s_dtype"] or c["p_dtype"]
-    for rec in record.leaves:
-        if c["undo"] == "exact" or hp.beta1 < 0.5 or hp.beta2 < 0.5 or s_dtype in (torch.bfloat16, torch.float16):
+    s = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, 1, 1.0)  # (update without grad_scale)
+    leaves = zip(*(sofx.tree.flatten(t)[0] for t in (params, grads, state.nu)))
+    lossy = [bool(lossy_elements(p, g, v, s, c["decoupled"]).any()) for p, g, v in leaves]
+    for rec, too_lossy in zip(record.leaves, lossy):
+        if c["undo"] == "exact" or hp.beta1 < 0.5 or hp.beta2 < 0.5 or s_dtype in (torch.bfloat16, torch.float16) \
+                or (c["undo"] == "auto" and too_lossy):
             assert rec.strategy == "snapshot"
         elif c["p_dtype"] in (torch.bfloat16, torch.float16) or (
                 c["decoupled"] and hp.weight_decay and abs(1 - hp.lr * hp.weight_decay) < 0.5):

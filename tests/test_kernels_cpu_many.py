@@ -196,7 +196,7 @@ def test_checked_step_leaves_chunks_with_non_finite_gradients_alone(op, name, do
                               (4 * c + 33, 0, None, [c, 2 * c + c - 1, 4 * c + 32]),
                               (3 * c + 20, 1, torch.float32, [2 * c + 15, 3 * c + 19]),
                               (3 * c, 0, torch.bfloat16, [c + 16 * 7])):
-        p, g, m, v = block_inputs(rng, n, *DTYPES[dt])
+        p, g, m, v = block_inputs(rng, n, *DTYPES[dt], sound=True)
         bad = _nonfinite_gradient(rng, n, gdt or p.dtype, where)
         blocks.append((p, bad, m, v) if op == "step" else (p, g.to(bad.dtype), m, v, bad))
     s_new = s._replace(grad_scale=0.25, lr=2 * s.lr)
@@ -227,7 +227,7 @@ def test_checked_step_of_strided_inputs_and_a_copy_the_kernel_does_not_write(nam
     backend = BACKENDS[name]
     s = block_scalars(rng, 0.1)
     n = 2 * FINITE_CHUNK + 10
-    p, g, m, v = (t[:, 0] for t in block_inputs(rng, (n, 2), torch.float32, torch.float32))
+    p, g, m, v = (t[:, 0] for t in block_inputs(rng, (n, 2), torch.float32, torch.float32, sound=True))
     g = g.clone()
     g[FINITE_CHUNK + 1] = float("nan")
     copy = torch.full((n,), 5.0, dtype=torch.float64)
@@ -321,10 +321,11 @@ def test_checked_steps_flag_gradients_beyond_the_limit(name, gdtype, grad_scale,
     # (a value after an unflagged chunk is found by that chunk's vector loop, the others by the per-chunk check)
     values = [1.0, limit * 1.01, limit * 0.99, -limit * 1.01, float("inf"), 1.0, float("nan"), limit * 0.99]
     n = len(values) * FINITE_CHUNK + 100
-    p, _, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    p, _, m, v = block_inputs(rng, n, torch.float32, torch.float32, sound=True)
     g = torch.randn(n, generator=rng).to(gdtype)
     for c, x in enumerate(values):
         g[c * FINITE_CHUNK + 11] = min(max(x, -finfo.max), finfo.max) if x == x and abs(x) != float("inf") else x
+        v[c * FINITE_CHUNK + 11] = float("inf")  # (no spike next to it: the limit alone is tested)
     want = beyond_limit(g, grad_scale).view(-1)
     want = torch.nn.functional.pad(want, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1).to(torch.uint8)
     s = block_scalars(rng, 0.1)._replace(grad_scale=grad_scale)

@@ -94,14 +94,16 @@ enum { OP_STEP = 0, OP_UNDO = 1, OP_UNDO_REDO = 2 };
 enum {
   S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
   S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY,
-  S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16, S_COUNT
+  S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16, S_LOSSY, S_COUNT
 };
 
 /* lim[dtype]: a checked step flags a chunk whose gradient has an element whose magnitude bits (sign cleared)
    exceed lim, in the gradient's own dtype: an inf, a nan, or a finite value so large that its square (scaled)
-   could overflow float32, whose step's inverse would be inf - inf (see Adam's undo strategies). */
+   could overflow float32, whose step's inverse would be inf - inf (see Adam's undo strategies). lossy: it
+   also flags a chunk whose step an algebraic inverse would restore too lossily (chunk_exact; base.py's
+   lossy_factor, 0 for none). */
 typedef struct {
-  float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss;
+  float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss, lossy;
   int has_gs, has_decay;
   uint32_t lim[3];
 } Sc;
@@ -550,6 +552,7 @@ static Sc make_sc(const double *d) {
   s.lim[DT_F32] = (uint32_t)d[S_LIMIT_F32];
   s.lim[DT_BF16] = (uint32_t)d[S_LIMIT_BF16];
   s.lim[DT_F16] = (uint32_t)d[S_LIMIT_F16];
+  s.lossy = (float)d[S_LOSSY];
   return s;
 }
 
@@ -948,6 +951,52 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
   return !bad;
 }
 
+/* 1 if the step of the job's elements [begin, end) (of an undo+redo: its redo) can be undone algebraically
+   within DESIGN.md's tolerance (base.py's lossy_elements, the same operations in the same order): no element
+   with v != 0 and not (gh * gh * c <= v), c the step's Sc.lossy, gh its effective gradient (g * gs, plus
+   wd * p in L2 mode), v the second moment before it. An undo+redo's is the undone one,
+   (v' - (1 - b2) gh_old^2) / b2 (at least 0), gh_old the old gradient's (p: p_old where given, else p'). */
+static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
+  const int redo = j->op == OP_UNDO_REDO;
+  const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
+  const float c = sn->lossy;
+  const float gsn = sn->has_gs ? sn->gs : 1.0f, gso = so->has_gs ? so->gs : 1.0f;
+  const float wdn = (!j->decoupled && sn->has_decay) ? sn->wd : 0.0f;
+  const float wdo = (redo && !j->decoupled && so->has_decay) ? so->wd : 0.0f;
+  const void *pp = redo && j->pold ? j->pold : j->p;
+  const int dpp = redo && j->pold ? j->dpo : j->dp;
+  float P[TILE], G[TILE], G2[TILE], V[TILE];
+  int bad = 0;
+  for (int64_t off = begin; off < end && !bad; off += TILE) {
+    const int n = (int)(end - off < TILE ? end - off : TILE);
+    load(V, j->v, j->ds, off, n);
+    load(G, j->g, j->dg, off, n);
+    if (wdn != 0.0f || wdo != 0.0f) load(P, pp, dpp, off, n);
+    if (redo) {
+      load(G2, j->g2, j->dg2, off, n);
+      for (int i = 0; i < n; i++) {
+        float go = G[i] * gso;
+        if (wdo != 0.0f) go = go + P[i] * wdo;
+        const float u = (V[i] - so->omb2 * go * go) / so->b2;
+        V[i] = u < 0.0f ? 0.0f : u;
+        G[i] = G2[i];
+      }
+    }
+    for (int i = 0; i < n; i++) {
+      float gh = G[i] * gsn;
+      if (wdn != 0.0f) gh = gh + P[i] * wdn;
+      bad |= (V[i] != 0.0f) & !(gh * gh * c <= V[i]);
+    }
+  }
+  return !bad;
+}
+
+/* 1 if the next chunk's elements the loop's vectors did not read (its partial last vector; see
+   LOSSY_AT) are flagged by
+   chunk_exact (lz: the check is on). */
+#define LOSSY_REST_BAD(j, begin, scan_end, lz)                                     \
+  ((lz) && !chunk_exact((j), (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
+
 #ifndef SCAN_PREFETCH
 #define SCAN_PREFETCH 2048
 #endif
@@ -1194,6 +1243,58 @@ _Static_assert(STEP_WIDTH <= MAX_WIDTH && EO_STEP_WIDTH <= MAX_WIDTH && EO_UNDO_
 static inline uint32_t unit_lanes_left(int eo, int64_t left) {
   return eo ? (uint32_t)lanes32_left(left) : (uint32_t)lanes_left(left);
 }
+/* chunk_exact on 16 lanes (the same operations in the same order, so the same flags): the vector loops' read of
+   the next chunk (LOSSY_AT) where the checked step's Sc.lossy is set. */
+typedef struct {
+  __m512 c, gsn, wdn, gso, wdo, omb2o, b2o;
+  int on, l2n, l2o;
+} LossyV;
+static inline LossyV lossy_v(const Job *j) {
+  const int redo = j->op == OP_UNDO_REDO;
+  const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
+  LossyV x;
+  x.on = sn->lossy != 0.0f;
+  x.c = _mm512_set1_ps(sn->lossy);
+  x.gsn = _mm512_set1_ps(sn->has_gs ? sn->gs : 1.0f);
+  x.gso = _mm512_set1_ps(so->has_gs ? so->gs : 1.0f);
+  x.l2n = !j->decoupled && sn->has_decay && sn->wd != 0.0f;
+  x.l2o = redo && !j->decoupled && so->has_decay && so->wd != 0.0f;
+  x.wdn = _mm512_set1_ps(sn->wd);
+  x.wdo = _mm512_set1_ps(so->wd);
+  x.omb2o = _mm512_set1_ps(so->omb2);
+  x.b2o = _mm512_set1_ps(so->b2);
+  return x;
+}
+#define VLOSSY(DP, DG, DS)                                                         \
+  static inline __attribute__((always_inline)) __mmask16 vlossy_##DP##DG##DS(    \
+      const Arrays *a, int64_t e, const LossyV *x, int redo) {                     \
+    const __m512 zero = _mm512_setzero_ps();                                       \
+    __m512 v = vld_##DS(a->v, e, ALL_LANES), p = zero, gh;                         \
+    if (x->l2n || x->l2o) p = vld_##DP(a->p, e, ALL_LANES);                        \
+    if (redo) {                                                                    \
+      __m512 go = _mm512_mul_ps(vld_##DG(a->g, e, ALL_LANES), x->gso);             \
+      if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, x->wdo));                \
+      const __m512 u = _mm512_div_ps(_mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(x->omb2o, go), go)), x->b2o); \
+      v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ), u, zero);  \
+      gh = vld_##DG(a->g2, e, ALL_LANES);                                          \
+    } else {                                                                       \
+      gh = vld_##DG(a->g, e, ALL_LANES);                                           \
+    }                                                                              \
+    gh = _mm512_mul_ps(gh, x->gsn);                                                \
+    if (x->l2n) gh = _mm512_add_ps(gh, _mm512_mul_ps(p, x->wdn));                  \
+    const __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), x->c);                   \
+    return _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ); \
+  }
+NATIVE_COMBOS(VLOSSY)
+/* The next chunk's vector at e into bad by vlossy (redo: an undo+redo's), its lines prefetched ahead as SCAN_AT's. */
+#define LOSSY_AT(DP, DG, DS, a, e, scan_end, bad, lx, redo)                        \
+  if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
+    _mm_prefetch((const char *)(a).v + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
+    if ((lx).l2n || (lx).l2o)                                                      \
+      _mm_prefetch((const char *)(a).p + ((e) + CHUNK) * ES_##DP + SCAN_PREFETCH, _MM_HINT_T0); \
+    if (redo) _mm_prefetch((const char *)(a).g + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    (bad) |= vlossy_##DP##DG##DS(&(a), (e) + CHUNK, &(lx), (redo));                \
+  }
 #define VSTEP(DP, DG, DS)                                                          \
   /* p, m, v of w vectors at e, in lanes l (the loops' full units: FULL_LANES; a range's last, partial unit:  \
      w UNIT and its lanes), loaded and stored (the step's and the inverse's) */                             \
@@ -1233,6 +1334,8 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
+    const LossyV lx = lossy_v(j);                                                  \
+    const int lz = scan && lx.on;                                                  \
     __mmask16 bad = 0;                                                             \
     (void)fast;                                                                    \
     int64_t e = j->begin; /* full widths and units with the constant FULL_LANES, then the partial unit */ \
@@ -1241,15 +1344,19 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
       vstep_at_##DP##DG##DS(&a, &k, rk, e, W, FULL_LANES(EO));                     \
       if (scan)                                                                    \
         for (int i = 0; i < W; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
+      if (lz)                                                                      \
+        for (int i = 0; i < W; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 0) \
     }                                                                              \
     for (; e + 16 * U <= j->end; e += 16 * U) {                                    \
       for (int i = 0; i < U; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0);   \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, U, FULL_LANES(EO));                     \
       if (scan)                                                                    \
         for (int i = 0; i < U; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
+      if (lz)                                                                      \
+        for (int i = 0; i < U; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 0) \
     }                                                                              \
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, U, unit_lanes_left(EO, j->end - e)); \
-    return scan && SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim);             \
+    return scan && (SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz)); \
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, 0, 0); }
 
@@ -1363,6 +1470,8 @@ _Static_assert(UNDO_WIDTH <= MAX_WIDTH, "widths up to MAX_WIDTH");
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
+    const LossyV lx = lossy_v(j);                                                  \
+    const int lz = scan && lx.on;                                                  \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
     for (; e + 16 * W <= j->end; e += 16 * W) {                                    \
@@ -1370,16 +1479,20 @@ _Static_assert(UNDO_WIDTH <= MAX_WIDTH, "widths up to MAX_WIDTH");
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, W, FULL_LANES(EO)); \
       if (scan)                                                                    \
         for (int i = 0; i < W; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
+      if (lz)                                                                      \
+        for (int i = 0; i < W; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 1) \
     }                                                                              \
     for (; e + 16 * U <= j->end; e += 16 * U) {                                    \
       for (int i = 0; i < U; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, FULL_LANES(EO)); \
       if (scan)                                                                    \
         for (int i = 0; i < U; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
+      if (lz)                                                                      \
+        for (int i = 0; i < U; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 1) \
     }                                                                              \
     if (e < j->end)                                                                \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, unit_lanes_left(EO, j->end - e)); \
-    return scan && SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);            \
+    return scan && (SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz)); \
   }                                                                                \
   /* fast: 1 with sq 0 (cpu_fast), 0 or 2 with sq (cpu; see BY_SQRT) */           \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
@@ -2128,6 +2241,60 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }
 #define SCAN8_RESULT(DG, gs, begin, scan_end, bad, lim)                            \
   (!_mm256_testz_si256((bad), (bad)) || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
+/* vlossy on the AVX2 loops' 8 lanes (the same operations, so the same flags), 16 elements per LOSSY8_AT. */
+typedef struct {
+  v8 c, gsn, wdn, gso, wdo, omb2o, b2o;
+  int on, l2n, l2o;
+} Lossy8;
+static inline Lossy8 lossy8(const Job *j) {
+  const int redo = j->op == OP_UNDO_REDO;
+  const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
+  Lossy8 x;
+  x.on = sn->lossy != 0.0f;
+  x.c = _mm256_set1_ps(sn->lossy);
+  x.gsn = _mm256_set1_ps(sn->has_gs ? sn->gs : 1.0f);
+  x.gso = _mm256_set1_ps(so->has_gs ? so->gs : 1.0f);
+  x.l2n = !j->decoupled && sn->has_decay && sn->wd != 0.0f;
+  x.l2o = redo && !j->decoupled && so->has_decay && so->wd != 0.0f;
+  x.wdn = _mm256_set1_ps(sn->wd);
+  x.wdo = _mm256_set1_ps(so->wd);
+  x.omb2o = _mm256_set1_ps(so->omb2);
+  x.b2o = _mm256_set1_ps(so->b2);
+  return x;
+}
+#define VLOSSY8(DP, DG, DS)                                                        \
+  static inline __attribute__((always_inline)) __m256i vlossy8_##DP##DG##DS(     \
+      const Arrays *a, int64_t e, const Lossy8 *x, int redo) {                     \
+    const v8 zero = _mm256_setzero_ps();                                           \
+    v8 v = v8ld_##DS(a->v, e), p = zero, gh;                                       \
+    if (x->l2n || x->l2o) p = v8ld_##DP(a->p, e);                                  \
+    if (redo) {                                                                    \
+      v8 go = _mm256_mul_ps(v8ld_##DG(a->g, e), x->gso);                           \
+      if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, x->wdo));                \
+      const v8 u = _mm256_div_ps(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(x->omb2o, go), go)), x->b2o); \
+      v = _mm256_blendv_ps(u, zero, _mm256_cmp_ps(u, zero, _CMP_LT_OQ));           \
+      gh = v8ld_##DG(a->g2, e);                                                    \
+    } else {                                                                       \
+      gh = v8ld_##DG(a->g, e);                                                     \
+    }                                                                              \
+    gh = _mm256_mul_ps(gh, x->gsn);                                                \
+    if (x->l2n) gh = _mm256_add_ps(gh, _mm256_mul_ps(p, x->wdn));                  \
+    const v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), x->c);                       \
+    return _mm256_castps_si256(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), _mm256_cmp_ps(t, v, _CMP_NLE_UQ))); \
+  }
+NATIVE_COMBOS(VLOSSY8)
+/* SCAN8_AT and, where lz, vlossy8 on the same 16 elements of the next chunk (their v, p, old gradient prefetched
+   ahead as the gradient is). */
+#define SCAN8L_AT(DP, DG, DS, a, gs, e, scan_end, bad, lim, lx, lz, redo)          \
+  SCAN8_AT(DG, gs, e, scan_end, bad, lim)                                          \
+  if ((lz) && (e) + CHUNK + 16 <= (scan_end)) {                                    \
+    _mm_prefetch((const char *)(a).v + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
+    if ((lx).l2n || (lx).l2o)                                                      \
+      _mm_prefetch((const char *)(a).p + ((e) + CHUNK) * ES_##DP + SCAN_PREFETCH, _MM_HINT_T0); \
+    if (redo) _mm_prefetch((const char *)(a).g + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    (bad) = _mm256_or_si256((bad), vlossy8_##DP##DG##DS(&(a), (e) + CHUNK, &(lx), (redo)));  \
+    (bad) = _mm256_or_si256((bad), vlossy8_##DP##DG##DS(&(a), (e) + CHUNK + 8, &(lx), (redo))); \
+  }
 /* j is a full chunk (CHUNK elements, a multiple of 16): the loop leaves no remainder. */
 #define VSCAN8(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) int vstep_scan_run_##DP##DG##DS(  \
@@ -2136,18 +2303,20 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
+    const Lossy8 lx = lossy8(j);                                                   \
+    const int lz = lx.on;                                                          \
     __m256i bad = _mm256_setzero_si256();                                          \
     int64_t pe;                                                                    \
     if (DP || DG || DS) {                                                          \
-      PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, SCAN8_AT(DG, a.g, pe, scan_end, bad, lim)); \
+      PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, SCAN8L_AT(DP, DG, DS, a, a.g, pe, scan_end, bad, lim, lx, lz, 0)); \
     } else {                                                                       \
       for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                     \
         PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                      \
         TWO8(DP, DG, DS, vstep_at_##DP##DG##DS, &a, e, &k, sq);                    \
-        SCAN8_AT(DG, a.g, e, scan_end, bad, lim)                                   \
+        SCAN8L_AT(DP, DG, DS, a, a.g, e, scan_end, bad, lim, lx, lz, 0)            \
       }                                                                            \
     }                                                                              \
-    return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim);                    \
+    return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz); \
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
@@ -2160,13 +2329,15 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
+    const Lossy8 lx = lossy8(j);                                                   \
+    const int lz = lx.on;                                                          \
     __m256i bad = _mm256_setzero_si256();                                          \
     for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
       TWO8(DP, DG, DS, vundo_at_##DP##DG##DS, &a, e, &u, &k, have_p_old, 1, fast, sq); \
-      SCAN8_AT(DG, a.g2, e, scan_end, bad, lim)                                    \
+      SCAN8L_AT(DP, DG, DS, a, a.g2, e, scan_end, bad, lim, lx, lz, 1)             \
     }                                                                              \
-    return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim);                   \
+    return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz); \
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast; /* !sq, as in vundo */                                             \
@@ -2259,6 +2430,8 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
 #elif defined(AVX2_LOOPS)
   if (j->op == OP_UNDO || !fused_for(j, j->exact)) return 0;
   const int xexact = j->exact && !VECTOR_REPLICA8(j->sq.replica); /* else the vector loops (see EXACT_VECTORS) */
+  /* (xexact's read of the next chunk checks the gradient alone: chunk_exact's pass where Sc.lossy is set) */
+  if (xexact && (j->op == OP_UNDO_REDO ? &j->s2 : &j->s1)->lossy != 0.0f) return 0;
   *sq = j->exact ? &j->sq : 0;
   *fast = !j->exact;
 #define COMBO_CASE(DP, DG, DS) \
@@ -2294,6 +2467,7 @@ static void run_range(const Job *j) {
     Job part = *j;
     const Sqrt *ssq = 0;
     int sfast = 0;
+    const int lossy = (j->op == OP_UNDO_REDO ? &j->s2 : &j->s1)->lossy != 0.0f;
     const scan_step_fn scan_step = j->skip ? scan_step_for(j, &ssq, &sfast) : 0;
     const void *checked = j->op == OP_UNDO_REDO ? j->g2 : j->g; /* the gradient of the step taken */
     const int dchecked = j->op == OP_UNDO_REDO ? j->dg2 : j->dg;
@@ -2303,7 +2477,9 @@ static void run_range(const Job *j) {
       part.begin = c;
       part.end = j->end - c < CHUNK ? j->end : c + CHUNK;
       if (j->skip) {
-        const int bad = next_bad >= 0 ? next_bad : !chunk_finite(checked, dchecked, part.begin, part.end, lim);
+        const int bad = next_bad >= 0 ? next_bad
+                                      : !chunk_finite(checked, dchecked, part.begin, part.end, lim)
+                                        || (lossy && !chunk_exact(j, part.begin, part.end));
         next_bad = -1;
         if (bad) {
           j->skip[c / CHUNK] = 1;
@@ -2639,6 +2815,6 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
 # Keep in sync with the enum in SOURCE.
 (S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
  S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16,
- S_COUNT) = range(16)
+ S_LOSSY, S_COUNT) = range(17)
 OP_STEP, OP_UNDO, OP_UNDO_REDO = 0, 1, 2
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2

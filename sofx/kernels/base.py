@@ -246,7 +246,8 @@ class StepCall(NamedTuple):
 # ``skip`` is a contiguous CPU uint8 tensor of ceil(n / FINITE_CHUNK) zeros. The kernel reads each chunk of
 # FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
 # writing the chunk; a chunk with an inf, a nan, or an element beyond ``GRADIENT_LIMIT / grad_scale`` (see
-# :func:`gradient_limit_bits`) is left alone (none of its outputs written: p, m, v, out, p_copy) and its
+# :func:`gradient_limit_bits`), or an element :func:`lossy_elements` finds (the step's second moment and,
+# in L2 mode, parameter read too), is left alone (none of its outputs written: p, m, v, out, p_copy) and its
 # flag set to 1. The caller learns whether the step can be
 # undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
 # keeping their old values. What the kernel writes in place must be contiguous (``out`` also in the
@@ -284,6 +285,61 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
         return (g.view(torch.int16) & 0x7FFF) > (lim_bf16 if g.dtype == torch.bfloat16 else lim_f16)
     x = g if g.dtype == torch.float32 else g.to(torch.float32)
     return (x.view(torch.int32) & 0x7FFFFFFF) > lim32
+
+
+# A checked step also flags a chunk whose step an algebraic inverse would restore less exactly than DESIGN.md's
+# 1e-6: where the effective gradient ``gh`` (``g * grad_scale``, plus ``wd * p`` in L2 mode) dominates the
+# moments. The inverse takes ``v = (v' - (1 - b2) gh^2) / b2`` from the stored ``v'``, whose rounding (2^-24
+# relative) comes back amplified by ``v' / (b2 v) = 1 + R``, ``R = (1 - b2) gh^2 / (b2 v)``; ``m`` likewise
+# by ``(1 - b1) |gh| / (b1 sqrt(v))`` relative to the update's own scale ``sqrt(v)``. A gradient 1000x the
+# ones before it (a spike, a row of an embedding seen rarely) left v 62% off. An element is flagged where
+# ``R > LOSSY_V_RATIO`` or that m ratio ``> LOSSY_M_RATIO`` (about 1e-6 either way): see :func:`lossy_factor`.
+# A zero ``v`` is not flagged (the step from zero moments: the inverse takes exactly what the step added, and
+# a leaf's first step restores exact zeros anyway); a nan ``v`` is.
+LOSSY_V_RATIO = 15.0
+LOSSY_M_RATIO = 16.0
+
+
+def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
+    """``c`` such that an element's step is too lossy to undo algebraically where ``v != 0`` and not
+    ``gh * gh * c <= v`` (``gh`` the effective gradient, ``v`` the second moment before the step):
+    ``max((1 - b2) / (LOSSY_V_RATIO * b2), ((1 - b1) / (LOSSY_M_RATIO * b1))^2)``. 0 for a beta of 0 (no
+    inverse at all: such a step is never undone algebraically). ``float64``: for a step computed in float64,
+    whose rounding is 2^29 times finer (the ratios 2^29 times larger)."""
+    b1, b2 = float(beta1), float(beta2)
+    if b1 == 0 or b2 == 0:
+        return 0.0
+    if min(b1, b2) < 1e-30:  # (no overflow below: float32's largest for a beta too small to undo at all)
+        return FLOAT32_MAX
+    finer = 2.0 ** 29 if float64 else 1.0
+    c = max((1 - b2) / (LOSSY_V_RATIO * finer * b2), ((1 - b1) / (LOSSY_M_RATIO * finer * b1)) ** 2)
+    return min(c, FLOAT32_MAX)
+
+
+def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoupled: bool) -> torch.Tensor:
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    gh = g.to(dtype) * float(s.grad_scale)
+    if not decoupled and float(s.weight_decay) != 0:
+        gh = gh + p.to(dtype) * float(s.weight_decay)
+    return gh
+
+
+def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
+                   g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None) -> torch.Tensor:
+    """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
+    less exactly than DESIGN.md's tolerance: ``v != 0`` and not ``gh^2 * lossy_factor(b1, b2) <= v`` (nan
+    ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``p, v`` its results)
+    compares the new gradient against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0),
+    ``gh`` from ``p'``. The checked kernels flag the chunks holding such an element."""
+    vv = v.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
+    if g_old is not None:
+        assert s_old is not None
+        gho = _effective_gradient(p, g_old, s_old, decoupled)
+        vv = (vv - (1 - float(s_old.beta2)) * gho * gho) / float(s_old.beta2)
+        vv = torch.where(vv < 0, torch.zeros_like(vv), vv)
+    gh = _effective_gradient(p, g, s, decoupled)
+    c = lossy_factor(s.beta1, s.beta2, float64=p.dtype == torch.float64)
+    return (vv != 0) & ~(gh * gh * c <= vv)
 
 
 class UndoCall(NamedTuple):

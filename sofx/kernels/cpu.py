@@ -74,7 +74,8 @@ from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
                                UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, gradient_limit_bits,
-                               is_number, kernel_param_copy, write_outputs, write_param_copy)
+                               is_number, kernel_param_copy, lossy_elements, lossy_factor, write_outputs,
+                               write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself, shared_memory_message
 from sofx.kernels.threads import native_thread_request
 
@@ -152,6 +153,7 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
     block[src.S_EPS] = s.eps
     block[src.S_STEP_SIZE] = step_size
     block[src.S_LIMIT_F32], block[src.S_LIMIT_BF16], block[src.S_LIMIT_F16] = gradient_limit_bits(s.grad_scale)
+    block[src.S_LOSSY] = lossy_factor(s.beta1, s.beta2)
     return block
 
 
@@ -314,10 +316,15 @@ def _check_skip(where: str, b: _Block) -> None:
 def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None,
                         ) -> Triple:
     """A checked step or undo+redo (see :func:`step_many`) through the reference math: flags from the
-    gradient of the step taken (the new one of an undo+redo), the flagged chunks not written."""
+    gradient of the step taken (the new one of an undo+redo) and :func:`lossy_elements`, the flagged chunks
+    not written."""
     n = b.p.numel()
-    checked, s = (b.g2, s2) if op == src.OP_UNDO_REDO else (b.g, s1)
+    redo = op == src.OP_UNDO_REDO
+    checked, s = (b.g2, s2) if redo else (b.g, s1)
     bad = beyond_limit(checked.reshape(-1), s.grad_scale)  # the bits the native check compares
+    p = b.p_old if redo and b.p_old is not None else b.p
+    bad |= lossy_elements(p.reshape(-1), checked.reshape(-1), b.v.reshape(-1), s, variant.decoupled,
+                          b.g.reshape(-1) if redo else None, s1 if redo else None)
     flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
     b.skip.copy_(flags)
     unchecked = b._replace(skip=None)

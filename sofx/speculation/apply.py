@@ -113,7 +113,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
             raise SofxError(f"block {action.block}: undo_redo needs the block's final gradient")
         new_param, new_state, _ = opt.undo_redo(param, state, record, grad, action.hparams,
                                                 grad_scale=action.grad_scale, donate=donate,
-                                                grads_finite=grads_finite, param_copies=param_copies)
+                                                grads_finite=grads_finite, param_copies=param_copies,
+                                                undoable=False)
         return new_param, new_state
     if kind == "step":
         if action.zero_grad:
@@ -121,6 +122,7 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
         elif grad is None:
             raise SofxError(f"block {action.block}: step needs the block's final gradient")
         new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
-                                             donate=donate, grads_finite=grads_finite, param_copies=param_copies)
+                                             donate=donate, grads_finite=grads_finite, param_copies=param_copies,
+                                             undoable=False)
         return new_param, new_state
     raise SofxError(f"block {action.block}: unknown action {kind!r}")

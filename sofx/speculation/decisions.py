@@ -77,7 +77,10 @@ class SpeculationConfig:
     or ``"deepspeed"`` (:mod:`sofx.serial`). ``missing_grad``: ``"skip"`` or
     ``"zero"``. ``snapshot_budget_bytes``: the most snapshot memory the
     speculative steps of one step may hold (``None``: unlimited; ``0``: only
-    algebraically undoable blocks are speculated). ``policy``: the
+    algebraically undoable blocks are speculated), as the blocks' undo strategies
+    say before their steps; a step whose gradient turns out to dominate its
+    moments (``Adam.update``'s lossy-inverse test, found in the step itself)
+    keeps its old values beyond it. ``policy``: the
     :class:`AdaptivePolicy`. ``predict_scale``: with the deepspeed profile,
     speculate with the scale the loss scaler will have after a clean step
     (which is what ZeRO unscales with), so that a scale growth costs no

@@ -1,0 +1,231 @@
+"""Steps whose algebraic inverse would be too lossy (SPECULATION.md section 2: "impossible or too lossy
+algebraically -- detect per block and per step").
+
+Where a gradient dominates the second moment (a spike, a rarely updated row) the inverse
+``v = (v' - (1 - b2) gh^2) / b2`` loses v to cancellation: a gradient 1000x the ones before it left v 62%
+off. ``sofx.kernels.base.lossy_elements`` is the test; the CPU kernels' checked step flags the chunks that
+hold such an element (the vector loops as they read the next chunk, the other builds in a pass per chunk);
+``Adam.update`` with ``undo="auto"`` gives such a leaf a snapshot record, on every backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sofx
+from sofx.errors import UndoError, UnsupportedError
+from sofx.kernels import cpu, cpu_fast
+from sofx.kernels.base import (FINITE_CHUNK, LOSSY_M_RATIO, LOSSY_V_RATIO, AdamScalars, AdamVariant, StepCall,
+                               UndoRedoCall, beyond_limit, lossy_elements, lossy_factor)
+
+native = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no native checked steps")
+_cpu_build = importlib.import_module("sofx.kernels._cpu_build")
+
+COMBOS = [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float32, torch.bfloat16),
+          (torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+          (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.bfloat16)]
+
+
+def test_lossy_factor_is_the_tighter_of_the_two_bounds():
+    assert lossy_factor(0.9, 0.999) == pytest.approx((1 - 0.999) / (LOSSY_V_RATIO * 0.999))
+    assert lossy_factor(0.5, 0.999) == pytest.approx((0.5 / (LOSSY_M_RATIO * 0.5)) ** 2)
+    assert lossy_factor(0.0, 0.999) == 0.0
+
+
+def test_lossy_elements_by_hand():
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 10, 1.0)
+    v = torch.tensor([1.0, 1.0, 0.0, float("nan"), 1e-6, float("inf")])
+    g = torch.tensor([100.0, 130.0, 1e6, 0.0, 1.0, 1e6])
+    p = torch.zeros(6)
+    # 100^2 * c = 0.667 <= 1; 130^2 * c = 1.13 > 1; v = 0 never; nan v always; 1 * c > 1e-6; inf v never
+    assert lossy_elements(p, g, v, s, True).tolist() == [False, True, False, True, True, False]
+    # L2: the decay term is part of the effective gradient (p * wd = 100)
+    s2 = s._replace(weight_decay=1.0)
+    p2 = torch.tensor([30.0, 0, 0, 0, 0, 0])
+    assert lossy_elements(p2, g, v, s2, False)[0] and not lossy_elements(p2, g, v, s2, True)[0]
+    # the redo of an undo+redo: against the undone v (v' = 1 made mostly of a gradient of 31.6: undone v 1e-3)
+    vr = torch.tensor([1.0])
+    assert lossy_elements(torch.zeros(1), torch.tensor([10.0]), vr, s, True, torch.tensor([31.6]), s)[0]
+    assert not lossy_elements(torch.zeros(1), torch.tensor([10.0]), vr, s, True, torch.tensor([1.0]), s)[0]
+
+
+def _planted(gen, n, combo, where):
+    """Inputs whose steps are sound but at ``where`` (gradient 1000x); also a zero v with a large gradient
+    (not flagged) and a nan v (flagged)."""
+    pdt, gdt, sdt = combo
+    p = torch.randn(n, generator=gen).to(pdt)
+    g = (0.01 * torch.randn(n, generator=gen)).to(gdt)
+    m = (0.01 * torch.randn(n, generator=gen)).to(sdt)
+    v = (1e-4 * (1 + torch.rand(n, generator=gen))).to(sdt)
+    for i in where:
+        g[i % n] = 10.0
+    v[7 % n] = 0.0
+    g[7 % n] = 5.0
+    return p, g, m, v
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                       b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+def _want_flags(bad: torch.Tensor, n: int) -> list[int]:
+    return torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1).to(
+        torch.uint8).tolist()
+
+
+# Elements in the vector loops' view of a chunk (first, middle, the last full vector, the partial last vector
+# of an odd-sized last chunk) and a size that leaves a partial last chunk.
+_N = 6 * FINITE_CHUNK + 1000 + 7
+_WHERE = [FINITE_CHUNK + 0, 2 * FINITE_CHUNK + 2049, 4 * FINITE_CHUNK - 1, 6 * FINITE_CHUNK + 1000 + 3]
+
+
+@native
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("backend", [cpu, cpu_fast], ids=["cpu", "cpu_fast"])
+def test_checked_step_flags_the_lossy_chunks(combo, decoupled, backend, rng):
+    variant = AdamVariant(decoupled=decoupled)
+    p, g, m, v = _planted(rng, _N, combo, _WHERE)
+    v[5 * FINITE_CHUNK + 5] = float("nan")
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
+    bad = lossy_elements(p, g, v, s, decoupled) | beyond_limit(g, s.grad_scale)
+    want = _want_flags(bad, _N)
+    assert sum(want) == 5
+    flags = torch.zeros(len(want), dtype=torch.uint8)
+    out = [t.clone() for t in (p, m, v)]
+    backend.step_many([StepCall(p, g, m, v, s, tuple(out), None, flags)], variant)
+    assert flags.tolist() == want
+    plain = backend.step(p, g, m, v, s, variant)
+    for got, was, full in zip(out, (p, m, v), plain):  # flagged chunks untouched, the others stepped
+        for c, f in enumerate(want):
+            a, b = c * FINITE_CHUNK, min(_N, (c + 1) * FINITE_CHUNK)
+            assert _same_bits(got[a:b], (was if f else full)[a:b])
+    ref = torch.zeros_like(flags)  # the Python form of a checked step (no compiler) flags the same chunks
+    cpu._reference_checked(0, cpu._Block(p, g, m, v, None, None, s, None, None, None, ref), variant, s, None)
+    assert ref.tolist() == want
+
+
+@native
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("with_p_old", [False, True], ids=["", "p_old"])
+def test_checked_undo_redo_flags_against_the_undone_moment(combo, decoupled, with_p_old, rng):
+    """The redo is tested against the undone v: an old step whose gradient made up most of v' leaves a small
+    undone v, against which a new gradient of ordinary size is a spike."""
+    variant = AdamVariant(decoupled=decoupled)
+    p0, g_old, m0, v0 = _planted(rng, _N, combo, [])
+    s_old = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 1.0)
+    g_old[_WHERE[1]] = 10.0  # the undone step was a spike: its undone v is small there
+    p1, m1, v1 = cpu.step(p0, g_old, m0, v0, s_old, variant)
+    g_new = g_old.clone()
+    g_new[_WHERE[1]] = 0.01
+    g_new[_WHERE[3]] = 10.0  # and a spike of the new gradient
+    s_new = s_old._replace(grad_scale=0.25)
+    p_old = p0 if with_p_old else None
+    bad = lossy_elements(p_old if with_p_old else p1, g_new, v1, s_new, decoupled, g_old, s_old)
+    want = _want_flags(bad | beyond_limit(g_new, s_new.grad_scale), _N)
+    assert want[2] == 0 and want[-1] == 1  # the undone spike is no spike of the redo (v' holds it)
+    for backend in (cpu, cpu_fast):
+        flags = torch.zeros(len(want), dtype=torch.uint8)
+        backend.undo_redo_many([UndoRedoCall(p1, m1, v1, g_old, s_old, g_new, s_new, p_old, None, None, flags)],
+                               variant)
+        assert flags.tolist() == want
+        ref = torch.zeros_like(flags)
+        cpu._reference_checked(2, cpu._Block(p1, g_old, m1, v1, g_new, p_old, s_old, s_new, None, None, ref),
+                               variant, s_old, s_new)
+        assert ref.tolist() == want
+
+
+def _run_to(opt, n, steps, gen):
+    params = {"w": torch.randn(n, generator=gen), "b": torch.randn(37, generator=gen)}
+    state = opt.init(params)
+    for _ in range(steps):
+        grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+        params, state, _ = opt.update(params, grads, state, grads_finite=True)
+    return params, state
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(backend=st.sampled_from(["cpu", "reference"]), decoupled=st.booleans(), donate=st.booleans(),
+       spike=st.floats(30.0, 1e5), at=st.integers(0, 3 * FINITE_CHUNK - 1), grads_finite=st.sampled_from([None, True]))
+def test_a_spike_is_undone_within_the_tolerance(backend, decoupled, donate, spike, at, grads_finite):
+    """update then undo (and update then undo_redo with a clip) on a run 40 steps in, with one gradient
+    element ``spike`` times its usual size: v comes back within 1e-6 (it was 1e-5 to 3e-3 off, algebraic),
+    m within 1e-6 of the update's scale sqrt(v), p within a few ulps."""
+    if backend == "cpu" and not cpu.native_available():
+        return
+    gen = torch.Generator().manual_seed(at)
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-3, weight_decay=0.01, backend=backend, undo="auto")
+    n = 3 * FINITE_CHUNK
+    params, state = _run_to(opt, n, 40, gen)
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    g = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    g["w"][at] *= spike
+    p2, s2, rec = opt.update(params, g, state, donate=donate, grads_finite=grads_finite)
+    p3, s3 = opt.undo(p2, s2, rec, donate=donate)
+    (p0, st0) = before
+    assert _rel(s3.nu["w"], st0.nu["w"]) <= 1e-6
+    assert float(((s3.mu["w"] - st0.mu["w"]).abs() / st0.nu["w"].sqrt()).max()) <= 1e-6
+    assert float((p3["w"] - p0["w"]).abs().max()) <= 1e-6 * float(p0["w"].abs().max())
+    # undo_redo with a clip (the gradient's norm is the spike's): as the clipped step from the state before
+    params, state = sofx.tree.tree_map(torch.clone, before)
+    p2, s2, rec = opt.update(params, g, state, donate=donate, grads_finite=grads_finite)
+    p4, s4, _ = opt.undo_redo(p2, s2, rec, g, grad_scale=1 / spike, donate=donate, grads_finite=grads_finite)
+    want_p, want_s, _ = opt.update(*sofx.tree.tree_map(torch.clone, before)[:1], g,
+                                   sofx.tree.tree_map(torch.clone, before)[1], grad_scale=1 / spike)
+    assert _rel(s4.nu["w"], want_s.nu["w"]) <= 1e-6
+    assert float(((s4.mu["w"] - want_s.mu["w"]).abs() / want_s.nu["w"].sqrt()).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_sound_steps_stay_algebraic(backend):
+    """Past the first few steps (a second moment still small by chance) ordinary gradients are undone
+    algebraically: the check costs no snapshot where none is needed."""
+    if backend == "cpu" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(3)
+    opt = sofx.adamw(lr=1e-3, backend=backend)
+    params, state = _run_to(opt, 4 * FINITE_CHUNK, 30, gen)
+    grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    _, _, rec = opt.update(params, grads, state, donate=True)
+    assert [leaf.strategy for leaf in rec.leaves] == ["algebraic", "algebraic"]
+
+
+@pytest.mark.parametrize("undo", ["auto", "exact", "algebraic"])
+def test_undoable_false_reads_and_copies_nothing_for_an_undo(undo, monkeypatch):
+    """``undoable=False`` (a plain loop): the same values, no snapshot, no check, records that refuse."""
+    gen = torch.Generator().manual_seed(5)
+    opt = sofx.adamw(lr=1e-3, undo=undo)
+    params, state = _run_to(opt, 3000, 5, gen)
+    grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    grads["w"][5] = 1e4  # a spike: the undoable step would snapshot it
+    want = opt.update(params, grads, state)
+    adam = importlib.import_module("sofx.adam")
+    monkeypatch.setattr(adam, "lossy_elements", None)  # never asked
+    monkeypatch.setattr(adam, "_all_finite", None)
+    got = opt.update(params, grads, state, undoable=False)
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(got[:2])[0], sofx.tree.flatten(want[:2])[0]))
+    assert all(leaf.strategy == "none" and leaf.p_old is None and leaf.m_old is None for leaf in got[2].leaves)
+    with pytest.raises(UndoError, match="undoable=False"):
+        opt.undo(got[0], got[1], got[2])
+    # undo_redo(undoable=False): the redone values as with True, a record that refuses
+    _, _, rec = opt.update(params, grads, state)
+    _, _, rec2 = opt.update(params, grads, state)
+    p5, s5, r5 = opt.undo_redo(*want[:2], rec, grads, grad_scale=0.5, undoable=False)
+    p6, s6, _ = opt.undo_redo(*want[:2], rec2, grads, grad_scale=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten((p5, s5))[0], sofx.tree.flatten((p6, s6))[0]))
+    assert all(leaf.strategy == "none" for leaf in r5.leaves)
+    with pytest.raises(UnsupportedError, match="undoable"):
+        opt.update(params, grads, state, undoable="no")
