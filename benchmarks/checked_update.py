@@ -65,8 +65,12 @@ def sofx_redo_variant(values: list[torch.Tensor], grads: list[torch.Tensor], gra
         opt._checked_in_step = lambda leaves, *_: [False] * len(leaves)  # type: ignore[method-assign]
     box = {"params": [v.clone() for v in values], "calls": 0}
     box["state"] = opt.init(box["params"])
-    for _ in range(2):  # not the first step (whose undo restores zero moments and is not fused)
-        box["params"], box["state"], box["record"] = opt.update(box["params"], grads, box["state"], donate=True,
+    # Warm: not the first step (whose undo restores zero moments and is not fused), and moments made of both
+    # gradients (after two steps of one, the other is a spike next to them: undo="auto" would keep snapshots,
+    # see README "a gradient that dominates the moments")
+    for i in range(30):
+        g = grads if grads2 is None or i % 2 else grads2
+        box["params"], box["state"], box["record"] = opt.update(box["params"], g, box["state"], donate=True,
                                                                 grads_finite=True)
 
     def call() -> None:

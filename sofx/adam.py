@@ -55,7 +55,7 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
-                               is_traced, leaf_tracer, lossy_elements, write_param_copy)
+                               is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LeafUndo, UndoRecord
 
@@ -226,7 +226,7 @@ class Adam:
             plans = self._snapshot_lossy(leaves, plans, in_step)
         else:
             in_step = [False] * len(leaves)
-            plans = [_not_undoable(self._plan(leaf, grad_scale, True, memo)) if leaf.g is not None else None
+            plans = [self._plan(leaf, grad_scale, True, memo, undoable=False) if leaf.g is not None else None
                      for leaf in leaves]
         flags = _chunk_flags(leaves, [chk and plan is not None and plan[1] in _INVERTED
                                       for plan, chk in zip(plans, in_step)])
@@ -273,10 +273,10 @@ class Adam:
     def _snapshot_lossy(self, leaves: Sequence[_Leaf], plans: list, in_step: Sequence[bool],
                         old: Sequence[LeafUndo | None] | None = None) -> list:
         """``plans`` with a snapshot for each leaf whose step would be undone algebraically
-        (``undo="auto"``, not checked in its kernel: ``in_step``) where :func:`lossy_elements` finds an
-        element (the pass before the step; on a GPU one read back per device). ``old``: the records of an
-        undo+redo's undone steps, whose redo (``leaves``: the state before the undo) is tested against the
-        undone second moment."""
+        (``undo="auto"``, not checked in its kernel: ``in_step``) where
+        :func:`~sofx.kernels.base.lossy_elements` finds an element (the pass before the step; on a GPU one
+        read back per device). ``old``: the records of an undo+redo's undone steps, whose redo (``leaves``:
+        the state before the undo) is tested against the undone second moment."""
         if self.undo_mode != "auto":
             return plans
         tests: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -288,10 +288,10 @@ class Adam:
                 continue  # from zero moments: undone to exact zeros
             if rec is not None:
                 p = rec.p_old if rec.p_old is not None else leaf.p
-                bad = lossy_elements(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars)
+                bad = any_lossy(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars)
             else:
-                bad = lossy_elements(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled)
-            tests.setdefault(leaf.p.device, []).append((k, bad.any()))
+                bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled)
+            tests.setdefault(leaf.p.device, []).append((k, bad))
         if not tests:
             return plans
         out = list(plans)
@@ -662,26 +662,27 @@ class Adam:
             raise UnsupportedError(f"{leaf.path}: {e}") from None
 
     def _plan(self, leaf: _Leaf, grad_scale: Scalar = 1.0, finite: bool | None = None,
-              memo: dict | None = None, steps: Any = None) -> tuple[AdamScalars, str, str]:
+              memo: dict | None = None, steps: Any = None, undoable: bool = True) -> tuple[AdamScalars, str, str]:
         """The step's scalars and the undo strategy for this leaf (raises where refused).
 
         ``finite``: whether the gradient is finite, if known (``None``: read it where the strategy asks).
         ``memo``: a dict shared by the leaves of one call (one ``grad_scale``): leaves that agree on
         everything the plan depends on (hparams object, count, finiteness, dtypes) share one plan.
         ``steps``: the count the step starts from, if not ``leaf.steps`` (an undo_redo's redo).
+        ``undoable=False``: strategy ``"none"`` (nothing chosen, nothing refused: see :meth:`update`).
         """
         if steps is None:
             steps = leaf.steps
         key = None
         if memo is not None and finite is not None and not leaf.traced:
-            key = (id(leaf.hp), steps, finite, leaf.p.dtype, leaf.m.dtype)  # the leaves hold the hparams
+            key = (id(leaf.hp), steps, finite, leaf.p.dtype, leaf.m.dtype, undoable)  # the leaves hold the hparams
             plan = memo.get(key)
             if plan is not None:
                 return plan
         hp = leaf.hp
         t = steps + 1
         scalars = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, t, grad_scale)
-        strategy, reason = self._choose_strategy(leaf, scalars, finite)
+        strategy, reason = self._choose_strategy(leaf, scalars, finite) if undoable else ("none", _NOT_UNDOABLE)
         if key is not None:
             memo[key] = scalars, strategy, reason
         return scalars, strategy, reason

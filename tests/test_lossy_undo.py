@@ -212,7 +212,7 @@ def test_undoable_false_reads_and_copies_nothing_for_an_undo(undo, monkeypatch):
     grads["w"][5] = 1e4  # a spike: the undoable step would snapshot it
     want = opt.update(params, grads, state)
     adam = importlib.import_module("sofx.adam")
-    monkeypatch.setattr(adam, "lossy_elements", None)  # never asked
+    monkeypatch.setattr(adam, "any_lossy", None)  # never asked
     monkeypatch.setattr(adam, "_all_finite", None)
     got = opt.update(params, grads, state, undoable=False)
     monkeypatch.undo()
@@ -229,3 +229,10 @@ def test_undoable_false_reads_and_copies_nothing_for_an_undo(undo, monkeypatch):
     assert all(leaf.strategy == "none" for leaf in r5.leaves)
     with pytest.raises(UnsupportedError, match="undoable"):
         opt.update(params, grads, state, undoable="no")
+    # nothing to refuse where nothing will be undone: undo='algebraic' with a beta1 of 0 (no inverse)
+    strict = sofx.adamw(lr=1e-3, undo="algebraic")
+    hp = sofx.AdamHParams(beta1=0.0)
+    with pytest.raises(UnsupportedError, match="impossible"):
+        strict.update(params, grads, strict.init(params), hp)
+    p7, _, r7 = strict.update(params, grads, strict.init(params), hp, undoable=False)
+    assert r7.strategies() == ["none", "none"] and not torch.equal(p7["w"], params["w"])

@@ -317,11 +317,28 @@ def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
 
 
 def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoupled: bool) -> torch.Tensor:
+    """``g * grad_scale`` (plus ``p * wd`` in L2 mode), a new tensor in the compute dtype."""
     dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-    gh = g.to(dtype) * float(s.grad_scale)
+    gh = torch.mul(g.to(dtype), float(s.grad_scale))
     if not decoupled and float(s.weight_decay) != 0:
-        gh = gh + p.to(dtype) * float(s.weight_decay)
+        gh.add_(torch.mul(p.to(dtype), float(s.weight_decay)))
     return gh
+
+
+def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
+                    g_old: torch.Tensor | None, s_old: AdamScalars | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gh * gh * c, v)`` of :func:`lossy_elements`, in place where the tensors are its own (the pass before
+    a step that no kernel checks: a few passes, no more temporaries than needed)."""
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    vv = v.to(dtype)
+    if g_old is not None:
+        assert s_old is not None
+        gho = _effective_gradient(p, g_old, s_old, decoupled)
+        u = torch.mul(gho, 1 - float(s_old.beta2)).mul_(gho)  # (1 - b2) * gh * gh, in that order
+        vv = torch.sub(vv, u, out=u).div_(float(s_old.beta2)).clamp_min_(0)  # (a nan stays nan)
+    t = _effective_gradient(p, g, s, decoupled)
+    t.mul_(t).mul_(lossy_factor(s.beta1, s.beta2, float64=dtype == torch.float64))
+    return t, vv
 
 
 def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
@@ -331,15 +348,27 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
     ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``p, v`` its results)
     compares the new gradient against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0),
     ``gh`` from ``p'``. The checked kernels flag the chunks holding such an element."""
-    vv = v.to(torch.float64 if p.dtype == torch.float64 else torch.float32)
-    if g_old is not None:
-        assert s_old is not None
-        gho = _effective_gradient(p, g_old, s_old, decoupled)
-        vv = (vv - (1 - float(s_old.beta2)) * gho * gho) / float(s_old.beta2)
-        vv = torch.where(vv < 0, torch.zeros_like(vv), vv)
-    gh = _effective_gradient(p, g, s, decoupled)
-    c = lossy_factor(s.beta1, s.beta2, float64=p.dtype == torch.float64)
-    return (vv != 0) & ~(gh * gh * c <= vv)
+    t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
+    return (vv != 0) & ~(t <= vv)
+
+
+_LOSSY_SLICE = 1 << 18  # elements per slice of a CPU tensor in any_lossy (its temporaries stay in cache)
+
+
+def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
+              g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None) -> torch.Tensor:
+    """``lossy_elements(...).any()`` (a 0-d bool tensor) with fewer passes. On CPU a slice at a time, up to
+    the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages)."""
+    if p.device.type != "cpu" or p.numel() <= _LOSSY_SLICE:
+        t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
+        return ~torch.le(t, vv).logical_or_(vv == 0).all()
+    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old)]
+    for a in range(0, p.numel(), _LOSSY_SLICE):
+        fp, fg, fv, fo = (None if x is None else x[a:a + _LOSSY_SLICE] for x in flat)
+        t, vv = _lossy_operands(fp, fg, fv, s, decoupled, fo, s_old)
+        if not bool(torch.le(t, vv).logical_or_(vv == 0).all()):
+            return torch.tensor(True)
+    return torch.tensor(False)
 
 
 class UndoCall(NamedTuple):
