@@ -236,3 +236,34 @@ def test_undoable_false_reads_and_copies_nothing_for_an_undo(undo, monkeypatch):
         strict.update(params, grads, strict.init(params), hp)
     p7, _, r7 = strict.update(params, grads, strict.init(params), hp, undoable=False)
     assert r7.strategies() == ["none", "none"] and not torch.equal(p7["w"], params["w"])
+
+
+@pytest.mark.parametrize("undo_redo", [False, True], ids=["undo", "undo_redo"])
+def test_float64_params_with_float32_states_use_float32s_tolerance(undo_redo):
+    """float64 parameters stepped in float64 but with float32 moments (state_dtype=torch.float32): v' is
+    rounded to float32 when stored, so the inverse loses what a float32 step's does; the test must use
+    float32's factor (the moments' dtype), not float64's 2^29 finer one (v came back 7.5e-4 off)."""
+    gen = torch.Generator().manual_seed(11)
+    opt = sofx.adamw(lr=1e-3, weight_decay=0.0, state_dtype=torch.float32)
+    params = {"w": torch.randn(1000, generator=gen, dtype=torch.float64)}
+    state = opt.init(params)
+    for _ in range(40):
+        params, state, _ = opt.update(params, {"w": torch.randn(1000, generator=gen, dtype=torch.float64)}, state)
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    g = {"w": torch.randn(1000, generator=gen, dtype=torch.float64)}
+    spiked = {"w": g["w"].clone()}
+    spiked["w"][3] *= 1000
+    if undo_redo:  # the redo's test against the undone v
+        p2, s2, rec = opt.update(params, g, state)
+        assert rec.leaves[0].strategy == "algebraic"
+        p2, s2, rec = opt.undo_redo(p2, s2, rec, spiked)
+    else:
+        p2, s2, rec = opt.update(params, spiked, state)
+    assert rec.leaves[0].strategy == "snapshot"
+    _, s3 = opt.undo(p2, s2, rec)
+    assert _rel(s3.nu["w"], before[1].nu["w"]) <= 1e-6
+    # lossy_elements itself: float32's factor for float32 moments of float64 parameters
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 41, 1.0)
+    v = torch.ones(1, dtype=torch.float32)
+    p = torch.zeros(1, dtype=torch.float64)
+    assert lossy_elements(p, torch.tensor([1000.0], dtype=torch.float64), v, s, True)[0]

@@ -337,7 +337,9 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
         u = torch.mul(gho, 1 - float(s_old.beta2)).mul_(gho)  # (1 - b2) * gh * gh, in that order
         vv = torch.sub(vv, u, out=u).div_(float(s_old.beta2)).clamp_min_(0)  # (a nan stays nan)
     t = _effective_gradient(p, g, s, decoupled)
-    t.mul_(t).mul_(lossy_factor(s.beta1, s.beta2, float64=dtype == torch.float64))
+    # float64's finer factor only where the moments are stored in float64 too: float32 moments (state_dtype)
+    # round v' to float32 whatever the precision of the step's math
+    t.mul_(t).mul_(lossy_factor(s.beta1, s.beta2, float64=dtype == torch.float64 and v.dtype == torch.float64))
     return t, vv
 
 
