@@ -219,7 +219,7 @@ class Adam:
             _check_writes(leaves, copies, donate, grad_scale=grad_scale)
         memo: dict = {}
         if undoable:
-            in_step = self._checked_in_step(leaves, kernels, copies)
+            in_step = self._checked_in_step(leaves, kernels, copies, grad_scale)
             finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
             plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
                      for leaf, f, chk in zip(leaves, finite, in_step)]
@@ -255,12 +255,13 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
     def _checked_in_step(self, leaves: Sequence[_Leaf], kernels: Sequence[Any],
-                         copies: Sequence[torch.Tensor | None]) -> list[bool]:
+                         copies: Sequence[torch.Tensor | None], grad_scale: Scalar) -> list[bool]:
         """Per leaf: whether its kernel checks its step in the step itself (``StepCall.skip``: the gradient's
         finiteness and :func:`~sofx.kernels.base.lossy_elements`) instead of a pass before: backends with
         ``CHECKS_FINITE``, contiguous tensors, ``undo="auto"``, moments whose undo depends on it (not rounded:
-        those are kept whole anyway)."""
-        if self.undo_mode != "auto":
+        those are kept whole anyway). Not with a ``grad_scale`` that cannot be read (a ``torch.func``
+        transform's): the test needs its value (:meth:`_snapshot_lossy` keeps a snapshot instead)."""
+        if self.undo_mode != "auto" or not is_number(grad_scale):
             return [False] * len(leaves)
         out = []
         for leaf, kernel, copy in zip(leaves, kernels, copies):
@@ -279,11 +280,15 @@ class Adam:
         the state before the undo) is tested against the undone second moment."""
         if self.undo_mode != "auto":
             return plans
+        out = list(plans)
         tests: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for k, (leaf, plan) in enumerate(zip(leaves, plans)):
             if plan is None or plan[1] not in _INVERTED or in_step[k] or leaf.traced or leaf.p.numel() == 0:
                 continue
             rec = old[k] if old is not None else None
+            if not (is_number(plan[0].grad_scale) and (rec is None or is_number(rec.scalars.grad_scale))):
+                out[k] = (plan[0], "snapshot", "")  # a grad_scale that cannot be read (vmap, grad): untested, kept
+                continue
             if rec is None and _is_fresh(leaf, plan[0]):
                 continue  # from zero moments: undone to exact zeros
             if rec is not None:
@@ -292,9 +297,6 @@ class Adam:
             else:
                 bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled)
             tests.setdefault(leaf.p.device, []).append((k, bad))
-        if not tests:
-            return plans
-        out = list(plans)
         for found in tests.values():
             for (k, _), lossy in zip(found, torch.stack([t for _, t in found]).tolist()):
                 if lossy:
@@ -426,7 +428,7 @@ class Adam:
         kernels = self._kernels(leaves)
         memo: dict = {}
         if undoable:
-            candidates = self._checked_in_step(leaves, kernels, copies)
+            candidates = self._checked_in_step(leaves, kernels, copies, grad_scale)
             assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
                        for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
             # (a known gradient too: the kernel also tests the redo against the undone moments)

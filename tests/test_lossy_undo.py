@@ -267,3 +267,30 @@ def test_float64_params_with_float32_states_use_float32s_tolerance(undo_redo):
     v = torch.ones(1, dtype=torch.float32)
     p = torch.zeros(1, dtype=torch.float64)
     assert lossy_elements(p, torch.tensor([1000.0], dtype=torch.float64), v, s, True)[0]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_grad_scale_under_a_transform_is_not_read(backend):
+    """vmap or grad over ``grad_scale`` alone (concrete leaves) with ``grads_finite=True``: the lossy test
+    cannot read the multiplier (``float()`` of it raised under vmap), so ``"auto"`` keeps the inputs as for
+    any value it cannot read, and the step is the one with each scale."""
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.adamw(lr=1e-3, backend=backend)
+    params = {"w": torch.randn(100, generator=gen)}
+    state = opt.init(params)
+    for _ in range(3):
+        params, state, _ = opt.update(params, {"w": torch.randn(100, generator=gen)}, state)
+    g = {"w": torch.randn(100, generator=gen)}
+    g["w"][7] *= 1000  # a spike: the step of a concrete scale is a snapshot
+
+    def step(gs):
+        p, _, rec = opt.update(params, g, state, grad_scale=gs, grads_finite=True)
+        assert rec.strategies() == ["snapshot"]
+        return p["w"]
+
+    scales = torch.tensor([0.5, 1.0])
+    got = torch.func.vmap(step)(scales)
+    for gs, row in zip(scales.tolist(), got):
+        assert torch.equal(row, step(gs))
+    dp = torch.func.grad(lambda gs: step(gs).sum())(torch.tensor(0.5))
+    assert torch.isfinite(dp)
