@@ -583,6 +583,9 @@ class Adam:
         :meth:`update` does and raises the same errors (e.g.
         :class:`~sofx.errors.UnsupportedError` for ``undo='algebraic'`` where
         the inverse does not exist). Speculation uses it to decide eligibility.
+        Not the lossy-inverse test of ``undo='auto'`` (it needs the step's
+        values, and the CPU kernels run it in the step): where it finds an
+        element, :meth:`update` keeps a snapshot of a leaf said algebraic here.
         ``grads_finite``: as in :meth:`update` (True: the gradients are not read).
         """
         _validate_grads_finite(grads_finite)
