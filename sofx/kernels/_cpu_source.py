@@ -954,12 +954,13 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
 /* 1 if the step of the job's elements [begin, end) (of an undo+redo: its redo) can be undone algebraically
    within DESIGN.md's tolerance (base.py's lossy_elements, the same operations in the same order): no element
    with v != 0 and not (gh * gh * c <= v), c the step's Sc.lossy, gh its effective gradient (g * gs, plus
-   wd * p in L2 mode), v the second moment before it. An undo+redo's is the undone one,
-   (v' - (1 - b2) gh_old^2) / b2 (at least 0), gh_old the old gradient's (p: p_old where given, else p'). */
+   wd * p in L2 mode), v the second moment before it. An undo+redo's is the undone one: b2 times it,
+   v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division), gh_old the old gradient's (p:
+   p_old where given, else p'). */
 static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
   const int redo = j->op == OP_UNDO_REDO;
   const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
-  const float c = sn->lossy;
+  const float c = sn->lossy, b2s = redo ? so->b2 : 1.0f; /* (a product with 1 is exact) */
   const float gsn = sn->has_gs ? sn->gs : 1.0f, gso = so->has_gs ? so->gs : 1.0f;
   const float wdn = (!j->decoupled && sn->has_decay) ? sn->wd : 0.0f;
   const float wdo = (redo && !j->decoupled && so->has_decay) ? so->wd : 0.0f;
@@ -977,7 +978,7 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
       for (int i = 0; i < n; i++) {
         float go = G[i] * gso;
         if (wdo != 0.0f) go = go + P[i] * wdo;
-        const float u = (V[i] - so->omb2 * go * go) / so->b2;
+        const float u = V[i] - so->omb2 * go * go;
         V[i] = u < 0.0f ? 0.0f : u;
         G[i] = G2[i];
       }
@@ -985,7 +986,7 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
     for (int i = 0; i < n; i++) {
       float gh = G[i] * gsn;
       if (wdn != 0.0f) gh = gh + P[i] * wdn;
-      bad |= (V[i] != 0.0f) & !(gh * gh * c <= V[i]);
+      bad |= (V[i] != 0.0f) & !(gh * gh * c * b2s <= V[i]);
     }
   }
   return !bad;
@@ -1274,7 +1275,7 @@ static inline LossyV lossy_v(const Job *j) {
     if (redo) {                                                                    \
       __m512 go = _mm512_mul_ps(vld_##DG(a->g, e, ALL_LANES), x->gso);             \
       if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, x->wdo));                \
-      const __m512 u = _mm512_div_ps(_mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(x->omb2o, go), go)), x->b2o); \
+      const __m512 u = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(x->omb2o, go), go)); \
       v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ), u, zero);  \
       gh = vld_##DG(a->g2, e, ALL_LANES);                                          \
     } else {                                                                       \
@@ -1282,7 +1283,8 @@ static inline LossyV lossy_v(const Job *j) {
     }                                                                              \
     gh = _mm512_mul_ps(gh, x->gsn);                                                \
     if (x->l2n) gh = _mm512_add_ps(gh, _mm512_mul_ps(p, x->wdn));                  \
-    const __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), x->c);                   \
+    __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), x->c);                         \
+    if (redo) t = _mm512_mul_ps(t, x->b2o);                                        \
     return _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ); \
   }
 NATIVE_COMBOS(VLOSSY)
@@ -2271,7 +2273,7 @@ static inline Lossy8 lossy8(const Job *j) {
     if (redo) {                                                                    \
       v8 go = _mm256_mul_ps(v8ld_##DG(a->g, e), x->gso);                           \
       if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, x->wdo));                \
-      const v8 u = _mm256_div_ps(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(x->omb2o, go), go)), x->b2o); \
+      const v8 u = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(x->omb2o, go), go)); \
       v = _mm256_blendv_ps(u, zero, _mm256_cmp_ps(u, zero, _CMP_LT_OQ));           \
       gh = v8ld_##DG(a->g2, e);                                                    \
     } else {                                                                       \
@@ -2279,7 +2281,8 @@ static inline Lossy8 lossy8(const Job *j) {
     }                                                                              \
     gh = _mm256_mul_ps(gh, x->gsn);                                                \
     if (x->l2n) gh = _mm256_add_ps(gh, _mm256_mul_ps(p, x->wdn));                  \
-    const v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), x->c);                       \
+    v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), x->c);                             \
+    if (redo) t = _mm256_mul_ps(t, x->b2o);                                        \
     return _mm256_castps_si256(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), _mm256_cmp_ps(t, v, _CMP_NLE_UQ))); \
   }
 NATIVE_COMBOS(VLOSSY8)

@@ -335,11 +335,13 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
         assert s_old is not None
         gho = _effective_gradient(p, g_old, s_old, decoupled)
         u = torch.mul(gho, 1 - float(s_old.beta2)).mul_(gho)  # (1 - b2) * gh * gh, in that order
-        vv = torch.sub(vv, u, out=u).div_(float(s_old.beta2)).clamp_min_(0)  # (a nan stays nan)
+        vv = torch.sub(vv, u, out=u).clamp_min_(0)  # b2 times the undone v (a nan stays nan)
     t = _effective_gradient(p, g, s, decoupled)
     # float64's finer factor only where the moments are stored in float64 too: float32 moments (state_dtype)
     # round v' to float32 whatever the precision of the step's math
     t.mul_(t).mul_(lossy_factor(s.beta1, s.beta2, float64=dtype == torch.float64 and v.dtype == torch.float64))
+    if g_old is not None:
+        t.mul_(float(s_old.beta2))  # against b2 times the undone v: no division
     return t, vv
 
 
@@ -349,7 +351,9 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
     less exactly than DESIGN.md's tolerance: ``v != 0`` and not ``gh^2 * lossy_factor(b1, b2) <= v`` (nan
     ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``p, v`` its results)
     compares the new gradient against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0),
-    ``gh`` from ``p'``. The checked kernels flag the chunks holding such an element."""
+    ``gh`` from ``p'``; as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused
+    undo+redo loops are bound by their divider). The checked kernels flag the chunks holding such an
+    element."""
     t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
     return (vv != 0) & ~(t <= vv)
 
