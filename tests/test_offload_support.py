@@ -144,8 +144,12 @@ def run_side_by_side(model_name: str, executor: str, *, steps: int = 50, accumul
                      clip_every: int = 7, inf_every: int = 11, max_norm: float = 20.0,
                      opt_kwargs: dict | None = None,
                      make_opt: Callable[..., torch.optim.Optimizer] | None = None,
-                     ref_cls: type = torch.optim.AdamW) -> SideBySide:
-    """Train side by side and record the deviation after every step (see the module docstring)."""
+                     ref_cls: type = torch.optim.AdamW, boost_at: int = 0, boost: float = 100.0,
+                     boost_when: Callable[[int], bool] | None = None) -> SideBySide:
+    """Train side by side and record the deviation after every step (see the module docstring).
+    ``boost_at``: which trainable parameter's gradient the forced clips multiply by ``boost`` (0: the first,
+    the last to arrive in backward; -1: the last, the first to arrive, so its block is speculated with it);
+    ``boost_when(step)``: at which steps (default: every ``clip_every``-th, from the fourth)."""
     make_model, make_batch, loss_fn = MODELS[model_name]
     torch.manual_seed(seed)
     model = make_model()
@@ -162,7 +166,7 @@ def run_side_by_side(model_name: str, executor: str, *, steps: int = 50, accumul
     gen = torch.Generator().manual_seed(seed + 1)
     out = SideBySide(executor=opt.executor)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    first, victim = trainable[0], trainable[len(trainable) // 2]
+    first, victim = trainable[boost_at], trainable[len(trainable) // 2]
     try:
         for step in range(steps):
             opt.zero_grad()
@@ -171,13 +175,13 @@ def run_side_by_side(model_name: str, executor: str, *, steps: int = 50, accumul
                 batch = make_batch(gen)
                 # Forced clipping: the first parameter's gradient (the last to arrive in backward) is
                 # made large, so blocks speculated before it must be undone and redone.
-                boost = bool(clip_every) and step % clip_every == 3
+                boosted = boost_when(step) if boost_when else bool(clip_every) and step % clip_every == 3
                 inject = bool(inf_every) and step % inf_every == 5 and micro == accumulate - 1
                 handles = []
                 for m in (model, ref):
                     named = dict(m.named_parameters())
-                    if boost:
-                        handles.append(named[first].register_hook(_boost))
+                    if boosted:
+                        handles.append(named[first].register_hook(lambda g: g * boost))
                     if inject:
                         handles.append(named[victim].register_hook(_inject_inf))
                 opt.backward(loss_fn(model, batch))
@@ -200,10 +204,6 @@ def run_side_by_side(model_name: str, executor: str, *, steps: int = 50, accumul
         opt.close()
     out.final = [p.detach().clone() for p in model.parameters()]
     return out
-
-
-def _boost(g: torch.Tensor) -> torch.Tensor:
-    return g * 100.0
 
 
 def _inject_inf(g: torch.Tensor) -> torch.Tensor:
