@@ -32,7 +32,9 @@ COMBOS = [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.f
 
 
 def test_lossy_factor_is_the_tighter_of_the_two_bounds():
-    assert lossy_factor(0.9, 0.999) == pytest.approx((1 - 0.999) / (LOSSY_V_RATIO * 0.999))
+    v_bound, m_bound = (1 - 0.999) / (LOSSY_V_RATIO * 0.999), (0.1 / (LOSSY_M_RATIO * 0.9)) ** 2
+    assert lossy_factor(0.9, 0.999) == pytest.approx(max(v_bound, m_bound))
+    assert lossy_factor(0.9, 0.99) == pytest.approx((1 - 0.99) / (LOSSY_V_RATIO * 0.99))
     assert lossy_factor(0.5, 0.999) == pytest.approx((0.5 / (LOSSY_M_RATIO * 0.5)) ** 2)
     assert lossy_factor(0.0, 0.999) == 0.0
 
@@ -161,7 +163,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_a_spike_is_undone_within_the_tolerance(backend, decoupled, donate, spike, at, grads_finite):
     """update then undo (and update then undo_redo with a clip) on a run 40 steps in, with one gradient
     element ``spike`` times its usual size: v comes back within 1e-6 (it was 1e-5 to 3e-3 off, algebraic),
-    m within 1e-6 of the update's scale sqrt(v), p within a few ulps."""
+    m within 2e-6 of the update's scale sqrt(v) (base.py's bound: (2 |m| / sqrt(v) + 12) 2^-24), p within a
+    few ulps."""
     if backend == "cpu" and not cpu.native_available():
         return
     gen = torch.Generator().manual_seed(at)
@@ -176,7 +179,7 @@ def test_a_spike_is_undone_within_the_tolerance(backend, decoupled, donate, spik
     p3, s3 = opt.undo(p2, s2, rec, donate=donate)
     (p0, st0) = before
     assert _rel(s3.nu["w"], st0.nu["w"]) <= 1e-6
-    assert float(((s3.mu["w"] - st0.mu["w"]).abs() / st0.nu["w"].sqrt()).max()) <= 1e-6
+    assert float(((s3.mu["w"] - st0.mu["w"]).abs() / st0.nu["w"].sqrt()).max()) <= 2e-6
     assert float((p3["w"] - p0["w"]).abs().max()) <= 1e-6 * float(p0["w"].abs().max())
     # undo_redo with a clip (the gradient's norm is the spike's): as the clipped step from the state before
     params, state = sofx.tree.tree_map(torch.clone, before)
@@ -185,7 +188,7 @@ def test_a_spike_is_undone_within_the_tolerance(backend, decoupled, donate, spik
     want_p, want_s, _ = opt.update(*sofx.tree.tree_map(torch.clone, before)[:1], g,
                                    sofx.tree.tree_map(torch.clone, before)[1], grad_scale=1 / spike)
     assert _rel(s4.nu["w"], want_s.nu["w"]) <= 1e-6
-    assert float(((s4.mu["w"] - want_s.mu["w"]).abs() / want_s.nu["w"].sqrt()).max()) <= 1e-6
+    assert float(((s4.mu["w"] - want_s.mu["w"]).abs() / want_s.nu["w"].sqrt()).max()) <= 2e-6
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

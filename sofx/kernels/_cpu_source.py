@@ -957,13 +957,30 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
    wd * p in L2 mode), v the second moment before it. An undo+redo's is the undone one: b2 times it,
    v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division), gh_old the old gradient's (p:
    p_old where given, else p'). */
-static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
+/* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one; on: Sc.lossy set). */
+typedef struct {
+  float c, b2s, gsn, wdn, gso, wdo, omb2o;
+  int on, l2n, l2o;
+} LossyK;
+static LossyK lossy_k(const Job *j) {
   const int redo = j->op == OP_UNDO_REDO;
   const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
-  const float c = sn->lossy, b2s = redo ? so->b2 : 1.0f; /* (a product with 1 is exact) */
-  const float gsn = sn->has_gs ? sn->gs : 1.0f, gso = so->has_gs ? so->gs : 1.0f;
-  const float wdn = (!j->decoupled && sn->has_decay) ? sn->wd : 0.0f;
-  const float wdo = (redo && !j->decoupled && so->has_decay) ? so->wd : 0.0f;
+  LossyK x;
+  x.on = sn->lossy != 0.0f;
+  x.c = sn->lossy;
+  x.b2s = redo ? so->b2 : 1.0f; /* (a product with 1 is exact) */
+  x.gsn = sn->has_gs ? sn->gs : 1.0f;
+  x.gso = so->has_gs ? so->gs : 1.0f;
+  x.l2n = !j->decoupled && sn->has_decay && sn->wd != 0.0f;
+  x.l2o = redo && !j->decoupled && so->has_decay && so->wd != 0.0f;
+  x.wdn = sn->wd;
+  x.wdo = so->wd;
+  x.omb2o = so->omb2;
+  return x;
+}
+static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
+  const int redo = j->op == OP_UNDO_REDO;
+  const LossyK x = lossy_k(j);
   const void *pp = redo && j->pold ? j->pold : j->p;
   const int dpp = redo && j->pold ? j->dpo : j->dp;
   float P[TILE], G[TILE], G2[TILE], V[TILE];
@@ -972,29 +989,28 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
     const int n = (int)(end - off < TILE ? end - off : TILE);
     load(V, j->v, j->ds, off, n);
     load(G, j->g, j->dg, off, n);
-    if (wdn != 0.0f || wdo != 0.0f) load(P, pp, dpp, off, n);
+    if (x.l2n || x.l2o) load(P, pp, dpp, off, n);
     if (redo) {
       load(G2, j->g2, j->dg2, off, n);
       for (int i = 0; i < n; i++) {
-        float go = G[i] * gso;
-        if (wdo != 0.0f) go = go + P[i] * wdo;
-        const float u = V[i] - so->omb2 * go * go;
+        float go = G[i] * x.gso;
+        if (x.l2o) go = go + P[i] * x.wdo;
+        const float u = V[i] - x.omb2o * go * go;
         V[i] = u < 0.0f ? 0.0f : u;
         G[i] = G2[i];
       }
     }
     for (int i = 0; i < n; i++) {
-      float gh = G[i] * gsn;
-      if (wdn != 0.0f) gh = gh + P[i] * wdn;
-      bad |= (V[i] != 0.0f) & !(gh * gh * c * b2s <= V[i]);
+      float gh = G[i] * x.gsn;
+      if (x.l2n) gh = gh + P[i] * x.wdn;
+      bad |= (V[i] != 0.0f) & !(gh * gh * x.c * x.b2s <= V[i]);
     }
   }
   return !bad;
 }
 
-/* 1 if the next chunk's elements the loop's vectors did not read (its partial last vector; see
-   LOSSY_AT) are flagged by
-   chunk_exact (lz: the check is on). */
+/* 1 if the next chunk's elements the loop's vectors did not read (its partial last vector; see LOSSY_AT) are
+   flagged by chunk_exact (lz: the check is on). */
 #define LOSSY_REST_BAD(j, begin, scan_end, lz)                                     \
   ((lz) && !chunk_exact((j), (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
 
@@ -1246,45 +1262,25 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
 }
 /* chunk_exact on 16 lanes (the same operations in the same order, so the same flags): the vector loops' read of
    the next chunk (LOSSY_AT) where the checked step's Sc.lossy is set. */
-typedef struct {
-  __m512 c, gsn, wdn, gso, wdo, omb2o, b2o;
-  int on, l2n, l2o;
-} LossyV;
-static inline LossyV lossy_v(const Job *j) {
-  const int redo = j->op == OP_UNDO_REDO;
-  const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
-  LossyV x;
-  x.on = sn->lossy != 0.0f;
-  x.c = _mm512_set1_ps(sn->lossy);
-  x.gsn = _mm512_set1_ps(sn->has_gs ? sn->gs : 1.0f);
-  x.gso = _mm512_set1_ps(so->has_gs ? so->gs : 1.0f);
-  x.l2n = !j->decoupled && sn->has_decay && sn->wd != 0.0f;
-  x.l2o = redo && !j->decoupled && so->has_decay && so->wd != 0.0f;
-  x.wdn = _mm512_set1_ps(sn->wd);
-  x.wdo = _mm512_set1_ps(so->wd);
-  x.omb2o = _mm512_set1_ps(so->omb2);
-  x.b2o = _mm512_set1_ps(so->b2);
-  return x;
-}
 #define VLOSSY(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) __mmask16 vlossy_##DP##DG##DS(    \
-      const Arrays *a, int64_t e, const LossyV *x, int redo) {                     \
+      const Arrays *a, int64_t e, const LossyK *x, int redo) {                     \
     const __m512 zero = _mm512_setzero_ps();                                       \
     __m512 v = vld_##DS(a->v, e, ALL_LANES), p = zero, gh;                         \
     if (x->l2n || x->l2o) p = vld_##DP(a->p, e, ALL_LANES);                        \
     if (redo) {                                                                    \
-      __m512 go = _mm512_mul_ps(vld_##DG(a->g, e, ALL_LANES), x->gso);             \
-      if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, x->wdo));                \
-      const __m512 u = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(x->omb2o, go), go)); \
+      __m512 go = _mm512_mul_ps(vld_##DG(a->g, e, ALL_LANES), _mm512_set1_ps(x->gso)); \
+      if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, _mm512_set1_ps(x->wdo))); \
+      const __m512 u = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(x->omb2o), go), go)); \
       v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ), u, zero);  \
       gh = vld_##DG(a->g2, e, ALL_LANES);                                          \
     } else {                                                                       \
       gh = vld_##DG(a->g, e, ALL_LANES);                                           \
     }                                                                              \
-    gh = _mm512_mul_ps(gh, x->gsn);                                                \
-    if (x->l2n) gh = _mm512_add_ps(gh, _mm512_mul_ps(p, x->wdn));                  \
-    __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), x->c);                         \
-    if (redo) t = _mm512_mul_ps(t, x->b2o);                                        \
+    gh = _mm512_mul_ps(gh, _mm512_set1_ps(x->gsn));                                \
+    if (x->l2n) gh = _mm512_add_ps(gh, _mm512_mul_ps(p, _mm512_set1_ps(x->wdn)));  \
+    __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), _mm512_set1_ps(x->c));         \
+    if (redo) t = _mm512_mul_ps(t, _mm512_set1_ps(x->b2s));                        \
     return _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ); \
   }
 NATIVE_COMBOS(VLOSSY)
@@ -1336,7 +1332,7 @@ NATIVE_COMBOS(VLOSSY)
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
-    const LossyV lx = lossy_v(j);                                                  \
+    const LossyK lx = lossy_k(j);                                                  \
     const int lz = scan && lx.on;                                                  \
     __mmask16 bad = 0;                                                             \
     (void)fast;                                                                    \
@@ -1472,7 +1468,7 @@ _Static_assert(UNDO_WIDTH <= MAX_WIDTH, "widths up to MAX_WIDTH");
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
-    const LossyV lx = lossy_v(j);                                                  \
+    const LossyK lx = lossy_k(j);                                                  \
     const int lz = scan && lx.on;                                                  \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
@@ -2243,46 +2239,26 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }
 #define SCAN8_RESULT(DG, gs, begin, scan_end, bad, lim)                            \
   (!_mm256_testz_si256((bad), (bad)) || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
-/* vlossy on the AVX2 loops' 8 lanes (the same operations, so the same flags), 16 elements per LOSSY8_AT. */
-typedef struct {
-  v8 c, gsn, wdn, gso, wdo, omb2o, b2o;
-  int on, l2n, l2o;
-} Lossy8;
-static inline Lossy8 lossy8(const Job *j) {
-  const int redo = j->op == OP_UNDO_REDO;
-  const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
-  Lossy8 x;
-  x.on = sn->lossy != 0.0f;
-  x.c = _mm256_set1_ps(sn->lossy);
-  x.gsn = _mm256_set1_ps(sn->has_gs ? sn->gs : 1.0f);
-  x.gso = _mm256_set1_ps(so->has_gs ? so->gs : 1.0f);
-  x.l2n = !j->decoupled && sn->has_decay && sn->wd != 0.0f;
-  x.l2o = redo && !j->decoupled && so->has_decay && so->wd != 0.0f;
-  x.wdn = _mm256_set1_ps(sn->wd);
-  x.wdo = _mm256_set1_ps(so->wd);
-  x.omb2o = _mm256_set1_ps(so->omb2);
-  x.b2o = _mm256_set1_ps(so->b2);
-  return x;
-}
+/* vlossy on the AVX2 loops' 8 lanes (the same operations, so the same flags), 16 elements per SCAN8L_AT. */
 #define VLOSSY8(DP, DG, DS)                                                        \
   static inline __attribute__((always_inline)) __m256i vlossy8_##DP##DG##DS(     \
-      const Arrays *a, int64_t e, const Lossy8 *x, int redo) {                     \
+      const Arrays *a, int64_t e, const LossyK *x, int redo) {                     \
     const v8 zero = _mm256_setzero_ps();                                           \
     v8 v = v8ld_##DS(a->v, e), p = zero, gh;                                       \
     if (x->l2n || x->l2o) p = v8ld_##DP(a->p, e);                                  \
     if (redo) {                                                                    \
-      v8 go = _mm256_mul_ps(v8ld_##DG(a->g, e), x->gso);                           \
-      if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, x->wdo));                \
-      const v8 u = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(x->omb2o, go), go)); \
+      v8 go = _mm256_mul_ps(v8ld_##DG(a->g, e), _mm256_set1_ps(x->gso));           \
+      if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, _mm256_set1_ps(x->wdo))); \
+      const v8 u = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(x->omb2o), go), go)); \
       v = _mm256_blendv_ps(u, zero, _mm256_cmp_ps(u, zero, _CMP_LT_OQ));           \
       gh = v8ld_##DG(a->g2, e);                                                    \
     } else {                                                                       \
       gh = v8ld_##DG(a->g, e);                                                     \
     }                                                                              \
-    gh = _mm256_mul_ps(gh, x->gsn);                                                \
-    if (x->l2n) gh = _mm256_add_ps(gh, _mm256_mul_ps(p, x->wdn));                  \
-    v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), x->c);                             \
-    if (redo) t = _mm256_mul_ps(t, x->b2o);                                        \
+    gh = _mm256_mul_ps(gh, _mm256_set1_ps(x->gsn));                                \
+    if (x->l2n) gh = _mm256_add_ps(gh, _mm256_mul_ps(p, _mm256_set1_ps(x->wdn)));  \
+    v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), _mm256_set1_ps(x->c));             \
+    if (redo) t = _mm256_mul_ps(t, _mm256_set1_ps(x->b2s));                        \
     return _mm256_castps_si256(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), _mm256_cmp_ps(t, v, _CMP_NLE_UQ))); \
   }
 NATIVE_COMBOS(VLOSSY8)
@@ -2306,7 +2282,7 @@ NATIVE_COMBOS(VLOSSY8)
     const Arrays a = {j->p, j->g, j->m, j->v, 0, j->po, j->mo, j->vo};             \
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
-    const Lossy8 lx = lossy8(j);                                                   \
+    const LossyK lx = lossy_k(j);                                                  \
     const int lz = lx.on;                                                          \
     __m256i bad = _mm256_setzero_si256();                                          \
     int64_t pe;                                                                    \
@@ -2332,7 +2308,7 @@ NATIVE_COMBOS(VLOSSY8)
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
-    const Lossy8 lx = lossy8(j);                                                   \
+    const LossyK lx = lossy_k(j);                                                  \
     const int lz = lx.on;                                                          \
     __m256i bad = _mm256_setzero_si256();                                          \
     for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \

@@ -293,11 +293,13 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # relative) comes back amplified by ``v' / (b2 v) = 1 + R``, ``R = (1 - b2) gh^2 / (b2 v)``; ``m`` likewise
 # by ``(1 - b1) |gh| / (b1 sqrt(v))`` relative to the update's own scale ``sqrt(v)``. A gradient 1000x the
 # ones before it (a spike, a row of an embedding seen rarely) left v 62% off. An element is flagged where
-# ``R > LOSSY_V_RATIO`` or that m ratio ``> LOSSY_M_RATIO`` (about 1e-6 either way): see :func:`lossy_factor`.
+# ``R > LOSSY_V_RATIO`` or that m ratio ``> LOSSY_M_RATIO``: see :func:`lossy_factor`. With 12, v comes back within
+# (1 + 12 + 2) 2^-24 = 9e-7 (the rounding of v', of the difference, of the division), m within about
+# (2 |m| / sqrt(v) + 12) 2^-24 of sqrt(v), 1e-6 where |m| ~ sqrt(v).
 # A zero ``v`` is not flagged (the step from zero moments: the inverse takes exactly what the step added, and
 # a leaf's first step restores exact zeros anyway); a nan ``v`` is.
-LOSSY_V_RATIO = 15.0
-LOSSY_M_RATIO = 16.0
+LOSSY_V_RATIO = 12.0
+LOSSY_M_RATIO = 12.0
 
 
 def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
