@@ -304,16 +304,17 @@ class Adam:
         return out
 
     def _redo_plan(self, leaf: _Leaf, rec: LeafUndo | None, grad_scale: Scalar,
-                   finite: bool | None, memo: dict | None = None) -> tuple[AdamScalars, str, str] | None:
+                   finite: bool | None, memo: dict | None = None,
+                   undoable: bool = True) -> tuple[AdamScalars, str, str] | None:
         """The plan of an undo_redo's new step of ``leaf`` (taken from the undone count; None: no gradient;
-        ``memo``: see :meth:`_plan`)."""
+        ``memo``, ``undoable``: see :meth:`_plan`)."""
         if leaf.g is None:
             return None
         if rec is None:
-            return self._plan(leaf, grad_scale, finite, memo)
+            return self._plan(leaf, grad_scale, finite, memo, undoable=undoable)
         t = rec.scalars.step  # the undone step's t: count_before + 1 (read from the record, not the tensor)
         steps = t - 1 if type(t) is int else as_number(rec.count_before)
-        return self._plan(leaf, grad_scale, finite, memo, steps)
+        return self._plan(leaf, grad_scale, finite, memo, steps, undoable)
 
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                       copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
@@ -444,7 +445,9 @@ class Adam:
                                                          in zip(in_kernel, record.leaves, plans)], record.leaves)
         else:
             in_kernel = [False] * len(leaves)
-            plans = [self._redo_plan(leaf, rec, grad_scale, True, memo) for leaf, rec in zip(leaves, record.leaves)]
+            # (strategy "none": nothing chosen nor refused; still fused where the undone step was inverted)
+            plans = [self._redo_plan(leaf, rec, grad_scale, True, memo, undoable=False)
+                     for leaf, rec in zip(leaves, record.leaves)]
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
         covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
@@ -474,7 +477,8 @@ class Adam:
                 write_param_copy(copy, p0)
             else:
                 undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
-                plan = self._snapshot_lossy([undone], [plan], [False])[0] if undoable else _not_undoable(plan)
+                if undoable:
+                    plan = self._snapshot_lossy([undone], [plan], [False])[0]
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
@@ -936,11 +940,6 @@ def _validate_undoable(undoable: Any) -> None:
         raise UnsupportedError(f"undoable = {undoable!r}; expected True or False")
 
 
-def _not_undoable(plan: tuple[AdamScalars, str, str]) -> tuple[AdamScalars, str, str]:
-    """The plan of a step that will not be undone (``undoable=False``): no snapshot, a record that refuses."""
-    return plan[0], "none", _NOT_UNDOABLE
-
-
 def _validate_grads_finite(grads_finite: Any) -> None:
     if not (grads_finite is None or isinstance(grads_finite, bool)):
         raise UnsupportedError(f"grads_finite = {grads_finite!r}; expected None, True or False")
@@ -992,9 +991,10 @@ def _finite_flags(gs: Sequence[torch.Tensor], grad_scale: Scalar, batched: bool)
 
 def _fusable(rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None) -> bool:
     """Whether an undo_redo runs a leaf's undo and redo as one kernel call: the step to undo was inverted
-    algebraically (and not the first from zero moments) and the new one needs no snapshot."""
+    algebraically (and not the first from zero moments) and the new one needs no snapshot (undone
+    algebraically, or not to be undone at all: ``undoable=False``)."""
     return (rec is not None and plan is not None and rec.strategy in _INVERTED and not rec.moments_were_zero
-            and plan[1] == "algebraic")
+            and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE))
 
 
 class _ChunkFlags(NamedTuple):

@@ -297,3 +297,31 @@ def test_a_grad_scale_under_a_transform_is_not_read(backend):
         assert torch.equal(row, step(gs))
     dp = torch.func.grad(lambda gs: step(gs).sum())(torch.tensor(0.5))
     assert torch.isfinite(dp)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("undo", ["algebraic", "auto"])
+def test_undo_redo_undoable_false_refuses_no_strategy_of_the_redo(backend, undo):
+    """``undo_redo(undoable=False)`` chooses no strategy for its redo, as ``update(undoable=False)`` does: new
+    hparams with no inverse (a beta1 of 0) are stepped, not refused under ``undo='algebraic'`` (it raised
+    UnsupportedError); the values are those of the undo and then the plain step, and the record refuses."""
+    gen = torch.Generator().manual_seed(9)
+    opt = sofx.adamw(lr=1e-3, undo=undo, backend=backend)
+    params, state = _run_to(opt, 3000, 40, gen)
+
+    def fresh():
+        return sofx.tree.tree_map(torch.clone, (params, state))
+
+    grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    p1, s1, rec = opt.update(fresh()[0], grads, fresh()[1])
+    assert rec.strategies() == ["algebraic", "algebraic"]
+    new = {k: g * 0.9 for k, g in grads.items()}
+    hp = sofx.AdamHParams(beta1=0.0)
+    p2, s2, r2 = opt.undo_redo(*sofx.tree.tree_map(torch.clone, (p1, s1)), rec, new, hp, undoable=False)
+    assert r2.strategies() == ["none", "none"]
+    with pytest.raises(UndoError, match="undoable=False"):
+        opt.undo(p2, s2, r2)
+    _, _, rec2 = opt.update(fresh()[0], grads, fresh()[1])
+    p3, s3 = opt.undo(p1, s1, rec2)
+    want = opt.update(p3, new, s3, hp, undoable=False)
+    assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten((p2, s2))[0], sofx.tree.flatten(want[:2])[0]))
