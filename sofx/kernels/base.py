@@ -351,10 +351,11 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
                    g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None) -> torch.Tensor:
     """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
     less exactly than DESIGN.md's tolerance: ``v != 0`` and not ``gh^2 * lossy_factor(b1, b2) <= v`` (nan
-    ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``p, v`` its results)
-    compares the new gradient against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0),
-    ``gh`` from ``p'``; as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused
-    undo+redo loops are bound by their divider). The checked kernels flag the chunks holding such an
+    ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``v`` its result, ``p``
+    the parameters before it where its record kept them, else its result ``p'``) compares the new gradient
+    against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0), both ``gh`` from that ``p``;
+    as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused undo+redo loops are bound by
+    their divider). The checked kernels flag the chunks holding such an
     element."""
     t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
     return (vv != 0) & ~(t <= vv)
