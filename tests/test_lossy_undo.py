@@ -24,7 +24,6 @@ from sofx.kernels.base import (FINITE_CHUNK, LOSSY_M_RATIO, LOSSY_V_RATIO, AdamS
                                UndoRedoCall, beyond_limit, lossy_elements, lossy_factor)
 
 native = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no native checked steps")
-_cpu_build = importlib.import_module("sofx.kernels._cpu_build")
 
 COMBOS = [(torch.float32, torch.float32, torch.float32), (torch.float32, torch.float32, torch.bfloat16),
           (torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),

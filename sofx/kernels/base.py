@@ -318,9 +318,14 @@ def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
     return min(c, FLOAT32_MAX)
 
 
+def _compute_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype a step's math is done in (float64 for float64 parameters)."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
 def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoupled: bool) -> torch.Tensor:
     """``g * grad_scale`` (plus ``p * wd`` in L2 mode), a new tensor in the compute dtype."""
-    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(p)
     gh = torch.mul(g.to(dtype), float(s.grad_scale))
     if not decoupled and float(s.weight_decay) != 0:
         gh.add_(torch.mul(p.to(dtype), float(s.weight_decay)))
@@ -331,7 +336,7 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
                     g_old: torch.Tensor | None, s_old: AdamScalars | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gh * gh * c, v)`` of :func:`lossy_elements`, in place where the tensors are its own (the pass before
     a step that no kernel checks: a few passes, no more temporaries than needed)."""
-    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(p)
     vv = v.to(dtype)
     if g_old is not None:
         assert s_old is not None
