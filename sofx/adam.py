@@ -293,9 +293,10 @@ class Adam:
                 continue  # from zero moments: undone to exact zeros
             if rec is not None:
                 p = rec.p_old if rec.p_old is not None else leaf.p
-                bad = any_lossy(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars)
+                bad = any_lossy(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars,
+                                m=leaf.m)
             else:
-                bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled)
+                bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled, m=leaf.m)
             tests.setdefault(leaf.p.device, []).append((k, bad))
         for found in tests.values():
             for (k, _), lossy in zip(found, torch.stack([t for _, t in found]).tolist()):

@@ -851,6 +851,7 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
     def checked(backend):  # donated: the skipped chunk keeps its values
         flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
         pc, mc, vc = p.clone(), m.clone(), v.clone()
+        mc[5 * FINITE_CHUNK + 3] = float("inf")  # a non-finite first moment: flagged (left alone) too
         return (*backend.step_many([StepCall(pc, bad, mc, vc, s, (pc, mc, vc), skip=flags)], VARIANTS[0])[0], flags)
 
     bad2 = g2.clone()
@@ -859,6 +860,7 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
     def checked_redo(backend):  # the redo's check: against the undone second moment (the vector loops' too)
         flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
         pc, mc, vc = p.clone(), m.clone(), v.clone()
+        mc[7 * FINITE_CHUNK + 3] = float("-inf")
         return (*backend.undo_redo_many([UndoRedoCall(pc, mc, vc, g, s, bad2, s._replace(grad_scale=0.3), None,
                                                       (pc, mc, vc), None, flags)], VARIANTS[1])[0], flags)
 
@@ -876,7 +878,9 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
         for a, b in zip(got, want):
             assert all(torch.equal(x, y) or max_rel_err(x, y) == 0.0 for x, y in zip(a, b))
         # the flags of the chunk with the inf and of those whose inverse would be lossy (the data's many)
-        lossy = lossy_elements(p, bad, v, s, VARIANTS[0].decoupled) | beyond_limit(bad, s.grad_scale)
+        m_inf = m.clone()
+        m_inf[5 * FINITE_CHUNK + 3] = float("inf")
+        lossy = lossy_elements(p, bad, v, s, VARIANTS[0].decoupled, m=m_inf) | beyond_limit(bad, s.grad_scale)
         want_flags = torch.nn.functional.pad(lossy, (0, -p.numel() % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(1)
         assert got[3][3].tolist() == want_flags.to(torch.uint8).tolist() and got[3][3][70000 // FINITE_CHUNK] == 1
         assert all(torch.equal(a, b) for a, b in zip(copies[5:8], copies[:3]))  # the copy without AVX-512

@@ -94,10 +94,11 @@ def test_checked_step_flags_the_lossy_chunks(combo, decoupled, backend, rng):
     variant = AdamVariant(decoupled=decoupled)
     p, g, m, v = _planted(rng, _N, combo, _WHERE)
     v[5 * FINITE_CHUNK + 5] = float("nan")
+    m[4 * FINITE_CHUNK + 17] = float("-inf")  # a non-finite first moment: its inverse would give a nan p
     s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
-    bad = lossy_elements(p, g, v, s, decoupled) | beyond_limit(g, s.grad_scale)
+    bad = lossy_elements(p, g, v, s, decoupled, m=m) | beyond_limit(g, s.grad_scale)
     want = _want_flags(bad, _N)
-    assert sum(want) == 5
+    assert sum(want) == 6
     flags = torch.zeros(len(want), dtype=torch.uint8)
     out = [t.clone() for t in (p, m, v)]
     backend.step_many([StepCall(p, g, m, v, s, tuple(out), None, flags)], variant)
@@ -127,11 +128,12 @@ def test_checked_undo_redo_flags_against_the_undone_moment(combo, decoupled, wit
     g_new = g_old.clone()
     g_new[_WHERE[1]] = 0.01
     g_new[_WHERE[3]] = 10.0  # and a spike of the new gradient
+    m1[4 * FINITE_CHUNK + 100] = float("nan")  # and a non-finite m'
     s_new = s_old._replace(grad_scale=0.25)
     p_old = p0 if with_p_old else None
-    bad = lossy_elements(p_old if with_p_old else p1, g_new, v1, s_new, decoupled, g_old, s_old)
+    bad = lossy_elements(p_old if with_p_old else p1, g_new, v1, s_new, decoupled, g_old, s_old, m=m1)
     want = _want_flags(bad | beyond_limit(g_new, s_new.grad_scale), _N)
-    assert want[2] == 0 and want[-1] == 1  # the undone spike is no spike of the redo (v' holds it)
+    assert want[2] == 0 and want[4] == 1 and want[-1] == 1  # the undone spike is no spike of the redo (v' holds it)
     for backend in (cpu, cpu_fast):
         flags = torch.zeros(len(want), dtype=torch.uint8)
         backend.undo_redo_many([UndoRedoCall(p1, m1, v1, g_old, s_old, g_new, s_new, p_old, None, None, flags)],
@@ -324,3 +326,25 @@ def test_undo_redo_undoable_false_refuses_no_strategy_of_the_redo(backend, undo)
     p3, s3 = opt.undo(p1, s1, rec2)
     want = opt.update(p3, new, s3, hp, undoable=False)
     assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten((p2, s2))[0], sofx.tree.flatten(want[:2])[0]))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_non_finite_first_moment_is_not_undone_algebraically(backend, donate):
+    """SPECULATION.md: no algebraic inverse of "any non-finite input". A first moment already inf (a diverged
+    state, loaded) beside a finite second moment: the step writes a nan p' there (torch's lerp: inf - inf), and
+    the algebraic inverse a nan in place of the finite parameter. undo='auto' keeps that chunk's old values."""
+    if backend == "cpu" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(9)
+    opt = sofx.adamw(lr=1e-3, backend=backend)
+    params, state = _run_to(opt, 3 * FINITE_CHUNK, 30, gen)
+    state.mu["w"][FINITE_CHUNK + 5] = float("inf")
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    grads = {k: 0.1 * torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    p2, s2, rec = opt.update(params, grads, state, donate=donate)
+    assert rec.strategies() == ["algebraic", "snapshot"] and not bool(p2["w"][FINITE_CHUNK + 5].isfinite())  # b, w
+    p3, s3 = opt.undo(p2, s2, rec, donate=donate)
+    assert bool(torch.isfinite(p3["w"]).all())
+    assert torch.equal(p3["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[0]["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
+    assert torch.equal(s3.mu["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[1].mu["w"][FINITE_CHUNK:2 * FINITE_CHUNK])

@@ -297,7 +297,7 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # (1 + 12 + 2) 2^-24 = 9e-7 (the rounding of v', of the difference, of the division), m within about
 # (2 |m| / sqrt(v) + 12) 2^-24 of sqrt(v), 1e-6 where |m| ~ sqrt(v).
 # A zero ``v`` is not flagged (the step from zero moments: the inverse takes exactly what the step added, and
-# a leaf's first step restores exact zeros anyway); a nan ``v`` is.
+# a leaf's first step restores exact zeros anyway); a nan ``v`` is, and a non-finite ``m``.
 LOSSY_V_RATIO = 12.0
 LOSSY_M_RATIO = 12.0
 
@@ -353,34 +353,41 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
 
 
 def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
-                   g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None) -> torch.Tensor:
+                   g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
+                   m: torch.Tensor | None = None) -> torch.Tensor:
     """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
     less exactly than DESIGN.md's tolerance: ``v != 0`` and not ``gh^2 * lossy_factor(b1, b2) <= v`` (nan
     ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``v`` its result, ``p``
     the parameters before it where its record kept them, else its result ``p'``) compares the new gradient
     against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0), both ``gh`` from that ``p``;
     as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused undo+redo loops are bound by
-    their divider). The checked kernels flag the chunks holding such an
-    element."""
+    their divider). ``m``: the first moment (``m'`` of an undo+redo); an element where it is not finite is
+    flagged too (its inverse would give a nan parameter: inf - inf). The checked kernels flag the chunks
+    holding such an element."""
     t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-    return (vv != 0) & ~(t <= vv)
+    bad = (vv != 0) & ~(t <= vv)
+    return bad if m is None else bad.logical_or_(~torch.isfinite(m))
 
 
 _LOSSY_SLICE = 1 << 18  # elements per slice of a CPU tensor in any_lossy (its temporaries stay in cache)
 
 
 def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
-              g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None) -> torch.Tensor:
+              g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
+              m: torch.Tensor | None = None) -> torch.Tensor:
     """``lossy_elements(...).any()`` (a 0-d bool tensor) with fewer passes. On CPU a slice at a time, up to
     the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages)."""
-    if p.device.type != "cpu" or p.numel() <= _LOSSY_SLICE:
+    def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None,
+              m: torch.Tensor | None) -> torch.Tensor:
         t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-        return ~torch.le(t, vv).logical_or_(vv == 0).all()
-    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old)]
+        ok = torch.le(t, vv).logical_or_(vv == 0)
+        return (ok if m is None else ok.logical_and_(torch.isfinite(m))).all()
+
+    if p.device.type != "cpu" or p.numel() <= _LOSSY_SLICE:
+        return ~sound(p, g, v, g_old, m)
+    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old, m)]
     for a in range(0, p.numel(), _LOSSY_SLICE):
-        fp, fg, fv, fo = (None if x is None else x[a:a + _LOSSY_SLICE] for x in flat)
-        t, vv = _lossy_operands(fp, fg, fv, s, decoupled, fo, s_old)
-        if not bool(torch.le(t, vv).logical_or_(vv == 0).all()):
+        if not bool(sound(*(None if x is None else x[a:a + _LOSSY_SLICE] for x in flat))):
             return torch.tensor(True)
     return torch.tensor(False)
 
