@@ -348,3 +348,30 @@ def test_a_non_finite_first_moment_is_not_undone_algebraically(backend, donate):
     assert bool(torch.isfinite(p3["w"]).all())
     assert torch.equal(p3["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[0]["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
     assert torch.equal(s3.mu["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[1].mu["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
+
+
+def test_any_lossy_is_lossy_elements_any():
+    """The pass before a step no kernel checks (slices on CPU, m by its sum) answers as the elementwise test."""
+    from sofx.kernels.base import _LOSSY_SLICE, any_lossy
+
+    gen = torch.Generator().manual_seed(4)
+    n = 2 * _LOSSY_SLICE + 77
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
+    for case in range(6):
+        p, g, m, g_old = (torch.randn(n, generator=gen) for _ in range(4))
+        v = 1.0 + torch.rand(n, generator=gen)
+        if case == 1:
+            g[n - 3] = 1e4  # in the last, partial slice
+        if case == 2:
+            m[5] = float("nan")
+        if case == 3:
+            v[_LOSSY_SLICE + 1] = float("nan")
+        if case == 4:
+            p, g, m, v = (torch.stack([x, x], dim=1)[:, 0] for x in (p, g, m, v))  # not contiguous
+            g[_LOSSY_SLICE] = 1e4
+        for redo in (False, True):
+            extra = (g_old, s) if redo else (None, None)
+            for decoupled in (True, False):
+                want = bool(lossy_elements(p, g, v, s, decoupled, *extra, m=m).any())
+                assert bool(any_lossy(p, g, v, s, decoupled, *extra, m=m)) == want, (case, redo, decoupled)
+                assert want == (case in (1, 2, 3, 4) or bool(lossy_elements(p, g, v, s, decoupled, *extra).any()))

@@ -376,16 +376,20 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
               m: torch.Tensor | None = None) -> torch.Tensor:
     """``lossy_elements(...).any()`` (a 0-d bool tensor) with fewer passes. On CPU a slice at a time, up to
-    the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages)."""
-    def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None,
-              m: torch.Tensor | None) -> torch.Tensor:
+    the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages). ``m`` is
+    tested by its sum, one reduction (an inf or a nan makes it so; a sum beyond the float range, from finite
+    elements, flags it too: a snapshot where none was needed)."""
+    def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None) -> torch.Tensor:
         t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-        ok = torch.le(t, vv).logical_or_(vv == 0)
-        return (ok if m is None else ok.logical_and_(torch.isfinite(m))).all()
+        return torch.le(t, vv).logical_or_(vv == 0).all()
 
+    m_bad = torch.zeros((), dtype=torch.bool, device=p.device) if m is None or m.numel() == 0 else \
+        ~torch.isfinite(m.sum())
     if p.device.type != "cpu" or p.numel() <= _LOSSY_SLICE:
-        return ~sound(p, g, v, g_old, m)
-    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old, m)]
+        return ~sound(p, g, v, g_old) | m_bad
+    if bool(m_bad):
+        return m_bad
+    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old)]
     for a in range(0, p.numel(), _LOSSY_SLICE):
         if not bool(sound(*(None if x is None else x[a:a + _LOSSY_SLICE] for x in flat))):
             return torch.tensor(True)
