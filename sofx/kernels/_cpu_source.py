@@ -1014,6 +1014,16 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
    flagged by chunk_exact (lz: the check is on). */
 #define LOSSY_REST_BAD(j, begin, scan_end, lz)                                     \
   ((lz) && !chunk_exact((j), (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
+/* The lines of the next chunk's vector at e that the vector loops' test reads beside its gradient (v, m; p in L2
+   mode, an undo+redo's old gradient), prefetched as SCAN_AT prefetches the gradient (the vector builds only). */
+#define LOSSY_PREFETCH(DP, DG, DS, a, e, lx, redo)                                 \
+  do {                                                                             \
+    _mm_prefetch((const char *)(a).v + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
+    _mm_prefetch((const char *)(a).m + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
+    if ((lx).l2n || (lx).l2o)                                                      \
+      _mm_prefetch((const char *)(a).p + ((e) + CHUNK) * ES_##DP + SCAN_PREFETCH, _MM_HINT_T0); \
+    if (redo) _mm_prefetch((const char *)(a).g + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+  } while (0)
 
 #ifndef SCAN_PREFETCH
 #define SCAN_PREFETCH 2048
@@ -1290,11 +1300,7 @@ NATIVE_COMBOS(VLOSSY)
 /* The next chunk's vector at e into bad by vlossy (redo: an undo+redo's), its lines prefetched ahead as SCAN_AT's. */
 #define LOSSY_AT(DP, DG, DS, a, e, scan_end, bad, lx, redo)                        \
   if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
-    _mm_prefetch((const char *)(a).v + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
-    _mm_prefetch((const char *)(a).m + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
-    if ((lx).l2n || (lx).l2o)                                                      \
-      _mm_prefetch((const char *)(a).p + ((e) + CHUNK) * ES_##DP + SCAN_PREFETCH, _MM_HINT_T0); \
-    if (redo) _mm_prefetch((const char *)(a).g + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    LOSSY_PREFETCH(DP, DG, DS, a, e, lx, redo);                                    \
     (bad) |= vlossy_##DP##DG##DS(&(a), (e) + CHUNK, &(lx), (redo));                \
   }
 #define VSTEP(DP, DG, DS)                                                          \
@@ -2273,11 +2279,7 @@ NATIVE_COMBOS(VLOSSY8)
 #define SCAN8L_AT(DP, DG, DS, a, gs, e, scan_end, bad, lim, lx, lz, redo)          \
   SCAN8_AT(DG, gs, e, scan_end, bad, lim)                                          \
   if ((lz) && (e) + CHUNK + 16 <= (scan_end)) {                                    \
-    _mm_prefetch((const char *)(a).v + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
-    _mm_prefetch((const char *)(a).m + ((e) + CHUNK) * ES_##DS + SCAN_PREFETCH, _MM_HINT_T0); \
-    if ((lx).l2n || (lx).l2o)                                                      \
-      _mm_prefetch((const char *)(a).p + ((e) + CHUNK) * ES_##DP + SCAN_PREFETCH, _MM_HINT_T0); \
-    if (redo) _mm_prefetch((const char *)(a).g + ((e) + CHUNK) * ES_##DG + SCAN_PREFETCH, _MM_HINT_T0); \
+    LOSSY_PREFETCH(DP, DG, DS, a, e, lx, redo);                                    \
     (bad) = _mm256_or_si256((bad), vlossy8_##DP##DG##DS(&(a), (e) + CHUNK, &(lx), (redo)));  \
     (bad) = _mm256_or_si256((bad), vlossy8_##DP##DG##DS(&(a), (e) + CHUNK + 8, &(lx), (redo))); \
   }

@@ -246,8 +246,8 @@ class StepCall(NamedTuple):
 # ``skip`` is a contiguous CPU uint8 tensor of ceil(n / FINITE_CHUNK) zeros. The kernel reads each chunk of
 # FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
 # writing the chunk; a chunk with an inf, a nan, or an element beyond ``GRADIENT_LIMIT / grad_scale`` (see
-# :func:`gradient_limit_bits`), or an element :func:`lossy_elements` finds (the step's second moment and,
-# in L2 mode, parameter read too), is left alone (none of its outputs written: p, m, v, out, p_copy) and its
+# :func:`gradient_limit_bits`), or an element :func:`lossy_elements` finds (the step's moments and, in L2
+# mode, parameter read too), is left alone (none of its outputs written: p, m, v, out, p_copy) and its
 # flag set to 1. The caller learns whether the step can be
 # undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
 # keeping their old values. What the kernel writes in place must be contiguous (``out`` also in the
@@ -318,14 +318,9 @@ def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
     return min(c, FLOAT32_MAX)
 
 
-def _compute_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype a step's math is done in (float64 for float64 parameters)."""
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
-
-
 def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoupled: bool) -> torch.Tensor:
     """``g * grad_scale`` (plus ``p * wd`` in L2 mode), a new tensor in the compute dtype."""
-    dtype = _compute_dtype(p)
+    dtype = compute_dtype(p)
     gh = torch.mul(g.to(dtype), float(s.grad_scale))
     if not decoupled and float(s.weight_decay) != 0:
         gh.add_(torch.mul(p.to(dtype), float(s.weight_decay)))
@@ -336,7 +331,7 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
                     g_old: torch.Tensor | None, s_old: AdamScalars | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gh * gh * c, v)`` of :func:`lossy_elements`, in place where the tensors are its own (the pass before
     a step that no kernel checks: a few passes, no more temporaries than needed)."""
-    dtype = _compute_dtype(p)
+    dtype = compute_dtype(p)
     vv = v.to(dtype)
     if g_old is not None:
         assert s_old is not None
