@@ -10,7 +10,8 @@ torch.distributed collectives.
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, adam, adamw
-from sofx.errors import HParamError, LeafError, SofxError, StructureError, UndoError, UnsupportedError
+from sofx.errors import (HParamError, LeafError, SnapshotLimitError, SofxError, StructureError, UndoError,
+                         UnsupportedError)
 from sofx.kernels.base import AdamScalars, AdamVariant
 from sofx.undo_record import LeafUndo, UndoRecord
 
@@ -36,6 +37,7 @@ __all__ = [
     "tree",
     # errors
     "SofxError",
+    "SnapshotLimitError",
     "StructureError",
     "LeafError",
     "HParamError",

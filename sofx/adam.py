@@ -50,7 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from sofx import skipped_chunks, tree
-from sofx.errors import HParamError, LeafError, UndoError, UnsupportedError
+from sofx.errors import HParamError, LeafError, SnapshotLimitError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
@@ -169,7 +169,8 @@ class Adam:
     # ---------------------------------------------------------------- update
     def update(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
                grad_scale: Scalar = 1.0, donate: bool = False, grads_finite: bool | None = None,
-               param_copies: Any = None, undoable: bool = True) -> tuple[Any, AdamState, UndoRecord]:
+               param_copies: Any = None, undoable: bool = True,
+               snapshot_limit_bytes: int | None = None) -> tuple[Any, AdamState, UndoRecord]:
         """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
 
         The gradient used is ``grads * grad_scale`` (unscaling and clipping
@@ -201,6 +202,14 @@ class Adam:
         training loop); nothing is read or copied to choose an undo strategy,
         and every leaf's record says it cannot be undone.
 
+        ``snapshot_limit_bytes``: the most snapshot memory the record may hold
+        (:meth:`UndoRecord.snapshot_bytes`; ``None``: no limit). An update that
+        would keep more raises :class:`~sofx.errors.SnapshotLimitError`: before
+        anything is computed where the strategies chosen beforehand need more,
+        and after the step where its own test flagged leaves (above), which is
+        then taken back (see the error). A speculation uses it to leave a block
+        unspeculated rather than go beyond its ``snapshot_budget_bytes``.
+
         ``param_copies``: a tree with the structure of ``params`` whose leaves
         are ``None`` or tensors of the parameter's shape and device in any
         float dtype; each receives the leaf's new parameters, cast to its dtype
@@ -209,6 +218,7 @@ class Adam:
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
+        _validate_snapshot_limit(snapshot_limit_bytes)
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
@@ -224,6 +234,8 @@ class Adam:
             plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
                      for leaf, f, chk in zip(leaves, finite, in_step)]
             plans = self._snapshot_lossy(leaves, plans, in_step)
+            if snapshot_limit_bytes is not None:
+                _check_snapshot_limit(leaves, plans, (), snapshot_limit_bytes)
         else:
             in_step = [False] * len(leaves)
             plans = [self._plan(leaf, grad_scale, True, memo, undoable=False) if leaf.g is not None else None
@@ -247,12 +259,37 @@ class Adam:
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant),
                                                leaves if covered else None):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
-        for k in flags.flagged():  # a chunk of the leaf's gradient is not finite (rare: an overflow)
+        flagged = flags.flagged()  # leaves with a chunk the step left alone (see skipped_chunks)
+        if flagged and snapshot_limit_bytes is not None:
+            try:
+                _check_snapshot_limit(leaves, plans, flagged, snapshot_limit_bytes)
+            except SnapshotLimitError:
+                self._take_back(leaves, records, calls, kernels, copies, flagged, donate)
+                raise
+        for k in flagged:
             leaf = leaves[k]
             records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                     records[k], (new_p[k], new_m[k], new_v[k]), donate)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
+
+    def _take_back(self, leaves: Sequence[_Leaf], records: Sequence[LeafUndo | None], calls: dict[int, StepCall],
+                   kernels: Sequence[Any], copies: Sequence[torch.Tensor | None], flagged: Sequence[int],
+                   donate: bool) -> None:
+        """Undo a checked update before its flagged leaves are finished (their snapshots would not fit):
+        the inputs and the parameter copies as they were (see :class:`~sofx.errors.SnapshotLimitError`)."""
+        flagged = set(flagged)
+        for k, rec in enumerate(records):
+            if rec is None:
+                continue
+            leaf, copy = leaves[k], copies[k]
+            if k in flagged:
+                skipped_chunks.roll_back_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k], rec,
+                                              donate)
+            elif donate:
+                self._undo_leaf(leaf, rec, True, copy)  # in place: leaf's tensors hold the step's results
+            else:
+                write_param_copy(copy, leaf.p)
 
     def _checked_in_step(self, leaves: Sequence[_Leaf], kernels: Sequence[Any],
                          copies: Sequence[torch.Tensor | None], grad_scale: Scalar) -> list[bool]:
@@ -939,6 +976,36 @@ def _role_name(leaf: _Leaf, role: int) -> str:
 def _validate_undoable(undoable: Any) -> None:
     if not isinstance(undoable, bool):
         raise UnsupportedError(f"undoable = {undoable!r}; expected True or False")
+
+
+def _validate_snapshot_limit(limit: Any) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise UnsupportedError(f"snapshot_limit_bytes = {limit!r}; expected None or an integer >= 0")
+
+
+def _snapshot_bytes(leaf: _Leaf, strategy: str) -> int:
+    """Bytes a record of ``strategy`` keeps for ``leaf`` (:meth:`LeafUndo.snapshot_bytes` of it)."""
+    if strategy == "snapshot":
+        return sum(t.numel() * t.element_size() for t in (leaf.p, leaf.m, leaf.v))
+    if strategy == "param_snapshot":
+        return leaf.p.numel() * leaf.p.element_size()
+    return 0
+
+
+def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamScalars, str, str] | None],
+                          flagged: Sequence[int], limit: int) -> None:
+    """Raise :class:`SnapshotLimitError` where the record of ``plans`` (the ``flagged`` leaves: snapshots,
+    :func:`skipped_chunks.finish_step`) would hold more than ``limit`` bytes."""
+    snapshots = set(flagged)
+    need = sum(_snapshot_bytes(leaf, "snapshot" if k in snapshots else plan[1])
+               for k, (leaf, plan) in enumerate(zip(leaves, plans)) if plan is not None)
+    if need > limit:
+        names = ", ".join(leaves[k].path for k in flagged[:3]) + (", ..." if len(flagged) > 3 else "")
+        found = (f"; the step found {len(flagged)} leaf{'' if len(flagged) == 1 else 's'} ({names}) whose "
+                 "algebraic inverse would be too lossy or whose gradient is not finite" if flagged else "")
+        raise SnapshotLimitError(f"the undo record would hold {need} bytes of snapshot, more than "
+                                 f"snapshot_limit_bytes = {limit}{found}; "
+                                 f"{'the step was taken back' if flagged else 'nothing was changed'}", need, limit)
 
 
 def _validate_grads_finite(grads_finite: Any) -> None:

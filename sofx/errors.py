@@ -30,3 +30,22 @@ class UndoError(SofxError):
 
 class UnsupportedError(SofxError):
     """A combination of options (backend, device, dtype, undo strategy) is not supported."""
+
+
+class SnapshotLimitError(SofxError):
+    """An undoable update would keep more snapshot memory than its ``snapshot_limit_bytes`` allows.
+
+    An update refused before it ran touched nothing. One whose step found the need
+    (:func:`sofx.kernels.base.lossy_elements`, a gradient not finite) was taken back: its inputs are as they
+    were (under donation: exactly where the need was found, by the inverse elsewhere, which the same test
+    found sound: a few ulps) and its parameter copies hold the old parameters.
+    ``needed``/``limit``: the bytes the record would hold, and those allowed.
+    """
+
+    def __init__(self, message: str, needed: int, limit: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.limit = limit
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.needed, self.limit)

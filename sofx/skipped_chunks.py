@@ -15,10 +15,11 @@ from typing import Any, Sequence
 
 import torch
 
-from sofx.kernels.base import FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall
+from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+                               write_param_copy)
 from sofx.undo_record import LeafUndo
 
-__all__ = ["finish_step", "finish_undo_redo"]
+__all__ = ["finish_step", "finish_undo_redo", "roll_back_step"]
 
 _REASON = ("the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT), or it "
            "dominates the second moment somewhere: an algebraic inverse would restore it less exactly than 1e-6 "
@@ -73,6 +74,34 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
                                   variant)[0]
     _step(kernel, variant, ranges, undone, call.g_new, call.s_new, results, call.p_copy)
     return LeafUndo("snapshot", call.g_new, call.s_new, count_before, *undone, _REASON)
+
+
+def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCall, rec: LeafUndo,
+                   donate: bool) -> None:
+    """Take back ``update``'s checked step of one leaf whose kernel left flagged chunks alone, without
+    finishing it (:class:`~sofx.errors.SnapshotLimitError`: its snapshot would not fit).
+
+    With donation the flagged chunks still hold their old values and the others are inverted in place (the
+    test found their inverse sound: exact to a few ulps). Without donation the inputs are untouched. The
+    parameter copy, which the kernel wrote outside the flagged chunks, gets the old parameter whole."""
+    if donate:
+        n = inputs[0].numel()
+        stepped, at = [], 0
+        for a, b in _skipped(call.skip, n) + [(n, n)]:
+            if a > at:
+                stepped.append((at, a))
+            at = b
+        p, m, v = (_flat(t) for t in inputs)
+        g = _flat(call.g)
+        p_old = _flat(rec.p_old) if rec.p_old is not None else None
+        if stepped:
+            kernel.undo_many([UndoCall(p[a:b], g[a:b], m[a:b], v[a:b], rec.scalars,
+                                       p_old[a:b] if p_old is not None else None, (p[a:b], m[a:b], v[a:b]))
+                              for a, b in stepped], variant)
+        if rec.moments_were_zero:
+            m.zero_()
+            v.zero_()
+    write_param_copy(call.p_copy, inputs[0])
 
 
 def _skipped(skip: torch.Tensor | None, n: int) -> list[tuple[int, int]]:

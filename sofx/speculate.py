@@ -29,7 +29,12 @@ When block ``i``'s gradient is final (hooks fire in reverse layer order)::
                               lambda: block_eligibility(opt, p_i, grad_i, state_i,
                                                         ctx.hparams[i], ctx.grad_scale))
     if d.speculate:                                          # run it in a worker, donating buffers
-        p_i, state_i, record_i = speculative_block_step(opt, p_i, grad_i, state_i, d, donate=True)
+        try:
+            p_i, state_i, record_i = speculative_block_step(opt, p_i, grad_i, state_i, d, donate=True,
+                                                            held_bytes=held)
+            held += record_i.snapshot_bytes()
+        except SnapshotLimitError as exc:                    # taken back: beyond the snapshot budget
+            tally = on_speculation_refused(ctx, tally, i, str(exc))
 
 :func:`on_block_ready` is pure: it adds ``sumsq`` to the running sum, vetoes
 speculation for the rest of the step once that sum exceeds
@@ -41,6 +46,10 @@ checks the block's eligibility (its undo strategy, see
 eligibility argument may be a callable, evaluated only when needed -- and
 returns a :class:`BlockDecision`. The speculative step is ``opt.update`` on
 that one block with ``grad_scale = 1/S_assumed`` and the context's hparams.
+With a ``snapshot_budget_bytes``, ``held`` counts the snapshot bytes the
+speculative steps hold: ``undo="auto"`` may find in the step itself that a
+block needs a snapshot (its gradient dominates its moments), and a step that
+would go beyond the budget is taken back and stepped in validation.
 The record references ``grad_i``: do not modify it in place until the block is
 validated.
 
@@ -115,6 +124,7 @@ from sofx.speculation.decisions import (
     begin_step,
     on_block_ready,
     on_late_gradient,
+    on_speculation_refused,
     plan_validation,
 )
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
@@ -136,6 +146,7 @@ __all__ = [
     "begin_step",
     "on_block_ready",
     "on_late_gradient",
+    "on_speculation_refused",
     "plan_validation",
     "grad_sumsq",
     "block_eligibility",

@@ -73,12 +73,16 @@ class BlockOp:
 
 @dataclass(frozen=True)
 class OpResult:
-    """What came of an operation: ``error`` is a message (with the worker's traceback) or None."""
+    """What came of an operation: ``error`` is a message (with the worker's traceback) or None.
+
+    ``refused``: a speculative step (``"speculate"``, ``"ready"``) that was taken back because its snapshot
+    would have gone beyond the budget (:class:`~sofx.errors.SnapshotLimitError`'s message), else None."""
 
     seq: int
     kind: str
     block: int
     error: Optional[str] = None
+    refused: Optional[str] = None
 
     @property
     def ok(self) -> bool:

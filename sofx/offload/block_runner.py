@@ -26,6 +26,7 @@ the same bits.
 
 from __future__ import annotations
 
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.errors import SnapshotLimitError
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
@@ -146,8 +148,10 @@ def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: 
 
 @dataclass
 class _Kept:
-    record: UndoRecord | None  # None: undone already (undo_now)
+    record: UndoRecord | None  # None: undone already (undo_now: record_used), or taken back as it ran (refused)
     flat: bool
+    snapshot_bytes: int = 0  # the record's, counted in BlockRunner.held_bytes
+    record_used: bool = False
 
 
 class BlockRunner:
@@ -161,6 +165,11 @@ class BlockRunner:
         # block -> per parameter: its two publish buffers (1-d, the model's dtype), or None
         self.publish = publish or {}
         self.kept: dict[int, _Kept] = {}
+        # Snapshot bytes of the kept records, plus the whole remaining budget while a speculative step with
+        # a budget runs (a second one, run at the same time by a thread helping in step(), then has none left).
+        self.held_bytes = 0
+        self._held_lock = threading.Lock()
+        self._refused: dict[int, str] = {}  # block -> why its speculative step was taken back (for run())
 
     def run(self, op: BlockOp) -> OpResult:
         """Apply ``op``; an exception becomes an error result (with its traceback)."""
@@ -168,7 +177,8 @@ class BlockRunner:
             # A handler returns whether the publish buffers op.publish names are still to be written.
             if getattr(self, "_" + op.kind)(op) and op.publish is not None:
                 self._publish(op)
-            return OpResult(op.seq, op.kind, op.block)
+            refused = self._refused.pop(op.block, None) if op.kind in ("speculate", "ready") else None
+            return OpResult(op.seq, op.kind, op.block, refused=refused)
         except Exception as exc:  # reported to the main process, which raises it
             detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             return OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}\n{detail}")
@@ -181,10 +191,25 @@ class BlockRunner:
         flat = uses_flat_layout(t, op.present, op.grads is not None, op.publish)
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         copies = self._copies(op, flat)
-        _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
-                                                      grads_finite=op.grads_finite or None, param_copies=copies)
+        budget = op.payload.snapshot_budget_bytes
+        with self._held_lock:
+            held = self.held_bytes
+            reserved = 0 if budget is None else max(0, budget - held)
+            self.held_bytes += reserved
+        try:
+            _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
+                                                          grads_finite=op.grads_finite or None,
+                                                          param_copies=copies, held_bytes=held)
+        except SnapshotLimitError as exc:
+            # Taken back (the block is as it was): not speculated; validation steps it.
+            self._refused[op.block] = str(exc)
+            self._keep(op.block, _Kept(None, flat), release=reserved)
+            return False
+        except BaseException:
+            self._keep(op.block, None, release=reserved)
+            raise
         self._store_counts(op.block, flat, new_state)
-        self.kept[op.block] = _Kept(record, flat)
+        self._keep(op.block, _Kept(record, flat, record.snapshot_bytes()), release=reserved)
         return copies is None
 
     def _ready(self, op: BlockOp) -> bool:
@@ -196,25 +221,28 @@ class BlockRunner:
 
     def _undo_now(self, op: BlockOp) -> bool:
         kept = self.kept.get(op.block)
+        if kept is not None and kept.record is None and not kept.record_used:
+            return False  # taken back as it ran (refused): nothing to undo
         if kept is None or kept.record is None:
             raise RuntimeError(f"block {op.block} has no speculative step to undo")
         params, _, state = block_tree(self.tensors[op.block], self.layouts[op.block], kept.flat, None)
         _, new_state = self.adam.undo(params, state, kept.record, donate=True)
         self._store_counts(op.block, kept.flat, new_state)
-        self.kept[op.block] = _Kept(None, kept.flat)
+        self._keep(op.block, _Kept(None, kept.flat, record_used=True))
         return False
 
     def _apply(self, op: BlockOp) -> bool:
         action = op.payload
-        kept = self.kept.pop(op.block, None)
-        if action.kind in ("commit", "skip"):
-            return True
+        kept = self._keep(op.block, None)
         if kept is not None and kept.record is None:
-            # The speculative step was undone by undo_now: an undo is done, an undo_redo is a step.
+            # The speculative step was undone by undo_now, or taken back as it ran: an undo is done, an
+            # undo_redo (or a commit, which the engine plans as a step once it has the refusal) is a step.
             if action.kind == "undo":
                 return True
-            if action.kind == "undo_redo":
+            if action.kind in ("undo_redo", "commit"):
                 action = action._replace(kind="step")
+        if action.kind in ("commit", "skip"):
+            return True
         t, layout = self.tensors[op.block], self.layouts[op.block]
         if action.zero_grad:
             # The engine zeroed the buffers of the parameters that got no gradient.
@@ -232,8 +260,24 @@ class BlockRunner:
         return copies is None
 
     def _commit_all(self, op: BlockOp) -> bool:
-        self.kept.clear()
+        with self._held_lock:
+            self.kept.clear()
+            self.held_bytes = 0
         return False
+
+    def _keep(self, block: int, kept: _Kept | None, release: int = 0) -> _Kept | None:
+        """Set (None: drop) what ``block`` keeps, counting its snapshot bytes, and give back the ``release``
+        bytes a speculative step reserved while it ran (at once: no other step sees both); returns what the
+        block kept before."""
+        with self._held_lock:
+            self.held_bytes -= release
+            old = self.kept.pop(block, None)
+            if old is not None:
+                self.held_bytes -= old.snapshot_bytes
+            if kept is not None:
+                self.kept[block] = kept
+                self.held_bytes += kept.snapshot_bytes
+        return old
 
     def _copies(self, op: BlockOp, flat: bool) -> list[torch.Tensor | None] | None:
         """The publish buffers ``op.publish`` names, one per parameter (None where it names none), for the

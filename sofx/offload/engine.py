@@ -106,6 +106,7 @@ from sofx.speculate import (
     grad_sumsq,
     on_block_ready,
     on_late_gradient,
+    on_speculation_refused,
     plan_validation,
 )
 from sofx.transforms import total_sumsq
@@ -414,6 +415,7 @@ class OffloadEngine:
         self._ctx: StepContext | None = None
         self._tally: BackwardTally | None = None
         self._speculated = [False] * len(self.layouts)
+        self._refused: dict[int, str] = {}  # block -> why its speculative step was taken back
         self._events: list[tuple[str, int]] = []
         self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
@@ -629,7 +631,13 @@ class OffloadEngine:
                 # step did not happen as planned; step() must not commit or publish it. The engine stops here.
                 self._failed = ExecutorError(f"{self.executor_name} executor: the {r.kind!r} operation on block "
                                              f"{r.block} failed: {r.error}")
-            if r.kind == "speculate" or (r.kind == "ready" and (self._speculated[r.block] or not r.ok)):
+            if r.refused is not None:
+                # Taken back as it ran (its snapshot would go beyond the budget): validation steps the block.
+                self._refused[r.block] = r.refused
+                self._speculated[r.block] = False
+                self._published[r.block] = None
+                self._events.append(("refused", r.block))
+            elif r.kind == "speculate" or (r.kind == "ready" and (self._speculated[r.block] or not r.ok)):
                 self._events.append(("speculated" if r.ok else "speculate_failed", r.block))
 
     def _wait(self, help: bool = False) -> list[OpResult]:
@@ -701,6 +709,8 @@ class OffloadEngine:
                           stacklevel=3)
         self._begin()
         self._record(self._wait(help=True))
+        for b, reason in self._refused.items():
+            self._tally = on_speculation_refused(self._ctx, self._tally, b, reason)
         self._note_gradients()
         sumsq: list[float | None] = []
         presents: list[tuple[bool, ...]] = []

@@ -16,7 +16,9 @@ class EngineStepReport(StepReport):
     ``events``: ``(what, block)`` in the order the main thread observed them
     (``block = -1`` for step-wide events): ``"ready"`` (a block's gradient was
     final during backward), ``"speculate"`` (its speculative step was
-    submitted), ``"speculated"`` (the executor reported it done),
+    submitted), ``"speculated"`` (the executor reported it done), or
+    ``"refused"`` (the step was taken back as it ran: its snapshot would have
+    gone beyond ``snapshot_budget_bytes``; the block is stepped in validation),
     ``"late_gradient"``, ``"step_called"``, then the validation actions
     (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``) and ``"done"``.
     With an in-process executor (inline, thread) ``"ready"`` and

@@ -69,11 +69,18 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
 
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
                            decision: BlockDecision, *, donate: bool = False, grads_finite: bool | None = None,
-                           param_copies: Any = None) -> tuple[torch.Tensor, AdamState, UndoRecord]:
+                           param_copies: Any = None, held_bytes: int = 0) -> tuple[torch.Tensor, AdamState, UndoRecord]:
     """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed``.
 
     Returns ``(param, state, record)``; keep ``record`` (and do not modify
     ``grad`` in place) until validation has applied this block's action.
+    ``held_bytes``: the snapshot memory the speculative steps of this step
+    hold already (their records' ``snapshot_bytes()``). With a snapshot budget
+    the record may hold what is left of it: a step that would keep more raises
+    :class:`~sofx.errors.SnapshotLimitError` having changed nothing (taken back
+    where it found the need itself); record that with
+    :func:`~sofx.speculation.decisions.on_speculation_refused`, and the block is
+    stepped in validation.
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint -- pass ``True`` when the
     decision's sum of squares was taken on these very gradient values (it was
     finite, or the block would not have been speculated). ``param_copies``: :meth:`sofx.Adam.update`'s
@@ -81,8 +88,10 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     """
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
+    budget = decision.snapshot_budget_bytes
     return opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale, donate=donate,
-                      grads_finite=grads_finite, param_copies=param_copies)
+                      grads_finite=grads_finite, param_copies=param_copies,
+                      snapshot_limit_bytes=None if budget is None else max(0, budget - held_bytes))
 
 
 def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad: torch.Tensor | None,

@@ -12,7 +12,10 @@ Decisions (SPECULATION.md section 3):
 * a ready block is speculated iff the step may speculate (enabled, last
   micro-step, adaptive policy not paused), speculation was not vetoed, its
   gradient is finite, and it is eligible (its undo strategy exists and its
-  snapshot fits in the remaining budget);
+  snapshot fits in the remaining budget); a speculative step that finds in
+  itself a need for more snapshot than is left (``undo="auto"``'s test of the
+  inverse's precision) is taken back and reported with
+  :func:`on_speculation_refused`;
 * early veto: once the running sum of squares of the ready blocks exceeds
   ``(max_norm * S)**2`` (``S`` the scale the speculative steps unscale with),
   clipping is certain: no further block is speculated this step. A
@@ -56,6 +59,7 @@ __all__ = [
     "begin_step",
     "on_block_ready",
     "on_late_gradient",
+    "on_speculation_refused",
     "plan_validation",
     "resolve_block_hparams",
 ]
@@ -77,10 +81,11 @@ class SpeculationConfig:
     or ``"deepspeed"`` (:mod:`sofx.serial`). ``missing_grad``: ``"skip"`` or
     ``"zero"``. ``snapshot_budget_bytes``: the most snapshot memory the
     speculative steps of one step may hold (``None``: unlimited; ``0``: only
-    algebraically undoable blocks are speculated), as the blocks' undo strategies
-    say before their steps; a step whose gradient turns out to dominate its
-    moments (``Adam.update``'s lossy-inverse test, found in the step itself)
-    keeps its old values beyond it. ``policy``: the
+    algebraically undoable blocks are speculated). A block is not speculated
+    where its undo strategy says beforehand that its snapshot would not fit; a
+    speculative step that finds the need itself (``Adam.update``'s test of the
+    inverse's precision: a gradient that dominates the moments) is taken back
+    (:func:`on_speculation_refused`) and stepped in validation. ``policy``: the
     :class:`AdaptivePolicy`. ``predict_scale``: with the deepspeed profile,
     speculate with the scale the loss scaler will have after a clean step
     (which is what ZeRO unscales with), so that a scale growth costs no
@@ -151,6 +156,12 @@ class BlockDecision(NamedTuple):
 
     ``speculate``: take the speculative step now, with ``hparams`` and
     ``grad_scale``. ``kind`` is one of :data:`DECISION_KINDS`; ``reason`` says why.
+    ``snapshot_bytes``: what the block's undo strategy says its snapshot holds.
+    ``snapshot_budget_bytes``: the configuration's; the speculative step may hold
+    what the steps held before leave of it (``Adam.update``'s
+    ``snapshot_limit_bytes``): where the step itself finds a need for more (a
+    gradient that dominates the moments), it is taken back, and
+    :func:`on_speculation_refused` records that.
     """
 
     block: int
@@ -160,6 +171,8 @@ class BlockDecision(NamedTuple):
     hparams: AdamHParams
     grad_scale: float
     strategy: str | None = None
+    snapshot_bytes: int = 0
+    snapshot_budget_bytes: int | None = None
 
 
 class BackwardTally(NamedTuple):
@@ -321,7 +334,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
     running = tally.sumsq + sumsq
     hp = ctx.hparams[block]
     vetoed, veto_reason, snap = tally.vetoed, tally.veto_reason, tally.snapshot_bytes
-    strategy = None
+    strategy, nbytes = None, 0
     if not ctx.speculating:
         kind, reason = ctx.kind, ctx.reason
     elif vetoed:
@@ -352,12 +365,30 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
             reason = (f"its {el.strategy} undo needs {el.snapshot_bytes} bytes of snapshot "
                       f"({el.reason}); {budget - snap} of the budget of {budget} bytes are left")
         else:
-            kind, reason = "speculate", ""
+            kind, reason, nbytes = "speculate", "", el.snapshot_bytes
             snap += el.snapshot_bytes
-    decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy)
+    decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy, nbytes,
+                             ctx.config.snapshot_budget_bytes)
     new = BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq),
                         _replace(tally.decisions, block, decision), tally.late, snap)
     return new, decision
+
+
+def on_speculation_refused(ctx: StepContext, tally: BackwardTally, block: int, reason: str) -> BackwardTally:
+    """Record that block ``block``'s speculative step was taken back as soon as it ran: it found that its
+    snapshot would go beyond the budget (:class:`~sofx.errors.SnapshotLimitError`, ``reason`` its message).
+
+    The block counts as not speculated for want of budget (``"budget"``; validation steps it) and its
+    snapshot bytes are no longer held.
+    """
+    _check_block(ctx, block)
+    d = tally.decisions[block]
+    if d is None or not d.speculate:
+        raise SofxError(f"block {block} was not speculated: there is no speculative step to refuse")
+    refused = d._replace(speculate=False, kind="budget", reason=f"not speculated after all: {reason}",
+                         snapshot_bytes=0)
+    return tally._replace(decisions=_replace(tally.decisions, block, refused),
+                          snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes)
 
 
 def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float) -> BackwardTally:

@@ -19,7 +19,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamState
-from sofx.errors import HParamError, LeafError, SofxError
+from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.serial import LoopState, hparams_at
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
@@ -29,6 +29,7 @@ from sofx.speculation.decisions import (
     begin_step,
     on_block_ready,
     on_late_gradient,
+    on_speculation_refused,
     plan_validation,
 )
 from sofx.speculation.policy import PolicyState
@@ -115,6 +116,7 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
                             backward_scale=backward_scale, last_micro_step=last_micro_step)
     new_p = list(p_leaves)
     records: list[Any] = [None] * n
+    held = 0  # snapshot bytes the speculative steps' records hold
     try:
         for i in order:
             g = g_leaves[i]
@@ -129,9 +131,14 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
             tally, decision = on_block_ready(ctx, tally, i, grad_sumsq(g), eligibility)
             if decision.speculate:
                 # Speculated only with a finite sum of squares of this very gradient: every element is finite.
-                new_p[i], block_states[i], records[i] = speculative_block_step(opt, new_p[i], g, block_states[i],
-                                                                                decision, donate=donate,
-                                                                                grads_finite=True)
+                try:
+                    new_p[i], block_states[i], records[i] = speculative_block_step(
+                        opt, new_p[i], g, block_states[i], decision, donate=donate, grads_finite=True,
+                        held_bytes=held)
+                except SnapshotLimitError as exc:  # taken back: its snapshot would go beyond the budget
+                    tally = on_speculation_refused(ctx, tally, i, str(exc))
+                    continue
+                held += records[i].snapshot_bytes()
         for i, extra in late_grads.items():
             g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
             tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))
