@@ -96,6 +96,8 @@ __all__ = [
     "group_rank",
     "group_size",
     "all_reduce_sumsq",
+    "SumsqReduce",
+    "RankRefusedError",
     "all_reduce_mean_",
     "partition_blocks",
     "Shard",
@@ -221,7 +223,64 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
     raise SofxError(f"{what}: the ranks' {root} trees differ (their digests do)")
 
 
-def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None) -> Callable[[float], float]:
+class RankRefusedError(SofxError):
+    """Another rank refused this step before its sum of squares was reduced (bad input there, say).
+
+    Raised by :func:`all_reduce_sumsq`'s hook on every rank that did not refuse, in place of the sum:
+    nothing was stepped on this rank either (the loops call the hook before they write), so every rank
+    stays at the same step. ``ranks``: those that refused (their own errors say why).
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.ranks)
+
+
+class SumsqReduce:
+    """The ``reduce_sumsq`` hook :func:`all_reduce_sumsq` returns (see there): callable as
+    ``s_local -> s``, and :meth:`refuse` for a rank that cannot take part in the step."""
+
+    def __init__(self, group: Any = None, device: torch.device | str | None = None) -> None:
+        require_initialized(group, "all_reduce_sumsq")
+        self.group = group
+        self.device = device
+
+    def __call__(self, local: float) -> float:
+        return self._gather(float(local), refused=False)
+
+    def refuse(self, error: BaseException | None = None) -> None:
+        """Take part in this step's collective as a rank that refuses the step (``error``: why, for the
+        record; this rank raises it itself): every other rank's call raises :class:`RankRefusedError`
+        instead of waiting for this rank forever. The serial and speculative loops call it when they raise
+        before reducing."""
+        self._gather(math.nan, refused=True)
+
+    def _gather(self, local: float, refused: bool) -> float:
+        group = self.group
+        require_initialized(group, "all_reduce_sumsq")
+        dev = _collective_device(group, self.device)
+        world = dist.get_world_size(group)
+        mine = torch.tensor([local, 1.0 if refused else 0.0], dtype=torch.float64, device=dev)
+        parts = [torch.empty(2, dtype=torch.float64, device=dev) for _ in range(world)]
+        dist.all_gather(parts, mine, group=group)
+        gathered = torch.stack(parts).tolist()
+        refusing = [r for r, (_, flag) in enumerate(gathered) if flag != 0.0]
+        if refused:
+            return math.nan
+        if refusing:
+            raise RankRefusedError(f"rank{'s' if len(refusing) > 1 else ''} {', '.join(map(str, refusing))} of the "
+                                   "process group refused this step before the sum of squares was reduced (see "
+                                   "the error raised there); nothing was stepped on this rank", refusing)
+        total = -0.0  # IEEE addition's identity: -0.0 (no gradient) on every rank sums to -0.0, as it should
+        for value, _ in gathered:
+            total += value
+        return total
+
+
+def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None) -> SumsqReduce:
     """The ``reduce_sumsq`` hook: ``s_local -> sum over ranks of s_local`` (float64, rank order).
 
     ``s = (((s_0 + s_1) + s_2) + ...)`` with ``s_r`` rank ``r``'s local sum of
@@ -233,22 +292,14 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
     call the hook the same number of times (once per step). The sum starts
     from ``-0.0`` (``-0.0 + x = x`` for every ``x``): ``-0.0`` from every rank
     (no gradient anywhere) gives ``-0.0``; every other sum is unchanged.
+
+    A rank that refuses the step before reducing (its inputs fail the checks)
+    calls ``hook.refuse(error)`` in its place, as :func:`sofx.serial.serial_step`
+    and :func:`sofx.speculate.speculative_step` do, and raises its own error; the
+    hook then raises :class:`RankRefusedError` on the other ranks, which step
+    nothing either, instead of leaving them waiting in the collective.
     """
-    require_initialized(group, "all_reduce_sumsq")
-
-    def reduce_sumsq(local: float) -> float:
-        require_initialized(group, "all_reduce_sumsq")
-        dev = _collective_device(group, device)
-        world = dist.get_world_size(group)
-        mine = torch.tensor([float(local)], dtype=torch.float64, device=dev)
-        parts = [torch.empty(1, dtype=torch.float64, device=dev) for _ in range(world)]
-        dist.all_gather(parts, mine, group=group)
-        total = -0.0  # IEEE addition's identity: -0.0 (no gradient) on every rank sums to -0.0, as it should
-        for value in torch.cat(parts).tolist():
-            total += value
-        return total
-
-    return reduce_sumsq
+    return SumsqReduce(group, device)
 
 
 def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True) -> Any:

@@ -62,7 +62,7 @@ from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_s
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "check_scale", "can_unscale",
-           "loss_scale_of", "reduced_sumsq", "local_sumsq", "without_gradients"]
+           "loss_scale_of", "reduced_sumsq", "refuse_reduce", "local_sumsq", "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -189,6 +189,16 @@ def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float) -
     return float(total)
 
 
+def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseException) -> None:
+    """Take part in the step's reduction as a rank that refuses the step (``error``: why; the caller raises
+    it), through the hook's ``refuse`` where it has one (:func:`sofx.distributed.all_reduce_sumsq`'s does):
+    the other ranks' hooks then raise instead of waiting for this rank's sum forever. A loop calls it when
+    it raises before it calls ``reduce_sumsq``; a hook without ``refuse`` (a user's) is left alone."""
+    refuse = getattr(reduce_sumsq, "refuse", None)
+    if refuse is not None:
+        refuse(error)
+
+
 def can_unscale(scale: float) -> bool:
     """Whether gradients can be unscaled with ``1/scale`` in float32: ``scale > 0`` and ``1/scale`` finite there.
 
@@ -251,21 +261,28 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     local sum of squares across ranks (a nan/inf anywhere makes every rank skip;
     a rank without any gradient passes ``-0.0``, :func:`local_sumsq`, and a
     step without gradient on any rank is not counted by the loss scaler,
-    :func:`without_gradients`).
+    :func:`without_gradients`). A rank whose inputs are refused tells the
+    others through the hook (:func:`refuse_reduce`) before it raises.
     Returns the new params, state, loss-scaler state and the step's
     :class:`StepFacts`; on overflow params and state are returned unchanged.
     """
-    check_profile(profile)
-    if missing_grad not in MISSING_GRAD_MODES:
-        raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
-    # before any gradient is read; also on a step that will overflow (speculation checks before it knows)
-    opt.check_inputs(params, grads, state, hparams, donate=donate, zero_missing=missing_grad == "zero")
-    p_leaves, spec = tree.flatten(params)
-    g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
-    if missing_grad == "zero":
-        g_leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(p_leaves, g_leaves)]
-    local = local_sumsq(total_sumsq([None if g is None else sumsq(g) for g in g_leaves]),
-                        [g is not None for g in g_leaves])
+    try:  # everything this rank may refuse, before the reduction (see refuse_reduce)
+        check_profile(profile)
+        if missing_grad not in MISSING_GRAD_MODES:
+            raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
+        check_max_norm(max_norm)
+        loss_scale_of(scaler, scaler_state)
+        # before any gradient is read; also on a step that will overflow (speculation checks before it knows)
+        opt.check_inputs(params, grads, state, hparams, donate=donate, zero_missing=missing_grad == "zero")
+        p_leaves, spec = tree.flatten(params)
+        g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
+        if missing_grad == "zero":
+            g_leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(p_leaves, g_leaves)]
+        local = local_sumsq(total_sumsq([None if g is None else sumsq(g) for g in g_leaves]),
+                            [g is not None for g in g_leaves])
+    except Exception as exc:
+        refuse_reduce(reduce_sumsq, exc)
+        raise
     total = reduced_sumsq(reduce_sumsq, local)
     empty = without_gradients(total)
     facts = step_facts(profile, scaler, scaler_state, 0.0 if empty else total, max_norm)
@@ -295,8 +312,13 @@ def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScal
             grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
             loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
     """
+    try:
+        hp = hparams_at(hparams, loop.step)
+    except Exception as exc:  # a schedule's failure: refused before the reduction, as serial_step's
+        refuse_reduce(reduce_sumsq, exc)
+        raise
     res = serial_step(opt, loop.params, grads, loop.opt_state, scaler=scaler, scaler_state=loop.scaler_state,
-                      hparams=hparams_at(hparams, loop.step), max_norm=max_norm, profile=profile,
+                      hparams=hp, max_norm=max_norm, profile=profile,
                       missing_grad=missing_grad, reduce_sumsq=reduce_sumsq, donate=donate)
     new = LoopState(res.params, res.state, res.scaler_state, loop.step + (not res.facts.skipped), loop.policy_state)
     return new, res.facts

@@ -414,6 +414,50 @@ def _run_empty_step(rank: int, world: int) -> dict:
     return {"sofx": _empty_step_run(sd.all_reduce_sumsq(), local), "user": _empty_step_run(users_hook, local)}
 
 
+REFUSING_RANK = 1
+
+
+def _refusal_case(rank: int, name: str, reduce) -> dict:
+    """One step of the ``name`` loop where rank REFUSING_RANK's inputs are refused (a gradient of the wrong
+    shape, or a schedule that raises), then one good step everywhere."""
+    opt, scaler = sofx.adamw(lr=1e-2), loss_scale.grad_scaler(init_scale=4.0)
+    cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    loop = init_loop(opt, [torch.linspace(-1.0, 1.0, 5) * (1 + rank)], scaler)
+    for _ in range(3):  # warm moments
+        loop, _ = serial_loop_step(opt, loop, [torch.full((5,), 0.3)], scaler=scaler, reduce_sumsq=reduce)
+    before = [t.clone() for t in (*loop.params, *loop.opt_state.mu, *loop.opt_state.nu, *loop.opt_state.count)]
+    bad = rank == REFUSING_RANK
+    grads = [torch.ones(6 if bad and name.endswith("shape") else 5)]
+
+    def schedule(step: int) -> AdamHParams:
+        if bad and name.endswith("schedule"):
+            raise ValueError("this rank's schedule failed")
+        return AdamHParams(lr=1e-2)
+
+    try:
+        if name.startswith("serial"):
+            serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=MAX_NORM,
+                             reduce_sumsq=reduce)
+        else:
+            sp.speculative_loop_step(opt, loop, grads, config=cfg, scaler=scaler, hparams=schedule,
+                                     reduce_sumsq=reduce, donate=name.startswith("donated"))
+        msg = "no error"
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+    after = [*loop.params, *loop.opt_state.mu, *loop.opt_state.nu, *loop.opt_state.count]
+    deviation = max(_rel(a, b) for a, b in zip(after, before))
+    loop, facts = serial_loop_step(opt, loop, [torch.full((5,), 0.2)], scaler=scaler, reduce_sumsq=reduce)
+    return {"msg": msg, "deviation": deviation, "stepped_after": loop.step}
+
+
+def _run_refusals(rank: int, world: int) -> dict:
+    """A rank that refuses a step before the reduction (bad input there) tells the others through
+    all_reduce_sumsq's hook: they raise RankRefusedError instead of waiting in the collective forever."""
+    reduce = sd.all_reduce_sumsq()
+    return {name: _refusal_case(rank, name, reduce)
+            for name in ("serial_shape", "serial_schedule", "spec_shape", "spec_schedule", "donated_shape")}
+
+
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -429,7 +473,8 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
         else:
             results["idle_rank"] = _run_idle_rank(rank, world)
         for name, run in (("half_means", _run_half_means), ("owner_errors", _run_owner_errors),
-                          ("unwritable", _run_unwritable), ("empty_step", _run_empty_step)):
+                          ("unwritable", _run_unwritable), ("empty_step", _run_empty_step),
+                          ("refusals", _run_refusals)):
             results[name] = run(rank, world)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()
@@ -812,3 +857,32 @@ def test_a_shard_holds_its_owners_in_one_form():
     assert type(Shard(0, 2, [0, 1], spec).owners) is tuple
     with pytest.raises(sofx.SofxError, match=r"owners must be ranks in \[0, 2\), got True"):
         Shard(0, 2, (0, True), spec)
+
+
+def test_a_rank_that_refuses_a_step_makes_every_rank_refuse_it(ranks2, ranks3):
+    """Rank 1 passes a gradient of the wrong shape, or its schedule raises, in the serial and the speculative
+    loop (donated too): it raises its own error, every other rank RankRefusedError naming rank 1 (before, they
+    waited in all_gather until the process group's timeout); nothing was stepped on any rank (bitwise; within
+    1e-6 where a donated speculative step was undone), and the next step runs everywhere."""
+    for ranks in (ranks2, ranks3):
+        for name in ("serial_shape", "serial_schedule", "spec_shape", "spec_schedule", "donated_shape"):
+            for rank, res in enumerate(ranks):
+                case = res["refusals"][name]
+                if rank == REFUSING_RANK:
+                    want = "LeafError" if name.endswith("shape") else "ValueError: this rank's schedule failed"
+                    assert case["msg"].startswith(want), (name, case["msg"])
+                else:
+                    assert case["msg"].startswith("RankRefusedError: rank 1 of the process group refused"), \
+                        (name, rank, case["msg"])
+                if name.startswith("donated"):
+                    assert case["deviation"] <= 1e-6, (name, rank, case["deviation"])
+                else:
+                    assert case["deviation"] == 0.0, (name, rank, case["deviation"])
+                assert case["stepped_after"] == 4, (name, rank)
+
+
+def test_the_refusal_error_survives_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(sd.RankRefusedError("rank 2 refused", [2])))
+    assert isinstance(err, sofx.SofxError) and str(err) == "rank 2 refused" and err.ranks == (2,)

@@ -21,7 +21,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
-from sofx.serial import LoopState, hparams_at
+from sofx.serial import LoopState, hparams_at, refuse_reduce
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -81,8 +81,34 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     (``undo='algebraic'`` where the inverse does not exist included; with
     ``missing_grad="zero"``, a leaf without a gradient too). A leaf whose
     speculative step ``undo='algebraic'`` refuses only with the speculation
-    hparams is not speculated (stepped in validation).
+    hparams is not speculated (stepped in validation). A rank that refuses
+    before the reduction tells the others through ``reduce_sumsq``
+    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too.
     """
+    reduced = [False]
+
+    def reduce(local: float) -> float:
+        reduced[0] = True
+        return reduce_sumsq(local)
+
+    try:
+        return _speculative_step(opt, params, grads, state, config=config, scaler=scaler,
+                                 scaler_state=scaler_state, policy_state=policy_state, hparams=hparams,
+                                 validation_hparams=validation_hparams, backward_scale=backward_scale, order=order,
+                                 late_grads=late_grads, last_micro_step=last_micro_step,
+                                 reduce_sumsq=reduce if reduce_sumsq is not None else None, donate=donate)
+    except Exception as exc:
+        if not reduced[0]:
+            refuse_reduce(reduce_sumsq, exc)
+        raise
+
+
+def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, config: SpeculationConfig,
+                      scaler: LossScaler, scaler_state: LossScaleState, policy_state: PolicyState | None,
+                      hparams: Any, validation_hparams: Any, backward_scale: float | None,
+                      order: Sequence[int] | None, late_grads: Mapping[int, torch.Tensor] | None,
+                      last_micro_step: bool, reduce_sumsq: Callable[[float], float] | None,
+                      donate: bool) -> SpeculativeStepResult:
     _check_step_inputs(opt, params, grads, state, config, hparams, validation_hparams, donate)
     p_leaves, spec = tree.flatten(params)
     n = len(p_leaves)
@@ -203,8 +229,12 @@ def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: Spe
     ``loop.step`` advances only when the step was not skipped, and the policy
     state travels in ``loop.policy_state``. ``kwargs`` go to :func:`speculative_step`.
     """
+    try:
+        hp = hparams_at(hparams, loop.step)
+    except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
+        refuse_reduce(kwargs.get("reduce_sumsq"), exc)
+        raise
     res = speculative_step(opt, loop.params, grads, loop.opt_state, config=config, scaler=scaler,
-                           scaler_state=loop.scaler_state, policy_state=loop.policy_state,
-                           hparams=hparams_at(hparams, loop.step), **kwargs)
+                           scaler_state=loop.scaler_state, policy_state=loop.policy_state, hparams=hp, **kwargs)
     new = LoopState(res.params, res.state, res.scaler_state, loop.step + (not res.report.skipped), res.policy_state)
     return new, res.report
