@@ -11,9 +11,12 @@ and by :func:`sofx.speculate.speculative_step`. Block counts:
                   certain, or a non-finite gradient)
 ``ineligible``    ready blocks not speculated because their step could not be
                   undone within the snapshot budget
+``refused``       speculative steps taken back as they ran (undone at once: the
+                  step found that its snapshot would go beyond the budget),
+                  then stepped late
 ``stepped_late``  blocks stepped in validation without a speculative step
-                  (vetoed, ineligible, policy pause, earlier micro-steps,
-                  missing gradient with ``missing_grad="zero"``)
+                  (vetoed, ineligible, refused, policy pause, earlier
+                  micro-steps, missing gradient with ``missing_grad="zero"``)
 ``not_stepped``   blocks without a step this iteration (overflow, or a missing
                   gradient with ``missing_grad="skip"``)
 
@@ -66,6 +69,7 @@ class StepReport:
     policy_reason: str = ""
     veto_reason: str = ""
     actions: tuple[str, ...] = field(default=())
+    refused: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict (for logging, dataframes and plots)."""
@@ -75,7 +79,8 @@ class StepReport:
         """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 inelig 0 late 4 | norm 0.93 scale 65536``."""
         head = "SKIPPED (overflow) " if self.skipped else ""
         line = (f"{head}spec {self.speculated} commit {self.committed} undo {self.undone} redo {self.redone} "
-                f"veto {self.vetoed} inelig {self.ineligible} late {self.stepped_late} | "
+                f"veto {self.vetoed} inelig {self.ineligible}{f' refused {self.refused}' if self.refused else ''} "
+                f"late {self.stepped_late} | "
                 f"norm {self.grad_norm:.4g}{' clipped' if self.clipped else ''} scale {self.scale:g}")
         if self.scale != self.next_scale:
             line += f" -> {self.next_scale:g}"

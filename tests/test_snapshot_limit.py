@@ -186,15 +186,16 @@ def test_on_speculation_refused_makes_the_block_a_budget_decision() -> None:
     assert d.speculate and d.snapshot_bytes == 60 and d.snapshot_budget_bytes == 100 and tally.snapshot_bytes == 60
     tally = sp.on_speculation_refused(ctx, tally, 1, "the step found more")
     d = tally.decisions[1]
-    assert not d.speculate and d.kind == "budget" and "after all: the step found more" in d.reason
+    assert not d.speculate and d.kind == "refused" and "taken back as it ran: the step found more" in d.reason
     assert tally.snapshot_bytes == 0
     with pytest.raises(SofxError, match="not speculated"):
         sp.on_speculation_refused(ctx, tally, 1, "again")
     with pytest.raises(SofxError, match="not speculated"):
         sp.on_speculation_refused(ctx, tally, 0, "never ready")
     plan = sp.plan_validation(ctx, tally, [None, 1.0])
-    assert plan.actions[1].kind == "step" and "after all" in plan.actions[1].reason
-    assert plan.report.ineligible == 1 and plan.report.speculated == 0
+    assert plan.actions[1].kind == "step" and "taken back as it ran" in plan.actions[1].reason
+    assert plan.report.refused == 1 and plan.report.ineligible == 0 and plan.report.speculated == 0
+    assert "refused 1" in plan.report.summary()
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -212,9 +213,9 @@ def test_speculative_step_stays_within_the_budget_and_equals_the_serial_step(don
     spec = sp.speculative_step(opt, *_clone(params, state)[:1], grads, _clone(params, state)[1], config=config,
                                scaler=scaler, scaler_state=scaler.init(), donate=donate)
     r = spec.report
-    assert r.speculated == 1 and r.committed == 1 and r.ineligible == 1 and r.stepped_late == 1
+    assert r.speculated == 1 and r.committed == 1 and r.refused == 1 and r.ineligible == 0 and r.stepped_late == 1
     d = spec.plan.actions[0]
-    assert d.kind == "step" and "not speculated after all" in d.reason and "taken back" in d.reason
+    assert d.kind == "step" and "taken back as it ran" in d.reason and "snapshot_limit_bytes" in d.reason
     for k, (a, b) in enumerate(zip(_tensors(spec.params, spec.state), _tensors(ser.params, ser.state))):
         if donate and k in (0, 2, 4):
             assert float((a - b).abs().max() / b.abs().max()) <= 1e-6, k
@@ -262,5 +263,53 @@ def test_the_engine_keeps_its_budget_when_a_spike_needs_snapshots(executor: str)
                 refused = [b for what, b in report.events if what == "refused"]
                 speculated = [b for what, b in report.events if what == "speculated"]
                 assert refused == [0] and speculated == [1], report.events
-                assert report.ineligible == 1 and report.committed == 1 and report.stepped_late == 1
+                assert report.refused == 1 and report.committed == 1 and report.stepped_late == 1
                 assert report.actions == ("step", "commit")
+
+
+def test_a_refused_block_frees_its_share_of_the_budget_for_the_blocks_after_it() -> None:
+    """Decoupled decay with lr*wd near 1: every block's undo keeps its parameters (a param_snapshot); the
+    budget holds two blocks' worth. At a spike in the last two layers their speculative steps (the first
+    to arrive) find they need whole snapshots and are taken back; the first layer's block then still fits,
+    and is speculated (the refused blocks' planned bytes are released as the refusals arrive)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    block = 16 * 16 + 16
+    gen = torch.Generator().manual_seed(1)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=0.5, weight_decay=1.5, executor="inline",
+                                       block_numel=block, snapshot_budget_bytes=2 * 4 * block) as opt:
+        for step in range(12):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+            handles = []
+            if step == 11:
+                handles = [p.register_hook(lambda g: g * 1000.0) for p in list(model.parameters())[2:]]
+            opt.zero_grad()
+            opt.backward(((model(x) - y) ** 2).mean())
+            report = opt.step()
+            for h in handles:
+                h.remove()
+            if step == 10:  # two blocks' parameter snapshots fit; the third (first layer) does not
+                assert report.speculated == 2 and report.ineligible == 1, report.summary()
+        refused = [b for what, b in report.events if what == "refused"]
+        speculated = [b for what, b in report.events if what == "speculated"]
+        assert refused == [2, 1] and speculated == [0], report.events
+        assert report.refused == 2 and report.committed == 1 and report.ineligible == 0
+
+
+def test_the_thread_executor_refuses_nothing_when_the_budget_holds_every_snapshot() -> None:
+    """undo="exact": every speculative step keeps a snapshot. With a budget of exactly all of them, no block
+    is refused or ineligible, also where step() helps the worker run two speculative steps at once (each
+    reserves what its block could keep, not all that is left)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(6)]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
+    block = 64 * 64 + 64
+    gen = torch.Generator().manual_seed(2)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, executor="thread", block_numel=block,
+                                       undo="exact", snapshot_budget_bytes=6 * 3 * 4 * block) as opt:
+        for _ in range(6):
+            x = torch.randn(32, 64, generator=gen)
+            opt.zero_grad()
+            opt.backward((model(x) ** 2).mean())
+            report = opt.step()
+            assert report.refused == 0 and report.ineligible == 0, report.events

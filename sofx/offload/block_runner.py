@@ -165,8 +165,8 @@ class BlockRunner:
         # block -> per parameter: its two publish buffers (1-d, the model's dtype), or None
         self.publish = publish or {}
         self.kept: dict[int, _Kept] = {}
-        # Snapshot bytes of the kept records, plus the whole remaining budget while a speculative step with
-        # a budget runs (a second one, run at the same time by a thread helping in step(), then has none left).
+        # Snapshot bytes of the kept records, plus what a speculative step with a budget reserved while it runs
+        # (see _speculate).
         self.held_bytes = 0
         self._held_lock = threading.Lock()
         self._refused: dict[int, str] = {}  # block -> why its speculative step was taken back (for run())
@@ -193,8 +193,11 @@ class BlockRunner:
         copies = self._copies(op, flat)
         budget = op.payload.snapshot_budget_bytes
         with self._held_lock:
-            held = self.held_bytes
-            reserved = 0 if budget is None else max(0, budget - held)
+            # Reserved while the step runs: at most what the block could keep (p, m, v whole), so that a step
+            # run at the same time (a thread helping in step()) has the rest; the step may keep what it reserved.
+            worst = sum(x.numel() * x.element_size() for x in (t.master, t.exp_avg, t.exp_avg_sq))
+            reserved = 0 if budget is None else min(worst, max(0, budget - self.held_bytes))
+            held = 0 if budget is None else budget - reserved  # (the step's limit is its reservation)
             self.held_bytes += reserved
         try:
             _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
@@ -235,11 +238,11 @@ class BlockRunner:
         action = op.payload
         kept = self._keep(op.block, None)
         if kept is not None and kept.record is None:
-            # The speculative step was undone by undo_now, or taken back as it ran: an undo is done, an
-            # undo_redo (or a commit, which the engine plans as a step once it has the refusal) is a step.
+            # The speculative step was undone by undo_now, or taken back as it ran (the engine then plans a step
+            # or a skip): an undo is done, an undo_redo is a step.
             if action.kind == "undo":
                 return True
-            if action.kind in ("undo_redo", "commit"):
+            if action.kind == "undo_redo":
                 action = action._replace(kind="step")
         if action.kind in ("commit", "skip"):
             return True

@@ -62,7 +62,7 @@ import math
 import numbers
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 import warnings
 import weakref
 from dataclasses import fields
@@ -415,7 +415,9 @@ class OffloadEngine:
         self._ctx: StepContext | None = None
         self._tally: BackwardTally | None = None
         self._speculated = [False] * len(self.layouts)
-        self._refused: dict[int, str] = {}  # block -> why its speculative step was taken back
+        # (block, why) of speculative steps taken back, not yet in the tally: appended by _record (the main
+        # thread), taken by _decide (where the executor decides) and step() (thread-safe appends and pops)
+        self._refusals: deque[tuple[int, str]] = deque()
         self._events: list[tuple[str, int]] = []
         self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
@@ -553,6 +555,7 @@ class OffloadEngine:
         """
         layout, t, ctx = self.layouts[b], self.tensors[b], self._ctx
         self._events.append(("ready", b))
+        self._take_refusals()  # the snapshot bytes of the blocks refused so far are free again
         flat = uses_flat_layout(t, present, grads is not None)
         self._tally, decision = on_block_ready(
             ctx, self._tally, b, self._block_sumsq(b),
@@ -563,6 +566,12 @@ class OffloadEngine:
         if mark:
             self._mark_speculated(b, publish)
         return decision
+
+    def _take_refusals(self) -> None:
+        """Record in the tally the speculative steps reported taken back since the last call."""
+        while self._refusals:
+            b, reason = self._refusals.popleft()
+            self._tally = on_speculation_refused(self._ctx, self._tally, b, reason)
 
     def _mark_speculated(self, b: int, publish: tuple[int, ...] | None) -> None:
         self._speculated[b] = True
@@ -633,7 +642,7 @@ class OffloadEngine:
                                              f"{r.block} failed: {r.error}")
             if r.refused is not None:
                 # Taken back as it ran (its snapshot would go beyond the budget): validation steps the block.
-                self._refused[r.block] = r.refused
+                self._refusals.append((r.block, r.refused))
                 self._speculated[r.block] = False
                 self._published[r.block] = None
                 self._events.append(("refused", r.block))
@@ -709,8 +718,7 @@ class OffloadEngine:
                           stacklevel=3)
         self._begin()
         self._record(self._wait(help=True))
-        for b, reason in self._refused.items():
-            self._tally = on_speculation_refused(self._ctx, self._tally, b, reason)
+        self._take_refusals()
         self._note_gradients()
         sumsq: list[float | None] = []
         presents: list[tuple[bool, ...]] = []

@@ -69,7 +69,8 @@ __all__ = [
 UNDO_SAFE_NORM = 1e18
 
 # Why a ready block was or was not speculated.
-DECISION_KINDS = ("speculate", "disabled", "micro_step", "policy", "vetoed", "ineligible", "budget")
+# ("refused": speculated, then taken back as it ran, see on_speculation_refused)
+DECISION_KINDS = ("speculate", "disabled", "micro_step", "policy", "vetoed", "ineligible", "budget", "refused")
 ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
 
 
@@ -157,10 +158,10 @@ class BlockDecision(NamedTuple):
     ``speculate``: take the speculative step now, with ``hparams`` and
     ``grad_scale``. ``kind`` is one of :data:`DECISION_KINDS`; ``reason`` says why.
     ``snapshot_bytes``: what the block's undo strategy says its snapshot holds.
-    ``snapshot_budget_bytes``: the configuration's; the speculative step may hold
-    what the steps held before leave of it (``Adam.update``'s
-    ``snapshot_limit_bytes``): where the step itself finds a need for more (a
-    gradient that dominates the moments), it is taken back, and
+    ``snapshot_budget_bytes``: the configuration's. The speculative step may keep
+    what is left of it once the steps before it have kept theirs (``Adam.update``'s
+    ``snapshot_limit_bytes``); a step that finds in itself a need for more (a
+    gradient that dominates the moments) is taken back, and
     :func:`on_speculation_refused` records that.
     """
 
@@ -378,14 +379,14 @@ def on_speculation_refused(ctx: StepContext, tally: BackwardTally, block: int, r
     """Record that block ``block``'s speculative step was taken back as soon as it ran: it found that its
     snapshot would go beyond the budget (:class:`~sofx.errors.SnapshotLimitError`, ``reason`` its message).
 
-    The block counts as not speculated for want of budget (``"budget"``; validation steps it) and its
-    snapshot bytes are no longer held.
+    Its decision becomes ``"refused"``: validation steps it, the report counts it as ``refused`` (a
+    speculative step undone at once, then stepped late), and its snapshot bytes are no longer held.
     """
     _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None or not d.speculate:
         raise SofxError(f"block {block} was not speculated: there is no speculative step to refuse")
-    refused = d._replace(speculate=False, kind="budget", reason=f"not speculated after all: {reason}",
+    refused = d._replace(speculate=False, kind="refused", reason=f"taken back as it ran: {reason}",
                          snapshot_bytes=0)
     return tally._replace(decisions=_replace(tally.decisions, block, refused),
                           snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes)
@@ -531,6 +532,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         redone=kinds.count("undo_redo"),
         vetoed=decisions.count("vetoed"),
         ineligible=decisions.count("ineligible") + decisions.count("budget"),
+        refused=decisions.count("refused"),
         stepped_late=kinds.count("step"),
         not_stepped=kinds.count("skip") + kinds.count("undo"),
         skipped=facts is None or facts.overflow,
