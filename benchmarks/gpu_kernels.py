@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels import gpt2_small_shapes  # noqa: E402  (benchmarks/kernels.py: the CPU table's shapes)
 from sofx.kernels import reference  # noqa: E402
 import sofx  # noqa: E402
-from sofx.kernels.base import AdamScalars, AdamVariant, StepCall  # noqa: E402
+from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall  # noqa: E402
 
 CONFIGS = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
 S1 = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 10, 1.0)
@@ -195,6 +195,11 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) ->
             del param
             o = (p, m, v)
             rows["sofx triton step"] = bench(lambda: tk.step(p, g, m, v, S1, variant, out=o), step_bytes)
+            # the checked step (skip: undo="auto"'s finiteness and lossy-inverse test in the same pass; a chunk
+            # per program) that Adam.update runs where the step may be undone
+            flags = torch.zeros(-(-n // FINITE_CHUNK), dtype=torch.uint8, device=dev)
+            rows["sofx triton checked step (skip)"] = bench(
+                lambda: tk.step_many([StepCall(p, g, m, v, S1, o, None, flags)], variant), step_bytes)
             rows["sofx triton undo"] = bench(lambda: tk.undo(p, g, m, v, S1, variant, out=o), step_bytes,
                                              reset=lambda: tk.step(p, g, m, v, S1, variant, out=o))
             rows["sofx triton undo+redo (fused, new gradient)"] = bench(
@@ -243,15 +248,17 @@ def speed(tk, sizes: list[int], reps: int, dev: torch.device, report: Report) ->
             "grads": {f"t{i}": t[1] for i, t in enumerate(tensors)}}
     tree["state"] = adam.init(tree["params"])
 
-    def adam_update(grads_finite: bool | None) -> None:
+    def adam_update(grads_finite: bool | None, undoable: bool = True) -> None:
         tree["params"], tree["state"], _ = adam.update(tree["params"], tree["grads"], tree["state"], donate=True,
-                                                       grads_finite=grads_finite)
+                                                       grads_finite=grads_finite, undoable=undoable)
 
     rows = {"torch AdamW fused (float32 states)": bench(opt.step, n_total * 28),
             "sofx triton step, one call per tensor": bench(sofx_step, n_total * 28),
             "sofx triton step_many (one launch)": bench(lambda: tk.step_many(calls, variant), n_total * 28),
             "sofx.adamw(backend='triton').update, donated": bench(lambda: adam_update(None), n_total * 28),
-            "same, grads_finite=True (no finiteness check)": bench(lambda: adam_update(True), n_total * 28)}
+            "same, grads_finite=True (no finiteness check)": bench(lambda: adam_update(True), n_total * 28),
+            "same, undoable=False (no undo strategy, no check)": bench(lambda: adam_update(True, False),
+                                                                      n_total * 28)}
     fused = rows["torch AdamW fused (float32 states)"][0]
     out += [f"\n### GPT-2 small: {len(shapes)} tensors, {n_total / 2**20:.2f}M elements, float32\n",
             "| operation | ms | xcopy | xfused |", "|---|---:|---:|---:|"]

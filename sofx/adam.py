@@ -182,7 +182,7 @@ class Adam:
         ``grads`` is finite and ``|g * grad_scale| <= GRADIENT_LIMIT`` (e.g. it
         took their sum of squares), so the undo strategy is chosen without
         reading the gradients again; otherwise the record would be wrong. ``None``/``False``
-        (default): each gradient is checked. The CPU kernels check a leaf's
+        (default): each gradient is checked. The CPU and Triton kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (contiguous leaves
         with ``undo="auto"``; a chunk with an inf or a nan is kept, then
         stepped, and the leaf's record becomes a snapshot of its old values,
@@ -194,7 +194,7 @@ class Adam:
         updated row of an embedding): the algebraic inverse would restore
         ``v`` and ``m`` less exactly than DESIGN.md's 1e-6 there (a gradient
         1000x the ones before it left ``v`` 62% off). The test,
-        :func:`sofx.kernels.base.lossy_elements`, runs in the CPU kernels'
+        :func:`sofx.kernels.base.lossy_elements`, runs in the CPU and Triton kernels'
         checked step (a chunk at a time, as above, also with
         ``grads_finite=True``), elsewhere as a pass before the step.
 
@@ -1001,7 +1001,7 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
                for k, (leaf, plan) in enumerate(zip(leaves, plans)) if plan is not None)
     if need > limit:
         names = ", ".join(leaves[k].path for k in flagged[:3]) + (", ..." if len(flagged) > 3 else "")
-        found = (f"; the step found {len(flagged)} leaf{'' if len(flagged) == 1 else 's'} ({names}) whose "
+        found = (f"; the step found {len(flagged)} {'leaf' if len(flagged) == 1 else 'leaves'} ({names}) whose "
                  "algebraic inverse would be too lossy or whose gradient is not finite" if flagged else "")
         raise SnapshotLimitError(f"the undo record would hold {need} bytes of snapshot, more than "
                                  f"snapshot_limit_bytes = {limit}{found}; "
@@ -1066,32 +1066,37 @@ def _fusable(rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None) ->
 
 
 class _ChunkFlags(NamedTuple):
-    """The finiteness flags of a checked update: one uint8 buffer, a view of it per checked leaf."""
+    """The flags of a checked update (``skip``): one uint8 buffer per device, a view of it per checked leaf."""
 
-    buffer: torch.Tensor | None
+    buffers: list[torch.Tensor]
     views: list[torch.Tensor | None]
 
     def flagged(self) -> list[int]:
-        """The leaves with a flagged chunk (one read of the buffer when none is)."""
-        if self.buffer is None or not bool(self.buffer.any()):
+        """The leaves with a flagged chunk (one read of each device's buffer when none is)."""
+        if not any(bool(b.any()) for b in self.buffers):
             return []
         return [k for k, view in enumerate(self.views) if view is not None and bool(view.any())]
 
 
 def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags:
-    """Zeroed flags (``skip`` of a checked step) for the ``wanted`` leaves, None for the others. One
-    buffer, read once after the kernels."""
+    """Zeroed flags (``skip`` of a checked step) for the ``wanted`` leaves, None for the others: on each
+    leaf's device, one buffer per device, read once after the kernels."""
     sizes = [-(-leaf.p.numel() // FINITE_CHUNK) if w else None for leaf, w in zip(leaves, wanted)]
-    total = sum(n for n in sizes if n is not None)
-    if not any(n is not None for n in sizes):
-        return _ChunkFlags(None, [None] * len(leaves))
-    buffer = torch.zeros(total, dtype=torch.uint8)
+    totals: dict[torch.device, int] = {}
+    for leaf, n in zip(leaves, sizes):
+        if n is not None:
+            totals[leaf.p.device] = totals.get(leaf.p.device, 0) + n
+    buffers = {device: torch.zeros(total, dtype=torch.uint8, device=device) for device, total in totals.items()}
+    at = dict.fromkeys(totals, 0)
     views: list[torch.Tensor | None] = []
-    at = 0
-    for n in sizes:
-        views.append(None if n is None else buffer[at:at + n])
-        at += n or 0
-    return _ChunkFlags(buffer, views)
+    for leaf, n in zip(leaves, sizes):
+        if n is None:
+            views.append(None)
+            continue
+        device = leaf.p.device
+        views.append(buffers[device][at[device]:at[device] + n])
+        at[device] += n
+    return _ChunkFlags(list(buffers.values()), views)
 
 
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],

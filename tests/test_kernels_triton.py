@@ -418,6 +418,164 @@ else:
             return [tk.undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old,
                                  out=c.out, p_copy=c.p_copy) for c in calls]
 
+    # ------------------------------------------------------------ checked calls (skip)
+    from sofx.kernels.base import FINITE_CHUNK, beyond_limit, lossy_elements
+
+    def _chunk_any(bad: torch.Tensor) -> list[int]:
+        n = bad.numel()
+        padded = torch.nn.functional.pad(bad.reshape(-1).to(torch.uint8), (0, -n % FINITE_CHUNK))
+        return padded.view(-1, FINITE_CHUNK).amax(dim=1).tolist()
+
+    def _planted(rng, n, dtypes, where, sound=True):
+        """Block inputs whose steps are sound but in the chunks ``where`` names: a spike (1000x, lossy),
+        an inf gradient, a nan second moment, an inf first moment."""
+        p, g, m, v = block_inputs(rng, n, *dtypes, sound=sound)
+        for what, i in where:
+            if what == "spike":
+                g[i] = 1000.0
+            elif what == "inf":
+                g[i] = float("inf")
+            elif what == "nan_v":
+                v[i] = float("nan")
+            else:
+                m[i] = float("inf")
+        return p, g, m, v
+
+    CHECK_SIZES = (7, FINITE_CHUNK, 2 * FINITE_CHUNK + 417)
+
+    @pytest.mark.parametrize("variant", VARIANTS[:3], ids=lambda v: f"dec{int(v.decoupled)}-bc{int(v.bias_correction)}")
+    @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}")
+    def test_checked_step_flags_what_the_python_form_finds_and_leaves_those_chunks_alone(dtypes, variant, rng):
+        """A checked step (skip) flags exactly the chunks where beyond_limit or lossy_elements finds an element
+        (a spike, an inf gradient, a nan v, an inf m; planted in the first, a middle and the partial last
+        chunk), writes none of their outputs (donated: they keep their old values) and gives the unchecked
+        step's bits everywhere else."""
+        for n in CHECK_SIZES:
+            last = n - 1
+            where = [("spike", 3), ("inf", min(FINITE_CHUNK + 5, last)), ("nan_v", last), ("inf_m", last // 2)]
+            for planted in ([], where[:1], where[1:2], where[2:3], where[3:], where):
+                p, g, m, v = _planted(rng, n, dtypes, planted)
+                s = block_scalars(rng, 0.1, 0.5)
+                want_flags = _chunk_any(beyond_limit(g, s.grad_scale)
+                                        | lossy_elements(p, g, v, s, variant.decoupled, m=m))
+                plain = tk.step(p, g, m, v, s, variant)
+                skip = torch.zeros(-(-n // FINITE_CHUNK), dtype=torch.uint8)
+                pp, mm, vv = p.clone(), m.clone(), v.clone()
+                copy = torch.full((n,), 7.0, dtype=torch.bfloat16)
+                tk.step_many([StepCall(pp, g, mm, vv, s, (pp, mm, vv), copy, skip)], variant)
+                assert skip.tolist() == want_flags, (n, planted)
+                keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:n]
+                for got, fresh, old in zip((pp, mm, vv), plain, (p, m, v)):
+                    assert torch.equal(got[keep], fresh[keep]), (n, planted)
+                    assert torch.equal(got[~keep].nan_to_num(), old[~keep].nan_to_num()), (n, planted)
+                assert torch.equal(copy[keep], plain[0][keep].to(torch.bfloat16))
+                assert bool((copy[~keep] == 7.0).all())
+
+    @pytest.mark.parametrize("has_p_old", [False, True])
+    @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+    def test_checked_undo_redo_flags_its_redo_against_the_undone_moments(dtypes, has_p_old, rng):
+        """A checked undo+redo flags the chunks where the new gradient is beyond the limit or its step from the
+        undone moments is too lossy (lossy_elements' redo form; L2 mode, the parameter before the undone step
+        from p_old where given), and equals the unchecked undo+redo elsewhere."""
+        variant = AdamVariant(decoupled=False)
+        n = 2 * FINITE_CHUNK + 417
+        p, g_old, m, v = block_inputs(rng, n, *dtypes, sound=True)
+        s_old = block_scalars(rng, 0.1, 0.5)
+        p_old = p.clone() if has_p_old else None
+        p1, m1, v1 = reference.step(p, g_old, m, v, s_old, variant)
+        g_new = torch.randn(n, generator=rng).to(p.dtype)
+        g_new[FINITE_CHUNK + 11] = 1000.0  # the middle chunk: lossy
+        g_new[n - 1] = float("nan")  # the last: not finite
+        s_new = block_scalars(rng, 0.1, 0.25)._replace(step=s_old.step)
+        base = p_old if has_p_old else p1
+        want_flags = _chunk_any(beyond_limit(g_new, s_new.grad_scale)
+                                | lossy_elements(base, g_new, v1, s_new, False, g_old, s_old, m=m1))
+        assert want_flags == [0, 1, 1]
+        plain = tk.undo_redo(p1, m1, v1, g_old, s_old, g_new, s_new, variant, p_old=p_old)
+        skip = torch.zeros(3, dtype=torch.uint8)
+        pp, mm, vv = p1.clone(), m1.clone(), v1.clone()
+        tk.undo_redo_many([UndoRedoCall(pp, mm, vv, g_old, s_old, g_new, s_new, p_old, (pp, mm, vv), None, skip)],
+                          variant)
+        assert skip.tolist() == want_flags
+        keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:n]
+        for got, fresh, old in zip((pp, mm, vv), plain, (p1, m1, v1)):
+            assert torch.equal(got[keep], fresh[keep]) and torch.equal(got[~keep], old[~keep])
+
+    def test_checked_blocks_in_one_launch_equal_one_call_per_block(rng, monkeypatch):
+        """Checked blocks launched together (the multi-tensor kernel, their flags views of one buffer at odd
+        offsets) give the flags and bits of one checked call per block; unchecked blocks beside them too."""
+        launches = _count_multi_launches(monkeypatch)
+        variant = AdamVariant()
+        sizes = (FINITE_CHUNK + 16, 32, 3 * FINITE_CHUNK, 2 * FINITE_CHUNK + 48)
+        blocks = [_planted(rng, n, DTYPES[0], [("spike", n - 20)] if i % 2 else []) for i, n in enumerate(sizes)]
+        s = block_scalars(rng, 0.1)
+        chunks = [-(-n // FINITE_CHUNK) for n in sizes]
+        flags = torch.zeros(sum(chunks) + 1, dtype=torch.uint8)
+        views, at = [], 1  # (from offset 1: not aligned)
+        for c in chunks:
+            views.append(flags[at:at + c])
+            at += c
+        work = [tuple(t.clone() for t in b) for b in blocks]
+        calls = [StepCall(p, g, m, v, s, (p, m, v), None, views[i] if i != 2 else None)
+                 for i, (p, g, m, v) in enumerate(work)]
+        tk.step_many(calls, variant)
+        assert launches == [3]  # the three checked blocks; the unchecked one alone
+        for i, (b, w) in enumerate(zip(blocks, work)):
+            p, g, m, v = (t.clone() for t in b)
+            own = torch.zeros(chunks[i], dtype=torch.uint8) if i != 2 else None
+            tk.step_many([StepCall(p, g, m, v, s, (p, m, v), None, own)], variant)
+            assert all(torch.equal(a, c) for a, c in zip((w[0], w[2], w[3]), (p, m, v))), i
+            if own is not None:
+                assert views[i].tolist() == own.tolist() and own.tolist()[-1] == i % 2, i
+        assert flags[0] == 0
+
+    def test_checked_calls_refuse_bad_flags_and_outputs(rng):
+        variant = AdamVariant()
+        p, g, m, v = block_inputs(rng, FINITE_CHUNK + 1, torch.float32, torch.float32)
+        s = block_scalars(rng, 0.1)
+        before = [t.clone() for t in (p, m, v)]
+        for bad in (torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8),
+                    torch.zeros(4, dtype=torch.uint8)[::2]):
+            with pytest.raises(LeafError, match="skip must be a contiguous uint8 tensor of shape \\(2,\\)"):
+                tk.step_many([StepCall(p, g, m, v, s, (p, m, v), None, bad)], variant)
+        strided = torch.empty(2 * p.numel())[::2]
+        with pytest.raises(UnsupportedError, match="p_out is not contiguous"):
+            tk.step_many([StepCall(p, g, m, v, s, (strided, m, v), None, torch.zeros(2, dtype=torch.uint8))],
+                         variant)
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
+
+    def test_adam_checks_in_the_triton_step_without_a_pass_before(rng, monkeypatch):
+        """sofx.adamw(backend="triton"): undo="auto" finds a spike in the checked step itself (the pass of
+        torch operations before it, any_lossy, is not run) and keeps a snapshot of that leaf; the update
+        and its undo are the reference backend's."""
+        import sofx
+        adam_module = sys.modules["sofx.adam"]  # (sofx.adam is the function)
+
+        def no_pass(*args, **kwargs):
+            raise AssertionError("the pass before the step ran")
+
+        params = {"a": torch.randn(FINITE_CHUNK + 100, generator=rng), "b": torch.randn(300, generator=rng)}
+        opts = [sofx.adamw(lr=1e-2, weight_decay=0.1, backend=b) for b in ("triton", "reference")]
+        state = opts[0].init(params)
+        for _ in range(20):
+            params, state, _ = opts[1].update(params, {k: torch.randn(p.shape, generator=rng)
+                                                       for k, p in params.items()}, state, undoable=False)
+        grads = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
+        grads["a"][FINITE_CHUNK + 50] = 1e3
+        monkeypatch.setattr(adam_module, "any_lossy", no_pass)
+        got = opts[0].update(params, grads, state)
+        monkeypatch.undo()
+        want = opts[1].update(params, grads, state)
+        assert got[2].strategies() == want[2].strategies() == ["snapshot", "algebraic"]
+        for a, b in zip(sofx.tree.flatten(got[:2])[0], sofx.tree.flatten(want[:2])[0]):
+            assert torch.equal(a, b) if a.dtype == torch.int64 else max_rel_err(a, b) <= 1e-6
+        undone = opts[0].undo(*got)
+        for a, b in zip(sofx.tree.flatten(undone)[0], sofx.tree.flatten((params, state))[0]):
+            if a.dtype == torch.int64:
+                assert torch.equal(a, b)
+            else:  # (the snapshot leaf bitwise, the other undone algebraically)
+                assert float((a - b).abs().max() / b.abs().max()) <= 1e-6
+
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)
         assert not tk.supports("cpu", torch.float64, torch.float64)

@@ -65,3 +65,57 @@ def test_adam_over_many_cuda_leaves(device="cuda"):
     for k in params:
         if k != "t3":
             assert torch.allclose(new_p[k].cpu(), want_p[k], rtol=1e-6, atol=1e-7), k
+
+
+def test_checked_step_and_undo_redo_on_cuda_flag_what_the_python_form_finds(device="cuda"):
+    """The compiled checked kernels (a chunk per program, CHECK_WARPS warps): the chunks flagged are those where
+    beyond_limit or lossy_elements (run on the CPU) finds an element; those keep their values, the others get
+    the unchecked kernel's bits; one launch for many blocks too."""
+    from sofx.kernels import triton as tk
+    from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoRedoCall, beyond_limit,
+                                   lossy_elements)
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    variant = AdamVariant(decoupled=False)
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 7, 0.5)
+    sizes = (3 * FINITE_CHUNK + 17, FINITE_CHUNK, 2 * FINITE_CHUNK + 64)
+    blocks = []
+    for i, n in enumerate(sizes):
+        p, g, m = (torch.randn(n, device=device, generator=gen) for _ in range(3))
+        v = 0.05 * torch.rand(n, device=device, generator=gen) + 0.05
+        g[(i * 5000) % n] = 1000.0  # lossy
+        if i == 0:
+            g[n - 1] = float("inf")
+        blocks.append((p, g, 0.1 * m, v))
+
+    def chunks(bad):
+        pad = torch.nn.functional.pad(bad.to(torch.uint8), (0, -bad.numel() % FINITE_CHUNK))
+        return pad.view(-1, FINITE_CHUNK).amax(dim=1).tolist()
+
+    for many in (False, True):
+        flags = [torch.zeros(-(-n // FINITE_CHUNK), dtype=torch.uint8, device=device) for n in sizes]
+        work = [tuple(t.clone() for t in b) for b in blocks]
+        calls = [StepCall(p, g, m, v, s, (p, m, v), None, f) for (p, g, m, v), f in zip(work, flags)]
+        if many:
+            tk.step_many(calls, variant)
+        else:
+            for c in calls:
+                tk.step_many([c], variant)
+        for (p, g, m, v), w, f in zip(blocks, work, flags):
+            cpu = [t.cpu() for t in (p, g, m, v)]
+            want = chunks(beyond_limit(cpu[1], s.grad_scale) | lossy_elements(cpu[0], cpu[1], cpu[3], s, False,
+                                                                               m=cpu[2]))
+            assert f.tolist() == want and any(want)
+            keep = (f == 0).repeat_interleave(FINITE_CHUNK)[:p.numel()]
+            plain = tk.step(p, g, m, v, s, variant)
+            for got, fresh, old in zip((w[0], w[2], w[3]), plain, (p, m, v)):
+                assert torch.equal(got[keep], fresh[keep]) and torch.equal(got[~keep], old[~keep])
+    # an undo+redo whose new gradient is lossy against the undone moments in one chunk
+    p, g, m, v = (t.clone() for t in blocks[1])
+    g = torch.randn(p.shape, device=device, generator=gen)
+    p1, m1, v1 = tk.step(p, g, m, v, s, variant)
+    g_new = torch.randn(p.shape, device=device, generator=gen)
+    g_new[100] = 1000.0
+    f = torch.zeros(1, dtype=torch.uint8, device=device)
+    tk.undo_redo_many([UndoRedoCall(p1, m1, v1, g, s, g_new, s, None, (p1, m1, v1), None, f)], variant)
+    assert f.tolist() == [1]

@@ -20,6 +20,10 @@ combination the launcher uses, with the launcher's options, and checks the PTX:
 The multi-tensor kernel (many tensors per launch, ``_adam_multi_kernel``) is checked the same way, as
 launched on aligned tensors: the same arithmetic and 128-bit accesses as the flat kernel, plus the scalar
 loads of its table.
+
+The checked step and undo+redo (``CHECK``: a chunk of ``CHECK_BLOCK`` elements per program on
+``CHECK_WARPS`` warps, which decides for its chunk before it stores, see ``_chunk_bad``) likewise: the
+same per-thread arithmetic and 128-bit accesses, plus the one-byte store of the chunk's flag.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ MULTI_CASES = ([(op, DTYPES[0], None) for op in OPS] + [((0, False), dt, None) f
                + [COPY_CASES[0]])
 # the table's scalar loads in the multi-tensor kernel (each row's int64 fields, the program's tensor index)
 TABLE_LOADS = {"ld.global.b64", "ld.global.b32"}
+FLAG_STORE = "st.global.b8"  # a checked program's flag for its chunk
 
 F32_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|div|sqrt|rcp|rsqrt|ex2|lg2)(?:\.[a-z0-9]+)*?\.f32)\s",
                     re.M)
@@ -82,13 +87,25 @@ def _case_id(arch, op, dtypes, copy_dtype, multi):
             + (f"-copy-{copy_dtype}" if copy_dtype else "") + ("-multi" if multi else ""))
 
 
-ALL_CASES = ([(*case, None, False) for case in CASES] + [(90, *case, False) for case in COPY_CASES]
-             + [(90, *case, True) for case in MULTI_CASES])
+# checked calls: the step and the undo+redo (with and without p_old) in fp32, the step in the other dtypes, the
+# multi-tensor kernel, one with a copy, one for sm_80
+CHECK_OPS = [(0, False), (2, False), (2, True)]
+CHECK_CASES = ([(90, op, DTYPES[0], None, False) for op in CHECK_OPS]
+               + [(90, (0, False), dt, None, False) for dt in DTYPES[1:]] + [(90, (2, False), DTYPES[2], None, False)]
+               + [(90, op, DTYPES[0], None, True) for op in CHECK_OPS]
+               + [(90, (0, False), DTYPES[0], "bf16", False), (80, (2, False), DTYPES[0], None, False)])
+ALL_CASES = ([(*case, None, False, False) for case in CASES] + [(90, *case, False, False) for case in COPY_CASES]
+             + [(90, *case, True, False) for case in MULTI_CASES] + [(*case, True) for case in CHECK_CASES])
 
 
-@pytest.mark.parametrize("arch,op,dtypes,copy_dtype,multi", ALL_CASES, ids=[_case_id(*c) for c in ALL_CASES])
-def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_dtype, multi):
-    kernel = compile_kernel(arch, op[0], op[1], *dtypes, copy_dtype=copy_dtype, multi=multi)
+def _all_case_id(arch, op, dtypes, copy_dtype, multi, check):
+    return _case_id(arch, op, dtypes, copy_dtype, multi) + ("-checked" if check else "")
+
+
+@pytest.mark.parametrize("arch,op,dtypes,copy_dtype,multi,check", ALL_CASES,
+                         ids=[_all_case_id(*c) for c in ALL_CASES])
+def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_dtype, multi, check):
+    kernel = compile_kernel(arch, op[0], op[1], *dtypes, copy_dtype=copy_dtype, multi=multi, check=check)
     ptx = kernel.asm["ptx"]
     assert len(kernel.asm["cubin"]) > 0
     usage = resource_usage(kernel.asm["cubin"])
@@ -101,7 +118,8 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_d
         assert not name.startswith(("rcp", "rsqrt", "ex2", "lg2")), (name, dict(ops))
         assert ".rn" in name, f"{name}: not rounded on its own (may be fused or approximate); {dict(ops)}"
 
-    per_thread = tk.BLOCK // (kernel.metadata.num_warps * 32)
+    per_thread = (tk.CHECK_BLOCK if check else tk.BLOCK) // (kernel.metadata.num_warps * 32)
+    assert per_thread == tk.BLOCK // (4 * 32)  # a checked program: 4x the elements on 4x the warps
     fmas = sum(c for name, c in ops.items() if name.startswith("fma"))
     assert fmas == EXPLICIT_FMAS[op] * per_thread, dict(ops)
     # an undo from a snapshot needs no square root and divides only by constants (_div_by)
@@ -115,8 +133,9 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_d
 
     mem = collections.Counter(GLOBAL_MEM.findall(ptx))
     vector = {"ld.global.v4.b32", "st.global.v4.b32"}
-    assert mem and set(mem) <= (vector | TABLE_LOADS if multi else vector), dict(mem)
-    if multi:  # the elements' accesses exactly as in the flat kernel
+    allowed = vector | (TABLE_LOADS if multi else set()) | ({FLAG_STORE} if check else set())
+    assert mem and set(mem) <= allowed and mem[FLAG_STORE] == int(check), dict(mem)
+    if multi or check:  # the elements' accesses exactly as in the flat, unchecked kernel
         flat = collections.Counter(GLOBAL_MEM.findall(compile_kernel(arch, op[0], op[1], *dtypes,
                                                                      copy_dtype=copy_dtype).asm["ptx"]))
         assert {k: c for k, c in mem.items() if k in vector} == dict(flat), (dict(mem), dict(flat))

@@ -41,23 +41,26 @@ def _scalar_type(name: str) -> str:
     """Triton's type for a runtime argument of the kernel (from the launcher's NamedTuple fields)."""
     if name == "n":
         return "i32"
-    fields = (tk._UndoArgs if name.startswith("u_") else tk._StepArgs).__annotations__
+    fields = {"u": tk._UndoArgs, "s": tk._StepArgs, "k": tk._CheckArgs}[name[0]].__annotations__
     return "i32" if fields[name[2:]] in (int, "int") else "fp32"
 
 
 def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
                    options: Mapping[str, Any] = tk.COMPILE_OPTIONS, copy_dtype: str | None = None,
-                   multi: bool = False):
+                   multi: bool = False, check: bool = False):
     """``_adam_kernel`` for ``sm_<arch>``: ``op`` 0 step, 1 undo, 2 undo+redo; dtypes "fp32"/"bf16"/"fp16";
     ``copy_dtype``: the dtype of a ``p_copy`` (None: without one). ``multi``: the multi-tensor kernel
-    (``_adam_multi_kernel``) as launched on tensors that are all aligned (``ALIGNED``)."""
+    (``_adam_multi_kernel``) as launched on tensors that are all aligned (``ALIGNED``). ``check``: a
+    checked call (``CHECK``: a chunk of ``CHECK_BLOCK`` elements per program, on ``CHECK_WARPS`` warps)."""
     fn = tk._adam_multi_kernel if multi else tk._adam_kernel
     names = fn.arg_names
     storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt, pc=copy_dtype or pdt,
-                   rows="i64", tensor_of="i32")
+                   sk="u8", rows="i64", tensor_of="i32")
     constexprs = dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=TL_DTYPES[pdt], ROUND_S=TL_DTYPES[sdt], SOFT_BF16=False,
-                      BLOCK_SIZE=tk.BLOCK, HAS_COPY=copy_dtype is not None,
-                      ROUND_C=TL_DTYPES[copy_dtype or "fp32"])
+                      BLOCK_SIZE=tk.CHECK_BLOCK if check else tk.BLOCK, HAS_COPY=copy_dtype is not None,
+                      ROUND_C=TL_DTYPES[copy_dtype or "fp32"], CHECK=check)
+    if check:
+        options = {**options, "num_warps": tk.CHECK_WARPS}
     if multi:
         constexprs.update(ALIGNED=True, ROW=tk._ROW_WIDTH + 1)
     signature = {}
@@ -68,7 +71,9 @@ def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
             signature[name] = "*" + storage[name[:-4]]
         else:
             signature[name] = _scalar_type(name)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name.endswith("_ptr") or name == "n"}
+    # (the flags of a checked call are one byte per chunk, at any address)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if (name.endswith("_ptr") and name != "sk_ptr") or name == "n"}
     src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
 

@@ -25,6 +25,12 @@ within an ulp) and the same fused multiply-adds as torch's CPU kernels (see
     undo:  p = (p' + (lr/bc1 * m') / (sqrt(v')/sqrt(bc2) + eps)) / (1 - lr*wd if decoupled)
            gh = g or fma(p, wd, g);  m = (m' - (1-b1)*gh) / b1;  v = max0((v' - (1-b2)*gh*gh) / b2)
 
+Checked calls (``StepCall.skip``, ``UndoRedoCall.skip``: ``undo="auto"``'s test of the gradient's finiteness
+and of the inverse's precision, :data:`sofx.kernels.base.FINITE_CHUNK`) run one chunk per program
+(:data:`CHECK_BLOCK` elements on :data:`CHECK_WARPS` warps): the program loads its chunk, decides for it
+(:func:`_chunk_bad`, the CPU kernels' test operation by operation), stores its flag and, only where it is 0,
+the results: the same single pass, one byte more per chunk.
+
 Tests run these kernels with ``TRITON_INTERPRET=1`` on CPU tensors (then
 :func:`supports` accepts CPU tensors too). Importing this module requires
 triton; :func:`sofx.kernels.select_backend` treats an ImportError as "not
@@ -47,17 +53,22 @@ import triton.language as tl
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import reference
-from sofx.kernels.base import (AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               check_block_tensors, is_number, kernel_param_copy,
-                               refuse_checked_steps, write_outputs, write_param_copy)
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+                               check_block_tensors, gradient_limit_bits, is_number, kernel_param_copy, lossy_factor,
+                               write_outputs, write_param_copy)
 from sofx.kernels.donation import overlap_message, overlaps_itself
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
-           "COMPILE_OPTIONS", "CHECKS_FINITE"]
+           "COMPILE_OPTIONS", "CHECKS_FINITE", "CHECK_BLOCK"]
 
 NAME = "triton"
-CHECKS_FINITE = False  # no checked calls (skip): Adam checks CUDA gradients in one batched pass before
+CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip), see CHECK_BLOCK
 BLOCK = 1024
+# A checked call (``skip``, :data:`sofx.kernels.base.FINITE_CHUNK`) runs one chunk per program, so that a
+# program decides for its whole chunk (:func:`_chunk_bad`) before it stores any of it, in the same pass: 4x the
+# elements of a program of the unchecked kernel on 4x the warps (the same registers per thread).
+CHECK_BLOCK = FINITE_CHUNK
+CHECK_WARPS = 16
 # Compiled exactly as written: Triton fuses a*b + c into one multiply-add by default on GPUs (and
 # leaves plain mul/add free for ptxas to contract), which rounds differently from the reference's
 # separate operations. The interpreter never fuses, so only a compiled kernel shows the difference;
@@ -118,12 +129,44 @@ def _div_by(x, b, rb):
 
 
 @triton.jit
-def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, offs, mask,
+def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c,
+               OP: tl.constexpr):
+    """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
+    (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
+    algebraic inverse would restore too lossily (``k_c``: the lossy factor; 0: not tested). The same
+    operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
+    ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``)."""
+    if OP == 2:
+        gn = g2
+        go = g * u_gs
+        go = tl.where((u_l2 != 0) & (u_wd != 0.0), go + p * u_wd, go)
+        x = v - (u_omb2 * go) * go
+        vv = tl.where(x < 0.0, 0.0, x)  # b2 times the undone v
+    else:
+        gn = g
+        vv = v
+    bad = (gn.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > k_lim
+    gh = gn * s_gs
+    gh = tl.where((s_l2 != 0) & (s_wd != 0.0), gh + p * s_wd, gh)
+    t = (gh * gh) * k_c
+    if OP == 2:
+        t = t * u_b2
+    lossy = ((vv != 0.0) & ~(t <= vv)) | ~(tl.abs(m) <= 3.4028234663852886e38)
+    bad = (bad | (lossy & (k_c != 0.0))) & mask
+    return tl.max(bad.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, sk_ptr, chunk,
+                   offs, mask,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                   k_lim, k_c,
                    OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, HAS_COPY: tl.constexpr, ROUND_C: tl.constexpr):
-    """The operation ``OP`` on the elements ``offs`` (where ``mask``) of one block's tensors."""
+                   SOFT_BF16: tl.constexpr, HAS_COPY: tl.constexpr, ROUND_C: tl.constexpr, CHECK: tl.constexpr):
+    """The operation ``OP`` on the elements ``offs`` (where ``mask``) of one block's tensors. ``CHECK``: a
+    checked step (the program's elements are chunk ``chunk`` of the block, see :data:`CHECK_BLOCK`): where
+    :func:`_chunk_bad` finds one, nothing is stored but the chunk's flag (``sk_ptr``)."""
     if HAS_P_OLD:
         p = tl.load(pold_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     else:
@@ -131,6 +174,13 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
     g = tl.load(g_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    if CHECK:
+        g2 = g
+        if OP == 2:
+            g2 = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+        skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c, OP)
+        tl.store(sk_ptr + chunk, skip.to(tl.uint8))
+        mask = mask & (tl.full(offs.shape, 0, tl.int32) == skip)  # (a block-wide comparison: a mask of int1)
     if OP != 0:
         # inverse of the step taken with the u_* scalars
         g = g * u_gs
@@ -146,7 +196,10 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
             p = _to_storage(p, ROUND_P, SOFT_BF16).to(tl.float32)
             m = _to_storage(m, ROUND_S, SOFT_BF16).to(tl.float32)
             v = _to_storage(v, ROUND_S, SOFT_BF16).to(tl.float32)
-            g = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+            if CHECK:
+                g = g2  # (loaded for the check: loaded again under the new mask, it was read twice)
+            else:
+                g = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     if OP != 1:
         g = g * s_gs
         p = p * s_pmul
@@ -164,40 +217,45 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
 
 
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, n,
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, sk_ptr, n,
                  # undo scalars (or the step's, for OP == 0)
                  u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
                  u_rbc2, u_rpdiv, u_rb1, u_rb2,
                  # step scalars
                  s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                 # checked-step scalars (CHECK)
+                 k_lim, k_c,
                  OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                  SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32):
+                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32, CHECK: tl.constexpr = False):
     """One flat block of ``n`` elements, ``BLOCK_SIZE`` per program."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, offs, offs < n,
+    _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, sk_ptr, pid,
+                   offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C)
+                   k_lim, k_c, OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
 
 
-# The multi-tensor kernel's table: a row of 13 int64 per tensor of a launch: its first program, its element
+# The multi-tensor kernel's table: a row of 14 int64 per tensor of a launch: its first program, its element
 # count, per pointer argument (in this order) the element offset of its storage from that argument, and its
 # number of programs (for the launcher's program-to-tensor map).
-_ROW_SLOTS = ("p", "g", "m", "v", "g2", "pold", "po", "mo", "vo", "pc")
-_ROW_WIDTH = 2 + len(_ROW_SLOTS)  # 12 fields the kernel reads, then the count
+_ROW_SLOTS = ("p", "g", "m", "v", "g2", "pold", "po", "mo", "vo", "pc", "sk")
+_ROW_WIDTH = 2 + len(_ROW_SLOTS)  # 13 fields the kernel reads, then the count
 
 
 @triton.jit
-def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr,
+def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, vo_ptr, pc_ptr, sk_ptr,
                        rows_ptr, tensor_of_ptr,
                        u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
                        u_rbc2, u_rpdiv, u_rb1, u_rb2,
                        s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
+                       k_lim, k_c,
                        OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                        SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_COPY: tl.constexpr,
-                       ROUND_C: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr):
+                       ROUND_C: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr,
+                       CHECK: tl.constexpr = False):
     """Many tensors in one launch: program ``pid`` runs ``BLOCK_SIZE`` elements of tensor
     ``tensor_of[pid]``, whose row in ``rows`` holds its first program, its element count and, per
     pointer argument, the element offset of its storage from that argument (every tensor of a slot
@@ -217,6 +275,7 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
     d_mo = tl.load(row + 9)
     d_vo = tl.load(row + 10)
     d_pc = tl.load(row + 11)
+    d_sk = tl.load(row + 12)  # (flags: one byte per chunk, never aligned)
     if ALIGNED:
         n = tl.multiple_of(n, 16)
         d_p = tl.multiple_of(d_p, 16)
@@ -229,12 +288,13 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
         d_mo = tl.multiple_of(d_mo, 16)
         d_vo = tl.multiple_of(d_vo, 16)
         d_pc = tl.multiple_of(d_pc, 16)
-    offs = (pid - tl.load(row)) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    chunk = pid - tl.load(row)
+    offs = chunk * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     _adam_elements(p_ptr + d_p, g_ptr + d_g, m_ptr + d_m, v_ptr + d_v, g2_ptr + d_g2, pold_ptr + d_pold,
-                   po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, offs, offs < n,
+                   po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, sk_ptr + d_sk, chunk, offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C)
+                   k_lim, k_c, OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -318,11 +378,28 @@ def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
                      rbc2=_recip(bc2_sqrt), rpdiv=_recip(pdiv), rb1=_recip(s.beta1), rb2=_recip(s.beta2))
 
 
+class _CheckArgs(NamedTuple):
+    lim: int  # the float32 bits above which a gradient element's magnitude is flagged
+    c: float  # lossy_factor of the step taken (the redo of an undo+redo)
+
+
+def _check_args(s: AdamScalars, g_dtype: torch.dtype) -> _CheckArgs:
+    """A checked call's constants, as the CPU kernels' (``gradient_limit_bits``, ``lossy_factor``): the
+    kernel compares the float32 bits of the gradient it loaded (a bfloat16's upper half, a float16 widened
+    exactly: the float16 limit's own value)."""
+    s = _python_numbers(s)
+    lim32, _, lim16 = gradient_limit_bits(s.grad_scale)
+    if g_dtype == torch.float16:
+        lim32 = int(np.array(lim16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.int32))
+    return _CheckArgs(lim=lim32, c=_f32(lossy_factor(s.beta1, s.beta2)))
+
+
 # placeholders for the unused half of a launch (step: no undo scalars; undo: no step scalars)
 _NO_UNDO = _UndoArgs(gs=1.0, pdiv=1.0, wd=0.0, l2=0, bc2=1.0, eps=1.0, ss=0.0, omb1=0.0, b1=1.0, omb2=0.0, b2=1.0,
                      rbc2=1.0, rpdiv=1.0, rb1=1.0, rb2=1.0)
 _NO_STEP = _StepArgs(gs=1.0, pmul=1.0, wd=0.0, l2=0, small=1, coef=0.0, b2=1.0, c2=0.0, bc2=1.0, eps=1.0, nss=0.0,
                      rbc2=1.0)
+_NO_CHECK = _CheckArgs(lim=0, c=0.0)
 
 
 # ------------------------------------------------------------------ checks and launch
@@ -356,7 +433,7 @@ class _Operands(NamedTuple):
     kernel-written copy and the caller's ``out``; ``layout``: its tensors' dtypes and misalignments within
     an element (blocks launched together must agree); ``aligned``: whether the multi-tensor kernel may take
     it as ``ALIGNED``: 16 | n, and every pointer a multiple of 16 elements (so every offset between two
-    blocks' pointers is one too)."""
+    blocks' pointers is one too), the flags of a checked call aside (read and written one byte a chunk)."""
 
     arrays: tuple[torch.Tensor, ...]
     ptrs: tuple[int, ...]
@@ -372,7 +449,7 @@ class _Operands(NamedTuple):
 
 def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
               p_old: torch.Tensor | None, out: Sequence[torch.Tensor] | None,
-              p_copy: torch.Tensor | None) -> _Operands:
+              p_copy: torch.Tensor | None, skip: torch.Tensor | None = None) -> _Operands:
     """Results go to ``out`` (or fresh tensors), via contiguous temporaries where needed; ``p_copy`` is
     written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
     cp, cg, cm, cv = _contiguous(p), _contiguous(g), _contiguous(m), _contiguous(v)
@@ -391,13 +468,15 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
     c2 = _contiguous(g2) if g2 is not None else cg
     co = _contiguous(p_old) if p_old is not None else cp
-    arrays = (cp, cg, cm, cv, c2, co, *targets, pc if pc is not None else cp)
+    arrays = (cp, cg, cm, cv, c2, co, *targets, pc if pc is not None else cp, skip if skip is not None else cp)
     # An absent tensor's slot holds p (or g) again: its address is not asked twice (every tensor of every step).
     info = (ip, ig, im, iv, _address(c2) if g2 is not None else ig, _address(co) if p_old is not None else ip,
             *it, _address(pc) if pc is not None else ip)
+    sk = _address(skip) if skip is not None else ip
     n = p.numel()
-    return _Operands(arrays, tuple([a[0] for a in info]), tuple([a[1] for a in info]), n, targets, pc, out, p_copy,
-                     tuple([a[2] for a in info]), n % VECTOR_MULTIPLE == 0 and all([a[3] for a in info]))
+    return _Operands(arrays, tuple([a[0] for a in info] + [sk[0]]), tuple([a[1] for a in info] + [sk[1]]), n,
+                     targets, pc, out, p_copy, tuple([a[2] for a in info] + [sk[2]]),
+                     n % VECTOR_MULTIPLE == 0 and all([a[3] for a in info]))
 
 
 def _address(t: torch.Tensor) -> tuple[int, int, tuple[torch.dtype, int], bool]:
@@ -414,29 +493,31 @@ def _finish(ops: _Operands) -> Triple:
     return results
 
 
-def _constexprs(op: int, ops: _Operands, has_p_old: bool) -> dict:
+def _constexprs(op: int, ops: _Operands, has_p_old: bool, check: bool) -> dict:
     fp, fm, pc = ops.arrays[0], ops.arrays[2], ops.pc
+    shape = dict(BLOCK_SIZE=CHECK_BLOCK, CHECK=True, num_warps=CHECK_WARPS) if check else dict(BLOCK_SIZE=BLOCK)
     return dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=_TL_DTYPES[fp.dtype], ROUND_S=_TL_DTYPES[fm.dtype],
-                SOFT_BF16=_INTERPRETING, BLOCK_SIZE=BLOCK, HAS_COPY=pc is not None,
-                ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **COMPILE_OPTIONS)
+                SOFT_BF16=_INTERPRETING, HAS_COPY=pc is not None,
+                ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **shape, **COMPILE_OPTIONS)
 
 
-def _programs(n: int) -> int:
-    return -(-n // BLOCK)
+def _programs(n: int, check: bool = False) -> int:
+    return -(-n // (CHECK_BLOCK if check else BLOCK))
 
 
-def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepArgs) -> None:
+def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepArgs, k: _CheckArgs | None) -> None:
     """One block by the flat kernel. Triton loads and stores 128 bits at a time only where the mask is
     provably constant over each group of elements, i.e. where n is a multiple of 16 (it specializes on
     that at launch): the last n % 16 elements, if any, get a launch of their own (16-element offsets
-    keep the pointers 16-byte aligned)."""
+    keep the pointers 16-byte aligned). A checked call (``k``) is one launch: a chunk is decided whole."""
     n = ops.n
-    head = n - n % VECTOR_MULTIPLE
-    constexprs = _constexprs(op, ops, has_p_old)
+    head = n - n % VECTOR_MULTIPLE if k is None else n
+    constexprs = _constexprs(op, ops, has_p_old, k is not None)
     for start, count in ((0, head), (head, n - head)):
         if count:  # the kernel takes the tensors' addresses: the arrays themselves from element 0
             arrays = ops.arrays if start == 0 else _from(ops.arrays, start)
-            _adam_kernel[(_programs(count),)](*arrays, count, *u, *st, **constexprs)
+            _adam_kernel[(_programs(count, k is not None),)](*arrays, count, *u, *st, *(k or _NO_CHECK),
+                                                            **constexprs)
 
 
 def _from(arrays: Sequence[torch.Tensor], start: int) -> list[torch.Tensor]:
@@ -449,7 +530,7 @@ def _from(arrays: Sequence[torch.Tensor], start: int) -> list[torch.Tensor]:
 
 
 def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bool, u: _UndoArgs,
-               st: _StepArgs) -> None:
+               st: _StepArgs, k: _CheckArgs | None) -> None:
     """Blocks of the same dtypes and scalars by one launch of the multi-tensor kernel. Its table is built
     on the host and copied to the device without waiting for it (pinned memory); the program-to-tensor
     map is expanded on the device."""
@@ -458,7 +539,7 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     rows = []
     first = 0
     for ops in group:  # [first program, n, the offsets..., the tensor's program count]
-        programs = _programs(ops.n)
+        programs = _programs(ops.n, k is not None)
         rows.append([first, ops.n, *[(ptr - b) // size for ptr, b, size in zip(ops.ptrs, base, sizes)], programs])
         first += programs
     device = group[0].arrays[0].device
@@ -468,15 +549,17 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     on_device = host.to(device, non_blocking=True)
     tensor_of = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device),
                                         on_device[:, _ROW_WIDTH], output_size=first)
-    _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, ALIGNED=aligned,
-                                 ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old))
+    _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, *(k or _NO_CHECK),
+                                 ALIGNED=aligned, ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old,
+                                                                                    k is not None))
 
 
 def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
-            st: Sequence[_StepArgs | None]) -> list[Triple]:
-    """Run ``op`` on ``blocks`` (each ``(p, g, m, v, g2, p_old, out, p_copy)``, with its undo and step
-    arguments ``u[i]``, ``st[i]``): blocks that share dtypes, scalars and alignment go to one launch of the
-    multi-tensor kernel, a block on its own to the flat kernel."""
+            st: Sequence[_StepArgs | None], k: Sequence[_CheckArgs | None]) -> list[Triple]:
+    """Run ``op`` on ``blocks`` (each ``(p, g, m, v, g2, p_old, out, p_copy, skip)``, with its undo, step
+    and check arguments ``u[i]``, ``st[i]``, ``k[i]``, the last None for an unchecked call): blocks that share
+    dtypes, scalars and alignment go to one launch of the multi-tensor kernel, a block on its own to the
+    flat kernel."""
     prepared = [_operands(*b) for b in blocks]
     groups: dict[tuple, list[int]] = {}
     for i, (ops, b) in enumerate(zip(prepared, blocks)):
@@ -485,16 +568,16 @@ def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
         # same dtypes, and addresses that differ by whole elements (the kernel adds element offsets); the
         # scalars' arguments by identity (the caller derives one object per distinct scalars)
         key = (ops.arrays[0].device, b[5] is not None, ops.pc is not None, ops.layout, id(u[i]), id(st[i]),
-               ops.aligned)
+               ops.aligned, k[i])
         groups.setdefault(key, []).append(i)
-    for (device, has_p_old, _, _, _, _, aligned), members in groups.items():
+    for (device, has_p_old, _, _, _, _, aligned, ki), members in groups.items():
         ui, sti = u[members[0]] or _NO_UNDO, st[members[0]] or _NO_STEP
         with _on(device):  # Triton launches on the current device
             if len(members) == 1 or _capturing(device):  # a graph would replay the table's host buffer
                 for i in members:
-                    _run_flat(op, prepared[i], has_p_old, ui, sti)
+                    _run_flat(op, prepared[i], has_p_old, ui, sti, ki)
             else:
-                _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti)
+                _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti, ki)
     return [_finish(ops) for ops in prepared]
 
 
@@ -538,11 +621,10 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
     checked before anything runs."""
-    refuse_checked_steps(calls, "triton.step_many")
     _check_calls("step", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
     scalars = reference.concrete_checked([c.s for c in calls])
     return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
-                      lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy),
+                      lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy, c.skip),
                       lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
 
 
@@ -552,20 +634,19 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
                                            ("p_copy", c.p_copy)])
     scalars = reference.concrete_checked([c.s for c in calls], variant, [c.p_old is not None for c in calls])
     return _by_kernel(_OP_UNDO, calls, scalars, [None] * len(calls), variant,
-                      lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy),
+                      lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy, None),
                       lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
                                                      p_copy=c.p_copy))
 
 
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for every block (as :func:`step_many`)."""
-    refuse_checked_steps(calls, "triton.undo_redo_many")
     _check_calls("undo_redo", calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
                                                 ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
     olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls])
     news = reference.concrete_checked([c.s_new for c in calls])
     return _by_kernel(_OP_UNDO_REDO, calls, olds, news, variant,
-                      lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy),
+                      lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy, c.skip),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
                                                             p_old=c.p_old, out=c.out, p_copy=c.p_copy))
 
@@ -583,6 +664,30 @@ def _check_calls(what: str, calls: Sequence, named: Callable[[Any], list[tuple[s
             continue
         _check(_name(what, calls, i), tensors, p, c.out)
         supported.add((p.device, p.dtype, m.dtype))
+    for i, c in enumerate(calls):
+        if getattr(c, "skip", None) is not None:
+            _check_skip(_name(what, calls, i), c)
+
+
+def _check_skip(where: str, c: StepCall | UndoRedoCall) -> None:
+    """A checked call's ``skip`` (as the CPU kernels', on the block's device): one uint8 per chunk of
+    :data:`~sofx.kernels.base.FINITE_CHUNK` elements, zeros; what is written in place contiguous (``out``,
+    in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not touched."""
+    chunks = -(-c.p.numel() // FINITE_CHUNK)
+    sk = c.skip
+    if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device != c.p.device \
+            or sk.shape != (chunks,) or not sk.is_contiguous():
+        desc = f"{sk.dtype} of shape {tuple(sk.shape)} on {sk.device}" if isinstance(sk, torch.Tensor) \
+            else type(sk).__name__
+        raise LeafError(f"triton.{where}: skip must be a contiguous uint8 tensor of shape ({chunks},) on "
+                        f"{c.p.device} (one flag per {FINITE_CHUNK} elements), got {desc}")
+    written = [("p_copy", c.p_copy, None)]
+    if c.out is not None:
+        written += zip(("p_out", "m_out", "v_out"), c.out, (c.p.dtype, c.m.dtype, c.v.dtype))
+    for name, t, dtype in written:
+        if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
+            raise UnsupportedError(f"triton.{where}: {name} is not contiguous or not of its input's dtype; a "
+                                   "checked step writes in place only what it can leave alone chunk by chunk")
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -611,8 +716,9 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
     the calls' order. Kernel arguments are derived once per distinct scalars."""
     derived: dict[tuple, tuple[_UndoArgs | None, _StepArgs | None] | None] = {}  # None: not all numbers
     by_id: dict[tuple[int, int], tuple[_UndoArgs | None, _StepArgs | None] | None] = {}  # the same, by identity
+    checks: dict[tuple[int, torch.dtype], _CheckArgs] = {}
     results: list[Triple | None] = [None] * len(calls)
-    launch, u_args, s_args = [], [], []
+    launch, u_args, s_args, k_args = [], [], [], []
     for i, (c, su, ss) in enumerate(zip(calls, undo_scalars, step_scalars)):
         ids = (id(su), id(ss))  # the lists hold the objects
         if ids not in by_id:
@@ -623,14 +729,27 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
                                 _step_args(ss, variant) if ss is not None else None) if numbers else None
             by_id[ids] = derived[key]
         args = by_id[ids]
+        skip = getattr(c, "skip", None)
         if args is None:
+            if skip is not None:
+                raise UnsupportedError(f"triton.{_name(('step', 'undo', 'undo_redo')[op], calls, i)}: a checked call "
+                                       "needs scalars whose values can be read (not traced)")
             results[i] = fallback(c, su, ss)
             continue
         launch.append(i)
         u_args.append(args[0])
         s_args.append(args[1])
+        if skip is None:
+            k_args.append(None)
+        else:
+            g = c.g_new if op == _OP_UNDO_REDO else c.g
+            kk = (id(ss), g.dtype)
+            if kk not in checks:
+                checks[kk] = _check_args(ss, g.dtype)
+            k_args.append(checks[kk])
     if launch:
-        done = _launch(op, [block(calls[i], undo_scalars[i], step_scalars[i]) for i in launch], u_args, s_args)
+        done = _launch(op, [block(calls[i], undo_scalars[i], step_scalars[i]) for i in launch], u_args, s_args,
+                       k_args)
         for i, r in zip(launch, done):
             results[i] = r
     return results  # type: ignore[return-value]
