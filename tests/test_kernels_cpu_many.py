@@ -253,8 +253,8 @@ def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
     with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[0\]: p_copy is not contiguous"):
         cpu.undo_redo_many([UndoRedoCall(p, m, v, g, s, g, s, p_copy=wide, skip=ok)], AdamVariant())
     for bad in (torch.zeros(3, dtype=torch.uint8), torch.zeros(2, dtype=torch.int32), [0, 0]):
-        with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous CPU uint8 tensor "
-                                            r"of shape \(2,\)"):
+        with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous uint8 tensor "
+                                            r"of shape \(2,\) on cpu"):
             cpu.step_many([StepCall(p, g, m, v, s, skip=bad)], AdamVariant())
     with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: m_out is not contiguous"):
         cpu.step_many([StepCall(p, g, m, v, s, (p, wide, v), skip=ok)], AdamVariant())

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from typing import Callable, Collection, Iterable, NamedTuple, Sequence, Union
+from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -428,6 +428,28 @@ def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], whe
         if c.skip is not None:
             raise UnsupportedError(f"{where}[{i}]: this backend has no checked step (skip); use a backend whose "
                                    "CHECKS_FINITE is True or check the gradient first")
+
+
+def check_skip(where: str, c: Any, device: torch.device) -> None:
+    """A checked call's ``c.skip`` (``c``: a call or block with ``p, m, v, out, p_copy, skip``): one uint8 per
+    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``; and what is written in place
+    contiguous (``out``, in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not
+    touched."""
+    chunks = -(-c.p.numel() // FINITE_CHUNK)
+    sk = c.skip
+    if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device != device \
+            or sk.shape != (chunks,) or not sk.is_contiguous():
+        desc = f"{sk.dtype} of shape {tuple(sk.shape)} on {sk.device}" if isinstance(sk, torch.Tensor) \
+            else type(sk).__name__
+        raise LeafError(f"{where}: skip must be a contiguous uint8 tensor of shape ({chunks},) on {device} (one "
+                        f"flag per {FINITE_CHUNK} elements), got {desc}")
+    written = [("p_copy", c.p_copy, None)]
+    if c.out is not None:
+        written += zip(("p_out", "m_out", "v_out"), c.out, (c.p.dtype, c.m.dtype, c.v.dtype))
+    for name, t, dtype in written:
+        if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
+            raise UnsupportedError(f"{where}: {name} is not contiguous or not of its input's dtype; a checked step "
+                                   "(skip) writes its outputs in place")
 
 
 def one_call_per_block(step: Callable[..., Triple], undo: Callable[..., Triple], undo_redo: Callable[..., Triple],

@@ -73,9 +73,9 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
-                               UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, gradient_limit_bits,
-                               is_number, kernel_param_copy, lossy_elements, lossy_factor, write_outputs,
-                               write_param_copy)
+                               UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip,
+                               gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
+                               write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself, shared_memory_message
 from sofx.kernels.threads import native_thread_request
 
@@ -292,27 +292,6 @@ def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
             ("p_copy", b.p_copy)]
 
 
-def _check_skip(where: str, b: _Block) -> None:
-    """``b.skip`` (the finiteness flags of a step or an undo+redo) where given: one uint8 per chunk, zeros;
-    what is written in place (``out``: contiguous, of the dtypes of ``p, m, v``; ``p_copy``: contiguous),
-    so that a skipped chunk's outputs are not touched."""
-    chunks = -(-b.p.numel() // FINITE_CHUNK)
-    sk = b.skip
-    if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device.type != "cpu" \
-            or sk.shape != (chunks,) or not sk.is_contiguous():
-        desc = f"{sk.dtype} of shape {tuple(sk.shape)} on {sk.device}" if isinstance(sk, torch.Tensor) \
-            else type(sk).__name__
-        raise LeafError(f"{where}: skip must be a contiguous CPU uint8 tensor of shape ({chunks},) (one flag per "
-                        f"{FINITE_CHUNK} elements), got {desc}")
-    written = [("p_copy", b.p_copy, None)]
-    if b.out is not None:
-        written += zip(("p_out", "m_out", "v_out"), b.out, (b.p.dtype, b.m.dtype, b.v.dtype))
-    for name, t, dtype in written:
-        if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
-            raise UnsupportedError(f"{where}: {name} is not contiguous or not of its input's dtype; a checked step "
-                                   "(skip) writes its outputs in place")
-
-
 def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: AdamScalars | None,
                         ) -> Triple:
     """A checked step or undo+redo (see :func:`step_many`) through the reference math: flags from the
@@ -385,7 +364,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         if fast is None:
             _check(name, _named(op, b), b.p, b.out)
             if b.skip is not None:
-                _check_skip(name, b)
+                check_skip(name, b, torch.device("cpu"))
             if _native(b, lib) is None:
                 c1 = c2 = None
         plans.append((c1, c2, fast))

@@ -54,8 +54,8 @@ import triton.language as tl
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               check_block_tensors, gradient_limit_bits, is_number, kernel_param_copy, lossy_factor,
-                               write_outputs, write_param_copy)
+                               check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
+                               lossy_factor, write_outputs, write_param_copy)
 from sofx.kernels.donation import overlap_message, overlaps_itself
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
@@ -666,28 +666,7 @@ def _check_calls(what: str, calls: Sequence, named: Callable[[Any], list[tuple[s
         supported.add((p.device, p.dtype, m.dtype))
     for i, c in enumerate(calls):
         if getattr(c, "skip", None) is not None:
-            _check_skip(_name(what, calls, i), c)
-
-
-def _check_skip(where: str, c: StepCall | UndoRedoCall) -> None:
-    """A checked call's ``skip`` (as the CPU kernels', on the block's device): one uint8 per chunk of
-    :data:`~sofx.kernels.base.FINITE_CHUNK` elements, zeros; what is written in place contiguous (``out``,
-    in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not touched."""
-    chunks = -(-c.p.numel() // FINITE_CHUNK)
-    sk = c.skip
-    if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device != c.p.device \
-            or sk.shape != (chunks,) or not sk.is_contiguous():
-        desc = f"{sk.dtype} of shape {tuple(sk.shape)} on {sk.device}" if isinstance(sk, torch.Tensor) \
-            else type(sk).__name__
-        raise LeafError(f"triton.{where}: skip must be a contiguous uint8 tensor of shape ({chunks},) on "
-                        f"{c.p.device} (one flag per {FINITE_CHUNK} elements), got {desc}")
-    written = [("p_copy", c.p_copy, None)]
-    if c.out is not None:
-        written += zip(("p_out", "m_out", "v_out"), c.out, (c.p.dtype, c.m.dtype, c.v.dtype))
-    for name, t, dtype in written:
-        if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
-            raise UnsupportedError(f"triton.{where}: {name} is not contiguous or not of its input's dtype; a "
-                                   "checked step writes in place only what it can leave alone chunk by chunk")
+            check_skip(f"triton.{_name(what, calls, i)}", c, c.p.device)
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
