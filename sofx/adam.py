@@ -57,7 +57,7 @@ from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamSc
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
                                is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
-from sofx.undo_record import LeafUndo, UndoRecord
+from sofx.undo_record import LeafUndo, UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range"]
@@ -983,21 +983,12 @@ def _validate_snapshot_limit(limit: Any) -> None:
         raise UnsupportedError(f"snapshot_limit_bytes = {limit!r}; expected None or an integer >= 0")
 
 
-def _snapshot_bytes(leaf: _Leaf, strategy: str) -> int:
-    """Bytes a record of ``strategy`` keeps for ``leaf`` (:meth:`LeafUndo.snapshot_bytes` of it)."""
-    if strategy == "snapshot":
-        return sum(t.numel() * t.element_size() for t in (leaf.p, leaf.m, leaf.v))
-    if strategy == "param_snapshot":
-        return leaf.p.numel() * leaf.p.element_size()
-    return 0
-
-
 def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamScalars, str, str] | None],
                           flagged: Sequence[int], limit: int) -> None:
     """Raise :class:`SnapshotLimitError` where the record of ``plans`` (the ``flagged`` leaves: snapshots,
     :func:`skipped_chunks.finish_step`) would hold more than ``limit`` bytes."""
     snapshots = set(flagged)
-    need = sum(_snapshot_bytes(leaf, "snapshot" if k in snapshots else plan[1])
+    need = sum(strategy_snapshot_bytes("snapshot" if k in snapshots else plan[1], leaf.p, leaf.m, leaf.v)
                for k, (leaf, plan) in enumerate(zip(leaves, plans)) if plan is not None)
     if need > limit:
         names = ", ".join(leaves[k].path for k in flagged[:3]) + (", ..." if len(flagged) > 3 else "")

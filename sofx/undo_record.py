@@ -36,6 +36,16 @@ from sofx.kernels.base import AdamScalars, AdamVariant
 
 STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "none")
 
+
+def strategy_snapshot_bytes(strategy: str, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes a leaf's record of ``strategy`` keeps (its :meth:`LeafUndo.snapshot_bytes`): ``p`` for a
+    ``"param_snapshot"``, ``p, m, v`` for a ``"snapshot"``, nothing otherwise."""
+    if strategy == "snapshot":
+        return sum(t.numel() * t.element_size() for t in (p, m, v))
+    if strategy == "param_snapshot":
+        return p.numel() * p.element_size()
+    return 0
+
 _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old")
 
 

@@ -24,7 +24,7 @@ from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import SofxError, UnsupportedError
 from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility
 from sofx.transforms import sumsq
-from sofx.undo_record import UndoRecord
+from sofx.undo_record import UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["grad_sumsq", "block_eligibility", "snapshot_bytes_of", "speculative_block_step", "apply_block_action"]
 
@@ -36,12 +36,7 @@ def grad_sumsq(grad: torch.Tensor) -> float:
 
 def snapshot_bytes_of(strategy: str, param: torch.Tensor, state: AdamState) -> int:
     """Bytes a speculative step with undo ``strategy`` keeps alive for its snapshot."""
-    p_bytes = param.numel() * param.element_size()
-    if strategy == "param_snapshot":
-        return p_bytes
-    if strategy == "snapshot":
-        return p_bytes + sum(x.numel() * x.element_size() for x in (state.mu, state.nu))
-    return 0
+    return strategy_snapshot_bytes(strategy, param, state.mu, state.nu)
 
 
 def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
