@@ -82,7 +82,7 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 

@@ -69,7 +69,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from sofx.errors import LeafError, UnsupportedError
+from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
