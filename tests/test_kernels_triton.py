@@ -112,8 +112,8 @@ else:
         """Stored by the kernel (contiguous, a storage dtype) or copied afterwards (float64, strided),
         as ``p_copy.copy_(p')``; the results are those without a copy."""
         copied_after = []
-        monkeypatch.setattr(tk, "write_param_copy",
-                            lambda c, p: c is not None and (copied_after.append(c.dtype), c.copy_(p)))
+        monkeypatch.setattr(tk, "write_kept_param_copy",
+                            lambda c, p, skip: c is not None and (copied_after.append(c.dtype), c.copy_(p)))
         variant = AdamVariant()
         n = tk.BLOCK + 9
         p, g, m, v = block_inputs(rng, n, *dtypes)
@@ -462,8 +462,13 @@ else:
                 skip = torch.zeros(-(-n // FINITE_CHUNK), dtype=torch.uint8)
                 pp, mm, vv = p.clone(), m.clone(), v.clone()
                 copy = torch.full((n,), 7.0, dtype=torch.bfloat16)
-                tk.step_many([StepCall(pp, g, mm, vv, s, (pp, mm, vv), copy, skip)], variant)
-                assert skip.tolist() == want_flags, (n, planted)
+                wide = torch.full((n,), 7.0, dtype=torch.float64)  # (not a storage dtype: copied after the kernel)
+                skip2 = skip.clone()
+                tk.step_many([StepCall(pp, g, mm, vv, s, (pp, mm, vv), copy, skip),
+                              StepCall(p.clone(), g, m.clone(), v.clone(), s, None, wide, skip2)], variant)
+                assert skip.tolist() == want_flags and skip2.tolist() == want_flags, (n, planted)
+                keep2 = (skip2 == 0).repeat_interleave(FINITE_CHUNK)[:n]
+                assert torch.equal(wide[keep2], plain[0][keep2].double()) and bool((wide[~keep2] == 7.0).all())
                 keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:n]
                 for got, fresh, old in zip((pp, mm, vv), plain, (p, m, v)):
                     assert torch.equal(got[keep], fresh[keep]), (n, planted)
@@ -528,6 +533,17 @@ else:
             if own is not None:
                 assert views[i].tolist() == own.tolist() and own.tolist()[-1] == i % 2, i
         assert flags[0] == 0
+
+    def test_a_checked_call_with_scalars_that_cannot_be_read_is_refused_before_any_block_runs(rng):
+        variant = AdamVariant()
+        s = block_scalars(rng, 0.1)._replace(lr=torch.tensor(1e-3, requires_grad=True))
+        blocks = [block_inputs(rng, 100, torch.float32, torch.float32) for _ in range(2)]
+        before = [[t.clone() for t in b] for b in blocks]
+        calls = [StepCall(p, g, m, v, s, (p, m, v)) for p, g, m, v in blocks]
+        calls[1] = calls[1]._replace(skip=torch.zeros(1, dtype=torch.uint8))
+        with pytest.raises(UnsupportedError, match=r"step_many\[1\]: a checked call needs scalars"):
+            tk.step_many(calls, variant)
+        assert all(torch.equal(a, b) for x, y in zip(blocks, before) for a, b in zip(x, y))
 
     def test_checked_calls_refuse_bad_flags_and_outputs(rng):
         variant = AdamVariant()

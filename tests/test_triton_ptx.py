@@ -113,6 +113,8 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_d
 
     ops = collections.Counter(F32_OP.findall(ptx))
     assert ops, "no float32 arithmetic found: the PTX format changed?"
+    # integer arguments (the decay-mode flags, a checked call's limit bits) compiled as integers, as launched
+    assert not re.search(r"cvt\.rn\.f32\.[us]32", ptx), "an integer argument converted to float"
     for name in ops:
         assert ".ftz" not in name and ".approx" not in name and ".full" not in name, (name, dict(ops))
         assert not name.startswith(("rcp", "rsqrt", "ex2", "lg2")), (name, dict(ops))

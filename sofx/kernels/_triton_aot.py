@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import tempfile
+import typing
 from typing import Any, Mapping
 
 import triton
@@ -41,8 +42,9 @@ def _scalar_type(name: str) -> str:
     """Triton's type for a runtime argument of the kernel (from the launcher's NamedTuple fields)."""
     if name == "n":
         return "i32"
-    fields = {"u": tk._UndoArgs, "s": tk._StepArgs, "k": tk._CheckArgs}[name[0]].__annotations__
-    return "i32" if fields[name[2:]] in (int, "int") else "fp32"
+    # (resolved: under ``from __future__ import annotations`` the raw annotations are strings)
+    fields = typing.get_type_hints({"u": tk._UndoArgs, "s": tk._StepArgs, "k": tk._CheckArgs}[name[0]])
+    return "i32" if fields[name[2:]] is int else "fp32"
 
 
 def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,

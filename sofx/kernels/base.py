@@ -214,6 +214,17 @@ def write_param_copy(p_copy: torch.Tensor | None, p_new: torch.Tensor) -> None:
         p_copy.copy_(p_new)
 
 
+def write_kept_param_copy(p_copy: torch.Tensor | None, p_new: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """:func:`write_param_copy` where the kernel did not write the copy itself; of a checked call
+    (``skip``, see :data:`FINITE_CHUNK`) only the chunks it did not flag (a flagged chunk's outputs are left
+    alone, the copy's too)."""
+    if p_copy is None or skip is None or not bool(skip.any()):
+        write_param_copy(p_copy, p_new)
+        return
+    keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:p_new.numel()]
+    p_copy.view(-1)[keep] = p_new.reshape(-1)[keep].to(p_copy.dtype)
+
+
 def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A kernel's ``(p, m, v)``: ``results`` as they are, or copied into ``out`` where a

@@ -75,7 +75,7 @@ from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
                                UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
-                               write_outputs, write_param_copy)
+                               write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself, shared_memory_message
 from sofx.kernels.threads import native_thread_request
 
@@ -314,7 +314,7 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     targets = b.out if b.out is not None else tuple(torch.empty(b.p.shape, dtype=t.dtype) for t in (b.p, b.m, b.v))
     for t, r in zip(targets, new):
         t.view(-1)[keep] = r.view(-1)[keep].to(t.dtype)
-    _copy_kept(b.p_copy, new[0], b.skip)
+    write_kept_param_copy(b.p_copy, new[0], b.skip)
     return targets[0], targets[1], targets[2]
 
 
@@ -393,19 +393,9 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             b = blocks[i]
             res = write_outputs(nb.targets, b.out)
             if not nb.copied:
-                _copy_kept(b.p_copy, res[0], b.skip)
+                write_kept_param_copy(b.p_copy, res[0], b.skip)
             results[i] = res
     return results  # type: ignore[return-value]
-
-
-def _copy_kept(p_copy: torch.Tensor | None, p_new: torch.Tensor, skip: torch.Tensor | None) -> None:
-    """``p_copy.copy_(p_new)`` where the kernel did not write the copy itself; of a checked block only the
-    chunks it did not skip."""
-    if p_copy is None or skip is None or not bool(skip.any()):
-        write_param_copy(p_copy, p_new)
-        return
-    keep = _kept(skip, p_new.numel())
-    p_copy.view(-1)[keep] = p_new.reshape(-1)[keep].to(p_copy.dtype)
 
 
 def _kept(skip: torch.Tensor, n: int) -> torch.Tensor:

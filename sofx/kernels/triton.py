@@ -55,7 +55,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
-                               lossy_factor, write_outputs, write_param_copy)
+                               lossy_factor, write_kept_param_copy, write_outputs)
 from sofx.kernels.donation import overlap_message, overlaps_itself
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
@@ -275,7 +275,9 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
     d_mo = tl.load(row + 9)
     d_vo = tl.load(row + 10)
     d_pc = tl.load(row + 11)
-    d_sk = tl.load(row + 12)  # (flags: one byte per chunk, never aligned)
+    sk = sk_ptr
+    if CHECK:
+        sk = sk_ptr + tl.load(row + 12)  # (flags: one byte per chunk, never aligned)
     if ALIGNED:
         n = tl.multiple_of(n, 16)
         d_p = tl.multiple_of(d_p, 16)
@@ -291,7 +293,7 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
     chunk = pid - tl.load(row)
     offs = chunk * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     _adam_elements(p_ptr + d_p, g_ptr + d_g, m_ptr + d_m, v_ptr + d_v, g2_ptr + d_g2, pold_ptr + d_pold,
-                   po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, sk_ptr + d_sk, chunk, offs, offs < n,
+                   po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, sk, chunk, offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
                    k_lim, k_c, OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
@@ -445,6 +447,7 @@ class _Operands(NamedTuple):
     p_copy: torch.Tensor | None
     layout: tuple
     aligned: bool
+    skip: torch.Tensor | None = None
 
 
 def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g2: torch.Tensor | None,
@@ -476,7 +479,7 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     n = p.numel()
     return _Operands(arrays, tuple([a[0] for a in info] + [sk[0]]), tuple([a[1] for a in info] + [sk[1]]), n,
                      targets, pc, out, p_copy, tuple([a[2] for a in info] + [sk[2]]),
-                     n % VECTOR_MULTIPLE == 0 and all([a[3] for a in info]))
+                     n % VECTOR_MULTIPLE == 0 and all([a[3] for a in info]), skip)
 
 
 def _address(t: torch.Tensor) -> tuple[int, int, tuple[torch.dtype, int], bool]:
@@ -488,8 +491,8 @@ def _address(t: torch.Tensor) -> tuple[int, int, tuple[torch.dtype, int], bool]:
 
 def _finish(ops: _Operands) -> Triple:
     results = write_outputs(ops.targets, ops.out)
-    if ops.pc is None:
-        write_param_copy(ops.p_copy, results[0])
+    if ops.pc is None:  # (a checked call's flagged chunks are left alone, in the copy too)
+        write_kept_param_copy(ops.p_copy, results[0], ops.skip)
     return results
 
 
@@ -509,20 +512,27 @@ def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepA
     """One block by the flat kernel. Triton loads and stores 128 bits at a time only where the mask is
     provably constant over each group of elements, i.e. where n is a multiple of 16 (it specializes on
     that at launch): the last n % 16 elements, if any, get a launch of their own (16-element offsets
-    keep the pointers 16-byte aligned). A checked call (``k``) is one launch: a chunk is decided whole."""
+    keep the pointers 16-byte aligned). A checked call (``k``) decides a chunk whole: where n % 16 is not
+    0 its last chunk (partial) gets the launch of its own, with its flag."""
     n = ops.n
-    head = n - n % VECTOR_MULTIPLE if k is None else n
+    if k is None:
+        head = n - n % VECTOR_MULTIPLE
+    else:
+        head = n - (n % CHECK_BLOCK if n % VECTOR_MULTIPLE else 0)
     constexprs = _constexprs(op, ops, has_p_old, k is not None)
     for start, count in ((0, head), (head, n - head)):
         if count:  # the kernel takes the tensors' addresses: the arrays themselves from element 0
-            arrays = ops.arrays if start == 0 else _from(ops.arrays, start)
+            arrays = ops.arrays if start == 0 else _from(ops.arrays, start, ops.skip)
             _adam_kernel[(_programs(count, k is not None),)](*arrays, count, *u, *st, *(k or _NO_CHECK),
                                                             **constexprs)
 
 
-def _from(arrays: Sequence[torch.Tensor], start: int) -> list[torch.Tensor]:
-    """Each of ``arrays`` (contiguous) from element ``start`` on; a tensor in several slots is sliced once."""
+def _from(arrays: Sequence[torch.Tensor], start: int, skip: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each of ``arrays`` (contiguous) from element ``start`` on; a tensor in several slots is sliced once.
+    ``skip`` (the flags of a checked call, ``start`` a multiple of CHECK_BLOCK): from its chunk on."""
     sliced: dict[int, torch.Tensor] = {}
+    if skip is not None:
+        sliced[id(skip)] = skip[start // CHECK_BLOCK:]
     for a in arrays:
         if id(a) not in sliced:
             sliced[id(a)] = a.view(-1)[start:]
@@ -692,12 +702,11 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
                block: Callable[..., tuple], fallback: Callable[..., Triple]) -> list[Triple]:
     """The calls whose scalars are all numbers through the kernels (``block(call, s_undo, s_step)``: the
     launch operands), the others (0-d tensors that cannot be read on the host) through ``fallback``, in
-    the calls' order. Kernel arguments are derived once per distinct scalars."""
+    the calls' order. Kernel arguments are derived once per distinct scalars. A checked call whose scalars
+    cannot be read is refused before any call runs."""
     derived: dict[tuple, tuple[_UndoArgs | None, _StepArgs | None] | None] = {}  # None: not all numbers
     by_id: dict[tuple[int, int], tuple[_UndoArgs | None, _StepArgs | None] | None] = {}  # the same, by identity
-    checks: dict[tuple[int, torch.dtype], _CheckArgs] = {}
-    results: list[Triple | None] = [None] * len(calls)
-    launch, u_args, s_args, k_args = [], [], [], []
+    every: list[tuple[_UndoArgs | None, _StepArgs | None] | None] = []
     for i, (c, su, ss) in enumerate(zip(calls, undo_scalars, step_scalars)):
         ids = (id(su), id(ss))  # the lists hold the objects
         if ids not in by_id:
@@ -707,12 +716,16 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
                 derived[key] = (_undo_args(su, variant) if su is not None else None,
                                 _step_args(ss, variant) if ss is not None else None) if numbers else None
             by_id[ids] = derived[key]
-        args = by_id[ids]
+        every.append(by_id[ids])
+        if by_id[ids] is None and getattr(c, "skip", None) is not None:
+            raise UnsupportedError(f"triton.{_name(('step', 'undo', 'undo_redo')[op], calls, i)}: a checked call "
+                                   "needs scalars whose values can be read (not traced)")
+    checks: dict[tuple[int, torch.dtype], _CheckArgs] = {}
+    results: list[Triple | None] = [None] * len(calls)
+    launch, u_args, s_args, k_args = [], [], [], []
+    for i, (c, su, ss, args) in enumerate(zip(calls, undo_scalars, step_scalars, every)):
         skip = getattr(c, "skip", None)
         if args is None:
-            if skip is not None:
-                raise UnsupportedError(f"triton.{_name(('step', 'undo', 'undo_redo')[op], calls, i)}: a checked call "
-                                       "needs scalars whose values can be read (not traced)")
             results[i] = fallback(c, su, ss)
             continue
         launch.append(i)
