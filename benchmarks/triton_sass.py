@@ -29,7 +29,9 @@ import triton  # noqa: E402
 from sofx.kernels import triton as tk  # noqa: E402
 from sofx.kernels._triton_aot import available, compile_kernel, resource_usage, sass  # noqa: E402
 
-OPS = {"step": (0, False), "undo": (1, False), "undo+redo": (2, False)}
+# (op, has_p_old, checked: undo="auto"'s checked call, a chunk of CHECK_BLOCK per program on CHECK_WARPS warps)
+OPS = {"step": (0, False, False), "undo": (1, False, False), "undo+redo": (2, False, False),
+       "step, checked": (0, False, True), "undo+redo, checked": (2, False, True)}
 DTYPES = {"fp32": ("fp32", "fp32"), "bf16 p + fp32 states": ("bf16", "fp32"), "all-bf16": ("bf16", "bf16")}
 SIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -72,10 +74,10 @@ def main() -> None:
           f"{args.clock_ghz} GHz x 32 lanes over {args.hbm_tbps} TB/s\n")
     print("| operation | dtypes | bytes/elem | instr/elem (common path) | budget at bandwidth | share | registers |")
     print("|---|---|---|---|---|---|---|")
-    for op_name, (op, has_p_old) in OPS.items():
+    for op_name, (op, has_p_old, checked) in OPS.items():
         for dt_name, (pdt, sdt) in DTYPES.items():
-            kernel = compile_kernel(args.arch, op, has_p_old, pdt, sdt)
-            per_thread = tk.BLOCK // (kernel.metadata.num_warps * 32)
+            kernel = compile_kernel(args.arch, op, has_p_old, pdt, sdt, check=checked)
+            per_thread = (tk.CHECK_BLOCK if checked else tk.BLOCK) // (kernel.metadata.num_warps * 32)
             path = common_path(sass(kernel.asm["cubin"]))
             per_elem = len(path) / per_thread
             nbytes = 2 * SIZE[pdt] + SIZE[pdt] + 4 * SIZE[sdt] + (SIZE[pdt] if op == 2 else 0)

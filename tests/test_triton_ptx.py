@@ -161,7 +161,7 @@ def test_sass_count_script_runs(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2:5] in ("ste", "und")]
-    assert len(rows) == 9, proc.stdout
+    assert len(rows) == 15, proc.stdout  # 5 operations (2 of them checked calls) x 3 dtype combinations
     for row in rows:
         per_elem, budget, share = (float(x) for x in row.strip("| ").split(" | ")[3:6])
         assert 10 < per_elem < budget * 2 and abs(share - per_elem / budget) < 0.01, row
