@@ -437,6 +437,8 @@ else:
                 g[i] = float("inf")
             elif what == "nan_v":
                 v[i] = float("nan")
+            elif what == "inf_p":  # where v is 0: flagged in L2 mode (an inf effective gradient)
+                p[i], v[i] = float("inf"), 0.0
             else:
                 m[i] = float("inf")
         return p, g, m, v
@@ -447,13 +449,14 @@ else:
     @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}")
     def test_checked_step_flags_what_the_python_form_finds_and_leaves_those_chunks_alone(dtypes, variant, rng):
         """A checked step (skip) flags exactly the chunks where beyond_limit or lossy_elements finds an element
-        (a spike, an inf gradient, a nan v, an inf m; planted in the first, a middle and the partial last
-        chunk), writes none of their outputs (donated: they keep their old values) and gives the unchecked
+        (a spike, an inf gradient, a nan v, an inf m, an inf p where v is 0; planted in the first, a middle and
+        the partial last chunk), writes none of their outputs (donated: they keep their old values) and gives the unchecked
         step's bits everywhere else."""
         for n in CHECK_SIZES:
             last = n - 1
-            where = [("spike", 3), ("inf", min(FINITE_CHUNK + 5, last)), ("nan_v", last), ("inf_m", last // 2)]
-            for planted in ([], where[:1], where[1:2], where[2:3], where[3:], where):
+            where = [("spike", 3), ("inf", min(FINITE_CHUNK + 5, last)), ("nan_v", last), ("inf_m", last // 2),
+                     ("inf_p", min(2, last))]
+            for planted in ([], where[:1], where[1:2], where[2:3], where[3:4], where[4:], where):
                 p, g, m, v = _planted(rng, n, dtypes, planted)
                 s = block_scalars(rng, 0.1, 0.5)
                 want_flags = _chunk_any(beyond_limit(g, s.grad_scale)

@@ -96,10 +96,11 @@ def test_checked_step_flags_the_lossy_chunks(combo, decoupled, backend, rng):
     p, g, m, v = _planted(rng, _N, combo, _WHERE)
     v[5 * FINITE_CHUNK + 5] = float("nan")
     m[4 * FINITE_CHUNK + 17] = float("-inf")  # a non-finite first moment: its inverse would give a nan p
+    p[100], v[100] = float("inf"), 0.0  # an inf parameter where v is 0: in L2 mode an inf effective gradient
     s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
     bad = lossy_elements(p, g, v, s, decoupled, m=m) | beyond_limit(g, s.grad_scale)
     want = _want_flags(bad, _N)
-    assert sum(want) == 6
+    assert sum(want) == 6 + (not decoupled) and want[0] == (not decoupled)
     flags = torch.zeros(len(want), dtype=torch.uint8)
     out = [t.clone() for t in (p, m, v)]
     backend.step_many([StepCall(p, g, m, v, s, tuple(out), None, flags)], variant)
@@ -130,11 +131,14 @@ def test_checked_undo_redo_flags_against_the_undone_moment(combo, decoupled, wit
     g_new[_WHERE[1]] = 0.01
     g_new[_WHERE[3]] = 10.0  # and a spike of the new gradient
     m1[4 * FINITE_CHUNK + 100] = float("nan")  # and a non-finite m'
+    p0[200] = p1[200] = float("inf")  # and an inf parameter where v' is 0 (L2: an inf effective gradient)
+    v1[200] = 0.0
     s_new = s_old._replace(grad_scale=0.25)
     p_old = p0 if with_p_old else None
     bad = lossy_elements(p_old if with_p_old else p1, g_new, v1, s_new, decoupled, g_old, s_old, m=m1)
     want = _want_flags(bad | beyond_limit(g_new, s_new.grad_scale), _N)
     assert want[2] == 0 and want[4] == 1 and want[-1] == 1  # the undone spike is no spike of the redo (v' holds it)
+    assert bool(bad[200]) == (not decoupled)
     for backend in (cpu, cpu_fast):
         flags = torch.zeros(len(want), dtype=torch.uint8)
         backend.undo_redo_many([UndoRedoCall(p1, m1, v1, g_old, s_old, g_new, s_new, p_old, None, None, flags)],
@@ -350,6 +354,31 @@ def test_a_non_finite_first_moment_is_not_undone_algebraically(backend, donate):
     assert bool(torch.isfinite(p3["w"]).all())
     assert torch.equal(p3["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[0]["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
     assert torch.equal(s3.mu["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[1].mu["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_an_inf_parameter_in_l2_mode_is_not_undone_algebraically(backend, donate):
+    """L2 mode: a parameter already inf (a diverged state) where v is exactly 0 makes the effective gradient
+    g + wd * p inf; the step writes nan moments there, and their algebraic inverse nan in place of the zeros
+    (it was not flagged: a v of 0 is exempt). undo='auto' keeps that chunk's old values."""
+    if backend == "cpu" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(10)
+    opt = sofx.adam(lr=1e-3, weight_decay=0.01, backend=backend)
+    params, state = _run_to(opt, 3 * FINITE_CHUNK, 30, gen)
+    i = FINITE_CHUNK + 5
+    params["w"][i] = float("inf")
+    state.mu["w"][i] = state.nu["w"][i] = 0.0
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    grads = {k: 0.1 * torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    p2, s2, rec = opt.update(params, grads, state, donate=donate)
+    assert rec.strategies() == ["algebraic", "snapshot"]  # b, w
+    p3, s3 = opt.undo(p2, s2, rec, donate=donate)
+    assert bool(torch.isfinite(s3.mu["w"]).all()) and bool(torch.isfinite(s3.nu["w"]).all())
+    chunk = slice(FINITE_CHUNK, 2 * FINITE_CHUNK)
+    for a, b in zip((p3["w"], s3.mu["w"], s3.nu["w"]), (before[0]["w"], before[1].mu["w"], before[1].nu["w"])):
+        assert torch.equal(a[chunk], b[chunk])
 
 
 def test_any_lossy_is_lossy_elements_any():

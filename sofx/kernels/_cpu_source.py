@@ -956,7 +956,8 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
    with v != 0 and not (gh * gh * c <= v), c the step's Sc.lossy, gh its effective gradient (g * gs, plus
    wd * p in L2 mode), v the second moment before it. An undo+redo's is the undone one: b2 times it,
    v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division), gh_old the old gradient's (p:
-   p_old where given, else p'). A non-finite m (m' of an undo+redo) is flagged too: its inverse gives nan p. */
+   p_old where given, else p'). A non-finite gh * gh * c is flagged whatever v (an inf or nan p in L2 mode:
+   its inverse gives nan moments); a non-finite m (m' of an undo+redo) too: its inverse gives nan p. */
 /* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one; on: Sc.lossy set). */
 typedef struct {
   float c, b2s, gsn, wdn, gso, wdo, omb2o;
@@ -1004,7 +1005,8 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
     for (int i = 0; i < n; i++) {
       float gh = G[i] * x.gsn;
       if (x.l2n) gh = gh + P[i] * x.wdn;
-      bad |= ((V[i] != 0.0f) & !(gh * gh * x.c * x.b2s <= V[i])) | !(fabsf(M[i]) <= FLT_MAX);
+      const float t = gh * gh * x.c * x.b2s;
+      bad |= ((V[i] != 0.0f) & !(t <= V[i])) | !(t <= FLT_MAX) | !(fabsf(M[i]) <= FLT_MAX);
     }
   }
   return !bad;
@@ -1293,8 +1295,9 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
     __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), _mm512_set1_ps(x->c));         \
     if (redo) t = _mm512_mul_ps(t, _mm512_set1_ps(x->b2s));                        \
     const __m512 am = _mm512_abs_ps(vld_##DS(a->m, e, ALL_LANES));                 \
+    const __m512 big = _mm512_set1_ps(FLT_MAX);                                    \
     return (_mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ)) \
-           | _mm512_cmp_ps_mask(am, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);         \
+           | _mm512_cmp_ps_mask(t, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(am, big, _CMP_NLE_UQ); \
   }
 NATIVE_COMBOS(VLOSSY)
 /* The next chunk's vector at e into bad by vlossy (redo: an undo+redo's), its lines prefetched ahead as SCAN_AT's. */
@@ -2270,8 +2273,10 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), _mm256_set1_ps(x->c));             \
     if (redo) t = _mm256_mul_ps(t, _mm256_set1_ps(x->b2s));                        \
     const v8 am = _mm256_and_ps(v8ld_##DS(a->m, e), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); \
-    return _mm256_castps_si256(_mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), _mm256_cmp_ps(t, v, _CMP_NLE_UQ)), \
-                                            _mm256_cmp_ps(am, _mm256_set1_ps(FLT_MAX), _CMP_NLE_UQ))); \
+    const v8 big = _mm256_set1_ps(FLT_MAX);                                        \
+    return _mm256_castps_si256(_mm256_or_ps(_mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), _mm256_cmp_ps(t, v, _CMP_NLE_UQ)), \
+                                                         _mm256_cmp_ps(t, big, _CMP_NLE_UQ)), \
+                                            _mm256_cmp_ps(am, big, _CMP_NLE_UQ))); \
   }
 NATIVE_COMBOS(VLOSSY8)
 /* SCAN8_AT and, where lz, vlossy8 on the same 16 elements of the next chunk (their v, p, old gradient prefetched

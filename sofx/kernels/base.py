@@ -310,7 +310,9 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # at 12 (the first ratio, 12, took only v' into account and let a 30x spike's v back 1.6e-6 off); m within
 # about (2 R_m + 2 |m| / sqrt(v)) 2^-24 of sqrt(v): measured 28 2^-24 = 1.7e-6 up to 12 (the tests allow 2e-6).
 # A zero ``v`` is not flagged (the step from zero moments: the inverse takes exactly what the step added, and
-# a leaf's first step restores exact zeros anyway); a nan ``v`` is, and a non-finite ``m``.
+# a leaf's first step restores exact zeros anyway); a nan ``v`` is, a non-finite ``m``, and a non-finite
+# ``gh^2 c`` (an inf or nan parameter in L2 mode, whose effective gradient is then not finite: the inverse
+# would give nan moments, also where v is 0).
 LOSSY_V_RATIO = 3.0
 LOSSY_M_RATIO = 12.0
 
@@ -369,11 +371,12 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
     the parameters before it where its record kept them, else its result ``p'``) compares the new gradient
     against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0), both ``gh`` from that ``p``;
     as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused undo+redo loops are bound by
-    their divider). ``m``: the first moment (``m'`` of an undo+redo); an element where it is not finite is
-    flagged too (its inverse would give a nan parameter: inf - inf). The checked kernels flag the chunks
-    holding such an element."""
+    their divider). A non-finite ``gh^2 c`` is flagged whatever ``v`` (an inf or nan parameter in L2
+    mode: its inverse gives nan moments). ``m``: the first moment (``m'`` of an undo+redo); an element where
+    it is not finite is flagged too (its inverse would give a nan parameter: inf - inf). The checked kernels
+    flag the chunks holding such an element."""
     t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-    bad = (vv != 0) & ~(t <= vv)
+    bad = ((vv != 0) & ~(t <= vv)).logical_or_(~torch.isfinite(t))
     return bad if m is None else bad.logical_or_(~torch.isfinite(m))
 
 
@@ -389,7 +392,7 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
     elements, flags it too: a snapshot where none was needed)."""
     def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None) -> torch.Tensor:
         t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-        return torch.le(t, vv).logical_or_(vv == 0).all()
+        return torch.le(t, vv).logical_or_(vv == 0).logical_and_(torch.isfinite(t)).all()
 
     m_bad = torch.zeros((), dtype=torch.bool, device=p.device) if m is None or m.numel() == 0 else \
         ~torch.isfinite(m.sum())

@@ -151,7 +151,7 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd,
     t = (gh * gh) * k_c
     if OP == 2:
         t = t * u_b2
-    lossy = ((vv != 0.0) & ~(t <= vv)) | ~(tl.abs(m) <= 3.4028234663852886e38)
+    lossy = ((vv != 0.0) & ~(t <= vv)) | ~(t <= 3.4028234663852886e38) | ~(tl.abs(m) <= 3.4028234663852886e38)
     bad = (bad | (lossy & (k_c != 0.0))) & mask
     return tl.max(bad.to(tl.int32), axis=0)
 
