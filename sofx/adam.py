@@ -446,7 +446,7 @@ class Adam:
         Without it a new gradient is not read again where it is the very
         tensor the undone step used and found finite (a late clip or a new
         loss scale redoes with the same gradient and a new ``grad_scale``);
-        the CPU kernels check the others in the fused pass, as :meth:`update`
+        the CPU and Triton kernels check the others in the fused pass, as :meth:`update`
         does (a leaf whose new gradient has an inf or a nan gets a snapshot
         record); elsewhere they are read before. ``param_copies`` and
         ``undoable`` as in :meth:`update` (the redone step's record is a
@@ -626,7 +626,7 @@ class Adam:
         :class:`~sofx.errors.UnsupportedError` for ``undo='algebraic'`` where
         the inverse does not exist). Speculation uses it to decide eligibility.
         Not the lossy-inverse test of ``undo='auto'`` (it needs the step's
-        values, and the CPU kernels run it in the step): where it finds an
+        values, and the CPU and Triton kernels run it in the step): where it finds an
         element, :meth:`update` keeps a snapshot of a leaf said algebraic here.
         ``grads_finite``: as in :meth:`update` (True: the gradients are not read).
         """
