@@ -221,8 +221,13 @@ def write_kept_param_copy(p_copy: torch.Tensor | None, p_new: torch.Tensor, skip
     if p_copy is None or skip is None or not bool(skip.any()):
         write_param_copy(p_copy, p_new)
         return
-    keep = (skip == 0).repeat_interleave(FINITE_CHUNK)[:p_new.numel()]
+    keep = kept_elements(skip, p_new.numel())
     p_copy.view(-1)[keep] = p_new.reshape(-1)[keep].to(p_copy.dtype)
+
+
+def kept_elements(skip: torch.Tensor, n: int) -> torch.Tensor:
+    """A mask of the ``n`` elements whose chunk a checked call's ``skip`` does not flag."""
+    return (skip == 0).repeat_interleave(FINITE_CHUNK)[:n]
 
 
 def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None,

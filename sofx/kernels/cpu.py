@@ -73,7 +73,7 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
-                               UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip,
+                               UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
                                write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself, shared_memory_message
@@ -310,7 +310,7 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     if not bool(flags.any()):
         return _reference(op, unchecked, variant, s1, s2)
     new = _reference(op, unchecked._replace(out=None, p_copy=None), variant, s1, s2)
-    keep = _kept(b.skip, n)
+    keep = kept_elements(b.skip, n)
     targets = b.out if b.out is not None else tuple(torch.empty(b.p.shape, dtype=t.dtype) for t in (b.p, b.m, b.v))
     for t, r in zip(targets, new):
         t.view(-1)[keep] = r.view(-1)[keep].to(t.dtype)
@@ -396,11 +396,6 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
                 write_kept_param_copy(b.p_copy, res[0], b.skip)
             results[i] = res
     return results  # type: ignore[return-value]
-
-
-def _kept(skip: torch.Tensor, n: int) -> torch.Tensor:
-    """A mask of the ``n`` elements whose chunk ``skip`` does not flag."""
-    return (skip == 0).repeat_interleave(FINITE_CHUNK)[:n]
 
 
 def _empty_results(b: _Block) -> Triple:
