@@ -57,7 +57,7 @@ from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamSc
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
                                is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
-from sofx.undo_record import LeafUndo, UndoRecord, strategy_snapshot_bytes
+from sofx.undo_record import LeafUndo, UndoRecord, chunk_ranges, chunk_snapshot_bytes, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range"]
@@ -185,11 +185,13 @@ class Adam:
         (default): each gradient is checked. The CPU and Triton kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (contiguous leaves
         with ``undo="auto"``; a chunk with an inf or a nan is kept, then
-        stepped, and the leaf's record becomes a snapshot of its old values,
-        see :mod:`sofx.skipped_chunks`); elsewhere each gradient is read once
-        before the step (on a GPU, all of a device's in one pass).
+        stepped, and the leaf's record a ``"chunk_snapshot"``: the old values
+        of those chunks, the algebraic inverse elsewhere, see
+        :mod:`sofx.skipped_chunks`); elsewhere each gradient is read once
+        before the step (on a GPU, all of a device's in one pass) and such a
+        leaf's record is a whole snapshot.
 
-        With ``undo="auto"`` a leaf's record is also a snapshot where its
+        With ``undo="auto"`` a leaf's record also keeps old values where its
         gradient dominates its second moment somewhere (a spike, a rarely
         updated row of an embedding): the algebraic inverse would restore
         ``v`` and ``m`` less exactly than DESIGN.md's 1e-6 there (a gradient
@@ -235,7 +237,7 @@ class Adam:
                      for leaf, f, chk in zip(leaves, finite, in_step)]
             plans = self._snapshot_lossy(leaves, plans, in_step)
             if snapshot_limit_bytes is not None:
-                _check_snapshot_limit(leaves, plans, (), snapshot_limit_bytes)
+                _check_snapshot_limit(leaves, plans, {}, snapshot_limit_bytes)
         else:
             in_step = [False] * len(leaves)
             plans = [self._plan(leaf, grad_scale, True, memo, undoable=False) if leaf.g is not None else None
@@ -262,7 +264,7 @@ class Adam:
         flagged = flags.flagged()  # leaves with a chunk the step left alone (see skipped_chunks)
         if flagged and snapshot_limit_bytes is not None:
             try:
-                _check_snapshot_limit(leaves, plans, flagged, snapshot_limit_bytes)
+                _check_snapshot_limit(leaves, plans, {k: flags.views[k] for k in flagged}, snapshot_limit_bytes)
             except SnapshotLimitError:
                 self._take_back(leaves, records, calls, kernels, copies, flagged, donate)
                 raise
@@ -398,7 +400,8 @@ class Adam:
         (``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^t``; 1 without bias correction;
         no decay term where ``wd == 0``): exact in real arithmetic, a few ulps
         in float32. ``"param_snapshot"``: ``p`` restored from the record, ``m``
-        and ``v`` as above. The step count goes back to ``t - 1``, and the
+        and ``v`` as above. ``"chunk_snapshot"``: algebraic, then the kept
+        chunks' ``p, m, v`` restored bit for bit. The step count goes back to ``t - 1``, and the
         moments of a leaf's first step from init back to exact zeros.
 
         Raises :class:`~sofx.errors.UndoError` (changing nothing) when the
@@ -427,6 +430,8 @@ class Adam:
                 new_c[k] = rec.count_before
                 pending.append((k, kernels[k], _undo_call(leaf, rec, donate, copy)))
         for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant)):
+            if record.leaves[k].strategy == "chunk_snapshot":
+                skipped_chunks.restore_chunks(record.leaves[k], (p0, m0, v0), copies[k])
             m0, v0 = _zero_if_fresh(record.leaves[k], m0, v0, donate)
             new_p[k], new_m[k], new_v[k] = p0, m0, v0
         record.mark_used()
@@ -447,8 +452,8 @@ class Adam:
         tensor the undone step used and found finite (a late clip or a new
         loss scale redoes with the same gradient and a new ``grad_scale``);
         the CPU and Triton kernels check the others in the fused pass, as :meth:`update`
-        does (a leaf whose new gradient has an inf or a nan gets a snapshot
-        record); elsewhere they are read before. ``param_copies`` and
+        does (a leaf whose new gradient has an inf or a nan gets a chunk
+        snapshot record of the undone values there); elsewhere they are read before. ``param_copies`` and
         ``undoable`` as in :meth:`update` (the redone step's record is a
         snapshot where its new gradient dominates the undone second moment).
         """
@@ -557,6 +562,8 @@ class Adam:
             if rec.grad.shape != leaf.p.shape:
                 raise UndoError(f"{leaf.path}: the record's gradient has shape {tuple(rec.grad.shape)}, "
                                 f"the parameter {tuple(leaf.p.shape)}")
+            if rec.strategy == "chunk_snapshot":
+                _check_kept_chunks(leaf, rec)
         return spec, leaves
 
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
@@ -564,6 +571,8 @@ class Adam:
         if rec.strategy == "snapshot":
             return _restore_snapshot(leaf, rec, donate, copy)
         p0, m0, v0 = self._kernel(leaf).undo_many([_undo_call(leaf, rec, donate, copy)], self.variant)[0]
+        if rec.strategy == "chunk_snapshot":
+            skipped_chunks.restore_chunks(rec, (p0, m0, v0), copy)
         return (p0, *_zero_if_fresh(rec, m0, v0, donate), rec.count_before)
 
     def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None, grad_scale: Scalar,
@@ -984,19 +993,56 @@ def _validate_snapshot_limit(limit: Any) -> None:
 
 
 def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamScalars, str, str] | None],
-                          flagged: Sequence[int], limit: int) -> None:
-    """Raise :class:`SnapshotLimitError` where the record of ``plans`` (the ``flagged`` leaves: snapshots,
-    :func:`skipped_chunks.finish_step`) would hold more than ``limit`` bytes."""
-    snapshots = set(flagged)
-    need = sum(strategy_snapshot_bytes("snapshot" if k in snapshots else plan[1], leaf.p, leaf.m, leaf.v)
-               for k, (leaf, plan) in enumerate(zip(leaves, plans)) if plan is not None)
+                          flagged: dict[int, torch.Tensor], limit: int) -> None:
+    """Raise :class:`SnapshotLimitError` where the record of ``plans`` would hold more than ``limit`` bytes
+    (``flagged``: the flags of the leaves whose checked step flagged chunks, whose records
+    :func:`skipped_chunks.finish_step` makes: the snapshot of those chunks, or a whole one)."""
+
+    def need_of(k: int, leaf: _Leaf, strategy: str) -> int:
+        if k not in flagged:
+            return strategy_snapshot_bytes(strategy, leaf.p, leaf.m, leaf.v)
+        chunks = flagged[k].nonzero().flatten().tolist()
+        if strategy == "param_snapshot" or len(chunks) == flagged[k].numel():  # kept whole
+            return strategy_snapshot_bytes("snapshot", leaf.p, leaf.m, leaf.v)
+        return chunk_snapshot_bytes(chunks, leaf.p, leaf.m, leaf.v)
+
+    need = sum(need_of(k, leaf, plan[1]) for k, (leaf, plan) in enumerate(zip(leaves, plans)) if plan is not None)
     if need > limit:
-        names = ", ".join(leaves[k].path for k in flagged[:3]) + (", ..." if len(flagged) > 3 else "")
-        found = (f"; the step found {len(flagged)} {'leaf' if len(flagged) == 1 else 'leaves'} ({names}) whose "
-                 "algebraic inverse would be too lossy or whose gradient is not finite" if flagged else "")
+        found_in = list(flagged)
+        names = ", ".join(leaves[k].path for k in found_in[:3]) + (", ..." if len(found_in) > 3 else "")
+        found = (f"; the step found {len(found_in)} {'leaf' if len(found_in) == 1 else 'leaves'} ({names}) where "
+                 "an algebraic inverse would be too lossy or the gradient is not finite" if found_in else "")
         raise SnapshotLimitError(f"the undo record would hold {need} bytes of snapshot, more than "
                                  f"snapshot_limit_bytes = {limit}{found}; "
                                  f"{'the step was taken back' if flagged else 'nothing was changed'}", need, limit)
+
+
+def _check_kept_chunks(leaf: _Leaf, rec: LeafUndo) -> None:
+    """Raise :class:`UndoError` unless ``rec``'s kept chunks fit ``leaf``: ascending chunk indices within it
+    (int64, 1-d, on its device), and as many kept elements of ``p, m, v``, in their dtypes, as they cover;
+    ``p, m, v`` contiguous (the chunks are ranges of their memory)."""
+    for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
+        if not t.is_contiguous():
+            raise UndoError(f"{_role_name(leaf, role)} is not contiguous: the record keeps chunks of a contiguous "
+                            "leaf's memory")
+    chunks, n = rec.chunks, leaf.p.numel()
+    last = -(-n // FINITE_CHUNK)
+    if not (isinstance(chunks, torch.Tensor) and chunks.dtype == torch.int64 and chunks.dim() == 1
+            and chunks.device == leaf.p.device and chunks.numel() > 0):
+        raise UndoError(f"{leaf.path}: the record's kept chunks are not a non-empty 1-d int64 tensor on "
+                        f"{leaf.p.device}")
+    idx = chunks.tolist()
+    if idx[0] < 0 or idx[-1] >= last or any(b <= a for a, b in zip(idx, idx[1:])):
+        raise UndoError(f"{leaf.path}: the record's kept chunks {idx[:8]} are not ascending chunk indices of a "
+                        f"leaf of {last} chunks")
+    want = sum(b - a for a, b in chunk_ranges(idx, n))
+    for name, kept, t in (("p", rec.p_old, leaf.p), ("m", rec.m_old, leaf.m), ("v", rec.v_old, leaf.v)):
+        if not isinstance(kept, torch.Tensor) or kept.dim() != 1 or kept.numel() != want or kept.dtype != t.dtype \
+                or kept.device != t.device:
+            got = (f"{tuple(kept.shape)} {kept.dtype} on {kept.device}" if isinstance(kept, torch.Tensor)
+                   else type(kept).__name__)
+            raise UndoError(f"{leaf.path}: the record keeps {got} of {name} for its chunks; expected ({want},) "
+                            f"{t.dtype} on {t.device}")
 
 
 def _validate_grads_finite(grads_finite: Any) -> None:
@@ -1159,9 +1205,11 @@ def _writable_copies(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | No
 
 
 def _undo_call(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None) -> UndoCall:
-    """The kernel call that inverts ``rec``'s step of ``leaf`` (not a full snapshot)."""
+    """The kernel call that inverts ``rec``'s step of ``leaf`` (not a full snapshot; a chunk snapshot's
+    kept chunks are put back after it, :func:`skipped_chunks.restore_chunks`)."""
     out = (leaf.p, leaf.m, leaf.v) if donate else None
-    return UndoCall(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, rec.p_old, out, copy)
+    p_old = rec.p_old if rec.strategy == "param_snapshot" else None
+    return UndoCall(leaf.p, rec.grad, leaf.m, leaf.v, rec.scalars, p_old, out, copy)
 
 
 def _restore_snapshot(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None,

@@ -3,10 +3,12 @@
 A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; :data:`sofx.kernels.base.FINITE_CHUNK`) reads
 each chunk of the gradient of the step it takes before writing the chunk and leaves a chunk with an inf
 or a nan alone, or one whose inverse would be too lossy (:func:`sofx.kernels.base.lossy_elements`). No
-(exact enough) algebraic inverse exists there, so :class:`sofx.Adam` gives such a leaf a snapshot
-record: the functions here recover the values before the step for it, then step the skipped chunks,
-which completes exactly the call an unchecked kernel would have made (the same bits). Rare: an overflow,
-a gradient spike, the first steps of a run (a second moment still small by chance).
+(exact enough) algebraic inverse exists there, so :class:`sofx.Adam` keeps the old values of those chunks:
+the functions here copy them out (a ``"chunk_snapshot"`` record, :mod:`sofx.undo_record`), then step the
+skipped chunks, which completes exactly the call an unchecked kernel would have made (the same bits). The
+other chunks are undone algebraically, as the test found them sound. Rare but for a few leaves: an
+overflow, a gradient spike, the first steps of a run (a second moment still small by chance), the rows of
+an embedding or output layer that rare tokens update (there a few chunks in ten, every step).
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from typing import Any, Sequence
 
 import torch
 
-from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               write_param_copy)
-from sofx.undo_record import LeafUndo
+from sofx.kernels.base import AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall, write_param_copy
+from sofx.undo_record import LeafUndo, chunk_ranges
 
-__all__ = ["finish_step", "finish_undo_redo", "roll_back_step"]
+__all__ = ["finish_step", "finish_undo_redo", "roll_back_step", "restore_chunks"]
 
 _REASON = ("the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT), or it "
            "dominates the second moment somewhere: an algebraic inverse would restore it less exactly than 1e-6 "
@@ -31,49 +32,77 @@ Ranges = Sequence[tuple[int, int]]
 def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCall, rec: LeafUndo, results: Triple,
                 donate: bool) -> LeafUndo:
     """Finish ``update``'s checked step of one leaf (``inputs``: its ``p, m, v`` before, ``results`` the
-    kernel's; ``rec``: the record made for it) and return the leaf's record, a snapshot of its old values.
+    kernel's; ``rec``: the record made for it) and return the leaf's record.
 
-    Without donation the old values are the inputs, untouched. With donation the skipped chunks still hold
-    them; the stepped ones are recovered by the algebraic inverse (as an algebraic undo would) into new
-    tensors. Then the skipped chunks are stepped from their old values."""
-    ranges = _skipped(call.skip, results[0].numel())
+    The skipped chunks still hold their old values (in place under donation, else the inputs are
+    untouched): a ``"chunk_snapshot"`` of them is copied out, then they are stepped. Where every chunk was
+    skipped the record is a whole ``"snapshot"`` (the same values, no indices). A leaf whose record keeps its
+    old parameter whole (``"param_snapshot"``) gets a whole snapshot too: with donation the stepped chunks'
+    old moments are recovered by the algebraic inverse into new tensors (as an undo would)."""
+    chunks, ranges = _skipped(call.skip, results[0].numel())
+    whole = len(ranges) == call.skip.numel()
+    if rec.strategy != "param_snapshot":
+        if whole:
+            old = [t.clone() for t in inputs] if donate else list(inputs)
+            everything = [(0, results[0].numel())]
+            _step(kernel, variant, everything, _pieces(old, everything), call.g, rec.scalars, results, call.p_copy)
+            return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
+        kept = _copy_out(inputs, ranges)
+        _step(kernel, variant, ranges, _pieces(inputs, ranges), call.g, rec.scalars, results, call.p_copy)
+        return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, _REASON,
+                        rec.moments_were_zero, chunks)
     if donate:
         old = kernel.undo_many([UndoCall(results[0], call.g, results[1], results[2], rec.scalars, rec.p_old)],
                                variant)[0]
-        _put(old, ranges, [tuple(_flat(t)[a:b] for t in results) for a, b in ranges])
+        _put(old, ranges, _pieces(results, ranges))
         if rec.moments_were_zero:
             old[1].zero_()
             old[2].zero_()
         source = results
     else:
         old = source = inputs
-    _step(kernel, variant, ranges, source, call.g, rec.scalars, results, call.p_copy)
+    _step(kernel, variant, ranges, _pieces(source, ranges), call.g, rec.scalars, results, call.p_copy)
     return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
 
 
 def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, results: Triple,
                      donate: bool, count_before: torch.Tensor) -> LeafUndo:
-    """Finish ``undo_redo``'s checked call of one leaf (the new gradient not finite in the skipped chunks;
-    ``inputs``: its ``p', m', v'`` before the call) and return the record of the redone step, a snapshot
-    of the undone values.
+    """Finish ``undo_redo``'s checked call of one leaf (the new gradient not finite, or the redo too lossy
+    to invert, in the skipped chunks; ``inputs``: its ``p', m', v'`` before the call) and return the
+    record of the redone step, a ``"chunk_snapshot"`` of the skipped chunks' undone values (a whole
+    ``"snapshot"`` where every chunk was skipped).
 
-    Without donation the inputs are untouched: their undo gives exactly the values the fused kernel redid
-    from. With donation the skipped chunks still hold the old step's values (undone here exactly so) and
-    the others the redone ones, whose inverse recovers the undone values (as an algebraic undo would).
-    Then the skipped chunks are stepped from their undone values with the new gradient."""
-    ranges = _skipped(call.skip, results[0].numel())
-    if donate:
-        undone = kernel.undo_many([UndoCall(results[0], call.g_new, results[1], results[2], call.s_new)], variant)[0]
-        p_old = _flat(call.p_old) if call.p_old is not None else None
-        cur, g_old = [_flat(t) for t in results], _flat(call.g_old)
-        parts = kernel.undo_many([UndoCall(cur[0][a:b], g_old[a:b], cur[1][a:b], cur[2][a:b], call.s_old,
-                                           p_old[a:b] if p_old is not None else None) for a, b in ranges], variant)
-        _put(undone, ranges, parts)
-    else:
-        undone = kernel.undo_many([UndoCall(inputs[0], call.g_old, inputs[1], inputs[2], call.s_old, call.p_old)],
-                                  variant)[0]
+    The skipped chunks still hold the old step's values (in place under donation, else the inputs are
+    untouched): they are undone (the undone step's inverse, which was sound) into the snapshot, then
+    stepped from it with the new gradient."""
+    chunks, ranges = _skipped(call.skip, results[0].numel())
+    cur, g_old = _pieces(results if donate else inputs, ranges), _flat(call.g_old)
+    p_old = _flat(call.p_old) if call.p_old is not None else None
+    undone = kernel.undo_many([UndoCall(*piece[:1], g_old[a:b], *piece[1:], call.s_old,
+                                        p_old[a:b] if p_old is not None else None)
+                               for (a, b), piece in zip(ranges, cur)], variant)
+    kept = [torch.cat([piece[i].reshape(-1) for piece in undone]) for i in range(3)]
     _step(kernel, variant, ranges, undone, call.g_new, call.s_new, results, call.p_copy)
-    return LeafUndo("snapshot", call.g_new, call.s_new, count_before, *undone, _REASON)
+    if len(ranges) == call.skip.numel():  # every chunk: a whole snapshot
+        return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
+                        *(k.view(r.shape) for k, r in zip(kept, results)), _REASON)
+    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *kept, _REASON, chunks=chunks)
+
+
+def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -> None:
+    """Put a ``"chunk_snapshot"`` record's kept values into ``undone`` (the leaf's ``p, m, v`` undone
+    algebraically, contiguous: garbage in those chunks, whose gradient may be an inf) and ``p_copy``."""
+    n = undone[0].numel()
+    ranges = chunk_ranges(rec.chunks.tolist(), n)
+    lengths = [b - a for a, b in ranges]
+    parts = list(zip(*(torch.split(kept, lengths) for kept in (rec.p_old, rec.m_old, rec.v_old))))
+    _put(undone, ranges, parts)
+    if p_copy is not None and not p_copy.is_contiguous():
+        write_param_copy(p_copy, undone[0])
+    elif p_copy is not None:
+        copy = _flat(p_copy)
+        for (a, b), part in zip(ranges, parts):
+            write_param_copy(copy[a:b], part[0])
 
 
 def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCall, rec: LeafUndo,
@@ -87,7 +116,7 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
     if donate:
         n = inputs[0].numel()
         stepped, at = [], 0
-        for a, b in _skipped(call.skip, n) + [(n, n)]:
+        for a, b in _skipped(call.skip, n)[1] + [(n, n)]:
             if a > at:
                 stepped.append((at, a))
             at = b
@@ -104,29 +133,42 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
     write_param_copy(call.p_copy, inputs[0])
 
 
-def _skipped(skip: torch.Tensor | None, n: int) -> list[tuple[int, int]]:
-    """The element ranges of the flagged chunks."""
+def _skipped(skip: torch.Tensor | None, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The indices (int64, ascending, on the flags' device) and element ranges of the flagged chunks."""
     assert skip is not None
-    return [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in skip.nonzero().flatten().tolist()]
+    chunks = skip.nonzero().flatten()
+    return chunks, chunk_ranges(chunks.tolist(), n)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)  # the checked leaves are contiguous
 
 
+def _pieces(triple: Sequence[torch.Tensor], ranges: Ranges) -> list[Triple]:
+    """The flat views ``(p[a:b], m[a:b], v[a:b])`` of ``triple`` for each range."""
+    flat = [_flat(t) for t in triple]
+    return [(flat[0][a:b], flat[1][a:b], flat[2][a:b]) for a, b in ranges]
+
+
+def _copy_out(triple: Sequence[torch.Tensor], ranges: Ranges) -> list[torch.Tensor]:
+    """``p, m, v``'s elements in ``ranges``, one after the other: three new flat tensors."""
+    flat = [_flat(t) for t in triple]
+    return [torch.cat([x[a:b] for a, b in ranges]) for x in flat]
+
+
 def _put(wholes: Sequence[torch.Tensor], ranges: Ranges, parts: Sequence[Sequence[torch.Tensor]]) -> None:
     """``wholes[i][a:b] = part[i]`` for every range and its part (flat views)."""
     for (a, b), part in zip(ranges, parts):
         for whole, x in zip(wholes, part):
-            _flat(whole)[a:b] = x
+            _flat(whole)[a:b] = x.reshape(-1)
 
 
-def _step(kernel: Any, variant: AdamVariant, ranges: Ranges, source: Sequence[torch.Tensor], g: torch.Tensor,
-          scalars: Any, results: Sequence[torch.Tensor], p_copy: torch.Tensor | None) -> None:
-    """The step of the chunks ``ranges`` from ``source``'s ``p, m, v`` with ``g`` into ``results`` (and
-    ``p_copy``), one kernel call."""
-    src, dst, grad = [_flat(t) for t in source], [_flat(t) for t in results], _flat(g)
+def _step(kernel: Any, variant: AdamVariant, ranges: Ranges, sources: Sequence[Sequence[torch.Tensor]],
+          g: torch.Tensor, scalars: Any, results: Sequence[torch.Tensor], p_copy: torch.Tensor | None) -> None:
+    """The step of the chunks ``ranges`` (``sources``: each one's ``p, m, v`` before) with ``g`` into
+    ``results`` (and ``p_copy``), one kernel call."""
+    dst, grad = [_flat(t) for t in results], _flat(g)
     copy = _flat(p_copy) if p_copy is not None else None
-    kernel.step_many([StepCall(src[0][a:b], grad[a:b], src[1][a:b], src[2][a:b], scalars,
+    kernel.step_many([StepCall(src[0].reshape(-1), grad[a:b], src[1].reshape(-1), src[2].reshape(-1), scalars,
                                (dst[0][a:b], dst[1][a:b], dst[2][a:b]), copy[a:b] if copy is not None else None)
-                      for a, b in ranges], variant)
+                      for (a, b), src in zip(ranges, sources)], variant)

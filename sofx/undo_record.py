@@ -13,10 +13,13 @@ Strategies:
 ``"algebraic"``       nothing stored; ``p, m, v`` recomputed from ``p', m', v'``
 ``"param_snapshot"``  the old parameter is kept (low-precision masters,
                       ``lr*wd`` near 1); the moments are recomputed
-``"snapshot"``        old ``p, m, v`` kept; restored bit for bit (but for a donated
-                      update whose gradient had an inf or a nan, checked in the
-                      step: there the chunks with a finite gradient were recovered
-                      by the inverse, as an algebraic undo recovers them)
+``"snapshot"``        old ``p, m, v`` kept; restored bit for bit
+``"chunk_snapshot"``  algebraic, but for the chunks of ``FINITE_CHUNK`` elements
+                      (``chunks``: their indices) whose old ``p, m, v`` are kept,
+                      one after the other, in ``p_old, m_old, v_old`` and restored
+                      bit for bit: those a checked step flagged (an inf or a nan
+                      in the gradient, or a spike an inverse would restore too
+                      lossily there, see :mod:`sofx.skipped_chunks`)
 ``"none"``            the step cannot be undone (``reason`` says why)
 
 ``moments_were_zero`` marks the first step of a leaf from freshly initialised
@@ -32,9 +35,9 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as torch_pytree
 
-from sofx.kernels.base import AdamScalars, AdamVariant
+from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant
 
-STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "none")
+STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "chunk_snapshot", "none")
 
 
 def strategy_snapshot_bytes(strategy: str, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
@@ -46,20 +49,37 @@ def strategy_snapshot_bytes(strategy: str, p: torch.Tensor, m: torch.Tensor, v: 
         return p.numel() * p.element_size()
     return 0
 
-_TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old")
+
+def chunk_ranges(chunks: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """The element ranges ``[a, b)`` of the chunks of :data:`~sofx.kernels.base.FINITE_CHUNK` elements
+    ``chunks`` (indices, ascending) of a leaf of ``n`` elements (the last chunk may be shorter)."""
+    return [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in chunks]
+
+
+def chunk_snapshot_bytes(chunks: Sequence[int], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes a ``"chunk_snapshot"`` record keeps for the chunks ``chunks`` (indices) of a leaf (its
+    :meth:`LeafUndo.snapshot_bytes`): their elements of ``p, m, v`` and one int64 index per chunk."""
+    elements = sum(b - a for a, b in chunk_ranges(chunks, p.numel()))
+    return elements * (p.element_size() + m.element_size() + v.element_size()) + 8 * len(chunks)
+
+
+_TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old", "chunks")
 
 
 class LeafUndo:
     """How to undo the step of one leaf."""
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
-                 "moments_were_zero", "_layout")
+                 "moments_were_zero", "chunks", "_layout")
 
     def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
                  p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
-                 v_old: torch.Tensor | None = None, reason: str = "", moments_were_zero: bool = False) -> None:
+                 v_old: torch.Tensor | None = None, reason: str = "", moments_were_zero: bool = False,
+                 chunks: torch.Tensor | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown undo strategy {strategy!r}")
+        if (strategy == "chunk_snapshot") != (chunks is not None):
+            raise ValueError("a chunk_snapshot record, and only one, has the indices of its kept chunks")
         self.strategy = strategy
         self.grad = grad
         self.scalars = scalars
@@ -69,6 +89,7 @@ class LeafUndo:
         self.v_old = v_old
         self.reason = reason
         self.moments_were_zero = moments_were_zero
+        self.chunks = chunks  # chunk_snapshot: the int64 indices of the kept chunks (ascending)
         # Which fields are pytree children (tensors); fixed once made, so that the
         # structure survives an unflatten with non-tensor leaves (torch.func does that).
         self._layout: tuple[bool, ...] | None = None
@@ -79,8 +100,10 @@ class LeafUndo:
         return self.scalars.step
 
     def snapshot_bytes(self) -> int:
-        """Bytes held by the snapshots of this leaf (0 for an algebraic undo)."""
-        return sum(t.numel() * t.element_size() for t in (self.p_old, self.m_old, self.v_old) if t is not None)
+        """Bytes held by the snapshots of this leaf (0 for an algebraic undo; a chunk_snapshot's indices
+        included)."""
+        return sum(t.numel() * t.element_size() for t in (self.p_old, self.m_old, self.v_old, self.chunks)
+                   if t is not None)
 
     def __repr__(self) -> str:
         return f"LeafUndo({self.strategy}, t={self.scalars.step}{', ' + self.reason if self.reason else ''})"

@@ -1,9 +1,9 @@
 """``Adam.update`` without ``grads_finite``: the CPU kernels check each gradient in the step's own pass.
 
 The update must be the unchecked update bit for bit (params, moments, parameter copies); a leaf whose
-gradient has an inf or a nan gets a snapshot record whose undo restores the old values (bit for bit
-without donation; with donation bit for bit where the gradient was not finite and as an algebraic undo
-elsewhere), and the gradients are not read a second time.
+gradient has an inf or a nan gets a record that keeps the old values of the chunks the step flagged
+(``"chunk_snapshot"``; all of them: a whole snapshot), whose undo restores them bit for bit and the other
+chunks as an algebraic undo does, and the gradients are not read a second time.
 """
 
 from __future__ import annotations
@@ -100,7 +100,12 @@ def test_checked_update_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate,
 
     finite = [bool(torch.isfinite(grads[k]).all()) for k in sorted(grads)]
     normal = "param_snapshot" if pdt == torch.bfloat16 else "algebraic"
-    assert got[2].strategies() == [normal if ok else "snapshot" for ok in finite]
+    strategies = got[2].strategies()
+    for strategy, ok in zip(strategies, finite):
+        # where a chunk's gradient is not finite: a snapshot of the chunks the step flagged (all of them: whole),
+        # whole where the old parameter is kept anyway
+        assert strategy == (normal if ok else "snapshot" if pdt == torch.bfloat16 else strategy), strategies
+        assert ok or strategy in ("chunk_snapshot", "snapshot"), strategies
     if not donate:
         assert _same(params, before[0]) and _same(state, before[1])  # the inputs are untouched
 
@@ -110,10 +115,10 @@ def test_checked_update_is_the_unchecked_one_and_undoes(sizes, bad, pdt, donate,
         k = f"w{i}"
         olds = (before[0][k], before[1].mu[k], before[1].nu[k])
         news = (p0[k], s0.mu[k], s0.nu[k])
-        if not donate and not ok:
-            assert all(torch.equal(a, b) for a, b in zip(news, olds))  # a snapshot of the untouched inputs
+        if strategies[i] == "snapshot" and (not donate or pdt == torch.float32):
+            assert all(torch.equal(a, b) for a, b in zip(news, olds))  # the untouched inputs, or all chunks kept
             continue
-        if not ok:  # donated: the chunks with a non-finite gradient kept their old values exactly
+        if not ok:  # the chunks with a non-finite gradient kept their old values exactly
             g = grads[k]
             for c in range(0, g.numel(), FINITE_CHUNK):
                 if not bool(torch.isfinite(g[c:c + FINITE_CHUNK]).all()):
@@ -161,7 +166,7 @@ def test_undo_redo_after_a_checked_update_with_an_overflow(rng):
     clean = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
     want = opt.update(_clone(params), clean, _clone(state), grads_finite=True)
     p1, s1, rec = opt.update(_clone(params), bad, _clone(state), donate=True)
-    assert rec.strategies() == ["snapshot", "algebraic"]
+    assert rec.strategies() == ["chunk_snapshot", "algebraic"] and rec.leaves[0].chunks.tolist() == [1]
     p2, s2, _ = opt.undo_redo(p1, s1, rec, clean, donate=True)
     for k in params:
         assert torch.allclose(p2[k], want[0][k], rtol=0, atol=1e-6)
@@ -197,7 +202,9 @@ def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, dona
     """undo_redo with new gradients, some with an inf or a nan, not hinted: the fused kernel checks them
     (bf16 masters: the redo keeps a parameter snapshot, so it is not fused and its gradient is read
     before). The results are the hinted call's bit for bit; a leaf whose new gradient is not finite gets
-    a snapshot record whose undo restores the undone state (what undo of the first update gives)."""
+    a snapshot record of the chunks the kernel flagged (a whole one where that is all of them, or where the
+    masters are bf16) whose undo restores the undone state (what undo of the first update gives): exactly in
+    the kept chunks, algebraically in the others."""
     gen = torch.Generator().manual_seed(seed)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend, state_dtype=torch.float32)
     params, _ = _tree(gen, sizes, pdt, [[]] * len(sizes))
@@ -219,7 +226,10 @@ def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, dona
         assert _same(p1, before[0]) and _same(s1, before[1])
     finite = [bool(torch.isfinite(new[k]).all()) for k in sorted(new)]
     normal = "param_snapshot" if pdt == torch.bfloat16 else "algebraic"
-    assert got[2].strategies() == [normal if ok else "snapshot" for ok in finite]
+    strategies = got[2].strategies()
+    for strategy, ok in zip(strategies, finite):
+        assert strategy == (normal if ok else "snapshot" if pdt == torch.bfloat16 else strategy), strategies
+        assert ok or strategy in ("chunk_snapshot", "snapshot"), strategies
 
     undone = opt.undo(*stepped())  # the state the redo started from
     p0, s0 = opt.undo(got[0], got[1], got[2])
@@ -227,18 +237,23 @@ def test_checked_undo_redo_is_the_unchecked_one_and_undoes(sizes, bad, pdt, dona
         k = f"w{i}"
         if ok:
             continue
+        rec = got[2].leaves[i]
+        kept = range(-(-new[k].numel() // FINITE_CHUNK)) if rec.strategy == "snapshot" else rec.chunks.tolist()
+        for c in range(0, new[k].numel(), FINITE_CHUNK):
+            assert bool(torch.isfinite(new[k][c:c + FINITE_CHUNK]).all()) or c // FINITE_CHUNK in kept
         for a, b in zip((p0[k], s0.mu[k], s0.nu[k]), (undone[0][k], undone[1].mu[k], undone[1].nu[k])):
-            if not donate:
-                assert torch.equal(a, b)  # the undo of the untouched inputs, as the fused kernel had it
-                continue
+            for c in kept:  # the undo of the old step there, as the fused kernel had it
+                there = slice(c * FINITE_CHUNK, (c + 1) * FINITE_CHUNK)
+                assert torch.equal(a[there], b[there])
             scale = float(b.double().abs().max())
             assert float((a.double() - b.double()).abs().max()) <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("donate", [True, False])
 def test_first_checked_step_with_an_overflow_undoes_to_zero_moments(donate, rng):
-    """The first step from init with an inf in one chunk: the snapshot's moments are exactly the zeros
-    the step started from, the parameters within an algebraic undo's rounding (donated) or exact."""
+    """The first step from init with an inf in one chunk: the chunk snapshot's moments are exactly the zeros
+    the step started from, the parameters exact in that chunk, within an algebraic undo's rounding in the
+    others."""
     params = {"w": torch.randn(2 * FINITE_CHUNK + 9, generator=rng)}
     g = torch.randn(params["w"].shape, generator=rng)
     g[FINITE_CHUNK + 3] = float("inf")
@@ -246,22 +261,20 @@ def test_first_checked_step_with_an_overflow_undoes_to_zero_moments(donate, rng)
     state = opt.init(params)
     p1, s1, rec = opt.update(_clone(params), {"w": g}, _clone(state), donate=donate)
     want = opt.update(_clone(params), {"w": g}, _clone(state), grads_finite=True)
-    assert _same(p1, want[0]) and _same(s1, want[1]) and rec.strategies() == ["snapshot"]
+    assert _same(p1, want[0]) and _same(s1, want[1]) and rec.strategies() == ["chunk_snapshot"]
     p0, s0 = opt.undo(p1, s1, rec)
     assert torch.equal(s0.mu["w"], state.mu["w"]) and torch.equal(s0.nu["w"], state.nu["w"])
     assert torch.equal(s0.count["w"], state.count["w"])
-    if donate:
-        assert torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=0)
-    else:
-        assert torch.equal(p0["w"], params["w"])
+    assert torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=0)
+    assert torch.equal(p0["w"][FINITE_CHUNK:2 * FINITE_CHUNK], params["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
 @pytest.mark.parametrize("donate", [False, True])
 def test_a_finite_gradient_whose_square_overflows_is_undone_exactly(backend, donate, rng):
     """|g * grad_scale| beyond GRADIENT_LIMIT: v' may be inf, whose algebraic inverse is nan; such a leaf
-    gets a snapshot record (the checked kernels flag its chunk, the others' pass finds it), so its undo and a
-    late clip's undo+redo are exact and finite."""
+    gets a snapshot record (the checked kernels flag its chunk and keep it, the others' pass finds it and keeps
+    the leaf), so its undo and a late clip's undo+redo are exact there and finite."""
     from sofx.kernels.base import GRADIENT_LIMIT
 
     opt = sofx.adamw(lr=1e-3, backend=backend)
@@ -272,11 +285,12 @@ def test_a_finite_gradient_whose_square_overflows_is_undone_exactly(backend, don
     before = (_clone(params), _clone(state))
     new_p, new_s, rec = opt.update(_clone(params) if not donate else params,
                                    huge, _clone(state) if not donate else state, donate=donate)
-    assert rec.strategies()[1:] == ["snapshot"] and rec.strategies()[0] == "algebraic"  # b, then w
+    kept = "snapshot" if backend == "reference" else "chunk_snapshot"
+    assert rec.strategies() == ["algebraic", kept]  # b, then w
     old_p, old_s = opt.undo(new_p, new_s, rec)
     was_p, was_s = before
-    # the snapshot: exact (with donation, exact in the flagged chunk; the others recovered algebraically)
-    flagged = slice(FINITE_CHUNK, 2 * FINITE_CHUNK) if donate and backend != "reference" else slice(None)
+    # the snapshot: exact (a chunk snapshot exact in the flagged chunk; the others recovered algebraically)
+    flagged = slice(FINITE_CHUNK, 2 * FINITE_CHUNK) if backend != "reference" else slice(None)
     assert all(torch.equal(a[flagged], b[flagged]) for a, b in (
         (old_p["w"], was_p["w"]), (old_s.mu["w"], was_s.mu["w"]), (old_s.nu["w"], was_s.nu["w"])))
     for a, b in ((old_p["w"], was_p["w"]), (old_s.mu["w"], was_s.mu["w"]), (old_s.nu["w"], was_s.nu["w"]),
@@ -285,7 +299,7 @@ def test_a_finite_gradient_whose_square_overflows_is_undone_exactly(backend, don
     # at a quarter of the scale the same gradient is within the limit (for undo="auto" still a spike whose
     # inverse would be lossy: a snapshot); undo="algebraic" inverts it there, and refuses to at full scale
     _, _, rec = opt.update(_clone(before[0]), huge, _clone(before[1]), grad_scale=0.25)
-    assert rec.strategies() == ["algebraic", "snapshot"]
+    assert rec.strategies() == ["algebraic", kept]
     strict = sofx.adamw(lr=1e-3, backend=backend, undo="algebraic")
     _, _, rec = strict.update(_clone(before[0]), huge, _clone(before[1]), grad_scale=0.25)
     assert rec.strategies() == ["algebraic", "algebraic"]

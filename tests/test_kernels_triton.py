@@ -566,8 +566,8 @@ else:
 
     def test_adam_checks_in_the_triton_step_without_a_pass_before(rng, monkeypatch):
         """sofx.adamw(backend="triton"): undo="auto" finds a spike in the checked step itself (the pass of
-        torch operations before it, any_lossy, is not run) and keeps a snapshot of that leaf; the update
-        and its undo are the reference backend's."""
+        torch operations before it, any_lossy, is not run) and keeps a snapshot of that chunk (the reference,
+        testing before the step, of the leaf); the update and its undo are the reference backend's."""
         import sofx
         adam_module = sys.modules["sofx.adam"]  # (sofx.adam is the function)
 
@@ -586,15 +586,19 @@ else:
         got = opts[0].update(params, grads, state)
         monkeypatch.undo()
         want = opts[1].update(params, grads, state)
-        assert got[2].strategies() == want[2].strategies() == ["snapshot", "algebraic"]
+        assert got[2].strategies() == ["chunk_snapshot", "algebraic"] and got[2].leaves[0].chunks.tolist() == [1]
+        assert want[2].strategies() == ["snapshot", "algebraic"]
         for a, b in zip(sofx.tree.flatten(got[:2])[0], sofx.tree.flatten(want[:2])[0]):
             assert torch.equal(a, b) if a.dtype == torch.int64 else max_rel_err(a, b) <= 1e-6
         undone = opts[0].undo(*got)
         for a, b in zip(sofx.tree.flatten(undone)[0], sofx.tree.flatten((params, state))[0]):
             if a.dtype == torch.int64:
                 assert torch.equal(a, b)
-            else:  # (the snapshot leaf bitwise, the other undone algebraically)
+            else:  # (the kept chunk bitwise, the rest undone algebraically)
                 assert float((a - b).abs().max() / b.abs().max()) <= 1e-6
+        for a, b in zip((undone[0]["a"], undone[1].mu["a"], undone[1].nu["a"]),
+                        (params["a"], state.mu["a"], state.nu["a"])):
+            assert torch.equal(a[FINITE_CHUNK:], b[FINITE_CHUNK:])
 
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)

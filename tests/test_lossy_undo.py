@@ -349,7 +349,8 @@ def test_a_non_finite_first_moment_is_not_undone_algebraically(backend, donate):
     before = sofx.tree.tree_map(torch.clone, (params, state))
     grads = {k: 0.1 * torch.randn(x.shape, generator=gen) for k, x in params.items()}
     p2, s2, rec = opt.update(params, grads, state, donate=donate)
-    assert rec.strategies() == ["algebraic", "snapshot"] and not bool(p2["w"][FINITE_CHUNK + 5].isfinite())  # b, w
+    kept = "chunk_snapshot" if backend == "cpu" else "snapshot"  # the chunk its step flagged, or the leaf
+    assert rec.strategies() == ["algebraic", kept] and not bool(p2["w"][FINITE_CHUNK + 5].isfinite())  # b, w
     p3, s3 = opt.undo(p2, s2, rec, donate=donate)
     assert bool(torch.isfinite(p3["w"]).all())
     assert torch.equal(p3["w"][FINITE_CHUNK:2 * FINITE_CHUNK], before[0]["w"][FINITE_CHUNK:2 * FINITE_CHUNK])
@@ -373,7 +374,7 @@ def test_an_inf_parameter_in_l2_mode_is_not_undone_algebraically(backend, donate
     before = sofx.tree.tree_map(torch.clone, (params, state))
     grads = {k: 0.1 * torch.randn(x.shape, generator=gen) for k, x in params.items()}
     p2, s2, rec = opt.update(params, grads, state, donate=donate)
-    assert rec.strategies() == ["algebraic", "snapshot"]  # b, w
+    assert rec.strategies() == ["algebraic", "chunk_snapshot" if backend == "cpu" else "snapshot"]  # b, w
     p3, s3 = opt.undo(p2, s2, rec, donate=donate)
     assert bool(torch.isfinite(s3.mu["w"]).all()) and bool(torch.isfinite(s3.nu["w"]).all())
     chunk = slice(FINITE_CHUNK, 2 * FINITE_CHUNK)
