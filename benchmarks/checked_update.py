@@ -11,8 +11,8 @@ read each chunk of 4096 gradient elements just before stepping it (``StepCall.sk
 - ``checked in the step``: the default on CPU;
 - ``checked by a pass before``: the same update with the check as a pass of its own over the gradients
   (what the update did before the checked step; what it still does for GPU or non-contiguous leaves);
-- ``checked in the step, an inf in one chunk``: the rare overflow path (that chunk saved and stepped
-  afterwards, the leaf's old values recovered for its record);
+- ``checked in the step, an inf in one chunk``: the rare overflow path (that chunk's old values copied
+  out for the leaf's record, a ``"chunk_snapshot"``, and the chunk stepped afterwards);
 
 and ``undo_redo`` of the last step with new gradients (hinted, checked in the fused pass, checked by a pass
 before) or with the step's own gradients and a new ``grad_scale`` (a late clip: not read again);
