@@ -476,9 +476,12 @@ class Adam:
             assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
                        for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
             # (a known gradient too: the kernel also tests the redo against the undone moments)
-            in_kernel = [c and _fusable(rec, plan) and rec.grad.is_contiguous()
-                         and (rec.p_old is None or rec.p_old.is_contiguous())
-                         for rec, plan, c in zip(record.leaves, assumed, candidates)]
+            in_kernel = [c and ((_fusable(rec, plan) and rec.grad.is_contiguous()
+                                 and (rec.p_old is None or rec.p_old.is_contiguous()))
+                                or _chunks_fusable(leaf, rec, plan, copy))
+                         for leaf, rec, plan, c, copy in zip(leaves, record.leaves, assumed, candidates, copies)]
+            # a chunk snapshot's redo in one pass where its kernel checks it (else undone, then stepped)
+            by_chunks = [ik and rec.strategy == "chunk_snapshot" for ik, rec in zip(in_kernel, record.leaves)]
             skip = [k or c for k, c in zip(known, in_kernel)]
             finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=skip)
             plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
@@ -491,6 +494,8 @@ class Adam:
             # (strategy "none": nothing chosen nor refused; still fused where the undone step was inverted)
             plans = [self._redo_plan(leaf, rec, grad_scale, True, memo, undoable=False)
                      for leaf, rec in zip(leaves, record.leaves)]
+            by_chunks = [_chunks_fusable(leaf, rec, plan, copy)
+                         for leaf, rec, plan, copy in zip(leaves, record.leaves, plans, copies)]
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
         covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
@@ -504,11 +509,22 @@ class Adam:
         new_c = [leaf.count for leaf in leaves]
         records: list[LeafUndo | None] = [None] * len(leaves)
         pending = []  # the fused undo+redo calls
+        steps = []  # the step calls of chunk snapshots' kept chunks
+        whole: dict[int, UndoRedoCall] = {}  # the leaves redone by chunks, each as one call (for the finish)
         for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
-            if _fusable(rec, plan):
+            if by_chunks[k]:
+                out = (leaf.p, leaf.m, leaf.v) if donate else (torch.empty_like(leaf.p), torch.empty_like(leaf.m),
+                                                               torch.empty_like(leaf.v))
+                whole[k] = UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g, plan[0], None, out,
+                                        copy, flags.views[k])
+                redo_calls, step_calls = skipped_chunks.split_by_kept_chunks(whole[k], rec)
+                pending += [(k, kernels[k], c) for c in redo_calls]
+                steps += [(k, kernels[k], c) for c in step_calls]
+            elif _fusable(rec, plan):
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 pending.append((k, kernels[k], UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
                                                             plan[0], rec.p_old, out, copy, flags.views[k])))
+            if by_chunks[k] or _fusable(rec, plan):
                 new_c[k] = rec.count_before + 1
                 records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
@@ -527,11 +543,15 @@ class Adam:
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
                                                leaves if covered else None):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
+        _run_by_backend(steps, lambda b, calls: b.step_many(calls, self.variant))
+        for k, call in whole.items():
+            calls[k] = call
+            new_p[k], new_m[k], new_v[k] = call.out
         for k in flags.flagged():  # a chunk of the leaf's new gradient is not finite (rare: an overflow)
             leaf = leaves[k]
             records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                          (new_p[k], new_m[k], new_v[k]), donate,
-                                                         records[k].count_before)
+                                                         records[k].count_before, record.leaves[k])
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
@@ -1092,6 +1112,17 @@ def _finite_flags(gs: Sequence[torch.Tensor], grad_scale: Scalar, batched: bool)
         for k, ok in zip(full, (torch.stack([x.float() for x in tops]) * abs(grad_scale) <= GRADIENT_LIMIT).tolist()):
             out[k] = ok
     return out
+
+
+def _chunks_fusable(leaf: _Leaf, rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None,
+                    copy: torch.Tensor | None) -> bool:
+    """Whether an undo_redo redoes a ``"chunk_snapshot"`` leaf in one pass (fused undo+redo calls over the
+    chunks its record did not keep, step calls from the kept ones: :func:`skipped_chunks.split_by_kept_chunks`),
+    as :func:`_fusable` a leaf undone algebraically: not the first step from zero moments (its undo gives
+    exact zeros), a new step needing no snapshot; contiguous memory (the calls are ranges of it)."""
+    return (rec is not None and rec.strategy == "chunk_snapshot" and plan is not None and not rec.moments_were_zero
+            and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE) and leaf.g is not None and not leaf.traced
+            and leaf.g.is_contiguous() and rec.grad.is_contiguous() and (copy is None or copy.is_contiguous()))
 
 
 def _fusable(rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None) -> bool:

@@ -17,10 +17,11 @@ from typing import Any, Sequence
 
 import torch
 
-from sofx.kernels.base import AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall, write_param_copy
+from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+                               write_param_copy)
 from sofx.undo_record import LeafUndo, chunk_ranges
 
-__all__ = ["finish_step", "finish_undo_redo", "roll_back_step", "restore_chunks"]
+__all__ = ["finish_step", "finish_undo_redo", "split_by_kept_chunks", "restore_chunks", "roll_back_step"]
 
 _REASON = ("the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT), or it "
            "dominates the second moment somewhere: an algebraic inverse would restore it less exactly than 1e-6 "
@@ -66,27 +67,61 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
 
 
 def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, results: Triple,
-                     donate: bool, count_before: torch.Tensor) -> LeafUndo:
+                     donate: bool, count_before: torch.Tensor, undone_rec: LeafUndo | None = None) -> LeafUndo:
     """Finish ``undo_redo``'s checked call of one leaf (the new gradient not finite, or the redo too lossy
-    to invert, in the skipped chunks; ``inputs``: its ``p', m', v'`` before the call) and return the
-    record of the redone step, a ``"chunk_snapshot"`` of the skipped chunks' undone values (a whole
-    ``"snapshot"`` where every chunk was skipped).
+    to invert, in the skipped chunks; ``inputs``: its ``p', m', v'`` before the call; ``undone_rec``: the
+    record it undid) and return the record of the redone step, a ``"chunk_snapshot"`` of the skipped
+    chunks' undone values (a whole ``"snapshot"`` where every chunk was skipped).
 
     The skipped chunks still hold the old step's values (in place under donation, else the inputs are
-    untouched): they are undone (the undone step's inverse, which was sound) into the snapshot, then
-    stepped from it with the new gradient."""
-    chunks, ranges = _skipped(call.skip, results[0].numel())
+    untouched): they are undone (the undone step's inverse, which was sound there) into the snapshot, or
+    taken from ``undone_rec`` where it kept them (a chunk snapshot), then stepped from it with the new
+    gradient."""
+    n = results[0].numel()
+    chunks, ranges = _skipped(call.skip, n)
+    kept = _kept_by_chunk(undone_rec, n) if undone_rec is not None and undone_rec.chunks is not None else {}
     cur, g_old = _pieces(results if donate else inputs, ranges), _flat(call.g_old)
     p_old = _flat(call.p_old) if call.p_old is not None else None
-    undone = kernel.undo_many([UndoCall(*piece[:1], g_old[a:b], *piece[1:], call.s_old,
-                                        p_old[a:b] if p_old is not None else None)
-                               for (a, b), piece in zip(ranges, cur)], variant)
-    kept = [torch.cat([piece[i].reshape(-1) for piece in undone]) for i in range(3)]
+    inverted = [i for i, c in enumerate(chunks.tolist()) if c not in kept]
+    calls = [UndoCall(cur[i][0], g_old[a:b], cur[i][1], cur[i][2], call.s_old,
+                      p_old[a:b] if p_old is not None else None) for i, (a, b) in ((i, ranges[i]) for i in inverted)]
+    done = dict(zip(inverted, kernel.undo_many(calls, variant))) if calls else {}
+    undone = [done[i] if i in done else kept[c] for i, c in enumerate(chunks.tolist())]
+    olds = [torch.cat([piece[i].reshape(-1) for piece in undone]) for i in range(3)]
     _step(kernel, variant, ranges, undone, call.g_new, call.s_new, results, call.p_copy)
     if len(ranges) == call.skip.numel():  # every chunk: a whole snapshot
         return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
-                        *(k.view(r.shape) for k, r in zip(kept, results)), _REASON)
-    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *kept, _REASON, chunks=chunks)
+                        *(k.view(r.shape) for k, r in zip(olds, results)), _REASON)
+    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *olds, _REASON, chunks=chunks)
+
+
+def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[list[UndoRedoCall], list[StepCall]]:
+    """``call`` (an undo+redo of a whole leaf with ``out``) as the calls that carry it out for a
+    ``"chunk_snapshot"`` record ``rec``: fused undo+redo calls over the runs of chunks the record did not
+    keep, and step calls from the kept chunks' old values (the exact undo there) into the same outputs.
+    Ranges of the leaf's memory, each with its chunks' flags (``call.skip``) and parameter copy."""
+    n = call.p.numel()
+    kept = chunk_ranges(rec.chunks.tolist(), n)
+    free, at = [], 0
+    for a, b in kept + [(n, n)]:
+        if a > at:
+            free.append((at, a))
+        at = b
+    assert call.out is not None
+    p, m, v, g_old, g_new = (_flat(t) for t in (call.p, call.m, call.v, call.g_old, call.g_new))
+    out = [_flat(t) for t in call.out]
+    copy = _flat(call.p_copy) if call.p_copy is not None else None
+
+    def outputs(a: int, b: int) -> tuple[Triple, torch.Tensor | None, torch.Tensor | None]:
+        skip = call.skip[a // FINITE_CHUNK:-(-b // FINITE_CHUNK)] if call.skip is not None else None
+        return (out[0][a:b], out[1][a:b], out[2][a:b]), copy[a:b] if copy is not None else None, skip
+
+    redo = [UndoRedoCall(p[a:b], m[a:b], v[a:b], g_old[a:b], call.s_old, g_new[a:b], call.s_new, None,
+                         *outputs(a, b)) for a, b in free]
+    olds = _kept_by_chunk(rec, n)
+    step = [StepCall(*olds[c][:1], g_new[a:b], *olds[c][1:], call.s_new, *outputs(a, b))
+            for c, (a, b) in zip(rec.chunks.tolist(), kept)]
+    return redo, step
 
 
 def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -> None:
@@ -94,8 +129,7 @@ def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -
     algebraically, contiguous: garbage in those chunks, whose gradient may be an inf) and ``p_copy``."""
     n = undone[0].numel()
     ranges = chunk_ranges(rec.chunks.tolist(), n)
-    lengths = [b - a for a, b in ranges]
-    parts = list(zip(*(torch.split(kept, lengths) for kept in (rec.p_old, rec.m_old, rec.v_old))))
+    parts = list(_kept_by_chunk(rec, n).values())
     _put(undone, ranges, parts)
     if p_copy is not None and not p_copy.is_contiguous():
         write_param_copy(p_copy, undone[0])
@@ -138,6 +172,15 @@ def _skipped(skip: torch.Tensor | None, n: int) -> tuple[torch.Tensor, list[tupl
     assert skip is not None
     chunks = skip.nonzero().flatten()
     return chunks, chunk_ranges(chunks.tolist(), n)
+
+
+def _kept_by_chunk(rec: LeafUndo, n: int) -> dict[int, Triple]:
+    """A ``"chunk_snapshot"`` record's kept ``p, m, v`` of each chunk (views; ``n``: the leaf's elements),
+    in the record's (ascending) order."""
+    chunks = rec.chunks.tolist()
+    lengths = [b - a for a, b in chunk_ranges(chunks, n)]
+    split = [torch.split(kept, lengths) for kept in (rec.p_old, rec.m_old, rec.v_old)]
+    return {c: (split[0][i], split[1][i], split[2][i]) for i, c in enumerate(chunks)}
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

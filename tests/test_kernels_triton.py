@@ -600,6 +600,45 @@ else:
                         (params["a"], state.mu["a"], state.nu["a"])):
             assert torch.equal(a[FINITE_CHUNK:], b[FINITE_CHUNK:])
 
+    @pytest.mark.parametrize("undoable", [True, False])
+    def test_undo_redo_of_a_chunk_snapshot_in_triton(rng, undoable):
+        """A chunk snapshot (a spike in the second of three chunks) redone with new gradients, one with an inf
+        in the first chunk: fused calls over the chunks not kept, a step from the kept one; the result is the
+        reference's undo then update, and its record (undoable) undoes to the reference's undone state."""
+        import sofx
+        params = {"a": torch.randn(2 * FINITE_CHUNK + 100, generator=rng), "b": torch.randn(300, generator=rng)}
+        opts = [sofx.adamw(lr=1e-2, weight_decay=0.1, backend=b) for b in ("triton", "reference")]
+        state = opts[0].init(params)
+        for _ in range(20):
+            params, state, _ = opts[1].update(params, {k: torch.randn(p.shape, generator=rng)
+                                                       for k, p in params.items()}, state, undoable=False)
+        grads = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
+        grads["a"][FINITE_CHUNK + 50] = 1e3
+        new = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
+        new["a"][7] = float("inf")
+        p1, s1, rec = opts[0].update(params, grads, state)
+        assert rec.strategies() == ["chunk_snapshot", "algebraic"]
+        undone = opts[1].undo(*opts[1].update(params, grads, state))
+        want = opts[1].update(undone[0], new, undone[1], grads_finite=True, undoable=False)
+        got = opts[0].undo_redo(p1, s1, rec, new, donate=True, undoable=undoable)
+        for a, b in zip(sofx.tree.flatten(got[:2])[0], sofx.tree.flatten(want[:2])[0]):
+            if a.dtype == torch.int64:
+                assert torch.equal(a, b)
+                continue
+            fin = torch.isfinite(b)  # (DESIGN.md's 1e-6 of the tensor: an undo's cancellation, elementwise)
+            assert torch.equal(fin, torch.isfinite(a))
+            assert float((a[fin] - b[fin]).abs().max() / b[fin].abs().max()) <= 1e-6
+        if undoable:
+            assert got[2].strategies() == ["chunk_snapshot", "algebraic"] and got[2].leaves[0].chunks.tolist() == [0]
+            back = opts[0].undo(*got)
+            for a, b in zip(sofx.tree.flatten(back)[0], sofx.tree.flatten(undone)[0]):
+                assert torch.equal(a, b) if a.dtype == torch.int64 else \
+                    float((a - b).abs().max() / b.abs().max()) <= 1e-6
+            own = opts[0].undo(*opts[0].update(params, grads, state))  # the chunk kept: Triton's own undo, bitwise
+            for a, b in zip((back[0]["a"], back[1].mu["a"], back[1].nu["a"]),
+                            (own[0]["a"], own[1].mu["a"], own[1].nu["a"])):
+                assert torch.equal(a[:FINITE_CHUNK], b[:FINITE_CHUNK])
+
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)
         assert not tk.supports("cpu", torch.float64, torch.float64)
