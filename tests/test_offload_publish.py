@@ -55,10 +55,13 @@ def test_swapping_gives_the_bits_of_copying(executor: str) -> None:
 
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_the_kernels_write_the_publish_buffers_in_the_steps_pass(executor: str, monkeypatch) -> None:
-    """Blocks of up to MAX_LEAVES_FOR_FUSED_PUBLISH parameters are published by the Adam call itself
-    (``param_copies``): the runner's copy after the step never runs; the bits are those of copying."""
+    """Blocks stepped one leaf per parameter (here: borrowed gradients, as those of large parameters are;
+    ``BORROW_MIN_NUMEL``) are published by the Adam call itself (``param_copies``): the runner's copy after
+    the step never runs; the bits are those of copying."""
+    import sofx.offload.engine
     from sofx.offload.block_runner import BlockRunner
 
+    monkeypatch.setattr(sofx.offload.engine, "BORROW_MIN_NUMEL", 0)
     copies_after = []
     monkeypatch.setattr(BlockRunner, "_publish", lambda self, op: copies_after.append(op.block))
     torch.manual_seed(0)
@@ -66,10 +69,46 @@ def test_the_kernels_write_the_publish_buffers_in_the_steps_pass(executor: str, 
     b = copy.deepcopy(a)
     reports = _run(a, executor=executor)
     assert sum(r.speculated for r in reports) > 0 and copies_after == []
-    monkeypatch.undo()
+    monkeypatch.undo()  # (b: gradients copied, each block one flat leaf, published by the runner's copy)
     _run(b, executor=executor, swap_params=False)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_gradients_of_small_parameters_are_copied_and_large_ones_borrowed(executor: str, monkeypatch) -> None:
+    """A block of small parameters is stepped as one flat leaf (its gradients copied into the buffer: one Adam
+    leaf's host work instead of one per parameter); a block of large ones borrows autograd's gradients (no
+    copy) and is stepped one leaf per parameter. The trajectories are the same bits either way."""
+    import sofx.offload.engine
+
+    leaves = []
+    real = Adam.update
+    monkeypatch.setattr(Adam, "update",
+                        lambda self, params, *a, **k: leaves.append(len(sofx.tree.flatten(params)[0]))
+                        or real(self, params, *a, **k))
+
+    def run(width: int, borrow_all: bool = False) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width))
+        leaves.clear()
+        with monkeypatch.context() as m:
+            if borrow_all:
+                m.setattr(sofx.offload.engine, "BORROW_MIN_NUMEL", 0)
+            with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor,
+                                               block_numel=width * width + width) as opt:
+                for _ in range(3):
+                    opt.zero_grad()
+                    opt.backward(model(torch.ones(4, width)).square().mean())
+                    opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    small = run(16)
+    assert leaves and set(leaves) == {1}, leaves
+    assert all(torch.equal(a, b) for a, b in zip(small, run(16, borrow_all=True)))
+    assert set(leaves) == {2}, leaves
+    run(384)  # 147456 + 384 elements per block: borrowed
+    assert leaves and set(leaves) == {2}, leaves
 
 
 def test_a_published_block_of_a_few_large_parameters_is_stepped_per_parameter() -> None:

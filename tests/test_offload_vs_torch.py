@@ -16,6 +16,7 @@ import torch
 from test_offload_support import one_torch_thread, run_side_by_side  # noqa: F401 (autouse fixture)
 
 import sofx.offload
+import sofx.offload.engine
 
 TOL = 1e-6
 
@@ -31,9 +32,14 @@ def _check_events(r) -> None:
     assert len(set(rep.scale for rep in reports)) >= 2, "the loss scale must move"
 
 
-@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+@pytest.mark.parametrize("executor", ["inline", "thread", "process", "thread-borrowing"])
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
-def test_trajectory_equals_torch_optim(model: str, executor: str) -> None:
+def test_trajectory_equals_torch_optim(model: str, executor: str, monkeypatch) -> None:
+    """(``thread-borrowing``: the thread executor borrowing every gradient, as it does those of large
+    parameters; these small ones it copies, see ``BORROW_MIN_NUMEL``.)"""
+    if executor == "thread-borrowing":
+        monkeypatch.setattr(sofx.offload.engine, "BORROW_MIN_NUMEL", 0)
+        executor = "thread"
     r = run_side_by_side(model, executor, steps=50)
     assert r.executor == executor
     _check_events(r)

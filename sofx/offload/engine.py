@@ -115,6 +115,13 @@ __all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
 
 EXECUTORS = ("inline", "thread", "process")
 
+#: In-process executors borrow autograd's gradients (no copy into the block's buffer) for the blocks whose
+#: parameters hold at least this many elements on average. Below it copying is cheaper: a block of borrowed
+#: gradients is stepped one Adam leaf per parameter (~20 us of host work each), a copied one as one flat leaf
+#: (the copy takes the sum of squares in the same pass). Measured crossover on CPU about 64K elements
+#: (benchmarks/RESULTS.md, "Borrowing only large gradients").
+BORROW_MIN_NUMEL = 1 << 16
+
 HParamsFn = Callable[[], Sequence[AdamHParams]]
 
 #: The keys of a parameter's torch.optim-style state (:meth:`OffloadEngine.param_state`), in order.
@@ -229,8 +236,11 @@ class OffloadEngine:
                 self._release_shared_memory()
                 release_gate(self._interrupts)
             raise
-        # In-process blocks borrow autograd's fp32 gradients instead of copying them into the buffer.
-        self._borrowing = [layout.on_device or self.executor_name != "process" for layout in self.layouts]
+        # In-process blocks of large parameters borrow autograd's fp32 gradients instead of copying them into
+        # the buffer (see BORROW_MIN_NUMEL).
+        self._borrowing = [layout.on_device or (self.executor_name != "process"
+                                                and layout.numel >= BORROW_MIN_NUMEL * len(layout.numels))
+                           for layout in self.layouts]
         # In-process executors decide on speculation in the executor (see the module docstring).
         self._deferred = self.executor_name != "process"
         self._stale_grads: list | None = None
