@@ -15,7 +15,9 @@ read each chunk of 4096 gradient elements just before stepping it (``StepCall.sk
   out for the leaf's record, a ``"chunk_snapshot"``, and the chunk stepped afterwards);
 
 and ``undo_redo`` of the last step with new gradients (hinted, checked in the fused pass, checked by a pass
-before) or with the step's own gradients and a new ``grad_scale`` (a late clip: not read again);
+before) or with the step's own gradients and a new ``grad_scale`` (a late clip: not read again; with an inf
+in one chunk: each record keeps that chunk, a ``"chunk_snapshot"``, and each redo steps it from its kept
+values, fused elsewhere);
 
 and ``torch.optim.AdamW(fused=True).step()`` on the same tensors as the anchor. All donated, two threads,
 the variants alternating round by round, medians. Each sofx variant's parameters are checked equal to
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                      True, b),
         "sofx undo_redo, the step's own gradients, new grad_scale": sofx_redo_variant(values, grads, None, None,
                                                                                       False, b),
+        "sofx undo_redo, the step's own gradients, new grad_scale, an inf in one chunk": sofx_redo_variant(
+            values, overflowing, None, None, False, b),
     }
     times = time_alternating({name: v[0] for name, v in variants.items()}, rounds)
     n = sum(math.prod(s) for s in shapes)

@@ -276,8 +276,20 @@ def test_checked_update_script_runs():
         "| sofx update, checked in the step, an inf in one chunk", "| sofx undo_redo, new gradients, hinted",
         "| sofx undo_redo, new gradients, checked in the pass",
         "| sofx undo_redo, new gradients, checked by a pass before",
-        "| sofx undo_redo, the step's own gradients, new grad_scale"]
+        "| sofx undo_redo, the step's own gradients, new grad_scale",
+        "| sofx undo_redo, the step's own gradients, new grad_scale, an inf in one chunk"]
     assert all(row.endswith(("| yes |", "| - |")) for row in rows), rows
+
+
+def test_snapshot_budget_script_runs():
+    """``benchmarks/snapshot_budget.py --smoke``: a row per budget; without one nothing is refused and the run
+    is torch's bit for bit (nothing undone); with 0 every speculated block that needed a snapshot is."""
+    rows = _table_rows("snapshot_budget.py", ["--smoke"], ("| none", "| the", "| 1/4", "| 0"))
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| none", "| the embedding's whole snapshot", "| 1/4 of the embedding's", "| 0"]
+    cells = [row.strip("|").split(" | ") for row in rows]
+    assert float(cells[0][3]) == 0.0 and float(cells[0][6]) == 0.0
+    assert all(float(c[6]) <= 1e-5 for c in cells)
 
 
 def test_host_overhead_script_runs():
