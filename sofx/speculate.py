@@ -33,6 +33,7 @@ When block ``i``'s gradient is final (hooks fire in reverse layer order)::
             p_i, state_i, record_i = speculative_block_step(opt, p_i, grad_i, state_i, d, donate=True,
                                                             held_bytes=held)
             held += record_i.snapshot_bytes()
+            tally = on_speculation_held(ctx, tally, i, record_i.snapshot_bytes())  # the budget left, for the next
         except SnapshotLimitError as exc:                    # taken back: beyond the snapshot budget
             tally = on_speculation_refused(ctx, tally, i, str(exc))
 
@@ -50,6 +51,9 @@ With a ``snapshot_budget_bytes``, ``held`` counts the snapshot bytes the
 speculative steps hold: ``undo="auto"`` may find in the step itself that a
 block needs a snapshot (its gradient dominates its moments), and a step that
 would go beyond the budget is taken back and stepped in validation.
+:func:`on_speculation_held` tells the tally what a step holds (the snapshot
+of the chunks it kept, see :mod:`sofx.skipped_chunks`), so that the blocks
+decided after it see the budget actually left.
 The record references ``grad_i``: do not modify it in place until the block is
 validated.
 
@@ -124,6 +128,7 @@ from sofx.speculation.decisions import (
     begin_step,
     on_block_ready,
     on_late_gradient,
+    on_speculation_held,
     on_speculation_refused,
     plan_validation,
 )
@@ -147,6 +152,7 @@ __all__ = [
     "on_block_ready",
     "on_late_gradient",
     "on_speculation_refused",
+    "on_speculation_held",
     "plan_validation",
     "grad_sumsq",
     "block_eligibility",

@@ -80,6 +80,10 @@ class LeafUndo:
             raise ValueError(f"unknown undo strategy {strategy!r}")
         if (strategy == "chunk_snapshot") != (chunks is not None):
             raise ValueError("a chunk_snapshot record, and only one, has the indices of its kept chunks")
+        self._assign(strategy, grad, scalars, count_before, p_old, m_old, v_old, reason, moments_were_zero, chunks)
+
+    def _assign(self, strategy: str, grad: Any, scalars: AdamScalars, count_before: Any, p_old: Any, m_old: Any,
+                v_old: Any, reason: str, moments_were_zero: bool, chunks: Any) -> None:
         self.strategy = strategy
         self.grad = grad
         self.scalars = scalars
@@ -123,8 +127,11 @@ def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
     values = [next(it) if t else s for t, s in zip(is_tensor, static)]
     n = len(_TENSOR_FIELDS)
     fields = dict(zip(_TENSOR_FIELDS, values[:n]))
-    leaf = LeafUndo(strategy, scalars=AdamScalars(*values[n:]), reason=reason,
-                    moments_were_zero=moments_were_zero, **fields)
+    # Not checked as the constructor checks: a transform may unflatten any values in place of the tensors
+    # (tree_map to None, say), a chunk snapshot's indices included.
+    leaf = LeafUndo.__new__(LeafUndo)
+    leaf._assign(strategy, scalars=AdamScalars(*values[n:]), reason=reason, moments_were_zero=moments_were_zero,
+                 **fields)
     leaf._layout = is_tensor
     return leaf
 

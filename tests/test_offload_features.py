@@ -332,7 +332,7 @@ def test_eligibility_is_decided_once_per_block_until_the_hparams_change(monkeypa
                                         snapshot_budget_bytes=0)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     gen = torch.Generator().manual_seed(0)
-    blocks, ineligible = None, []
+    blocks, ineligible, refused = None, [], []
     with opt:
         for step in range(6):
             if step == 3:  # snapshots needed from here on: the memo must not answer "algebraic"
@@ -340,11 +340,16 @@ def test_eligibility_is_decided_once_per_block_until_the_hparams_change(monkeypa
                     g["betas"] = (0.3, g["betas"][1])
             report = mlp_step_side_by_side(opt, ropt, model, ref, gen)
             blocks = report.blocks
-            ineligible.append(report.ineligible)  # (not the speculative steps taken back: report.refused)
+            ineligible.append(report.ineligible)
+            refused.append(report.refused)
             assert relative_deviation(model, ref) <= TOL
             if step == 2:
                 assert len(calls) == blocks  # asked on the first step only
-    assert ineligible == [0, 0, 0, blocks, blocks, blocks]
+    # Step 1 (the second moments still small by chance): every block's speculative step found it needed a
+    # snapshot and was taken back; the engine remembers that (sofx.offload.snapshot_needs), so step 2 does
+    # not speculate them ("budget", counted as ineligible). From step 3 the strategy itself needs snapshots.
+    assert refused == [0, blocks, 0, 0, 0, 0]
+    assert ineligible == [0, 0, blocks, blocks, blocks, blocks]
     assert len(calls) == 2 * blocks
 
 

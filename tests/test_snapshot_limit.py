@@ -315,3 +315,70 @@ def test_the_thread_executor_refuses_nothing_when_the_budget_holds_every_snapsho
             opt.backward((model(x) ** 2).mean())
             report = opt.step()
             assert report.refused == 0 and report.ineligible == 0, report.events
+
+
+def test_on_speculation_held_counts_what_the_step_holds() -> None:
+    opt = sofx.adamw()
+    scaler = loss_scale.grad_scaler()
+    config = sp.SpeculationConfig(snapshot_budget_bytes=100)
+    ctx, tally = sp.begin_step(opt, config, scaler, scaler.init(), None, n_blocks=3)
+    tally, d = sp.on_block_ready(ctx, tally, 2, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    assert d.speculate and tally.snapshot_bytes == 0
+    tally = sp.on_speculation_held(ctx, tally, 2, 70)  # the step kept chunks
+    assert tally.snapshot_bytes == 70 and tally.decisions[2].snapshot_bytes == 70
+    tally, d = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "snapshot", "beta1 = 0", 40))
+    assert not d.speculate and d.kind == "budget" and "30 of the budget" in d.reason
+    with pytest.raises(SofxError, match="not speculated"):
+        sp.on_speculation_held(ctx, tally, 1, 10)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(SofxError, match="snapshot_bytes"):
+            sp.on_speculation_held(ctx, tally, 2, bad)
+    tally = sp.on_speculation_refused(ctx, tally, 2, "gone")  # what it held is free again
+    assert tally.snapshot_bytes == 0
+
+
+def test_snapshot_needs_reserve_what_was_held_and_wait_longer_after_each_refusal() -> None:
+    from sofx.offload.snapshot_needs import MAX_WAIT, SnapshotNeeds
+
+    def decision(kind: str, held: int = 0):
+        return sp.BlockDecision(0, kind == "speculate", kind, "", None, 1.0, "algebraic", held, 0)
+
+    needs = SnapshotNeeds(2)
+    assert needs.need(0, 0, 100) == (0, "")
+    # held: reserved where it fits, else the block is decided on its planned bytes
+    needs.after_step([decision("speculate", 60), None], {})
+    assert needs.need(0, 0, 100)[0] == 60 and "held 60" in needs.need(0, 0, 100)[1]
+    assert needs.need(0, 0, 50) == (0, "") and needs.need(0, 80, 100) == (80, "") and needs.need(0, 0, None) == (0, "")
+    assert needs.need(1, 0, 100) == (0, "")
+
+    def refused_need() -> int | None:
+        nbytes, why = needs.need(0, 0, 10)
+        return nbytes if "taken back" in why else None
+
+    waits = []
+    for _ in range(6):  # refused at every try: waits of 1, 2, 4, 8, 16, 16 decisions
+        needs.after_step([decision("refused"), None], {0: 500})
+        n = 0
+        while refused_need() is not None:
+            assert refused_need() == 500
+            needs.after_step([decision("budget"), None], {})
+            n += 1
+        waits.append(n)
+    assert waits == [1, 2, 4, 8, MAX_WAIT, MAX_WAIT]
+    # each time it fits, the wait of its next refusal halves: one fit between refusals keeps it (blocks taking
+    # turns at one budget), a few in a row forget it
+    for fits in (1, 2, 3):
+        before = needs._refused[0].backoff
+        for _ in range(fits):
+            needs.after_step([decision("speculate"), None], {})
+            assert refused_need() is None
+        needs.after_step([decision("refused"), None], {0: 7})
+        assert needs._refused[0].wait == min(MAX_WAIT, 2 * (before >> fits)) and refused_need() == 7
+        while refused_need() is not None:
+            needs.after_step([decision("budget"), None], {})
+    for _ in range(4):
+        needs.after_step([decision("speculate"), None], {})
+    assert needs._refused[0] is None
+    needs.after_step([decision("refused"), None], {0: 9})
+    needs.forget()
+    assert needs.need(0, 0, 100) == (0, "")

@@ -76,13 +76,17 @@ class OpResult:
     """What came of an operation: ``error`` is a message (with the worker's traceback) or None.
 
     ``refused``: a speculative step (``"speculate"``, ``"ready"``) that was taken back because its snapshot
-    would have gone beyond the budget (:class:`~sofx.errors.SnapshotLimitError`'s message), else None."""
+    would have gone beyond the budget (:class:`~sofx.errors.SnapshotLimitError`'s message), else None;
+    ``refused_bytes``: the snapshot bytes it needed (the error's ``needed``); ``held_bytes``: those a
+    speculative step that was not taken back holds (its record's ``snapshot_bytes()``), else 0."""
 
     seq: int
     kind: str
     block: int
     error: Optional[str] = None
     refused: Optional[str] = None
+    refused_bytes: int = 0
+    held_bytes: int = 0
 
     @property
     def ok(self) -> bool:

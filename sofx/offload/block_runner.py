@@ -26,6 +26,7 @@ the same bits.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import traceback
 from dataclasses import dataclass
@@ -169,7 +170,9 @@ class BlockRunner:
         # (see _speculate).
         self.held_bytes = 0
         self._held_lock = threading.Lock()
-        self._refused: dict[int, str] = {}  # block -> why its speculative step was taken back (for run())
+        self._budget_turn = threading.Lock()  # held by a speculative step with a snapshot budget while it runs
+        # block -> why its speculative step was taken back, and the snapshot bytes it needed (for run())
+        self._refused: dict[int, tuple[str, int]] = {}
 
     def run(self, op: BlockOp) -> OpResult:
         """Apply ``op``; an exception becomes an error result (with its traceback)."""
@@ -178,7 +181,11 @@ class BlockRunner:
             if getattr(self, "_" + op.kind)(op) and op.publish is not None:
                 self._publish(op)
             refused = self._refused.pop(op.block, None) if op.kind in ("speculate", "ready") else None
-            return OpResult(op.seq, op.kind, op.block, refused=refused)
+            if refused is not None:
+                return OpResult(op.seq, op.kind, op.block, refused=refused[0], refused_bytes=refused[1])
+            kept = self.kept.get(op.block) if op.kind in ("speculate", "ready") else None
+            held = kept.snapshot_bytes if kept is not None and kept.record is not None else 0
+            return OpResult(op.seq, op.kind, op.block, held_bytes=held)
         except Exception as exc:  # reported to the main process, which raises it
             detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             return OpResult(op.seq, op.kind, op.block, f"{type(exc).__name__}: {exc}\n{detail}")
@@ -192,27 +199,30 @@ class BlockRunner:
         params, grads, state = block_tree(t, layout, flat, op.present, op.grads)
         copies = self._copies(op, flat)
         budget = op.payload.snapshot_budget_bytes
-        with self._held_lock:
-            # Reserved while the step runs: at most what the block could keep (p, m, v whole), so that a step
-            # run at the same time (a thread helping in step()) has the rest; the step may keep what it reserved.
-            worst = sum(x.numel() * x.element_size() for x in (t.master, t.exp_avg, t.exp_avg_sq))
-            reserved = 0 if budget is None else min(worst, max(0, budget - self.held_bytes))
-            held = 0 if budget is None else budget - reserved  # (the step's limit is its reservation)
-            self.held_bytes += reserved
-        try:
-            _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload, donate=True,
-                                                          grads_finite=op.grads_finite or None,
-                                                          param_copies=copies, held_bytes=held)
-        except SnapshotLimitError as exc:
-            # Taken back (the block is as it was): not speculated; validation steps it.
-            self._refused[op.block] = str(exc)
-            self._keep(op.block, _Kept(None, flat), release=reserved)
-            return False
-        except BaseException:
-            self._keep(op.block, None, release=reserved)
-            raise
-        self._store_counts(op.block, flat, new_state)
-        self._keep(op.block, _Kept(record, flat, record.snapshot_bytes()), release=reserved)
+        # With a budget, speculative steps take turns (a thread helping in step() runs the next one after this):
+        # each may keep what is left of the budget when it runs, where steps at the same time had to split it.
+        with self._budget_turn if budget is not None else contextlib.nullcontext():
+            with self._held_lock:
+                # Reserved while the step runs (the step may keep what it reserved): at most what the block could
+                # keep (p, m, v whole).
+                worst = sum(x.numel() * x.element_size() for x in (t.master, t.exp_avg, t.exp_avg_sq))
+                reserved = 0 if budget is None else min(worst, max(0, budget - self.held_bytes))
+                held = 0 if budget is None else budget - reserved  # (the step's limit is its reservation)
+                self.held_bytes += reserved
+            try:
+                _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload,
+                                                              donate=True, grads_finite=op.grads_finite or None,
+                                                              param_copies=copies, held_bytes=held)
+            except SnapshotLimitError as exc:
+                # Taken back (the block is as it was): not speculated; validation steps it.
+                self._refused[op.block] = (str(exc), exc.needed)
+                self._keep(op.block, _Kept(None, flat), release=reserved)
+                return False
+            except BaseException:
+                self._keep(op.block, None, release=reserved)
+                raise
+            self._store_counts(op.block, flat, new_state)
+            self._keep(op.block, _Kept(record, flat, record.snapshot_bytes()), release=reserved)
         return copies is None
 
     def _ready(self, op: BlockOp) -> bool:

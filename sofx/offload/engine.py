@@ -79,6 +79,7 @@ from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
+from sofx.offload.snapshot_needs import SnapshotNeeds
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -106,6 +107,7 @@ from sofx.speculate import (
     grad_sumsq,
     on_block_ready,
     on_late_gradient,
+    on_speculation_held,
     on_speculation_refused,
     plan_validation,
 )
@@ -246,6 +248,8 @@ class OffloadEngine:
         self._stale_grads: list | None = None
         # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
         self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
+        # Per block: the snapshot bytes its last speculative steps held or needed (see snapshot_needs).
+        self._snapshot_needs = SnapshotNeeds(len(self.layouts))
         # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
         # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
         self._had_grad = [False] * len(self.params)
@@ -425,9 +429,11 @@ class OffloadEngine:
         self._ctx: StepContext | None = None
         self._tally: BackwardTally | None = None
         self._speculated = [False] * len(self.layouts)
-        # (block, why) of speculative steps taken back, not yet in the tally: appended by _record (the main
-        # thread), taken by _decide (where the executor decides) and step() (thread-safe appends and pops)
-        self._refusals: deque[tuple[int, str]] = deque()
+        # (block, why, bytes) of speculative steps taken back (the bytes they needed), or holding snapshots (why
+        # None: the bytes they hold), not yet in the tally: appended by _record (the main thread), taken by _decide
+        # (where the executor decides) and step() (thread-safe appends and pops)
+        self._refusals: deque[tuple[int, str | None, int]] = deque()
+        self._refused_bytes: dict[int, int] = {}  # this step's refused blocks: the bytes each needed
         self._events: list[tuple[str, int]] = []
         self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
@@ -578,10 +584,15 @@ class OffloadEngine:
         return decision
 
     def _take_refusals(self) -> None:
-        """Record in the tally the speculative steps reported taken back since the last call."""
+        """Record in the tally the snapshot bytes the speculative steps reported since the last call hold, and
+        those taken back (``why`` not None)."""
         while self._refusals:
-            b, reason = self._refusals.popleft()
-            self._tally = on_speculation_refused(self._ctx, self._tally, b, reason)
+            b, why, nbytes = self._refusals.popleft()
+            if why is None:
+                self._tally = on_speculation_held(self._ctx, self._tally, b, nbytes)
+                continue
+            self._tally = on_speculation_refused(self._ctx, self._tally, b, why)
+            self._refused_bytes[b] = nbytes
 
     def _mark_speculated(self, b: int, publish: tuple[int, ...] | None) -> None:
         self._speculated[b] = True
@@ -603,10 +614,15 @@ class OffloadEngine:
                None if grads is None else tuple(None if g is None else g.dtype for g in grads))
         memo = self._eligibility_memo[b]
         if memo is not None and memo[0] == key:
-            return memo[1]
-        el = combined_eligibility(self.adam, t, layout, flat, present, hp, ctx.grad_scale, grads, finite=True)
-        self._eligibility_memo[b] = (key, el)
-        return el
+            el = memo[1]
+        else:
+            el = combined_eligibility(self.adam, t, layout, flat, present, hp, ctx.grad_scale, grads, finite=True)
+            self._eligibility_memo[b] = (key, el)
+        budget = ctx.config.snapshot_budget_bytes
+        if not el.eligible or budget is None:
+            return el
+        nbytes, why = self._snapshot_needs.need(b, el.snapshot_bytes, budget - self._tally.snapshot_bytes)
+        return el._replace(snapshot_bytes=nbytes, reason=f"{el.reason}; {why}" if el.reason else why) if why else el
 
     def _zero_absent(self, b: int, arrived: Sequence[bool]) -> None:
         """Parameters without a gradient this step get a zeroed buffer slice (it held old values);
@@ -650,9 +666,12 @@ class OffloadEngine:
                 # step did not happen as planned; step() must not commit or publish it. The engine stops here.
                 self._failed = ExecutorError(f"{self.executor_name} executor: the {r.kind!r} operation on block "
                                              f"{r.block} failed: {r.error}")
+            if r.ok and r.held_bytes:
+                # What the speculative step holds (chunks it found it must keep): the blocks decided next see it.
+                self._refusals.append((r.block, None, r.held_bytes))
             if r.refused is not None:
                 # Taken back as it ran (its snapshot would go beyond the budget): validation steps the block.
-                self._refusals.append((r.block, r.refused))
+                self._refusals.append((r.block, r.refused, r.refused_bytes))
                 self._speculated[r.block] = False
                 self._published[r.block] = None
                 self._events.append(("refused", r.block))
@@ -744,6 +763,8 @@ class OffloadEngine:
             kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
             sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
+        self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes)
+        self._refused_bytes = {}
         return self._apply(plan, presents, sumsq)
 
     def _apply(self, plan: ValidationPlan, presents: list[tuple[bool, ...]],

@@ -15,7 +15,8 @@ Decisions (SPECULATION.md section 3):
   snapshot fits in the remaining budget); a speculative step that finds in
   itself a need for more snapshot than is left (``undo="auto"``'s test of the
   inverse's precision) is taken back and reported with
-  :func:`on_speculation_refused`;
+  :func:`on_speculation_refused`; one that keeps another amount than planned
+  reports it with :func:`on_speculation_held`;
 * early veto: once the running sum of squares of the ready blocks exceeds
   ``(max_norm * S)**2`` (``S`` the scale the speculative steps unscale with),
   clipping is certain: no further block is speculated this step. A
@@ -60,6 +61,7 @@ __all__ = [
     "on_block_ready",
     "on_late_gradient",
     "on_speculation_refused",
+    "on_speculation_held",
     "plan_validation",
     "resolve_block_hparams",
 ]
@@ -390,6 +392,23 @@ def on_speculation_refused(ctx: StepContext, tally: BackwardTally, block: int, r
                          snapshot_bytes=0)
     return tally._replace(decisions=_replace(tally.decisions, block, refused),
                           snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes)
+
+
+def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snapshot_bytes: int) -> BackwardTally:
+    """Record the snapshot bytes block ``block``'s speculative step actually holds (its record's
+    ``snapshot_bytes()``), in place of the bytes its decision planned for: ``undo="auto"``'s step may find
+    in itself that it keeps chunks (:mod:`sofx.skipped_chunks`). The blocks decided after this see what is
+    really left of the budget, rather than have their steps taken back for it.
+    """
+    _check_block(ctx, block)
+    d = tally.decisions[block]
+    if d is None or not d.speculate:
+        raise SofxError(f"block {block} was not speculated: there is no speculative step holding a snapshot")
+    if isinstance(snapshot_bytes, bool) or not isinstance(snapshot_bytes, int) or snapshot_bytes < 0:
+        raise SofxError(f"snapshot_bytes = {snapshot_bytes!r}; expected an integer >= 0")
+    held = d._replace(snapshot_bytes=snapshot_bytes)
+    return tally._replace(decisions=_replace(tally.decisions, block, held),
+                          snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes + snapshot_bytes)
 
 
 def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float) -> BackwardTally:

@@ -29,6 +29,7 @@ from sofx.speculation.decisions import (
     begin_step,
     on_block_ready,
     on_late_gradient,
+    on_speculation_held,
     on_speculation_refused,
     plan_validation,
 )
@@ -165,6 +166,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                     tally = on_speculation_refused(ctx, tally, i, str(exc))
                     continue
                 held += records[i].snapshot_bytes()
+                tally = on_speculation_held(ctx, tally, i, records[i].snapshot_bytes())
         for i, extra in late_grads.items():
             g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
             tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))

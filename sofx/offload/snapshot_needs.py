@@ -1,0 +1,84 @@
+"""What each block's speculative step will likely hold in snapshots, learnt from its last steps.
+
+With a ``snapshot_budget_bytes``, ``undo="auto"``'s speculative step may find in itself that it must keep
+chunks whose inverse would be too lossy (:mod:`sofx.skipped_chunks`), bytes its decision did not plan for;
+one that would go beyond what is left of the budget is taken back and its block stepped in validation (a
+step, its inverse and the late step, where not speculating costs the late step alone; each take-back also
+leaves the unflagged chunks a few ulps off). Where the need persists (an embedding or output layer whose
+rare rows spike every step, the first steps of a run) that would happen every step. So the engine offers a
+block's learnt need as its snapshot need (:class:`~sofx.speculate.Eligibility`) when it decides:
+
+* **expected**: what the block's last speculative step held. Reserved where it fits in what is left of the
+  budget, so that the blocks decided after it (before its step reports what it holds, with an executor that
+  runs it meanwhile) see the budget it will take; where it does not fit, the block is decided on its planned
+  bytes (and may be taken back).
+* **refused**: the bytes a step that was taken back needed. The block is not speculated while they do not
+  fit (decision ``"budget"``) for its next ``wait`` decisions, then tried again; refused once more, it waits
+  twice as long (1, 2, 4, ... up to :data:`MAX_WAIT` decisions). Each time it is speculated without a
+  refusal, the wait its next refusal would get halves, and the refusal is forgotten once that reaches 1: a
+  block whose need went away is forgotten after a few steps, while blocks that take turns at one budget keep
+  their long waits.
+
+Plain Python state per block; the engine calls :meth:`need` as it decides and :meth:`after_step` once the
+step's decisions are final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["SnapshotNeeds", "MAX_WAIT"]
+
+#: The most decisions a refused block waits before its speculation is tried again.
+MAX_WAIT = 16
+
+
+@dataclass
+class _Refused:
+    nbytes: int  # what the refused step needed (SnapshotLimitError.needed)
+    wait: int  # decisions left before it is tried again
+    backoff: int  # the wait it was given
+
+
+class SnapshotNeeds:
+    """Per block: what its last speculative step held, and the need of its last refused one while it waits
+    (see the module docstring)."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self._expected = [0] * n_blocks
+        self._refused: list[_Refused | None] = [None] * n_blocks
+
+    def need(self, block: int, planned: int, left: int | None) -> tuple[int, str]:
+        """The snapshot bytes to decide ``block`` on (at least ``planned``, its strategy's; ``left``: what is
+        left of the budget, None without one) and why, "" where they are the planned ones."""
+        r = self._refused[block]
+        if r is not None and r.wait > 0 and r.nbytes > planned:
+            return r.nbytes, (f"a recent speculative step of this block needed {r.nbytes} bytes of snapshot and "
+                              "was taken back (see sofx.offload.snapshot_needs)")
+        expected = self._expected[block]
+        if expected > planned and left is not None and expected <= left:
+            return expected, f"its last speculative step held {expected} bytes of snapshot"
+        return planned, ""
+
+    def after_step(self, decisions: Sequence[Any], refused_bytes: Mapping[int, int]) -> None:
+        """Update from a step's final decisions (:class:`~sofx.speculate.BlockDecision` or None per block; a
+        speculated one's ``snapshot_bytes`` what its step holds) and the bytes each refused block needed."""
+        for b, d in enumerate(decisions):
+            if d is None:
+                continue
+            r = self._refused[b]
+            if d.kind == "refused":
+                wait = 1 if r is None else min(2 * r.backoff, MAX_WAIT)
+                self._refused[b] = _Refused(int(refused_bytes.get(b, 0)), wait, wait)
+            elif d.kind == "speculate":
+                self._expected[b] = int(d.snapshot_bytes)
+                if r is not None:  # it fitted: its next refusal waits half as long; forgotten after a few fits
+                    self._refused[b] = _Refused(r.nbytes, 0, r.backoff // 2) if r.backoff > 1 else None
+            elif r is not None and r.wait > 0 and d.kind == "budget":
+                r.wait -= 1
+
+    def forget(self) -> None:
+        """Drop everything learnt (a new budget, a loaded state)."""
+        self._expected = [0] * len(self._expected)
+        self._refused = [None] * len(self._refused)
