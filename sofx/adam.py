@@ -57,7 +57,7 @@ from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamSc
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
                                is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
-from sofx.undo_record import LeafUndo, UndoRecord, chunk_ranges, chunk_snapshot_bytes, strategy_snapshot_bytes
+from sofx.undo_record import LeafUndo, UndoRecord, chunk_ranges, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range"]
@@ -512,6 +512,7 @@ class Adam:
         steps = []  # the step calls of chunk snapshots' kept chunks
         whole: dict[int, UndoRedoCall] = {}  # the leaves redone by chunks, each as one call (for the finish)
         for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
+            fused = by_chunks[k] or _fusable(rec, plan)
             if by_chunks[k]:
                 out = (leaf.p, leaf.m, leaf.v) if donate else (torch.empty_like(leaf.p), torch.empty_like(leaf.m),
                                                                torch.empty_like(leaf.v))
@@ -520,11 +521,11 @@ class Adam:
                 redo_calls, step_calls = skipped_chunks.split_by_kept_chunks(whole[k], rec)
                 pending += [(k, kernels[k], c) for c in redo_calls]
                 steps += [(k, kernels[k], c) for c in step_calls]
-            elif _fusable(rec, plan):
+            elif fused:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 pending.append((k, kernels[k], UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
                                                             plan[0], rec.p_old, out, copy, flags.views[k])))
-            if by_chunks[k] or _fusable(rec, plan):
+            if fused:
                 new_c[k] = rec.count_before + 1
                 records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
@@ -1021,10 +1022,7 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
     def need_of(k: int, leaf: _Leaf, strategy: str) -> int:
         if k not in flagged:
             return strategy_snapshot_bytes(strategy, leaf.p, leaf.m, leaf.v)
-        chunks = flagged[k].nonzero().flatten().tolist()
-        if strategy == "param_snapshot" or len(chunks) == flagged[k].numel():  # kept whole
-            return strategy_snapshot_bytes("snapshot", leaf.p, leaf.m, leaf.v)
-        return chunk_snapshot_bytes(chunks, leaf.p, leaf.m, leaf.v)
+        return skipped_chunks.finished_bytes(strategy, flagged[k], leaf.p, leaf.m, leaf.v)
 
     need = sum(need_of(k, leaf, plan[1]) for k, (leaf, plan) in enumerate(zip(leaves, plans)) if plan is not None)
     if need > limit:

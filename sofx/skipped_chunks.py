@@ -19,9 +19,10 @@ import torch
 
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
-from sofx.undo_record import LeafUndo, chunk_ranges
+from sofx.undo_record import LeafUndo, chunk_ranges, chunk_snapshot_bytes, strategy_snapshot_bytes
 
-__all__ = ["finish_step", "finish_undo_redo", "split_by_kept_chunks", "restore_chunks", "roll_back_step"]
+__all__ = ["finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "restore_chunks",
+           "roll_back_step"]
 
 _REASON = ("the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT), or it "
            "dominates the second moment somewhere: an algebraic inverse would restore it less exactly than 1e-6 "
@@ -41,13 +42,12 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
     old parameter whole (``"param_snapshot"``) gets a whole snapshot too: with donation the stepped chunks'
     old moments are recovered by the algebraic inverse into new tensors (as an undo would)."""
     chunks, ranges = _skipped(call.skip, results[0].numel())
-    whole = len(ranges) == call.skip.numel()
-    if rec.strategy != "param_snapshot":
-        if whole:
-            old = [t.clone() for t in inputs] if donate else list(inputs)
-            everything = [(0, results[0].numel())]
-            _step(kernel, variant, everything, _pieces(old, everything), call.g, rec.scalars, results, call.p_copy)
-            return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
+    if len(ranges) == call.skip.numel():  # every chunk skipped: the old values are all still there
+        old = [t.clone() for t in inputs] if donate else list(inputs)
+        everything = [(0, results[0].numel())]
+        _step(kernel, variant, everything, _pieces(old, everything), call.g, rec.scalars, results, call.p_copy)
+        return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
+    if not _kept_whole(rec.strategy, len(ranges), call.skip.numel()):
         kept = _copy_out(inputs, ranges)
         _step(kernel, variant, ranges, _pieces(inputs, ranges), call.g, rec.scalars, results, call.p_copy)
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, _REASON,
@@ -64,6 +64,21 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         old = source = inputs
     _step(kernel, variant, ranges, _pieces(source, ranges), call.g, rec.scalars, results, call.p_copy)
     return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
+
+
+def finished_bytes(strategy: str, skip: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
+    """The snapshot bytes :func:`finish_step` keeps for a leaf planned ``strategy`` whose checked step flagged
+    the chunks ``skip`` marks: those chunks', or the whole leaf's."""
+    chunks = skip.nonzero().flatten().tolist()
+    if _kept_whole(strategy, len(chunks), skip.numel()):
+        return strategy_snapshot_bytes("snapshot", p, m, v)
+    return chunk_snapshot_bytes(chunks, p, m, v)
+
+
+def _kept_whole(strategy: str, flagged: int, chunks: int) -> bool:
+    """Whether a finished step keeps its leaf whole: every chunk flagged (the same values, no indices), or a
+    record that keeps the old parameter whole anyway."""
+    return strategy == "param_snapshot" or flagged == chunks
 
 
 def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, results: Triple,

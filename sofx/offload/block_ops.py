@@ -78,7 +78,7 @@ class OpResult:
     ``refused``: a speculative step (``"speculate"``, ``"ready"``) that was taken back because its snapshot
     would have gone beyond the budget (:class:`~sofx.errors.SnapshotLimitError`'s message), else None;
     ``refused_bytes``: the snapshot bytes it needed (the error's ``needed``); ``held_bytes``: those a
-    speculative step that was not taken back holds (its record's ``snapshot_bytes()``), else 0."""
+    speculative step that was not taken back holds (its record's ``snapshot_bytes()``), else None."""
 
     seq: int
     kind: str
@@ -86,7 +86,7 @@ class OpResult:
     error: Optional[str] = None
     refused: Optional[str] = None
     refused_bytes: int = 0
-    held_bytes: int = 0
+    held_bytes: Optional[int] = None
 
     @property
     def ok(self) -> bool:

@@ -184,7 +184,7 @@ class BlockRunner:
             if refused is not None:
                 return OpResult(op.seq, op.kind, op.block, refused=refused[0], refused_bytes=refused[1])
             kept = self.kept.get(op.block) if op.kind in ("speculate", "ready") else None
-            held = kept.snapshot_bytes if kept is not None and kept.record is not None else 0
+            held = kept.snapshot_bytes if kept is not None and kept.record is not None else None
             return OpResult(op.seq, op.kind, op.block, held_bytes=held)
         except Exception as exc:  # reported to the main process, which raises it
             detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

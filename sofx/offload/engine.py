@@ -432,7 +432,7 @@ class OffloadEngine:
         # (block, why, bytes) of speculative steps taken back (the bytes they needed), or holding snapshots (why
         # None: the bytes they hold), not yet in the tally: appended by _record (the main thread), taken by _decide
         # (where the executor decides) and step() (thread-safe appends and pops)
-        self._refusals: deque[tuple[int, str | None, int]] = deque()
+        self._snapshot_reports: deque[tuple[int, str | None, int]] = deque()
         self._refused_bytes: dict[int, int] = {}  # this step's refused blocks: the bytes each needed
         self._events: list[tuple[str, int]] = []
         self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
@@ -571,7 +571,7 @@ class OffloadEngine:
         """
         layout, t, ctx = self.layouts[b], self.tensors[b], self._ctx
         self._events.append(("ready", b))
-        self._take_refusals()  # the snapshot bytes of the blocks refused so far are free again
+        self._take_snapshot_reports()  # what the steps so far hold (those refused: nothing) is known
         flat = uses_flat_layout(t, present, grads is not None)
         self._tally, decision = on_block_ready(
             ctx, self._tally, b, self._block_sumsq(b),
@@ -583,11 +583,11 @@ class OffloadEngine:
             self._mark_speculated(b, publish)
         return decision
 
-    def _take_refusals(self) -> None:
+    def _take_snapshot_reports(self) -> None:
         """Record in the tally the snapshot bytes the speculative steps reported since the last call hold, and
         those taken back (``why`` not None)."""
-        while self._refusals:
-            b, why, nbytes = self._refusals.popleft()
+        while self._snapshot_reports:
+            b, why, nbytes = self._snapshot_reports.popleft()
             if why is None:
                 self._tally = on_speculation_held(self._ctx, self._tally, b, nbytes)
                 continue
@@ -666,12 +666,13 @@ class OffloadEngine:
                 # step did not happen as planned; step() must not commit or publish it. The engine stops here.
                 self._failed = ExecutorError(f"{self.executor_name} executor: the {r.kind!r} operation on block "
                                              f"{r.block} failed: {r.error}")
-            if r.ok and r.held_bytes:
-                # What the speculative step holds (chunks it found it must keep): the blocks decided next see it.
-                self._refusals.append((r.block, None, r.held_bytes))
+            if r.ok and r.held_bytes is not None:
+                # What the speculative step holds (chunks it found it must keep, or less than was reserved for it):
+                # the blocks decided next see it.
+                self._snapshot_reports.append((r.block, None, r.held_bytes))
             if r.refused is not None:
                 # Taken back as it ran (its snapshot would go beyond the budget): validation steps the block.
-                self._refusals.append((r.block, r.refused, r.refused_bytes))
+                self._snapshot_reports.append((r.block, r.refused, r.refused_bytes))
                 self._speculated[r.block] = False
                 self._published[r.block] = None
                 self._events.append(("refused", r.block))
@@ -747,7 +748,7 @@ class OffloadEngine:
                           stacklevel=3)
         self._begin()
         self._record(self._wait(help=True))
-        self._take_refusals()
+        self._take_snapshot_reports()
         self._note_gradients()
         sumsq: list[float | None] = []
         presents: list[tuple[bool, ...]] = []
