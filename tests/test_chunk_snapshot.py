@@ -25,7 +25,7 @@ from sofx.kernels.base import FINITE_CHUNK
 from sofx.undo_record import LeafUndo, chunk_snapshot_bytes
 
 import sofx.offload
-from test_offload_support import one_torch_thread, relative_deviation  # noqa: F401 (an autouse fixture)
+from test_offload_support import mse_step_side_by_side, one_torch_thread, relative_deviation  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no checked CPU step")
 
@@ -211,21 +211,14 @@ def test_a_speculated_block_whose_spike_fits_as_chunks_is_not_refused() -> None:
                                        snapshot_budget_bytes=budget) as opt:
         for step in range(40):
             x, y = torch.randn(16, 128, generator=gen), torch.randn(16, 128, generator=gen)
-            handles = []
+            hooks = []
             if step == 35:
                 def spike(g: torch.Tensor) -> torch.Tensor:
                     g = g.clone()
                     g[3, 5] *= 1e4
                     return g
-                handles = [m.weight.register_hook(spike) for m in (model, ref)]
-            opt.zero_grad()
-            opt.backward(((model(x) - y) ** 2).mean())
-            ((ref(x) - y) ** 2).mean().backward()
-            report = opt.step()
-            ropt.step()
-            ropt.zero_grad()
-            for h in handles:
-                h.remove()
+                hooks = [(m.weight, spike) for m in (model, ref)]
+            report = mse_step_side_by_side(opt, ropt, model, ref, x, y, hooks)
             assert relative_deviation(model, ref) <= TOL, step
             if step >= 30:
                 assert report.refused == 0 and report.committed == 1, (step, report.summary())
@@ -352,21 +345,14 @@ def test_a_block_refused_every_step_is_remembered(executor: str) -> None:
                                        snapshot_budget_bytes=12 * FINITE_CHUNK + 8, loss_scale=None) as opt:
         for step in range(steps):
             x, y = torch.randn(16, 128, generator=gen), torch.randn(16, 128, generator=gen)
-            handles = []
+            hooks = []
             if step >= 10:
                 def spike(g: torch.Tensor, row: int = (step * 5) % 128) -> torch.Tensor:
                     g = g.clone()
                     g[row] *= 100.0  # a row never spiked before: its step is too lossy to invert there
                     return g
-                handles = [m[i].weight.register_hook(spike) for m in (model, ref) for i in (0, 2)]
-            opt.zero_grad()
-            opt.backward(((model(x) - y) ** 2).mean())
-            ((ref(x) - y) ** 2).mean().backward()
-            report = opt.step()
-            ropt.step()
-            ropt.zero_grad()
-            for h in handles:
-                h.remove()
+                hooks = [(m[i].weight, spike) for m in (model, ref) for i in (0, 2)]
+            report = mse_step_side_by_side(opt, ropt, model, ref, x, y, hooks)
             assert relative_deviation(model, ref) <= TOL, step
             if step >= 12:
                 refused.append(report.refused)

@@ -564,6 +564,20 @@ else:
                          variant)
         assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
 
+    def _spiked_pair(rng, n):
+        """``sofx.adamw`` on the triton and reference backends, params ``a`` (``n`` elements) and ``b`` with
+        moments of 20 steps, and gradients with a 1000x spike in ``a``'s second chunk."""
+        import sofx
+        params = {"a": torch.randn(n, generator=rng), "b": torch.randn(300, generator=rng)}
+        opts = [sofx.adamw(lr=1e-2, weight_decay=0.1, backend=b) for b in ("triton", "reference")]
+        state = opts[0].init(params)
+        for _ in range(20):
+            params, state, _ = opts[1].update(params, {k: torch.randn(p.shape, generator=rng)
+                                                       for k, p in params.items()}, state, undoable=False)
+        grads = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
+        grads["a"][FINITE_CHUNK + 50] = 1e3
+        return opts, params, state, grads
+
     def test_adam_checks_in_the_triton_step_without_a_pass_before(rng, monkeypatch):
         """sofx.adamw(backend="triton"): undo="auto" finds a spike in the checked step itself (the pass of
         torch operations before it, any_lossy, is not run) and keeps a snapshot of that chunk (the reference,
@@ -574,14 +588,7 @@ else:
         def no_pass(*args, **kwargs):
             raise AssertionError("the pass before the step ran")
 
-        params = {"a": torch.randn(FINITE_CHUNK + 100, generator=rng), "b": torch.randn(300, generator=rng)}
-        opts = [sofx.adamw(lr=1e-2, weight_decay=0.1, backend=b) for b in ("triton", "reference")]
-        state = opts[0].init(params)
-        for _ in range(20):
-            params, state, _ = opts[1].update(params, {k: torch.randn(p.shape, generator=rng)
-                                                       for k, p in params.items()}, state, undoable=False)
-        grads = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
-        grads["a"][FINITE_CHUNK + 50] = 1e3
+        opts, params, state, grads = _spiked_pair(rng, FINITE_CHUNK + 100)
         monkeypatch.setattr(adam_module, "any_lossy", no_pass)
         got = opts[0].update(params, grads, state)
         monkeypatch.undo()
@@ -606,14 +613,7 @@ else:
         in the first chunk: fused calls over the chunks not kept, a step from the kept one; the result is the
         reference's undo then update, and its record (undoable) undoes to the reference's undone state."""
         import sofx
-        params = {"a": torch.randn(2 * FINITE_CHUNK + 100, generator=rng), "b": torch.randn(300, generator=rng)}
-        opts = [sofx.adamw(lr=1e-2, weight_decay=0.1, backend=b) for b in ("triton", "reference")]
-        state = opts[0].init(params)
-        for _ in range(20):
-            params, state, _ = opts[1].update(params, {k: torch.randn(p.shape, generator=rng)
-                                                       for k, p in params.items()}, state, undoable=False)
-        grads = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
-        grads["a"][FINITE_CHUNK + 50] = 1e3
+        opts, params, state, grads = _spiked_pair(rng, 2 * FINITE_CHUNK + 100)
         new = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
         new["a"][7] = float("inf")
         p1, s1, rec = opts[0].update(params, grads, state)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -127,6 +127,25 @@ def mlp_step_side_by_side(opt, ropt: torch.optim.Optimizer, model: nn.Module, re
     report = opt.step()
     ropt.step()
     ropt.zero_grad()
+    return report
+
+
+def mse_step_side_by_side(opt, ropt: torch.optim.Optimizer, model: nn.Module, ref: nn.Module, x: torch.Tensor,
+                          y: torch.Tensor, hooks: Sequence[tuple[torch.Tensor, Callable]] = ()):
+    """One step of ``model`` with the sofx optimizer ``opt`` and of ``ref`` with the torch optimizer ``ropt``
+    on the squared error of ``model(x)`` against ``y``; ``hooks``: ``(parameter, gradient hook)`` pairs
+    registered for this step only (a gradient spike in both models, say). Returns ``opt``'s step report."""
+    handles = [p.register_hook(h) for p, h in hooks]
+    try:
+        opt.zero_grad()
+        opt.backward(((model(x) - y) ** 2).mean())
+        ((ref(x) - y) ** 2).mean().backward()
+        report = opt.step()
+        ropt.step()
+        ropt.zero_grad()
+    finally:
+        for h in handles:
+            h.remove()
     return report
 
 

@@ -26,7 +26,7 @@ from sofx.kernels.base import FINITE_CHUNK
 from sofx.serial import serial_step
 
 import sofx.offload
-from test_offload_support import one_torch_thread, relative_deviation  # noqa: F401 (an autouse fixture)
+from test_offload_support import mse_step_side_by_side, one_torch_thread, relative_deviation  # noqa: F401
 
 TOL = 1e-6  # DESIGN.md: the speculative run against torch.optim
 
@@ -248,18 +248,9 @@ def test_the_engine_keeps_its_budget_when_a_spike_needs_snapshots(executor: str)
                                        snapshot_budget_bytes=3 * 4 * block) as opt:
         for step in range(18):
             x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
-            handles = []
-            if step in spiked_steps:
-                for m in (model, ref):
-                    handles += [p.register_hook(lambda g: g * 1000.0) for p in m.parameters()]
-            opt.zero_grad()
-            opt.backward(((model(x) - y) ** 2).mean())
-            ((ref(x) - y) ** 2).mean().backward()
-            report = opt.step()
-            ropt.step()
-            ropt.zero_grad()
-            for h in handles:
-                h.remove()
+            hooks = [(p, lambda g: g * 1000.0) for m in (model, ref) for p in m.parameters()] \
+                if step in spiked_steps else []
+            report = mse_step_side_by_side(opt, ropt, model, ref, x, y, hooks)
             assert relative_deviation(model, ref) <= TOL, step
             if step in spiked_steps:
                 refused = [b for what, b in report.events if what == "refused"]
