@@ -324,3 +324,12 @@ def test_triton_host_script_runs():
         "| the same update, then undo_redo(new grads, grads_finite=True)"]
     for row in rows:
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
+
+
+def test_borrow_crossover_script_runs():
+    """``benchmarks/borrow_crossover.py --smoke``: a row per executor and size, with both policies timed."""
+    rows = _table_rows("borrow_crossover.py", ["--smoke"], ("| inline", "| thread"))
+    assert [row.split(" | ")[:2] for row in rows] == [["| inline", "16"], ["| inline", "64"],
+                                                      ["| thread", "16"], ["| thread", "64"]]
+    for row in rows:
+        assert re.fullmatch(r"\| \w+ \| \d+ \| \d+( \| \d+\.\d+){3} \|", row), row
