@@ -357,6 +357,14 @@ def test_a_block_refused_every_step_is_remembered(executor: str) -> None:
             if step >= 12:
                 refused.append(report.refused)
                 committed.append(report.committed)
+        # (a loaded state, or one reset, starts afresh: what was learnt is of other moments)
+        needs = opt.engine._snapshot_needs
+        assert any(r is not None for r in needs._refused) or any(needs._expected)
+        opt.load_state_dict(opt.state_dict())
+        assert all(r is None for r in needs._refused) and not any(needs._expected)
+        needs._expected[0] = 100
+        opt.engine.reset_state()
+        assert not any(needs._expected)
     # Without the memory: a refusal every step (28 here). With it, at the tries after waits of 1, 2, 4, 8, 16
     # decisions. (In the first steps every chunk was flagged, whole snapshots: the blocks remember that need
     # for the waits it earned, so the first steps here may speculate neither.)

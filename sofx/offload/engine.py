@@ -940,6 +940,7 @@ class OffloadEngine:
             load_engine_state(self, state, where)
             self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
             self._note_versions()
+            self._snapshot_needs.forget()  # learnt on other moments
             self._reset_step()
 
     @contextlib.contextmanager
@@ -1009,6 +1010,7 @@ class OffloadEngine:
                 t.exp_avg_sq.zero_()
                 t.counts.zero_()
         self._eligibility_memo = [None] * len(self.layouts)
+        self._snapshot_needs.forget()
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

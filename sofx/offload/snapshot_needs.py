@@ -79,6 +79,6 @@ class SnapshotNeeds:
                 r.wait -= 1
 
     def forget(self) -> None:
-        """Drop everything learnt (a new budget, a loaded state)."""
+        """Drop everything learnt (a loaded or reset optimizer state)."""
         self._expected = [0] * len(self._expected)
         self._refused = [None] * len(self._refused)
