@@ -97,11 +97,15 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     kept = _kept_by_chunk(undone_rec, n) if undone_rec is not None and undone_rec.chunks is not None else {}
     cur, g_old = _pieces(results if donate else inputs, ranges), _flat(call.g_old)
     p_old = _flat(call.p_old) if call.p_old is not None else None
-    inverted = [i for i, c in enumerate(chunks.tolist()) if c not in kept]
-    calls = [UndoCall(cur[i][0], g_old[a:b], cur[i][1], cur[i][2], call.s_old,
-                      p_old[a:b] if p_old is not None else None) for i, (a, b) in ((i, ranges[i]) for i in inverted)]
+    order = chunks.tolist()
+    inverted = [i for i, c in enumerate(order) if c not in kept]
+    calls = []
+    for i in inverted:
+        a, b = ranges[i]
+        calls.append(UndoCall(cur[i][0], g_old[a:b], cur[i][1], cur[i][2], call.s_old,
+                              p_old[a:b] if p_old is not None else None))
     done = dict(zip(inverted, kernel.undo_many(calls, variant))) if calls else {}
-    undone = [done[i] if i in done else kept[c] for i, c in enumerate(chunks.tolist())]
+    undone = [done[i] if i in done else kept[c] for i, c in enumerate(order)]
     olds = [torch.cat([piece[i].reshape(-1) for piece in undone]) for i in range(3)]
     _step(kernel, variant, ranges, undone, call.g_new, call.s_new, results, call.p_copy)
     if len(ranges) == call.skip.numel():  # every chunk: a whole snapshot
@@ -117,11 +121,7 @@ def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[list[UndoRe
     Ranges of the leaf's memory, each with its chunks' flags (``call.skip``) and parameter copy."""
     n = call.p.numel()
     kept = chunk_ranges(rec.chunks.tolist(), n)
-    free, at = [], 0
-    for a, b in kept + [(n, n)]:
-        if a > at:
-            free.append((at, a))
-        at = b
+    free = _gaps(kept, n)
     assert call.out is not None
     p, m, v, g_old, g_new = (_flat(t) for t in (call.p, call.m, call.v, call.g_old, call.g_new))
     out = [_flat(t) for t in call.out]
@@ -164,11 +164,7 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
     parameter copy, which the kernel wrote outside the flagged chunks, gets the old parameter whole."""
     if donate:
         n = inputs[0].numel()
-        stepped, at = [], 0
-        for a, b in _skipped(call.skip, n)[1] + [(n, n)]:
-            if a > at:
-                stepped.append((at, a))
-            at = b
+        stepped = _gaps(_skipped(call.skip, n)[1], n)
         p, m, v = (_flat(t) for t in inputs)
         g = _flat(call.g)
         p_old = _flat(rec.p_old) if rec.p_old is not None else None
@@ -187,6 +183,16 @@ def _skipped(skip: torch.Tensor | None, n: int) -> tuple[torch.Tensor, list[tupl
     assert skip is not None
     chunks = skip.nonzero().flatten()
     return chunks, chunk_ranges(chunks.tolist(), n)
+
+
+def _gaps(ranges: Ranges, n: int) -> list[tuple[int, int]]:
+    """The element ranges of ``[0, n)`` outside ``ranges`` (ascending, disjoint)."""
+    out, at = [], 0
+    for a, b in list(ranges) + [(n, n)]:
+        if a > at:
+            out.append((at, a))
+        at = b
+    return out
 
 
 def _kept_by_chunk(rec: LeafUndo, n: int) -> dict[int, Triple]:

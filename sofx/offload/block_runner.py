@@ -166,9 +166,7 @@ class BlockRunner:
         # block -> per parameter: its two publish buffers (1-d, the model's dtype), or None
         self.publish = publish or {}
         self.kept: dict[int, _Kept] = {}
-        # Snapshot bytes of the kept records, plus what a speculative step with a budget reserved while it runs
-        # (see _speculate).
-        self.held_bytes = 0
+        self.held_bytes = 0  # snapshot bytes of the kept records
         self._held_lock = threading.Lock()
         self._budget_turn = threading.Lock()  # held by a speculative step with a snapshot budget while it runs
         # block -> why its speculative step was taken back, and the snapshot bytes it needed (for run())
@@ -200,29 +198,23 @@ class BlockRunner:
         copies = self._copies(op, flat)
         budget = op.payload.snapshot_budget_bytes
         # With a budget, speculative steps take turns (a thread helping in step() runs the next one after this):
-        # each may keep what is left of the budget when it runs, where steps at the same time had to split it.
+        # each may keep what is left of the budget when it runs. Other operations meanwhile (undos) only free
+        # bytes, so what is held now bounds what the step may keep.
         with self._budget_turn if budget is not None else contextlib.nullcontext():
-            with self._held_lock:
-                # Reserved while the step runs (the step may keep what it reserved): at most what the block could
-                # keep (p, m, v whole).
-                worst = sum(x.numel() * x.element_size() for x in (t.master, t.exp_avg, t.exp_avg_sq))
-                reserved = 0 if budget is None else min(worst, max(0, budget - self.held_bytes))
-                held = 0 if budget is None else budget - reserved  # (the step's limit is its reservation)
-                self.held_bytes += reserved
             try:
                 _, new_state, record = speculative_block_step(self.adam, params, grads, state, op.payload,
                                                               donate=True, grads_finite=op.grads_finite or None,
-                                                              param_copies=copies, held_bytes=held)
+                                                              param_copies=copies, held_bytes=self.held_bytes)
             except SnapshotLimitError as exc:
                 # Taken back (the block is as it was): not speculated; validation steps it.
                 self._refused[op.block] = (str(exc), exc.needed)
-                self._keep(op.block, _Kept(None, flat), release=reserved)
+                self._keep(op.block, _Kept(None, flat))
                 return False
             except BaseException:
-                self._keep(op.block, None, release=reserved)
+                self._keep(op.block, None)
                 raise
             self._store_counts(op.block, flat, new_state)
-            self._keep(op.block, _Kept(record, flat, record.snapshot_bytes()), release=reserved)
+            self._keep(op.block, _Kept(record, flat, record.snapshot_bytes()))
         return copies is None
 
     def _ready(self, op: BlockOp) -> bool:
@@ -278,12 +270,10 @@ class BlockRunner:
             self.held_bytes = 0
         return False
 
-    def _keep(self, block: int, kept: _Kept | None, release: int = 0) -> _Kept | None:
-        """Set (None: drop) what ``block`` keeps, counting its snapshot bytes, and give back the ``release``
-        bytes a speculative step reserved while it ran (at once: no other step sees both); returns what the
-        block kept before."""
+    def _keep(self, block: int, kept: _Kept | None) -> _Kept | None:
+        """Set (None: drop) what ``block`` keeps, counting its snapshot bytes; returns what the block kept
+        before."""
         with self._held_lock:
-            self.held_bytes -= release
             old = self.kept.pop(block, None)
             if old is not None:
                 self.held_bytes -= old.snapshot_bytes
