@@ -68,3 +68,15 @@ def test_what_the_library_cannot_take_is_copied_and_left_to_the_caller(rng, monk
     monkeypatch.setattr(_cpu_build, "_loaded", ["no library here"])
     dst = torch.zeros(300)
     assert copy_with_sumsq(dst, grad) is None and torch.equal(dst, grad)
+
+
+def test_a_gradient_of_any_shape_is_copied_in_memory_order(rng):
+    """The engine's hooks pass autograd's gradient as it is (a weight's 2-d gradient; a transposed one)."""
+    grad = torch.randn(24, 40, generator=rng)
+    dst = torch.empty(24 * 40)
+    total = copy_with_sumsq(dst, grad)
+    assert torch.equal(dst, grad.reshape(-1)) and abs(total - sumsq(grad)) <= 1e-6 * sumsq(grad)
+    transposed = grad.t()  # not contiguous: the plain copy, in the order of its elements
+    assert copy_with_sumsq(dst, transposed) is None and torch.equal(dst, transposed.reshape(-1))
+    with pytest.raises(RuntimeError):  # as many elements or nothing
+        copy_with_sumsq(torch.empty(7), grad)

@@ -111,6 +111,35 @@ def test_gradients_of_small_parameters_are_copied_and_large_ones_borrowed(execut
     assert leaves and set(leaves) == {2}, leaves
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("width", [16, 384])  # copied, borrowed (in-process executors) gradients
+def test_backward_with_create_graph_steps_as_torch_does(executor: str, width: int) -> None:
+    """``backward(create_graph=True)`` hands the hooks gradients that require grad (a gradient penalty's
+    loss): the engine steps their values as ``torch.optim.AdamW`` does and records nothing for autograd (its
+    buffers and masters never require grad)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width))
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, width)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor,
+                                       block_numel=width * width + width) as opt:
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(x).square().mean(), create_graph=True)
+            ropt.zero_grad()
+            ref(x).square().mean().backward(create_graph=True)
+            assert all(p.grad.requires_grad for p in ref.parameters())
+            opt.step()
+            ropt.step()
+            for t in opt.engine.tensors.values():
+                assert not any(u.requires_grad for u in (t.master, t.exp_avg, t.exp_avg_sq, t.grad))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert not p.requires_grad or p.grad_fn is None
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_a_published_block_of_a_few_large_parameters_is_stepped_per_parameter() -> None:
     """So that each parameter's kernel writes its publish buffer; a block of many or small parameters stays
     one flat leaf (one kernel call, copied after)."""

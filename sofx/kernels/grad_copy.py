@@ -22,17 +22,18 @@ __all__ = ["copy_with_sumsq"]
 
 
 def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
-    """``dst.copy_(grad)`` (``dst`` 1-d, ``grad`` of as many elements); returns the sum of squares of the
-    values written to ``dst`` where the native library took it in the same pass, else None."""
+    """``dst.copy_(grad)`` (``dst`` 1-d, ``grad`` of as many elements, any shape); returns the sum of squares
+    of the values written to ``dst`` where the native library took it in the same pass, else None.
+
+    Called once per gradient on the training thread (the offload engine's hooks): the checks are the cheap
+    tensor attributes, a 256-element gradient costs ~2 us here."""
     lib = _cpu_build.load()
-    if (lib is None or dst.device.type != "cpu" or grad.device.type != "cpu" or not dst.is_contiguous()
-            or not grad.is_contiguous() or dst.dtype not in _DTYPE_CODES or grad.dtype not in _DTYPE_CODES
-            or dst.numel() != grad.numel()):
-        dst.copy_(grad.reshape(dst.shape))
-        return None
-    total = lib.copy_sumsq(grad.data_ptr(), _DTYPE_CODES[grad.dtype], dst.data_ptr(), _DTYPE_CODES[dst.dtype],
-                           grad.numel())
-    if total == -1.0:  # a dtype this build cannot convert (float16 without compiler support)
-        dst.copy_(grad.reshape(dst.shape))
-        return None
-    return total
+    if (lib is not None and dst.is_cpu and grad.is_cpu and dst.is_contiguous() and grad.is_contiguous()
+            and dst.numel() == grad.numel()):
+        grad_code, dst_code = _DTYPE_CODES.get(grad.dtype), _DTYPE_CODES.get(dst.dtype)
+        if grad_code is not None and dst_code is not None:
+            total = lib.copy_sumsq(grad.data_ptr(), grad_code, dst.data_ptr(), dst_code, grad.numel())
+            if total != -1.0:  # -1: a dtype this build cannot convert (float16 without compiler support)
+                return total
+    dst.copy_(grad.reshape(dst.shape))
+    return None

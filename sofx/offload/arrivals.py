@@ -12,16 +12,14 @@ Pure bookkeeping: no tensors, no threads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from sofx.offload.blocks import BlockLayout
 
 __all__ = ["ArrivalTracker", "Arrival"]
 
 
-@dataclass(frozen=True)
-class Arrival:
+class Arrival(NamedTuple):
     """What one gradient arrival means.
 
     ``block``/``slot``: where the parameter lives; ``first``: its first
@@ -53,17 +51,20 @@ class ArrivalTracker:
         self.expected = [True] * self.n_params
         self.pending = [0] * len(self.layouts)
         self.ready = [False] * len(self.layouts)
+        self._started = False
 
     def reset(self, expected: Sequence[bool]) -> None:
         """Start a new step; ``expected[i]``: parameter ``i`` requires grad."""
         self.arrivals = [0] * self.n_params
         self.expected = list(expected)
         self.ready = [False] * len(self.layouts)
+        self._started = False
         self.pending = [sum(1 for i in layout.param_indices if self.expected[i]) for layout in self.layouts]
 
     def arrive(self, index: int) -> Arrival:
         """Record one gradient arrival of parameter ``index``."""
         block, slot = self.where[index]
+        self._started = True
         self.arrivals[index] += 1
         n = self.arrivals[index]
         late = self.ready[block]
@@ -90,4 +91,4 @@ class ArrivalTracker:
     @property
     def started(self) -> bool:
         """Whether any gradient arrived this step."""
-        return any(self.arrivals)
+        return self._started

@@ -256,6 +256,8 @@ class OffloadEngine:
         self._zero_grads = [False] * len(self.params)
         # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
         # which then refuses to step for good (a constructor that raised after that broke it).
+        self._grad_views = [tuple(self.tensors[layout.index].views(self.tensors[layout.index].grad, layout))
+                            for layout in self.layouts]  # per block, per slot: where its gradient goes
         self.hooks = GradHooks(self.params, self._on_grad)
         self._reset_step()
         self._note_versions()
@@ -484,9 +486,10 @@ class OffloadEngine:
                             "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
         arrival = self.tracker.arrive(index)
         b = arrival.block
-        layout, t = self.layouts[b], self.tensors[b]
-        view = t.grad[layout.span(arrival.slot)]
-        g = grad.detach().reshape(-1)
+        layout = self.layouts[b]
+        view = self._grad_views[b][arrival.slot]
+        if grad.requires_grad:  # (backward(create_graph=True)): nothing here is recorded by autograd
+            grad = grad.detach()
         if arrival.late and self._deferred:
             self._record(self._wait())  # the block's decision, taken in the executor, is known after this
         if arrival.late and self._speculated[b]:
@@ -496,20 +499,20 @@ class OffloadEngine:
             self._run_now(BlockOp(next(self._seq), "undo_now", b), layout)
             self._speculated[b] = False
             self._published[b] = None
-        with torch.no_grad():
-            if arrival.first:
-                if (owned and self._borrowing[b] and g.dtype == view.dtype and g.device == view.device
-                        and grad.is_contiguous()):
-                    self._grads[b][arrival.slot] = g  # a view of autograd's gradient: no copy
-                else:
-                    # casts to the master dtype, copies across devices; one pass with the sum of squares where
-                    # the native library can (the process executor's copies into shared memory)
-                    self._slot_sumsq[b][arrival.slot] = copy_with_sumsq(view, g)
-                    self._grads[b][arrival.slot] = view
+        # (no torch.no_grad() needed: neither ``grad`` nor the buffers require grad; it would cost ~2 us a hook)
+        if arrival.first:
+            if (owned and self._borrowing[b] and grad.dtype == view.dtype and grad.device == view.device
+                    and grad.is_contiguous()):
+                self._grads[b][arrival.slot] = grad.view(-1)  # a view of autograd's gradient: no copy
             else:
-                target = self._grads[b][arrival.slot]
-                target.add_(g.to(target.device))
-                self._slot_sumsq[b][arrival.slot] = None
+                # casts to the master dtype, copies across devices; one pass with the sum of squares where
+                # the native library can (the process executor's copies into shared memory)
+                self._slot_sumsq[b][arrival.slot] = copy_with_sumsq(view, grad)
+                self._grads[b][arrival.slot] = view
+        else:
+            target = self._grads[b][arrival.slot]
+            target.add_(grad.reshape(-1).to(target.device))
+            self._slot_sumsq[b][arrival.slot] = None
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:
