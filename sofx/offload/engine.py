@@ -373,6 +373,7 @@ class OffloadEngine:
         self._pub: dict[int, list[list[torch.Tensor] | None]] = {}
         self._pub_names: dict[int, list[list[str] | None]] = {}  # the same, as shared-tensor names
         self._cur = [0] * len(self.params)  # which buffer each parameter uses now
+        self._pub_shaped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter -> the pair, its shape
         self._published: list[tuple[int, ...] | None] = [None] * len(self.layouts)
         shared = isinstance(self._cpu_arena, SharedMemoryArena)
         for layout in cpu_layouts:
@@ -397,6 +398,7 @@ class OffloadEngine:
                     bufs = [p.data.view(-1), torch.empty(p.numel(), dtype=p.dtype)]
                     names.append(None)
                 slots.append(bufs)
+                self._pub_shaped[i] = (bufs[0].view(p.shape), bufs[1].view(p.shape))
             if any(x is not None for x in slots):
                 self._pub[layout.index] = slots
                 self._pub_names[layout.index] = names
@@ -829,9 +831,10 @@ class OffloadEngine:
         """Give the model the new masters of the stepped ``blocks``: point each parameter at the publish
         buffer the executor wrote (no copy), or copy where nothing was published."""
         copy: list[int] = []
+        swapped: list[torch.Tensor] = []
         with torch.no_grad():
             for b in blocks:
-                mask, slots = self._published[b], self._pub.get(b)
+                mask = self._published[b]
                 if mask is None:
                     copy.append(b)
                     continue
@@ -844,9 +847,11 @@ class OffloadEngine:
                         view = t.master[layout.span(slot)]
                         p.copy_(view.view(p.shape))
                         continue
-                    p.data = slots[slot][k].view(p.shape)
+                    p.data = self._pub_shaped[i][k]
                     self._cur[i] = k
-                    torch.autograd.graph.increment_version(p)  # as the in-place update of torch.optim
+                    swapped.append(p)
+        if swapped:
+            torch.autograd.graph.increment_version(swapped)  # as the in-place update of torch.optim
         self._copy_to_model(copy, presents)
 
     def _copy_to_model(self, blocks: Sequence[int], presents: Sequence[tuple[bool, ...]]) -> None:
