@@ -57,7 +57,8 @@ from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamSc
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
                                is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
-from sofx.undo_record import LeafUndo, UndoRecord, chunk_ranges, strategy_snapshot_bytes
+from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, chunk_ranges,
+                               strategy_snapshot_bytes)
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range"]
@@ -75,9 +76,6 @@ ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 
 _F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
 _UNDO_MODES = ("auto", "algebraic", "exact")
-_NOT_FINITE = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
-_LOSSY = ("the gradient dominates the second moment somewhere (a spike, a rarely updated row): an algebraic "
-          "inverse would restore it less exactly than 1e-6 (see sofx.kernels.base.lossy_factor)")
 _NOT_UNDOABLE = "stepped with undoable=False"
 _INVERTED = ("algebraic", "param_snapshot")  # strategies whose undo inverts m and v (needs a finite gradient)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -340,7 +338,7 @@ class Adam:
         for found in tests.values():
             for (k, _), lossy in zip(found, torch.stack([t for _, t in found]).tolist()):
                 if lossy:
-                    out[k] = (out[k][0], "snapshot", _LOSSY)
+                    out[k] = (out[k][0], "snapshot", LOSSY_REASON)
         return out
 
     def _redo_plan(self, leaf: _Leaf, rec: LeafUndo | None, grad_scale: Scalar,
@@ -836,13 +834,13 @@ class Adam:
                 raise UnsupportedError(f"{leaf.path}: undo='algebraic' is impossible: "
                                        f"{'; '.join(full_reasons + param_reasons)}; use undo='auto' or 'exact'")
             if not (finite if finite is not None else _all_finite(leaf.g, s.grad_scale)):
-                return "none", _NOT_FINITE
+                return "none", NOT_FINITE_REASON
             return "algebraic", ""
         # auto: also avoid the cases that are possible but too lossy.
         if 0 < min(b1, b2) < ALGEBRAIC_MIN_BETA:
             full_reasons.append(f"a beta below {ALGEBRAIC_MIN_BETA} amplifies rounding")
         if full_reasons or not (finite if finite is not None else _all_finite(leaf.g, s.grad_scale)):
-            return "snapshot", "; ".join(full_reasons) or _NOT_FINITE
+            return "snapshot", "; ".join(full_reasons) or NOT_FINITE_REASON
         if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
             param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
         if param_reasons:

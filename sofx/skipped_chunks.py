@@ -19,14 +19,11 @@ import torch
 
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
-from sofx.undo_record import LeafUndo, chunk_ranges, chunk_snapshot_bytes, strategy_snapshot_bytes
+from sofx.undo_record import (CHECKED_CHUNKS_REASON, LeafUndo, chunk_ranges, chunk_snapshot_bytes,
+                               strategy_snapshot_bytes)
 
 __all__ = ["finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "restore_chunks",
            "roll_back_step"]
-
-_REASON = ("the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT), or it "
-           "dominates the second moment somewhere: an algebraic inverse would restore it less exactly than 1e-6 "
-           "(see sofx.kernels.base.lossy_factor)")
 
 Ranges = Sequence[tuple[int, int]]
 
@@ -46,11 +43,11 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         old = [t.clone() for t in inputs] if donate else list(inputs)
         everything = [(0, results[0].numel())]
         _step(kernel, variant, everything, _pieces(old, everything), call.g, rec.scalars, results, call.p_copy)
-        return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
+        return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
     if not _kept_whole(rec.strategy, len(ranges), call.skip.numel()):
         kept = _copy_out(inputs, ranges)
         _step(kernel, variant, ranges, _pieces(inputs, ranges), call.g, rec.scalars, results, call.p_copy)
-        return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, _REASON,
+        return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
                         rec.moments_were_zero, chunks)
     if donate:
         old = kernel.undo_many([UndoCall(results[0], call.g, results[1], results[2], rec.scalars, rec.p_old)],
@@ -63,7 +60,7 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
     else:
         old = source = inputs
     _step(kernel, variant, ranges, _pieces(source, ranges), call.g, rec.scalars, results, call.p_copy)
-    return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, _REASON)
+    return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
 
 
 def finished_bytes(strategy: str, skip: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
@@ -110,8 +107,9 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     _step(kernel, variant, ranges, undone, call.g_new, call.s_new, results, call.p_copy)
     if len(ranges) == call.skip.numel():  # every chunk: a whole snapshot
         return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
-                        *(k.view(r.shape) for k, r in zip(olds, results)), _REASON)
-    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *olds, _REASON, chunks=chunks)
+                        *(k.view(r.shape) for k, r in zip(olds, results)), CHECKED_CHUNKS_REASON)
+    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *olds, CHECKED_CHUNKS_REASON,
+                    chunks=chunks)
 
 
 def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[list[UndoRedoCall], list[StepCall]]:

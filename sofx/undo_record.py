@@ -39,6 +39,13 @@ from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant
 
 STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "chunk_snapshot", "none")
 
+# Why a record keeps snapshots (``LeafUndo.reason``): the gradient, or the inverse's precision.
+NOT_FINITE_REASON = "the gradient is not finite, or so large that its square could overflow (see GRADIENT_LIMIT)"
+LOSSY_REASON = ("the gradient dominates the second moment somewhere (a spike, a rarely updated row): an algebraic "
+                "inverse would restore it less exactly than 1e-6 (see sofx.kernels.base.lossy_factor)")
+#: A checked step's flagged chunks: either.
+CHECKED_CHUNKS_REASON = f"{NOT_FINITE_REASON}, or {LOSSY_REASON}"
+
 
 def strategy_snapshot_bytes(strategy: str, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
     """Bytes a leaf's record of ``strategy`` keeps (its :meth:`LeafUndo.snapshot_bytes`): ``p`` for a
