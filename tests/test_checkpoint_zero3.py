@@ -215,9 +215,12 @@ def deepspeed_classes():
              "deepspeed.runtime.zero", "deepspeed.runtime.zero.config"]
     modules = {n: types.ModuleType(n) for n in names}
 
-    class DynamicLossScaler:
+    class DynamicLossScaler:  # the attributes DeepSpeed's constructor sets
         def __init__(self):
-            self.cur_scale, self.cur_iter, self.scale_window, self.dynamic = 4096.0, 0, 1000, True
+            self.cur_scale, self.cur_iter, self.last_overflow_iter, self.scale_factor = 4096.0, 0, -1, 2.0
+            self.scale_window, self.min_scale, self.delayed_shift, self.cur_hysteresis = 1000, 1, 2, 2
+            self.consecutive_hysteresis, self.raise_error_at_min_scale, self.dynamic = False, True, True
+            self.dtype = torch.half
 
     class ZeroStageEnum(int, enum.Enum):
         disabled = 0
@@ -251,6 +254,8 @@ def test_reads_files_holding_deepspeed_objects_without_running_them(tmp_path, de
 
     z = _torch_load(files[0])["optimizer_state_dict"]
     assert _plain(z["zero_stage"]) == 3 and _plain(z["loss_scaler"])["cur_scale"] == 4096.0
+    ds_rule, ds_state = ck.load_zero3_loss_scaler(tmp_path)  # the object DeepSpeed's engine writes, as sofx's
+    assert ds_state == (4096.0, 0, -1, scaler.delayed_shift) and ds_rule.scale_window == scaler.scale_window
     # sofx's own export with DeepSpeed's objects (what DeepSpeed's engine needs) reads back the same way
     if HAS_DEEPSPEED:
         rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0)
@@ -261,6 +266,66 @@ def test_reads_files_holding_deepspeed_objects_without_running_them(tmp_path, de
         assert read["class"] == "DynamicLossScaler" and read["cur_scale"] == 256.0 and read["cur_iter"] == 7
         assert read["dtype"] == torch.half
         assert _bits_equal(ck.load_zero3(tmp_path / "ds", opt, params, HP)[:2], (params, state))
+
+
+@pytest.mark.parametrize("deepspeed_objects", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed"))])
+def test_the_loss_scaler_saved_is_the_one_loaded_and_goes_on_alike(tmp_path, deepspeed_objects):
+    """load_zero3_loss_scaler gives back save_zero3's (rule, state): the same state, and a rule whose updates
+    from it are the saved rule's, over random overflows (hysteresis, growth windows, the minimum)."""
+    import random
+
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    for consecutive in (False, True):
+        rule = sofx.loss_scale.deepspeed_scaler(init_scale=2.0 ** 10, scale_window=3, hysteresis=3, min_scale=4.0,
+                                               consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
+        ours = rule.init()
+        for overflow in (True, True, False, False, True, False):
+            ours = rule.update(ours, overflow)
+        ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=deepspeed_objects,
+                      loss_scaler=(rule, ours))
+        got_rule, got = ck.load_zero3_loss_scaler(tmp_path)
+        assert got == ours and type(got) is sofx.loss_scale.DynamicLossScaleState
+        assert got_rule == sofx.loss_scale.deepspeed_scaler(
+            init_scale=ours.scale, scale_window=3, hysteresis=3, min_scale=4.0, consecutive_hysteresis=consecutive,
+            raise_error_at_min_scale=False)
+        pick = random.Random(int(consecutive))
+        for _ in range(60):
+            overflow = pick.random() < 0.4
+            ours, got = rule.update(ours, overflow), got_rule.update(got, overflow)
+            assert got == ours
+        assert ck.load_zero3_loss_scaler(tmp_path, growth_rule="legacy")[0].growth_rule == "legacy"
+    static = sofx.loss_scale.static_scale(8.0)
+    ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=deepspeed_objects,
+                  loss_scaler=(static, static.init()))
+    assert ck.load_zero3_loss_scaler(tmp_path) == (static, sofx.loss_scale.StaticScaleState(8.0))
+    ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=deepspeed_objects)
+    assert ck.load_zero3_loss_scaler(tmp_path) == (sofx.loss_scale.static_scale(), (1.0,))  # bf16/fp32 training
+
+
+def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0)
+    good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4))
+    for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"), ({"cur_scale": 1.0}, "min_scale = 2.0 is above"),
+                       ({"last_overflow_iter": 9}, "last_overflow_iter 9"), ({"cur_hysteresis": 3}, "cur_hysteresis 3"),
+                       ({"cur_iter": -1}, "cur_iter"), ({"scale_window": 2.5}, "no valid 'scale_window'"),
+                       ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'")):
+        files = ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False,
+                              loss_scaler={**good, **bad})
+        with pytest.raises(ck.CorruptCheckpointError, match=match):
+            ck.load_zero3_loss_scaler(tmp_path)
+    top = torch.load(files[0], weights_only=True)
+    del top["optimizer_state_dict"]["loss_scaler"]
+    torch.save(top, files[0])
+    with pytest.raises(ck.CorruptCheckpointError, match="missing or bad 'loss_scaler'"):
+        ck.load_zero3_loss_scaler(tmp_path)
+    with pytest.raises(sofx.errors.HParamError, match="growth_rule"):
+        ck.load_zero3_loss_scaler(tmp_path, growth_rule="stable")
+    with pytest.raises(ck.CheckpointNotFoundError):
+        ck.load_zero3_loss_scaler(tmp_path / "nothing here")
 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
@@ -295,6 +360,35 @@ def test_deepspeeds_own_scaler_resumes_from_the_export_as_sofxs_would_go_on(tmp_
         ours = rule.update(ours, overflow)
         assert (theirs.cur_scale, theirs.cur_iter, theirs.last_overflow_iter, theirs.cur_hysteresis) == tuple(ours)
     assert _plain(_torch_load(files[0])["optimizer_state_dict"]["loss_scaler"])["scale_window"] == 3
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+def test_sofx_goes_on_from_deepspeeds_own_scaler_as_deepspeed_does(tmp_path, monkeypatch):
+    """The other way round: a DynamicLossScaler that DeepSpeed's update_scale moved, in a file as DeepSpeed's
+    engine saves it, read by load_zero3_loss_scaler; sofx's rule from there follows DeepSpeed's."""
+    import random
+
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    files = ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False)
+    top = torch.load(files[0], weights_only=True)
+    pick = random.Random(3)
+    for consecutive in (False, True):
+        theirs = loss_scaler.DynamicLossScaler(init_scale=2.0 ** 12, scale_window=4, min_scale=8.0, delayed_shift=2,
+                                               consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
+        for _ in range(25):
+            theirs.update_scale(pick.random() < 0.4)
+        top["optimizer_state_dict"]["loss_scaler"] = theirs
+        torch.save(top, files[0])
+        rule, ours = ck.load_zero3_loss_scaler(tmp_path)
+        for _ in range(60):
+            assert (theirs.cur_scale, theirs.cur_iter, theirs.last_overflow_iter, theirs.cur_hysteresis) == tuple(ours)
+            overflow = pick.random() < 0.4
+            theirs.update_scale(overflow)
+            ours = rule.update(ours, overflow)
 
 
 def test_a_dynamic_scaler_dict_deepspeed_could_not_run_is_refused(tmp_path):
@@ -427,6 +521,8 @@ def test_deepspeed_engine_and_sofx_continue_each_others_zero3_checkpoints(tmp_pa
     ds_n = ck.load_zero3(tmp_path / "ckpt" / "n", opt, template)
     ds_nm = ck.load_zero3(tmp_path / "ckpt" / "nm", opt, template)
     assert ds_n[2] == sofx.AdamHParams(1e-2, 0.9, 0.99, 1e-8, 0.1)  # one param group: one AdamHParams
+    # fp32 training: DeepSpeed's engine saved a static LossScaler of 1
+    assert ck.load_zero3_loss_scaler(tmp_path / "ckpt" / "n") == (sofx.loss_scale.static_scale(), (1.0,))
     assert all(c.item() == n for c in ds_n[1].count.values())
     # DeepSpeed's trajectory is sofx's, and continuing DeepSpeed's checkpoint in sofx stays on it
     assert _bits_equal(ds_nm[:2], (ref_p, ref_s))

@@ -44,7 +44,8 @@ from sofx.checkpoint.atomic import stale_temporaries
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.torch_optim import from_torch_optim, to_torch_optim, torch_param_groups
-from sofx.checkpoint.zero3 import deepspeed_loss_scaler, load_zero3, save_zero3, zero3_file_name
+from sofx.checkpoint.zero3 import (deepspeed_loss_scaler, load_zero3, load_zero3_loss_scaler, save_zero3,
+                                  zero3_file_name)
 
 __all__ = [
     "save",
@@ -60,6 +61,7 @@ __all__ = [
     "save_zero3",
     "deepspeed_loss_scaler",
     "load_zero3",
+    "load_zero3_loss_scaler",
     "zero3_file_name",
     "CheckpointError",
     "CheckpointNotFoundError",

@@ -56,12 +56,13 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, Ch
                                     CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
-from sofx.errors import UnsupportedError
+from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
-from sofx.loss_scale import DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule, StaticScaleState
+from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
+                             StaticScaleState, check_state, deepspeed_scaler, static_scale)
 
 __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3",
-           "partition_numel", "DEEPSPEED_STAND_INS"]
+           "load_zero3_loss_scaler", "partition_numel", "DEEPSPEED_STAND_INS"]
 
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_optim_states\.pt$")
@@ -469,6 +470,66 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     else:
         out_hp = hparams_tree(resolved, group_hp, spec, hparams, groups)
     return tree.unflatten(spec, new_p), state, out_hp
+
+
+def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf16: bool | None = None,
+                           growth_rule: str = "stable_interval") -> tuple[Any, Any]:
+    """The loss scaler of the ZeRO-3 optimizer files in ``directory`` as sofx's ``(rule, state)``: what
+    :func:`save_zero3`'s ``loss_scaler`` stored, or the scaler DeepSpeed's engine saved, so that a resumed
+    run goes on with the scale, iteration count, last overflow and hysteresis it had.
+
+    A ``DynamicLossScaler`` gives a :func:`sofx.loss_scale.deepspeed_scaler` rule with its ``scale_window``,
+    ``min_scale``, ``delayed_shift`` (hysteresis), ``scale_factor``, ``consecutive_hysteresis`` and
+    ``raise_error_at_min_scale``, and its ``DynamicLossScaleState(cur_scale, cur_iter, last_overflow_iter,
+    cur_hysteresis)``. The file does not hold the run's initial scale (DeepSpeed keeps only the current one):
+    the rule's ``init_scale`` is the current scale, which only :meth:`~sofx.loss_scale.DynamicLossScaleRule.init`
+    reads. Nor does it say which window count the DeepSpeed version used: ``growth_rule`` (the pinned
+    DeepSpeed's ``"stable_interval"``, or ``"legacy"``). A static ``LossScaler`` gives
+    :func:`sofx.loss_scale.static_scale` of its scale (1.0: bf16/fp32 training, :func:`save_zero3`'s default).
+    Reads rank 0's file (every rank stores the same scaler); ``mp_rank``, ``bf16`` as for :func:`load_zero3`.
+    A scaler no DeepSpeed run holds (a scale that is not a positive finite number, counts below their
+    least values, a minimum above the scale) raises :class:`~sofx.checkpoint.CorruptCheckpointError`."""
+    if growth_rule not in GROWTH_RULES:
+        raise HParamError(f"growth_rule = {growth_rule!r}; expected one of {GROWTH_RULES}")
+    directory = os.fspath(directory)
+    files, _ = _find_files(directory, mp_rank, bf16)
+    top = _torch_load(files[0])
+    zero = _get(top, "optimizer_state_dict", files[0], dict)
+    raw = _plain(_get(zero, "loss_scaler", files[0], (dict, _DeepSpeedRecord)))
+    where = f"{files[0]}: its loss_scaler {raw!r}"
+
+    def attr(name: str, kind: type | tuple[type, ...]) -> Any:
+        value = raw.get(name)
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise CorruptCheckpointError(f"{where} has no valid {name!r}")
+        return value
+
+    scale = float(attr("cur_scale", (int, float)))
+    dynamic = attr("dynamic", bool) if "dynamic" in raw else raw.get("class") == "DynamicLossScaler"
+    try:
+        if not (math.isfinite(scale) and scale > 0):
+            raise HParamError(f"cur_scale = {scale!r}; expected a finite number > 0")
+        if not dynamic:
+            rule: Any = static_scale(scale)
+            state: Any = rule.init()
+        else:
+            hysteresis = attr("delayed_shift", int)
+            min_scale = float(attr("min_scale", (int, float)))
+            rule = deepspeed_scaler(init_scale=scale, scale_window=attr("scale_window", int), hysteresis=hysteresis,
+                                    min_scale=min_scale, scale_factor=float(attr("scale_factor", (int, float))),
+                                    consecutive_hysteresis=attr("consecutive_hysteresis", bool),
+                                    raise_error_at_min_scale=attr("raise_error_at_min_scale", bool),
+                                    growth_rule=growth_rule)
+            state = DynamicLossScaleState(scale, attr("cur_iter", int), attr("last_overflow_iter", int),
+                                          attr("cur_hysteresis", int))
+            check_state(state, "loss_scaler")
+            if state.last_overflow_iter >= state.cur_iter or state.cur_hysteresis > hysteresis:
+                raise HParamError(f"last_overflow_iter {state.last_overflow_iter} / cur_hysteresis "
+                                  f"{state.cur_hysteresis}: no run reaches them with cur_iter {state.cur_iter} and "
+                                  f"delayed_shift {hysteresis}")
+    except HParamError as exc:
+        raise CorruptCheckpointError(f"{where} is not one a DeepSpeed run holds: {exc}") from None
+    return rule, state
 
 
 def _hparams_like(hparams: Any, spec: tree.TreeSpec, per_leaf: dict[int, AdamHParams]) -> Any:
