@@ -583,6 +583,8 @@ class Adam:
                                 f"the parameter {tuple(leaf.p.shape)}")
             if rec.strategy == "chunk_snapshot":
                 _check_kept_chunks(leaf, rec)
+            elif rec.strategy in ("snapshot", "param_snapshot"):
+                _check_kept_whole(leaf, rec)
         return spec, leaves
 
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
@@ -1031,6 +1033,22 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
         raise SnapshotLimitError(f"the undo record would hold {need} bytes of snapshot, more than "
                                  f"snapshot_limit_bytes = {limit}{found}; "
                                  f"{'the step was taken back' if flagged else 'nothing was changed'}", need, limit)
+
+
+def _check_kept_whole(leaf: _Leaf, rec: LeafUndo) -> None:
+    """Raise :class:`UndoError` unless ``rec``'s whole snapshots (``p`` of a ``"param_snapshot"``; ``p, m, v``
+    of a ``"snapshot"``) have ``leaf``'s shapes, dtypes and devices: a record of another tree of the same
+    structure and step counts (bf16 parameters where these are fp32, say) would be cast into it silently."""
+    kept = [("p", rec.p_old, leaf.p)]
+    if rec.strategy == "snapshot":
+        kept += [("m", rec.m_old, leaf.m), ("v", rec.v_old, leaf.v)]
+    for name, old, t in kept:
+        if not (isinstance(old, torch.Tensor) and old.shape == t.shape and old.dtype == t.dtype
+                and old.device == t.device):
+            got = (f"{tuple(old.shape)} {old.dtype} on {old.device}" if isinstance(old, torch.Tensor)
+                   else type(old).__name__)
+            raise UndoError(f"{leaf.path}: the record keeps {got} of {name}; this leaf's {name} is "
+                            f"{tuple(t.shape)} {t.dtype} on {t.device}: the record is not of these params")
 
 
 def _check_kept_chunks(leaf: _Leaf, rec: LeafUndo) -> None:

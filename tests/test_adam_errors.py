@@ -185,6 +185,37 @@ def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing
     assert trees_equal(s1b.count, s1.count)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("method", ["undo", "undo_redo"])
+def test_a_snapshot_record_of_params_of_another_dtype_raises_and_changes_nothing(donate, method):
+    """A record of a tree of the same structure and step counts whose leaves have other dtypes (bf16
+    parameters' ``param_snapshot``, or a ``snapshot`` kept for an inf, where these are fp32) was applied: its
+    snapshots cast into these leaves (donated) or returned as they were, in another dtype."""
+    gen = torch.Generator().manual_seed(3)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32)
+
+    def tree(dtype):
+        return {"a": torch.randn(64, generator=gen).to(dtype), "b": torch.randn(64, generator=gen).to(dtype)}
+
+    low, params = tree(torch.bfloat16), tree(torch.float32)
+    grads_low = tree(torch.bfloat16)
+    grads_low["a"][3] = float("inf")  # a whole snapshot for "a"; "b" a param_snapshot (bf16 parameters)
+    _, _, rec = opt.update(low, grads_low, opt.init(low))
+    assert rec.strategies() == ["snapshot", "param_snapshot"]
+    grads = tree(torch.float32)
+    params, state, _ = opt.update(params, grads, opt.init(params))
+    before = _snapshot(params, state)
+    args = (grads, None) if method == "undo_redo" else ()
+    with pytest.raises(sofx.UndoError, match=r"params\['a'\]: the record keeps \(64,\) torch.bfloat16 on cpu of p; "
+                                             r"this leaf's p is \(64,\) torch.float32"):
+        getattr(opt, method)(params, state, rec, *args, donate=donate)
+    _assert_unchanged(before, params, state)
+    params["a"] = params["a"].to(torch.bfloat16)  # "a" fits now (fp32 moments both); "b" does not
+    grads["a"] = grads["a"].to(torch.bfloat16)
+    with pytest.raises(sofx.UndoError, match=r"params\['b'\]: the record keeps \(64,\) torch.bfloat16 on cpu of p"):
+        getattr(opt, method)(params, state, rec, *args, donate=donate)
+
+
 def test_an_unknown_backend_is_refused_at_construction():
     """An unknown backend was taken by the constructor and failed only at the first step (the offload engine
     then stopped for good)."""
