@@ -11,6 +11,7 @@ of ``snapshot_budget_bytes`` and steps a refused block in validation instead.
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -308,6 +309,37 @@ def test_the_thread_executor_refuses_nothing_when_the_budget_holds_every_snapsho
             assert report.refused == 0 and report.ineligible == 0, report.events
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_a_block_undone_for_a_late_gradient_frees_its_share_of_the_budget(executor: str) -> None:
+    """undo="exact", a budget of one block's snapshot, three backward passes in one step: the first makes
+    block 0 ready (speculated, its snapshot held), the second gives it a late gradient (the engine undoes
+    its step at once, to sum in place: the snapshot is freed), the third makes block 1 ready. Block 1 is
+    speculated in the budget block 0 freed (it was "budget": the tally still counted block 0's snapshot);
+    block 0 is redone in validation. The same values as torch's AdamW on the summed gradients."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 16), nn.Linear(16, 16)
+    ref = [copy.deepcopy(a), copy.deepcopy(b)]
+    ropt = torch.optim.AdamW([p for m in ref for p in m.parameters()], lr=1e-2)
+    block = 16 * 16 + 16
+    gen = torch.Generator().manual_seed(3)
+    with sofx.offload.SpeculativeAdamW([*a.parameters(), *b.parameters()], lr=1e-2, executor=executor,
+                                       block_numel=block, undo="exact", snapshot_budget_bytes=3 * 4 * block) as opt:
+        for _ in range(3):
+            xs = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+            opt.zero_grad()
+            for layer, x in zip((a, a, b), xs):
+                opt.backward(layer(x).square().mean())
+            report = opt.step()
+            ropt.zero_grad()
+            for layer, x in zip((ref[0], ref[0], ref[1]), xs):
+                layer(x).square().mean().backward()
+            ropt.step()
+            kinds = [w for w, blk in report.events if blk == 1 and w in ("speculate", "speculated")]
+            assert ("undo_now", 0) in report.events and kinds, report.events
+            assert report.speculated == 2 and report.redone == 1 and report.committed == 1, report.summary()
+        assert max(relative_deviation(m, r) for m, r in zip((a, b), ref)) <= TOL
+
+
 def test_on_speculation_held_counts_what_the_step_holds() -> None:
     opt = sofx.adamw()
     scaler = loss_scale.grad_scaler()
@@ -326,6 +358,20 @@ def test_on_speculation_held_counts_what_the_step_holds() -> None:
             sp.on_speculation_held(ctx, tally, 2, bad)
     tally = sp.on_speculation_refused(ctx, tally, 2, "gone")  # what it held is free again
     assert tally.snapshot_bytes == 0
+
+
+def test_on_late_gradient_undone_releases_the_blocks_snapshot_once() -> None:
+    opt = sofx.adamw()
+    scaler = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), scaler, scaler.init(), None,
+                               n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "snapshot", "exact", 60))
+    assert sp.on_late_gradient(ctx, tally, 0, 2.0).snapshot_bytes == 60  # summed out of place: still held
+    tally = sp.on_late_gradient(ctx, tally, 0, 2.0, undone=True)
+    assert tally.snapshot_bytes == 0 and tally.decisions[0].snapshot_bytes == 60  # what the step held
+    assert sp.on_late_gradient(ctx, tally, 0, 3.0, undone=True).snapshot_bytes == 0  # released once
+    tally, d = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "snapshot", "exact", 60))
+    assert d.speculate and tally.snapshot_bytes == 60
 
 
 def test_snapshot_needs_reserve_what_was_held_and_wait_longer_after_each_refusal() -> None:

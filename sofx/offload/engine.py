@@ -494,7 +494,8 @@ class OffloadEngine:
             grad = grad.detach()
         if arrival.late and self._deferred:
             self._record(self._wait())  # the block's decision, taken in the executor, is known after this
-        if arrival.late and self._speculated[b]:
+        undone = arrival.late and self._speculated[b]
+        if undone:
             # The speculative step's record refers to this buffer: undo it before summing in place;
             # validation's undo_redo then only redoes.
             self._events.append(("undo_now", b))
@@ -518,7 +519,8 @@ class OffloadEngine:
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:
-                self._tally = on_late_gradient(self._ctx, self._tally, b, self._block_sumsq(b))
+                self._take_snapshot_reports()  # what its step held is counted before its undo releases it
+                self._tally = on_late_gradient(self._ctx, self._tally, b, self._block_sumsq(b), undone=undone)
         elif arrival.ready:
             self._block_ready(b, during_backward)
 

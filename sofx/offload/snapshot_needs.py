@@ -15,9 +15,9 @@ block's learnt need as its snapshot need (:class:`~sofx.speculate.Eligibility`) 
 * **refused**: the bytes a step that was taken back needed. The block is not speculated while they do not
   fit (decision ``"budget"``) for its next ``wait`` decisions, then tried again; refused once more, it waits
   twice as long (1, 2, 4, ... up to :data:`MAX_WAIT` decisions). Each time it is speculated without a
-  refusal, the wait its next refusal would get halves, and the refusal is forgotten once that reaches 1: a
-  block whose need went away is forgotten after a few steps, while blocks that take turns at one budget keep
-  their long waits.
+  refusal, the wait its next refusal would get halves, and the refusal is forgotten at the first such step
+  after that reached 1: a block whose need went away is forgotten after a few steps, while blocks that take
+  turns at one budget keep their long waits.
 
 Plain Python state per block; the engine calls :meth:`need` as it decides and :meth:`after_step` once the
 step's decisions are final.

@@ -411,16 +411,22 @@ def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snap
                           snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes + snapshot_bytes)
 
 
-def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float) -> BackwardTally:
+def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float, *,
+                     undone: bool = False) -> BackwardTally:
     """Record that block ``block`` got a further gradient after it was ready.
 
-    ``sumsq`` is that of the summed gradient. The engine sums *out of place*
-    (the speculative step's record references the old gradient); validation
-    then undoes and redoes the block with the summed gradient. A non-finite
-    sum vetoes speculation of the blocks still to come.
+    ``sumsq`` is that of the summed gradient. Validation undoes and redoes
+    the block with it (the speculative step's record references the old
+    gradient: sum out of place, or undo first and sum in place, as the offload
+    engine does). ``undone``: the caller has undone the block's speculative step
+    already; its snapshot no longer counts against ``snapshot_budget_bytes``
+    for the blocks decided after it (its decision keeps the bytes the step held:
+    report them, :func:`on_speculation_held`, before). A non-finite sum vetoes
+    speculation of the blocks still to come.
     """
     _check_block(ctx, block)
-    if tally.decisions[block] is None:
+    d = tally.decisions[block]
+    if d is None:
         raise SofxError(f"block {block} was not ready yet: a gradient before on_block_ready is not late")
     sumsq = float(sumsq)
     old = tally.block_sumsq[block]
@@ -429,8 +435,11 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     vetoed, veto_reason = tally.vetoed, tally.veto_reason
     if not vetoed and not math.isfinite(sumsq):
         vetoed, veto_reason = True, f"block {block} got a non-finite late gradient"
+    held = tally.snapshot_bytes
+    if undone and d.kind == "speculate" and block not in tally.late:  # (released once: a later arrival finds
+        held -= d.snapshot_bytes                                      # nothing more to undo)
     return BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq), tally.decisions,
-                         tally.late | {block}, tally.snapshot_bytes)
+                         tally.late | {block}, held)
 
 
 def _same_number(a: Any, b: Any) -> bool:
