@@ -421,6 +421,34 @@ def test_thread_executor_runs_apply_operations_of_one_block_in_order() -> None:
     assert by_seq[2][1] < max(by_seq[0][2], by_seq[1][2])  # block 1's beside one of block 0's
 
 
+def test_thread_executor_starts_no_ready_operation_beside_commit_all() -> None:
+    """A "ready" operation (the next step's speculative step) may start beside anything but "commit_all" (the
+    last step's end, queued and not waited for): a helper that took it while the worker was still clearing the
+    kept records would have its new record dropped by the clear."""
+    from sofx.offload.block_ops import BlockOp, OpResult
+    from sofx.offload.thread_executor import ThreadExecutor
+
+    spans: dict[str, tuple[float, float]] = {}
+
+    class SlowCommit:
+        def run(self, op):
+            start = time.monotonic()
+            time.sleep(0.2 if op.kind == "commit_all" else 0.01)
+            spans[op.kind] = (start, time.monotonic())
+            return OpResult(op.seq, op.kind, op.block)
+
+    executor = ThreadExecutor(SlowCommit())
+    try:
+        executor.submit(BlockOp(0, "commit_all"))
+        while not executor._active:  # the worker has taken it
+            time.sleep(0.001)
+        executor.submit(BlockOp(1, "ready", 0, payload=lambda: None))
+        executor.wait(30, help=True)  # the helper must not take the ready operation meanwhile
+    finally:
+        executor.close()
+    assert spans["ready"][0] >= spans["commit_all"][1]
+
+
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_borrowed_gradients_are_released_after_step(executor: str) -> None:
     torch.manual_seed(0)

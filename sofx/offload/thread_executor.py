@@ -4,7 +4,7 @@ While the caller waits in ``step()`` it may *help* (:meth:`ThreadExecutor.wait` 
 ``help=True``): it takes queued operations that touch one block each from the head
 of the queue and runs them itself, so that blocks are stepped on two cores:
 ``"ready"`` operations (speculative steps of different blocks, whose decisions the
-engine keeps in arrival order; they may start beside anything) and ``"apply"``
+engine keeps in arrival order; they may start beside anything but ``"commit_all"``) and ``"apply"``
 operations (``step()``'s actions: commit, undo+redo, a late step, of a block each;
 they may start beside other ``"apply"`` operations on other blocks). Every other
 operation runs on the worker, in submission order, after everything submitted
@@ -75,9 +75,13 @@ class ThreadExecutor(Executor):
 
     def _may_start(self, op: BlockOp) -> bool:
         """Whether ``op`` (the head of the queue) may start now (``self._cond`` held): with nothing running;
-        a "ready" operation beside anything; an "apply" operation beside "apply" operations on other blocks."""
-        if not self._active or op.kind == "ready":
+        a "ready" operation beside anything but "commit_all" (the last step's end, which clears the kept
+        records: it would drop the one the ready operation stores); an "apply" operation beside "apply"
+        operations on other blocks."""
+        if not self._active:
             return True
+        if op.kind == "ready":
+            return all(kind != "commit_all" for kind, _ in self._active.values())
         return op.kind == "apply" and all(kind == "apply" and block != op.block
                                           for kind, block in self._active.values())
 
