@@ -254,10 +254,11 @@ class OffloadEngine:
         # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
         self._had_grad = [False] * len(self.params)
         self._zero_grads = [False] * len(self.params)
+        # Per block, per slot: where its parameter's gradient goes in the block's buffer (made once: ~1 us a hook).
+        self._grad_views = [tuple(self.tensors[layout.index].views(self.tensors[layout.index].grad, layout))
+                            for layout in self.layouts]
         # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
         # which then refuses to step for good (a constructor that raised after that broke it).
-        self._grad_views = [tuple(self.tensors[layout.index].views(self.tensors[layout.index].grad, layout))
-                            for layout in self.layouts]  # per block, per slot: where its gradient goes
         self.hooks = GradHooks(self.params, self._on_grad)
         self._reset_step()
         self._note_versions()
