@@ -80,8 +80,8 @@ def save(path: str | os.PathLike, tree: Any) -> str:
 
     ``tree``: any pytree of tensors (any device, dtype safetensors stores,
     contiguous or not, sharing storage or not), None, bool/int/float/str,
-    ``torch.dtype``, in lists, tuples, dicts (str or int keys) and
-    NamedTuples. Anything else raises :class:`CheckpointError` naming the leaf
+    ``torch.dtype``, in lists, tuples, dicts, OrderedDicts and Counters (str or
+    int keys) and NamedTuples. Anything else raises :class:`CheckpointError` naming the leaf
     path, before anything is written.
     """
     encoded = io.prepare(tree)

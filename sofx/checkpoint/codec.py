@@ -10,8 +10,9 @@ is a small dict whose ``"k"`` says what it is::
     {"k": "float", "bits": 9221120237041090560}          (a nan: its 64 bits, sign and payload kept)
     {"k": "str", "v": "..."} | {"k": "dtype", "v": "bfloat16"}
     {"k": "list" | "tuple", "items": [...]}
-    {"k": "dict" | "odict", "keys": [["s", "name"], ["i", 3]], "items": [...]}
-        (an OrderedDict's ``_metadata`` dict, as ``nn.Module.state_dict()`` sets it, under "metadata")
+    {"k": "dict" | "odict" | "counter", "keys": [["s", "name"], ["i", 3]], "items": [...]}
+        (an OrderedDict's ``_metadata`` dict, as ``nn.Module.state_dict()`` sets it, under "metadata";
+        a ``collections.Counter``: MultiStepLR's ``milestones`` in its ``state_dict()``)
     {"k": "namedtuple", "type": "sofx.adam.AdamState", "fields": [...], "items": [...]}
 
 numpy scalars (``np.float64`` in a scheduler's state) are stored as the Python bool, int or float of their
@@ -138,7 +139,7 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
     if type(x) in (list, tuple):
         kind = "list" if type(x) is list else "tuple"
         return {"k": kind, "items": [_encode(v, f"{path}[{i}]", out, depth + 1) for i, v in enumerate(x)]}
-    if type(x) in (dict, collections.OrderedDict):
+    if type(x) in (dict, collections.OrderedDict, collections.Counter):
         keys, items = [], []
         for key, value in x.items():
             if isinstance(key, bool) or type(key) not in (str, int):
@@ -146,7 +147,8 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
                                       "keys must be str or int")
             keys.append(["s", key] if type(key) is str else ["i", key])
             items.append(_encode(value, f"{path}[{key!r}]", out, depth + 1))
-        node = {"k": "dict" if type(x) is dict else "odict", "keys": keys, "items": items}
+        kind = {dict: "dict", collections.OrderedDict: "odict", collections.Counter: "counter"}[type(x)]
+        node = {"k": kind, "keys": keys, "items": items}
         meta = getattr(x, "_metadata", None)  # nn.Module.state_dict()'s per-module versions
         if type(x) is collections.OrderedDict and isinstance(meta, dict):
             node["metadata"] = _encode(meta, f"{path}._metadata", out, depth + 1)
@@ -216,7 +218,8 @@ def _describe(x: Any) -> str:
 
 _KIND_OF_SAVED = {"tensor": "a tensor", "none": "None", "bool": "a bool", "int": "an int", "float": "a float",
                   "str": "a str", "dtype": "a torch.dtype", "list": "a list", "tuple": "a tuple", "dict": "a dict",
-                  "odict": "an OrderedDict", "namedtuple": "a NamedTuple"}
+                  "odict": "an OrderedDict", "counter": "a Counter", "namedtuple": "a NamedTuple"}
+_DICT_KINDS = ("dict", "odict", "counter")  # each matches a template of the others (the file's kind comes back)
 
 
 def _like_kind(x: Any) -> str | None:
@@ -240,6 +243,8 @@ def _like_kind(x: Any) -> str | None:
         return "list"
     if isinstance(x, collections.OrderedDict):
         return "odict"
+    if isinstance(x, collections.Counter):
+        return "counter"
     if isinstance(x, dict):
         return "dict"
     if isinstance(x, tuple):
@@ -257,7 +262,7 @@ def _decode(node: Any, like: Any, path: str, load_tensor: Callable[[dict, str, A
     has_like = like is not _NO_LIKE
     if has_like:
         want = _like_kind(like)
-        same = want == kind or (want == "dict" and kind == "odict") or (want == "odict" and kind == "dict")
+        same = want == kind or (want in _DICT_KINDS and kind in _DICT_KINDS)
         if not same:
             raise CheckpointMismatchError(f"{path}: the checkpoint holds {_KIND_OF_SAVED.get(kind, kind)}, "
                                           f"the template has {_describe(like)}")
@@ -275,7 +280,7 @@ def _decode(node: Any, like: Any, path: str, load_tensor: Callable[[dict, str, A
         values = [_decode(n, like[i] if has_like else _NO_LIKE, f"{path}[{i}]", load_tensor, types)
                   for i, n in enumerate(items)]
         return values if kind == "list" else tuple(values)
-    if kind in ("dict", "odict"):
+    if kind in _DICT_KINDS:
         return _decode_dict(node, kind, items, like, has_like, path, load_tensor, types)
     return _decode_namedtuple(node, items, like, has_like, path, load_tensor, types)
 
@@ -358,6 +363,8 @@ def _decode_dict(node: dict, kind: str, items: list, like: Any, has_like: bool, 
               for k in order]
     if kind == "dict":
         return dict(values)
+    if kind == "counter":
+        return collections.Counter(dict(values))  # (from a mapping: the values as they are, in order)
     out = collections.OrderedDict(values)
     if "metadata" in node:
         meta = _decode(node["metadata"], _NO_LIKE, f"{path}._metadata", load_tensor, types)
