@@ -6,6 +6,7 @@ import collections
 
 import torch
 
+import sofx
 import sofx.checkpoint as ck
 import sofx.offload
 
@@ -57,3 +58,33 @@ def test_a_counter_round_trips_with_a_template_and_keeps_its_order(tmp_path):
     for back in (ck.load(tmp_path / "c.ckpt"), ck.load(tmp_path / "c.ckpt", like={"c": c})):
         assert type(back["c"]) is collections.Counter and list(back["c"].items()) == list(c.items())
         assert back["c"]["missing"] == 0
+
+
+def _damaged_torch_file(path, pickle_bytes):
+    """A torch.save zip whose data.pkl is ``pickle_bytes`` (damaged: not what torch.save writes)."""
+    import zipfile
+
+    good = path.parent / "good.pt"
+    torch.save({"a": 1}, good)
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
+        for name in zin.namelist():
+            zout.writestr(name, pickle_bytes if name.endswith("/data.pkl") else zin.read(name))
+    good.unlink()
+
+
+def test_a_damaged_zero3_file_is_a_corrupt_checkpoint_error(tmp_path):
+    """torch.load(weights_only=True) raises KeyError/IndexError/TypeError for some damaged pickles (byte flips in
+    the file do it): they came out raw instead of as CorruptCheckpointError."""
+    import pytest
+
+    opt = sofx.adamw()
+    params = {"w": torch.randn(3)}
+    # PROTO 2, BINGET 5 (a memo entry that does not exist), STOP / PROTO 2, STOP (nothing on the stack)
+    for i, damaged in enumerate((b"\x80\x02h\x05.", b"\x80\x02.")):
+        directory = tmp_path / f"d{i}"
+        directory.mkdir()
+        _damaged_torch_file(directory / ck.zero3_file_name(0), damaged)
+        with pytest.raises(ck.CorruptCheckpointError, match="cannot be read safely"):
+            ck.load_zero3(directory, opt, params)
+        with pytest.raises(ck.CorruptCheckpointError, match="cannot be read safely"):
+            ck.load_zero3_loss_scaler(directory)

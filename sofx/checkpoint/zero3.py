@@ -351,7 +351,8 @@ def _torch_load(path: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint file {path} does not exist") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError) as exc:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError,
+            KeyError, IndexError, TypeError) as exc:  # (torch's weights-only unpickler on a damaged pickle)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CorruptCheckpointError(f"{path} cannot be read safely as a ZeRO-3 optimizer file: {first} (files "
                                      "are read with torch.load(weights_only=True), which refuses arbitrary "
