@@ -3,6 +3,7 @@ sofx.checkpoint, resumed in a fresh process, and async saves racing a speculativ
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import sofx.checkpoint as ck
+import sofx.offload
 from sofx import tree
 from sofx.checkpoint import io as ck_io
 
@@ -218,3 +220,44 @@ def test_a_custom_loss_scale_rules_tuple_state_fields_come_back_as_tuples(tmp_pa
             opt.zero_grad()
             opt.backward(model(torch.randn(3, 4)).sum())
             opt.step()
+
+
+def _train_with_schedule(model, opt, sched, start, stop):
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        opt.backward(((model(x) - y) ** 2).mean())
+        opt.step()
+        sched.step()
+
+
+def _build_with_multistep():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 2)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, block_numel=8, executor="inline")
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4], gamma=0.5)
+    return model, opt, sched
+
+
+def test_a_multistep_lr_schedulers_state_round_trips_with_the_facade(tmp_path):
+    """MultiStepLR (torch's most common step schedule) keeps its milestones in a collections.Counter: saving
+    ``{"opt": opt.state_dict(), "sched": sched.state_dict()}`` as the README shows was refused."""
+    model, opt, sched = _build_with_multistep()
+    with opt:
+        _train_with_schedule(model, opt, sched, 0, 3)
+        path = ck.save(tmp_path / "run.ckpt", {"model": model.state_dict(), "opt": opt.state_dict(),
+                                               "sched": sched.state_dict()})
+        _train_with_schedule(model, opt, sched, 3, 6)
+        want = [p.detach().clone() for p in model.parameters()]
+    saved = ck.load(path)
+    assert type(saved["sched"]["milestones"]) is collections.Counter
+    assert saved["sched"]["milestones"] == collections.Counter([2, 4, 4])
+    model, opt, sched = _build_with_multistep()
+    with opt:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        _train_with_schedule(model, opt, sched, 3, 6)
+        assert [g["lr"] for g in opt.param_groups] == [1e-2 * 0.5 ** 3]
+    assert all(torch.equal(a, b) for a, b in zip(want, model.parameters()))

@@ -508,3 +508,11 @@ def test_cuda_tensors_save_load_and_async_snapshot(tmp_path, rng):
     x.add_(1)  # in place right after the call
     handle.wait(60)
     assert torch.equal(ck.load(tmp_path / "a.ckpt", device="cuda")["x"], before)
+
+
+def test_a_counter_round_trips_with_a_template_and_keeps_its_order(tmp_path):
+    c = collections.Counter({"b": 2, 3: 1, "a": 0})
+    ck.save(tmp_path / "c.ckpt", {"c": c})
+    for back in (ck.load(tmp_path / "c.ckpt"), ck.load(tmp_path / "c.ckpt", like={"c": c})):
+        assert type(back["c"]) is collections.Counter and list(back["c"].items()) == list(c.items())
+        assert back["c"]["missing"] == 0

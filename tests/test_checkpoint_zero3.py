@@ -541,3 +541,31 @@ def test_leaves_deepspeed_would_name_alike_are_refused_before_any_file(tmp_path)
         ck.save_zero3(tmp_path / "ck", opt, params, state, model_states=True, deepspeed_objects=False)
     assert not (tmp_path / "ck").exists()
     ck.save_zero3(tmp_path / "ok", opt, params, state, deepspeed_objects=False)  # no names written: fine
+
+
+def _damaged_torch_file(path, pickle_bytes):
+    """A torch.save zip whose data.pkl is ``pickle_bytes`` (damaged: not what torch.save writes)."""
+    import zipfile
+
+    good = path.parent / "good.pt"
+    torch.save({"a": 1}, good)
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
+        for name in zin.namelist():
+            zout.writestr(name, pickle_bytes if name.endswith("/data.pkl") else zin.read(name))
+    good.unlink()
+
+
+def test_a_damaged_zero3_file_is_a_corrupt_checkpoint_error(tmp_path):
+    """torch.load(weights_only=True) raises KeyError/IndexError/TypeError for some damaged pickles (byte flips in
+    the file do it): they came out raw instead of as CorruptCheckpointError."""
+    opt = sofx.adamw()
+    params = {"w": torch.randn(3)}
+    # PROTO 2, BINGET 5 (a memo entry that does not exist), STOP / PROTO 2, STOP (nothing on the stack)
+    for i, damaged in enumerate((b"\x80\x02h\x05.", b"\x80\x02.")):
+        directory = tmp_path / f"d{i}"
+        directory.mkdir()
+        _damaged_torch_file(directory / ck.zero3_file_name(0), damaged)
+        with pytest.raises(ck.CorruptCheckpointError, match="cannot be read safely"):
+            ck.load_zero3(directory, opt, params)
+        with pytest.raises(ck.CorruptCheckpointError, match="cannot be read safely"):
+            ck.load_zero3_loss_scaler(directory)
