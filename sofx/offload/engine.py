@@ -477,8 +477,15 @@ class OffloadEngine:
                 return
             if not self.tracker.started:
                 self._adopt_model_edits()  # before any block of this step is stepped from its masters
-            self._take_gradient(index, grad, during_backward=True, owned=True)
-            param.grad = None
+            arrivals = self.tracker.arrivals[index]
+            try:
+                self._take_gradient(index, grad, during_backward=True, owned=True)
+            finally:
+                # Once counted, the gradient is the engine's even where its block's decision then raised (an
+                # hparam refused when the step's first block is ready): left in .grad too, step() refused it and
+                # a second backward summed it in twice.
+                if self.tracker.arrivals[index] != arrivals:
+                    param.grad = None
             self._poll()
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool) -> None:
