@@ -85,3 +85,38 @@ def test_a_backward_refused_in_the_gradient_hook_keeps_the_gradients_it_took_onc
             opt.step()
             ropt.step()
             assert relative_deviation(model, ref) <= TOL, step
+
+
+def _bf16_run(executor: str, edit: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = _MLP().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    # lr small enough that most updates are below bf16's resolution: only the fp32 masters carry them
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-4, executor=executor, block_numel=20) as opt:
+        for step in range(12):
+            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+            opt.zero_grad()
+            opt.backward(((model(x.bfloat16()) - y.bfloat16()).float() ** 2).mean())
+            opt.step()
+            if edit == "clip":  # weight clipping that clips nothing
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.clamp_(-10.0, 10.0)
+            elif edit == "resume" and step == 5:  # the optimizer's state loaded first, then the model's
+                saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+                opt.load_state_dict(saved_opt)
+                model.load_state_dict(saved_model)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("edit", ["clip", "resume"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_an_in_place_edit_of_a_bf16_model_keeps_the_fp32_masters_of_the_values_it_left(executor: str,
+                                                                                       edit: str) -> None:
+    """A bf16 parameter holds its fp32 master rounded. An in-place change between steps is taken as the new
+    master, but elements the change left as they were must keep their master: weight clipping that clips
+    nothing, or a resume that loads the optimizer's state and then the model's weights, replaced every master
+    by its bf16 rounding (updates below bf16's resolution were lost from then on)."""
+    plain = _bf16_run(executor, "none")
+    for p, q in zip(_bf16_run(executor, edit), plain):
+        assert torch.equal(p, q)

@@ -349,7 +349,14 @@ class OffloadEngine:
             return
         with torch.no_grad():
             for i in edited:  # (between steps: param_state's views are allowed)
-                self.param_state(i)["master"].copy_(self.params[i].detach())
+                master, p = self.param_state(i)["master"], self.params[i].detach()
+                if p.dtype == master.dtype:
+                    master.copy_(p)
+                    continue
+                # A bf16/fp16 parameter holds its master rounded: the elements the edit left at that value keep
+                # their master (weight clipping that clips nothing, model.load_state_dict() of the weights the
+                # model holds, after the optimizer's state was loaded); taking them all lost the fp32 precision.
+                master.copy_(torch.where(p != master.to(p.dtype), p.to(master.dtype), master))
         self._note_versions()
 
     def _swappable_params(self) -> set[int]:
