@@ -1,4 +1,6 @@
-"""Audit of ``SpeculativeAdamW`` as a drop-in for ``torch.optim.AdamW``: bugs found, each with its test."""
+"""``SpeculativeAdamW`` beside ``torch.optim.AdamW`` where a backward is refused half-way (an hparam refused
+in the gradient hook: the gradients taken are counted once, as torch's partial backward leaves them) and where
+a bf16 model is edited in place between steps (the fp32 masters of the elements the edit left are kept)."""
 
 from __future__ import annotations
 
