@@ -108,17 +108,22 @@ def _bf16_run(executor: str, edit: str) -> list[torch.Tensor]:
                 saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
                 opt.load_state_dict(saved_opt)
                 model.load_state_dict(saved_model)
+            elif edit == "reload" and step == 5:  # a write through .data the engine cannot see, then told
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.data.copy_(p.data.clone())
+                opt.reload_params()
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("edit", ["clip", "resume"])
+@pytest.mark.parametrize("edit", ["clip", "resume", "reload"])
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_an_in_place_edit_of_a_bf16_model_keeps_the_fp32_masters_of_the_values_it_left(executor: str,
                                                                                        edit: str) -> None:
     """A bf16 parameter holds its fp32 master rounded. An in-place change between steps is taken as the new
     master, but elements the change left as they were must keep their master: weight clipping that clips
     nothing, or a resume that loads the optimizer's state and then the model's weights, replaced every master
-    by its bf16 rounding (updates below bf16's resolution were lost from then on)."""
+    by its bf16 rounding (updates below bf16's resolution were lost from then on); so did reload_params()."""
     plain = _bf16_run(executor, "none")
     for p, q in zip(_bf16_run(executor, edit), plain):
         assert torch.equal(p, q)

@@ -345,18 +345,21 @@ class OffloadEngine:
         """Take parameters changed in place since the last step (weight clipping, a projection, a reloaded
         layer) as their new masters, as ``torch.optim`` steps from whatever the parameter holds."""
         edited = self._edited_params()
-        if not edited:
-            return
+        if edited:
+            self._take_params_as_masters(edited)
+
+    def _take_params_as_masters(self, indices: Sequence[int]) -> None:
+        """The model's values of parameters ``indices`` as their masters (between steps), then
+        :meth:`_note_versions`. A bf16/fp16 parameter holds its master rounded: the elements it holds at that
+        value keep their master (weight clipping that clips nothing, ``model.load_state_dict()`` of the weights
+        the model holds after the optimizer's state was loaded); taking them all lost the fp32 precision."""
         with torch.no_grad():
-            for i in edited:  # (between steps: param_state's views are allowed)
+            for i in indices:  # (between steps: param_state's views are allowed)
                 master, p = self.param_state(i)["master"], self.params[i].detach()
                 if p.dtype == master.dtype:
                     master.copy_(p)
-                    continue
-                # A bf16/fp16 parameter holds its master rounded: the elements the edit left at that value keep
-                # their master (weight clipping that clips nothing, model.load_state_dict() of the weights the
-                # model holds, after the optimizer's state was loaded); taking them all lost the fp32 precision.
-                master.copy_(torch.where(p != master.to(p.dtype), p.to(master.dtype), master))
+                else:
+                    master.copy_(torch.where(p != master.to(p.dtype), p.to(master.dtype), master))
         self._note_versions()
 
     def _swappable_params(self) -> set[int]:
@@ -425,8 +428,7 @@ class OffloadEngine:
         self._check_usable()
         self._check_between_steps("reload_params()")
         self.wait()
-        self._load_masters_from_model()
-        self._note_versions()
+        self._take_params_as_masters(range(len(self.params)))
 
     def _check_between_steps(self, what: str) -> None:
         if self.in_step:
