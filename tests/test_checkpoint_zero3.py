@@ -569,3 +569,33 @@ def test_a_damaged_zero3_file_is_a_corrupt_checkpoint_error(tmp_path):
             ck.load_zero3(directory, opt, params)
         with pytest.raises(ck.CorruptCheckpointError, match="cannot be read safely"):
             ck.load_zero3_loss_scaler(directory)
+
+
+def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_path):
+    """Fields of the wrong type in a file that unpickles (a param group's id a list, partition counts that are
+    not ints, an integer master or moment) raised a raw TypeError or were cast in silently."""
+    import copy
+
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          deepspeed_objects=False)
+    good = torch.load(files[0], weights_only=True)
+
+    def inner(top):
+        return top["optimizer_state_dict"]["optimizer_state_dict"]
+
+    edits = [
+        (lambda top: inner(top)["param_groups"][0].__setitem__("params", [[0]]), "exactly one flat block"),
+        (lambda top: top["optimizer_state_dict"].__setitem__("partition_count", ["a", 1]), "partition_count"),
+        (lambda top: top["optimizer_state_dict"]["fp32_flat_groups"].__setitem__(
+            0, top["optimizer_state_dict"]["fp32_flat_groups"][0].long()), "not a floating-point tensor"),
+        (lambda top: inner(top)["state"][0].__setitem__("exp_avg", inner(top)["state"][0]["exp_avg"].long()),
+         "exp_avg must be a flat floating-point tensor"),
+    ]
+    for edit, match in edits:
+        top = copy.deepcopy(good)
+        edit(top)
+        torch.save(top, files[0])
+        with pytest.raises(ck.CheckpointError, match=match):
+            ck.load_zero3(tmp_path, opt, params, HP)

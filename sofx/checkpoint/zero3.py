@@ -598,7 +598,7 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         raise CheckpointVersionError(f"{path}: zero_stage is {zero.get('zero_stage')!r}; only ZeRO stage 3 files "
                                      "are supported")
     partitions = zero.get("partition_count")
-    if isinstance(partitions, list):
+    if isinstance(partitions, list) and partitions and all(type(n) is int for n in partitions):
         partitions = max(partitions)
     if partitions != world:
         raise CorruptCheckpointError(f"{path}: partition_count is {partitions!r} but {world} dp rank files were "
@@ -632,9 +632,11 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != want:
             got = f"{flat.numel()} elements" if isinstance(flat, torch.Tensor) else type(flat).__name__
             raise CheckpointMismatchError(f"{where}: the flat master has {got}, the params need {want} per rank")
+        if not flat.is_floating_point():
+            raise CorruptCheckpointError(f"{where}: the flat master is {flat.dtype}, not a floating-point tensor")
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)) \
-                or len(saved["params"]) != 1:
-            raise CorruptCheckpointError(f"{where}: a param group must list exactly one flat block")
+                or len(saved["params"]) != 1 or type(saved["params"][0]) is not int:
+            raise CorruptCheckpointError(f"{where}: a param group must list exactly one flat block (its int id)")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
             raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "
                                    f"{opt.variant.bias_correction}")
@@ -660,8 +662,9 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         else:
             for key in ("exp_avg", "exp_avg_sq"):
                 t = entry.get(key) if isinstance(entry, dict) else None
-                if not isinstance(t, torch.Tensor) or t.numel() != want:
-                    raise CheckpointMismatchError(f"{where}: {key} must be a flat tensor of {want} elements")
+                if not isinstance(t, torch.Tensor) or t.numel() != want or not t.is_floating_point():
+                    raise CheckpointMismatchError(f"{where}: {key} must be a flat floating-point tensor of {want} "
+                                                  "elements")
             steps.append(_step_value(entry.get("step"), where))
             exp_avg.append(entry["exp_avg"].reshape(-1))
             exp_avg_sq.append(entry["exp_avg_sq"].reshape(-1))
