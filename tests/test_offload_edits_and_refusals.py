@@ -127,3 +127,55 @@ def test_an_in_place_edit_of_a_bf16_model_keeps_the_fp32_masters_of_the_values_i
     plain = _bf16_run(executor, "none")
     for p, q in zip(_bf16_run(executor, edit), plain):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_parameter_given_new_storage_is_taken_as_torch_takes_it(executor: str) -> None:
+    """``p.data = t`` between steps (a re-initialised layer, a weight loaded by hand): torch's AdamW steps from
+    ``t``; the engine's publish buffers and masters did not see it and stepped from the old values."""
+    torch.manual_seed(0)
+    model = _MLP()
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=80) as opt:
+        for step in range(5):
+            if step in (2, 3):
+                new = torch.randn(8, 8, generator=gen)
+                model.b.weight.data = new.clone()
+                ref.b.weight.data = new.clone()
+            batch = _batch(gen)
+            opt.zero_grad()
+            opt.backward(_loss(model, batch))
+            opt.step()
+            ropt.zero_grad()
+            _loss(ref, batch).backward()
+            ropt.step()
+            assert relative_deviation(model, ref) <= TOL, step
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_model_converted_after_the_optimizer_was_made_is_refused_clearly(executor: str) -> None:
+    """``model.double()`` after the optimizer was made: its masters and publish buffers are float32, and the
+    next step() pointed the parameters back at them (the model silently float32 again). Refused at the next
+    backward, before anything is taken; converted back, training goes on."""
+    torch.manual_seed(0)
+    model = _MLP()
+    gen = torch.Generator().manual_seed(6)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=80) as opt:
+        batch = _batch(gen)
+        opt.zero_grad()
+        opt.backward(_loss(model, batch))
+        opt.step()
+        model.double()
+        with pytest.raises(sofx.SofxError, match=r"parameter \d+ is now \(\d+(, \d+)?\) torch.float64 on cpu, the "
+                                                  r"optimizer was made for .* torch.float32"):
+            opt.backward(_loss(model, tuple(t.double() for t in batch)))
+        with pytest.raises(sofx.SofxError, match="torch.float64"):
+            opt.step()
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+        model.float()
+        opt.zero_grad()
+        opt.backward(_loss(model, batch))
+        opt.step()
+        assert all(p.dtype == torch.float32 for p in model.parameters())

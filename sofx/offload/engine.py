@@ -254,6 +254,7 @@ class OffloadEngine:
         # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
         self._had_grad = [False] * len(self.params)
         self._zero_grads = [False] * len(self.params)
+        self._param_kinds = [(p.dtype, p.shape, p.device) for p in self.params]  # what the optimizer was made for
         # Per block, per slot: where its parameter's gradient goes in the block's buffer (made once: ~1 us a hook).
         self._grad_views = [tuple(self.tensors[layout.index].views(self.tensors[layout.index].grad, layout))
                             for layout in self.layouts]
@@ -332,14 +333,15 @@ class OffloadEngine:
                     view.copy_(self.params[i].detach().reshape(-1))
 
     def _note_versions(self) -> None:
-        """Remember every parameter's version counter: what the model holds now is what the masters hold."""
-        self._versions = [p._version for p in self.params]
+        """Remember every parameter's version counter and storage: what the model holds now is what the masters
+        hold."""
+        self._versions = [(p._version, p.data_ptr()) for p in self.params]
 
     def _edited_params(self) -> list[int]:
-        """The parameters changed in place since :meth:`_note_versions` (through autograd's view of them:
-        ``p.clamp_()``, ``p.copy_()`` under ``no_grad``, ``model.load_state_dict()``; a write through
-        ``p.data`` is not seen)."""
-        return [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        """The parameters changed since :meth:`_note_versions`: in place through autograd's view of them
+        (``p.clamp_()``, ``p.copy_()`` under ``no_grad``, ``model.load_state_dict()``), or given other storage
+        (``p.data = t``, ``model.to()``); a write into ``p.data`` in place is not seen."""
+        return [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if (p._version, p.data_ptr()) != v]
 
     def _adopt_model_edits(self) -> None:
         """Take parameters changed in place since the last step (weight clipping, a projection, a reloaded
@@ -353,6 +355,13 @@ class OffloadEngine:
         :meth:`_note_versions`. A bf16/fp16 parameter holds its master rounded: the elements it holds at that
         value keep their master (weight clipping that clips nothing, ``model.load_state_dict()`` of the weights
         the model holds after the optimizer's state was loaded); taking them all lost the fp32 precision."""
+        for i in indices:  # all checked before any is taken
+            p, (dtype, shape, device) = self.params[i], self._param_kinds[i]
+            if (p.dtype, p.shape, p.device) != (dtype, shape, device):
+                raise SofxError(f"parameter {i} is now {tuple(p.shape)} {p.dtype} on {p.device}, the optimizer was "
+                                f"made for {tuple(shape)} {dtype} on {device} (model.to(), model.half(), p.data = "
+                                "a tensor of another kind): its masters and buffers are of that kind; create the "
+                                "optimizer after converting or moving the model")
         with torch.no_grad():
             for i in indices:  # (between steps: param_state's views are allowed)
                 master, p = self.param_state(i)["master"], self.params[i].detach()
