@@ -585,6 +585,10 @@ class Adam:
                 _check_kept_chunks(leaf, rec)
             elif rec.strategy in ("snapshot", "param_snapshot"):
                 _check_kept_whole(leaf, rec)
+            if rec.grad.dtype != leaf.p.dtype or rec.grad.device != leaf.p.device:
+                # (an algebraic record keeps nothing else to tell: of fp32 params, it inverted bf16 ones silently)
+                raise UndoError(f"{leaf.path}: the record's gradient is {rec.grad.dtype} on {rec.grad.device}, the "
+                                f"parameter {leaf.p.dtype} on {leaf.p.device}: the record is not of these params")
         return spec, leaves
 
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,

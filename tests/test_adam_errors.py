@@ -216,6 +216,28 @@ def test_a_snapshot_record_of_params_of_another_dtype_raises_and_changes_nothing
         getattr(opt, method)(params, state, rec, *args, donate=donate)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("method", ["undo", "undo_redo"])
+def test_an_algebraic_record_of_params_of_another_dtype_raises_and_changes_nothing(donate, method):
+    """An algebraic record (nothing kept but the gradient) of fp32 parameters applied to bf16 parameters of the
+    same structure, step counts and fp32 moments was inverted silently: a bf16 parameter, which
+    undo='algebraic' refuses to step because its rounding cannot be inverted."""
+    gen = torch.Generator().manual_seed(4)
+    opt = sofx.adamw(lr=1e-2, state_dtype=torch.float32, undo="algebraic")
+    params = {"a": torch.randn(64, generator=gen), "b": torch.randn(64, generator=gen)}
+    grads = sofx.tree.tree_map(lambda t: torch.randn(t.shape, generator=gen), params)
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    assert rec.strategies() == ["algebraic", "algebraic"]
+    low = {"a": p1["a"], "b": p1["b"].to(torch.bfloat16)}
+    before = _snapshot(low, s1)
+    args = ({"a": grads["a"], "b": grads["b"].to(torch.bfloat16)}, None) if method == "undo_redo" else ()
+    with pytest.raises(sofx.UndoError, match=r"params\['b'\]: the record's gradient is torch.float32 on cpu, the "
+                                             r"parameter torch.bfloat16 on cpu: the record is not of these params"):
+        getattr(opt, method)(low, s1, rec, *args, donate=donate)
+    _assert_unchanged(before, low, s1)
+    opt.undo(p1, s1, rec)  # the record was not used
+
+
 def test_an_unknown_backend_is_refused_at_construction():
     """An unknown backend was taken by the constructor and failed only at the first step (the offload engine
     then stopped for good)."""
