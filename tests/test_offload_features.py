@@ -590,6 +590,15 @@ def test_load_state_dict_checks_before_changing_anything() -> None:
         with pytest.raises(StructureError, match="2 param groups"):
             opt.load_state_dict(bad)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    # hparams this optimizer's undo mode refuses (the next backward would): refused by the load, groups unchanged
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100,
+                                       undo="algebraic") as opt:
+        bad = _clone_tree(opt.state_dict())
+        bad["param_groups"][0]["betas"] = (0.0, 0.999)
+        with pytest.raises(UnsupportedError, match=r"saved param_groups\[0\]: undo='algebraic' is impossible: "
+                                                   r"beta1 = 0.0"):
+            opt.load_state_dict(bad)
+        assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 # ---------------------------------------------------------------- bad input, lifetime

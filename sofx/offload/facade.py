@@ -397,8 +397,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
             raise StructureError(f"{where}['params']: this optimizer's group has {len(group['params'])} parameters, "
                                  f"the saved group {found}")
         merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
-        group_hparams(merged, where)
+        hp = group_hparams(merged, where)
         check_group_flags(merged, where, self._decoupled)
+        refusal = self.engine.adam.algebraic_refusal(hp)  # as the next backward would, before anything is loaded
+        if refusal is not None:
+            raise UnsupportedError(f"{where}: {refusal}")
 
     # ------------------------------------------------------------ sofx additions
     @property
