@@ -244,6 +244,25 @@ def test_close_stops_the_worker_and_no_shared_memory_file_outlives_the_start() -
     assert relative_deviation(model, ref) <= TOL
 
 
+def test_a_start_that_fails_after_connecting_closes_the_connection(monkeypatch) -> None:
+    """The worker connected, then its start failed (here: made to fail waiting for it to be ready): the
+    connection was left open (a file descriptor until the executor was collected) beside the killed worker."""
+    from sofx.offload.process_executor import ProcessExecutor
+
+    def not_ready(self, timeout):
+        raise ExecutorError("the worker never got ready (made to fail)")
+
+    monkeypatch.setattr(ProcessExecutor, "_wait_ready", not_ready)
+    model = SharedMLP()
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ExecutorError, match="made to fail") as failed:
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100)
+    executor = next(f.frame.f_locals["self"] for f in failed.traceback
+                    if isinstance(f.frame.f_locals.get("self"), ProcessExecutor))
+    assert executor.conn is not None and executor.conn.closed and executor.process.poll() is not None
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
 def test_sigterm_to_the_process_group_leaves_no_shared_memory_behind() -> None:
     """``timeout``, ``docker stop``, a batch scheduler: SIGTERM to the main process and its worker at once (the
     worker died before it could remove the files; they stayed in /dev/shm)."""

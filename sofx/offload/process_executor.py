@@ -97,6 +97,8 @@ class ProcessExecutor(Executor):
         except BaseException:
             server.close()
             self._kill()
+            if self.conn is not None:  # (connected, then the worker refused its config or never got ready)
+                self.conn.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         server.close()
