@@ -500,11 +500,13 @@ class Shard:
         return templates
 
     def _reduce_inputs(self, grads: Any) -> list[Any]:
-        """``grads``' leaves in the shard's structure, checked: tensors of a floating-point dtype, or None."""
+        """``grads``' leaves in the shard's structure, checked: dense tensors of a floating-point dtype, or None."""
         g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
         for i, g in enumerate(g_leaves):
             if g is not None and (not isinstance(g, torch.Tensor) or not g.is_floating_point()):
                 raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
+            if g is not None and g.layout != torch.strided:
+                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a dense (strided) tensor, got {g.layout}")
         return g_leaves
 
     def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
@@ -590,12 +592,14 @@ class Shard:
 
 
 def _check_floating_tensors(what: str, grads: Sequence[Any]) -> None:
-    """Refuse a gradient that is not a floating-point tensor."""
+    """Refuse a gradient that is not a dense floating-point tensor."""
     for g in grads:
         if not isinstance(g, torch.Tensor):
             raise SofxError(f"{what}: gradients must be tensors, got {type(g).__name__}")
         if not g.is_floating_point():
             raise SofxError(f"{what}: gradients must be floating point, got {g.dtype}")
+        if g.layout != torch.strided:
+            raise SofxError(f"{what}: gradients must be dense (strided) tensors, got {g.layout}")
 
 
 def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
