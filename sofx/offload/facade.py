@@ -36,7 +36,9 @@ class's, are refused (at construction, at every step, and in
 ``load_state_dict``) rather than ignored. Differences from ``torch.optim``: gradients are moved
 out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
-next step without ``gradient_accumulation_steps``); param groups cannot be
+next step without ``gradient_accumulation_steps``, which counts gradient arrivals per parameter: one
+backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
+validation); param groups cannot be
 added after construction; ``step()`` without a closure returns a
 :class:`~sofx.offload.engine.EngineStepReport` (``torch.optim`` returns
 ``None``; with a closure both return its loss); with ``swap_params=True``
