@@ -436,8 +436,8 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     if not vetoed and not math.isfinite(sumsq):
         vetoed, veto_reason = True, f"block {block} got a non-finite late gradient"
     held = tally.snapshot_bytes
-    if undone and d.kind == "speculate" and block not in tally.late:  # (released once: a later arrival finds
-        held -= d.snapshot_bytes                                      # nothing more to undo)
+    if undone and d.kind == "speculate" and block not in tally.late:
+        held -= d.snapshot_bytes  # released once: a later arrival finds nothing more to undo
     return BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq), tally.decisions,
                          tally.late | {block}, held)
 
