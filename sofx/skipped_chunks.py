@@ -44,22 +44,23 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         everything = [(0, results[0].numel())]
         _step(kernel, variant, everything, _pieces(old, everything), call.g, rec.scalars, results, call.p_copy)
         return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
+    runs = _runs(ranges)  # (one copy and one kernel block per run of adjacent chunks, not per chunk)
     if not _kept_whole(rec.strategy, len(ranges), call.skip.numel()):
-        kept = _copy_out(inputs, ranges)
-        _step(kernel, variant, ranges, _pieces(inputs, ranges), call.g, rec.scalars, results, call.p_copy)
+        kept = _copy_out(inputs, runs)
+        _step(kernel, variant, runs, _pieces(inputs, runs), call.g, rec.scalars, results, call.p_copy)
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
                         rec.moments_were_zero, chunks)
     if donate:
         old = kernel.undo_many([UndoCall(results[0], call.g, results[1], results[2], rec.scalars, rec.p_old)],
                                variant)[0]
-        _put(old, ranges, _pieces(results, ranges))
+        _put(old, runs, _pieces(results, runs))
         if rec.moments_were_zero:
             old[1].zero_()
             old[2].zero_()
         source = results
     else:
         old = source = inputs
-    _step(kernel, variant, ranges, _pieces(source, ranges), call.g, rec.scalars, results, call.p_copy)
+    _step(kernel, variant, runs, _pieces(source, runs), call.g, rec.scalars, results, call.p_copy)
     return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
 
 
@@ -118,8 +119,8 @@ def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[list[UndoRe
     keep, and step calls from the kept chunks' old values (the exact undo there) into the same outputs.
     Ranges of the leaf's memory, each with its chunks' flags (``call.skip``) and parameter copy."""
     n = call.p.numel()
-    kept = chunk_ranges(rec.chunks.tolist(), n)
-    free = _gaps(kept, n)
+    kept = _kept_runs(rec, n)
+    free = _gaps([r for r, _ in kept], n)
     assert call.out is not None
     p, m, v, g_old, g_new = (_flat(t) for t in (call.p, call.m, call.v, call.g_old, call.g_new))
     out = [_flat(t) for t in call.out]
@@ -131,18 +132,15 @@ def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[list[UndoRe
 
     redo = [UndoRedoCall(p[a:b], m[a:b], v[a:b], g_old[a:b], call.s_old, g_new[a:b], call.s_new, None,
                          *outputs(a, b)) for a, b in free]
-    olds = _kept_by_chunk(rec, n)
-    step = [StepCall(*olds[c][:1], g_new[a:b], *olds[c][1:], call.s_new, *outputs(a, b))
-            for c, (a, b) in zip(rec.chunks.tolist(), kept)]
+    step = [StepCall(old[0], g_new[a:b], old[1], old[2], call.s_new, *outputs(a, b)) for (a, b), old in kept]
     return redo, step
 
 
 def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -> None:
     """Put a ``"chunk_snapshot"`` record's kept values into ``undone`` (the leaf's ``p, m, v`` undone
     algebraically, contiguous: garbage in those chunks, whose gradient may be an inf) and ``p_copy``."""
-    n = undone[0].numel()
-    ranges = chunk_ranges(rec.chunks.tolist(), n)
-    parts = list(_kept_by_chunk(rec, n).values())
+    kept = _kept_runs(rec, undone[0].numel())
+    ranges, parts = [r for r, _ in kept], [old for _, old in kept]
     _put(undone, ranges, parts)
     if p_copy is not None and not p_copy.is_contiguous():
         write_param_copy(p_copy, undone[0])
@@ -183,6 +181,17 @@ def _skipped(skip: torch.Tensor | None, n: int) -> tuple[torch.Tensor, list[tupl
     return chunks, chunk_ranges(chunks.tolist(), n)
 
 
+def _runs(ranges: Ranges) -> list[tuple[int, int]]:
+    """``ranges`` (ascending, disjoint) with the adjacent ones joined: the same elements in fewer ranges."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
 def _gaps(ranges: Ranges, n: int) -> list[tuple[int, int]]:
     """The element ranges of ``[0, n)`` outside ``ranges`` (ascending, disjoint)."""
     out, at = [], 0
@@ -200,6 +209,14 @@ def _kept_by_chunk(rec: LeafUndo, n: int) -> dict[int, Triple]:
     lengths = [b - a for a, b in chunk_ranges(chunks, n)]
     split = [torch.split(kept, lengths) for kept in (rec.p_old, rec.m_old, rec.v_old)]
     return {c: (split[0][i], split[1][i], split[2][i]) for i, c in enumerate(chunks)}
+
+
+def _kept_runs(rec: LeafUndo, n: int) -> list[tuple[tuple[int, int], Triple]]:
+    """A ``"chunk_snapshot"`` record's kept ``p, m, v`` by run of adjacent chunks (one piece each: the
+    record keeps its chunks one after the other), with each run's element range in the leaf."""
+    runs = _runs(chunk_ranges(rec.chunks.tolist(), n))
+    split = [torch.split(kept, [b - a for a, b in runs]) for kept in (rec.p_old, rec.m_old, rec.v_old)]
+    return [(r, (split[0][i], split[1][i], split[2][i])) for i, r in enumerate(runs)]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
