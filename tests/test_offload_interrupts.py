@@ -267,3 +267,64 @@ def test_an_engine_installs_the_gate_and_its_close_removes_it():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+_PUBLIC_CALLS = _SETUP + r"""
+import inspect
+from sofx.offload import engine
+
+E = engine.OffloadEngine
+targets = []
+for f in (E._exclusive.__wrapped__, E.step, E.discard_gradients, E.state_dict, E.load_state_dict):
+    lines, first = inspect.getsourcelines(f)
+    targets += [(f.__code__, first + k) for k in range(1, len(lines))]
+armed = None
+
+def local(frame, event, arg):  # a SIGINT sent as this line is about to run, once
+    global armed
+    if event == "line" and armed is not None and frame.f_code is armed[0] and frame.f_lineno == armed[1]:
+        armed = None
+        os.kill(os.getpid(), signal.SIGINT)
+    return local
+
+def calls(frame, event, arg):
+    return local if armed is not None and frame.f_code is armed[0] else None
+
+saved = opt.state_dict()
+calls_made = {"step": lambda: opt.step(), "zero_grad": lambda: opt.zero_grad(),
+              "state_dict": lambda: opt.state_dict(), "load_state_dict": lambda: opt.load_state_dict(saved)}
+fired = 0
+for i, target in enumerate(targets):
+    for name, call in calls_made.items():
+        x, y = batch(i)
+        opt.zero_grad()
+        if name in ("step", "zero_grad"):
+            opt.backward(loss(model, x, y))
+        armed = target
+        try:
+            sys.settrace(calls)
+            call()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+            fired += armed is None
+            armed = None
+        opt.zero_grad()  # the script goes on: a whole iteration
+        opt.backward(loss(model, x, y))
+        opt.step()
+opt.close()
+print(fired)
+"""
+
+
+def test_ctrl_c_at_every_line_of_the_public_calls_leaves_the_optimizer_usable(tmp_path):
+    """A SIGINT at each line of step(), zero_grad(), state_dict(), load_state_dict() and the guard that keeps them
+    to one thread at a time: one that landed between the guard taking its lock and the ``try`` that releases
+    it kept the lock for good (every later call refused as "called while another thread is in step()")."""
+    script = tmp_path / "public_calls.py"
+    script.write_text(_PUBLIC_CALLS)
+    out = subprocess.run([sys.executable, str(script), "inline"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) >= 10, out.stdout

@@ -982,14 +982,17 @@ class OffloadEngine:
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """``what`` (a public call that changes the step or the state) while no other such call runs: one in
-        another thread at the same time is refused (two step()s took one step and counted two)."""
-        if not self._call_lock.acquire(blocking=False):
-            raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), state_dict() or "
-                            "load_state_dict() of this optimizer; call them from one thread at a time")
-        try:
-            yield
-        finally:
-            self._call_lock.release()
+        another thread at the same time is refused (two step()s took one step and counted two). Ctrl-C is held
+        back (sofx.offload.interrupts) from before the lock is taken: raised between taking it and the ``try``
+        that releases it, it kept the lock for good (every later call refused)."""
+        with self._interrupts:
+            if not self._call_lock.acquire(blocking=False):
+                raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), state_dict() "
+                                "or load_state_dict() of this optimizer; call them from one thread at a time")
+            try:
+                yield
+            finally:
+                self._call_lock.release()
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
         """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,
