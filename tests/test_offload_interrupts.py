@@ -129,19 +129,17 @@ def test_a_script_that_catches_ctrl_c_and_goes_on_trains_as_torch_optim(executor
         assert float(dev) <= 1e-5, (executor, phase, seed, out.stdout)
 
 
-_EVERY_LINE = _SETUP + r"""
+# A SIGINT sent as a chosen line is about to run: ``armed = (code, line)``, then ``sys.settrace(calls)``.
+_TRACER = r"""
 import inspect
-from sofx.offload import engine, inline_executor, process_executor, thread_executor
 
-ex = {"inline": inline_executor.InlineExecutor, "thread": thread_executor.ThreadExecutor,
-      "process": process_executor.ProcessExecutor}[executor]
-E = engine.OffloadEngine
-functions = [E._on_grad, E._take_gradient, E._block_ready, E._mark_speculated, E._poll, E._record, E._run_now,
-             E._wait, ex.submit, ex.poll] + ([ex._drain] if executor == "process" else [])
-targets = []
-for f in functions:
-    lines, first = inspect.getsourcelines(f)
-    targets += [(f.__code__, first + k) for k in range(1, len(lines))]
+def line_targets(functions):  # (code, line) of every line of the functions but their first
+    out = []
+    for f in functions:
+        lines, first = inspect.getsourcelines(f)
+        out += [(f.__code__, first + k) for k in range(1, len(lines))]
+    return out
+
 armed = None
 
 def local(frame, event, arg):  # a SIGINT sent as this line is about to run, once
@@ -153,6 +151,18 @@ def local(frame, event, arg):  # a SIGINT sent as this line is about to run, onc
 
 def calls(frame, event, arg):
     return local if armed is not None and frame.f_code is armed[0] else None
+"""
+
+
+_EVERY_LINE = _SETUP + _TRACER + r"""
+from sofx.offload import engine, inline_executor, process_executor, thread_executor
+
+ex = {"inline": inline_executor.InlineExecutor, "thread": thread_executor.ThreadExecutor,
+      "process": process_executor.ProcessExecutor}[executor]
+E = engine.OffloadEngine
+functions = [E._on_grad, E._take_gradient, E._block_ready, E._mark_speculated, E._poll, E._record, E._run_now,
+             E._wait, ex.submit, ex.poll] + ([ex._drain] if executor == "process" else [])
+targets = line_targets(functions)
 
 fired = caught = 0
 for i, target in enumerate(targets):
@@ -269,26 +279,11 @@ def test_an_engine_installs_the_gate_and_its_close_removes_it():
         signal.signal(signal.SIGINT, before)
 
 
-_PUBLIC_CALLS = _SETUP + r"""
-import inspect
+_PUBLIC_CALLS = _SETUP + _TRACER + r"""
 from sofx.offload import engine
 
 E = engine.OffloadEngine
-targets = []
-for f in (E._exclusive.__wrapped__, E.step, E.discard_gradients, E.state_dict, E.load_state_dict):
-    lines, first = inspect.getsourcelines(f)
-    targets += [(f.__code__, first + k) for k in range(1, len(lines))]
-armed = None
-
-def local(frame, event, arg):  # a SIGINT sent as this line is about to run, once
-    global armed
-    if event == "line" and armed is not None and frame.f_code is armed[0] and frame.f_lineno == armed[1]:
-        armed = None
-        os.kill(os.getpid(), signal.SIGINT)
-    return local
-
-def calls(frame, event, arg):
-    return local if armed is not None and frame.f_code is armed[0] else None
+targets = line_targets([E._exclusive.__wrapped__, E.step, E.discard_gradients, E.state_dict, E.load_state_dict])
 
 saved = opt.state_dict()
 calls_made = {"step": lambda: opt.step(), "zero_grad": lambda: opt.zero_grad(),
