@@ -64,6 +64,8 @@ compiler has ``_Float16``). Rounding to bfloat16 is round-to-nearest-even, a
 nan stays a nan.
 """
 
+from sofx.kernels.base import FINITE_CHUNK
+
 SOURCE = r"""
 #include <math.h>
 #include <pthread.h>
@@ -931,10 +933,11 @@ typedef struct {
   void *po, *mo, *vo;
 } Arrays;
 
-/* Elements per chunk: copy_params runs after the step of each chunk, and the finiteness check (skip) is
-   per chunk. 16 KiB of float32 per array, in L2 when the copy reads them (a multiple of TILE: the exact
-   loops' square-root chunks stay where they were). */
-#define CHUNK 4096
+/* Elements per chunk (FINITE_CHUNK, put in by the module below): copy_params runs after the step of each chunk,
+   and the finiteness check (skip) is per chunk, in L2 when the copy reads it. A multiple of XTILE (so of TILE
+   and FTILE: the exact loops' square-root chunks stay where they were) and of 16 (the vector loops' scan of the
+   next chunk). */
+#define CHUNK @FINITE_CHUNK@
 
 /* 1 if no element of g[begin, end) (of dtype dg) has magnitude bits above lim (an inf or a nan has the
    largest: see Sc.lim). */
@@ -2803,7 +2806,8 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
   if (starts != &starts_one) free(starts);
   return 0;
 }
-"""
+""".replace("@FINITE_CHUNK@", str(FINITE_CHUNK))
+assert FINITE_CHUNK % 1024 == 0  # XTILE (see CHUNK in SOURCE)
 
 # Keep in sync with the enum in SOURCE.
 (S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
