@@ -335,6 +335,25 @@ def test_unscale_under_vmap_over_loss_scales_equals_each_scale(rng):
     torch.testing.assert_close(out["a"][1], want["a"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_traced_clip_and_unscale_multiply_low_precision_leaves_as_eager(rng, dtype: torch.dtype):
+    """Under vmap the clip coefficient (and ZeRO's 1/(clip*S)) was rounded to the leaves' dtype before the
+    multiply: bfloat16 gradients came out up to 2 ulps off the eager result with the same coefficient."""
+    grads = {"a": (torch.randn(3, 50, generator=rng) * 3).to(dtype), "b": torch.randn(3, 7, generator=rng).to(dtype)}
+    clip = tx.clip_by_global_norm(1.0)
+    out, coef = torch.func.vmap(lambda g: (lambda r: (r[0], r[1].coef))(clip.update(g, clip.init(g))))(grads)
+    zero = tx.unscale_and_clip_zero(None)
+    unscaled = torch.func.vmap(lambda g: zero.update(g, tx.ClipState(), loss_scale=3.0)[0])(grads)
+    for k in range(3):
+        member = {name: g[k] for name, g in grads.items()}
+        assert coef[k] < 1
+        want = tx.scale_tree(member, float(coef[k]))  # the eager multiply with the traced coefficient
+        want_unscaled, _ = zero.update(member, tx.ClipState(), loss_scale=3.0)
+        for name in grads:
+            assert torch.equal(out[name][k], want[name]), (k, name)
+            assert torch.equal(unscaled[name][k], want_unscaled[name]), (k, name)
+
+
 @pytest.mark.parametrize("call", [
     lambda p: tx.accumulate((None, 0), {"a": torch.ones(3)}, p),
     lambda p: tx.accumulated((None, 0), p),
