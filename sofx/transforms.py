@@ -392,11 +392,12 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     paths = tree.leaf_paths(spec)
     new = tree.flatten_up_to(spec, grads, "grads")
     old = tree.flatten_up_to(spec, state.total, "accumulated gradients")
-    out = []
     for path, p, acc, g in zip(paths, leaves, old, new):
         if g is not None:
             _check_grad(path, g, p)
-        out.append(acc if g is None else g.clone() if acc is None else acc + g)
+        if acc is not None:  # a state of other params: acc + g broadcast a (1, n) sum to (m, n)
+            _check_grad(path, acc, p, "state.total")
+    out = [acc if g is None else g.clone() if acc is None else acc + g for acc, g in zip(old, new)]
     return AccumulationState(tree.unflatten(spec, out), state.micro_steps + 1)
 
 
@@ -408,13 +409,17 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     _check_state("accumulated", state, AccumulationState, "accumulation_init(params)")
     leaves, spec = tree.flatten(params)
     totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
+    for path, p, t in zip(tree.leaf_paths(spec), leaves, totals):
+        if t is not None:
+            _check_grad(path, t, p, "state.total")
     if missing_grad == "zero":
         totals = [torch.zeros_like(p) if t is None else t for p, t in zip(leaves, totals)]
     return tree.unflatten(spec, totals)
 
 
-def _check_grad(path: str, g: Any, p: torch.Tensor) -> None:
-    gpath = "grads" + path[len("params"):]
+def _check_grad(path: str, g: Any, p: torch.Tensor, root: str = "grads") -> None:
+    """``g`` (a gradient, or a sum of them: ``root``) must be a tensor of the shape, dtype and device of ``p``."""
+    gpath = root + path[len("params"):]
     if not isinstance(g, torch.Tensor):
         raise LeafError(f"{gpath}: expected a tensor, got {type(g).__name__}")
     if g.shape != p.shape:

@@ -179,6 +179,21 @@ def test_accumulate_rejects_bad_leaves_naming_the_path(rng):
     assert state.micro_steps == 0
 
 
+def test_accumulation_state_of_other_params_is_refused_naming_the_leaf(rng):
+    """A state summed for other params of the same structure (a (1, 2) leaf where params has (3, 2)) was
+    broadcast into the new sum, and ``accumulated`` returned it as the (3, 2) leaf's gradient."""
+    params = {"w": torch.randn(3, 2, generator=rng), "b": torch.randn(2, generator=rng)}
+    other = {"w": torch.randn(1, 2, generator=rng), "b": torch.randn(2, generator=rng)}
+    state = tx.accumulate(tx.accumulation_init(other), {"w": torch.randn(1, 2, generator=rng), "b": None}, other)
+    with pytest.raises(LeafError, match=r"state.total\['w'\]: expected shape \(3, 2\), got \(1, 2\)"):
+        tx.accumulate(state, {"w": torch.randn(3, 2, generator=rng), "b": None}, params)
+    with pytest.raises(LeafError, match=r"state.total\['w'\]: expected shape \(3, 2\), got \(1, 2\)"):
+        tx.accumulated(state, params)
+    doubles = tx.AccumulationState({"w": torch.zeros(3, 2, dtype=torch.float64), "b": None}, 1)
+    with pytest.raises(LeafError, match=r"state.total\['w'\]: expected dtype torch.float32, got torch.float64"):
+        tx.accumulate(doubles, {"w": None, "b": torch.randn(2, generator=rng)}, params)
+
+
 def test_no_decay_names_are_whole_names():
     w = torch.zeros(2, 2)
     names = ["bias", "attn.qkv_bias", "norm1", "encoder.LayerNorm", "final_layernorm", "ln_f", "h.0.ln_1",
