@@ -180,13 +180,20 @@ def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float
     return clip if clip > 1.0 else 1.0
 
 
-def scale_tree(grads: Any, factor: float) -> Any:
-    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors); ``factor`` a finite number or a tensor."""
-    if not isinstance(factor, torch.Tensor) and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
-                                                 or not math.isfinite(factor)):
+def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
+    """Every (non-``None``) leaf multiplied by ``factor`` (new tensors); ``factor`` a finite number or a
+    1-element float tensor."""
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or not factor.is_floating_point():
+            # a (3,) factor was broadcast against each leaf: a (5, 3) leaf scaled column by column
+            raise HParamError(f"scale_tree: factor is a {factor.dtype} tensor of shape {tuple(factor.shape)}; "
+                              "expected a finite number or a 1-element float tensor")
+    elif isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor):
         raise HParamError(f"scale_tree: factor = {factor!r:.60} ({type(factor).__name__}) is invalid; expected a "
                           "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")
+    if isinstance(factor, torch.Tensor):
+        return _scale_by_tensor(grads, factor.reshape(()))
     return tree.tree_map(lambda g: g * factor, grads)
 
 

@@ -393,3 +393,18 @@ def test_param_group_helpers_and_scale_tree_refuse_arguments_of_the_wrong_type()
         with pytest.raises(HParamError, match=r"scale_tree: factor = .* is invalid; expected a finite number"):
             tx.scale_tree(p, factor)
     assert torch.equal(tx.scale_tree(p, torch.tensor(2.0))["w"], torch.full((2, 2), 2.0))
+
+
+def test_scale_tree_refuses_a_tensor_factor_of_several_elements_and_multiplies_as_a_number(rng):
+    """A (3,) factor scaled a (5, 3) leaf column by column (and a (2,) one raised torch's size mismatch); a
+    1-element factor multiplies as the same factor given as a number, bfloat16 leaves too."""
+    grads = {"w": torch.randn(5, 3, generator=rng), "h": torch.randn(4, 3, generator=rng).bfloat16()}
+    for factor in (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5]), torch.tensor(2)):
+        with pytest.raises(HParamError, match=r"scale_tree: factor is a torch\.\w+ tensor of shape .*; expected a "
+                                              r"finite number or a 1-element float tensor"):
+            tx.scale_tree(grads, factor)
+    c = 0.3712
+    for factor in (torch.tensor(c), torch.tensor([c]), torch.tensor(c, dtype=torch.float64)):
+        out = tx.scale_tree(grads, factor)
+        want = tx.scale_tree(grads, float(torch.tensor(c)))
+        assert all(torch.equal(out[k], want[k]) for k in grads)
