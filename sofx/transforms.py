@@ -444,7 +444,16 @@ def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> A
         raise HParamError(f"label_fn = {label_fn!r:.60} ({type(label_fn).__name__}) is invalid; expected a callable "
                           "(path, param) -> label")
     leaves, spec = tree.flatten(params)
-    return tree.unflatten(spec, [label_fn(path, p) for path, p in zip(tree.leaf_paths(spec), leaves)])
+    paths = tree.leaf_paths(spec)
+    labels = [label_fn(path, p) for path, p in zip(paths, leaves)]
+    for path, label in zip(paths, labels):
+        inner = tree.flatten(label)[0]
+        if len(inner) != 1 or inner[0] is not label:
+            # None is an empty subtree: the leaf dropped out of the labels, and group_hparams gave it the
+            # optimizer's defaults instead of base (a scheduled lr ignored); a tuple or a dict became a subtree
+            raise HParamError(f"label_fn returned {label!r:.60} ({type(label).__name__}) for {path}; expected a "
+                              "label that is neither None nor a container (e.g. a string)")
+    return tree.unflatten(spec, labels)
 
 
 # A path's names: split at non-alphanumerics and camel case ("LayerNorm" -> "Layer", "Norm"); the names of a

@@ -194,6 +194,20 @@ def test_accumulation_state_of_other_params_is_refused_naming_the_leaf(rng):
         tx.accumulate(doubles, {"w": None, "b": torch.randn(2, generator=rng)}, params)
 
 
+def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
+    """A label_fn returning None ("no special group") dropped the leaf from the labels tree: group_hparams then
+    gave it the optimizer's defaults, not ``base`` (its scheduled lr was ignored); a tuple became a subtree."""
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    for bad in (None, ("decay", 1), {"x": "decay"}):
+        with pytest.raises(HParamError, match=r"label_fn returned .* for params\['w'\]; expected a label that is "
+                                              r"neither None nor a container"):
+            tx.label_params(params, lambda path, p: "no_decay" if p.dim() < 2 else bad)
+    labels = tx.label_params(params, lambda path, p: "no_decay" if p.dim() < 2 else "decay")
+    hp = tx.group_hparams(labels, {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)},
+                          base=AdamHParams(lr=0.5))
+    assert hp["w"].lr == hp["b"].lr == 0.5
+
+
 def test_no_decay_names_are_whole_names():
     w = torch.zeros(2, 2)
     names = ["bias", "attn.qkv_bias", "norm1", "encoder.LayerNorm", "final_layernorm", "ln_f", "h.0.ln_1",
