@@ -83,8 +83,9 @@ def _want_flags(bad: torch.Tensor, n: int) -> list[int]:
 
 # Elements in the vector loops' view of a chunk (first, middle, the last full vector, the partial last vector
 # of an odd-sized last chunk) and a size that leaves a partial last chunk.
-_N = 6 * FINITE_CHUNK + 1000 + 7
-_WHERE = [FINITE_CHUNK + 0, 2 * FINITE_CHUNK + 2049, 4 * FINITE_CHUNK - 1, 6 * FINITE_CHUNK + 1000 + 3]
+_TAIL = FINITE_CHUNK // 4 - 24  # (1000 with chunks of 4096) plus 7: a last chunk with a partial vector of 15
+_N = 6 * FINITE_CHUNK + _TAIL + 7
+_WHERE = [FINITE_CHUNK + 0, 2 * FINITE_CHUNK + FINITE_CHUNK // 2 + 1, 4 * FINITE_CHUNK - 1, 6 * FINITE_CHUNK + _TAIL + 3]
 
 
 @native
