@@ -25,7 +25,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -33,6 +33,7 @@ import sofx
 from sofx import AdamHParams, loss_scale, schedules
 from sofx import speculate as sp
 from sofx import transforms as tx
+from sofx.kernels.base import FINITE_CHUNK
 from sofx.serial import serial_step
 
 SIZES = (5, 7, 3, 6)
@@ -183,3 +184,144 @@ class SpeculationMachine(RuleBasedStateMachine):
 
 SpeculationMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=8, deadline=None)
 TestSpeculationMachine = SpeculationMachine.TestCase
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Long trajectories over blocks of several FINITE_CHUNKs: the checked kernels' chunk snapshots (a spike, an inf
+# or a nan in a few chunks only), bf16 parameters with fp32 states, the cpu, cpu_fast and reference backends,
+# every hparam changed between speculation and validation, per-group and 0-d tensor hparams, moments starting
+# at zero, counts where the bias corrections are at their edges (t = 1; beta^t underflowing to 0).
+
+CHUNKED_SIZES = ((3 * FINITE_CHUNK + 100, 50), (FINITE_CHUNK, 2 * FINITE_CHUNK + 1, 7), (9000, (70, 90), 0))
+
+
+def _chunked_params(gen: torch.Generator, sizes: tuple, dtype: torch.dtype, transposed: bool) -> list[torch.Tensor]:
+    """One leaf per size (an int: 1-d; a pair: 2-d, transposed where asked: a non-contiguous leaf)."""
+    out = []
+    for n in sizes:
+        t = torch.randn(n, generator=gen).to(dtype)
+        out.append(t.t() if transposed and t.dim() == 2 else t)
+    return out
+
+
+def _chunked_grads(gen: torch.Generator, params: list[torch.Tensor], mult: float, spike: float, spikes: list,
+                   bad: list, missing: int | None) -> list[torch.Tensor | None]:
+    """Random gradients of ``params`` (``mult`` times normal); ``spikes``/``bad``: ``(leaf, fraction)`` where an
+    element is ``spike`` (an algebraic inverse too lossy there) or not finite (its chunk only)."""
+    grads: list[torch.Tensor | None] = []
+    for p in params:
+        grads.append((torch.randn(p.shape, generator=gen) * mult).to(p.dtype))
+    for (leaf, at), value in [(s, spike) for s in spikes] + [((b[0], b[1]), b[2]) for b in bad]:
+        g = grads[leaf % len(grads)]
+        if g is not None and g.numel():
+            g.view(-1)[int(at * g.numel())] = value  # (a transposed leaf's gradient is contiguous)
+    if missing is not None:
+        grads[missing % len(grads)] = None
+    return grads
+
+
+_EVENT = st.fixed_dictionaries({
+    "clip": st.sampled_from([False, False, True]),
+    # (often in the first and last chunks of leaf 0: two runs of kept chunks)
+    "spikes": st.one_of(st.just([(0, 0.0), (0, 0.999)]),
+                        st.lists(st.tuples(st.sampled_from([0, 0, 1, 2]), st.floats(0, 0.999)), min_size=1, max_size=3)),
+    "bad": st.sampled_from([[]] * 9 + [[(0, 0.3, math.inf)], [(1, 0.9, -math.inf)], [(2, 0.0, math.nan)]]),
+    "missing": st.sampled_from([None, None, None, 0, 1, 2]),
+    "late": st.sampled_from([None, None, 0, 1, 2]),
+    "late_spike": st.booleans(),
+    "wrong_scale": st.sampled_from([None, None, 0.5, 2.0]),
+    "final_hp": st.sampled_from([None, None, "lr", "betas", "eps", "wd", "groups"]),
+    "tensor_hp": st.booleans(),
+    "order": st.sampled_from(["reverse", "forward", "shuffle"]),
+    "seed": st.integers(0, 2 ** 16),
+})
+
+
+@settings(max_examples=20, deadline=None)
+@given(backend=st.sampled_from(["cpu", "cpu", "cpu_fast", "reference"]), decoupled=st.booleans(),
+       bias_correction=st.sampled_from([True, True, False]), bf16_params=st.booleans(),
+       undo=st.sampled_from(["auto", "auto", "exact"]), beta1=st.sampled_from([0.9, 0.9, 0.5, 0.0]),
+       donate=st.booleans(), profile=st.sampled_from(["torch", "deepspeed"]), predict=st.booleans(),
+       max_norm=st.sampled_from([None, 1.0, 1.0]), missing_grad=st.sampled_from(["skip", "zero"]),
+       budget=st.sampled_from([None, None, 0, 3 * 4 * FINITE_CHUNK]), sizes=st.sampled_from(CHUNKED_SIZES),
+       transposed=st.booleans(), start=st.sampled_from(["zero moments", "warm", "warm at t = 2^31"]),
+       events=st.lists(_EVENT, min_size=4, max_size=6), seed=st.integers(0, 2 ** 16))
+def test_long_trajectories_over_chunked_blocks_follow_the_serial_loop(
+        backend, decoupled, bias_correction, bf16_params, undo, beta1, donate, profile, predict, max_norm,
+        missing_grad, budget, sizes, transposed, start, events, seed):
+    """speculative_step against serial_step over a random sequence of steps. Without donation the two
+    trajectories are never re-synchronised: bitwise at every step, whatever was undone, redone or refused.
+    With donation (undone blocks are algebraic inverses) every block is within DESIGN.md's float32 tolerance
+    (bf16 parameters: 1e-2) of the serial loop's at every step, then re-synchronised; counts, loss-scaler
+    states and skips equal, and never a nan the serial loop lacks."""
+    gen = torch.Generator().manual_seed(seed)
+    pdt = torch.bfloat16 if bf16_params else torch.float32
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-2, betas=(beta1, 0.999), weight_decay=0.05, bias_correction=bias_correction,
+               state_dtype=torch.float32 if bf16_params else None, undo=undo, backend=backend)
+    config = sp.SpeculationConfig(max_norm=max_norm, profile=profile, missing_grad=missing_grad,
+                                  snapshot_budget_bytes=budget, predict_scale=predict,
+                                  policy=sp.AdaptivePolicy(window=3, quiet_steps=2))
+    scaler = (loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=3) if profile == "torch" else
+              loss_scale.deepspeed_scaler(init_scale=2.0 ** 8, scale_window=3, hysteresis=2))
+    params = _chunked_params(gen, sizes, pdt, transposed)
+    state = opt.init(params)
+    if start != "zero moments":  # (zero moments: every leaf's first step, undone to exact zeros)
+        if start == "warm at t = 2^31":  # beta^t is 0 in float64: both bias corrections are 1
+            state = state._replace(count=[torch.tensor(2 ** 31) for _ in params])
+        for _ in range(20):  # (moments no longer small by chance anywhere: only a spike's chunks are kept)
+            params, state, _ = opt.update(params, [(torch.randn(p.shape, generator=gen) * 0.01).to(pdt)
+                                                   for p in params], state, undoable=False)
+    n = len(params)
+    ser = sloop = sofx.serial.LoopState(params, state, scaler.init(), 0, None)
+    spec = sloop
+    for k, ev in enumerate(events):
+        egen = torch.Generator().manual_seed(ev["seed"])
+        S = scaler.scale(sloop.scaler_state)
+        # (a spike's norm alone stays below max_norm: it does not veto speculation, its step keeps chunks)
+        mult = (0.5 if ev["clip"] else 0.002) * S
+        grads = _chunked_grads(egen, sloop.params, mult, 0.3 * S, ev["spikes"], ev["bad"], ev["missing"])
+        late = {}
+        if ev["late"] is not None and grads[ev["late"] % n] is not None:
+            i = ev["late"] % n
+            late[i] = (torch.randn(grads[i].shape, generator=egen) * mult).to(pdt)
+            if ev["late_spike"] and late[i].numel():
+                late[i].view(-1)[0] = 0.3 * S
+        lr = 1e-2 * (1 + 0.1 * k)
+        hp = AdamHParams(lr=torch.tensor(lr, dtype=torch.float64), eps=torch.tensor(1e-8)) if ev["tensor_hp"] \
+            else AdamHParams(lr=lr)
+        final_hp = {None: hp, "lr": AdamHParams(lr=lr * 0.5), "eps": AdamHParams(lr=lr, eps=1e-6),
+                    "betas": AdamHParams(lr=lr, beta1=beta1 * 0.9, beta2=0.99),
+                    "wd": AdamHParams(lr=lr, weight_decay=0.0 if decoupled else 0.1),
+                    "groups": [AdamHParams(lr=lr)] + [AdamHParams(lr=lr * 0.3, weight_decay=0.0)] * (n - 1),
+                    }[ev["final_hp"]]
+        order = {"reverse": list(range(n - 1, -1, -1)), "forward": list(range(n)),
+                 "shuffle": torch.randperm(n, generator=egen).tolist()}[ev["order"]]
+        final = [g + late[i] if i in late else g for i, g in enumerate(grads)]
+        ser, facts = sofx.serial.serial_loop_step(opt, sloop, final, scaler=scaler, hparams=final_hp,
+                                                  max_norm=max_norm, profile=profile, missing_grad=missing_grad)
+        spec_in = spec._replace(params=[p.clone() for p in spec.params], opt_state=_clone_state(spec.opt_state)) \
+            if donate else spec
+        spec, report = sp.speculative_loop_step(opt, spec_in, grads, config=config, scaler=scaler, hparams=hp,
+                                                validation_hparams=final_hp, order=order, late_grads=late,
+                                                backward_scale=S * ev["wrong_scale"] if ev["wrong_scale"] else None,
+                                                donate=donate)
+        assert spec.scaler_state == ser.scaler_state and spec.step == ser.step
+        assert report.skipped == facts.skipped == any(
+            grads[b[0] % n] is not None and grads[b[0] % n].numel() for b in ev["bad"])
+        assert report.speculated == report.committed + report.undone
+        # with donation, a block undone (or a step taken back: refused) is an algebraic inverse
+        inverted = [donate and (a in ("undo", "undo_redo") or report.refused > 0) for a in report.actions]
+        for i in range(n):
+            assert int(spec.opt_state.count[i]) == int(ser.opt_state.count[i])
+            for a, b in ((spec.params[i], ser.params[i]), (spec.opt_state.mu[i], ser.opt_state.mu[i]),
+                         (spec.opt_state.nu[i], ser.opt_state.nu[i])):
+                assert not (torch.isnan(a) & ~torch.isnan(b)).any(), (k, i, report.actions[i])
+                if inverted[i] and b.numel():
+                    tol = 1e-6 if a.dtype == torch.float32 else 1e-2
+                    assert _rel(a, b) <= tol, (k, i, report.actions[i], _rel(a, b))
+                else:
+                    assert torch.equal(a, b), (k, i, report.actions[i], donate)
+        if donate:  # re-synchronised: each step is checked at the per-step tolerance
+            spec = ser._replace(policy_state=spec.policy_state)
+        sloop = ser
