@@ -405,3 +405,91 @@ def test_a_block_refused_every_step_is_remembered(executor: str) -> None:
     # for the waits it earned, so the first steps here may speculate neither.)
     assert 1 <= sum(refused) <= 6, str((committed, refused))
     assert sum(committed) >= len(committed) // 2, str((committed, refused))
+
+
+def _rel0(a: torch.Tensor, b: torch.Tensor) -> float:
+    """:func:`_rel`, 0 where both are all zero (moments not stepped yet)."""
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def _chain_grads(gen: torch.Generator, params: dict, marks: list, missing: str | None) -> dict:
+    """Random gradients with ``marks`` (``(element fraction, value)``) written into leaf "w" (a spike, an inf
+    or a nan in its chunk only); ``missing``: a leaf without a gradient."""
+    grads = {k: torch.randn(p.shape, generator=gen).to(p.dtype) for k, p in params.items()}
+    for at, x in marks:
+        grads["w"][int(at * N)] = x
+    if missing is not None:
+        grads[missing] = None
+    return grads
+
+
+_MARKS = st.one_of(st.just([(0.0, 1e3), (0.999, -1e4)]),  # (the first and last chunks: two runs kept)
+                   st.lists(st.tuples(st.floats(0, 0.999),
+                                      st.sampled_from([1e3, -1e4, 1e2, float("inf"), float("nan")])), max_size=3))
+_REDO = st.fixed_dictionaries({
+    "marks": _MARKS, "same_gradient": st.booleans(), "missing": st.sampled_from([None, None, None, "b"]),
+    "lr": st.sampled_from([1e-2, 3e-3]), "betas": st.sampled_from([None, (0.8, 0.99)]),
+    "weight_decay": st.sampled_from([None, 0.0, 0.1]), "grad_scale": st.sampled_from([1.0, 0.25, 2.0 ** -8]),
+    "copies": st.booleans(), "seed": st.integers(0, 2 ** 16)})
+
+
+@settings(max_examples=30, deadline=None)
+@given(backend=st.sampled_from(["cpu", "cpu_fast", "reference"]), decoupled=st.booleans(),
+       bias_correction=st.sampled_from([True, True, False]), bf16=st.booleans(), donate=st.booleans(),
+       warm=st.sampled_from([0, 1, 20]), first=_MARKS, redos=st.lists(_REDO, min_size=1, max_size=4),
+       undoable_last=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_chains_of_undo_redo_over_chunk_snapshots_are_one_update(backend, decoupled, bias_correction, bf16, donate,
+                                                                 warm, first, redos, undoable_last, seed) -> None:
+    """``update`` then several ``undo_redo`` (each undoing the one before: chunk snapshot records of spikes,
+    infs and nans in a few chunks, undone and redone with other gradients, hparams and multipliers, a leaf
+    with no gradient in between) equals one ``update`` from the start with the last gradient, within
+    DESIGN.md's tolerance (bf16 parameters with fp32 states: 1e-2 for the parameter), the same counts and
+    parameter copies; the last record's ``undo`` gives the start back within 1e-6, finite. A leaf's first
+    step (warm = 0) starts from zero moments."""
+    gen = torch.Generator().manual_seed(seed)
+    pdt = torch.bfloat16 if bf16 else torch.float32
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-2, weight_decay=0.05, bias_correction=bias_correction,
+               state_dtype=torch.float32 if bf16 else None, backend=backend)
+    params = {"w": torch.randn(N, generator=gen).to(pdt), "b": torch.randn(5000, generator=gen).to(pdt)}
+    state = opt.init(params)
+    for _ in range(warm):
+        params, state, _ = opt.update(params, {k: torch.randn(p.shape, generator=gen).to(pdt)
+                                               for k, p in params.items()}, state, undoable=False)
+    grads, hp, scale = _chain_grads(gen, params, first, None), sofx.AdamHParams(), 1.0
+    p, s, rec = opt.update(_clone(params), grads, _clone(state))
+    for k, r in enumerate(redos):
+        rgen = torch.Generator().manual_seed(r["seed"])
+        if not (r["same_gradient"] and all(g is not None for g in grads.values())):  # (else a late clip)
+            grads = _chain_grads(rgen, params, r["marks"], r["missing"])
+        hp = sofx.AdamHParams(lr=r["lr"], beta1=r["betas"] and r["betas"][0], beta2=r["betas"] and r["betas"][1],
+                              weight_decay=r["weight_decay"])
+        scale = r["grad_scale"]
+        copies = {k2: torch.zeros(q.shape, dtype=torch.bfloat16) for k2, q in params.items()} if r["copies"] \
+            else None
+        undoable = undoable_last or k < len(redos) - 1
+        p, s, rec = opt.undo_redo(p if donate else _clone(p), s if donate else _clone(s), rec, grads, hp,
+                                  grad_scale=scale, donate=donate, param_copies=copies, undoable=undoable)
+        if copies is not None:
+            for k2 in params:
+                torch.testing.assert_close(copies[k2], p[k2].to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+    want_p, want_s, _ = opt.update(_clone(params), grads, _clone(state), hp, grad_scale=scale, undoable=False)
+    for k in params:
+        assert torch.equal(s.count[k], want_s.count[k]), k
+        for name, a, b in (("p", p[k], want_p[k]), ("m", s.mu[k], want_s.mu[k]), ("v", s.nu[k], want_s.nu[k])):
+            fin = torch.isfinite(b)
+            assert torch.equal(fin, torch.isfinite(a)), (k, name)
+            tol = 1e-2 if bf16 and name == "p" else TOL
+            assert not fin.any() or _rel0(a[fin], b[fin]) <= tol, (k, name, _rel0(a[fin], b[fin]), rec.strategies())
+    if not undoable_last:
+        assert set(rec.strategies()) <= {"none", None}
+        return
+    p0, s0 = opt.undo(p, s, rec, donate=donate)
+    for k in params:
+        assert torch.equal(s0.count[k], state.count[k]), k
+        for name, a, b in (("p", p0[k], params[k]), ("m", s0.mu[k], state.mu[k]), ("v", s0.nu[k], state.nu[k])):
+            assert bool(torch.isfinite(a).all()), (k, name, rec.strategies())
+            if b.abs().max() > 0:
+                assert _rel0(a, b) <= TOL, (k, name, _rel0(a, b), rec.strategies())
+            else:  # zero moments (warm = 0): restored exactly
+                assert torch.equal(a, b), (k, name, rec.strategies())
