@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
 import sofx
 from sofx import AdamHParams, loss_scale
 from sofx import speculate as sp
+from sofx.kernels.base import FINITE_CHUNK
 from sofx.serial import serial_step
 
 S16 = 2.0 ** 16
@@ -818,3 +819,103 @@ def test_reduce_sumsq_makes_other_ranks_count(rng):
     assert res.report.clipped and res.report.actions == ("undo_redo",) * 4 and res.report.vetoed == 0
     assert res.report.grad_norm == pytest.approx(ser.facts.grad_norm) and res.report.grad_norm > 3.0
     _compare(res, ser, res.report.actions)
+
+
+@settings(max_examples=15, deadline=None)
+@given(backend=st.sampled_from(["cpu", "cpu", "cpu_fast", "reference"]), decoupled=st.booleans(),
+       undo=st.sampled_from(["auto", "auto", "exact"]), profile=st.sampled_from(["torch", "deepspeed"]),
+       predict=st.booleans(), max_norm=st.sampled_from([None, 1.0]),
+       budget=st.sampled_from([None, 0, 12 * FINITE_CHUNK + 8, 10 ** 5]), warm=st.booleans(),
+       steps=st.lists(st.fixed_dictionaries({
+           "clip": st.sampled_from([False, False, True]), "spikes": st.lists(st.integers(0, 2), max_size=3),
+           "overflow": st.sampled_from([None] * 8 + [0, 2]), "late": st.sampled_from([None, None, 0, 1, 2]),
+           "late_spike": st.booleans(), "new_hparams": st.sampled_from([False, False, True]),
+           "seed": st.integers(0, 2 ** 16)}), min_size=3, max_size=6))
+def test_engine_protocol_with_bf16_copies_and_late_gradients_undone_first(backend, decoupled, undo, profile, predict,
+                                                                          max_norm, budget, warm, steps):
+    """The block protocol as the offload engine drives it: flat fp32 master blocks of several chunks stepped in
+    place, each step also writing the model's bf16 weights (``param_copies``); a snapshot budget (steps taken
+    back, ``on_speculation_held``); a late gradient undoes the block's speculative step at once and is summed
+    in place (``on_late_gradient(undone=True)``, ``taken``). Every step equals serial_step within DESIGN.md's
+    1e-6 (then re-synchronised), with the same counts and loss-scaler state, and the bf16 weights are the
+    masters' rounding after every step whatever the validation did (commit, undo+redo, undo, step late)."""
+    gen = torch.Generator().manual_seed(len(steps))
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-2, weight_decay=0.05, backend=backend, undo=undo)
+    config = sp.SpeculationConfig(max_norm=max_norm, profile=profile, snapshot_budget_bytes=budget,
+                                  predict_scale=predict, policy=sp.AdaptivePolicy(window=3, quiet_steps=2))
+    scaler = (loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=3) if profile == "torch" else
+              loss_scale.deepspeed_scaler(init_scale=2.0 ** 8, scale_window=3, hysteresis=2))
+    sizes = (2 * FINITE_CHUNK + 10, 3000, FINITE_CHUNK)
+    n = len(sizes)
+    masters = [torch.randn(k, generator=gen) for k in sizes]
+    state = opt.init(masters)
+    for _ in range(20 if warm else 0):
+        masters, state, _ = opt.update(masters, [torch.randn(k, generator=gen) * 0.01 for k in sizes], state,
+                                       undoable=False)
+    blocks = [p.clone() for p in masters]
+    states = [sofx.AdamState(state.count[i].clone(), state.mu[i].clone(), state.nu[i].clone()) for i in range(n)]
+    copies = [p.to(torch.bfloat16) for p in blocks]
+    sstate, policy = scaler.init(), None
+    for k, ev in enumerate(steps):
+        egen = torch.Generator().manual_seed(ev["seed"])
+        S = scaler.scale(sstate)
+        mult = (0.3 if ev["clip"] else 0.002) * S
+        grads = [torch.randn(size, generator=egen) * mult for size in sizes]
+        for i in ev["spikes"]:
+            grads[i][int(torch.randint(sizes[i], (1,), generator=egen))] = 0.3 * S
+        if ev["overflow"] is not None:
+            grads[ev["overflow"]][7] = math.inf
+        late = {}
+        if ev["late"] is not None:
+            late[ev["late"]] = torch.randn(sizes[ev["late"]], generator=egen) * mult
+            if ev["late_spike"]:
+                late[ev["late"]][3] = 0.3 * S
+        hp = AdamHParams(lr=1e-2 * (1 + k / 10))
+        final_hp = AdamHParams(lr=hp.lr * 0.5, beta2=0.99) if ev["new_hparams"] else hp
+        ser = serial_step(opt, masters, [g + late[i] if i in late else g for i, g in enumerate(grads)], state,
+                          scaler=scaler, scaler_state=sstate, hparams=final_hp, max_norm=max_norm, profile=profile)
+
+        ctx, tally = sp.begin_step(opt, config, scaler, sstate, policy, n_blocks=n, hparams=hp)
+        records, held = [None] * n, 0
+        for i in reversed(range(n)):  # backward: the last block first
+            g = grads[i]
+            tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(g), lambda i=i, g=g: sp.block_eligibility(
+                opt, blocks[i], g, states[i], ctx.hparams[i], ctx.grad_scale, grads_finite=True))
+            if not d.speculate:
+                continue
+            try:
+                blocks[i], states[i], records[i] = sp.speculative_block_step(
+                    opt, blocks[i], g, states[i], d, donate=True, grads_finite=True, param_copies=copies[i],
+                    held_bytes=held)
+            except sofx.SnapshotLimitError as exc:  # taken back: nothing changed (copies included)
+                tally = sp.on_speculation_refused(ctx, tally, i, str(exc))
+                assert torch.equal(copies[i], blocks[i].to(torch.bfloat16))
+                continue
+            held += records[i].snapshot_bytes()
+            tally = sp.on_speculation_held(ctx, tally, i, records[i].snapshot_bytes())
+        taken = [records[i] is not None for i in range(n)]
+        for i, extra in late.items():  # the engine's way: undo first, then sum in place
+            if records[i] is not None:
+                blocks[i], states[i] = opt.undo(blocks[i], states[i], records[i], donate=True,
+                                                param_copies=copies[i])
+                held -= records[i].snapshot_bytes()
+                records[i], taken[i] = None, False
+            grads[i].add_(extra)
+            tally = sp.on_late_gradient(ctx, tally, i, sp.grad_sumsq(grads[i]), undone=not taken[i])
+        plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), hparams=final_hp, taken=taken)
+        for i, a in enumerate(plan.actions):
+            blocks[i], states[i] = sp.apply_block_action(
+                opt, a, blocks[i], grads[i], states[i], records[i], donate=True,
+                grads_finite=math.isfinite(tally.block_sumsq[i]) or None, param_copies=copies[i])
+        assert plan.scaler_state == ser.scaler_state
+        for i in range(n):
+            assert int(states[i].count) == int(ser.state.count[i]), (k, i, plan.report.actions)
+            for a, b in ((blocks[i], ser.params[i]), (states[i].mu, ser.state.mu[i]), (states[i].nu, ser.state.nu[i])):
+                assert _rel(a, b) <= 1e-6, (k, i, plan.report.actions[i], plan.actions[i].reason, _rel(a, b))
+            assert torch.equal(copies[i], blocks[i].to(torch.bfloat16)), (k, i, plan.report.actions[i])
+            blocks[i].copy_(ser.params[i])  # re-synchronised: each step is checked at the per-step tolerance
+            states[i].mu.copy_(ser.state.mu[i])
+            states[i].nu.copy_(ser.state.nu[i])
+            copies[i].copy_(blocks[i])
+        masters, state, sstate, policy = ser.params, ser.state, plan.scaler_state, plan.policy_state
