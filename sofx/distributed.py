@@ -173,10 +173,10 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
     are ``None``, or in a leaf's dtype or shape, or their shards in a leaf's owner (``owners``, one per leaf;
     empty without a shard): the packed buffers would otherwise be summed or sent element by element between
     unrelated leaves (silently, when the totals agree), reduced onto or broadcast from different ranks (a
-    leaf swapped with another), or break inside the backend. (A shard's world size is the group's, checked
-    before: :meth:`Shard._check_group`.) One all-reduce of two int64 (a digest of the layout: its max and
-    minus its min); only when they differ does an ``all_gather_object`` fetch the layouts to name the first
-    leaf that differs.
+    leaf swapped with another), or break inside the backend. (A shard of another rank or world size than the
+    group's is its rank's refusal: :meth:`Shard._check_group`.) One all-reduce of two int64 (a digest of the
+    layout: its max and minus its min); only when they differ does an ``all_gather_object`` fetch the layouts
+    to name the first leaf that differs.
 
     ``refused``: this rank's own check of its input failed (a gradient that is not floating point, a tree of
     another structure than the shard's): it still takes part, so that the others do not wait in the
@@ -477,7 +477,8 @@ class Shard:
         return [per_leaf[i] for i in self.owned]
 
     def _check_group(self, group: Any, what: str) -> None:
-        require_initialized(group, what)
+        """Refuse a shard built for another rank or world size than ``group`` gives this process (a hand-built
+        :class:`Shard`, or one built for another group); ``torch.distributed`` is initialized (checked before)."""
         if dist.get_world_size(group) != self.world_size or dist.get_rank(group) != self.rank:
             raise SofxError(f"{what}: the shard is rank {self.rank} of {self.world_size}, the group has this "
                             f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
@@ -522,9 +523,10 @@ class Shard:
         shapes (checked first, as in :func:`all_reduce_mean_`). The returned leaves are
         non-overlapping views of those buffers, bit-identical to the owners'.
         """
-        self._check_group(group, "Shard.gather")
+        require_initialized(group, "Shard.gather")
         refused = None
         try:
+            self._check_group(group, "Shard.gather")
             local = list(local)  # (a TypeError for None: refused below, as the checks' errors)
             templates = self._gather_inputs(local, like)
         except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
@@ -562,9 +564,10 @@ class Shard:
         agree in structure, ``None`` leaves, dtypes and shapes (checked first,
         as in :func:`all_reduce_mean_`).
         """
-        self._check_group(group, "Shard.reduce_mean")
+        require_initialized(group, "Shard.reduce_mean")
         refused = None
         try:
+            self._check_group(group, "Shard.reduce_mean")
             g_leaves = self._reduce_inputs(grads)
         except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
             if not check_layout:

@@ -166,3 +166,24 @@ def run_blocks(backend, op: str, work: list, variant, s_new: AdamScalars, many: 
         res = backend.undo_redo_many(calls, variant) if many else [
             backend.undo_redo(*c[:7], variant, out=c.out, p_copy=c.p_copy) for c in calls]
     return [[bits(t) for t in r] + ([bits(c)] if c is not None else []) for r, (*_, c) in zip(res, work)]
+
+
+def run_gloo(worker, world: int, directory, timeout_s: float = 120.0) -> list:
+    """Run ``worker(rank, world, store, outdir)`` on ``world`` spawned processes and return what each rank saved
+    as ``outdir/rank{r}.pt``. A run still going after ``timeout_s`` (a rank waiting in a collective for one that
+    left) is killed and fails the test instead of blocking it."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(world, str(directory / "store"), str(directory)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"the {world} ranks did not finish within {timeout_s} s (a rank hangs in a collective)")
+    return [torch.load(directory / f"rank{r}.pt", weights_only=True) for r in range(world)]

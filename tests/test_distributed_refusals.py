@@ -1,0 +1,96 @@
+"""Bad input on one rank of a gloo process group (2 ranks): every rank raises, and nothing changes anywhere.
+
+Each case is a call of :mod:`sofx.distributed` that every rank makes, with something wrong on rank ``BAD``
+only. Before the fixes that rank raised alone (at once, or inside the backend) while the other waited for it in
+a collective until the group's timeout. Now the bad rank raises its own error and every other rank one naming
+it, before any data moves, and the group works on afterwards. One spawned group runs every case, with a 10 s
+group timeout, and is killed if it does not finish in time: a hang fails the test instead of blocking it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sofx
+from sofx import distributed as sd
+from helpers import run_gloo
+
+BAD = 1
+FULL = {"p": torch.ones(3), "q": torch.ones(4)}  # 2 ranks: rank 0 owns p, rank 1 owns q
+
+
+def _message(call) -> str:
+    try:
+        call()
+        return "no error"
+    except sofx.SofxError as exc:
+        return str(exc)
+    except Exception as exc:  # what a rank raised inside torch or the backend before the fixes
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _grads(rank: int) -> dict:
+    return {"p": torch.full((3,), 1.0 + rank), "q": torch.full((4,), 2.0 + rank)}
+
+
+def _shard_of_another_rank(rank: int) -> dict:
+    """A hand-built Shard that says rank 0 (or a world of 3) on rank BAD: its gather and reduce_mean."""
+    spec = sofx.tree.flatten(FULL)[1]
+    out = {}
+    for name, shard in (("rank", sd.Shard(0, 2, (0, 1), spec)),
+                        ("world", sd.Shard(rank, 3 if rank == BAD else 2, (0, 1), spec))):
+        out[f"gather_{name}"] = _message(lambda: shard.gather(shard.local(FULL), FULL))
+        grads = _grads(rank)
+        out[f"reduce_mean_{name}"] = _message(lambda: shard.reduce_mean(grads))
+        out[f"grads_{name}"] = grads
+    return out
+
+
+CASES = {"shard_of_another_rank": _shard_of_another_rank}
+
+
+def _worker(rank: int, world: int, store: str, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        results = {}
+        for name, case in CASES.items():
+            results[name] = case(rank)
+            sd.all_reduce_mean_({"after": torch.ones(1)})  # the group still works
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_gloo(_worker, 2, tmp_path_factory.mktemp("refusals"), timeout_s=90)
+
+
+def _assert_unchanged(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (got, want)
+
+
+def _refused_on_every_rank(ranks: list[dict], case: str, key: str, own: str) -> None:
+    """Rank BAD raised ``own`` (its own error); every other rank named rank BAD's refusal, with ``own`` in it."""
+    for rank, res in enumerate(ranks):
+        msg = res[case][key]
+        assert own in msg, (case, key, rank, msg)
+        assert ("rank 1 refused its input (" in msg) == (rank != BAD), (case, key, rank, msg)
+
+
+def test_a_shard_of_another_rank_or_world_size_is_refused_on_every_rank(ranks):
+    for what in ("gather", "reduce_mean"):
+        _refused_on_every_rank(ranks, "shard_of_another_rank", f"{what}_rank",
+                               f"Shard.{what}: the shard is rank 0 of 2, the group has this process as rank 1 of 2")
+        _refused_on_every_rank(ranks, "shard_of_another_rank", f"{what}_world",
+                               f"Shard.{what}: the shard is rank 1 of 3, the group has this process as rank 1 of 2")
+    for rank, res in enumerate(ranks):
+        for name in ("rank", "world"):
+            _assert_unchanged(res["shard_of_another_rank"][f"grads_{name}"], _grads(rank))
