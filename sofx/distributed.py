@@ -493,11 +493,16 @@ class Shard:
             if not isinstance(t, torch.Tensor):
                 raise SofxError(f"Shard.gather: {path} is {type(t).__name__}; like's leaves must be tensors (meta "
                                 "tensors will do) giving each leaf's shape and dtype")
+        paths = tree.leaf_paths(self.spec)
         for i, x in zip(owned, local):
             t = templates[i]
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
                 got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
                 raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
+            why = _no_data(x)
+            if why is not None:
+                raise SofxError(f"Shard.gather: this rank's local leaf for {paths[i]} is {why}; the owner sends "
+                                "its leaves' data (only like's leaves may be meta tensors)")
         return templates
 
     def _reduce_inputs(self, grads: Any) -> list[Any]:
@@ -612,6 +617,16 @@ def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tenso
         why = unwritable(path, g)
         if why is not None:
             raise SofxError(f"{what}: {why} (the mean is written into the gradients)")
+
+
+def _no_data(x: torch.Tensor) -> str | None:
+    """Why a collective cannot pack tensor ``x`` into a flat buffer (``None`` where it can): a meta tensor has no
+    data, a sparse or other non-strided one has no flat view of its elements."""
+    if x.layout != torch.strided:
+        return f"a {x.layout} tensor; expected a dense (strided) one"
+    if x.is_meta:
+        return "a meta tensor, without data"
+    return None
 
 
 def _as_refusal(what: str, error: Exception) -> SofxError:

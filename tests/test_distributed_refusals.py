@@ -51,7 +51,19 @@ def _shard_of_another_rank(rank: int) -> dict:
     return out
 
 
-CASES = {"shard_of_another_rank": _shard_of_another_rank}
+def _local_leaf_without_data(rank: int) -> dict:
+    """Shard.gather where rank BAD's local leaf (it owns q) is a meta or a sparse tensor of the right shape and
+    dtype: before, that rank failed packing it ("Cannot copy out of meta tensor", "reshape is not implemented
+    for sparse tensors") while the other waited for its broadcast."""
+    shard = sd.shard_blocks(FULL)
+    out = {}
+    for name, bad in (("meta", torch.empty(4, device="meta")), ("sparse", torch.ones(4).to_sparse())):
+        local = [bad] if rank == BAD else shard.local(FULL)
+        out[name] = _message(lambda: shard.gather(local, FULL))
+    return out
+
+
+CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data}
 
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
@@ -94,3 +106,10 @@ def test_a_shard_of_another_rank_or_world_size_is_refused_on_every_rank(ranks):
     for rank, res in enumerate(ranks):
         for name in ("rank", "world"):
             _assert_unchanged(res["shard_of_another_rank"][f"grads_{name}"], _grads(rank))
+
+
+def test_a_meta_or_sparse_local_leaf_to_gather_is_refused_on_every_rank(ranks):
+    for name, why in (("meta", "a meta tensor, without data"),
+                      ("sparse", "a torch.sparse_coo tensor; expected a dense (strided) one")):
+        _refused_on_every_rank(ranks, "local_leaf_without_data", name,
+                               f"Shard.gather: this rank's local leaf for params['q'] is {why}")
