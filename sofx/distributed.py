@@ -335,8 +335,9 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     leaves, spec = tree.flatten(grads)  # None leaves: empty subtrees, left out
     refused = None
     try:
-        _check_floating_tensors("all_reduce_mean_", leaves)
-        _check_writable("all_reduce_mean_", tree.leaf_paths(spec, "grads"), leaves)
+        paths = tree.leaf_paths(spec, "grads")
+        _check_floating_tensors("all_reduce_mean_", paths, leaves)
+        _check_writable("all_reduce_mean_", paths, leaves)
     except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
         refused = e
     if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
@@ -513,6 +514,9 @@ class Shard:
                 raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
             if g is not None and g.layout != torch.strided:
                 raise SofxError(f"Shard.reduce_mean: gradient {i} must be a dense (strided) tensor, got {g.layout}")
+            if g is not None and g.is_meta:
+                raise SofxError(f"Shard.reduce_mean: {tree.leaf_paths(self.spec, 'grads')[i]} is a meta tensor, "
+                                "without data to average")
         return g_leaves
 
     def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
@@ -599,15 +603,17 @@ class Shard:
         return [result.get(i) for i in self.owned]
 
 
-def _check_floating_tensors(what: str, grads: Sequence[Any]) -> None:
-    """Refuse a gradient that is not a dense floating-point tensor."""
-    for g in grads:
+def _check_floating_tensors(what: str, paths: Sequence[str], grads: Sequence[Any]) -> None:
+    """Refuse a gradient that is not a dense floating-point tensor with data (a meta tensor has none)."""
+    for path, g in zip(paths, grads):
         if not isinstance(g, torch.Tensor):
             raise SofxError(f"{what}: gradients must be tensors, got {type(g).__name__}")
         if not g.is_floating_point():
             raise SofxError(f"{what}: gradients must be floating point, got {g.dtype}")
         if g.layout != torch.strided:
             raise SofxError(f"{what}: gradients must be dense (strided) tensors, got {g.layout}")
+        if g.is_meta:
+            raise SofxError(f"{what}: {path} is a meta tensor, without data to average")
 
 
 def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tensor]) -> None:

@@ -63,7 +63,23 @@ def _local_leaf_without_data(rank: int) -> dict:
     return out
 
 
-CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data}
+def _meta_gradient(rank: int) -> dict:
+    """all_reduce_mean_ and Shard.reduce_mean where rank BAD's gradient for q is a meta tensor: before,
+    all_reduce_mean_ on that rank "all-reduced" the meta buffer without error and the other rank's backend
+    aborted the process (a size mismatch in gloo); reduce_mean failed packing it on that rank alone."""
+    shard = sd.shard_blocks(FULL)
+    out = {}
+    for name, call in (("all_reduce_mean_", sd.all_reduce_mean_), ("reduce_mean", shard.reduce_mean)):
+        grads = _grads(rank)
+        if rank == BAD:
+            grads["q"] = torch.empty(4, device="meta")
+        out[name] = _message(lambda: call(grads))
+        out[f"{name}_p"] = grads["p"]
+    return out
+
+
+CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
+         "meta_gradient": _meta_gradient}
 
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
@@ -113,3 +129,12 @@ def test_a_meta_or_sparse_local_leaf_to_gather_is_refused_on_every_rank(ranks):
                       ("sparse", "a torch.sparse_coo tensor; expected a dense (strided) one")):
         _refused_on_every_rank(ranks, "local_leaf_without_data", name,
                                f"Shard.gather: this rank's local leaf for params['q'] is {why}")
+
+
+def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
+    for what in ("all_reduce_mean_", "reduce_mean"):
+        prefix = "Shard." if what == "reduce_mean" else ""
+        _refused_on_every_rank(ranks, "meta_gradient", what,
+                               f"{prefix}{what}: grads['q'] is a meta tensor, without data to average")
+        for rank, res in enumerate(ranks):
+            assert torch.equal(res["meta_gradient"][f"{what}_p"], _grads(rank)["p"])
