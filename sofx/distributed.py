@@ -302,7 +302,7 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
     return SumsqReduce(group, device)
 
 
-def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True) -> Any:
+def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True, **unknown: Any) -> Any:
     """Average a gradient pytree across ranks, in place: ``g <- (sum_r g_r) / world_size``; returns ``grads``.
 
     Leaves of one dtype and device are packed into one flat buffer, summed by
@@ -328,13 +328,16 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     tests check it on 2 and 3 ranks), so replicated parameters stay bitwise
     identical. With two ranks the sum ``g_0 + g_1`` is exactly what one
     process computes (for fp16/bf16: ``cast((fp32(g_0) + fp32(g_1)) / 2)``);
-    with more, the order of the additions is the backend's.
+    with more, the order of the additions is the backend's. A keyword it
+    does not take is refused as the rank's own input too (a ``TypeError``
+    at the call would leave the other ranks waiting).
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
     leaves, spec = tree.flatten(grads)  # None leaves: empty subtrees, left out
     refused = None
     try:
+        _check_keywords("all_reduce_mean_", unknown, ("check_layout",))
         paths = tree.leaf_paths(spec, "grads")
         _check_floating_tensors("all_reduce_mean_", paths, leaves)
         _check_writable("all_reduce_mean_", paths, leaves)
@@ -520,7 +523,7 @@ class Shard:
         return g_leaves
 
     def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
-               check_layout: bool = True) -> Any:
+               check_layout: bool = True, **unknown: Any) -> Any:
         """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
 
         ``local``: this rank's leaves (as :meth:`local` orders them, e.g. the
@@ -535,6 +538,7 @@ class Shard:
         require_initialized(group, "Shard.gather")
         refused = None
         try:
+            _check_keywords("Shard.gather", unknown, ("check_layout",))
             self._check_group(group, "Shard.gather")
             local = list(local)  # (a TypeError for None: refused below, as the checks' errors)
             templates = self._gather_inputs(local, like)
@@ -559,7 +563,8 @@ class Shard:
                 out[i] = part.view(templates[i].shape)
         return tree.unflatten(self.spec, out)
 
-    def reduce_mean(self, grads: Any, group: Any = None, *, check_layout: bool = True) -> list[Any]:
+    def reduce_mean(self, grads: Any, group: Any = None, *, check_layout: bool = True,
+                    **unknown: Any) -> list[Any]:
         """Data parallel + sharding: every leaf's gradient averaged onto its owner only.
 
         ``grads``: this rank's full gradient tree (``None`` leaves: no
@@ -576,6 +581,7 @@ class Shard:
         require_initialized(group, "Shard.reduce_mean")
         refused = None
         try:
+            _check_keywords("Shard.reduce_mean", unknown, ("check_layout",))
             self._check_group(group, "Shard.reduce_mean")
             g_leaves = self._reduce_inputs(grads)
         except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
@@ -623,6 +629,16 @@ def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tenso
         why = unwritable(path, g)
         if why is not None:
             raise SofxError(f"{what}: {why} (the mean is written into the gradients)")
+
+
+def _check_keywords(what: str, unknown: dict[str, Any], known: Sequence[str]) -> None:
+    """Refuse the keyword arguments a collective caught in ``**unknown``: a misspelt one on one rank is that
+    rank's refusal, told to the others inside the collective, where Python's ``TypeError`` at the call left them
+    waiting for it."""
+    if unknown:
+        names = ", ".join(map(repr, sorted(unknown)))
+        raise SofxError(f"{what}: unknown keyword argument{'s' if len(unknown) > 1 else ''} {names}; it takes "
+                        f"{', '.join(known)}")
 
 
 def _no_data(x: torch.Tensor) -> str | None:

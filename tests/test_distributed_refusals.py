@@ -78,8 +78,19 @@ def _meta_gradient(rank: int) -> dict:
     return out
 
 
+def _unknown_keyword(rank: int) -> dict:
+    """A misspelt keyword (check_layuot=) on rank BAD only: before, a TypeError there at the call, while the
+    other rank waited for it in the collective."""
+    shard = sd.shard_blocks(FULL)
+    kw = {"check_layuot": False} if rank == BAD else {}
+    grads = _grads(rank)
+    return {"all_reduce_mean_": _message(lambda: sd.all_reduce_mean_(grads, **kw)),
+            "reduce_mean": _message(lambda: shard.reduce_mean(grads, **kw)),
+            "gather": _message(lambda: shard.gather(shard.local(FULL), FULL, **kw)), "grads": grads}
+
+
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
-         "meta_gradient": _meta_gradient}
+         "meta_gradient": _meta_gradient, "unknown_keyword": _unknown_keyword}
 
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
@@ -138,3 +149,11 @@ def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
                                f"{prefix}{what}: grads['q'] is a meta tensor, without data to average")
         for rank, res in enumerate(ranks):
             assert torch.equal(res["meta_gradient"][f"{what}_p"], _grads(rank)["p"])
+
+
+def test_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
+    for what in ("all_reduce_mean_", "Shard.reduce_mean", "Shard.gather"):
+        _refused_on_every_rank(ranks, "unknown_keyword", what.removeprefix("Shard."),
+                               f"{what}: unknown keyword argument 'check_layuot'; it takes check_layout")
+    for rank, res in enumerate(ranks):
+        _assert_unchanged(res["unknown_keyword"]["grads"], _grads(rank))
