@@ -51,7 +51,7 @@ reduce-scatter) and gathers the updated leaves back from their owners
 (:meth:`Shard.gather`, one broadcast per owner and dtype). Each rank runs the
 ordinary loop on its local list of leaves with ``reduce_sumsq``::
 
-    shard = sofx.distributed.shard_blocks(params)            # every rank, same params structure
+    shard = sofx.distributed.shard_blocks(params)            # every rank; checks their params agree
     loop = sofx.serial.init_loop(opt, shard.local(params), scaler)
     hp = shard.local_hparams(opt, schedule)                  # a prefix tree or a schedule of one
     reduce = sofx.distributed.all_reduce_sumsq()
@@ -167,6 +167,57 @@ def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[An
                                           for x in leaves)
 
 
+def _digests_agree(text: str, group: Any, dev: torch.device) -> bool:
+    """Whether every rank of ``group`` passed the same ``text``: one all-reduce (MAX) of two int64, a 56-bit
+    digest of it and minus that digest (the max and minus the min agree exactly where every digest does)."""
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    return int(bounds[0]) == digest and -int(bounds[1]) == digest
+
+
+def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, refused: SofxError | None,
+           hint: str) -> None:
+    """Raise on every rank of ``group`` unless every rank passed the same ``entries`` (name -> text: a leaf
+    path and its dtype and shape, a setting and its value) and none refused; the setup's agreement.
+
+    ``refused``: this rank's own check of its input failed; it still takes part (the others would wait for it),
+    then raises that error, and every other rank says which rank refused what. One all-reduce of a digest
+    (:func:`_digests_agree`); only where they differ an ``all_gather_object`` of the entries, to name the first
+    entry that differs with every rank's value (``absent``: a rank without that entry)."""
+    if _digests_agree(repr((sorted(entries.items()), refused is None)), group, dev):
+        if refused is not None:  # every rank refused its input
+            raise refused
+        return
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (entries, None if refused is None else str(refused)), group=group)
+    if refused is not None:
+        raise refused
+    refusing = [(r, text) for r, (_, text) in enumerate(gathered) if text is not None]
+    if refusing:
+        ranks = ", ".join(str(r) for r, _ in refusing)
+        raise SofxError(f"{what}: rank{'s' if len(refusing) > 1 else ''} {ranks} refused its input "
+                        f"({refusing[0][1]}); nothing was set up")
+    position: dict[str, int] = {}  # an entry's latest place in any rank's order: a leaf that only one rank has
+    for theirs, _ in gathered:     # comes before the entries that follow the leaves (owners, say)
+        for i, name in enumerate(theirs):
+            position[name] = max(i, position.get(name, i))
+    differ = sorted((n for n in position if len({theirs.get(n) for theirs, _ in gathered}) > 1),
+                    key=position.__getitem__)
+    values: dict[str | None, list[int]] = {}
+    for r, (theirs, _) in enumerate(gathered):
+        values.setdefault(theirs.get(differ[0]), []).append(r)
+    said = "; ".join(f"{'absent' if v is None else _shortened(v)} on rank{'s' if len(rs) > 1 else ''} "
+                     f"{', '.join(map(str, rs))}" for v, rs in values.items())
+    more = "" if len(differ) == 1 else (f" (and {len(differ) - 1} more: {', '.join(differ[1:4])}"
+                                        f"{', ...' if len(differ) > 4 else ''})")
+    raise SofxError(f"{what}: {differ[0]} differs between ranks: {said}{more}; {hint}")
+
+
+def _shortened(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
                        dev: torch.device, refused: SofxError | None = None, owners: tuple[int, ...] = ()) -> None:
     """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
@@ -182,11 +233,7 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
     another structure than the shard's): it still takes part, so that the others do not wait in the
     collective for it; it raises that error, and every other rank says which rank refused what."""
     mine = _layout(spec, leaves)
-    digest = int.from_bytes(hashlib.blake2b(repr((mine, owners, refused is None)).encode(),
-                                            digest_size=7).digest(), "little")
-    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    if int(bounds[0]) == digest and -int(bounds[1]) == digest:
+    if _digests_agree(repr((mine, owners, refused is None)), group, dev):
         if refused is not None:  # every rank refused its input
             raise refused
         return
@@ -670,20 +717,52 @@ def _buckets(owners: Sequence[int], templates: Sequence[Any]) -> dict[tuple[int,
 
 
 def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None = None,
-                 rank: int | None = None, world_size: int | None = None) -> Shard:
+                 rank: int | None = None, world_size: int | None = None, **unknown: Any) -> Shard:
     """The :class:`Shard` of this rank for the full ``params`` tree.
 
     ``owners``: the owner rank of every leaf (default:
     :func:`partition_blocks` of the leaves' sizes). ``rank``/``world_size``
     default to ``group``'s (then ``torch.distributed`` must be initialized);
     pass both to describe a shard without a process group.
+
+    With ``group``'s rank and world size it is a collective, every rank calls
+    it at setup: the ranks check (one all-reduce of 16 bytes) that their
+    params agree in structure, dtypes and shapes and their shards in owners.
+    Where not, or where a rank refuses its own input (a leaf that is not a
+    tensor, bad owners, an unknown keyword), every rank raises naming the
+    rank, or the first leaf that differs with each rank's dtype and shape.
+    Unchecked, such shards step leaves of other shapes, or other leaves, side
+    by side until a gather finds it (or, without one, never).
     """
-    leaves, spec = tree.flatten(params)
-    if rank is None or world_size is None:
+    if (rank is not None and world_size is not None) or not is_ready():  # no process group to agree with
+        _check_keywords("shard_blocks", unknown, _SHARD_KEYWORDS)
+        if rank is None or world_size is None:
+            if rank is not None or world_size is not None:
+                raise SofxError("shard_blocks: pass both rank and world_size, or neither")
+            require_initialized(group, "shard_blocks")
+        return _build_shard(params, owners, rank, world_size)
+    require_initialized(group, "shard_blocks")
+    refused, shard = None, None
+    try:
+        _check_keywords("shard_blocks", unknown, _SHARD_KEYWORDS)
         if rank is not None or world_size is not None:
             raise SofxError("shard_blocks: pass both rank and world_size, or neither")
-        require_initialized(group, "shard_blocks")
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        shard = _build_shard(params, owners, dist.get_rank(group), dist.get_world_size(group))
+    except Exception as e:  # told to the other ranks by the agreement, which they are waiting in
+        refused = _as_refusal("shard_blocks", e)
+    entries = {} if shard is None else _shard_entries(shard, params)
+    _agree("shard_blocks", entries, group, _collective_device(group, None), refused,
+           "every rank must build its shard from params of the same structure, dtypes and shapes, with the "
+           "same owners")
+    return shard
+
+
+_SHARD_KEYWORDS = ("owners", "rank", "world_size")
+
+
+def _build_shard(params: Any, owners: Sequence[int] | None, rank: int, world_size: int) -> Shard:
+    """The shard of ``rank`` of ``world_size`` for ``params``, its leaves and ``owners`` checked."""
+    leaves, spec = tree.flatten(params)
     for path, x in zip(tree.leaf_paths(spec), leaves):
         if not isinstance(x, torch.Tensor):
             raise SofxError(f"shard_blocks: {path} is a {type(x).__name__}; expected a tensor (a meta tensor "
@@ -694,3 +773,11 @@ def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None
     if bad:
         raise SofxError(f"shard_blocks: owners must be ranks (ints), got {bad[0]!r}")
     return Shard(int(rank), int(world_size), tuple(int(o) for o in owners), spec)
+
+
+def _shard_entries(shard: Shard, params: Any) -> dict[str, str]:
+    """What the ranks' shards must agree in: every leaf's path with its dtype and shape, and the owners."""
+    leaves = tree.flatten(params)[0]
+    entries = {path: f"{x.dtype} {tuple(x.shape)}" for path, x in zip(tree.leaf_paths(shard.spec), leaves)}
+    entries["owners"] = repr(shard.owners)
+    return entries

@@ -328,9 +328,10 @@ def _run_half_means(rank: int, world: int) -> dict:
 
 def _run_owner_errors(rank: int, world: int) -> dict:
     """Shards built with other owners on rank 1 (say from rank-local sizes): every rank raises naming the
-    first leaf whose owner differs, nothing is sent, the group works on afterwards."""
+    first leaf whose owner differs, nothing is sent, the group works on afterwards. (Built by hand:
+    shard_blocks refuses such shards already, tests/test_distributed_setup.py.)"""
     full = {"p": torch.full((3,), 1.0 + rank), "q": torch.full((3,), 2.0 + rank)}
-    shard = sd.shard_blocks(full, owners=(1, 0) if rank == 1 else (0, 1))
+    shard = sd.Shard(rank, world, (1, 0) if rank == 1 else (0, 1), sofx.tree.flatten(full)[1])
     errors = []
     for call in (lambda: shard.gather(shard.local(full), full), lambda: shard.reduce_mean(full)):
         try:
