@@ -52,14 +52,22 @@ reduce-scatter) and gathers the updated leaves back from their owners
 ordinary loop on its local list of leaves with ``reduce_sumsq``::
 
     shard = sofx.distributed.shard_blocks(params)            # every rank; checks their params agree
+    reduce = sofx.distributed.all_reduce_sumsq(opt=opt, scaler=scaler, config=cfg, hparams=schedule)
     loop = sofx.serial.init_loop(opt, shard.local(params), scaler)
     hp = shard.local_hparams(opt, schedule)                  # a prefix tree or a schedule of one
-    reduce = sofx.distributed.all_reduce_sumsq()
     for batch in data:
         local_grads = shard.reduce_mean(grads)               # or shard.local(grads) if already averaged
         loop, report = speculative_loop_step(opt, loop, local_grads, config=cfg, scaler=scaler,
                                              hparams=hp, reduce_sumsq=reduce)
     full_params = shard.gather(loop.params, like=params)
+
+``shard_blocks`` and ``all_reduce_sumsq`` are collectives of the setup: each
+checks, with one all-reduce of 16 bytes, that every rank passed the same
+(params' structure, dtypes and shapes and the owners; the optimizer, loss
+scaler, speculation config and the full hparams or schedule), and where not,
+every rank raises naming what differs (:func:`check_same_setup` checks the
+same for a loop without the hook). Build them first: a rank that fails
+before them alone leaves the others waiting there.
 
 The result, gathered, equals the single-process loop over the whole tree:
 bitwise on every step until one clips (the clip coefficient comes from ``s``,
@@ -77,12 +85,14 @@ to inf), so replicated parameters stay identical.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
 import numbers
+import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -96,6 +106,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "all_reduce_sumsq",
+    "check_same_setup",
     "SumsqReduce",
     "RankRefusedError",
     "all_reduce_mean_",
@@ -327,7 +338,9 @@ class SumsqReduce:
         return total
 
 
-def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None) -> SumsqReduce:
+def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None, params: Any = None,
+                     opt: Any = None, scaler: Any = None, config: Any = None, hparams: Any = None,
+                     settings: Mapping[str, Any] | None = None, **unknown: Any) -> SumsqReduce:
     """The ``reduce_sumsq`` hook: ``s_local -> sum over ranks of s_local`` (float64, rank order).
 
     ``s = (((s_0 + s_1) + s_2) + ...)`` with ``s_r`` rank ``r``'s local sum of
@@ -345,8 +358,141 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
     and :func:`sofx.speculate.speculative_step` do, and raises its own error; the
     hook then raises :class:`RankRefusedError` on the other ranks, which step
     nothing either, instead of leaving them waiting in the collective.
+
+    Building the hook is a collective too, every rank builds it once at
+    setup: it checks, as :func:`check_same_setup` (``params``, ``opt``,
+    ``scaler``, ``config``, ``hparams``, ``settings``: the same keywords),
+    that the ranks agree in their setup and in where the sums travel
+    (``device``'s type), so that no rank steps differently configured.
     """
+    require_initialized(group, "all_reduce_sumsq")
+
+    def entries() -> dict[str, str]:
+        return {"device": _device_type(group, device),
+                **_setup_entries(params, opt, scaler, config, hparams, settings)}
+
+    _agree_setup("all_reduce_sumsq", group, ("device", *_SETUP_KEYWORDS), unknown, entries,
+                 _SETUP_HINT[:-1] + "; the hook's device)")
     return SumsqReduce(group, device)
+
+
+_SETUP_KEYWORDS = ("params", "opt", "scaler", "config", "hparams", "settings")
+_SETUP_HINT = ("every rank must be set up the same (params' structure, dtypes and shapes; optimizer; loss scaler; "
+               "speculation config; hparams; settings)")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, scaler: Any = None,
+                     config: Any = None, hparams: Any = None, settings: Mapping[str, Any] | None = None,
+                     **unknown: Any) -> None:
+    """Raise on every rank of ``group`` unless every rank passed the same setup: a collective, at setup.
+
+    ``params``: the full params tree (structure, dtypes and shapes are
+    compared, not values); ``opt``: the optimizer (its static configuration
+    and kernel backend, by ``repr``); ``scaler``: the loss scaler (its
+    settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
+    ``hparams``: the full hparams (an ``AdamHParams`` prefix tree, not a
+    rank's :meth:`Shard.local_hparams`), or a schedule of them, compared by
+    its fields (a dataclass) or ``repr`` and by its value at step 0;
+    ``settings``: anything else that must agree (``{"max_norm": 1.0,
+    "profile": "torch"}`` for the serial loop, say). Dataclasses,
+    NamedTuples, dicts, lists and tuples are compared field by field; floats
+    and one-element tensors by their exact value; anything else by ``repr``
+    (object addresses left out). A keyword left ``None`` is not compared, but
+    a rank that passes it where another does not differs.
+
+    One all-reduce of a 16-byte digest; where the ranks differ, every rank
+    raises naming the first entry that differs (``config.max_norm``,
+    ``params['w']``, ``hparams(0)['head'].lr``) with each rank's value; where
+    a rank refuses its own input (an unknown keyword, a schedule that raises
+    at step 0), it raises its error and every other rank names it. Without
+    the check such ranks step side by side, differently, and their gathered
+    results silently mix. (:func:`all_reduce_sumsq` takes the same keywords
+    and checks them as it builds the hook; :func:`shard_blocks` checks the
+    params of a shard.)
+    """
+    require_initialized(group, "check_same_setup")
+    _agree_setup("check_same_setup", group, _SETUP_KEYWORDS, unknown,
+                 lambda: _setup_entries(params, opt, scaler, config, hparams, settings), _SETUP_HINT)
+
+
+def _agree_setup(what: str, group: Any, known: Sequence[str], unknown: dict[str, Any],
+                 entries: Callable[[], dict[str, str]], hint: str) -> None:
+    """:func:`_agree` on ``entries()``, where an unknown keyword or a failure of ``entries`` is this rank's
+    refusal."""
+    refused, mine = None, {}
+    try:
+        _check_keywords(what, unknown, known)
+        mine = entries()
+    except Exception as e:  # told to the other ranks by the agreement, which they are waiting in
+        refused = _as_refusal(what, e)
+    _agree(what, mine, group, _collective_device(group, None), refused, hint)
+
+
+def _device_type(group: Any, device: torch.device | str | None) -> str:
+    """The type of the device the hook's sums travel on, refused where this process cannot hold a tensor there
+    (the hook would fail on this rank alone at the first step)."""
+    dev = _collective_device(group, device)
+    try:
+        torch.empty(0, device=dev)
+    except Exception as e:
+        raise SofxError(f"all_reduce_sumsq: device={device!r}: this process cannot hold a tensor there ({e})") from e
+    return dev.type
+
+
+def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any,
+                   settings: Mapping[str, Any] | None) -> dict[str, str]:
+    """The setup as entries (name -> text) that are equal on every rank where the setup is."""
+    out: dict[str, str] = {}
+    if params is not None:
+        leaves, spec = tree.flatten(params)
+        for path, x in zip(tree.leaf_paths(spec), leaves):
+            out[path] = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else _text(x)
+    for name, value in (("opt", opt), ("scaler", scaler), ("config", config), ("hparams", hparams)):
+        if value is not None:
+            _entries(name, value, out)
+    if callable(hparams):
+        _entries("hparams(0)", hparams(0), out)
+    if settings is not None:
+        if not isinstance(settings, Mapping):
+            raise SofxError(f"settings is a {type(settings).__name__}; expected a mapping of names to settings")
+        _entries("settings", dict(settings), out)
+    return out
+
+
+def _entries(path: str, x: Any, out: dict[str, str], depth: int = 0) -> None:
+    """``x`` as ``out[path] = text``, and one entry per compared field of a dataclass or NamedTuple and per item
+    of a dict, list or tuple (so that a message names the field that differs, ``config.max_norm``)."""
+    items = _items(x) if depth < 8 else None
+    if items is None:
+        out[path] = _text(x)
+        return
+    out[path] = type(x).__qualname__
+    for suffix, value in items:
+        _entries(path + suffix, value, out, depth + 1)
+
+
+def _items(x: Any) -> list[tuple[str, Any]] | None:
+    """The named parts of a container or record ``x`` (``None`` for anything else)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x) if f.compare]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return [(f".{name}", value) for name, value in zip(x._fields, x)]
+    if isinstance(x, Mapping):
+        return [(f"[{k!r}]", x[k]) for k in sorted(x, key=repr)]
+    if isinstance(x, (list, tuple)):
+        return [(f"[{i}]", value) for i, value in enumerate(x)]
+    return None
+
+
+def _text(x: Any) -> str:
+    """``x`` as text that is the same on every rank where ``x`` is: a one-element tensor by its exact value,
+    another by its dtype and shape, anything else by ``repr`` without object addresses (floats are exact)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 1 and x.layout == torch.strided and not x.is_meta:
+            return f"tensor({x.item()!r}, dtype={x.dtype})"
+        return f"tensor of {x.dtype} {tuple(x.shape)}"
+    return _ADDRESS.sub("", repr(x))
 
 
 def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True, **unknown: Any) -> Any:

@@ -17,7 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import sofx
+from sofx import AdamHParams, loss_scale
 from sofx import distributed as sd
+from sofx import speculate as sp
 from helpers import run_gloo
 
 BAD = 1
@@ -25,9 +28,10 @@ HINT = "every rank must build its shard from params of the same structure, dtype
 
 
 def _message(call) -> str:
+    """What ``call`` says (a string it returns), or ``"no error"``, or the error it raises."""
     try:
-        call()
-        return "no error"
+        said = call()
+        return said if isinstance(said, str) else "no error"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 
@@ -59,7 +63,53 @@ def _shard_blocks(rank: int) -> dict:
     return out
 
 
-CASES = {"shard_blocks": _shard_blocks}
+def _setup(rank: int, change: str = "") -> dict:
+    """The setup of rank ``rank``; on rank BAD with ``change`` made."""
+    bad = rank == BAD
+
+    def schedule(step: int) -> dict:
+        if bad and change == "raising schedule":
+            raise ValueError("this rank's schedule failed")
+        lr = 0.02 if bad and change == "hparams" else 0.01
+        return {"p": AdamHParams(lr=lr * 0.9 ** step), "q": AdamHParams(lr=torch.tensor(0.01), weight_decay=0.0)}
+
+    return {"params": _params(rank, "dtype" if change == "params" else ""),
+            "opt": sofx.adamw(lr=1e-2, backend="reference" if bad and change == "backend" else "auto"),
+            "scaler": loss_scale.grad_scaler(init_scale=1024.0,
+                                             growth_interval=1000 if bad and change == "scaler" else 2000),
+            "config": sp.SpeculationConfig(max_norm=2.0 if bad and change == "config" else 1.0),
+            "hparams": schedule}
+
+
+SETUP_CHANGES = ("params", "backend", "scaler", "config", "hparams")
+
+
+def _all_reduce_sumsq(rank: int) -> dict:
+    """The hook built with the setup (different on rank BAD in one respect per case); where it is built, it
+    sums."""
+    def built(**kw) -> str:
+        reduce = sd.all_reduce_sumsq(**kw)
+        return f"built: {reduce(rank + 1.0)}"
+
+    bad = rank == BAD
+    out = {"same": _message(lambda: built(**_setup(rank)))}
+    for change in SETUP_CHANGES + ("raising schedule",):
+        out[change] = _message(lambda: built(**_setup(rank, change)))
+    out["keyword"] = _message(lambda: built(**_setup(rank), **({"scalar": None} if bad else {})))
+    out["device"] = _message(lambda: built(device="meta" if bad else None))
+    out["no device"] = _message(lambda: built(device="nowhere" if bad else None))
+    return out
+
+
+def _check_same_setup(rank: int) -> dict:
+    bad = rank == BAD
+    return {"same": _message(lambda: sd.check_same_setup(**_setup(rank), settings={"max_norm": 1.0})),
+            "settings": _message(lambda: sd.check_same_setup(settings={"max_norm": 2.0 if bad else 1.0})),
+            "given on one rank": _message(lambda: sd.check_same_setup(settings={"max_norm": 1.0} if bad else None)),
+            "not a mapping": _message(lambda: sd.check_same_setup(settings=[1.0] if bad else {}))}
+
+
+CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup}
 
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
@@ -109,3 +159,44 @@ def test_shard_blocks_refuses_one_ranks_bad_input_on_every_rank(ranks):
                            "shard_blocks: unknown keyword argument 'owner'; it takes owners, rank, world_size")
     _refused_on_every_rank(ranks, "shard_blocks", "rank_only",
                            "shard_blocks: pass both rank and world_size, or neither")
+
+
+def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
+    setup_hint = ("; every rank must be set up the same (params' structure, dtypes and shapes; optimizer; loss "
+                  "scaler; speculation config; hparams; settings)")
+    want = {"params": "params['p'] differs between ranks: torch.float32 (3,) on rank 0; torch.float64 (3,) on "
+                      "rank 1",
+            "scaler": "scaler.growth_interval differs between ranks: 2000 on rank 0; 1000 on rank 1",
+            "config": "config.max_norm differs between ranks: 1.0 on rank 0; 2.0 on rank 1",
+            "hparams": "hparams(0)['p'].lr differs between ranks: 0.01 on rank 0; 0.02 on rank 1",
+            "device": "device differs between ranks: cpu on rank 0; meta on rank 1"}
+    for res in ranks:
+        got = res["all_reduce_sumsq"]
+        assert got["same"] == "built: 3.0", got
+        for key, msg in want.items():
+            assert got[key] == f"SofxError: all_reduce_sumsq: {msg}{setup_hint[:-1]}; the hook's device)", \
+                (key, got[key])
+        backend = got["backend"]
+        assert backend.startswith("SofxError: all_reduce_sumsq: opt differs between ranks: sofx.adamw("), backend
+        assert "backend='auto') on rank 0; sofx.adamw(" in backend and "backend='reference') on rank 1" in backend
+    _refused_on_every_rank(ranks, "all_reduce_sumsq", "raising schedule",
+                           "all_reduce_sumsq: this rank's input could not be read (ValueError: this rank's schedule "
+                           "failed)")
+    _refused_on_every_rank(ranks, "all_reduce_sumsq", "keyword",
+                           "all_reduce_sumsq: unknown keyword argument 'scalar'; it takes device, params, opt, "
+                           "scaler, config, hparams, settings")
+    _refused_on_every_rank(ranks, "all_reduce_sumsq", "no device", "all_reduce_sumsq: this rank's input could not be "
+                                                                   "read (RuntimeError: Expected one of")
+
+
+def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
+    for res in ranks:
+        got = res["check_same_setup"]
+        assert got["same"] == "no error", got
+        assert got["settings"].startswith("SofxError: check_same_setup: settings['max_norm'] differs between "
+                                          "ranks: 1.0 on rank 0; 2.0 on rank 1; every rank must be set up"), got
+        assert got["given on one rank"].startswith("SofxError: check_same_setup: settings differs between ranks: "
+                                                   "absent on rank 0; dict on rank 1 (and 1 more: "
+                                                   "settings['max_norm'])"), got
+    _refused_on_every_rank(ranks, "check_same_setup", "not a mapping",
+                           "settings is a list; expected a mapping of names to settings")
