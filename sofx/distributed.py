@@ -307,7 +307,14 @@ class SumsqReduce:
         self.device = device
 
     def __call__(self, local: float) -> float:
-        return self._gather(float(local), refused=False)
+        try:
+            value = float(local)
+        except Exception as e:  # refused in the collective: raised before it, the others would wait for this rank
+            error = SofxError(f"all_reduce_sumsq: this rank's local sum of squares is {_shortened(repr(local), 80)} "
+                              f"({type(local).__name__}); expected a real number")
+            self.refuse(error)
+            raise error from e
+        return self._gather(value, refused=False)
 
     def refuse(self, error: BaseException | None = None) -> None:
         """Take part in this step's collective as a rank that refuses the step (``error``: why, for the

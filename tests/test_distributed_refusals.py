@@ -89,8 +89,15 @@ def _unknown_keyword(rank: int) -> dict:
             "gather": _message(lambda: shard.gather(shard.local(FULL), FULL, **kw)), "grads": grads}
 
 
+def _not_a_number(rank: int) -> dict:
+    """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
+    while the other rank waited for its sum."""
+    reduce = sd.all_reduce_sumsq()
+    return {"msg": _message(lambda: reduce(torch.ones(2) if rank == BAD else 1.0)), "next": reduce(2.0)}
+
+
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
-         "meta_gradient": _meta_gradient, "unknown_keyword": _unknown_keyword}
+         "meta_gradient": _meta_gradient, "unknown_keyword": _unknown_keyword, "not_a_number": _not_a_number}
 
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
@@ -157,3 +164,15 @@ def test_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
                                f"{what}: unknown keyword argument 'check_layuot'; it takes check_layout")
     for rank, res in enumerate(ranks):
         _assert_unchanged(res["unknown_keyword"]["grads"], _grads(rank))
+
+
+def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):
+    for rank, res in enumerate(ranks):
+        msg = res["not_a_number"]["msg"]
+        if rank == BAD:
+            assert msg == "all_reduce_sumsq: this rank's local sum of squares is tensor([1., 1.]) (Tensor); " \
+                          "expected a real number", msg
+        else:
+            assert msg.startswith("rank 1 of the process group refused this step before the sum of squares was "
+                                  "reduced"), msg
+        assert res["not_a_number"]["next"] == 4.0  # the next step's sum, on every rank
