@@ -379,13 +379,20 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
                 **_setup_entries(params, opt, scaler, config, hparams, settings)}
 
     _agree_setup("all_reduce_sumsq", group, ("device", *_SETUP_KEYWORDS), unknown, entries,
-                 _SETUP_HINT[:-1] + "; the hook's device)")
+                 _setup_hint("the hook's device"))
     return SumsqReduce(group, device)
 
 
 _SETUP_KEYWORDS = ("params", "opt", "scaler", "config", "hparams", "settings")
-_SETUP_HINT = ("every rank must be set up the same (params' structure, dtypes and shapes; optimizer; loss scaler; "
-               "speculation config; hparams; settings)")
+
+
+def _setup_hint(*more: str) -> str:
+    """What a setup's error asks for: the same of everything it compared, on every rank."""
+    compared = ("params' structure, dtypes and shapes", "optimizer", "loss scaler", "speculation config", "hparams",
+                "settings", *more)
+    return f"every rank must be set up the same ({'; '.join(compared)})"
+
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -408,7 +415,7 @@ def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, 
     (object addresses left out). A keyword left ``None`` is not compared, but
     a rank that passes it where another does not differs.
 
-    One all-reduce of a 16-byte digest; where the ranks differ, every rank
+    One all-reduce of 16 bytes (a digest); where the ranks differ, every rank
     raises naming the first entry that differs (``config.max_norm``,
     ``params['w']``, ``hparams(0)['head'].lr``) with each rank's value; where
     a rank refuses its own input (an unknown keyword, a schedule that raises
@@ -420,7 +427,7 @@ def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, 
     """
     require_initialized(group, "check_same_setup")
     _agree_setup("check_same_setup", group, _SETUP_KEYWORDS, unknown,
-                 lambda: _setup_entries(params, opt, scaler, config, hparams, settings), _SETUP_HINT)
+                 lambda: _setup_entries(params, opt, scaler, config, hparams, settings), _setup_hint())
 
 
 def _agree_setup(what: str, group: Any, known: Sequence[str], unknown: dict[str, Any],
