@@ -122,7 +122,7 @@ def _run_sharded_speculative(rank: int, world: int, profile: str) -> dict:
     shard = sd.shard_blocks(params)
     opt, scaler = _opt(UNDO[profile]), _scalers(profile)
     cfg = sp.SpeculationConfig(max_norm=MAX_NORM, profile=profile)
-    reduce = sd.all_reduce_sumsq()
+    reduce = sd.all_reduce_sumsq(opt=opt, scaler=scaler, config=cfg, hparams=_schedule)  # the same on every rank
     loop = init_loop(opt, shard.local(params), scaler)
     hparams = shard.local_hparams(opt, _schedule)
     steps = []
@@ -139,6 +139,7 @@ def _run_sharded_speculative(rank: int, world: int, profile: str) -> dict:
 def _run_data_parallel(rank: int, world: int) -> dict:
     opt, scaler = _opt("exact"), _scalers("torch")  # snapshot undo: the overflow step's undo is bitwise
     cfg = sp.SpeculationConfig(max_norm=MAX_NORM)
+    sd.check_same_setup(params=_params(), opt=opt, scaler=scaler, config=cfg, hparams=_schedule)
     serial = spec = init_loop(opt, _params(), scaler)
     averaged, steps = [], []
     for step in range(STEPS):
