@@ -4,8 +4,11 @@
 their shards in owners. Before, nothing compared them: a rank whose params had another shape (or another leaf)
 stepped its own shard beside the others' -- the sum-of-squares hook adds numbers whatever they belong to --
 until a gather refused the layouts, or never. A rank whose own input was refused there raised alone, and the
-other went on to wait for it in its first collective. One spawned group runs every case, with a 10 s group
-timeout, and is killed if it does not finish in time: a hang fails the test instead of blocking it.
+other went on to wait for it in its first collective. :func:`sofx.distributed.all_reduce_sumsq` (as it builds
+the hook) and :func:`sofx.distributed.check_same_setup` compare the rest of the setup: optimizer (with its
+kernel backend), loss scaler, speculation config, hparams or schedule, settings, the hook's device. One
+spawned group runs every case, with a 10 s group timeout, and is killed if it does not finish in time: a hang
+fails the test instead of blocking it.
 """
 
 from __future__ import annotations
