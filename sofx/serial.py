@@ -56,7 +56,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
-from sofx.kernels.base import as_number
+from sofx.kernels.base import as_number, positive_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
@@ -150,14 +150,10 @@ def check_profile(profile: str) -> str:
     return profile
 
 
-def check_max_norm(max_norm: float | None) -> float | None:
-    """``max_norm`` as a float if it is finite and > 0, ``None`` (no clipping) as is, else an :class:`HParamError`."""
-    if max_norm is None:
-        return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-            math.isfinite(max_norm) and max_norm > 0):
-        raise HParamError(f"max_norm = {max_norm!r} is invalid; expected a finite number > 0, or None (no clipping)")
-    return float(max_norm)
+def check_max_norm(max_norm: Any) -> float | None:
+    """``max_norm`` as a float if it is a finite number > 0 (Python, numpy or a 1-element tensor:
+    :func:`~sofx.kernels.base.positive_number`), ``None`` (no clipping) as is, else an :class:`HParamError`."""
+    return None if max_norm is None else positive_number("max_norm", max_norm)
 
 
 def check_scale(name: str, s: Any) -> float:

@@ -45,7 +45,7 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
-from sofx.kernels.base import is_traced
+from sofx.kernels.base import is_traced, positive_number
 
 __all__ = [
     "CLIP_EPS",
@@ -158,13 +158,6 @@ def global_norm(grads: Any) -> float:
 def all_finite(grads: Any) -> bool:
     """True when every element of every (non-``None``) leaf is finite."""
     return all(bool(torch.isfinite(g).all()) for g in _gradient_leaves(grads, "all_finite"))
-
-
-def _check_max_norm(max_norm: float) -> float:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-            math.isfinite(max_norm) and max_norm > 0):
-        raise HParamError(f"max_norm = {max_norm!r} is invalid; expected a finite number > 0")
-    return float(max_norm)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
@@ -315,8 +308,10 @@ def unscale() -> GradientTransformation:
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """``torch.nn.utils.clip_grad_norm_``: ``g <- g * max_norm/(norm + 1e-6)`` when that is ``< 1``."""
-    max_norm = _check_max_norm(max_norm)
+    """``torch.nn.utils.clip_grad_norm_``: ``g <- g * max_norm/(norm + 1e-6)`` when that is ``< 1``.
+
+    ``max_norm``: a finite number > 0 (Python, numpy or a 1-element tensor), read once here as a float."""
+    max_norm = positive_number("max_norm", max_norm)
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         leaves = _gradient_leaves(grads, "clip_by_global_norm")
@@ -338,7 +333,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
     (in ZeRO, the scale after this step's loss-scale update). ``max_norm=None``
     only unscales. The state's ``norm`` is the unscaled norm ``n / S``.
     """
-    max_norm = None if max_norm is None else _check_max_norm(max_norm)
+    max_norm = None if max_norm is None else positive_number("max_norm", max_norm)
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         s = _loss_scale(extra, "unscale_and_clip_zero")

@@ -241,3 +241,22 @@ def test_serial_step_reads_each_gradient_once(rng, monkeypatch):
     grads["b"][1, 2] = float("inf")  # an overflow: skipped before any update
     skipped = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init())
     assert skipped.facts.overflow and int(skipped.state.count["a"]) == 0
+
+
+def test_serial_step_takes_a_numpy_or_tensor_max_norm_as_its_float(rng):
+    """max_norm=np.float32(1.0) (or a 1-element tensor) was refused as invalid; it clips as the float 1.0."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(6, generator=rng), "b": torch.randn(2, 3, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) * 5.0 * 1024 for k, v in params.items()}
+    rule = loss_scale.grad_scaler(init_scale=1024.0)
+    kw = dict(scaler=rule, scaler_state=rule.init())
+    want = serial_step(opt, params, grads, opt.init(params), max_norm=1.0, **kw)
+    assert want.facts.clipped
+    for m in (np.float32(1.0), torch.tensor(1.0), torch.tensor([1.0])):
+        got = serial_step(opt, params, grads, opt.init(params), max_norm=m, **kw)
+        assert got.facts == want.facts and type(got.facts.clip_coef) is float
+        assert all(torch.equal(got.params[k], want.params[k]) for k in params)
+    with pytest.raises(sofx.HParamError, match=r"max_norm = tensor\(\[1., 1.\]\) is invalid; .* got a torch.float32 "
+                                               r"tensor of shape \(2,\)"):
+        serial_step(opt, params, grads, opt.init(params), max_norm=torch.ones(2), **kw)

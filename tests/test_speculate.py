@@ -919,3 +919,25 @@ def test_engine_protocol_with_bf16_copies_and_late_gradients_undone_first(backen
             states[i].nu.copy_(ser.state.nu[i])
             copies[i].copy_(blocks[i])
         masters, state, sstate, policy = ser.params, ser.state, plan.scaler_state, plan.policy_state
+
+
+def test_speculation_config_reads_a_numpy_or_tensor_max_norm_as_a_float(rng):
+    """SpeculationConfig(max_norm=np.float32(1.0)) was refused as invalid; and stored as given, a tensor made the
+    veto threshold a tensor. It is stored as the float, and speculation runs as with that float."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng, mult=[5.0, 5.0, 0.01, 0.01])
+    want = sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=1.0),
+                               scaler=loss_scale.grad_scaler(), scaler_state=loss_scale.grad_scaler().init())
+    for m in (np.float32(1.0), torch.tensor(1.0), torch.tensor([1.0])):
+        cfg = sp.SpeculationConfig(max_norm=m)
+        assert type(cfg.max_norm) is float and cfg.max_norm == 1.0
+        rule = loss_scale.grad_scaler()
+        ctx, _ = sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=4)
+        assert type(ctx.veto_sumsq) is float
+        spec, _ = _both(opt, params, grads, state, config=cfg)
+        assert spec.report == want.report
+        assert all(torch.equal(a, b) for a, b in zip(spec.params, want.params))
+    with pytest.raises(sofx.HParamError, match=r"max_norm = 'x' is invalid; .* got str"):
+        sp.SpeculationConfig(max_norm="x")

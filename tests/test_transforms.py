@@ -422,3 +422,25 @@ def test_scale_tree_refuses_a_tensor_factor_of_several_elements_and_multiplies_a
         out = tx.scale_tree(grads, factor)
         want = tx.scale_tree(grads, float(torch.tensor(c)))
         assert all(torch.equal(out[k], want[k]) for k in grads)
+
+
+def test_max_norm_of_any_real_number_type_or_a_one_element_tensor(rng):
+    """A numpy max_norm (a LambdaLR's or a config file's) or a 1-element tensor was refused as "invalid; expected a
+    finite number > 0"; it clips as the same Python float. bool, non-finite, <= 0, strings and tensors of several
+    elements are refused, naming the argument, its value and its type."""
+    np = pytest.importorskip("numpy")
+    grads = _tree(rng, 3.0)
+    for make, extra in ((tx.clip_by_global_norm, {}), (tx.unscale_and_clip_zero, {"loss_scale": 2.0})):
+        want, want_state = make(0.5).update(grads, tx.ClipState(), **extra)
+        for m in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor([0.5]),
+                  torch.tensor(0.5, dtype=torch.float64)):
+            got, state = make(m).update(grads, tx.ClipState(), **extra)
+            assert state == want_state and type(state.coef) is float, (make, m)
+            assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(got)[0], sofx.tree.flatten(want)[0]))
+        for bad, kind in ((True, "bool"), (np.bool_(True), "bool"), (math.nan, "float"), (math.inf, "float"),
+                          (0.0, "float"), (-1, "int"), ("1.0", "str"), (np.float32(-2.0), "float32"),
+                          (torch.tensor([0.5, 0.5]), r"a torch.float32 tensor of shape \(2,\)"),
+                          (torch.tensor(True), r"a torch.bool tensor of shape \(\)")):
+            with pytest.raises(HParamError, match=r"max_norm = .* is invalid; expected a finite number > 0 .*, got "
+                                                  + kind):
+                make(bad)

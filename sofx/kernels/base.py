@@ -49,7 +49,7 @@ from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence, Un
 
 import torch
 
-from sofx.errors import LeafError, UnsupportedError
+from sofx.errors import HParamError, LeafError, UnsupportedError
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -157,6 +157,49 @@ def is_number(x: object) -> bool:
     """A Python (or numpy) number, not a bool."""
     t = type(x)
     return t is float or t is int or (isinstance(x, numbers.Number) and t is not bool)
+
+
+def is_bool(x: object) -> bool:
+    """A Python or numpy bool (no number where a hyperparameter is expected)."""
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+
+
+def real_number(value: Any) -> Any:
+    """``value`` as a real number where it is one, else ``value`` itself.
+
+    A Python or numpy real (``numbers.Real``, not a bool) is returned as is; a
+    1-element tensor whose value can be read (not traced, :func:`is_traced`) as
+    its Python value, when that is a real number (a bool or complex tensor is not).
+    """
+    x = value
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not is_traced(x):
+        x = x.item()
+    return x if isinstance(x, numbers.Real) and not is_bool(x) else value
+
+
+def _described(value: Any) -> str:
+    """``value``'s type for an error message (a tensor's dtype and shape, and whether it is traced)."""
+    if isinstance(value, torch.Tensor):
+        return (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                + (" whose value cannot be read here (traced)" if is_traced(value) else ""))
+    return type(value).__name__
+
+
+def positive_number(name: str, value: Any) -> float:
+    """``value`` as a Python float where it is a finite real number > 0 (:func:`real_number`: a Python or numpy
+    number, a 1-element readable tensor), else an :class:`HParamError` naming ``name``, the value and its type.
+
+    Converted once where a configuration is built, so that the arithmetic downstream is on Python floats (a
+    tensor kept as given made every number computed from it a tensor)."""
+    x = real_number(value)
+    try:
+        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not (math.isfinite(f) and f > 0):
+        raise HParamError(f"{name} = {value!r:.80} is invalid; expected a finite number > 0 (a Python or numpy "
+                          f"number, or a 1-element tensor), got {_described(value)}")
+    return f
 
 
 def compute_dtype(p: torch.Tensor) -> torch.dtype:

@@ -80,7 +80,8 @@ ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
 class SpeculationConfig:
     """Static configuration of speculation for a training run.
 
-    ``max_norm``: global-norm clipping (``None``: none). ``profile``: ``"torch"``
+    ``max_norm``: global-norm clipping (``None``: none; a number, numpy or
+    1-element tensor, stored as a float). ``profile``: ``"torch"``
     or ``"deepspeed"`` (:mod:`sofx.serial`). ``missing_grad``: ``"skip"`` or
     ``"zero"``. ``snapshot_budget_bytes``: the most snapshot memory the
     speculative steps of one step may hold (``None``: unlimited; ``0``: only
@@ -106,7 +107,8 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         check_profile(self.profile)
-        check_max_norm(self.max_norm)
+        # read once as a float (a numpy or tensor max_norm made the veto threshold a tensor)
+        object.__setattr__(self, "max_norm", check_max_norm(self.max_norm))
         if self.missing_grad not in MISSING_GRAD_MODES:
             raise HParamError(f"missing_grad={self.missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
         b = self.snapshot_budget_bytes
