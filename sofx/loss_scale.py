@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX, as_number
+from sofx.kernels.base import FLOAT32_MAX, as_number, is_bool, positive_number, real_number
 
 __all__ = [
     "LossScaler",
@@ -120,46 +120,31 @@ class LossScaler(Protocol):
         ...
 
 
-def _real(value: Any) -> Any:
-    """``value`` as a Python number where it is a real one (a 0-d tensor read; numpy's numbers are
-    ``numbers.Real``), else as given (a bool is no number here)."""
-    x = as_number(value)
-    return x if isinstance(x, numbers.Real) and not _is_bool(x) else value
-
-
-def _is_bool(x: Any) -> bool:
-    """A Python or numpy bool."""
-    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
-
-
-def _positive(name: str, value: float) -> float:
-    x = _real(value)
-    if not isinstance(x, numbers.Real) or _is_bool(x) or not math.isfinite(x) or x <= 0:
-        raise HParamError(f"{name} = {value!r} is invalid; expected a finite number > 0, got {type(value).__name__}")
-    return float(x)
-
-
 def _float32_scale(name: str, value: float) -> float:
-    """``value`` (finite, > 0) as float32 holds it: refused where it is beyond float32's largest value or rounds
-    to 0 there (torch's GradScaler keeps its scale in a float32 tensor; it fails with "value cannot be converted
-    to type float without overflow" at its first ``scale``)."""
-    rounded = _f32(_positive(name, value))
+    """``value`` (:func:`~sofx.kernels.base.positive_number`) as a float, refused where float32 cannot hold it:
+    beyond its largest value or rounding to 0 there (torch's GradScaler keeps its scale in a float32 tensor; it
+    fails with "value cannot be converted to type float without overflow" at its first ``scale``)."""
+    x = positive_number(name, value)
+    rounded = _f32(x)
     if not math.isfinite(rounded) or rounded == 0:
         raise HParamError(f"{name} = {value!r} is invalid; expected a scale float32 can hold (GradScaler keeps it "
                           f"in a float32 tensor): at most {FLOAT32_MAX!r} and not rounding to 0 there, got "
                           f"{rounded!r} in float32")
-    return rounded
+    return x
 
 
 def _flag(name: str, value: bool) -> bool:
-    if not _is_bool(as_number(value)):
+    """``value`` as a Python bool: a Python or numpy bool, or a 0-d bool tensor."""
+    if not is_bool(as_number(value)):
         raise HParamError(f"{name} = {value!r} is invalid; expected a bool, got {type(value).__name__}")
     return bool(value)
 
 
 def _count(name: str, value: int, minimum: int = 1) -> int:
-    x = _real(value)
-    if not isinstance(x, numbers.Integral) or _is_bool(x) or x < minimum:
+    """``value`` as a Python int >= ``minimum`` (:func:`~sofx.kernels.base.real_number`: numpy, a 1-element
+    tensor), else an :class:`HParamError` naming ``name``."""
+    x = real_number(value)
+    if not isinstance(x, numbers.Integral) or is_bool(x) or x < minimum:
         raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}, got "
                           f"{type(value).__name__}")
     return int(x)
@@ -173,11 +158,18 @@ def check_state_kind(state: Any, expected: type) -> None:
                           f"{expected.__name__} (as scaler.init() makes it)")
 
 
+def _store(rule: Any, **fields: Any) -> None:
+    """Set a frozen rule's ``fields`` to their checked Python values, once, in ``__post_init__`` (kept as given, a
+    tensor factor made the state's scale a tensor after the first update)."""
+    for name, value in fields.items():
+        object.__setattr__(rule, name, value)
+
+
 def _overflow(value: Any) -> bool:
     """``overflow`` as a bool: a Python or numpy bool, or a 0-d bool tensor; a string, a number or ``None`` is
     refused (any non-empty string was taken as an overflow)."""
     x = as_number(value)  # a concrete 0-d tensor as its Python value
-    if _is_bool(x):
+    if is_bool(x):
         return bool(x)
     raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
                       f"nan), got {type(value).__name__}")
@@ -200,8 +192,8 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return
-    scale = _real(state.scale)  # (torch's GradScaler keeps a 0-d tensor; numpy numbers come from files)
-    if not isinstance(scale, numbers.Real) or _is_bool(scale) or not (math.isfinite(scale) and scale >= 0):
+    scale = real_number(state.scale)  # (torch's GradScaler keeps a 0-d tensor; numpy numbers come from files)
+    if not isinstance(scale, numbers.Real) or is_bool(scale) or not (math.isfinite(scale) and scale >= 0):
         raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number >= 0, got "
                           f"{type(state.scale).__name__}")
     for name, low in least.items():
@@ -218,16 +210,19 @@ class GradScalerRule:
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        _float32_scale("init_scale", self.init_scale)
-        if not _positive("growth_factor", self.growth_factor) > 1:
+        init_scale = _float32_scale("init_scale", self.init_scale)
+        growth_factor = positive_number("growth_factor", self.growth_factor)
+        if not growth_factor > 1:
             raise HParamError(f"growth_factor = {self.growth_factor!r} is invalid; expected > 1")
-        if not _positive("backoff_factor", self.backoff_factor) < 1:
+        backoff_factor = positive_number("backoff_factor", self.backoff_factor)
+        if not backoff_factor < 1:
             raise HParamError(f"backoff_factor = {self.backoff_factor!r} is invalid; expected 0 < backoff < 1")
-        _count("growth_interval", self.growth_interval)
+        _store(self, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+               growth_interval=_count("growth_interval", self.growth_interval))
 
     def init(self) -> GradScalerState:
         """``S = init_scale`` rounded to float32, no clean step counted yet."""
-        return GradScalerState(_f32(float(self.init_scale)), 0)  # torch keeps its scale in a float32 tensor
+        return GradScalerState(_f32(self.init_scale), 0)  # torch keeps its scale in a float32 tensor
 
     def scale(self, state: GradScalerState) -> float:
         """The current scale ``S``."""
@@ -261,25 +256,27 @@ class DynamicLossScaleRule:
     growth_rule: str = "stable_interval"
 
     def __post_init__(self) -> None:
-        _positive("init_scale", self.init_scale)
-        _positive("min_scale", self.min_scale)
-        if self.min_scale > self.init_scale:
+        init_scale = positive_number("init_scale", self.init_scale)
+        min_scale = positive_number("min_scale", self.min_scale)
+        if min_scale > init_scale:
             # DeepSpeed accepts it, and its first overflow past the hysteresis *raises* the scale to min_scale
             raise HParamError(f"min_scale = {self.min_scale!r} is above init_scale = {self.init_scale!r}; expected "
                               "min_scale <= init_scale (DeepSpeed takes it, and an overflow then raises the scale "
                               "to min_scale)")
         if self.growth_rule not in GROWTH_RULES:
             raise HParamError(f"growth_rule = {self.growth_rule!r}; expected one of {GROWTH_RULES}")
-        if not _positive("scale_factor", self.scale_factor) > 1:
+        scale_factor = positive_number("scale_factor", self.scale_factor)
+        if not scale_factor > 1:
             raise HParamError(f"scale_factor = {self.scale_factor!r} is invalid; expected > 1")
-        _count("scale_window", self.scale_window)
-        _count("delayed_shift (hysteresis)", self.delayed_shift)
-        _flag("consecutive_hysteresis", self.consecutive_hysteresis)
-        _flag("raise_error_at_min_scale", self.raise_error_at_min_scale)
+        _store(self, init_scale=init_scale, min_scale=min_scale, scale_factor=scale_factor,
+               scale_window=_count("scale_window", self.scale_window),
+               delayed_shift=_count("delayed_shift (hysteresis)", self.delayed_shift),
+               consecutive_hysteresis=_flag("consecutive_hysteresis", self.consecutive_hysteresis),
+               raise_error_at_min_scale=_flag("raise_error_at_min_scale", self.raise_error_at_min_scale))
 
     def init(self) -> DynamicLossScaleState:
         """``S = init_scale``, iteration 0, no overflow yet (``last = -1``), full hysteresis."""
-        return DynamicLossScaleState(float(self.init_scale), 0, -1, self.delayed_shift)
+        return DynamicLossScaleState(self.init_scale, 0, -1, self.delayed_shift)
 
     def scale(self, state: DynamicLossScaleState) -> float:
         """The current scale ``S``."""
@@ -324,11 +321,11 @@ class StaticScaleRule:
     value: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive("scale", self.value)
+        _store(self, value=positive_number("scale", self.value))
 
     def init(self) -> StaticScaleState:
         """``S = value``."""
-        return StaticScaleState(float(self.value))
+        return StaticScaleState(self.value)
 
     def scale(self, state: StaticScaleState) -> float:
         """The constant scale ``S``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -311,3 +312,24 @@ def test_numbers_of_numpy_and_0d_tensors_are_taken_where_python_numbers_are():
                          (ls.GradScalerState(np.bool_(True), 0), r"scaler_state\['scale'\] = .* is invalid")):
         with pytest.raises(HParamError, match=pattern):
             rule.update(bad, False)
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: ls.grad_scaler(init_scale=t(1024.0), growth_factor=t(2.0), backoff_factor=t(0.5),
+                             growth_interval=t(1)),
+    lambda t: ls.deepspeed_scaler(init_scale=t(1024.0), scale_window=t(1), hysteresis=t(1), min_scale=t(1.0),
+                                  scale_factor=t(2.0)),
+    lambda t: ls.static_scale(t(8.0))], ids=["grad_scaler", "deepspeed_scaler", "static_scale"])
+def test_rule_fields_given_as_tensors_or_numpy_are_stored_as_python_numbers(make):
+    """deepspeed_scaler(scale_factor=torch.tensor(2.)) was checked but kept as given: after the first growth the
+    state's scale was a tensor. Every field is read once as a Python float/int; the states are the plain ones."""
+    np = pytest.importorskip("numpy")
+    want = make(lambda x: x)
+    for convert in (torch.tensor, lambda x: torch.tensor([x]), lambda x: np.array(x).reshape(())[()]):
+        rule = make(convert)
+        state, want_state = rule.init(), want.init()
+        for overflow in (False, False, True, False):
+            state, want_state = rule.update(state, overflow), want.update(want_state, overflow)
+            assert state == want_state and all(type(x) in (float, int) for x in state), state
+        assert rule == want
+        assert all(type(getattr(rule, f.name)) in (float, int, bool, str) for f in dataclasses.fields(rule))
