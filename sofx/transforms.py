@@ -196,7 +196,10 @@ def _traced(leaves: Sequence[torch.Tensor]) -> bool:
 
 
 def _global_norm_tensor(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`global_norm` as a 0-d float32 (float64 for float64 leaves) tensor, for traced gradients."""
+    """:func:`global_norm` as a 0-d float32 (float64 for float64 leaves) tensor, for traced gradients or a traced
+    loss scale; 0 without any leaf, as :func:`global_norm` (``torch.stack`` refused an empty list)."""
+    if not leaves:
+        return torch.zeros(())
     acc = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=acc) for g in leaves]))
 

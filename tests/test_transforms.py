@@ -444,3 +444,20 @@ def test_max_norm_of_any_real_number_type_or_a_one_element_tensor(rng):
             with pytest.raises(HParamError, match=r"max_norm = .* is invalid; expected a finite number > 0 .*, got "
                                                   + kind):
                 make(bad)
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e-7, None])
+def test_zero_clip_of_a_tree_without_gradients_under_a_traced_loss_scale_is_a_norm_of_0(max_norm):
+    """A vmapped (or autograd-recorded) loss scale with every gradient None raised torch's "stack expects a
+    non-empty TensorList"; the norm is 0 and the coefficient the eager path's, whatever the loss scale."""
+    z = tx.unscale_and_clip_zero(max_norm)
+    scales = torch.tensor([1.0, 2.0, 65536.0])
+    for grads in ({"a": None}, {}, [None, {"b": None}]):
+        state = torch.func.vmap(lambda s: z.update(grads, tx.ClipState(), loss_scale=s)[1])(scales)
+        recorded = z.update(grads, tx.ClipState(), loss_scale=torch.tensor(2.0, requires_grad=True))
+        for i, s in enumerate(scales.tolist()):
+            out, want = z.update(grads, tx.ClipState(), loss_scale=s)
+            assert out == grads and want.norm == 0.0
+            assert state.norm[i].item() == 0.0 and state.coef[i].item() == pytest.approx(want.coef, rel=1e-6)
+        assert recorded[0] == grads and recorded[1].norm.item() == 0.0
+        assert recorded[1].coef.item() == pytest.approx(want.coef, rel=1e-6)
