@@ -288,6 +288,20 @@ def test_numpy_float32_hparams_are_numbers():
     assert relative_deviation(model, ref) <= TOL
 
 
+def test_numpy_or_tensor_max_grad_norm_and_static_loss_scale_are_numbers():
+    """loss_scale=np.float32(1024.0) (or a 1-element tensor) was refused as "expected None, 'dynamic', a number or a
+    loss-scale rule", and max_grad_norm=np.float32(1.0) as invalid; both are taken as their Python floats."""
+    model, _ = _models()
+    for number in (np.float32, lambda x: torch.tensor([x])):
+        with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                           max_grad_norm=number(1.0), loss_scale=number(1024.0)) as opt:
+            assert opt._engine.scaler == sofx.loss_scale.static_scale(1024.0)
+            assert type(opt._engine.scaler.value) is float and type(opt._engine.speculation.max_norm) is float
+    for bad in (True, torch.ones(2)):
+        with pytest.raises(SofxError, match=r"loss_scale=.*; expected None, 'dynamic', a number or a loss-scale rule"):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=bad)
+
+
 def test_state_dict_hooks_run_as_in_torch_optim():
     model, _ = _models()
     calls = []

@@ -64,6 +64,7 @@ import torch
 
 from sofx.adam import Adam, AdamHParams, check_float32_range
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
+from sofx.kernels.base import is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
@@ -77,16 +78,18 @@ _Loss = TypeVar("_Loss")
 
 def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
     """The loss-scale rule for ``loss_scale``: ``None`` (no scaling), ``"dynamic"`` (the profile's
-    dynamic scaler: GradScaler for "torch", DeepSpeed's for "deepspeed"), a number (static), or a rule
-    object with ``init``/``scale``/``update`` (e.g. :func:`sofx.loss_scale.grad_scaler`)."""
+    dynamic scaler: GradScaler for "torch", DeepSpeed's for "deepspeed"), a number (static; numpy or a
+    1-element tensor too), or a rule object with ``init``/``scale``/``update`` (e.g.
+    :func:`sofx.loss_scale.grad_scaler`)."""
     if loss_scale is None:
         return static_scale(1.0)
     if isinstance(loss_scale, str):
         if loss_scale != "dynamic":
             raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule")
         return grad_scaler() if profile == "torch" else deepspeed_scaler()
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return static_scale(float(loss_scale))
+    number = real_number(loss_scale)  # numpy's float32 too, or a 1-element tensor (it was refused as no number)
+    if isinstance(number, numbers.Real) and not is_bool(number):
+        return static_scale(number)
     if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):
         return loss_scale
     raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule "
