@@ -242,9 +242,10 @@ def test_checked_step_of_strided_inputs_and_a_copy_the_kernel_does_not_write(nam
 
 def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
     s = block_scalars(rng, 0.1)
-    p, g, m, v = block_inputs(rng, 5000, torch.float32, torch.float32)
+    n = FINITE_CHUNK + 904  # two chunks, the last partial
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
     ok = torch.zeros(2, dtype=torch.uint8)
-    wide = torch.randn(5000, 2)[:, 0]
+    wide = torch.randn(n, 2)[:, 0]
     assert cpu.CHECKS_FINITE and cpu_fast.CHECKS_FINITE and not reference.CHECKS_FINITE
     with pytest.raises(UnsupportedError, match=r"step_many\[0\]: this backend has no checked step"):
         reference.step_many([StepCall(p, g, m, v, s, skip=ok)], AdamVariant())
