@@ -140,6 +140,52 @@ def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, varian
         backend.undo_many(undo_calls, variant)
 
 
+BAD_GRAD_SCALES = (0.0, -0.0, -0.5, float("inf"), float("nan"), torch.tensor(0.0))
+
+
+def refuse_bad_grad_scales(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
+    """Every entry of ``backend`` refuses a ``grad_scale`` that is not finite and > 0 (:data:`BAD_GRAD_SCALES`)
+    with an ``HParamError`` naming the call and the value, in the last block of a list form (the others
+    valid) and in either scalars of an undo+redo, before anything is computed: the callers check that every
+    block kept its values. ``blocks``: ``(p, g, m, v)``, donated."""
+    import re
+
+    import pytest
+
+    from sofx.errors import HParamError
+    from sofx.kernels.base import StepCall, UndoCall, UndoRedoCall
+
+    last = len(blocks) - 1
+    for bad in BAD_GRAD_SCALES:
+        sb = s._replace(grad_scale=bad)
+        value = re.escape(repr(float(bad)))
+
+        def scalars(i: int) -> AdamScalars:
+            return sb if i == last else s
+
+        cases = [
+            (f"{prefix}.step", lambda: backend.step(*blocks[0], sb, variant, out=(blocks[0][0], *blocks[0][2:]))),
+            (f"{prefix}.undo", lambda: backend.undo(*blocks[0], sb, variant, out=(blocks[0][0], *blocks[0][2:]))),
+            (f"{prefix}.undo_redo", lambda: backend.undo_redo(blocks[0][0], *blocks[0][2:], blocks[0][1], s,
+                                                              blocks[0][1], sb, variant,
+                                                              out=(blocks[0][0], *blocks[0][2:]))),
+            (f"{prefix}.undo_redo", lambda: backend.undo_redo(blocks[0][0], *blocks[0][2:], blocks[0][1], sb,
+                                                              blocks[0][1], s, variant,
+                                                              out=(blocks[0][0], *blocks[0][2:]))),
+            (rf"{prefix}.step_many\[{last}\]", lambda: backend.step_many(
+                [StepCall(*b, scalars(i), out=(b[0], b[2], b[3])) for i, b in enumerate(blocks)], variant)),
+            (rf"{prefix}.undo_many\[{last}\]", lambda: backend.undo_many(
+                [UndoCall(*b, scalars(i), out=(b[0], b[2], b[3])) for i, b in enumerate(blocks)], variant)),
+            (rf"{prefix}.undo_redo_many\[{last}\]", lambda: backend.undo_redo_many(
+                [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], scalars(i), out=(b[0], b[2], b[3]))
+                 for i, b in enumerate(blocks)], variant)),
+        ]
+        for where, call in cases:
+            with pytest.raises(HParamError, match=rf"{where}: grad_scale = {value} is invalid; expected a finite "
+                                                  "value > 0"):
+                call()
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers (nan payloads compared too)."""
     if t.dtype == torch.float64:

@@ -24,7 +24,7 @@ from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoRedoCall, beyond_limit,
                                lossy_elements)
 
-from helpers import block_inputs, block_scalars, library_copying_compiler, max_rel_err
+from helpers import block_inputs, block_scalars, library_copying_compiler, max_rel_err, refuse_bad_grad_scales
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -413,6 +413,25 @@ def test_bad_input_is_refused_and_changes_nothing(rng):
     with pytest.raises(LeafError, match="g_new must be a tensor"):
         cpu.undo_redo(p, m, v, g, s, None, s, variant, out=(p, m, v))
     assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
+
+
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(name, rng):
+    # The cpu backends divided by a grad_scale of 0 (the checked step's gradient limit) and stepped with a
+    # negative, inf or nan one; every backend now refuses what sofx.Adam.update refuses, writing nothing.
+    backend = reference if name == "reference" else BACKENDS[name]
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
+    copies = [[t.clone() for t in b] for b in blocks]
+    prefix = "cpu" if name == "cpu_fast" else name  # (cpu_fast's errors name the cpu entries it runs)
+    refuse_bad_grad_scales(backend, prefix, blocks, block_scalars(rng, 0.1), AdamVariant())
+    for b, c in zip(blocks, copies):
+        assert all(torch.equal(x, y) for x, y in zip(b, c))
+    tiny = block_scalars(rng, 0.0, grad_scale=1e-300)  # 0 in float32: zero gradients, as torch's underflow
+    p, g, m, v = blocks[0]
+    for got, want in zip(backend.step(p, g, m, v, tiny, AdamVariant()), reference.step(p, 0 * g, m, v,
+                                                                                        tiny._replace(grad_scale=1.0),
+                                                                                        AdamVariant())):
+        assert torch.equal(got, want)
 
 
 def test_supports():

@@ -44,7 +44,8 @@ else:
     from sofx.kernels import triton as tk
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, run_blocks
+    from helpers import (block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales,
+                         run_blocks)
 
     VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
     DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -336,6 +337,13 @@ else:
         with pytest.raises(UnsupportedError, match=r"triton\.step_many\[4\]: .*param dtype torch.bfloat16"):
             tk.step_many(calls[:3] + [StepCall(p, g, m, v, s, out=(p, m, v)),
                                       StepCall(hp, hg, hm, hv, s, out=(hp, hm, hv))], variant)
+        for b, old in zip(blocks, before):
+            assert all(torch.equal(a, o) for a, o in zip(b, old))
+
+    def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(rng):
+        blocks = _many_blocks(rng)[:2]
+        before = [[t.clone() for t in b] for b in blocks]
+        refuse_bad_grad_scales(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
         for b, old in zip(blocks, before):
             assert all(torch.equal(a, o) for a, o in zip(b, old))
 

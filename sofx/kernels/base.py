@@ -146,11 +146,26 @@ def as_number(x: Scalar) -> Scalar:
     return x
 
 
-def concrete_scalars(s: AdamScalars) -> AdamScalars:
-    """``s`` with every field that can be read as a Python number converted to one."""
-    if all(type(x) is float or type(x) is int for x in s):  # the common case, once per leaf and step
-        return s
-    return AdamScalars(*(as_number(x) for x in s))
+def concrete_scalars(s: AdamScalars, where: str = "kernel") -> AdamScalars:
+    """``s`` with every field that can be read as a Python number converted to one, its ``grad_scale``
+    checked (:func:`check_grad_scale`; ``where`` names the call in the error). Every backend builds its
+    scalars through this, so that all refuse the same values."""
+    if not all(type(x) is float or type(x) is int for x in s):  # (the common case, once per leaf and step: floats)
+        s = AdamScalars(*(as_number(x) for x in s))
+    check_grad_scale(s.grad_scale, where)
+    return s
+
+
+def check_grad_scale(grad_scale: Scalar, where: str) -> None:
+    """Refuse a ``grad_scale`` that can be read (a number or a concrete 0-d tensor) and is not finite and
+    > 0, as :meth:`sofx.Adam.update` does: the gradient a kernel uses is ``g * grad_scale``, and the checked
+    step's gradient limit is ``GRADIENT_LIMIT / grad_scale`` (a division by zero). A value too small for
+    float32 (0 there) is valid: zero gradients, as torch's unscaling would underflow. A traced tensor is
+    not read."""
+    x = as_number(grad_scale)
+    if is_number(x) and not 0 < x < math.inf:  # (nan fails both comparisons)
+        raise HParamError(f"{where}: grad_scale = {x!r} is invalid; expected a finite value > 0 (the kernel "
+                          "uses g * grad_scale)")
 
 
 def is_number(x: object) -> bool:
@@ -515,23 +530,36 @@ def check_skip(where: str, c: Any, device: torch.device) -> None:
 
 
 def one_call_per_block(step: Callable[..., Triple], undo: Callable[..., Triple], undo_redo: Callable[..., Triple],
-                       ) -> tuple[Callable[..., list[Triple]], Callable[..., list[Triple]], Callable[..., list[Triple]]]:
+                       name: str) -> tuple[Callable[..., list[Triple]], Callable[..., list[Triple]],
+                                           Callable[..., list[Triple]]]:
     """``(step_many, undo_many, undo_redo_many)`` of a backend that runs one block per call: each calls the
-    backend's one-block function for every block, in order."""
+    backend's one-block function for every block, in order, after checking every block's ``grad_scale``
+    (``name``: the backend's, in errors)."""
 
     def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
         """``step`` for each block (the kernel contract's list form; no checked steps: ``skip`` refused)."""
         refuse_checked_steps(calls, "step_many")
+        _check_grad_scales(f"{name}.step_many", [(c.s,) for c in calls])
         return [step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
 
     def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
         """``undo`` for each block."""
+        _check_grad_scales(f"{name}.undo_many", [(c.s,) for c in calls])
         return [undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy) for c in calls]
 
     def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
         """``undo_redo`` for each block (no checked ones: ``skip`` refused)."""
         refuse_checked_steps(calls, "undo_redo_many")
+        _check_grad_scales(f"{name}.undo_redo_many", [(c.s_old, c.s_new) for c in calls])
         return [undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old, out=c.out,
                           p_copy=c.p_copy) for c in calls]
 
     return step_many, undo_many, undo_redo_many
+
+
+def _check_grad_scales(where: str, scalars: Sequence[Sequence[AdamScalars]]) -> None:
+    """:func:`check_grad_scale` of every block's scalars (``scalars[i]``: block ``i``'s), before any block is
+    computed."""
+    for i, block in enumerate(scalars):
+        for s in block:
+            check_grad_scale(s.grad_scale, f"{where}[{i}]")

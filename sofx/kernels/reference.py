@@ -36,6 +36,7 @@ from sofx.kernels.base import (
     AdamVariant,
     Scalar,
     any_traced,
+    check_grad_scale,
     compute_dtype,
     concrete_scalars,
     is_number,
@@ -131,7 +132,7 @@ def _store(results: tuple[torch.Tensor, torch.Tensor, torch.Tensor], like: tuple
 def _step_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                s: AdamScalars, variant: AdamVariant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cd = compute_dtype(p)
-    s = concrete_scalars(s)
+    s = concrete_scalars(s, "reference.step")
     # Plain tensors: update freshly made temporaries in place (three outputs and one
     # temporary, as torch.optim). Under autograd or torch.func: out-of-place ops only.
     inplace = not any_traced((p, g, m, v, *s))
@@ -188,10 +189,11 @@ def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: boo
 
 
 def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant | None = None,
-                     restoring_param: Sequence[bool] | None = None) -> list[AdamScalars | None]:
+                     restoring_param: Sequence[bool] | None = None,
+                     where: Sequence[str] | None = None) -> list[AdamScalars | None]:
     """:func:`concrete_scalars` of each of a list form's scalars (None stays None), once per object (a
     group's blocks share theirs); with ``variant``, each checked as an undo's (``restoring_param[i]``: block
-    ``i`` restores p from ``p_old``)."""
+    ``i`` restores p from ``p_old``). ``where[i]`` names block ``i`` in errors."""
     done: dict[tuple[int, bool], AdamScalars] = {}
     out: list[AdamScalars | None] = []
     for i, s in enumerate(scalars):
@@ -201,7 +203,7 @@ def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant
         restoring = restoring_param[i] if restoring_param is not None else False
         key = (id(s), restoring)  # the caller's list holds the objects
         if key not in done:
-            done[key] = concrete_scalars(s)
+            done[key] = concrete_scalars(s, where[i] if where is not None else f"block {i}")
             if variant is not None:
                 _check_invertible(done[key], variant, restoring)
         out.append(done[key])
@@ -211,7 +213,7 @@ def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant
 def _undo_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
                variant: AdamVariant, p_old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cd = compute_dtype(p)
-    s = concrete_scalars(s)
+    s = concrete_scalars(s, "reference.undo")
     _check_invertible(s, variant, p_old is not None)
     g = _effective_grad(g, s, cd)
     m = m.to(cd)
@@ -256,10 +258,12 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     The intermediate (undone) values are rounded to the storage dtypes, as if
     ``undo`` and ``step`` had been called one after the other.
     """
+    for s in (s_old, s_new):  # both before the undo (an error then names this call)
+        check_grad_scale(s.grad_scale, "reference.undo_redo")
     p0, m0, v0 = undo(p, g_old, m, v, s_old, variant, p_old=p_old)
     results = _store(_step_math(p0, g_new, m0, v0, s_new, variant), (p, m, v), out)
     write_param_copy(p_copy, results[0])
     return results
 
 
-step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo)
+step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo, NAME)

@@ -632,7 +632,7 @@ def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
     checked before anything runs."""
     _check_calls("step", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
-    scalars = reference.concrete_checked([c.s for c in calls])
+    scalars = reference.concrete_checked([c.s for c in calls], where=_names("step", calls))
     return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
                       lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy, c.skip),
                       lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
@@ -642,7 +642,8 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for every block (as :func:`step_many`)."""
     _check_calls("undo", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
                                            ("p_copy", c.p_copy)])
-    scalars = reference.concrete_checked([c.s for c in calls], variant, [c.p_old is not None for c in calls])
+    scalars = reference.concrete_checked([c.s for c in calls], variant, [c.p_old is not None for c in calls],
+                                         _names("undo", calls))
     return _by_kernel(_OP_UNDO, calls, scalars, [None] * len(calls), variant,
                       lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy, None),
                       lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
@@ -653,8 +654,9 @@ def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[
     """:func:`undo_redo` for every block (as :func:`step_many`)."""
     _check_calls("undo_redo", calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
                                                 ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
-    olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls])
-    news = reference.concrete_checked([c.s_new for c in calls])
+    names = _names("undo_redo", calls)
+    olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls], names)
+    news = reference.concrete_checked([c.s_new for c in calls], where=names)
     return _by_kernel(_OP_UNDO_REDO, calls, olds, news, variant,
                       lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy, c.skip),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
@@ -695,6 +697,11 @@ def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, 
 def _name(op: str, calls: Sequence, i: int) -> str:
     """How an error names the call: ``step`` for a single block, ``step_many[i]`` for block ``i`` of many."""
     return op if len(calls) == 1 else f"{op}_many[{i}]"
+
+
+def _names(op: str, calls: Sequence) -> list[str]:
+    """:func:`_name` of every call, with the backend's prefix (``triton.step_many[i]``)."""
+    return [f"triton.{_name(op, calls, i)}" for i in range(len(calls))]
 
 
 def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | None],
