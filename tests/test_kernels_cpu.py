@@ -916,6 +916,39 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
     assert torch.equal(dst[0], dst[1]) and got == want
 
 
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_another_build_flags_what_lossy_elements_finds_with_a_lossy_factor_of_0(dtypes, other_build, rng,
+                                                                                monkeypatch):
+    """With a beta of 0 (lossy_factor 0) the other builds' checked step and undo+redo flag a nan v, a
+    non-finite m and (L2) an inf parameter too, as lossy_elements (their vector loops as they read the next
+    chunk, cpu's AVX2 loops without a square-root replica in a pass per chunk)."""
+    from sofx.kernels import _cpu_build
+
+    n = 5 * FINITE_CHUNK + 1003
+    p, g, m, v = block_inputs(rng, n, *dtypes)
+    g2 = torch.randn(n, generator=rng).to(g.dtype)
+    v[FINITE_CHUNK + 5] = float("nan")
+    m[3 * FINITE_CHUNK + 4095] = float("inf")
+    m[n - 1] = float("nan")
+    p[2 * FINITE_CHUNK + 8] = float("inf")
+    s = AdamScalars(1e-3, 0.0, 0.999, 1e-8, 0.1, 50, 0.5)
+    s_old = s._replace(beta1=0.9, step=49)
+    monkeypatch.setattr(_cpu_build, "_loaded", [other_build])
+    for variant in (VARIANTS[0], VARIANTS[2]):  # AdamW, Adam
+        for redo in (False, True):
+            bad = (lossy_elements(p, g2, v, s, variant.decoupled, g, s_old, m=m) | beyond_limit(g2, 0.5)) if redo \
+                else lossy_elements(p, g, v, s, variant.decoupled, m=m) | beyond_limit(g, 0.5)
+            want = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(1)
+            assert want.tolist() == [False, True, not variant.decoupled, True, False, True]
+            for backend in (cpu, cpu_fast):
+                flags = torch.zeros(len(want), dtype=torch.uint8)
+                if redo:
+                    backend.undo_redo_many([UndoRedoCall(p, m, v, g, s_old, g2, s, None, None, None, flags)], variant)
+                else:
+                    backend.step_many([StepCall(p, g, m, v, s, None, None, flags)], variant)
+                assert flags.tolist() == want.to(torch.uint8).tolist()
+
+
 def test_another_build_gives_the_same_bits_for_nans_and_infinities_in_bf16(other_build, rng, monkeypatch):
     """All-bf16 jobs (whose AVX-512 loops take even/odd pairs of vectors and store a pair by one two-vector
     conversion) give the other builds' bit patterns where the gradients hold nans of either sign and

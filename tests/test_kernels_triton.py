@@ -487,6 +487,28 @@ else:
                 assert torch.equal(copy[keep], plain[0][keep].to(torch.bfloat16))
                 assert bool((copy[~keep] == 7.0).all())
 
+    @pytest.mark.parametrize("betas", [(0.0, 0.999), (0.9, 0.0)], ids=["beta1-0", "beta2-0"])
+    def test_checked_calls_flag_what_lossy_elements_finds_with_a_lossy_factor_of_0(betas, rng):
+        """A beta of 0 makes lossy_factor 0: a spike is then not lossy, but a nan v, an inf m and (L2) an inf
+        p where v is 0 are still flagged, in a checked step and undo+redo, as lossy_elements finds them."""
+        n = CHECK_SIZES[-1]
+        where = [("spike", 3), ("nan_v", FINITE_CHUNK + 7), ("inf_m", n - 1), ("inf_p", 2)]
+        p, g, m, v = _planted(rng, n, DTYPES[0], where)
+        g2 = torch.randn(n, generator=rng)
+        s = block_scalars(rng, 0.1, 0.5)._replace(beta1=betas[0], beta2=betas[1])
+        s_old = block_scalars(rng, 0.1, 1.0)
+        for decoupled in (True, False):
+            variant = AdamVariant(decoupled=decoupled)
+            want = _chunk_any(lossy_elements(p, g, v, s, decoupled, m=m))
+            want_redo = _chunk_any(lossy_elements(p, g2, v, s, decoupled, g, s_old, m=m))
+            assert want == want_redo == [int(not decoupled), 1, 1]
+            skip = torch.zeros(3, dtype=torch.uint8)
+            tk.step_many([StepCall(p, g, m, v, s, None, None, skip)], variant)
+            assert skip.tolist() == want
+            skip.zero_()
+            tk.undo_redo_many([UndoRedoCall(p, m, v, g, s_old, g2, s, None, None, None, skip)], variant)
+            assert skip.tolist() == want_redo
+
     @pytest.mark.parametrize("has_p_old", [False, True])
     @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
     def test_checked_undo_redo_flags_its_redo_against_the_undone_moments(dtypes, has_p_old, rng):

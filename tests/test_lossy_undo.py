@@ -151,6 +151,36 @@ def test_checked_undo_redo_flags_against_the_undone_moment(combo, decoupled, wit
         assert ref.tolist() == want
 
 
+@native
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+@pytest.mark.parametrize("betas", [(0.0, 0.999), (0.9, 0.0)], ids=["beta1-0", "beta2-0"])
+def test_checked_steps_flag_what_lossy_elements_finds_with_a_lossy_factor_of_0(combo, betas, rng):
+    """A beta of 0 makes lossy_factor 0: no step is too lossy then, but a nan v, a non-finite m and (L2) an inf
+    parameter are still flagged (lossy_elements), which the native checked step and undo+redo skipped."""
+    s = AdamScalars(1e-3, *betas, 1e-8, 0.1, 50, 0.5)
+    s_old = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 49, 1.0)  # the undone step of an undo+redo: invertible
+    assert lossy_factor(*betas) == 0.0
+    p, g, m, v = _planted(rng, _N, combo, _WHERE)  # its spikes are not lossy with a factor of 0
+    g2 = (0.01 * torch.randn(_N, generator=rng)).to(g.dtype)
+    v[5 * FINITE_CHUNK + 5] = float("nan")
+    m[4 * FINITE_CHUNK + 17] = float("-inf")
+    m[_N - 2] = float("nan")  # in the partial last vector of the partial last chunk
+    p[100], v[100] = float("inf"), 0.0  # an inf parameter where v is 0: in L2 mode an inf effective gradient
+    for decoupled in (True, False):
+        variant = AdamVariant(decoupled=decoupled)
+        want = _want_flags(lossy_elements(p, g, v, s, decoupled, m=m) | beyond_limit(g, s.grad_scale), _N)
+        want_redo = _want_flags(lossy_elements(p, g2, v, s, decoupled, g, s_old, m=m)
+                                | beyond_limit(g2, s.grad_scale), _N)
+        assert want == want_redo == [int(not decoupled), 0, 0, 0, 1, 1, 1]
+        for backend in (cpu, cpu_fast):
+            flags = torch.zeros(len(want), dtype=torch.uint8)
+            backend.step_many([StepCall(p, g, m, v, s, None, None, flags)], variant)
+            assert flags.tolist() == want
+            flags.zero_()
+            backend.undo_redo_many([UndoRedoCall(p, m, v, g, s_old, g2, s, None, None, None, flags)], variant)
+            assert flags.tolist() == want_redo
+
+
 def _run_to(opt, n, steps, gen):
     params = {"w": torch.randn(n, generator=gen), "b": torch.randn(37, generator=gen)}
     state = opt.init(params)

@@ -103,7 +103,7 @@ enum {
    exceed lim, in the gradient's own dtype: an inf, a nan, or a finite value so large that its square (scaled)
    could overflow float32, whose step's inverse would be inf - inf (see Adam's undo strategies). lossy: it
    also flags a chunk whose step an algebraic inverse would restore too lossily (chunk_exact; base.py's
-   lossy_factor, 0 for none). */
+   lossy_factor, for any value: 0, a beta of 0, still flags a nan v and a non-finite m or gh). */
 typedef struct {
   float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss, lossy;
   int has_gs, has_decay;
@@ -961,16 +961,15 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
    v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division), gh_old the old gradient's (p:
    p_old where given, else p'). A non-finite gh * gh * c is flagged whatever v (an inf or nan p in L2 mode:
    its inverse gives nan moments); a non-finite m (m' of an undo+redo) too: its inverse gives nan p. */
-/* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one; on: Sc.lossy set). */
+/* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one). */
 typedef struct {
   float c, b2s, gsn, wdn, gso, wdo, omb2o;
-  int on, l2n, l2o;
+  int l2n, l2o;
 } LossyK;
 static LossyK lossy_k(const Job *j) {
   const int redo = j->op == OP_UNDO_REDO;
   const Sc *sn = redo ? &j->s2 : &j->s1, *so = &j->s1;
   LossyK x;
-  x.on = sn->lossy != 0.0f;
   x.c = sn->lossy;
   x.b2s = redo ? so->b2 : 1.0f; /* (a product with 1 is exact) */
   x.gsn = sn->has_gs ? sn->gs : 1.0f;
@@ -1016,9 +1015,9 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
 }
 
 /* 1 if the next chunk's elements the loop's vectors did not read (its partial last vector; see LOSSY_AT) are
-   flagged by chunk_exact (lz: the check is on). */
-#define LOSSY_REST_BAD(j, begin, scan_end, lz)                                     \
-  ((lz) && !chunk_exact((j), (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
+   flagged by chunk_exact. */
+#define LOSSY_REST_BAD(j, begin, scan_end)                                         \
+  (!chunk_exact((j), (begin) + CHUNK + ((scan_end) - (begin) - CHUNK) / 16 * 16, (scan_end)))
 /* The lines of the next chunk's vector at e that the vector loops' test reads beside its gradient (v, m; p in L2
    mode, an undo+redo's old gradient), prefetched as SCAN_AT prefetches the gradient (the vector builds only). */
 #define LOSSY_PREFETCH(DP, DG, DS, a, e, lx, redo)                                 \
@@ -1277,7 +1276,7 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
   return eo ? (uint32_t)lanes32_left(left) : (uint32_t)lanes_left(left);
 }
 /* chunk_exact on 16 lanes (the same operations in the same order, so the same flags): the vector loops' read of
-   the next chunk (LOSSY_AT) where the checked step's Sc.lossy is set. */
+   the next chunk (LOSSY_AT) in every checked step. */
 #define VLOSSY(DP, DG, DS)                                                         \
   static inline __attribute__((always_inline)) __mmask16 vlossy_##DP##DG##DS(    \
       const Arrays *a, int64_t e, const LossyK *x, int redo) {                     \
@@ -1349,28 +1348,27 @@ NATIVE_COMBOS(VLOSSY)
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
     const LossyK lx = lossy_k(j);                                                  \
-    const int lz = scan && lx.on;                                                  \
     __mmask16 bad = 0;                                                             \
     (void)fast;                                                                    \
     int64_t e = j->begin; /* full widths and units with the constant FULL_LANES, then the partial unit */ \
     for (; e + 16 * W <= j->end; e += 16 * W) {                                    \
       for (int i = 0; i < W; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0);   \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, W, FULL_LANES(EO));                     \
-      if (scan)                                                                    \
+      if (scan) {                                                                  \
         for (int i = 0; i < W; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
-      if (lz)                                                                      \
         for (int i = 0; i < W; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 0) \
+      }                                                                            \
     }                                                                              \
     for (; e + 16 * U <= j->end; e += 16 * U) {                                    \
       for (int i = 0; i < U; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, 0);   \
       vstep_at_##DP##DG##DS(&a, &k, rk, e, U, FULL_LANES(EO));                     \
-      if (scan)                                                                    \
+      if (scan) {                                                                  \
         for (int i = 0; i < U; i++) SCAN_AT(DG, a.g, e + 16 * i, scan_end, bad, lim) \
-      if (lz)                                                                      \
         for (int i = 0; i < U; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 0) \
+      }                                                                            \
     }                                                                              \
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, U, unit_lanes_left(EO, j->end - e)); \
-    return scan && (SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz)); \
+    return scan && (SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end)); \
   }                                                                                \
   static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, 0, 0); }
 
@@ -1485,28 +1483,27 @@ _Static_assert(UNDO_WIDTH <= MAX_WIDTH, "widths up to MAX_WIDTH");
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
     const LossyK lx = lossy_k(j);                                                  \
-    const int lz = scan && lx.on;                                                  \
     __mmask16 bad = 0;                                                             \
     int64_t e = j->begin;                                                          \
     for (; e + 16 * W <= j->end; e += 16 * W) {                                    \
       for (int i = 0; i < W; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, W, FULL_LANES(EO)); \
-      if (scan)                                                                    \
+      if (scan) {                                                                  \
         for (int i = 0; i < W; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
-      if (lz)                                                                      \
         for (int i = 0; i < W; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 1) \
+      }                                                                            \
     }                                                                              \
     for (; e + 16 * U <= j->end; e += 16 * U) {                                    \
       for (int i = 0; i < U; i++) PREFETCH_ARRAYS(DP, DG, DS, a, e + 16 * i, redo); \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, FULL_LANES(EO)); \
-      if (scan)                                                                    \
+      if (scan) {                                                                  \
         for (int i = 0; i < U; i++) SCAN_AT(DG, a.g2, e + 16 * i, scan_end, bad, lim) \
-      if (lz)                                                                      \
         for (int i = 0; i < U; i++) LOSSY_AT(DP, DG, DS, a, e + 16 * i, scan_end, bad, lx, 1) \
+      }                                                                            \
     }                                                                              \
     if (e < j->end)                                                                \
       vundo_at_##DP##DG##DS(&a, &u, &k, have_p_old, redo, fast, rk, e, U, unit_lanes_left(EO, j->end - e)); \
-    return scan && (SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz)); \
+    return scan && (SCAN_RESULT(DG, a.g2, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end)); \
   }                                                                                \
   /* fast: 1 with sq 0 (cpu_fast), 0 or 2 with sq (cpu; see BY_SQRT) */           \
   static void vundo_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq) {          \
@@ -1983,7 +1980,7 @@ static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *
     }                                                                              \
   }
 NATIVE_COMBOS(XPRE8)
-/* (defined below, with the scan of the next chunk's gradient) */
+/* (defined below) */
 #define XEXACT8_DECL(DP, DG, DS) static void xexact_##DP##DG##DS(const Job *j);
 NATIVE_COMBOS(XEXACT8_DECL)
 #define VECTORS8(DP, DG, DS) VSTEP8(DP, DG, DS) VUNDO8(DP, DG, DS)
@@ -2282,11 +2279,11 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
                                             _mm256_cmp_ps(am, big, _CMP_NLE_UQ))); \
   }
 NATIVE_COMBOS(VLOSSY8)
-/* SCAN8_AT and, where lz, vlossy8 on the same 16 elements of the next chunk (their v, p, old gradient prefetched
-   ahead as the gradient is). */
-#define SCAN8L_AT(DP, DG, DS, a, gs, e, scan_end, bad, lim, lx, lz, redo)          \
+/* SCAN8_AT and vlossy8 on the same 16 elements of the next chunk (their v, p, old gradient prefetched ahead as
+   the gradient is). */
+#define SCAN8L_AT(DP, DG, DS, a, gs, e, scan_end, bad, lim, lx, redo)              \
   SCAN8_AT(DG, gs, e, scan_end, bad, lim)                                          \
-  if ((lz) && (e) + CHUNK + 16 <= (scan_end)) {                                    \
+  if ((e) + CHUNK + 16 <= (scan_end)) {                                            \
     LOSSY_PREFETCH(DP, DG, DS, a, e, lx, redo);                                    \
     (bad) = _mm256_or_si256((bad), vlossy8_##DP##DG##DS(&(a), (e) + CHUNK, &(lx), (redo)));  \
     (bad) = _mm256_or_si256((bad), vlossy8_##DP##DG##DS(&(a), (e) + CHUNK + 8, &(lx), (redo))); \
@@ -2300,19 +2297,18 @@ NATIVE_COMBOS(VLOSSY8)
     const StepK k = step_k(&j->s1, j->decoupled);                                  \
     const uint32_t lim = j->s1.lim[DG];                                            \
     const LossyK lx = lossy_k(j);                                                  \
-    const int lz = lx.on;                                                          \
     __m256i bad = _mm256_setzero_si256();                                          \
     int64_t pe;                                                                    \
     if (DP || DG || DS) {                                                          \
-      PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, SCAN8L_AT(DP, DG, DS, a, a.g, pe, scan_end, bad, lim, lx, lz, 0)); \
+      PIPE8(DP, DG, DS, a, j->begin, j->end, &k, sq, SCAN8L_AT(DP, DG, DS, a, a.g, pe, scan_end, bad, lim, lx, 0)); \
     } else {                                                                       \
       for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                     \
         PREFETCH_ARRAYS(DP, DG, DS, a, e, 0);                                      \
         TWO8(DP, DG, DS, vstep_at_##DP##DG##DS, &a, e, &k, sq);                    \
-        SCAN8L_AT(DP, DG, DS, a, a.g, e, scan_end, bad, lim, lx, lz, 0)            \
+        SCAN8L_AT(DP, DG, DS, a, a.g, e, scan_end, bad, lim, lx, 0)                \
       }                                                                            \
     }                                                                              \
-    return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz); \
+    return SCAN8_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end); \
   }                                                                                \
   static int vstep_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast;                                                                    \
@@ -2326,31 +2322,27 @@ NATIVE_COMBOS(VLOSSY8)
     const StepK k = step_k(&j->s2, j->decoupled);                                  \
     const uint32_t lim = j->s2.lim[DG];                                            \
     const LossyK lx = lossy_k(j);                                                  \
-    const int lz = lx.on;                                                          \
     __m256i bad = _mm256_setzero_si256();                                          \
     for (int64_t e = j->begin; e + 16 <= j->end; e += 16) {                       \
       PREFETCH_ARRAYS(DP, DG, DS, a, e, 1);                                        \
       TWO8(DP, DG, DS, vundo_at_##DP##DG##DS, &a, e, &u, &k, have_p_old, 1, fast, sq); \
-      SCAN8L_AT(DP, DG, DS, a, a.g2, e, scan_end, bad, lim, lx, lz, 1)             \
+      SCAN8L_AT(DP, DG, DS, a, a.g2, e, scan_end, bad, lim, lx, 1)                 \
     }                                                                              \
-    return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end, lz); \
+    return SCAN8_RESULT(DG, a.g2, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end); \
   }                                                                                \
   static int vredo_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
     (void)fast; /* !sq, as in vundo */                                             \
     return BY_SQRT8(sq, vredo_scan_run_##DP##DG##DS, j, scan_end);                 \
   }
 NATIVE_COMBOS(VSCAN8)
-/* xexact_* (cpu's AVX2 loops), optionally (scan_g) reading the next chunk's gradient scan_g as vstep_scan does:
-   returns 1 if it holds an element above lim. */
+/* xexact_* (cpu's AVX2 loops). */
 #define XEXACT8(DP, DG, DS)                                                        \
-  static inline __attribute__((always_inline)) int xexact_run_##DP##DG##DS(       \
-      const Job *j, const void *scan_g, int64_t scan_end, uint32_t lim) {          \
+  static void xexact_##DP##DG##DS(const Job *j) {                                  \
     const int step = j->op == OP_STEP, redo = j->op == OP_UNDO_REDO, have_p_old = !step && j->pold; \
     const Arrays a = {have_p_old ? j->pold : j->p, j->g, j->m, j->v, j->g2, j->po, j->mo, j->vo}; \
     const UndoK u = undo_k(&j->s1, j->decoupled);                                  \
     const StepK k = step_k(step ? &j->s1 : &j->s2, j->decoupled);                  \
     float PT[XTILE], MT[XTILE], VT[XTILE], D[XTILE] = {0};                         \
-    __m256i bad = _mm256_setzero_si256();                                          \
     for (int64_t off = j->begin; off < j->end; off += XTILE) {                     \
       const int n = (int)((j->end - off) < XTILE ? (j->end - off) : XTILE), nv = n / 8 * 8; \
       /* vectors in pairs (see v8ld2_1: the local arrays hold a pair's elements in the order its loads give) */ \
@@ -2368,12 +2360,10 @@ NATIVE_COMBOS(VSCAN8)
       }                                                                            \
       for (int i = 0; i < np; i += 16) {                                           \
         PREFETCH_ARRAYS(DP, DG, DS, a, off + i, redo);                             \
-        if (scan_g) SCAN8_AT(DG, scan_g, off + i, scan_end, bad, lim)              \
         xpre_at_##DP##DG##DS(&a, off + i, 2, PT + i, MT + i, VT + i, D + i, &u, &k, step, redo, have_p_old); \
       }                                                                            \
       if (np < nv) {                                                               \
         PREFETCH_ARRAYS(DP, DG, DS, a, off + np, redo);                            \
-        if (scan_g) SCAN8_AT(DG, scan_g, off + np, scan_end, bad, lim)             \
         xpre_at_##DP##DG##DS(&a, off + np, 1, PT + np, MT + np, VT + np, D + np, &u, &k, step, redo, have_p_old); \
       }                                                                            \
       if (nv < n) /* the chunk's partial vector (its lanes past n are in the local arrays' range) */ \
@@ -2392,15 +2382,6 @@ NATIVE_COMBOS(VSCAN8)
                                              _mm256_loadu_ps(D + np), &k));       \
       for (int i = nv; i < n; i++) SST_##DP(a.po, off + i, step_post(PT[i], MT[i], D[i], &k)); \
     }                                                                              \
-    return scan_g ? SCAN8_RESULT(DG, scan_g, j->begin, scan_end, bad, lim) : 0;    \
-  }                                                                                \
-  static void xexact_##DP##DG##DS(const Job *j) { xexact_run_##DP##DG##DS(j, 0, 0, 0); } \
-  /* a full chunk (see vstep_scan) */                                              \
-  static int xexact_scan_##DP##DG##DS(const Job *j, int fast, const Sqrt *sq, int64_t scan_end) { \
-    const int redo = j->op == OP_UNDO_REDO;                                        \
-    (void)fast;                                                                    \
-    (void)sq;                                                                      \
-    return xexact_run_##DP##DG##DS(j, redo ? j->g2 : j->g, scan_end, (redo ? &j->s2 : &j->s1)->lim[DG]); \
   }
 NATIVE_COMBOS(XEXACT8)
 #endif
@@ -2426,13 +2407,12 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
 #elif defined(AVX2_LOOPS)
   if (j->op == OP_UNDO || !fused_for(j, j->exact)) return 0;
   const int xexact = j->exact && !VECTOR_REPLICA8(j->sq.replica); /* else the vector loops (see EXACT_VECTORS) */
-  /* (xexact's read of the next chunk checks the gradient alone: chunk_exact's pass where Sc.lossy is set) */
-  if (xexact && (j->op == OP_UNDO_REDO ? &j->s2 : &j->s1)->lossy != 0.0f) return 0;
+  if (xexact) return 0; /* (xexact reads no next chunk: chunk_finite's and chunk_exact's passes check it) */
   *sq = j->exact ? &j->sq : 0;
   *fast = !j->exact;
 #define COMBO_CASE(DP, DG, DS) \
   case DP * 100 + DG * 10 + DS:  \
-    return xexact ? xexact_scan_##DP##DG##DS : j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
+    return j->op == OP_STEP ? vstep_scan_##DP##DG##DS : vredo_scan_##DP##DG##DS;
   switch (j->dp * 100 + j->dg * 10 + j->ds) {
     NATIVE_COMBOS(COMBO_CASE)
     default: return 0;
@@ -2463,7 +2443,6 @@ static void run_range(const Job *j) {
     Job part = *j;
     const Sqrt *ssq = 0;
     int sfast = 0;
-    const int lossy = (j->op == OP_UNDO_REDO ? &j->s2 : &j->s1)->lossy != 0.0f;
     const scan_step_fn scan_step = j->skip ? scan_step_for(j, &ssq, &sfast) : 0;
     const void *checked = j->op == OP_UNDO_REDO ? j->g2 : j->g; /* the gradient of the step taken */
     const int dchecked = j->op == OP_UNDO_REDO ? j->dg2 : j->dg;
@@ -2475,7 +2454,7 @@ static void run_range(const Job *j) {
       if (j->skip) {
         const int bad = next_bad >= 0 ? next_bad
                                       : !chunk_finite(checked, dchecked, part.begin, part.end, lim)
-                                        || (lossy && !chunk_exact(j, part.begin, part.end));
+                                        || !chunk_exact(j, part.begin, part.end);
         next_bad = -1;
         if (bad) {
           j->skip[c / CHUNK] = 1;

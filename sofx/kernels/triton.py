@@ -133,7 +133,8 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd,
                OP: tl.constexpr):
     """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
     (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
-    algebraic inverse would restore too lossily (``k_c``: the lossy factor; 0: not tested). The same
+    algebraic inverse would restore too lossily (``k_c``: the lossy factor, any value: 0 still flags a nan
+    ``v``, a non-finite ``m`` or effective gradient). The same
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
     ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``)."""
     if OP == 2:
@@ -152,7 +153,7 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd,
     if OP == 2:
         t = t * u_b2
     lossy = ((vv != 0.0) & ~(t <= vv)) | ~(t <= 3.4028234663852886e38) | ~(tl.abs(m) <= 3.4028234663852886e38)
-    bad = (bad | (lossy & (k_c != 0.0))) & mask
+    bad = (bad | lossy) & mask
     return tl.max(bad.to(tl.int32), axis=0)
 
 
