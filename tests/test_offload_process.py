@@ -376,6 +376,34 @@ def test_an_interrupt_while_waiting_loses_no_result() -> None:
         assert [r.kind for r in ex.wait(30)] == ["commit_all"] * 20
 
 
+def test_close_is_bounded_by_its_timeout_and_kills_a_worker_that_does_not_answer() -> None:
+    """A stopped worker (SIGSTOP: alive, never answering): close() kills it once its timeout has passed, and at
+    once after a wait() that timed out (it waited another 10 s there); a bad timeout is refused first."""
+    from sofx.errors import UnsupportedError
+    from sofx.offload.executor import ExecutorTimeout
+
+    for waited_first in (True, False):
+        opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
+        ex = opt.engine.executor
+        os.kill(ex.pid, signal.SIGSTOP)
+        ex.submit(BlockOp(0, "commit_all"))
+        if waited_first:
+            with pytest.raises(ExecutorTimeout, match="alive but not answering"):
+                ex.wait(0.2)
+        else:
+            with pytest.raises(UnsupportedError, match="close timeout must be a number of seconds >= 0, got -1"):
+                ex.close(timeout=-1)
+        start = time.monotonic()
+        if waited_first:
+            ex.close()  # (the default timeout: 10 s)
+        else:
+            ex.close(timeout=0.5)
+        took = time.monotonic() - start
+        assert took < 2.0 and (waited_first or took >= 0.5), took
+        assert ex.process.poll() == -signal.SIGKILL
+        opt.close()
+
+
 def test_a_main_process_killed_during_a_step_leaves_no_shared_memory_behind() -> None:
     """Killed (the OOM killer) while the worker steps blocks: the worker cannot send its result and must still
     remove the shared-memory files and the socket's directory (it exited with a broken pipe, leaving both)."""

@@ -17,7 +17,8 @@ Failures are clear and bounded in time: a failing operation is raised by
 memory, crashed) is detected by :meth:`wait` within a fraction of a second
 and raised as :class:`~sofx.offload.executor.WorkerDiedError`; a worker that
 hangs makes :meth:`wait` raise :class:`~sofx.offload.executor.ExecutorTimeout`
-after the timeout. The shared tensors stay mapped in the main process in
+after the timeout, and :meth:`ProcessExecutor.close` kills it at once then (else
+after its own timeout, :data:`CLOSE_TIMEOUT_S` by default). The shared tensors stay mapped in the main process in
 every case, so the state is still readable (and checkpointable) after a
 failure.
 """
@@ -38,6 +39,7 @@ from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from sofx.errors import UnsupportedError
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.executor import (
     Executor,
@@ -48,9 +50,11 @@ from sofx.offload.executor import (
 )
 from sofx.offload.interrupts import NO_GATE
 
-__all__ = ["ProcessExecutor"]
+__all__ = ["ProcessExecutor", "CLOSE_TIMEOUT_S"]
 
 _POLL_S = 0.05
+#: How long :meth:`ProcessExecutor.close` lets the worker finish what was queued and exit before killing it.
+CLOSE_TIMEOUT_S = 10.0
 _STOP = object()
 
 
@@ -73,6 +77,7 @@ class ProcessExecutor(Executor):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # results, then _STOP once the connection ends
         self._received_all = False
+        self._unanswered = False  # the last wait() timed out: the worker does not answer
         self._dir = tempfile.mkdtemp(prefix="sofx-worker-")  # mode 0700: only this user can connect
         address = os.path.join(self._dir, "socket")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -194,6 +199,7 @@ class ProcessExecutor(Executor):
         return self._submitted - self._done - len(self._collected)
 
     def wait(self, timeout: float) -> list[OpResult]:
+        self._unanswered = False
         deadline = time.monotonic() + timeout
         while self._outstanding() > 0:
             if self._drain(_POLL_S):
@@ -214,33 +220,46 @@ class ProcessExecutor(Executor):
                     "intact and readable (state_dict() still works), but blocks of the current step may be partly "
                     "stepped: reload a checkpoint to continue training")
             if time.monotonic() > deadline:
+                self._unanswered = True  # close() does not wait for it again
                 raise ExecutorTimeout(f"process executor: {self._outstanding()} block operations did not finish "
                                       f"within {timeout:g} s (worker pid {self.pid} is alive but not answering)")
         return raise_failures(self.poll(), f"process executor (worker pid {self.pid})")
 
     # ------------------------------------------------------------ shutdown
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the worker (idempotent): it finishes what was queued and exits, or is killed once ``timeout``
+        seconds have passed in all, at once where the last :meth:`wait` timed out (a worker that does not
+        answer is not waited for twice)."""
         if self._closed:
             return
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0):
+            raise UnsupportedError(f"process executor: close timeout must be a number of seconds >= 0, got "
+                                   f"{timeout!r}")
         super().close()
+        deadline = time.monotonic() + (0.0 if self._unanswered else timeout)
         self._outbox.put(None)  # tells the worker to stop, after everything queued
         self._outbox.put(_STOP)
-        self._sender.join(timeout=10)
+        self._sender.join(timeout=_left(deadline))
         if self.process is not None:
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=_left(deadline))
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
         if self.conn is not None:
             self.conn.close()
         if getattr(self, "_receiver", None) is not None:
-            self._receiver.join(timeout=10)
+            self._receiver.join(timeout=_left(deadline))  # (ends with the connection; a daemon thread anyway)
 
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _exit_description(code: int | None) -> str:
