@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -131,6 +132,53 @@ def test_a_saver_with_max_pending_waits_for_the_oldest_save(tmp_path, monkeypatc
     assert [float(ck.load(tmp_path / f"{n}.ckpt")["x"][0]) for n in "abc"] == [0.0, 1.0, 2.0]
     with pytest.raises(ck.CheckpointError, match="max_pending = 0"):
         ck.AsyncSaver(max_pending=0)
+
+
+def test_max_pending_holds_for_saves_issued_by_threads_at_once(tmp_path, monkeypatch):
+    """Threads saving through one saver at the same moment: each counted the unfinished saves, then started its
+    own under a second hold of the lock, so two could both pass a count of max_pending - 1. Here the count's
+    read of ``max_pending`` is slowed to widen that window; at most one save may run at any moment."""
+    from sofx.checkpoint import async_save
+
+    class SlowCount(ck.AsyncSaver):
+        @property
+        def max_pending(self):
+            time.sleep(0.02)  # (read between the count and the start)
+            return self._max_pending
+
+        @max_pending.setter
+        def max_pending(self, value):
+            self._max_pending = value
+
+    real_write, real_save_async = ck_io.write, async_save.save_async
+    handles, peak = [], []
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.05)
+        return real_write(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        peak.append(1 + sum(not h.done() for h in handles))  # the saves running as this one starts
+        handles.append(real_save_async(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(ck_io, "write", slow_write)
+    monkeypatch.setattr(async_save, "save_async", counted)
+    saver = SlowCount(max_pending=1)
+    start = threading.Barrier(3)
+
+    def save(k):
+        start.wait(10)
+        saver.save(tmp_path / f"{k}.ckpt", {"x": torch.full((3,), float(k))})
+
+    threads = [threading.Thread(target=save, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    saver.wait(30)
+    assert len(handles) == 3 and max(peak) == 1, peak
+    assert sorted(float(ck.load(tmp_path / f"{k}.ckpt")["x"][0]) for k in range(3)) == [0.0, 1.0, 2.0]
 
 
 def test_bad_tree_raises_at_call_time(tmp_path):

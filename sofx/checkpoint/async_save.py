@@ -103,9 +103,9 @@ class AsyncSaver:
     >>> saver.save("ckpt.safetensors", {"params": params, "state": state})  # returns at once
     >>> saver.wait()                                                       # all saves committed
 
-    ``max_pending``: at most this many saves unfinished at once; ``save`` first waits for the oldest (each
-    holds a snapshot of its tree: saves issued faster than the disk writes them would hold one each).
-    ``None``: no bound.
+    ``max_pending``: at most this many saves unfinished at once, also where threads call ``save`` at the same
+    time; ``save`` first waits for the oldest (each holds a snapshot of its tree: saves issued faster than the
+    disk writes them would hold one each). ``None``: no bound.
     """
 
     def __init__(self, max_pending: int | None = None) -> None:
@@ -114,21 +114,25 @@ class AsyncSaver:
             raise CheckpointError(f"AsyncSaver: max_pending = {max_pending!r}; expected an integer >= 1 or None")
         self.max_pending = max_pending
         self._pending: list[SaveHandle] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending (wait() takes it too)
+        # One save at a time counts the running ones and starts its own: two threads' saves both passed a
+        # count of max_pending - 1 when it was taken apart from the start.
+        self._admission = threading.Lock()
 
     def save(self, path: str | os.PathLike, tree: Any) -> SaveHandle:
         """Snapshot ``tree`` now (after waiting for a save to finish where ``max_pending`` are running); write
         it after every save issued before by this saver."""
-        while self.max_pending is not None:
+        with self._admission:
+            while self.max_pending is not None:
+                with self._lock:
+                    running = [h for h in self._pending if not h.done()]
+                if len(running) < self.max_pending:
+                    break
+                running[0]._done.wait()  # its error, if any, stays for wait()
             with self._lock:
-                running = [h for h in self._pending if not h.done()]
-            if len(running) < self.max_pending:
-                break
-            running[0]._done.wait()  # its error, if any, stays for wait()
-        with self._lock:
-            last = self._pending[-1] if self._pending else None
-            handle = save_async(path, tree, after=last)
-            self._pending = [h for h in self._pending if not h.done() or h.exception() is not None] + [handle]
+                last = self._pending[-1] if self._pending else None
+                handle = save_async(path, tree, after=last)
+                self._pending = [h for h in self._pending if not h.done() or h.exception() is not None] + [handle]
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
