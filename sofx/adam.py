@@ -1419,6 +1419,15 @@ def check_float32_range(hp: AdamHParams, where: str, path: str = "") -> None:
                               "stepped in float32")
 
 
+def _refuse_torch_options(who: str, amsgrad: Any, maximize: Any) -> None:
+    """Refuse ``torch.optim.Adam/AdamW``'s ``amsgrad`` or ``maximize`` set (accepted at their default, False,
+    so that torch's arguments carry over): they change the math, and sofx implements neither (AMSGrad's
+    running maximum of ``v`` has no algebraic inverse). As the offload facade refuses them."""
+    for name, value in (("amsgrad", amsgrad), ("maximize", maximize)):
+        if value:
+            raise UnsupportedError(f"{who}: {name}={value!r} is not supported (only torch.optim's default, False)")
+
+
 def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,
           bias_correction: bool, state_dtype: torch.dtype | None, undo: str, backend: str) -> Adam:
     if not isinstance(betas, Sequence) or len(betas) != 2:
@@ -1429,8 +1438,8 @@ def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar
 
 
 def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
-         weight_decay: Scalar = 0.0, *, bias_correction: bool = True, state_dtype: torch.dtype | None = None,
-         undo: str = "auto", backend: str = "auto") -> Adam:
+         weight_decay: Scalar = 0.0, amsgrad: bool = False, *, maximize: bool = False, bias_correction: bool = True,
+         state_dtype: torch.dtype | None = None, undo: str = "auto", backend: str = "auto") -> Adam:
     """Adam with L2 weight decay, as ``torch.optim.Adam``. Per element, at a leaf's ``t``-th step::
 
         g <- g + wd * p
@@ -1440,13 +1449,16 @@ def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Sc
     (``bias_correction=False``: both ``1 - b^t`` are 1). ``state_dtype``: the moments' dtype (default: the
     parameter's); ``undo``: ``"auto" | "algebraic" | "exact"``; ``backend``: ``"auto" | "reference" | "cpu"
     | "cpu_fast" | "triton"``. The hparams given here are the defaults of every :class:`AdamHParams`.
+    ``amsgrad``, ``maximize``: ``torch.optim.Adam``'s, accepted at their default (False) only; True raises
+    :class:`~sofx.errors.UnsupportedError`.
     """
+    _refuse_torch_options("sofx.adam", amsgrad, maximize)
     return _make(False, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
 
 def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
-          weight_decay: Scalar = 1e-2, *, bias_correction: bool = True, state_dtype: torch.dtype | None = None,
-          undo: str = "auto", backend: str = "auto") -> Adam:
+          weight_decay: Scalar = 1e-2, amsgrad: bool = False, *, maximize: bool = False, bias_correction: bool = True,
+          state_dtype: torch.dtype | None = None, undo: str = "auto", backend: str = "auto") -> Adam:
     """AdamW: decoupled weight decay, as ``torch.optim.AdamW``. Per element, at a leaf's ``t``-th step::
 
         p <- p * (1 - lr * wd)
@@ -1455,4 +1467,5 @@ def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: S
 
     Arguments as :func:`adam`.
     """
+    _refuse_torch_options("sofx.adamw", amsgrad, maximize)
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)

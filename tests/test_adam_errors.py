@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sofx
+import sofx.offload
 from sofx import AdamHParams
 
 from helpers import clone_tree, trees_equal
@@ -100,6 +101,30 @@ def test_invalid_defaults_and_options_are_refused_at_construction():
         opt = sofx.adamw()
         params = {"w": torch.randn(2)}
         opt.update(params, params, opt.init(params), grad_scale=0.0)
+
+
+@pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
+def test_torch_optims_amsgrad_and_maximize_are_refused_set_and_accepted_at_their_default(make):
+    """torch.optim.Adam/AdamW's amsgrad and maximize (a bare TypeError before): True is refused by name, as the
+    offload facade refuses it; False (torch's default) is accepted, amsgrad in torch's positional place too."""
+    name = make.__name__
+    for kwargs in ({"amsgrad": True}, {"maximize": True}, {"maximize": 1}):
+        key, value = next(iter(kwargs.items()))
+        with pytest.raises(sofx.UnsupportedError, match=rf"sofx\.{name}: {key}={value!r} is not supported \(only "
+                                                        r"torch.optim's default, False\)"):
+            make(**kwargs)
+    with pytest.raises(sofx.UnsupportedError, match="amsgrad=True"):
+        make(1e-3, (0.9, 0.999), 1e-8, 0.0, True)
+    params = {"w": torch.randn(5)}
+    grads = {"w": torch.randn(5)}
+    want = make(lr=1e-2).update(params, grads, make(lr=1e-2).init(params))[0]
+    got = make(1e-2, (0.9, 0.999), 1e-8, make().defaults.weight_decay, False, maximize=False).update(
+        params, grads, make().init(params))[0]
+    assert trees_equal(got, want)
+    for cls in (sofx.offload.SpeculativeAdam, sofx.offload.SpeculativeAdamW):
+        for kwargs in ({"amsgrad": True}, {"maximize": True}):
+            with pytest.raises(sofx.UnsupportedError, match=rf"{next(iter(kwargs))} is not supported"):
+                cls(torch.nn.Linear(2, 2).parameters(), executor="inline", **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
