@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence, Union
 
 from sofx.adam import AdamHParams, check_hparam_value
 from sofx.errors import HParamError
+from sofx.kernels.base import finite_number, integer
 
 __all__ = [
     "Schedule",
@@ -58,17 +59,24 @@ Schedule = Callable[[int], Any]
 
 
 def _step(step: Any) -> int:
-    if hasattr(step, "item") and callable(step.item):
-        step = step.item()
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise HParamError(f"schedule step = {step!r} is invalid; expected an integer >= 0")
-    return step
+    """The step a schedule is called with as a Python int >= 0 (a numpy integer or a 1-element integer tensor
+    too: :func:`~sofx.kernels.base.integer`)."""
+    if type(step) is int and step >= 0:  # the common case, every step
+        return step
+    return integer("schedule step", step, 0)
 
 
-def _finite(name: str, x: float) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise HParamError(f"{name} = {x!r} is invalid; expected a finite number")
-    return float(x)
+def _set(schedule: Any, **fields: Any) -> None:
+    """Set a frozen schedule's ``fields`` to their checked Python values, once, in ``__post_init__`` (kept as
+    given, a numpy or tensor field made every value a numpy number or a tensor)."""
+    for name, value in fields.items():
+        object.__setattr__(schedule, name, value)
+
+
+def _finite(schedule: Any, *names: str) -> None:
+    """Read each of ``schedule``'s fields ``names`` once as a finite Python int or float (numpy numbers and
+    1-element tensors too: :func:`~sofx.kernels.base.finite_number`)."""
+    _set(schedule, **{name: finite_number(name, getattr(schedule, name)) for name in names})
 
 
 def _span(who: str, name: str, a: float, b: float) -> None:
@@ -86,10 +94,11 @@ def _value(who: str, step: int, value: float) -> float:
     return value
 
 
-def _steps(name: str, n: int, minimum: int = 1) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
-        raise HParamError(f"{name} = {n!r} is invalid; expected an integer >= {minimum}")
-    return n
+def _steps(schedule: Any, field: str, name: str, minimum: int = 1) -> None:
+    """Read ``schedule``'s field ``field`` (called ``name``, as the constructor function's argument) once as a
+    Python int >= ``minimum`` (:func:`~sofx.kernels.base.integer`: a numpy integer or a 1-element integer tensor
+    too; a float, even a whole one, is refused)."""
+    _set(schedule, **{field: integer(name, getattr(schedule, field), minimum)})
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class Constant:
     value: float
 
     def __post_init__(self) -> None:
-        _finite("value", self.value)
+        _finite(self, "value")
 
     def __call__(self, step: int) -> float:
         _step(step)
@@ -116,9 +125,8 @@ class Linear:
     steps: int
 
     def __post_init__(self) -> None:
-        _finite("init", self.init)
-        _finite("end", self.end)
-        _steps("steps", self.steps, minimum=0)
+        _finite(self, "init", "end")
+        _steps(self, "steps", "steps", minimum=0)
         _span("linear", "end - init", self.init, self.end)
 
     def __call__(self, step: int) -> float:
@@ -141,9 +149,8 @@ class CosineDecay:
     alpha: float = 0.0
 
     def __post_init__(self) -> None:
-        _finite("init", self.init)
-        _steps("decay_steps", self.steps)
-        _finite("alpha", self.alpha)
+        _finite(self, "init", "alpha")
+        _steps(self, "steps", "decay_steps")
 
     def __call__(self, step: int) -> float:
         step = _step(step)
@@ -163,10 +170,9 @@ class WarmupCosine:
     end: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("peak", "init", "end"):
-            _finite(name, getattr(self, name))
-        _steps("warmup_steps", self.warmup, 0)
-        _steps("decay_steps", self.steps, self.warmup + 1)
+        _finite(self, "peak", "init", "end")
+        _steps(self, "warmup", "warmup_steps", 0)
+        _steps(self, "steps", "decay_steps", self.warmup + 1)
         _span("warmup_cosine", "peak - init", self.init, self.peak)
         _span("warmup_cosine", "peak - end", self.end, self.peak)
 
@@ -188,9 +194,8 @@ class StepDecay:
     gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        _finite("init", self.init)
-        _steps("step_size", self.every)
-        _finite("gamma", self.gamma)
+        _finite(self, "init", "gamma")
+        _steps(self, "every", "step_size")
 
     def __call__(self, step: int) -> float:
         """``init * gamma ** (step // every)``; a step where that leaves the float range (``|gamma| > 1``) is refused
@@ -237,8 +242,8 @@ class OneCycle:
     three_phase: bool = False
 
     def __post_init__(self) -> None:
-        _finite("max_lr", self.max_lr)
-        _steps("total_steps", self.total_steps)
+        _finite(self, "max_lr", "pct_start", "base_beta1", "max_beta1", "div_factor", "final_div_factor")
+        _steps(self, "total_steps", "total_steps")
         if not 0 <= self.pct_start <= 1:
             raise HParamError(f"pct_start = {self.pct_start!r} is invalid; expected 0 <= pct_start <= 1")
         if self.pct_start == 1 and not self.three_phase:
@@ -247,8 +252,6 @@ class OneCycle:
                               "(or three_phase=True)")
         if self.anneal not in ("cos", "linear"):
             raise HParamError(f"anneal = {self.anneal!r}; expected 'cos' or 'linear'")
-        for name in ("base_beta1", "max_beta1", "div_factor", "final_div_factor"):
-            _finite(name, getattr(self, name))
         if self.max_lr < 0:
             raise HParamError(f"max_lr = {self.max_lr!r} is invalid; expected a learning rate >= 0")
         for name in ("div_factor", "final_div_factor"):  # lr is divided by them: 0 divides by zero, < 0 flips it
@@ -316,10 +319,10 @@ class Join:
         if len(self.schedules) != len(self.boundaries) + 1:
             raise HParamError(f"join: {len(self.schedules)} schedules need {len(self.schedules) - 1} boundaries, "
                               f"got {len(self.boundaries)}")
-        prev = 0
+        boundaries: list[int] = []
         for b in self.boundaries:
-            _steps("boundary", b, prev)
-            prev = b
+            boundaries.append(integer("boundary", b, boundaries[-1] if boundaries else 0))
+        _set(self, boundaries=tuple(boundaries))
         for i, s in enumerate(self.schedules):
             if not callable(s):
                 raise HParamError(f"join: schedule {i} is a {type(s).__name__}, not callable")

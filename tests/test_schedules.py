@@ -182,14 +182,15 @@ def test_step_decay_refuses_the_step_where_its_value_leaves_the_float_range():
 
 
 @pytest.mark.parametrize("make, pattern", [
-    (lambda: schedules.linear(-1e308, 1e308, 10), r"linear: end - init = 1e\+308 - -1e\+308 is beyond the float"),
-    (lambda: schedules.linear_warmup(1e308, 10, init=-1e308), r"linear: end - init"),
-    (lambda: schedules.warmup_cosine(1e308, 2, 10, init=-1e308), r"warmup_cosine: peak - init"),
-    (lambda: schedules.warmup_cosine(1e308, 2, 10, end=-1e308), r"warmup_cosine: peak - end")])
+    (lambda np: schedules.linear(-1e308, 1e308, 10), r"linear: end - init = 1e\+308 - -1e\+308 is beyond the float"),
+    (lambda np: schedules.linear_warmup(1e308, 10, init=-1e308), r"linear: end - init"),
+    (lambda np: schedules.warmup_cosine(1e308, 2, 10, init=-1e308), r"warmup_cosine: peak - init"),
+    (lambda np: schedules.warmup_cosine(1e308, 2, 10, end=-1e308), r"warmup_cosine: peak - end")])
 def test_interpolations_beyond_the_float_range_are_refused_at_construction(make, pattern):
     """linear(-1e308, 1e308, 10) gave nan at step 0 (inf * 0) and inf after it."""
+    np = pytest.importorskip("numpy")
     with pytest.raises(HParamError, match=pattern):
-        make()
+        make(np)
 
 
 @pytest.mark.parametrize("sched, step, who", [
@@ -230,3 +231,51 @@ def test_hparams_schedule_refuses_a_field_schedule_returning_a_non_number():
     assert schedules.hparams_schedule(weight_decay=torch.tensor(0))(0).weight_decay == 0
     sofx.adamw().check_inputs({"w": torch.zeros(2)}, {"w": torch.zeros(2)}, sofx.adamw().init({"w": torch.zeros(2)}),
                               ok)
+
+
+@pytest.mark.parametrize("make", [
+    lambda n, c: schedules.constant(n(1e-3)),
+    lambda n, c: schedules.linear(n(0.1), n(0.2), c(5)),
+    lambda n, c: schedules.cosine_decay(n(0.1), c(5), n(0.1)),
+    lambda n, c: schedules.warmup_cosine(n(0.1), c(2), c(6), n(0.01), n(0.001)),
+    lambda n, c: schedules.step_decay(n(0.1), c(2), n(0.5)),
+    lambda n, c: schedules.one_cycle(n(0.1), c(9), n(0.25), base_beta1=n(0.85), max_beta1=n(0.95),
+                                     div_factor=n(25.0), final_div_factor=n(1e4)),
+    lambda n, c: schedules.join([schedules.constant(0.1), schedules.constant(0.2)], [c(3)])],
+    ids=["constant", "linear", "cosine_decay", "warmup_cosine", "step_decay", "one_cycle", "join"])
+def test_schedule_arguments_given_as_numpy_or_tensors_are_read_as_python_numbers(make):
+    """constant(np.float32(1e-3)) was refused ("expected a finite number"), and so were numpy step counts; a
+    numpy float64 was kept as given, and the values were numpy numbers. Every argument is read once as a Python
+    number (a count stays an int) and the schedule is the one of the Python numbers."""
+    np = pytest.importorskip("numpy")
+    for n, c in ((np.float32, np.int64), (np.float64, np.int32), (torch.tensor, torch.tensor),
+                 (lambda x: torch.tensor([x]), lambda x: torch.tensor([x]))):
+        sched, want = make(n, c), make(lambda x: n(x).item(), int)  # (np.float32(1e-3).item() != 1e-3)
+        assert sched == want and all(type(getattr(sched, f)) in (int, float, bool, str, tuple)
+                                     for f in sched.__dataclass_fields__)
+        for step in (0, 1, 4, np.int64(5), torch.tensor(6)):
+            assert sched(step) == want(int(step))
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda np: schedules.linear_warmup(1.0, 4.0),
+     r"steps = 4.0 is invalid; expected an integer >= 0 .*, got float \(a float is refused here"),
+    (lambda np: schedules.step_decay(1.0, np.float64(2.5)), r"step_size = .*2.5.* is invalid; .*got float64"),
+    (lambda np: schedules.cosine_decay(1.0, True), r"decay_steps = True is invalid; expected an integer >= 1"),
+    (lambda np: schedules.constant(np.bool_(True)),
+     r"value = .*True.* is invalid; expected a finite number .*got bool"),
+    (lambda np: schedules.constant(torch.ones(2)),
+     r"value = tensor.* is invalid; .*got a torch.float32 tensor of shape \(2,\)"),
+    (lambda np: schedules.constant(10 ** 400), r"value = \d+ is invalid; expected a finite number"),
+    (lambda np: schedules.one_cycle(0.1, 10, pct_start="0.3"),
+     r"pct_start = '0.3' is invalid; expected a finite number"),
+    (lambda np: schedules.join([schedules.constant(1.0)] * 3, [np.int64(4), np.int64(2)]),
+     r"boundary = .*2.* is invalid; expected an integer >= 4"),
+    (lambda np: schedules.constant(1.0)(2.0), r"schedule step = 2.0 is invalid; expected an integer >= 0 .*float"),
+    (lambda np: schedules.constant(1.0)(torch.tensor([1, 2])), r"schedule step = tensor.* is invalid; .*shape \(2,\)")])
+def test_schedule_arguments_that_are_no_numbers_or_no_counts_are_refused_naming_them(make, pattern):
+    """A float step count (even a whole one), a bool, a string pct_start (a TypeError from its comparison) and
+    an int beyond the float range (an OverflowError) are refused naming the argument, its value and its type."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(HParamError, match=pattern):
+        make(np)

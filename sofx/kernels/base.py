@@ -217,6 +217,39 @@ def positive_number(name: str, value: Any) -> float:
     return f
 
 
+def finite_number(name: str, value: Any) -> int | float:
+    """``value`` as a Python int or float where it is a finite real number (:func:`real_number`: a Python or
+    numpy number, a 1-element readable tensor; an integer stays an int), else an :class:`HParamError` naming
+    ``name``, the value and its type.
+
+    Read once where a configuration is built (a numpy ``float32`` was refused, a tensor kept as given)."""
+    x = real_number(value)
+    if isinstance(x, numbers.Real) and not is_bool(x):
+        x = int(x) if isinstance(x, numbers.Integral) else float(x)
+        try:
+            if math.isfinite(x):
+                return x
+        except OverflowError:  # an int beyond the float range
+            pass
+    raise HParamError(f"{name} = {value!r:.80} is invalid; expected a finite number (a Python or numpy number, or a "
+                      f"1-element tensor), got {_described(value)}")
+
+
+def integer(name: str, value: Any, minimum: int = 0, error: type[Exception] = HParamError) -> int:
+    """``value`` as a Python int >= ``minimum`` where it is an integer (:func:`real_number`: a Python or numpy
+    integer, a 1-element readable integer tensor), else ``error`` naming ``name``, the value and its type.
+
+    For counts and sizes: a float, even a whole one, is refused (a count computed in floats is a bug
+    upstream), and so is a bool."""
+    x = real_number(value)
+    if isinstance(x, numbers.Integral) and not is_bool(x) and x >= minimum:
+        return int(x)
+    hint = " (a float is refused here, even a whole one)" if isinstance(x, numbers.Real) and not is_bool(x) \
+        and not isinstance(x, numbers.Integral) else ""
+    raise error(f"{name} = {value!r:.80} is invalid; expected an integer >= {minimum} (a Python or numpy integer, or "
+                f"a 1-element integer tensor), got {_described(value)}{hint}")
+
+
 def compute_dtype(p: torch.Tensor) -> torch.dtype:
     """float64 math for float64 parameters, float32 for everything else."""
     return torch.float64 if p.dtype == torch.float64 else torch.float32

@@ -1,0 +1,54 @@
+"""kernels.base's readers of user-given numbers: finite_number and integer (positive_number is tested where
+max_norm is, tests/test_transforms.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sofx.errors import HParamError, UnsupportedError
+from sofx.kernels.base import finite_number, integer
+
+np = pytest.importorskip("numpy")
+
+
+@pytest.mark.parametrize("value, want", [
+    (3, 3), (-2.5, -2.5), (np.float32(0.5), 0.5), (np.int64(7), 7), (np.float64(1e-3), 1e-3),
+    (torch.tensor(0.25), 0.25), (torch.tensor([4]), 4), (torch.tensor(1.5, dtype=torch.float64), 1.5)])
+def test_finite_number_reads_numpy_and_one_element_tensors_as_python_numbers(value, want):
+    got = finite_number("x", value)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("value, kind", [
+    (True, "bool"), (np.bool_(False), "bool"), (math.nan, "float"), (-math.inf, "float"), (10 ** 400, "int"),
+    ("1", "str"), (None, "NoneType"), (np.float32("inf"), "float32"),
+    (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), (torch.tensor(True), r"a torch.bool tensor"),
+    (torch.ones((), requires_grad=True), r"a torch.float32 tensor of shape \(\) whose value cannot be read here")])
+def test_finite_number_refuses_what_is_no_finite_number_naming_it(value, kind):
+    with pytest.raises(HParamError, match=r"x = .* is invalid; expected a finite number .*, got " + kind):
+        finite_number("x", value)
+
+
+@pytest.mark.parametrize("value", [0, 5, np.int64(5), np.uint8(5), torch.tensor(5),
+                                   torch.tensor([5], dtype=torch.int32)])
+def test_integer_reads_numpy_and_one_element_integer_tensors_as_python_ints(value):
+    got = integer("n", value)
+    assert got == int(value) and type(got) is int
+
+
+@pytest.mark.parametrize("value, kind", [
+    (4.0, r"float \(a float is refused here, even a whole one\)"), (np.float32(4.5), "float32 .a float is refused"),
+    (torch.tensor(4.0), r"a torch.float32 tensor of shape \(\) \(a float is refused here"), (True, "bool"),
+    (np.bool_(True), "bool"), (-1, "int"), (np.int64(-1), "int64"), ("3", "str"), (None, "NoneType"),
+    (torch.tensor([1, 2]), r"a torch.int64 tensor of shape \(2,\)")])
+def test_integer_refuses_floats_bools_and_values_below_its_minimum_naming_them(value, kind):
+    with pytest.raises(HParamError, match=r"n = .* is invalid; expected an integer >= 0 .*, got " + kind):
+        integer("n", value)
+
+
+def test_integer_raises_the_error_class_its_caller_names():
+    with pytest.raises(UnsupportedError, match=r"n = 0 is invalid; expected an integer >= 1"):
+        integer("n", 0, 1, UnsupportedError)
