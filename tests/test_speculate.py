@@ -941,3 +941,42 @@ def test_speculation_config_reads_a_numpy_or_tensor_max_norm_as_a_float(rng):
         assert all(torch.equal(a, b) for a, b in zip(spec.params, want.params))
     with pytest.raises(sofx.HParamError, match=r"max_norm = 'x' is invalid; .* got str"):
         sp.SpeculationConfig(max_norm="x")
+
+
+def test_policy_and_config_counts_given_as_numpy_or_tensors_are_read_as_python_numbers():
+    """AdaptivePolicy(window=np.int64(4)), quiet_steps and SpeculationConfig(snapshot_budget_bytes=np.int64(10))
+    were refused as "expected an integer"; a numpy pause_fraction was kept as given. Each is read once as a Python
+    int (a float) and behaves as it; a float count (even a whole one), a bool or a string is refused, naming it."""
+    np = pytest.importorskip("numpy")
+    want = sp.AdaptivePolicy(window=4, pause_fraction=0.25, quiet_steps=2)
+    for count, frac in ((np.int64, np.float64), (np.int32, np.float32), (torch.tensor, torch.tensor),
+                        (lambda x: torch.tensor([x]), lambda x: torch.tensor([x]))):
+        policy = sp.AdaptivePolicy(window=count(4), pause_fraction=frac(0.25), quiet_steps=count(2))
+        assert policy == want and (type(policy.window), type(policy.pause_fraction), type(policy.quiet_steps)) == (
+            int, float, int)
+        state, want_state = policy.init(), want.init()
+        for clipped in (True, True, False, False, False, True):
+            state, want_state = policy.update(state, clipped), want.update(want_state, clipped)
+            assert state == want_state
+        cfg = sp.SpeculationConfig(snapshot_budget_bytes=count(10), policy=policy)
+        assert cfg == sp.SpeculationConfig(snapshot_budget_bytes=10, policy=want)
+        assert type(cfg.snapshot_budget_bytes) is int
+        rule = loss_scale.grad_scaler()
+        ctx, tally = sp.begin_step(sofx.adamw(lr=1e-2), cfg, rule, rule.init(), n_blocks=count(3))
+        assert type(ctx.n_blocks) is int and ctx.n_blocks == 3 and len(tally.decisions) == 3
+    for kwargs, pattern in (({"window": 4.0}, r"AdaptivePolicy.window = 4.0 is invalid; expected an integer >= 1 "
+                                              r".*got float \(a float is refused here"),
+                            ({"quiet_steps": True}, r"AdaptivePolicy.quiet_steps = True is invalid; .*got bool"),
+                            ({"quiet_steps": np.int64(0)}, r"AdaptivePolicy.quiet_steps = .*0.* is invalid; expected "
+                                                           r"an integer >= 1 .*got int64"),
+                            ({"pause_fraction": "0.5"}, r"AdaptivePolicy.pause_fraction = '0.5' is invalid; "
+                                                        r"expected a finite number .*got str"),
+                            ({"pause_fraction": np.float32(1.0)}, r"pause_fraction = .*1.0.* is invalid; expected 0 "
+                                                                  r"<= pause_fraction < 1")):
+        with pytest.raises(sofx.HParamError, match=pattern):
+            sp.AdaptivePolicy(**kwargs)
+    for budget, kind in ((1.5, "float"), (True, "bool"), (-1, "int"), (torch.ones(2, dtype=torch.int64),
+                                                                       r"a torch.int64 tensor of shape \(2,\)")):
+        with pytest.raises(sofx.HParamError, match=r"snapshot_budget_bytes = .* is invalid; expected an integer >= 0 "
+                                                   r".*got " + kind):
+            sp.SpeculationConfig(snapshot_budget_bytes=budget)

@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
-from sofx.kernels.base import as_number
+from sofx.kernels.base import as_number, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
                          local_sumsq, reduced_sumsq, step_facts, without_gradients)
@@ -111,9 +111,9 @@ class SpeculationConfig:
         object.__setattr__(self, "max_norm", check_max_norm(self.max_norm))
         if self.missing_grad not in MISSING_GRAD_MODES:
             raise HParamError(f"missing_grad={self.missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
-        b = self.snapshot_budget_bytes
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
-            raise HParamError(f"snapshot_budget_bytes = {b!r} is invalid; expected an integer >= 0 or None")
+        if self.snapshot_budget_bytes is not None:  # read once as a Python int (numpy's was refused)
+            object.__setattr__(self, "snapshot_budget_bytes",
+                               integer("snapshot_budget_bytes", self.snapshot_budget_bytes, 0))
         if not isinstance(self.policy, AdaptivePolicy):
             raise HParamError(f"policy must be an AdaptivePolicy, got {type(self.policy).__name__}")
 
@@ -276,8 +276,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     """
     if not isinstance(config, SpeculationConfig):
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
-    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
-        raise HParamError(f"n_blocks = {n_blocks!r} is invalid; expected an integer >= 0")
+    n_blocks = integer("n_blocks", n_blocks, 0)
     policy_state = config.policy.init() if policy_state is None else policy_state
     if type(policy_state) is not type(config.policy.init()):
         raise HParamError(f"policy_state is a {type(policy_state).__name__}; the policy's state is a "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sofx.errors import HParamError
+from sofx.kernels.base import finite_number, integer
 
 __all__ = ["AdaptivePolicy", "PolicyState"]
 
@@ -46,14 +47,15 @@ class AdaptivePolicy:
     quiet_steps: int = 4
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise HParamError(f"AdaptivePolicy.window = {self.window!r} is invalid; expected an integer >= 1")
-        if not 0 <= self.pause_fraction < 1:
+        # read once as Python numbers (numpy's were refused): window and quiet_steps are counts
+        window = integer("AdaptivePolicy.window", self.window, 1)
+        pause_fraction = finite_number("AdaptivePolicy.pause_fraction", self.pause_fraction)
+        if not 0 <= pause_fraction < 1:
             raise HParamError(f"AdaptivePolicy.pause_fraction = {self.pause_fraction!r} is invalid; "
                               "expected 0 <= pause_fraction < 1")
-        if isinstance(self.quiet_steps, bool) or not isinstance(self.quiet_steps, int) or self.quiet_steps < 1:
-            raise HParamError(f"AdaptivePolicy.quiet_steps = {self.quiet_steps!r} is invalid; "
-                              "expected an integer >= 1")
+        quiet_steps = integer("AdaptivePolicy.quiet_steps", self.quiet_steps, 1)
+        for name, value in (("window", window), ("pause_fraction", pause_fraction), ("quiet_steps", quiet_steps)):
+            object.__setattr__(self, name, value)
 
     def init(self) -> PolicyState:
         """The state before the first step: no history, speculation allowed."""
