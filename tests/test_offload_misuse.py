@@ -16,6 +16,7 @@ import collections
 import copy
 import threading
 import gc
+import re
 import sys
 import weakref
 
@@ -300,6 +301,36 @@ def test_numpy_or_tensor_max_grad_norm_and_static_loss_scale_are_numbers():
     for bad in (True, torch.ones(2)):
         with pytest.raises(SofxError, match=r"loss_scale=.*; expected None, 'dynamic', a number or a loss-scale rule"):
             sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=bad)
+
+
+def test_numpy_or_tensor_engine_options_are_numbers_and_bad_ones_are_refused_at_construction():
+    """block_numel=np.int64(100), gradient_accumulation_steps, num_threads, timeout=np.float32(30.0) were refused
+    as no int / no number (gradient_accumulation_steps with a bare ValueError); they are read as Python numbers and
+    the optimizer steps as with them. timeout=True was taken as 1 s and timeout=inf raised an OverflowError at the
+    first step's wait; shm_limit_bytes was not checked at all (-1, 1.5 or "x" reached the process executor's
+    budget). Each is refused at construction, naming it."""
+    options = dict(block_numel=100, n_device_blocks=0, gradient_accumulation_steps=1, num_threads=1, timeout=30.0,
+                   shm_limit_bytes=1 << 30)
+    for count, number in ((np.int64, np.float32), (lambda x: torch.tensor([x]), lambda x: torch.tensor([x]))):
+        model, ref = _models()
+        given = {k: number(v) if isinstance(v, float) else count(v) for k, v in options.items()}
+        with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", **given) as opt, \
+                sofx.offload.SpeculativeAdamW(ref.parameters(), lr=1e-2, executor="inline", **options) as want:
+            engine = opt._engine
+            assert engine.layouts == want._engine.layouts and type(engine.timeout) is float
+            assert type(engine.tracker.accumulation_steps) is int
+            mlp_step_side_by_side(opt, want, model, ref, torch.Generator().manual_seed(0))
+            assert_trees_bitwise(list(model.parameters()), list(ref.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    for name, bad in (("timeout", True), ("timeout", float("inf")), ("timeout", 1e300), ("timeout", "5"),
+                      ("timeout", np.float32("nan")), ("block_numel", 100.0), ("block_numel", np.int64(0)),
+                      ("n_device_blocks", True), ("gradient_accumulation_steps", True),
+                      ("gradient_accumulation_steps", 2.0), ("num_threads", np.int64(0)),
+                      ("shm_limit_bytes", -1), ("shm_limit_bytes", 1.5), ("shm_limit_bytes", True),
+                      ("shm_limit_bytes", "x")):
+        with pytest.raises(sofx.errors.UnsupportedError, match=rf"{name} must be .*, got {re.escape(repr(bad))}"):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **{name: bad})
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
 def test_state_dict_hooks_run_as_in_torch_optim():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.base import finite_number, integer
+from sofx.kernels.base import as_integer, finite_number, integer
 
 np = pytest.importorskip("numpy")
 
@@ -52,3 +52,11 @@ def test_integer_refuses_floats_bools_and_values_below_its_minimum_naming_them(v
 def test_integer_raises_the_error_class_its_caller_names():
     with pytest.raises(UnsupportedError, match=r"n = 0 is invalid; expected an integer >= 1"):
         integer("n", 0, 1, UnsupportedError)
+
+
+@pytest.mark.parametrize("value, want", [
+    (3, 3), (np.int64(-2), -2), (torch.tensor([7]), 7), (4.0, None), (np.float32(4), None), (True, None),
+    (np.bool_(False), None), (torch.tensor(4.0), None), (torch.tensor([1, 2]), None), ("4", None), (None, None)])
+def test_as_integer_reads_integers_and_gives_none_for_the_rest(value, want):
+    got = as_integer(value)
+    assert got == want and type(got) is type(want)

@@ -235,15 +235,24 @@ def finite_number(name: str, value: Any) -> int | float:
                       f"1-element tensor), got {_described(value)}")
 
 
+def as_integer(value: Any) -> int | None:
+    """``value`` as a Python int where it is an integer (:func:`real_number`: a Python or numpy integer, a
+    1-element readable integer tensor; not a bool), else None. For a caller with its own message; else
+    :func:`integer`."""
+    x = real_number(value)
+    return int(x) if isinstance(x, numbers.Integral) and not is_bool(x) else None
+
+
 def integer(name: str, value: Any, minimum: int = 0, error: type[Exception] = HParamError) -> int:
     """``value`` as a Python int >= ``minimum`` where it is an integer (:func:`real_number`: a Python or numpy
     integer, a 1-element readable integer tensor), else ``error`` naming ``name``, the value and its type.
 
     For counts and sizes: a float, even a whole one, is refused (a count computed in floats is a bug
     upstream), and so is a bool."""
+    x = as_integer(value)
+    if x is not None and x >= minimum:
+        return x
     x = real_number(value)
-    if isinstance(x, numbers.Integral) and not is_bool(x) and x >= minimum:
-        return int(x)
     hint = " (a float is refused here, even a whole one)" if isinstance(x, numbers.Real) and not is_bool(x) \
         and not isinstance(x, numbers.Integral) else ""
     raise error(f"{name} = {value!r:.80} is invalid; expected an integer >= {minimum} (a Python or numpy integer, or "

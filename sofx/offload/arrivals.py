@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+from sofx.errors import UnsupportedError
+from sofx.kernels.base import as_integer
 from sofx.offload.blocks import BlockLayout
 
 __all__ = ["ArrivalTracker", "Arrival"]
@@ -38,10 +40,11 @@ class ArrivalTracker:
     """Counts arrivals per parameter and readiness per block for one step at a time."""
 
     def __init__(self, layouts: Sequence[BlockLayout], accumulation_steps: int = 1) -> None:
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        steps = as_integer(accumulation_steps)  # numpy's and 1-element integer tensors too, as a Python int
+        if steps is None or steps < 1:
+            raise UnsupportedError(f"gradient_accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         self.layouts = list(layouts)
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = steps
         self.where: dict[int, tuple[int, int]] = {}
         for layout in self.layouts:
             for slot, index in enumerate(layout.param_indices):

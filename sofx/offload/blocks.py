@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from sofx.errors import LeafError, UnsupportedError
+from sofx.kernels.base import as_integer
 from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS
 
 __all__ = ["BlockLayout", "BlockTensors", "plan_blocks", "allocate_block_tensors", "TENSOR_NAMES"]
@@ -121,12 +122,15 @@ def plan_blocks(groups: Sequence[Sequence[torch.Tensor]], block_numel: int, n_de
     Parameters are numbered across groups in order (``param_indices``). A new
     block starts at each group and whenever adding the next parameter would
     exceed ``block_numel`` (unless the block is empty). The first
-    ``n_device_blocks`` blocks are marked ``on_device``.
+    ``n_device_blocks`` blocks are marked ``on_device``. Both are integers (numpy's and 1-element integer
+    tensors too, read as Python ints).
     """
-    if not isinstance(block_numel, int) or isinstance(block_numel, bool) or block_numel < 1:
+    numel, n_device = as_integer(block_numel), as_integer(n_device_blocks)
+    if numel is None or numel < 1:
         raise UnsupportedError(f"block_numel must be a positive int, got {block_numel!r}")
-    if not isinstance(n_device_blocks, int) or isinstance(n_device_blocks, bool) or n_device_blocks < 0:
+    if n_device is None or n_device < 0:
         raise UnsupportedError(f"n_device_blocks must be an int >= 0, got {n_device_blocks!r}")
+    block_numel, n_device_blocks = numel, n_device
     layouts: list[BlockLayout] = []
     index = 0
     for gi, params in enumerate(groups):

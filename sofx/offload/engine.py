@@ -73,6 +73,7 @@ import torch
 from sofx.adam import AdamHParams
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
+from sofx.kernels.base import as_integer, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
@@ -130,6 +131,17 @@ HParamsFn = Callable[[], Sequence[AdamHParams]]
 PARAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 
 
+def _check_timeout(timeout: Any) -> float:
+    """``timeout`` as a Python float of seconds in ``(0, threading.TIMEOUT_MAX]`` (a numpy number or a 1-element
+    tensor too); a bool is refused, and so is more than the threads' waits take (an inf timeout was taken and
+    the first wait raised an OverflowError)."""
+    t = real_number(timeout)
+    if not (isinstance(t, numbers.Real) and not is_bool(t) and 0 < t <= threading.TIMEOUT_MAX):
+        raise UnsupportedError(f"timeout must be a number of seconds > 0 and at most threading.TIMEOUT_MAX = "
+                               f"{threading.TIMEOUT_MAX:g}, got {timeout!r}")
+    return float(t)
+
+
 class OffloadEngine:
     """Speculative offloaded Adam over ``groups`` of parameters; see the module docstring.
 
@@ -148,12 +160,17 @@ class OffloadEngine:
                  swap_params: bool = True) -> None:
         if executor not in EXECUTORS:
             raise UnsupportedError(f"executor={executor!r}; expected one of {EXECUTORS}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise UnsupportedError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        timeout = _check_timeout(timeout)
+        threads = as_integer(num_threads)  # numpy's and 1-element integer tensors too, as a Python int
+        if threads is None or threads < 1:
             # (the process executor's worker refused it only once started, after the parameters had moved)
             raise UnsupportedError(f"num_threads must be an integer >= 1 (the process executor's worker threads), "
                                    f"got {num_threads!r}")
+        num_threads = threads
+        limit = None if shm_limit_bytes is None else as_integer(shm_limit_bytes)
+        if shm_limit_bytes is not None and (limit is None or limit < 0):
+            raise UnsupportedError(f"shm_limit_bytes must be None or an integer >= 0, got {shm_limit_bytes!r}")
+        shm_limit_bytes = limit
         self.device = check_params(groups)
         self.params: list[torch.Tensor] = [p for g in groups for p in g]
         self.hparams_fn = hparams_fn
@@ -163,7 +180,7 @@ class OffloadEngine:
         self.scaler = scaler
         self.scaler_state = scaler.init()
         self.policy_state: PolicyState = speculation.policy.init()
-        self.timeout = float(timeout)
+        self.timeout = timeout
         self.layouts = plan_blocks(groups, block_numel, n_device_blocks)
         self._check_backend(groups, getattr(torch, adam.state_dtype))
         self.n_groups = len(groups)
