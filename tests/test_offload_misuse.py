@@ -414,6 +414,24 @@ def test_resetting_the_optimizer_state_as_torch_users_do(executor):
         assert int(opt.state[p]["step"]) == 7
 
 
+def test_a_step_count_set_as_inf_nan_or_beyond_int64_is_refused_clearly():
+    """opt.state[p]["step"] = inf raised an OverflowError, nan a bare ValueError and 2**63 a RuntimeError from
+    fill_ (after waiting for the worker); each is refused as no whole number, the count unchanged. Whole numbers
+    of any type (numpy, a 1-element tensor, torch's float step) are taken."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        p = next(model.parameters())
+        for good in (np.float32(3.0), np.int64(4), torch.tensor([5.0]), 2 ** 63 - 1, 6):
+            opt.state[p]["step"] = good
+            assert int(opt.state[p]["step"]) == int(good)
+        for bad in (float("inf"), float("nan"), np.float64("-inf"), 2 ** 63, 10 ** 400, True, np.bool_(True), "3",
+                    torch.tensor([1.0, 2.0])):
+            with pytest.raises(sofx.UnsupportedError, match=r"state\['step'\] of parameter 0 must be a whole number "
+                                                            r">= 0 \(at most 9223372036854775807\), got "):
+                opt.state[p]["step"] = bad
+            assert int(opt.state[p]["step"]) == 6
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("swap_params", [True, False])
 def test_parameters_changed_in_place_between_steps_are_the_new_masters(executor, swap_params):

@@ -142,6 +142,16 @@ def _check_timeout(timeout: Any) -> float:
     return float(t)
 
 
+def _whole_number(value: Any, largest: int) -> int | None:
+    """``value`` as a Python int where it is a whole number in ``[0, largest]`` (a float as torch.optim keeps its
+    step, a numpy number, a 1-element tensor), else None (an inf or nan float, whose ``int()`` raised)."""
+    x = real_number(value)
+    if isinstance(x, numbers.Real) and not is_bool(x) and not isinstance(x, numbers.Integral):
+        x = float(x)
+        x = int(x) if math.isfinite(x) and x.is_integer() else None
+    return int(x) if isinstance(x, numbers.Integral) and not is_bool(x) and 0 <= x <= largest else None
+
+
 class OffloadEngine:
     """Speculative offloaded Adam over ``groups`` of parameters; see the module docstring.
 
@@ -1037,13 +1047,12 @@ class OffloadEngine:
             raise UnsupportedError(f"optimizer state key {key!r}; a parameter's state has {sorted(views)}")
         target = views[key]
         if key == "step":
-            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-            if isinstance(number, bool) or not isinstance(number, numbers.Real) or number != int(number) \
-                    or number < 0:
-                raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0, got "
-                                       f"{value!r}")
+            count = _whole_number(value, torch.iinfo(target.dtype).max)
+            if count is None:
+                raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0 (at most "
+                                       f"{torch.iinfo(target.dtype).max}), got {value!r}")
             self.wait()
-            target.fill_(int(number))
+            target.fill_(count)
             return
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape) \
                 or not value.is_floating_point():
