@@ -599,3 +599,34 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
         torch.save(top, files[0])
         with pytest.raises(ck.CheckpointError, match=match):
             ck.load_zero3(tmp_path, opt, params, HP)
+
+
+def test_ranks_and_world_size_given_as_numpy_are_ints_and_bools_or_floats_are_refused(tmp_path):
+    """save_zero3(dp_world_size=np.int64(2)) was refused; mp_rank=True was taken (a file mp_rank_01 and a bool
+    partition_count); load_zero3(mp_rank=1.5) raised a ValueError from a format. numpy or 1-element tensor ranks
+    are read as ints; bools, floats and strings are refused naming the argument, before anything is written."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    want = ck.save_zero3(tmp_path / "want", opt, params, state, HP, dp_world_size=2, mp_rank=1,
+                         deepspeed_objects=False)
+    for i, count in enumerate((np.int64, lambda x: torch.tensor([x]))):
+        files = ck.save_zero3(tmp_path / str(i), opt, params, state, HP, dp_world_size=count(2), mp_rank=count(1),
+                              deepspeed_objects=False)
+        assert [os.path.basename(f) for f in files] == [os.path.basename(f) for f in want]
+        z = torch.load(files[0], weights_only=True)["optimizer_state_dict"]
+        assert type(z["partition_count"]) is int and z["partition_count"] == 2
+        loaded, loaded_state = ck.load_zero3(tmp_path / str(i), opt, params, mp_rank=count(1))[:2]
+        assert _bits_equal(loaded, params) and _bits_equal(loaded_state, state)
+    for kwargs, pattern in (({"mp_rank": True}, r"save_zero3: mp_rank = True is invalid; expected an integer >= 0"),
+                            ({"dp_world_size": 2.0}, r"save_zero3: dp_world_size = 2.0 is invalid; expected an "
+                                                     r"integer >= 1 .*got float"),
+                            ({"dp_world_size": np.int64(0)}, r"dp_world_size = .*0.* is invalid; .*got int64")):
+        with pytest.raises(ck.CheckpointError, match=pattern):
+            ck.save_zero3(tmp_path / "bad", opt, params, state, HP, deepspeed_objects=False, **kwargs)
+        assert not (tmp_path / "bad").exists()
+    for bad in (1.5, "1", True, -1):
+        with pytest.raises(ck.CheckpointError, match=r"mp_rank = .* is invalid; expected an integer >= 0"):
+            ck.load_zero3(tmp_path / "want", opt, params, mp_rank=bad)
+        with pytest.raises(ck.CheckpointError, match=r"mp_rank = .* is invalid; expected an integer >= 0"):
+            ck.load_zero3_loss_scaler(tmp_path / "want", mp_rank=bad)

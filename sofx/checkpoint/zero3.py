@@ -57,7 +57,7 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, Ch
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.base import as_number
+from sofx.kernels.base import as_number, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
                              StaticScaleState, check_state, deepspeed_scaler, static_scale)
 
@@ -146,9 +146,9 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     """
     if not isinstance(opt, Adam):
         raise CheckpointError(f"save_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
-    if not isinstance(dp_world_size, int) or dp_world_size < 1 or not isinstance(mp_rank, int) or mp_rank < 0:
-        raise CheckpointError(f"save_zero3: dp_world_size must be >= 1 and mp_rank >= 0, got {dp_world_size}, "
-                              f"{mp_rank}")
+    # Python ints (numpy's were refused; a bool was taken, into file names and partition_count)
+    dp_world_size = integer("save_zero3: dp_world_size", dp_world_size, 1, CheckpointError)
+    mp_rank = integer("save_zero3: mp_rank", mp_rank, 0, CheckpointError)
     if not isinstance(state, AdamState):
         raise CheckpointError(f"save_zero3: expected an AdamState, got {type(state).__name__}")
     if isinstance(loss_scaler, tuple):
@@ -419,6 +419,7 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     """
     if not isinstance(opt, Adam):
         raise CheckpointError(f"load_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
+    mp_rank = integer("load_zero3: mp_rank", mp_rank, 0, CheckpointError)  # (1.5 raised a ValueError from a format)
     directory = os.fspath(directory)
     files, _ = _find_files(directory, mp_rank, bf16)
     p_leaves, spec = tree.flatten(params)
@@ -492,6 +493,7 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
     least values, a minimum above the scale) raises :class:`~sofx.checkpoint.CorruptCheckpointError`."""
     if growth_rule not in GROWTH_RULES:
         raise HParamError(f"growth_rule = {growth_rule!r}; expected one of {GROWTH_RULES}")
+    mp_rank = integer("load_zero3_loss_scaler: mp_rank", mp_rank, 0, CheckpointError)
     directory = os.fspath(directory)
     files, _ = _find_files(directory, mp_rank, bf16)
     top = _torch_load(files[0])
