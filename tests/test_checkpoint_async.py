@@ -234,3 +234,15 @@ def test_async_saver_commits_in_order(tmp_path, rng):
     assert last["i"] == 5 and torch.equal(last["x"], x)
     other = ck.save_async(tmp_path / "chain.ckpt", {"i": 0}, after=handles[-1])
     assert other.wait(30).endswith("chain.ckpt")
+
+
+def test_max_pending_given_as_numpy_is_an_int_and_a_bool_or_float_is_refused():
+    """AsyncSaver(max_pending=np.int64(2)) was refused as no integer; it is read as the int 2."""
+    np = pytest.importorskip("numpy")
+    for count in (np.int64(2), torch.tensor([2])):
+        saver = ck.AsyncSaver(max_pending=count)
+        assert saver.max_pending == 2 and type(saver.max_pending) is int
+    for bad, kind in ((True, "bool"), (2.0, "float"), ("2", "str")):
+        with pytest.raises(ck.CheckpointError, match=r"AsyncSaver: max_pending = .* is invalid; expected an integer "
+                                                     r">= 1 .*got " + kind):
+            ck.AsyncSaver(max_pending=bad)

@@ -28,6 +28,7 @@ from typing import Any
 from sofx.checkpoint import io
 from sofx.checkpoint.codec import EncodedTree
 from sofx.checkpoint.errors import CheckpointError
+from sofx.kernels.base import integer
 
 __all__ = ["SaveHandle", "save_async", "AsyncSaver"]
 
@@ -109,10 +110,9 @@ class AsyncSaver:
     """
 
     def __init__(self, max_pending: int | None = None) -> None:
-        if max_pending is not None and (isinstance(max_pending, bool) or not isinstance(max_pending, int)
-                                        or max_pending < 1):
-            raise CheckpointError(f"AsyncSaver: max_pending = {max_pending!r}; expected an integer >= 1 or None")
-        self.max_pending = max_pending
+        # a Python int (numpy's was refused)
+        self.max_pending = None if max_pending is None else integer("AsyncSaver: max_pending", max_pending, 1,
+                                                                    CheckpointError)
         self._pending: list[SaveHandle] = []
         self._lock = threading.Lock()  # guards _pending (wait() takes it too)
         # One save at a time counts the running ones and starts its own: two threads' saves both passed a
