@@ -89,7 +89,6 @@ import dataclasses
 import functools
 import hashlib
 import math
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -98,6 +97,7 @@ import torch
 
 from sofx import tree
 from sofx.errors import SofxError
+from sofx.kernels.base import as_integer, integer
 from sofx.kernels.donation import unwritable
 
 __all__ = [
@@ -613,8 +613,7 @@ def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
     of elements before the block's midpoint and ``N`` the total; owners never
     decrease with ``i``. A rank may own no block (more ranks than blocks).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise SofxError(f"world_size = {world_size!r}; expected an int >= 1")
+    world_size = integer("partition_blocks: world_size", world_size, 1, SofxError)  # numpy's too, as an int
     sizes = [int(s) for s in sizes]
     if any(s < 0 for s in sizes):
         raise SofxError(f"block sizes must be >= 0, got {sizes}")
@@ -651,16 +650,21 @@ class Shard:
     spec: tree.TreeSpec
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
+        # Python ints (numpy's too): a float rank or world size was taken (0.5 as rank 0 by shard_blocks' int())
+        world_size = integer("Shard: world_size", self.world_size, 1, SofxError)
+        rank = integer("Shard: rank", self.rank, 0, SofxError)
+        if not rank < world_size:
             raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
         if len(self.owners) != self.spec.num_leaves:
             raise SofxError(f"owners has {len(self.owners)} entries, the params tree has {self.spec.num_leaves} leaves")
-        bad = [o for o in self.owners if isinstance(o, bool) or not (isinstance(o, int) and 0 <= o < self.world_size)]
+        owners = [as_integer(o) for o in self.owners]
+        bad = [o for o, r in zip(self.owners, owners) if r is None or not 0 <= r < world_size]
         if bad:
             raise SofxError(f"owners must be ranks in [0, {self.world_size}), got {bad[0]!r}")
         # one form on every rank (a list or a tuple of the same ranks describe the same shard: the ranks compare
         # their owners in the layout check)
-        object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
+        for name, value in (("rank", rank), ("world_size", world_size), ("owners", tuple(owners))):
+            object.__setattr__(self, name, value)
 
     @property
     def owned(self) -> tuple[int, ...]:
@@ -927,12 +931,15 @@ def _build_shard(params: Any, owners: Sequence[int] | None, rank: int, world_siz
         if not isinstance(x, torch.Tensor):
             raise SofxError(f"shard_blocks: {path} is a {type(x).__name__}; expected a tensor (a meta tensor "
                             "describes a leaf without its data)")
+    # checked before they are used (int() took rank=0.5 as 0, world_size="2" as 2)
+    world_size = integer("shard_blocks: world_size", world_size, 1, SofxError)
+    rank = integer("shard_blocks: rank", rank, 0, SofxError)
     if owners is None:
         owners = partition_blocks([math.prod(x.shape) for x in leaves], world_size)
-    bad = [o for o in owners if isinstance(o, bool) or not isinstance(o, numbers.Integral)]
+    bad = [o for o in owners if as_integer(o) is None]
     if bad:
         raise SofxError(f"shard_blocks: owners must be ranks (ints), got {bad[0]!r}")
-    return Shard(int(rank), int(world_size), tuple(int(o) for o in owners), spec)
+    return Shard(rank, world_size, tuple(owners), spec)
 
 
 def _shard_entries(shard: Shard, params: Any) -> dict[str, str]:

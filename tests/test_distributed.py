@@ -888,3 +888,35 @@ def test_the_refusal_error_survives_pickling():
 
     err = pickle.loads(pickle.dumps(sd.RankRefusedError("rank 2 refused", [2])))
     assert isinstance(err, sofx.SofxError) and str(err) == "rank 2 refused" and err.ranks == (2,)
+
+
+def test_ranks_and_world_sizes_given_as_numpy_are_ints_and_floats_or_bools_are_refused():
+    """shard_blocks(rank=0.5, world_size=2) was taken as rank 0 (int() truncated it), world_size="2" as 2 and
+    rank=True as 1; partition_blocks refused np.int64(2) and Shard np.int64 owners. numpy and 1-element tensor
+    ranks are read as ints; floats, bools and strings are refused naming the argument."""
+    np = pytest.importorskip("numpy")
+    from sofx.distributed import Shard
+
+    params = _params()
+    n = len(sofx.tree.flatten(params)[0])
+    want = sd.shard_blocks(params, rank=1, world_size=2)
+    for count in (np.int64, lambda x: torch.tensor([x])):
+        shard = sd.shard_blocks(params, rank=count(1), world_size=count(2))
+        assert shard == want and (type(shard.rank), type(shard.world_size)) == (int, int)
+        assert sd.partition_blocks([10, 10], count(2)) == (0, 1)
+        got = Shard(count(1), count(2), [count(o) for o in want.owners], want.spec)
+        assert got == want and all(type(o) is int for o in got.owners)
+    assert sd.shard_blocks(params, owners=[np.int64(0)] * n, rank=0, world_size=2).owners == (0,) * n
+    for kwargs, pattern in (({"rank": 0.5, "world_size": 2}, r"shard_blocks: rank = 0.5 is invalid; .*got float"),
+                            ({"rank": True, "world_size": 2}, r"shard_blocks: rank = True is invalid; .*got bool"),
+                            ({"rank": 0, "world_size": "2"}, r"shard_blocks: world_size = '2' is invalid; .*got str"),
+                            ({"rank": 0, "world_size": 2.0, "owners": [0] * n},
+                             r"shard_blocks: world_size = 2.0 is invalid; expected an integer >= 1")):
+        with pytest.raises(sofx.SofxError, match=pattern):
+            sd.shard_blocks(params, **kwargs)
+    with pytest.raises(sofx.SofxError, match=r"partition_blocks: world_size = True is invalid"):
+        sd.partition_blocks([1, 2], True)
+    with pytest.raises(sofx.SofxError, match=r"Shard: rank = 0.0 is invalid; expected an integer >= 0"):
+        Shard(0.0, 2, want.owners, want.spec)
+    with pytest.raises(sofx.SofxError, match=r"owners must be ranks in \[0, 2\), got 1.0"):
+        Shard(0, 2, (0,) * (n - 1) + (1.0,), want.spec)
