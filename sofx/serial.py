@@ -56,7 +56,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
-from sofx.kernels.base import as_number, positive_number
+from sofx.kernels.base import as_number, is_bool, positive_number, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
@@ -158,11 +158,16 @@ def check_max_norm(max_norm: Any) -> float | None:
 
 def check_scale(name: str, s: Any) -> float:
     """A loss scale as a float: finite and >= 0 (a scale of 0, which GradScaler reaches after many
-    overflows in a row, is not refused: the step is an overflow, see :func:`can_unscale`)."""
-    s = as_number(s)
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s >= 0):
-        raise HParamError(f"{name} = {s!r} is invalid; expected a finite number >= 0")
-    return float(s)
+    overflows in a row, is not refused: the step is an overflow, see :func:`can_unscale`). A numpy number or a
+    1-element tensor is read as its number (:func:`~sofx.kernels.base.real_number`)."""
+    x = real_number(s)
+    try:
+        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not (math.isfinite(f) and f >= 0):
+        raise HParamError(f"{name} = {s!r:.80} is invalid; expected a finite number >= 0, got {type(s).__name__}")
+    return f
 
 
 def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:

@@ -980,3 +980,24 @@ def test_policy_and_config_counts_given_as_numpy_or_tensors_are_read_as_python_n
         with pytest.raises(sofx.HParamError, match=r"snapshot_budget_bytes = .* is invalid; expected an integer >= 0 "
                                                    r".*got " + kind):
             sp.SpeculationConfig(snapshot_budget_bytes=budget)
+
+
+def test_a_numpy_or_tensor_backward_scale_is_its_number(rng):
+    """backward_scale=np.float32(2 ** 17) was refused as "backward_scale = 131072.0 is invalid; expected a finite
+    number >= 0" (a valid value, refused for its type), and so was a 1-element tensor; both are read as the float,
+    and speculation runs as with it. A bool, a string, an int beyond the float range or a negative scale is
+    refused naming the value and its type."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adam(lr=1e-2, weight_decay=0.01)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    want, _ = _both(opt, params, grads, state, config=sp.SpeculationConfig(), backward_scale=S16 * 2)
+    for scale in (np.float32(S16 * 2), torch.tensor([S16 * 2]), np.int64(S16 * 2)):
+        spec, _ = _both(opt, params, grads, state, config=sp.SpeculationConfig(), backward_scale=scale)
+        assert spec.report == want.report and all(torch.equal(a, b) for a, b in zip(spec.params, want.params))
+    rule = loss_scale.grad_scaler()
+    for bad, kind in ((True, "bool"), ("2", "str"), (10 ** 400, "int"), (np.float32(-1.0), "float32"),
+                      (torch.ones(2), "Tensor")):
+        with pytest.raises(sofx.HParamError, match=r"backward_scale = .* is invalid; expected a finite number >= 0, "
+                                                   r"got " + kind):
+            sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=4, backward_scale=bad)
