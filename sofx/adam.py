@@ -54,8 +54,8 @@ from sofx.errors import HParamError, LeafError, SnapshotLimitError, UndoError, U
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
-                               MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number, is_number,
-                               is_traced, leaf_tracer, any_lossy, write_param_copy)
+                               MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_integer, as_number,
+                               is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, chunk_ranges,
                                strategy_snapshot_bytes)
@@ -218,7 +218,7 @@ class Adam:
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
-        _validate_snapshot_limit(snapshot_limit_bytes)
+        snapshot_limit_bytes = _validate_snapshot_limit(snapshot_limit_bytes)
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
@@ -1012,9 +1012,15 @@ def _validate_undoable(undoable: Any) -> None:
         raise UnsupportedError(f"undoable = {undoable!r}; expected True or False")
 
 
-def _validate_snapshot_limit(limit: Any) -> None:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+def _validate_snapshot_limit(limit: Any) -> int | None:
+    """``limit`` as a Python int (numpy's and 1-element integer tensors too), or None; a bool, a float or a
+    negative number is refused."""
+    if limit is None:
+        return None
+    n = as_integer(limit)
+    if n is None or n < 0:
         raise UnsupportedError(f"snapshot_limit_bytes = {limit!r}; expected None or an integer >= 0")
+    return n
 
 
 def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamScalars, str, str] | None],

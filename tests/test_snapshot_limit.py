@@ -132,6 +132,22 @@ def test_a_snapshot_planned_before_the_step_is_refused_before_anything_is_comput
     assert rec.snapshot_bytes() == need
 
 
+def test_a_numpy_or_tensor_limit_is_its_int() -> None:
+    """snapshot_limit_bytes=np.int64(need) was refused as "expected None or an integer >= 0"; it is read as the
+    int, the limit it gives is that int's (one byte less refuses the step)."""
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(2)
+    opt = sofx.adamw(lr=1e-2, betas=(0.0, 0.999))  # every record a snapshot: its size known before the step
+    params, state = _warm(opt, gen, steps=3)
+    grads = [torch.randn(n, generator=gen) for n in SIZES]
+    need = _full_snapshot(0) + _full_snapshot(1)
+    for count in (np.int64, lambda x: torch.tensor([x])):
+        _, _, rec = opt.update(params, grads, state, snapshot_limit_bytes=count(need))
+        assert rec.snapshot_bytes() == need
+        with pytest.raises(sofx.SnapshotLimitError, match="nothing was changed"):
+            opt.update(params, grads, state, snapshot_limit_bytes=count(need - 1))
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "0"])
 def test_a_bad_limit_is_refused(bad) -> None:
     opt = sofx.adamw()
