@@ -45,7 +45,7 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
-from sofx.kernels.base import is_traced, positive_number
+from sofx.kernels.base import integer, is_traced, positive_number
 
 __all__ = [
     "CLIP_EPS",
@@ -476,8 +476,7 @@ def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay
     leading dimensions not counted (1 for an ensemble's stacked parameters,
     ``torch.func.stack_module_state``).
     """
-    if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
-        raise HParamError(f"batch_dims = {batch_dims!r}; expected an integer >= 0")
+    batch_dims = integer("batch_dims", batch_dims, 0)  # numpy's too, as a Python int
 
     def rule(path: str, p: torch.Tensor) -> str:
         return no_decay if p.dim() - batch_dims < 2 or _names_bias_or_norm(path) else decay

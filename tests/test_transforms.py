@@ -219,6 +219,18 @@ def test_no_decay_names_are_whole_names():
     assert tx.no_decay_labels(stacked)["1.weight"] == "decay"
 
 
+def test_no_decay_batch_dims_given_as_numpy_is_an_int_and_a_float_or_bool_is_refused():
+    """no_decay_labels(batch_dims=np.int64(1)) was refused as "expected an integer >= 0"; it is read as the int."""
+    np = pytest.importorskip("numpy")
+    stacked = {"0.weight": torch.zeros(4, 3, 2), "1.weight": torch.zeros(4, 3)}
+    want = tx.no_decay_labels(stacked, batch_dims=1)
+    for count in (np.int64(1), torch.tensor([1])):
+        assert tx.no_decay_labels(stacked, batch_dims=count) == want
+    for bad, kind in ((1.0, "float"), (True, "bool"), (-1, "int"), ("1", "str")):
+        with pytest.raises(HParamError, match=r"batch_dims = .* is invalid; expected an integer >= 0 .*got " + kind):
+            tx.no_decay_labels(stacked, batch_dims=bad)
+
+
 def test_param_groups_no_decay_on_biases_and_norms_equals_torch_groups(rng):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
