@@ -79,6 +79,17 @@ def test_a_bad_request_is_refused(bad):
     assert native_thread_request() == torch.get_num_threads()
 
 
+def test_a_numpy_or_tensor_request_is_its_int():
+    """started_threads(np.int64(2)) was refused as "expected an int >= 1"; it is read as the int 2."""
+    np = pytest.importorskip("numpy")
+    for n in (np.int64(2), torch.tensor([2])):
+        with started_threads(n):
+            assert native_thread_request() == -2 and type(native_thread_request()) is int
+    with pytest.raises(ValueError, match="started_threads"):
+        with started_threads(np.float64(2.0)):
+            pass
+
+
 def test_the_calling_thread_runs_only_its_share():
     """Three started threads on one block: the calling thread's CPU time is about a third of the process's
     (one thread, i.e. a request the native code ignored, would take all of it). In a fresh process whose

@@ -24,6 +24,8 @@ from typing import Iterator
 
 import torch
 
+from sofx.kernels.base import as_integer
+
 __all__ = ["started_threads", "native_thread_request"]
 
 _STARTED: contextvars.ContextVar[int] = contextvars.ContextVar("sofx_started_threads", default=0)
@@ -31,10 +33,12 @@ _STARTED: contextvars.ContextVar[int] = contextvars.ContextVar("sofx_started_thr
 
 @contextlib.contextmanager
 def started_threads(n: int) -> Iterator[None]:
-    """Run this context's native CPU kernel calls on ``n >= 1`` threads started (and joined) per call."""
-    if type(n) is not int or n < 1:
+    """Run this context's native CPU kernel calls on ``n >= 1`` threads started (and joined) per call (a numpy
+    integer or a 1-element integer tensor too, read as a Python int)."""
+    count = as_integer(n)
+    if count is None or count < 1:
         raise ValueError(f"started_threads: expected an int >= 1, got {n!r}")
-    token = _STARTED.set(n)
+    token = _STARTED.set(count)
     try:
         yield
     finally:
