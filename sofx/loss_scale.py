@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX, as_number, is_bool, positive_number, real_number
+from sofx.kernels.base import FLOAT32_MAX, as_number, integer, is_bool, positive_number, real_number
 
 __all__ = [
     "LossScaler",
@@ -140,16 +140,6 @@ def _flag(name: str, value: bool) -> bool:
     return bool(value)
 
 
-def _count(name: str, value: int, minimum: int = 1) -> int:
-    """``value`` as a Python int >= ``minimum`` (:func:`~sofx.kernels.base.real_number`: numpy, a 1-element
-    tensor), else an :class:`HParamError` naming ``name``."""
-    x = real_number(value)
-    if not isinstance(x, numbers.Integral) or is_bool(x) or x < minimum:
-        raise HParamError(f"{name} = {value!r} is invalid; expected an integer >= {minimum}, got "
-                          f"{type(value).__name__}")
-    return int(x)
-
-
 def check_state_kind(state: Any, expected: type) -> None:
     """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (the rules'
     ``scale`` and ``update``, and :func:`sofx.serial.loss_scale_of` for a loop's ``scaler_state``)."""
@@ -197,7 +187,7 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
         raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number >= 0, got "
                           f"{type(state.scale).__name__}")
     for name, low in least.items():
-        _count(f"{where}[{name!r}]", getattr(state, name), low)
+        integer(f"{where}[{name!r}]", getattr(state, name), low)
 
 
 @dataclass(frozen=True)
@@ -218,7 +208,7 @@ class GradScalerRule:
         if not backoff_factor < 1:
             raise HParamError(f"backoff_factor = {self.backoff_factor!r} is invalid; expected 0 < backoff < 1")
         _store(self, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-               growth_interval=_count("growth_interval", self.growth_interval))
+               growth_interval=integer("growth_interval", self.growth_interval, 1))
 
     def init(self) -> GradScalerState:
         """``S = init_scale`` rounded to float32, no clean step counted yet."""
@@ -269,8 +259,8 @@ class DynamicLossScaleRule:
         if not scale_factor > 1:
             raise HParamError(f"scale_factor = {self.scale_factor!r} is invalid; expected > 1")
         _store(self, init_scale=init_scale, min_scale=min_scale, scale_factor=scale_factor,
-               scale_window=_count("scale_window", self.scale_window),
-               delayed_shift=_count("delayed_shift (hysteresis)", self.delayed_shift),
+               scale_window=integer("scale_window", self.scale_window, 1),
+               delayed_shift=integer("delayed_shift (hysteresis)", self.delayed_shift, 1),
                consecutive_hysteresis=_flag("consecutive_hysteresis", self.consecutive_hysteresis),
                raise_error_at_min_scale=_flag("raise_error_at_min_scale", self.raise_error_at_min_scale))
 
