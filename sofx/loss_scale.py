@@ -183,7 +183,11 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     if least is None:
         return
     scale = real_number(state.scale)  # (torch's GradScaler keeps a 0-d tensor; numpy numbers come from files)
-    if not isinstance(scale, numbers.Real) or is_bool(scale) or not (math.isfinite(scale) and scale >= 0):
+    try:
+        ok = isinstance(scale, numbers.Real) and not is_bool(scale) and math.isfinite(scale) and scale >= 0
+    except OverflowError:  # an int beyond the float range
+        ok = False
+    if not ok:
         raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number >= 0, got "
                           f"{type(state.scale).__name__}")
     for name, low in least.items():

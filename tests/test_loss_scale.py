@@ -333,3 +333,14 @@ def test_rule_fields_given_as_tensors_or_numpy_are_stored_as_python_numbers(make
             assert state == want_state and all(type(x) in (float, int) for x in state), state
         assert rule == want
         assert all(type(getattr(rule, f.name)) in (float, int, bool, str) for f in dataclasses.fields(rule))
+
+
+def test_a_state_scale_beyond_the_float_range_is_refused_as_invalid():
+    """A state whose scale is an int no float holds (a corrupted file's) raised an OverflowError from
+    math.isfinite; it is refused as every other invalid scale, naming the field."""
+    for rule, state in ((ls.grad_scaler(), ls.GradScalerState(10 ** 400, 0)),
+                        (ls.deepspeed_scaler(), ls.DynamicLossScaleState(10 ** 400, 0, -1, 2))):
+        with pytest.raises(HParamError, match=r"scaler_state\['scale'\] = \d+ is invalid; expected a finite number "
+                                              r">= 0, got int"):
+            rule.update(state, False)
+    assert ls.grad_scaler().update(ls.GradScalerState(2 ** 1000, 0), False).scale == 2 ** 1000  # a float holds it
