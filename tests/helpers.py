@@ -233,3 +233,33 @@ def run_gloo(worker, world: int, directory, timeout_s: float = 120.0) -> list:
                     p.kill()
             pytest.fail(f"the {world} ranks did not finish within {timeout_s} s (a rank hangs in a collective)")
     return [torch.load(directory / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def run_gloo_cases(cases: dict, world: int, directory, timeout_s: float = 120.0) -> list[dict]:
+    """:func:`run_gloo` of ``cases`` (name -> ``case(rank)``, module-level functions returning what to keep):
+    every rank runs them in order on one gloo group (10 s timeout), each followed by an all-reduce that shows
+    the group still works, and saves ``{name: result}``."""
+    import functools
+
+    return run_gloo(functools.partial(_run_cases, cases), world, directory, timeout_s)
+
+
+def _run_cases(cases: dict, rank: int, world: int, store: str, outdir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from sofx import distributed as sd
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        results = {}
+        for name, case in cases.items():
+            results[name] = case(rank)
+            sd.all_reduce_mean_({"after": torch.ones(1)})  # the group still works
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

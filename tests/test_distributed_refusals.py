@@ -9,16 +9,13 @@ group timeout, and is killed if it does not finish in time: a hang fails the tes
 
 from __future__ import annotations
 
-import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sofx
 from sofx import distributed as sd
-from helpers import run_gloo
+from helpers import run_gloo_cases
 
 BAD = 1
 FULL = {"p": torch.ones(3), "q": torch.ones(4)}  # 2 ranks: rank 0 owns p, rank 1 owns q
@@ -100,23 +97,9 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "meta_gradient": _meta_gradient, "unknown_keyword": _unknown_keyword, "not_a_number": _not_a_number}
 
 
-def _worker(rank: int, world: int, store: str, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
-    try:
-        results = {}
-        for name, case in CASES.items():
-            results[name] = case(rank)
-            sd.all_reduce_mean_({"after": torch.ones(1)})  # the group still works
-        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo(_worker, 2, tmp_path_factory.mktemp("refusals"), timeout_s=90)
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("refusals"), timeout_s=90)
 
 
 def _assert_unchanged(got: dict, want: dict) -> None:

@@ -13,18 +13,15 @@ fails the test instead of blocking it.
 
 from __future__ import annotations
 
-import datetime
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sofx
 from sofx import AdamHParams, loss_scale
 from sofx import distributed as sd
 from sofx import speculate as sp
-from helpers import run_gloo
+from helpers import run_gloo_cases
 
 BAD = 1
 HINT = "every rank must build its shard from params of the same structure, dtypes and shapes, with the same owners"
@@ -115,23 +112,9 @@ def _check_same_setup(rank: int) -> dict:
 CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup}
 
 
-def _worker(rank: int, world: int, store: str, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
-    try:
-        results = {}
-        for name, case in CASES.items():
-            results[name] = case(rank)
-            sd.all_reduce_mean_({"after": torch.ones(1)})  # the group still works
-        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo(_worker, 2, tmp_path_factory.mktemp("setup"), timeout_s=90)
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("setup"), timeout_s=90)
 
 
 def _refused_on_every_rank(ranks: list[dict], case: str, key: str, own: str) -> None:
