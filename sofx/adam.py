@@ -191,9 +191,12 @@ class Adam:
 
         With ``undo="auto"`` a leaf's record also keeps old values where its
         gradient dominates its second moment somewhere (a spike, a rarely
-        updated row of an embedding): the algebraic inverse would restore
-        ``v`` and ``m`` less exactly than DESIGN.md's 1e-6 there (a gradient
-        1000x the ones before it left ``v`` 62% off). The test,
+        updated row of an embedding), a second moment of 0 included (a row
+        no token has used yet, given its first gradient): the algebraic
+        inverse would restore ``v`` and ``m`` less exactly than DESIGN.md's
+        1e-6 there (a gradient 1000x the ones before it left ``v`` 62% off).
+        Not on a leaf's first step from all-zero moments, whose undo restores
+        the zeros exactly (nothing kept for it). The test,
         :func:`sofx.kernels.base.lossy_elements`, runs in the CPU and Triton kernels'
         checked step (a chunk at a time, as above, also with
         ``grads_finite=True``), elsewhere as a pass before the step.
@@ -370,7 +373,7 @@ class Adam:
         fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
-        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip), rec
+        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip, zero_moments=fresh), rec
 
     def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                    copy: torch.Tensor | None = None,

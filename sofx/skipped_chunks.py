@@ -8,7 +8,9 @@ the functions here copy them out (a ``"chunk_snapshot"`` record, :mod:`sofx.undo
 skipped chunks, which completes exactly the call an unchecked kernel would have made (the same bits). The
 other chunks are undone algebraically, as the test found them sound. Rare but for a few leaves: an
 overflow, a gradient spike, the first steps of a run (a second moment still small by chance), the rows of
-an embedding or output layer that rare tokens update (there a few chunks in ten, every step).
+an embedding or output layer that rare tokens update (there a few chunks in ten, every step), elements whose
+second moment is still 0 given a gradient (a row no token had used: its inverse would keep a leftover of the
+step's rounding). Not a leaf's first step from init (``StepCall.zero_moments``: its undo zeroes the moments).
 """
 
 from __future__ import annotations

@@ -556,7 +556,10 @@ def test_leaves_sharing_hparams_and_count_keep_their_own_strategy(hint):
     grads = {k: torch.randn(40, generator=gen).to(v.dtype) for k, v in params.items()}
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32)
     state = opt.init(params)
-    state = state._replace(count={**state.count, "c": torch.tensor(7)})
+    # c: 7 steps in (moments not zero: a zero v given a gradient would make its step lossy to invert)
+    state = sofx.AdamState({**state.count, "c": torch.tensor(7)},
+                           {**state.mu, "c": 0.1 * torch.randn(40, generator=gen)},
+                           {**state.nu, "c": 1.0 + torch.rand(40, generator=gen)})
     _, _, record = opt.update(params, grads, state, grads_finite=hint)
     assert record.strategies() == ["algebraic", "param_snapshot", "algebraic"]
     assert [rec.scalars.step for rec in record.leaves] == [1, 1, 8]

@@ -883,6 +883,7 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
         flags = torch.zeros(-(-p.numel() // FINITE_CHUNK), dtype=torch.uint8)
         pc, mc, vc = p.clone(), m.clone(), v.clone()
         mc[7 * FINITE_CHUNK + 3] = float("-inf")
+        vc[2 * FINITE_CHUNK:] += 1.0  # sound past the first two chunks (an undone v of 0 with a gradient is not)
         return (*backend.undo_redo_many([UndoRedoCall(pc, mc, vc, g, s, bad2, s._replace(grad_scale=0.3), None,
                                                       (pc, mc, vc), None, flags)], VARIANTS[1])[0], flags)
 
@@ -947,6 +948,45 @@ def test_another_build_flags_what_lossy_elements_finds_with_a_lossy_factor_of_0(
                 else:
                     backend.step_many([StepCall(p, g, m, v, s, None, None, flags)], variant)
                 assert flags.tolist() == want.to(torch.uint8).tolist()
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_another_build_flags_a_zero_v_with_a_gradient(dtypes, other_build, rng, monkeypatch):
+    """The other builds' checked step and undo+redo flag a zero v (an undone one of 0) given a nonzero effective
+    gradient, as lossy_elements (its inverse keeps a leftover of the step's rounding), and not one without,
+    nor one of a step with zero_moments (a leaf's first step from init); their vector loops as they read the
+    next chunk, cpu's AVX2 loops without a square-root replica in a pass per chunk."""
+    from sofx.kernels import _cpu_build
+
+    n = 5 * FINITE_CHUNK + 1003
+    p, g, m, v = block_inputs(rng, n, *dtypes, sound=True)
+    g_old = g.clone()
+    for i in (FINITE_CHUNK, 2 * FINITE_CHUNK + 2049, 4 * FINITE_CHUNK - 1, n - 2):  # chunks 1, 2, 3, 5
+        v[i] = g_old[i] = 0.0  # (the undone step added nothing there: its undone v is 0)
+    for t in (p, g, m, v, g_old):
+        t[4 * FINITE_CHUNK:5 * FINITE_CHUNK] = 0.0  # no effective gradient in either mode
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
+    s_old = s._replace(step=49, grad_scale=1.0, weight_decay=0.01)
+    zeros = torch.zeros_like(v)
+    g_inf = g.clone()
+    g_inf[3 * FINITE_CHUNK + 9] = float("inf")
+    monkeypatch.setattr(_cpu_build, "_loaded", [other_build])
+    for variant in (VARIANTS[0], VARIANTS[2]):  # AdamW, Adam
+        d = variant.decoupled
+        cases = [(lossy_elements(p, g, v, s, d, m=m), [0, 1, 1, 1, 0, 1],
+                  lambda f: StepCall(p, g, m, v, s, None, None, f)),
+                 (lossy_elements(p, g, v, s, d, g_old, s_old, m=m), [0, 1, 1, 1, 0, 1],
+                  lambda f: UndoRedoCall(p, m, v, g_old, s_old, g, s, None, None, None, f)),
+                 (lossy_elements(p, g_inf, zeros, s, d, m=zeros, zero_moments=True) | beyond_limit(g_inf, 0.5),
+                  [0, 0, 0, 1, 0, 0], lambda f: StepCall(p, g_inf, zeros, zeros, s, None, None, f, True))]
+        for bad, expected, call in cases:
+            want = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(1)
+            assert want.to(torch.uint8).tolist() == expected
+            for backend in (cpu, cpu_fast):
+                flags = torch.zeros(len(want), dtype=torch.uint8)
+                c = call(flags)
+                (backend.step_many if isinstance(c, StepCall) else backend.undo_redo_many)([c], variant)
+                assert flags.tolist() == expected
 
 
 def test_another_build_gives_the_same_bits_for_nans_and_infinities_in_bf16(other_build, rng, monkeypatch):

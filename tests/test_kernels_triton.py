@@ -445,8 +445,8 @@ else:
                 g[i] = float("inf")
             elif what == "nan_v":
                 v[i] = float("nan")
-            elif what == "inf_p":  # where v is 0: flagged in L2 mode (an inf effective gradient)
-                p[i], v[i] = float("inf"), 0.0
+            elif what == "inf_p":  # where v is 0, no gradient: flagged in L2 mode (an inf effective gradient)
+                p[i], v[i], g[i] = float("inf"), 0.0, 0.0
             else:
                 m[i] = float("inf")
         return p, g, m, v
@@ -508,6 +508,55 @@ else:
             skip.zero_()
             tk.undo_redo_many([UndoRedoCall(p, m, v, g, s_old, g2, s, None, None, None, skip)], variant)
             assert skip.tolist() == want_redo
+
+    @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+    def test_checked_calls_flag_a_zero_v_with_a_gradient(dtypes, rng):
+        """A zero v (an undone one of 0) given a nonzero effective gradient is flagged, as lossy_elements finds
+        it (its inverse keeps a leftover of the step's rounding), in a checked step and undo+redo; not one
+        without, nor one of a step with zero_moments (a leaf's first step from init) but for an inf gradient."""
+        n = CHECK_SIZES[-1]
+        p, g, m, v = block_inputs(rng, n, *dtypes, sound=True)
+        g_old = g.clone()
+        for i in (FINITE_CHUNK + 7, n - 1):  # the middle and the last chunk
+            v[i] = g_old[i] = 0.0  # (the undone step added nothing there: its undone v is 0)
+        for t in (p, g, m, v, g_old):
+            t[:FINITE_CHUNK] = 0.0  # no effective gradient in either mode
+        s = block_scalars(rng, 0.1, 0.5)
+        s_old = s._replace(step=s.step + 1, grad_scale=1.0, weight_decay=0.01)
+        zeros = torch.zeros_like(v)
+        g_inf = g.clone()
+        g_inf[n - 3] = float("inf")
+        for decoupled in (True, False):
+            variant = AdamVariant(decoupled=decoupled)
+            cases = [(lossy_elements(p, g, v, s, decoupled, m=m), [0, 1, 1],
+                      lambda f: StepCall(p, g, m, v, s, None, None, f)),
+                     (lossy_elements(p, g, v, s, decoupled, g_old, s_old, m=m), [0, 1, 1],
+                      lambda f: UndoRedoCall(p, m, v, g_old, s_old, g, s, None, None, None, f)),
+                     (lossy_elements(p, g_inf, zeros, s, decoupled, m=zeros, zero_moments=True)
+                      | beyond_limit(g_inf, s.grad_scale), [0, 0, 1],
+                      lambda f: StepCall(p, g_inf, zeros, zeros, s, None, None, f, True)),
+                     (lossy_elements(p, g, zeros, s, decoupled, m=zeros), [0, 1, 1],  # (not told: flagged)
+                      lambda f: StepCall(p, g, zeros, zeros, s, None, None, f))]
+            for bad, expected, call in cases:
+                assert _chunk_any(bad) == expected
+                skip = torch.zeros(3, dtype=torch.uint8)
+                c = call(skip)
+                (tk.step_many if isinstance(c, StepCall) else tk.undo_redo_many)([c], variant)
+                assert skip.tolist() == expected
+
+    def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
+        """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags
+        nothing, the record keeps nothing and its undo gives the init state back."""
+        import sofx
+        opt = sofx.adamw(lr=1e-2, backend="triton")
+        params = {"a": torch.randn(2 * FINITE_CHUNK + 100, generator=rng), "b": torch.randn(300, generator=rng)}
+        grads = {k: torch.randn(p.shape, generator=rng) for k, p in params.items()}
+        init = opt.init(params)
+        p1, s1, rec = opt.update(sofx.tree.tree_map(torch.clone, params), grads, init, donate=True)
+        assert rec.strategies() == ["algebraic", "algebraic"] and rec.snapshot_bytes() == 0
+        assert all(leaf.moments_were_zero for leaf in rec.leaves)
+        _, s0 = opt.undo(p1, s1, rec)
+        assert all(not bool(t.any()) for t in sofx.tree.flatten((s0.mu, s0.nu, s0.count))[0])
 
     @pytest.mark.parametrize("has_p_old", [False, True])
     @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])

@@ -40,15 +40,17 @@ def test_lossy_factor_is_the_tighter_of_the_two_bounds():
 
 def test_lossy_elements_by_hand():
     s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 10, 1.0)
-    v = torch.tensor([1.0, 1.0, 0.0, float("nan"), 1e-6, float("inf")])
-    g = torch.tensor([50.0, 60.0, 1e6, 0.0, 1.0, 1e6])
-    p = torch.zeros(6)
-    # c = (1 - b2) / (3 b2): 50^2 * c = 0.83 <= 1; 60^2 * c = 1.2 > 1; v = 0 never; nan v always; 1 * c > 1e-6;
-    # inf v never
-    assert lossy_elements(p, g, v, s, True).tolist() == [False, True, False, True, True, False]
+    v = torch.tensor([1.0, 1.0, 0.0, float("nan"), 1e-6, float("inf"), 0.0, 0.0])
+    g = torch.tensor([50.0, 60.0, 1e6, 0.0, 1.0, 1e6, 0.0, 1e-6])
+    p = torch.zeros(8)
+    # c = (1 - b2) / (3 b2): 50^2 * c = 0.83 <= 1; 60^2 * c = 1.2 > 1; v = 0 with a gradient always (its inverse
+    # keeps a leftover of the step's rounding), without one never; nan v always; 1 * c > 1e-6; inf v never
+    assert lossy_elements(p, g, v, s, True).tolist() == [False, True, True, True, True, False, False, True]
+    # a step from zero moments that its undo zeroes (StepCall.zero_moments): a factor of 0, only nan flagged
+    assert lossy_elements(p, g, v, s, True, zero_moments=True).tolist() == [False] * 3 + [True] + [False] * 4
     # L2: the decay term is part of the effective gradient (p * wd = 30)
     s2 = s._replace(weight_decay=1.0)
-    p2 = torch.tensor([30.0, 0, 0, 0, 0, 0])
+    p2 = torch.tensor([30.0, 0, 0, 0, 0, 0, 0, 0])
     assert lossy_elements(p2, g, v, s2, False)[0] and not lossy_elements(p2, g, v, s2, True)[0]
     # the redo of an undo+redo: against the undone v (v' = 1 made mostly of a gradient of 31.6: undone v 1e-3)
     vr = torch.tensor([1.0])
@@ -57,8 +59,8 @@ def test_lossy_elements_by_hand():
 
 
 def _planted(gen, n, combo, where):
-    """Inputs whose steps are sound but at ``where`` (gradient 1000x); also a zero v with a large gradient
-    (not flagged) and a nan v (flagged)."""
+    """Inputs whose steps are sound but at ``where`` (gradient 1000x); also a zero v with no effective gradient
+    (g and p 0: not flagged) in the first chunk."""
     pdt, gdt, sdt = combo
     p = torch.randn(n, generator=gen).to(pdt)
     g = (0.01 * torch.randn(n, generator=gen)).to(gdt)
@@ -66,8 +68,7 @@ def _planted(gen, n, combo, where):
     v = (1e-4 * (1 + torch.rand(n, generator=gen))).to(sdt)
     for i in where:
         g[i % n] = 10.0
-    v[7 % n] = 0.0
-    g[7 % n] = 5.0
+    v[7 % n] = g[7 % n] = p[7 % n] = 0.0
     return p, g, m, v
 
 
@@ -98,6 +99,7 @@ def test_checked_step_flags_the_lossy_chunks(combo, decoupled, backend, rng):
     v[5 * FINITE_CHUNK + 5] = float("nan")
     m[4 * FINITE_CHUNK + 17] = float("-inf")  # a non-finite first moment: its inverse would give a nan p
     p[100], v[100] = float("inf"), 0.0  # an inf parameter where v is 0: in L2 mode an inf effective gradient
+    g[100] = 0.0  # (no gradient: else a zero v is flagged in either mode)
     s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
     bad = lossy_elements(p, g, v, s, decoupled, m=m) | beyond_limit(g, s.grad_scale)
     want = _want_flags(bad, _N)
@@ -134,6 +136,7 @@ def test_checked_undo_redo_flags_against_the_undone_moment(combo, decoupled, wit
     m1[4 * FINITE_CHUNK + 100] = float("nan")  # and a non-finite m'
     p0[200] = p1[200] = float("inf")  # and an inf parameter where v' is 0 (L2: an inf effective gradient)
     v1[200] = 0.0
+    g_new[200] = 0.0  # (no new gradient: else the undone v of 0 is flagged in either mode)
     s_new = s_old._replace(grad_scale=0.25)
     p_old = p0 if with_p_old else None
     bad = lossy_elements(p_old if with_p_old else p1, g_new, v1, s_new, decoupled, g_old, s_old, m=m1)
@@ -149,6 +152,66 @@ def test_checked_undo_redo_flags_against_the_undone_moment(combo, decoupled, wit
         cpu._reference_checked(2, cpu._Block(p1, g_old, m1, v1, g_new, p_old, s_old, s_new, None, None, ref),
                                variant, s_old, s_new)
         assert ref.tolist() == want
+
+
+def _zero_v_planted(gen, combo):
+    """Sound inputs (:func:`_planted`) with a zero v where the vector loops read a chunk (``_WHERE``, each with
+    its gradient) and chunk 5 all zero (v, m, g and p: no effective gradient in L2 mode either)."""
+    p, g, m, v = _planted(gen, _N, combo, [])
+    for i in _WHERE:
+        v[i] = 0.0
+    five = slice(5 * FINITE_CHUNK, 6 * FINITE_CHUNK)
+    for t in (p, g, m, v):
+        t[five] = 0.0
+    return p, g, m, v
+
+
+@native
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(d)[6:] for d in c))
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_checked_calls_flag_a_zero_v_with_a_gradient(combo, decoupled, rng):
+    """A v of 0 (an embedding row no token used yet) given a gradient: its inverse keeps ~1e-7 of v' (the
+    step's and the inverse's roundings of (1 - b2) gh^2 differ), which a heavily clipped redo magnified (v
+    1.2e-3 off). Flagged as lossy_elements finds it, in a checked step and in an undo+redo whose undone v is
+    0; a zero v without an effective gradient is not, nor a step with zero_moments (a leaf's first step from
+    init, whose undo zeroes the moments) but where its gradient is not finite."""
+    variant = AdamVariant(decoupled=decoupled)
+    p, g, m, v = _zero_v_planted(rng, combo)
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 50, 0.5)
+    g_old = g.clone()
+    for i in _WHERE:
+        g_old[i] = 0.0  # the undone step added nothing there: its undone v is 0
+    s_old = s._replace(step=49, grad_scale=1.0, weight_decay=0.01)  # (L2: an undone v near v')
+    want = _want_flags(lossy_elements(p, g, v, s, decoupled, m=m) | beyond_limit(g, s.grad_scale), _N)
+    want_redo = _want_flags(lossy_elements(p, g, v, s, decoupled, g_old, s_old, m=m)
+                            | beyond_limit(g, s.grad_scale), _N)
+    assert want == want_redo == [0, 1, 1, 1, 0, 0, 1]
+    zeros = torch.zeros_like(v)
+    g_inf = g.clone()
+    g_inf[3 * FINITE_CHUNK + 9] = float("inf")
+    want_zero = _want_flags(lossy_elements(p, g_inf, zeros, s, decoupled, m=zeros, zero_moments=True)
+                            | beyond_limit(g_inf, s.grad_scale), _N)
+    assert want_zero == [0, 0, 0, 1, 0, 0, 0]
+    for backend in (cpu, cpu_fast):
+        flags = torch.zeros(len(want), dtype=torch.uint8)
+        backend.step_many([StepCall(p, g, m, v, s, None, None, flags)], variant)
+        assert flags.tolist() == want
+        flags.zero_()
+        backend.undo_redo_many([UndoRedoCall(p, m, v, g_old, s_old, g, s, None, None, None, flags)], variant)
+        assert flags.tolist() == want_redo
+        flags.zero_()
+        backend.step_many([StepCall(p, g_inf, zeros, zeros, s, None, None, flags, zero_moments=True)], variant)
+        assert flags.tolist() == want_zero
+        flags.zero_()  # (without zero_moments every chunk with a gradient)
+        backend.step_many([StepCall(p, g_inf, zeros, zeros, s, None, None, flags)], variant)
+        assert flags.tolist() == [1, 1, 1, 1, 1, 0, 1]
+    for op, block, flags_want in (
+            (0, cpu._Block(p, g, m, v, None, None, s, None, None, None), want),
+            (2, cpu._Block(p, g_old, m, v, g, None, s_old, s, None, None), want_redo),
+            (0, cpu._Block(p, g_inf, zeros, zeros, None, None, s, None, None, None, None, True), want_zero)):
+        ref = torch.zeros(len(want), dtype=torch.uint8)  # the Python form of a checked call (no compiler)
+        cpu._reference_checked(op, block._replace(skip=ref), variant, block.s1, block.s2)
+        assert ref.tolist() == flags_want
 
 
 @native
@@ -179,6 +242,48 @@ def test_checked_steps_flag_what_lossy_elements_finds_with_a_lossy_factor_of_0(c
             flags.zero_()
             backend.undo_redo_many([UndoRedoCall(p, m, v, g, s_old, g2, s, None, None, None, flags)], variant)
             assert flags.tolist() == want_redo
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_first_step_from_init_keeps_no_snapshot(backend, donate):
+    """A leaf's first step from init: every v is 0, but its undo zeroes the moments (moments_were_zero), so
+    no element is lossy (the checked kernels are told so: StepCall.zero_moments). The record keeps nothing,
+    its undo gives the init state back, and its heavily clipped redo is the clipped step; a leaf with a row
+    whose v is still 0 after the first step (no gradient there) flags that row's chunk at its first gradient."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(6)
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    params = {"w": torch.randn(3 * FINITE_CHUNK + 5, generator=gen), "b": torch.randn(37, generator=gen)}
+    grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    grads["w"][FINITE_CHUNK:2 * FINITE_CHUNK] = 0.0  # rows no token has used
+    init = opt.init(params)
+
+    def clone(tree):
+        return sofx.tree.tree_map(torch.clone, tree)
+
+    p1, s1, rec = opt.update(clone(params), grads, clone(init), donate=donate)
+    assert rec.strategies() == ["algebraic", "algebraic"] and rec.snapshot_bytes() == 0
+    assert all(leaf.moments_were_zero for leaf in rec.leaves)
+    p0, s0 = opt.undo(p1, s1, rec, donate=donate)
+    assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(s0)[0], sofx.tree.flatten(init)[0]))
+    assert all(_rel(p0[k], params[k]) <= 1e-6 for k in params)
+    p1, s1, rec = opt.update(clone(params), grads, clone(init), donate=donate)
+    p2, s2, rec2 = opt.undo_redo(p1, s1, rec, grads, grad_scale=1e-3, donate=donate)
+    want = opt.update(clone(params), grads, clone(init), grad_scale=1e-3)
+    assert rec2.strategies() == ["algebraic", "algebraic"] and all(leaf.moments_were_zero for leaf in rec2.leaves)
+    assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(s2)[0], sofx.tree.flatten(want[1])[0]))
+    assert all(_rel(p2[k], want[0][k]) <= 1e-6 for k in params)  # (from the undone p: a few ulps)
+    # the second step: the rows whose v is still 0 get a gradient (the others the first one's: a sound inverse)
+    g3 = clone(grads)
+    g3["w"][FINITE_CHUNK:2 * FINITE_CHUNK] = torch.randn(FINITE_CHUNK, generator=gen)
+    p1, s1, _ = opt.update(clone(params), grads, clone(init))
+    _, _, rec3 = opt.update(p1, g3, s1, donate=donate)
+    kept = "chunk_snapshot" if backend != "reference" else "snapshot"
+    assert rec3.strategies() == ["algebraic", kept]
+    if backend != "reference":
+        assert rec3.leaves[1].chunks.tolist() == [1]
 
 
 def _run_to(opt, n, steps, gen):

@@ -103,7 +103,8 @@ enum {
    exceed lim, in the gradient's own dtype: an inf, a nan, or a finite value so large that its square (scaled)
    could overflow float32, whose step's inverse would be inf - inf (see Adam's undo strategies). lossy: it
    also flags a chunk whose step an algebraic inverse would restore too lossily (chunk_exact; base.py's
-   lossy_factor, for any value: 0, a beta of 0, still flags a nan v and a non-finite m or gh). */
+   lossy_factor, for any value: 0, a beta of 0 or a step from zero moments (StepCall.zero_moments), still flags
+   a nan v and a non-finite m or gh). */
 typedef struct {
   float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss, lossy;
   int has_gs, has_decay;
@@ -956,11 +957,13 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
 
 /* 1 if the step of the job's elements [begin, end) (of an undo+redo: its redo) can be undone algebraically
    within DESIGN.md's tolerance (base.py's lossy_elements, the same operations in the same order): no element
-   with v != 0 and not (gh * gh * c <= v), c the step's Sc.lossy, gh its effective gradient (g * gs, plus
-   wd * p in L2 mode), v the second moment before it. An undo+redo's is the undone one: b2 times it,
-   v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division), gh_old the old gradient's (p:
-   p_old where given, else p'). A non-finite gh * gh * c is flagged whatever v (an inf or nan p in L2 mode:
-   its inverse gives nan moments); a non-finite m (m' of an undo+redo) too: its inverse gives nan p. */
+   with not (gh * gh * c <= v), c the step's Sc.lossy, gh its effective gradient (g * gs, plus wd * p in L2
+   mode), v the second moment before it: a zero v with a nonzero gh is flagged (its inverse keeps a leftover of
+   the step's rounding, see base.py's LOSSY_V_RATIO; a leaf's first step has c = 0: StepCall.zero_moments). An
+   undo+redo's is the undone one: b2 times it, v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c)
+   (no division), gh_old the old gradient's (p: p_old where given, else p'). A non-finite gh * gh * c is flagged
+   whatever v (an inf or nan p in L2 mode: its inverse gives nan moments); a non-finite m (m' of an undo+redo)
+   too: its inverse gives nan p. */
 /* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one). */
 typedef struct {
   float c, b2s, gsn, wdn, gso, wdo, omb2o;
@@ -1008,7 +1011,7 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
       float gh = G[i] * x.gsn;
       if (x.l2n) gh = gh + P[i] * x.wdn;
       const float t = gh * gh * x.c * x.b2s;
-      bad |= ((V[i] != 0.0f) & !(t <= V[i])) | !(t <= FLT_MAX) | !(fabsf(M[i]) <= FLT_MAX);
+      bad |= !(t <= V[i]) | !(t <= FLT_MAX) | !(fabsf(M[i]) <= FLT_MAX);
     }
   }
   return !bad;
@@ -1298,8 +1301,8 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
     if (redo) t = _mm512_mul_ps(t, _mm512_set1_ps(x->b2s));                        \
     const __m512 am = _mm512_abs_ps(vld_##DS(a->m, e, ALL_LANES));                 \
     const __m512 big = _mm512_set1_ps(FLT_MAX);                                    \
-    return (_mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ) & _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ)) \
-           | _mm512_cmp_ps_mask(t, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(am, big, _CMP_NLE_UQ); \
+    return _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(t, big, _CMP_NLE_UQ)       \
+           | _mm512_cmp_ps_mask(am, big, _CMP_NLE_UQ);                                             \
   }
 NATIVE_COMBOS(VLOSSY)
 /* The next chunk's vector at e into bad by vlossy (redo: an undo+redo's), its lines prefetched ahead as SCAN_AT's. */
@@ -2274,7 +2277,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     if (redo) t = _mm256_mul_ps(t, _mm256_set1_ps(x->b2s));                        \
     const v8 am = _mm256_and_ps(v8ld_##DS(a->m, e), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); \
     const v8 big = _mm256_set1_ps(FLT_MAX);                                        \
-    return _mm256_castps_si256(_mm256_or_ps(_mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_NEQ_UQ), _mm256_cmp_ps(t, v, _CMP_NLE_UQ)), \
+    return _mm256_castps_si256(_mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(t, v, _CMP_NLE_UQ),        \
                                                          _mm256_cmp_ps(t, big, _CMP_NLE_UQ)), \
                                             _mm256_cmp_ps(am, big, _CMP_NLE_UQ))); \
   }

@@ -346,7 +346,11 @@ Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class StepCall(NamedTuple):
-    """The arguments of one block's ``step`` (for ``step_many``); ``skip``: see :data:`FINITE_CHUNK`."""
+    """The arguments of one block's ``step`` (for ``step_many``); ``skip``: see :data:`FINITE_CHUNK`.
+
+    ``zero_moments``: ``m`` and ``v`` are all zero and the caller undoes the step by zeroing them (a leaf's
+    first step: :class:`~sofx.undo_record.LeafUndo`'s ``moments_were_zero``), so a checked step flags no
+    element as lossy (:func:`lossy_elements` with ``zero_moments``); an unchecked step ignores it."""
 
     p: torch.Tensor
     g: torch.Tensor
@@ -356,6 +360,7 @@ class StepCall(NamedTuple):
     out: Triple | None = None
     p_copy: torch.Tensor | None = None
     skip: torch.Tensor | None = None
+    zero_moments: bool = False
 
 
 # A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; backends whose ``CHECKS_FINITE`` is True):
@@ -363,8 +368,8 @@ class StepCall(NamedTuple):
 # FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
 # writing the chunk; a chunk with an inf, a nan, or an element beyond ``GRADIENT_LIMIT / grad_scale`` (see
 # :func:`gradient_limit_bits`), or an element :func:`lossy_elements` finds (the step's moments and, in L2
-# mode, parameter read too), is left alone (none of its outputs written: p, m, v, out, p_copy) and its
-# flag set to 1. The caller learns whether the step can be
+# mode, parameter read too; ``StepCall.zero_moments`` passed on to it), is left alone (none of its outputs
+# written: p, m, v, out, p_copy) and its flag set to 1. The caller learns whether the step can be
 # undone algebraically without a pass of its own over the gradient, and steps the flagged chunks after
 # keeping their old values. What the kernel writes in place must be contiguous (``out`` also in the
 # dtypes of p, m, v; ``p_copy``).
@@ -414,17 +419,23 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # alike), v came back within about (3.3 R + 4) 2^-24: 13.3 2^-24 = 7.9e-7 for R up to 3, 46 2^-24 = 2.7e-6
 # at 12 (the first ratio, 12, took only v' into account and let a 30x spike's v back 1.6e-6 off); m within
 # about (2 R_m + 2 |m| / sqrt(v)) 2^-24 of sqrt(v): measured 28 2^-24 = 1.7e-6 up to 12 (the tests allow 2e-6).
-# A zero ``v`` is not flagged (the step from zero moments: the inverse takes exactly what the step added, and
-# a leaf's first step restores exact zeros anyway); a nan ``v`` is, a non-finite ``m``, and a non-finite
-# ``gh^2 c`` (an inf or nan parameter in L2 mode, whose effective gradient is then not finite: the inverse
-# would give nan moments, also where v is 0).
+# A zero ``v`` is flagged where ``gh`` is not 0 (``gh^2 c <= 0`` fails): the step's and the inverse's
+# roundings of ``(1 - b2) gh^2`` differ, and the undone v keeps a leftover of ~1e-7 of v' (m too in L2 mode,
+# where the inverse's ``gh`` is from the recovered p: ~5e-6 of m'), which a redo with a much smaller
+# gradient (a heavy clip) magnified: rows of an embedding no token had used (m = v = 0, count > 0) came back
+# with v 1.2e-3 off and p 3.6e-6 (relative to the tensor's max) at a global norm 100x max_norm. Not flagged:
+# a zero ``v`` with a zero ``gh`` (nothing added, nothing to take back), and a leaf's first step from zero
+# moments (``StepCall.zero_moments``: its undo restores exact zeros). A nan ``v`` is flagged, a non-finite
+# ``m``, and a non-finite ``gh^2 c`` (an inf or nan parameter in L2 mode, whose effective gradient is then not
+# finite: the inverse would give nan moments).
 LOSSY_V_RATIO = 3.0
 LOSSY_M_RATIO = 12.0
 
 
 def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
-    """``c`` such that an element's step is too lossy to undo algebraically where ``v != 0`` and not
-    ``gh * gh * c <= v`` (``gh`` the effective gradient, ``v`` the second moment before the step):
+    """``c`` such that an element's step is too lossy to undo algebraically where not ``gh * gh * c <= v``
+    (``gh`` the effective gradient, ``v`` the second moment before the step; a zero ``v`` with a nonzero
+    ``gh`` included, for ``c > 0``):
     ``max((1 - b2) / (LOSSY_V_RATIO * b2), ((1 - b1) / (LOSSY_M_RATIO * b1))^2)``. 0 for a beta of 0 (no
     inverse at all: such a step is never undone algebraically). ``float64``: for a step computed in float64,
     whose rounding is 2^29 times finer (the ratios 2^29 times larger)."""
@@ -448,9 +459,11 @@ def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoup
 
 
 def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
-                    g_old: torch.Tensor | None, s_old: AdamScalars | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gh * gh * c, v)`` of :func:`lossy_elements`, in place where the tensors are its own (the pass before
-    a step that no kernel checks: a few passes, no more temporaries than needed)."""
+                    g_old: torch.Tensor | None, s_old: AdamScalars | None,
+                    zero_moments: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gh * gh * c, v)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``), in place where the
+    tensors are its own (the pass before a step that no kernel checks: a few passes, no more temporaries than
+    needed)."""
     dtype = compute_dtype(p)
     vv = v.to(dtype)
     if g_old is not None:
@@ -461,7 +474,9 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
     t = _effective_gradient(p, g, s, decoupled)
     # float64's finer factor only where the moments are stored in float64 too: float32 moments (state_dtype)
     # round v' to float32 whatever the precision of the step's math
-    t.mul_(t).mul_(lossy_factor(s.beta1, s.beta2, float64=dtype == torch.float64 and v.dtype == torch.float64))
+    c = 0.0 if zero_moments else lossy_factor(s.beta1, s.beta2,
+                                              float64=dtype == torch.float64 and v.dtype == torch.float64)
+    t.mul_(t).mul_(c)
     if g_old is not None:
         t.mul_(float(s_old.beta2))  # against b2 times the undone v: no division
     return t, vv
@@ -469,19 +484,22 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
 
 def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                    g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
-                   m: torch.Tensor | None = None) -> torch.Tensor:
+                   m: torch.Tensor | None = None, zero_moments: bool = False) -> torch.Tensor:
     """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
-    less exactly than DESIGN.md's tolerance: ``v != 0`` and not ``gh^2 * lossy_factor(b1, b2) <= v`` (nan
-    ``v`` included). The redo of an undo+redo (``g_old, s_old``: the undone step; ``v`` its result, ``p``
-    the parameters before it where its record kept them, else its result ``p'``) compares the new gradient
-    against the undone ``v``, ``(v' - (1 - b2) gh_old^2) / b2`` (at least 0), both ``gh`` from that ``p``;
-    as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused undo+redo loops are bound by
-    their divider). A non-finite ``gh^2 c`` is flagged whatever ``v`` (an inf or nan parameter in L2
-    mode: its inverse gives nan moments). ``m``: the first moment (``m'`` of an undo+redo); an element where
-    it is not finite is flagged too (its inverse would give a nan parameter: inf - inf). The checked kernels
-    flag the chunks holding such an element."""
-    t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-    bad = ((vv != 0) & ~(t <= vv)).logical_or_(~torch.isfinite(t))
+    less exactly than DESIGN.md's tolerance: not ``gh^2 * lossy_factor(b1, b2) <= v``, a nan ``v`` and a zero
+    ``v`` with a nonzero ``gh`` included (see :data:`LOSSY_V_RATIO`). The redo of an undo+redo (``g_old,
+    s_old``: the undone step; ``v`` its result, ``p`` the parameters before it where its record kept them,
+    else its result ``p'``) compares the new gradient against the undone ``v``, ``(v' - (1 - b2) gh_old^2) /
+    b2`` (at least 0: where that is 0, a nonzero new ``gh`` is flagged), both ``gh`` from that ``p``; as ``b2
+    (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused undo+redo loops are bound by their
+    divider). A non-finite ``gh^2 c`` is flagged whatever ``v`` (an inf or nan parameter in L2 mode: its
+    inverse gives nan moments). ``m``: the first moment (``m'`` of an undo+redo); an element where it is not
+    finite is flagged too (its inverse would give a nan parameter: inf - inf). ``zero_moments`` (a step's,
+    as :class:`StepCall`'s: all-zero moments that its undo restores by zeroing them): a factor ``c`` of 0,
+    so that only non-finite values are flagged. The checked kernels flag the chunks holding such an
+    element."""
+    t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments)
+    bad = torch.le(t, vv).logical_not_().logical_or_(~torch.isfinite(t))
     return bad if m is None else bad.logical_or_(~torch.isfinite(m))
 
 
@@ -497,7 +515,7 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
     elements, flags it too: a snapshot where none was needed)."""
     def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None) -> torch.Tensor:
         t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-        return torch.le(t, vv).logical_or_(vv == 0).logical_and_(torch.isfinite(t)).all()
+        return torch.le(t, vv).logical_and_(torch.isfinite(t)).all()
 
     m_bad = torch.zeros((), dtype=torch.bool, device=p.device) if m is None or m.numel() == 0 else \
         ~torch.isfinite(m.sum())

@@ -184,6 +184,7 @@ class _Block(NamedTuple):
     out: Triple | None
     p_copy: torch.Tensor | None
     skip: torch.Tensor | None = None  # the finiteness flags of a checked step or undo+redo (see step_many)
+    zero_moments: bool = False  # a step's StepCall.zero_moments: its check takes a lossy factor of 0
 
 
 class _Native(NamedTuple):
@@ -303,7 +304,8 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     bad = beyond_limit(checked.reshape(-1), s.grad_scale)  # the bits the native check compares
     p = b.p_old if redo and b.p_old is not None else b.p
     bad |= lossy_elements(p.reshape(-1), checked.reshape(-1), b.v.reshape(-1), s, variant.decoupled,
-                          b.g.reshape(-1) if redo else None, s1 if redo else None, m=b.m.reshape(-1))
+                          b.g.reshape(-1) if redo else None, s1 if redo else None, m=b.m.reshape(-1),
+                          zero_moments=b.zero_moments and not redo)
     flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
     b.skip.copy_(flags)
     unchecked = b._replace(skip=None)
@@ -345,6 +347,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         else [None] * len(blocks)
     by_value: dict[AdamScalars, ctypes.Array | None] = {}  # a group's blocks share scalars ...
     by_id: dict[int, ctypes.Array | None] = {}  # ... and mostly the very objects (the lists hold them)
+    no_lossy: dict[int, ctypes.Array] = {}  # a block of by_value's with S_LOSSY 0, by its id (zero_moments)
 
     def scalar_block(s: AdamScalars | None) -> ctypes.Array | None:
         """The C block of ``s`` (None: no scalars, no library, or not all numbers)."""
@@ -356,9 +359,18 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             by_id[id(s)] = by_value[s]
         return by_id[id(s)]
 
+    def without_lossy(c: ctypes.Array) -> ctypes.Array:
+        """``c`` with a lossy factor of 0: a checked step from zero moments (``StepCall.zero_moments``)."""
+        if id(c) not in no_lossy:
+            no_lossy[id(c)] = (ctypes.c_double * src.S_COUNT)(*c)
+            no_lossy[id(c)][src.S_LOSSY] = 0.0
+        return no_lossy[id(c)]
+
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
     for b, name, s1, s2 in zip(blocks, where, s1s, s2s):
         c1, c2 = scalar_block(s1), scalar_block(s2)
+        if c1 is not None and b.zero_moments and b.skip is not None and op == src.OP_STEP:
+            c1 = without_lossy(c1)
         fast = None
         if c1 is not None and (s2 is None or c2 is not None):
             fast = _plain_native(op, b, lib, c1, c2)
@@ -569,7 +581,8 @@ def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: tor
 
 def step_many_impl(calls: Sequence[StepCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
     """:func:`step_many` with the choice of square root (see :func:`step_impl`)."""
-    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy, c.skip) for c in calls]
+    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy, c.skip, c.zero_moments)
+              for c in calls]
     return _run_blocks(src.OP_STEP, blocks, variant, exact, [f"cpu.step_many[{i}]" for i in range(len(calls))])
 
 

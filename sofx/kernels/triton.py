@@ -133,8 +133,9 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd,
                OP: tl.constexpr):
     """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
     (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
-    algebraic inverse would restore too lossily (``k_c``: the lossy factor, any value: 0 still flags a nan
-    ``v``, a non-finite ``m`` or effective gradient). The same
+    algebraic inverse would restore too lossily (``k_c``: the lossy factor; a zero ``v`` with a nonzero
+    effective gradient is flagged for any ``k_c > 0``; 0, a beta of 0 or a step from zero moments
+    (``StepCall.zero_moments``), still flags a nan ``v``, a non-finite ``m`` or effective gradient). The same
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
     ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``)."""
     if OP == 2:
@@ -152,7 +153,7 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd,
     t = (gh * gh) * k_c
     if OP == 2:
         t = t * u_b2
-    lossy = ((vv != 0.0) & ~(t <= vv)) | ~(t <= 3.4028234663852886e38) | ~(tl.abs(m) <= 3.4028234663852886e38)
+    lossy = ~(t <= vv) | ~(t <= 3.4028234663852886e38) | ~(tl.abs(m) <= 3.4028234663852886e38)
     bad = (bad | lossy) & mask
     return tl.max(bad.to(tl.int32), axis=0)
 
@@ -386,15 +387,15 @@ class _CheckArgs(NamedTuple):
     c: float  # lossy_factor of the step taken (the redo of an undo+redo)
 
 
-def _check_args(s: AdamScalars, g_dtype: torch.dtype) -> _CheckArgs:
-    """A checked call's constants, as the CPU kernels' (``gradient_limit_bits``, ``lossy_factor``): the
-    kernel compares the float32 bits of the gradient it loaded (a bfloat16's upper half, a float16 widened
-    exactly: the float16 limit's own value)."""
+def _check_args(s: AdamScalars, g_dtype: torch.dtype, zero_moments: bool = False) -> _CheckArgs:
+    """A checked call's constants, as the CPU kernels' (``gradient_limit_bits``, ``lossy_factor``, 0 for a
+    step from zero moments: ``StepCall.zero_moments``): the kernel compares the float32 bits of the gradient
+    it loaded (a bfloat16's upper half, a float16 widened exactly: the float16 limit's own value)."""
     s = _python_numbers(s)
     lim32, _, lim16 = gradient_limit_bits(s.grad_scale)
     if g_dtype == torch.float16:
         lim32 = int(np.array(lim16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.int32))
-    return _CheckArgs(lim=lim32, c=_f32(lossy_factor(s.beta1, s.beta2)))
+    return _CheckArgs(lim=lim32, c=0.0 if zero_moments else _f32(lossy_factor(s.beta1, s.beta2)))
 
 
 # placeholders for the unused half of a launch (step: no undo scalars; undo: no step scalars)
@@ -728,7 +729,7 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
         if by_id[ids] is None and getattr(c, "skip", None) is not None:
             raise UnsupportedError(f"triton.{_name(('step', 'undo', 'undo_redo')[op], calls, i)}: a checked call "
                                    "needs scalars whose values can be read (not traced)")
-    checks: dict[tuple[int, torch.dtype], _CheckArgs] = {}
+    checks: dict[tuple[int, torch.dtype, bool], _CheckArgs] = {}
     results: list[Triple | None] = [None] * len(calls)
     launch, u_args, s_args, k_args = [], [], [], []
     for i, (c, su, ss, args) in enumerate(zip(calls, undo_scalars, step_scalars, every)):
@@ -743,9 +744,10 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
             k_args.append(None)
         else:
             g = c.g_new if op == _OP_UNDO_REDO else c.g
-            kk = (id(ss), g.dtype)
+            zero = op == _OP_STEP and c.zero_moments
+            kk = (id(ss), g.dtype, zero)
             if kk not in checks:
-                checks[kk] = _check_args(ss, g.dtype)
+                checks[kk] = _check_args(ss, g.dtype, zero)
             k_args.append(checks[kk])
     if launch:
         done = _launch(op, [block(calls[i], undo_scalars[i], step_scalars[i]) for i in launch], u_args, s_args,
