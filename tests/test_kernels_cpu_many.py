@@ -121,10 +121,11 @@ def test_every_block_is_checked_before_any_runs(name, rng):
     s = block_scalars(rng, 0.1)
     blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (100, 200, 300, 400)]
     before = [[t.clone() for t in b] for b in blocks]
-    refuse_bad_blocks_first(backend, "cpu", blocks, s, variant)
+    refuse_bad_blocks_first(backend, name, blocks, s, variant)  # (cpu_fast's errors named cpu's entries)
     redo_calls = [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], s, out=(b[0], b[2], b[3])) for b in blocks]
     redo_calls[1] = redo_calls[1]._replace(g_new=torch.randn(200, dtype=torch.float64).to("meta"))
-    with pytest.raises(UnsupportedError, match=r"cpu\.undo_redo_many\[1\]: g_new is on meta"):
+    with pytest.raises(UnsupportedError, match=rf"{name}\.undo_redo_many\[1\]: g_new is on meta, p on cpu; "
+                                               rf"the {name} backend needs CPU tensors"):
         backend.undo_redo_many(redo_calls, variant)
     for b, old in zip(blocks, before):
         assert all(torch.equal(a, o) for a, o in zip(b, old))

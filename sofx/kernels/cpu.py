@@ -125,8 +125,8 @@ def _sample_agrees() -> bool:
     s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 7, 0.5)
     for variant in (AdamVariant(decoupled=True), AdamVariant(decoupled=False)):
         want = reference.step(p, g, m, v, s, variant)
-        got = step_impl(p, g, m, v, s, variant, out=None, exact=True)
-        back = undo_impl(*want[:1], g, *want[1:], s, variant, p_old=None, out=None, exact=True)
+        got = step_impl(p, g, m, v, s, variant, out=None, exact=True, backend=NAME)
+        back = undo_impl(*want[:1], g, *want[1:], s, variant, p_old=None, out=None, exact=True, backend=NAME)
         if not (all(torch.equal(a, b) for a, b in zip(got, want)) and all(
                 torch.equal(a, b) for a, b in zip(back, reference.undo(*want[:1], g, *want[1:], s, variant)))):
             return False
@@ -159,14 +159,15 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
 
 # ------------------------------------------------------------------ checks
 def _check(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
-           out: Sequence[torch.Tensor] | None) -> None:
-    """``where``: the call's name in errors (``"cpu.step"``, ``"cpu.step_many[3]"``)."""
+           out: Sequence[torch.Tensor] | None, backend: str) -> None:
+    """``where``: the call's name in errors (``"cpu.step"``, ``"cpu_fast.step_many[3]"``); ``backend``: the
+    backend's (``"cpu"`` or ``"cpu_fast"``)."""
     if isinstance(like, torch.Tensor) and like.device.type != "cpu":  # the others must be on like's device
-        raise UnsupportedError(f"{where}: p is on {like.device}; the cpu backend needs CPU tensors")
+        raise UnsupportedError(f"{where}: p is on {like.device}; the {backend} backend needs CPU tensors")
     try:
         check_block_tensors(where, tensors, like, out)
     except UnsupportedError as e:  # a tensor on another device than p
-        raise UnsupportedError(f"{e}; the cpu backend needs CPU tensors") from None
+        raise UnsupportedError(f"{e}; the {backend} backend needs CPU tensors") from None
 
 
 # ------------------------------------------------------------------ dispatch
@@ -331,11 +332,12 @@ def _reference(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars, s2: Ad
                                p_copy=b.p_copy)
 
 
-def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: bool,
+def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: bool, backend: str,
                 where: Sequence[str]) -> list[Triple]:
     """Every block's results (see :func:`step`, :func:`undo`, :func:`undo_redo`); ``where[i]`` names
-    block i in errors. All blocks are checked before any is computed; those the native code takes run
-    in one call of the C entry (its threads share all their elements), the others through the reference.
+    block i in errors, ``backend`` the backend the caller called (``"cpu"``, ``"cpu_fast"``). All blocks
+    are checked before any is computed; those the native code takes run in one call of the C entry (its
+    threads share all their elements), the others through the reference.
 
     ``exact``: take torch's own square root (bitwise the reference); else IEEE ``sqrtf`` in the fused loops.
     """
@@ -375,7 +377,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         if c1 is not None and (s2 is None or c2 is not None):
             fast = _plain_native(op, b, lib, c1, c2)
         if fast is None:
-            _check(name, _named(op, b), b.p, b.out)
+            _check(name, _named(op, b), b.p, b.out, backend)
             if b.skip is not None:
                 check_skip(name, b, torch.device("cpu"))
             if _native(b, lib) is None:
@@ -383,7 +385,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         plans.append((c1, c2, fast))
     if all(fast is not None for _, _, fast in plans):  # the common case: the C entry's table says it all
         table = _Table.of([fast for _, _, fast in plans])  # type: ignore[misc]
-        _refuse_overlap(op, table.clash(lib), where)
+        _refuse_overlap(op, table.clash(lib, backend), where)
     else:
         table = None
         _refuse_overlap(op, _blocks_clash(op, blocks, where), where)
@@ -401,7 +403,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             native.append((i, _prepare(b, c1, c2, lib)))
     if native:
         assert lib is not None
-        _call(lib, op, variant, table if table is not None else _Table.of([nb for _, nb in native]), exact)
+        _call(lib, op, variant, table if table is not None else _Table.of([nb for _, nb in native]), exact, backend)
         for i, nb in native:
             b = blocks[i]
             res = write_outputs(nb.targets, b.out)
@@ -431,7 +433,7 @@ class _Table(NamedTuple):
         return _Table(blocks, array("i", [d for nb in blocks for d in nb.dtypes]), array("q", [nb.n for nb in blocks]),
                       array("q", [x for nb in blocks for x in nb.ptrs]))
 
-    def clash(self, lib: _cpu_build.NativeLib) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    def clash(self, lib: _cpu_build.NativeLib, backend: str) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """``(block, table column)`` of a written array and another that shares its memory, or None (the C
         entry ``sofx_overlap``: the table's arrays are contiguous; its outputs are the inputs themselves, then
         written, or fresh tensors; ``p_copy`` and ``skip`` are written)."""
@@ -439,7 +441,7 @@ class _Table(NamedTuple):
         rc = lib.overlap(len(self.blocks), self.dtypes.buffer_info()[0], self.ns.buffer_info()[0],
                          self.ptrs.buffer_info()[0], out.buffer_info()[0])
         if rc < 0:
-            raise MemoryError("cpu: no memory to compare a call's arrays")
+            raise MemoryError(f"{backend}: no memory to compare a call's arrays")
         return ((out[0], out[1]), (out[2], out[3])) if rc else None
 
 
@@ -491,7 +493,8 @@ def _same_memory(out: Any, t: Any) -> bool:
                         and out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride())
 
 
-def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Table, exact: bool) -> None:
+def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Table, exact: bool, backend: str,
+          ) -> None:
     """One call of the C entry ``sofx_adam_many`` over ``table``'s blocks."""
     blocks, dtypes, ns, ptrs = table
     s1 = array("Q", [ctypes.addressof(nb.s1) for nb in blocks])
@@ -501,7 +504,7 @@ def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Tabl
                        int(exact), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
                        lib.sqrt_local or None, lib.sqrt_replica if exact else 0)
     if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
-        raise UnsupportedError(f"cpu: the native kernel refused its arguments (code {rc})")
+        raise UnsupportedError(f"{backend}: the native kernel refused its arguments (code {rc})")
 
 
 # ------------------------------------------------------------------ API
@@ -509,7 +512,7 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
          variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (see the module docstring;
     ``p_copy``: also gets ``p'``, in the same pass)."""
-    return step_impl(p, g, m, v, s, variant, out=out, exact=True, p_copy=p_copy)
+    return step_impl(p, g, m, v, s, variant, out=out, exact=True, p_copy=p_copy, backend=NAME)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
@@ -519,7 +522,7 @@ def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
 
     Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not exist, as the reference.
     """
-    return undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=True, p_copy=p_copy)
+    return undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=True, p_copy=p_copy, backend=NAME)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -532,69 +535,78 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     two separate calls would store them.
     """
     return undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=True,
-                          p_copy=p_copy)
+                          p_copy=p_copy, backend=NAME)
 
 
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for each block, in one call of the native code (the kernel contract's list form). A
     block with ``skip`` is a checked step (:data:`~sofx.kernels.base.FINITE_CHUNK`): each chunk's gradient
     is read first, in the same pass, and a chunk with an inf or a nan is left alone and flagged."""
-    return step_many_impl(calls, variant, exact=True)
+    return step_many_impl(calls, variant, exact=True, backend=NAME)
 
 
 def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for each block, in one call of the native code."""
-    return undo_many_impl(calls, variant, exact=True)
+    return undo_many_impl(calls, variant, exact=True, backend=NAME)
 
 
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for each block, in one call of the native code; a block with ``skip`` is checked
     as in :func:`step_many`, on its new gradient."""
-    return undo_redo_many_impl(calls, variant, exact=True)
+    return undo_redo_many_impl(calls, variant, exact=True, backend=NAME)
 
 
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)
 def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, out: Triple | None, exact: bool, p_copy: torch.Tensor | None = None,
-              ) -> Triple:
-    """:func:`step`; ``exact=False`` uses IEEE ``sqrtf`` (see :mod:`sofx.kernels.cpu_fast`)."""
+              backend: str) -> Triple:
+    """:func:`step`; ``exact=False`` uses IEEE ``sqrtf`` (see :mod:`sofx.kernels.cpu_fast`). ``backend``: the
+    name errors give the backend the caller called (``cpu_fast`` runs this code under its own)."""
     return _run_blocks(src.OP_STEP, [_Block(p, g, m, v, None, None, s, None, out, p_copy)], variant, exact,
-                       ["cpu.step"])[0]
+                       backend, [f"{backend}.step"])[0]
 
 
 def undo_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, p_old: torch.Tensor | None, out: Triple | None, exact: bool,
-              p_copy: torch.Tensor | None = None) -> Triple:
-    """:func:`undo` with the choice of square root (see :func:`step_impl`)."""
+              p_copy: torch.Tensor | None = None, backend: str) -> Triple:
+    """:func:`undo` with the choice of square root and the backend's name (see :func:`step_impl`)."""
     return _run_blocks(src.OP_UNDO, [_Block(p, g, m, v, None, p_old, s, None, out, p_copy)], variant, exact,
-                       ["cpu.undo"])[0]
+                       backend, [f"{backend}.undo"])[0]
 
 
 def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
                    g_new: torch.Tensor, s_new: AdamScalars, variant: AdamVariant, *,
                    p_old: torch.Tensor | None, out: Triple | None, exact: bool,
-                   p_copy: torch.Tensor | None = None) -> Triple:
-    """:func:`undo_redo` with the choice of square root (see :func:`step_impl`)."""
+                   p_copy: torch.Tensor | None = None, backend: str) -> Triple:
+    """:func:`undo_redo` with the choice of square root and the backend's name (see :func:`step_impl`)."""
     return _run_blocks(src.OP_UNDO_REDO, [_Block(p, g_old, m, v, g_new, p_old, s_old, s_new, out, p_copy)],
-                       variant, exact, ["cpu.undo_redo"])[0]
+                       variant, exact, backend, [f"{backend}.undo_redo"])[0]
 
 
-def step_many_impl(calls: Sequence[StepCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
-    """:func:`step_many` with the choice of square root (see :func:`step_impl`)."""
+def step_many_impl(calls: Sequence[StepCall], variant: AdamVariant, *, exact: bool, backend: str,
+                   ) -> list[Triple]:
+    """:func:`step_many` with the choice of square root and the backend's name (see :func:`step_impl`)."""
     blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy, c.skip, c.zero_moments)
               for c in calls]
-    return _run_blocks(src.OP_STEP, blocks, variant, exact, [f"cpu.step_many[{i}]" for i in range(len(calls))])
+    return _run_blocks(src.OP_STEP, blocks, variant, exact, backend, _block_names(backend, "step_many", calls))
 
 
-def undo_many_impl(calls: Sequence[UndoCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
-    """:func:`undo_many` with the choice of square root (see :func:`step_impl`)."""
+def undo_many_impl(calls: Sequence[UndoCall], variant: AdamVariant, *, exact: bool, backend: str,
+                   ) -> list[Triple]:
+    """:func:`undo_many` with the choice of square root and the backend's name (see :func:`step_impl`)."""
     blocks = [_Block(c.p, c.g, c.m, c.v, None, c.p_old, c.s, None, c.out, c.p_copy) for c in calls]
-    return _run_blocks(src.OP_UNDO, blocks, variant, exact, [f"cpu.undo_many[{i}]" for i in range(len(calls))])
+    return _run_blocks(src.OP_UNDO, blocks, variant, exact, backend, _block_names(backend, "undo_many", calls))
 
 
-def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, exact: bool) -> list[Triple]:
-    """:func:`undo_redo_many` with the choice of square root (see :func:`step_impl`)."""
+def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, exact: bool, backend: str,
+                        ) -> list[Triple]:
+    """:func:`undo_redo_many` with the choice of square root and the backend's name (see :func:`step_impl`)."""
     blocks = [_Block(c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.s_old, c.s_new, c.out, c.p_copy, c.skip)
               for c in calls]
-    return _run_blocks(src.OP_UNDO_REDO, blocks, variant, exact,
-                       [f"cpu.undo_redo_many[{i}]" for i in range(len(calls))])
+    return _run_blocks(src.OP_UNDO_REDO, blocks, variant, exact, backend,
+                       _block_names(backend, "undo_redo_many", calls))
+
+
+def _block_names(backend: str, fn: str, calls: Sequence) -> list[str]:
+    """How errors name each block of a list form: ``"cpu_fast.step_many[3]"``."""
+    return [f"{backend}.{fn}[{i}]" for i in range(len(calls))]

@@ -44,14 +44,14 @@ def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: 
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
     """One Adam step (:func:`sofx.kernels.cpu.step` with IEEE square roots)."""
-    return cpu.step_impl(p, g, m, v, s, variant, out=out, exact=False, p_copy=p_copy)
+    return cpu.step_impl(p, g, m, v, s, variant, out=out, exact=False, p_copy=p_copy, backend=NAME)
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None,
          p_copy: torch.Tensor | None = None) -> Triple:
     """Inverse of :func:`step` (:func:`sofx.kernels.cpu.undo` with IEEE square roots)."""
-    return cpu.undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=False, p_copy=p_copy)
+    return cpu.undo_impl(p, g, m, v, s, variant, p_old=p_old, out=out, exact=False, p_copy=p_copy, backend=NAME)
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -60,19 +60,19 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
               p_copy: torch.Tensor | None = None) -> Triple:
     """One-pass undo and redo (:func:`sofx.kernels.cpu.undo_redo` with IEEE square roots)."""
     return cpu.undo_redo_impl(p, m, v, g_old, s_old, g_new, s_new, variant, p_old=p_old, out=out, exact=False,
-                              p_copy=p_copy)
+                              p_copy=p_copy, backend=NAME)
 
 
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for each block, in one call of the native code."""
-    return cpu.step_many_impl(calls, variant, exact=False)
+    return cpu.step_many_impl(calls, variant, exact=False, backend=NAME)
 
 
 def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for each block, in one call of the native code."""
-    return cpu.undo_many_impl(calls, variant, exact=False)
+    return cpu.undo_many_impl(calls, variant, exact=False, backend=NAME)
 
 
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for each block, in one call of the native code."""
-    return cpu.undo_redo_many_impl(calls, variant, exact=False)
+    return cpu.undo_redo_many_impl(calls, variant, exact=False, backend=NAME)
