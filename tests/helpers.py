@@ -121,23 +121,32 @@ def block_scalars(gen: torch.Generator, wd: float, grad_scale: float = 1.0) -> A
 
 
 def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
-    """``backend.step_many`` refuses a gradient of another shape in block 3 and ``backend.undo_many`` a
-    beta2 of 0 in block 2, naming the block (``prefix``: the backend's name), before running any block:
-    the callers check that every block kept its values. ``blocks``: four ``(p, g, m, v)``, donated."""
+    """Each list form of ``backend`` refuses a bad last block (the others valid) with an error naming it
+    (``prefix``: the backend's name), before running any block: ``step_many`` a gradient of another shape,
+    ``undo_many`` a beta1 of 0, ``undo_redo_many`` an undone step's beta2 of 0 and a new gradient of another
+    shape. The callers check that every block kept its values. ``blocks``: ``(p, g, m, v)``, donated."""
     import pytest
 
     from sofx.errors import LeafError, UnsupportedError
-    from sofx.kernels.base import StepCall, UndoCall
+    from sofx.kernels.base import StepCall, UndoCall, UndoRedoCall
 
+    last = len(blocks) - 1
+    g_short = blocks[last][1][:-1]
     calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
-    p, g, m, v = blocks[3]
-    calls[3] = StepCall(p, g[:-1], m, v, s, out=(p, m, v))
-    with pytest.raises(LeafError, match=rf"{prefix}\.step_many\[3\]: g has shape"):
+    calls[last] = calls[last]._replace(g=g_short)
+    with pytest.raises(LeafError, match=rf"{prefix}\.step_many\[{last}\]: g has shape"):
         backend.step_many(calls, variant)
-    undo_calls = [UndoCall(*b, s._replace(beta2=0.0) if i == 2 else s, out=(b[0], b[2], b[3]))
+    undo_calls = [UndoCall(*b, s._replace(beta1=0.0) if i == last else s, out=(b[0], b[2], b[3]))
                   for i, b in enumerate(blocks)]
-    with pytest.raises(UnsupportedError, match="beta2 == 0"):
+    with pytest.raises(UnsupportedError, match=rf"{prefix}\.undo_many\[{last}\]: algebraic undo is impossible "
+                                               "with beta1 == 0"):
         backend.undo_many(undo_calls, variant)
+    redo_calls = [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], s, out=(b[0], b[2], b[3])) for b in blocks]
+    for bad, error, message in ((redo_calls[last]._replace(s_old=s._replace(beta2=0.0)), UnsupportedError,
+                                 "algebraic undo is impossible with beta2 == 0"),
+                                (redo_calls[last]._replace(g_new=g_short), LeafError, "g_new has shape")):
+        with pytest.raises(error, match=rf"{prefix}\.undo_redo_many\[{last}\]: {message}"):
+            backend.undo_redo_many(redo_calls[:last] + [bad], variant)
 
 
 BAD_GRAD_SCALES = (0.0, -0.0, -0.5, float("inf"), float("nan"), torch.tensor(0.0))

@@ -18,9 +18,9 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     in order. The Triton backend launches one kernel per group of blocks with
     the same dtypes and scalars, the CPU backends run all blocks in one call of
     their native code (a model's many small tensors cost one launch, as
-    torch's fused optimizers do); the reference calls the one-block function
-    per block (:func:`one_call_per_block`). Every block is checked before any
-    is computed.
+    torch's fused optimizers do); the reference runs its one-block math per
+    block. Every block is checked before any is computed: a bad block raises
+    an error naming it (``"cpu.undo_many[3]: ..."``) and nothing is written.
 ``supports(device, param_dtype, state_dtype) -> bool``
 ``CHECKS_OVERLAP``
     Whether the list forms refuse a call whose written arrays (``out`` but
@@ -587,39 +587,3 @@ def check_skip(where: str, c: Any, device: torch.device) -> None:
         if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
             raise UnsupportedError(f"{where}: {name} is not contiguous or not of its input's dtype; a checked step "
                                    "(skip) writes its outputs in place")
-
-
-def one_call_per_block(step: Callable[..., Triple], undo: Callable[..., Triple], undo_redo: Callable[..., Triple],
-                       name: str) -> tuple[Callable[..., list[Triple]], Callable[..., list[Triple]],
-                                           Callable[..., list[Triple]]]:
-    """``(step_many, undo_many, undo_redo_many)`` of a backend that runs one block per call: each calls the
-    backend's one-block function for every block, in order, after checking every block's ``grad_scale``
-    (``name``: the backend's, in errors)."""
-
-    def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
-        """``step`` for each block (the kernel contract's list form; no checked steps: ``skip`` refused)."""
-        refuse_checked_steps(calls, "step_many")
-        _check_grad_scales(f"{name}.step_many", [(c.s,) for c in calls])
-        return [step(c.p, c.g, c.m, c.v, c.s, variant, out=c.out, p_copy=c.p_copy) for c in calls]
-
-    def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
-        """``undo`` for each block."""
-        _check_grad_scales(f"{name}.undo_many", [(c.s,) for c in calls])
-        return [undo(c.p, c.g, c.m, c.v, c.s, variant, p_old=c.p_old, out=c.out, p_copy=c.p_copy) for c in calls]
-
-    def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-        """``undo_redo`` for each block (no checked ones: ``skip`` refused)."""
-        refuse_checked_steps(calls, "undo_redo_many")
-        _check_grad_scales(f"{name}.undo_redo_many", [(c.s_old, c.s_new) for c in calls])
-        return [undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant, p_old=c.p_old, out=c.out,
-                          p_copy=c.p_copy) for c in calls]
-
-    return step_many, undo_many, undo_redo_many
-
-
-def _check_grad_scales(where: str, scalars: Sequence[Sequence[AdamScalars]]) -> None:
-    """:func:`check_grad_scale` of every block's scalars (``scalars[i]``: block ``i``'s), before any block is
-    computed."""
-    for i, block in enumerate(scalars):
-        for s in block:
-            check_grad_scale(s.grad_scale, f"{where}[{i}]")

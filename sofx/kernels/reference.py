@@ -35,12 +35,16 @@ from sofx.kernels.base import (
     AdamScalars,
     AdamVariant,
     Scalar,
+    StepCall,
+    Triple,
+    UndoCall,
+    UndoRedoCall,
     any_traced,
-    check_grad_scale,
+    check_block_tensors,
     compute_dtype,
     concrete_scalars,
     is_number,
-    one_call_per_block,
+    refuse_checked_steps,
     write_param_copy,
 )
 
@@ -132,7 +136,6 @@ def _store(results: tuple[torch.Tensor, torch.Tensor, torch.Tensor], like: tuple
 def _step_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                s: AdamScalars, variant: AdamVariant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cd = compute_dtype(p)
-    s = concrete_scalars(s, "reference.step")
     # Plain tensors: update freshly made temporaries in place (three outputs and one
     # temporary, as torch.optim). Under autograd or torch.func: out-of-place ops only.
     inplace = not any_traced((p, g, m, v, *s))
@@ -173,19 +176,53 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
          variant: AdamVariant, *, out: Out = None,
          p_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also ``p'``)."""
+    s = _checked_step(StepCall(p, g, m, v, s, out, p_copy), f"{NAME}.step")
+    return _step_block(p, g, m, v, s, variant, out, p_copy)
+
+
+def _step_block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+                variant: AdamVariant, out: Out, p_copy: torch.Tensor | None) -> Triple:
+    """:func:`step` of a block already checked (``s``: its checked scalars)."""
     results = _store(_step_math(p, g, m, v, s, variant), (p, m, v), out)
     write_param_copy(p_copy, results[0])
     return results
 
 
-def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: bool) -> None:
+def _checked_step(c: StepCall, where: str) -> AdamScalars:
+    """``c``'s tensors checked and its scalars checked and concrete (``where`` names the call in errors)."""
+    check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out)
+    return concrete_scalars(c.s, where)
+
+
+def _checked_undo(c: UndoCall, variant: AdamVariant, where: str) -> AdamScalars:
+    """``c``'s tensors and scalars checked (:func:`_checked_step`), the scalars also as an undo's."""
+    check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
+                                ("p_copy", c.p_copy)], c.p, c.out)
+    s = concrete_scalars(c.s, where)
+    _check_invertible(s, variant, c.p_old is not None, where)
+    return s
+
+
+def _checked_undo_redo(c: UndoRedoCall, variant: AdamVariant, where: str) -> tuple[AdamScalars, AdamScalars]:
+    """``c``'s tensors and both scalars checked, ``s_old`` as an undo's: ``(s_old, s_new)`` concrete."""
+    check_block_tensors(where, [("p", c.p), ("m", c.m), ("v", c.v), ("g_old", c.g_old), ("g_new", c.g_new),
+                                ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out)
+    s_old = concrete_scalars(c.s_old, where)
+    _check_invertible(s_old, variant, c.p_old is not None, where)
+    return s_old, concrete_scalars(c.s_new, where)
+
+
+def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: bool, where: str) -> None:
+    """Refuse scalars whose step has no algebraic inverse (``restoring_param``: p comes from ``p_old``)."""
     for name in ("beta1", "beta2"):
         b = getattr(s, name)
         if is_number(b) and b == 0:
-            raise UnsupportedError(f"algebraic undo is impossible with {name} == 0: the old moment leaves no trace")
+            raise UnsupportedError(f"{where}: algebraic undo is impossible with {name} == 0: the old moment leaves "
+                                   "no trace")
     if variant.decoupled and not restoring_param and is_number(s.lr) and is_number(s.weight_decay):
         if s.lr * s.weight_decay == 1:
-            raise UnsupportedError("algebraic undo is impossible with lr * weight_decay == 1 (decoupled decay)")
+            raise UnsupportedError(f"{where}: algebraic undo is impossible with lr * weight_decay == 1 (decoupled "
+                                   "decay)")
 
 
 def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant | None = None,
@@ -205,7 +242,7 @@ def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant
         if key not in done:
             done[key] = concrete_scalars(s, where[i] if where is not None else f"block {i}")
             if variant is not None:
-                _check_invertible(done[key], variant, restoring)
+                _check_invertible(done[key], variant, restoring, where[i] if where is not None else f"block {i}")
         out.append(done[key])
     return out
 
@@ -213,8 +250,6 @@ def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant
 def _undo_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
                variant: AdamVariant, p_old: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cd = compute_dtype(p)
-    s = concrete_scalars(s, "reference.undo")
-    _check_invertible(s, variant, p_old is not None)
     g = _effective_grad(g, s, cd)
     m = m.to(cd)
     v = v.to(cd)
@@ -244,6 +279,13 @@ def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
     Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not
     exist (a beta of 0, decoupled ``lr*wd == 1`` without ``p_old``).
     """
+    s = _checked_undo(UndoCall(p, g, m, v, s, p_old, out, p_copy), variant, f"{NAME}.undo")
+    return _undo_block(p, g, m, v, s, variant, p_old, out, p_copy)
+
+
+def _undo_block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
+                variant: AdamVariant, p_old: torch.Tensor | None, out: Out, p_copy: torch.Tensor | None) -> Triple:
+    """:func:`undo` of a block already checked (``s``: its checked scalars)."""
     results = _store(_undo_math(p, g, m, v, s, variant, p_old), (p, m, v), out)
     write_param_copy(p_copy, results[0])
     return results
@@ -258,12 +300,35 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     The intermediate (undone) values are rounded to the storage dtypes, as if
     ``undo`` and ``step`` had been called one after the other.
     """
-    for s in (s_old, s_new):  # both before the undo (an error then names this call)
-        check_grad_scale(s.grad_scale, "reference.undo_redo")
-    p0, m0, v0 = undo(p, g_old, m, v, s_old, variant, p_old=p_old)
-    results = _store(_step_math(p0, g_new, m0, v0, s_new, variant), (p, m, v), out)
-    write_param_copy(p_copy, results[0])
+    c = UndoRedoCall(p, m, v, g_old, s_old, g_new, s_new, p_old, out, p_copy)
+    return _undo_redo_block(c, *_checked_undo_redo(c, variant, f"{NAME}.undo_redo"), variant)
+
+
+def _undo_redo_block(c: UndoRedoCall, s_old: AdamScalars, s_new: AdamScalars, variant: AdamVariant) -> Triple:
+    """:func:`undo_redo` of a block already checked (``s_old``, ``s_new``: its checked scalars)."""
+    p0, m0, v0 = _undo_block(c.p, c.g_old, c.m, c.v, s_old, variant, c.p_old, None, None)
+    results = _store(_step_math(p0, c.g_new, m0, v0, s_new, variant), (c.p, c.m, c.v), c.out)
+    write_param_copy(c.p_copy, results[0])
     return results
 
 
-step_many, undo_many, undo_redo_many = one_call_per_block(step, undo, undo_redo, NAME)
+# The list forms: every block checked (tensors, scalars, inverses) before any is computed, then the one-block
+# math per block. No checked steps (skip).
+def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`step` for each block (the kernel contract's list form)."""
+    refuse_checked_steps(calls, f"{NAME}.step_many")
+    scalars = [_checked_step(c, f"{NAME}.step_many[{i}]") for i, c in enumerate(calls)]
+    return [_step_block(c.p, c.g, c.m, c.v, s, variant, c.out, c.p_copy) for c, s in zip(calls, scalars)]
+
+
+def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo` for each block."""
+    scalars = [_checked_undo(c, variant, f"{NAME}.undo_many[{i}]") for i, c in enumerate(calls)]
+    return [_undo_block(c.p, c.g, c.m, c.v, s, variant, c.p_old, c.out, c.p_copy) for c, s in zip(calls, scalars)]
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for each block."""
+    refuse_checked_steps(calls, f"{NAME}.undo_redo_many")
+    scalars = [_checked_undo_redo(c, variant, f"{NAME}.undo_redo_many[{i}]") for i, c in enumerate(calls)]
+    return [_undo_redo_block(c, *ss, variant) for c, ss in zip(calls, scalars)]
