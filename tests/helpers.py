@@ -154,45 +154,72 @@ BAD_GRAD_SCALES = (0.0, -0.0, -0.5, float("inf"), float("nan"), torch.tensor(0.0
 
 def refuse_bad_grad_scales(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
     """Every entry of ``backend`` refuses a ``grad_scale`` that is not finite and > 0 (:data:`BAD_GRAD_SCALES`)
-    with an ``HParamError`` naming the call and the value, in the last block of a list form (the others
-    valid) and in either scalars of an undo+redo, before anything is computed: the callers check that every
-    block kept its values. ``blocks``: ``(p, g, m, v)``, donated."""
+    with an ``HParamError`` naming the call and the value (:func:`refuse_bad_scalars_everywhere`). ``blocks``:
+    ``(p, g, m, v)``, donated."""
     import re
 
+    for bad in BAD_GRAD_SCALES:
+        refuse_bad_scalars_everywhere(backend, prefix, blocks, s, s._replace(grad_scale=bad), variant,
+                                      rf"grad_scale = {re.escape(repr(float(bad)))} is invalid; expected a finite "
+                                      "value > 0")
+
+
+# Scalars no step can take, as sofx.Adam.update refuses them (blocks stepped in float32), and the errors' words.
+BAD_SCALARS = (
+    ({"grad_scale": 1e39}, r"grad_scale = 1e\+39 is beyond float32's range \(largest 3.4028234663852886e\+38\); "
+                           "the block is stepped in float32"),
+    ({"beta1": 1.0}, r"beta1 = 1.0 is invalid; expected 0 <= beta1 < 1"),
+    ({"beta2": 1.0}, r"beta2 = 1.0 is invalid; expected 0 <= beta2 < 1"),
+    ({"beta2": -0.1}, r"beta2 = -0.1 is invalid; expected 0 <= beta2 < 1"),
+    ({"beta1": float("nan")}, r"beta1 = nan is invalid"),
+    ({"beta1": torch.tensor(1.0)}, r"beta1 = 1.0 is invalid"),
+    ({"step": 0}, r"step = 0 is invalid; expected the number of the step taken, >= 1"),
+)
+
+
+def refuse_bad_scalars(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
+    """Every entry of ``backend`` refuses each of :data:`BAD_SCALARS` (:func:`refuse_bad_scalars_everywhere`).
+    ``blocks``: ``(p, g, m, v)`` of float32 (or bfloat16, float16) parameters, donated."""
+    for fields, message in BAD_SCALARS:
+        refuse_bad_scalars_everywhere(backend, prefix, blocks, s, s._replace(**fields), variant, message)
+
+
+def refuse_bad_scalars_everywhere(backend, prefix: str, blocks, s: AdamScalars, sb: AdamScalars, variant,
+                                  message: str) -> None:
+    """Every entry of ``backend`` refuses the scalars ``sb`` with an ``HParamError`` naming the call (``prefix``:
+    the backend's name) that matches ``message``: in the last block of a list form (the others valid, with
+    ``s``) and in either scalars of an undo+redo, before anything is computed: the callers check that every
+    block kept its values. ``blocks``: ``(p, g, m, v)``, donated."""
     import pytest
 
     from sofx.errors import HParamError
     from sofx.kernels.base import StepCall, UndoCall, UndoRedoCall
 
     last = len(blocks) - 1
-    for bad in BAD_GRAD_SCALES:
-        sb = s._replace(grad_scale=bad)
-        value = re.escape(repr(float(bad)))
 
-        def scalars(i: int) -> AdamScalars:
-            return sb if i == last else s
+    def scalars(i: int) -> AdamScalars:
+        return sb if i == last else s
 
-        cases = [
-            (f"{prefix}.step", lambda: backend.step(*blocks[0], sb, variant, out=(blocks[0][0], *blocks[0][2:]))),
-            (f"{prefix}.undo", lambda: backend.undo(*blocks[0], sb, variant, out=(blocks[0][0], *blocks[0][2:]))),
-            (f"{prefix}.undo_redo", lambda: backend.undo_redo(blocks[0][0], *blocks[0][2:], blocks[0][1], s,
-                                                              blocks[0][1], sb, variant,
-                                                              out=(blocks[0][0], *blocks[0][2:]))),
-            (f"{prefix}.undo_redo", lambda: backend.undo_redo(blocks[0][0], *blocks[0][2:], blocks[0][1], sb,
-                                                              blocks[0][1], s, variant,
-                                                              out=(blocks[0][0], *blocks[0][2:]))),
-            (rf"{prefix}.step_many\[{last}\]", lambda: backend.step_many(
-                [StepCall(*b, scalars(i), out=(b[0], b[2], b[3])) for i, b in enumerate(blocks)], variant)),
-            (rf"{prefix}.undo_many\[{last}\]", lambda: backend.undo_many(
-                [UndoCall(*b, scalars(i), out=(b[0], b[2], b[3])) for i, b in enumerate(blocks)], variant)),
-            (rf"{prefix}.undo_redo_many\[{last}\]", lambda: backend.undo_redo_many(
-                [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], scalars(i), out=(b[0], b[2], b[3]))
-                 for i, b in enumerate(blocks)], variant)),
-        ]
-        for where, call in cases:
-            with pytest.raises(HParamError, match=rf"{where}: grad_scale = {value} is invalid; expected a finite "
-                                                  "value > 0"):
-                call()
+    cases = [
+        (f"{prefix}.step", lambda: backend.step(*blocks[0], sb, variant, out=(blocks[0][0], *blocks[0][2:]))),
+        (f"{prefix}.undo", lambda: backend.undo(*blocks[0], sb, variant, out=(blocks[0][0], *blocks[0][2:]))),
+        (f"{prefix}.undo_redo", lambda: backend.undo_redo(blocks[0][0], *blocks[0][2:], blocks[0][1], s,
+                                                          blocks[0][1], sb, variant,
+                                                          out=(blocks[0][0], *blocks[0][2:]))),
+        (f"{prefix}.undo_redo", lambda: backend.undo_redo(blocks[0][0], *blocks[0][2:], blocks[0][1], sb,
+                                                          blocks[0][1], s, variant,
+                                                          out=(blocks[0][0], *blocks[0][2:]))),
+        (rf"{prefix}.step_many\[{last}\]", lambda: backend.step_many(
+            [StepCall(*b, scalars(i), out=(b[0], b[2], b[3])) for i, b in enumerate(blocks)], variant)),
+        (rf"{prefix}.undo_many\[{last}\]", lambda: backend.undo_many(
+            [UndoCall(*b, scalars(i), out=(b[0], b[2], b[3])) for i, b in enumerate(blocks)], variant)),
+        (rf"{prefix}.undo_redo_many\[{last}\]", lambda: backend.undo_redo_many(
+            [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], scalars(i), out=(b[0], b[2], b[3]))
+             for i, b in enumerate(blocks)], variant)),
+    ]
+    for where, call in cases:
+        with pytest.raises(HParamError, match=rf"{where}: {message}"):
+            call()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

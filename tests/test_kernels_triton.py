@@ -45,7 +45,7 @@ else:
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
     from helpers import (block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales,
-                         run_blocks)
+                         refuse_bad_scalars, run_blocks)
 
     VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
     DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -344,6 +344,13 @@ else:
         blocks = _many_blocks(rng)[:2]
         before = [[t.clone() for t in b] for b in blocks]
         refuse_bad_grad_scales(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
+        for b, old in zip(blocks, before):
+            assert all(torch.equal(a, o) for a, o in zip(b, old))
+
+    def test_scalars_no_step_can_take_are_refused_by_every_entry(rng):
+        blocks = _many_blocks(rng)[:2]
+        before = [[t.clone() for t in b] for b in blocks]
+        refuse_bad_scalars(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
         for b, old in zip(blocks, before):
             assert all(torch.equal(a, o) for a, o in zip(b, old))
 

@@ -146,26 +146,46 @@ def as_number(x: Scalar) -> Scalar:
     return x
 
 
-def concrete_scalars(s: AdamScalars, where: str = "kernel") -> AdamScalars:
-    """``s`` with every field that can be read as a Python number converted to one, its ``grad_scale``
-    checked (:func:`check_grad_scale`; ``where`` names the call in the error). Every backend builds its
-    scalars through this, so that all refuse the same values."""
+def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = False) -> AdamScalars:
+    """``s`` with every field that can be read as a Python number converted to one, checked
+    (:func:`check_scalars`; ``where`` names the call in the error, ``float64``: the block is stepped in
+    float64). Every backend builds its scalars through this, so that all refuse the same values."""
     if not all(type(x) is float or type(x) is int for x in s):  # (the common case, once per leaf and step: floats)
         s = AdamScalars(*(as_number(x) for x in s))
-    check_grad_scale(s.grad_scale, where)
+    check_scalars(s, where, float64)
     return s
 
 
-def check_grad_scale(grad_scale: Scalar, where: str) -> None:
+def check_scalars(s: AdamScalars, where: str, float64: bool = False) -> None:
+    """Refuse, as :meth:`sofx.Adam.update` does, the values of ``s`` that can be read (numbers; concrete 0-d
+    tensors) and that no step can take: a beta outside ``[0, 1)`` (``1 - beta**t`` divides with bias
+    correction: 0 for a beta of 1), a ``step`` below 1 (``t`` counts from 1: ``1 - beta**0`` is 0), and a
+    ``grad_scale`` that :func:`check_grad_scale` refuses (``float64``: the block is stepped in float64)."""
+    for name in ("beta1", "beta2"):
+        b = as_number(getattr(s, name))
+        if is_number(b) and not 0 <= b < 1:  # (nan fails both comparisons)
+            raise HParamError(f"{where}: {name} = {b!r} is invalid; expected 0 <= {name} < 1")
+    t = as_number(s.step)
+    if is_number(t) and not t >= 1:
+        raise HParamError(f"{where}: step = {t!r} is invalid; expected the number of the step taken, >= 1 (the "
+                          "first step is 1)")
+    check_grad_scale(s.grad_scale, where, float64)
+
+
+def check_grad_scale(grad_scale: Scalar, where: str, float64: bool = False) -> None:
     """Refuse a ``grad_scale`` that can be read (a number or a concrete 0-d tensor) and is not finite and
     > 0, as :meth:`sofx.Adam.update` does: the gradient a kernel uses is ``g * grad_scale``, and the checked
-    step's gradient limit is ``GRADIENT_LIMIT / grad_scale`` (a division by zero). A value too small for
-    float32 (0 there) is valid: zero gradients, as torch's unscaling would underflow. A traced tensor is
-    not read."""
+    step's gradient limit is ``GRADIENT_LIMIT / grad_scale`` (a division by zero); nor, unless the block is
+    stepped in float64 (``float64``), one beyond float32's largest value (the gradient times it is inf there:
+    nan results). A value too small for float32 (0 there) is valid: zero gradients, as torch's unscaling
+    would underflow. A traced tensor is not read."""
     x = as_number(grad_scale)
     if is_number(x) and not 0 < x < math.inf:  # (nan fails both comparisons)
         raise HParamError(f"{where}: grad_scale = {x!r} is invalid; expected a finite value > 0 (the kernel "
                           "uses g * grad_scale)")
+    if is_number(x) and not float64 and x > FLOAT32_MAX:
+        raise HParamError(f"{where}: grad_scale = {x!r} is beyond float32's range (largest {FLOAT32_MAX!r}); the "
+                          "block is stepped in float32, where the gradient times it is inf")
 
 
 def is_number(x: object) -> bool:

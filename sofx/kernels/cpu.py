@@ -343,10 +343,11 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     """
     lib = _cpu_build.load()
     undone = op != src.OP_STEP
+    float64 = [getattr(b.p, "dtype", None) == torch.float64 for b in blocks]  # (the reference's float64 math)
     s1s = reference.concrete_checked([b.s1 for b in blocks], variant if undone else None,
-                                     [b.p_old is not None for b in blocks] if undone else None, where)
-    s2s = reference.concrete_checked([b.s2 for b in blocks], where=where) if op == src.OP_UNDO_REDO \
-        else [None] * len(blocks)
+                                     [b.p_old is not None for b in blocks] if undone else None, where, float64)
+    s2s = reference.concrete_checked([b.s2 for b in blocks], where=where, float64=float64) \
+        if op == src.OP_UNDO_REDO else [None] * len(blocks)
     by_value: dict[AdamScalars, ctypes.Array | None] = {}  # a group's blocks share scalars ...
     by_id: dict[int, ctypes.Array | None] = {}  # ... and mostly the very objects (the lists hold them)
     no_lossy: dict[int, ctypes.Array] = {}  # a block of by_value's with S_LOSSY 0, by its id (zero_moments)

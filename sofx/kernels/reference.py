@@ -191,14 +191,14 @@ def _step_block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
 def _checked_step(c: StepCall, where: str) -> AdamScalars:
     """``c``'s tensors checked and its scalars checked and concrete (``where`` names the call in errors)."""
     check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out)
-    return concrete_scalars(c.s, where)
+    return concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64)
 
 
 def _checked_undo(c: UndoCall, variant: AdamVariant, where: str) -> AdamScalars:
     """``c``'s tensors and scalars checked (:func:`_checked_step`), the scalars also as an undo's."""
     check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
                                 ("p_copy", c.p_copy)], c.p, c.out)
-    s = concrete_scalars(c.s, where)
+    s = concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64)
     _check_invertible(s, variant, c.p_old is not None, where)
     return s
 
@@ -207,9 +207,10 @@ def _checked_undo_redo(c: UndoRedoCall, variant: AdamVariant, where: str) -> tup
     """``c``'s tensors and both scalars checked, ``s_old`` as an undo's: ``(s_old, s_new)`` concrete."""
     check_block_tensors(where, [("p", c.p), ("m", c.m), ("v", c.v), ("g_old", c.g_old), ("g_new", c.g_new),
                                 ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out)
-    s_old = concrete_scalars(c.s_old, where)
+    float64 = compute_dtype(c.p) == torch.float64
+    s_old = concrete_scalars(c.s_old, where, float64)
     _check_invertible(s_old, variant, c.p_old is not None, where)
-    return s_old, concrete_scalars(c.s_new, where)
+    return s_old, concrete_scalars(c.s_new, where, float64)
 
 
 def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: bool, where: str) -> None:
@@ -227,20 +228,23 @@ def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: boo
 
 def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant | None = None,
                      restoring_param: Sequence[bool] | None = None,
-                     where: Sequence[str] | None = None) -> list[AdamScalars | None]:
+                     where: Sequence[str] | None = None,
+                     float64: Sequence[bool] | None = None) -> list[AdamScalars | None]:
     """:func:`concrete_scalars` of each of a list form's scalars (None stays None), once per object (a
     group's blocks share theirs); with ``variant``, each checked as an undo's (``restoring_param[i]``: block
-    ``i`` restores p from ``p_old``). ``where[i]`` names block ``i`` in errors."""
-    done: dict[tuple[int, bool], AdamScalars] = {}
+    ``i`` restores p from ``p_old``). ``where[i]`` names block ``i`` in errors; ``float64[i]``: block ``i``
+    is stepped in float64 (default: none is)."""
+    done: dict[tuple[int, bool, bool], AdamScalars] = {}
     out: list[AdamScalars | None] = []
     for i, s in enumerate(scalars):
         if s is None:
             out.append(None)
             continue
         restoring = restoring_param[i] if restoring_param is not None else False
-        key = (id(s), restoring)  # the caller's list holds the objects
+        wide = float64[i] if float64 is not None else False
+        key = (id(s), restoring, wide)  # the caller's list holds the objects
         if key not in done:
-            done[key] = concrete_scalars(s, where[i] if where is not None else f"block {i}")
+            done[key] = concrete_scalars(s, where[i] if where is not None else f"block {i}", wide)
             if variant is not None:
                 _check_invertible(done[key], variant, restoring, where[i] if where is not None else f"block {i}")
         out.append(done[key])
