@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRec
                                strategy_snapshot_bytes)
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
-           "check_hparam_value", "check_float32_range"]
+           "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -1428,13 +1428,29 @@ def check_float32_range(hp: AdamHParams, where: str, path: str = "") -> None:
                               "stepped in float32")
 
 
-def _refuse_torch_options(who: str, amsgrad: Any, maximize: Any) -> None:
-    """Refuse ``torch.optim.Adam/AdamW``'s ``amsgrad`` or ``maximize`` set (accepted at their default, False,
-    so that torch's arguments carry over): they change the math, and sofx implements neither (AMSGrad's
-    running maximum of ``v`` has no algebraic inverse). As the offload facade refuses them."""
-    for name, value in (("amsgrad", amsgrad), ("maximize", maximize)):
-        if value:
-            raise UnsupportedError(f"{who}: {name}={value!r} is not supported (only torch.optim's default, False)")
+# torch.optim.Adam/AdamW's options that change the math: sofx implements only their default, False (AMSGrad's
+# running maximum of v has no algebraic inverse).
+TORCH_MATH_OPTIONS = ("amsgrad", "maximize")
+
+
+def refused_torch_option(options: Mapping[str, Any], refused: Sequence[str] = TORCH_MATH_OPTIONS) -> str | None:
+    """The first of ``refused`` that ``options`` (torch.optim's keyword arguments, a param group) sets to a true
+    value, or None: the rule :func:`adam`, :func:`adamw` and the offload facade refuse torch's options by."""
+    return next((name for name in refused if options.get(name)), None)
+
+
+def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool) -> None:
+    """Refuse the options of ``torch.optim.Adam/AdamW`` (taken so that torch's arguments carry over) that sofx
+    does not implement, as the offload facade does: ``amsgrad`` or ``maximize`` set (:func:`refused_torch_option`)
+    and a ``decoupled_weight_decay`` other than ``decoupled`` (sofx.adam's True is AdamW). Their other options
+    are not passed here: any value is accepted (see :func:`adam`)."""
+    name = refused_torch_option(options)
+    if name is not None:
+        raise UnsupportedError(f"{who}: {name}={options[name]!r} is not supported (only torch.optim's default, "
+                               "False)")
+    if bool(options.get("decoupled_weight_decay", decoupled)) != decoupled:
+        raise UnsupportedError(f"{who}: decoupled_weight_decay={options['decoupled_weight_decay']!r} is AdamW's "
+                               "decoupled weight decay; use sofx.adamw")
 
 
 def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,
@@ -1447,7 +1463,9 @@ def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar
 
 
 def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
-         weight_decay: Scalar = 0.0, amsgrad: bool = False, *, maximize: bool = False, bias_correction: bool = True,
+         weight_decay: Scalar = 0.0, amsgrad: bool = False, *, foreach: bool | None = None, maximize: bool = False,
+         capturable: bool = False, differentiable: bool = False, fused: bool | None = None,
+         decoupled_weight_decay: bool = False, bias_correction: bool = True,
          state_dtype: torch.dtype | None = None, undo: str = "auto", backend: str = "auto") -> Adam:
     """Adam with L2 weight decay, as ``torch.optim.Adam``. Per element, at a leaf's ``t``-th step::
 
@@ -1458,23 +1476,28 @@ def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Sc
     (``bias_correction=False``: both ``1 - b^t`` are 1). ``state_dtype``: the moments' dtype (default: the
     parameter's); ``undo``: ``"auto" | "algebraic" | "exact"``; ``backend``: ``"auto" | "reference" | "cpu"
     | "cpu_fast" | "triton"``. The hparams given here are the defaults of every :class:`AdamHParams`.
-    ``amsgrad``, ``maximize``: ``torch.optim.Adam``'s, accepted at their default (False) only; True raises
-    :class:`~sofx.errors.UnsupportedError`.
+    ``torch.optim.Adam``'s other options carry over: ``amsgrad``, ``maximize`` and ``decoupled_weight_decay``
+    are accepted at their default (False) only (True raises :class:`~sofx.errors.UnsupportedError`);
+    ``foreach``, ``fused``, ``capturable`` (torch's implementation) and ``differentiable`` (the update is
+    differentiable wherever its inputs are traced) take any value and are ignored.
     """
-    _refuse_torch_options("sofx.adam", amsgrad, maximize)
+    _refuse_torch_options("sofx.adam", {"amsgrad": amsgrad, "maximize": maximize,
+                                        "decoupled_weight_decay": decoupled_weight_decay}, decoupled=False)
     return _make(False, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
 
 def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Scalar = 1e-8,
-          weight_decay: Scalar = 1e-2, amsgrad: bool = False, *, maximize: bool = False, bias_correction: bool = True,
-          state_dtype: torch.dtype | None = None, undo: str = "auto", backend: str = "auto") -> Adam:
+          weight_decay: Scalar = 1e-2, amsgrad: bool = False, *, maximize: bool = False, foreach: bool | None = None,
+          capturable: bool = False, differentiable: bool = False, fused: bool | None = None,
+          bias_correction: bool = True, state_dtype: torch.dtype | None = None, undo: str = "auto",
+          backend: str = "auto") -> Adam:
     """AdamW: decoupled weight decay, as ``torch.optim.AdamW``. Per element, at a leaf's ``t``-th step::
 
         p <- p * (1 - lr * wd)
         m <- b1 * m + (1 - b1) * g                v <- b2 * v + (1 - b2) * g^2
         p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-    Arguments as :func:`adam`.
+    Arguments as :func:`adam` (``torch.optim.AdamW`` has no ``decoupled_weight_decay``).
     """
-    _refuse_torch_options("sofx.adamw", amsgrad, maximize)
+    _refuse_torch_options("sofx.adamw", {"amsgrad": amsgrad, "maximize": maximize}, decoupled=True)
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)

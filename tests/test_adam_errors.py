@@ -127,6 +127,30 @@ def test_torch_optims_amsgrad_and_maximize_are_refused_set_and_accepted_at_their
                 cls(torch.nn.Linear(2, 2).parameters(), executor="inline", **kwargs)
 
 
+@pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
+def test_torch_optims_implementation_options_are_accepted_and_ignored(make):
+    """torch.optim.Adam/AdamW's foreach, fused, capturable and differentiable (a bare TypeError before): any
+    value is accepted and changes nothing, as the offload facade accepts foreach / fused / capturable (the
+    functional update is differentiable anyway, README); Adam's decoupled_weight_decay=True is AdamW: refused,
+    as the facade refuses a group's other than its class's."""
+    params = {"w": torch.randn(5)}
+    grads = {"w": torch.randn(5)}
+    want = make(lr=1e-2).update(params, grads, make(lr=1e-2).init(params))[0]
+    for kwargs in ({"foreach": True, "fused": False, "capturable": False, "differentiable": False},
+                   {"foreach": False, "fused": True, "capturable": True, "differentiable": True},
+                   {"foreach": None, "fused": None}):
+        opt = make(lr=1e-2, **kwargs)
+        assert trees_equal(opt.update(params, grads, opt.init(params))[0], want)
+    if make is sofx.adam:
+        with pytest.raises(sofx.UnsupportedError, match=r"sofx\.adam: decoupled_weight_decay=True is AdamW's "
+                                                        r"decoupled weight decay; use sofx\.adamw"):
+            make(decoupled_weight_decay=True)
+        assert make(decoupled_weight_decay=False).variant.decoupled is False
+    else:
+        with pytest.raises(TypeError):  # (not an option of torch.optim.AdamW either)
+            make(decoupled_weight_decay=True)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
 @pytest.mark.parametrize("donate", [False, True])
 def test_a_grad_scale_beyond_float32_is_refused_and_changes_nothing(backend, donate):

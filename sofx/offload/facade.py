@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import Adam, AdamHParams, check_float32_range
+from sofx.adam import TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.base import is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
@@ -106,19 +106,20 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-# torch.optim.Adam/AdamW's options that change the math: only their default (False) is implemented. (Its other
-# options, foreach / fused / capturable, choose torch's implementation: any value is accepted and ignored.)
-_REFUSED_FLAGS = ("amsgrad", "maximize", "differentiable")
+# torch.optim.Adam/AdamW's options that change the math, and differentiable (the steps are in place, not
+# recorded by autograd): only their default (False) is implemented. (Its other options, foreach / fused /
+# capturable, choose torch's implementation: any value is accepted and ignored.)
+_REFUSED_FLAGS = (*TORCH_MATH_OPTIONS, "differentiable")
 
 
 def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> None:
     """Refuse a param group asking for what the speculative optimizer does not implement: ``amsgrad``,
     ``maximize`` or ``differentiable`` set, or ``decoupled_weight_decay`` other than the class's (AdamW: True,
     Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s."""
-    for key in _REFUSED_FLAGS:
-        if group.get(key):
-            raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
-                                   "optimizer (only its default, False)")
+    key = refused_torch_option(group, _REFUSED_FLAGS)
+    if key is not None:
+        raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
+                               "optimizer (only its default, False)")
     if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != decoupled:
         kind = "SpeculativeAdamW" if decoupled else "SpeculativeAdam"
         other = "SpeculativeAdam" if decoupled else "SpeculativeAdamW"
