@@ -614,9 +614,8 @@ def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
     decrease with ``i``. A rank may own no block (more ranks than blocks).
     """
     world_size = integer("partition_blocks: world_size", world_size, 1, SofxError)  # numpy's too, as an int
-    sizes = [int(s) for s in sizes]
-    if any(s < 0 for s in sizes):
-        raise SofxError(f"block sizes must be >= 0, got {sizes}")
+    # Python ints (numpy's too): int() truncated a float size (sizes [2.5, 1.9] balanced as [2, 1])
+    sizes = [integer(f"partition_blocks: sizes[{i}]", s, 0, SofxError) for i, s in enumerate(sizes)]
     total = sum(sizes)
     if total == 0:  # nothing to balance: split by count
         n = len(sizes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -893,7 +894,8 @@ def test_the_refusal_error_survives_pickling():
 def test_ranks_and_world_sizes_given_as_numpy_are_ints_and_floats_or_bools_are_refused():
     """shard_blocks(rank=0.5, world_size=2) was taken as rank 0 (int() truncated it), world_size="2" as 2 and
     rank=True as 1; partition_blocks refused np.int64(2) and Shard np.int64 owners. numpy and 1-element tensor
-    ranks are read as ints; floats, bools and strings are refused naming the argument."""
+    ranks are read as ints; floats, bools and strings are refused naming the argument. partition_blocks'
+    sizes too (int() truncated [2.5, 1.9] to [2, 1]), naming the index."""
     np = pytest.importorskip("numpy")
     from sofx.distributed import Shard
 
@@ -916,6 +918,13 @@ def test_ranks_and_world_sizes_given_as_numpy_are_ints_and_floats_or_bools_are_r
             sd.shard_blocks(params, **kwargs)
     with pytest.raises(sofx.SofxError, match=r"partition_blocks: world_size = True is invalid"):
         sd.partition_blocks([1, 2], True)
+    assert sd.partition_blocks([np.int64(10), torch.tensor([10])], 2) == (0, 1)
+    for i, bad, got in ((0, 2.5, "float"), (1, 1.9, "float"), (1, True, "bool"), (0, -1, "int"), (1, "3", "str")):
+        sizes = [2, 3]
+        sizes[i] = bad  # int() truncated 2.5 and 1.9, took True as 1 and "3" as 3
+        with pytest.raises(sofx.SofxError, match=rf"partition_blocks: sizes\[{i}\] = {re.escape(repr(bad))} is "
+                                                 rf"invalid; expected an integer >= 0 .*got {got}"):
+            sd.partition_blocks(sizes, 2)
     with pytest.raises(sofx.SofxError, match=r"Shard: rank = 0.0 is invalid; expected an integer >= 0"):
         Shard(0.0, 2, want.owners, want.spec)
     with pytest.raises(sofx.SofxError, match=r"owners must be ranks in \[0, 2\), got 1.0"):
