@@ -372,6 +372,9 @@ def test_on_speculation_held_counts_what_the_step_holds() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(SofxError, match="snapshot_bytes"):
             sp.on_speculation_held(ctx, tally, 2, bad)
+    np = pytest.importorskip("numpy")  # a numpy block index and byte count were refused
+    held = sp.on_speculation_held(ctx, tally, np.int64(2), np.int64(60))
+    assert held.snapshot_bytes == 60 and type(held.decisions[2].snapshot_bytes) is int
     tally = sp.on_speculation_refused(ctx, tally, 2, "gone")  # what it held is free again
     assert tally.snapshot_bytes == 0
 

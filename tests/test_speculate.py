@@ -11,6 +11,7 @@ protocol by hand on flat 1-d blocks with donation, as the offload engine does.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -488,8 +489,14 @@ def test_protocol_errors_are_clear(rng):
         sp.on_block_ready(ctx, tally2, 0, 1.0, el)
     with pytest.raises(sofx.SofxError, match="not ready yet"):
         sp.on_late_gradient(ctx, tally2, 1, 1.0)
-    with pytest.raises(sofx.SofxError, match="out of range"):
-        sp.on_block_ready(ctx, tally2, 2, 1.0, el)
+    for bad in (2, -1, 0.0, True, "0"):
+        with pytest.raises(sofx.SofxError, match=rf"block {re.escape(repr(bad))} is out of range: expected an "
+                                                 rf"integer in \[0, 2\)"):
+            sp.on_block_ready(ctx, tally2, bad, 1.0, el)
+    np = pytest.importorskip("numpy")  # a numpy block index (from an array) was refused
+    t, d = sp.on_block_ready(ctx, tally2, np.int64(1), 1.0, el)
+    assert type(d.block) is int and d.block == 1 and t.decisions[1] == d
+    assert sp.on_late_gradient(ctx, t, np.int64(1), 4.0).late == frozenset({1})
     with pytest.raises(sofx.SofxError, match="2 blocks"):
         sp.plan_validation(ctx, tally2, [1.0])
     with pytest.raises(sofx.SofxError, match="no gradient"):

@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
-from sofx.kernels.base import as_number, integer
+from sofx.kernels.base import as_integer, as_number, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
                          local_sumsq, reduced_sumsq, step_facts, without_gradients)
@@ -311,9 +311,13 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
 
 
 def _check_block(ctx: StepContext, block: int) -> int:
-    if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < ctx.n_blocks:
-        raise SofxError(f"block {block!r} is out of range: the step has {ctx.n_blocks} blocks")
-    return block
+    """``block`` as a Python int (:func:`~sofx.kernels.base.as_integer`: a numpy integer too, such as an index
+    taken from an array) in ``[0, n_blocks)``, else a :class:`SofxError` naming it."""
+    i = as_integer(block)
+    if i is None or not 0 <= i < ctx.n_blocks:
+        raise SofxError(f"block {block!r} is out of range: expected an integer in [0, {ctx.n_blocks}) (the step has "
+                        f"{ctx.n_blocks} blocks), got {type(block).__name__}")
+    return i
 
 
 def _replace(t: tuple[Any, ...], i: int, value: Any) -> tuple[Any, ...]:
@@ -330,7 +334,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
     called only when everything else allows speculation. Returns the new tally
     and the decision.
     """
-    _check_block(ctx, block)
+    block = _check_block(ctx, block)
     if tally.decisions[block] is not None:
         raise SofxError(f"block {block} was already ready this step; a further gradient for it is a late "
                         "gradient: call on_late_gradient")
@@ -385,7 +389,7 @@ def on_speculation_refused(ctx: StepContext, tally: BackwardTally, block: int, r
     Its decision becomes ``"refused"``: validation steps it, the report counts it as ``refused`` (a
     speculative step undone at once, then stepped late), and its snapshot bytes are no longer held.
     """
-    _check_block(ctx, block)
+    block = _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None or not d.speculate:
         raise SofxError(f"block {block} was not speculated: there is no speculative step to refuse")
@@ -401,12 +405,11 @@ def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snap
     in itself that it keeps chunks (:mod:`sofx.skipped_chunks`). The blocks decided after this see what is
     really left of the budget, rather than have their steps taken back for it.
     """
-    _check_block(ctx, block)
+    block = _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None or not d.speculate:
         raise SofxError(f"block {block} was not speculated: there is no speculative step holding a snapshot")
-    if isinstance(snapshot_bytes, bool) or not isinstance(snapshot_bytes, int) or snapshot_bytes < 0:
-        raise SofxError(f"snapshot_bytes = {snapshot_bytes!r}; expected an integer >= 0")
+    snapshot_bytes = integer("on_speculation_held: snapshot_bytes", snapshot_bytes, 0, SofxError)
     held = d._replace(snapshot_bytes=snapshot_bytes)
     return tally._replace(decisions=_replace(tally.decisions, block, held),
                           snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes + snapshot_bytes)
@@ -425,7 +428,7 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     report them, :func:`on_speculation_held`, before). A non-finite sum vetoes
     speculation of the blocks still to come.
     """
-    _check_block(ctx, block)
+    block = _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None:
         raise SofxError(f"block {block} was not ready yet: a gradient before on_block_ready is not late")
