@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence, Union
 
 from sofx.adam import AdamHParams, check_hparam_value
 from sofx.errors import HParamError
-from sofx.kernels.base import finite_number, integer
+from sofx.kernels.base import finite_number, flag, integer
 
 __all__ = [
     "Schedule",
@@ -244,6 +244,8 @@ class OneCycle:
     def __post_init__(self) -> None:
         _finite(self, "max_lr", "pct_start", "base_beta1", "max_beta1", "div_factor", "final_div_factor")
         _steps(self, "total_steps", "total_steps")
+        # Python bools (three_phase="no" was taken as three phases)
+        _set(self, **{name: flag(name, getattr(self, name)) for name in ("cycle_beta1", "three_phase")})
         if not 0 <= self.pct_start <= 1:
             raise HParamError(f"pct_start = {self.pct_start!r} is invalid; expected 0 <= pct_start <= 1")
         if self.pct_start == 1 and not self.three_phase:

@@ -157,6 +157,19 @@ def test_schedules_pickle_and_reject_bad_input():
     assert schedules.one_cycle(0.1, 10, pct_start=1.0, three_phase=True).lr(10) > 0
 
 
+def test_one_cycle_flags_are_python_or_numpy_bools():
+    """one_cycle(three_phase="no") was taken as three phases and cycle_beta1="no" as cycling: a numpy bool is
+    stored as a Python bool, anything else is refused naming the argument."""
+    np = pytest.importorskip("numpy")
+    got = schedules.one_cycle(0.1, 10, cycle_beta1=np.bool_(False), three_phase=np.bool_(True))
+    assert got == schedules.one_cycle(0.1, 10, cycle_beta1=False, three_phase=True)
+    assert (type(got.cycle_beta1), type(got.three_phase)) == (bool, bool)
+    for name in ("cycle_beta1", "three_phase"):
+        for bad, kind in (("no", "str"), (1, "int")):
+            with pytest.raises(HParamError, match=rf"{name} = .* is invalid; expected a bool .*got {kind}"):
+                schedules.one_cycle(0.1, 10, **{name: bad})
+
+
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(div_factor=0.0), r"div_factor = 0.0 is invalid; expected a number > 0"),
     (dict(div_factor=-25.0), r"div_factor = -25.0"),

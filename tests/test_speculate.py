@@ -1020,6 +1020,23 @@ def test_policy_and_config_counts_given_as_numpy_or_tensors_are_read_as_python_n
             sp.SpeculationConfig(snapshot_budget_bytes=budget)
 
 
+def test_speculation_flags_are_python_or_numpy_bools():
+    """SpeculationConfig(enabled="no") was stored as "no" and read as true (so were predict_scale and
+    AdaptivePolicy.enabled). A numpy bool is stored as a Python bool; anything else is refused, naming the field."""
+    np = pytest.importorskip("numpy")
+    cfg = sp.SpeculationConfig(enabled=np.bool_(False), predict_scale=np.bool_(True),
+                               policy=sp.AdaptivePolicy(enabled=np.bool_(False)))
+    assert cfg == sp.SpeculationConfig(enabled=False, policy=sp.AdaptivePolicy(enabled=False))
+    assert (type(cfg.enabled), type(cfg.predict_scale), type(cfg.policy.enabled)) == (bool, bool, bool)
+    for bad, kind in (("no", "str"), (0, "int"), (None, "NoneType"), (torch.tensor(False), "a torch.bool tensor")):
+        for name in ("enabled", "predict_scale"):
+            with pytest.raises(sofx.HParamError, match=rf"SpeculationConfig.{name} = .* is invalid; expected a bool "
+                                                       rf".*got {kind}"):
+                sp.SpeculationConfig(**{name: bad})
+        with pytest.raises(sofx.HParamError, match=rf"AdaptivePolicy.enabled = .* is invalid; .*got {kind}"):
+            sp.AdaptivePolicy(enabled=bad)
+
+
 def test_a_numpy_or_tensor_backward_scale_is_its_number(rng):
     """backward_scale=np.float32(2 ** 17) was refused as "backward_scale = 131072.0 is invalid; expected a finite
     number >= 0" (a valid value, refused for its type), and so was a 1-element tensor; both are read as the float,

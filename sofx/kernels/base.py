@@ -279,6 +279,14 @@ def integer(name: str, value: Any, minimum: int = 0, error: type[Exception] = HP
                 f"a 1-element integer tensor), got {_described(value)}{hint}")
 
 
+def flag(name: str, value: Any, error: type[Exception] = HParamError) -> bool:
+    """``value`` as a Python bool where it is a Python or numpy bool, else ``error`` naming ``name``, the value and
+    its type. For on/off options: a string or a number was taken by its truth (``enabled="no"`` as on)."""
+    if is_bool(value):
+        return bool(value)
+    raise error(f"{name} = {value!r:.80} is invalid; expected a bool (True or False), got {_described(value)}")
+
+
 def compute_dtype(p: torch.Tensor) -> torch.dtype:
     """float64 math for float64 parameters, float32 for everything else."""
     return torch.float64 if p.dtype == torch.float64 else torch.float32

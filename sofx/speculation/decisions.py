@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
-from sofx.kernels.base import as_integer, as_number, integer
+from sofx.kernels.base import as_integer, as_number, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
                          local_sumsq, reduced_sumsq, step_facts, without_gradients)
@@ -116,6 +116,8 @@ class SpeculationConfig:
                                integer("snapshot_budget_bytes", self.snapshot_budget_bytes, 0))
         if not isinstance(self.policy, AdaptivePolicy):
             raise HParamError(f"policy must be an AdaptivePolicy, got {type(self.policy).__name__}")
+        for name in ("predict_scale", "enabled"):  # Python bools ("no" was stored, and read as true)
+            object.__setattr__(self, name, flag(f"SpeculationConfig.{name}", getattr(self, name)))
 
 
 @dataclass(frozen=True)

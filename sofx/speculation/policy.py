@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sofx.errors import HParamError
-from sofx.kernels.base import finite_number, integer
+from sofx.kernels.base import finite_number, flag, integer
 
 __all__ = ["AdaptivePolicy", "PolicyState"]
 
@@ -54,7 +54,9 @@ class AdaptivePolicy:
             raise HParamError(f"AdaptivePolicy.pause_fraction = {self.pause_fraction!r} is invalid; "
                               "expected 0 <= pause_fraction < 1")
         quiet_steps = integer("AdaptivePolicy.quiet_steps", self.quiet_steps, 1)
-        for name, value in (("window", window), ("pause_fraction", pause_fraction), ("quiet_steps", quiet_steps)):
+        enabled = flag("AdaptivePolicy.enabled", self.enabled)  # a Python bool ("no" was stored, and read as true)
+        for name, value in (("enabled", enabled), ("window", window), ("pause_fraction", pause_fraction),
+                            ("quiet_steps", quiet_steps)):
             object.__setattr__(self, name, value)
 
     def init(self) -> PolicyState:
