@@ -55,7 +55,7 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
                                MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_integer, as_number,
-                               is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
+                               flag, is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, chunk_ranges,
                                strategy_snapshot_bytes)
@@ -137,6 +137,9 @@ class Adam:
         if state_dtype is not None and not state_dtype.is_floating_point:
             raise UnsupportedError(f"state_dtype={state_dtype} is not a floating dtype")
         check_backend_name(backend)  # (an unknown name failed only at the first step)
+        # Python bools (bias_correction="no" was taken as on)
+        decoupled = flag("decoupled", decoupled, UnsupportedError)
+        bias_correction = flag("bias_correction", bias_correction, UnsupportedError)
         self.defaults = defaults
         self.variant = AdamVariant(decoupled=decoupled, bias_correction=bias_correction)
         self.state_dtype = state_dtype

@@ -103,6 +103,21 @@ def test_invalid_defaults_and_options_are_refused_at_construction():
         opt.update(params, params, opt.init(params), grad_scale=0.0)
 
 
+def test_adam_flags_are_python_or_numpy_bools():
+    """sofx.adam(bias_correction="no") was taken as bias correction on (Adam(decoupled="no") as AdamW): a numpy
+    bool is stored as a Python bool, anything else is refused naming the option."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adam(bias_correction=np.bool_(False))
+    assert opt.variant == (False, False) and type(opt.variant.bias_correction) is bool
+    assert sofx.Adam(opt.defaults, decoupled=np.bool_(True)).variant == (True, True)
+    for bad, kind in (("no", "str"), (0, "int"), (None, "NoneType")):
+        with pytest.raises(sofx.UnsupportedError, match=rf"bias_correction = .* is invalid; expected a bool .*got "
+                                                        rf"{kind}"):
+            sofx.adamw(bias_correction=bad)
+        with pytest.raises(sofx.UnsupportedError, match=rf"decoupled = .* is invalid; expected a bool .*got {kind}"):
+            sofx.Adam(opt.defaults, decoupled=bad)
+
+
 @pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
 def test_torch_optims_amsgrad_and_maximize_are_refused_set_and_accepted_at_their_default(make):
     """torch.optim.Adam/AdamW's amsgrad and maximize (a bare TypeError before): True is refused by name, as the

@@ -333,6 +333,32 @@ def test_numpy_or_tensor_engine_options_are_numbers_and_bad_ones_are_refused_at_
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
 
 
+def test_engine_flags_are_python_or_numpy_bools_and_others_are_refused_at_construction():
+    """speculate="no", swap_params="no" and bias_correction="no" were taken as on: a numpy bool is a Python bool,
+    anything else is refused at construction, naming the option, and the parameters are left as they were."""
+    model, ref = _models()
+    flags = dict(speculate=False, swap_params=False, bias_correction=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline",
+                                       **{k: np.bool_(v) for k, v in flags.items()}) as opt, \
+            sofx.offload.SpeculativeAdamW(ref.parameters(), lr=1e-2, executor="inline", **flags) as want:
+        assert opt._engine.speculation.enabled is False and opt._engine.adam.variant.bias_correction is False
+        assert opt._engine.adam_config.to_json()["bias_correction"] is False  # (sent to a worker as JSON)
+        mlp_step_side_by_side(opt, want, model, ref, torch.Generator().manual_seed(0))
+        assert_trees_bitwise(list(model.parameters()), list(ref.parameters()))
+        opt.speculate = np.bool_(True)
+        assert opt.speculate is True
+        with pytest.raises(sofx.errors.UnsupportedError, match=r"speculate = 'no' is invalid; expected a bool"):
+            opt.speculate = "no"  # (was taken as on)
+        assert opt.speculate is True
+    before = [p.detach().clone() for p in model.parameters()]
+    for name in flags:
+        for bad, kind in (("no", "str"), (0, "int")):
+            with pytest.raises(sofx.errors.UnsupportedError, match=rf"{name} = .* is invalid; expected a bool .*got "
+                                                                   rf"{kind}"):
+                sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **{name: bad})
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
 def test_state_dict_hooks_run_as_in_torch_optim():
     model, _ = _models()
     calls = []

@@ -35,7 +35,8 @@ from typing import Any, Sequence
 import torch
 
 from sofx.adam import Adam, AdamHParams, AdamState
-from sofx.errors import SnapshotLimitError
+from sofx.errors import SnapshotLimitError, UnsupportedError
+from sofx.kernels.base import flag
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
@@ -63,6 +64,11 @@ class AdamConfig:
     state_dtype: str = "float32"
     undo: str = "auto"
     backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Python bools: a numpy bool is no JSON value (the process executor's worker gets this as JSON)
+        for name in ("decoupled", "bias_correction"):
+            object.__setattr__(self, name, flag(name, getattr(self, name), UnsupportedError))
 
     def build(self) -> Adam:
         """The :class:`~sofx.Adam` transform of this configuration (hparams come with each operation)."""

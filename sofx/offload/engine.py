@@ -73,7 +73,7 @@ import torch
 from sofx.adam import AdamHParams
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
-from sofx.kernels.base import as_integer, is_bool, real_number
+from sofx.kernels.base import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
@@ -181,6 +181,7 @@ class OffloadEngine:
         if shm_limit_bytes is not None and (limit is None or limit < 0):
             raise UnsupportedError(f"shm_limit_bytes must be None or an integer >= 0, got {shm_limit_bytes!r}")
         shm_limit_bytes = limit
+        swap_params = flag("swap_params", swap_params, UnsupportedError)  # ("no" was taken as on)
         self.device = check_params(groups)
         self.params: list[torch.Tensor] = [p for g in groups for p in g]
         self.hparams_fn = hparams_fn

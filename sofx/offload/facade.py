@@ -64,7 +64,7 @@ import torch
 
 from sofx.adam import TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
-from sofx.kernels.base import is_bool, real_number
+from sofx.kernels.base import flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
@@ -244,6 +244,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
             check_group_flags(group, f"param_groups[{i}]", self._decoupled)
         if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise UnsupportedError(f"state_dtype={state_dtype}; expected torch.float32, bfloat16 or float16")
+        speculate = flag("speculate", speculate, UnsupportedError)  # (speculate="no" was taken as on)
         speculation = SpeculationConfig(max_norm=max_grad_norm, profile=profile, missing_grad=missing_grad,
                                         snapshot_budget_bytes=snapshot_budget_bytes,
                                         policy=policy if policy is not None else AdaptivePolicy(), enabled=speculate)
@@ -445,7 +446,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
     def speculate(self, on: bool) -> None:
         import dataclasses
 
-        self.engine.speculation = dataclasses.replace(self.engine.speculation, enabled=bool(on))
+        on = flag("speculate", on, UnsupportedError)  # (bool("no") was True)
+        self.engine.speculation = dataclasses.replace(self.engine.speculation, enabled=on)
 
     def reload_params(self) -> None:
         """Take the model's current parameter values as the fp32 masters (after loading model weights)."""
