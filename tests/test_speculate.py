@@ -1056,3 +1056,22 @@ def test_a_numpy_or_tensor_backward_scale_is_its_number(rng):
         with pytest.raises(sofx.HParamError, match=r"backward_scale = .* is invalid; expected a finite number >= 0, "
                                                    r"got " + kind):
             sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=4, backward_scale=bad)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_block_undone_by_the_caller_for_a_late_gradient_is_reported_speculated_and_undone(overflow):
+    """A caller that undoes a block's speculative step as its late gradient comes (the engine's way:
+    on_late_gradient(undone=True), then taken[i]=False at validation) gets the block stepped with the sum; the
+    report counted it as stepped late, never speculated. SPECULATION.md's late-gradient row (undo and redo the
+    block) and StepReport (stepped_late: blocks stepped without a speculative step): speculated, undone and
+    redone; with an overflow, speculated, undone and not stepped."""
+    scaler = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(sofx.adamw(), sp.SpeculationConfig(), scaler, scaler.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    tally, _ = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    tally = sp.on_late_gradient(ctx, tally, 0, math.inf if overflow else 4.0, undone=True)
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), taken=[False, True])
+    r = plan.report
+    assert plan.actions[0].kind == ("skip" if overflow else "step")
+    assert (r.speculated, r.undone, r.redone, r.stepped_late) == ((2, 2, 0, 0) if overflow else (2, 1, 1, 0))
+    assert r.committed == (0 if overflow else 1) and r.not_stepped == (2 if overflow else 0)

@@ -189,7 +189,8 @@ class BackwardTally(NamedTuple):
     the veto only). ``block_sumsq[i]``/``decisions[i]``: block ``i``'s sum of
     squares and decision (``None`` until ready). ``late``: blocks that got a
     gradient after being ready. ``snapshot_bytes``: snapshot memory held by the
-    speculative steps so far.
+    speculative steps so far. ``undone``: speculated blocks whose step the caller
+    undid when a late gradient came (``on_late_gradient(undone=True)``).
     """
 
     sumsq: float
@@ -199,6 +200,7 @@ class BackwardTally(NamedTuple):
     decisions: tuple[BlockDecision | None, ...]
     late: frozenset[int]
     snapshot_bytes: int
+    undone: frozenset[int] = frozenset()
 
 
 class BlockAction(NamedTuple):
@@ -380,7 +382,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
     decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy, nbytes,
                              ctx.config.snapshot_budget_bytes)
     new = BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq),
-                        _replace(tally.decisions, block, decision), tally.late, snap)
+                        _replace(tally.decisions, block, decision), tally.late, snap, tally.undone)
     return new, decision
 
 
@@ -441,11 +443,12 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     vetoed, veto_reason = tally.vetoed, tally.veto_reason
     if not vetoed and not math.isfinite(sumsq):
         vetoed, veto_reason = True, f"block {block} got a non-finite late gradient"
-    held = tally.snapshot_bytes
+    held, taken_back = tally.snapshot_bytes, tally.undone
     if undone and d.kind == "speculate" and block not in tally.late:
         held -= d.snapshot_bytes  # released once: a later arrival finds nothing more to undo
+        taken_back = taken_back | {block}
     return BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq), tally.decisions,
-                         tally.late | {block}, held)
+                         tally.late | {block}, held, taken_back)
 
 
 def _same_number(a: Any, b: Any) -> bool:
@@ -515,7 +518,8 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)
     except MinLossScaleError as exc:
         actions = tuple(BlockAction(i, "undo" if spec_taken[i] else "skip", "the run stops: " + str(exc), 1.0,
-                                    hps[i], False, spec_taken[i]) for i in range(n))
+                                    hps[i], False, spec_taken[i] or _undone_before(tally, i, spec_taken[i]))
+                        for i in range(n))
         report = _report(ctx, tally, None, actions, ctx.policy_state)
         return ValidationPlan(None, actions, ctx.scaler_state, ctx.policy_state, report, exc)
     if empty:
@@ -523,12 +527,14 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     actions = []
     for i in range(n):
         d, s, hp, was = tally.decisions[i], sumsq[i], hps[i], spec_taken[i]
+        undone_before = _undone_before(tally, i, was)
         if facts.overflow:
             if was:
                 actions.append(BlockAction(i, "undo", "overflow: the step is skipped", facts.grad_scale, hp,
                                            False, True))
             else:
-                actions.append(BlockAction(i, "skip", "overflow: the step is skipped", facts.grad_scale, hp))
+                actions.append(BlockAction(i, "skip", "overflow: the step is skipped", facts.grad_scale, hp,
+                                           False, undone_before))
             continue
         if was:
             why = _changes(d, i in tally.late, facts.grad_scale, hp, facts, ctx)
@@ -536,6 +542,9 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
                 actions.append(BlockAction(i, "undo_redo", "; ".join(why), facts.grad_scale, hp, False, True))
             else:
                 actions.append(BlockAction(i, "commit", "as speculated", facts.grad_scale, hp, False, True))
+        elif undone_before:
+            actions.append(BlockAction(i, "step", "its speculative step was undone when a late gradient came; "
+                                       "stepped with the sum", facts.grad_scale, hp, False, True))
         elif s is not None:
             why = d.reason if d is not None and d.reason else (
                 "not speculated" if d is not None else "the block was not reported ready during backward")
@@ -553,21 +562,30 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     return ValidationPlan(facts, actions, facts.scaler_state, policy_state, report)
 
 
+def _undone_before(tally: BackwardTally, block: int, taken: bool) -> bool:
+    """Whether ``block``'s speculative step was undone by the caller before validation (a late gradient,
+    ``on_late_gradient(undone=True)``), so that validation finds it not taken."""
+    return not taken and block in tally.undone
+
+
 def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, actions: Sequence[BlockAction],
             policy_state: PolicyState) -> StepReport:
     kinds = [a.kind for a in actions]
     decisions = [d.kind for d in tally.decisions if d is not None]
     scale = ctx.scaler.scale(ctx.scaler_state)
+    # speculated, then undone by the caller before validation: a step (redone) or a skip (an overflow)
+    redone_before = sum(a.speculated and a.kind == "step" for a in actions)
+    undone_before = redone_before + sum(a.speculated and a.kind == "skip" for a in actions)
     return StepReport(
         blocks=ctx.n_blocks,
         speculated=sum(a.speculated for a in actions),
         committed=kinds.count("commit"),
-        undone=kinds.count("undo") + kinds.count("undo_redo"),
-        redone=kinds.count("undo_redo"),
+        undone=kinds.count("undo") + kinds.count("undo_redo") + undone_before,
+        redone=kinds.count("undo_redo") + redone_before,
         vetoed=decisions.count("vetoed"),
         ineligible=decisions.count("ineligible") + decisions.count("budget"),
         refused=decisions.count("refused"),
-        stepped_late=kinds.count("step"),
+        stepped_late=kinds.count("step") - redone_before,
         not_stepped=kinds.count("skip") + kinds.count("undo"),
         skipped=facts is None or facts.overflow,
         overflow=facts is None or facts.overflow,
