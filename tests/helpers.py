@@ -124,7 +124,9 @@ def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, varian
     """Each list form of ``backend`` refuses a bad last block (the others valid) with an error naming it
     (``prefix``: the backend's name), before running any block: ``step_many`` a gradient of another shape,
     ``undo_many`` a beta1 of 0, ``undo_redo_many`` an undone step's beta2 of 0 and a new gradient of another
-    shape. The callers check that every block kept its values. ``blocks``: ``(p, g, m, v)``, donated."""
+    shape. A list of one bad block is named as a list (``step_many[0]``, ``undo_many[0]``), not as the
+    single-block call. The callers check that every block kept its values. ``blocks``: ``(p, g, m, v)``,
+    donated."""
     import pytest
 
     from sofx.errors import LeafError, UnsupportedError
@@ -136,11 +138,15 @@ def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, varian
     calls[last] = calls[last]._replace(g=g_short)
     with pytest.raises(LeafError, match=rf"{prefix}\.step_many\[{last}\]: g has shape"):
         backend.step_many(calls, variant)
+    with pytest.raises(LeafError, match=rf"{prefix}\.step_many\[0\]: g has shape"):
+        backend.step_many(calls[last:], variant)  # (triton named it triton.step)
     undo_calls = [UndoCall(*b, s._replace(beta1=0.0) if i == last else s, out=(b[0], b[2], b[3]))
                   for i, b in enumerate(blocks)]
     with pytest.raises(UnsupportedError, match=rf"{prefix}\.undo_many\[{last}\]: algebraic undo is impossible "
                                                "with beta1 == 0"):
         backend.undo_many(undo_calls, variant)
+    with pytest.raises(UnsupportedError, match=rf"{prefix}\.undo_many\[0\]: algebraic undo is impossible"):
+        backend.undo_many(undo_calls[last:], variant)
     redo_calls = [UndoRedoCall(b[0], b[2], b[3], b[1], s, b[1], s, out=(b[0], b[2], b[3])) for b in blocks]
     for bad, error, message in ((redo_calls[last]._replace(s_old=s._replace(beta2=0.0)), UnsupportedError,
                                  "algebraic undo is impossible with beta2 == 0"),

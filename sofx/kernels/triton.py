@@ -409,19 +409,20 @@ _NO_CHECK = _CheckArgs(lim=0, c=0.0)
 # ------------------------------------------------------------------ checks and launch
 def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> None:
-    check_block_tensors(f"triton.{what}", tensors, like, out)
+    """One call's tensors checked for the kernels; errors name the call ``what`` (``"triton.step_many[3]"``)."""
+    check_block_tensors(what, tensors, like, out)
     m, v = tensors[2][1], tensors[3][1]
     if not supports(like.device, like.dtype, m.dtype):
-        raise UnsupportedError(f"triton.{what}: device {like.device} with param dtype {like.dtype} and state dtype "
+        raise UnsupportedError(f"{what}: device {like.device} with param dtype {like.dtype} and state dtype "
                                f"{m.dtype} is not supported (CUDA, or CPU under TRITON_INTERPRET=1; "
                                "float32/bfloat16/float16)")
     if v.dtype != m.dtype:
-        raise UnsupportedError(f"triton.{what}: m is {m.dtype} and v {v.dtype}; the kernels keep both moments in "
+        raise UnsupportedError(f"{what}: m is {m.dtype} and v {v.dtype}; the kernels keep both moments in "
                                "one state dtype")
     written = [(f"out[{k}]", o) for k, o in enumerate(out or ())] + [(n, t) for n, t in tensors if n == "p_copy"]
     for name, t in written:
         if t is not None and overlaps_itself(t):
-            raise LeafError(overlap_message(f"triton.{what}: {name}"))
+            raise LeafError(overlap_message(f"{what}: {name}"))
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -612,14 +613,14 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
          variant: AdamVariant, *, out: Triple | None = None, p_copy: torch.Tensor | None = None) -> Triple:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also gets ``p'``,
     stored by the kernel)."""
-    return step_many([StepCall(p, g, m, v, s, out, p_copy)], variant)[0]
+    return _step_many([StepCall(p, g, m, v, s, out, p_copy)], variant, ["triton.step"])[0]
 
 
 def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
          variant: AdamVariant, *, p_old: torch.Tensor | None = None, out: Triple | None = None,
          p_copy: torch.Tensor | None = None) -> Triple:
     """Inverse of :func:`step` given the step's gradient and scalars (``p_old``: restore p from it)."""
-    return undo_many([UndoCall(p, g, m, v, s, p_old, out, p_copy)], variant)[0]
+    return _undo_many([UndoCall(p, g, m, v, s, p_old, out, p_copy)], variant, ["triton.undo"])[0]
 
 
 def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor, s_old: AdamScalars,
@@ -627,46 +628,63 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
               p_old: torch.Tensor | None = None, out: Triple | None = None,
               p_copy: torch.Tensor | None = None) -> Triple:
     """``step(*undo(p, g_old, m, v, s_old), g_new, s_new)`` in one kernel (one pass over memory)."""
-    return undo_redo_many([UndoRedoCall(p, m, v, g_old, s_old, g_new, s_new, p_old, out, p_copy)], variant)[0]
+    return _undo_redo_many([UndoRedoCall(p, m, v, g_old, s_old, g_new, s_new, p_old, out, p_copy)], variant,
+                           ["triton.undo_redo"])[0]
 
 
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for every block, blocks of the same dtypes and scalars in one launch. Every block is
     checked before anything runs."""
-    _check_calls("step", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
-    scalars = reference.concrete_checked([c.s for c in calls], where=_names("step", calls))
-    return _by_kernel(_OP_STEP, calls, [None] * len(calls), scalars, variant,
-                      lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy, c.skip),
-                      lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
+    return _step_many(calls, variant, _names("step", len(calls)))
 
 
 def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for every block (as :func:`step_many`)."""
-    _check_calls("undo", calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
-                                           ("p_copy", c.p_copy)])
+    return _undo_many(calls, variant, _names("undo", len(calls)))
+
+
+def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
+    """:func:`undo_redo` for every block (as :func:`step_many`)."""
+    return _undo_redo_many(calls, variant, _names("undo_redo", len(calls)))
+
+
+def _step_many(calls: Sequence[StepCall], variant: AdamVariant, names: Sequence[str]) -> list[Triple]:
+    """:func:`step_many`, errors naming call ``i`` ``names[i]`` (the single-block forms are named as such)."""
+    _check_calls(names, calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
+    scalars = reference.concrete_checked([c.s for c in calls], where=names)
+    return _by_kernel(_OP_STEP, calls, names, [None] * len(calls), scalars, variant,
+                      lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy, c.skip),
+                      lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
+
+
+def _undo_many(calls: Sequence[UndoCall], variant: AdamVariant, names: Sequence[str]) -> list[Triple]:
+    """:func:`undo_many` (errors named as in :func:`_step_many`)."""
+    _check_calls(names, calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
+                                          ("p_copy", c.p_copy)])
     scalars = reference.concrete_checked([c.s for c in calls], variant, [c.p_old is not None for c in calls],
-                                         _names("undo", calls))
-    return _by_kernel(_OP_UNDO, calls, scalars, [None] * len(calls), variant,
+                                         names)
+    return _by_kernel(_OP_UNDO, calls, names, scalars, [None] * len(calls), variant,
                       lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy, None),
                       lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
                                                      p_copy=c.p_copy))
 
 
-def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
-    """:func:`undo_redo` for every block (as :func:`step_many`)."""
-    _check_calls("undo_redo", calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
-                                                ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
-    names = _names("undo_redo", calls)
+def _undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant, names: Sequence[str]) -> list[Triple]:
+    """:func:`undo_redo_many` (errors named as in :func:`_step_many`)."""
+    _check_calls(names, calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
+                                          ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
     olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls], names)
     news = reference.concrete_checked([c.s_new for c in calls], where=names)
-    return _by_kernel(_OP_UNDO_REDO, calls, olds, news, variant,
+    return _by_kernel(_OP_UNDO_REDO, calls, names, olds, news, variant,
                       lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy, c.skip),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
                                                             p_old=c.p_old, out=c.out, p_copy=c.p_copy))
 
 
-def _check_calls(what: str, calls: Sequence, named: Callable[[Any], list[tuple[str, torch.Tensor | None]]]) -> None:
-    """Every call checked (:func:`_check` on ``named(call)``, its tensors by name) before anything runs. A
+def _check_calls(names: Sequence[str], calls: Sequence,
+                 named: Callable[[Any], list[tuple[str, torch.Tensor | None]]]) -> None:
+    """Every call checked (:func:`_check` on ``named(call)``, its tensors by name; errors name call ``i``
+    ``names[i]``) before anything runs. A
     call whose tensors are plain tensors of ``p``'s shape and device in storage dtypes, with ``out`` None or
     the inputs themselves, passes once a call of its device and dtypes has passed the full check."""
     supported: set[tuple] = set()  # (device, param dtype, state dtype) that passed the full check
@@ -676,11 +694,11 @@ def _check_calls(what: str, calls: Sequence, named: Callable[[Any], list[tuple[s
         if type(p) is torch.Tensor and type(m) is torch.Tensor and (p.device, p.dtype, m.dtype) in supported \
                 and _plain(tensors, p, m, c.v, c.out):
             continue
-        _check(_name(what, calls, i), tensors, p, c.out)
+        _check(names[i], tensors, p, c.out)
         supported.add((p.device, p.dtype, m.dtype))
     for i, c in enumerate(calls):
         if getattr(c, "skip", None) is not None:
-            check_skip(f"triton.{_name(what, calls, i)}", c, c.p.device)
+            check_skip(names[i], c, c.p.device)
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -696,17 +714,12 @@ def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, 
     return out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)
 
 
-def _name(op: str, calls: Sequence, i: int) -> str:
-    """How an error names the call: ``step`` for a single block, ``step_many[i]`` for block ``i`` of many."""
-    return op if len(calls) == 1 else f"{op}_many[{i}]"
+def _names(op: str, count: int) -> list[str]:
+    """How errors name each block of a list form, a list of one block too: ``"triton.step_many[3]"``."""
+    return [f"triton.{op}_many[{i}]" for i in range(count)]
 
 
-def _names(op: str, calls: Sequence) -> list[str]:
-    """:func:`_name` of every call, with the backend's prefix (``triton.step_many[i]``)."""
-    return [f"triton.{_name(op, calls, i)}" for i in range(len(calls))]
-
-
-def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | None],
+def _by_kernel(op: int, calls: Sequence, names: Sequence[str], undo_scalars: Sequence[AdamScalars | None],
                step_scalars: Sequence[AdamScalars | None], variant: AdamVariant,
                block: Callable[..., tuple], fallback: Callable[..., Triple]) -> list[Triple]:
     """The calls whose scalars are all numbers through the kernels (``block(call, s_undo, s_step)``: the
@@ -727,7 +740,7 @@ def _by_kernel(op: int, calls: Sequence, undo_scalars: Sequence[AdamScalars | No
             by_id[ids] = derived[key]
         every.append(by_id[ids])
         if by_id[ids] is None and getattr(c, "skip", None) is not None:
-            raise UnsupportedError(f"triton.{_name(('step', 'undo', 'undo_redo')[op], calls, i)}: a checked call "
+            raise UnsupportedError(f"{names[i]}: a checked call "
                                    "needs scalars whose values can be read (not traced)")
     checks: dict[tuple[int, torch.dtype, bool], _CheckArgs] = {}
     results: list[Triple | None] = [None] * len(calls)
