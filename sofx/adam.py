@@ -53,9 +53,10 @@ from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
-from sofx.kernels.base import (FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars, AdamVariant,
-                               MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_integer, as_number,
-                               flag, is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
+from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES,
+                               AdamScalars, AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall,
+                               as_integer, as_number, flag, is_number, is_traced, leaf_tracer, any_lossy,
+                               write_param_copy)
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, chunk_ranges,
                                strategy_snapshot_bytes)
@@ -74,7 +75,6 @@ ALGEBRAIC_MIN_DIVISOR = 2.0 ** -12
 # amplifies rounding, and ``undo="auto"`` keeps a snapshot of the parameter.
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 
-_F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
 _UNDO_MODES = ("auto", "algebraic", "exact")
 _NOT_UNDOABLE = "stepped with undoable=False"
 _INVERTED = ("algebraic", "param_snapshot")  # strategies whose undo inverts m and v (needs a finite gradient)
@@ -1357,15 +1357,6 @@ def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:
     return n
 
 
-_RANGES = {
-    "lr": (lambda x: x >= 0, "lr >= 0"),
-    "beta1": (lambda x: 0 <= x < 1, "0 <= beta1 < 1"),
-    "beta2": (lambda x: 0 <= x < 1, "0 <= beta2 < 1"),
-    "eps": (lambda x: x > 0, "eps > 0"),
-    "weight_decay": (lambda x: x >= 0, "weight_decay >= 0"),
-}
-
-
 def _hparams_key(hp: AdamHParams, dtype: torch.dtype) -> tuple[int, bool]:
     """What :func:`_check_stepped_hparams` checks once: the hparams object, and whether its leaf is stepped in
     float32 (every dtype but float64)."""
@@ -1409,9 +1400,9 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
             value = value.item()
         if isinstance(value, int) and not -sys.float_info.max <= value <= sys.float_info.max:
             # an int no float holds: the kernels' float(value) would raise an OverflowError
-            raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {_RANGES[name][1]}, a finite "
-                              "number (this int is beyond the float range)")
-    ok, rule = _RANGES[name]
+            raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {HPARAM_RANGES[name][1]}, a "
+                              "finite number (this int is beyond the float range)")
+    ok, rule = HPARAM_RANGES[name]
     # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
     if not -math.inf < value < math.inf or not ok(value):
         raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
@@ -1425,7 +1416,7 @@ def check_float32_range(hp: AdamHParams, where: str, path: str = "") -> None:
         value = as_number(getattr(hp, name))
         if not is_number(value):
             continue
-        if value > FLOAT32_MAX or (name == "eps" and value <= _F32_ROUNDS_TO_0):
+        if value > FLOAT32_MAX or (name == "eps" and value <= F32_ROUNDS_TO_0):
             limit = f"largest {FLOAT32_MAX!r}" if value > FLOAT32_MAX else "an eps this small is 0 there"
             raise HParamError(f"{where}{path}: {name} = {value!r} is beyond float32's range ({limit}); it is "
                               "stepped in float32")

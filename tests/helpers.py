@@ -180,6 +180,17 @@ BAD_SCALARS = (
     ({"beta1": float("nan")}, r"beta1 = nan is invalid"),
     ({"beta1": torch.tensor(1.0)}, r"beta1 = 1.0 is invalid"),
     ({"step": 0}, r"step = 0 is invalid; expected the number of the step taken, >= 1"),
+    ({"eps": 0.0}, r"eps = 0.0 is invalid; expected eps > 0"),
+    ({"eps": -1e-8}, r"eps = -1e-08 is invalid; expected eps > 0"),
+    ({"eps": torch.tensor(0.0)}, r"eps = 0.0 is invalid; expected eps > 0"),
+    ({"eps": 1e-46}, r"eps = 1e-46 is beyond float32's range \(an eps this small is 0 there\); the block is "
+                     "stepped in float32"),
+    ({"lr": -1e-3}, r"lr = -0.001 is invalid; expected lr >= 0"),
+    ({"lr": float("inf")}, r"lr = inf is invalid; expected lr >= 0"),
+    ({"lr": 1e39}, r"lr = 1e\+39 is beyond float32's range \(largest 3.4028234663852886e\+38\)"),
+    ({"weight_decay": -0.1}, r"weight_decay = -0.1 is invalid; expected weight_decay >= 0"),
+    ({"weight_decay": float("nan")}, r"weight_decay = nan is invalid; expected weight_decay >= 0"),
+    ({"weight_decay": 10**400}, r"weight_decay = 1000\d+ is invalid; expected weight_decay >= 0, a finite number"),
 )
 
 

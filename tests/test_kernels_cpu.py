@@ -437,20 +437,24 @@ def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(name, rng)
 @pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
 def test_scalars_no_step_can_take_are_refused_by_every_entry(name, rng):
     # A grad_scale beyond float32's range passed the kernels (float32 steps: an inf gradient, nan results), a
-    # beta of 1 or a step of 0 with bias correction raised a bare ZeroDivisionError; sofx.Adam.update refuses
-    # all of them. Every backend now refuses them with the same words, writing nothing.
+    # beta of 1 or a step of 0 with bias correction raised a bare ZeroDivisionError, an eps of 0 gave nan, a
+    # negative or non-finite lr or weight_decay was stepped with; sofx.Adam.update refuses all of them. Every
+    # backend now refuses them with the same words, writing nothing.
     backend = reference if name == "reference" else BACKENDS[name]
     blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
     copies = [[t.clone() for t in b] for b in blocks]
     refuse_bad_scalars(backend, name, blocks, block_scalars(rng, 0.1), AdamVariant())
     for b, c in zip(blocks, copies):
         assert all(torch.equal(x, y) for x, y in zip(b, c))
-    # float64 parameters are stepped in float64 (the reference math): such a grad_scale is valid there
+    # float64 parameters are stepped in float64 (the reference math): such a grad_scale, lr, weight_decay or
+    # eps is valid there, as in sofx.Adam.update
     p, g, m, v = (t.double() for t in blocks[0])
-    s = block_scalars(rng, 0.1, grad_scale=1e39)
-    got = backend.step_many([StepCall(p, g * 1e-40, m, v, s)], AdamVariant())[0]
-    want = reference.step(p, g * 1e-40, m, v, s, AdamVariant())
-    assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(got, want))
+    for wide in ({"grad_scale": 1e39}, {"lr": 1e39, "weight_decay": 1e-40}, {"eps": 1e-46}):
+        s = block_scalars(rng, 0.1)._replace(**wide)
+        gs = g * 1e-40 if "grad_scale" in wide else g
+        got = backend.step_many([StepCall(p, gs, m, v, s)], AdamVariant())[0]
+        want = reference.step(p, gs, m, v, s, AdamVariant())
+        assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(got, want))
 
 
 def test_supports():

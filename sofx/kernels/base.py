@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+import sys
 from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence, Union
 
 import torch
@@ -158,18 +159,37 @@ def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = Fals
 
 def check_scalars(s: AdamScalars, where: str, float64: bool = False) -> None:
     """Refuse, as :meth:`sofx.Adam.update` does, the values of ``s`` that can be read (numbers; concrete 0-d
-    tensors) and that no step can take: a beta outside ``[0, 1)`` (``1 - beta**t`` divides with bias
-    correction: 0 for a beta of 1), a ``step`` below 1 (``t`` counts from 1: ``1 - beta**0`` is 0), and a
-    ``grad_scale`` that :func:`check_grad_scale` refuses (``float64``: the block is stepped in float64)."""
-    for name in ("beta1", "beta2"):
-        b = as_number(getattr(s, name))
-        if is_number(b) and not 0 <= b < 1:  # (nan fails both comparisons)
-            raise HParamError(f"{where}: {name} = {b!r} is invalid; expected 0 <= {name} < 1")
+    tensors) and that no step can take: an hparam outside :data:`HPARAM_RANGES` (an eps of 0 divides 0 by 0
+    where v is 0, a beta of 1 divides by ``1 - beta**t`` = 0 with bias correction), an lr, weight_decay or
+    eps that float32 cannot hold unless the block is stepped in float64 (``float64``), a ``step`` below 1
+    (``t`` counts from 1: ``1 - beta**0`` is 0), and a ``grad_scale`` that :func:`check_grad_scale` refuses."""
+    values = {name: as_number(getattr(s, name)) for name in HPARAM_RANGES}
+    for name, x in values.items():
+        if is_number(x):
+            _check_hparam_range(name, x, where)
+    for name in () if float64 else ("lr", "weight_decay", "eps"):
+        x = values[name]
+        if is_number(x) and (x > FLOAT32_MAX or (name == "eps" and x <= F32_ROUNDS_TO_0)):
+            limit = f"largest {FLOAT32_MAX!r}" if x > FLOAT32_MAX else "an eps this small is 0 there"
+            raise HParamError(f"{where}: {name} = {x!r} is beyond float32's range ({limit}); the block is stepped "
+                              "in float32")
     t = as_number(s.step)
     if is_number(t) and not t >= 1:
         raise HParamError(f"{where}: step = {t!r} is invalid; expected the number of the step taken, >= 1 (the "
                           "first step is 1)")
     check_grad_scale(s.grad_scale, where, float64)
+
+
+def _check_hparam_range(name: str, x: float | int, where: str) -> None:
+    """Refuse (an :class:`HParamError` naming ``where``) a number out of hparam ``name``'s range
+    (:data:`HPARAM_RANGES`), in :meth:`sofx.Adam.update`'s words."""
+    rule = HPARAM_RANGES[name][1]
+    if isinstance(x, int) and not -sys.float_info.max <= x <= sys.float_info.max:  # float(x) would overflow
+        raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}, a finite number (this int is "
+                          "beyond the float range)")
+    # (nan fails every comparison)
+    if not -math.inf < x < math.inf or not HPARAM_RANGES[name][0](x):
+        raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}")
 
 
 def check_grad_scale(grad_scale: Scalar, where: str, float64: bool = False) -> None:
@@ -404,6 +424,16 @@ class StepCall(NamedTuple):
 FINITE_CHUNK = 4096
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4028234663852886e38
+F32_ROUNDS_TO_0 = 2.0 ** -150  # a positive value at most this is 0 in float32 (half its smallest subnormal)
+
+# Each hparam's valid values, all finite: (test, rule in errors). sofx.Adam.update and the kernels refuse by it.
+HPARAM_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lr": (lambda x: x >= 0, "lr >= 0"),
+    "beta1": (lambda x: 0 <= x < 1, "0 <= beta1 < 1"),
+    "beta2": (lambda x: 0 <= x < 1, "0 <= beta2 < 1"),
+    "eps": (lambda x: x > 0, "eps > 0"),
+    "weight_decay": (lambda x: x >= 0, "weight_decay >= 0"),
+}
 
 # The largest scaled gradient magnitude |g * grad_scale| whose step is undone algebraically: its square (and
 # a second moment made of such squares) stays below FLT_MAX / 4, so v' = b2 v + (1 - b2) g^2 is finite and
