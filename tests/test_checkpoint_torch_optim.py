@@ -155,8 +155,14 @@ def test_interop_errors():
     with pytest.raises(ck.CheckpointMismatchError, match=r"exp_avg.*params\['enc'\]\['w'\]: expected shape \(5, 6\)"):
         ck.from_torch_optim(adamw, sd, wrong)
     ams = torch.optim.AdamW(ck.torch_param_groups(adamw, _params()), amsgrad=True).state_dict()
-    with pytest.raises(UnsupportedError, match="amsgrad"):
+    with pytest.raises(UnsupportedError, match=r"param_groups\[0\]: amsgrad=True is not supported \(only "
+                                               r"torch.optim's default, False\)"):
         ck.from_torch_optim(adamw, ams, params)
+    # the value as saved (maximize=1 was reported as maximize=True), in sofx.adamw's words
+    maximized = {**sd, "param_groups": [{**sd["param_groups"][0], "maximize": 1}]}
+    with pytest.raises(UnsupportedError, match=r"param_groups\[0\]: maximize=1 is not supported \(only "
+                                               r"torch.optim's default, False\)"):
+        ck.from_torch_optim(adamw, maximized, params)
     with pytest.raises(ck.CheckpointError, match="'state' .* 'param_groups'"):
         ck.from_torch_optim(adamw, {"state": []}, params)
     with pytest.raises(ck.CheckpointError, match="every leaf must be in a group"):

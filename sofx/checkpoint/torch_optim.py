@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
 from sofx.errors import UnsupportedError
@@ -112,10 +112,13 @@ def _as_step(x: Any, where: str) -> int:
 
 
 def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
-    if group.get("amsgrad"):
-        raise UnsupportedError(f"param_groups[{gi}]: amsgrad=True is not supported by sofx")
-    if group.get("maximize"):
-        raise UnsupportedError(f"param_groups[{gi}]: maximize=True is not supported by sofx")
+    """Refuse a saved group whose options sofx does not implement: torch's options that change the math
+    (:func:`sofx.adam.refused_torch_option`, the rule sofx.adam/adamw and the offload facade refuse by) and
+    a ``decoupled_weight_decay`` other than ``opt``'s."""
+    name = refused_torch_option(group)
+    if name is not None:
+        raise UnsupportedError(f"param_groups[{gi}]: {name}={group[name]!r} is not supported (only torch.optim's "
+                               "default, False)")
     decoupled = group.get("decoupled_weight_decay")
     if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
         want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
