@@ -601,6 +601,25 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
             ck.load_zero3(tmp_path, opt, params, HP)
 
 
+def test_a_file_whose_group_sets_amsgrad_or_maximize_is_refused_naming_the_saved_value(tmp_path):
+    """A param group with maximize=1 was reported as maximize=True (the checkpoint had its own copy of the
+    rule); it is refused by sofx.adam.refused_torch_option, in sofx.adamw's words."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          deepspeed_objects=False)
+    good = torch.load(files[0], weights_only=True)
+    for key, value in (("amsgrad", True), ("maximize", 1)):
+        top = {**good, "optimizer_state_dict": {**good["optimizer_state_dict"]}}
+        inner = top["optimizer_state_dict"]["optimizer_state_dict"] = {
+            **good["optimizer_state_dict"]["optimizer_state_dict"]}
+        inner["param_groups"] = [{**inner["param_groups"][0], key: value}, *inner["param_groups"][1:]]
+        torch.save(top, files[0])
+        with pytest.raises(UnsupportedError, match=rf"block 0 .*: {key}={value!r} is not supported \(only "
+                                                   r"torch.optim's default, False\)"):
+            ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def test_ranks_and_world_size_given_as_numpy_are_ints_and_bools_or_floats_are_refused(tmp_path):
     """save_zero3(dp_world_size=np.int64(2)) was refused; mp_rank=True was taken (a file mp_rank_01 and a bool
     partition_count); load_zero3(mp_rank=1.5) raised a ValueError from a format. numpy or 1-element tensor ranks

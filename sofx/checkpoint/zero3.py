@@ -50,7 +50,7 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError)
@@ -642,10 +642,10 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
             raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "
                                    f"{opt.variant.bias_correction}")
-        if saved.get("amsgrad"):
-            raise UnsupportedError(f"{where}: amsgrad=True is not supported by sofx")
-        if saved.get("maximize"):
-            raise UnsupportedError(f"{where}: maximize=True is not supported by sofx")
+        refused = refused_torch_option(saved)
+        if refused is not None:
+            raise UnsupportedError(f"{where}: {refused}={saved[refused]!r} is not supported (only torch.optim's "
+                                   "default, False)")
         decoupled = saved.get("decoupled_weight_decay", saved.get("adam_w_mode"))
         if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
             raise UnsupportedError(f"{where}: the file's optimizer has decoupled weight decay={bool(decoupled)}, "
