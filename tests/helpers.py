@@ -160,14 +160,16 @@ BAD_GRAD_SCALES = (0.0, -0.0, -0.5, float("inf"), float("nan"), torch.tensor(0.0
 
 def refuse_bad_grad_scales(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
     """Every entry of ``backend`` refuses a ``grad_scale`` that is not finite and > 0 (:data:`BAD_GRAD_SCALES`)
-    with an ``HParamError`` naming the call and the value (:func:`refuse_bad_scalars_everywhere`). ``blocks``:
-    ``(p, g, m, v)``, donated."""
+    with an ``HParamError`` naming the call and the value (:func:`refuse_bad_scalars_everywhere`), writing
+    nothing. ``blocks``: ``(p, g, m, v)``, donated."""
     import re
 
+    before = _copies(blocks)
     for bad in BAD_GRAD_SCALES:
         refuse_bad_scalars_everywhere(backend, prefix, blocks, s, s._replace(grad_scale=bad), variant,
                                       rf"grad_scale = {re.escape(repr(float(bad)))} is invalid; expected a finite "
                                       "value > 0")
+    _assert_unchanged(blocks, before)
 
 
 # Scalars no step can take, as sofx.Adam.update refuses them (blocks stepped in float32), and the errors' words.
@@ -195,10 +197,22 @@ BAD_SCALARS = (
 
 
 def refuse_bad_scalars(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
-    """Every entry of ``backend`` refuses each of :data:`BAD_SCALARS` (:func:`refuse_bad_scalars_everywhere`).
-    ``blocks``: ``(p, g, m, v)`` of float32 (or bfloat16, float16) parameters, donated."""
+    """Every entry of ``backend`` refuses each of :data:`BAD_SCALARS` (:func:`refuse_bad_scalars_everywhere`),
+    writing nothing. ``blocks``: ``(p, g, m, v)`` of float32 (or bfloat16, float16) parameters, donated."""
+    before = _copies(blocks)
     for fields, message in BAD_SCALARS:
         refuse_bad_scalars_everywhere(backend, prefix, blocks, s, s._replace(**fields), variant, message)
+    _assert_unchanged(blocks, before)
+
+
+def _copies(blocks) -> list:
+    return [[t.clone() for t in b] for b in blocks]
+
+
+def _assert_unchanged(blocks, before) -> None:
+    """Every tensor of ``blocks`` holds what it held in ``before`` (nothing written: the calls were refused)."""
+    for b, old in zip(blocks, before):
+        assert all(torch.equal(x, y) for x, y in zip(b, old))
 
 
 def refuse_bad_scalars_everywhere(backend, prefix: str, blocks, s: AdamScalars, sb: AdamScalars, variant,

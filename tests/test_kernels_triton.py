@@ -342,17 +342,11 @@ else:
 
     def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(rng):
         blocks = _many_blocks(rng)[:2]
-        before = [[t.clone() for t in b] for b in blocks]
         refuse_bad_grad_scales(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
-        for b, old in zip(blocks, before):
-            assert all(torch.equal(a, o) for a, o in zip(b, old))
 
     def test_scalars_no_step_can_take_are_refused_by_every_entry(rng):
         blocks = _many_blocks(rng)[:2]
-        before = [[t.clone() for t in b] for b in blocks]
         refuse_bad_scalars(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
-        for b, old in zip(blocks, before):
-            assert all(torch.equal(a, o) for a, o in zip(b, old))
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(blocks=st.lists(st.tuples(st.integers(0, 300), st.sampled_from(range(3)), st.integers(0, 2),
