@@ -330,3 +330,15 @@ def _run_cases(cases: dict, rank: int, world: int, store: str, outdir: str) -> N
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def error_text(call) -> str:
+    """What ``call()`` raises, for a rank's result: a :class:`~sofx.SofxError`'s message, another exception as
+    ``"Type: message"`` (what a rank raised inside torch or its backend), or ``"no error"``."""
+    try:
+        call()
+        return "no error"
+    except sofx.SofxError as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"

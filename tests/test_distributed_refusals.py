@@ -15,20 +15,11 @@ import torch
 
 import sofx
 from sofx import distributed as sd
-from helpers import run_gloo_cases
+from helpers import error_text, run_gloo_cases
 
 BAD = 1
 FULL = {"p": torch.ones(3), "q": torch.ones(4)}  # 2 ranks: rank 0 owns p, rank 1 owns q
 
-
-def _message(call) -> str:
-    try:
-        call()
-        return "no error"
-    except sofx.SofxError as exc:
-        return str(exc)
-    except Exception as exc:  # what a rank raised inside torch or the backend before the fixes
-        return f"{type(exc).__name__}: {exc}"
 
 
 def _grads(rank: int) -> dict:
@@ -41,9 +32,9 @@ def _shard_of_another_rank(rank: int) -> dict:
     out = {}
     for name, shard in (("rank", sd.Shard(0, 2, (0, 1), spec)),
                         ("world", sd.Shard(rank, 3 if rank == BAD else 2, (0, 1), spec))):
-        out[f"gather_{name}"] = _message(lambda: shard.gather(shard.local(FULL), FULL))
+        out[f"gather_{name}"] = error_text(lambda: shard.gather(shard.local(FULL), FULL))
         grads = _grads(rank)
-        out[f"reduce_mean_{name}"] = _message(lambda: shard.reduce_mean(grads))
+        out[f"reduce_mean_{name}"] = error_text(lambda: shard.reduce_mean(grads))
         out[f"grads_{name}"] = grads
     return out
 
@@ -56,7 +47,7 @@ def _local_leaf_without_data(rank: int) -> dict:
     out = {}
     for name, bad in (("meta", torch.empty(4, device="meta")), ("sparse", torch.ones(4).to_sparse())):
         local = [bad] if rank == BAD else shard.local(FULL)
-        out[name] = _message(lambda: shard.gather(local, FULL))
+        out[name] = error_text(lambda: shard.gather(local, FULL))
     return out
 
 
@@ -70,7 +61,7 @@ def _meta_gradient(rank: int) -> dict:
         grads = _grads(rank)
         if rank == BAD:
             grads["q"] = torch.empty(4, device="meta")
-        out[name] = _message(lambda: call(grads))
+        out[name] = error_text(lambda: call(grads))
         out[f"{name}_p"] = grads["p"]
     return out
 
@@ -81,16 +72,16 @@ def _unknown_keyword(rank: int) -> dict:
     shard = sd.shard_blocks(FULL)
     kw = {"check_layuot": False} if rank == BAD else {}
     grads = _grads(rank)
-    return {"all_reduce_mean_": _message(lambda: sd.all_reduce_mean_(grads, **kw)),
-            "reduce_mean": _message(lambda: shard.reduce_mean(grads, **kw)),
-            "gather": _message(lambda: shard.gather(shard.local(FULL), FULL, **kw)), "grads": grads}
+    return {"all_reduce_mean_": error_text(lambda: sd.all_reduce_mean_(grads, **kw)),
+            "reduce_mean": error_text(lambda: shard.reduce_mean(grads, **kw)),
+            "gather": error_text(lambda: shard.gather(shard.local(FULL), FULL, **kw)), "grads": grads}
 
 
 def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
     reduce = sd.all_reduce_sumsq()
-    return {"msg": _message(lambda: reduce(torch.ones(2) if rank == BAD else 1.0)), "next": reduce(2.0)}
+    return {"msg": error_text(lambda: reduce(torch.ones(2) if rank == BAD else 1.0)), "next": reduce(2.0)}
 
 
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import sofx
 from sofx import distributed as sd
+from helpers import error_text
 
 SPARSE_RANK = 1
 
@@ -29,24 +29,14 @@ def _grad(rank: int) -> torch.Tensor:
     return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,), check_invariants=True)
 
 
-def _message(call) -> str:
-    try:
-        call()
-        return "no error"
-    except sofx.SofxError as exc:
-        return str(exc)
-    except Exception as exc:  # what the rank with the sparse gradient raised before the fix
-        return f"{type(exc).__name__}: {exc}"
-
-
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
     try:
         shard = sd.shard_blocks({"a": torch.ones(2), "e": torch.ones(4)})
-        out = {"reduce_mean": _message(lambda: shard.reduce_mean({"a": torch.ones(2), "e": _grad(rank)})),
-               "all_reduce_mean_": _message(lambda: sd.all_reduce_mean_({"a": torch.ones(2), "e": _grad(rank)}))}
+        out = {"reduce_mean": error_text(lambda: shard.reduce_mean({"a": torch.ones(2), "e": _grad(rank)})),
+               "all_reduce_mean_": error_text(lambda: sd.all_reduce_mean_({"a": torch.ones(2), "e": _grad(rank)}))}
         sd.all_reduce_mean_({"after": torch.ones(1)})  # the group still works
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
