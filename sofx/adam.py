@@ -53,10 +53,10 @@ from sofx import skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
-from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES,
-                               AdamScalars, AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall,
-                               as_integer, as_number, flag, is_number, is_traced, leaf_tracer, any_lossy,
-                               write_param_copy)
+from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
+                               AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
+                               is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
+from sofx.kernels.user_numbers import as_integer, flag
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, chunk_ranges,
                                strategy_snapshot_bytes)

@@ -97,7 +97,7 @@ import torch
 
 from sofx import tree
 from sofx.errors import SofxError
-from sofx.kernels.base import as_integer, integer
+from sofx.kernels.user_numbers import as_integer, integer
 from sofx.kernels.donation import unwritable
 
 __all__ = [

@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX, as_number, integer, is_bool, positive_number, real_number
+from sofx.kernels.base import FLOAT32_MAX, as_number
+from sofx.kernels.user_numbers import integer, is_bool, positive_number, real_number
 
 __all__ = [
     "LossScaler",
@@ -121,7 +122,7 @@ class LossScaler(Protocol):
 
 
 def _float32_scale(name: str, value: float) -> float:
-    """``value`` (:func:`~sofx.kernels.base.positive_number`) as a float, refused where float32 cannot hold it:
+    """``value`` (:func:`~sofx.kernels.user_numbers.positive_number`) as a float, refused where float32 cannot hold it:
     beyond its largest value or rounding to 0 there (torch's GradScaler keeps its scale in a float32 tensor; it
     fails with "value cannot be converted to type float without overflow" at its first ``scale``)."""
     x = positive_number(name, value)

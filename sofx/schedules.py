@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence, Union
 
 from sofx.adam import AdamHParams, check_hparam_value
 from sofx.errors import HParamError
-from sofx.kernels.base import finite_number, flag, integer
+from sofx.kernels.user_numbers import finite_number, flag, integer
 
 __all__ = [
     "Schedule",
@@ -60,7 +60,7 @@ Schedule = Callable[[int], Any]
 
 def _step(step: Any) -> int:
     """The step a schedule is called with as a Python int >= 0 (a numpy integer or a 1-element integer tensor
-    too: :func:`~sofx.kernels.base.integer`)."""
+    too: :func:`~sofx.kernels.user_numbers.integer`)."""
     if type(step) is int and step >= 0:  # the common case, every step
         return step
     return integer("schedule step", step, 0)
@@ -75,7 +75,7 @@ def _set(schedule: Any, **fields: Any) -> None:
 
 def _finite(schedule: Any, *names: str) -> None:
     """Read each of ``schedule``'s fields ``names`` once as a finite Python int or float (numpy numbers and
-    1-element tensors too: :func:`~sofx.kernels.base.finite_number`)."""
+    1-element tensors too: :func:`~sofx.kernels.user_numbers.finite_number`)."""
     _set(schedule, **{name: finite_number(name, getattr(schedule, name)) for name in names})
 
 
@@ -96,7 +96,7 @@ def _value(who: str, step: int, value: float) -> float:
 
 def _steps(schedule: Any, field: str, name: str, minimum: int = 1) -> None:
     """Read ``schedule``'s field ``field`` (called ``name``, as the constructor function's argument) once as a
-    Python int >= ``minimum`` (:func:`~sofx.kernels.base.integer`: a numpy integer or a 1-element integer tensor
+    Python int >= ``minimum`` (:func:`~sofx.kernels.user_numbers.integer`: a numpy integer or a 1-element integer tensor
     too; a float, even a whole one, is refused)."""
     _set(schedule, **{field: integer(name, getattr(schedule, field), minimum)})
 

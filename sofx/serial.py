@@ -56,7 +56,8 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
-from sofx.kernels.base import as_number, is_bool, positive_number, real_number
+from sofx.kernels.base import as_number
+from sofx.kernels.user_numbers import is_bool, positive_number, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
 from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
 
@@ -152,14 +153,14 @@ def check_profile(profile: str) -> str:
 
 def check_max_norm(max_norm: Any) -> float | None:
     """``max_norm`` as a float if it is a finite number > 0 (Python, numpy or a 1-element tensor:
-    :func:`~sofx.kernels.base.positive_number`), ``None`` (no clipping) as is, else an :class:`HParamError`."""
+    :func:`~sofx.kernels.user_numbers.positive_number`), ``None`` (no clipping) as is, else an :class:`HParamError`."""
     return None if max_norm is None else positive_number("max_norm", max_norm)
 
 
 def check_scale(name: str, s: Any) -> float:
     """A loss scale as a float: finite and >= 0 (a scale of 0, which GradScaler reaches after many
     overflows in a row, is not refused: the step is an overflow, see :func:`can_unscale`). A numpy number or a
-    1-element tensor is read as its number (:func:`~sofx.kernels.base.real_number`)."""
+    1-element tensor is read as its number (:func:`~sofx.kernels.user_numbers.real_number`)."""
     x = real_number(s)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan

@@ -45,7 +45,8 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
-from sofx.kernels.base import integer, is_traced, positive_number
+from sofx.kernels.base import is_traced
+from sofx.kernels.user_numbers import integer, positive_number
 
 __all__ = [
     "CLIP_EPS",

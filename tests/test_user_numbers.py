@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.base import as_integer, finite_number, integer
+from sofx.kernels.user_numbers import as_integer, finite_number, integer
 
 np = pytest.importorskip("numpy")
 

@@ -28,7 +28,7 @@ from typing import Any
 from sofx.checkpoint import io
 from sofx.checkpoint.codec import EncodedTree
 from sofx.checkpoint.errors import CheckpointError
-from sofx.kernels.base import integer
+from sofx.kernels.user_numbers import integer
 
 __all__ = ["SaveHandle", "save_async", "AsyncSaver"]
 

@@ -57,7 +57,8 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, Ch
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.base import as_number, integer
+from sofx.kernels.base import as_number
+from sofx.kernels.user_numbers import integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
                              StaticScaleState, check_state, deepspeed_scaler, static_scale)
 

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from sofx.kernels.base import as_integer
+from sofx.kernels.user_numbers import as_integer
 
 __all__ = ["started_threads", "native_thread_request"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from sofx.errors import UnsupportedError
-from sofx.kernels.base import as_integer
+from sofx.kernels.user_numbers import as_integer
 from sofx.offload.blocks import BlockLayout
 
 __all__ = ["ArrivalTracker", "Arrival"]

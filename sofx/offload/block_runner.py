@@ -36,7 +36,7 @@ import torch
 
 from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import SnapshotLimitError, UnsupportedError
-from sofx.kernels.base import flag
+from sofx.kernels.user_numbers import flag
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step

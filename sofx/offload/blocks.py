@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from sofx.errors import LeafError, UnsupportedError
-from sofx.kernels.base import as_integer
+from sofx.kernels.user_numbers import as_integer
 from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS
 
 __all__ = ["BlockLayout", "BlockTensors", "plan_blocks", "allocate_block_tensors", "TENSOR_NAMES"]

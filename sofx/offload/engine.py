@@ -73,7 +73,7 @@ import torch
 from sofx.adam import AdamHParams
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
-from sofx.kernels.base import as_integer, flag, is_bool, real_number
+from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena

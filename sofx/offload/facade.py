@@ -64,7 +64,7 @@ import torch
 
 from sofx.adam import TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
-from sofx.kernels.base import flag, is_bool, real_number
+from sofx.kernels.user_numbers import flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine

@@ -39,7 +39,8 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.errors import HParamError, SofxError
-from sofx.kernels.base import as_integer, as_number, flag, integer
+from sofx.kernels.base import as_number
+from sofx.kernels.user_numbers import as_integer, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
                          local_sumsq, reduced_sumsq, step_facts, without_gradients)
@@ -315,7 +316,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
 
 
 def _check_block(ctx: StepContext, block: int) -> int:
-    """``block`` as a Python int (:func:`~sofx.kernels.base.as_integer`: a numpy integer too, such as an index
+    """``block`` as a Python int (:func:`~sofx.kernels.user_numbers.as_integer`: a numpy integer too, such as an index
     taken from an array) in ``[0, n_blocks)``, else a :class:`SofxError` naming it."""
     i = as_integer(block)
     if i is None or not 0 <= i < ctx.n_blocks:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sofx.errors import HParamError
-from sofx.kernels.base import finite_number, flag, integer
+from sofx.kernels.user_numbers import finite_number, flag, integer
 
 __all__ = ["AdaptivePolicy", "PolicyState"]
 

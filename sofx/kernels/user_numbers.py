@@ -1,0 +1,114 @@
+"""Numbers a user gives (hyperparameters, options, counts, flags), read once as Python values.
+
+Where a configuration is built, each value is read here: a Python or numpy number, or a 1-element tensor whose
+value can be read (not traced), becomes a Python ``float`` or ``int``, so that the arithmetic downstream is on
+Python numbers (a numpy ``float32`` was refused, a tensor kept as given made every number computed from it a
+tensor); a bool is not a number, a float is not a count, and anything else is refused with an error naming the
+argument, its value and its type.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from sofx.errors import HParamError
+from sofx.kernels.base import is_traced
+
+__all__ = ["is_bool", "real_number", "positive_number", "finite_number", "as_integer", "integer", "flag"]
+
+
+def is_bool(x: object) -> bool:
+    """A Python or numpy bool (no number where a hyperparameter is expected)."""
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+
+
+def real_number(value: Any) -> Any:
+    """``value`` as a real number where it is one, else ``value`` itself.
+
+    A Python or numpy real (``numbers.Real``, not a bool) is returned as is; a
+    1-element tensor whose value can be read (not traced, :func:`is_traced`) as
+    its Python value, when that is a real number (a bool or complex tensor is not).
+    """
+    x = value
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not is_traced(x):
+        x = x.item()
+    return x if isinstance(x, numbers.Real) and not is_bool(x) else value
+
+
+def _described(value: Any) -> str:
+    """``value``'s type for an error message (a tensor's dtype and shape, and whether it is traced)."""
+    if isinstance(value, torch.Tensor):
+        return (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                + (" whose value cannot be read here (traced)" if is_traced(value) else ""))
+    return type(value).__name__
+
+
+def positive_number(name: str, value: Any) -> float:
+    """``value`` as a Python float where it is a finite real number > 0 (:func:`real_number`: a Python or numpy
+    number, a 1-element readable tensor), else an :class:`HParamError` naming ``name``, the value and its type.
+
+    Converted once where a configuration is built, so that the arithmetic downstream is on Python floats (a
+    tensor kept as given made every number computed from it a tensor)."""
+    x = real_number(value)
+    try:
+        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not (math.isfinite(f) and f > 0):
+        raise HParamError(f"{name} = {value!r:.80} is invalid; expected a finite number > 0 (a Python or numpy "
+                          f"number, or a 1-element tensor), got {_described(value)}")
+    return f
+
+
+def finite_number(name: str, value: Any) -> int | float:
+    """``value`` as a Python int or float where it is a finite real number (:func:`real_number`: a Python or
+    numpy number, a 1-element readable tensor; an integer stays an int), else an :class:`HParamError` naming
+    ``name``, the value and its type.
+
+    Read once where a configuration is built (a numpy ``float32`` was refused, a tensor kept as given)."""
+    x = real_number(value)
+    if isinstance(x, numbers.Real) and not is_bool(x):
+        x = int(x) if isinstance(x, numbers.Integral) else float(x)
+        try:
+            if math.isfinite(x):
+                return x
+        except OverflowError:  # an int beyond the float range
+            pass
+    raise HParamError(f"{name} = {value!r:.80} is invalid; expected a finite number (a Python or numpy number, or a "
+                      f"1-element tensor), got {_described(value)}")
+
+
+def as_integer(value: Any) -> int | None:
+    """``value`` as a Python int where it is an integer (:func:`real_number`: a Python or numpy integer, a
+    1-element readable integer tensor; not a bool), else None. For a caller with its own message; else
+    :func:`integer`."""
+    x = real_number(value)
+    return int(x) if isinstance(x, numbers.Integral) and not is_bool(x) else None
+
+
+def integer(name: str, value: Any, minimum: int = 0, error: type[Exception] = HParamError) -> int:
+    """``value`` as a Python int >= ``minimum`` where it is an integer (:func:`real_number`: a Python or numpy
+    integer, a 1-element readable integer tensor), else ``error`` naming ``name``, the value and its type.
+
+    For counts and sizes: a float, even a whole one, is refused (a count computed in floats is a bug
+    upstream), and so is a bool."""
+    x = as_integer(value)
+    if x is not None and x >= minimum:
+        return x
+    x = real_number(value)
+    hint = " (a float is refused here, even a whole one)" if isinstance(x, numbers.Real) and not is_bool(x) \
+        and not isinstance(x, numbers.Integral) else ""
+    raise error(f"{name} = {value!r:.80} is invalid; expected an integer >= {minimum} (a Python or numpy integer, or "
+                f"a 1-element integer tensor), got {_described(value)}{hint}")
+
+
+def flag(name: str, value: Any, error: type[Exception] = HParamError) -> bool:
+    """``value`` as a Python bool where it is a Python or numpy bool, else ``error`` naming ``name``, the value and
+    its type. For on/off options: a string or a number was taken by its truth (``enabled="no"`` as on)."""
+    if is_bool(value):
+        return bool(value)
+    raise error(f"{name} = {value!r:.80} is invalid; expected a bool (True or False), got {_described(value)}")
