@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import math
 import os
 import signal
 import subprocess
@@ -402,6 +403,16 @@ def test_close_is_bounded_by_its_timeout_and_kills_a_worker_that_does_not_answer
         assert took < 2.0 and (waited_first or took >= 0.5), took
         assert ex.process.poll() == -signal.SIGKILL
         opt.close()
+
+
+def test_close_without_a_time_limit_waits_for_a_worker_that_answers() -> None:
+    """close(timeout=math.inf) lets the worker finish and exit however long it takes (a join's longest wait);
+    its deadline overflowed the threads' join (OverflowError: timeout value is too large)."""
+    opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
+    ex = opt.engine.executor
+    ex.close(timeout=math.inf)
+    assert ex.process.poll() == 0
+    opt.close()
 
 
 def test_a_main_process_killed_during_a_step_leaves_no_shared_memory_behind() -> None:

@@ -258,8 +258,9 @@ class ProcessExecutor(Executor):
 
 
 def _left(deadline: float) -> float:
-    """Seconds until ``deadline`` (``time.monotonic()``), at least 0."""
-    return max(0.0, deadline - time.monotonic())
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0, at most what a thread's join takes
+    (``threading.TIMEOUT_MAX``: a ``close(timeout=math.inf)`` waits as long as that)."""
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
 def _exit_description(code: int | None) -> str:
