@@ -342,3 +342,12 @@ def error_text(call) -> str:
         return str(exc)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def refused_on_every_rank(ranks: list[dict], bad: int, case: str, key: str, own: str) -> None:
+    """Of a :func:`run_gloo_cases` run: rank ``bad`` raised ``own`` (its own error) in ``case``'s ``key``; every
+    other rank named rank ``bad``'s refusal, with ``own`` in it."""
+    for rank, res in enumerate(ranks):
+        msg = res[case][key]
+        assert own in msg, (case, key, rank, msg)
+        assert (f"rank {bad} refused its input (" in msg) == (rank != bad), (case, key, rank, msg)

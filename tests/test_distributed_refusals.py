@@ -15,7 +15,7 @@ import torch
 
 import sofx
 from sofx import distributed as sd
-from helpers import error_text, run_gloo_cases
+from helpers import error_text, refused_on_every_rank, run_gloo_cases
 
 BAD = 1
 FULL = {"p": torch.ones(3), "q": torch.ones(4)}  # 2 ranks: rank 0 owns p, rank 1 owns q
@@ -97,19 +97,11 @@ def _assert_unchanged(got: dict, want: dict) -> None:
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (got, want)
 
 
-def _refused_on_every_rank(ranks: list[dict], case: str, key: str, own: str) -> None:
-    """Rank BAD raised ``own`` (its own error); every other rank named rank BAD's refusal, with ``own`` in it."""
-    for rank, res in enumerate(ranks):
-        msg = res[case][key]
-        assert own in msg, (case, key, rank, msg)
-        assert ("rank 1 refused its input (" in msg) == (rank != BAD), (case, key, rank, msg)
-
-
 def test_a_shard_of_another_rank_or_world_size_is_refused_on_every_rank(ranks):
     for what in ("gather", "reduce_mean"):
-        _refused_on_every_rank(ranks, "shard_of_another_rank", f"{what}_rank",
+        refused_on_every_rank(ranks, BAD, "shard_of_another_rank", f"{what}_rank",
                                f"Shard.{what}: the shard is rank 0 of 2, the group has this process as rank 1 of 2")
-        _refused_on_every_rank(ranks, "shard_of_another_rank", f"{what}_world",
+        refused_on_every_rank(ranks, BAD, "shard_of_another_rank", f"{what}_world",
                                f"Shard.{what}: the shard is rank 1 of 3, the group has this process as rank 1 of 2")
     for rank, res in enumerate(ranks):
         for name in ("rank", "world"):
@@ -119,14 +111,14 @@ def test_a_shard_of_another_rank_or_world_size_is_refused_on_every_rank(ranks):
 def test_a_meta_or_sparse_local_leaf_to_gather_is_refused_on_every_rank(ranks):
     for name, why in (("meta", "a meta tensor, without data"),
                       ("sparse", "a torch.sparse_coo tensor; expected a dense (strided) one")):
-        _refused_on_every_rank(ranks, "local_leaf_without_data", name,
+        refused_on_every_rank(ranks, BAD, "local_leaf_without_data", name,
                                f"Shard.gather: this rank's local leaf for params['q'] is {why}")
 
 
 def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
     for what in ("all_reduce_mean_", "reduce_mean"):
         prefix = "Shard." if what == "reduce_mean" else ""
-        _refused_on_every_rank(ranks, "meta_gradient", what,
+        refused_on_every_rank(ranks, BAD, "meta_gradient", what,
                                f"{prefix}{what}: grads['q'] is a meta tensor, without data to average")
         for rank, res in enumerate(ranks):
             assert torch.equal(res["meta_gradient"][f"{what}_p"], _grads(rank)["p"])
@@ -134,7 +126,7 @@ def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
 
 def test_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
     for what in ("all_reduce_mean_", "Shard.reduce_mean", "Shard.gather"):
-        _refused_on_every_rank(ranks, "unknown_keyword", what.removeprefix("Shard."),
+        refused_on_every_rank(ranks, BAD, "unknown_keyword", what.removeprefix("Shard."),
                                f"{what}: unknown keyword argument 'check_layuot'; it takes check_layout")
     for rank, res in enumerate(ranks):
         _assert_unchanged(res["unknown_keyword"]["grads"], _grads(rank))

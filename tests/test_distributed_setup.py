@@ -21,7 +21,7 @@ import sofx
 from sofx import AdamHParams, loss_scale
 from sofx import distributed as sd
 from sofx import speculate as sp
-from helpers import run_gloo_cases
+from helpers import refused_on_every_rank, run_gloo_cases
 
 BAD = 1
 HINT = "every rank must build its shard from params of the same structure, dtypes and shapes, with the same owners"
@@ -117,14 +117,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("setup"), timeout_s=90)
 
 
-def _refused_on_every_rank(ranks: list[dict], case: str, key: str, own: str) -> None:
-    """Rank BAD raised ``own`` (its own error); every other rank named rank BAD's refusal, with ``own`` in it."""
-    for rank, res in enumerate(ranks):
-        msg = res[case][key]
-        assert own in msg, (case, key, rank, msg)
-        assert ("rank 1 refused its input (" in msg) == (rank != BAD), (case, key, rank, msg)
-
-
 def test_shard_blocks_refuses_params_or_owners_that_differ_between_ranks(ranks):
     want = {"shape": "params['q'] differs between ranks: torch.float32 (4,) on rank 0; torch.float32 (2, 2) on "
                      "rank 1",
@@ -139,11 +131,11 @@ def test_shard_blocks_refuses_params_or_owners_that_differ_between_ranks(ranks):
 
 
 def test_shard_blocks_refuses_one_ranks_bad_input_on_every_rank(ranks):
-    _refused_on_every_rank(ranks, "shard_blocks", "number",
+    refused_on_every_rank(ranks, BAD, "shard_blocks", "number",
                            "shard_blocks: params['q'] is a float; expected a tensor")
-    _refused_on_every_rank(ranks, "shard_blocks", "keyword",
+    refused_on_every_rank(ranks, BAD, "shard_blocks", "keyword",
                            "shard_blocks: unknown keyword argument 'owner'; it takes owners, rank, world_size")
-    _refused_on_every_rank(ranks, "shard_blocks", "rank_only",
+    refused_on_every_rank(ranks, BAD, "shard_blocks", "rank_only",
                            "shard_blocks: pass both rank and world_size, or neither")
 
 
@@ -165,13 +157,13 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
         backend = got["backend"]
         assert backend.startswith("SofxError: all_reduce_sumsq: opt differs between ranks: sofx.adamw("), backend
         assert "backend='auto') on rank 0; sofx.adamw(" in backend and "backend='reference') on rank 1" in backend
-    _refused_on_every_rank(ranks, "all_reduce_sumsq", "raising schedule",
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "raising schedule",
                            "all_reduce_sumsq: this rank's input could not be read (ValueError: this rank's schedule "
                            "failed)")
-    _refused_on_every_rank(ranks, "all_reduce_sumsq", "keyword",
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "keyword",
                            "all_reduce_sumsq: unknown keyword argument 'scalar'; it takes device, params, opt, "
                            "scaler, config, hparams, settings")
-    _refused_on_every_rank(ranks, "all_reduce_sumsq", "no device", "all_reduce_sumsq: this rank's input could not be "
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "no device", "all_reduce_sumsq: this rank's input could not be "
                                                                    "read (RuntimeError: Expected one of")
 
 
@@ -184,5 +176,5 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
         assert got["given on one rank"].startswith("SofxError: check_same_setup: settings differs between ranks: "
                                                    "absent on rank 0; dict on rank 1 (and 1 more: "
                                                    "settings['max_norm'])"), got
-    _refused_on_every_rank(ranks, "check_same_setup", "not a mapping",
+    refused_on_every_rank(ranks, BAD, "check_same_setup", "not a mapping",
                            "settings is a list; expected a mapping of names to settings")

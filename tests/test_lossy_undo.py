@@ -77,6 +77,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
+def _flags(backend, variant: AdamVariant, call: StepCall | UndoRedoCall) -> list[int]:
+    """The chunk flags ``backend``'s checked form of ``call`` (a step or an undo+redo, not donated) sets."""
+    flags = torch.zeros(-(-call.p.numel() // FINITE_CHUNK), dtype=torch.uint8)
+    run = backend.step_many if isinstance(call, StepCall) else backend.undo_redo_many
+    run([call._replace(skip=flags)], variant)
+    return flags.tolist()
+
+
 def _want_flags(bad: torch.Tensor, n: int) -> list[int]:
     return torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1).to(
         torch.uint8).tolist()
@@ -193,18 +201,11 @@ def test_checked_calls_flag_a_zero_v_with_a_gradient(combo, decoupled, rng):
                             | beyond_limit(g_inf, s.grad_scale), _N)
     assert want_zero == [0, 0, 0, 1, 0, 0, 0]
     for backend in (cpu, cpu_fast):
-        flags = torch.zeros(len(want), dtype=torch.uint8)
-        backend.step_many([StepCall(p, g, m, v, s, None, None, flags)], variant)
-        assert flags.tolist() == want
-        flags.zero_()
-        backend.undo_redo_many([UndoRedoCall(p, m, v, g_old, s_old, g, s, None, None, None, flags)], variant)
-        assert flags.tolist() == want_redo
-        flags.zero_()
-        backend.step_many([StepCall(p, g_inf, zeros, zeros, s, None, None, flags, zero_moments=True)], variant)
-        assert flags.tolist() == want_zero
-        flags.zero_()  # (without zero_moments every chunk with a gradient)
-        backend.step_many([StepCall(p, g_inf, zeros, zeros, s, None, None, flags)], variant)
-        assert flags.tolist() == [1, 1, 1, 1, 1, 0, 1]
+        assert _flags(backend, variant, StepCall(p, g, m, v, s)) == want
+        assert _flags(backend, variant, UndoRedoCall(p, m, v, g_old, s_old, g, s)) == want_redo
+        assert _flags(backend, variant, StepCall(p, g_inf, zeros, zeros, s, zero_moments=True)) == want_zero
+        # (without zero_moments every chunk with a gradient)
+        assert _flags(backend, variant, StepCall(p, g_inf, zeros, zeros, s)) == [1, 1, 1, 1, 1, 0, 1]
     for op, block, flags_want in (
             (0, cpu._Block(p, g, m, v, None, None, s, None, None, None), want),
             (2, cpu._Block(p, g_old, m, v, g, None, s_old, s, None, None), want_redo),
@@ -236,12 +237,8 @@ def test_checked_steps_flag_what_lossy_elements_finds_with_a_lossy_factor_of_0(c
                                 | beyond_limit(g2, s.grad_scale), _N)
         assert want == want_redo == [int(not decoupled), 0, 0, 0, 1, 1, 1]
         for backend in (cpu, cpu_fast):
-            flags = torch.zeros(len(want), dtype=torch.uint8)
-            backend.step_many([StepCall(p, g, m, v, s, None, None, flags)], variant)
-            assert flags.tolist() == want
-            flags.zero_()
-            backend.undo_redo_many([UndoRedoCall(p, m, v, g, s_old, g2, s, None, None, None, flags)], variant)
-            assert flags.tolist() == want_redo
+            assert _flags(backend, variant, StepCall(p, g, m, v, s)) == want
+            assert _flags(backend, variant, UndoRedoCall(p, m, v, g, s_old, g2, s)) == want_redo
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
