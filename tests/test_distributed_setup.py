@@ -163,8 +163,8 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
     refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "keyword",
                            "all_reduce_sumsq: unknown keyword argument 'scalar'; it takes device, params, opt, "
                            "scaler, config, hparams, settings")
-    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "no device", "all_reduce_sumsq: this rank's input could not be "
-                                                                   "read (RuntimeError: Expected one of")
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "no device",
+                          "all_reduce_sumsq: this rank's input could not be read (RuntimeError: Expected one of")
 
 
 def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):

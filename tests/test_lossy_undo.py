@@ -94,7 +94,8 @@ def _want_flags(bad: torch.Tensor, n: int) -> list[int]:
 # of an odd-sized last chunk) and a size that leaves a partial last chunk.
 _TAIL = FINITE_CHUNK // 4 - 24  # (1000 with chunks of 4096) plus 7: a last chunk with a partial vector of 15
 _N = 6 * FINITE_CHUNK + _TAIL + 7
-_WHERE = [FINITE_CHUNK + 0, 2 * FINITE_CHUNK + FINITE_CHUNK // 2 + 1, 4 * FINITE_CHUNK - 1, 6 * FINITE_CHUNK + _TAIL + 3]
+_WHERE = [FINITE_CHUNK + 0, 2 * FINITE_CHUNK + FINITE_CHUNK // 2 + 1, 4 * FINITE_CHUNK - 1,
+          6 * FINITE_CHUNK + _TAIL + 3]
 
 
 @native
@@ -299,7 +300,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(backend=st.sampled_from(["cpu", "reference"]), decoupled=st.booleans(), donate=st.booleans(),
        spike=st.floats(3.0, 1e5), at=st.integers(0, 3 * FINITE_CHUNK - 1), grads_finite=st.sampled_from([None, True]))
-@example(backend="cpu", decoupled=True, donate=False, spike=30.0, at=FINITE_CHUNK + 896, grads_finite=None)  # R = 11: 1.6e-6 at 12
+@example(backend="cpu", decoupled=True, donate=False, spike=30.0, at=FINITE_CHUNK + 896,
+         grads_finite=None)  # R = 11: 1.6e-6 at 12
 def test_a_spike_is_undone_within_the_tolerance(backend, decoupled, donate, spike, at, grads_finite):
     """update then undo (and update then undo_redo with a clip) on a run 40 steps in, with one gradient
     element ``spike`` times its usual size: v comes back within 1e-6 (it was 1e-5 to 3e-3 off, algebraic),
