@@ -513,7 +513,7 @@ class Adam:
         new_c = [leaf.count for leaf in leaves]
         records: list[LeafUndo | None] = [None] * len(leaves)
         pending = []  # the fused undo+redo calls
-        steps = []  # the step calls of chunk snapshots' kept chunks
+        chunked = []  # (kernel, call): chunk snapshots' leaves, undone and redone by chunks
         whole: dict[int, UndoRedoCall] = {}  # the leaves redone by chunks, each as one call (for the finish)
         for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
             fused = by_chunks[k] or _fusable(rec, plan)
@@ -522,9 +522,7 @@ class Adam:
                                                                torch.empty_like(leaf.v))
                 whole[k] = UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g, plan[0], None, out,
                                         copy, flags.views[k])
-                redo_calls, step_calls = skipped_chunks.split_by_kept_chunks(whole[k], rec)
-                pending += [(k, kernels[k], c) for c in redo_calls]
-                steps += [(k, kernels[k], c) for c in step_calls]
+                chunked += [(kernels[k], c) for c in skipped_chunks.split_by_kept_chunks(whole[k], rec)]
             elif fused:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 pending.append((k, kernels[k], UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
@@ -548,7 +546,7 @@ class Adam:
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
                                                leaves if covered else None):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
-        _run_by_backend(steps, lambda b, calls: b.step_many(calls, self.variant))
+        skipped_chunks.run_chunked(self.variant, chunked)
         for k, call in whole.items():
             calls[k] = call
             new_p[k], new_m[k], new_v[k] = call.out

@@ -21,11 +21,13 @@ import torch
 
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
+from sofx.kernels.chunked import (ChunkedCall, check_chunked, gather_chunks, listed_elements, put_chunks,
+                                  range_calls)
 from sofx.undo_record import (CHECKED_CHUNKS_REASON, LeafUndo, chunk_ranges, chunk_snapshot_bytes,
                                strategy_snapshot_bytes)
 
-__all__ = ["finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "restore_chunks",
-           "roll_back_step"]
+__all__ = ["finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
+           "restore_chunks", "roll_back_step"]
 
 Ranges = Sequence[tuple[int, int]]
 
@@ -40,29 +42,32 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
     skipped the record is a whole ``"snapshot"`` (the same values, no indices). A leaf whose record keeps its
     old parameter whole (``"param_snapshot"``) gets a whole snapshot too: with donation the stepped chunks'
     old moments are recovered by the algebraic inverse into new tensors (as an undo would)."""
-    chunks, ranges = _skipped(call.skip, results[0].numel())
-    if len(ranges) == call.skip.numel():  # every chunk skipped: the old values are all still there
+    chunks = call.skip.nonzero().flatten()
+    if chunks.numel() == call.skip.numel():  # every chunk skipped: the old values are all still there
         old = [t.clone() for t in inputs] if donate else list(inputs)
-        everything = [(0, results[0].numel())]
-        _step(kernel, variant, everything, _pieces(old, everything), call.g, rec.scalars, results, call.p_copy)
+        kernel.step_many([StepCall(old[0], call.g, old[1], old[2], rec.scalars, tuple(results), call.p_copy)],
+                         variant)
         return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
-    runs = _runs(ranges)  # (one copy and one kernel block per run of adjacent chunks, not per chunk)
-    if not _kept_whole(rec.strategy, len(ranges), call.skip.numel()):
-        kept = _copy_out(inputs, runs)
-        _step(kernel, variant, runs, _pieces(inputs, runs), call.g, rec.scalars, results, call.p_copy)
+    if not _kept_whole(rec.strategy, chunks.numel(), call.skip.numel()):
+        listed = listed_elements(chunks, results[0].numel())
+        kept = tuple(torch.empty(listed, dtype=t.dtype, device=t.device) for t in inputs)
+        step = StepCall(inputs[0], call.g, inputs[1], inputs[2], rec.scalars, tuple(results), call.p_copy)
+        run_chunked(variant, [(kernel, ChunkedCall(step, chunks, kept=kept))])
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
                         rec.moments_were_zero, chunks)
     if donate:
         old = kernel.undo_many([UndoCall(results[0], call.g, results[1], results[2], rec.scalars, rec.p_old)],
                                variant)[0]
-        _put(old, runs, _pieces(results, runs))
+        for o, r in zip(old, results):  # the skipped chunks: not stepped, their old values still there
+            put_chunks(o, chunks, gather_chunks(r, chunks))
         if rec.moments_were_zero:
             old[1].zero_()
             old[2].zero_()
         source = results
     else:
         old = source = inputs
-    _step(kernel, variant, runs, _pieces(source, runs), call.g, rec.scalars, results, call.p_copy)
+    step = StepCall(source[0], call.g, source[1], source[2], rec.scalars, tuple(results), call.p_copy)
+    run_chunked(variant, [(kernel, ChunkedCall(step, chunks))])
     return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
 
 
@@ -93,63 +98,83 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     taken from ``undone_rec`` where it kept them (a chunk snapshot), then stepped from it with the new
     gradient."""
     n = results[0].numel()
-    chunks, ranges = _skipped(call.skip, n)
-    kept = _kept_by_chunk(undone_rec, n) if undone_rec is not None and undone_rec.chunks is not None else {}
-    cur, g_old = _pieces(results if donate else inputs, ranges), _flat(call.g_old)
-    p_old = _flat(call.p_old) if call.p_old is not None else None
-    order = chunks.tolist()
-    inverted = [i for i, c in enumerate(order) if c not in kept]
-    calls = []
-    for i in inverted:
-        a, b = ranges[i]
-        calls.append(UndoCall(cur[i][0], g_old[a:b], cur[i][1], cur[i][2], call.s_old,
-                              p_old[a:b] if p_old is not None else None))
-    done = dict(zip(inverted, kernel.undo_many(calls, variant))) if calls else {}
-    undone = [done[i] if i in done else kept[c] for i, c in enumerate(order)]
-    olds = [torch.cat([piece[i].reshape(-1) for piece in undone]) for i in range(3)]
-    _step(kernel, variant, ranges, undone, call.g_new, call.s_new, results, call.p_copy)
-    if len(ranges) == call.skip.numel():  # every chunk: a whole snapshot
+    chunks = call.skip.nonzero().flatten()
+    held = results if donate else inputs  # the old step's values there
+    cur = [gather_chunks(t, chunks) for t in held]
+    p_old = gather_chunks(call.p_old, chunks) if call.p_old is not None else None
+    kernel.undo_many([UndoCall(cur[0], gather_chunks(call.g_old, chunks), cur[1], cur[2], call.s_old, p_old,
+                               (cur[0], cur[1], cur[2]))], variant)
+    if undone_rec is not None and undone_rec.chunks is not None:  # its kept chunks: their old values, exact
+        _overlay(cur, chunks, (undone_rec.p_old, undone_rec.m_old, undone_rec.v_old), undone_rec.chunks, n)
+    step = StepCall(cur[0], call.g_new, cur[1], cur[2], call.s_new, tuple(results), call.p_copy)
+    run_chunked(variant, [(kernel, ChunkedCall(step, chunks, packed=True))])
+    if chunks.numel() == call.skip.numel():  # every chunk: a whole snapshot
         return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
-                        *(k.view(r.shape) for k, r in zip(olds, results)), CHECKED_CHUNKS_REASON)
-    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *olds, CHECKED_CHUNKS_REASON,
+                        *(k.view(r.shape) for k, r in zip(cur, results)), CHECKED_CHUNKS_REASON)
+    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *cur, CHECKED_CHUNKS_REASON,
                     chunks=chunks)
 
 
-def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[list[UndoRedoCall], list[StepCall]]:
+def _overlay(dst: Sequence[torch.Tensor], dst_chunks: torch.Tensor, src: Sequence[torch.Tensor],
+             src_chunks: torch.Tensor, n: int) -> None:
+    """``dst[i]``'s chunks (packed: ``dst_chunks``'s, one after another) that ``src`` holds too (packed:
+    ``src_chunks``') set to ``src``'s values (whole chunks as rows; the leaf of ``n`` elements' partial last
+    chunk, last in both where both hold it)."""
+    whole = n // FINITE_CHUNK
+    d_full, s_full = dst_chunks[dst_chunks < whole], src_chunks[src_chunks < whole]
+    both = torch.isin(d_full, s_full)
+    rows_from = torch.searchsorted(s_full, d_full[both])
+    rows_to = both.nonzero().flatten()
+    for d, s_ in zip(dst, src):
+        d_rows = d[:d_full.numel() * FINITE_CHUNK].view(-1, FINITE_CHUNK)
+        d_rows.index_copy_(0, rows_to, s_[:s_full.numel() * FINITE_CHUNK].view(-1, FINITE_CHUNK)
+                           .index_select(0, rows_from))
+        tail = d.numel() - d_full.numel() * FINITE_CHUNK
+        if tail and s_.numel() - s_full.numel() * FINITE_CHUNK:
+            d[-tail:] = s_[-tail:]
+
+
+def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[ChunkedCall, ChunkedCall]:
     """``call`` (an undo+redo of a whole leaf with ``out``) as the calls that carry it out for a
-    ``"chunk_snapshot"`` record ``rec``: fused undo+redo calls over the runs of chunks the record did not
-    keep, and step calls from the kept chunks' old values (the exact undo there) into the same outputs.
-    Ranges of the leaf's memory, each with its chunks' flags (``call.skip``) and parameter copy."""
-    n = call.p.numel()
-    kept = _kept_runs(rec, n)
-    free = _gaps([r for r, _ in kept], n)
+    ``"chunk_snapshot"`` record ``rec``: the fused undo+redo of the chunks the record did not keep, and the
+    step of the kept chunks from their old values (packed: the exact undo there), into the same outputs, with
+    the same flags (``call.skip``) and parameter copy (:func:`run_chunked` runs them)."""
     assert call.out is not None
-    p, m, v, g_old, g_new = (_flat(t) for t in (call.p, call.m, call.v, call.g_old, call.g_new))
-    out = [_flat(t) for t in call.out]
-    copy = _flat(call.p_copy) if call.p_copy is not None else None
+    kept = rec.chunks
+    free = torch.ones(-(-call.p.numel() // FINITE_CHUNK), dtype=torch.bool, device=kept.device)
+    free[kept] = False
+    redo = ChunkedCall(call, free.nonzero().flatten())
+    step = StepCall(rec.p_old, call.g_new, rec.m_old, rec.v_old, call.s_new, call.out, call.p_copy, call.skip)
+    return redo, ChunkedCall(step, kept, packed=True)
 
-    def outputs(a: int, b: int) -> tuple[Triple, torch.Tensor | None, torch.Tensor | None]:
-        skip = call.skip[a // FINITE_CHUNK:-(-b // FINITE_CHUNK)] if call.skip is not None else None
-        return (out[0][a:b], out[1][a:b], out[2][a:b]), copy[a:b] if copy is not None else None, skip
 
-    redo = [UndoRedoCall(p[a:b], m[a:b], v[a:b], g_old[a:b], call.s_old, g_new[a:b], call.s_new, None,
-                         *outputs(a, b)) for a, b in free]
-    step = [StepCall(old[0], g_new[a:b], old[1], old[2], call.s_new, *outputs(a, b)) for (a, b), old in kept]
-    return redo, step
+def run_chunked(variant: AdamVariant, calls: Sequence[tuple[Any, ChunkedCall]]) -> None:
+    """Run each ``(kernel, call)`` (:class:`~sofx.kernels.chunked.ChunkedCall`, steps and undo+redos), one call
+    per kernel and function: in its native code where the kernel runs chunk lists (``RUNS_CHUNK_LISTS``), else
+    as its list form's calls over the runs of adjacent chunks."""
+    groups: dict[tuple[int, bool], tuple[Any, list[ChunkedCall]]] = {}
+    for kernel, c in calls:
+        groups.setdefault((id(kernel), isinstance(c.call, StepCall)), (kernel, []))[1].append(c)
+    for (_, is_step), (kernel, group) in groups.items():
+        if getattr(kernel, "RUNS_CHUNK_LISTS", False):
+            (kernel.step_chunks if is_step else kernel.undo_redo_chunks)(group, variant)
+            continue
+        for i, c in enumerate(group):
+            check_chunked(f"{kernel.NAME} chunks[{i}]", c, StepCall if is_step else UndoRedoCall)
+        runs = [r for c in group for r in range_calls(c)]
+        if runs:
+            (kernel.step_many if is_step else kernel.undo_redo_many)(runs, variant)
 
 
 def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -> None:
     """Put a ``"chunk_snapshot"`` record's kept values into ``undone`` (the leaf's ``p, m, v`` undone
     algebraically, contiguous: garbage in those chunks, whose gradient may be an inf) and ``p_copy``."""
-    kept = _kept_runs(rec, undone[0].numel())
-    ranges, parts = [r for r, _ in kept], [old for _, old in kept]
-    _put(undone, ranges, parts)
+    for t, kept in zip(undone, (rec.p_old, rec.m_old, rec.v_old)):
+        put_chunks(t, rec.chunks, kept)
     if p_copy is not None and not p_copy.is_contiguous():
         write_param_copy(p_copy, undone[0])
     elif p_copy is not None:
-        copy = _flat(p_copy)
-        for (a, b), part in zip(ranges, parts):
-            write_param_copy(copy[a:b], part[0])
+        put_chunks(p_copy, rec.chunks, rec.p_old)
 
 
 def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCall, rec: LeafUndo,
@@ -162,7 +187,7 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
     parameter copy, which the kernel wrote outside the flagged chunks, gets the old parameter whole."""
     if donate:
         n = inputs[0].numel()
-        stepped = _gaps(_skipped(call.skip, n)[1], n)
+        stepped = _gaps(chunk_ranges(call.skip.nonzero().flatten().tolist(), n), n)
         p, m, v = (_flat(t) for t in inputs)
         g = _flat(call.g)
         p_old = _flat(rec.p_old) if rec.p_old is not None else None
@@ -176,24 +201,6 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
     write_param_copy(call.p_copy, inputs[0])
 
 
-def _skipped(skip: torch.Tensor | None, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """The indices (int64, ascending, on the flags' device) and element ranges of the flagged chunks."""
-    assert skip is not None
-    chunks = skip.nonzero().flatten()
-    return chunks, chunk_ranges(chunks.tolist(), n)
-
-
-def _runs(ranges: Ranges) -> list[tuple[int, int]]:
-    """``ranges`` (ascending, disjoint) with the adjacent ones joined: the same elements in fewer ranges."""
-    out: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
 def _gaps(ranges: Ranges, n: int) -> list[tuple[int, int]]:
     """The element ranges of ``[0, n)`` outside ``ranges`` (ascending, disjoint)."""
     out, at = [], 0
@@ -204,52 +211,5 @@ def _gaps(ranges: Ranges, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _kept_by_chunk(rec: LeafUndo, n: int) -> dict[int, Triple]:
-    """A ``"chunk_snapshot"`` record's kept ``p, m, v`` of each chunk (views; ``n``: the leaf's elements),
-    in the record's (ascending) order."""
-    chunks = rec.chunks.tolist()
-    lengths = [b - a for a, b in chunk_ranges(chunks, n)]
-    split = [torch.split(kept, lengths) for kept in (rec.p_old, rec.m_old, rec.v_old)]
-    return {c: (split[0][i], split[1][i], split[2][i]) for i, c in enumerate(chunks)}
-
-
-def _kept_runs(rec: LeafUndo, n: int) -> list[tuple[tuple[int, int], Triple]]:
-    """A ``"chunk_snapshot"`` record's kept ``p, m, v`` by run of adjacent chunks (one piece each: the
-    record keeps its chunks one after the other), with each run's element range in the leaf."""
-    runs = _runs(chunk_ranges(rec.chunks.tolist(), n))
-    split = [torch.split(kept, [b - a for a, b in runs]) for kept in (rec.p_old, rec.m_old, rec.v_old)]
-    return [(r, (split[0][i], split[1][i], split[2][i])) for i, r in enumerate(runs)]
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)  # the checked leaves are contiguous
-
-
-def _pieces(triple: Sequence[torch.Tensor], ranges: Ranges) -> list[Triple]:
-    """The flat views ``(p[a:b], m[a:b], v[a:b])`` of ``triple`` for each range."""
-    flat = [_flat(t) for t in triple]
-    return [(flat[0][a:b], flat[1][a:b], flat[2][a:b]) for a, b in ranges]
-
-
-def _copy_out(triple: Sequence[torch.Tensor], ranges: Ranges) -> list[torch.Tensor]:
-    """``p, m, v``'s elements in ``ranges``, one after the other: three new flat tensors."""
-    flat = [_flat(t) for t in triple]
-    return [torch.cat([x[a:b] for a, b in ranges]) for x in flat]
-
-
-def _put(wholes: Sequence[torch.Tensor], ranges: Ranges, parts: Sequence[Sequence[torch.Tensor]]) -> None:
-    """``wholes[i][a:b] = part[i]`` for every range and its part (flat views)."""
-    for (a, b), part in zip(ranges, parts):
-        for whole, x in zip(wholes, part):
-            _flat(whole)[a:b] = x.reshape(-1)
-
-
-def _step(kernel: Any, variant: AdamVariant, ranges: Ranges, sources: Sequence[Sequence[torch.Tensor]],
-          g: torch.Tensor, scalars: Any, results: Sequence[torch.Tensor], p_copy: torch.Tensor | None) -> None:
-    """The step of the chunks ``ranges`` (``sources``: each one's ``p, m, v`` before) with ``g`` into
-    ``results`` (and ``p_copy``), one kernel call."""
-    dst, grad = [_flat(t) for t in results], _flat(g)
-    copy = _flat(p_copy) if p_copy is not None else None
-    kernel.step_many([StepCall(src[0].reshape(-1), grad[a:b], src[1].reshape(-1), src[2].reshape(-1), scalars,
-                               (dst[0][a:b], dst[1][a:b], dst[2][a:b]), copy[a:b] if copy is not None else None)
-                      for (a, b), src in zip(ranges, sources)], variant)

@@ -105,21 +105,31 @@ def test_a_spike_keeps_its_chunks_only_and_undo_restores_them_bitwise(backend: s
 
 
 @pytest.mark.parametrize("donate", [False, True])
-def test_adjacent_flagged_chunks_are_copied_and_stepped_as_one_range(donate: bool, monkeypatch) -> None:
-    """Chunks 0, 1 and 3 flagged: two ranges (0-1 and 3), not three. A step that flagged most of its chunks
-    (the first steps of a run) made one kernel block and one copy per chunk, ~30 ms of host work per step for
-    overlap.py's 6.3M parameters. The record, its undo and its undo+redo are those of chunk by chunk."""
-    ranges = []
-    real = sofx.skipped_chunks._step
-    monkeypatch.setattr(sofx.skipped_chunks, "_step", lambda k, v, r, *a: ranges.append(list(r)) or real(k, v, r, *a))
+def test_flagged_chunks_are_copied_and_stepped_in_one_kernel_call(donate: bool, monkeypatch) -> None:
+    """Chunks 0, 1 and 3 flagged: one call of the kernel's ``step_chunks`` copies them out and steps them. A
+    step that flagged most of its chunks (the first steps of a run) made one kernel block and one copy per
+    chunk, ~30 ms of host work per step for overlap.py's 6.3M parameters, then one per run of adjacent chunks
+    (still ~10 ms). The record, its undo and its undo+redo are those of chunk by chunk; the undo+redo runs the
+    record's free chunks and its kept ones as one call each."""
+    from sofx.kernels import cpu
+
+    calls = []
+    for fn in ("step_chunks", "undo_redo_chunks"):
+        real = getattr(cpu, fn)
+        monkeypatch.setattr(cpu, fn, lambda cs, v, fn=fn, real=real: calls.append(
+            (fn, [(c.chunks.tolist(), c.packed, c.kept is not None) for c in cs])) or real(cs, v))
     gen = torch.Generator().manual_seed(4)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu")
     params, state = _warm(opt, gen)
     grads = _spiked(params, gen, 5, FINITE_CHUNK + 9, 3 * FINITE_CHUNK + 1)
     before = _clone((params, state))
     p1, s1, rec = opt.update(params, grads, state, donate=donate)
-    assert ranges == [[(0, 2 * FINITE_CHUNK), (3 * FINITE_CHUNK, N)]]
+    assert calls == [("step_chunks", [([0, 1, 3], False, True)])]
     assert rec.leaves[1].chunks.tolist() == [0, 1, 3]
+    again = _step_again(opt, before, grads)
+    calls.clear()
+    opt.undo_redo(*again, _spiked(params, gen))
+    assert sorted(calls) == [("step_chunks", [([0, 1, 3], True, False)]), ("undo_redo_chunks", [([2], False, False)])]
     # undo+redo (split by the kept runs) against undo then update, each from the same step again
     g2 = _spiked(params, gen)
     undone = opt.undo(*_step_again(opt, before, grads))

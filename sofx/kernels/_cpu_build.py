@@ -340,10 +340,10 @@ def _open(path: str) -> NativeLib:
     fn = lib.sofx_adam_many
     fn.restype = ctypes.c_int
     # op, decoupled, count, dtypes (int[6 count]), ns (int64[count]), ptrs (void*[11 count]), s_old and s_new
-    # (double*[count]), threads, exact, sqrt_fn, sqrt_mode, sqrt_local, sqrt_replica
+    # (double*[count]), threads, exact, sqrt_fn, sqrt_mode, sqrt_local, sqrt_replica, chunk_tab (int64[6 count] or 0)
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     has_f16 = lib.sofx_has_f16
     has_f16.restype = ctypes.c_int
     sqrt = lib.sofx_sqrt

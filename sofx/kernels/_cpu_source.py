@@ -148,6 +148,10 @@ typedef struct {
   void *pc;                          /* 0, or where the new parameters also go (see copy_params) */
   int dpc;                           /* pc's dtype */
   uint8_t *skip;                     /* 0, or one flag per CHUNK elements: see run_range */
+  const int64_t *chunks;             /* 0, or the listed chunks the job runs on (see run_listed) */
+  int64_t leaf_n;                    /* with chunks: the block's elements (n: the listed chunks') */
+  int packed;                        /* with chunks: p, m, v hold the listed chunks one after another */
+  void *kp, *km, *kv;                /* with chunks: 0, or where the listed chunks' p, m, v are copied first */
   Sc s1, s2;
   Sqrt sq;
   int exact;                         /* bitwise the reference: the exact_* loops, divisions in the inverse */
@@ -2436,7 +2440,13 @@ static scan_step_fn scan_step_for(const Job *j, const Sqrt **sq, int *fast) {
    of it written: outputs, p_copy) and its flag set to 1. That spares the caller a pass over the gradient
    to learn whether the step can be undone algebraically: it snapshots the flagged chunks (still the old
    values) and steps them afterwards. */
+static void run_listed(const Job *j);
+
 static void run_range(const Job *j) {
+  if (j->chunks) {
+    run_listed(j);
+    return;
+  }
   fused_fn f = fused_for(j, j->exact);
   const int restore = (f && j->sq.fn && j->sq.local) ? j->sq.local(1) : -1;
   if (!j->pc && !j->skip) {
@@ -2478,6 +2488,53 @@ static void run_range(const Job *j) {
 #endif
   }
   if (restore >= 0) j->sq.local(restore);
+}
+
+/* Bytes per element of dtype dt. */
+static inline int64_t esize(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* A job over listed chunks (sofx_adam_many's chunk table): its elements [begin, end) are positions in the
+   concatenation of the listed chunks (ascending chunk indices of a block of leaf_n elements; begin a
+   multiple of CHUNK). Adjacent listed chunks run as one range (one job of the ordinary kind: the checked
+   step's reads of the next chunk in the vector loop), every array read and written at the range but p, m, v
+   with packed (read at the range's positions). With kp, km, kv the listed chunks' p, m, v are copied there
+   (at their positions) first, chunk by chunk, each chunk stepped right after its copy (still in cache). */
+static void run_listed(const Job *j) {
+  const int64_t ep = esize(j->dp), es = esize(j->ds);
+  for (int64_t at = j->begin; at < j->end;) {
+    const int64_t first = j->chunks[at / CHUNK], a = first * CHUNK;
+    int64_t last = first, stop = at + CHUNK; /* the run: chunks first..last, positions [at, stop) */
+    while (!j->kp && stop < j->end && j->chunks[stop / CHUNK] == last + 1) {
+      last++;
+      stop += CHUNK;
+    }
+    const int64_t len = ((last + 1) * CHUNK < j->leaf_n ? (last + 1) * CHUNK : j->leaf_n) - a;
+    const int64_t from = j->packed ? at : a;
+    Job part = *j;
+    part.chunks = 0;
+    part.kp = part.km = part.kv = 0;
+    part.p = (const char *)j->p + from * ep;
+    part.m = (const char *)j->m + from * es;
+    part.v = (const char *)j->v + from * es;
+    if (j->kp) {
+      memcpy((char *)j->kp + at * ep, part.p, (size_t)(len * ep));
+      memcpy((char *)j->km + at * es, part.m, (size_t)(len * es));
+      memcpy((char *)j->kv + at * es, part.v, (size_t)(len * es));
+    }
+    part.g = (const char *)j->g + a * esize(j->dg);
+    if (j->g2) part.g2 = (const char *)j->g2 + a * esize(j->dg2);
+    if (j->pold) part.pold = (const char *)j->pold + a * esize(j->dpo);
+    part.po = (char *)j->po + a * ep;
+    part.mo = (char *)j->mo + a * es;
+    part.vo = (char *)j->vo + a * es;
+    if (j->pc) part.pc = (char *)j->pc + a * esize(j->dpc);
+    if (j->skip) part.skip = j->skip + first;
+    part.n = len;
+    part.begin = 0;
+    part.end = len;
+    run_range(&part);
+    at += len;
+  }
 }
 
 #define MAX_THREADS 256
@@ -2657,7 +2714,7 @@ typedef struct {
 static int64_t split_at(const Parts *ps, int64_t b, int64_t k) {
   int64_t local = k * ps->per - ps->starts[b];
   const int64_t n = ps->jobs[b].n;
-  const int64_t align = ps->jobs[b].skip ? CHUNK : TILE;
+  const int64_t align = ps->jobs[b].skip || ps->jobs[b].chunks ? CHUNK : TILE;
   if (local <= 0) return 0;
   local = (local + align - 1) / align * align;
   return local < n ? local : n;
@@ -2715,18 +2772,29 @@ static void run_on_started_threads(const Parts *ps, int nt) {
    threads started for this call and joined before it returns (sofx.kernels.threads).
    The threads share the blocks' elements evenly (a model's many small tensors cost one parallel region,
    not one each); thread k runs its part of each block in turn, split inside a block at a multiple of
-   TILE. Every block is checked first: returns 0 on success, or -(1 + 3b) - reason for block b's bad
-   argument (reason 0: op or count, 1: a dtype, 2: float16 without _Float16), nothing written. */
+   TILE. chunk_tab: 0, or 6 entries per block, {chunks, count, packed, kp, km, kv}: chunks 0 for a block
+   of its ns[b] elements, else a step or an undo+redo on `count` listed chunks of CHUNK elements of it (an
+   int64 array of ascending chunk indices; see run_listed). Every block is checked first: returns 0 on
+   success, or -(1 + 4b) - reason for block b's bad argument (reason 0: op or count, 1: a dtype, 2: float16
+   without _Float16, 3: its chunk list), nothing written. */
 int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, const int64_t *ns,
                    void *const *ptrs, const double *const *s_old, const double *const *s_new, int nthreads,
-                   int exact, void *sqrt_fn, int64_t sqrt_mode, void *sqrt_local, int sqrt_replica) {
+                   int exact, void *sqrt_fn, int64_t sqrt_mode, void *sqrt_local, int sqrt_replica,
+                   const int64_t *chunk_tab) {
   if (op < OP_STEP || op > OP_UNDO_REDO || count < 0) return -1;
   for (int64_t b = 0; b < count; b++) {
-    if (ns[b] < 0) return (int)(-(1 + 3 * b));
+    if (ns[b] < 0) return (int)(-(1 + 4 * b));
     for (int k = 0; k < 6; k++) {
       const int dt = dtypes[6 * b + k];
-      if (dt < DT_F32 || dt > DT_F16) return (int)(-(1 + 3 * b) - 1);
-      if (dt == DT_F16 && !sofx_has_f16()) return (int)(-(1 + 3 * b) - 2);
+      if (dt < DT_F32 || dt > DT_F16) return (int)(-(1 + 4 * b) - 1);
+      if (dt == DT_F16 && !sofx_has_f16()) return (int)(-(1 + 4 * b) - 2);
+    }
+    const int64_t *ct = chunk_tab ? chunk_tab + 6 * b : 0;
+    if (ct && ct[0]) {
+      const int64_t *list = (const int64_t *)(uintptr_t)ct[0], last = (ns[b] + CHUNK - 1) / CHUNK;
+      if (op == OP_UNDO || ct[1] < 0) return (int)(-(1 + 4 * b) - 3);
+      for (int64_t i = 0; i < ct[1]; i++)
+        if (list[i] < 0 || list[i] >= last || (i > 0 && list[i] <= list[i - 1])) return (int)(-(1 + 4 * b) - 3);
     }
   }
   Job one;
@@ -2759,8 +2827,19 @@ int sofx_adam_many(int op, int decoupled, int64_t count, const int *dtypes, cons
     job->exact = exact != 0;
     job->s1 = make_sc(s_old[b]);
     if (op == OP_UNDO_REDO) job->s2 = make_sc(s_new[b]);
+    const int64_t *ct = chunk_tab ? chunk_tab + 6 * b : 0;
+    if (ct && ct[0]) {
+      job->chunks = (const int64_t *)(uintptr_t)ct[0];
+      job->leaf_n = ns[b];
+      job->n = ct[1] ? (ct[1] - 1) * CHUNK + (ns[b] - job->chunks[ct[1] - 1] * CHUNK < CHUNK
+                                               ? ns[b] - job->chunks[ct[1] - 1] * CHUNK : CHUNK) : 0;
+      job->packed = ct[2] != 0;
+      job->kp = (void *)(uintptr_t)ct[3];
+      job->km = (void *)(uintptr_t)ct[4];
+      job->kv = (void *)(uintptr_t)ct[5];
+    }
     starts[b] = total;
-    total += ns[b];
+    total += job->n;
   }
   const int started_threads = nthreads < 0;
   int nt = started_threads ? -nthreads : nthreads;

@@ -72,6 +72,7 @@ import torch
 from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
+from sofx.kernels.chunked import ChunkedCall, check_chunked, range_calls
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
                                UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
@@ -80,11 +81,13 @@ from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself,
 from sofx.kernels.threads import native_thread_request
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
-           "native_available", "bitwise_with_torch", "CHECKS_FINITE", "CHECKS_OVERLAP"]
+           "step_chunks", "undo_redo_chunks", "native_available", "bitwise_with_torch", "CHECKS_FINITE",
+           "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
 
 NAME = "cpu"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
 CHECKS_OVERLAP = True  # the list forms refuse written arrays that share memory (base.MemoryOverlapError)
+RUNS_CHUNK_LISTS = True  # step_chunks / undo_redo_chunks (sofx.kernels.chunked) in one native call
 
 _DTYPE_CODES = _cpu_build.DTYPE_CODES
 _STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -495,15 +498,17 @@ def _same_memory(out: Any, t: Any) -> bool:
 
 
 def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Table, exact: bool, backend: str,
-          ) -> None:
-    """One call of the C entry ``sofx_adam_many`` over ``table``'s blocks."""
+          chunk_tab: array | None = None) -> None:
+    """One call of the C entry ``sofx_adam_many`` over ``table``'s blocks (``chunk_tab``: its chunk table,
+    six entries per block, see :func:`_run_chunked`)."""
     blocks, dtypes, ns, ptrs = table
     s1 = array("Q", [ctypes.addressof(nb.s1) for nb in blocks])
     s2 = array("Q", [ctypes.addressof(nb.s2) if nb.s2 is not None else 0 for nb in blocks])
     rc = lib.adam_many(op, int(variant.decoupled), len(blocks), dtypes.buffer_info()[0], ns.buffer_info()[0],
                        ptrs.buffer_info()[0], s1.buffer_info()[0], s2.buffer_info()[0], native_thread_request(),
                        int(exact), (lib.sqrt_fn or None) if exact else None, lib.sqrt_mode,
-                       lib.sqrt_local or None, lib.sqrt_replica if exact else 0)
+                       lib.sqrt_local or None, lib.sqrt_replica if exact else 0,
+                       chunk_tab.buffer_info()[0] if chunk_tab is not None else None)
     if rc != 0:  # unreachable with the checks above; never hand back unwritten memory
         raise UnsupportedError(f"{backend}: the native kernel refused its arguments (code {rc})")
 
@@ -557,6 +562,17 @@ def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[
     return undo_redo_many_impl(calls, variant, exact=True, backend=NAME)
 
 
+def step_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant) -> None:
+    """Each call's step on its listed chunks alone (:mod:`sofx.kernels.chunked`: the kept values copied out
+    first, or the packed ones stepped), in one call of the native code; writes the calls' ``out``."""
+    step_chunks_impl(calls, variant, exact=True, backend=NAME)
+
+
+def undo_redo_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant) -> None:
+    """Each call's undo+redo on its listed chunks alone (see :func:`step_chunks`)."""
+    undo_redo_chunks_impl(calls, variant, exact=True, backend=NAME)
+
+
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)
 def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, out: Triple | None, exact: bool, p_copy: torch.Tensor | None = None,
@@ -606,6 +622,113 @@ def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, 
               for c in calls]
     return _run_blocks(src.OP_UNDO_REDO, blocks, variant, exact, backend,
                        _block_names(backend, "undo_redo_many", calls))
+
+
+def step_chunks_impl(calls: Sequence[ChunkedCall], variant: AdamVariant, *, exact: bool, backend: str) -> None:
+    """:func:`step_chunks` with the choice of square root and the backend's name (see :func:`step_impl`)."""
+    _run_chunked(src.OP_STEP, calls, variant, exact, backend, _block_names(backend, "step_chunks", calls))
+
+
+def undo_redo_chunks_impl(calls: Sequence[ChunkedCall], variant: AdamVariant, *, exact: bool, backend: str,
+                          ) -> None:
+    """:func:`undo_redo_chunks` with the choice of square root and the backend's name (see :func:`step_impl`)."""
+    _run_chunked(src.OP_UNDO_REDO, calls, variant, exact, backend, _block_names(backend, "undo_redo_chunks", calls))
+
+
+def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, exact: bool, backend: str,
+                 where: Sequence[str]) -> None:
+    """Run ``calls`` (:class:`~sofx.kernels.chunked.ChunkedCall` of ``op``), all checked before any runs: those the
+    native code takes in one call of the C entry (its chunk table: per block the chunk list, its length, packed,
+    and the kept arrays), the others as their runs' blocks (:func:`~sofx.kernels.chunked.range_calls`)."""
+    kind = StepCall if op == src.OP_STEP else UndoRedoCall
+    for name, c in zip(where, calls):
+        check_chunked(name, c, kind)
+    for name, c in zip(where, calls):
+        if c.call.out[0].device.type != "cpu":
+            raise UnsupportedError(f"{name}: the block is on {c.call.out[0].device}; the {backend} backend needs "
+                                   "CPU tensors")
+    _refuse_overlap(op, _chunked_clash(calls, where), where)
+    if op == src.OP_STEP:
+        s1s = reference.concrete_checked([c.call.s for c in calls], where=where)
+        s2s: list[AdamScalars | None] = [None] * len(calls)
+    else:
+        s1s = reference.concrete_checked([c.call.s_old for c in calls], variant,
+                                         [c.call.p_old is not None for c in calls], where)
+        s2s = reference.concrete_checked([c.call.s_new for c in calls], where=where)
+    lib = _cpu_build.load()
+    native: list[_Native] = []
+    tab = array("q")
+    keep_alive = []
+    for name, c, s1, s2 in zip(where, calls, s1s, s2s):
+        if not c.chunks.numel():
+            continue
+        entry = _chunked_native(op, c, lib, variant, s1, s2) if lib is not None else None
+        if entry is None:  # (dtypes or scalars the native code does not take: the same through the blocks)
+            runs = range_calls(c)
+            blocks = [_Block(r.p, r.g, r.m, r.v, None, None, r.s, None, r.out, r.p_copy, r.skip,
+                             getattr(r, "zero_moments", False)) if op == src.OP_STEP else
+                      _Block(r.p, r.g_old, r.m, r.v, r.g_new, r.p_old, r.s_old, r.s_new, r.out, r.p_copy, r.skip)
+                      for r in runs]
+            _run_blocks(op, blocks, variant, exact, backend, [f"{name} run {i}" for i in range(len(blocks))])
+            continue
+        nb, listed = entry
+        native.append(nb)
+        kept = c.kept if c.kept is not None else (None, None, None)
+        tab.extend([listed.data_ptr(), listed.numel(), int(c.packed)]
+                   + [t.data_ptr() if t is not None else 0 for t in kept])
+        keep_alive.append(listed)
+    if native:
+        assert lib is not None
+        _call(lib, op, variant, _Table.of(native), exact, backend, tab)
+
+
+def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant: AdamVariant, s1: AdamScalars,
+                    s2: AdamScalars | None) -> tuple[_Native, torch.Tensor] | None:
+    """The C entry's view of a checked :class:`ChunkedCall` and its chunk list (contiguous), or None where the
+    native code does not take it (a dtype, scalars that are not all numbers, a parameter copy it cannot store)."""
+    call = c.call
+    g, g2 = (call.g, None) if op == src.OP_STEP else (call.g_old, call.g_new)
+    codes = _codes(lib)
+    p_old = call.p_old if op == src.OP_UNDO_REDO else None
+    if any(t is not None and t.dtype not in codes for t in (call.p, call.m, g, g2, p_old)) \
+            or call.m.dtype != call.v.dtype:
+        return None
+    if call.p_copy is not None and kernel_param_copy(call.p_copy, codes) is None:
+        return None
+    c1 = _scalar_block(s1, variant)
+    c2 = _scalar_block(s2, variant) if s2 is not None else None
+    if c1 is None or (s2 is not None and c2 is None):
+        return None
+    if op == src.OP_STEP and call.zero_moments and call.skip is not None:
+        c1 = (ctypes.c_double * src.S_COUNT)(*c1)
+        c1[src.S_LOSSY] = 0.0
+    f32, pc, out, sk = src.DT_F32, call.p_copy, call.out, call.skip
+    dtypes = (codes[call.p.dtype], codes[g.dtype], codes[call.m.dtype], codes[g2.dtype] if g2 is not None else f32,
+              codes[p_old.dtype] if p_old is not None else f32, codes[pc.dtype] if pc is not None else f32)
+    ptrs = (call.p.data_ptr(), g.data_ptr(), call.m.data_ptr(), call.v.data_ptr(),
+            g2.data_ptr() if g2 is not None else 0, p_old.data_ptr() if p_old is not None else 0,
+            out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), pc.data_ptr() if pc is not None else 0,
+            sk.data_ptr() if sk is not None else 0)
+    return _Native(dtypes, ptrs, g.numel(), c1, c2, list(out), pc is not None), c.chunks.contiguous()
+
+
+def _chunked_clash(calls: Sequence[ChunkedCall], where: Sequence[str]) -> tuple[tuple[int, str], ...] | None:
+    """A written array of ``calls`` and another that shares its memory (``(call, role)`` twice), or None: the
+    outputs, kept arrays, parameter copies and flags are written, the inputs read (written where an output is
+    the input itself: donation)."""
+    spans = MemorySpans()
+    for i, c in enumerate(calls):
+        call = c.call
+        grads = [("g", call.g)] if isinstance(call, StepCall) else [("g_old", call.g_old), ("g_new", call.g_new)]
+        donated = [not c.packed and _same_memory(o, t) for o, t in zip(call.out, (call.p, call.m, call.v))]
+        read = [(r, t) for (r, t), d in zip((("p", call.p), ("m", call.m), ("v", call.v)), donated) if not d]
+        read += [(r, t) for r, t in grads + [("p_old", getattr(call, "p_old", None))] if t is not None]
+        written = [(f"out[{k}]", o) for k, o in enumerate(call.out)]
+        written += [(f"kept[{k}]", t) for k, t in enumerate(c.kept or ())]
+        written += [(r, t) for r, t in (("p_copy", call.p_copy), ("skip", call.skip)) if t is not None]
+        for group, w in ((read, False), (written, True)):
+            spans.add([t for _, t in group], w, lambda j, i=i, group=group: (i, group[j][0]))
+    return spans.clash(lambda tag: f"{where[tag[0]]}: {tag[1]}")
 
 
 def _block_names(backend: str, fn: str, calls: Sequence) -> list[str]:

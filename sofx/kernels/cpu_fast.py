@@ -27,13 +27,15 @@ import torch
 
 from sofx.kernels import cpu
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall
+from sofx.kernels.chunked import ChunkedCall
 
-__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "CHECKS_FINITE",
-           "CHECKS_OVERLAP"]
+__all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "step_chunks",
+           "undo_redo_chunks", "CHECKS_FINITE", "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
 
 NAME = "cpu_fast"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
 CHECKS_OVERLAP = True  # the list forms refuse written arrays that share memory (cpu._run_blocks)
+RUNS_CHUNK_LISTS = True  # step_chunks / undo_redo_chunks (sofx.kernels.chunked) in one native call
 
 
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
@@ -76,3 +78,14 @@ def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
 def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo_redo` for each block, in one call of the native code."""
     return cpu.undo_redo_many_impl(calls, variant, exact=False, backend=NAME)
+
+
+def step_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant) -> None:
+    """Each call's step on its listed chunks alone (:func:`sofx.kernels.cpu.step_chunks` with IEEE square roots)."""
+    cpu.step_chunks_impl(calls, variant, exact=False, backend=NAME)
+
+
+def undo_redo_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant) -> None:
+    """Each call's undo+redo on its listed chunks alone (:func:`sofx.kernels.cpu.undo_redo_chunks`, IEEE square
+    roots)."""
+    cpu.undo_redo_chunks_impl(calls, variant, exact=False, backend=NAME)

@@ -1,0 +1,187 @@
+"""Calls on the listed chunks of a block: a step or an undo+redo of some chunks of :data:`FINITE_CHUNK`
+elements, the rest of the block left alone.
+
+A checked step leaves the chunks it flags alone (:data:`~sofx.kernels.base.FINITE_CHUNK`); finishing it
+(:mod:`sofx.skipped_chunks`) copies those chunks' old values out and steps them, and an undo+redo of such a
+record (a ``"chunk_snapshot"``) steps the kept chunks from their old values and undoes and redoes the others.
+A :class:`ChunkedCall` says each of those in one block, whatever the number of chunks::
+
+    for each listed chunk c (ascending), elements [a, b) of the block (b - a = FINITE_CHUNK but for the
+    block's last chunk), at position [k, k + b - a) of the listed chunks one after another:
+        kept[i][k : k + b - a] = src[i][at]            (with kept; src = call.p, m, v)
+        the call's function on elements [a, b): its inputs p, m, v at [k, k + b - a) with packed, else [a, b);
+        every other array (gradients, p_old, out, p_copy, skip's flags) at [a, b)
+
+Backends whose ``RUNS_CHUNK_LISTS`` is True run a list of them in one call of their native code
+(``step_chunks``, ``undo_redo_chunks``: :mod:`sofx.kernels.cpu`); :func:`range_calls` gives any backend the
+same as calls of its list form over the runs of adjacent listed chunks (one block per run).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from sofx.errors import LeafError, UnsupportedError
+from sofx.kernels.base import FINITE_CHUNK, StepCall, Triple, UndoRedoCall
+
+__all__ = ["ChunkedCall", "check_chunked", "gather_chunks", "listed_elements", "listed_ranges", "put_chunks",
+           "range_calls"]
+
+
+class ChunkedCall(NamedTuple):
+    """A :class:`~sofx.kernels.base.StepCall` or :class:`~sofx.kernels.base.UndoRedoCall` of a whole block
+    run on its listed chunks alone (see the module docstring).
+
+    ``call``: its tensors contiguous (flat in effect), ``out`` given (written at the listed chunks only, as are
+    ``p_copy`` and a checked call's ``skip``). ``chunks``: ascending chunk indices (int64, 1-d, on the block's
+    device). ``packed``: ``call``'s ``p, m, v`` hold the listed chunks' values one after another (a
+    ``"chunk_snapshot"`` record's kept values) instead of the whole block's. ``kept``: where the listed chunks'
+    ``p, m, v`` are copied, one after another, before they are written (with donation, the old values)."""
+
+    call: StepCall | UndoRedoCall
+    chunks: torch.Tensor
+    packed: bool = False
+    kept: Triple | None = None
+
+
+def listed_ranges(chunks: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """The element ranges of the runs of adjacent chunks among ``chunks`` (ascending indices) of a block of
+    ``n`` elements."""
+    out: list[tuple[int, int]] = []
+    for c in chunks:
+        a, b = c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def listed_elements(chunks: torch.Tensor, n: int, where: str = "") -> int:
+    """The elements of the listed ``chunks`` (ascending chunk indices) of a block of ``n`` elements; a
+    :class:`~sofx.errors.LeafError` (``where``: the call) if they are not ascending indices within it."""
+    k, last = chunks.numel(), -(-n // FINITE_CHUNK)
+    if not k:
+        return 0
+    first, top = chunks[0].item(), chunks[-1].item()
+    if first < 0 or top >= last or (k > 1 and not bool((chunks[1:] > chunks[:-1]).all())):
+        raise LeafError(f"{where}: chunks {chunks[:8].tolist()} are not ascending chunk indices of a block of "
+                        f"{last} chunks ({n} elements, {FINITE_CHUNK} per chunk)")
+    return k * FINITE_CHUNK - (last * FINITE_CHUNK - n if top == last - 1 else 0)
+
+
+def _block_size(call: StepCall | UndoRedoCall) -> int:
+    return (call.g if isinstance(call, StepCall) else call.g_new).numel()
+
+
+def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
+    """Refuse, before anything is written, a :class:`ChunkedCall` (of a ``kind`` call) a backend cannot run as
+    the module docstring says. The call's own arguments (dtypes, scalars) are its
+    function's to check; here: the chunk list, and the tensors' sizes, contiguity and device."""
+    if not isinstance(c, ChunkedCall) or not isinstance(c.call, kind):
+        raise LeafError(f"{where}: expected a ChunkedCall of a {kind.__name__}, got {type(c).__name__}"
+                        + (f" of a {type(c.call).__name__}" if isinstance(c, ChunkedCall) else ""))
+    call = c.call
+    if not isinstance(c.packed, bool):
+        raise LeafError(f"{where}: packed = {c.packed!r}; expected True or False")
+    g = call.g if isinstance(call, StepCall) else call.g_new
+    if not isinstance(g, torch.Tensor):
+        raise LeafError(f"{where}: the gradient must be a tensor, got {type(g).__name__}")
+    n, device = g.numel(), g.device
+    last = -(-n // FINITE_CHUNK)
+    ch = c.chunks
+    if not (isinstance(ch, torch.Tensor) and ch.dtype == torch.int64 and ch.dim() == 1 and ch.device == device):
+        got = f"{ch.dtype} of shape {tuple(ch.shape)} on {ch.device}" if isinstance(ch, torch.Tensor) \
+            else type(ch).__name__
+        raise LeafError(f"{where}: chunks must be a 1-d int64 tensor on {device}, got {got}")
+    listed = listed_elements(ch, n, where)
+    if call.out is None or not isinstance(call.out, (tuple, list)) or len(call.out) != 3:
+        raise LeafError(f"{where}: out must be given, a tuple (p_out, m_out, v_out) of the whole block")
+    whole = [("p_out", call.out[0]), ("m_out", call.out[1]), ("v_out", call.out[2]), ("p_copy", call.p_copy)]
+    whole += [("g", call.g)] if isinstance(call, StepCall) else [("g_old", call.g_old), ("g_new", call.g_new),
+                                                                  ("p_old", call.p_old)]
+    inputs = [("p", call.p), ("m", call.m), ("v", call.v)]
+    block, chunks_of = (n, "the block's"), (listed, "the listed chunks'")
+    sized = [(name, t, block) for name, t in whole] + [(name, t, chunks_of if c.packed else block)
+                                                       for name, t in inputs]
+    if c.kept is not None:
+        if not isinstance(c.kept, (tuple, list)) or len(c.kept) != 3:
+            raise LeafError(f"{where}: kept must be a tuple (p, m, v) of the listed chunks' elements")
+        sized += [(f"kept[{i}]", t, chunks_of) for i, t in enumerate(c.kept)]
+    for name, t, (size, whose) in sized:
+        if t is None and name in ("p_copy", "p_old"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise UnsupportedError(f"{where}: {name} is on {t.device}, the gradient on {device}")
+        if t.numel() != size or not t.is_contiguous():
+            raise LeafError(f"{where}: {name} must be contiguous with {size} elements ({whose}), got shape "
+                            f"{tuple(t.shape)}" + ("" if t.is_contiguous() else ", not contiguous"))
+    sk = call.skip
+    if sk is not None and not (isinstance(sk, torch.Tensor) and sk.dtype == torch.uint8 and sk.device == device
+                               and sk.shape == (last,) and sk.is_contiguous()):
+        got = f"{sk.dtype} of shape {tuple(sk.shape)} on {sk.device}" if isinstance(sk, torch.Tensor) \
+            else type(sk).__name__
+        raise LeafError(f"{where}: skip must be a contiguous uint8 tensor of shape ({last},) on {device} (one flag "
+                        f"per {FINITE_CHUNK} elements of the block), got {got}")
+    for i, (name, t) in enumerate(inputs):
+        if call.out[i].dtype != t.dtype or (c.kept is not None and c.kept[i].dtype != t.dtype):
+            raise LeafError(f"{where}: {name} is {t.dtype}; its output"
+                            + (" and kept values" if c.kept is not None else "") + " must be too")
+
+
+def range_calls(c: ChunkedCall) -> list[StepCall | UndoRedoCall]:
+    """``c`` (checked: :func:`check_chunked`) as plain calls of its list form, one per run of adjacent listed
+    chunks; its kept values are copied out here (call this right before running them)."""
+    call = c.call
+    ranges = listed_ranges(c.chunks.tolist(), _block_size(call))
+    flat = lambda t: t.view(-1) if t is not None else None  # noqa: E731 (contiguous: checked)
+    src = [flat(t) for t in (call.p, call.m, call.v)]
+    out = [flat(t) for t in call.out]
+    copy = flat(call.p_copy)
+    p_old = flat(call.p_old) if isinstance(call, UndoRedoCall) else None
+    at, calls = 0, []
+    for a, b in ranges:
+        k = (at, at + b - a) if c.packed else (a, b)
+        pieces = [x[k[0]:k[1]] for x in src]
+        if c.kept is not None:
+            for kept, piece in zip(c.kept, pieces):
+                kept.view(-1)[at:at + b - a].copy_(piece)
+        rest = dict(out=(out[0][a:b], out[1][a:b], out[2][a:b]), p_copy=copy[a:b] if copy is not None else None,
+                    skip=call.skip[a // FINITE_CHUNK:-(-b // FINITE_CHUNK)] if call.skip is not None else None)
+        if isinstance(call, StepCall):
+            calls.append(StepCall(pieces[0], flat(call.g)[a:b], pieces[1], pieces[2], call.s, **rest))
+        else:
+            calls.append(UndoRedoCall(pieces[0], pieces[1], pieces[2], flat(call.g_old)[a:b], call.s_old,
+                                      flat(call.g_new)[a:b], call.s_new,
+                                      p_old[a:b] if p_old is not None else None, **rest))
+        at += b - a
+    return calls
+
+
+def gather_chunks(t: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+    """The listed chunks' elements of ``t`` (contiguous), one chunk after another, in a new flat tensor:
+    one ``index_select`` over its whole chunks (and the block's partial last chunk after them, if listed).
+    ``chunks``: ascending chunk indices (int64, on ``t``'s device)."""
+    flat = t.view(-1)
+    whole = flat.numel() // FINITE_CHUNK
+    rows = flat[:whole * FINITE_CHUNK].view(whole, FINITE_CHUNK)
+    if chunks.numel() and flat.numel() % FINITE_CHUNK and int(chunks[-1]) == whole:  # the partial last chunk
+        return torch.cat([rows.index_select(0, chunks[:-1]).view(-1), flat[whole * FINITE_CHUNK:]])
+    return rows.index_select(0, chunks).view(-1)
+
+
+def put_chunks(t: torch.Tensor, chunks: torch.Tensor, packed: torch.Tensor) -> None:
+    """The inverse of :func:`gather_chunks`: ``t``'s listed chunks (contiguous) set to ``packed``'s values (the
+    chunks one after another; converted to ``t``'s dtype)."""
+    flat, packed = t.view(-1), packed.reshape(-1)
+    whole = flat.numel() // FINITE_CHUNK
+    rows = flat[:whole * FINITE_CHUNK].view(whole, FINITE_CHUNK)
+    if chunks.numel() and flat.numel() % FINITE_CHUNK and int(chunks[-1]) == whole:  # the partial last chunk
+        tail = flat.numel() - whole * FINITE_CHUNK
+        flat[whole * FINITE_CHUNK:] = packed[-tail:]
+        chunks, packed = chunks[:-1], packed[:-tail]
+    rows.index_copy_(0, chunks, packed.view(-1, FINITE_CHUNK).to(t.dtype))

@@ -1,0 +1,209 @@
+"""Calls on the listed chunks of a block (``sofx.kernels.chunked``): the CPU backends' ``step_chunks`` and
+``undo_redo_chunks`` run them in one native call.
+
+Each listed chunk must get the bits of the block's one-block call there (which tests/test_kernels_cpu.py checks
+against the reference), the other chunks nothing: from the block's own values or from packed ones (a chunk
+snapshot's kept values), with the kept values copied out first (donation: the old ones), checked calls flagging
+and leaving alone what the list forms do, whatever the thread splits, and the same without a compiler (the
+calls over the runs of adjacent chunks, ``range_calls``). Bad calls are refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sofx.errors import HParamError, LeafError
+from sofx.kernels import cpu, cpu_fast
+from sofx.kernels.base import FINITE_CHUNK, AdamVariant, MemoryOverlapError, StepCall, UndoRedoCall
+from sofx.kernels.chunked import ChunkedCall, gather_chunks, listed_elements, listed_ranges, put_chunks, range_calls
+
+from helpers import bits, block_inputs, block_scalars
+
+BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+          (torch.float16, torch.float32)]
+C = FINITE_CHUNK
+
+pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: the cpu backend is the reference")
+
+
+def _listed(t: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """``t``'s elements in the listed chunks, one chunk after another."""
+    flat = t.reshape(-1)
+    return torch.cat([flat[a:b] for a, b in listed_ranges(chunks, flat.numel())]) if chunks else flat[:0]
+
+
+def _mask(chunks: list[int], n: int) -> torch.Tensor:
+    keep = torch.zeros(n, dtype=torch.bool)
+    for a, b in listed_ranges(chunks, n):
+        keep[a:b] = True
+    return keep
+
+
+def _run(backend, op: str, inputs, chunks: list[int], s, s_new, variant, *, donate: bool, packed: bool,
+         keep: bool, checked: bool, copy: bool):
+    """One chunked call over clones of ``inputs`` (``p, g, m, v`` and an undo+redo's new gradient): the outputs,
+    the kept values, the flags and the bf16 parameter copy it wrote."""
+    p, g, m, v = (t.clone() for t in inputs[:4])
+    n = p.numel()
+    if donate and not packed:
+        out = (p, m, v)
+    else:  # fresh outputs (or a chunk snapshot's leaf: its values outside the chunks are kept)
+        out = tuple(torch.full_like(t, 3.0) for t in (p, m, v))
+    src = tuple(_listed(t, chunks) for t in (p, m, v)) if packed else (p, m, v)
+    kept = tuple(torch.empty(sum(b - a for a, b in listed_ranges(chunks, n)), dtype=t.dtype)
+                 for t in (p, m, v)) if keep else None
+    flags = torch.zeros(-(-n // C), dtype=torch.uint8) if checked else None
+    pc = torch.full((n,), 7.0, dtype=torch.bfloat16) if copy else None
+    idx = torch.tensor(chunks, dtype=torch.int64)
+    if op == "step":
+        call = StepCall(src[0], g, src[1], src[2], s, out, pc, flags)
+        backend.step_chunks([ChunkedCall(call, idx, packed, kept)], variant)
+    else:
+        call = UndoRedoCall(src[0], src[1], src[2], g, s, inputs[4], s_new, None, out, pc, flags)
+        backend.undo_redo_chunks([ChunkedCall(call, idx, packed, kept)], variant)
+    return out, kept, flags, pc
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(BACKENDS)), op=st.sampled_from(["step", "undo_redo"]),
+       dt=st.integers(0, len(DTYPES) - 1), chunks_in=st.integers(1, 9), tail=st.integers(0, C - 1),
+       picks=st.lists(st.booleans(), min_size=9, max_size=9), donate=st.booleans(), packed=st.booleans(),
+       keep=st.booleans(), checked=st.booleans(), copy=st.booleans(), bad=st.integers(-1, 8),
+       decoupled=st.booleans(), native=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_listed_chunks_get_the_whole_calls_bits_and_nothing_else_is_written_property(
+        name, op, dt, chunks_in, tail, picks, donate, packed, keep, checked, copy, bad, decoupled, native, seed,
+        monkeypatch):
+    """Random blocks (a partial last chunk or not), chunk lists (runs of adjacent chunks and gaps, the last
+    chunk or not), dtypes, donation, packed inputs, kept copies, checked calls with a nan planted in a chunk
+    (listed or not), parameter copies; native or without a compiler."""
+    from sofx.kernels import _cpu_build
+
+    if not native:
+        monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    gen = torch.Generator().manual_seed(seed)
+    n = max(1, (chunks_in - 1) * C + tail) if tail else chunks_in * C
+    last = -(-n // C)
+    chunks = [c for c in range(last) if picks[c]]
+    p, g, m, v = block_inputs(gen, n, *DTYPES[dt], sound=True)
+    g_new = torch.randn(n, generator=gen).to(p.dtype)
+    if checked and 0 <= bad < last:
+        (g if op == "step" else g_new)[min(n - 1, bad * C + 17)] = float("nan")
+    s = block_scalars(gen, 0.1, 0.5)
+    s_new = s._replace(grad_scale=0.25, lr=2 * s.lr)
+    variant = AdamVariant(decoupled=decoupled)
+    backend = BACKENDS[name]
+    out, kept, flags, pc = _run(backend, op, (p, g, m, v, g_new), chunks, s, s_new, variant, donate=donate,
+                                packed=packed, keep=keep, checked=checked, copy=copy)
+    want = backend.step(p, g, m, v, s, variant) if op == "step" else \
+        backend.undo_redo(p, m, v, g, s, g_new, s_new, variant)
+    flagged = [c for c in chunks if checked and c == bad]
+    if checked:
+        assert flags.tolist() == [int(c in flagged) for c in range(last)]
+    written = _mask([c for c in chunks if c not in flagged], n)
+    for got, w, old in zip(out, want, (p, m, v)):
+        assert torch.equal(bits(got[written]), bits(w[written]))
+        untouched = old[~written] if donate and not packed else torch.full_like(old[~written], 3.0)
+        assert torch.equal(bits(got[~written]), bits(untouched))
+    if keep:
+        for k, old in zip(kept, (p, m, v)):
+            assert torch.equal(bits(k), bits(_listed(old, chunks)))
+    if copy:
+        assert torch.equal(pc[written], want[0][written].to(torch.bfloat16)) and bool((pc[~written] == 7.0).all())
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("op", ["step", "undo_redo"])
+def test_threads_split_the_listed_chunks(name, op, rng, monkeypatch):
+    """Three threads share 70 listed chunks of 90 (runs and gaps; the kept copies chunk by chunk): the
+    one-thread bits."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    n = 90 * C - 5
+    chunks = [c for c in range(90) if c % 9 not in (2, 5)]
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32, sound=True)
+    g_new = torch.randn(n, generator=rng)
+    s = block_scalars(rng, 0.1)
+    got = [_run(BACKENDS[name], op, (p, g, m, v, g_new), chunks, s, s, AdamVariant(), donate=True, packed=False,
+                keep=keep, checked=True, copy=True) for keep in (False, True)]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    want = _run(BACKENDS[name], op, (p, g, m, v, g_new), chunks, s, s, AdamVariant(), donate=True, packed=False,
+                keep=True, checked=True, copy=True)
+    for run in got:
+        assert all(torch.equal(a, b) for a, b in zip(run[0], want[0]))
+        assert torch.equal(run[2], want[2]) and torch.equal(run[3], want[3])
+    assert all(torch.equal(a, b) for a, b in zip(got[1][1], want[1]))
+
+
+def test_range_calls_are_the_runs_of_adjacent_chunks(rng):
+    """The calls a backend without chunk lists runs: one per run of adjacent listed chunks, at the run's
+    elements (packed inputs at their positions), the kept values copied out."""
+    n = 6 * C + 100
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    kept = tuple(torch.empty(2 * C + 100) for _ in range(3))
+    out = tuple(torch.empty(n) for _ in range(3))
+    calls = range_calls(ChunkedCall(StepCall(p, g, m, v, block_scalars(rng, 0.0), out), torch.tensor([1, 2, 6]),
+                                    kept=kept))
+    assert [(c.p.data_ptr() - p.data_ptr()) // 4 for c in calls] == [C, 6 * C]
+    assert [c.p.numel() for c in calls] == [2 * C, 100]
+    assert torch.equal(kept[0], torch.cat([p[C:3 * C], p[6 * C:]]))
+
+
+@pytest.mark.parametrize("n", [5 * C, 5 * C - 7, 3])
+def test_gather_and_put_chunks_are_inverses(n, rng):
+    """gather_chunks takes the listed chunks one after another (the partial last chunk too); put_chunks puts
+    them back, converted to the destination's dtype, and nothing else."""
+    t = torch.randn(n, generator=rng)
+    last = -(-n // C)
+    for chunks in ([], [0], [last - 1], list(range(0, last, 2)), list(range(last))):
+        idx = torch.tensor(chunks, dtype=torch.int64)
+        packed = gather_chunks(t, idx)
+        assert torch.equal(packed, _listed(t, chunks)) and packed.numel() == listed_elements(idx, n)
+        dst = torch.zeros(n, dtype=torch.bfloat16)
+        put_chunks(dst, idx, packed)
+        mask = _mask(chunks, n)
+        assert torch.equal(dst[mask], t[mask].bfloat16()) and not bool(dst[~mask].any())
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_bad_chunked_calls_are_refused_before_anything_is_written(name, rng):
+    """Chunks not ascending or outside the block, a kept array or packed input of the wrong size, no outputs,
+    an output of another dtype, a kept array sharing an input's memory, a step's ChunkedCall given to
+    undo_redo_chunks: refused with the call named, nothing written (a valid call first in the list)."""
+    backend = BACKENDS[name]
+    n = 3 * C + 10
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.0)
+    good_out = tuple(torch.zeros(n) for _ in range(3))
+    good = ChunkedCall(StepCall(p, g, m, v, s, good_out), torch.tensor([0, 3]))
+    out = tuple(torch.zeros(n) for _ in range(3))
+    step = StepCall(p, g, m, v, s, out)
+    cases = [
+        (ChunkedCall(step, torch.tensor([2, 1])), LeafError, "not ascending"),
+        (ChunkedCall(step, torch.tensor([4])), LeafError, "not ascending chunk indices of a block of 4"),
+        (ChunkedCall(step, torch.tensor([-1, 2])), LeafError, "not ascending"),
+        (ChunkedCall(step, torch.tensor([1, 1])), LeafError, "not ascending"),
+        (ChunkedCall(step, torch.tensor([1.0])), LeafError, "1-d int64"),
+        (ChunkedCall(step, torch.tensor([1]), kept=(torch.empty(C - 1), torch.empty(C), torch.empty(C))),
+         LeafError, f"kept[0] must be contiguous with {C} elements"),
+        (ChunkedCall(step._replace(p=p[:C]), torch.tensor([1, 2]), packed=True), LeafError,
+         f"p must be contiguous with {2 * C} elements (the listed chunks')"),
+        (ChunkedCall(step._replace(out=None), torch.tensor([1])), LeafError, "out must be given"),
+        (ChunkedCall(step._replace(out=(out[0].bfloat16(), out[1], out[2])), torch.tensor([1])), LeafError,
+         "its output must be too"),
+        (ChunkedCall(step, torch.tensor([1]), kept=(p[:C], torch.empty(C), torch.empty(C))), MemoryOverlapError,
+         "kept[0]"),
+        (ChunkedCall(step, torch.tensor([1]), packed="no"), LeafError, "packed"),
+        (ChunkedCall(step._replace(s=s._replace(beta1=1.5)), torch.tensor([1])), HParamError, "beta1 = 1.5"),
+    ]
+    for bad, error, words in cases:
+        with pytest.raises(error, match=re.escape(words)) as e:
+            backend.step_chunks([good, bad], AdamVariant())
+        assert f"{name}.step_chunks[1]" in str(e.value)
+        assert all(not bool(t.any()) for t in good_out + out)
+    with pytest.raises(LeafError, match="expected a ChunkedCall of a UndoRedoCall"):
+        backend.undo_redo_chunks([good], AdamVariant())
