@@ -5,7 +5,7 @@
     python benchmarks/checked_update.py --backend cpu_fast
 
 To choose each leaf's undo strategy ``update`` must know whether its gradient is finite. The CPU kernels
-read each chunk of 4096 gradient elements just before stepping it (``StepCall.skip``); the variants:
+read each chunk of ``FINITE_CHUNK`` (1024) gradient elements just before stepping it (``StepCall.skip``); the variants:
 
 - ``hinted``: ``grads_finite=True`` (the caller knows, e.g. from a sum of squares): no check;
 - ``checked in the step``: the default on CPU;

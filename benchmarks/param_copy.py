@@ -3,7 +3,7 @@
     python benchmarks/param_copy.py             # 2^26 elements on 2 threads; 2^20 and 2^22 on one thread
 
 The offload engine gives the model the new parameters through a second buffer per parameter (its publish
-buffer, in the model's dtype). The CPU kernels write that copy per 4096-element chunk right after the
+buffer, in the model's dtype). The CPU kernels write that copy per chunk (``FINITE_CHUNK``) right after the
 step of the chunk, with streaming stores (``copy_params`` in the C source); before, the engine copied each
 block after its step, which read the masters from memory again. One thread on 2^20-2^22 elements is the
 offload engine's case (its worker steps a block at a time on one core). float32 masters and moments;

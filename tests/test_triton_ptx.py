@@ -121,7 +121,7 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_d
         assert ".rn" in name, f"{name}: not rounded on its own (may be fused or approximate); {dict(ops)}"
 
     per_thread = (tk.CHECK_BLOCK if check else tk.BLOCK) // (kernel.metadata.num_warps * 32)
-    assert per_thread == tk.BLOCK // (4 * 32)  # a checked program: 4x the elements on 4x the warps
+    assert per_thread == tk.BLOCK // (4 * 32)  # a checked program: the unchecked one's elements per thread
     fmas = sum(c for name, c in ops.items() if name.startswith("fma"))
     assert fmas == EXPLICIT_FMAS[op] * per_thread, dict(ops)
     # an undo from a snapshot needs no square root and divides only by constants (_div_by)

@@ -65,10 +65,10 @@ NAME = "triton"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip), see CHECK_BLOCK
 BLOCK = 1024
 # A checked call (``skip``, :data:`sofx.kernels.base.FINITE_CHUNK`) runs one chunk per program, so that a
-# program decides for its whole chunk (:func:`_chunk_bad`) before it stores any of it, in the same pass: 4x the
-# elements of a program of the unchecked kernel on 4x the warps (the same registers per thread).
+# program decides for its whole chunk (:func:`_chunk_bad`) before it stores any of it, in the same pass: the
+# elements per thread of the unchecked kernel's programs (BLOCK on 4 warps), so the same registers per thread.
 CHECK_BLOCK = FINITE_CHUNK
-CHECK_WARPS = 16
+CHECK_WARPS = 4 * CHECK_BLOCK // BLOCK
 # Compiled exactly as written: Triton fuses a*b + c into one multiply-add by default on GPUs (and
 # leaves plain mul/add free for ptxas to contract), which rounds differently from the reference's
 # separate operations. The interpreter never fuses, so only a compiled kernel shows the difference;
