@@ -56,10 +56,10 @@ from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
                                is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
+from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.user_numbers import as_integer, flag
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
-from sofx.undo_record import (LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, chunk_ranges,
-                               strategy_snapshot_bytes)
+from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option"]
@@ -1079,11 +1079,10 @@ def _check_kept_chunks(leaf: _Leaf, rec: LeafUndo) -> None:
             and chunks.device == leaf.p.device and chunks.numel() > 0):
         raise UndoError(f"{leaf.path}: the record's kept chunks are not a non-empty 1-d int64 tensor on "
                         f"{leaf.p.device}")
-    idx = chunks.tolist()
-    if idx[0] < 0 or idx[-1] >= last or any(b <= a for a, b in zip(idx, idx[1:])):
-        raise UndoError(f"{leaf.path}: the record's kept chunks {idx[:8]} are not ascending chunk indices of a "
-                        f"leaf of {last} chunks")
-    want = sum(b - a for a, b in chunk_ranges(idx, n))
+    if not ascending_chunks(chunks, n):
+        raise UndoError(f"{leaf.path}: the record's kept chunks {chunks[:8].tolist()} are not ascending chunk "
+                        f"indices of a leaf of {last} chunks")
+    want = listed_elements(chunks, n)
     for name, kept, t in (("p", rec.p_old, leaf.p), ("m", rec.m_old, leaf.m), ("v", rec.v_old, leaf.v)):
         if not isinstance(kept, torch.Tensor) or kept.dim() != 1 or kept.numel() != want or kept.dtype != t.dtype \
                 or kept.device != t.device:

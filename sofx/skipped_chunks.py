@@ -74,8 +74,8 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
 def finished_bytes(strategy: str, skip: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
     """The snapshot bytes :func:`finish_step` keeps for a leaf planned ``strategy`` whose checked step flagged
     the chunks ``skip`` marks: those chunks', or the whole leaf's."""
-    chunks = skip.nonzero().flatten().tolist()
-    if _kept_whole(strategy, len(chunks), skip.numel()):
+    chunks = skip.nonzero().flatten()
+    if _kept_whole(strategy, chunks.numel(), skip.numel()):
         return strategy_snapshot_bytes("snapshot", p, m, v)
     return chunk_snapshot_bytes(chunks, p, m, v)
 

@@ -36,6 +36,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant
+from sofx.kernels.chunked import listed_elements
 
 STRATEGIES = ("algebraic", "param_snapshot", "snapshot", "chunk_snapshot", "none")
 
@@ -63,11 +64,11 @@ def chunk_ranges(chunks: Sequence[int], n: int) -> list[tuple[int, int]]:
     return [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in chunks]
 
 
-def chunk_snapshot_bytes(chunks: Sequence[int], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
-    """Bytes a ``"chunk_snapshot"`` record keeps for the chunks ``chunks`` (indices) of a leaf (its
-    :meth:`LeafUndo.snapshot_bytes`): their elements of ``p, m, v`` and one int64 index per chunk."""
-    elements = sum(b - a for a, b in chunk_ranges(chunks, p.numel()))
-    return elements * (p.element_size() + m.element_size() + v.element_size()) + 8 * len(chunks)
+def chunk_snapshot_bytes(chunks: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes a ``"chunk_snapshot"`` record keeps for the chunks ``chunks`` (ascending indices, int64) of a leaf
+    (its :meth:`LeafUndo.snapshot_bytes`): their elements of ``p, m, v`` and one int64 index per chunk."""
+    elements = listed_elements(chunks, p.numel())
+    return elements * (p.element_size() + m.element_size() + v.element_size()) + 8 * chunks.numel()
 
 
 _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old", "chunks")

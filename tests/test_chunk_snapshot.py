@@ -90,7 +90,7 @@ def test_a_spike_keeps_its_chunks_only_and_undo_restores_them_bitwise(backend: s
     kept = rec.leaves[1]
     assert kept.chunks.tolist() == [1, 3] and kept.chunks.dtype == torch.int64
     assert kept.p_old.numel() == FINITE_CHUNK + 123
-    assert rec.snapshot_bytes() == chunk_snapshot_bytes([1, 3], *_leaf(params, state)) == 12 * (FINITE_CHUNK + 123) + 16
+    assert rec.snapshot_bytes() == chunk_snapshot_bytes(torch.tensor([1, 3]), *_leaf(params, state)) == 12 * (FINITE_CHUNK + 123) + 16
     assert rec.snapshot_bytes() < 3 * 4 * N // 2  # well below a whole snapshot
 
     c0 = make()
@@ -156,7 +156,7 @@ def test_the_limit_takes_the_chunks_snapshot_where_the_whole_one_would_not_fit(d
     opt = sofx.adamw(lr=1e-2, backend="cpu")
     params, state = _warm(opt, gen)
     grads = _spiked(params, gen, 5)
-    need = chunk_snapshot_bytes([0], *_leaf(params, state))
+    need = chunk_snapshot_bytes(torch.tensor([0]), *_leaf(params, state))
     ref = opt.update(params, grads, state)
     got = opt.update(_clone(params), grads, _clone(state), donate=donate, snapshot_limit_bytes=need)
     assert got[2].snapshot_bytes() == need == 12 * FINITE_CHUNK + 8
@@ -489,6 +489,13 @@ def test_chains_of_undo_redo_over_chunk_snapshots_are_one_update(backend, decoup
         for name, a, b in (("p", p[k], want_p[k]), ("m", s.mu[k], want_s.mu[k]), ("v", s.nu[k], want_s.nu[k])):
             fin = torch.isfinite(b)
             assert torch.equal(fin, torch.isfinite(a)), (k, name)
+            if name == "p" and warm == 0 and not decoupled and grads[k] is not None:
+                # A first step (from zero moments) moves p by lr * g / (|g| + eps), g = grad * scale + wd * p: where
+                # that sum nearly cancels, the ulps the undos left in p (DESIGN: 1e-6) come back times
+                # lr * wd * eps / g^2 (1e5 at g ~ eps). Those elements are the step's to amplify, not the chain's.
+                wd = 0.05 if hp.weight_decay is None else hp.weight_decay
+                g_eff = grads[k].double() * scale + wd * params[k].double()
+                fin &= g_eff.abs() > 1e-4
             tol = 1e-2 if bf16 and name == "p" else TOL
             assert not fin.any() or _rel0(a[fin], b[fin]) <= tol, (k, name, _rel0(a[fin], b[fin]), rec.strategies())
     if not undoable_last:

@@ -26,7 +26,7 @@ import torch
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels.base import FINITE_CHUNK, StepCall, Triple, UndoRedoCall
 
-__all__ = ["ChunkedCall", "check_chunked", "gather_chunks", "listed_elements", "listed_ranges", "put_chunks",
+__all__ = ["ChunkedCall", "ascending_chunks", "check_chunked", "gather_chunks", "listed_elements", "listed_ranges", "put_chunks",
            "range_calls"]
 
 
@@ -59,17 +59,21 @@ def listed_ranges(chunks: Sequence[int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def listed_elements(chunks: torch.Tensor, n: int, where: str = "") -> int:
-    """The elements of the listed ``chunks`` (ascending chunk indices) of a block of ``n`` elements; a
-    :class:`~sofx.errors.LeafError` (``where``: the call) if they are not ascending indices within it."""
-    k, last = chunks.numel(), -(-n // FINITE_CHUNK)
+def ascending_chunks(chunks: torch.Tensor, n: int) -> bool:
+    """Whether ``chunks`` (a 1-d int64 tensor) are ascending chunk indices of a block of ``n`` elements (no
+    index twice; an empty list is)."""
+    k = chunks.numel()
     if not k:
-        return 0
-    first, top = chunks[0].item(), chunks[-1].item()
-    if first < 0 or top >= last or (k > 1 and not bool((chunks[1:] > chunks[:-1]).all())):
-        raise LeafError(f"{where}: chunks {chunks[:8].tolist()} are not ascending chunk indices of a block of "
-                        f"{last} chunks ({n} elements, {FINITE_CHUNK} per chunk)")
-    return k * FINITE_CHUNK - (last * FINITE_CHUNK - n if top == last - 1 else 0)
+        return True
+    return (chunks[0].item() >= 0 and chunks[-1].item() < -(-n // FINITE_CHUNK)
+            and (k == 1 or bool((chunks[1:] > chunks[:-1]).all())))
+
+
+def listed_elements(chunks: torch.Tensor, n: int) -> int:
+    """The elements of the listed ``chunks`` (:func:`ascending_chunks`) of a block of ``n`` elements: a chunk
+    each but the block's partial last chunk, if listed."""
+    k, last = chunks.numel(), -(-n // FINITE_CHUNK)
+    return k * FINITE_CHUNK - (last * FINITE_CHUNK - n if k and chunks[-1].item() == last - 1 else 0)
 
 
 def _block_size(call: StepCall | UndoRedoCall) -> int:
@@ -96,7 +100,10 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
         got = f"{ch.dtype} of shape {tuple(ch.shape)} on {ch.device}" if isinstance(ch, torch.Tensor) \
             else type(ch).__name__
         raise LeafError(f"{where}: chunks must be a 1-d int64 tensor on {device}, got {got}")
-    listed = listed_elements(ch, n, where)
+    if not ascending_chunks(ch, n):
+        raise LeafError(f"{where}: chunks {ch[:8].tolist()} are not ascending chunk indices of a block of {last} "
+                        f"chunks ({n} elements, {FINITE_CHUNK} per chunk)")
+    listed = listed_elements(ch, n)
     if call.out is None or not isinstance(call.out, (tuple, list)) or len(call.out) != 3:
         raise LeafError(f"{where}: out must be given, a tuple (p_out, m_out, v_out) of the whole block")
     whole = [("p_out", call.out[0]), ("m_out", call.out[1]), ("v_out", call.out[2]), ("p_copy", call.p_copy)]
