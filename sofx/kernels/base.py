@@ -29,6 +29,10 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     :class:`MemoryOverlapError` before anything is computed.
 ``CHECKS_FINITE``
     Whether ``step_many`` and ``undo_redo_many`` take checked steps (``skip``, see :data:`FINITE_CHUNK`).
+``RUNS_CHUNK_LISTS`` (optional, the CPU backends)
+    Whether the backend has ``step_chunks(calls, variant)`` and ``undo_redo_chunks(calls, variant)``: a
+    step or an undo+redo on listed chunks of blocks alone, in one call (:mod:`sofx.kernels.chunked`, whose
+    ``range_calls`` gives any backend the same through its list forms).
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
 (buffer donation); without it the inputs are left untouched. ``p_copy``, a

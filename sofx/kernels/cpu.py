@@ -20,7 +20,10 @@ the blocks' elements evenly: a model's many small tensors cost one parallel
 region, not one call and region each. ``step_many`` and ``undo_redo_many``
 also take checked calls (``skip``): the gradient's finiteness is read chunk by
 chunk in the same pass, for the undo strategy of :meth:`sofx.Adam.update` and
-:meth:`sofx.Adam.undo_redo`.
+:meth:`sofx.Adam.undo_redo`. ``step_chunks`` and ``undo_redo_chunks`` run a
+step or an undo+redo on listed chunks of blocks alone (:mod:`sofx.kernels.chunked`:
+a checked step's flagged chunks, copied out first, or a chunk snapshot's kept
+values stepped), also in one native call.
 
 Square roots: with MKL, torch's ``Tensor.sqrt`` is MKL's vector routine,
 which is not always correctly rounded, and rounds differently by the code
