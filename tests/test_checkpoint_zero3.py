@@ -649,3 +649,30 @@ def test_ranks_and_world_size_given_as_numpy_are_ints_and_bools_or_floats_are_re
             ck.load_zero3(tmp_path / "want", opt, params, mp_rank=bad)
         with pytest.raises(ck.CheckpointError, match=r"mp_rank = .* is invalid; expected an integer >= 0"):
             ck.load_zero3_loss_scaler(tmp_path / "want", mp_rank=bad)
+
+
+def test_on_off_options_must_be_bools(tmp_path):
+    """save_zero3(bf16="no") wrote bf16_ files (a string's truth), model_states="no" a model-states file,
+    deepspeed_objects="no" DeepSpeed's objects; load_zero3(bf16="no") looked for bf16_ files; load(verify="no")
+    checked CRCs where verify=0 did not. Each is refused naming the option, before any file is written or read;
+    numpy bools are read as bools."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 1)
+    for name in ("bf16", "model_states", "deepspeed_objects"):
+        for bad in ("no", 0, 1.0):
+            with pytest.raises(ck.CheckpointError, match=rf"save_zero3: {name} = .* is invalid; expected a bool"):
+                ck.save_zero3(tmp_path / "bad", opt, params, state, HP, **{"deepspeed_objects": False, name: bad})
+            assert not (tmp_path / "bad").exists()
+    files = ck.save_zero3(tmp_path / "ok", opt, params, state, HP, bf16=np.bool_(False),
+                          deepspeed_objects=np.bool_(False))
+    assert not os.path.basename(files[0]).startswith("bf16_")
+    for load in (lambda b: ck.load_zero3(tmp_path / "ok", opt, params, bf16=b),
+                 lambda b: ck.load_zero3_loss_scaler(tmp_path / "ok", bf16=b)):
+        with pytest.raises(ck.CheckpointError, match=r"bf16 = 'no' is invalid; expected a bool"):
+            load("no")
+        load(np.bool_(False))
+    path = ck.save(tmp_path / "t.ckpt", {"x": torch.ones(3)})
+    with pytest.raises(ck.CheckpointError, match=r"load: verify = 'no' is invalid; expected a bool"):
+        ck.load(path, verify="no")
+    assert torch.equal(ck.load(path, verify=np.bool_(True))["x"], torch.ones(3))

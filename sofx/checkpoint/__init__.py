@@ -46,6 +46,7 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, Checkpoi
 from sofx.checkpoint.torch_optim import from_torch_optim, to_torch_optim, torch_param_groups
 from sofx.checkpoint.zero3 import (deepspeed_loss_scaler, load_zero3, load_zero3_loss_scaler, save_zero3,
                                   zero3_file_name)
+from sofx.kernels.user_numbers import flag
 
 __all__ = [
     "save",
@@ -108,7 +109,7 @@ def load(path: str | os.PathLike, like: Any = None, *,
     sofx checkpoint), :class:`CheckpointVersionError` (another format version),
     :class:`CheckpointMismatchError` (does not match ``like``).
     """
-    return io.read(path, like, types=types, device=device, verify=verify)
+    return io.read(path, like, types=types, device=device, verify=flag("load: verify", verify, CheckpointError))
 
 
 def read_metadata(path: str | os.PathLike) -> dict:

@@ -58,7 +58,7 @@ from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
-from sofx.kernels.user_numbers import integer
+from sofx.kernels.user_numbers import flag, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
                              StaticScaleState, check_state, deepspeed_scaler, static_scale)
 
@@ -150,6 +150,9 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     # Python ints (numpy's were refused; a bool was taken, into file names and partition_count)
     dp_world_size = integer("save_zero3: dp_world_size", dp_world_size, 1, CheckpointError)
     mp_rank = integer("save_zero3: mp_rank", mp_rank, 0, CheckpointError)
+    bf16 = _optional_flag("save_zero3: bf16", bf16)  # ("no" was true: bf16_ files)
+    model_states = flag("save_zero3: model_states", model_states, CheckpointError)
+    deepspeed_objects = _optional_flag("save_zero3: deepspeed_objects", deepspeed_objects)
     if not isinstance(state, AdamState):
         raise CheckpointError(f"save_zero3: expected an AdamState, got {type(state).__name__}")
     if isinstance(loss_scaler, tuple):
@@ -360,6 +363,11 @@ def _torch_load(path: str) -> Any:
                                      "objects)") from None
 
 
+def _optional_flag(name: str, value: Any) -> bool | None:
+    """``value`` as None or a Python bool (:func:`~sofx.kernels.user_numbers.flag`), else a CheckpointError."""
+    return None if value is None else flag(name, value, CheckpointError)
+
+
 def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[str], bool]:
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint directory {directory} does not exist")
@@ -421,6 +429,7 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     if not isinstance(opt, Adam):
         raise CheckpointError(f"load_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
     mp_rank = integer("load_zero3: mp_rank", mp_rank, 0, CheckpointError)  # (1.5 raised a ValueError from a format)
+    bf16 = _optional_flag("load_zero3: bf16", bf16)
     directory = os.fspath(directory)
     files, _ = _find_files(directory, mp_rank, bf16)
     p_leaves, spec = tree.flatten(params)
@@ -495,6 +504,7 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
     if growth_rule not in GROWTH_RULES:
         raise HParamError(f"growth_rule = {growth_rule!r}; expected one of {GROWTH_RULES}")
     mp_rank = integer("load_zero3_loss_scaler: mp_rank", mp_rank, 0, CheckpointError)
+    bf16 = _optional_flag("load_zero3_loss_scaler: bf16", bf16)
     directory = os.fspath(directory)
     files, _ = _find_files(directory, mp_rank, bf16)
     top = _torch_load(files[0])
