@@ -53,7 +53,7 @@ from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
 from sofx.kernels.base import FLOAT32_MAX, as_number
-from sofx.kernels.user_numbers import integer, is_bool, positive_number, real_number
+from sofx.kernels.user_numbers import flag, integer, is_bool, positive_number, real_number
 
 __all__ = [
     "LossScaler",
@@ -132,13 +132,6 @@ def _float32_scale(name: str, value: float) -> float:
                           f"in a float32 tensor): at most {FLOAT32_MAX!r} and not rounding to 0 there, got "
                           f"{rounded!r} in float32")
     return x
-
-
-def _flag(name: str, value: bool) -> bool:
-    """``value`` as a Python bool: a Python or numpy bool, or a 0-d bool tensor."""
-    if not is_bool(as_number(value)):
-        raise HParamError(f"{name} = {value!r} is invalid; expected a bool, got {type(value).__name__}")
-    return bool(value)
 
 
 def check_state_kind(state: Any, expected: type) -> None:
@@ -266,8 +259,8 @@ class DynamicLossScaleRule:
         _store(self, init_scale=init_scale, min_scale=min_scale, scale_factor=scale_factor,
                scale_window=integer("scale_window", self.scale_window, 1),
                delayed_shift=integer("delayed_shift (hysteresis)", self.delayed_shift, 1),
-               consecutive_hysteresis=_flag("consecutive_hysteresis", self.consecutive_hysteresis),
-               raise_error_at_min_scale=_flag("raise_error_at_min_scale", self.raise_error_at_min_scale))
+               consecutive_hysteresis=flag("consecutive_hysteresis", self.consecutive_hysteresis),
+               raise_error_at_min_scale=flag("raise_error_at_min_scale", self.raise_error_at_min_scale))
 
     def init(self) -> DynamicLossScaleState:
         """``S = init_scale``, iteration 0, no overflow yet (``last = -1``), full hysteresis."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.user_numbers import as_integer, finite_number, integer
+from sofx.kernels.user_numbers import as_integer, finite_number, flag, integer
 
 np = pytest.importorskip("numpy")
 
@@ -60,3 +60,12 @@ def test_integer_raises_the_error_class_its_caller_names():
 def test_as_integer_reads_integers_and_gives_none_for_the_rest(value, want):
     got = as_integer(value)
     assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("value, kind", [
+    ("no", "str"), (0, "int"), (1.0, "float"), (None, "NoneType"), (torch.tensor(True), "a torch.bool tensor")])
+def test_flag_refuses_what_is_no_python_or_numpy_bool_naming_it(value, kind):
+    """(loss_scale kept a twin of its own that took 0-d bool tensors; flags are Python or numpy bools)"""
+    assert flag("on", np.bool_(True)) is True
+    with pytest.raises(HParamError, match=r"on = .* is invalid; expected a bool \(True or False\), got " + kind):
+        flag("on", value)
