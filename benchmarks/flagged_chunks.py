@@ -12,6 +12,9 @@ fixed batch, as overlap.py does, and times per step, alternating within the step
 
 - ``undoable``: ``update(..., donate=True)``, the gradients checked in the step (records kept);
 - ``plain``: ``update(..., donate=True, undoable=False)``: the same kernels' step alone, the anchor;
+- ``late clip``: a third run's ``undo_redo`` of its undoable step with half the gradient (a clip found after
+  the step: what a speculative step costs when validation clips, every step), checked and undoable again,
+  timed alone (its ``update`` before it is not);
 
 with the share of the elements in flagged chunks. Rows: the steps in phases (the first steps, where ``v`` is
 small, then the rest). The chunk size is this checkout's ``FINITE_CHUNK``: run it in two checkouts to compare
@@ -67,10 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 1)
     opt = sofx.adamw(lr=1e-3, backend=args.backend)
     start = [p.detach().clone() for p in model.parameters()]
-    runs = {name: {"params": [t.clone() for t in start]} for name in ("undoable", "plain")}
+    runs = {name: {"params": [t.clone() for t in start]} for name in ("undoable", "plain", "late clip")}
     for run in runs.values():
         run["state"] = opt.init(run["params"])
-    times: dict[str, list[float]] = {"undoable": [], "plain": []}
+    times: dict[str, list[float]] = {"undoable": [], "plain": [], "late clip": []}
     shares: list[float] = []
     total = sum(t.numel() for t in start)
     for step in range(args.steps):
@@ -89,16 +92,24 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(time.perf_counter() - t)
             if name == "undoable":
                 shares.append(flagged_elements(record, run["params"]) / total)
+        clip = runs["late clip"]
+        clip["params"], clip["state"], record = opt.update(clip["params"], grads, clip["state"], donate=True)
+        half = [g * 0.5 for g in grads]
+        t = time.perf_counter()
+        clip["params"], clip["state"], record = opt.undo_redo(clip["params"], clip["state"], record, half,
+                                                              donate=True)
+        times["late clip"].append(time.perf_counter() - t)
     same = all(torch.equal(a, b) for a, b in zip(runs["undoable"]["params"], runs["plain"]["params"]))
     print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), backend {args.backend}, "
           f"{args.threads} threads, FINITE_CHUNK {FINITE_CHUNK}, torch {torch.__version__}; params equal: {same}")
     print()
-    print("| steps | elements in flagged chunks | undoable ms | plain ms | undoable / plain |")
-    print("|---|---:|---:|---:|---:|")
+    print("| steps | elements in flagged chunks | undoable ms | plain ms | undoable / plain | late clip ms "
+          "| late clip / plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for lo, hi in ((1, args.early), (args.early, args.steps), (1, args.steps)):
-        u = statistics.median(times["undoable"][lo:hi]) * 1000
-        p = statistics.median(times["plain"][lo:hi]) * 1000
-        print(f"| {lo + 1}-{hi} | {statistics.mean(shares[lo:hi]):.1%} | {u:.1f} | {p:.1f} | {u / p:.2f} |")
+        u, p, c = (statistics.median(times[name][lo:hi]) * 1000 for name in ("undoable", "plain", "late clip"))
+        print(f"| {lo + 1}-{hi} | {statistics.mean(shares[lo:hi]):.1%} | {u:.1f} | {p:.1f} | {u / p:.2f} | {c:.1f} "
+              f"| {c / p:.2f} |")
     if not same:
         sys.exit("the undoable and plain runs differ")
 

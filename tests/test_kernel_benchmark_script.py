@@ -292,6 +292,15 @@ def test_snapshot_budget_script_runs():
     assert all(float(c[6]) <= 1e-5 for c in cells)
 
 
+def test_flagged_chunks_script_runs():
+    """``benchmarks/flagged_chunks.py --smoke``: a row per phase, every time and ratio a number; the undoable and
+    plain runs took the same steps (the script exits 1 otherwise)."""
+    rows = _table_rows("flagged_chunks.py", ["--smoke"], ("| 2-", "| 3-"))
+    assert [row.split(" | ")[0] for row in rows] == ["| 2-2", "| 3-4", "| 2-4"]
+    for row in rows:
+        assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){5}", row), row
+
+
 def test_host_overhead_script_runs():
     """``benchmarks/host_overhead.py --smoke``: every variant prints its time per call and per tensor."""
     rows = _table_rows("host_overhead.py", ["--smoke"], ("| torch", "| sofx"))
