@@ -1,0 +1,137 @@
+"""Whether every rank passed the same: a digest all-reduced, and where they differ, what differs.
+
+:func:`_agree` compares named entries (the setup, :mod:`sofx.distributed.setup`;
+a shard's leaves and owners, :func:`sofx.distributed.shard_blocks`);
+:func:`_check_same_layout` compares the trees a packed collective sends
+(structure, ``None`` leaves, dtypes, shapes, owners). Both take part as a rank
+that refuses where this rank's own input failed its checks, and raise on every
+rank, before any data moves.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.distributed.groups import dist
+from sofx.errors import SofxError
+
+
+@functools.lru_cache(maxsize=256)
+def _structure_digest(spec: tree.TreeSpec) -> bytes:
+    """A digest of a tree structure (its leaf paths), memoized: a loop passes the same structure every step."""
+    return hashlib.blake2b("\n".join(tree.leaf_paths(spec)).encode(), digest_size=16).digest()
+
+
+def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[Any, ...]]:
+    """What must agree between ranks for a packed collective: the structure and every leaf's dtype and shape
+    (``None`` where a leaf has no tensor)."""
+    return _structure_digest(spec), tuple((x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else None
+                                          for x in leaves)
+
+
+def _digests_agree(text: str, group: Any, dev: torch.device) -> bool:
+    """Whether every rank of ``group`` passed the same ``text``: one all-reduce (MAX) of two int64, a 56-bit
+    digest of it and minus that digest (the max and minus the min agree exactly where every digest does)."""
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    return int(bounds[0]) == digest and -int(bounds[1]) == digest
+
+
+def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, refused: SofxError | None,
+           hint: str) -> None:
+    """Raise on every rank of ``group`` unless every rank passed the same ``entries`` (name -> text: a leaf
+    path and its dtype and shape, a setting and its value) and none refused; the setup's agreement.
+
+    ``refused``: this rank's own check of its input failed; it still takes part (the others would wait for it),
+    then raises that error, and every other rank says which rank refused what. One all-reduce of a digest
+    (:func:`_digests_agree`); only where they differ an ``all_gather_object`` of the entries, to name the first
+    entry that differs with every rank's value (``absent``: a rank without that entry)."""
+    if _digests_agree(repr((sorted(entries.items()), refused is None)), group, dev):
+        if refused is not None:  # every rank refused its input
+            raise refused
+        return
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (entries, None if refused is None else str(refused)), group=group)
+    if refused is not None:
+        raise refused
+    refusing = [(r, text) for r, (_, text) in enumerate(gathered) if text is not None]
+    if refusing:
+        ranks = ", ".join(str(r) for r, _ in refusing)
+        raise SofxError(f"{what}: rank{'s' if len(refusing) > 1 else ''} {ranks} refused its input "
+                        f"({refusing[0][1]}); nothing was set up")
+    position: dict[str, int] = {}  # an entry's latest place in any rank's order: a leaf that only one rank has
+    for theirs, _ in gathered:     # comes before the entries that follow the leaves (owners, say)
+        for i, name in enumerate(theirs):
+            position[name] = max(i, position.get(name, i))
+    differ = sorted((n for n in position if len({theirs.get(n) for theirs, _ in gathered}) > 1),
+                    key=position.__getitem__)
+    values: dict[str | None, list[int]] = {}
+    for r, (theirs, _) in enumerate(gathered):
+        values.setdefault(theirs.get(differ[0]), []).append(r)
+    said = "; ".join(f"{'absent' if v is None else _shortened(v)} on rank{'s' if len(rs) > 1 else ''} "
+                     f"{', '.join(map(str, rs))}" for v, rs in values.items())
+    more = "" if len(differ) == 1 else (f" (and {len(differ) - 1} more: {', '.join(differ[1:4])}"
+                                        f"{', ...' if len(differ) > 4 else ''})")
+    raise SofxError(f"{what}: {differ[0]} differs between ranks: {said}{more}; {hint}")
+
+
+def _shortened(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
+                       dev: torch.device, refused: SofxError | None = None, owners: tuple[int, ...] = ()) -> None:
+    """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
+    are ``None``, or in a leaf's dtype or shape, or their shards in a leaf's owner (``owners``, one per leaf;
+    empty without a shard): the packed buffers would otherwise be summed or sent element by element between
+    unrelated leaves (silently, when the totals agree), reduced onto or broadcast from different ranks (a
+    leaf swapped with another), or break inside the backend. (A shard of another rank or world size than the
+    group's is its rank's refusal: :meth:`Shard._check_group`.) One all-reduce of two int64 (a digest of the
+    layout: its max and minus its min); only when they differ does an ``all_gather_object`` fetch the layouts
+    to name the first leaf that differs.
+
+    ``refused``: this rank's own check of its input failed (a gradient that is not floating point, a tree of
+    another structure than the shard's): it still takes part, so that the others do not wait in the
+    collective for it; it raises that error, and every other rank says which rank refused what."""
+    mine = _layout(spec, leaves)
+    if _digests_agree(repr((mine, owners, refused is None)), group, dev):
+        if refused is not None:  # every rank refused its input
+            raise refused
+        return
+    paths = tree.leaf_paths(spec, root)
+    layouts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, (paths, mine[1], owners, None if refused is None else str(refused)),
+                           group=group)
+    if refused is not None:
+        raise refused
+    me = dist.get_rank(group)
+    first_refusal = next(((r, text) for r, (*_, text) in enumerate(layouts) if text is not None), None)
+    if first_refusal is not None:
+        r, text = first_refusal
+        raise SofxError(f"{what}: rank {r} refused its input ({text}); no data was sent")
+    for r, (other_paths, other, other_owners, _) in enumerate(layouts):
+        if r == me or (other_paths, other, other_owners) == (paths, mine[1], owners):
+            continue
+        if other_paths != paths:
+            theirs, ours = sorted(set(other_paths) - set(paths)), sorted(set(paths) - set(other_paths))
+            raise SofxError(f"{what}: the {root} tree of rank {r} has another structure than rank {me}'s "
+                            f"(only on rank {r}: {theirs[:3]}; only on rank {me}: {ours[:3]})")
+        if other_owners != owners:
+            i = next(i for i, (a, b) in enumerate(zip(owners, other_owners)) if a != b)
+            raise SofxError(f"{what}: {paths[i]} is owned by rank {other_owners[i]} in rank {r}'s shard, by rank "
+                            f"{owners[i]} in rank {me}'s; every rank must build its Shard with the same owners "
+                            "(shard_blocks with the same params sizes, or the same owners=)")
+        i = next(i for i, (a, b) in enumerate(zip(mine[1], other)) if a != b)
+
+        def said(x: Any) -> str:
+            return "no tensor" if x is None else f"{x[0]} {x[1]}"
+
+        raise SofxError(f"{what}: {paths[i]} is {said(other[i])} on rank {r}, {said(mine[1][i])} on rank {me}; "
+                        "every rank must pass the same structure, dtypes and shapes")
+    raise SofxError(f"{what}: the ranks' {root} trees differ (their digests do)")

@@ -1,0 +1,66 @@
+"""Process groups: whether collectives can run here, a group's rank and size, where its buffers live.
+
+The bottom of :mod:`sofx.distributed`: ``dist`` (``torch.distributed``, or
+``None`` in a build of torch without it) and the checks every collective
+makes first (:func:`require_initialized`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sofx.errors import SofxError
+
+__all__ = ["is_ready", "require_initialized", "group_rank", "group_size"]
+
+
+try:  # a build of torch without distributed support still imports sofx
+    import torch.distributed as dist
+except ImportError:  # pragma: no cover - every supported build has it
+    dist = None  # type: ignore[assignment]
+
+
+def is_ready() -> bool:
+    """``True`` when ``torch.distributed`` is available and a default process group is initialized."""
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def require_initialized(group: Any = None, what: str = "sofx.distributed") -> None:
+    """Raise :class:`SofxError` unless collectives on ``group`` can run in this process."""
+    if dist is None or not dist.is_available():
+        raise SofxError(f"{what}: this build of torch has no torch.distributed support")
+    if not dist.is_initialized():
+        single = " (or pass reduce_sumsq=None for a single process)" if what == "all_reduce_sumsq" else ""
+        raise SofxError(f"{what}: torch.distributed is not initialized; call "
+                        f"torch.distributed.init_process_group(...) on every rank first{single}")
+    if group is not None and dist.get_rank(group) < 0:
+        raise SofxError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given "
+                        "process group")
+
+
+def group_rank(group: Any = None) -> int:
+    """This process's rank within ``group``."""
+    require_initialized(group)
+    return dist.get_rank(group)
+
+
+def group_size(group: Any = None) -> int:
+    """The number of ranks in ``group``."""
+    require_initialized(group)
+    return dist.get_world_size(group)
+
+
+def _collective_device(group: Any, device: torch.device | str | None) -> torch.device:
+    """Where the collectives' buffers live: ``device``, else CUDA for NCCL groups, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (the ``src`` that ``broadcast`` expects)."""
+    return rank if group is None else dist.get_global_rank(group, rank)

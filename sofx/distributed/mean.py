@@ -1,0 +1,112 @@
+"""The gradient mean across ranks: :func:`all_reduce_mean_`, and the summands and mean it (and
+:meth:`sofx.distributed.Shard.reduce_mean`) reduce with (fp16 and bf16 in float32, divided first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sofx import tree
+from sofx.distributed.agreement import _check_same_layout
+from sofx.distributed.groups import _collective_device, dist, require_initialized
+from sofx.distributed.refusals import _check_floating_tensors, _check_keywords, _check_writable
+from sofx.errors import SofxError
+
+__all__ = ["all_reduce_mean_"]
+
+
+def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True, **unknown: Any) -> Any:
+    """Average a gradient pytree across ranks, in place: ``g <- (sum_r g_r) / world_size``; returns ``grads``.
+
+    Leaves of one dtype and device are packed into one flat buffer, summed by
+    one ``all_reduce(SUM)`` and divided by the world size once (the division is
+    exact for a power-of-two world size). fp16 and bf16 leaves are summed in
+    float32, each divided by the world size first, and rounded back once:
+    ``g <- cast(sum_r fp32(g_r) / world_size)``, finite wherever every ``g_r``
+    is (in fp16, two gradients of 40000 would sum to inf). ``None`` leaves (no
+    gradient) are left out and must be ``None`` on every rank, in the same
+    structure (checked first by one all-reduce of 16 bytes,
+    ``check_layout=False`` skips it: where they differ every rank raises naming
+    the first leaf, before any gradient moves; a rank whose own gradients are
+    refused, not tensors, not floating point, or not writable in place
+    (elements that overlap in memory, as an ``expand()``-ed tensor's; a leaf
+    that requires grad, or a view of one; an inference tensor), raises that
+    error and every other rank names it, before any gradient is written: none
+    waits in a collective for a rank that left; with ``check_layout=False`` a
+    rank raises alone, and the others wait for it until the group's timeout). A
+    non-finite element on any rank makes the same element non-finite on every
+    rank, so the overflow check skips the step everywhere. Every rank gets the
+    same bits (gloo's and NCCL's all-reduce reduce each element once and send
+    the result to every rank -- what ``DistributedDataParallel`` relies on; the
+    tests check it on 2 and 3 ranks), so replicated parameters stay bitwise
+    identical. With two ranks the sum ``g_0 + g_1`` is exactly what one
+    process computes (for fp16/bf16: ``cast((fp32(g_0) + fp32(g_1)) / 2)``);
+    with more, the order of the additions is the backend's. A keyword it
+    does not take is refused as the rank's own input too (a ``TypeError``
+    at the call would leave the other ranks waiting).
+    """
+    require_initialized(group, "all_reduce_mean_")
+    world = dist.get_world_size(group)
+    leaves, spec = tree.flatten(grads)  # None leaves: empty subtrees, left out
+    refused = None
+    try:
+        _check_keywords("all_reduce_mean_", unknown, ("check_layout",))
+        paths = tree.leaf_paths(spec, "grads")
+        _check_floating_tensors("all_reduce_mean_", paths, leaves)
+        _check_writable("all_reduce_mean_", paths, leaves)
+    except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
+        refused = e
+    if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
+        with_none, spec_with_none = tree.flatten(grads, is_leaf=lambda x: x is None)  # to name a None leaf
+        _check_same_layout("all_reduce_mean_", spec_with_none, with_none, "grads", group,
+                           _collective_device(group, None), refused)
+    elif refused is not None:
+        raise refused
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in leaves:
+        buckets.setdefault((g.dtype, g.device), []).append(g)
+    for (dtype, _), group_leaves in buckets.items():
+        flat = _summands(torch.cat([g.reshape(-1) for g in group_leaves]), world)
+        if flat.numel() == 0:
+            continue
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = _mean_from_sum(flat, world, dtype)
+        offset = 0
+        for g in group_leaves:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+    return grads
+
+
+def _summands(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """What this rank adds to the sum over ranks of a bucket of gradients ``flat`` (a buffer of its own, which
+    the collective overwrites).
+
+    float32 and wider: ``flat`` itself; the mean is then ``(sum_r g_r) / world``
+    (:func:`_mean_from_sum`). Narrower (fp16, bf16): a float32 copy divided by
+    ``world`` first, as ``DistributedDataParallel`` divides before its
+    all-reduce, so the mean is ``cast(sum_r (fp32(g_r) / world))``. Summed in
+    fp16, two finite gradients of 40000 make inf (fp16's largest is 65504)
+    though their mean is finite; in float32, pre-divided, the sum of finite
+    values is at most ``max_r |g_r| * (1 + 2^-24)`` (one rounding per
+    division, exact for a power-of-two world size), below float32's largest
+    and, cast back, never beyond the gradients' own largest finite value
+    (bf16's is below float32's by far more than that rounding). An inf or nan
+    stays one (``inf / w = inf``, ``inf + x = inf``, ``nan + x = nan``), so
+    overflow detection sees it. The float32 sum is also more accurate than
+    an fp16 or bf16 one (the gradients travel as float32: twice the bytes).
+    """
+    if flat.dtype.itemsize >= 4:
+        return flat
+    wide = flat.to(torch.float32)
+    return wide.div_(world) if world != 1 else wide
+
+
+def _mean_from_sum(total: torch.Tensor, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mean from the sum over ranks of :func:`_summands` (``total``, written in place): divided by ``world``
+    where the gradients' ``dtype`` is float32 or wider, else (pre-divided) rounded back to ``dtype`` once."""
+    if dtype.itemsize >= 4:
+        return total.div_(world) if world != 1 else total
+    return total.to(dtype)

@@ -1,0 +1,136 @@
+"""The setup's agreement: every rank set up the same (params, optimizer, loss scaler, config, hparams).
+
+:func:`check_same_setup`, and the entries (name -> text) it and
+:func:`sofx.distributed.all_reduce_sumsq` compare by :func:`~sofx.distributed.agreement._agree`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.distributed.agreement import _agree
+from sofx.distributed.groups import _collective_device, require_initialized
+from sofx.distributed.refusals import _as_refusal, _check_keywords
+from sofx.errors import SofxError
+
+__all__ = ["check_same_setup"]
+
+
+_SETUP_KEYWORDS = ("params", "opt", "scaler", "config", "hparams", "settings")
+
+
+def _setup_hint(*more: str) -> str:
+    """What a setup's error asks for: the same of everything it compared, on every rank."""
+    compared = ("params' structure, dtypes and shapes", "optimizer", "loss scaler", "speculation config", "hparams",
+                "settings", *more)
+    return f"every rank must be set up the same ({'; '.join(compared)})"
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, scaler: Any = None,
+                     config: Any = None, hparams: Any = None, settings: Mapping[str, Any] | None = None,
+                     **unknown: Any) -> None:
+    """Raise on every rank of ``group`` unless every rank passed the same setup: a collective, at setup.
+
+    ``params``: the full params tree (structure, dtypes and shapes are
+    compared, not values); ``opt``: the optimizer (its static configuration
+    and kernel backend, by ``repr``); ``scaler``: the loss scaler (its
+    settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
+    ``hparams``: the full hparams (an ``AdamHParams`` prefix tree, not a
+    rank's :meth:`Shard.local_hparams`), or a schedule of them, compared by
+    its fields (a dataclass) or ``repr`` and by its value at step 0;
+    ``settings``: anything else that must agree (``{"max_norm": 1.0,
+    "profile": "torch"}`` for the serial loop, say). Dataclasses,
+    NamedTuples, dicts, lists and tuples are compared field by field; floats
+    and one-element tensors by their exact value; anything else by ``repr``
+    (object addresses left out). A keyword left ``None`` is not compared, but
+    a rank that passes it where another does not differs.
+
+    One all-reduce of 16 bytes (a digest); where the ranks differ, every rank
+    raises naming the first entry that differs (``config.max_norm``,
+    ``params['w']``, ``hparams(0)['head'].lr``) with each rank's value; where
+    a rank refuses its own input (an unknown keyword, a schedule that raises
+    at step 0), it raises its error and every other rank names it. Without
+    the check such ranks step side by side, differently, and their gathered
+    results silently mix. (:func:`all_reduce_sumsq` takes the same keywords
+    and checks them as it builds the hook; :func:`shard_blocks` checks the
+    params of a shard.)
+    """
+    require_initialized(group, "check_same_setup")
+    _agree_setup("check_same_setup", group, _SETUP_KEYWORDS, unknown,
+                 lambda: _setup_entries(params, opt, scaler, config, hparams, settings), _setup_hint())
+
+
+def _agree_setup(what: str, group: Any, known: Sequence[str], unknown: dict[str, Any],
+                 entries: Callable[[], dict[str, str]], hint: str) -> None:
+    """:func:`_agree` on ``entries()``, where an unknown keyword or a failure of ``entries`` is this rank's
+    refusal."""
+    refused, mine = None, {}
+    try:
+        _check_keywords(what, unknown, known)
+        mine = entries()
+    except Exception as e:  # told to the other ranks by the agreement, which they are waiting in
+        refused = _as_refusal(what, e)
+    _agree(what, mine, group, _collective_device(group, None), refused, hint)
+
+
+def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any,
+                   settings: Mapping[str, Any] | None) -> dict[str, str]:
+    """The setup as entries (name -> text) that are equal on every rank where the setup is."""
+    out: dict[str, str] = {}
+    if params is not None:
+        leaves, spec = tree.flatten(params)
+        for path, x in zip(tree.leaf_paths(spec), leaves):
+            out[path] = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else _text(x)
+    for name, value in (("opt", opt), ("scaler", scaler), ("config", config), ("hparams", hparams)):
+        if value is not None:
+            _entries(name, value, out)
+    if callable(hparams):
+        _entries("hparams(0)", hparams(0), out)
+    if settings is not None:
+        if not isinstance(settings, Mapping):
+            raise SofxError(f"settings is a {type(settings).__name__}; expected a mapping of names to settings")
+        _entries("settings", dict(settings), out)
+    return out
+
+
+def _entries(path: str, x: Any, out: dict[str, str], depth: int = 0) -> None:
+    """``x`` as ``out[path] = text``, and one entry per compared field of a dataclass or NamedTuple and per item
+    of a dict, list or tuple (so that a message names the field that differs, ``config.max_norm``)."""
+    items = _items(x) if depth < 8 else None
+    if items is None:
+        out[path] = _text(x)
+        return
+    out[path] = type(x).__qualname__
+    for suffix, value in items:
+        _entries(path + suffix, value, out, depth + 1)
+
+
+def _items(x: Any) -> list[tuple[str, Any]] | None:
+    """The named parts of a container or record ``x`` (``None`` for anything else)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x) if f.compare]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return [(f".{name}", value) for name, value in zip(x._fields, x)]
+    if isinstance(x, Mapping):
+        return [(f"[{k!r}]", x[k]) for k in sorted(x, key=repr)]
+    if isinstance(x, (list, tuple)):
+        return [(f"[{i}]", value) for i, value in enumerate(x)]
+    return None
+
+
+def _text(x: Any) -> str:
+    """``x`` as text that is the same on every rank where ``x`` is: a one-element tensor by its exact value,
+    another by its dtype and shape, anything else by ``repr`` without object addresses (floats are exact)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 1 and x.layout == torch.strided and not x.is_meta:
+            return f"tensor({x.item()!r}, dtype={x.dtype})"
+        return f"tensor of {x.dtype} {tuple(x.shape)}"
+    return _ADDRESS.sub("", repr(x))

@@ -1,0 +1,317 @@
+"""Block sharding (ZeRO-style): which rank owns which leaf, its local leaves, the gradient mean onto the
+owners and the gather of the updated leaves from them.
+
+:func:`partition_blocks` (the default owners), :class:`Shard`, and
+:func:`shard_blocks`, which builds a rank's shard and checks that the ranks'
+shards agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from sofx import tree
+from sofx.distributed.agreement import _agree, _check_same_layout
+from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
+from sofx.distributed.mean import _mean_from_sum, _summands
+from sofx.distributed.refusals import _as_refusal, _check_keywords, _no_data
+from sofx.errors import SofxError
+from sofx.kernels.user_numbers import as_integer, integer
+
+__all__ = ["partition_blocks", "Shard", "shard_blocks"]
+
+
+def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """The owner rank of every block: contiguous runs of blocks, balanced by element count.
+
+    Block ``i`` (of ``sizes[i]`` elements) goes to rank
+    ``min(world_size - 1, floor(world_size * c_i / N))`` with ``c_i`` the number
+    of elements before the block's midpoint and ``N`` the total; owners never
+    decrease with ``i``. A rank may own no block (more ranks than blocks).
+    """
+    world_size = integer("partition_blocks: world_size", world_size, 1, SofxError)  # numpy's too, as an int
+    # Python ints (numpy's too): int() truncated a float size (sizes [2.5, 1.9] balanced as [2, 1])
+    sizes = [integer(f"partition_blocks: sizes[{i}]", s, 0, SofxError) for i, s in enumerate(sizes)]
+    total = sum(sizes)
+    if total == 0:  # nothing to balance: split by count
+        n = len(sizes)
+        return tuple(min(world_size - 1, (i * world_size) // max(n, 1)) for i in range(n))
+    owners = []
+    before = 0
+    for s in sizes:
+        mid2 = 2 * before + s  # twice the element offset of the block's midpoint
+        owners.append(min(world_size - 1, (world_size * mid2) // (2 * total)))
+        before += s
+    return tuple(owners)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which leaves (blocks) of a params pytree this rank owns.
+
+    ``owners[i]`` is the rank (within the group) owning leaf ``i`` of ``spec``,
+    leaves numbered in :func:`sofx.tree.flatten` order (dict keys sorted).
+    A rank's local tree is the list of its owned leaves in leaf order
+    (:meth:`local`, or :meth:`reduce_mean` for data-parallel gradients); run
+    the loops on it and gather with :meth:`gather`. Every rank must build its
+    ``Shard`` from a params tree of the same structure and shapes, with the
+    same owners (:meth:`gather` and :meth:`reduce_mean` check it first, with
+    the layout). Immutable; build one with :func:`shard_blocks`.
+    """
+
+    rank: int
+    world_size: int
+    owners: tuple[int, ...]
+    spec: tree.TreeSpec
+
+    def __post_init__(self) -> None:
+        # Python ints (numpy's too): a float rank or world size was taken (0.5 as rank 0 by shard_blocks' int())
+        world_size = integer("Shard: world_size", self.world_size, 1, SofxError)
+        rank = integer("Shard: rank", self.rank, 0, SofxError)
+        if not rank < world_size:
+            raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if len(self.owners) != self.spec.num_leaves:
+            raise SofxError(f"owners has {len(self.owners)} entries, the params tree has {self.spec.num_leaves} leaves")
+        owners = [as_integer(o) for o in self.owners]
+        bad = [o for o, r in zip(self.owners, owners) if r is None or not 0 <= r < world_size]
+        if bad:
+            raise SofxError(f"owners must be ranks in [0, {self.world_size}), got {bad[0]!r}")
+        # one form on every rank (a list or a tuple of the same ranks describe the same shard: the ranks compare
+        # their owners in the layout check)
+        for name, value in (("rank", rank), ("world_size", world_size), ("owners", tuple(owners))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def owned(self) -> tuple[int, ...]:
+        """The leaf indices this rank owns, in leaf order."""
+        return tuple(i for i, o in enumerate(self.owners) if o == self.rank)
+
+    def owned_by(self, rank: int) -> tuple[int, ...]:
+        """The leaf indices rank ``rank`` owns."""
+        return tuple(i for i, o in enumerate(self.owners) if o == rank)
+
+    def local(self, full: Any, what: str = "tree") -> list[Any]:
+        """This rank's leaves of ``full`` (a tree of the params' structure; ``None`` leaves allowed)."""
+        leaves = tree.flatten_up_to(self.spec, full, what)
+        return [leaves[i] for i in self.owned]
+
+    def local_hparams(self, opt: Any, hparams: Any) -> Any:
+        """This rank's per-leaf hparams: a list of complete ``AdamHParams`` for the local leaves.
+
+        ``hparams`` is an ``AdamHParams`` prefix tree of the full params (or
+        ``None``), or a schedule ``step -> hparams``, which gives a schedule.
+        """
+        if callable(hparams):
+            return lambda step: self.local_hparams(opt, hparams(step))
+        per_leaf = opt.resolve_hparams(hparams, self.spec)
+        return [per_leaf[i] for i in self.owned]
+
+    def _check_group(self, group: Any, what: str) -> None:
+        """Refuse a shard built for another rank or world size than ``group`` gives this process (a hand-built
+        :class:`Shard`, or one built for another group); ``torch.distributed`` is initialized (checked before)."""
+        if dist.get_world_size(group) != self.world_size or dist.get_rank(group) != self.rank:
+            raise SofxError(f"{what}: the shard is rank {self.rank} of {self.world_size}, the group has this "
+                            f"process as rank {dist.get_rank(group)} of {dist.get_world_size(group)}")
+
+    def _gather_inputs(self, local: list[Any], like: Any) -> list[Any]:
+        """``like``'s leaves (the templates), checked against this rank's ``local`` leaves."""
+        owned = self.owned
+        if len(local) != len(owned):
+            raise SofxError(f"Shard.gather: {len(local)} local leaves, rank {self.rank} owns {len(owned)}")
+        templates = tree.flatten_up_to(self.spec, like, "like")
+        for path, t in zip(tree.leaf_paths(self.spec, "like"), templates):
+            if not isinstance(t, torch.Tensor):
+                raise SofxError(f"Shard.gather: {path} is {type(t).__name__}; like's leaves must be tensors (meta "
+                                "tensors will do) giving each leaf's shape and dtype")
+        paths = tree.leaf_paths(self.spec)
+        for i, x in zip(owned, local):
+            t = templates[i]
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
+            why = _no_data(x)
+            if why is not None:
+                raise SofxError(f"Shard.gather: this rank's local leaf for {paths[i]} is {why}; the owner sends "
+                                "its leaves' data (only like's leaves may be meta tensors)")
+        return templates
+
+    def _reduce_inputs(self, grads: Any) -> list[Any]:
+        """``grads``' leaves in the shard's structure, checked: dense tensors of a floating-point dtype, or None."""
+        g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
+        for i, g in enumerate(g_leaves):
+            if g is not None and (not isinstance(g, torch.Tensor) or not g.is_floating_point()):
+                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
+            if g is not None and g.layout != torch.strided:
+                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a dense (strided) tensor, got {g.layout}")
+            if g is not None and g.is_meta:
+                raise SofxError(f"Shard.reduce_mean: {tree.leaf_paths(self.spec, 'grads')[i]} is a meta tensor, "
+                                "without data to average")
+        return g_leaves
+
+    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
+               check_layout: bool = True, **unknown: Any) -> Any:
+        """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
+
+        ``local``: this rank's leaves (as :meth:`local` orders them, e.g. the
+        ``params``, ``opt_state.mu`` or ``opt_state.count`` of a loop state).
+        ``like``: a tree of the full structure whose leaves give each leaf's
+        shape and dtype (meta tensors are fine). The leaves of one owner and
+        dtype travel as one flat buffer: one broadcast per (owner, dtype).
+        Every rank of ``group`` must call it, with ``like`` of the same dtypes and
+        shapes (checked first, as in :func:`all_reduce_mean_`). The returned leaves are
+        non-overlapping views of those buffers, bit-identical to the owners'.
+        """
+        require_initialized(group, "Shard.gather")
+        refused = None
+        try:
+            _check_keywords("Shard.gather", unknown, ("check_layout",))
+            self._check_group(group, "Shard.gather")
+            local = list(local)  # (a TypeError for None: refused below, as the checks' errors)
+            templates = self._gather_inputs(local, like)
+        except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
+            if not check_layout:
+                raise
+            refused, templates = _as_refusal("Shard.gather", e), [None] * self.spec.num_leaves
+        mine = dict(zip(self.owned, local)) if refused is None else {}
+        dev = _collective_device(group, None)
+        if check_layout:
+            _check_same_layout("Shard.gather", self.spec, templates, "like", group, dev, refused, self.owners)
+        out: list[Any] = [None] * len(templates)
+        for (owner, dtype), leaves in _buckets(self.owners, templates).items():
+            sizes = [math.prod(templates[i].shape) for i in leaves]
+            if owner == self.rank:
+                flat = torch.cat([mine[i].detach().reshape(-1).to(dev) for i in leaves])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
+            if flat.numel():
+                dist.broadcast(flat, src=_global_rank(group, owner), group=group)
+            for i, part in zip(leaves, flat.split(sizes)):
+                out[i] = part.view(templates[i].shape)
+        return tree.unflatten(self.spec, out)
+
+    def reduce_mean(self, grads: Any, group: Any = None, *, check_layout: bool = True,
+                    **unknown: Any) -> list[Any]:
+        """Data parallel + sharding: every leaf's gradient averaged onto its owner only.
+
+        ``grads``: this rank's full gradient tree (``None`` leaves: no
+        gradient, the same on every rank). Returns this rank's local gradient
+        list, ``g_i = (sum_r g_{r,i}) / world_size`` for each owned leaf ``i``
+        (``None`` where the leaf had none): the reduce-scatter of ZeRO-2, one
+        ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient (fp16
+        and bf16 ones in float32, divided first, as in :func:`all_reduce_mean_`).
+        ``grads`` is not modified. Non-finite elements reach the owner (and,
+        through :func:`all_reduce_sumsq`, every rank). The ranks' trees must
+        agree in structure, ``None`` leaves, dtypes and shapes (checked first,
+        as in :func:`all_reduce_mean_`).
+        """
+        require_initialized(group, "Shard.reduce_mean")
+        refused = None
+        try:
+            _check_keywords("Shard.reduce_mean", unknown, ("check_layout",))
+            self._check_group(group, "Shard.reduce_mean")
+            g_leaves = self._reduce_inputs(grads)
+        except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
+            if not check_layout:
+                raise
+            refused, g_leaves = _as_refusal("Shard.reduce_mean", e), [None] * self.spec.num_leaves
+        present = [i for i, g in enumerate(g_leaves) if g is not None]
+        dev = _collective_device(group, None)
+        if check_layout:
+            _check_same_layout("Shard.reduce_mean", self.spec, g_leaves, "grads", group, dev, refused,
+                               self.owners)
+        world = self.world_size
+        result: dict[int, torch.Tensor] = {}
+        owners = [self.owners[i] for i in present]
+        for (owner, dtype), idx in _buckets(owners, [g_leaves[i] for i in present]).items():
+            leaves = [present[j] for j in idx]
+            sizes = [g_leaves[i].numel() for i in leaves]
+            flat = _summands(torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves]), world)
+            if flat.numel():
+                dist.reduce(flat, dst=_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
+            if owner == self.rank:
+                flat = _mean_from_sum(flat, world, dtype)
+                for i, part in zip(leaves, flat.split(sizes)):
+                    result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
+        return [result.get(i) for i in self.owned]
+
+
+def _buckets(owners: Sequence[int], templates: Sequence[Any]) -> dict[tuple[int, torch.dtype], list[int]]:
+    """Positions grouped by (owner, dtype), in a fixed order (owner, then first position) on every rank."""
+    out: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, (owner, t) in enumerate(zip(owners, templates)):
+        out.setdefault((owner, t.dtype), []).append(i)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[1][0])))
+
+
+def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None = None,
+                 rank: int | None = None, world_size: int | None = None, **unknown: Any) -> Shard:
+    """The :class:`Shard` of this rank for the full ``params`` tree.
+
+    ``owners``: the owner rank of every leaf (default:
+    :func:`partition_blocks` of the leaves' sizes). ``rank``/``world_size``
+    default to ``group``'s (then ``torch.distributed`` must be initialized);
+    pass both to describe a shard without a process group.
+
+    With ``group``'s rank and world size it is a collective, every rank calls
+    it at setup: the ranks check (one all-reduce of 16 bytes) that their
+    params agree in structure, dtypes and shapes and their shards in owners.
+    Where not, or where a rank refuses its own input (a leaf that is not a
+    tensor, bad owners, an unknown keyword), every rank raises naming the
+    rank, or the first leaf that differs with each rank's dtype and shape.
+    Unchecked, such shards step leaves of other shapes, or other leaves, side
+    by side until a gather finds it (or, without one, never).
+    """
+    if (rank is not None and world_size is not None) or not is_ready():  # no process group to agree with
+        _check_keywords("shard_blocks", unknown, _SHARD_KEYWORDS)
+        if rank is None or world_size is None:
+            if rank is not None or world_size is not None:
+                raise SofxError("shard_blocks: pass both rank and world_size, or neither")
+            require_initialized(group, "shard_blocks")
+        return _build_shard(params, owners, rank, world_size)
+    require_initialized(group, "shard_blocks")
+    refused, shard = None, None
+    try:
+        _check_keywords("shard_blocks", unknown, _SHARD_KEYWORDS)
+        if rank is not None or world_size is not None:
+            raise SofxError("shard_blocks: pass both rank and world_size, or neither")
+        shard = _build_shard(params, owners, dist.get_rank(group), dist.get_world_size(group))
+    except Exception as e:  # told to the other ranks by the agreement, which they are waiting in
+        refused = _as_refusal("shard_blocks", e)
+    entries = {} if shard is None else _shard_entries(shard, params)
+    _agree("shard_blocks", entries, group, _collective_device(group, None), refused,
+           "every rank must build its shard from params of the same structure, dtypes and shapes, with the "
+           "same owners")
+    return shard
+
+
+_SHARD_KEYWORDS = ("owners", "rank", "world_size")
+
+
+def _build_shard(params: Any, owners: Sequence[int] | None, rank: int, world_size: int) -> Shard:
+    """The shard of ``rank`` of ``world_size`` for ``params``, its leaves and ``owners`` checked."""
+    leaves, spec = tree.flatten(params)
+    for path, x in zip(tree.leaf_paths(spec), leaves):
+        if not isinstance(x, torch.Tensor):
+            raise SofxError(f"shard_blocks: {path} is a {type(x).__name__}; expected a tensor (a meta tensor "
+                            "describes a leaf without its data)")
+    # checked before they are used (int() took rank=0.5 as 0, world_size="2" as 2)
+    world_size = integer("shard_blocks: world_size", world_size, 1, SofxError)
+    rank = integer("shard_blocks: rank", rank, 0, SofxError)
+    if owners is None:
+        owners = partition_blocks([math.prod(x.shape) for x in leaves], world_size)
+    bad = [o for o in owners if as_integer(o) is None]
+    if bad:
+        raise SofxError(f"shard_blocks: owners must be ranks (ints), got {bad[0]!r}")
+    return Shard(rank, world_size, tuple(owners), spec)
+
+
+def _shard_entries(shard: Shard, params: Any) -> dict[str, str]:
+    """What the ranks' shards must agree in: every leaf's path with its dtype and shape, and the owners."""
+    leaves = tree.flatten(params)[0]
+    entries = {path: f"{x.dtype} {tuple(x.shape)}" for path, x in zip(tree.leaf_paths(shard.spec), leaves)}
+    entries["owners"] = repr(shard.owners)
+    return entries
