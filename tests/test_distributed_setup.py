@@ -13,6 +13,7 @@ fails the test instead of blocking it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from helpers import refused_on_every_rank, run_gloo_cases
 
 BAD = 1
 HINT = "every rank must build its shard from params of the same structure, dtypes and shapes, with the same owners"
+ORDER = ("the ranks list the same leaves and settings in another order (an OrderedDict's leaves come in its keys' "
+         "order): in place 0, params['p'] on rank 0; params['q'] on rank 1")
 
 
 def _message(call) -> str:
@@ -49,12 +52,14 @@ def _params(rank: int, change: str = "") -> dict:
         params["r"] = torch.ones(1)
     elif change == "number":
         params["q"] = 1.0
+    elif change == "order":  # the same leaves in another order (a dict's are sorted, an OrderedDict's are not)
+        params = OrderedDict([("q", params["q"]), ("p", params["p"])])
     return params
 
 
 def _shard_blocks(rank: int) -> dict:
     out = {"same": _message(lambda: sd.shard_blocks(_params(rank)))}
-    for change in ("shape", "dtype", "leaf", "number"):
+    for change in ("shape", "dtype", "leaf", "number", "order"):
         out[change] = _message(lambda: sd.shard_blocks(_params(rank, change)))
     bad = rank == BAD
     out["owners"] = _message(lambda: sd.shard_blocks(_params(rank), owners=(1, 0) if bad else (0, 1)))
@@ -106,7 +111,8 @@ def _check_same_setup(rank: int) -> dict:
     return {"same": _message(lambda: sd.check_same_setup(**_setup(rank), settings={"max_norm": 1.0})),
             "settings": _message(lambda: sd.check_same_setup(settings={"max_norm": 2.0 if bad else 1.0})),
             "given on one rank": _message(lambda: sd.check_same_setup(settings={"max_norm": 1.0} if bad else None)),
-            "not a mapping": _message(lambda: sd.check_same_setup(settings=[1.0] if bad else {}))}
+            "not a mapping": _message(lambda: sd.check_same_setup(settings=[1.0] if bad else {})),
+            "order": _message(lambda: sd.check_same_setup(params=_params(rank, "order")))}
 
 
 CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup}
@@ -123,7 +129,8 @@ def test_shard_blocks_refuses_params_or_owners_that_differ_between_ranks(ranks):
             "dtype": "params['p'] differs between ranks: torch.float32 (3,) on rank 0; torch.float64 (3,) on rank 1",
             "leaf": "params['r'] differs between ranks: absent on rank 0; torch.float32 (1,) on rank 1 (and 1 more: "
                     "owners)",
-            "owners": "owners differs between ranks: (0, 1) on rank 0; (1, 0) on rank 1"}
+            "owners": "owners differs between ranks: (0, 1) on rank 0; (1, 0) on rank 1",
+            "order": ORDER}
     for res in ranks:
         assert res["shard_blocks"]["same"] == "no error"
         for key, msg in want.items():
@@ -176,5 +183,6 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
         assert got["given on one rank"].startswith("SofxError: check_same_setup: settings differs between ranks: "
                                                    "absent on rank 0; dict on rank 1 (and 1 more: "
                                                    "settings['max_norm'])"), got
+        assert got["order"].startswith(f"SofxError: check_same_setup: {ORDER}; every rank must be set up"), got
     refused_on_every_rank(ranks, BAD, "check_same_setup", "not a mapping",
                            "settings is a list; expected a mapping of names to settings")

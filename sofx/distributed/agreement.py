@@ -46,13 +46,15 @@ def _digests_agree(text: str, group: Any, dev: torch.device) -> bool:
 def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, refused: SofxError | None,
            hint: str) -> None:
     """Raise on every rank of ``group`` unless every rank passed the same ``entries`` (name -> text: a leaf
-    path and its dtype and shape, a setting and its value) and none refused; the setup's agreement.
+    path and its dtype and shape, a setting and its value), in the same order (a rank's leaf ``i`` is another
+    leaf where the orders differ), and none refused; the setup's agreement.
 
     ``refused``: this rank's own check of its input failed; it still takes part (the others would wait for it),
     then raises that error, and every other rank says which rank refused what. One all-reduce of a digest
     (:func:`_digests_agree`); only where they differ an ``all_gather_object`` of the entries, to name the first
-    entry that differs with every rank's value (``absent``: a rank without that entry)."""
-    if _digests_agree(repr((sorted(entries.items()), refused is None)), group, dev):
+    entry that differs with every rank's value (``absent``: a rank without that entry), or where none does, the
+    first place where their orders differ."""
+    if _digests_agree(repr((list(entries.items()), refused is None)), group, dev):
         if refused is not None:  # every rank refused its input
             raise refused
         return
@@ -71,14 +73,32 @@ def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, re
             position[name] = max(i, position.get(name, i))
     differ = sorted((n for n in position if len({theirs.get(n) for theirs, _ in gathered}) > 1),
                     key=position.__getitem__)
+    if not differ:  # the same entries on every rank, in another order
+        raise SofxError(_out_of_order(what, [list(theirs) for theirs, _ in gathered], hint))
     values: dict[str | None, list[int]] = {}
     for r, (theirs, _) in enumerate(gathered):
         values.setdefault(theirs.get(differ[0]), []).append(r)
-    said = "; ".join(f"{'absent' if v is None else _shortened(v)} on rank{'s' if len(rs) > 1 else ''} "
-                     f"{', '.join(map(str, rs))}" for v, rs in values.items())
     more = "" if len(differ) == 1 else (f" (and {len(differ) - 1} more: {', '.join(differ[1:4])}"
                                         f"{', ...' if len(differ) > 4 else ''})")
-    raise SofxError(f"{what}: {differ[0]} differs between ranks: {said}{more}; {hint}")
+    raise SofxError(f"{what}: {differ[0]} differs between ranks: {_ranks_said(values)}{more}; {hint}")
+
+
+def _ranks_said(values: dict[str | None, list[int]]) -> str:
+    """Each value with the ranks that have it (``values``: value -> ranks), ``"a on rank 0; b on ranks 1, 2"``
+    (``absent``: ``None``, a rank without the entry)."""
+    return "; ".join(f"{'absent' if v is None else _shortened(v)} on rank{'s' if len(rs) > 1 else ''} "
+                     f"{', '.join(map(str, rs))}" for v, rs in values.items())
+
+
+def _out_of_order(what: str, orders: list[list[str]], hint: str) -> str:
+    """The error for ranks with the same entries in other orders (``orders``: each rank's entry names): the
+    first place where they differ, with each rank's entry there."""
+    i = next(i for i, names in enumerate(zip(*orders)) if len(set(names)) > 1)
+    at: dict[str | None, list[int]] = {}
+    for r, order in enumerate(orders):
+        at.setdefault(order[i], []).append(r)
+    return (f"{what}: the ranks list the same leaves and settings in another order (an OrderedDict's leaves come "
+            f"in its keys' order): in place {i}, {_ranks_said(at)}; {hint}")
 
 
 def _shortened(text: str, limit: int = 300) -> str:
