@@ -186,3 +186,19 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
         assert got["order"].startswith(f"SofxError: check_same_setup: {ORDER}; every rank must be set up"), got
     refused_on_every_rank(ranks, BAD, "check_same_setup", "not a mapping",
                            "settings is a list; expected a mapping of names to settings")
+
+
+def test_equal_sets_in_a_setup_read_the_same():
+    """A set's repr lists its elements in the order of their hashes and of their insertion: equal sets built in
+    another order, or on another rank (Python salts a str's hash per process), read differently, and ranks that
+    passed the same setup were refused as different. Compared by their elements' texts, sorted."""
+    from sofx.distributed.setup import _setup_entries
+
+    def entries(value):
+        return _setup_entries(None, None, None, None, None, {"layers": value})
+
+    assert {0, 8} == {8, 0} and repr({0, 8}) != repr({8, 0})  # 8 and 0 share a slot: the first one takes it
+    assert entries({0, 8}) == entries({8, 0})
+    assert entries(frozenset({0, 8})) == entries(frozenset({8, 0}))
+    assert entries({0, 8})["settings['layers']"] == "set({0, 8})"
+    assert entries({0, 8}) != entries(frozenset({0, 8})) != entries({0, 9})

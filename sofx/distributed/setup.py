@@ -49,9 +49,10 @@ def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, 
     ``settings``: anything else that must agree (``{"max_norm": 1.0,
     "profile": "torch"}`` for the serial loop, say). Dataclasses,
     NamedTuples, dicts, lists and tuples are compared field by field; floats
-    and one-element tensors by their exact value; anything else by ``repr``
-    (object addresses left out). A keyword left ``None`` is not compared, but
-    a rank that passes it where another does not differs.
+    and one-element tensors by their exact value; sets by their elements,
+    sorted; anything else by ``repr`` (object addresses left out). A keyword
+    left ``None`` is not compared, but a rank that passes it where another
+    does not differs.
 
     One all-reduce of 16 bytes (a digest); where the ranks differ, every rank
     raises naming the first entry that differs (``config.max_norm``,
@@ -128,9 +129,13 @@ def _items(x: Any) -> list[tuple[str, Any]] | None:
 
 def _text(x: Any) -> str:
     """``x`` as text that is the same on every rank where ``x`` is: a one-element tensor by its exact value,
-    another by its dtype and shape, anything else by ``repr`` without object addresses (floats are exact)."""
+    another by its dtype and shape, a set by its elements' texts, sorted (its ``repr`` follows their hashes,
+    which Python salts per process for strings, and their insertion order), anything else by ``repr`` without
+    object addresses (floats are exact)."""
     if isinstance(x, torch.Tensor):
         if x.numel() == 1 and x.layout == torch.strided and not x.is_meta:
             return f"tensor({x.item()!r}, dtype={x.dtype})"
         return f"tensor of {x.dtype} {tuple(x.shape)}"
+    if isinstance(x, (set, frozenset)):
+        return f"{type(x).__name__}({{{', '.join(sorted(map(_text, x)))}}})"
     return _ADDRESS.sub("", repr(x))
