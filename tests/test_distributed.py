@@ -33,6 +33,7 @@ import datetime
 import math
 import os
 import re
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -248,7 +249,8 @@ def _run_collectives(rank: int, world: int) -> dict:
 
 def _layout_errors(rank: int) -> list[str]:
     """Trees that differ between ranks (a None leaf on one rank only; the same sizes in other shapes; another
-    dtype): every rank raises naming the leaf, nothing is summed, and the group works on afterwards."""
+    dtype; the same leaves in another order): every rank raises naming the leaf, nothing is summed, and the
+    group works on afterwards."""
     x = torch.arange(6.0) * (rank + 1)
     full = {"p": torch.ones(3), "q": torch.ones(4)}
     two = sd.shard_blocks(full, owners=(0, 1))  # rank 1 owns q
@@ -259,6 +261,7 @@ def _layout_errors(rank: int) -> list[str]:
             {"p": torch.ones(3), "q": None if rank == 1 else torch.ones(4)}),
         lambda: sd.shard_blocks({"p": torch.ones(3)}, owners=(0,)).gather(
             [torch.ones(3)] if rank == 0 else [], {"p": torch.ones(3, dtype=torch.float64 if rank else None)}),
+        lambda: sd.all_reduce_mean_(OrderedDict((k, torch.ones(3)) for k in ("ab" if rank == 1 else "ba"))),
         # rank 1's own input refused (before, rank 1 raised at once and the others waited in the collective):
         lambda: sd.all_reduce_mean_({"a": torch.ones(3, dtype=torch.int64 if rank == 1 else None)}),
         lambda: two.reduce_mean({"p": torch.ones(3), **({} if rank == 1 else {"q": torch.ones(4)})}),
@@ -603,6 +606,10 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
             assert "grads['a'] is" in msgs[1] and "(3, 2)" in msgs[1] and "(2, 3)" in msgs[1]
             assert "Shard.reduce_mean: grads['q']" in msgs[2]
             assert "Shard.gather: like['p']" in msgs[3] and "torch.float64" in msgs[3]
+            me, other = ranks.index(r), 0 if ranks.index(r) == 1 else 1
+            assert msgs[4] == (f"all_reduce_mean_: the grads tree of rank {other} lists its leaves in another order "
+                               f"than rank {me}'s (an OrderedDict's leaves come in its keys' order): leaf 0 is "
+                               f"grads[{'ba'[other == 1]!r}] on rank {other}, grads[{'ba'[me == 1]!r}] on rank {me}")
             own = ["all_reduce_mean_: gradients must be floating point, got torch.int64",
                    "grads does not have the structure of params",
                    "Shard.reduce_mean: gradient 1 must be a floating-point tensor",
@@ -610,7 +617,7 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
                    "Shard.gather: leaf 1 is (4,) torch.float32, like says (4,) torch.float64",
                    "Shard.gather: like['q'] is NoneType; like's leaves must be tensors",
                    "Shard.gather: this rank's input could not be read (TypeError: "]
-            for msg, want in zip(msgs[4:], own, strict=True):
+            for msg, want in zip(msgs[5:], own, strict=True):
                 if ranks.index(r) == 1:
                     assert want in msg and "refused its input" not in msg, msg
                 else:

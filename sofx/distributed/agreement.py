@@ -140,6 +140,11 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
             continue
         if other_paths != paths:
             theirs, ours = sorted(set(other_paths) - set(paths)), sorted(set(paths) - set(other_paths))
+            if not theirs and not ours:  # the same leaves in another order
+                i = next(i for i, (a, b) in enumerate(zip(paths, other_paths)) if a != b)
+                raise SofxError(f"{what}: the {root} tree of rank {r} lists its leaves in another order than rank "
+                                f"{me}'s (an OrderedDict's leaves come in its keys' order): leaf {i} is "
+                                f"{other_paths[i]} on rank {r}, {paths[i]} on rank {me}")
             raise SofxError(f"{what}: the {root} tree of rank {r} has another structure than rank {me}'s "
                             f"(only on rank {r}: {theirs[:3]}; only on rank {me}: {ours[:3]})")
         if other_owners != owners:
