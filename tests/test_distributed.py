@@ -724,6 +724,22 @@ def test_errors_without_a_process_group():
         sd.partition_blocks([1, 2], 0)
 
 
+def test_owners_and_sizes_that_are_not_sequences_are_refused_naming_the_call():
+    """owners=1 (or sizes=5) raised a bare TypeError ('int' object is not iterable); owners given as a
+    generator were read twice, the second time empty ('owners has 0 entries, the params tree has 2 leaves')."""
+    spec = sofx.tree.flatten(_params())[1]
+    with pytest.raises(sofx.SofxError, match="shard_blocks: owners must be a sequence of ranks, one per leaf, got int"):
+        sd.shard_blocks(_params(), owners=1, rank=0, world_size=2)
+    with pytest.raises(sofx.SofxError, match="Shard: owners must be a sequence of ranks, one per leaf, got int"):
+        sd.Shard(0, 2, 1, spec)
+    with pytest.raises(sofx.SofxError, match="partition_blocks: sizes must be a sequence of element counts, got int"):
+        sd.partition_blocks(5, 2)
+    owners = (0,) * (spec.num_leaves - 1) + (1,)
+    assert sd.shard_blocks(_params(), owners=iter(owners), rank=0, world_size=2).owners == owners
+    assert sd.Shard(0, 2, iter(owners), spec).owners == owners
+    assert sd.partition_blocks(iter([10, 10]), 2) == (0, 1)
+
+
 def test_partition_blocks_is_contiguous_balanced_and_complete():
     assert sd.partition_blocks([10, 10], 2) == (0, 1)
     assert sd.partition_blocks([1, 1, 1, 100, 1], 2) == (0, 0, 0, 1, 1)

@@ -35,7 +35,8 @@ def partition_blocks(sizes: Sequence[int], world_size: int) -> tuple[int, ...]:
     """
     world_size = integer("partition_blocks: world_size", world_size, 1, SofxError)  # numpy's too, as an int
     # Python ints (numpy's too): int() truncated a float size (sizes [2.5, 1.9] balanced as [2, 1])
-    sizes = [integer(f"partition_blocks: sizes[{i}]", s, 0, SofxError) for i, s in enumerate(sizes)]
+    sizes = [integer(f"partition_blocks: sizes[{i}]", s, 0, SofxError)
+             for i, s in enumerate(_items_of(sizes, "partition_blocks: sizes", "element counts"))]
     total = sum(sizes)
     if total == 0:  # nothing to balance: split by count
         n = len(sizes)
@@ -74,10 +75,11 @@ class Shard:
         rank = integer("Shard: rank", self.rank, 0, SofxError)
         if not rank < world_size:
             raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
-        if len(self.owners) != self.spec.num_leaves:
-            raise SofxError(f"owners has {len(self.owners)} entries, the params tree has {self.spec.num_leaves} leaves")
-        owners = [as_integer(o) for o in self.owners]
-        bad = [o for o, r in zip(self.owners, owners) if r is None or not 0 <= r < world_size]
+        given = _items_of(self.owners, "Shard: owners", "ranks, one per leaf")
+        if len(given) != self.spec.num_leaves:
+            raise SofxError(f"owners has {len(given)} entries, the params tree has {self.spec.num_leaves} leaves")
+        owners = [as_integer(o) for o in given]
+        bad = [o for o, r in zip(given, owners) if r is None or not 0 <= r < world_size]
         if bad:
             raise SofxError(f"owners must be ranks in [0, {self.world_size}), got {bad[0]!r}")
         # one form on every rank (a list or a tuple of the same ranks describe the same shard: the ranks compare
@@ -303,10 +305,20 @@ def _build_shard(params: Any, owners: Sequence[int] | None, rank: int, world_siz
     rank = integer("shard_blocks: rank", rank, 0, SofxError)
     if owners is None:
         owners = partition_blocks([math.prod(x.shape) for x in leaves], world_size)
+    owners = _items_of(owners, "shard_blocks: owners", "ranks, one per leaf")
     bad = [o for o in owners if as_integer(o) is None]
     if bad:
         raise SofxError(f"shard_blocks: owners must be ranks (ints), got {bad[0]!r}")
-    return Shard(rank, world_size, tuple(owners), spec)
+    return Shard(rank, world_size, owners, spec)
+
+
+def _items_of(x: Any, what: str, items: str) -> tuple[Any, ...]:
+    """``x``'s items, read once (a generator's too); :class:`SofxError` naming ``what`` where ``x`` is not
+    iterable (a bare ``TypeError`` before, or, for a generator read twice, no items at all)."""
+    try:
+        return tuple(x)
+    except TypeError:
+        raise SofxError(f"{what} must be a sequence of {items}, got {type(x).__name__}") from None
 
 
 def _shard_entries(shard: Shard, params: Any) -> dict[str, str]:
