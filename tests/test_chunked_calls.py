@@ -153,6 +153,36 @@ def test_range_calls_are_the_runs_of_adjacent_chunks(rng):
     assert torch.equal(kept[0], torch.cat([p[C:3 * C], p[6 * C:]]))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_checked_step_from_zero_moments_flags_no_lossy_chunk_with_or_without_a_compiler(native, rng, monkeypatch):
+    """``StepCall.zero_moments`` (a leaf's first step from init): the checked step flags no chunk as too lossy to
+    undo, only the inf; without a compiler the calls over the runs (``range_calls``) keep it too, so they flag and
+    write what the native call does (they dropped it: every chunk whose step from zero moments is "lossy" was
+    flagged and left alone)."""
+    from sofx.kernels import _cpu_build
+
+    n = 4 * C + 100
+    p, g, _, _ = block_inputs(rng, n, torch.float32, torch.float32)
+    g[2 * C + 5] = float("inf")
+    zeros = torch.zeros(n)
+    s = block_scalars(rng, 0.1)
+    want_flags = torch.zeros(5, dtype=torch.uint8)
+    want = cpu.step_many([StepCall(p, g, zeros, zeros, s, None, None, want_flags, zero_moments=True)], AdamVariant())[0]
+    assert want_flags.tolist() == [0, 0, 1, 0, 0]
+    if not native:
+        monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    chunks = [0, 2, 3, 4]
+    out = tuple(torch.full((n,), 3.0) for _ in range(3))
+    flags = torch.zeros(5, dtype=torch.uint8)
+    call = StepCall(p, g, zeros, zeros, s, out, None, flags, zero_moments=True)
+    assert all(r.zero_moments for r in range_calls(ChunkedCall(call, torch.tensor(chunks))))
+    cpu.step_chunks([ChunkedCall(call, torch.tensor(chunks))], AdamVariant())
+    assert flags.tolist() == want_flags.tolist()
+    written = _mask([0, 3, 4], n)
+    for got, w in zip(out, want):
+        assert torch.equal(bits(got[written]), bits(w[written])) and bool((got[~written] == 3.0).all())
+
+
 @pytest.mark.parametrize("n", [5 * C, 5 * C - 7, 3])
 def test_gather_and_put_chunks_are_inverses(n, rng):
     """gather_chunks takes the listed chunks one after another (the partial last chunk too); put_chunks puts

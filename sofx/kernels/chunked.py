@@ -160,7 +160,8 @@ def range_calls(c: ChunkedCall) -> list[StepCall | UndoRedoCall]:
         rest = dict(out=(out[0][a:b], out[1][a:b], out[2][a:b]), p_copy=copy[a:b] if copy is not None else None,
                     skip=call.skip[a // FINITE_CHUNK:-(-b // FINITE_CHUNK)] if call.skip is not None else None)
         if isinstance(call, StepCall):
-            calls.append(StepCall(pieces[0], flat(call.g)[a:b], pieces[1], pieces[2], call.s, **rest))
+            calls.append(StepCall(pieces[0], flat(call.g)[a:b], pieces[1], pieces[2], call.s, **rest,
+                                  zero_moments=call.zero_moments))
         else:
             calls.append(UndoRedoCall(pieces[0], pieces[1], pieces[2], flat(call.g_old)[a:b], call.s_old,
                                       flat(call.g_new)[a:b], call.s_new,
