@@ -200,17 +200,28 @@ def test_gather_and_put_chunks_are_inverses(n, rng):
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_bad_chunked_calls_are_refused_before_anything_is_written(name, rng):
+@pytest.mark.parametrize("native", [True, False])
+def test_bad_chunked_calls_are_refused_before_anything_is_written(name, native, rng, monkeypatch):
     """Chunks not ascending or outside the block, a kept array or packed input of the wrong size, no outputs,
-    an output of another dtype, a kept array sharing an input's memory, a step's ChunkedCall given to
-    undo_redo_chunks: refused with the call named, nothing written (a valid call first in the list)."""
+    an output of another dtype, a kept array sharing an input's memory, a gradient, moments or parameter copy
+    that is not floating-point, a step's ChunkedCall given to undo_redo_chunks: refused with the call named,
+    nothing written (valid calls first in the list, one with a float64 parameter copy, which runs as the calls
+    over its runs (range_calls) as every call does without a compiler: such a call ran, and wrote its outputs
+    and kept values, before the next call's gradient of integers was refused)."""
+    from sofx.kernels import _cpu_build
+
+    if not native:
+        monkeypatch.setattr(_cpu_build, "load", lambda: None)
     backend = BACKENDS[name]
     n = 3 * C + 10
     p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
     s = block_scalars(rng, 0.0)
-    good_out = tuple(torch.zeros(n) for _ in range(3))
-    good = ChunkedCall(StepCall(p, g, m, v, s, good_out), torch.tensor([0, 3]))
+    good_out = tuple(torch.zeros(n) for _ in range(6)) + (torch.zeros(n, dtype=torch.float64),)
+    good_kept = tuple(torch.zeros(2 * C) for _ in range(3))
+    good = [ChunkedCall(StepCall(p, g, m, v, s, good_out[:3]), torch.tensor([0, 3])),
+            ChunkedCall(StepCall(p, g, m, v, s, good_out[3:6], good_out[6]), torch.tensor([0, 1]), kept=good_kept)]
     out = tuple(torch.zeros(n) for _ in range(3))
+    whole = torch.zeros(n, dtype=torch.int32)
     step = StepCall(p, g, m, v, s, out)
     cases = [
         (ChunkedCall(step, torch.tensor([2, 1])), LeafError, "not ascending"),
@@ -229,11 +240,17 @@ def test_bad_chunked_calls_are_refused_before_anything_is_written(name, rng):
          "kept[0]"),
         (ChunkedCall(step, torch.tensor([1]), packed="no"), LeafError, "packed"),
         (ChunkedCall(step._replace(s=s._replace(beta1=1.5)), torch.tensor([1])), HParamError, "beta1 = 1.5"),
+        (ChunkedCall(step._replace(g=whole), torch.tensor([1])), LeafError,
+         "g must be a floating-point tensor, got torch.int32"),
+        (ChunkedCall(step._replace(m=whole.clone(), out=(out[0], whole, out[2])), torch.tensor([1])), LeafError,
+         "m must be a floating-point tensor, got torch.int32"),
+        (ChunkedCall(step._replace(p_copy=whole), torch.tensor([1])), LeafError,
+         "p_copy must be a floating-point tensor, got torch.int32"),
     ]
     for bad, error, words in cases:
         with pytest.raises(error, match=re.escape(words)) as e:
-            backend.step_chunks([good, bad], AdamVariant())
-        assert f"{name}.step_chunks[1]" in str(e.value)
-        assert all(not bool(t.any()) for t in good_out + out)
+            backend.step_chunks([*good, bad], AdamVariant())
+        assert all(not bool(t.any()) for t in good_out + good_kept + out)
+        assert str(e.value).startswith(f"{name}.step_chunks[2]: ") and " run " not in str(e.value)
     with pytest.raises(LeafError, match="expected a ChunkedCall of a UndoRedoCall"):
-        backend.undo_redo_chunks([good], AdamVariant())
+        backend.undo_redo_chunks(good, AdamVariant())

@@ -82,8 +82,9 @@ def _block_size(call: StepCall | UndoRedoCall) -> int:
 
 def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
     """Refuse, before anything is written, a :class:`ChunkedCall` (of a ``kind`` call) a backend cannot run as
-    the module docstring says. The call's own arguments (dtypes, scalars) are its
-    function's to check; here: the chunk list, and the tensors' sizes, contiguity and device."""
+    the module docstring says: the chunk list, and the tensors' sizes, contiguity, device and floating-point
+    dtypes (those of the outputs and kept values the inputs'). The call's scalars, and the dtypes a backend
+    takes, are its function's to check."""
     if not isinstance(c, ChunkedCall) or not isinstance(c.call, kind):
         raise LeafError(f"{where}: expected a ChunkedCall of a {kind.__name__}, got {type(c).__name__}"
                         + (f" of a {type(c.call).__name__}" if isinstance(c, ChunkedCall) else ""))
@@ -111,8 +112,8 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
                                                                   ("p_old", call.p_old)]
     inputs = [("p", call.p), ("m", call.m), ("v", call.v)]
     block, chunks_of = (n, "the block's"), (listed, "the listed chunks'")
-    sized = [(name, t, block) for name, t in whole] + [(name, t, chunks_of if c.packed else block)
-                                                       for name, t in inputs]
+    sized = [(name, t, chunks_of if c.packed else block) for name, t in inputs] + [(name, t, block)
+                                                                                   for name, t in whole]
     if c.kept is not None:
         if not isinstance(c.kept, (tuple, list)) or len(c.kept) != 3:
             raise LeafError(f"{where}: kept must be a tuple (p, m, v) of the listed chunks' elements")
@@ -124,6 +125,8 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
             raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
         if t.device != device:
             raise UnsupportedError(f"{where}: {name} is on {t.device}, the gradient on {device}")
+        if not t.dtype.is_floating_point:
+            raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
         if t.numel() != size or not t.is_contiguous():
             raise LeafError(f"{where}: {name} must be contiguous with {size} elements ({whose}), got shape "
                             f"{tuple(t.shape)}" + ("" if t.is_contiguous() else ", not contiguous"))
