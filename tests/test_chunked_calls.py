@@ -183,6 +183,29 @@ def test_a_checked_step_from_zero_moments_flags_no_lossy_chunk_with_or_without_a
         assert torch.equal(bits(got[written]), bits(w[written])) and bool((got[~written] == 3.0).all())
 
 
+@pytest.mark.parametrize("op", ["step", "undo_redo"])
+def test_a_float64_block_takes_the_scalars_its_list_form_takes(op, rng):
+    """A float64 block is stepped in float64 (the reference math, over the runs): an eps or lr that float32
+    cannot hold is its list form's to take, and the chunk list's (it was refused as if stepped in float32)."""
+    n = 3 * C + 9
+    p, g, m, v = (t.double() for t in block_inputs(rng, n, torch.float32, torch.float32, sound=True))
+    g_new = torch.randn(n, generator=rng, dtype=torch.float64)
+    s = block_scalars(rng, 0.1)._replace(eps=1e-60)
+    s_new = s._replace(lr=1e-50)
+    chunks = [0, 1, 3]
+    out = tuple(torch.full((n,), 3.0, dtype=torch.float64) for _ in range(3))
+    if op == "step":
+        want = cpu.step_many([StepCall(p, g, m, v, s)], AdamVariant())[0]
+        cpu.step_chunks([ChunkedCall(StepCall(p, g, m, v, s, out), torch.tensor(chunks))], AdamVariant())
+    else:
+        want = cpu.undo_redo_many([UndoRedoCall(p, m, v, g, s, g_new, s_new)], AdamVariant())[0]
+        cpu.undo_redo_chunks([ChunkedCall(UndoRedoCall(p, m, v, g, s, g_new, s_new, None, out), torch.tensor(chunks))],
+                             AdamVariant())
+    written = _mask(chunks, n)
+    for got, w in zip(out, want):
+        assert torch.equal(got[written], w[written]) and bool((got[~written] == 3.0).all())
+
+
 @pytest.mark.parametrize("n", [5 * C, 5 * C - 7, 3])
 def test_gather_and_put_chunks_are_inverses(n, rng):
     """gather_chunks takes the listed chunks one after another (the partial last chunk too); put_chunks puts

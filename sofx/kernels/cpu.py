@@ -651,13 +651,14 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
             raise UnsupportedError(f"{name}: the block is on {c.call.out[0].device}; the {backend} backend needs "
                                    "CPU tensors")
     _refuse_overlap(op, _chunked_clash(calls, where), where)
+    float64 = [c.call.p.dtype == torch.float64 for c in calls]  # (as _run_blocks: the reference's float64 math)
     if op == src.OP_STEP:
-        s1s = reference.concrete_checked([c.call.s for c in calls], where=where)
+        s1s = reference.concrete_checked([c.call.s for c in calls], where=where, float64=float64)
         s2s: list[AdamScalars | None] = [None] * len(calls)
     else:
         s1s = reference.concrete_checked([c.call.s_old for c in calls], variant,
-                                         [c.call.p_old is not None for c in calls], where)
-        s2s = reference.concrete_checked([c.call.s_new for c in calls], where=where)
+                                         [c.call.p_old is not None for c in calls], where, float64)
+        s2s = reference.concrete_checked([c.call.s_new for c in calls], where=where, float64=float64)
     lib = _cpu_build.load()
     native: list[_Native] = []
     tab = array("q")
