@@ -206,6 +206,28 @@ def test_a_float64_block_takes_the_scalars_its_list_form_takes(op, rng):
         assert torch.equal(got[written], w[written]) and bool((got[~written] == 3.0).all())
 
 
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("written", ["kept", "out"])
+def test_a_chunk_list_in_memory_the_call_writes_is_refused(name, written, rng):
+    """The native code reads the chunk list while it writes: a list sharing memory with a kept array or an output
+    was overwritten mid-call (its later indices garbage: writes outside the block, a crash where the first chunk's
+    copy reached them). Refused as any written array sharing memory, nothing written."""
+    n = 4 * C
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    buf = torch.zeros(4 * C)
+    chunks = buf[-6:].view(torch.int64)  # (the end of the buffer: the last chunk's copy reaches it)
+    chunks.copy_(torch.tensor([0, 1, 3]))
+    if written == "kept":
+        out, kept = tuple(torch.zeros(n) for _ in range(3)), (buf[C:], torch.zeros(3 * C), torch.zeros(3 * C))
+    else:
+        out, kept = (torch.zeros(n), buf, torch.zeros(n)), None
+    with pytest.raises(MemoryOverlapError, match=re.escape(f"{name}.step_chunks[0]: chunks")):
+        BACKENDS[name].step_chunks([ChunkedCall(StepCall(p, g, m, v, block_scalars(rng, 0.0), out), chunks,
+                                                kept=kept)], AdamVariant())
+    assert chunks.tolist() == [0, 1, 3] and not bool(buf[:-6].any())
+    assert all(not bool(t.any()) for t in out + (kept or ()) if t.untyped_storage().data_ptr() != buf.data_ptr())
+
+
 @pytest.mark.parametrize("n", [5 * C, 5 * C - 7, 3])
 def test_gather_and_put_chunks_are_inverses(n, rng):
     """gather_chunks takes the listed chunks one after another (the partial last chunk too); put_chunks puts

@@ -718,15 +718,17 @@ def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant:
 
 def _chunked_clash(calls: Sequence[ChunkedCall], where: Sequence[str]) -> tuple[tuple[int, str], ...] | None:
     """A written array of ``calls`` and another that shares its memory (``(call, role)`` twice), or None: the
-    outputs, kept arrays, parameter copies and flags are written, the inputs read (written where an output is
-    the input itself: donation)."""
+    outputs, kept arrays, parameter copies and flags are written, the inputs and the chunk lists read (written
+    where an output is the input itself: donation). (The native code reads a chunk list as it writes: one
+    overwritten mid-call would send its writes outside the block.)"""
     spans = MemorySpans()
     for i, c in enumerate(calls):
         call = c.call
         grads = [("g", call.g)] if isinstance(call, StepCall) else [("g_old", call.g_old), ("g_new", call.g_new)]
         donated = [not c.packed and _same_memory(o, t) for o, t in zip(call.out, (call.p, call.m, call.v))]
         read = [(r, t) for (r, t), d in zip((("p", call.p), ("m", call.m), ("v", call.v)), donated) if not d]
-        read += [(r, t) for r, t in grads + [("p_old", getattr(call, "p_old", None))] if t is not None]
+        read += [(r, t) for r, t in grads + [("p_old", getattr(call, "p_old", None)), ("chunks", c.chunks)]
+                 if t is not None]
         written = [(f"out[{k}]", o) for k, o in enumerate(call.out)]
         written += [(f"kept[{k}]", t) for k, t in enumerate(c.kept or ())]
         written += [(r, t) for r, t in (("p_copy", call.p_copy), ("skip", call.skip)) if t is not None]
