@@ -21,7 +21,7 @@ import torch
 
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
-from sofx.kernels.chunked import (ChunkedCall, check_chunked, gather_chunks, listed_elements, put_chunks,
+from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunks, listed_elements, put_chunks,
                                   range_calls)
 from sofx.undo_record import (CHECKED_CHUNKS_REASON, LeafUndo, chunk_ranges, chunk_snapshot_bytes,
                                strategy_snapshot_bytes)
@@ -151,7 +151,8 @@ def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[ChunkedCall
 def run_chunked(variant: AdamVariant, calls: Sequence[tuple[Any, ChunkedCall]]) -> None:
     """Run each ``(kernel, call)`` (:class:`~sofx.kernels.chunked.ChunkedCall`, steps and undo+redos), one call
     per kernel and function: in its native code where the kernel runs chunk lists (``RUNS_CHUNK_LISTS``), else
-    as its list form's calls over the runs of adjacent chunks."""
+    as its list form's calls over the runs of adjacent chunks, the group checked first as the native code's is
+    (:func:`~sofx.kernels.chunked.check_chunked_calls`: no kept value copied before a bad call is refused)."""
     groups: dict[tuple[int, bool], tuple[Any, list[ChunkedCall]]] = {}
     for kernel, c in calls:
         groups.setdefault((id(kernel), isinstance(c.call, StepCall)), (kernel, []))[1].append(c)
@@ -159,8 +160,8 @@ def run_chunked(variant: AdamVariant, calls: Sequence[tuple[Any, ChunkedCall]]) 
         if getattr(kernel, "RUNS_CHUNK_LISTS", False):
             (kernel.step_chunks if is_step else kernel.undo_redo_chunks)(group, variant)
             continue
-        for i, c in enumerate(group):
-            check_chunked(f"{kernel.NAME} chunks[{i}]", c, StepCall if is_step else UndoRedoCall)
+        check_chunked_calls([f"{kernel.NAME} chunks[{i}]" for i in range(len(group))], group,
+                            StepCall if is_step else UndoRedoCall, variant)
         runs = [r for c in group for r in range_calls(c)]
         if runs:
             (kernel.step_many if is_step else kernel.undo_redo_many)(runs, variant)

@@ -228,6 +228,30 @@ def test_a_chunk_list_in_memory_the_call_writes_is_refused(name, written, rng):
     assert all(not bool(t.any()) for t in out + (kept or ()) if t.untyped_storage().data_ptr() != buf.data_ptr())
 
 
+def test_a_backend_without_chunk_lists_refuses_a_bad_call_before_any_runs(rng):
+    """run_chunked over a backend without chunk lists (the reference here, Triton) runs the calls over the runs
+    of its calls (range_calls), the kept values copied out first: it checks the whole list as the CPU backends
+    do before that, so a bad call is named as the list's (not as the n-th run of all the calls) and no kept value
+    is copied, and a kept array in the memory of another call's output is refused (it was overwritten)."""
+    from sofx.kernels import reference
+    from sofx.skipped_chunks import run_chunked
+
+    n = 3 * C + 10
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.0)
+    outs = [tuple(torch.zeros(n) for _ in range(3)) for _ in range(2)]
+    kept = tuple(torch.zeros(2 * C) for _ in range(3))
+    good = ChunkedCall(StepCall(p, g, m, v, s, outs[0]), torch.tensor([0, 2]), kept=kept)
+    bad = ChunkedCall(StepCall(p, g, m, v, s._replace(beta1=1.5), outs[1]), torch.tensor([1]))
+    with pytest.raises(HParamError, match=re.escape("reference chunks[1]: beta1 = 1.5")):
+        run_chunked(AdamVariant(), [(reference, good), (reference, bad)])
+    assert all(not bool(t.any()) for t in kept + outs[0] + outs[1])
+    shared = good._replace(kept=(outs[1][0][:2 * C], kept[1], kept[2]))
+    with pytest.raises(MemoryOverlapError, match=re.escape("reference chunks[0]: kept[0]")):
+        run_chunked(AdamVariant(), [(reference, shared), (reference, bad._replace(call=bad.call._replace(s=s)))])
+    assert all(not bool(t.any()) for t in kept + outs[0] + outs[1])
+
+
 @pytest.mark.parametrize("n", [5 * C, 5 * C - 7, 3])
 def test_gather_and_put_chunks_are_inverses(n, rng):
     """gather_chunks takes the listed chunks one after another (the partial last chunk too); put_chunks puts

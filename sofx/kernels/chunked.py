@@ -24,10 +24,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from sofx.errors import LeafError, UnsupportedError
-from sofx.kernels.base import FINITE_CHUNK, StepCall, Triple, UndoRedoCall
+from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoRedoCall
+from sofx.kernels.donation import MemorySpans, overlap_error, same_memory
+from sofx.kernels.reference import concrete_checked
 
-__all__ = ["ChunkedCall", "ascending_chunks", "check_chunked", "gather_chunks", "listed_elements", "listed_ranges", "put_chunks",
-           "range_calls"]
+__all__ = ["ChunkedCall", "ascending_chunks", "check_chunked", "check_chunked_calls", "gather_chunks",
+           "listed_elements", "listed_ranges", "put_chunks", "range_calls"]
 
 
 class ChunkedCall(NamedTuple):
@@ -83,8 +85,8 @@ def _block_size(call: StepCall | UndoRedoCall) -> int:
 def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
     """Refuse, before anything is written, a :class:`ChunkedCall` (of a ``kind`` call) a backend cannot run as
     the module docstring says: the chunk list, and the tensors' sizes, contiguity, device and floating-point
-    dtypes (those of the outputs and kept values the inputs'). The call's scalars, and the dtypes a backend
-    takes, are its function's to check."""
+    dtypes (those of the outputs and kept values the inputs'). Its scalars and memory: :func:`check_chunked_calls`;
+    the dtypes a backend takes: the backend's."""
     if not isinstance(c, ChunkedCall) or not isinstance(c.call, kind):
         raise LeafError(f"{where}: expected a ChunkedCall of a {kind.__name__}, got {type(c).__name__}"
                         + (f" of a {type(c.call).__name__}" if isinstance(c, ChunkedCall) else ""))
@@ -141,6 +143,47 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
         if call.out[i].dtype != t.dtype or (c.kept is not None and c.kept[i].dtype != t.dtype):
             raise LeafError(f"{where}: {name} is {t.dtype}; its output"
                             + (" and kept values" if c.kept is not None else "") + " must be too")
+
+
+def check_chunked_calls(where: Sequence[str], calls: Sequence[ChunkedCall], kind: type, variant: AdamVariant,
+                        ) -> tuple[list[AdamScalars], list[AdamScalars | None]]:
+    """Refuse, before anything is written, a list of :class:`ChunkedCall` (of ``kind`` calls; ``where[i]`` names
+    call i) that no backend runs: a call :func:`check_chunked` refuses, a written array sharing memory with
+    another array of the list (:class:`~sofx.kernels.base.MemoryOverlapError`), scalars every backend refuses
+    (:func:`~sofx.kernels.reference.concrete_checked`; a float64 block's as the float64 math takes them).
+    Returns the concrete scalars of each call: a step's and None, or an undo+redo's undone and new ones."""
+    for name, c in zip(where, calls):
+        check_chunked(name, c, kind)
+    found = _clash(calls, where)
+    if found is not None:
+        raise overlap_error(*found, where)
+    float64 = [c.call.p.dtype == torch.float64 for c in calls]
+    if kind is StepCall:
+        return concrete_checked([c.call.s for c in calls], where=where, float64=float64), [None] * len(calls)
+    return (concrete_checked([c.call.s_old for c in calls], variant, [c.call.p_old is not None for c in calls], where,
+                             float64),
+            concrete_checked([c.call.s_new for c in calls], where=where, float64=float64))
+
+
+def _clash(calls: Sequence[ChunkedCall], where: Sequence[str]) -> tuple[tuple[int, str], tuple[int, str]] | None:
+    """A written array of ``calls`` and another that shares its memory (``(call, role)`` twice), or None: the
+    outputs, kept arrays, parameter copies and flags are written, the inputs and the chunk lists read (written
+    where an output is the input itself: donation). (Native code reads a chunk list as it writes: one
+    overwritten mid-call would send its writes outside the block.)"""
+    spans = MemorySpans()
+    for i, c in enumerate(calls):
+        call = c.call
+        grads = [("g", call.g)] if isinstance(call, StepCall) else [("g_old", call.g_old), ("g_new", call.g_new)]
+        donated = [not c.packed and same_memory(o, t) for o, t in zip(call.out, (call.p, call.m, call.v))]
+        read = [(r, t) for (r, t), d in zip((("p", call.p), ("m", call.m), ("v", call.v)), donated) if not d]
+        read += [(r, t) for r, t in grads + [("p_old", getattr(call, "p_old", None)), ("chunks", c.chunks)]
+                 if t is not None]
+        written = [(f"out[{k}]", o) for k, o in enumerate(call.out)]
+        written += [(f"kept[{k}]", t) for k, t in enumerate(c.kept or ())]
+        written += [(r, t) for r, t in (("p_copy", call.p_copy), ("skip", call.skip)) if t is not None]
+        for group, w in ((read, False), (written, True)):
+            spans.add([t for _, t in group], w, lambda j, i=i, group=group: (i, group[j][0]))
+    return spans.clash(lambda tag: f"{where[tag[0]]}: {tag[1]}")
 
 
 def range_calls(c: ChunkedCall) -> list[StepCall | UndoRedoCall]:

@@ -75,12 +75,12 @@ import torch
 from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
-from sofx.kernels.chunked import ChunkedCall, check_chunked, range_calls
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, Triple,
-                               UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
+from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+                               beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
                                write_kept_param_copy, write_outputs, write_param_copy)
-from sofx.kernels.donation import MemorySpans, overlap_message, overlaps_itself, shared_memory_message
+from sofx.kernels.donation import MemorySpans, overlap_error, overlaps_itself, same_memory
 from sofx.kernels.threads import native_thread_request
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
@@ -464,9 +464,8 @@ def _refuse_overlap(op: int, found: tuple[tuple[int, Any], tuple[int, Any]] | No
     """Raise :class:`~sofx.kernels.base.MemoryOverlapError` for a clash (``(block, column or role)`` twice)."""
     if found is None:
         return
-    (b1, r1), (b2, r2) = ((b, _role(op, _COLUMN_ROLES[r] if isinstance(r, int) else r)) for b, r in found)
-    a, b = f"{where[b1]}: {r1}", f"{where[b2]}: {r2}"
-    raise MemoryOverlapError(overlap_message(a) if a == b else shared_memory_message(a, b), (b1, r1), (b2, r2))
+    first, second = ((b, _role(op, _COLUMN_ROLES[r] if isinstance(r, int) else r)) for b, r in found)
+    raise overlap_error(first, second, where)
 
 
 def _blocks_clash(op: int, blocks: Sequence[_Block], where: Sequence[str]) -> tuple[tuple[int, str], ...] | None:
@@ -474,7 +473,7 @@ def _blocks_clash(op: int, blocks: Sequence[_Block], where: Sequence[str]) -> tu
     spans = MemorySpans()
     for i, b in enumerate(blocks):
         out = b.out if b.out is not None else (None, None, None)
-        donated = [_same_memory(o, t) for o, t in zip(out, (b.p, b.m, b.v))]
+        donated = [same_memory(o, t) for o, t in zip(out, (b.p, b.m, b.v))]
         read, written = [], []
         for role, t, d in (("p", b.p, donated[0]), ("g", b.g, False), ("m", b.m, donated[1]), ("v", b.v, donated[2]),
                            ("g_new", b.g2, False), ("p_old", b.p_old, False)):
@@ -492,12 +491,6 @@ def _blocks_clash(op: int, blocks: Sequence[_Block], where: Sequence[str]) -> tu
         for group, w in ((read, False), (written, True)):
             spans.add([t for _, t in group], w, lambda j, i=i, group=group: (i, group[j][0]))
     return spans.clash(lambda tag: f"{where[tag[0]]}: {_role(op, tag[1])}")
-
-
-def _same_memory(out: Any, t: Any) -> bool:
-    """Whether ``out`` is ``t``'s own memory (donation; possibly another view object of it)."""
-    return out is t or (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and out.dtype == t.dtype
-                        and out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride())
 
 
 def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Table, exact: bool, backend: str,
@@ -643,22 +636,11 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
     """Run ``calls`` (:class:`~sofx.kernels.chunked.ChunkedCall` of ``op``), all checked before any runs: those the
     native code takes in one call of the C entry (its chunk table: per block the chunk list, its length, packed,
     and the kept arrays), the others as their runs' blocks (:func:`~sofx.kernels.chunked.range_calls`)."""
-    kind = StepCall if op == src.OP_STEP else UndoRedoCall
-    for name, c in zip(where, calls):
-        check_chunked(name, c, kind)
+    s1s, s2s = check_chunked_calls(where, calls, StepCall if op == src.OP_STEP else UndoRedoCall, variant)
     for name, c in zip(where, calls):
         if c.call.out[0].device.type != "cpu":
             raise UnsupportedError(f"{name}: the block is on {c.call.out[0].device}; the {backend} backend needs "
                                    "CPU tensors")
-    _refuse_overlap(op, _chunked_clash(calls, where), where)
-    float64 = [c.call.p.dtype == torch.float64 for c in calls]  # (as _run_blocks: the reference's float64 math)
-    if op == src.OP_STEP:
-        s1s = reference.concrete_checked([c.call.s for c in calls], where=where, float64=float64)
-        s2s: list[AdamScalars | None] = [None] * len(calls)
-    else:
-        s1s = reference.concrete_checked([c.call.s_old for c in calls], variant,
-                                         [c.call.p_old is not None for c in calls], where, float64)
-        s2s = reference.concrete_checked([c.call.s_new for c in calls], where=where, float64=float64)
     lib = _cpu_build.load()
     native: list[_Native] = []
     tab = array("q")
@@ -714,27 +696,6 @@ def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant:
             out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), pc.data_ptr() if pc is not None else 0,
             sk.data_ptr() if sk is not None else 0)
     return _Native(dtypes, ptrs, g.numel(), c1, c2, list(out), pc is not None), c.chunks.contiguous()
-
-
-def _chunked_clash(calls: Sequence[ChunkedCall], where: Sequence[str]) -> tuple[tuple[int, str], ...] | None:
-    """A written array of ``calls`` and another that shares its memory (``(call, role)`` twice), or None: the
-    outputs, kept arrays, parameter copies and flags are written, the inputs and the chunk lists read (written
-    where an output is the input itself: donation). (The native code reads a chunk list as it writes: one
-    overwritten mid-call would send its writes outside the block.)"""
-    spans = MemorySpans()
-    for i, c in enumerate(calls):
-        call = c.call
-        grads = [("g", call.g)] if isinstance(call, StepCall) else [("g_old", call.g_old), ("g_new", call.g_new)]
-        donated = [not c.packed and _same_memory(o, t) for o, t in zip(call.out, (call.p, call.m, call.v))]
-        read = [(r, t) for (r, t), d in zip((("p", call.p), ("m", call.m), ("v", call.v)), donated) if not d]
-        read += [(r, t) for r, t in grads + [("p_old", getattr(call, "p_old", None)), ("chunks", c.chunks)]
-                 if t is not None]
-        written = [(f"out[{k}]", o) for k, o in enumerate(call.out)]
-        written += [(f"kept[{k}]", t) for k, t in enumerate(c.kept or ())]
-        written += [(r, t) for r, t in (("p_copy", call.p_copy), ("skip", call.skip)) if t is not None]
-        for group, w in ((read, False), (written, True)):
-            spans.add([t for _, t in group], w, lambda j, i=i, group=group: (i, group[j][0]))
-    return spans.clash(lambda tag: f"{where[tag[0]]}: {tag[1]}")
 
 
 def _block_names(backend: str, fn: str, calls: Sequence) -> list[str]:

@@ -44,9 +44,10 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from sofx.errors import LeafError
+from sofx.kernels.base import MemoryOverlapError
 
 __all__ = ["check_writable", "unwritable", "MemorySpans", "first_clash", "runs", "overlaps_itself", "overlap_message",
-           "shared_memory_message", "MAX_RUNS"]
+           "shared_memory_message", "overlap_error", "same_memory", "MAX_RUNS"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
 MAX_RUNS = 1 << 20  # a non-contiguous tensor of more runs is compared as the range it spans
@@ -98,6 +99,19 @@ def shared_memory_message(written: str, other: str) -> str:
     return (f"{written} and {other} share memory, and {written} is written in place (donate=True or "
             "param_copies): the call would overwrite values it still reads; pass distinct tensors (e.g. tied "
             "weights as one leaf) or do not donate")
+
+
+def overlap_error(first: tuple[int, str], second: tuple[int, str], where: Sequence[str]) -> MemoryOverlapError:
+    """The error of a list form whose call ``first[0]``'s array ``first[1]`` (written) shares memory with call
+    ``second[0]``'s ``second[1]`` (the same array: its elements overlap); ``where[i]`` names call i."""
+    a, b = f"{where[first[0]]}: {first[1]}", f"{where[second[0]]}: {second[1]}"
+    return MemoryOverlapError(overlap_message(a) if a == b else shared_memory_message(a, b), first, second)
+
+
+def same_memory(out: Any, t: Any) -> bool:
+    """Whether ``out`` is ``t``'s own memory (donation; possibly another view object of it)."""
+    return out is t or (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and out.dtype == t.dtype
+                        and out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride())
 
 
 def runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
