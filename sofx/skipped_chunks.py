@@ -21,15 +21,12 @@ import torch
 
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
-from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunks, listed_elements, put_chunks,
-                                  range_calls)
-from sofx.undo_record import (CHECKED_CHUNKS_REASON, LeafUndo, chunk_ranges, chunk_snapshot_bytes,
-                               strategy_snapshot_bytes)
+from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunks, listed_elements, listed_ranges,
+                                  put_chunks, range_calls)
+from sofx.undo_record import CHECKED_CHUNKS_REASON, LeafUndo, chunk_snapshot_bytes, strategy_snapshot_bytes
 
 __all__ = ["finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
            "restore_chunks", "roll_back_step"]
-
-Ranges = Sequence[tuple[int, int]]
 
 
 def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCall, rec: LeafUndo, results: Triple,
@@ -188,7 +185,7 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
     parameter copy, which the kernel wrote outside the flagged chunks, gets the old parameter whole."""
     if donate:
         n = inputs[0].numel()
-        stepped = _gaps(chunk_ranges(call.skip.nonzero().flatten().tolist(), n), n)
+        stepped = listed_ranges((call.skip == 0).nonzero().flatten().tolist(), n)
         p, m, v = (_flat(t) for t in inputs)
         g = _flat(call.g)
         p_old = _flat(rec.p_old) if rec.p_old is not None else None
@@ -200,16 +197,6 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
             m.zero_()
             v.zero_()
     write_param_copy(call.p_copy, inputs[0])
-
-
-def _gaps(ranges: Ranges, n: int) -> list[tuple[int, int]]:
-    """The element ranges of ``[0, n)`` outside ``ranges`` (ascending, disjoint)."""
-    out, at = [], 0
-    for a, b in list(ranges) + [(n, n)]:
-        if a > at:
-            out.append((at, a))
-        at = b
-    return out
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -58,12 +58,6 @@ def strategy_snapshot_bytes(strategy: str, p: torch.Tensor, m: torch.Tensor, v: 
     return 0
 
 
-def chunk_ranges(chunks: Sequence[int], n: int) -> list[tuple[int, int]]:
-    """The element ranges ``[a, b)`` of the chunks of :data:`~sofx.kernels.base.FINITE_CHUNK` elements
-    ``chunks`` (indices, ascending) of a leaf of ``n`` elements (the last chunk may be shorter)."""
-    return [(c * FINITE_CHUNK, min(n, (c + 1) * FINITE_CHUNK)) for c in chunks]
-
-
 def chunk_snapshot_bytes(chunks: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
     """Bytes a ``"chunk_snapshot"`` record keeps for the chunks ``chunks`` (ascending indices, int64) of a leaf
     (its :meth:`LeafUndo.snapshot_bytes`): their elements of ``p, m, v`` and one int64 index per chunk."""
