@@ -234,23 +234,15 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_bui
     p_old = _native_input(b.p_old) if b.p_old is not None else None
     pc = kernel_param_copy(b.p_copy, _codes(lib))
     out = b.out
-    dp, ds = p.dtype, m.dtype
     if out is not None and out[0] is p and out[1] is m and out[2] is v:
         targets = [p, m, v]  # donation: the inputs themselves, contiguous (the common case, checked cheaply)
     else:
         targets = []
-        for i, dtype in enumerate((dp, ds, v.dtype)):
+        for i, dtype in enumerate((p.dtype, m.dtype, v.dtype)):
             o = out[i] if out is not None else None
             targets.append(o if o is not None and o.dtype == dtype and o.is_contiguous()
                            else torch.empty(p.shape, dtype=dtype))
-    codes = _DTYPE_CODES
-    dtypes = (codes[dp], codes[g.dtype], codes[ds], codes[g2.dtype] if g2 is not None else src.DT_F32,
-              codes[p_old.dtype] if p_old is not None else src.DT_F32,
-              codes[pc.dtype] if pc is not None else src.DT_F32)
-    ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), g2.data_ptr() if g2 is not None else 0,
-            p_old.data_ptr() if p_old is not None else 0, targets[0].data_ptr(), targets[1].data_ptr(),
-            targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0,
-            b.skip.data_ptr() if b.skip is not None else 0)
+    dtypes, ptrs = _table_entry(_DTYPE_CODES, p, g, m, v, g2, p_old, targets, pc, b.skip)
     # The inputs' contiguous copies (if any) stay alive through this list until the call returns.
     return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], pc is not None)
 
@@ -282,13 +274,23 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
                                and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()):
         return None
     targets = [p, m, v] if out is not None else [torch.empty(shape, dtype=t.dtype) for t in (p, m, v)]
+    dtypes, ptrs = _table_entry(codes, p, g, m, v, g2, p_old, targets, pc, sk)
+    return _Native(dtypes, ptrs, n, s1, s2, targets, pc is not None)
+
+
+def _table_entry(codes: dict[torch.dtype, int], p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 g2: torch.Tensor | None, p_old: torch.Tensor | None, targets: Sequence[torch.Tensor],
+                 pc: torch.Tensor | None, skip: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A block's row of the C entry's tables (``sofx_adam_many``): the dtype codes of p, g, m, g2, p_old, p_copy
+    and the addresses of p, g, m, v, g2, p_old, the outputs (``targets``), p_copy and skip (float32 and 0 for
+    what is absent). The tensors are contiguous, in dtypes of ``codes``."""
     f32 = src.DT_F32
     dtypes = (codes[p.dtype], codes[g.dtype], codes[m.dtype], codes[g2.dtype] if g2 is not None else f32,
               codes[p_old.dtype] if p_old is not None else f32, codes[pc.dtype] if pc is not None else f32)
     ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), g2.data_ptr() if g2 is not None else 0,
             p_old.data_ptr() if p_old is not None else 0, targets[0].data_ptr(), targets[1].data_ptr(),
-            targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0, sk.data_ptr() if sk is not None else 0)
-    return _Native(dtypes, ptrs, n, s1, s2, targets, pc is not None)
+            targets[2].data_ptr(), pc.data_ptr() if pc is not None else 0, skip.data_ptr() if skip is not None else 0)
+    return dtypes, ptrs
 
 
 def _named(op: int, b: _Block) -> list[tuple[str, torch.Tensor | None]]:
@@ -688,13 +690,8 @@ def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant:
     if op == src.OP_STEP and call.zero_moments and call.skip is not None:
         c1 = (ctypes.c_double * src.S_COUNT)(*c1)
         c1[src.S_LOSSY] = 0.0
-    f32, pc, out, sk = src.DT_F32, call.p_copy, call.out, call.skip
-    dtypes = (codes[call.p.dtype], codes[g.dtype], codes[call.m.dtype], codes[g2.dtype] if g2 is not None else f32,
-              codes[p_old.dtype] if p_old is not None else f32, codes[pc.dtype] if pc is not None else f32)
-    ptrs = (call.p.data_ptr(), g.data_ptr(), call.m.data_ptr(), call.v.data_ptr(),
-            g2.data_ptr() if g2 is not None else 0, p_old.data_ptr() if p_old is not None else 0,
-            out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), pc.data_ptr() if pc is not None else 0,
-            sk.data_ptr() if sk is not None else 0)
+    pc, out = call.p_copy, call.out
+    dtypes, ptrs = _table_entry(codes, call.p, g, call.m, call.v, g2, p_old, out, pc, call.skip)
     return _Native(dtypes, ptrs, g.numel(), c1, c2, list(out), pc is not None), c.chunks.contiguous()
 
 
