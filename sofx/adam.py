@@ -272,10 +272,12 @@ class Adam:
             except SnapshotLimitError:
                 self._take_back(leaves, records, calls, kernels, copies, flagged, donate)
                 raise
+        finishing: skipped_chunks.Pending = []  # every flagged leaf's chunk step, in one call per kernel
         for k in flagged:
             leaf = leaves[k]
             records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
-                                                    records[k], (new_p[k], new_m[k], new_v[k]), donate)
+                                                    records[k], (new_p[k], new_m[k], new_v[k]), donate, finishing)
+        skipped_chunks.run_chunked(self.variant, finishing)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
@@ -550,11 +552,13 @@ class Adam:
         for k, call in whole.items():
             calls[k] = call
             new_p[k], new_m[k], new_v[k] = call.out
-        for k in flags.flagged():  # a chunk of the leaf's new gradient is not finite (rare: an overflow)
+        finishing: skipped_chunks.Pending = []
+        for k in flags.flagged():  # a chunk of the new step is not finite or too lossy to invert
             leaf = leaves[k]
             records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                          (new_p[k], new_m[k], new_v[k]), donate,
-                                                         records[k].count_before, record.leaves[k])
+                                                         records[k].count_before, record.leaves[k], finishing)
+        skipped_chunks.run_chunked(self.variant, finishing)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)

@@ -25,14 +25,19 @@ from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunk
                                   put_chunks, range_calls)
 from sofx.undo_record import CHECKED_CHUNKS_REASON, LeafUndo, chunk_snapshot_bytes, strategy_snapshot_bytes
 
-__all__ = ["finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
+__all__ = ["Pending", "finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
            "restore_chunks", "roll_back_step"]
 
 
+Pending = list[tuple[Any, ChunkedCall]]
+
+
 def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCall, rec: LeafUndo, results: Triple,
-                donate: bool) -> LeafUndo:
+                donate: bool, pending: Pending | None = None) -> LeafUndo:
     """Finish ``update``'s checked step of one leaf (``inputs``: its ``p, m, v`` before, ``results`` the
-    kernel's; ``rec``: the record made for it) and return the leaf's record.
+    kernel's; ``rec``: the record made for it) and return the leaf's record. ``pending``: where to leave the
+    step of its flagged chunks (the caller runs all leaves' at once, :func:`run_chunked`, before using the
+    record or the results); None: run here.
 
     The skipped chunks still hold their old values (in place under donation, else the inputs are
     untouched): a ``"chunk_snapshot"`` of them is copied out, then they are stepped. Where every chunk was
@@ -49,7 +54,7 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         listed = listed_elements(chunks, results[0].numel())
         kept = tuple(torch.empty(listed, dtype=t.dtype, device=t.device) for t in inputs)
         step = StepCall(inputs[0], call.g, inputs[1], inputs[2], rec.scalars, tuple(results), call.p_copy)
-        run_chunked(variant, [(kernel, ChunkedCall(step, chunks, kept=kept))])
+        _run_or_leave(variant, kernel, ChunkedCall(step, chunks, kept=kept), pending)
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
                         rec.moments_were_zero, chunks)
     if donate:
@@ -64,8 +69,16 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
     else:
         old = source = inputs
     step = StepCall(source[0], call.g, source[1], source[2], rec.scalars, tuple(results), call.p_copy)
-    run_chunked(variant, [(kernel, ChunkedCall(step, chunks))])
+    _run_or_leave(variant, kernel, ChunkedCall(step, chunks), pending)
     return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
+
+
+def _run_or_leave(variant: AdamVariant, kernel: Any, call: ChunkedCall, pending: Pending | None) -> None:
+    """Run ``call`` now, or leave it in ``pending`` for the caller to run with others."""
+    if pending is None:
+        run_chunked(variant, [(kernel, call)])
+    else:
+        pending.append((kernel, call))
 
 
 def finished_bytes(strategy: str, skip: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> int:
@@ -84,11 +97,13 @@ def _kept_whole(strategy: str, flagged: int, chunks: int) -> bool:
 
 
 def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, results: Triple,
-                     donate: bool, count_before: torch.Tensor, undone_rec: LeafUndo | None = None) -> LeafUndo:
+                     donate: bool, count_before: torch.Tensor, undone_rec: LeafUndo | None = None,
+                     pending: Pending | None = None) -> LeafUndo:
     """Finish ``undo_redo``'s checked call of one leaf (the new gradient not finite, or the redo too lossy
     to invert, in the skipped chunks; ``inputs``: its ``p', m', v'`` before the call; ``undone_rec``: the
     record it undid) and return the record of the redone step, a ``"chunk_snapshot"`` of the skipped
-    chunks' undone values (a whole ``"snapshot"`` where every chunk was skipped).
+    chunks' undone values (a whole ``"snapshot"`` where every chunk was skipped). ``pending``: as
+    :func:`finish_step`'s.
 
     The skipped chunks still hold the old step's values (in place under donation, else the inputs are
     untouched): they are undone (the undone step's inverse, which was sound there) into the snapshot, or
@@ -104,7 +119,7 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     if undone_rec is not None and undone_rec.chunks is not None:  # its kept chunks: their old values, exact
         _overlay(cur, chunks, (undone_rec.p_old, undone_rec.m_old, undone_rec.v_old), undone_rec.chunks, n)
     step = StepCall(cur[0], call.g_new, cur[1], cur[2], call.s_new, tuple(results), call.p_copy)
-    run_chunked(variant, [(kernel, ChunkedCall(step, chunks, packed=True))])
+    _run_or_leave(variant, kernel, ChunkedCall(step, chunks, packed=True), pending)
     if chunks.numel() == call.skip.numel():  # every chunk: a whole snapshot
         return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
                         *(k.view(r.shape) for k, r in zip(cur, results)), CHECKED_CHUNKS_REASON)

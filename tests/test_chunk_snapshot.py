@@ -144,6 +144,39 @@ def test_flagged_chunks_are_copied_and_stepped_in_one_kernel_call(donate: bool, 
         assert _rel(a, b) <= TOL
 
 
+def test_every_flagged_leaf_is_finished_in_one_kernel_call(monkeypatch) -> None:
+    """Two leaves with flagged chunks: one step_chunks call for both (it was one native call per leaf); their
+    undo_redo with the same spikes, one for their kept chunks and one for the redo's flagged ones; the results
+    those of the serial path."""
+    from sofx.kernels import cpu
+
+    calls = []
+    real = cpu.step_chunks
+    monkeypatch.setattr(cpu, "step_chunks", lambda cs, v: calls.append([c.chunks.tolist() for c in cs]) or real(cs, v))
+    gen = torch.Generator().manual_seed(5)
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    params, state = _warm(opt, gen)
+    params["v"] = params["w"].clone()
+    state = sofx.AdamState({**state.count, "v": state.count["w"].clone()}, {**state.mu, "v": state.mu["w"].clone()},
+                           {**state.nu, "v": state.nu["w"].clone()})
+    grads = _spiked(params, gen, 5)
+    grads["v"] = grads["w"].clone()
+    grads["v"][3 * FINITE_CHUNK + 7] = 1e3
+    before = _clone((params, state))
+    p1, s1, rec = opt.update(params, grads, state, donate=True)
+    assert calls == [[[0, 3], [0]]]  # (leaves "v" and "w")
+    assert [leaf.chunks.tolist() for leaf in rec.leaves if leaf.strategy == "chunk_snapshot"] == [[0, 3], [0]]
+    calls.clear()
+    g2 = {k: g.clone() for k, g in grads.items()}  # the same spikes again: the redo flags those chunks
+    p2, s2, rec2 = opt.undo_redo(p1, s1, rec, g2, grad_scale=0.5, donate=True)
+    # the kept chunks stepped (packed), then the redo's flagged ones: each one call for both leaves
+    assert calls == [[[0, 3], [0]], [[0, 3], [0]]]
+    want = opt.update(*_clone(before[:1]), g2, _clone(before[1]), grad_scale=0.5, undoable=False)
+    for k in ("v", "w"):
+        for a, b in zip(_leaf(p2, s2, k), _leaf(want[0], want[1], k)):
+            assert _rel(a, b) <= TOL
+
+
 def _step_again(opt: sofx.Adam, before: tuple, grads: dict) -> tuple:
     """The same checked step from ``before`` again: its params, state and record (records are used once)."""
     return opt.update(*_clone(before[:1]), grads, _clone(before[1]))
