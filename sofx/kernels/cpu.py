@@ -163,6 +163,14 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
     return block
 
 
+def _without_lossy(c: ctypes.Array) -> ctypes.Array:
+    """A copy of the scalar block ``c`` with a lossy factor of 0: a checked step from zero moments
+    (``StepCall.zero_moments``) flags only non-finite values."""
+    out = (ctypes.c_double * src.S_COUNT)(*c)
+    out[src.S_LOSSY] = 0.0
+    return out
+
+
 # ------------------------------------------------------------------ checks
 def _check(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None, backend: str) -> None:
@@ -371,10 +379,8 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         return by_id[id(s)]
 
     def without_lossy(c: ctypes.Array) -> ctypes.Array:
-        """``c`` with a lossy factor of 0: a checked step from zero moments (``StepCall.zero_moments``)."""
         if id(c) not in no_lossy:
-            no_lossy[id(c)] = (ctypes.c_double * src.S_COUNT)(*c)
-            no_lossy[id(c)][src.S_LOSSY] = 0.0
+            no_lossy[id(c)] = _without_lossy(c)
         return no_lossy[id(c)]
 
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
@@ -688,8 +694,7 @@ def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant:
     if c1 is None or (s2 is not None and c2 is None):
         return None
     if op == src.OP_STEP and call.zero_moments and call.skip is not None:
-        c1 = (ctypes.c_double * src.S_COUNT)(*c1)
-        c1[src.S_LOSSY] = 0.0
+        c1 = _without_lossy(c1)
     pc, out = call.p_copy, call.out
     dtypes, ptrs = _table_entry(codes, call.p, g, call.m, call.v, g2, p_old, out, pc, call.skip)
     return _Native(dtypes, ptrs, g.numel(), c1, c2, list(out), pc is not None), c.chunks.contiguous()
