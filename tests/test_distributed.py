@@ -610,9 +610,9 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
             assert msgs[4] == (f"all_reduce_mean_: the grads tree of rank {other} lists its leaves in another order "
                                f"than rank {me}'s (an OrderedDict's leaves come in its keys' order): leaf 0 is "
                                f"grads[{'ba'[other == 1]!r}] on rank {other}, grads[{'ba'[me == 1]!r}] on rank {me}")
-            own = ["all_reduce_mean_: gradients must be floating point, got torch.int64",
+            own = ["all_reduce_mean_: grads['a'] is a torch.int64 tensor; expected a floating-point one",
                    "grads does not have the structure of params",
-                   "Shard.reduce_mean: gradient 1 must be a floating-point tensor",
+                   "Shard.reduce_mean: grads['q'] is a torch.int32 tensor; expected a floating-point one",
                    "like does not have the structure of params",
                    "Shard.gather: leaf 1 is (4,) torch.float32, like says (4,) torch.float64",
                    "Shard.gather: like['q'] is NoneType; like's leaves must be tensors",

@@ -66,6 +66,22 @@ def _meta_gradient(rank: int) -> dict:
     return out
 
 
+def _gradient_not_floating(rank: int) -> dict:
+    """all_reduce_mean_ and Shard.reduce_mean where rank BAD's gradient for q is an integer tensor or a number:
+    before, the refusal named no leaf ("gradients must be floating point, got torch.int64") or only its index
+    ("gradient 1 must be a floating-point tensor"); one check now names its path in both."""
+    shard = sd.shard_blocks(FULL)
+    out = {}
+    for kind, bad in (("int", torch.ones(4, dtype=torch.int64)), ("number", 2.0)):
+        for name, call in (("all_reduce_mean_", sd.all_reduce_mean_), ("reduce_mean", shard.reduce_mean)):
+            grads = _grads(rank)
+            if rank == BAD:
+                grads["q"] = bad
+            out[f"{name}_{kind}"] = error_text(lambda: call(grads))
+            out[f"{name}_{kind}_p"] = grads["p"]
+    return out
+
+
 def _unknown_keyword(rank: int) -> dict:
     """A misspelt keyword (check_layuot=) on rank BAD only: before, a TypeError there at the call, while the
     other rank waited for it in the collective."""
@@ -85,7 +101,8 @@ def _not_a_number(rank: int) -> dict:
 
 
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
-         "meta_gradient": _meta_gradient, "unknown_keyword": _unknown_keyword, "not_a_number": _not_a_number}
+         "meta_gradient": _meta_gradient, "gradient_not_floating": _gradient_not_floating,
+         "unknown_keyword": _unknown_keyword, "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +136,19 @@ def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
     for what in ("all_reduce_mean_", "reduce_mean"):
         prefix = "Shard." if what == "reduce_mean" else ""
         refused_on_every_rank(ranks, BAD, "meta_gradient", what,
-                               f"{prefix}{what}: grads['q'] is a meta tensor, without data to average")
+                               f"{prefix}{what}: grads['q'] is a meta tensor, without data")
         for rank, res in enumerate(ranks):
             assert torch.equal(res["meta_gradient"][f"{what}_p"], _grads(rank)["p"])
+
+
+def test_a_gradient_that_is_not_floating_point_is_refused_naming_its_path(ranks):
+    for what in ("all_reduce_mean_", "reduce_mean"):
+        prefix = "Shard." if what == "reduce_mean" else ""
+        for kind, own in (("int", "grads['q'] is a torch.int64 tensor; expected a floating-point one"),
+                          ("number", "grads['q'] is of type float; expected a floating-point tensor")):
+            refused_on_every_rank(ranks, BAD, "gradient_not_floating", f"{what}_{kind}", f"{prefix}{what}: {own}")
+            for rank, res in enumerate(ranks):
+                assert torch.equal(res["gradient_not_floating"][f"{what}_{kind}_p"], _grads(rank)["p"])
 
 
 def test_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):

@@ -38,16 +38,18 @@ class RankRefusedError(SofxError):
 
 
 def _check_floating_tensors(what: str, paths: Sequence[str], grads: Sequence[Any]) -> None:
-    """Refuse a gradient that is not a dense floating-point tensor with data (a meta tensor has none)."""
+    """Refuse a gradient that is not a dense floating-point tensor with data (:func:`_no_data`), naming its path
+    (``paths``, one per gradient); ``None`` (no gradient) passes."""
     for path, g in zip(paths, grads):
+        if g is None:
+            continue
         if not isinstance(g, torch.Tensor):
-            raise SofxError(f"{what}: gradients must be tensors, got {type(g).__name__}")
+            raise SofxError(f"{what}: {path} is of type {type(g).__name__}; expected a floating-point tensor")
         if not g.is_floating_point():
-            raise SofxError(f"{what}: gradients must be floating point, got {g.dtype}")
-        if g.layout != torch.strided:
-            raise SofxError(f"{what}: gradients must be dense (strided) tensors, got {g.layout}")
-        if g.is_meta:
-            raise SofxError(f"{what}: {path} is a meta tensor, without data to average")
+            raise SofxError(f"{what}: {path} is a {g.dtype} tensor; expected a floating-point one")
+        why = _no_data(g)
+        if why is not None:
+            raise SofxError(f"{what}: {path} is {why}")
 
 
 def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tensor]) -> None:

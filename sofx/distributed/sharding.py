@@ -18,7 +18,7 @@ from sofx import tree
 from sofx.distributed.agreement import _agree, _check_same_layout
 from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
 from sofx.distributed.mean import _mean_from_sum, _summands
-from sofx.distributed.refusals import _as_refusal, _check_keywords, _no_data
+from sofx.distributed.refusals import _as_refusal, _check_floating_tensors, _check_keywords, _no_data
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import as_integer, integer
 
@@ -144,14 +144,7 @@ class Shard:
     def _reduce_inputs(self, grads: Any) -> list[Any]:
         """``grads``' leaves in the shard's structure, checked: dense tensors of a floating-point dtype, or None."""
         g_leaves = tree.flatten_up_to(self.spec, grads, "grads")
-        for i, g in enumerate(g_leaves):
-            if g is not None and (not isinstance(g, torch.Tensor) or not g.is_floating_point()):
-                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a floating-point tensor")
-            if g is not None and g.layout != torch.strided:
-                raise SofxError(f"Shard.reduce_mean: gradient {i} must be a dense (strided) tensor, got {g.layout}")
-            if g is not None and g.is_meta:
-                raise SofxError(f"Shard.reduce_mean: {tree.leaf_paths(self.spec, 'grads')[i]} is a meta tensor, "
-                                "without data to average")
+        _check_floating_tensors("Shard.reduce_mean", tree.leaf_paths(self.spec, "grads"), g_leaves)
         return g_leaves
 
     def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
