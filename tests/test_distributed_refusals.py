@@ -82,6 +82,22 @@ def _gradient_not_floating(rank: int) -> dict:
     return out
 
 
+def _unreadable_gradients(rank: int) -> dict:
+    """all_reduce_mean_ and Shard.reduce_mean where rank BAD's gradient tree holds itself (a list appended to
+    itself), which all_reduce_mean_ cannot flatten: before, all_reduce_mean_ flattened it outside its checks and
+    that rank raised RecursionError alone, while the other waited for it in the layout check."""
+    shard = sd.shard_blocks(FULL)
+    out = {}
+    for name, call in (("all_reduce_mean_", sd.all_reduce_mean_), ("reduce_mean", shard.reduce_mean)):
+        grads = _grads(rank)
+        if rank == BAD:
+            grads["q"] = [grads["q"]]
+            grads["q"].append(grads["q"])
+        out[name] = error_text(lambda: call(grads))
+        out[f"{name}_p"] = grads["p"]
+    return out
+
+
 def _unknown_keyword(rank: int) -> dict:
     """A misspelt keyword (check_layuot=) on rank BAD only: before, a TypeError there at the call, while the
     other rank waited for it in the collective."""
@@ -102,7 +118,8 @@ def _not_a_number(rank: int) -> dict:
 
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
          "meta_gradient": _meta_gradient, "gradient_not_floating": _gradient_not_floating,
-         "unknown_keyword": _unknown_keyword, "not_a_number": _not_a_number}
+         "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
+         "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +166,15 @@ def test_a_gradient_that_is_not_floating_point_is_refused_naming_its_path(ranks)
             refused_on_every_rank(ranks, BAD, "gradient_not_floating", f"{what}_{kind}", f"{prefix}{what}: {own}")
             for rank, res in enumerate(ranks):
                 assert torch.equal(res["gradient_not_floating"][f"{what}_{kind}_p"], _grads(rank)["p"])
+
+
+def test_a_gradient_tree_that_cannot_be_flattened_is_refused_on_every_rank(ranks):
+    for what, own in (("all_reduce_mean_", "all_reduce_mean_: this rank's input could not be read (RecursionError: "),
+                      ("reduce_mean", "Shard.reduce_mean: grads['q'] is of type list; expected a floating-point "
+                                      "tensor")):  # (flattened up to the shard's leaves only)
+        refused_on_every_rank(ranks, BAD, "unreadable_gradients", what, own)
+        for rank, res in enumerate(ranks):
+            assert torch.equal(res["unreadable_gradients"][f"{what}_p"], _grads(rank)["p"])
 
 
 def test_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):

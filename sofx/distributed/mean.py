@@ -10,8 +10,7 @@ import torch
 from sofx import tree
 from sofx.distributed.agreement import _check_same_layout
 from sofx.distributed.groups import _collective_device, dist, require_initialized
-from sofx.distributed.refusals import _check_floating_tensors, _check_keywords, _check_writable
-from sofx.errors import SofxError
+from sofx.distributed.refusals import _as_refusal, _check_floating_tensors, _check_keywords, _check_writable
 
 __all__ = ["all_reduce_mean_"]
 
@@ -48,21 +47,17 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
-    leaves, spec = tree.flatten(grads)  # None leaves: empty subtrees, left out
     refused = None
     try:
-        _check_keywords("all_reduce_mean_", unknown, ("check_layout",))
-        paths = tree.leaf_paths(spec, "grads")
-        _check_floating_tensors("all_reduce_mean_", paths, leaves)
-        _check_writable("all_reduce_mean_", paths, leaves)
-    except SofxError as e:  # told to the other ranks by the layout check, which they are waiting in
-        refused = e
+        leaves, with_none, spec_with_none = _checked_gradients(grads, unknown)
+    except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
+        if not check_layout:
+            raise
+        refused, leaves = _as_refusal("all_reduce_mean_", e), []
+        with_none, spec_with_none = tree.flatten(None)  # nothing of this rank's to compare
     if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
-        with_none, spec_with_none = tree.flatten(grads, is_leaf=lambda x: x is None)  # to name a None leaf
         _check_same_layout("all_reduce_mean_", spec_with_none, with_none, "grads", group,
                            _collective_device(group, None), refused)
-    elif refused is not None:
-        raise refused
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
@@ -78,6 +73,20 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
     return grads
+
+
+def _checked_gradients(grads: Any, unknown: dict[str, Any]) -> tuple[list[torch.Tensor], list[Any], tree.TreeSpec]:
+    """:func:`all_reduce_mean_`'s gradients (``None`` leaves left out: empty subtrees), checked, and ``grads``'
+    leaves with ``None`` kept and their structure (what the layout check compares, to name a ``None`` leaf). Any
+    exception here, also one the checks did not foresee (a tree that cannot be flattened), is this rank's
+    refusal."""
+    _check_keywords("all_reduce_mean_", unknown, ("check_layout",))
+    leaves, spec = tree.flatten(grads)
+    paths = tree.leaf_paths(spec, "grads")
+    _check_floating_tensors("all_reduce_mean_", paths, leaves)
+    _check_writable("all_reduce_mean_", paths, leaves)
+    with_none, spec_with_none = tree.flatten(grads, is_leaf=lambda x: x is None)
+    return leaves, with_none, spec_with_none
 
 
 def _summands(flat: torch.Tensor, world: int) -> torch.Tensor:
