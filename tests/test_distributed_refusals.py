@@ -9,6 +9,7 @@ group timeout, and is killed if it does not finish in time: a hang fails the tes
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -42,10 +43,15 @@ def _shard_of_another_rank(rank: int) -> dict:
 def _local_leaf_without_data(rank: int) -> dict:
     """Shard.gather where rank BAD's local leaf (it owns q) is a meta or a sparse tensor of the right shape and
     dtype: before, that rank failed packing it ("Cannot copy out of meta tensor", "reshape is not implemented
-    for sparse tensors") while the other waited for its broadcast."""
+    for sparse tensors") while the other waited for its broadcast; a nested tensor (which has no shape) was
+    refused only as input that "could not be read" ("NestedTensorImpl doesn't support sizes")."""
     shard = sd.shard_blocks(FULL)
     out = {}
-    for name, bad in (("meta", torch.empty(4, device="meta")), ("sparse", torch.ones(4).to_sparse())):
+    with warnings.catch_warnings():  # nested tensors are a prototype
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(2)])
+    for name, bad in (("meta", torch.empty(4, device="meta")), ("sparse", torch.ones(4).to_sparse()),
+                      ("nested", nested)):
         local = [bad] if rank == BAD else shard.local(FULL)
         out[name] = error_text(lambda: shard.gather(local, FULL))
     return out
@@ -61,6 +67,23 @@ def _meta_gradient(rank: int) -> dict:
         grads = _grads(rank)
         if rank == BAD:
             grads["q"] = torch.empty(4, device="meta")
+        out[name] = error_text(lambda: call(grads))
+        out[f"{name}_p"] = grads["p"]
+    return out
+
+
+def _nested_gradient(rank: int) -> dict:
+    """all_reduce_mean_ and Shard.reduce_mean where rank BAD's gradient for q is a nested tensor (of the strided
+    layout, floating point): before, it passed the checks and that rank raised alone in the layout check, where
+    its shape was asked for ("NestedTensorImpl doesn't support sizes"), while the other waited for it there."""
+    shard = sd.shard_blocks(FULL)
+    out = {}
+    for name, call in (("all_reduce_mean_", sd.all_reduce_mean_), ("reduce_mean", shard.reduce_mean)):
+        grads = _grads(rank)
+        if rank == BAD:
+            with warnings.catch_warnings():  # nested tensors are a prototype
+                warnings.simplefilter("ignore")
+                grads["q"] = torch.nested.nested_tensor([torch.ones(2), torch.ones(2)])
         out[name] = error_text(lambda: call(grads))
         out[f"{name}_p"] = grads["p"]
     return out
@@ -117,7 +140,8 @@ def _not_a_number(rank: int) -> dict:
 
 
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
-         "meta_gradient": _meta_gradient, "gradient_not_floating": _gradient_not_floating,
+         "meta_gradient": _meta_gradient, "nested_gradient": _nested_gradient,
+         "gradient_not_floating": _gradient_not_floating,
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
          "not_a_number": _not_a_number}
 
@@ -144,7 +168,8 @@ def test_a_shard_of_another_rank_or_world_size_is_refused_on_every_rank(ranks):
 
 def test_a_meta_or_sparse_local_leaf_to_gather_is_refused_on_every_rank(ranks):
     for name, why in (("meta", "a meta tensor, without data"),
-                      ("sparse", "a torch.sparse_coo tensor; expected a dense (strided) one")):
+                      ("sparse", "a torch.sparse_coo tensor; expected a dense (strided) one"),
+                      ("nested", "a nested tensor; expected a dense (strided) one")):
         refused_on_every_rank(ranks, BAD, "local_leaf_without_data", name,
                                f"Shard.gather: this rank's local leaf for params['q'] is {why}")
 
@@ -156,6 +181,15 @@ def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
                                f"{prefix}{what}: grads['q'] is a meta tensor, without data")
         for rank, res in enumerate(ranks):
             assert torch.equal(res["meta_gradient"][f"{what}_p"], _grads(rank)["p"])
+
+
+def test_a_nested_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
+    for what in ("all_reduce_mean_", "reduce_mean"):
+        prefix = "Shard." if what == "reduce_mean" else ""
+        refused_on_every_rank(ranks, BAD, "nested_gradient", what,
+                               f"{prefix}{what}: grads['q'] is a nested tensor; expected a dense (strided) one")
+        for rank, res in enumerate(ranks):
+            assert torch.equal(res["nested_gradient"][f"{what}_p"], _grads(rank)["p"])
 
 
 def test_a_gradient_that_is_not_floating_point_is_refused_naming_its_path(ranks):

@@ -73,7 +73,10 @@ def _check_keywords(what: str, unknown: dict[str, Any], known: Sequence[str]) ->
 
 def _no_data(x: torch.Tensor) -> str | None:
     """Why a collective cannot pack tensor ``x`` into a flat buffer (``None`` where it can): a meta tensor has no
-    data, a sparse or other non-strided one has no flat view of its elements."""
+    data, a sparse, nested or other non-strided one has no flat view of its elements (a nested tensor of the
+    strided layout has not even a shape)."""
+    if x.is_nested:
+        return "a nested tensor; expected a dense (strided) one"
     if x.layout != torch.strided:
         return f"a {x.layout} tensor; expected a dense (strided) one"
     if x.is_meta:

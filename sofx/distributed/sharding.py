@@ -132,13 +132,13 @@ class Shard:
         paths = tree.leaf_paths(self.spec)
         for i, x in zip(owned, local):
             t = templates[i]
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
-                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
-            why = _no_data(x)
+            why = _no_data(x) if isinstance(x, torch.Tensor) else None  # (a nested tensor has no shape)
             if why is not None:
                 raise SofxError(f"Shard.gather: this rank's local leaf for {paths[i]} is {why}; the owner sends "
                                 "its leaves' data (only like's leaves may be meta tensors)")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
         return templates
 
     def _reduce_inputs(self, grads: Any) -> list[Any]:
