@@ -202,3 +202,32 @@ def test_equal_sets_in_a_setup_read_the_same():
     assert entries(frozenset({0, 8})) == entries(frozenset({8, 0}))
     assert entries({0, 8})["settings['layers']"] == "set({0, 8})"
     assert entries({0, 8}) != entries(frozenset({0, 8})) != entries({0, 9})
+
+
+class _Key:
+    """A dict key without a repr of its own: ``repr`` gives its address, another on every rank."""
+
+
+def test_dict_keys_in_a_setup_read_the_same_on_every_rank():
+    """A dict's entries were named and sorted by their keys' ``repr``: a frozenset key read differently where the
+    set was built in another order or on another rank (Python salts a str's hash per process), an object key by
+    its address, and ranks that passed the same setup were refused as different. Keys are named by the same text
+    as values (sets sorted, addresses left out); keys that read the same cannot be told apart between ranks and
+    are refused, naming where."""
+    from sofx.distributed.setup import _setup_entries
+
+    def entries(value):
+        return _setup_entries(None, None, None, None, None, {"layers": value})
+
+    assert repr(frozenset({0, 8})) != repr(frozenset({8, 0}))
+    assert entries({frozenset({0, 8}): 1.0}) == entries({frozenset({8, 0}): 1.0})
+    assert entries({(frozenset({0, 8}), "a"): 1.0}) == entries({(frozenset({8, 0}), "a"): 1.0})
+    assert "settings['layers'][frozenset({0, 8})]" in entries({frozenset({8, 0}): 1.0})
+    assert entries({_Key(): 1.0}) == entries({_Key(): 1.0}) != entries({_Key(): 2.0})
+    assert entries({"b": 1, "a": 2}) == {"settings": "dict", "settings['layers']": "dict",
+                                         "settings['layers']['a']": "2", "settings['layers']['b']": "1"}
+    with pytest.raises(sofx.SofxError) as info:
+        entries({_Key(): 1.0, _Key(): 2.0})
+    assert str(info.value) == (f"settings['layers'] has two keys that read <{_Key.__module__}._Key object> "
+                               "(addresses left out): which is which could differ between ranks; give the keys a "
+                               "repr that tells them apart")

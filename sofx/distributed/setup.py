@@ -50,7 +50,9 @@ def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, 
     "profile": "torch"}`` for the serial loop, say). Dataclasses,
     NamedTuples, dicts, lists and tuples are compared field by field; floats
     and one-element tensors by their exact value; sets by their elements,
-    sorted; anything else by ``repr`` (object addresses left out). A keyword
+    sorted; anything else by ``repr`` (object addresses left out); a dict's
+    keys read as values do, its items sorted by them (two keys that read the
+    same are refused: which is which could differ between ranks). A keyword
     left ``None`` is not compared, but a rank that passes it where another
     does not differs.
 
@@ -105,7 +107,7 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
 def _entries(path: str, x: Any, out: dict[str, str], depth: int = 0) -> None:
     """``x`` as ``out[path] = text``, and one entry per compared field of a dataclass or NamedTuple and per item
     of a dict, list or tuple (so that a message names the field that differs, ``config.max_norm``)."""
-    items = _items(x) if depth < 8 else None
+    items = _items(path, x) if depth < 8 else None
     if items is None:
         out[path] = _text(x)
         return
@@ -114,28 +116,44 @@ def _entries(path: str, x: Any, out: dict[str, str], depth: int = 0) -> None:
         _entries(path + suffix, value, out, depth + 1)
 
 
-def _items(x: Any) -> list[tuple[str, Any]] | None:
-    """The named parts of a container or record ``x`` (``None`` for anything else)."""
+def _items(path: str, x: Any) -> list[tuple[str, Any]] | None:
+    """The named parts of a container or record ``x`` at ``path`` (``None`` for anything else)."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return [(f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x) if f.compare]
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return [(f".{name}", value) for name, value in zip(x._fields, x)]
     if isinstance(x, Mapping):
-        return [(f"[{k!r}]", x[k]) for k in sorted(x, key=repr)]
+        return _mapping_items(path, x)
     if isinstance(x, (list, tuple)):
         return [(f"[{i}]", value) for i, value in enumerate(x)]
     return None
 
 
+def _mapping_items(path: str, x: Mapping) -> list[tuple[str, Any]]:
+    """The items of mapping ``x`` at ``path``, each named by its key's :func:`_text` (a frozenset key or one whose
+    ``repr`` holds an address reads the same on every rank), sorted by it. Keys that read the same are refused:
+    which is which could differ between ranks."""
+    named: dict[str, Any] = {}
+    for k in x:
+        name = f"[{_text(k)}]"
+        if name in named:
+            raise SofxError(f"{path} has two keys that read {name[1:-1]} (addresses left out): which is which could "
+                            "differ between ranks; give the keys a repr that tells them apart")
+        named[name] = x[k]
+    return sorted(named.items())
+
+
 def _text(x: Any) -> str:
     """``x`` as text that is the same on every rank where ``x`` is: a one-element tensor by its exact value,
     another by its dtype and shape, a set by its elements' texts, sorted (its ``repr`` follows their hashes,
-    which Python salts per process for strings, and their insertion order), anything else by ``repr`` without
-    object addresses (floats are exact)."""
+    which Python salts per process for strings, and their insertion order), a tuple by its items' texts, anything
+    else by ``repr`` without object addresses (floats are exact)."""
     if isinstance(x, torch.Tensor):
         if x.numel() == 1 and x.layout == torch.strided and not x.is_meta:
             return f"tensor({x.item()!r}, dtype={x.dtype})"
         return f"tensor of {x.dtype} {tuple(x.shape)}"
     if isinstance(x, (set, frozenset)):
         return f"{type(x).__name__}({{{', '.join(sorted(map(_text, x)))}}})"
+    if type(x) is tuple:  # (a dict key or a set's element, say: a set in it reads as above)
+        return f"({', '.join(map(_text, x))}{',' if len(x) == 1 else ''})"
     return _ADDRESS.sub("", repr(x))
