@@ -27,6 +27,11 @@ def _structure_digest(spec: tree.TreeSpec) -> bytes:
     return hashlib.blake2b("\n".join(tree.leaf_paths(spec)).encode(), digest_size=16).digest()
 
 
+def _dtype_shape(dtype: torch.dtype, shape: Sequence[int]) -> str:
+    """A leaf's dtype and shape as the ranks compare and the errors name them: ``"torch.float32 (3, 4)"``."""
+    return f"{dtype} {tuple(shape)}"
+
+
 def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[Any, ...]]:
     """What must agree between ranks for a packed collective: the structure and every leaf's dtype and shape
     (``None`` where a leaf has no tensor)."""
@@ -155,7 +160,7 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
         i = next(i for i, (a, b) in enumerate(zip(mine[1], other)) if a != b)
 
         def said(x: Any) -> str:
-            return "no tensor" if x is None else f"{x[0]} {x[1]}"
+            return "no tensor" if x is None else _dtype_shape(*x)
 
         raise SofxError(f"{what}: {paths[i]} is {said(other[i])} on rank {r}, {said(mine[1][i])} on rank {me}; "
                         "every rank must pass the same structure, dtypes and shapes")

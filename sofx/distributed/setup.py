@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from sofx import tree
-from sofx.distributed.agreement import _agree
+from sofx.distributed.agreement import _agree, _dtype_shape
 from sofx.distributed.groups import _collective_device, require_initialized
 from sofx.distributed.refusals import _as_refusal, _check_keywords
 from sofx.errors import SofxError
@@ -87,11 +87,7 @@ def _agree_setup(what: str, group: Any, known: Sequence[str], unknown: dict[str,
 def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any,
                    settings: Mapping[str, Any] | None) -> dict[str, str]:
     """The setup as entries (name -> text) that are equal on every rank where the setup is."""
-    out: dict[str, str] = {}
-    if params is not None:
-        leaves, spec = tree.flatten(params)
-        for path, x in zip(tree.leaf_paths(spec), leaves):
-            out[path] = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else _text(x)
+    out = {} if params is None else _params_entries(params)
     for name, value in (("opt", opt), ("scaler", scaler), ("config", config), ("hparams", hparams)):
         if value is not None:
             _entries(name, value, out)
@@ -102,6 +98,14 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
             raise SofxError(f"settings is a {type(settings).__name__}; expected a mapping of names to settings")
         _entries("settings", dict(settings), out)
     return out
+
+
+def _params_entries(params: Any) -> dict[str, str]:
+    """Every leaf of ``params`` as its path and its dtype and shape (what the ranks' params must agree in; a leaf
+    that is not a tensor, by :func:`_text`)."""
+    leaves, spec = tree.flatten(params)
+    return {path: _dtype_shape(x.dtype, x.shape) if isinstance(x, torch.Tensor) else _text(x)
+            for path, x in zip(tree.leaf_paths(spec), leaves)}
 
 
 def _entries(path: str, x: Any, out: dict[str, str], depth: int = 0) -> None:
@@ -151,7 +155,7 @@ def _text(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         if x.numel() == 1 and x.layout == torch.strided and not x.is_meta:
             return f"tensor({x.item()!r}, dtype={x.dtype})"
-        return f"tensor of {x.dtype} {tuple(x.shape)}"
+        return f"tensor of {_dtype_shape(x.dtype, x.shape)}"
     if isinstance(x, (set, frozenset)):
         return f"{type(x).__name__}({{{', '.join(sorted(map(_text, x)))}}})"
     if type(x) is tuple:  # (a dict key or a set's element, say: a set in it reads as above)

@@ -19,6 +19,7 @@ from sofx.distributed.agreement import _agree, _check_same_layout
 from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
 from sofx.distributed.mean import _mean_from_sum, _summands
 from sofx.distributed.refusals import _as_refusal, _check_floating_tensors, _check_keywords, _no_data
+from sofx.distributed.setup import _params_entries
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import as_integer, integer
 
@@ -316,7 +317,4 @@ def _items_of(x: Any, what: str, items: str) -> tuple[Any, ...]:
 
 def _shard_entries(shard: Shard, params: Any) -> dict[str, str]:
     """What the ranks' shards must agree in: every leaf's path with its dtype and shape, and the owners."""
-    leaves = tree.flatten(params)[0]
-    entries = {path: f"{x.dtype} {tuple(x.shape)}" for path, x in zip(tree.leaf_paths(shard.spec), leaves)}
-    entries["owners"] = repr(shard.owners)
-    return entries
+    return {**_params_entries(params), "owners": repr(shard.owners)}
