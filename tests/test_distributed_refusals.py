@@ -57,6 +57,17 @@ def _local_leaf_without_data(rank: int) -> dict:
     return out
 
 
+def _local_leaf_unlike(rank: int) -> dict:
+    """Shard.gather where rank BAD's local leaf (it owns q) has another shape than like's, or is not a tensor:
+    before, its refusal named the leaf by its index ("leaf 1 is (2, 2) torch.float32, like says ...")."""
+    shard = sd.shard_blocks(FULL)
+    out = {}
+    for name, bad in (("shape", torch.ones(2, 2)), ("number", 1.0)):
+        local = [bad] if rank == BAD else shard.local(FULL)
+        out[name] = error_text(lambda: shard.gather(local, FULL))
+    return out
+
+
 def _meta_gradient(rank: int) -> dict:
     """all_reduce_mean_ and Shard.reduce_mean where rank BAD's gradient for q is a meta tensor: before,
     all_reduce_mean_ on that rank "all-reduced" the meta buffer without error and the other rank's backend
@@ -140,8 +151,8 @@ def _not_a_number(rank: int) -> dict:
 
 
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
-         "meta_gradient": _meta_gradient, "nested_gradient": _nested_gradient,
-         "gradient_not_floating": _gradient_not_floating,
+         "local_leaf_unlike": _local_leaf_unlike, "meta_gradient": _meta_gradient,
+         "nested_gradient": _nested_gradient, "gradient_not_floating": _gradient_not_floating,
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
          "not_a_number": _not_a_number}
 
@@ -172,6 +183,13 @@ def test_a_meta_or_sparse_local_leaf_to_gather_is_refused_on_every_rank(ranks):
                       ("nested", "a nested tensor; expected a dense (strided) one")):
         refused_on_every_rank(ranks, BAD, "local_leaf_without_data", name,
                                f"Shard.gather: this rank's local leaf for params['q'] is {why}")
+
+
+def test_a_local_leaf_unlike_like_is_refused_naming_its_path(ranks):
+    for name, got in (("shape", "torch.float32 (2, 2)"), ("number", "of type float")):
+        refused_on_every_rank(ranks, BAD, "local_leaf_unlike", name,
+                               f"Shard.gather: this rank's local leaf for params['q'] is {got}; like says "
+                               "torch.float32 (4,)")
 
 
 def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):

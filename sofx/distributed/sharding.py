@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
-from sofx.distributed.agreement import _agree, _check_same_layout
+from sofx.distributed.agreement import _agree, _check_same_layout, _dtype_shape
 from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
 from sofx.distributed.mean import _mean_from_sum, _summands
 from sofx.distributed.refusals import _as_refusal, _check_floating_tensors, _check_keywords, _no_data
@@ -138,8 +138,9 @@ class Shard:
                 raise SofxError(f"Shard.gather: this rank's local leaf for {paths[i]} is {why}; the owner sends "
                                 "its leaves' data (only like's leaves may be meta tensors)")
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
-                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise SofxError(f"Shard.gather: leaf {i} is {got}, like says {tuple(t.shape)} {t.dtype}")
+                got = _dtype_shape(x.dtype, x.shape) if isinstance(x, torch.Tensor) else f"of type {type(x).__name__}"
+                raise SofxError(f"Shard.gather: this rank's local leaf for {paths[i]} is {got}; like says "
+                                f"{_dtype_shape(t.dtype, t.shape)}")
         return templates
 
     def _reduce_inputs(self, grads: Any) -> list[Any]:
