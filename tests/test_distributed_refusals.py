@@ -143,6 +143,17 @@ def _unknown_keyword(rank: int) -> dict:
             "gather": error_text(lambda: shard.gather(shard.local(FULL), FULL, **kw)), "grads": grads}
 
 
+def _positional_too_many(rank: int) -> dict:
+    """check_layout=False passed positionally on rank BAD only: before, a TypeError there at the call ("takes from
+    2 to 3 positional arguments but 4 were given"), while the other rank waited for it in the collective."""
+    shard = sd.shard_blocks(FULL)
+    more = (False,) if rank == BAD else ()
+    grads = _grads(rank)
+    return {"all_reduce_mean_": error_text(lambda: sd.all_reduce_mean_(grads, None, *more)),
+            "reduce_mean": error_text(lambda: shard.reduce_mean(grads, None, *more)),
+            "gather": error_text(lambda: shard.gather(shard.local(FULL), FULL, None, *more)), "grads": grads}
+
+
 def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
@@ -154,7 +165,7 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "local_leaf_unlike": _local_leaf_unlike, "meta_gradient": _meta_gradient,
          "nested_gradient": _nested_gradient, "gradient_not_floating": _gradient_not_floating,
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
-         "not_a_number": _not_a_number}
+         "positional_too_many": _positional_too_many, "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +246,16 @@ def test_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
                                f"{what}: unknown keyword argument 'check_layuot'; it takes check_layout")
     for rank, res in enumerate(ranks):
         _assert_unchanged(res["unknown_keyword"]["grads"], _grads(rank))
+
+
+def test_a_positional_argument_too_many_on_one_rank_is_refused_on_every_rank(ranks):
+    for what, takes in (("all_reduce_mean_", "grads, group"), ("Shard.reduce_mean", "grads, group"),
+                        ("Shard.gather", "local, like, group")):
+        refused_on_every_rank(ranks, BAD, "positional_too_many", what.removeprefix("Shard."),
+                               f"{what}: 1 positional argument too many (bool); it takes {takes}, then only the "
+                               "keywords check_layout")
+    for rank, res in enumerate(ranks):
+        _assert_unchanged(res["positional_too_many"]["grads"], _grads(rank))
 
 
 def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):

@@ -65,6 +65,7 @@ def _shard_blocks(rank: int) -> dict:
     out["owners"] = _message(lambda: sd.shard_blocks(_params(rank), owners=(1, 0) if bad else (0, 1)))
     out["keyword"] = _message(lambda: sd.shard_blocks(_params(rank), **({"owner": (0, 1)} if bad else {})))
     out["rank_only"] = _message(lambda: sd.shard_blocks(_params(rank), **({"rank": 1} if bad else {})))
+    out["positional"] = _message(lambda: sd.shard_blocks(_params(rank), None, *([(0, 1)] if bad else [])))
     return out
 
 
@@ -101,6 +102,7 @@ def _all_reduce_sumsq(rank: int) -> dict:
     for change in SETUP_CHANGES + ("raising schedule",):
         out[change] = _message(lambda: built(**_setup(rank, change)))
     out["keyword"] = _message(lambda: built(**_setup(rank), **({"scalar": None} if bad else {})))
+    out["positional"] = _message(lambda: sd.all_reduce_sumsq(None, *(["cpu"] if bad else [])) and "built")
     out["device"] = _message(lambda: built(device="meta" if bad else None))
     out["no device"] = _message(lambda: built(device="nowhere" if bad else None))
     return out
@@ -112,7 +114,8 @@ def _check_same_setup(rank: int) -> dict:
             "settings": _message(lambda: sd.check_same_setup(settings={"max_norm": 2.0 if bad else 1.0})),
             "given on one rank": _message(lambda: sd.check_same_setup(settings={"max_norm": 1.0} if bad else None)),
             "not a mapping": _message(lambda: sd.check_same_setup(settings=[1.0] if bad else {})),
-            "order": _message(lambda: sd.check_same_setup(params=_params(rank, "order")))}
+            "order": _message(lambda: sd.check_same_setup(params=_params(rank, "order"))),
+            "positional": _message(lambda: sd.check_same_setup(None, *([_params(rank)] if bad else [])))}
 
 
 CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup}
@@ -144,6 +147,9 @@ def test_shard_blocks_refuses_one_ranks_bad_input_on_every_rank(ranks):
                            "shard_blocks: unknown keyword argument 'owner'; it takes owners, rank, world_size")
     refused_on_every_rank(ranks, BAD, "shard_blocks", "rank_only",
                            "shard_blocks: pass both rank and world_size, or neither")
+    refused_on_every_rank(ranks, BAD, "shard_blocks", "positional",
+                           "shard_blocks: 1 positional argument too many (tuple); it takes params, group, then only "
+                           "the keywords owners, rank, world_size")
 
 
 def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
@@ -170,6 +176,9 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
     refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "keyword",
                            "all_reduce_sumsq: unknown keyword argument 'scalar'; it takes device, params, opt, "
                            "scaler, config, hparams, settings")
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "positional",
+                           "all_reduce_sumsq: 1 positional argument too many (str); it takes group, then only the "
+                           "keywords device, params, opt, scaler, config, hparams, settings")
     refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "no device",
                           "all_reduce_sumsq: this rank's input could not be read (RuntimeError: Expected one of")
 
@@ -184,6 +193,9 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
                                                    "absent on rank 0; dict on rank 1 (and 1 more: "
                                                    "settings['max_norm'])"), got
         assert got["order"].startswith(f"SofxError: check_same_setup: {ORDER}; every rank must be set up"), got
+    refused_on_every_rank(ranks, BAD, "check_same_setup", "positional",
+                           "check_same_setup: 1 positional argument too many (dict); it takes group, then only the "
+                           "keywords params, opt, scaler, config, hparams, settings")
     refused_on_every_rank(ranks, BAD, "check_same_setup", "not a mapping",
                            "settings is a list; expected a mapping of names to settings")
 

@@ -10,12 +10,12 @@ import torch
 from sofx import tree
 from sofx.distributed.agreement import _check_same_layout
 from sofx.distributed.groups import _collective_device, dist, require_initialized
-from sofx.distributed.refusals import _as_refusal, _check_floating_tensors, _check_keywords, _check_writable
+from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floating_tensors, _check_writable
 
 __all__ = ["all_reduce_mean_"]
 
 
-def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True, **unknown: Any) -> Any:
+def all_reduce_mean_(grads: Any, group: Any = None, *extra: Any, check_layout: bool = True, **unknown: Any) -> Any:
     """Average a gradient pytree across ranks, in place: ``g <- (sum_r g_r) / world_size``; returns ``grads``.
 
     Leaves of one dtype and device are packed into one flat buffer, summed by
@@ -42,14 +42,16 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     identical. With two ranks the sum ``g_0 + g_1`` is exactly what one
     process computes (for fp16/bf16: ``cast((fp32(g_0) + fp32(g_1)) / 2)``);
     with more, the order of the additions is the backend's. A keyword it
-    does not take is refused as the rank's own input too (a ``TypeError``
-    at the call would leave the other ranks waiting).
+    does not take, or a positional argument too many, is refused as the
+    rank's own input too (a ``TypeError`` at the call would leave the other
+    ranks waiting).
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
     refused = None
     try:
-        leaves, with_none, spec_with_none = _checked_gradients(grads, unknown)
+        _check_arguments("all_reduce_mean_", "grads, group", extra, unknown, ("check_layout",))
+        leaves, with_none, spec_with_none = _checked_gradients(grads)
     except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
         if not check_layout:
             raise
@@ -75,12 +77,11 @@ def all_reduce_mean_(grads: Any, group: Any = None, *, check_layout: bool = True
     return grads
 
 
-def _checked_gradients(grads: Any, unknown: dict[str, Any]) -> tuple[list[torch.Tensor], list[Any], tree.TreeSpec]:
+def _checked_gradients(grads: Any) -> tuple[list[torch.Tensor], list[Any], tree.TreeSpec]:
     """:func:`all_reduce_mean_`'s gradients (``None`` leaves left out: empty subtrees), checked, and ``grads``'
     leaves with ``None`` kept and their structure (what the layout check compares, to name a ``None`` leaf). Any
     exception here, also one the checks did not foresee (a tree that cannot be flattened), is this rank's
     refusal."""
-    _check_keywords("all_reduce_mean_", unknown, ("check_layout",))
     leaves, spec = tree.flatten(grads)
     paths = tree.leaf_paths(spec, "grads")
     _check_floating_tensors("all_reduce_mean_", paths, leaves)

@@ -2,7 +2,7 @@
 
 A collective's ranks wait for each other: a rank that raised before the
 collective alone would leave the others waiting there until the group's
-timeout. So each collective checks its own input first (:func:`_check_keywords`,
+timeout. So each collective checks its own input first (:func:`_check_arguments`,
 :func:`_check_floating_tensors`, :func:`_check_writable`, :func:`_no_data`),
 still takes part in the collective's agreement as a rank that refuses
 (:func:`_as_refusal`), and raises its error after telling the others;
@@ -61,10 +61,16 @@ def _check_writable(what: str, paths: Sequence[str], grads: Sequence[torch.Tenso
             raise SofxError(f"{what}: {why} (the mean is written into the gradients)")
 
 
-def _check_keywords(what: str, unknown: dict[str, Any], known: Sequence[str]) -> None:
-    """Refuse the keyword arguments a collective caught in ``**unknown``: a misspelt one on one rank is that
-    rank's refusal, told to the others inside the collective, where Python's ``TypeError`` at the call left them
-    waiting for it."""
+def _check_arguments(what: str, positional: str, extra: tuple[Any, ...], unknown: dict[str, Any],
+                     known: Sequence[str]) -> None:
+    """Refuse the positional arguments a collective caught in ``*extra`` (after its own, ``positional``) and the
+    keyword arguments it caught in ``**unknown`` (it takes ``known``): a misspelt keyword or one positional
+    argument too many on one rank is that rank's refusal, told to the others inside the collective, where
+    Python's ``TypeError`` at the call left them waiting for it."""
+    if extra:
+        raise SofxError(f"{what}: {len(extra)} positional argument{'s' if len(extra) > 1 else ''} too many "
+                        f"({', '.join(type(a).__name__ for a in extra)}); it takes {positional}, then only the "
+                        f"keywords {', '.join(known)}")
     if unknown:
         names = ", ".join(map(repr, sorted(unknown)))
         raise SofxError(f"{what}: unknown keyword argument{'s' if len(unknown) > 1 else ''} {names}; it takes "

@@ -15,7 +15,7 @@ import torch
 from sofx import tree
 from sofx.distributed.agreement import _agree, _dtype_shape
 from sofx.distributed.groups import _collective_device, require_initialized
-from sofx.distributed.refusals import _as_refusal, _check_keywords
+from sofx.distributed.refusals import _as_refusal, _check_arguments
 from sofx.errors import SofxError
 
 __all__ = ["check_same_setup"]
@@ -34,7 +34,7 @@ def _setup_hint(*more: str) -> str:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, scaler: Any = None,
+def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: Any = None, scaler: Any = None,
                      config: Any = None, hparams: Any = None, settings: Mapping[str, Any] | None = None,
                      **unknown: Any) -> None:
     """Raise on every rank of ``group`` unless every rank passed the same setup: a collective, at setup.
@@ -59,25 +59,25 @@ def check_same_setup(group: Any = None, *, params: Any = None, opt: Any = None, 
     One all-reduce of 16 bytes (a digest); where the ranks differ, every rank
     raises naming the first entry that differs (``config.max_norm``,
     ``params['w']``, ``hparams(0)['head'].lr``) with each rank's value; where
-    a rank refuses its own input (an unknown keyword, a schedule that raises
-    at step 0), it raises its error and every other rank names it. Without
-    the check such ranks step side by side, differently, and their gathered
-    results silently mix. (:func:`all_reduce_sumsq` takes the same keywords
-    and checks them as it builds the hook; :func:`shard_blocks` checks the
-    params of a shard.)
+    a rank refuses its own input (an unknown keyword, a positional argument
+    after ``group``, a schedule that raises at step 0), it raises its error
+    and every other rank names it. Without the check such ranks step side by
+    side, differently, and their gathered results silently mix.
+    (:func:`all_reduce_sumsq` takes the same keywords and checks them as it
+    builds the hook; :func:`shard_blocks` checks the params of a shard.)
     """
     require_initialized(group, "check_same_setup")
-    _agree_setup("check_same_setup", group, _SETUP_KEYWORDS, unknown,
+    _agree_setup("check_same_setup", group, extra, _SETUP_KEYWORDS, unknown,
                  lambda: _setup_entries(params, opt, scaler, config, hparams, settings), _setup_hint())
 
 
-def _agree_setup(what: str, group: Any, known: Sequence[str], unknown: dict[str, Any],
+def _agree_setup(what: str, group: Any, extra: tuple[Any, ...], known: Sequence[str], unknown: dict[str, Any],
                  entries: Callable[[], dict[str, str]], hint: str) -> None:
-    """:func:`_agree` on ``entries()``, where an unknown keyword or a failure of ``entries`` is this rank's
-    refusal."""
+    """:func:`_agree` on ``entries()``, where a positional argument after ``group`` (``extra``), an unknown
+    keyword or a failure of ``entries`` is this rank's refusal."""
     refused, mine = None, {}
     try:
-        _check_keywords(what, unknown, known)
+        _check_arguments(what, "group", extra, unknown, known)
         mine = entries()
     except Exception as e:  # told to the other ranks by the agreement, which they are waiting in
         refused = _as_refusal(what, e)

@@ -18,7 +18,7 @@ from sofx import tree
 from sofx.distributed.agreement import _agree, _check_same_layout, _dtype_shape
 from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
 from sofx.distributed.mean import _mean_from_sum, _summands
-from sofx.distributed.refusals import _as_refusal, _check_floating_tensors, _check_keywords, _no_data
+from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floating_tensors, _no_data
 from sofx.distributed.setup import _params_entries
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import as_integer, integer
@@ -149,7 +149,7 @@ class Shard:
         _check_floating_tensors("Shard.reduce_mean", tree.leaf_paths(self.spec, "grads"), g_leaves)
         return g_leaves
 
-    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *,
+    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *extra: Any,
                check_layout: bool = True, **unknown: Any) -> Any:
         """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
 
@@ -165,7 +165,7 @@ class Shard:
         require_initialized(group, "Shard.gather")
         refused = None
         try:
-            _check_keywords("Shard.gather", unknown, ("check_layout",))
+            _check_arguments("Shard.gather", "local, like, group", extra, unknown, ("check_layout",))
             self._check_group(group, "Shard.gather")
             local = list(local)  # (a TypeError for None: refused below, as the checks' errors)
             templates = self._gather_inputs(local, like)
@@ -190,7 +190,7 @@ class Shard:
                 out[i] = part.view(templates[i].shape)
         return tree.unflatten(self.spec, out)
 
-    def reduce_mean(self, grads: Any, group: Any = None, *, check_layout: bool = True,
+    def reduce_mean(self, grads: Any, group: Any = None, *extra: Any, check_layout: bool = True,
                     **unknown: Any) -> list[Any]:
         """Data parallel + sharding: every leaf's gradient averaged onto its owner only.
 
@@ -208,7 +208,7 @@ class Shard:
         require_initialized(group, "Shard.reduce_mean")
         refused = None
         try:
-            _check_keywords("Shard.reduce_mean", unknown, ("check_layout",))
+            _check_arguments("Shard.reduce_mean", "grads, group", extra, unknown, ("check_layout",))
             self._check_group(group, "Shard.reduce_mean")
             g_leaves = self._reduce_inputs(grads)
         except Exception as e:  # told to the other ranks by the layout check, which they are waiting in
@@ -244,7 +244,7 @@ def _buckets(owners: Sequence[int], templates: Sequence[Any]) -> dict[tuple[int,
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[1][0])))
 
 
-def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None = None,
+def shard_blocks(params: Any, group: Any = None, *extra: Any, owners: Sequence[int] | None = None,
                  rank: int | None = None, world_size: int | None = None, **unknown: Any) -> Shard:
     """The :class:`Shard` of this rank for the full ``params`` tree.
 
@@ -257,13 +257,14 @@ def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None
     it at setup: the ranks check (one all-reduce of 16 bytes) that their
     params agree in structure, dtypes and shapes and their shards in owners.
     Where not, or where a rank refuses its own input (a leaf that is not a
-    tensor, bad owners, an unknown keyword), every rank raises naming the
-    rank, or the first leaf that differs with each rank's dtype and shape.
+    tensor, bad owners, an unknown keyword, a positional argument too many),
+    every rank raises naming the rank, or the first leaf that differs with
+    each rank's dtype and shape.
     Unchecked, such shards step leaves of other shapes, or other leaves, side
     by side until a gather finds it (or, without one, never).
     """
     if (rank is not None and world_size is not None) or not is_ready():  # no process group to agree with
-        _check_keywords("shard_blocks", unknown, _SHARD_KEYWORDS)
+        _check_arguments("shard_blocks", "params, group", extra, unknown, _SHARD_KEYWORDS)
         if rank is None or world_size is None:
             if rank is not None or world_size is not None:
                 raise SofxError("shard_blocks: pass both rank and world_size, or neither")
@@ -272,7 +273,7 @@ def shard_blocks(params: Any, group: Any = None, *, owners: Sequence[int] | None
     require_initialized(group, "shard_blocks")
     refused, shard = None, None
     try:
-        _check_keywords("shard_blocks", unknown, _SHARD_KEYWORDS)
+        _check_arguments("shard_blocks", "params, group", extra, unknown, _SHARD_KEYWORDS)
         if rank is not None or world_size is not None:
             raise SofxError("shard_blocks: pass both rank and world_size, or neither")
         shard = _build_shard(params, owners, dist.get_rank(group), dist.get_world_size(group))

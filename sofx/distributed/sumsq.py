@@ -69,9 +69,10 @@ class SumsqReduce:
         return total
 
 
-def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = None, params: Any = None,
-                     opt: Any = None, scaler: Any = None, config: Any = None, hparams: Any = None,
-                     settings: Mapping[str, Any] | None = None, **unknown: Any) -> SumsqReduce:
+def all_reduce_sumsq(group: Any = None, *extra: Any, device: torch.device | str | None = None,
+                     params: Any = None, opt: Any = None, scaler: Any = None, config: Any = None,
+                     hparams: Any = None, settings: Mapping[str, Any] | None = None,
+                     **unknown: Any) -> SumsqReduce:
     """The ``reduce_sumsq`` hook: ``s_local -> sum over ranks of s_local`` (float64, rank order).
 
     ``s = (((s_0 + s_1) + s_2) + ...)`` with ``s_r`` rank ``r``'s local sum of
@@ -102,7 +103,7 @@ def all_reduce_sumsq(group: Any = None, *, device: torch.device | str | None = N
         return {"device": _device_type(group, device),
                 **_setup_entries(params, opt, scaler, config, hparams, settings)}
 
-    _agree_setup("all_reduce_sumsq", group, ("device", *_SETUP_KEYWORDS), unknown, entries,
+    _agree_setup("all_reduce_sumsq", group, extra, ("device", *_SETUP_KEYWORDS), unknown, entries,
                  _setup_hint("the hook's device"))
     return SumsqReduce(group, device)
 
