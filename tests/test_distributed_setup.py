@@ -108,6 +108,11 @@ def _all_reduce_sumsq(rank: int) -> dict:
     return out
 
 
+def _warmup(peak: float, steps: int):
+    """A schedule of one's own (not a dataclass, compared by its value): lr from 0 to ``peak`` over ``steps``."""
+    return lambda step: AdamHParams(lr=peak * min(1.0, step / steps))
+
+
 def _check_same_setup(rank: int) -> dict:
     bad = rank == BAD
     return {"same": _message(lambda: sd.check_same_setup(**_setup(rank), settings={"max_norm": 1.0})),
@@ -115,7 +120,8 @@ def _check_same_setup(rank: int) -> dict:
             "given on one rank": _message(lambda: sd.check_same_setup(settings={"max_norm": 1.0} if bad else None)),
             "not a mapping": _message(lambda: sd.check_same_setup(settings=[1.0] if bad else {})),
             "order": _message(lambda: sd.check_same_setup(params=_params(rank, "order"))),
-            "positional": _message(lambda: sd.check_same_setup(None, *([_params(rank)] if bad else [])))}
+            "positional": _message(lambda: sd.check_same_setup(None, *([_params(rank)] if bad else []))),
+            "warmup": _message(lambda: sd.check_same_setup(hparams=_warmup(0.5, 200 if bad else 100)))}
 
 
 CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup}
@@ -159,7 +165,8 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
                       "rank 1",
             "scaler": "scaler.growth_interval differs between ranks: 2000 on rank 0; 1000 on rank 1",
             "config": "config.max_norm differs between ranks: 1.0 on rank 0; 2.0 on rank 1",
-            "hparams": "hparams(0)['p'].lr differs between ranks: 0.01 on rank 0; 0.02 on rank 1",
+            "hparams": "hparams(0)['p'].lr differs between ranks: 0.01 on rank 0; 0.02 on rank 1 (and 1 more: "
+                       "hparams(1)['p'].lr)",
             "device": "device differs between ranks: cpu on rank 0; meta on rank 1"}
     for res in ranks:
         got = res["all_reduce_sumsq"]
@@ -193,6 +200,9 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
                                                    "absent on rank 0; dict on rank 1 (and 1 more: "
                                                    "settings['max_norm'])"), got
         assert got["order"].startswith(f"SofxError: check_same_setup: {ORDER}; every rank must be set up"), got
+        # a warm-up of another length: lr 0 at step 0 on every rank (before, all that was compared)
+        assert got["warmup"].startswith("SofxError: check_same_setup: hparams(1).lr differs between ranks: 0.005 on "
+                                        "rank 0; 0.0025 on rank 1; every rank must be set up"), got
     refused_on_every_rank(ranks, BAD, "check_same_setup", "positional",
                            "check_same_setup: 1 positional argument too many (dict); it takes group, then only the "
                            "keywords params, opt, scaler, config, hparams, settings")

@@ -33,6 +33,10 @@ def _setup_hint(*more: str) -> str:
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
+# where a schedule's values are compared: the first step, and the second, where a warm-up (which starts at the
+# same value whatever its length) or a decay has moved already
+_SCHEDULE_STEPS = (0, 1)
+
 
 def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: Any = None, scaler: Any = None,
                      config: Any = None, hparams: Any = None, settings: Mapping[str, Any] | None = None,
@@ -45,7 +49,9 @@ def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: An
     settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
     ``hparams``: the full hparams (an ``AdamHParams`` prefix tree, not a
     rank's :meth:`Shard.local_hparams`), or a schedule of them, compared by
-    its fields (a dataclass) or ``repr`` and by its value at step 0;
+    its fields (a dataclass: every schedule of :mod:`sofx.schedules`) or
+    ``repr`` and by its values at steps 0 and 1 (a warm-up of another length
+    starts at the same value, and differs at step 1);
     ``settings``: anything else that must agree (``{"max_norm": 1.0,
     "profile": "torch"}`` for the serial loop, say). Dataclasses,
     NamedTuples, dicts, lists and tuples are compared field by field; floats
@@ -60,7 +66,7 @@ def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: An
     raises naming the first entry that differs (``config.max_norm``,
     ``params['w']``, ``hparams(0)['head'].lr``) with each rank's value; where
     a rank refuses its own input (an unknown keyword, a positional argument
-    after ``group``, a schedule that raises at step 0), it raises its error
+    after ``group``, a schedule that raises at step 0 or 1), it raises its error
     and every other rank names it. Without the check such ranks step side by
     side, differently, and their gathered results silently mix.
     (:func:`all_reduce_sumsq` takes the same keywords and checks them as it
@@ -92,7 +98,8 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
         if value is not None:
             _entries(name, value, out)
     if callable(hparams):
-        _entries("hparams(0)", hparams(0), out)
+        for step in _SCHEDULE_STEPS:
+            _entries(f"hparams({step})", hparams(step), out)
     if settings is not None:
         if not isinstance(settings, Mapping):
             raise SofxError(f"settings is a {type(settings).__name__}; expected a mapping of names to settings")
