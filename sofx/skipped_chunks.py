@@ -22,7 +22,7 @@ import torch
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
 from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunks, listed_elements, listed_ranges,
-                                  put_chunks, range_calls)
+                                  put_chunks, range_calls, take_chunks)
 from sofx.undo_record import CHECKED_CHUNKS_REASON, LeafUndo, chunk_snapshot_bytes, strategy_snapshot_bytes
 
 __all__ = ["Pending", "finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
@@ -111,13 +111,20 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     gradient."""
     n = results[0].numel()
     chunks = call.skip.nonzero().flatten()
-    held = results if donate else inputs  # the old step's values there
-    cur = [gather_chunks(t, chunks) for t in held]
-    p_old = gather_chunks(call.p_old, chunks) if call.p_old is not None else None
-    kernel.undo_many([UndoCall(cur[0], gather_chunks(call.g_old, chunks), cur[1], cur[2], call.s_old, p_old,
-                               (cur[0], cur[1], cur[2]))], variant)
-    if undone_rec is not None and undone_rec.chunks is not None:  # its kept chunks: their old values, exact
-        _overlay(cur, chunks, (undone_rec.p_old, undone_rec.m_old, undone_rec.v_old), undone_rec.chunks, n)
+    kept = undone_rec is not None and undone_rec.chunks is not None  # its kept chunks: their old values, exact
+    if kept and bool(torch.isin(chunks, undone_rec.chunks).all()):
+        # (a late clip redoes the same spikes: the undone step's record kept every chunk the redo flags) no undo:
+        # the kept values, the very tensors where the chunks are the same (read only: the record is used up)
+        cur = [take_chunks(t, undone_rec.chunks, chunks, n) for t in (undone_rec.p_old, undone_rec.m_old,
+                                                                       undone_rec.v_old)]
+    else:
+        held = results if donate else inputs  # the old step's values there
+        cur = [gather_chunks(t, chunks) for t in held]
+        p_old = gather_chunks(call.p_old, chunks) if call.p_old is not None else None
+        kernel.undo_many([UndoCall(cur[0], gather_chunks(call.g_old, chunks), cur[1], cur[2], call.s_old, p_old,
+                                   (cur[0], cur[1], cur[2]))], variant)
+        if kept:
+            _overlay(cur, chunks, (undone_rec.p_old, undone_rec.m_old, undone_rec.v_old), undone_rec.chunks, n)
     step = StepCall(cur[0], call.g_new, cur[1], cur[2], call.s_new, tuple(results), call.p_copy)
     _run_or_leave(variant, kernel, ChunkedCall(step, chunks, packed=True), pending)
     if chunks.numel() == call.skip.numel():  # every chunk: a whole snapshot

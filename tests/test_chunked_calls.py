@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from sofx.errors import HParamError, LeafError
 from sofx.kernels import cpu, cpu_fast
 from sofx.kernels.base import FINITE_CHUNK, AdamVariant, MemoryOverlapError, StepCall, UndoRedoCall
-from sofx.kernels.chunked import ChunkedCall, gather_chunks, listed_elements, listed_ranges, put_chunks, range_calls
+from sofx.kernels.chunked import (ChunkedCall, gather_chunks, listed_elements, listed_ranges, put_chunks, range_calls,
+                                  take_chunks)
 
 from helpers import bits, block_inputs, block_scalars
 
@@ -266,6 +267,19 @@ def test_gather_and_put_chunks_are_inverses(n, rng):
         put_chunks(dst, idx, packed)
         mask = _mask(chunks, n)
         assert torch.equal(dst[mask], t[mask].bfloat16()) and not bool(dst[~mask].any())
+
+
+@pytest.mark.parametrize("n", [5 * C, 5 * C - 7])
+def test_take_chunks_picks_listed_chunks_out_of_packed_ones(n, rng):
+    """take_chunks: a subset of packed chunks' values (the partial last chunk too); the packed tensor itself
+    where the chunks are the same."""
+    t = torch.randn(n, generator=rng)
+    held = [0, 1, 3, 4]
+    packed = gather_chunks(t, torch.tensor(held))
+    for want in ([0, 1, 3, 4], [1, 4], [0, 3], [4], []):
+        got = take_chunks(packed, torch.tensor(held), torch.tensor(want, dtype=torch.int64), n)
+        assert torch.equal(got, _listed(t, want))
+        assert (got is packed) == (want == held)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

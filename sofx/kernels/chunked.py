@@ -29,7 +29,7 @@ from sofx.kernels.donation import MemorySpans, overlap_error, same_memory
 from sofx.kernels.reference import concrete_checked
 
 __all__ = ["ChunkedCall", "ascending_chunks", "check_chunked", "check_chunked_calls", "gather_chunks",
-           "listed_elements", "listed_ranges", "put_chunks", "range_calls"]
+           "listed_elements", "listed_ranges", "put_chunks", "range_calls", "take_chunks"]
 
 
 class ChunkedCall(NamedTuple):
@@ -239,3 +239,19 @@ def put_chunks(t: torch.Tensor, chunks: torch.Tensor, packed: torch.Tensor) -> N
         flat[whole * FINITE_CHUNK:] = packed[-tail:]
         chunks, packed = chunks[:-1], packed[:-tail]
     rows.index_copy_(0, chunks, packed.view(-1, FINITE_CHUNK).to(t.dtype))
+
+
+def take_chunks(packed: torch.Tensor, packed_chunks: torch.Tensor, chunks: torch.Tensor, n: int) -> torch.Tensor:
+    """The values of ``chunks`` (ascending, each one of ``packed_chunks``) from ``packed``, which holds
+    ``packed_chunks``' (ascending) one after another, of a block of ``n`` elements: ``packed`` itself where
+    they are the same chunks, else a new tensor (whole chunks as rows; the block's partial last chunk, last in
+    both where both hold it)."""
+    if torch.equal(chunks, packed_chunks):
+        return packed
+    whole = n // FINITE_CHUNK
+    rows = packed[:int((packed_chunks < whole).sum()) * FINITE_CHUNK].view(-1, FINITE_CHUNK)
+    full = chunks[chunks < whole]
+    out = rows.index_select(0, torch.searchsorted(packed_chunks, full)).view(-1)
+    if full.numel() < chunks.numel():  # the partial last chunk
+        return torch.cat([out, packed[-(n - whole * FINITE_CHUNK):]])
+    return out
