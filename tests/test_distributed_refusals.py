@@ -203,22 +203,15 @@ def test_a_local_leaf_unlike_like_is_refused_naming_its_path(ranks):
                                "torch.float32 (4,)")
 
 
-def test_a_meta_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
+@pytest.mark.parametrize("case, words", [("meta_gradient", "is a meta tensor, without data"),
+                                         ("nested_gradient", "is a nested tensor; expected a dense (strided) one")])
+def test_a_gradient_without_dense_data_is_refused_on_every_rank_and_nothing_is_written(ranks, case, words):
+    """A meta or a nested gradient (the nested one passed every check, then one rank raised alone)."""
     for what in ("all_reduce_mean_", "reduce_mean"):
         prefix = "Shard." if what == "reduce_mean" else ""
-        refused_on_every_rank(ranks, BAD, "meta_gradient", what,
-                               f"{prefix}{what}: grads['q'] is a meta tensor, without data")
+        refused_on_every_rank(ranks, BAD, case, what, f"{prefix}{what}: grads['q'] {words}")
         for rank, res in enumerate(ranks):
-            assert torch.equal(res["meta_gradient"][f"{what}_p"], _grads(rank)["p"])
-
-
-def test_a_nested_gradient_is_refused_on_every_rank_and_nothing_is_written(ranks):
-    for what in ("all_reduce_mean_", "reduce_mean"):
-        prefix = "Shard." if what == "reduce_mean" else ""
-        refused_on_every_rank(ranks, BAD, "nested_gradient", what,
-                               f"{prefix}{what}: grads['q'] is a nested tensor; expected a dense (strided) one")
-        for rank, res in enumerate(ranks):
-            assert torch.equal(res["nested_gradient"][f"{what}_p"], _grads(rank)["p"])
+            assert torch.equal(res[case][f"{what}_p"], _grads(rank)["p"])
 
 
 def test_a_gradient_that_is_not_floating_point_is_refused_naming_its_path(ranks):
