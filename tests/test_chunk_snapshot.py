@@ -544,3 +544,35 @@ def test_chains_of_undo_redo_over_chunk_snapshots_are_one_update(backend, decoup
                 assert _rel0(a, b) <= TOL, (k, name, _rel0(a, b), rec.strategies())
             else:  # zero moments (warm = 0): restored exactly
                 assert torch.equal(a, b), (k, name, rec.strategies())
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_undo_redo_chains_take_kept_values_as_the_serial_path_steps_them(donate: bool) -> None:
+    """Chains of undo_redo whose flagged chunks equal, shrink below or grow past the undone record's kept ones:
+    each result the serial path's (undo, then update) within DESIGN.md's 1e-6; a redo flagging only kept chunks
+    takes the kept values (the very tensors where the chunks are the same), which no later call writes."""
+    gen = torch.Generator().manual_seed(11)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu")
+    params, state = _warm(opt, gen)
+    serial = _clone((params, state))
+    chain = [(7, 3 * FINITE_CHUNK + 7), (7, 3 * FINITE_CHUNK + 7), (3 * FINITE_CHUNK + 7,), (7, FINITE_CHUNK + 7)]
+    grads = _spiked(params, gen, *chain[0])
+    p, s, rec = opt.update(params, grads, state, donate=donate)
+    sp, ss, srec = opt.update(*serial[:1], grads, serial[1], donate=donate)
+    kept_before = _clone((rec.leaves[1].p_old, rec.leaves[1].m_old, rec.leaves[1].v_old))
+    for i, spikes in enumerate(chain[1:]):
+        old = rec.leaves[1]
+        grads = _spiked(params, gen, *spikes)
+        p, s, rec = opt.undo_redo(p, s, rec, grads, grad_scale=0.5 + 0.1 * i, donate=donate)
+        sp, ss = opt.undo(sp, ss, srec, donate=donate)
+        sp, ss, srec = opt.update(sp, grads, ss, grad_scale=0.5 + 0.1 * i, donate=donate)
+        for a, b in zip(_leaf(p, s), _leaf(sp, ss)):
+            assert _rel(a, b) <= TOL
+        new = rec.leaves[1]
+        assert new.chunks.tolist() == sorted({c // FINITE_CHUNK for c in spikes})
+        assert (new.p_old is old.p_old) == torch.equal(new.chunks, old.chunks)
+        for a, b in zip((old.p_old, old.m_old, old.v_old), kept_before):  # the used-up record's values unchanged
+            assert torch.equal(a, b)
+        kept_before = _clone((new.p_old, new.m_old, new.v_old))
+    for a, b in zip(_leaf(*opt.undo(p, s, rec, donate=donate)), _leaf(*opt.undo(sp, ss, srec, donate=donate))):
+        assert _rel(a, b) <= TOL
