@@ -249,14 +249,20 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     for name, t in named:
         if t is None and name in _OPTIONAL_TENSORS:
             continue
-        if not isinstance(t, torch.Tensor):
-            raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-        if t.device != device:
-            raise UnsupportedError(f"{where}: {name} is on {t.device}, p on {device}")
-        if not t.dtype.is_floating_point:
-            raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+        check_float_tensor(where, name, t, device, "p")
         if t.shape != shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def check_float_tensor(where: str, name: str, t: Any, device: torch.device, anchor: str) -> None:
+    """Refuse ``t`` (argument ``name`` of the call ``where``) unless it is a floating-point tensor on ``device``,
+    the device of the call's ``anchor`` (named in the message: ``"p"``, ``"the gradient"``)."""
+    if not isinstance(t, torch.Tensor):
+        raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise UnsupportedError(f"{where}: {name} is on {t.device}, {anchor} on {device}")
+    if not t.dtype.is_floating_point:
+        raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
 
 
 def kernel_param_copy(p_copy: torch.Tensor | None, dtypes: Collection[torch.dtype]) -> torch.Tensor | None:

@@ -23,8 +23,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from sofx.errors import LeafError, UnsupportedError
-from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoRedoCall
+from sofx.errors import LeafError
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoRedoCall,
+                               check_float_tensor)
 from sofx.kernels.donation import MemorySpans, overlap_error, same_memory
 from sofx.kernels.reference import concrete_checked
 
@@ -123,12 +124,7 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
     for name, t, (size, whose) in sized:
         if t is None and name in ("p_copy", "p_old"):
             continue
-        if not isinstance(t, torch.Tensor):
-            raise LeafError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-        if t.device != device:
-            raise UnsupportedError(f"{where}: {name} is on {t.device}, the gradient on {device}")
-        if not t.dtype.is_floating_point:
-            raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
+        check_float_tensor(where, name, t, device, "the gradient")
         if t.numel() != size or not t.is_contiguous():
             raise LeafError(f"{where}: {name} must be contiguous with {size} elements ({whose}), got shape "
                             f"{tuple(t.shape)}" + ("" if t.is_contiguous() else ", not contiguous"))
