@@ -45,15 +45,16 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
     old parameter whole (``"param_snapshot"``) gets a whole snapshot too: with donation the stepped chunks'
     old moments are recovered by the algebraic inverse into new tensors (as an undo would)."""
     chunks = call.skip.nonzero().flatten()
+    step = StepCall(inputs[0], call.g, inputs[1], inputs[2], rec.scalars, tuple(results), call.p_copy)
     if chunks.numel() == call.skip.numel():  # every chunk skipped: the old values are all still there
-        old = [t.clone() for t in inputs] if donate else list(inputs)
-        kernel.step_many([StepCall(old[0], call.g, old[1], old[2], rec.scalars, tuple(results), call.p_copy)],
-                         variant)
+        # (donated: copied out chunk by chunk in the step's own call, each chunk stepped while in cache)
+        old = tuple(torch.empty_like(t) for t in inputs) if donate else inputs
+        _run_or_leave(variant, kernel, ChunkedCall(step, chunks, kept=tuple(t.view(-1) for t in old)
+                                                   if donate else None), pending)
         return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
     if not _kept_whole(rec.strategy, chunks.numel(), call.skip.numel()):
         listed = listed_elements(chunks, results[0].numel())
         kept = tuple(torch.empty(listed, dtype=t.dtype, device=t.device) for t in inputs)
-        step = StepCall(inputs[0], call.g, inputs[1], inputs[2], rec.scalars, tuple(results), call.p_copy)
         _run_or_leave(variant, kernel, ChunkedCall(step, chunks, kept=kept), pending)
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
                         rec.moments_were_zero, chunks)
