@@ -517,6 +517,7 @@ class Adam:
         pending = []  # the fused undo+redo calls
         chunked = []  # (kernel, call): chunk snapshots' leaves, undone and redone by chunks
         whole: dict[int, UndoRedoCall] = {}  # the leaves redone by chunks, each as one call (for the finish)
+        from_kept = []  # (leaf index, backend, call): the steps from whole snapshots' kept values
         for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
             fused = by_chunks[k] or _fusable(rec, plan)
             if by_chunks[k]:
@@ -534,6 +535,17 @@ class Adam:
                 records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
                 continue
+            if rec is not None and rec.strategy == "snapshot" and plan is not None:
+                # stepped from the kept values into the leaf's tensors (one pass; no copy back first)
+                undone = leaf._replace(p=rec.p_old, count=rec.count_before, m=rec.m_old, v=rec.v_old,
+                                       steps=as_number(rec.count_before))
+                if undoable:
+                    plan = self._snapshot_lossy([undone], [plan], [False])[0]
+                call, records[k] = self._prepare_step(undone, plan, False, copy)  # (kept values read, not written)
+                out = (leaf.p, leaf.m, leaf.v) if donate else None
+                from_kept.append((k, kernels[k], call._replace(out=out)))
+                new_c[k] = rec.count_before + 1
+                continue
             p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
                 self._undo_leaf(leaf, rec, donate)
             if plan is None:
@@ -547,6 +559,8 @@ class Adam:
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
                                                leaves if covered else None):
+            new_p[k], new_m[k], new_v[k] = p2, m2, v2
+        for k, (p2, m2, v2) in _run_by_backend(from_kept, lambda b, calls: b.step_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
         skipped_chunks.run_chunked(self.variant, chunked)
         for k, call in whole.items():

@@ -213,6 +213,56 @@ def test_every_chunk_flagged_is_a_whole_snapshot() -> None:
     assert rec.snapshot_bytes() == 12 * (N + 40)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("copies", [False, True])
+@pytest.mark.parametrize("undoable", [False, True])
+def test_every_chunk_flagged_steps_as_unchecked_and_its_redo_is_the_serial_step(backend: str, donate: bool,
+                                                                               copies: bool, undoable: bool) -> None:
+    """A spike over a whole leaf (the update's own copy of the old values, taken chunk by chunk in its
+    call): the update equals the unchecked one bit for bit, its record keeps the old values whole, and a
+    late clip's undo_redo (stepped from those kept values into the leaf) equals the clipped step from the
+    old state, bit for bit, parameter copies included; its record undoes it."""
+    gen = torch.Generator().manual_seed(21)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+    params, state = _warm(opt, gen)
+    grads = {k: 1e3 * torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    before = _clone((params, state))
+    make = (lambda: {k: torch.full(p.shape, 7.0, dtype=torch.bfloat16) for k, p in params.items()}) if copies \
+        else (lambda: None)
+    want = opt.update(_clone(params), grads, _clone(state), grads_finite=True, undoable=False)
+    want_clip_copies = make()
+    want_clip = opt.update(_clone(params), grads, _clone(state), grad_scale=0.01, undoable=False,
+                           param_copies=want_clip_copies)
+    got_copies = make()
+    p1, s1, rec = opt.update(_clone(params), grads, _clone(state), donate=donate, param_copies=got_copies)
+    assert rec.strategies() == ["snapshot", "snapshot"]
+    for a, b in zip(sofx.tree.flatten((p1, s1))[0], sofx.tree.flatten(want[:2])[0]):
+        assert torch.equal(a, b)
+    for leaf, k in zip(rec.leaves, ("b", "w")):  # (sorted keys) the old values, bit for bit
+        for kept, old in zip((leaf.p_old, leaf.m_old, leaf.v_old), _leaf(*before, k)):
+            assert torch.equal(kept, old)
+    clip_copies = make()
+    p2, s2, rec2 = opt.undo_redo(p1, s1, rec, grads, grad_scale=0.01, donate=donate, undoable=undoable,
+                                 param_copies=clip_copies)
+    assert rec.used
+    for a, b in zip(sofx.tree.flatten((p2, s2))[0], sofx.tree.flatten(want_clip[:2])[0]):
+        assert torch.equal(a, b)
+    if copies:
+        for k in params:
+            assert torch.equal(clip_copies[k], want_clip_copies[k])
+    for k in params:  # the kept values were read, not written
+        assert all(torch.equal(a, b) for a, b in zip(_leaf(*before, k), (rec.leaves[k == "w"].p_old,
+                                                                          rec.leaves[k == "w"].m_old,
+                                                                          rec.leaves[k == "w"].v_old)))
+    if undoable:
+        p3, s3 = opt.undo(p2, s2, rec2, donate=donate)
+        for a, b in zip(sofx.tree.flatten((p3, s3))[0], sofx.tree.flatten(before)[0]):
+            assert torch.equal(a, b) if a.dtype == torch.int64 else _rel(a, b) <= TOL
+    else:
+        assert set(rec2.strategies()) == {"none"}
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_undo_redo_of_a_chunk_snapshot_is_the_serial_step(donate: bool) -> None:
     """A late clip after a spiked speculative step: undo+redo with the clipped gradient equals the step of
