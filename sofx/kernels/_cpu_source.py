@@ -920,6 +920,13 @@ static inline int prefetch_lines(const void *p, const void *g, const void *m, co
 static inline __attribute__((unused)) void prefetch_at(const void *base, int64_t e, int es, int stream) {
   prefetch_line(base, e * es + PREFETCH_BYTES + stream * PREFETCH_STAGGER);
 }
+/* The same for a stream the loop writes but does not read (its outputs elsewhere than its inputs: a step
+   out of place, from a snapshot's kept values): asked for with the intent to write, so that the store
+   does not wait for the line. */
+static inline __attribute__((unused)) void prefetch_out(void *base, int64_t e, int es, int stream) {
+  __builtin_prefetch((void *)((uintptr_t)base + (uintptr_t)(e * es + PREFETCH_BYTES + stream * PREFETCH_STAGGER)),
+                     1, 3);
+}
 #define ES_0 4
 #define ES_1 2
 /* The arrays of a step (and the new gradient where with_g2 is set) at element e. */
@@ -930,6 +937,11 @@ static inline __attribute__((unused)) void prefetch_at(const void *base, int64_t
     prefetch_at((a).m, (e), ES_##DS, 2);                                           \
     prefetch_at((a).v, (e), ES_##DS, 3);                                           \
     if (with_g2) prefetch_at((a).g2, (e), ES_##DG, 4);                             \
+    if ((a).po != (const void *)(a).p) {                                           \
+      prefetch_out((a).po, (e), ES_##DP, 5);                                       \
+      prefetch_out((a).mo, (e), ES_##DS, 6);                                       \
+      prefetch_out((a).vo, (e), ES_##DS, 7);                                       \
+    }                                                                              \
   } while (0)
 
 /* The arrays of a job (a local copy: stores through po/mo/vo cannot alias it). */
@@ -2493,6 +2505,35 @@ static void run_range(const Job *j) {
 /* Bytes per element of dtype dt. */
 static inline int64_t esize(int dt) { return dt == DT_F32 ? 4 : 2; }
 
+/* bytes from src to dst (not overlapping) by streaming stores where the vector unit has them: the kept old
+   values are not read again soon, and a store that does not read the line first leaves the memory's reads to
+   the step (their copy costs a write stream, not a read and a write). The caller fences (_mm_sfence) before
+   its job ends. */
+static void copy_streaming(void *dst, const void *src, int64_t bytes) {
+  char *d = (char *)dst;
+  const char *s = (const char *)src;
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  const int64_t head = (int64_t)((64 - ((uintptr_t)d & 63)) & 63);
+  if (head >= bytes) {
+    memcpy(d, s, (size_t)bytes);
+    return;
+  }
+  memcpy(d, s, (size_t)head);
+  for (e = head; e + 64 <= bytes; e += 64) _mm512_stream_si512((__m512i *)(d + e), _mm512_loadu_si512(s + e));
+#elif defined(__AVX2__)
+  const int64_t head = (int64_t)((32 - ((uintptr_t)d & 31)) & 31);
+  if (head >= bytes) {
+    memcpy(d, s, (size_t)bytes);
+    return;
+  }
+  memcpy(d, s, (size_t)head);
+  for (e = head; e + 32 <= bytes; e += 32)
+    _mm256_stream_si256((__m256i *)(d + e), _mm256_loadu_si256((const __m256i *)(s + e)));
+#endif
+  memcpy(d + e, s + e, (size_t)(bytes - e));
+}
+
 /* A job over listed chunks (sofx_adam_many's chunk table): its elements [begin, end) are positions in the
    concatenation of the listed chunks (ascending chunk indices of a block of leaf_n elements; begin a
    multiple of CHUNK). Adjacent listed chunks run as one range (one job of the ordinary kind: the checked
@@ -2517,9 +2558,9 @@ static void run_listed(const Job *j) {
     part.m = (const char *)j->m + from * es;
     part.v = (const char *)j->v + from * es;
     if (j->kp) {
-      memcpy((char *)j->kp + at * ep, part.p, (size_t)(len * ep));
-      memcpy((char *)j->km + at * es, part.m, (size_t)(len * es));
-      memcpy((char *)j->kv + at * es, part.v, (size_t)(len * es));
+      copy_streaming((char *)j->kp + at * ep, part.p, len * ep);
+      copy_streaming((char *)j->km + at * es, part.m, len * es);
+      copy_streaming((char *)j->kv + at * es, part.v, len * es);
     }
     part.g = (const char *)j->g + a * esize(j->dg);
     if (j->g2) part.g2 = (const char *)j->g2 + a * esize(j->dg2);
@@ -2535,6 +2576,9 @@ static void run_listed(const Job *j) {
     run_range(&part);
     at += len;
   }
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if (j->kp) _mm_sfence(); /* the kept values' streaming stores visible before this thread's part ends */
+#endif
 }
 
 #define MAX_THREADS 256
