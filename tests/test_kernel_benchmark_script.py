@@ -3,7 +3,7 @@
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
-``benchmarks/triton_host.py``,
+``benchmarks/triton_host.py``, ``benchmarks/overlap.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
 
 from __future__ import annotations
@@ -299,6 +299,18 @@ def test_flagged_chunks_script_runs():
     assert [row.split(" | ")[0] for row in rows] == ["| 2-2", "| 3-4", "| 2-4"]
     for row in rows:
         assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){5}", row), row
+
+
+def test_overlap_script_runs():
+    """``benchmarks/overlap.py`` on a tiny MLP, thread executor: one row with every column; the mild clip's
+    speculated blocks are all redone (each step clips late)."""
+    rows = _table_rows("overlap.py", ["--width", "64", "--depth", "2", "--batch", "8", "--steps", "2", "--warmup",
+                                      "1", "--executors", "thread", "--block-numel", "4096"], ("| thread",))
+    assert len(rows) == 1
+    cells = rows[0].strip("|").split(" | ")
+    assert len(cells) == 14 and all(float(c) >= 0 for c in cells[1:12]), rows
+    mild = re.fullmatch(r"[\d.]+/[\d.]+/[\d.]+ \([\d.]+/[\d.]+/[\d.]+; ([\d.]+)/([\d.]+)/([\d.]+)\)", cells[12])
+    assert mild and float(mild[1]) > 0 and mild[1] == mild[3] and float(mild[2]) == 0, cells[12]
 
 
 def test_host_overhead_script_runs():
