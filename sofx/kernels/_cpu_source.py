@@ -2477,9 +2477,11 @@ static void run_range(const Job *j) {
       part.begin = c;
       part.end = j->end - c < CHUNK ? j->end : c + CHUNK;
       if (j->skip) {
+        /* (the inverse's test first: it stops at the first tile with a lossy element, where a spike
+           flags every chunk, and the finiteness pass then reads the gradient from cache) */
         const int bad = next_bad >= 0 ? next_bad
-                                      : !chunk_finite(checked, dchecked, part.begin, part.end, lim)
-                                        || !chunk_exact(j, part.begin, part.end);
+                                      : !chunk_exact(j, part.begin, part.end)
+                                        || !chunk_finite(checked, dchecked, part.begin, part.end, lim);
         next_bad = -1;
         if (bad) {
           j->skip[c / CHUNK] = 1;
