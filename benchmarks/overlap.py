@@ -84,14 +84,18 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
     starts with that variant's data in the caches (the plain backward's model copy costs the next
     speculative step ~1 ms), which a training loop never does. ``steps`` recorded steps per variant,
     after ``warmup`` rounds. ``plain`` is backward alone on a copy of the model without an optimizer;
-    the others are backward + step() of one SpeculativeAdamW with speculation off / on / on with a
-    late clip.
+    the others are backward + step() of a SpeculativeAdamW with speculation off / on / on with a late
+    clip, each on a copy of the model of its own (its training run: the second moments of a run that
+    clips a spike every step are not those of one that never clips, and a record keeps old values where
+    a gradient dominates them).
     """
     plain_model = copy.deepcopy(model)
-    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, max_grad_norm=1.0,
-                                        executor=executor, block_numel=block_numel, num_threads=1, backend=backend,
-                                        policy=AdaptivePolicy(enabled=False))
-    first = next(model.parameters())
+    models = {v: copy.deepcopy(model) for v in VARIANTS if v != "plain"}
+    opts = {v: sofx.offload.SpeculativeAdamW(m.parameters(), lr=1e-4, weight_decay=0.01, max_grad_norm=1.0,
+                                             executor=executor, block_numel=block_numel, num_threads=1,
+                                             backend=backend, policy=AdaptivePolicy(enabled=False),
+                                             speculate=v != "serial")
+            for v, m in models.items()}
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     samples["optimizer"] = []
     faults: dict[str, list[int]] = {"plain": [], "speculative": []}
@@ -108,7 +112,8 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
                 samples["plain"].append(time.perf_counter() - t0)
                 faults["plain"].append(_minor_faults() - f0)
             return
-        opt.speculate = variant != "serial"
+        opt, model = opts[variant], models[variant]
+        first = next(model.parameters())
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         # The loss is scaled down so that the gradient norm stays below max_grad_norm (nothing is
@@ -146,9 +151,10 @@ def time_interleaved(model: nn.Module, executor: str, x: torch.Tensor, y: torch.
                 variant = VARIANTS[(i + k) % len(VARIANTS)]
                 for j in range(run_length):
                     _one_step(variant, record=i >= warmup and (j > 0 or run_length == 1))
-        name = opt.executor
+        name = opts["serial"].executor
     finally:
-        opt.close()
+        for opt in opts.values():
+            opt.close()
     out = {v: _median_ms(samples[v]) for v in samples}
     out["executor"] = name
     out["faults"] = {k: statistics.median(v) for k, v in faults.items()}
