@@ -23,6 +23,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoRedoCall, beyond_limit,
                                lossy_elements)
+from sofx.kernels.chunked import ChunkedCall, listed_elements
 
 from helpers import (block_inputs, block_scalars, library_copying_compiler, max_rel_err, refuse_bad_grad_scales,
                      refuse_bad_scalars)
@@ -904,16 +905,24 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
         return (*backend.undo_redo_many([UndoRedoCall(pc, mc, vc, g, s, bad2, s._replace(grad_scale=0.3), None,
                                                       (pc, mc, vc), None, flags)], VARIANTS[1])[0], flags)
 
+    def kept_chunks(backend):  # donated, the listed chunks' old values copied out first (streaming stores)
+        chunks = torch.tensor([0, 3, 4, 5, -(-p.numel() // FINITE_CHUNK) - 1])
+        pc, mc, vc = p.clone(), m.clone(), v.clone()
+        kept = tuple(torch.full((listed_elements(chunks, p.numel()),), 5.0, dtype=t.dtype) for t in (p, m, v))
+        backend.step_chunks([ChunkedCall(StepCall(pc, g, mc, vc, s, (pc, mc, vc)), chunks, False, kept)],
+                            VARIANTS[0])
+        return pc, mc, vc, *kept
+
     for backend in (cpu, cpu_fast):
-        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for _ in range(10)]
+        copies = [torch.empty(p.shape, dtype=torch.bfloat16) for _ in range(12)]
         runs = [lambda c: backend.step(p, g, m, v, s, VARIANTS[0], p_copy=c),
                 lambda c: backend.undo(p, g, m, v, s, VARIANTS[1], p_copy=c),
                 lambda c: backend.undo_redo(p, m, v, g, s, g2, s, VARIANTS[0], p_copy=c),
-                lambda c: checked(backend), lambda c: checked_redo(backend)]
+                lambda c: checked(backend), lambda c: checked_redo(backend), lambda c: kept_chunks(backend)]
         want = [run(c) for run, c in zip(runs, copies)]
         assert want[4][3][0] == 1 and 0 < int(want[4][3].sum()) < want[4][3].numel()
         monkeypatch.setattr(_cpu_build, "_loaded", [lib])
-        got = [run(c) for run, c in zip(runs, copies[5:])]
+        got = [run(c) for run, c in zip(runs, copies[6:])]
         monkeypatch.undo()
         for a, b in zip(got, want):
             assert all(torch.equal(x, y) or max_rel_err(x, y) == 0.0 for x, y in zip(a, b))
@@ -923,7 +932,7 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
         lossy = lossy_elements(p, bad, v, s, VARIANTS[0].decoupled, m=m_inf) | beyond_limit(bad, s.grad_scale)
         want_flags = torch.nn.functional.pad(lossy, (0, -p.numel() % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(1)
         assert got[3][3].tolist() == want_flags.to(torch.uint8).tolist() and got[3][3][70000 // FINITE_CHUNK] == 1
-        assert all(torch.equal(a, b) for a, b in zip(copies[5:8], copies[:3]))  # the copy without AVX-512
+        assert all(torch.equal(a, b) for a, b in zip(copies[6:9], copies[:3]))  # the copy without AVX-512
     from sofx.kernels.grad_copy import copy_with_sumsq  # and the gradient copy with its sum of squares
 
     dst = [torch.empty(p.shape, dtype=combo[0]) for _ in range(2)]
