@@ -337,3 +337,38 @@ def test_bad_chunked_calls_are_refused_before_anything_is_written(name, native, 
         assert str(e.value).startswith(f"{name}.step_chunks[2]: ") and " run " not in str(e.value)
     with pytest.raises(LeafError, match="expected a ChunkedCall of a UndoRedoCall"):
         backend.undo_redo_chunks(good, AdamVariant())
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("op", ["step", "undo_redo"])
+def test_a_refused_native_call_leaves_the_calls_over_runs_unwritten(name, op, rng, monkeypatch):
+    """A list form runs the calls its native code does not take (a float64 block) over their runs and the others
+    in one call of the C entry, which can still refuse (its out-of-memory code: nothing written). It ran after
+    the calls over runs, which had written their outputs and copied their kept values; now nothing is written
+    before the C entry took its calls."""
+    import dataclasses
+
+    from sofx.errors import UnsupportedError
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build.load()
+    monkeypatch.setattr(_cpu_build, "load", lambda: dataclasses.replace(lib, adam_many=lambda *a: -1000000000))
+    n = 3 * C + 10
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    wide = [t.double() for t in (p, g, m, v)]
+    s = block_scalars(rng, 0.0)
+    outs = [tuple(torch.zeros(n, dtype=t.dtype) for _ in range(3)) for t in (wide[0], p)]
+    kept = tuple(torch.zeros(2 * C, dtype=torch.float64) for _ in range(3))
+    chunks = torch.tensor([0, 2])
+    if op == "step":
+        calls = [ChunkedCall(StepCall(*w, s, o), chunks, kept=kept if i == 0 else None)
+                 for i, (w, o) in enumerate(zip((wide, (p, g, m, v)), outs))]
+        run = BACKENDS[name].step_chunks
+    else:
+        calls = [ChunkedCall(UndoRedoCall(w[0], w[2], w[3], w[1], s, w[1], s, None, o), chunks,
+                             kept=kept if i == 0 else None)
+                 for i, (w, o) in enumerate(zip((wide, (p, g, m, v)), outs))]
+        run = BACKENDS[name].undo_redo_chunks
+    with pytest.raises(UnsupportedError, match="refused its arguments"):
+        run(calls, AdamVariant())
+    assert all(not bool(t.any()) for t in kept + outs[0] + outs[1])

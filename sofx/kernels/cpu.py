@@ -643,7 +643,9 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
                  where: Sequence[str]) -> None:
     """Run ``calls`` (:class:`~sofx.kernels.chunked.ChunkedCall` of ``op``), all checked before any runs: those the
     native code takes in one call of the C entry (its chunk table: per block the chunk list, its length, packed,
-    and the kept arrays), the others as their runs' blocks (:func:`~sofx.kernels.chunked.range_calls`)."""
+    and the kept arrays), then the others as their runs' blocks (:func:`~sofx.kernels.chunked.range_calls`). The C
+    entry goes first, as it may still refuse (no memory for its job table: nothing written); the calls over runs
+    cannot (the checks here are theirs), and they write and copy their kept values as they run."""
     s1s, s2s = check_chunked_calls(where, calls, StepCall if op == src.OP_STEP else UndoRedoCall, variant)
     for name, c in zip(where, calls):
         if c.call.out[0].device.type != "cpu":
@@ -653,17 +655,13 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
     native: list[_Native] = []
     tab = array("q")
     keep_alive = []
+    by_runs: list[tuple[str, ChunkedCall]] = []
     for name, c, s1, s2 in zip(where, calls, s1s, s2s):
         if not c.chunks.numel():
             continue
         entry = _chunked_native(op, c, lib, variant, s1, s2) if lib is not None else None
         if entry is None:  # (dtypes or scalars the native code does not take: the same through the blocks)
-            runs = range_calls(c)
-            blocks = [_Block(r.p, r.g, r.m, r.v, None, None, r.s, None, r.out, r.p_copy, r.skip,
-                             getattr(r, "zero_moments", False)) if op == src.OP_STEP else
-                      _Block(r.p, r.g_old, r.m, r.v, r.g_new, r.p_old, r.s_old, r.s_new, r.out, r.p_copy, r.skip)
-                      for r in runs]
-            _run_blocks(op, blocks, variant, exact, backend, [f"{name} run {i}" for i in range(len(blocks))])
+            by_runs.append((name, c))
             continue
         nb, listed = entry
         native.append(nb)
@@ -674,6 +672,19 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
     if native:
         assert lib is not None
         _call(lib, op, variant, _Table.of(native), exact, backend, tab)
+    for name, c in by_runs:
+        _run_by_runs(op, name, c, variant, exact, backend)
+
+
+def _run_by_runs(op: int, name: str, c: ChunkedCall, variant: AdamVariant, exact: bool, backend: str) -> None:
+    """A checked :class:`ChunkedCall` of ``op`` (named ``name``) as the blocks of its runs of adjacent chunks, its
+    kept values copied out first (:func:`~sofx.kernels.chunked.range_calls`)."""
+    runs = range_calls(c)
+    blocks = [_Block(r.p, r.g, r.m, r.v, None, None, r.s, None, r.out, r.p_copy, r.skip,
+                     getattr(r, "zero_moments", False)) if op == src.OP_STEP else
+              _Block(r.p, r.g_old, r.m, r.v, r.g_new, r.p_old, r.s_old, r.s_new, r.out, r.p_copy, r.skip)
+              for r in runs]
+    _run_blocks(op, blocks, variant, exact, backend, [f"{name} run {i}" for i in range(len(blocks))])
 
 
 def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant: AdamVariant, s1: AdamScalars,
