@@ -15,7 +15,8 @@ step's rounding). Not a leaf's first step from init (``StepCall.zero_moments``: 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -171,20 +172,33 @@ def split_by_kept_chunks(call: UndoRedoCall, rec: LeafUndo) -> tuple[ChunkedCall
 def run_chunked(variant: AdamVariant, calls: Sequence[tuple[Any, ChunkedCall]]) -> None:
     """Run each ``(kernel, call)`` (:class:`~sofx.kernels.chunked.ChunkedCall`, steps and undo+redos), one call
     per kernel and function: in its native code where the kernel runs chunk lists (``RUNS_CHUNK_LISTS``), else
-    as its list form's calls over the runs of adjacent chunks, the group checked first as the native code's is
-    (:func:`~sofx.kernels.chunked.check_chunked_calls`: no kept value copied before a bad call is refused)."""
+    as its list form's calls over the runs of adjacent chunks. Every group is checked before any runs (the native
+    code's checks, ``prepare_chunks``; the others' :func:`~sofx.kernels.chunked.check_chunked_calls`): a bad call
+    is refused before a kept value is copied or an output written."""
     groups: dict[tuple[int, bool], tuple[Any, list[ChunkedCall]]] = {}
     for kernel, c in calls:
         groups.setdefault((id(kernel), isinstance(c.call, StepCall)), (kernel, []))[1].append(c)
-    for (_, is_step), (kernel, group) in groups.items():
-        if getattr(kernel, "RUNS_CHUNK_LISTS", False):
-            (kernel.step_chunks if is_step else kernel.undo_redo_chunks)(group, variant)
-            continue
-        check_chunked_calls([f"{kernel.NAME} chunks[{i}]" for i in range(len(group))], group,
-                            StepCall if is_step else UndoRedoCall, variant)
-        runs = [r for c in group for r in range_calls(c)]
-        if runs:
-            (kernel.step_many if is_step else kernel.undo_redo_many)(runs, variant)
+    runs = [_checked_group(variant, kernel, group, is_step) for (_, is_step), (kernel, group) in groups.items()]
+    for run in runs:
+        run()
+
+
+def _checked_group(variant: AdamVariant, kernel: Any, group: list[ChunkedCall], is_step: bool,
+                   ) -> Callable[[], None]:
+    """Check ``group`` (``kernel``'s steps, ``is_step``, or its undo+redos) and return the function that runs it."""
+    if getattr(kernel, "RUNS_CHUNK_LISTS", False):
+        return kernel.prepare_chunks(group, variant, is_step)
+    check_chunked_calls([f"{kernel.NAME} chunks[{i}]" for i in range(len(group))], group,
+                        StepCall if is_step else UndoRedoCall, variant)
+    return functools.partial(_run_by_runs, variant, kernel, group, is_step)
+
+
+def _run_by_runs(variant: AdamVariant, kernel: Any, group: list[ChunkedCall], is_step: bool) -> None:
+    """A checked ``group`` as ``kernel``'s list form's calls over the runs of adjacent chunks (the kept values
+    copied out first, :func:`~sofx.kernels.chunked.range_calls`)."""
+    runs = [r for c in group for r in range_calls(c)]
+    if runs:
+        (kernel.step_many if is_step else kernel.undo_redo_many)(runs, variant)
 
 
 def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -> None:

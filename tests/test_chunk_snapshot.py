@@ -114,10 +114,10 @@ def test_flagged_chunks_are_copied_and_stepped_in_one_kernel_call(donate: bool, 
     from sofx.kernels import cpu
 
     calls = []
-    for fn in ("step_chunks", "undo_redo_chunks"):
-        real = getattr(cpu, fn)
-        monkeypatch.setattr(cpu, fn, lambda cs, v, fn=fn, real=real: calls.append(
-            (fn, [(c.chunks.tolist(), c.packed, c.kept is not None) for c in cs])) or real(cs, v))
+    real = cpu.prepare_chunks  # (run_chunked checks every kernel's calls first: step_chunks or undo_redo_chunks)
+    monkeypatch.setattr(cpu, "prepare_chunks", lambda cs, v, step: calls.append(
+        ("step_chunks" if step else "undo_redo_chunks",
+         [(c.chunks.tolist(), c.packed, c.kept is not None) for c in cs])) or real(cs, v, step))
     gen = torch.Generator().manual_seed(4)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu")
     params, state = _warm(opt, gen)
@@ -151,8 +151,9 @@ def test_every_flagged_leaf_is_finished_in_one_kernel_call(monkeypatch) -> None:
     from sofx.kernels import cpu
 
     calls = []
-    real = cpu.step_chunks
-    monkeypatch.setattr(cpu, "step_chunks", lambda cs, v: calls.append([c.chunks.tolist() for c in cs]) or real(cs, v))
+    real = cpu.prepare_chunks  # (run_chunked's way to step_chunks: every kernel's calls checked first)
+    monkeypatch.setattr(cpu, "prepare_chunks", lambda cs, v, step: (calls.append([c.chunks.tolist() for c in cs])
+                                                                     if step else None) or real(cs, v, step))
     gen = torch.Generator().manual_seed(5)
     opt = sofx.adamw(lr=1e-2, backend="cpu")
     params, state = _warm(opt, gen)

@@ -372,3 +372,30 @@ def test_a_refused_native_call_leaves_the_calls_over_runs_unwritten(name, op, rn
     with pytest.raises(UnsupportedError, match="refused its arguments"):
         run(calls, AdamVariant())
     assert all(not bool(t.any()) for t in kept + outs[0] + outs[1])
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("bad", ["chunks", "out"])
+def test_run_chunked_checks_every_kernel_function_before_any_runs(kernel, bad, rng):
+    """run_chunked runs one call per kernel and function (a kernel's steps, then its undo+redos): each of them was
+    checked just before it ran, so a bad undo+redo was refused after the steps had written their outputs and
+    copied their kept values. Every call of the list is checked first now."""
+    from sofx.kernels import reference
+    from sofx.skipped_chunks import run_chunked
+
+    backend = {"reference": reference, **BACKENDS}[kernel]
+    n = 3 * C + 10
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.0)
+    out = tuple(torch.zeros(n) for _ in range(3))
+    kept = tuple(torch.zeros(2 * C) for _ in range(3))
+    step = ChunkedCall(StepCall(p, g, m, v, s, out), torch.tensor([0, 2]), kept=kept)
+    redo_out = tuple(torch.zeros(n - 1 if bad == "out" else n) for _ in range(3))
+    redo = ChunkedCall(UndoRedoCall(p, m, v, g, s, g, s, None, redo_out),
+                       torch.tensor([2, 1] if bad == "chunks" else [1]))
+    words = "not ascending" if bad == "chunks" else f"p_out must be contiguous with {n} elements"
+    inputs = [t.clone() for t in (p, g, m, v)]
+    with pytest.raises(LeafError, match=re.escape(words)):
+        run_chunked(AdamVariant(), [(backend, step), (backend, redo)])
+    assert all(not bool(t.any()) for t in out + kept + redo_out)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (p, g, m, v)))

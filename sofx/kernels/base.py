@@ -32,7 +32,8 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
 ``RUNS_CHUNK_LISTS`` (optional, the CPU backends)
     Whether the backend has ``step_chunks(calls, variant)`` and ``undo_redo_chunks(calls, variant)``: a
     step or an undo+redo on listed chunks of blocks alone, in one call (:mod:`sofx.kernels.chunked`, whose
-    ``range_calls`` gives any backend the same through its list forms).
+    ``range_calls`` gives any backend the same through its list forms); and ``prepare_chunks(calls, variant,
+    step)``: either of them checked now (nothing written), run by the function it returns.
 
 ``out=(p_out, m_out, v_out)`` receives the results and may alias the inputs
 (buffer donation); without it the inputs are left untouched. ``p_copy``, a

@@ -13,8 +13,10 @@ A :class:`ChunkedCall` says each of those in one block, whatever the number of c
         every other array (gradients, p_old, out, p_copy, skip's flags) at [a, b)
 
 Backends whose ``RUNS_CHUNK_LISTS`` is True run a list of them in one call of their native code
-(``step_chunks``, ``undo_redo_chunks``: :mod:`sofx.kernels.cpu`); :func:`range_calls` gives any backend the
-same as calls of its list form over the runs of adjacent listed chunks (one block per run).
+(``step_chunks``, ``undo_redo_chunks``: :mod:`sofx.kernels.cpu`; ``prepare_chunks``: the same checked first,
+run later, so that :func:`sofx.skipped_chunks.run_chunked` checks every list before it runs any);
+:func:`range_calls` gives any backend the same as calls of its list form over the runs of adjacent listed chunks
+(one block per run).
 """
 
 from __future__ import annotations

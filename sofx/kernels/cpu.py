@@ -68,7 +68,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from array import array
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -84,8 +84,8 @@ from sofx.kernels.donation import MemorySpans, overlap_error, overlaps_itself, s
 from sofx.kernels.threads import native_thread_request
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
-           "step_chunks", "undo_redo_chunks", "native_available", "bitwise_with_torch", "CHECKS_FINITE",
-           "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
+           "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "bitwise_with_torch",
+           "CHECKS_FINITE", "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
 
 NAME = "cpu"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
@@ -577,6 +577,14 @@ def undo_redo_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant) -> None
     undo_redo_chunks_impl(calls, variant, exact=True, backend=NAME)
 
 
+def prepare_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant, step: bool) -> Callable[[], None]:
+    """:func:`step_chunks` (``step``) or :func:`undo_redo_chunks` of ``calls`` in two parts: the calls checked
+    now (refused as that function refuses them, nothing written), and the function returned runs them (the calls
+    left as they were in between: the checks were of their tensors then). :func:`sofx.skipped_chunks.run_chunked`
+    checks all its kernels' calls so before it runs any."""
+    return prepare_chunks_impl(calls, variant, step, exact=True, backend=NAME)
+
+
 # ------------------------------------------------------------------ implementations (shared with cpu_fast)
 def step_impl(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
               variant: AdamVariant, *, out: Triple | None, exact: bool, p_copy: torch.Tensor | None = None,
@@ -630,22 +638,30 @@ def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, 
 
 def step_chunks_impl(calls: Sequence[ChunkedCall], variant: AdamVariant, *, exact: bool, backend: str) -> None:
     """:func:`step_chunks` with the choice of square root and the backend's name (see :func:`step_impl`)."""
-    _run_chunked(src.OP_STEP, calls, variant, exact, backend, _block_names(backend, "step_chunks", calls))
+    prepare_chunks_impl(calls, variant, True, exact=exact, backend=backend)()
 
 
 def undo_redo_chunks_impl(calls: Sequence[ChunkedCall], variant: AdamVariant, *, exact: bool, backend: str,
                           ) -> None:
     """:func:`undo_redo_chunks` with the choice of square root and the backend's name (see :func:`step_impl`)."""
-    _run_chunked(src.OP_UNDO_REDO, calls, variant, exact, backend, _block_names(backend, "undo_redo_chunks", calls))
+    prepare_chunks_impl(calls, variant, False, exact=exact, backend=backend)()
 
 
-def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, exact: bool, backend: str,
-                 where: Sequence[str]) -> None:
-    """Run ``calls`` (:class:`~sofx.kernels.chunked.ChunkedCall` of ``op``), all checked before any runs: those the
-    native code takes in one call of the C entry (its chunk table: per block the chunk list, its length, packed,
-    and the kept arrays), then the others as their runs' blocks (:func:`~sofx.kernels.chunked.range_calls`). The C
-    entry goes first, as it may still refuse (no memory for its job table: nothing written); the calls over runs
-    cannot (the checks here are theirs), and they write and copy their kept values as they run."""
+def prepare_chunks_impl(calls: Sequence[ChunkedCall], variant: AdamVariant, step: bool, *, exact: bool,
+                        backend: str) -> Callable[[], None]:
+    """:func:`prepare_chunks` with the choice of square root and the backend's name (see :func:`step_impl`)."""
+    op, fn = (src.OP_STEP, "step_chunks") if step else (src.OP_UNDO_REDO, "undo_redo_chunks")
+    return _checked_chunked(op, calls, variant, exact, backend, _block_names(backend, fn, calls))
+
+
+def _checked_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, exact: bool, backend: str,
+                     where: Sequence[str]) -> Callable[[], None]:
+    """Check ``calls`` (:class:`~sofx.kernels.chunked.ChunkedCall` of ``op``) and return the function that runs
+    them, nothing written before: those the native code takes in one call of the C entry (its chunk table: per
+    block the chunk list, its length, packed, and the kept arrays), then the others as their runs' blocks
+    (:func:`~sofx.kernels.chunked.range_calls`). The C entry goes first, as it may still refuse (no memory for its
+    job table: nothing written); the calls over runs cannot (the checks here are theirs), and they write and copy
+    their kept values as they run."""
     s1s, s2s = check_chunked_calls(where, calls, StepCall if op == src.OP_STEP else UndoRedoCall, variant)
     for name, c in zip(where, calls):
         if c.call.out[0].device.type != "cpu":
@@ -654,7 +670,7 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
     lib = _cpu_build.load()
     native: list[_Native] = []
     tab = array("q")
-    keep_alive = []
+    keep_alive: list[Any] = [calls]  # the tensors the table points at (the chunk lists' contiguous views too)
     by_runs: list[tuple[str, ChunkedCall]] = []
     for name, c, s1, s2 in zip(where, calls, s1s, s2s):
         if not c.chunks.numel():
@@ -669,6 +685,15 @@ def _run_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant, ex
         tab.extend([listed.data_ptr(), listed.numel(), int(c.packed)]
                    + [t.data_ptr() if t is not None else 0 for t in kept])
         keep_alive.append(listed)
+    return functools.partial(_run_checked_chunked, op, variant, exact, backend, lib, native, tab, by_runs,
+                             keep_alive)
+
+
+def _run_checked_chunked(op: int, variant: AdamVariant, exact: bool, backend: str, lib: _cpu_build.NativeLib | None,
+                         native: Sequence[_Native], tab: array, by_runs: Sequence[tuple[str, ChunkedCall]],
+                         keep_alive: Sequence[Any]) -> None:
+    """Run what :func:`_checked_chunked` checked: the ``native`` blocks in one call of the C entry (``tab``: its
+    chunk table; ``keep_alive``: the tensors it points at), then ``by_runs``' calls over their runs."""
     if native:
         assert lib is not None
         _call(lib, op, variant, _Table.of(native), exact, backend, tab)

@@ -21,7 +21,7 @@ Choose it with ``backend="cpu_fast"``; ``backend="auto"`` picks ``cpu`` (bitwise
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCa
 from sofx.kernels.chunked import ChunkedCall
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "step_chunks",
-           "undo_redo_chunks", "CHECKS_FINITE", "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
+           "undo_redo_chunks", "prepare_chunks", "CHECKS_FINITE", "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
 
 NAME = "cpu_fast"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
@@ -89,3 +89,9 @@ def undo_redo_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant) -> None
     """Each call's undo+redo on its listed chunks alone (:func:`sofx.kernels.cpu.undo_redo_chunks`, IEEE square
     roots)."""
     cpu.undo_redo_chunks_impl(calls, variant, exact=False, backend=NAME)
+
+
+def prepare_chunks(calls: Sequence[ChunkedCall], variant: AdamVariant, step: bool) -> Callable[[], None]:
+    """:func:`step_chunks` or :func:`undo_redo_chunks` checked now, run by the function returned
+    (:func:`sofx.kernels.cpu.prepare_chunks`, IEEE square roots)."""
+    return cpu.prepare_chunks_impl(calls, variant, step, exact=False, backend=NAME)
