@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sofx.errors import UnsupportedError
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
 from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunks, listed_elements, listed_ranges,
@@ -188,9 +189,26 @@ def _checked_group(variant: AdamVariant, kernel: Any, group: list[ChunkedCall], 
     """Check ``group`` (``kernel``'s steps, ``is_step``, or its undo+redos) and return the function that runs it."""
     if getattr(kernel, "RUNS_CHUNK_LISTS", False):
         return kernel.prepare_chunks(group, variant, is_step)
-    check_chunked_calls([f"{kernel.NAME} chunks[{i}]" for i in range(len(group))], group,
-                        StepCall if is_step else UndoRedoCall, variant)
+    where = [f"{kernel.NAME} chunks[{i}]" for i in range(len(group))]
+    check_chunked_calls(where, group, StepCall if is_step else UndoRedoCall, variant)
+    _refuse_unsupported(kernel, group, where)
     return functools.partial(_run_by_runs, variant, kernel, group, is_step)
+
+
+def _refuse_unsupported(kernel: Any, group: Sequence[ChunkedCall], where: Sequence[str]) -> None:
+    """Refuse, as ``kernel``'s list form would after :func:`~sofx.kernels.chunked.range_calls` copied the kept
+    values, a call of ``group`` (checked: :func:`~sofx.kernels.chunked.check_chunked_calls`) the kernel contract
+    says it does not take: a checked call (``skip``) where ``CHECKS_FINITE`` is False, a device and dtypes its
+    ``supports`` (where it has one) refuses."""
+    supports = getattr(kernel, "supports", None)
+    for name, c in zip(where, group):
+        call = c.call
+        if call.skip is not None and not getattr(kernel, "CHECKS_FINITE", False):
+            raise UnsupportedError(f"{name}: this backend has no checked step (skip); use a backend whose "
+                                   "CHECKS_FINITE is True or check the gradient first")
+        if supports is not None and not supports(call.p.device, call.p.dtype, call.m.dtype):
+            raise UnsupportedError(f"{name}: device {call.p.device} with param dtype {call.p.dtype} and state dtype "
+                                   f"{call.m.dtype} is not supported by the {kernel.NAME} backend")
 
 
 def _run_by_runs(variant: AdamVariant, kernel: Any, group: list[ChunkedCall], is_step: bool) -> None:

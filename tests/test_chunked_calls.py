@@ -399,3 +399,37 @@ def test_run_chunked_checks_every_kernel_function_before_any_runs(kernel, bad, r
         run_chunked(AdamVariant(), [(backend, step), (backend, redo)])
     assert all(not bool(t.any()) for t in out + kept + redo_out)
     assert all(torch.equal(a, b) for a, b in zip(inputs, (p, g, m, v)))
+
+
+@pytest.mark.parametrize("bad", ["checked", "unsupported"])
+def test_run_chunked_refuses_what_the_list_form_refuses_before_copying_kept_values(bad, rng):
+    """A backend without chunk lists runs a group as its list form's calls over the runs, whose kept values
+    range_calls copies out first: a call the list form then refused (a checked call where the backend has no
+    checked step, CHECKS_FINITE False; a param dtype its supports() refuses, float64 for Triton) had its kept
+    values copied, and the groups before it run. These refusals of the kernel contract are made with the other
+    checks now, before any group runs."""
+    from sofx.errors import UnsupportedError
+    from sofx.kernels import reference
+    from sofx.skipped_chunks import run_chunked
+
+    n = 3 * C + 10
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.0)
+    outs = [tuple(torch.zeros(n) for _ in range(3)) for _ in range(2)]
+    kept = [tuple(torch.zeros(C) for _ in range(3)) for _ in range(2)]
+    step = ChunkedCall(StepCall(p, g, m, v, s, outs[0]), torch.tensor([1]), kept=kept[0])
+    if bad == "checked":
+        backend = reference
+        redo = UndoRedoCall(p, m, v, g, s, g, s, None, outs[1], skip=torch.zeros(4, dtype=torch.uint8))
+        words = "reference chunks[0]: this backend has no checked step"
+    else:
+        pytest.importorskip("triton")
+        from sofx.kernels import triton as backend
+
+        outs[1] = (torch.zeros(n, dtype=torch.float64),) + outs[1][1:]
+        kept[1] = (torch.zeros(C, dtype=torch.float64),) + kept[1][1:]
+        redo = UndoRedoCall(p.double(), m, v, g, s, g, s, None, outs[1])
+        words = "triton chunks[0]: device cpu with param dtype torch.float64 and state dtype torch.float32"
+    with pytest.raises(UnsupportedError, match=re.escape(words)):
+        run_chunked(AdamVariant(), [(reference, step), (backend, ChunkedCall(redo, torch.tensor([2]), kept=kept[1]))])
+    assert all(not bool(t.any()) for t in outs[0] + outs[1] + kept[0] + kept[1])
