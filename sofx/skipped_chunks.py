@@ -23,8 +23,8 @@ import torch
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                write_param_copy)
-from sofx.kernels.chunked import (ChunkedCall, check_chunked_calls, gather_chunks, listed_elements, listed_ranges,
-                                  put_chunks, range_calls, take_chunks)
+from sofx.kernels.chunked import (ChunkedCall, _take_chunks, check_chunked_calls, gather_chunks, listed_elements,
+                                  listed_ranges, put_chunks, range_calls)
 from sofx.undo_record import CHECKED_CHUNKS_REASON, LeafUndo, chunk_snapshot_bytes, strategy_snapshot_bytes
 
 __all__ = ["Pending", "finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
@@ -117,9 +117,10 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     kept = undone_rec is not None and undone_rec.chunks is not None  # its kept chunks: their old values, exact
     if kept and bool(torch.isin(chunks, undone_rec.chunks).all()):
         # (a late clip redoes the same spikes: the undone step's record kept every chunk the redo flags) no undo:
-        # the kept values, the very tensors where the chunks are the same (read only: the record is used up)
-        cur = [take_chunks(t, undone_rec.chunks, chunks, n) for t in (undone_rec.p_old, undone_rec.m_old,
-                                                                       undone_rec.v_old)]
+        # the kept values, the very tensors where the chunks are the same (read only: the record is used up;
+        # unchecked: the test above is take_chunks' check)
+        cur = [_take_chunks(t, undone_rec.chunks, chunks, n) for t in (undone_rec.p_old, undone_rec.m_old,
+                                                                        undone_rec.v_old)]
     else:
         held = results if donate else inputs  # the old step's values there
         cur = [gather_chunks(t, chunks) for t in held]

@@ -282,6 +282,30 @@ def test_take_chunks_picks_listed_chunks_out_of_packed_ones(n, rng):
         assert (got is packed) == (want == held)
 
 
+@pytest.mark.parametrize("n", [5 * C, 5 * C - 7])
+def test_take_chunks_refuses_chunks_the_packed_values_do_not_hold(n, rng):
+    """take_chunks (exported) trusted that the chunks asked for are among the packed ones: one that is not got
+    another chunk's values (the next held one: searchsorted's slot), or past the last one an index error, with no
+    word of the cause. Refused now, naming the chunks, as are chunk lists that are not ascending int64 chunk
+    indices and packed values of another size than their chunks'."""
+    t = torch.randn(n, generator=rng)
+    held = torch.tensor([0, 1, 3, 4])
+    packed = gather_chunks(t, held)
+    for want, words in (([2], "chunks [2] are not among the packed chunks [0, 1, 3, 4]"),
+                        ([1, 2, 3], "chunks [2] are not among the packed chunks"),
+                        ([3, 1], "chunks [3, 1] are not ascending chunk indices of a block of 5 chunks"),
+                        ([5], "chunks [5] are not ascending chunk indices of a block of 5 chunks")):
+        with pytest.raises(LeafError, match=re.escape(f"take_chunks: {words}")):
+            take_chunks(packed, held, torch.tensor(want), n)
+    with pytest.raises(LeafError, match=re.escape("take_chunks: packed_chunks [1, 0] are not ascending")):
+        take_chunks(packed, torch.tensor([1, 0]), torch.tensor([1]), n)
+    with pytest.raises(LeafError, match=re.escape("take_chunks: chunks must be a 1-d int64 tensor, got torch.int32")):
+        take_chunks(packed, held, torch.tensor([1], dtype=torch.int32), n)
+    with pytest.raises(LeafError, match=re.escape(f"take_chunks: packed has {packed.numel() - 1} elements; its "
+                                                  f"chunks [0, 1, 3, 4] hold {packed.numel()}")):
+        take_chunks(packed[1:], held, torch.tensor([1]), n)
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 @pytest.mark.parametrize("native", [True, False])
 def test_bad_chunked_calls_are_refused_before_anything_is_written(name, native, rng, monkeypatch):

@@ -243,7 +243,34 @@ def take_chunks(packed: torch.Tensor, packed_chunks: torch.Tensor, chunks: torch
     """The values of ``chunks`` (ascending, each one of ``packed_chunks``) from ``packed``, which holds
     ``packed_chunks``' (ascending) one after another, of a block of ``n`` elements: ``packed`` itself where
     they are the same chunks, else a new tensor (whole chunks as rows; the block's partial last chunk, last in
-    both where both hold it)."""
+    both where both hold it). Refuses (:class:`~sofx.errors.LeafError`) chunk lists that are not ascending chunk
+    indices of the block, a chunk ``packed_chunks`` does not list, and ``packed`` of another size than its
+    chunks'."""
+    for name, ch in (("packed_chunks", packed_chunks), ("chunks", chunks)):
+        if not (isinstance(ch, torch.Tensor) and ch.dtype == torch.int64 and ch.dim() == 1):
+            got = f"{ch.dtype} of shape {tuple(ch.shape)}" if isinstance(ch, torch.Tensor) else type(ch).__name__
+            raise LeafError(f"take_chunks: {name} must be a 1-d int64 tensor, got {got}")
+        if not ascending_chunks(ch, n):
+            raise LeafError(f"take_chunks: {name} {_shown(ch)} are not ascending chunk indices of a block of "
+                            f"{-(-n // FINITE_CHUNK)} chunks ({n} elements, {FINITE_CHUNK} per chunk)")
+    if packed.numel() != listed_elements(packed_chunks, n):
+        raise LeafError(f"take_chunks: packed has {packed.numel()} elements; its chunks {_shown(packed_chunks)} hold "
+                        f"{listed_elements(packed_chunks, n)}")
+    missing = chunks[~torch.isin(chunks, packed_chunks)]
+    if missing.numel():
+        raise LeafError(f"take_chunks: chunks {_shown(missing)} are not among the packed chunks "
+                        f"{_shown(packed_chunks)}")
+    return _take_chunks(packed, packed_chunks, chunks, n)
+
+
+def _shown(chunks: object) -> object:
+    """A chunk list as an error shows it: its first 8 indices (a tensor), else the object."""
+    return chunks[:8].tolist() if isinstance(chunks, torch.Tensor) else chunks
+
+
+def _take_chunks(packed: torch.Tensor, packed_chunks: torch.Tensor, chunks: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`take_chunks` unchecked: for callers that know ``chunks`` to be among ``packed_chunks``
+    (:func:`sofx.skipped_chunks.finish_undo_redo`, which tests it to choose this path)."""
     if torch.equal(chunks, packed_chunks):
         return packed
     whole = n // FINITE_CHUNK
