@@ -185,9 +185,23 @@ def test_bad_tree_raises_at_call_time(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"tree\['x'\]"):
         ck.save_async(tmp_path / "b.ckpt", {"x": object()})
     assert not (tmp_path / "b.ckpt").exists()
-    handle = ck.save_async(tmp_path / "missing" / "b.ckpt", {"x": torch.zeros(1)})
-    with pytest.raises(ck.CheckpointError, match="does not exist"):
-        handle.wait(30)
+
+
+def test_a_destination_that_save_refuses_is_refused_at_call_time(tmp_path, monkeypatch):
+    """A missing directory (or one that is a file, or a path that is a directory) raised only at ``wait()``, as
+    torch.save and ``save`` raise at once; it is refused at the call, before any snapshot or thread."""
+    started, real_snapshot = [], ck_io.snapshot
+    monkeypatch.setattr(ck_io, "snapshot", lambda tree: (started.append(tree), real_snapshot(tree))[1])
+    (tmp_path / "file").write_text("")
+    for path, message in ((tmp_path / "missing" / "b.ckpt", "directory .*missing does not exist"),
+                          (tmp_path / "file" / "b.ckpt", "directory .*file is not a directory"),
+                          (tmp_path, "is a directory")):
+        with pytest.raises(ck.CheckpointError, match=message):
+            ck.save_async(path, {"x": torch.zeros(1)})
+        with pytest.raises(ck.CheckpointError, match=message):
+            ck.AsyncSaver().save(path, {"x": torch.zeros(1)})
+    assert started == [] and not (tmp_path / "missing").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_wait_timeout(tmp_path, monkeypatch):

@@ -89,12 +89,17 @@ class SaveHandle:
 def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None = None) -> SaveHandle:
     """Snapshot ``tree`` now and write it to ``path`` in a background thread.
 
-    Bad input raises here, before anything is written. ``after``: a previous
-    handle whose save must be committed first (to keep the order of saves to
-    one path). The returned handle's ``wait()`` re-raises a failed write.
+    Bad input raises here, before anything is written or copied: a tree that
+    cannot be saved, and a destination :func:`sofx.checkpoint.save` refuses
+    up front (a directory that does not exist or is a file, a path that is a
+    directory). ``after``: a previous handle whose save must be committed
+    first (to keep the order of saves to one path). The returned handle's
+    ``wait()`` re-raises a failed write (a full disk, the directory removed
+    meanwhile).
     """
+    path = io.check_writable(path)
     encoded = io.snapshot(tree)
-    return SaveHandle(os.path.abspath(os.fspath(path)), encoded, after)
+    return SaveHandle(path, encoded, after)
 
 
 class AsyncSaver:

@@ -20,7 +20,7 @@ from sofx.checkpoint.errors import CheckpointError, CheckpointIOError
 from sofx.durable import fsync_best_effort
 from sofx.errors import SofxError
 
-__all__ = ["atomic_write", "stale_temporaries", "fsync_directory"]
+__all__ = ["atomic_write", "check_destination", "stale_temporaries", "fsync_directory"]
 
 
 def _temporary_name(path: str) -> str:
@@ -57,12 +57,9 @@ def system_errno(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
-    """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns ``path``.
-
-    On any failure (including ``KeyboardInterrupt``) the temporary file is
-    removed and ``path`` is left as it was.
-    """
+def check_destination(path: str | os.PathLike) -> str:
+    """The absolute ``path``, after checking that a file can be committed there: its directory exists and
+    ``path`` is not itself a directory (:class:`CheckpointError` otherwise, before anything is written)."""
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
@@ -70,6 +67,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
         raise CheckpointError(f"cannot save {path}: the directory {directory} {what}")
     if os.path.isdir(path):
         raise CheckpointError(f"cannot save {path}: it is a directory")
+    return path
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
+    """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns ``path``.
+
+    On any failure (including ``KeyboardInterrupt``) the temporary file is
+    removed and ``path`` is left as it was.
+    """
+    path = check_destination(path)
+    directory = os.path.dirname(path)
     tmp = _temporary_name(path)
     try:
         write(tmp)

@@ -25,13 +25,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from sofx.checkpoint.atomic import atomic_write
+from sofx.checkpoint.atomic import atomic_write, check_destination
 from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode
 from sofx.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointVersionError,
                                     CorruptCheckpointError)
 from sofx.checkpoint.known_types import type_registry
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "write", "read", "read_metadata", "nbytes"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", "write", "read", "read_metadata",
+           "nbytes"]
 
 FORMAT = "sofx.checkpoint"
 FORMAT_VERSION = 1
@@ -92,6 +93,14 @@ def _bytes_view(t: torch.Tensor) -> tuple[int, memoryview]:
 def nbytes(encoded: EncodedTree) -> int:
     """Bytes of tensor data in ``encoded``."""
     return sum(t.numel() * t.element_size() for t in encoded.tensors.values())
+
+
+def check_writable(path: str | os.PathLike) -> str:
+    """The absolute ``path``, after the checks :func:`write` makes before writing (the machine's byte order,
+    the safetensors package, the destination's directory): a save that will finish later refuses now."""
+    _check_byteorder()
+    _safetensors()
+    return check_destination(path)
 
 
 def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
