@@ -33,7 +33,11 @@ Known differences from ``torch``: ``torch`` multiplies by ``1/S`` and by
 folds them into one multiplier and sums the squares of rows of 1024 elements in
 float64 (:func:`sofx.transforms.sumsq`), so a
 clipped step differs from ``torch.optim`` by float32 rounding (<= 1e-6
-relative), never more. Overflow is decided on the raw gradients; with a loss
+relative), never more, for float32 gradients. For bfloat16/float16 gradients
+torch computes the norm and the coefficient in their dtype (8/11 significant
+bits, up to 2**-9/2**-12 relative); sofx still takes them in float32/float64:
+it equals ``clip_grad_norm_`` of float32 copies of the gradients, not of the
+bf16 ones (see :func:`sofx.transforms.clip_by_global_norm`). Overflow is decided on the raw gradients; with a loss
 scale below 1 (only there can unscaling make an inf) and no clipping, an
 unscaled norm beyond float32's range also
 counts as an overflow (torch would turn such elements into inf, or, when

@@ -40,6 +40,31 @@ def test_clip_by_global_norm_equals_clip_grad_norm_(rng, scale: float):
     assert (state.coef < 1) == (torch_norm.item() > 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clip_by_global_norm_of_half_gradients_is_clip_grad_norm_of_their_float32_copies(rng, dtype):
+    """As documented: the norm and coefficient of bf16/fp16 gradients are taken in float32/float64, as
+    ``clip_grad_norm_`` takes those of float32 copies; torch's own, on the bf16 gradients, rounds them to bf16."""
+    grads = {k: v.to(dtype) for k, v in _tree(rng, 3.0).items() if k != "deep"}
+    grads["big"] = (torch.randn(3000, generator=rng) * 0.5).to(dtype)
+    leaves, spec = sofx.tree.flatten(grads)
+    copies = [torch.nn.Parameter(torch.zeros(g.shape)) for g in leaves]
+    for p, g in zip(copies, leaves):
+        p.grad = g.float()
+    norm32 = torch.nn.utils.clip_grad_norm_(copies, max_norm=1.0)
+    t = tx.clip_by_global_norm(1.0)
+    out, state = t.update(grads, t.init(grads))
+    assert state.norm == pytest.approx(norm32.item(), rel=1e-6) and state.coef < 1
+    for got, want in zip(sofx.tree.flatten(out)[0], copies):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.grad.to(dtype).float(), rtol=2 ** -7, atol=0)
+        assert (got == want.grad.to(dtype)).float().mean() >= 0.99
+    halves = [torch.nn.Parameter(torch.zeros_like(g)) for g in leaves]
+    for p, g in zip(halves, leaves):
+        p.grad = g.clone()
+    theirs = torch.nn.utils.clip_grad_norm_(halves, max_norm=1.0)
+    assert theirs.dtype == dtype and theirs.item() == pytest.approx(state.norm, rel=2 ** -7)  # in bf16: rounded
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_clip_by_global_norm_of_non_finite_gradients_equals_clip_grad_norm_(rng, bad: float):
     """A nan norm makes every gradient nan (torch.clamp keeps the nan), an inf norm zeroes the finite ones."""
