@@ -509,12 +509,19 @@ def _check_is_hparams(name: str, x: Any) -> None:
                           f"AdamHParams(weight_decay=0.0), not a dict or a tuple)")
 
 
-def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHParams | None = None) -> Any:
+def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHParams | None = None, *,
+                  params: Any = None) -> Any:
     """A per-leaf hparams tree (a valid prefix of the params tree) from labels.
 
     Leaf ``x`` gets ``merge_hparams(base, groups[label(x)])``: e.g. ``base`` from a
     schedule and ``groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}``.
+
+    Every label names a group: a ``None`` label is refused naming its path (in an hparams tree ``None`` means
+    the optimizer's defaults, which would give that leaf neither ``base`` nor a group). Where ``params`` has
+    an empty subtree (``None``), :func:`label_params` leaves ``None`` in the labels: pass ``params=params``,
+    and a ``None`` label there is taken as that empty subtree (``None`` in the hparams tree).
     """
+    _check_no_none_label(labels, params)
     base = base if base is not None else AdamHParams()
     _check_is_hparams("base", base)
     if not isinstance(groups, Mapping):
@@ -530,3 +537,20 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
             raise HParamError(f"{path} = {label!r} names no group; groups are {sorted(groups)}")
         out.append(merge_hparams(base, groups[label]))
     return tree.unflatten(spec, out)
+
+
+def _check_no_none_label(labels: Any, params: Any) -> None:
+    """Refuse a ``None`` label, naming its path; given ``params``, one over an empty subtree of ``params``
+    (``None`` there too) passes, and ``labels`` must be a prefix of the structure of ``params``."""
+    if params is None:
+        leaves, spec = tree.flatten(labels, is_leaf=lambda x: x is None)
+        hint = ("; where params has an empty subtree (None), pass group_hparams(..., params=params) to have it "
+                "taken as one")
+    else:  # one label per leaf of params: a None over an empty subtree covers no leaf
+        spec = tree.flatten(params)[1]
+        leaves = tree.broadcast_prefix(labels, spec, is_leaf=lambda x: False, what="labels")
+        hint = ""
+    for path, label in zip(tree.leaf_paths(spec, root="labels"), leaves):
+        if label is None:
+            raise HParamError(f"{path} is None: a label must name a group, got None (it would give that leaf the "
+                              f"optimizer's defaults, neither base nor a group){hint}")

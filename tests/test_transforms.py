@@ -233,6 +233,31 @@ def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
     assert hp["w"].lr == hp["b"].lr == 0.5
 
 
+def test_group_hparams_refuses_a_none_label_naming_the_leaf():
+    """A None label (a hand-written "no group") gave that leaf the optimizer's defaults, not ``base`` nor a
+    group: None is an empty subtree of the labels, and None in hparams means the defaults. It is refused naming
+    the leaf; a None that stands for an empty subtree of params (None there too) passes given ``params=``."""
+    groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}
+    base = AdamHParams(lr=0.5)
+    for labels, where in (({"w": "decay", "b": None}, r"labels\['b'\]"),
+                          ({"w": "decay", "deep": ["no_decay", None]}, r"labels\['deep'\]\[1\]")):
+        with pytest.raises(HParamError, match=where + r" is None: a label must name a group"):
+            tx.group_hparams(labels, groups, base)
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2), "frozen": None}
+    with pytest.raises(HParamError, match=r"labels\['b'\] is None: a label must name a group"):
+        tx.group_hparams({"w": "decay", "b": None, "frozen": None}, groups, base, params=params)
+    labels = tx.no_decay_labels(params)
+    assert labels["frozen"] is None
+    with pytest.raises(HParamError, match=r"labels\['frozen'\] is None.*params=params"):
+        tx.group_hparams(labels, groups, base)
+    hp = tx.group_hparams(labels, groups, base, params=params)
+    assert hp["w"].lr == hp["b"].lr == 0.5 and hp["b"].weight_decay == 0.0 and hp["frozen"] is None
+    opt = sofx.adamw(weight_decay=0.1)
+    grads = {"w": torch.ones(2, 2), "b": torch.ones(2), "frozen": None}
+    new, _, _ = opt.update(params, grads, opt.init(params), hp)
+    assert new["frozen"] is None
+
+
 def test_no_decay_names_are_whole_names():
     w = torch.zeros(2, 2)
     names = ["bias", "attn.qkv_bias", "norm1", "encoder.LayerNorm", "final_layernorm", "ln_f", "h.0.ln_1",
