@@ -69,6 +69,7 @@ __all__ = [
     "static_scale",
     "check_state",
     "check_state_kind",
+    "plain_state",
     "FLOAT32_MAX",
 ]
 
@@ -188,6 +189,23 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
         integer(f"{where}[{name!r}]", getattr(state, name), low)
 
 
+def plain_state(state: LossScaleState, where: str = "scaler_state") -> LossScaleState:
+    """``state`` checked (:func:`check_state`), with its scale a Python float and its counts Python ints.
+
+    A 0-d tensor (torch's GradScaler keeps its scale in one) or a numpy number (from a file) is read as its
+    value: the rules compute in Python floats, as DeepSpeed does (a float32 tensor scale was rounded at each
+    growth), and every state they return, and the offload facade loads, holds Python numbers whatever it was
+    given (a tensor scale was kept until the scale changed: the facade's state dict held a tensor, and a
+    checkpoint template taken before did not fit one saved after). Another kind (a custom rule's state) is
+    returned as is."""
+    check_state(state, where)
+    least = _LEAST_COUNTS.get(type(state))
+    if least is None:
+        return state
+    return state._replace(scale=float(real_number(state.scale)),
+                          **{name: int(getattr(state, name)) for name in least})
+
+
 @dataclass(frozen=True)
 class GradScalerRule:
     """``torch.amp.GradScaler``'s update rule (see the module docstring)."""
@@ -220,7 +238,7 @@ class GradScalerRule:
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
         """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
         check_state_kind(state, GradScalerState)
-        check_state(state)
+        state = plain_state(state)
         if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
@@ -274,8 +292,7 @@ class DynamicLossScaleRule:
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
         """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
         check_state_kind(state, DynamicLossScaleState)
-        check_state(state)
-        scale, it, last, hyst = state
+        scale, it, last, hyst = plain_state(state)
         if _overflow(overflow):
             if self.delayed_shift == 1 or hyst == 1:
                 if scale == self.min_scale and self.raise_error_at_min_scale:
@@ -321,10 +338,11 @@ class StaticScaleRule:
         return state.scale
 
     def update(self, state: StaticScaleState, overflow: bool) -> StaticScaleState:
-        """Unchanged: a static scale ignores overflow (the step is still skipped by the loop)."""
+        """Unchanged (its scale as a Python float): a static scale ignores overflow (the step is still skipped
+        by the loop)."""
         check_state_kind(state, StaticScaleState)
         _overflow(overflow)
-        return state
+        return plain_state(state)
 
 
 def _f32(x: float) -> float:

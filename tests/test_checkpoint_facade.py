@@ -222,6 +222,36 @@ def test_a_custom_loss_scale_rules_tuple_state_fields_come_back_as_tuples(tmp_pa
             opt.step()
 
 
+def test_a_loaded_tensor_loss_scale_is_held_as_the_python_number(tmp_path):
+    """A state dict whose loss scale is a 0-d tensor (torch's GradScaler keeps one) loaded as is: the
+    facade's state_dict() then held a tensor among its JSON-able values until the scale first changed, and a
+    checkpoint saved then no longer loaded with a template taken after (nor the other way). It is held as
+    the Python float (and the growth tracker as the int) the optimizer's own state holds."""
+    from sofx.loss_scale import grad_scaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale=grad_scaler(init_scale=1024.0,
+                                                                                  growth_interval=2),
+                                       executor="inline") as opt:
+        template = _snapshot(opt.state_dict())
+        sd = _snapshot(template)
+        sd["state"]["scaler_state"] = {**sd["state"]["scaler_state"], "scale": torch.tensor(1024.0),
+                                       "growth_tracker": torch.tensor(0)}
+        opt.load_state_dict(sd)
+        held = opt.state_dict()["state"]["scaler_state"]
+        assert type(held["scale"]) is float and type(held["growth_tracker"]) is int
+        assert held == {"type": "GradScalerState", "scale": 1024.0, "growth_tracker": 0}
+        path = ck.save(tmp_path / "sd.ckpt", opt.state_dict())
+        assert ck.load(path, like=template)["state"]["scaler_state"] == held
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(3, 4)).sum())
+            opt.step()
+        assert opt.state_dict()["state"]["scaler_state"] == {"type": "GradScalerState", "scale": 2048.0,
+                                                             "growth_tracker": 0}
+
+
 def _train_with_schedule(model, opt, sched, start, stop):
     for step in range(start, stop):
         g = torch.Generator().manual_seed(100 + step)

@@ -335,6 +335,25 @@ def test_rule_fields_given_as_tensors_or_numpy_are_stored_as_python_numbers(make
         assert all(type(getattr(rule, f.name)) in (float, int, bool, str) for f in dataclasses.fields(rule))
 
 
+@pytest.mark.parametrize("rule", [ls.grad_scaler(init_scale=3.0, growth_interval=2),
+                                  ls.deepspeed_scaler(init_scale=3.0, scale_window=1, hysteresis=1, scale_factor=1.7),
+                                  ls.static_scale(3.0)], ids=["grad_scaler", "deepspeed_scaler", "static_scale"])
+def test_a_state_whose_scale_is_a_tensor_updates_as_the_python_number(rule):
+    """A state given a 0-d tensor scale (torch's GradScaler keeps one) kept the tensor: GradScaler's rule until
+    the scale first changed (a checkpoint's template then no longer fitted), DeepSpeed's for good, computing
+    in the tensor's float32 where DeepSpeed computes in Python floats (off after a few growths by 1.7), the
+    static one always (the facade's state_dict held a tensor among its JSON-able values). Every update
+    returns the state of Python numbers the plain state gives."""
+    np = pytest.importorskip("numpy")
+    plain = rule.init()
+    for convert in (torch.tensor, lambda x: torch.tensor(x, dtype=torch.float64), lambda x: torch.tensor([x]),
+                    np.float32):
+        state, want = plain._replace(scale=convert(plain.scale)), plain
+        for overflow in [False] * 30 + [True, False, True, False]:
+            state, want = rule.update(state, overflow), rule.update(want, overflow)
+            assert state == want and all(type(x) in (float, int) for x in state), (convert, state, want)
+
+
 def test_a_state_scale_beyond_the_float_range_is_refused_as_invalid():
     """A state whose scale is an int no float holds (a corrupted file's) raised an OverflowError from
     math.isfinite; it is refused as every other invalid scale, naming the field."""

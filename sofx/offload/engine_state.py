@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sofx.errors import HParamError, StructureError
-from sofx.loss_scale import check_state
+from sofx.loss_scale import plain_state
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
@@ -174,7 +174,8 @@ def _check_values(block: Mapping[str, torch.Tensor], where: str) -> None:
 
 def _checked_scaler_state(engine: "OffloadEngine", saved: Any, where: str) -> Any:
     """The saved loss-scaler state, of this engine's kind, with fields any run can reach (see
-    :func:`sofx.loss_scale.check_state`) and a scale that is a finite number >= 0."""
+    :func:`sofx.loss_scale.check_state`) and a scale that is a finite number >= 0, held as Python numbers
+    (:func:`sofx.loss_scale.plain_state`)."""
     if not isinstance(saved, Mapping):
         raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
     fields = dict(saved)
@@ -193,7 +194,7 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, where: str) -> An
         scaler_state = expected(**fields)
     except TypeError as exc:  # a field without a default is missing
         raise StructureError(f"{where}: {exc}") from None
-    check_state(scaler_state, where)
+    scaler_state = plain_state(scaler_state, where)  # a 0-d tensor scale held as its Python float
     try:
         loss_scale_of(engine.scaler, scaler_state)  # (a custom rule's state: its scale at least)
     except HParamError as exc:
