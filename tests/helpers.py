@@ -182,6 +182,7 @@ BAD_SCALARS = (
     ({"beta1": float("nan")}, r"beta1 = nan is invalid"),
     ({"beta1": torch.tensor(1.0)}, r"beta1 = 1.0 is invalid"),
     ({"step": 0}, r"step = 0 is invalid; expected the number of the step taken, >= 1"),
+    ({"step": 10**400}, r"step = 1000\d+ is invalid; expected the number of the step taken, >= 1, a finite number"),
     ({"eps": 0.0}, r"eps = 0.0 is invalid; expected eps > 0"),
     ({"eps": -1e-8}, r"eps = -1e-08 is invalid; expected eps > 0"),
     ({"eps": torch.tensor(0.0)}, r"eps = 0.0 is invalid; expected eps > 0"),

@@ -182,6 +182,9 @@ def check_scalars(s: AdamScalars, where: str, float64: bool = False) -> None:
     if is_number(t) and not t >= 1:
         raise HParamError(f"{where}: step = {t!r} is invalid; expected the number of the step taken, >= 1 (the "
                           "first step is 1)")
+    if isinstance(t, int) and t > sys.float_info.max:  # beta ** t is taken in floats
+        raise HParamError(f"{where}: step = {t!r} is invalid; expected the number of the step taken, >= 1, a finite "
+                          "number (this int is beyond the float range)")
     check_grad_scale(s.grad_scale, where, float64)
 
 
