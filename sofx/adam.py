@@ -541,7 +541,11 @@ class Adam:
                                        steps=as_number(rec.count_before))
                 if undoable:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
-                call, records[k] = self._prepare_step(undone, plan, False, copy)  # (kept values read, not written)
+                # (kept values read, not written.) A new snapshot shares them where the used record owns them (a
+                # donated call's copies); a record of a call without donation kept the caller's own tensors,
+                # which the caller may reuse once it is used: a donated call keeps its own copy of those.
+                own = donate and not record.donated
+                call, records[k] = self._prepare_step(undone, plan, own, copy)
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 from_kept.append((k, kernels[k], call._replace(out=out)))
                 new_c[k] = rec.count_before + 1

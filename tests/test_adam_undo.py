@@ -589,3 +589,35 @@ def test_leaves_of_several_backends_in_one_update(rng):
         q4, t4 = opt.undo(*opt.update(q1, one(grads2), t1))
         for got, want in ((p1, q1), (p3, q3), (p4, q4), (s3.mu, t3.mu), (s3.nu, t3.nu), (s4.nu, t4.nu)):
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("undo", ["auto", "exact"])
+def test_a_donated_redo_of_a_snapshot_keeps_values_the_caller_may_reuse(backend, undo):
+    """A record of an update without donation keeps the caller's tensors themselves (the caller keeps them
+    unchanged while that record may be undone). Once a donated undo_redo has used it, the caller may reuse
+    them; the new record, whose redo needs a snapshot again (a clipped spike, or undo="exact"), must not
+    refer to them: it keeps its own copy (it kept the caller's tensors, and its undo restored whatever the
+    caller had written there since). A record of a donated update keeps its own copies, which the redo's
+    record shares (no copy)."""
+    gen = torch.Generator().manual_seed(12)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, undo=undo, backend=backend)
+    params = {"a": torch.randn(40, generator=gen), "w": torch.randn(3, 50, generator=gen)}
+    state = opt.init(params)
+    params, state, _ = opt.update(params, {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}, state)
+    grads = {k: 1e4 * torch.randn(p.shape, generator=gen) for k, p in params.items()}  # dominates: a snapshot
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    for donated_update in (False, True):
+        ins = sofx.tree.tree_map(torch.clone, (params, state))
+        p1, s1, rec = opt.update(*ins[:1], grads, ins[1], donate=donated_update)
+        assert rec.strategies() == ["snapshot", "snapshot"]
+        p2, s2, rec2 = opt.undo_redo(p1, s1, rec, grads, grad_scale=0.01, donate=True)
+        assert rec2.strategies() == ["snapshot", "snapshot"] and rec.used
+        for old, new in zip(rec.leaves, rec2.leaves):
+            shared = [a is b for a, b in zip((old.p_old, old.m_old, old.v_old), (new.p_old, new.m_old, new.v_old))]
+            assert shared == [donated_update] * 3
+        for t in sofx.tree.flatten((ins[0], ins[1].mu, ins[1].nu))[0]:  # the caller reuses its tensors
+            t.fill_(float("nan"))
+        p3, s3 = opt.undo(p2, s2, rec2, donate=True)
+        for a, b in zip(sofx.tree.flatten((p3, s3))[0], sofx.tree.flatten(before)[0]):
+            assert torch.equal(a, b)
