@@ -25,6 +25,7 @@ from sofx.kernels.base import FINITE_CHUNK
 from sofx.undo_record import LeafUndo, chunk_snapshot_bytes
 
 import sofx.offload
+from helpers import bits
 from test_offload_support import mse_step_side_by_side, one_torch_thread, relative_deviation  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no checked CPU step")
@@ -59,6 +60,11 @@ def _leaf(params: dict, state: sofx.AdamState, k: str = "w") -> tuple[torch.Tens
 
 def _chunk(c: int) -> slice:
     return slice(c * FINITE_CHUNK, (c + 1) * FINITE_CHUNK)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtypes and values, floats bit for bit (a nan as the same nan)."""
+    return a.dtype == b.dtype and torch.equal(*(bits(t) if t.is_floating_point() else t for t in (a, b)))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -262,6 +268,56 @@ def test_every_chunk_flagged_steps_as_unchecked_and_its_redo_is_the_serial_step(
             assert torch.equal(a, b) if a.dtype == torch.int64 else _rel(a, b) <= TOL
     else:
         assert set(rec2.strategies()) == {"none"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 5, 2 * FINITE_CHUNK + 3])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+def test_every_chunk_flagged_keeps_the_inputs_or_copies_of_them(dtype: torch.dtype, n: int, donate: bool,
+                                                                first: bool) -> None:
+    """Every chunk of a leaf flagged, its old values copied out chunk by chunk in the call that steps it: without
+    donation the record keeps the inputs themselves (left untouched, the results in new memory), with it new
+    tensors of the old bits. A leaf of one or five elements (a partial chunk, under a cache line), bf16 and fp16
+    parameters with fp32 states, the first step from init (an inf in every chunk: its zero moments kept). Its
+    parameter copies written everywhere: a bf16 one by the native call, a float64 one after the calls over the
+    runs (which copy the kept values themselves). A snapshot limit one byte short takes the step back, bit for
+    bit (no chunk was stepped); the limit of the whole snapshot takes it."""
+    gen = torch.Generator().manual_seed(n)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu", state_dtype=torch.float32)
+    params = {"w": torch.randn(n, generator=gen).to(dtype)}
+    state = opt.init(params)
+    for _ in range(0 if first else 3):
+        params, state, _ = opt.update(params, {"w": torch.randn(n, generator=gen).to(dtype)}, state, undoable=False)
+    g = {"w": torch.randn(n, generator=gen).to(dtype) * (1 if first else 1e4)}  # a spike everywhere
+    if first:
+        g["w"][::FINITE_CHUNK] = float("inf")
+    before = _clone((params, state))
+    want = opt.update(*_clone((params, g, state)), grads_finite=True, undoable=False)
+    need = n * (dtype.itemsize + 8)  # p, m, v kept whole
+    ins = _clone((params, state))
+    with pytest.raises(sofx.SnapshotLimitError):
+        opt.update(*ins[:1], g, ins[1], donate=donate, snapshot_limit_bytes=need - 1)
+    assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(ins)[0], sofx.tree.flatten(before)[0]))
+    copies = [{"w": torch.zeros(n, dtype=d)} for d in (torch.bfloat16, torch.float64)]
+    for c in copies:
+        p1, s1, rec = opt.update(*ins[:1], g, ins[1], donate=donate, param_copies=c, snapshot_limit_bytes=need)
+        assert rec.strategies() == ["snapshot"] and rec.snapshot_bytes() == need
+        for a, b in zip(sofx.tree.flatten((p1, s1))[0], sofx.tree.flatten(want[:2])[0]):
+            assert _same_bits(a, b)
+        torch.testing.assert_close(c["w"], p1["w"].to(c["w"].dtype), rtol=0, atol=0, equal_nan=True)
+        kept, old = (rec.leaves[0].p_old, rec.leaves[0].m_old, rec.leaves[0].v_old), _leaf(*ins)
+        if donate:  # the leaf's memory holds the new values: the old ones are copies
+            assert not any(k.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for k, o in zip(kept, old))
+            assert all(torch.equal(k, o) for k, o in zip(kept, _leaf(*before)))
+            ins = _clone((params, state))
+        else:  # the inputs themselves, untouched
+            assert all(k is o for k, o in zip(kept, old))
+            assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(ins)[0], sofx.tree.flatten(before)[0]))
+            assert not any(r.data_ptr() == o.data_ptr() for r, o in zip(_leaf(p1, s1), old))
+    p0, s0 = opt.undo(p1, s1, rec, donate=donate)
+    for a, b in zip(sofx.tree.flatten((p0, s0))[0], sofx.tree.flatten(before)[0]):
+        assert _same_bits(a, b)
 
 
 @pytest.mark.parametrize("donate", [False, True])
