@@ -168,6 +168,38 @@ def test_an_undo_that_would_overwrite_its_record_is_refused(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_undo_redo_that_would_overwrite_its_record_is_refused_before_any_leaf_is_written(backend):
+    """The same for undo_redo, which steps a whole snapshot's leaf from the record's kept tensors into the leaf:
+    the old params or moments of "z" passed back donated, or as its parameter copy, would be written while its
+    step reads them. Refused naming the leaf before "a" (redone fused, in place) is written; the record is
+    still usable."""
+    gen = torch.Generator().manual_seed(4)
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    params = _tree(gen, 2000)
+    state = opt.init(params)
+    for _ in range(20):
+        params, state, _ = opt.update(params, _tree(gen, 2000), state, undoable=False)
+    grads = {"a": torch.randn(2000, generator=gen), "z": 1e4 * torch.randn(2000, generator=gen)}
+    new_p, new_s, rec = opt.update(params, grads, state)
+    assert rec.strategies() == ["algebraic", "snapshot"] and rec.leaves[1].p_old is params["z"]
+    wrong_p = {"a": new_p["a"], "z": params["z"]}
+    _refused(lambda: opt.undo_redo(wrong_p, new_s, rec, grads, grad_scale=0.5, donate=True),
+             r"params\['z'\] and the undo record's saved parameters of params\['z'\] share memory", wrong_p, new_s)
+    wrong_s = new_s._replace(nu={"a": new_s.nu["a"], "z": state.nu["z"]})
+    _refused(lambda: opt.undo_redo(new_p, wrong_s, rec, grads, grad_scale=0.5, donate=True),
+             r"state.nu\['z'\] and the undo record's saved second moments of params\['z'\] share memory",
+             new_p, wrong_s)
+    copies = {"a": None, "z": params["z"]}
+    _refused(lambda: opt.undo_redo(new_p, new_s, rec, grads, grad_scale=0.5, param_copies=copies),
+             r"param_copies\['z'\] and the undo record's saved parameters of params\['z'\] share memory",
+             new_p, new_s, params)
+    assert not rec.used
+    want_p, _, _ = opt.update(params, grads, state, grad_scale=0.5)
+    got_p, _, _ = opt.undo_redo(new_p, new_s, rec, grads, grad_scale=0.5, donate=True)
+    assert torch.equal(got_p["z"], want_p["z"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_views_that_only_look_alike_are_accepted(backend):
     """Disjoint views of one flat buffer (as the offload engine's blocks), interleaved strided views, one
     gradient read by two leaves, empty leaves: donated steps give the bits of separate tensors."""

@@ -621,3 +621,46 @@ def test_a_donated_redo_of_a_snapshot_keeps_values_the_caller_may_reuse(backend,
         p3, s3 = opt.undo(p2, s2, rec2, donate=True)
         for a, b in zip(sofx.tree.flatten((p3, s3))[0], sofx.tree.flatten(before)[0]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_an_undo_redo_of_mixed_records_steps_whole_snapshots_from_the_callers_tensors(backend, donate):
+    """One undo_redo over a record of an update without donation that mixes a chunk snapshot ("a": a spike in
+    one chunk; a whole snapshot on the reference), whole snapshots that keep the caller's tensors themselves ("w"
+    non-contiguous, "u" without a new gradient: only undone) and an algebraic leaf redone fused ("z"), with
+    parameter copies: "w" is the clipped step from the old state and "u" the old state, bit for bit, the others
+    within float32 rounding; the caller's tensors are not written; the new record undoes it."""
+    gen = torch.Generator().manual_seed(13)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+    params = {"a": torch.randn(2 * 1024 + 3, generator=gen), "u": torch.randn(40, generator=gen),
+              "w": torch.randn(5, 300, generator=gen).t(), "z": torch.randn(30, generator=gen)}
+    state = opt.init(params)
+    for _ in range(20):
+        params, state, _ = opt.update(params, {k: torch.randn(p.shape, generator=gen) for k, p in params.items()},
+                                      state, undoable=False)
+    params["w"] = params["w"].t().contiguous().t()  # (the kernels' outputs are contiguous)
+    state = state._replace(mu={**state.mu, "w": state.mu["w"].t().contiguous().t()},
+                           nu={**state.nu, "w": state.nu["w"].t().contiguous().t()})
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    grads["a"][1024 + 5] = 1e4
+    grads["u"], grads["w"] = 1e4 * grads["u"], 1e4 * grads["w"]
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    p1, s1, rec = opt.update(params, grads, state)
+    assert rec.strategies()[1:] == ["snapshot", "snapshot", "algebraic"]
+    assert rec.leaves[2].p_old is params["w"] and not params["w"].is_contiguous()
+    new_grads = {**grads, "u": None}
+    copies = {k: torch.zeros(p.shape, dtype=torch.bfloat16) for k, p in params.items()}
+    p2, s2, rec2 = opt.undo_redo(p1, s1, rec, new_grads, grad_scale=0.5, donate=donate, param_copies=copies)
+    want_p, want_s, _ = opt.update(*sofx.tree.tree_map(torch.clone, (params, new_grads, state)), grad_scale=0.5,
+                                   undoable=False)
+    for k in params:
+        got, want = (p2[k], s2.mu[k], s2.nu[k], s2.count[k]), (want_p[k], want_s.mu[k], want_s.nu[k], want_s.count[k])
+        assert all(torch.equal(a, b) if k in "uw" or a.dtype == torch.int64 else _norm_rel(a, b) <= 1e-6
+                   for a, b in zip(got, want)), k
+        assert torch.equal(copies[k], p2[k].to(torch.bfloat16)), k
+    assert trees_equal((params, state), before)  # the record's kept tensors (the caller's) were read only
+    p3, s3 = opt.undo(p2, s2, rec2, donate=donate)
+    assert rec2.leaves[1] is None  # ("u": not stepped, as it was)
+    for a, b in zip(sofx.tree.flatten((p3, s3))[0], sofx.tree.flatten(before)[0]):
+        assert _norm_rel(a, b) <= 1e-6 and a.dtype == b.dtype
