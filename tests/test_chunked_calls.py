@@ -140,6 +140,34 @@ def test_threads_split_the_listed_chunks(name, op, rng, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got[1][1], want[1]))
 
 
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("n", [1, 5, 21, 2 * C + 37])
+def test_kept_values_are_copied_whatever_their_alignment(name, dtypes, n, rng):
+    """The native code copies a listed chunk's old values to the kept arrays by streaming stores from the first
+    64-byte line boundary on, by memcpy before and after it: kept arrays that start at every 2-byte offset of a
+    line, and listed elements that fill less than a line (1, 5, 21 elements: 2 to 84 bytes) or end in a partial
+    chunk, get the old values bit for bit and nothing around them is written; the outputs are the call's without
+    kept arrays."""
+    p, g, m, v = block_inputs(rng, n, *dtypes, sound=True)
+    s = block_scalars(rng, 0.1)
+    chunks = torch.tensor([0, 2] if n > 2 * C else [0])
+    listed = listed_elements(chunks, n)
+    want = tuple(t.clone() for t in (p, m, v))
+    BACKENDS[name].step_chunks([ChunkedCall(StepCall(p, g, m, v, s, want), chunks)], AdamVariant())
+    for off in range(32):  # (elements: a line's 2-byte offsets for bf16, its 4-byte ones twice for float32)
+        out = tuple(t.clone() for t in (p, m, v))
+        bufs = [torch.full((listed + 64,), -3.0, dtype=t.dtype) for t in (p, m, v)]
+        kept = tuple(b[off:off + listed] for b in bufs)
+        BACKENDS[name].step_chunks([ChunkedCall(StepCall(*out[:1], g, *out[1:], s, out), chunks, False, kept)],
+                                   AdamVariant())
+        for k, t in zip(kept, (p, m, v)):
+            assert torch.equal(bits(k), bits(_listed(t, chunks.tolist()))), off
+        for b in bufs:
+            assert bool((b[:off] == -3.0).all()) and bool((b[off + listed:] == -3.0).all()), off
+        assert all(torch.equal(bits(a), bits(w)) for a, w in zip(out, want)), off
+
+
 def test_range_calls_are_the_runs_of_adjacent_chunks(rng):
     """The calls a backend without chunk lists runs: one per run of adjacent listed chunks, at the run's
     elements (packed inputs at their positions), the kept values copied out."""

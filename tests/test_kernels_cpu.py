@@ -944,6 +944,36 @@ def test_another_build_gives_the_same_bits(combo, other_build, rng, monkeypatch)
 
 
 @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_a_chunks_own_check_flags_a_gradient_beyond_the_limit_with_a_lossy_factor_of_0(dtypes, rng):
+    """A chunk that no loop read ahead (the first; one after a flagged chunk) is checked by the inverse's test,
+    then by the pass for finiteness and the gradient limit where the test found nothing: with a lossy factor of 0
+    (a step from zero moments, a beta2 of 0) the test passes a finite gradient beyond GRADIENT_LIMIT whose square
+    is finite (gh * gh * 0 = 0), which the pass then flags; an inf (inf * 0 = nan) the test flags itself. The
+    step and the undo+redo (its new gradient), cpu and cpu_fast: the flags of beyond_limit."""
+    n = 5 * FINITE_CHUNK + 17
+    p, g, m, v = block_inputs(rng, n, *dtypes, sound=True)
+    g_old = torch.randn(n, generator=rng).to(g.dtype)
+    for i, x in ((3, 1e19), (FINITE_CHUNK + 5, float("inf")), (2 * FINITE_CHUNK + 9, -1.5e19),
+                 (4 * FINITE_CHUNK + 1, float("nan"))):  # chunks 0 (own check), 1, 2 (after flagged ones), 4
+        g[i] = x
+    expected = [1, 1, 1, 0, 1, 0]
+    want = torch.nn.functional.pad(beyond_limit(g, 1.0), (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(1)
+    assert want.to(torch.uint8).tolist() == expected
+    s = AdamScalars(1e-3, 0.9, 0.0, 1e-8, 0.1, 50, 1.0)  # beta2 = 0: lossy factor 0
+    zeros = torch.zeros_like(v)
+    calls = [lambda f: StepCall(p, g, zeros, zeros, s._replace(beta2=0.999, step=1), None, None, f, True),
+             lambda f: StepCall(p, g, m, v, s, None, None, f),
+             lambda f: UndoRedoCall(p, m, v, g_old, s._replace(beta2=0.999, step=49), g, s, None, None, None, f)]
+    for variant in (VARIANTS[0], VARIANTS[2]):  # AdamW, Adam
+        for backend in (cpu, cpu_fast):
+            for call in calls:
+                flags = torch.zeros(len(expected), dtype=torch.uint8)
+                c = call(flags)
+                (backend.step_many if isinstance(c, StepCall) else backend.undo_redo_many)([c], variant)
+                assert flags.tolist() == expected
+
+
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
 def test_another_build_flags_what_lossy_elements_finds_with_a_lossy_factor_of_0(dtypes, other_build, rng,
                                                                                 monkeypatch):
     """With a beta of 0 (lossy_factor 0) the other builds' checked step and undo+redo flag a nan v, a
