@@ -3,7 +3,7 @@
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
-``benchmarks/triton_host.py``, ``benchmarks/overlap.py``,
+``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
 
 from __future__ import annotations
@@ -311,6 +311,19 @@ def test_overlap_script_runs():
     assert len(cells) == 14 and all(float(c) >= 0 for c in cells[1:12]), rows
     mild = re.fullmatch(r"[\d.]+/[\d.]+/[\d.]+ \([\d.]+/[\d.]+/[\d.]+; ([\d.]+)/([\d.]+)/([\d.]+)\)", cells[12])
     assert mild and float(mild[1]) > 0 and mild[1] == mild[3] and float(mild[2]) == 0, cells[12]
+
+
+def test_spike_records_script_runs():
+    """``benchmarks/spike_records.py --smoke``: a row per variant, each with its time, ratio and page faults; the
+    spiked update kept the leaves whole (the script asserts that the kernel call flagged every chunk)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "spike_records.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the spiked records: snapshot" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| plain", "| spiked", "| its", "| kernel"))]
+    assert len(rows) == 6
+    for row in rows:
+        assert re.fullmatch(r"\| [^|]+ \| \d+\.\d\d \| \d+\.\d\d \| \d+ \|", row), row
 
 
 def test_host_overhead_script_runs():
