@@ -15,6 +15,8 @@ fixed batch, as overlap.py does, and times per step, alternating within the step
 - ``late clip``: a third run's ``undo_redo`` of its undoable step with half the gradient (a clip found after
   the step: what a speculative step costs when validation clips, every step), checked and undoable again,
   timed alone (its ``update`` before it is not);
+- ``engine's late clip``: a fourth run's, as the offload engine's validation runs it: the step's own gradient
+  tensors with ``grad_scale=0.5`` (nothing read again), not undoable again (``undoable=False``);
 
 with the share of the elements in flagged chunks. Rows: the steps in phases (the first steps, where ``v`` is
 small, then the rest). The chunk size is this checkout's ``FINITE_CHUNK``: run it in two checkouts to compare
@@ -70,10 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 1)
     opt = sofx.adamw(lr=1e-3, backend=args.backend)
     start = [p.detach().clone() for p in model.parameters()]
-    runs = {name: {"params": [t.clone() for t in start]} for name in ("undoable", "plain", "late clip")}
+    runs = {name: {"params": [t.clone() for t in start]} for name in ("undoable", "plain", "late clip", "engine")}
     for run in runs.values():
         run["state"] = opt.init(run["params"])
-    times: dict[str, list[float]] = {"undoable": [], "plain": [], "late clip": []}
+    times: dict[str, list[float]] = {"undoable": [], "plain": [], "late clip": [], "engine": []}
     shares: list[float] = []
     total = sum(t.numel() for t in start)
     for step in range(args.steps):
@@ -99,17 +101,25 @@ def main(argv: list[str] | None = None) -> None:
         clip["params"], clip["state"], record = opt.undo_redo(clip["params"], clip["state"], record, half,
                                                               donate=True)
         times["late clip"].append(time.perf_counter() - t)
+        eng = runs["engine"]
+        eng["params"], eng["state"], record = opt.update(eng["params"], grads, eng["state"], donate=True,
+                                                         grads_finite=True)
+        t = time.perf_counter()
+        eng["params"], eng["state"], _ = opt.undo_redo(eng["params"], eng["state"], record, grads, grad_scale=0.5,
+                                                       donate=True, undoable=False)
+        times["engine"].append(time.perf_counter() - t)
     same = all(torch.equal(a, b) for a, b in zip(runs["undoable"]["params"], runs["plain"]["params"]))
     print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), backend {args.backend}, "
           f"{args.threads} threads, FINITE_CHUNK {FINITE_CHUNK}, torch {torch.__version__}; params equal: {same}")
     print()
     print("| steps | elements in flagged chunks | undoable ms | plain ms | undoable / plain | late clip ms "
-          "| late clip / plain |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "| late clip / plain | engine's late clip ms | engine's / plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for lo, hi in ((1, args.early), (args.early, args.steps), (1, args.steps)):
-        u, p, c = (statistics.median(times[name][lo:hi]) * 1000 for name in ("undoable", "plain", "late clip"))
+        u, p, c, e = (statistics.median(times[name][lo:hi]) * 1000
+                      for name in ("undoable", "plain", "late clip", "engine"))
         print(f"| {lo + 1}-{hi} | {statistics.mean(shares[lo:hi]):.1%} | {u:.1f} | {p:.1f} | {u / p:.2f} | {c:.1f} "
-              f"| {c / p:.2f} |")
+              f"| {c / p:.2f} | {e:.1f} | {e / p:.2f} |")
     if not same:
         sys.exit("the undoable and plain runs differ")
 

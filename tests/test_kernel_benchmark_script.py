@@ -298,7 +298,7 @@ def test_flagged_chunks_script_runs():
     rows = _table_rows("flagged_chunks.py", ["--smoke"], ("| 2-", "| 3-"))
     assert [row.split(" | ")[0] for row in rows] == ["| 2-2", "| 3-4", "| 2-4"]
     for row in rows:
-        assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){5}", row), row
+        assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){7}", row), row
 
 
 def test_overlap_script_runs():
