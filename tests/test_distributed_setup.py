@@ -113,9 +113,24 @@ def _warmup(peak: float, steps: int):
     return lambda step: AdamHParams(lr=peak * min(1.0, step / steps))
 
 
+def _auto_resolved_otherwise(rank: int) -> str:
+    """check_same_setup where ``backend="auto"`` resolves to another backend on rank BAD (as on a GPU rank without
+    Triton, which takes the reference kernels: other bits than Triton's), the configurations alike."""
+    import sofx.kernels
+
+    order = sofx.kernels._auto_order
+    if rank == BAD:
+        sofx.kernels._auto_order = lambda device: ["reference"]
+    try:
+        return _message(lambda: sd.check_same_setup(params=_params(rank), opt=sofx.adamw(lr=1e-2)))
+    finally:
+        sofx.kernels._auto_order = order
+
+
 def _check_same_setup(rank: int) -> dict:
     bad = rank == BAD
     return {"same": _message(lambda: sd.check_same_setup(**_setup(rank), settings={"max_norm": 1.0})),
+            "auto resolved": _auto_resolved_otherwise(rank),
             "settings": _message(lambda: sd.check_same_setup(settings={"max_norm": 2.0 if bad else 1.0})),
             "given on one rank": _message(lambda: sd.check_same_setup(settings={"max_norm": 1.0} if bad else None)),
             "not a mapping": _message(lambda: sd.check_same_setup(settings=[1.0] if bad else {})),
@@ -161,8 +176,9 @@ def test_shard_blocks_refuses_one_ranks_bad_input_on_every_rank(ranks):
 def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
     setup_hint = ("; every rank must be set up the same (params' structure, dtypes and shapes; optimizer; loss "
                   "scaler; speculation config; hparams; settings)")
+    # (a float64 leaf: the reference kernels where a float32 one takes cpu's, an entry of its own)
     want = {"params": "params['p'] differs between ranks: torch.float32 (3,) on rank 0; torch.float64 (3,) on "
-                      "rank 1",
+                      "rank 1 (and 1 more: opt.backend(params['p']))",
             "scaler": "scaler.growth_interval differs between ranks: 2000 on rank 0; 1000 on rank 1",
             "config": "config.max_norm differs between ranks: 1.0 on rank 0; 2.0 on rank 1",
             "hparams": "hparams(0)['p'].lr differs between ranks: 0.01 on rank 0; 0.02 on rank 1 (and 1 more: "
@@ -200,6 +216,9 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
                                                    "absent on rank 0; dict on rank 1 (and 1 more: "
                                                    "settings['max_norm'])"), got
         assert got["order"].startswith(f"SofxError: check_same_setup: {ORDER}; every rank must be set up"), got
+        assert got["auto resolved"].startswith("SofxError: check_same_setup: opt.backend(params['p']) differs between "
+                                               "ranks: cpu on rank 0; reference on rank 1 (and 1 more: "
+                                               "opt.backend(params['q'])); every rank must be set up"), got
         # a warm-up of another length: lr 0 at step 0 on every rank (before, all that was compared)
         assert got["warmup"].startswith("SofxError: check_same_setup: hparams(1).lr differs between ranks: 0.005 on "
                                         "rank 0; 0.0025 on rank 1; every rank must be set up"), got

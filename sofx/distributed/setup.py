@@ -13,10 +13,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from sofx import tree
+from sofx.adam import Adam
 from sofx.distributed.agreement import _agree, _dtype_shape
 from sofx.distributed.groups import _collective_device, require_initialized
 from sofx.distributed.refusals import _as_refusal, _check_arguments
-from sofx.errors import SofxError
+from sofx.errors import SofxError, UnsupportedError
+from sofx.kernels import select_backend
 
 __all__ = ["check_same_setup"]
 
@@ -45,7 +47,9 @@ def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: An
 
     ``params``: the full params tree (structure, dtypes and shapes are
     compared, not values); ``opt``: the optimizer (its static configuration
-    and kernel backend, by ``repr``); ``scaler``: the loss scaler (its
+    and kernel backend, by ``repr``; with ``params``, also the backend each
+    leaf resolves to: ``backend="auto"`` takes Triton on a GPU where it is
+    installed and the reference kernels elsewhere, whose bits differ); ``scaler``: the loss scaler (its
     settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
     ``hparams``: the full hparams (an ``AdamHParams`` prefix tree, not a
     rank's :meth:`Shard.local_hparams`), or a schedule of them, compared by
@@ -97,6 +101,8 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
     for name, value in (("opt", opt), ("scaler", scaler), ("config", config), ("hparams", hparams)):
         if value is not None:
             _entries(name, value, out)
+    if params is not None and isinstance(opt, Adam):
+        out.update(_kernel_entries(params, opt))
     if callable(hparams):
         for step in _SCHEDULE_STEPS:
             _entries(f"hparams({step})", hparams(step), out)
@@ -113,6 +119,22 @@ def _params_entries(params: Any) -> dict[str, str]:
     leaves, spec = tree.flatten(params)
     return {path: _dtype_shape(x.dtype, x.shape) if isinstance(x, torch.Tensor) else _text(x)
             for path, x in zip(tree.leaf_paths(spec), leaves)}
+
+
+def _kernel_entries(params: Any, opt: Adam) -> dict[str, str]:
+    """The kernel backend ``opt`` steps each tensor leaf of ``params`` with, as this process resolves it
+    (``backend="auto"``: on a GPU, Triton where it is installed, else the reference kernels, whose bits differ):
+    ``opt.backend(params['w'])`` -> ``"triton"``, or the refusal's text where none supports the leaf."""
+    leaves, spec = tree.flatten(params)
+    out = {}
+    for path, x in zip(tree.leaf_paths(spec), leaves):
+        if isinstance(x, torch.Tensor):
+            try:
+                chosen = select_backend(opt.backend, x.device, x.dtype, opt.state_dtype or x.dtype).NAME
+            except UnsupportedError as e:
+                chosen = f"none ({e})"
+            out[f"opt.backend({path})"] = chosen
+    return out
 
 
 def _entries(path: str, x: Any, out: dict[str, str], depth: int = 0) -> None:
