@@ -22,7 +22,7 @@ import torch
 
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               write_param_copy)
+                               refuse_checked_steps, write_param_copy)
 from sofx.kernels.chunked import (ChunkedCall, _take_chunks, check_chunked_calls, gather_chunks, listed_elements,
                                   listed_ranges, put_chunks, range_calls)
 from sofx.undo_record import CHECKED_CHUNKS_REASON, LeafUndo, chunk_snapshot_bytes, strategy_snapshot_bytes
@@ -201,12 +201,11 @@ def _refuse_unsupported(kernel: Any, group: Sequence[ChunkedCall], where: Sequen
     values, a call of ``group`` (checked: :func:`~sofx.kernels.chunked.check_chunked_calls`) the kernel contract
     says it does not take: a checked call (``skip``) where ``CHECKS_FINITE`` is False, a device and dtypes its
     ``supports`` (where it has one) refuses."""
+    if not getattr(kernel, "CHECKS_FINITE", False):
+        refuse_checked_steps([c.call for c in group], f"{kernel.NAME} chunks")  # (where[i]'s names)
     supports = getattr(kernel, "supports", None)
     for name, c in zip(where, group):
         call = c.call
-        if call.skip is not None and not getattr(kernel, "CHECKS_FINITE", False):
-            raise UnsupportedError(f"{name}: this backend has no checked step (skip); use a backend whose "
-                                   "CHECKS_FINITE is True or check the gradient first")
         if supports is not None and not supports(call.p.device, call.p.dtype, call.m.dtype):
             raise UnsupportedError(f"{name}: device {call.p.device} with param dtype {call.p.dtype} and state dtype "
                                    f"{call.m.dtype} is not supported by the {kernel.NAME} backend")
