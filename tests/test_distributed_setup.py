@@ -139,7 +139,19 @@ def _check_same_setup(rank: int) -> dict:
             "warmup": _message(lambda: sd.check_same_setup(hparams=_warmup(0.5, 200 if bad else 100)))}
 
 
-CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup}
+def _keys_that_read_the_same(rank: int) -> dict:
+    """Params keyed by two modules of equal ``repr`` (two ``nn.Linear(2, 2)``: their leaves' paths read the same),
+    the first leaf of another shape on rank BAD."""
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    params = {first: torch.ones(2 if rank == BAD else 3), second: torch.ones(4)}
+    return {"shard_blocks": _message(lambda: sd.shard_blocks(params)),
+            "check_same_setup": _message(lambda: sd.check_same_setup(params=params)),
+            "all_reduce_sumsq": _message(lambda: sd.all_reduce_sumsq(params=params) and "built"),
+            "on one rank": _message(lambda: sd.shard_blocks(params if rank == BAD else {"w": torch.ones(3)}))}
+
+
+CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "check_same_setup": _check_same_setup,
+         "keys_that_read_the_same": _keys_that_read_the_same}
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +284,17 @@ def test_dict_keys_in_a_setup_read_the_same_on_every_rank():
     assert str(info.value) == (f"settings['layers'] has two keys that read <{_Key.__module__}._Key object> "
                                "(addresses left out): which is which could differ between ranks; give the keys a "
                                "repr that tells them apart")
+
+
+def test_params_whose_leaf_paths_read_the_same_are_refused_on_every_rank(ranks):
+    """The ranks compare their params leaf by leaf, each named by its path; two leaves whose keys have the same
+    ``repr`` (two ``nn.Linear(2, 2)``) had one name, the second's dtype and shape replaced the first's, and
+    ranks whose first such leaf differed in shape were taken as set up the same."""
+    path = "params[Linear(in_features=2, out_features=2, bias=True)]"
+    for res in ranks:
+        for what, msg in res["keys_that_read_the_same"].items():
+            if what == "on one rank":
+                continue
+            assert msg == (f"SofxError: params has two leaves named {path}: which is which could differ "
+                           "between ranks; give the keys a repr that tells them apart"), (what, msg)
+    refused_on_every_rank(ranks, BAD, "keys_that_read_the_same", "on one rank", f"params has two leaves named {path}")

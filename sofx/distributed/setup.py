@@ -46,11 +46,13 @@ def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: An
     """Raise on every rank of ``group`` unless every rank passed the same setup: a collective, at setup.
 
     ``params``: the full params tree (structure, dtypes and shapes are
-    compared, not values); ``opt``: the optimizer (its static configuration
-    and kernel backend, by ``repr``; with ``params``, also the backend each
-    leaf resolves to: ``backend="auto"`` takes Triton on a GPU where it is
-    installed and the reference kernels elsewhere, whose bits differ); ``scaler``: the loss scaler (its
-    settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
+    compared leaf by leaf, each named by its path, not values; two leaves
+    whose paths read the same, dict keys of equal ``repr``, are refused);
+    ``opt``: the optimizer (its static configuration and kernel backend, by
+    ``repr``; with ``params``, also the backend each leaf resolves to:
+    ``backend="auto"`` takes Triton on a GPU where it is installed and the
+    reference kernels elsewhere, whose bits differ); ``scaler``: the loss
+    scaler (its settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
     ``hparams``: the full hparams (an ``AdamHParams`` prefix tree, not a
     rank's :meth:`Shard.local_hparams`), or a schedule of them, compared by
     its fields (a dataclass: every schedule of :mod:`sofx.schedules`) or
@@ -115,10 +117,16 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
 
 def _params_entries(params: Any) -> dict[str, str]:
     """Every leaf of ``params`` as its path and its dtype and shape (what the ranks' params must agree in; a leaf
-    that is not a tensor, by :func:`_text`)."""
+    that is not a tensor, by :func:`_text`). Two leaves of one path (dict keys of equal ``repr``: two
+    ``nn.Linear(2, 2)``) are refused: one entry would hold the second's and leave the first uncompared."""
     leaves, spec = tree.flatten(params)
-    return {path: _dtype_shape(x.dtype, x.shape) if isinstance(x, torch.Tensor) else _text(x)
-            for path, x in zip(tree.leaf_paths(spec), leaves)}
+    out: dict[str, str] = {}
+    for path, x in zip(tree.leaf_paths(spec), leaves):
+        if path in out:
+            raise SofxError(f"params has two leaves named {path}: which is which could differ between ranks; give "
+                            "the keys a repr that tells them apart")
+        out[path] = _dtype_shape(x.dtype, x.shape) if isinstance(x, torch.Tensor) else _text(x)
+    return out
 
 
 def _kernel_entries(params: Any, opt: Adam) -> dict[str, str]:

@@ -257,7 +257,8 @@ def shard_blocks(params: Any, group: Any = None, *extra: Any, owners: Sequence[i
     it at setup: the ranks check (one all-reduce of 16 bytes) that their
     params agree in structure, dtypes and shapes and their shards in owners.
     Where not, or where a rank refuses its own input (a leaf that is not a
-    tensor, bad owners, an unknown keyword, a positional argument too many),
+    tensor, two leaves of one path, bad owners, an unknown keyword, a
+    positional argument too many),
     every rank raises naming the rank, or the first leaf that differs with
     each rank's dtype and shape.
     Unchecked, such shards step leaves of other shapes, or other leaves, side
@@ -271,15 +272,15 @@ def shard_blocks(params: Any, group: Any = None, *extra: Any, owners: Sequence[i
             require_initialized(group, "shard_blocks")
         return _build_shard(params, owners, rank, world_size)
     require_initialized(group, "shard_blocks")
-    refused, shard = None, None
+    refused, shard, entries = None, None, {}
     try:
         _check_arguments("shard_blocks", "params, group", extra, unknown, _SHARD_KEYWORDS)
         if rank is not None or world_size is not None:
             raise SofxError("shard_blocks: pass both rank and world_size, or neither")
         shard = _build_shard(params, owners, dist.get_rank(group), dist.get_world_size(group))
+        entries = _shard_entries(shard, params)  # (refuses two leaves of one path)
     except Exception as e:  # told to the other ranks by the agreement, which they are waiting in
         refused = _as_refusal("shard_blocks", e)
-    entries = {} if shard is None else _shard_entries(shard, params)
     _agree("shard_blocks", entries, group, _collective_device(group, None), refused,
            "every rank must build its shard from params of the same structure, dtypes and shapes, with the "
            "same owners")
