@@ -174,6 +174,26 @@ def test_interop_errors():
         ck.torch_param_groups(adamw, params, groups=[["nope"]])
 
 
+def test_a_group_member_named_by_a_text_that_names_two_leaves_is_refused():
+    """A leaf is named by its path or, under the root dict, by its key; the path won silently where a text was
+    both (a key written as another leaf's path), or the first leaf where two leaves' paths read the same (keys of
+    equal repr), and the group held a leaf the caller may not have meant."""
+    adamw = sofx.adamw(lr=1e-2)
+    by_key_or_path = {"params['w']": torch.zeros(2), "w": torch.zeros(3)}
+    with pytest.raises(ck.CheckpointError, match=r"groups: \"params\['w'\]\" names 2 params leaves \(0: "
+                                                 r"params\[\"params\['w'\]\"\], 1: params\['w'\]\); name it by "
+                                                 r"its index"):
+        ck.torch_param_groups(adamw, by_key_or_path, groups=[["params['w']"], [0]])
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    same_repr = {first: torch.zeros(2), second: torch.zeros(3)}
+    path = tree.leaf_paths(same_repr)[0]
+    with pytest.raises(ck.CheckpointError, match="names 2 params leaves"):
+        ck.torch_param_groups(adamw, same_repr, groups=[[path], [1]])
+    # where the text names one leaf, the groups are as asked
+    got = ck.torch_param_groups(adamw, by_key_or_path, groups=[[1], ['params["params[\'w\']"]']])
+    assert [g["params"][0].shape for g in got] == [(3,), (2,)]
+
+
 def test_the_exported_moments_are_copies_and_none_in_the_hparams_prefix_means_the_defaults():
     """torch's load_state_dict keeps a tensor of its parameter's dtype and device as it is: the exported moments
     were the state's own, and torch's steps wrote into the sofx state a run went on from. A None in the hparams

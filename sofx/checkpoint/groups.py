@@ -12,7 +12,9 @@ has no such numbering, so the mapping is made explicit here:
 * ``groups=[[ref, ...], ...]``: exactly these groups in this order, each leaf
   named by its index in flatten order, by its path (``"params['enc']['w']"``, as
   :func:`sofx.tree.leaf_paths` writes it) or, for a leaf directly under the root
-  dict, by its key (``"enc.weight"`` for ``dict(model.named_parameters())``).
+  dict, by its key (``"enc.weight"`` for ``dict(model.named_parameters())``);
+  a text that names two leaves (a key written as another leaf's path, keys of
+  equal ``repr``) is refused.
   Every leaf must be in exactly one group and all leaves of a group must have
   the same hyperparameters.
 
@@ -61,9 +63,13 @@ def _leaf_index(ref: Any, paths: list[str]) -> int:
             raise CheckpointError(f"groups: leaf index {ref} is out of range (the params have {len(paths)} leaves)")
         return ref
     if isinstance(ref, str):
-        for candidate in (ref, f"params[{ref!r}]"):
-            if candidate in paths:
-                return paths.index(candidate)
+        named = [i for i, path in enumerate(paths) if path in (ref, f"params[{ref!r}]")]
+        if len(named) > 1:  # a key written as another leaf's path, or two keys of equal repr
+            listed = ", ".join(f"{i}: {paths[i]}" for i in named)
+            raise CheckpointError(f"groups: {ref!r} names {len(named)} params leaves ({listed}); name it by its "
+                                  "index")
+        if named:
+            return named[0]
         raise CheckpointError(f"groups: no params leaf is named {ref!r}; leaves are {paths[:8]}"
                               f"{' ...' if len(paths) > 8 else ''}")
     raise CheckpointError(f"groups: a leaf is named by its index or path, got {ref!r}")
