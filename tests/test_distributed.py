@@ -1,4 +1,4 @@
-"""sofx.distributed on real gloo process groups (2 and 3 local processes).
+"""sofx.distributed on real gloo process groups (1, 2 and 3 local processes).
 
 Each process group is spawned once (a module fixture) and runs every scenario;
 the ranks save what they computed and the tests here compare it, side by side,
@@ -21,7 +21,8 @@ with single-process runs on the same fresh random inputs:
   gradient on one step: equal to one process on the mean gradients;
 * the sharded serial loop equals ``torch.optim.AdamW`` + ``clip_grad_norm_``
   over the full parameter set;
-* a rank that owns no block still takes part (3 ranks);
+* a rank that owns no block still takes part (3 ranks); one rank alone owns
+  every block and steps as one process does;
 * the collectives themselves: inf/nan on one rank reach every rank (also
   through gloo's own ``all_reduce(SUM)``), the mean is rank-identical,
   sub-groups, errors without a process group.
@@ -469,6 +470,10 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
+        if world == 1:  # one rank owns every block: the same steps as no sharding
+            results = {f"sharded_{p}": _run_sharded_speculative(rank, world, p) for p in ("torch", "deepspeed")}
+            torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+            return
         results = {"collectives": _run_collectives(rank, world),
                    "sharded_torch": _run_sharded_speculative(rank, world, "torch")}
         if world == 2:
@@ -492,6 +497,11 @@ def _spawn(world: int, tmp_path_factory) -> list[dict]:
     d = tmp_path_factory.mktemp(f"gloo{world}")
     mp.spawn(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True)
     return [torch.load(d / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ranks1(tmp_path_factory) -> list[dict]:
+    return _spawn(1, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -633,6 +643,14 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
 @pytest.mark.parametrize("profile", ["torch", "deepspeed"])
 def test_sharded_speculation_equals_single_process_serial_loop(ranks2, profile):
     _check_sharded(ranks2, f"sharded_{profile}", profile)
+
+
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_a_world_of_one_rank_shards_like_no_sharding(ranks1, profile):
+    """A group of one rank (as ``torchrun --nproc-per-node 1`` or DeepSpeed on one GPU gives): the rank owns every
+    block, and its sharded loop, gathered, equals the single-process loop."""
+    assert ranks1[0][f"sharded_{profile}"]["owners"] == [0] * len(sofx.tree.flatten(_params())[0])
+    _check_sharded(ranks1, f"sharded_{profile}", profile)
 
 
 def test_sharded_speculation_on_three_ranks(ranks3):
