@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--early", type=int, default=12, help="steps in the first phase")
+    ap.add_argument("--lr", type=float, default=1e-3, help="overlap.py trains at 1e-4: ReLU units come alive "
+                    "later there, and their rows' first gradients meet moments still exactly 0")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cpu_fast"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model = build_model(args.width, args.depth)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 1)
-    opt = sofx.adamw(lr=1e-3, backend=args.backend)
+    opt = sofx.adamw(lr=args.lr, backend=args.backend)
     start = [p.detach().clone() for p in model.parameters()]
     runs = {name: {"params": [t.clone() for t in start]} for name in ("undoable", "plain", "late clip", "engine")}
     for run in runs.values():
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                                                        donate=True, undoable=False)
         times["engine"].append(time.perf_counter() - t)
     same = all(torch.equal(a, b) for a, b in zip(runs["undoable"]["params"], runs["plain"]["params"]))
-    print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), backend {args.backend}, "
+    print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), lr {args.lr:g}, backend {args.backend}, "
           f"{args.threads} threads, FINITE_CHUNK {FINITE_CHUNK}, torch {torch.__version__}; params equal: {same}")
     print()
     print("| steps | elements in flagged chunks | undoable ms | plain ms | undoable / plain | late clip ms "
