@@ -9,8 +9,10 @@ skipped chunks, which completes exactly the call an unchecked kernel would have 
 other chunks are undone algebraically, as the test found them sound. Rare but for a few leaves: an
 overflow, a gradient spike, the first steps of a run (a second moment still small by chance), the rows of
 an embedding or output layer that rare tokens update (there a few chunks in ten, every step), elements whose
-second moment is still 0 given a gradient (a row no token had used: its inverse would keep a leftover of the
-step's rounding). Not a leaf's first step from init (``StepCall.zero_moments``: its undo zeroes the moments).
+second moment is still 0 given a gradient beside a first moment that is not, or in L2 mode or with bfloat16
+moments (a row no token had used: its inverse would keep a leftover of the step's rounding; where both moments
+are 0 in float32 without L2 decay the inverse gives them back exactly: :func:`sofx.kernels.base.zeros_come_back`).
+Not a leaf's first step from init (``StepCall.zero_moments``: its undo zeroes the moments).
 """
 
 from __future__ import annotations

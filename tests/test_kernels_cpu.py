@@ -1045,6 +1045,19 @@ def test_another_build_flags_a_zero_v_with_a_gradient(dtypes, other_build, rng, 
                 assert flags.tolist() == expected
 
 
+@pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
+def test_another_build_gives_moments_exactly_0_back_exactly_and_does_not_flag_them(dtypes, other_build, rng,
+                                                                                   monkeypatch):
+    """test_lossy_undo.py's check_zero_rows_come_back in the other builds: their inverses (tile loops, AVX2
+    loops) subtract the step's own roundings, and their checked calls (vector loops reading the next chunk,
+    the pass per chunk) leave moments exactly 0 unflagged where the inverse gives them back exactly."""
+    from sofx.kernels import _cpu_build
+    from test_lossy_undo import check_zero_rows_come_back
+
+    monkeypatch.setattr(_cpu_build, "_loaded", [other_build])
+    check_zero_rows_come_back((cpu, cpu_fast), *dtypes, rng)
+
+
 def test_another_build_gives_the_same_bits_for_nans_and_infinities_in_bf16(other_build, rng, monkeypatch):
     """All-bf16 jobs (whose AVX-512 loops take even/odd pairs of vectors and store a pair by one two-vector
     conversion) give the other builds' bit patterns where the gradients hold nans of either sign and

@@ -513,8 +513,9 @@ else:
     @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
     def test_checked_calls_flag_a_zero_v_with_a_gradient(dtypes, rng):
         """A zero v (an undone one of 0) given a nonzero effective gradient is flagged, as lossy_elements finds
-        it (its inverse keeps a leftover of the step's rounding), in a checked step and undo+redo; not one
-        without, nor one of a step with zero_moments (a leaf's first step from init) but for an inf gradient."""
+        it, in a checked step and undo+redo (beside a nonzero m); not one without, nor one of a step with
+        zero_moments (a leaf's first step from init) but for an inf gradient, nor one beside a zero m that the
+        inverse gives back exactly (float32 moments, decoupled decay)."""
         n = CHECK_SIZES[-1]
         p, g, m, v = block_inputs(rng, n, *dtypes, sound=True)
         g_old = g.clone()
@@ -536,7 +537,10 @@ else:
                      (lossy_elements(p, g_inf, zeros, s, decoupled, m=zeros, zero_moments=True)
                       | beyond_limit(g_inf, s.grad_scale), [0, 0, 1],
                       lambda f: StepCall(p, g_inf, zeros, zeros, s, None, None, f, True)),
-                     (lossy_elements(p, g, zeros, s, decoupled, m=zeros), [0, 1, 1],  # (not told: flagged)
+                     # (not told: flagged, but where the inverse gives the zeros back exactly: float32 moments,
+                     # decoupled decay, base.zeros_come_back)
+                     (lossy_elements(p, g, zeros, s, decoupled, m=zeros),
+                      [0, 0, 0] if decoupled and dtypes[1] == torch.float32 else [0, 1, 1],
                       lambda f: StepCall(p, g, zeros, zeros, s, None, None, f))]
             for bad, expected, call in cases:
                 assert _chunk_any(bad) == expected
@@ -544,6 +548,13 @@ else:
                 c = call(skip)
                 (tk.step_many if isinstance(c, StepCall) else tk.undo_redo_many)([c], variant)
                 assert skip.tolist() == expected
+
+    @pytest.mark.parametrize("mode", ["adamw", "adam-l2", "bf16-moments"])
+    def test_exact_zero_moments_are_not_flagged_in_triton(mode):
+        """test_lossy_undo.py's test on the Triton backend: rows whose moments are still exactly 0 get a
+        gradient; the inverse gives them back exactly (float32 moments, no L2 decay) and nothing is kept."""
+        from test_lossy_undo import check_exact_zero_moments
+        check_exact_zero_moments("triton", mode)
 
     def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
         """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags

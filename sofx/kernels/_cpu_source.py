@@ -653,7 +653,7 @@ static void undo_tile(float *restrict P, float *restrict G, float *restrict M, f
   const float omb1 = s->omb1, b1 = s->b1, omb2 = s->omb2, b2 = s->b2;
   for (int i = 0; i < n; i++) M[i] = (M[i] - omb1 * G[i]) / b1;
   for (int i = 0; i < n; i++) {
-    const float x = (V[i] - omb2 * (G[i] * G[i])) / b2;
+    const float x = (V[i] - (omb2 * G[i]) * G[i]) / b2; /* the step's rounding of its term: 0 comes back 0 */
     V[i] = x < 0.0f ? 0.0f : x; /* clamp at 0, nan stays nan */
   }
 }
@@ -815,7 +815,7 @@ static inline void undo_elem_d(float *P, float G, float *M, float *V, float D, c
   }
   g = k->l2 ? fmaf(p, k->wd, g) : g;
   const float m = quot(*M - k->omb1 * g, k->b1, k->rb1, fast);
-  const float x = quot(*V - k->omb2 * (g * g), k->b2, k->rb2, fast);
+  const float x = quot(*V - (k->omb2 * g) * g, k->b2, k->rb2, fast); /* (the step's term: see undo_tile) */
   *P = p;
   *M = m;
   *V = x < 0.0f ? 0.0f : x;
@@ -974,16 +974,18 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
 /* 1 if the step of the job's elements [begin, end) (of an undo+redo: its redo) can be undone algebraically
    within DESIGN.md's tolerance (base.py's lossy_elements, the same operations in the same order): no element
    with not (gh * gh * c <= v), c the step's Sc.lossy, gh its effective gradient (g * gs, plus wd * p in L2
-   mode), v the second moment before it: a zero v with a nonzero gh is flagged (its inverse keeps a leftover of
-   the step's rounding, see base.py's LOSSY_V_RATIO; a leaf's first step has c = 0: StepCall.zero_moments). An
-   undo+redo's is the undone one: b2 times it, v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c)
-   (no division), gh_old the old gradient's (p: p_old where given, else p'). A non-finite gh * gh * c is flagged
-   whatever v (an inf or nan p in L2 mode: its inverse gives nan moments); a non-finite m (m' of an undo+redo)
-   too: its inverse gives nan p. */
+   mode), v the second moment before it: a zero v with a nonzero gh is flagged (a redo with a much smaller
+   gradient would magnify any leftover of its inverse, see base.py's LOSSY_V_RATIO; a leaf's first step has
+   c = 0: StepCall.zero_moments) unless m is 0 too and zok (base.py's zeros_come_back: float32 moments, no L2
+   decay): the inverse then gives both back exactly (it subtracts the step's own roundings). An undo+redo's is
+   the undone one: b2 times it, v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division),
+   gh_old the old gradient's (p: p_old where given, else p'), and its undone m's numerator m' - (1 - b1) gh_old.
+   A non-finite gh * gh * c is flagged whatever v (an inf or nan p in L2 mode: its inverse gives nan moments); a
+   non-finite m (m' of an undo+redo) too: its inverse gives nan p. */
 /* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one). */
 typedef struct {
-  float c, b2s, gsn, wdn, gso, wdo, omb2o;
-  int l2n, l2o;
+  float c, b2s, gsn, wdn, gso, wdo, omb2o, omb1o;
+  int l2n, l2o, zok; /* zok: moments exactly 0 come back exactly 0 (their elements not flagged) */
 } LossyK;
 static LossyK lossy_k(const Job *j) {
   const int redo = j->op == OP_UNDO_REDO;
@@ -998,6 +1000,8 @@ static LossyK lossy_k(const Job *j) {
   x.wdn = sn->wd;
   x.wdo = so->wd;
   x.omb2o = so->omb2;
+  x.omb1o = so->omb1;
+  x.zok = j->ds == DT_F32 && !x.l2n && !x.l2o;
   return x;
 }
 static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
@@ -1006,6 +1010,10 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
   const void *pp = redo && j->pold ? j->pold : j->p;
   const int dpp = redo && j->pold ? j->dpo : j->dp;
   float P[TILE], G[TILE], G2[TILE], M[TILE], V[TILE];
+  const float *Z = redo ? G2 : M; /* 0 where the moments' m is (a redo's: the undone m's numerator) */
+  /* |v| + |z| + zk is 0 exactly at the moments exactly 0 that zok exempts (nonnegative terms: no cancellation,
+     a nan stays a nan); in float arithmetic, which GCC vectorizes where an int test of the two was not */
+  const float zk = x.zok ? 0.0f : 1.0f;
   int bad = 0;
   for (int64_t off = begin; off < end && !bad; off += TILE) {
     const int n = (int)(end - off < TILE ? end - off : TILE);
@@ -1021,13 +1029,15 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
         const float u = V[i] - x.omb2o * go * go;
         V[i] = u < 0.0f ? 0.0f : u;
         G[i] = G2[i];
+        G2[i] = M[i] - x.omb1o * go; /* the undone m's numerator (0 where the undone m is 0) */
       }
     }
     for (int i = 0; i < n; i++) {
       float gh = G[i] * x.gsn;
       if (x.l2n) gh = gh + P[i] * x.wdn;
       const float t = gh * gh * x.c * x.b2s;
-      bad |= !(t <= V[i]) | !(t <= FLT_MAX) | !(fabsf(M[i]) <= FLT_MAX);
+      const float nz = fabsf(V[i]) + fabsf(Z[i]) + zk;
+      bad |= (!(t <= V[i]) & (nz != 0.0f)) | !(t <= FLT_MAX) | !(fabsf(M[i]) <= FLT_MAX);
     }
   }
   return !bad;
@@ -1301,12 +1311,15 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
       const Arrays *a, int64_t e, const LossyK *x, int redo) {                     \
     const __m512 zero = _mm512_setzero_ps();                                       \
     __m512 v = vld_##DS(a->v, e, ALL_LANES), p = zero, gh;                         \
+    const __m512 m = vld_##DS(a->m, e, ALL_LANES);                                 \
+    __m512 m0 = m; /* 0 where the moments' m is 0 (a redo's: the undone one's numerator) */ \
     if (x->l2n || x->l2o) p = vld_##DP(a->p, e, ALL_LANES);                        \
     if (redo) {                                                                    \
       __m512 go = _mm512_mul_ps(vld_##DG(a->g, e, ALL_LANES), _mm512_set1_ps(x->gso)); \
       if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, _mm512_set1_ps(x->wdo))); \
       const __m512 u = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(x->omb2o), go), go)); \
       v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ), u, zero);  \
+      if (x->zok) m0 = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(x->omb1o), go)); \
       gh = vld_##DG(a->g2, e, ALL_LANES);                                          \
     } else {                                                                       \
       gh = vld_##DG(a->g, e, ALL_LANES);                                           \
@@ -1315,10 +1328,12 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
     if (x->l2n) gh = _mm512_add_ps(gh, _mm512_mul_ps(p, _mm512_set1_ps(x->wdn)));  \
     __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), _mm512_set1_ps(x->c));         \
     if (redo) t = _mm512_mul_ps(t, _mm512_set1_ps(x->b2s));                        \
-    const __m512 am = _mm512_abs_ps(vld_##DS(a->m, e, ALL_LANES));                 \
+    const __m512 am = _mm512_abs_ps(m);                                            \
     const __m512 big = _mm512_set1_ps(FLT_MAX);                                    \
-    return _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(t, big, _CMP_NLE_UQ)       \
-           | _mm512_cmp_ps_mask(am, big, _CMP_NLE_UQ);                                             \
+    __mmask16 over = _mm512_cmp_ps_mask(t, v, _CMP_NLE_UQ);                        \
+    if (x->zok)                                                                    \
+      over &= ~(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(m0, zero, _CMP_EQ_OQ)); \
+    return over | _mm512_cmp_ps_mask(t, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(am, big, _CMP_NLE_UQ); \
   }
 NATIVE_COMBOS(VLOSSY)
 /* The next chunk's vector at e into bad by vlossy (redo: an undo+redo's), its lines prefetched ahead as SCAN_AT's. */
@@ -1445,7 +1460,7 @@ static inline __attribute__((always_inline)) void undo_vec(__m512 *P, __m512 G, 
   }
   if (k->l2) g = _mm512_fmadd_ps(p, _mm512_set1_ps(k->wd), g);
   const __m512 m = quot_vec(_mm512_sub_ps(*M, _mm512_mul_ps(_mm512_set1_ps(k->omb1), g)), k->b1, k->rb1, fast);
-  const __m512 x = quot_vec(_mm512_sub_ps(*V, _mm512_mul_ps(_mm512_set1_ps(k->omb2), _mm512_mul_ps(g, g))),
+  const __m512 x = quot_vec(_mm512_sub_ps(*V, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k->omb2), g), g)),
                             k->b2, k->rb2, fast);
   *P = p;
   *M = m;
@@ -1722,7 +1737,7 @@ static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8
   }
   if (k->l2) g = _mm256_fmadd_ps(p, v8set(k->wd), g);
   const v8 m = quot8(_mm256_sub_ps(*M, _mm256_mul_ps(v8set(k->omb1), g)), k->b1, k->rb1, fast);
-  const v8 x = quot8(_mm256_sub_ps(*V, _mm256_mul_ps(v8set(k->omb2), _mm256_mul_ps(g, g))), k->b2, k->rb2, fast);
+  const v8 x = quot8(_mm256_sub_ps(*V, _mm256_mul_ps(_mm256_mul_ps(v8set(k->omb2), g), g)), k->b2, k->rb2, fast);
   *P = p;
   *M = m;
   *V = _mm256_max_ps(_mm256_setzero_ps(), x); /* x < 0 ? 0 : x, as maxps: -0 and nan x kept */
@@ -2277,12 +2292,15 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
       const Arrays *a, int64_t e, const LossyK *x, int redo) {                     \
     const v8 zero = _mm256_setzero_ps();                                           \
     v8 v = v8ld_##DS(a->v, e), p = zero, gh;                                       \
+    const v8 m = v8ld_##DS(a->m, e);                                               \
+    v8 m0 = m; /* 0 where the moments' m is 0 (a redo's: the undone one's numerator) */ \
     if (x->l2n || x->l2o) p = v8ld_##DP(a->p, e);                                  \
     if (redo) {                                                                    \
       v8 go = _mm256_mul_ps(v8ld_##DG(a->g, e), _mm256_set1_ps(x->gso));           \
       if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, _mm256_set1_ps(x->wdo))); \
       const v8 u = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(x->omb2o), go), go)); \
       v = _mm256_blendv_ps(u, zero, _mm256_cmp_ps(u, zero, _CMP_LT_OQ));           \
+      if (x->zok) m0 = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_set1_ps(x->omb1o), go)); \
       gh = v8ld_##DG(a->g2, e);                                                    \
     } else {                                                                       \
       gh = v8ld_##DG(a->g, e);                                                     \
@@ -2291,10 +2309,13 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     if (x->l2n) gh = _mm256_add_ps(gh, _mm256_mul_ps(p, _mm256_set1_ps(x->wdn)));  \
     v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), _mm256_set1_ps(x->c));             \
     if (redo) t = _mm256_mul_ps(t, _mm256_set1_ps(x->b2s));                        \
-    const v8 am = _mm256_and_ps(v8ld_##DS(a->m, e), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); \
+    const v8 am = _mm256_and_ps(m, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); \
     const v8 big = _mm256_set1_ps(FLT_MAX);                                        \
-    return _mm256_castps_si256(_mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(t, v, _CMP_NLE_UQ),        \
-                                                         _mm256_cmp_ps(t, big, _CMP_NLE_UQ)), \
+    v8 over = _mm256_cmp_ps(t, v, _CMP_NLE_UQ);                                    \
+    if (x->zok)                                                                    \
+      over = _mm256_andnot_ps(_mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_EQ_OQ), _mm256_cmp_ps(m0, zero, _CMP_EQ_OQ)), \
+                              over);                                               \
+    return _mm256_castps_si256(_mm256_or_ps(_mm256_or_ps(over, _mm256_cmp_ps(t, big, _CMP_NLE_UQ)), \
                                             _mm256_cmp_ps(am, big, _CMP_NLE_UQ))); \
   }
 NATIVE_COMBOS(VLOSSY8)

@@ -400,15 +400,20 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # alike), v came back within about (3.3 R + 4) 2^-24: 13.3 2^-24 = 7.9e-7 for R up to 3, 46 2^-24 = 2.7e-6
 # at 12 (the first ratio, 12, took only v' into account and let a 30x spike's v back 1.6e-6 off); m within
 # about (2 R_m + 2 |m| / sqrt(v)) 2^-24 of sqrt(v): measured 28 2^-24 = 1.7e-6 up to 12 (the tests allow 2e-6).
-# A zero ``v`` is flagged where ``gh`` is not 0 (``gh^2 c <= 0`` fails): the step's and the inverse's
-# roundings of ``(1 - b2) gh^2`` differ, and the undone v keeps a leftover of ~1e-7 of v' (m too in L2 mode,
-# where the inverse's ``gh`` is from the recovered p: ~5e-6 of m'), which a redo with a much smaller
-# gradient (a heavy clip) magnified: rows of an embedding no token had used (m = v = 0, count > 0) came back
-# with v 1.2e-3 off and p 3.6e-6 (relative to the tensor's max) at a global norm 100x max_norm. Not flagged:
-# a zero ``v`` with a zero ``gh`` (nothing added, nothing to take back), and a leaf's first step from zero
-# moments (``StepCall.zero_moments``: its undo restores exact zeros). A nan ``v`` is flagged, a non-finite
-# ``m``, and a non-finite ``gh^2 c`` (an inf or nan parameter in L2 mode, whose effective gradient is then not
-# finite: the inverse would give nan moments).
+# A zero ``v`` with a nonzero ``gh`` fails ``gh^2 c <= 0``. Any leftover of the inverse there is magnified by
+# a redo with a much smaller gradient (a heavy clip): rows of an embedding no token had used (m = v = 0,
+# count > 0) came back with v 1.2e-3 off and p 3.6e-6 (relative to the tensor's max) at a global norm 100x
+# max_norm while the inverse's rounding of ``(1 - b2) gh^2`` differed from the step's. Every backend's inverse
+# now subtracts the step's own ``((1 - b2) gh) gh`` and its own ``(1 - b1) gh``, so that moments that were
+# exactly 0 come back exactly 0 (``v' - ((1 - b2) gh) gh = 0``, ``m' - (1 - b1) gh = 0``, each the same
+# rounding of the same operands as the step's, and a quotient of 0): such an element is not flagged
+# (:func:`zeros_come_back`) where the step's ``gh`` does not depend on p (the inverse's L2 ``gh`` is from the
+# recovered p, an ulp off: ~5e-6 of m' left over) and the moments are stored in the compute dtype (a bfloat16
+# ``v'`` is not the float32 term it rounds). A zero ``v`` beside a nonzero ``m`` (gradients whose squares
+# underflowed) is still flagged. Not flagged either: a zero ``v`` with a zero ``gh`` (nothing added, nothing
+# to take back), and a leaf's first step from zero moments (``StepCall.zero_moments``: its undo restores exact
+# zeros). A nan ``v`` is flagged, a non-finite ``m``, and a non-finite ``gh^2 c`` (an inf or nan parameter in
+# L2 mode, whose effective gradient is then not finite: the inverse would give nan moments).
 LOSSY_V_RATIO = 3.0
 LOSSY_M_RATIO = 12.0
 
@@ -439,17 +444,34 @@ def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoup
     return gh
 
 
+def zeros_come_back(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor, s: AdamScalars, decoupled: bool,
+                    s_old: AdamScalars | None = None) -> bool:
+    """Whether a step (``s``; the redo of an undo+redo also ``s_old``, the undone one's) on this block gives
+    moments that were exactly 0 back exactly 0 when undone: its effective gradient does not depend on p
+    (decoupled decay, or none), and ``m`` and ``v`` are stored in the compute dtype (see
+    :data:`LOSSY_V_RATIO`). ``m`` None: unknown, so not."""
+    dtype = compute_dtype(p)
+    if m is None or m.dtype != dtype or v.dtype != dtype:
+        return False
+    return all(decoupled or float(x.weight_decay) == 0 for x in (s, s_old) if x is not None)
+
+
 def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
-                    g_old: torch.Tensor | None, s_old: AdamScalars | None,
-                    zero_moments: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gh * gh * c, v)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``), in place where the
-    tensors are its own (the pass before a step that no kernel checks: a few passes, no more temporaries than
-    needed)."""
+                    g_old: torch.Tensor | None, s_old: AdamScalars | None, zero_moments: bool = False,
+                    m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(gh * gh * c, v, zeros)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``zeros``: where
+    both moments before the step are exactly 0, None where :func:`zeros_come_back` says such elements are not
+    undone exactly), in place where the tensors are its own (the pass before a step that no kernel checks: a few
+    passes, no more temporaries than needed)."""
     dtype = compute_dtype(p)
     vv = v.to(dtype)
+    exact = zeros_come_back(p, m, v, s, decoupled, s_old)
+    mm = m.to(dtype) if exact and m is not None else None
     if g_old is not None:
         assert s_old is not None
         gho = _effective_gradient(p, g_old, s_old, decoupled)
+        if mm is not None:  # m' - (1 - b1) gh_old: 0 where the undone m is
+            mm = torch.sub(mm, torch.mul(gho, 1 - float(s_old.beta1)))
         u = torch.mul(gho, 1 - float(s_old.beta2)).mul_(gho)  # (1 - b2) * gh * gh, in that order
         vv = torch.sub(vv, u, out=u).clamp_min_(0)  # b2 times the undone v (a nan stays nan)
     t = _effective_gradient(p, g, s, decoupled)
@@ -460,7 +482,17 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
     t.mul_(t).mul_(c)
     if g_old is not None:
         t.mul_(float(s_old.beta2))  # against b2 times the undone v: no division
-    return t, vv
+    zeros = None if mm is None else torch.eq(vv, 0).logical_and_(torch.eq(mm, 0))
+    return t, vv, zeros
+
+
+def _sound(t: torch.Tensor, vv: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+    """Where an element's inverse is within the tolerance (of :func:`_lossy_operands`' results): ``gh^2 c <=
+    v`` or moments exactly 0 (``zeros``), and ``gh^2 c`` finite."""
+    ok = torch.le(t, vv)
+    if zeros is not None:
+        ok.logical_or_(zeros)
+    return ok.logical_and_(torch.isfinite(t))
 
 
 def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
@@ -468,19 +500,19 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
                    m: torch.Tensor | None = None, zero_moments: bool = False) -> torch.Tensor:
     """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
     less exactly than DESIGN.md's tolerance: not ``gh^2 * lossy_factor(b1, b2) <= v``, a nan ``v`` and a zero
-    ``v`` with a nonzero ``gh`` included (see :data:`LOSSY_V_RATIO`). The redo of an undo+redo (``g_old,
+    ``v`` with a nonzero ``gh`` included (see :data:`LOSSY_V_RATIO`), but for moments exactly 0 where
+    :func:`zeros_come_back` (their inverse is exact; ``m`` needed). The redo of an undo+redo (``g_old,
     s_old``: the undone step; ``v`` its result, ``p`` the parameters before it where its record kept them,
     else its result ``p'``) compares the new gradient against the undone ``v``, ``(v' - (1 - b2) gh_old^2) /
-    b2`` (at least 0: where that is 0, a nonzero new ``gh`` is flagged), both ``gh`` from that ``p``; as ``b2
-    (gh^2 c) <= v' - (1 - b2) gh_old^2``, without a division (the fused undo+redo loops are bound by their
-    divider). A non-finite ``gh^2 c`` is flagged whatever ``v`` (an inf or nan parameter in L2 mode: its
-    inverse gives nan moments). ``m``: the first moment (``m'`` of an undo+redo); an element where it is not
-    finite is flagged too (its inverse would give a nan parameter: inf - inf). ``zero_moments`` (a step's,
-    as :class:`StepCall`'s: all-zero moments that its undo restores by zeroing them): a factor ``c`` of 0,
-    so that only non-finite values are flagged. The checked kernels flag the chunks holding such an
-    element."""
-    t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments)
-    bad = torch.le(t, vv).logical_not_().logical_or_(~torch.isfinite(t))
+    b2`` (at least 0: where that is 0, a nonzero new ``gh`` is flagged unless the undone ``m``, ``(m' - (1 - b1)
+    gh_old) / b1``, is 0 too), both ``gh`` from that ``p``; as ``b2 (gh^2 c) <= v' - (1 - b2) gh_old^2``,
+    without a division (the fused undo+redo loops are bound by their divider). A non-finite ``gh^2 c`` is
+    flagged whatever ``v`` (an inf or nan parameter in L2 mode: its inverse gives nan moments). ``m``: the
+    first moment (``m'`` of an undo+redo); an element where it is not finite is flagged too (its inverse would
+    give a nan parameter: inf - inf). ``zero_moments`` (a step's, as :class:`StepCall`'s: all-zero moments
+    that its undo restores by zeroing them): a factor ``c`` of 0, so that only non-finite values are flagged.
+    The checked kernels flag the chunks holding such an element."""
+    bad = _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments, m)).logical_not_()
     return bad if m is None else bad.logical_or_(~torch.isfinite(m))
 
 
@@ -493,18 +525,21 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
     """``lossy_elements(...).any()`` (a 0-d bool tensor) with fewer passes. On CPU a slice at a time, up to
     the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages). ``m`` is
     tested by its sum, one reduction (an inf or a nan makes it so; a sum beyond the float range, from finite
-    elements, flags it too: a snapshot where none was needed)."""
-    def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None) -> torch.Tensor:
-        t, vv = _lossy_operands(p, g, v, s, decoupled, g_old, s_old)
-        return torch.le(t, vv).logical_and_(torch.isfinite(t)).all()
+    elements, flags it too: a snapshot where none was needed), and read by slice where :func:`zeros_come_back`
+    (its exact zeros)."""
+    exact = zeros_come_back(p, m, v, s, decoupled, s_old)
+
+    def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None,
+              m: torch.Tensor | None) -> torch.Tensor:
+        return _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m if exact else None)).all()
 
     m_bad = torch.zeros((), dtype=torch.bool, device=p.device) if m is None or m.numel() == 0 else \
         ~torch.isfinite(m.sum())
     if p.device.type != "cpu" or p.numel() <= _LOSSY_SLICE:
-        return ~sound(p, g, v, g_old) | m_bad
+        return ~sound(p, g, v, g_old, m) | m_bad
     if bool(m_bad):
         return m_bad
-    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old)]
+    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old, m)]
     for a in range(0, p.numel(), _LOSSY_SLICE):
         if not bool(sound(*(None if x is None else x[a:a + _LOSSY_SLICE] for x in flat))):
             return torch.tensor(True)

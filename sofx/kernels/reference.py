@@ -270,7 +270,10 @@ def _undo_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     b1 = _cast(s.beta1, cd)
     b2 = _cast(s.beta2, cd)
     m0 = (m - (1 - b1) * gh) / b1
-    v0 = (v - (1 - b2) * (gh * gh)) / b2
+    # the step's own rounding of its (1 - b2) gh^2 term (addcmul's ((1 - b2) gh) gh; with tensor betas (1 - b2)
+    # (gh gh)): moments that were exactly 0 come back exactly 0 (base.py's LOSSY_V_RATIO)
+    term = ((1 - b2) * gh) * gh if is_number(b2) else (1 - b2) * (gh * gh)
+    v0 = (v - term) / b2
     v0 = torch.where(v0 < 0, torch.zeros_like(v0), v0)  # clamp at 0, nan stays nan
     return p0, m0, v0
 

@@ -23,7 +23,7 @@ within an ulp) and the same fused multiply-adds as torch's CPU kernels (see
            m' = fma(c, g - m, m or g)     (torch's lerp)   v' = fma((1-b2)*g, g, v*b2)
            p' = p + (-lr/bc1 * m') / (sqrt(v')/sqrt(bc2) + eps)
     undo:  p = (p' + (lr/bc1 * m') / (sqrt(v')/sqrt(bc2) + eps)) / (1 - lr*wd if decoupled)
-           gh = g or fma(p, wd, g);  m = (m' - (1-b1)*gh) / b1;  v = max0((v' - (1-b2)*gh*gh) / b2)
+           gh = g or fma(p, wd, g);  m = (m' - (1-b1)*gh) / b1;  v = max0((v' - ((1-b2)*gh)*gh) / b2)
 
 Checked calls (``StepCall.skip``, ``UndoRedoCall.skip``: ``undo="auto"``'s test of the gradient's finiteness
 and of the inverse's precision, :data:`sofx.kernels.base.FINITE_CHUNK`) run one chunk per program
@@ -129,31 +129,42 @@ def _div_by(x, b, rb):
 
 
 @triton.jit
-def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c,
-               OP: tl.constexpr):
+def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c,
+               OP: tl.constexpr, ROUND_S: tl.constexpr):
     """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
     (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
     algebraic inverse would restore too lossily (``k_c``: the lossy factor; a zero ``v`` with a nonzero
-    effective gradient is flagged for any ``k_c > 0``; 0, a beta of 0 or a step from zero moments
+    effective gradient is flagged for any ``k_c > 0`` unless ``m`` is 0 too, the moments are stored in float32
+    (``ROUND_S``) and no L2 decay makes the effective gradients depend on p: the inverse then gives both back
+    exactly, :func:`sofx.kernels.base.zeros_come_back`; 0, a beta of 0 or a step from zero moments
     (``StepCall.zero_moments``), still flags a nan ``v``, a non-finite ``m`` or effective gradient). The same
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
     ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``)."""
+    n_l2 = (s_l2 != 0) & (s_wd != 0.0)
+    m0 = m  # 0 where the moments' m is (an undo+redo's: the undone m's numerator)
     if OP == 2:
         gn = g2
         go = g * u_gs
-        go = tl.where((u_l2 != 0) & (u_wd != 0.0), go + p * u_wd, go)
+        o_l2 = (u_l2 != 0) & (u_wd != 0.0)
+        go = tl.where(o_l2, go + p * u_wd, go)
         x = v - (u_omb2 * go) * go
         vv = tl.where(x < 0.0, 0.0, x)  # b2 times the undone v
+        m0 = m - u_omb1 * go
+        zok = ~n_l2 & ~o_l2
     else:
         gn = g
         vv = v
+        zok = ~n_l2
     bad = (gn.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > k_lim
     gh = gn * s_gs
-    gh = tl.where((s_l2 != 0) & (s_wd != 0.0), gh + p * s_wd, gh)
+    gh = tl.where(n_l2, gh + p * s_wd, gh)
     t = (gh * gh) * k_c
     if OP == 2:
         t = t * u_b2
-    lossy = ~(t <= vv) | ~(t <= 3.4028234663852886e38) | ~(tl.abs(m) <= 3.4028234663852886e38)
+    over = ~(t <= vv)
+    if ROUND_S == tl.float32:
+        over = over & ~(zok & (vv == 0.0) & (m0 == 0.0))
+    lossy = over | ~(t <= 3.4028234663852886e38) | ~(tl.abs(m) <= 3.4028234663852886e38)
     bad = (bad | lossy) & mask
     return tl.max(bad.to(tl.int32), axis=0)
 
@@ -180,7 +191,8 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
         g2 = g
         if OP == 2:
             g2 = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
-        skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c, OP)
+        skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim,
+                          k_c, OP, ROUND_S)
         tl.store(sk_ptr + chunk, skip.to(tl.uint8))
         mask = mask & (tl.full(offs.shape, 0, tl.int32) == skip)  # (a block-wide comparison: a mask of int1)
     if OP != 0:
@@ -191,7 +203,7 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
             p = _div_by(p + tl.div_rn(u_ss * m, d), u_pdiv, u_rpdiv)  # u exactly as the step computed it
         g = tl.where(u_l2 != 0, tl.fma(p, u_wd, g), g)
         m = _div_by(m - u_omb1 * g, u_b1, u_rb1)
-        x = _div_by(v - u_omb2 * (g * g), u_b2, u_rb2)
+        x = _div_by(v - (u_omb2 * g) * g, u_b2, u_rb2)  # the step's own term: moments of 0 come back 0
         v = tl.where(x < 0.0, 0.0, x)  # clamp at 0, nan stays nan
         if OP == 2:
             # the undone values as they would be stored, then the new gradient
