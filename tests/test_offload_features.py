@@ -10,6 +10,7 @@ state_dict round trips, bad input and clean shutdown.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -688,3 +689,40 @@ def test_cuda_model_with_cpu_masters_and_device_blocks_equals_torch(executor: st
             ropt.zero_grad()
             assert relative_deviation(model, ref) <= 1e-5  # CUDA kernels round differently from torch's
     assert sum(r.speculated for r in reports) > 0 and sum(r.redone for r in reports) > 0
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_block_undone_when_its_late_gradient_came_is_reported_as_the_step_it_runs(overflow: bool) -> None:
+    """Two layers in two blocks, both speculated in a first backward; a second backward gives layer ``a`` a late
+    gradient, so the engine undoes its speculative step at once (to sum in place). Validation then has nothing
+    left to undo: the block is stepped with the sum, and the report and the event log name that ``step`` (an
+    overflow: ``skip``), not ``undo_redo`` (``undo``). It still counts as speculated, undone and redone (not
+    redone on an overflow), and the values are torch's AdamW on the summed gradients."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 16), nn.Linear(16, 16)
+    ref = [copy.deepcopy(a), copy.deepcopy(b)]
+    ropt = torch.optim.AdamW([p for m in ref for p in m.parameters()], lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(3)
+    with sofx.offload.SpeculativeAdamW([*a.parameters(), *b.parameters()], lr=1e-2, executor="thread",
+                                       block_numel=16 * 16 + 16) as opt:
+        for step in range(3):
+            x1, x2 = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+            spoil = overflow and step == 2
+            opt.zero_grad()
+            opt.backward(a(x1).square().mean() + b(x1).square().mean())
+            opt.backward(a(x2).square().mean() * (math.inf if spoil else 1.0))  # block 0's late gradient
+            report = opt.step()
+            ropt.zero_grad()
+            if not spoil:
+                (ref[0](x1).square().mean() + ref[1](x1).square().mean() + ref[0](x2).square().mean()).backward()
+                ropt.step()
+            assert ("undo_now", 0) in report.events and ("late_gradient", 0) in report.events, report.events
+            if spoil:
+                assert report.skipped and report.actions == ("skip", "undo"), report.actions
+                assert (report.speculated, report.undone, report.redone, report.not_stepped) == (2, 2, 0, 2)
+            else:
+                assert report.actions == ("step", "commit"), report.actions
+                assert ("step", 0) in report.events and ("undo_redo", 0) not in report.events, report.events
+                assert (report.speculated, report.committed, report.undone, report.redone,
+                        report.stepped_late) == (2, 1, 1, 1, 0), report.summary()
+            assert max(relative_deviation(m, r) for m, r in zip((a, b), ref)) <= TOL

@@ -16,7 +16,7 @@ Kinds:
 ``"ready"``      a block is ready (in-process executors only): ``payload()`` asks the speculation layer and
                  returns its BlockDecision, or None not to speculate; then as ``"speculate"``
 ``"undo_now"``   undo the block's speculative step at once (a late gradient is about to be summed into
-                 the buffer the record refers to); validation's ``undo_redo`` then only redoes
+                 the buffer the record refers to); validation then plans the block's ``step``
 ``"apply"``      carry out validation's action for the block (``payload``: a BlockAction)
 ``"commit_all"`` forget every kept record: the step is final
 

@@ -246,8 +246,9 @@ class BlockRunner:
         action = op.payload
         kept = self._keep(op.block, None)
         if kept is not None and kept.record is None:
-            # The speculative step was undone by undo_now, or taken back as it ran (the engine then plans a step
-            # or a skip): an undo is done, an undo_redo is a step.
+            # The speculative step was undone by undo_now, or taken back as it ran: the engine plans a step or a
+            # skip then (it tells validation which steps were taken); should an undo or undo_redo still come,
+            # the undo is done already and an undo_redo is a step.
             if action.kind == "undo":
                 return True
             if action.kind == "undo_redo":

@@ -551,7 +551,7 @@ class OffloadEngine:
         undone = arrival.late and self._speculated[b]
         if undone:
             # The speculative step's record refers to this buffer: undo it before summing in place;
-            # validation's undo_redo then only redoes.
+            # validation then steps the block with the sum (taken: False; the report says "step").
             self._events.append(("undo_now", b))
             self._run_now(BlockOp(next(self._seq), "undo_now", b), layout)
             self._speculated[b] = False
@@ -824,7 +824,10 @@ class OffloadEngine:
             self._zero_absent(b, arrived)
             kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
             sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
-        plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams())
+        # taken: a block whose speculative step a late gradient undid (undo_now) or that was taken back as it ran
+        # has nothing left to undo; validation plans (and reports) it as the plain step (or skip) it runs.
+        plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams(),
+                               taken=list(self._speculated))
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes)
         self._refused_bytes = {}
         return self._apply(plan, presents, sumsq)
