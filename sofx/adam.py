@@ -363,17 +363,19 @@ class Adam:
         return self._plan(leaf, grad_scale, finite, memo, steps, undoable)
 
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
-                      copy: torch.Tensor | None = None, skip: torch.Tensor | None = None,
-                      ) -> tuple[StepCall, LeafUndo]:
+                      copy: torch.Tensor | None = None, skip: torch.Tensor | None = None, *,
+                      copy_snapshots: bool | None = None) -> tuple[StepCall, LeafUndo]:
         """The kernel call of one leaf's step and its undo record (snapshots taken now, before any kernel
-        overwrites the leaf under donation)."""
+        overwrites the leaf under donation). ``copy_snapshots``: whether the record's snapshots are copies
+        (default: under donation) or the leaf's tensors themselves."""
         scalars, strategy, reason = plan
+        own = donate if copy_snapshots is None else copy_snapshots
         p_old = m_old = v_old = None
         if strategy in ("snapshot", "param_snapshot"):
-            p_old = leaf.p.clone() if donate else leaf.p
+            p_old = leaf.p.clone() if own else leaf.p
         if strategy == "snapshot":
-            m_old = leaf.m.clone() if donate else leaf.m
-            v_old = leaf.v.clone() if donate else leaf.v
+            m_old = leaf.m.clone() if own else leaf.m
+            v_old = leaf.v.clone() if own else leaf.v
         # Before the step: with donation the kernel overwrites leaf.m and leaf.v with the new moments.
         fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
@@ -381,9 +383,9 @@ class Adam:
         return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip, zero_moments=fresh), rec
 
     def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
-                   copy: torch.Tensor | None = None,
+                   copy: torch.Tensor | None = None, *, copy_snapshots: bool | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LeafUndo]:
-        call, rec = self._prepare_step(leaf, plan, donate, copy)
+        call, rec = self._prepare_step(leaf, plan, donate, copy, copy_snapshots=copy_snapshots)
         p2, m2, v2 = self._kernel(leaf).step_many([call], self.variant)[0]
         return p2, m2, v2, leaf.count + 1, rec
 
@@ -462,6 +464,10 @@ class Adam:
         snapshot record of the undone values there); elsewhere they are read before. ``param_copies`` and
         ``undoable`` as in :meth:`update` (the redone step's record is a
         snapshot where its new gradient dominates the undone second moment).
+        The new record refers to no tensor that ``record`` kept from its own
+        caller (the params and state of an update without donation, which
+        that caller may reuse once ``record`` is used): a snapshot of those
+        is copied, with or without donation.
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
@@ -543,9 +549,10 @@ class Adam:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
                 # (kept values read, not written.) A new snapshot shares them where the used record owns them (a
                 # donated call's copies); a record of a call without donation kept the caller's own tensors,
-                # which the caller may reuse once it is used: a donated call keeps its own copy of those.
-                own = donate and not record.donated
-                call, records[k] = self._prepare_step(undone, plan, own, copy)
+                # which the caller may reuse once it is used: this call's record keeps its own copy of those,
+                # donated or not.
+                call, records[k] = self._prepare_step(undone, plan, donate, copy,
+                                                      copy_snapshots=_keeps_callers(undone, rec, record))
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 from_kept.append((k, kernels[k], call._replace(out=out)))
                 new_c[k] = rec.count_before + 1
@@ -559,7 +566,9 @@ class Adam:
                 undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
                 if undoable:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
-                new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(undone, plan, donate, copy)
+                # (without donation an undo passes a kept old parameter on as the undone one: copied, as above)
+                new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(
+                    undone, plan, donate, copy, copy_snapshots=donate or _keeps_callers(undone, rec, record))
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
                                                leaves if covered else None):
@@ -1282,6 +1291,17 @@ def _writable_copies(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | No
     for leaf, c in copied:
         check_writable(_role_name(leaf, _COPY), c)
     return copied
+
+
+def _keeps_callers(undone: _Leaf, rec: LeafUndo | None, record: UndoRecord) -> bool:
+    """Whether the undone ``p, m, v`` of a leaf include a tensor that ``rec`` (a leaf of ``record``; None: not
+    stepped) kept from its caller: a record of a call without donation keeps the caller's own tensors, which
+    the caller may reuse once the record is used, so a new record must copy them (a donated record's kept
+    tensors are its own)."""
+    if record.donated or rec is None:
+        return False
+    kept = [t for t in (rec.p_old, rec.m_old, rec.v_old) if t is not None]
+    return any(x is t for x in (undone.p, undone.m, undone.v) for t in kept)
 
 
 def _undo_call(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None) -> UndoCall:

@@ -664,3 +664,40 @@ def test_an_undo_redo_of_mixed_records_steps_whole_snapshots_from_the_callers_te
     assert rec2.leaves[1] is None  # ("u": not stepped, as it was)
     for a, b in zip(sofx.tree.flatten((p3, s3))[0], sofx.tree.flatten(before)[0]):
         assert _norm_rel(a, b) <= 1e-6 and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("kept", ["snapshot", "exact", "param_snapshot"])
+def test_a_redo_without_donation_keeps_no_tensor_the_caller_may_reuse(backend, kept):
+    """As a donated undo_redo's (above), the record of an undo_redo without donation must not refer to the
+    tensors that the record it used kept from its own caller (an update without donation keeps the params
+    and moments passed in, which the caller may reuse once that record is used): a whole snapshot stepped
+    from (a spike, or undo="exact"), or an old parameter kept whole (lr * weight_decay near 1) that the
+    undo passes on. The caller reuses them (a donated update writes into them), then undoes the new
+    record: the state before the first update, bit for bit (the moments a param_snapshot recomputes: to
+    float32 rounding)."""
+    gen = torch.Generator().manual_seed(12)
+    opt = sofx.adamw(lr=0.9 if kept == "param_snapshot" else 1e-2, weight_decay=0.9 if kept == "param_snapshot"
+                     else 0.1, undo="exact" if kept == "exact" else "auto", backend=backend)
+    params = {"a": torch.randn(40, generator=gen), "w": torch.randn(3, 50, generator=gen)}
+    state = opt.init(params)
+    for _ in range(5):
+        params, state, _ = opt.update(params, {k: torch.randn(p.shape, generator=gen) for k, p in params.items()},
+                                      state)
+    size = 1e4 if kept == "snapshot" else 1.0  # a spike dominates the second moment: a snapshot
+    grads = {k: size * torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    for donated_update in (False, True):
+        ins = sofx.tree.tree_map(torch.clone, (params, state))
+        p1, s1, rec = opt.update(ins[0], grads, ins[1], donate=donated_update)
+        assert ("param_snapshot" if kept == "param_snapshot" else "snapshot") in rec.strategies()
+        p2, s2, rec2 = opt.undo_redo(p1, s1, rec, grads, grad_scale=0.5)
+        assert rec.used and set(rec2.strategies()) & {"snapshot", "param_snapshot"}, rec2.strategies()
+        opt.update(ins[0], grads, ins[1], donate=True)  # the caller reuses its tensors: written in place
+        p3, s3 = opt.undo(p2, s2, rec2)
+        assert trees_equal((p3, s3.count), (before[0], before[1].count))
+        for a, b in zip(sofx.tree.flatten((s3.mu, s3.nu))[0], sofx.tree.flatten((before[1].mu, before[1].nu))[0]):
+            if kept == "param_snapshot":
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            else:
+                assert torch.equal(a, b), (donated_update, rec.strategies(), rec2.strategies())
