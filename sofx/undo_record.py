@@ -69,7 +69,16 @@ _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old", "chunks")
 
 
 class LeafUndo:
-    """How to undo the step of one leaf."""
+    """How to undo the step of one leaf.
+
+    ``count_before`` is the step count tensor of the state the step was taken from, not a copy (an undo
+    returns it as the state's count; an undo_redo's record keeps it). That is safe because nothing in sofx
+    writes a count tensor in place: ``update``/``undo``/``undo_redo`` make new counts even with donation
+    (which covers the params and moments only), the offload engine passes Adam clones of its block counts
+    (``set_param_state``, ``reset_state`` and ``load_state_dict`` write the block counts, never those), and
+    checkpoint loads and imports make new tensors. A caller writing into a count tensor by hand must not do
+    so while a record holding it may still be undone.
+    """
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
                  "moments_were_zero", "chunks", "_layout")
