@@ -64,7 +64,7 @@ import torch
 
 from sofx.adam import TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
-from sofx.kernels.user_numbers import flag, is_bool, real_number
+from sofx.kernels.user_numbers import finite_number, flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
@@ -97,13 +97,9 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
 
 
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise HParamError(f"{what} must be a number or a 1-element tensor, got shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's float32 too (a LambdaLR's)
-        raise HParamError(f"{what} must be a number, got {type(value).__name__}")
-    return float(value)
+    """A group's hparam as a Python float (:func:`~sofx.kernels.user_numbers.finite_number`: a Python or numpy
+    number, numpy's float32 from a LambdaLR included, or a 1-element tensor; finite)."""
+    return float(finite_number(what, value))
 
 
 # torch.optim.Adam/AdamW's options that change the math, and differentiable (the steps are in place, not
