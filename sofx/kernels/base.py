@@ -459,10 +459,10 @@ def zeros_come_back(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor, s:
 def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                     g_old: torch.Tensor | None, s_old: AdamScalars | None, zero_moments: bool = False,
                     m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(gh * gh * c, v, zeros)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``zeros``: where
-    both moments before the step are exactly 0, None where :func:`zeros_come_back` says such elements are not
-    undone exactly), in place where the tensors are its own (the pass before a step that no kernel checks: a few
-    passes, no more temporaries than needed)."""
+    """``(gh * gh * c, v, mm)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``mm``: 0 where the
+    first moment before the step is, so that both moments are 0 where ``v`` is too, :func:`_zeros`; None where
+    :func:`zeros_come_back` says such elements are not undone exactly), in place where the tensors are its own
+    (the pass before a step that no kernel checks: a few passes, no more temporaries than needed)."""
     dtype = compute_dtype(p)
     vv = v.to(dtype)
     exact = zeros_come_back(p, m, v, s, decoupled, s_old)
@@ -482,16 +482,20 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
     t.mul_(t).mul_(c)
     if g_old is not None:
         t.mul_(float(s_old.beta2))  # against b2 times the undone v: no division
-    zeros = None if mm is None else torch.eq(vv, 0).logical_and_(torch.eq(mm, 0))
-    return t, vv, zeros
+    return t, vv, mm
 
 
-def _sound(t: torch.Tensor, vv: torch.Tensor, zeros: torch.Tensor | None) -> torch.Tensor:
+def _zeros(vv: torch.Tensor, mm: torch.Tensor) -> torch.Tensor:
+    """Where both moments are exactly 0 (of :func:`_lossy_operands`' results)."""
+    return torch.eq(vv, 0).logical_and_(torch.eq(mm, 0))
+
+
+def _sound(t: torch.Tensor, vv: torch.Tensor, mm: torch.Tensor | None) -> torch.Tensor:
     """Where an element's inverse is within the tolerance (of :func:`_lossy_operands`' results): ``gh^2 c <=
-    v`` or moments exactly 0 (``zeros``), and ``gh^2 c`` finite."""
+    v`` or moments exactly 0 (``mm``: see there), and ``gh^2 c`` finite."""
     ok = torch.le(t, vv)
-    if zeros is not None:
-        ok.logical_or_(zeros)
+    if mm is not None:
+        ok.logical_or_(_zeros(vv, mm))
     return ok.logical_and_(torch.isfinite(t))
 
 
@@ -531,7 +535,11 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
 
     def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None,
               m: torch.Tensor | None) -> torch.Tensor:
-        return _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m if exact else None)).all()
+        t, vv, mm = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m if exact else None)
+        if mm is None or p.device.type != "cpu":
+            return _sound(t, vv, mm).all()
+        ok = torch.le(t, vv).logical_and_(torch.isfinite(t)).all()  # (on CPU the exact zeros only where needed)
+        return ok if bool(ok) else _sound(t, vv, mm).all()
 
     m_bad = torch.zeros((), dtype=torch.bool, device=p.device) if m is None or m.numel() == 0 else \
         ~torch.isfinite(m.sum())
