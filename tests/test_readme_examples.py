@@ -295,6 +295,9 @@ def test_checkpoint_example_round_trips(tmp_path: Path) -> None:
     saved_opt, saved_sched = _clone(opt.state_dict()), ns["sched"].state_dict()
     try:
         run_block(readme_block("checkpoint"), ns, "checkpoints")
+        # its async save to the path is committed before the facade's save to the same path (unordered, the
+        # file held either tree)
+        assert ns["handle"].done(), "the example must wait for save_async before saving to the same path again"
         assert ns["handle"].wait(60) == ns["path"]
         ns["saver"].wait(60)
         assert_trees_bitwise(ns["tree"], saved)  # dtypes (the bf16 leaf) and bits kept
