@@ -556,6 +556,11 @@ else:
         from test_lossy_undo import check_exact_zero_moments
         check_exact_zero_moments("triton", mode)
 
+    def test_checked_calls_flag_the_edges_of_exact_zero_moments_alike_in_triton(rng):
+        """test_lossy_undo.py's check_zero_edges_flagged_alike on the Triton backend (_chunk_bad)."""
+        from test_lossy_undo import check_zero_edges_flagged_alike
+        check_zero_edges_flagged_alike((tk,), rng)
+
     def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
         """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags
         nothing, the record keeps nothing and its undo gives the init state back."""

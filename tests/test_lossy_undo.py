@@ -21,7 +21,7 @@ import sofx
 from sofx.errors import UndoError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import (FINITE_CHUNK, LOSSY_M_RATIO, LOSSY_V_RATIO, AdamScalars, AdamVariant, StepCall,
-                               UndoRedoCall, beyond_limit, lossy_elements, lossy_factor)
+                               UndoRedoCall, any_lossy, beyond_limit, lossy_elements, lossy_factor)
 
 native = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no native checked steps")
 
@@ -397,6 +397,93 @@ def check_zero_rows_come_back(backends, pdt: torch.dtype, sdt: torch.dtype, gen:
 def test_moments_exactly_0_come_back_exactly_and_are_not_flagged(combo, rng):
     """check_zero_rows_come_back on this machine's build (cpu, cpu_fast) and the reference."""
     check_zero_rows_come_back((cpu, cpu_fast, reference), *combo, rng)
+
+
+# One edge of the exemption of exact zero moments per chunk (the element at 37 k of chunk k): a step's (p, g,
+# m, v before it) and an undo+redo's (g_old and p', m', v' after the undone step, stepped with gs 1 from
+# b1 0.9, b2 0.999; the new gradient 0.01 randn at gs 1e-3), with the flags where zeros_come_back holds.
+_NAN, _INF = float("nan"), float("inf")
+_GO = 0.5  # the undone step's gradient: m' = (1 - b1) go and v' = ((1 - b2) go) go as it rounds them
+_M1 = float(torch.tensor(1 - 0.9, dtype=torch.float32) * torch.tensor(_GO))
+_V1 = float(torch.tensor(1 - 0.999, dtype=torch.float32) * torch.tensor(_GO) * torch.tensor(_GO))
+_STEP_EDGES = [  # (element values, flagged)
+    ({"m": 0.0, "v": 0.0, "g": 0.5}, 0),
+    ({"m": -0.0, "v": 0.0, "g": 0.5}, 0),  # (a negative zero is 0)
+    ({"m": 0.0, "v": -0.0, "g": 0.5}, 0),
+    ({"m": 1e-40, "v": 0.0, "g": 0.5}, 1),  # a subnormal m is not 0
+    ({"m": 0.0, "v": 1e-45, "g": 0.5}, 1),  # nor a subnormal v
+    ({"m": 0.0, "v": 0.0, "g": 1e-40}, 0),  # (its square underflows: nothing to take back)
+    ({"m": 0.0, "v": _NAN, "g": 0.5}, 1),
+    ({"m": 0.0, "v": 0.0, "g": _INF}, 1),
+    ({"m": _NAN, "v": 0.0, "g": 0.0}, 1)]
+_REDO_EDGES = [
+    ({"g": _GO, "m": _M1, "v": _V1}, 0),  # undone to exact zeros
+    ({"g": _GO, "m": _M1, "v": _V1 / 2}, 0),  # the undone v clamped at 0 from below, m 0: exact zeros too
+    ({"g": _GO, "m": _M1 * (1 + 2 ** -22), "v": _V1}, 1),  # the undone m not 0
+    ({"g": 0.0, "m": -0.0, "v": -0.0}, 0),
+    ({"g": _NAN, "m": _M1, "v": _V1}, 1)]
+
+
+def _edge_inputs(edges, gen: torch.Generator, pdt: torch.dtype, sdt: torch.dtype):
+    """``(p, g, m, v, g_new)`` of sound elements (the new gradient too) but at each edge's element."""
+    n = len(edges) * FINITE_CHUNK + 5
+    p, g = 0.01 * torch.randn(n, generator=gen), 0.01 * torch.randn(n, generator=gen)
+    m, v = 0.01 * torch.randn(n, generator=gen), 1e-4 * (1 + torch.rand(n, generator=gen))
+    g_new = 0.01 * torch.randn(n, generator=gen)
+    for k, (values, _) in enumerate(edges):
+        for name, x in values.items():
+            {"p": p, "g": g, "m": m, "v": v}[name][k * FINITE_CHUNK + 37 * k] = x
+    return p.to(pdt), g.to(pdt), m.to(sdt), v.to(sdt), g_new.to(pdt)
+
+
+def check_zero_edges_flagged_alike(backends, gen: torch.Generator, python_form: bool = False) -> None:
+    """Each of ``backends``' checked step and undo+redo flag the chunks of :data:`_STEP_EDGES` and
+    :data:`_REDO_EDGES` as lossy_elements does (``python_form``: cpu's Python checked call and any_lossy too):
+    as listed where base.zeros_come_back holds (float32 moments, no L2 decay), else every zero v with a gradient
+    as well (L2 decay, bfloat16 moments)."""
+    s_old = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.0, 50, 1.0)
+    for sdt, decoupled, wd in ((torch.float32, True, 0.1), (torch.float32, False, 0.0),
+                               (torch.float32, False, 0.1), (torch.bfloat16, True, 0.1)):
+        variant = AdamVariant(decoupled=decoupled)
+        s = s_old._replace(weight_decay=wd, grad_scale=0.5)
+        s_new = s._replace(grad_scale=1e-3)
+        exact = sdt == torch.float32 and (decoupled or wd == 0)
+        p, g, m, v, _ = _edge_inputs(_STEP_EDGES, gen, torch.float32, sdt)
+        cases = [(_STEP_EDGES, StepCall(p, g, m, v, s),
+                  lossy_elements(p, g, v, s, decoupled, m=m) | beyond_limit(g, 0.5))]
+        p, g, m, v, g_new = _edge_inputs(_REDO_EDGES, gen, torch.float32, sdt)
+        s_o = s_old._replace(weight_decay=wd)
+        cases.append((_REDO_EDGES, UndoRedoCall(p, m, v, g, s_o, g_new, s_new),
+                      lossy_elements(p, g_new, v, s_new, decoupled, g, s_o, m=m) | beyond_limit(g_new, 1e-3)))
+        for edges, call, bad in cases:
+            want = _want_flags(bad, call.p.numel())
+            if exact:
+                assert want == [f for _, f in edges] + [0], (sdt, decoupled, wd)
+            for backend in backends:
+                assert _flags(backend, variant, call) == want, (backend.NAME, sdt, decoupled, wd)
+            if not python_form:
+                continue
+            redo = isinstance(call, UndoRedoCall)
+            block = cpu._Block(call.p, call.g_old, call.m, call.v, call.g_new, None, call.s_old, call.s_new, None,
+                               None) if redo else cpu._Block(call.p, call.g, call.m, call.v, None, None, call.s,
+                                                             None, None, None)
+            ref = torch.zeros(len(want), dtype=torch.uint8)
+            cpu._reference_checked(2 if redo else 0, block._replace(skip=ref), variant, block.s1, block.s2)
+            assert ref.tolist() == want
+            chunks = [slice(k * FINITE_CHUNK, (k + 1) * FINITE_CHUNK) for k in range(len(want))]
+            new, s_n = (call.g_new, call.s_new) if redo else (call.g, call.s)
+            found = [int(bool(any_lossy(call.p[c], new[c], call.v[c], s_n, decoupled,
+                                        call.g_old[c] if redo else None, call.s_old if redo else None, m=call.m[c])
+                              | beyond_limit(new[c], s_n.grad_scale).any())) for c in chunks]
+            assert found == want
+
+
+@native
+def test_checked_calls_flag_the_edges_of_exact_zero_moments_alike(rng):
+    """check_zero_edges_flagged_alike on this machine's build (cpu, cpu_fast), cpu's Python checked call and
+    any_lossy: negative zeros count as 0, a subnormal moment does not, an undone v clamped at 0 beside an undone
+    m of 0 is exempt, a nan is flagged."""
+    check_zero_edges_flagged_alike((cpu, cpu_fast), rng, python_form=True)
 
 
 def _run_to(opt, n, steps, gen):
