@@ -195,14 +195,14 @@ class Adam:
         With ``undo="auto"`` a leaf's record also keeps old values where its
         gradient dominates its second moment somewhere (a spike, a rarely
         updated row of an embedding), a second moment of 0 included (a row
-        no token has used yet, given its first gradient) where the inverse
-        cannot give it back exactly: the algebraic inverse would restore ``v``
-        and ``m`` less exactly than DESIGN.md's 1e-6 there (a gradient 1000x
-        the ones before it left ``v`` 62% off). Not on a leaf's first step from
-        all-zero moments, whose undo restores the zeros exactly (nothing kept
-        for it), nor where both moments are still exactly 0 in float32 moments
-        without L2 decay: the inverse subtracts the step's own roundings and
-        gives those zeros back exactly (:func:`sofx.kernels.base.zeros_come_back`). The test,
+        no token has used yet, given its first gradient, in L2 mode, with
+        bfloat16 moments or beside a first moment that is not 0): the algebraic
+        inverse would restore ``v`` and ``m`` less exactly than DESIGN.md's
+        1e-6 there (a gradient 1000x the ones before it left ``v`` 62% off).
+        Not on a leaf's first step from all-zero moments, whose undo restores
+        the zeros exactly (nothing kept for it), nor where both moments are
+        exactly 0 in float32 without L2 decay: the inverse gives them back
+        exactly (:func:`sofx.kernels.base.zeros_come_back`). The test,
         :func:`sofx.kernels.base.lossy_elements`, runs in the CPU and Triton kernels'
         checked step (a chunk at a time, as above, also with
         ``grads_finite=True``), elsewhere as a pass before the step.

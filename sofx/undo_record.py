@@ -24,8 +24,10 @@ Strategies:
 
 ``moments_were_zero`` marks the first step of a leaf from freshly initialised
 (all-zero) moments: its undo restores those zeros exactly instead of the
-ulp-sized leftovers an algebraic inverse leaves, which a redo with a much
-smaller gradient (a clipped first step) would magnify.
+ulp-sized leftovers an algebraic inverse leaves in L2 mode or with bfloat16
+moments (float32 moments without L2 decay come back exactly 0 anyway:
+:func:`sofx.kernels.base.zeros_come_back`), which a redo with a much smaller
+gradient (a clipped first step) would magnify.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ Per element, with ``t = s.step``, ``g = g * grad_scale`` and hparams of step ``t
 Inverse (SPECULATION.md section 2): recompute ``u`` from ``m', v'`` with the
 same operations (bit-identical), ``p = p' + u`` (divided by ``1 - lr*wd`` when
 decoupled), ``gh = g`` (decoupled) or ``g + wd*p`` (L2),
-``m = (m' - (1-b1)*gh) / b1``, ``v = (v' - (1-b2)*gh*gh) / b2`` clamped at 0
-with nan kept as nan.
+``m = (m' - (1-b1)*gh) / b1``, ``v = (v' - ((1-b2)*gh)*gh) / b2`` (the step's own
+rounding of its term, so that moments that were exactly 0 come back exactly 0)
+clamped at 0 with nan kept as nan.
 
 ``weight_decay == 0`` means no decay term at all (not a multiplication by 1).
 """
