@@ -458,20 +458,24 @@ def zeros_come_back(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor, s:
 
 def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                     g_old: torch.Tensor | None, s_old: AdamScalars | None, zero_moments: bool = False,
-                    m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(gh * gh * c, v, mm)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``mm``: 0 where the
-    first moment before the step is, so that both moments are 0 where ``v`` is too, :func:`_zeros`; None where
-    :func:`zeros_come_back` says such elements are not undone exactly), in place where the tensors are its own
-    (the pass before a step that no kernel checks: a few passes, no more temporaries than needed)."""
+                    m: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor] | None]:
+    """``(gh * gh * c, v, mm)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``mm()``: 0 where the
+    first moment before the step is, so that both moments are 0 where ``v`` is too, :func:`_zeros`, computed when
+    called; None where :func:`zeros_come_back` says such elements are not undone exactly), in place where the
+    tensors are its own (the pass before a step that no kernel checks: a few passes, no more temporaries than
+    needed)."""
     dtype = compute_dtype(p)
     vv = v.to(dtype)
-    exact = zeros_come_back(p, m, v, s, decoupled, s_old)
-    mm = m.to(dtype) if exact and m is not None else None
+    mm: Callable[[], torch.Tensor] | None = None
+    if m is not None and zeros_come_back(p, m, v, s, decoupled, s_old):
+        mo = m.to(dtype)
+        mm = lambda: mo  # noqa: E731
     if g_old is not None:
         assert s_old is not None
         gho = _effective_gradient(p, g_old, s_old, decoupled)
         if mm is not None:  # m' - (1 - b1) gh_old: 0 where the undone m is
-            mm = torch.sub(mm, torch.mul(gho, 1 - float(s_old.beta1)))
+            mm = lambda: torch.sub(mo, torch.mul(gho, 1 - float(s_old.beta1)))  # noqa: E731
         u = torch.mul(gho, 1 - float(s_old.beta2)).mul_(gho)  # (1 - b2) * gh * gh, in that order
         vv = torch.sub(vv, u, out=u).clamp_min_(0)  # b2 times the undone v (a nan stays nan)
     t = _effective_gradient(p, g, s, decoupled)
@@ -485,12 +489,12 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
     return t, vv, mm
 
 
-def _zeros(vv: torch.Tensor, mm: torch.Tensor) -> torch.Tensor:
+def _zeros(vv: torch.Tensor, mm: Callable[[], torch.Tensor]) -> torch.Tensor:
     """Where both moments are exactly 0 (of :func:`_lossy_operands`' results)."""
-    return torch.eq(vv, 0).logical_and_(torch.eq(mm, 0))
+    return torch.eq(vv, 0).logical_and_(torch.eq(mm(), 0))
 
 
-def _sound(t: torch.Tensor, vv: torch.Tensor, mm: torch.Tensor | None) -> torch.Tensor:
+def _sound(t: torch.Tensor, vv: torch.Tensor, mm: Callable[[], torch.Tensor] | None) -> torch.Tensor:
     """Where an element's inverse is within the tolerance (of :func:`_lossy_operands`' results): ``gh^2 c <=
     v`` or moments exactly 0 (``mm``: see there), and ``gh^2 c`` finite."""
     ok = torch.le(t, vv)
