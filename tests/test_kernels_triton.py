@@ -561,6 +561,12 @@ else:
         from test_lossy_undo import check_zero_edges_flagged_alike
         check_zero_edges_flagged_alike((tk,), rng)
 
+    def test_a_weight_decay_that_rounds_to_0_in_float32_is_l2_decay_in_the_triton_check():
+        """test_lossy_undo.py's test on the Triton kernels: their check tests the L2 term wherever the step adds
+        it (an inf parameter's chunk flagged, moments exactly 0 not exempt)."""
+        from test_lossy_undo import check_tiny_weight_decay_flagged
+        check_tiny_weight_decay_flagged((tk,))
+
     def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
         """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags
         nothing, the record keeps nothing and its undo gives the init state back."""

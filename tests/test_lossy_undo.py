@@ -744,3 +744,36 @@ def test_any_lossy_is_lossy_elements_any():
                 want = bool(lossy_elements(p, g, v, s, decoupled, *extra, m=m).any())
                 assert bool(any_lossy(p, g, v, s, decoupled, *extra, m=m)) == want, (case, redo, decoupled)
                 assert want == (case in (1, 2, 3, 4) or bool(lossy_elements(p, g, v, s, decoupled, *extra).any()))
+
+
+@native
+def test_a_weight_decay_that_rounds_to_0_in_float32_is_l2_decay_in_every_check():
+    """Adam (L2) with a weight decay below float32's range (1e-46: 0 in float32, not 0 as given): the step still
+    adds the L2 term (``fmaf(p, 0, g)``: an inf parameter makes its moments nan), so the checked calls test the
+    effective gradient with it as lossy_elements does: the chunk of an inf parameter is flagged, and moments
+    exactly 0 are not exempt (the inverse's L2 term is from the recovered p). They tested it only where the
+    float32 decay was not 0. (The Triton backend: test_kernels_triton.py.)"""
+    check_tiny_weight_decay_flagged((cpu, cpu_fast))
+
+
+def check_tiny_weight_decay_flagged(backends) -> None:
+    """:func:`test_a_weight_decay_that_rounds_to_0_in_float32_is_l2_decay_in_every_check` on ``backends``."""
+    gen = torch.Generator().manual_seed(5)
+    n = 4 * FINITE_CHUNK
+    p = torch.randn(n, generator=gen)
+    g = 0.01 * torch.randn(n, generator=gen)
+    m = 0.01 * torch.randn(n, generator=gen)
+    v = 1e-3 * (1 + torch.rand(n, generator=gen))
+    p[FINITE_CHUNK + 3] = float("inf")  # chunk 1
+    m[2 * FINITE_CHUNK + 5] = v[2 * FINITE_CHUNK + 5] = 0.0  # chunk 2: moments exactly 0, a gradient
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 1e-46, 50, 1.0)
+    variant = AdamVariant(decoupled=False)
+    want = _want_flags(lossy_elements(p, g, v, s, False, m=m) | beyond_limit(g, 1.0), n)
+    assert want == [0, 1, 1, 0]
+    g_old = 0.01 * torch.randn(n, generator=gen)
+    p1, m1, v1 = reference.step(p, g_old, m, v, s, variant)
+    want_redo = _want_flags(lossy_elements(p1, g, v1, s, False, g_old, s, m=m1) | beyond_limit(g, 1.0), n)
+    assert want_redo[1] == 1
+    for backend in backends:
+        assert _flags(backend, variant, StepCall(p, g, m, v, s)) == want
+        assert _flags(backend, variant, UndoRedoCall(p1, m1, v1, g_old, s, g, s)) == want_redo

@@ -995,8 +995,10 @@ static LossyK lossy_k(const Job *j) {
   x.b2s = redo ? so->b2 : 1.0f; /* (a product with 1 is exact) */
   x.gsn = sn->has_gs ? sn->gs : 1.0f;
   x.gso = so->has_gs ? so->gs : 1.0f;
-  x.l2n = !j->decoupled && sn->has_decay && sn->wd != 0.0f;
-  x.l2o = redo && !j->decoupled && so->has_decay && so->wd != 0.0f;
+  /* (as the step's l2: has_decay, also where the decay rounds to 0 in float32, whose fmaf(p, 0, g) makes an inf p's
+     moments nan) */
+  x.l2n = !j->decoupled && sn->has_decay;
+  x.l2o = redo && !j->decoupled && so->has_decay;
   x.wdn = sn->wd;
   x.wdo = so->wd;
   x.omb2o = so->omb2;

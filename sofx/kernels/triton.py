@@ -140,12 +140,12 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_g
     (``StepCall.zero_moments``), still flags a nan ``v``, a non-finite ``m`` or effective gradient). The same
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
     ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``)."""
-    n_l2 = (s_l2 != 0) & (s_wd != 0.0)
+    n_l2 = s_l2 != 0  # (as the step's: also a decay that rounds to 0 in float32, fma(p, 0, g) nan for an inf p)
     m0 = m  # 0 where the moments' m is (an undo+redo's: the undone m's numerator)
     if OP == 2:
         gn = g2
         go = g * u_gs
-        o_l2 = (u_l2 != 0) & (u_wd != 0.0)
+        o_l2 = u_l2 != 0
         go = tl.where(o_l2, go + p * u_wd, go)
         x = v - (u_omb2 * go) * go
         vv = tl.where(x < 0.0, 0.0, x)  # b2 times the undone v
