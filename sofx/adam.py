@@ -57,6 +57,7 @@ from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADI
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
                                is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
+from sofx.kernels.layout import in_memory_order, is_dense
 from sofx.kernels.user_numbers import as_integer, flag
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
@@ -1157,7 +1158,7 @@ def _all_finite(x: torch.Tensor, grad_scale: Scalar) -> bool:
     the smallest and largest values (nan if any element is; ``vector_norm(ord=inf)`` was ~15x slower on CPU)."""
     if x.numel() == 0:
         return True
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(in_memory_order(x) if is_dense(x) else x)  # (a transposed one: ~15x faster)
     return bool(torch.maximum(low.neg(), high).float() * abs(grad_scale) <= GRADIENT_LIMIT)
 
 

@@ -567,6 +567,42 @@ else:
         from test_lossy_undo import check_tiny_weight_decay_flagged
         check_tiny_weight_decay_flagged((tk,))
 
+    @pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+    def test_a_block_of_one_dense_layout_runs_over_its_memory_without_copies(layout, rng, monkeypatch):
+        """A block whose tensors share a dense, not contiguous layout (sofx.kernels.layout): step, undo and
+        undo+redo give the bits of the contiguous calls, in that layout, donated in place, without copies."""
+        from test_dense_layouts import LAYOUTS
+        make = LAYOUTS[layout]
+        p, g, g2 = make(rng), make(rng), make(rng)
+        m, v = make(rng, 0.1), make(rng, 0.1).abs() + 0.05
+        s = block_scalars(rng, 0.1, 0.5)
+        s2 = s._replace(grad_scale=0.25)
+        variant = AdamVariant(decoupled=True)
+        cp, cg, cg2, cm, cv = (t.contiguous() for t in (p, g, g2, m, v))
+        want = [tk.step(cp, cg, cm, cv, s, variant), tk.undo(cp, cg, cm, cv, s, variant),
+                tk.undo_redo(cp, cm, cv, cg, s, cg2, s2, variant)]
+        original = torch.Tensor.contiguous
+
+        def no_copies(t, *args, **kwargs):
+            assert t.is_contiguous(*args, **kwargs), "a block tensor was copied"
+            return original(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "contiguous", no_copies)
+        got = [tk.step(p, g, m, v, s, variant), tk.undo(p, g, m, v, s, variant),
+               tk.undo_redo(p, m, v, g, s, g2, s2, variant)]
+        for res, ref in zip(got, want):
+            for a, b in zip(res, ref):
+                assert a.stride() == p.stride() and torch.equal(a, b)
+        res = tk.step_many([StepCall(p, g, m, v, s, (p, m, v))], variant)[0]
+        assert all(a is b for a, b in zip(res, (p, m, v)))
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v), want[0]))
+
+    @pytest.mark.parametrize("donate", [False, True])
+    def test_adam_on_dense_layouts_in_triton(donate):
+        """test_dense_layouts.py's Adam test on the Triton backend (its leaves in one multi-tensor launch)."""
+        from test_dense_layouts import check_adam_on_dense_layouts
+        check_adam_on_dense_layouts("triton", donate)
+
     def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
         """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags
         nothing, the record keeps nothing and its undo gives the init state back."""

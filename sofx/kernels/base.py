@@ -56,6 +56,7 @@ from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence, Un
 import torch
 
 from sofx.errors import HParamError, LeafError, UnsupportedError
+from sofx.kernels.layout import in_memory_order, is_dense, same_layout
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -551,7 +552,11 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
         return ~sound(p, g, v, g_old, m) | m_bad
     if bool(m_bad):
         return m_bad
-    flat = [None if x is None else x.reshape(-1) for x in (p, g, v, g_old, m)]
+    tensors = (p, g, v, g_old, m)
+    if is_dense(p) and all(x is None or same_layout(x, p) for x in tensors):  # (an elementwise test: any order)
+        flat = [None if x is None else in_memory_order(x) for x in tensors]
+    else:
+        flat = [None if x is None else x.reshape(-1) for x in tensors]
     for a in range(0, p.numel(), _LOSSY_SLICE):
         if not bool(sound(*(None if x is None else x[a:a + _LOSSY_SLICE] for x in flat))):
             return torch.tensor(True)

@@ -82,6 +82,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_error, overlaps_itself, same_memory
 from sofx.kernels.threads import native_thread_request
+from sofx.kernels.layout import is_dense, same_layout
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
            "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "bitwise_with_torch",
@@ -262,15 +263,20 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     undo+redo's only), every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype ``lib`` reads,
     states of one storage dtype, ``out`` None or the inputs themselves (donation), ``skip`` (if any) a
     contiguous uint8 vector of one flag per chunk, and at least one element. What this accepts passes every
-    check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry."""
+    check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry (but for the tensors of one
+    dense layout of an unchecked call, :mod:`sofx.kernels.layout`: taken as they are, in memory order, where
+    :func:`_prepare` copies them; fresh outputs of that layout)."""
     p, g, m, v, g2, p_old, pc, out, sk = b.p, b.g, b.m, b.v, b.g2, b.p_old, b.p_copy, b.out, b.skip
     if type(p) is not torch.Tensor or (g2 is None) != (op != src.OP_UNDO_REDO):  # g2: an undo+redo's, only
         return None
     codes = _codes(lib)
     shape = p.shape
+    contiguous = p.is_contiguous()
+    if not contiguous and (sk is not None or not is_dense(p)):  # (a checked call's chunks index logical order)
+        return None
     for t in (p, g, m, v, g2, p_old, pc):
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
-                                  and t.is_contiguous()):
+                                  and (t.is_contiguous() if contiguous else same_layout(t, p))):
             return None
     if g is None or m is None or v is None:
         return None
@@ -281,7 +287,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     if sk is not None and not (type(sk) is torch.Tensor and sk.dtype == torch.uint8 and sk.is_cpu
                                and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()):
         return None
-    targets = [p, m, v] if out is not None else [torch.empty(shape, dtype=t.dtype) for t in (p, m, v)]
+    targets = [p, m, v] if out is not None else [torch.empty_strided(shape, p.stride(), dtype=t.dtype)
+                                                 for t in (p, m, v)]
     dtypes, ptrs = _table_entry(codes, p, g, m, v, g2, p_old, targets, pc, sk)
     return _Native(dtypes, ptrs, n, s1, s2, targets, pc is not None)
 
@@ -291,7 +298,8 @@ def _table_entry(codes: dict[torch.dtype, int], p: torch.Tensor, g: torch.Tensor
                  pc: torch.Tensor | None, skip: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A block's row of the C entry's tables (``sofx_adam_many``): the dtype codes of p, g, m, g2, p_old, p_copy
     and the addresses of p, g, m, v, g2, p_old, the outputs (``targets``), p_copy and skip (float32 and 0 for
-    what is absent). The tensors are contiguous, in dtypes of ``codes``."""
+    what is absent). The tensors are contiguous (or of one dense layout: their memory spans), in dtypes of
+    ``codes``."""
     f32 = src.DT_F32
     dtypes = (codes[p.dtype], codes[g.dtype], codes[m.dtype], codes[g2.dtype] if g2 is not None else f32,
               codes[p_old.dtype] if p_old is not None else f32, codes[pc.dtype] if pc is not None else f32)

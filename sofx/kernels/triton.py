@@ -57,6 +57,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
                                lossy_factor, write_kept_param_copy, write_outputs)
 from sofx.kernels.donation import overlap_message, overlaps_itself
+from sofx.kernels.layout import in_memory_order, is_dense, same_layout
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
            "COMPILE_OPTIONS", "CHECKS_FINITE", "CHECK_BLOCK"]
@@ -437,11 +438,21 @@ def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: 
             raise LeafError(overlap_message(f"{what}: {name}"))
 
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the kernels read it: contiguous, in a storage dtype (a copy where it is not already)."""
+def _contiguous(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
+    """``t`` as the kernels read it: contiguous, in a storage dtype (a copy where it is not already);
+    ``spans``: a block of one dense layout (:func:`_one_dense_layout`), whose tensors are read as they are."""
     if t.dtype not in _STORAGE_DTYPES:
         t = t.to(torch.float32)
-    return t if t.is_contiguous() else t.contiguous()
+    return t if spans or t.is_contiguous() else t.contiguous()
+
+
+def _one_dense_layout(p: torch.Tensor, others: Sequence[torch.Tensor | None], skip: torch.Tensor | None) -> bool:
+    """Whether an unchecked block's tensors share ``p``'s dense, not contiguous layout (a transposed matrix, a
+    channels_last weight): the kernels then run over their memory spans, in memory order, as over contiguous
+    tensors (:mod:`sofx.kernels.layout`), instead of copying them in and the results back. (A checked call's
+    chunks index logical order: copied.)"""
+    return (skip is None and not p.is_contiguous() and is_dense(p)
+            and all(t is None or same_layout(t, p) for t in others))
 
 
 class _Operands(NamedTuple):
@@ -470,7 +481,8 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
               p_copy: torch.Tensor | None, skip: torch.Tensor | None = None) -> _Operands:
     """Results go to ``out`` (or fresh tensors), via contiguous temporaries where needed; ``p_copy`` is
     written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
-    cp, cg, cm, cv = _contiguous(p), _contiguous(g), _contiguous(m), _contiguous(v)
+    spans = _one_dense_layout(p, (g, m, v, g2, p_old), skip)
+    cp, cg, cm, cv = _contiguous(p, spans), _contiguous(g, spans), _contiguous(m, spans), _contiguous(v, spans)
     ip, ig, im, iv = _address(cp), _address(cg), _address(cm), _address(cv)
     if out is not None and out[0] is p and out[1] is m and out[2] is v and cp is p and cm is m and cv is v:
         targets, it = [p, m, v], (ip, im, iv)  # donation: the inputs themselves (the common case, cheaply)
@@ -478,14 +490,19 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
         targets = []
         for i, like in enumerate((p, m, v)):
             o = out[i] if out is not None else None
-            if o is not None and o.dtype == like.dtype and o.is_contiguous():
+            if o is not None and o.dtype == like.dtype and (same_layout(o, p) if spans else o.is_contiguous()):
                 targets.append(o)
+            elif spans:
+                targets.append(torch.empty_strided(p.shape, p.stride(), dtype=like.dtype, device=p.device))
             else:
                 targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
         it = tuple(_address(t) for t in targets)
-    pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
-    c2 = _contiguous(g2) if g2 is not None else cg
-    co = _contiguous(p_old) if p_old is not None else cp
+    if spans:  # (a copy of another layout is written afterwards)
+        pc = p_copy if p_copy is not None and p_copy.dtype in _STORAGE_DTYPES and same_layout(p_copy, p) else None
+    else:
+        pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
+    c2 = _contiguous(g2, spans) if g2 is not None else cg
+    co = _contiguous(p_old, spans) if p_old is not None else cp
     arrays = (cp, cg, cm, cv, c2, co, *targets, pc if pc is not None else cp, skip if skip is not None else cp)
     # An absent tensor's slot holds p (or g) again: its address is not asked twice (every tensor of every step).
     info = (ip, ig, im, iv, _address(c2) if g2 is not None else ig, _address(co) if p_old is not None else ip,
@@ -543,14 +560,15 @@ def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepA
 
 
 def _from(arrays: Sequence[torch.Tensor], start: int, skip: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Each of ``arrays`` (contiguous) from element ``start`` on; a tensor in several slots is sliced once.
+    """Each of ``arrays`` (contiguous, or of one dense layout: in memory order) from element ``start`` on; a
+    tensor in several slots is sliced once.
     ``skip`` (the flags of a checked call, ``start`` a multiple of CHECK_BLOCK): from its chunk on."""
     sliced: dict[int, torch.Tensor] = {}
     if skip is not None:
         sliced[id(skip)] = skip[start // CHECK_BLOCK:]
     for a in arrays:
         if id(a) not in sliced:
-            sliced[id(a)] = a.view(-1)[start:]
+            sliced[id(a)] = in_memory_order(a)[start:]
     return [sliced[id(a)] for a in arrays]
 
 

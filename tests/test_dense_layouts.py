@@ -1,0 +1,183 @@
+"""Leaves of a dense layout that is not contiguous (a transposed matrix, a channels_last convolution weight).
+
+The kernels run a block whose tensors share one such layout over their memory spans, in memory order
+(``sofx.kernels.layout``): the results are those of the same step on contiguous copies, bit for bit, in the
+inputs' layout, and nothing is copied in or back. Blocks of mixed layouts, or with gaps, still go through
+copies, with the same results.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sofx
+from sofx.kernels import cpu, cpu_fast, reference
+from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
+from sofx.kernels.layout import in_memory_order, is_dense, same_layout
+
+native = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no native kernels")
+
+
+def _transposed(gen: torch.Generator, rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(cols, rows, generator=gen)).t()
+
+
+def _channels_last(gen: torch.Generator, shape: tuple[int, int, int, int], scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(shape, generator=gen)).contiguous(memory_format=torch.channels_last)
+
+
+LAYOUTS = {
+    "transposed": lambda gen, scale=1.0: _transposed(gen, 67, 129, scale),
+    "channels_last": lambda gen, scale=1.0: _channels_last(gen, (5, 7, 3, 11), scale),
+}
+
+
+def test_layout_helpers():
+    gen = torch.Generator().manual_seed(0)
+    t = _transposed(gen, 4, 6)
+    assert is_dense(t) and not t.is_contiguous()
+    assert is_dense(_channels_last(gen, (2, 3, 4, 5)))
+    assert not is_dense(torch.randn(4, 6)[:, ::2]) and is_dense(torch.randn(4, 6)[1:3])
+    assert is_dense(torch.randn(0, 3).t()) and is_dense(torch.randn(1, 5)[:, :1].expand(1, 1))
+    assert same_layout(t, torch.randn(6, 4).t()) and not same_layout(t, torch.randn(4, 6))
+    assert torch.equal(in_memory_order(t), t.t().reshape(-1))  # the memory's order, not the logical one
+    flat = in_memory_order(t)
+    flat.add_(1.0)  # a view: writes land in t
+    assert torch.equal(t, (flat - 0).view(6, 4).t())
+
+
+def _block(layout: str, gen: torch.Generator, pdt: torch.dtype, sdt: torch.dtype):
+    make = LAYOUTS[layout]
+    p = make(gen).to(pdt)
+    g, g2 = make(gen).to(pdt), make(gen).to(pdt)
+    m = make(gen, 0.1).to(sdt)
+    v = (make(gen, 0.1).abs() + 0.05).to(sdt)
+    return p, g, g2, m, v
+
+
+def _contiguous(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+@native
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16-fp32", "bf16"])
+@pytest.mark.parametrize("backend", [cpu, cpu_fast], ids=["cpu", "cpu_fast"])
+def test_native_calls_on_one_dense_layout_equal_contiguous_ones_without_copies(layout, dtypes, backend,
+                                                                               monkeypatch):
+    """Step, undo and undo+redo (donated, into fresh outputs, with a parameter copy of the same layout) on a
+    block of one dense layout give the bits of the same calls on contiguous copies, in that layout; the C
+    entry takes the tensors as they are (the path that copies them is not taken)."""
+    gen = torch.Generator().manual_seed(1)
+    p, g, g2, m, v = _block(layout, gen, *dtypes)
+    s = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 7, 0.5)
+    s2 = s._replace(grad_scale=0.25)
+    variant = AdamVariant(decoupled=True)
+    cp, cg, cg2, cm, cv = _contiguous(p, g, g2, m, v)
+    want = {
+        "step": backend.step(cp, cg, cm, cv, s, variant),
+        "undo": backend.undo(cp, cg, cm, cv, s, variant),
+        "undo_redo": backend.undo_redo(cp, cm, cv, cg, s, cg2, s2, variant),
+    }
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("the block was copied")
+
+    monkeypatch.setattr(cpu, "_prepare", no_copies)
+    copy = torch.empty_like(p, dtype=torch.bfloat16)  # (empty_like keeps the layout)
+    got = {
+        "step": backend.step_many([StepCall(p, g, m, v, s, None, copy)], variant)[0],
+        "undo": backend.undo_many([UndoCall(p, g, m, v, s)], variant)[0],
+        "undo_redo": backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, g2, s2)], variant)[0],
+    }
+    for op in want:
+        for a, b in zip(got[op], want[op]):
+            assert same_layout(a, p) and torch.equal(a, b), op
+    assert torch.equal(copy, want["step"][0].to(torch.bfloat16))
+    # donated: written in place, in the inputs' own storage
+    pointers = [t.data_ptr() for t in (p, m, v)]
+    res = backend.step_many([StepCall(p, g, m, v, s, (p, m, v))], variant)[0]
+    assert [t.data_ptr() for t in res] == pointers
+    assert all(torch.equal(a, b) for a, b in zip((p, m, v), want["step"]))
+
+
+@native
+@pytest.mark.parametrize("backend", [cpu, cpu_fast], ids=["cpu", "cpu_fast"])
+def test_blocks_of_mixed_layouts_or_with_gaps_are_copied_and_equal(backend):
+    """A gradient of another layout than its parameter, a parameter copy of another layout, a slice with gaps:
+    the kernels copy those blocks (as before) and give the contiguous calls' bits."""
+    gen = torch.Generator().manual_seed(2)
+    p, g, _, m, v = _block("transposed", gen, torch.float32, torch.float32)
+    s = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 7, 1.0)
+    variant = AdamVariant(decoupled=False)
+    want = backend.step(*_contiguous(p, g, m, v), s, variant)
+    mixed = backend.step(p, g.contiguous(), m, v, s, variant)  # a contiguous gradient
+    assert all(torch.equal(a, b) for a, b in zip(mixed, want))
+    copy = torch.empty(p.shape)  # contiguous: written after the kernel
+    res = backend.step_many([StepCall(p, g, m, v, s, None, copy)], variant)[0]
+    assert torch.equal(copy, want[0]) and all(torch.equal(a, b) for a, b in zip(res, want))
+    wide = [torch.randn(67, 258, generator=gen) for _ in range(4)]
+    gappy = [wide[0][:, ::2], wide[1][:, ::2], 0.1 * wide[2][:, ::2], wide[3][:, ::2].abs() + 0.05]
+    assert not is_dense(gappy[0])
+    res = backend.step(*gappy, s, variant)
+    assert all(torch.equal(a, b) for a, b in zip(res, backend.step(*_contiguous(*gappy), s, variant)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_adam_on_transposed_and_channels_last_leaves_equals_contiguous_leaves(backend, donate):
+    """sofx.adamw over a transposed and a channels_last leaf: update (checked, the pass before the step: these
+    leaves are not checked in the kernel), undo and undo_redo with a clip equal the same calls on contiguous
+    leaves; the results keep the leaves' layouts (donated: the inputs themselves)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    check_adam_on_dense_layouts(backend, donate)
+
+
+def check_adam_on_dense_layouts(backend: str, donate: bool) -> None:
+    """:func:`test_adam_on_transposed_and_channels_last_leaves_equals_contiguous_leaves` on one backend (the
+    Triton one: test_kernels_triton.py)."""
+    gen = torch.Generator().manual_seed(3)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+    params = {k: make(gen) for k, make in LAYOUTS.items()}
+    flat = {k: t.contiguous() for k, t in params.items()}
+    state, flat_state = opt.init(params), opt.init(flat)
+    assert all(same_layout(state.mu[k], params[k]) for k in params)
+    for _ in range(3):
+        grads = {k: make(gen) for k, make in LAYOUTS.items()}
+        flat_grads = {k: t.contiguous() for k, t in grads.items()}
+        keep = sofx.tree.tree_map(torch.clone, (params, state))
+        new, new_state, rec = opt.update(params, grads, state, donate=donate)
+        want, want_state, want_rec = opt.update(flat, flat_grads, flat_state)
+        assert rec.strategies() == want_rec.strategies()
+        for k in params:
+            assert same_layout(new[k], params[k]) and torch.equal(new[k], want[k])
+            assert torch.equal(new_state.mu[k], want_state.mu[k]) and torch.equal(new_state.nu[k], want_state.nu[k])
+            if donate:
+                assert new[k].data_ptr() == params[k].data_ptr()
+        undone, undone_state = opt.undo(new, new_state, rec, donate=donate)
+        want_undone, _ = opt.undo(want, want_state, want_rec)
+        assert all(torch.equal(undone[k], want_undone[k]) for k in params)
+        if donate:
+            params, state = keep
+        new, new_state, rec = opt.update(params, grads, state, donate=donate)
+        want, want_state, want_rec = opt.update(flat, flat_grads, flat_state)
+        redone, redone_state, _ = opt.undo_redo(new, new_state, rec, grads, grad_scale=0.5, donate=donate)
+        want_redone, want_redone_state, _ = opt.undo_redo(want, want_state, want_rec, flat_grads, grad_scale=0.5)
+        for k in params:
+            assert same_layout(redone[k], params[k]) and torch.equal(redone[k], want_redone[k])
+            assert torch.equal(redone_state.nu[k], want_redone_state.nu[k])
+        params, state, flat, flat_state = redone, redone_state, want_redone, want_redone_state
+
+
+def test_the_reference_on_a_dense_layout_equals_it_on_contiguous_copies():
+    """The reference backend computes with torch's own elementwise operations (which follow dense layouts): its
+    results, what the other backends are compared with, do not depend on the layout either."""
+    gen = torch.Generator().manual_seed(4)
+    p, g, _, m, v = _block("channels_last", gen, torch.float32, torch.float32)
+    s = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 7, 1.0)
+    res = reference.step(p, g, m, v, s, AdamVariant(decoupled=True))
+    want = reference.step(*_contiguous(p, g, m, v), s, AdamVariant(decoupled=True))
+    assert all(torch.equal(a, b) for a, b in zip(res, want))
