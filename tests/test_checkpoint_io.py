@@ -516,3 +516,34 @@ def test_a_counter_round_trips_with_a_template_and_keeps_its_order(tmp_path):
     for back in (ck.load(tmp_path / "c.ckpt"), ck.load(tmp_path / "c.ckpt", like={"c": c})):
         assert type(back["c"]) is collections.Counter and list(back["c"].items()) == list(c.items())
         assert back["c"]["missing"] == 0
+
+
+@pytest.mark.parametrize("name_of", [lambda n: "c" * (n - 5) + ".ckpt", lambda n: "é" * (n // 2)],
+                         ids=["ascii", "two-byte"])
+def test_a_file_name_as_long_as_the_file_system_allows_is_saved_and_its_temporaries_are_found(tmp_path, monkeypatch,
+                                                                                                name_of):
+    """The temporary file beside the target must fit the file system's name limit too (a 250-character name is
+    a valid file name, and torch.save writes it)."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    path = tmp_path / name_of(limit)
+    assert len(os.fsencode(path.name)) <= limit
+    path.write_bytes(b"")  # the name itself is valid here
+    path.unlink()
+    ck.save(path, {"x": torch.arange(3)})
+    ck.save(path, {"x": torch.arange(4)})
+    assert torch.equal(ck.load(path)["x"], torch.arange(4))
+    assert ck.stale_temporaries(path) == [] and sorted(os.listdir(tmp_path)) == [path.name]
+
+    seen = []
+    real = ck_io.serialize_file
+
+    def interrupted(specs, filename, metadata=None):  # a save killed here leaves its temporary file
+        real(specs, filename, metadata=metadata)
+        seen.append(ck.stale_temporaries(path))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck_io, "serialize_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(path, {"x": torch.zeros(2)})
+    assert len(seen) == 1 and len(seen[0]) == 1 and len(os.fsencode(os.path.basename(seen[0][0]))) <= limit
+    assert torch.equal(ck.load(path)["x"], torch.arange(4)) and ck.stale_temporaries(path) == []

@@ -4,13 +4,16 @@ A reader sees either the previous file or the complete new one, never a
 partial write, even if the writing process is killed or the machine loses
 power in the middle: the rename is the commit point. A killed writer may
 leave a temporary file (``.NAME.tmp-PID-RANDOM``) beside the target; it is
-never read, and :func:`stale_temporaries` lists such files for cleanup.
+never read, and :func:`stale_temporaries` lists such files for cleanup. Where
+that name would pass the file system's limit on a name's bytes (``NAME`` near
+it), ``NAME`` is shortened and followed by ``~`` and a hash of the whole name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import re
 import uuid
@@ -23,16 +26,41 @@ from sofx.errors import SofxError
 __all__ = ["atomic_write", "check_destination", "stale_temporaries", "fsync_directory"]
 
 
-def _temporary_name(path: str) -> str:
+# The bytes a temporary name adds to the target's: the leading ".", ".tmp-", the pid (at most 10 digits), "-" and
+# 12 random hex digits.
+_TEMPORARY_EXTRA_BYTES = 1 + len(".tmp-") + 10 + 1 + 12
+_DEFAULT_NAME_MAX = 255  # Linux, macOS and Windows file systems
+
+
+def _name_max(directory: str) -> int:
+    """The longest file name (in bytes) the file system holding ``directory`` allows."""
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or no limit reported
+        return _DEFAULT_NAME_MAX
+
+
+def _temporary_prefix(path: str) -> str:
+    """``DIR/.NAME.tmp-`` for ``path = DIR/NAME``: every temporary file of a save to ``path`` starts so. A
+    ``NAME`` too long for the temporary's name to fit the file system's limit (a name within it, say 250 bytes,
+    is valid, and the temporary adds 29) is cut to fit, followed by ``~`` and 12 hex digits of its hash."""
     directory, base = os.path.split(path)
-    return os.path.join(directory, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    room = _name_max(directory or ".") - _TEMPORARY_EXTRA_BYTES
+    if len(os.fsencode(base)) > room:
+        digest = hashlib.sha256(os.fsencode(base)).hexdigest()[:12]
+        while base and len(os.fsencode(base)) > room - 1 - len(digest):
+            base = base[:-1]  # whole characters: a multi-byte one is never split
+        base = f"{base}~{digest}"
+    return os.path.join(directory, f".{base}.tmp-")
+
+
+def _temporary_name(path: str) -> str:
+    return f"{_temporary_prefix(path)}{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def stale_temporaries(path: str | os.PathLike) -> list[str]:
     """Temporary files left beside ``path`` by interrupted saves (safe to delete when no save is running)."""
-    path = os.path.abspath(os.fspath(path))
-    directory, base = os.path.split(path)
-    return sorted(glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(base)}.tmp-*")))
+    return sorted(glob.glob(glob.escape(_temporary_prefix(os.path.abspath(os.fspath(path)))) + "*"))
 
 
 def fsync_directory(directory: str) -> None:
