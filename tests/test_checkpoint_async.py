@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -233,6 +234,37 @@ def test_a_saver_wait_that_times_out_keeps_the_saves_pending(tmp_path, monkeypat
     with pytest.raises(OSError, match="no space left"):
         saver.wait(timeout=30)
     saver.wait(timeout=30)  # each error once
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises in the main thread (as Ctrl-C's KeyboardInterrupt)."""
+
+
+def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp_path, monkeypatch):
+    """A signal (Ctrl-C) while ``AsyncSaver.wait`` waits is raised at once: it was taken for a save's error and
+    held until every other pending save had finished. The saves go on, and a later wait commits them."""
+    release = threading.Event()
+    real = ck_io.serialize_file
+    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(3), real(*a, **k)))
+
+    def on_alarm(signum, frame):
+        raise _Interrupt
+
+    saver = ck.AsyncSaver()
+    handles = [saver.save(tmp_path / f"{n}.ckpt", {"x": torch.full((2,), float(i))}) for i, n in enumerate("ab")]
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(_Interrupt):
+            saver.wait(timeout=30)
+        running = [not h.done() for h in handles]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+    assert running == [True, True], "the interrupt was held until the saves had finished"
+    saver.wait(timeout=30)
+    assert [float(ck.load(tmp_path / f"{n}.ckpt")["x"][0]) for n in "ab"] == [0.0, 1.0]
 
 
 def test_async_saver_commits_in_order(tmp_path, rng):

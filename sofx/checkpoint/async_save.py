@@ -142,8 +142,8 @@ class AsyncSaver:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every save issued so far (``timeout``: for all of them together); re-raise the first error
-        (each error once). On a timeout the saves still running stay pending: a later ``wait`` waits for them
-        and reports their errors."""
+        (each error once). On a timeout, or an interrupt (Ctrl-C, raised at once), the saves still running stay
+        pending: a later ``wait`` waits for them and reports their errors."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
@@ -157,6 +157,8 @@ class AsyncSaver:
                 except TimeoutError:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - the first is re-raised below
+                    if exc is not h.exception():
+                        raise  # an interrupt of this wait (Ctrl-C), not the save's error: the saves stay pending
                     first = first or exc
                 finished.append(h)
         finally:
