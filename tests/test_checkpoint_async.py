@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -265,6 +266,46 @@ def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp
     assert running == [True, True], "the interrupt was held until the saves had finished"
     saver.wait(timeout=30)
     assert [float(ck.load(tmp_path / f"{n}.ckpt")["x"][0]) for n in "ab"] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("cut_short", ["timeout", "interrupt"])
+def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, monkeypatch, cut_short):
+    """A save that had failed was forgotten, its error unreported, when a later save's wait timed out or was
+    interrupted: the next ``wait`` returned as if every save had been committed."""
+    release = threading.Event()
+    real = ck_io.serialize_file
+
+    def writer(specs, filename, metadata=None):
+        if os.path.basename(filename).startswith(".a.ckpt."):
+            raise OSError("no space left on device")
+        release.wait(3)
+        return real(specs, filename, metadata=metadata)
+
+    def on_alarm(signum, frame):
+        raise _Interrupt
+
+    monkeypatch.setattr(ck_io, "serialize_file", writer)
+    saver = ck.AsyncSaver()
+    failed = saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(1)})
+    saver.save(tmp_path / "b.ckpt", {"x": torch.ones(1)})
+    failed._done.wait(30)
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        if cut_short == "timeout":
+            with pytest.raises(TimeoutError):
+                saver.wait(timeout=0.2)
+        else:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(_Interrupt):
+                saver.wait(timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+    with pytest.raises(OSError, match="no space left"):
+        saver.wait(timeout=30)
+    saver.wait(timeout=30)  # each error once
+    assert float(ck.load(tmp_path / "b.ckpt")["x"][0]) == 1.0 and not (tmp_path / "a.ckpt").exists()
 
 
 def test_async_saver_commits_in_order(tmp_path, rng):

@@ -142,30 +142,33 @@ class AsyncSaver:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every save issued so far (``timeout``: for all of them together); re-raise the first error
-        (each error once). On a timeout, or an interrupt (Ctrl-C, raised at once), the saves still running stay
-        pending: a later ``wait`` waits for them and reports their errors."""
+        (each error once). On a timeout, or an interrupt (Ctrl-C, raised at once), nothing is forgotten but the
+        saves committed: a later ``wait`` waits for the saves still running and reports every error not yet
+        reported (also of saves that had failed before the wait was cut short)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
-        first: BaseException | None = None
-        finished = []
+        committed: list[SaveHandle] = []
+        failed: list[SaveHandle] = []
+        reported = False
         try:
             for h in pending:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     h.wait(left)
-                except TimeoutError:
-                    raise
                 except BaseException as exc:  # noqa: BLE001 - the first is re-raised below
                     if exc is not h.exception():
-                        raise  # an interrupt of this wait (Ctrl-C), not the save's error: the saves stay pending
-                    first = first or exc
-                finished.append(h)
+                        raise  # a timeout or an interrupt (Ctrl-C) of this wait, not the save's error
+                    failed.append(h)
+                    continue
+                committed.append(h)
+            reported = True
         finally:
-            with self._lock:  # forget only what finished (saves issued meanwhile stay)
-                self._pending = [h for h in self._pending if not any(h is f for f in finished)]
-        if first is not None:
-            raise first
+            forget = committed + failed if reported else committed
+            with self._lock:  # (saves issued meanwhile stay)
+                self._pending = [h for h in self._pending if not any(h is f for f in forget)]
+        if failed:
+            raise failed[0]._error  # type: ignore[misc]  # (set: it failed)
 
     def __enter__(self) -> AsyncSaver:
         return self
