@@ -189,6 +189,17 @@ def test_bad_tree_raises_at_call_time(tmp_path):
     assert not (tmp_path / "b.ckpt").exists()
 
 
+def test_an_after_that_is_not_a_save_handle_is_refused_at_call_time(tmp_path, monkeypatch):
+    """``after=`` a path (or anything but a handle) was taken: the save failed in its thread with an
+    AttributeError, the file never written, seen only at ``wait()``."""
+    started, real_snapshot = [], ck_io.snapshot
+    monkeypatch.setattr(ck_io, "snapshot", lambda tree: (started.append(tree), real_snapshot(tree))[1])
+    for after in (tmp_path / "a.ckpt", "a.ckpt", object()):
+        with pytest.raises(ck.CheckpointError, match=r"after= must be a SaveHandle .*got "):
+            ck.save_async(tmp_path / "b.ckpt", {"x": torch.zeros(1)}, after=after)
+    assert started == [] and list(tmp_path.iterdir()) == []
+
+
 def test_a_destination_that_save_refuses_is_refused_at_call_time(tmp_path, monkeypatch):
     """A missing directory (or one that is a file, or a path that is a directory) raised only at ``wait()``, as
     torch.save and ``save`` raise at once; it is refused at the call, before any snapshot or thread."""
