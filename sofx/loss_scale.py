@@ -53,7 +53,7 @@ from typing import Any, NamedTuple, Protocol, Union
 
 from sofx.errors import HParamError
 from sofx.kernels.base import FLOAT32_MAX, as_number
-from sofx.kernels.user_numbers import flag, integer, is_bool, positive_number, real_number
+from sofx.kernels.user_numbers import as_integer, flag, integer, is_bool, positive_number, real_number
 
 __all__ = [
     "LossScaler",
@@ -231,14 +231,16 @@ class GradScalerRule:
         return GradScalerState(_f32(self.init_scale), 0)  # torch keeps its scale in a float32 tensor
 
     def scale(self, state: GradScalerState) -> float:
-        """The current scale ``S``."""
+        """The current scale ``S`` (a state counting ``growth_interval`` clean steps or more is refused)."""
         check_state_kind(state, GradScalerState)
+        self._check_tracker(state.growth_tracker)
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
         """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
         check_state_kind(state, GradScalerState)
         state = plain_state(state)
+        self._check_tracker(state.growth_tracker)
         if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
@@ -246,6 +248,17 @@ class GradScalerRule:
             grown = _f32(state.scale * self.growth_factor)
             return GradScalerState(grown if math.isfinite(grown) else state.scale, 0)
         return GradScalerState(state.scale, successful)
+
+    def _check_tracker(self, tracker: Any) -> None:
+        """Refuse a clean-step count ``>= growth_interval`` (an :class:`HParamError` naming both): the rule grows
+        the scale when the count *reaches* the interval, so from past it the scale never grew again. No run of
+        this rule gets there; a state saved by a scaler with a longer ``growth_interval`` does (torch's state
+        dict carries its interval, this state does not). Other invalid counts are :func:`check_state`'s."""
+        count = as_integer(tracker)
+        if count is not None and count >= self.growth_interval:
+            raise HParamError(f"scaler_state['growth_tracker'] = {count} is invalid for growth_interval = "
+                              f"{self.growth_interval}; expected 0 <= growth_tracker < {self.growth_interval} (a "
+                              "state saved with a longer growth_interval: set its growth_tracker below this one's)")
 
 
 @dataclass(frozen=True)

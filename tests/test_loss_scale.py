@@ -363,3 +363,18 @@ def test_a_state_scale_beyond_the_float_range_is_refused_as_invalid():
                                               r">= 0, got int"):
             rule.update(state, False)
     assert ls.grad_scaler().update(ls.GradScalerState(2 ** 1000, 0), False).scale == 2 ** 1000  # a float holds it
+
+
+def test_grad_scaler_refuses_a_growth_tracker_its_growth_interval_never_reaches():
+    """A state counting ``growth_interval`` clean steps or more (one saved by a scaler with a longer interval,
+    resumed with a shorter one) grew no more: GradScaler's rule grows when the count *equals* the interval, and
+    the count went on past it forever. No run of the rule reaches such a state (torch's own state dict carries
+    its interval); ``scale`` and ``update`` refuse it, naming the field and the interval."""
+    rule = ls.grad_scaler(growth_interval=4)
+    stuck = ls.GradScalerState(1024.0, 6)
+    for call in (lambda: rule.scale(stuck), lambda: rule.update(stuck, False), lambda: rule.update(stuck, True)):
+        with pytest.raises(HParamError, match=r"scaler_state\['growth_tracker'\] = 6 is invalid for "
+                                              r"growth_interval = 4; expected 0 <= growth_tracker < 4"):
+            call()
+    last = ls.GradScalerState(1024.0, 3)  # the highest count a run reaches: the next clean step grows the scale
+    assert rule.scale(last) == 1024.0 and rule.update(last, False) == ls.GradScalerState(2048.0, 0)

@@ -693,6 +693,8 @@ _BAD_STATES = {  # name: (mutation, the error's match)
     "scale str": (_corrupt(("scaler_state", "scale"), "big"), r"\['scale'\] = 'big' is invalid"),
     "negative growth tracker": (_corrupt(("scaler_state", "growth_tracker"), -1),
                                 r"\['growth_tracker'\] = -1 is invalid; expected an integer >= 0"),
+    "growth tracker at the interval": (_corrupt(("scaler_state", "growth_tracker"), 2000),
+                                       r"\['growth_tracker'\] = 2000 is invalid for growth_interval = 2000"),
     "unknown scaler field": (_corrupt(("scaler_state", "hysteresis"), 2), r"\['hysteresis'\]: a GradScalerState"),
     "policy recent 5": (_corrupt(("policy_state", "recent"), 5), r"\['recent'\] = 5; expected a list of bools"),
     "policy quiet str": (_corrupt(("policy_state", "quiet"), "x"), r"\['quiet'\] = 'x'; expected an integer"),
