@@ -10,6 +10,7 @@ float32 rounding (relative 1e-6), not bitwise.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -260,3 +261,82 @@ def test_serial_step_takes_a_numpy_or_tensor_max_norm_as_its_float(rng):
     with pytest.raises(sofx.HParamError, match=r"max_norm = tensor\(\[1., 1.\]\) is invalid; .* got a torch.float32 "
                                                r"tensor of shape \(2,\)"):
         serial_step(opt, params, grads, opt.init(params), max_norm=torch.ones(2), **kw)
+
+
+GROUPS = {  # torch param-group options per subtree of params
+    "enc": dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-6),
+    "head": dict(lr=3e-2, weight_decay=0.0, betas=(0.8, 0.95), eps=1e-8),
+    "rare": dict(lr=5e-3, weight_decay=0.3, betas=(0.5, 0.9), eps=1e-4),
+}
+GROUP_SHAPES = {"enc": {"w": (5, 4), "b": (4,)}, "head": {"w": (3, 3)}, "rare": {"w": (6,)}}
+
+
+def _lr_factor(t: int) -> float:
+    """A warm-up then step decay, as a torch LambdaLR factor and as the sofx schedule's."""
+    return min(1.0, (t + 1) / 5) * 0.5 ** (t // 10)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_param_groups_and_gradient_accumulation_equal_torch_groups_lambdalr_and_gradscaler(decoupled: bool):
+    """torch's usual recipe -- param groups with their own lr, weight decay, betas and eps under a LambdaLR,
+    three micro-batches accumulated into ``.grad`` (one of them with an inf on some steps), GradScaler with
+    non-default factors, ``unscale_`` + ``clip_grad_norm_`` + ``step`` + ``update``, the scheduler stepped only
+    when the optimizer was -- against ``accumulate`` + ``serial_loop_step`` with a per-group hparams schedule.
+    A group that gets no gradient on a step (torch: ``.grad`` None) keeps its parameters, moments and count."""
+    gen, rnd = torch.Generator().manual_seed(3), random.Random(3)
+    init = {g: {k: torch.randn(s, generator=gen) for k, s in d.items()} for g, d in GROUP_SHAPES.items()}
+    scaling = dict(init_scale=2.0 ** 8, growth_factor=1.5, backoff_factor=0.3, growth_interval=3)
+    tparams = {g: {k: torch.nn.Parameter(v.clone()) for k, v in d.items()} for g, d in init.items()}
+    topt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
+        [dict(params=list(tparams[g].values()), **GROUPS[g]) for g in GROUP_SHAPES], foreach=False)
+    tsched = torch.optim.lr_scheduler.LambdaLR(topt, _lr_factor)
+    tscaler = torch.amp.GradScaler("cpu", **scaling)
+
+    def hparams_at(t: int) -> dict:
+        return {g: AdamHParams(lr=o["lr"] * _lr_factor(t), beta1=o["betas"][0], beta2=o["betas"][1], eps=o["eps"],
+                               weight_decay=o["weight_decay"]) for g, o in GROUPS.items()}
+
+    opt, rule = (sofx.adamw if decoupled else sofx.adam)(), loss_scale.grad_scaler(**scaling)
+    loop = sofx.serial.init_loop(opt, {g: {k: v.clone() for k, v in d.items()} for g, d in init.items()}, rule)
+    seen = {"overflow": 0, "clip": 0, "missing": 0, "growth": 0}
+    for step in range(30):
+        S = rule.scale(loop.scaler_state)
+        tscaler.scale(torch.ones(()))  # initialises the scale lazily, as scaler.scale(loss) would
+        assert tscaler.get_scale() == S
+        overflow, missing, big = rnd.random() < 0.15, rnd.random() < 0.4, rnd.random() < 0.5
+        acc = sofx.transforms.accumulation_init(loop.params)
+        for p in (p for d in tparams.values() for p in d.values()):
+            p.grad = None
+        for micro in range(3):
+            size = (3.0 if big else 0.02) * S
+            grads = {g: {k: None if g == "rare" and missing else torch.randn(s, generator=gen) * size
+                         for k, s in d.items()} for g, d in GROUP_SHAPES.items()}
+            if overflow and micro == 1:
+                grads["enc"]["w"][0, 0] = float("inf")
+            acc = sofx.transforms.accumulate(acc, grads, loop.params)
+            for g, d in grads.items():  # backward: autograd accumulates into .grad
+                for k, x in d.items():
+                    if x is not None:
+                        (tparams[g][k] * x).sum().backward()
+        tscaler.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_([p for d in tparams.values() for p in d.values() if p.grad is not None], 1.0)
+        tscaler.step(topt)
+        tscaler.update()
+        if tscaler.get_scale() >= S:  # the optimizer stepped: so does the scheduler
+            tsched.step()
+
+        loop, facts = sofx.serial.serial_loop_step(opt, loop, sofx.transforms.accumulated(acc, loop.params),
+                                                   scaler=rule, hparams=hparams_at, max_norm=1.0)
+        assert facts.overflow == overflow and rule.scale(loop.scaler_state) == tscaler.get_scale()
+        seen["overflow"] += overflow
+        seen["clip"] += facts.clipped
+        seen["missing"] += missing and not overflow
+        seen["growth"] += rule.scale(loop.scaler_state) > S
+        for g, d in tparams.items():
+            for k, p in d.items():
+                _close(loop.params[g][k], p.detach(), f"step {step} params[{g!r}][{k!r}]")
+                tstate = topt.state.get(p, {})
+                assert int(loop.opt_state.count[g][k]) == (int(tstate["step"]) if tstate else 0), (step, g, k)
+                if tstate:
+                    _close(loop.opt_state.nu[g][k], tstate["exp_avg_sq"], f"step {step} nu[{g!r}][{k!r}]")
+    assert min(seen.values()) >= 2 and seen["clip"] < 30 - seen["overflow"], seen
