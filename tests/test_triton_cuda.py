@@ -165,3 +165,38 @@ def test_chunk_snapshots_on_cuda(undoable, device="cuda"):
         for a, b in zip((back[0]["a"], back[1].mu["a"], back[1].nu["a"]),
                         (own[0]["a"], own[1].mu["a"], own[1].nu["a"])):
             assert torch.equal(a[3 * FINITE_CHUNK:], b[3 * FINITE_CHUNK:])
+
+
+def test_blocks_of_one_dense_layout_on_cuda_equal_contiguous_ones(device="cuda"):
+    """Transposed and channels_last blocks (sofx.kernels.layout): compiled, the kernels run over their memory
+    spans without copies; results bit for bit those of the contiguous calls, in the blocks' layout, one launch
+    per tensor and in the multi-tensor launch (through sofx.adamw's update)."""
+    import sofx
+    from sofx.kernels import triton as tk
+    from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
+
+    gen = torch.Generator(device=device).manual_seed(3)
+
+    def transposed(scale=1.0):
+        return (scale * torch.randn(129, 67, device=device, generator=gen)).t()
+
+    def channels_last(scale=1.0):
+        return (scale * torch.randn(5, 7, 3, 11, device=device, generator=gen)).contiguous(
+            memory_format=torch.channels_last)
+
+    variant = AdamVariant()
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 7, 0.5)
+    for make in (transposed, channels_last):
+        p, g, m, v = make(), make(), make(0.1), make(0.01).abs() + 1e-4
+        want = tk.step(p.contiguous(), g.contiguous(), m.contiguous(), v.contiguous(), s, variant)
+        got = tk.step_many([StepCall(p, g, m, v, s)], variant)[0]
+        for a, b in zip(got, want):
+            assert a.stride() == p.stride() and torch.equal(a, b)
+    opt = sofx.adamw(lr=1e-3, backend="triton")
+    params = {"t": transposed(), "c": channels_last(), "x": torch.randn(300, device=device, generator=gen)}
+    grads = {k: torch.randn_like(x) for k, x in params.items()}
+    flat = {k: x.contiguous() for k, x in params.items()}
+    new, _, _ = opt.update(params, grads, opt.init(params), grads_finite=True)
+    want, _, _ = opt.update(flat, {k: x.contiguous() for k, x in grads.items()}, opt.init(flat), grads_finite=True)
+    for k in params:
+        assert new[k].stride() == params[k].stride() and torch.equal(new[k], want[k])
