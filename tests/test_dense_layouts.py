@@ -181,3 +181,38 @@ def test_the_reference_on_a_dense_layout_equals_it_on_contiguous_copies():
     res = reference.step(p, g, m, v, s, AdamVariant(decoupled=True))
     want = reference.step(*_contiguous(p, g, m, v), s, AdamVariant(decoupled=True))
     assert all(torch.equal(a, b) for a, b in zip(res, want))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("op", ["step", "undo_redo"])
+@pytest.mark.parametrize("backend", [cpu, cpu_fast], ids=["cpu", "cpu_fast"])
+def test_a_checked_call_of_a_dense_layout_without_a_compiler_equals_it_on_contiguous_copies(layout, op, backend,
+                                                                                           monkeypatch):
+    """A checked call (skip) whose tensors share a dense, not contiguous layout, through the reference math (no
+    native library): the flags and the outputs of the same call on contiguous copies (the reference's results
+    keep the layout; the unflagged chunks are taken from them in logical order), not an error."""
+    from sofx.kernels import _cpu_build
+    from sofx.kernels.base import FINITE_CHUNK
+
+    monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    gen = torch.Generator().manual_seed(5)
+    p, g, g2, m, v = _block(layout, gen, torch.float32, torch.float32)
+    (g if op == "step" else g2)[2, 1] = float("inf")  # its chunk flagged
+    s = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 7, 1.0)
+    variant = AdamVariant(decoupled=True)
+    chunks = -(-p.numel() // FINITE_CHUNK)
+
+    def run(p, g, g2, m, v):
+        skip = torch.zeros(chunks, dtype=torch.uint8)
+        out = tuple(t.contiguous().clone() for t in (p, m, v))
+        if op == "step":
+            backend.step_many([StepCall(p, g, m, v, s, out, None, skip)], variant)
+        else:
+            backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, g2, s._replace(grad_scale=0.5), None, out, None,
+                                                 skip)], variant)
+        return skip, out
+
+    skip, out = run(p, g, g2, m, v)
+    want_skip, want = run(*_contiguous(p, g, g2, m, v))
+    assert bool(want_skip.any()) and torch.equal(skip, want_skip)
+    assert all(torch.equal(a, b) for a, b in zip(out, want))

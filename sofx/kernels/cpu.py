@@ -339,8 +339,8 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     new = _reference(op, unchecked._replace(out=None, p_copy=None), variant, s1, s2)
     keep = kept_elements(b.skip, n)
     targets = b.out if b.out is not None else tuple(torch.empty(b.p.shape, dtype=t.dtype) for t in (b.p, b.m, b.v))
-    for t, r in zip(targets, new):
-        t.view(-1)[keep] = r.view(-1)[keep].to(t.dtype)
+    for t, r in zip(targets, new):  # (r keeps the inputs' layout, maybe not contiguous: read in logical order)
+        t.view(-1)[keep] = r.reshape(-1)[keep].to(t.dtype)
     write_kept_param_copy(b.p_copy, new[0], b.skip)
     return targets[0], targets[1], targets[2]
 
