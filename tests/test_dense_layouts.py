@@ -216,3 +216,33 @@ def test_a_checked_call_of_a_dense_layout_without_a_compiler_equals_it_on_contig
     want_skip, want = run(*_contiguous(p, g, g2, m, v))
     assert bool(want_skip.any()) and torch.equal(skip, want_skip)
     assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+@native
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("backend", [cpu, cpu_fast], ids=["cpu", "cpu_fast"])
+def test_the_general_path_takes_one_dense_layout_without_copies_too(layout, backend, monkeypatch):
+    """Blocks the C entry's common case does not take (``nn.Parameter`` leaves, ``out=`` buffers that are not
+    the inputs, a float64 gradient) go through its general path: a block of one dense layout is read and
+    written there as it is too, with the contiguous calls' bits, in that layout."""
+    gen = torch.Generator().manual_seed(6)
+    p, g, _, m, v = _block(layout, gen, torch.float32, torch.float32)
+    s = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 7, 0.5)
+    variant = AdamVariant(decoupled=True)
+    want = backend.step(*_contiguous(p, g, m, v), s, variant)
+    original = torch.Tensor.contiguous
+
+    def no_copies(t, *args, **kwargs):
+        assert t.is_contiguous(*args, **kwargs), "a block tensor was copied"
+        return original(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", no_copies)
+    param = torch.nn.Parameter(p.clone(), requires_grad=False)
+    assert not param.is_contiguous() and same_layout(param, p)
+    out = tuple(torch.empty_like(t) for t in (p, m, v))  # (empty_like keeps the layout)
+    copy = torch.empty_like(p)
+    res = backend.step_many([StepCall(param, g, m, v, s, out, copy)], variant)[0]
+    assert all(a is b for a, b in zip(res, out)) and torch.equal(copy, want[0])
+    assert all(torch.equal(a, b) for a, b in zip(res, want))
+    res = backend.step_many([StepCall(p, g.double(), m, v, s)], variant)[0]  # (the gradient rounded to float32)
+    assert all(same_layout(a, p) and torch.equal(a, b) for a, b in zip(res, want))

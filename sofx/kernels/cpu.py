@@ -215,14 +215,25 @@ class _Native(NamedTuple):
     copied: bool  # the kernel writes p_copy itself
 
 
-def _native_input(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous tensor of a dtype the C kernel reads (a copy only where needed).
+def _native_input(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
+    """``t`` as a contiguous tensor of a dtype the C kernel reads (a copy only where needed); ``spans``: a block
+    of one dense layout (:func:`_one_dense_layout`), whose tensors are read as they are.
 
-    Other dtypes (float64 gradients) are rounded to float32, as the reference's ``.to(float32)``.
+    Other dtypes (float64 gradients) are rounded to float32, as the reference's ``.to(float32)`` (which keeps a
+    dense layout).
     """
     if t.dtype not in _DTYPE_CODES:
         t = t.to(torch.float32)
-    return t.contiguous()
+    return t if spans else t.contiguous()
+
+
+def _one_dense_layout(b: _Block) -> bool:
+    """Whether an unchecked block's tensors share its parameter's dense, not contiguous layout (a transposed
+    matrix, a channels_last weight; :mod:`sofx.kernels.layout`): the C entry then reads and writes their memory
+    spans, in memory order. (A checked call's chunks index logical order: copied.)"""
+    p = b.p
+    return (b.skip is None and not p.is_contiguous() and is_dense(p)
+            and all(t is None or same_layout(t, p) for t in (b.g, b.m, b.v, b.g2, b.p_old)))
 
 
 def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib | None:
@@ -236,12 +247,17 @@ def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib
 
 
 def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_build.NativeLib) -> _Native:
-    """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed) and the
-    tensors it writes (``out``'s own where they fit, else fresh ones)."""
-    p, g, m, v = _native_input(b.p), _native_input(b.g), _native_input(b.m), _native_input(b.v)
-    g2 = _native_input(b.g2) if b.g2 is not None else None
-    p_old = _native_input(b.p_old) if b.p_old is not None else None
-    pc = kernel_param_copy(b.p_copy, _codes(lib))
+    """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed; a block of one
+    dense layout as it is) and the tensors it writes (``out``'s own where they fit, else fresh ones)."""
+    spans = _one_dense_layout(b)
+    p, g, m, v = (_native_input(t, spans) for t in (b.p, b.g, b.m, b.v))
+    g2 = _native_input(b.g2, spans) if b.g2 is not None else None
+    p_old = _native_input(b.p_old, spans) if b.p_old is not None else None
+    if spans:  # (a copy of another layout is written after the call)
+        pc = b.p_copy if b.p_copy is not None and b.p_copy.dtype in _codes(lib) and same_layout(b.p_copy, p) \
+            else None
+    else:
+        pc = kernel_param_copy(b.p_copy, _codes(lib))
     out = b.out
     if out is not None and out[0] is p and out[1] is m and out[2] is v:
         targets = [p, m, v]  # donation: the inputs themselves, contiguous (the common case, checked cheaply)
@@ -249,8 +265,8 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_bui
         targets = []
         for i, dtype in enumerate((p.dtype, m.dtype, v.dtype)):
             o = out[i] if out is not None else None
-            targets.append(o if o is not None and o.dtype == dtype and o.is_contiguous()
-                           else torch.empty(p.shape, dtype=dtype))
+            fits = o is not None and o.dtype == dtype and (same_layout(o, p) if spans else o.is_contiguous())
+            targets.append(o if fits else torch.empty_strided(p.shape, p.stride(), dtype=dtype))
     dtypes, ptrs = _table_entry(_DTYPE_CODES, p, g, m, v, g2, p_old, targets, pc, b.skip)
     # The inputs' contiguous copies (if any) stay alive through this list until the call returns.
     return _Native(dtypes, ptrs, p.numel(), s1, s2, [*targets, p, g, m, v, g2, p_old], pc is not None)
