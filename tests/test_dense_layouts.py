@@ -45,6 +45,8 @@ def test_layout_helpers():
     flat = in_memory_order(t)
     flat.add_(1.0)  # a view: writes land in t
     assert torch.equal(t, (flat - 0).view(6, 4).t())
+    with pytest.raises(ValueError, match="not dense"):
+        in_memory_order(torch.randn(4, 6)[:, ::2])
 
 
 def _block(layout: str, gen: torch.Generator, pdt: torch.dtype, sdt: torch.dtype):

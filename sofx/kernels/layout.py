@@ -44,7 +44,11 @@ def same_layout(t: torch.Tensor, like: torch.Tensor) -> bool:
 
 
 def in_memory_order(t: torch.Tensor) -> torch.Tensor:
-    """A dense ``t`` as a 1-d view of its memory span, in memory order (``t.view(-1)`` where contiguous)."""
+    """A dense ``t`` as a 1-d view of its memory span, in memory order (``t.view(-1)`` where contiguous); a
+    tensor that is not dense is refused (its span holds other memory too)."""
     if t.is_contiguous():
         return t.view(-1)
+    if not is_dense(t):
+        raise ValueError(f"in_memory_order: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
+                         "dense")
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
