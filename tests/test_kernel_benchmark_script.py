@@ -3,7 +3,7 @@
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
-``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``,
+``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``, ``benchmarks/dense_layouts.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
 
 from __future__ import annotations
@@ -324,6 +324,15 @@ def test_spike_records_script_runs():
     assert len(rows) == 6
     for row in rows:
         assert re.fullmatch(r"\| [^|]+ \| \d+\.\d\d \| \d+\.\d\d \| \d+ \|", row), row
+
+
+def test_dense_layouts_script_runs():
+    """``benchmarks/dense_layouts.py --smoke``: a row per layout, each with its times and ratios; the transposed
+    leaf ended as the contiguous one's transpose (the script exits 1 otherwise)."""
+    rows = _table_rows("dense_layouts.py", ["--smoke"], ("| contiguous", "| transposed", "| channels_last"))
+    assert [row.split(" | ")[0] for row in rows] == ["| contiguous", "| transposed", "| channels_last"]
+    for row in rows:
+        assert re.fullmatch(r"\| \w+( \| \d+\.\d+){4} \|", row), row
 
 
 def test_host_overhead_script_runs():
