@@ -82,7 +82,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_error, overlaps_itself, same_memory
 from sofx.kernels.threads import native_thread_request
-from sofx.kernels.layout import is_dense, same_layout
+from sofx.kernels.layout import is_dense, same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
            "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "bitwise_with_torch",
@@ -217,7 +217,8 @@ class _Native(NamedTuple):
 
 def _native_input(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
     """``t`` as a contiguous tensor of a dtype the C kernel reads (a copy only where needed); ``spans``: a block
-    of one dense layout (:func:`_one_dense_layout`), whose tensors are read as they are.
+    of one dense layout (:func:`~sofx.kernels.layout.spans_in_memory_order`), whose tensors are read as they
+    are.
 
     Other dtypes (float64 gradients) are rounded to float32, as the reference's ``.to(float32)`` (which keeps a
     dense layout).
@@ -225,15 +226,6 @@ def _native_input(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
     if t.dtype not in _DTYPE_CODES:
         t = t.to(torch.float32)
     return t if spans else t.contiguous()
-
-
-def _one_dense_layout(b: _Block) -> bool:
-    """Whether an unchecked block's tensors share its parameter's dense, not contiguous layout (a transposed
-    matrix, a channels_last weight; :mod:`sofx.kernels.layout`): the C entry then reads and writes their memory
-    spans, in memory order. (A checked call's chunks index logical order: copied.)"""
-    p = b.p
-    return (b.skip is None and not p.is_contiguous() and is_dense(p)
-            and all(t is None or same_layout(t, p) for t in (b.g, b.m, b.v, b.g2, b.p_old)))
 
 
 def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib | None:
@@ -249,7 +241,7 @@ def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib
 def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_build.NativeLib) -> _Native:
     """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed; a block of one
     dense layout as it is) and the tensors it writes (``out``'s own where they fit, else fresh ones)."""
-    spans = _one_dense_layout(b)
+    spans = spans_in_memory_order(b.p, (b.g, b.m, b.v, b.g2, b.p_old), b.skip)
     p, g, m, v = (_native_input(t, spans) for t in (b.p, b.g, b.m, b.v))
     g2 = _native_input(b.g2, spans) if b.g2 is not None else None
     p_old = _native_input(b.p_old, spans) if b.p_old is not None else None

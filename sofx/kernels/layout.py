@@ -16,9 +16,11 @@ callers slice leaves by logical index.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
-__all__ = ["is_dense", "same_layout", "in_memory_order"]
+__all__ = ["is_dense", "same_layout", "in_memory_order", "spans_in_memory_order"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -52,3 +54,13 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"in_memory_order: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
                          "dense")
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def spans_in_memory_order(p: torch.Tensor, others: Iterable[torch.Tensor | None],
+                          skip: torch.Tensor | None = None) -> bool:
+    """Whether a kernel block (parameter ``p``, its other tensors ``others``, None where absent) is run over its
+    memory spans in memory order rather than through contiguous copies: ``p`` dense and not contiguous, every
+    other tensor of its layout, and the call unchecked (``skip`` None: a checked call's chunk flags index
+    logical order, which its callers slice by)."""
+    return (skip is None and not p.is_contiguous() and is_dense(p)
+            and all(t is None or same_layout(t, p) for t in others))

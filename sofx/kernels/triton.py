@@ -57,7 +57,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
                                lossy_factor, write_kept_param_copy, write_outputs)
 from sofx.kernels.donation import overlap_message, overlaps_itself
-from sofx.kernels.layout import in_memory_order, is_dense, same_layout
+from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
            "COMPILE_OPTIONS", "CHECKS_FINITE", "CHECK_BLOCK"]
@@ -440,19 +440,11 @@ def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: 
 
 def _contiguous(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
     """``t`` as the kernels read it: contiguous, in a storage dtype (a copy where it is not already);
-    ``spans``: a block of one dense layout (:func:`_one_dense_layout`), whose tensors are read as they are."""
+    ``spans``: a block of one dense layout (:func:`~sofx.kernels.layout.spans_in_memory_order`), whose tensors
+    are read as they are."""
     if t.dtype not in _STORAGE_DTYPES:
         t = t.to(torch.float32)
     return t if spans or t.is_contiguous() else t.contiguous()
-
-
-def _one_dense_layout(p: torch.Tensor, others: Sequence[torch.Tensor | None], skip: torch.Tensor | None) -> bool:
-    """Whether an unchecked block's tensors share ``p``'s dense, not contiguous layout (a transposed matrix, a
-    channels_last weight): the kernels then run over their memory spans, in memory order, as over contiguous
-    tensors (:mod:`sofx.kernels.layout`), instead of copying them in and the results back. (A checked call's
-    chunks index logical order: copied.)"""
-    return (skip is None and not p.is_contiguous() and is_dense(p)
-            and all(t is None or same_layout(t, p) for t in others))
 
 
 class _Operands(NamedTuple):
@@ -481,7 +473,7 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
               p_copy: torch.Tensor | None, skip: torch.Tensor | None = None) -> _Operands:
     """Results go to ``out`` (or fresh tensors), via contiguous temporaries where needed; ``p_copy`` is
     written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
-    spans = _one_dense_layout(p, (g, m, v, g2, p_old), skip)
+    spans = spans_in_memory_order(p, (g, m, v, g2, p_old), skip)
     cp, cg, cm, cv = _contiguous(p, spans), _contiguous(g, spans), _contiguous(m, spans), _contiguous(v, spans)
     ip, ig, im, iv = _address(cp), _address(cg), _address(cm), _address(cv)
     if out is not None and out[0] is p and out[1] is m and out[2] is v and cp is p and cm is m and cv is v:
