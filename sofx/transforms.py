@@ -88,13 +88,15 @@ _SUMSQ_CHUNK = 1 << 20
 
 
 def sumsq(x: torch.Tensor) -> float:
-    """``sum(x**2)`` as a Python float: finite exactly when every element of ``x`` is.
+    """``sum(x**2)`` as a Python float: finite exactly when every element of ``x`` is (for float64 input: and
+    the sum is below float64's largest value, i.e. no element beyond ~1e154, where torch's norm is inf too).
 
     Rows of 1024 elements are reduced in float32 (float64 for float64 input)
     and the row results summed in float64: one pass at memory speed, no copy,
     relative error ~1e-7. Finite values whose squares overflow float32 (beyond
     ~1e19) are summed again in float64, so inf and nan in the result always
-    mean a non-finite element: one pass gives both the norm and the overflow check.
+    mean a non-finite element (or a float64 sum beyond its range): one pass gives both the norm and the overflow
+    check.
     """
     flat = x.reshape(-1)
     if flat.numel() == 0:
