@@ -186,6 +186,22 @@ def test_hparams_changed_between_speculation_and_validation(rng):
     _compare(spec, ser, r.actions)
 
 
+@pytest.mark.parametrize("assumed, final", [(0.0, -0.0), (-0.0, 0.0)])
+def test_an_lr_whose_zero_changed_sign_is_redone_as_the_serial_loop_steps(assumed, final):
+    """An ``lr`` of ``0.0`` at speculation and ``-0.0`` at validation compare equal, but the step's
+    zeros differ in sign (``p - 0.0*u`` and ``p - (-0.0)*u`` of ``p = -0.0``): the block is undone and redone, so
+    that the result is the serial loop's bit for bit, sign of zero included."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.05, backend="reference")
+    params = [torch.tensor([-0.0, 0.0, 1.0, -0.0])]
+    grads = [torch.tensor([0.0, -0.0, 1.0, -0.0])]
+    state = opt.init(params)
+    spec, ser = _both(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=loss_scale.static_scale(),
+                      hparams=AdamHParams(lr=assumed), validation_hparams=AdamHParams(lr=final))
+    assert spec.report.actions == ("undo_redo",)
+    for a, b in zip(spec.params + spec.state.mu + spec.state.nu, ser.params + ser.state.mu + ser.state.nu):
+        assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b)), (a, b)
+
+
 def test_an_hparam_tensor_changed_in_place_after_speculation_is_seen_as_a_change(rng):
     """A schedule that moves a tensor lr in place (``lr.fill_``) between speculation and validation: the
     speculative step was taken with the old value, so validation must undo and redo it with the new one."""

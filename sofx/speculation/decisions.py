@@ -453,9 +453,11 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
 
 
 def _same_number(a: Any, b: Any) -> bool:
+    """Whether two hparam values step identically: equal and, for zeros, of the same sign (an ``lr`` of
+    ``0.0`` and one of ``-0.0`` compare equal, but ``p - lr*u`` differs in the sign of a zero ``p``)."""
     a, b = as_number(a), as_number(b)
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     return False  # tensors that cannot be read: assume changed (undo+redo is always correct)
 
 
