@@ -325,3 +325,110 @@ def test_long_trajectories_over_chunked_blocks_follow_the_serial_loop(
         if donate:  # re-synchronised: each step is checked at the per-step tolerance
             spec = ser._replace(policy_state=spec.policy_state)
         sloop = ser
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The two loop helpers driven by the same schedule (a callable of the steps taken: lr, betas and weight decay
+# moving between steps), over mixed-dtype leaves (an empty one included), every scaler kind (GradScaler,
+# DeepSpeed's with consecutive or not hysteresis, static), extreme gradient sizes and loss scales.
+
+_LOOP_EVENT = st.fixed_dictionaries({
+    "mult": st.sampled_from([0.001, 0.3, 3.0, 1e3, 1e19, 1e30, 0.0]),
+    "bad": st.sampled_from([None] * 6 + [math.inf, -math.inf, math.nan]), "bad_leaf": st.integers(0, 3),
+    "missing": st.sampled_from([None, None, 0, 1, 3]), "late": st.sampled_from([None, None, 0, 1, 3]),
+    "late_bad": st.sampled_from([None] * 5 + [math.inf, math.nan]), "wrong_scale": st.sampled_from([None] * 4 + [0.5]),
+    "final_hp": st.sampled_from([None, None, "lr", "wd", "lr0"]), "not_last": st.sampled_from([False] * 3 + [True]),
+    "order": st.sampled_from(["reverse", "forward", "shuffle"]), "seed": st.integers(0, 2 ** 16),
+})
+
+
+@settings(max_examples=25, deadline=None)
+@given(backend=st.sampled_from(["cpu", "cpu_fast", "reference"]), decoupled=st.booleans(),
+       bias_correction=st.booleans(), low_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       undo=st.sampled_from(["auto", "exact"]), beta1=st.sampled_from([0.9, 0.5, 0.0]), donate=st.booleans(),
+       profile=st.sampled_from(["torch", "deepspeed"]), predict=st.booleans(),
+       max_norm=st.sampled_from([None, 1.0, 1e-3]), missing_grad=st.sampled_from(["skip", "zero"]),
+       budget=st.sampled_from([None, 0, 40]), init_scale=st.sampled_from([1.0, 2.0 ** 8, 2.0 ** -20]),
+       interval=st.integers(1, 3), hysteresis=st.integers(1, 3), consecutive=st.booleans(),
+       static=st.sampled_from([False, False, True]), moving=st.sampled_from(["lr", "betas", "wd", "all"]),
+       events=st.lists(_LOOP_EVENT, min_size=3, max_size=6), seed=st.integers(0, 2 ** 16))
+def test_loop_helpers_on_one_schedule_follow_each_other_over_mixed_dtype_leaves(
+        backend, decoupled, bias_correction, low_dtype, undo, beta1, donate, profile, predict, max_norm, missing_grad,
+        budget, init_scale, interval, hysteresis, consecutive, static, moving, events, seed):
+    """speculative_loop_step against serial_loop_step, both given the same schedule: the same loss-scaler
+    states, schedule positions, skips and counts; bitwise for every block but those undone with donation
+    (DESIGN.md's 1e-6 for float32, 1e-2 for 16-bit leaves; then re-synchronised), never a nan the serial loop
+    lacks; where one loop raises, the other raises the same error."""
+    gen = torch.Generator().manual_seed(seed)
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-2, betas=(beta1, 0.999), weight_decay=0.05, bias_correction=bias_correction,
+               state_dtype=torch.float32, undo=undo, backend=backend)
+    config = sp.SpeculationConfig(max_norm=max_norm, profile=profile, missing_grad=missing_grad,
+                                  snapshot_budget_bytes=budget, predict_scale=predict,
+                                  policy=sp.AdaptivePolicy(window=2, quiet_steps=1))
+    if static:
+        scaler = loss_scale.static_scale(init_scale)
+    elif profile == "torch":
+        scaler = loss_scale.grad_scaler(init_scale=init_scale, growth_interval=interval)
+    else:
+        scaler = loss_scale.deepspeed_scaler(init_scale=max(init_scale, 1.0), scale_window=interval,
+                                             hysteresis=hysteresis, consecutive_hysteresis=consecutive)
+
+    def schedule(t: int) -> AdamHParams:
+        return AdamHParams(lr=1e-2 * (1 + 0.3 * math.sin(t)) if moving in ("lr", "all") else 1e-2,
+                           beta1=beta1 * (0.9 + 0.1 * (t % 2)) if moving in ("betas", "all") else beta1,
+                           beta2=0.999 - 0.01 * (t % 3) if moving in ("betas", "all") else 0.999,
+                           weight_decay=(0.05, 0.0, 0.2)[t % 3] if moving in ("wd", "all") else 0.05)
+
+    sizes, dtypes = (5, 7, 0, 6), (torch.float32, low_dtype, low_dtype, torch.float32)
+    params = [torch.randn(k, generator=gen).to(d) for k, d in zip(sizes, dtypes)]
+    ser = spec = sofx.serial.init_loop(opt, params, scaler)
+    for k, ev in enumerate(events):
+        egen = torch.Generator().manual_seed(ev["seed"])
+        S = scaler.scale(ser.scaler_state)
+        grads = [(torch.randn(n, generator=egen) * ev["mult"] * S).to(d) for n, d in zip(sizes, dtypes)]
+        if ev["bad"] is not None and grads[ev["bad_leaf"]].numel():
+            grads[ev["bad_leaf"]][0] = ev["bad"]
+        if ev["missing"] is not None:
+            grads[ev["missing"]] = None
+        late = {}
+        if ev["late"] is not None and grads[ev["late"]] is not None:
+            i = ev["late"]
+            late[i] = (torch.randn(sizes[i], generator=egen) * ev["mult"] * S).to(dtypes[i])
+            if ev["late_bad"] is not None:
+                late[i][1] = ev["late_bad"]
+        final = [g + late[i] if i in late else g for i, g in enumerate(grads)]
+        hp = schedule(ser.step)
+        final_hp = {None: hp, "lr": hp._replace(lr=hp.lr * 0.5), "lr0": hp._replace(lr=0.0),
+                    "wd": hp._replace(weight_decay=0.0 if hp.weight_decay else 0.1)}[ev["final_hp"]]
+        order = {"reverse": [3, 2, 1, 0], "forward": [0, 1, 2, 3],
+                 "shuffle": torch.randperm(4, generator=egen).tolist()}[ev["order"]]
+        spec_in = spec._replace(params=[p.clone() for p in spec.params], opt_state=_clone_state(spec.opt_state)) \
+            if donate else spec
+        try:
+            ser_next, facts = sofx.serial.serial_loop_step(opt, ser, final, scaler=scaler, hparams=final_hp,
+                                                           max_norm=max_norm, profile=profile,
+                                                           missing_grad=missing_grad)
+        except loss_scale.MinLossScaleError:
+            with pytest.raises(loss_scale.MinLossScaleError):
+                sp.speculative_loop_step(opt, spec_in, grads, config=config, scaler=scaler, hparams=schedule,
+                                         validation_hparams=final_hp, order=order, late_grads=late, donate=donate)
+            return
+        spec, report = sp.speculative_loop_step(
+            opt, spec_in, grads, config=config, scaler=scaler, hparams=schedule, validation_hparams=final_hp,
+            order=order, late_grads=late, donate=donate, last_micro_step=not ev["not_last"],
+            backward_scale=S * ev["wrong_scale"] if ev["wrong_scale"] else None)
+        assert spec.scaler_state == ser_next.scaler_state and spec.step == ser_next.step
+        assert report.skipped == facts.skipped
+        for i in range(4):
+            assert int(spec.opt_state.count[i]) == int(ser_next.opt_state.count[i]), (k, i)
+            for a, b in ((spec.params[i], ser_next.params[i]), (spec.opt_state.mu[i], ser_next.opt_state.mu[i]),
+                         (spec.opt_state.nu[i], ser_next.opt_state.nu[i])):
+                assert a.dtype == b.dtype and not (torch.isnan(a) & ~torch.isnan(b)).any(), (k, i, report.actions)
+                if donate and report.actions[i] in ("undo", "undo_redo") and not torch.equal(a, b):
+                    assert _rel(a, b) <= (1e-6 if a.dtype == torch.float32 else 1e-2), (k, i, report.actions[i])
+                else:
+                    assert torch.equal(a, b), (k, i, report.actions[i], donate)
+        ser = ser_next
+        if donate:  # re-synchronised: each step is checked at the per-step tolerance
+            spec = ser._replace(policy_state=spec.policy_state)
