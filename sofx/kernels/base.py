@@ -270,12 +270,15 @@ def check_float_tensor(where: str, name: str, t: Any, device: torch.device, anch
         raise LeafError(f"{where}: {name} must be a floating-point tensor, got {t.dtype}")
 
 
-def kernel_param_copy(p_copy: torch.Tensor | None, dtypes: Collection[torch.dtype]) -> torch.Tensor | None:
-    """``p_copy`` where a kernel can store it itself (contiguous, in one of its storage ``dtypes``), else
-    None: the caller then copies after the kernel (:func:`write_param_copy`)."""
-    if p_copy is not None and p_copy.dtype in dtypes and p_copy.is_contiguous():
-        return p_copy
-    return None
+def kernel_param_copy(p_copy: torch.Tensor | None, dtypes: Collection[torch.dtype],
+                      layout_of: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``p_copy`` where a kernel can store it itself (contiguous, in one of its storage ``dtypes``; with
+    ``layout_of``, a block run over its memory spans: of that tensor's dense layout instead), else None: the
+    caller then copies after the kernel (:func:`write_param_copy`)."""
+    if p_copy is None or p_copy.dtype not in dtypes:
+        return None
+    fits = p_copy.is_contiguous() if layout_of is None else same_layout(p_copy, layout_of)
+    return p_copy if fits else None
 
 
 def write_param_copy(p_copy: torch.Tensor | None, p_new: torch.Tensor) -> None:

@@ -82,7 +82,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import MemorySpans, overlap_error, overlaps_itself, same_memory
 from sofx.kernels.threads import native_thread_request
-from sofx.kernels.layout import is_dense, same_layout, spans_in_memory_order
+from sofx.kernels.layout import same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
            "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "bitwise_with_torch",
@@ -245,11 +245,7 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_bui
     p, g, m, v = (_native_input(t, spans) for t in (b.p, b.g, b.m, b.v))
     g2 = _native_input(b.g2, spans) if b.g2 is not None else None
     p_old = _native_input(b.p_old, spans) if b.p_old is not None else None
-    if spans:  # (a copy of another layout is written after the call)
-        pc = b.p_copy if b.p_copy is not None and b.p_copy.dtype in _codes(lib) and same_layout(b.p_copy, p) \
-            else None
-    else:
-        pc = kernel_param_copy(b.p_copy, _codes(lib))
+    pc = kernel_param_copy(b.p_copy, _codes(lib), p if spans else None)  # (another layout: written after the call)
     out = b.out
     if out is not None and out[0] is p and out[1] is m and out[2] is v:
         targets = [p, m, v]  # donation: the inputs themselves, contiguous (the common case, checked cheaply)
@@ -280,12 +276,12 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     codes = _codes(lib)
     shape = p.shape
     contiguous = p.is_contiguous()
-    if not contiguous and (sk is not None or not is_dense(p)):  # (a checked call's chunks index logical order)
-        return None
     for t in (p, g, m, v, g2, p_old, pc):
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
-                                  and (t.is_contiguous() if contiguous else same_layout(t, p))):
+                                  and (not contiguous or t.is_contiguous())):
             return None
+    if not contiguous and not spans_in_memory_order(p, (g, m, v, g2, p_old, pc), sk):
+        return None
     if g is None or m is None or v is None:
         return None
     n = p.numel()

@@ -489,10 +489,7 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
             else:
                 targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
         it = tuple(_address(t) for t in targets)
-    if spans:  # (a copy of another layout is written afterwards)
-        pc = p_copy if p_copy is not None and p_copy.dtype in _STORAGE_DTYPES and same_layout(p_copy, p) else None
-    else:
-        pc = kernel_param_copy(p_copy, _STORAGE_DTYPES)
+    pc = kernel_param_copy(p_copy, _STORAGE_DTYPES, p if spans else None)  # (another layout: copied afterwards)
     c2 = _contiguous(g2, spans) if g2 is not None else cg
     co = _contiguous(p_old, spans) if p_old is not None else cp
     arrays = (cp, cg, cm, cv, c2, co, *targets, pc if pc is not None else cp, skip if skip is not None else cp)
