@@ -204,6 +204,23 @@ def test_unsavable_leaf_names_path_and_writes_nothing(tmp_path, bad, where):
     assert ck.stale_temporaries(path) == []
 
 
+def test_an_int_key_beyond_the_decimal_digits_json_reads_is_refused_naming_its_dict(tmp_path):
+    """JSON writes an int key in decimal, which Python reads back only up to 4300 digits: a longer key is a
+    CheckpointError naming the dict's path (not Python's bare int-to-str ValueError), and nothing is written;
+    a key of 4300 digits round-trips."""
+    path = tmp_path / "k.ckpt"
+    ck.save(path, {"previous": torch.arange(3)})
+    for huge in (10 ** 4300, -(10 ** 5000)):
+        for save in (ck.save, lambda p, t: ck.save_async(p, t).wait()):
+            with pytest.raises(ck.CheckpointError, match=r"^tree\['a'\]: an int dict key of \d+ bits") as err:
+                save(path, {"a": {huge: torch.ones(2), 1: 2}})
+            assert "4300" in str(err.value)
+            assert torch.equal(ck.load(path)["previous"], torch.arange(3)) and ck.stale_temporaries(path) == []
+    widest = 10 ** 4300 - 1
+    back = ck.load(ck.save(path, {widest: torch.ones(1), -widest: 1}))
+    assert list(back) == [widest, -widest] and back[-widest] == 1
+
+
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(ck.CheckpointNotFoundError, match="does not exist") as err:
         ck.load(tmp_path / "nope.ckpt")

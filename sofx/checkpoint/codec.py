@@ -88,7 +88,8 @@ def encode(tree: Any, root: str = ROOT) -> EncodedTree:
     Raises :class:`CheckpointError` naming the leaf path for anything that
     cannot be stored faithfully (an arbitrary object, a sparse or meta tensor,
     a dtype safetensors has no code for, a tensor inside ``torch.func``
-    transforms, a dict key that is not a str or an int).
+    transforms, a dict key that is not a str or an int, an int key of more than
+    :data:`MAX_KEY_DIGITS` decimal digits).
     """
     out = EncodedTree({})
     out.structure = _encode(tree, root, out)
@@ -142,9 +143,7 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
     if type(x) in (dict, collections.OrderedDict, collections.Counter):
         keys, items = [], []
         for key, value in x.items():
-            if isinstance(key, bool) or type(key) not in (str, int):
-                raise CheckpointError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be stored; "
-                                      "keys must be str or int")
+            _check_key(key, path)
             keys.append(["s", key] if type(key) is str else ["i", key])
             items.append(_encode(value, f"{path}[{key!r}]", out, depth + 1))
         kind = {dict: "dict", collections.OrderedDict: "odict", collections.Counter: "counter"}[type(x)]
@@ -156,6 +155,25 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
     raise CheckpointError(f"{path}: a {type(x).__module__}.{type(x).__qualname__} cannot be stored in a checkpoint; "
                           "expected tensors, None, bool/int/float/str, torch.dtype, and lists, tuples, dicts "
                           "(str or int keys) and NamedTuples of these")
+
+
+# The most decimal digits of an int dict key: JSON writes a key in decimal, and Python reads (and writes) decimal
+# ints only up to this many digits by default (sys.int_info.default_max_str_digits; a leaf's int value is kept
+# exact at any size as hexadecimal instead).
+MAX_KEY_DIGITS = 4300
+_KEY_BOUND = 10 ** MAX_KEY_DIGITS
+
+
+def _check_key(key: Any, path: str) -> None:
+    """Refuse a dict key that a checkpoint cannot hold: not a str or an int, or an int of more than
+    :data:`MAX_KEY_DIGITS` decimal digits (described by its size: its decimal text is what fails)."""
+    if isinstance(key, bool) or type(key) not in (str, int):
+        raise CheckpointError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be stored; "
+                              "keys must be str or int")
+    if type(key) is int and abs(key) >= _KEY_BOUND:
+        raise CheckpointError(f"{path}: an int dict key of {key.bit_length()} bits (more than {MAX_KEY_DIGITS} "
+                              "decimal digits) cannot be stored: the structure's JSON writes keys in decimal, which "
+                              f"Python reads back only up to {MAX_KEY_DIGITS} digits")
 
 
 def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:
