@@ -6,6 +6,7 @@ import collections
 import errno
 import json
 import os
+import re
 import struct
 from typing import NamedTuple
 
@@ -182,6 +183,24 @@ def test_overwrite_replaces_atomically(tmp_path, rng):
     ck.save(path, {"y": torch.ones(2)})
     assert list(ck.load(path)) == ["y"]
     assert ck.stale_temporaries(path) == []
+
+
+def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_path):
+    """A temporary is ``.NAME.tmp-PID-RANDOM``: a sibling file that merely starts like one (a user's own file,
+    another target's temporary whose name starts with NAME) is not listed."""
+    path = tmp_path / "a.ckpt"
+    ck.save(path, {"x": torch.arange(3)})
+    other = tmp_path / "a.ckpt.tmp-1-0123456789ab"  # another checkpoint, named so
+    ck.save(other, {"x": torch.arange(2)})
+    for name in (".a.ckpt.tmp-notmine", ".a.ckpt.tmp-12-0123456789ab.bak", ".a.ckpt.tmp-", ".a.ckpt.tmp-12-"):
+        (tmp_path / name).write_text("")
+    for target in (path, other):  # what a save killed mid-write leaves
+        with open(ck_atomic._temporary_name(str(target)), "wb") as f:
+            f.write(b"partial")
+    mine, theirs = ck.stale_temporaries(path), ck.stale_temporaries(other)
+    assert len(mine) == 1 and len(theirs) == 1
+    assert re.fullmatch(r"\.a\.ckpt\.tmp-\d+-[0-9a-f]{12}", os.path.basename(mine[0]))
+    assert re.fullmatch(r"\.a\.ckpt\.tmp-1-0123456789ab\.tmp-\d+-[0-9a-f]{12}", os.path.basename(theirs[0]))
 
 
 # ------------------------------------------------------------------ clear errors

@@ -58,9 +58,16 @@ def _temporary_name(path: str) -> str:
     return f"{_temporary_prefix(path)}{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+_TEMPORARY_SUFFIX = re.compile(r"[0-9]{1,10}-[0-9a-f]{12}")  # what _temporary_name puts after the prefix
+
+
 def stale_temporaries(path: str | os.PathLike) -> list[str]:
-    """Temporary files left beside ``path`` by interrupted saves (safe to delete when no save is running)."""
-    return sorted(glob.glob(glob.escape(_temporary_prefix(os.path.abspath(os.fspath(path)))) + "*"))
+    """Temporary files left beside ``path`` by interrupted saves (safe to delete when no save is running):
+    the files named ``.NAME.tmp-PID-RANDOM`` exactly, not a sibling that only starts so (the temporary of a
+    target named ``NAME.tmp-...``, a user's own file)."""
+    prefix = _temporary_prefix(os.path.abspath(os.fspath(path)))
+    return sorted(p for p in glob.glob(glob.escape(prefix) + "*")
+                  if _TEMPORARY_SUFFIX.fullmatch(p[len(prefix):]))
 
 
 def fsync_directory(directory: str) -> None:
