@@ -174,6 +174,36 @@ def test_interop_errors():
         ck.torch_param_groups(adamw, params, groups=[["nope"]])
 
 
+def test_a_parameter_id_listed_twice_in_the_state_dict_is_refused():
+    """torch.optim lists each parameter once across its param groups (it refuses one in two groups): an id listed
+    twice gave two leaves of the same shape the same saved state (and the leaf of the id it replaced, where that
+    had no state, none: nothing was refused)."""
+    adamw = sofx.adamw(lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    params = {"x": {"a": torch.randn(3, generator=g), "b": torch.randn(3, generator=g)},
+              "y": {"c": torch.randn(3, generator=g), "d": torch.randn(3, generator=g)}}
+    two = {"x": sofx.AdamHParams(lr=3e-2), "y": sofx.AdamHParams()}
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(adamw, params, two))
+    for step in range(3):
+        for i, p in enumerate(tree.flatten(params)[0]):
+            p.grad = torch.randn(3, generator=g) if i % 2 == 0 else None  # 1 and 3: no state
+        torch_opt.step()
+    sd = torch_opt.state_dict()
+    g0, g1 = sd["param_groups"]
+    assert g0["params"] == [0, 1] and g1["params"] == [2, 3]
+    in_one = {**sd, "param_groups": [{**g0, "params": [0, 0]}, g1]}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"from_torch_optim: parameter id 0 is listed twice: in "
+                                                         r"param_groups\[0\] and param_groups\[0\]; torch.optim "
+                                                         r"lists each parameter once"):
+        ck.from_torch_optim(adamw, in_one, params, two)
+    in_two = {**sd, "param_groups": [g0, {**g1, "params": [2, 0]}]}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"parameter id 0 is listed twice: in param_groups\[0\] and "
+                                                         r"param_groups\[1\]"):
+        ck.from_torch_optim(adamw, in_two, params, two)
+    state, _ = ck.from_torch_optim(adamw, sd, params, two)  # the state dict is untouched and still imports
+    assert [int(c) for c in tree.flatten(state.count)[0]] == [3, 0, 3, 0]
+
+
 def test_a_group_member_named_by_a_text_that_names_two_leaves_is_refused():
     """A leaf is named by its path or, under the root dict, by its key; the path won silently where a text was
     both (a key written as another leaf's path), or the first leaf where two leaves' paths read the same (keys of

@@ -165,7 +165,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
     mus: list[Any] = [None] * len(leaves)
     nus: list[Any] = [None] * len(leaves)
     group_hp: list[AdamHParams] = []
-    used: set[Any] = set()
+    used: dict[Any, int] = {}  # parameter id -> the param group listing it
     for gi, (g, saved) in enumerate(zip(resolved, saved_groups)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
             raise CheckpointError(f"from_torch_optim: param_groups[{gi}] has no 'params' list")
@@ -176,7 +176,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
         _check_group_flags(opt, saved, gi)
         group_hp.append(_group_hparams(saved, gi))
         for pid, leaf in zip(saved["params"], g.leaves):
-            used.add(pid)
+            _list_once(used, pid, gi)
             _import_leaf(opt, saved_state.get(pid), leaves[leaf], paths[leaf], pid, leaf, counts, mus, nus)
     extra = [k for k in saved_state if k not in used]
     if extra:
@@ -184,6 +184,16 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                       "that no param group lists")
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
     return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _list_once(used: dict[Any, int], pid: Any, gi: int) -> None:
+    """Record that ``param_groups[gi]`` lists parameter id ``pid``; refuse an id listed before (torch.optim
+    lists each parameter once: an id twice would import one saved state for two leaves)."""
+    if pid in used:
+        raise CheckpointMismatchError(f"from_torch_optim: parameter id {pid!r} is listed twice: in "
+                                      f"param_groups[{used[pid]}] and param_groups[{gi}]; torch.optim lists each "
+                                      "parameter once")
+    used[pid] = gi
 
 
 def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, leaf: int,
