@@ -203,6 +203,53 @@ def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_
     assert re.fullmatch(r"\.a\.ckpt\.tmp-1-0123456789ab\.tmp-\d+-[0-9a-f]{12}", os.path.basename(theirs[0]))
 
 
+def test_a_save_to_a_symbolic_link_writes_through_it_to_its_target(tmp_path, monkeypatch):
+    """As ``open(link, "w")`` would: the link stays a link and its target (relative to the link's directory,
+    dangling or not) gets the new file, committed atomically beside the target; a link that loops is refused."""
+    data, links = tmp_path / "data", tmp_path / "links"
+    data.mkdir()
+    links.mkdir()
+    target, link = data / "real.ckpt", links / "run.ckpt"
+    ck.save(target, {"x": torch.arange(2)})
+    os.symlink(os.path.join("..", "data", "real.ckpt"), link)
+    for step, save in enumerate((ck.save, lambda p, t: ck.save_async(p, t).wait())):
+        assert save(link, {"x": torch.arange(3 + step)}) == str(link)
+        assert os.path.islink(link) and os.readlink(link) == os.path.join("..", "data", "real.ckpt")
+        assert torch.equal(ck.load(target)["x"], torch.arange(3 + step))
+        assert sorted(os.listdir(data)) == ["real.ckpt"] and sorted(os.listdir(links)) == ["run.ckpt"]
+
+    def interrupted(specs, filename, metadata=None):  # a save killed here leaves its temporary, beside the target
+        ck_io._safetensors().serialize_file(specs, filename, metadata=metadata)
+        seen.append((ck.stale_temporaries(link), ck.stale_temporaries(target)))
+        raise KeyboardInterrupt
+
+    seen = []
+    monkeypatch.setattr(ck_io, "serialize_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(link, {"x": torch.zeros(1)})
+    monkeypatch.undo()
+    (by_link, by_target), = seen
+    assert len(by_link) == 1 and by_link == by_target and os.path.dirname(by_link[0]) == str(data)
+
+    dangling = links / "new.ckpt"
+    os.symlink(data / "new.ckpt", dangling)
+    ck.save(dangling, {"y": 1})
+    assert os.path.islink(dangling) and ck.load(data / "new.ckpt") == {"y": 1}
+
+    to_no_dir = links / "nowhere.ckpt"
+    os.symlink(data / "no" / "x.ckpt", to_no_dir)
+    with pytest.raises(ck.CheckpointError, match=r"nowhere.ckpt \(a symbolic link to .*data/no/x.ckpt\): the "
+                                                 r"directory .*data/no does not exist"):
+        ck.save(to_no_dir, {"y": 1})
+    os.symlink("loop_b", links / "loop_a")
+    os.symlink("loop_a", links / "loop_b")
+    for save in (ck.save, ck.save_async):
+        with pytest.raises(ck.CheckpointError, match=r"cannot save .*loop_a: a symbolic link that loops"):
+            save(links / "loop_a", {"y": 1})
+    assert os.readlink(links / "loop_a") == "loop_b" and os.readlink(to_no_dir) == str(data / "no" / "x.ckpt")
+    assert sorted(os.listdir(data)) == ["new.ckpt", "real.ckpt"]
+
+
 # ------------------------------------------------------------------ clear errors
 @pytest.mark.parametrize("bad, where", [
     ({"x": object()}, "tree['x']"),

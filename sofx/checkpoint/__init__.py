@@ -83,7 +83,8 @@ def save(path: str | os.PathLike, tree: Any) -> str:
     contiguous or not, sharing storage or not), None, bool/int/float/str,
     ``torch.dtype``, in lists, tuples, dicts, OrderedDicts and Counters (str or
     int keys) and NamedTuples. Anything else raises :class:`CheckpointError` naming the leaf
-    path, before anything is written.
+    path, before anything is written. A ``path`` that is a symbolic link is written through, as
+    ``open(path, "w")`` would: its target gets the new file, and the link stays.
     """
     encoded = io.prepare(tree)
     return io.write(path, encoded)

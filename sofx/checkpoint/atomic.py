@@ -7,6 +7,10 @@ leave a temporary file (``.NAME.tmp-PID-RANDOM``) beside the target; it is
 never read, and :func:`stale_temporaries` lists such files for cleanup. Where
 that name would pass the file system's limit on a name's bytes (``NAME`` near
 it), ``NAME`` is shortened and followed by ``~`` and a hash of the whole name.
+
+A save to a symbolic link writes through it, as ``open(path, "w")`` would: the
+link stays, and its target (created if the link dangles) is the file replaced,
+its temporary beside it.
 """
 
 from __future__ import annotations
@@ -62,10 +66,10 @@ _TEMPORARY_SUFFIX = re.compile(r"[0-9]{1,10}-[0-9a-f]{12}")  # what _temporary_n
 
 
 def stale_temporaries(path: str | os.PathLike) -> list[str]:
-    """Temporary files left beside ``path`` by interrupted saves (safe to delete when no save is running):
-    the files named ``.NAME.tmp-PID-RANDOM`` exactly, not a sibling that only starts so (the temporary of a
-    target named ``NAME.tmp-...``, a user's own file)."""
-    prefix = _temporary_prefix(os.path.abspath(os.fspath(path)))
+    """Temporary files left beside ``path`` (beside its target where ``path`` is a symbolic link) by interrupted
+    saves (safe to delete when no save is running): the files named ``.NAME.tmp-PID-RANDOM`` exactly, not a
+    sibling that only starts so (the temporary of a target named ``NAME.tmp-...``, a user's own file)."""
+    prefix = _temporary_prefix(os.path.realpath(os.fspath(path)))
     return sorted(p for p in glob.glob(glob.escape(prefix) + "*")
                   if _TEMPORARY_SUFFIX.fullmatch(p[len(prefix):]))
 
@@ -92,32 +96,45 @@ def system_errno(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def check_destination(path: str | os.PathLike) -> str:
-    """The absolute ``path``, after checking that a file can be committed there: its directory exists and
-    ``path`` is not itself a directory (:class:`CheckpointError` otherwise, before anything is written)."""
+def _destination(path: str | os.PathLike) -> tuple[str, str]:
+    """``(the absolute path, the file a save to it replaces)``: the second is the first with every symbolic
+    link resolved (a link's target, created if the link dangles), after checking that a file can be committed
+    there: its directory exists, it is not itself a directory, and it is not a link that loops
+    (:class:`CheckpointError` otherwise, before anything is written)."""
     path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
+    target = os.path.realpath(path)
+    if os.path.islink(target):  # realpath leaves unresolved only a link that loops
+        raise CheckpointError(f"cannot save {path}: a symbolic link that loops (at {target})")
+    named = f"{path} (a symbolic link to {target})" if os.path.islink(path) else path
+    directory = os.path.dirname(target)
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
-        raise CheckpointError(f"cannot save {path}: the directory {directory} {what}")
-    if os.path.isdir(path):
-        raise CheckpointError(f"cannot save {path}: it is a directory")
-    return path
+        raise CheckpointError(f"cannot save {named}: the directory {directory} {what}")
+    if os.path.isdir(target):
+        raise CheckpointError(f"cannot save {named}: it is a directory")
+    return path, target
+
+
+def check_destination(path: str | os.PathLike) -> str:
+    """The absolute ``path``, after checking that a file can be committed there (or, where ``path`` is a
+    symbolic link, at its target): :class:`CheckpointError` otherwise, before anything is written."""
+    return _destination(path)[0]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
-    """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns ``path``.
+    """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns the absolute ``path``.
 
-    On any failure (including ``KeyboardInterrupt``) the temporary file is
-    removed and ``path`` is left as it was.
+    A symbolic link ``path`` is written through: its target is the file replaced (the temporary beside it), and
+    the link stays. On any failure (including ``KeyboardInterrupt``) the temporary file is removed and ``path``
+    is left as it was.
     """
-    path = check_destination(path)
-    directory = os.path.dirname(path)
-    tmp = _temporary_name(path)
+    path, target = _destination(path)
+    directory = os.path.dirname(target)
+    tmp = _temporary_name(target)
     try:
         write(tmp)
         _fsync_file(tmp)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
