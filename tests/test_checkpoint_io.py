@@ -177,6 +177,21 @@ def test_like_places_on_template_device_and_orders_keys(tmp_path, rng):
     assert ck.load(path, device="cpu")["a"].device.type == "cpu"
 
 
+def test_a_device_that_is_not_one_or_not_here_is_refused_naming_the_argument_before_reading(tmp_path):
+    """``device=`` is checked first: a name torch does not know, a value of another type, an accelerator this
+    machine does not have (torch's raw error came from the first tensor moved, after the file was read)."""
+    path = ck.save(tmp_path / "d.ckpt", {"x": torch.arange(3)})
+    missing = tmp_path / "missing.ckpt"
+    absent = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    for bad, why in (("bogus", "is not a device"), (" cpu", "is not a device"), (1.5, "is not a device"),
+                     (absent, "is not available here")):
+        for where in (path, missing):  # refused before the file is opened
+            with pytest.raises(ck.CheckpointError, match=rf"^load: device={re.escape(repr(bad))} {why}"):
+                ck.load(where, device=bad)
+    assert ck.load(path, device="cpu:0")["x"].device.type == "cpu"
+    assert ck.load(path, device=torch.device("cpu"))["x"].device.type == "cpu"
+
+
 def test_overwrite_replaces_atomically(tmp_path, rng):
     path = tmp_path / "o.ckpt"
     ck.save(path, {"x": torch.zeros(3)})

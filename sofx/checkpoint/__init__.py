@@ -103,7 +103,8 @@ def load(path: str | os.PathLike, like: Any = None, *,
     ``types``: NamedTuple classes allowed besides sofx's own (needed without a
     template for a NamedTuple type that sofx does not define).
     ``device``: where to put every tensor (default: the template's device,
-    else the CPU). ``verify``: check each tensor's CRC-32.
+    else the CPU); one torch does not know, or that this process has not, is a
+    :class:`CheckpointError` naming it, before the file is read. ``verify``: check each tensor's CRC-32.
 
     Errors: :class:`CheckpointNotFoundError` (no file),
     :class:`CorruptCheckpointError` (truncated, corrupted header or data, not a

@@ -185,9 +185,48 @@ def template_device(like_leaf: Any) -> torch.device | None:
     return like_leaf.device
 
 
+def _unavailable(device: torch.device) -> str | None:
+    """Why tensors cannot be placed on ``device`` in this process (``None``: they can). An accelerator torch has
+    a module for (``torch.cuda``, ``torch.xpu``) is asked for its devices, without creating a context; another
+    is tried with an empty tensor."""
+    if device.type in ("cpu", "meta"):
+        return None
+    module = getattr(torch, device.type, None)
+    if callable(getattr(module, "is_available", None)) and callable(getattr(module, "device_count", None)):
+        count = module.device_count() if module.is_available() else 0
+        if device.index is None and count == 0:
+            return f"torch has no {device.type} device in this process"
+        if device.index is not None and device.index >= count:
+            return f"this process has {count} {device.type} device{'s' if count != 1 else ''}"
+        return None
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # noqa: BLE001 - torch's reason, whatever its type (AssertionError, RuntimeError)
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def load_device(device: Any) -> torch.device | None:
+    """``device=`` of :func:`read` as a ``torch.device`` (``None``: none given), or a :class:`CheckpointError`
+    naming the argument: not a device torch knows, or one this process cannot place tensors on."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"load: device={device!r:.80} is not a device ({reason}); expected a torch.device "
+                              "or a name such as 'cpu' or 'cuda:0'") from None
+    reason = _unavailable(parsed)
+    if reason is not None:
+        raise CheckpointError(f"load: device={device!r:.80} is not available here: {reason}")
+    return parsed
+
+
 def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | Mapping[str, type] | None = None,
          device: torch.device | str | None = None, verify: bool = True) -> Any:
     """Load the tree saved at ``path`` (see :func:`sofx.checkpoint.load`); ``like=None``: no template."""
+    device = load_device(device)  # before the file is opened
     path = os.fspath(path)
     _check_byteorder()
     registry = type_registry(types)
@@ -229,7 +268,7 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
             if verify and crc is not None and zlib.crc32(_bytes_view(t)[1]) != crc:
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} fails its checksum: the data is corrupted")
             target = device if device is not None else template_device(like_leaf)
-            if target is not None and torch.device(target) != t.device:
+            if target is not None and target != t.device:
                 t = t.to(target)
             if node.get("requires_grad") and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
