@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from sofx import skipped_chunks, tree
+from sofx import memory_order_leaves, skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
@@ -57,7 +57,7 @@ from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADI
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
                                is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
-from sofx.kernels.layout import in_memory_order, is_dense
+from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.kernels.user_numbers import as_integer, flag
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
@@ -185,8 +185,10 @@ class Adam:
         took their sum of squares), so the undo strategy is chosen without
         reading the gradients again; otherwise the record would be wrong. ``None``/``False``
         (default): each gradient is checked. The CPU and Triton kernels check a leaf's
-        gradient in the step's own pass, a chunk at a time (contiguous leaves
-        with ``undo="auto"``; a chunk with an inf or a nan is kept, then
+        gradient in the step's own pass, a chunk at a time (leaves whose
+        tensors share one dense layout, with ``undo="auto"``; a chunk is a
+        range of the leaf's memory, in memory order where the layout is not
+        contiguous: :mod:`sofx.memory_order_leaves`; a chunk with an inf or a nan is kept, then
         stepped, and the leaf's record a ``"chunk_snapshot"``: the old values
         of those chunks, the algebraic inverse elsewhere, see
         :mod:`sofx.skipped_chunks`); elsewhere each gradient is read once
@@ -238,8 +240,14 @@ class Adam:
         if not covered:
             _check_writes(leaves, copies, donate, grad_scale=grad_scale)
         memo: dict = {}
+        shapes: dict[int, _Leaf] = {}  # the caller's leaves of those stepped as their memory
         if undoable:
             in_step = self._checked_in_step(leaves, kernels, copies, grad_scale)
+            leaves, copies = list(leaves), list(copies)
+            for k, chk in enumerate(in_step):  # a dense layout that is not contiguous: stepped as its memory
+                if chk and not leaves[k].p.is_contiguous():
+                    shapes[k] = leaves[k]
+                    leaves[k], copies[k] = memory_order_leaves.flat_leaf(leaves[k], copies[k])
             finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
             plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
                      for leaf, f, chk in zip(leaves, finite, in_step)]
@@ -282,6 +290,9 @@ class Adam:
             records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                     records[k], (new_p[k], new_m[k], new_v[k]), donate, finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
+        for k, leaf in shapes.items():
+            (new_p[k], new_m[k], new_v[k]), records[k] = memory_order_leaves.shaped_back(
+                leaf, (new_p[k], new_m[k], new_v[k]), records[k])
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
@@ -307,18 +318,15 @@ class Adam:
                          copies: Sequence[torch.Tensor | None], grad_scale: Scalar) -> list[bool]:
         """Per leaf: whether its kernel checks its step in the step itself (``StepCall.skip``: the gradient's
         finiteness and :func:`~sofx.kernels.base.lossy_elements`) instead of a pass before: backends with
-        ``CHECKS_FINITE``, contiguous tensors, ``undo="auto"``, moments whose undo depends on it (not rounded:
+        ``CHECKS_FINITE``, tensors of one dense layout (contiguous, or stepped as their memory's 1-d views:
+        :mod:`sofx.memory_order_leaves`), ``undo="auto"``, moments whose undo depends on it (not rounded:
         those are kept whole anyway). Not with a ``grad_scale`` that cannot be read (a ``torch.func``
         transform's): the test needs its value (:meth:`_snapshot_lossy` keeps a snapshot instead)."""
         if self.undo_mode != "auto" or not is_number(grad_scale):
             return [False] * len(leaves)
-        out = []
-        for leaf, kernel, copy in zip(leaves, kernels, copies):
-            out.append(leaf.g is not None and not leaf.traced and leaf.m.dtype not in _LOW_PRECISION
-                       and kernel.CHECKS_FINITE and leaf.p.is_contiguous() and leaf.g.is_contiguous()
-                       and leaf.m.is_contiguous() and leaf.v.is_contiguous()
-                       and (copy is None or copy.is_contiguous()))
-        return out
+        return [leaf.g is not None and not leaf.traced and leaf.m.dtype not in _LOW_PRECISION and kernel.CHECKS_FINITE
+                and one_dense_layout(leaf.p, (leaf.g, leaf.m, leaf.v, copy))
+                for leaf, kernel, copy in zip(leaves, kernels, copies)]
 
     def _snapshot_lossy(self, leaves: Sequence[_Leaf], plans: list, in_step: Sequence[bool],
                         old: Sequence[LeafUndo | None] | None = None) -> list:
@@ -487,34 +495,43 @@ class Adam:
         # finite), else read before.
         kernels = self._kernels(leaves)
         memo: dict = {}
+        recs = list(record.leaves)
+        shapes: dict[int, _Leaf] = {}  # the caller's leaves of those stepped as their memory (with their records)
         if undoable:
             candidates = self._checked_in_step(leaves, kernels, copies, grad_scale)
+            leaves, copies = list(leaves), list(copies)
+            for k, chk in enumerate(candidates):  # a dense layout that is not contiguous: redone as its memory
+                flat = memory_order_leaves.flat_record(recs[k], leaves[k].p) \
+                    if chk and not leaves[k].p.is_contiguous() else False
+                if flat is not False:
+                    shapes[k], recs[k] = leaves[k], flat
+                    leaves[k], copies[k] = memory_order_leaves.flat_leaf(leaves[k], copies[k])
             assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
-                       for leaf, rec, k, c in zip(leaves, record.leaves, known, candidates)]
+                       for leaf, rec, k, c in zip(leaves, recs, known, candidates)]
             # (a known gradient too: the kernel also tests the redo against the undone moments)
             in_kernel = [c and ((_fusable(rec, plan) and rec.grad.is_contiguous()
                                  and (rec.p_old is None or rec.p_old.is_contiguous()))
                                 or _chunks_fusable(leaf, rec, plan, copy))
-                         for leaf, rec, plan, c, copy in zip(leaves, record.leaves, assumed, candidates, copies)]
+                         for leaf, rec, plan, c, copy in zip(leaves, recs, assumed, candidates, copies)]
             # a chunk snapshot's redo in one pass where its kernel checks it (else undone, then stepped)
-            by_chunks = [ik and rec.strategy == "chunk_snapshot" for ik, rec in zip(in_kernel, record.leaves)]
+            by_chunks = [ik and rec.strategy == "chunk_snapshot" for ik, rec in zip(in_kernel, recs)]
             skip = [k or c for k, c in zip(known, in_kernel)]
             finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=skip)
             plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
-                     for leaf, rec, plan, sk, f in zip(leaves, record.leaves, assumed, skip, finite)]
+                     for leaf, rec, plan, sk, f in zip(leaves, recs, assumed, skip, finite)]
             # fused ones not checked in a kernel: against the undone second moment (the others after their undo)
             plans = self._snapshot_lossy(leaves, plans, [ik or not _fusable(rec, plan) for ik, rec, plan
-                                                         in zip(in_kernel, record.leaves, plans)], record.leaves)
+                                                         in zip(in_kernel, recs, plans)], recs)
         else:
             in_kernel = [False] * len(leaves)
             # (strategy "none": nothing chosen nor refused; still fused where the undone step was inverted)
             plans = [self._redo_plan(leaf, rec, grad_scale, True, memo, undoable=False)
-                     for leaf, rec in zip(leaves, record.leaves)]
+                     for leaf, rec in zip(leaves, recs)]
             by_chunks = [_chunks_fusable(leaf, rec, plan, copy)
-                         for leaf, rec, plan, copy in zip(leaves, record.leaves, plans, copies)]
+                         for leaf, rec, plan, copy in zip(leaves, recs, plans, copies)]
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
-        covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(record.leaves, plans)],
+        covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(recs, plans)],
                                         leaves, copies, donate, record)
         if not covered:
             _check_writes(leaves, copies, donate, record, grad_scale)
@@ -528,7 +545,7 @@ class Adam:
         chunked = []  # (kernel, call): chunk snapshots' leaves, undone and redone by chunks
         whole: dict[int, UndoRedoCall] = {}  # the leaves redone by chunks, each as one call (for the finish)
         from_kept = []  # (leaf index, backend, call): the steps from whole snapshots' kept values
-        for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, record.leaves, plans, copies)):
+        for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, recs, plans, copies)):
             fused = by_chunks[k] or _fusable(rec, plan)
             if by_chunks[k]:
                 out = (leaf.p, leaf.m, leaf.v) if donate else (torch.empty_like(leaf.p), torch.empty_like(leaf.m),
@@ -588,8 +605,11 @@ class Adam:
             leaf = leaves[k]
             records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                          (new_p[k], new_m[k], new_v[k]), donate,
-                                                         records[k].count_before, record.leaves[k], finishing)
+                                                         records[k].count_before, recs[k], finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
+        for k, leaf in shapes.items():
+            (new_p[k], new_m[k], new_v[k]), records[k] = memory_order_leaves.shaped_back(
+                leaf, (new_p[k], new_m[k], new_v[k]), records[k])
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
@@ -1103,11 +1123,13 @@ def _check_kept_whole(leaf: _Leaf, rec: LeafUndo) -> None:
 def _check_kept_chunks(leaf: _Leaf, rec: LeafUndo) -> None:
     """Raise :class:`UndoError` unless ``rec``'s kept chunks fit ``leaf``: ascending chunk indices within it
     (int64, 1-d, on its device), and as many kept elements of ``p, m, v``, in their dtypes, as they cover;
-    ``p, m, v`` contiguous (the chunks are ranges of their memory)."""
+    ``p, m, v`` of the layout of the record's gradient, dense (the chunks are ranges of their memory in memory
+    order: :mod:`sofx.memory_order_leaves`)."""
+    layout = "contiguous" if rec.grad.is_contiguous() else f"of strides {rec.grad.stride()}"
     for role, t in enumerate((leaf.p, leaf.m, leaf.v)):
-        if not t.is_contiguous():
-            raise UndoError(f"{_role_name(leaf, role)} is not contiguous: the record keeps chunks of a contiguous "
-                            "leaf's memory")
+        if not (is_dense(t) and same_layout(t, rec.grad)):
+            raise UndoError(f"{_role_name(leaf, role)} is not {layout} (its strides: {t.stride()}): the record keeps "
+                            f"chunks of the memory of a leaf {layout}, like the gradient of the step it undoes")
     chunks, n = rec.chunks, leaf.p.numel()
     last = -(-n // FINITE_CHUNK)
     if not (isinstance(chunks, torch.Tensor) and chunks.dtype == torch.int64 and chunks.dim() == 1

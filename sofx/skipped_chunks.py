@@ -27,6 +27,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamVariant, StepCall, Triple, Undo
                                refuse_checked_steps, write_param_copy)
 from sofx.kernels.chunked import (ChunkedCall, _take_chunks, check_chunked_calls, gather_chunks, listed_elements,
                                   listed_ranges, put_chunks, range_calls)
+from sofx.kernels.layout import same_layout
 from sofx.undo_record import CHECKED_CHUNKS_REASON, LeafUndo, chunk_snapshot_bytes, strategy_snapshot_bytes
 
 __all__ = ["Pending", "finish_step", "finished_bytes", "finish_undo_redo", "split_by_kept_chunks", "run_chunked",
@@ -223,10 +224,11 @@ def _run_by_runs(variant: AdamVariant, kernel: Any, group: list[ChunkedCall], is
 
 def restore_chunks(rec: LeafUndo, undone: Triple, p_copy: torch.Tensor | None) -> None:
     """Put a ``"chunk_snapshot"`` record's kept values into ``undone`` (the leaf's ``p, m, v`` undone
-    algebraically, contiguous: garbage in those chunks, whose gradient may be an inf) and ``p_copy``."""
+    algebraically, of the layout of the record's gradient: garbage in those chunks, whose gradient may be an
+    inf) and ``p_copy``."""
     for t, kept in zip(undone, (rec.p_old, rec.m_old, rec.v_old)):
         put_chunks(t, rec.chunks, kept)
-    if p_copy is not None and not p_copy.is_contiguous():
+    if p_copy is not None and not same_layout(p_copy, undone[0]):
         write_param_copy(p_copy, undone[0])
     elif p_copy is not None:
         put_chunks(p_copy, rec.chunks, rec.p_old)

@@ -248,3 +248,132 @@ def test_the_general_path_takes_one_dense_layout_without_copies_too(layout, back
     assert all(torch.equal(a, b) for a, b in zip(res, want))
     res = backend.step_many([StepCall(p, g.double(), m, v, s)], variant)[0]  # (the gradient rounded to float32)
     assert all(same_layout(a, p) and torch.equal(a, b) for a, b in zip(res, want))
+
+
+CHECKED = {  # (shape, layout) of more than a few FINITE_CHUNKs, the last partial
+    "transposed": lambda gen, dtype: _transposed(gen, 67, 129).to(dtype),
+    "channels_last": lambda gen, dtype: _channels_last(gen, (16, 33, 3, 3)).to(dtype),
+}
+
+
+def _memory_chunk(t: torch.Tensor, index: tuple[int, ...]) -> int:
+    """The chunk of ``t``'s memory order that holds element ``index``."""
+    from sofx.kernels.base import FINITE_CHUNK
+
+    return sum(i * s for i, s in zip(index, t.stride())) // FINITE_CHUNK
+
+
+@native
+@pytest.mark.parametrize("layout", sorted(CHECKED))
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast"])
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-params"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_checked_step_of_a_dense_layout_keeps_the_chunks_of_its_memory_it_flagged(layout, backend, pdt, donate,
+                                                                                     monkeypatch):
+    """A leaf of one dense, not contiguous layout is checked in its kernel (no pass before the step, no copy)
+    over its memory in memory order: a spike and an inf flag the chunks of the memory that hold them, which the
+    record keeps (bf16 parameters: the old parameter whole); the step's results are the contiguous leaf's bit for
+    bit, in the leaf's layout; the undo puts those chunks back bit for bit and inverts the rest within DESIGN.md's
+    1e-6; ``undo_redo`` (a chunk snapshot's: fused by chunks) equals undo then update; a leaf of another layout
+    is refused by the undo, unchanged."""
+    check_checked_step_of_a_dense_layout(layout, backend, pdt, donate, monkeypatch)
+
+
+def check_checked_step_of_a_dense_layout(layout: str, backend: str, pdt: torch.dtype, donate: bool,
+                                         monkeypatch) -> None:
+    """:func:`test_a_checked_step_of_a_dense_layout_keeps_the_chunks_of_its_memory_it_flagged` on one backend
+    (the Triton one: test_kernels_triton.py)."""
+    import sys
+
+    from sofx.kernels.base import FINITE_CHUNK
+
+    adam_module = sys.modules["sofx.adam"]
+    gen = torch.Generator().manual_seed(11)
+    make = CHECKED[layout]
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), backend=backend)
+    params = {"w": make(gen, pdt)}
+    state = opt.init(params)
+    for _ in range(30):  # (fewer: more chunks are still lossy to invert)
+        params, state, _ = opt.update(params, {"w": make(gen, pdt)}, state, undoable=False)
+    flat, flat_state = {"w": params["w"].contiguous()}, sofx.tree.tree_map(lambda t: t.contiguous(), state)
+    g = make(gen, pdt)
+    spike, inf = (1, 2) + (0,) * (g.dim() - 2), (g.shape[0] - 1, 5) + (1,) * (g.dim() - 2)
+    g[spike], g[inf] = 1e3, float("inf")
+    flagged = sorted({_memory_chunk(g, spike), _memory_chunk(g, inf)})
+    keep = sofx.tree.tree_map(torch.clone, (params, state))
+    monkeypatch.setattr(adam_module, "any_lossy", lambda *a, **k: pytest.fail("a pass before the step"))
+    new, new_state, rec = opt.update(params, {"w": g}, state, donate=donate)
+    want, want_state, _ = opt.update(flat, {"w": g.contiguous()}, flat_state)
+    for a, b, like in ((new["w"], want["w"], params["w"]), (new_state.mu["w"], want_state.mu["w"], state.mu["w"]),
+                       (new_state.nu["w"], want_state.nu["w"], state.nu["w"])):
+        assert same_layout(a, like) and torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert (a.data_ptr() == like.data_ptr()) == donate
+    leaf = rec.leaves[0]
+    if pdt == torch.float32:
+        assert rec.strategies() == ["chunk_snapshot"] and leaf.chunks.tolist() == flagged
+        assert leaf.p_old.numel() == sum(min(FINITE_CHUNK, g.numel() - c * FINITE_CHUNK) for c in flagged)
+    else:
+        assert rec.strategies() == ["snapshot"] and same_layout(leaf.p_old, params["w"])
+    assert leaf.grad is g
+
+    other = sofx.tree.tree_map(lambda t: t.contiguous(), (new, new_state))
+    before = sofx.tree.tree_map(torch.clone, other)
+    if pdt == torch.float32:
+        with pytest.raises(sofx.UndoError, match=r"\['w'\].*is not of strides"):
+            opt.undo(*other, rec, donate=True)
+        assert all(torch.equal(a.nan_to_num(), b.nan_to_num())
+                   for a, b in zip(sofx.tree.flatten(other)[0], sofx.tree.flatten(before)[0])) and not rec.used
+    again = sofx.tree.tree_map(torch.clone, (new, new_state))
+    undone, undone_state = opt.undo(new, new_state, rec, donate=donate)
+    for a, b in ((undone["w"], keep[0]["w"]), (undone_state.mu["w"], keep[1].mu["w"]),
+                 (undone_state.nu["w"], keep[1].nu["w"])):
+        assert same_layout(a, b)
+        for c in flagged:
+            chunk = slice(c * FINITE_CHUNK, (c + 1) * FINITE_CHUNK)
+            assert torch.equal(in_memory_order(a)[chunk], in_memory_order(b)[chunk])
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+    clean = {"w": make(gen, pdt)}
+    new, new_state = again
+    def record():  # of the same step, unused
+        p0, s0 = sofx.tree.tree_map(torch.clone, keep)
+        return opt.update(p0, {"w": g}, s0)[2]
+
+    undone, undone_state = opt.undo(*sofx.tree.tree_map(torch.clone, again), record())
+    want = opt.update(undone, clean, undone_state, grad_scale=0.5)
+    rec = record()
+    redone, redone_state, _ = opt.undo_redo(new, new_state, rec, clean, grad_scale=0.5, donate=donate)
+    for a, b in ((redone["w"], want[0]["w"]), (redone_state.mu["w"], want[1].mu["w"]),
+                 (redone_state.nu["w"], want[1].nu["w"])):
+        assert same_layout(a, params["w"]) and torch.equal(a, b)
+
+
+@native
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_checked_step_of_a_dense_layout_beyond_the_snapshot_limit_is_taken_back_and_copies_follow(donate):
+    """A checked step of a transposed leaf whose flagged chunks would pass ``snapshot_limit_bytes`` is taken back
+    (the inputs as they were: untouched, or inverted in place within float32 rounding under donation, its
+    flagged chunk bit for bit); parameter copies of the leaf's layout and of another receive the step's and the
+    undo's parameters."""
+    gen = torch.Generator().manual_seed(12)
+    opt = sofx.adamw(lr=1e-2, betas=(0.9, 0.95), backend="cpu")
+    params = {"w": _transposed(gen, 7, 3000)}
+    state = opt.init(params)
+    for _ in range(30):
+        params, state, _ = opt.update(params, {"w": _transposed(gen, 7, 3000)}, state, undoable=False)
+    g = _transposed(gen, 7, 3000)
+    g[3, 100] = float("inf")
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    with pytest.raises(sofx.errors.SnapshotLimitError):
+        opt.update(params, {"w": g}, state, donate=donate, snapshot_limit_bytes=100)
+    for a, b in zip(sofx.tree.flatten((params, state))[0], sofx.tree.flatten(before)[0]):
+        assert same_layout(a, b) and torch.equal(in_memory_order(a)[:1024], in_memory_order(b)[:1024])  # flagged
+        torch.testing.assert_close(a, b, rtol=0 if not donate else 1e-6, atol=0 if not donate else 1e-7)
+    copy = torch.empty_like(params["w"], dtype=torch.bfloat16)
+    new, new_state, rec = opt.update(params, {"w": g}, state, param_copies={"w": copy})
+    assert rec.strategies() == ["chunk_snapshot"]
+    assert torch.equal(copy.nan_to_num(), new["w"].to(torch.bfloat16).nan_to_num())
+    other = torch.zeros(params["w"].shape, dtype=torch.bfloat16)  # contiguous: another layout than the leaf's
+    undone, _ = opt.undo(new, new_state, rec, param_copies={"w": other})
+    assert torch.equal(other, undone["w"].to(torch.bfloat16))
+    assert torch.equal(in_memory_order(undone["w"])[:1024], in_memory_order(params["w"])[:1024])  # g[3, 100]'s

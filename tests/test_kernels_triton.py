@@ -603,6 +603,13 @@ else:
         from test_dense_layouts import check_adam_on_dense_layouts
         check_adam_on_dense_layouts("triton", donate)
 
+    @pytest.mark.parametrize("donate", [False, True])
+    def test_a_checked_step_of_a_dense_layout_in_triton_keeps_the_chunks_of_its_memory(donate, monkeypatch):
+        """test_dense_layouts.py's checked step of a transposed leaf on the Triton backend: checked in the kernel
+        over the leaf's memory, its flagged memory chunks kept, undone and redone."""
+        from test_dense_layouts import check_checked_step_of_a_dense_layout
+        check_checked_step_of_a_dense_layout("transposed", "triton", torch.float32, donate, monkeypatch)
+
     def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
         """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags
         nothing, the record keeps nothing and its undo gives the init state back."""

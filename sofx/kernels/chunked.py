@@ -29,6 +29,7 @@ from sofx.errors import LeafError
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoRedoCall,
                                check_float_tensor)
 from sofx.kernels.donation import MemorySpans, overlap_error, same_memory
+from sofx.kernels.layout import in_memory_order
 from sofx.kernels.reference import concrete_checked
 
 __all__ = ["ChunkedCall", "ascending_chunks", "check_chunked", "check_chunked_calls", "gather_chunks",
@@ -215,10 +216,11 @@ def range_calls(c: ChunkedCall) -> list[StepCall | UndoRedoCall]:
 
 
 def gather_chunks(t: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
-    """The listed chunks' elements of ``t`` (contiguous), one chunk after another, in a new flat tensor:
-    one ``index_select`` over its whole chunks (and the block's partial last chunk after them, if listed).
+    """The listed chunks' elements of ``t`` (dense: chunks of its memory in memory order,
+    :func:`~sofx.kernels.layout.in_memory_order`), one chunk after another, in a new flat tensor: one
+    ``index_select`` over its whole chunks (and the block's partial last chunk after them, if listed).
     ``chunks``: ascending chunk indices (int64, on ``t``'s device)."""
-    flat = t.view(-1)
+    flat = in_memory_order(t)
     whole = flat.numel() // FINITE_CHUNK
     rows = flat[:whole * FINITE_CHUNK].view(whole, FINITE_CHUNK)
     if chunks.numel() and flat.numel() % FINITE_CHUNK and int(chunks[-1]) == whole:  # the partial last chunk
@@ -227,9 +229,9 @@ def gather_chunks(t: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
 
 
 def put_chunks(t: torch.Tensor, chunks: torch.Tensor, packed: torch.Tensor) -> None:
-    """The inverse of :func:`gather_chunks`: ``t``'s listed chunks (contiguous) set to ``packed``'s values (the
-    chunks one after another; converted to ``t``'s dtype)."""
-    flat, packed = t.view(-1), packed.reshape(-1)
+    """The inverse of :func:`gather_chunks`: ``t``'s listed chunks (dense: of its memory order) set to
+    ``packed``'s values (the chunks one after another; converted to ``t``'s dtype)."""
+    flat, packed = in_memory_order(t), packed.reshape(-1)
     whole = flat.numel() // FINITE_CHUNK
     rows = flat[:whole * FINITE_CHUNK].view(whole, FINITE_CHUNK)
     if chunks.numel() and flat.numel() % FINITE_CHUNK and int(chunks[-1]) == whole:  # the partial last chunk

@@ -9,9 +9,9 @@ kernels run such a block over the memory spans as they do over contiguous tensor
 (A transposed 4096 x 4096 leaf took 50-75x a contiguous one's update through copies.) Autograd gives a
 parameter of a dense layout gradients of that layout, and ``zeros_like`` moments of it.
 
-The kernels still copy where the layouts differ or a tensor is not dense (a slice with gaps), and a checked
-step's chunks (``FINITE_CHUNK`` flags, indices into a leaf's elements) stay for contiguous tensors: their
-callers slice leaves by logical index.
+The kernels still copy where the layouts differ or a tensor is not dense (a slice with gaps). A checked step's
+chunks (``FINITE_CHUNK`` flags) are ranges of contiguous memory: :class:`sofx.Adam` gives the kernels such a
+leaf's 1-d memory views for it (:mod:`sofx.memory_order_leaves`), so its chunks are ranges of its memory order.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["is_dense", "same_layout", "in_memory_order", "spans_in_memory_order"]
+__all__ = ["is_dense", "same_layout", "in_memory_order", "one_dense_layout", "spans_in_memory_order"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -56,11 +56,17 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
+def one_dense_layout(p: torch.Tensor, others: Iterable[torch.Tensor | None]) -> bool:
+    """Whether ``p`` is dense and every tensor of ``others`` (None where absent) of its layout: contiguous
+    tensors all, or tensors whose memory order is one (:func:`in_memory_order` views them alike)."""
+    return is_dense(p) and all(t is None or same_layout(t, p) for t in others)
+
+
 def spans_in_memory_order(p: torch.Tensor, others: Iterable[torch.Tensor | None],
                           skip: torch.Tensor | None = None) -> bool:
     """Whether a kernel block (parameter ``p``, its other tensors ``others``, None where absent) is run over its
-    memory spans in memory order rather than through contiguous copies: ``p`` dense and not contiguous, every
-    other tensor of its layout, and the call unchecked (``skip`` None: a checked call's chunk flags index
-    logical order, which its callers slice by)."""
-    return (skip is None and not p.is_contiguous() and is_dense(p)
-            and all(t is None or same_layout(t, p) for t in others))
+    memory spans in memory order rather than through contiguous copies: ``p`` not contiguous, of one dense layout
+    with the others (:func:`one_dense_layout`), and the call unchecked (``skip`` None: a checked call's chunk
+    flags index the order of its callers' slices; :mod:`sofx.memory_order_leaves` gives such calls the memory's
+    1-d views)."""
+    return skip is None and not p.is_contiguous() and one_dense_layout(p, others)
