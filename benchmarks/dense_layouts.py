@@ -7,9 +7,9 @@ A transposed matrix (``torch.randn(n, n).t()``) and a channels_last convolution 
 fill their memory span, in another order than the logical one. Their gradients (autograd) and moments
 (``init``'s ``zeros_like``) share the layout, and the kernels step such a leaf over its memory in memory order
 (``sofx/kernels/layout.py``; before stop 46 they copied it in and the results back). Per layout: the update
-without a record (``undoable=False``) and checked (``undo="auto"``: for these leaves a pass before the step,
-``any_lossy``, where contiguous leaves are checked in the kernel), donated, the minimum over the calls, with
-the ratio to the contiguous leaf's time. The transposed leaf (the contiguous one's values, transposed) is
+without a record (``undoable=False``) and checked (``undo="auto"``: in the kernel, over the leaf's memory in
+memory order, ``sofx/memory_order_leaves.py``; until stop 47 a pass before the step for these leaves), donated,
+the minimum over the calls, with the ratio to the contiguous leaf's time. The transposed leaf (the contiguous one's values, transposed) is
 checked to end as the contiguous one's transpose (exit 1 otherwise). Two threads.
 """
 
