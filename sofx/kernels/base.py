@@ -56,7 +56,7 @@ from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence, Un
 import torch
 
 from sofx.errors import HParamError, LeafError, UnsupportedError
-from sofx.kernels.layout import in_memory_order, is_dense, same_layout
+from sofx.kernels.layout import in_memory_order, one_dense_layout, same_layout
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -556,7 +556,7 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
     if bool(m_bad):
         return m_bad
     tensors = (p, g, v, g_old, m)
-    if is_dense(p) and all(x is None or same_layout(x, p) for x in tensors):  # (an elementwise test: any order)
+    if one_dense_layout(p, tensors):  # (an elementwise test: any order)
         flat = [None if x is None else in_memory_order(x) for x in tensors]
     else:
         flat = [None if x is None else x.reshape(-1) for x in tensors]
