@@ -7,9 +7,10 @@ A transposed matrix (``torch.randn(n, n).t()``) and a channels_last convolution 
 fill their memory span, in another order than the logical one. Their gradients (autograd) and moments
 (``init``'s ``zeros_like``) share the layout, and the kernels step such a leaf over its memory in memory order
 (``sofx/kernels/layout.py``; before stop 46 they copied it in and the results back). Per layout: the update
-without a record (``undoable=False``) and checked (``undo="auto"``: in the kernel, over the leaf's memory in
-memory order, ``sofx/memory_order_leaves.py``; until stop 47 a pass before the step for these leaves), donated,
-the minimum over the calls, with the ratio to the contiguous leaf's time. The transposed leaf (the contiguous one's values, transposed) is
+without a record (``undoable=False``), checked (``undo="auto"``: in the kernel, over the leaf's memory in
+memory order, ``sofx/memory_order_leaves.py``; until stop 47 a pass before the step for these leaves) and a late
+clip (``undo_redo`` of the step before, the same gradient with another ``grad_scale``: fused and checked in one
+pass), donated, the minimum over the calls, with the ratio to the contiguous leaf's time. The transposed leaf (the contiguous one's values, transposed) is
 checked to end as the contiguous one's transpose (exit 1 otherwise). Two threads.
 """
 
@@ -37,18 +38,25 @@ def leaf(layout: str, side: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(side // 4, side // 4, 4, 4, generator=gen).contiguous(memory_format=torch.channels_last)
 
 
-def time_update(layout: str, side: int, calls: int, undoable: bool) -> tuple[float, torch.Tensor]:
+def time_update(layout: str, side: int, calls: int, undoable: bool | None) -> tuple[float, torch.Tensor]:
     """The minimum time of ``calls`` donated updates of one leaf in ``layout`` (the same values whatever the
-    layout: generated from one seed), and the leaf after them."""
+    layout: generated from one seed), and the leaf after them. ``undoable=None``: late clips instead, each
+    ``undo_redo`` of the step before with the same gradient and another ``grad_scale`` (checked)."""
     gen = torch.Generator().manual_seed(0)
     p, g = leaf(layout, side, gen), leaf(layout, side, gen)
     opt = sofx.adamw(lr=1e-3)
     params, grads = {"w": p}, {"w": g}
     state = opt.init(params)
+    for _ in range(2):  # (moments not zero: a first step's undo_redo is not fused)
+        params, state, rec = opt.update(params, grads, state, donate=True)
     best = float("inf")
-    for _ in range(calls):
+    for k in range(calls):
         start = time.perf_counter()
-        params, state, _ = opt.update(params, grads, state, donate=True, undoable=undoable)
+        if undoable is None:
+            params, state, rec = opt.undo_redo(params, state, rec, grads, grad_scale=0.5 + 0.25 * (k % 2),
+                                               donate=True)
+        else:
+            params, state, _ = opt.update(params, grads, state, donate=True, undoable=undoable)
         best = min(best, time.perf_counter() - start)
     return best, params["w"]
 
@@ -66,14 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# one {args.side} x {args.side} float32 leaf per layout, sofx.adamw (backend auto), donated, min of "
           f"{args.calls} calls, {args.threads} threads, torch {torch.__version__}")
     print()
-    print("| layout | undoable=False ms | x contiguous | checked ms | x contiguous |")
-    print("|---|---:|---:|---:|---:|")
-    base: dict[bool, float] = {}
+    print("| layout | undoable=False ms | x contiguous | checked ms | x contiguous | late clip ms | x contiguous |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    base: dict[bool | None, float] = {}
     ref: torch.Tensor | None = None
     same = True
     for layout in ("contiguous", "transposed", "channels_last"):
         row = [layout]
-        for undoable in (False, True):
+        for undoable in (False, True, None):
             t, result = time_update(layout, args.side, args.calls, undoable)
             base.setdefault(undoable, t)
             row += [f"{t * 1e3:.1f}", f"{t / base[undoable]:.2f}"]
