@@ -55,7 +55,7 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
-                               is_number, is_traced, leaf_tracer, any_lossy, write_param_copy)
+                               is_number, is_traced, leaf_tracer, any_lossy, write_param_copy, zeros_come_back)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.kernels.user_numbers import as_integer, flag
@@ -466,6 +466,10 @@ class Adam:
         Leaves whose step was algebraically undoable and whose redone step
         needs no snapshot go through the backend's fused ``undo_redo`` kernel
         (one pass over memory); the others are undone and stepped separately.
+        A leaf's first step from zero moments is fused where its inverse gives
+        them back exactly (float32 moments without L2 decay:
+        :func:`sofx.kernels.base.zeros_come_back`), else undone to exact zeros,
+        then stepped; either way its redo's record is again one from zero moments.
         A leaf with no new gradient is only undone. Returns the new record.
         ``grads_finite`` is the hint of :meth:`update` for the new ``grads``.
         Without it a new gradient is not read again where it is the very
@@ -494,6 +498,7 @@ class Adam:
         # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
         # finite), else read before.
         kernels = self._kernels(leaves)
+        decoupled = self.variant.decoupled
         memo: dict = {}
         recs = list(record.leaves)
         shapes: dict[int, _Leaf] = {}  # the caller's leaves of those stepped as their memory (with their records)
@@ -509,9 +514,9 @@ class Adam:
             assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
                        for leaf, rec, k, c in zip(leaves, recs, known, candidates)]
             # (a known gradient too: the kernel also tests the redo against the undone moments)
-            in_kernel = [c and ((_fusable(rec, plan) and rec.grad.is_contiguous()
+            in_kernel = [c and ((_fusable(leaf, rec, plan, decoupled) and rec.grad.is_contiguous()
                                  and (rec.p_old is None or rec.p_old.is_contiguous()))
-                                or _chunks_fusable(leaf, rec, plan, copy))
+                                or _chunks_fusable(leaf, rec, plan, copy, decoupled))
                          for leaf, rec, plan, c, copy in zip(leaves, recs, assumed, candidates, copies)]
             # a chunk snapshot's redo in one pass where its kernel checks it (else undone, then stepped)
             by_chunks = [ik and rec.strategy == "chunk_snapshot" for ik, rec in zip(in_kernel, recs)]
@@ -520,18 +525,21 @@ class Adam:
             plans = [plan if sk else self._redo_plan(leaf, rec, grad_scale, f, memo)
                      for leaf, rec, plan, sk, f in zip(leaves, recs, assumed, skip, finite)]
             # fused ones not checked in a kernel: against the undone second moment (the others after their undo)
-            plans = self._snapshot_lossy(leaves, plans, [ik or not _fusable(rec, plan) for ik, rec, plan
-                                                         in zip(in_kernel, recs, plans)], recs)
+            plans = self._snapshot_lossy(leaves, plans, [ik or not _fusable(leaf, rec, plan, decoupled)
+                                                         for leaf, ik, rec, plan
+                                                         in zip(leaves, in_kernel, recs, plans)],
+                                         recs)
         else:
             in_kernel = [False] * len(leaves)
             # (strategy "none": nothing chosen nor refused; still fused where the undone step was inverted)
             plans = [self._redo_plan(leaf, rec, grad_scale, True, memo, undoable=False)
                      for leaf, rec in zip(leaves, recs)]
-            by_chunks = [_chunks_fusable(leaf, rec, plan, copy)
+            by_chunks = [_chunks_fusable(leaf, rec, plan, copy, decoupled)
                          for leaf, rec, plan, copy in zip(leaves, recs, plans, copies)]
         # Nothing is written before this: the kernel checks the memory of the call where it has every tensor
         # (each leaf fused into one undo_redo_many call of a backend that checks), else here.
-        covered = _kernel_checks_memory(kernels, [_fusable(rec, plan) for rec, plan in zip(recs, plans)],
+        covered = _kernel_checks_memory(kernels, [_fusable(leaf, rec, plan, decoupled)
+                                                  for leaf, rec, plan in zip(leaves, recs, plans)],
                                         leaves, copies, donate, record)
         if not covered:
             _check_writes(leaves, copies, donate, record, grad_scale)
@@ -546,7 +554,7 @@ class Adam:
         whole: dict[int, UndoRedoCall] = {}  # the leaves redone by chunks, each as one call (for the finish)
         from_kept = []  # (leaf index, backend, call): the steps from whole snapshots' kept values
         for k, (leaf, rec, plan, copy) in enumerate(zip(leaves, recs, plans, copies)):
-            fused = by_chunks[k] or _fusable(rec, plan)
+            fused = by_chunks[k] or _fusable(leaf, rec, plan, decoupled)
             if by_chunks[k]:
                 out = (leaf.p, leaf.m, leaf.v) if donate else (torch.empty_like(leaf.p), torch.empty_like(leaf.m),
                                                                torch.empty_like(leaf.v))
@@ -559,7 +567,9 @@ class Adam:
                                                             plan[0], rec.p_old, out, copy, flags.views[k])))
             if fused:
                 new_c[k] = rec.count_before + 1
-                records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before) if undoable else \
+                # (the redo of a first step from zero moments is one too: its undo zeroes them, as update's)
+                records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before,
+                                      moments_were_zero=rec.moments_were_zero) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
                 continue
             if rec is not None and rec.strategy == "snapshot" and plan is not None:
@@ -1199,22 +1209,34 @@ def _finite_flags(gs: Sequence[torch.Tensor], grad_scale: Scalar, batched: bool)
 
 
 def _chunks_fusable(leaf: _Leaf, rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None,
-                    copy: torch.Tensor | None) -> bool:
+                    copy: torch.Tensor | None, decoupled: bool) -> bool:
     """Whether an undo_redo redoes a ``"chunk_snapshot"`` leaf in one pass (fused undo+redo calls over the
     chunks its record did not keep, step calls from the kept ones: :func:`skipped_chunks.split_by_kept_chunks`),
-    as :func:`_fusable` a leaf undone algebraically: not the first step from zero moments (its undo gives
-    exact zeros), a new step needing no snapshot; contiguous memory (the calls are ranges of it)."""
-    return (rec is not None and rec.strategy == "chunk_snapshot" and plan is not None and not rec.moments_were_zero
+    as :func:`_fusable` a leaf undone algebraically: the first step from zero moments only where
+    :func:`_fused_from_zeros`, a new step needing no snapshot; contiguous memory (the calls are ranges of it)."""
+    return (rec is not None and rec.strategy == "chunk_snapshot" and plan is not None
             and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE) and leaf.g is not None and not leaf.traced
-            and leaf.g.is_contiguous() and rec.grad.is_contiguous() and (copy is None or copy.is_contiguous()))
+            and leaf.g.is_contiguous() and rec.grad.is_contiguous() and (copy is None or copy.is_contiguous())
+            and _fused_from_zeros(leaf, rec, plan, decoupled))
 
 
-def _fusable(rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None) -> bool:
+def _fusable(leaf: _Leaf, rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None, decoupled: bool) -> bool:
     """Whether an undo_redo runs a leaf's undo and redo as one kernel call: the step to undo was inverted
-    algebraically (and not the first from zero moments) and the new one needs no snapshot (undone
-    algebraically, or not to be undone at all: ``undoable=False``)."""
-    return (rec is not None and plan is not None and rec.strategy in _INVERTED and not rec.moments_were_zero
-            and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE))
+    algebraically (the first from zero moments only where :func:`_fused_from_zeros`) and the new one needs no
+    snapshot (undone algebraically, or not to be undone at all: ``undoable=False``)."""
+    return (rec is not None and plan is not None and rec.strategy in _INVERTED
+            and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE) and _fused_from_zeros(leaf, rec, plan, decoupled))
+
+
+def _fused_from_zeros(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str], decoupled: bool) -> bool:
+    """Whether the fused undo+redo of ``rec``'s step gives the bits of its undo, then the step ``plan``: always,
+    but for a leaf's first step from zero moments (``moments_were_zero``), whose undo zeroes them
+    (:func:`_zero_if_fresh`): there only where the inverse gives those zeros back exactly and the fused
+    kernel's check of the redo exempts them, as a step from them is exempt (``StepCall.zero_moments``):
+    :func:`~sofx.kernels.base.zeros_come_back` of both steps (moments in the compute dtype, float32 for
+    float32 and lower-precision parameters; no L2 decay). Elsewhere (L2 decay, bfloat16 moments) the inverse
+    leaves a rounding there that a redo with a much smaller gradient (a clip) would magnify."""
+    return not rec.moments_were_zero or zeros_come_back(leaf.p, leaf.m, leaf.v, plan[0], decoupled, rec.scalars)
 
 
 class _ChunkFlags(NamedTuple):

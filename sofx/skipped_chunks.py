@@ -137,8 +137,9 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     if chunks.numel() == call.skip.numel():  # every chunk: a whole snapshot
         return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
                         *(k.view(r.shape) for k, r in zip(cur, results)), CHECKED_CHUNKS_REASON)
+    # (the redo of a first step from zero moments is one too, as the record of update's step from them)
     return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *cur, CHECKED_CHUNKS_REASON,
-                    chunks=chunks)
+                    undone_rec is not None and undone_rec.moments_were_zero, chunks)
 
 
 def _overlay(dst: Sequence[torch.Tensor], dst_chunks: torch.Tensor, src: Sequence[torch.Tensor],

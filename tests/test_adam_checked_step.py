@@ -176,7 +176,8 @@ def test_undo_redo_after_a_checked_update_with_an_overflow(rng):
 
 def test_undo_redo_with_the_records_own_gradient_does_not_read_it(rng, monkeypatch):
     """A late clip redoes with the gradient tensor the step used (algebraic record: it was finite);
-    a new gradient tensor is checked."""
+    a new gradient tensor is checked, in the fused kernel (a first step's redo too: float32 moments, no L2
+    decay), which flags its chunk with an inf instead of a pass before."""
     calls = []
     real = _adam._finite_flags
     monkeypatch.setattr(_adam, "_finite_flags",
@@ -193,7 +194,7 @@ def test_undo_redo_with_the_records_own_gradient_does_not_read_it(rng, monkeypat
     other = {"a": grads["a"], "b": grads["b"].clone()}
     other["b"][0] = float("inf")
     _, _, rec2 = opt.undo_redo(*opt.update(params, grads, opt.init(params)), other)
-    assert calls == [1] and rec2.strategies() == ["algebraic", "snapshot"]
+    assert calls == [] and rec2.strategies() == ["algebraic", "snapshot"]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sofx
-from sofx.kernels import reference
+from sofx.kernels import cpu, reference
 from sofx.kernels.base import AdamScalars, AdamVariant, lossy_elements
 
-from helpers import trees_equal
+from helpers import assert_trees_bitwise, bits, clone_tree, max_rel_err, trees_equal
 
 from sofx.adam import ALGEBRAIC_MIN_DIVISOR  # a beta or decay factor below it is refused by undo='algebraic'
 
@@ -701,3 +703,183 @@ def test_a_redo_without_donation_keeps_no_tensor_the_caller_may_reuse(backend, k
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
             else:
                 assert torch.equal(a, b), (donated_update, rec.strategies(), rec2.strategies())
+
+
+# ------------------------------------------------------------------ the redo of a leaf's first step
+@contextlib.contextmanager
+def _kernel_calls(backend: str):
+    """Count the calls of ``backend``'s list forms an undo_redo makes (``{"undo_redo_many": n, ...}``): a fused
+    redo is one ``undo_redo_many``, an unfused one an ``undo_many`` and a ``step_many``."""
+    module = sofx.kernels.load_backend(backend)
+    calls = {"undo_redo_many": 0, "undo_many": 0, "step_many": 0}
+
+    def counted(name):
+        real = getattr(module, name)
+
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return run
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in calls:
+            mp.setattr(module, name, counted(name))
+        yield calls
+
+
+@st.composite
+def first_steps(draw):
+    """A leaf's first step and its redo: hparams, the first step's ``grad_scale`` and the redo's (a clip: the
+    gradient scaled by as little as 1e-6), the redo's gradient the record's own (a late clip) or a new one. Adam's L2
+    decay with a weight decay of 0 only (its inverse gives exact zeros back: base.zeros_come_back)."""
+    decoupled = draw(st.booleans())
+    beta = st.one_of(st.sampled_from([0.5, 0.9, 0.99, 0.999]), st.floats(0.5, 0.9999))  # (algebraic: >= 0.5)
+    hp = sofx.AdamHParams(lr=draw(st.floats(1e-5, 0.1)), beta1=draw(beta), beta2=draw(beta),
+                          eps=draw(st.floats(1e-10, 1e-3)),
+                          weight_decay=draw(st.floats(0.0, 0.5)) if decoupled else 0.0)
+    return dict(decoupled=decoupled, hp=hp, bias_correction=draw(st.booleans()),
+                grad_scale=draw(st.sampled_from([1.0, 0.5, 2.0, 0.3])),
+                clip=draw(st.sampled_from([1e-3, 1e-6, 0.5, 1.0])), same_grad=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)), n=draw(st.integers(1, 2 * 1024 + 70)))
+
+
+def check_first_step_redone_fused(backend: str, p_dtype: torch.dtype, donate: bool, undoable: bool, c: dict,
+                                  ) -> None:
+    """The undo_redo of a leaf's first step from init (float32 moments, no L2 decay: its inverse gives the zeros
+    back exactly) runs fused (one undo_redo_many, no undo) where its redo needs no snapshot (a bfloat16
+    master's, undoable, keeps its old parameter: undone, then stepped), and gives the bits of undo then
+    update: the same values, the same record (again a first step from zero moments); the reference's too
+    (its moments bit for bit; the parameters to DESIGN.md's tolerance)."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    params = {"w": torch.randn(c["n"], generator=gen).to(p_dtype), "b": torch.randn(5, generator=gen).to(p_dtype)}
+    grads = {k: torch.randn(x.shape, generator=gen).to(p_dtype) for k, x in params.items()}
+    new = grads if c["same_grad"] else {k: (100 * torch.randn(x.shape, generator=gen)).to(p_dtype)
+                                        for k, x in params.items()}
+    kind = sofx.adamw if c["decoupled"] else sofx.adam
+
+    def first(opt):  # the first step, afresh (donated: it takes its inputs' storage)
+        p1, s1, rec = opt.update(clone_tree(params), grads, opt.init(params), c["hp"], grad_scale=c["grad_scale"],
+                                 donate=donate)
+        assert all(leaf.moments_were_zero for leaf in rec.leaves)
+        return p1, s1, rec
+
+    def redone(opt, stepped):
+        return opt.undo_redo(*stepped, new, c["hp"], grad_scale=c["clip"], donate=donate, undoable=undoable)
+
+    opt = kind(bias_correction=c["bias_correction"], state_dtype=torch.float32, backend=backend)
+    stepped = first(opt)
+    with _kernel_calls(backend) as calls:
+        p2, s2, rec2 = redone(opt, stepped)
+    fused = p_dtype == torch.float32 or not undoable
+    assert (calls["undo_redo_many"], calls["undo_many"] > 0) == ((1, False) if fused else (0, True)), calls
+    q0, t0 = opt.undo(*first(opt), donate=donate)
+    want_p, want_s, want_rec = opt.update(q0, new, t0, c["hp"], grad_scale=c["clip"], donate=donate,
+                                          undoable=undoable)
+    assert_trees_bitwise(_bits_tree((p2, s2)), _bits_tree((want_p, want_s)))
+    assert rec2.strategies() == want_rec.strategies()
+    assert [leaf.moments_were_zero for leaf in rec2.leaves] == [leaf.moments_were_zero for leaf in want_rec.leaves]
+    ref = kind(bias_correction=c["bias_correction"], state_dtype=torch.float32, backend="reference")
+    ref_p, ref_s, _ = redone(ref, first(ref))
+    assert_trees_bitwise(_bits_tree(s2), _bits_tree(ref_s))
+    tol = 1e-6 if p_dtype == torch.float32 else 1e-2
+    for k in params:
+        assert max_rel_err(p2[k].float(), ref_p[k].float(), params[k].float()) <= tol, k
+    if undoable:  # undone again (in place where donated): the init state's exact zeros
+        _, s0 = opt.undo(p2, s2, rec2, donate=donate)
+        assert not any(bool(t.any()) for t in sofx.tree.flatten((s0.count, s0.mu, s0.nu))[0])
+
+
+def _bits_tree(tree):
+    """``tree`` with every floating-point tensor as its bits (-0.0 and 0.0 told apart)."""
+    return sofx.tree.tree_map(lambda t: bits(t) if t.is_floating_point() else t, tree)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32"])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("undoable", [True, False])
+@settings(max_examples=25)
+@given(c=first_steps())
+def test_the_redo_of_a_first_step_is_fused_and_equals_undo_then_update(backend, p_dtype, donate, undoable, c):
+    """check_first_step_redone_fused over random hparams, sizes, clips. (The Triton backend:
+    test_kernels_triton.py.)"""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    check_first_step_redone_fused(backend, p_dtype, donate, undoable, c)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("mode", ["adam-l2", "bf16-moments"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_first_step_whose_inverse_is_not_exact_at_zero_is_redone_from_exact_zeros(backend, mode, donate):
+    """The undo_redo of a leaf's first step from init where the inverse would not give the zeros back exactly
+    (L2 decay: its effective gradient is from the recovered p; bfloat16 moments: kept whole anyway) is not
+    fused: undone to the exact zeros, then stepped. A clipped redo (the gradient scaled by 1e-3) is undo then
+    update bit for bit (the same record: in L2 mode again a first step from zero moments, nothing kept), and the
+    clipped step from init (bit for bit where kept whole; in L2 mode to 1e-6, from the undone p)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(21)
+    params = {"w": torch.randn(2 * 1024 + 37, generator=gen)}
+    grads = {"w": 100 * torch.randn(params["w"].shape, generator=gen)}
+    state_dtype = torch.bfloat16 if mode == "bf16-moments" else torch.float32
+    opt = sofx.adam(lr=1e-3, weight_decay=0.1, state_dtype=state_dtype, backend=backend)
+
+    def first():
+        return opt.update(clone_tree(params), grads, opt.init(params), donate=donate)
+
+    stepped = first()
+    with _kernel_calls(backend) as calls:
+        p2, s2, rec2 = opt.undo_redo(*stepped, grads, grad_scale=1e-3, donate=donate)
+    assert calls["undo_redo_many"] == 0
+    q0, t0 = opt.undo(*first(), donate=donate)
+    assert not t0.mu["w"].any() and not t0.nu["w"].any()
+    want_p, want_s, want_rec = opt.update(q0, grads, t0, grad_scale=1e-3, donate=donate)
+    assert_trees_bitwise(_bits_tree((p2, s2)), _bits_tree((want_p, want_s)))
+    assert rec2.strategies() == want_rec.strategies() == (["algebraic"] if mode == "adam-l2" else ["snapshot"])
+    assert rec2.leaves[0].moments_were_zero == want_rec.leaves[0].moments_were_zero == (mode == "adam-l2")
+    direct_p, direct_s, _ = opt.update(clone_tree(params), grads, opt.init(params), grad_scale=1e-3)
+    if mode == "bf16-moments":  # kept whole: the step from the very values before
+        assert_trees_bitwise(_bits_tree((p2, s2)), _bits_tree((direct_p, direct_s)))
+    else:  # (the L2 term from the undone p: a few ulps off)
+        for got, want in ((p2["w"], direct_p["w"]), (s2.mu["w"], direct_s.mu["w"]), (s2.nu["w"], direct_s.nu["w"])):
+            assert max_rel_err(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("inf_in", ["first", "redo"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_first_step_with_an_inf_is_redone_as_undo_then_update(backend, inf_in, donate):
+    """The undo_redo of a leaf's first step from init whose gradient (``"first"``: a chunk snapshot of zero
+    moments, redone fused by chunks on the checked backends) or whose redo's gradient (``"redo"``: its chunk
+    flagged in the fused call) has an inf in one chunk: the bits and the record (strategy, kept chunks, again a
+    first step from zero moments) of undo then update, the redo clipped (the gradient scaled by 1e-3)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(22)
+    n = 3 * 1024 + 5
+    params = {"w": torch.randn(n, generator=gen), "b": torch.randn(7, generator=gen)}
+    grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    new = {k: 10 * torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    (grads if inf_in == "first" else new)["w"][1024 + 3] = float("inf")
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+
+    def first():
+        return opt.update(clone_tree(params), grads, opt.init(params), donate=donate)
+
+    stepped = first()
+    with _kernel_calls(backend) as calls:
+        p2, s2, rec2 = opt.undo_redo(*stepped, new, grad_scale=1e-3, donate=donate)
+    if backend != "reference":  # (checked in the kernels: "b" and "w"'s redo fused; "w"'s first step by chunks)
+        assert calls["undo_redo_many"] == 1 and calls["step_many"] == 0, calls
+    q0, t0 = opt.undo(*first(), donate=donate)
+    want_p, want_s, want_rec = opt.update(q0, new, t0, grad_scale=1e-3, donate=donate)
+    assert_trees_bitwise(_bits_tree((p2, s2)), _bits_tree((want_p, want_s)))
+    assert rec2.strategies() == want_rec.strategies()
+    for got, want in zip(rec2.leaves, want_rec.leaves):
+        assert got.moments_were_zero == want.moments_were_zero
+        assert (got.chunks is None) == (want.chunks is None)
+        if got.chunks is not None:
+            assert torch.equal(got.chunks, want.chunks)
+            assert_trees_bitwise(_bits_tree((got.p_old, got.m_old, got.v_old)),
+                                 _bits_tree((want.p_old, want.m_old, want.v_old)))

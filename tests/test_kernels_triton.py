@@ -46,6 +46,7 @@ else:
 
     from helpers import (block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales,
                          refuse_bad_scalars, run_blocks)
+    from test_adam_undo import check_first_step_redone_fused, first_steps
 
     VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
     DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -623,6 +624,14 @@ else:
         assert all(leaf.moments_were_zero for leaf in rec.leaves)
         _, s0 = opt.undo(p1, s1, rec)
         assert all(not bool(t.any()) for t in sofx.tree.flatten((s0.mu, s0.nu, s0.count))[0])
+
+    @pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32"])
+    @pytest.mark.parametrize("donate", [False, True])
+    @settings(max_examples=5, deadline=None)
+    @given(undoable=st.booleans(), c=first_steps())
+    def test_the_redo_of_a_first_step_is_fused_in_triton(p_dtype, donate, undoable, c):
+        """test_adam_undo.py's check_first_step_redone_fused on the Triton backend."""
+        check_first_step_redone_fused("triton", p_dtype, donate, undoable, c)
 
     @pytest.mark.parametrize("has_p_old", [False, True])
     @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
