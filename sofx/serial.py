@@ -38,8 +38,8 @@ torch computes the norm and the coefficient in their dtype (8/11 significant
 bits, up to 2**-9/2**-12 relative); sofx still takes them in float32/float64:
 it equals ``clip_grad_norm_`` of float32 copies of the gradients, not of the
 bf16 ones (see :func:`sofx.transforms.clip_by_global_norm`). Overflow is decided on the raw gradients; with a loss
-scale below 1 (only there can unscaling make an inf) and no clipping, an
-unscaled norm beyond float32's range also
+scale below 1 (only there can unscaling make an inf) and a step that is not clipped (no
+``max_norm``, or one above the norm), an unscaled norm beyond float32's range also
 counts as an overflow (torch would turn such elements into inf, or, when
 clipping, compute an inf norm and zero every gradient; sofx clips them).
 A loss scale that cannot unscale (:func:`can_unscale`: 0, which
@@ -238,20 +238,31 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
         next_state, scale = _scale_after(profile, scaler, scaler_state, True)
     scaled_norm = math.sqrt(sumsq_total) if not math.isnan(sumsq_total) else math.nan
     norm = scaled_norm / scale if scale > 0 else scaled_norm * math.inf  # x/0 as IEEE: inf, or nan for 0
-    if not overflow and max_norm is None and scale < 1 and norm > FLOAT32_MAX:
-        # unscaling by a loss scale below 1 may turn finite gradients into inf: an overflow (at 1 and above
-        # unscaling cannot, and torch and DeepSpeed step with such gradients)
-        overflow = True
-        next_state, scale = _scale_after(profile, scaler, scaler_state, True)
+    if not overflow:
+        clipped, coef, grad_scale = _clip_and_multiplier(profile, scaled_norm, scale, norm, max_norm)
+        if not clipped and scale < 1 and norm > FLOAT32_MAX:
+            # not clipped, unscaling by a loss scale below 1 may turn finite gradients into inf: an overflow (at 1
+            # and above unscaling cannot, and torch and DeepSpeed step with such gradients; a clipped step
+            # multiplies them by a coefficient that brings the norm down to max_norm)
+            overflow = True
+            next_state, scale = _scale_after(profile, scaler, scaler_state, True)
     if overflow:
         return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale if scale > 0 else math.inf,
                          next_state)
+    return StepFacts(False, sumsq_total, scale, norm, clipped, coef, grad_scale, next_state)
+
+
+def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: float,
+                         max_norm: float | None) -> tuple[bool, float, float]:
+    """Whether the step is clipped, the clip coefficient applied to the unscaled gradients (1.0: not clipped) and the one multiplier of the raw
+    gradients, in the profile's form: ``"torch"`` ``coef = clip_coefficient(norm, max_norm)``, multiplier
+    ``(1/S) * coef`` (``1/S`` exactly when not clipped); ``"deepspeed"`` ``clip = zero_clip_factor(...)``,
+    coefficient ``1/clip``, multiplier ``1/(clip*S)``."""
     if profile == "torch":
         coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
-        grad_scale = 1.0 / scale if coef == 1.0 else (1.0 / scale) * coef
-        return StepFacts(False, sumsq_total, scale, norm, coef != 1.0, coef, grad_scale, next_state)
+        return coef != 1.0, coef, 1.0 / scale if coef == 1.0 else (1.0 / scale) * coef
     clip = 1.0 if max_norm is None else zero_clip_factor(scaled_norm, scale, max_norm)
-    return StepFacts(False, sumsq_total, scale, norm, clip > 1.0, 1.0 / clip, 1.0 / (clip * scale), next_state)
+    return clip > 1.0, 1.0 / clip, 1.0 / (clip * scale)
 
 
 def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler,

@@ -340,3 +340,28 @@ def test_param_groups_and_gradient_accumulation_equal_torch_groups_lambdalr_and_
                 if tstate:
                     _close(loop.opt_state.nu[g][k], tstate["exp_avg_sq"], f"step {step} nu[{g!r}][{k!r}]")
     assert min(seen.values()) >= 2 and seen["clip"] < 30 - seen["overflow"], seen
+
+
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_a_max_norm_above_a_norm_beyond_float32_does_not_clip_and_below_a_scale_of_1_overflows(profile: str):
+    """A max_norm that does not clip (1e300, above the unscaled norm 8.5e38) leaves the gradients unscaled only:
+    below a scale of 1 their elements 6e38 are inf in float32, an overflow as without max_norm (sofx stepped with
+    them and wrote nan into the parameters). torch's GradScaler checks the raw gradients and steps, writing that
+    nan (the documented difference: sofx skips such a step, with or without max_norm)."""
+    half = loss_scale.static_scale(0.5)
+    facts = step_facts(profile, half, half.init(), 2 * 3e38 ** 2, 1e300)
+    assert facts.overflow and not facts.clipped
+    opt = sofx.adamw(lr=1e-3)
+    params = {"w": torch.zeros(2)}
+    out = serial_step(opt, params, {"w": torch.tensor([3e38, 3e38])}, opt.init(params), scaler=half,
+                      scaler_state=half.init(), max_norm=1e300, profile=profile)
+    assert out.facts.overflow and torch.equal(out.params["w"], params["w"]) and int(out.state.count["w"]) == 0
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.5)
+    w = torch.nn.Parameter(torch.zeros(2))
+    topt = torch.optim.AdamW([w], lr=1e-3)
+    scaler.scale(w.sum()).backward()
+    w.grad = torch.tensor([3e38, 3e38])
+    scaler.unscale_(topt)
+    torch.nn.utils.clip_grad_norm_([w], 1e300)
+    scaler.step(topt)
+    assert torch.isnan(w.detach()).all()
