@@ -1091,3 +1091,16 @@ def test_a_block_undone_by_the_caller_for_a_late_gradient_is_reported_speculated
     assert plan.actions[0].kind == ("skip" if overflow else "step")
     assert (r.speculated, r.undone, r.redone, r.stepped_late) == ((2, 2, 0, 0) if overflow else (2, 1, 1, 0))
     assert r.committed == (0 if overflow else 1) and r.not_stepped == (2 if overflow else 0)
+
+
+def test_a_max_norm_whose_veto_threshold_is_beyond_float64_speculates_every_block_and_commits(rng):
+    """begin_step's veto threshold ``(max_norm * S)**2`` of a max_norm of 1e300 is beyond float64: Python's ``**``
+    raised an OverflowError (``*`` gives inf); the threshold is inf and nothing is vetoed, as without clipping."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.grad_scaler()
+    ctx, _ = sp.begin_step(opt, sp.SpeculationConfig(max_norm=1e300), rule, rule.init(), n_blocks=4)
+    assert ctx.veto_sumsq == math.inf
+    spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(max_norm=1e300))
+    assert spec.report.actions == ("commit",) * 4 and not spec.report.clipped
+    _compare(spec, ser, spec.report.actions)

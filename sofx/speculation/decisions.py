@@ -295,7 +295,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         assumed = s_back
     else:
         assumed = s_back  # GradScaler unscales with the scale of this backward
-    veto = math.inf if config.max_norm is None else (config.max_norm * assumed) ** 2
+    veto = _veto_sumsq(config.max_norm, assumed)
     allowed, why = config.policy.allows(policy_state)
     if not config.enabled:
         speculating, kind, reason = False, "disabled", "speculation is disabled"
@@ -313,6 +313,16 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
                       1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason)
     tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0)
     return ctx, tally
+
+
+def _veto_sumsq(max_norm: float | None, assumed: float) -> float:
+    """``(max_norm * S)**2``, the running sum of squares of raw gradients past which clipping is certain (inf
+    without clipping, and where it is beyond float64: multiplied, not raised to a power, which raises an
+    OverflowError there)."""
+    if max_norm is None:
+        return math.inf
+    threshold = max_norm * assumed
+    return threshold * threshold
 
 
 def _check_block(ctx: StepContext, block: int) -> int:
