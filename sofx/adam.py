@@ -176,7 +176,10 @@ class Adam:
         """One Adam step for every leaf that has a gradient; returns ``(params, state, record)``.
 
         The gradient used is ``grads * grad_scale`` (unscaling and clipping
-        folded into one multiplier, applied inside the kernel). Everything is
+        folded into one multiplier, applied inside the kernel; a finite number
+        >= 0, where 0 is the step with zero gradients that ``clip_grad_norm_``
+        at ``max_norm=0`` gives: momentum and weight decay still move the
+        parameters). Everything is
         checked before anything is computed: a bad input raises a
         :class:`~sofx.errors.SofxError` naming the leaf path and modifies nothing.
 
@@ -925,10 +928,12 @@ class Adam:
 
 def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
-    number or a 0-d floating-point tensor, > 0, and at most float32's largest value where a leaf with a
+    number or a 0-d floating-point tensor, >= 0, and at most float32's largest value where a leaf with a
     gradient is stepped in float32 (every dtype but float64: the kernels multiply its gradient by it in
-    float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it). One
-    so small that it is 0 there steps with zero gradients, as torch's unscaling and clipping underflow would."""
+    float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it). 0
+    steps with zero gradients (``clip_grad_norm_`` at ``max_norm=0`` multiplies them by 0), and so does one so
+    small that it is 0 in float32 there, as torch's unscaling and clipping underflow would; a gradient that is
+    not finite stays one (``0 * inf`` is nan)."""
     if type(grad_scale) is float or type(grad_scale) is int:
         value = grad_scale
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
@@ -939,8 +944,8 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
                           f"{tuple(grad_scale.shape)} and dtype {grad_scale.dtype}")
     else:
         value = as_number(grad_scale)
-    if is_number(value) and not 0 < value < math.inf:  # a comparison traces for symbolic floats
-        raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value > 0")
+    if is_number(value) and not 0 <= value < math.inf:  # a comparison traces for symbolic floats
+        raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value >= 0")
     if is_number(value) and value > FLOAT32_MAX:
         in_f32 = next((leaf.path for leaf in leaves if leaf.g is not None and leaf.p.dtype != torch.float64), None)
         if in_f32 is not None:

@@ -155,11 +155,11 @@ def refuse_bad_blocks_first(backend, prefix: str, blocks, s: AdamScalars, varian
             backend.undo_redo_many(redo_calls[:last] + [bad], variant)
 
 
-BAD_GRAD_SCALES = (0.0, -0.0, -0.5, float("inf"), float("nan"), torch.tensor(0.0))
+BAD_GRAD_SCALES = (-0.5, -1e-300, float("inf"), float("nan"), torch.tensor(-2.0))  # (0 is valid: zero gradients)
 
 
 def refuse_bad_grad_scales(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
-    """Every entry of ``backend`` refuses a ``grad_scale`` that is not finite and > 0 (:data:`BAD_GRAD_SCALES`)
+    """Every entry of ``backend`` refuses a ``grad_scale`` that is not finite and >= 0 (:data:`BAD_GRAD_SCALES`)
     with an ``HParamError`` naming the call and the value (:func:`refuse_bad_scalars_everywhere`), writing
     nothing. ``blocks``: ``(p, g, m, v)``, donated."""
     import re
@@ -168,7 +168,7 @@ def refuse_bad_grad_scales(backend, prefix: str, blocks, s: AdamScalars, variant
     for bad in BAD_GRAD_SCALES:
         refuse_bad_scalars_everywhere(backend, prefix, blocks, s, s._replace(grad_scale=bad), variant,
                                       rf"grad_scale = {re.escape(repr(float(bad)))} is invalid; expected a finite "
-                                      "value > 0")
+                                      "value >= 0")
     _assert_unchanged(blocks, before)
 
 

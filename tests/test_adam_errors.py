@@ -97,10 +97,10 @@ def test_invalid_defaults_and_options_are_refused_at_construction():
         opt = sofx.adamw(backend="gpu")
         params = {"w": torch.randn(2)}
         opt.update(params, params, opt.init(params))
-    with pytest.raises(sofx.HParamError, match="grad_scale = 0.0 is invalid"):
+    with pytest.raises(sofx.HParamError, match="grad_scale = -1.0 is invalid; expected a finite value >= 0"):
         opt = sofx.adamw()
         params = {"w": torch.randn(2)}
-        opt.update(params, params, opt.init(params), grad_scale=0.0)
+        opt.update(params, params, opt.init(params), grad_scale=-1.0)
 
 
 def test_adam_flags_are_python_or_numpy_bools():

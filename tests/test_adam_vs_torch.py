@@ -8,6 +8,8 @@ every state tensor is compared after every step.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -120,3 +122,43 @@ def test_frozen_leaf_keeps_state_and_count_until_it_gets_a_gradient():
     assert new_state.mu["b"] is state.mu["b"] and new_state.nu["b"] is state.nu["b"]
     assert int(new_state.count["b"]) == 0 and int(new_state.count["a"]) == 1
     assert record.strategies() == ["algebraic", None]
+
+
+@pytest.mark.parametrize("backend, dtype", [("reference", torch.float32), ("cpu", torch.float32),
+                                            ("cpu_fast", torch.float32), ("reference", torch.float64)])
+def test_a_grad_scale_of_0_steps_with_zero_gradients(backend: str, dtype: torch.dtype):
+    """grad_scale=0 (clip_grad_norm_ at max_norm=0 multiplies every gradient by 0) was refused as invalid; it is
+    the step with zero gradients -- the parameters still move through the momentum and the weight decay -- bit
+    for bit, undone and redone as that one (the reference backend: torch.optim.AdamW's step on zeroed gradients).
+    A non-finite gradient is still one: 0 * inf is nan."""
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(5, 4, generator=gen, dtype=dtype), "b": torch.randn(4, generator=gen, dtype=dtype)}
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+    params, state, _ = opt.update(params, tree.tree_map(lambda p: torch.randn(p.shape, generator=gen, dtype=dtype),
+                                                        params), opt.init(params))  # nonzero moments
+    grads = tree.tree_map(lambda p: torch.randn(p.shape, generator=gen, dtype=dtype) * 3.0, params)
+    zeros = tree.tree_map(lambda g: g * 0.0, grads)
+    got = opt.update(params, grads, state, grad_scale=0.0)
+    want = opt.update(params, zeros, state)
+    for k in params:
+        for a, b in ((got[0][k], want[0][k]), (got[1].mu[k], want[1].mu[k]), (got[1].nu[k], want[1].nu[k])):
+            assert torch.equal(a, b), k
+        assert not torch.equal(got[0][k], params[k])
+    undone, undone_state = opt.undo(got[0], got[1], got[2])
+    want_undone, want_undone_state = opt.undo(want[0], want[1], want[2])
+    assert all(torch.equal(undone[k], want_undone[k]) and torch.equal(undone_state.mu[k], want_undone_state.mu[k])
+               for k in params)
+    redone = opt.undo_redo(*opt.update(params, grads, state), grads, grad_scale=0.0)
+    assert all(torch.allclose(redone[0][k], want[0][k], rtol=1e-6, atol=0) for k in params)
+    if backend == "reference":
+        tp = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+        topt = torch.optim.AdamW(list(tp.values()), lr=1e-2, weight_decay=0.1, foreach=False)
+        topt.state.update({tp[k]: {"step": torch.tensor(1.0, dtype=torch.float32), "exp_avg": state.mu[k].clone(),
+                                   "exp_avg_sq": state.nu[k].clone()} for k in params})
+        for k in params:
+            tp[k].grad = grads[k] * 0.0
+        topt.step()
+        assert all(torch.equal(got[0][k], tp[k].detach()) for k in params)
+    bad = dict(grads, b=grads["b"].clone().index_fill_(0, torch.tensor([1]), math.inf))
+    assert opt.undo_strategies(params, bad, state, grad_scale=0.0) == opt.undo_strategies(params, bad, state)
+    assert opt.undo_strategies(params, bad, state)[0][0] != "algebraic"

@@ -418,18 +418,19 @@ def test_bad_input_is_refused_and_changes_nothing(rng):
 
 
 @pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
-def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(name, rng):
+def test_a_grad_scale_negative_or_not_finite_is_refused_by_every_entry(name, rng):
     # The cpu backends divided by a grad_scale of 0 (the checked step's gradient limit) and stepped with a
-    # negative, inf or nan one; every backend now refuses what sofx.Adam.update refuses, writing nothing.
+    # negative, inf or nan one; every backend now refuses what sofx.Adam.update refuses, writing nothing. 0 (and
+    # a value that is 0 in float32) steps with zero gradients: clip_grad_norm_ at max_norm=0, torch's underflow.
     backend = reference if name == "reference" else BACKENDS[name]
     blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
     refuse_bad_grad_scales(backend, name, blocks, block_scalars(rng, 0.1), AdamVariant())
-    tiny = block_scalars(rng, 0.0, grad_scale=1e-300)  # 0 in float32: zero gradients, as torch's underflow
-    p, g, m, v = blocks[0]
-    for got, want in zip(backend.step(p, g, m, v, tiny, AdamVariant()), reference.step(p, 0 * g, m, v,
-                                                                                        tiny._replace(grad_scale=1.0),
-                                                                                        AdamVariant())):
-        assert torch.equal(got, want)
+    for zero in (1e-300, 0.0):
+        tiny = block_scalars(rng, 0.0, grad_scale=zero)
+        p, g, m, v = blocks[0]
+        for got, want in zip(backend.step(p, g, m, v, tiny, AdamVariant()),
+                             reference.step(p, 0 * g, m, v, tiny._replace(grad_scale=1.0), AdamVariant())):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])

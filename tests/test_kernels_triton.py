@@ -341,9 +341,14 @@ else:
         for b, old in zip(blocks, before):
             assert all(torch.equal(a, o) for a, o in zip(b, old))
 
-    def test_grad_scale_not_finite_and_positive_is_refused_by_every_entry(rng):
+    def test_a_grad_scale_negative_or_not_finite_is_refused_by_every_entry(rng):
         blocks = _many_blocks(rng)[:2]
         refuse_bad_grad_scales(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
+        p, g, m, v = blocks[0]  # 0 (clip_grad_norm_ at max_norm=0) steps with zero gradients
+        zero = block_scalars(rng, 0.0, grad_scale=0.0)
+        for got, want in zip(tk.step(p, g, m, v, zero, AdamVariant()),
+                             reference.step(p, 0 * g, m, v, zero._replace(grad_scale=1.0), AdamVariant())):
+            assert torch.equal(got, want)
 
     def test_scalars_no_step_can_take_are_refused_by_every_entry(rng):
         blocks = _many_blocks(rng)[:2]

@@ -203,14 +203,14 @@ def _check_hparam_range(name: str, x: float | int, where: str) -> None:
 
 def check_grad_scale(grad_scale: Scalar, where: str, float64: bool = False) -> None:
     """Refuse a ``grad_scale`` that can be read (a number or a concrete 0-d tensor) and is not finite and
-    > 0, as :meth:`sofx.Adam.update` does: the gradient a kernel uses is ``g * grad_scale``, and the checked
-    step's gradient limit is ``GRADIENT_LIMIT / grad_scale`` (a division by zero); nor, unless the block is
-    stepped in float64 (``float64``), one beyond float32's largest value (the gradient times it is inf there:
-    nan results). A value too small for float32 (0 there) is valid: zero gradients, as torch's unscaling
-    would underflow. A traced tensor is not read."""
+    >= 0, as :meth:`sofx.Adam.update` does: the gradient a kernel uses is ``g * grad_scale``; nor, unless the
+    block is stepped in float64 (``float64``), one beyond float32's largest value (the gradient times it is inf
+    there: nan results). 0, or a value too small for float32 (0 there), is valid: zero gradients, as
+    ``clip_grad_norm_`` at ``max_norm=0`` gives them, or torch's unscaling where it underflows. A traced tensor
+    is not read."""
     x = as_number(grad_scale)
-    if is_number(x) and not 0 < x < math.inf:  # (nan fails both comparisons)
-        raise HParamError(f"{where}: grad_scale = {x!r} is invalid; expected a finite value > 0 (the kernel "
+    if is_number(x) and not 0 <= x < math.inf:  # (nan fails both comparisons)
+        raise HParamError(f"{where}: grad_scale = {x!r} is invalid; expected a finite value >= 0 (the kernel "
                           "uses g * grad_scale)")
     if is_number(x) and not float64 and x > FLOAT32_MAX:
         raise HParamError(f"{where}: grad_scale = {x!r} is beyond float32's range (largest {FLOAT32_MAX!r}); the "
@@ -371,9 +371,9 @@ GRADIENT_LIMIT = math.sqrt(FLOAT32_MAX / 4)
 
 def gradient_limit_bits(grad_scale: float) -> tuple[int, int, int]:
     """The magnitude bits (sign cleared) above which a gradient element of dtype float32, bfloat16,
-    float16 is flagged for ``grad_scale`` (the largest value at most ``GRADIENT_LIMIT / grad_scale``; an inf
-    or a nan always has larger bits)."""
-    limit = min(GRADIENT_LIMIT / abs(grad_scale), FLOAT32_MAX)
+    float16 is flagged for ``grad_scale`` (the largest value at most ``GRADIENT_LIMIT / grad_scale``, float32's
+    largest for a ``grad_scale`` of 0; an inf or a nan always has larger bits)."""
+    limit = FLOAT32_MAX if grad_scale == 0 else min(GRADIENT_LIMIT / abs(grad_scale), FLOAT32_MAX)
     f32 = struct.unpack("<I", struct.pack("<f", limit))[0]
     if struct.unpack("<f", struct.pack("<I", f32))[0] > limit:  # rounded up: the float below
         f32 -= 1
