@@ -23,6 +23,11 @@ Profiles (SPECULATION.md section 4), with ``s = sum of squares of the raw
     ``clip = max((sqrt(s)/S + 1e-6)/c, 1)``, multiplier ``1/(clip*S)``,
     ``norm = sqrt(s)/S``.
 
+``max_norm`` is ``None`` (no clipping) or a number >= 0: inf never clips; 0
+zeroes every gradient under ``"torch"`` (``coef = 0``, as ``clip_grad_norm_``)
+and does not clip under ``"deepspeed"`` (ZeRO clips only where its
+``clip_grad > 0``), :func:`clip_max_norm`.
+
 In both, an overflow skips the step: no parameter, moment or count changes,
 and the schedule position does not advance (``facts.skipped``). Without a
 dynamic scaler (``static_scale()``) a non-finite gradient still skips the
@@ -61,12 +66,14 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError
 from sofx.kernels.base import as_number
-from sofx.kernels.user_numbers import is_bool, positive_number, real_number
+from sofx.kernels.user_numbers import is_bool, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
-from sofx.transforms import MISSING_GRAD_MODES, clip_coefficient, sumsq, total_sumsq, zero_clip_factor
+from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_value, sumsq, total_sumsq,
+                             zero_clip_factor)
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
-           "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "check_scale", "can_unscale",
+           "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "clip_max_norm", "check_scale",
+           "can_unscale",
            "loss_scale_of", "reduced_sumsq", "refuse_reduce", "local_sumsq", "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
@@ -156,9 +163,18 @@ def check_profile(profile: str) -> str:
 
 
 def check_max_norm(max_norm: Any) -> float | None:
-    """``max_norm`` as a float if it is a finite number > 0 (Python, numpy or a 1-element tensor:
-    :func:`~sofx.kernels.user_numbers.positive_number`), ``None`` (no clipping) as is, else an :class:`HParamError`."""
-    return None if max_norm is None else positive_number("max_norm", max_norm)
+    """``max_norm`` as a float if it is a number >= 0, inf included (Python, numpy or a 1-element tensor:
+    :func:`~sofx.transforms.max_norm_value`), ``None`` (no clipping) as is, else an :class:`HParamError` (a
+    negative max_norm, nan). Under the ``"torch"`` profile 0 zeroes every gradient (``clip_grad_norm_``); under
+    ``"deepspeed"`` it does not clip (:func:`clip_max_norm`); inf never clips."""
+    return None if max_norm is None else max_norm_value(max_norm)
+
+
+def clip_max_norm(profile: str, max_norm: float | None) -> float | None:
+    """The max norm a step of ``profile`` clips at: ``None`` where it does not clip -- ``max_norm`` ``None``, or 0
+    under ``"deepspeed"`` (ZeRO clips only where ``clip_grad > 0``: DeepSpeed's ``gradient_clipping`` of 0, its
+    default, is "off"); ``"torch"`` clips at 0 as ``clip_grad_norm_`` does (every gradient zeroed)."""
+    return None if max_norm is None or (profile == "deepspeed" and max_norm == 0) else max_norm
 
 
 def check_scale(name: str, s: Any) -> float:
@@ -228,7 +244,7 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
     Raises :class:`~sofx.loss_scale.MinLossScaleError` (DeepSpeed rule, overflow at the minimum scale).
     """
     check_profile(profile)
-    max_norm = check_max_norm(max_norm)
+    max_norm = clip_max_norm(profile, check_max_norm(max_norm))
     loss_scale_of(scaler, scaler_state)  # checked before it decides anything
     overflow = not math.isfinite(sumsq_total)
     next_state, scale = _scale_after(profile, scaler, scaler_state, overflow)

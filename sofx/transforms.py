@@ -25,11 +25,13 @@ are hparams prefix trees; :func:`label_params`, :func:`no_decay_labels` and
 :func:`group_hparams` build them from a labelling rule.
 
 Math. With ``n = sqrt(sum_i ||g_i||^2)`` over all leaves (``None`` leaves are
-absent), ``S`` the loss scale and ``c`` the max norm:
+absent), ``S`` the loss scale and ``c`` the max norm (a number >= 0, inf included: :func:`max_norm_value`):
 
-* ``clip_grad_norm_`` form: ``coef = c / (n + 1e-6)``; ``g <- g * coef`` iff ``coef < 1``.
+* ``clip_grad_norm_`` form: ``coef = c / (n + 1e-6)``; ``g <- g * coef`` iff ``coef < 1``
+  (``c = 0`` zeroes every gradient, ``c = inf`` never clips, as torch's).
 * ZeRO form (``n`` of the *scaled* gradients): ``clip = max((n/S + 1e-6)/c, 1)``;
-  ``g <- g * 1/(clip*S)``; clipping happened iff ``clip > 1``.
+  ``g <- g * 1/(clip*S)``; clipping happened iff ``clip > 1``. As DeepSpeed, only for ``c > 0``: its
+  ``gradient_clipping`` of 0 (the default) is "off", and inf never clips.
 * unscale: ``g <- g / S``. Non-finite check: every element of every leaf finite.
 """
 
@@ -46,10 +48,11 @@ from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
 from sofx.kernels.base import is_traced
-from sofx.kernels.user_numbers import integer, positive_number
+from sofx.kernels.user_numbers import integer, nonnegative_number
 
 __all__ = [
     "CLIP_EPS",
+    "max_norm_value",
     "sumsq",
     "total_sumsq",
     "global_norm",
@@ -83,6 +86,18 @@ MISSING_GRAD_MODES = ("skip", "zero")
 
 
 # ----------------------------------------------------------------- numbers
+def max_norm_value(max_norm: Any) -> float:
+    """``max_norm`` as a Python float where it is a number >= 0, inf included (a Python or numpy number, or a
+    1-element tensor: :func:`~sofx.kernels.user_numbers.nonnegative_number`), as ``clip_grad_norm_`` takes it:
+    0 zeroes every gradient (``coef = 0/(norm + 1e-6)``), inf leaves them as they are. A negative max_norm
+    (torch multiplies the gradients by a negative coefficient: every gradient reversed, the step climbs the
+    loss), nan (every gradient nan) or anything else is refused, an :class:`HParamError` naming the value and
+    its type. No clipping is ``None`` where a caller takes it (or :func:`identity`)."""
+    return nonnegative_number("max_norm", max_norm, " (as clip_grad_norm_ takes it, 0 zeroes the gradients and inf "
+                              "leaves them as they are; None: no clipping; there a negative max_norm would reverse "
+                              "every gradient, and nan make them nan)")
+
+
 _SUMSQ_ROW = 1024  # elements reduced in the tensor's precision before float64 takes over
 _SUMSQ_CHUNK = 1 << 20
 
@@ -171,7 +186,10 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 
 
 def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float:
-    """ZeRO's clip divisor ``max((scaled_norm/scale + 1e-6) / max_norm, 1)`` (``> 1``: clipping)."""
+    """ZeRO's clip divisor ``max((scaled_norm/scale + 1e-6) / max_norm, 1)`` (``> 1``: clipping); 1 for a
+    ``max_norm`` of 0, as DeepSpeed clips only where its ``clip_grad > 0`` (0, its default, is "off")."""
+    if max_norm == 0:
+        return 1.0
     clip = ((scaled_norm / scale) + CLIP_EPS) / max_norm
     return clip if clip > 1.0 else 1.0
 
@@ -316,7 +334,8 @@ def unscale() -> GradientTransformation:
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """``torch.nn.utils.clip_grad_norm_``: ``g <- g * max_norm/(norm + 1e-6)`` when that is ``< 1``.
 
-    ``max_norm``: a finite number > 0 (Python, numpy or a 1-element tensor), read once here as a float.
+    ``max_norm``: a number >= 0 (Python, numpy or a 1-element tensor: :func:`max_norm_value`), read once here as
+    a float; 0 zeroes every gradient (a negative element becomes -0.0, as torch's), inf leaves them as they are.
 
     The rule is torch's; the precision is not. ``norm`` is :func:`global_norm` (float32 rows summed in
     float64) and ``coef`` a Python float, whatever the gradients' dtype. torch computes each gradient's norm,
@@ -326,7 +345,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     as ``clip_grad_norm_`` clips their float32 copies, rounded once to the gradient's dtype (bf16: the same
     bits where measured; fp16: a few elements in a thousand one ulp off), as the offload engine's fp32 masters and
     ``serial_step`` take them."""
-    max_norm = positive_number("max_norm", max_norm)
+    max_norm = max_norm_value(max_norm)
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         leaves = _gradient_leaves(grads, "clip_by_global_norm")
@@ -346,9 +365,12 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
 
     ``n`` is the norm of the *scaled* gradients and ``S = extra['loss_scale']``
     (in ZeRO, the scale after this step's loss-scale update). ``max_norm=None``
-    only unscales. The state's ``norm`` is the unscaled norm ``n / S``.
+    only unscales, and so does 0 (DeepSpeed clips only where ``clip_grad > 0``: its ``gradient_clipping`` of 0,
+    the default, is "off") and inf. The state's ``norm`` is the unscaled norm ``n / S``.
     """
-    max_norm = None if max_norm is None else positive_number("max_norm", max_norm)
+    max_norm = None if max_norm is None else max_norm_value(max_norm)
+    if max_norm == 0:
+        max_norm = None
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         s = _loss_scale(extra, "unscale_and_clip_zero")

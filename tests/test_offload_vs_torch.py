@@ -494,3 +494,17 @@ def test_spikes_and_late_events_equal_torch_thread(run: SpikeRun) -> None:
 def test_spikes_and_late_events_equal_torch_process(run: SpikeRun) -> None:
     """(Few examples: each starts a worker process.)"""
     run_spikes_side_by_side(run, "process")
+
+
+@pytest.mark.parametrize("max_norm", [0.0, math.inf])
+def test_max_grad_norm_0_or_inf_equals_torch_bitwise(max_norm: float) -> None:
+    """max_grad_norm=0 (clip_grad_norm_ zeroes every gradient; the parameters move through momentum and weight
+    decay) and inf (nothing clipped) were refused; with the reference kernel the run, overflows included, is
+    torch's bit for bit: 0 speculates nothing (every step is clipped), inf commits every speculated block."""
+    r = run_side_by_side("mlp", "thread", steps=14, clip_every=0, inf_every=11, max_norm=max_norm,
+                         opt_kwargs={"backend": "reference"})
+    assert sum(rep.skipped for rep in r.reports) == 1 and max(r.deviations) == 0.0
+    for rep in r.reports:
+        if not rep.skipped:
+            assert rep.clipped == (max_norm == 0.0) and rep.undone == 0
+            assert rep.speculated == (0 if max_norm == 0.0 else rep.committed)

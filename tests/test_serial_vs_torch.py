@@ -214,7 +214,7 @@ def test_serial_step_errors_change_nothing(rng):
     with pytest.raises(sofx.HParamError, match="profile"):
         serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), profile="x")
     with pytest.raises(sofx.HParamError, match="max_norm"):
-        serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), max_norm=0.0)
+        serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), max_norm=-1.0)
     assert int(state.count["a"]) == 0
 
 
@@ -365,3 +365,80 @@ def test_a_max_norm_above_a_norm_beyond_float32_does_not_clip_and_below_a_scale_
     torch.nn.utils.clip_grad_norm_([w], 1e300)
     scaler.step(topt)
     assert torch.isnan(w.detach()).all()
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("max_norm", [0.0, math.inf])
+def test_torch_profile_with_max_norm_0_or_inf_equals_torch_bitwise(decoupled: bool, max_norm: float):
+    """clip_grad_norm_ takes max_norm=0 (every gradient zeroed: Adam still moves the parameters through its
+    momentum and weight decay) and inf (nothing clipped); serial_step refused both. Over steps with overflows,
+    scale growth and a missing gradient, it now equals torch.optim + clip_grad_norm_ + GradScaler bit for bit (the
+    reference backend, which follows torch.optim operation by operation)."""
+    gen = torch.Generator().manual_seed(5)
+    init = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    opt = (sofx.adamw if decoupled else sofx.adam)(lr=3e-2, weight_decay=0.05, backend="reference")
+    rule = loss_scale.grad_scaler(init_scale=2.0 ** 10, growth_interval=4)
+    tparams = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    topt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(list(tparams.values()), lr=3e-2,
+                                                                   weight_decay=0.05, foreach=False)
+    tscaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=4)
+    params, state, sstate = {k: v.clone() for k, v in init.items()}, opt.init(init), rule.init()
+    seen = {"overflow": 0, "moved": 0, "growth": 0}
+    for step in range(20):
+        S = rule.scale(sstate)
+        tscaler.scale(torch.ones(()))
+        grads = _grads(gen, step, S)
+        for k, p in tparams.items():
+            p.grad = None if grads[k] is None else grads[k].clone()
+        tscaler.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_([p for p in tparams.values() if p.grad is not None], max_norm)
+        tscaler.step(topt)
+        tscaler.update()
+        before = params["w1"]
+        params, state, sstate, facts = serial_step(opt, params, grads, state, scaler=rule, scaler_state=sstate,
+                                                   max_norm=max_norm)
+        assert facts.clipped == (max_norm == 0.0 and not facts.overflow)
+        assert facts.clip_coef == (0.0 if facts.clipped else 1.0) and rule.scale(sstate) == tscaler.get_scale()
+        seen["overflow"] += facts.overflow
+        seen["moved"] += not torch.equal(params["w1"], before)
+        seen["growth"] += rule.scale(sstate) > S
+        for k, p in tparams.items():
+            assert torch.equal(params[k], p.detach()), (step, k)
+            tstate = topt.state.get(p, {})
+            assert int(state.count[k]) == (int(tstate["step"]) if tstate else 0), (step, k)
+            if tstate:
+                assert torch.equal(state.mu[k], tstate["exp_avg"]) and torch.equal(state.nu[k], tstate["exp_avg_sq"])
+    assert seen["overflow"] >= 2 and seen["growth"] >= 1 and seen["moved"] >= 10, seen
+
+
+@pytest.mark.parametrize("max_norm", [0.0, math.inf])
+def test_deepspeed_profile_with_max_norm_0_or_inf_does_not_clip_as_zero3(rng, max_norm: float):
+    """ZeRO clips only where ``clip_grad > 0`` (DeepSpeed's gradient_clipping 0.0 is its "off"), and a clip_grad of
+    inf never clips: the step is the unclipped one, bit for bit (serial_step refused both values)."""
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(6, generator=rng), "b": torch.randn(2, 3, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) * 50.0 * 1024 for k, v in params.items()}
+    rule = loss_scale.deepspeed_scaler(init_scale=1024.0)
+    kw = dict(scaler=rule, scaler_state=rule.init(), profile="deepspeed")
+    want = serial_step(opt, params, grads, opt.init(params), max_norm=None, **kw)
+    got = serial_step(opt, params, grads, opt.init(params), max_norm=max_norm, **kw)
+    assert got.facts == want.facts and not got.facts.clipped
+    assert all(torch.equal(got.params[k], want.params[k]) for k in params)
+    assert serial_step(opt, params, grads, opt.init(params), max_norm=1.0, **kw).facts.clipped  # they would clip
+
+
+@pytest.mark.parametrize("bad", [-1.0, -math.inf, math.nan])
+def test_a_negative_or_nan_max_norm_is_refused_naming_what_torch_would_do(rng, bad: float):
+    """torch's clip_grad_norm_ multiplies the gradients by a negative max_norm/norm (every gradient reversed: the
+    step climbs the loss) or by nan (every gradient nan): refused, saying so, nothing changed."""
+    opt = sofx.adamw()
+    params = {"a": torch.randn(3, generator=rng)}
+    state = opt.init(params)
+    rule = loss_scale.grad_scaler()
+    with pytest.raises(sofx.HParamError, match=r"max_norm = .* is invalid; expected a number >= 0.*, got float "
+                                               r"\(as clip_grad_norm_ .*None: no clipping; there a negative "
+                                               r"max_norm would reverse every gradient, and nan make them nan\)"):
+        serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), max_norm=bad)
+    assert int(state.count["a"]) == 0
+    with pytest.raises(sofx.HParamError, match=r"max_norm = .* is invalid; expected a number >= 0"):
+        sofx.speculate.SpeculationConfig(max_norm=bad)  # (the offload engine's and facade's max_grad_norm)

@@ -1104,3 +1104,26 @@ def test_a_max_norm_whose_veto_threshold_is_beyond_float64_speculates_every_bloc
     spec, ser = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig(max_norm=1e300))
     assert spec.report.actions == ("commit",) * 4 and not spec.report.clipped
     _compare(spec, ser, spec.report.actions)
+
+
+@pytest.mark.parametrize("profile, max_norm", [("torch", 0.0), ("torch", math.inf), ("deepspeed", 0.0),
+                                               ("deepspeed", math.inf)])
+def test_max_norm_0_or_inf_speculate_as_the_serial_loop_steps(rng, profile: str, max_norm: float):
+    """A max_norm of 0 under the torch profile clips every step to zero gradients (clip_grad_norm_'s
+    ``coef = 0``): no speculative step could stand, and none is taken; the blocks are stepped in validation with
+    zero gradients. Under the deepspeed profile 0 means no clipping (ZeRO's ``clip_grad > 0`` test), and inf
+    never clips under either: every block is speculated and committed. Each equals the serial loop bit for bit
+    (SpeculationConfig refused both values)."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.grad_scaler() if profile == "torch" else loss_scale.deepspeed_scaler()
+    cfg = sp.SpeculationConfig(max_norm=max_norm, profile=profile)
+    spec, ser = _both(opt, params, _grads(rng, mult=[5.0, 5.0, 0.01, 0.01]), state, config=cfg, scaler=rule)
+    r = spec.report
+    zeroed = profile == "torch" and max_norm == 0.0
+    assert r.clipped == zeroed and (r.clip_coef == 0.0 if zeroed else r.clip_coef == 1.0)
+    assert r.actions == (("step",) * 4 if zeroed else ("commit",) * 4) and r.speculated == (0 if zeroed else 4)
+    if zeroed:
+        assert not r.speculating and "max_norm = 0" in r.not_speculating_reason and r.vetoed == 4
+    _compare(spec, ser, r.actions)
+    assert not any(torch.equal(a, b) for a, b in zip(spec.params, params))  # momentum and decay moved them

@@ -488,8 +488,9 @@ def test_scale_tree_refuses_a_tensor_factor_of_several_elements_and_multiplies_a
 
 def test_max_norm_of_any_real_number_type_or_a_one_element_tensor(rng):
     """A numpy max_norm (a LambdaLR's or a config file's) or a 1-element tensor was refused as "invalid; expected a
-    finite number > 0"; it clips as the same Python float. bool, non-finite, <= 0, strings and tensors of several
-    elements are refused, naming the argument, its value and its type."""
+    finite number > 0"; it clips as the same Python float. bool, nan, negative numbers (-inf too), strings and
+    tensors of several elements are refused, naming the argument, its value and its type (0 and inf are taken,
+    as clip_grad_norm_ takes them)."""
     np = pytest.importorskip("numpy")
     grads = _tree(rng, 3.0)
     for make, extra in ((tx.clip_by_global_norm, {}), (tx.unscale_and_clip_zero, {"loss_scale": 2.0})):
@@ -499,12 +500,12 @@ def test_max_norm_of_any_real_number_type_or_a_one_element_tensor(rng):
             got, state = make(m).update(grads, tx.ClipState(), **extra)
             assert state == want_state and type(state.coef) is float, (make, m)
             assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(got)[0], sofx.tree.flatten(want)[0]))
-        for bad, kind in ((True, "bool"), (np.bool_(True), "bool"), (math.nan, "float"), (math.inf, "float"),
-                          (0.0, "float"), (-1, "int"), ("1.0", "str"), (np.float32(-2.0), "float32"),
+        for bad, kind in ((True, "bool"), (np.bool_(True), "bool"), (math.nan, "float"), (-math.inf, "float"),
+                          (-1e-300, "float"), (-1, "int"), ("1.0", "str"), (np.float32(-2.0), "float32"),
                           (torch.tensor([0.5, 0.5]), r"a torch.float32 tensor of shape \(2,\)"),
                           (torch.tensor(True), r"a torch.bool tensor of shape \(\)")):
-            with pytest.raises(HParamError, match=r"max_norm = .* is invalid; expected a finite number > 0 .*, got "
-                                                  + kind):
+            with pytest.raises(HParamError, match=r"max_norm = .* is invalid; expected a number >= 0, inf included "
+                                                  r".*, got " + kind):
                 make(bad)
 
 
@@ -523,3 +524,48 @@ def test_zero_clip_of_a_tree_without_gradients_under_a_traced_loss_scale_is_a_no
             assert state.norm[i].item() == 0.0 and state.coef[i].item() == pytest.approx(want.coef, rel=1e-6)
         assert recorded[0] == grads and recorded[1].norm.item() == 0.0
         assert recorded[1].coef.item() == pytest.approx(want.coef, rel=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, math.inf])
+def test_clip_by_global_norm_of_max_norm_0_or_inf_equals_clip_grad_norm_bitwise(rng, max_norm: float):
+    """clip_grad_norm_ takes both: 0 zeroes every gradient (``coef = 0/(norm + 1e-6)``; a negative element
+    becomes -0.0), inf leaves them as they are (``coef`` inf, clamped to 1); sofx refused them. Now the same bits,
+    eager and traced (autograd recording the gradients)."""
+    grads = _tree(rng, 3.0)
+    leaves, spec = sofx.tree.flatten(grads)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in leaves]
+    for p, g in zip(params, leaves):
+        p.grad = g.clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    t = tx.clip_by_global_norm(max_norm)
+    out, state = t.update(grads, t.init(grads))
+    assert state.norm == pytest.approx(torch_norm.item(), rel=1e-6) and state.coef == min(max_norm, 1.0)
+    for got, want in zip(sofx.tree.flatten(out)[0], [p.grad for p in params]):
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    recorded = sofx.tree.tree_map(lambda g: g.clone().requires_grad_(), grads)
+    traced, tstate = t.update(recorded, t.init(grads))
+    assert tstate.coef.item() == min(max_norm, 1.0)
+    for got, want in zip(sofx.tree.flatten(traced)[0], [p.grad for p in params]):
+        assert torch.equal(got.detach(), want)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, math.inf])
+def test_zero_form_of_max_norm_0_or_inf_only_unscales_as_deepspeeds_stage3(rng, max_norm: float):
+    """DeepSpeed clips only where ``clip_grad > 0`` (its gradient_clipping 0.0, the default, is "off"), and a
+    clip_grad of inf never clips: ZeRO-3's ``unscale_and_clip_grads`` only unscales. So does the ZeRO form here,
+    eager and with a loss scale autograd records (sofx refused both values)."""
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    from types import SimpleNamespace
+    S = 2.0 ** 10
+    grads = _tree(rng, 3.0 * S)
+    leaves, spec = sofx.tree.flatten(grads)
+    flat = torch.cat([g.reshape(-1) for g in leaves])
+    ds = SimpleNamespace(loss_scale=S, clip_grad=max_norm, fp32_partitioned_groups_flat=[SimpleNamespace(grad=flat)])
+    stage3.DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads(ds, 0, torch.linalg.vector_norm(flat))
+    z = tx.unscale_and_clip_zero(max_norm)
+    out, state = z.update(grads, z.init(grads), loss_scale=S)
+    assert state.coef == 1.0
+    assert torch.equal(torch.cat([g.reshape(-1) for g in sofx.tree.flatten(out)[0]]), flat)
+    traced, tstate = z.update(grads, z.init(grads), loss_scale=torch.tensor(S, requires_grad=True))
+    assert tstate.coef.item() == 1.0
+    assert torch.equal(torch.cat([g.detach().reshape(-1) for g in sofx.tree.flatten(traced)[0]]), flat)

@@ -18,7 +18,7 @@ import torch
 from sofx.errors import HParamError
 from sofx.kernels.base import is_traced
 
-__all__ = ["is_bool", "real_number", "positive_number", "finite_number", "as_integer", "integer", "flag"]
+__all__ = ["is_bool", "real_number", "positive_number", "nonnegative_number", "finite_number", "as_integer", "integer", "flag"]
 
 
 def is_bool(x: object) -> bool:
@@ -61,6 +61,21 @@ def positive_number(name: str, value: Any) -> float:
     if not (math.isfinite(f) and f > 0):
         raise HParamError(f"{name} = {value!r:.80} is invalid; expected a finite number > 0 (a Python or numpy "
                           f"number, or a 1-element tensor), got {_described(value)}")
+    return f
+
+
+def nonnegative_number(name: str, value: Any, hint: str = "") -> float:
+    """``value`` as a Python float where it is a real number >= 0, inf included (:func:`real_number`: a Python or
+    numpy number, a 1-element readable tensor; an int beyond the float range is inf), else an
+    :class:`HParamError` naming ``name``, the value and its type (``hint``: what the values mean, in the message)."""
+    x = real_number(value)
+    try:
+        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not f >= 0:  # (nan fails it)
+        raise HParamError(f"{name} = {value!r:.80} is invalid; expected a number >= 0, inf included (a Python or "
+                          f"numpy number, or a 1-element tensor), got {_described(value)}{hint}")
     return f
 
 

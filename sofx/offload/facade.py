@@ -22,7 +22,11 @@ The Adam steps of the parameter blocks are taken *during* backward (on a
 worker thread or process, from fp32 master weights) and validated in
 ``step()``; the training trajectory is that of ``torch.optim.AdamW`` +
 ``clip_grad_norm_(max_grad_norm)`` + ``torch.amp.GradScaler`` (profile
-``"torch"``) or of DeepSpeed ZeRO-3 (``"deepspeed"``).
+``"torch"``) or of DeepSpeed ZeRO-3 (``"deepspeed"``). ``max_grad_norm``:
+``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_`` takes it: inf
+never clips, and 0 zeroes every gradient under ``"torch"`` (the parameters
+still move through momentum and weight decay; nothing is speculated) but is
+DeepSpeed's ``gradient_clipping`` "off" under ``"deepspeed"``.
 
 ``param_groups`` are ordinary dicts (``lr``, ``betas``, ``eps``,
 ``weight_decay``), read at every step, so every ``torch.optim.lr_scheduler``

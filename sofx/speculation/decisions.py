@@ -42,8 +42,8 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
-from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, loss_scale_of,
-                         local_sumsq, reduced_sumsq, step_facts, without_gradients)
+from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, clip_max_norm,
+                         loss_scale_of, local_sumsq, reduced_sumsq, step_facts, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -81,8 +81,11 @@ ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
 class SpeculationConfig:
     """Static configuration of speculation for a training run.
 
-    ``max_norm``: global-norm clipping (``None``: none; a number, numpy or
-    1-element tensor, stored as a float). ``profile``: ``"torch"``
+    ``max_norm``: global-norm clipping (``None``: none; a number >= 0, inf
+    included, numpy or a 1-element tensor, stored as a float: 0 zeroes every
+    gradient under the ``"torch"`` profile, where nothing is speculated, and
+    does not clip under ``"deepspeed"``, :func:`sofx.serial.clip_max_norm`).
+    ``profile``: ``"torch"``
     or ``"deepspeed"`` (:mod:`sofx.serial`). ``missing_grad``: ``"skip"`` or
     ``"zero"``. ``snapshot_budget_bytes``: the most snapshot memory the
     speculative steps of one step may hold (``None``: unlimited; ``0``: only
@@ -295,7 +298,8 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         assumed = s_back
     else:
         assumed = s_back  # GradScaler unscales with the scale of this backward
-    veto = _veto_sumsq(config.max_norm, assumed)
+    max_norm = clip_max_norm(config.profile, config.max_norm)
+    veto = _veto_sumsq(max_norm, assumed)
     allowed, why = config.policy.allows(policy_state)
     if not config.enabled:
         speculating, kind, reason = False, "disabled", "speculation is disabled"
@@ -307,6 +311,10 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         speculating, kind = False, "vetoed"
         reason = (f"the loss scale {assumed:g} cannot unscale the gradients (1/S is not a finite float32): "
                   "the step will be skipped as an overflow")
+    elif max_norm == 0:
+        speculating, kind = False, "vetoed"
+        reason = ("max_norm = 0 clips every step to zero gradients (clip_grad_norm_'s coef = 0): no speculative "
+                  "step could stand; the blocks are stepped in validation")
     else:
         speculating, kind, reason = True, "speculate", ""
     ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
