@@ -334,7 +334,12 @@ class DynamicLossScaleRule:
 
 @dataclass(frozen=True)
 class StaticScaleRule:
-    """A constant loss scale (``1.0`` means no loss scaling)."""
+    """A constant loss scale (``1.0`` means no loss scaling).
+
+    As every rule's, its state carries the scale: ``value`` is the scale :meth:`init` gives, and a state made
+    elsewhere -- loaded from a checkpoint saved with another value -- keeps its own (``scale(state)`` is
+    ``state.scale``), as ``GradScaler.load_state_dict`` and DeepSpeed's checkpoint load take the saved scale
+    over the constructor's (see :meth:`sofx.offload.SpeculativeAdamW.load_state_dict`)."""
 
     value: float = 1.0
 
@@ -346,7 +351,7 @@ class StaticScaleRule:
         return StaticScaleState(self.value)
 
     def scale(self, state: StaticScaleState) -> float:
-        """The constant scale ``S``."""
+        """The constant scale ``S``: the state's (``value`` where the state is :meth:`init`'s)."""
         check_state_kind(state, StaticScaleState)
         return state.scale
 

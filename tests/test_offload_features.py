@@ -576,6 +576,55 @@ def test_state_dict_round_trip_continues_bitwise() -> None:
         assert torch.equal(p, q)
 
 
+def test_a_loaded_static_loss_scale_is_the_saved_one_as_gradscaler_and_torch_optim_load_theirs() -> None:
+    """A state saved with loss_scale=512.0 loaded into an optimizer made with loss_scale=1024.0 (or None, a static
+    scale of 1) goes on with 512, as saved: torch's GradScaler.load_state_dict takes the saved scale (and
+    init_scale, growth settings) over its constructor's, torch.optim.load_state_dict the saved lr, DeepSpeed's
+    ZeRO load puts the saved loss scaler in place, static or dynamic. The run goes on as the saved one, bit for
+    bit; another scale is set in the state dict before loading."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    theirs.load_state_dict(torch.amp.GradScaler("cpu", init_scale=512.0).state_dict())
+    assert theirs.get_scale() == 512.0
+
+    def make(model: nn.Module, loss_scale) -> sofx.offload.SpeculativeAdamW:
+        return sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                            loss_scale=loss_scale)
+
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    batches = [mlp_batch(gen) for _ in range(6)]
+    with make(model, 512.0) as opt:
+        for batch in batches[:3]:
+            opt.backward(mlp_loss(model, batch))
+            opt.step()
+        saved, saved_model = _clone_tree(opt.state_dict()), copy.deepcopy(model.state_dict())
+        for batch in batches[3:]:
+            opt.backward(mlp_loss(model, batch))
+            opt.step()
+    for other in (1024.0, None):
+        model2, _ = _models(seed=5)
+        model2.load_state_dict(saved_model)
+        with make(model2, other) as opt2:
+            assert opt2.loss_scale == (1024.0 if other else 1.0)
+            opt2.load_state_dict(_clone_tree(saved))
+            assert opt2.loss_scale == 512.0 and opt2.state_dict()["state"]["scaler_state"]["scale"] == 512.0
+            for batch in batches[3:]:
+                opt2.backward(mlp_loss(model2, batch))
+                opt2.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    edited = _clone_tree(saved)
+    edited["state"]["scaler_state"]["scale"] = 1024.0
+    with make(_models()[0], 1024.0) as opt3:
+        opt3.load_state_dict(edited)
+        assert opt3.loss_scale == 1024.0
+    rule = sofx.loss_scale.static_scale(1024.0)  # the functional rule: the state carries the scale
+    assert rule.scale(sofx.loss_scale.StaticScaleState(512.0)) == 512.0
+    with pytest.raises(StructureError, match="the saved loss-scaler state is a StaticScaleState, this optimizer's is "
+                                             "a GradScalerState"):
+        with make(_models()[0], "dynamic") as opt4:
+            opt4.load_state_dict(_clone_tree(saved))
+
+
 def test_load_state_dict_checks_before_changing_anything() -> None:
     model, _ = _models()
     with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100) as opt:
