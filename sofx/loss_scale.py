@@ -171,9 +171,12 @@ _LEAST_COUNTS: dict[type, dict[str, int]] = {
 
 def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     """Refuse (an :class:`HParamError` naming ``where`` and the field) a state of one of the rules here that no
-    run reaches: a scale that is not a finite number >= 0 (GradScaler's reaches 0 after many overflows in a
-    row), a count that is not an integer or is below its least value. Another kind (a custom rule's state) is
-    not inspected."""
+    run reaches, whatever the rule's settings: a scale that is not a finite number >= 0 (GradScaler's reaches 0
+    after many overflows in a row; DeepSpeed's stays at or above its ``min_scale > 0``: > 0 there), a count
+    that is not an integer or is below its least value, a DeepSpeed ``last_overflow_iter`` at or after
+    ``cur_iter`` (an overflow is recorded at the iteration it happens, and the count then moves past it).
+    Another kind (a custom rule's state) is not inspected. What depends on the rule's settings is the rule's
+    to refuse (:meth:`DynamicLossScaleRule.scale`)."""
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return
@@ -187,6 +190,21 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
                           f"{type(state.scale).__name__}")
     for name, low in least.items():
         integer(f"{where}[{name!r}]", getattr(state, name), low)
+    if isinstance(state, DynamicLossScaleState):
+        _check_deepspeed_state(state, scale, where)
+
+
+def _check_deepspeed_state(state: DynamicLossScaleState, scale: float, where: str) -> None:
+    """What no DeepSpeed run holds under any settings (counts already checked integers): a scale of 0 (it stays at
+    or above ``min_scale > 0``), a ``last_overflow_iter`` at or after ``cur_iter``."""
+    if scale == 0:
+        raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number > 0 (DeepSpeed's "
+                          "scale stays at or above its min_scale, > 0)")
+    it, last = as_integer(state.cur_iter), as_integer(state.last_overflow_iter)
+    if last >= it:
+        raise HParamError(f"{where}['last_overflow_iter'] = {last} is invalid with cur_iter = {it}; expected "
+                          "-1 <= last_overflow_iter < cur_iter (DeepSpeed records an overflow at the iteration it "
+                          "happens, then counts on past it)")
 
 
 def plain_state(state: LossScaleState, where: str = "scaler_state") -> LossScaleState:
@@ -298,14 +316,15 @@ class DynamicLossScaleRule:
         return DynamicLossScaleState(self.init_scale, 0, -1, self.delayed_shift)
 
     def scale(self, state: DynamicLossScaleState) -> float:
-        """The current scale ``S``."""
+        """The current scale ``S`` (a state no run of this rule reaches is refused: :meth:`_check_settings`)."""
         check_state_kind(state, DynamicLossScaleState)
+        self._check_settings(plain_state(state))
         return state.scale
 
     def update(self, state: DynamicLossScaleState, overflow: bool) -> DynamicLossScaleState:
         """One ``update_scale(overflow)``; raises :class:`MinLossScaleError` (state unchanged) at the minimum."""
         check_state_kind(state, DynamicLossScaleState)
-        scale, it, last, hyst = plain_state(state)
+        scale, it, last, hyst = self._check_settings(plain_state(state))
         if _overflow(overflow):
             if self.delayed_shift == 1 or hyst == 1:
                 if scale == self.min_scale and self.raise_error_at_min_scale:
@@ -324,6 +343,24 @@ class DynamicLossScaleRule:
                     hyst = self.delayed_shift
                 scale = scale * self.scale_factor
         return DynamicLossScaleState(scale, it + 1, last, hyst)
+
+    def _check_settings(self, state: DynamicLossScaleState, where: str = "scaler_state") -> DynamicLossScaleState:
+        """``state`` (checked by :func:`check_state`), refused (an :class:`HParamError` naming the field) where it is
+        beyond this rule's settings, on which the rule misbehaves: a ``cur_hysteresis`` above ``delayed_shift``
+        (it counts down from there: more overflows than configured before the scale backs off), a scale below
+        ``min_scale`` (the next overflow *raises* it to ``min_scale``). No run of the rule gets there; a state
+        saved under other settings does (the state does not carry them)."""
+        if state.cur_hysteresis > self.delayed_shift:
+            raise HParamError(f"{where}['cur_hysteresis'] = {state.cur_hysteresis} is invalid for delayed_shift "
+                              f"(hysteresis) = {self.delayed_shift}; expected 1 <= cur_hysteresis <= "
+                              f"{self.delayed_shift} (a state saved with a larger hysteresis: set its cur_hysteresis "
+                              "to at most this one's)")
+        if state.scale < self.min_scale:
+            raise HParamError(f"{where}['scale'] = {state.scale!r} is below min_scale = {self.min_scale!r}; "
+                              "expected a scale >= min_scale (DeepSpeed's never goes below it, and an overflow would "
+                              "raise it to min_scale; a state saved with a smaller min_scale: set its scale to at "
+                              "least this one's)")
+        return state
 
     def _window_complete(self, it: int, last: int) -> bool:
         if self.growth_rule == "legacy":

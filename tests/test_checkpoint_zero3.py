@@ -310,7 +310,7 @@ def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
     rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0)
     good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4))
     for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"), ({"cur_scale": 1.0}, "min_scale = 2.0 is above"),
-                       ({"last_overflow_iter": 9}, "last_overflow_iter 9"), ({"cur_hysteresis": 3}, "cur_hysteresis 3"),
+                       ({"last_overflow_iter": 9}, r"loss_scaler\['last_overflow_iter'\] = 9 is invalid with cur_iter = 9"), ({"cur_hysteresis": 3}, "cur_hysteresis 3"),
                        ({"cur_iter": -1}, "cur_iter"), ({"scale_window": 2.5}, "no valid 'scale_window'"),
                        ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'")):
         files = ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False,

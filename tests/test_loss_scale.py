@@ -378,3 +378,26 @@ def test_grad_scaler_refuses_a_growth_tracker_its_growth_interval_never_reaches(
             call()
     last = ls.GradScalerState(1024.0, 3)  # the highest count a run reaches: the next clean step grows the scale
     assert rule.scale(last) == 1024.0 and rule.update(last, False) == ls.GradScalerState(2048.0, 0)
+
+
+@pytest.mark.parametrize("state, match", [
+    (ls.DynamicLossScaleState(1024.0, 5, 5, 1), r"\['last_overflow_iter'\] = 5 is invalid with cur_iter = 5; expected "
+                                                r"-1 <= last_overflow_iter < cur_iter"),
+    (ls.DynamicLossScaleState(1024.0, 5, 9, 2), r"\['last_overflow_iter'\] = 9 is invalid with cur_iter = 5"),
+    (ls.DynamicLossScaleState(1024.0, 0, 0, 2), r"\['last_overflow_iter'\] = 0 is invalid with cur_iter = 0"),
+    (ls.DynamicLossScaleState(0.0, 3, -1, 2), r"\['scale'\] = 0.0 is invalid; expected a finite number > 0"),
+    (ls.DynamicLossScaleState(1024.0, 5, 2, 3), r"\['cur_hysteresis'\] = 3 is invalid for delayed_shift \(hysteresis\) "
+                                                r"= 2; expected 1 <= cur_hysteresis <= 2"),
+    (ls.DynamicLossScaleState(1.0, 5, 2, 1), r"\['scale'\] = 1.0 is below min_scale = 2.0"),
+])
+def test_deepspeed_rule_refuses_a_state_no_deepspeed_run_reaches(state, match):
+    """DeepSpeed records an overflow at the iteration it happens and then counts on (last_overflow_iter <
+    cur_iter), never lowers the scale below min_scale (> 0) and counts the hysteresis down from delayed_shift: a
+    state past these went on silently (a scale below min_scale was *raised* to it by the next overflow, a larger
+    hysteresis took more overflows than configured). scale and update refuse it, naming the field."""
+    rule = ls.deepspeed_scaler(init_scale=1024.0, hysteresis=2, min_scale=2.0)
+    for call in (lambda: rule.scale(state), lambda: rule.update(state, False), lambda: rule.update(state, True)):
+        with pytest.raises(HParamError, match=r"scaler_state" + match):
+            call()
+    edge = ls.DynamicLossScaleState(2.0, 5, 4, 1)  # at the minimum, an overflow on the last iteration: reached
+    assert rule.scale(edge) == 2.0 and rule.update(edge, False) == ls.DynamicLossScaleState(2.0, 6, 4, 1)

@@ -804,3 +804,36 @@ def test_a_backend_that_cannot_step_the_blocks_is_refused_at_construction():
     with sofx.offload.SpeculativeAdamW(groups, backend="cpu_fast", executor="inline") as opt:
         opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
         assert opt.step().blocks > 0
+
+
+_BAD_DEEPSPEED_SCALER_STATES = {  # field: (value, the error's match), under deepspeed_scaler(hysteresis=2, min_scale=2)
+    "last_overflow_iter": (lambda s: s["cur_iter"], r"\['last_overflow_iter'\] = \d+ is invalid with cur_iter = \d+"),
+    "cur_hysteresis": (lambda s: 3, r"\['cur_hysteresis'\] = 3 is invalid for delayed_shift \(hysteresis\) = 2"),
+    "scale": (lambda s: 1.0, r"\['scale'\] = 1.0 is below min_scale = 2.0"),
+    "scale 0": (lambda s: 0.0, r"\['scale'\] = 0.0 is invalid; expected a finite number > 0"),
+}
+
+
+@pytest.mark.parametrize("bad", _BAD_DEEPSPEED_SCALER_STATES)
+def test_a_deepspeed_scaler_state_no_run_reaches_is_refused_by_load_state_dict(bad):
+    """A DeepSpeed loss-scaler state whose last overflow is at or after its iteration, whose hysteresis is above
+    delayed_shift or whose scale is below min_scale (or 0) loaded silently (only the counts' least values were
+    checked); it is refused naming the field, and nothing changes."""
+    value, match = _BAD_DEEPSPEED_SCALER_STATES[bad]
+    model, _ = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                        profile="deepspeed", max_grad_norm=1.0,
+                                        loss_scale=sofx.loss_scale.deepspeed_scaler(init_scale=1024.0, hysteresis=2,
+                                                                                    min_scale=2.0))
+    with opt:
+        for k in range(2):
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(k))))
+            opt.step()
+        state = copy.deepcopy(opt.state_dict())
+        scaler_state = state["state"]["scaler_state"]
+        scaler_state[bad.split()[0]] = value(scaler_state)
+        before = (copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()])
+        with pytest.raises(SofxError, match=r"state_dict\['state'\]\['scaler_state'\].*" + match):
+            opt.load_state_dict(state)
+        assert_trees_bitwise(before, (opt.state_dict(), list(model.parameters())))
