@@ -362,6 +362,48 @@ class DynamicLossScaleRule:
                               "least this one's)")
         return state
 
+    def check_reachable(self, state: DynamicLossScaleState, where: str = "scaler_state") -> None:
+        """Refuse (an :class:`HParamError` naming ``where`` and the field) a state no run of this very rule reaches
+        from :meth:`init`: what :func:`check_state` and :meth:`scale` refuse, and a ``cur_hysteresis`` that
+        ``cur_iter`` and ``last_overflow_iter`` cannot leave (:meth:`_reachable_hysteresis`). For a rule and a
+        state from one source (a DeepSpeed checkpoint holds both); a state saved under other settings (the offload
+        optimizer's, whose rule is its constructor's) may hold another hysteresis, and :meth:`scale` takes it."""
+        check_state_kind(state, DynamicLossScaleState)
+        scale, it, last, hyst = self._check_settings(plain_state(state, where), where)
+        low, high, why = self._reachable_hysteresis(it, last)
+        if not low <= hyst <= high:
+            expected = f"cur_hysteresis = {low}" if low == high else f"{low} <= cur_hysteresis <= {high}"
+            raise HParamError(f"{where}['cur_hysteresis'] = {hyst} is invalid with cur_iter = {it}, "
+                              f"last_overflow_iter = {last}: no run of this rule reaches it ({why}); expected "
+                              f"{expected}")
+
+    def _reachable_hysteresis(self, it: int, last: int) -> tuple[int, int, str]:
+        """The least and the largest ``cur_hysteresis`` a run of this rule holds at iteration ``it`` with its last
+        overflow at ``last`` (``-1 <= last < it``), and why. It starts at ``delayed_shift`` (``D``) and only an
+        overflow lowers it, by one down to 1, so after ``last + 1`` iterations it is at least ``D - last - 1``;
+        right after an overflow it is below ``D`` (for ``D > 1``); a clean iteration restores ``D`` with
+        ``consecutive_hysteresis``, a scale growth without (the first one ``scale_window`` clean iterations after
+        the overflow, ``scale_window + 1`` with ``growth_rule="stable_interval"``)."""
+        d = self.delayed_shift
+        if last == -1:
+            return d, d, f"no overflow yet: it is still delayed_shift = {d}"
+        if d == 1:
+            return 1, 1, "delayed_shift = 1"
+        low = max(1, d - last - 1)
+        lowered = (f"an overflow lowers it below delayed_shift = {d}, by one per overflow: at least {low} with at "
+                   f"most {last + 1} overflows, in iterations 0 to {last}")
+        if last == it - 1:
+            return low, d - 1, lowered + ", and the last iteration overflowed"
+        if self.consecutive_hysteresis:
+            return d, d, "with consecutive_hysteresis the clean iteration after an overflow restores delayed_shift"
+        clean = it - 1 - last
+        first = self.scale_window + (self.growth_rule == "stable_interval")
+        if clean >= first:
+            return d, d, (f"the scale grew {first} clean iterations after the last overflow ({clean} since, "
+                          f"scale_window = {self.scale_window}), which restores delayed_shift")
+        return low, d - 1, (lowered + f"; the scale has not grown since ({clean} clean iterations, it grows after "
+                            f"{first}), which would restore delayed_shift")
+
     def _window_complete(self, it: int, last: int) -> bool:
         if self.growth_rule == "legacy":
             return (it - last) % self.scale_window == 0

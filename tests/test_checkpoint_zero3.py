@@ -308,9 +308,9 @@ def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
     opt = sofx.adamw()
     params = _params(torch.float32)
     rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0)
-    good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4))
-    for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"), ({"cur_scale": 1.0}, "min_scale = 2.0 is above"),
-                       ({"last_overflow_iter": 9}, r"loss_scaler\['last_overflow_iter'\] = 9 is invalid with cur_iter = 9"), ({"cur_hysteresis": 3}, "cur_hysteresis 3"),
+    good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4, cur_hysteresis=1))
+    for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"), ({"cur_scale": 1.0}, r"\['cur_scale'\] = 1.0 is below min_scale = 2.0"),
+                       ({"last_overflow_iter": 9}, r"loss_scaler\['last_overflow_iter'\] = 9 is invalid with cur_iter = 9"), ({"cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 is invalid"),
                        ({"cur_iter": -1}, "cur_iter"), ({"scale_window": 2.5}, "no valid 'scale_window'"),
                        ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'")):
         files = ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False,
@@ -676,3 +676,37 @@ def test_on_off_options_must_be_bools(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"load: verify = 'no' is invalid; expected a bool"):
         ck.load(path, verify="no")
     assert torch.equal(ck.load(path, verify=np.bool_(True))["x"], torch.ones(3))
+
+
+def test_a_loss_scaler_whose_hysteresis_its_overflow_history_cannot_leave_is_refused(tmp_path):
+    """DeepSpeed's hysteresis is delayed_shift until the first overflow, lower right after one (by one per overflow),
+    and back at delayed_shift after a clean iteration (consecutive_hysteresis) or a scale growth (otherwise); a file
+    whose cur_hysteresis its cur_iter and last_overflow_iter cannot leave loaded silently. It is refused as
+    corrupt, naming the field; so is a cur_scale below min_scale (named, not as an init_scale the file lacks), and
+    save_zero3 refuses to write such a (rule, state)."""
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0, hysteresis=3, scale_window=4)
+    good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=8, last_overflow_iter=5, cur_hysteresis=2))
+    for bad, match in (
+            ({"cur_iter": 9, "last_overflow_iter": -1, "cur_hysteresis": 2},
+             r"loss_scaler\['cur_hysteresis'\] = 2 is invalid with cur_iter = 9, last_overflow_iter = -1: .*no "
+             r"overflow yet.*expected cur_hysteresis = 3"),
+            ({"cur_iter": 9, "last_overflow_iter": 8, "cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 .*expected 1 "
+                                                                             r"<= cur_hysteresis <= 2"),
+            ({"cur_iter": 2, "last_overflow_iter": 0, "cur_hysteresis": 1}, r"\['cur_hysteresis'\] = 1 .*at most 1 "
+                                                                             r"overflows.*expected cur_hysteresis = 2"),
+            ({"cur_iter": 20, "last_overflow_iter": 5, "cur_hysteresis": 1}, r"\['cur_hysteresis'\] = 1 .*scale grew"),
+            ({"cur_iter": 8, "last_overflow_iter": 5, "cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 .*expected 1 "
+                                                                             r"<= cur_hysteresis <= 2"),
+            ({"consecutive_hysteresis": True}, r"\['cur_hysteresis'\] = 2 .*consecutive_hysteresis"),
+            ({"cur_scale": 1.0}, r"loss_scaler\['cur_scale'\] = 1.0 is below min_scale = 2.0")):
+        ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False, loss_scaler={**good, **bad})
+        with pytest.raises(ck.CorruptCheckpointError, match=match):
+            ck.load_zero3_loss_scaler(tmp_path)
+    ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False, loss_scaler=good)
+    assert ck.load_zero3_loss_scaler(tmp_path)[1] == (256.0, 8, 5, 2)
+    with pytest.raises(ck.CheckpointError, match=r"loss_scaler\['cur_hysteresis'\] = 3 is invalid"):
+        ck.save_zero3(tmp_path / "new", opt, params, opt.init(params), HP, deepspeed_objects=False,
+                      loss_scaler=(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=8)))
+    assert not os.path.exists(tmp_path / "new")

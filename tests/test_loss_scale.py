@@ -401,3 +401,37 @@ def test_deepspeed_rule_refuses_a_state_no_deepspeed_run_reaches(state, match):
             call()
     edge = ls.DynamicLossScaleState(2.0, 5, 4, 1)  # at the minimum, an overflow on the last iteration: reached
     assert rule.scale(edge) == 2.0 and rule.update(edge, False) == ls.DynamicLossScaleState(2.0, 6, 4, 1)
+
+
+@pytest.mark.parametrize("hysteresis, window", [(1, 2), (3, 1), (3, 3)])
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("growth_rule", ["stable_interval", "legacy"])
+def test_check_reachable_takes_exactly_the_counts_a_run_of_the_rule_reaches(hysteresis, window, consecutive,
+                                                                           growth_rule):
+    """Every (cur_iter, last_overflow_iter, cur_hysteresis) the rule reaches from init() over every sequence of up
+    to 8 overflows and clean iterations passes check_reachable; every other one up to there is refused, naming
+    cur_hysteresis or last_overflow_iter."""
+    import itertools
+
+    rule = ls.deepspeed_scaler(init_scale=2.0 ** 30, scale_window=window, hysteresis=hysteresis,
+                               consecutive_hysteresis=consecutive, growth_rule=growth_rule,
+                               raise_error_at_min_scale=False)
+    n = 8
+    reached = set()
+    for length in range(n + 1):
+        for events in itertools.product((False, True), repeat=length):
+            state = rule.init()
+            for overflow in events:
+                state = rule.update(state, overflow)
+            reached.add(tuple(state)[1:])
+    for it in range(n + 1):
+        for last in range(-1, it + 1):
+            for hyst in range(1, hysteresis + 1):
+                state = ls.DynamicLossScaleState(2.0 ** 20, it, last, hyst)
+                if (it, last, hyst) in reached:
+                    rule.check_reachable(state)
+                else:
+                    with pytest.raises(HParamError, match=r"scaler_state\['(cur_hysteresis|last_overflow_iter)'\] = "):
+                        rule.check_reachable(state)
+    with pytest.raises(HParamError, match=r"scaler_state\['scale'\] = 0.5 is below min_scale = 1.0"):
+        rule.check_reachable(ls.DynamicLossScaleState(0.5, 0, -1, hysteresis))

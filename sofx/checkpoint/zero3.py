@@ -60,7 +60,7 @@ from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import flag, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
-                             StaticScaleState, check_state, deepspeed_scaler, static_scale)
+                             StaticScaleState, deepspeed_scaler, static_scale)
 
 __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3",
            "load_zero3_loss_scaler", "partition_numel", "DEEPSPEED_STAND_INS"]
@@ -274,6 +274,10 @@ def deepspeed_loss_scaler(rule: Any, state: Any) -> dict:
     which DeepSpeed's engine resumes from; a :class:`~sofx.loss_scale.StaticScaleRule` a ``LossScaler``'s.
     torch's GradScaler rule has no DeepSpeed counterpart."""
     if isinstance(rule, DynamicLossScaleRule) and isinstance(state, DynamicLossScaleState):
+        try:  # a state no run of the rule reaches: DeepSpeed would take it, load_zero3_loss_scaler refuses it
+            rule.check_reachable(state, "loss_scaler")
+        except HParamError as exc:
+            raise CheckpointError(f"save_zero3: {exc}") from None
         return {"cur_scale": float(state.scale), "dynamic": True, "cur_iter": int(state.cur_iter),
                 "last_overflow_iter": int(state.last_overflow_iter), "scale_factor": float(rule.scale_factor),
                 "scale_window": int(rule.scale_window), "min_scale": float(rule.min_scale),
@@ -499,8 +503,10 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
     DeepSpeed's ``"stable_interval"``, or ``"legacy"``). A static ``LossScaler`` gives
     :func:`sofx.loss_scale.static_scale` of its scale (1.0: bf16/fp32 training, :func:`save_zero3`'s default).
     Reads rank 0's file (every rank stores the same scaler); ``mp_rank``, ``bf16`` as for :func:`load_zero3`.
-    A scaler no DeepSpeed run holds (a scale that is not a positive finite number, counts below their
-    least values, a minimum above the scale) raises :class:`~sofx.checkpoint.CorruptCheckpointError`."""
+    A scaler no DeepSpeed run holds (a scale that is not a positive finite number or is below the minimum,
+    counts below their least values, a last overflow at or after the current iteration, a hysteresis its
+    iteration and last overflow cannot leave: :meth:`~sofx.loss_scale.DynamicLossScaleRule.check_reachable`)
+    raises :class:`~sofx.checkpoint.CorruptCheckpointError` naming the field."""
     if growth_rule not in GROWTH_RULES:
         raise HParamError(f"growth_rule = {growth_rule!r}; expected one of {GROWTH_RULES}")
     mp_rank = integer("load_zero3_loss_scaler: mp_rank", mp_rank, 0, CheckpointError)
@@ -529,6 +535,9 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
         else:
             hysteresis = attr("delayed_shift", int)
             min_scale = float(attr("min_scale", (int, float)))
+            if scale < min_scale:  # (the rule would refuse it as an init_scale below min_scale: the file has none)
+                raise HParamError(f"loss_scaler['cur_scale'] = {scale!r} is below min_scale = {min_scale!r}; expected "
+                                  "a scale >= min_scale (DeepSpeed's never goes below it)")
             rule = deepspeed_scaler(init_scale=scale, scale_window=attr("scale_window", int), hysteresis=hysteresis,
                                     min_scale=min_scale, scale_factor=float(attr("scale_factor", (int, float))),
                                     consecutive_hysteresis=attr("consecutive_hysteresis", bool),
@@ -536,11 +545,7 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
                                     growth_rule=growth_rule)
             state = DynamicLossScaleState(scale, attr("cur_iter", int), attr("last_overflow_iter", int),
                                           attr("cur_hysteresis", int))
-            check_state(state, "loss_scaler")
-            if state.last_overflow_iter >= state.cur_iter or state.cur_hysteresis > hysteresis:
-                raise HParamError(f"last_overflow_iter {state.last_overflow_iter} / cur_hysteresis "
-                                  f"{state.cur_hysteresis}: no run reaches them with cur_iter {state.cur_iter} and "
-                                  f"delayed_shift {hysteresis}")
+            rule.check_reachable(state, "loss_scaler")
     except HParamError as exc:
         raise CorruptCheckpointError(f"{where} is not one a DeepSpeed run holds: {exc}") from None
     return rule, state
