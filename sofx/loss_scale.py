@@ -316,7 +316,7 @@ class DynamicLossScaleRule:
         return DynamicLossScaleState(self.init_scale, 0, -1, self.delayed_shift)
 
     def scale(self, state: DynamicLossScaleState) -> float:
-        """The current scale ``S`` (a state no run of this rule reaches is refused: :meth:`_check_settings`)."""
+        """The current scale ``S`` (a state beyond this rule's settings is refused: :meth:`_check_settings`)."""
         check_state_kind(state, DynamicLossScaleState)
         self._check_settings(plain_state(state))
         return state.scale
