@@ -34,6 +34,8 @@ __all__ = [
     "flatten",
     "unflatten",
     "leaf_paths",
+    "key_text",
+    "spec_text",
     "flatten_up_to",
     "broadcast_prefix",
     "tree_map",
@@ -64,6 +66,9 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
 
     >>> leaf_paths({"layers": [{"w": 0}]})
     ["params['layers'][0]['w']"]
+
+    A key is written as its ``repr``, except an int key too long for Python's decimal text (more digits than
+    ``sys.get_int_max_str_digits()``), which is written in hex (``params[0x...]``): see :func:`key_text`.
     """
     spec = spec_or_tree if _is_treespec(spec_or_tree) else optree.tree_structure(spec_or_tree)
     if isinstance(spec, optree.PyTreeSpec):  # not torch.compile's stand-in
@@ -71,7 +76,7 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
             return list(_codified_paths(spec, root))
         except TypeError:  # a custom node whose metadata cannot be hashed
             pass
-    return [acc.codify(root) for acc in spec.accessors()]
+    return [_codify(acc, root) for acc in spec.accessors()]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -81,7 +86,45 @@ def _codified_paths(spec: TreeSpec, root: str) -> tuple[str, ...]:
     checks of a small leaf."""
     if spec.is_leaf():
         return (root,)
-    return tuple(acc.codify(root) for acc in spec.accessors())
+    return tuple(_codify(acc, root) for acc in spec.accessors())
+
+
+def _codify(accessor: optree.PyTreeAccessor, root: str) -> str:
+    """``accessor.codify(root)``, except that a key written ``[repr(key)]`` is written by :func:`key_text`
+    (for an int too long for decimal text, ``repr`` raises ``ValueError``)."""
+    text = root
+    for entry in accessor:
+        if type(entry).codify is optree.GetItemEntry.codify:
+            text = f"{text}[{key_text(entry.entry)}]"
+        else:
+            text = entry.codify(text)
+    return text
+
+
+def key_text(key: Any) -> str:
+    """``repr(key)``, except for an int whose decimal text Python refuses (more digits than
+    ``sys.get_int_max_str_digits()``, 4300 by default): its hex text (``0x...``), exact at any size and still a
+    Python expression of the key."""
+    try:
+        return repr(key)
+    except ValueError:
+        if isinstance(key, int):
+            return hex(key)
+        raise
+
+
+def _keys_text(keys: Sequence[Any]) -> str:
+    """``repr(list(keys))``, with each key written by :func:`key_text`."""
+    return "[" + ", ".join(key_text(k) for k in keys) + "]"
+
+
+def spec_text(spec: TreeSpec) -> str:
+    """``str(spec)`` for error messages or, where it has a key whose text Python refuses (see
+    :func:`key_text`), a short description: the type of its root and its number of leaves."""
+    try:
+        return str(spec)
+    except ValueError:
+        return f"PyTreeSpec(a {spec.type.__name__} of {spec.num_leaves} leaves)"
 
 
 def _is_treespec(x: Any) -> bool:
@@ -100,8 +143,9 @@ def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = 
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError) as exc:
         raise StructureError(
-            f"{what} does not have the structure of {root}: expected {spec}, "
-            f"got {optree.tree_structure(tree, none_is_leaf=True)} ({_first_difference(spec, tree, what)})"
+            f"{what} does not have the structure of {root}: expected {spec_text(spec)}, "
+            f"got {spec_text(optree.tree_structure(tree, none_is_leaf=True))} "
+            f"({_first_difference(spec, tree, what)})"
         ) from exc
 
 
@@ -123,15 +167,15 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
             if sub_spec.is_leaf():
                 return None  # anything (a tensor, None, a subtree) may stand at a leaf position
             if sub is None:
-                return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {sub_spec}"
+                return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {spec_text(sub_spec)}"
             if optree.tree_is_leaf(sub, none_is_leaf=True):
-                return f"{path} is a {type(sub).__name__}, expected {sub_spec}"
+                return f"{path} is a {type(sub).__name__}, expected {spec_text(sub_spec)}"
         children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
         if type(sub) is not sub_spec.type:
             return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__}{as_full}"
         want = list(sub_spec.entries())
         if list(entries) != want:
-            return f"{path} has entries {list(entries)}, expected {want}{as_full}"
+            return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}{as_full}"
         for child_spec, child, entry in zip(sub_spec.children(), children, want):
             step = _entry_str(entry, sub)
             found = walk(child_spec, child, path + step, full + step)
@@ -145,7 +189,7 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
 def _entry_str(entry: Any, node: Any) -> str:
     if optree.is_namedtuple_instance(node):
         return f".{node._fields[entry]}" if isinstance(entry, int) else f".{entry}"
-    return f"[{entry!r}]"
+    return f"[{key_text(entry)}]"
 
 
 def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bool] | None = None,
@@ -169,7 +213,8 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
         subtrees = prefix_spec.flatten_up_to(full)
     except (ValueError, TypeError) as exc:
         where = _first_difference(spec, prefix, what, is_leaf or (lambda x: False), root)
-        raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec}): {where}") from exc
+        raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec_text(spec)}): "
+                             f"{where}") from exc
     out: list[Any] = []
     for value, sub in zip(prefix_values, subtrees):
         out.extend([value] * len(optree.tree_leaves(sub)))

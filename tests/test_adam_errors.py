@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -309,3 +311,25 @@ def test_an_unknown_backend_is_refused_at_construction():
         with pytest.raises(sofx.UnsupportedError, match=f"unknown backend {backend!r}; expected one of"):
             sofx.adamw(backend=backend)
     assert sofx.adam(backend="reference").backend == "reference"
+
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_a_dict_key_too_long_for_decimal_text_is_stepped_and_named_in_hex():
+    """An int key of more digits than Python writes in decimal (``sys.get_int_max_str_digits()``): init and
+    update work, and an error about its leaf names it by its hex path and changes nothing."""
+    huge = 10 ** 5000
+    gen = torch.Generator().manual_seed(1)
+    params = {huge: torch.randn(3, generator=gen), "b": torch.randn(2, generator=gen)}
+    grads = {huge: torch.randn(3, generator=gen), "b": torch.randn(2, generator=gen)}
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(params)
+    new_p, new_s, _ = opt.update(params, grads, state)
+    ref_p, ref_s, _ = opt.update({"a": params[huge], "b": params["b"]}, {"a": grads[huge], "b": grads["b"]},
+                                 opt.init({"a": params[huge], "b": params["b"]}))
+    assert torch.equal(new_p[huge], ref_p["a"]) and torch.equal(new_s.nu[huge], ref_s.nu["a"])
+    before = _snapshot(new_p, grads, new_s)
+    with pytest.raises(sofx.LeafError, match=rf"^grads\[{hex(huge)}\]: expected shape \(3,\), got \(4,\)"):
+        opt.update(new_p, {**grads, huge: torch.randn(4)}, new_s)
+    with pytest.raises(sofx.StructureError, match=rf"\(grads has entries \[{hex(huge)}\], expected \["):
+        opt.update(new_p, {huge: grads[huge]}, new_s)
+    _assert_unchanged(before, new_p, grads, new_s)

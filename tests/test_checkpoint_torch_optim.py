@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -243,3 +245,25 @@ def test_the_exported_moments_are_copies_and_none_in_the_hparams_prefix_means_th
     assert _equal(torch_params, sofx_params)
     back, _ = ck.from_torch_optim(opt, torch_opt.state_dict(), torch_params, hp)
     assert _equal(back, sofx_state)
+
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_a_dict_key_too_long_for_decimal_text_is_exported_imported_and_named_in_hex():
+    """A params dict key of more digits than Python writes in decimal: torch_param_groups, to_torch_optim and
+    from_torch_optim work, a group member is named by its hex path, and an error names the leaf that way."""
+    huge = 10 ** 5000
+    opt = sofx.adamw(lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    params = {huge: torch.randn(3, generator=g), "b": torch.randn(2, generator=g)}
+    grads = {huge: torch.randn(3, generator=g), "b": torch.randn(2, generator=g)}
+    params, state, _ = opt.update(params, grads, opt.init(params))
+    groups = [[f"params[{hex(huge)}]"], ["b"]]
+    assert [len(pg["params"]) for pg in ck.torch_param_groups(opt, params, groups=groups)] == [1, 1]
+    sd = ck.to_torch_optim(opt, state, groups=groups)
+    assert torch.equal(sd["state"][0]["exp_avg"], state.mu[huge])
+    assert torch.equal(sd["state"][1]["exp_avg"], state.mu["b"])
+    back, _ = ck.from_torch_optim(opt, sd, params, groups=groups)
+    assert torch.equal(back.nu[huge], state.nu[huge]) and torch.equal(back.count[huge], state.count[huge])
+    sd["state"][0]["exp_avg"] = torch.zeros(5)
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"state\[0\]\['exp_avg'\] for params\[{hex(huge)}\]"):
+        ck.from_torch_optim(opt, sd, params, groups=groups)

@@ -1,4 +1,5 @@
 import collections
+import sys
 
 import pytest
 import torch
@@ -86,3 +87,34 @@ def test_pack_unpack_roundtrip_views_share_storage():
     assert torch.equal(flat[:12], (leaves[0] + 1).reshape(-1))
     with pytest.raises(ValueError):
         tree.unpack(flat, [(3, 4)])
+
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_an_int_key_too_long_for_decimal_text_is_written_in_hex_in_leaf_paths():
+    """Python refuses the decimal text of an int of more than ``sys.get_int_max_str_digits()`` digits: such a
+    dict key is written in hex (exact, and still a Python expression that reaches the leaf); other keys'
+    paths are unchanged."""
+    huge, neg = 10 ** 5000, -(10 ** 4400)
+    t = {huge: torch.ones(1), neg: [torch.ones(2)], 7: torch.ones(3), "a": NT(torch.ones(1), None)}
+    paths = tree.leaf_paths(t)
+    assert f"params[{hex(huge)}]" in paths and f"params[{hex(neg)}][0]" in paths
+    assert "params[7]" in paths and "params['a'].a" in paths
+    for path, leaf in zip(paths, tree.flatten(t)[0]):
+        assert eval(path, {"params": t}) is leaf  # noqa: S307
+    assert tree.leaf_paths({huge: 1}, root="grads") == [f"grads[{hex(huge)}]"]
+    # the limit is the process's: a key of 1000 digits under a limit of 640
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        assert tree.leaf_paths({10 ** 999: [1], 10 ** 500: 2}) == [f"params[{10 ** 500}]",
+                                                                   f"params[{hex(10 ** 999)}][0]"]
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_a_structure_difference_under_a_huge_int_key_is_named_in_hex():
+    huge = 10 ** 5000
+    spec = tree.flatten({huge: {"w": 1, "b": 2}})[1]
+    with pytest.raises(StructureError, match=rf"\(grads\[{hex(huge)}\] has entries \['w'\], expected \['b', 'w'\]"):
+        tree.flatten_up_to(spec, {huge: {"w": 1}}, "grads")
