@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import json
 import os
 import re
 import struct
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -300,6 +302,53 @@ def test_an_int_key_beyond_the_decimal_digits_json_reads_is_refused_naming_its_d
     widest = 10 ** 4300 - 1
     back = ck.load(ck.save(path, {widest: torch.ones(1), -widest: 1}))
     assert list(back) == [widest, -widest] and back[-widest] == 1
+
+
+@contextlib.contextmanager
+def _int_max_str_digits(limit):
+    if not hasattr(sys, "set_int_max_str_digits"):  # Python before 3.10.7: no limit
+        pytest.skip("this Python has no limit on the digits of int text")
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(limit)
+    try:
+        yield
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+def test_an_int_key_follows_the_processs_limit_on_decimal_digits(tmp_path):
+    """The most decimal digits of an int dict key is the process's ``sys.get_int_max_str_digits()`` (0: no
+    limit): over it, a save is a CheckpointError naming the dict and writes nothing; a file holding a key over
+    the reading process's limit is a CheckpointError saying so (the file is not corrupt), and loads once the
+    limit allows it."""
+    path = tmp_path / "k.ckpt"
+    ck.save(path, {"previous": torch.arange(3)})
+    key = 10 ** 999  # 1000 digits
+    with _int_max_str_digits(640):
+        for save in (ck.save, lambda p, t: ck.save_async(p, t).wait()):
+            with pytest.raises(ck.CheckpointError, match=r"^tree\['a'\]: an int dict key of \d+ bits") as err:
+                save(path, {"a": {key: torch.ones(2), 1: 2}})
+            assert "640" in str(err.value) and "sys.set_int_max_str_digits" in str(err.value)
+            assert torch.equal(ck.load(path)["previous"], torch.arange(3)) and ck.stale_temporaries(path) == []
+        widest = 10 ** 640 - 1
+        back = ck.load(ck.save(tmp_path / "w.ckpt", {widest: torch.ones(1), -widest: 1}))
+        assert list(back) == [widest, -widest]
+    encoded = ck_io.snapshot({"a": {key: torch.ones(2)}})  # a save that finishes after the limit is lowered
+    with _int_max_str_digits(640):
+        with pytest.raises(ck.CheckpointError, match=r"an int dict key of more than 640 decimal digits"):
+            ck_io.write(path, encoded)
+        assert torch.equal(ck.load(path)["previous"], torch.arange(3)) and ck.stale_temporaries(path) == []
+    with _int_max_str_digits(0):
+        ck.save(path, {"a": {key: torch.ones(2), -(10 ** 5000): 2}})
+        back = ck.load(path)
+        assert torch.equal(back["a"][key], torch.ones(2)) and back["a"][-(10 ** 5000)] == 2
+    for limit, digits in ((640, 1000), (4300, 5001)):
+        with _int_max_str_digits(limit):
+            for read in (ck.load, ck.read_metadata):
+                with pytest.raises(ck.CheckpointError, match=rf"an int of {digits} decimal digits") as err:
+                    read(path)
+                assert not isinstance(err.value, ck.CorruptCheckpointError)
+                assert f"sys.get_int_max_str_digits() is {limit}" in str(err.value)
 
 
 def test_missing_file_and_directory(tmp_path):

@@ -25,6 +25,7 @@ class the caller allows: the template's own class (``like=``), a class in
 from __future__ import annotations
 
 import collections
+import functools
 import numbers
 import struct
 import sys
@@ -88,8 +89,8 @@ def encode(tree: Any, root: str = ROOT) -> EncodedTree:
     Raises :class:`CheckpointError` naming the leaf path for anything that
     cannot be stored faithfully (an arbitrary object, a sparse or meta tensor,
     a dtype safetensors has no code for, a tensor inside ``torch.func``
-    transforms, a dict key that is not a str or an int, an int key of more than
-    :data:`MAX_KEY_DIGITS` decimal digits).
+    transforms, a dict key that is not a str or an int, an int key of more
+    decimal digits than :func:`max_key_digits`).
     """
     out = EncodedTree({})
     out.structure = _encode(tree, root, out)
@@ -113,8 +114,8 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
     if isinstance(x, bool):
         return {"k": "bool", "v": x}
     if type(x) is int:
-        # beyond int64, as hexadecimal text (JSON has no limit, but Python's decimal conversion stops at 4300
-        # digits; hex is exact at any size)
+        # beyond int64, as hexadecimal text (JSON has no limit, but Python's decimal conversion stops at
+        # sys.get_int_max_str_digits(), 4300 digits by default; hex is exact at any size)
         return {"k": "int", "v": x} if -2 ** 63 <= x < 2 ** 63 else {"k": "int", "hex": hex(x)}
     if type(x) is float:
         if x != x:  # nan: float.hex drops its sign and payload; the 64 bits keep them
@@ -157,23 +158,45 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
                           "(str or int keys) and NamedTuples of these")
 
 
-# The most decimal digits of an int dict key: JSON writes a key in decimal, and Python reads (and writes) decimal
-# ints only up to this many digits by default (sys.int_info.default_max_str_digits; a leaf's int value is kept
-# exact at any size as hexadecimal instead).
-MAX_KEY_DIGITS = 4300
-_KEY_BOUND = 10 ** MAX_KEY_DIGITS
+def max_key_digits() -> int:
+    """The most decimal digits of an int dict key, 0 for no limit: JSON writes a key in decimal, and Python
+    writes and reads decimal ints only up to ``sys.get_int_max_str_digits()`` digits (4300 by default, 0: no
+    limit; a process sets it with ``sys.set_int_max_str_digits``). A leaf's int value is kept exact at any size
+    as hexadecimal instead. (Pythons before 3.10.7 have no limit.)"""
+    return getattr(sys, "get_int_max_str_digits", lambda: 0)()
+
+
+@functools.lru_cache(maxsize=8)
+def _key_bound(digits: int) -> int:
+    """``10 ** digits``: the smallest magnitude of more than ``digits`` decimal digits."""
+    return 10 ** digits
 
 
 def _check_key(key: Any, path: str) -> None:
-    """Refuse a dict key that a checkpoint cannot hold: not a str or an int, or an int of more than
-    :data:`MAX_KEY_DIGITS` decimal digits (described by its size: its decimal text is what fails)."""
+    """Refuse a dict key that a checkpoint cannot hold: not a str or an int, or an int of more decimal digits
+    than :func:`max_key_digits` (described by its size: its decimal text is what fails)."""
     if isinstance(key, bool) or type(key) not in (str, int):
         raise CheckpointError(f"{path}: dict key {key!r} of type {type(key).__name__} cannot be stored; "
                               "keys must be str or int")
-    if type(key) is int and abs(key) >= _KEY_BOUND:
-        raise CheckpointError(f"{path}: an int dict key of {key.bit_length()} bits (more than {MAX_KEY_DIGITS} "
-                              "decimal digits) cannot be stored: the structure's JSON writes keys in decimal, which "
-                              f"Python reads back only up to {MAX_KEY_DIGITS} digits")
+    limit = max_key_digits()
+    if type(key) is int and limit and abs(key) >= _key_bound(limit):
+        raise CheckpointError(f"{path}: an int dict key of {key.bit_length()} bits (more than {limit} decimal "
+                              "digits) cannot be stored: the structure's JSON writes keys in decimal, which this "
+                              f"process writes and reads only up to {limit} digits (sys.get_int_max_str_digits(); "
+                              "sys.set_int_max_str_digits() changes it)")
+
+
+def json_int(text: str) -> int:
+    """``int(text)`` for ``json.loads(..., parse_int=json_int)``, but a :class:`CheckpointError` (a dict key too
+    long for this process, not a damaged file) instead of Python's bare ``ValueError`` where ``text`` has more
+    decimal digits than :func:`max_key_digits`."""
+    limit = max_key_digits()
+    digits = len(text) - text.startswith("-")
+    if limit and digits > limit:
+        raise CheckpointError(f"the tree structure holds an int of {digits} decimal digits (an int dict key), more "
+                              f"than this process reads: sys.get_int_max_str_digits() is {limit}; "
+                              "sys.set_int_max_str_digits() raises it")
+    return int(text)
 
 
 def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:

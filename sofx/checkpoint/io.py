@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from sofx.checkpoint.atomic import atomic_write, check_destination
-from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode
+from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode, json_int, max_key_digits
 from sofx.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointVersionError,
                                     CorruptCheckpointError)
 from sofx.checkpoint.known_types import type_registry
@@ -116,8 +116,7 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
     import sofx
 
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
-                "writer": f"sofx {getattr(sofx, '__version__', '?')}",
-                "tree": json.dumps(encoded.structure, separators=(",", ":"), allow_nan=False)}
+                "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": _structure_json(encoded, path)}
 
     def _write(tmp: str) -> None:
         serialize_file(specs, tmp, metadata=metadata)
@@ -126,6 +125,19 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
         return atomic_write(path, _write)
     finally:
         del views
+
+
+def _structure_json(encoded: EncodedTree, path: str | os.PathLike) -> str:
+    """The JSON text of ``encoded``'s structure. Its int dict keys were checked against the process's limit on
+    decimal digits when it was encoded; a save that finishes later (``save_async``) may find the limit lowered
+    since: that is a CheckpointError too, not Python's bare ``ValueError``."""
+    try:
+        return json.dumps(encoded.structure, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        limit = max_key_digits()
+        raise CheckpointError(f"{os.fspath(path)}: the tree holds an int dict key of more than {limit} decimal "
+                              "digits, which this process no longer writes (sys.get_int_max_str_digits() was "
+                              "lowered after the tree was encoded)") from None
 
 
 def _open(path: str) -> Any:
@@ -160,14 +172,29 @@ def _header(f: Any, path: str) -> dict:
         raise CheckpointVersionError(f"{path} was written in {newer} checkpoint format (version {version}, by "
                                      f"{meta.get('writer', 'an unknown writer')}); this sofx reads version "
                                      f"{FORMAT_VERSION}")
+    text = meta.get("tree", "")
     try:
-        structure = json.loads(meta.get("tree", ""))
+        structure = json.loads(text)
     except ValueError as exc:
+        _check_key_digits(text, path)
         raise CorruptCheckpointError(f"{path}: the tree structure in the header is not valid JSON ({exc})") from None
     except RecursionError:  # a crafted or damaged header: "[[[[..."
         raise CorruptCheckpointError(f"{path}: the tree structure in the header is nested too deeply to "
                                      "read") from None
     return {"version": version, "writer": meta.get("writer"), "tree": structure}
+
+
+def _check_key_digits(text: str, path: str) -> None:
+    """After ``json.loads(text)`` failed: a :class:`CheckpointError` where the reason is an int (a dict key) of
+    more decimal digits than this process reads, not a damaged file. (Parsed again, rather than with
+    :func:`~sofx.checkpoint.codec.json_int` the first time: a header holds many ints, and the hook costs a
+    Python call for each.)"""
+    try:
+        json.loads(text, parse_int=json_int)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    except (ValueError, RecursionError):
+        pass
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
