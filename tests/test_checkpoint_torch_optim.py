@@ -206,6 +206,25 @@ def test_a_parameter_id_listed_twice_in_the_state_dict_is_refused():
     assert [int(c) for c in tree.flatten(state.count)[0]] == [3, 0, 3, 0]
 
 
+def test_an_unhashable_parameter_id_is_refused_naming_where_it_is_listed():
+    """A parameter id is a key of the state dict's ``state``: an unhashable one (a list) in a param group's
+    ``params`` was Python's bare TypeError; it is a CheckpointError naming its place, and nothing changes."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(adamw, params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    (g0,) = sd["param_groups"]
+    for ids, where in (([[0], 1, 2, 3], 0), ([0, 1, 2, {3: 3}], 3)):
+        bad = {**sd, "param_groups": [{**g0, "params": ids}]}
+        with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]\['params'\]\[{where}\] is "
+                                                     r"a (list|dict), not a parameter id \(ids are keys of the state "
+                                                     r"dict's 'state': they must be hashable\)"):
+            ck.from_torch_optim(adamw, bad, params)
+    state, _ = ck.from_torch_optim(adamw, sd, params)  # the state dict is untouched and still imports
+    assert [int(c) for c in tree.flatten(state.count)[0]] == [2, 0, 2, 2]
+
+
 def test_a_group_member_named_by_a_text_that_names_two_leaves_is_refused():
     """A leaf is named by its path or, under the root dict, by its key; the path won silently where a text was
     both (a key written as another leaf's path), or the first leaf where two leaves' paths read the same (keys of

@@ -175,7 +175,8 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                           f"({[paths[i] for i in g.leaves][:4]}...)")
         _check_group_flags(opt, saved, gi)
         group_hp.append(_group_hparams(saved, gi))
-        for pid, leaf in zip(saved["params"], g.leaves):
+        for j, (pid, leaf) in enumerate(zip(saved["params"], g.leaves)):
+            _check_hashable(pid, f"param_groups[{gi}]['params'][{j}]")
             _list_once(used, pid, gi)
             _import_leaf(opt, saved_state.get(pid), leaves[leaf], paths[leaf], pid, leaf, counts, mus, nus)
     extra = [k for k in saved_state if k not in used]
@@ -184,6 +185,16 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                       "that no param group lists")
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
     return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _check_hashable(pid: Any, where: str) -> None:
+    """Refuse a parameter id that cannot be a key of the state dict's ``state`` (a list, say): Python's bare
+    TypeError otherwise, where it is looked up."""
+    try:
+        hash(pid)
+    except TypeError:
+        raise CheckpointError(f"from_torch_optim: {where} is a {type(pid).__name__}, not a parameter id (ids are "
+                              "keys of the state dict's 'state': they must be hashable)") from None
 
 
 def _list_once(used: dict[Any, int], pid: Any, gi: int) -> None:
