@@ -286,3 +286,27 @@ def test_a_dict_key_too_long_for_decimal_text_is_exported_imported_and_named_in_
     sd["state"][0]["exp_avg"] = torch.zeros(5)
     with pytest.raises(ck.CheckpointMismatchError, match=rf"state\[0\]\['exp_avg'\] for params\[{hex(huge)}\]"):
         ck.from_torch_optim(opt, sd, params, groups=groups)
+
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_a_parameter_id_too_long_for_decimal_text_imports_and_is_named_in_hex():
+    """torch.optim takes any hashable parameter id: an int of more digits than Python writes in decimal imports
+    (its text named each leaf's step eagerly: Python's bare ValueError), and errors name it in hex."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2), "b": torch.randn(3)}
+    sd = ck.to_torch_optim(adamw, adamw.update(params, tree.tree_map(torch.ones_like, params),
+                                               adamw.init(params))[1])
+    huge = 10 ** 5000
+    renamed = {"state": {huge: sd["state"][0], 1: sd["state"][1]},
+               "param_groups": [{**sd["param_groups"][0], "params": [huge, 1]}]}
+    state, _ = ck.from_torch_optim(adamw, renamed, params)
+    assert torch.equal(state.mu["a"], sd["state"][0]["exp_avg"]) and int(state.count["a"]) == 1
+    extra = {**renamed, "state": {**renamed["state"], -huge: {}}}
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"state for parameter ids \[{hex(-huge)}\] that no param "):
+        ck.from_torch_optim(adamw, extra, params)
+    wrong = {**renamed, "state": {**renamed["state"], huge: {**sd["state"][0], "exp_avg": torch.zeros(5)}}}
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"state\[{hex(huge)}\]\['exp_avg'\] for params\['a'\]"):
+        ck.from_torch_optim(adamw, wrong, params)
+    twice = {**renamed, "param_groups": [{**sd["param_groups"][0], "params": [huge, huge]}]}
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"parameter id {hex(huge)} is listed twice"):
+        ck.from_torch_optim(adamw, twice, params)

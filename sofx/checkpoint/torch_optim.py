@@ -181,7 +181,8 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
             _import_leaf(opt, saved_state.get(pid), leaves[leaf], paths[leaf], pid, leaf, counts, mus, nus)
     extra = [k for k in saved_state if k not in used]
     if extra:
-        raise CheckpointMismatchError(f"from_torch_optim: the state dict has state for parameter ids {extra[:8]} "
+        ids = "[" + ", ".join(map(tree.key_text, extra[:8])) + "]"
+        raise CheckpointMismatchError(f"from_torch_optim: the state dict has state for parameter ids {ids} "
                                       "that no param group lists")
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
     return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
@@ -201,7 +202,7 @@ def _list_once(used: dict[Any, int], pid: Any, gi: int) -> None:
     """Record that ``param_groups[gi]`` lists parameter id ``pid``; refuse an id listed before (torch.optim
     lists each parameter once: an id twice would import one saved state for two leaves)."""
     if pid in used:
-        raise CheckpointMismatchError(f"from_torch_optim: parameter id {pid!r} is listed twice: in "
+        raise CheckpointMismatchError(f"from_torch_optim: parameter id {tree.key_text(pid)} is listed twice: in "
                                       f"param_groups[{used[pid]}] and param_groups[{gi}]; torch.optim lists each "
                                       "parameter once")
     used[pid] = gi
@@ -212,6 +213,7 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
     if not isinstance(p, torch.Tensor):
         raise CheckpointError(f"{path}: expected a tensor, got {type(p).__name__}")
     dtype = opt.state_dtype or p.dtype
+    where = f"state[{tree.key_text(pid)}]"  # (an int id too long for decimal text: in hex)
     if entry is None or len(entry) == 0:
         counts[leaf] = torch.zeros((), dtype=torch.int64)
         mus[leaf] = torch.zeros_like(p, dtype=dtype)
@@ -219,16 +221,16 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         return
     if not isinstance(entry, dict) or any(k not in entry for k in ("step", "exp_avg", "exp_avg_sq")):
         keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise CheckpointError(f"from_torch_optim: state[{pid!r}] ({path}) must have step, exp_avg and exp_avg_sq; "
+        raise CheckpointError(f"from_torch_optim: {where} ({path}) must have step, exp_avg and exp_avg_sq; "
                               f"has {keys}")
     if "max_exp_avg_sq" in entry:
-        raise UnsupportedError(f"from_torch_optim: state[{pid!r}] ({path}) has max_exp_avg_sq (amsgrad)")
-    counts[leaf] = torch.tensor(_as_step(entry["step"], f"state[{pid!r}] ({path})"), dtype=torch.int64)
+        raise UnsupportedError(f"from_torch_optim: {where} ({path}) has max_exp_avg_sq (amsgrad)")
+    counts[leaf] = torch.tensor(_as_step(entry["step"], f"{where} ({path})"), dtype=torch.int64)
     for name, out in (("exp_avg", mus), ("exp_avg_sq", nus)):
         t = entry[name]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise CheckpointMismatchError(f"from_torch_optim: state[{pid!r}][{name!r}] for {path}: expected shape "
+            raise CheckpointMismatchError(f"from_torch_optim: {where}[{name!r}] for {path}: expected shape "
                                           f"{tuple(p.shape)}, got {got}")
         out[leaf] = t.detach().to(device=p.device, dtype=dtype, copy=True)
 
