@@ -310,3 +310,18 @@ def test_a_parameter_id_too_long_for_decimal_text_imports_and_is_named_in_hex():
     twice = {**renamed, "param_groups": [{**sd["param_groups"][0], "params": [huge, huge]}]}
     with pytest.raises(ck.CheckpointMismatchError, match=rf"parameter id {hex(huge)} is listed twice"):
         ck.from_torch_optim(adamw, twice, params)
+
+
+def test_a_saved_step_beyond_int64_is_refused_naming_the_entry():
+    """sofx counts steps in int64: a saved step beyond it (an int, or a float such as 1e300) was Python's bare
+    ValueError from the conversion; it is a CheckpointError naming the entry and its leaf."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2)}
+    sd = ck.to_torch_optim(adamw, adamw.update(params, {"a": torch.ones(2)}, adamw.init(params))[1])
+    for step in (2 ** 63, 1e300, torch.tensor(1e30)):
+        bad = {**sd, "state": {0: {**sd["state"][0], "step": step}}}
+        with pytest.raises(ck.CheckpointError, match=r"^state\[0\] \(params\['a'\]\): step must be a non-negative "
+                                                     r"integer value below 2\*\*63, got"):
+            ck.from_torch_optim(adamw, bad, params)
+    widest = {**sd, "state": {0: {**sd["state"][0], "step": 2 ** 63 - 1}}}
+    assert int(ck.from_torch_optim(adamw, widest, params)[0].count["a"]) == 2 ** 63 - 1

@@ -105,9 +105,11 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
 
 
 def _as_step(x: Any, where: str) -> int:
+    """A saved step as sofx counts it: an integer value in ``[0, 2**63)`` (an int64 count)."""
     v = as_number(x) if isinstance(x, torch.Tensor) else x
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or int(v) != v:
-        raise CheckpointError(f"{where}: step must be a non-negative integer value, got {x!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not 0 <= v < 2 ** 63 or int(v) != v:
+        raise CheckpointError(f"{where}: step must be a non-negative integer value below 2**63, got "
+                              f"{tree.key_text(x)}")
     return int(v)
 
 
