@@ -325,3 +325,16 @@ def test_a_saved_step_beyond_int64_is_refused_naming_the_entry():
             ck.from_torch_optim(adamw, bad, params)
     widest = {**sd, "state": {0: {**sd["state"][0], "step": 2 ** 63 - 1}}}
     assert int(ck.from_torch_optim(adamw, widest, params)[0].count["a"]) == 2 ** 63 - 1
+
+
+def test_a_state_entry_missing_moments_is_refused_whatever_its_key_types():
+    """An entry without step, exp_avg or exp_avg_sq is refused listing its keys; keys of mixed types (an int
+    beside a str) could not be sorted: Python's bare TypeError."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2)}
+    sd = ck.to_torch_optim(adamw, adamw.update(params, {"a": torch.ones(2)}, adamw.init(params))[1])
+    for entry, keys in (({"step": 1, "exp_avg": torch.zeros(2)}, r"\['exp_avg', 'step'\]"),
+                        ({"step": 1, 0: torch.zeros(2), "exp_avg": torch.zeros(2)}, r"\['exp_avg', 'step', 0\]")):
+        with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: state\[0\] \(params\['a'\]\) must have "
+                                                     r"step, exp_avg and exp_avg_sq; has " + keys):
+            ck.from_torch_optim(adamw, {**sd, "state": {0: entry}}, params)

@@ -222,7 +222,9 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         nus[leaf] = torch.zeros_like(p, dtype=dtype)
         return
     if not isinstance(entry, dict) or any(k not in entry for k in ("step", "exp_avg", "exp_avg_sq")):
-        keys = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        # keys sorted by their text: keys of mixed types (an int beside a str) do not sort themselves
+        keys = "[" + ", ".join(sorted(map(tree.key_text, entry))) + "]" if isinstance(entry, dict) \
+            else type(entry).__name__
         raise CheckpointError(f"from_torch_optim: {where} ({path}) must have step, exp_avg and exp_avg_sq; "
                               f"has {keys}")
     if "max_exp_avg_sq" in entry:
