@@ -338,3 +338,19 @@ def test_a_state_entry_missing_moments_is_refused_whatever_its_key_types():
         with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: state\[0\] \(params\['a'\]\) must have "
                                                      r"step, exp_avg and exp_avg_sq; has " + keys):
             ck.from_torch_optim(adamw, {**sd, "state": {0: entry}}, params)
+
+
+def test_a_state_entry_that_is_not_a_dict_is_refused_even_when_empty():
+    """A parameter's state is a dict (torch.optim keeps ``defaultdict(dict)``); no state is an empty dict or
+    none. An int entry raised a bare TypeError (``len`` of it), and an empty list or tensor was read as no
+    state."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2)}
+    sd = ck.to_torch_optim(adamw, adamw.update(params, {"a": torch.ones(2)}, adamw.init(params))[1])
+    for entry, kind in ((5, "int"), ([], "list"), (torch.zeros(0), "Tensor")):
+        with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: state\[0\] \(params\['a'\]\) must have "
+                                                     rf"step, exp_avg and exp_avg_sq; has {kind}$"):
+            ck.from_torch_optim(adamw, {**sd, "state": {0: entry}}, params)
+    for empty in ({}, None):
+        state, _ = ck.from_torch_optim(adamw, {**sd, "state": {0: empty}}, params)
+        assert int(state.count["a"]) == 0 and not state.mu["a"].any()

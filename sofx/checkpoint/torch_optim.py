@@ -216,7 +216,7 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         raise CheckpointError(f"{path}: expected a tensor, got {type(p).__name__}")
     dtype = opt.state_dtype or p.dtype
     where = f"state[{tree.key_text(pid)}]"  # (an int id too long for decimal text: in hex)
-    if entry is None or len(entry) == 0:
+    if entry is None or (isinstance(entry, dict) and not entry):  # no state: torch.optim's defaultdict(dict)
         counts[leaf] = torch.zeros((), dtype=torch.int64)
         mus[leaf] = torch.zeros_like(p, dtype=dtype)
         nus[leaf] = torch.zeros_like(p, dtype=dtype)
