@@ -509,11 +509,14 @@ class Adam:
             candidates = self._checked_in_step(leaves, kernels, copies, grad_scale)
             leaves, copies = list(leaves), list(copies)
             for k, chk in enumerate(candidates):  # a dense layout that is not contiguous: redone as its memory
-                flat = memory_order_leaves.flat_record(recs[k], leaves[k].p) \
-                    if chk and not leaves[k].p.is_contiguous() else False
-                if flat is not False:
-                    shapes[k], recs[k] = leaves[k], flat
-                    leaves[k], copies[k] = memory_order_leaves.flat_leaf(leaves[k], copies[k])
+                if not chk or leaves[k].p.is_contiguous():
+                    continue
+                flat = memory_order_leaves.flat_record(recs[k], leaves[k].p)
+                if flat is False:  # a record of another layout: not checked in the kernel (its chunks are of p's)
+                    candidates[k] = False
+                    continue
+                shapes[k], recs[k] = leaves[k], flat
+                leaves[k], copies[k] = memory_order_leaves.flat_leaf(leaves[k], copies[k])
             assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
                        for leaf, rec, k, c in zip(leaves, recs, known, candidates)]
             # (a known gradient too: the kernel also tests the redo against the undone moments)

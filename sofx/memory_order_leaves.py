@@ -37,7 +37,8 @@ def flat_leaf(leaf: Any, copy: torch.Tensor | None) -> tuple[Any, torch.Tensor |
 def flat_record(rec: LeafUndo | None, like: torch.Tensor) -> LeafUndo | None | bool:
     """A record of a leaf of ``like``'s layout whose tensors are the 1-d views of theirs (a
     ``"chunk_snapshot"``'s kept chunks are packed already); None for None; False where its gradient or a whole
-    snapshot has another layout (the leaf is then not stepped as its memory)."""
+    snapshot has another layout (the leaf is then not stepped as its memory, nor checked in its kernel: its
+    chunk flags would index its logical order)."""
     if rec is None:
         return None
     whole = [] if rec.strategy == "chunk_snapshot" else [rec.p_old, rec.m_old, rec.v_old]

@@ -377,3 +377,49 @@ def test_a_checked_step_of_a_dense_layout_beyond_the_snapshot_limit_is_taken_bac
     undone, _ = opt.undo(new, new_state, rec, param_copies={"w": other})
     assert torch.equal(other, undone["w"].to(torch.bfloat16))
     assert torch.equal(in_memory_order(undone["w"])[:1024], in_memory_order(params["w"])[:1024])  # g[3, 100]'s
+
+
+@native
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast"])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("inf", [False, True], ids=["finite", "inf"])
+def test_an_undo_redo_of_a_dense_leaf_whose_record_has_another_layout_is_undo_then_update(backend, donate, inf):
+    """A transposed leaf (``p, m, v`` and the new gradient of one dense layout) whose record's gradient is
+    contiguous (the undone step's, another layout) is not checked in its kernel as its memory (the record's
+    order is not the leaf's): its undo+redo is checked before, as undo then update, bit for bit (a new
+    gradient with an inf too), not refused by the kernel or the chunk finishing."""
+    check_undo_redo_of_a_record_of_another_layout(backend, donate, inf)
+
+
+def check_undo_redo_of_a_record_of_another_layout(backend: str, donate: bool, inf: bool) -> None:
+    """:func:`test_an_undo_redo_of_a_dense_leaf_whose_record_has_another_layout_is_undo_then_update` on one
+    backend (the Triton one: test_kernels_triton.py)."""
+    gen = torch.Generator().manual_seed(13)
+    make = CHECKED["transposed"]
+    opt = sofx.adamw(lr=1e-2, betas=(0.9, 0.95), backend=backend)
+    params = {"w": make(gen, torch.float32)}
+    state = opt.init(params)
+    for _ in range(30):
+        params, state, _ = opt.update(params, {"w": make(gen, torch.float32)}, state, undoable=False)
+    g = make(gen, torch.float32).contiguous()  # the undone step's gradient: contiguous
+    keep = sofx.tree.tree_map(torch.clone, (params, state))
+
+    def stepped():  # the step to undo, donated: its results in the leaf's layout; its record, unused
+        p0, s0 = sofx.tree.tree_map(torch.clone, keep)
+        new, new_state, rec = opt.update(p0, {"w": g}, s0, donate=True)
+        return (new, new_state), rec
+
+    g2 = 0.5 * make(gen, torch.float32)  # the redo's: of the leaf's layout
+    if inf:
+        g2[3, 100] = float("inf")
+    (undone, undone_state), rec = stepped()
+    undone, undone_state = opt.undo(undone, undone_state, rec)
+    want, want_state, want_rec = opt.update(undone, {"w": g2}, undone_state)
+    (new, new_state), rec = stepped()
+    assert same_layout(new["w"], params["w"]) and same_layout(new_state.mu["w"], params["w"])
+    assert rec.leaves[0].grad.is_contiguous() and not new["w"].is_contiguous()
+    got, got_state, got_rec = opt.undo_redo(new, new_state, rec, {"w": g2}, donate=donate)
+    assert got_rec.strategies() == want_rec.strategies()
+    for a, b in ((got["w"], want["w"]), (got_state.mu["w"], want_state.mu["w"]),
+                 (got_state.nu["w"], want_state.nu["w"])):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -616,6 +616,13 @@ else:
         from test_dense_layouts import check_checked_step_of_a_dense_layout
         check_checked_step_of_a_dense_layout("transposed", "triton", torch.float32, donate, monkeypatch)
 
+    @pytest.mark.parametrize("donate", [False, True])
+    def test_an_undo_redo_of_a_dense_leaf_whose_record_has_another_layout_in_triton(donate):
+        """test_dense_layouts.py's undo+redo of a transposed leaf whose record's gradient is contiguous, on the
+        Triton backend: checked before the step (not in the kernel as its memory), undo then update's bits."""
+        from test_dense_layouts import check_undo_redo_of_a_record_of_another_layout
+        check_undo_redo_of_a_record_of_another_layout("triton", donate, True)
+
     def test_a_first_step_from_init_keeps_no_snapshot_in_triton(rng):
         """A leaf's first step from init (every v 0, undone by zeroing the moments): the checked step flags
         nothing, the record keeps nothing and its undo gives the init state back."""
