@@ -468,7 +468,11 @@ class Adam:
 
         Leaves whose step was algebraically undoable and whose redone step
         needs no snapshot go through the backend's fused ``undo_redo`` kernel
-        (one pass over memory); the others are undone and stepped separately.
+        (one pass over memory), as do those whose record and redo both keep
+        only the old parameter (``"param_snapshot"``: bf16/fp16 masters,
+        ``lr * weight_decay`` near 1; the redo's record keeps the undone
+        record's, the parameter it starts from); the others are undone and
+        stepped separately.
         A leaf's first step from zero moments is fused where its inverse gives
         them back exactly (float32 moments without L2 decay:
         :func:`sofx.kernels.base.zeros_come_back`), else undone to exact zeros,
@@ -573,9 +577,7 @@ class Adam:
                                                             plan[0], rec.p_old, out, copy, flags.views[k])))
             if fused:
                 new_c[k] = rec.count_before + 1
-                # (the redo of a first step from zero moments is one too: its undo zeroes them, as update's)
-                records[k] = LeafUndo("algebraic", leaf.g, plan[0], rec.count_before,
-                                      moments_were_zero=rec.moments_were_zero) if undoable else \
+                records[k] = _fused_record(leaf, rec, plan, record.donated) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
                 continue
             if rec is not None and rec.strategy == "snapshot" and plan is not None:
@@ -620,8 +622,8 @@ class Adam:
         for k in flags.flagged():  # a chunk of the new step is not finite or too lossy to invert
             leaf = leaves[k]
             records[k] = skipped_chunks.finish_undo_redo(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
-                                                         (new_p[k], new_m[k], new_v[k]), donate,
-                                                         records[k].count_before, recs[k], finishing)
+                                                         records[k], (new_p[k], new_m[k], new_v[k]), donate,
+                                                         recs[k], finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
         for k, leaf in shapes.items():
             (new_p[k], new_m[k], new_v[k]), records[k] = memory_order_leaves.shaped_back(
@@ -1231,9 +1233,30 @@ def _chunks_fusable(leaf: _Leaf, rec: LeafUndo | None, plan: tuple[AdamScalars, 
 def _fusable(leaf: _Leaf, rec: LeafUndo | None, plan: tuple[AdamScalars, str, str] | None, decoupled: bool) -> bool:
     """Whether an undo_redo runs a leaf's undo and redo as one kernel call: the step to undo was inverted
     algebraically (the first from zero moments only where :func:`_fused_from_zeros`) and the new one needs no
-    snapshot (undone algebraically, or not to be undone at all: ``undoable=False``)."""
+    snapshot (undone algebraically, or not to be undone at all: ``undoable=False``) or keeps only the parameter
+    it starts from where the undone record kept it whole (``"param_snapshot"`` to ``"param_snapshot"``:
+    low-precision masters, ``lr * weight_decay`` near 1): the undone parameter is that tensor exactly, which the
+    new record keeps (:func:`_fused_record`). (An algebraic record's undone parameter exists only inside the
+    fused kernel, which does not store it: that redo is undone, then stepped.)"""
     return (rec is not None and plan is not None and rec.strategy in _INVERTED
-            and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE) and _fused_from_zeros(leaf, rec, plan, decoupled))
+            and (plan[1] == "algebraic" or plan[2] == _NOT_UNDOABLE
+                 or (plan[1] == "param_snapshot" and rec.strategy == "param_snapshot"))
+            and _fused_from_zeros(leaf, rec, plan, decoupled))
+
+
+def _fused_record(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str], donated: bool) -> LeafUndo:
+    """The record of the redo of a leaf that :func:`_fusable` runs fused (``rec``: the undone step's record, a
+    leaf of a record of a call with donation where ``donated``), undoable: algebraic, or a ``"param_snapshot"``
+    keeping the undone parameter, ``rec``'s old parameter: shared where ``rec`` owns it (a donated call's record
+    keeps its own copies), copied where it is its caller's tensor (a record of a call without donation keeps
+    the caller's own, which the caller may reuse once ``rec`` is used: see :meth:`Adam.undo_redo`). The redo of a
+    first step from zero moments is one too: its undo zeroes them, as update's. A checked call whose kernel
+    flags chunks finishes it (:func:`skipped_chunks.finish_undo_redo`)."""
+    p_old = None
+    if plan[1] == "param_snapshot":
+        p_old = rec.p_old if donated else rec.p_old.clone()
+    return LeafUndo(plan[1], leaf.g, plan[0], rec.count_before, p_old, reason=plan[2],
+                    moments_were_zero=rec.moments_were_zero)
 
 
 def _fused_from_zeros(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str], decoupled: bool) -> bool:

@@ -102,13 +102,14 @@ def _kept_whole(strategy: str, flagged: int, chunks: int) -> bool:
     return strategy == "param_snapshot" or flagged == chunks
 
 
-def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, results: Triple,
-                     donate: bool, count_before: torch.Tensor, undone_rec: LeafUndo | None = None,
+def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, rec: LeafUndo,
+                     results: Triple, donate: bool, undone_rec: LeafUndo | None = None,
                      pending: Pending | None = None) -> LeafUndo:
     """Finish ``undo_redo``'s checked call of one leaf (the new gradient not finite, or the redo too lossy
-    to invert, in the skipped chunks; ``inputs``: its ``p', m', v'`` before the call; ``undone_rec``: the
-    record it undid) and return the record of the redone step, a ``"chunk_snapshot"`` of the skipped
-    chunks' undone values (a whole ``"snapshot"`` where every chunk was skipped). ``pending``: as
+    to invert, in the skipped chunks; ``inputs``: its ``p', m', v'`` before the call; ``rec``: the record made
+    for the redo; ``undone_rec``: the record it undid) and return the record of the redone step, a
+    ``"chunk_snapshot"`` of the skipped chunks' undone values (a whole ``"snapshot"`` where every chunk was
+    skipped, or where ``rec`` keeps the old parameter whole, as :func:`finish_step`'s). ``pending``: as
     :func:`finish_step`'s.
 
     The skipped chunks still hold the old step's values (in place under donation, else the inputs are
@@ -132,14 +133,42 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
                                    (cur[0], cur[1], cur[2]))], variant)
         if kept:
             _overlay(cur, chunks, (undone_rec.p_old, undone_rec.m_old, undone_rec.v_old), undone_rec.chunks, n)
+    every = chunks.numel() == call.skip.numel()
+    whole = _undone_whole(kernel, variant, inputs, call, rec, results, donate, chunks, cur) \
+        if not every and _kept_whole(rec.strategy, chunks.numel(), call.skip.numel()) else None
     step = StepCall(cur[0], call.g_new, cur[1], cur[2], call.s_new, tuple(results), call.p_copy)
     _run_or_leave(variant, kernel, ChunkedCall(step, chunks, packed=True), pending)
-    if chunks.numel() == call.skip.numel():  # every chunk: a whole snapshot
-        return LeafUndo("snapshot", call.g_new, call.s_new, count_before,
+    if every:  # a whole snapshot
+        return LeafUndo("snapshot", call.g_new, call.s_new, rec.count_before,
                         *(k.view(r.shape) for k, r in zip(cur, results)), CHECKED_CHUNKS_REASON)
+    if whole is not None:
+        return LeafUndo("snapshot", call.g_new, call.s_new, rec.count_before, *whole, CHECKED_CHUNKS_REASON)
     # (the redo of a first step from zero moments is one too, as the record of update's step from them)
-    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, count_before, *cur, CHECKED_CHUNKS_REASON,
-                    undone_rec is not None and undone_rec.moments_were_zero, chunks)
+    return LeafUndo("chunk_snapshot", call.g_new, call.s_new, rec.count_before, *cur, CHECKED_CHUNKS_REASON,
+                    rec.moments_were_zero, chunks)
+
+
+def _undone_whole(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, rec: LeafUndo,
+                  results: Triple, donate: bool, chunks: torch.Tensor, cur: Sequence[torch.Tensor]) -> Triple:
+    """The undone ``p, m, v`` of a leaf whose checked undo+redo flagged ``chunks`` (not all) and whose redo's
+    record ``rec`` keeps the old parameter whole (``"param_snapshot"``, of the undone one: ``call.p_old``), for
+    its whole snapshot (:func:`finish_undo_redo`), new tensors, the values :func:`finish_step` keeps for update's
+    step from the undone state: without donation the undone step's inverse of the untouched inputs (the undo's
+    own bits); with donation (the kernel wrote the redo in place outside ``chunks``) the redo's inverse of
+    ``results`` there and ``cur`` (the undone values of ``chunks``, packed) in ``chunks``, exact zero moments for
+    a first step from them."""
+    if donate:
+        old = kernel.undo_many([UndoCall(results[0], call.g_new, results[1], results[2], call.s_new, rec.p_old)],
+                               variant)[0]
+        for o, c in zip(old, cur):
+            put_chunks(o, chunks, c)
+    else:
+        old = kernel.undo_many([UndoCall(inputs[0], call.g_old, inputs[1], inputs[2], call.s_old, call.p_old)],
+                               variant)[0]
+    if rec.moments_were_zero:
+        old[1].zero_()
+        old[2].zero_()
+    return old
 
 
 def _overlay(dst: Sequence[torch.Tensor], dst_chunks: torch.Tensor, src: Sequence[torch.Tensor],

@@ -423,3 +423,43 @@ def check_undo_redo_of_a_record_of_another_layout(backend: str, donate: bool, in
     for a, b in ((got["w"], want["w"]), (got_state.mu["w"], want_state.mu["w"]),
                  (got_state.nu["w"], want_state.nu["w"])):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("layout", sorted(CHECKED))
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("inf", [False, True], ids=["clean", "inf"])
+def test_the_fused_redo_of_a_bf16_leaf_of_a_dense_layout_equals_undo_then_update(layout, backend, donate, inf):
+    """undo_redo of a bfloat16 master of one dense, not contiguous layout (fp32 moments; its records keep the
+    old parameter whole) runs fused, over its memory on the checked backends (an inf in the new gradient
+    flagged there: a whole snapshot): the bits of undo then update -- results, record, and its undo -- in the
+    leaf's layout, the record's old parameter too."""
+    from helpers import assert_trees_bitwise
+    from test_adam_undo import _assert_records_bitwise, _bits_tree, _kernel_calls
+
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(13)
+    make = CHECKED[layout]
+    opt = sofx.adam(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32, backend=backend)
+    params = {"w": make(gen, torch.bfloat16)}
+    state = sofx.AdamState({"w": torch.tensor(4)}, {"w": make(gen, torch.float32) * 0.1},
+                           {"w": make(gen, torch.float32).square() + 1})
+    grads = [{"w": make(gen, torch.bfloat16) * 0.01} for _ in range(2)]
+    if inf:
+        in_memory_order(grads[1]["w"])[5] = float("inf")
+
+    def stepped():
+        return opt.update(*sofx.tree.tree_map(torch.clone, (params, grads[0], state)), donate=donate)
+
+    with _kernel_calls(backend) as calls:
+        got = opt.undo_redo(*stepped(), grads[1], grad_scale=0.3, donate=donate)
+    assert calls["undo_redo_many"] == (0 if inf and backend == "reference" else 1), calls
+    assert got[2].strategies() == ["snapshot" if inf else "param_snapshot"]
+    assert same_layout(got[0]["w"], params["w"]) and same_layout(got[2].leaves[0].p_old, params["w"])
+    got_results = sofx.tree.tree_map(torch.clone, got[:2])
+    undone = opt.undo(*stepped(), donate=donate)
+    want = opt.update(*undone[:1], grads[1], undone[1], grad_scale=0.3, donate=donate)
+    assert_trees_bitwise(_bits_tree(got_results), _bits_tree(want[:2]))
+    _assert_records_bitwise(got[2], want[2])
+    assert_trees_bitwise(_bits_tree(opt.undo(*got, donate=donate)), _bits_tree(opt.undo(*want, donate=donate)))
