@@ -337,7 +337,8 @@ class Adam:
         (``undo="auto"``, not checked in its kernel: ``in_step``) where
         :func:`~sofx.kernels.base.lossy_elements` finds an element (the pass before the step; on a GPU one
         read back per device). ``old``: the records of an undo+redo's undone steps, whose redo (``leaves``:
-        the state before the undo) is tested against the undone second moment."""
+        the state before the undo; fused, :func:`_fusable`) is tested against the undone second moment, but for
+        a redo from zero moments that the pass provably finds nothing in (:func:`_fused_from_exact_zeros`)."""
         if self.undo_mode != "auto":
             return plans
         out = list(plans)
@@ -351,6 +352,8 @@ class Adam:
                 continue
             if rec is None and _is_fresh(leaf, plan[0]):
                 continue  # from zero moments: undone to exact zeros
+            if rec is not None and _fused_from_exact_zeros(leaf, rec, plan, self.variant.decoupled):
+                continue  # (as above: the fused undo gives the exact zeros)
             if rec is not None:
                 p = rec.p_old if rec.p_old is not None else leaf.p
                 bad = any_lossy(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars,
@@ -1268,6 +1271,23 @@ def _fused_from_zeros(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, 
     float32 and lower-precision parameters; no L2 decay). Elsewhere (L2 decay, bfloat16 moments) the inverse
     leaves a rounding there that a redo with a much smaller gradient (a clip) would magnify."""
     return not rec.moments_were_zero or zeros_come_back(leaf.p, leaf.m, leaf.v, plan[0], decoupled, rec.scalars)
+
+
+def _fused_from_exact_zeros(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str], decoupled: bool) -> bool:
+    """Whether the lossiness test of the fused redo (:func:`_fusable`) of ``rec``'s step finds nothing for sure, so
+    that :meth:`Adam._snapshot_lossy` leaves it out, as update leaves out a step from zero moments (which undo then
+    update, the definition, takes here): ``rec``'s step was a leaf's first from zero moments, fused where its
+    inverse gives them back exactly (:func:`_fused_from_zeros`), so the undone ``m`` and ``v`` are exactly 0, and
+    :func:`~sofx.kernels.base.lossy_elements` flags such an element only where ``gh^2 * lossy_factor`` (at most
+    1/3: betas of at least ``ALGEBRAIC_MIN_BETA``, or the plan would keep a snapshot) is not finite, or ``m'``
+    (``(1 - b1)`` times the undone step's effective gradient) sums to a non-finite value. Neither happens where
+    ``|gh| <= GRADIENT_LIMIT``: the new gradient read at its ``grad_scale`` (or the caller's ``grads_finite``
+    word), or the undone step's own (read then: within the limit at that ``grad_scale``; not again, see
+    :meth:`Adam.undo_redo`) at a ``grad_scale`` no larger (a late clip; a loss scale grown). The same gradient at a
+    larger one is tested (it may be beyond the limit now)."""
+    if not (rec.moments_were_zero and zeros_come_back(leaf.p, leaf.m, leaf.v, plan[0], decoupled, rec.scalars)):
+        return False
+    return leaf.g is not rec.grad or abs(plan[0].grad_scale) <= abs(rec.scalars.grad_scale)
 
 
 class _ChunkFlags(NamedTuple):

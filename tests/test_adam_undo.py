@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -1043,3 +1044,73 @@ def test_a_fused_redo_keeping_the_parameter_shares_it_only_where_the_used_record
     p3, s3 = opt.undo(p2, s2, rec2, donate=donate)
     assert torch.equal(p3["w"], before[0]["w"]) and torch.equal(s3.count["w"], before[1].count["w"])
     torch.testing.assert_close((s3.mu, s3.nu), (before[1].mu, before[1].nu), rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ the lossiness test of a first step's fused redo
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_the_fused_redo_of_a_first_step_takes_no_lossiness_pass(p_dtype, donate, monkeypatch):
+    """The undo_redo of a leaf's first step from init that the reference backend (no check in its kernel) runs
+    fused (float32 moments, no L2 decay: its undo gives the zeros back exactly) tests its redo for lossiness no
+    more than undo then update does (a step from zero moments is not tested): no any_lossy pass where the new
+    gradient was read at its grad_scale, or is the undone step's own at a grad_scale no larger (a late clip,
+    a loss scale grown); the same gradient at a larger grad_scale is still tested (it may be beyond the gradient
+    limit now, unread). The results and the record are undo then update's."""
+    gen = torch.Generator().manual_seed(41)
+    params = {"w": torch.randn(3000, generator=gen).to(p_dtype), "b": torch.randn(5, generator=gen).to(p_dtype)}
+    grads = {k: torch.randn(x.shape, generator=gen).to(p_dtype) for k, x in params.items()}
+    new = {k: (1e3 * torch.randn(x.shape, generator=gen)).to(p_dtype) for k, x in params.items()}
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32, backend="reference")
+    passes = []
+    module = importlib.import_module("sofx.adam")  # (sofx.adam is the function)
+    real = module.any_lossy
+    monkeypatch.setattr(module, "any_lossy", lambda *a, **k: passes.append(a[0].shape) or real(*a, **k))
+
+    def first():
+        return opt.update(clone_tree(params), grads, opt.init(params), grad_scale=0.5, donate=donate)
+
+    for redo, scale, tested in ((new, 1e-3, False), (grads, 0.5, False), (grads, 1e-4, False), (grads, 2.0, True)):
+        stepped = first()
+        passes.clear()
+        with _kernel_calls("reference") as calls:
+            got = opt.undo_redo(*stepped, redo, grad_scale=scale, donate=donate)
+        assert calls == {"undo_redo_many": 1, "undo_many": 0, "step_many": 0}, calls
+        assert len(passes) == (2 if tested else 0), (scale, passes)
+        got_results = clone_tree(got[:2])
+        undone = opt.undo(*first(), donate=donate)
+        want = opt.update(*undone[:1], redo, undone[1], grad_scale=scale, donate=donate)
+        assert_trees_bitwise(_bits_tree(got_results), _bits_tree(want[:2]))
+        _assert_records_bitwise(got[2], want[2])
+        assert all(leaf.moments_were_zero for leaf in got[2].leaves)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@settings(max_examples=60, deadline=None)
+@given(c=first_steps(), p_dtype=st.sampled_from([torch.float32, torch.bfloat16]), top=st.floats(-30.0, 0.0))
+def test_the_lossiness_test_finds_nothing_in_the_fused_redo_of_a_first_step(backend, c, p_dtype, top):
+    """What the pass that undo_redo leaves out (above) would find in the fused redo of a first step from init
+    (float32 moments, no L2 decay): nothing, for any new gradient whose scaled magnitude is within the gradient
+    limit (largest 10^top of it: as a gradient read at its grad_scale is) and for the undone step's own at a
+    grad_scale no larger: the undone moments are exact zeros (the step's own rounding subtracted), where every
+    element with a finite effective gradient's square passes (lossy_elements' redo form)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    from sofx.kernels.base import GRADIENT_LIMIT, any_lossy
+
+    kernels = sofx.kernels.load_backend(backend)
+    gen = torch.Generator().manual_seed(c["seed"])
+    n = c["n"]
+    p = torch.randn(n, generator=gen).to(p_dtype)
+    g_old = torch.randn(n, generator=gen).to(p_dtype)
+    variant = AdamVariant(decoupled=c["decoupled"], bias_correction=c["bias_correction"])
+    hp = c["hp"]
+    s_old = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, 1, c["grad_scale"])
+    zeros = torch.zeros(n)
+    p1, m1, v1 = kernels.step(p, g_old, zeros, zeros.clone(), s_old, variant)
+    p_before = p if p_dtype != torch.float32 else p1  # (the undone record keeps it, or the stepped one)
+    g_new = torch.randn(n, generator=gen, dtype=torch.float64)
+    g_new = (g_new / g_new.abs().max() * GRADIENT_LIMIT * 10 ** top / c["clip"]).to(p_dtype)
+    s_new = s_old._replace(grad_scale=c["clip"])
+    assert not bool(any_lossy(p_before, g_new, v1, s_new, c["decoupled"], g_old, s_old, m=m1))
+    s_same = s_old._replace(grad_scale=c["grad_scale"] * min(c["clip"], 1.0))
+    assert not bool(any_lossy(p_before, g_old, v1, s_same, c["decoupled"], g_old, s_old, m=m1))
