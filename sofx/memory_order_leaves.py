@@ -16,7 +16,7 @@ bit; only the chunks that a spike or an inf flags differ (those of the memory or
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 

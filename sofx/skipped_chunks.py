@@ -63,14 +63,9 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         _run_or_leave(variant, kernel, ChunkedCall(step, chunks, kept=kept), pending)
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
                         rec.moments_were_zero, chunks)
-    if donate:
-        old = kernel.undo_many([UndoCall(results[0], call.g, results[1], results[2], rec.scalars, rec.p_old)],
-                               variant)[0]
-        for o, r in zip(old, results):  # the skipped chunks: not stepped, their old values still there
-            put_chunks(o, chunks, gather_chunks(r, chunks))
-        if rec.moments_were_zero:
-            old[1].zero_()
-            old[2].zero_()
+    if donate:  # (the skipped chunks: not stepped, their old values still there)
+        old = _inverted_around(kernel, variant, results, call.g, rec.scalars, rec.p_old, chunks,
+                               [gather_chunks(r, chunks) for r in results], rec.moments_were_zero)
         source = results
     else:
         old = source = inputs
@@ -158,14 +153,30 @@ def _undone_whole(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoR
     ``results`` there and ``cur`` (the undone values of ``chunks``, packed) in ``chunks``, exact zero moments for
     a first step from them."""
     if donate:
-        old = kernel.undo_many([UndoCall(results[0], call.g_new, results[1], results[2], call.s_new, rec.p_old)],
-                               variant)[0]
-        for o, c in zip(old, cur):
-            put_chunks(o, chunks, c)
-    else:
-        old = kernel.undo_many([UndoCall(inputs[0], call.g_old, inputs[1], inputs[2], call.s_old, call.p_old)],
-                               variant)[0]
-    if rec.moments_were_zero:
+        return _inverted_around(kernel, variant, results, call.g_new, call.s_new, rec.p_old, chunks, cur,
+                                rec.moments_were_zero)
+    old = kernel.undo_many([UndoCall(inputs[0], call.g_old, inputs[1], inputs[2], call.s_old, call.p_old)],
+                           variant)[0]
+    return _zeroed_if_fresh(old, rec.moments_were_zero)
+
+
+def _inverted_around(kernel: Any, variant: AdamVariant, results: Triple, g: torch.Tensor, s: Any,
+                     p_old: torch.Tensor | None, chunks: torch.Tensor, kept: Sequence[torch.Tensor],
+                     fresh: bool) -> Triple:
+    """The values before a donated step (gradient ``g``, scalars ``s``, the old parameter ``p_old`` where a record
+    keeps it) that wrote ``results`` in place outside ``chunks``, in new tensors: the step's inverse there (as an
+    undo would), ``kept`` (the chunks' old values, packed) in ``chunks``, and exact zero moments where the step was
+    the first from them (``fresh``)."""
+    old = kernel.undo_many([UndoCall(results[0], g, results[1], results[2], s, p_old)], variant)[0]
+    for o, k in zip(old, kept):
+        put_chunks(o, chunks, k)
+    return _zeroed_if_fresh(old, fresh)
+
+
+def _zeroed_if_fresh(old: Triple, fresh: bool) -> Triple:
+    """``old`` (undone ``p, m, v``) with its moments set to exact zeros where the undone step was a leaf's first
+    from them (``fresh``)."""
+    if fresh:
         old[1].zero_()
         old[2].zero_()
     return old
@@ -282,9 +293,7 @@ def roll_back_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: Step
             kernel.undo_many([UndoCall(p[a:b], g[a:b], m[a:b], v[a:b], rec.scalars,
                                        p_old[a:b] if p_old is not None else None, (p[a:b], m[a:b], v[a:b]))
                               for a, b in stepped], variant)
-        if rec.moments_were_zero:
-            m.zero_()
-            v.zero_()
+        _zeroed_if_fresh((p, m, v), rec.moments_were_zero)
     write_param_copy(call.p_copy, inputs[0])
 
 
