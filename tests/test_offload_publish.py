@@ -221,6 +221,34 @@ def test_parameters_that_are_views_or_share_storage_are_copied() -> None:
     torch.testing.assert_close(alone.detach(), base[1].detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_a_memory_format_changed_after_construction_is_kept_as_torch_keeps_it(executor: str) -> None:
+    """``model.to(memory_format=torch.channels_last)`` after the optimizer exists (a ``p.data =`` of other
+    strides): the parameters keep the new layout through the steps, as torch.optim's in-place update keeps it,
+    and so the forward runs torch's kernels (the swap pointed them back at their contiguous buffers)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with opt:
+        for step in range(4):
+            if step == 1:
+                model.to(memory_format=torch.channels_last)
+                ref.to(memory_format=torch.channels_last)
+            x = torch.randn(2, 3, 7, 7, generator=gen)
+            opt.zero_grad()
+            ropt.zero_grad()
+            opt.backward(model(x).square().mean())
+            ref(x).square().mean().backward()
+            opt.step()
+            ropt.step()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert p.stride() == q.stride(), f"step {step}: strides {p.stride()}, torch's {q.stride()}"
+                assert torch.equal(p.detach(), q.detach()), f"step {step}"
+
+
 def test_process_executor_parameters_live_in_shared_memory_until_close() -> None:
     torch.manual_seed(0)
     model = SharedMLP()

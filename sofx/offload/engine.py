@@ -36,7 +36,10 @@ storage alternates between its two buffers, so a reference to ``param.data``
 taken earlier goes stale (read ``param`` itself). Parameters that are views
 of a larger storage, share storage with another parameter, are already in
 shared memory or are tensor subclasses are copied in ``step()`` as before;
-so is everything when ``swap_params=False``. With the process executor the
+so is everything when ``swap_params=False``, and a parameter whose strides
+changed since (``model.to(memory_format=torch.channels_last)`` after creating
+the optimizer): it keeps its new layout, as ``torch.optim``'s in-place update
+keeps it. With the process executor the
 buffers live in shared memory (the model's parameters then do too, until
 ``close()`` moves them back to private memory).
 
@@ -906,7 +909,13 @@ class OffloadEngine:
                         view = t.master[layout.span(slot)]
                         p.copy_(view.view(p.shape))
                         continue
-                    p.data = self._pub_shaped[i][k]
+                    buffer = self._pub_shaped[i][k]
+                    if p.stride() != buffer.stride():
+                        # The model gave the parameter another layout since (model.to(memory_format=...), p.data
+                        # = t): keep it, as torch.optim's in-place update does; the buffer is contiguous.
+                        p.copy_(buffer)
+                        continue
+                    p.data = buffer
                     self._cur[i] = k
                     swapped.append(p)
         if swapped:
