@@ -571,6 +571,36 @@ def test_hparams_float32_cannot_hold_are_refused_before_any_block_is_stepped():
         assert [int(opt.state[p]["step"]) for p in model.parameters()] == [c + 1 if c else 0 for c in counts]
 
 
+def test_a_parameter_list_of_a_group_changed_after_construction_is_refused_not_ignored():
+    """torch.optim steps a parameter appended to ``param_groups[i]['params']`` (and stops stepping one removed);
+    the speculative optimizer packs its blocks at construction, and ignored the change: the appended parameter
+    was never stepped (its gradient left in ``.grad``), the removed one still was. Refused as
+    ``add_param_group`` is, before any block is stepped; the optimizer works again once the list is put back
+    (its order does not matter)."""
+    model, _ = _models()
+    extra = nn.Parameter(torch.randn(3))
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread") as opt:
+        params = opt.param_groups[0]["params"]
+        n = len(params)
+        for change, message in ((lambda: params.append(extra),
+                                 rf"param_groups\[0\]\['params'\]\[{n}\] \(shape \(3,\)\) is not one of the "
+                                 "parameters this optimizer was made with"),
+                                (lambda: params.pop(0), rf"param_groups\[0\]\['params'\] has {n - 1} parameters, "
+                                                        rf"this optimizer was made with {n}")):
+            kept = list(params)
+            change()
+            with pytest.raises(sofx.UnsupportedError, match=message):
+                opt.backward(mlp_loss(model, mlp_batch(gen)) + extra.square().sum())
+            opt.zero_grad()
+            assert [int(opt.state[p]["step"]) for p in model.parameters()] == [0] * n
+            params[:] = kept
+        params.reverse()
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        assert [int(opt.state[p]["step"]) for p in model.parameters() if p.requires_grad] == [1] * (n - 1)
+
+
 def test_a_step_without_gradients_warns_that_nothing_is_stepped():
     model, _ = _models()
     with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:

@@ -43,7 +43,8 @@ backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``, which counts gradient arrivals per parameter: one
 backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
 validation); param groups cannot be
-added after construction; ``step()`` without a closure returns a
+added after construction, nor parameters added to or removed from a group's ``params`` (refused at the
+next step, not ignored); ``step()`` without a closure returns a
 :class:`~sofx.offload.engine.EngineStepReport` (``torch.optim`` returns
 ``None``; with a closure both return its loss); with ``swap_params=True``
 (the default) a CPU parameter's storage alternates between two buffers that
@@ -239,6 +240,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         group_hparams(defaults, "defaults")
         check_group_flags(defaults, "defaults", self._decoupled)
         super().__init__(params, defaults)
+        # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_params.
+        self._group_param_ids = [frozenset(id(p) for p in g["params"]) for g in self.param_groups]
         for i, group in enumerate(self.param_groups):
             group_hparams(group, f"param_groups[{i}]")
             check_group_flags(group, f"param_groups[{i}]", self._decoupled)
@@ -293,9 +296,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
         return self._checked_hparams(self.engine.adam)
 
     def _checked_hparams(self, adam: Adam) -> list[AdamHParams]:
-        """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses)."""
+        """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses; its parameters
+        those of construction)."""
         out = []
         for i, g in enumerate(self.param_groups):
+            self._check_group_params(g, i)
             check_group_flags(g, f"param_groups[{i}]", self._decoupled)
             hp = group_hparams(g, f"param_groups[{i}]")
             refusal = adam.algebraic_refusal(hp)  # (fp32 masters) before any block of the step is stepped
@@ -303,6 +308,23 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 raise UnsupportedError(f"param_groups[{i}]: {refusal}")
             out.append(hp)
         return out
+
+    def _check_group_params(self, group: Mapping[str, Any], i: int) -> None:
+        """Group ``i`` still holds the parameters it was made with (in any order). torch.optim steps a parameter
+        appended to ``param_groups[i]['params']`` and stops stepping one removed; here the blocks are packed at
+        construction, so such a change is refused (as :meth:`add_param_group` is) rather than ignored."""
+        params, made = group["params"], self._group_param_ids[i]
+        where = f"param_groups[{i}]['params']"
+        for j, p in enumerate(params):
+            if id(p) not in made:
+                shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise UnsupportedError(f"{where}[{j}] (shape {shape}) is not one of the parameters this optimizer "
+                                       "was made with: its parameters are packed into blocks at construction and "
+                                       "cannot be added or replaced; create a new optimizer over every parameter")
+        if len(params) != len(made):
+            raise UnsupportedError(f"{where} has {len(params)} parameters, this optimizer was made with {len(made)}: "
+                                   "its parameters are packed into blocks at construction and cannot be removed; "
+                                   "create a new optimizer over every parameter")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._engine is not None:
