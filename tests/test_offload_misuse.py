@@ -236,6 +236,35 @@ def test_a_state_of_another_adam_kind_is_refused():
         w2.load_state_dict(state)
 
 
+def test_a_torch_optim_state_dict_is_refused_naming_how_to_carry_its_moments_over():
+    """torch.optim.AdamW's state dict (per-parameter entries keyed by index) was refused as "not an offload engine
+    state (format None, ...)"; the error now says what it is and how to carry its moments over
+    (``opt.state[p][key] = value``), which goes on with torch's trajectory bit for bit. Nothing is loaded."""
+    model, ref = _models()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        topt.zero_grad()
+        mlp_loss(ref, mlp_batch(gen)).backward()
+        topt.step()
+    topt.zero_grad()
+    model.load_state_dict(ref.state_dict())
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        fresh = torch.optim.AdamW(ref.parameters()).state_dict()  # (no entry yet)
+        for torch_state in (topt.state_dict(), fresh):
+            with pytest.raises(sofx.StructureError, match=r"state_dict\['state'\] is a torch\.optim state .*"
+                                                          r"opt\.state\[p\]\[key\] = value"):
+                opt.load_state_dict(torch_state)
+        assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
+        assert all(torch.equal(opt.state[p]["master"], p.detach()) for p in model.parameters())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            for key, value in topt.state.get(q, {}).items():
+                opt.state[p][key] = value
+        for _ in range(2):
+            mlp_step_side_by_side(opt, topt, model, ref, gen)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 def test_torch_optim_options_are_carried_and_unsupported_ones_refused_not_ignored():
     """The groups carry torch.optim.AdamW's options with its defaults (state dicts move between the two);
     amsgrad / maximize / differentiable set, or the other weight decay, are refused wherever they come from:

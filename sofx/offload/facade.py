@@ -54,7 +54,8 @@ pass ``swap_params=False`` to have the new values copied into the same storage.
 :meth:`state_dict` keeps the engine's own layout (flat blocks; the shared
 SPECULATION.md's checkpoint layout), not ``torch.optim``'s per-parameter
 ``state``: ``torch.optim.AdamW.load_state_dict`` does not check what it is given and would
-take it without its moments; :meth:`load_state_dict` refuses torch's.
+take it without its moments; :meth:`load_state_dict` refuses torch's (carry its moments over
+with ``opt.state[p][key] = value``).
 """
 
 from __future__ import annotations
@@ -409,6 +410,13 @@ class _SpeculativeBase(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if isinstance(state_dict, Mapping) and _is_torch_optim_state(state_dict.get("state")):
+            found = sorted(state_dict["state"])[:3]
+            raise StructureError(f"state_dict['state'] is a torch.optim state (per-parameter entries keyed by index: "
+                                 f"{found}{'...' if len(state_dict['state']) > 3 else ''}), not this optimizer's "
+                                 "own (its state_dict()'s, of flat blocks); to carry torch.optim.Adam/AdamW's moments "
+                                 "over, assign them per parameter: opt.state[p][key] = value for key in 'step', "
+                                 "'exp_avg', 'exp_avg_sq'")
         groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise StructureError(f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
@@ -497,6 +505,13 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled (it owns a worker); use state_dict()")
+
+
+def _is_torch_optim_state(state: Any) -> bool:
+    """Whether ``state`` is a ``torch.optim`` state dict's ``state``: per-parameter dicts keyed by parameter index
+    (empty before torch's first step), where the engine's is a dict of named entries (``format``, ``blocks``)."""
+    return isinstance(state, Mapping) and all(isinstance(k, int) and not isinstance(k, bool)
+                                              and isinstance(v, Mapping) for k, v in state.items())
 
 
 def _plain(v: Any) -> Any:
