@@ -85,6 +85,13 @@ def save(path: str | os.PathLike, tree: Any) -> str:
     int keys) and NamedTuples. Anything else raises :class:`CheckpointError` naming the leaf
     path, before anything is written. A ``path`` that is a symbolic link is written through, as
     ``open(path, "w")`` would: its target gets the new file, and the link stays.
+
+    A tensor of a dense layout (a channels_last weight and its Adam moments, a
+    transposed matrix) is saved as its memory, in memory order (the file's
+    array is ``t.permute(order)``, the order recorded in the structure) and
+    loads back with its strides: a resumed run's moments keep their
+    parameters' layout, which the kernels step without copies. A tensor with
+    gaps (a strided slice) is saved as a contiguous copy and loads contiguous.
     """
     encoded = io.prepare(tree)
     return io.write(path, encoded)
@@ -93,7 +100,7 @@ def save(path: str | os.PathLike, tree: Any) -> str:
 def load(path: str | os.PathLike, like: Any = None, *,
          types: Iterable[type] | Mapping[str, type] | None = None,
          device: torch.device | str | None = None, verify: bool = True) -> Any:
-    """Read the tree saved at ``path``: same structure, dtypes and bits.
+    """Read the tree saved at ``path``: same structure, dtypes and bits (and dense layouts, see :func:`save`).
 
     ``like``: a template tree (``None``: no template); the checkpoint must have its structure, dict
     keys, NamedTuple types, leaf kinds, tensor shapes and dtypes, or a

@@ -1,6 +1,7 @@
 """Asynchronous saves: snapshot now, write in a background thread.
 
-:func:`save_async` copies every tensor of the tree (to contiguous CPU memory)
+:func:`save_async` copies every tensor of the tree (to contiguous CPU memory; a
+dense layout's memory in memory order, so that it loads back in that layout)
 before it returns, then writes the file in a background thread. The caller
 may therefore modify the tree in place, e.g. with a donated
 ``opt.update(..., donate=True)`` or a speculative step, as soon as

@@ -5,6 +5,8 @@ is a small dict whose ``"k"`` says what it is::
 
     {"k": "tensor", "key": "tree.mu['w']", "dtype": "float32", "shape": [3, 4],
      "requires_grad": false, "device": "cpu", "crc32": 123}
+        (a dense, not contiguous layout, as a channels_last weight, adds "order": [0, 2, 3, 1]: the file's array is
+        the tensor permuted so, its memory in memory order; a permutation of the dimensions, checked on load)
     {"k": "none"} | {"k": "bool", "v": true} | {"k": "int", "v": 3} | {"k": "int", "hex": "0x..."} (beyond int64)
     {"k": "float", "v": "0x1.999999999999ap-4"}        (float.hex: exact, inf too)
     {"k": "float", "bits": 9221120237041090560}          (a nan: its 64 bits, sign and payload kept)
@@ -364,6 +366,11 @@ def _decode_tensor(node: dict, like: Any, path: str, load_tensor: Callable[[dict
         raise _corrupt(path, f"bad tensor shape {str(shape)[:80]!r}")
     if not isinstance(node.get("key"), str):
         raise _corrupt(path, "a tensor node without a key")
+    order = node.get("order", list(range(len(shape))))
+    if not isinstance(order, list) or not all(type(d) is int for d in order) \
+            or sorted(order) != list(range(len(shape))):
+        raise _corrupt(path, f"bad tensor order {str(order)[:80]!r} (expected a permutation of the dimensions "
+                             f"of shape {shape})")
     if like is not None:
         if tuple(like.shape) != tuple(shape):
             raise CheckpointMismatchError(f"{path}: the checkpoint holds shape {tuple(shape)}, "

@@ -11,6 +11,18 @@ CRC-32 of its bytes, checked on load. Writing is atomic
 (:mod:`sofx.checkpoint.atomic`) and zero-copy for contiguous CPU tensors;
 tensors that share storage (views of one flat buffer) are simply written
 once each. Nothing is ever unpickled.
+
+A tensor of a dense layout that is not contiguous (a channels_last
+convolution weight and its moments, a transposed matrix:
+:mod:`sofx.kernels.layout`) is written as its memory, in memory order, also
+without a copy: the file's array is ``t.permute(order)`` (contiguous; a
+channels_last weight is an NHWC array to other safetensors readers), and its
+node records ``"order"``. It loads back as ``array.permute(inverse)``: the
+saved shape and strides (of the dimensions of more than one element), so a
+resumed run's moments keep their parameters' layout and the kernels step
+them over memory. A tensor with gaps (a strided slice, an expanded one) is
+written as a contiguous copy and loads contiguous; a file without orders
+loads as it always did.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode, json_
 from sofx.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointVersionError,
                                     CorruptCheckpointError)
 from sofx.checkpoint.known_types import type_registry
+from sofx.kernels.layout import dims_in_memory_order, is_dense
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", "write", "read", "read_metadata",
            "nbytes"]
@@ -44,8 +57,6 @@ def _check_byteorder() -> None:
 
 
 def _as_cpu_contiguous(t: torch.Tensor, copy: bool) -> torch.Tensor:
-    # a conjugate or negative view's memory holds the values before the lazy op: resolve it (a copy)
-    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         return t.to("cpu", memory_format=torch.contiguous_format)  # always a copy
     if copy:
@@ -53,18 +64,40 @@ def _as_cpu_contiguous(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def prepare(tree: Any) -> EncodedTree:
-    """Encode ``tree``; its tensors are CPU and contiguous, copied only where they were not."""
-    encoded = encode(tree)
-    encoded.tensors = {k: _as_cpu_contiguous(t, copy=False) for k, t in encoded.tensors.items()}
+def _stored(t: torch.Tensor, copy: bool) -> tuple[torch.Tensor, list[int] | None]:
+    """What a file holds of ``t``, CPU and contiguous, and the order of ``t``'s dimensions it holds them in
+    (``None``: ``t``'s own). A dense layout that is not contiguous (a channels_last weight, a transposed matrix)
+    is kept as its memory in memory order: ``t.permute(order)``, a view (``copy``: a copy of it; on another
+    device: moved); other tensors as ``t.contiguous()`` (``t`` itself where it is a contiguous CPU tensor and
+    ``copy`` is false)."""
+    # a conjugate or negative view's memory holds the values before the lazy op: resolve it (a copy)
+    t = t.detach().resolve_conj().resolve_neg()
+    order = None
+    if not t.is_contiguous() and is_dense(t):
+        order = dims_in_memory_order(t)
+        t = t.permute(order)
+    return _as_cpu_contiguous(t, copy), order
+
+
+def _store(encoded: EncodedTree, copy: bool) -> EncodedTree:
+    """``encoded`` with the tensors a file holds (:func:`_stored`); a tensor node gets ``"order"`` where its
+    tensor is held in another order of its dimensions."""
+    for key, t in list(encoded.tensors.items()):
+        encoded.tensors[key], order = _stored(t, copy)
+        if order is not None:
+            encoded.nodes[key]["order"] = order
     return encoded
+
+
+def prepare(tree: Any) -> EncodedTree:
+    """Encode ``tree``; its tensors are CPU and contiguous (a dense layout in memory order), copied only where
+    they were not."""
+    return _store(encode(tree), copy=False)
 
 
 def snapshot(tree: Any) -> EncodedTree:
     """Encode ``tree`` with a private copy of every tensor (for a save that finishes later)."""
-    encoded = encode(tree)
-    encoded.tensors = {k: _as_cpu_contiguous(t, copy=True) for k, t in encoded.tensors.items()}
-    return encoded
+    return _store(encode(tree), copy=True)
 
 
 def _safetensors() -> ModuleType:
@@ -250,6 +283,18 @@ def load_device(device: Any) -> torch.device | None:
     return parsed
 
 
+def _file_shape(node: dict) -> list[int]:
+    """The shape of a tensor node's array in the file: its shape, in its ``"order"`` of dimensions if it has
+    one (checked by :func:`sofx.checkpoint.codec.decode`: a permutation of its dimensions)."""
+    shape = node["shape"]
+    return [shape[d] for d in node["order"]] if "order" in node else shape
+
+
+def _inverse(order: list[int]) -> list[int]:
+    """The permutation that undoes ``t.permute(order)``: ``t.permute(order).permute(_inverse(order))`` is ``t``."""
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
 def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | Mapping[str, type] | None = None,
          device: torch.device | str | None = None, verify: bool = True) -> Any:
     """Load the tree saved at ``path`` (see :func:`sofx.checkpoint.load`); ``like=None``: no template."""
@@ -272,9 +317,10 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
             seen.add(key)
             view = f.get_slice(key)
             shape = list(view.get_shape())
-            if shape != node["shape"]:
+            if shape != _file_shape(node):
+                order = f" (shape {node['shape']} in dimension order {node['order']})" if "order" in node else ""
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has shape {shape} in the file, "
-                                             f"{node['shape']} in the structure")
+                                             f"{_file_shape(node)} in the structure{order}")
 
         # Pass 1: check the structure (and the template) before reading any tensor data.
         like_arg = {} if like is None else {"like": like}
@@ -294,6 +340,8 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
             crc = node.get("crc32")
             if verify and crc is not None and zlib.crc32(_bytes_view(t)[1]) != crc:
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} fails its checksum: the data is corrupted")
+            if "order" in node:
+                t = t.permute(_inverse(node["order"]))  # its own dimensions, the strides it was saved with
             target = device if device is not None else template_device(like_leaf)
             if target is not None and target != t.device:
                 t = t.to(target)

@@ -20,7 +20,8 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["is_dense", "same_layout", "in_memory_order", "one_dense_layout", "spans_in_memory_order"]
+__all__ = ["is_dense", "same_layout", "in_memory_order", "dims_in_memory_order", "one_dense_layout",
+           "spans_in_memory_order"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -54,6 +55,19 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"in_memory_order: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is not "
                          "dense")
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def dims_in_memory_order(t: torch.Tensor) -> list[int]:
+    """The dimensions of a dense ``t``, outermost first: by stride, largest first (ties, which only dimensions of
+    size 1 can have, by index), so that ``t.permute(order)`` is contiguous, a view of ``t``'s memory span in
+    memory order (``[0, 2, 3, 1]``, NHWC, for a channels_last weight; ``list(range(t.dim()))`` where ``t`` is
+    contiguous). A tensor that is not dense is refused."""
+    if t.is_contiguous():
+        return list(range(t.dim()))
+    if not is_dense(t):
+        raise ValueError(f"dims_in_memory_order: a tensor of shape {tuple(t.shape)} and strides {t.stride()} is "
+                         "not dense")
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
 
 
 def one_dense_layout(p: torch.Tensor, others: Iterable[torch.Tensor | None]) -> bool:
