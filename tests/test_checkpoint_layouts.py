@@ -235,3 +235,29 @@ def test_a_dense_layout_on_the_gpu_comes_back_in_it_on_the_cpu_and_on_the_gpu(tm
                         (ck.load(path, like=template), "cuda")):
         for k, t in tree.items():
             assert back[k].device.type == where and _same_tensor(back[k].cpu(), t.cpu()) and same_layout(back[k], t)
+
+
+def test_a_file_with_orders_is_format_version_2_and_others_stay_version_1(tmp_path):
+    """A file that holds an array in another order of its tensor's dimensions needs a reader that knows orders:
+    it says format version 2, which an older sofx refuses (a CheckpointVersionError) instead of loading the
+    permuted array as the tensor (a square one, or a channels_last weight of 3 channels and a 3 x 3 kernel,
+    has the file array's shape: its values came back scrambled). A file without orders stays version 1, which
+    every sofx reads; this sofx reads both."""
+    gen = torch.Generator().manual_seed(9)
+    plain = ck.save(tmp_path / "p.ckpt", {"w": torch.randn(3, 3, generator=gen)[:, ::2], "c": torch.randn(2)})
+    dense = ck.save(tmp_path / "d.ckpt", {"w": _channels_last(gen, (8, 3, 3, 3)), "c": torch.randn(2)})
+    assert ck.read_metadata(plain)["version"] == 1
+    assert ck.read_metadata(dense)["version"] == 2 == ck.FORMAT_VERSION
+    with safe_open(dense, "pt") as f:
+        assert list(f.get_slice("tree['w']").get_shape()) == [8, 3, 3, 3]  # NHWC: the tensor's shape too
+    assert ck.load(plain)["w"].shape == (3, 2) and ck.load(dense)["w"].stride() == (27, 1, 9, 3)
+
+
+def test_an_order_in_a_file_of_version_1_is_corrupt(tmp_path):
+    """Version 1 has no orders: a node with one in such a file is damaged (or edited), not read."""
+    path = ck.save(tmp_path / "o.ckpt", {"w": _transposed(torch.Generator().manual_seed(10), 3, 3)})
+    with safe_open(path, "pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, path, metadata={**meta, "format_version": "1"})
+    with pytest.raises(ck.CorruptCheckpointError, match=r"tree\['w'\].*has an order.*format version 1"):
+        ck.load(path)

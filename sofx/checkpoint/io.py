@@ -3,7 +3,7 @@
 The file is a standard safetensors file (any safetensors reader can list and
 read its tensors). Its header's ``__metadata__`` holds::
 
-    "format": "sofx.checkpoint"      "format_version": "1"
+    "format": "sofx.checkpoint"      "format_version": "1" (or "2", below)
     "writer": "sofx 0.1.0"           "tree": <the JSON structure of sofx.checkpoint.codec>
 
 Each tensor node of the structure records the tensor's dtype, shape and the
@@ -21,8 +21,13 @@ node records ``"order"``. It loads back as ``array.permute(inverse)``: the
 saved shape and strides (of the dimensions of more than one element), so a
 resumed run's moments keep their parameters' layout and the kernels step
 them over memory. A tensor with gaps (a strided slice, an expanded one) is
-written as a contiguous copy and loads contiguous; a file without orders
-loads as it always did.
+written as a contiguous copy and loads contiguous.
+
+A file with orders is format version 2: a reader that does not know orders
+(sofx before them reads version 1 only) refuses it rather than take the
+array for the tensor (a square matrix's transpose, or a channels_last
+``(C_out, 3, 3, 3)`` weight, has the array's shape). A file without orders
+is version 1, as before; this sofx reads both.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", 
            "nbytes"]
 
 FORMAT = "sofx.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format, read and written: version 1 and tensor nodes with an "order"
+_FIRST_VERSION = 1  # what a file without orders says (every sofx reads it)
 
 
 def _check_byteorder() -> None:
@@ -148,7 +154,7 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
         specs[key] = tensor_spec(dtype=dtype_name(t.dtype), shape=list(t.shape), data_ptr=ptr, data_len=len(data))
     import sofx
 
-    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+    metadata = {"format": FORMAT, "format_version": str(_version_needed(encoded)),
                 "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": _structure_json(encoded, path)}
 
     def _write(tmp: str) -> None:
@@ -158,6 +164,12 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
         return atomic_write(path, _write)
     finally:
         del views
+
+
+def _version_needed(encoded: EncodedTree) -> int:
+    """The format version of a file of ``encoded``: :data:`FORMAT_VERSION` where a tensor is held in another
+    order of its dimensions (a reader must know orders), else the first (what every sofx reads)."""
+    return FORMAT_VERSION if any("order" in node for node in encoded.nodes.values()) else _FIRST_VERSION
 
 
 def _structure_json(encoded: EncodedTree, path: str | os.PathLike) -> str:
@@ -200,11 +212,11 @@ def _header(f: Any, path: str) -> dict:
         version = int(raw_version)
     except ValueError:
         raise CorruptCheckpointError(f"{path}: bad format_version {raw_version[:40]!r}") from None
-    if version != FORMAT_VERSION:
+    if not _FIRST_VERSION <= version <= FORMAT_VERSION:
         newer = "a newer" if version > FORMAT_VERSION else "an older, unsupported"
         raise CheckpointVersionError(f"{path} was written in {newer} checkpoint format (version {version}, by "
-                                     f"{meta.get('writer', 'an unknown writer')}); this sofx reads version "
-                                     f"{FORMAT_VERSION}")
+                                     f"{meta.get('writer', 'an unknown writer')}); this sofx reads versions "
+                                     f"{_FIRST_VERSION} to {FORMAT_VERSION}")
     text = meta.get("tree", "")
     try:
         structure = json.loads(text)
@@ -315,6 +327,9 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
             if key in seen:
                 raise CorruptCheckpointError(f"{path}: tensor {key} is used twice in the structure")
             seen.add(key)
+            if "order" in node and header["version"] < FORMAT_VERSION:
+                raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has an order of its dimensions in a file "
+                                             f"of format version {header['version']}, which has none")
             view = f.get_slice(key)
             shape = list(view.get_shape())
             if shape != _file_shape(node):
