@@ -630,6 +630,34 @@ def test_a_parameter_list_of_a_group_changed_after_construction_is_refused_not_i
         assert [int(opt.state[p]["step"]) for p in model.parameters() if p.requires_grad] == [1] * (n - 1)
 
 
+def test_a_group_appended_to_or_removed_from_param_groups_directly_is_refused_naming_param_groups():
+    """``opt.param_groups.append(group)`` bypasses the refused ``add_param_group`` (and ``pop`` removes a group
+    whose parameters are packed into blocks): refused clearly, naming ``param_groups`` and what to do, before any
+    block is stepped (it raised a raw ``IndexError`` from a backward hook); putting the list back makes the
+    optimizer work again."""
+    model, _ = _models()
+    params = list(model.parameters())
+    extra = nn.Parameter(torch.randn(3))
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2,
+                                       executor="thread") as opt:
+        groups = opt.param_groups
+        for change, message in ((lambda: groups.append({**groups[0], "params": [extra]}),
+                                 r"param_groups has 3 groups, this optimizer was made with 2: .*add_param_group"),
+                                (lambda: groups.pop(), r"param_groups has 1 groups, this optimizer was made with 2")):
+            kept = list(groups)
+            change()
+            with pytest.raises(sofx.UnsupportedError, match=message):
+                opt.backward(mlp_loss(model, mlp_batch(gen)) + extra.square().sum())
+            opt.zero_grad()
+            assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+            groups[:] = kept
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        assert [int(opt.state[p]["step"]) for p in params if p.requires_grad] == [1] * sum(
+            p.requires_grad for p in params)
+
+
 def test_a_step_without_gradients_warns_that_nothing_is_stepped():
     model, _ = _models()
     with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:

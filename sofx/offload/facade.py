@@ -299,6 +299,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
     def _checked_hparams(self, adam: Adam) -> list[AdamHParams]:
         """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses; its parameters
         those of construction)."""
+        self._check_group_count()
         out = []
         for i, g in enumerate(self.param_groups):
             self._check_group_params(g, i)
@@ -309,6 +310,16 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 raise UnsupportedError(f"param_groups[{i}]: {refusal}")
             out.append(hp)
         return out
+
+    def _check_group_count(self) -> None:
+        """``param_groups`` still holds as many groups as at construction: a group appended to the list directly
+        (bypassing the refused :meth:`add_param_group`) or removed from it is refused, as that method is."""
+        n, made = len(self.param_groups), len(self._group_param_ids)
+        if n != made:
+            raise UnsupportedError(f"param_groups has {n} groups, this optimizer was made with {made}: its "
+                                   "parameters are packed into blocks at construction, so groups cannot be added "
+                                   "(with param_groups.append or add_param_group) or removed; put the list back, "
+                                   "or create a new optimizer with every group")
 
     def _check_group_params(self, group: Mapping[str, Any], i: int) -> None:
         """Group ``i`` still holds the parameters it was made with (in any order). torch.optim steps a parameter
