@@ -15,6 +15,7 @@ import torch
 
 import sofx
 import sofx.checkpoint as ck
+from sofx.checkpoint import zero3
 from sofx import tree
 from sofx.errors import UnsupportedError
 
@@ -541,6 +542,21 @@ def test_leaves_deepspeed_would_name_alike_are_refused_before_any_file(tmp_path)
         ck.save_zero3(tmp_path / "ck", opt, params, state, model_states=True, deepspeed_objects=False)
     assert not (tmp_path / "ck").exists()
     ck.save_zero3(tmp_path / "ok", opt, params, state, deepspeed_objects=False)  # no names written: fine
+
+
+def test_an_int_key_too_long_for_decimal_text_is_named_in_hex_and_round_trips(tmp_path):
+    """DeepSpeed names a parameter by its tree path joined by dots; an int dict key of more digits than Python
+    writes in decimal (4300 by default) raised Python's raw ValueError. It is named in hex (as the tree's leaf
+    paths write it), and the model states file loads back by those names."""
+    huge = 10 ** 5000
+    opt = sofx.adamw(lr=1e-2)
+    params = {"enc": {huge: torch.randn(3), 7: torch.randn(2)}}
+    params, state = _train(opt, params, opt.init(params), 0, 2, hp=sofx.AdamHParams(lr=1e-2))
+    assert zero3.param_names(params) == ["enc.7", f"enc.{hex(huge)}"]
+    ck.save_zero3(tmp_path, opt, params, state, model_states=True, deepspeed_objects=False)
+    template = tree.tree_map(torch.zeros_like, params)
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, template)
+    assert _bits_equal((p2, s2), (params, state))
 
 
 def _damaged_torch_file(path, pickle_bytes):

@@ -561,10 +561,20 @@ def _hparams_like(hparams: Any, spec: tree.TreeSpec, per_leaf: dict[int, AdamHPa
     return optree.tree_map(lambda gid: first.get(gid, AdamHParams()), ids)
 
 
+def _name_part(key: Any) -> str:
+    """``str(key)``, except for an int whose decimal text Python refuses (more digits than
+    ``sys.get_int_max_str_digits()``): its hex text, as :func:`sofx.tree.key_text` writes it."""
+    try:
+        return str(key)
+    except ValueError:
+        return tree.key_text(key)
+
+
 def param_names(params: Any) -> list[str]:
     """DeepSpeed-style names of the leaves of a params tree: their tree paths joined by dots
-    (``{"enc": {"w": ...}}`` -> ``"enc.w"``; ``dict(model.named_parameters())`` -> the module's names)."""
-    names = [".".join(str(k) for k in keys) for keys in optree.tree_paths(params)]
+    (``{"enc": {"w": ...}}`` -> ``"enc.w"``; ``dict(model.named_parameters())`` -> the module's names; an int
+    key too long for decimal text in hex)."""
+    names = [".".join(_name_part(k) for k in keys) for keys in optree.tree_paths(params)]
     seen: dict[str, int] = {}
     for i, name in enumerate(names):
         if name in seen:  # {"a": {"b": x}, "a.b": y}: DeepSpeed's files would hold two parameters of one name
