@@ -305,17 +305,40 @@ def test_the_loss_scaler_saved_is_the_one_loaded_and_goes_on_alike(tmp_path, dee
     assert ck.load_zero3_loss_scaler(tmp_path) == (sofx.loss_scale.static_scale(), (1.0,))  # bf16/fp32 training
 
 
-def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
+def _files_with_loss_scaler(directory, attrs):
+    """A ZeRO-3 checkpoint in ``directory`` whose files hold the loss-scaler attributes ``attrs`` as they are (as
+    another writer could store them: save_zero3 refuses a scaler no DeepSpeed run holds); its files."""
     opt = sofx.adamw()
     params = _params(torch.float32)
+    files = ck.save_zero3(directory, opt, params, opt.init(params), HP, deepspeed_objects=False)
+    for path in files:
+        top = torch.load(path, weights_only=True)
+        top["optimizer_state_dict"]["loss_scaler"] = attrs
+        torch.save(top, path)
+    return files
+
+
+def _refused_by_save_zero3(directory, loss_scaler, match):
+    """save_zero3 refuses ``loss_scaler`` (a CheckpointError matching ``match``) before it writes anything."""
+    opt = sofx.adamw()
+    params = _params(torch.float32)
+    with pytest.raises(ck.CheckpointError, match=match):
+        ck.save_zero3(directory, opt, params, opt.init(params), HP, deepspeed_objects=False, loss_scaler=loss_scaler)
+    assert not os.path.exists(directory)
+
+
+def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
+    """... by load_zero3_loss_scaler as corrupt, and by save_zero3 before any file is written: as a (rule, state)
+    pair was, and as DeepSpeed's attributes too (they were written as given)."""
     rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0)
     good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4, cur_hysteresis=1))
     for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"), ({"cur_scale": 1.0}, r"\['cur_scale'\] = 1.0 is below min_scale = 2.0"),
                        ({"last_overflow_iter": 9}, r"loss_scaler\['last_overflow_iter'\] = 9 is invalid with cur_iter = 9"), ({"cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 is invalid"),
                        ({"cur_iter": -1}, "cur_iter"), ({"scale_window": 2.5}, "no valid 'scale_window'"),
-                       ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'")):
-        files = ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False,
-                              loss_scaler={**good, **bad})
+                       ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'"),
+                       ({"dynamic": False, "cur_scale": -2.0}, "cur_scale = -2.0")):
+        _refused_by_save_zero3(tmp_path / "refused", {**good, **bad}, match)
+        files = _files_with_loss_scaler(tmp_path, {**good, **bad})
         with pytest.raises(ck.CorruptCheckpointError, match=match):
             ck.load_zero3_loss_scaler(tmp_path)
     top = torch.load(files[0], weights_only=True)
@@ -395,9 +418,10 @@ def test_sofx_goes_on_from_deepspeeds_own_scaler_as_deepspeed_does(tmp_path, mon
 def test_a_dynamic_scaler_dict_deepspeed_could_not_run_is_refused(tmp_path):
     opt = sofx.adamw()
     params = _params(torch.float32)
-    with pytest.raises(ck.CheckpointError, match=r"needs \['last_overflow_iter', 'scale_factor'"):
-        ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=True,
-                      loss_scaler={"cur_scale": 256.0, "dynamic": True, "cur_iter": 7, "scale_window": 10})
+    for deepspeed_objects in (True, False):  # (without DeepSpeed's objects load_zero3_loss_scaler reads them all)
+        with pytest.raises(ck.CheckpointError, match=r"needs \['last_overflow_iter', 'scale_factor'"):
+            ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=deepspeed_objects,
+                          loss_scaler={"cur_scale": 256.0, "dynamic": True, "cur_iter": 7, "scale_window": 10})
     with pytest.raises(ck.CheckpointError, match=r"GradScalerRule with a GradScalerState has no DeepSpeed"):
         rule = sofx.loss_scale.grad_scaler()
         ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, loss_scaler=(rule, rule.init()))
@@ -699,7 +723,7 @@ def test_a_loss_scaler_whose_hysteresis_its_overflow_history_cannot_leave_is_ref
     and back at delayed_shift after a clean iteration (consecutive_hysteresis) or a scale growth (otherwise); a file
     whose cur_hysteresis its cur_iter and last_overflow_iter cannot leave loaded silently. It is refused as
     corrupt, naming the field; so is a cur_scale below min_scale (named, not as an init_scale the file lacks), and
-    save_zero3 refuses to write such a (rule, state)."""
+    save_zero3 refuses to write such a (rule, state) or such attributes."""
     opt = sofx.adamw()
     params = _params(torch.float32)
     rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0, hysteresis=3, scale_window=4)
@@ -717,7 +741,8 @@ def test_a_loss_scaler_whose_hysteresis_its_overflow_history_cannot_leave_is_ref
                                                                              r"<= cur_hysteresis <= 2"),
             ({"consecutive_hysteresis": True}, r"\['cur_hysteresis'\] = 2 .*consecutive_hysteresis"),
             ({"cur_scale": 1.0}, r"loss_scaler\['cur_scale'\] = 1.0 is below min_scale = 2.0")):
-        ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False, loss_scaler={**good, **bad})
+        _refused_by_save_zero3(tmp_path / "refused", {**good, **bad}, match)
+        _files_with_loss_scaler(tmp_path, {**good, **bad})
         with pytest.raises(ck.CorruptCheckpointError, match=match):
             ck.load_zero3_loss_scaler(tmp_path)
     ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False, loss_scaler=good)

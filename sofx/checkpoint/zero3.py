@@ -44,7 +44,7 @@ import os
 import pickle
 import re
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import optree
 import torch
@@ -135,8 +135,10 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     ``loss_scaler``: sofx's loss scaler as a ``(rule, state)`` pair
     (:func:`sofx.loss_scale.deepspeed_scaler` or ``static_scale``, see
     :func:`deepspeed_loss_scaler`), or its attributes as DeepSpeed names them;
-    with ``deepspeed_objects`` a dynamic one must have every attribute
-    DeepSpeed's ``update_scale`` reads (``DEEPSPEED_DYNAMIC_ATTRIBUTES``);
+    a dynamic one must have every attribute DeepSpeed's ``update_scale``
+    reads (``DEEPSPEED_DYNAMIC_ATTRIBUTES``); either is refused before any
+    file is written where no DeepSpeed run holds it (what
+    :func:`load_zero3_loss_scaler` refuses to read back);
     ``None``: a static scale of 1 (bf16/fp32 training).
     ``deepspeed_objects``: store the loss scaler as DeepSpeed's own
     ``LossScaler``/``DynamicLossScaler`` object and the stage as its
@@ -187,15 +189,16 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
               "blocks": [[[paths[i], list(p_leaves[i].shape)] for i in g.leaves] for g in resolved]}
     scaler_attrs = {"cur_scale": 1.0, "dynamic": False, **(loss_scaler or {})}
     dynamic = bool(scaler_attrs["dynamic"])
+    missing = [a for a in DEEPSPEED_DYNAMIC_ATTRIBUTES if a not in scaler_attrs] if dynamic else []
+    if missing:
+        raise CheckpointError(f"save_zero3: a dynamic loss_scaler needs {missing} too (DeepSpeed's update_scale "
+                              "and load_zero3_loss_scaler read them); pass loss_scaler=(rule, state), sofx's own "
+                              "deepspeed_scaler() rule and its state")
+    _check_scaler_attributes(scaler_attrs)  # as a (rule, state) pair is, before any file is written
     stage, scaler = 3, scaler_attrs
     if deepspeed_objects is None:
         deepspeed_objects = importlib.util.find_spec("deepspeed") is not None
     if deepspeed_objects:
-        missing = [a for a in DEEPSPEED_DYNAMIC_ATTRIBUTES if a not in scaler_attrs] if dynamic else []
-        if missing:
-            raise CheckpointError(f"save_zero3: a dynamic loss_scaler for DeepSpeed's engine needs {missing} too "
-                                  "(its update_scale reads them); pass loss_scaler=(rule, state), sofx's own "
-                                  "deepspeed_scaler() rule and its state")
         stage, scaler = _deepspeed_objects(scaler_attrs)
     os.makedirs(directory, exist_ok=True)
     written = []
@@ -516,39 +519,60 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
     top = _torch_load(files[0])
     zero = _get(top, "optimizer_state_dict", files[0], dict)
     raw = _plain(_get(zero, "loss_scaler", files[0], (dict, _DeepSpeedRecord)))
-    where = f"{files[0]}: its loss_scaler {raw!r}"
+    try:
+        return _scaler_of_attributes(raw, growth_rule)
+    except HParamError as exc:
+        raise CorruptCheckpointError(f"{files[0]}: its loss_scaler {raw!r} is not one a DeepSpeed run holds: "
+                                     f"{exc}") from None
 
+
+def _scaler_of_attributes(raw: Mapping[str, Any], growth_rule: str) -> tuple[Any, Any]:
+    """sofx's ``(rule, state)`` of DeepSpeed's loss-scaler attributes ``raw`` (``dynamic``, or DeepSpeed's
+    ``class`` name, says which kind), under ``growth_rule``; an :class:`HParamError` naming the field where
+    ``raw`` is not a scaler a DeepSpeed run holds (a missing or mistyped attribute, a scale that is not a
+    positive finite number or is below the minimum, a state the rule cannot reach:
+    :meth:`~sofx.loss_scale.DynamicLossScaleRule.check_reachable`)."""
     def attr(name: str, kind: type | tuple[type, ...]) -> Any:
         value = raw.get(name)
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-            raise CorruptCheckpointError(f"{where} has no valid {name!r}")
+            raise HParamError(f"loss_scaler has no valid {name!r} (got {value!r})")
         return value
 
     scale = float(attr("cur_scale", (int, float)))
     dynamic = attr("dynamic", bool) if "dynamic" in raw else raw.get("class") == "DynamicLossScaler"
-    try:
-        if not (math.isfinite(scale) and scale > 0):
-            raise HParamError(f"cur_scale = {scale!r}; expected a finite number > 0")
-        if not dynamic:
-            rule: Any = static_scale(scale)
-            state: Any = rule.init()
-        else:
-            hysteresis = attr("delayed_shift", int)
-            min_scale = float(attr("min_scale", (int, float)))
-            if scale < min_scale:  # (the rule would refuse it as an init_scale below min_scale: the file has none)
-                raise HParamError(f"loss_scaler['cur_scale'] = {scale!r} is below min_scale = {min_scale!r}; expected "
-                                  "a scale >= min_scale (DeepSpeed's never goes below it)")
-            rule = deepspeed_scaler(init_scale=scale, scale_window=attr("scale_window", int), hysteresis=hysteresis,
-                                    min_scale=min_scale, scale_factor=float(attr("scale_factor", (int, float))),
-                                    consecutive_hysteresis=attr("consecutive_hysteresis", bool),
-                                    raise_error_at_min_scale=attr("raise_error_at_min_scale", bool),
-                                    growth_rule=growth_rule)
-            state = DynamicLossScaleState(scale, attr("cur_iter", int), attr("last_overflow_iter", int),
-                                          attr("cur_hysteresis", int))
-            rule.check_reachable(state, "loss_scaler")
-    except HParamError as exc:
-        raise CorruptCheckpointError(f"{where} is not one a DeepSpeed run holds: {exc}") from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise HParamError(f"cur_scale = {scale!r}; expected a finite number > 0")
+    if not dynamic:
+        rule: Any = static_scale(scale)
+        return rule, rule.init()
+    hysteresis = attr("delayed_shift", int)
+    min_scale = float(attr("min_scale", (int, float)))
+    if scale < min_scale:  # (the rule would refuse it as an init_scale below min_scale: the attributes have none)
+        raise HParamError(f"loss_scaler['cur_scale'] = {scale!r} is below min_scale = {min_scale!r}; expected "
+                          "a scale >= min_scale (DeepSpeed's never goes below it)")
+    rule = deepspeed_scaler(init_scale=scale, scale_window=attr("scale_window", int), hysteresis=hysteresis,
+                            min_scale=min_scale, scale_factor=float(attr("scale_factor", (int, float))),
+                            consecutive_hysteresis=attr("consecutive_hysteresis", bool),
+                            raise_error_at_min_scale=attr("raise_error_at_min_scale", bool),
+                            growth_rule=growth_rule)
+    state = DynamicLossScaleState(scale, attr("cur_iter", int), attr("last_overflow_iter", int),
+                                  attr("cur_hysteresis", int))
+    rule.check_reachable(state, "loss_scaler")
     return rule, state
+
+
+def _check_scaler_attributes(attrs: Mapping[str, Any]) -> None:
+    """Refuse (a :class:`CheckpointError` naming the field) loss-scaler attributes that no DeepSpeed run holds,
+    under either window count (``GROWTH_RULES``: the files do not say which DeepSpeed version counts how):
+    what :func:`load_zero3_loss_scaler` would refuse to read back."""
+    first = None
+    for growth_rule in GROWTH_RULES:
+        try:
+            _scaler_of_attributes(attrs, growth_rule)
+            return
+        except HParamError as exc:
+            first = first or exc
+    raise CheckpointError(f"save_zero3: {first}")
 
 
 def _hparams_like(hparams: Any, spec: tree.TreeSpec, per_leaf: dict[int, AdamHParams]) -> Any:
