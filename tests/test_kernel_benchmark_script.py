@@ -4,6 +4,7 @@
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
 ``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``, ``benchmarks/dense_layouts.py``,
+``benchmarks/redo_paths.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
 
 from __future__ import annotations
@@ -333,6 +334,17 @@ def test_dense_layouts_script_runs():
     assert [row.split(" | ")[0] for row in rows] == ["| contiguous", "| transposed", "| channels_last"]
     for row in rows:
         assert re.fullmatch(r"\| \w+( \| \d+\.\d+){6} \|", row), row
+
+
+def test_redo_paths_script_runs():
+    """``benchmarks/redo_paths.py --smoke``: per backend the two plain steps, then the first step's and the bf16
+    leaf's two undo_redo rows, donated and not, each with its min and median."""
+    rows = _table_rows("redo_paths.py", ["--smoke"], ("| plain", "| first", "| bf16"))
+    names = ["plain step, fp32", "plain step, bf16 params"] + ["first step", "bf16 params, late clip",
+                                                                "bf16 params, new gradient"] * 2
+    assert [row.split(" | ")[0][2:] for row in rows] == names * 2
+    for row in rows:
+        assert re.fullmatch(r"\| [\w ,0-9]+ \| cpu(_fast)? \| (yes|no)( \| \d+\.\d+){2} \|", row), row
 
 
 def test_host_overhead_script_runs():
