@@ -246,11 +246,8 @@ class Adam:
         shapes: dict[int, _Leaf] = {}  # the caller's leaves of those stepped as their memory
         if undoable:
             in_step = self._checked_in_step(leaves, kernels, copies, grad_scale)
-            leaves, copies = list(leaves), list(copies)
-            for k, chk in enumerate(in_step):  # a dense layout that is not contiguous: stepped as its memory
-                if chk and not leaves[k].p.is_contiguous():
-                    shapes[k] = leaves[k]
-                    leaves[k], copies[k] = memory_order_leaves.flat_leaf(leaves[k], copies[k])
+            # (a dense layout that is not contiguous: stepped as its memory)
+            leaves, copies, _, shapes = memory_order_leaves.flat_checked(leaves, copies, in_step)
             finite = self._gradients_finite(leaves, grads_finite, grad_scale, skip=in_step)
             plans = [self._plan(leaf, grad_scale, True if chk else f, memo) if leaf.g is not None else None
                      for leaf, f, chk in zip(leaves, finite, in_step)]
@@ -293,9 +290,7 @@ class Adam:
             records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                     records[k], (new_p[k], new_m[k], new_v[k]), donate, finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
-        for k, leaf in shapes.items():
-            (new_p[k], new_m[k], new_v[k]), records[k] = memory_order_leaves.shaped_back(
-                leaf, (new_p[k], new_m[k], new_v[k]), records[k])
+        memory_order_leaves.put_back(shapes, new_p, new_m, new_v, records)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
 
@@ -514,16 +509,9 @@ class Adam:
         shapes: dict[int, _Leaf] = {}  # the caller's leaves of those stepped as their memory (with their records)
         if undoable:
             candidates = self._checked_in_step(leaves, kernels, copies, grad_scale)
-            leaves, copies = list(leaves), list(copies)
-            for k, chk in enumerate(candidates):  # a dense layout that is not contiguous: redone as its memory
-                if not chk or leaves[k].p.is_contiguous():
-                    continue
-                flat = memory_order_leaves.flat_record(recs[k], leaves[k].p)
-                if flat is False:  # a record of another layout: not checked in the kernel (its chunks are of p's)
-                    candidates[k] = False
-                    continue
-                shapes[k], recs[k] = leaves[k], flat
-                leaves[k], copies[k] = memory_order_leaves.flat_leaf(leaves[k], copies[k])
+            # (a dense layout that is not contiguous: redone as its memory; not checked in the kernel where its
+            # record has another layout)
+            leaves, copies, recs, shapes = memory_order_leaves.flat_checked(leaves, copies, candidates, recs)
             assumed = [self._redo_plan(leaf, rec, grad_scale, True, memo) if k or c else None  # planned as if finite
                        for leaf, rec, k, c in zip(leaves, recs, known, candidates)]
             # (a known gradient too: the kernel also tests the redo against the undone moments)
@@ -628,9 +616,7 @@ class Adam:
                                                          records[k], (new_p[k], new_m[k], new_v[k]), donate,
                                                          recs[k], finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
-        for k, leaf in shapes.items():
-            (new_p[k], new_m[k], new_v[k]), records[k] = memory_order_leaves.shaped_back(
-                leaf, (new_p[k], new_m[k], new_v[k]), records[k])
+        memory_order_leaves.put_back(shapes, new_p, new_m, new_v, records)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)

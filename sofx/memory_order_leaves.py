@@ -16,14 +16,14 @@ bit; only the chunks that a spike or an inf flags differ (those of the memory or
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from sofx.kernels.layout import in_memory_order, same_layout
 from sofx.undo_record import LeafUndo
 
-__all__ = ["flat_leaf", "flat_record", "shaped_back"]
+__all__ = ["flat_leaf", "flat_record", "shaped_back", "flat_checked", "put_back"]
 
 
 def flat_leaf(leaf: Any, copy: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:
@@ -76,3 +76,36 @@ def _shaped(t: torch.Tensor, like: torch.Tensor, known: tuple[torch.Tensor, ...]
         if x.data_ptr() == t.data_ptr() and x.dtype == t.dtype and x.numel() == t.numel():
             return x
     return t.as_strided(like.shape, like.stride())
+
+
+def flat_checked(leaves: Sequence[Any], copies: Sequence[torch.Tensor | None], checked: list[bool],
+                 recs: Sequence[LeafUndo | None] | None = None,
+                 ) -> tuple[list[Any], list[torch.Tensor | None], list[LeafUndo | None] | None, dict[int, Any]]:
+    """The leaves whose step is checked in the kernel (``checked``, per leaf) and that are dense, not contiguous,
+    as their memory's views (:func:`flat_leaf`; with an undo+redo's records ``recs``, :func:`flat_record` of
+    each), in new lists: ``(leaves, copies, recs, shapes)``, ``shapes`` mapping each such index to the caller's
+    leaf (:func:`put_back`). A leaf whose record has another layout stays as it is and is no longer checked in
+    the kernel (``checked[k]`` set to False: its chunk flags would index its logical order)."""
+    leaves, copies = list(leaves), list(copies)
+    recs = None if recs is None else list(recs)
+    shapes: dict[int, Any] = {}
+    for k, chk in enumerate(checked):
+        if not chk or leaves[k].p.is_contiguous():
+            continue
+        if recs is not None:
+            flat = flat_record(recs[k], leaves[k].p)
+            if flat is False:
+                checked[k] = False
+                continue
+            recs[k] = flat
+        shapes[k] = leaves[k]
+        leaves[k], copies[k] = flat_leaf(leaves[k], copies[k])
+    return leaves, copies, recs, shapes
+
+
+def put_back(shapes: dict[int, Any], new_p: list[torch.Tensor], new_m: list[torch.Tensor], new_v: list[torch.Tensor],
+             records: list[LeafUndo | None]) -> None:
+    """The results (``new_p, new_m, new_v``) and records of the leaves :func:`flat_checked` flattened, in place in
+    those lists, in their callers' shapes and layouts (:func:`shaped_back`)."""
+    for k, leaf in shapes.items():
+        (new_p[k], new_m[k], new_v[k]), records[k] = shaped_back(leaf, (new_p[k], new_m[k], new_v[k]), records[k])
