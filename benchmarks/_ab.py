@@ -101,23 +101,41 @@ def gpt2_arguments(description: str, argv: Sequence[str] | None = None, backend:
     return args, shapes, 2 if args.smoke else args.rounds
 
 
-def build_variants(sources: list[str]) -> list:
-    """The native libraries built from ``sources`` (variants of ``sofx.kernels._cpu_build.SOURCE``), compiled
-    side by side (a compiler per core: one build takes ~25 s), each in a temporary cache of its own, so that the
-    library's cache is left alone; exits with the reason on failure."""
+# A smoke run's builds: -O1 after the library's -O3 (GCC and clang take the last -O) compiles the kernel source in
+# about half the time, into code of no use for timing; the tests' runs of the scripts that build kernels use it.
+SMOKE_BUILD_FLAGS = ("-O1",)
+
+
+def add_smoke_build_argument(ap: argparse.ArgumentParser) -> None:
+    """``--smoke-build``: the script's kernel builds at -O1 (:data:`SMOKE_BUILD_FLAGS`)."""
+    ap.add_argument("--smoke-build", action="store_true",
+                    help="build the kernels at -O1: half the compile time, times that mean nothing (a smoke run)")
+
+
+def extra_build_flags(args: argparse.Namespace) -> list[str]:
+    """The flags :func:`add_smoke_build_argument`'s option adds to every build (none without it)."""
+    return list(SMOKE_BUILD_FLAGS) if args.smoke_build else []
+
+
+def build_variants(sources: list[str], extra_flags: Sequence[str] = ()) -> list:
+    """The native libraries built from ``sources`` (variants of ``sofx.kernels._cpu_build.SOURCE``; the library's
+    flags, ``extra_flags`` after each set), compiled side by side (a compiler per core: one build takes ~25 s),
+    each in a temporary cache of its own, so that the library's cache is left alone; exits with the reason on
+    failure."""
     from concurrent.futures import ThreadPoolExecutor
 
     from sofx.kernels import _cpu_build
 
+    flag_sets = [[*flags, *extra_flags] for flags in _cpu_build._FLAG_SETS]
     with tempfile.TemporaryDirectory() as cache, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        libs = list(pool.map(_cpu_build._build_and_open, sources,
-                             [os.path.join(cache, str(i)) for i in range(len(sources))]))
+        libs = list(pool.map(lambda i: _cpu_build._build_and_open(sources[i], os.path.join(cache, str(i)), flag_sets),
+                             range(len(sources))))
     for lib in libs:
         if isinstance(lib, str):
             sys.exit(lib)
     return libs  # each .so stays mapped after its file is removed
 
 
-def build_variant(source: str):
+def build_variant(source: str, extra_flags: Sequence[str] = ()):
     """:func:`build_variants` of one source."""
-    return build_variants([source])[0]
+    return build_variants([source], extra_flags)[0]

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _ab import add_smoke_build_argument, extra_build_flags  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build, cpu, cpu_fast  # noqa: E402
@@ -42,13 +43,13 @@ COMBOS = {"float32": (torch.float32, torch.float32), "bf16 params + fp32 states"
 BUILDS = ("parallel", "serial")
 
 
-def build(cc: str, directory: str, parallel: bool) -> tuple[_cpu_build.NativeLib, float, float]:
-    """The library built in ``directory`` with or without the parallel flags: (it, wall seconds, CPU seconds of
-    the compiler's processes)."""
+def build(cc: str, directory: str, parallel: bool, extra_flags: list[str]) -> tuple[_cpu_build.NativeLib, float, float]:
+    """The library built in ``directory`` with or without the parallel flags (``extra_flags`` after the library's
+    first flag set): (it, wall seconds, CPU seconds of the compiler's processes)."""
     target = os.path.join(directory, "sofx_adam.so")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    err = _cpu_build._compile(cc, _cpu_build._FLAG_SETS[0], target, parallel=parallel)
+    err = _cpu_build._compile(cc, [*_cpu_build._FLAG_SETS[0], *extra_flags], target, parallel=parallel)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if err is not None:
@@ -88,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7, help="reps per build, operation and size (default 7)")
     ap.add_argument("--quick", action="store_true", help="2^16 elements, 2 reps (a smoke run; numbers mean little)")
+    add_smoke_build_argument(ap)
     args = ap.parse_args()
     cc = _cpu_build._compiler()
     if cc is None:
@@ -104,7 +106,7 @@ def main() -> None:
     libs, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="sofx-build-") as tmp:
         for b in BUILDS:
-            libs[b], wall, cpu_s = build(cc, os.path.join(tmp, b), b == "parallel")
+            libs[b], wall, cpu_s = build(cc, os.path.join(tmp, b), b == "parallel", extra_build_flags(args))
             rows.append(f"| {b} ({' '.join(parallel) if b == 'parallel' else 'no -flto'}) | {wall:.1f} | {cpu_s:.1f} |")
         print("| build | wall s | CPU s |\n|---|---:|---:|")
         print("\n".join(rows) + "\n")

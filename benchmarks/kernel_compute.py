@@ -34,11 +34,13 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _ab import add_smoke_build_argument, extra_build_flags  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
@@ -167,11 +169,11 @@ int main(int argc, char **argv) {
 COMBOS = {"000": "float32", "100": "bf16 params + fp32 states", "111": "all-bf16"}
 
 
-def build(directory: str, source: str | None = None) -> str:
+def build(directory: str, source: str | None = None, extra_flags: Sequence[str] = ()) -> str:
     """The harness compiled with the kernels' first flag set that works here (``source``: another kernel
-    source than this tree's)."""
+    source than this tree's; ``extra_flags`` after the set's)."""
     try:
-        return _cpu_build.compile_program(HARNESS, directory, "compute", source)
+        return _cpu_build.compile_program(HARNESS, directory, "compute", source, extra_flags=extra_flags)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
 
@@ -266,6 +268,7 @@ def main() -> None:
     other.add_argument("--define", metavar="NAME=VALUE",
                        help="also time this tree's kernel source with this define (an #ifndef knob), in turns")
     ap.add_argument("--calls", type=int, default=5, help="with --against or --define: turns per program (default 5)")
+    add_smoke_build_argument(ap)
     args = ap.parse_args()
     # (elements, repetitions, rounds, calls): the minimum over calls x rounds rounds
     sizes = {"cache": (4096, 50, 3, 1), "memory": (1 << 16, 2, 2, 1)} if args.quick else \
@@ -281,7 +284,7 @@ def main() -> None:
             other_source = source_at(args.against) if args.against else with_define(SOURCE, args.define)
             builds.append((os.path.join(tmp, "against"), other_source))
         with ThreadPoolExecutor(max_workers=len(builds)) as pool:  # both compilers at once (~25 s of a core each)
-            exes = list(pool.map(lambda b: build(*b), builds))
+            exes = list(pool.map(lambda b: build(*b, extra_build_flags(args)), builds))
         per_size = {where: alternated(exes, n, reps, rounds, replica, calls)
                     for where, (n, reps, rounds, calls) in sizes.items()}
     results = [{where: rows[i] for where, rows in per_size.items()} for i in range(len(exes))]

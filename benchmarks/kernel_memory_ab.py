@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -37,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernel_compute import HELPERS, loops_title, replica_kind, source_at, with_define  # noqa: E402
+from _ab import add_smoke_build_argument, extra_build_flags  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
@@ -115,11 +117,12 @@ COMBOS = {"float32": (0, 1), "bf16 params + fp32 states": (1, 1), "all-bf16": (1
 OPS = ("step", "undo+redo", "undo")
 
 
-def load(directory: str, source: str) -> ctypes.CDLL:
-    """The harness library built from ``source`` in ``directory`` (its own folder: the kernel source beside it)."""
+def load(directory: str, source: str, extra_flags: Sequence[str] = ()) -> ctypes.CDLL:
+    """The harness library built from ``source`` in ``directory`` (its own folder: the kernel source beside it;
+    ``extra_flags`` after the kernels' flags)."""
     os.makedirs(directory, exist_ok=True)
     try:
-        path = _cpu_build.compile_program(LIBRARY, directory, "ab", source, shared=True)
+        path = _cpu_build.compile_program(LIBRARY, directory, "ab", source, shared=True, extra_flags=extra_flags)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     lib = ctypes.CDLL(path)
@@ -180,6 +183,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9, help="reps per build and dtype combination (default 9)")
     ap.add_argument("--threads", type=int, default=2, help="threads per call (default 2)")
     ap.add_argument("--quick", action="store_true", help="2^20 elements, 3 reps (a smoke run; numbers mean little)")
+    add_smoke_build_argument(ap)
     args = ap.parse_args()
     n, reps = ((1 << 20), 3) if args.quick else (args.elements, args.reps)
     replica = replica_kind(args.replica) if args.backend == "cpu" else 0
@@ -187,7 +191,8 @@ def main() -> None:
     label = args.against or args.define
     with tempfile.TemporaryDirectory(prefix="sofx-memory-ab-") as tmp:
         with ThreadPoolExecutor(max_workers=2) as pool:  # both compilers at once (~25 s of a core each)
-            libs = list(pool.map(load, [os.path.join(tmp, "tree"), os.path.join(tmp, "other")], [SOURCE, other]))
+            libs = list(pool.map(load, [os.path.join(tmp, "tree"), os.path.join(tmp, "other")], [SOURCE, other],
+                                 [extra_build_flags(args)] * 2))
         results = {name: timed(libs, dt, fs, replica, n, reps, args.threads) for name, (dt, fs) in COMBOS.items()}
     print(f"# sofx CPU kernels where the memory sets the time ({loops_title(args.backend, replica)}, {args.threads} "
           f"threads, {n} elements), machine: {cpu_model()}")

@@ -16,6 +16,7 @@ here: 5/4). Needs the vector loops: the AVX-512 ones (HW_BF16 CPUs) or the AVX2 
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -29,7 +30,8 @@ from sofx.kernels import _cpu_build, cpu, cpu_fast  # noqa: E402
 from sofx.kernels.base import AdamScalars, AdamVariant  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import alternating, build_variant, size_arguments, time_step_and_undo_redo  # noqa: E402
+from _ab import (add_smoke_build_argument, alternating, build_variant, extra_build_flags, size_arguments,  # noqa: E402
+                 time_step_and_undo_redo)
 
 VARIANT = AdamVariant(decoupled=True, bias_correction=True)
 S1 = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10, grad_scale=1.0)
@@ -70,8 +72,8 @@ def traffic_only_source(source: str) -> str:
     return source
 
 
-def build_traffic_only() -> _cpu_build.NativeLib:
-    return build_variant(traffic_only_source(_cpu_build.SOURCE))
+def build_traffic_only(extra_flags: list[str]) -> _cpu_build.NativeLib:
+    return build_variant(traffic_only_source(_cpu_build.SOURCE), extra_flags)
 
 
 def fresh_state(n: int) -> tuple[torch.Tensor, ...]:
@@ -133,11 +135,17 @@ def backend_for(lib: _cpu_build.NativeLib, name: str | None) -> ModuleType:
     return {"cpu": cpu, "cpu_fast": cpu_fast}[name]
 
 
+def _arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--backend", choices=("cpu", "cpu_fast"),
+                    help="default: cpu where its vector loops run, else cpu_fast")
+    add_smoke_build_argument(ap)
+
+
 def main() -> None:
-    args = size_arguments(__doc__.split("\n")[0], rounds=6, more=lambda ap: ap.add_argument(
-        "--backend", choices=("cpu", "cpu_fast"), help="default: cpu where its vector loops run, else cpu_fast"))
+    args = size_arguments(__doc__.split("\n")[0], rounds=6, more=_arguments)
     lib = require_vector_loops()
-    compare_libraries({"kernels": (lib, False), "memory traffic only": (build_traffic_only(), True)},
+    traffic = build_traffic_only(extra_build_flags(args))
+    compare_libraries({"kernels": (lib, False), "memory traffic only": (traffic, True)},
                       1 << args.log2_numel, args.rounds, backend_for(lib, args.backend))
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sofx.kernels import _cpu_build  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ab import build_variants, size_arguments  # noqa: E402
+from _ab import add_smoke_build_argument, build_variants, extra_build_flags, size_arguments  # noqa: E402
 from memory_floor import backend_for, compare_libraries, require_vector_loops, traffic_only_source  # noqa: E402
 
 _DEFINE = re.compile(r"^#define PREFETCH_STAGGER \d+$", re.M)
@@ -41,6 +41,7 @@ def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--traffic-only", action="store_true", help="also each stagger's traffic-only library")
     ap.add_argument("--backend", choices=("cpu", "cpu_fast"),
                     help="default: cpu where its vector loops run, else cpu_fast")
+    add_smoke_build_argument(ap)
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
         sources[f"kernels, stagger {stagger}"] = (source, False)
         if args.traffic_only:
             sources[f"traffic only, stagger {stagger}"] = (traffic_only_source(source), True)
-    built = build_variants([source for source, _ in sources.values()])
+    built = build_variants([source for source, _ in sources.values()], extra_build_flags(args))
     libraries = {name: (lib, traffic) for (name, (_, traffic)), lib in zip(sources.items(), built)}
     compare_libraries(libraries, 1 << args.log2_numel, args.rounds, backend)
 

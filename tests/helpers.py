@@ -77,6 +77,20 @@ def library_copying_compiler(directory, library: str, before_copy: str = "") -> 
     return str(fake)
 
 
+def cached_native_build(flags: list[str], source: str | None = None):
+    """The native library built from ``source`` (default: the kernel source) with exactly ``flags``, kept in the
+    library's own cache (its key has the flags): each other build a test needs (an AVX2 build, one without
+    OpenMP) is compiled once per machine, not once per test worker and subprocess that checks it."""
+    import pytest
+
+    from sofx.kernels import _cpu_build
+
+    lib = _cpu_build._build_and_open(_cpu_build.SOURCE if source is None else source, flag_sets=[flags])
+    if isinstance(lib, str):
+        pytest.fail(lib)
+    return lib
+
+
 def import_written_module(directory, name: str, source: str, extra_files: dict[str, str] | None = None):
     """Write ``source`` as ``directory/name.py`` (and ``extra_files``) and import it afresh.
 

@@ -99,7 +99,7 @@ def test_memory_floor_script_runs():
     lib = _cpu_build.load()
     if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
-    rows = _table_rows("memory_floor.py", ["--log2-numel", "14", "--rounds", "2"], ("| kernels", "| memory"))
+    rows = _table_rows("memory_floor.py", ["--log2-numel", "14", "--rounds", "2", "--smoke-build"], ("| kernels", "| memory"))
     assert len(rows) == 2
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
@@ -117,7 +117,7 @@ def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, tmp_pat
     cc = _cpu_build._compiler()
     if lib is None or cc is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
-    flags = list(_cpu_build._BASE_FLAG_SETS[0])
+    flags = [*_cpu_build._BASE_FLAG_SETS[0], *_module(os.path.join(ROOT, "benchmarks", "_ab.py")).SMOKE_BUILD_FLAGS]
     if build == "avx2":
         if not lib.vector_loops:
             pytest.skip("the native build is the AVX2 one here")
@@ -146,7 +146,7 @@ def test_prefetch_stagger_script_runs():
     lib = _cpu_build.load()
     if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
-    rows = _table_rows("prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--log2-numel", "14",
+    rows = _table_rows("prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--smoke-build", "--log2-numel", "14",
                                                "--rounds", "2"], ("| kernels", "| traffic"))
     assert [row.split(" | ")[0] for row in rows] == ["| kernels, stagger 64", "| traffic only, stagger 64"]
     for row in rows:
@@ -192,7 +192,7 @@ def test_kernel_compute_script_runs(backend):
     combination, a positive time per operation and place, for either backend's loops."""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("needs a C compiler")
-    rows = _table_rows("kernel_compute.py", ["--quick", "--backend", backend], ("| ",))
+    rows = _table_rows("kernel_compute.py", ["--quick", "--smoke-build", "--backend", backend], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| ns per")]
     assert [row.split(" | ")[0] for row in body] == ["| float32", "| bf16 params + fp32 states", "| all-bf16"]
     for row in body:
@@ -215,7 +215,8 @@ def test_kernel_memory_ab_script_runs():
     operation with positive times and ratios; a name that is no knob of the source is refused."""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("needs a C compiler")
-    rows = _table_rows("kernel_memory_ab.py", ["--quick", "--define", "STEP_WIDTH=2", "--backend", "cpu"], ("| ",))
+    rows = _table_rows("kernel_memory_ab.py", ["--quick", "--smoke-build", "--define", "STEP_WIDTH=2",
+                                              "--backend", "cpu"], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| dtypes")]
     assert [tuple(row.split(" | ")[:2]) for row in body] == [
         (f"| {d}", op) for d in ("float32", "bf16 params + fp32 states", "all-bf16") for op in ("step", "undo+redo", "undo")]
@@ -236,7 +237,7 @@ def test_build_parallel_script_runs():
     cc = _cpu_build._compiler()
     if cc is None or not _cpu_build._parallel_flags(cc):
         pytest.skip("needs GCC 10 or later")
-    rows = _table_rows("build_parallel.py", ["--quick"], ("| parallel", "| serial", "| 2^16"))
+    rows = _table_rows("build_parallel.py", ["--quick", "--smoke-build"], ("| parallel", "| serial", "| 2^16"))
     builds, body = rows[:2], rows[2:]
     assert [row.split(" (")[0] for row in builds] == ["| parallel", "| serial"]
     assert all(float(x) > 0 for row in builds for x in row.strip(" |").split(" | ")[1:])

@@ -25,8 +25,8 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                lossy_elements)
 from sofx.kernels.chunked import ChunkedCall, listed_elements
 
-from helpers import (block_inputs, block_scalars, library_copying_compiler, max_rel_err, refuse_bad_grad_scales,
-                     refuse_bad_scalars)
+from helpers import (block_inputs, block_scalars, cached_native_build, library_copying_compiler, max_rel_err,
+                     refuse_bad_grad_scales, refuse_bad_scalars)
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -813,16 +813,13 @@ def test_with_quot_divides_cpu_fasts_undone_moments_are_cpus(rng):
     assert torch.equal(fast[1], exact[1]) and torch.equal(fast[2], exact[2])
 
 
-def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, monkeypatch):
+def test_the_pthread_build_without_openmp_gives_the_same_bits(rng, monkeypatch):
     """Where -fopenmp is unavailable the library is built without it and starts pthreads per call (one
     share of the blocks' elements each)."""
     from sofx.kernels import _cpu_build
 
-    cc = _cpu_build._compiler()
-    assert cc is not None
-    target = str(tmp_path / "sofx_adam_pthreads.so")
-    assert _cpu_build._compile(cc, _cpu_build._BASE_FLAG_SETS[0], target) is None
-    pthreads = _cpu_build._open(target)
+    pthreads = cached_native_build(_cpu_build._BASE_FLAG_SETS[0])
+    assert "-fopenmp" not in pthreads.flags
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     p, g, m, v = block_inputs(rng, 3 * 65536 + 4099, torch.float32, torch.float32)
     s = block_scalars(rng, 0.1, 0.5)
@@ -844,15 +841,13 @@ def test_the_pthread_build_without_openmp_gives_the_same_bits(tmp_path, rng, mon
 
 
 @pytest.fixture(scope="module", params=["portable", "avx2", "avx512-without-bf16"])
-def other_build(request, tmp_path_factory):
+def other_build(request):
     """The kernels built without -march=native (no FMA or AVX-512 instructions: the portable loops), or on a CPU
     with AVX-512 without it (-mno-avx512f: the AVX2 loops that AMD Zen 2/3 CPUs run) or without its bf16
     conversion (-mno-avx512bf16: the AVX2 loops with the AVX-512 builds' square-root replicas in their tile
     pass, as on Intel's Skylake-SP to Ice Lake), so that a machine with AVX-512 checks those loops too."""
     from sofx.kernels import _cpu_build
 
-    cc = _cpu_build._compiler()
-    assert cc is not None
     if request.param == "portable":
         flags = [f for f in _cpu_build._BASE_FLAG_SETS if "-march=native" not in f][0]
     else:
@@ -862,10 +857,7 @@ def other_build(request, tmp_path_factory):
         if request.param == "avx512-without-bf16" and "avx512_bf16" not in cpu_flags:
             pytest.skip("the native build is this one on an AVX-512 CPU without bf16 conversion")
         flags = [*_cpu_build._BASE_FLAG_SETS[0], "-mno-avx512f" if request.param == "avx2" else "-mno-avx512bf16"]
-    target = str(tmp_path_factory.mktemp(request.param) / f"sofx_adam_{request.param}.so")
-    err = _cpu_build._compile(cc, flags, target)
-    assert err is None, err
-    lib = _cpu_build._open(target)
+    lib = cached_native_build(flags)
     assert not lib.vector_loops and lib.vector_width == (0 if request.param == "portable" else 8)  # no AVX-512 loops
     return lib
 

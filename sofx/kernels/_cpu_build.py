@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -298,11 +298,12 @@ def elf_problem(path: str) -> str | None:
 
 
 def compile_program(program: str, directory: str, name: str = "program", source: str | None = None,
-                    shared: bool = False) -> str:
+                    shared: bool = False, extra_flags: Sequence[str] = ()) -> str:
     """Compile ``program`` (C that ``#include "sofx_adam.c"``, the kernel source, written beside it) into an
     executable in ``directory`` with the kernels' own flags (the first set that works here), for the checks
     and benchmarks that call the kernels' internal functions directly. ``source`` replaces the kernel source
-    (a benchmark's other revision); ``shared``: a shared library (``name.so``, for ctypes) instead. Returns its
+    (a benchmark's other revision); ``shared``: a shared library (``name.so``, for ctypes) instead;
+    ``extra_flags`` go after each flag set's (``["-O1"]``: a smoke run's build, in half the time). Returns its
     path; raises RuntimeError with the compiler's errors when no flag set builds it (or there is no compiler)."""
     cc = _compiler()
     if cc is None:
@@ -316,7 +317,8 @@ def compile_program(program: str, directory: str, name: str = "program", source:
     kind = ["-shared", "-fPIC"] if shared else []
     errors = []
     for flags in _FLAG_SETS:  # -ffp-contract=off, -march=native, ...
-        proc = _run_compiler(cc, [*flags, *_TUNING, *kind, "-std=gnu11", "-pthread", src, "-o", exe, "-lm"])
+        proc = _run_compiler(cc, [*flags, *extra_flags, *_TUNING, *kind, "-std=gnu11", "-pthread", src, "-o", exe,
+                                  "-lm"])
         if proc.returncode == 0:
             return exe
         errors.append(proc.stderr[-500:])
@@ -462,9 +464,11 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
     return err
 
 
-def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> NativeLib | str:
-    """The library built from ``source`` (the kernel source; a benchmark's variant of it) and opened, cached in
-    ``cache_dir`` (default: the library's cache); why it is unavailable where it cannot be."""
+def _build_and_open(source: str = SOURCE, cache_dir: str | None = None,
+                    flag_sets: Sequence[Sequence[str]] = _FLAG_SETS) -> NativeLib | str:
+    """The library built from ``source`` (the kernel source; a benchmark's variant of it) with the first of
+    ``flag_sets`` (default: the library's own) the compiler takes, and opened, cached in ``cache_dir`` (default:
+    the library's cache; the key has the flags); why it is unavailable where it cannot be."""
     if os.environ.get("SOFX_CPU_NATIVE", "1") == "0":
         return _DISABLED
     cc = _compiler()
@@ -472,7 +476,7 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None) -> Nativ
         return "no C compiler found (set CC to one)"
     version = _compiler_version(cc)
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in map(list, flag_sets):
         key = hashlib.sha256("\0".join([source, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
                              .encode()).hexdigest()[:24]
         target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
