@@ -178,8 +178,8 @@ class WarmupCosine:
 
     def __call__(self, step: int) -> float:
         step = _step(step)
-        if step < self.warmup:
-            return self.init + (self.peak - self.init) * step / self.warmup
+        if step < self.warmup:  # linear_warmup's value: the fraction first ((peak - init) * step overflowed)
+            return self.init + (self.peak - self.init) * (step / self.warmup)
         frac = min(step - self.warmup, self.steps - self.warmup) / (self.steps - self.warmup)
         return _value("warmup_cosine", step,
                       self.end + (self.peak - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac)))
@@ -411,7 +411,7 @@ def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float 
 
     With ``W = warmup_steps``, ``N = decay_steps`` (:class:`WarmupCosine`)::
 
-        step < W:  init + (peak - init) * step / W
+        step < W:  init + (peak - init) * (step / W)           (linear_warmup's value)
         else:      end + (peak - end) * (1 + cos(pi * min(step - W, N - W) / (N - W))) / 2
     """
     return WarmupCosine(peak, warmup_steps, decay_steps, init, end)

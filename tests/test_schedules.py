@@ -292,3 +292,15 @@ def test_schedule_arguments_that_are_no_numbers_or_no_counts_are_refused_naming_
     np = pytest.importorskip("numpy")
     with pytest.raises(HParamError, match=pattern):
         make(np)
+
+
+@given(peak=st.floats(1e-6, 1e308), init=st.floats(0.0, 1e-3), warmup=st.integers(1, 200), data=st.data())
+def test_warmup_cosine_warms_up_as_linear_warmup_and_stays_finite_for_large_peaks(peak, init, warmup, data):
+    """warmup_cosine's warm-up is linear_warmup's, bit for bit (it computed ``(peak - init) * step / warmup``,
+    an ulp off in about a third of the steps, and inf where ``(peak - init) * step`` overflowed: the value at
+    step 5 of warmup_cosine(1e308, 10, 20) is 5e307, it returned inf)."""
+    t = data.draw(st.integers(0, warmup - 1))
+    got = schedules.warmup_cosine(peak, warmup, warmup + 10, init=init)(t)
+    assert got == schedules.linear_warmup(peak, warmup, init=init)(t)
+    assert math.isfinite(got) and min(init, peak) <= got <= max(init, peak)
+    assert schedules.warmup_cosine(1e308, 10, 20)(5) == 5e307
