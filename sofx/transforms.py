@@ -312,10 +312,13 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
         s = s.item()
     if isinstance(s, bool) or not isinstance(s, numbers.Real):
         raise HParamError(f"{who}: loss_scale must be a number or a 1-element float tensor, got {type(s).__name__}")
-    s = float(s)
-    if not (math.isfinite(s) and s > 0):
-        raise HParamError(f"{who}: loss_scale = {s!r} is invalid; expected a finite number > 0")
-    return s
+    try:
+        f = float(s)
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not (math.isfinite(f) and f > 0):
+        raise HParamError(f"{who}: loss_scale = {s!r:.80} is invalid; expected a finite number > 0")
+    return f
 
 
 def unscale() -> GradientTransformation:

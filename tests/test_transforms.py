@@ -339,6 +339,15 @@ def test_loss_scale_of_any_real_number_type_or_a_one_element_float_tensor(rng):
             t.update(grads, t.init(None), loss_scale=s)
 
 
+@pytest.mark.parametrize("make", [tx.unscale, lambda: tx.unscale_and_clip_zero(1.0)], ids=["unscale", "zero"])
+def test_a_loss_scale_beyond_the_float_range_is_refused_naming_it(rng, make):
+    """An int loss scale beyond the float range raised Python's raw OverflowError ("int too large to convert to
+    float") instead of the HParamError that names the loss scale."""
+    t = make()
+    with pytest.raises(HParamError, match=r": loss_scale = 1000+ is invalid; expected a finite number > 0"):
+        t.update(_tree(rng), t.init(None), loss_scale=10 ** 400)
+
+
 def test_hparams_given_as_dicts_or_tuples_are_refused():
     """A torch-style dict for a group (or a tuple) was zipped over its keys: lr became the string
     'weight_decay', or base's later fields were dropped."""
