@@ -47,7 +47,7 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
-from sofx.kernels.base import is_traced
+from sofx.kernels.base import FLOAT32_MAX, is_traced
 from sofx.kernels.user_numbers import integer, nonnegative_number
 
 __all__ = [
@@ -298,8 +298,8 @@ def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:
 
 
 def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
-    """The loss scale ``S`` passed to ``update``: a checked float, or a 0-d tensor as is where its value cannot
-    be read (``vmap`` over loss scales, ``compile``)."""
+    """The loss scale ``S`` passed to ``update``: a checked float (finite, > 0, and ``1/S`` within float32's
+    range), or a 0-d tensor as is where its value cannot be read (``vmap`` over loss scales, ``compile``)."""
     if "loss_scale" not in extra:
         raise SofxError(f"{who}: pass the loss scale of this backward as update(..., loss_scale=S)")
     s = extra["loss_scale"]
@@ -318,11 +318,16 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
         f = math.inf
     if not (math.isfinite(f) and f > 0):
         raise HParamError(f"{who}: loss_scale = {s!r:.80} is invalid; expected a finite number > 0")
+    if not 1.0 / f <= FLOAT32_MAX:  # (sofx.serial.can_unscale: such a scale makes the serial loop's step an overflow)
+        raise HParamError(f"{who}: loss_scale = {s!r:.80} is invalid: 1/loss_scale = {1.0 / f!r} is beyond float32's "
+                          f"range (unscaled gradients would be inf, or 0 * inf = nan); expected a loss scale >= "
+                          f"1/{FLOAT32_MAX!r}")
     return f
 
 
 def unscale() -> GradientTransformation:
-    """``g <- g * (1/S)`` with ``S = extra['loss_scale']`` (``GradScaler.unscale_``)."""
+    """``g <- g * (1/S)`` with ``S = extra['loss_scale']`` (``GradScaler.unscale_``); a scale whose ``1/S`` is beyond
+    float32's range (every gradient inf) is refused, where the serial loop counts it an overflow."""
 
     def update(grads: Any, state: EmptyState, params: Any = None, **extra: Any) -> tuple[Any, EmptyState]:
         s = _loss_scale(extra, "unscale")

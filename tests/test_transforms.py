@@ -348,6 +348,23 @@ def test_a_loss_scale_beyond_the_float_range_is_refused_naming_it(rng, make):
         t.update(_tree(rng), t.init(None), loss_scale=10 ** 400)
 
 
+@pytest.mark.parametrize("make", [tx.unscale, lambda: tx.unscale_and_clip_zero(1.0)], ids=["unscale", "zero"])
+@pytest.mark.parametrize("scale", [1e-40, 2.0 ** -130, 1e-320])
+def test_a_loss_scale_whose_reciprocal_is_beyond_float32_is_refused(rng, make, scale: float):
+    """A loss scale of 1e-40 (GradScaler's halvings reach it after ~145 overflows in a row) was taken: 1/S is
+    inf in float32, so unscale turned every gradient into inf (a zero into nan), and the ZeRO form, whose
+    ``norm/S`` was inf, into zeros (1e-320). It is refused, naming the scale, as the serial loop's
+    ``can_unscale`` counts such a scale an overflow; the scales just above the boundary still unscale."""
+    t = make()
+    grads = _tree(rng)
+    with pytest.raises(HParamError, match=r": loss_scale = .* is invalid: 1/loss_scale = .* is beyond float32's "
+                                          r"range"):
+        t.update(grads, t.init(None), loss_scale=scale)
+    out, _ = t.update(sofx.tree.tree_map(lambda g: g * 2.0 ** -127, grads), t.init(None), loss_scale=2.0 ** -127)
+    assert all(bool(torch.isfinite(g).all()) for g in sofx.tree.flatten(out)[0])
+    assert sofx.serial.can_unscale(2.0 ** -127) and not sofx.serial.can_unscale(scale)
+
+
 def test_hparams_given_as_dicts_or_tuples_are_refused():
     """A torch-style dict for a group (or a tuple) was zipped over its keys: lr became the string
     'weight_decay', or base's later fields were dropped."""
