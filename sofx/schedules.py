@@ -94,6 +94,17 @@ def _value(who: str, step: int, value: float) -> float:
     return value
 
 
+def _items(name: str, value: Any, expected: str) -> tuple:
+    """``join``'s argument ``name`` as a tuple where it is a sequence (any iterable but a string), else an
+    :class:`HParamError` naming it (one boundary or one schedule given without a list: a raw TypeError)."""
+    if not isinstance(value, (str, bytes)):
+        try:
+            return tuple(value)
+        except TypeError:
+            pass
+    raise HParamError(f"join: {name} = {value!r:.60} ({type(value).__name__}) is invalid; expected {expected}")
+
+
 def _steps(schedule: Any, field: str, name: str, minimum: int = 1) -> None:
     """Read ``schedule``'s field ``field`` (called ``name``, as the constructor function's argument) once as a
     Python int >= ``minimum`` (:func:`~sofx.kernels.user_numbers.integer`: a numpy integer or a 1-element integer tensor
@@ -318,16 +329,22 @@ class Join:
     boundaries: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.schedules) != len(self.boundaries) + 1:
-            raise HParamError(f"join: {len(self.schedules)} schedules need {len(self.schedules) - 1} boundaries, "
-                              f"got {len(self.boundaries)}")
-        boundaries: list[int] = []
-        for b in self.boundaries:
-            boundaries.append(integer("boundary", b, boundaries[-1] if boundaries else 0))
-        _set(self, boundaries=tuple(boundaries))
-        for i, s in enumerate(self.schedules):
+        schedules = _items("schedules", self.schedules, "a sequence of schedules")
+        given = _items("boundaries", self.boundaries, "a sequence of step counts (one fewer than the schedules)")
+        if not schedules:
+            raise HParamError("join: expected at least one schedule, got 0")
+        if len(schedules) != len(given) + 1:
+            raise HParamError(f"join: {len(schedules)} schedules need {len(schedules) - 1} boundaries, "
+                              f"got {len(given)}")
+        boundaries = [integer(f"join: boundaries[{i}]", b, 0) for i, b in enumerate(given)]
+        for i in range(1, len(boundaries)):
+            if boundaries[i] < boundaries[i - 1]:
+                raise HParamError(f"join: boundaries[{i}] = {boundaries[i]} is invalid; expected an integer >= "
+                                  f"{boundaries[i - 1]} (boundaries[{i - 1}]: boundaries do not decrease)")
+        for i, s in enumerate(schedules):
             if not callable(s):
                 raise HParamError(f"join: schedule {i} is a {type(s).__name__}, not callable")
+        _set(self, schedules=schedules, boundaries=tuple(boundaries))
 
     def __call__(self, step: int) -> Any:
         step = _step(step)
@@ -436,7 +453,7 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Join:
 
         schedules[k](step - s[k])   for s[k] <= step < s[k + 1],   with s = (0, *boundaries, inf)
     """
-    return Join(tuple(schedules), tuple(boundaries))
+    return Join(schedules, boundaries)
 
 
 def hparams_schedule(lr: FieldSchedule = None, beta1: FieldSchedule = None, beta2: FieldSchedule = None,

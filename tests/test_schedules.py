@@ -283,7 +283,7 @@ def test_schedule_arguments_given_as_numpy_or_tensors_are_read_as_python_numbers
     (lambda np: schedules.one_cycle(0.1, 10, pct_start="0.3"),
      r"pct_start = '0.3' is invalid; expected a finite number"),
     (lambda np: schedules.join([schedules.constant(1.0)] * 3, [np.int64(4), np.int64(2)]),
-     r"boundary = .*2.* is invalid; expected an integer >= 4"),
+     r"join: boundaries\[1\] = 2 is invalid; expected an integer >= 4"),
     (lambda np: schedules.constant(1.0)(2.0), r"schedule step = 2.0 is invalid; expected an integer >= 0 .*float"),
     (lambda np: schedules.constant(1.0)(torch.tensor([1, 2])), r"schedule step = tensor.* is invalid; .*shape \(2,\)")])
 def test_schedule_arguments_that_are_no_numbers_or_no_counts_are_refused_naming_them(make, pattern):
@@ -304,3 +304,28 @@ def test_warmup_cosine_warms_up_as_linear_warmup_and_stays_finite_for_large_peak
     assert got == schedules.linear_warmup(peak, warmup, init=init)(t)
     assert math.isfinite(got) and min(init, peak) <= got <= max(init, peak)
     assert schedules.warmup_cosine(1e308, 10, 20)(5) == 5e307
+
+
+@pytest.mark.parametrize("schedules_, boundaries, pattern", [
+    ([], [], r"join: expected at least one schedule, got 0"),
+    ([schedules.constant(1.0)] * 2, 3, r"join: boundaries = 3 \(int\) is invalid; expected a sequence of step "
+                                       r"counts \(one fewer than the schedules\)"),
+    (schedules.constant(1.0), [3], r"join: schedules = Constant\(value=1.0\) \(Constant\) is invalid; expected a "
+                                   r"sequence of schedules"),
+    ([schedules.constant(1.0)] * 3, [4, 2], r"join: boundaries\[1\] = 2 is invalid; expected an integer >= 4 "
+                                            r"\(boundaries\[0\]: boundaries do not decrease\)"),
+    ([schedules.constant(1.0)] * 2, [-1], r"join: boundaries\[0\] = -1 is invalid; expected an integer >= 0")])
+def test_join_refuses_arguments_that_are_no_sequences_or_no_schedule_naming_them(schedules_, boundaries, pattern):
+    """join([], []) said "0 schedules need -1 boundaries"; a single boundary or schedule given without a list
+    raised a raw TypeError ("'int' object is not iterable"); a decreasing boundary was "boundary = 2" without
+    saying which one, nor why."""
+    with pytest.raises(HParamError, match=pattern):
+        schedules.join(schedules_, boundaries)
+
+
+def test_join_made_from_lists_is_the_one_of_tuples():
+    """Join([...], [...]) kept its lists: it was unhashable and unequal to join(...)'s (tuples)."""
+    c = schedules.constant(1.0)
+    made = schedules.Join([c, c], [3])
+    assert made == schedules.join([c, c], [3]) and hash(made) == hash(schedules.join((c, c), (3,)))
+    assert made.schedules == (c, c) and made.boundaries == (3,)
