@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sofx
-from sofx import AdamHParams, loss_scale, schedules, serial
+from sofx import AdamHParams, loss_scale, schedules, serial, speculate
 from sofx import transforms as tx
 
 LR = torch.optim.lr_scheduler
@@ -75,14 +75,23 @@ def _torch_loop(make_scheduler: Callable[[torch.optim.Optimizer], Any], steps: i
 
 
 def _sofx_loop(schedule: Any, steps: int, *, decoupled: bool = True, max_norm: float | None = None,
-               overflow: frozenset[int] = frozenset()) -> tuple[dict[str, torch.Tensor], serial.LoopState]:
+               overflow: frozenset[int] = frozenset(), speculative: bool = False
+               ) -> tuple[dict[str, torch.Tensor], serial.LoopState]:
+    """The serial loop (or its speculative twin, each leaf a block) over the same gradients."""
     opt = sofx.adamw() if decoupled else sofx.adam()
     scaler = loss_scale.static_scale()
     loop = serial.init_loop(opt, _params(), scaler)
+    config = sofx.SpeculationConfig(max_norm=max_norm)
     for t in range(steps):
-        loop, facts = serial.serial_loop_step(opt, loop, _grads(t, t in overflow), scaler=scaler, hparams=schedule,
-                                              max_norm=max_norm)
-        assert facts.skipped == (t in overflow)
+        grads = _grads(t, t in overflow)
+        if speculative:
+            loop, report = speculate.speculative_loop_step(opt, loop, grads, config=config, scaler=scaler,
+                                                           hparams=schedule)
+            assert report.skipped == (t in overflow)
+        else:
+            loop, facts = serial.serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule,
+                                                  max_norm=max_norm)
+            assert facts.skipped == (t in overflow)
     return loop.params, loop
 
 
@@ -129,22 +138,26 @@ def _schedule_pairs(draw: st.DrawFn) -> tuple[str, Callable, Callable[[int], flo
 
 
 @loop_settings
-@given(pair=_schedule_pairs(), steps=st.integers(1, 30), max_norm=st.sampled_from([None, 2.0]))
-def test_lr_schedules_in_the_loop_equal_torch_schedulers(pair, steps: int, max_norm: float | None):
-    """Every step's lr and the parameters after the loop are torch's (clipped or not), at step 0, at every step
-    of the schedule, at a SequentialLR milestone, and past the end where the two still agree."""
+@given(pair=_schedule_pairs(), steps=st.integers(1, 30), max_norm=st.sampled_from([None, 2.0]),
+       speculative=st.booleans())
+def test_lr_schedules_in_the_loop_equal_torch_schedulers(pair, steps: int, max_norm: float | None,
+                                                         speculative: bool):
+    """Every step's lr and the parameters after the loop are torch's (clipped or not; serial or speculative), at
+    step 0, at every step of the schedule, at a SequentialLR milestone, and past the end where the two agree."""
     kind, make_scheduler, lr, agree = pair
     steps = min(steps, agree)
     want, lrs = _torch_loop(make_scheduler, steps, max_norm=max_norm)
     assert [lr(t) for t in range(steps)] == pytest.approx(lrs, rel=1e-12, abs=1e-18), kind
-    got, loop = _sofx_loop(_lr_only(lr), steps, max_norm=max_norm)
+    got, loop = _sofx_loop(_lr_only(lr), steps, max_norm=max_norm, speculative=speculative)
     assert loop.step == steps
     _assert_params_close(got, want)
 
 
 @loop_settings
-@given(pair=_schedule_pairs(), steps=st.integers(2, 25), overflow=st.frozensets(st.integers(0, 24), max_size=4))
-def test_a_step_skipped_for_overflow_does_not_advance_the_schedule(pair, steps: int, overflow: frozenset[int]):
+@given(pair=_schedule_pairs(), steps=st.integers(2, 25), overflow=st.frozensets(st.integers(0, 24), max_size=4),
+       speculative=st.booleans())
+def test_a_step_skipped_for_overflow_does_not_advance_the_schedule(pair, steps: int, overflow: frozenset[int],
+                                                                   speculative: bool):
     """An overflow step changes nothing, and the next step takes the lr the skipped one would have taken: the
     schedule counts steps taken (torch: a scheduler stepped only where the optimizer stepped)."""
     kind, make_scheduler, lr, agree = pair
@@ -154,7 +167,7 @@ def test_a_step_skipped_for_overflow_does_not_advance_the_schedule(pair, steps: 
         steps += t < steps
     overflow = frozenset(t for t in overflow if t < steps)
     want, lrs = _torch_loop(make_scheduler, steps, overflow=overflow)
-    got, loop = _sofx_loop(_lr_only(lr), steps, overflow=overflow)
+    got, loop = _sofx_loop(_lr_only(lr), steps, overflow=overflow, speculative=speculative)
     assert loop.step == taken == len(lrs)
     assert [lr(t) for t in range(loop.step)] == pytest.approx(lrs, rel=1e-12, abs=1e-18), kind
     _assert_params_close(got, want)
