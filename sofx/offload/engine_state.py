@@ -8,11 +8,20 @@ do. The format (``STATE_FORMAT``)::
      "layouts": [BlockLayout.to_json(), ...],            # which parameters each block holds
      "blocks": [{"master", "exp_avg", "exp_avg_sq", "counts"}, ...],   # tensors, in their dtypes
      "scaler_state": {"type": "GradScalerState", ...fields},
+     "scaler": {"type": "GradScalerRule", ...settings} or None,   # None: a custom rule's
      "policy_state": {...fields}, "iteration": int, "adam": AdamConfig.to_json()}
+
+``scaler`` holds the loss-scale rule's settings (growth and backoff factors, growth
+interval; DeepSpeed's window, hysteresis, minimum): as ``torch.amp.GradScaler``'s
+``load_state_dict`` takes the saved settings over its constructor's (and DeepSpeed's
+checkpoint holds its loss scaler whole), a loaded state goes on with the saved rule's
+settings, whatever the loading optimizer was made with. A state without the entry (an
+older sofx's), or with ``None``, goes on with the loading optimizer's own rule.
 
 Loading checks everything before it changes anything -- format, block layout,
 every tensor's type, shape and dtype (any device that holds data: not ``meta``),
-the loss-scaler and policy states' kinds, fields and ranges, the iteration (an
+the loss-scale rule's kind and settings, the loss-scaler and policy states' kinds,
+fields and ranges (the scaler state's against the saved rule), the iteration (an
 integer >= 0) -- and keeps the saved dtypes (a bf16 ``exp_avg`` is never cast
 to the master's fp32). Values no run writes are refused as corrupt: a negative
 step count or second moment. A nan or an inf in the masters or moments (a
@@ -21,6 +30,7 @@ diverged run's state) loads, as ``torch.optim`` loads it.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sofx.errors import HParamError, StructureError
-from sofx.loss_scale import plain_state
+from sofx.loss_scale import DynamicLossScaleRule, GradScalerRule, StaticScaleRule, plain_state
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
@@ -40,6 +50,8 @@ __all__ = ["STATE_FORMAT", "engine_state_dict", "load_engine_state"]
 
 STATE_FORMAT = "sofx.offload/1"
 _SAVED = tuple(name for name in TENSOR_NAMES if name != "grad")
+# The loss-scale rules whose settings the state holds (a custom rule's are its own: the loading optimizer's).
+_RULES = (GradScalerRule, DynamicLossScaleRule, StaticScaleRule)
 
 
 def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]:
@@ -51,6 +63,7 @@ def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]
         "blocks": [{name: getattr(engine.tensors[layout.index], name) for name in _SAVED}
                    for layout in engine.layouts],
         "scaler_state": {"type": type(engine.scaler_state).__name__, **_jsonable(engine.scaler_state._asdict())},
+        "scaler": _rule_settings(engine.scaler),
         "policy_state": _jsonable(engine.policy_state._asdict()),
         "iteration": engine.iteration,
         "adam": engine.adam_config.to_json(),
@@ -61,19 +74,20 @@ def load_engine_state(engine: "OffloadEngine", state: Any, where: str = "state")
     """Check ``state`` against ``engine`` whole, then copy it in: a bad state raises a
     :class:`~sofx.errors.SofxError` naming the entry (``where``: what the caller calls ``state``) and
     what was expected, and changes nothing."""
-    blocks, scaler_state, policy_state, iteration = _checked_state(engine, state, where)
+    blocks, scaler, scaler_state, policy_state, iteration = _checked_state(engine, state, where)
     with torch.no_grad():
         for layout, saved in zip(engine.layouts, blocks):
             t = engine.tensors[layout.index]
             for name in _SAVED:
                 getattr(t, name).copy_(saved[name])
-    engine.scaler_state, engine.policy_state, engine.iteration = scaler_state, policy_state, iteration
+    engine.scaler, engine.scaler_state = scaler, scaler_state
+    engine.policy_state, engine.iteration = policy_state, iteration
 
 
 def _checked_state(engine: "OffloadEngine", state: Any,
-                   where: str) -> tuple[list[Mapping[str, torch.Tensor]], Any, PolicyState, int]:
-    """Everything :func:`load_engine_state` writes, checked: the blocks' tensors, the loss-scaler and policy
-    states, the iteration."""
+                   where: str) -> tuple[list[Mapping[str, torch.Tensor]], Any, Any, PolicyState, int]:
+    """Everything :func:`load_engine_state` writes, checked: the blocks' tensors, the loss-scale rule, the
+    loss-scaler and policy states, the iteration."""
     if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
         raise StructureError(f"{where}: not an offload engine state (format {found!r}, expected {STATE_FORMAT!r})")
@@ -87,12 +101,13 @@ def _checked_state(engine: "OffloadEngine", state: Any,
     _check_layouts(engine, _entry(state, "layouts", where), f"{where}['layouts']")
     _check_adam_config(engine, state.get("adam"), f"{where}['adam']")
     blocks = _checked_blocks(engine, _entry(state, "blocks", where), f"{where}['blocks']")
-    scaler_state = _checked_scaler_state(engine, _entry(state, "scaler_state", where), f"{where}['scaler_state']")
+    scaler, scaler_state = _checked_scaler_state(engine, _entry(state, "scaler_state", where), state.get("scaler"),
+                                                 where)
     policy_state = _checked_policy_state(_entry(state, "policy_state", where), f"{where}['policy_state']")
     iteration = state.get("iteration", 0)
     if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral) or iteration < 0:
         raise StructureError(f"{where}['iteration'] = {iteration!r}; expected an integer >= 0 (steps taken)")
-    return blocks, scaler_state, policy_state, int(iteration)
+    return blocks, scaler, scaler_state, policy_state, int(iteration)
 
 
 def _entry(state: Mapping[str, Any], key: str, where: str) -> Any:
@@ -172,10 +187,47 @@ def _check_values(block: Mapping[str, torch.Tensor], where: str) -> None:
                                  "(no run stores a negative one: the state is corrupt)")
 
 
-def _checked_scaler_state(engine: "OffloadEngine", saved: Any, where: str) -> Any:
-    """The saved loss-scaler state, of this engine's kind, with fields any run can reach (see
-    :func:`sofx.loss_scale.check_state`) and a scale that is a finite number >= 0, held as Python numbers
-    (:func:`sofx.loss_scale.plain_state`)."""
+def _rule_settings(rule: Any) -> dict[str, Any] | None:
+    """``{"type": "GradScalerRule", "init_scale": ..., "growth_factor": ..., ...}``: the settings of one of
+    sofx's loss-scale rules (what ``torch.amp.GradScaler.state_dict`` holds next to its scale), ``None`` for a
+    custom rule."""
+    if type(rule) not in _RULES:
+        return None
+    return {"type": type(rule).__name__, **dataclasses.asdict(rule)}
+
+
+def _checked_rule(engine: "OffloadEngine", saved: Any, where: str) -> Any:
+    """The loss-scale rule a loaded state goes on with: the engine's, with the saved settings (as
+    ``GradScaler.load_state_dict`` takes the saved ones over its constructor's); the engine's own where none were
+    saved (``None``, or no entry: a state of an older sofx). A setting the entry lacks keeps the engine's; a rule
+    of another kind, an unknown setting or an invalid value (the rule's own checks) is refused."""
+    rule = engine.scaler
+    if saved is None:
+        return rule
+    if not isinstance(saved, Mapping):
+        raise StructureError(f"{where}: expected a dict (the loss-scale rule's settings) or None, got "
+                             f"{type(saved).__name__}")
+    settings = dict(saved)
+    kind, here = settings.pop("type", None), type(rule).__name__
+    if kind != here or type(rule) not in _RULES:
+        custom = "" if type(rule) in _RULES else " (a custom rule, which keeps its own settings: set the entry to None)"
+        raise StructureError(f"{where}: the saved loss-scale rule is a {kind}, this optimizer's is a {here}{custom}")
+    names = [f.name for f in dataclasses.fields(rule)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise StructureError(f"{where}[{unknown[0]!r}]: a {here} has no such setting (it has {names})")
+    try:
+        return dataclasses.replace(rule, **settings)
+    except HParamError as exc:
+        raise HParamError(f"{where}: {exc}") from None
+
+
+def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, at: str) -> tuple[Any, Any]:
+    """The loss-scale rule (:func:`_checked_rule`, from ``saved_rule``) and the saved loss-scaler state, of this
+    engine's kind, with fields any run can reach (see :func:`sofx.loss_scale.check_state`), valid for that
+    rule, and a scale that is a finite number >= 0, held as Python numbers (:func:`sofx.loss_scale.plain_state`).
+    ``at``: what the caller calls the engine state."""
+    where = f"{at}['scaler_state']"
     if not isinstance(saved, Mapping):
         raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
     fields = dict(saved)
@@ -195,11 +247,12 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, where: str) -> An
     except TypeError as exc:  # a field without a default is missing
         raise StructureError(f"{where}: {exc}") from None
     scaler_state = plain_state(scaler_state, where)  # a 0-d tensor scale held as its Python float
+    rule = _checked_rule(engine, saved_rule, f"{at}['scaler']")
     try:
-        loss_scale_of(engine.scaler, scaler_state)  # (a custom rule's state: its scale at least)
+        loss_scale_of(rule, scaler_state)  # (a custom rule's state: its scale at least)
     except HParamError as exc:
         raise HParamError(f"{where}: {exc}") from None
-    return scaler_state
+    return rule, scaler_state
 
 
 def _checked_policy_state(saved: Any, where: str) -> PolicyState:

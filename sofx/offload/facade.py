@@ -405,13 +405,16 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """Restore :meth:`state_dict`'s output: block state, loss scale, and every group's hparams (the
         hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``).
 
-        The loss scale is the saved one, whatever the constructor's ``loss_scale``: a static one too (a
-        number, or ``None``: a static scale of 1), whose value is only the scale of a fresh run. So torch's
-        ``GradScaler.load_state_dict`` takes the saved scale (and init scale and growth settings) over its
-        constructor's, ``torch.optim``'s the saved ``lr``, and DeepSpeed's ZeRO load puts the saved loss
-        scaler in place, static or dynamic: a resumed run goes on as the saved one. To resume with another
-        static scale, set ``state_dict["state"]["scaler_state"]["scale"]`` before loading. A state of another
-        kind of rule (a dynamic scaler's into a static one) is refused."""
+        The loss scale and its rule's settings (``state_dict["state"]["scaler"]``: growth and backoff factors,
+        growth interval; DeepSpeed's window, hysteresis, minimum) are the saved ones, whatever the constructor's
+        ``loss_scale``: a static one too (a number, or ``None``: a static scale of 1), whose value is only the
+        scale of a fresh run. So torch's ``GradScaler.load_state_dict`` takes the saved scale (and init scale
+        and growth settings) over its constructor's, ``torch.optim``'s the saved ``lr``, and DeepSpeed's ZeRO
+        load puts the saved loss scaler in place, static or dynamic: a resumed run goes on as the saved one. To
+        resume with another static scale or other settings, set ``state_dict["state"]["scaler_state"]["scale"]``
+        or the setting in ``state_dict["state"]["scaler"]`` before loading. A state dict without the settings
+        (an older sofx's) goes on with the constructor's rule. A state of another kind of rule (a dynamic
+        scaler's into a static one) is refused."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

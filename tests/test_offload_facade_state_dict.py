@@ -1,0 +1,172 @@
+"""The facade's ``state_dict`` / ``load_state_dict`` side by side with ``torch.optim.AdamW`` and
+``torch.amp.GradScaler``'s: what a torch user saves comes back as torch gives it back, and a run resumed from
+it goes on as the uninterrupted one."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import sofx.offload
+from sofx.loss_scale import deepspeed_scaler, grad_scaler
+
+from helpers import assert_trees_bitwise
+
+# GradScaler settings other than its defaults (init 2**16, growth 2, backoff 0.5, every 2000 clean steps)
+SETTINGS = {"init_scale": 2.0 ** 10, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 3}
+OVERFLOWS = (1, 7)  # steps whose gradients hold an inf: skipped, the scale backs off
+N, M = 4, 7  # saved after step 3 (scale 256, 2 clean steps of 3 counted); after it a growth, a backoff, a growth
+
+
+def _model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(5, 3)
+
+
+def _loss(model: torch.nn.Module, step: int) -> tuple[torch.Tensor, torch.utils.hooks.RemovableHandle | None]:
+    """The step's loss, with an inf put into the weight's gradient at the OVERFLOWS steps (remove the handle
+    after backward)."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+    hook = model.weight.register_hook(_with_inf) if step in OVERFLOWS else None
+    return ((model(x) - y) ** 2).mean(), hook
+
+
+def _with_inf(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = math.inf
+    return grad
+
+
+def _torch_steps(model, opt, scaler, start: int, stop: int) -> list[float]:
+    """torch.optim.AdamW with torch.amp.GradScaler; the scale of each step."""
+    scales = []
+    for step in range(start, stop):
+        opt.zero_grad()
+        loss, hook = _loss(model, step)
+        scaler.scale(loss).backward()
+        if hook is not None:
+            hook.remove()
+        scales.append(scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+    return scales
+
+
+def _facade_steps(model, opt, start: int, stop: int) -> list[float]:
+    """The facade's steps; the scale of each."""
+    scales = []
+    for step in range(start, stop):
+        opt.zero_grad()
+        loss, hook = _loss(model, step)
+        opt.backward(loss)
+        if hook is not None:
+            hook.remove()
+        scales.append(opt.step().scale)
+    return scales
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _torch_resumed(saved_scaler: dict, new_scaler: torch.amp.GradScaler) -> tuple[list[float], list[float]]:
+    """torch's run, saved after N steps and resumed into ``new_scaler``: the scales before and after."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", **saved_scaler)
+    before = _torch_steps(model, opt, scaler, 0, N)
+    opt_sd, scaler_sd = copy.deepcopy(opt.state_dict()), scaler.state_dict()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    opt.load_state_dict(opt_sd)
+    new_scaler.load_state_dict(scaler_sd)
+    return before, _torch_steps(model, opt, new_scaler, N, N + M)
+
+
+def test_a_resumed_dynamic_loss_scale_keeps_the_saved_growth_settings_as_torchs_grad_scaler_does():
+    """torch's GradScaler.state_dict holds its growth_factor, backoff_factor and growth_interval with its scale,
+    and load_state_dict takes them over the new scaler's: a run saved with other settings and resumed into a
+    ``GradScaler()`` of the defaults goes on as the uninterrupted one. The facade's state dict held the scale
+    and the clean-step count only: resumed into ``loss_scale="dynamic"`` (the defaults) it grew the scale by 2
+    every 2000 steps and backed off by half, another run."""
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        uninterrupted = _facade_steps(model, opt, 0, N + M)
+    want = _params(model)
+
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        before = _facade_steps(model, opt, 0, N)
+        saved = copy.deepcopy(opt.state_dict())
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale="dynamic",
+                                       executor="inline") as opt:
+        opt.load_state_dict(saved)
+        after = _facade_steps(model, opt, N, N + M)
+        resaved = opt.state_dict()
+
+    torch_before, torch_after = _torch_resumed(SETTINGS, torch.amp.GradScaler("cpu"))
+    assert torch_before + torch_after == before + after == uninterrupted
+    assert after == [2.0 ** 8, 2.0 ** 10, 2.0 ** 10, 2.0 ** 10, 2.0 ** 8, 2.0 ** 8, 2.0 ** 8]  # grown, backed off
+    assert_trees_bitwise(_params(model), want)
+    # the settings are in the state dict, as in GradScaler's, and stay there once resumed
+    scaler = torch.amp.GradScaler("cpu", **SETTINGS).state_dict()
+    for sd in (saved, resaved):
+        held = sd["state"]["scaler"]
+        assert {k: held[k] for k in ("growth_factor", "backoff_factor", "growth_interval")} == \
+            {k: scaler[k] for k in ("growth_factor", "backoff_factor", "growth_interval")}
+    assert saved["state"]["scaler"] == {"type": "GradScalerRule", **SETTINGS}
+    assert saved["state"]["scaler_state"] == {"type": "GradScalerState", "scale": 2.0 ** 8, "growth_tracker": 2}
+
+
+def test_a_state_dict_without_the_loss_scale_settings_loads_with_the_constructors():
+    """A state dict saved before the settings were kept (no ``scaler`` entry) still loads: the run goes on with
+    the loss-scale rule the optimizer was made with."""
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        uninterrupted = _facade_steps(model, opt, 0, N + M)
+    want = _params(model)
+
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        before = _facade_steps(model, opt, 0, N)
+        old = copy.deepcopy(opt.state_dict())
+    del old["state"]["scaler"]
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        opt.load_state_dict(old)
+        assert before + _facade_steps(model, opt, N, N + M) == uninterrupted
+        assert opt.state_dict()["state"]["scaler"] == {"type": "GradScalerRule", **SETTINGS}
+    assert_trees_bitwise(_params(model), want)
+
+
+def test_a_resumed_deepspeed_loss_scale_keeps_the_saved_settings():
+    """DeepSpeed's checkpoint holds its loss scaler whole (settings and state) and its load puts it in place: the
+    facade's deepspeed profile resumed into ``loss_scale="dynamic"`` (DeepSpeed's defaults: a window of 1000,
+    hysteresis 2) goes on with the saved window and hysteresis."""
+    settings = {"init_scale": 2.0 ** 10, "scale_window": 2, "hysteresis": 1, "min_scale": 2.0,
+                "scale_factor": 4.0}
+    kwargs = {"lr": 1e-2, "profile": "deepspeed", "executor": "inline"}
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale=deepspeed_scaler(**settings),
+                                       **kwargs) as opt:
+        uninterrupted = _facade_steps(model, opt, 0, N + M)
+    want = _params(model)
+
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale=deepspeed_scaler(**settings),
+                                       **kwargs) as opt:
+        before = _facade_steps(model, opt, 0, N)
+        saved = copy.deepcopy(opt.state_dict())
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale="dynamic", **kwargs) as opt:
+        opt.load_state_dict(saved)
+        after = _facade_steps(model, opt, N, N + M)
+    assert before + after == uninterrupted
+    assert len(set(after)) >= 2
+    assert_trees_bitwise(_params(model), want)
