@@ -170,3 +170,51 @@ def test_a_resumed_deepspeed_loss_scale_keeps_the_saved_settings():
     assert before + after == uninterrupted
     assert len(set(after)) >= 2
     assert_trees_bitwise(_params(model), want)
+
+
+def _lr_seen(opt: torch.optim.Optimizer, saved: dict) -> tuple:
+    """What a user sees of the first group's lr: in ``saved`` (a state dict) and in the group."""
+    kept, group = saved["param_groups"][0]["lr"], opt.param_groups[0]["lr"]
+    return type(kept), float(kept), type(group), float(group), kept is group
+
+
+def test_a_tensor_lr_round_trips_as_a_tensor_as_in_torch_optim():
+    """torch.optim keeps ``lr=torch.tensor(...)`` a tensor: its state_dict holds the group's tensor, and
+    load_state_dict gives the group a copy of the saved one, also in an optimizer made with a float lr (and a
+    saved float lr a float, in one made with a tensor). The facade's state dict held a tensor lr as a Python
+    float, and the loaded group held that float: a scheduler resumed on it set floats where torch fills the
+    tensor."""
+    runs = {}
+    for name, make in (("torch", lambda params, lr: torch.optim.AdamW(params, lr=lr, foreach=False)),
+                       ("facade", lambda params, lr: sofx.offload.SpeculativeAdamW(params, lr=lr,
+                                                                                   executor="inline"))):
+        model = _model()
+        opt = make(model.parameters(), torch.tensor(1e-2))
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        for step in range(2):
+            opt.zero_grad()
+            loss = _loss(model, step)[0]
+            if name == "torch":
+                loss.backward()
+            else:
+                opt.backward(loss)
+            opt.step()
+            sched.step()
+        saved = copy.deepcopy(opt.state_dict())
+        seen = [_lr_seen(opt, opt.state_dict())]
+        for lr in (0.5, torch.tensor(0.5)):  # a fresh optimizer made with a float lr, then a tensor one
+            fresh = make(model.parameters(), lr)
+            fresh.load_state_dict(saved)
+            seen.append(_lr_seen(fresh, saved))
+            assert fresh.param_groups[0]["lr"] is not saved["param_groups"][0]["lr"]  # a copy of the saved
+            floats = copy.deepcopy(saved)
+            floats["param_groups"][0]["lr"] = 0.125
+            fresh.load_state_dict(floats)
+            seen.append(_lr_seen(fresh, floats))
+            if name == "facade":
+                fresh.close()
+        if name == "facade":
+            opt.close()
+        runs[name] = seen
+    assert runs["facade"] == runs["torch"]
+    assert runs["torch"][0] == (torch.Tensor, pytest.approx(2.5e-3), torch.Tensor, pytest.approx(2.5e-3), True)

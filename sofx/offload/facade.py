@@ -60,6 +60,7 @@ with ``opt.state[p][key] = value``).
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import weakref
@@ -382,8 +383,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"state": engine state (tensors + JSON-able values), "param_groups": [...]}``.
 
-        ``param_groups`` are torch.optim-style: every key but ``params``, and
-        ``params`` as indices in model order. The hooks of
+        ``param_groups`` are torch.optim-style: every key but ``params`` (a tensor
+        ``lr`` the group's own tensor, as torch's; numpy numbers as Python numbers),
+        and ``params`` as indices in model order. The hooks of
         ``register_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -443,7 +445,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.engine.load_state_dict(state_dict["state"], where="state_dict['state']")
         for saved, g in zip(groups, self.param_groups):
             for k, v in saved.items():
-                if k != "params":
+                if k != "params":  # copies, as torch.optim's deepcopy of the saved groups (a tensor lr stays one)
+                    v = copy.deepcopy(v)
                     g[k] = tuple(v) if k == "betas" else v
 
     def _check_saved_group(self, saved: Any, group: Mapping[str, Any], where: str) -> None:
@@ -529,10 +532,11 @@ def _is_torch_optim_state(state: Any) -> bool:
 
 
 def _plain(v: Any) -> Any:
-    """A group value as checkpoints store it: one-element tensors and numpy scalars (a LambdaLR of np.cos)
-    as Python numbers, tuples and lists element by element."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
+    """A group value as checkpoints store it: numpy scalars (a LambdaLR of np.cos) as Python numbers, tuples
+    and lists element by element. A tensor (``lr=torch.tensor(1e-3)``) is kept, the group's own, as
+    ``torch.optim``'s state_dict keeps it (its load_state_dict gives the group a copy: a tensor again)."""
+    if isinstance(v, torch.Tensor):
+        return v
     if isinstance(v, (tuple, list)):
         return type(v)(_plain(x) for x in v)
     if type(v) in (bool, int, float):  # (numpy's float64 is a float subclass)
