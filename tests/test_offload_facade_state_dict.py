@@ -218,3 +218,77 @@ def test_a_tensor_lr_round_trips_as_a_tensor_as_in_torch_optim():
         runs[name] = seen
     assert runs["facade"] == runs["torch"]
     assert runs["torch"][0] == (torch.Tensor, pytest.approx(2.5e-3), torch.Tensor, pytest.approx(2.5e-3), True)
+
+
+def _two_layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def _groups_seen(opt: torch.optim.Optimizer) -> tuple[list[dict], list[dict]]:
+    """The param groups as a user sees them (without the parameters) and as the state dict holds them."""
+    return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            copy.deepcopy(opt.state_dict()["param_groups"]))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_named_parameters_and_param_names_round_trip_as_in_torch_optim(grouped):
+    """torch.optim (>= 2.5) takes ``model.named_parameters()`` (or groups of them), keeps each group's
+    ``param_names`` and stores them in the state dict; load_state_dict does not check them: saved names
+    (other ones too) replace the group's, a state dict without names keeps the group's, and one with names gives
+    them to an optimizer made without. The facade does the same, side by side."""
+    def named(model: torch.nn.Sequential) -> list:
+        if not grouped:
+            return list(model.named_parameters())
+        return [{"params": [(n, p) for n, p in model.named_parameters() if n.startswith("0.")]},
+                {"params": [(n, p) for n, p in model.named_parameters() if n.startswith("2.")], "lr": 3e-2}]
+
+    def unnamed(model: torch.nn.Sequential) -> list:
+        return [{**g, "params": [p for _, p in g["params"]]} for g in named(model)] if grouped \
+            else list(model.parameters())
+
+    seen = {}
+    for name, make in (("torch", lambda params: torch.optim.AdamW(params)),
+                       ("facade", lambda params: sofx.offload.SpeculativeAdamW(params, executor="inline"))):
+        model = _two_layers()
+        opts = [make(named(model))]
+        out = [_groups_seen(opts[0])]
+        saved = copy.deepcopy(opts[0].state_dict())
+        renamed = copy.deepcopy(saved)
+        for group in renamed["param_groups"]:
+            group["param_names"] = [f"other.{n}" for n in group["param_names"]]
+        nameless = copy.deepcopy(saved)
+        for group in nameless["param_groups"]:
+            del group["param_names"]
+        for make_params, sd in ((named, renamed), (named, nameless), (unnamed, saved), (unnamed, nameless)):
+            opts.append(make(make_params(model)))
+            opts[-1].load_state_dict(sd)
+            out.append(_groups_seen(opts[-1]))
+            if "param_names" in sd["param_groups"][0]:  # the group's own copy, as torch's deepcopy of the groups
+                assert opts[-1].param_groups[0]["param_names"] is not sd["param_groups"][0]["param_names"]
+        opts[-1].zero_grad()
+        loss = _loss(model, 0)[0]
+        if name == "torch":
+            loss.backward()
+        else:
+            opts[-1].backward(loss)
+        opts[-1].step()  # the names are no hparam: the step takes them
+        for opt in opts if name == "facade" else ():
+            opt.close()
+        seen[name] = out
+    assert seen["facade"] == seen["torch"]
+    names = [g["param_names"] for g in seen["torch"][0][1]]
+    assert names == ([["0.weight", "0.bias"], ["2.weight", "2.bias"]] if grouped
+                     else [["0.weight", "0.bias", "2.weight", "2.bias"]])
+    assert [g["param_names"] for g in seen["torch"][1][0]] == [[f"other.{n}" for n in ns] for ns in names]
+    assert "param_names" not in seen["torch"][4][0][0]
+
+
+def test_named_and_unnamed_param_groups_mixed_are_refused_as_in_torch_optim():
+    model = _two_layers()
+    groups = [{"params": list(model[0].named_parameters())}, {"params": list(model[2].parameters())}]
+    with pytest.raises(ValueError) as theirs:
+        torch.optim.AdamW(groups)
+    with pytest.raises(ValueError) as ours:
+        sofx.offload.SpeculativeAdamW(groups, executor="inline")
+    assert str(ours.value) == str(theirs.value)
