@@ -136,6 +136,29 @@ def test_a_save_into_an_older_checkpoint_directory_leaves_one_checkpoint(tmp_pat
     assert _bits_equal((p2, s2), (params, state))
 
 
+def test_saves_of_every_rank_into_one_directory_at_once_all_succeed(tmp_path, monkeypatch):
+    """Every rank of a run saving the same checkpoint at once (as every rank calls DeepSpeed's save_checkpoint)
+    over an older one with more dp ranks: each save removes the older files, and one that another rank removed
+    between listing the directory and removing it was a FileNotFoundError on this rank (seen on 17 of 20 tries
+    with 3 threads). Simulated deterministically: another rank removes each older file just before this one."""
+    opt = sofx.adam(lr=1e-3)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=4, model_states=True, deepspeed_objects=False)
+    remove = os.remove
+
+    def removed_by_another_rank_first(path, *args, **kwargs):
+        remove(path)
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", removed_by_another_rank_first)
+    written = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, model_states=True,
+                            deepspeed_objects=False)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(w) for w in written)
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert _bits_equal((p2, s2), (params, state))
+
+
 def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
     """Saved with groups= (the model's order), loaded without them: the file's recorded layout; loaded with
     groups that put other leaves in a block: refused naming them (the flat sizes alone would agree)."""

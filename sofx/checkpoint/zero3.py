@@ -38,6 +38,7 @@ engine can then resume from the files), else a plain dict and an int
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import math
 import os
@@ -130,7 +131,8 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     set of files is not one atomic unit, as with DeepSpeed); then this
     ``mp_rank``'s files of an older save that the new set does not overwrite
     (more dp ranks, the other ``bf16_`` prefix) are removed, so the directory
-    holds one consistent checkpoint. ``bf16`` sets the
+    holds one consistent checkpoint (every rank of a run may save the same checkpoint at once: each writes the
+    same files, and a file another rank removed first is not an error). ``bf16`` sets the
     ``bf16_`` file prefix (default: when a params leaf is bfloat16).
     ``loss_scaler``: sofx's loss scaler as a ``(rule, state)`` pair
     (:func:`sofx.loss_scale.deepspeed_scaler` or ``static_scale``, see
@@ -236,12 +238,14 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
 
 def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
     """Remove ``mp_rank``'s ZeRO-3 optimizer and model files in ``directory`` other than ``keep`` (an older save
-    with more dp ranks or the other prefix: loading would read them as part of the new one, or refuse)."""
+    with more dp ranks or the other prefix: loading would read them as part of the new one, or refuse). A file
+    already gone when it is removed (another rank saving the same checkpoint at once removed it) is fine."""
     for name in os.listdir(directory):
         m = _FILE_RE.match(name) or _MODEL_FILE_RE.match(name)
         path = os.path.join(directory, name)
         if m and int(m.group("mp")) == mp_rank and path not in keep:
-            os.remove(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
