@@ -298,3 +298,20 @@ def test_params_whose_leaf_paths_read_the_same_are_refused_on_every_rank(ranks):
             assert msg == (f"SofxError: params has two leaves named {path}: which is which could differ "
                            "between ranks; give the keys a repr that tells them apart"), (what, msg)
     refused_on_every_rank(ranks, BAD, "keys_that_read_the_same", "on one rank", f"params has two leaves named {path}")
+
+
+def test_optimizers_whose_tensor_defaults_differ_beyond_their_repr_read_differently():
+    """The optimizer was compared by its ``repr``, in which a 0-d tensor default reads to 4 digits
+    (``lr=tensor(0.0100)`` for 0.01 and for 0.0100001): ranks whose optimizers step with other defaults were
+    taken as set up the same. Its defaults are compared field by field too, a tensor by its exact value."""
+    from sofx.distributed.setup import _setup_entries
+
+    def entries(lr):
+        return _setup_entries(None, sofx.adamw(lr=lr), None, None, None, None)
+
+    assert repr(sofx.adamw(lr=torch.tensor(0.01))) == repr(sofx.adamw(lr=torch.tensor(0.0100001)))
+    assert entries(torch.tensor(0.01)) == entries(torch.tensor(0.01))
+    assert entries(torch.tensor(0.01)) != entries(torch.tensor(0.0100001))
+    exact = torch.tensor(0.0100001).item()
+    assert entries(torch.tensor(0.0100001))["opt.defaults.lr"] == f"tensor({exact!r}, dtype=torch.float32)"
+    assert entries(0.01)["opt.defaults.lr"] == "0.01" and list(entries(0.01))[0] == "opt"  # named after opt

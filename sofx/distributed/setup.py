@@ -49,7 +49,7 @@ def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: An
     compared leaf by leaf, each named by its path, not values; two leaves
     whose paths read the same, dict keys of equal ``repr``, are refused);
     ``opt``: the optimizer (its static configuration and kernel backend, by
-    ``repr``; with ``params``, also the backend each leaf resolves to:
+    ``repr``, and its default hparams field by field; with ``params``, also the backend each leaf resolves to:
     ``backend="auto"`` takes Triton on a GPU where it is installed and the
     reference kernels elsewhere, whose bits differ); ``scaler``: the loss
     scaler (its settings); ``config``: a :class:`~sofx.speculate.SpeculationConfig`;
@@ -103,6 +103,8 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
     for name, value in (("opt", opt), ("scaler", scaler), ("config", config), ("hparams", hparams)):
         if value is not None:
             _entries(name, value, out)
+            if name == "opt" and isinstance(opt, Adam):  # its repr reads a 0-d tensor default to 4 digits
+                _entries("opt.defaults", opt.defaults, out)
     if params is not None and isinstance(opt, Adam):
         out.update(_kernel_entries(params, opt))
     if callable(hparams):
