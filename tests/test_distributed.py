@@ -779,6 +779,28 @@ def test_partition_blocks_is_contiguous_balanced_and_complete():
     assert hp == [full[i] for i in shard.owned]
 
 
+def test_local_hparams_follow_a_tensor_hparam_changed_in_place_as_one_process_does():
+    """A 0-d tensor lr that the training loop changes in place (``lr.fill_()``, a schedule of one's own) is read
+    by each step in one process; a shard's local hparams read it once, when built, and its steps went on with
+    the first value. They keep the tensor, as the full tree does, and each step reads it."""
+    params = _params()
+    lr = torch.tensor(1e-2)
+    hparams = {"embed": AdamHParams(lr=lr), "layers": AdamHParams(lr=lr, beta1=0.85), "head": AdamHParams()}
+    opt, scaler = _opt(), loss_scale.static_scale()
+    shard = sd.shard_blocks(params, rank=1, world_size=2)
+    local_hp = shard.local_hparams(opt, hparams)
+    full, local = init_loop(opt, params, scaler), init_loop(opt, shard.local(params), scaler)
+    for step in range(3):
+        lr.fill_(1e-2 * 0.5 ** step)
+        grads = _raw_grads(step)
+        full, _ = serial_loop_step(opt, full, grads, scaler=scaler, hparams=hparams)
+        local, _ = serial_loop_step(opt, local, shard.local(grads, "grads"), scaler=scaler, hparams=local_hp)
+        for got, want in zip(local.params, shard.local(full.params)):
+            assert torch.equal(got, want), step
+    assert local_hp == shard.local_hparams(opt, hparams)
+    assert [hp.beta2 for hp in local_hp] == [0.999] * len(shard.owned)  # the defaults filled in
+
+
 def test_a_rank_owning_no_block_still_takes_part(ranks3):
     runs = [r["idle_rank"] for r in ranks3]
     assert runs[1]["owned"] == [] and runs[0]["owned"] == [0, 1, 2] and runs[2]["owned"] == [3, 4, 5]

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
+from sofx.adam import AdamHParams
 from sofx.distributed.agreement import _agree, _check_same_layout, _dtype_shape
 from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
 from sofx.distributed.mean import _mean_from_sum, _summands
@@ -107,11 +108,17 @@ class Shard:
 
         ``hparams`` is an ``AdamHParams`` prefix tree of the full params (or
         ``None``), or a schedule ``step -> hparams``, which gives a schedule.
+        A field left ``None`` takes ``opt``'s default. A 0-d tensor (given or
+        default) is kept, not read: each step reads it, as a step of the full
+        tree does, so that changing it in place (``lr.fill_()``) between steps
+        moves every rank's steps alike.
         """
         if callable(hparams):
             return lambda step: self.local_hparams(opt, hparams(step))
-        per_leaf = opt.resolve_hparams(hparams, self.spec)
-        return [per_leaf[i] for i in self.owned]
+        per_leaf = opt.resolve_hparams(hparams, self.spec)  # checked; defaults filled in, tensors read
+        given = tree.broadcast_prefix(AdamHParams() if hparams is None else hparams, self.spec,
+                                      is_leaf=lambda x: isinstance(x, AdamHParams), what="hparams")
+        return [_keeping_tensors(given[i], per_leaf[i], opt.defaults) for i in self.owned]
 
     def _check_group(self, group: Any, what: str) -> None:
         """Refuse a shard built for another rank or world size than ``group`` gives this process (a hand-built
@@ -234,6 +241,14 @@ class Shard:
                 for i, part in zip(leaves, flat.split(sizes)):
                     result[i] = part.view(g_leaves[i].shape).to(g_leaves[i].device)
         return [result.get(i) for i in self.owned]
+
+
+def _keeping_tensors(given: Any, full: AdamHParams, defaults: AdamHParams) -> AdamHParams:
+    """``full`` (a leaf's hparams, complete, as numbers) with the fields that ``given`` (its hparams as passed,
+    ``None`` in a field: the default) or ``defaults`` hold as tensors put back as those tensors."""
+    given = AdamHParams() if given is None else given
+    fields = [d if x is None else x for x, d in zip(given, defaults)]
+    return AdamHParams(*(x if isinstance(x, torch.Tensor) else f for x, f in zip(fields, full)))
 
 
 def _buckets(owners: Sequence[int], templates: Sequence[Any]) -> dict[tuple[int, torch.dtype], list[int]]:
