@@ -106,7 +106,9 @@ def load(path: str | os.PathLike, like: Any = None, *,
     keys, NamedTuple types, leaf kinds, tensor shapes and dtypes, or a
     :class:`CheckpointMismatchError` names the first leaf path that differs
     (before any tensor is read). Tensors are placed on the template's devices (a meta
-    template's on the CPU: a model built on the meta device loads real data).
+    template's on the CPU: a model built on the meta device loads real data), in the
+    layout they were saved with, not the template's (its strides are not compared: a
+    contiguous template loads a saved channels_last tensor as channels_last).
     ``types``: NamedTuple classes allowed besides sofx's own (needed without a
     template for a NamedTuple type that sofx does not define).
     ``device``: where to put every tensor (default: the template's device,
