@@ -48,7 +48,7 @@ from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, is_traced
-from sofx.kernels.user_numbers import integer, nonnegative_number
+from sofx.kernels.user_numbers import integer, is_bool, nonnegative_number, positive_number, real_number
 
 __all__ = [
     "CLIP_EPS",
@@ -86,14 +86,15 @@ MISSING_GRAD_MODES = ("skip", "zero")
 
 
 # ----------------------------------------------------------------- numbers
-def max_norm_value(max_norm: Any) -> float:
+def max_norm_value(max_norm: Any, name: str = "max_norm") -> float:
     """``max_norm`` as a Python float where it is a number >= 0, inf included (a Python or numpy number, or a
     1-element tensor: :func:`~sofx.kernels.user_numbers.nonnegative_number`), as ``clip_grad_norm_`` takes it:
     0 zeroes every gradient (``coef = 0/(norm + 1e-6)``), inf leaves them as they are. A negative max_norm
     (torch multiplies the gradients by a negative coefficient: every gradient reversed, the step climbs the
     loss), nan (every gradient nan) or anything else is refused, an :class:`HParamError` naming the value and
-    its type. No clipping is ``None`` where a caller takes it (or :func:`identity`)."""
-    return nonnegative_number("max_norm", max_norm, " (as clip_grad_norm_ takes it, 0 zeroes the gradients and inf "
+    its type (``name``: how the message calls it). No clipping is ``None`` where a caller takes it (or
+    :func:`identity`)."""
+    return nonnegative_number(name, max_norm, " (as clip_grad_norm_ takes it, 0 zeroes the gradients and inf "
                               "leaves them as they are; None: no clipping; there a negative max_norm would reverse "
                               "every gradient, and nan make them nan)")
 
@@ -178,16 +179,60 @@ def all_finite(grads: Any) -> bool:
     return all(bool(torch.isfinite(g).all()) for g in _gradient_leaves(grads, "all_finite"))
 
 
-def clip_coefficient(norm: float, max_norm: float) -> float:
+def _norm_value(who: str, name: str, norm: Any) -> float | torch.Tensor:
+    """A gradient norm as a Python float where it is a number >= 0, inf or nan (a non-finite gradient's: a Python
+    or numpy number, or a 1-element tensor whose value can be read); a tensor whose value cannot be read
+    (:func:`~sofx.kernels.base.is_traced`: vmap, autograd, compile) as it is. Else an :class:`HParamError` naming
+    ``who``, ``name``, the value and its type (a negative norm made ``norm + 1e-6`` 0 or of the wrong sign)."""
+    if is_traced(norm):
+        return norm
+    x = real_number(norm)
+    try:
+        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else -math.inf
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not (f >= 0 or math.isnan(f)):
+        raise HParamError(f"{who}: {name} = {norm!r:.80} is invalid; expected a number >= 0 (a gradient norm: inf or "
+                          f"nan where a gradient is not finite; a Python or numpy number, or a 1-element tensor), "
+                          f"got {type(norm).__name__}")
+    return f
+
+
+def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float | torch.Tensor:
     """``clip_grad_norm_``'s multiplier: ``max_norm / (norm + 1e-6)`` when that is ``< 1``, else 1 (a nan norm
-    gives nan, as ``torch.clamp`` keeps it: the gradients become nan, as torch's do)."""
+    gives nan, as ``torch.clamp`` keeps it: the gradients become nan, as torch's do).
+
+    ``norm``: a number >= 0, inf or nan (:func:`_norm_value`), or a tensor whose value cannot be read (vmap,
+    autograd, compile): then ``torch.clamp(max_norm / (norm + 1e-6), max=1)``, a tensor. ``max_norm``: a number
+    >= 0, inf included (:func:`max_norm_value`). Anything else (a negative norm, whose ``norm + 1e-6`` was 0 or
+    negative) is refused, an :class:`HParamError` naming the argument and the range expected."""
+    max_norm = max_norm_value(max_norm, "clip_coefficient: max_norm")
+    norm = _norm_value("clip_coefficient", "norm", norm)
+    if isinstance(norm, torch.Tensor):
+        return torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
     coef = max_norm / (norm + CLIP_EPS)
     return 1.0 if coef >= 1.0 else coef
 
 
-def zero_clip_factor(scaled_norm: float, scale: float, max_norm: float) -> float:
-    """ZeRO's clip divisor ``max((scaled_norm/scale + 1e-6) / max_norm, 1)`` (``> 1``: clipping); 1 for a
-    ``max_norm`` of 0, as DeepSpeed clips only where its ``clip_grad > 0`` (0, its default, is "off")."""
+def zero_clip_factor(scaled_norm: float | torch.Tensor, scale: float | torch.Tensor,
+                     max_norm: float) -> float | torch.Tensor:
+    """ZeRO's clip divisor ``max((scaled_norm/scale + 1e-6) / max_norm, 1)`` (``> 1``: clipping; 1 for a nan
+    norm); 1 for a ``max_norm`` of 0, as DeepSpeed clips only where its ``clip_grad > 0`` (0, its default, is "off").
+
+    ``scaled_norm``: a number >= 0, inf or nan (:func:`_norm_value`); ``scale``: the loss scale, a finite number
+    > 0; ``max_norm``: a number >= 0, inf included (:func:`max_norm_value`). Where ``scaled_norm`` or ``scale`` is
+    a tensor whose value cannot be read (vmap, autograd, compile) the same rule on tensors, a tensor. Anything
+    else (a scale of 0, whose division raised a ZeroDivisionError) is refused, an :class:`HParamError` naming the
+    argument and the range expected."""
+    max_norm = max_norm_value(max_norm, "zero_clip_factor: max_norm")
+    scaled_norm = _norm_value("zero_clip_factor", "scaled_norm", scaled_norm)
+    if not is_traced(scale):
+        scale = positive_number("zero_clip_factor: scale", scale)
+    if isinstance(scaled_norm, torch.Tensor) or isinstance(scale, torch.Tensor):
+        if max_norm == 0:
+            return torch.ones_like(torch.as_tensor(scaled_norm / scale))
+        clip_t = (scaled_norm / scale + CLIP_EPS) / max_norm
+        return torch.where(clip_t > 1.0, clip_t, torch.ones_like(clip_t))  # (nan: 1, as below)
     if max_norm == 0:
         return 1.0
     clip = ((scaled_norm / scale) + CLIP_EPS) / max_norm

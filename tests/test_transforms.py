@@ -595,3 +595,67 @@ def test_zero_form_of_max_norm_0_or_inf_only_unscales_as_deepspeeds_stage3(rng, 
     traced, tstate = z.update(grads, z.init(grads), loss_scale=torch.tensor(S, requires_grad=True))
     assert tstate.coef.item() == 1.0
     assert torch.equal(torch.cat([g.detach().reshape(-1) for g in sofx.tree.flatten(traced)[0]]), flat)
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda: tx.clip_coefficient(-1e-6, 1.0), r"clip_coefficient: norm = -1e-06 is invalid; expected a number >= 0"),
+    (lambda: tx.clip_coefficient(-math.inf, 1.0), r"clip_coefficient: norm = -inf is invalid; expected a number >= 0"),
+    (lambda: tx.clip_coefficient("1.0", 1.0), r"clip_coefficient: norm = '1.0' is invalid; .* got str"),
+    (lambda: tx.clip_coefficient(True, 1.0), r"clip_coefficient: norm = True is invalid; .* got bool"),
+    (lambda: tx.clip_coefficient(1.0, -1.0), r"clip_coefficient: max_norm = -1.0 is invalid; expected a number >= 0"),
+    (lambda: tx.clip_coefficient(1.0, math.nan), r"clip_coefficient: max_norm = nan is invalid"),
+    (lambda: tx.zero_clip_factor(1.0, 0.0, 1.0), r"zero_clip_factor: scale = 0.0 is invalid; expected a finite "
+                                                   r"number > 0"),
+    (lambda: tx.zero_clip_factor(1.0, -2.0, 1.0), r"zero_clip_factor: scale = -2.0 is invalid; expected a finite "
+                                                    r"number > 0"),
+    (lambda: tx.zero_clip_factor(1.0, math.inf, 1.0), r"zero_clip_factor: scale = inf is invalid"),
+    (lambda: tx.zero_clip_factor(-1.0, 2.0, 1.0), r"zero_clip_factor: scaled_norm = -1.0 is invalid; expected a "
+                                                    r"number >= 0"),
+    (lambda: tx.zero_clip_factor(1.0, 2.0, -1.0), r"zero_clip_factor: max_norm = -1.0 is invalid; expected a "
+                                                    r"number >= 0"),
+    (lambda: tx.zero_clip_factor(1.0, torch.tensor([2.0, 3.0]), 1.0), r"zero_clip_factor: scale = .* is invalid"),
+], ids=["norm -1e-6", "norm -inf", "norm str", "norm bool", "max_norm negative", "max_norm nan", "scale 0",
+        "scale negative", "scale inf", "scaled_norm negative", "zero max_norm negative", "scale of 2 elements"])
+def test_clip_coefficient_and_zero_clip_factor_refuse_values_out_of_range_naming_them(call, pattern):
+    """A norm of -1e-6 (norm + 1e-6 == 0) or a loss scale of 0 raised a bare ZeroDivisionError, and other negative
+    norms or scales gave a coefficient that reverses or blows up the gradients: refused, naming the argument and
+    the range expected."""
+    with pytest.raises(HParamError, match=pattern):
+        call()
+
+
+def test_clip_coefficient_and_zero_clip_factor_take_inf_and_nan_norms_and_numbers_of_any_type():
+    """A non-finite gradient's norm (inf, nan) is a norm: clip_grad_norm_'s coefficient is 0 and nan for them
+    (nan kept, as torch.clamp keeps it); numpy numbers and 1-element tensors read as their Python float."""
+    np = pytest.importorskip("numpy")
+    assert tx.clip_coefficient(math.inf, 1.0) == 0.0
+    assert math.isnan(tx.clip_coefficient(math.nan, 1.0))
+    assert tx.clip_coefficient(0.0, 1.0) == 1.0 and tx.clip_coefficient(0.0, 0.0) == 0.0
+    assert tx.zero_clip_factor(math.inf, 2.0, 1.0) == math.inf
+    assert tx.zero_clip_factor(1.0, 2.0, 0.0) == 1.0
+    want = tx.clip_coefficient(3.0, 0.5)
+    for norm in (np.float32(3.0), np.float64(3.0), torch.tensor(3.0), torch.tensor([3.0], dtype=torch.float64), 3):
+        got = tx.clip_coefficient(norm, 0.5)
+        assert type(got) is float and got == want, norm
+    assert tx.zero_clip_factor(np.float64(6.0), torch.tensor(2.0), np.float32(0.5)) == tx.zero_clip_factor(6.0, 2.0, 0.5)
+
+
+def test_clip_coefficient_and_zero_clip_factor_of_traced_norms_equal_the_float_path():
+    """Under vmap (or autograd recording, or torch.compile) the norm cannot be read: the same rule on the tensor
+    (``coef >= 1.0`` on a vmapped tensor raised a data-dependent control flow error), each value the eager one."""
+    norms = torch.tensor([0.0, 0.3, 2.0, 1e4, math.inf, math.nan], dtype=torch.float64)
+    scales = torch.tensor([1.0, 2.0, 0.5, 1024.0, 3.0, 4.0], dtype=torch.float64)
+    coef = torch.func.vmap(lambda n: tx.clip_coefficient(n, 0.5))(norms)
+    clip = torch.func.vmap(lambda n, s: tx.zero_clip_factor(n, s, 0.5))(norms, scales)
+    off = torch.func.vmap(lambda n, s: tx.zero_clip_factor(n, s, 0.0))(norms, scales)
+    for i, (n, s) in enumerate(zip(norms.tolist(), scales.tolist())):
+        for got, want in ((coef[i].item(), tx.clip_coefficient(n, 0.5)), (clip[i].item(), tx.zero_clip_factor(n, s, 0.5)),
+                          (off[i].item(), tx.zero_clip_factor(n, s, 0.0))):
+            assert got == want or (math.isnan(got) and math.isnan(want)), (i, got, want)
+    recorded = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    tx.clip_coefficient(recorded, 0.5).backward()
+    assert recorded.grad.item() == pytest.approx(-0.5 / (2.0 + 1e-6) ** 2)
+    compiled = torch.compile(lambda n, s: (tx.clip_coefficient(n, 0.5), tx.zero_clip_factor(n, s, 0.5)),
+                             backend="eager", fullgraph=True)
+    c, z = compiled(torch.tensor(2.0, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64))
+    assert c.item() == tx.clip_coefficient(2.0, 0.5) and z.item() == tx.zero_clip_factor(2.0, 0.5, 0.5)
