@@ -459,7 +459,8 @@ def check_finite() -> GradientTransformation:
 
 # ------------------------------------------------------------ accumulation
 class AccumulationState(NamedTuple):
-    """Gradients summed over the micro-steps so far (``None`` leaves: no gradient yet)."""
+    """Gradients summed over the micro-steps so far (``None`` leaves: no gradient yet), and how many micro-steps
+    (an integer >= 0)."""
 
     total: Any
     micro_steps: int = 0
@@ -471,6 +472,17 @@ def accumulation_init(params: Any) -> AccumulationState:
     return AccumulationState(tree.unflatten(spec, [None] * len(leaves)), 0)
 
 
+def _micro_steps(who: str, state: AccumulationState) -> int | torch.Tensor:
+    """``state.micro_steps`` as a Python int where it is an integer >= 0 (a Python or numpy integer, or a 1-element
+    integer tensor), an integer tensor whose value cannot be read (vmap, autograd, compile) as it is; else a
+    :class:`SofxError` naming ``who`` and the field (-1 became 0 after a micro-step, 1.0 became 2.0)."""
+    n = state.micro_steps
+    if isinstance(n, torch.Tensor) and is_traced(n) and not n.is_floating_point() and not n.is_complex() \
+            and n.dtype != torch.bool:
+        return n
+    return integer(f"{who}: state.micro_steps", n, 0, SofxError)
+
+
 def accumulate(state: AccumulationState, grads: Any, params: Any) -> AccumulationState:
     """Add one micro-step's gradients (``None`` leaves: no gradient this micro-step).
 
@@ -480,6 +492,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     reuses its gradient buffers (``zero_grad(set_to_none=False)``) keeps its sum.
     """
     _check_state("accumulate", state, AccumulationState, "accumulation_init(params)")
+    micro_steps = _micro_steps("accumulate", state)
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
     new = tree.flatten_up_to(spec, grads, "grads")
@@ -490,7 +503,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
         if acc is not None:  # a state of other params: acc + g broadcast a (1, n) sum to (m, n)
             _check_grad(path, acc, p, "state.total")
     out = [acc if g is None else g.clone() if acc is None else acc + g for acc, g in zip(old, new)]
-    return AccumulationState(tree.unflatten(spec, out), state.micro_steps + 1)
+    return AccumulationState(tree.unflatten(spec, out), micro_steps + 1)
 
 
 def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip") -> Any:
@@ -499,6 +512,7 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     if missing_grad not in MISSING_GRAD_MODES:
         raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
     _check_state("accumulated", state, AccumulationState, "accumulation_init(params)")
+    _micro_steps("accumulated", state)
     leaves, spec = tree.flatten(params)
     totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
     for path, p, t in zip(tree.leaf_paths(spec), leaves, totals):

@@ -219,6 +219,34 @@ def test_accumulation_state_of_other_params_is_refused_naming_the_leaf(rng):
         tx.accumulate(doubles, {"w": None, "b": torch.randn(2, generator=rng)}, params)
 
 
+@pytest.mark.parametrize("micro_steps, kind", [(-1, "int"), (1.0, "float"), (True, "bool"), ("2", "str"),
+                                               (None, "NoneType"), (torch.tensor(1.5), "a torch.float32 tensor")])
+def test_an_accumulation_state_with_a_micro_step_count_that_is_no_count_is_refused(rng, micro_steps, kind):
+    """``AccumulationState(total, micro_steps)`` built by hand (or loaded) took any micro_steps: -1 came back as
+    0 after a micro-step, 1.0 as 2.0, and "2" raised a TypeError from ``+ 1``. Refused by ``accumulate`` and
+    ``accumulated``, naming the field and the range; nothing passed in is changed."""
+    params = {"w": torch.randn(3, generator=rng)}
+    total = {"w": torch.randn(3, generator=rng)}
+    kept = total["w"].clone()
+    state = tx.AccumulationState(total, micro_steps)
+    for call, who in ((lambda: tx.accumulate(state, {"w": torch.ones(3)}, params), "accumulate"),
+                      (lambda: tx.accumulated(state, params), "accumulated")):
+        with pytest.raises(SofxError, match=rf"{who}: state\.micro_steps = .* is invalid; expected an integer >= 0 "
+                                            rf".*got {kind}"):
+            call()
+    assert state.total is total and torch.equal(total["w"], kept)
+
+
+def test_an_accumulation_state_counts_numpy_and_tensor_micro_steps_as_ints(rng):
+    """A count read back from a checkpoint as numpy's int64 or a 0-d int64 tensor is a count: the next state's
+    is a Python int."""
+    np = pytest.importorskip("numpy")
+    params = {"w": torch.randn(3, generator=rng)}
+    for n in (np.int64(2), torch.tensor(2), 2):
+        state = tx.accumulate(tx.AccumulationState({"w": None}, n), {"w": torch.ones(3)}, params)
+        assert type(state.micro_steps) is int and state.micro_steps == 3
+
+
 def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
     """A label_fn returning None ("no special group") dropped the leaf from the labels tree: group_hparams then
     gave it the optimizer's defaults, not ``base`` (its scheduled lr was ignored); a tuple became a subtree."""
