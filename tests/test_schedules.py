@@ -329,3 +329,52 @@ def test_join_made_from_lists_is_the_one_of_tuples():
     made = schedules.Join([c, c], [3])
     assert made == schedules.join([c, c], [3]) and hash(made) == hash(schedules.join((c, c), (3,)))
     assert made.schedules == (c, c) and made.boundaries == (3,)
+
+
+def _loop_step(hparams):
+    """One serial loop step of a two-leaf model with ``hparams``."""
+    from sofx.loss_scale import static_scale
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt, scaler = sofx.adamw(), static_scale(1.0)
+    params = {"w": torch.ones(3, 3), "b": torch.ones(3)}
+    loop = init_loop(opt, params, scaler)
+    return serial_loop_step(opt, loop, {"w": torch.ones(3, 3), "b": torch.ones(3)}, scaler=scaler,
+                            hparams=hparams)[0]
+
+
+@pytest.mark.parametrize("hparams, pattern", [
+    (schedules.cosine_decay(1e-3, 10),
+     r"hparams: the schedule CosineDecay\(.*\) returned 0\.001 \(float\) at step 0, a number; .*"
+     r"hparams_schedule\(lr=schedule\)"),
+    (1e-3, r"hparams = 0\.001 \(float\) is a number; expected an AdamHParams \(AdamHParams\(lr=0\.001\)\).*"
+           r"hparams_schedule\(lr=schedule\)"),
+    ({"w": schedules.hparams_schedule(lr=1e-3), "b": schedules.hparams_schedule(lr=1e-3, weight_decay=0.0)},
+     r"hparams\['b'\] is a schedule \(HParamsSchedule\) inside an hparams tree, which is not evaluated; .*"
+     r"lambda t: group_hparams\(labels, groups, base=schedule\(t\)\)"),
+    ({"w": schedules.cosine_decay(1e-3, 10), "b": AdamHParams()},
+     r"hparams\['w'\] is a schedule \(CosineDecay\) inside an hparams tree.*hparams_schedule\(lr="),
+    (lambda t: {"w": schedules.hparams_schedule(lr=1e-3), "b": None},
+     r"hparams\(step=0\)\['w'\] is a schedule \(HParamsSchedule\) inside an hparams tree"),
+    (lambda t: {"w": AdamHParams(), "b": 0.0}, r"hparams\(step=0\)\['b'\] = 0\.0 \(float\) is a number; expected an "
+                                                r"AdamHParams")],
+    ids=["float schedule", "float", "a schedule per group", "a float schedule in a group", "schedule returns "
+         "schedules", "schedule returns a number in a group"])
+def test_a_loop_step_given_a_number_schedule_or_schedules_per_group_says_how_to_give_them(hparams, pattern):
+    """A float schedule passed as the loop's hparams (``hparams=cosine_decay(...)``) or one schedule per group
+    (``{"w": hparams_schedule(...), ...}``) was refused with "expected an AdamHParams, got float" (or
+    HParamsSchedule): now the message says how to give them (hparams_schedule(lr=...), a callable returning the
+    whole tree)."""
+    with pytest.raises(HParamError, match=pattern):
+        _loop_step(hparams)
+
+
+def test_a_loop_step_takes_the_ways_its_refusals_suggest():
+    """What the messages above suggest works: a field schedule wrapped, a callable returning the groups."""
+    lr = schedules.cosine_decay(1e-3, 10)
+    _loop_step(schedules.hparams_schedule(lr=lr))
+    wrapped = schedules.hparams_schedule(lr=lr)
+    labels = {"w": "decay", "b": "no_decay"}
+    groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}
+    _loop_step(lambda t: sofx.transforms.group_hparams(labels, groups, base=wrapped(t)))
+    _loop_step(lambda t: {"w": wrapped(t), "b": None})
