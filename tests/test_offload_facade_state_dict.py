@@ -292,3 +292,63 @@ def test_named_and_unnamed_param_groups_mixed_are_refused_as_in_torch_optim():
     with pytest.raises(ValueError) as ours:
         sofx.offload.SpeculativeAdamW(groups, executor="inline")
     assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "Adam"])
+def test_load_state_dict_replaces_each_group_by_the_saved_one_as_torch_optim_does(kind):
+    """torch.optim's load_state_dict gives each group a copy of the saved one: a key the saved group lacks is
+    dropped (a user's tag, an ``initial_lr``; torch's own options take Adam's defaults, and AdamW's weight decay
+    stays decoupled), and a saved ``betas`` list stays a list. The facade merged the saved keys into its groups
+    (a dropped key kept, betas made a tuple) and refused an AdamW group saved with decoupled_weight_decay=False,
+    which torch.optim.AdamW takes as decoupled. Side by side, the groups come out the same, and step."""
+    seen = {}
+    for name, make in (("torch", lambda groups: getattr(torch.optim, kind)(groups, lr=1e-2, foreach=False)),
+                       ("facade", lambda groups: getattr(sofx.offload, f"Speculative{kind}")(groups, lr=1e-2,
+                                                                                           foreach=False,
+                                                                                           executor="inline"))):
+        model = _two_layers()
+        groups = [{"params": list(model[0].parameters()), "tag": "encoder"},
+                  {"params": list(model[2].parameters()), "lr": 3e-2}]
+        opt = make(groups)
+        saved = copy.deepcopy(opt.state_dict())
+        older = saved["param_groups"][0]  # an older state dict: neither the tag nor torch's newer options
+        for key in ("tag", "foreach", "fused", "capturable", "decoupled_weight_decay", "differentiable"):
+            del older[key]
+        older["betas"] = [0.8, 0.99]  # as a JSON checkpoint gives it back
+        saved["param_groups"][1].update({"note": "saved", "decoupled_weight_decay": False})
+        fresh = make(groups)
+        fresh.param_groups[0]["initial_lr"] = 1e-2  # (an lr scheduler made before the load)
+        fresh.load_state_dict(saved)
+        seen[name] = _groups_seen(fresh)
+        assert [g["params"] for g in fresh.param_groups] == [groups[0]["params"], groups[1]["params"]]
+        fresh.zero_grad()
+        loss = _loss(model, 0)[0]
+        if name == "torch":
+            loss.backward()
+        else:
+            fresh.backward(loss)
+        fresh.step()
+        if name == "facade":
+            opt.close()
+            fresh.close()
+    assert seen["facade"] == seen["torch"]
+    group0, group1 = seen["torch"][0]
+    assert "tag" not in group0 and "initial_lr" not in group0 and type(group0["betas"]) is list
+    assert group1["note"] == "saved" and group1["decoupled_weight_decay"] is (kind == "AdamW")
+    assert type(seen["facade"][1][0]["betas"]) is list
+
+
+def test_a_saved_group_without_an_hparam_is_refused_before_anything_is_loaded():
+    """torch.optim takes a saved group without ``lr`` and fails at the next step (KeyError: 'lr'); the facade,
+    which now replaces the group by the saved one as torch does (no longer keeping its own ``lr``), refuses it at
+    the load, naming the group and the key, and changes nothing."""
+    model = _two_layers()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        saved = copy.deepcopy(opt.state_dict())
+        del saved["param_groups"][0]["lr"]
+        before = copy.deepcopy(opt.state_dict())
+        groups = opt.param_groups
+        with pytest.raises(sofx.StructureError, match=r"saved param_groups\[0\] has no 'lr'"):
+            opt.load_state_dict(saved)
+        assert opt.param_groups is groups and opt.param_groups[0]["lr"] == 1e-2
+        assert_trees_bitwise(opt.state_dict()["state"], before["state"])

@@ -407,6 +407,13 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """Restore :meth:`state_dict`'s output: block state, loss scale, and every group's hparams (the
         hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``).
 
+        As ``torch.optim``'s, each group is replaced by a copy of the saved one (a key only the current group has
+        is dropped, a saved ``betas`` list stays a list; ``params``, and ``param_names`` where the saved group has
+        none, are the current group's; torch's options the saved group lacks take Adam's defaults, and a
+        SpeculativeAdamW's weight decay is decoupled, as ``torch.optim.AdamW`` sets it). The groups are checked as
+        a step checks them (a group without ``lr``, which torch takes and fails on at the next step, is refused)
+        before anything is loaded.
+
         The loss scale and its rule's settings (``state_dict["state"]["scaler"]``: growth and backoff factors,
         growth interval; DeepSpeed's window, hysteresis, minimum) are the saved ones, whatever the constructor's
         ``loss_scale``: a static one too (a number, or ``None``: a static scale of 1), whose value is only the
@@ -440,27 +447,39 @@ class _SpeculativeBase(torch.optim.Optimizer):
         if "state" not in state_dict:
             raise StructureError("the state dict has no 'state' entry (the engine state)")
         for i, (saved, g) in enumerate(zip(groups, self.param_groups)):
-            self._check_saved_group(saved, g, f"saved param_groups[{i}]")
+            _check_saved_group_fits(saved, g, f"saved param_groups[{i}]")
+        # copies, as torch.optim's one deepcopy of the saved groups (a tensor lr stays one, a betas list a list)
+        loaded = [self._loaded_group(saved, g) for saved, g in zip(copy.deepcopy(groups), self.param_groups)]
+        for i, group in enumerate(loaded):
+            self._check_loaded_group(group, f"saved param_groups[{i}]")
         # the engine checks its whole state before it changes anything; the groups cannot fail after it
         self.engine.load_state_dict(state_dict["state"], where="state_dict['state']")
-        for saved, g in zip(groups, self.param_groups):
-            for k, v in saved.items():
-                if k != "params":  # copies, as torch.optim's deepcopy of the saved groups (a tensor lr stays one)
-                    v = copy.deepcopy(v)
-                    g[k] = tuple(v) if k == "betas" else v
+        self.param_groups = loaded
 
-    def _check_saved_group(self, saved: Any, group: Mapping[str, Any], where: str) -> None:
-        """A saved param group fits ``group``: a dict with as many ``params``, with valid hparams and flags."""
-        if not isinstance(saved, Mapping):
-            raise StructureError(f"{where}: expected a dict (a param group), got {type(saved).__name__}")
-        params = saved.get("params", ())
-        if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
-            found = f"{len(params)} parameters" if isinstance(params, (list, tuple)) else repr(params)
-            raise StructureError(f"{where}['params']: this optimizer's group has {len(group['params'])} parameters, "
-                                 f"the saved group {found}")
-        merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
-        hp = group_hparams(merged, where)
-        check_group_flags(merged, where, self._decoupled)
+    def _loaded_group(self, saved: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
+        """The group that replaces ``group`` on loading (a copy of) ``saved``, as ``torch.optim``'s
+        ``load_state_dict`` makes it: the saved group with ``group``'s ``params`` (and its ``param_names`` where the
+        saved group has none); a key only ``group`` has is dropped. Then what ``torch.optim.Adam.__setstate__``
+        does: its options the saved group lacks take their defaults, and (AdamW's) weight decay is decoupled."""
+        new = dict(saved)
+        new["params"] = group["params"]
+        if "param_names" in group and "param_names" not in new:
+            new["param_names"] = group["param_names"]
+        for key, default in _TORCH_SETSTATE_DEFAULTS.items():
+            new.setdefault(key, default)
+        if self._decoupled:  # (torch.optim.AdamW.__setstate__)
+            new["decoupled_weight_decay"] = True
+        return new
+
+    def _check_loaded_group(self, group: Mapping[str, Any], where: str) -> None:
+        """A group as loaded (:meth:`_loaded_group`) has every hparam (torch.optim takes a group without one and
+        fails at the next step), valid, and flags this optimizer implements."""
+        for key in _HPARAM_KEYS:
+            if key not in group:
+                raise StructureError(f"{where} has no {key!r}: the saved group replaces this optimizer's, as in "
+                                     f"torch.optim, and a group needs {', '.join(map(repr, _HPARAM_KEYS))}")
+        hp = group_hparams(group, where)
+        check_group_flags(group, where, self._decoupled)
         refusal = self.engine.adam.algebraic_refusal(hp)  # as the next backward would, before anything is loaded
         if refusal is not None:
             raise UnsupportedError(f"{where}: {refusal}")
@@ -522,6 +541,23 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled (it owns a worker); use state_dict()")
+
+
+# torch.optim.Adam.__setstate__'s defaults of its options, for a loaded group without them (an older state dict)
+_TORCH_SETSTATE_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                            "differentiable": False, "decoupled_weight_decay": False, "fused": None}
+_HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _check_saved_group_fits(saved: Any, group: Mapping[str, Any], where: str) -> None:
+    """A saved param group fits ``group``: a dict with as many ``params``."""
+    if not isinstance(saved, Mapping):
+        raise StructureError(f"{where}: expected a dict (a param group), got {type(saved).__name__}")
+    params = saved.get("params", ())
+    if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
+        found = f"{len(params)} parameters" if isinstance(params, (list, tuple)) else repr(params)
+        raise StructureError(f"{where}['params']: this optimizer's group has {len(group['params'])} parameters, "
+                             f"the saved group {found}")
 
 
 def _is_torch_optim_state(state: Any) -> bool:
