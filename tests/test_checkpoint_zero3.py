@@ -7,6 +7,7 @@ import enum
 import importlib.util
 import math
 import os
+import re
 import sys
 import types
 
@@ -172,6 +173,21 @@ def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
     assert torch.equal(p2["a"], params["a"]) and torch.equal(p2["b"], params["b"])
     with pytest.raises(ck.CheckpointMismatchError, match=r"block 0, leaf 0: the file holds \[\"params\['b'\]\""):
         ck.load_zero3(tmp_path, opt, template, groups=[["params['a']"], ["params['b']"]])
+
+
+def test_swapped_rank_files_are_refused_naming_the_file_and_both_ranks(tmp_path):
+    """Each file records the dp rank it was written for: rank files swapped (or renamed) would otherwise load
+    their pieces into the other rank's places without a word (the sizes agree)."""
+    opt = sofx.adamw()
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, deepspeed_objects=False)
+    os.replace(files[0], tmp_path / "swap")
+    os.replace(files[1], files[0])
+    os.replace(tmp_path / "swap", files[1])
+    with pytest.raises(ck.CorruptCheckpointError,
+                       match=re.escape(f"{files[0]}: written for dp rank 1, its name says dp rank 0")):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
 
 
 def test_float64_is_refused_not_rounded(tmp_path):

@@ -645,7 +645,8 @@ def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
 
 def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_leaves: list[Any],
                paths: list[str], opt: Adam, top: Any = None) -> dict:
-    """Rank ``rank``'s file, checked against the layout (``top``: its contents, if loaded already)."""
+    """Rank ``rank``'s file (the rank its name says), checked against the layout and, where sofx wrote it,
+    against the dp rank it records (``top``: its contents, if loaded already)."""
     if top is None:
         top = _torch_load(path)
     zero = _get(top, "optimizer_state_dict", path, dict)
@@ -665,6 +666,11 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if version != FORMAT_VERSION:
             raise CheckpointVersionError(f"{path}: written by sofx in layout version {version!r}; this sofx reads "
                                          f"version {FORMAT_VERSION}")
+        recorded = sofx_meta.get("dp_rank")
+        if recorded is not None and (type(recorded) is not int or recorded != rank):
+            # (swapped or renamed rank files: the sizes agree, each piece would land in another rank's place)
+            raise CorruptCheckpointError(f"{path}: written for dp rank {recorded!r}, its name says dp rank {rank}; "
+                                         "rank files were swapped or renamed")
         if sofx_meta.get("decoupled") is not None and sofx_meta["decoupled"] != opt.variant.decoupled:
             raise UnsupportedError(f"{path}: written by an optimizer with decoupled={sofx_meta['decoupled']}, "
                                    f"loading into one with decoupled={opt.variant.decoupled}")
