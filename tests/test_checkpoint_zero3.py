@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import sys
 import types
 
@@ -188,6 +189,25 @@ def test_swapped_rank_files_are_refused_naming_the_file_and_both_ranks(tmp_path)
                        match=re.escape(f"{files[0]}: written for dp rank 1, its name says dp rank 0")):
         ck.load_zero3(tmp_path, opt, params, HP)
 
+
+def test_two_files_for_one_dp_rank_are_refused_naming_both(tmp_path):
+    """``zero_pp_rank_01_...`` and ``zero_pp_rank_1_...`` are both dp rank 1 (DeepSpeed writes the rank
+    unpadded): the one listed last was taken without a word; now both are named (so are two of one mp rank)."""
+    opt = sofx.adamw()
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, deepspeed_objects=False)
+    padded = tmp_path / "zero_pp_rank_01_mp_rank_00_optim_states.pt"
+    shutil.copy(files[1], padded)
+    with pytest.raises(ck.CorruptCheckpointError, match=r"2 ZeRO-3 optimizer files for dp rank 1 of mp rank 0: "
+                       r"zero_pp_rank_01_mp_rank_00_optim_states.pt and zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    os.remove(files[1])  # the padded name alone is still read as rank 1
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert _bits_equal((p2, s2), (params, state))
+    shutil.copy(files[0], tmp_path / "zero_pp_rank_0_mp_rank_000_optim_states.pt")  # mp rank 0 too
+    with pytest.raises(ck.CorruptCheckpointError, match=r"2 ZeRO-3 optimizer files for dp rank 0 of mp rank 0: "
+                       r"zero_pp_rank_0_mp_rank_000_optim_states.pt and zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        ck.load_zero3_loss_scaler(tmp_path)
 
 
 def test_float64_is_refused_not_rounded(tmp_path):

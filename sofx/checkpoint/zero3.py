@@ -380,19 +380,29 @@ def _optional_flag(name: str, value: Any) -> bool | None:
 
 
 def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[str], bool]:
+    """The ZeRO-3 optimizer files of ``mp_rank`` in ``directory``, one per dp rank ``0..W-1`` in rank order, and
+    whether they are the ``bf16_`` ones (``bf16=None``: those present). Ranks are read as numbers (DeepSpeed
+    writes ``zero_pp_rank_1``; ``zero_pp_rank_01`` is rank 1 too): two files of one rank are refused, naming
+    both (which one is rank 1's?)."""
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint directory {directory} does not exist")
-    found: dict[bool, dict[int, str]] = {False: {}, True: {}}
-    for name in os.listdir(directory):
+    found: dict[bool, dict[int, list[str]]] = {False: {}, True: {}}
+    for name in sorted(os.listdir(directory)):
         m = _FILE_RE.match(name)
         if m and int(m.group(3)) == mp_rank:
-            found[m.group(1) is not None][int(m.group(2))] = os.path.join(directory, name)
+            found[m.group(1) is not None].setdefault(int(m.group(2)), []).append(name)
     if bf16 is None:
         if found[True] and found[False]:
             raise CheckpointError(f"{directory} holds both bf16_ and plain ZeRO-3 optimizer files for mp rank "
                                   f"{mp_rank}; pass bf16=True or False")
         bf16 = bool(found[True])
-    ranks = found[bf16]
+    named = found[bf16]
+    for dp, names in sorted(named.items()):
+        if len(names) > 1:
+            raise CorruptCheckpointError(f"{directory} holds {len(names)} ZeRO-3 optimizer files for dp rank {dp} of "
+                                         f"mp rank {mp_rank}: {' and '.join(names)}; remove those that are not part "
+                                         "of the checkpoint")
+    ranks = {dp: os.path.join(directory, names[0]) for dp, names in named.items()}
     if not ranks:
         raise CheckpointNotFoundError(f"no {zero3_file_name(0, mp_rank, bf16)} (or other dp ranks) in {directory}")
     world = len(ranks)
