@@ -154,6 +154,38 @@ def _positional_too_many(rank: int) -> dict:
             "gather": error_text(lambda: shard.gather(shard.local(FULL), FULL, None, *more)), "grads": grads}
 
 
+class _SaysCuda0(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0 (no GPU needed): all_reduce_mean_ buckets it as a cuda leaf."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+class _SaysCuda1(_SaysCuda0):
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 1)
+
+
+def _gradient_on_another_device(rank: int) -> dict:
+    """all_reduce_mean_ where rank BAD keeps q's gradient on another device than the other rank ("cuda" against
+    "cpu"), or its two gradients on two cuda devices where the other has both on one: each rank sums the leaves
+    of one dtype and device as one buffer, so the ranks' buffers paired p with p and q on one rank, p alone on
+    the other (a size mismatch inside gloo, or unrelated elements summed where the sizes agree). A device's index
+    may differ (rank 1 trains on cuda:1): which leaves share a device must not."""
+    out = {}
+    for name, kinds in (("type", ((None, None), (None, _SaysCuda0))),
+                        ("index", ((_SaysCuda0, _SaysCuda0), (_SaysCuda0, _SaysCuda1)))):
+        grads = _grads(rank)
+        for key, kind in zip(("p", "q"), kinds[rank == BAD]):
+            if kind is not None:
+                grads[key] = grads[key].as_subclass(kind)
+        out[name] = error_text(lambda: sd.all_reduce_mean_(grads))
+        out[f"{name}_grads"] = {k: v.as_subclass(torch.Tensor).clone() for k, v in grads.items()}
+    return out
+
+
 def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
@@ -165,7 +197,8 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "local_leaf_unlike": _local_leaf_unlike, "meta_gradient": _meta_gradient,
          "nested_gradient": _nested_gradient, "gradient_not_floating": _gradient_not_floating,
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
-         "positional_too_many": _positional_too_many, "not_a_number": _not_a_number}
+         "positional_too_many": _positional_too_many, "gradient_on_another_device": _gradient_on_another_device,
+         "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +282,23 @@ def test_a_positional_argument_too_many_on_one_rank_is_refused_on_every_rank(ran
                                "keywords check_layout")
     for rank, res in enumerate(ranks):
         _assert_unchanged(res["positional_too_many"]["grads"], _grads(rank))
+
+
+def test_gradients_on_other_devices_than_another_ranks_are_refused_on_every_rank(ranks):
+    for rank, res in enumerate(ranks):
+        case = res["gradient_on_another_device"]
+        mine, theirs = ("cuda", "cpu") if rank == BAD else ("cpu", "cuda")
+        other = 1 - rank
+        assert case["type"] == (f"all_reduce_mean_: grads['q'] is on {theirs} on rank {other}, on {mine} on rank "
+                                f"{rank}; every rank must keep its gradients on the same kind of device (the leaves "
+                                "of one dtype and device are summed as one buffer)"), case["type"]
+        mine, theirs = ("cuda #1 of 2", "cuda") if rank == BAD else ("cuda", "cuda #1 of 2")
+        assert case["index"] == (f"all_reduce_mean_: grads['p'] is on {theirs} on rank {other}, on {mine} on rank "
+                                 f"{rank}; every rank must keep its gradients on the same kind of device (the leaves "
+                                 "of one dtype and device are summed as one buffer; #k of n: the kth of the n devices "
+                                 "of that type a rank's gradients use)"), case["index"]
+        for name in ("type", "index"):
+            _assert_unchanged(case[f"{name}_grads"], _grads(rank))
 
 
 def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):

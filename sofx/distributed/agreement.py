@@ -3,9 +3,9 @@
 :func:`_agree` compares named entries (the setup, :mod:`sofx.distributed.setup`;
 a shard's leaves and owners, :func:`sofx.distributed.shard_blocks`);
 :func:`_check_same_layout` compares the trees a packed collective sends
-(structure, ``None`` leaves, dtypes, shapes, owners). Both take part as a rank
-that refuses where this rank's own input failed its checks, and raise on every
-rank, before any data moves.
+(structure, ``None`` leaves, dtypes, shapes, owners, devices). Both take part
+as a rank that refuses where this rank's own input failed its checks, and raise
+on every rank, before any data moves.
 """
 
 from __future__ import annotations
@@ -37,6 +37,28 @@ def _layout(spec: tree.TreeSpec, leaves: Sequence[Any]) -> tuple[bytes, tuple[An
     (``None`` where a leaf has no tensor)."""
     return _structure_digest(spec), tuple((x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else None
                                           for x in leaves)
+
+
+def _device_kinds(leaves: Sequence[Any]) -> tuple[str | None, ...]:
+    """Each leaf's device as the ranks compare it (``None`` where a leaf has no tensor): its type (``"cpu"``,
+    ``"cuda"``), and where this rank's leaves use several devices of that type, which one in the order the
+    leaves first use them (``"cuda #2 of 2"``). Not the device's index, which differs between ranks (rank 1
+    trains on ``cuda:1``): the leaves a rank packs into one buffer per dtype and device are the same on every
+    rank exactly where these and the dtypes agree."""
+    used: dict[str, list[torch.device]] = {}
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.device not in used.setdefault(x.device.type, []):
+            used[x.device.type].append(x.device)
+
+    def kind(x: Any) -> str | None:
+        if not isinstance(x, torch.Tensor):
+            return None
+        same_type = used[x.device.type]
+        if len(same_type) == 1:
+            return x.device.type
+        return f"{x.device.type} #{same_type.index(x.device) + 1} of {len(same_type)}"
+
+    return tuple(kind(x) for x in leaves)
 
 
 def _digests_agree(text: str, group: Any, dev: torch.device) -> bool:
@@ -111,27 +133,29 @@ def _shortened(text: str, limit: int = 300) -> str:
 
 
 def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], root: str, group: Any,
-                       dev: torch.device, refused: SofxError | None = None, owners: tuple[int, ...] = ()) -> None:
+                       dev: torch.device, refused: SofxError | None = None, owners: tuple[int, ...] = (),
+                       devices: tuple[str | None, ...] = ()) -> None:
     """Raise on every rank, before any data moves, if the ranks' trees differ in structure, in which leaves
     are ``None``, or in a leaf's dtype or shape, or their shards in a leaf's owner (``owners``, one per leaf;
-    empty without a shard): the packed buffers would otherwise be summed or sent element by element between
-    unrelated leaves (silently, when the totals agree), reduced onto or broadcast from different ranks (a
-    leaf swapped with another), or break inside the backend. (A shard of another rank or world size than the
-    group's is its rank's refusal: :meth:`Shard._check_group`.) One all-reduce of two int64 (a digest of the
-    layout: its max and minus its min); only when they differ does an ``all_gather_object`` fetch the layouts
-    to name the first leaf that differs.
+    empty without a shard), or in a leaf's device (``devices``, one per leaf, as :func:`_device_kinds` reads
+    them; empty where the collective packs every leaf on one device): the packed buffers would otherwise be
+    summed or sent element by element between unrelated leaves (silently, when the totals agree), reduced onto
+    or broadcast from different ranks (a leaf swapped with another), or break inside the backend. (A shard of
+    another rank or world size than the group's is its rank's refusal: :meth:`Shard._check_group`.) One
+    all-reduce of two int64 (a digest of the layout: its max and minus its min); only when they differ does an
+    ``all_gather_object`` fetch the layouts to name the first leaf that differs.
 
     ``refused``: this rank's own check of its input failed (a gradient that is not floating point, a tree of
     another structure than the shard's): it still takes part, so that the others do not wait in the
     collective for it; it raises that error, and every other rank says which rank refused what."""
     mine = _layout(spec, leaves)
-    if _digests_agree(repr((mine, owners, refused is None)), group, dev):
+    if _digests_agree(repr((mine, owners, devices, refused is None)), group, dev):
         if refused is not None:  # every rank refused its input
             raise refused
         return
     paths = tree.leaf_paths(spec, root)
     layouts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, (paths, mine[1], owners, None if refused is None else str(refused)),
+    dist.all_gather_object(layouts, (paths, mine[1], owners, devices, None if refused is None else str(refused)),
                            group=group)
     if refused is not None:
         raise refused
@@ -140,8 +164,8 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
     if first_refusal is not None:
         r, text = first_refusal
         raise SofxError(f"{what}: rank {r} refused its input ({text}); no data was sent")
-    for r, (other_paths, other, other_owners, _) in enumerate(layouts):
-        if r == me or (other_paths, other, other_owners) == (paths, mine[1], owners):
+    for r, (other_paths, other, other_owners, other_devices, _) in enumerate(layouts):
+        if r == me or (other_paths, other, other_owners, other_devices) == (paths, mine[1], owners, devices):
             continue
         if other_paths != paths:
             theirs, ours = sorted(set(other_paths) - set(paths)), sorted(set(paths) - set(other_paths))
@@ -157,6 +181,13 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
             raise SofxError(f"{what}: {paths[i]} is owned by rank {other_owners[i]} in rank {r}'s shard, by rank "
                             f"{owners[i]} in rank {me}'s; every rank must build its Shard with the same owners "
                             "(shard_blocks with the same params sizes, or the same owners=)")
+        if other == mine[1]:
+            i = next(i for i, (a, b) in enumerate(zip(devices, other_devices)) if a != b)
+            numbered = "#" in f"{devices[i]}{other_devices[i]}"
+            note = "; #k of n: the kth of the n devices of that type a rank's gradients use" if numbered else ""
+            raise SofxError(f"{what}: {paths[i]} is on {other_devices[i]} on rank {r}, on {devices[i]} on rank {me}; "
+                            "every rank must keep its gradients on the same kind of device (the leaves of one dtype "
+                            f"and device are summed as one buffer{note})")
         i = next(i for i, (a, b) in enumerate(zip(mine[1], other)) if a != b)
 
         def said(x: Any) -> str:

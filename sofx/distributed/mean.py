@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from sofx import tree
-from sofx.distributed.agreement import _check_same_layout
+from sofx.distributed.agreement import _check_same_layout, _device_kinds
 from sofx.distributed.groups import _collective_device, dist, require_initialized
 from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floating_tensors, _check_writable
 
@@ -25,7 +25,9 @@ def all_reduce_mean_(grads: Any, group: Any = None, *extra: Any, check_layout: b
     ``g <- cast(sum_r fp32(g_r) / world_size)``, finite wherever every ``g_r``
     is (in fp16, two gradients of 40000 would sum to inf). ``None`` leaves (no
     gradient) are left out and must be ``None`` on every rank, in the same
-    structure (checked first by one all-reduce of 16 bytes,
+    structure, with the same dtypes, shapes and kinds of device (the device's
+    type, and which leaves share one: each rank sends one buffer per dtype and
+    device; a device's index may differ) (checked first by one all-reduce of 16 bytes,
     ``check_layout=False`` skips it: where they differ every rank raises naming
     the first leaf, before any gradient moves; a rank whose own gradients are
     refused, not tensors, not floating point, or not writable in place
@@ -59,7 +61,7 @@ def all_reduce_mean_(grads: Any, group: Any = None, *extra: Any, check_layout: b
         with_none, spec_with_none = tree.flatten(None)  # nothing of this rank's to compare
     if check_layout:  # also where this rank refused: the others learn it instead of waiting for it
         _check_same_layout("all_reduce_mean_", spec_with_none, with_none, "grads", group,
-                           _collective_device(group, None), refused)
+                           _collective_device(group, None), refused, devices=_device_kinds(with_none))
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
