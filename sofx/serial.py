@@ -56,15 +56,16 @@ finite, and otherwise writes the nan of ``0 * inf`` into the parameters.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState
-from sofx.errors import HParamError
+from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import is_bool, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
@@ -74,7 +75,8 @@ from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_valu
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "clip_max_norm", "check_scale",
            "can_unscale",
-           "loss_scale_of", "reduced_sumsq", "refuse_reduce", "local_sumsq", "without_gradients"]
+           "loss_scale_of", "reduced_sumsq", "refuse_reduce", "refuse_unknown_keywords", "local_sumsq",
+           "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -267,6 +269,35 @@ def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseExce
         refuse(error)
 
 
+# the keywords of the steps that a loop step takes from its LoopState instead
+_FROM_LOOP = {"params": "loop.params", "state": "loop.opt_state", "scaler_state": "loop.scaler_state",
+              "policy_state": "loop.policy_state"}
+
+
+def _keyword_names(fn: Callable[..., Any], leave_out: Sequence[str] = ()) -> tuple[str, ...]:
+    """The keyword-only parameters of ``fn``, in order, but ``leave_out``."""
+    return tuple(n for n, p in inspect.signature(fn).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in leave_out)
+
+
+def refuse_unknown_keywords(what: str, unknown: Mapping[str, Any], known: Sequence[str],
+                            reduce_sumsq: Callable[[float], float] | None) -> None:
+    """Refuse the keywords ``unknown`` that loop step ``what`` does not take (it takes ``known``): a
+    :class:`~sofx.errors.SofxError` naming them and ``known`` (a keyword the loop takes from its
+    :class:`LoopState`, ``scaler_state=``, named as such), raised before the loop evaluates or steps anything,
+    after telling the reduction (:func:`refuse_reduce`). Python's ``TypeError`` at the call, or from the step
+    it calls, left the other ranks waiting for this rank's sum of squares forever."""
+    if not unknown:
+        return
+    names = sorted(unknown)
+    from_loop = [f"{n} is {_FROM_LOOP[n]}" for n in names if n in _FROM_LOOP]
+    hint = f" ({'; '.join(from_loop)}: pass the loop with it replaced)" if from_loop else ""
+    error = SofxError(f"{what}: unknown keyword argument{'s' if len(names) > 1 else ''} "
+                      f"{', '.join(map(repr, names))}; it takes {', '.join(known)}{hint}")
+    refuse_reduce(reduce_sumsq, error)
+    raise error
+
+
 def can_unscale(scale: float) -> bool:
     """Whether gradients can be unscaled with ``1/scale`` in float32: ``scale > 0`` and ``1/scale`` finite there.
 
@@ -380,7 +411,7 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
 def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler, hparams: Any = None,
                      max_norm: float | None = None, profile: str = "torch", missing_grad: str = "skip",
                      reduce_sumsq: Callable[[float], float] | None = None,
-                     donate: bool = False) -> tuple[LoopState, StepFacts]:
+                     donate: bool = False, **unknown: Any) -> tuple[LoopState, StepFacts]:
     """:func:`serial_step` on a :class:`LoopState`; ``hparams`` may be a schedule ``step -> hparams``.
 
     The schedule is evaluated at ``loop.step`` (steps taken so far), and
@@ -390,7 +421,11 @@ def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScal
         for batch in data:
             grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
             loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
+
+    A keyword it does not take is refused (:func:`refuse_unknown_keywords`) before anything runs.
     """
+    if unknown:
+        refuse_unknown_keywords("serial_loop_step", unknown, _keyword_names(serial_loop_step), reduce_sumsq)
     try:
         hp = hparams_at(hparams, loop.step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as serial_step's

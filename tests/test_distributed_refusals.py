@@ -16,6 +16,8 @@ import torch
 
 import sofx
 from sofx import distributed as sd
+from sofx.serial import init_loop, serial_loop_step
+from sofx.speculate import SpeculationConfig, speculative_loop_step
 from helpers import error_text, refused_on_every_rank, run_gloo_cases
 
 BAD = 1
@@ -186,6 +188,21 @@ def _gradient_on_another_device(rank: int) -> dict:
     return out
 
 
+def _loop_step_unknown_keyword(rank: int) -> dict:
+    """serial_loop_step and speculative_loop_step with a misspelt keyword (max_nrom=) on rank BAD only: before, a
+    TypeError there (at the call, or from speculative_step), while the other rank waited for its sum of squares."""
+    opt, scaler = sofx.adamw(lr=1e-2), sofx.loss_scale.grad_scaler()
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, [torch.ones(3)], scaler)
+    kw = {"max_nrom": 1.0} if rank == BAD else {}
+    grads = [torch.full((3,), 0.5)]
+    return {"serial": error_text(lambda: serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce,
+                                                          **kw)),
+            "speculative": error_text(lambda: speculative_loop_step(opt, loop, grads, config=SpeculationConfig(),
+                                                                    scaler=scaler, reduce_sumsq=reduce, **kw)),
+            "next": serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce)[0].step}
+
+
 def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
@@ -198,7 +215,7 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "nested_gradient": _nested_gradient, "gradient_not_floating": _gradient_not_floating,
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
          "positional_too_many": _positional_too_many, "gradient_on_another_device": _gradient_on_another_device,
-         "not_a_number": _not_a_number}
+         "loop_step_unknown_keyword": _loop_step_unknown_keyword, "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +316,19 @@ def test_gradients_on_other_devices_than_another_ranks_are_refused_on_every_rank
                                  "of that type a rank's gradients use)"), case["index"]
         for name in ("type", "index"):
             _assert_unchanged(case[f"{name}_grads"], _grads(rank))
+
+
+def test_a_loop_step_with_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
+    for rank, res in enumerate(ranks):
+        case = res["loop_step_unknown_keyword"]
+        for what in ("serial", "speculative"):
+            if rank == BAD:
+                assert case[what].startswith(f"{what}_loop_step: unknown keyword argument 'max_nrom'; it takes "), \
+                    case[what]
+            else:
+                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
+                                             "squares was reduced"), case[what]
+        assert case["next"] == 1  # the next step, on every rank
 
 
 def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):

@@ -463,6 +463,61 @@ def test_states_of_another_kind_are_refused_by_both_loops(rng):
                                  scaler=rule)
 
 
+class _RecordingHook:
+    """A reduce_sumsq hook with ``refuse``, as all_reduce_sumsq's: records what the loop told it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, local: float) -> float:
+        self.calls.append("reduce")
+        return local
+
+    def refuse(self, error: BaseException | None = None) -> None:
+        self.calls.append(f"refuse: {error}")
+
+
+def test_an_unknown_keyword_is_refused_by_both_loops_before_anything_runs(rng):
+    """A misspelt keyword (max_nrom=), or one the loop takes from its LoopState (scaler_state=): serial_loop_step
+    raised Python's TypeError at the call, speculative_loop_step one from speculative_step, after the schedule
+    ran; neither told the reduction hook, so on the other ranks all_reduce_sumsq waited for this rank forever.
+    Now both raise naming the keyword and those they take, before the schedule runs, and tell the hook."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    params = _params(rng)
+    loop = init_loop(opt, params, rule)
+    grads = _grads(rng)
+    before = [t.clone() for t in params]
+    scheduled: list[int] = []
+
+    def schedule(step: int) -> AdamHParams:
+        scheduled.append(step)
+        return AdamHParams(lr=1e-2)
+
+    serial_takes = "scaler, hparams, max_norm, profile, missing_grad, reduce_sumsq, donate"
+    spec_takes = ("config, scaler, hparams, validation_hparams, backward_scale, order, late_grads, last_micro_step, "
+                  "reduce_sumsq, donate")
+    for what, takes, step in (
+            ("serial_loop_step", serial_takes, lambda hook, kw: serial_loop_step(
+                opt, loop, grads, scaler=rule, hparams=schedule, reduce_sumsq=hook, **kw)),
+            ("speculative_loop_step", spec_takes, lambda hook, kw: sp.speculative_loop_step(
+                opt, loop, grads, config=sp.SpeculationConfig(), scaler=rule, hparams=schedule, reduce_sumsq=hook,
+                **kw))):
+        for kw, words in (({"max_nrom": 1.0}, f"unknown keyword argument 'max_nrom'; it takes {takes}"),
+                          ({"scaler_state": loop.scaler_state, "donat": True},
+                           f"unknown keyword arguments 'donat', 'scaler_state'; it takes {takes} (scaler_state is "
+                           "loop.scaler_state: pass the loop with it replaced)")):
+            hook = _RecordingHook()
+            with pytest.raises(sofx.SofxError) as info:
+                step(hook, kw)
+            assert str(info.value) == f"{what}: {words}"
+            assert hook.calls == [f"refuse: {what}: {words}"], hook.calls
+    assert scheduled == []
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

@@ -21,7 +21,8 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
-from sofx.serial import LoopState, hparams_at, refuse_reduce
+from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, hparams_at, refuse_reduce,
+                         refuse_unknown_keywords)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -222,6 +223,10 @@ def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, con
         opt.check_inputs(params, grads, state, validation_hparams, zero_missing=zero)
 
 
+# what speculative_loop_step takes: speculative_step's keywords but those it takes from the LoopState
+_LOOP_KEYWORDS = _keyword_names(speculative_step, leave_out=tuple(_FROM_LOOP))
+
+
 def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig, scaler: LossScaler,
                           hparams: Any = None, **kwargs: Any) -> tuple[LoopState, StepReport]:
     """:func:`speculative_step` on a :class:`~sofx.serial.LoopState` (the speculative twin of
@@ -229,8 +234,12 @@ def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: Spe
 
     ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``;
     ``loop.step`` advances only when the step was not skipped, and the policy
-    state travels in ``loop.policy_state``. ``kwargs`` go to :func:`speculative_step`.
+    state travels in ``loop.policy_state``. ``kwargs`` go to :func:`speculative_step`; one it does not take
+    (or one the loop takes from ``loop``, ``scaler_state=``) is refused before anything runs
+    (:func:`sofx.serial.refuse_unknown_keywords`).
     """
+    refuse_unknown_keywords("speculative_loop_step", {k: v for k, v in kwargs.items() if k not in _LOOP_KEYWORDS},
+                            _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"))
     try:
         hp = hparams_at(hparams, loop.step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
