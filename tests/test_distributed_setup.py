@@ -13,6 +13,7 @@ fails the test instead of blocking it.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import pytest
@@ -192,7 +193,7 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
     want = {"params": "params['p'] differs between ranks: torch.float32 (3,) on rank 0; torch.float64 (3,) on "
                       "rank 1 (and 1 more: opt.backend(params['p']))",
             "scaler": "scaler.growth_interval differs between ranks: 2000 on rank 0; 1000 on rank 1",
-            "config": "config.max_norm differs between ranks: 1.0 on rank 0; 2.0 on rank 1",
+            "config": "config.max_norm differs between ranks: 1 on rank 0; 2 on rank 1",
             "hparams": "hparams(0)['p'].lr differs between ranks: 0.01 on rank 0; 0.02 on rank 1 (and 1 more: "
                        "hparams(1)['p'].lr)",
             "device": "device differs between ranks: cpu on rank 0; meta on rank 1"}
@@ -222,8 +223,9 @@ def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):
     for res in ranks:
         got = res["check_same_setup"]
         assert got["same"] == "no error", got
+        # (max_norm=1.0: a number reads by its value, as 1 does)
         assert got["settings"].startswith("SofxError: check_same_setup: settings['max_norm'] differs between "
-                                          "ranks: 1.0 on rank 0; 2.0 on rank 1; every rank must be set up"), got
+                                          "ranks: 1 on rank 0; 2 on rank 1; every rank must be set up"), got
         assert got["given on one rank"].startswith("SofxError: check_same_setup: settings differs between ranks: "
                                                    "absent on rank 0; dict on rank 1 (and 1 more: "
                                                    "settings['max_norm'])"), got
@@ -315,3 +317,31 @@ def test_optimizers_whose_tensor_defaults_differ_beyond_their_repr_read_differen
     exact = torch.tensor(0.0100001).item()
     assert entries(torch.tensor(0.0100001))["opt.defaults.lr"] == f"tensor({exact!r}, dtype=torch.float32)"
     assert entries(0.01)["opt.defaults.lr"] == "0.01" and list(entries(0.01))[0] == "opt"  # named after opt
+
+
+def test_numbers_in_a_setup_read_the_same_where_their_values_are_equal():
+    """Numbers were compared by ``repr``: ``lr=1`` and ``lr=1.0``, or a numpy float and the Python float of the
+    same value (``np.float64(0.01)``), were refused as different setups. Compared by value, exactly: an int by
+    itself, a float by its exact value (integral ones as the int), a bool as a bool."""
+    np = pytest.importorskip("numpy")
+    from sofx.distributed.setup import _setup_entries
+
+    def entries(value):
+        return _setup_entries(None, None, None, None, None, {"x": value})["settings['x']"]
+
+    assert entries(1) == entries(1.0) == entries(np.float64(1.0)) == entries(np.int64(1)) == "1"
+    assert entries(0.01) == entries(np.float64(0.01)) == "0.01"
+    assert entries(np.float32(0.5)) == entries(0.5) and entries(-0.0) == entries(0)
+    assert entries(math.inf) == entries(np.float64(math.inf)) and entries(math.nan) == entries(np.float32(math.nan))
+    assert entries(np.bool_(True)) == entries(True) == "True"
+    # real differences stay differences
+    assert entries(np.float32(0.01)) != entries(0.01)  # float32's nearest to 0.01 is another number
+    assert entries(2 ** 53 + 1) != entries(float(2 ** 53 + 1))  # the float is 2**53
+    assert entries(True) != entries(1) and entries(1) != entries("1") and entries(1) != entries(1.5)
+    hp = lambda lr: _setup_entries(None, None, None, None, AdamHParams(lr=lr, eps=np.float64(1e-8)), None)
+    assert hp(1) == hp(np.float64(1.0)) != hp(2)
+    opt = lambda lr: _setup_entries(None, sofx.adamw(lr=lr), None, None, None, None)  # (its repr held lr=1)
+    assert opt(1) == opt(1.0) == opt(np.float64(1.0)) != opt(2)
+    assert opt(1)["opt"] == ("sofx.adamw(defaults=opt.defaults, bias_correction=True, state_dtype=None, "
+                             "undo='auto', backend='auto')")
+    assert opt(1) != _setup_entries(None, sofx.adam(lr=1), None, None, None, None)

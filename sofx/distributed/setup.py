@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,6 +20,7 @@ from sofx.distributed.groups import _collective_device, require_initialized
 from sofx.distributed.refusals import _as_refusal, _check_arguments
 from sofx.errors import SofxError, UnsupportedError
 from sofx.kernels import select_backend
+from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["check_same_setup"]
 
@@ -60,8 +62,10 @@ def check_same_setup(group: Any = None, *extra: Any, params: Any = None, opt: An
     starts at the same value, and differs at step 1);
     ``settings``: anything else that must agree (``{"max_norm": 1.0,
     "profile": "torch"}`` for the serial loop, say). Dataclasses,
-    NamedTuples, dicts, lists and tuples are compared field by field; floats
-    and one-element tensors by their exact value; sets by their elements,
+    NamedTuples, dicts, lists and tuples are compared field by field; Python
+    and numpy numbers by their exact value (``lr=1`` and ``lr=1.0`` or
+    ``np.float64(1.0)`` agree; a bool is not a number), one-element tensors
+    by their exact value and dtype; sets by their elements,
     sorted; anything else by ``repr`` (object addresses left out); a dict's
     keys read as values do, its items sorted by them (two keys that read the
     same are refused: which is which could differ between ranks). A keyword
@@ -101,10 +105,11 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
     """The setup as entries (name -> text) that are equal on every rank where the setup is."""
     out = {} if params is None else _params_entries(params)
     for name, value in (("opt", opt), ("scaler", scaler), ("config", config), ("hparams", hparams)):
-        if value is not None:
+        if value is not None and name == "opt" and isinstance(opt, Adam):
+            out["opt"] = _optimizer_text(opt)
+            _entries("opt.defaults", opt.defaults, out)
+        elif value is not None:
             _entries(name, value, out)
-            if name == "opt" and isinstance(opt, Adam):  # its repr reads a 0-d tensor default to 4 digits
-                _entries("opt.defaults", opt.defaults, out)
     if params is not None and isinstance(opt, Adam):
         out.update(_kernel_entries(params, opt))
     if callable(hparams):
@@ -115,6 +120,12 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
             raise SofxError(f"settings is a {type(settings).__name__}; expected a mapping of names to settings")
         _entries("settings", dict(settings), out)
     return out
+
+
+def _optimizer_text(opt: Adam) -> str:
+    """The static configuration of ``opt``: its ``repr`` without its default hparams, which are compared field by
+    field (its ``repr`` reads a 0-d tensor default to 4 digits, ``lr=1`` and ``lr=1.0`` differently)."""
+    return _ADDRESS.sub("", repr(opt)).replace(repr(opt.defaults), "defaults=opt.defaults", 1)
 
 
 def _params_entries(params: Any) -> dict[str, str]:
@@ -189,8 +200,12 @@ def _mapping_items(path: str, x: Mapping) -> list[tuple[str, Any]]:
 def _text(x: Any) -> str:
     """``x`` as text that is the same on every rank where ``x`` is: a one-element tensor by its exact value,
     another by its dtype and shape, a set by its elements' texts, sorted (its ``repr`` follows their hashes,
-    which Python salts per process for strings, and their insertion order), a tuple by its items' texts, anything
-    else by ``repr`` without object addresses (floats are exact)."""
+    which Python salts per process for strings, and their insertion order), a tuple by its items' texts, a
+    Python or numpy number by its exact value (:func:`_number_text`: ``1``, ``1.0`` and ``np.float64(1.0)`` read
+    the same), anything else by ``repr`` without object addresses."""
+    number = _number_text(x)
+    if number is not None:
+        return number
     if isinstance(x, torch.Tensor):
         if x.numel() == 1 and x.layout == torch.strided and not x.is_meta:
             return f"tensor({x.item()!r}, dtype={x.dtype})"
@@ -200,3 +215,29 @@ def _text(x: Any) -> str:
     if type(x) is tuple:  # (a dict key or a set's element, say: a set in it reads as above)
         return f"({', '.join(map(_text, x))}{',' if len(x) == 1 else ''})"
     return _ADDRESS.sub("", repr(x))
+
+
+def _number_text(x: Any) -> str | None:
+    """A Python or numpy number as text that is equal exactly where the values are (``None`` for anything else):
+    a bool as ``True``/``False``; an integer, or a float of integral value, as the integer (``1``, ``1.0`` and
+    ``np.float64(1.0)`` read ``1``); another float by the ``repr`` of its exact value (``0.01``, ``inf``,
+    ``nan``; a float32 reads as the float it is, not as the decimal it was written as). A real number that no
+    float holds exactly (a ``longdouble``'s extra digits) is left to its ``repr``."""
+    if is_bool(x):
+        return repr(bool(x))
+    if isinstance(x, numbers.Integral):
+        return _int_text(int(x))
+    if not isinstance(x, numbers.Real):
+        return None
+    value = float(x)
+    if value != x and value == value:  # (nan is nan: not equal to itself)
+        return None
+    return _int_text(int(value)) if value.is_integer() else repr(value)
+
+
+def _int_text(n: int) -> str:
+    """``n`` in decimal, or in hex where it has more digits than Python writes in decimal."""
+    try:
+        return str(n)
+    except ValueError:
+        return hex(n)
