@@ -371,7 +371,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         return report if closure is None else loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients of the current step (speculative steps already taken are undone).
+        """Drop the gradients of the current step (speculative steps already taken are undone: work wasted, and
+        with an algebraic undo a result within its error, not bit for bit; freeze a model, ``requires_grad_(False)``,
+        around a backward it is not to step on, such as a GAN discriminator's in the generator's backward).
 
         ``set_to_none=False``: as in ``torch.optim``, a parameter that has had a gradient keeps a zero one, so
         a later step steps it (with a zero gradient: moment decay, weight decay) when backward gives it none.
