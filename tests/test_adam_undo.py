@@ -1046,6 +1046,82 @@ def test_a_fused_redo_keeping_the_parameter_shares_it_only_where_the_used_record
     torch.testing.assert_close((s3.mu, s3.nu), (before[1].mu, before[1].nu), rtol=1e-5, atol=1e-7)
 
 
+def _storages(tree) -> set[int]:
+    """The storages of ``tree``'s floating-point tensors (their addresses)."""
+    return {t.untyped_storage().data_ptr() for t in sofx.tree.flatten(tree)[0] if t.is_floating_point()}
+
+
+def _undone_chain(opt, hparams, stages, donations, upto: int, reuse: bool):
+    """Run an update and ``upto`` undo_redo's of its record (``stages[i]``: the call's gradients and grad_scale,
+    ``donations[i]``: whether it donates), then undo the last record (donated as its call was); return the
+    undone params and state, and the strategies of the records. With ``reuse`` the caller writes nan into every
+    tensor it may reuse as soon as it may: those it passed to a call without donation, once that call's record
+    is used, but for those it still holds as the inputs or results of a later call."""
+    params, state, grads = stages[0]
+    calls = [(clone_tree((params, state)), donations[0])]  # (inputs, donated) of each call
+    stepped = opt.update(*calls[0][0][:1], grads, calls[0][0][1], hparams, donate=donations[0])
+    strategies = [stepped[2].strategies()]
+    for i in range(1, upto + 1):
+        calls.append((stepped[:2], donations[i]))
+        _, grads, scale = stages[i]
+        stepped = opt.undo_redo(*stepped, grads, hparams, grad_scale=scale, donate=donations[i])
+        strategies.append(stepped[2].strategies())
+        (used_inputs, donated), (inputs, _) = calls[-2], calls[-1]
+        if reuse and not donated:  # its record is used: the caller may reuse what it passed in
+            held = _storages((inputs, stepped[:2]))
+            for t in sofx.tree.flatten(used_inputs)[0]:
+                if t.is_floating_point() and t.untyped_storage().data_ptr() not in held:
+                    t.fill_(float("nan"))
+    return opt.undo(*stepped, donate=donations[upto]), strategies
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+@pytest.mark.parametrize("donations", ["nnnn", "dddd", "ndnd", "dndn", "nddn", "ddnn"])
+def test_a_chain_of_undo_redos_keeps_every_record_intact_while_the_caller_reuses_its_tensors(backend, donations):
+    """An update, then undo_redo's of its record, each of the last's, with and without donation, over leaves
+    of every kind of record: bfloat16 masters (their old parameter kept whole: fused redos that pass it on),
+    one of them not stepped by the update ("n": the first undo_redo steps it from the caller's tensor, which
+    its record keeps; the next redoes it fused, the last only undoes it), float32 ones whose decay factor
+    1 - lr*wd is small (the old parameter kept whole too), a spike every step (a whole snapshot), a spike in
+    one chunk (a chunk snapshot on the checking backends) and plain ones (algebraic). After each call the
+    caller reuses every tensor it may (nan written into them, as a later in-place step would): the undo of
+    each record in turn (a chain run up to it) gives the very bits it gives where the caller reuses nothing,
+    and the state before the update to float32 rounding. No record refers to a tensor its caller may reuse."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(33)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32, backend=backend)
+    shapes = {"a": (40,), "b": (3, 50), "c": (2 * 1024 + 7,), "k": (60,), "n": (70,), "s": (30,)}
+    low = ("b", "n")
+    params = {k: torch.randn(s, generator=gen).to(torch.bfloat16 if k in low else torch.float32)
+              for k, s in shapes.items()}
+    state = sofx.AdamState({k: torch.tensor(5) for k in params},
+                           {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()},
+                           {k: torch.randn(s, generator=gen).square() + 1 for k, s in shapes.items()})
+    hparams = {k: sofx.AdamHParams(lr=0.9, weight_decay=0.9) if k == "k" else None for k in params}
+
+    def gradient(seen: set[str]) -> dict:
+        g = {k: 0.1 * torch.randn(s, generator=gen) for k, s in shapes.items()}
+        g["s"] = 1e4 * g["s"]
+        g["c"][1024 + 3] = 1e4
+        g = {k: x.to(params[k].dtype) for k, x in g.items()}
+        return {k: (x if k in seen else None) for k, x in g.items()}
+
+    every = set(shapes)
+    first, second = gradient(every - {"n"}), gradient(every)
+    # "n": stepped first by the undo_redo's (from the caller's tensors), then redone, then only undone
+    stages = [(params, state, first), (None, second, 0.5), (None, second, 0.3), (None, gradient(every - {"n"}), 0.8)]
+    donations = [d == "d" for d in donations]
+    for upto in range(len(stages)):
+        got, strategies = _undone_chain(opt, hparams, stages, donations, upto, reuse=True)
+        want, _ = _undone_chain(opt, hparams, stages, donations, upto, reuse=False)
+        assert_trees_bitwise(_bits_tree(got), _bits_tree(want))
+        kinds = {s for rec in strategies for s in rec}
+        assert {"param_snapshot", "snapshot", "algebraic", None} <= kinds, strategies
+        assert backend == "reference" or "chunk_snapshot" in kinds, strategies
+        torch.testing.assert_close(got, (params, state), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ the lossiness test of a first step's fused redo
 @pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32"])
 @pytest.mark.parametrize("donate", [False, True])
