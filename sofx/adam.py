@@ -377,10 +377,12 @@ class Adam:
 
     def _prepare_step(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                       copy: torch.Tensor | None = None, skip: torch.Tensor | None = None, *,
-                      copy_snapshots: bool | None = None) -> tuple[StepCall, LeafUndo]:
+                      copy_snapshots: bool | None = None, leaf_owned: bool = False) -> tuple[StepCall, LeafUndo]:
         """The kernel call of one leaf's step and its undo record (snapshots taken now, before any kernel
         overwrites the leaf under donation). ``copy_snapshots``: whether the record's snapshots are copies
-        (default: under donation) or the leaf's tensors themselves."""
+        (default: under donation) or the leaf's tensors themselves. The record owns its snapshots
+        (``LeafUndo.owns_kept``) where they are copies or ``leaf_owned``: the leaf's tensors are no caller's
+        (an undo_redo's undone values: new tensors, or those a used record owned)."""
         scalars, strategy, reason = plan
         own = donate if copy_snapshots is None else copy_snapshots
         p_old = m_old = v_old = None
@@ -392,13 +394,14 @@ class Adam:
         # Before the step: with donation the kernel overwrites leaf.m and leaf.v with the new moments.
         fresh = strategy in ("algebraic", "param_snapshot") and _is_fresh(leaf, scalars)
         out = (leaf.p, leaf.m, leaf.v) if donate else None
-        rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh)
+        rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh,
+                       owns_kept=own or leaf_owned)
         return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip, zero_moments=fresh), rec
 
     def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
-                   copy: torch.Tensor | None = None, *, copy_snapshots: bool | None = None,
+                   copy: torch.Tensor | None = None, *, copy_snapshots: bool | None = None, leaf_owned: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LeafUndo]:
-        call, rec = self._prepare_step(leaf, plan, donate, copy, copy_snapshots=copy_snapshots)
+        call, rec = self._prepare_step(leaf, plan, donate, copy, copy_snapshots=copy_snapshots, leaf_owned=leaf_owned)
         p2, m2, v2 = self._kernel(leaf).step_many([call], self.variant)[0]
         return p2, m2, v2, leaf.count + 1, rec
 
@@ -488,7 +491,9 @@ class Adam:
         The new record refers to no tensor that ``record`` kept from its own
         caller (the params and state of an update without donation, which
         that caller may reuse once ``record`` is used): a snapshot of those
-        is copied, with or without donation.
+        is copied, with or without donation. Those ``record`` owns
+        (``LeafUndo.owns_kept``: copies made under donation or by an earlier
+        undo_redo) the new record keeps as they are, not copied again.
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
@@ -568,7 +573,7 @@ class Adam:
                                                             plan[0], rec.p_old, out, copy, flags.views[k])))
             if fused:
                 new_c[k] = rec.count_before + 1
-                records[k] = _fused_record(leaf, rec, plan, record.donated) if undoable else \
+                records[k] = _fused_record(leaf, rec, plan) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
                 continue
             if rec is not None and rec.strategy == "snapshot" and plan is not None:
@@ -577,12 +582,12 @@ class Adam:
                                        steps=as_number(rec.count_before))
                 if undoable:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
-                # (kept values read, not written.) A new snapshot shares them where the used record owns them (a
-                # donated call's copies); a record of a call without donation kept the caller's own tensors,
-                # which the caller may reuse once it is used: this call's record keeps its own copy of those,
-                # donated or not.
+                # (kept values read, not written.) A new snapshot shares them where the used record owns them
+                # (copies made under donation or by an undo_redo); a record of an update without donation kept the
+                # caller's own tensors, which the caller may reuse once it is used: this call's record keeps its
+                # own copy of those, donated or not.
                 call, records[k] = self._prepare_step(undone, plan, donate, copy,
-                                                      copy_snapshots=_keeps_callers(undone, rec, record))
+                                                      copy_snapshots=_keeps_callers(undone, rec), leaf_owned=True)
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 from_kept.append((k, kernels[k], call._replace(out=out)))
                 new_c[k] = rec.count_before + 1
@@ -596,9 +601,12 @@ class Adam:
                 undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
                 if undoable:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
-                # (without donation an undo passes a kept old parameter on as the undone one: copied, as above)
+                # (without donation an undo passes a kept old parameter on as the undone one: copied, as above.
+                # The undone values of a stepped leaf are new tensors or those: no caller's; a leaf the used record
+                # did not step is stepped from the caller's tensors, which a record without donation keeps.)
                 new_p[k], new_m[k], new_v[k], new_c[k], records[k] = self._step_leaf(
-                    undone, plan, donate, copy, copy_snapshots=donate or _keeps_callers(undone, rec, record))
+                    undone, plan, donate, copy, copy_snapshots=donate or _keeps_callers(undone, rec),
+                    leaf_owned=rec is not None)
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
                                                leaves if covered else None):
@@ -1233,19 +1241,20 @@ def _fusable(leaf: _Leaf, rec: LeafUndo | None, plan: tuple[AdamScalars, str, st
             and _fused_from_zeros(leaf, rec, plan, decoupled))
 
 
-def _fused_record(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str], donated: bool) -> LeafUndo:
-    """The record of the redo of a leaf that :func:`_fusable` runs fused (``rec``: the undone step's record, a
-    leaf of a record of a call with donation where ``donated``), undoable: algebraic, or a ``"param_snapshot"``
-    keeping the undone parameter, ``rec``'s old parameter: shared where ``rec`` owns it (a donated call's record
-    keeps its own copies), copied where it is its caller's tensor (a record of a call without donation keeps
-    the caller's own, which the caller may reuse once ``rec`` is used: see :meth:`Adam.undo_redo`). The redo of a
-    first step from zero moments is one too: its undo zeroes them, as update's. A checked call whose kernel
-    flags chunks finishes it (:func:`skipped_chunks.finish_undo_redo`)."""
+def _fused_record(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str]) -> LeafUndo:
+    """The record of the redo of a leaf that :func:`_fusable` runs fused (``rec``: the undone step's record),
+    undoable: algebraic, or a ``"param_snapshot"`` keeping the undone parameter, ``rec``'s old parameter: that
+    very tensor where ``rec`` owns it (``LeafUndo.owns_kept``: a copy made under donation or by an earlier
+    undo_redo; nothing writes into it, and ``rec`` is used up), a copy where it may be its caller's tensor (an
+    update without donation keeps the caller's own, which the caller may reuse once ``rec`` is used: see
+    :meth:`Adam.undo_redo`); either way the new record owns it. The redo of a first step from zero moments is one
+    too: its undo zeroes them, as update's. A checked call whose kernel flags chunks finishes it
+    (:func:`skipped_chunks.finish_undo_redo`)."""
     p_old = None
     if plan[1] == "param_snapshot":
-        p_old = rec.p_old if donated else rec.p_old.clone()
+        p_old = rec.p_old if rec.owns_kept else rec.p_old.clone()
     return LeafUndo(plan[1], leaf.g, plan[0], rec.count_before, p_old, reason=plan[2],
-                    moments_were_zero=rec.moments_were_zero)
+                    moments_were_zero=rec.moments_were_zero, owns_kept=True)
 
 
 def _fused_from_zeros(leaf: _Leaf, rec: LeafUndo, plan: tuple[AdamScalars, str, str], decoupled: bool) -> bool:
@@ -1378,12 +1387,12 @@ def _writable_copies(leaves: Sequence[_Leaf], copies: Sequence[torch.Tensor | No
     return copied
 
 
-def _keeps_callers(undone: _Leaf, rec: LeafUndo | None, record: UndoRecord) -> bool:
-    """Whether the undone ``p, m, v`` of a leaf include a tensor that ``rec`` (a leaf of ``record``; None: not
-    stepped) kept from its caller: a record of a call without donation keeps the caller's own tensors, which
-    the caller may reuse once the record is used, so a new record must copy them (a donated record's kept
-    tensors are its own)."""
-    if record.donated or rec is None:
+def _keeps_callers(undone: _Leaf, rec: LeafUndo | None) -> bool:
+    """Whether the undone ``p, m, v`` of a leaf include a tensor that ``rec`` (None: not stepped) may have kept
+    from its caller: a record that does not own its kept tensors (``LeafUndo.owns_kept``: an update's without
+    donation keeps the caller's own) may hold tensors the caller reuses once the record is used, so a new record
+    must copy them (owned ones it takes over)."""
+    if rec is None or rec.owns_kept:
         return False
     kept = [t for t in (rec.p_old, rec.m_old, rec.v_old) if t is not None]
     return any(x is t for x in (undone.p, undone.m, undone.v) for t in kept)

@@ -49,7 +49,7 @@ def flat_record(rec: LeafUndo | None, like: torch.Tensor) -> LeafUndo | None | b
     else:
         p_old, m_old, v_old = rec.p_old, rec.m_old, rec.v_old
     return LeafUndo(rec.strategy, in_memory_order(rec.grad), rec.scalars, rec.count_before, p_old, m_old, v_old,
-                    rec.reason, rec.moments_were_zero, rec.chunks)
+                    rec.reason, rec.moments_were_zero, rec.chunks, rec.owns_kept)
 
 
 def shaped_back(leaf: Any, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rec: LeafUndo | None,

@@ -56,13 +56,14 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         old = tuple(torch.empty_like(t) for t in inputs) if donate else inputs
         _run_or_leave(variant, kernel, ChunkedCall(step, chunks, kept=tuple(t.view(-1) for t in old)
                                                    if donate else None), pending)
-        return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
+        return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON,
+                        owns_kept=donate)
     if not _kept_whole(rec.strategy, chunks.numel(), call.skip.numel()):
         listed = listed_elements(chunks, results[0].numel())
         kept = tuple(torch.empty(listed, dtype=t.dtype, device=t.device) for t in inputs)
         _run_or_leave(variant, kernel, ChunkedCall(step, chunks, kept=kept), pending)
         return LeafUndo("chunk_snapshot", call.g, rec.scalars, rec.count_before, *kept, CHECKED_CHUNKS_REASON,
-                        rec.moments_were_zero, chunks)
+                        rec.moments_were_zero, chunks, owns_kept=True)
     if donate:  # (the skipped chunks: not stepped, their old values still there)
         old = _inverted_around(kernel, variant, results, call.g, rec.scalars, rec.p_old, chunks,
                                [gather_chunks(r, chunks) for r in results], rec.moments_were_zero)
@@ -71,7 +72,7 @@ def finish_step(kernel: Any, variant: AdamVariant, inputs: Triple, call: StepCal
         old = source = inputs
     step = StepCall(source[0], call.g, source[1], source[2], rec.scalars, tuple(results), call.p_copy)
     _run_or_leave(variant, kernel, ChunkedCall(step, chunks), pending)
-    return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON)
+    return LeafUndo("snapshot", call.g, rec.scalars, rec.count_before, *old, CHECKED_CHUNKS_REASON, owns_kept=donate)
 
 
 def _run_or_leave(variant: AdamVariant, kernel: Any, call: ChunkedCall, pending: Pending | None) -> None:
@@ -114,12 +115,14 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     n = results[0].numel()
     chunks = call.skip.nonzero().flatten()
     kept = undone_rec is not None and undone_rec.chunks is not None  # its kept chunks: their old values, exact
+    owned = True  # (the new record's kept values: gathered, undone into new tensors, or undone_rec's own)
     if kept and bool(torch.isin(chunks, undone_rec.chunks).all()):
         # (a late clip redoes the same spikes: the undone step's record kept every chunk the redo flags) no undo:
         # the kept values, the very tensors where the chunks are the same (read only: the record is used up;
         # unchecked: the test above is take_chunks' check)
         cur = [_take_chunks(t, undone_rec.chunks, chunks, n) for t in (undone_rec.p_old, undone_rec.m_old,
                                                                         undone_rec.v_old)]
+        owned = undone_rec.owns_kept
     else:
         held = results if donate else inputs  # the old step's values there
         cur = [gather_chunks(t, chunks) for t in held]
@@ -135,12 +138,13 @@ def finish_undo_redo(kernel: Any, variant: AdamVariant, inputs: Triple, call: Un
     _run_or_leave(variant, kernel, ChunkedCall(step, chunks, packed=True), pending)
     if every:  # a whole snapshot
         return LeafUndo("snapshot", call.g_new, call.s_new, rec.count_before,
-                        *(k.view(r.shape) for k, r in zip(cur, results)), CHECKED_CHUNKS_REASON)
-    if whole is not None:
-        return LeafUndo("snapshot", call.g_new, call.s_new, rec.count_before, *whole, CHECKED_CHUNKS_REASON)
+                        *(k.view(r.shape) for k, r in zip(cur, results)), CHECKED_CHUNKS_REASON, owns_kept=owned)
+    if whole is not None:  # (without donation its parameter may be the undone record's old one, passed on)
+        return LeafUndo("snapshot", call.g_new, call.s_new, rec.count_before, *whole, CHECKED_CHUNKS_REASON,
+                        owns_kept=donate or (undone_rec is not None and undone_rec.owns_kept))
     # (the redo of a first step from zero moments is one too, as the record of update's step from them)
     return LeafUndo("chunk_snapshot", call.g_new, call.s_new, rec.count_before, *cur, CHECKED_CHUNKS_REASON,
-                    rec.moments_were_zero, chunks)
+                    rec.moments_were_zero, chunks, owns_kept=owned)
 
 
 def _undone_whole(kernel: Any, variant: AdamVariant, inputs: Triple, call: UndoRedoCall, rec: LeafUndo,

@@ -28,6 +28,15 @@ ulp-sized leftovers an algebraic inverse leaves in L2 mode or with bfloat16
 moments (float32 moments without L2 decay come back exactly 0 anyway:
 :func:`sofx.kernels.base.zeros_come_back`), which a redo with a much smaller
 gradient (a clipped first step) would magnify.
+
+``owns_kept`` says whether a record's kept tensors are its own: no caller holds
+them (copies made under donation, those an undo_redo made or took over from the
+record it used, a chunk snapshot's gathered chunks). Where it is False they may
+be its caller's (an update without donation keeps the params and moments passed
+in, which that caller may reuse once the record is used): an undo_redo of the
+record copies what it keeps of them, and takes over owned ones as they are
+(nothing writes into a record's tensors, and the record it used cannot be used
+again).
 """
 
 from __future__ import annotations
@@ -80,23 +89,27 @@ class LeafUndo:
     (``set_param_state``, ``reset_state`` and ``load_state_dict`` write the block counts, never those), and
     checkpoint loads and imports make new tensors. A caller writing into a count tensor by hand must not do
     so while a record holding it may still be undone.
+
+    ``owns_kept``: whether ``p_old, m_old, v_old`` are the record's own (see the module docstring; False, the
+    default, is always safe: an undo_redo of the record then copies what its new record keeps of them).
     """
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
-                 "moments_were_zero", "chunks", "_layout")
+                 "moments_were_zero", "chunks", "owns_kept", "_layout")
 
     def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
                  p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
                  v_old: torch.Tensor | None = None, reason: str = "", moments_were_zero: bool = False,
-                 chunks: torch.Tensor | None = None) -> None:
+                 chunks: torch.Tensor | None = None, owns_kept: bool = False) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown undo strategy {strategy!r}")
         if (strategy == "chunk_snapshot") != (chunks is not None):
             raise ValueError("a chunk_snapshot record, and only one, has the indices of its kept chunks")
-        self._assign(strategy, grad, scalars, count_before, p_old, m_old, v_old, reason, moments_were_zero, chunks)
+        self._assign(strategy, grad, scalars, count_before, p_old, m_old, v_old, reason, moments_were_zero, chunks,
+                     owns_kept)
 
     def _assign(self, strategy: str, grad: Any, scalars: AdamScalars, count_before: Any, p_old: Any, m_old: Any,
-                v_old: Any, reason: str, moments_were_zero: bool, chunks: Any) -> None:
+                v_old: Any, reason: str, moments_were_zero: bool, chunks: Any, owns_kept: bool) -> None:
         self.strategy = strategy
         self.grad = grad
         self.scalars = scalars
@@ -107,6 +120,7 @@ class LeafUndo:
         self.reason = reason
         self.moments_were_zero = moments_were_zero
         self.chunks = chunks  # chunk_snapshot: the int64 indices of the kept chunks (ascending)
+        self.owns_kept = owns_kept  # p_old, m_old, v_old are no caller's tensors
         # Which fields are pytree children (tensors); fixed once made, so that the
         # structure survives an unflatten with non-tensor leaves (torch.func does that).
         self._layout: tuple[bool, ...] | None = None
@@ -131,11 +145,11 @@ def _flatten_leaf(leaf: LeafUndo) -> tuple[list[Any], Any]:
     is_tensor = leaf._layout or tuple(isinstance(x, torch.Tensor) for x in values)
     children = [x for x, t in zip(values, is_tensor) if t]
     static = tuple(None if t else x for x, t in zip(values, is_tensor))
-    return children, (leaf.strategy, leaf.reason, leaf.moments_were_zero, is_tensor, static)
+    return children, (leaf.strategy, leaf.reason, leaf.moments_were_zero, leaf.owns_kept, is_tensor, static)
 
 
 def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
-    strategy, reason, moments_were_zero, is_tensor, static = context
+    strategy, reason, moments_were_zero, owns_kept, is_tensor, static = context
     it = iter(children)
     values = [next(it) if t else s for t, s in zip(is_tensor, static)]
     n = len(_TENSOR_FIELDS)
@@ -144,7 +158,7 @@ def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
     # (tree_map to None, say), a chunk snapshot's indices included.
     leaf = LeafUndo.__new__(LeafUndo)
     leaf._assign(strategy, scalars=AdamScalars(*values[n:]), reason=reason, moments_were_zero=moments_were_zero,
-                 **fields)
+                 owns_kept=owns_kept, **fields)
     leaf._layout = is_tensor
     return leaf
 

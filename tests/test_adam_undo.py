@@ -1046,6 +1046,47 @@ def test_a_fused_redo_keeping_the_parameter_shares_it_only_where_the_used_record
     torch.testing.assert_close((s3.mu, s3.nu), (before[1].mu, before[1].nu), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+def test_a_fused_redo_without_donation_takes_over_the_copy_of_the_redo_before_it(backend):
+    """A chain of undo_redo's without donation of a bfloat16 master's step: the first fused redo copies the old
+    parameter the update kept (the caller's own), the next ones keep that copy (the record they use owns it:
+    nobody else holds it) instead of copying it again. A leaf the used record did not step ("n": no gradient in
+    the update) is stepped from the caller's tensors, which its new record keeps: the next redo copies those.
+    The caller then reuses every tensor it passed in; undoing the last record gives the state before the
+    update: the parameters bit for bit, the moments to float32 rounding."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(32)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32, backend=backend)
+    params = {k: torch.randn(n, generator=gen).to(torch.bfloat16) for k, n in (("w", 2 * 1024 + 9), ("n", 70))}
+    state = sofx.AdamState({k: torch.tensor(3) for k in params},
+                           {k: 0.1 * torch.randn(p.shape, generator=gen) for k, p in params.items()},
+                           {k: torch.randn(p.shape, generator=gen).square() + 1 for k, p in params.items()})
+    grads = {k: (0.1 * torch.randn(p.shape, generator=gen)).to(torch.bfloat16) for k, p in params.items()}
+    before = clone_tree((params, state))
+    inputs = [clone_tree((params, state))]
+    stepped = opt.update(inputs[0][0], {**grads, "n": None}, inputs[0][1])
+    records = [stepped[2]]
+    assert records[0].strategies() == [None, "param_snapshot"]  # (leaves in key order: "n", "w")
+    for scale in (0.5, 0.7, 0.6):
+        inputs.append(stepped[:2])
+        with _kernel_calls(backend) as calls:
+            stepped = opt.undo_redo(*stepped, grads, grad_scale=scale)
+        records.append(stepped[2])
+        assert records[-1].strategies() == ["param_snapshot", "param_snapshot"]
+        assert calls["undo_redo_many"] == 1, calls
+    (n1, w1), (n2, w2), (n3, w3) = [[leaf.p_old for leaf in rec.leaves] for rec in records[1:]]
+    assert w1 is not records[0].leaves[1].p_old and w2 is w1 and w3 is w1  # one copy, taken over
+    assert n1 is inputs[1][0]["n"] and n2 is not n1 and n3 is n2
+    assert torch.equal(w3, before[0]["w"]) and torch.equal(n3, before[0]["n"])
+    for t in sofx.tree.flatten(inputs)[0]:  # the caller reuses what it passed in
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    p4, s4 = opt.undo(*stepped)
+    assert trees_equal((p4, s4.count), (before[0], before[1].count))
+    torch.testing.assert_close((s4.mu, s4.nu), (before[1].mu, before[1].nu), rtol=1e-5, atol=1e-7)
+
+
 def _storages(tree) -> set[int]:
     """The storages of ``tree``'s floating-point tensors (their addresses)."""
     return {t.untyped_storage().data_ptr() for t in sofx.tree.flatten(tree)[0] if t.is_floating_point()}
