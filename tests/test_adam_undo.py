@@ -1116,9 +1116,19 @@ def _undone_chain(opt, hparams, stages, donations, upto: int, reuse: bool):
     return opt.undo(*stepped, donate=donations[upto]), strategies
 
 
+CHAIN_DONATIONS = ["nnnn", "dddd", "ndnd", "dndn", "nddn", "ddnn"]  # per call of the chain: donated or not
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
-@pytest.mark.parametrize("donations", ["nnnn", "dddd", "ndnd", "dndn", "nddn", "ddnn"])
+@pytest.mark.parametrize("donations", CHAIN_DONATIONS)
 def test_a_chain_of_undo_redos_keeps_every_record_intact_while_the_caller_reuses_its_tensors(backend, donations):
+    """check_records_intact_through_a_chain (the Triton backend: test_kernels_triton.py)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    check_records_intact_through_a_chain(backend, donations)
+
+
+def check_records_intact_through_a_chain(backend: str, donations: str) -> None:
     """An update, then undo_redo's of its record, each of the last's, with and without donation, over leaves
     of every kind of record: bfloat16 masters (their old parameter kept whole: fused redos that pass it on),
     one of them not stepped by the update ("n": the first undo_redo steps it from the caller's tensor, which
@@ -1127,9 +1137,8 @@ def test_a_chain_of_undo_redos_keeps_every_record_intact_while_the_caller_reuses
     one chunk (a chunk snapshot on the checking backends) and plain ones (algebraic). After each call the
     caller reuses every tensor it may (nan written into them, as a later in-place step would): the undo of
     each record in turn (a chain run up to it) gives the very bits it gives where the caller reuses nothing,
-    and the state before the update to float32 rounding. No record refers to a tensor its caller may reuse."""
-    if backend != "reference" and not cpu.native_available():
-        pytest.skip("no C compiler")
+    and the state before the update to float32 rounding. No record refers to a tensor its caller may reuse.
+    ``donations``: per call, "d" (donated) or "n"."""
     gen = torch.Generator().manual_seed(33)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32, backend=backend)
     shapes = {"a": (40,), "b": (3, 50), "c": (2 * 1024 + 7,), "k": (60,), "n": (70,), "s": (30,)}

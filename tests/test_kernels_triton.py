@@ -46,8 +46,8 @@ else:
 
     from helpers import (block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales,
                          refuse_bad_scalars, run_blocks)
-    from test_adam_undo import (check_first_step_redone_fused, check_kept_parameter_redone_fused, first_steps,
-                                kept_parameter_redos)
+    from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
+                                check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
     VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
     DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -652,6 +652,11 @@ else:
     def test_the_redo_of_a_leaf_keeping_its_parameter_is_fused_in_triton(donate, c):
         """test_adam_undo.py's check_kept_parameter_redone_fused on the Triton backend."""
         check_kept_parameter_redone_fused("triton", donate, c)
+
+    @pytest.mark.parametrize("donations", CHAIN_DONATIONS)
+    def test_a_chain_of_undo_redos_keeps_every_record_intact_in_triton(donations):
+        """test_adam_undo.py's check_records_intact_through_a_chain on the Triton backend."""
+        check_records_intact_through_a_chain("triton", donations)
 
     @pytest.mark.parametrize("has_p_old", [False, True])
     @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=["fp32", "bf16-fp32", "bf16"])
