@@ -352,3 +352,27 @@ def test_a_saved_group_without_an_hparam_is_refused_before_anything_is_loaded():
             opt.load_state_dict(saved)
         assert opt.param_groups is groups and opt.param_groups[0]["lr"] == 1e-2
         assert_trees_bitwise(opt.state_dict()["state"], before["state"])
+
+
+def test_a_load_pre_hook_editing_the_state_dict_in_place_leaves_the_callers_dict_as_torch_optim_does():
+    """torch.optim's load_state_dict hands its pre-hooks a shallow copy of the caller's dict: a hook that
+    removes or sets a top-level key (as a hook adapting an older checkpoint does) edits that copy, and the
+    caller's dict keeps its keys. The facade handed the caller's own dict, so loading changed it. Side by side
+    with torch.optim.AdamW."""
+    def adapt(opt: torch.optim.Optimizer, sd: dict) -> None:
+        del sd["extra"]
+        sd["adapted"] = True
+
+    seen = {}
+    for name, make in (("torch", lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=False)),
+                       ("facade", lambda params: sofx.offload.SpeculativeAdamW(params, lr=1e-2,
+                                                                               executor="inline"))):
+        model = _model()
+        opt = make(model.parameters())
+        opt.register_load_state_dict_pre_hook(adapt)
+        saved = {**opt.state_dict(), "extra": 1}
+        opt.load_state_dict(saved)
+        seen[name] = sorted(saved)
+        if name == "facade":
+            opt.close()
+    assert seen["facade"] == seen["torch"] == ["extra", "param_groups", "state"]

@@ -425,7 +425,12 @@ class _SpeculativeBase(torch.optim.Optimizer):
         resume with another static scale or other settings, set ``state_dict["state"]["scaler_state"]["scale"]``
         or the setting in ``state_dict["state"]["scaler"]`` before loading. A state dict without the settings
         (an older sofx's) goes on with the constructor's rule. A state of another kind of rule (a dynamic
-        scaler's into a static one) is refused."""
+        scaler's into a static one) is refused.
+
+        As ``torch.optim``'s, the pre-hooks get a shallow copy of ``state_dict``: one that sets or removes a
+        top-level key leaves the caller's dict as it was."""
+        if isinstance(state_dict, Mapping):  # (anything else is refused by name below, after the hooks)
+            state_dict = state_dict.copy() if isinstance(state_dict, dict) else dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
