@@ -210,6 +210,34 @@ def test_two_files_for_one_dp_rank_are_refused_naming_both(tmp_path):
         ck.load_zero3_loss_scaler(tmp_path)
 
 
+def _old_name(path: str) -> str:
+    """DeepSpeed's old optimizer file name (``..._mp_rank_00optim_states.pt``, no underscore before ``optim``)."""
+    return path.replace("_optim_states.pt", "optim_states.pt")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_deepspeeds_old_optimizer_file_names_are_read_as_deepspeed_reads_them(tmp_path, bf16):
+    """DeepSpeed's engine falls back to the old file name ``..._mp_rank_00optim_states.pt`` for a rank whose
+    ``..._mp_rank_00_optim_states.pt`` is missing (``_get_all_zero_checkpoint_names``); such a checkpoint was
+    "not found". Old names load as the new ones; an old and a new file of one rank are refused naming both, and a
+    save into the directory removes the old files (as the older save's they are)."""
+    opt = sofx.adamw()
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    files = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, bf16=bf16, deepspeed_objects=False)
+    for f in files:
+        os.replace(f, _old_name(f))
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert _bits_equal((p2, s2), (params, state))
+    assert ck.load_zero3_loss_scaler(tmp_path) is not None
+    shutil.copy(_old_name(files[1]), files[1])
+    old, new = os.path.basename(_old_name(files[1])), os.path.basename(files[1])
+    with pytest.raises(ck.CorruptCheckpointError, match=re.escape(f"2 ZeRO-3 optimizer files for dp rank 1 of mp "
+                                                                  f"rank 0: {new} and {old}")):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    written = ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, bf16=bf16, deepspeed_objects=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(w) for w in written)
+
+
 def test_float64_is_refused_not_rounded(tmp_path):
     opt = sofx.adamw()
     params = {"w": torch.randn(3, dtype=torch.float64)}

@@ -67,7 +67,8 @@ __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zer
            "load_zero3_loss_scaler", "partition_numel", "DEEPSPEED_STAND_INS"]
 
 FORMAT_VERSION = 1
-_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_optim_states\.pt$")
+# (``_?``: DeepSpeed's engine still reads its old name ``..._mp_rank_00optim_states.pt`` where the new one is missing)
+_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_?optim_states\.pt$")
 _MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_model_states\.pt$")
 
 
@@ -382,7 +383,8 @@ def _optional_flag(name: str, value: Any) -> bool | None:
 def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[str], bool]:
     """The ZeRO-3 optimizer files of ``mp_rank`` in ``directory``, one per dp rank ``0..W-1`` in rank order, and
     whether they are the ``bf16_`` ones (``bf16=None``: those present). Ranks are read as numbers (DeepSpeed
-    writes ``zero_pp_rank_1``; ``zero_pp_rank_01`` is rank 1 too): two files of one rank are refused, naming
+    writes ``zero_pp_rank_1``; ``zero_pp_rank_01`` is rank 1 too), and DeepSpeed's old name
+    ``..._mp_rank_00optim_states.pt`` is read as its engine reads it: two files of one rank are refused, naming
     both (which one is rank 1's?)."""
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint directory {directory} does not exist")
