@@ -44,6 +44,7 @@ do not modify those in place while the record may still be undone.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -58,7 +59,7 @@ from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADI
                                is_number, is_traced, leaf_tracer, any_lossy, write_param_copy, zeros_come_back)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
-from sofx.kernels.user_numbers import as_integer, flag
+from sofx.kernels.user_numbers import as_integer, flag, is_bool
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
@@ -105,6 +106,49 @@ _NO_HPARAMS = AdamHParams()  # a leaf whose group gives none: the optimizer's de
 
 def _is_hparams(x: Any) -> bool:
     return isinstance(x, AdamHParams)
+
+
+# How to give a step's hparams where a number or a schedule was given: the refusals of sofx.serial.hparams_at
+# (loop steps) and of the steps that take one step's hparams (check_step_hparams).
+WRAP_HINT = ("a schedule of one number (lr, beta1, beta2, eps or weight_decay) is wrapped into hparams with "
+             "sofx.schedules.hparams_schedule(lr=schedule)")
+TREE_HINT = ("only the whole hparams may be a schedule: give one callable returning the whole tree, e.g. "
+             "lambda t: {'w': schedule_w(t), 'b': schedule_b(t)} or lambda t: group_hparams(labels, groups, "
+             "base=schedule(t)) (sofx.transforms.group_hparams), each schedule returning an AdamHParams (one of a "
+             "number wrapped: sofx.schedules.hparams_schedule(lr=schedule))")
+_EVALUATE_HINT = ("this step takes the hparams of one step: give the schedule's value at the step "
+                  "(sofx.serial.hparams_at(hparams, step)), or take loop steps (sofx.serial.serial_loop_step, "
+                  "sofx.speculate.speculative_loop_step), which evaluate it")
+
+
+def is_hparams_number(x: Any) -> bool:
+    """A Python or numpy number, or a tensor (where an AdamHParams is expected: an lr given alone)."""
+    return isinstance(x, torch.Tensor) or (isinstance(x, numbers.Number) and not is_bool(x))
+
+
+def check_step_hparams(hparams: Any, root: str, evaluated: bool = True) -> None:
+    """Refuse a number or a schedule (a callable) where a step's hparams tree has an :class:`AdamHParams`,
+    naming its path under ``root`` and how to give it (other wrong leaves are the optimizer's to refuse).
+
+    ``evaluated=False``: for a step that takes one step's hparams (``update``, ``serial_step``, ``begin_step``),
+    not a schedule of the whole hparams as a loop step (:func:`sofx.serial.hparams_at`) does: only a schedule is
+    refused here, saying how to give its value at the step."""
+    if hparams is None or isinstance(hparams, AdamHParams):
+        return
+    leaves, spec = tree.flatten(hparams, is_leaf=_is_hparams)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, AdamHParams) or not (callable(leaf) or (evaluated and is_hparams_number(leaf))):
+            continue
+        path = tree.leaf_paths(spec, root=root)[i]
+        if callable(leaf) and not evaluated:
+            raise HParamError(f"{path} is a schedule ({type(leaf).__name__}), which is not evaluated here: "
+                              f"{_EVALUATE_HINT}; {WRAP_HINT if leaf is hparams else TREE_HINT}")
+        if callable(leaf):
+            raise HParamError(f"{path} is a schedule ({type(leaf).__name__}) inside an hparams tree, which is not "
+                              f"evaluated; {TREE_HINT}")
+        example = f"AdamHParams(lr={leaf!r:.40})" if not isinstance(leaf, torch.Tensor) else "AdamHParams(lr=...)"
+        raise HParamError(f"{path} = {leaf!r:.40} ({type(leaf).__name__}) is a number; expected an AdamHParams "
+                          f"({example}), a tree of them, or a schedule step -> hparams ({WRAP_HINT})")
 
 
 class _Leaf(NamedTuple):
@@ -759,6 +803,7 @@ class Adam:
             if hp is None:
                 hp = _NO_HPARAMS
             if not isinstance(hp, AdamHParams):
+                check_step_hparams(hparams, "hparams", evaluated=False)  # a schedule: how to give its value
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}")
             full = filled.get(id(hp))
             if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)

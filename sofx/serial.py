@@ -64,7 +64,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.adam import WRAP_HINT, Adam, AdamHParams, AdamState, check_step_hparams, is_hparams_number
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import is_bool, real_number
@@ -142,46 +142,15 @@ def hparams_at(hparams: Any, step: int) -> Any:
     ``hparams_schedule(lr=schedule)``, or one callable returning the whole tree
     (``lambda t: group_hparams(labels, groups, base=schedule(t))``)."""
     if not callable(hparams):
-        _check_step_hparams(hparams, "hparams")
+        check_step_hparams(hparams, "hparams")
         return hparams
     value = hparams(step)
-    if _is_number(value):
+    if is_hparams_number(value):
         raise HParamError(f"hparams: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
                           f"step {step}, a number; the hparams of a step are an AdamHParams or a tree of them (one per "
-                          f"param group): {_WRAP_HINT}")
-    _check_step_hparams(value, f"hparams(step={step})")
+                          f"param group): {WRAP_HINT}")
+    check_step_hparams(value, f"hparams(step={step})")
     return value
-
-
-_WRAP_HINT = ("a schedule of one number (lr, beta1, beta2, eps or weight_decay) is wrapped into hparams with "
-              "sofx.schedules.hparams_schedule(lr=schedule)")
-_TREE_HINT = ("only the whole hparams may be a schedule: give one callable returning the whole tree, e.g. "
-              "lambda t: {'w': schedule_w(t), 'b': schedule_b(t)} or lambda t: group_hparams(labels, groups, "
-              "base=schedule(t)) (sofx.transforms.group_hparams), each schedule returning an AdamHParams (one of a "
-              "number wrapped: sofx.schedules.hparams_schedule(lr=schedule))")
-
-
-def _is_number(x: Any) -> bool:
-    """A Python or numpy number, or a tensor (where an AdamHParams is expected: an lr given alone)."""
-    return isinstance(x, torch.Tensor) or (isinstance(x, numbers.Number) and not is_bool(x))
-
-
-def _check_step_hparams(hparams: Any, root: str) -> None:
-    """Refuse a number or a schedule (a callable) where a step's hparams tree has an :class:`AdamHParams`,
-    naming its path under ``root`` and how to give it (other wrong leaves are the optimizer's to refuse)."""
-    if hparams is None or isinstance(hparams, AdamHParams):
-        return
-    leaves, spec = tree.flatten(hparams, is_leaf=lambda x: isinstance(x, AdamHParams))
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, AdamHParams) or not (callable(leaf) or _is_number(leaf)):
-            continue
-        path = tree.leaf_paths(spec, root=root)[i]
-        if callable(leaf):
-            raise HParamError(f"{path} is a schedule ({type(leaf).__name__}) inside an hparams tree, which is not "
-                              f"evaluated; {_TREE_HINT}")
-        example = f"AdamHParams(lr={leaf!r:.40})" if not isinstance(leaf, torch.Tensor) else "AdamHParams(lr=...)"
-        raise HParamError(f"{path} = {leaf!r:.40} ({type(leaf).__name__}) is a number; expected an AdamHParams "
-                          f"({example}), a tree of them, or a schedule step -> hparams ({_WRAP_HINT})")
 
 
 def local_sumsq(total: float, present: Sequence[bool]) -> float:

@@ -378,3 +378,41 @@ def test_a_loop_step_takes_the_ways_its_refusals_suggest():
     groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}
     _loop_step(lambda t: sofx.transforms.group_hparams(labels, groups, base=wrapped(t)))
     _loop_step(lambda t: {"w": wrapped(t), "b": None})
+
+
+def _direct_steps():
+    """The steps that take one step's hparams (no schedule): Adam.update, serial_step, begin_step (per block)."""
+    from sofx import speculate
+    from sofx.loss_scale import static_scale
+    from sofx.serial import serial_step
+
+    opt, scaler = sofx.adamw(), static_scale(1.0)
+    params = {"w": torch.ones(3, 3), "b": torch.ones(3)}
+    grads = {"w": torch.ones(3, 3), "b": torch.ones(3)}
+    return {"update": lambda hp: opt.update(params, grads, opt.init(params), hp),
+            "serial_step": lambda hp: serial_step(opt, params, grads, opt.init(params), scaler=scaler,
+                                                  scaler_state=scaler.init(), hparams=hp),
+            "begin_step": lambda hp: speculate.begin_step(opt, speculate.SpeculationConfig(), scaler, scaler.init(),
+                                                          n_blocks=2, hparams=hp)}
+
+
+@pytest.mark.parametrize("step", ["update", "serial_step", "begin_step"])
+@pytest.mark.parametrize("hparams, pattern", [
+    (schedules.cosine_decay(1e-3, 10),
+     r"^hparams is a schedule \(CosineDecay\), which is not evaluated here: .*sofx\.serial\.hparams_at\(hparams, "
+     r"step\).*hparams_schedule\(lr=schedule\)"),
+    (schedules.hparams_schedule(lr=1e-3),
+     r"^hparams is a schedule \(HParamsSchedule\), which is not evaluated here: .*serial_loop_step"),
+    ([schedules.hparams_schedule(lr=1e-3), AdamHParams()],
+     r"^hparams\[0\] is a schedule \(HParamsSchedule\), which is not evaluated here: .*only the whole hparams may "
+     r"be a schedule")],
+    ids=["float schedule", "hparams schedule", "a schedule per group"])
+def test_a_step_given_a_schedule_as_its_hparams_says_how_to_evaluate_it(step, hparams, pattern):
+    """Adam.update, serial_step and begin_step take one step's hparams; a schedule given to them was refused
+    with "expected an AdamHParams, got CosineDecay": now the message says, in hparams_at's words, how to give
+    its value at the step (or to take loop steps, which evaluate it)."""
+    if step != "begin_step" and isinstance(hparams, list):
+        hparams = {"b": hparams[0], "w": hparams[1]}
+        pattern = pattern.replace(r"hparams\[0\]", r"hparams\['b'\]")
+    with pytest.raises(HParamError, match=pattern):
+        _direct_steps()[step](hparams)

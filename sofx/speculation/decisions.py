@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams
+from sofx.adam import Adam, AdamHParams, check_step_hparams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
@@ -255,6 +255,7 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
         hparams = AdamHParams()
     if not _is_hparams(hparams):
         if not isinstance(hparams, Sequence) or isinstance(hparams, (str, bytes)):
+            check_step_hparams(hparams, "hparams", evaluated=False)  # a schedule: how to give its value
             raise HParamError(f"hparams: expected an AdamHParams or a sequence of {n_blocks} of them, "
                               f"got {type(hparams).__name__}")
         hparams = list(hparams)
@@ -264,6 +265,7 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
     for i, hp in enumerate(per_block):
         hp = AdamHParams() if hp is None else hp
         if not _is_hparams(hp):
+            check_step_hparams(hparams, "hparams", evaluated=False)
             raise HParamError(f"hparams for blocks[{i}]: expected an AdamHParams, got {type(hp).__name__}")
         # concrete tensors read now: validation compares these values, not tensors changed in place since
         out.append(AdamHParams(*(as_number(d if x is None else x) for x, d in zip(hp, defaults))))
