@@ -272,8 +272,8 @@ class Adam:
         ``param_copies``: a tree with the structure of ``params`` whose leaves
         are ``None`` or tensors of the parameter's shape and device in any
         float dtype; each receives the leaf's new parameters, cast to its dtype
-        (e.g. a model's bf16 weights beside fp32 masters). The CPU kernels write
-        it in the same pass as the step.
+        (e.g. a model's bf16 weights beside fp32 masters). The CPU and Triton
+        kernels write it in the same pass as the step.
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
