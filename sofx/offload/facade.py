@@ -592,7 +592,32 @@ def _plain(v: Any) -> Any:
 
 
 class SpeculativeAdamW(_SpeculativeBase):
-    """AdamW (decoupled weight decay) with fp32 masters, speculated during backward; see the module docstring."""
+    """AdamW (decoupled weight decay) with fp32 masters, speculated during backward.
+
+    The loop, the trajectory it follows and how it differs from ``torch.optim``: the docstring of
+    :mod:`sofx.offload.facade` (``help(sofx.offload.facade)``). ``lr``, ``betas``, ``eps``, ``weight_decay``
+    and ``torch.optim.AdamW``'s options as there (``amsgrad``, ``maximize``, ``differentiable``: only False;
+    ``foreach``, ``fused``, ``capturable``: ignored). The others:
+
+    - ``max_grad_norm``: ``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_``'s ``max_norm`` (0 is
+      no clipping under ``"deepspeed"``); ``loss_scale``: ``None``, ``"dynamic"`` (the profile's dynamic
+      scaler), a number (static) or a :mod:`sofx.loss_scale` rule; ``profile``: ``"torch"`` (``GradScaler`` +
+      ``clip_grad_norm_``) or ``"deepspeed"`` (ZeRO-3's order and rules).
+    - ``executor``: ``"inline"``, ``"thread"`` or ``"process"`` (a worker process with ``num_threads``
+      threads, on shared memory in ``shm_dir``, at most ``shm_limit_bytes`` of it; ``"thread"``, with a
+      warning, where that cannot hold the blocks); ``timeout``: the seconds a wait for it may take before
+      it raises.
+    - ``block_numel``: the most elements of a block (a larger parameter is a block of its own);
+      ``n_device_blocks``: that many first blocks, in model order, stay on the model's device and are
+      stepped there in ``step()``; ``swap_params``: see the module docstring.
+    - ``missing_grad``: ``"skip"`` or ``"zero"``, for a parameter that got no gradient;
+      ``gradient_accumulation_steps``: backward calls (micro-steps) per ``step()``.
+    - ``speculate``: on or off (also settable between steps); ``policy``: the
+      :class:`~sofx.speculate.AdaptivePolicy` that pauses it while clipping fires on most steps;
+      ``snapshot_budget_bytes``: the most snapshot memory the speculative steps may hold (``None``: no limit).
+    - ``bias_correction``, ``state_dtype`` (of the moments: float32, bfloat16 or float16), ``undo`` and
+      ``backend``: as :func:`sofx.adamw`.
+    """
 
     _decoupled = True
 
