@@ -1,6 +1,8 @@
 """sofx: functional, undoable and speculative Adam optimizers for PyTorch.
 
-The core contract (DESIGN.md): ``init(params) -> state``,
+The core contract (README.md, "The functional core"; the DESIGN.md and
+SPECULATION.md that docstrings cite are the team's design documents, kept
+outside this repository): ``init(params) -> state``,
 ``update(params, grads, state, hparams) -> (params, state, undo_record)`` and
 ``undo(params, state, undo_record) -> (params, state)``, pure by default.
 Layers above it: gradient transforms, loss scaling and schedules; the
