@@ -35,8 +35,8 @@ step rather than writing nan (``torch.optim`` alone would write nan).
 
 Known differences from ``torch``: ``torch`` multiplies by ``1/S`` and by
 ``coef`` as two float32 roundings and computes the norm in float32; sofx
-folds them into one multiplier and sums the squares of rows of 1024 elements in
-float64 (:func:`sofx.transforms.sumsq`), so a
+folds them into one multiplier and sums the squares in rows of 1024 elements in
+float32 and the rows' sums in float64 (:func:`sofx.transforms.sumsq`), so a
 clipped step differs from ``torch.optim`` by float32 rounding (<= 1e-6
 relative), never more, for float32 gradients. For bfloat16/float16 gradients
 torch computes the norm and the coefficient in their dtype (8/11 significant
