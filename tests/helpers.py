@@ -268,6 +268,97 @@ def refuse_bad_scalars_everywhere(backend, prefix: str, blocks, s: AdamScalars, 
             call()
 
 
+WRITTEN_SLOTS = ("out[0]", "out[1]", "out[2]", "p", "m", "v", "p_copy")
+
+
+def refuse_bad_writes(backend, prefix: str, gen: torch.Generator, bad, error: type, message: str,
+                      slots: tuple[str, ...] = WRITTEN_SLOTS) -> None:
+    """Every entry of ``backend`` (``prefix``: its name) refuses a call whose written tensor in one of ``slots``
+    is ``bad(t)`` (a tensor of ``t``'s values that cannot be written so: ``"out[k]"`` an ``out`` that is not an
+    input, ``"p"``/``"m"``/``"v"`` the donated input itself, ``"p_copy"`` beside a donated call) with an
+    ``error`` matching ``"<call>: <slot>: <message>"``, raised before any tensor is written: step, undo,
+    undo_redo, and each list form with the bad block last after a valid donated one. Every tensor of the calls
+    (inputs, outputs, copies) keeps its bits."""
+    import re
+
+    import pytest
+
+    from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
+
+    variant = AdamVariant()
+    s = block_scalars(gen, 0.1)
+    n = 37
+    for slot in slots:
+        for entry in ("step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many"):
+            p, g, m, v = block_inputs(gen, n, torch.float32, torch.float32)
+            g_new = torch.randn(n, generator=gen)
+            out, p_copy = (p, m, v), None
+            if slot.startswith("out["):
+                out = [torch.randn(n, generator=gen) for _ in range(3)]
+                k = int(slot[4])
+                out[k] = bad(out[k])
+                out = tuple(out)
+            elif slot == "p_copy":
+                p_copy = bad(torch.randn(n, generator=gen))
+            else:
+                k = "pmv".index(slot)
+                donated = [p, m, v]
+                donated[k] = bad(donated[k])
+                p, m, v = out = tuple(donated)
+            good = block_inputs(gen, n, torch.float32, torch.float32)
+            gp, gg, gm, gv = good
+            watched = [p, g, m, v, g_new, *out, p_copy, *good]
+            with torch.no_grad():
+                before = [None if t is None else t.detach().clone() for t in watched]
+            if entry == "step":
+                call = lambda: backend.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
+            elif entry == "undo":
+                call = lambda: backend.undo(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
+            elif entry == "undo_redo":
+                call = lambda: backend.undo_redo(p, m, v, g, s, g_new, s, variant, out=out,  # noqa: E731
+                                                 p_copy=p_copy)
+            elif entry == "step_many":
+                call = lambda: backend.step_many([StepCall(gp, gg, gm, gv, s, (gp, gm, gv)),  # noqa: E731
+                                                  StepCall(p, g, m, v, s, out, p_copy)], variant)
+            elif entry == "undo_many":
+                call = lambda: backend.undo_many([UndoCall(gp, gg, gm, gv, s, None, (gp, gm, gv)),  # noqa: E731
+                                                  UndoCall(p, g, m, v, s, None, out, p_copy)], variant)
+            else:
+                call = lambda: backend.undo_redo_many(  # noqa: E731
+                    [UndoRedoCall(gp, gm, gv, gg, s, gg, s, None, (gp, gm, gv)),
+                     UndoRedoCall(p, m, v, g, s, g_new, s, None, out, p_copy)], variant)
+            where = f"{prefix}.{entry}" + (r"\[1\]" if entry.endswith("_many") else "")
+            with pytest.raises(error, match=rf"{where}: {re.escape(slot)}: {message}"):
+                call()
+            for t, b in zip(watched, before):
+                assert t is None or torch.equal(t.detach(), b), f"{entry}, {slot}: written before refusing"
+
+
+def inference_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in an inference tensor (made under ``torch.inference_mode()``)."""
+    with torch.inference_mode():
+        return t.clone()
+
+
+def leaf_requiring_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a leaf tensor that requires grad."""
+    return t.detach().clone().requires_grad_()
+
+
+def view_of_leaf_requiring_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a view (all but the first element) of a leaf tensor that requires grad."""
+    return torch.cat([t.new_zeros(1), t.detach()]).requires_grad_()[1:]
+
+
+# Written tensors torch refuses to write in place, and the words of the kernels' refusal
+UNWRITABLE = (
+    (inference_copy, r"an inference tensor \(made under torch.inference_mode\(\)\) cannot be written in place "
+                     "outside inference mode"),
+    (leaf_requiring_grad, "a leaf tensor that requires grad cannot be written in place"),
+    (view_of_leaf_requiring_grad, "a view of a leaf tensor that requires grad cannot be written in place"),
+)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers (nan payloads compared too)."""
     if t.dtype == torch.float64:

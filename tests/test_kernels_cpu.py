@@ -25,8 +25,8 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                lossy_elements)
 from sofx.kernels.chunked import ChunkedCall, listed_elements
 
-from helpers import (block_inputs, block_scalars, cached_native_build, library_copying_compiler, max_rel_err,
-                     refuse_bad_grad_scales, refuse_bad_scalars)
+from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, library_copying_compiler,
+                     max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes)
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -451,6 +451,19 @@ def test_scalars_no_step_can_take_are_refused_by_every_entry(name, rng):
         got = backend.step_many([StepCall(p, gs, m, v, s)], AdamVariant())[0]
         want = reference.step(p, gs, m, v, s, AdamVariant())
         assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+@pytest.mark.parametrize("bad, message", UNWRITABLE, ids=["inference", "leaf", "view_of_leaf"])
+def test_written_tensors_torch_cannot_write_in_place_are_refused_before_anything_is_written(name, bad, message,
+                                                                                           rng):
+    # An out, a donated input or a p_copy that torch refuses to write in place (a leaf that requires grad or a
+    # view of one, with grad mode on; an inference tensor outside inference mode): the native backends wrote it
+    # anyway (autograd's leaf, an inference tensor, silently changed), the reference raised torch's error after
+    # writing the outputs before it (an inference tensor's own values too: torch checks after the write) or the
+    # blocks before it. Every entry now refuses it first, naming the argument, as sofx.Adam.update does.
+    backend = reference if name == "reference" else BACKENDS[name]
+    refuse_bad_writes(backend, name, rng, bad, LeafError, message)
 
 
 def test_supports():

@@ -44,8 +44,8 @@ else:
     from sofx.kernels import triton as tk
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import (block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales,
-                         refuse_bad_scalars, run_blocks)
+    from helpers import (UNWRITABLE, block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first,
+                         refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
@@ -205,6 +205,13 @@ else:
         with pytest.raises(LeafError, match=r"p_copy: its elements overlap"):
             tk.step(p, g, m, v, s, variant, p_copy=torch.zeros(1).expand(37))
         assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies))
+
+    @pytest.mark.parametrize("bad, message", UNWRITABLE, ids=["inference", "leaf", "view_of_leaf"])
+    def test_written_tensors_torch_cannot_write_in_place_are_refused_before_anything_is_written(bad, message, rng):
+        """An out, a donated input or a p_copy torch refuses to write in place (a leaf that requires grad or a
+        view of one, with grad mode on; an inference tensor outside inference mode) was written by the kernels;
+        every entry now refuses it first, naming the argument, as the other backends do."""
+        refuse_bad_writes(tk, "triton", rng, bad, LeafError, message)
 
     def test_numpy_scalars_and_overflowing_quotients_give_cpu_fasts_bits(rng):
         """numpy numbers are numbers to the contract (the launch took Python's only and failed); an inverse whose

@@ -238,18 +238,24 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     Every named tensor (``None`` where the name is an optional one, ``p_old``
     or ``p_copy``) and every ``out`` tensor must be a floating-point tensor
     with the shape and device of ``like`` (the parameter); ``out`` must be
-    ``(p_out, m_out, v_out)``. ``where`` prefixes the message
-    (``"cpu.step"``). Backend-specific limits (device type, dtypes) are the
-    backend's own check.
+    ``(p_out, m_out, v_out)``. What the call writes, ``out`` (named ``out[k]``,
+    or the input's name where it is the input itself: donation) and ``p_copy``,
+    must be writable in place (:func:`sofx.kernels.donation.check_written`).
+    ``where`` prefixes the message (``"cpu.step"``). Backend-specific limits
+    (device type, dtypes) and the memory the tensors share are the backend's
+    own check.
     """
     if not isinstance(like, torch.Tensor):
         raise LeafError(f"{where}: p must be a tensor, got {type(like).__name__}")
     named = list(tensors)
+    written = [(name, t) for name, t in named if name == "p_copy"]
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise LeafError(f"{where}: out must be a tuple (p_out, m_out, v_out)")
         seen = {id(t) for _, t in named if t is not None}  # donation: out is the inputs, checked already
         named += [(name, o) for name, o in zip(("p_out", "m_out", "v_out"), out) if id(o) not in seen]
+        inputs = dict(tensors)
+        written += [(role if o is inputs.get(role) else f"out[{k}]", o) for k, (role, o) in enumerate(zip("pmv", out))]
     device, shape = like.device, like.shape
     for name, t in named:
         if t is None and name in _OPTIONAL_TENSORS:
@@ -257,6 +263,9 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
         check_float_tensor(where, name, t, device, "p")
         if t.shape != shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    from sofx.kernels.donation import check_written  # (donation imports this module)
+
+    check_written(where, written)
 
 
 def check_float_tensor(where: str, name: str, t: Any, device: torch.device, anchor: str) -> None:
@@ -605,7 +614,8 @@ def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], whe
 
 def check_skip(where: str, c: Any, device: torch.device) -> None:
     """A checked call's ``c.skip`` (``c``: a call or block with ``p, m, v, out, p_copy, skip``): one uint8 per
-    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``; and what is written in place
+    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``, writable
+    (:func:`~sofx.kernels.donation.check_written`); and what is written in place
     contiguous (``out``, in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not
     touched."""
     chunks = -(-c.p.numel() // FINITE_CHUNK)
@@ -616,6 +626,9 @@ def check_skip(where: str, c: Any, device: torch.device) -> None:
             else type(sk).__name__
         raise LeafError(f"{where}: skip must be a contiguous uint8 tensor of shape ({chunks},) on {device} (one "
                         f"flag per {FINITE_CHUNK} elements), got {desc}")
+    from sofx.kernels.donation import check_written  # (donation imports this module)
+
+    check_written(where, [("skip", sk)])
     written = [("p_copy", c.p_copy, None)]
     if c.out is not None:
         written += zip(("p_out", "m_out", "v_out"), c.out, (c.p.dtype, c.m.dtype, c.v.dtype))

@@ -80,7 +80,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
                                write_kept_param_copy, write_outputs, write_param_copy)
-from sofx.kernels.donation import MemorySpans, overlap_error, overlaps_itself, same_memory
+from sofx.kernels.donation import MemorySpans, may_refuse_write, overlap_error, overlaps_itself, same_memory
 from sofx.kernels.threads import native_thread_request
 from sofx.kernels.layout import same_layout, spans_in_memory_order
 
@@ -266,7 +266,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     goes through the checks and :func:`_prepare`): every tensor ``op`` needs given (the second gradient an
     undo+redo's only), every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype ``lib`` reads,
     states of one storage dtype, ``out`` None or the inputs themselves (donation), ``skip`` (if any) a
-    contiguous uint8 vector of one flag per chunk, and at least one element. What this accepts passes every
+    contiguous uint8 vector of one flag per chunk, at least one element, and nothing written that torch refuses to
+    write (:func:`~sofx.kernels.donation.may_refuse_write`). What this accepts passes every
     check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry (but for the tensors of one
     dense layout of an unchecked call, :mod:`sofx.kernels.layout`: taken as they are, in memory order, where
     :func:`_prepare` copies them; fresh outputs of that layout)."""
@@ -290,6 +291,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
         return None
     if sk is not None and not (type(sk) is torch.Tensor and sk.dtype == torch.uint8 and sk.is_cpu
                                and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()):
+        return None
+    if may_refuse_write((pc, sk, *((p, m, v) if out is not None else ()))):
         return None
     targets = [p, m, v] if out is not None else [torch.empty_strided(shape, p.stride(), dtype=t.dtype)
                                                  for t in (p, m, v)]

@@ -3,13 +3,14 @@
 :meth:`sofx.Adam.update`, :meth:`~sofx.Adam.undo` and :meth:`~sofx.Adam.undo_redo`
 write into the caller's tensors where asked: with ``donate=True`` into the
 parameters and moments (``params``, ``state.mu``, ``state.nu``), and always into
-``param_copies``; a kernel's list form writes its blocks' ``out`` and
+``param_copies``; a kernel's functions write their blocks' ``out`` and
 ``p_copy``. Before anything is written, a written tensor is refused
 
 - whose elements overlap each other (an ``expand()``-ed tensor:
   :func:`check_writable`);
 - that is a leaf requiring grad while grad mode is on (autograd refuses
-  in-place writes into it: :func:`check_writable`);
+  in-place writes into it), or an inference tensor outside inference mode:
+  :func:`check_writable`, for a kernel's arguments :func:`check_written`;
 - that shares memory with any other tensor of the call, written or read (the
   gradients, the undo record's gradient and snapshots): the same tensor given
   twice (tied weights as two leaves), a gradient that is the parameter itself,
@@ -39,15 +40,16 @@ import bisect
 import itertools
 import math
 from array import array
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 
 from sofx.errors import LeafError
 from sofx.kernels.base import MemoryOverlapError
 
-__all__ = ["check_writable", "unwritable", "MemorySpans", "first_clash", "runs", "overlaps_itself", "overlap_message",
-           "shared_memory_message", "overlap_error", "same_memory", "MAX_RUNS"]
+__all__ = ["check_writable", "unwritable", "torch_refuses_write", "check_written", "may_refuse_write", "MemorySpans",
+           "first_clash", "runs", "overlaps_itself", "overlap_message", "shared_memory_message", "overlap_error",
+           "same_memory", "MAX_RUNS"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
 MAX_RUNS = 1 << 20  # a non-contiguous tensor of more runs is compared as the range it spans
@@ -57,9 +59,19 @@ Spans = Union[Sequence[int], torch.Tensor]
 
 def unwritable(path: str, t: torch.Tensor) -> str | None:
     """Why ``t`` (named ``path``) cannot be written in place, as an error message (what it is, what to pass
+    instead), or None: what torch refuses to write (:func:`torch_refuses_write`), or a tensor whose elements
+    overlap."""
+    why = torch_refuses_write(path, t)
+    if why is None and overlaps_itself(t):
+        return f"{path}: {_OVERLAP}"
+    return why
+
+
+def torch_refuses_write(path: str, t: torch.Tensor) -> str | None:
+    """Why torch refuses to write ``t`` (named ``path``) in place, as an error message (what it is, what to pass
     instead), or None: a leaf that requires grad or a view of one (with grad mode on: autograd refuses the
-    write), an inference tensor outside inference mode (torch refuses its in-place update; a native kernel
-    would write it anyway), or one whose elements overlap."""
+    write), an inference tensor outside inference mode (torch refuses its in-place update after writing it; a
+    native kernel would write it anyway)."""
     base = t if t._base is None else t._base
     if t.requires_grad and base.is_leaf and torch.is_grad_enabled():
         kind = "a leaf tensor" if t is base else "a view of a leaf tensor"
@@ -68,9 +80,34 @@ def unwritable(path: str, t: torch.Tensor) -> str | None:
     if t.is_inference() and not torch.is_inference_mode_enabled():
         return (f"{path}: an inference tensor (made under torch.inference_mode()) cannot be written in place "
                 "outside inference mode; pass a .clone() made outside it or call under torch.inference_mode()")
-    if overlaps_itself(t):
-        return f"{path}: {_OVERLAP}"
     return None
+
+
+def check_written(where: str, written: Iterable[tuple[str, Any]]) -> None:
+    """Refuse (a :class:`LeafError` naming the call ``where`` and the argument) a tensor a kernel call would write
+    (``written``: ``(name, tensor or None)``) that torch refuses to write in place (:func:`torch_refuses_write`),
+    before the call writes anything: its backends write raw memory, or write with torch, which raises only after
+    writing it. Whether its elements overlap is the call's memory check's (:class:`MemorySpans`). Not under
+    ``torch.compile`` (its tracing has its own rules for writes, as :meth:`sofx.Adam.update`'s checks)."""
+    if torch.compiler.is_compiling():
+        return
+    for name, t in written:
+        if isinstance(t, torch.Tensor):
+            why = torch_refuses_write(f"{where}: {name}", t)
+            if why is not None:
+                raise LeafError(why)
+
+
+def may_refuse_write(written: Iterable[torch.Tensor | None]) -> bool:
+    """Whether :func:`check_written` may refuse one of ``written`` (None where absent): one requires grad while
+    grad mode is on, or is an inference tensor outside inference mode. A few attribute reads per tensor, for a
+    kernel's common case (the full check where this is True)."""
+    grad = torch.is_grad_enabled()
+    outside = not torch.is_inference_mode_enabled()
+    for t in written:
+        if t is not None and ((grad and t.requires_grad) or (outside and t.is_inference())):
+            return True
+    return False
 
 
 def check_writable(path: str, t: torch.Tensor) -> None:

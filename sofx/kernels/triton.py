@@ -56,7 +56,7 @@ from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
                                lossy_factor, write_kept_param_copy, write_outputs)
-from sofx.kernels.donation import overlap_message, overlaps_itself
+from sofx.kernels.donation import may_refuse_write, overlap_message, overlaps_itself
 from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
@@ -722,7 +722,8 @@ def _check_calls(names: Sequence[str], calls: Sequence,
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> bool:
-    """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors`)."""
+    """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors`): nothing
+    written that torch refuses to write (:func:`~sofx.kernels.donation.may_refuse_write`) among them."""
     device, shape = p.device, p.shape
     if v.dtype != m.dtype:
         return False
@@ -730,7 +731,9 @@ def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, 
         if t is not None and not (type(t) is torch.Tensor and t.dtype in _STORAGE_DTYPES and t.shape == shape
                                   and t.device == device and t.is_contiguous()):
             return False
-    return out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)
+    if not (out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)):
+        return False
+    return not may_refuse_write([t for name, t in tensors if name == "p_copy"] + ([p, m, v] if out else []))
 
 
 def _names(op: str, count: int) -> list[str]:
