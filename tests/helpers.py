@@ -359,6 +359,101 @@ UNWRITABLE = (
 )
 
 
+def expanded(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s first value in a tensor of ``t``'s shape whose elements all share its memory (``expand()``)."""
+    return t.detach()[:1].clone().expand(t.shape)
+
+
+def _shifted(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors of ``n`` elements whose memory overlaps partly (views of one buffer, 5 elements apart)."""
+    buf = torch.randn(n + 5, generator=gen)
+    return buf[:n], buf[5:]
+
+
+# A block's written tensor sharing memory with another of the call: (case, the (block, role) pair a
+# MemoryOverlapError names: the written one first; "g" is an undo+redo's "g_old"). The bad block is a list
+# form's second, after a valid donated one (block 0: ``gp, gg, gm, gv``, an undo+redo's new gradient ``gg2``).
+SHARED_MEMORY = (
+    ("out[1] overlaps g", ((1, "out[1]"), (1, "g"))),
+    ("out[2] overlaps out[1]", ((1, "out[1]"), (1, "out[2]"))),
+    ("out[0] is m", ((1, "out[0]"), (1, "m"))),
+    ("p_copy overlaps g", ((1, "p_copy"), (1, "g"))),
+    ("p_copy is the donated p", ((1, "p"), (1, "p_copy"))),
+    ("p_copy overlaps the donated m", ((1, "m"), (1, "p_copy"))),
+    ("out[0] overlaps block 0's g", ((1, "out[0]"), (0, "g"))),
+)
+
+
+def refuse_shared_memory(backend, prefix: str, gen: torch.Generator) -> None:
+    """Every entry of ``backend`` (``prefix``: its name) refuses a call whose written tensor shares memory with
+    another of the call (:data:`SHARED_MEMORY`, partial overlaps and whole tensors; across blocks in the list
+    forms) with a :class:`~sofx.kernels.base.MemoryOverlapError` naming both, before any tensor is written:
+    step, undo, undo_redo, and each list form with the bad block last after a valid donated one. Every tensor
+    of the calls keeps its bits."""
+    import pytest
+
+    from sofx.kernels.base import AdamVariant, MemoryOverlapError, StepCall, UndoCall, UndoRedoCall
+
+    variant = AdamVariant()
+    s = block_scalars(gen, 0.1)
+    n = 37
+    for case, pair in SHARED_MEMORY:
+        for entry in ("step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many"):
+            many = entry.endswith("_many")
+            if "block 0" in case and not many:
+                continue
+            gp, gg, gm, gv = block_inputs(gen, n, torch.float32, torch.float32)
+            gg2 = torch.randn(n, generator=gen)
+            p, g, m, v = block_inputs(gen, n, torch.float32, torch.float32)
+            g_new = torch.randn(n, generator=gen)
+            out, p_copy = tuple(torch.randn(n, generator=gen) for _ in range(3)), None
+            if case == "out[1] overlaps g":
+                g, o = _shifted(gen, n)
+                out = (out[0], o, out[2])
+            elif case == "out[2] overlaps out[1]":
+                out = (out[0], *_shifted(gen, n))
+            elif case == "out[0] is m":
+                out = (m, out[1], out[2])
+            elif case == "p_copy overlaps g":
+                g, p_copy = _shifted(gen, n)
+            elif case == "p_copy is the donated p":
+                out, p_copy = (p, m, v), p
+            elif case == "p_copy overlaps the donated m":
+                m, p_copy = _shifted(gen, n)
+                m.mul_(0.1)
+                out = (p, m, v)
+            else:
+                gg, o = _shifted(gen, n)
+                out = (o, out[1], out[2])
+            watched = [gp, gg, gm, gv, gg2, p, g, m, v, g_new, *out, p_copy]
+            before = [None if t is None else t.clone() for t in watched]
+            if entry == "step":
+                call = lambda: backend.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
+            elif entry == "undo":
+                call = lambda: backend.undo(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
+            elif entry == "undo_redo":
+                call = lambda: backend.undo_redo(p, m, v, g, s, g_new, s, variant, out=out,  # noqa: E731
+                                                 p_copy=p_copy)
+            elif entry == "step_many":
+                call = lambda: backend.step_many([StepCall(gp, gg, gm, gv, s, (gp, gm, gv)),  # noqa: E731
+                                                  StepCall(p, g, m, v, s, out, p_copy)], variant)
+            elif entry == "undo_many":
+                call = lambda: backend.undo_many([UndoCall(gp, gg, gm, gv, s, None, (gp, gm, gv)),  # noqa: E731
+                                                  UndoCall(p, g, m, v, s, None, out, p_copy)], variant)
+            else:
+                call = lambda: backend.undo_redo_many(  # noqa: E731
+                    [UndoRedoCall(gp, gm, gv, gg, s, gg2, s, None, (gp, gm, gv)),
+                     UndoRedoCall(p, m, v, g, s, g_new, s, None, out, p_copy)], variant)
+            want = tuple((i if many else 0, "g_old" if r == "g" and "redo" in entry else r) for i, r in pair)
+            where = f"{prefix}.{entry}" + (f"[{want[0][0]}]" if many else "")
+            with pytest.raises(MemoryOverlapError) as err:
+                call()
+            assert (err.value.first, err.value.second) == want, (entry, case, str(err.value))
+            assert str(err.value).startswith(f"{where}: {want[0][1]} and "), (entry, case, str(err.value))
+            for t, b in zip(watched, before):
+                assert t is None or torch.equal(t, b), f"{entry}, {case}: written before refusing"
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers (nan payloads compared too)."""
     if t.dtype == torch.float64:

@@ -25,8 +25,8 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                lossy_elements)
 from sofx.kernels.chunked import ChunkedCall, listed_elements
 
-from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, library_copying_compiler,
-                     max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes)
+from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded, library_copying_compiler,
+                     max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory)
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -464,6 +464,19 @@ def test_written_tensors_torch_cannot_write_in_place_are_refused_before_anything
     # blocks before it. Every entry now refuses it first, naming the argument, as sofx.Adam.update does.
     backend = reference if name == "reference" else BACKENDS[name]
     refuse_bad_writes(backend, name, rng, bad, LeafError, message)
+
+
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+def test_written_tensors_that_share_memory_are_refused_by_every_entry(name, rng):
+    # The reference wrote whatever it was given: an expand()-ed out or p_copy raised torch's error after the outputs
+    # (or blocks) before it were written, an out or p_copy overlapping another out gave wrong results; the cpu
+    # backends refused these (CHECKS_OVERLAP). Every entry of every backend now refuses them alike, before
+    # anything is written, naming both arrays.
+    from sofx.kernels.base import MemoryOverlapError
+
+    backend = reference if name == "reference" else BACKENDS[name]
+    refuse_bad_writes(backend, name, rng, expanded, MemoryOverlapError, "its elements overlap in memory")
+    refuse_shared_memory(backend, name, rng)
 
 
 def test_supports():

@@ -80,7 +80,7 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
                                beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
                                write_kept_param_copy, write_outputs, write_param_copy)
-from sofx.kernels.donation import MemorySpans, may_refuse_write, overlap_error, overlaps_itself, same_memory
+from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
 from sofx.kernels.layout import same_layout, spans_in_memory_order
 
@@ -418,7 +418,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         _refuse_overlap(op, table.clash(lib, backend), where)
     else:
         table = None
-        _refuse_overlap(op, _blocks_clash(op, blocks, where), where)
+        _refuse_overlap(op, _blocks_clash(blocks), where)
     results: list[Triple | None] = [None] * len(blocks)
     native: list[tuple[int, _Native]] = []
     for i, (b, s1, s2, (c1, c2, fast)) in enumerate(zip(blocks, s1s, s2s, plans)):
@@ -491,29 +491,12 @@ def _refuse_overlap(op: int, found: tuple[tuple[int, Any], tuple[int, Any]] | No
     raise overlap_error(first, second, where)
 
 
-def _blocks_clash(op: int, blocks: Sequence[_Block], where: Sequence[str]) -> tuple[tuple[int, str], ...] | None:
-    """:meth:`_Table.clash` for blocks that are not all in the table's terms: from the tensors themselves."""
-    spans = MemorySpans()
-    for i, b in enumerate(blocks):
-        out = b.out if b.out is not None else (None, None, None)
-        donated = [same_memory(o, t) for o, t in zip(out, (b.p, b.m, b.v))]
-        read, written = [], []
-        for role, t, d in (("p", b.p, donated[0]), ("g", b.g, False), ("m", b.m, donated[1]), ("v", b.v, donated[2]),
-                           ("g_new", b.g2, False), ("p_old", b.p_old, False)):
-            if isinstance(t, torch.Tensor):
-                (written if d else read).append((role, t))
-        for k, o in enumerate(out):
-            if isinstance(o, torch.Tensor) and not donated[k]:
-                written.append((f"out[{k}]", o))
-        for role, t in (("p_copy", b.p_copy), ("skip", b.skip)):
-            if isinstance(t, torch.Tensor):
-                written.append((role, t))
-        for role, t in written:
-            if overlaps_itself(t):
-                return (i, role), (i, role)
-        for group, w in ((read, False), (written, True)):
-            spans.add([t for _, t in group], w, lambda j, i=i, group=group: (i, group[j][0]))
-    return spans.clash(lambda tag: f"{where[tag[0]]}: {_role(op, tag[1])}")
+def _blocks_clash(blocks: Sequence[_Block]) -> tuple[tuple[int, str], tuple[int, str]] | None:
+    """:meth:`_Table.clash` for blocks that are not all in the table's terms: from the tensors themselves
+    (:func:`~sofx.kernels.donation.blocks_clash`; an undo+redo's ``g_old`` is named ``g`` there, as in the
+    table)."""
+    return blocks_clash([([("p", b.p), ("g", b.g), ("m", b.m), ("v", b.v), ("g_new", b.g2), ("p_old", b.p_old)],
+                          b.out, [("p_copy", b.p_copy), ("skip", b.skip)]) for b in blocks])
 
 
 def _call(lib: _cpu_build.NativeLib, op: int, variant: AdamVariant, table: _Table, exact: bool, backend: str,

@@ -45,11 +45,11 @@ from typing import Any, Callable, Iterable, Sequence, Union
 import torch
 
 from sofx.errors import LeafError
-from sofx.kernels.base import MemoryOverlapError
+from sofx.kernels.base import MemoryOverlapError, UndoRedoCall
 
 __all__ = ["check_writable", "unwritable", "torch_refuses_write", "check_written", "may_refuse_write", "MemorySpans",
            "first_clash", "runs", "overlaps_itself", "overlap_message", "shared_memory_message", "overlap_error",
-           "same_memory", "MAX_RUNS"]
+           "same_memory", "blocks_clash", "call_block", "refuse_shared_memory", "MAX_RUNS"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
 MAX_RUNS = 1 << 20  # a non-contiguous tensor of more runs is compared as the range it spans
@@ -149,6 +149,74 @@ def same_memory(out: Any, t: Any) -> bool:
     """Whether ``out`` is ``t``'s own memory (donation; possibly another view object of it)."""
     return out is t or (isinstance(out, torch.Tensor) and isinstance(t, torch.Tensor) and out.dtype == t.dtype
                         and out.data_ptr() == t.data_ptr() and out.shape == t.shape and out.stride() == t.stride())
+
+
+# One block of a kernel call for :func:`blocks_clash`: its inputs ``(role, tensor or None)`` (those named "p", "m",
+# "v" written where ``out`` donates them), its ``out`` (or None) and the other arrays it writes (``p_copy``, ``skip``)
+Block = tuple[Sequence[tuple[str, Any]], Union[Sequence[Any], None], Sequence[tuple[str, Any]]]
+_DONATED = ("p", "m", "v")  # the inputs out[0], out[1], out[2] replace
+_OUT_ROLES = ("out[0]", "out[1]", "out[2]")
+
+
+def blocks_clash(blocks: Sequence[Block]) -> tuple[tuple[int, str], tuple[int, str]] | None:
+    """``(block, role)`` of a written array of a kernel call and of another that shares its memory, or None (the
+    same pair twice for a written array whose elements overlap): ``out[k]`` is written, and named so, unless it is
+    the input it replaces (:func:`same_memory`: then that input is written), and so are the other written arrays.
+    Tensors without memory of their own here are left out (meta tensors, ``torch.func`` wrappers: the pytree
+    layer compares what they wrap), and under ``torch.compile`` nothing is compared."""
+    if torch.compiler.is_compiling():
+        return None
+    read: list[tuple[int, str, Any]] = []  # (block, role, tensor or None)
+    written: list[tuple[int, str, Any]] = []
+    for i, (inputs, out, others) in enumerate(blocks):
+        donated = _donated(inputs, out)
+        for role, t in inputs:
+            (written if role in donated else read).append((i, role, t))
+        if out is not None:
+            written += [(i, _OUT_ROLES[k], o) for k, o in enumerate(out) if _DONATED[k] not in donated]
+        written += [(i, role, t) for role, t in others]
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    read = [x for x in read if isinstance(x[2], torch.Tensor) and not x[2].is_meta and not wrapped(x[2])]
+    written = [x for x in written if isinstance(x[2], torch.Tensor) and not x[2].is_meta and not wrapped(x[2])]
+    for i, role, t in written:
+        if overlaps_itself(t):
+            return (i, role), (i, role)
+    spans = MemorySpans()
+    for group, w in ((read, False), (written, True)):
+        spans.add([t for _, _, t in group], w, lambda j, group=group: group[j][:2])
+    return spans.clash(lambda tag: f"block {tag[0]}: {tag[1]}")
+
+
+def _donated(inputs: Sequence[tuple[str, Any]], out: Sequence[Any] | None) -> tuple[str, ...]:
+    """The roles among ``"p", "m", "v"`` whose input ``out`` replaces in place (:func:`same_memory`)."""
+    if out is None:
+        return ()
+    role_of = dict(inputs)
+    pmv = [role_of.get(role) for role in _DONATED]
+    if out[0] is pmv[0] and out[1] is pmv[1] and out[2] is pmv[2]:  # (the common case)
+        return _DONATED
+    return tuple(role for role, o, t in zip(_DONATED, out, pmv) if same_memory(o, t))
+
+
+def call_block(c: Any) -> Block:
+    """A :class:`~sofx.kernels.base.StepCall`, :class:`~sofx.kernels.base.UndoCall` or
+    :class:`~sofx.kernels.base.UndoRedoCall` as a block of :func:`blocks_clash` (its roles in the order the cpu
+    backend's table holds them, so that every backend names the same pair)."""
+    if isinstance(c, UndoRedoCall):
+        inputs = [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v), ("g_new", c.g_new), ("p_old", c.p_old)]
+    else:
+        inputs = [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", getattr(c, "p_old", None))]
+    return inputs, c.out, [("p_copy", c.p_copy), ("skip", getattr(c, "skip", None))]
+
+
+def refuse_shared_memory(calls: Sequence[Any], where: Sequence[str]) -> None:
+    """Raise :class:`MemoryOverlapError` (:func:`overlap_error`; ``where[i]`` names call i) where a written array
+    of ``calls`` (kernel calls, :func:`call_block`) shares memory with another array of theirs
+    (:func:`blocks_clash`), before anything is written: an ``out`` or ``p_copy`` overlapping a gradient, another
+    output, another block's array, or its own elements (``expand()``)."""
+    found = blocks_clash([call_block(c) for c in calls])
+    if found is not None:
+        raise overlap_error(*found, where)
 
 
 def runs(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:

@@ -48,6 +48,7 @@ from sofx.kernels.base import (
     refuse_checked_steps,
     write_param_copy,
 )
+from sofx.kernels.donation import refuse_shared_memory
 
 Out = "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"
 
@@ -177,7 +178,9 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
          variant: AdamVariant, *, out: Out = None,
          p_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also ``p'``)."""
-    s = _checked_step(StepCall(p, g, m, v, s, out, p_copy), f"{NAME}.step")
+    c = StepCall(p, g, m, v, s, out, p_copy)
+    s = _checked_step(c, f"{NAME}.step")
+    refuse_shared_memory([c], [f"{NAME}.step"])
     return _step_block(p, g, m, v, s, variant, out, p_copy)
 
 
@@ -287,7 +290,9 @@ def undo(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
     Raises :class:`~sofx.errors.UnsupportedError` where the inverse does not
     exist (a beta of 0, decoupled ``lr*wd == 1`` without ``p_old``).
     """
-    s = _checked_undo(UndoCall(p, g, m, v, s, p_old, out, p_copy), variant, f"{NAME}.undo")
+    c = UndoCall(p, g, m, v, s, p_old, out, p_copy)
+    s = _checked_undo(c, variant, f"{NAME}.undo")
+    refuse_shared_memory([c], [f"{NAME}.undo"])
     return _undo_block(p, g, m, v, s, variant, p_old, out, p_copy)
 
 
@@ -309,7 +314,9 @@ def undo_redo(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: torch.Te
     ``undo`` and ``step`` had been called one after the other.
     """
     c = UndoRedoCall(p, m, v, g_old, s_old, g_new, s_new, p_old, out, p_copy)
-    return _undo_redo_block(c, *_checked_undo_redo(c, variant, f"{NAME}.undo_redo"), variant)
+    scalars = _checked_undo_redo(c, variant, f"{NAME}.undo_redo")
+    refuse_shared_memory([c], [f"{NAME}.undo_redo"])
+    return _undo_redo_block(c, *scalars, variant)
 
 
 def _undo_redo_block(c: UndoRedoCall, s_old: AdamScalars, s_new: AdamScalars, variant: AdamVariant) -> Triple:
@@ -320,18 +327,20 @@ def _undo_redo_block(c: UndoRedoCall, s_old: AdamScalars, s_new: AdamScalars, va
     return results
 
 
-# The list forms: every block checked (tensors, scalars, inverses) before any is computed, then the one-block
-# math per block. No checked steps (skip).
+# The list forms: every block checked (tensors, scalars, inverses, the memory written) before any is computed,
+# then the one-block math per block. No checked steps (skip).
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for each block (the kernel contract's list form)."""
     refuse_checked_steps(calls, f"{NAME}.step_many")
     scalars = [_checked_step(c, f"{NAME}.step_many[{i}]") for i, c in enumerate(calls)]
+    refuse_shared_memory(calls, _names("step_many", calls))
     return [_step_block(c.p, c.g, c.m, c.v, s, variant, c.out, c.p_copy) for c, s in zip(calls, scalars)]
 
 
 def undo_many(calls: Sequence[UndoCall], variant: AdamVariant) -> list[Triple]:
     """:func:`undo` for each block."""
     scalars = [_checked_undo(c, variant, f"{NAME}.undo_many[{i}]") for i, c in enumerate(calls)]
+    refuse_shared_memory(calls, _names("undo_many", calls))
     return [_undo_block(c.p, c.g, c.m, c.v, s, variant, c.p_old, c.out, c.p_copy) for c, s in zip(calls, scalars)]
 
 
@@ -339,4 +348,10 @@ def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[
     """:func:`undo_redo` for each block."""
     refuse_checked_steps(calls, f"{NAME}.undo_redo_many")
     scalars = [_checked_undo_redo(c, variant, f"{NAME}.undo_redo_many[{i}]") for i, c in enumerate(calls)]
+    refuse_shared_memory(calls, _names("undo_redo_many", calls))
     return [_undo_redo_block(c, *ss, variant) for c, ss in zip(calls, scalars)]
+
+
+def _names(fn: str, calls: Sequence) -> list[str]:
+    """How errors name each block of a list form: ``"reference.step_many[3]"``."""
+    return [f"{NAME}.{fn}[{i}]" for i in range(len(calls))]
