@@ -44,8 +44,9 @@ else:
     from sofx.kernels import triton as tk
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import (UNWRITABLE, block_inputs, block_scalars, max_rel_err, refuse_bad_blocks_first,
-                         refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, run_blocks)
+    from helpers import (UNWRITABLE, block_inputs, block_scalars, expanded, max_rel_err, refuse_bad_blocks_first,
+                         refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
+                         run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
@@ -197,9 +198,9 @@ else:
             with pytest.raises(UnsupportedError, match="one state dtype"):
                 tk.step_many([StepCall(p, g, m, v, s), StepCall(p, g, mb, vb, s)], variant)
         wide = torch.randn(1).expand(37)
-        with pytest.raises(LeafError, match=r"triton.step: out\[0\]: its elements overlap in memory"):
+        with pytest.raises(LeafError, match=r"triton.step: p: its elements overlap in memory"):
             tk.step(wide, g, m, v, s, variant, out=(wide, m, v))
-        with pytest.raises(LeafError, match=r"step_many\[1\]: out\[0\]: its elements overlap"):
+        with pytest.raises(LeafError, match=r"step_many\[1\]: p: its elements overlap"):
             tk.step_many([StepCall(p, g, m, v, s, out=(p, m, v)), StepCall(wide, g, m, v, s, out=(wide, m, v))],
                          variant)
         with pytest.raises(LeafError, match=r"p_copy: its elements overlap"):
@@ -212,6 +213,16 @@ else:
         view of one, with grad mode on; an inference tensor outside inference mode) was written by the kernels;
         every entry now refuses it first, naming the argument, as the other backends do."""
         refuse_bad_writes(tk, "triton", rng, bad, LeafError, message)
+
+    def test_written_tensors_that_share_memory_are_refused_by_every_entry(rng):
+        """An out or p_copy overlapping another array of the call (a gradient, another out, a donated input,
+        another block's) was written as the programs ran: wrong results, and the arrays read changed. Every
+        entry now refuses it first, naming both (MemoryOverlapError), as the cpu backends do; an expand()-ed
+        one too (the same error now)."""
+        from sofx.kernels.base import MemoryOverlapError
+
+        refuse_bad_writes(tk, "triton", rng, expanded, MemoryOverlapError, "its elements overlap in memory")
+        refuse_shared_memory(tk, "triton", rng)
 
     def test_numpy_scalars_and_overflowing_quotients_give_cpu_fasts_bits(rng):
         """numpy numbers are numbers to the contract (the launch took Python's only and failed); an inverse whose

@@ -51,12 +51,12 @@ import torch
 import triton
 import triton.language as tl
 
-from sofx.errors import LeafError, UnsupportedError
+from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
                                lossy_factor, write_kept_param_copy, write_outputs)
-from sofx.kernels.donation import may_refuse_write, overlap_message, overlaps_itself
+from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
 from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
@@ -432,10 +432,6 @@ def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: 
     if v.dtype != m.dtype:
         raise UnsupportedError(f"{what}: m is {m.dtype} and v {v.dtype}; the kernels keep both moments in "
                                "one state dtype")
-    written = [(f"out[{k}]", o) for k, o in enumerate(out or ())] + [(n, t) for n, t in tensors if n == "p_copy"]
-    for name, t in written:
-        if t is not None and overlaps_itself(t):
-            raise LeafError(overlap_message(f"{what}: {name}"))
 
 
 def _contiguous(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
@@ -703,7 +699,8 @@ def _undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant, names: 
 def _check_calls(names: Sequence[str], calls: Sequence,
                  named: Callable[[Any], list[tuple[str, torch.Tensor | None]]]) -> None:
     """Every call checked (:func:`_check` on ``named(call)``, its tensors by name; errors name call ``i``
-    ``names[i]``) before anything runs. A
+    ``names[i]``), and the memory they write (:func:`~sofx.kernels.donation.refuse_shared_memory`), before
+    anything runs. A
     call whose tensors are plain tensors of ``p``'s shape and device in storage dtypes, with ``out`` None or
     the inputs themselves, passes once a call of its device and dtypes has passed the full check."""
     supported: set[tuple] = set()  # (device, param dtype, state dtype) that passed the full check
@@ -718,6 +715,7 @@ def _check_calls(names: Sequence[str], calls: Sequence,
     for i, c in enumerate(calls):
         if getattr(c, "skip", None) is not None:
             check_skip(names[i], c, c.p.device)
+    refuse_shared_memory(calls, names)
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
