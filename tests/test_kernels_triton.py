@@ -399,6 +399,33 @@ else:
         for a, b in zip(run(True), run(False)):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 
+    def test_adam_leaves_the_memory_check_of_a_call_to_the_triton_kernels(rng, monkeypatch):
+        """The Triton entries refuse written arrays that share memory (CHECKS_OVERLAP), so sofx.Adam does not
+        compare a call's memory a second time: its refusals still name the leaves, nothing written."""
+        import sofx
+        adam = sys.modules["sofx.adam"]
+
+        def second_pass(*args, **kwargs):
+            raise AssertionError("sofx.Adam compared the memory the kernel compares")
+
+        monkeypatch.setattr(adam, "_check_writes", second_pass)
+        opt = sofx.adamw(lr=1e-2, backend="triton")
+        params = {"a": torch.randn(40, generator=rng), "z": torch.randn(40, generator=rng)}
+        grads = {k: torch.randn(40, generator=rng) for k in params}
+        state = opt.init(params)
+        params, state, record = opt.update(params, grads, state, donate=True)
+        before = [t.clone() for t in (*params.values(), *state.mu.values(), *state.nu.values())]
+        tied = {"a": params["a"], "z": params["a"]}
+        with pytest.raises(LeafError, match=r"params\['a'\] and params\['z'\] share memory"):
+            opt.update(tied, grads, state, donate=True)
+        copies = {"a": None, "z": grads["z"]}
+        with pytest.raises(LeafError, match=r"param_copies\['z'\] and grads\['z'\] share memory"):
+            opt.update(params, grads, state, donate=True, param_copies=copies)
+        with pytest.raises(LeafError, match=r"params\['a'\] and .*share memory"):
+            opt.undo_redo(tied, state, record, grads, donate=True)
+        after = [*params.values(), *state.mu.values(), *state.nu.values()]
+        assert all(torch.equal(a, b) for a, b in zip(after, before))
+
     def test_adam_on_a_tree_of_many_leaves(rng, monkeypatch):
         """sofx.adamw(backend="triton") over many leaves: one launch per group, each leaf's bits those of
         the one-block kernels; undo and undo_redo too."""

@@ -26,7 +26,11 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     Whether the list forms refuse a call whose written arrays (``out`` but
     where it is the very input it replaces, ``p_copy``, ``skip``) share
     memory with any other array of the call, raising
-    :class:`MemoryOverlapError` before anything is computed.
+    :class:`MemoryOverlapError` before anything is computed, so that the
+    pytree layer may leave that check to them (the cpu backends, from their
+    native table, and triton). The reference's entries refuse such calls too
+    (:func:`sofx.kernels.donation.refuse_shared_memory`) but cannot compare
+    what ``torch.func`` wrappers hold, which the pytree layer does.
 ``CHECKS_FINITE``
     Whether ``step_many`` and ``undo_redo_many`` take checked steps (``skip``, see :data:`FINITE_CHUNK`).
 ``RUNS_CHUNK_LISTS`` (optional, the CPU backends)

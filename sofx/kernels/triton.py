@@ -60,10 +60,11 @@ from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
 from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
-           "COMPILE_OPTIONS", "CHECKS_FINITE", "CHECK_BLOCK"]
+           "COMPILE_OPTIONS", "CHECKS_FINITE", "CHECKS_OVERLAP", "CHECK_BLOCK"]
 
 NAME = "triton"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip), see CHECK_BLOCK
+CHECKS_OVERLAP = True  # every entry refuses written arrays that share memory (donation.refuse_shared_memory)
 BLOCK = 1024
 # A checked call (``skip``, :data:`sofx.kernels.base.FINITE_CHUNK`) runs one chunk per program, so that a
 # program decides for its whole chunk (:func:`_chunk_bad`) before it stores any of it, in the same pass: the
