@@ -350,6 +350,12 @@ def view_of_leaf_requiring_grad(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.new_zeros(1), t.detach()]).requires_grad_()[1:]
 
 
+def result_requiring_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor that requires grad and is not a leaf (computed from one: autograd records
+    the writes into it that torch makes)."""
+    return t.detach().clone().requires_grad_() * 1.0
+
+
 # Written tensors torch refuses to write in place, and the words of the kernels' refusal
 UNWRITABLE = (
     (inference_copy, r"an inference tensor \(made under torch.inference_mode\(\)\) cannot be written in place "

@@ -26,7 +26,8 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall,
 from sofx.kernels.chunked import ChunkedCall, listed_elements
 
 from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded, library_copying_compiler,
-                     max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory)
+                     max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
+                     result_requiring_grad)
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -477,6 +478,24 @@ def test_written_tensors_that_share_memory_are_refused_by_every_entry(name, rng)
     backend = reference if name == "reference" else BACKENDS[name]
     refuse_bad_writes(backend, name, rng, expanded, MemoryOverlapError, "its elements overlap in memory")
     refuse_shared_memory(backend, name, rng)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_a_written_tensor_autograd_records_is_refused_by_the_native_kernels(name, rng):
+    # An out, a donated input or a p_copy that requires grad without being a leaf (computed from one) was written
+    # in memory autograd does not see while grad mode is on: it kept the history of its old values, so a backward
+    # through it gave the gradient of what it no longer held. Refused first now, naming the argument; the
+    # reference, whose writes autograd records, takes it (its gradient is the written values').
+    refuse_bad_writes(BACKENDS[name], name, rng, result_requiring_grad, LeafError,
+                      "a tensor that requires grad cannot be written by these kernels while grad mode is on")
+    p, g, m, v = block_inputs(rng, 37, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1)
+    x = torch.randn(37, generator=rng, requires_grad=True)
+    out = (x * 2.0, m.clone(), v.clone())
+    reference.step(p, g, m, v, s, AdamVariant(), out=out)
+    assert torch.equal(out[0].detach(), reference.step(p, g, m, v, s, AdamVariant())[0])
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.zeros(37))  # the written values do not depend on x
 
 
 def test_supports():

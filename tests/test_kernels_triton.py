@@ -46,7 +46,7 @@ else:
 
     from helpers import (UNWRITABLE, block_inputs, block_scalars, expanded, max_rel_err, refuse_bad_blocks_first,
                          refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
-                         run_blocks)
+                         result_requiring_grad, run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
@@ -213,6 +213,13 @@ else:
         view of one, with grad mode on; an inference tensor outside inference mode) was written by the kernels;
         every entry now refuses it first, naming the argument, as the other backends do."""
         refuse_bad_writes(tk, "triton", rng, bad, LeafError, message)
+
+    def test_a_written_tensor_autograd_records_is_refused_by_the_triton_kernels(rng):
+        """An out, a donated input or a p_copy that requires grad without being a leaf was written in memory
+        autograd does not see while grad mode is on (its history, of its old values, kept); refused first now,
+        as the cpu backends do."""
+        refuse_bad_writes(tk, "triton", rng, result_requiring_grad, LeafError,
+                          "a tensor that requires grad cannot be written by these kernels while grad mode is on")
 
     def test_written_tensors_that_share_memory_are_refused_by_every_entry(rng):
         """An out or p_copy overlapping another array of the call (a gradient, another out, a donated input,

@@ -236,7 +236,7 @@ _OPTIONAL_TENSORS = ("p_old", "p_copy")  # a block's tensors that may be None
 
 
 def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
-                        out: Sequence[torch.Tensor] | None = None) -> None:
+                        out: Sequence[torch.Tensor] | None = None, autograd: bool = False) -> None:
     """Refuse, before anything is written, block tensors a kernel cannot take.
 
     Every named tensor (``None`` where the name is an optional one, ``p_old``
@@ -244,7 +244,8 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     with the shape and device of ``like`` (the parameter); ``out`` must be
     ``(p_out, m_out, v_out)``. What the call writes, ``out`` (named ``out[k]``,
     or the input's name where it is the input itself: donation) and ``p_copy``,
-    must be writable in place (:func:`sofx.kernels.donation.check_written`).
+    must be writable in place (:func:`sofx.kernels.donation.check_written`;
+    ``autograd``: the backend writes through torch, which autograd records).
     ``where`` prefixes the message (``"cpu.step"``). Backend-specific limits
     (device type, dtypes) and the memory the tensors share are the backend's
     own check.
@@ -269,7 +270,7 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     from sofx.kernels.donation import check_written  # (donation imports this module)
 
-    check_written(where, written)
+    check_written(where, written, autograd)
 
 
 def check_float_tensor(where: str, name: str, t: Any, device: torch.device, anchor: str) -> None:

@@ -83,17 +83,25 @@ def torch_refuses_write(path: str, t: torch.Tensor) -> str | None:
     return None
 
 
-def check_written(where: str, written: Iterable[tuple[str, Any]]) -> None:
+def check_written(where: str, written: Iterable[tuple[str, Any]], autograd: bool = False) -> None:
     """Refuse (a :class:`LeafError` naming the call ``where`` and the argument) a tensor a kernel call would write
     (``written``: ``(name, tensor or None)``) that torch refuses to write in place (:func:`torch_refuses_write`),
     before the call writes anything: its backends write raw memory, or write with torch, which raises only after
-    writing it. Whether its elements overlap is the call's memory check's (:class:`MemorySpans`). Not under
-    ``torch.compile`` (its tracing has its own rules for writes, as :meth:`sofx.Adam.update`'s checks)."""
+    writing it. Unless the backend writes through torch (``autograd``: autograd records its writes, as the
+    reference's), also any tensor that requires grad while grad mode is on: a raw write leaves it the history of
+    its old values, so that a backward through it would give their gradient. Whether its elements overlap is the
+    call's memory check's (:class:`MemorySpans`). Not under ``torch.compile`` (its tracing has its own rules for
+    writes, as :meth:`sofx.Adam.update`'s checks)."""
     if torch.compiler.is_compiling():
         return
     for name, t in written:
         if isinstance(t, torch.Tensor):
-            why = torch_refuses_write(f"{where}: {name}", t)
+            path = f"{where}: {name}"
+            why = torch_refuses_write(path, t)
+            if why is None and not autograd and t.requires_grad and torch.is_grad_enabled():
+                why = (f"{path}: a tensor that requires grad cannot be written by these kernels while grad mode is "
+                       "on (autograd does not see their writes: it would keep the history of the old values); pass "
+                       "it detached (.detach()), call under torch.no_grad() or use the reference backend")
             if why is not None:
                 raise LeafError(why)
 

@@ -194,14 +194,15 @@ def _step_block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
 
 def _checked_step(c: StepCall, where: str) -> AdamScalars:
     """``c``'s tensors checked and its scalars checked and concrete (``where`` names the call in errors)."""
-    check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out)
+    check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out,
+                        autograd=True)
     return concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64)
 
 
 def _checked_undo(c: UndoCall, variant: AdamVariant, where: str) -> AdamScalars:
     """``c``'s tensors and scalars checked (:func:`_checked_step`), the scalars also as an undo's."""
     check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
-                                ("p_copy", c.p_copy)], c.p, c.out)
+                                ("p_copy", c.p_copy)], c.p, c.out, autograd=True)
     s = concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64)
     _check_invertible(s, variant, c.p_old is not None, where)
     return s
@@ -210,7 +211,7 @@ def _checked_undo(c: UndoCall, variant: AdamVariant, where: str) -> AdamScalars:
 def _checked_undo_redo(c: UndoRedoCall, variant: AdamVariant, where: str) -> tuple[AdamScalars, AdamScalars]:
     """``c``'s tensors and both scalars checked, ``s_old`` as an undo's: ``(s_old, s_new)`` concrete."""
     check_block_tensors(where, [("p", c.p), ("m", c.m), ("v", c.v), ("g_old", c.g_old), ("g_new", c.g_new),
-                                ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out)
+                                ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out, autograd=True)
     float64 = compute_dtype(c.p) == torch.float64
     s_old = concrete_scalars(c.s_old, where, float64)
     _check_invertible(s_old, variant, c.p_old is not None, where)
