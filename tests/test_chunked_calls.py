@@ -23,7 +23,7 @@ from sofx.kernels.base import FINITE_CHUNK, AdamVariant, MemoryOverlapError, Ste
 from sofx.kernels.chunked import (ChunkedCall, gather_chunks, listed_elements, listed_ranges, put_chunks, range_calls,
                                   take_chunks)
 
-from helpers import bits, block_inputs, block_scalars
+from helpers import UNWRITABLE, bits, block_inputs, block_scalars, result_requiring_grad
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -389,6 +389,49 @@ def test_bad_chunked_calls_are_refused_before_anything_is_written(name, native, 
         assert str(e.value).startswith(f"{name}.step_chunks[2]: ") and " run " not in str(e.value)
     with pytest.raises(LeafError, match="expected a ChunkedCall of a UndoRedoCall"):
         backend.undo_redo_chunks(good, AdamVariant())
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("bad, words", [*UNWRITABLE, (result_requiring_grad, "a tensor that requires grad cannot be "
+                                                                            "written by these kernels")],
+                         ids=["inference", "leaf", "view_of_leaf", "result"])
+def test_written_arrays_that_cannot_be_written_are_refused_before_anything_is_written(name, native, bad, words, rng,
+                                                                                      monkeypatch):
+    """An output, kept array, parameter copy or flags torch refuses to write in place (an inference tensor outside
+    inference mode, a leaf that requires grad or a view of one) or that requires grad at all (autograd does not
+    see the native code's writes) were written: by the native code, or by the calls over their runs after the kept
+    values were copied out. Refused with the call and the array named, nothing written (valid calls first)."""
+    from sofx.kernels import _cpu_build
+
+    if not native:
+        monkeypatch.setattr(_cpu_build, "load", lambda: None)
+    backend = BACKENDS[name]
+    n = 3 * C + 10
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.0)
+    good_out = tuple(torch.zeros(n) for _ in range(3))
+    good_kept = tuple(torch.zeros(2 * C) for _ in range(3))
+    good = ChunkedCall(StepCall(p, g, m, v, s, good_out), torch.tensor([0, 1]), kept=good_kept)
+    for role in ("out[0]", "out[2]", "kept[1]", "p_copy", "skip"):
+        out = [torch.zeros(n) for _ in range(3)]
+        kept = [torch.zeros(C) for _ in range(3)]
+        p_copy, skip = torch.zeros(n), None
+        if role.startswith("out"):
+            out[int(role[4])] = bad(out[int(role[4])])
+        elif role.startswith("kept"):
+            kept[int(role[5])] = bad(kept[int(role[5])])
+        elif role == "p_copy":
+            p_copy = bad(p_copy)
+        else:
+            if bad is not UNWRITABLE[0][0]:
+                continue  # (flags are integers: they cannot require grad)
+            skip = bad(torch.zeros(-(-n // C), dtype=torch.uint8))
+        call = ChunkedCall(StepCall(p, g, m, v, s, tuple(out), p_copy, skip), torch.tensor([2]), kept=tuple(kept))
+        written = [*good_out, *good_kept, *out, *kept, p_copy] + ([skip] if skip is not None else [])
+        with pytest.raises(LeafError, match=re.escape(f"{name}.step_chunks[1]: {role}: ") + words):
+            backend.step_chunks([good, call], AdamVariant())
+        assert all(not bool(t.detach().any()) for t in written), role
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
