@@ -271,6 +271,30 @@ def refuse_bad_scalars_everywhere(backend, prefix: str, blocks, s: AdamScalars, 
 WRITTEN_SLOTS = ("out[0]", "out[1]", "out[2]", "p", "m", "v", "p_copy")
 
 
+def _entry_call(backend, entry: str, variant, s: AdamScalars, block: tuple, good: tuple):
+    """A call of ``backend``'s ``entry`` (step, undo, undo_redo or their ``_many`` forms) on ``block``
+    ``(p, g, m, v, g_new, out, p_copy)``; the list forms get the donated valid block ``good`` ``(p, g, m, v,
+    g_new)`` first, so that a refusal of ``block`` must come before ``good`` is written."""
+    from sofx.kernels.base import StepCall, UndoCall, UndoRedoCall
+
+    p, g, m, v, g_new, out, p_copy = block
+    gp, gg, gm, gv, gg_new = good
+    if entry == "step":
+        return lambda: backend.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)
+    if entry == "undo":
+        return lambda: backend.undo(p, g, m, v, s, variant, out=out, p_copy=p_copy)
+    if entry == "undo_redo":
+        return lambda: backend.undo_redo(p, m, v, g, s, g_new, s, variant, out=out, p_copy=p_copy)
+    if entry == "step_many":
+        return lambda: backend.step_many([StepCall(gp, gg, gm, gv, s, (gp, gm, gv)),
+                                          StepCall(p, g, m, v, s, out, p_copy)], variant)
+    if entry == "undo_many":
+        return lambda: backend.undo_many([UndoCall(gp, gg, gm, gv, s, None, (gp, gm, gv)),
+                                          UndoCall(p, g, m, v, s, None, out, p_copy)], variant)
+    return lambda: backend.undo_redo_many([UndoRedoCall(gp, gm, gv, gg, s, gg_new, s, None, (gp, gm, gv)),
+                                           UndoRedoCall(p, m, v, g, s, g_new, s, None, out, p_copy)], variant)
+
+
 def refuse_bad_writes(backend, prefix: str, gen: torch.Generator, bad, error: type, message: str,
                       slots: tuple[str, ...] = WRITTEN_SLOTS) -> None:
     """Every entry of ``backend`` (``prefix``: its name) refuses a call whose written tensor in one of ``slots``
@@ -283,7 +307,7 @@ def refuse_bad_writes(backend, prefix: str, gen: torch.Generator, bad, error: ty
 
     import pytest
 
-    from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
+    from sofx.kernels.base import AdamVariant
 
     variant = AdamVariant()
     s = block_scalars(gen, 0.1)
@@ -310,23 +334,7 @@ def refuse_bad_writes(backend, prefix: str, gen: torch.Generator, bad, error: ty
             watched = [p, g, m, v, g_new, *out, p_copy, *good]
             with torch.no_grad():
                 before = [None if t is None else t.detach().clone() for t in watched]
-            if entry == "step":
-                call = lambda: backend.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
-            elif entry == "undo":
-                call = lambda: backend.undo(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
-            elif entry == "undo_redo":
-                call = lambda: backend.undo_redo(p, m, v, g, s, g_new, s, variant, out=out,  # noqa: E731
-                                                 p_copy=p_copy)
-            elif entry == "step_many":
-                call = lambda: backend.step_many([StepCall(gp, gg, gm, gv, s, (gp, gm, gv)),  # noqa: E731
-                                                  StepCall(p, g, m, v, s, out, p_copy)], variant)
-            elif entry == "undo_many":
-                call = lambda: backend.undo_many([UndoCall(gp, gg, gm, gv, s, None, (gp, gm, gv)),  # noqa: E731
-                                                  UndoCall(p, g, m, v, s, None, out, p_copy)], variant)
-            else:
-                call = lambda: backend.undo_redo_many(  # noqa: E731
-                    [UndoRedoCall(gp, gm, gv, gg, s, gg, s, None, (gp, gm, gv)),
-                     UndoRedoCall(p, m, v, g, s, g_new, s, None, out, p_copy)], variant)
+            call = _entry_call(backend, entry, variant, s, (p, g, m, v, g_new, out, p_copy), (gp, gg, gm, gv, gg))
             where = f"{prefix}.{entry}" + (r"\[1\]" if entry.endswith("_many") else "")
             with pytest.raises(error, match=rf"{where}: {re.escape(slot)}: {message}"):
                 call()
@@ -398,7 +406,7 @@ def refuse_shared_memory(backend, prefix: str, gen: torch.Generator) -> None:
     of the calls keeps its bits."""
     import pytest
 
-    from sofx.kernels.base import AdamVariant, MemoryOverlapError, StepCall, UndoCall, UndoRedoCall
+    from sofx.kernels.base import AdamVariant, MemoryOverlapError
 
     variant = AdamVariant()
     s = block_scalars(gen, 0.1)
@@ -433,23 +441,7 @@ def refuse_shared_memory(backend, prefix: str, gen: torch.Generator) -> None:
                 out = (o, out[1], out[2])
             watched = [gp, gg, gm, gv, gg2, p, g, m, v, g_new, *out, p_copy]
             before = [None if t is None else t.clone() for t in watched]
-            if entry == "step":
-                call = lambda: backend.step(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
-            elif entry == "undo":
-                call = lambda: backend.undo(p, g, m, v, s, variant, out=out, p_copy=p_copy)  # noqa: E731
-            elif entry == "undo_redo":
-                call = lambda: backend.undo_redo(p, m, v, g, s, g_new, s, variant, out=out,  # noqa: E731
-                                                 p_copy=p_copy)
-            elif entry == "step_many":
-                call = lambda: backend.step_many([StepCall(gp, gg, gm, gv, s, (gp, gm, gv)),  # noqa: E731
-                                                  StepCall(p, g, m, v, s, out, p_copy)], variant)
-            elif entry == "undo_many":
-                call = lambda: backend.undo_many([UndoCall(gp, gg, gm, gv, s, None, (gp, gm, gv)),  # noqa: E731
-                                                  UndoCall(p, g, m, v, s, None, out, p_copy)], variant)
-            else:
-                call = lambda: backend.undo_redo_many(  # noqa: E731
-                    [UndoRedoCall(gp, gm, gv, gg, s, gg2, s, None, (gp, gm, gv)),
-                     UndoRedoCall(p, m, v, g, s, g_new, s, None, out, p_copy)], variant)
+            call = _entry_call(backend, entry, variant, s, (p, g, m, v, g_new, out, p_copy), (gp, gg, gm, gv, gg2))
             want = tuple((i if many else 0, "g_old" if r == "g" and "redo" in entry else r) for i, r in pair)
             where = f"{prefix}.{entry}" + (f"[{want[0][0]}]" if many else "")
             with pytest.raises(MemoryOverlapError) as err:
