@@ -73,6 +73,22 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _saved_after_n_steps() -> tuple[torch.nn.Module, list[float], list[torch.Tensor], list[float], dict]:
+    """The facade with the SETTINGS GradScaler rule: the scales of an uninterrupted run of N + M steps and its
+    final parameters; then a new run's model after N steps, their scales and its state dict (a copy)."""
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        uninterrupted = _facade_steps(model, opt, 0, N + M)
+    want = _params(model)
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
+                                       executor="inline") as opt:
+        before = _facade_steps(model, opt, 0, N)
+        saved = copy.deepcopy(opt.state_dict())
+    return model, uninterrupted, want, before, saved
+
+
 def _torch_resumed(saved_scaler: dict, new_scaler: torch.amp.GradScaler) -> tuple[list[float], list[float]]:
     """torch's run, saved after N steps and resumed into ``new_scaler``: the scales before and after."""
     model = _model()
@@ -92,17 +108,7 @@ def test_a_resumed_dynamic_loss_scale_keeps_the_saved_growth_settings_as_torchs_
     ``GradScaler()`` of the defaults goes on as the uninterrupted one. The facade's state dict held the scale
     and the clean-step count only: resumed into ``loss_scale="dynamic"`` (the defaults) it grew the scale by 2
     every 2000 steps and backed off by half, another run."""
-    model = _model()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
-                                       executor="inline") as opt:
-        uninterrupted = _facade_steps(model, opt, 0, N + M)
-    want = _params(model)
-
-    model = _model()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
-                                       executor="inline") as opt:
-        before = _facade_steps(model, opt, 0, N)
-        saved = copy.deepcopy(opt.state_dict())
+    model, uninterrupted, want, before, saved = _saved_after_n_steps()
     with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale="dynamic",
                                        executor="inline") as opt:
         opt.load_state_dict(saved)
@@ -126,17 +132,7 @@ def test_a_resumed_dynamic_loss_scale_keeps_the_saved_growth_settings_as_torchs_
 def test_a_state_dict_without_the_loss_scale_settings_loads_with_the_constructors():
     """A state dict saved before the settings were kept (no ``scaler`` entry) still loads: the run goes on with
     the loss-scale rule the optimizer was made with."""
-    model = _model()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
-                                       executor="inline") as opt:
-        uninterrupted = _facade_steps(model, opt, 0, N + M)
-    want = _params(model)
-
-    model = _model()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
-                                       executor="inline") as opt:
-        before = _facade_steps(model, opt, 0, N)
-        old = copy.deepcopy(opt.state_dict())
+    model, uninterrupted, want, before, old = _saved_after_n_steps()
     del old["state"]["scaler"]
     with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, loss_scale=grad_scaler(**SETTINGS),
                                        executor="inline") as opt:
