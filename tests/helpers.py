@@ -342,6 +342,91 @@ def refuse_bad_writes(backend, prefix: str, gen: torch.Generator, bad, error: ty
                 assert t is None or torch.equal(t.detach(), b), f"{entry}, {slot}: written before refusing"
 
 
+READ_SLOTS = {"step": ("p", "g", "m", "v"), "undo": ("p", "g", "m", "v", "p_old"),
+              "undo_redo": ("p", "m", "v", "g_old", "g_new", "p_old")}
+
+
+def refuse_traced_inputs(backend, prefix: str, gen: torch.Generator) -> None:
+    """Every entry of ``backend`` (``prefix``: its name) refuses, with an ``UnsupportedError`` naming the call and
+    the argument and saying what to do, a call whose read tensor (each of :data:`READ_SLOTS`, the list forms' in
+    their second block after a valid donated one) requires grad while grad mode is on, or is a ``torch.func``
+    transform's (vmap, grad): such a kernel reads raw values, so its results were silently not differentiable
+    (or batched). Nothing is written; under ``torch.no_grad()`` the same call runs, giving the values of the
+    detached one."""
+    import re
+
+    import pytest
+
+    from sofx.errors import UnsupportedError
+    from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
+
+    variant = AdamVariant()
+    s = block_scalars(gen, 0.1)
+    n = 37
+
+    def call(entry: str, t: dict, out, good: list, many: bool) -> tuple:
+        """The call of ``entry`` on ``t``'s tensors as they are now (``many``: as the list form's second block)."""
+        gp, gg, gm, gv = good
+        if entry == "step":
+            args = (t["p"], t["g"], t["m"], t["v"], s)
+            listed = [StepCall(gp, gg, gm, gv, s, (gp, gm, gv)), StepCall(*args, out)]
+        elif entry == "undo":
+            args = (t["p"], t["g"], t["m"], t["v"], s)
+            listed = [UndoCall(gp, gg, gm, gv, s, None, (gp, gm, gv)), UndoCall(*args, t["p_old"], out)]
+        else:
+            args = (t["p"], t["m"], t["v"], t["g_old"], s, t["g_new"], s)
+            listed = [UndoRedoCall(gp, gm, gv, gg, s, gg, s, None, (gp, gm, gv)),
+                      UndoRedoCall(*args, t["p_old"], out)]
+        if many:
+            return getattr(backend, f"{entry}_many")(listed, variant)[1]
+        kw = {} if entry == "step" else {"p_old": t["p_old"]}
+        return getattr(backend, entry)(*args, variant, out=out, **kw)
+
+    for entry, slots in READ_SLOTS.items():
+        for slot in slots:
+            for how in ("requires_grad", "vmap", "grad"):
+                for many in (False, True):
+                    p, g, m, v = block_inputs(gen, n, torch.float32, torch.float32)
+                    t = {"p": p, "g": g, "m": m, "v": v, "g_old": g, "g_new": torch.randn(n, generator=gen),
+                         "p_old": p.clone()}
+                    out = tuple(torch.zeros(n) for _ in range(3))
+                    good = [x.clone() for x in block_inputs(gen, n, torch.float32, torch.float32)]
+                    where = f"{prefix}.{entry}" + (r"_many\[1\]" if many else "")
+                    if how == "requires_grad":
+                        t[slot] = t[slot].clone().requires_grad_()
+                        message = rf"{where}: {re.escape(slot)} requires grad while grad mode is on;.*detach.*" \
+                                  r"no_grad.*reference backend or sofx.Adam"
+                    else:
+                        message = rf"{where}: {re.escape(slot)} is a tensor of a torch.func transform.*reference " \
+                                  r"backend or sofx.Adam"
+                    before = {k: x.detach().clone() for k, x in t.items()}
+                    good_before = [x.clone() for x in good]
+                    plain = t[slot]
+
+                    def inner(x: torch.Tensor) -> torch.Tensor:
+                        t[slot] = x
+                        return call(entry, t, out, good, many)[0].sum()
+
+                    with pytest.raises(UnsupportedError, match=message):
+                        if how == "requires_grad":
+                            call(entry, t, out, good, many)
+                        elif how == "vmap":
+                            torch.func.vmap(inner)(plain.expand(2, n).clone())
+                        else:
+                            torch.func.grad(inner)(plain)
+                    t[slot] = plain
+                    case = f"{entry}, {slot}, {how}, many={many}: written before refusing"
+                    assert all(torch.equal(x.detach(), before[k]) for k, x in t.items()), case
+                    assert all(torch.equal(x, torch.zeros(n)) for x in out), case
+                    assert all(torch.equal(a, b) for a, b in zip(good, good_before)), case
+    # under no_grad a tensor that requires grad is a plain value
+    p, g, m, v = block_inputs(gen, n, torch.float32, torch.float32)
+    with torch.no_grad():
+        got = backend.step(p.clone().requires_grad_(), g, m, v, s, variant)
+    want = backend.step(p, g, m, v, s, variant)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def inference_copy(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in an inference tensor (made under ``torch.inference_mode()``)."""
     with torch.inference_mode():

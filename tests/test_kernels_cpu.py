@@ -27,7 +27,7 @@ from sofx.kernels.chunked import ChunkedCall, listed_elements
 
 from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded, library_copying_compiler,
                      max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
-                     result_requiring_grad)
+                     refuse_traced_inputs, result_requiring_grad)
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -1365,3 +1365,50 @@ def test_bitwise_with_torch_is_false_where_torchs_kernels_do_not_fuse():
     assert capability == "DEFAULT"
     if native == "True":
         assert bitwise == "False"
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_traced_inputs_are_refused_by_the_native_kernels(name, rng):
+    # A p, gradient, moment, new gradient or p_old that requires grad (grad mode on) or a torch.func transform's
+    # was read as plain values: the results were silently not differentiable, where the reference's are (vmap
+    # and grad failed deep inside, reading a data pointer). Refused before anything is written, naming the call,
+    # the argument and what to do.
+    refuse_traced_inputs(BACKENDS[name], name, rng)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_traced_scalars_run_the_reference_math_in_the_native_backends(name, rng):
+    # A 0-d tensor scalar that cannot be read (requires grad) is never read as a number: its block runs the
+    # reference math, differentiable as the reference's (sofx.Adam sends a transform's grad_scale so).
+    p, g, m, v = block_inputs(rng, 37, torch.float32, torch.float32)
+    lr = torch.tensor(1e-3, requires_grad=True)
+    s = block_scalars(rng, 0.1)._replace(lr=lr)
+    got = BACKENDS[name].step(p, g, m, v, s, AdamVariant())
+    want = reference.step(p, g, m, v, s, AdamVariant())
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got, want))
+    (dg,) = torch.autograd.grad(got[0].sum(), lr)
+    (dw,) = torch.autograd.grad(want[0].sum(), lr)
+    assert torch.equal(dg, dw)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_chunk_lists_refuse_a_traced_input(name, rng):
+    # step_chunks / undo_redo_chunks read their blocks raw too: a gradient that requires grad (grad mode on) is
+    # refused, naming the call and the argument, before anything is written.
+    backend = BACKENDS[name]
+    n = 3 * FINITE_CHUNK + 5
+    p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1)
+    chunks = torch.tensor([0, 2])
+    g_new = torch.randn(n, generator=rng).requires_grad_()
+    kept = tuple(torch.zeros(listed_elements(chunks, n)) for _ in range(3))
+    before = [t.clone() for t in (p, m, v, *kept)]
+    with pytest.raises(UnsupportedError, match=rf"{name}.undo_redo_chunks\[0\]: g_new requires grad while grad mode"):
+        backend.undo_redo_chunks([ChunkedCall(UndoRedoCall(p, m, v, g, s, g_new, s, None, (p, m, v)), chunks, False,
+                                              kept)], VARIANTS[0])
+    with pytest.raises(UnsupportedError, match=rf"{name}.step_chunks\[0\]: g requires grad while grad mode"):
+        backend.step_chunks([ChunkedCall(StepCall(p, g_new, m, v, s, (p, m, v)), chunks, False, kept)], VARIANTS[0])
+    assert all(torch.equal(t, b) for t, b in zip((p, m, v, *kept), before))
+    with torch.no_grad():
+        backend.step_chunks([ChunkedCall(StepCall(p, g_new, m, v, s, (p, m, v)), chunks, False, kept)], VARIANTS[0])
+    assert not torch.equal(p, before[0])

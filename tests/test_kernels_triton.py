@@ -46,7 +46,7 @@ else:
 
     from helpers import (UNWRITABLE, block_inputs, block_scalars, expanded, max_rel_err, refuse_bad_blocks_first,
                          refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
-                         result_requiring_grad, run_blocks)
+                         refuse_traced_inputs, result_requiring_grad, run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
@@ -220,6 +220,12 @@ else:
         as the cpu backends do."""
         refuse_bad_writes(tk, "triton", rng, result_requiring_grad, LeafError,
                           "a tensor that requires grad cannot be written by these kernels while grad mode is on")
+
+    def test_traced_inputs_are_refused_by_the_triton_kernels(rng):
+        """A read tensor that requires grad (grad mode on) or a torch.func transform's was read as plain values:
+        the results were silently not differentiable, where the reference's are. Refused before anything is
+        written, naming the call, the argument and what to do, as the cpu backends do."""
+        refuse_traced_inputs(tk, "triton", rng)
 
     def test_written_tensors_that_share_memory_are_refused_by_every_entry(rng):
         """An out or p_copy overlapping another array of the call (a gradient, another out, a donated input,

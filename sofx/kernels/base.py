@@ -47,6 +47,11 @@ engine's model parameters; the CPU and Triton kernels write it in the same
 pass). It must not overlap the other tensors. ``p`` is any
 float dtype, ``g`` any float dtype, ``m``/``v`` the state dtype; the math is
 done in float32 (float64 when ``p`` is float64) and rounded on store.
+
+Traced tensors (one that requires grad while grad mode is on, a ``torch.func`` transform's): the reference's
+results are differentiable (autograd and the transforms record its torch operations); the native and Triton
+backends read raw values and refuse any such tensor argument before writing anything
+(:func:`refuse_traced`). :class:`sofx.Adam` never sends them one: it steps traced leaves by the reference.
 """
 
 from __future__ import annotations
@@ -144,6 +149,43 @@ def leaf_tracer() -> Callable[..., bool]:
         return False
 
     return traced
+
+
+def refuse_traced(where: str, tensors: Iterable[tuple[str, Any]]) -> None:
+    """Refuse (an :class:`~sofx.errors.UnsupportedError` naming the call ``where`` and the argument) a tensor
+    among ``tensors`` (``(name, tensor or None)``) whose values a native or Triton kernel cannot take as plain
+    numbers: one wrapped by a ``torch.func`` transform (vmap, grad), or one that requires grad while grad mode
+    is on. Those kernels read raw memory, so autograd and the transforms would not see the math: the results
+    would silently not be differentiable (or batched), where the reference backend's are. Call it after the
+    written tensors' checks (:func:`~sofx.kernels.donation.check_written` names a written one that requires
+    grad in its own words) and before anything is written. Not under ``torch.compile`` (as ``check_written``).
+    Scalars are not refused: a 0-d tensor that cannot be read (:func:`is_traced`) is never read as a number,
+    its block runs the reference math."""
+    if torch.compiler.is_compiling():
+        return
+    recorded = torch.is_grad_enabled()
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if wrapped(t):
+            raise UnsupportedError(f"{where}: {name} is a tensor of a torch.func transform (vmap, grad); this "
+                                   "backend reads its values as plain numbers, so the transform would not see "
+                                   "the math; use the reference backend or sofx.Adam (which steps such tensors "
+                                   "by the reference math)")
+        if recorded and t.requires_grad:
+            raise UnsupportedError(f"{where}: {name} requires grad while grad mode is on; this backend reads its "
+                                   "values as plain numbers, so its results would not be differentiable; pass it "
+                                   "detached (.detach()) or call under torch.no_grad() to step its values, or use "
+                                   "the reference backend or sofx.Adam for differentiable results")
+
+
+def traced_possible() -> tuple[bool, bool]:
+    """``(grad mode is on, a torch.func transform is active)``, asked once per kernel call: a fast path that
+    finds no tensor requiring grad in the first case, and none wrapped in the second
+    (``torch._C._functorch.is_functorch_wrapped_tensor``), has nothing :func:`refuse_traced` refuses (but a
+    wrapper kept past its transform, which has no memory to read: the kernel's address reads refuse it)."""
+    return torch.is_grad_enabled(), torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def as_number(x: Scalar) -> Scalar:

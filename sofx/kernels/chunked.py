@@ -27,7 +27,7 @@ import torch
 
 from sofx.errors import LeafError
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoRedoCall,
-                               check_float_tensor)
+                               check_float_tensor, refuse_traced)
 from sofx.kernels.donation import MemorySpans, check_written, overlap_error, same_memory
 from sofx.kernels.layout import in_memory_order
 from sofx.kernels.reference import concrete_checked
@@ -91,8 +91,9 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
     the module docstring says: the chunk list, and the tensors' sizes, contiguity, device and floating-point
     dtypes (those of the outputs and kept values the inputs'), and written arrays that cannot be written
     (:func:`~sofx.kernels.donation.check_written`: none may require grad with grad mode on, as the native code
-    writes them). Its scalars and memory: :func:`check_chunked_calls`; the dtypes a backend takes: the
-    backend's."""
+    writes them), and tensors it would read as plain values that autograd or a ``torch.func`` transform traces
+    (:func:`~sofx.kernels.base.refuse_traced`). Its scalars and memory: :func:`check_chunked_calls`; the dtypes
+    a backend takes: the backend's."""
     if not isinstance(c, ChunkedCall) or not isinstance(c.call, kind):
         raise LeafError(f"{where}: expected a ChunkedCall of a {kind.__name__}, got {type(c).__name__}"
                         + (f" of a {type(c.call).__name__}" if isinstance(c, ChunkedCall) else ""))
@@ -144,8 +145,11 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
         if call.out[i].dtype != t.dtype or (c.kept is not None and c.kept[i].dtype != t.dtype):
             raise LeafError(f"{where}: {name} is {t.dtype}; its output"
                             + (" and kept values" if c.kept is not None else "") + " must be too")
-    check_written(where, [(f"out[{k}]", o) for k, o in enumerate(call.out)]
-                  + [(f"kept[{k}]", t) for k, t in enumerate(c.kept or ())] + [("p_copy", call.p_copy), ("skip", sk)])
+    written = [(f"out[{k}]", o) for k, o in enumerate(call.out)] + [(f"kept[{k}]", t) for k, t in
+                                                                     enumerate(c.kept or ())]
+    written += [("p_copy", call.p_copy), ("skip", sk)]
+    check_written(where, written)
+    refuse_traced(where, inputs + whole[4:] + [("chunks", ch)] + written)
 
 
 def check_chunked_calls(where: Sequence[str], calls: Sequence[ChunkedCall], kind: type, variant: AdamVariant,

@@ -79,7 +79,8 @@ from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
-                               write_kept_param_copy, write_outputs, write_param_copy)
+                               refuse_traced, traced_possible, write_kept_param_copy, write_outputs,
+                               write_param_copy)
 from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
 from sofx.kernels.layout import same_layout, spans_in_memory_order
@@ -185,6 +186,10 @@ def _check(where: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like:
         raise UnsupportedError(f"{e}; the {backend} backend needs CPU tensors") from None
 
 
+_OUT_NAMES = ("out[0]", "out[1]", "out[2]")
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 # ------------------------------------------------------------------ dispatch
 class _Block(NamedTuple):
     """One block of a call in the C entry's terms (``g2``/``s2``: undo+redo's new gradient and scalars)."""
@@ -261,7 +266,7 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_bui
 
 
 def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ctypes.Array | None,
-                  ) -> _Native | None:
+                  grad: bool = True, transforms: bool = True) -> _Native | None:
     """The C entry's view of ``b`` (a block of ``op``) when it is the common case, else None (the block then
     goes through the checks and :func:`_prepare`): every tensor ``op`` needs given (the second gradient an
     undo+redo's only), every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype ``lib`` reads,
@@ -270,7 +275,9 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     write (:func:`~sofx.kernels.donation.may_refuse_write`). What this accepts passes every
     check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry (but for the tensors of one
     dense layout of an unchecked call, :mod:`sofx.kernels.layout`: taken as they are, in memory order, where
-    :func:`_prepare` copies them; fresh outputs of that layout)."""
+    :func:`_prepare` copies them; fresh outputs of that layout). ``grad, transforms``:
+    :func:`~sofx.kernels.base.traced_possible`'s (a tensor that requires grad, or a wrapped one, goes to the
+    checks, which refuse it)."""
     p, g, m, v, g2, p_old, pc, out, sk = b.p, b.g, b.m, b.v, b.g2, b.p_old, b.p_copy, b.out, b.skip
     if type(p) is not torch.Tensor or (g2 is None) != (op != src.OP_UNDO_REDO):  # g2: an undo+redo's, only
         return None
@@ -279,7 +286,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     contiguous = p.is_contiguous()
     for t in (p, g, m, v, g2, p_old, pc):
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
-                                  and (not contiguous or t.is_contiguous())):
+                                  and (not contiguous or t.is_contiguous()) and not (grad and t.requires_grad)
+                                  and not (transforms and _wrapped(t))):
             return None
     if not contiguous and not spans_in_memory_order(p, (g, m, v, g2, p_old, pc), sk):
         return None
@@ -290,7 +298,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
                                                              and out[1] is m and out[2] is v)):
         return None
     if sk is not None and not (type(sk) is torch.Tensor and sk.dtype == torch.uint8 and sk.is_cpu
-                               and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()):
+                               and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()
+                               and not (transforms and _wrapped(sk))):
         return None
     if may_refuse_write((pc, sk, *((p, m, v) if out is not None else ()))):
         return None
@@ -398,6 +407,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             no_lossy[id(c)] = _without_lossy(c)
         return no_lossy[id(c)]
 
+    grad, transforms = traced_possible()
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
     for b, name, s1, s2 in zip(blocks, where, s1s, s2s):
         c1, c2 = scalar_block(s1), scalar_block(s2)
@@ -405,11 +415,12 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             c1 = without_lossy(c1)
         fast = None
         if c1 is not None and (s2 is None or c2 is not None):
-            fast = _plain_native(op, b, lib, c1, c2)
+            fast = _plain_native(op, b, lib, c1, c2, grad, transforms)
         if fast is None:
             _check(name, _named(op, b), b.p, b.out, backend)
             if b.skip is not None:
                 check_skip(name, b, torch.device("cpu"))
+            refuse_traced(name, [*_named(op, b), *zip(_OUT_NAMES, b.out or ()), ("skip", b.skip)])
             if _native(b, lib) is None:
                 c1 = c2 = None
         plans.append((c1, c2, fast))

@@ -55,9 +55,11 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
-                               lossy_factor, write_kept_param_copy, write_outputs)
+                               lossy_factor, refuse_traced, traced_possible, write_kept_param_copy, write_outputs)
 from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
 from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "BLOCK",
            "COMPILE_OPTIONS", "CHECKS_FINITE", "CHECKS_OVERLAP", "CHECK_BLOCK"]
@@ -423,8 +425,10 @@ _NO_CHECK = _CheckArgs(lim=0, c=0.0)
 # ------------------------------------------------------------------ checks and launch
 def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: torch.Tensor,
            out: Sequence[torch.Tensor] | None) -> None:
-    """One call's tensors checked for the kernels; errors name the call ``what`` (``"triton.step_many[3]"``)."""
+    """One call's tensors checked for the kernels, traced ones refused (:func:`~sofx.kernels.base.refuse_traced`);
+    errors name the call ``what`` (``"triton.step_many[3]"``)."""
     check_block_tensors(what, tensors, like, out)
+    refuse_traced(what, [*tensors, *zip(("out[0]", "out[1]", "out[2]"), out or ())])
     m, v = tensors[2][1], tensors[3][1]
     if not supports(like.device, like.dtype, m.dtype):
         raise UnsupportedError(f"{what}: device {like.device} with param dtype {like.dtype} and state dtype "
@@ -705,30 +709,34 @@ def _check_calls(names: Sequence[str], calls: Sequence,
     call whose tensors are plain tensors of ``p``'s shape and device in storage dtypes, with ``out`` None or
     the inputs themselves, passes once a call of its device and dtypes has passed the full check."""
     supported: set[tuple] = set()  # (device, param dtype, state dtype) that passed the full check
+    grad, transforms = traced_possible()
     for i, c in enumerate(calls):
         tensors = named(c)
         p, m = c.p, c.m
         if type(p) is torch.Tensor and type(m) is torch.Tensor and (p.device, p.dtype, m.dtype) in supported \
-                and _plain(tensors, p, m, c.v, c.out):
+                and _plain(tensors, p, m, c.v, c.out, grad, transforms):
             continue
         _check(names[i], tensors, p, c.out)
         supported.add((p.device, p.dtype, m.dtype))
     for i, c in enumerate(calls):
         if getattr(c, "skip", None) is not None:
             check_skip(names[i], c, c.p.device)
+            refuse_traced(names[i], [("skip", c.skip)])
     refuse_shared_memory(calls, names)
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-           out: Sequence[torch.Tensor] | None) -> bool:
-    """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors`): nothing
-    written that torch refuses to write (:func:`~sofx.kernels.donation.may_refuse_write`) among them."""
+           out: Sequence[torch.Tensor] | None, grad: bool = True, transforms: bool = True) -> bool:
+    """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors` and
+    :func:`~sofx.kernels.base.refuse_traced`; ``grad, transforms``: :func:`~sofx.kernels.base.traced_possible`'s):
+    nothing written that torch refuses to write (:func:`~sofx.kernels.donation.may_refuse_write`) among them."""
     device, shape = p.device, p.shape
     if v.dtype != m.dtype:
         return False
     for _, t in tensors:
         if t is not None and not (type(t) is torch.Tensor and t.dtype in _STORAGE_DTYPES and t.shape == shape
-                                  and t.device == device and t.is_contiguous()):
+                                  and t.device == device and t.is_contiguous() and not (grad and t.requires_grad)
+                                  and not (transforms and _wrapped(t))):
             return False
     if not (out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)):
         return False
