@@ -488,7 +488,7 @@ def test_run_chunked_checks_every_kernel_function_before_any_runs(kernel, bad, r
     redo_out = tuple(torch.zeros(n - 1 if bad == "out" else n) for _ in range(3))
     redo = ChunkedCall(UndoRedoCall(p, m, v, g, s, g, s, None, redo_out),
                        torch.tensor([2, 1] if bad == "chunks" else [1]))
-    words = "not ascending" if bad == "chunks" else f"p_out must be contiguous with {n} elements"
+    words = "not ascending" if bad == "chunks" else f"out[0] must be contiguous with {n} elements"
     inputs = [t.clone() for t in (p, g, m, v)]
     with pytest.raises(LeafError, match=re.escape(words)):
         run_chunked(AdamVariant(), [(backend, step), (backend, redo)])

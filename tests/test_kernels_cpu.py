@@ -21,8 +21,8 @@ import torch
 
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels import cpu, cpu_fast, reference
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, UndoRedoCall, beyond_limit,
-                               lossy_elements)
+from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOverlapError, StepCall, UndoRedoCall,
+                               beyond_limit, lossy_elements)
 from sofx.kernels.chunked import ChunkedCall, listed_elements
 
 from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded, library_copying_compiler,
@@ -1412,3 +1412,29 @@ def test_chunk_lists_refuse_a_traced_input(name, rng):
     with torch.no_grad():
         backend.step_chunks([ChunkedCall(StepCall(p, g_new, m, v, s, (p, m, v)), chunks, False, kept)], VARIANTS[0])
     assert not torch.equal(p, before[0])
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_kernel_errors_name_outputs_as_the_out_argument_and_speak_of_the_call(name, rng):
+    # Shape and contiguity errors called the outputs p_out/m_out/v_out where the memory checks call them
+    # out[0]/out[1]/out[2] (the out= argument's elements); and a kernel call's memory errors said "(donate=True or
+    # param_copies) ... or do not donate", the pytree layer's words, which a kernel call has none of.
+    backend = BACKENDS[name]
+    p, g, m, v = block_inputs(rng, 37, torch.float32, torch.float32)
+    s = block_scalars(rng, 0.1)
+    with pytest.raises(LeafError, match=rf"{name}\.step: out\[1\] has shape \(36,\), expected \(37,\)"):
+        backend.step(p, g, m, v, s, AdamVariant(), out=(torch.empty(37), torch.empty(36), torch.empty(37)))
+    ok = torch.zeros(1, dtype=torch.uint8)
+    with pytest.raises(UnsupportedError, match=rf"{name}\.step_many\[0\]: out\[2\] is not contiguous"):
+        backend.step_many([StepCall(p, g, m, v, s, (p, m, torch.empty(74)[::2]), skip=ok)], AdamVariant())
+    buf = torch.randn(42, generator=rng)
+    for out, words in (((buf[:37], m.clone(), v.clone()), "out[0] and "),
+                       ((p.clone(), m.clone(), torch.zeros(1).expand(37)), "out[2]: its elements overlap")):
+        with pytest.raises(MemoryOverlapError) as err:
+            backend.step(p, buf[5:], m, v, s, AdamVariant(), out=out)
+        text = str(err.value)
+        assert text.startswith(f"{name}.step: {words}"), text
+        assert "donat" not in text and "param_copies" not in text, text
+    with pytest.raises(MemoryOverlapError) as err:
+        backend.step(p, g, m, v, s, AdamVariant(), out=(p, m, v), p_copy=p)
+    assert "p_copy" in str(err.value) and "out" in str(err.value) and "donat" not in str(err.value), str(err.value)

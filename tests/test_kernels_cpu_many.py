@@ -260,9 +260,9 @@ def test_checked_steps_are_refused_where_not_supported_or_malformed(rng):
         with pytest.raises(LeafError, match=r"cpu\.step_many\[0\]: skip must be a contiguous uint8 tensor "
                                             r"of shape \(2,\) on cpu"):
             cpu.step_many([StepCall(p, g, m, v, s, skip=bad)], AdamVariant())
-    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: m_out is not contiguous"):
+    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: out\[1\] is not contiguous"):
         cpu.step_many([StepCall(p, g, m, v, s, (p, wide, v), skip=ok)], AdamVariant())
-    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: p_out is not contiguous or not of its"):
+    with pytest.raises(UnsupportedError, match=r"cpu\.step_many\[0\]: out\[0\] is not contiguous or not of its"):
         cpu.step_many([StepCall(p, g, m, v, s, (p.double(), m, v), skip=ok)], AdamVariant())
     assert ok.tolist() == [0, 0]
 

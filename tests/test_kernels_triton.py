@@ -360,7 +360,7 @@ else:
         calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
         q, mq, vq = (torch.empty(b.shape[0] + 1, dtype=b.dtype) for b in (p, m, v))
         calls[3] = StepCall(p, g, m, v, s, out=(q, mq, vq))
-        with pytest.raises(LeafError, match=r"triton\.step_many\[3\]: p_out has shape"):
+        with pytest.raises(LeafError, match=r"triton\.step_many\[3\]: out\[0\] has shape"):
             tk.step_many(calls, variant)
         with pytest.raises(LeafError, match=r"triton\.step_many\[1\]: m must be a tensor"):
             tk.step_many([calls[0], StepCall(p, g, None, v, s)], variant)
@@ -796,7 +796,7 @@ else:
                                                 r"of shape \(2,\) on cpu"):
                 tk.step_many([StepCall(p, g, m, v, s, (p, m, v), None, bad)], variant)
         strided = torch.empty(2 * p.numel())[::2]
-        with pytest.raises(UnsupportedError, match="p_out is not contiguous"):
+        with pytest.raises(UnsupportedError, match=r"out\[0\] is not contiguous"):
             tk.step_many([StepCall(p, g, m, v, s, (strided, m, v), None, torch.zeros(2, dtype=torch.uint8))],
                          variant)
         assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))

@@ -284,8 +284,8 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     Every named tensor (``None`` where the name is an optional one, ``p_old``
     or ``p_copy``) and every ``out`` tensor must be a floating-point tensor
     with the shape and device of ``like`` (the parameter); ``out`` must be
-    ``(p_out, m_out, v_out)``. What the call writes, ``out`` (named ``out[k]``,
-    or the input's name where it is the input itself: donation) and ``p_copy``,
+    ``(p_out, m_out, v_out)``, named ``out[k]`` as the argument's elements (or the input's name where it is
+    the input itself: donation). What the call writes, ``out`` and ``p_copy``,
     must be writable in place (:func:`sofx.kernels.donation.check_written`;
     ``autograd``: the backend writes through torch, which autograd records).
     ``where`` prefixes the message (``"cpu.step"``). Backend-specific limits
@@ -298,9 +298,9 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     written = [(name, t) for name, t in named if name == "p_copy"]
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise LeafError(f"{where}: out must be a tuple (p_out, m_out, v_out)")
+            raise LeafError(f"{where}: out must be a tuple of three tensors (out[0], out[1], out[2]: the new p, m, v)")
         seen = {id(t) for _, t in named if t is not None}  # donation: out is the inputs, checked already
-        named += [(name, o) for name, o in zip(("p_out", "m_out", "v_out"), out) if id(o) not in seen]
+        named += [(f"out[{k}]", o) for k, o in enumerate(out) if id(o) not in seen]
         inputs = dict(tensors)
         written += [(role if o is inputs.get(role) else f"out[{k}]", o) for k, (role, o) in enumerate(zip("pmv", out))]
     device, shape = like.device, like.shape
@@ -678,7 +678,7 @@ def check_skip(where: str, c: Any, device: torch.device) -> None:
     check_written(where, [("skip", sk)])
     written = [("p_copy", c.p_copy, None)]
     if c.out is not None:
-        written += zip(("p_out", "m_out", "v_out"), c.out, (c.p.dtype, c.m.dtype, c.v.dtype))
+        written += zip(("out[0]", "out[1]", "out[2]"), c.out, (c.p.dtype, c.m.dtype, c.v.dtype))
     for name, t, dtype in written:
         if t is not None and not (t.is_contiguous() and (dtype is None or t.dtype == dtype)):
             raise UnsupportedError(f"{where}: {name} is not contiguous or not of its input's dtype; a checked step "

@@ -115,8 +115,9 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
                         f"chunks ({n} elements, {FINITE_CHUNK} per chunk)")
     listed = listed_elements(ch, n)
     if call.out is None or not isinstance(call.out, (tuple, list)) or len(call.out) != 3:
-        raise LeafError(f"{where}: out must be given, a tuple (p_out, m_out, v_out) of the whole block")
-    whole = [("p_out", call.out[0]), ("m_out", call.out[1]), ("v_out", call.out[2]), ("p_copy", call.p_copy)]
+        raise LeafError(f"{where}: out must be given, a tuple of three tensors (out[0], out[1], out[2]: the new p, "
+                        "m, v) of the whole block")
+    whole = [(f"out[{k}]", o) for k, o in enumerate(call.out)] + [("p_copy", call.p_copy)]
     whole += [("g", call.g)] if isinstance(call, StepCall) else [("g_old", call.g_old), ("g_new", call.g_new),
                                                                   ("p_old", call.p_old)]
     inputs = [("p", call.p), ("m", call.m), ("v", call.v)]

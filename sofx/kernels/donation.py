@@ -48,7 +48,8 @@ from sofx.errors import LeafError
 from sofx.kernels.base import MemoryOverlapError, UndoRedoCall
 
 __all__ = ["check_writable", "unwritable", "torch_refuses_write", "check_written", "may_refuse_write", "MemorySpans",
-           "first_clash", "runs", "overlaps_itself", "overlap_message", "shared_memory_message", "overlap_error",
+           "first_clash", "runs", "overlaps_itself", "overlap_message", "shared_memory_message",
+           "kernel_shared_memory_message", "overlap_error",
            "same_memory", "blocks_clash", "call_block", "refuse_shared_memory", "MAX_RUNS"]
 
 _FEW = 256  # spans swept in Python; more are sorted and swept with torch operations
@@ -146,11 +147,21 @@ def shared_memory_message(written: str, other: str) -> str:
             "weights as one leaf) or do not donate")
 
 
+def kernel_shared_memory_message(written: str, other: str) -> str:
+    """The error of a kernel call whose written array (``written``: an ``out[k]`` that is not the input it
+    replaces, a donated input, ``p_copy``, ``skip``, a chunk list's ``kept[k]``) shares memory with another of its
+    arrays, in the call's own terms (:func:`shared_memory_message` is the pytree layer's, in terms of donation)."""
+    return (f"{written} and {other} share memory, and {written} is written by the call: it would overwrite values "
+            "it still reads; pass arrays with memory of their own (an out[k] may be the very input it replaces, "
+            "nothing else of the call)")
+
+
 def overlap_error(first: tuple[int, str], second: tuple[int, str], where: Sequence[str]) -> MemoryOverlapError:
     """The error of a list form whose call ``first[0]``'s array ``first[1]`` (written) shares memory with call
-    ``second[0]``'s ``second[1]`` (the same array: its elements overlap); ``where[i]`` names call i."""
+    ``second[0]``'s ``second[1]`` (the same array: its elements overlap); ``where[i]`` names call i. In the kernel
+    call's terms (:func:`kernel_shared_memory_message`; the pytree layer words what it catches its own way)."""
     a, b = f"{where[first[0]]}: {first[1]}", f"{where[second[0]]}: {second[1]}"
-    return MemoryOverlapError(overlap_message(a) if a == b else shared_memory_message(a, b), first, second)
+    return MemoryOverlapError(f"{a}: {_OVERLAP}" if a == b else kernel_shared_memory_message(a, b), first, second)
 
 
 def same_memory(out: Any, t: Any) -> bool:
