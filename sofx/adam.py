@@ -29,7 +29,7 @@ Undo (SPECULATION.md section 2) is chosen per leaf and step by ``undo=``:
 or divides by less than ``ALGEBRAIC_MIN_DIVISOR``, 2^-12: a beta, ``1 - lr*wd``)
 or ``"exact"`` (always snapshot: bitwise identity). See :mod:`sofx.undo_record`.
 Under ``torch.func`` transforms and ``torch.compile`` the hyperparameters'
-values cannot be read: ``"auto"`` keeps snapshots there, and ``"algebraic"``
+(and ``grad_scale``'s) values cannot be read: ``"auto"`` keeps snapshots there, and ``"algebraic"``
 checks only the dtypes, so a traced beta of 0 or ``lr * weight_decay`` of 1
 (no inverse) gives an undo of nan where eager refuses it.
 
@@ -723,11 +723,13 @@ class Adam:
         """Per leaf: whether its gradient is finite, where the undo strategy will ask (``None``: not
         looked at; ``skip[k]``: leaf k is not looked at, its step checks it). ``grads_finite=True`` is the
         caller's word; otherwise the gradients of each device are checked together
-        (:func:`_finite_flags`): one wait for a GPU instead of one per leaf."""
+        (:func:`_finite_flags`): one wait for a GPU instead of one per leaf. None is looked at where
+        ``grad_scale`` cannot be read (a ``torch.func`` transform's or autograd's: ``g * grad_scale`` has no
+        value on the host; :meth:`_choose_strategy` takes that step as one of values it cannot read)."""
         if grads_finite is True:
             return [True] * len(leaves)
         flags: list[bool | None] = [None] * len(leaves)
-        if self.undo_mode == "exact":
+        if self.undo_mode == "exact" or not is_number(grad_scale):
             return flags
         by_device: dict[torch.device, list[int]] = {}
         for k, leaf in enumerate(leaves):
@@ -941,8 +943,9 @@ class Adam:
         if self.undo_mode == "exact":
             return "snapshot", ""
         values = [as_number(x) for x in (s.lr, s.beta1, s.beta2, s.weight_decay)]
-        if leaf.traced or not all(is_number(x) for x in values):
-            # Values cannot be inspected (vmap, grad, compile, meta): keep the inputs (exact, no copy when pure).
+        if leaf.traced or not all(is_number(x) for x in values) or not is_number(s.grad_scale):
+            # Values cannot be inspected (vmap, grad, compile, meta; a grad_scale of those: the finiteness of
+            # g * grad_scale): keep the inputs (exact, no copy when pure).
             if self.undo_mode == "algebraic":
                 # (the dtypes are known, the values not)
                 rounded = _rounded(leaf.m.dtype, "optimizer states") + _rounded(leaf.p.dtype, "master weights")

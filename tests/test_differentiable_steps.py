@@ -258,3 +258,25 @@ def test_parameters_that_require_grad_step_as_plain_values_under_no_grad():
         plain, _, _ = _make(True).update(init, grads, _make(True).init(PARAMS), sofx.AdamHParams(lr=lr))
     assert all(v.grad_fn is None and not v.requires_grad for v in plain.values())
     _assert_close_trees(plain, {k: v.detach() for k, v in traced.items()})
+
+
+@pytest.mark.parametrize("undo", ["auto", "exact", "algebraic"])
+def test_vmap_over_grad_scale_alone_equals_separate_runs_and_undoes(undo):
+    """A gradient multiplier per member (a clip coefficient) that vmap batches, with concrete leaves and no
+    ``grads_finite`` word: the finiteness of ``g * grad_scale`` cannot be read (it raised vmap's
+    data-dependent control flow error), so the strategy is the one for values that cannot be read."""
+    opt = _make(True, undo=undo)
+    state = _stepped_state(opt)
+    grads = grad(_loss)(PARAMS)
+
+    def step(scale: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        p1, s1, record = opt.update(PARAMS, grads, state, grad_scale=scale)
+        return p1, opt.undo(p1, s1, record)[0]
+
+    scales = torch.tensor([0.25, 0.5, 1.0, 0.0], dtype=D)
+    stepped, back = vmap(step)(scales)
+    for i, scale in enumerate(scales):
+        _assert_close_trees({k: v[i] for k, v in stepped.items()}, step(scale)[0])
+        _assert_close_trees({k: v[i] for k, v in back.items()}, PARAMS)
+    d_scale = grad(lambda s: _val_loss(step(s)[0]))(torch.tensor(0.5, dtype=D))
+    assert torch.isfinite(d_scale) and d_scale != 0
