@@ -1557,8 +1557,8 @@ def _check_stepped_hparams(hp: AdamHParams, path: str, dtype: torch.dtype, check
 
 
 def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
-    """Check every concrete hparam value (:func:`check_hparam_value`); traced tensors (vmap, grad, compile) are
-    not inspected. Errors name ``where + path`` (joined only then: this runs for every group of every step)."""
+    """Check every hparam value (:func:`check_hparam_value`); of traced tensors (vmap, grad, compile) only the
+    shape. Errors name ``where + path`` (joined only then: this runs for every group of every step)."""
     for name, value in zip(AdamHParams._fields, hp):
         if value is not None:
             check_hparam_value(name, value, where, path)
@@ -1568,16 +1568,17 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
     """Refuse a value of hparam ``name`` that :meth:`Adam.update` cannot take (an :class:`HParamError` naming
     ``where + path``): not a real number or a 0-d tensor (a bool, a string, a tensor of another shape), or out
     of its range (``lr >= 0``, ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite). A traced
-    tensor is not read. Schedules check their constants and results with it too."""
+    tensor's value is not read, its shape is (vmap's per-member shape: 0-d too). Schedules check their constants
+    and results with it too."""
     if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
         if isinstance(value, torch.Tensor):
-            if is_traced(value):
-                return
             if value.dim() != 0:
                 raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, "
                                   f"got shape {tuple(value.shape)}")
+            if is_traced(value):
+                return
             value = value.item()
         if isinstance(value, int) and not -sys.float_info.max <= value <= sys.float_info.max:
             # an int no float holds: the kernels' float(value) would raise an OverflowError

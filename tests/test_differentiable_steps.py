@@ -280,3 +280,26 @@ def test_vmap_over_grad_scale_alone_equals_separate_runs_and_undoes(undo):
         _assert_close_trees({k: v[i] for k, v in back.items()}, PARAMS)
     d_scale = grad(lambda s: _val_loss(step(s)[0]))(torch.tensor(0.5, dtype=D))
     assert torch.isfinite(d_scale) and d_scale != 0
+
+
+@pytest.mark.parametrize("how", ["autograd", "vmap", "defaults"])
+def test_a_traced_hparam_that_is_not_0_d_is_refused_as_a_concrete_one(how):
+    """An lr of shape (2,) was refused as a plain tensor but stepped when autograd or vmap traced it (its value
+    cannot be read, its shape can): broadcast against each leaf, a per-column lr, or a shape error from inside
+    the math."""
+    grads = grad(_loss)(PARAMS)
+    lr = torch.full((2,), LR, dtype=D, requires_grad=True)
+    match = r"lr must be a float or a 0-d tensor, got shape \(2,\)"
+    with pytest.raises(sofx.HParamError, match=r"hparams for params\['b'\]: " + match):
+        _make(True).update(PARAMS, grads, _make(True).init(PARAMS), sofx.AdamHParams(lr=lr.detach()))
+    if how == "defaults":
+        with pytest.raises(sofx.HParamError, match="defaults: " + match):
+            sofx.adamw(lr=lr)
+        return
+    opt = _make(True)
+    state = opt.init(PARAMS)
+    with pytest.raises(sofx.HParamError, match=r"hparams for params\['b'\]: " + match):
+        if how == "autograd":
+            opt.update(PARAMS, grads, state, sofx.AdamHParams(lr=lr))
+        else:
+            vmap(lambda x: opt.update(PARAMS, grads, state, sofx.AdamHParams(lr=x))[0])(lr.detach().expand(4, 2))
