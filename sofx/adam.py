@@ -930,12 +930,17 @@ class Adam:
         """Why ``undo='algebraic'`` would refuse a step of a ``param_dtype`` leaf with these complete hparams
         (a beta of 0, ``lr * weight_decay == 1`` with decoupled decay, rounded masters or states), or ``None``:
         what :meth:`update` raises, for callers that know the hparams before the tensors (the offload facade
-        checks its param groups with it before backward steps any block)."""
+        checks its param groups with it before backward steps any block). Values that cannot be read (tensors
+        of a ``torch.func`` transform or that autograd records) are not: only the dtypes are checked, as
+        :meth:`update` checks them."""
         if self.undo_mode != "algebraic":
             return None
         state_dtype = self.state_dtype or param_dtype
-        full, param = self._no_inverse(float(hparams.lr), float(hparams.beta1), float(hparams.beta2),
-                                       float(hparams.weight_decay), param_dtype, state_dtype)
+        values = [as_number(x) for x in (hparams.lr, hparams.beta1, hparams.beta2, hparams.weight_decay)]
+        if all(is_number(x) for x in values):
+            full, param = self._no_inverse(*(float(x) for x in values), param_dtype, state_dtype)
+        else:
+            full, param = _rounded(state_dtype, "optimizer states"), _rounded(param_dtype, "master weights")
         reasons = full + param
         return f"undo='algebraic' is impossible: {'; '.join(reasons)}; use undo='auto' or 'exact'" if reasons else None
 

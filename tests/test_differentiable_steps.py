@@ -17,6 +17,7 @@ d(loss)/d(initial params), in float64:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Callable, Iterator
 
 import pytest
@@ -303,3 +304,34 @@ def test_a_traced_hparam_that_is_not_0_d_is_refused_as_a_concrete_one(how):
             opt.update(PARAMS, grads, state, sofx.AdamHParams(lr=lr))
         else:
             vmap(lambda x: opt.update(PARAMS, grads, state, sofx.AdamHParams(lr=x))[0])(lr.detach().expand(4, 2))
+
+
+@pytest.mark.parametrize("how", ["autograd", "func.grad", "vmap"])
+def test_algebraic_refusal_of_traced_hparams_is_what_update_does(how):
+    """``algebraic_refusal`` says what ``update`` would raise: of hparams that cannot be read (traced), only the
+    dtypes, as ``update`` checks them (it read ``float()`` of them: vmap raised, autograd warned and refused
+    ``lr * weight_decay == 1``, which ``update`` steps)."""
+    opt = sofx.adamw(lr=LR, weight_decay=WD, undo="algebraic")
+    found = []
+
+    def refusal(lr: torch.Tensor) -> torch.Tensor:
+        hp = sofx.AdamHParams(lr, *BETAS, EPS, 1 / LR)  # lr * weight_decay == 1: no inverse where read
+        found.append((opt.algebraic_refusal(hp, D), opt.algebraic_refusal(hp, torch.bfloat16)))
+        return 2 * lr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if how == "autograd":
+            refusal(torch.tensor(LR, dtype=D, requires_grad=True))
+        elif how == "func.grad":
+            grad(refusal)(torch.tensor(LR, dtype=D))
+        else:
+            vmap(refusal)(torch.tensor([LR, LR], dtype=D))
+    (in_float64, in_bfloat16), = found
+    assert in_float64 is None
+    assert in_bfloat16 == ("undo='algebraic' is impossible: torch.bfloat16 optimizer states are rounded; "
+                           "torch.bfloat16 master weights are rounded; use undo='auto' or 'exact'")
+    assert "lr * weight_decay == 1" in opt.algebraic_refusal(sofx.AdamHParams(LR, *BETAS, EPS, 1 / LR), D)
+    p = {"w": PARAMS["w"]}
+    lr = torch.tensor(LR, dtype=D, requires_grad=True)
+    opt.update(p, {"w": torch.ones_like(p["w"])}, opt.init(p), sofx.AdamHParams(lr=lr, weight_decay=1 / LR))
