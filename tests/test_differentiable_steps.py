@@ -11,7 +11,9 @@ d(loss)/d(initial params), in float64:
 * ``undo`` of a differentiable step gives the inputs back, and d undo(update(x))/dx is the identity;
   ``undo_redo`` is differentiable as the redone step;
 * traced leaves are stepped by the reference math with ``backend="auto"`` and ``"reference"``; ``"cpu"``
-  refuses them naming the leaf (its kernels read raw memory, which autograd and the transforms do not see).
+  refuses them naming the leaf (its kernels read raw memory, which autograd and the transforms do not see);
+* values that cannot be read are not read: a ``grad_scale`` that vmap batches, ``algebraic_refusal`` of
+  traced hparams; a traced hparam's shape is checked as a concrete one's.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _leaves(lr: float = LR) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             {k: v.clone().requires_grad_(True) for k, v in PARAMS.items()})
 
 
-def _torch_unrolled(decoupled: bool, lr: torch.Tensor, init: dict[str, torch.Tensor]) -> torch.Tensor:
+def _torch_unrolled(decoupled: bool, lr: torch.Tensor | float, init: dict[str, torch.Tensor]) -> torch.Tensor:
     """The validation loss after K steps of torch.optim.AdamW / Adam(differentiable=True).
 
     torch steps its parameters in place, and each step's loss saved them for backward: every step runs on new
@@ -103,7 +105,7 @@ def _torch_unrolled(decoupled: bool, lr: torch.Tensor, init: dict[str, torch.Ten
     return _val_loss(params)
 
 
-def _sofx_unrolled(opt: sofx.Adam, lr: torch.Tensor, init: dict[str, torch.Tensor]) -> torch.Tensor:
+def _sofx_unrolled(opt: sofx.Adam, lr: torch.Tensor | float, init: dict[str, torch.Tensor]) -> torch.Tensor:
     """The validation loss after K steps of ``opt.update``, inner gradients by autograd (``create_graph``)."""
     p, s = init, opt.init(init)
     for _ in range(K):
@@ -149,6 +151,15 @@ def test_hypergradients_through_unrolled_steps_equal_torch_differentiable_adam(d
     assert want_lr.abs() > 1e-3 and all(g.abs().max() > 1e-3 for g in want_p.values())
     assert all(not p.grad_fn for p in init.values())  # the inputs are as they were: leaves, unchanged
     assert all(torch.equal(init[k], PARAMS[k]) for k in PARAMS)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_gradients_wrt_initial_params_with_a_float_lr_equal_torch_differentiable_adam(decoupled):
+    """Only the parameters traced (a Python float lr: the step's scalar arithmetic in double on the host)."""
+    init, want_init = _leaves()[1], _leaves()[1]
+    got = torch.autograd.grad(_sofx_unrolled(_make(decoupled), LR, init), list(init.values()))
+    want = torch.autograd.grad(_torch_unrolled(decoupled, LR, want_init), list(want_init.values()))
+    _assert_close_trees(dict(zip(init, got)), dict(zip(init, want)))
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
