@@ -75,8 +75,8 @@ from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_valu
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "clip_max_norm", "check_scale",
            "can_unscale",
-           "loss_scale_of", "reduced_sumsq", "refuse_reduce", "refuse_unknown_keywords", "local_sumsq",
-           "without_gradients"]
+           "loss_scale_of", "call_reduce", "reduced_sumsq", "step_settings", "refuse_reduce",
+           "refuse_unknown_keywords", "local_sumsq", "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
 
@@ -215,13 +215,35 @@ def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:
     return check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
 
 
-def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float) -> float:
+def step_settings(profile: str, max_norm: float | None, missing_grad: str, scaler_state: Any) -> dict[str, Any]:
+    """What every rank of a step must share beyond its setup, as a hook with ``agreed_sum`` compares it
+    (:func:`reduced_sumsq`): the profile, the clipping threshold ``max_norm`` (checked, a float or ``None``),
+    the ``missing_grad`` mode and the loss-scaler state (its scale, growth count, ...). A rank that differs in
+    one of them takes other global decisions than the others from the same sum of squares (clips at another
+    threshold, unscales with another scale, grows the scale at another step): the replicas diverge."""
+    return {"profile": profile, "max_norm": max_norm, "missing_grad": missing_grad, "scaler_state": scaler_state}
+
+
+def call_reduce(reduce_sumsq: Callable[[float], float], local: float, settings: Mapping[str, Any] | None) -> Any:
+    """``reduce_sumsq.agreed_sum(local, settings)`` where the hook has that method, else ``reduce_sumsq(local)``:
+    what the hook returns, unchecked (:func:`reduced_sumsq` checks it)."""
+    agreed_sum = getattr(reduce_sumsq, "agreed_sum", None)
+    return reduce_sumsq(local) if agreed_sum is None else agreed_sum(local, settings)
+
+
+def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float,
+                  settings: Mapping[str, Any] | None = None) -> float:
     """``reduce_sumsq(local)`` (the sum of squares over ranks) as a float, ``local`` without a hook; a hook that
     returns something other than a real number, or a negative one (a sum of squares is not; inf and nan are:
-    an overflow somewhere), is refused (an :class:`HParamError`, not a TypeError or a math domain error later)."""
+    an overflow somewhere), is refused (an :class:`HParamError`, not a TypeError or a math domain error later).
+
+    A hook with an ``agreed_sum`` method (:func:`sofx.distributed.all_reduce_sumsq`'s) is called through it
+    with the step's ``settings`` (:func:`step_settings`): in the same collective it checks that every rank
+    passed the same, and raises on every rank where not, before any rank steps. A hook without it (a user's
+    function) is called as ``reduce_sumsq(local)``."""
     if reduce_sumsq is None:
         return local
-    total = as_number(reduce_sumsq(local))
+    total = as_number(call_reduce(reduce_sumsq, local, settings))
     if isinstance(total, bool) or not isinstance(total, numbers.Real) or total < 0:
         raise HParamError(f"reduce_sumsq returned {total!r}; expected the sum of squares over ranks, a number >= 0 "
                           "(inf or nan where a gradient is not finite)")
@@ -340,7 +362,9 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     local sum of squares across ranks (a nan/inf anywhere makes every rank skip;
     a rank without any gradient passes ``-0.0``, :func:`local_sumsq`, and a
     step without gradient on any rank is not counted by the loss scaler,
-    :func:`without_gradients`). A rank whose inputs are refused tells the
+    :func:`without_gradients`); a hook that compares the ranks' step settings
+    (profile, ``max_norm``, ``missing_grad``, ``scaler_state``) gets them
+    (:func:`reduced_sumsq`). A rank whose inputs are refused tells the
     others through the hook (:func:`refuse_reduce`) before it raises.
     Returns the new params, state, loss-scaler state and the step's
     :class:`StepFacts`; on overflow params and state are returned unchanged.
@@ -362,7 +386,8 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     except Exception as exc:
         refuse_reduce(reduce_sumsq, exc)
         raise
-    total = reduced_sumsq(reduce_sumsq, local)
+    total = reduced_sumsq(reduce_sumsq, local, step_settings(profile, check_max_norm(max_norm), missing_grad,
+                                                             scaler_state))
     empty = without_gradients(total)
     facts = step_facts(profile, scaler, scaler_state, 0.0 if empty else total, max_norm)
     if empty:

@@ -41,6 +41,11 @@ ranks' values (``dist.all_reduce(SUM)`` of a float64 tensor will do) keeps
 that; one that returns ``+0.0`` there makes the step count as a step with zero
 gradients.
 
+The loops also pass the hook their step's settings (profile, ``max_norm``,
+``missing_grad``, the loss-scaler state: :func:`sofx.serial.step_settings`),
+whose digest travels in the same all-gather: ranks that step with different
+ones raise on every rank, naming what differs, before any steps.
+
 ZeRO-style sharding: each rank owns a subset of the blocks (the leaves of the
 params pytree) and keeps their master weights and Adam state; :class:`Shard`
 says which (by default :func:`partition_blocks`: contiguous, balanced by

@@ -94,20 +94,27 @@ def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, re
         ranks = ", ".join(str(r) for r, _ in refusing)
         raise SofxError(f"{what}: rank{'s' if len(refusing) > 1 else ''} {ranks} refused its input "
                         f"({refusing[0][1]}); nothing was set up")
+    raise SofxError(_difference(what, [theirs for theirs, _ in gathered], hint))
+
+
+def _difference(what: str, gathered: list[dict[str, str]], hint: str, where: str = "between ranks") -> str:
+    """The error for ranks whose entries differ (``gathered``: each rank's entries, name -> text): the first
+    entry that differs with every rank's value (``absent``: a rank without that entry) and how many more do,
+    or where none does, the first place where their orders differ."""
     position: dict[str, int] = {}  # an entry's latest place in any rank's order: a leaf that only one rank has
-    for theirs, _ in gathered:     # comes before the entries that follow the leaves (owners, say)
+    for theirs in gathered:        # comes before the entries that follow the leaves (owners, say)
         for i, name in enumerate(theirs):
             position[name] = max(i, position.get(name, i))
-    differ = sorted((n for n in position if len({theirs.get(n) for theirs, _ in gathered}) > 1),
+    differ = sorted((n for n in position if len({theirs.get(n) for theirs in gathered}) > 1),
                     key=position.__getitem__)
     if not differ:  # the same entries on every rank, in another order
-        raise SofxError(_out_of_order(what, [list(theirs) for theirs, _ in gathered], hint))
+        return _out_of_order(what, [list(theirs) for theirs in gathered], hint)
     values: dict[str | None, list[int]] = {}
-    for r, (theirs, _) in enumerate(gathered):
+    for r, theirs in enumerate(gathered):
         values.setdefault(theirs.get(differ[0]), []).append(r)
     more = "" if len(differ) == 1 else (f" (and {len(differ) - 1} more: {', '.join(differ[1:4])}"
                                         f"{', ...' if len(differ) > 4 else ''})")
-    raise SofxError(f"{what}: {differ[0]} differs between ranks: {_ranks_said(values)}{more}; {hint}")
+    return f"{what}: {differ[0]} differs {where}: {_ranks_said(values)}{more}; {hint}"
 
 
 def _ranks_said(values: dict[str | None, list[int]]) -> str:

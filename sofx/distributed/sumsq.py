@@ -2,28 +2,37 @@
 
 :func:`all_reduce_sumsq` checks the setup and builds a :class:`SumsqReduce`:
 the ranks' local sums gathered and added in rank order, the same bits on every
-rank; a rank that refuses the step says so in the same collective.
+rank; a rank that refuses the step says so in the same collective, and a digest
+of each rank's step settings (profile, max_norm, missing_grad, loss-scaler
+state) travels with its sum, so that ranks stepping differently raise there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Mapping
 
 import torch
 
-from sofx.distributed.agreement import _shortened
+from sofx.distributed.agreement import _difference, _shortened
 from sofx.distributed.groups import _collective_device, dist, require_initialized
-from sofx.distributed.refusals import RankRefusedError
-from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _setup_entries, _setup_hint
+from sofx.distributed.refusals import RankRefusedError, _as_refusal
+from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _entries, _setup_entries, _setup_hint
 from sofx.errors import SofxError
 
 __all__ = ["SumsqReduce", "all_reduce_sumsq"]
 
 
+# what a step's settings (sofx.serial.step_settings) must agree in, as the hook's error asks for it
+_STEP_HINT = ("every rank must step with the same profile, max_norm, missing_grad and loss-scaler state; nothing "
+              "was stepped")
+
+
 class SumsqReduce:
     """The ``reduce_sumsq`` hook :func:`all_reduce_sumsq` returns (see there): callable as
-    ``s_local -> s``, and :meth:`refuse` for a rank that cannot take part in the step."""
+    ``s_local -> s``, :meth:`agreed_sum` for the loops, which also compares the step's settings, and
+    :meth:`refuse` for a rank that cannot take part in the step."""
 
     def __init__(self, group: Any = None, device: torch.device | str | None = None) -> None:
         require_initialized(group, "all_reduce_sumsq")
@@ -31,6 +40,21 @@ class SumsqReduce:
         self.device = device
 
     def __call__(self, local: float) -> float:
+        """The sum over ranks of ``local``; :meth:`agreed_sum` without settings (every rank must call it so)."""
+        return self.agreed_sum(local, None)
+
+    def agreed_sum(self, local: float, settings: Mapping[str, Any] | None) -> float:
+        """The sum over ranks of ``local`` where every rank passed the same ``settings``; else a
+        :class:`SofxError` on every rank naming the first setting that differs with each rank's value.
+
+        ``settings``: what the ranks' steps must share (:func:`sofx.serial.step_settings`: profile,
+        ``max_norm``, ``missing_grad``, the loss-scaler state; the loops pass it through
+        :func:`sofx.serial.reduced_sumsq`), or ``None``. They travel in the sum's own collective, as a
+        48-bit digest of their text: one more float64 per rank beside its sum and its refusal flag (24 bytes
+        a rank in place of 16; no further round). Only where the digests differ, the error's path, does an
+        ``all_gather_object`` fetch the settings to name what differs; every rank sees the same digests, so
+        every rank takes that path, and raises before it steps anything.
+        """
         try:
             value = float(local)
         except Exception as e:  # refused in the collective: raised before it, the others would wait for this rank
@@ -38,7 +62,13 @@ class SumsqReduce:
                               f"({type(local).__name__}); expected a real number")
             self.refuse(error)
             raise error from e
-        return self._gather(value, refused=False)
+        try:
+            entries = _settings_entries(settings)
+        except Exception as e:
+            error = _as_refusal("all_reduce_sumsq", e)
+            self.refuse(error)
+            raise error from e
+        return self._gather(value, refused=False, entries=entries)
 
     def refuse(self, error: BaseException | None = None) -> None:
         """Take part in this step's collective as a rank that refuses the step (``error``: why, for the
@@ -47,26 +77,52 @@ class SumsqReduce:
         before reducing."""
         self._gather(math.nan, refused=True)
 
-    def _gather(self, local: float, refused: bool) -> float:
+    def _gather(self, local: float, refused: bool, entries: dict[str, str] | None = None) -> float:
         group = self.group
         require_initialized(group, "all_reduce_sumsq")
         dev = _collective_device(group, self.device)
         world = dist.get_world_size(group)
-        mine = torch.tensor([local, 1.0 if refused else 0.0], dtype=torch.float64, device=dev)
-        parts = [torch.empty(2, dtype=torch.float64, device=dev) for _ in range(world)]
+        digest = math.nan if entries is None else _digest(entries)
+        mine = torch.tensor([local, 1.0 if refused else 0.0, digest], dtype=torch.float64, device=dev)
+        parts = [torch.empty(3, dtype=torch.float64, device=dev) for _ in range(world)]
         dist.all_gather(parts, mine, group=group)
         gathered = torch.stack(parts).tolist()
-        refusing = [r for r, (_, flag) in enumerate(gathered) if flag != 0.0]
+        refusing = [r for r, (_, flag, _) in enumerate(gathered) if flag != 0.0]
         if refused:
             return math.nan
         if refusing:
             raise RankRefusedError(f"rank{'s' if len(refusing) > 1 else ''} {', '.join(map(str, refusing))} of the "
                                    "process group refused this step before the sum of squares was reduced (see "
                                    "the error raised there); nothing was stepped on this rank", refusing)
+        if any(theirs != digest for _, _, theirs in gathered):  # the same on every rank: each takes this path
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, entries, group=group)
+            raise SofxError(_difference("all_reduce_sumsq", everyone, _STEP_HINT, "between ranks at this step"))
         total = -0.0  # IEEE addition's identity: -0.0 (no gradient) on every rank sums to -0.0, as it should
-        for value, _ in gathered:
+        for value, _, _ in gathered:
             total += value
         return total
+
+
+def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
+    """A step's settings as entries (name -> text, a record's fields each its own: ``scaler_state.scale``) that
+    are equal on every rank where the settings are (:func:`~sofx.distributed.setup._entries`)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise SofxError(f"all_reduce_sumsq: settings is a {type(settings).__name__}; expected a mapping of names "
+                        "to settings (sofx.serial.step_settings) or None")
+    out: dict[str, str] = {}
+    for name, value in settings.items():
+        _entries(str(name), value, out)
+    return out
+
+
+def _digest(entries: dict[str, str]) -> float:
+    """A 48-bit digest of ``entries`` as a float64 (an integer below 2**53: exact), equal on the ranks whose
+    entries are."""
+    text = repr(list(entries.items())).encode()
+    return float(int.from_bytes(hashlib.blake2b(text, digest_size=6).digest(), "little"))
 
 
 def all_reduce_sumsq(group: Any = None, *extra: Any, device: torch.device | str | None = None,
@@ -90,6 +146,16 @@ def all_reduce_sumsq(group: Any = None, *extra: Any, device: torch.device | str 
     and :func:`sofx.speculate.speculative_step` do, and raises its own error; the
     hook then raises :class:`RankRefusedError` on the other ranks, which step
     nothing either, instead of leaving them waiting in the collective.
+
+    At every step the loops call it as ``hook.agreed_sum(s_local, settings)``
+    (:func:`sofx.serial.reduced_sumsq`) with what their step must share beyond
+    the setup, :func:`sofx.serial.step_settings`: the profile, ``max_norm``,
+    ``missing_grad`` and the loss-scaler state. A digest of them travels in
+    the same ``all_gather`` as the sum (one more float64 a rank, no further
+    round); where the ranks' differ, every rank raises a :class:`SofxError`
+    naming the first that differs and each rank's value, before any rank
+    applies the step (a rank that clipped at another threshold, or unscaled
+    with another scale, would silently diverge from the others).
 
     Building the hook is a collective too, every rank builds it once at
     setup: it checks, as :func:`check_same_setup` (``params``, ``opt``,

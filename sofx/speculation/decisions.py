@@ -43,7 +43,8 @@ from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, clip_max_norm,
-                         loss_scale_of, local_sumsq, reduced_sumsq, step_facts, without_gradients)
+                         loss_scale_of, local_sumsq, reduced_sumsq, step_facts, step_settings,
+                         without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -514,7 +515,10 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     actually ran (default: every speculated block). ``reduce_sumsq``: the
     all-reduce (sum) of the local sum of squares across ranks (``-0.0`` where
     this rank has no gradient, :func:`sofx.serial.local_sumsq`; a step without
-    gradient on any rank moves neither the loss scaler nor the policy).
+    gradient on any rank moves neither the loss scaler nor the policy); a hook
+    that compares the ranks' step settings gets them (``config.profile``,
+    ``max_norm``, ``missing_grad``, ``ctx.scaler_state``:
+    :func:`sofx.serial.reduced_sumsq`).
     """
     n = ctx.n_blocks
     if len(sumsq) != n:
@@ -535,7 +539,8 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     zero = cfg.missing_grad == "zero"
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq]),
                         [zero or s is not None for s in sumsq])
-    total = reduced_sumsq(reduce_sumsq, local)
+    total = reduced_sumsq(reduce_sumsq, local, step_settings(cfg.profile, cfg.max_norm, cfg.missing_grad,
+                                                             ctx.scaler_state))
     empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
     try:
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)

@@ -21,7 +21,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
-from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, hparams_at, refuse_reduce,
+from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, call_reduce, hparams_at, refuse_reduce,
                          refuse_unknown_keywords)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
@@ -87,22 +87,34 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     before the reduction tells the others through ``reduce_sumsq``
     (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too.
     """
-    reduced = [False]
-
-    def reduce(local: float) -> float:
-        reduced[0] = True
-        return reduce_sumsq(local)
-
+    noted = None if reduce_sumsq is None else _NotedReduce(reduce_sumsq)
     try:
         return _speculative_step(opt, params, grads, state, config=config, scaler=scaler,
                                  scaler_state=scaler_state, policy_state=policy_state, hparams=hparams,
                                  validation_hparams=validation_hparams, backward_scale=backward_scale, order=order,
-                                 late_grads=late_grads, last_micro_step=last_micro_step,
-                                 reduce_sumsq=reduce if reduce_sumsq is not None else None, donate=donate)
+                                 late_grads=late_grads, last_micro_step=last_micro_step, reduce_sumsq=noted,
+                                 donate=donate)
     except Exception as exc:
-        if not reduced[0]:
+        if noted is not None and not noted.called:
             refuse_reduce(reduce_sumsq, exc)
         raise
+
+
+class _NotedReduce:
+    """The ``reduce_sumsq`` hook as :func:`speculative_step` passes it on, noting whether it was called (a failure
+    after it must not refuse the step: the other ranks are past the reduction). It passes the step's settings on
+    to a hook that compares them (:func:`sofx.serial.call_reduce`)."""
+
+    def __init__(self, hook: Callable[[float], float]) -> None:
+        self.hook = hook
+        self.called = False
+
+    def __call__(self, local: float) -> Any:
+        return self.agreed_sum(local, None)
+
+    def agreed_sum(self, local: float, settings: Mapping[str, Any] | None) -> Any:
+        self.called = True
+        return call_reduce(self.hook, local, settings)
 
 
 def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, config: SpeculationConfig,
