@@ -272,16 +272,16 @@ def _keyword_names(fn: Callable[..., Any], leave_out: Sequence[str] = ()) -> tup
 
 
 def refuse_unknown_keywords(what: str, unknown: Mapping[str, Any], known: Sequence[str],
-                            reduce_sumsq: Callable[[float], float] | None) -> None:
-    """Refuse the keywords ``unknown`` that loop step ``what`` does not take (it takes ``known``): a
-    :class:`~sofx.errors.SofxError` naming them and ``known`` (a keyword the loop takes from its
-    :class:`LoopState`, ``scaler_state=``, named as such), raised before the loop evaluates or steps anything,
-    after telling the reduction (:func:`refuse_reduce`). Python's ``TypeError`` at the call, or from the step
-    it calls, left the other ranks waiting for this rank's sum of squares forever."""
+                            reduce_sumsq: Callable[[float], float] | None, loop: bool = True) -> None:
+    """Refuse the keywords ``unknown`` that step ``what`` does not take (it takes ``known``): a
+    :class:`~sofx.errors.SofxError` naming them and ``known`` (for a loop step, ``loop``, a keyword the loop
+    takes from its :class:`LoopState`, ``scaler_state=``, named as such), raised before the step evaluates or
+    steps anything, after telling the reduction (:func:`refuse_reduce`). Python's ``TypeError`` at the call, or
+    from the step it calls, left the other ranks waiting for this rank's sum of squares forever."""
     if not unknown:
         return
     names = sorted(unknown)
-    from_loop = [f"{n} is {_FROM_LOOP[n]}" for n in names if n in _FROM_LOOP]
+    from_loop = [f"{n} is {_FROM_LOOP[n]}" for n in names if n in _FROM_LOOP and loop]
     hint = f" ({'; '.join(from_loop)}: pass the loop with it replaced)" if from_loop else ""
     error = SofxError(f"{what}: unknown keyword argument{'s' if len(names) > 1 else ''} "
                       f"{', '.join(map(repr, names))}; it takes {', '.join(known)}{hint}")
@@ -353,7 +353,7 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
                 scaler_state: LossScaleState, hparams: Any = None, max_norm: float | None = None,
                 profile: str = "torch", missing_grad: str = "skip",
                 reduce_sumsq: Callable[[float], float] | None = None,
-                donate: bool = False) -> SerialStepResult:
+                donate: bool = False, **unknown: Any) -> SerialStepResult:
     """One non-speculative step on raw (loss-scaled) gradients; see the module docstring.
 
     ``grads`` has the structure of ``params``; a ``None`` leaf had no gradient:
@@ -368,7 +368,10 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     others through the hook (:func:`refuse_reduce`) before it raises.
     Returns the new params, state, loss-scaler state and the step's
     :class:`StepFacts`; on overflow params and state are returned unchanged.
+    A keyword it does not take is refused (:func:`refuse_unknown_keywords`) before anything runs.
     """
+    if unknown:
+        refuse_unknown_keywords("serial_step", unknown, _keyword_names(serial_step), reduce_sumsq, loop=False)
     try:  # everything this rank may refuse, before the reduction (see refuse_reduce)
         check_profile(profile)
         if missing_grad not in MISSING_GRAD_MODES:

@@ -518,6 +518,41 @@ def test_an_unknown_keyword_is_refused_by_both_loops_before_anything_runs(rng):
     assert all(torch.equal(a, b) for a, b in zip(params, before))
 
 
+def test_an_unknown_keyword_is_refused_by_the_steps_before_anything_runs(rng):
+    """A misspelt keyword (max_nrom=) to serial_step, speculative_step (donating) or plan_validation: before,
+    Python's TypeError at the call, which did not tell the reduction hook (the other ranks waited for this
+    rank's sum forever). Now each raises a SofxError naming the keyword and those it takes, tells the hook, and
+    writes nothing; a keyword its loop step takes from the LoopState is not named as the loop's there."""
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    rule = loss_scale.grad_scaler()
+    params = _params(rng)
+    state = opt.init(params)
+    grads = _grads(rng)
+    before = [t.clone() for t in params]
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=len(params))
+    for what, takes, step in (
+            ("serial_step", "scaler, scaler_state, hparams, max_norm, profile, missing_grad, reduce_sumsq, donate",
+             lambda hook, kw: serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(),
+                                          reduce_sumsq=hook, donate=True, **kw)),
+            ("speculative_step", "config, scaler, scaler_state, policy_state, hparams, validation_hparams, "
+                                 "backward_scale, order, late_grads, last_micro_step, reduce_sumsq, donate",
+             lambda hook, kw: sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(),
+                                                  scaler=rule, scaler_state=rule.init(), reduce_sumsq=hook,
+                                                  donate=True, **kw)),
+            ("plan_validation", "hparams, taken, reduce_sumsq",
+             lambda hook, kw: sp.plan_validation(ctx, tally, [1.0] * len(params), reduce_sumsq=hook, **kw))):
+        other = {"loop": None, "policy_state": None} if what == "serial_step" else {"loop": None}
+        for kw, words in (({"max_nrom": 1.0}, "argument 'max_nrom'"),
+                          (other, f"argument{'s' if len(other) > 1 else ''} {', '.join(map(repr, sorted(other)))}")):
+            hook = _RecordingHook()
+            with pytest.raises(sofx.SofxError) as info:
+                step(hook, kw)
+            assert str(info.value) == f"{what}: unknown keyword {words}; it takes {takes}"
+            assert hook.calls == [f"refuse: {info.value}"], hook.calls
+            assert all(torch.equal(a, b) for a, b in zip(params, before))
+            assert all(not m.any() for m in state.mu)
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

@@ -42,9 +42,9 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
-from sofx.serial import (StepFacts, can_unscale, check_max_norm, check_profile, check_scale, clip_max_norm,
-                         loss_scale_of, local_sumsq, reduced_sumsq, step_facts, step_settings,
-                         without_gradients)
+from sofx.serial import (StepFacts, _keyword_names, can_unscale, check_max_norm, check_profile, check_scale,
+                         clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq, refuse_unknown_keywords,
+                         step_facts, step_settings, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -505,7 +505,7 @@ def _changes(d: BlockDecision, late: bool, grad_scale: float, hp: AdamHParams, f
 
 def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], *,
                     hparams: Any = None, taken: Sequence[bool] | None = None,
-                    reduce_sumsq: Callable[[float], float] | None = None) -> ValidationPlan:
+                    reduce_sumsq: Callable[[float], float] | None = None, **unknown: Any) -> ValidationPlan:
     """Validate the step: global facts, one :class:`BlockAction` per block, the next states and the report.
 
     ``sumsq[i]``: the sum of squares of block ``i``'s final raw gradient
@@ -518,8 +518,12 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     gradient on any rank moves neither the loss scaler nor the policy); a hook
     that compares the ranks' step settings gets them (``config.profile``,
     ``max_norm``, ``missing_grad``, ``ctx.scaler_state``:
-    :func:`sofx.serial.reduced_sumsq`).
+    :func:`sofx.serial.reduced_sumsq`). A keyword it does not take is refused, after telling the hook
+    (:func:`sofx.serial.refuse_unknown_keywords`).
     """
+    if unknown:
+        refuse_unknown_keywords("plan_validation", unknown, _keyword_names(plan_validation), reduce_sumsq,
+                                loop=False)
     n = ctx.n_blocks
     if len(sumsq) != n:
         raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")

@@ -58,7 +58,7 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
                      hparams: Any = None, validation_hparams: Any = _SAME, backward_scale: float | None = None,
                      order: Sequence[int] | None = None, late_grads: Mapping[int, torch.Tensor] | None = None,
                      last_micro_step: bool = True, reduce_sumsq: Callable[[float], float] | None = None,
-                     donate: bool = False) -> SpeculativeStepResult:
+                     donate: bool = False, **unknown: Any) -> SpeculativeStepResult:
     """Speculate, validate and apply one step; every leaf of ``params`` is a block.
 
     ``grads``: raw (loss-scaled) gradients with the structure of ``params``
@@ -85,8 +85,12 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     speculative step ``undo='algebraic'`` refuses only with the speculation
     hparams is not speculated (stepped in validation). A rank that refuses
     before the reduction tells the others through ``reduce_sumsq``
-    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too.
+    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too; a keyword it does not take is
+    refused so (:func:`~sofx.serial.refuse_unknown_keywords`) before anything runs.
     """
+    if unknown:
+        refuse_unknown_keywords("speculative_step", unknown, _keyword_names(speculative_step), reduce_sumsq,
+                                loop=False)
     noted = None if reduce_sumsq is None else _NotedReduce(reduce_sumsq)
     try:
         return _speculative_step(opt, params, grads, state, config=config, scaler=scaler,
