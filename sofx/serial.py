@@ -276,17 +276,29 @@ def refuse_unknown_keywords(what: str, unknown: Mapping[str, Any], known: Sequen
     """Refuse the keywords ``unknown`` that step ``what`` does not take (it takes ``known``): a
     :class:`~sofx.errors.SofxError` naming them and ``known`` (for a loop step, ``loop``, a keyword the loop
     takes from its :class:`LoopState`, ``scaler_state=``, named as such), raised before the step evaluates or
-    steps anything, after telling the reduction (:func:`refuse_reduce`). Python's ``TypeError`` at the call, or
-    from the step it calls, left the other ranks waiting for this rank's sum of squares forever."""
+    steps anything, after telling the reduction (:func:`refuse_reduce`) through ``reduce_sumsq``, or without it,
+    through a hook passed under an unknown keyword (``reduce_sumq=``, named as such in the error). Python's
+    ``TypeError`` at the call, or from the step it calls, left the other ranks waiting for this rank's sum of
+    squares forever; so did a refusal that did not find the hook under its misspelt keyword."""
     if not unknown:
         return
     names = sorted(unknown)
     from_loop = [f"{n} is {_FROM_LOOP[n]}" for n in names if n in _FROM_LOOP and loop]
     hint = f" ({'; '.join(from_loop)}: pass the loop with it replaced)" if from_loop else ""
+    misspelt = [n for n in names if _is_hook(unknown[n])]
+    if misspelt:
+        hint += f" ({misspelt[0]} is a reduce_sumsq hook: pass it as reduce_sumsq=)"
     error = SofxError(f"{what}: unknown keyword argument{'s' if len(names) > 1 else ''} "
                       f"{', '.join(map(repr, names))}; it takes {', '.join(known)}{hint}")
-    refuse_reduce(reduce_sumsq, error)
+    # the hook passed under a misspelt keyword (reduce_sumq=) is the one the other ranks wait in: refuse there
+    refuse_reduce(reduce_sumsq if reduce_sumsq is not None or not misspelt else unknown[misspelt[0]], error)
     raise error
+
+
+def _is_hook(x: Any) -> bool:
+    """Whether ``x`` is a ``reduce_sumsq`` hook that can refuse a step (:func:`refuse_reduce`):
+    :func:`sofx.distributed.all_reduce_sumsq`'s, or one of the user's with a ``refuse`` method."""
+    return callable(x) and callable(getattr(x, "refuse", None))
 
 
 def can_unscale(scale: float) -> bool:

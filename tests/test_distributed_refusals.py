@@ -16,8 +16,8 @@ import torch
 
 import sofx
 from sofx import distributed as sd
-from sofx.serial import init_loop, serial_loop_step
-from sofx.speculate import SpeculationConfig, speculative_loop_step
+from sofx.serial import init_loop, serial_loop_step, serial_step
+from sofx.speculate import SpeculationConfig, begin_step, plan_validation, speculative_loop_step, speculative_step
 from helpers import error_text, refused_on_every_rank, run_gloo_cases
 
 BAD = 1
@@ -203,6 +203,30 @@ def _loop_step_unknown_keyword(rank: int) -> dict:
             "next": serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce)[0].step}
 
 
+def _hook_under_a_misspelt_keyword(rank: int) -> dict:
+    """The loop steps, the steps and plan_validation given the hook as reduce_sumq= on rank BAD only: before,
+    that rank refused the keyword without telling the hook (it had none under reduce_sumsq=), while the other
+    waited in the hook for its sum until the group's timeout."""
+    opt, scaler = sofx.adamw(lr=1e-2), sofx.loss_scale.grad_scaler()
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, [torch.ones(3)], scaler)
+    kw = {"reduce_sumq": reduce} if rank == BAD else {"reduce_sumsq": reduce}
+    grads = [torch.full((3,), 0.5)]
+    cfg = SpeculationConfig()
+    ctx, tally = begin_step(opt, cfg, scaler, loop.scaler_state, n_blocks=1)
+    calls = {"serial_loop_step": lambda: serial_loop_step(opt, loop, grads, scaler=scaler, **kw),
+             "speculative_loop_step": lambda: speculative_loop_step(opt, loop, grads, config=cfg, scaler=scaler, **kw),
+             "serial_step": lambda: serial_step(opt, loop.params, grads, loop.opt_state, scaler=scaler,
+                                                scaler_state=loop.scaler_state, **kw),
+             "speculative_step": lambda: speculative_step(opt, loop.params, grads, loop.opt_state, config=cfg,
+                                                          scaler=scaler, scaler_state=loop.scaler_state, **kw),
+             "plan_validation": lambda: plan_validation(ctx, tally, [0.75], **kw)}
+    out = {what: error_text(call) for what, call in calls.items()}
+    out["next"] = serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce)[0].step
+    out["params"] = loop.params
+    return out
+
+
 def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
@@ -215,7 +239,8 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "nested_gradient": _nested_gradient, "gradient_not_floating": _gradient_not_floating,
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
          "positional_too_many": _positional_too_many, "gradient_on_another_device": _gradient_on_another_device,
-         "loop_step_unknown_keyword": _loop_step_unknown_keyword, "not_a_number": _not_a_number}
+         "loop_step_unknown_keyword": _loop_step_unknown_keyword,
+         "hook_under_a_misspelt_keyword": _hook_under_a_misspelt_keyword, "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +354,22 @@ def test_a_loop_step_with_an_unknown_keyword_on_one_rank_is_refused_on_every_ran
                 assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
                                              "squares was reduced"), case[what]
         assert case["next"] == 1  # the next step, on every rank
+
+
+def test_the_hook_under_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(ranks):
+    for rank, res in enumerate(ranks):
+        case = res["hook_under_a_misspelt_keyword"]
+        for what in ("serial_loop_step", "speculative_loop_step", "serial_step", "speculative_step",
+                     "plan_validation"):
+            if rank == BAD:
+                assert case[what].startswith(f"{what}: unknown keyword argument 'reduce_sumq'; it takes "), case[what]
+                assert case[what].endswith(" (reduce_sumq is a reduce_sumsq hook: pass it as reduce_sumsq=)"), \
+                    case[what]
+            else:
+                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
+                                             "squares was reduced"), case[what]
+        assert case["next"] == 1  # the next step, on every rank
+        assert torch.equal(case["params"][0], torch.ones(3))
 
 
 def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):
