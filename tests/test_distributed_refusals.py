@@ -227,6 +227,21 @@ def _hook_under_a_misspelt_keyword(rank: int) -> dict:
     return out
 
 
+def _hook_called_with_a_misspelt_keyword(rank: int) -> dict:
+    """all_reduce_sumsq's hook called on rank BAD with a misspelt keyword (locl=, setings=, eror=) or an argument
+    too many: before, Python's TypeError there at the call, while the other rank waited for its sum."""
+    reduce = sd.all_reduce_sumsq()
+    bad = rank == BAD
+    calls = {"call_keyword": lambda: reduce(locl=1.0) if bad else reduce(1.0),
+             "call_positional": lambda: reduce(1.0, 2.0) if bad else reduce(1.0),
+             "agreed_sum_keyword": lambda: reduce.agreed_sum(1.0, setings={}) if bad else reduce(1.0),
+             "agreed_sum_positional": lambda: reduce.agreed_sum(1.0, None, 2.0) if bad else reduce(1.0),
+             "refuse_keyword": lambda: reduce.refuse(eror=ValueError("mine")) if bad else reduce(1.0)}
+    out = {what: error_text(call) for what, call in calls.items()}
+    out["next"] = reduce(2.0)
+    return out
+
+
 def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
@@ -240,7 +255,8 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "unreadable_gradients": _unreadable_gradients, "unknown_keyword": _unknown_keyword,
          "positional_too_many": _positional_too_many, "gradient_on_another_device": _gradient_on_another_device,
          "loop_step_unknown_keyword": _loop_step_unknown_keyword,
-         "hook_under_a_misspelt_keyword": _hook_under_a_misspelt_keyword, "not_a_number": _not_a_number}
+         "hook_under_a_misspelt_keyword": _hook_under_a_misspelt_keyword,
+         "hook_called_with_a_misspelt_keyword": _hook_called_with_a_misspelt_keyword, "not_a_number": _not_a_number}
 
 
 @pytest.fixture(scope="module")
@@ -370,6 +386,27 @@ def test_the_hook_under_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(
                                              "squares was reduced"), case[what]
         assert case["next"] == 1  # the next step, on every rank
         assert torch.equal(case["params"][0], torch.ones(3))
+
+
+def test_the_hook_called_with_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(ranks):
+    own = {"call_keyword": "all_reduce_sumsq: the hook got the unknown keyword argument 'locl'; it takes local",
+           "call_positional": "all_reduce_sumsq: the hook got 1 positional argument too many (float); it takes "
+                              "local",
+           "agreed_sum_keyword": "all_reduce_sumsq: the hook's agreed_sum got the unknown keyword argument "
+                                 "'setings'; it takes local, settings",
+           "agreed_sum_positional": "all_reduce_sumsq: the hook's agreed_sum got 1 positional argument too many "
+                                    "(float); it takes local, settings",
+           "refuse_keyword": "all_reduce_sumsq: the hook's refuse got the unknown keyword argument 'eror'; it takes "
+                             "error"}
+    for rank, res in enumerate(ranks):
+        case = res["hook_called_with_a_misspelt_keyword"]
+        for what, words in own.items():
+            if rank == BAD:
+                assert case[what] == words, case[what]
+            else:
+                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
+                                             "squares was reduced"), case[what]
+        assert case["next"] == 4.0  # the next step's sum, on every rank
 
 
 def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,9 @@ _STEP_HINT = ("every rank must step with the same profile, max_norm, missing_gra
               "was stepped")
 
 
+_MISSING = object()  # an argument not given
+
+
 class SumsqReduce:
     """The ``reduce_sumsq`` hook :func:`all_reduce_sumsq` returns (see there): callable as
     ``s_local -> s``, :meth:`agreed_sum` for the loops, which also compares the step's settings, and
@@ -39,11 +42,14 @@ class SumsqReduce:
         self.group = group
         self.device = device
 
-    def __call__(self, local: float) -> float:
-        """The sum over ranks of ``local``; :meth:`agreed_sum` without settings (every rank must call it so)."""
+    def __call__(self, local: Any = _MISSING, *extra: Any, **unknown: Any) -> float:
+        """The sum over ranks of ``local``; :meth:`agreed_sum` without settings (every rank must call it so).
+        Arguments it does not take are refused as this rank's refusal of the step (:meth:`_refuse_call`)."""
+        self._refuse_call("the hook", ("local",), local is _MISSING, extra, unknown)
         return self.agreed_sum(local, None)
 
-    def agreed_sum(self, local: float, settings: Mapping[str, Any] | None) -> float:
+    def agreed_sum(self, local: Any = _MISSING, settings: Mapping[str, Any] | None = None, *extra: Any,
+                   **unknown: Any) -> float:
         """The sum over ranks of ``local`` where every rank passed the same ``settings``; else a
         :class:`SofxError` on every rank naming the first setting that differs with each rank's value.
 
@@ -55,6 +61,7 @@ class SumsqReduce:
         ``all_gather_object`` fetch the settings to name what differs; every rank sees the same digests, so
         every rank takes that path, and raises before it steps anything.
         """
+        self._refuse_call("the hook's agreed_sum", ("local", "settings"), local is _MISSING, extra, unknown)
         try:
             value = float(local)
         except Exception as e:  # refused in the collective: raised before it, the others would wait for this rank
@@ -70,12 +77,33 @@ class SumsqReduce:
             raise error from e
         return self._gather(value, refused=False, entries=entries)
 
-    def refuse(self, error: BaseException | None = None) -> None:
+    def refuse(self, error: BaseException | None = None, *extra: Any, **unknown: Any) -> None:
         """Take part in this step's collective as a rank that refuses the step (``error``: why, for the
         record; this rank raises it itself): every other rank's call raises :class:`RankRefusedError`
         instead of waiting for this rank forever. The serial and speculative loops call it when they raise
-        before reducing."""
+        before reducing. Arguments it does not take are refused after it took part, as a :class:`SofxError`."""
+        self._refuse_call("the hook's refuse", ("error",), False, extra, unknown)
         self._gather(math.nan, refused=True)
+
+    def _refuse_call(self, what: str, takes: Sequence[str], missing: bool, extra: tuple[Any, ...],
+                     unknown: dict[str, Any]) -> None:
+        """Where the call of ``what`` (it takes ``takes``, the first required) got an unknown keyword (a misspelt
+        one: ``locl=``), a positional argument too many or no ``takes[0]``: take part in the step's collective as
+        a rank that refuses it (the others raise :class:`RankRefusedError` instead of waiting for this rank, as
+        they did where Python's ``TypeError`` at the call was this rank's), then raise a :class:`SofxError`
+        naming what it got and what it takes."""
+        if unknown:
+            names = ", ".join(map(repr, sorted(unknown)))
+            why = f"the unknown keyword argument{'s' if len(unknown) > 1 else ''} {names}"
+        elif extra:
+            why = (f"{len(extra)} positional argument{'s' if len(extra) > 1 else ''} too many "
+                   f"({', '.join(type(a).__name__ for a in extra)})")
+        elif missing:
+            why = f"no {takes[0]}"
+        else:
+            return
+        self._gather(math.nan, refused=True)
+        raise SofxError(f"all_reduce_sumsq: {what} got {why}; it takes {', '.join(takes)}")
 
     def _gather(self, local: float, refused: bool, entries: dict[str, str] | None = None) -> float:
         group = self.group
