@@ -64,7 +64,7 @@ from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, 
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
-           "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option"]
+           "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option", "torch_betas"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -1618,6 +1618,25 @@ def refused_torch_option(options: Mapping[str, Any], refused: Sequence[str] = TO
     """The first of ``refused`` that ``options`` (torch.optim's keyword arguments, a param group) sets to a true
     value, or None: the rule :func:`adam`, :func:`adamw` and the offload facade refuse torch's options by."""
     return next((name for name in refused if options.get(name)), None)
+
+
+def torch_betas(betas: Any, name: str = "betas") -> tuple[Any, Any]:
+    """``betas`` as ``torch.optim.Adam``'s constructor stores them, ``tuple(map(_to_scalar, betas))``: the two
+    items of a pair (a tuple or list, or a tensor or numpy array of 2 rows: ``torch.tensor([0.9, 0.999])``
+    gives two 0-d tensors, ``np.array([0.9, 0.999])`` two numpy floats), each tensor of 1 element squeezed to
+    0-d (``tensor([0.9])`` -> ``tensor(0.9)``). Their values are the caller's to check; anything but 2 items is
+    an :class:`HParamError` naming ``name``."""
+    if isinstance(betas, (tuple, list)) or getattr(betas, "ndim", 0) >= 1:
+        items = tuple(betas)
+        if len(items) == 2:
+            return tuple(_squeezed(b) for b in items)  # type: ignore[return-value]
+    raise HParamError(f"{name} must be a pair (beta1, beta2): a tuple or list, or a tensor or numpy array of 2 "
+                      f"elements; got {betas!r:.80}")
+
+
+def _squeezed(x: Any) -> Any:
+    """A tensor of 1 element and more dimensions as its 0-d view (torch.optim's ``_to_scalar``); else ``x``."""
+    return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 and x.numel() == 1 else x
 
 
 def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool) -> None:

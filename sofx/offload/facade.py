@@ -69,7 +69,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option
+from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option,
+                       torch_betas)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.user_numbers import finite_number, flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
@@ -234,7 +235,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                  timeout: float = 60.0, num_threads: int = 1, shm_dir: str = DEFAULT_SHM_DIR,
                  shm_limit_bytes: int | None = None, swap_params: bool = True) -> None:
         self._engine: OffloadEngine | None = None
-        defaults = {"lr": lr, "betas": tuple(betas) if isinstance(betas, (list, tuple)) else betas, "eps": eps,
+        defaults = {"lr": lr, "betas": torch_betas(betas), "eps": eps,
                     "weight_decay": weight_decay, "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
                     "capturable": capturable, "differentiable": differentiable, "fused": fused,
                     "decoupled_weight_decay": self._decoupled if decoupled_weight_decay is None
@@ -597,7 +598,9 @@ class SpeculativeAdamW(_SpeculativeBase):
     The loop, the trajectory it follows and how it differs from ``torch.optim``: the docstring of
     :mod:`sofx.offload.facade` (``help(sofx.offload.facade)``). ``lr``, ``betas``, ``eps``, ``weight_decay``
     and ``torch.optim.AdamW``'s options as there (``amsgrad``, ``maximize``, ``differentiable``: only False;
-    ``foreach``, ``fused``, ``capturable``: ignored). The others:
+    ``foreach``, ``fused``, ``capturable``: ignored). ``betas`` is taken and stored as torch does
+    (:func:`sofx.adam.torch_betas`): a pair, or a tensor or numpy array of 2 elements, a 1-element tensor
+    squeezed to 0-d. The others:
 
     - ``max_grad_norm``: ``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_``'s ``max_norm`` (0 is
       no clipping under ``"deepspeed"``); ``loss_scale``: ``None``, ``"dynamic"`` (the profile's dynamic

@@ -1,0 +1,87 @@
+"""The facade's constructor arguments side by side with ``torch.optim.AdamW``'s: what torch accepts is accepted,
+stored as torch stores it and trains as torch trains; what torch refuses is refused, with an error naming the
+argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import sofx.offload
+
+from helpers import max_rel_err
+
+STEPS = 5
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+
+def _train_torch(**kwargs) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
+    """torch.optim.AdamW(**kwargs) over a tiny model for STEPS steps: the optimizer and the parameters."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), **kwargs)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(step)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    return opt, [p.detach().clone() for p in model.parameters()]
+
+
+def _train_facade(**kwargs) -> tuple[dict, list[torch.Tensor]]:
+    """The facade, as :func:`_train_torch`: its first group (a copy) and the parameters."""
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **kwargs) as opt:
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(step)
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        group = dict(opt.param_groups[0])
+    return group, [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_same_values(got, want) -> None:
+    """``got`` holds what ``want`` (torch's stored value) holds: the same types, tensor shapes and values."""
+    assert type(got) is type(want)
+    if isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _assert_same_values(a, b)
+    elif isinstance(want, torch.Tensor):
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+    else:
+        assert got == want
+
+
+def _assert_same_trajectory(got: list[torch.Tensor], want: list[torch.Tensor], bitwise: bool) -> None:
+    """Bitwise, or (torch computing with a float32 tensor hparam where the facade takes its value as a Python
+    float) to float32 rounding, relative 1e-6 per step."""
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) if bitwise else max_rel_err(a, b) <= 1e-6 * STEPS
+
+
+@pytest.mark.parametrize("betas", [
+    pytest.param(lambda: (torch.tensor([0.8]), torch.tensor([[0.99]])), id="1-element tensors"),
+    pytest.param(lambda: torch.tensor([0.8, 0.99]), id="a 2-element tensor"),
+    pytest.param(lambda: np.array([0.8, 0.99]), id="a float64 numpy array"),
+    pytest.param(lambda: [np.float64(0.8), np.float64(0.99)], id="numpy float64s in a list"),
+])
+def test_betas_torch_accepts_are_stored_as_torch_stores_them_and_train_as_torch(betas):
+    """torch.optim.AdamW takes ``betas`` as anything it can index twice whose items are both floats or both
+    1-element tensors, and stores ``tuple(map(_to_scalar, betas))``: a 1-element tensor squeezed to 0-d. The
+    facade kept 1-element tensors as given (``tensor([0.8])`` in the group where torch has ``tensor(0.8)``) and
+    refused a 2-element tensor or numpy array, which torch takes as the pair."""
+    torch_opt, want = _train_torch(lr=1e-2, betas=betas())
+    group, got = _train_facade(lr=1e-2, betas=betas())
+    _assert_same_values(group["betas"], torch_opt.param_groups[0]["betas"])
+    _assert_same_trajectory(got, want, bitwise=not isinstance(group["betas"][0], torch.Tensor))
