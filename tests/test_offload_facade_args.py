@@ -85,3 +85,31 @@ def test_betas_torch_accepts_are_stored_as_torch_stores_them_and_train_as_torch(
     group, got = _train_facade(lr=1e-2, betas=betas())
     _assert_same_values(group["betas"], torch_opt.param_groups[0]["betas"])
     _assert_same_trajectory(got, want, bitwise=not isinstance(group["betas"][0], torch.Tensor))
+
+
+@pytest.mark.parametrize("betas, found", [
+    pytest.param((0, 0.99), "int, float", id="an int"),
+    pytest.param((torch.tensor(0.8), 0.99), "Tensor, float", id="a tensor and a float"),
+    pytest.param((np.float32(0.8), np.float32(0.99)), "float32, float32", id="numpy float32s"),
+    pytest.param(np.array([0.8, 0.99], dtype=np.float32), "float32, float32", id="a float32 numpy array"),
+])
+def test_betas_torch_refuses_are_refused_naming_what_it_takes(betas, found):
+    """torch.optim.AdamW's constructor refuses betas that are not both floats (a Python or numpy float64) nor
+    both tensors -- an int, numpy's float32, a tensor beside a float -- with a ValueError; the facade took them,
+    so code tried on it failed on torch. Refused before anything is made (the model's parameters keep no hooks)."""
+    model = _model()
+    with pytest.raises(ValueError):
+        torch.optim.AdamW(model.parameters(), betas=betas)
+    with pytest.raises(sofx.HParamError, match=rf"betas must be both floats or both tensors.*got {found}"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), betas=betas, executor="inline")
+    _assert_left_working(model)
+
+
+def _assert_left_working(model: torch.nn.Module) -> None:
+    """A refused constructor left nothing behind: a new optimizer over ``model`` steps every parameter."""
+    before = [p.detach().clone() for p in model.parameters()]
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        x, y = _batch(0)
+        opt.backward(((model(x) - y) ** 2).mean())
+        assert not opt.step().skipped
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -131,6 +131,19 @@ def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> 
                                f"{kind} has {'decoupled' if decoupled else 'L2'} weight decay; use {other}")
 
 
+def _check_beta_types(betas: tuple[Any, Any]) -> None:
+    """Refuse the constructor's ``betas`` (as :func:`~sofx.adam.torch_betas` gives them) unless both are floats (a
+    Python or numpy float64) or both tensors, as ``torch.optim.AdamW``'s constructor does (an int, numpy's
+    float32 or a tensor beside a float: its ValueError), so that code tried here runs on torch. (A group's
+    ``betas`` set later, by hand or by a scheduler, is any number, as torch steps it.)"""
+    if all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas):
+        return
+    found = ", ".join(type(b).__name__ for b in betas)
+    raise HParamError(f"betas must be both floats or both tensors, as torch.optim.AdamW requires; got {found} "
+                      f"(betas={betas!r:.80}): give floats, e.g. ({float(betas[0])!r}, {float(betas[1])!r}), "
+                      "or 1-element tensors")
+
+
 def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
     """A param group's hparams as Python floats, checked (the message names the group)."""
     lr = _number(group["lr"], f"{where}['lr']")
@@ -241,6 +254,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                     "decoupled_weight_decay": self._decoupled if decoupled_weight_decay is None
                     else decoupled_weight_decay}
         group_hparams(defaults, "defaults")
+        _check_beta_types(defaults["betas"])  # (numbers, checked: float() reads them for the message)
         check_group_flags(defaults, "defaults", self._decoupled)
         super().__init__(params, defaults)
         # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_params.
@@ -600,7 +614,8 @@ class SpeculativeAdamW(_SpeculativeBase):
     and ``torch.optim.AdamW``'s options as there (``amsgrad``, ``maximize``, ``differentiable``: only False;
     ``foreach``, ``fused``, ``capturable``: ignored). ``betas`` is taken and stored as torch does
     (:func:`sofx.adam.torch_betas`): a pair, or a tensor or numpy array of 2 elements, a 1-element tensor
-    squeezed to 0-d. The others:
+    squeezed to 0-d; both floats or both tensors (an int, numpy's float32 or a tensor beside a float is refused,
+    as torch refuses it; a group's ``betas`` are any numbers). The others:
 
     - ``max_grad_norm``: ``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_``'s ``max_norm`` (0 is
       no clipping under ``"deepspeed"``); ``loss_scale``: ``None``, ``"dynamic"`` (the profile's dynamic
