@@ -113,3 +113,38 @@ def _assert_left_working(model: torch.nn.Module) -> None:
         opt.backward(((model(x) - y) ** 2).mean())
         assert not opt.step().skipped
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    pytest.param({"lr": torch.tensor(1e-2)}, r"\['lr'\]", id="lr"),
+    pytest.param({"betas": (torch.tensor(0.8), torch.tensor(0.99))}, r"\['betas'\]\[0\]", id="betas"),
+])
+def test_a_tensor_hparam_with_foreach_and_without_capturable_is_refused_as_torch_refuses_it(kwargs, what):
+    """torch.optim.AdamW refuses a tensor lr or beta with ``foreach=True`` and ``capturable=False`` ("not
+    supported for capturable=False and foreach=True"): at construction, and at a step for a group set so later.
+    The facade ignored foreach and took it. With ``capturable=True``, or foreach False or None, both take it."""
+    model = _model()
+    with pytest.raises(ValueError, match="foreach=True"):
+        torch.optim.AdamW(model.parameters(), foreach=True, **kwargs)
+    with pytest.raises(sofx.UnsupportedError, match=rf"defaults{what} is a tensor.*foreach=True.*capturable"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), foreach=True, executor="inline", **kwargs)
+    with pytest.raises(sofx.UnsupportedError, match=rf"param_groups\[0\]{what} is a tensor.*foreach=True"):
+        sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "foreach": True, **kwargs}], executor="inline")
+    _assert_left_working(model)
+    for ok in ({"foreach": True, "capturable": True}, {"foreach": False}, {"foreach": None}):
+        torch.optim.AdamW(model.parameters(), **ok, **kwargs)
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **ok, **kwargs).close()
+
+
+def test_a_group_set_to_foreach_with_a_tensor_lr_is_refused_at_the_next_step_before_anything_is_stepped():
+    """torch.optim.AdamW's step refuses a group whose ``foreach`` is True (without capturable) and whose lr is a
+    tensor, however it got so: the facade refuses it at the step's first block, every parameter as it was."""
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=torch.tensor(1e-2), executor="inline") as opt:
+        opt.param_groups[0]["foreach"] = True
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0)
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['lr'\].*foreach=True"):
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -34,7 +34,8 @@ works, including those that change ``betas`` (``OneCycleLR`` with
 ``cycle_momentum``). They also carry ``torch.optim.AdamW``'s other options
 with its defaults, so that group dicts (and a state dict's ``param_groups``) read as torch's do:
 ``foreach``, ``fused`` and ``capturable`` (torch's implementation choices)
-take any value and are ignored; ``amsgrad``, ``maximize`` and
+are ignored, but what torch refuses of them is refused (a tensor ``lr`` or beta with
+``foreach=True`` and ``capturable=False``); ``amsgrad``, ``maximize`` and
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
 class's, are refused (at construction, at every step, and in
 ``load_state_dict``) rather than ignored. Differences from ``torch.optim``: gradients are moved
@@ -112,14 +113,17 @@ def _number(value: Any, what: str) -> float:
 
 # torch.optim.Adam/AdamW's options that change the math, and differentiable (the steps are in place, not
 # recorded by autograd): only their default (False) is implemented. (Its other options, foreach / fused /
-# capturable, choose torch's implementation: any value is accepted and ignored.)
+# capturable, choose torch's implementation: ignored, but what torch refuses of them is refused, see
+# check_foreach_tensors.)
 _REFUSED_FLAGS = (*TORCH_MATH_OPTIONS, "differentiable")
 
 
 def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> None:
     """Refuse a param group asking for what the speculative optimizer does not implement: ``amsgrad``,
     ``maximize`` or ``differentiable`` set, or ``decoupled_weight_decay`` other than the class's (AdamW: True,
-    Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s."""
+    Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s -- and what
+    ``torch.optim.AdamW`` refuses of its implementation options (:func:`check_foreach_tensors`)."""
+    check_foreach_tensors(group, where)
     key = refused_torch_option(group, _REFUSED_FLAGS)
     if key is not None:
         raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
@@ -142,6 +146,25 @@ def _check_beta_types(betas: tuple[Any, Any]) -> None:
     raise HParamError(f"betas must be both floats or both tensors, as torch.optim.AdamW requires; got {found} "
                       f"(betas={betas!r:.80}): give floats, e.g. ({float(betas[0])!r}, {float(betas[1])!r}), "
                       "or 1-element tensors")
+
+
+def check_foreach_tensors(group: Mapping[str, Any], where: str) -> None:
+    """Refuse a tensor hparam in a group whose ``foreach`` is set and ``capturable`` not, as ``torch.optim.AdamW``
+    refuses it ("not supported for capturable=False and foreach=True"): a tensor ``lr`` (torch: at construction
+    and at every step), a tensor beta (at construction, and at a step that foreach takes: ``fused`` not set).
+    The facade has no foreach implementation to choose, but code tried here must run on torch."""
+    if not group.get("foreach") or group.get("capturable"):
+        return
+    hint = ("as torch.optim.AdamW refuses it (foreach's kernels take Python numbers); give a float, or foreach=False "
+            "(or None), or capturable=True")
+    if isinstance(group.get("lr"), torch.Tensor):
+        raise UnsupportedError(f"{where}['lr'] is a tensor with foreach=True and capturable=False, {hint}")
+    betas = group.get("betas")
+    if group.get("fused") or not isinstance(betas, (tuple, list)):
+        return
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):
+            raise UnsupportedError(f"{where}['betas'][{i}] is a tensor with foreach=True and capturable=False, {hint}")
 
 
 def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
@@ -612,7 +635,8 @@ class SpeculativeAdamW(_SpeculativeBase):
     The loop, the trajectory it follows and how it differs from ``torch.optim``: the docstring of
     :mod:`sofx.offload.facade` (``help(sofx.offload.facade)``). ``lr``, ``betas``, ``eps``, ``weight_decay``
     and ``torch.optim.AdamW``'s options as there (``amsgrad``, ``maximize``, ``differentiable``: only False;
-    ``foreach``, ``fused``, ``capturable``: ignored). ``betas`` is taken and stored as torch does
+    ``foreach``, ``fused``, ``capturable``: ignored, but a tensor ``lr`` or beta with ``foreach=True`` and
+    ``capturable=False`` is refused, as torch refuses it). ``betas`` is taken and stored as torch does
     (:func:`sofx.adam.torch_betas`): a pair, or a tensor or numpy array of 2 elements, a 1-element tensor
     squeezed to 0-d; both floats or both tensors (an int, numpy's float32 or a tensor beside a float is refused,
     as torch refuses it; a group's ``betas`` are any numbers). The others:
