@@ -148,3 +148,20 @@ def test_a_group_set_to_foreach_with_a_tensor_lr_is_refused_at_the_next_step_bef
             opt.backward(((model(x) - y) ** 2).mean())
             opt.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_fused_and_foreach_together_are_refused_at_construction_as_torch_refuses_them():
+    """torch.optim.AdamW(fused=True, foreach=True) raises ("`fused` and `foreach` cannot be `True` together");
+    the facade ignored both and took them. Either alone is taken (and ignored), as a group's pair is (torch's
+    step runs fused there)."""
+    model = _model()
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        torch.optim.AdamW(model.parameters(), fused=True, foreach=True)
+    with pytest.raises(sofx.UnsupportedError, match=r"fused=True and foreach=True.*cannot be set together"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), fused=True, foreach=True, executor="inline")
+    _assert_left_working(model)
+    for ok in ({"fused": True, "foreach": False}, {"fused": False, "foreach": True}, {"fused": None, "foreach": None}):
+        torch.optim.AdamW(model.parameters(), **ok)
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **ok).close()
+    sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "fused": True, "foreach": True}],
+                                  executor="inline").close()

@@ -35,7 +35,8 @@ works, including those that change ``betas`` (``OneCycleLR`` with
 with its defaults, so that group dicts (and a state dict's ``param_groups``) read as torch's do:
 ``foreach``, ``fused`` and ``capturable`` (torch's implementation choices)
 are ignored, but what torch refuses of them is refused (a tensor ``lr`` or beta with
-``foreach=True`` and ``capturable=False``); ``amsgrad``, ``maximize`` and
+``foreach=True`` and ``capturable=False``; the constructor's ``fused`` and ``foreach``
+both set); ``amsgrad``, ``maximize`` and
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
 class's, are refused (at construction, at every step, and in
 ``load_state_dict``) rather than ignored. Differences from ``torch.optim``: gradients are moved
@@ -279,6 +280,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         group_hparams(defaults, "defaults")
         _check_beta_types(defaults["betas"])  # (numbers, checked: float() reads them for the message)
         check_group_flags(defaults, "defaults", self._decoupled)
+        if fused and foreach:  # (torch.optim.Adam's constructor; a group's pair steps fused there)
+            raise UnsupportedError(f"fused={fused!r} and foreach={foreach!r}: torch.optim.AdamW's implementations, "
+                                   "which cannot be set together (torch refuses it); set one (both are ignored here)")
         super().__init__(params, defaults)
         # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_params.
         self._group_param_ids = [frozenset(id(p) for p in g["params"]) for g in self.param_groups]
@@ -636,10 +640,10 @@ class SpeculativeAdamW(_SpeculativeBase):
     :mod:`sofx.offload.facade` (``help(sofx.offload.facade)``). ``lr``, ``betas``, ``eps``, ``weight_decay``
     and ``torch.optim.AdamW``'s options as there (``amsgrad``, ``maximize``, ``differentiable``: only False;
     ``foreach``, ``fused``, ``capturable``: ignored, but a tensor ``lr`` or beta with ``foreach=True`` and
-    ``capturable=False`` is refused, as torch refuses it). ``betas`` is taken and stored as torch does
-    (:func:`sofx.adam.torch_betas`): a pair, or a tensor or numpy array of 2 elements, a 1-element tensor
-    squeezed to 0-d; both floats or both tensors (an int, numpy's float32 or a tensor beside a float is refused,
-    as torch refuses it; a group's ``betas`` are any numbers). The others:
+    ``capturable=False``, and ``fused`` with ``foreach``, are refused, as torch refuses them). ``betas`` is
+    taken and stored as torch does (:func:`sofx.adam.torch_betas`): a pair, or a tensor or numpy array of 2
+    elements, a 1-element tensor squeezed to 0-d; both floats or both tensors (an int, numpy's float32 or a
+    tensor beside a float is refused, as torch refuses it; a group's ``betas`` are any numbers). The others:
 
     - ``max_grad_norm``: ``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_``'s ``max_norm`` (0 is
       no clipping under ``"deepspeed"``); ``loss_scale``: ``None``, ``"dynamic"`` (the profile's dynamic
