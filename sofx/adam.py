@@ -1655,9 +1655,8 @@ def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool)
 
 def _make(decoupled: bool, lr: Scalar, betas: tuple[Scalar, Scalar], eps: Scalar, weight_decay: Scalar,
           bias_correction: bool, state_dtype: torch.dtype | None, undo: str, backend: str) -> Adam:
-    if not isinstance(betas, Sequence) or len(betas) != 2:
-        raise HParamError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    defaults = AdamHParams(lr, betas[0], betas[1], eps, weight_decay)
+    beta1, beta2 = torch_betas(betas)
+    defaults = AdamHParams(lr, beta1, beta2, eps, weight_decay)
     return Adam(defaults, decoupled=decoupled, bias_correction=bias_correction, state_dtype=state_dtype,
                 undo=undo, backend=backend)
 
@@ -1675,7 +1674,9 @@ def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Sc
 
     (``bias_correction=False``: both ``1 - b^t`` are 1). ``state_dtype``: the moments' dtype (default: the
     parameter's); ``undo``: ``"auto" | "algebraic" | "exact"``; ``backend``: ``"auto" | "reference" | "cpu"
-    | "cpu_fast" | "triton"``. The hparams given here are the defaults of every :class:`AdamHParams`.
+    | "cpu_fast" | "triton"``. The hparams given here are the defaults of every :class:`AdamHParams`;
+    ``betas`` as ``torch.optim.Adam`` takes them (:func:`torch_betas`: a pair, or a tensor or numpy array of 2
+    elements; a 1-element tensor squeezed to 0-d).
     ``torch.optim.Adam``'s other options carry over: ``amsgrad``, ``maximize`` and ``decoupled_weight_decay``
     are accepted at their default (False) only (True raises :class:`~sofx.errors.UnsupportedError`);
     ``foreach``, ``fused``, ``capturable`` (torch's implementation) and ``differentiable`` (the update is

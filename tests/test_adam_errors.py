@@ -11,7 +11,7 @@ import sofx
 import sofx.offload
 from sofx import AdamHParams
 
-from helpers import clone_tree, trees_equal
+from helpers import clone_tree, max_rel_err, trees_equal
 
 
 def _setup(seed: int = 0):
@@ -166,6 +166,36 @@ def test_torch_optims_implementation_options_are_accepted_and_ignored(make):
     else:
         with pytest.raises(TypeError):  # (not an option of torch.optim.AdamW either)
             make(decoupled_weight_decay=True)
+
+
+@pytest.mark.parametrize("make, torch_cls", [(sofx.adam, torch.optim.Adam), (sofx.adamw, torch.optim.AdamW)],
+                         ids=["adam", "adamw"])
+@pytest.mark.parametrize("betas", [
+    pytest.param(lambda: (torch.tensor([0.8]), torch.tensor([[0.99]])), id="1-element tensors"),
+    pytest.param(lambda: torch.tensor([0.8, 0.99]), id="a 2-element tensor"),
+    pytest.param(lambda: __import__("numpy").array([0.8, 0.99]), id="a float64 numpy array"),
+])
+def test_betas_torch_takes_are_taken_as_torch_stores_them_and_step_as_torch(make, torch_cls, betas):
+    """torch.optim.Adam/AdamW take ``betas`` as a pair of 1-element tensors (squeezed to 0-d), or a 2-element
+    tensor or numpy array (its two items); sofx.adam/adamw refused all three ("a float or a 0-d tensor", "a
+    pair"). Taken, the defaults hold torch's stored betas, and steps follow torch's (to float32 rounding: torch
+    computes with the float32 tensors, sofx with their values)."""
+    opt = make(lr=1e-2, betas=betas(), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, generator=gen))
+    ref = torch_cls([w], lr=1e-2, betas=betas(), weight_decay=0.1, foreach=False)
+    stored = ref.param_groups[0]["betas"]
+    for got, want in zip((opt.defaults.beta1, opt.defaults.beta2), stored):
+        assert type(got) is type(want)
+        assert got.shape == want.shape and torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    params = {"w": w.detach().clone()}
+    state = opt.init(params)
+    for step in range(4):
+        grads = {"w": torch.randn(6, generator=gen)}
+        params, state, _ = opt.update(params, grads, state)
+        w.grad = grads["w"].clone()
+        ref.step()
+        assert max_rel_err(params["w"], w.detach()) <= 1e-6 * (step + 1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
