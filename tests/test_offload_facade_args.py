@@ -165,3 +165,26 @@ def test_fused_and_foreach_together_are_refused_at_construction_as_torch_refuses
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **ok).close()
     sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "fused": True, "foreach": True}],
                                   executor="inline").close()
+
+
+@pytest.mark.parametrize("betas", [
+    pytest.param(lambda: torch.tensor([0.8, 0.99]), id="a 2-element tensor"),
+    pytest.param(lambda: np.array([0.8, 0.99], dtype=np.float32), id="a float32 numpy array"),
+    pytest.param(lambda: (np.float32(0.8), 0.99), id="a numpy float32 and a float"),
+])
+def test_a_groups_betas_torch_unpacks_are_stepped_as_torch_steps_them(betas):
+    """torch.optim.AdamW's step reads a group's betas as ``beta1, beta2 = group["betas"]``: a 2-element tensor
+    or numpy array is a pair there, and any two numbers are (its constructor's checks are for its ``betas``
+    argument only). The facade refused the array and the tensor ("must be a pair")."""
+    want_model, got_model = _model(), _model()
+    ref = torch.optim.AdamW([{"params": want_model.parameters(), "betas": betas()}], lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW([{"params": got_model.parameters(), "betas": betas()}], lr=1e-2,
+                                       executor="inline") as opt:
+        for step in range(STEPS):
+            x, y = _batch(step)
+            for o, m in ((ref, want_model), (opt, got_model)):
+                o.zero_grad()
+                ((m(x) - y) ** 2).mean().backward() if o is ref else o.backward(((m(x) - y) ** 2).mean())
+                o.step()
+    _assert_same_trajectory([p.detach() for p in got_model.parameters()],
+                            [p.detach() for p in want_model.parameters()], bitwise=False)

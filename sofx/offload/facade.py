@@ -169,11 +169,11 @@ def check_foreach_tensors(group: Mapping[str, Any], where: str) -> None:
 
 
 def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
-    """A param group's hparams as Python floats, checked (the message names the group)."""
+    """A param group's hparams as Python floats, checked (the message names the group). Its ``betas`` are any two
+    numbers torch's step unpacks (``beta1, beta2 = group["betas"]``): a tuple or list, a 2-element tensor or numpy
+    array."""
     lr = _number(group["lr"], f"{where}['lr']")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise HParamError(f"{where}['betas'] must be a pair (beta1, beta2), got {betas!r}")
+    betas = torch_betas(group["betas"], f"{where}['betas']")  # (what torch's step unpacks: a tensor pair too)
     b1, b2 = _number(betas[0], f"{where}['betas'][0]"), _number(betas[1], f"{where}['betas'][1]")
     eps = _number(group["eps"], f"{where}['eps']")
     wd = _number(group["weight_decay"], f"{where}['weight_decay']")
