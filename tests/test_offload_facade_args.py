@@ -188,3 +188,18 @@ def test_a_groups_betas_torch_unpacks_are_stepped_as_torch_steps_them(betas):
                 o.step()
     _assert_same_trajectory([p.detach() for p in got_model.parameters()],
                             [p.detach() for p in want_model.parameters()], bitwise=False)
+
+
+def test_a_parameter_twice_in_a_group_is_refused_at_construction_naming_both_places():
+    """torch.optim warns that a group holding a parameter twice "will cause an error" in future and steps it twice
+    per step. The facade took it and refused every step, saying the group had "2 parameters, this optimizer was
+    made with 1" (as if one had been added): refused at construction now, naming both places, nothing made."""
+    model = _model()
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        torch.optim.AdamW([model[0].weight, model[0].bias, model[0].weight])
+    groups = [{"params": [model[2].weight]}, {"params": [model[0].weight, model[0].bias, model[0].weight]}]
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[1\]\['params'\]\[2\] is "
+                                                    r"param_groups\[1\]\['params'\]\[0\] again \(shape \(3, 4\)\)"), \
+            pytest.warns(UserWarning, match="duplicate parameters"):  # (torch.optim.Optimizer's, as it adds the group)
+        sofx.offload.SpeculativeAdamW(groups, executor="inline")
+    _assert_left_working(model)

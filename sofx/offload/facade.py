@@ -46,7 +46,8 @@ next step without ``gradient_accumulation_steps``, which counts gradient arrival
 backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
 validation); param groups cannot be
 added after construction, nor parameters added to or removed from a group's ``params`` (refused at the
-next step, not ignored); ``step()`` without a closure returns a
+next step, not ignored), and a group cannot hold a parameter twice (refused at construction: torch warns and
+steps it twice); ``step()`` without a closure returns a
 :class:`~sofx.offload.engine.EngineStepReport` (``torch.optim`` returns
 ``None``; with a closure both return its loss); with ``swap_params=True``
 (the default) a CPU parameter's storage alternates between two buffers that
@@ -285,6 +286,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                    "which cannot be set together (torch refuses it); set one (both are ignored here)")
         super().__init__(params, defaults)
         # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_params.
+        for i, group in enumerate(self.param_groups):
+            _check_no_repeats(group["params"], f"param_groups[{i}]['params']")
         self._group_param_ids = [frozenset(id(p) for p in g["params"]) for g in self.param_groups]
         for i, group in enumerate(self.param_groups):
             group_hparams(group, f"param_groups[{i}]")
@@ -596,6 +599,17 @@ class _SpeculativeBase(torch.optim.Optimizer):
 _TORCH_SETSTATE_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                             "differentiable": False, "decoupled_weight_decay": False, "fused": None}
 _HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _check_no_repeats(params: list[torch.Tensor], where: str) -> None:
+    """Refuse a group holding a parameter twice: torch.optim warns that it "will cause an error" in future and
+    steps it twice per step; its blocks would hold it twice here."""
+    first: dict[int, int] = {}
+    for j, p in enumerate(params):
+        i = first.setdefault(id(p), j)
+        if i != j:
+            raise UnsupportedError(f"{where}[{j}] is {where}[{i}] again (shape {tuple(p.shape)}): a parameter can be "
+                                   "in a group once (torch.optim warns that it steps it twice and will refuse it)")
 
 
 def _check_saved_group_fits(saved: Any, group: Mapping[str, Any], where: str) -> None:
