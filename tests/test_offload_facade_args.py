@@ -203,3 +203,19 @@ def test_a_parameter_twice_in_a_group_is_refused_at_construction_naming_both_pla
             pytest.warns(UserWarning, match="duplicate parameters"):  # (torch.optim.Optimizer's, as it adds the group)
         sofx.offload.SpeculativeAdamW(groups, executor="inline")
     _assert_left_working(model)
+
+
+def test_a_tensor_lr_that_requires_grad_is_its_value_as_in_torch_optim():
+    """torch.optim reads a group's hparams in its step (under no_grad): ``lr=torch.tensor(1e-2,
+    requires_grad=True)`` trains as ``lr=1e-2`` would. The facade refused it at construction and in
+    load_state_dict ("whose value cannot be read here (traced)"), and took it when set between steps."""
+    lr = lambda: torch.tensor(1e-2, requires_grad=True)  # noqa: E731
+    _, want = _train_torch(lr=lr(), foreach=False)
+    group, got = _train_facade(lr=lr())
+    assert group["lr"].requires_grad
+    _assert_same_trajectory(got, want, bitwise=False)
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=lr(), executor="inline") as opt:
+        saved = opt.state_dict()
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0]["lr"].requires_grad

@@ -109,7 +109,11 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
 
 def _number(value: Any, what: str) -> float:
     """A group's hparam as a Python float (:func:`~sofx.kernels.user_numbers.finite_number`: a Python or numpy
-    number, numpy's float32 from a LambdaLR included, or a 1-element tensor; finite)."""
+    number, numpy's float32 from a LambdaLR included, or a 1-element tensor; finite). A tensor that requires grad
+    is its value, as torch.optim reads a group's hparams in its no_grad step (grad mode is on at construction and
+    in load_state_dict, where it read as traced)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        value = value.detach()
     return float(finite_number(what, value))
 
 
