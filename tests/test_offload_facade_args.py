@@ -219,3 +219,18 @@ def test_a_tensor_lr_that_requires_grad_is_its_value_as_in_torch_optim():
         saved = opt.state_dict()
         opt.load_state_dict(saved)
         assert opt.param_groups[0]["lr"].requires_grad
+
+
+def test_a_groups_betas_given_as_one_tensor_with_foreach_is_refused_as_torch_refuses_it():
+    """A group's ``betas=torch.tensor([0.8, 0.99])`` unpacks to two tensors in torch's step, which its foreach
+    implementation refuses without capturable, as it refuses a pair of tensors."""
+    model, ref = _model(), _model()
+    torch_opt = torch.optim.AdamW([{"params": ref.parameters(), "betas": torch.tensor([0.8, 0.99])}], foreach=True)
+    x, y = _batch(0)
+    ((ref(x) - y) ** 2).mean().backward()
+    with pytest.raises(ValueError, match="foreach=True"):
+        torch_opt.step()
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['betas'\] is a tensor.*foreach=True"):
+        sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "betas": torch.tensor([0.8, 0.99])}],
+                                      foreach=True, executor="inline")
+    _assert_left_working(model)

@@ -166,7 +166,11 @@ def check_foreach_tensors(group: Mapping[str, Any], where: str) -> None:
     if isinstance(group.get("lr"), torch.Tensor):
         raise UnsupportedError(f"{where}['lr'] is a tensor with foreach=True and capturable=False, {hint}")
     betas = group.get("betas")
-    if group.get("fused") or not isinstance(betas, (tuple, list)):
+    if group.get("fused"):
+        return
+    if isinstance(betas, torch.Tensor):  # (its step unpacks the pair into two tensors)
+        raise UnsupportedError(f"{where}['betas'] is a tensor with foreach=True and capturable=False, {hint}")
+    if not isinstance(betas, (tuple, list)):
         return
     for i, beta in enumerate(betas):
         if isinstance(beta, torch.Tensor):
