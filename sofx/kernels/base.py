@@ -48,6 +48,12 @@ pass). It must not overlap the other tensors. ``p`` is any
 float dtype, ``g`` any float dtype, ``m``/``v`` the state dtype; the math is
 done in float32 (float64 when ``p`` is float64) and rounded on store.
 
+Every tensor of the caller's that a call writes in place (``out``, donated or not, ``p_copy``, a checked call's
+``skip``, a chunk list's kept values) gets its version counter bumped, as by torch's in-place operations: a
+backward through a graph that saved one of them then raises, as with ``torch.optim``, instead of computing the
+gradient of the values it overwrote. The native and Triton backends write raw memory and bump it themselves
+(:func:`mark_written`); what a call only reads keeps its counter.
+
 Traced tensors (one that requires grad while grad mode is on, a ``torch.func`` transform's): the reference's
 results are differentiable (autograd and the transforms record its torch operations); the native and Triton
 backends read raw values and refuse any such tensor argument before writing anything
@@ -63,6 +69,7 @@ import sys
 from typing import Any, Callable, Collection, Iterable, NamedTuple, Sequence, Union
 
 import torch
+from torch.autograd.graph import increment_version
 
 from sofx.errors import HParamError, LeafError, UnsupportedError
 from sofx.kernels.layout import in_memory_order, one_dense_layout, same_layout
@@ -369,6 +376,35 @@ def write_outputs(results: Sequence[torch.Tensor], out: Sequence[torch.Tensor] |
         if o is not r:
             o.copy_(r)
     return out[0], out[1], out[2]
+
+
+def _increments_lists() -> bool:
+    """Whether torch's ``increment_version`` takes a list of tensors (torch >= 2.5; 2.4 takes one tensor)."""
+    try:
+        increment_version([])
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_INCREMENTS_LISTS = _increments_lists()
+
+
+def mark_written(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Bump the version counter of each of ``tensors`` (None skipped) that a native or Triton kernel wrote in
+    place, as a torch in-place operation does, so that autograd refuses a backward through a graph that saved
+    one of them (or a view sharing its counter: ``detach()``, slices) instead of computing the gradient of the
+    values it overwrote. A tensor bumped twice (listed twice, or written by torch too) is harmless; a tensor
+    taken through ``.data`` has a counter of its own (the offload engine's buffers rely on it), an inference
+    tensor none (not bumped). One call of torch's for the whole list: ~0.05 us a tensor."""
+    written = [t for t in tensors if t is not None]
+    if not written:
+        return
+    if _INCREMENTS_LISTS:
+        increment_version(written)
+    else:
+        for t in written:
+            increment_version(t)
 
 
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

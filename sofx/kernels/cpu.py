@@ -79,7 +79,7 @@ from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
-                               refuse_traced, traced_possible, write_kept_param_copy, write_outputs,
+                               mark_written, refuse_traced, traced_possible, write_kept_param_copy, write_outputs,
                                write_param_copy)
 from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
@@ -444,7 +444,12 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             native.append((i, _prepare(b, c1, c2, lib)))
     if native:
         assert lib is not None
-        _call(lib, op, variant, table if table is not None else _Table.of([nb for _, nb in native]), exact, backend)
+        written = [t for i, _ in native for t in _written(blocks[i])]
+        try:
+            _call(lib, op, variant, table if table is not None else _Table.of([nb for _, nb in native]), exact,
+                  backend)
+        finally:  # (the C entry writes everything or, refusing, nothing; an interrupt may follow its writes)
+            mark_written(written)
         for i, nb in native:
             b = blocks[i]
             res = write_outputs(nb.targets, b.out)
@@ -452,6 +457,12 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
                 write_kept_param_copy(b.p_copy, res[0], b.skip)
             results[i] = res
     return results  # type: ignore[return-value]
+
+
+def _written(b: _Block) -> list[torch.Tensor | None]:
+    """The caller's tensors a native call of ``b`` writes (or that are copied into after it): ``out``,
+    ``p_copy``, ``skip`` (for :func:`~sofx.kernels.base.mark_written`)."""
+    return [*(b.out or ()), b.p_copy, b.skip]
 
 
 def _empty_results(b: _Block) -> Triple:
@@ -680,6 +691,7 @@ def _checked_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant
     native: list[_Native] = []
     tab = array("q")
     keep_alive: list[Any] = [calls]  # the tensors the table points at (the chunk lists' contiguous views too)
+    written: list[torch.Tensor | None] = []  # what the C entry writes of the caller's: out, p_copy, skip, kept
     by_runs: list[tuple[str, ChunkedCall]] = []
     for name, c, s1, s2 in zip(where, calls, s1s, s2s):
         if not c.chunks.numel():
@@ -694,18 +706,23 @@ def _checked_chunked(op: int, calls: Sequence[ChunkedCall], variant: AdamVariant
         tab.extend([listed.data_ptr(), listed.numel(), int(c.packed)]
                    + [t.data_ptr() if t is not None else 0 for t in kept])
         keep_alive.append(listed)
+        written += [*c.call.out, c.call.p_copy, c.call.skip, *kept]
     return functools.partial(_run_checked_chunked, op, variant, exact, backend, lib, native, tab, by_runs,
-                             keep_alive)
+                             keep_alive, written)
 
 
 def _run_checked_chunked(op: int, variant: AdamVariant, exact: bool, backend: str, lib: _cpu_build.NativeLib | None,
                          native: Sequence[_Native], tab: array, by_runs: Sequence[tuple[str, ChunkedCall]],
-                         keep_alive: Sequence[Any]) -> None:
+                         keep_alive: Sequence[Any], written: Sequence[torch.Tensor | None]) -> None:
     """Run what :func:`_checked_chunked` checked: the ``native`` blocks in one call of the C entry (``tab``: its
-    chunk table; ``keep_alive``: the tensors it points at), then ``by_runs``' calls over their runs."""
+    chunk table; ``keep_alive``: the tensors it points at; ``written``: the caller's tensors it writes, their
+    version counters bumped after it), then ``by_runs``' calls over their runs."""
     if native:
         assert lib is not None
-        _call(lib, op, variant, _Table.of(native), exact, backend, tab)
+        try:
+            _call(lib, op, variant, _Table.of(native), exact, backend, tab)
+        finally:  # (see _run_blocks)
+            mark_written(written)
     for name, c in by_runs:
         _run_by_runs(op, name, c, variant, exact, backend)
 

@@ -55,7 +55,8 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
-                               lossy_factor, refuse_traced, traced_possible, write_kept_param_copy, write_outputs)
+                               lossy_factor, mark_written, refuse_traced, traced_possible, write_kept_param_copy,
+                               write_outputs)
 from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
 from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
 
@@ -592,8 +593,19 @@ def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
     """Run ``op`` on ``blocks`` (each ``(p, g, m, v, g2, p_old, out, p_copy, skip)``, with its undo, step
     and check arguments ``u[i]``, ``st[i]``, ``k[i]``, the last None for an unchecked call): blocks that share
     dtypes, scalars and alignment go to one launch of the multi-tensor kernel, a block on its own to the
-    flat kernel."""
+    flat kernel. The caller's tensors the launches write (``out``, ``p_copy``, ``skip``) get their version
+    counters bumped after them, also where a launch raised after others ran."""
     prepared = [_operands(*b) for b in blocks]
+    try:
+        _launch_groups(op, blocks, prepared, u, st, k)
+    finally:
+        mark_written([t for b in blocks for t in (*(b[6] or ()), b[7], b[8])])
+    return [_finish(ops) for ops in prepared]
+
+
+def _launch_groups(op: int, blocks: Sequence[tuple], prepared: Sequence[_Operands], u: Sequence[_UndoArgs | None],
+                   st: Sequence[_StepArgs | None], k: Sequence[_CheckArgs | None]) -> None:
+    """The launches of :func:`_launch` (``prepared``: its blocks' operands)."""
     groups: dict[tuple, list[int]] = {}
     for i, (ops, b) in enumerate(zip(prepared, blocks)):
         if ops.n == 0:
@@ -611,7 +623,6 @@ def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
                     _run_flat(op, prepared[i], has_p_old, ui, sti, ki)
             else:
                 _run_multi(op, [prepared[i] for i in members], has_p_old, aligned, ui, sti, ki)
-    return [_finish(ops) for ops in prepared]
 
 
 def _capturing(device: torch.device) -> bool:
