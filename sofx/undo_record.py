@@ -37,15 +37,26 @@ in, which that caller may reuse once the record is used): an undo_redo of the
 record copies what it keeps of them, and takes over owned ones as they are
 (nothing writes into a record's tensors, and the record it used cannot be used
 again).
+
+A record can be used once, and so can every copy of it: whether a leaf's step was undone is state the
+:class:`LeafUndo` shares with its copies (``copy.copy``; ``copy.deepcopy`` too, whose kept tensors are copies
+but whose step is the same one; a pytree map or unflatten), and a record is used once any of its leaves is,
+so one re-wrapped from another record's leaves (``UndoRecord(rec.leaves, ...)``) is used with it. A second undo of a step would read kept tensors its first one handed
+back to the caller (an undo without donation returns a snapshot's kept tensors as the restored values, which
+a donated update then writes into; an undo_redo's record takes over owned ones), or invert a state stepped
+since with another gradient: wrong values, silently. For the same reason records cannot be pickled (nor
+``torch.save``-d): a loaded copy could not know whether its step was undone since.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as torch_pytree
 
+from sofx.errors import UndoError
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant
 from sofx.kernels.chunked import listed_elements
 
@@ -78,6 +89,22 @@ def chunk_snapshot_bytes(chunks: torch.Tensor, p: torch.Tensor, m: torch.Tensor,
 
 _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old", "chunks")
 
+_NOT_PICKLED = ("cannot be pickled (pickle, torch.save): a loaded copy could not know whether its step was "
+                "undone since, and would undo it a second time; undo the step or drop the record before saving "
+                "(copies in memory, copy.copy and copy.deepcopy, share whether it was used)")
+
+
+def _copied(obj: Any, memo: dict[int, Any] | None) -> Any:
+    """A copy of ``obj`` (a record or a leaf's record) sharing its used state (``_used``); its other fields
+    shared too (``memo is None``: ``copy.copy``) or deep-copied (``copy.deepcopy``)."""
+    new = type(obj).__new__(type(obj))
+    if memo is not None:
+        memo[id(obj)] = new
+    for field in type(obj).__slots__:
+        value = getattr(obj, field)
+        setattr(new, field, value if memo is None or field == "_used" else copy.deepcopy(value, memo))
+    return new
+
 
 class LeafUndo:
     """How to undo the step of one leaf.
@@ -92,10 +119,14 @@ class LeafUndo:
 
     ``owns_kept``: whether ``p_old, m_old, v_old`` are the record's own (see the module docstring; False, the
     default, is always safe: an undo_redo of the record then copies what its new record keeps of them).
+
+    Whether the step was undone (``used``) is shared with every copy (see the module docstring). A LeafUndo
+    built here is a new record of its step: one built from another record's tensors could undo that step a
+    second time; re-wrap a record's own LeafUndo objects (or copies of them) instead.
     """
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
-                 "moments_were_zero", "chunks", "owns_kept", "_layout")
+                 "moments_were_zero", "chunks", "owns_kept", "_layout", "_used")
 
     def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
                  p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
@@ -107,6 +138,7 @@ class LeafUndo:
             raise ValueError("a chunk_snapshot record, and only one, has the indices of its kept chunks")
         self._assign(strategy, grad, scalars, count_before, p_old, m_old, v_old, reason, moments_were_zero, chunks,
                      owns_kept)
+        self._used = [False]
 
     def _assign(self, strategy: str, grad: Any, scalars: AdamScalars, count_before: Any, p_old: Any, m_old: Any,
                 v_old: Any, reason: str, moments_were_zero: bool, chunks: Any, owns_kept: bool) -> None:
@@ -130,6 +162,20 @@ class LeafUndo:
         """``t`` of the step this record undoes."""
         return self.scalars.step
 
+    @property
+    def used(self) -> bool:
+        """True once the step was undone (by a record holding this leaf or a copy of it)."""
+        return self._used[0]
+
+    def __copy__(self) -> LeafUndo:
+        return _copied(self, None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LeafUndo:
+        return _copied(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UndoError(f"a LeafUndo {_NOT_PICKLED}")
+
     def snapshot_bytes(self) -> int:
         """Bytes held by the snapshots of this leaf (0 for an algebraic undo; a chunk_snapshot's indices
         included)."""
@@ -145,11 +191,12 @@ def _flatten_leaf(leaf: LeafUndo) -> tuple[list[Any], Any]:
     is_tensor = leaf._layout or tuple(isinstance(x, torch.Tensor) for x in values)
     children = [x for x, t in zip(values, is_tensor) if t]
     static = tuple(None if t else x for x, t in zip(values, is_tensor))
-    return children, (leaf.strategy, leaf.reason, leaf.moments_were_zero, leaf.owns_kept, is_tensor, static)
+    return children, (leaf.strategy, leaf.reason, leaf.moments_were_zero, leaf.owns_kept, is_tensor, static,
+                      leaf._used)
 
 
 def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
-    strategy, reason, moments_were_zero, owns_kept, is_tensor, static = context
+    strategy, reason, moments_were_zero, owns_kept, is_tensor, static, used = context
     it = iter(children)
     values = [next(it) if t else s for t, s in zip(is_tensor, static)]
     n = len(_TENSOR_FIELDS)
@@ -160,6 +207,7 @@ def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
     leaf._assign(strategy, scalars=AdamScalars(*values[n:]), reason=reason, moments_were_zero=moments_were_zero,
                  owns_kept=owns_kept, **fields)
     leaf._layout = is_tensor
+    leaf._used = used  # the step's, shared
     return leaf
 
 
@@ -169,7 +217,9 @@ class UndoRecord:
     ``leaves[i]`` is the :class:`LeafUndo` of leaf ``i`` (``None`` where the
     leaf had no gradient and was not stepped). ``variant``: the stepping
     optimizer's (decoupled decay, bias correction), which the inverse must
-    share. A record can be used once.
+    share. A record can be used once: it is used once any of its leaves is,
+    so a record re-wrapped from another's leaves, or a copy of one, is used
+    with it (see the module docstring).
     """
 
     __slots__ = ("leaves", "spec", "donated", "variant", "_used")
@@ -184,12 +234,16 @@ class UndoRecord:
 
     @property
     def used(self) -> bool:
-        """True once the record has been undone."""
-        return self._used[0]
+        """True once the record, a copy of it, or a record holding one of its leaves has been undone."""
+        return self._used[0] or any(leaf.used for leaf in self.leaves if leaf is not None)
 
     def mark_used(self) -> None:
-        """Mark the record consumed (by an undo or undo+redo): a second use raises :class:`UndoError`."""
+        """Mark the record and its leaves consumed (by an undo or undo+redo): a second use of the record, of
+        a copy, or of a record re-wrapped from its leaves raises :class:`UndoError`."""
         self._used[0] = True
+        for leaf in self.leaves:
+            if leaf is not None:
+                leaf._used[0] = True
 
     def strategies(self) -> list[str | None]:
         """The strategy of every leaf (``None`` for leaves that were not stepped)."""
@@ -201,6 +255,15 @@ class UndoRecord:
 
     def __repr__(self) -> str:
         return f"UndoRecord({list(self.leaves)}, used={self.used})"
+
+    def __copy__(self) -> UndoRecord:
+        return _copied(self, None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UndoRecord:
+        return _copied(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UndoError(f"an UndoRecord {_NOT_PICKLED}")
 
 
 def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:

@@ -1,0 +1,126 @@
+"""Undo records as objects: what a caller can do with one besides undoing it (copy it, re-wrap its leaves,
+map it as a pytree, save it), and that none of those lets a step be undone twice.
+
+A record can be used once: its undo (or undo_redo) marks it used. A second undo of the same step would read
+kept tensors the first one handed back to the caller (an undo without donation returns a snapshot's kept
+tensors as the restored values; a donated update then writes into them), or invert a state stepped since
+with another gradient: wrong values, silently. Every copy of a record therefore shares whether it was used.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+
+import sofx
+from sofx.undo_record import UndoRecord
+
+from helpers import clone_tree, trees_equal
+
+
+def _rewrap(rec: UndoRecord) -> UndoRecord:
+    return UndoRecord(rec.leaves, rec.spec, rec.donated, rec.variant)
+
+
+def _rewrap_copied_leaves(rec: UndoRecord) -> UndoRecord:
+    return UndoRecord([copy.copy(leaf) for leaf in rec.leaves], rec.spec, rec.donated, rec.variant)
+
+
+def _rewrap_mapped_leaves(rec: UndoRecord) -> UndoRecord:
+    mapped = [torch_pytree.tree_map(lambda t: t, leaf) for leaf in rec.leaves]
+    return UndoRecord(mapped, rec.spec, rec.donated, rec.variant)
+
+
+def _unflatten(rec: UndoRecord) -> UndoRecord:
+    children, spec = torch_pytree.tree_flatten(rec)
+    return torch_pytree.tree_unflatten(children, spec)
+
+
+COPIES: dict[str, Callable[[UndoRecord], UndoRecord]] = {
+    "copy.copy": copy.copy,
+    "copy.deepcopy": copy.deepcopy,
+    "UndoRecord(rec.leaves, ...)": _rewrap,
+    "UndoRecord(copied leaves, ...)": _rewrap_copied_leaves,
+    "UndoRecord(tree-mapped leaves, ...)": _rewrap_mapped_leaves,
+    "tree_unflatten(tree_flatten(rec))": _unflatten,
+}
+
+
+def _problem(seed: int = 5) -> tuple[sofx.Adam, dict, dict, dict, sofx.AdamState]:
+    """An optimizer whose records keep whole snapshots (undo="exact"), a warmed state and two gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, undo="exact", backend="reference")
+    params = {"a": torch.randn(40, generator=gen), "w": torch.randn(3, 5, generator=gen)}
+    state = opt.init(params)
+    for _ in range(3):
+        params, state, _ = opt.update(params, {k: torch.randn(p.shape, generator=gen) for k, p in params.items()},
+                                      state)
+    grads = [{k: torch.randn(p.shape, generator=gen) for k, p in params.items()} for _ in range(2)]
+    return opt, params, grads[0], grads[1], state
+
+
+@pytest.mark.parametrize("make_copy", list(COPIES.values()), ids=list(COPIES))
+@pytest.mark.parametrize("first_use", ["undo", "undo_redo"])
+def test_a_copy_of_a_record_cannot_undo_the_step_a_second_time(make_copy, first_use):
+    """A record of a donated update owns its kept copies; its undo without donation hands them back as the
+    restored values, and an undo_redo's record takes them over. A copy made before that use (any way a
+    caller can make one) must not undo the step again: the state stepped once more (count back at t, its
+    kept values written in place by a donated update) would be 'restored' from overwritten memory. It is
+    refused, and nothing changes; so is a copy made after the use."""
+    opt, params, g1, g2, state = _problem()
+    p1, s1, rec = opt.update(*clone_tree((params, g1, state)), donate=True)
+    twin = make_copy(rec)
+    if first_use == "undo":
+        p0, s0 = opt.undo(p1, s1, rec)  # (the kept copies, handed back)
+        p2, s2, _ = opt.update(p0, g2, s0, donate=True)  # written in place: the step counts are back at t
+    else:
+        p2, s2, _ = opt.undo_redo(p1, s1, rec, g2, donate=True)
+    assert rec.used and twin.used and make_copy(rec).used
+    before = clone_tree((p2, s2))
+    for again in (twin, make_copy(rec)):
+        with pytest.raises(sofx.UndoError, match="already used"):
+            opt.undo(p2, s2, again, donate=True)
+        with pytest.raises(sofx.UndoError, match="already used"):
+            opt.undo_redo(p2, s2, again, g1, donate=True)
+    assert trees_equal((p2, s2), before)
+
+
+@pytest.mark.parametrize("make_copy", list(COPIES.values()), ids=list(COPIES))
+def test_a_copy_of_an_unused_record_undoes_bitwise_and_uses_up_the_original(make_copy):
+    """A copy undoes the step as the record itself would (bit for bit: whole snapshots); then the original
+    is used too."""
+    opt, params, g1, _, state = _problem()
+    p1, s1, rec = opt.update(params, g1, state)
+    twin = make_copy(rec)
+    p0, s0 = opt.undo(p1, s1, twin)
+    assert trees_equal((p0, s0), (params, state))
+    assert rec.used
+    with pytest.raises(sofx.UndoError, match="already used"):
+        opt.undo(p1, s1, rec)
+
+
+def _pickle(obj: Any) -> None:
+    pickle.dumps(obj)
+
+
+def _torch_save(obj: Any) -> None:
+    torch.save(obj, io.BytesIO())
+
+
+@pytest.mark.parametrize("save", [_pickle, _torch_save], ids=["pickle", "torch.save"])
+@pytest.mark.parametrize("what", ["record", "leaf", "a tree holding a record"])
+def test_a_record_cannot_be_pickled_or_saved(save, what):
+    """A saved record, loaded, could not know whether its step was undone since (nor could its kept tensors
+    still be the caller's): it would undo the step a second time. Saving one is refused, naming the way out."""
+    opt, params, g1, _, state = _problem()
+    _, _, rec = opt.update(params, g1, state)
+    saved = {"record": rec, "leaf": rec.leaves[0], "a tree holding a record": {"params": params, "rec": rec}}[what]
+    with pytest.raises(sofx.UndoError, match="cannot be pickled"):
+        save(saved)
+    assert not rec.used
