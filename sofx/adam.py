@@ -336,7 +336,7 @@ class Adam:
         skipped_chunks.run_chunked(self.variant, finishing)
         memory_order_leaves.put_back(shapes, new_p, new_m, new_v, records)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
-        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
+        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, self.variant)
 
     def _take_back(self, leaves: Sequence[_Leaf], records: Sequence[LeafUndo | None], calls: dict[int, StepCall],
                    kernels: Sequence[Any], copies: Sequence[torch.Tensor | None], flagged: Sequence[int],
@@ -671,7 +671,7 @@ class Adam:
         memory_order_leaves.put_back(shapes, new_p, new_m, new_v, records)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
-        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, donate, self.variant)
+        return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, self.variant)
 
     def _check_record(self, params: Any, state: AdamState, record: UndoRecord, grads: Any = None,
                       hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf]]:

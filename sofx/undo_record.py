@@ -215,22 +215,24 @@ class UndoRecord:
     """The undo record of one :meth:`update` over a whole params tree.
 
     ``leaves[i]`` is the :class:`LeafUndo` of leaf ``i`` (``None`` where the
-    leaf had no gradient and was not stepped). ``variant``: the stepping
+    leaf had no gradient and was not stepped). ``spec``: the structure of
+    the params tree it undoes. ``variant``: the stepping
     optimizer's (decoupled decay, bias correction), which the inverse must
     share. A record can be used once: it is used once any of its leaves is,
     so a record re-wrapped from another's leaves, or a copy of one, is used
     with it (see the module docstring).
     """
 
-    __slots__ = ("leaves", "spec", "donated", "variant", "_used")
+    __slots__ = ("leaves", "spec", "variant", "_used")
 
-    def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, donated: bool, variant: AdamVariant,
-                 used: list[bool] | None = None) -> None:
+    def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, variant: AdamVariant) -> None:
+        if not isinstance(variant, AdamVariant):
+            raise UndoError(f"variant: expected an AdamVariant, got {type(variant).__name__} (whether a leaf's kept "
+                            "tensors are the record's own is its LeafUndo.owns_kept; a record takes no 'donated')")
         self.leaves = tuple(leaves)
         self.spec = spec
-        self.donated = donated
         self.variant = variant
-        self._used = used if used is not None else [False]
+        self._used = [False]
 
     @property
     def used(self) -> bool:
@@ -270,13 +272,15 @@ def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
     # Leaves that were not stepped (None) travel in the context: a None child is a pytree leaf that
     # torch.func.vmap refuses to return.
     present = tuple(leaf is not None for leaf in rec.leaves)
-    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.donated, rec.variant, rec._used, present)
+    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.variant, rec._used, present)
 
 
 def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
-    spec, donated, variant, used, present = context
+    spec, variant, used, present = context
     it = iter(children)
-    return UndoRecord([next(it) if has else None for has in present], spec, donated, variant, used)
+    rec = UndoRecord([next(it) if has else None for has in present], spec, variant)
+    rec._used = used  # the record's, shared
+    return rec
 
 
 torch_pytree.register_pytree_node(LeafUndo, _flatten_leaf, _unflatten_leaf,

@@ -429,7 +429,7 @@ def test_undo_refuses_a_malformed_chunk_record_and_changes_nothing(bad: str) -> 
         chunks = chunks[:0]
     forged = LeafUndo("chunk_snapshot", leaf.grad, leaf.scalars, leaf.count_before, p_old, leaf.m_old, leaf.v_old,
                       chunks=chunks)
-    rec = sofx.undo_record.UndoRecord([rec.leaves[0], forged], rec.spec, rec.donated, rec.variant)
+    rec = sofx.undo_record.UndoRecord([rec.leaves[0], forged], rec.spec, rec.variant)
     before = _clone((p1, s1))
     with pytest.raises(sofx.UndoError, match=r"\['w'\]|w: the record"):
         opt.undo(p1, s1, rec, donate=True)

@@ -19,22 +19,23 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 import sofx
+from sofx.kernels.base import AdamVariant
 from sofx.undo_record import UndoRecord
 
 from helpers import clone_tree, trees_equal
 
 
 def _rewrap(rec: UndoRecord) -> UndoRecord:
-    return UndoRecord(rec.leaves, rec.spec, rec.donated, rec.variant)
+    return UndoRecord(rec.leaves, rec.spec, rec.variant)
 
 
 def _rewrap_copied_leaves(rec: UndoRecord) -> UndoRecord:
-    return UndoRecord([copy.copy(leaf) for leaf in rec.leaves], rec.spec, rec.donated, rec.variant)
+    return UndoRecord([copy.copy(leaf) for leaf in rec.leaves], rec.spec, rec.variant)
 
 
 def _rewrap_mapped_leaves(rec: UndoRecord) -> UndoRecord:
     mapped = [torch_pytree.tree_map(lambda t: t, leaf) for leaf in rec.leaves]
-    return UndoRecord(mapped, rec.spec, rec.donated, rec.variant)
+    return UndoRecord(mapped, rec.spec, rec.variant)
 
 
 def _unflatten(rec: UndoRecord) -> UndoRecord:
@@ -124,3 +125,20 @@ def test_a_record_cannot_be_pickled_or_saved(save, what):
     with pytest.raises(sofx.UndoError, match="cannot be pickled"):
         save(saved)
     assert not rec.used
+
+
+def test_a_record_is_made_of_its_leaves_spec_and_variant_and_says_nothing_of_donation():
+    """Whether a record's kept tensors are its own is per leaf (``LeafUndo.owns_kept``: a chunk snapshot's
+    are, donated or not; an undo_redo's record takes over owned ones, donated or not); the ``donate`` of the
+    call that made it told nothing the library or a caller could use, and is gone. The old form of the
+    constructor, with it, is refused rather than read as another record."""
+    opt, params, g1, _, state = _problem()
+    _, _, rec = opt.update(params, g1, state, donate=False)
+    assert not hasattr(rec, "donated")
+    twin = UndoRecord(rec.leaves, rec.spec, rec.variant)
+    assert twin.variant == rec.variant and twin.leaves == rec.leaves and not twin.used
+    with pytest.raises(TypeError):
+        UndoRecord(rec.leaves, rec.spec, False, rec.variant)
+    with pytest.raises(sofx.UndoError, match="variant: expected an AdamVariant, got bool"):
+        UndoRecord(rec.leaves, rec.spec, False)
+    assert isinstance(rec.variant, AdamVariant)
