@@ -699,6 +699,11 @@ class Adam:
             if rec.grad.shape != leaf.p.shape:
                 raise UndoError(f"{leaf.path}: the record's gradient has shape {tuple(rec.grad.shape)}, "
                                 f"the parameter {tuple(leaf.p.shape)}")
+            if rec.strategy != "snapshot" and leaf.m.dtype in _LOW_PRECISION:
+                # (no step of rounded moments inverts them: _no_inverse, _checked_in_step)
+                raise UndoError(f"{leaf.path}: the record inverts the step's moments ({rec.strategy}), which are "
+                                f"{leaf.m.dtype} here: rounded, they have no inverse, and a step of them keeps a "
+                                "snapshot; the record is of another optimizer's state (another state_dtype)")
             if rec.strategy == "chunk_snapshot":
                 _check_kept_chunks(leaf, rec)
             elif rec.strategy in ("snapshot", "param_snapshot"):

@@ -319,6 +319,34 @@ def test_a_record_is_undone_only_by_an_optimizer_of_its_variant(other):
     assert torch.allclose(p0["w"], params["w"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_a_record_inverting_the_moments_is_refused_on_rounded_moments(state_dtype):
+    """An algebraic record of an optimizer with float32 moments, given to one whose moments are rounded
+    (``state_dtype``) with a state of the same step count: no step of rounded moments makes such a record
+    (they have no inverse: a snapshot), so it is another optimizer's, whose inverse 'restored' moments 0.05
+    off before, silently. Refused naming the leaf, nothing changes; its own optimizer still undoes it."""
+    gen = torch.Generator().manual_seed(4)
+    own = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="reference")
+    stranger = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, backend="reference")
+    params, state = {"w": torch.randn(50, generator=gen)}, own.init({"w": torch.zeros(50)})
+    other = stranger.init(params)
+    for _ in range(5):
+        g = {"w": torch.randn(50, generator=gen)}
+        params, state, _ = own.update(params, g, state, undoable=False)
+        _, other, _ = stranger.update(params, g, other, undoable=False)
+    p1, s1, rec = own.update(params, {"w": 0.1 * torch.randn(50, generator=gen)}, state)
+    q1, t1, _ = stranger.update(params, {"w": 0.1 * torch.randn(50, generator=gen)}, other)
+    assert rec.strategies() == ["algebraic"] and torch.equal(t1.count["w"], s1.count["w"])
+    before = clone_tree((q1, t1))
+    for call in (lambda: stranger.undo(q1, t1, rec, donate=True),
+                 lambda: stranger.undo_redo(q1, t1, rec, {"w": torch.ones(50)}, donate=True)):
+        with pytest.raises(sofx.UndoError, match=rf"params\['w'\]: .*{state_dtype}"):
+            call()
+    assert trees_equal((q1, t1), before) and not rec.used
+    p0, _ = own.undo(p1, s1, rec)
+    assert torch.allclose(p0["w"], params["w"], rtol=0, atol=1e-6)
+
+
 def test_forced_algebraic_with_non_finite_gradient_steps_but_refuses_to_undo():
     params = {"w": torch.randn(4)}
     opt = sofx.adamw(undo="algebraic")
