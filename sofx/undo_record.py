@@ -230,6 +230,9 @@ class UndoRecord:
             raise UndoError(f"variant: expected an AdamVariant, got {type(variant).__name__} (whether a leaf's kept "
                             "tensors are the record's own is its LeafUndo.owns_kept; a record takes no 'donated')")
         self.leaves = tuple(leaves)
+        for i, leaf in enumerate(self.leaves):
+            if leaf is not None and not isinstance(leaf, LeafUndo):
+                raise UndoError(f"leaves[{i}]: expected a LeafUndo or None, got {type(leaf).__name__}")
         self.spec = spec
         self.variant = variant
         self._used = [False]
@@ -278,7 +281,10 @@ def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
 def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
     spec, variant, used, present = context
     it = iter(children)
-    rec = UndoRecord([next(it) if has else None for has in present], spec, variant)
+    # Not checked as the constructor checks (as a leaf's record: a transform may unflatten any values).
+    rec = UndoRecord.__new__(UndoRecord)
+    rec.leaves = tuple(next(it) if has else None for has in present)
+    rec.spec, rec.variant = spec, variant
     rec._used = used  # the record's, shared
     return rec
 

@@ -142,3 +142,15 @@ def test_a_record_is_made_of_its_leaves_spec_and_variant_and_says_nothing_of_don
     with pytest.raises(sofx.UndoError, match="variant: expected an AdamVariant, got bool"):
         UndoRecord(rec.leaves, rec.spec, False)
     assert isinstance(rec.variant, AdamVariant)
+
+
+@pytest.mark.parametrize("bad", ["a tensor", "a record"])
+def test_a_record_of_something_other_than_leaf_records_is_refused_naming_the_leaf(bad):
+    """``UndoRecord(leaves, ...)`` with a leaf that is neither a LeafUndo nor None (a tensor, a whole record)
+    failed later with an AttributeError deep in undo (or in ``used``); refused when made, naming its index."""
+    opt, params, g1, _, state = _problem()
+    _, _, rec = opt.update(params, g1, state)
+    wrong = torch.zeros(3) if bad == "a tensor" else rec
+    with pytest.raises(sofx.UndoError, match=rf"leaves\[1\]: expected a LeafUndo or None, got {type(wrong).__name__}"):
+        UndoRecord([rec.leaves[0], wrong], rec.spec, rec.variant)
+    assert not rec.used
