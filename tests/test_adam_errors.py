@@ -148,8 +148,8 @@ def test_torch_optims_amsgrad_and_maximize_are_refused_set_and_accepted_at_their
 def test_torch_optims_implementation_options_are_accepted_and_ignored(make):
     """torch.optim.Adam/AdamW's foreach, fused, capturable and differentiable (a bare TypeError before): any
     value is accepted and changes nothing (the functional update has one implementation and is differentiable
-    anyway, README; the offload facade, a torch.optim.Optimizer, refuses the combinations torch refuses); Adam's decoupled_weight_decay=True is AdamW: refused,
-    as the facade refuses a group's other than its class's."""
+    anyway, README; the offload facade, a torch.optim.Optimizer, refuses the combinations torch refuses);
+    Adam's decoupled_weight_decay=True is AdamW: refused, as the facade refuses a group's other than its class's."""
     params = {"w": torch.randn(5)}
     grads = {"w": torch.randn(5)}
     want = make(lr=1e-2).update(params, grads, make(lr=1e-2).init(params))[0]

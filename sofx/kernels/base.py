@@ -429,8 +429,8 @@ class StepCall(NamedTuple):
 
 
 # A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; backends whose ``CHECKS_FINITE`` is True):
-# ``skip`` is a contiguous uint8 tensor of ceil(n / FINITE_CHUNK) zeros on the block's device. The kernel reads each chunk of
-# FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
+# ``skip`` is a contiguous uint8 tensor of ceil(n / FINITE_CHUNK) zeros on the block's device. The kernel reads
+# each chunk of FINITE_CHUNK elements of the (flat) gradient of the step it takes (an undo+redo's new one) before
 # writing the chunk; a chunk with an inf, a nan, or an element beyond ``GRADIENT_LIMIT / grad_scale`` (see
 # :func:`gradient_limit_bits`), or an element :func:`lossy_elements` finds (the step's moments and, in L2
 # mode, parameter read too; ``StepCall.zero_moments`` passed on to it), is left alone (none of its outputs
