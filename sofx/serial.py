@@ -351,9 +351,10 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
 def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: float,
                          max_norm: float | None) -> tuple[bool, float, float]:
     """Whether the step is clipped, the clip coefficient applied to the unscaled gradients (1.0: not clipped)
-    and the one multiplier of the raw gradients, in the profile's form: ``"torch"`` ``coef = clip_coefficient(norm, max_norm)``, multiplier
-    ``(1/S) * coef`` (``1/S`` exactly when not clipped); ``"deepspeed"`` ``clip = zero_clip_factor(...)``,
-    coefficient ``1/clip``, multiplier ``1/(clip*S)``."""
+    and the one multiplier of the raw gradients, in the profile's form: ``"torch"``
+    ``coef = clip_coefficient(norm, max_norm)``, multiplier ``(1/S) * coef`` (``1/S`` exactly when not
+    clipped); ``"deepspeed"`` ``clip = zero_clip_factor(...)``, coefficient ``1/clip``, multiplier
+    ``1/(clip*S)``."""
     if profile == "torch":
         coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
         return coef != 1.0, coef, 1.0 / scale if coef == 1.0 else (1.0 / scale) * coef

@@ -39,13 +39,13 @@ record copies what it keeps of them, and takes over owned ones as they are
 again).
 
 A record can be used once, and so can every copy of it: whether a leaf's step was undone is state the
-:class:`LeafUndo` shares with its copies (``copy.copy``; ``copy.deepcopy`` too, whose kept tensors are copies
-but whose step is the same one; a pytree map or unflatten), and a record is used once any of its leaves is,
-so one re-wrapped from another record's leaves (``UndoRecord(rec.leaves, ...)``) is used with it. A second
-undo of a step would read kept tensors its first one handed back to the caller (an undo without donation returns a snapshot's kept tensors as the restored values, which
-a donated update then writes into; an undo_redo's record takes over owned ones), or invert a state stepped
-since with another gradient: wrong values, silently. For the same reason records cannot be pickled (nor
-``torch.save``-d): a loaded copy could not know whether its step was undone since.
+:class:`LeafUndo` shares with its copies (``copy.copy``; ``copy.deepcopy`` too, whose kept tensors are copies but
+whose step is the same one; a pytree map or unflatten), and a record is used once any of its leaves is, so one
+re-wrapped from another record's leaves (``UndoRecord(rec.leaves, ...)``) is used with it. A second undo of a step
+would read kept tensors its first one handed back to the caller (an undo without donation returns a snapshot's kept
+tensors as the restored values, which a donated update then writes into; an undo_redo's record takes over owned
+ones), or invert a state stepped since with another gradient: wrong values, silently. For the same reason records
+cannot be pickled (nor ``torch.save``-d): a loaded copy could not know whether its step was undone since.
 """
 
 from __future__ import annotations
