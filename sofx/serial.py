@@ -56,6 +56,7 @@ finite, and otherwise writes the nan of ``0 * inf`` into the parameters.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import numbers
@@ -260,6 +261,25 @@ def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseExce
         refuse(error)
 
 
+class _Required:
+    """The default of a required keyword-only parameter of the steps (shown as ``<required>``): a step checks for
+    it first thing (:func:`_missing`) and refuses the call through its ``reduce_sumsq`` hook
+    (:func:`refuse_unknown_keywords`), where Python's "missing required argument" ``TypeError`` at the call left
+    the other ranks waiting for this rank's sum of squares forever."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+# typed Any so that ``scaler: LossScaler = _REQUIRED`` keeps the parameter's own type
+_REQUIRED: Any = _Required()
+
+
+def _missing(**given: Any) -> list[str]:
+    """The names of ``given`` (the step's required keywords and their values), in order, left at ``_REQUIRED``."""
+    return [name for name, value in given.items() if value is _REQUIRED]
+
+
 # the keywords of the steps that a loop step takes from its LoopState instead
 _FROM_LOOP = {"params": "loop.params", "state": "loop.opt_state", "scaler_state": "loop.scaler_state",
               "policy_state": "loop.policy_state"}
@@ -272,27 +292,50 @@ def _keyword_names(fn: Callable[..., Any], leave_out: Sequence[str] = ()) -> tup
 
 
 def refuse_unknown_keywords(what: str, unknown: Mapping[str, Any], known: Sequence[str],
-                            reduce_sumsq: Callable[[float], float] | None, loop: bool = True) -> None:
-    """Refuse the keywords ``unknown`` that step ``what`` does not take (it takes ``known``): a
-    :class:`~sofx.errors.SofxError` naming them and ``known`` (for a loop step, ``loop``, a keyword the loop
-    takes from its :class:`LoopState`, ``scaler_state=``, named as such), raised before the step evaluates or
-    steps anything, after telling the reduction (:func:`refuse_reduce`) through ``reduce_sumsq``, or without it,
-    through a hook passed under an unknown keyword (``reduce_sumq=``, named as such in the error). Python's
-    ``TypeError`` at the call, or from the step it calls, left the other ranks waiting for this rank's sum of
-    squares forever; so did a refusal that did not find the hook under its misspelt keyword."""
-    if not unknown:
+                            reduce_sumsq: Callable[[float], float] | None, loop: bool = True,
+                            missing: Sequence[str] = ()) -> None:
+    """Refuse the keywords ``unknown`` that step ``what`` does not take (it takes ``known``), and the required ones
+    ``missing`` it was not given: a :class:`~sofx.errors.SofxError` naming them and ``known`` (for a loop step,
+    ``loop``, a keyword the loop takes from its :class:`LoopState`, ``scaler_state=``, named as such; for a
+    missing one, the unknown keyword given in its place, :func:`_misspelt`: ``scalr= given, did you mean
+    scaler=?``), raised before the step evaluates or steps anything, after telling the reduction
+    (:func:`refuse_reduce`) through ``reduce_sumsq``, or without it, through a hook passed under an unknown
+    keyword (``reduce_sumq=``, named as such in the error). Python's ``TypeError`` at the call (an unknown
+    keyword, a required one left out or misspelt), or from the step it calls, left the other ranks waiting for
+    this rank's sum of squares forever; so did a refusal that did not find the hook under its misspelt keyword."""
+    if not unknown and not missing:
         return
-    names = sorted(unknown)
+    guesses = _misspelt(missing, unknown)
+    names = sorted(n for n in unknown if n not in guesses.values())
+    said = []
+    if missing:
+        hint = "; ".join(f"{guesses[m]}= given, did you mean {m}=?" for m in missing if m in guesses)
+        said.append(f"missing required keyword argument{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(repr, missing))}{f' ({hint})' if hint else ''}")
+    if names:
+        said.append(f"unknown keyword argument{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}")
     from_loop = [f"{n} is {_FROM_LOOP[n]}" for n in names if n in _FROM_LOOP and loop]
     hint = f" ({'; '.join(from_loop)}: pass the loop with it replaced)" if from_loop else ""
-    misspelt = [n for n in names if _is_hook(unknown[n])]
+    misspelt = [n for n in sorted(unknown) if _is_hook(unknown[n])]
     if misspelt:
         hint += f" ({misspelt[0]} is a reduce_sumsq hook: pass it as reduce_sumsq=)"
-    error = SofxError(f"{what}: unknown keyword argument{'s' if len(names) > 1 else ''} "
-                      f"{', '.join(map(repr, names))}; it takes {', '.join(known)}{hint}")
+    error = SofxError(f"{what}: {'; '.join(said)}; it takes {', '.join(known)}{hint}")
     # the hook passed under a misspelt keyword (reduce_sumq=) is the one the other ranks wait in: refuse there
     refuse_reduce(reduce_sumsq if reduce_sumsq is not None or not misspelt else unknown[misspelt[0]], error)
     raise error
+
+
+def _misspelt(missing: Sequence[str], unknown: Mapping[str, Any]) -> dict[str, str]:
+    """For each required keyword in ``missing``, the unknown keyword closest to it (``difflib``'s
+    ``get_close_matches``, each unknown one used once), where one is close: ``{"scaler": "scalr"}``."""
+    left = sorted(unknown)
+    out = {}
+    for name in missing:
+        close = difflib.get_close_matches(name, left, n=1)
+        if close:
+            out[name] = close[0]
+            left.remove(close[0])
+    return out
 
 
 def _is_hook(x: Any) -> bool:
@@ -362,8 +405,8 @@ def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: f
     return clip > 1.0, 1.0 / clip, 1.0 / (clip * scale)
 
 
-def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler,
-                scaler_state: LossScaleState, hparams: Any = None, max_norm: float | None = None,
+def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler = _REQUIRED,
+                scaler_state: LossScaleState = _REQUIRED, hparams: Any = None, max_norm: float | None = None,
                 profile: str = "torch", missing_grad: str = "skip",
                 reduce_sumsq: Callable[[float], float] | None = None,
                 donate: bool = False, **unknown: Any) -> SerialStepResult:
@@ -381,10 +424,13 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     others through the hook (:func:`refuse_reduce`) before it raises.
     Returns the new params, state, loss-scaler state and the step's
     :class:`StepFacts`; on overflow params and state are returned unchanged.
-    A keyword it does not take is refused (:func:`refuse_unknown_keywords`) before anything runs.
+    ``scaler`` and ``scaler_state`` are required (``<required>``). A keyword it does not take, or a required
+    one left out or misspelt, is refused (:func:`refuse_unknown_keywords`) before anything runs.
     """
-    if unknown:
-        refuse_unknown_keywords("serial_step", unknown, _keyword_names(serial_step), reduce_sumsq, loop=False)
+    missing = _missing(scaler=scaler, scaler_state=scaler_state)
+    if unknown or missing:
+        refuse_unknown_keywords("serial_step", unknown, _keyword_names(serial_step), reduce_sumsq, loop=False,
+                                missing=missing)
     try:  # everything this rank may refuse, before the reduction (see refuse_reduce)
         check_profile(profile)
         if missing_grad not in MISSING_GRAD_MODES:
@@ -418,7 +464,8 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
 
 
-def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler, hparams: Any = None,
+def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler = _REQUIRED,
+                     hparams: Any = None,
                      max_norm: float | None = None, profile: str = "torch", missing_grad: str = "skip",
                      reduce_sumsq: Callable[[float], float] | None = None,
                      donate: bool = False, **unknown: Any) -> tuple[LoopState, StepFacts]:
@@ -432,10 +479,13 @@ def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScal
             grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
             loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
 
-    A keyword it does not take is refused (:func:`refuse_unknown_keywords`) before anything runs.
+    ``scaler`` is required (``<required>``). A keyword it does not take, or ``scaler`` left out or misspelt, is
+    refused (:func:`refuse_unknown_keywords`) before anything runs.
     """
-    if unknown:
-        refuse_unknown_keywords("serial_loop_step", unknown, _keyword_names(serial_loop_step), reduce_sumsq)
+    missing = _missing(scaler=scaler)
+    if unknown or missing:
+        refuse_unknown_keywords("serial_loop_step", unknown, _keyword_names(serial_loop_step), reduce_sumsq,
+                                missing=missing)
     try:
         hp = hparams_at(hparams, loop.step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as serial_step's

@@ -227,6 +227,32 @@ def _hook_under_a_misspelt_keyword(rank: int) -> dict:
     return out
 
 
+def _required_keyword_misspelt(rank: int) -> dict:
+    """The loop steps and the steps with a required keyword misspelt (scalr=, confg=, scaler_sate=) on rank BAD
+    only: before, Python's "missing required keyword-only argument" TypeError there at the call, before any code
+    ran, while the other rank waited in the hook for its sum until the group's timeout."""
+    opt, scaler = sofx.adamw(lr=1e-2), sofx.loss_scale.grad_scaler()
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, [torch.ones(3)], scaler)
+    bad = rank == BAD
+    grads = [torch.full((3,), 0.5)]
+    cfg = SpeculationConfig()
+    state = {"scaler_sate" if bad else "scaler_state": loop.scaler_state}
+    calls = {"serial_loop_step": lambda: serial_loop_step(opt, loop, grads, reduce_sumsq=reduce,
+                                                          **{"scalr" if bad else "scaler": scaler}),
+             "speculative_loop_step": lambda: speculative_loop_step(opt, loop, grads, scaler=scaler,
+                                                                    reduce_sumsq=reduce,
+                                                                    **{"confg" if bad else "config": cfg}),
+             "serial_step": lambda: serial_step(opt, loop.params, grads, loop.opt_state, scaler=scaler,
+                                                reduce_sumsq=reduce, **state),
+             "speculative_step": lambda: speculative_step(opt, loop.params, grads, loop.opt_state, config=cfg,
+                                                          scaler=scaler, reduce_sumsq=reduce, **state)}
+    out = {what: error_text(call) for what, call in calls.items()}
+    out["next"] = serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce)[0].step
+    out["params"] = loop.params
+    return out
+
+
 def _hook_called_with_a_misspelt_keyword(rank: int) -> dict:
     """all_reduce_sumsq's hook called on rank BAD with a misspelt keyword (locl=, setings=, eror=) or an argument
     too many: before, Python's TypeError there at the call, while the other rank waited for its sum."""
@@ -256,6 +282,7 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "positional_too_many": _positional_too_many, "gradient_on_another_device": _gradient_on_another_device,
          "loop_step_unknown_keyword": _loop_step_unknown_keyword,
          "hook_under_a_misspelt_keyword": _hook_under_a_misspelt_keyword,
+         "required_keyword_misspelt": _required_keyword_misspelt,
          "hook_called_with_a_misspelt_keyword": _hook_called_with_a_misspelt_keyword, "not_a_number": _not_a_number}
 
 
@@ -381,6 +408,26 @@ def test_the_hook_under_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(
                 assert case[what].startswith(f"{what}: unknown keyword argument 'reduce_sumq'; it takes "), case[what]
                 assert case[what].endswith(" (reduce_sumq is a reduce_sumsq hook: pass it as reduce_sumsq=)"), \
                     case[what]
+            else:
+                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
+                                             "squares was reduced"), case[what]
+        assert case["next"] == 1  # the next step, on every rank
+        assert torch.equal(case["params"][0], torch.ones(3))
+
+
+def test_a_required_keyword_misspelt_on_one_rank_is_refused_on_every_rank(ranks):
+    own = {"serial_loop_step": "missing required keyword argument 'scaler' (scalr= given, did you mean scaler=?)",
+           "speculative_loop_step": "missing required keyword argument 'config' (confg= given, did you mean "
+                                    "config=?)",
+           "serial_step": "missing required keyword argument 'scaler_state' (scaler_sate= given, did you mean "
+                          "scaler_state=?)",
+           "speculative_step": "missing required keyword argument 'scaler_state' (scaler_sate= given, did you mean "
+                               "scaler_state=?)"}
+    for rank, res in enumerate(ranks):
+        case = res["required_keyword_misspelt"]
+        for what, words in own.items():
+            if rank == BAD:
+                assert case[what].startswith(f"{what}: {words}; it takes "), case[what]
             else:
                 assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
                                              "squares was reduced"), case[what]

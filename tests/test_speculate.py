@@ -553,6 +553,94 @@ def test_an_unknown_keyword_is_refused_by_the_steps_before_anything_runs(rng):
             assert all(not m.any() for m in state.mu)
 
 
+def test_a_missing_required_keyword_is_refused_naming_the_misspelt_one_before_anything_runs(rng):
+    """A required keyword misspelt (scalr=, scaler_sate=, confg=) or left out, to either loop step or either step:
+    before, Python's "missing required keyword-only argument" TypeError at the call, before any code ran, so the
+    reduction hook was never told and the other ranks waited for this rank's sum forever. Now each raises a
+    SofxError naming the missing keyword and the misspelt one that was given in its place, after telling the hook
+    (also one passed under a misspelt keyword), and runs nothing: no schedule, no write."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    rule = loss_scale.grad_scaler()
+    params = _params(rng)
+    state = opt.init(params)
+    loop = init_loop(opt, params, rule)
+    grads = _grads(rng)
+    before = [t.clone() for t in params]
+    scheduled: list[int] = []
+
+    def schedule(step: int) -> AdamHParams:
+        scheduled.append(step)
+        return AdamHParams(lr=1e-2)
+
+    cfg = sp.SpeculationConfig()
+    serial_takes = "scaler, hparams, max_norm, profile, missing_grad, reduce_sumsq, donate"
+    spec_loop_takes = ("config, scaler, hparams, validation_hparams, backward_scale, order, late_grads, "
+                       "last_micro_step, reduce_sumsq, donate")
+    step_takes = "scaler, scaler_state, hparams, max_norm, profile, missing_grad, reduce_sumsq, donate"
+    spec_takes = ("config, scaler, scaler_state, policy_state, hparams, validation_hparams, backward_scale, order, "
+                  "late_grads, last_micro_step, reduce_sumsq, donate")
+    calls = {
+        "serial_loop_step": (serial_takes, lambda kw: serial_loop_step(opt, loop, grads, hparams=schedule,
+                                                                       donate=True, **kw)),
+        "speculative_loop_step": (spec_loop_takes, lambda kw: sp.speculative_loop_step(
+            opt, loop, grads, hparams=schedule, donate=True, **kw)),
+        "serial_step": (step_takes, lambda kw: serial_step(opt, params, grads, state, donate=True, **kw)),
+        "speculative_step": (spec_takes, lambda kw: sp.speculative_step(opt, params, grads, state, donate=True,
+                                                                        **kw)),
+    }
+    cases = {
+        "serial_loop_step": [({"scalr": rule}, "argument 'scaler' (scalr= given, did you mean scaler=?)"),
+                             ({}, "argument 'scaler'")],
+        "speculative_loop_step": [({"confg": cfg, "scaler": rule},
+                                   "argument 'config' (confg= given, did you mean config=?)"),
+                                  ({"confg": cfg, "scalr": rule, "max_nrom": 1.0},
+                                   "arguments 'config', 'scaler' (confg= given, did you mean config=?; scalr= given, "
+                                   "did you mean scaler=?); unknown keyword argument 'max_nrom'")],
+        "serial_step": [({"scaler": rule, "scaler_sate": rule.init()},
+                         "argument 'scaler_state' (scaler_sate= given, did you mean scaler_state=?)"),
+                        ({"scalr": rule}, "arguments 'scaler', 'scaler_state' (scalr= given, did you mean "
+                                          "scaler=?)")],
+        "speculative_step": [({"config": cfg, "scaler": rule, "scaler_sate": rule.init()},
+                              "argument 'scaler_state' (scaler_sate= given, did you mean scaler_state=?)"),
+                             ({"confg": cfg, "scaler": rule, "scaler_state": rule.init()},
+                              "argument 'config' (confg= given, did you mean config=?)")],
+    }
+    for what, (takes, step) in calls.items():
+        for kw, words in cases[what]:
+            for under in ("reduce_sumsq", "reduce_sumq"):
+                hook = _RecordingHook()
+                with pytest.raises(sofx.SofxError) as info:
+                    step({**kw, under: hook})
+                msg = str(info.value)
+                if under == "reduce_sumsq":
+                    assert msg == f"{what}: missing required keyword {words}; it takes {takes}", msg
+                else:
+                    assert msg.startswith(f"{what}: missing required keyword argument"), msg
+                    assert msg.endswith(" (reduce_sumq is a reduce_sumsq hook: pass it as reduce_sumsq=)"), msg
+                assert hook.calls == [f"refuse: {msg}"], hook.calls
+    assert scheduled == []
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert all(not m.any() for m in state.mu)
+
+
+def test_the_required_keywords_of_the_steps_show_as_required(rng):
+    """The required keywords have a private default (so that leaving one out is refused through the hook, not by
+    Python at the call): the signature help() shows says <required> for each, and the docstring says which."""
+    import inspect
+
+    from sofx.serial import serial_loop_step
+
+    for fn, required in ((serial_step, ("scaler", "scaler_state")), (serial_loop_step, ("scaler",)),
+                         (sp.speculative_step, ("config", "scaler", "scaler_state")),
+                         (sp.speculative_loop_step, ("config", "scaler"))):
+        sig = inspect.signature(fn)
+        shown = [n for n, p in sig.parameters.items() if repr(p.default) == "<required>"]
+        assert shown == list(required), (fn.__name__, str(sig))
+        assert "required" in fn.__doc__, fn.__name__
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

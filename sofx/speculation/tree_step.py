@@ -21,8 +21,8 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
-from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, call_reduce, hparams_at, refuse_reduce,
-                         refuse_unknown_keywords)
+from sofx.serial import (_FROM_LOOP, _REQUIRED, LoopState, _keyword_names, _missing, call_reduce, hparams_at,
+                         refuse_reduce, refuse_unknown_keywords)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -53,8 +53,9 @@ class SpeculativeStepResult(NamedTuple):
     plan: ValidationPlan
 
 
-def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, config: SpeculationConfig,
-                     scaler: LossScaler, scaler_state: LossScaleState, policy_state: PolicyState | None = None,
+def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *,
+                     config: SpeculationConfig = _REQUIRED, scaler: LossScaler = _REQUIRED,
+                     scaler_state: LossScaleState = _REQUIRED, policy_state: PolicyState | None = None,
                      hparams: Any = None, validation_hparams: Any = _SAME, backward_scale: float | None = None,
                      order: Sequence[int] | None = None, late_grads: Mapping[int, torch.Tensor] | None = None,
                      last_micro_step: bool = True, reduce_sumsq: Callable[[float], float] | None = None,
@@ -85,12 +86,14 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, co
     speculative step ``undo='algebraic'`` refuses only with the speculation
     hparams is not speculated (stepped in validation). A rank that refuses
     before the reduction tells the others through ``reduce_sumsq``
-    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too; a keyword it does not take is
-    refused so (:func:`~sofx.serial.refuse_unknown_keywords`) before anything runs.
+    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too; a keyword it does not take, or a
+    required one (``config``, ``scaler``, ``scaler_state``: ``<required>``) left out or misspelt, is refused so
+    (:func:`~sofx.serial.refuse_unknown_keywords`) before anything runs.
     """
-    if unknown:
+    missing = _missing(config=config, scaler=scaler, scaler_state=scaler_state)
+    if unknown or missing:
         refuse_unknown_keywords("speculative_step", unknown, _keyword_names(speculative_step), reduce_sumsq,
-                                loop=False)
+                                loop=False, missing=missing)
     noted = None if reduce_sumsq is None else _NotedReduce(reduce_sumsq)
     try:
         return _speculative_step(opt, params, grads, state, config=config, scaler=scaler,
@@ -243,19 +246,21 @@ def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, con
 _LOOP_KEYWORDS = _keyword_names(speculative_step, leave_out=tuple(_FROM_LOOP))
 
 
-def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig, scaler: LossScaler,
-                          hparams: Any = None, **kwargs: Any) -> tuple[LoopState, StepReport]:
+def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig = _REQUIRED,
+                          scaler: LossScaler = _REQUIRED, hparams: Any = None,
+                          **kwargs: Any) -> tuple[LoopState, StepReport]:
     """:func:`speculative_step` on a :class:`~sofx.serial.LoopState` (the speculative twin of
     :func:`sofx.serial.serial_loop_step`).
 
     ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``;
     ``loop.step`` advances only when the step was not skipped, and the policy
-    state travels in ``loop.policy_state``. ``kwargs`` go to :func:`speculative_step`; one it does not take
-    (or one the loop takes from ``loop``, ``scaler_state=``) is refused before anything runs
+    state travels in ``loop.policy_state``. ``config`` and ``scaler`` are required (``<required>``).
+    ``kwargs`` go to :func:`speculative_step`; one it does not take (or one the loop takes from ``loop``,
+    ``scaler_state=``), or ``config`` or ``scaler`` left out or misspelt, is refused before anything runs
     (:func:`sofx.serial.refuse_unknown_keywords`).
     """
     refuse_unknown_keywords("speculative_loop_step", {k: v for k, v in kwargs.items() if k not in _LOOP_KEYWORDS},
-                            _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"))
+                            _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"), missing=_missing(config=config, scaler=scaler))
     try:
         hp = hparams_at(hparams, loop.step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
