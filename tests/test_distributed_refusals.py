@@ -253,6 +253,22 @@ def _required_keyword_misspelt(rank: int) -> dict:
     return out
 
 
+def _plan_validation_input(rank: int) -> dict:
+    """plan_validation with one sum of squares too few, or taken for a block not speculated, on rank BAD only:
+    before, that rank raised without telling the hook, while the other waited in it for its sum until the
+    group's timeout."""
+    opt, scaler = sofx.adamw(lr=1e-2), sofx.loss_scale.grad_scaler()
+    reduce = sd.all_reduce_sumsq()
+    bad = rank == BAD
+    ctx, tally = begin_step(opt, SpeculationConfig(), scaler, scaler.init(), n_blocks=2)
+    calls = {"sumsq": lambda: plan_validation(ctx, tally, [0.75] if bad else [0.75, 0.5], reduce_sumsq=reduce),
+             "taken": lambda: plan_validation(ctx, tally, [0.75, 0.5], taken=[True, False] if bad else None,
+                                              reduce_sumsq=reduce)}
+    out = {what: error_text(call) for what, call in calls.items()}
+    out["next"] = plan_validation(ctx, tally, [0.75, 0.5], reduce_sumsq=reduce).report.grad_norm
+    return out
+
+
 def _hook_called_with_a_misspelt_keyword(rank: int) -> dict:
     """all_reduce_sumsq's hook called on rank BAD with a misspelt keyword (locl=, setings=, eror=) or an argument
     too many: before, Python's TypeError there at the call, while the other rank waited for its sum."""
@@ -282,7 +298,7 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "positional_too_many": _positional_too_many, "gradient_on_another_device": _gradient_on_another_device,
          "loop_step_unknown_keyword": _loop_step_unknown_keyword,
          "hook_under_a_misspelt_keyword": _hook_under_a_misspelt_keyword,
-         "required_keyword_misspelt": _required_keyword_misspelt,
+         "required_keyword_misspelt": _required_keyword_misspelt, "plan_validation_input": _plan_validation_input,
          "hook_called_with_a_misspelt_keyword": _hook_called_with_a_misspelt_keyword, "not_a_number": _not_a_number}
 
 
@@ -433,6 +449,20 @@ def test_a_required_keyword_misspelt_on_one_rank_is_refused_on_every_rank(ranks)
                                              "squares was reduced"), case[what]
         assert case["next"] == 1  # the next step, on every rank
         assert torch.equal(case["params"][0], torch.ones(3))
+
+
+def test_plan_validation_input_refused_on_one_rank_is_refused_on_every_rank(ranks):
+    own = {"sumsq": "sumsq has 1 entries, the step has 2 blocks",
+           "taken": "block 0: taken[0] is True but the block was not speculated"}
+    for rank, res in enumerate(ranks):
+        case = res["plan_validation_input"]
+        for what, words in own.items():
+            if rank == BAD:
+                assert case[what] == words, case[what]
+            else:
+                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
+                                             "squares was reduced"), case[what]
+        assert case["next"] == pytest.approx((2 * 1.25) ** 0.5 / 2.0 ** 16)  # the next step, on every rank
 
 
 def test_the_hook_called_with_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(ranks):

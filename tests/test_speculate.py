@@ -641,6 +641,29 @@ def test_the_required_keywords_of_the_steps_show_as_required(rng):
         assert "required" in fn.__doc__, fn.__name__
 
 
+def test_plan_validation_refuses_its_bad_input_through_the_hook():
+    """plan_validation's own refusals (sumsq or taken of another length than the blocks, taken True for a block
+    not speculated, a speculated block without gradient, hparams or a sum of squares it cannot read): before, it
+    raised without telling the reduction hook, so the other ranks waited for this rank's sum forever. Now it
+    tells the hook first (refuse), and does not reduce."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    for kw, words in (({"sumsq": [1.0]}, "sumsq has 1 entries, the step has 2 blocks"),
+                      ({"sumsq": [1.0, 1.0], "taken": [True]}, "taken has 1 entries, the step has 2 blocks"),
+                      ({"sumsq": [1.0, 1.0], "taken": [False, True]},
+                       "block 1: taken[1] is True but the block was not speculated"),
+                      ({"sumsq": [None, 1.0]}, "block 0 was speculated but has no gradient at validation"),
+                      ({"sumsq": [1.0, 1.0], "hparams": "lr"}, "hparams: expected an AdamHParams or a sequence"),
+                      ({"sumsq": [1.0, "x"]}, "could not convert string to float")):
+        hook = _RecordingHook()
+        with pytest.raises(ValueError) as info:
+            sp.plan_validation(ctx, tally, reduce_sumsq=hook, **kw)
+        assert words in str(info.value), str(info.value)
+        assert hook.calls == [f"refuse: {info.value}"], hook.calls
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

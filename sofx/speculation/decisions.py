@@ -43,8 +43,8 @@ from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.serial import (StepFacts, _keyword_names, can_unscale, check_max_norm, check_profile, check_scale,
-                         clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq, refuse_unknown_keywords,
-                         step_facts, step_settings, without_gradients)
+                         clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq, refuse_reduce,
+                         refuse_unknown_keywords, step_facts, step_settings, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -519,30 +519,20 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     that compares the ranks' step settings gets them (``config.profile``,
     ``max_norm``, ``missing_grad``, ``ctx.scaler_state``:
     :func:`sofx.serial.reduced_sumsq`). A keyword it does not take is refused, after telling the hook
-    (:func:`sofx.serial.refuse_unknown_keywords`).
+    (:func:`sofx.serial.refuse_unknown_keywords`); so is input it refuses (:func:`_validation_inputs`), through
+    :func:`sofx.serial.refuse_reduce`, before it reduces.
     """
     if unknown:
         refuse_unknown_keywords("plan_validation", unknown, _keyword_names(plan_validation), reduce_sumsq,
                                 loop=False)
+    try:  # everything this rank may refuse, before the reduction (the other ranks wait in it for this one)
+        hps, spec_taken, local = _validation_inputs(ctx, tally, sumsq, hparams, taken)
+    except Exception as exc:
+        refuse_reduce(reduce_sumsq, exc)
+        raise
     n = ctx.n_blocks
-    if len(sumsq) != n:
-        raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
-    if taken is not None and len(taken) != n:
-        raise SofxError(f"taken has {len(taken)} entries, the step has {n} blocks")
     cfg = ctx.config
-    hps = ctx.hparams if hparams is None else resolve_block_hparams(ctx.defaults, hparams, n)
-    spec_taken = []
-    for i in range(n):
-        d = tally.decisions[i]
-        was = d is not None and d.speculate and (taken is None or bool(taken[i]))
-        if taken is not None and taken[i] and not (d is not None and d.speculate):
-            raise SofxError(f"block {i}: taken[{i}] is True but the block was not speculated")
-        if was and sumsq[i] is None:
-            raise SofxError(f"block {i} was speculated but has no gradient at validation")
-        spec_taken.append(was)
     zero = cfg.missing_grad == "zero"
-    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq]),
-                        [zero or s is not None for s in sumsq])
     total = reduced_sumsq(reduce_sumsq, local, step_settings(cfg.profile, cfg.max_norm, cfg.missing_grad,
                                                              ctx.scaler_state))
     empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
@@ -592,6 +582,34 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     actions = tuple(actions)
     report = _report(ctx, tally, facts, actions, policy_state)
     return ValidationPlan(facts, actions, facts.scaler_state, policy_state, report)
+
+
+def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], hparams: Any,
+                       taken: Sequence[bool] | None) -> tuple[tuple[AdamHParams, ...], list[bool], float]:
+    """:func:`plan_validation`'s input, checked: each block's validation hparams, whether its speculative step
+    was taken (speculated and ``taken[i]``), and this rank's local sum of squares (:func:`sofx.serial.local_sumsq`;
+    a block without gradient counts as zeros under ``missing_grad="zero"``). Refused (a :class:`SofxError`):
+    ``sumsq`` or ``taken`` of another length than the step's blocks, ``taken[i]`` for a block not speculated, a
+    speculated block without gradient."""
+    n = ctx.n_blocks
+    if len(sumsq) != n:
+        raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
+    if taken is not None and len(taken) != n:
+        raise SofxError(f"taken has {len(taken)} entries, the step has {n} blocks")
+    hps = ctx.hparams if hparams is None else resolve_block_hparams(ctx.defaults, hparams, n)
+    spec_taken = []
+    for i in range(n):
+        d = tally.decisions[i]
+        was = d is not None and d.speculate and (taken is None or bool(taken[i]))
+        if taken is not None and taken[i] and not (d is not None and d.speculate):
+            raise SofxError(f"block {i}: taken[{i}] is True but the block was not speculated")
+        if was and sumsq[i] is None:
+            raise SofxError(f"block {i} was speculated but has no gradient at validation")
+        spec_taken.append(was)
+    zero = ctx.config.missing_grad == "zero"
+    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq]),
+                        [zero or s is not None for s in sumsq])
+    return hps, spec_taken, local
 
 
 def _undone_before(tally: BackwardTally, block: int, taken: bool) -> bool:
