@@ -35,7 +35,14 @@ _MISSING = object()  # an argument not given
 class SumsqReduce:
     """The ``reduce_sumsq`` hook :func:`all_reduce_sumsq` returns (see there): callable as
     ``s_local -> s``, :meth:`agreed_sum` for the loops, which also compares the step's settings, and
-    :meth:`refuse` for a rank that cannot take part in the step."""
+    :meth:`refuse` for a rank that cannot take part in the step.
+
+    Build it with :func:`all_reduce_sumsq`, not with this constructor: that call is a collective, so a
+    misspelt keyword, or a setup or ``device`` that differs, on one rank is refused on every rank there. The
+    constructor is not one (it checks only that ``group`` is initialized and has this process): it compares
+    nothing across ranks, and what it raises (Python's ``TypeError`` for a misspelt keyword included) is this
+    rank's alone, while the other ranks go on to their first step and wait in its collective for this rank
+    until the group's timeout."""
 
     def __init__(self, group: Any = None, device: torch.device | str | None = None) -> None:
         require_initialized(group, "all_reduce_sumsq")
