@@ -625,9 +625,18 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
     out = []
     for path, label in zip(tree.leaf_paths(spec, root="labels"), leaves):
         if label not in groups:
-            raise HParamError(f"{path} = {label!r} names no group; groups are {sorted(groups)}")
+            raise HParamError(f"{path} = {label!r} names no group; groups are {_group_names(groups)}")
         out.append(merge_hparams(base, groups[label]))
     return tree.unflatten(spec, out)
+
+
+def _group_names(groups: Mapping[Any, Any]) -> list[Any]:
+    """The labels of ``groups`` for an error message: sorted, or in the mapping's order where they do not sort
+    together (``"decay"`` and ``0``: ``sorted`` raised a TypeError in place of the message)."""
+    try:
+        return sorted(groups)
+    except TypeError:
+        return list(groups)
 
 
 def _check_no_none_label(labels: Any, params: Any) -> None:

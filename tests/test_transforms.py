@@ -286,6 +286,19 @@ def test_group_hparams_refuses_a_none_label_naming_the_leaf():
     assert new["frozen"] is None
 
 
+def test_a_label_that_names_no_group_is_refused_naming_the_groups_whatever_their_key_types():
+    """Labels are any hashable values (label_fn may return ints, as optax's multi_transform takes them): a label
+    that names no group is refused naming the groups there are, also where their keys do not sort together
+    (sorting them raised a TypeError instead)."""
+    labels = {"w": "decay", "b": 0}
+    with pytest.raises(HParamError, match=r"labels\['b'\] = 0 names no group; groups are \['decay', 1\]"):
+        tx.group_hparams(labels, {"decay": AdamHParams(), 1: AdamHParams(weight_decay=0.0)})
+    with pytest.raises(HParamError, match=r"labels\['b'\] = 0 names no group; groups are \[1, 2\]"):
+        tx.group_hparams({"w": 2, "b": 0}, {2: AdamHParams(), 1: AdamHParams()})
+    hp = tx.group_hparams(labels, {"decay": AdamHParams(), 0: AdamHParams(weight_decay=0.0)})
+    assert hp["b"].weight_decay == 0.0 and hp["w"].weight_decay is None
+
+
 def test_no_decay_names_are_whole_names():
     w = torch.zeros(2, 2)
     names = ["bias", "attn.qkv_bias", "norm1", "encoder.LayerNorm", "final_layernorm", "ln_f", "h.0.ln_1",
