@@ -136,17 +136,45 @@ def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = 
     """Flatten ``tree`` against ``spec``: one entry (a leaf or a subtree) per leaf of ``spec``.
 
     ``None`` where ``spec`` has a leaf is allowed and returned as ``None``
-    (a missing gradient). Raises :class:`StructureError` naming the first path
+    (a missing gradient); ``None`` where ``spec`` has a subtree without leaves
+    (``[]``, ``{}``: a module without parameters) is taken as that subtree (it
+    has no entry to give). Raises :class:`StructureError` naming the first path
     where ``tree`` does not match.
     """
     try:
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError) as exc:
-        raise StructureError(
-            f"{what} does not have the structure of {root}: expected {spec_text(spec)}, "
-            f"got {spec_text(optree.tree_structure(tree, none_is_leaf=True))} "
-            f"({_first_difference(spec, tree, what)})"
-        ) from exc
+        error = exc
+    filled = _empty_subtrees_filled(spec, tree)
+    if filled is not tree:
+        try:
+            return spec.flatten_up_to(filled)
+        except (ValueError, TypeError):
+            pass
+    raise StructureError(
+        f"{what} does not have the structure of {root}: expected {spec_text(spec)}, "
+        f"got {spec_text(optree.tree_structure(tree, none_is_leaf=True))} "
+        f"({_first_difference(spec, tree, what)})"
+    ) from error
+
+
+def _empty_subtrees_filled(spec: TreeSpec, tree: PyTree) -> PyTree:
+    """``tree`` with every ``None`` that stands where ``spec`` has a subtree without leaves replaced by that
+    subtree; ``tree`` itself (the same object) where there is none, or where its containers depart from
+    ``spec`` on the way to one (:func:`flatten_up_to` then names the difference)."""
+    if spec.is_leaf():
+        return tree
+    if tree is None:
+        return optree.tree_unflatten(spec, []) if spec.num_leaves == 0 else tree
+    if optree.tree_is_leaf(tree, none_is_leaf=True):
+        return tree
+    children, metadata, entries, unflatten = optree.tree_flatten_one_level(tree, none_is_leaf=True)
+    if type(tree) is not spec.type or list(entries) != list(spec.entries()):
+        return tree
+    filled = [_empty_subtrees_filled(s, c) for s, c in zip(spec.children(), children)]
+    if all(f is c for f, c in zip(filled, children)):
+        return tree
+    return unflatten(metadata, filled)
 
 
 def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[Any], bool] | None = None,

@@ -29,6 +29,38 @@ def test_none_is_an_empty_subtree_in_params_and_a_leaf_marker_in_grads():
     assert tree.flatten_up_to(spec, {"a": None, "b": None, "c": [torch.zeros(1)]}) [0] is None
 
 
+def test_none_where_params_has_an_empty_subtree_is_taken_as_that_subtree(rng):
+    """A grads tree marks a leaf without gradient with None; where params has a subtree without leaves (a module
+    without parameters: ``[]``, ``{}``, a NamedTuple of empty lists) None gives no gradient for it either, and is
+    taken as that subtree by update, serial_step, speculative_step and accumulate (it was refused, the message
+    ending in "structures differ"). None over a subtree that has leaves is still refused, naming it."""
+    params = {"w": torch.randn(3, generator=rng), "empty": [], "nested": {"x": {}, "y": NT([], None)}}
+    spec = tree.flatten(params)[1]
+    g = torch.randn(3, generator=rng)
+    assert tree.flatten_up_to(spec, {"w": g, "empty": None, "nested": None}, "grads") == [g]
+    assert tree.flatten_up_to(spec, {"w": None, "empty": None, "nested": {"x": None, "y": None}}) == [None]
+    with_leaves = tree.flatten({"w": torch.ones(1), "sub": {"b": torch.ones(1)}})[1]
+    with pytest.raises(StructureError, match=r"\(grads\['sub'\] is None, expected PyTreeSpec\(\{'b': \*\}\)\)"):
+        tree.flatten_up_to(with_leaves, {"w": None, "sub": None}, "grads")
+
+    given = {"w": g, "empty": [], "nested": {"x": {}, "y": NT([], None)}}
+    marked = {"w": g, "empty": None, "nested": {"x": None, "y": None}}
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(params)
+    want = opt.update(params, given, state)[0]
+    assert torch.equal(opt.update(params, marked, state)[0]["w"], want["w"])
+    scaler = sofx.loss_scale.grad_scaler(init_scale=2.0)
+    kw = dict(scaler=scaler, scaler_state=scaler.init(), max_norm=1.0)
+    want = sofx.serial.serial_step(opt, params, given, state, **kw)
+    got = sofx.serial.serial_step(opt, params, marked, state, **kw)
+    assert torch.equal(got.params["w"], want.params["w"]) and got.facts == want.facts
+    got = sofx.speculate.speculative_step(opt, params, marked, state, config=sofx.speculate.SpeculationConfig(
+        max_norm=1.0), scaler=scaler, scaler_state=scaler.init())
+    assert torch.equal(got.params["w"], want.params["w"])
+    acc = sofx.transforms.accumulate(sofx.transforms.accumulation_init(params), marked, params)
+    assert torch.equal(sofx.transforms.accumulated(acc, params)["w"], g)
+
+
 def test_flatten_up_to_names_the_first_difference():
     spec = tree.flatten({"layers": [{"w": 1, "b": 2}, {"w": 3}]})[1]
     # the path is in the tree that departs (grads), not in params
