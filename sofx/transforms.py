@@ -484,7 +484,8 @@ def _micro_steps(who: str, state: AccumulationState) -> int | torch.Tensor:
 
 
 def accumulate(state: AccumulationState, grads: Any, params: Any) -> AccumulationState:
-    """Add one micro-step's gradients (``None`` leaves: no gradient this micro-step).
+    """Add one micro-step's gradients (``None`` leaves: no gradient this micro-step; ``grads=None``: none for any
+    leaf, as :meth:`sofx.Adam.update` and the loop steps take it).
 
     The sum is ``first + second + ...`` in micro-step order, as autograd
     accumulates into ``.grad``. Nothing passed in is modified, and the state
@@ -495,7 +496,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     micro_steps = _micro_steps("accumulate", state)
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
-    new = tree.flatten_up_to(spec, grads, "grads")
+    new = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(leaves)
     old = tree.flatten_up_to(spec, state.total, "accumulated gradients")
     for path, p, acc, g in zip(paths, leaves, old, new):
         if g is not None:

@@ -177,6 +177,17 @@ def test_accumulate_equals_grad_accumulation_bitwise(rng):
         tx.accumulated(state, params, "drop")
 
 
+def test_a_micro_step_without_any_gradient_is_counted_and_adds_nothing(rng):
+    """``grads=None`` is no gradient for any leaf, as update, serial_step and speculative_step take it: the micro-step
+    counts and the sums stay as they were (it was refused as 'grads is None, expected PyTreeSpec(...)')."""
+    params = {"a": torch.randn(3, generator=rng), "b": torch.randn(2, generator=rng)}
+    first = {"a": torch.randn(3, generator=rng), "b": None}
+    state = tx.accumulate(tx.accumulation_init(params), first, params)
+    after = tx.accumulate(state, None, params)
+    assert after.micro_steps == 2 and after.total["a"] is state.total["a"] and after.total["b"] is None
+    assert tx.accumulate(tx.accumulation_init(params), None, params) == tx.AccumulationState({"a": None, "b": None}, 1)
+
+
 def test_accumulate_keeps_its_sum_when_the_loop_reuses_its_gradient_buffers(rng):
     """``model.zero_grad(set_to_none=False)`` zeroes ``.grad`` in place, and each micro-step's gradients are the
     same tensors: the accumulated sum must not be one of them."""
