@@ -1581,6 +1581,9 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
     tensor's value is not read, its shape is (vmap's per-member shape: 0-d too). Schedules check their constants
     and results with it too."""
     if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
+        if callable(value) and not isinstance(value, torch.Tensor):  # optax's adam(learning_rate=schedule)
+            raise HParamError(f"{where}{path}: {name} is a schedule ({type(value).__name__}), where a value is taken "
+                              f"(a float or a 0-d tensor): {_field_schedule_hint(name)}")
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
         if isinstance(value, torch.Tensor):
@@ -1598,6 +1601,15 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
     # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
     if not -math.inf < value < math.inf or not ok(value):
         raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
+
+
+def _field_schedule_hint(name: str) -> str:
+    """How to give a schedule of hparam ``name``, where it was given as the field's value (``AdamHParams(lr=s)``,
+    ``sofx.adamw(lr=s)``: optax's habit)."""
+    return (f"a schedule of {name} is given as the whole hparams of the loop steps, "
+            f"hparams=sofx.schedules.hparams_schedule({name}=schedule) (sofx.serial.serial_loop_step and "
+            f"sofx.speculate.speculative_loop_step evaluate it at each step), or a step takes its value, "
+            f"AdamHParams({name}=schedule(step))")
 
 
 def check_float32_range(hp: AdamHParams, where: str, path: str = "") -> None:

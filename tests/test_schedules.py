@@ -416,3 +416,39 @@ def test_a_step_given_a_schedule_as_its_hparams_says_how_to_evaluate_it(step, hp
         pattern = pattern.replace(r"hparams\[0\]", r"hparams\['b'\]")
     with pytest.raises(HParamError, match=pattern):
         _direct_steps()[step](hparams)
+
+
+@pytest.mark.parametrize("where", ["sofx.adamw", "update", "serial_loop_step", "speculative_loop_step", "a group"])
+def test_a_schedule_given_as_an_hparam_field_says_how_to_give_it(where):
+    """optax takes ``adam(learning_rate=schedule)``; sofx's fields take a step's value and a schedule is the whole
+    hparams of the loop steps. ``AdamHParams(lr=schedule)`` and ``sofx.adamw(lr=schedule)`` were refused with "lr
+    must be a float or a 0-d tensor, got CosineDecay": now the message says the field is a schedule and how to give
+    it (hparams_schedule(lr=schedule) to the loop steps, or its value at the step), naming the leaf."""
+    from sofx import speculate
+    from sofx.loss_scale import static_scale
+    from sofx.serial import init_loop, serial_loop_step
+
+    lr = schedules.cosine_decay(1e-3, 10)
+    hint = (r"lr is a schedule \(CosineDecay\), where a value is taken \(a float or a 0-d tensor\): .*"
+            r"hparams=sofx\.schedules\.hparams_schedule\(lr=schedule\).*AdamHParams\(lr=schedule\(step\)\)")
+    if where == "sofx.adamw":
+        with pytest.raises(HParamError, match=r"^defaults: " + hint):
+            sofx.adamw(lr=lr)
+        return
+    opt, scaler = sofx.adamw(), static_scale(1.0)
+    params = {"w": torch.ones(3, 3), "b": torch.ones(3)}
+    grads = {"w": torch.ones(3, 3), "b": torch.ones(3)}
+    loop = init_loop(opt, params, scaler)
+    hp = AdamHParams(lr=lr)
+    calls = {
+        "update": lambda: opt.update(params, grads, opt.init(params), hp),
+        "serial_loop_step": lambda: serial_loop_step(opt, loop, grads, scaler=scaler, hparams=hp),
+        "speculative_loop_step": lambda: speculate.speculative_loop_step(
+            opt, loop, grads, config=speculate.SpeculationConfig(), scaler=scaler, hparams=hp),
+        "a group": lambda: opt.update(params, grads, opt.init(params), sofx.transforms.group_hparams(
+            {"w": "decay", "b": "no_decay"}, {"decay": AdamHParams(lr=lr), "no_decay": AdamHParams(lr=0.0)})),
+    }
+    path = r"params\['w'\]" if where == "a group" else r"params\['b'\]"
+    with pytest.raises(HParamError, match=r"^hparams for " + path + r": " + hint):
+        calls[where]()
+    assert loop.params["w"].eq(1).all()  # nothing stepped
