@@ -731,6 +731,49 @@ def test_protocol_errors_are_clear(rng):
         sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=[AdamHParams()] * 3)
 
 
+@pytest.mark.parametrize("bad, pattern", [
+    (AdamHParams(lr=-1.0), r"hparams for blocks\[1\]: lr = -1\.0 is invalid; expected"),
+    (AdamHParams(beta1=1.5), r"hparams for blocks\[1\]: beta1 = 1\.5 is invalid; expected"),
+    (AdamHParams(lr="fast"), r"hparams for blocks\[1\]: lr must be a float or a 0-d tensor, got str"),
+    (AdamHParams(lr=sofx.schedules.cosine_decay(1e-3, 10)), r"hparams for blocks\[1\]: lr is a schedule"),
+], ids=["negative lr", "beta1 above 1", "a string", "a schedule"])
+def test_validation_hparams_a_step_cannot_take_are_refused_before_anything_is_planned(rng, bad, pattern):
+    """plan_validation planned with any hparams values, so that an engine applying the plan block by block had
+    undone and redone the blocks before the bad one when the bad one raised. It refuses the hparams of a block
+    it would step first, naming the block, as serial_step checks its leaves' (also on an overflow step): the
+    refused call changes nothing, and one with good hparams then gives the serial step's result. The hparams of
+    a block without gradient are not read (missing_grad='skip'), as serial_step does not read them."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng, 2), rng)
+    grads = _grads(rng, 2)
+    rule = loss_scale.grad_scaler()
+    good, changed = AdamHParams(lr=1e-2), AdamHParams(lr=5e-3)
+    blocks = [p.clone() for p in params]
+    states = [sofx.AdamState(state.count[i].clone(), state.mu[i].clone(), state.nu[i].clone()) for i in range(2)]
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=good)
+    records = [None] * 2
+    for i in (1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), lambda i=i: sp.block_eligibility(
+            opt, blocks[i], grads[i], states[i], ctx.hparams[i], ctx.grad_scale))
+        assert d.speculate
+        blocks[i], states[i], records[i] = sp.speculative_block_step(opt, blocks[i], grads[i], states[i], d,
+                                                                     donate=True)
+    with pytest.raises(sofx.HParamError, match=pattern):
+        sp.plan_validation(ctx, tally, list(tally.block_sumsq), hparams=[changed, bad])
+    with pytest.raises(sofx.HParamError, match=pattern):  # an overflow step checks them too
+        sp.plan_validation(ctx, tally, [tally.block_sumsq[0], math.inf], hparams=[changed, bad])
+    unstepped = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=[good, bad])
+    assert [a.kind for a in sp.plan_validation(*unstepped, [1.0, None]).actions] == ["step", "skip"]
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), hparams=[changed, changed])
+    assert [a.kind for a in plan.actions] == ["undo_redo", "undo_redo"]
+    for i, a in enumerate(plan.actions):
+        blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], grads[i], states[i], records[i],
+                                                     donate=True)
+    ser = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), hparams=changed)
+    for i in range(2):
+        assert _rel(blocks[i], ser.params[i]) <= 1e-6 and int(states[i].count) == int(ser.state.count[i])
+
+
 @pytest.mark.parametrize("bad_grad, pattern", [
     (torch.randn(2, 6), r"grads\[0\]: expected shape \(6,\), got \(2, 6\)"),
     (torch.randn(6).double(), r"grads\[0\]: expected dtype torch.float32, got torch.float64"),

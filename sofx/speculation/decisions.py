@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, check_step_hparams
+from sofx.adam import Adam, AdamHParams, check_hparam_value, check_step_hparams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
@@ -590,7 +590,8 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     was taken (speculated and ``taken[i]``), and this rank's local sum of squares (:func:`sofx.serial.local_sumsq`;
     a block without gradient counts as zeros under ``missing_grad="zero"``). Refused (a :class:`SofxError`):
     ``sumsq`` or ``taken`` of another length than the step's blocks, ``taken[i]`` for a block not speculated, a
-    speculated block without gradient."""
+    speculated block without gradient; (an :class:`HParamError`) hparams a block it would step cannot take
+    (:func:`_check_stepped_block_hparams`)."""
     n = ctx.n_blocks
     if len(sumsq) != n:
         raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
@@ -607,9 +608,25 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
             raise SofxError(f"block {i} was speculated but has no gradient at validation")
         spec_taken.append(was)
     zero = ctx.config.missing_grad == "zero"
+    _check_stepped_block_hparams(hps, [zero or s is not None for s in sumsq])
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq]),
                         [zero or s is not None for s in sumsq])
     return hps, spec_taken, local
+
+
+def _check_stepped_block_hparams(hps: Sequence[AdamHParams], stepped: Sequence[bool]) -> None:
+    """Refuse (an :class:`HParamError` naming ``blocks[i]``) a value that :meth:`sofx.Adam.update` would refuse
+    (:func:`~sofx.adam.check_hparam_value`) in the hparams of a block the step would step (``stepped``: it has a
+    gradient, or ``missing_grad="zero"``), as :func:`sofx.serial.serial_step` checks its leaves' before anything,
+    also on a step that will overflow. A plan with them was applied block by block, the blocks before the bad one
+    undone and redone when it raised; a block without gradient is not stepped, and its hparams are not read."""
+    checked: set[tuple[int, ...]] = set()  # (the blocks of one group hold the same values: checked once)
+    for i, (hp, used) in enumerate(zip(hps, stepped)):
+        key = tuple(map(id, hp))
+        if used and key not in checked:
+            for name, value in zip(AdamHParams._fields, hp):
+                check_hparam_value(name, value, "hparams for ", f"blocks[{i}]")
+            checked.add(key)
 
 
 def _undone_before(tally: BackwardTally, block: int, taken: bool) -> bool:
