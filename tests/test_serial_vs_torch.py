@@ -9,6 +9,7 @@ float32 rounding (relative 1e-6), not bitwise.
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
@@ -442,3 +443,91 @@ def test_a_negative_or_nan_max_norm_is_refused_naming_what_torch_would_do(rng, b
     assert int(state.count["a"]) == 0
     with pytest.raises(sofx.HParamError, match=r"max_norm = .* is invalid; expected a number >= 0"):
         sofx.speculate.SpeculationConfig(max_norm=bad)  # (the offload engine's and facade's max_grad_norm)
+
+
+def test_a_nested_tree_of_mixed_leaves_in_label_groups_steps_as_torch_groups_serially_and_speculatively():
+    """An optax user's tree -- dicts, a list, a NamedTuple, a 0-d, a 0-element and a float64 leaf beside float32
+    ones in one group, an empty subtree (None in the gradients) -- in label groups built by ``label_params`` +
+    ``group_hparams`` with a scheduled group, a group of lr 0 and a label without leaves; two micro-steps
+    accumulated per step (an inf in one of them on some steps, a leaf without gradient in one of them on others),
+    clipping on some steps, GradScaler's scale backing off and growing. serial_loop_step equals torch.optim's
+    param groups + LambdaLR + GradScaler + clip_grad_norm_ (float32 rounding; counts and scales exactly), and
+    speculative_loop_step equals serial_loop_step bit for bit (without donation) at every step."""
+    pair = collections.namedtuple("pair", "a b")
+    gen, rnd = torch.Generator().manual_seed(7), random.Random(7)
+    init = {"enc": {"w": torch.randn(4, 3, generator=gen), "scale": torch.randn((), generator=gen)},
+            "head": [pair(torch.randn(0, generator=gen), torch.randn(2, 2, generator=gen, dtype=torch.float64)),
+                     torch.randn(3, generator=gen)],
+            "frozen": []}
+    leaves, spec = sofx.tree.flatten(init)
+    paths = sofx.tree.leaf_paths(spec)
+    labels = sofx.transforms.label_params(init, lambda path, p: "enc" if "'enc'" in path else "head")
+    groups = {"enc": dict(lr=1e-2, weight_decay=0.1), "head": dict(lr=0.0, weight_decay=0.3)}
+    factor = lambda t: min(1.0, (t + 1) / 3) * 0.5 ** (t // 6)  # noqa: E731
+
+    def hparams_at(t: int):
+        return sofx.transforms.group_hparams(labels, {
+            "enc": AdamHParams(lr=groups["enc"]["lr"] * factor(t), weight_decay=0.1),
+            "head": AdamHParams(lr=0.0, weight_decay=0.3), "unused": AdamHParams(lr=1.0)})
+
+    scaling = dict(init_scale=2.0 ** 8, growth_interval=3)
+    tparams = [torch.nn.Parameter(x.clone()) for x in leaves]
+    by_label = {g: [p for p, path in zip(tparams, paths) if ("'enc'" in path) == (g == "enc")] for g in groups}
+    topt = torch.optim.AdamW([dict(params=by_label[g], **o) for g, o in groups.items()], foreach=False)
+    tsched = torch.optim.lr_scheduler.LambdaLR(topt, [factor, lambda t: 1.0])
+    tscaler = torch.amp.GradScaler("cpu", **scaling)
+    opt, rule = sofx.adamw(), loss_scale.grad_scaler(**scaling)
+    ser = spec_loop = sofx.serial.init_loop(opt, init, rule)
+    config = sofx.speculate.SpeculationConfig(max_norm=1.0)
+    seen = {"overflow": 0, "clip": 0, "missing": 0, "growth": 0, "undone": 0}
+    for step in range(24):
+        S = rule.scale(ser.scaler_state)
+        tscaler.scale(torch.ones(()))
+        assert tscaler.get_scale() == S
+        overflow, missing = rnd.random() < 0.15, rnd.randrange(len(leaves)) if rnd.random() < 0.3 else None
+        size = rnd.choice([0.02, 0.02, 0.2, 2.0])  # 0.2: clipped, yet no block alone vetoes speculation
+        for p in tparams:
+            p.grad = None
+        acc = sofx.transforms.accumulation_init(ser.params)
+        for micro in range(2):
+            g = [torch.randn(x.shape, generator=gen, dtype=x.dtype) * size * S for x in leaves]
+            if missing is not None and micro == 1:
+                g[missing] = None
+            if overflow and micro == 0:
+                g[1][0] = math.inf  # (enc's w, in sorted key order: enc.scale, enc.w)
+            grads = sofx.tree.unflatten(spec, g)
+            grads["frozen"] = None  # no gradient for the empty subtree
+            acc = sofx.transforms.accumulate(acc, grads, ser.params)
+            for p, x in zip(tparams, g):
+                if x is not None:
+                    (p * x).sum().backward()
+        tscaler.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_([p for p in tparams if p.grad is not None], 1.0)
+        tscaler.step(topt)
+        tscaler.update()
+        if tscaler.get_scale() >= S:
+            tsched.step()
+        total = sofx.transforms.accumulated(acc, ser.params)
+        ser_next, facts = sofx.serial.serial_loop_step(opt, ser, total, scaler=rule, hparams=hparams_at, max_norm=1.0)
+        spec_loop, report = sofx.speculate.speculative_loop_step(opt, spec_loop, total, config=config, scaler=rule,
+                                                                 hparams=hparams_at)
+        ser = ser_next
+        assert facts.overflow == overflow and rule.scale(ser.scaler_state) == tscaler.get_scale()
+        assert spec_loop.scaler_state == ser.scaler_state and spec_loop.step == ser.step
+        seen["overflow"] += overflow
+        seen["clip"] += facts.clipped
+        seen["missing"] += missing is not None and not overflow
+        seen["growth"] += rule.scale(ser.scaler_state) > S
+        seen["undone"] += report.undone
+        ours = [sofx.tree.flatten(t)[0] for t in (ser.params, *ser.opt_state)]
+        theirs = [sofx.tree.flatten(t)[0] for t in (spec_loop.params, *spec_loop.opt_state)]
+        for a, b in zip(sum(ours, []), sum(theirs, [])):
+            assert a.dtype == b.dtype and torch.equal(a, b), step
+        for path, mine, count, mu, nu, p in zip(paths, ours[0], ours[1], ours[2], ours[3], tparams):
+            _close(mine, p.detach(), f"step {step} {path}")
+            tstate = topt.state.get(p, {})
+            assert int(count) == (int(tstate["step"]) if tstate else 0), (step, path)
+            if tstate:
+                _close(mu, tstate["exp_avg"], f"step {step} mu of {path}")
+                _close(nu, tstate["exp_avg_sq"], f"step {step} nu of {path}")
+    assert min(seen.values()) >= 1 and seen["clip"] < 24 - seen["overflow"], seen
