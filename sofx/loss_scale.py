@@ -67,6 +67,7 @@ __all__ = [
     "grad_scaler",
     "deepspeed_scaler",
     "static_scale",
+    "check_scaler",
     "check_state",
     "check_state_kind",
     "plain_state",
@@ -133,6 +134,29 @@ def _float32_scale(name: str, value: float) -> float:
                           f"in a float32 tensor): at most {FLOAT32_MAX!r} and not rounding to 0 there, got "
                           f"{rounded!r} in float32")
     return x
+
+
+_RULE_HINT = "sofx.loss_scale.grad_scaler(...), deepspeed_scaler(...), static_scale(...)"
+
+
+def check_scaler(scaler: Any, name: str = "scaler") -> None:
+    """Refuse (an :class:`HParamError` naming ``name``) what is not a loss-scale rule, an object whose ``init``,
+    ``scale`` and ``update`` are callable (:class:`LossScaler`), saying what to give: for torch's
+    ``GradScaler`` (a mutable object that scales tensors) the rule that equals it, for a rule's factory given
+    uncalled (``grad_scaler``) the call. (The loops raised "AttributeError: 'GradScaler' object has no attribute
+    'init'".)"""
+    if all(callable(getattr(scaler, method, None)) for method in ("init", "scale", "update")):
+        return
+    kind = type(scaler)
+    if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):
+        raise HParamError(f"{name} is a torch.amp.GradScaler (GradScaler); sofx keeps the loss scale as immutable "
+                          "state beside a rule: sofx.loss_scale.grad_scaler(init_scale=..., growth_factor=..., "
+                          "backoff_factor=..., growth_interval=...) is its rule (GradScaler.state_dict() gives the "
+                          "values; the loop's scaler_state holds the scale)")
+    if any(scaler is factory for factory in (grad_scaler, deepspeed_scaler, static_scale)):
+        raise HParamError(f"{name} is the function {scaler.__name__}; call it for a rule: {scaler.__name__}(...)")
+    raise HParamError(f"{name} is a {kind.__name__}; expected a loss-scale rule (init, scale and update: "
+                      f"{_RULE_HINT}; static_scale(1.0) is no loss scaling)")
 
 
 def check_state_kind(state: Any, expected: type) -> None:

@@ -69,7 +69,7 @@ from sofx.adam import WRAP_HINT, Adam, AdamHParams, AdamState, check_step_hparam
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import is_bool, real_number
-from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_state_kind
+from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_scaler, check_state_kind
 from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_value, sumsq, total_sumsq,
                              zero_clip_factor)
 
@@ -130,7 +130,8 @@ class LoopState(NamedTuple):
 
 
 def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
-    """The loop state before the first step."""
+    """The loop state before the first step (``scaler``: a loss-scale rule, :func:`~sofx.loss_scale.check_scaler`)."""
+    check_scaler(scaler)
     return LoopState(params, opt.init(params), scaler.init(), 0, None)
 
 
@@ -210,8 +211,10 @@ def check_scale(name: str, s: Any) -> float:
 
 
 def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:
-    """``scaler.scale(scaler_state)``, checked (:func:`check_scale`); a state of another kind than the scaler's
-    own (what ``scaler.init()`` makes) is refused first, as an :class:`HParamError` naming both."""
+    """``scaler.scale(scaler_state)``, checked (:func:`check_scale`); what is not a loss-scale rule
+    (:func:`~sofx.loss_scale.check_scaler`: torch's GradScaler, say) and a state of another kind than the scaler's
+    own (what ``scaler.init()`` makes) are refused first, as an :class:`HParamError` naming them."""
+    check_scaler(scaler)
     check_state_kind(scaler_state, type(scaler.init()))
     return check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
 

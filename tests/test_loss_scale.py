@@ -435,3 +435,38 @@ def test_check_reachable_takes_exactly_the_counts_a_run_of_the_rule_reaches(hyst
                         rule.check_reachable(state)
     with pytest.raises(HParamError, match=r"scaler_state\['scale'\] = 0.5 is below min_scale = 1.0"):
         rule.check_reachable(ls.DynamicLossScaleState(0.5, 0, -1, hysteresis))
+
+
+@pytest.mark.parametrize("scaler, pattern", [
+    (torch.amp.GradScaler("cpu"), r"scaler is a torch\.amp\.GradScaler \(GradScaler\); .*"
+                                  r"sofx\.loss_scale\.grad_scaler\(init_scale=\.\.\., growth_factor=\.\.\., "
+                                  r"backoff_factor=\.\.\., growth_interval=\.\.\.\) is its rule"),
+    (ls.grad_scaler, r"scaler is the function grad_scaler; call it for a rule: grad_scaler\(\.\.\.\)"),
+    (ls.deepspeed_scaler, r"scaler is the function deepspeed_scaler; call it for a rule: deepspeed_scaler\(\.\.\.\)"),
+    (None, r"scaler is a NoneType; expected a loss-scale rule \(init, scale and update: sofx\.loss_scale\."
+           r"grad_scaler\(\.\.\.\), deepspeed_scaler\(\.\.\.\), static_scale\(\.\.\.\); static_scale\(1\.0\) is "
+           r"no loss scaling\)"),
+    (2.0 ** 16, r"scaler is a float; expected a loss-scale rule .*static_scale\(\.\.\.\)"),
+], ids=["torch's GradScaler", "grad_scaler uncalled", "deepspeed_scaler uncalled", "None", "a number"])
+def test_loops_given_no_loss_scale_rule_say_what_to_give(scaler, pattern):
+    """A torch user passes ``scaler=torch.amp.GradScaler()`` (or ``grad_scaler`` without calling it, or None for "no
+    scaling"): init_loop, serial_step, the loop steps and begin_step raised "AttributeError: 'GradScaler' object has
+    no attribute 'init'". They refuse it naming what was given and the rule to give, changing nothing."""
+    import sofx
+    from sofx import serial
+    from sofx import speculate as sp
+
+    opt, rule = sofx.adamw(), ls.grad_scaler()
+    params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    loop = serial.init_loop(opt, params, rule)
+    calls = [
+        lambda: serial.init_loop(opt, params, scaler),
+        lambda: serial.serial_step(opt, params, grads, loop.opt_state, scaler=scaler, scaler_state=loop.scaler_state),
+        lambda: serial.serial_loop_step(opt, loop, grads, scaler=scaler),
+        lambda: sp.speculative_loop_step(opt, loop, grads, config=sp.SpeculationConfig(), scaler=scaler),
+        lambda: sp.begin_step(opt, sp.SpeculationConfig(), scaler, loop.scaler_state, n_blocks=1),
+    ]
+    for call in calls:
+        with pytest.raises(HParamError, match=pattern):
+            call()
+    assert loop.params["w"].eq(1).all() and int(loop.opt_state.count["w"]) == 0
