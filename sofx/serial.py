@@ -74,7 +74,8 @@ from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_valu
                              zero_clip_factor)
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
-           "serial_step", "serial_loop_step", "check_profile", "check_max_norm", "clip_max_norm", "check_scale",
+           "serial_step", "serial_loop_step", "check_opt", "check_loop", "check_profile", "check_max_norm",
+           "clip_max_norm", "check_scale",
            "can_unscale",
            "loss_scale_of", "call_reduce", "reduced_sumsq", "step_settings", "refuse_reduce",
            "refuse_unknown_keywords", "local_sumsq", "without_gradients"]
@@ -129,8 +130,24 @@ class LoopState(NamedTuple):
     policy_state: Any = None
 
 
+def check_opt(opt: Any) -> None:
+    """Refuse (a :class:`~sofx.errors.SofxError` naming its type) an ``opt`` that is not a :class:`sofx.Adam`: a
+    torch.optim optimizer raised "AttributeError: 'AdamW' object has no attribute 'check_inputs'"."""
+    if not isinstance(opt, Adam):
+        raise SofxError(f"opt is a {type(opt).__name__}; expected a sofx.Adam (sofx.adamw(...) or sofx.adam(...))")
+
+
+def check_loop(loop: Any) -> None:
+    """Refuse (a :class:`~sofx.errors.SofxError` naming its type) a ``loop`` that is not a :class:`LoopState`: an
+    optax-style ``(params, opt_state)`` tuple raised "AttributeError: 'tuple' object has no attribute 'step'"."""
+    if not isinstance(loop, LoopState):
+        raise SofxError(f"loop is a {type(loop).__name__}; expected a sofx.serial.LoopState "
+                        "(sofx.serial.init_loop(opt, params, scaler) makes it)")
+
+
 def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
     """The loop state before the first step (``scaler``: a loss-scale rule, :func:`~sofx.loss_scale.check_scaler`)."""
+    check_opt(opt)
     check_scaler(scaler)
     return LoopState(params, opt.init(params), scaler.init(), 0, None)
 
@@ -435,6 +452,7 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
         refuse_unknown_keywords("serial_step", unknown, _keyword_names(serial_step), reduce_sumsq, loop=False,
                                 missing=missing)
     try:  # everything this rank may refuse, before the reduction (see refuse_reduce)
+        check_opt(opt)
         check_profile(profile)
         if missing_grad not in MISSING_GRAD_MODES:
             raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")
@@ -490,6 +508,8 @@ def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScal
         refuse_unknown_keywords("serial_loop_step", unknown, _keyword_names(serial_loop_step), reduce_sumsq,
                                 missing=missing)
     try:
+        check_loop(loop)
+        check_opt(opt)  # (before the schedule runs)
         hp = hparams_at(hparams, loop.step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as serial_step's
         refuse_reduce(reduce_sumsq, exc)

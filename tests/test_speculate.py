@@ -664,6 +664,41 @@ def test_plan_validation_refuses_its_bad_input_through_the_hook():
         assert hook.calls == [f"refuse: {info.value}"], hook.calls
 
 
+def test_an_optimizer_or_loop_state_of_another_kind_is_refused_by_both_loops(rng):
+    """A torch.optim optimizer given as ``opt``, or an optax-style ``(params, opt_state)`` tuple given as the loop,
+    raised AttributeErrors ("'AdamW' object has no attribute 'check_inputs'", "'tuple' object has no attribute
+    'step'"). Every step refuses them naming what was given and what it takes, tells the reduction hook (the
+    other ranks wait for this rank's sum otherwise) and changes nothing."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt, rule = sofx.adamw(lr=1e-2), loss_scale.grad_scaler()
+    params, grads = _params(rng), _grads(rng)
+    loop = init_loop(opt, params, rule)
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.clone()) for p in params])
+    wrong_opt = r"opt is a AdamW; expected a sofx\.Adam \(sofx\.adamw\(\.\.\.\) or sofx\.adam\(\.\.\.\)\)"
+    wrong_loop = (r"loop is a tuple; expected a sofx\.serial\.LoopState \(sofx\.serial\.init_loop\(opt, params, "
+                  r"scaler\) makes it\)")
+    config = sp.SpeculationConfig()
+    for k, (call, pattern) in enumerate((
+            (lambda hook: init_loop(torch_opt, params, rule), wrong_opt),
+            (lambda hook: serial_step(torch_opt, params, grads, loop.opt_state, scaler=rule,
+                                      scaler_state=loop.scaler_state, reduce_sumsq=hook), wrong_opt),
+            (lambda hook: serial_loop_step(torch_opt, loop, grads, scaler=rule, reduce_sumsq=hook), wrong_opt),
+            (lambda hook: serial_loop_step(opt, (params, loop.opt_state), grads, scaler=rule, reduce_sumsq=hook),
+             wrong_loop),
+            (lambda hook: sp.speculative_step(torch_opt, params, grads, loop.opt_state, config=config, scaler=rule,
+                                              scaler_state=loop.scaler_state, reduce_sumsq=hook), wrong_opt),
+            (lambda hook: sp.speculative_loop_step(torch_opt, loop, grads, config=config, scaler=rule,
+                                                   reduce_sumsq=hook), wrong_opt),
+            (lambda hook: sp.speculative_loop_step(opt, (params, loop.opt_state), grads, config=config, scaler=rule,
+                                                   reduce_sumsq=hook), wrong_loop))):
+        hook = _RecordingHook()
+        with pytest.raises(sofx.SofxError, match="^" + pattern) as info:
+            call(hook)
+        assert hook.calls == ([] if k == 0 else [f"refuse: {info.value}"])  # (init_loop takes no hook)
+    assert all(int(c) == 0 for c in loop.opt_state.count)
+
+
 def test_engine_style_block_protocol_with_donation(rng):
     """Flat 1-d blocks, gradients block by block in reverse order, steps donated, validation applied."""
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1)

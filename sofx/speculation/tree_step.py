@@ -21,8 +21,8 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
-from sofx.serial import (_FROM_LOOP, _REQUIRED, LoopState, _keyword_names, _missing, call_reduce, hparams_at,
-                         refuse_reduce, refuse_unknown_keywords)
+from sofx.serial import (_FROM_LOOP, _REQUIRED, LoopState, _keyword_names, _missing, call_reduce, check_loop,
+                         check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -233,6 +233,7 @@ def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, con
     hparams, and as :func:`sofx.serial.serial_step` checks them, with the validation hparams (a missing
     gradient stepped with zeros included; ``undo='algebraic'`` where its inverse does not exist). A
     leaf refused only with the speculation hparams is not speculated (stepped in validation)."""
+    check_opt(opt)
     if not isinstance(config, SpeculationConfig):
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
     zero = config.missing_grad == "zero"
@@ -262,6 +263,8 @@ def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: Spe
     refuse_unknown_keywords("speculative_loop_step", {k: v for k, v in kwargs.items() if k not in _LOOP_KEYWORDS},
                             _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"), missing=_missing(config=config, scaler=scaler))
     try:
+        check_loop(loop)
+        check_opt(opt)  # (before the schedule runs)
         hp = hparams_at(hparams, loop.step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
         refuse_reduce(kwargs.get("reduce_sumsq"), exc)
