@@ -37,6 +37,7 @@ absent), ``S`` the loss scale and ``c`` the max norm (a number >= 0, inf include
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
@@ -315,10 +316,15 @@ def identity() -> GradientTransformation:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply ``transforms`` one after another; the state is the tuple of their states."""
+    """Apply ``transforms`` one after another; the state is the tuple of their states.
+
+    The per-step values ``extra`` (``loss_scale``) go to each transform whose ``update`` takes them: all of them
+    where it has ``**extra``, else those it names (an optax-style ``update(grads, state, params=None)`` gets none,
+    as optax's chain gives extra arguments only to the transforms that take them)."""
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise SofxError(f"chain: argument {i} is a {type(t).__name__}, expected a GradientTransformation")
+    taken = [_keywords_taken(t.update) for t in transforms]
 
     def init(params: Any) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in transforms)
@@ -327,12 +333,26 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise SofxError(f"chain: expected a state tuple of {len(transforms)} entries, got {state!r:.80}")
         new_states = []
-        for t, s in zip(transforms, state):
-            grads, s = t.update(grads, s, params, **extra)
+        for t, names, s in zip(transforms, taken, state):
+            given = extra if names is None else {k: v for k, v in extra.items() if k in names}
+            grads, s = t.update(grads, s, params, **given)
             new_states.append(s)
         return grads, tuple(new_states)
 
     return GradientTransformation(init, update)
+
+
+def _keywords_taken(update: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments ``update`` takes after ``(grads, state, params)``: ``None`` for any (``**extra``, or a
+    signature that cannot be read), else the names of its other parameters."""
+    try:
+        parameters = list(inspect.signature(update).parameters.values())
+    except (TypeError, ValueError):  # a builtin or an object without a readable signature: give it everything
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    named = [p for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    return frozenset(p.name for p in named[3:] if p.kind is not inspect.Parameter.POSITIONAL_ONLY)
 
 
 def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:

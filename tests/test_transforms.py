@@ -462,6 +462,23 @@ def test_chain_and_transform_errors(rng):
         c.update(_tree(rng), ())
 
 
+def test_chain_gives_a_transform_only_the_per_step_values_its_update_takes(rng):
+    """optax's chain gives extra arguments only to the transforms that take them; sofx's gave ``loss_scale=`` to an
+    optax-style ``update(grads, state, params=None)`` of the user's too, a TypeError ("got an unexpected keyword
+    argument 'loss_scale'"). Now such a transform gets what its update names, a ``**extra`` one everything."""
+    seen = []
+    halve = tx.GradientTransformation(lambda p: tx.EmptyState(),
+                                      lambda g, s, params=None: (tx.scale_tree(g, 0.5), s))
+    named = tx.GradientTransformation(lambda p: tx.EmptyState(),
+                                      lambda g, s, params=None, loss_scale=None: (seen.append(loss_scale) or g, s))
+    t = tx.chain(tx.unscale(), halve, named, tx.clip_by_global_norm(1.0))
+    grads = _tree(rng, 8.0)
+    out, (_, _, _, clip) = t.update(grads, t.init(grads), loss_scale=4.0)
+    want, want_clip = tx.clip_by_global_norm(1.0).update(tx.scale_tree(grads, 0.125), tx.ClipState())
+    _assert_close(out, want, rel=0)
+    assert clip == want_clip and seen == [4.0]
+
+
 def test_transforms_vmap_over_an_ensemble(rng):
     """The chain runs under torch.func.vmap: each member equals the eager result."""
     members = [_tree(rng, s) for s in (0.05, 1.0, 30.0)]
