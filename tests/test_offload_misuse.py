@@ -332,6 +332,19 @@ def test_numpy_or_tensor_max_grad_norm_and_static_loss_scale_are_numbers():
             sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=bad)
 
 
+def test_torchs_grad_scaler_as_loss_scale_is_refused_naming_what_equals_it():
+    """torch.amp.GradScaler() as loss_scale (torch's habit: a scaler beside the optimizer) was refused as "expected
+    None, 'dynamic', a number or a loss-scale rule" without saying that loss_scale="dynamic" is that scaler's rule,
+    and a rule's factory given uncalled (grad_scaler) without saying to call it."""
+    model, _ = _models()
+    with pytest.raises(SofxError, match=r"loss_scale is a torch\.amp\.GradScaler; the optimizer scales the loss "
+                                        r"itself: loss_scale='dynamic' is GradScaler's rule"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=torch.amp.GradScaler("cpu"))
+    with pytest.raises(SofxError, match=r"loss_scale is the function grad_scaler; call it for a rule: "
+                                        r"grad_scaler\(\.\.\.\)"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=sofx.loss_scale.grad_scaler)
+
+
 def test_numpy_or_tensor_engine_options_are_numbers_and_bad_ones_are_refused_at_construction():
     """block_numel=np.int64(100), gradient_accumulation_steps, num_threads, timeout=np.float32(30.0) were refused
     as no int / no number (gradient_accumulation_steps with a bare ValueError); they are read as Python numbers and

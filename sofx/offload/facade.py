@@ -103,6 +103,15 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
         return static_scale(number)
     if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):
         return loss_scale
+    kind = type(loss_scale)
+    if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):  # torch's habit: a scaler beside
+        raise HParamError("loss_scale is a torch.amp.GradScaler; the optimizer scales the loss itself: "
+                          "loss_scale='dynamic' is GradScaler's rule (sofx.loss_scale.grad_scaler(init_scale=..., "
+                          "growth_factor=..., backoff_factor=..., growth_interval=...) for other settings), and "
+                          "opt.backward(loss) or opt.scale_loss(loss).backward() take GradScaler.scale's place")
+    if any(loss_scale is factory for factory in (grad_scaler, deepspeed_scaler, static_scale)):
+        raise HParamError(f"loss_scale is the function {loss_scale.__name__}; call it for a rule: "
+                          f"{loss_scale.__name__}(...)")
     raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule "
                       "(sofx.loss_scale.grad_scaler(...), deepspeed_scaler(...), static_scale(...))")
 
