@@ -389,14 +389,46 @@ def test_corrupted_header(tmp_path, rng):
         ck.load(path)
 
 
+def _flip_in_header(path, text: bytes, at: int, bit: int) -> None:
+    """Flip ``bit`` of the byte ``at`` places into the first ``text`` of the file's header, in place."""
+    data = bytearray(open(path, "rb").read())
+    (n,) = struct.unpack("<Q", data[:8])
+    pos = 8 + data[8:8 + n].index(text) + at
+    data[pos] ^= 1 << bit
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("text, at, bit", [
+    pytest.param(b'\\"v\\":3}', 6, 0, id="the step count 3 read as 2"),
+    pytest.param(b'\\"s\\",\\"step\\"', 10, 0, id="the key 'step' read as 'sted'"),
+    pytest.param(b'\\"v\\":\\"0x1.', 12, 3, id="the loss scale 1024.0 read as 1536.0"),
+])
+def test_a_bit_flipped_in_the_tree_structure_is_corrupt_not_another_value(tmp_path, text, at, bit):
+    """The tensors carry checksums, the structure in the header did not: a flipped bit in a Python number (the
+    step a schedule resumes at, the loss scale) or in a dict key loaded as another value without a word. The
+    header records the structure's CRC-32, checked on load (``verify=False`` skips it, as the tensors')."""
+    tree = {"step": 3, "scale": 1024.0, "w": torch.arange(4.0)}
+    path = ck.save(tmp_path / "s.ckpt", tree)
+    _flip_in_header(path, text, at, bit)
+    with pytest.raises(ck.CorruptCheckpointError, match="tree structure in the header fails its checksum"):
+        ck.load(path)
+    with pytest.raises(ck.CorruptCheckpointError, match="fails its checksum"):
+        ck.read_metadata(path)
+    damaged = ck.load(path, verify=False)  # the damage itself (the test's id)
+    assert (damaged.get("step"), damaged.get("scale")) != (3, 1024.0)
+
+
 def _rewrite_metadata(path, **changes):
-    """A checkpoint's tensors saved again with edited sofx metadata (keeps the data)."""
+    """A checkpoint's tensors saved again with edited sofx metadata (keeps the data); an edited tree gets its
+    checksum, as a writer of that structure would record it."""
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
         meta = dict(f.metadata())
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     meta.update(changes)
+    if "tree" in changes:
+        meta["tree_crc32"] = ck_io.structure_checksum(meta["tree"])
     save_file(tensors, path, metadata=meta)
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 import sofx
 import sofx.checkpoint as ck
+from sofx.checkpoint import io as ck_io
 from sofx.kernels import cpu
 from sofx.kernels.layout import in_memory_order, is_dense, same_layout
 
@@ -166,6 +167,7 @@ def _with_tree(path, edit) -> None:
     structure = json.loads(meta["tree"])
     edit(structure)
     meta["tree"] = json.dumps(structure)
+    meta["tree_crc32"] = ck_io.structure_checksum(meta["tree"])  # as a writer of that structure records it
     save_file(tensors, path, metadata=meta)
 
 

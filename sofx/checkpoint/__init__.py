@@ -113,7 +113,8 @@ def load(path: str | os.PathLike, like: Any = None, *,
     template for a NamedTuple type that sofx does not define).
     ``device``: where to put every tensor (default: the template's device,
     else the CPU); one torch does not know, or that this process has not, is a
-    :class:`CheckpointError` naming it, before the file is read. ``verify``: check each tensor's CRC-32.
+    :class:`CheckpointError` naming it, before the file is read. ``verify``: check each tensor's CRC-32
+    and the structure's (its Python numbers and dict keys).
 
     Errors: :class:`CheckpointNotFoundError` (no file),
     :class:`CorruptCheckpointError` (truncated, corrupted header or data, not a
@@ -124,5 +125,6 @@ def load(path: str | os.PathLike, like: Any = None, *,
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
-    """Format version, writer and JSON structure of a checkpoint, without reading its tensors."""
+    """Format version, writer and JSON structure of a checkpoint (checked against its CRC-32), without reading its
+    tensors."""
     return io.read_metadata(path)

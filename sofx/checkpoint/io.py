@@ -5,9 +5,13 @@ read its tensors). Its header's ``__metadata__`` holds::
 
     "format": "sofx.checkpoint"      "format_version": "1" (or "2", below)
     "writer": "sofx 0.1.0"           "tree": <the JSON structure of sofx.checkpoint.codec>
+    "tree_crc32": "123"              (the CRC-32 of the "tree" text, in decimal)
 
 Each tensor node of the structure records the tensor's dtype, shape and the
-CRC-32 of its bytes, checked on load. Writing is atomic
+CRC-32 of its bytes, checked on load; the structure itself (its Python
+numbers: a step count, a loss scale; its dict keys) is checked against
+``tree_crc32`` (a file without one, an older sofx's, is read unchecked).
+Older readers ignore the key. Writing is atomic
 (:mod:`sofx.checkpoint.atomic`) and zero-copy for contiguous CPU tensors;
 tensors that share storage (views of one flat buffer) are simply written
 once each. Nothing is ever unpickled.
@@ -50,7 +54,7 @@ from sofx.checkpoint.known_types import type_registry
 from sofx.kernels.layout import dims_in_memory_order, is_dense
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", "write", "read", "read_metadata",
-           "nbytes"]
+           "nbytes", "structure_checksum"]
 
 FORMAT = "sofx.checkpoint"
 FORMAT_VERSION = 2  # the newest format, read and written: version 1 and tensor nodes with an "order"
@@ -154,8 +158,10 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
         specs[key] = tensor_spec(dtype=dtype_name(t.dtype), shape=list(t.shape), data_ptr=ptr, data_len=len(data))
     import sofx
 
+    structure = _structure_json(encoded, path)
     metadata = {"format": FORMAT, "format_version": str(_version_needed(encoded)),
-                "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": _structure_json(encoded, path)}
+                "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": structure,
+                "tree_crc32": structure_checksum(structure)}
 
     def _write(tmp: str) -> None:
         serialize_file(specs, tmp, metadata=metadata)
@@ -185,6 +191,22 @@ def _structure_json(encoded: EncodedTree, path: str | os.PathLike) -> str:
                               "lowered after the tree was encoded)") from None
 
 
+def structure_checksum(text: str) -> str:
+    """What the header's ``tree_crc32`` holds for the structure ``text``: its UTF-8 bytes' CRC-32, in decimal."""
+    return str(zlib.crc32(text.encode("utf-8")))
+
+
+def _check_structure(meta: dict, text: str, path: str) -> None:
+    """A :class:`CorruptCheckpointError` where the header records a checksum of the structure that ``text`` does
+    not have: a byte of it changed since it was written (a Python number, a dict key: nothing else would
+    notice)."""
+    recorded = meta.get("tree_crc32")
+    if recorded is not None and recorded != structure_checksum(text):
+        raise CorruptCheckpointError(f"{path}: the tree structure in the header fails its checksum (recorded "
+                                     f"{str(recorded)[:40]!r}, computed {structure_checksum(text)!r}): the header "
+                                     "is corrupted")
+
+
 def _open(path: str) -> Any:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
@@ -201,8 +223,9 @@ def _open(path: str) -> Any:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
 
-def _header(f: Any, path: str) -> dict:
-    """The checked sofx metadata of an open file: ``{"version": int, "tree": <structure>}``."""
+def _header(f: Any, path: str, verify: bool = True) -> dict:
+    """The checked sofx metadata of an open file: ``{"version": int, "tree": <structure>}`` (``verify``: its
+    structure checked against its checksum, where the file records one)."""
     meta = f.metadata() or {}
     if meta.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is a safetensors file but not a sofx checkpoint (its metadata has "
@@ -218,6 +241,8 @@ def _header(f: Any, path: str) -> dict:
                                      f"{meta.get('writer', 'an unknown writer')}); this sofx reads versions "
                                      f"{_FIRST_VERSION} to {FORMAT_VERSION}")
     text = meta.get("tree", "")
+    if verify:
+        _check_structure(meta, text, path)
     try:
         structure = json.loads(text)
     except ValueError as exc:
@@ -315,7 +340,7 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
     _check_byteorder()
     registry = type_registry(types)
     with _open(path) as f:
-        header = _header(f, path)
+        header = _header(f, path, verify)
         structure = header["tree"]
         file_keys = set(f.keys())
         seen: set[str] = set()
