@@ -96,11 +96,10 @@ def test_a_failed_save_does_not_keep_its_snapshot(tmp_path, monkeypatch):
         raise OSError("no space left on device")
 
     monkeypatch.setattr(ck_io, "serialize_file", failing)
-    saver = ck.AsyncSaver()
     big = torch.randn(1 << 16)
+    handles = []
     for _ in range(3):
-        saver.save(tmp_path / "f.ckpt", {"w": big})
-    handles = list(saver._pending)
+        handles.append(ck.save_async(tmp_path / "f.ckpt", {"w": big}, after=handles[-1] if handles else None))
     for h in handles:
         with pytest.raises(OSError):
             h.wait(30)
@@ -283,11 +282,12 @@ def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp
 def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, monkeypatch, cut_short):
     """A save that had failed was forgotten, its error unreported, when a later save's wait timed out or was
     interrupted: the next ``wait`` returned as if every save had been committed."""
-    release = threading.Event()
+    release, issued = threading.Event(), threading.Event()
     real = ck_io.serialize_file
 
     def writer(specs, filename, metadata=None):
         if os.path.basename(filename).startswith(".a.ckpt."):
+            issued.wait(3)  # (failed before the second save, it would be raised by it)
             raise OSError("no space left on device")
         release.wait(3)
         return real(specs, filename, metadata=metadata)
@@ -299,6 +299,7 @@ def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, m
     saver = ck.AsyncSaver()
     failed = saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(1)})
     saver.save(tmp_path / "b.ckpt", {"x": torch.ones(1)})
+    issued.set()
     failed._done.wait(30)
     previous = signal.signal(signal.SIGALRM, on_alarm)
     try:
@@ -317,6 +318,35 @@ def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, m
         saver.wait(timeout=30)
     saver.wait(timeout=30)  # each error once
     assert float(ck.load(tmp_path / "b.ckpt")["x"][0]) == 1.0 and not (tmp_path / "a.ckpt").exists()
+
+
+def test_a_failed_saves_error_is_raised_by_the_next_save_of_the_saver(tmp_path, monkeypatch):
+    """A loop saving through one AsyncSaver and waiting only at the end went on for the whole run while every
+    save failed (the directory removed, a full disk): the first error came at the end, with no checkpoint
+    written. The next ``save`` after a save failed raises its error, before it snapshots or writes anything;
+    each error is reported once."""
+    real = ck_io.serialize_file
+
+    def writer(specs, filename, metadata=None):
+        if os.path.basename(filename).startswith(".a.ckpt."):
+            raise OSError("no space left on device")
+        return real(specs, filename, metadata=metadata)
+
+    monkeypatch.setattr(ck_io, "serialize_file", writer)
+    for max_pending in (None, 1):
+        saver = ck.AsyncSaver(max_pending=max_pending)
+        failed = saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(1)})
+        failed._done.wait(30)
+        started, real_snapshot = [], ck_io.snapshot
+        monkeypatch.setattr(ck_io, "snapshot", lambda tree: (started.append(tree), real_snapshot(tree))[1])
+        with pytest.raises(OSError, match="no space left") as err:
+            saver.save(tmp_path / "b.ckpt", {"x": torch.ones(1)})
+        assert err.value is failed.exception() and started == [] and not (tmp_path / "b.ckpt").exists()
+        monkeypatch.setattr(ck_io, "snapshot", real_snapshot)
+        saver.save(tmp_path / "b.ckpt", {"x": torch.ones(1)})  # reported once: the next save goes on
+        saver.wait(30)
+        assert float(ck.load(tmp_path / "b.ckpt")["x"][0]) == 1.0 and not (tmp_path / "a.ckpt").exists()
+        os.unlink(tmp_path / "b.ckpt")
 
 
 def test_async_saver_commits_in_order(tmp_path, rng):

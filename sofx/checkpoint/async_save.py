@@ -117,6 +117,10 @@ class AsyncSaver:
     ``max_pending``: at most this many saves unfinished at once, also where threads call ``save`` at the same
     time; ``save`` first waits for the oldest (each holds a snapshot of its tree: saves issued faster than the
     disk writes them would hold one each). ``None``: no bound.
+
+    A failed save's error is raised by the next ``save`` (before it snapshots anything: nothing is issued) or
+    ``wait``, whichever comes first, once: a loop that saves every so often learns of a full disk at its next
+    save, not at the end of the run.
     """
 
     def __init__(self, max_pending: int | None = None) -> None:
@@ -131,19 +135,32 @@ class AsyncSaver:
 
     def save(self, path: str | os.PathLike, tree: Any) -> SaveHandle:
         """Snapshot ``tree`` now (after waiting for a save to finish where ``max_pending`` are running); write
-        it after every save issued before by this saver."""
+        it after every save issued before by this saver. Where an earlier save has failed, raise its error
+        instead (as :meth:`wait` would: the first, each once), before anything is snapshotted or written."""
         with self._admission:
-            while self.max_pending is not None:
+            while True:
+                self._raise_failed()
+                if self.max_pending is None:
+                    break
                 with self._lock:
                     running = [h for h in self._pending if not h.done()]
                 if len(running) < self.max_pending:
                     break
-                running[0]._done.wait()  # its error, if any, stays for wait()
+                running[0]._done.wait()  # its error, if any, is raised above
             with self._lock:
                 last = self._pending[-1] if self._pending else None
                 handle = save_async(path, tree, after=last)
                 self._pending = [h for h in self._pending if not h.done() or h.exception() is not None] + [handle]
         return handle
+
+    def _raise_failed(self) -> None:
+        """Raise the error of the first save that has failed, forgetting every failed one (as :meth:`wait`
+        reports them); the saves still running or committed stay."""
+        with self._lock:
+            failed = [h for h in self._pending if h.done() and h.exception() is not None]
+            self._pending = [h for h in self._pending if not any(h is f for f in failed)]
+        if failed:
+            raise failed[0]._error  # type: ignore[misc]  # (set: it failed)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every save issued so far (``timeout``: for all of them together); re-raise the first error
