@@ -223,6 +223,43 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert killed_mid_save, "no attempt caught a save in progress"
 
 
+def test_a_save_killed_while_writing_leaves_only_temporaries_that_stale_temporaries_lists(tmp_path):
+    """safetensors (0.8) writes a file through a temporary of its own (``.tmpXXXXXX`` beside it), renamed at
+    its end: a save killed while writing left that file, as large as the checkpoint and named like nobody's,
+    which ``stale_temporaries`` did not list (it found sofx's temporary only once the data was written). The
+    file being written is now sofx's temporary from its first byte: every leftover is listed."""
+    script = tmp_path / "saver.py"
+    script.write_text(KILLED_SAVER)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    path = directory / "run.ckpt"
+    killed_while_writing = False
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, str(script), str(path)], env=_env(), stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            while int(proc.stdout.readline().split()[1]) < 1:  # two complete saves
+                pass
+            deadline = time.monotonic() + 20
+            while set(os.listdir(directory)) == {"run.ckpt"} and time.monotonic() < deadline:
+                time.sleep(0.0005)  # wait until the next save has created a file ...
+            os.kill(proc.pid, signal.SIGKILL)  # ... and kill it while it writes
+        finally:
+            proc.kill()
+            proc.wait(30)
+            proc.stdout.close()
+        leftovers = sorted(str(directory / n) for n in os.listdir(directory) if n != "run.ckpt")
+        assert leftovers == ck.stale_temporaries(path)
+        assert ck.load(path)["count"].item() >= 1  # the previous checkpoint, checksums verified
+        complete = os.path.getsize(path)
+        killed_while_writing |= any(os.path.getsize(f) < complete for f in leftovers)
+        for f in leftovers:
+            os.unlink(f)
+        if killed_while_writing:
+            break
+    assert killed_while_writing, "no attempt killed a save while it wrote"
+
+
 # --------------------------------------------------------------- pickle payloads
 class _Payload:
     """Unpickling this object calls open(marker, 'w'): it would create the marker file."""

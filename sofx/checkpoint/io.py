@@ -7,6 +7,12 @@ read its tensors). Its header's ``__metadata__`` holds::
     "writer": "sofx 0.1.0"           "tree": <the JSON structure of sofx.checkpoint.codec>
     "tree_crc32": "123"              (the CRC-32 of the "tree" text, in decimal)
 
+sofx writes the file itself (the format is 8 bytes of header length, the
+JSON header, then each tensor's bytes), into its own temporary from the first
+byte: safetensors' ``serialize_file`` (0.8) writes through a temporary of its
+own, which a save killed meanwhile left unnamed beside the checkpoint. It is
+read with safetensors.
+
 Each tensor node of the structure records the tensor's dtype, shape and the
 CRC-32 of its bytes, checked on load; the structure itself (its Python
 numbers: a step count, a loss scale; its dict keys) is checked against
@@ -39,10 +45,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import struct
 import sys
 import zlib
 from types import ModuleType
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -120,9 +127,59 @@ def _safetensors() -> ModuleType:
     return safetensors
 
 
-def serialize_file(specs: dict, filename: str, metadata: dict[str, str]) -> None:
-    """Write a safetensors file from tensor specs (``safetensors.serialize_file``)."""
-    _safetensors().serialize_file(specs, filename, metadata=metadata)
+# The safetensors format's dtype codes by the checkpoint's dtype names, in the order its writer lays tensors out
+# (the widest elements first, so that every tensor starts at a multiple of its element size).
+_FILE_DTYPES = {"uint64": "U64", "int64": "I64", "float64": "F64", "complex64": "C64", "float32": "F32",
+                "uint32": "U32", "int32": "I32", "bfloat16": "BF16", "float16": "F16", "uint16": "U16",
+                "int16": "I16", "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_FILE_ORDER = {name: rank for rank, name in enumerate(_FILE_DTYPES)}
+_ALIGNMENT = 8  # the header is padded with spaces so that the data starts at a multiple of this
+_MAX_HEADER_BYTES = 100_000_000  # the largest header safetensors reads (and its writer wrote)
+
+
+class FileTensor(NamedTuple):
+    """One tensor of a file to write: its dtype name (:func:`~sofx.checkpoint.codec.dtype_name`), shape and
+    bytes (a view of its memory, valid while the tensor lives)."""
+
+    dtype: str
+    shape: list[int]
+    data: memoryview
+
+
+def _file_header(specs: dict[str, FileTensor], metadata: dict[str, str],
+                 path: str | os.PathLike | None = None) -> tuple[bytes, list[str]]:
+    """The header of a safetensors file of ``specs`` (JSON, padded with spaces to a multiple of
+    :data:`_ALIGNMENT` bytes, as safetensors pads it) and the order of the tensors' bytes after it: safetensors'
+    own (by dtype, widest first, then by name). A header larger than safetensors reads is a
+    :class:`CheckpointError` (naming ``path``, the file to be saved)."""
+    order = sorted(specs, key=lambda k: (_FILE_ORDER[specs[k].dtype], k))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key in order:
+        spec = specs[key]
+        header[key] = {"dtype": _FILE_DTYPES[spec.dtype], "shape": list(spec.shape),
+                       "data_offsets": [offset, offset + len(spec.data)]}
+        offset += len(spec.data)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % _ALIGNMENT)
+    if len(text) > _MAX_HEADER_BYTES:
+        where = f"cannot save {os.fspath(path)}: " if path is not None else ""
+        raise CheckpointError(f"{where}the checkpoint needs a header of {len(text)} bytes (its tree structure and "
+                              f"tensor names), and safetensors reads one of at most {_MAX_HEADER_BYTES}: store "
+                              "large data (long strings, many Python numbers) as tensors")
+    return text, order
+
+
+def serialize_file(specs: dict[str, FileTensor], filename: str, metadata: dict[str, str]) -> None:
+    """Write a safetensors file of ``specs`` to ``filename`` (created, or truncated), directly and without
+    copying the tensors' bytes: 8 bytes of header length (little-endian), the header, then each tensor's bytes."""
+    header, order = _file_header(specs, metadata)
+    with open(filename, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for key in order:
+            f.write(specs[key].data)
 
 
 def _bytes_view(t: torch.Tensor) -> tuple[int, memoryview]:
@@ -149,19 +206,20 @@ def check_writable(path: str | os.PathLike) -> str:
 def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
     """Write ``encoded`` (from :func:`prepare` or :func:`snapshot`) atomically to ``path``."""
     _check_byteorder()
-    tensor_spec = _safetensors().TensorSpec
+    _safetensors()  # (what reads the file back)
     specs, views = {}, []
     for key, t in encoded.tensors.items():
-        ptr, data = _bytes_view(t)
-        views.append(t)  # keep the buffers alive while safetensors reads them
+        _, data = _bytes_view(t)
+        views.append(t)  # keep the buffers alive while they are written
         encoded.nodes[key]["crc32"] = zlib.crc32(data)
-        specs[key] = tensor_spec(dtype=dtype_name(t.dtype), shape=list(t.shape), data_ptr=ptr, data_len=len(data))
+        specs[key] = FileTensor(dtype_name(t.dtype), list(t.shape), data)
     import sofx
 
     structure = _structure_json(encoded, path)
     metadata = {"format": FORMAT, "format_version": str(_version_needed(encoded)),
                 "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": structure,
                 "tree_crc32": structure_checksum(structure)}
+    _file_header(specs, metadata, path)  # a header safetensors would not read is refused before anything is written
 
     def _write(tmp: str) -> None:
         serialize_file(specs, tmp, metadata=metadata)
