@@ -405,6 +405,28 @@ def test_missing_file_and_directory(tmp_path):
         ck.load(tmp_path)
     with pytest.raises(ck.CheckpointError, match="is a directory"):
         ck.save(tmp_path, {"x": torch.zeros(1)})
+    with pytest.raises(ck.CheckpointNotFoundError, match="does not exist"):
+        ck.load(tmp_path / "file" / "x.ckpt")
+
+
+def test_a_checkpoint_that_cannot_be_opened_says_why(tmp_path):
+    """safetensors reports every failure to open a file as "No such file or directory": a checkpoint that
+    exists but cannot be read (no read permission, a socket) said that it does not exist. The system's reason
+    comes back, in a CheckpointIOError (an OSError) with its number."""
+    import socket
+
+    path = tmp_path / "s.ckpt"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # a socket file cannot be opened, even by root
+        with pytest.raises(ck.CheckpointIOError, match=r"cannot read checkpoint .*s.ckpt: .*No such device") as err:
+            ck.load(path)
+    assert err.value.errno == errno.ENXIO and "No such file" not in str(err.value)
+    if os.geteuid() != 0:  # (root reads any file)
+        locked = ck.save(tmp_path / "l.ckpt", {"x": torch.zeros(1)})
+        os.chmod(locked, 0)
+        with pytest.raises(ck.CheckpointIOError, match="Permission denied") as err:
+            ck.load(locked)
+        assert err.value.errno == errno.EACCES
 
 
 def test_truncated_file(tmp_path, rng):

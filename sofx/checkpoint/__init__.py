@@ -116,7 +116,8 @@ def load(path: str | os.PathLike, like: Any = None, *,
     :class:`CheckpointError` naming it, before the file is read. ``verify``: check each tensor's CRC-32
     and the structure's (its Python numbers and dict keys).
 
-    Errors: :class:`CheckpointNotFoundError` (no file),
+    Errors: :class:`CheckpointNotFoundError` (no file), :class:`CheckpointIOError`
+    (the system does not let this process read it: the reason, with its number),
     :class:`CorruptCheckpointError` (truncated, corrupted header or data, not a
     sofx checkpoint), :class:`CheckpointVersionError` (another format version),
     :class:`CheckpointMismatchError` (does not match ``like``).

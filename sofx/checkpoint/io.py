@@ -55,8 +55,8 @@ import torch
 
 from sofx.checkpoint.atomic import atomic_write, check_destination
 from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode, json_int, max_key_digits
-from sofx.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CheckpointVersionError,
-                                    CorruptCheckpointError)
+from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointNotFoundError,
+                                    CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.known_types import type_registry
 from sofx.kernels.layout import dims_in_memory_order, is_dense
 
@@ -265,11 +265,30 @@ def _check_structure(meta: dict, text: str, path: str) -> None:
                                      "is corrupted")
 
 
+def _read_error(path: str, exc: OSError) -> CheckpointIOError:
+    """The :class:`CheckpointIOError` of a checkpoint the system does not let this process read, with its number."""
+    error = CheckpointIOError(f"cannot read checkpoint {path}: {exc}")
+    error.errno = exc.errno
+    return error
+
+
+def _check_readable(path: str) -> None:
+    """Open ``path`` for reading and close it: safetensors reports every failure to open a file as "No such file or
+    directory", whatever the system said (no read permission, a socket); this says what it was."""
+    try:
+        with open(path, "rb"):
+            pass
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint {path} is a directory, expected a file written by sofx.checkpoint.save") \
+            from None
+    except OSError as exc:
+        raise _read_error(path, exc) from exc
+
+
 def _open(path: str) -> Any:
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"checkpoint {path} does not exist")
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} is a directory, expected a file written by sofx.checkpoint.save")
+    _check_readable(path)
     st = _safetensors()
     try:
         return st.safe_open(path, framework="pt", device="cpu")
@@ -278,7 +297,7 @@ def _open(path: str) -> Any:
         raise CorruptCheckpointError(f"{path} is not a readable checkpoint ({size} bytes): {exc}; the file is "
                                      "truncated, corrupted, or not a sofx checkpoint") from None
     except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        raise _read_error(path, exc) from exc
 
 
 def _header(f: Any, path: str, verify: bool = True) -> dict:
