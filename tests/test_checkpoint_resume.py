@@ -172,6 +172,61 @@ def test_resume_in_a_fresh_process_is_bitwise_the_uninterrupted_run(tmp_path):
         assert resumed["state"].count["dec"][1].item() < resumed["state"].count["dec"][0].item() == n + m
 
 
+def _loss_scaler(profile):
+    """GradScaler's rule or DeepSpeed's, growing the scale every 2 clean steps."""
+    from sofx.loss_scale import deepspeed_scaler, grad_scaler
+
+    if profile == "torch":
+        return grad_scaler(init_scale=2.0 ** 10, growth_interval=2)
+    return deepspeed_scaler(init_scale=2.0 ** 10, scale_window=2, hysteresis=1)
+
+
+def _speculative_run(profile, loop, start, stop):
+    """``speculative_loop_step`` from call ``start`` to ``stop`` with loss scaling (an overflow at call 2),
+    clipping and an lr schedule; returns the loop and the step reports."""
+    from sofx.speculate import SpeculationConfig, speculative_loop_step
+
+    opt, scaler = sofx.adamw(lr=1e-2, weight_decay=0.1, state_dtype=torch.float32), _loss_scaler(profile)
+    config = SpeculationConfig(max_norm=3.0, profile=profile)
+    reports = []
+    for call in range(start, stop):
+        g = torch.Generator().manual_seed(100 + call)
+        scale = float(scaler.scale(loop.scaler_state))
+        grads = sofx.tree.tree_map(lambda p: (torch.randn(p.shape, generator=g) * scale).to(p.dtype), loop.params)
+        if call == 2:
+            grads["a"][0, 0] = float("inf")
+        loop, report = speculative_loop_step(opt, loop, grads, config=config, scaler=scaler,
+                                             hparams=lambda step: sofx.AdamHParams(lr=1e-2 * 0.9 ** step))
+        reports.append(report)
+    return loop, reports
+
+
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_the_speculative_loop_resumed_from_any_step_is_bitwise_the_uninterrupted_run(tmp_path, profile):
+    """bf16 params with fp32 moments; a checkpoint after every call, among them one right after the skipped
+    overflow step and ones right after the loss scale changed, loaded without a template."""
+    from sofx.serial import init_loop
+
+    def start():
+        g = torch.Generator().manual_seed(0)
+        params = {"a": torch.randn(5, 4, generator=g).to(torch.bfloat16),
+                  "b": torch.randn(7, generator=g).to(torch.bfloat16)}
+        return init_loop(sofx.adamw(state_dtype=torch.float32), params, _loss_scaler(profile))
+
+    calls = 8
+    expected, reports = _speculative_run(profile, start(), 0, calls)
+    assert reports[2].skipped and expected.step == calls - 1  # the overflow did not count
+    assert sum(r.speculated for r in reports) > 0 and sum(r.undone for r in reports) > 0
+    for k in range(1, calls):
+        first, _ = _speculative_run(profile, start(), 0, k)
+        loaded = ck.load(ck.save(tmp_path / "loop.ckpt", {"loop": first, "calls": k}))
+        assert type(loaded["loop"]) is type(first)
+        resumed, _ = _speculative_run(profile, loaded["loop"], loaded["calls"], calls)
+        assert_trees_bitwise(resumed, expected)
+    scales = {float(_speculative_run(profile, start(), 0, k)[0].scaler_state.scale) for k in range(calls + 1)}
+    assert len(scales) > 2  # backed off at the overflow, then grew
+
+
 KILLED_SAVER = textwrap.dedent('''
     import sys
     import torch
