@@ -259,6 +259,36 @@ def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_
     assert re.fullmatch(r"\.a\.ckpt\.tmp-1-0123456789ab\.tmp-\d+-[0-9a-f]{12}", os.path.basename(theirs[0]))
 
 
+def test_a_save_over_a_file_keeps_its_permissions_as_torch_save_does(tmp_path):
+    """torch.save over an existing file truncates it in place: its mode stays. The atomic save renames a new file
+    over it, which had the process's default mode (a 0600 checkpoint of private data came back 0644); it now
+    takes the replaced file's mode. A new file gets the default mode, as open() gives it."""
+    params = {"w": torch.randn(3)}
+    path = tmp_path / "private.ckpt"
+    ck.save(path, params)
+    default = os.stat(path).st_mode & 0o777
+    for mode in (0o600, 0o640, 0o604):
+        os.chmod(path, mode)
+        ck.save(path, {"w": torch.randn(3)})
+        assert os.stat(path).st_mode & 0o777 == mode
+    fresh = tmp_path / "fresh.ckpt"
+    ck.save(fresh, params)
+    assert os.stat(fresh).st_mode & 0o777 == default
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write any file")
+def test_a_save_over_a_read_only_file_is_refused_as_torch_save_refuses_it(tmp_path):
+    """torch.save over a file the process may not write raises PermissionError; the atomic save's rename
+    replaced it (the directory being writable). It is refused before anything is written, naming the file."""
+    path = tmp_path / "frozen.ckpt"
+    ck.save(path, {"w": torch.ones(3)})
+    os.chmod(path, 0o444)
+    with pytest.raises(ck.CheckpointError, match=r"frozen.ckpt: the file is read-only"):
+        ck.save(path, {"w": torch.zeros(3)})
+    assert torch.equal(ck.load(path)["w"], torch.ones(3))
+    assert ck.stale_temporaries(path) == []
+
+
 def test_a_save_to_a_symbolic_link_writes_through_it_to_its_target(tmp_path, monkeypatch):
     """As ``open(link, "w")`` would: the link stays a link and its target (relative to the link's directory,
     dangling or not) gets the new file, committed atomically beside the target; a link that loops is refused."""

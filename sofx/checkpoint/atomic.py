@@ -8,9 +8,11 @@ never read, and :func:`stale_temporaries` lists such files for cleanup. Where
 that name would pass the file system's limit on a name's bytes (``NAME`` near
 it), ``NAME`` is shortened and followed by ``~`` and a hash of the whole name.
 
-A save to a symbolic link writes through it, as ``open(path, "w")`` would: the
-link stays, and its target (created if the link dangles) is the file replaced,
-its temporary beside it.
+A save over a file keeps its permission bits, and one over a file this
+process may not write is refused, as ``open(path, "w")`` (and so
+``torch.save``) would have it. A save to a symbolic link writes through it,
+as ``open(path, "w")`` would: the link stays, and its target (created if the
+link dangles) is the file replaced, its temporary beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import glob
 import hashlib
 import os
 import re
+import stat
 import uuid
 from typing import Callable
 
@@ -112,6 +115,9 @@ def _destination(path: str | os.PathLike) -> tuple[str, str]:
         raise CheckpointError(f"cannot save {named}: the directory {directory} {what}")
     if os.path.isdir(target):
         raise CheckpointError(f"cannot save {named}: it is a directory")
+    if os.path.exists(target) and not os.access(target, os.W_OK):  # (open(path, "w") and torch.save refuse it)
+        raise CheckpointError(f"cannot save {named}: the file is read-only for this process; the rename of a "
+                              "save would replace it all the same (make it writable, or save elsewhere)")
     return path, target
 
 
@@ -119,6 +125,16 @@ def check_destination(path: str | os.PathLike) -> str:
     """The absolute ``path``, after checking that a file can be committed there (or, where ``path`` is a
     symbolic link, at its target): :class:`CheckpointError` otherwise, before anything is written."""
     return _destination(path)[0]
+
+
+def _keep_mode(tmp: str, target: str) -> None:
+    """Give ``tmp`` the permission bits of the file ``target`` it will replace, if there is one: a save over a
+    file keeps its mode, as ``torch.save`` (which truncates it in place) does; a new file has the default one."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(tmp, mode)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
@@ -133,6 +149,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
     tmp = _temporary_name(target)
     try:
         write(tmp)
+        _keep_mode(tmp, target)
         _fsync_file(tmp)
         os.replace(tmp, target)
     except BaseException as exc:
