@@ -259,6 +259,17 @@ def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_
     assert re.fullmatch(r"\.a\.ckpt\.tmp-1-0123456789ab\.tmp-\d+-[0-9a-f]{12}", os.path.basename(theirs[0]))
 
 
+def test_mismatch_messages_put_the_right_article_before_the_templates_kind(tmp_path):
+    """A template's int or OrderedDict where the checkpoint holds a tensor read "the template has a int"."""
+    path = tmp_path / "a.ckpt"
+    ck.save(path, {"w": torch.ones(2)})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"tree\['w'\]: the checkpoint holds a tensor, the template "
+                                                         r"has an int$"):
+        ck.load(path, like={"w": 3})
+    with pytest.raises(ck.CheckpointMismatchError, match=r"the template has an OrderedDict$"):
+        ck.load(path, like={"w": collections.OrderedDict()})
+
+
 def test_a_save_over_a_file_keeps_its_permissions_as_torch_save_does(tmp_path):
     """torch.save over an existing file truncates it in place: its mode stays. The atomic save renames a new file
     over it, which had the process's default mode (a 0600 checkpoint of private data came back 0644); it now

@@ -254,9 +254,12 @@ def _corrupt(path: str, what: str) -> CorruptCheckpointError:
 def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    if _is_namedtuple(x):
-        return f"a {type_name(type(x))}"
-    return f"a {type(x).__name__}"
+    return _article(type_name(type(x)) if _is_namedtuple(x) else type(x).__name__)
+
+
+def _article(name: str) -> str:
+    """``name`` after its indefinite article: ``a float``, ``an int``, ``an OrderedDict``."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 _KIND_OF_SAVED = {"tensor": "a tensor", "none": "None", "bool": "a bool", "int": "an int", "float": "a float",
