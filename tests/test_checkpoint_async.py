@@ -87,6 +87,26 @@ def test_wait_reraises_the_write_error_and_keeps_previous(tmp_path, rng, monkeyp
     assert ck.stale_temporaries(path) == []
 
 
+def test_waiting_again_on_a_failed_save_raises_its_error_with_the_same_traceback(tmp_path, monkeypatch):
+    """wait() raised the one exception object each time: every call added its frames to the traceback, which grew
+    (and held the frames) with each wait of a loop that polls a failed save."""
+    import traceback
+
+    def failing(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ck_io, "serialize_file", failing)
+    handle = ck.save_async(tmp_path / "g.ckpt", {"x": torch.zeros(3)})
+    lengths = []
+    for _ in range(3):
+        with pytest.raises(OSError) as info:
+            handle.wait(30)
+        lengths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert lengths[0] == lengths[1] == lengths[2], lengths
+    # exception(): the save's own frames, without this test's and wait()'s
+    assert len(traceback.extract_tb(handle.exception().__traceback__)) == lengths[0] - 2
+
+
 def test_a_failed_save_does_not_keep_its_snapshot(tmp_path, monkeypatch):
     """Its error is kept until wait(); the traceback's frames no longer hold the snapshot (a loop saving to a
     full disk and waiting at the end grew by a copy of the tree per failed save)."""

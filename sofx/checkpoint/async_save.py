@@ -46,6 +46,7 @@ class SaveHandle:
         self._after = after
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._error_traceback: Any = None  # the save's own: every raise of the error starts from it
         self._waited = False
         self._thread = threading.Thread(target=self._run, name=f"sofx-save:{os.path.basename(path)}", daemon=False)
         self._thread.start()
@@ -58,7 +59,7 @@ class SaveHandle:
             io.write(self.path, self._encoded)
         except BaseException as exc:  # noqa: BLE001 - re-raised in wait()
             _drop_locals(exc)
-            self._error = exc
+            self._error, self._error_traceback = exc, exc.__traceback__
             _log.error("asynchronous checkpoint save to %s failed: %s", self.path, exc)
         finally:
             self._encoded = None  # free the snapshot
@@ -74,13 +75,19 @@ class SaveHandle:
             raise TimeoutError(f"the checkpoint save to {self.path} did not finish within {timeout} s")
         self._thread.join()
         self._waited = True
-        if self._error is not None:
-            raise self._error
+        error = self._failure()
+        if error is not None:
+            raise error
         return self.path
 
     def exception(self) -> BaseException | None:
         """The error of a finished save (``None`` if it succeeded or is still running)."""
-        return self._error if self._done.is_set() else None
+        return self._failure() if self._done.is_set() else None
+
+    def _failure(self) -> BaseException | None:
+        """The save's error with the save's own traceback: each raise of one exception object adds the raising
+        frames to its traceback, which grew with every wait() of a failed save."""
+        return None if self._error is None else self._error.with_traceback(self._error_traceback)
 
     def __repr__(self) -> str:
         status = "running" if not self.done() else ("failed" if self._error else "done")
@@ -160,7 +167,7 @@ class AsyncSaver:
             failed = [h for h in self._pending if h.done() and h.exception() is not None]
             self._pending = [h for h in self._pending if not any(h is f for f in failed)]
         if failed:
-            raise failed[0]._error  # type: ignore[misc]  # (set: it failed)
+            raise failed[0]._failure()  # type: ignore[misc]  # (set: it failed)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every save issued so far (``timeout``: for all of them together); re-raise the first error
@@ -190,7 +197,7 @@ class AsyncSaver:
             with self._lock:  # (saves issued meanwhile stay)
                 self._pending = [h for h in self._pending if not any(h is f for f in forget)]
         if failed:
-            raise failed[0]._error  # type: ignore[misc]  # (set: it failed)
+            raise failed[0]._failure()  # type: ignore[misc]  # (set: it failed)
 
     def __enter__(self) -> AsyncSaver:
         return self
