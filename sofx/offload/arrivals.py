@@ -79,6 +79,12 @@ class ArrivalTracker:
                 became_ready = True
         return Arrival(block, slot, n == 1, became_ready, late)
 
+    def retract(self, index: int) -> None:
+        """Forget parameter ``index``'s arrivals of this step, after backward (what arrived was no gradient: a
+        parameter ``DistributedDataParallel`` found unused on every rank): it has none; its block keeps its
+        readiness, and is stepped without it."""
+        self.arrivals[index] = 0
+
     def present(self, block: int) -> tuple[bool, ...]:
         """Per parameter of ``block``: has it any gradient this step."""
         return tuple(self.arrivals[i] > 0 for i in self.layouts[block].param_indices)

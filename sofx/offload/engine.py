@@ -48,6 +48,10 @@ moves gradients, counts arrivals, and carries decisions out. Device blocks
 (``n_device_blocks``, partial offload) live on the model's device and are
 stepped in ``step()`` by the device's backend, with the same actions.
 
+Under ``DistributedDataParallel`` (``ddp``) the gradients of the parameters
+it averages come from its communication hook instead of the gradient hooks
+(:mod:`sofx.offload.ddp`), each as its bucket's all-reduce completes.
+
 Executors: ``"inline"``, ``"thread"``, ``"process"`` (worker process on
 shared-memory tensors; falls back to ``"thread"`` with a warning when
 ``/dev/shm`` cannot hold the state, or when reserving it fails after the
@@ -84,6 +88,7 @@ from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
+from sofx.offload.ddp import DDPRoute, ddp_route, reduced_indices
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -162,7 +167,9 @@ class OffloadEngine:
     group (complete, Python floats); it is read when a step's first block is
     ready and again at validation. ``adam``: the static Adam configuration;
     ``speculation``: clipping, profile, missing gradients, snapshot budget,
-    adaptive policy, on/off; ``scaler``: the loss-scale rule.
+    adaptive policy, on/off; ``scaler``: the loss-scale rule; ``ddp``: the
+    ``DistributedDataParallel`` module averaging the gradients of (some of) the
+    parameters, or ``None``.
     """
 
     def __init__(self, groups: Sequence[Sequence[torch.Tensor]], hparams_fn: HParamsFn, *,
@@ -170,7 +177,7 @@ class OffloadEngine:
                  executor: str = "thread", block_numel: int = 2 ** 22, n_device_blocks: int = 0,
                  gradient_accumulation_steps: int = 1, timeout: float = 60.0, num_threads: int = 1,
                  shm_dir: str = DEFAULT_SHM_DIR, shm_limit_bytes: int | None = None,
-                 swap_params: bool = True) -> None:
+                 swap_params: bool = True, ddp: Any = None) -> None:
         if executor not in EXECUTORS:
             raise UnsupportedError(f"executor={executor!r}; expected one of {EXECUTORS}")
         timeout = _check_timeout(timeout)
@@ -187,6 +194,11 @@ class OffloadEngine:
         swap_params = flag("swap_params", swap_params, UnsupportedError)  # ("no" was taken as on)
         self.device = check_params(groups)
         self.params: list[torch.Tensor] = [p for g in groups for p in g]
+        #: The indices of the parameters whose gradients ``ddp`` averages (taken from its communication hook, not
+        #: from gradient hooks: see :mod:`sofx.offload.ddp`).
+        self.reduced: frozenset[int] = frozenset() if ddp is None else reduced_indices(ddp, self.params)
+        # (registered now, before anything else is made: a DDP module with a hook of its own is refused first)
+        self._route: DDPRoute | None = None if ddp is None else ddp_route(ddp)
         self.hparams_fn = hparams_fn
         self.adam_config = adam
         self.adam = adam.build()
@@ -291,7 +303,9 @@ class OffloadEngine:
                             for layout in self.layouts]
         # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
         # which then refuses to step for good (a constructor that raised after that broke it).
-        self.hooks = GradHooks(self.params, self._on_grad)
+        self.hooks = GradHooks(self.params, self._on_grad, unhooked=self.reduced)
+        if self._route is not None:
+            self._route.bind(self, {id(self.params[i]): i for i in self.reduced})
         self._reset_step()
         self._note_versions()
         # Closed before the interpreter finalizes if the script did not: daemon threads cannot run after it (the
@@ -537,9 +551,25 @@ class OffloadEngine:
                     param.grad = None
             self._poll()
 
-    def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool) -> None:
+    def take_reduced_gradient(self, index: int, grad: torch.Tensor) -> None:
+        """Parameter ``index``'s gradient as ``DistributedDataParallel`` averaged it, from its communication hook
+        as the bucket's all-reduce completes (on whichever thread completes it; see :mod:`sofx.offload.ddp`). It
+        is the step's gradient so far (DDP averages the ``.grad`` autograd accumulated since the last step), so
+        it replaces what an earlier synchronized backward of the step gave; it is copied (DDP reuses the
+        bucket)."""
+        if self._failed is not None or self._closed:
+            return  # step() raises the failure
+        with self._hook_lock, self._interrupts:
+            if not self.tracker.started:
+                self._adopt_model_edits()  # before any block of this step is stepped from its masters
+            self._take_gradient(index, grad, during_backward=True, owned=False, replace=True)
+            self._poll()
+
+    def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool,
+                       replace: bool = False) -> None:
         """Record parameter ``index``'s gradient; ``owned``: nobody else holds ``grad`` (autograd's
-        accumulated gradient once ``param.grad`` is cleared), so it may be borrowed and summed into."""
+        accumulated gradient once ``param.grad`` is cleared), so it may be borrowed and summed into;
+        ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it."""
         if grad.is_sparse or grad.layout != torch.strided:
             raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
                             "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
@@ -560,7 +590,7 @@ class OffloadEngine:
             self._speculated[b] = False
             self._published[b] = None
         # (no torch.no_grad() needed: neither ``grad`` nor the buffers require grad; it would cost ~2 us a hook)
-        if arrival.first:
+        if arrival.first or replace:
             if (owned and self._borrowing[b] and grad.dtype == view.dtype and grad.device == view.device
                     and grad.is_contiguous()):
                 self._grads[b][arrival.slot] = grad.view(-1)  # a view of autograd's gradient: no copy
@@ -784,7 +814,7 @@ class OffloadEngine:
 
     def _step(self) -> EngineStepReport:
         for i, p in enumerate(self.params):
-            if p.grad is not None and self.tracker.arrivals[i] > 0:
+            if p.grad is not None and self.tracker.arrivals[i] > 0 and i not in self.reduced:
                 raise SofxError(f"parameter {i} (shape {tuple(p.shape)}): .grad was set after backward took this "
                                 "step's gradient of it, so it would be ignored: the offload engine takes gradients "
                                 "in hooks during backward (they are not left in .grad); change them in a tensor hook "
@@ -799,6 +829,7 @@ class OffloadEngine:
                                 "new masters), or call zero_grad() to drop this step")
         else:
             self._adopt_model_edits()
+        self._settle_reduced()
         self._events.append(("step_called", -1))
         # Gradients set by hand (no hook fired) are taken now; their blocks are stepped late.
         for i, p in enumerate(self.params):
@@ -834,6 +865,39 @@ class OffloadEngine:
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes)
         self._refused_bytes = {}
         return self._apply(plan, presents, sumsq)
+
+    def _settle_reduced(self) -> None:
+        """After backward, the parameters whose gradients ``ddp`` averages: DDP wrote the average the engine took
+        into ``.grad``, consumed here as the gradient hooks consume autograd's; where it found a parameter unused
+        on every rank (``find_unused_parameters``, ``static_graph``) it left ``.grad`` as it was, ``None``, and
+        the zeros its bucket carried are no gradient: the parameter is not stepped, as torch.optim does not step
+        a parameter whose ``.grad`` is ``None``."""
+        for i in sorted(self.reduced):
+            if self.tracker.arrivals[i] == 0:
+                continue  # (a .grad of a backward DDP did not average, under no_sync(): taken as set by hand)
+            p = self.params[i]
+            if p.grad is None:
+                self._retract(i)
+            else:
+                p.grad = None
+
+    def _retract(self, index: int) -> None:
+        """Parameter ``index`` has no gradient this step after all (:meth:`_settle_reduced`): its block's
+        speculative step, taken with zeros for it, is undone, and validation steps the block without it."""
+        b = self.tracker.where[index][0]
+        if self._deferred:
+            self._record(self._wait())  # the block's decision, taken in the executor, is known after this
+        undone = self._speculated[b]
+        if undone:
+            self._events.append(("undo_now", b))
+            self._run_now(BlockOp(next(self._seq), "undo_now", b), self.layouts[b])
+            self._speculated[b] = False
+            self._published[b] = None
+        self.tracker.retract(index)
+        self._zero_absent(b, self.tracker.present(b))
+        if self._tally is not None and self._tally.decisions[b] is not None:
+            self._take_snapshot_reports()  # what its step held is counted before its undo releases it
+            self._tally = on_late_gradient(self._ctx, self._tally, b, self._block_sumsq(b), undone=undone)
 
     def _apply(self, plan: ValidationPlan, presents: list[tuple[bool, ...]],
                sumsq: list[float | None]) -> EngineStepReport:
@@ -1098,6 +1162,8 @@ class OffloadEngine:
         self._closed = True
         atexit.unregister(getattr(self, "_close_at_exit", None))
         self.hooks.remove()
+        if self._route is not None:
+            self._route.unbind(self)
         self._stale_grads = None
         try:
             self.executor.close()

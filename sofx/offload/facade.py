@@ -59,6 +59,23 @@ SPECULATION.md's checkpoint layout), not ``torch.optim``'s per-parameter
 ``state``: ``torch.optim.AdamW.load_state_dict`` does not check what it is given and would
 take it without its moments; :meth:`load_state_dict` refuses torch's (carry its moments over
 with ``opt.state[p][key] = value``).
+
+Data parallelism: a model wrapped in ``torch.nn.parallel.DistributedDataParallel`` is given as ``ddp``::
+
+    ddp_model = DistributedDataParallel(model)
+    opt = sofx.offload.SpeculativeAdamW(ddp_model.parameters(), ..., ddp=ddp_model)
+
+and trains as with ``torch.optim.AdamW`` (+ ``clip_grad_norm_`` on the averaged gradients, + ``GradScaler``):
+the optimizer registers a DDP communication hook that does DDP's all-reduce and takes each bucket's averaged
+gradient as it completes, so blocks are speculated on the gradient DDP writes, during backward, with every
+executor; every rank takes the same decisions on the same bits, and the replicas stay identical.
+``no_sync()`` accumulates as in torch (``gradient_accumulation_steps`` counts the synchronized backwards of a
+step: 1 with ``no_sync()``), and a parameter that ``find_unused_parameters`` or ``static_graph`` finds unused on
+every rank is not stepped. After backward ``.grad`` holds DDP's average, as in torch, until ``step()`` consumes
+it (the optimizer took it during backward: a change made to it there is not seen; change gradients in a tensor
+hook, ``Tensor.register_hook``, which runs before DDP averages them). The DDP module must not have a
+communication hook of its own (it takes one). Without ``ddp`` the optimizer's gradient hooks take each rank's
+*local* gradient before DDP averages it, speculation on or off.
 """
 
 from __future__ import annotations
@@ -288,7 +305,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                  state_dtype: torch.dtype = torch.float32, undo: str = "auto", backend: str = "auto",
                  policy: AdaptivePolicy | None = None, snapshot_budget_bytes: int | None = None,
                  timeout: float = 60.0, num_threads: int = 1, shm_dir: str = DEFAULT_SHM_DIR,
-                 shm_limit_bytes: int | None = None, swap_params: bool = True) -> None:
+                 shm_limit_bytes: int | None = None, swap_params: bool = True, ddp: Any = None) -> None:
         self._engine: OffloadEngine | None = None
         defaults = {"lr": lr, "betas": torch_betas(betas), "eps": eps,
                     "weight_decay": weight_decay, "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
@@ -327,7 +344,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
             scaler=scaler, executor=executor, block_numel=block_numel,
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
-            swap_params=swap_params)
+            swap_params=swap_params, ddp=ddp)
         self._state_view = _ParamStateView(self._engine)
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
@@ -694,6 +711,9 @@ class SpeculativeAdamW(_SpeculativeBase):
       ``snapshot_budget_bytes``: the most snapshot memory the speculative steps may hold (``None``: no limit).
     - ``bias_correction``, ``state_dtype`` (of the moments: float32, bfloat16 or float16), ``undo`` and
       ``backend``: as :func:`sofx.adamw`.
+    - ``ddp``: the ``DistributedDataParallel`` module whose parameters these are, under data parallelism (see
+      the module docstring): their gradients are taken as DDP averages them, from a communication hook it
+      registers on the module.
     """
 
     _decoupled = True

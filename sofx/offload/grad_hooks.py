@@ -16,14 +16,16 @@ and reports ``superseded``). Otherwise the older optimizer's hook, which runs
 first, would take every gradient and the newer one would silently step
 nothing -- what ``opt = SpeculativeAdamW(model.parameters())`` run twice
 does while something (a scheduler, a notebook's output history) still holds
-the first optimizer.
+the first optimizer. Parameters whose gradients come another way (``unhooked``:
+those a ``DistributedDataParallel`` module averages, see :mod:`sofx.offload.ddp`)
+get no hook, but are taken over from older owners all the same.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -56,10 +58,12 @@ def _other_owners(p: torch.Tensor, me: "GradHooks") -> list["GradHooks"]:
 
 
 class GradHooks:
-    """Post-accumulate-grad hooks on ``params`` (index ``i`` is ``params[i]``) calling ``callback(i, param)``."""
+    """Post-accumulate-grad hooks on ``params`` (index ``i`` is ``params[i]``) calling ``callback(i, param)``,
+    but on those in ``unhooked`` (their older owners are superseded all the same)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], callback: Callback) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], callback: Callback, unhooked: Collection[int] = ()) -> None:
         self.params = list(params)
+        self.unhooked = frozenset(unhooked)
         #: Set when hooks of a newer owner were registered on one of the parameters (see the module docstring):
         #: the index of that parameter; the hooks are removed then and never registered again.
         self.superseded_at: int | None = None
@@ -68,6 +72,8 @@ class GradHooks:
         # (the engine holds these hooks): dropping the optimizer's last reference removes its hooks at once.
         self._callback = weakref.WeakMethod(callback) if inspect.ismethod(callback) else (lambda cb=callback: cb)
         self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        for i in sorted(self.unhooked):
+            self._supersede_older(i)
         self.refresh()
 
     def refresh(self) -> None:
@@ -76,10 +82,15 @@ class GradHooks:
         if self.superseded_at is not None:
             return
         for i, p in enumerate(self.params):
-            if i not in self.handles and p.requires_grad:
-                for older in _other_owners(p, self):
-                    older.supersede(next((j for j, q in enumerate(older.params) if q is p), -1))
+            if i not in self.handles and i not in self.unhooked and p.requires_grad:
+                self._supersede_older(i)
                 self.handles[i] = p.register_post_accumulate_grad_hook(_Hook(self, i, self._callback))
+
+    def _supersede_older(self, i: int) -> None:
+        """Supersede the other owners hooking parameter ``i``."""
+        p = self.params[i]
+        for older in _other_owners(p, self):
+            older.supersede(next((j for j, q in enumerate(older.params) if q is p), -1))
 
     def supersede(self, index: int) -> None:
         """Another owner hooked parameter ``index``: remove every hook of this one, for good."""

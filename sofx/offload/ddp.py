@@ -1,0 +1,131 @@
+"""Gradients averaged by ``DistributedDataParallel``, taken as each bucket's all-reduce completes.
+
+Under ``torch.nn.parallel.DistributedDataParallel`` autograd's accumulation hook sees a rank's *local*
+gradient: DDP's reducer copies it into a bucket, all-reduces the bucket, and at the end of backward writes the
+average into ``.grad`` (a parameter ``find_unused_parameters`` or ``static_graph`` finds unused on every rank
+keeps its ``.grad`` as it was: ``None`` after ``zero_grad()``). The engine's own hooks, which take the gradient
+out of ``.grad`` as autograd accumulates it, would take the local one, and leave DDP nothing to average.
+
+So for the parameters a DDP module reduces the engine registers no hook: a DDP communication hook
+(``register_comm_hook``, which a DDP module takes once) does DDP's reduction itself -- each rank's gradient
+times ``1 / world_size``, summed by ``all_reduce``: the bits of DDP's reduction without a hook -- and, as
+each bucket's all-reduce completes (during backward), hands its parameters' averaged gradients to the engine
+(:meth:`~sofx.offload.engine.OffloadEngine.take_reduced_gradient`): blocks are speculated on the gradients
+DDP writes while backward goes on. ``.grad`` accumulates in autograd as with ``torch.optim`` (``no_sync()``
+micro-steps included), so an averaged gradient is the step's gradient so far: a later synchronized backward
+of the same step replaces it.
+
+The hook's state is a :class:`DDPRoute`, one per DDP module (kept here, weakly): an optimizer created again
+over the same DDP module takes the route over (the older one refuses to step from then on, as with
+gradient hooks), and a closed or collected optimizer leaves DDP's plain all-reduce.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from sofx.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from sofx.offload.engine import OffloadEngine
+
+__all__ = ["DDPRoute", "ddp_route", "reduced_indices"]
+
+# DDP module -> its route (weak keys: the route goes with the module; it holds no reference to the module)
+_ROUTES: "weakref.WeakKeyDictionary[Any, DDPRoute]" = weakref.WeakKeyDictionary()
+
+
+class DDPRoute:
+    """Where one DDP module's averaged gradients go: the engine that takes them (held weakly) and its index of
+    each of the module's parameters it steps."""
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group = group
+        self.world_size = world_size
+        self._engine: weakref.ReferenceType[OffloadEngine] | None = None
+        self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
+
+    def owner(self) -> OffloadEngine | None:
+        """The engine taking the gradients now (``None``: none, or it was collected)."""
+        return self._engine() if self._engine is not None else None
+
+    def bind(self, engine: OffloadEngine, index: Mapping[int, int]) -> None:
+        """Send the gradients of the parameters in ``index`` (``id(param) -> engine index``) to ``engine``;
+        an engine that took them before is superseded (it refuses to step from then on)."""
+        older = self.owner()
+        if older is not None and older is not engine:
+            older.hooks.supersede(next(iter(older.reduced), -1))
+        self._engine, self._index = weakref.ref(engine), dict(index)
+
+    def unbind(self, engine: OffloadEngine) -> None:
+        """Stop sending gradients to ``engine`` (closed), if it is the one taking them."""
+        if self.owner() is engine:
+            self._engine, self._index = None, {}
+
+    def take(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """Hand a reduced bucket's averaged gradients to the engine (those of parameters it steps)."""
+        engine = self.owner()
+        if engine is None:
+            return
+        for p, g in zip(params, grads):
+            index = self._index.get(id(p))
+            if index is not None:
+                engine.take_reduced_gradient(index, g)
+
+
+def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's annotations with its own classes)
+    """The communication hook: DDP's reduction of ``bucket`` (its gradients times ``1 / world_size``, summed over
+    the ranks, in place), then its averaged gradients to ``route``'s engine, on the thread that completes it."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / route.world_size)  # (as DDP's reducer scales each gradient into its bucket without a hook)
+    work = torch.distributed.all_reduce(buffer, group=route.group, async_op=True)
+
+    def take(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        route.take(bucket.parameters(), bucket.gradients())  # (views of the reduced buffer)
+        return reduced
+
+    return work.get_future().then(take)
+
+
+def _check_ddp(ddp: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise UnsupportedError(f"ddp must be the torch.nn.parallel.DistributedDataParallel module whose gradients "
+                               f"the optimizer steps (ddp=ddp_model), got {type(ddp).__name__}")
+
+
+def reduced_indices(ddp: Any, params: Sequence[torch.Tensor]) -> frozenset[int]:
+    """The indices of the ``params`` whose gradients ``ddp`` averages (its module's parameters but those it was
+    told to ignore); refused when none is."""
+    _check_ddp(ddp)
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    theirs = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
+    indices = frozenset(i for i, p in enumerate(params) if id(p) in theirs)
+    if not indices:
+        raise UnsupportedError(f"none of the optimizer's {len(params)} parameters is one whose gradient ddp "
+                               f"averages ({type(ddp.module).__name__}'s parameters): pass ddp_model.parameters() "
+                               "and the same ddp_model as ddp=")
+    return indices
+
+
+def ddp_route(ddp: Any) -> DDPRoute:
+    """The route of ``ddp``: its communication hook is registered on first use (refused where ``ddp`` has one of
+    its own already: a DDP module takes one)."""
+    _check_ddp(ddp)
+    route = _ROUTES.get(ddp)
+    if route is not None:
+        return route
+    route = DDPRoute(ddp.process_group, torch.distributed.get_world_size(ddp.process_group))
+    try:
+        ddp.register_comm_hook(route, _all_reduce_then_take)
+    except RuntimeError as exc:
+        raise UnsupportedError(f"ddp has a communication hook already ({exc}); a DDP module takes one, and the "
+                               "optimizer needs its own to take the averaged gradients as they come: wrap the model "
+                               "in a DistributedDataParallel without a hook") from None
+    _ROUTES[ddp] = route
+    return route

@@ -1,0 +1,299 @@
+"""The facade under DistributedDataParallel (gloo, 2 ranks) equals DDP + torch.optim.AdamW, side by side.
+
+Each rank trains the same tiny model twice, on its own batches: wrapped in ``DistributedDataParallel`` and
+stepped by ``SpeculativeAdamW(ddp.parameters(), ddp=ddp)``, and wrapped again and stepped by
+``torch.optim.AdamW`` + ``clip_grad_norm_`` on the averaged gradients (+ ``torch.amp.GradScaler`` where loss
+scaling is on). Every step must be torch's within DESIGN.md's 1e-6 relative (bitwise where nothing is undone
+and the kernels are torch's), and the replicas bitwise identical across ranks.
+
+Without ``ddp=`` the engine took each rank's *local* gradient in its accumulation hooks during backward and
+cleared ``.grad``, so DDP's reducer all-reduced nothing: ``step()`` refused the zeros DDP wrote into ``.grad``
+afterwards, or (``find_unused_parameters``, ``static_graph``: DDP leaves an undefined ``.grad`` alone) every rank
+silently stepped its own gradient and the replicas diverged -- with speculation off too. With ``ddp=`` the
+optimizer takes each bucket's averaged gradient from a DDP communication hook as its all-reduce completes
+(blocks are speculated on those during backward), and a parameter DDP found unused on every rank is not
+stepped, as torch's ``.grad`` of ``None`` is not.
+
+One spawned group runs every case (10 s group timeout); the tests compare what the ranks saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sofx
+from sofx.loss_scale import grad_scaler
+from sofx.speculate import AdaptivePolicy
+from helpers import error_text, run_gloo_cases
+
+STEPS = 5
+LR = 1e-2
+MAX_NORM = 1.0
+CLIP_STEPS = {1, 3}   # inp.weight's gradient (the last to arrive) 50x: blocks speculated before it are redone
+INF_STEP = 4          # with loss scaling, rank 1's gradient of out.weight has an inf: DDP's average has it
+TOL = 1e-6
+
+
+class _Net(nn.Module):
+    """A tiny MLP whose middle layer can be left out of a forward (``use_extra``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.extra, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.out(h)
+
+
+def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _boost(g: torch.Tensor) -> torch.Tensor:
+    return g * 50.0
+
+
+def _inject_inf(g: torch.Tensor) -> torch.Tensor:
+    g = g.clone()
+    g.view(-1)[0] = math.inf
+    return g
+
+
+def _always(step: int, rank: int) -> bool:
+    return True
+
+
+def _never(step: int, rank: int) -> bool:
+    return False
+
+
+def _sometimes(step: int, rank: int) -> bool:
+    """``extra`` unused on every rank at step 2 (DDP leaves its ``.grad`` alone: torch does not step it), on rank 1
+    only at step 3 (DDP averages rank 0's gradient with rank 1's zeros)."""
+    return not (step == 2 or (step == 3 and rank == 1))
+
+
+def _backward(ddp: DDP, step: int, rank: int, accumulate: int, no_sync: bool, uses_extra, scale,
+              inject: bool) -> None:
+    """This step's micro-steps of ``ddp``: ``scale(loss).backward()`` each, all but the last under ``no_sync()``
+    where asked; ``inp.weight``'s gradient is boosted at CLIP_STEPS and, with ``inject``, rank 1's ``out.weight``
+    gradient gets an inf at INF_STEP."""
+    net = ddp.module
+    net.use_extra = uses_extra(step, rank)
+    handles = [net.inp.weight.register_hook(_boost)] if step in CLIP_STEPS else []
+    if inject and step == INF_STEP and rank == 1:
+        handles.append(net.out.weight.register_hook(_inject_inf))
+    for micro in range(accumulate):
+        quiet = ddp.no_sync() if no_sync and micro < accumulate - 1 else contextlib.nullcontext()
+        with quiet:
+            x, y = _batch(step, micro, rank)
+            scale(((ddp(x) - y) ** 2).mean()).backward()
+    for handle in handles:
+        handle.remove()
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+
+
+def _ddp(ddp_kwargs: dict) -> DDP:
+    torch.manual_seed(0)
+    return DDP(_Net(), **ddp_kwargs)
+
+
+def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True, ddp_kwargs: dict | None = None,
+                  scaled: bool = True, accumulate: int = 1, no_sync: bool = False, uses_extra=_always,
+                  max_norm: float | None = MAX_NORM, backend: str = "auto") -> dict:
+    """STEPS steps of DDP + SpeculativeAdamW and of DDP + torch.optim.AdamW on this rank's batches: the flat
+    parameters after every step, and per step (speculated, redone, clipped, skipped) of the facade's report."""
+    ddp_kwargs = ddp_kwargs or {}
+    ref = _ddp(ddp_kwargs)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2, enabled=scaled)
+    model = _ddp(ddp_kwargs)
+    opt = sofx.offload.SpeculativeAdamW(
+        model.parameters(), lr=LR, max_grad_norm=max_norm, executor=executor, speculate=speculate,
+        loss_scale=grad_scaler(init_scale=2.0 ** 10, growth_interval=2) if scaled else None, block_numel=16,
+        gradient_accumulation_steps=1 if no_sync else accumulate, backend=backend,
+        policy=AdaptivePolicy(enabled=False), ddp=model)  # (speculating at every step, clipped or not)
+    out: dict = {"torch": [], "sofx": [], "reports": []}
+    try:
+        for step in range(STEPS):
+            ropt.zero_grad()
+            _backward(ref, step, rank, accumulate, no_sync, uses_extra, scaler.scale, scaled)
+            scaler.unscale_(ropt)
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
+            scaler.step(ropt)
+            scaler.update()
+            opt.zero_grad()
+            _backward(model, step, rank, accumulate, no_sync, uses_extra, opt.scale_loss, scaled)
+            report = opt.step()
+            out["torch"].append(_flat(ref.module))
+            out["sofx"].append(_flat(model.module))
+            out["reports"].append([report.speculated, report.redone, int(report.clipped), int(report.skipped)])
+        # each parameter's step count (torch: none for a parameter never stepped)
+        out["counts"] = [[int(ropt.state[p]["step"]) if p in ropt.state else 0 for p in ref.parameters()],
+                         [int(opt.state[p]["step"]) for p in model.parameters()]]
+    finally:
+        opt.close()
+    return out
+
+
+# name -> keyword arguments of _side_by_side
+SETUPS = {
+    "inline": dict(executor="inline"),
+    "inline_off": dict(executor="inline", speculate=False),
+    "thread": dict(executor="thread"),
+    "thread_off": dict(executor="thread", speculate=False),
+    "process": dict(executor="process"),
+    "process_off": dict(executor="process", speculate=False),
+    "bucket_view": dict(ddp_kwargs={"gradient_as_bucket_view": True}),
+    "find_unused": dict(ddp_kwargs={"find_unused_parameters": True}, uses_extra=_sometimes),
+    "static_graph": dict(ddp_kwargs={"static_graph": True}, uses_extra=_never),
+    "no_sync": dict(accumulate=2, no_sync=True),
+    "accumulate_synced": dict(accumulate=2),
+    "bitwise": dict(scaled=False, max_norm=None, backend="reference"),
+}
+
+
+def _setup_case(name: str, rank: int) -> dict:
+    """SETUPS[name] on this rank; what it raised, for the test's message."""
+    try:
+        return _side_by_side(rank, **SETUPS[name])
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _refusals(rank: int) -> dict:
+    """What ``ddp=`` refuses at construction: no DDP module, a DDP module none of whose parameters the optimizer
+    steps, a DDP module with a communication hook of its own."""
+    ddp, hooked = _ddp({}), _ddp({})
+    hooked.register_comm_hook(None, allreduce_hook)
+    out = {}
+    for name, params, given in (("module", ddp.parameters(), ddp.module),
+                                ("other_params", nn.Linear(2, 2).parameters(), ddp),
+                                ("own_hook", hooked.parameters(), hooked)):
+        out[name] = error_text(lambda: sofx.offload.SpeculativeAdamW(params, ddp=given).close())
+    return out
+
+
+def _replaced_then_closed(rank: int) -> dict:
+    """An optimizer over the same DDP module takes its gradients over from an older one, and over the model's
+    parameters from one made before it was wrapped (whose gradient hooks would take them first): those refuse
+    to step. Once it is closed, DDP averages for torch.optim as without a hook, with the same bits."""
+    torch.manual_seed(0)
+    net = _Net()
+    unwrapped = sofx.offload.SpeculativeAdamW(net.parameters(), lr=LR)
+    model, ref = DDP(net), _ddp({})
+    first = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, ddp=model)
+    second = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, ddp=model)
+    _backward(model, 0, rank, 1, False, _always, lambda loss: loss, False)
+    out = {"unwrapped": error_text(unwrapped.step), "first": error_text(first.step),
+           "second": error_text(second.step)}
+    for opt in (unwrapped, first, second):
+        opt.close()
+    ref.module.load_state_dict(model.module.state_dict())
+    for net in (model, ref):
+        opt = torch.optim.AdamW(net.parameters(), lr=LR, foreach=False)
+        for step in range(2):
+            opt.zero_grad()
+            _backward(net, step, rank, 1, False, _always, lambda loss: loss, False)
+            opt.step()
+    out["params"] = [_flat(model.module), _flat(ref.module)]
+    return out
+
+
+CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed,
+         **{name: functools.partial(_setup_case, name) for name in SETUPS}}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("ddp"), timeout_s=240)
+
+
+def _deviation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b|: DESIGN.md's relative error of ``a`` against the reference ``b``."""
+    return (a.double() - b.double()).abs().max().item() / max(b.abs().max().item(), 1e-3)
+
+
+def _check(ranks: list[dict], name: str, tol: float = TOL) -> list[list[list[int]]]:
+    """Case ``name``: no rank raised; every step within ``tol`` of torch's on each rank, and each parameter's
+    step count torch's; the facade's replicas (and torch's) bitwise identical across ranks. Returns each rank's
+    per-step report counts."""
+    results = [r[name] for r in ranks]
+    for rank, res in enumerate(results):
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+        assert res["counts"][1] == res["counts"][0], f"{name}: rank {rank}'s step counts differ from torch's"
+    for step in range(STEPS):
+        for rank, res in enumerate(results):
+            dev = _deviation(res["sofx"][step], res["torch"][step])
+            assert dev <= tol, f"{name}: rank {rank} step {step}: {dev:.3g} from DDP + torch.optim.AdamW"
+        assert torch.equal(results[0]["torch"][step], results[1]["torch"][step])
+        assert torch.equal(results[0]["sofx"][step], results[1]["sofx"][step]), \
+            f"{name}: the replicas differ after step {step}"
+    return [res["reports"] for res in results]
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+@pytest.mark.parametrize("speculate", [True, False])
+def test_each_executor_under_ddp_equals_ddp_and_torch_adamw(ranks, executor: str, speculate: bool) -> None:
+    """Clipping on CLIP_STEPS (speculated blocks undone and redone; the steps after may clip too), an inf on one
+    rank at INF_STEP (every rank skips, the scale backs off), a dynamic loss scale that grows."""
+    reports = _check(ranks, executor if speculate else f"{executor}_off")
+    assert reports[0] == reports[1], "the ranks took other decisions"
+    for per_rank in reports:
+        assert not per_rank[0][2] and all(per_rank[s][2] for s in CLIP_STEPS)
+        assert [bool(r[3]) for r in per_rank] == [s == INF_STEP for s in range(STEPS)]
+        assert (sum(r[0] for r in per_rank) > 0) == speculate
+        if speculate:
+            assert all(per_rank[s][1] > 0 for s in CLIP_STEPS), "the clipped steps redo speculated blocks"
+
+
+@pytest.mark.parametrize("name", ["bucket_view", "find_unused", "static_graph", "no_sync", "accumulate_synced"])
+def test_ddp_modes_equal_ddp_and_torch_adamw(ranks, name: str) -> None:
+    """``gradient_as_bucket_view``; ``find_unused_parameters`` with a layer unused on every rank at one step
+    (not stepped: no weight decay, no moment decay, as torch leaves a ``None`` gradient) and on one rank at
+    another; ``static_graph`` with a layer never used; accumulation of 2 micro-steps under ``no_sync()`` (one
+    synchronized backward per step) and without it (each micro-step's average summed)."""
+    reports = _check(ranks, name)
+    assert all(sum(r[0] for r in per_rank) > 0 for per_rank in reports)
+
+
+def test_without_clipping_or_loss_scaling_is_bitwise_torch(ranks) -> None:
+    """Nothing undone, torch's kernels (backend="reference"): every step is DDP + torch.optim.AdamW's, bit for
+    bit, on both ranks."""
+    _check(ranks, "bitwise", tol=0.0)
+
+
+def test_ddp_that_cannot_be_hooked_is_refused_at_construction(ranks) -> None:
+    for res in ranks:
+        out = res["refusals"]
+        assert "ddp must be the torch.nn.parallel.DistributedDataParallel module" in out["module"]
+        assert "got _Net" in out["module"]
+        assert "none of the optimizer's 2 parameters is one whose gradient ddp averages" in out["other_params"]
+        assert "ddp has a communication hook already" in out["own_hook"]
+
+
+def test_an_optimizer_takes_ddp_over_and_a_closed_one_leaves_ddps_own_average(ranks) -> None:
+    for res in ranks:
+        out = res["replaced_then_closed"]
+        assert "another optimizer was created over parameter" in out["unwrapped"]
+        assert "another optimizer was created over parameter" in out["first"]
+        assert out["second"] == "no error"
+        assert torch.equal(*out["params"])
+    assert torch.equal(ranks[0]["replaced_then_closed"]["params"][0], ranks[1]["replaced_then_closed"]["params"][0])
