@@ -12,7 +12,8 @@ afterwards, or (``find_unused_parameters``, ``static_graph``: DDP leaves an unde
 silently stepped its own gradient and the replicas diverged -- with speculation off too. With ``ddp=`` the
 optimizer takes each bucket's averaged gradient from a DDP communication hook as its all-reduce completes
 (blocks are speculated on those during backward), and a parameter DDP found unused on every rank is not
-stepped, as torch's ``.grad`` of ``None`` is not.
+stepped, as torch's ``.grad`` of ``None`` is not. Without ``ddp=`` the parameters of a DDP module are now
+refused, naming it.
 
 One spawned group runs every case (10 s group timeout); the tests compare what the ranks saved.
 """
@@ -217,7 +218,29 @@ def _replaced_then_closed(rank: int) -> dict:
     return out
 
 
-CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed,
+def _without_ddp(rank: int) -> dict:
+    """An optimizer over a DDP module's parameters without ``ddp=``: refused at construction (speculation on or
+    off, with each executor), and at the first backward where the model was wrapped after the optimizer was
+    made (no gradient taken, the parameters unchanged), and at every step after that."""
+    out = {}
+    for executor in ("inline", "thread", "process"):
+        for speculate in (True, False):
+            ddp = _ddp({"find_unused_parameters": True})
+            out[f"{executor}_{speculate}"] = error_text(lambda: sofx.offload.SpeculativeAdamW(
+                ddp.parameters(), executor=executor, speculate=speculate).close())
+    torch.manual_seed(0)
+    net = _Net()
+    opt = sofx.offload.SpeculativeAdamW(net.parameters(), lr=LR, executor="thread")
+    ddp = DDP(net, find_unused_parameters=True)
+    before = _flat(net)
+    out["backward"] = error_text(lambda: _backward(ddp, 0, rank, 1, False, _always, lambda loss: loss, False))
+    out["unchanged"] = torch.equal(_flat(net), before) and not opt.engine.in_step
+    out["step"] = error_text(opt.step)
+    opt.close()
+    return out
+
+
+CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -297,3 +320,19 @@ def test_an_optimizer_takes_ddp_over_and_a_closed_one_leaves_ddps_own_average(ra
         assert out["second"] == "no error"
         assert torch.equal(*out["params"])
     assert torch.equal(ranks[0]["replaced_then_closed"]["params"][0], ranks[1]["replaced_then_closed"]["params"][0])
+
+
+def test_a_ddp_modules_parameters_without_ddp_are_refused_naming_ddp(ranks) -> None:
+    """Taken by the gradient hooks, each rank's local gradient would be stepped before DDP averages it (with
+    find_unused_parameters silently: the replicas diverge), speculation on or off."""
+    for res in ranks:
+        out = res["without_ddp"]
+        for executor in ("inline", "thread", "process"):
+            for speculate in (True, False):
+                msg = out[f"{executor}_{speculate}"]
+                assert "parameter 0 (shape (8, 4)) is one whose gradient a DistributedDataParallel module" in msg
+                assert "ddp=ddp_model" in msg, msg
+        assert "is one whose gradient a DistributedDataParallel module" in out["backward"]
+        assert "wrapped in it after the optimizer was made" in out["backward"]
+        assert out["unchanged"]
+        assert "ddp=ddp_model" in out["step"]

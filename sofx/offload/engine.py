@@ -88,7 +88,7 @@ from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
-from sofx.offload.ddp import DDPRoute, ddp_route, reduced_indices
+from sofx.offload.ddp import DDPRoute, ddp_route, reduced_indices, refuse_averaged
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -197,8 +197,14 @@ class OffloadEngine:
         #: The indices of the parameters whose gradients ``ddp`` averages (taken from its communication hook, not
         #: from gradient hooks: see :mod:`sofx.offload.ddp`).
         self.reduced: frozenset[int] = frozenset() if ddp is None else reduced_indices(ddp, self.params)
+        if ddp is None:
+            refuse_averaged(self.params)  # (before anything is made: see sofx.offload.ddp)
         # (registered now, before anything else is made: a DDP module with a hook of its own is refused first)
         self._route: DDPRoute | None = None if ddp is None else ddp_route(ddp)
+        # Why this engine cannot step (a DDP module averaging its parameters' gradients was found at the first
+        # backward), or None; and whether that first backward's check is still to come (without ddp).
+        self._refusal: UnsupportedError | None = None
+        self._check_averaged = ddp is None
         self.hparams_fn = hparams_fn
         self.adam_config = adam
         self.adam = adam.build()
@@ -532,13 +538,14 @@ class OffloadEngine:
     # ------------------------------------------------------------ backward
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         """The post-accumulate-grad hook of parameter ``index`` (autograd may call it from a device thread)."""
-        if self._failed is not None or self._closed:
+        if self._failed is not None or self._closed or self._refusal is not None:
             return  # the gradient stays in param.grad; step() raises the failure
         with self._hook_lock, self._interrupts:  # Ctrl-C waits until the gradient is taken and its block sent
             grad = param.grad
             if grad is None:
                 return
             if not self.tracker.started:
+                self._refuse_averaged_once()
                 self._adopt_model_edits()  # before any block of this step is stepped from its masters
             arrivals = self.tracker.arrivals[index]
             try:
@@ -550,6 +557,18 @@ class OffloadEngine:
                 if self.tracker.arrivals[index] != arrivals:
                     param.grad = None
             self._poll()
+
+    def _refuse_averaged_once(self) -> None:
+        """At the first backward of an engine made without ``ddp``: refuse for good if a DDP module averages the
+        gradients of its parameters (the model wrapped after the engine was made; see :mod:`sofx.offload.ddp`)."""
+        if not self._check_averaged:
+            return
+        self._check_averaged = False
+        try:
+            refuse_averaged(self.params, after=True)
+        except UnsupportedError as exc:
+            self._refusal = exc
+            raise
 
     def take_reduced_gradient(self, index: int, grad: torch.Tensor) -> None:
         """Parameter ``index``'s gradient as ``DistributedDataParallel`` averaged it, from its communication hook
@@ -792,6 +811,8 @@ class OffloadEngine:
     def _check_usable(self) -> None:
         if self._closed:
             raise SofxError("the optimizer is closed")
+        if self._refusal is not None:
+            raise UnsupportedError(str(self._refusal))
         lost = self.hooks.superseded_at
         if lost is not None:
             p = self.params[lost] if lost >= 0 else None

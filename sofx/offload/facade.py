@@ -74,8 +74,10 @@ step: 1 with ``no_sync()``), and a parameter that ``find_unused_parameters`` or 
 every rank is not stepped. After backward ``.grad`` holds DDP's average, as in torch, until ``step()`` consumes
 it (the optimizer took it during backward: a change made to it there is not seen; change gradients in a tensor
 hook, ``Tensor.register_hook``, which runs before DDP averages them). The DDP module must not have a
-communication hook of its own (it takes one). Without ``ddp`` the optimizer's gradient hooks take each rank's
-*local* gradient before DDP averages it, speculation on or off.
+communication hook of its own (it takes one). Without ``ddp`` the optimizer's gradient hooks would take each
+rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module averages are
+refused then, at construction (or at the first backward, where the model was wrapped after the optimizer was
+made).
 """
 
 from __future__ import annotations
