@@ -325,8 +325,18 @@ def compile_program(program: str, directory: str, name: str = "program", source:
     raise RuntimeError(f"{name}.c did not build: " + " | ".join(errors))
 
 
+# A compiler driver's summary of a failed link (gcc's "collect2: error: ld returned 1 exit status", clang's "linker
+# command failed with exit code 1"): the linker's own lines before it say why ("cannot find -lomp", "No space left").
+_LINK_SUMMARY = re.compile(r"ld returned \d+ exit status|linker command failed with exit code")
+
+
 def _first_error(text: str) -> str:
-    lines = text.splitlines()
+    """The line of the compiler's error ``text`` that says why it failed: the first naming an error, but for a
+    failed link the linker's first line other than a warning (before the driver's summary of it)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    summary = next((i for i, line in enumerate(lines) if _LINK_SUMMARY.search(line)), None)
+    if summary is not None:
+        return next((line for line in lines[:summary] if "warning" not in line), lines[summary])
     return next((line for line in lines if "error" in line), lines[0] if lines else "failed")
 
 
