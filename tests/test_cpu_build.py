@@ -39,3 +39,17 @@ def test_a_failed_link_is_refused_with_the_linkers_reason_not_the_drivers_summar
 ])
 def test_the_first_error_of_each_kind_of_failure(text, want):
     assert _cpu_build._first_error(text) == want
+
+
+def test_a_cc_that_names_no_command_is_the_reason_given(tmp_path, monkeypatch):
+    """``CC`` naming a compiler that is not there was reported as "no C compiler found (set CC to one)", as if
+    CC were unset: the reason names the CC that was not found."""
+    missing = str(tmp_path / "bin" / "gcc-13")
+    monkeypatch.setenv("CC", f"{missing} -O1")
+    monkeypatch.setenv("SOFX_CACHE_DIR", str(tmp_path / "cache"))
+    reason = _cpu_build._build_and_open()
+    assert reason == f"no C compiler found: CC={missing!r} names no command here", reason
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert _cpu_build._build_and_open() == "no C compiler found (cc, gcc, clang): set CC to one"
+    assert not (tmp_path / "cache").exists()

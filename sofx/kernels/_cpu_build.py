@@ -159,14 +159,27 @@ def _cpu_fingerprint() -> str:
     return "|".join(fields) if any(fields) else platform.processor() + platform.machine()
 
 
+_COMPILER_NAMES = ("cc", "gcc", "clang")
+
+
 def _compiler() -> str | None:
+    """``CC`` (a command and its arguments) where it names a command found here, else the first of
+    ``_COMPILER_NAMES`` on the PATH where CC is unset; None where there is none (:func:`_no_compiler`: why)."""
     cc = os.environ.get("CC")
     if cc:
         return shutil.which(cc.split()[0]) and cc
-    for name in ("cc", "gcc", "clang"):
+    for name in _COMPILER_NAMES:
         if shutil.which(name):
             return name
     return None
+
+
+def _no_compiler() -> str:
+    """Why :func:`_compiler` found none: the CC set names no command, or none of the usual names is on the PATH."""
+    cc = os.environ.get("CC")
+    if cc:
+        return f"no C compiler found: CC={cc.split()[0]!r} names no command here"
+    return f"no C compiler found ({', '.join(_COMPILER_NAMES)}): set CC to one"
 
 
 def _compiler_version(cc: str) -> str:
@@ -307,7 +320,7 @@ def compile_program(program: str, directory: str, name: str = "program", source:
     path; raises RuntimeError with the compiler's errors when no flag set builds it (or there is no compiler)."""
     cc = _compiler()
     if cc is None:
-        raise RuntimeError("no C compiler found (set CC to one)")
+        raise RuntimeError(_no_compiler())
     with open(os.path.join(directory, "sofx_adam.c"), "w", encoding="utf-8") as f:
         f.write(SOURCE if source is None else source)
     src = os.path.join(directory, name + ".c")
@@ -483,7 +496,7 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None,
         return _DISABLED
     cc = _compiler()
     if cc is None:
-        return "no C compiler found (set CC to one)"
+        return _no_compiler()
     version = _compiler_version(cc)
     errors = []
     for flags in map(list, flag_sets):
