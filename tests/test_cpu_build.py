@@ -3,6 +3,10 @@ with the real compiler: its reasons, an unusable cache directory, a full disk.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from sofx.kernels import _cpu_build
@@ -53,3 +57,52 @@ def test_a_cc_that_names_no_command_is_the_reason_given(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     assert _cpu_build._build_and_open() == "no C compiler found (cc, gcc, clang): set CC to one"
     assert not (tmp_path / "cache").exists()
+
+
+def _on_a_small_disk(tmp_path, code: str, size: str = "1m", env: dict[str, str] | None = None
+                     ) -> subprocess.CompletedProcess:
+    """``code`` run by Python in a process of its own with ``tmp_path/disk`` a file system of ``size`` (a tmpfs
+    mounted in a mount namespace of that process alone: root, or user namespaces, and util-linux's unshare)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    probe = subprocess.run([*unshare, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot mount a small file system here (unshare -m)")
+    script = f'mount -t tmpfs -o size={size} tmpfs {disk} && exec {sys.executable} -c "$0"'
+    return subprocess.run([*unshare, "sh", "-c", script, code], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_build_that_finds_no_space_left_is_not_recorded_as_the_compilers_refusal(tmp_path):
+    """A cache on a full disk failed the link of the best flag sets ("No space left on device"), which were then
+    recorded as refused for good: every later process skipped them and loaded a smaller, slower build (no
+    -march=native), even once there was room. A failure of the disk is not the compiler's refusal."""
+    code = ("from sofx.kernels import _cpu_build; import os, sys\n"
+            f"target = os.path.join({str(tmp_path / 'disk')!r}, 'x.so')\n"
+            "try:\n"
+            f"    print(_cpu_build._cached_or_compiled({_real_compiler()!r}, ['-O1'], target, "
+            "'char sofx_big[4 << 20] = {1};\\n'))\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "print(sorted(os.listdir(os.path.dirname(target))))\n")
+    proc = _on_a_small_disk(tmp_path, code)
+    assert proc.returncode == 0, proc.stderr
+    said, files = proc.stdout.strip().rsplit("\n", 1)
+    assert "No space left on device" in said, proc.stdout
+    assert files == "['x.lock']" or files == "[]", files
+
+
+def test_a_compiler_killed_by_a_limit_is_not_recorded_as_refusing_the_flags(tmp_path):
+    """A compiler killed mid-build (the kernel's out-of-memory killer, a CPU-time limit: "Killed signal terminated
+    program cc1") was recorded as refusing the flag set for good; the next process must try it again."""
+    cc = _real_compiler()
+    limited = tmp_path / "limited-cc"
+    limited.write_text("#!/bin/sh\n"
+                       f'case " $* " in *" --version "*) exec {cc} "$@";; esac\n'
+                       f'ulimit -t 1\nexec {cc} "$@"\n')
+    limited.chmod(0o755)
+    target = tmp_path / "cache" / "x.so"
+    err = _cpu_build._cached_or_compiled(str(limited), _cpu_build._FLAG_SETS[0], str(target), _cpu_build.SOURCE)
+    assert err is not None and "signal" in err, err
+    assert not os.path.exists(_cpu_build._failed_marker(str(target)))

@@ -13,7 +13,8 @@ damaged by :func:`elf_problem`, logged and built again: mapped, it would kill th
 SIGBUS), and built by one process while the others that need it wait (a lock file beside it). A flag set
 the compiler refused (``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
 ``.failed`` file beside the library's name) and skipped by later processes;
-delete the cache to try it again. In the process it is built and
+delete the cache to try it again (a failure of the machine, a full disk or a compiler killed for its memory, is
+not recorded). In the process it is built and
 loaded at most once (a lock guards the lazy load); the result, or the reason
 it is unavailable, is cached.
 
@@ -248,12 +249,26 @@ def _failed_marker(target: str) -> str:
     return _beside(target, ".failed")
 
 
+# What a compiler's errors say where the machine failed the build, not the flags: no space or quota left for its
+# files, no memory left, one of its programs killed (the out-of-memory killer, a limit on its CPU time).
+_MACHINE_FAILURES = ("No space left on device", "Disk quota exceeded", "out of memory", "Cannot allocate memory",
+                     "signal terminated program")
+
+
+def _refused(returncode: int, err: str) -> bool:
+    """Whether a compiler that exited with ``returncode`` and the errors ``err`` refused its flags (or the
+    source), as it will again: not where it was killed by a signal or its errors name a failure of the machine
+    (:data:`_MACHINE_FAILURES`), which may be gone for the next process."""
+    return returncode > 0 and not any(failure in err for failure in _MACHINE_FAILURES)
+
+
 def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, parallel: bool = True) -> str | None:
     """Compile ``source`` (the kernel source) to ``target`` atomically (``parallel``: with
     :func:`_parallel_flags`); the compiler's error text on failure, else None. Where the compiler ran and
     refused (a flag set it lacks: ``-fopenmp`` without an OpenMP runtime, say) that text is also left in
     :func:`_failed_marker`'s file, so that later processes skip the flag set instead of paying the failed build
-    again (~10 s each; a timeout or a compiler that did not start leaves no marker)."""
+    again (~10 s each; a timeout, a compiler that did not start, or one that the machine failed, :func:`_refused`,
+    leaves no marker)."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -267,6 +282,8 @@ def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, paral
             return str(e)
         if proc.returncode != 0:
             err = proc.stderr.strip() or f"exit status {proc.returncode}"
+            if not _refused(proc.returncode, err):  # the machine failed it: the next process tries it again
+                return err
             marker = os.path.join(tmp, "failed")
             with open(marker, "w", encoding="utf-8") as f:
                 f.write(err)
