@@ -4,6 +4,7 @@ with the real compiler: its reasons, an unusable cache directory, a full disk.""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -59,17 +60,20 @@ def test_a_cc_that_names_no_command_is_the_reason_given(tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()
 
 
-def _on_a_small_disk(tmp_path, code: str, size: str = "1m", env: dict[str, str] | None = None
+def _on_a_small_disk(tmp_path, code: str, size: str = "1m", env: dict[str, str] | None = None,
+                     options: str = "", args: tuple[str, ...] = ("-c",), before: str = "true"
                      ) -> subprocess.CompletedProcess:
-    """``code`` run by Python in a process of its own with ``tmp_path/disk`` a file system of ``size`` (a tmpfs
-    mounted in a mount namespace of that process alone: root, or user namespaces, and util-linux's unshare)."""
+    """``code`` run by Python (``python ARGS code``) in a process of its own with ``tmp_path/disk`` a file system
+    of ``size`` (a tmpfs, mounted with ``options`` too, ``ro`` say, in a mount namespace of that process alone:
+    root, or user namespaces, and util-linux's unshare), after the shell command ``before``."""
     disk = tmp_path / "disk"
     disk.mkdir()
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
     probe = subprocess.run([*unshare, "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("cannot mount a small file system here (unshare -m)")
-    script = f'mount -t tmpfs -o size={size} tmpfs {disk} && exec {sys.executable} -c "$0"'
+    script = (f"mount -t tmpfs -o size={size}{',' + options if options else ''} tmpfs {disk} && {before} && "
+              f'exec {sys.executable} {" ".join(args)} "$0"')
     return subprocess.run([*unshare, "sh", "-c", script, code], env={**os.environ, **(env or {})},
                           capture_output=True, text=True, timeout=300)
 
@@ -90,6 +94,7 @@ def test_a_build_that_finds_no_space_left_is_not_recorded_as_the_compilers_refus
     assert proc.returncode == 0, proc.stderr
     said, files = proc.stdout.strip().rsplit("\n", 1)
     assert "No space left on device" in said, proc.stdout
+    assert said.startswith("_CacheUnusable "), said  # built elsewhere (see the private directory's tests)
     assert files == "['x.lock']" or files == "[]", files
 
 
@@ -106,3 +111,114 @@ def test_a_compiler_killed_by_a_limit_is_not_recorded_as_refusing_the_flags(tmp_
     err = _cpu_build._cached_or_compiled(str(limited), _cpu_build._FLAG_SETS[0], str(target), _cpu_build.SOURCE)
     assert err is not None and "signal" in err, err
     assert not os.path.exists(_cpu_build._failed_marker(str(target)))
+
+
+def _private_dir_holding_this_build(tmp_path) -> tuple[str, str]:
+    """A temporary directory (for ``TMPDIR``) whose ``sofx-<uid>/kernels`` holds a copy of the library this
+    process loaded, under its cache name (and the refusals recorded beside it), so that a process loading it
+    from there needs no build; returns (that TMPDIR, the library's path in it)."""
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library here")
+    private = tmp_path / "tmp" / f"sofx-{os.getuid()}" / "kernels"
+    private.mkdir(parents=True)
+    (tmp_path / "tmp" / f"sofx-{os.getuid()}").chmod(0o700)
+    cache = os.path.dirname(lib.path)
+    for name in [os.path.basename(lib.path), *(n for n in os.listdir(cache) if n.endswith(".failed"))]:
+        shutil.copy(os.path.join(cache, name), private / name)
+    return str(tmp_path / "tmp"), str(private / os.path.basename(lib.path))
+
+
+_LOAD = """
+import warnings
+warnings.simplefilter("always")
+from sofx.kernels import _cpu_build, cpu
+lib = _cpu_build.load()
+print(lib.path if lib else "unavailable: " + _cpu_build.unavailable_reason())
+"""
+
+
+def _unusable(tmp_path) -> str:
+    """A cache directory that cannot be made, even by root: a path under a regular file."""
+    (tmp_path / "a-file").write_text("")
+    return str(tmp_path / "a-file" / "cache")
+
+
+def test_a_cache_directory_that_cannot_be_made_moves_the_build_to_a_private_temporary_directory(tmp_path):
+    """A read-only home (XDG_CACHE_HOME, SOFX_CACHE_DIR where nothing can be written) made the native kernels
+    unavailable: the CPU backends ran the reference math, several times slower, for a reason repeated once per
+    flag set. The library is built (here: found) in ``$TMPDIR/sofx-<uid>/kernels`` instead, with a warning that
+    says why and what to set."""
+    tmpdir, private = _private_dir_holding_this_build(tmp_path)
+    cache = _unusable(tmp_path)
+    env = {**os.environ, "XDG_CACHE_HOME": cache, "TMPDIR": tmpdir}
+    env.pop("SOFX_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == private, proc.stdout + proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "Warning" in line]
+    assert len(warned) == 1, proc.stderr
+    assert f"the cache directory {cache}/sofx/kernels cannot take the native CPU kernels" in warned[0]
+    assert "Not a directory" in warned[0] and os.path.dirname(private) in warned[0]
+    assert "SOFX_CACHE_DIR" in warned[0]
+
+
+@pytest.mark.parametrize("options, size, why", [("ro", "1m", "Read-only file system"),
+                                                ("", "64k", "No space left on device")])
+def test_a_read_only_or_full_cache_directory_moves_the_build_to_a_private_temporary_directory(
+        tmp_path, options, size, why):
+    """The cache on a read-only file system (a home mounted read-only in a container), or on one with no room
+    left (too little for the source, here): the private temporary directory, and ``python -m sofx.kernels`` says
+    where the library is and why there."""
+    tmpdir, private = _private_dir_holding_this_build(tmp_path)
+    env = {"SOFX_CACHE_DIR": str(tmp_path / "disk"), "TMPDIR": tmpdir}
+    if not options:  # fill it
+        env["SOFX_FILL"] = str(tmp_path / "disk" / "filler")
+    code = "import os, runpy\n" \
+           "if os.environ.get('SOFX_FILL'):\n" \
+           "    with open(os.environ['SOFX_FILL'], 'wb') as f:\n" \
+           "        try:\n" \
+           "            f.write(bytes(1 << 20))\n" \
+           "        except OSError:\n" \
+           "            pass\n" \
+           "    open(os.environ['SOFX_FILL'], 'rb+').truncate(os.path.getsize(os.environ['SOFX_FILL']) - 8192)\n" \
+           "runpy.run_module('sofx.kernels', run_name='__main__')\n"
+    proc = _on_a_small_disk(tmp_path, code, size=size, env=env, options=options)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"native kernels, {private}" in proc.stdout, proc.stdout
+    assert f"  the cache directory {tmp_path / 'disk'}/kernels cannot take the native CPU kernels (" in proc.stdout
+    assert why in proc.stdout, proc.stdout
+
+
+def test_a_private_directory_that_others_can_write_is_not_used(tmp_path):
+    """``$TMPDIR/sofx-<uid>`` made by someone else, or open to others (a shared /tmp: what they put there would
+    run as this user's code): not used; the kernels are unavailable, and the reason says both why not."""
+    lib = _cpu_build.load()
+    if lib is None:
+        pytest.skip("no native library here")
+    shared = tmp_path / "tmp" / f"sofx-{os.getuid()}"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    env = {**os.environ, "SOFX_CACHE_DIR": _unusable(tmp_path), "TMPDIR": str(tmp_path / "tmp")}
+    proc = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout.strip()
+    assert said.startswith("unavailable: "), said
+    assert "Not a directory" in said and f"{shared} is not a directory of this user's alone" in said, said
+    assert not (shared / "kernels").exists()
+
+
+def test_a_damaged_library_in_a_read_only_cache_is_not_loaded_nor_fatal(tmp_path):
+    """A cached library cut short, in a cache that is read-only now (a shared cache, mounted so): it could not be
+    removed to be built again, and that error went up through the first update. It is left alone, and the
+    library built (here: found) in the private temporary directory."""
+    tmpdir, private = _private_dir_holding_this_build(tmp_path)
+    disk = tmp_path / "disk"
+    damaged = disk / "kernels" / os.path.basename(private)
+    before = (f"mkdir {disk / 'kernels'} && head -c 100 {private} > {damaged} && "
+              f"mount -o remount,ro {disk}")
+    proc = _on_a_small_disk(tmp_path, _LOAD, env={"SOFX_CACHE_DIR": str(disk), "TMPDIR": tmpdir}, before=before)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == private, proc.stdout + proc.stderr
+    assert f"the cached native library {damaged} is damaged" in proc.stderr
+    assert f"its damaged {damaged.name} cannot be removed: [Errno 30] Read-only file system" in proc.stderr

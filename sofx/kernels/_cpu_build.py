@@ -5,8 +5,9 @@ torch headers; a cold compile takes ~21 s of one core (``-O3``, several vector l
 later) it is built with ``-flto=auto``, which compiles the program's partitions on every core (11.5 s on two
 cores here, the same code speed; a build whose link-time step fails is built again without it; the cache key
 leaves it out). The shared library is cached on disk under ``$SOFX_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/sofx`` or ``~/.cache/sofx``), keyed by a hash of the source, the compiler, its flags and
-the CPU's instruction-set flags (the library is built with ``-march=native``),
+``$XDG_CACHE_HOME/sofx`` or ``~/.cache/sofx``; where that directory cannot take it, read-only or full, in
+``$TMPDIR/sofx-<uid>``, this user's alone, with a warning that says why), keyed by a hash of the source, the
+compiler, its flags and the CPU's instruction-set flags (the library is built with ``-march=native``),
 written to a temporary file, synced to disk and renamed into place, so that concurrent
 processes never load a half-written file (a cached file cut short anyway, by a copy say, is found
 damaged by :func:`elf_problem`, logged and built again: mapped, it would kill the process with
@@ -38,6 +39,7 @@ import platform
 import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import tempfile
@@ -89,7 +91,9 @@ class NativeLib:
     ``copy_sumsq``: the C entry ``sofx_copy_sumsq`` (:mod:`sofx.kernels.grad_copy`); ``overlap``: the C entry
     ``sofx_overlap`` (a call's written arrays against the others, from ``adam_many``'s tables); ``flags``: the
     flag set and tuning defines it was built with (empty where it was opened by path); ``built``: whether it was
-    not in the cache when this process asked for it (so built then, by this process or one it waited for).
+    not in the cache when this process asked for it (so built then, by this process or one it waited for);
+    ``displaced``: why it is in this user's private temporary directory, not the cache directory (that
+    directory could not take it: read-only, full, ...; :func:`_private_cache_dir`), else ''.
     """
 
     path: str
@@ -106,6 +110,7 @@ class NativeLib:
     overlap: ctypes._CFuncPtr
     flags: tuple[str, ...] = ()
     built: bool = False
+    displaced: str = ""
 
     @property
     def vector_loops(self) -> bool:
@@ -118,6 +123,25 @@ DTYPE_CODES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT
 _lock = threading.Lock()
 _loaded: list[NativeLib | str] = []  # at most one entry: the library or why it is unavailable
 _DISABLED = "disabled by SOFX_CPU_NATIVE=0"
+
+
+class _CacheUnusable(Exception):
+    """The cache directory cannot take a build: it cannot be made or written (a read-only home), or there is no
+    room left in it; the message says which."""
+
+
+def _private_cache_dir() -> str:
+    """``sofx-<uid>/kernels`` in the temporary directory (``TMPDIR``, :func:`tempfile.gettempdir`), where the
+    library is built when the cache directory cannot take it: made readable and writable by this user alone,
+    and refused (OSError) where it is there but not so (another user's, or open to others, in a shared /tmp:
+    what they put in it would run as this user's code)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    root = os.path.join(tempfile.gettempdir(), f"sofx-{uid if uid is not None else 'user'}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    info = os.lstat(root)
+    if uid is not None and (not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077):
+        raise OSError(f"{root} is not a directory of this user's alone")
+    return os.path.join(root, "kernels")
 
 
 def _cache_dir() -> str:
@@ -251,8 +275,8 @@ def _failed_marker(target: str) -> str:
 
 # What a compiler's errors say where the machine failed the build, not the flags: no space or quota left for its
 # files, no memory left, one of its programs killed (the out-of-memory killer, a limit on its CPU time).
-_MACHINE_FAILURES = ("No space left on device", "Disk quota exceeded", "out of memory", "Cannot allocate memory",
-                     "signal terminated program")
+_NO_ROOM = ("No space left on device", "Disk quota exceeded")
+_MACHINE_FAILURES = (*_NO_ROOM, "out of memory", "Cannot allocate memory", "signal terminated program")
 
 
 def _refused(returncode: int, err: str) -> bool:
@@ -480,7 +504,8 @@ def _remove_abandoned_builds(directory: str) -> None:
 
 def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> str | None:
     """None where ``target`` is built (already, or now by :func:`_compile`), else why not: the compiler's
-    refusal recorded before (:func:`_failed_marker`) or now, or an unwritable cache."""
+    refusal recorded before (:func:`_failed_marker`) or now, or its failure; raises :class:`_CacheUnusable`
+    where the directory cannot take the build (it cannot be made or written, or its disk is full)."""
     if os.path.exists(target):  # built by another process while this one waited for the lock
         return None
     try:
@@ -496,7 +521,10 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
         err = _compile(cc, flags, target, source)
     except OSError as e:  # unwritable cache directory and the like
         _log.info("cannot build %s there: %s", target, e)
-        return str(e)
+        raise _CacheUnusable(str(e)) from None
+    if err is not None and any(failure in err for failure in _NO_ROOM):  # the compiler's output did not fit
+        _log.info("cannot build %s there: %s", target, _first_error(err))
+        raise _CacheUnusable(_first_error(err))
     if err is None:
         _log.info("built %s in %.1f s", target, time.perf_counter() - start)
     else:
@@ -515,29 +543,53 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None,
     if cc is None:
         return _no_compiler()
     version = _compiler_version(cc)
+    directory, displaced = cache_dir or _cache_dir(), ""
     errors = []
     for flags in map(list, flag_sets):
         key = hashlib.sha256("\0".join([source, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
                              .encode()).hexdigest()[:24]
-        target = os.path.join(cache_dir or _cache_dir(), f"sofx_adam_{key}.so")
-        built = not os.path.exists(target)
-        broken = None if built else elf_problem(target)
-        if broken is not None:  # a cached library cut short (a crash, a copy): built again, not mapped
-            _log.warning("the cached native library %s is damaged (%s); building it again", target, broken)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(target)
-            built = True
-        if built:
-            with _build_lock(target):
-                err = _cached_or_compiled(cc, flags, target, source)
-            if err is not None:
-                errors.append(f"{cc} {' '.join(flags)}: {_first_error(err)}")
-                continue
-        try:
-            return dataclasses.replace(_open(target), flags=(*flags, *_TUNING), built=built)
-        except OSError as e:
-            errors.append(f"loading {target}: {e}")
+        while True:
+            try:
+                lib = _cached_or_built(cc, flags, os.path.join(directory, f"sofx_adam_{key}.so"), source)
+                break
+            except _CacheUnusable as e:
+                if displaced:  # the private directory cannot take it either
+                    return f"{displaced}, nor this user's private {directory} ({e})"
+                displaced = f"the cache directory {directory} cannot take the native CPU kernels ({e})"
+                try:
+                    directory = _private_cache_dir()
+                except OSError as private:
+                    return f"{displaced}, nor a private temporary directory ({private})"
+        if isinstance(lib, NativeLib):
+            return dataclasses.replace(lib, displaced=displaced)
+        errors.append(lib)
     return "the native CPU kernels could not be built: " + " | ".join(errors)
+
+
+def _cached_or_built(cc: str, flags: list[str], target: str, source: str) -> NativeLib | str:
+    """The library at ``target``, opened; built first where it is not there (or damaged), by this process or
+    another it waits for; why not where the compiler refused or failed, or it does not open (raises
+    :class:`_CacheUnusable` where ``target``'s directory cannot take it)."""
+    built = not os.path.exists(target)
+    broken = None if built else elf_problem(target)
+    if broken is not None:  # a cached library cut short (a crash, a copy): built again, not mapped
+        _log.warning("the cached native library %s is damaged (%s); building it again", target, broken)
+        try:
+            os.remove(target)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a read-only cache
+            raise _CacheUnusable(f"its damaged {os.path.basename(target)} cannot be removed: {e}") from None
+        built = True
+    if built:
+        with _build_lock(target):
+            err = _cached_or_compiled(cc, flags, target, source)
+        if err is not None:
+            return f"{cc} {' '.join(flags)}: {_first_error(err)}"
+    try:
+        return dataclasses.replace(_open(target), flags=(*flags, *_TUNING), built=built)
+    except OSError as e:
+        return f"loading {target}: {e}"
 
 
 def load() -> NativeLib | None:
@@ -548,6 +600,10 @@ def load() -> NativeLib | None:
         with _lock:
             if not _loaded:
                 _loaded.append(_build_and_open())
+                if isinstance(_loaded[0], NativeLib) and _loaded[0].displaced:
+                    warnings.warn(f"sofx: {_loaded[0].displaced}; they are in {os.path.dirname(_loaded[0].path)}, "
+                                  "this user's alone on this machine, instead (set SOFX_CACHE_DIR to a writable "
+                                  "directory to keep them there)", RuntimeWarning, stacklevel=2)
                 if isinstance(_loaded[0], str) and _loaded[0] != _DISABLED:
                     warnings.warn(f"sofx: the native CPU kernels are unavailable ({_loaded[0]}); the cpu and cpu_fast "
                                   "backends run the reference math, several times slower (`python -m sofx.kernels` "

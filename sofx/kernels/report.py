@@ -79,6 +79,8 @@ def lines() -> list[str]:
         if ready >= 0.05:  # where this call built or loaded it (not a process that had it already)
             how += f" in {ready:.1f} s"
         out += [f"cpu, cpu_fast: native kernels, {lib.path} ({how})",
+                *([f"  {lib.displaced}: in this user's temporary directory instead (set SOFX_CACHE_DIR to a "
+                     "writable directory)"] if lib.displaced else []),
                 f"  built with: {build_command(lib)}",
                 f"  {vector_loops(lib)}; threads: {threads}; "
                 f"float16: {'yes' if lib.has_f16 else 'no (the reference math)'}",
