@@ -235,3 +235,51 @@ def test_an_optimizer_that_chose_its_backends_still_copies_and_pickles(rng):
     for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         got, _, _ = other.update(params, grads, state)
         assert all(torch.equal(got[k], want[k]) for k in params)
+
+
+_NATIVE_ASKED_FOR = r"""
+import warnings
+import torch
+import sofx
+from sofx.errors import UnsupportedError
+params = {"w": torch.randn(3)}
+for backend in ("cpu", "cpu_fast", "auto"):
+    opt = sofx.adamw(backend=backend)
+    state = opt.init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            opt.update(params, params, state)
+            print(backend, "ran")
+        except UnsupportedError as e:
+            print(backend, "refused:", e)
+"""
+
+
+def test_a_native_backend_asked_for_by_name_is_refused_where_it_cannot_be_built(tmp_path):
+    """backend="cpu" or "cpu_fast" where the native kernels cannot be built (no compiler here: CC names none)
+    ran the reference math, several times slower, behind a warning; asked for by name, it is refused with the
+    reason. "auto" still runs the reference math."""
+    import os
+
+    missing = str(tmp_path / "no-such-cc")
+    env = dict(os.environ, CC=missing, SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _NATIVE_ASKED_FOR], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout.splitlines()
+    assert said[2] == "auto ran", said
+    for backend, line in zip(("cpu", "cpu_fast"), said):
+        assert line == (f"{backend} refused: params['w']: backend {backend!r} needs the native CPU kernels, unavailable "
+                        f"here (no C compiler found: CC={missing!r} names no command here); backend='auto' or "
+                        "'reference' runs the reference math (several times slower), SOFX_CPU_NATIVE=0 too"), line
+
+
+def test_a_native_backend_asked_for_by_name_runs_the_reference_math_where_sofx_cpu_native_0_says_so(tmp_path):
+    import os
+
+    env = dict(os.environ, SOFX_CPU_NATIVE="0", SOFX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _NATIVE_ASKED_FOR], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["cpu ran", "cpu_fast ran", "auto ran"]

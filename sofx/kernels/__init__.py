@@ -12,7 +12,9 @@ and a device/dtype combination to a backend module:
 ``"auto"`` picks ``cpu`` for CPU tensors and ``triton`` for CUDA tensors where
 they support the dtypes, else ``reference`` (float64, other devices).
 Backends whose dependencies are missing (triton) are simply not available;
-the reference backend always is.
+the reference backend always is. ``cpu`` and ``cpu_fast`` asked for by name
+where their native kernels cannot be built (no C compiler, a failed build)
+are refused with the reason; ``"auto"`` runs the reference math there.
 """
 
 from __future__ import annotations
@@ -74,6 +76,17 @@ def _auto_order(device: torch.device) -> list[str]:
     return ["reference"]
 
 
+def _refuse_unable(module: ModuleType) -> None:
+    """Raise where the backend ``module``, asked for by name, cannot run as itself here (``native_refusal``: the
+    CPU backends without their native kernels, which would run the reference math, several times slower)."""
+    refusal = getattr(module, "native_refusal", None)
+    reason = refusal() if refusal is not None else None
+    if reason is not None:
+        raise UnsupportedError(f"backend {module.NAME!r} needs the native CPU kernels, unavailable here ({reason}); "
+                               "backend='auto' or 'reference' runs the reference math (several times slower), "
+                               "SOFX_CPU_NATIVE=0 too")
+
+
 def select_backend(backend: str, device: torch.device | str, param_dtype: torch.dtype,
                    state_dtype: torch.dtype) -> ModuleType:
     """The kernel module to use for one block, or a clear :class:`UnsupportedError`."""
@@ -82,6 +95,8 @@ def select_backend(backend: str, device: torch.device | str, param_dtype: torch.
     for name in names:
         module = load_backend(name)
         if module is not None and module.supports(device, param_dtype, state_dtype):
+            if backend != "auto":
+                _refuse_unable(module)
             return module
     if backend == "auto":
         raise UnsupportedError(f"no backend supports device={device}, param dtype {param_dtype}, "

@@ -122,7 +122,7 @@ DTYPE_CODES = {torch.float32: DT_F32, torch.bfloat16: DT_BF16, torch.float16: DT
 
 _lock = threading.Lock()
 _loaded: list[NativeLib | str] = []  # at most one entry: the library or why it is unavailable
-_DISABLED = "disabled by SOFX_CPU_NATIVE=0"
+DISABLED = "disabled by SOFX_CPU_NATIVE=0"  # the reason where the native kernels were asked not to be used
 
 
 class _CacheUnusable(Exception):
@@ -538,7 +538,7 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None,
     ``flag_sets`` (default: the library's own) the compiler takes, and opened, cached in ``cache_dir`` (default:
     the library's cache; the key has the flags); why it is unavailable where it cannot be."""
     if os.environ.get("SOFX_CPU_NATIVE", "1") == "0":
-        return _DISABLED
+        return DISABLED
     cc = _compiler()
     if cc is None:
         return _no_compiler()
@@ -604,7 +604,7 @@ def load() -> NativeLib | None:
                     warnings.warn(f"sofx: {_loaded[0].displaced}; they are in {os.path.dirname(_loaded[0].path)}, "
                                   "this user's alone on this machine, instead (set SOFX_CACHE_DIR to a writable "
                                   "directory to keep them there)", RuntimeWarning, stacklevel=2)
-                if isinstance(_loaded[0], str) and _loaded[0] != _DISABLED:
+                if isinstance(_loaded[0], str) and _loaded[0] != DISABLED:
                     warnings.warn(f"sofx: the native CPU kernels are unavailable ({_loaded[0]}); the cpu and cpu_fast "
                                   "backends run the reference math, several times slower (`python -m sofx.kernels` "
                                   "reports; SOFX_CPU_NATIVE=0 silences this)", RuntimeWarning, stacklevel=2)

@@ -33,6 +33,9 @@ knows nothing of pytrees, threads or speculation. Every backend module exposes
     what ``torch.func`` wrappers hold, which the pytree layer does.
 ``CHECKS_FINITE``
     Whether ``step_many`` and ``undo_redo_many`` take checked steps (``skip``, see :data:`FINITE_CHUNK`).
+``native_refusal()`` (optional, the CPU backends)
+    Why the backend, asked for by name, refuses to run here (its native kernels are unavailable: no
+    compiler, a failed build), or None; :func:`sofx.kernels.select_backend` raises it.
 ``RUNS_CHUNK_LISTS`` (optional, the CPU backends)
     Whether the backend has ``step_chunks(calls, variant)`` and ``undo_redo_chunks(calls, variant)``: a
     step or an undo+redo on listed chunks of blocks alone, in one call (:mod:`sofx.kernels.chunked`, whose

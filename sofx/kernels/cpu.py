@@ -86,7 +86,8 @@ from sofx.kernels.threads import native_thread_request
 from sofx.kernels.layout import same_layout, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
-           "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "bitwise_with_torch",
+           "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "native_refusal",
+           "bitwise_with_torch",
            "CHECKS_FINITE", "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
 
 NAME = "cpu"
@@ -112,6 +113,15 @@ def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: 
 def native_available() -> bool:
     """Whether the compiled kernels are in use (building them now if needed)."""
     return _cpu_build.load() is not None
+
+
+def native_refusal() -> str | None:
+    """Why this backend, asked for by name, refuses to run here: the native kernels are unavailable (no C compiler,
+    a failed build: :func:`sofx.kernels._cpu_build.unavailable_reason`), which would leave it running the reference
+    math, several times slower; None where they are loaded, or where ``SOFX_CPU_NATIVE=0`` asked for that math.
+    Builds them first where they are not built yet."""
+    reason = _cpu_build.unavailable_reason()
+    return None if reason is None or reason == _cpu_build.DISABLED else reason
 
 
 def bitwise_with_torch() -> bool:

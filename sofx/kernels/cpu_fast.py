@@ -30,7 +30,8 @@ from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, Triple, UndoCa
 from sofx.kernels.chunked import ChunkedCall
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many", "step_chunks",
-           "undo_redo_chunks", "prepare_chunks", "CHECKS_FINITE", "CHECKS_OVERLAP", "RUNS_CHUNK_LISTS"]
+           "undo_redo_chunks", "prepare_chunks", "native_refusal", "CHECKS_FINITE", "CHECKS_OVERLAP",
+           "RUNS_CHUNK_LISTS"]
 
 NAME = "cpu_fast"
 CHECKS_FINITE = True  # step_many / undo_redo_many take checked calls (skip)
@@ -41,6 +42,11 @@ RUNS_CHUNK_LISTS = True  # step_chunks / undo_redo_chunks (sofx.kernels.chunked)
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
     """The same combinations as :func:`sofx.kernels.cpu.supports`."""
     return cpu.supports(device, param_dtype, state_dtype)
+
+
+def native_refusal() -> str | None:
+    """:func:`sofx.kernels.cpu.native_refusal` (the same native library)."""
+    return cpu.native_refusal()
 
 
 def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars,
