@@ -113,16 +113,18 @@ def test_a_compiler_killed_by_a_limit_is_not_recorded_as_refusing_the_flags(tmp_
     assert not os.path.exists(_cpu_build._failed_marker(str(target)))
 
 
-def _private_dir_holding_this_build(tmp_path) -> tuple[str, str]:
-    """A temporary directory (for ``TMPDIR``) whose ``sofx-<uid>/kernels`` holds a copy of the library this
-    process loaded, under its cache name (and the refusals recorded beside it), so that a process loading it
-    from there needs no build; returns (that TMPDIR, the library's path in it)."""
+def _private_dir_holding_this_build(tmp_path, uid: int | None = None) -> tuple[str, str]:
+    """A temporary directory (for ``TMPDIR``) whose ``sofx-<uid>/kernels`` (``uid``: this process's user, or the
+    one a child runs as) holds a copy of the library this process loaded, under its cache name (and the refusals
+    recorded beside it), so that a process loading it from there needs no build; returns (that TMPDIR, the
+    library's path in it)."""
     lib = _cpu_build.load()
     if lib is None:
         pytest.skip("no native library here")
-    private = tmp_path / "tmp" / f"sofx-{os.getuid()}" / "kernels"
+    uid = os.getuid() if uid is None else uid
+    private = tmp_path / "tmp" / f"sofx-{uid}" / "kernels"
     private.mkdir(parents=True)
-    (tmp_path / "tmp" / f"sofx-{os.getuid()}").chmod(0o700)
+    (tmp_path / "tmp" / f"sofx-{uid}").chmod(0o700)
     cache = os.path.dirname(lib.path)
     for name in [os.path.basename(lib.path), *(n for n in os.listdir(cache) if n.endswith(".failed"))]:
         shutil.copy(os.path.join(cache, name), private / name)
@@ -222,3 +224,23 @@ def test_a_damaged_library_in_a_read_only_cache_is_not_loaded_nor_fatal(tmp_path
     assert proc.stdout.strip() == private, proc.stdout + proc.stderr
     assert f"the cached native library {damaged} is damaged" in proc.stderr
     assert f"its damaged {damaged.name} cannot be removed: [Errno 30] Read-only file system" in proc.stderr
+
+
+def test_a_user_without_a_home_caches_in_the_private_directory_not_in_the_working_directory(tmp_path):
+    """No HOME and a user the password database does not know (a container run as an arbitrary uid): "~" stayed
+    "~", and the library was cached in ``./~/.cache/sofx`` under whatever directory the job started in, one per
+    directory. It goes to the private temporary directory, with the warning saying why."""
+    uid = 54321  # a user namespace maps this process's user to it: files made here are that user's there
+    probe = subprocess.run(["unshare", "-U", f"--map-user={uid}", f"--map-group={uid}", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot run as a user without a home here (unshare -U --map-user)")
+    tmpdir, private = _private_dir_holding_this_build(tmp_path, uid)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME", "SOFX_CACHE_DIR")}
+    proc = subprocess.run(["unshare", "-U", f"--map-user={uid}", f"--map-group={uid}", sys.executable, "-c", _LOAD],
+                          env={**env, "TMPDIR": tmpdir}, cwd=work, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == private, proc.stdout + proc.stderr
+    assert os.listdir(work) == []
+    assert f"no cache directory for the native CPU kernels (HOME is unset and user {uid} has no home)" in proc.stderr

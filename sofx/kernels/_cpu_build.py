@@ -145,11 +145,21 @@ def _private_cache_dir() -> str:
 
 
 def _cache_dir() -> str:
+    """``$SOFX_CACHE_DIR/kernels``, else ``sofx/kernels`` in ``$XDG_CACHE_HOME`` (where absolute, as the XDG
+    specification asks) or ``~/.cache``; raises :class:`_CacheUnusable` where there is no home to find that in
+    (no HOME, a user the password database does not know: "~" would be a directory named so in the working
+    directory)."""
     root = os.environ.get("SOFX_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "sofx")
-    return os.path.join(root, "kernels")
+    if root:
+        return os.path.join(root, "kernels")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            who = f"user {os.getuid()}" if hasattr(os, "getuid") else "this user"
+            raise _CacheUnusable(f"HOME is unset and {who} has no home")
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "sofx", "kernels")
 
 
 def _cpuinfo_field(name: str) -> str:
@@ -536,26 +546,30 @@ def _build_and_open(source: str = SOURCE, cache_dir: str | None = None,
                     flag_sets: Sequence[Sequence[str]] = _FLAG_SETS) -> NativeLib | str:
     """The library built from ``source`` (the kernel source; a benchmark's variant of it) with the first of
     ``flag_sets`` (default: the library's own) the compiler takes, and opened, cached in ``cache_dir`` (default:
-    the library's cache; the key has the flags); why it is unavailable where it cannot be."""
+    the library's cache, :func:`_cache_dir`; the key has the flags), or where that directory cannot take it in
+    this user's private temporary directory (:func:`_private_cache_dir`; ``NativeLib.displaced`` says why); why
+    it is unavailable where it cannot be."""
     if os.environ.get("SOFX_CPU_NATIVE", "1") == "0":
         return DISABLED
     cc = _compiler()
     if cc is None:
         return _no_compiler()
     version = _compiler_version(cc)
-    directory, displaced = cache_dir or _cache_dir(), ""
+    directory, displaced = cache_dir, ""  # None: _cache_dir(), found below
     errors = []
     for flags in map(list, flag_sets):
         key = hashlib.sha256("\0".join([source, cc, version, *flags, *_TUNING, *_COMMON, _cpu_fingerprint()])
                              .encode()).hexdigest()[:24]
         while True:
             try:
+                directory = directory or _cache_dir()
                 lib = _cached_or_built(cc, flags, os.path.join(directory, f"sofx_adam_{key}.so"), source)
                 break
             except _CacheUnusable as e:
                 if displaced:  # the private directory cannot take it either
                     return f"{displaced}, nor this user's private {directory} ({e})"
-                displaced = f"the cache directory {directory} cannot take the native CPU kernels ({e})"
+                displaced = (f"the cache directory {directory} cannot take the native CPU kernels ({e})" if directory
+                             else f"no cache directory for the native CPU kernels ({e})")
                 try:
                     directory = _private_cache_dir()
                 except OSError as private:
