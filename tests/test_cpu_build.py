@@ -244,3 +244,47 @@ def test_a_user_without_a_home_caches_in_the_private_directory_not_in_the_workin
     assert proc.stdout.strip() == private, proc.stdout + proc.stderr
     assert os.listdir(work) == []
     assert f"no cache directory for the native CPU kernels (HOME is unset and user {uid} has no home)" in proc.stderr
+
+
+_RANK = """
+import logging, os, sys, time
+logging.basicConfig(level=logging.INFO)
+from sofx.kernels import _cpu_build
+barrier, n = sys.argv[1], int(sys.argv[2])
+open(os.path.join(barrier, str(os.getpid())), "w").close()
+deadline = time.monotonic() + 60
+while len(os.listdir(barrier)) < n and time.monotonic() < deadline:  # all imported: build at the same moment
+    time.sleep(0.01)
+lib = _cpu_build._build_and_open(cache_dir=sys.argv[3], flag_sets=[["-O0"]])
+print(lib if isinstance(lib, str) else lib.path)
+"""
+
+
+def test_ranks_started_together_on_an_empty_cache_build_once_with_the_real_compiler(tmp_path):
+    """Four processes (ranks on one machine, DataLoader workers) needing the library at the same moment, from an
+    empty cache, with the real compiler (an -O0 build, a second; it waits 1 s first so that the others come
+    while it builds): one build, the others wait and open what it built, a whole library."""
+    cc = _real_compiler()
+    log = tmp_path / "builds"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text("#!/bin/sh\n"
+                       f'case " $* " in *" --version "*) exec {cc} "$@";; esac\n'
+                       f'echo build >> {log}\nsleep 1\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    barrier, cache, n = tmp_path / "barrier", tmp_path / "cache", 4
+    barrier.mkdir()
+    env = {**os.environ, "CC": str(wrapper)}
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(barrier), str(n), str(cache)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = [rank.communicate(timeout=240) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err for _, err in outs]
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1, outs
+    path = paths.pop()
+    assert path.startswith(str(cache)) and _cpu_build.elf_problem(path) is None, path
+    assert log.read_text().splitlines() == ["build"]
+    logged = "".join(err for _, err in outs)
+    assert logged.count("INFO:sofx.kernels:building the native CPU kernels") == 1, logged
+    assert 1 <= logged.count("INFO:sofx.kernels:waiting for another process building") <= n - 1, logged  # (a rank
+    # held back past the build finds the library built)
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(path), os.path.basename(path)[:-3] + ".lock"])
