@@ -20,7 +20,7 @@ loaded at most once (a lock guards the lazy load); the result, or the reason
 it is unavailable, is cached.
 
 The build is logged on the ``sofx.kernels`` logger at level INFO (the compiler and flags, a wait for another
-process's build, the time it took, a refused flag set), so that a first update's pause of 10-30 s can be
+process's build, the time it took, a refused flag set), so that a first update's pause of 15-40 s can be
 told apart from a hang: ``logging.basicConfig(level=logging.INFO)`` shows it.
 
 Set ``SOFX_CPU_NATIVE=0`` to disable the native kernels (the CPU backend then
@@ -524,7 +524,7 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
     except OSError:
         pass
     _remove_abandoned_builds(os.path.dirname(target))
-    _log.info("building the native CPU kernels (once per compiler and CPU; 10-30 s): %s %s -> %s",
+    _log.info("building the native CPU kernels (once per compiler and CPU; 15-40 s): %s %s -> %s",
               cc, " ".join(flags), target)
     start = time.perf_counter()
     try:

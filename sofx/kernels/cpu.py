@@ -57,7 +57,7 @@ slower tiled path). float64 parameters are left to the reference backend
 (:func:`supports` is False). The outputs may alias the inputs element for
 element; other overlaps between outputs and inputs are not supported.
 
-The native code is compiled on first use (about 9 s, cached on disk, see
+The native code is compiled on first use (about 15-40 s, cached on disk, see
 :mod:`sofx.kernels._cpu_build`). Where it cannot be built (no C compiler,
 ``SOFX_CPU_NATIVE=0``) every function runs the reference math instead, with
 the same results.

@@ -1,7 +1,7 @@
 """What the kernels are on this machine, in words; ``python -m sofx.kernels`` prints it.
 
 That command also builds the native CPU library where it is not built yet (the first update on a CPU would,
-~12-30 s), so that a container image, a cluster's shared cache or a job's first step can have it done before
+~15-40 s), so that a container image, a cluster's shared cache or a job's first step can have it done before
 training starts, and it says why the CPU backends run the reference math where they do. It exits with status 1
 when the native library is unavailable (no compiler, ``SOFX_CPU_NATIVE=0``, a build that failed), else 0.
 """
