@@ -32,6 +32,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 )
 
 import sofx.offload
+from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
 from sofx.offload.executor import ExecutorError, WorkerDiedError
 
@@ -243,6 +244,39 @@ def test_close_stops_the_worker_and_no_shared_memory_file_outlives_the_start() -
         assert _shm_files(opt) == []
     assert worker.poll() == 0, "the worker exits cleanly"
     assert relative_deviation(model, ref) <= TOL
+
+
+def _shm_mappings(opt: sofx.offload.SpeculativeAdamW) -> list[str]:
+    """This process's mappings of ``opt``'s shared-memory files (their names are unlinked once the worker has
+    mapped them, so ``ls /dev/shm`` cannot see them: only the mappings hold the memory)."""
+    arena = opt.engine._cpu_arena
+    with open("/proc/self/maps") as f:
+        return [line for line in f if os.path.join(arena.shm_dir, arena.prefix) in line]
+
+
+def test_close_gives_the_shared_memory_back_while_the_optimizer_is_still_referenced() -> None:
+    """close() releases the shared memory although the optimizer object lives on (a notebook variable, a list, a
+    scheduler): its blocks held the /dev/shm space until it was garbage-collected, so an optimizer re-created in a
+    container with a small /dev/shm found that space still taken. Its state stays readable, as the in-process
+    executors' does."""
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.step()
+    assert _shm_mappings(opt), "the blocks live in shared memory"
+    before = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())}
+    opt.close()
+    assert _shm_mappings(opt) == [], "close() unmaps every shared tensor"
+    assert not any(p.is_shared() for p in model.parameters())
+    for i, p in enumerate(model.parameters()):
+        state = opt.state[p]
+        assert not any(v.is_shared() for v in state.values())
+        assert all(torch.equal(state[k], v) for k, v in before[i].items())
+    with pytest.raises(SofxError, match="the optimizer is closed"):
+        opt.step()
+    opt.close()  # idempotent
+    assert torch.isfinite(mlp_loss(model, mlp_batch(gen))), "the model keeps its trained values"
 
 
 def test_a_start_that_fails_after_connecting_closes_the_connection(monkeypatch) -> None:

@@ -1177,7 +1177,13 @@ class OffloadEngine:
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop the executor, remove the hooks and release shared memory (idempotent)."""
+        """Stop the executor, remove the hooks and release shared memory (idempotent). The state stays readable
+        (``opt.state[p]``): the process executor's blocks are copied out of shared memory first."""
+        self._close(keep_state=True)
+
+    def _close(self, keep_state: bool) -> None:
+        """:meth:`close`; ``keep_state=False`` (the engine is being collected, the interpreter exits): the shared
+        blocks are dropped without a copy."""
         if self._closed:
             return
         self._closed = True
@@ -1192,13 +1198,37 @@ class OffloadEngine:
             # Parameters using shared-memory publish buffers move to private memory; the files are removed.
             try:
                 self._release_shared_memory()
+                self._unmap_shared_blocks(keep_state)
             finally:
                 release_gate(self._interrupts)
                 self._interrupts = NO_GATE
 
+    def _unmap_shared_blocks(self, keep_state: bool) -> None:
+        """Drop every reference to the shared-memory tensors (the worker has stopped), so that their memory goes
+        back to ``/dev/shm`` now: the files are unlinked already, and these mappings held the space for as long
+        as the closed optimizer lived on (a notebook variable, a scheduler), where the next optimizer's space
+        check found it taken. ``keep_state``: each block's master, moments and counts are copied into private
+        memory first, one block at a time (what the in-process executors keep after close)."""
+        if not isinstance(self._cpu_arena, SharedMemoryArena):
+            return
+        for layout in self.layouts:
+            b = layout.index
+            if layout.on_device or b not in self.tensors:
+                continue
+            t = self.tensors.pop(b)
+            self._grad_views[b] = ()
+            self._grads[b] = [None] * len(layout.numels)
+            if keep_state:
+                self.tensors[b] = BlockTensors(master=t.master.clone(), exp_avg=t.exp_avg.clone(),
+                                               exp_avg_sq=t.exp_avg_sq.clone(), grad=t.grad.new_empty(0),
+                                               counts=t.counts.clone())
+            del t
+        self._pub.clear()
+        self._pub_shaped.clear()
+
     def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
         try:
-            self.close()
+            self._close(keep_state=False)
         except Exception:
             pass
 
@@ -1208,6 +1238,6 @@ def _close_if_alive(engine: weakref.ReferenceType[OffloadEngine]) -> None:
     alive = engine()
     if alive is not None:
         try:
-            alive.close()
+            alive._close(keep_state=False)
         except Exception:
             pass
