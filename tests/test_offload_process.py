@@ -202,6 +202,34 @@ def test_an_operation_failing_in_the_worker_is_raised_with_its_traceback() -> No
             executor.wait(30.0)
 
 
+class _UnreadableInTheWorker:
+    """Pickled fine here; unpickling it raises in the worker (as a message of another sofx version could)."""
+
+    def __reduce__(self):
+        return int, ("sofx test: the worker cannot read this message",)
+
+
+def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
+    """The worker fails outside an operation (here: it cannot read a message) and exits: the error names the
+    exit code and carries what the worker printed (its traceback went to the terminal only, out of sight in a
+    notebook); close() then works and the state is still readable."""
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
+    opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+    opt.step()
+    executor = opt.engine.executor
+    executor.submit(_UnreadableInTheWorker())
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid literal "
+                                              r"for int\(\) with base 10: 'sofx test: the worker cannot read"):
+        executor.wait(30.0)
+    assert time.monotonic() - start < 10.0
+    steps = [int(opt.state[p]["step"]) for p in model.parameters()]
+    opt.close()
+    assert executor.process.poll() == 1
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == steps
+
+
 def test_the_worker_gets_every_hparam_with_every_operation() -> None:
     """Betas, eps and weight decay change every step (a schedule, a resume): the worker must use them all."""
     torch.manual_seed(0)

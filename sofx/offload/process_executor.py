@@ -15,7 +15,10 @@ threads and ignores Ctrl-C (the main process decides what it means).
 Failures are clear and bounded in time: a failing operation is raised by
 :meth:`wait` with the worker's traceback; a worker that died (killed, out of
 memory, crashed) is detected by :meth:`wait` within a fraction of a second
-and raised as :class:`~sofx.offload.executor.WorkerDiedError`; a worker that
+and raised as :class:`~sofx.offload.executor.WorkerDiedError`, with the last
+lines the worker wrote to its stderr (a Python traceback where it raised; a
+reader thread passes that stream on to this process's ``sys.stderr``, where a
+notebook shows it); a worker that
 hangs makes :meth:`wait` raise :class:`~sofx.offload.executor.ExecutorTimeout`
 after the timeout, and :meth:`ProcessExecutor.close` kills it at once then (else
 after its own timeout, :data:`CLOSE_TIMEOUT_S` by default). The shared tensors stay mapped in the main process in
@@ -25,6 +28,7 @@ failure.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import shutil
@@ -37,7 +41,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any
+from typing import IO, Any
 
 from sofx.errors import UnsupportedError
 from sofx.offload.block_ops import BlockOp, OpResult
@@ -56,6 +60,9 @@ _POLL_S = 0.05
 #: How long :meth:`ProcessExecutor.close` lets the worker finish what was queued and exit before killing it.
 CLOSE_TIMEOUT_S = 10.0
 _STOP = object()
+#: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
+_TAIL_LINES = 40
+_TAIL_LINE_CHARS = 2000
 
 
 class ProcessExecutor(Executor):
@@ -83,14 +90,17 @@ class ProcessExecutor(Executor):
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn: Connection | None = None
         self.process: subprocess.Popen | None = None
+        self._stderr: _StderrTail | None = None
         try:
             server.bind(address)
             server.listen(1)
             server.settimeout(_POLL_S)
             authkey = os.urandom(32)
             self.process = subprocess.Popen([sys.executable, "-m", "sofx.offload.process_worker", address],
-                                            stdin=subprocess.PIPE, text=True, close_fds=True)
+                                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            errors="replace", close_fds=True)
             self.pid = self.process.pid
+            self._stderr = _StderrTail(self.process.stderr)
             self.process.stdin.write(authkey.hex() + "\n")
             self.process.stdin.close()
             self.conn = self._accept(server, authkey, startup_timeout)
@@ -102,6 +112,8 @@ class ProcessExecutor(Executor):
         except BaseException:
             server.close()
             self._kill()
+            if self._stderr is not None:
+                self._stderr.join(1.0)  # (its stream is closed at its end)
             if self.conn is not None:  # (connected, then the worker refused its config or never got ready)
                 self.conn.close()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -142,8 +154,16 @@ class ProcessExecutor(Executor):
     def _check_alive(self, when: str) -> None:
         code = self.process.poll()
         if code is not None:
-            raise WorkerDiedError(f"the offload worker process (pid {self.pid}) exited with "
-                                  f"{_exit_description(code)} {when}")
+            raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
+                                  f"{when}{self._last_output(code)}")
+
+    def _last_output(self, code: int | None) -> str:
+        """What the worker wrote to stderr last, for an error reporting its end (exit ``code``; None: it may
+        still run, its output is not waited for)."""
+        if self._stderr is None:
+            return ""
+        text = self._stderr.tail(timeout=1.0 if code is not None else 0.0).rstrip()
+        return f"; its last output:\n{text}" if text else ""
 
     # ------------------------------------------------------------ operations
     def _send_loop(self) -> None:
@@ -218,7 +238,7 @@ class ProcessExecutor(Executor):
                     f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) with "
                     f"{self._outstanding()} block operation(s) unfinished. The optimizer state in shared memory is "
                     "intact and readable (state_dict() still works), but blocks of the current step may be partly "
-                    "stepped: reload a checkpoint to continue training")
+                    f"stepped: reload a checkpoint to continue training{self._last_output(code)}")
             if time.monotonic() > deadline:
                 self._unanswered = True  # close() does not wait for it again
                 raise ExecutorTimeout(f"process executor: {self._outstanding()} block operations did not finish "
@@ -250,11 +270,50 @@ class ProcessExecutor(Executor):
             self.conn.close()
         if getattr(self, "_receiver", None) is not None:
             self._receiver.join(timeout=_left(deadline))  # (ends with the connection; a daemon thread anyway)
+        if self._stderr is not None:
+            self._stderr.join(1.0)  # the worker is gone: its stderr is at its end
 
     def _kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
+
+
+class _StderrTail:
+    """Reads the worker's stderr: passes each line on to this process's ``sys.stderr`` (a notebook shows it, where
+    the worker's own stderr went to the server's terminal) and keeps the last :data:`_TAIL_LINES` lines for the
+    error that reports the worker's end. The reader thread ends, closing the stream, when the worker is gone."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._thread = threading.Thread(target=self._read, name="sofx-offload-stderr", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self._stream:
+                self._lines.append(line[:_TAIL_LINE_CHARS])
+                out = sys.stderr
+                if out is not None:
+                    try:
+                        out.write(line)
+                        out.flush()
+                    except Exception:  # (a closed or replaced stream: the line is kept all the same)
+                        pass
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._stream.close()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the end of the stream (the worker gone)."""
+        self._thread.join(timeout)
+
+    def tail(self, timeout: float) -> str:
+        """The last lines, once the stream ended (waiting up to ``timeout`` seconds for that)."""
+        self.join(timeout)
+        return "".join(list(self._lines))
 
 
 def _left(deadline: float) -> float:
