@@ -230,6 +230,26 @@ def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == steps
 
 
+def test_an_operation_that_cannot_be_sent_is_a_clear_error_and_the_worker_stops_when_closed() -> None:
+    """Pickling an operation fails (here: a lambda; a MemoryError could too): the error says so and names the
+    pickling error, the worker is alive and goes on with the next operations, and close() stops it by its stop
+    message. The sender thread stopped at the failure: wait() said the worker had died, and close() waited its
+    10 s for a worker that never got the stop message, then killed it."""
+    model = SharedMLP()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100) as opt:
+        ex = opt.engine.executor
+        ex.submit(lambda: None)
+        with pytest.raises(ExecutorError, match=r"could not be sent to the worker process.*lambda") as failed:
+            ex.wait(30.0)
+        assert not isinstance(failed.value, WorkerDiedError)
+        assert ex.process.poll() is None
+        ex.submit(BlockOp(10 ** 6, "commit_all"))
+        assert [r.kind for r in ex.wait(30.0)] == ["commit_all"]
+        start = time.monotonic()
+    assert time.monotonic() - start < 5.0
+    assert ex.process.poll() == 0, "stopped by its stop message"
+
+
 def test_the_worker_gets_every_hparam_with_every_operation() -> None:
     """Betas, eps and weight decay change every step (a schedule, a resume): the worker must use them all."""
     torch.manual_seed(0)

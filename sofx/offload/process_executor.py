@@ -18,7 +18,8 @@ memory, crashed) is detected by :meth:`wait` within a fraction of a second
 and raised as :class:`~sofx.offload.executor.WorkerDiedError`, with the last
 lines the worker wrote to its stderr (a Python traceback where it raised; a
 reader thread passes that stream on to this process's ``sys.stderr``, where a
-notebook shows it); a worker that
+notebook shows it); an operation that cannot be pickled fails alone (:meth:`wait`
+raises it, the worker goes on with the next ones); a worker that
 hangs makes :meth:`wait` raise :class:`~sofx.offload.executor.ExecutorTimeout`
 after the timeout, and :meth:`ProcessExecutor.close` kills it at once then (else
 after its own timeout, :data:`CLOSE_TIMEOUT_S` by default). The shared tensors stay mapped in the main process in
@@ -39,8 +40,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.reduction import ForkingPickler
 from typing import IO, Any
 
 from sofx.errors import UnsupportedError
@@ -172,7 +175,12 @@ class ProcessExecutor(Executor):
             if op is _STOP:
                 return
             try:
-                self.conn.send(op)
+                data = ForkingPickler.dumps(op)  # (what Connection.send does, in two parts)
+            except BaseException as exc:  # nothing was written: the stream stays whole, the next operations go
+                self._inbox.put(_unsent(op, exc))
+                continue
+            try:
+                self.conn.send_bytes(data)
             except BaseException as exc:  # the worker is gone: wait() reports it
                 self._send_error = exc
                 return
@@ -314,6 +322,15 @@ class _StderrTail:
         """The last lines, once the stream ended (waiting up to ``timeout`` seconds for that)."""
         self.join(timeout)
         return "".join(list(self._lines))
+
+
+def _unsent(op: Any, exc: BaseException) -> OpResult:
+    """The failed result of operation ``op``, which could not be pickled (``exc``) and so never reached the
+    worker: :meth:`ProcessExecutor.wait` raises it as it raises the worker's failures."""
+    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return OpResult(getattr(op, "seq", -1), getattr(op, "kind", type(op).__name__), getattr(op, "block", -1),
+                    f"it could not be sent to the worker process (pickling it failed): {type(exc).__name__}: "
+                    f"{exc}\n{detail}")
 
 
 def _left(deadline: float) -> float:
