@@ -11,16 +11,19 @@ removes the shared-memory files.
 from __future__ import annotations
 
 import copy
+import gc
 import glob
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
+from torch import nn
 
 from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     SharedMLP,
@@ -32,6 +35,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 )
 
 import sofx.offload
+import sofx.offload.shared_memory
 from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
 from sofx.offload.executor import ExecutorError, WorkerDiedError
@@ -292,6 +296,73 @@ def test_close_stops_the_worker_and_no_shared_memory_file_outlives_the_start() -
         assert _shm_files(opt) == []
     assert worker.poll() == 0, "the worker exits cleanly"
     assert relative_deviation(model, ref) <= TOL
+
+
+def _resources() -> tuple[int, int, list[int], int]:
+    """What an optimizer may leave behind in this process: open file descriptors, threads, offload worker
+    processes, and mappings of this process's shared-memory files (unlinked, so ``ls /dev/shm`` cannot see them)."""
+    prefix = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{os.getpid()}-")
+    with open("/proc/self/maps") as f:
+        mappings = sum(prefix in line for line in f)
+    return len(os.listdir("/proc/self/fd")), threading.active_count(), _worker_children(), mappings
+
+
+def _kill_the_worker(done: threading.Event, once_it_maps: bool) -> None:
+    """SIGKILL this process's offload workers as soon as they appear, or (``once_it_maps``) as soon as one has
+    mapped a shared tensor: it has connected then and is building its blocks, not yet ready."""
+    mark = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{os.getpid()}-")
+    while not done.is_set():
+        for pid in _worker_children():
+            try:
+                if once_it_maps:
+                    with open(f"/proc/{pid}/maps") as f:
+                        if mark not in f.read():
+                            continue
+                os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("when", ["at_once", "while_it_maps_the_blocks"])
+def test_a_worker_killed_while_starting_fails_the_constructor_and_leaves_nothing_behind(when: str) -> None:
+    """A real worker SIGKILLed (the OOM killer) before it got ready: a WorkerDiedError from the constructor within a
+    moment -- killed while mapping the blocks, after it had connected, a bare EOFError came out instead -- and no
+    file in /dev/shm, no mapping, no parameter in shared memory, no hook, thread, descriptor or process."""
+    gc.collect()
+    before = _resources()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(50)])  # 100 blocks: mapping them takes a while
+    values = [p.detach().clone() for p in model.parameters()]
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_the_worker, args=(done, when != "at_once"))
+    killer.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker process \(pid \d+\) died \(killed by signal SIGKILL\) "
+                                                  r"while starting"):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=4)
+        assert time.monotonic() - start < 30.0
+    finally:
+        done.set()
+        killer.join()
+    assert glob.glob(os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{os.getpid()}-*")) == []
+    assert _resources() == before
+    assert all(torch.equal(p, v) and not p.is_shared() for p, v in zip(model.parameters(), values))
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error_with_what_it_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's interpreter fails at once (here: a PYTHONHOME without the standard library; a missing module, a
+    broken environment): the constructor raises the exit status and the worker's own words, whether the worker was
+    gone before its key was written (a BrokenPipeError came out raw) or only while the main process waited for it."""
+    monkeypatch.setenv("PYTHONHOME", "/nonexistent")
+    gc.collect()
+    before = _resources()
+    with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\) while starting.*its last output:.*"
+                                              r"No module named 'encodings'"):
+        sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
+    assert _resources() == before
 
 
 def _shm_mappings(opt: sofx.offload.SpeculativeAdamW) -> list[str]:

@@ -104,17 +104,25 @@ class ProcessExecutor(Executor):
                                             errors="replace", close_fds=True)
             self.pid = self.process.pid
             self._stderr = _StderrTail(self.process.stderr)
-            self.process.stdin.write(authkey.hex() + "\n")
-            self.process.stdin.close()
-            self.conn = self._accept(server, authkey, startup_timeout)
-            # connected: the socket's path is not needed any more, so a process group killed at once (SIGKILL,
-            # SIGTERM: neither process gets to clean up) leaves nothing in /tmp
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self.conn.send(config)
-            self._wait_ready(startup_timeout)
+            try:
+                self.process.stdin.write(authkey.hex() + "\n")
+                self.process.stdin.close()
+                self.conn = self._accept(server, authkey, startup_timeout)
+                # connected: the socket's path is not needed any more, so a process group killed at once (SIGKILL,
+                # SIGTERM: neither process gets to clean up) leaves nothing in /tmp
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self.conn.send(config)
+                self._wait_ready(startup_timeout)
+            except (OSError, EOFError) as exc:
+                self._raise_if_gone(exc)
+                raise
         except BaseException:
             server.close()
             self._kill()
+            try:
+                self.process.stdin.close()  # (a write that failed left it open, its data unflushed)
+            except (AttributeError, OSError, ValueError):
+                pass
             if self._stderr is not None:
                 self._stderr.join(1.0)  # (its stream is closed at its end)
             if self.conn is not None:  # (connected, then the worker refused its config or never got ready)
@@ -140,8 +148,12 @@ class ProcessExecutor(Executor):
                     raise ExecutorTimeout(f"the offload worker process did not connect within {timeout:g} s")
         sock.settimeout(None)
         conn = Connection(sock.detach())
-        deliver_challenge(conn, authkey)
-        answer_challenge(conn, authkey)
+        try:
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _wait_ready(self, timeout: float) -> None:
@@ -159,6 +171,16 @@ class ProcessExecutor(Executor):
         if code is not None:
             raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
                                   f"{when}{self._last_output(code)}")
+
+    def _raise_if_gone(self, exc: BaseException) -> None:
+        """Raise :class:`WorkerDiedError` for ``exc`` (a broken pipe or connection while starting) where the worker
+        has exited (waiting a moment for that: the connection breaks as it exits); return otherwise."""
+        try:
+            code = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return
+        raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
+                              f"while starting{self._last_output(code)}") from exc
 
     def _last_output(self, code: int | None) -> str:
         """What the worker wrote to stderr last, for an error reporting its end (exit ``code``; None: it may
