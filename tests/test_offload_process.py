@@ -5,7 +5,10 @@ survives; a too-small shared-memory budget warns and falls back to the thread
 executor, and so does a reservation that fails after the space check passed
 (leaving no file, worker or shared parameter behind); an operation failing in the worker is raised with its traceback;
 every hparam reaches the worker with every step; close() stops the worker and
-removes the shared-memory files.
+removes the shared-memory files. A worker killed while starting, between steps
+or during backward, or one that raises, is a clear error in time, and neither
+that nor optimizers made and closed in a loop leave descriptors, threads,
+processes or shared-memory mappings behind.
 """
 
 from __future__ import annotations
@@ -307,6 +310,27 @@ def _resources() -> tuple[int, int, list[int], int]:
     return len(os.listdir("/proc/self/fd")), threading.active_count(), _worker_children(), mappings
 
 
+@pytest.mark.parametrize("executor,times", [("inline", 20), ("thread", 20), ("process", 2)])
+def test_optimizers_made_and_closed_in_a_loop_leave_nothing_behind(executor: str, times: int) -> None:
+    """No file descriptor, thread, worker process or shared-memory mapping accumulates (without help from the
+    garbage collector), whether the optimizer is closed, left by ``with``, or dropped unclosed."""
+    gc.collect()
+    before = _resources()
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(0)
+    for k in range(times):
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+        assert opt.executor == executor
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        if k % 2 == 0:
+            with opt:
+                opt.backward(mlp_loss(model, mlp_batch(gen)))  # closed between backward and step
+        del opt  # unclosed on odd rounds: collected at once
+        assert _resources() == before, k
+    assert not any(p.is_shared() for p in model.parameters())
+
+
 def _kill_the_worker(done: threading.Event, once_it_maps: bool) -> None:
     """SIGKILL this process's offload workers as soon as they appear, or (``once_it_maps``) as soon as one has
     mapped a shared tensor: it has connected then and is building its blocks, not yet ready."""
@@ -363,6 +387,42 @@ def test_a_worker_that_cannot_start_is_a_clear_error_with_what_it_printed(monkey
                                               r"No module named 'encodings'"):
         sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
     assert _resources() == before
+
+
+@pytest.mark.parametrize("when", ["between_steps", "during_backward"])
+def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everything(when: str) -> None:
+    """SIGKILL (the OOM killer) between two steps, or while the speculative steps run: step() raises at once
+    (no hang), so does every later step(); zero_grad() too; close() works and leaves nothing behind."""
+    gc.collect()
+    before = _resources()
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
+                                        timeout=30.0)
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.step()
+    worker = opt.engine.executor.process
+    if when == "during_backward":
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    if when == "between_steps":
+        opt.backward(mlp_loss(model, mlp_batch(gen)))  # its operations go to a dead worker
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"died \(killed by signal SIGKILL\)"):
+        opt.step()
+    assert time.monotonic() - start < 5.0
+    with pytest.raises(ExecutorError, match="failed earlier"):
+        opt.step()
+    with pytest.raises(ExecutorError, match="failed earlier"):
+        opt.zero_grad()
+    opt.close()
+    opt.close()
+    with pytest.raises(SofxError, match="closed"):
+        opt.step()
+    del opt
+    assert _resources() == before
+    assert not any(p.is_shared() for p in model.parameters())
 
 
 def _shm_mappings(opt: sofx.offload.SpeculativeAdamW) -> list[str]:
