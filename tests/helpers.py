@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import torch
 
 import sofx
 from sofx.kernels.base import AdamScalars
+
+INTERPRETING_TRITON = os.environ.get("TRITON_INTERPRET") == "1"
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def rerun_under_the_triton_interpreter(test_file: str) -> None:
+    """Run the tests of ``test_file`` in a fresh process with ``TRITON_INTERPRET=1`` and assert that they pass.
+    The interpreter must be on before the Triton kernels are decorated and must not leak into the rest of the
+    session, so a test module of the Triton backend holds, in the normal session, one test that calls this
+    (where its real tests are collected only when :data:`INTERPRETING_TRITON`)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", test_file],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(test_file))))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
 
 
 def rand_tree(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> dict:

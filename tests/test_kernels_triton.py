@@ -9,31 +9,18 @@ real tests below are collected.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from helpers import HAVE_TRITON, INTERPRETING_TRITON, rerun_under_the_triton_interpreter
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-if not INTERPRETING:
+if not INTERPRETING_TRITON:
 
     @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
     def test_triton_kernels_under_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-                              env=env, capture_output=True, text=True, timeout=600,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout
+        rerun_under_the_triton_interpreter(__file__)
 
 else:
     from hypothesis import HealthCheck, given, settings

@@ -16,9 +16,6 @@ the variable set, where the tests run for the Triton backend alone.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,30 +25,19 @@ from sofx.errors import LeafError
 from sofx.kernels import load_backend
 from sofx.kernels.base import FINITE_CHUNK, AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-from helpers import block_inputs, block_scalars
+from helpers import (HAVE_TRITON, INTERPRETING_TRITON, block_inputs, block_scalars,
+                     rerun_under_the_triton_interpreter)
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-BACKENDS = ["triton"] if INTERPRETING else ["reference", "cpu", "cpu_fast"]
+BACKENDS = ["triton"] if INTERPRETING_TRITON else ["reference", "cpu", "cpu_fast"]
 N = 40  # elements per leaf (small: the Triton interpreter runs every program in Python)
 MODIFIED = "modified by an inplace operation"
 VARIANT = AdamVariant(decoupled=True)
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-if not INTERPRETING:
+if not INTERPRETING_TRITON:
 
     @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
     def test_the_triton_kernels_bump_versions_under_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-                              env=env, capture_output=True, text=True, timeout=600,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout
+        rerun_under_the_triton_interpreter(__file__)
 
 
 # ------------------------------------------------------------------ sofx.Adam: a graph that saved the parameter
