@@ -10,6 +10,7 @@ group timeout, and is killed if it does not finish in time: a hang fails the tes
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -402,31 +403,43 @@ def test_gradients_on_other_devices_than_another_ranks_are_refused_on_every_rank
             _assert_unchanged(case[f"{name}_grads"], _grads(rank))
 
 
-def test_a_loop_step_with_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
+OTHERS_REFUSED = "rank 1 of the process group refused this step before the sum of squares was reduced"
+
+
+def _refused_on_every_rank(ranks: list[dict], name: str, own: dict[str, Callable[[str], bool]]) -> list[dict]:
+    """Each rank's results of case ``name``, after checking its messages: on rank BAD, ``own[what](message)`` for
+    each call ``what``; on the others, that each call raised because rank BAD refused the step."""
+    cases = []
     for rank, res in enumerate(ranks):
-        case = res["loop_step_unknown_keyword"]
-        for what in ("serial", "speculative"):
-            if rank == BAD:
-                assert case[what].startswith(f"{what}_loop_step: unknown keyword argument 'max_nrom'; it takes "), \
-                    case[what]
-            else:
-                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
-                                             "squares was reduced"), case[what]
+        case = res[name]
+        for what, holds in own.items():
+            assert (holds(case[what]) if rank == BAD else case[what].startswith(OTHERS_REFUSED)), case[what]
+        cases.append(case)
+    return cases
+
+
+def _starts(text: str) -> Callable[[str], bool]:
+    return lambda message: message.startswith(text)
+
+
+def _is(text: str) -> Callable[[str], bool]:
+    return lambda message: message == text
+
+
+def test_a_loop_step_with_an_unknown_keyword_on_one_rank_is_refused_on_every_rank(ranks):
+    own = {what: _starts(f"{what}_loop_step: unknown keyword argument 'max_nrom'; it takes ")
+           for what in ("serial", "speculative")}
+    for case in _refused_on_every_rank(ranks, "loop_step_unknown_keyword", own):
         assert case["next"] == 1  # the next step, on every rank
 
 
 def test_the_hook_under_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(ranks):
-    for rank, res in enumerate(ranks):
-        case = res["hook_under_a_misspelt_keyword"]
-        for what in ("serial_loop_step", "speculative_loop_step", "serial_step", "speculative_step",
-                     "plan_validation"):
-            if rank == BAD:
-                assert case[what].startswith(f"{what}: unknown keyword argument 'reduce_sumq'; it takes "), case[what]
-                assert case[what].endswith(" (reduce_sumq is a reduce_sumsq hook: pass it as reduce_sumsq=)"), \
-                    case[what]
-            else:
-                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
-                                             "squares was reduced"), case[what]
+    hint = " (reduce_sumq is a reduce_sumsq hook: pass it as reduce_sumsq=)"
+    own = {what: (lambda message, what=what: message.startswith(f"{what}: unknown keyword argument 'reduce_sumq'; "
+                                                                 "it takes ") and message.endswith(hint))
+           for what in ("serial_loop_step", "speculative_loop_step", "serial_step", "speculative_step",
+                        "plan_validation")}
+    for case in _refused_on_every_rank(ranks, "hook_under_a_misspelt_keyword", own):
         assert case["next"] == 1  # the next step, on every rank
         assert torch.equal(case["params"][0], torch.ones(3))
 
@@ -439,29 +452,16 @@ def test_a_required_keyword_misspelt_on_one_rank_is_refused_on_every_rank(ranks)
                           "scaler_state=?)",
            "speculative_step": "missing required keyword argument 'scaler_state' (scaler_sate= given, did you mean "
                                "scaler_state=?)"}
-    for rank, res in enumerate(ranks):
-        case = res["required_keyword_misspelt"]
-        for what, words in own.items():
-            if rank == BAD:
-                assert case[what].startswith(f"{what}: {words}; it takes "), case[what]
-            else:
-                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
-                                             "squares was reduced"), case[what]
+    own = {what: _starts(f"{what}: {words}; it takes ") for what, words in own.items()}
+    for case in _refused_on_every_rank(ranks, "required_keyword_misspelt", own):
         assert case["next"] == 1  # the next step, on every rank
         assert torch.equal(case["params"][0], torch.ones(3))
 
 
 def test_plan_validation_input_refused_on_one_rank_is_refused_on_every_rank(ranks):
-    own = {"sumsq": "sumsq has 1 entries, the step has 2 blocks",
-           "taken": "block 0: taken[0] is True but the block was not speculated"}
-    for rank, res in enumerate(ranks):
-        case = res["plan_validation_input"]
-        for what, words in own.items():
-            if rank == BAD:
-                assert case[what] == words, case[what]
-            else:
-                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
-                                             "squares was reduced"), case[what]
+    own = {"sumsq": _is("sumsq has 1 entries, the step has 2 blocks"),
+           "taken": _is("block 0: taken[0] is True but the block was not speculated")}
+    for case in _refused_on_every_rank(ranks, "plan_validation_input", own):
         assert case["next"] == pytest.approx((2 * 1.25) ** 0.5 / 2.0 ** 16)  # the next step, on every rank
 
 
@@ -475,14 +475,8 @@ def test_the_hook_called_with_a_misspelt_keyword_on_one_rank_is_refused_on_every
                                     "(float); it takes local, settings",
            "refuse_keyword": "all_reduce_sumsq: the hook's refuse got the unknown keyword argument 'eror'; it takes "
                              "error"}
-    for rank, res in enumerate(ranks):
-        case = res["hook_called_with_a_misspelt_keyword"]
-        for what, words in own.items():
-            if rank == BAD:
-                assert case[what] == words, case[what]
-            else:
-                assert case[what].startswith("rank 1 of the process group refused this step before the sum of "
-                                             "squares was reduced"), case[what]
+    for case in _refused_on_every_rank(ranks, "hook_called_with_a_misspelt_keyword",
+                                       {what: _is(words) for what, words in own.items()}):
         assert case["next"] == 4.0  # the next step's sum, on every rank
 
 
@@ -493,6 +487,5 @@ def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):
             assert msg == "all_reduce_sumsq: this rank's local sum of squares is tensor([1., 1.]) (Tensor); " \
                           "expected a real number", msg
         else:
-            assert msg.startswith("rank 1 of the process group refused this step before the sum of squares was "
-                                  "reduced"), msg
+            assert msg.startswith(OTHERS_REFUSED), msg
         assert res["not_a_number"]["next"] == 4.0  # the next step's sum, on every rank
