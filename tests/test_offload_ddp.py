@@ -97,13 +97,15 @@ def _backward(ddp: DDP, step: int, rank: int, accumulate: int, no_sync: bool, us
     handles = [net.inp.weight.register_hook(_boost)] if step in CLIP_STEPS else []
     if inject and step == INF_STEP and rank == 1:
         handles.append(net.out.weight.register_hook(_inject_inf))
-    for micro in range(accumulate):
-        quiet = ddp.no_sync() if no_sync and micro < accumulate - 1 else contextlib.nullcontext()
-        with quiet:
-            x, y = _batch(step, micro, rank)
-            scale(((ddp(x) - y) ** 2).mean()).backward()
-    for handle in handles:
-        handle.remove()
+    try:
+        for micro in range(accumulate):
+            quiet = ddp.no_sync() if no_sync and micro < accumulate - 1 else contextlib.nullcontext()
+            with quiet:
+                x, y = _batch(step, micro, rank)
+                scale(((ddp(x) - y) ** 2).mean()).backward()
+    finally:  # (a backward that raised left them on, for the steps after)
+        for handle in handles:
+            handle.remove()
 
 
 def _flat(module: nn.Module) -> torch.Tensor:
@@ -240,7 +242,43 @@ def _without_ddp(rank: int) -> dict:
     return out
 
 
+def _refused_in_hook(rank: int) -> dict:
+    """An hparam the engine refuses when the step's first block is ready (lr nan): at step 1 on rank 1 only, at
+    step 2 on both ranks, then a second backward accumulated before step(). What each backward raised, and the
+    parameters after each step next to DDP + torch.optim.AdamW's (DDP's all-reduce of every bucket completed, so
+    torch's backward is a whole one)."""
+    ref, model = _ddp({}), _ddp({})
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        policy=AdaptivePolicy(enabled=False))
+    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    out: dict = {"raised": [], "torch": [], "sofx": []}
+    try:
+        for step in range(4):
+            ropt.zero_grad()
+            plain(ref, step)
+            plain(ref, step) if step == 2 else None
+            ropt.step()
+            opt.zero_grad()
+            refused = step == 2 or (step == 1 and rank == 1)
+            opt.param_groups[0]["lr"] = math.nan if refused else LR
+            out["raised"].append(error_text(lambda: plain(model, step)))
+            opt.param_groups[0]["lr"] = LR
+            if step == 2:
+                plain(model, step)
+            opt.step()
+            out["torch"].append(_flat(ref.module))
+            out["sofx"].append(_flat(model.module))
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
+         "refused_in_hook": _refused_in_hook,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -336,3 +374,23 @@ def test_a_ddp_modules_parameters_without_ddp_are_refused_naming_ddp(ranks) -> N
         assert "wrapped in it after the optimizer was made" in out["backward"]
         assert out["unchanged"]
         assert "ddp=ddp_model" in out["step"]
+
+
+def test_an_error_in_the_communication_hook_is_raised_by_backward_as_without_ddp(ranks) -> None:
+    """The engine refusing a gradient DDP hands it (here an lr of nan, read when the step's first block is ready)
+    raises the engine's own error out of backward, as its gradient hooks do without DDP (it reached the user as
+    DDP's RuntimeError "Got the following error when running the callback: ..."). The hook still gives DDP the
+    reduced bucket: the all-reduce completes on every rank (rank 0 goes on alone at step 1), DDP writes .grad,
+    and step() after fixing the lr (or after a second backward) is DDP + torch.optim.AdamW's."""
+    for rank, res in enumerate(ranks):
+        out = res["refused_in_hook"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        for step, msg in enumerate(out["raised"]):
+            if step == 2 or (step == 1 and rank == 1):
+                assert msg.startswith("param_groups[0]['lr'] = nan is invalid"), (rank, step, msg)
+            else:
+                assert msg == "no error", (rank, step, msg)
+        for step, (mine, theirs) in enumerate(zip(out["sofx"], out["torch"])):
+            assert _deviation(mine, theirs) <= TOL, f"rank {rank} step {step}"
+    for step in range(4):
+        assert torch.equal(ranks[0]["refused_in_hook"]["sofx"][step], ranks[1]["refused_in_hook"]["sofx"][step])

@@ -13,7 +13,10 @@ each bucket's all-reduce completes (during backward), hands its parameters' aver
 (:meth:`~sofx.offload.engine.OffloadEngine.take_reduced_gradient`): blocks are speculated on the gradients
 DDP writes while backward goes on. ``.grad`` accumulates in autograd as with ``torch.optim`` (``no_sync()``
 micro-steps included), so an averaged gradient is the step's gradient so far: a later synchronized backward
-of the same step replaces it.
+of the same step replaces it. What the engine refuses as it takes a gradient (an invalid hparam, read when the
+step's first block is ready) does not fail the hook: DDP still gets every reduced bucket, on every rank, and
+the engine raises its error out of backward once DDP has written ``.grad``, as its gradient hooks do without
+DDP.
 
 The hook's state is a :class:`DDPRoute`, one per DDP module (kept here, weakly): an optimizer created again
 over the same DDP module takes the route over (the older one refuses to step from then on, as with
@@ -54,6 +57,7 @@ class DDPRoute:
         self.world_size = world_size
         self._engine: weakref.ReferenceType[OffloadEngine] | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
+        self._task = -1  # autograd's id of the backward whose buckets come (see begin_bucket)
 
     def owner(self) -> OffloadEngine | None:
         """The engine taking the gradients now (``None``: none, or it was collected)."""
@@ -82,12 +86,55 @@ class DDPRoute:
             if index is not None:
                 engine.take_reduced_gradient(index, g)
 
+    def begin_bucket(self) -> None:
+        """A bucket of a backward comes to the hook (on the thread running backward): on the backward's first,
+        the engine starts taking its gradients, and :meth:`_end` is queued to run once DDP has written ``.grad``
+        (see :func:`_queue_after_ddp`)."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task = task
+        engine = self.owner()
+        if engine is not None:
+            engine.begin_reduced_backward()
+        _queue_after_ddp(self._end)
+
+    def _end(self) -> None:
+        """The end of a backward, after DDP's: the engine raises what it refused during it (see
+        :meth:`~sofx.offload.engine.OffloadEngine.end_reduced_backward`)."""
+        engine = self.owner()
+        if engine is not None:
+            engine.end_reduced_backward()
+
+
+def _queue_after_ddp(callback: Any) -> None:
+    """Run ``callback`` at the end of the running backward, after DDP's own end of it (the reducer waits for every
+    bucket's all-reduce and writes ``.grad``). DDP queues that as autograd's final callback when the last bucket is
+    ready, after this hook saw the first: a callback queued now runs before it, and queues ``callback``, which then
+    runs after it (autograd runs the callbacks queued while it runs them, in order)."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(lambda: queue(callback))
+
+
+def _in_backward() -> bool:
+    """Whether the hook was called by a backward (autograd's, or its final callbacks: ``static_graph`` reduces
+    there); not: a rank that ran out of inputs under ``DDP.join()`` shadows the all-reduce of the others."""
+    return torch._C._current_graph_task_id() >= 0
+
 
 def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's annotations with its own classes)
     """The communication hook: DDP's reduction of ``bucket`` (its gradients times ``1 / world_size``, summed over
-    the ranks, in place), then its averaged gradients to ``route``'s engine, on the thread that completes it."""
+    the ranks, in place), then its averaged gradients to ``route``'s engine, on the thread that completes it.
+
+    The reduced bucket is what the hook's future holds however the engine takes the gradients: DDP's reducer
+    waits for it at the end of backward, on every rank, and writes ``.grad`` from it. What the engine refuses
+    (an hparam read when the step's first block is ready, ...) it raises itself at the end of backward, after
+    DDP's end of it (:meth:`DDPRoute.begin_bucket`): an error in the future reached the user as DDP's
+    ``RuntimeError("Got the following error when running the callback: ...")`` instead."""
     buffer = bucket.buffer()
     buffer.mul_(1.0 / route.world_size)  # (as DDP's reducer scales each gradient into its bucket without a hook)
+    if _in_backward():
+        route.begin_bucket()
     work = torch.distributed.all_reduce(buffer, group=route.group, async_op=True)
 
     def take(fut: torch.futures.Future) -> torch.Tensor:

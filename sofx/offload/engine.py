@@ -220,6 +220,7 @@ class OffloadEngine:
         self.iteration = 0
         self._seq = itertools.count()
         self._failed: BaseException | None = None
+        self._reduced_error: Exception | None = None  # what take_reduced_gradient refused in this backward
         self._closed = False
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
         self._call_lock = threading.Lock()  # step(), zero_grad() and the state calls: one at a time (_exclusive)
@@ -575,14 +576,35 @@ class OffloadEngine:
         as the bucket's all-reduce completes (on whichever thread completes it; see :mod:`sofx.offload.ddp`). It
         is the step's gradient so far (DDP averages the ``.grad`` autograd accumulated since the last step), so
         it replaces what an earlier synchronized backward of the step gave; it is copied (DDP reuses the
-        bucket)."""
-        if self._failed is not None or self._closed:
-            return  # step() raises the failure
+        bucket). Raises nothing: what it refuses, :meth:`end_reduced_backward` raises (and the backward's later
+        gradients are not taken)."""
+        if self._failed is not None or self._closed or self._reduced_error is not None:
+            return  # step() raises the failure; end_reduced_backward() what was refused
         with self._hook_lock, self._interrupts:
-            if not self.tracker.started:
-                self._adopt_model_edits()  # before any block of this step is stepped from its masters
-            self._take_gradient(index, grad, during_backward=True, owned=False, replace=True)
-            self._poll()
+            try:
+                if not self.tracker.started:
+                    self._adopt_model_edits()  # before any block of this step is stepped from its masters
+                self._take_gradient(index, grad, during_backward=True, owned=False, replace=True)
+                self._poll()
+            except Exception as exc:
+                # Raised out of the hook's future, DDP's reducer wrapped it in a RuntimeError; and DDP must get
+                # the reduced bucket all the same. Raised by end_reduced_backward() instead, where a gradient
+                # hook's error is without DDP: out of backward. As there, the gradients taken before are the
+                # step's; those of this backward not taken are in .grad, where DDP writes them (step() takes
+                # them as set by hand).
+                self._reduced_error = exc
+
+    def begin_reduced_backward(self) -> None:
+        """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`): nothing refused yet."""
+        self._reduced_error = None
+
+    def end_reduced_backward(self) -> None:
+        """The end of a backward whose gradients ``ddp`` averaged, after DDP wrote ``.grad``: raise what the engine
+        refused as DDP handed it a gradient (:meth:`take_reduced_gradient`), as a gradient hook raises it out of
+        backward without DDP."""
+        error, self._reduced_error = self._reduced_error, None
+        if error is not None:
+            raise error
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool,
                        replace: bool = False) -> None:
