@@ -41,6 +41,8 @@ MAX_NORM = 1.0
 CLIP_STEPS = {1, 3}   # inp.weight's gradient (the last to arrive) 50x: blocks speculated before it are redone
 INF_STEP = 4          # with loss scaling, rank 1's gradient of out.weight has an inf: DDP's average has it
 TOL = 1e-6
+# the counts of a step report that say what became of each block
+OUTCOMES = ("speculated", "committed", "undone", "redone", "stepped_late", "not_stepped")
 
 
 class _Net(nn.Module):
@@ -132,7 +134,7 @@ def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True
         loss_scale=grad_scaler(init_scale=2.0 ** 10, growth_interval=2) if scaled else None, block_numel=16,
         gradient_accumulation_steps=1 if no_sync else accumulate, backend=backend,
         policy=AdaptivePolicy(enabled=False), ddp=model)  # (speculating at every step, clipped or not)
-    out: dict = {"torch": [], "sofx": [], "reports": []}
+    out: dict = {"torch": [], "sofx": [], "reports": [], "outcomes": []}
     try:
         for step in range(STEPS):
             ropt.zero_grad()
@@ -148,6 +150,7 @@ def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True
             out["torch"].append(_flat(ref.module))
             out["sofx"].append(_flat(model.module))
             out["reports"].append([report.speculated, report.redone, int(report.clipped), int(report.skipped)])
+            out["outcomes"].append({"actions": report.actions, **{key: getattr(report, key) for key in OUTCOMES}})
         # each parameter's step count (torch: none for a parameter never stepped)
         out["counts"] = [[int(ropt.state[p]["step"]) if p in ropt.state else 0 for p in ref.parameters()],
                          [int(opt.state[p]["step"]) for p in model.parameters()]]
@@ -394,3 +397,16 @@ def test_an_error_in_the_communication_hook_is_raised_by_backward_as_without_ddp
             assert _deviation(mine, theirs) <= TOL, f"rank {rank} step {step}"
     for step in range(4):
         assert torch.equal(ranks[0]["refused_in_hook"]["sofx"][step], ranks[1]["refused_in_hook"]["sofx"][step])
+
+
+def test_a_block_ddp_found_unused_on_every_rank_is_reported_not_stepped(ranks) -> None:
+    """find_unused_parameters, step 2: ``extra`` (blocks 2 and 3) unused on every rank. Its blocks were speculated
+    on the zeros DDP's bucket carried, and undone once DDP left its ``.grad`` alone; nothing is applied to them
+    (torch does not step them). The report says so, as it reports a block without gradient ("skip", not
+    stepped), not as redone."""
+    for rank, res in enumerate(ranks):
+        outcome = res["find_unused"]["outcomes"][2]
+        assert outcome["actions"][2:4] == ("skip", "skip"), (rank, outcome)
+        assert {key: outcome[key] for key in OUTCOMES} == {
+            "speculated": 6, "committed": 4, "undone": 2, "redone": 0, "stepped_late": 0, "not_stepped": 2}, \
+            (rank, outcome)

@@ -1372,6 +1372,29 @@ def test_a_block_undone_by_the_caller_for_a_late_gradient_is_reported_speculated
     assert r.committed == (0 if overflow else 1) and r.not_stepped == (2 if overflow else 0)
 
 
+@pytest.mark.parametrize("missing_grad", ["skip", "zero"])
+def test_a_block_undone_whose_gradient_was_withdrawn_is_planned_as_a_block_without_gradient(missing_grad):
+    """A caller that undoes a block's speculative step because what arrived was no gradient after all (the offload
+    engine under DistributedDataParallel: a parameter found unused on every rank) gives the block no sum of squares
+    at validation. It was planned as the step of a late gradient ("step", reported redone) although nothing was
+    left to step; it is what a block without gradient is ("skip": not stepped; zeros with missing_grad="zero"),
+    reported speculated and undone."""
+    scaler = loss_scale.grad_scaler()
+    cfg = sp.SpeculationConfig(missing_grad=missing_grad)
+    ctx, tally = sp.begin_step(sofx.adamw(), cfg, scaler, scaler.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 0.0, sp.Eligibility(True, "algebraic", "", 0))
+    tally, _ = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    tally = sp.on_late_gradient(ctx, tally, 0, 0.0, undone=True)
+    plan = sp.plan_validation(ctx, tally, [None, 1.0], taken=[False, True])
+    r = plan.report
+    if missing_grad == "skip":
+        assert plan.actions[0].kind == "skip" and plan.actions[0].speculated
+        assert (r.speculated, r.committed, r.undone, r.redone, r.stepped_late, r.not_stepped) == (2, 1, 1, 0, 0, 1)
+    else:
+        assert plan.actions[0].kind == "step" and plan.actions[0].zero_grad
+        assert (r.speculated, r.committed, r.undone, r.redone, r.stepped_late, r.not_stepped) == (2, 1, 1, 1, 0, 0)
+
+
 def test_a_max_norm_whose_veto_threshold_is_beyond_float64_speculates_every_block_and_commits(rng):
     """begin_step's veto threshold ``(max_norm * S)**2`` of a max_norm of 1e300 is beyond float64: Python's ``**``
     raised an OverflowError (``*`` gives inf); the threshold is inf and nothing is vetoed, as without clipping."""

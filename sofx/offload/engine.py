@@ -895,11 +895,12 @@ class OffloadEngine:
             arrived = self.tracker.present(b)
             present = self._stepped(b, arrived)
             presents.append(present)
+            kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
             if self._tally.decisions[b] is not None:
-                sumsq.append(self._tally.block_sumsq[b])
+                # (None: every gradient of the block was retracted after it was ready, see _retract: it has none)
+                sumsq.append(self._tally.block_sumsq[b] if any(arrived) or kept else None)
                 continue
             self._zero_absent(b, arrived)
-            kept = any(self._zero_grads[i] for i in layout.param_indices)  # a zeroed .grad: stepped, not skipped
             sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
         # taken: a block whose speculative step a late gradient undid (undo_now) or that was taken back as it ran
         # has nothing left to undo; validation plans (and reports) it as the plain step (or skip) it runs.
@@ -926,7 +927,8 @@ class OffloadEngine:
 
     def _retract(self, index: int) -> None:
         """Parameter ``index`` has no gradient this step after all (:meth:`_settle_reduced`): its block's
-        speculative step, taken with zeros for it, is undone, and validation steps the block without it."""
+        speculative step, taken with zeros for it, is undone, and validation steps the block without it (a block
+        left without any gradient as one that had none: not stepped, reported so)."""
         b = self.tracker.where[index][0]
         if self._deferred:
             self._record(self._wait())  # the block's decision, taken in the executor, is known after this

@@ -509,7 +509,9 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     """Validate the step: global facts, one :class:`BlockAction` per block, the next states and the report.
 
     ``sumsq[i]``: the sum of squares of block ``i``'s final raw gradient
-    (``None``: no gradient this step). ``hparams``: the validation-time hparams
+    (``None``: no gradient this step; also for a block the caller undid,
+    ``on_late_gradient(undone=True)``, as what arrived was no gradient after
+    all: it is planned as a block without gradient). ``hparams``: the validation-time hparams
     (default: those of the context); blocks speculated with other hparams are
     undone and redone. ``taken[i]``: whether block ``i``'s speculative step
     actually ran (default: every speculated block). ``reduce_sumsq``: the
@@ -564,6 +566,16 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
                 actions.append(BlockAction(i, "undo_redo", "; ".join(why), facts.grad_scale, hp, False, True))
             else:
                 actions.append(BlockAction(i, "commit", "as speculated", facts.grad_scale, hp, False, True))
+        elif undone_before and s is None:
+            # undone by the caller as what arrived was no gradient after all (the offload engine under DDP: a
+            # parameter unused on every rank): a block without gradient, whose speculative step is gone
+            if zero:
+                actions.append(BlockAction(i, "step", "its speculative step was undone: no gradient is left; "
+                                           "stepped with zeros (missing_grad='zero')", facts.grad_scale, hp, True,
+                                           True))
+            else:
+                actions.append(BlockAction(i, "skip", "its speculative step was undone: no gradient is left; not "
+                                           "stepped (missing_grad='skip')", facts.grad_scale, hp, False, True))
         elif undone_before:
             actions.append(BlockAction(i, "step", "its speculative step was undone when a late gradient came; "
                                        "stepped with the sum", facts.grad_scale, hp, False, True))
