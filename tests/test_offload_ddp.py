@@ -280,8 +280,53 @@ def _refused_in_hook(rank: int) -> dict:
     return out
 
 
+def _change_grad(p: torch.Tensor, how: str) -> None:
+    if how == "in_place":
+        p.grad.mul_(2.0)
+    elif how == "replaced":
+        p.grad = p.grad * 2.0
+    else:
+        p.grad = None
+
+
+def _grad_changed_after_backward(rank: int) -> dict:
+    """``.grad`` of an averaged parameter changed between backward and step() (scaled in place, replaced,
+    cleared): what step() said, whether the parameters stayed as they were, and whether zero_grad() and a step
+    then work. And ``.grad`` set by hand on a parameter DDP found unused on every rank (``extra``, left out of
+    the forward): the parameters after that step, next to DDP + torch.optim.AdamW's."""
+    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, scale=lambda loss: loss,
+                              inject=False)
+    out: dict = {}
+    for how in ("in_place", "replaced", "cleared"):
+        model = _ddp({})
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
+        try:
+            plain(model, 0, uses_extra=_always)
+            before = _flat(model.module)
+            _change_grad(model.module.out.weight, how)
+            out[how] = error_text(opt.step)
+            out[f"{how}_unchanged"] = torch.equal(_flat(model.module), before)
+            opt.zero_grad()
+            plain(model, 1, uses_extra=_always)
+            out[f"{how}_then"] = error_text(opt.step)
+        finally:
+            opt.close()
+    ref, model = _ddp({"find_unused_parameters": True}), _ddp({"find_unused_parameters": True})
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
+    try:
+        for net, step in ((ref, ropt.step), (model, opt.step)):
+            plain(net, 0, uses_extra=_never)
+            net.module.extra.weight.grad = torch.full_like(net.module.extra.weight, 0.5)
+            step()
+        out["set_by_hand"] = [_flat(model.module), _flat(ref.module)]
+    finally:
+        opt.close()
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
-         "refused_in_hook": _refused_in_hook,
+         "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -410,3 +455,20 @@ def test_a_block_ddp_found_unused_on_every_rank_is_reported_not_stepped(ranks) -
         assert {key: outcome[key] for key in OUTCOMES} == {
             "speculated": 6, "committed": 4, "undone": 2, "redone": 0, "stepped_late": 0, "not_stepped": 2}, \
             (rank, outcome)
+
+
+def test_a_grad_changed_between_backward_and_step_is_refused_as_without_ddp(ranks) -> None:
+    """step() consumed the ``.grad`` DDP wrote without looking at it: a change made to it after backward (the engine
+    had taken DDP's average during backward) was silently ignored. It is refused, as the gradient hooks' engine
+    refuses a ``.grad`` set after backward, seen cheaply (the tensor DDP wrote: its identity, storage and version),
+    before anything changes; zero_grad() drops the step. A ``.grad`` set by hand on a parameter DDP found unused
+    on every rank is taken, as torch.optim steps it."""
+    for rank, res in enumerate(ranks):
+        out = res["grad_changed"]
+        for how in ("in_place", "replaced", "cleared"):
+            assert "parameter 4 (shape (3, 8)): .grad was changed after backward took this step's gradient" \
+                in out[how], (rank, how, out[how])
+            assert "zero_grad()" in out[how]
+            assert out[f"{how}_unchanged"], (rank, how)
+            assert out[f"{how}_then"] == "no error", (rank, how, out[f"{how}_then"])
+        assert _deviation(*out["set_by_hand"]) <= TOL, rank

@@ -221,6 +221,9 @@ class OffloadEngine:
         self._seq = itertools.count()
         self._failed: BaseException | None = None
         self._reduced_error: Exception | None = None  # what take_reduced_gradient refused in this backward
+        # Per averaged parameter: the .grad DDP left at the end of the step's last synchronized backward (see
+        # _grad_mark), for step() to see a change made to it since
+        self._reduced_grads: dict[int, tuple[weakref.ReferenceType, int, int] | None] = {}
         self._closed = False
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
         self._call_lock = threading.Lock()  # step(), zero_grad() and the state calls: one at a time (_exclusive)
@@ -503,6 +506,7 @@ class OffloadEngine:
         self.hooks.refresh()
         self._ctx: StepContext | None = None
         self._tally: BackwardTally | None = None
+        self._reduced_grads = {}
         self._speculated = [False] * len(self.layouts)
         # (block, why, bytes) of speculative steps taken back (the bytes they needed), or holding snapshots (why
         # None: the bytes they hold), not yet in the tally: appended by _record (the main thread), taken by _decide
@@ -602,9 +606,21 @@ class OffloadEngine:
         """The end of a backward whose gradients ``ddp`` averaged, after DDP wrote ``.grad``: raise what the engine
         refused as DDP handed it a gradient (:meth:`take_reduced_gradient`), as a gradient hook raises it out of
         backward without DDP."""
+        self._reduced_grads = {i: _grad_mark(self.params[i].grad) for i in self.reduced}
         error, self._reduced_error = self._reduced_error, None
         if error is not None:
             raise error
+
+    def _reduced_grad_changed(self, index: int) -> bool:
+        """Whether ``.grad`` of averaged parameter ``index`` is no longer the tensor DDP left there at the end of the
+        step's last synchronized backward (:meth:`end_reduced_backward`): another tensor or none, other storage, or
+        written in place (its version counter; a write into ``.grad.data`` is not seen). False where DDP left no
+        gradient (a ``.grad`` set since is set by hand) or nothing was noted."""
+        mark = self._reduced_grads.get(index)
+        if mark is None:
+            return False
+        grad, (ref, version, ptr) = self.params[index].grad, mark
+        return grad is None or grad is not ref() or grad._version != version or grad.data_ptr() != ptr
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool,
                        replace: bool = False) -> None:
@@ -857,7 +873,17 @@ class OffloadEngine:
 
     def _step(self) -> EngineStepReport:
         for i, p in enumerate(self.params):
-            if p.grad is not None and self.tracker.arrivals[i] > 0 and i not in self.reduced:
+            if self.tracker.arrivals[i] == 0:
+                continue
+            if i in self.reduced and self._reduced_grad_changed(i):
+                raise SofxError(f"parameter {i} (shape {tuple(p.shape)}): .grad was changed after backward took this "
+                                "step's gradient of it (the average DistributedDataParallel wrote there), so the "
+                                "change would be ignored: with ddp= the offload engine takes DDP's averages from its "
+                                "communication hook during backward; change gradients in a tensor hook "
+                                "(Tensor.register_hook) instead, or call zero_grad() to drop this step (a backward "
+                                "under no_sync() after a synchronized one of the step changes .grad too: synchronize "
+                                "the last)")
+            if p.grad is not None and i not in self.reduced:
                 raise SofxError(f"parameter {i} (shape {tuple(p.shape)}): .grad was set after backward took this "
                                 "step's gradient of it, so it would be ignored: the offload engine takes gradients "
                                 "in hooks during backward (they are not left in .grad); change them in a tensor hook "
@@ -915,12 +941,13 @@ class OffloadEngine:
         into ``.grad``, consumed here as the gradient hooks consume autograd's; where it found a parameter unused
         on every rank (``find_unused_parameters``, ``static_graph``) it left ``.grad`` as it was, ``None``, and
         the zeros its bucket carried are no gradient: the parameter is not stepped, as torch.optim does not step
-        a parameter whose ``.grad`` is ``None``."""
+        a parameter whose ``.grad`` is ``None``; a ``.grad`` set there since is set by hand (taken next)."""
         for i in sorted(self.reduced):
             if self.tracker.arrivals[i] == 0:
                 continue  # (a .grad of a backward DDP did not average, under no_sync(): taken as set by hand)
             p = self.params[i]
-            if p.grad is None:
+            left = self._reduced_grads[i] is None if i in self._reduced_grads else p.grad is None
+            if left:
                 self._retract(i)
             else:
                 p.grad = None
@@ -1255,6 +1282,12 @@ class OffloadEngine:
             self._close(keep_state=False)
         except Exception:
             pass
+
+
+def _grad_mark(grad: torch.Tensor | None) -> tuple[weakref.ReferenceType, int, int] | None:
+    """What tells ``grad`` (a ``.grad``) from what it may become: the tensor (held weakly), its version counter
+    and its storage; ``None`` for no gradient."""
+    return None if grad is None else (weakref.ref(grad), grad._version, grad.data_ptr())
 
 
 def _close_if_alive(engine: weakref.ReferenceType[OffloadEngine]) -> None:

@@ -72,8 +72,9 @@ executor; every rank takes the same decisions on the same bits, and the replicas
 ``no_sync()`` accumulates as in torch (``gradient_accumulation_steps`` counts the synchronized backwards of a
 step: 1 with ``no_sync()``), and a parameter that ``find_unused_parameters`` or ``static_graph`` finds unused on
 every rank is not stepped. After backward ``.grad`` holds DDP's average, as in torch, until ``step()`` consumes
-it (the optimizer took it during backward: a change made to it there is not seen; change gradients in a tensor
-hook, ``Tensor.register_hook``, which runs before DDP averages them). The DDP module must not have a
+it (the optimizer took it during backward: ``step()`` refuses a change made to it there -- replaced, cleared,
+written in place --, as it would be ignored; change gradients in a tensor hook, ``Tensor.register_hook``, which
+runs before DDP averages them). The DDP module must not have a
 communication hook of its own (it takes one). Without ``ddp`` the optimizer's gradient hooks would take each
 rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module averages are
 refused then, at construction (or at the first backward, where the model was wrapped after the optimizer was
