@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel.distributed import _MixedPrecision
 
 import sofx
 from sofx.loss_scale import grad_scaler
@@ -186,13 +187,15 @@ def _setup_case(name: str, rank: int) -> dict:
 
 def _refusals(rank: int) -> dict:
     """What ``ddp=`` refuses at construction: no DDP module, a DDP module none of whose parameters the optimizer
-    steps, a DDP module with a communication hook of its own."""
+    steps, a DDP module with a communication hook of its own, or with ``mixed_precision`` (which registers one)."""
     ddp, hooked = _ddp({}), _ddp({})
     hooked.register_comm_hook(None, allreduce_hook)
+    mixed = _ddp({"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16)})
     out = {}
     for name, params, given in (("module", ddp.parameters(), ddp.module),
                                 ("other_params", nn.Linear(2, 2).parameters(), ddp),
-                                ("own_hook", hooked.parameters(), hooked)):
+                                ("own_hook", hooked.parameters(), hooked),
+                                ("mixed_precision", mixed.parameters(), mixed)):
         out[name] = error_text(lambda: sofx.offload.SpeculativeAdamW(params, ddp=given).close())
     return out
 
@@ -396,6 +399,8 @@ def test_ddp_that_cannot_be_hooked_is_refused_at_construction(ranks) -> None:
         assert "got _Net" in out["module"]
         assert "none of the optimizer's 2 parameters is one whose gradient ddp averages" in out["other_params"]
         assert "ddp has a communication hook already" in out["own_hook"]
+        assert "ddp was made with mixed_precision=" in out["mixed_precision"], out["mixed_precision"]
+        assert "param_dtype=torch.bfloat16" in out["mixed_precision"]
 
 
 def test_an_optimizer_takes_ddp_over_and_a_closed_one_leaves_ddps_own_average(ranks) -> None:

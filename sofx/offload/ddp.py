@@ -174,11 +174,19 @@ def reduced_indices(ddp: Any, params: Sequence[torch.Tensor]) -> frozenset[int]:
 
 def ddp_route(ddp: Any) -> DDPRoute:
     """The route of ``ddp``: its communication hook is registered on first use (refused where ``ddp`` has one of
-    its own already: a DDP module takes one)."""
+    its own already, a DDP module takes one: also where it was made with ``mixed_precision``, named then)."""
     _check_ddp(ddp)
     route = _ROUTES.get(ddp)
     if route is not None:
         return route
+    mixed = getattr(ddp, "mixed_precision", None)
+    if mixed is not None:
+        # (DDP registers a hook of its own for it, which upcasts the reduced gradients into the fp32 parameters)
+        raise UnsupportedError(f"ddp was made with mixed_precision={mixed}: DDP then reduces the gradients in a "
+                               "communication hook of its own, and the optimizer needs the hook to take the averaged "
+                               "gradients as they come; wrap the model without mixed_precision: the optimizer keeps "
+                               "fp32 masters itself, so train the model in that dtype (model.to(torch.bfloat16)) "
+                               "or under torch.autocast")
     route = DDPRoute(ddp.process_group, torch.distributed.get_world_size(ddp.process_group))
     try:
         ddp.register_comm_hook(route, _all_reduce_then_take)

@@ -75,7 +75,8 @@ every rank is not stepped. After backward ``.grad`` holds DDP's average, as in t
 it (the optimizer took it during backward: ``step()`` refuses a change made to it there -- replaced, cleared,
 written in place --, as it would be ignored; change gradients in a tensor hook, ``Tensor.register_hook``, which
 runs before DDP averages them). The DDP module must not have a
-communication hook of its own (it takes one). Without ``ddp`` the optimizer's gradient hooks would take each
+communication hook of its own (it takes one), nor ``mixed_precision`` (which registers one; the optimizer keeps
+fp32 masters of a bf16 model itself). Without ``ddp`` the optimizer's gradient hooks would take each
 rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module averages are
 refused then, at construction (or at the first backward, where the model was wrapped after the optimizer was
 made).
