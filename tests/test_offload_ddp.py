@@ -328,8 +328,39 @@ def _grad_changed_after_backward(rank: int) -> dict:
     return out
 
 
+def _uneven_inputs(rank: int) -> dict:
+    """Under ``ddp.join()`` rank 0 has 2 batches and rank 1 has 3 (rank 0 shadows rank 1's all-reduce at the
+    third), zero_grad() after each step; then one step more on both ranks. The parameters after, for the
+    facade and for torch.optim.AdamW, and what state_dict() said on this rank after the join."""
+    out: dict = {}
+    for name in ("torch", "sofx"):
+        model = _ddp({})
+        opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
+               sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model))
+        plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                                  scale=lambda loss: loss, inject=False)
+        try:
+            with model.join():
+                for step in range(2 + rank):
+                    plain(step)
+                    opt.step()
+                    opt.zero_grad()
+            if name == "sofx":
+                out["state_dict"] = error_text(opt.state_dict)
+            plain(3)
+            opt.step()
+            out[name] = _flat(model.module)
+        except Exception as exc:
+            out["error"] = f"{name}: {type(exc).__name__}: {exc}"
+        finally:
+            close = getattr(opt, "close", None)
+            close() if close else None
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
+         "uneven_inputs": _uneven_inputs,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -477,3 +508,17 @@ def test_a_grad_changed_between_backward_and_step_is_refused_as_without_ddp(rank
             assert out[f"{how}_unchanged"], (rank, how)
             assert out[f"{how}_then"] == "no error", (rank, how, out[f"{how}_then"])
         assert _deviation(*out["set_by_hand"]) <= TOL, rank
+
+
+def test_a_rank_that_joined_under_ddp_join_takes_no_gradient_from_the_others(ranks) -> None:
+    """A rank out of inputs under ``ddp.join()`` shadows the others' all-reduce with zeros, outside backward,
+    through the communication hook: the hook gave the engine the others' averages as its gradients, and it was
+    left in a step (state_dict() refused; the step after the join refused the parameters DDP synchronized when
+    the join ended as changed in place). It only all-reduces: the joined rank's optimizer has no step, as torch's,
+    and training goes on as DDP + torch.optim.AdamW's on each rank (whose moments differ across ranks after the
+    join, torch's too)."""
+    for rank, res in enumerate(ranks):
+        out = res["uneven_inputs"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["state_dict"] == "no error", (rank, out["state_dict"])
+        assert _deviation(out["sofx"], out["torch"]) <= TOL, rank

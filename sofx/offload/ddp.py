@@ -130,16 +130,22 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
     waits for it at the end of backward, on every rank, and writes ``.grad`` from it. What the engine refuses
     (an hparam read when the step's first block is ready, ...) it raises itself at the end of backward, after
     DDP's end of it (:meth:`DDPRoute.begin_bucket`): an error in the future reached the user as DDP's
-    ``RuntimeError("Got the following error when running the callback: ...")`` instead."""
+    ``RuntimeError("Got the following error when running the callback: ...")`` instead.
+
+    Under ``DDP.join()`` a rank out of inputs calls the hook outside backward with a bucket of zeros, to match the
+    all-reduce of the others: it all-reduces, and hands the engine nothing (the rank has no step, as torch.optim
+    on it has none; given the others' averages, its engine was left in a step)."""
     buffer = bucket.buffer()
     buffer.mul_(1.0 / route.world_size)  # (as DDP's reducer scales each gradient into its bucket without a hook)
-    if _in_backward():
+    mine = _in_backward()  # (not: the zeros of a joined rank, whose optimizer has no step, as torch's)
+    if mine:
         route.begin_bucket()
     work = torch.distributed.all_reduce(buffer, group=route.group, async_op=True)
 
     def take(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
-        route.take(bucket.parameters(), bucket.gradients())  # (views of the reduced buffer)
+        if mine:
+            route.take(bucket.parameters(), bucket.gradients())  # (views of the reduced buffer)
         return reduced
 
     return work.get_future().then(take)
