@@ -28,6 +28,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel.distributed import _MixedPrecision
 
@@ -358,9 +359,22 @@ def _uneven_inputs(rank: int) -> dict:
     return out
 
 
+def _join_by_remaining_ranks(rank: int) -> dict:
+    """``ddp.join(divide_by_initial_world_size=False)`` and ``Join([ddp], ...)`` with it, while the optimizer takes
+    the gradients; and once it is closed."""
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
+    out = {"join": error_text(lambda: model.join(divide_by_initial_world_size=False)),
+           "Join": error_text(lambda: Join([model], divide_by_initial_world_size=False)),
+           "default": error_text(model.join)}
+    opt.close()
+    out["closed"] = error_text(lambda: model.join(divide_by_initial_world_size=False))
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
-         "uneven_inputs": _uneven_inputs,
+         "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -522,3 +536,16 @@ def test_a_rank_that_joined_under_ddp_join_takes_no_gradient_from_the_others(ran
         assert "error" not in out, f"rank {rank}: {out['error']}"
         assert out["state_dict"] == "no error", (rank, out["state_dict"])
         assert _deviation(out["sofx"], out["torch"]) <= TOL, rank
+
+
+def test_join_dividing_by_the_ranks_left_is_refused_naming_it(ranks) -> None:
+    """``join(divide_by_initial_world_size=False)``: DDP's reducer divides each gradient by the number of ranks
+    with inputs left, which it tells no communication hook; the optimizer's divides by the world size (as DDP's
+    own hooks do), and the steps after a rank joined differed silently from DDP + torch.optim.AdamW's. Refused
+    where the join is made, on every rank, before any collective, while an optimizer takes the gradients."""
+    for rank, res in enumerate(ranks):
+        out = res["join_by_remaining_ranks"]
+        for how in ("join", "Join"):
+            assert "divide_by_initial_world_size=False" in out[how], (rank, how, out[how])
+            assert "ddp=" in out[how], (rank, how, out[how])
+        assert out["default"] == "no error" and out["closed"] == "no error", (rank, out)

@@ -16,7 +16,8 @@ micro-steps included), so an averaged gradient is the step's gradient so far: a 
 of the same step replaces it. What the engine refuses as it takes a gradient (an invalid hparam, read when the
 step's first block is ready) does not fail the hook: DDP still gets every reduced bucket, on every rank, and
 the engine raises its error out of backward once DDP has written ``.grad``, as its gradient hooks do without
-DDP.
+DDP. Under ``ddp.join()`` (uneven inputs) a rank out of inputs only all-reduces; ``join()`` dividing by the ranks
+left (``divide_by_initial_world_size=False``, which DDP tells no hook) is refused where it is made.
 
 The hook's state is a :class:`DDPRoute`, one per DDP module (kept here, weakly): an optimizer created again
 over the same DDP module takes the route over (the older one refuses to step from then on, as with
@@ -31,6 +32,7 @@ over them, about 20 ms per 100,000 objects.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -200,8 +202,25 @@ def ddp_route(ddp: Any) -> DDPRoute:
         raise UnsupportedError(f"ddp has a communication hook already ({exc}); a DDP module takes one, and the "
                                "optimizer needs its own to take the averaged gradients as they come: wrap the model "
                                "in a DistributedDataParallel without a hook") from None
+    # (an instance attribute over DDP's method, holding neither the module nor a cycle through it)
+    ddp.join_hook = functools.partial(_join_hook, weakref.ref(ddp), route)
     _ROUTES[ddp] = route
     return route
+
+
+def _join_hook(ddp_ref: "weakref.ReferenceType[Any]", route: DDPRoute, **kwargs: Any) -> Any:
+    """DDP's join hook (made by ``ddp.join()`` and ``Join([ddp, ...])``, before any collective), refusing
+    ``divide_by_initial_world_size=False`` while an optimizer takes the gradients: DDP's reducer then divides each
+    gradient by the number of ranks with inputs left, which it tells no communication hook, and the hook divides
+    by the world size (as DDP's own hooks do): the steps after a rank joined would differ silently."""
+    ddp = ddp_ref()
+    if not kwargs.get("divide_by_initial_world_size", True) and route.owner() is not None:
+        raise UnsupportedError("ddp.join(divide_by_initial_world_size=False) (or Join with it) is not supported while "
+                               "an optimizer made with ddp= takes the module's gradients: DDP would divide each "
+                               "gradient by the number of ranks with inputs left, which it tells no communication "
+                               "hook, and the optimizer's hook divides by the world size, as DDP's own hooks do; "
+                               "use join() with divide_by_initial_world_size=True (the default)")
+    return type(ddp).join_hook(ddp, **kwargs)
 
 
 def _averaging_ddp(params: Sequence[torch.Tensor]) -> tuple[Any, int] | None:

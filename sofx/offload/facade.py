@@ -74,12 +74,13 @@ step: 1 with ``no_sync()``), and a parameter that ``find_unused_parameters`` or 
 every rank is not stepped. After backward ``.grad`` holds DDP's average, as in torch, until ``step()`` consumes
 it (the optimizer took it during backward: ``step()`` refuses a change made to it there -- replaced, cleared,
 written in place --, as it would be ignored; change gradients in a tensor hook, ``Tensor.register_hook``, which
-runs before DDP averages them). The DDP module must not have a
-communication hook of its own (it takes one), nor ``mixed_precision`` (which registers one; the optimizer keeps
-fp32 masters of a bf16 model itself). Without ``ddp`` the optimizer's gradient hooks would take each
-rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module averages are
-refused then, at construction (or at the first backward, where the model was wrapped after the optimizer was
-made).
+runs before DDP averages them). ``ddp.join()`` works for uneven inputs, with the default
+``divide_by_initial_world_size=True`` (``False`` is refused: DDP does not tell a hook the ranks left). The DDP
+module must not have a communication hook of its own (it takes one), nor ``mixed_precision`` (which registers
+one; the optimizer keeps fp32 masters of a bf16 model itself). Without ``ddp`` the optimizer's gradient hooks
+would take each rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module
+averages are refused then, at construction (or at the first backward, where the model was wrapped after the
+optimizer was made).
 """
 
 from __future__ import annotations
