@@ -188,16 +188,23 @@ def _setup_case(name: str, rank: int) -> dict:
 
 def _refusals(rank: int) -> dict:
     """What ``ddp=`` refuses at construction: no DDP module, a DDP module none of whose parameters the optimizer
-    steps, a DDP module with a communication hook of its own, or with ``mixed_precision`` (which registers one)."""
+    steps, a DDP module with a communication hook of its own, or with ``mixed_precision`` (which registers one), a
+    parameter whose all-reduce DDP delays (``delay_all_reduce_named_params``), with ``ddp=`` or without."""
     ddp, hooked = _ddp({}), _ddp({})
     hooked.register_comm_hook(None, allreduce_hook)
     mixed = _ddp({"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16)})
+    torch.manual_seed(0)
+    net = _Net()
+    delayed = DDP(net, delay_all_reduce_named_params=[("extra.weight", net.extra.weight)],
+                  param_to_hook_all_reduce=net.inp.weight)
     out = {}
     for name, params, given in (("module", ddp.parameters(), ddp.module),
                                 ("other_params", nn.Linear(2, 2).parameters(), ddp),
                                 ("own_hook", hooked.parameters(), hooked),
-                                ("mixed_precision", mixed.parameters(), mixed)):
+                                ("mixed_precision", mixed.parameters(), mixed),
+                                ("delayed", delayed.parameters(), delayed)):
         out[name] = error_text(lambda: sofx.offload.SpeculativeAdamW(params, ddp=given).close())
+    out["delayed_without_ddp"] = error_text(lambda: sofx.offload.SpeculativeAdamW([net.extra.weight]).close())
     return out
 
 
@@ -446,6 +453,10 @@ def test_ddp_that_cannot_be_hooked_is_refused_at_construction(ranks) -> None:
         assert "ddp has a communication hook already" in out["own_hook"]
         assert "ddp was made with mixed_precision=" in out["mixed_precision"], out["mixed_precision"]
         assert "param_dtype=torch.bfloat16" in out["mixed_precision"]
+        assert "parameter 2 (shape (8, 8)) is one whose all-reduce ddp delays (delay_all_reduce_named_params)" \
+            in out["delayed"], out["delayed"]
+        assert "parameter 0 (shape (8, 8)) is one whose gradient a DistributedDataParallel module" \
+            in out["delayed_without_ddp"], out["delayed_without_ddp"]
 
 
 def test_an_optimizer_takes_ddp_over_and_a_closed_one_leaves_ddps_own_average(ranks) -> None:

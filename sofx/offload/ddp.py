@@ -161,17 +161,31 @@ def _check_ddp(ddp: Any) -> None:
                                f"the optimizer steps (ddp=ddp_model), got {type(ddp).__name__}")
 
 
+def _delayed(ddp: Any) -> set[int]:
+    """The ids of the parameters whose all-reduce ``ddp`` delays (``delay_all_reduce_named_params``: DDP counts them
+    among those it ignores, and all-reduces their gradients in one buffer of its own, outside the hook)."""
+    return {id(p) for p in getattr(ddp, "_delay_all_reduce_params", None) or ()}
+
+
 def _averaged(ddp: Any, params: Sequence[torch.Tensor]) -> frozenset[int]:
     """The indices of the ``params`` whose gradients ``ddp`` averages (its module's parameters but those it was
-    told to ignore)."""
+    told to ignore; those whose all-reduce it delays too)."""
     ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-    theirs = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
+    theirs = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored} | _delayed(ddp)
     return frozenset(i for i, p in enumerate(params) if id(p) in theirs)
 
 
 def reduced_indices(ddp: Any, params: Sequence[torch.Tensor]) -> frozenset[int]:
-    """:func:`_averaged`, refused when empty."""
+    """:func:`_averaged`, refused when empty, or holding a parameter whose all-reduce ``ddp`` delays (its gradient
+    never comes to the hook, and the gradient hooks would take it before DDP averages it)."""
     _check_ddp(ddp)
+    delayed = _delayed(ddp)
+    for i, p in enumerate(params):
+        if id(p) in delayed:
+            raise UnsupportedError(f"parameter {i} (shape {tuple(p.shape)}) is one whose all-reduce ddp delays "
+                                   "(delay_all_reduce_named_params): DDP all-reduces those after backward in a "
+                                   "buffer of its own, outside the communication hook the optimizer takes the "
+                                   "averaged gradients from; wrap the model without delay_all_reduce_named_params")
     indices = _averaged(ddp, params)
     if not indices:
         raise UnsupportedError(f"none of the optimizer's {len(params)} parameters is one whose gradient ddp "
