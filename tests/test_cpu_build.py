@@ -3,10 +3,13 @@ with the real compiler: its reasons, an unusable cache directory, a full disk.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +61,82 @@ def test_a_cc_that_names_no_command_is_the_reason_given(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     assert _cpu_build._build_and_open() == "no C compiler found (cc, gcc, clang): set CC to one"
     assert not (tmp_path / "cache").exists()
+
+
+def _refusing_compiler(directory: Path, name: str) -> tuple[str, Path]:
+    """A stand-in C compiler ``directory/name`` that answers ``--version`` as "fakecc 1.0" and refuses every build
+    ("fakecc: error: cannot find -lgomp"), logging each; returns (its path, the log's path)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    log, fake = directory / "builds", directory / name
+    fake.write_text("#!/bin/sh\n"
+                    'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
+                    f'echo "$0" >> {log}\n'
+                    'echo "fakecc: error: cannot find -lgomp" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    return str(fake), log
+
+
+def _builds(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+@pytest.mark.parametrize("recorded", [
+    "/usr/bin/ld: cannot find -lgomp: No such file or directory",  # an older sofx's: the error alone, not where
+    json.dumps({"refusals": [{"host": "node-7", "compiler": "/usr/bin/x86_64-linux-gnu-gcc-12",
+                              "environment": {"PATH": "/usr/bin:/bin", "LIBRARY_PATH": "/opt/broken/lib"},
+                              "time": time.time(), "error": "/usr/bin/ld: cannot find -lgomp"}]}),
+], ids=["without-a-host", "on-node-7"])
+def test_a_refusal_recorded_on_another_host_is_tried_again_here(tmp_path, caplog, recorded):
+    """A cache shared between the nodes of a cluster (NFS): a flag set one node refused (no OpenMP runtime there, a
+    header missing, a job's broken LIBRARY_PATH) was recorded as refused for every node until the cache was
+    deleted, and each loaded a slower build. A refusal recorded on another host (the marker as that host writes
+    it), or by an older sofx that did not say where, is tried again here: here it builds."""
+    target = tmp_path / "cache" / "x.so"
+    target.parent.mkdir()
+    with open(_cpu_build._failed_marker(str(target)), "w", encoding="utf-8") as f:
+        f.write(recorded)
+    caplog.set_level("INFO", logger="sofx.kernels")
+    err = _cpu_build._cached_or_compiled(_real_compiler(), ["-O1"], str(target), "int sofx_x;\n")
+    assert err is None and target.exists(), err
+    if "node-7" in recorded:  # said, where it said where
+        assert "-O1 is recorded" in caplog.records[0].getMessage(), caplog.text
+        assert "on node-7, not on " in caplog.records[0].getMessage(), caplog.text
+
+
+def _other_library_path(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("LIBRARY_PATH", str(tmp_path / "lib"))
+
+
+def _other_path(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+
+
+def _other_compiler_behind_the_name(monkeypatch, tmp_path) -> None:  # update-alternatives, say
+    os.remove(tmp_path / "fake" / "cc")
+    os.symlink(tmp_path / "fake" / "cc-b", tmp_path / "fake" / "cc")
+
+
+@pytest.mark.parametrize("change", [_other_library_path, _other_path, _other_compiler_behind_the_name])
+def test_a_refusal_in_another_environment_is_tried_again_and_each_one_is_refused_once(tmp_path, monkeypatch, change):
+    """What the compiler finds (its libraries through LIBRARY_PATH, its assembler and linker through PATH, the
+    compiler a name resolves to) makes a build fail or not: a refusal recorded in one environment is not this
+    one's and is tried again; then each environment's refusal is kept, and neither is tried again."""
+    _refusing_compiler(tmp_path / "fake", "cc-a")
+    _, log = _refusing_compiler(tmp_path / "fake", "cc-b")  # (the two log to the same file)
+    os.symlink(tmp_path / "fake" / "cc-a", tmp_path / "fake" / "cc")
+    cc, target = str(tmp_path / "fake" / "cc"), str(tmp_path / "cache" / "x.so")
+
+    def builds_after_a_call() -> int:
+        err = _cpu_build._cached_or_compiled(cc, ["-O1"], target, "int sofx_x;\n")
+        assert err is not None and "cannot find -lgomp" in err, err
+        return _builds(log)
+
+    first = [builds_after_a_call(), builds_after_a_call()]
+    with monkeypatch.context() as m:
+        change(m, tmp_path)
+        changed = [builds_after_a_call(), builds_after_a_call()]
+    back = builds_after_a_call()  # the first environment (or the second compiler still): its refusal kept
+    assert (first, changed, back) == ([1, 1], [2, 2], 2)
 
 
 def _on_a_small_disk(tmp_path, code: str, size: str = "1m", env: dict[str, str] | None = None,

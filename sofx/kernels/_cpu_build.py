@@ -13,9 +13,11 @@ processes never load a half-written file (a cached file cut short anyway, by a c
 damaged by :func:`elf_problem`, logged and built again: mapped, it would kill the process with
 SIGBUS), and built by one process while the others that need it wait (a lock file beside it). A flag set
 the compiler refused (``-fopenmp`` without an OpenMP runtime, say) is recorded there too (a
-``.failed`` file beside the library's name) and skipped by later processes;
-delete the cache to try it again (a failure of the machine, a full disk or a compiler killed for its memory, is
-not recorded). In the process it is built and
+``.failed`` file beside the library's name, with the host, the compiler's file and the environment variables it
+finds its programs, headers and libraries through: :func:`_build_context`) and skipped by later processes
+where they are the same; elsewhere (another node sharing the cache, another ``PATH`` or ``LIBRARY_PATH``) it is
+tried again, and a refusal there is added to the record; delete the cache to try it again (a failure of the
+machine, a full disk or a compiler killed for its memory, is not recorded). In the process it is built and
 loaded at most once (a lock guards the lazy load); the result, or the reason
 it is unavailable, is cached.
 
@@ -33,6 +35,7 @@ import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -279,8 +282,60 @@ def _beside(target: str, ext: str) -> str:
 
 
 def _failed_marker(target: str) -> str:
-    """The file beside ``target`` that records the compiler's refusal of it (see :func:`_compile`)."""
+    """The file beside ``target`` that records the compiler's refusals of it (see :func:`_compile`)."""
     return _beside(target, ".failed")
+
+
+# The environment variables through which the compiler finds its programs (PATH: the assembler and the linker;
+# COMPILER_PATH, GCC_EXEC_PREFIX), headers (CPATH, C_INCLUDE_PATH), libraries (LIBRARY_PATH; LD_LIBRARY_PATH: the
+# linker's search for a library's own dependencies, and the compiler's own shared libraries) and options (clang's
+# CCC_OVERRIDE_OPTIONS; SDKROOT on macOS): a flag set refused with one value of them may build with another.
+_BUILD_ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "COMPILER_PATH",
+                      "GCC_EXEC_PREFIX", "CCC_OVERRIDE_OPTIONS", "SDKROOT")
+_REFUSALS_KEPT = 32  # refusals a marker keeps, the newest (one per host and environment a refusal was met in)
+
+
+def _build_context(cc: str) -> dict:
+    """Where a build with the compiler command ``cc`` runs, as a refusal records it: ``host``, this machine's name
+    (what is installed on it: an OpenMP runtime, the headers; a cache shared between nodes is read by several),
+    ``compiler``, the file ``cc`` resolves to (links followed: update-alternatives), and ``environment``, those
+    of :data:`_BUILD_ENVIRONMENT` that are set. The compiler's command and version, the flags, the source and the
+    CPU are in the cache key, so in the marker's name, already."""
+    command = cc.split()[0]
+    return {"host": platform.node(), "compiler": os.path.realpath(shutil.which(command) or command),
+            "environment": {name: os.environ[name] for name in _BUILD_ENVIRONMENT if name in os.environ}}
+
+
+def _recorded_refusals(marker: str) -> list[dict]:
+    """The refusals recorded in ``marker`` (:func:`_failed_marker`), each a :func:`_build_context` with the
+    ``time`` and the compiler's ``error``; none where there is no such record: no file, a damaged one, or an
+    older sofx's, the error alone, which does not say where it was met."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            refusals = json.load(f)["refusals"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+    if not isinstance(refusals, list):
+        return []
+    return [r for r in refusals if isinstance(r, dict) and isinstance(r.get("error"), str)]
+
+
+def _met_in(refusal: dict, context: dict) -> bool:
+    """Whether ``refusal`` was met where ``context`` (:func:`_build_context`) describes: same host, compiler
+    file and environment."""
+    return all(refusal.get(key) == value for key, value in context.items())
+
+
+def _record_refusal(marker: str, scratch: str, cc: str, err: str) -> None:
+    """Add the refusal ``err`` of a build with ``cc`` here and now to those ``marker`` records (in place of one met
+    in the same context before; the newest :data:`_REFUSALS_KEPT`), written to ``scratch`` and renamed into place
+    (a reader finds the old record or the new one)."""
+    context = _build_context(cc)
+    kept = [r for r in _recorded_refusals(marker) if not _met_in(r, context)]
+    refusals = [*kept, {**context, "time": time.time(), "error": err}][-_REFUSALS_KEPT:]
+    with open(scratch, "w", encoding="utf-8") as f:
+        json.dump({"refusals": refusals}, f, indent=1)
+    os.replace(scratch, marker)
 
 
 # What a compiler's errors say where the machine failed the build, not the flags: no space or quota left for its
@@ -299,10 +354,10 @@ def _refused(returncode: int, err: str) -> bool:
 def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, parallel: bool = True) -> str | None:
     """Compile ``source`` (the kernel source) to ``target`` atomically (``parallel``: with
     :func:`_parallel_flags`); the compiler's error text on failure, else None. Where the compiler ran and
-    refused (a flag set it lacks: ``-fopenmp`` without an OpenMP runtime, say) that text is also left in
-    :func:`_failed_marker`'s file, so that later processes skip the flag set instead of paying the failed build
-    again (~10 s each; a timeout, a compiler that did not start, or one that the machine failed, :func:`_refused`,
-    leaves no marker)."""
+    refused (a flag set it lacks: ``-fopenmp`` without an OpenMP runtime, say) that text is also recorded in
+    :func:`_failed_marker`'s file with where it was met (:func:`_record_refusal`), so that later processes there
+    skip the flag set instead of paying the failed build again (~10 s each; a timeout, a compiler that did not
+    start, or one that the machine failed, :func:`_refused`, leaves no record)."""
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -318,10 +373,7 @@ def _compile(cc: str, flags: list[str], target: str, source: str = SOURCE, paral
             err = proc.stderr.strip() or f"exit status {proc.returncode}"
             if not _refused(proc.returncode, err):  # the machine failed it: the next process tries it again
                 return err
-            marker = os.path.join(tmp, "failed")
-            with open(marker, "w", encoding="utf-8") as f:
-                f.write(err)
-            os.replace(marker, _failed_marker(target))
+            _record_refusal(_failed_marker(target), os.path.join(tmp, "failed"), cc, err)
             return err
         fsync_best_effort(out)  # on disk before it has its name: a crash after the rename leaves a whole file or none
         os.replace(out, target)
@@ -514,15 +566,14 @@ def _remove_abandoned_builds(directory: str) -> None:
 
 def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> str | None:
     """None where ``target`` is built (already, or now by :func:`_compile`), else why not: the compiler's
-    refusal recorded before (:func:`_failed_marker`) or now, or its failure; raises :class:`_CacheUnusable`
-    where the directory cannot take the build (it cannot be made or written, or its disk is full)."""
+    refusal recorded before where this process runs (:func:`_refused_here`) or now, or its failure; raises
+    :class:`_CacheUnusable` where the directory cannot take the build (it cannot be made or written, or its disk
+    is full)."""
     if os.path.exists(target):  # built by another process while this one waited for the lock
         return None
-    try:
-        with open(_failed_marker(target), encoding="utf-8") as f:  # refused by this compiler before
-            return f.read() or "failed before"
-    except OSError:
-        pass
+    refused = _refused_here(cc, flags, target)
+    if refused is not None:
+        return refused
     _remove_abandoned_builds(os.path.dirname(target))
     _log.info("building the native CPU kernels (once per compiler and CPU; 15-40 s): %s %s -> %s",
               cc, " ".join(flags), target)
@@ -540,6 +591,24 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
     else:
         _log.info("%s refused %s (%.1f s): %s", cc, " ".join(flags), time.perf_counter() - start, _first_error(err))
     return err
+
+
+def _refused_here(cc: str, flags: list[str], target: str) -> str | None:
+    """The compiler's error recorded (:func:`_failed_marker`) where its build of ``target`` was refused in the
+    context this process builds in (:func:`_build_context`), or None: none recorded, or only elsewhere (another
+    host, compiler file or environment; logged, as the build is tried again here)."""
+    marker = _failed_marker(target)
+    refusals = _recorded_refusals(marker)
+    if not refusals:
+        return None
+    context = _build_context(cc)
+    here = next((r for r in refusals if _met_in(r, context)), None)
+    if here is not None:
+        return here["error"] or "failed before"
+    hosts = sorted({str(r.get("host")) for r in refusals})
+    _log.info("a refusal of %s %s is recorded (%s) on %s, not on %s in this environment: trying it here", cc,
+              " ".join(flags), marker, ", ".join(hosts), context["host"])
+    return None
 
 
 def _build_and_open(source: str = SOURCE, cache_dir: str | None = None,
