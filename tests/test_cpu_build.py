@@ -139,6 +139,29 @@ def test_a_refusal_in_another_environment_is_tried_again_and_each_one_is_refused
     assert (first, changed, back) == ([1, 1], [2, 2], 2)
 
 
+@pytest.mark.parametrize("hours", [25, -25], ids=["a-day-ago", "a-day-ahead"])
+def test_a_refusal_recorded_more_than_a_day_ago_is_tried_again(tmp_path, hours):
+    """An OpenMP runtime installed since, a header put back: a refusal was kept until the cache was deleted, and the
+    node loaded a slower build for good. One recorded more than a day ago (or dated a day ahead: a clock set wrong)
+    is tried again; the new refusal is then kept."""
+    cc, log = _refusing_compiler(tmp_path / "fake", "fakecc")
+    target = str(tmp_path / "cache" / "x.so")
+    for _ in range(2):
+        assert "cannot find -lgomp" in _cpu_build._cached_or_compiled(cc, ["-O1"], target, "int sofx_x;\n")
+    assert _builds(log) == 1
+    marker = _cpu_build._failed_marker(target)
+    with open(marker, encoding="utf-8") as f:
+        recorded = json.load(f)
+    recorded["refusals"][0]["time"] -= hours * 3600
+    with open(marker, "w", encoding="utf-8") as f:
+        json.dump(recorded, f)
+    for _ in range(2):
+        assert "cannot find -lgomp" in _cpu_build._cached_or_compiled(cc, ["-O1"], target, "int sofx_x;\n")
+    assert _builds(log) == 2
+    with open(marker, encoding="utf-8") as f:
+        assert len(json.load(f)["refusals"]) == 1  # the stale one replaced
+
+
 def _on_a_small_disk(tmp_path, code: str, size: str = "1m", env: dict[str, str] | None = None,
                      options: str = "", args: tuple[str, ...] = ("-c",), before: str = "true"
                      ) -> subprocess.CompletedProcess:

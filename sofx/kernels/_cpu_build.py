@@ -16,8 +16,9 @@ the compiler refused (``-fopenmp`` without an OpenMP runtime, say) is recorded t
 ``.failed`` file beside the library's name, with the host, the compiler's file and the environment variables it
 finds its programs, headers and libraries through: :func:`_build_context`) and skipped by later processes
 where they are the same; elsewhere (another node sharing the cache, another ``PATH`` or ``LIBRARY_PATH``) it is
-tried again, and a refusal there is added to the record; delete the cache to try it again (a failure of the
-machine, a full disk or a compiler killed for its memory, is not recorded). In the process it is built and
+tried again, and a refusal there is added to the record; a refusal is kept for a day, then tried again (an
+OpenMP runtime installed since; a failure of the machine, a full disk or a compiler killed for its memory, is not
+recorded). In the process it is built and
 loaded at most once (a lock guards the lazy load); the result, or the reason
 it is unavailable, is cached.
 
@@ -293,6 +294,7 @@ def _failed_marker(target: str) -> str:
 _BUILD_ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "COMPILER_PATH",
                       "GCC_EXEC_PREFIX", "CCC_OVERRIDE_OPTIONS", "SDKROOT")
 _REFUSALS_KEPT = 32  # refusals a marker keeps, the newest (one per host and environment a refusal was met in)
+_REFUSAL_KEPT_S = 24 * 3600  # then the build is tried again: what was missing may have been installed since
 
 
 def _build_context(cc: str) -> dict:
@@ -307,9 +309,10 @@ def _build_context(cc: str) -> dict:
 
 
 def _recorded_refusals(marker: str) -> list[dict]:
-    """The refusals recorded in ``marker`` (:func:`_failed_marker`), each a :func:`_build_context` with the
-    ``time`` and the compiler's ``error``; none where there is no such record: no file, a damaged one, or an
-    older sofx's, the error alone, which does not say where it was met."""
+    """The refusals recorded in ``marker`` (:func:`_failed_marker`) less than :data:`_REFUSAL_KEPT_S` ago (or
+    ahead: a clock set wrong), each a :func:`_build_context` with the ``time`` and the compiler's ``error``; none
+    where there is no such record: no file, a damaged one, or an older sofx's, the error alone, which does not say
+    where or when it was met."""
     try:
         with open(marker, encoding="utf-8") as f:
             refusals = json.load(f)["refusals"]
@@ -317,7 +320,9 @@ def _recorded_refusals(marker: str) -> list[dict]:
         return []
     if not isinstance(refusals, list):
         return []
-    return [r for r in refusals if isinstance(r, dict) and isinstance(r.get("error"), str)]
+    now = time.time()
+    return [r for r in refusals if isinstance(r, dict) and isinstance(r.get("error"), str)
+            and type(r.get("time")) in (int, float) and abs(now - r["time"]) < _REFUSAL_KEPT_S]
 
 
 def _met_in(refusal: dict, context: dict) -> bool:
@@ -328,8 +333,8 @@ def _met_in(refusal: dict, context: dict) -> bool:
 
 def _record_refusal(marker: str, scratch: str, cc: str, err: str) -> None:
     """Add the refusal ``err`` of a build with ``cc`` here and now to those ``marker`` records (in place of one met
-    in the same context before; the newest :data:`_REFUSALS_KEPT`), written to ``scratch`` and renamed into place
-    (a reader finds the old record or the new one)."""
+    in the same context before; those older than a day dropped; the newest :data:`_REFUSALS_KEPT`), written to
+    ``scratch`` and renamed into place (a reader finds the old record or the new one)."""
     context = _build_context(cc)
     kept = [r for r in _recorded_refusals(marker) if not _met_in(r, context)]
     refusals = [*kept, {**context, "time": time.time(), "error": err}][-_REFUSALS_KEPT:]
@@ -595,8 +600,9 @@ def _cached_or_compiled(cc: str, flags: list[str], target: str, source: str) -> 
 
 def _refused_here(cc: str, flags: list[str], target: str) -> str | None:
     """The compiler's error recorded (:func:`_failed_marker`) where its build of ``target`` was refused in the
-    context this process builds in (:func:`_build_context`), or None: none recorded, or only elsewhere (another
-    host, compiler file or environment; logged, as the build is tried again here)."""
+    context this process builds in (:func:`_build_context`) in the last day, or None: none recorded (or only
+    longer ago), or only elsewhere (another host, compiler file or environment; logged, as the build is tried
+    again here)."""
     marker = _failed_marker(target)
     refusals = _recorded_refusals(marker)
     if not refusals:
