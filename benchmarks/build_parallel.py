@@ -93,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     cc = _cpu_build._compiler()
     if cc is None:
-        raise SystemExit("no C compiler found (set CC to one)")
+        raise SystemExit(_cpu_build._no_compiler())
     parallel = _cpu_build._parallel_flags(cc)
     if not parallel:
         raise SystemExit(f"{cc} has no parallel flags here (GCC 10 or later has -flto=auto): nothing to compare")

@@ -249,6 +249,21 @@ def test_build_parallel_script_runs():
         assert a > 0 and b > 0 and ratio > 0, row
 
 
+def test_build_parallel_script_gives_the_librarys_reason_for_no_compiler(tmp_path, monkeypatch):
+    """``CC`` naming a compiler that is not there: the script said "no C compiler found (set CC to one)", as if CC
+    were unset; it gives the library's reason, which names the CC that was not found."""
+    from sofx.kernels import _cpu_build
+
+    script = _module(os.path.join(ROOT, "benchmarks", "build_parallel.py"))
+    missing = str(tmp_path / "bin" / "gcc-13")
+    monkeypatch.setenv("CC", missing)
+    monkeypatch.setattr(sys, "argv", ["build_parallel.py", "--quick"])
+    with pytest.raises(SystemExit) as exit_:
+        script.main()
+    assert exit_.value.code == f"no C compiler found: CC={missing!r} names no command here"
+    assert exit_.value.code == _cpu_build._no_compiler()
+
+
 def test_param_copy_script_runs():
     rows = _table_rows("param_copy.py", ["--cases", "12:1,13:2", "--rounds", "2"], ("| step",))
     assert [row.split(" | ")[0] for row in rows] == [
