@@ -19,7 +19,7 @@ the engine raises its error out of backward once DDP has written ``.grad``, as i
 DDP. Under ``ddp.join()`` (uneven inputs) a rank out of inputs only all-reduces; ``join()`` dividing by the ranks
 left (``divide_by_initial_world_size=False``, which DDP tells no hook) is refused where it is made.
 
-The hook's state is a :class:`DDPRoute`, one per DDP module (kept here, weakly): an optimizer created again
+The hook's state is a :class:`DDPRoute`, one per DDP module (an attribute of the module): an optimizer created again
 over the same DDP module takes the route over (the older one refuses to step from then on, as with
 gradient hooks), and a closed or collected optimizer leaves DDP's plain all-reduce.
 
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DDPRoute", "ddp_route", "reduced_indices", "refuse_averaged"]
 
-# DDP module -> its route (weak keys: the route goes with the module; it holds no reference to the module)
-_ROUTES: "weakref.WeakKeyDictionary[Any, DDPRoute]" = weakref.WeakKeyDictionary()
+# The attribute of a DDP module holding its route (the route goes with the module; it holds no reference to it)
+_ROUTE_ATTRIBUTE = "_sofx_ddp_route"
 
 
 class DDPRoute:
@@ -198,7 +198,7 @@ def ddp_route(ddp: Any) -> DDPRoute:
     """The route of ``ddp``: its communication hook is registered on first use (refused where ``ddp`` has one of
     its own already, a DDP module takes one: also where it was made with ``mixed_precision``, named then)."""
     _check_ddp(ddp)
-    route = _ROUTES.get(ddp)
+    route = vars(ddp).get(_ROUTE_ATTRIBUTE)
     if route is not None:
         return route
     mixed = getattr(ddp, "mixed_precision", None)
@@ -218,7 +218,7 @@ def ddp_route(ddp: Any) -> DDPRoute:
                                "in a DistributedDataParallel without a hook") from None
     # (an instance attribute over DDP's method, holding neither the module nor a cycle through it)
     ddp.join_hook = functools.partial(_join_hook, weakref.ref(ddp), route)
-    _ROUTES[ddp] = route
+    setattr(ddp, _ROUTE_ATTRIBUTE, route)
     return route
 
 
