@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from sofx.errors import LeafError, UnsupportedError
 from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS, LocalArena
 from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.blocks import BlockLayout, allocate_block_tensors, block_nbytes, check_params, plan_blocks
+from sofx.offload import shared_memory
 from sofx.offload.shared_memory import SharedMemoryArena, SharedTensorSpec, open_shared_tensor, shm_budget
 
 
@@ -68,7 +71,31 @@ def test_arrivals_readiness_accumulation_and_late_gradients() -> None:
         ArrivalTracker(layouts, accumulation_steps=0)
 
 
-def test_shared_memory_arena_maps_the_same_bytes_and_cleans_up(tmp_path) -> None:
+def _open_inodes() -> set[int]:
+    """The inodes of the files this process holds open."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("made", ["unnamed", "created_and_unlinked"])
+def test_shared_memory_arena_maps_the_same_bytes_and_never_names_a_file(made, tmp_path, monkeypatch) -> None:
+    """The files never have a name in the directory (a process killed at any time leaves nothing there): made
+    unnamed, or where the filesystem cannot (here: made to refuse O_TMPFILE) created and unlinked at once. They are
+    held by descriptors until close(); the mappings stay valid after."""
+    if made == "created_and_unlinked":
+        real_open = os.open
+
+        def no_tmpfile(path, flags, *args):
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "Operation not supported", path)
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(shared_memory.os, "open", no_tmpfile)
     arena = SharedMemoryArena(str(tmp_path))
     layout = plan_blocks([_params(3, 5)], block_numel=100)[0]
     t = allocate_block_tensors(layout, arena.allocate, torch.bfloat16)
@@ -77,12 +104,33 @@ def test_shared_memory_arena_maps_the_same_bytes_and_cleans_up(tmp_path) -> None
     t.master.copy_(torch.arange(8.0))
     again = open_shared_tensor(SharedTensorSpec.from_json(arena.specs[layout.tensor_name("master")].to_json()))
     assert torch.equal(again, torch.arange(8.0))
-    assert len(os.listdir(tmp_path)) == 5
-    arena.close()
     assert os.listdir(tmp_path) == []
-    assert torch.equal(t.master, torch.arange(8.0)), "mappings stay valid after the files are removed"
+    assert len(arena.fds) == len(set(arena.inodes)) == 5 and set(arena.inodes) <= _open_inodes()
+    assert not any(os.get_inheritable(fd) for fd in arena.fds), "only the worker inherits them (pass_fds)"
+    arena.close()
+    assert arena.fds == [] and not set(arena.inodes) & _open_inodes()
+    assert torch.equal(t.master, torch.arange(8.0)), "mappings stay valid after the descriptors are closed"
     assert shm_budget(str(tmp_path), limit_bytes=10) == 10
     assert shm_budget(str(tmp_path / "missing")) == 0
+
+
+def test_shared_memory_arena_raises_the_descriptor_soft_limit_it_needs(tmp_path) -> None:
+    """A descriptor per tensor is held until the worker has mapped them all: past the soft limit (1024 by default
+    on many systems; a large model has thousands of tensors) the arena raises it toward the hard limit instead of
+    failing (which fell back to the thread executor)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 256:
+        pytest.skip(f"the hard descriptor limit is {hard}")
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 16, hard))
+    arena = SharedMemoryArena(str(tmp_path))
+    try:
+        tensors = [arena.allocate(f"t{k}", 4, torch.float32) for k in range(64)]
+        assert len(arena.fds) == 64 and resource.getrlimit(resource.RLIMIT_NOFILE)[0] > used + 16
+        assert all(t.abs().sum() == 0 for t in tensors)
+    finally:
+        arena.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_cpu_arenas_colour_the_page_offsets_of_large_tensors(tmp_path) -> None:
@@ -106,6 +154,6 @@ def test_cpu_arenas_colour_the_page_offsets_of_large_tensors(tmp_path) -> None:
             spec = SharedTensorSpec.from_json(shared.specs[layout.tensor_name("exp_avg")].to_json())
             assert spec.offset * 4 == skips[1]
             assert torch.equal(open_shared_tensor(spec), torch.arange(float(big)))
-            used = sum(os.path.getsize(os.path.join(tmp_path, f)) for f in os.listdir(tmp_path))
-            assert used <= block_nbytes(layout, torch.float32)
+            used = sum(os.fstat(fd).st_size for fd in shared.fds)
+            assert 0 < used <= block_nbytes(layout, torch.float32)
     shared.close()

@@ -8,7 +8,8 @@ every hparam reaches the worker with every step; close() stops the worker and
 removes the shared-memory files. A worker killed while starting, between steps
 or during backward, or one that raises, is a clear error in time, and neither
 that nor optimizers made and closed in a loop leave descriptors, threads,
-processes or shared-memory mappings behind.
+processes or shared-memory mappings behind; nor does a main process killed
+(SIGTERM, SIGKILL) while its worker starts: the shared files never have a name.
 """
 
 from __future__ import annotations
@@ -47,8 +48,27 @@ TOL = 1e-6
 
 
 def _shm_files(opt: sofx.offload.SpeculativeAdamW) -> list[str]:
+    """``opt``'s shared-memory files that have a name, and the descriptors of its files still open here."""
     arena = opt.engine._cpu_arena
-    return glob.glob(os.path.join(arena.shm_dir, arena.prefix + "*"))
+    return glob.glob(os.path.join(arena.shm_dir, arena.prefix + "*")) + [f"fd {fd}" for fd in arena.fds]
+
+
+def _held_inodes(shm_dir: str = sofx.offload.shared_memory.DEFAULT_SHM_DIR) -> set[int]:
+    """The inodes of the files in ``shm_dir`` that this process holds open or mapped (the shared tensors' files have
+    no name: ``ls /dev/shm`` cannot see them)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(os.path.join(shm_dir, "")):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(os.path.join(shm_dir, "")):
+                held.add(int(fields[4]))
+    return held
 
 
 def test_killing_the_worker_mid_step_is_a_clear_error_and_the_state_survives() -> None:
@@ -100,14 +120,15 @@ def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None
             assert relative_deviation(model, ref) <= TOL
 
 
-def _worker_children() -> list[int]:
-    """Pids of this process's children that run the offload worker."""
+def _worker_children(parent: int | None = None) -> list[int]:
+    """Pids of the children of ``parent`` (this process by default) that run the offload worker."""
+    parent = os.getpid() if parent is None else parent
     out = []
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as f:
                 fields = f.read().rsplit(")", 1)[-1].split()
-            if int(fields[1]) != os.getpid() or fields[0] == "Z":
+            if int(fields[1]) != parent or fields[0] == "Z":
                 continue
             with open(stat[:-len("stat")] + "cmdline", "rb") as f:
                 if b"sofx.offload.process_worker" in f.read():
@@ -147,7 +168,7 @@ def test_a_failing_shared_memory_reservation_falls_back_to_thread_and_leaves_not
         if where == "allocate":
             calls[0] += 1
             if not failed and fails(name, calls[0]):
-                failed.append(sorted(glob.glob(os.path.join(arena.shm_dir, arena.prefix + "*"))))
+                failed.append(sorted(arena.specs))
                 raise error
         return real_allocate(arena, name, numel, dtype)
 
@@ -155,7 +176,7 @@ def test_a_failing_shared_memory_reservation_falls_back_to_thread_and_leaves_not
         if where == "open":
             calls[0] += 1
             if not failed and fails(spec.path, calls[0]):
-                failed.append(sorted(glob.glob(spec.path.rsplit("-", 1)[0] + "-*")))
+                failed.append(sorted(arenas[0].specs))
                 raise error
         return real_open(spec)
 
@@ -175,9 +196,11 @@ def test_a_failing_shared_memory_reservation_falls_back_to_thread_and_leaves_not
         assert any(".pub" in f for f in failed[0]), "parameters had moved into shared publish buffers"
     assert opt.executor == "thread" and isinstance(opt.engine.executor, ThreadExecutor)
     assert not isinstance(opt.engine._cpu_arena, shared_memory.SharedMemoryArena)
-    # nothing half-built is left: no files of the failed arena, no worker, no parameter in shared memory
+    # nothing half-built is left: no file of the failed arena (named, open or mapped), no worker, no parameter in
+    # shared memory
     assert len(arenas) == 1
-    assert glob.glob(os.path.join(arenas[0].shm_dir, arenas[0].prefix + "*")) == []
+    assert glob.glob(os.path.join(arenas[0].shm_dir, arenas[0].prefix + "*")) == [] and arenas[0].fds == []
+    assert not _held_inodes() & set(arenas[0].inodes)
     assert _worker_children() == []
     assert not any(p.is_shared() for p in model.parameters())
     assert opt.engine._pub, "the thread executor still publishes into swapped buffers"
@@ -304,9 +327,9 @@ def test_close_stops_the_worker_and_no_shared_memory_file_outlives_the_start() -
 def _resources() -> tuple[int, int, list[int], int]:
     """What an optimizer may leave behind in this process: open file descriptors, threads, offload worker
     processes, and mappings of this process's shared-memory files (unlinked, so ``ls /dev/shm`` cannot see them)."""
-    prefix = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{os.getpid()}-")
+    shm = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, "")
     with open("/proc/self/maps") as f:
-        mappings = sum(prefix in line for line in f)
+        mappings = sum(shm in line for line in f)
     return len(os.listdir("/proc/self/fd")), threading.active_count(), _worker_children(), mappings
 
 
@@ -334,7 +357,7 @@ def test_optimizers_made_and_closed_in_a_loop_leave_nothing_behind(executor: str
 def _kill_the_worker(done: threading.Event, once_it_maps: bool) -> None:
     """SIGKILL this process's offload workers as soon as they appear, or (``once_it_maps``) as soon as one has
     mapped a shared tensor: it has connected then and is building its blocks, not yet ready."""
-    mark = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{os.getpid()}-")
+    mark = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, "")  # (the files have no name)
     while not done.is_set():
         for pid in _worker_children():
             try:
@@ -426,11 +449,13 @@ def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everyth
 
 
 def _shm_mappings(opt: sofx.offload.SpeculativeAdamW) -> list[str]:
-    """This process's mappings of ``opt``'s shared-memory files (their names are unlinked once the worker has
-    mapped them, so ``ls /dev/shm`` cannot see them: only the mappings hold the memory)."""
+    """This process's mappings of ``opt``'s shared-memory files (they have no name, so ``ls /dev/shm`` cannot see
+    them; once the worker has mapped them, only the mappings hold the memory)."""
     arena = opt.engine._cpu_arena
+    inodes = {str(i) for i in arena.inodes}
     with open("/proc/self/maps") as f:
-        return [line for line in f if os.path.join(arena.shm_dir, arena.prefix) in line]
+        return [line for line in f if len(line.split()) > 5 and line.split()[4] in inodes
+                and line.split()[5].startswith(os.path.join(arena.shm_dir, ""))]
 
 
 def test_close_gives_the_shared_memory_back_while_the_optimizer_is_still_referenced() -> None:
@@ -515,6 +540,58 @@ def test_a_main_process_killed_without_close_leaves_no_shared_memory_behind() ->
     )
     prefix, worker = _run_until_it_kills_itself(script)
     _wait_for_the_worker_to_clean_up(prefix, int(worker))
+
+
+_MADE_DURING_KILL = """
+import sys, torch, sofx.offload
+model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)])  # 100 blocks: mapping them takes a while
+sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=4)
+print("started", flush=True)
+"""
+
+
+def _socket_dir(worker: int) -> str:
+    """The private directory of the unix socket worker ``worker`` connects to (its last argument)."""
+    with open(f"/proc/{worker}/cmdline", "rb") as f:
+        return os.path.dirname(f.read().split(b"\0")[-2].decode())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("when", ["before_it_connects", "once_it_connected"])
+def test_a_main_process_killed_while_its_worker_starts_leaves_no_shared_memory_behind(when: str,
+                                                                                     signum: int) -> None:
+    """SIGTERM (what torchrun, SLURM and Kubernetes send first) or SIGKILL to the main process while its worker
+    starts (1-5 s: importing torch, mapping the blocks): the shared tensors' files were made before the worker
+    and named until it was ready, and stayed in /dev/shm for good (nothing left knew their names); now none ever
+    has a name, the worker exits and the socket's directory goes too."""
+    proc = subprocess.Popen([sys.executable, "-c", _MADE_DURING_KILL], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    named = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{proc.pid}-*")
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while not workers and time.monotonic() < deadline and proc.poll() is None:
+            workers = _worker_children(proc.pid)
+            time.sleep(0.001)
+        assert workers, "the worker started"
+        worker, socket_dir = workers[0], _socket_dir(workers[0])
+        # (the main process removes the socket's directory once the worker has connected, then sends the blocks)
+        while when == "once_it_connected" and os.path.exists(socket_dir) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == -signum
+        assert proc.stdout.read() == "", "killed while starting"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(worker):
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker exits when its main process is gone"
+        assert glob.glob(named) == [], "no shared-memory file is left in /dev/shm"
+        assert not os.path.exists(socket_dir), "nor the socket's directory in /tmp"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sofx.offload.shared_memory.remove_files(glob.glob(named))  # (what a failure left)
 
 
 def _run_until_it_kills_itself(script: str) -> list[str]:

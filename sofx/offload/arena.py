@@ -2,8 +2,8 @@
 
 :class:`LocalArena` allocates ordinary tensors on a device (the inline and
 thread executors, and device blocks). :class:`sofx.offload.shared_memory.SharedMemoryArena`
-allocates tensors backed by files in ``/dev/shm`` that a worker process maps
-by name (the process executor). Both have the same small interface.
+allocates tensors backed by unnamed files in ``/dev/shm`` that a worker process
+maps through the descriptors it inherits (the process executor). Both have the same small interface.
 
 Page colouring (CPU arenas): large allocations come back at page offsets that
 cycle through ``PAGE_COLOURS`` values ``COLOUR_BYTES`` apart, so that a block's

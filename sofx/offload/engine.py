@@ -55,7 +55,7 @@ it averages come from its communication hook instead of the gradient hooks
 Executors: ``"inline"``, ``"thread"``, ``"process"`` (worker process on
 shared-memory tensors; falls back to ``"thread"`` with a warning when
 ``/dev/shm`` cannot hold the state, or when reserving it fails after the
-space check: then what was reserved is released first -- files removed,
+space check: then what was reserved is released first -- files closed,
 parameters moved back to private memory -- and no worker is started).
 """
 
@@ -279,9 +279,9 @@ class OffloadEngine:
             self.device_runner = BlockRunner(self.adam, device_layouts,
                                              {b.index: self.tensors[b.index] for b in device_layouts})
             self.executor = self._make_executor(executor, cpu_layouts, num_threads)
-            # Both processes have mapped the shared tensors now: their file names are not needed any more, and
-            # removing them means that nothing is left in /dev/shm however both processes end (SIGTERM to the
-            # process group, SIGKILL); the memory is released when the last mapping goes.
+            # Both processes have mapped the shared tensors now: the descriptors of their files (which never had
+            # a name, so nothing is left in /dev/shm however the processes end, also while the worker starts) are
+            # not needed any more; the memory is released when the last mapping goes.
             self._cpu_arena.close()
         except BaseException:
             try:
@@ -357,8 +357,10 @@ class OffloadEngine:
             "adam": self.adam_config.to_json(),
             "num_threads": num_threads,
             "publish": self._pub_names,
+            "fds": list(self._cpu_arena.fds),  # (the worker closes them once it has mapped the tensors)
         }
-        return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0), interrupts=self._interrupts)
+        return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0), interrupts=self._interrupts,
+                               pass_fds=self._cpu_arena.fds)
 
     def _reserve_cpu_blocks(self, cpu_layouts: Sequence[BlockLayout], state_dtype: torch.dtype,
                             swappable: set[int]) -> None:
@@ -369,7 +371,7 @@ class OffloadEngine:
 
     def _release_shared_memory(self) -> None:
         """Move the parameters that live in shared-memory publish buffers back to private memory, then
-        remove the arena's files (idempotent; the values are kept)."""
+        close the arena's files (idempotent; the values are kept)."""
         try:
             with torch.no_grad():
                 for i in self._shared_params:
@@ -1246,7 +1248,7 @@ class OffloadEngine:
         try:
             self.executor.close()
         finally:
-            # Parameters using shared-memory publish buffers move to private memory; the files are removed.
+            # Parameters using shared-memory publish buffers move to private memory; the files are closed.
             try:
                 self._release_shared_memory()
                 self._unmap_shared_blocks(keep_state)
@@ -1256,10 +1258,10 @@ class OffloadEngine:
 
     def _unmap_shared_blocks(self, keep_state: bool) -> None:
         """Drop every reference to the shared-memory tensors (the worker has stopped), so that their memory goes
-        back to ``/dev/shm`` now: the files are unlinked already, and these mappings held the space for as long
-        as the closed optimizer lived on (a notebook variable, a scheduler), where the next optimizer's space
-        check found it taken. ``keep_state``: each block's master, moments and counts are copied into private
-        memory first, one block at a time (what the in-process executors keep after close)."""
+        back to ``/dev/shm`` now: the files have no name nor open descriptor, and these mappings held the space
+        for as long as the closed optimizer lived on (a notebook variable, a scheduler), where the next
+        optimizer's space check found it taken. ``keep_state``: each block's master, moments and counts are
+        copied into private memory first, one block at a time (what the in-process executors keep after close)."""
         if not isinstance(self._cpu_arena, SharedMemoryArena):
             return
         for layout in self.layouts:

@@ -3,7 +3,7 @@
 The block tensors are allocated in a
 :class:`~sofx.offload.shared_memory.SharedMemoryArena` by the engine; this
 executor starts one worker (``python -m sofx.offload.process_worker``, a
-fresh interpreter that maps the same files) and talks to it over a unix
+fresh interpreter that maps the same files through the descriptors it inherits) and talks to it over a unix
 socket in a private temporary directory (mutually authenticated with a random
 key). Submitting never blocks the caller (a backward hook): a sender thread
 writes the operations, and a receiver thread reads the results into a queue,
@@ -44,7 +44,7 @@ import traceback
 from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 from sofx.errors import UnsupportedError
 from sofx.offload.block_ops import BlockOp, OpResult
@@ -72,14 +72,16 @@ class ProcessExecutor(Executor):
     """Runs operations in a worker process over shared-memory block tensors.
 
     ``config`` is the JSON-able description the worker needs (see
-    :func:`sofx.offload.process_worker.build_runner`). The constructor waits
+    :func:`sofx.offload.process_worker.build_runner`); ``pass_fds``: the
+    descriptors of the shared tensors' files, which the worker inherits at the
+    same numbers (see :mod:`sofx.offload.shared_memory`). The constructor waits
     up to ``startup_timeout`` seconds for the worker to map the tensors.
     """
 
     name = "process"
 
     def __init__(self, config: dict[str, Any], startup_timeout: float = 120.0,
-                 interrupts: AbstractContextManager[Any] = NO_GATE) -> None:
+                 interrupts: AbstractContextManager[Any] = NO_GATE, pass_fds: Sequence[int] = ()) -> None:
         super().__init__()
         self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._collected: list[OpResult] = []
@@ -101,7 +103,7 @@ class ProcessExecutor(Executor):
             authkey = os.urandom(32)
             self.process = subprocess.Popen([sys.executable, "-m", "sofx.offload.process_worker", address],
                                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            errors="replace", close_fds=True)
+                                            errors="replace", close_fds=True, pass_fds=tuple(pass_fds))
             self.pid = self.process.pid
             self._stderr = _StderrTail(self.process.stderr)
             try:
