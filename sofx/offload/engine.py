@@ -348,7 +348,8 @@ class OffloadEngine:
         if name == "inline":
             return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub))
         if name == "thread":
-            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self._interrupts)
+            return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self._interrupts,
+                                  close_timeout=self.timeout)
         from sofx.offload.process_executor import ProcessExecutor
 
         config = {

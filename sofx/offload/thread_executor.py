@@ -9,6 +9,11 @@ operations (``step()``'s actions: commit, undo+redo, a late step, of a block eac
 they may start beside other ``"apply"`` operations on other blocks). Every other
 operation runs on the worker, in submission order, after everything submitted
 before it has finished.
+
+:meth:`ThreadExecutor.close` lets the worker run what was queued and stop, waiting at most
+its timeout (the engine's ``timeout``), and not at all after a :meth:`~ThreadExecutor.wait`
+that timed out; a thread still running an operation then cannot be stopped: it is left to
+finish that one alone (the queued ones are dropped), with a warning that says so.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -26,20 +32,27 @@ from sofx.offload.block_runner import BlockRunner
 from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, raise_failures
 from sofx.offload.interrupts import NO_GATE
 
-__all__ = ["ThreadExecutor"]
+__all__ = ["ThreadExecutor", "CLOSE_TIMEOUT_S"]
+
+#: How long :meth:`ThreadExecutor.close` lets the worker finish what was queued, by default.
+CLOSE_TIMEOUT_S = 30.0
 
 _STOP = object()
 _HELPABLE = ("ready", "apply")  # operations on one block each, which a helper may run (see _may_start)
 
 
 class ThreadExecutor(Executor):
-    """Runs operations on ``runner`` in a daemon thread, in submission order."""
+    """Runs operations on ``runner`` in a daemon thread, in submission order; :meth:`close` waits up to
+    ``close_timeout`` seconds for them."""
 
     name = "thread"
 
-    def __init__(self, runner: BlockRunner, interrupts: AbstractContextManager[Any] = NO_GATE) -> None:
+    def __init__(self, runner: BlockRunner, interrupts: AbstractContextManager[Any] = NO_GATE,
+                 close_timeout: float = CLOSE_TIMEOUT_S) -> None:
         super().__init__()
         self.runner = runner
+        self.close_timeout = close_timeout
+        self._unanswered = False  # the last wait() timed out: close() does not wait again
         self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._queue: collections.deque = collections.deque()
         self._results: list[OpResult] = []
@@ -123,6 +136,7 @@ class ThreadExecutor(Executor):
     def wait(self, timeout: float, help: bool = False) -> list[OpResult]:
         """See :meth:`Executor.wait`; ``help``: run queued one-block operations (``"ready"``, ``"apply"``) on this
         thread meanwhile."""
+        self._unanswered = False
         deadline = time.monotonic() + timeout
         if help:
             with torch.no_grad():
@@ -141,6 +155,7 @@ class ThreadExecutor(Executor):
             while self._finished < self._submitted and self._crash is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._unanswered = True
                     raise ExecutorTimeout(f"thread executor: {self._submitted - self._finished} block operations "
                                           f"did not finish within {timeout:g} s")
                 self._cond.wait(left)
@@ -148,10 +163,36 @@ class ThreadExecutor(Executor):
                 raise ExecutorError(f"thread executor: the worker thread died: {self._crash!r}") from self._crash
         return raise_failures(self.poll(), "thread executor")
 
-    def close(self) -> None:
-        if not self._closed:
-            super().close()
-            with self._cond:
-                self._queue.append(_STOP)
-                self._cond.notify_all()
-            self._thread.join(timeout=30)
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the worker thread (idempotent) once it has run what was queued, waiting up to ``timeout`` seconds
+        (``close_timeout`` by default), at once where the last :meth:`wait` timed out (an operation that does not
+        finish is not waited for twice). A thread cannot be stopped: one still running an operation then is left
+        to finish it alone (a daemon thread), the queued ones are dropped, and a ``RuntimeWarning`` names what
+        runs (it may still change those blocks' tensors)."""
+        if self._closed:
+            return
+        super().close()
+        with self._cond:
+            self._queue.append(_STOP)
+            self._cond.notify_all()
+        waited = 0.0 if self._unanswered else self.close_timeout if timeout is None else timeout
+        self._thread.join(timeout=min(waited, threading.TIMEOUT_MAX))
+        if self._thread.is_alive():
+            self._abandon(waited)
+
+    def _abandon(self, waited: float) -> None:
+        """The worker thread did not stop within ``waited`` seconds: drop the queued operations (it stops after
+        the one it runs) and say so."""
+        with self._cond:
+            dropped = sum(op is not _STOP for op in self._queue)
+            self._queue.clear()
+            self._queue.append(_STOP)
+            running = sorted(self._active.values(), key=lambda kb: kb[1])
+        what = ", ".join(f"the {kind!r} operation on block {block}" if block >= 0 else f"the {kind!r} operation"
+                         for kind, block in running) or "an operation"
+        why = ("the last wait for it timed out, so close() did not wait again" if self._unanswered
+               else f"close() waited {waited:g} s")
+        warnings.warn(f"sofx.offload: the thread executor's worker is still running {what} ({why}); a thread cannot "
+                      f"be stopped: it is left to finish alone and may still change those blocks' optimizer state"
+                      f"{f'; {dropped} queued operation(s) were dropped' if dropped else ''}", RuntimeWarning,
+                      stacklevel=2)
