@@ -695,6 +695,31 @@ def test_close_is_bounded_by_its_timeout_and_kills_a_worker_that_does_not_answer
         opt.close()
 
 
+def test_close_leaves_a_worker_that_does_not_die_at_once_to_the_system_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that does not answer and, once killed, does not exit within the time close() gives it (here 0 s; a
+    process in uninterruptible sleep, or tearing down a large address space): close() raised a bare
+    subprocess.TimeoutExpired and left the connection open; now it releases everything else, warns, and the worker
+    exits when the kernel lets it."""
+    from sofx.offload import process_executor
+    from sofx.offload.executor import ExecutorTimeout
+
+    monkeypatch.setattr(process_executor, "KILL_WAIT_S", 0.0)
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100, timeout=0.3)
+    ex = opt.engine.executor
+    os.kill(ex.pid, signal.SIGSTOP)  # hangs
+    ex.submit(BlockOp(10 ** 6, "commit_all"))
+    with pytest.raises(ExecutorTimeout, match="alive but not answering"):
+        opt.engine.wait()
+    with pytest.warns(RuntimeWarning, match=rf"worker process \(pid {ex.pid}\) did not exit within 0 s of SIGKILL.*"
+                                            r"left to the system"):
+        opt.close()
+    assert opt.engine._closed and ex.conn.closed
+    assert not any(p.is_shared() for p in model.parameters()), "the shared memory is released all the same"
+    assert ex.process.wait(timeout=10) == -signal.SIGKILL
+
+
 def test_close_without_a_time_limit_waits_for_a_worker_that_answers() -> None:
     """close(timeout=math.inf) lets the worker finish and exit however long it takes (a join's longest wait);
     its deadline overflowed the threads' join (OverflowError: timeout value is too large)."""

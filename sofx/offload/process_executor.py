@@ -22,7 +22,8 @@ notebook shows it); an operation that cannot be pickled fails alone (:meth:`wait
 raises it, the worker goes on with the next ones); a worker that
 hangs makes :meth:`wait` raise :class:`~sofx.offload.executor.ExecutorTimeout`
 after the timeout, and :meth:`ProcessExecutor.close` kills it at once then (else
-after its own timeout, :data:`CLOSE_TIMEOUT_S` by default). The shared tensors stay mapped in the main process in
+after its own timeout, :data:`CLOSE_TIMEOUT_S` by default; one that does not exit within
+:data:`KILL_WAIT_S` of that is left to the system with a warning). The shared tensors stay mapped in the main process in
 every case, so the state is still readable (and checkpointable) after a
 failure.
 """
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
@@ -57,11 +59,13 @@ from sofx.offload.executor import (
 )
 from sofx.offload.interrupts import NO_GATE
 
-__all__ = ["ProcessExecutor", "CLOSE_TIMEOUT_S"]
+__all__ = ["ProcessExecutor", "CLOSE_TIMEOUT_S", "KILL_WAIT_S"]
 
 _POLL_S = 0.05
 #: How long :meth:`ProcessExecutor.close` lets the worker finish what was queued and exit before killing it.
 CLOSE_TIMEOUT_S = 10.0
+#: How long a killed worker may take to exit before it is left to the system (see ``ProcessExecutor._kill``).
+KILL_WAIT_S = 10.0
 _STOP = object()
 #: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
 _TAIL_LINES = 40
@@ -306,9 +310,21 @@ class ProcessExecutor(Executor):
             self._stderr.join(1.0)  # the worker is gone: its stderr is at its end
 
     def _kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        """SIGKILL the worker where it still runs and reap it. One that does not exit within :data:`KILL_WAIT_S`
+        (in uninterruptible sleep: a driver call, a hung file system; or tearing down a large address space) is left
+        to the system with a ``RuntimeWarning``, not raised: this runs in close() (``finally`` blocks, ``with``,
+        exit) and where the start failed, and an error here hid the one being handled, and left the rest of the
+        executor open."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.kill()
+        try:
+            self.process.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            warnings.warn(f"sofx.offload: the offload worker process (pid {self.pid}) did not exit within "
+                          f"{KILL_WAIT_S:g} s of SIGKILL (uninterruptible sleep, e.g. in a driver or on a hung file "
+                          "system, or freeing a large address space); it is left to the system and exits when the "
+                          "kernel lets it (its memory is released then)", RuntimeWarning, stacklevel=2)
 
 
 class _StderrTail:
