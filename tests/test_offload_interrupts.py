@@ -160,8 +160,8 @@ from sofx.offload import engine, inline_executor, process_executor, thread_execu
 ex = {"inline": inline_executor.InlineExecutor, "thread": thread_executor.ThreadExecutor,
       "process": process_executor.ProcessExecutor}[executor]
 E = engine.OffloadEngine
-functions = [E._on_grad, E._take_gradient, E._block_ready, E._mark_speculated, E._poll, E._record, E._run_now,
-             E._wait, ex.submit, ex.poll] + ([ex._drain] if executor == "process" else [])
+functions = [E._on_grad, E._take_hooked_gradient, E._take_gradient, E._block_ready, E._mark_speculated, E._poll,
+             E._record, E._run_now, E._wait, ex.submit, ex.poll] + ([ex._drain] if executor == "process" else [])
 targets = line_targets(functions)
 
 fired = caught = 0

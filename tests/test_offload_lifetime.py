@@ -1,19 +1,33 @@
-"""The offload engine's lifetime with real threads: close() is bounded and says what it leaves running.
+"""The offload engine's lifetime with real threads: close() is bounded, says what it leaves running, and is safe
+beside a step() in another thread.
 
 A thread executor whose operation does not finish: close() waits at most the engine's ``timeout`` (at once after a
-wait that timed out) and warns that the worker thread is left to finish alone.
+wait that timed out) and warns that the worker thread is left to finish alone. close() called while step() runs in
+another thread waits for that step, which completes whole (a step() called meanwhile is refused); called from a
+signal handler that runs inside step() on the same thread, it takes effect as the step returns.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import signal
+import sys
 import threading
 import time
 
 import pytest
+import torch
 
-from test_offload_support import SharedMLP, one_torch_thread  # noqa: F401 (one_torch_thread is an autouse fixture)
+from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+    SharedMLP,
+    mlp_batch,
+    mlp_loss,
+    one_torch_thread,
+)
 
 import sofx.offload
+from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
 from sofx.offload.executor import ExecutorTimeout
 
@@ -58,3 +72,152 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
     executor._thread.join(5.0)
     assert not executor._thread.is_alive(), "it stops after the operation it ran"
     assert executor._finished == executor._submitted - 1, "the queued operation did not run"
+
+
+def _slowed(opt: sofx.offload.SpeculativeAdamW, executor: str) -> threading.Event:
+    """Make the executor's next operations wait until the returned event is set: a real operation queued first
+    (thread executor: a "ready" operation whose decision waits), or the worker process stopped (SIGSTOP) and
+    resumed when the event is set."""
+    release = threading.Event()
+    ex = opt.engine.executor
+    if executor == "thread":
+        ex.submit(BlockOp(10 ** 6, "ready", 0, payload=lambda: release.wait(30) and None))
+        return release
+    os.kill(ex.pid, signal.SIGSTOP)
+
+    def resume() -> None:
+        release.wait(30)
+        os.kill(ex.pid, signal.SIGCONT)
+
+    threading.Thread(target=resume, daemon=True).start()
+    return release
+
+
+def _twins(executor: str) -> tuple:
+    """A model with an optimizer of ``executor`` and a copy with a thread-executor optimizer, after one backward of
+    the same batch each."""
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100, timeout=30)
+    ropt = sofx.offload.SpeculativeAdamW(ref.parameters(), lr=1e-2, executor="thread", block_numel=100)
+    batch = mlp_batch(torch.Generator().manual_seed(0))
+    opt.backward(mlp_loss(model, batch))
+    ropt.backward(mlp_loss(ref, batch))
+    ropt.step()
+    ropt.close()
+    return model, ref, opt
+
+
+def _in_step(opt: sofx.offload.SpeculativeAdamW) -> None:
+    deadline = time.monotonic() + 10
+    while not opt.engine._call_lock.locked():
+        assert time.monotonic() < deadline, "step() began"
+        time.sleep(0.001)
+    time.sleep(0.05)  # (it waits for the executor now)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_close_from_another_thread_waits_for_the_step_that_runs(executor: str) -> None:
+    """close() while step() runs in another thread (a watchdog, a handler on another thread): it closed the executor
+    and released the blocks under the step, which failed half done ("the executor is closed", a missing block);
+    now close() waits for the step, which completes whole, and a step() called meanwhile is refused."""
+    model, ref, opt = _twins(executor)
+    release = _slowed(opt, executor)
+    outcome: dict = {}
+
+    def step() -> None:
+        try:
+            outcome["report"] = opt.step()
+        except BaseException as exc:  # (reported below)
+            outcome["error"] = exc
+        outcome["stepped_at"] = time.monotonic()
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    _in_step(opt)
+    closer = threading.Thread(target=opt.close)
+    closer.start()
+    time.sleep(0.05)
+    assert closer.is_alive(), "close() waits for the step"
+    with pytest.raises(SofxError, match="being closed"):
+        opt.step()
+    release.set()
+    stepper.join(30)
+    closer.join(30)
+    closed_at = time.monotonic()
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["report"].iteration == 1 and outcome["stepped_at"] <= closed_at
+    assert opt.engine._closed
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), "the step is whole"
+    with pytest.raises(SofxError, match="closed"):
+        opt.step()
+
+
+def test_close_from_a_signal_handler_inside_step_takes_effect_as_the_step_returns() -> None:
+    """A signal handler (SIGTERM from a scheduler; here SIGALRM) that closes the optimizer runs on the main thread,
+    inside the step() it interrupts: close() cannot wait for it there (it would wait for itself), and closing under
+    it failed the step; now the close is done as the step returns, whole."""
+    model, ref, opt = _twins("thread")
+    release = _slowed(opt, "thread")
+    timer = threading.Timer(0.5, release.set)
+    seen: dict = {}
+
+    def handler(signum, frame) -> None:
+        opt.close()
+        seen["closed_in_handler"] = opt.engine._closed
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    timer.start()
+    try:
+        report = opt.step()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()
+        timer.cancel()
+    assert seen == {"closed_in_handler": False}, "the handler ran during the step"
+    assert report.iteration == 1 and opt.engine._closed
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), "the step is whole"
+    with pytest.raises(SofxError, match="closed"):
+        opt.step()
+
+
+def test_close_from_a_signal_handler_inside_a_gradient_hook_takes_effect_as_the_hook_ends() -> None:
+    """The handler runs inside a gradient hook (here: SIGUSR1 sent as the hook of ``mid.weight``, a block of its
+    own, takes its gradient): closing under it made the hook's submission of the ready block fail and backward raise
+    "the thread executor is closed"; now the hook ends whole, the optimizer closes then, and the rest of backward
+    leaves its gradients in .grad."""
+    torch.manual_seed(0)
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100)
+    take = type(opt.engine)._take_gradient.__code__
+    mid = [i for i, p in enumerate(model.parameters()) if p is model.mid.weight][0]
+    assert [layout.param_indices for layout in opt.engine.layouts if mid in layout.param_indices] == [(mid,)]
+    sent = []
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code is take and frame.f_locals["index"] == mid and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return None
+
+    seen = {}
+
+    def handler(signum, frame) -> None:
+        opt.close()
+        seen["closed_in_handler"] = opt.engine._closed
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        sys.settrace(trace)
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGUSR1, old)
+    assert seen == {"closed_in_handler": False}, "the handler ran inside the hook"
+    assert opt.engine._closed
+    assert any(p.grad is not None for p in model.parameters()), "later gradients stay in .grad"
+    with pytest.raises(SofxError, match="closed"):
+        opt.step()

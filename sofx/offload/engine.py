@@ -227,6 +227,12 @@ class OffloadEngine:
         self._closed = False
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
         self._call_lock = threading.Lock()  # step(), zero_grad() and the state calls: one at a time (_exclusive)
+        # The thread holding _call_lock (in _exclusive or close()) / running a gradient hook's section, else None; a
+        # close() on that very thread (a signal handler) is deferred to the end of that call (_close_pending).
+        self._call_owner: int | None = None
+        self._hook_owner: int | None = None
+        self._closing = False  # close() waits for another thread's call or hook to end
+        self._close_pending = False
         self._turn_cond = threading.Condition()  # orders the decisions taken in the executor
         self._tickets = self._turn = 0
 
@@ -549,22 +555,34 @@ class OffloadEngine:
         if self._failed is not None or self._closed or self._refusal is not None:
             return  # the gradient stays in param.grad; step() raises the failure
         with self._hook_lock, self._interrupts:  # Ctrl-C waits until the gradient is taken and its block sent
-            grad = param.grad
-            if grad is None:
-                return
-            if not self.tracker.started:
-                self._refuse_averaged_once()
-                self._adopt_model_edits()  # before any block of this step is stepped from its masters
-            arrivals = self.tracker.arrivals[index]
+            if self._closed:
+                return  # closed by another thread meanwhile (close() waits for a hook that runs)
+            self._hook_owner = threading.get_ident()
             try:
-                self._take_gradient(index, grad, during_backward=True, owned=True)
+                self._take_hooked_gradient(index, param)
             finally:
-                # Once counted, the gradient is the engine's even where its block's decision then raised (an
-                # hparam refused when the step's first block is ready): left in .grad too, step() refused it and
-                # a second backward summed it in twice.
-                if self.tracker.arrivals[index] != arrivals:
-                    param.grad = None
-            self._poll()
+                self._hook_owner = None
+                if self._close_pending:
+                    self._close_if_free()
+
+    def _take_hooked_gradient(self, index: int, param: torch.Tensor) -> None:
+        """:meth:`_on_grad` in its section: take ``param.grad`` as parameter ``index``'s gradient."""
+        grad = param.grad
+        if grad is None:
+            return
+        if not self.tracker.started:
+            self._refuse_averaged_once()
+            self._adopt_model_edits()  # before any block of this step is stepped from its masters
+        arrivals = self.tracker.arrivals[index]
+        try:
+            self._take_gradient(index, grad, during_backward=True, owned=True)
+        finally:
+            # Once counted, the gradient is the engine's even where its block's decision then raised (an
+            # hparam refused when the step's first block is ready): left in .grad too, step() refused it and
+            # a second backward summed it in twice.
+            if self.tracker.arrivals[index] != arrivals:
+                param.grad = None
+        self._poll()
 
     def _refuse_averaged_once(self) -> None:
         """At the first backward of an engine made without ``ddp``: refuse for good if a DDP module averages the
@@ -588,6 +606,9 @@ class OffloadEngine:
         if self._failed is not None or self._closed or self._reduced_error is not None:
             return  # step() raises the failure; end_reduced_backward() what was refused
         with self._hook_lock, self._interrupts:
+            if self._closed:
+                return  # closed by another thread meanwhile
+            self._hook_owner = threading.get_ident()
             try:
                 if not self.tracker.started:
                     self._adopt_model_edits()  # before any block of this step is stepped from its masters
@@ -600,6 +621,10 @@ class OffloadEngine:
                 # step's; those of this backward not taken are in .grad, where DDP writes them (step() takes
                 # them as set by hand).
                 self._reduced_error = exc
+            finally:
+                self._hook_owner = None
+                if self._close_pending:
+                    self._close_if_free()
 
     def begin_reduced_backward(self) -> None:
         """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`): nothing refused yet."""
@@ -1166,12 +1191,28 @@ class OffloadEngine:
         that releases it, it kept the lock for good (every later call refused)."""
         with self._interrupts:
             if not self._call_lock.acquire(blocking=False):
+                self._refuse_while_closing(what)
                 raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), state_dict() "
                                 "or load_state_dict() of this optimizer; call them from one thread at a time")
+            self._call_owner = threading.get_ident()
             try:
+                self._refuse_while_closing(what)
+                if self._closed:  # (by another thread, since the caller checked)
+                    raise SofxError("the optimizer is closed")
                 yield
             finally:
-                self._call_lock.release()
+                self._call_owner = None
+                try:
+                    if self._close_pending:  # close() was called on this thread meanwhile (a signal handler)
+                        with self._hook_lock:
+                            self._close(keep_state=True)
+                finally:
+                    self._call_lock.release()
+
+    def _refuse_while_closing(self, what: str) -> None:
+        if self._closing:
+            raise SofxError(f"{what} was called while the optimizer is being closed by another thread (close() "
+                            "waits for the call that runs, then closes it)")
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
         """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,
@@ -1232,8 +1273,37 @@ class OffloadEngine:
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop the executor, remove the hooks and release shared memory (idempotent). The state stays readable
-        (``opt.state[p]``): the process executor's blocks are copied out of shared memory first."""
-        self._close(keep_state=True)
+        (``opt.state[p]``): the process executor's blocks are copied out of shared memory first.
+
+        Safe beside other threads: a ``step()``, ``zero_grad()``, state call or gradient hook running in another
+        thread is waited for (it completes whole; such calls made meanwhile are refused). Called inside one of them
+        on the same thread -- a signal handler, which Python runs in the main thread between any two bytecodes,
+        also inside ``step()`` -- it cannot wait for it: the close is done as that call ends."""
+        if self._closed:
+            return
+        if threading.get_ident() in (self._call_owner, self._hook_owner):
+            self._close_pending = True
+            return
+        with self._interrupts:
+            self._closing = True
+            try:
+                with self._call_lock, self._hook_lock:
+                    self._call_owner = threading.get_ident()  # (a signal handler's close() in here: deferred)
+                    try:
+                        self._close(keep_state=True)
+                    finally:
+                        self._call_owner = None
+            finally:
+                self._closing = False
+
+    def _close_if_free(self) -> None:
+        """Carry out a deferred :meth:`close` at the end of a gradient hook's section (the hook lock held), unless a
+        call holds the engine: it closes it as it ends."""
+        if self._call_lock.acquire(blocking=False):
+            try:
+                self._close(keep_state=True)
+            finally:
+                self._call_lock.release()
 
     def _close(self, keep_state: bool) -> None:
         """:meth:`close`; ``keep_state=False`` (the engine is being collected, the interpreter exits): the shared
