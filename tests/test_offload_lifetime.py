@@ -4,7 +4,8 @@ beside a step() in another thread.
 A thread executor whose operation does not finish: close() waits at most the engine's ``timeout`` (at once after a
 wait that timed out) and warns that the worker thread is left to finish alone. close() called while step() runs in
 another thread waits for that step, which completes whole (a step() called meanwhile is refused); called from a
-signal handler that runs inside step() on the same thread, it takes effect as the step returns.
+signal handler that runs inside step() on the same thread, it takes effect as the step returns. An executor's
+failure names the parameters of its block.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 import sofx.offload
 from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
-from sofx.offload.executor import ExecutorTimeout
+from sofx.offload.executor import ExecutorError, ExecutorTimeout
 
 
 def _hang(executor, release: threading.Event) -> None:
@@ -59,10 +60,11 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
             with pytest.raises(ExecutorTimeout, match="did not finish within 0.5 s"):
                 opt.engine.wait()
         start = time.monotonic()
-        with pytest.warns(RuntimeWarning, match=r"worker is still running the 'ready' operation on block 0 \("
-                                                + (r"the last wait for it timed out" if waited_first
-                                                   else r"close\(\) waited 0.5 s") +
-                                                r".*\).*left to finish alone.*1 queued operation\(s\) were dropped"):
+        why = r"did not wait for it again \(the last wait for it timed out\)" if waited_first else r"waited 0.5 s"
+        with pytest.warns(RuntimeWarning, match=rf"close\(\) {why}, and the thread executor's worker is still running "
+                                                r"the 'ready' operation on block 0 \(parameter 0 = .*\); a thread "
+                                                r"cannot be stopped: it is left to finish alone.*1 queued "
+                                                r"operation\(s\) were dropped"):
             opt.close()
         took = time.monotonic() - start
         assert took < (0.3 if waited_first else 1.5) and (waited_first or took >= 0.5), took
@@ -221,3 +223,23 @@ def test_close_from_a_signal_handler_inside_a_gradient_hook_takes_effect_as_the_
     assert any(p.grad is not None for p in model.parameters()), "later gradients stay in .grad"
     with pytest.raises(SofxError, match="closed"):
         opt.step()
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_an_executor_failure_names_the_parameters_of_its_block(executor: str) -> None:
+    """A failing block operation named "block 1" only, which the user cannot map to anything: the error names the
+    block's parameters as the engine's other errors do (index, ``param_groups[g]['params'][k]``, shape), the first
+    four of a block of many."""
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    biases = [torch.nn.Parameter(torch.randn(2)) for _ in range(6)]
+    with sofx.offload.SpeculativeAdamW([{"params": [weight]}, {"params": biases}], executor=executor,
+                                       block_numel=100) as opt:
+        assert [layout.param_indices for layout in opt.engine.layouts] == [(0,), (1, 2, 3, 4, 5, 6)]
+        opt.engine.executor.submit(BlockOp(10 ** 6, "undo_now", 1))  # (it holds no speculative step)
+        names = "; ".join(f"parameter {k + 1} = param_groups\\[1\\]\\['params'\\]\\[{k}\\], shape \\(2,\\)"
+                          for k in range(4))
+        with pytest.raises(ExecutorError, match=rf"(?s)the 'undo_now' operation on block 1 \({names}; and 2 more\) "
+                                                r"failed: .*has no speculative step"):
+            opt.engine.wait()
+        with pytest.raises(ExecutorError, match=r"failed earlier.*block 1 \(parameter 1 = param_groups"):
+            opt.step()

@@ -98,7 +98,14 @@ from sofx.offload.blocks import (
     plan_blocks,
 )
 from sofx.offload.engine_state import STATE_FORMAT, engine_state_dict, load_engine_state
-from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, raise_failures
+from sofx.offload.executor import (
+    Executor,
+    ExecutorError,
+    ExecutorTimeout,
+    block_number,
+    failure_message,
+    raise_failures,
+)
 from sofx.offload.grad_hooks import GradHooks
 from sofx.offload.inline_executor import InlineExecutor
 from sofx.offload.interrupts import NO_GATE, acquire_gate, release_gate
@@ -135,6 +142,9 @@ BORROW_MIN_NUMEL = 1 << 16
 
 HParamsFn = Callable[[], Sequence[AdamHParams]]
 
+#: An error about a block names its first this many parameters (:func:`describe_block`).
+NAMED_PARAMS = 4
+
 #: The keys of a parameter's torch.optim-style state (:meth:`OffloadEngine.param_state`), in order.
 PARAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 
@@ -148,6 +158,20 @@ def _check_timeout(timeout: Any) -> float:
         raise UnsupportedError(f"timeout must be a number of seconds > 0 and at most threading.TIMEOUT_MAX = "
                                f"{threading.TIMEOUT_MAX:g}, got {timeout!r}")
     return float(t)
+
+
+def describe_block(layouts: Sequence[BlockLayout], group_starts: Sequence[int], b: int) -> str:
+    """Block ``b`` of ``layouts`` for an error message, named by its parameters as the engine's other errors name
+    them: index, ``param_groups[g]['params'][k]`` (``group_starts[g]``: group ``g``'s first index) and shape, the
+    first :data:`NAMED_PARAMS` of them (-1: every block)."""
+    if not 0 <= b < len(layouts):
+        return block_number(b)
+    layout = layouts[b]
+    start = group_starts[layout.group]
+    named = [f"parameter {i} = param_groups[{layout.group}]['params'][{i - start}], shape {tuple(shape)}"
+             for i, shape in zip(layout.param_indices[:NAMED_PARAMS], layout.shapes)]
+    more = len(layout.param_indices) - NAMED_PARAMS
+    return f"block {b} ({'; '.join(named)}{f'; and {more} more' if more > 0 else ''})"
 
 
 def _whole_number(value: Any, largest: int) -> int | None:
@@ -214,6 +238,9 @@ class OffloadEngine:
         self.policy_state: PolicyState = speculation.policy.init()
         self.timeout = timeout
         self.layouts = plan_blocks(groups, block_numel, n_device_blocks)
+        # Names block b by its parameters in errors (the executors hold it: no reference to the engine).
+        self.describe_block: Callable[[int], str] = functools.partial(
+            describe_block, self.layouts, list(itertools.accumulate((len(g) for g in groups[:-1]), initial=0)))
         self._check_backend(groups, getattr(torch, adam.state_dtype))
         self.n_groups = len(groups)
         self.tracker = ArrivalTracker(self.layouts, gradient_accumulation_steps)
@@ -352,10 +379,10 @@ class OffloadEngine:
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
         cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
         if name == "inline":
-            return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub))
+            return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self.describe_block)
         if name == "thread":
             return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self._interrupts,
-                                  close_timeout=self.timeout)
+                                  close_timeout=self.timeout, describe=self.describe_block)
         from sofx.offload.process_executor import ProcessExecutor
 
         config = {
@@ -367,7 +394,7 @@ class OffloadEngine:
             "fds": list(self._cpu_arena.fds),  # (the worker closes them once it has mapped the tensors)
         }
         return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0), interrupts=self._interrupts,
-                               pass_fds=self._cpu_arena.fds)
+                               pass_fds=self._cpu_arena.fds, describe=self.describe_block)
 
     def _reserve_cpu_blocks(self, cpu_layouts: Sequence[BlockLayout], state_dtype: torch.dtype,
                             swappable: set[int]) -> None:
@@ -730,8 +757,8 @@ class OffloadEngine:
             while self._turn != ticket:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ExecutorTimeout(f"the decision for ready block {args[0]} waited {self.timeout:g} s for "
-                                          "the decisions of earlier blocks")
+                    raise ExecutorTimeout(f"the decision for ready {self.describe_block(args[0])} waited "
+                                          f"{self.timeout:g} s for the decisions of earlier blocks")
                 self._turn_cond.wait(left)
         try:
             return self._decide(*args)
@@ -830,7 +857,7 @@ class OffloadEngine:
 
     def _run_now(self, op: BlockOp, layout: BlockLayout) -> None:
         if layout.on_device:
-            raise_failures([self.device_runner.run(op)], "device block")
+            raise_failures([self.device_runner.run(op)], f"device blocks ({self.device})", self.describe_block)
             return
         self.executor.submit(op)
         self._record(self._wait())
@@ -843,8 +870,8 @@ class OffloadEngine:
             if not r.ok and self._failed is None:
                 # A result polled during backward (a wait raises its failures itself): the block's speculative
                 # step did not happen as planned; step() must not commit or publish it. The engine stops here.
-                self._failed = ExecutorError(f"{self.executor_name} executor: the {r.kind!r} operation on block "
-                                             f"{r.block} failed: {r.error}")
+                self._failed = ExecutorError(failure_message(r, f"{self.executor_name} executor",
+                                                             self.describe_block))
             if r.ok and r.held_bytes is not None:
                 # What the speculative step holds (chunks it found it must keep, or less than was reserved for it):
                 # the blocks decided next see it.
@@ -1022,7 +1049,7 @@ class OffloadEngine:
             op = BlockOp(next(self._seq), "apply", layout.index, action, presents[layout.index],
                          self._op_grads(layout.index), publish, grads_finite=finite)
             if layout.on_device:
-                raise_failures([self.device_runner.run(op)], f"device block {layout.index}")
+                raise_failures([self.device_runner.run(op)], f"device blocks ({self.device})", self.describe_block)
             else:
                 self.executor.submit(op)
             if action.kind in ("undo_redo", "step", "commit"):

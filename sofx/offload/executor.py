@@ -17,11 +17,21 @@ Implementations: :mod:`~sofx.offload.inline_executor`,
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp, OpResult
 
-__all__ = ["Executor", "ExecutorError", "ExecutorTimeout", "WorkerDiedError", "raise_failures"]
+__all__ = ["Executor", "ExecutorError", "ExecutorTimeout", "WorkerDiedError", "raise_failures", "failure_message",
+           "block_number"]
+
+#: How an error names block ``b`` (the engine names its parameters: :meth:`OffloadEngine.describe_block`).
+BlockNamer = Callable[[int], str]
+
+
+def block_number(b: int) -> str:
+    """Block ``b`` by its number ("every block" for -1, an operation on all of them)."""
+    return f"block {b}" if b >= 0 else "every block"
 
 
 class ExecutorError(SofxError, RuntimeError):
@@ -37,12 +47,13 @@ class WorkerDiedError(ExecutorError):
 
 
 class Executor(abc.ABC):
-    """Runs block operations in submission order."""
+    """Runs block operations in submission order; ``describe`` names a block in its errors."""
 
     #: "inline", "thread" or "process"
     name: str = ""
 
-    def __init__(self) -> None:
+    def __init__(self, describe: BlockNamer = block_number) -> None:
+        self.describe = describe
         self._submitted = 0
         self._done = 0
         self._closed = False
@@ -86,9 +97,15 @@ class Executor(abc.ABC):
         return f"<{type(self).__name__} pending={self.pending}{' closed' if self._closed else ''}>"
 
 
-def raise_failures(results: list[OpResult], where: str) -> list[OpResult]:
-    """Raise :class:`ExecutorError` for the first failed result; return ``results`` otherwise."""
+def raise_failures(results: list[OpResult], where: str, describe: BlockNamer = block_number) -> list[OpResult]:
+    """Raise :class:`ExecutorError` for the first failed result (its block named by ``describe``); return
+    ``results`` otherwise."""
     for r in results:
         if not r.ok:
-            raise ExecutorError(f"{where}: the {r.kind!r} operation on block {r.block} failed: {r.error}")
+            raise ExecutorError(failure_message(r, where, describe))
     return results
+
+
+def failure_message(result: OpResult, where: str, describe: BlockNamer = block_number) -> str:
+    """What failed (failed ``result`` of an operation run by ``where``), its block named by ``describe``."""
+    return f"{where}: the {result.kind!r} operation on {describe(result.block)} failed: {result.error}"

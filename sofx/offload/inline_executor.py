@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import BlockRunner
-from sofx.offload.executor import Executor, raise_failures
+from sofx.offload.executor import BlockNamer, Executor, block_number, raise_failures
 
 __all__ = ["InlineExecutor"]
 
@@ -14,8 +14,8 @@ class InlineExecutor(Executor):
 
     name = "inline"
 
-    def __init__(self, runner: BlockRunner) -> None:
-        super().__init__()
+    def __init__(self, runner: BlockRunner, describe: BlockNamer = block_number) -> None:
+        super().__init__(describe)
         self.runner = runner
         self._results: list[OpResult] = []
 
@@ -30,4 +30,4 @@ class InlineExecutor(Executor):
         return out
 
     def wait(self, timeout: float) -> list[OpResult]:
-        return raise_failures(self.poll(), "inline executor")
+        return raise_failures(self.poll(), "inline executor", self.describe)

@@ -51,10 +51,12 @@ from typing import IO, Any, Sequence
 from sofx.errors import UnsupportedError
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.executor import (
+    BlockNamer,
     Executor,
     ExecutorError,
     ExecutorTimeout,
     WorkerDiedError,
+    block_number,
     raise_failures,
 )
 from sofx.offload.interrupts import NO_GATE
@@ -78,15 +80,17 @@ class ProcessExecutor(Executor):
     ``config`` is the JSON-able description the worker needs (see
     :func:`sofx.offload.process_worker.build_runner`); ``pass_fds``: the
     descriptors of the shared tensors' files, which the worker inherits at the
-    same numbers (see :mod:`sofx.offload.shared_memory`). The constructor waits
+    same numbers (see :mod:`sofx.offload.shared_memory`); ``describe`` names a
+    block in errors. The constructor waits
     up to ``startup_timeout`` seconds for the worker to map the tensors.
     """
 
     name = "process"
 
     def __init__(self, config: dict[str, Any], startup_timeout: float = 120.0,
-                 interrupts: AbstractContextManager[Any] = NO_GATE, pass_fds: Sequence[int] = ()) -> None:
-        super().__init__()
+                 interrupts: AbstractContextManager[Any] = NO_GATE, pass_fds: Sequence[int] = (),
+                 describe: BlockNamer = block_number) -> None:
+        super().__init__(describe)
         self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._collected: list[OpResult] = []
         self._send_error: BaseException | None = None
@@ -279,7 +283,7 @@ class ProcessExecutor(Executor):
                 self._unanswered = True  # close() does not wait for it again
                 raise ExecutorTimeout(f"process executor: {self._outstanding()} block operations did not finish "
                                       f"within {timeout:g} s (worker pid {self.pid} is alive but not answering)")
-        return raise_failures(self.poll(), f"process executor (worker pid {self.pid})")
+        return raise_failures(self.poll(), f"process executor (worker pid {self.pid})", self.describe)
 
     # ------------------------------------------------------------ shutdown
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:

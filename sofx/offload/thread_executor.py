@@ -29,7 +29,7 @@ import torch
 
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import BlockRunner
-from sofx.offload.executor import Executor, ExecutorError, ExecutorTimeout, raise_failures
+from sofx.offload.executor import BlockNamer, Executor, ExecutorError, ExecutorTimeout, block_number, raise_failures
 from sofx.offload.interrupts import NO_GATE
 
 __all__ = ["ThreadExecutor", "CLOSE_TIMEOUT_S"]
@@ -48,8 +48,8 @@ class ThreadExecutor(Executor):
     name = "thread"
 
     def __init__(self, runner: BlockRunner, interrupts: AbstractContextManager[Any] = NO_GATE,
-                 close_timeout: float = CLOSE_TIMEOUT_S) -> None:
-        super().__init__()
+                 close_timeout: float = CLOSE_TIMEOUT_S, describe: BlockNamer = block_number) -> None:
+        super().__init__(describe)
         self.runner = runner
         self.close_timeout = close_timeout
         self._unanswered = False  # the last wait() timed out: close() does not wait again
@@ -161,7 +161,7 @@ class ThreadExecutor(Executor):
                 self._cond.wait(left)
             if self._crash is not None:
                 raise ExecutorError(f"thread executor: the worker thread died: {self._crash!r}") from self._crash
-        return raise_failures(self.poll(), "thread executor")
+        return raise_failures(self.poll(), "thread executor", self.describe)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker thread (idempotent) once it has run what was queued, waiting up to ``timeout`` seconds
@@ -188,11 +188,12 @@ class ThreadExecutor(Executor):
             self._queue.clear()
             self._queue.append(_STOP)
             running = sorted(self._active.values(), key=lambda kb: kb[1])
-        what = ", ".join(f"the {kind!r} operation on block {block}" if block >= 0 else f"the {kind!r} operation"
-                         for kind, block in running) or "an operation"
-        why = ("the last wait for it timed out, so close() did not wait again" if self._unanswered
-               else f"close() waited {waited:g} s")
-        warnings.warn(f"sofx.offload: the thread executor's worker is still running {what} ({why}); a thread cannot "
-                      f"be stopped: it is left to finish alone and may still change those blocks' optimizer state"
+        what = ", ".join(f"the {kind!r} operation on {self.describe(block)}" for kind, block in running) \
+            or "an operation"
+        why = ("did not wait for it again (the last wait for it timed out)" if self._unanswered
+               else f"waited {waited:g} s")
+        warnings.warn(f"sofx.offload: close() {why}, and the thread executor's worker is still running {what}; a "
+                      f"thread cannot be stopped: it is left to finish alone and may still change those blocks' "
+                      f"optimizer state"
                       f"{f'; {dropped} queued operation(s) were dropped' if dropped else ''}", RuntimeWarning,
                       stacklevel=2)
