@@ -94,19 +94,34 @@ _NOT_PICKLED = ("cannot be pickled (pickle, torch.save): a loaded copy could not
                 "(copies in memory, copy.copy and copy.deepcopy, share whether it was used)")
 
 
-def _copied(obj: Any, memo: dict[int, Any] | None) -> Any:
-    """A copy of ``obj`` (a record or a leaf's record) sharing its used state (``_used``); its other fields
-    shared too (``memo is None``: ``copy.copy``) or deep-copied (``copy.deepcopy``)."""
-    new = type(obj).__new__(type(obj))
-    if memo is not None:
-        memo[id(obj)] = new
-    for field in type(obj).__slots__:
-        value = getattr(obj, field)
-        setattr(new, field, value if memo is None or field == "_used" else copy.deepcopy(value, memo))
-    return new
+class _UsedOnce:
+    """Copies (``copy.copy``, ``copy.deepcopy``) share the used state (``_used``) of the original, their other
+    fields shared or deep-copied; pickling is refused (:data:`_NOT_PICKLED`). ``_what``: the class, as errors
+    name it."""
+
+    __slots__ = ()
+    _what = "a record"
+
+    def __copy__(self) -> Any:
+        return self._copied(None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self._copied(memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UndoError(f"{self._what} {_NOT_PICKLED}")
+
+    def _copied(self, memo: dict[int, Any] | None) -> Any:
+        new = type(self).__new__(type(self))
+        if memo is not None:
+            memo[id(self)] = new
+        for field in type(self).__slots__:
+            value = getattr(self, field)
+            setattr(new, field, value if memo is None or field == "_used" else copy.deepcopy(value, memo))
+        return new
 
 
-class LeafUndo:
+class LeafUndo(_UsedOnce):
     """How to undo the step of one leaf.
 
     ``count_before`` is the step count tensor of the state the step was taken from, not a copy (an undo
@@ -127,6 +142,7 @@ class LeafUndo:
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
                  "moments_were_zero", "chunks", "owns_kept", "_layout", "_used")
+    _what = "a LeafUndo"
 
     def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
                  p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
@@ -167,15 +183,6 @@ class LeafUndo:
         """True once the step was undone (by a record holding this leaf or a copy of it)."""
         return self._used[0]
 
-    def __copy__(self) -> LeafUndo:
-        return _copied(self, None)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> LeafUndo:
-        return _copied(self, memo)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise UndoError(f"a LeafUndo {_NOT_PICKLED}")
-
     def snapshot_bytes(self) -> int:
         """Bytes held by the snapshots of this leaf (0 for an algebraic undo; a chunk_snapshot's indices
         included)."""
@@ -211,7 +218,7 @@ def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
     return leaf
 
 
-class UndoRecord:
+class UndoRecord(_UsedOnce):
     """The undo record of one :meth:`update` over a whole params tree.
 
     ``leaves[i]`` is the :class:`LeafUndo` of leaf ``i`` (``None`` where the
@@ -224,6 +231,7 @@ class UndoRecord:
     """
 
     __slots__ = ("leaves", "spec", "variant", "_used")
+    _what = "an UndoRecord"
 
     def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, variant: AdamVariant) -> None:
         if not isinstance(variant, AdamVariant):
@@ -260,15 +268,6 @@ class UndoRecord:
 
     def __repr__(self) -> str:
         return f"UndoRecord({list(self.leaves)}, used={self.used})"
-
-    def __copy__(self) -> UndoRecord:
-        return _copied(self, None)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> UndoRecord:
-        return _copied(self, memo)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise UndoError(f"an UndoRecord {_NOT_PICKLED}")
 
 
 def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
