@@ -160,15 +160,20 @@ def _check_timeout(timeout: Any) -> float:
     return float(t)
 
 
+def param_path(group_starts: Sequence[int], group: int, i: int) -> str:
+    """Parameter ``i`` of param group ``group`` as the user passed it: ``param_groups[group]['params'][k]``, ``k`` its
+    index in the group (``group_starts[g]``: group ``g``'s first parameter index)."""
+    return f"param_groups[{group}]['params'][{i - group_starts[group]}]"
+
+
 def describe_block(layouts: Sequence[BlockLayout], group_starts: Sequence[int], b: int) -> str:
     """Block ``b`` of ``layouts`` for an error message, named by its parameters as the engine's other errors name
-    them: index, ``param_groups[g]['params'][k]`` (``group_starts[g]``: group ``g``'s first index) and shape, the
-    first :data:`NAMED_PARAMS` of them (-1: every block)."""
+    them: index, ``param_groups[g]['params'][k]`` (:func:`param_path`) and shape, the first :data:`NAMED_PARAMS` of
+    them (-1: every block)."""
     if not 0 <= b < len(layouts):
         return block_number(b)
     layout = layouts[b]
-    start = group_starts[layout.group]
-    named = [f"parameter {i} = param_groups[{layout.group}]['params'][{i - start}], shape {tuple(shape)}"
+    named = [f"parameter {i} = {param_path(group_starts, layout.group, i)}, shape {tuple(shape)}"
              for i, shape in zip(layout.param_indices[:NAMED_PARAMS], layout.shapes)]
     more = len(layout.param_indices) - NAMED_PARAMS
     return f"block {b} ({'; '.join(named)}{f'; and {more} more' if more > 0 else ''})"
@@ -238,10 +243,11 @@ class OffloadEngine:
         self.policy_state: PolicyState = speculation.policy.init()
         self.timeout = timeout
         self.layouts = plan_blocks(groups, block_numel, n_device_blocks)
+        self._group_starts = list(itertools.accumulate((len(g) for g in groups[:-1]), initial=0))  # (param_path)
         # Names block b by its parameters in errors (the executors hold it: no reference to the engine).
-        self.describe_block: Callable[[int], str] = functools.partial(
-            describe_block, self.layouts, list(itertools.accumulate((len(g) for g in groups[:-1]), initial=0)))
-        self._check_backend(groups, getattr(torch, adam.state_dtype))
+        self.describe_block: Callable[[int], str] = functools.partial(describe_block, self.layouts,
+                                                                      self._group_starts)
+        self._check_backend(getattr(torch, adam.state_dtype))
         self.n_groups = len(groups)
         self.tracker = ArrivalTracker(self.layouts, gradient_accumulation_steps)
         self.iteration = 0
@@ -358,7 +364,7 @@ class OffloadEngine:
         atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------ setup
-    def _check_backend(self, groups: Sequence[Sequence[torch.Tensor]], state_dtype: torch.dtype) -> None:
+    def _check_backend(self, state_dtype: torch.dtype) -> None:
         """Refuse now a backend that cannot step some block (the CPU blocks' or the device blocks' fp32 masters
         and ``state_dtype`` moments), naming the block's first parameter: the executor would fail at the first
         step, and the engine for good."""
@@ -371,10 +377,9 @@ class OffloadEngine:
             try:
                 select_backend(self.adam_config.backend, device, torch.float32, state_dtype)
             except UnsupportedError as exc:
-                first = layout.param_indices[0]
-                k = first - sum(len(g) for g in groups[:layout.group])
-                raise UnsupportedError(f"param_groups[{layout.group}]['params'][{k}] (block {layout.index}, stepped "
-                                       f"on {device} as fp32 masters): {exc}") from None
+                first = param_path(self._group_starts, layout.group, layout.param_indices[0])
+                raise UnsupportedError(f"{first} (block {layout.index}, stepped on {device} as fp32 masters): "
+                                       f"{exc}") from None
 
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
         cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
