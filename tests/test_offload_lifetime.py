@@ -243,3 +243,124 @@ def test_an_executor_failure_names_the_parameters_of_its_block(executor: str) ->
             opt.engine.wait()
         with pytest.raises(ExecutorError, match=r"failed earlier.*block 1 \(parameter 1 = param_groups"):
             opt.step()
+
+
+def _stepped_once(executor: str) -> tuple[torch.nn.Module, sofx.offload.SpeculativeAdamW]:
+    """A model and an optimizer of ``executor`` after one step (its moments hold values)."""
+    torch.manual_seed(0)
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100, timeout=30)
+    opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+    opt.step()
+    return model, opt
+
+
+def _waiting_for_the_executor(thread: threading.Thread) -> None:
+    """Return once ``thread`` waits for the engine's executor (``OffloadEngine._wait`` is on its stack)."""
+    waiting = type(sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="inline").engine)._wait.__code__
+    deadline = time.monotonic() + 10
+    while True:
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None and frame.f_code is not waiting:
+            frame = frame.f_back
+        if frame is not None:
+            return
+        assert thread.is_alive() and time.monotonic() < deadline, "the call waits for the executor"
+        time.sleep(0.001)
+
+
+def _set_exp_avg(model, opt) -> None:
+    opt.state[model.mid.weight]["exp_avg"] = torch.full_like(model.mid.weight, 0.5)
+
+
+def _reload_doubled(model, opt) -> None:
+    with torch.no_grad():
+        model.mid.weight.mul_(2)
+    opt.reload_params()
+
+
+_WAITING_CALLS = {  # name: (the call, run in another thread; what it leaves in the state of model.mid.weight)
+    "wait": (lambda model, opt: opt.engine.wait(), None),
+    "set_state": (_set_exp_avg, lambda model, state: torch.equal(state["exp_avg"], torch.full_like(model.mid.weight,
+                                                                                                    0.5))),
+    "reset_state": (lambda model, opt: setattr(opt, "state", {}),
+                    lambda model, state: int(state["step"]) == 0 and not state["exp_avg"].any()),
+    "reload_params": (_reload_doubled, lambda model, state: torch.equal(state["master"], model.mid.weight)),
+}
+
+
+@pytest.mark.parametrize("executor,call", [("thread", name) for name in _WAITING_CALLS]
+                         + [("process", "set_state"), ("process", "reload_params")])
+def test_close_from_another_thread_waits_for_wait_and_the_state_calls(executor: str, call: str) -> None:
+    """wait(), opt.state[p][key] = value, opt.state = {} and reload_params() did not hold the engine as step() does:
+    a close() from another thread while they waited for the executor closed the optimizer under them (with the
+    process executor, a write that came after close() copied the blocks out of shared memory was lost). close() now
+    waits for them as for step(): they complete whole, and their change is in the state close() keeps."""
+    run, effect = _WAITING_CALLS[call]
+    model, opt = _stepped_once(executor)
+    release = _slowed(opt, executor)
+    if executor == "process":
+        opt.engine.executor.submit(BlockOp(10 ** 6, "commit_all"))  # (something for the stopped worker to answer)
+    outcome: dict = {}
+
+    def calling() -> None:
+        try:
+            run(model, opt)
+        except BaseException as exc:  # (reported below)
+            outcome["error"] = exc
+        outcome["done_at"] = time.monotonic()
+
+    caller = threading.Thread(target=calling)
+    caller.start()
+    try:
+        _waiting_for_the_executor(caller)
+        closer = threading.Thread(target=opt.close)
+        closer.start()
+        time.sleep(0.05)
+        assert closer.is_alive() and not opt.engine._closed, "close() waits for the call"
+    finally:
+        release.set()
+        caller.join(30)
+    closer.join(30)
+    assert "error" not in outcome, outcome.get("error")
+    assert opt.engine._closed and outcome["done_at"] <= time.monotonic()
+    assert effect is None or effect(model, opt.state[model.mid.weight]), "the call is whole, and in the state kept"
+
+
+_STATE_CALLS = {  # what the refusal names: the call
+    "wait()": lambda model, opt: opt.engine.wait(),
+    "opt.state[p]": lambda model, opt: opt.state[model.mid.weight]["exp_avg"],
+    "opt.state[p]['exp_avg'] = ...": _set_exp_avg,
+    "reset_state() (opt.state = {})": lambda model, opt: setattr(opt, "state", {}),
+    "reload_params()": _reload_doubled,
+}
+
+
+def test_wait_and_the_state_calls_from_another_thread_during_a_step_are_refused() -> None:
+    """While step() runs in one thread, wait() in another took the step's results (a failure among them was raised
+    there, and the step went on), and the state calls read or wrote blocks the step was changing: each is refused as
+    a second step() is, changing nothing, and the optimizer goes on."""
+    model, opt = _stepped_once("thread")
+    with opt:
+        state = {k: v.clone() for k, v in opt.state[model.mid.weight].items()}
+        weight = model.mid.weight.detach().clone()
+        errors: dict = {}
+
+        def other_thread() -> None:
+            for what, call in _STATE_CALLS.items():
+                try:
+                    call(model, opt)
+                except SofxError as e:
+                    errors[what] = e
+
+        with opt.engine._exclusive("step()"):  # as a step() running in this thread holds it
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join(60)
+        assert list(errors) == list(_STATE_CALLS)
+        for what, e in errors.items():
+            assert str(e).startswith(f"{what} was called while another thread is in step()"), e
+        after = opt.state[model.mid.weight]
+        assert all(torch.equal(after[k], v) for k, v in state.items()) and torch.equal(model.mid.weight, weight * 2)
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+        assert opt.step().iteration == 2

@@ -459,8 +459,8 @@ class OffloadEngine:
                                 "a tensor of another kind): its masters and buffers are of that kind; create the "
                                 "optimizer after converting or moving the model")
         with torch.no_grad():
-            for i in indices:  # (between steps: param_state's views are allowed)
-                master, p = self.param_state(i)["master"], self.params[i].detach()
+            for i in indices:  # (between steps)
+                master, p = self._param_views(i)["master"], self.params[i].detach()
                 if p.dtype == master.dtype:
                     master.copy_(p)
                 else:
@@ -531,9 +531,10 @@ class OffloadEngine:
     def reload_params(self) -> None:
         """Take the model's current parameter values as the new masters (after loading model weights)."""
         self._check_usable()
-        self._check_between_steps("reload_params()")
-        self.wait()
-        self._take_params_as_masters(range(len(self.params)))
+        with self._exclusive("reload_params()"):
+            self._check_between_steps("reload_params()")
+            self._wait_all()
+            self._take_params_as_masters(range(len(self.params)))
 
     def _check_between_steps(self, what: str) -> None:
         if self.in_step:
@@ -900,8 +901,14 @@ class OffloadEngine:
             raise
 
     def wait(self) -> None:
-        """Block until every operation submitted to the executor has finished."""
+        """Block until every operation submitted to the executor has finished (one call at a time, as ``step()``:
+        see :meth:`_exclusive`)."""
         self._check_usable()
+        with self._exclusive("wait()"):
+            self._wait_all()
+
+    def _wait_all(self) -> None:
+        """:meth:`wait` inside a call that holds the engine."""
         with self._interrupts:  # the results taken are recorded (a failure among them stops the engine)
             self._record(self._wait())
 
@@ -1198,7 +1205,7 @@ class OffloadEngine:
                 # Between backward and step() (also mid-accumulation, or with nothing speculated): the held
                 # gradients are not in the state, and blocks may hold speculative steps not validated yet.
                 self._check_between_steps("state_dict()")
-                self.wait()
+                self._wait_all()
                 self._adopt_model_edits()  # the saved masters are what the model holds
             return engine_state_dict(self, complete)
 
@@ -1208,7 +1215,7 @@ class OffloadEngine:
         self._check_usable()
         with self._exclusive("load_state_dict()"):
             self._check_between_steps("load_state_dict()")
-            self.wait()
+            self._wait_all()
             load_engine_state(self, state, where)
             self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
             self._note_versions()
@@ -1216,20 +1223,23 @@ class OffloadEngine:
             self._reset_step()
 
     @contextlib.contextmanager
-    def _exclusive(self, what: str) -> Iterator[None]:
-        """``what`` (a public call that changes the step or the state) while no other such call runs: one in
-        another thread at the same time is refused (two step()s took one step and counted two). Ctrl-C is held
-        back (sofx.offload.interrupts) from before the lock is taken: raised between taking it and the ``try``
-        that releases it, it kept the lock for good (every later call refused)."""
+    def _exclusive(self, what: str, closed_ok: bool = False) -> Iterator[None]:
+        """``what`` (a public call that waits for the executor, or reads or changes the step or the state) while no
+        other such call runs: one in another thread at the same time is refused (two step()s took one step and
+        counted two; a wait() took a step's results), and :meth:`close` waits for it. ``closed_ok``: ``what`` is
+        allowed on a closed engine (a read of the state it keeps). Ctrl-C is held back (sofx.offload.interrupts)
+        from before the lock is taken: raised between taking it and the ``try`` that releases it, it kept the lock
+        for good (every later call refused)."""
         with self._interrupts:
             if not self._call_lock.acquire(blocking=False):
                 self._refuse_while_closing(what)
-                raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), state_dict() "
-                                "or load_state_dict() of this optimizer; call them from one thread at a time")
+                raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), wait() or a "
+                                "state call (state_dict(), load_state_dict(), opt.state, reload_params()) of this "
+                                "optimizer; call them from one thread at a time")
             self._call_owner = threading.get_ident()
             try:
                 self._refuse_while_closing(what)
-                if self._closed:  # (by another thread, since the caller checked)
+                if self._closed and not closed_ok:  # (by another thread, since the caller checked)
                     raise SofxError("the optimizer is closed")
                 yield
             finally:
@@ -1250,11 +1260,17 @@ class OffloadEngine:
         """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,
         ``master``: live views of the block's tensors (an in-place change, e.g. ``zero_()``, is the state's).
         Refused between backward and ``step()``: blocks may hold speculative steps then (torch.optim would show
-        the state before the step), and a change would be mixed into them."""
-        if self.in_step:
-            raise SofxError("opt.state[p] was read between backward and step(): blocks may hold speculative steps "
-                            "that are not validated yet (torch.optim would show the state before the step), and a "
-                            "change would mix into them; read it after step() or zero_grad()")
+        the state before the step), and a change would be mixed into them; and while another thread is in a call
+        that holds the engine (see :meth:`_exclusive`). Readable after :meth:`close` (the state it keeps)."""
+        with self._exclusive("opt.state[p]", closed_ok=True):
+            if self.in_step:
+                raise SofxError("opt.state[p] was read between backward and step(): blocks may hold speculative "
+                                "steps that are not validated yet (torch.optim would show the state before the "
+                                "step), and a change would mix into them; read it after step() or zero_grad()")
+            return self._param_views(index)
+
+    def _param_views(self, index: int) -> dict[str, torch.Tensor]:
+        """:meth:`param_state` without its checks (between steps, inside a call that holds the engine)."""
         block, slot = self.tracker.where[index]
         layout, t = self.layouts[block], self.tensors[block]
         shape = self.params[index].shape
@@ -1266,8 +1282,12 @@ class OffloadEngine:
         """Write ``value`` into parameter ``index``'s ``key`` of :meth:`param_state` (between steps; checked
         first: nothing changes on a bad value)."""
         self._check_usable()
-        self._check_between_steps(f"changing the optimizer state ({key!r})")
-        views = self.param_state(index)
+        with self._exclusive(f"opt.state[p][{key!r}] = ..."):
+            self._check_between_steps(f"changing the optimizer state ({key!r})")
+            self._set_param_state(index, key, value)
+
+    def _set_param_state(self, index: int, key: str, value: Any) -> None:
+        views = self._param_views(index)
         if key not in views:
             raise UnsupportedError(f"optimizer state key {key!r}; a parameter's state has {sorted(views)}")
         target = views[key]
@@ -1276,7 +1296,7 @@ class OffloadEngine:
             if count is None:
                 raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0 (at most "
                                        f"{torch.iinfo(target.dtype).max}), got {value!r}")
-            self.wait()
+            self._wait_all()
             target.fill_(count)
             return
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape) \
@@ -1284,7 +1304,7 @@ class OffloadEngine:
             got = f"{type(value).__name__} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
             raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
                                    f"{tuple(target.shape)}, got {got}")
-        self.wait()
+        self._wait_all()
         with torch.no_grad():
             target.copy_(value)
 
@@ -1292,8 +1312,12 @@ class OffloadEngine:
         """Forget the Adam state (moments and step counts of every parameter; the masters are kept): the next
         step is every parameter's first, as in ``torch.optim`` after ``opt.state = defaultdict(dict)``."""
         self._check_usable()
-        self._check_between_steps("resetting the optimizer state")
-        self.wait()
+        with self._exclusive("reset_state() (opt.state = {})"):
+            self._check_between_steps("resetting the optimizer state")
+            self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._wait_all()
         with torch.no_grad():
             for t in self.tensors.values():
                 t.exp_avg.zero_()
@@ -1307,8 +1331,9 @@ class OffloadEngine:
         """Stop the executor, remove the hooks and release shared memory (idempotent). The state stays readable
         (``opt.state[p]``): the process executor's blocks are copied out of shared memory first.
 
-        Safe beside other threads: a ``step()``, ``zero_grad()``, state call or gradient hook running in another
-        thread is waited for (it completes whole; such calls made meanwhile are refused). Called inside one of them
+        Safe beside other threads: a ``step()``, ``zero_grad()``, ``wait()``, state call (``state_dict()``,
+        ``load_state_dict()``, ``opt.state``, ``reload_params()``) or gradient hook running in another thread is
+        waited for (it completes whole; such calls made meanwhile are refused). Called inside one of them
         on the same thread -- a signal handler, which Python runs in the main thread between any two bytecodes,
         also inside ``step()`` -- it cannot wait for it: the close is done as that call ends."""
         if self._closed:
