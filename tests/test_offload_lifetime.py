@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -364,3 +365,63 @@ def test_wait_and_the_state_calls_from_another_thread_during_a_step_are_refused(
         assert all(torch.equal(after[k], v) for k, v in state.items()) and torch.equal(model.mid.weight, weight * 2)
         opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
         assert opt.step().iteration == 2
+
+
+_EXIT_DURING_STEP = """
+import atexit, os, sys, threading, time, torch
+import sofx.offload, sofx.offload.engine
+from sofx.offload.block_ops import BlockOp
+hold, sofx.offload.engine.EXIT_WAIT_S = float(sys.argv[1]), float(sys.argv[2])
+seen = {}
+# registered first, so it runs after the optimizer's own exit handler (atexit runs last-in first-out): the step's
+# thread gets to say how its step ended
+atexit.register(lambda: seen["stepper"].join(30))
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", timeout=30)
+opt.backward(model(torch.randn(3, 4)).square().mean())
+opt.engine.executor.submit(BlockOp(10 ** 6, "ready", 0, payload=lambda: time.sleep(hold)))  # (the step waits)
+
+
+def step():
+    try:
+        print("stepped", opt.step().iteration, flush=True)
+    except BaseException as exc:
+        print("step failed:", repr(exc), flush=True)
+
+
+seen["stepper"] = threading.Thread(target=step, daemon=True)
+seen["stepper"].start()
+while not opt.engine._call_lock.locked():  # the script ends while the daemon thread is in step()
+    time.sleep(0.001)
+"""
+
+
+def _exit_during_step(hold: float, exit_wait: float) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a script that ends while a daemon thread is in step(), held ``hold`` s, with ``EXIT_WAIT_S =
+    exit_wait``; its result and how long it ran."""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _EXIT_DURING_STEP, str(hold), str(exit_wait)], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return out, time.monotonic() - start
+
+
+def test_at_exit_the_close_waits_for_a_step_running_in_a_daemon_thread() -> None:
+    """The at-exit close bypassed the locks: a script that ended while a daemon thread was in step() had the
+    optimizer closed under that step, which failed half done ("the thread executor is closed"). The exit now waits
+    for the step as close() does (at most EXIT_WAIT_S), and the step completes whole."""
+    out, _ = _exit_during_step(hold=1.0, exit_wait=30.0)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "stepped 1", (out.stdout, out.stderr)
+    assert "RuntimeWarning" not in out.stderr, out.stderr
+
+
+def test_at_exit_a_step_that_does_not_end_in_time_is_closed_under_with_a_warning() -> None:
+    """Waiting for a daemon thread's step() at exit is bounded: past EXIT_WAIT_S the optimizer is closed anyway (the
+    process must exit, its worker stopped), with a warning naming the call."""
+    out, took = _exit_during_step(hold=2.0, exit_wait=0.2)
+    assert out.returncode == 0, out.stderr
+    assert "at interpreter exit, step() was still running in another thread after 0.2 s" in out.stderr, out.stderr
+    assert out.stdout.startswith("step failed: ExecutorError('the thread executor is closed')"), out.stdout
+    assert took < 60, took

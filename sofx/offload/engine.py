@@ -145,6 +145,11 @@ HParamsFn = Callable[[], Sequence[AdamHParams]]
 #: An error about a block names its first this many parameters (:func:`describe_block`).
 NAMED_PARAMS = 4
 
+#: At interpreter exit, how long (at most: the engine's ``timeout`` where shorter) the close waits for a call or
+#: gradient hook still running in another thread -- a daemon thread: the exit handlers run beside those -- before it
+#: closes the engine under it (:meth:`OffloadEngine._close_for_exit`).
+EXIT_WAIT_S = 5.0
+
 #: The keys of a parameter's torch.optim-style state (:meth:`OffloadEngine.param_state`), in order.
 PARAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 
@@ -264,6 +269,7 @@ class OffloadEngine:
         # close() on that very thread (a signal handler) is deferred to the end of that call (_close_pending).
         self._call_owner: int | None = None
         self._hook_owner: int | None = None
+        self._call_what: str | None = None  # the call holding _call_lock (for the exit's warning)
         self._closing = False  # close() waits for another thread's call or hook to end
         self._close_pending = False
         self._turn_cond = threading.Condition()  # orders the decisions taken in the executor
@@ -1236,14 +1242,14 @@ class OffloadEngine:
                 raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), wait() or a "
                                 "state call (state_dict(), load_state_dict(), opt.state, reload_params()) of this "
                                 "optimizer; call them from one thread at a time")
-            self._call_owner = threading.get_ident()
+            self._call_owner, self._call_what = threading.get_ident(), what
             try:
                 self._refuse_while_closing(what)
                 if self._closed and not closed_ok:  # (by another thread, since the caller checked)
                     raise SofxError("the optimizer is closed")
                 yield
             finally:
-                self._call_owner = None
+                self._call_owner = self._call_what = None
                 try:
                     if self._close_pending:  # close() was called on this thread meanwhile (a signal handler)
                         with self._hook_lock:
@@ -1353,6 +1359,37 @@ class OffloadEngine:
             finally:
                 self._closing = False
 
+    def _close_for_exit(self) -> None:
+        """:meth:`close` at interpreter exit (``keep_state=False``). The exit handlers run while daemon threads still
+        run: a call or gradient hook running in one is waited for as :meth:`close` waits for it (it completes whole;
+        such calls made meanwhile are refused), but at most ``min(timeout, EXIT_WAIT_S)`` seconds in all: past that
+        the engine is closed under it all the same (the process must exit and the executor's worker stop), with a
+        ``RuntimeWarning`` naming the call, which then fails in its thread if that thread still gets to run."""
+        if self._closed:
+            return
+        waited = min(self.timeout, EXIT_WAIT_S)
+        deadline = time.monotonic() + waited
+        self._closing = True
+        call = hook = False
+        try:
+            call = self._call_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            hook = self._hook_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+            if not (call and hook):
+                what = self._call_what if not call else "a gradient hook"
+                warnings.warn(f"sofx.offload: at interpreter exit, {what or 'a call'} was still running in another "
+                              f"thread after {waited:g} s (EXIT_WAIT_S, or the optimizer's timeout); the optimizer "
+                              "is closed under it, and it fails there", RuntimeWarning, stacklevel=2)
+            if call:
+                self._call_owner = threading.get_ident()  # (a signal handler's close() in here: deferred)
+            self._close(keep_state=False)
+        finally:
+            if call:
+                self._call_owner = None
+                self._call_lock.release()
+            if hook:
+                self._hook_lock.release()
+            self._closing = False
+
     def _close_if_free(self) -> None:
         """Carry out a deferred :meth:`close` at the end of a gradient hook's section (the hook lock held), unless a
         call holds the engine: it closes it as it ends."""
@@ -1408,6 +1445,8 @@ class OffloadEngine:
         self._pub_shaped.clear()
 
     def __del__(self) -> None:  # best effort: the worker thread/process and /dev/shm files
+        # Without the locks: no thread can be in a call or hook of an engine being collected (its frame holds a
+        # reference to it), so nothing runs that close() would wait for.
         try:
             self._close(keep_state=False)
         except Exception:
@@ -1421,10 +1460,11 @@ def _grad_mark(grad: torch.Tensor | None) -> tuple[weakref.ReferenceType, int, i
 
 
 def _close_if_alive(engine: weakref.ReferenceType[OffloadEngine]) -> None:
-    """At interpreter exit: close the engine if it still lives (best effort, as ``__del__``)."""
+    """At interpreter exit: close the engine if it still lives (best effort, as ``__del__``; waiting a moment for a
+    call that runs in another thread, see :meth:`OffloadEngine._close_for_exit`)."""
     alive = engine()
     if alive is not None:
         try:
-            alive._close(keep_state=False)
+            alive._close_for_exit()
         except Exception:
             pass
