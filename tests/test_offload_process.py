@@ -695,6 +695,21 @@ def test_close_is_bounded_by_its_timeout_and_kills_a_worker_that_does_not_answer
         opt.close()
 
 
+def test_closing_the_optimizer_waits_its_timeout_for_a_worker_that_does_not_answer_as_the_thread_executor() -> None:
+    """opt.close() gave a stopped worker (SIGSTOP, an operation queued) a fixed 10 s (CLOSE_TIMEOUT_S) before it
+    killed it, whatever the optimizer's ``timeout``, where the thread executor's close waits that timeout: the
+    process executor's now waits it too."""
+    opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100, timeout=0.5)
+    ex = opt.engine.executor
+    os.kill(ex.pid, signal.SIGSTOP)
+    ex.submit(BlockOp(10 ** 6, "commit_all"))
+    start = time.monotonic()
+    opt.close()
+    took = time.monotonic() - start
+    assert 0.5 <= took < 3.0, took
+    assert ex.process.poll() == -signal.SIGKILL
+
+
 def test_close_leaves_a_worker_that_does_not_die_at_once_to_the_system_with_a_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that does not answer and, once killed, does not exit within the time close() gives it (here 0 s; a

@@ -405,7 +405,7 @@ class OffloadEngine:
             "fds": list(self._cpu_arena.fds),  # (the worker closes them once it has mapped the tensors)
         }
         return ProcessExecutor(config, startup_timeout=max(self.timeout, 120.0), interrupts=self._interrupts,
-                               pass_fds=self._cpu_arena.fds, describe=self.describe_block)
+                               pass_fds=self._cpu_arena.fds, describe=self.describe_block, close_timeout=self.timeout)
 
     def _reserve_cpu_blocks(self, cpu_layouts: Sequence[BlockLayout], state_dtype: torch.dtype,
                             swappable: set[int]) -> None:

@@ -706,7 +706,8 @@ class SpeculativeAdamW(_SpeculativeBase):
     - ``executor``: ``"inline"``, ``"thread"`` or ``"process"`` (a worker process with ``num_threads``
       threads, on shared memory in ``shm_dir``, at most ``shm_limit_bytes`` of it; ``"thread"``, with a
       warning, where that cannot hold the blocks); ``timeout``: the seconds a wait for it may take before
-      it raises.
+      it raises, and the most ``close()`` waits for it to finish what was queued (then a worker thread is left
+      to finish its operation alone, with a warning; a worker process is killed).
     - ``block_numel``: the most elements of a block (a larger parameter is a block of its own);
       ``n_device_blocks``: that many first blocks, in model order, stay on the model's device and are
       stepped there in ``step()``; ``swap_params``: see the module docstring.

@@ -22,7 +22,8 @@ notebook shows it); an operation that cannot be pickled fails alone (:meth:`wait
 raises it, the worker goes on with the next ones); a worker that
 hangs makes :meth:`wait` raise :class:`~sofx.offload.executor.ExecutorTimeout`
 after the timeout, and :meth:`ProcessExecutor.close` kills it at once then (else
-after its own timeout, :data:`CLOSE_TIMEOUT_S` by default; one that does not exit within
+after its close timeout: the engine's ``timeout``, as the thread executor's close waits, and
+:data:`CLOSE_TIMEOUT_S` by default; one that does not exit within
 :data:`KILL_WAIT_S` of that is left to the system with a warning). The shared tensors stay mapped in the main process in
 every case, so the state is still readable (and checkpointable) after a
 failure.
@@ -64,7 +65,8 @@ from sofx.offload.interrupts import NO_GATE
 __all__ = ["ProcessExecutor", "CLOSE_TIMEOUT_S", "KILL_WAIT_S"]
 
 _POLL_S = 0.05
-#: How long :meth:`ProcessExecutor.close` lets the worker finish what was queued and exit before killing it.
+#: How long :meth:`ProcessExecutor.close` lets the worker finish what was queued and exit before killing it, by
+#: default (the engine gives its ``timeout``).
 CLOSE_TIMEOUT_S = 10.0
 #: How long a killed worker may take to exit before it is left to the system (see ``ProcessExecutor._kill``).
 KILL_WAIT_S = 10.0
@@ -82,15 +84,17 @@ class ProcessExecutor(Executor):
     descriptors of the shared tensors' files, which the worker inherits at the
     same numbers (see :mod:`sofx.offload.shared_memory`); ``describe`` names a
     block in errors. The constructor waits
-    up to ``startup_timeout`` seconds for the worker to map the tensors.
+    up to ``startup_timeout`` seconds for the worker to map the tensors; :meth:`close` waits up to
+    ``close_timeout`` seconds for it to finish what was queued and exit.
     """
 
     name = "process"
 
     def __init__(self, config: dict[str, Any], startup_timeout: float = 120.0,
                  interrupts: AbstractContextManager[Any] = NO_GATE, pass_fds: Sequence[int] = (),
-                 describe: BlockNamer = block_number) -> None:
+                 describe: BlockNamer = block_number, close_timeout: float = CLOSE_TIMEOUT_S) -> None:
         super().__init__(describe)
+        self.close_timeout = close_timeout
         self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._collected: list[OpResult] = []
         self._send_error: BaseException | None = None
@@ -286,12 +290,14 @@ class ProcessExecutor(Executor):
         return raise_failures(self.poll(), f"process executor (worker pid {self.pid})", self.describe)
 
     # ------------------------------------------------------------ shutdown
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Stop the worker (idempotent): it finishes what was queued and exits, or is killed once ``timeout``
-        seconds have passed in all, at once where the last :meth:`wait` timed out (a worker that does not
-        answer is not waited for twice)."""
+        seconds (``close_timeout`` by default) have passed in all, at once where the last :meth:`wait` timed out (a
+        worker that does not answer is not waited for twice)."""
         if self._closed:
             return
+        if timeout is None:
+            timeout = self.close_timeout
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0):
             raise UnsupportedError(f"process executor: close timeout must be a number of seconds >= 0, got "
                                    f"{timeout!r}")
