@@ -155,6 +155,38 @@ def test_a_grad_set_after_backward_took_it_is_refused(executor):
         assert opt.step().blocks > 0
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_grad_set_by_hand_that_cannot_be_taken_is_not_counted(executor):
+    """A ``.grad`` set by hand that cannot be copied into its block's buffer (``p.grad.data = t`` of another size:
+    torch checks the size only where ``.grad`` itself is assigned) raised out of step() after its arrival was
+    counted: the next step() refused the gradient set right as "set after backward took this step's gradient", and
+    one without it stepped the block with the last step's buffer. Now the arrival is counted once the gradient is
+    in the buffer: nothing changed, and the gradient set right is stepped as torch steps it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(8, 4)
+    with opt:
+        opt.backward(model(x).square().mean())  # a first step: the buffer holds its gradients
+        ref(x).square().mean().backward()
+        opt.step()
+        ropt.step()
+        ropt.zero_grad()
+        grad = torch.randn(3, 4)
+        model.weight.grad = torch.zeros_like(model.weight)
+        model.weight.grad.data = torch.ones(5)
+        with pytest.raises(RuntimeError, match="invalid for input of size 5"):
+            opt.step()
+        assert not opt.engine.in_step, "nothing was taken"
+        model.weight.grad = grad.clone()
+        ref.weight.grad = grad.clone()
+        opt.step()
+        ropt.step()
+        assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_an_optimizer_created_again_over_the_same_parameters_owns_them_at_once(executor):
     """``opt = SpeculativeAdamW(...)`` a second time drops the first without close(): nothing the optimizer

@@ -64,20 +64,24 @@ class ArrivalTracker:
         self._started = False
         self.pending = [sum(1 for i in layout.param_indices if self.expected[i]) for layout in self.layouts]
 
+    def upcoming(self, index: int) -> Arrival:
+        """What the next :meth:`arrive` of parameter ``index`` records, recording nothing (the engine counts a
+        gradient once it is in the block's buffer)."""
+        block, slot = self.where[index]
+        n = self.arrivals[index] + 1
+        late = self.ready[block]
+        final = not late and self.expected[index] and n == self.accumulation_steps
+        return Arrival(block, slot, n == 1, final and self.pending[block] == 1, late)
+
     def arrive(self, index: int) -> Arrival:
         """Record one gradient arrival of parameter ``index``."""
-        block, slot = self.where[index]
+        arrival = self.upcoming(index)
         self._started = True
         self.arrivals[index] += 1
-        n = self.arrivals[index]
-        late = self.ready[block]
-        became_ready = False
-        if not late and self.expected[index] and n == self.accumulation_steps:
-            self.pending[block] -= 1
-            if self.pending[block] == 0:
-                self.ready[block] = True
-                became_ready = True
-        return Arrival(block, slot, n == 1, became_ready, late)
+        if not arrival.late and self.expected[index] and self.arrivals[index] == self.accumulation_steps:
+            self.pending[arrival.block] -= 1
+            self.ready[arrival.block] = arrival.ready
+        return arrival
 
     def retract(self, index: int) -> None:
         """Forget parameter ``index``'s arrivals of this step, after backward (what arrived was no gradient: a

@@ -693,11 +693,13 @@ class OffloadEngine:
                        replace: bool = False) -> None:
         """Record parameter ``index``'s gradient; ``owned``: nobody else holds ``grad`` (autograd's
         accumulated gradient once ``param.grad`` is cleared), so it may be borrowed and summed into;
-        ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it."""
+        ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it. The arrival is
+        counted once the gradient is in the block's buffer: one that cannot be copied there (a ``.grad`` set by hand
+        through ``.data`` to another size) raises with nothing counted, and stays the caller's."""
         if grad.is_sparse or grad.layout != torch.strided:
             raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
                             "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
-        arrival = self.tracker.arrive(index)
+        arrival = self.tracker.upcoming(index)
         b = arrival.block
         layout = self.layouts[b]
         view = self._grad_views[b][arrival.slot]
@@ -727,6 +729,7 @@ class OffloadEngine:
             target = self._grads[b][arrival.slot]
             target.add_(grad.reshape(-1).to(target.device))
             self._slot_sumsq[b][arrival.slot] = None
+        self.tracker.arrive(index)
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:
