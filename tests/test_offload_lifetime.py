@@ -3,9 +3,11 @@ beside a step() in another thread.
 
 A thread executor whose operation does not finish: close() waits at most the engine's ``timeout`` (at once after a
 wait that timed out) and warns that the worker thread is left to finish alone. close() called while step() runs in
-another thread waits for that step, which completes whole (a step() called meanwhile is refused); called from a
-signal handler that runs inside step() on the same thread, it takes effect as the step returns. An executor's
-failure names the parameters of its block.
+another thread waits for that step, which completes whole (a step() called meanwhile is refused); so it does for
+wait() and the state calls, which are refused beside a step() in another thread; called from a signal handler that
+runs inside step() on the same thread, it takes effect as the step returns. At interpreter exit the close waits a
+moment for a step() running in a daemon thread, then closes under it with a warning. An executor's failure names the
+parameters of its block.
 """
 
 from __future__ import annotations
