@@ -641,6 +641,17 @@ def test_the_required_keywords_of_the_steps_show_as_required(rng):
         assert "required" in fn.__doc__, fn.__name__
 
 
+def test_the_hooks_required_argument_shows_as_required():
+    """all_reduce_sumsq's hook takes ``local`` with a private default (refused inside the collective when left
+    out): help() showed it as ``<object object at 0x...>``."""
+    import inspect
+
+    from sofx.distributed import SumsqReduce
+
+    for method in (SumsqReduce.__call__, SumsqReduce.agreed_sum):
+        assert repr(inspect.signature(method).parameters["local"].default) == "<required>", method.__name__
+
+
 def test_plan_validation_refuses_its_bad_input_through_the_hook():
     """plan_validation's own refusals (sumsq or taken of another length than the blocks, taken True for a block
     not speculated, a speculated block without gradient, hparams or a sum of squares it cannot read): before, it

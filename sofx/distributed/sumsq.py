@@ -29,7 +29,15 @@ _STEP_HINT = ("every rank must step with the same profile, max_norm, missing_gra
               "was stepped")
 
 
-_MISSING = object()  # an argument not given
+class _Missing:
+    """The default of a hook's required argument (shown as ``<required>`` by ``help()``): an argument not given,
+    refused inside the collective (:meth:`SumsqReduce._refuse_call`)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_MISSING = _Missing()
 
 
 class SumsqReduce:
