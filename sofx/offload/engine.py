@@ -593,12 +593,19 @@ class OffloadEngine:
         """The post-accumulate-grad hook of parameter ``index`` (autograd may call it from a device thread)."""
         if self._failed is not None or self._closed or self._refusal is not None:
             return  # the gradient stays in param.grad; step() raises the failure
-        with self._hook_lock, self._interrupts:  # Ctrl-C waits until the gradient is taken and its block sent
+        self._hook_section(self._take_hooked_gradient, index, param)
+
+    def _hook_section(self, take: Callable[[int, torch.Tensor], None], index: int, tensor: torch.Tensor) -> None:
+        """Run ``take(index, tensor)``, a gradient hook's work, holding the hook lock and Ctrl-C back (it waits until
+        the gradient is taken and its block sent), unless the engine was closed by another thread meanwhile
+        (:meth:`close` waits for a hook that runs); a :meth:`close` called inside it on this thread (a signal
+        handler) is carried out as it ends."""
+        with self._hook_lock, self._interrupts:
             if self._closed:
-                return  # closed by another thread meanwhile (close() waits for a hook that runs)
+                return
             self._hook_owner = threading.get_ident()
             try:
-                self._take_hooked_gradient(index, param)
+                take(index, tensor)
             finally:
                 self._hook_owner = None
                 if self._close_pending:
@@ -644,26 +651,22 @@ class OffloadEngine:
         gradients are not taken)."""
         if self._failed is not None or self._closed or self._reduced_error is not None:
             return  # step() raises the failure; end_reduced_backward() what was refused
-        with self._hook_lock, self._interrupts:
-            if self._closed:
-                return  # closed by another thread meanwhile
-            self._hook_owner = threading.get_ident()
-            try:
-                if not self.tracker.started:
-                    self._adopt_model_edits()  # before any block of this step is stepped from its masters
-                self._take_gradient(index, grad, during_backward=True, owned=False, replace=True)
-                self._poll()
-            except Exception as exc:
-                # Raised out of the hook's future, DDP's reducer wrapped it in a RuntimeError; and DDP must get
-                # the reduced bucket all the same. Raised by end_reduced_backward() instead, where a gradient
-                # hook's error is without DDP: out of backward. As there, the gradients taken before are the
-                # step's; those of this backward not taken are in .grad, where DDP writes them (step() takes
-                # them as set by hand).
-                self._reduced_error = exc
-            finally:
-                self._hook_owner = None
-                if self._close_pending:
-                    self._close_if_free()
+        self._hook_section(self._take_reduced_gradient, index, grad)
+
+    def _take_reduced_gradient(self, index: int, grad: torch.Tensor) -> None:
+        """:meth:`take_reduced_gradient` in its hook section."""
+        try:
+            if not self.tracker.started:
+                self._adopt_model_edits()  # before any block of this step is stepped from its masters
+            self._take_gradient(index, grad, during_backward=True, owned=False, replace=True)
+            self._poll()
+        except Exception as exc:
+            # Raised out of the hook's future, DDP's reducer wrapped it in a RuntimeError; and DDP must get
+            # the reduced bucket all the same. Raised by end_reduced_backward() instead, where a gradient
+            # hook's error is without DDP: out of backward. As there, the gradients taken before are the
+            # step's; those of this backward not taken are in .grad, where DDP writes them (step() takes
+            # them as set by hand).
+            self._reduced_error = exc
 
     def begin_reduced_backward(self) -> None:
         """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`): nothing refused yet."""
