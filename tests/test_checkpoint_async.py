@@ -305,12 +305,12 @@ def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, m
     release, issued = threading.Event(), threading.Event()
     real = ck_io.serialize_file
 
-    def writer(specs, filename, metadata=None):
+    def writer(specs, filename, metadata=None, **kwargs):
         if os.path.basename(filename).startswith(".a.ckpt."):
             issued.wait(3)  # (failed before the second save, it would be raised by it)
             raise OSError("no space left on device")
         release.wait(3)
-        return real(specs, filename, metadata=metadata)
+        return real(specs, filename, metadata=metadata, **kwargs)
 
     def on_alarm(signum, frame):
         raise _Interrupt
@@ -347,10 +347,10 @@ def test_a_failed_saves_error_is_raised_by_the_next_save_of_the_saver(tmp_path, 
     each error is reported once."""
     real = ck_io.serialize_file
 
-    def writer(specs, filename, metadata=None):
+    def writer(specs, filename, metadata=None, **kwargs):
         if os.path.basename(filename).startswith(".a.ckpt."):
             raise OSError("no space left on device")
-        return real(specs, filename, metadata=metadata)
+        return real(specs, filename, metadata=metadata, **kwargs)
 
     monkeypatch.setattr(ck_io, "serialize_file", writer)
     for max_pending in (None, 1):

@@ -317,8 +317,8 @@ def test_a_save_to_a_symbolic_link_writes_through_it_to_its_target(tmp_path, mon
 
     real = ck_io.serialize_file
 
-    def interrupted(specs, filename, metadata=None):  # a save killed here leaves its temporary, beside the target
-        real(specs, filename, metadata=metadata)
+    def interrupted(specs, filename, metadata=None, **kwargs):  # a save killed here leaves its temporary, beside
+        real(specs, filename, metadata=metadata, **kwargs)                # the target
         seen.append((ck.stale_temporaries(link), ck.stale_temporaries(target)))
         raise KeyboardInterrupt
 
@@ -675,7 +675,7 @@ def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
     path = tmp_path / "f.ckpt"
     ck.save(path, {"x": torch.arange(4)})
 
-    def failing(specs, filename, metadata=None):
+    def failing(specs, filename, metadata=None, **kwargs):
         with open(filename, "wb") as f:
             f.write(b"partial")
         raise OSError("disk full")
@@ -685,7 +685,7 @@ def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
         ck.save(path, {"x": torch.zeros(4)})
     assert isinstance(err.value, ck.CheckpointIOError) and str(path) in str(err.value)
 
-    def writer_error(specs, filename, metadata=None):  # e.g. safetensors' own error type
+    def writer_error(specs, filename, metadata=None, **kwargs):  # e.g. safetensors' own error type
         raise RuntimeError("Error while serializing")
 
     monkeypatch.setattr(ck_io, "serialize_file", writer_error)
@@ -819,8 +819,8 @@ def test_a_file_name_as_long_as_the_file_system_allows_is_saved_and_its_temporar
     seen = []
     real = ck_io.serialize_file
 
-    def interrupted(specs, filename, metadata=None):  # a save killed here leaves its temporary file
-        real(specs, filename, metadata=metadata)
+    def interrupted(specs, filename, metadata=None, **kwargs):  # a save killed here leaves its temporary file
+        real(specs, filename, metadata=metadata, **kwargs)
         seen.append(ck.stale_temporaries(path))
         raise KeyboardInterrupt
 

@@ -171,10 +171,12 @@ def _file_header(specs: dict[str, FileTensor], metadata: dict[str, str],
     return text, order
 
 
-def serialize_file(specs: dict[str, FileTensor], filename: str, metadata: dict[str, str]) -> None:
+def serialize_file(specs: dict[str, FileTensor], filename: str, metadata: dict[str, str],
+                   header: tuple[bytes, list[str]] | None = None) -> None:
     """Write a safetensors file of ``specs`` to ``filename`` (created, or truncated), directly and without
-    copying the tensors' bytes: 8 bytes of header length (little-endian), the header, then each tensor's bytes."""
-    header, order = _file_header(specs, metadata)
+    copying the tensors' bytes: 8 bytes of header length (little-endian), the header, then each tensor's bytes
+    (``header``: :func:`_file_header` of ``specs`` and ``metadata``, where the caller made it already)."""
+    header, order = header if header is not None else _file_header(specs, metadata)
     with open(filename, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
@@ -219,10 +221,10 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
     metadata = {"format": FORMAT, "format_version": str(_version_needed(encoded)),
                 "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": structure,
                 "tree_crc32": structure_checksum(structure)}
-    _file_header(specs, metadata, path)  # a header safetensors would not read is refused before anything is written
+    header = _file_header(specs, metadata, path)  # one safetensors would not read is refused before any writing
 
     def _write(tmp: str) -> None:
-        serialize_file(specs, tmp, metadata=metadata)
+        serialize_file(specs, tmp, metadata=metadata, header=header)
 
     try:
         return atomic_write(path, _write)
