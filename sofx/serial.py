@@ -70,6 +70,7 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import is_bool, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_scaler, check_state_kind
+from sofx.required import REQUIRED
 from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_value, sumsq, total_sumsq,
                              zero_clip_factor)
 
@@ -281,23 +282,9 @@ def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseExce
         refuse(error)
 
 
-class _Required:
-    """The default of a required keyword-only parameter of the steps (shown as ``<required>``): a step checks for
-    it first thing (:func:`_missing`) and refuses the call through its ``reduce_sumsq`` hook
-    (:func:`refuse_unknown_keywords`), where Python's "missing required argument" ``TypeError`` at the call left
-    the other ranks waiting for this rank's sum of squares forever."""
-
-    def __repr__(self) -> str:
-        return "<required>"
-
-
-# typed Any so that ``scaler: LossScaler = _REQUIRED`` keeps the parameter's own type
-_REQUIRED: Any = _Required()
-
-
 def _missing(**given: Any) -> list[str]:
-    """The names of ``given`` (the step's required keywords and their values), in order, left at ``_REQUIRED``."""
-    return [name for name, value in given.items() if value is _REQUIRED]
+    """The names of ``given`` (the step's required keywords and their values), in order, left at ``REQUIRED``."""
+    return [name for name, value in given.items() if value is REQUIRED]
 
 
 # the keywords of the steps that a loop step takes from its LoopState instead
@@ -425,8 +412,8 @@ def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: f
     return clip > 1.0, 1.0 / clip, 1.0 / (clip * scale)
 
 
-def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler = _REQUIRED,
-                scaler_state: LossScaleState = _REQUIRED, hparams: Any = None, max_norm: float | None = None,
+def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler = REQUIRED,
+                scaler_state: LossScaleState = REQUIRED, hparams: Any = None, max_norm: float | None = None,
                 profile: str = "torch", missing_grad: str = "skip",
                 reduce_sumsq: Callable[[float], float] | None = None,
                 donate: bool = False, **unknown: Any) -> SerialStepResult:
@@ -485,7 +472,7 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
 
 
-def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler = _REQUIRED,
+def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler = REQUIRED,
                      hparams: Any = None,
                      max_norm: float | None = None, profile: str = "torch", missing_grad: str = "skip",
                      reduce_sumsq: Callable[[float], float] | None = None,

@@ -20,6 +20,7 @@ from sofx.distributed.groups import _collective_device, dist, require_initialize
 from sofx.distributed.refusals import RankRefusedError, _as_refusal
 from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _entries, _setup_entries, _setup_hint
 from sofx.errors import SofxError
+from sofx.required import REQUIRED
 
 __all__ = ["SumsqReduce", "all_reduce_sumsq"]
 
@@ -27,17 +28,6 @@ __all__ = ["SumsqReduce", "all_reduce_sumsq"]
 # what a step's settings (sofx.serial.step_settings) must agree in, as the hook's error asks for it
 _STEP_HINT = ("every rank must step with the same profile, max_norm, missing_grad and loss-scaler state; nothing "
               "was stepped")
-
-
-class _Missing:
-    """The default of a hook's required argument (shown as ``<required>`` by ``help()``): an argument not given,
-    refused inside the collective (:meth:`SumsqReduce._refuse_call`)."""
-
-    def __repr__(self) -> str:
-        return "<required>"
-
-
-_MISSING = _Missing()
 
 
 class SumsqReduce:
@@ -57,13 +47,13 @@ class SumsqReduce:
         self.group = group
         self.device = device
 
-    def __call__(self, local: Any = _MISSING, *extra: Any, **unknown: Any) -> float:
+    def __call__(self, local: Any = REQUIRED, *extra: Any, **unknown: Any) -> float:
         """The sum over ranks of ``local``; :meth:`agreed_sum` without settings (every rank must call it so).
         Arguments it does not take are refused as this rank's refusal of the step (:meth:`_refuse_call`)."""
-        self._refuse_call("the hook", ("local",), local is _MISSING, extra, unknown)
+        self._refuse_call("the hook", ("local",), local is REQUIRED, extra, unknown)
         return self.agreed_sum(local, None)
 
-    def agreed_sum(self, local: Any = _MISSING, settings: Mapping[str, Any] | None = None, *extra: Any,
+    def agreed_sum(self, local: Any = REQUIRED, settings: Mapping[str, Any] | None = None, *extra: Any,
                    **unknown: Any) -> float:
         """The sum over ranks of ``local`` where every rank passed the same ``settings``; else a
         :class:`SofxError` on every rank naming the first setting that differs with each rank's value.
@@ -76,7 +66,7 @@ class SumsqReduce:
         ``all_gather_object`` fetch the settings to name what differs; every rank sees the same digests, so
         every rank takes that path, and raises before it steps anything.
         """
-        self._refuse_call("the hook's agreed_sum", ("local", "settings"), local is _MISSING, extra, unknown)
+        self._refuse_call("the hook's agreed_sum", ("local", "settings"), local is REQUIRED, extra, unknown)
         try:
             value = float(local)
         except Exception as e:  # refused in the collective: raised before it, the others would wait for this rank

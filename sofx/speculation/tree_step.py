@@ -21,7 +21,8 @@ from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
-from sofx.serial import (_FROM_LOOP, _REQUIRED, LoopState, _keyword_names, _missing, call_reduce, check_loop,
+from sofx.required import REQUIRED
+from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, call_reduce, check_loop,
                          check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
@@ -54,8 +55,8 @@ class SpeculativeStepResult(NamedTuple):
 
 
 def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *,
-                     config: SpeculationConfig = _REQUIRED, scaler: LossScaler = _REQUIRED,
-                     scaler_state: LossScaleState = _REQUIRED, policy_state: PolicyState | None = None,
+                     config: SpeculationConfig = REQUIRED, scaler: LossScaler = REQUIRED,
+                     scaler_state: LossScaleState = REQUIRED, policy_state: PolicyState | None = None,
                      hparams: Any = None, validation_hparams: Any = _SAME, backward_scale: float | None = None,
                      order: Sequence[int] | None = None, late_grads: Mapping[int, torch.Tensor] | None = None,
                      last_micro_step: bool = True, reduce_sumsq: Callable[[float], float] | None = None,
@@ -247,8 +248,8 @@ def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, con
 _LOOP_KEYWORDS = _keyword_names(speculative_step, leave_out=tuple(_FROM_LOOP))
 
 
-def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig = _REQUIRED,
-                          scaler: LossScaler = _REQUIRED, hparams: Any = None,
+def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig = REQUIRED,
+                          scaler: LossScaler = REQUIRED, hparams: Any = None,
                           **kwargs: Any) -> tuple[LoopState, StepReport]:
     """:func:`speculative_step` on a :class:`~sofx.serial.LoopState` (the speculative twin of
     :func:`sofx.serial.serial_loop_step`).
