@@ -20,6 +20,7 @@ from sofx.undo_record import LeafUndo, UndoRecord
 from sofx import loss_scale, schedules, serial, speculate, transforms
 from sofx.speculate import SpeculationConfig
 from sofx.step_report import StepReport
+from sofx.transforms import apply_if_finite
 
 from sofx import checkpoint, distributed, offload
 
@@ -51,6 +52,7 @@ __all__ = [
     "serial",
     "speculate",
     "transforms",
+    "apply_if_finite",
     "SpeculationConfig",
     "StepReport",
     "checkpoint",

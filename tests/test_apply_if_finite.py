@@ -1,0 +1,319 @@
+"""``sofx.apply_if_finite``: optax's combinator over a sofx optimizer.
+
+A step whose gradients hold an inf or a nan is skipped (params and inner state bitwise as they were), the
+counters ``notfinite_count`` / ``last_finite`` / ``total_notfinite`` follow optax, and after
+``max_consecutive_errors`` skips in a row the next step is applied anyway. Finite steps are the inner
+optimizer's, bit for bit; undo inverts either kind of step. Under ``vmap`` the decision is per member.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.func import vmap
+
+import sofx
+from sofx import transforms
+from sofx.errors import HParamError, LeafError, SofxError, UndoError, UnsupportedError
+from sofx.transforms import ApplyIfFiniteState
+
+NAN, INF = math.nan, math.inf
+
+
+def _params(gen: torch.Generator, batch: tuple[int, ...] = ()) -> dict:
+    return {"w": torch.randn(*batch, 4, 3, generator=gen), "b": torch.randn(*batch, 3, generator=gen),
+            "deep": [torch.randn(*batch, 5, generator=gen)]}
+
+
+def _grads(gen: torch.Generator, bad: float | None = None, batch: tuple[int, ...] = ()) -> dict:
+    """Random gradients; ``bad``: one element of ``b`` set to it (nan, inf, -inf)."""
+    g = _params(gen, batch)
+    if bad is not None:
+        g["b"].view(-1)[1] = bad
+    return g
+
+
+def _leaves(tree):
+    return sofx.tree.flatten(tree)[0]
+
+
+def _bitwise(a, b) -> bool:
+    """Same structure and the same bits, nan included."""
+    la, lb = _leaves(a), _leaves(b)
+    return len(la) == len(lb) and all(x.dtype == y.dtype and x.shape == y.shape and
+                                      torch.equal(x.view(-1).view(torch.int8) if x.is_floating_point() else x,
+                                                  y.view(-1).view(torch.int8) if y.is_floating_point() else y)
+                                      for x, y in zip(la, lb))
+
+
+def _counters(state: ApplyIfFiniteState) -> tuple[int, bool, int]:
+    return int(state.notfinite_count), bool(state.last_finite), int(state.total_notfinite)
+
+
+def test_finite_steps_equal_the_inner_optimizer_bitwise(rng):
+    params = _params(rng)
+    inner = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    opt = sofx.apply_if_finite(inner, 3)
+    p, s = params, opt.init(params)
+    q, t = params, inner.init(params)
+    for _ in range(4):
+        g = _grads(rng)
+        p, s, rec = opt.update(p, g, s, sofx.AdamHParams(lr=3e-2))
+        q, t, _ = inner.update(q, g, t, sofx.AdamHParams(lr=3e-2))
+        assert rec.applied is True
+        assert _bitwise(p, q) and _bitwise(s.inner_state, t)
+        assert _counters(s) == (0, True, 0)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_a_nonfinite_gradient_leaves_params_and_inner_state_bitwise_unchanged(rng, bad):
+    opt = sofx.apply_if_finite(sofx.adam(lr=1e-2), 2)
+    params = _params(rng)
+    p1, s1, _ = opt.update(params, _grads(rng), opt.init(params))
+    kept_p, kept_s = sofx.tree.tree_map(torch.clone, p1), sofx.tree.tree_map(torch.clone, s1.inner_state)
+
+    p2, s2, rec = opt.update(p1, _grads(rng, bad), s1)
+    assert rec.applied is False
+    assert _bitwise(p2, kept_p) and _bitwise(s2.inner_state, kept_s)
+    assert _bitwise(p1, kept_p) and _bitwise(s1.inner_state, kept_s), "the inputs are not modified"
+    assert _counters(s2) == (1, False, 1)
+
+    p3, s3, rec = opt.update(p2, _grads(rng), s2)  # a finite step: the consecutive count starts again
+    assert rec.applied is True and _counters(s3) == (0, True, 1)
+    assert all(int(c) == 2 for c in _leaves(s3.inner_state.count))
+
+
+def test_a_none_gradient_leaf_is_not_looked_at(rng):
+    opt = sofx.apply_if_finite(sofx.adam(), 0)
+    params = _params(rng)
+    g = _grads(rng)
+    g["b"] = None
+    p, s, rec = opt.update(params, g, opt.init(params))
+    assert rec.applied is True and _counters(s) == (0, True, 0)
+    assert int(s.inner_state.count["b"]) == 0 and int(s.inner_state.count["w"]) == 1
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_after_max_consecutive_errors_skips_the_next_nonfinite_step_is_applied(rng, limit):
+    """optax: applied iff finite or the new consecutive count exceeds the limit; the count is not reset by
+    an applied non-finite step."""
+    opt = sofx.apply_if_finite(sofx.adam(lr=1e-2), limit)
+    params = _params(rng)
+    p, s = params, opt.init(params)
+    for k in range(1, limit + 3):
+        p, s, rec = opt.update(p, _grads(rng, NAN), s)
+        assert _counters(s) == (k, False, k)
+        assert rec.applied is (k > limit)
+        assert int(s.inner_state.count["w"]) == max(0, k - limit)
+    assert torch.isnan(p["b"]).any(), "an applied non-finite step is the inner step (nan in, nan out)"
+    assert torch.isfinite(p["w"]).all()
+
+
+def test_grads_finite_true_is_the_callers_word(rng):
+    opt = sofx.apply_if_finite(sofx.adam(), 5)
+    params = _params(rng)
+    _, s, rec = opt.update(params, _grads(rng, NAN), opt.init(params), grads_finite=True)
+    assert rec.applied is True and _counters(s) == (0, True, 0)
+
+
+def test_a_skipped_step_writes_the_unchanged_params_into_the_copies(rng):
+    opt = sofx.apply_if_finite(sofx.adam(), 5)
+    params = _params(rng)
+    copies = sofx.tree.tree_map(lambda p: torch.zeros_like(p, dtype=torch.bfloat16), params)
+    p, _, rec = opt.update(params, _grads(rng, INF), opt.init(params), param_copies=copies)
+    assert rec.applied is False
+    for c, q in zip(_leaves(copies), _leaves(p)):
+        assert torch.equal(c, q.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------ undo
+def test_undo_of_a_skipped_step_changes_nothing_but_the_counters(rng):
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 4)
+    params = _params(rng)
+    p1, s1, _ = opt.update(params, _grads(rng), opt.init(params))
+    p2, s2, _ = opt.update(p1, _grads(rng, NAN), s1)
+    p3, s3, rec = opt.update(p2, _grads(rng, INF), s2)
+    assert _counters(s3) == (2, False, 2)
+    back_p, back_s = opt.undo(p3, s3, rec)
+    assert _bitwise(back_p, p2) and _bitwise(back_s.inner_state, s2.inner_state)
+    assert _counters(back_s) == (1, False, 1)
+    with pytest.raises(UndoError, match="already used"):
+        opt.undo(p3, s3, rec)
+
+
+def test_undo_after_a_finite_step_is_the_inner_undo(rng):
+    inner = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    opt = sofx.apply_if_finite(inner, 1)
+    params = _params(rng)
+    p1, s1, _ = opt.update(params, _grads(rng), opt.init(params))
+    p2, s2, _ = opt.update(p1, _grads(rng, NAN), s1)  # skipped: the count is 1 before the finite step
+    g = _grads(rng)
+    p3, s3, rec = opt.update(p2, g, s2)
+    q3, t3, inner_rec = inner.update(p2, g, s2.inner_state)
+    back_p, back_s = opt.undo(p3, s3, rec)
+    want_p, want_s = inner.undo(q3, t3, inner_rec)
+    assert _bitwise(back_p, want_p) and _bitwise(back_s.inner_state, want_s)
+    assert _counters(back_s) == (1, False, 1)
+    for a, b in zip(_leaves(back_p), _leaves(p2)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(int(c) == 1 for c in _leaves(back_s.inner_state.count))
+
+
+def test_undo_refuses_a_record_of_another_kind(rng):
+    inner = sofx.adam()
+    opt = sofx.apply_if_finite(inner, 1)
+    params = _params(rng)
+    p, s, _ = opt.update(params, _grads(rng), opt.init(params))
+    _, _, inner_rec = inner.update(params, _grads(rng), inner.init(params))
+    with pytest.raises(UndoError, match="expected an ApplyIfFiniteRecord"):
+        opt.undo(p, s, inner_rec)
+
+
+# ------------------------------------------------------------------ vmap
+E = 4
+
+
+@pytest.mark.parametrize("undo", ["auto", "algebraic"])
+def test_vmap_over_an_ensemble_skips_the_nonfinite_member_only(rng, undo):
+    inner = sofx.adamw(lr=1e-2, weight_decay=0.1, undo=undo)
+    opt = sofx.apply_if_finite(inner, 1)
+    params = _params(rng, (E,))
+    step = vmap(lambda p, g, s: opt.update(p, g, s))
+    p1, s1, _ = step(params, _grads(rng, batch=(E,)), vmap(opt.init)(params))
+    g = _grads(rng, batch=(E,))
+    g["b"][2, 0] = NAN  # member 2 only
+    p2, s2, rec = step(p1, g, s1)
+    assert rec.applied.tolist() == [True, True, False, True]
+    assert s2.notfinite_count.tolist() == [0, 0, 1, 0] and s2.total_notfinite.tolist() == [0, 0, 1, 0]
+    assert s2.last_finite.tolist() == [True, True, False, True]
+    assert s2.inner_state.count["w"].tolist() == [2, 2, 1, 2]
+    for new, old in zip(_leaves((p2, s2.inner_state)), _leaves((p1, s1.inner_state))):
+        assert torch.equal(new[2], old[2]), "the skipped member is bitwise as it was"
+    for i in (0, 1, 3):  # the others: the member's own eager step
+        pi = sofx.tree.tree_map(lambda x: x[i], p1)
+        si = sofx.tree.tree_map(lambda x: x[i], s1.inner_state)
+        want, _, _ = inner.update(pi, sofx.tree.tree_map(lambda x: x[i], g), si)
+        for a, b in zip(_leaves(p2), _leaves(want)):
+            torch.testing.assert_close(a[i], b, rtol=1e-6, atol=1e-7)
+
+    back_p, back_s = vmap(opt.undo)(p2, s2, rec)
+    assert back_s.notfinite_count.tolist() == [0] * E and back_s.last_finite.tolist() == [True] * E
+    assert back_s.inner_state.count["w"].tolist() == [1] * E
+    for a, b in zip(_leaves((back_p, back_s.inner_state)), _leaves((p1, s1.inner_state))):
+        assert torch.equal(a[2], b[2])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    p3, s3, rec = step(p2, g, s2)  # member 2 again: beyond max_consecutive_errors=1, applied
+    assert rec.applied.tolist() == [True] * E and s3.notfinite_count.tolist() == [0, 0, 2, 0]
+    assert s3.inner_state.count["w"].tolist() == [3, 3, 2, 3]
+
+
+def test_vmap_refuses_param_copies(rng):
+    opt = sofx.apply_if_finite(sofx.adam(), 1)
+    params = _params(rng, (E,))
+    copies = sofx.tree.tree_map(torch.zeros_like, params)
+    with pytest.raises(UnsupportedError, match="param_copies"):
+        vmap(lambda p, g, s, c: opt.update(p, g, s, param_copies=c))(params, _grads(rng, batch=(E,)),
+                                                                       vmap(opt.init)(params), copies)
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("bad", [-1, 1.0, 2.5, True, "3", None, torch.tensor([1, 2])])
+def test_bad_max_consecutive_errors_is_refused(bad):
+    with pytest.raises(HParamError, match="max_consecutive_errors .*expected an integer >= 0"):
+        sofx.apply_if_finite(sofx.adam(), bad)
+
+
+def test_max_consecutive_errors_takes_numpy_and_tensor_integers():
+    assert sofx.apply_if_finite(sofx.adam(), np.int64(3)).max_consecutive_errors == 3
+    assert sofx.apply_if_finite(sofx.adam(), torch.tensor(2)).max_consecutive_errors == 2
+
+
+@pytest.mark.parametrize("inner", [transforms.check_finite(), object()])
+def test_an_inner_that_is_not_an_optimizer_is_refused(inner):
+    with pytest.raises(UnsupportedError, match="expected a sofx optimizer"):
+        sofx.apply_if_finite(inner, 1)
+
+
+def test_a_state_of_another_kind_is_refused(rng):
+    opt = sofx.apply_if_finite(sofx.adam(), 1)
+    params = _params(rng)
+    with pytest.raises(SofxError, match="ApplyIfFiniteState"):
+        opt.update(params, _grads(rng), sofx.adam().init(params))
+    good = opt.init(params)
+    with pytest.raises(SofxError, match="state.notfinite_count"):
+        opt.update(params, _grads(rng), good._replace(notfinite_count=-1))
+    with pytest.raises(SofxError, match="state.last_finite"):
+        opt.update(params, _grads(rng), good._replace(last_finite="yes"))
+
+
+@pytest.mark.parametrize("bad", [None, NAN])
+def test_bad_gradients_are_refused_whether_or_not_the_step_is_skipped(rng, bad):
+    opt = sofx.apply_if_finite(sofx.adam(), 3)
+    params = _params(rng)
+    state = opt.init(params)
+    g = _grads(rng, bad)
+    g["w"] = g["w"][:2]  # a wrong shape
+    with pytest.raises(LeafError, match=r"grads\['w'\]: expected shape \(4, 3\), got \(2, 3\)"):
+        opt.update(params, g, state)
+    assert _counters(state) == (0, True, 0)
+
+
+def test_a_bad_option_is_refused_on_a_skipped_step(rng):
+    opt = sofx.apply_if_finite(sofx.adam(), 3)
+    params = _params(rng)
+    with pytest.raises(UnsupportedError, match="donate"):
+        opt.update(params, _grads(rng, NAN), opt.init(params), donate="no")
+    with pytest.raises(HParamError, match="grad_scale"):
+        opt.update(params, _grads(rng, NAN), opt.init(params), grad_scale=-1.0)
+
+
+# ------------------------------------------------------------------ property
+@given(st.lists(st.booleans(), min_size=1, max_size=10), st.integers(0, 3), st.sampled_from([NAN, INF, -INF]))
+def test_counters_and_steps_follow_a_plain_python_model(finite_steps, limit, bad):
+    """Against optax's rule written out in Python: the counters after every step, and the params and inner
+    state equal to the inner optimizer stepped on the applied steps only."""
+    gen = torch.Generator().manual_seed(len(finite_steps) * 7 + limit)
+    inner = sofx.adam(lr=1e-2)
+    opt = sofx.apply_if_finite(inner, limit)
+    params = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(4, generator=gen)}
+    p, s = params, opt.init(params)
+    q, t = params, inner.init(params)
+    count = total = 0
+    for finite in finite_steps:
+        g = {"w": torch.randn(3, 2, generator=gen), "b": torch.randn(4, generator=gen)}
+        if not finite:
+            g["b"][0] = bad
+        count = 0 if finite else count + 1
+        total += 0 if finite else 1
+        applied = finite or count > limit
+        p, s, rec = opt.update(p, g, s)
+        if applied:
+            q, t, _ = inner.update(q, g, t)
+        assert rec.applied is applied
+        assert _counters(s) == (count, finite, total)
+        assert _bitwise(p, q) and _bitwise(s.inner_state, t)
+
+
+def test_compiled_update_and_undo_decide_with_tensors(rng):
+    """Under ``torch.compile`` the decision cannot be read: the step is selected with ``torch.where``, in one
+    graph."""
+    opt = sofx.apply_if_finite(sofx.adam(lr=1e-2), 1)
+    params = _params(rng)
+    update = torch.compile(lambda p, g, s: opt.update(p, g, s), backend="eager", fullgraph=True)
+    undo = torch.compile(opt.undo, backend="eager", fullgraph=True)
+    p1, s1, rec = update(params, _grads(rng, NAN), opt.init(params))
+    assert isinstance(rec.applied, torch.Tensor) and not bool(rec.applied)
+    assert _bitwise(p1, params) and _counters(s1) == (1, False, 1)
+    assert all(int(c) == 0 for c in _leaves(s1.inner_state.count))
+    p2, s2, rec = update(p1, _grads(rng), s1)
+    assert bool(rec.applied) and _counters(s2) == (0, True, 1)
+    back_p, back_s = undo(p2, s2, rec)
+    assert _counters(back_s) == (1, False, 1) and all(int(c) == 0 for c in _leaves(back_s.inner_state.count))
+    for a, b in zip(_leaves(back_p), _leaves(p1)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
