@@ -508,9 +508,10 @@ class ApplyIfFiniteRecord(NamedTuple):
     """The undo record of one :meth:`ApplyIfFinite.update`.
 
     ``inner``: the wrapped optimizer's record (of no leaf where an eager step was skipped: its undo changes
-    nothing). ``applied``: whether the inner step was applied, a Python bool, or a 0-d bool tensor where the
-    decision could not be read (``vmap``: per member; ``compile``), the inner step then taken for every member
-    and selected. The three counters are those of the state before the step, which the undo restores.
+    nothing). ``applied``: whether the inner step was applied, a 0-d bool tensor (so that the record can come
+    back from ``vmap`` as a whole); one whose value could not be read (``vmap``: per member; ``compile``) was
+    the inner step taken for every member and selected. The three counters are those of the state before the
+    step, which the undo restores.
     """
 
     inner: UndoRecord
@@ -576,7 +577,8 @@ class ApplyIfFinite:
                                                              donate=donate, param_copies=param_copies, **opts)
         counters = (torch.tensor(count, dtype=torch.int64), torch.tensor(finite),
                     torch.tensor(total, dtype=torch.int64))
-        return new_params, ApplyIfFiniteState(*counters, inner_state), ApplyIfFiniteRecord(rec, applied, *before)
+        return (new_params, ApplyIfFiniteState(*counters, inner_state),
+                ApplyIfFiniteRecord(rec, torch.tensor(applied), *before))
 
     def _update_selected(self, params: Any, grads: Any, state: ApplyIfFiniteState, hparams: Any,
                          before: tuple[Any, Any, Any], finite: Any, param_copies: Any,
@@ -603,19 +605,20 @@ class ApplyIfFinite:
         undo where that step was applied (nothing changes where it was skipped), and the counters before it.
 
         A record can be used once, as the inner optimizer's (:class:`~sofx.errors.UndoError` naming why, changing
-        nothing); ``donate`` and ``param_copies`` as in :meth:`sofx.Adam.undo`, but for a record whose decision is
-        a tensor (``vmap``), where ``donate`` is not used and ``param_copies`` refused."""
+        nothing); ``donate`` and ``param_copies`` as in :meth:`sofx.Adam.undo`, but where the decision cannot be
+        read (``vmap`` of the step's per-member decision, ``compile``): there the inner undo is selected per member
+        with ``torch.where``, ``donate`` is not used and ``param_copies`` refused."""
         _flag_option("donate", donate)
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
         _finite_counters(state)
-        if not isinstance(record.applied, torch.Tensor):
+        if not is_traced(record.applied):  # a skipped step's inner record is of no leaf: its undo changes nothing
             new_params, inner_state = self.inner.undo(params, state.inner_state, record.inner, donate=donate,
                                                       param_copies=param_copies)
         elif param_copies is not None:
             raise UnsupportedError("apply_if_finite: param_copies cannot be given to the undo of a step whose decision "
-                                   "is a tensor (vmap, compile): a skipped member's copy would receive the undo")
+                                   "cannot be read (vmap, compile): a skipped member's copy would receive the undo")
         else:
             back, inner_back = self.inner.undo(params, state.inner_state, record.inner)
             new_params = _select(record.applied, back, params)
