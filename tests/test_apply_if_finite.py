@@ -340,3 +340,14 @@ def test_compiled_update_and_undo_decide_with_tensors(rng):
     assert _counters(back_s) == (1, False, 1) and all(int(c) == 0 for c in _leaves(back_s.inner_state.count))
     for a, b in zip(_leaves(back_p), _leaves(p1)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_state_survives_a_checkpoint_and_counts_on(rng, tmp_path):
+    opt = sofx.apply_if_finite(sofx.adam(), 1)
+    params = _params(rng)
+    p, s, _ = opt.update(params, _grads(rng, NAN), opt.init(params))
+    sofx.checkpoint.save(tmp_path / "run.ckpt", {"params": p, "state": s})
+    loaded = sofx.checkpoint.load(tmp_path / "run.ckpt", like={"params": p, "state": s})
+    assert isinstance(loaded["state"], ApplyIfFiniteState) and _counters(loaded["state"]) == (1, False, 1)
+    _, s2, rec = opt.update(loaded["params"], _grads(rng, NAN), loaded["state"])
+    assert bool(rec.applied) and _counters(s2) == (2, False, 2)
