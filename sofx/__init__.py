@@ -20,7 +20,7 @@ from sofx.undo_record import LeafUndo, UndoRecord
 from sofx import loss_scale, schedules, serial, speculate, transforms
 from sofx.speculate import SpeculationConfig
 from sofx.step_report import StepReport
-from sofx.transforms import apply_if_finite
+from sofx.apply_if_finite import apply_if_finite
 
 from sofx import checkpoint, distributed, offload
 

@@ -20,7 +20,7 @@ Two levels:
   the same math runs on tensors and the states hold 0-d tensors.
 
 A whole optimizer that skips the steps whose gradients are not finite is
-:func:`apply_if_finite` (optax's): ``opt = apply_if_finite(sofx.adamw(), 5)``,
+:func:`sofx.apply_if_finite.apply_if_finite` (optax's): ``opt = apply_if_finite(sofx.adamw(), 5)``,
 whose ``update(params, grads, state, hparams)`` leaves the params and the inner
 state as they are on an inf or a nan, counting those steps.
 
@@ -51,11 +51,10 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams
-from sofx.errors import HParamError, LeafError, SofxError, UndoError, UnsupportedError
+from sofx.adam import AdamHParams
+from sofx.errors import HParamError, LeafError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, is_traced
 from sofx.kernels.user_numbers import integer, is_bool, nonnegative_number, positive_number, real_number
-from sofx.undo_record import UndoRecord
 
 __all__ = [
     "CLIP_EPS",
@@ -77,10 +76,6 @@ __all__ = [
     "clip_by_global_norm",
     "unscale_and_clip_zero",
     "check_finite",
-    "ApplyIfFiniteState",
-    "ApplyIfFiniteRecord",
-    "ApplyIfFinite",
-    "apply_if_finite",
     "AccumulationState",
     "accumulation_init",
     "accumulate",
@@ -485,226 +480,6 @@ def check_finite() -> GradientTransformation:
         return grads, FiniteState(ok, state.nonfinite_steps + (0 if ok else 1))
 
     return GradientTransformation(lambda params: FiniteState(), update)
-
-
-# ------------------------------------------------------------ apply if finite
-class ApplyIfFiniteState(NamedTuple):
-    """State of :func:`apply_if_finite`: optax's counters and the inner optimizer's state.
-
-    ``notfinite_count``: consecutive steps whose gradients had an inf or a nan (0 after a finite one);
-    ``last_finite``: whether the last step's gradients were all finite; ``total_notfinite``: steps with a
-    non-finite gradient since ``init``, never reset; ``inner_state``: the wrapped optimizer's state, advanced
-    only by the steps that were applied. The counters are 0-d tensors (int64, int64, bool), so that the state
-    can be ``vmap``-ped over an ensemble (per member) and saved as the inner state is.
-    """
-
-    notfinite_count: Any
-    last_finite: Any
-    total_notfinite: Any
-    inner_state: Any
-
-
-class ApplyIfFiniteRecord(NamedTuple):
-    """The undo record of one :meth:`ApplyIfFinite.update`.
-
-    ``inner``: the wrapped optimizer's record (of no leaf where an eager step was skipped: its undo changes
-    nothing). ``applied``: whether the inner step was applied, a 0-d bool tensor (so that the record can come
-    back from ``vmap`` as a whole); one whose value could not be read (``vmap``: per member; ``compile``) was
-    the inner step taken for every member and selected. The three counters are those of the state before the
-    step, which the undo restores.
-    """
-
-    inner: UndoRecord
-    applied: Any
-    notfinite_count: Any
-    last_finite: Any
-    total_notfinite: Any
-
-
-class ApplyIfFinite:
-    """An optimizer that skips the steps whose gradients are not finite: optax's ``apply_if_finite`` over a
-    sofx optimizer. Build it with :func:`apply_if_finite`, which documents the rule.
-
-    ``init(params) -> ApplyIfFiniteState``, ``update(params, grads, state, hparams) -> (params, state,
-    record)`` and ``undo(params, state, record) -> (params, state)``, as :class:`~sofx.Adam`'s, whose keyword
-    options they take and pass on.
-    """
-
-    def __init__(self, inner: Adam, max_consecutive_errors: int) -> None:
-        self.inner = inner
-        self.max_consecutive_errors = max_consecutive_errors
-
-    def __repr__(self) -> str:
-        return f"sofx.apply_if_finite({self.inner!r}, max_consecutive_errors={self.max_consecutive_errors})"
-
-    def init(self, params: Any) -> ApplyIfFiniteState:
-        """No non-finite step yet (``last_finite`` True) and the inner optimizer's fresh state."""
-        inner_state = self.inner.init(params)
-        zero = torch.zeros((), dtype=torch.int64)
-        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool), zero.clone(), inner_state)
-
-    def update(self, params: Any, grads: Any, state: ApplyIfFiniteState, hparams: Any = None, *,
-               grad_scale: Any = 1.0, donate: bool = False, grads_finite: bool | None = None,
-               param_copies: Any = None, undoable: bool = True,
-               snapshot_limit_bytes: int | None = None) -> tuple[Any, ApplyIfFiniteState, ApplyIfFiniteRecord]:
-        """The inner optimizer's step where the gradients are finite (or after too many skips in a row), else
-        ``params`` and the inner state as they are; the counters updated either way (see :func:`apply_if_finite`).
-
-        The keyword options are :meth:`sofx.Adam.update`'s. ``grads_finite=True`` is the caller's word that
-        every gradient is finite: no gradient is read, the step is applied. A skipped step checks its inputs as
-        the inner step would and raises the same errors; its ``param_copies`` receive the unchanged parameters.
-        Where the decision cannot be read on the host (``vmap``: one per member; ``compile``) the inner step is
-        taken and its results selected per member with ``torch.where``; there ``donate`` is not used (a
-        skipped member keeps its inputs) and ``param_copies`` is refused."""
-        _flag_option("donate", donate)
-        before = _finite_counters(state)
-        finite = True if grads_finite is True else _grads_all_finite(grads)
-        opts = dict(grad_scale=grad_scale, grads_finite=grads_finite, undoable=undoable,
-                    snapshot_limit_bytes=snapshot_limit_bytes)
-        if is_traced(finite) or any(is_traced(c) for c in before):
-            return self._update_selected(params, grads, state, hparams, before, finite, param_copies, opts)
-        finite = bool(finite)
-        count = 0 if finite else int(before[0]) + 1
-        total = int(before[2]) + (0 if finite else 1)
-        applied = finite or count > self.max_consecutive_errors
-        if applied:
-            new_params, inner_state, rec = self.inner.update(params, grads, state.inner_state, hparams,
-                                                             donate=donate, param_copies=param_copies, **opts)
-        else:  # skipped: checked as the step would be; a step of no gradient changes nothing, and its record neither
-            self.inner.check_inputs(params, grads, state.inner_state, hparams, donate=donate,
-                                    param_copies=param_copies)
-            new_params, inner_state, rec = self.inner.update(params, None, state.inner_state, hparams,
-                                                             donate=donate, param_copies=param_copies, **opts)
-        counters = (torch.tensor(count, dtype=torch.int64), torch.tensor(finite),
-                    torch.tensor(total, dtype=torch.int64))
-        return (new_params, ApplyIfFiniteState(*counters, inner_state),
-                ApplyIfFiniteRecord(rec, torch.tensor(applied), *before))
-
-    def _update_selected(self, params: Any, grads: Any, state: ApplyIfFiniteState, hparams: Any,
-                         before: tuple[Any, Any, Any], finite: Any, param_copies: Any,
-                         opts: dict[str, Any]) -> tuple[Any, ApplyIfFiniteState, ApplyIfFiniteRecord]:
-        """:meth:`update` where the decision is a tensor whose value cannot be read: the inner step taken,
-        then ``torch.where(applied, stepped, old)`` for every leaf of the params and the inner state."""
-        if param_copies is not None:
-            raise UnsupportedError("apply_if_finite: param_copies cannot be given where the decision to apply the step "
-                                   "cannot be read (vmap, compile): a skipped member's copy would receive the step")
-        finite = torch.as_tensor(finite, dtype=torch.bool)
-        count, _, total = before
-        count = torch.where(finite, torch.zeros_like(torch.as_tensor(count)), torch.as_tensor(count) + 1)
-        total = torch.where(finite, torch.as_tensor(total), torch.as_tensor(total) + 1)
-        applied = finite | (count > self.max_consecutive_errors)
-        new_params, inner_state, rec = self.inner.update(params, grads, state.inner_state, hparams, donate=False,
-                                                         **opts)
-        return (_select(applied, new_params, params),
-                ApplyIfFiniteState(count, finite, total, _select(applied, inner_state, state.inner_state)),
-                ApplyIfFiniteRecord(rec, applied, *before))
-
-    def undo(self, params: Any, state: ApplyIfFiniteState, record: ApplyIfFiniteRecord, *, donate: bool = False,
-             param_copies: Any = None) -> tuple[Any, ApplyIfFiniteState]:
-        """Invert the :meth:`update` that produced ``(params, state)`` and ``record``: the inner optimizer's
-        undo where that step was applied (nothing changes where it was skipped), and the counters before it.
-
-        A record can be used once, as the inner optimizer's (:class:`~sofx.errors.UndoError` naming why, changing
-        nothing); ``donate`` and ``param_copies`` as in :meth:`sofx.Adam.undo`, but where the decision cannot be
-        read (``vmap`` of the step's per-member decision, ``compile``): there the inner undo is selected per member
-        with ``torch.where``, ``donate`` is not used and ``param_copies`` refused."""
-        _flag_option("donate", donate)
-        if not isinstance(record, ApplyIfFiniteRecord):
-            raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
-                            f"{type(record).__name__}")
-        _finite_counters(state)
-        if not is_traced(record.applied):  # a skipped step's inner record is of no leaf: its undo changes nothing
-            new_params, inner_state = self.inner.undo(params, state.inner_state, record.inner, donate=donate,
-                                                      param_copies=param_copies)
-        elif param_copies is not None:
-            raise UnsupportedError("apply_if_finite: param_copies cannot be given to the undo of a step whose decision "
-                                   "cannot be read (vmap, compile): a skipped member's copy would receive the undo")
-        else:
-            back, inner_back = self.inner.undo(params, state.inner_state, record.inner)
-            new_params = _select(record.applied, back, params)
-            inner_state = _select(record.applied, inner_back, state.inner_state)
-        return new_params, ApplyIfFiniteState(record.notfinite_count, record.last_finite, record.total_notfinite,
-                                              inner_state)
-
-
-def apply_if_finite(inner: Adam, max_consecutive_errors: int) -> ApplyIfFinite:
-    """Wrap the optimizer ``inner`` (:func:`sofx.adam`, :func:`sofx.adamw`) so that a step whose gradients hold an
-    inf or a nan is skipped, as optax's ``apply_if_finite``; after ``max_consecutive_errors`` skips in a row the
-    next non-finite step is applied anyway.
-
-    Per step, with ``f`` = every element of every gradient finite (the gradients as given, before the inner
-    step's ``grad_scale``; ``None`` leaves have none) and ``N`` = ``max_consecutive_errors``::
-
-        notfinite_count <- 0 if f else notfinite_count + 1
-        total_notfinite <- total_notfinite + (0 if f else 1)
-        last_finite     <- f
-        applied          = f or notfinite_count > N      (the new count)
-        params, inner   <- inner.update(...) if applied else (params, inner)
-
-    A skipped step leaves the params and the inner state (moments, step counts) bitwise as they were and its
-    undo changes nothing; an applied one is the inner step, bit for bit, and its undo the inner undo. Either
-    undo restores the counters. ``N = 0`` applies every step (a non-finite one too, as optax). The decision is
-    a Python bool where it can be read; under ``torch.func.vmap`` it is a tensor, one per ensemble member,
-    and the step is selected with ``torch.where`` (no branch on a traced value).
-
-    ``max_consecutive_errors``: an integer >= 0 (a Python or numpy integer, or a 1-element integer tensor);
-    anything else is refused with an :class:`HParamError` naming the value. ``inner`` must be a
-    :class:`sofx.Adam`, else an :class:`UnsupportedError`. The serial and speculative loops take a
-    :class:`sofx.Adam` and skip a non-finite step themselves (their loss scaler); this wrapper is for
-    functional loops that call ``update`` themselves.
-    """
-    if not isinstance(inner, Adam):
-        what = ("a GradientTransformation: wrap the optimizer instead (sofx.adamw(...)), whose state a skipped "
-                "step must keep, and apply the transformation to the gradients before its update"
-                if isinstance(inner, GradientTransformation) else f"a {type(inner).__name__}")
-        raise UnsupportedError(f"apply_if_finite: inner is {what}; expected a sofx optimizer (sofx.adam(...) or "
-                               "sofx.adamw(...))")
-    n = integer("apply_if_finite: max_consecutive_errors", max_consecutive_errors, 0)
-    return ApplyIfFinite(inner, n)
-
-
-def _flag_option(name: str, value: Any) -> None:
-    """A Python bool (a string such as ``"no"`` is true)."""
-    if not isinstance(value, bool):
-        raise UnsupportedError(f"apply_if_finite: {name} = {value!r:.60}; expected True or False")
-
-
-def _grads_all_finite(grads: Any) -> bool | torch.Tensor:
-    """Whether every element of every floating-point leaf of ``grads`` is finite: a 0-d bool tensor (one read
-    back where it is read), True without such a leaf. Other leaves are left to the inner optimizer to refuse."""
-    leaves = [g for g in tree.flatten(grads)[0] if isinstance(g, torch.Tensor) and g.is_floating_point()]
-    if not leaves:
-        return True
-    flags = [torch.isfinite(g).all() for g in leaves]
-    return torch.stack([f.to(flags[0].device) for f in flags]).all()
-
-
-def _finite_counters(state: Any) -> tuple[Any, Any, Any]:
-    """``(notfinite_count, last_finite, total_notfinite)`` of ``state``, checked: an :class:`ApplyIfFiniteState`
-    whose counts are integers >= 0 and whose ``last_finite`` is a bool (Python values or 0-d tensors; a tensor
-    whose value cannot be read, as ``vmap`` gives, of an integer or bool dtype); else a :class:`SofxError`
-    naming the field."""
-    _check_state("apply_if_finite", state, ApplyIfFiniteState, "apply_if_finite(opt).init(params)")
-    for name in ("notfinite_count", "total_notfinite"):
-        value = getattr(state, name)
-        if isinstance(value, torch.Tensor) and is_traced(value):
-            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() != 0:
-                raise SofxError(f"apply_if_finite: state.{name} is a {value.dtype} tensor of shape "
-                                f"{tuple(value.shape)}; expected a 0-d integer tensor")
-        else:
-            integer(f"apply_if_finite: state.{name}", value, 0, SofxError)
-    last = state.last_finite
-    ok = (isinstance(last, bool) or isinstance(last, torch.Tensor) and last.dtype == torch.bool
-          and (last.numel() == 1 if not is_traced(last) else last.dim() == 0))
-    if not ok:
-        raise SofxError(f"apply_if_finite: state.last_finite = {last!r:.60} ({type(last).__name__}); expected a bool "
-                        "or a 0-d bool tensor")
-    return state.notfinite_count, last, state.total_notfinite
-
-
-def _select(applied: torch.Tensor, new: Any, old: Any) -> Any:
-    """``torch.where(applied, n, o)`` for every pair of leaves of two trees of one structure."""
-    return tree.tree_map(lambda n, o: torch.where(applied, n, o), new, old)
 
 
 # ------------------------------------------------------------ accumulation

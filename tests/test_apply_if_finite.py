@@ -20,7 +20,7 @@ from torch.func import vmap
 import sofx
 from sofx import transforms
 from sofx.errors import HParamError, LeafError, SofxError, UndoError, UnsupportedError
-from sofx.transforms import ApplyIfFiniteState
+from sofx.apply_if_finite import ApplyIfFiniteState
 
 NAN, INF = math.nan, math.inf
 
