@@ -1,11 +1,13 @@
 """The ```python examples of README.md run against the current API.
 
 Each block is read from README.md at test time: the first ```python block under its section heading (``## The
-functional core``, ``## The offload engine``, ``## Many ranks (torch.distributed)``, ``## Checkpoints``); a block
-that moved, vanished or was added without a test here fails with a message saying so. Then it is executed:
+functional core``, ``## Transforms, loss scaling, schedules, speculation``, ``## The offload engine``, ``## Many
+ranks (torch.distributed)``, ``## Checkpoints``); a block that moved, vanished or was added without a test here
+fails with a message saying so. Then it is executed:
 
 * the functional core is self-contained: run as it is, then its results are checked (the undo gives the
   parameters back, the leaf with a ``None`` gradient is not stepped, the redo is the step with ``grad_scale``);
+* the apply_if_finite lines run on a gradient holding an inf: nothing stepped, the undo gives the counters back;
 * the offload facade's loop runs with a prelude defining ``model``, ``data`` and ``loss_fn`` (a tiny MLP, a few
   batches, two of them large enough to clip) and ends equal to ``torch.optim.AdamW`` + ``clip_grad_norm_``;
 * the torch.distributed loop runs in a real one-rank gloo group in this process (``env://`` on localhost, the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ from helpers import assert_trees_bitwise
 README = Path(__file__).resolve().parent.parent / "README.md"
 SECTIONS = {  # the section heading of each tested block -> a line the block must contain
     "functional": ("## The functional core", "opt.undo_redo("),
+    "apply_if_finite": ("## Transforms, loss scaling, schedules, speculation", "sofx.apply_if_finite("),
     "offload": ("## The offload engine", "sofx.offload.SpeculativeAdamW("),
     "distributed": ("## Many ranks (torch.distributed)", "sd.shard_blocks(params)"),
     "checkpoint": ("## Checkpoints", "sofx.checkpoint.save_async("),
@@ -50,15 +54,16 @@ TOL = 1e-6
 
 # ---------------------------------------------------------------- reading the blocks
 def _python_blocks() -> list[tuple[str, str]]:
-    """Every ```python block of README.md with the ``## `` heading it falls under (outside code blocks), in order."""
+    """Every ```python block of README.md with the ``## `` heading it falls under (outside code blocks), in order;
+    a block indented in a list item is dedented."""
     blocks: list[tuple[str, str]] = []
     heading, fence, code = "", None, []
     for line in README.read_text().splitlines():
-        if fence is None and line.startswith("```"):
-            fence, code = line[3:].strip(), []
+        if fence is None and line.lstrip().startswith("```"):
+            fence, code = line.lstrip()[3:].strip(), []
         elif fence is not None and line.strip() == "```":
             if fence == "python":
-                blocks.append((heading, "\n".join(code) + "\n"))
+                blocks.append((heading, textwrap.dedent("\n".join(code) + "\n")))
             fence = None
         elif fence is not None:
             code.append(line)
@@ -117,6 +122,28 @@ def test_functional_core_example_undoes_and_redoes() -> None:
     assert (ns["redone"]["w"] - want["w"]).abs().max() <= TOL
     assert (ns["redone_state"].mu["w"] - want_state.mu["w"]).abs().max() <= TOL
     assert not torch.equal(ns["redone_state"].mu["w"], new_state.mu["w"])  # (a first step's p is scale-free)
+
+
+# ---------------------------------------------------------------- apply_if_finite
+def test_apply_if_finite_example_skips_a_non_finite_step() -> None:
+    """The example's step of a gradient holding an inf leaves the params and the Adam state as they were and counts
+    it; its undo gives the counters back; a finite step after it is the plain AdamW step."""
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    grads = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    grads["w"][1, 2] = math.inf
+    ns = run_block(readme_block("apply_if_finite"), {"sofx": sofx, "params": params, "grads": grads}, "apply_if_finite")
+    for k in params:
+        assert torch.equal(ns["params"][k], params[k]), k
+    fresh = sofx.adamw(lr=1e-3).init(params)
+    assert int(ns["state"].inner_state.count["w"]) == int(fresh.count["w"]) == 0
+    assert int(ns["state"].notfinite_count) == 0 and bool(ns["state"].last_finite)  # the undo's counters
+    skipped, skipped_state, _ = ns["opt"].update(params, grads, ns["state"])
+    assert int(skipped_state.notfinite_count) == 1 and int(skipped_state.total_notfinite) == 1
+    grads["w"][1, 2] = 0.5
+    stepped, _, _ = ns["opt"].update(params, grads, ns["state"])
+    want, _, _ = sofx.adamw(lr=1e-3).update(params, grads, fresh)
+    for k in params:
+        assert torch.equal(stepped[k], want[k]), k
 
 
 # ---------------------------------------------------------------- the offload engine
