@@ -66,6 +66,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import WRAP_HINT, Adam, AdamHParams, AdamState, check_step_hparams, is_hparams_number
+from sofx.apply_if_finite import ApplyIfFinite
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import is_bool, real_number
@@ -134,6 +135,9 @@ class LoopState(NamedTuple):
 def check_opt(opt: Any) -> None:
     """Refuse (a :class:`~sofx.errors.SofxError` naming its type) an ``opt`` that is not a :class:`sofx.Adam`: a
     torch.optim optimizer raised "AttributeError: 'AdamW' object has no attribute 'check_inputs'"."""
+    if isinstance(opt, ApplyIfFinite):
+        raise SofxError("opt is an apply_if_finite(...) wrapper; the loops take its inner sofx.Adam (opt.inner) and "
+                        "skip a step whose gradients are not finite themselves, through their loss scaler")
     if not isinstance(opt, Adam):
         raise SofxError(f"opt is a {type(opt).__name__}; expected a sofx.Adam (sofx.adamw(...) or sofx.adam(...))")
 

@@ -351,3 +351,13 @@ def test_the_state_survives_a_checkpoint_and_counts_on(rng, tmp_path):
     assert isinstance(loaded["state"], ApplyIfFiniteState) and _counters(loaded["state"]) == (1, False, 1)
     _, s2, rec = opt.update(loaded["params"], _grads(rng, NAN), loaded["state"])
     assert bool(rec.applied) and _counters(s2) == (2, False, 2)
+
+
+def test_the_loops_refuse_the_wrapper_and_say_they_skip_non_finite_steps_themselves():
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-3), max_consecutive_errors=2)
+    params = {"w": torch.randn(3, 2)}
+    with pytest.raises(SofxError, match=r"apply_if_finite.*opt\.inner.*loss scaler"):
+        sofx.serial.init_loop(opt, params, sofx.loss_scale.static_scale(1.0))
+    loop = sofx.serial.init_loop(opt.inner, params, sofx.loss_scale.static_scale(1.0))
+    with pytest.raises(SofxError, match=r"apply_if_finite.*opt\.inner"):
+        sofx.serial.serial_loop_step(opt, loop, {"w": torch.randn(3, 2)}, scaler=sofx.loss_scale.static_scale(1.0))
