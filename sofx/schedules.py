@@ -267,6 +267,11 @@ class OneCycle:
             raise HParamError(f"anneal = {self.anneal!r}; expected 'cos' or 'linear'")
         if self.max_lr < 0:
             raise HParamError(f"max_lr = {self.max_lr!r} is invalid; expected a learning rate >= 0")
+        if self.cycle_beta1:  # beta1 runs between them: one outside [0, 1) was refused mid-run, where reached
+            for name in ("base_beta1", "max_beta1"):
+                if not 0 <= getattr(self, name) < 1:
+                    raise HParamError(f"{name} = {getattr(self, name)!r} is invalid; expected 0 <= {name} < 1 "
+                                      "(beta1 cycles between base_beta1 and max_beta1)")
         for name in ("div_factor", "final_div_factor"):  # lr is divided by them: 0 divides by zero, < 0 flips it
             if not getattr(self, name) > 0:
                 raise HParamError(f"{name} = {getattr(self, name)!r} is invalid; expected a number > 0")

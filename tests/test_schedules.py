@@ -452,3 +452,17 @@ def test_a_schedule_given_as_an_hparam_field_says_how_to_give_it(where):
     with pytest.raises(HParamError, match=r"^hparams for " + path + r": " + hint):
         calls[where]()
     assert loop.params["w"].eq(1).all()  # nothing stepped
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(base_beta1=-0.5), r"base_beta1 = -0.5 is invalid; expected 0 <= base_beta1 < 1"),
+    (dict(base_beta1=1.0), r"base_beta1 = 1.0 is invalid; expected 0 <= base_beta1 < 1"),
+    (dict(max_beta1=1.0), r"max_beta1 = 1.0 is invalid; expected 0 <= max_beta1 < 1"),
+    (dict(max_beta1=1.5, base_beta1=0.9), r"max_beta1 = 1.5 is invalid")])
+def test_one_cycle_betas_outside_0_1_are_refused_at_construction(kwargs, pattern):
+    """beta1 cycles between max_beta1 and base_beta1: one outside [0, 1) was taken, and the optimizer refused the
+    step where beta1 first left the range -- for base_beta1 the peak of the cycle, mid-run. Without cycling
+    (cycle_beta1=False) the betas are not used and are not read."""
+    with pytest.raises(HParamError, match=pattern):
+        schedules.one_cycle(0.1, 10, **kwargs)
+    assert schedules.one_cycle(0.1, 10, cycle_beta1=False, **kwargs)(3).beta1 is None
