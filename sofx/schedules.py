@@ -27,6 +27,7 @@ where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), els
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
@@ -255,6 +256,9 @@ class OneCycle:
     def __post_init__(self) -> None:
         _finite(self, "max_lr", "pct_start", "base_beta1", "max_beta1", "div_factor", "final_div_factor")
         _steps(self, "total_steps", "total_steps")
+        if self.total_steps > sys.float_info.max:  # the phase ends are floats: float(total_steps) overflowed
+            raise HParamError(f"total_steps = {self.total_steps!r:.40}... is invalid; expected an integer within "
+                              "the float range (the phase ends are floats, pct_start * total_steps - 1)")
         # Python bools (three_phase="no" was taken as three phases)
         _set(self, **{name: flag(name, getattr(self, name)) for name in ("cycle_beta1", "three_phase")})
         if not 0 <= self.pct_start <= 1:

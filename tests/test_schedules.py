@@ -466,3 +466,13 @@ def test_one_cycle_betas_outside_0_1_are_refused_at_construction(kwargs, pattern
     with pytest.raises(HParamError, match=pattern):
         schedules.one_cycle(0.1, 10, **kwargs)
     assert schedules.one_cycle(0.1, 10, cycle_beta1=False, **kwargs)(3).beta1 is None
+
+
+def test_one_cycle_total_steps_beyond_the_float_range_is_refused_naming_it():
+    """The phase ends are floats (``pct_start * total_steps - 1``, as OneCycleLR's): a total_steps no float holds
+    raised a raw OverflowError ("int too large to convert to float") when the schedule was made."""
+    with pytest.raises(HParamError, match=r"total_steps = 1000000\d*\.\.\. is invalid; expected an integer within the "
+                                          r"float range"):
+        schedules.one_cycle(0.1, 10 ** 400)
+    big = schedules.one_cycle(0.1, 2 ** 60)  # large but a float: taken, as torch's
+    assert big.lr(0) == pytest.approx(0.1 / 25)
