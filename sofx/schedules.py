@@ -136,7 +136,8 @@ class Constant:
 @dataclass(frozen=True)
 class Linear:
     """``init + (end - init) * min(step, steps) / steps``; ``end`` from the first step when ``steps`` is 0
-    (a warm-up of no steps starts at its peak, as optax's warm-up schedules do)."""
+    (a warm-up of no steps starts at its peak, as optax's warm-up schedules do; optax's ``linear_schedule`` of 0
+    transition steps holds ``init_value``). Otherwise optax's ``linear_schedule``, to rounding."""
 
     init: float
     end: float
@@ -160,7 +161,8 @@ class CosineDecay:
     """``init * ((1 - alpha) * 0.5 * (1 + cos(pi * min(step, steps) / steps)) + alpha)``.
 
     ``torch.optim.lr_scheduler.CosineAnnealingLR(T_max=steps, eta_min=alpha*init)`` up to ``steps``; past it
-    this holds ``alpha * init`` where torch's cosine rises again (it is periodic)."""
+    this holds ``alpha * init`` where torch's cosine rises again (it is periodic), as optax's
+    ``cosine_decay_schedule(init, steps, alpha)`` does (the same values, to rounding)."""
 
     init: float
     steps: int
@@ -343,7 +345,8 @@ class OneCycle:
 
 @dataclass(frozen=True)
 class Join:
-    """Schedule ``k`` on ``[boundaries[k-1], boundaries[k])``, called with ``step - boundaries[k-1]``."""
+    """Schedule ``k`` on ``[boundaries[k-1], boundaries[k])``, called with ``step - boundaries[k-1]`` (optax's
+    ``join_schedules``)."""
 
     schedules: tuple[Schedule, ...]
     boundaries: tuple[int, ...]
@@ -444,7 +447,9 @@ def cosine_decay(init: float, decay_steps: int, alpha: float = 0.0) -> CosineDec
 
 def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float = 0.0,
                   end: float = 0.0) -> WarmupCosine:
-    """Linear warm-up to ``peak`` then cosine to ``end``; ``decay_steps`` counts the warm-up too (optax).
+    """Linear warm-up to ``peak`` then cosine to ``end``; ``decay_steps`` counts the warm-up too: optax's
+    ``warmup_cosine_decay_schedule(init, peak, warmup_steps, decay_steps, end)``, to rounding (where ``peak`` is 0,
+    optax holds 0 after the warm-up whatever ``end``; this goes to ``end``).
 
     With ``W = warmup_steps``, ``N = decay_steps`` (:class:`WarmupCosine`)::
 

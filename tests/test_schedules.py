@@ -530,3 +530,76 @@ def test_one_cycle_total_steps_beyond_the_float_range_is_refused_naming_it():
         schedules.one_cycle(0.1, 10 ** 400)
     big = schedules.one_cycle(0.1, 2 ** 60)  # large but a float: taken, as torch's
     assert big.lr(0) == pytest.approx(0.1 / 25)
+
+
+# optax's schedules as its source and docs define them (optax/schedules/_schedule.py, _join.py; optax is not
+# installed here), in float64: optax evaluates in float32 under JAX's defaults, so agreement is to rounding.
+def _optax_linear_schedule(init_value, end_value, transition_steps):
+    """optax.linear_schedule: polynomial_schedule(power=1); ``transition_steps <= 0`` holds ``init_value``."""
+    if transition_steps <= 0:
+        return lambda count: init_value
+
+    def schedule(count):
+        frac = 1 - min(max(count, 0), transition_steps) / transition_steps
+        return (init_value - end_value) * frac + end_value
+    return schedule
+
+
+def _optax_cosine_decay_schedule(init_value, decay_steps, alpha=0.0):
+    """optax.cosine_decay_schedule (exponent 1)."""
+    def schedule(count):
+        count = min(count, decay_steps)
+        return init_value * ((1 - alpha) * (0.5 * (1 + math.cos(math.pi * count / decay_steps))) + alpha)
+    return schedule
+
+
+def _optax_join_schedules(schedules_, boundaries):
+    """optax.join_schedules: schedule k from boundary k-1 on, called with ``step - boundary``."""
+    def schedule(step):
+        output = schedules_[0](step)
+        for boundary, s in zip(boundaries, schedules_[1:]):
+            output = output if step < boundary else s(step - boundary)
+        return output
+    return schedule
+
+
+def _optax_warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps, decay_steps, end_value=0.0):
+    """optax.warmup_cosine_decay_schedule: linear_schedule joined at warmup_steps with a cosine of
+    ``decay_steps - warmup_steps`` steps from peak_value to ``alpha * peak_value = end_value``."""
+    alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
+    return _optax_join_schedules([_optax_linear_schedule(init_value, peak_value, warmup_steps),
+                                  _optax_cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha)],
+                                 [warmup_steps])
+
+
+@given(peak=st.floats(1e-6, 10.0), init=st.floats(0.0, 1.0), end=st.floats(0.0, 1.0), warmup=st.integers(0, 30),
+       extra=st.integers(1, 60), t=st.integers(0, 120))
+def test_warmup_cosine_equals_optaxs_warmup_cosine_decay_schedule(peak, init, end, warmup, extra, t):
+    """decay_steps counts the warm-up (optax's); a warm-up of no steps starts at the peak, as optax's join of a
+    linear_schedule of 0 steps at boundary 0 does; past decay_steps the value holds at end."""
+    ours = schedules.warmup_cosine(peak, warmup, warmup + extra, init=init, end=end)
+    want = _optax_warmup_cosine_decay_schedule(init, peak, warmup, warmup + extra, end)(t)
+    assert ours(t) == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+@given(init=st.floats(1e-6, 10.0), n=st.integers(1, 100), alpha=st.floats(0.0, 1.0), t=st.integers(0, 200))
+def test_cosine_decay_equals_optaxs_cosine_decay_schedule(init, n, alpha, t):
+    assert schedules.cosine_decay(init, n, alpha)(t) == pytest.approx(
+        _optax_cosine_decay_schedule(init, n, alpha)(t), rel=1e-12, abs=1e-15)
+
+
+@given(init=st.floats(0.0, 1.0), end=st.floats(0.0, 1.0), n=st.integers(0, 50), t=st.integers(0, 100))
+def test_linear_equals_optaxs_linear_schedule_but_for_zero_steps(init, end, n, t):
+    """optax's linear_schedule of 0 transition steps holds init_value; sofx's linear takes end from the first step
+    (a warm-up of no steps starts at its peak, as optax's warm-up schedules do: they join at boundary 0)."""
+    want = _optax_linear_schedule(init, end, n)(t) if n > 0 else end
+    assert schedules.linear(init, end, n)(t) == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert schedules.linear_warmup(end, n, init)(t) == schedules.linear(init, end, n)(t)
+
+
+@given(b=st.lists(st.integers(0, 10), min_size=1, max_size=4), t=st.integers(0, 60))
+def test_join_equals_optaxs_join_schedules(b, t):
+    """Equal boundaries included (the schedule between them is never used)."""
+    boundaries = [sum(b[:i + 1]) for i in range(len(b))]
+    parts = [schedules.linear(float(k), float(k) + 1.0, 7) for k in range(len(b) + 1)]
+    assert schedules.join(parts, boundaries)(t) == _optax_join_schedules(parts, boundaries)(t)
