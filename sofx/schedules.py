@@ -222,8 +222,8 @@ class StepDecay:
         (torch's StepLR gives an inf lr there, Python's ``**`` an OverflowError)."""
         step = _step(step)
         k = step // self.every
-        try:
-            value = self.init * self.gamma ** k
+        try:  # in floats: an int init and gamma made it an int, 2 ** 2000 no float (and k bits long to build)
+            value = self.init * float(self.gamma) ** k
         except OverflowError:
             value = math.inf
         return _value(f"step_decay (init * gamma ** (step // step_size) = {self.init!r} * {self.gamma!r} ** {k})",

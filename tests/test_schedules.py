@@ -603,3 +603,17 @@ def test_join_equals_optaxs_join_schedules(b, t):
     boundaries = [sum(b[:i + 1]) for i in range(len(b))]
     parts = [schedules.linear(float(k), float(k) + 1.0, 7) for k in range(len(b) + 1)]
     assert schedules.join(parts, boundaries)(t) == _optax_join_schedules(parts, boundaries)(t)
+
+
+def test_step_decay_of_integer_arguments_refuses_the_step_where_its_value_leaves_the_float_range():
+    """step_decay(1, 1, gamma=2) computed in Python ints (an int init and gamma stay ints): at step 2000 its value
+    2 ** 2000 is no float, and the range check raised a raw OverflowError ("int too large to convert to float")
+    instead of the HParamError a float gamma gets; a step of 10 ** 9 built an int of 10 ** 9 bits first."""
+    np = pytest.importorskip("numpy")
+    for init, gamma in ((1, 2), (np.int64(1), np.int64(2)), (1, 2.0)):
+        sched = schedules.step_decay(init, 1, gamma)
+        assert sched(3) == 8.0 and type(sched(3)) is float
+        with pytest.raises(HParamError, match=r"step_decay .*: the value at step 2000 is inf"):
+            sched(2000)
+    with pytest.raises(HParamError, match=r"the value at step 1000000000 is inf"):
+        schedules.step_decay(1, 1, 2)(10 ** 9)
