@@ -779,6 +779,18 @@ def test_partition_blocks_is_contiguous_balanced_and_complete():
     assert hp == [full[i] for i in shard.owned]
 
 
+def test_local_hparams_of_a_schedule_refuse_what_the_loops_refuse_in_their_words():
+    """A float schedule (``cosine_decay(...)`` given as the whole hparams) was refused by the schedule local_hparams
+    gives with "hparams for params['embed']: expected an AdamHParams, got float"; the loops say what the schedule
+    returned and how to wrap it (hparams_schedule(lr=schedule)): the shard's schedule says the same."""
+    shard = sd.shard_blocks(_params(), rank=0, world_size=2)
+    with pytest.raises(sofx.HParamError, match=r"^hparams: the schedule CosineDecay\(.*\) returned 0\.01 \(float\) at "
+                                               r"step 0, a number; .*hparams_schedule\(lr=schedule\)"):
+        shard.local_hparams(_opt(), sofx.schedules.cosine_decay(1e-2, 10))(0)
+    wrapped = shard.local_hparams(_opt(), sofx.schedules.hparams_schedule(lr=sofx.schedules.cosine_decay(1e-2, 10)))
+    assert [hp.lr for hp in wrapped(0)] == [1e-2] * len(shard.owned)
+
+
 def test_local_hparams_follow_a_tensor_hparam_changed_in_place_as_one_process_does():
     """A 0-d tensor lr that the training loop changes in place (``lr.fill_()``, a schedule of one's own) is read
     by each step in one process; a shard's local hparams read it once, when built, and its steps went on with

@@ -23,6 +23,7 @@ from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floa
 from sofx.distributed.setup import _params_entries
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import as_integer, integer
+from sofx.serial import hparams_at
 
 __all__ = ["partition_blocks", "Shard", "shard_blocks"]
 
@@ -113,8 +114,8 @@ class Shard:
         tree does, so that changing it in place (``lr.fill_()``) between steps
         moves every rank's steps alike.
         """
-        if callable(hparams):
-            return lambda step: self.local_hparams(opt, hparams(step))
+        if callable(hparams):  # evaluated as the loops do (hparams_at: what it returned, refused in their words)
+            return lambda step: self.local_hparams(opt, hparams_at(hparams, step))
         per_leaf = opt.resolve_hparams(hparams, self.spec)  # checked; defaults filled in, tensors read
         given = tree.broadcast_prefix(AdamHParams() if hparams is None else hparams, self.spec,
                                       is_leaf=lambda x: isinstance(x, AdamHParams), what="hparams")
