@@ -415,6 +415,11 @@ class HParamsSchedule:
         for name, current in zip(AdamHParams._fields, out):
             f = getattr(self, name)
             value = current if f is None else f(step) if callable(f) else f
+            if callable(f) and isinstance(value, AdamHParams):  # one_cycle(...) given as lr=
+                raise HParamError(f"hparams_schedule at step {step}: the schedule given as {name} "
+                                  f"({type(f).__name__}) returned an AdamHParams, the whole hparams; give it as "
+                                  f"base=... (hparams_schedule(base=schedule)), or a schedule of {name} alone"
+                                  + (f" ({name}=one_cycle(...).{name})" if name in ("lr", "beta1") else ""))
             if callable(f) and value is not None:
                 check_hparam_value(name, value, "hparams_schedule", f" at step {step}")
             values.append(value)

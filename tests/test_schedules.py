@@ -617,3 +617,17 @@ def test_step_decay_of_integer_arguments_refuses_the_step_where_its_value_leaves
             sched(2000)
     with pytest.raises(HParamError, match=r"the value at step 1000000000 is inf"):
         schedules.step_decay(1, 1, 2)(10 ** 9)
+
+
+def test_hparams_schedule_given_a_schedule_of_whole_hparams_as_a_field_says_to_give_it_as_base():
+    """hparams_schedule(lr=one_cycle(...)) was refused at its first step with "lr must be a float or a 0-d tensor,
+    got AdamHParams": one_cycle returns the whole hparams (lr and beta1); the message now says so and how to give
+    it (base=, or its field alone: one_cycle(...).lr)."""
+    sched = schedules.hparams_schedule(lr=schedules.one_cycle(0.1, 10), weight_decay=0.0)
+    with pytest.raises(HParamError, match=r"^hparams_schedule at step 0: the schedule given as lr \(OneCycle\) "
+                                          r"returned an AdamHParams, the whole hparams; give it as base=\.\.\. "
+                                          r"\(hparams_schedule\(base=schedule\)\), or a schedule of lr alone"):
+        sched(0)
+    ok = schedules.hparams_schedule(lr=schedules.one_cycle(0.1, 10).lr, weight_decay=0.0)(0)
+    assert ok == schedules.hparams_schedule(base=schedules.one_cycle(0.1, 10, cycle_beta1=False),
+                                            weight_decay=0.0)(0)
