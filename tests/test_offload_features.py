@@ -425,6 +425,49 @@ def test_one_cycle_lr_with_cycle_momentum() -> None:
     assert len(betas) > 5
 
 
+_LR = torch.optim.lr_scheduler
+SCHEDULERS = {
+    "CyclicLR cycling betas": lambda o: _LR.CyclicLR(o, 1e-3, 1e-2, step_size_up=3, cycle_momentum=True),
+    "CosineAnnealingWarmRestarts": lambda o: _LR.CosineAnnealingWarmRestarts(o, 3, 2),
+    "PolynomialLR": lambda o: _LR.PolynomialLR(o, 6, 2.0),
+    "MultiplicativeLR": lambda o: _LR.MultiplicativeLR(o, lambda e: 0.9),
+    "ChainedScheduler": lambda o: _LR.ChainedScheduler([_LR.ExponentialLR(o, 0.9), _LR.StepLR(o, 2, 0.5)]),
+    "ReduceLROnPlateau": lambda o: _LR.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    "SequentialLR": lambda o: _LR.SequentialLR(o, [_LR.LinearLR(o, 0.1, total_iters=3), _LR.CosineAnnealingLR(o, 5)],
+                                               [3]),
+    "OneCycleLR three phases": lambda o: _LR.OneCycleLR(o, 1e-2, total_steps=10, three_phase=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_torch_lr_schedulers_drive_the_facade_as_torch_adamw(name: str) -> None:
+    """"Every torch.optim.lr_scheduler works, including those that change betas": the ones the tests above do not
+    run, stepped after each step (ReduceLROnPlateau on a flat metric), set the same lr and betas as on
+    torch.optim.AdamW, and the parameters follow it."""
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    sched, rsched = SCHEDULERS[name](opt), SCHEDULERS[name](ropt)
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    with opt:
+        for _ in range(10):
+            batch = mlp_batch(gen)
+            opt.zero_grad()
+            mlp_loss(model, batch).backward()
+            opt.step()
+            ropt.zero_grad()
+            mlp_loss(ref, batch).backward()
+            ropt.step()
+            for s in (sched, rsched):
+                s.step(1.0) if name == "ReduceLROnPlateau" else s.step()
+            group, rgroup = opt.param_groups[0], ropt.param_groups[0]
+            assert (group["lr"], tuple(group["betas"])) == (rgroup["lr"], tuple(rgroup["betas"]))
+            seen.add((group["lr"], group["betas"][0]))
+            assert relative_deviation(model, ref) <= TOL
+    assert len(seen) > 2
+
+
 # ---------------------------------------------------------------- gradients set by hand
 def test_gradients_set_by_hand_are_stepped_late() -> None:
     model, ref = _models()
