@@ -69,7 +69,7 @@ from sofx.adam import WRAP_HINT, Adam, AdamHParams, AdamState, check_step_hparam
 from sofx.apply_if_finite import ApplyIfFinite
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
-from sofx.kernels.user_numbers import is_bool, real_number
+from sofx.kernels.user_numbers import integer, is_bool, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_scaler, check_state_kind
 from sofx.required import REQUIRED
 from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_value, sumsq, total_sumsq,
@@ -142,12 +142,20 @@ def check_opt(opt: Any) -> None:
         raise SofxError(f"opt is a {type(opt).__name__}; expected a sofx.Adam (sofx.adamw(...) or sofx.adam(...))")
 
 
-def check_loop(loop: Any) -> None:
+def check_loop(loop: Any) -> int:
     """Refuse (a :class:`~sofx.errors.SofxError` naming its type) a ``loop`` that is not a :class:`LoopState`: an
-    optax-style ``(params, opt_state)`` tuple raised "AttributeError: 'tuple' object has no attribute 'step'"."""
+    optax-style ``(params, opt_state)`` tuple raised "AttributeError: 'tuple' object has no attribute 'step'".
+
+    Returns ``loop.step`` (the steps taken: the schedule position) as a Python int >= 0 (a numpy or 1-element
+    integer tensor count read as its int); any other step is refused naming ``loop.step`` (-1 became 0 and True
+    2 without a word, and a string raised a TypeError after the step, with ``donate=True`` on overwritten
+    parameters)."""
     if not isinstance(loop, LoopState):
         raise SofxError(f"loop is a {type(loop).__name__}; expected a sofx.serial.LoopState "
                         "(sofx.serial.init_loop(opt, params, scaler) makes it)")
+    if type(loop.step) is int and loop.step >= 0:  # the common case, every step
+        return loop.step
+    return integer("loop.step", loop.step, 0, error=SofxError)
 
 
 def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
@@ -499,14 +507,14 @@ def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScal
         refuse_unknown_keywords("serial_loop_step", unknown, _keyword_names(serial_loop_step), reduce_sumsq,
                                 missing=missing)
     try:
-        check_loop(loop)
+        step = check_loop(loop)
         check_opt(opt)  # (before the schedule runs)
-        hp = hparams_at(hparams, loop.step)
+        hp = hparams_at(hparams, step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as serial_step's
         refuse_reduce(reduce_sumsq, exc)
         raise
     res = serial_step(opt, loop.params, grads, loop.opt_state, scaler=scaler, scaler_state=loop.scaler_state,
                       hparams=hp, max_norm=max_norm, profile=profile,
                       missing_grad=missing_grad, reduce_sumsq=reduce_sumsq, donate=donate)
-    new = LoopState(res.params, res.state, res.scaler_state, loop.step + (not res.facts.skipped), loop.policy_state)
+    new = LoopState(res.params, res.state, res.scaler_state, step + (not res.facts.skipped), loop.policy_state)
     return new, res.facts

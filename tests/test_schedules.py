@@ -631,3 +631,30 @@ def test_hparams_schedule_given_a_schedule_of_whole_hparams_as_a_field_says_to_g
     ok = schedules.hparams_schedule(lr=schedules.one_cycle(0.1, 10).lr, weight_decay=0.0)(0)
     assert ok == schedules.hparams_schedule(base=schedules.one_cycle(0.1, 10, cycle_beta1=False),
                                             weight_decay=0.0)(0)
+
+
+@pytest.mark.parametrize("loop_step", ["serial_loop_step", "speculative_loop_step"])
+@pytest.mark.parametrize("step, kind", [("x", "str"), (None, "NoneType"), (-1, "int"), (1.5, "float"), (True, "bool")])
+def test_a_loop_whose_step_is_no_count_is_refused_before_anything_changes(loop_step, step, kind):
+    """loop.step is the schedule position. A LoopState built or loaded with a step that is no count was taken: -1
+    became 0 and True 2 without a word, and "x" or None raised a raw TypeError after the step, with donate=True
+    after the parameters had been overwritten. Refused naming loop.step, before anything runs; a numpy or
+    1-element tensor count is read as the int."""
+    np = pytest.importorskip("numpy")
+    from sofx import speculate
+    from sofx.loss_scale import static_scale
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt, scaler = sofx.adamw(), static_scale(1.0)
+    run = {"serial_loop_step": lambda loop: serial_loop_step(opt, loop, {"w": torch.ones(3)}, scaler=scaler,
+                                                             hparams=schedules.hparams_schedule(lr=0.1), donate=True),
+           "speculative_loop_step": lambda loop: speculate.speculative_loop_step(
+               opt, loop, {"w": torch.ones(3)}, config=speculate.SpeculationConfig(), scaler=scaler,
+               hparams=schedules.hparams_schedule(lr=0.1), donate=True)}[loop_step]
+    loop = init_loop(opt, {"w": torch.ones(3)}, scaler)._replace(step=step)
+    with pytest.raises(sofx.SofxError, match=rf"^loop\.step = .* is invalid; expected an integer >= 0 .*got {kind}"):
+        run(loop)
+    assert loop.params["w"].eq(1).all() and int(loop.opt_state.count["w"]) == 0
+    for count in (np.int64(4), torch.tensor(4)):
+        new, _ = run(init_loop(opt, {"w": torch.ones(3)}, scaler)._replace(step=count))
+        assert type(new.step) is int and new.step == 5

@@ -264,13 +264,13 @@ def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: Spe
     refuse_unknown_keywords("speculative_loop_step", {k: v for k, v in kwargs.items() if k not in _LOOP_KEYWORDS},
                             _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"), missing=_missing(config=config, scaler=scaler))
     try:
-        check_loop(loop)
+        step = check_loop(loop)
         check_opt(opt)  # (before the schedule runs)
-        hp = hparams_at(hparams, loop.step)
+        hp = hparams_at(hparams, step)
     except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
         refuse_reduce(kwargs.get("reduce_sumsq"), exc)
         raise
     res = speculative_step(opt, loop.params, grads, loop.opt_state, config=config, scaler=scaler,
                            scaler_state=loop.scaler_state, policy_state=loop.policy_state, hparams=hp, **kwargs)
-    new = LoopState(res.params, res.state, res.scaler_state, loop.step + (not res.report.skipped), res.policy_state)
+    new = LoopState(res.params, res.state, res.scaler_state, step + (not res.report.skipped), res.policy_state)
     return new, res.report
