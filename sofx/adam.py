@@ -64,7 +64,8 @@ from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, 
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
-           "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option", "torch_betas"]
+           "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option", "torch_betas",
+           "hparams_at"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -108,7 +109,7 @@ def _is_hparams(x: Any) -> bool:
     return isinstance(x, AdamHParams)
 
 
-# How to give a step's hparams where a number or a schedule was given: the refusals of sofx.serial.hparams_at
+# How to give a step's hparams where a number or a schedule was given: the refusals of hparams_at
 # (loop steps) and of the steps that take one step's hparams (check_step_hparams).
 WRAP_HINT = ("a schedule of one number (lr, beta1, beta2, eps or weight_decay) is wrapped into hparams with "
              "sofx.schedules.hparams_schedule(lr=schedule)")
@@ -131,7 +132,7 @@ def check_step_hparams(hparams: Any, root: str, evaluated: bool = True) -> None:
     naming its path under ``root`` and how to give it (other wrong leaves are the optimizer's to refuse).
 
     ``evaluated=False``: for a step that takes one step's hparams (``update``, ``serial_step``, ``begin_step``),
-    not a schedule of the whole hparams as a loop step (:func:`sofx.serial.hparams_at`) does: only a schedule is
+    not a schedule of the whole hparams as a loop step (:func:`hparams_at`) does: only a schedule is
     refused here, saying how to give its value at the step."""
     if hparams is None or isinstance(hparams, AdamHParams):
         return
@@ -1719,3 +1720,23 @@ def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: S
     """
     _refuse_torch_options("sofx.adamw", {"amsgrad": amsgrad, "maximize": maximize}, decoupled=True)
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
+
+
+def hparams_at(hparams: Any, step: int) -> Any:
+    """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise.
+
+    Only the whole hparams may be a schedule. A number where hparams are expected (a float schedule such as
+    ``cosine_decay(...)`` given as the hparams, or what a schedule returned) and a schedule inside an hparams tree
+    (one per group: never evaluated) are refused, an :class:`HParamError` saying how to give them:
+    ``hparams_schedule(lr=schedule)``, or one callable returning the whole tree
+    (``lambda t: group_hparams(labels, groups, base=schedule(t))``)."""
+    if not callable(hparams):
+        check_step_hparams(hparams, "hparams")
+        return hparams
+    value = hparams(step)
+    if is_hparams_number(value):
+        raise HParamError(f"hparams: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
+                          f"step {step}, a number; the hparams of a step are an AdamHParams or a tree of them (one per "
+                          f"param group): {WRAP_HINT}")
+    check_step_hparams(value, f"hparams(step={step})")
+    return value

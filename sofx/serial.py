@@ -65,7 +65,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import WRAP_HINT, Adam, AdamHParams, AdamState, check_step_hparams, is_hparams_number
+from sofx.adam import Adam, AdamHParams, AdamState, hparams_at
 from sofx.apply_if_finite import ApplyIfFinite
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
@@ -163,26 +163,6 @@ def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
     check_opt(opt)
     check_scaler(scaler)
     return LoopState(params, opt.init(params), scaler.init(), 0, None)
-
-
-def hparams_at(hparams: Any, step: int) -> Any:
-    """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise.
-
-    Only the whole hparams may be a schedule. A number where hparams are expected (a float schedule such as
-    ``cosine_decay(...)`` given as the hparams, or what a schedule returned) and a schedule inside an hparams tree
-    (one per group: never evaluated) are refused, an :class:`HParamError` saying how to give them:
-    ``hparams_schedule(lr=schedule)``, or one callable returning the whole tree
-    (``lambda t: group_hparams(labels, groups, base=schedule(t))``)."""
-    if not callable(hparams):
-        check_step_hparams(hparams, "hparams")
-        return hparams
-    value = hparams(step)
-    if is_hparams_number(value):
-        raise HParamError(f"hparams: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
-                          f"step {step}, a number; the hparams of a step are an AdamHParams or a tree of them (one per "
-                          f"param group): {WRAP_HINT}")
-    check_step_hparams(value, f"hparams(step={step})")
-    return value
 
 
 def local_sumsq(total: float, present: Sequence[bool]) -> float:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import AdamHParams
+from sofx.adam import AdamHParams, hparams_at
 from sofx.distributed.agreement import _agree, _check_same_layout, _dtype_shape
 from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
 from sofx.distributed.mean import _mean_from_sum, _summands
@@ -23,7 +23,6 @@ from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floa
 from sofx.distributed.setup import _params_entries
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import as_integer, integer
-from sofx.serial import hparams_at
 
 __all__ = ["partition_blocks", "Shard", "shard_blocks"]
 
