@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -862,6 +863,48 @@ else:
             for a, b in zip((back[0]["a"], back[1].mu["a"], back[1].nu["a"]),
                             (own[0]["a"], own[1].mu["a"], own[1].nu["a"])):
                 assert torch.equal(a[:FINITE_CHUNK], b[:FINITE_CHUNK])
+
+    def _numbers_only(n, ptrs, sizes):
+        """A block's operands as the launcher's host side reads them: its numbers, no tensors (so a block of
+        2^31 elements or more costs nothing here)."""
+        return tk._Operands(arrays=(), ptrs=tuple(ptrs), sizes=tuple(sizes), n=n, targets=[], pc=None, out=None,
+                            p_copy=None, layout=(), aligned=False)
+
+    @pytest.mark.parametrize("check", [False, True], ids=["unchecked", "checked"])
+    def test_the_launch_table_holds_counts_and_offsets_beyond_2_31_in_int64(check):
+        """The multi-tensor kernel's table (_table): element counts of 2^31 and more, their program counts and
+        first programs, and offsets between blocks of more than 2^32 elements, below the first block's addresses
+        too, exactly, as int64; the launch's programs within the grid's 2^31 - 1."""
+        slots = len(tk._ROW_SLOTS)
+        sizes = [4] * (slots - 1) + [1]  # float32 tensors, one byte per flag
+        base = [0x7F00_0000_0000 + (i << 40) for i in range(slots)]
+        counts = [2**31 + 5, 3 * 2**31 + 1024, 7, 2**31 - 1]
+        shifts = [0, -(2**36) - 4096, 2**35 + 64, 2**33]  # bytes from the first block's addresses
+        group = [_numbers_only(n, [b + d for b in base], sizes) for n, d in zip(counts, shifts)]
+        table, programs = tk._table(group, check)
+        assert table.dtype == np.int64 and table.shape == (len(counts), tk._ROW_WIDTH + 1)
+        each = [-(-n // (tk.CHECK_BLOCK if check else tk.BLOCK)) for n in counts]
+        assert table[:, 0].tolist() == [sum(each[:i]) for i in range(len(each))]
+        assert table[:, 1].tolist() == counts and table[:, tk._ROW_WIDTH].tolist() == each
+        for row, d in zip(table, shifts):
+            assert row[2:2 + slots].tolist() == [d // size for size in sizes]
+        assert programs == sum(each) < 2**31 - 1
+
+    def test_the_flat_launches_of_blocks_of_2_31_elements_and_more():
+        """The flat kernel's launches (_flat_launches, numbers only): the 16-multiple head and the rest for a
+        block of 2^31 elements and more, a checked block's last partial chunk on its own (from a chunk's first
+        element, so its flags from that chunk's); programs of BLOCK elements, within the grid's 2^31 - 1."""
+        big = 2**31 + 17
+        assert tk._flat_launches(big, False) == [(0, 2**31 + 16, 2**21 + 1), (2**31 + 16, 1, 1)]
+        assert tk._flat_launches(big, True) == [(0, 2**31, 2**21), (2**31, 17, 1)]
+        assert tk._flat_launches(2**32, False) == tk._flat_launches(2**32, True) == [(0, 2**32, 2**22)]
+        assert tk._flat_launches(2**32 + 48, True) == [(0, 2**32 + 48, 2**22 + 1)]
+        for n in (2**31 - 1, 2**31, 2**31 + 1, 3 * 2**31 + 1029):
+            for check in (False, True):
+                launches = tk._flat_launches(n, check)
+                assert sum(c for _, c, _ in launches) == n and launches[0][0] == 0
+                assert all(0 <= p * tk.BLOCK - c < tk.BLOCK and p < 2**31 - 1 for _, c, p in launches)
+                assert all(start % (tk.CHECK_BLOCK if check else 16) == 0 for start, _, _ in launches)
 
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)

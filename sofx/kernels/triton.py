@@ -537,17 +537,23 @@ def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepA
     that at launch): the last n % 16 elements, if any, get a launch of their own (16-element offsets
     keep the pointers 16-byte aligned). A checked call (``k``) decides a chunk whole: where n % 16 is not
     0 its last chunk (partial) gets the launch of its own, with its flag."""
-    n = ops.n
-    if k is None:
-        head = n - n % VECTOR_MULTIPLE
-    else:
-        head = n - (n % CHECK_BLOCK if n % VECTOR_MULTIPLE else 0)
     constexprs = _constexprs(op, ops, has_p_old, k is not None)
-    for start, count in ((0, head), (head, n - head)):
-        if count:  # the kernel takes the tensors' addresses: the arrays themselves from element 0
-            arrays = ops.arrays if start == 0 else _from(ops.arrays, start, ops.skip)
-            _adam_kernel[(_programs(count, k is not None),)](*arrays, count, *u, *st, *(k or _NO_CHECK),
-                                                            **constexprs)
+    for start, count, programs in _flat_launches(ops.n, k is not None):
+        # the kernel takes the tensors' addresses: the arrays themselves from element 0
+        arrays = ops.arrays if start == 0 else _from(ops.arrays, start, ops.skip)
+        _adam_kernel[(programs,)](*arrays, count, *u, *st, *(k or _NO_CHECK), **constexprs)
+
+
+def _flat_launches(n: int, check: bool) -> list[tuple[int, int, int]]:
+    """The flat kernel's launches for a block of ``n`` elements, as ``(start, count, programs)``: elements
+    ``[start, start + count)`` by ``programs`` programs. Unchecked: the first ``n - n % 16``, then the rest;
+    checked (``check``): where ``n % 16`` is not 0, the last (partial) chunk on its own. Numbers only (Python
+    ints: a count of 2^31 or more is passed to the kernel as a 64-bit integer, its offsets are 64-bit)."""
+    if check:
+        head = n - (n % CHECK_BLOCK if n % VECTOR_MULTIPLE else 0)
+    else:
+        head = n - n % VECTOR_MULTIPLE
+    return [(start, count, _programs(count, check)) for start, count in ((0, head), (head, n - head)) if count]
 
 
 def _from(arrays: Sequence[torch.Tensor], start: int, skip: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -568,16 +574,10 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     """Blocks of the same dtypes and scalars by one launch of the multi-tensor kernel. Its table is built
     on the host and copied to the device without waiting for it (pinned memory); the program-to-tensor
     map is expanded on the device."""
-    base, sizes = group[0].ptrs, group[0].sizes
     count = len(group)
-    rows = []
-    first = 0
-    for ops in group:  # [first program, n, the offsets..., the tensor's program count]
-        programs = _programs(ops.n, k is not None)
-        rows.append([first, ops.n, *[(ptr - b) // size for ptr, b, size in zip(ops.ptrs, base, sizes)], programs])
-        first += programs
+    table, first = _table(group, k is not None)
     device = group[0].arrays[0].device
-    host = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(count, _ROW_WIDTH + 1))
+    host = torch.from_numpy(table)
     if device.type == "cuda":
         host = host.pin_memory()
     on_device = host.to(device, non_blocking=True)
@@ -586,6 +586,22 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, *(k or _NO_CHECK),
                                  ALIGNED=aligned, ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old,
                                                                                     k is not None))
+
+
+def _table(group: Sequence[_Operands], check: bool) -> tuple[np.ndarray, int]:
+    """The multi-tensor kernel's table for ``group`` (int64, a row of ``_ROW_WIDTH + 1`` per block: its first
+    program, its element count, per pointer slot (``_ROW_SLOTS``) the element offset of its address from the
+    first block's, ``(ptr - base) / size`` (exact: the blocks of a launch agree on each slot's misalignment
+    within an element), and its program count) and the launch's program count. Reads only the blocks' numbers
+    (``ptrs``, ``sizes``, ``n``)."""
+    base, sizes = group[0].ptrs, group[0].sizes
+    rows = []
+    first = 0
+    for ops in group:  # [first program, n, the offsets..., the tensor's program count]
+        programs = _programs(ops.n, check)
+        rows.append([first, ops.n, *[(ptr - b) // size for ptr, b, size in zip(ops.ptrs, base, sizes)], programs])
+        first += programs
+    return np.array(rows, dtype=np.int64).reshape(len(group), _ROW_WIDTH + 1), first
 
 
 def _launch(op: int, blocks: Sequence[tuple], u: Sequence[_UndoArgs | None],
