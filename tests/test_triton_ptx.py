@@ -143,6 +143,29 @@ def test_compiled_kernel_keeps_the_reference_arithmetic(arch, op, dtypes, copy_d
         assert {k: c for k, c in mem.items() if k in vector} == dict(flat), (dict(mem), dict(flat))
 
 
+@pytest.mark.parametrize("op,check", [((0, False), False), ((2, False), False), ((2, True), True)],
+                         ids=["step", "undo_redo", "undo_redo-pold-checked"])
+def test_the_kernel_launched_on_2_31_elements_or_more_compiles_as_on_fewer(op, check):
+    """A count of 2^31 or more is a 64-bit kernel argument (Triton types a Python int by its value): that
+    variant of the flat kernel takes the count as 64 bits and compares the (64-bit) element offsets with it,
+    with the 32-bit variant's arithmetic and 128-bit accesses, and spills nothing."""
+    from triton.runtime.jit import mangle_type
+
+    assert mangle_type(2**31 - 1) == "i32" and mangle_type(2**31) == "i64"
+    n_param = tk._adam_kernel.arg_names.index("n")
+    ptx = {}
+    for large in (False, True):
+        kernel = compile_kernel(90, op[0], op[1], "fp32", "fp32", check=check, large=large)
+        usage = resource_usage(kernel.asm["cubin"])
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 128, usage
+        ptx[large] = kernel.asm["ptx"]
+        width = "64" if large else "32"
+        assert re.search(rf"\.param \.u{width} _adam_kernel_param_{n_param}\b", ptx[large]), large
+    assert re.search(r"setp\.lt\.s64", ptx[True])  # the mask: offsets < n, in 64 bits
+    assert collections.Counter(GLOBAL_MEM.findall(ptx[True])) == collections.Counter(GLOBAL_MEM.findall(ptx[False]))
+    assert collections.Counter(F32_OP.findall(ptx[True])) == collections.Counter(F32_OP.findall(ptx[False]))
+
+
 def test_fusion_is_what_the_check_would_catch():
     """With Triton's default (fusion on) the same kernel has extra multiply-adds: the check above bites."""
     assert dict(tk.COMPILE_OPTIONS) == {"enable_fp_fusion": False}

@@ -38,10 +38,12 @@ def available() -> bool:
         return False
 
 
-def _scalar_type(name: str) -> str:
-    """Triton's type for a runtime argument of the kernel (from the launcher's NamedTuple fields)."""
+def _scalar_type(name: str, large: bool = False) -> str:
+    """Triton's type for a runtime argument of the kernel (from the launcher's NamedTuple fields); the element
+    count ``n`` is a 32-bit integer, a 64-bit one where ``large`` (Triton types a Python int by its value: a
+    count of 2^31 or more is an ``i64``)."""
     if name == "n":
-        return "i32"
+        return "i64" if large else "i32"
     # (resolved: under ``from __future__ import annotations`` the raw annotations are strings)
     fields = typing.get_type_hints({"u": tk._UndoArgs, "s": tk._StepArgs, "k": tk._CheckArgs}[name[0]])
     return "i32" if fields[name[2:]] is int else "fp32"
@@ -49,11 +51,12 @@ def _scalar_type(name: str) -> str:
 
 def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
                    options: Mapping[str, Any] = tk.COMPILE_OPTIONS, copy_dtype: str | None = None,
-                   multi: bool = False, check: bool = False):
+                   multi: bool = False, check: bool = False, large: bool = False):
     """``_adam_kernel`` for ``sm_<arch>``: ``op`` 0 step, 1 undo, 2 undo+redo; dtypes "fp32"/"bf16"/"fp16";
     ``copy_dtype``: the dtype of a ``p_copy`` (None: without one). ``multi``: the multi-tensor kernel
     (``_adam_multi_kernel``) as launched on tensors that are all aligned (``ALIGNED``). ``check``: a
-    checked call (``CHECK``: a chunk of ``CHECK_BLOCK`` elements per program, on ``CHECK_WARPS`` warps)."""
+    checked call (``CHECK``: a chunk of ``CHECK_BLOCK`` elements per program, on ``CHECK_WARPS`` warps).
+    ``large``: the flat kernel as launched on a count of 2^31 elements or more (a 64-bit ``n``)."""
     fn = tk._adam_multi_kernel if multi else tk._adam_kernel
     names = fn.arg_names
     storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt, pc=copy_dtype or pdt,
@@ -72,7 +75,7 @@ def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
         elif name.endswith("_ptr"):
             signature[name] = "*" + storage[name[:-4]]
         else:
-            signature[name] = _scalar_type(name)
+            signature[name] = _scalar_type(name, large)
     # (the flags of a checked call are one byte per chunk, at any address)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                if (name.endswith("_ptr") and name != "sk_ptr") or name == "n"}
