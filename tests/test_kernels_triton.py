@@ -906,6 +906,36 @@ else:
                 assert all(0 <= p * tk.BLOCK - c < tk.BLOCK and p < 2**31 - 1 for _, c, p in launches)
                 assert all(start % (tk.CHECK_BLOCK if check else 16) == 0 for start, _, _ in launches)
 
+    BLOCK_ROLES = ("p", "g", "m", "v", "g2", "p_old", "out[0]", "out[1]", "out[2]", "p_copy")
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+    def test_a_block_is_aligned_for_the_multi_tensor_kernel_only_where_every_address_is_16_elements_aligned(
+            dtype, rng):
+        """The multi-tensor kernel's ALIGNED (tl.multiple_of(.., 16) on the count and on every offset between
+        blocks' addresses, in elements) is claimed only for blocks whose count is a multiple of 16 and whose every
+        tensor the kernel addresses (inputs, old values, new gradient, outputs, copy) starts at a multiple of 16
+        elements: a view 16 bytes but not 16 elements in (a bfloat16 one 8 elements in, a float32 one 4) is not;
+        the flags of a checked call, one byte a chunk, may be at any address."""
+        n = 64
+
+        def at(k, count=n):
+            return torch.randn(count + 32, generator=rng).to(dtype)[k:k + count]
+
+        def block(role=None, k=0, count=n, skip=None):
+            t = {r: at(k if r == role else 0, count) for r in BLOCK_ROLES}
+            return tk._operands(t["p"], t["g"], t["m"], t["v"], t["g2"], t["p_old"],
+                                (t["out[0]"], t["out[1]"], t["out[2]"]), t["p_copy"], skip)
+
+        assert block().aligned and block(k=16).aligned
+        size = torch.empty(0, dtype=dtype).element_size()
+        for role in BLOCK_ROLES:
+            for k in (1, 16 // size, 8):
+                assert not block(role, k).aligned, (role, k)
+            assert block(role, 16).aligned, role
+        assert not block(count=n + 8).aligned
+        flags = torch.zeros(8, dtype=torch.uint8)
+        assert block(skip=flags[3:4]).aligned
+
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)
         assert not tk.supports("cpu", torch.float64, torch.float64)
