@@ -656,3 +656,109 @@ def refused_on_every_rank(ranks: list[dict], bad: int, case: str, key: str, own:
         msg = res[case][key]
         assert own in msg, (case, key, rank, msg)
         assert (f"rank {bad} refused its input (" in msg) == (rank != bad), (case, key, rank, msg)
+
+
+def _chunks_near(n: int, mid: int) -> list[int]:
+    """The chunks (``FINITE_CHUNK`` elements) of ``n`` elements at both ends and on both sides of element ``mid``."""
+    from sofx.kernels.base import FINITE_CHUNK
+
+    last = (n - 1) // FINITE_CHUNK
+    c = mid // FINITE_CHUNK
+    return sorted({0, 1, c - 2, c - 1, c, c + 1, last - 1, last} & set(range(last + 1)))
+
+
+def _chunk_elements(chunks: list[int], n: int, device: torch.device | str) -> tuple[torch.Tensor, list[int]]:
+    """The indices of the elements of ``chunks`` (of ``n`` elements), and each chunk's size."""
+    from sofx.kernels.base import FINITE_CHUNK
+
+    ranges = [torch.arange(c * FINITE_CHUNK, min((c + 1) * FINITE_CHUNK, n)) for c in chunks]
+    return torch.cat(ranges).to(device), [len(r) for r in ranges]
+
+
+def _within_tensor_tolerance(got, want) -> None:
+    """DESIGN.md's tolerance: the largest difference at most 1e-6 of the reference tensor's largest magnitude."""
+    for a, b in zip(got, want):
+        a, b = a.cpu().double(), b.double()
+        assert float((a - b).abs().max() / b.abs().max()) <= 1e-6
+
+
+def check_a_large_triton_step(device: torch.device | str, n: int, mid: int, monkeypatch) -> None:
+    """Triton steps on float32 blocks of ``n`` elements (not a multiple of 16), compared at the elements of the
+    chunks at both ends and around element ``mid`` (2^31 on a GPU: where 32-bit offsets would wrap): bit for
+    bit the kernel's results on those elements alone (Adam is elementwise) and within DESIGN.md's 1e-6 of the
+    reference's on the CPU. In turn: the flat kernel in place (a launch of the first n - n % 16 elements, then
+    one of the rest); the multi-tensor kernel, aligned, over a view of the first ``n - n % 2048`` and a small
+    block; a checked multi-tensor launch (not aligned) over the whole block with an inf planted past ``mid`` and a
+    small block: the planted chunk's flag alone set, its elements left alone, the others stepped. About 16 bytes
+    an element of memory."""
+    from sofx.kernels import reference
+    from sofx.kernels import triton as tk
+    from sofx.kernels.base import FINITE_CHUNK, AdamVariant, StepCall, beyond_limit, lossy_elements
+
+    assert n % 16 and mid % FINITE_CHUNK == 0 and 2 * FINITE_CHUNK < mid < n - 2 * FINITE_CHUNK
+    gen = torch.Generator(device=device).manual_seed(4)
+    p, g, m, v = (torch.empty(n, device=device) for _ in range(4))
+    p.normal_(generator=gen)
+    g.normal_(generator=gen)
+    m.normal_(0.0, 0.1, generator=gen)
+    v.uniform_(0.05, 0.1, generator=gen)  # g^2 * lossy_factor < v: only the planted inf is flagged
+    variant = AdamVariant()
+    s = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.01, 7, 1.0)
+    launches = []
+    run_multi = tk._run_multi
+
+    def counting(op, group, has_p_old, aligned, *args):
+        launches.append((len(group), aligned))
+        return run_multi(op, group, has_p_old, aligned, *args)
+
+    monkeypatch.setattr(tk, "_run_multi", counting)
+
+    def small_block(count):
+        return tuple(torch.randn(count, device=device, generator=gen) * k + o
+                     for k, o in ((1.0, 0.0), (1.0, 0.0), (0.1, 0.0), (0.0, 0.07)))
+
+    def stepped_alone(block, run):  # run(block) in place; checked against one call on a copy of it
+        before = [t.clone() for t in block]
+        run()
+        assert all(torch.equal(a, b) for a, b in zip((block[0], block[2], block[3]), tk.step(*before, s, variant)))
+
+    def sampled(count, run):  # run() steps the first count elements of p, g, m, v in place
+        idx, _ = _chunk_elements(_chunks_near(count, mid), count, device)
+        before = [t[idx] for t in (p, g, m, v)]
+        run()
+        got = [t[idx] for t in (p, m, v)]
+        assert all(torch.equal(a, b) for a, b in zip(got, tk.step(*before, s, variant)))
+        _within_tensor_tolerance(got, reference.step(*(t.cpu() for t in before), s, variant))
+
+    # the flat kernel
+    sampled(n, lambda: tk.step(p, g, m, v, s, variant, out=(p, m, v)))
+    assert launches == []
+    # the multi-tensor kernel, aligned
+    head = n - n % 2048
+    views = [t[:head] for t in (p, g, m, v)]
+    small = small_block(4096)
+    sampled(head, lambda: stepped_alone(small, lambda: tk.step_many(
+        [StepCall(*views, s, (views[0], views[2], views[3])), StepCall(*small, s, (small[0], small[2], small[3]))],
+        variant)))
+    assert launches == [(2, True)]
+    # a checked multi-tensor launch
+    launches.clear()
+    g[mid + 100] = float("inf")
+    flags = torch.zeros(-(-n // FINITE_CHUNK), dtype=torch.uint8, device=device)
+    small, small_flags = small_block(1000), torch.zeros(1, dtype=torch.uint8, device=device)
+    chunks = _chunks_near(n, mid)
+    idx, sizes = _chunk_elements(chunks, n, device)
+    before = [t[idx] for t in (p, g, m, v)]
+    stepped_alone(small, lambda: tk.step_many(
+        [StepCall(p, g, m, v, s, (p, m, v), None, flags),
+         StepCall(*small, s, (small[0], small[2], small[3]), None, small_flags)], variant))
+    assert launches == [(2, False)]
+    cpu = [t.cpu() for t in before]
+    bad = beyond_limit(cpu[1], s.grad_scale) | lossy_elements(cpu[0], cpu[1], cpu[3], s, variant.decoupled, m=cpu[2])
+    want = [int(b.any()) for b in bad.split(sizes)]
+    assert flags[chunks].tolist() == want and want[chunks.index(mid // FINITE_CHUNK)] == 1
+    assert int(flags.sum()) == 1 and int(small_flags.sum()) == 0
+    keep = torch.cat([torch.full((k,), not w, dtype=torch.bool) for k, w in zip(sizes, want)]).to(device)
+    got = [t[idx] for t in (p, m, v)]
+    for a, fresh, old in zip(got, tk.step(*before, s, variant), (before[0], before[2], before[3])):
+        assert torch.equal(a[keep], fresh[keep]) and torch.equal(a[~keep], old[~keep])

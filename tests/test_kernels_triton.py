@@ -32,9 +32,9 @@ else:
     from sofx.kernels import triton as tk
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import (UNWRITABLE, block_inputs, block_scalars, expanded, max_rel_err, refuse_bad_blocks_first,
-                         refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
-                         refuse_traced_inputs, result_requiring_grad, run_blocks)
+    from helpers import (UNWRITABLE, block_inputs, block_scalars, check_a_large_triton_step, expanded, max_rel_err,
+                         refuse_bad_blocks_first, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes,
+                         refuse_shared_memory, refuse_traced_inputs, result_requiring_grad, run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
@@ -935,6 +935,11 @@ else:
         assert not block(count=n + 8).aligned
         flags = torch.zeros(8, dtype=torch.uint8)
         assert block(skip=flags[3:4]).aligned
+
+    def test_the_large_block_check_of_the_cuda_tests_passes_on_a_small_block(monkeypatch):
+        """helpers.check_a_large_triton_step, which tests/test_triton_cuda.py runs on 2^31 + 3077 elements
+        around element 2^31, on 6149 elements around element 3072 under the interpreter."""
+        check_a_large_triton_step("cpu", 6 * tk.BLOCK + 5, 3 * tk.BLOCK, monkeypatch)
 
     def test_selection_under_the_interpreter():
         assert tk.supports("cpu", torch.float32, torch.float32)

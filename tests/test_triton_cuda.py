@@ -200,3 +200,22 @@ def test_blocks_of_one_dense_layout_on_cuda_equal_contiguous_ones(device="cuda")
     want, _, _ = opt.update(flat, {k: x.contiguous() for k, x in grads.items()}, opt.init(flat), grads_finite=True)
     for k in params:
         assert new[k].stride() == params[k].stride() and torch.equal(new[k], want[k])
+
+
+def test_a_step_of_2_31_elements_and_more_on_cuda_matches_near_both_ends_and_element_2_31(monkeypatch, device="cuda"):
+    """A float32 block of 2^31 + 3077 elements (p, g, m, v: 32 GiB; run where 40 GiB of device memory are free)
+    through the flat kernel, the aligned multi-tensor kernel and a checked multi-tensor launch
+    (helpers.check_a_large_triton_step): the elements of the chunks at both ends and around element 2^31, where
+    32-bit offsets, counts or chunk indices would wrap, as the kernel gives them alone and within DESIGN.md's
+    tolerance of the reference on the CPU; the inf planted past 2^31 flags its chunk alone."""
+    from helpers import check_a_large_triton_step
+
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        pytest.skip(f"needs 40 GiB of free device memory, {free / 2**30:.1f} GiB free")
+    try:
+        check_a_large_triton_step(device, 2**31 + 3 * 1024 + 5, 2**31, monkeypatch)
+    finally:
+        torch.cuda.empty_cache()
+
