@@ -219,3 +219,101 @@ def test_a_step_of_2_31_elements_and_more_on_cuda_matches_near_both_ends_and_ele
     finally:
         torch.cuda.empty_cache()
 
+
+def _step_inputs(shapes, gen, device="cuda", pdt=torch.float32, sdt=torch.float32):
+    """p, g, m, v per shape (v positive), p and g in ``pdt``, the moments in ``sdt``."""
+    blocks = []
+    for sh in shapes:
+        p, g, m, v = (torch.randn(sh, device=device, generator=gen) for _ in range(4))
+        blocks.append((p.to(pdt), g.to(pdt), (0.1 * m).to(sdt), (0.01 * v.abs() + 1e-4).to(sdt)))
+    return blocks
+
+
+def test_the_kernels_run_on_the_current_cuda_stream_in_order_with_torch_ops_on_it(device="cuda"):
+    """Triton launches on torch's current stream (as torch's ops do), not the default one: on a side stream kept
+    busy (torch.cuda._sleep) before it writes the gradients, a flat step and multi-tensor steps (whose table is
+    copied on that stream, without waiting) read the gradients written there, and give the results of the
+    same steps on the default stream."""
+    from sofx.kernels import triton as tk
+    from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    variant = AdamVariant()
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 7, 0.5)
+    # one flat block, then two pairs for the multi-tensor kernel (aligned and not)
+    blocks = _step_inputs([(4096,), (2048,), (64, 64), (1000,), (7,)], gen)
+    want = [tk.step(*b, s, variant) for b in blocks]
+    work = [(p.clone(), torch.zeros_like(g), m.clone(), v.clone()) for p, g, m, v in blocks]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: a launch on another stream would read the zeros
+        for w, b in zip(work, blocks):
+            w[1].copy_(b[1])
+        got = [tk.step(*work[0], s, variant)] + tk.step_many([StepCall(*w, s) for w in work[1:]], variant)
+    side.synchronize()
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_step_many_captured_in_a_cuda_graph_replays_on_new_values(device="cuda"):
+    """While a CUDA graph is being captured, blocks that would share a multi-tensor launch (its table a host
+    buffer the graph would replay) get a flat launch each, nothing on the host waits for the device; replayed
+    on new values in the same tensors, the graph gives the eager steps' results."""
+    from sofx.kernels import triton as tk
+    from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
+
+    gen = torch.Generator(device=device).manual_seed(6)
+    variant = AdamVariant()
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 7, 0.5)
+    shapes = [(2048,), (64, 64), (1000,), (7,)]
+    static = _step_inputs(shapes, gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled before the capture
+        for b in static:
+            tk.step(*[t.clone() for t in b], s, variant)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.step_many([StepCall(p, g, m, v, s, (p, m, v)) for p, g, m, v in static], variant)
+    fresh = _step_inputs(shapes, gen)
+    for b, f in zip(static, fresh):
+        for t, x in zip(b, f):
+            t.copy_(x)
+    want = [tk.step(*f, s, variant) for f in fresh]
+    graph.replay()
+    torch.cuda.synchronize()
+    for (p, _, m, v), w in zip(static, want):
+        assert all(torch.equal(x, y) for x, y in zip((p, m, v), w))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_blocks_run_on_their_own_device_whatever_the_current_one():
+    """Blocks on cuda:1 stepped while cuda:0 is current run on cuda:1 (the launcher makes their device current,
+    as torch's ops do; the current device is left as it was), in one list with blocks on cuda:0 too; a call
+    whose tensors are on two devices is refused, naming the tensor, before anything is written."""
+    from sofx.errors import UnsupportedError
+    from sofx.kernels import triton as tk
+    from sofx.kernels.base import AdamScalars, AdamVariant, StepCall
+
+    variant = AdamVariant()
+    s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 7, 0.5)
+    shapes = [(2048,), (64, 64), (1000,)]
+    on = {d: _step_inputs(shapes, torch.Generator(device=d).manual_seed(7), d) for d in ("cuda:0", "cuda:1")}
+    want = {}
+    for d, blocks in on.items():
+        with torch.cuda.device(d):
+            want[d] = [tk.step(*b, s, variant) for b in blocks]
+    with torch.cuda.device(0):
+        got = tk.step_many([StepCall(*b, s) for b in on["cuda:0"] + on["cuda:1"]], variant)
+        alone = tk.step(*on["cuda:1"][0], s, variant)
+        assert torch.cuda.current_device() == 0
+    for a, b in zip(got + [alone], want["cuda:0"] + want["cuda:1"] + want["cuda:1"][:1]):
+        assert all(x.device == y.device and torch.equal(x, y) for x, y in zip(a, b))
+    p, g, m, v = on["cuda:1"][0]
+    before = [t.clone() for t in (p, m, v)]
+    with pytest.raises(UnsupportedError, match="g is on cuda:0, p on cuda:1"):
+        tk.step(p, g.to("cuda:0"), m, v, s, variant, out=(p, m, v))
+    assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
+
