@@ -838,3 +838,24 @@ def test_a_loss_scaler_whose_hysteresis_its_overflow_history_cannot_leave_is_ref
         ck.save_zero3(tmp_path / "new", opt, params, opt.init(params), HP, deepspeed_objects=False,
                       loss_scaler=(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=8)))
     assert not os.path.exists(tmp_path / "new")
+
+
+def test_a_saved_step_that_is_infinite_or_beyond_int64_is_a_corrupt_checkpoint_error(tmp_path):
+    """sofx counts steps in int64: a file's step of inf (a float or a 0-d tensor) was Python's bare OverflowError,
+    one beyond int64 (2**64, 1e30) torch's bare ValueError when the count was made; both are corrupt files, named
+    by file and block. The widest int64 step loads."""
+    opt = sofx.adamw()
+    params = _params()
+    state = _train(opt, params, opt.init(params), 0, 2)[1]
+    for i, step in enumerate((math.inf, torch.tensor(math.inf), 2 ** 64, 1e30, torch.tensor(2.0 ** 70))):
+        directory = tmp_path / f"d{i}"
+        files = ck.save_zero3(directory, opt, params, state, HP, deepspeed_objects=False)
+        top = torch.load(files[0], weights_only=True)
+        top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["step"] = step
+        torch.save(top, files[0])
+        with pytest.raises(ck.CorruptCheckpointError, match=r"block 1 \(params\['enc'\]\['b'\]...\): step must be "
+                                                            r"a non-negative integer below 2\*\*63, got"):
+            ck.load_zero3(directory, opt, params, HP)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["step"] = 2 ** 63 - 1
+    torch.save(top, files[0])
+    assert int(ck.load_zero3(directory, opt, params, HP)[1].count["enc"]["w"]) == 2 ** 63 - 1

@@ -422,9 +422,11 @@ def _get(d: Any, key: str, path: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def _step_value(x: Any, where: str) -> int:
+    """A file's step as sofx counts it: an integer value in ``[0, 2**63)`` (an int64 count; inf, nan and values
+    beyond are a corrupt file, checked before ``int()``, which fails on inf)."""
     v = as_number(x) if isinstance(x, torch.Tensor) else x
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or int(v) != v:
-        raise CorruptCheckpointError(f"{where}: step must be a non-negative integer, got {x!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not 0 <= v < 2 ** 63 or int(v) != v:
+        raise CorruptCheckpointError(f"{where}: step must be a non-negative integer below 2**63, got {x!r}")
     return int(v)
 
 
