@@ -89,19 +89,28 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     for g in resolved:
         param_groups.append(_torch_group(opt, g, index))
         for leaf in g.leaves:
-            c = as_number(counts[leaf])
-            if not isinstance(c, int):
-                raise CheckpointError(f"state.count{paths[leaf][len('params'):]}: expected a concrete 0-d int64 "
-                                      f"tensor, got {counts[leaf]!r}")
-            if c > _EXACT_STEPS:
-                raise UnsupportedError(f"state.count{paths[leaf][len('params'):]} = {c}: torch.optim stores the "
-                                       f"step as float32, exact only up to {_EXACT_STEPS}")
+            c = _export_count(counts[leaf], f"state.count{paths[leaf][len('params'):]}")
             if c > 0:
                 torch_state[index] = {"step": torch.tensor(float(c), dtype=torch.float32),
                                       "exp_avg": mus[leaf].detach().clone(),
                                       "exp_avg_sq": nus[leaf].detach().clone()}
             index += 1
     return {"state": torch_state, "param_groups": param_groups}
+
+
+def _export_count(x: Any, where: str) -> int:
+    """A leaf's step count as torch.optim can hold it: an integer in ``[0, 2**24]`` (0: a leaf never stepped,
+    which torch keeps no state for; torch's float32 ``step`` is exact up to ``2**24``). A negative count (which
+    ``update`` refuses) is refused, not left out as a leaf never stepped."""
+    c = as_number(x)
+    if not isinstance(c, int):
+        raise CheckpointError(f"{where}: expected a concrete 0-d int64 tensor, got {x!r}")
+    if c < 0:
+        raise CheckpointError(f"{where}: expected a step count >= 0, got {c}")
+    if c > _EXACT_STEPS:
+        raise UnsupportedError(f"{where} = {c}: torch.optim stores the step as float32, exact only up to "
+                               f"{_EXACT_STEPS}")
+    return c
 
 
 def _as_step(x: Any, where: str) -> int:
