@@ -859,3 +859,15 @@ def test_a_saved_step_that_is_infinite_or_beyond_int64_is_a_corrupt_checkpoint_e
     top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["step"] = 2 ** 63 - 1
     torch.save(top, files[0])
     assert int(ck.load_zero3(directory, opt, params, HP)[1].count["enc"]["w"]) == 2 ** 63 - 1
+
+
+def test_a_negative_step_count_is_refused_before_any_file_is_written(tmp_path):
+    """save_zero3 wrote a block's negative count (which update refuses) as its step, and load_zero3 then refused its
+    own file as corrupt."""
+    opt = sofx.adamw()
+    params = _params()
+    state = _train(opt, params, opt.init(params), 0, 1)[1]
+    bad = state._replace(count=tree.tree_map(lambda c: torch.tensor(-1), state.count))
+    with pytest.raises(ck.CheckpointError, match=r"state.count\['dec'\]\[0\]: expected a step count >= 0, got -1"):
+        ck.save_zero3(tmp_path / "out", opt, params, bad, HP, deepspeed_objects=False)
+    assert not os.path.exists(tmp_path / "out")

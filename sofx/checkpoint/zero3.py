@@ -111,10 +111,13 @@ def _pieces(leaves: Sequence[torch.Tensor], world_size: int) -> list[torch.Tenso
 
 
 def _block_count(counts: list[Any], g: ParamGroup, paths: list[str]) -> int:
+    """The one step count of block ``g``: its leaves' counts, each a concrete integer >= 0, all equal."""
     values = [as_number(counts[i]) for i in g.leaves]
     for i, v in zip(g.leaves, values):
         if not isinstance(v, int):
             raise CheckpointError(f"state.count{paths[i][len('params'):]}: expected a concrete 0-d int64 tensor")
+        if v < 0:  # (update refuses it, and load_zero3 a file holding it)
+            raise CheckpointError(f"state.count{paths[i][len('params'):]}: expected a step count >= 0, got {v}")
     if len(set(values)) > 1:
         detail = ", ".join(f"{paths[i]}: {v}" for i, v in zip(g.leaves, values))
         raise UnsupportedError(f"a ZeRO-3 block has one step count, the leaves of this block differ ({detail}); "
