@@ -365,3 +365,31 @@ def test_a_negative_step_count_is_refused_on_export_naming_the_leaf():
     bad = state._replace(count={"a": torch.tensor(1), "b": torch.tensor(-1)})
     with pytest.raises(ck.CheckpointError, match=r"^state.count\['b'\]: expected a step count >= 0, got -1"):
         ck.to_torch_optim(adamw, bad)
+
+
+def test_a_saved_moment_that_is_not_a_dense_floating_point_tensor_with_data_is_refused_naming_it():
+    """A meta tensor (a state dict loaded onto the meta device) raised torch's bare NotImplementedError; a sparse one
+    was imported as it was (update then refused the state, naming state.mu, not the entry); integer, bool and
+    complex ones were cast without a word (complex: its imaginary part dropped, with torch's warning). No
+    torch.optim run of floating-point parameters writes any of them."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2, 3)}
+    sd = ck.to_torch_optim(adamw, adamw.update(params, {"a": torch.ones(2, 3)}, adamw.init(params))[1])
+    for name in ("exp_avg", "exp_avg_sq"):
+        for moment, what in ((torch.zeros(2, 3, device="meta"), "on the meta device"),
+                             (torch.zeros(2, 3).to_sparse(), "of layout torch.sparse_coo"),
+                             (torch.zeros(2, 3, dtype=torch.int64), "of dtype torch.int64"),
+                             (torch.zeros(2, 3, dtype=torch.bool), "of dtype torch.bool"),
+                             (torch.zeros(2, 3, dtype=torch.complex64), "of dtype torch.complex64")):
+            bad = {**sd, "state": {0: {**sd["state"][0], name: moment}}}
+            with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: state\[0\]\['{name}'\] for "
+                                                         rf"params\['a'\]: expected a dense floating-point tensor "
+                                                         rf"with data, got one {what}"):
+                ck.from_torch_optim(adamw, bad, params)
+    # a non-contiguous moment and one in another floating dtype load (as copies in the optimizer's state dtype)
+    entry = sd["state"][0]
+    odd = {**sd, "state": {0: {**entry, "exp_avg": entry["exp_avg"].t().contiguous().t(),
+                               "exp_avg_sq": entry["exp_avg_sq"].double()}}}
+    state, _ = ck.from_torch_optim(adamw, odd, params)
+    assert torch.equal(state.mu["a"], entry["exp_avg"]) and torch.equal(state.nu["a"], entry["exp_avg_sq"])
+    assert state.nu["a"].dtype == torch.float32

@@ -245,5 +245,22 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise CheckpointMismatchError(f"from_torch_optim: {where}[{name!r}] for {path}: expected shape "
                                           f"{tuple(p.shape)}, got {got}")
+        odd = _not_a_moment(t)
+        if odd is not None:
+            raise CheckpointError(f"from_torch_optim: {where}[{name!r}] for {path}: expected a dense floating-point "
+                                  f"tensor with data, got one {odd}")
         out[leaf] = t.detach().to(device=p.device, dtype=dtype, copy=True)
+
+
+def _not_a_moment(t: torch.Tensor) -> str | None:
+    """What makes ``t`` no moment a torch.optim run of floating-point parameters writes (``None``: nothing): a
+    layout other than strided, the meta device (no data to copy), a dtype that is not floating-point (which the
+    copy into the state dtype would cast without a word)."""
+    if t.layout != torch.strided:
+        return f"of layout {t.layout}"
+    if t.device.type == "meta":
+        return "on the meta device"
+    if not t.dtype.is_floating_point:
+        return f"of dtype {t.dtype}"
+    return None
 
