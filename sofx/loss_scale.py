@@ -391,8 +391,9 @@ class DynamicLossScaleRule:
         from :meth:`init`: what :func:`check_state` and :meth:`scale` refuse, and a ``cur_hysteresis`` that
         ``cur_iter`` and ``last_overflow_iter`` cannot leave (:meth:`_reachable_hysteresis`). For a rule and a
         state from one source (a DeepSpeed checkpoint holds both); a state saved under other settings (an offload
-        optimizer state dict without its rule's settings, loaded with the constructor's rule) may hold another
-        hysteresis, and :meth:`scale` takes it."""
+        optimizer state dict without its rule's settings, loaded with the constructor's rule, or one whose saved
+        settings were edited before loading, as its ``load_state_dict`` allows: a wider ``scale_window`` after a
+        growth) may hold another hysteresis, and :meth:`scale` takes it: the offload load does not apply this."""
         check_state_kind(state, DynamicLossScaleState)
         scale, it, last, hyst = self._check_settings(plain_state(state, where), where)
         low, high, why = self._reachable_hysteresis(it, last)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import sofx.offload
-from sofx.loss_scale import deepspeed_scaler, grad_scaler
+from sofx.errors import HParamError
+from sofx.loss_scale import DynamicLossScaleState, deepspeed_scaler, grad_scaler
 
 from helpers import assert_trees_bitwise
 
@@ -372,3 +373,31 @@ def test_a_load_pre_hook_editing_the_state_dict_in_place_leaves_the_callers_dict
         if name == "facade":
             opt.close()
     assert seen["facade"] == seen["torch"] == ["extra", "param_groups", "state"]
+
+
+def test_a_deepspeed_loss_scale_resumed_with_an_edited_window_loads_though_the_edited_rule_cannot_reach_it():
+    """The saved loss-scale settings may be edited before loading (load_state_dict's docstring): a run whose scale
+    grew after an overflow (hysteresis restored to 2) resumed with a wider scale_window holds a state that no run
+    of the *edited* rule reaches (it would not have grown yet), which ``check_reachable`` refuses. The load takes
+    it, as DeepSpeed's update_scale goes on from any state within the settings: check_reachable is for a rule and
+    a state from one source (a ZeRO-3 file), and is not applied here."""
+    settings = {"init_scale": 2.0 ** 10, "scale_window": 2, "hysteresis": 2, "min_scale": 1.0}
+    kwargs = {"lr": 1e-2, "profile": "deepspeed", "executor": "inline"}
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale=deepspeed_scaler(**settings),
+                                       **kwargs) as opt:
+        _facade_steps(model, opt, 0, 6)  # an overflow at step 1, a growth at step 4
+        saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"]["scaler_state"] == {"type": "DynamicLossScaleState", "scale": 2.0 ** 11, "cur_iter": 6,
+                                              "last_overflow_iter": 1, "cur_hysteresis": 2}
+    saved["state"]["scaler"]["scale_window"] = 100
+    wider = deepspeed_scaler(**{**settings, "scale_window": 100})
+    state = DynamicLossScaleState(2.0 ** 11, 6, 1, 2)
+    with pytest.raises(HParamError, match=r"cur_hysteresis'\] = 2 is invalid"):
+        wider.check_reachable(state)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale="dynamic", **kwargs) as opt:
+        opt.load_state_dict(saved)
+        assert opt.engine.scaler == wider and opt.engine.scaler_state == state
+        scales = _facade_steps(model, opt, 6, 9)  # an overflow at step 7: hysteresis 2 -> 1, no backoff
+    assert scales == [2.0 ** 11] * 3
+    assert wider.update(wider.update(state, False), True) == (2.0 ** 11, 8, 7, 1)
