@@ -393,3 +393,23 @@ def test_a_saved_moment_that_is_not_a_dense_floating_point_tensor_with_data_is_r
     state, _ = ck.from_torch_optim(adamw, odd, params)
     assert torch.equal(state.mu["a"], entry["exp_avg"]) and torch.equal(state.nu["a"], entry["exp_avg_sq"])
     assert state.nu["a"].dtype == torch.float32
+
+
+def test_a_meta_params_template_imports_the_moments_onto_the_cpu():
+    """A params tree on the meta device (a model built under torch.device("meta")) has no storage: the imported
+    moments were put on it, their data dropped without a word. As sofx.checkpoint.load and load_zero3 place a
+    meta template's tensors, they come onto the CPU (zeros for a leaf torch keeps no state for)."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2, 3), "b": torch.randn(4)}
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(adamw, params))
+    params["a"].grad = torch.randn(2, 3)
+    torch_opt.step()
+    sd = torch_opt.state_dict()
+    meta = tree.tree_map(lambda p: torch.empty_like(p, device="meta"), params)
+    state, _ = ck.from_torch_optim(adamw, sd, meta)
+    for t in tree.flatten(state)[0]:
+        assert t.device.type == "cpu"
+    saved = sd["state"][0]
+    assert torch.equal(state.mu["a"], saved["exp_avg"]) and torch.equal(state.nu["a"], saved["exp_avg_sq"])
+    assert int(state.count["a"]) == 1 and int(state.count["b"]) == 0
+    assert torch.equal(state.mu["b"], torch.zeros(4)) and torch.equal(state.nu["b"], torch.zeros(4))

@@ -31,6 +31,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
+from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 
@@ -153,7 +154,8 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
     """Import a ``torch.optim.Adam``/``AdamW`` ``state_dict()``: returns ``(state, hparams)``.
 
     ``params``: the params tree (its leaves' shapes, dtypes and devices shape
-    the state). ``hparams``/``groups``: the param group layout (see
+    the state; a meta leaf's state comes on the CPU, as :func:`sofx.checkpoint.load`
+    places a meta template's tensors). ``hparams``/``groups``: the param group layout (see
     :mod:`sofx.checkpoint.groups`); ``hparams`` serves as a template only. The
     returned hparams carry the state dict's values: in the template's
     structure, or one :class:`AdamHParams` per leaf with ``groups=``, or a single
@@ -224,11 +226,12 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
     if not isinstance(p, torch.Tensor):
         raise CheckpointError(f"{path}: expected a tensor, got {type(p).__name__}")
     dtype = opt.state_dtype or p.dtype
+    device = template_device(p) or torch.device("cpu")  # (a meta leaf has no storage: its state comes on the CPU)
     where = f"state[{tree.key_text(pid)}]"  # (an int id too long for decimal text: in hex)
     if entry is None or (isinstance(entry, dict) and not entry):  # no state: torch.optim's defaultdict(dict)
         counts[leaf] = torch.zeros((), dtype=torch.int64)
-        mus[leaf] = torch.zeros_like(p, dtype=dtype)
-        nus[leaf] = torch.zeros_like(p, dtype=dtype)
+        mus[leaf] = torch.zeros_like(p, dtype=dtype, device=device)
+        nus[leaf] = torch.zeros_like(p, dtype=dtype, device=device)
         return
     if not isinstance(entry, dict) or any(k not in entry for k in ("step", "exp_avg", "exp_avg_sq")):
         # keys sorted by their text: keys of mixed types (an int beside a str) do not sort themselves
@@ -249,7 +252,7 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         if odd is not None:
             raise CheckpointError(f"from_torch_optim: {where}[{name!r}] for {path}: expected a dense floating-point "
                                   f"tensor with data, got one {odd}")
-        out[leaf] = t.detach().to(device=p.device, dtype=dtype, copy=True)
+        out[leaf] = t.detach().to(device=device, dtype=dtype, copy=True)
 
 
 def _not_a_moment(t: torch.Tensor) -> str | None:
