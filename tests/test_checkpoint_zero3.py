@@ -871,3 +871,23 @@ def test_a_negative_step_count_is_refused_before_any_file_is_written(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"state.count\['dec'\]\[0\]: expected a step count >= 0, got -1"):
         ck.save_zero3(tmp_path / "out", opt, params, bad, HP, deepspeed_objects=False)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_meta_or_sparse_leaf_is_refused_naming_it_before_any_file_is_written(tmp_path):
+    """A param or moment on the meta device (no data) raised torch's bare NotImplementedError from the copy into
+    the flat groups, a sparse one a bare RuntimeError from reshape; sofx.checkpoint.save names such leaves."""
+    opt = sofx.adamw()
+    params = _params()
+    state = _train(opt, params, opt.init(params), 0, 1)[1]
+    meta_w = torch.empty(5, 3, device="meta")
+    sparse_w = state.mu["enc"]["w"].to_sparse()
+    cases = (({**params, "enc": {**params["enc"], "w": meta_w}}, state, "param", "on the meta device"),
+             (params, state._replace(mu={**state.mu, "enc": {**state.mu["enc"], "w": meta_w}}), "state.mu",
+              "on the meta device"),
+             (params, state._replace(nu={**state.nu, "enc": {**state.nu["enc"], "w": sparse_w}}), "state.nu",
+              "of layout torch.sparse_coo"))
+    for p, s, name, what in cases:
+        with pytest.raises(ck.CheckpointError, match=rf"^params\['enc'\]\['w'\]: {name} is a tensor {what}, which "
+                                                     "has no dense data to store"):
+            ck.save_zero3(tmp_path / "out", opt, p, s, HP, deepspeed_objects=False)
+        assert not os.path.exists(tmp_path / "out")

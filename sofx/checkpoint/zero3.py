@@ -175,6 +175,9 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
         for name, t in (("param", p), ("state.mu", m), ("state.nu", v)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
                 raise CheckpointError(f"{path}: {name} must be a tensor of the parameter's shape")
+            if t.layout != torch.strided or t.device.type == "meta":  # (torch's bare errors from the copy)
+                what = f"of layout {t.layout}" if t.layout != torch.strided else "on the meta device"
+                raise CheckpointError(f"{path}: {name} is a tensor {what}, which has no dense data to store")
             if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 # the layout's flat groups are float32: wider values would be rounded without a word
                 raise UnsupportedError(f"{path}: {name} has dtype {t.dtype}; the ZeRO-3 layout stores float32 (from "
