@@ -401,3 +401,22 @@ def test_a_deepspeed_loss_scale_resumed_with_an_edited_window_loads_though_the_e
         scales = _facade_steps(model, opt, 6, 9)  # an overflow at step 7: hysteresis 2 -> 1, no backoff
     assert scales == [2.0 ** 11] * 3
     assert wider.update(wider.update(state, False), True) == (2.0 ** 11, 8, 7, 1)
+
+
+def test_a_saved_parameter_of_another_shape_with_as_many_elements_is_refused_naming_it():
+    """The engine state's block layouts hold every parameter's shape, but the load compared only their sizes: a
+    state saved for Linear(5, 6)'s (6, 5) weight loaded into Linear(6, 5)'s (5, 6) one without a word, its master
+    and moments read in the other shape (torch.optim's moments of the other shape fail at its next step). It is
+    refused naming the parameter and both shapes, and nothing changes."""
+    torch.manual_seed(0)
+    saved_model, model = torch.nn.Linear(5, 6, bias=False), torch.nn.Linear(6, 5, bias=False)
+    with sofx.offload.SpeculativeAdamW(saved_model.parameters(), lr=1e-2, executor="inline") as opt:
+        opt.backward(saved_model(torch.randn(4, 5)).square().mean())
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(sofx.StructureError, match=r"state_dict\['state'\]\['layouts'\]\[0\]: parameter 0 has "
+                                                      r"shape \(6, 5\) in the state, \(5, 6\) here"):
+            opt.load_state_dict(saved)
+        assert_trees_bitwise(opt.state_dict()["state"], before["state"])

@@ -117,7 +117,7 @@ def _entry(state: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _check_layouts(engine: "OffloadEngine", saved: Any, where: str) -> None:
-    """The saved blocks hold the parameters as this engine's do (sizes and param groups)."""
+    """The saved blocks hold the parameters as this engine's do (sizes and param groups), each of its shape."""
     if not isinstance(saved, (list, tuple)):
         raise StructureError(f"{where}: expected a list of block layouts, got {type(saved).__name__}")
     layouts = []
@@ -130,6 +130,17 @@ def _check_layouts(engine: "OffloadEngine", saved: Any, where: str) -> None:
         raise StructureError(f"{where}: the saved blocks do not match this optimizer's blocks (block_numel, "
                              f"parameter sizes or param groups differ): saved {[list(b.numels) for b in layouts]}, "
                              f"here {[list(b.numels) for b in engine.layouts]}")
+    for b, (was, here) in enumerate(zip(layouts, engine.layouts)):
+        _check_shapes(was, here, f"{where}[{b}]")
+
+
+def _check_shapes(saved: BlockLayout, here: BlockLayout, where: str) -> None:
+    """Each parameter of a saved block has the shape of this engine's (as many elements in another shape, a
+    (6, 5) weight saved for a (5, 6) one, would be read in the wrong shape)."""
+    for index, was, now in zip(here.param_indices, saved.shapes, here.shapes):
+        if tuple(was) != tuple(now):
+            raise StructureError(f"{where}: parameter {index} has shape {tuple(was)} in the state, {tuple(now)} here "
+                                 "(as many elements, another shape: a state saved for another model)")
 
 
 def _check_adam_config(engine: "OffloadEngine", saved: Any, where: str) -> None:
