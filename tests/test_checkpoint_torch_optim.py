@@ -413,3 +413,59 @@ def test_a_meta_params_template_imports_the_moments_onto_the_cpu():
     assert torch.equal(state.mu["a"], saved["exp_avg"]) and torch.equal(state.nu["a"], saved["exp_avg_sq"])
     assert int(state.count["a"]) == 1 and int(state.count["b"]) == 0
     assert torch.equal(state.mu["b"], torch.zeros(4)) and torch.equal(state.nu["b"], torch.zeros(4))
+
+
+class _Attention(torch.nn.Module):
+    """Three projections of one shape, in model order q, k, v (flatten order of their names: k, q, v)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = (torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+
+
+def _attention_steps(model, torch_opt, start, stop):
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(300 + step)
+        x = torch.randn(2, 4, generator=g)
+        torch_opt.zero_grad()
+        (model.q(x) * model.k(x) + model.v(x)).square().mean().backward()
+        torch_opt.step()
+
+
+def test_saved_param_names_that_put_a_leaf_elsewhere_than_the_flatten_order_are_refused_naming_it():
+    """torch.optim made from named_parameters() keeps each group's param_names. The params tree's flatten order
+    (dict keys sorted: k, q, v) is not the model's (q, k, v), and the projections' moments, all of one shape, were
+    imported into each other's leaves without a word. The names say which parameter each entry is: a name of
+    another leaf than the one at its position is refused, naming both; with groups= in the state dict's order the
+    import is right and a run continued in sofx is torch's, bitwise."""
+    adamw = sofx.adamw(lr=1e-2)
+    model = _Attention()
+    torch_opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    _attention_steps(model, torch_opt, 0, 3)
+    sd = torch_opt.state_dict()
+    assert sd["param_groups"][0]["param_names"] == ["q.weight", "k.weight", "v.weight"]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with pytest.raises(ck.CheckpointMismatchError, match=r"^from_torch_optim: param_groups\[0\]\['params'\]\[0\] is "
+                                                         r"named 'q.weight', the params leaf params\['q.weight'\], "
+                                                         r"but the params tree puts params\['k.weight'\] there"):
+        ck.from_torch_optim(adamw, sd, params)
+    groups = [g["param_names"] for g in sd["param_groups"]]
+    state, hp = ck.from_torch_optim(adamw, sd, params, groups=groups)
+    assert torch.equal(state.mu["q.weight"], sd["state"][0]["exp_avg"])
+    for step in range(3, 5):
+        g = torch.Generator().manual_seed(300 + step)
+        x = torch.randn(2, 4, generator=g)
+
+        def loss(p):
+            q, k, v = (torch.nn.functional.linear(x, p[f"{n}.weight"]) for n in "qkv")
+            return (q * k + v).square().mean()
+
+        grads = torch.func.grad(loss)(params)
+        params, state, _ = adamw.update(params, grads, state, hp)
+    _attention_steps(model, torch_opt, 3, 5)
+    assert all(torch.equal(params[k], v) for k, v in model.named_parameters())
+    # names of no leaf of the tree (a DDP module's "module." prefix) say nothing here: the order is the caller's
+    foreign = {**sd, "param_groups": [{**sd["param_groups"][0], "param_names": [f"module.{n}" for n in groups[0]]}]}
+    state2, _ = ck.from_torch_optim(adamw, foreign, params, groups=groups)
+    assert torch.equal(state2.mu["q.weight"], sd["state"][0]["exp_avg"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import optree
 import torch
 
 from sofx import tree
@@ -159,7 +160,10 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
     :mod:`sofx.checkpoint.groups`); ``hparams`` serves as a template only. The
     returned hparams carry the state dict's values: in the template's
     structure, or one :class:`AdamHParams` per leaf with ``groups=``, or a single
-    one without either. Nothing is shared with ``state_dict``.
+    one without either. Nothing is shared with ``state_dict``. A group's saved
+    ``param_names`` (torch.optim made from ``named_parameters()``) that name another
+    leaf than the one the layout puts at that position are refused (the tree's
+    flatten order sorts dict keys: pass ``groups=`` in the state dict's order).
     """
     _check_opt(opt, "from_torch_optim")
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
@@ -169,6 +173,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
     resolved = resolve_groups(opt, spec, hparams, groups)
+    named = _leaves_by_name(params)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(resolved):
         raise CheckpointMismatchError(f"from_torch_optim: the state dict has {len(saved_groups)} param groups, the "
@@ -187,6 +192,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                           f"parameters, the params tree's group {gi} has {len(g.leaves)} "
                                           f"({[paths[i] for i in g.leaves][:4]}...)")
         _check_group_flags(opt, saved, gi)
+        _check_param_names(saved, g, gi, named, paths)
         group_hp.append(_group_hparams(saved, gi))
         for j, (pid, leaf) in enumerate(zip(saved["params"], g.leaves)):
             _check_hashable(pid, f"param_groups[{gi}]['params'][{j}]")
@@ -199,6 +205,38 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                       "that no param group lists")
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
     return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _leaves_by_name(params: Any) -> dict[str, int]:
+    """Each params leaf by its name as ``named_parameters()`` writes it (the keys of its tree path joined by
+    dots: ``dict(model.named_parameters())``'s keys, ``{"enc": {"w": ...}}`` -> ``"enc.w"``), for names that
+    only one leaf has."""
+    index: dict[str, int] = {}
+    clashes = set()
+    for i, keys in enumerate(optree.tree_paths(params)):
+        name = ".".join(tree.key_text(k) if isinstance(k, int) else str(k) for k in keys)
+        if name in index:
+            clashes.add(name)
+        index[name] = i
+    return {n: i for n, i in index.items() if n not in clashes}
+
+
+def _check_param_names(saved: dict, g: ParamGroup, gi: int, named: dict[str, int], paths: list[str]) -> None:
+    """Refuse a saved group whose ``param_names`` (torch.optim keeps them for an optimizer made from
+    ``named_parameters()``) name, at some position, another params leaf than the one the layout puts there: the
+    params tree's flatten order (dict keys sorted) is not the model's, and moments of equal shapes would be
+    imported into each other's leaves. Names of no leaf (another naming, a ``module.`` prefix) say nothing."""
+    names = saved.get("param_names")
+    if not isinstance(names, (list, tuple)) or len(names) != len(g.leaves):
+        return
+    for j, (name, leaf) in enumerate(zip(names, g.leaves)):
+        other = named.get(name) if isinstance(name, str) else None
+        if other is not None and other != leaf:
+            raise CheckpointMismatchError(
+                f"from_torch_optim: param_groups[{gi}]['params'][{j}] is named {name!r}, the params leaf "
+                f"{paths[other]}, but the params tree puts {paths[leaf]} there (its flatten order sorts dict keys); "
+                "pass groups= in the state dict's order (for dict(model.named_parameters()): "
+                "groups=[g['param_names'] for g in state_dict['param_groups']])")
 
 
 def _check_hashable(pid: Any, where: str) -> None:
