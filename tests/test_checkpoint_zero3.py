@@ -713,7 +713,10 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
         return top["optimizer_state_dict"]["optimizer_state_dict"]
 
     edits = [
-        (lambda top: inner(top)["param_groups"][0].__setitem__("params", [[0]]), "exactly one flat block"),
+        (lambda top: inner(top)["param_groups"][0].__setitem__("params", [[0]]),
+         r"param_groups\[0\] must be a dict whose 'params' lists flat block ids \(ints\), got \[\[0\]\]"),
+        (lambda top: inner(top)["param_groups"][0].__setitem__("params", [1]),
+         r"list the flat blocks \[1, 1\]; expected each of the 2 flat blocks once, in order \(0 to 1\)"),
         (lambda top: top["optimizer_state_dict"].__setitem__("partition_count", ["a", 1]), "partition_count"),
         (lambda top: top["optimizer_state_dict"]["fp32_flat_groups"].__setitem__(
             0, top["optimizer_state_dict"]["fp32_flat_groups"][0].long()), "not a floating-point tensor"),
@@ -891,3 +894,74 @@ def test_a_meta_or_sparse_leaf_is_refused_naming_it_before_any_file_is_written(t
                                                      "has no dense data to store"):
             ck.save_zero3(tmp_path / "out", opt, p, s, HP, deepspeed_objects=False)
         assert not os.path.exists(tmp_path / "out")
+
+
+DS_SUB_GROUPS_CHILD = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch
+import deepspeed
+import deepspeed.ops
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+sys.path.insert(0, sys.argv[3])
+from ds_common import N, batch, model_
+
+model = model_()
+ps = list(model.parameters())
+opt = torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2}], lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                        weight_decay=0.1)
+cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "sub_group_size": 40},
+       "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "gradient_clipping": 0.0}
+engine = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+for step in range(N):
+    x, y = batch(step)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+engine.save_checkpoint(sys.argv[1], tag="n")
+print("deepspeed ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+def test_a_deepspeed_checkpoint_whose_param_group_spans_several_sub_groups_loads(tmp_path):
+    """ZeRO-3 splits a param group into sub-groups of about ``sub_group_size`` elements (default 1e9: any group of
+    a larger model), one flat block each; the wrapped optimizer's param group then lists all of its blocks. Such
+    files (3 flat blocks, 2 param groups listing [0, 1] and [2]) were refused ('3 flat groups and 2 param groups');
+    they load, each block with its group's hyperparameters, and equal sofx's own run of the same groups."""
+    import socket
+    import subprocess
+
+    (tmp_path / "ds_common.py").write_text(DS_COMMON)
+    (tmp_path / "ds_child.py").write_text(DS_SUB_GROUPS_CHILD)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sys.modules.pop("ds_common", None)
+        import ds_common
+    finally:
+        sys.path.remove(str(tmp_path))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(tmp_path / "ds_child.py"), str(tmp_path / "ckpt"), str(port),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "deepspeed ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    top = torch.load(tmp_path / "ckpt" / "n" / ck.zero3_file_name(0), weights_only=False)
+    assert [g["params"] for g in top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]] == [[0, 1], [2]]
+
+    model = ds_common.model_()
+    opt = sofx.adamw(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    hp = {"0.weight": sofx.AdamHParams(), "0.bias": sofx.AdamHParams(), "2.weight": sofx.AdamHParams(lr=3e-2),
+          "2.bias": sofx.AdamHParams(lr=3e-2)}
+    params, state = init, opt.init(init)
+    for step in range(ds_common.N):
+        x, y = ds_common.batch(step)
+        ps = {k: v.detach().requires_grad_() for k, v in params.items()}
+        loss = ((torch.func.functional_call(model, ps, (x,)) - y) ** 2).mean()
+        grads = dict(zip(ps, torch.autograd.grad(loss, list(ps.values()))))
+        params, state, _ = opt.update(params, grads, state, hp)
+    template = {k: torch.zeros_like(v) for k, v in init.items()}
+    loaded_p, loaded_s, loaded_hp = ck.load_zero3(tmp_path / "ckpt" / "n", opt, template, hp)
+    assert _bits_equal((loaded_p, loaded_s), (params, state))
+    assert loaded_hp["2.bias"].lr == 3e-2 and loaded_hp["0.bias"].lr == 1e-2 and loaded_hp["0.weight"].lr == 1e-2

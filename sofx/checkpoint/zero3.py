@@ -16,7 +16,10 @@ One file per data-parallel rank ``dp`` (model-parallel rank ``mp``)::
 Blocks: for the functional API a block is a param group (see
 :mod:`sofx.checkpoint.groups`): its leaves packed in order into one flat
 float32 tensor (:func:`sofx.tree.pack`), one param group entry per block, as
-DeepSpeed's sub-groups. Partitioning is ZeRO-3's: every parameter of ``n``
+DeepSpeed's sub-groups. (DeepSpeed splits a param group into sub-groups of
+about ``sub_group_size`` elements, one block each, and its group entry lists
+them all: ``"params": [0, 1]``; :func:`load_zero3` reads that too, each block
+with its group's hyperparameters.) Partitioning is ZeRO-3's: every parameter of ``n``
 elements is split into ``W`` pieces of ``ceil(n / W)`` elements (the last
 zero-padded) and rank ``r``'s flat block is the concatenation of its pieces of
 the block's parameters -- the layout ``deepspeed.utils.zero_to_fp32`` reads.
@@ -436,6 +439,26 @@ def _step_value(x: Any, where: str) -> int:
     return int(v)
 
 
+def _block_owners(saved_groups: Sequence[Any], n_blocks: int, path: str) -> list[dict]:
+    """The param group of each flat block: the wrapped optimizer's groups list the blocks' ids, which its
+    ``state_dict()`` numbers ``0..n_blocks-1`` in group order (the ids of its ``state``). ZeRO-3 splits a param
+    group into sub-groups of about ``sub_group_size`` elements, one flat block each, so a group lists one block or
+    several (:func:`save_zero3` writes one per group). Anything else is a :class:`CorruptCheckpointError`."""
+    owners: list[dict] = []
+    for gi, group in enumerate(saved_groups):
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+            raise CorruptCheckpointError(f"{path}: param_groups[{gi}] must be a dict whose 'params' lists flat block "
+                                         f"ids (ints), got {str(ids if isinstance(group, dict) else group)[:80]}")
+        owners.extend(group for _ in ids)
+    listed = [i for group in saved_groups for i in group["params"]]
+    if listed != list(range(n_blocks)):
+        raise CorruptCheckpointError(f"{path}: the param groups list the flat blocks {str(listed)[:80]}; expected "
+                                     f"each of the {n_blocks} flat blocks once, in order (0 to {n_blocks - 1}), as "
+                                     "an optimizer's state_dict() numbers them")
+    return owners
+
+
 def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: Any = None, *,
                groups: Sequence[Sequence[Any]] | None = None, mp_rank: int = 0,
                bf16: bool | None = None) -> tuple[Any, AdamState, Any]:
@@ -704,11 +727,12 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
     flats = _get(zero, "fp32_flat_groups", path, (list, tuple))
     saved_groups = _get(inner, "param_groups", path, (list, tuple))
     saved_state = _get(inner, "state", path, dict)
-    if not (len(flats) == len(saved_groups) == len(resolved)):
+    if len(flats) != len(resolved):
         raise CheckpointMismatchError(f"{path}: {len(flats)} flat groups and {len(saved_groups)} param groups, "
                                       f"the params tree is laid out in {len(resolved)} blocks")
+    owners = _block_owners(saved_groups, len(flats), path)
     hps, steps, exp_avg, exp_avg_sq = [], [], [], []
-    for b, (g, saved, flat) in enumerate(zip(resolved, saved_groups, flats)):
+    for b, (g, saved, flat) in enumerate(zip(resolved, owners, flats)):
         want = sum(partition_numel(p_leaves[i].numel(), world) for i in g.leaves)
         where = f"{path}: block {b} ({paths[g.leaves[0]]}...)"
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != want:
@@ -716,9 +740,6 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
             raise CheckpointMismatchError(f"{where}: the flat master has {got}, the params need {want} per rank")
         if not flat.is_floating_point():
             raise CorruptCheckpointError(f"{where}: the flat master is {flat.dtype}, not a floating-point tensor")
-        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)) \
-                or len(saved["params"]) != 1 or type(saved["params"][0]) is not int:
-            raise CorruptCheckpointError(f"{where}: a param group must list exactly one flat block (its int id)")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
             raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "
                                    f"{opt.variant.bias_correction}")
@@ -736,7 +757,7 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                                                              saved["weight_decay"])))
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpointError(f"{where}: the param group lacks lr, betas, eps or weight_decay") from None
-        entry = saved_state.get(saved["params"][0])
+        entry = saved_state.get(b)
         if entry is None:
             steps.append(0)
             exp_avg.append(torch.zeros(want, dtype=torch.float32))
