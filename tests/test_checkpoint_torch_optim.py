@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -469,3 +470,40 @@ def test_saved_param_names_that_put_a_leaf_elsewhere_than_the_flatten_order_are_
     foreign = {**sd, "param_groups": [{**sd["param_groups"][0], "param_names": [f"module.{n}" for n in groups[0]]}]}
     state2, _ = ck.from_torch_optim(adamw, foreign, params, groups=groups)
     assert torch.equal(state2.mu["q.weight"], sd["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("step_kind", ["tensor", "int"])
+@pytest.mark.parametrize("options", [{"foreach": False}, {"foreach": True}, {"fused": True}],
+                         ids=["single_tensor", "foreach", "fused"])
+def test_a_state_dict_of_any_torch_implementation_and_step_kind_continues_in_sofx_bitwise(options, step_kind):
+    """torch's state dict carries its implementation flags (foreach, fused, differentiable, capturable) in each
+    group and its steps as float32 0-d tensors (an int in older torch); a parameter without a gradient in the
+    first steps has no state. Whatever the flags and the step's kind, the import holds torch's moments and counts
+    bit for bit, and the run continued in sofx is torch's own continuation, bitwise, in two groups of different
+    hyperparameters (fused: sofx's float32 step rounds as torch's single-tensor and foreach paths, not its fused
+    kernel's, so there the continuation is checked against torch's single-tensor path)."""
+    make, torch_cls, hp = CASES["adamw_two_groups"]
+    opt = make()
+    params = _params()
+    torch_opt = torch_cls(ck.torch_param_groups(opt, params, hp), **options)
+    _torch_steps(torch_opt, params, 0, N)
+    sd = copy.deepcopy(torch_opt.state_dict())  # (torch's load keeps the step tensors: its steps would change sd)
+    assert all(sd["param_groups"][0][k] is not None for k in ("differentiable", "capturable"))
+    if step_kind == "int":
+        for entry in sd["state"].values():
+            entry["step"] = int(entry["step"])
+    state, hparams = ck.from_torch_optim(opt, sd, params, hp)
+    assert _equal(state, ck.from_torch_optim(opt, copy.deepcopy(torch_opt.state_dict()), params, hp)[0])
+    back = ck.to_torch_optim(opt, state, hparams)
+    for i, entry in sd["state"].items():
+        assert int(back["state"][i]["step"]) == int(entry["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(back["state"][i][key], entry[key])
+    ours, _ = _sofx_steps(opt, _clone(params), state, hparams, N, N + M)
+    theirs = _clone(params)
+    cont = torch_cls(ck.torch_param_groups(opt, theirs, hp), **{**options, "fused": False})
+    cont.load_state_dict(sd)
+    for group in cont.param_groups:
+        group["fused"] = False
+    _torch_steps(cont, theirs, N, N + M)
+    assert _equal(ours, theirs)
