@@ -965,3 +965,27 @@ def test_a_deepspeed_checkpoint_whose_param_group_spans_several_sub_groups_loads
     loaded_p, loaded_s, loaded_hp = ck.load_zero3(tmp_path / "ckpt" / "n", opt, template, hp)
     assert _bits_equal((loaded_p, loaded_s), (params, state))
     assert loaded_hp["2.bias"].lr == 3e-2 and loaded_hp["0.bias"].lr == 1e-2 and loaded_hp["0.weight"].lr == 1e-2
+
+
+def test_a_sparse_flat_master_or_moment_in_a_file_is_a_corrupt_checkpoint_error(tmp_path):
+    """torch.load(weights_only=True) rebuilds sparse tensors: a file whose flat master or moment was sparse passed
+    the size checks and raised torch's bare RuntimeError from reshape. No ZeRO-3 run writes one."""
+    opt = sofx.adamw()
+    params = _params()
+    state = _train(opt, params, opt.init(params), 0, 1)[1]
+
+    def sparse_master(z):
+        z["fp32_flat_groups"][1] = z["fp32_flat_groups"][1].to_sparse()
+
+    def sparse_moment(z):
+        entry = z["optimizer_state_dict"]["state"][1]
+        entry["exp_avg_sq"] = entry["exp_avg_sq"].to_sparse()
+
+    for i, (edit, match) in enumerate(((sparse_master, r"the flat master is a tensor of layout torch.sparse_coo"),
+                                       (sparse_moment, r"exp_avg_sq must be a flat floating-point tensor"))):
+        files = ck.save_zero3(tmp_path / f"d{i}", opt, params, state, HP, deepspeed_objects=False)
+        top = torch.load(files[0], weights_only=True)
+        edit(top["optimizer_state_dict"])
+        torch.save(top, files[0])
+        with pytest.raises(ck.CheckpointError, match=r"block 1 \(params\['enc'\]\['b'\]...\): " + match):
+            ck.load_zero3(tmp_path / f"d{i}", opt, params, HP)

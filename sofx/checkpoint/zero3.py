@@ -740,6 +740,9 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
             raise CheckpointMismatchError(f"{where}: the flat master has {got}, the params need {want} per rank")
         if not flat.is_floating_point():
             raise CorruptCheckpointError(f"{where}: the flat master is {flat.dtype}, not a floating-point tensor")
+        if flat.layout != torch.strided:  # (torch.load rebuilds sparse tensors; reshape would fail on it)
+            raise CorruptCheckpointError(f"{where}: the flat master is a tensor of layout {flat.layout}, not a dense "
+                                         "one")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
             raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "
                                    f"{opt.variant.bias_correction}")
@@ -765,7 +768,8 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         else:
             for key in ("exp_avg", "exp_avg_sq"):
                 t = entry.get(key) if isinstance(entry, dict) else None
-                if not isinstance(t, torch.Tensor) or t.numel() != want or not t.is_floating_point():
+                if not isinstance(t, torch.Tensor) or t.numel() != want or not t.is_floating_point() \
+                        or t.layout != torch.strided:
                     raise CheckpointMismatchError(f"{where}: {key} must be a flat floating-point tensor of {want} "
                                                   "elements")
             steps.append(_step_value(entry.get("step"), where))
