@@ -507,3 +507,18 @@ def test_a_state_dict_of_any_torch_implementation_and_step_kind_continues_in_sof
         group["fused"] = False
     _torch_steps(cont, theirs, N, N + M)
     assert _equal(ours, theirs)
+
+
+def test_a_moment_without_dense_data_is_refused_on_export_naming_the_leaf():
+    """A state of meta moments (sofx.adamw().init of a model on the meta device, its count set) was exported as it
+    was, and torch's load_state_dict then failed in its own copy, naming no parameter; a sparse one (which update
+    refuses) likewise."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2), "b": torch.randn(3)}
+    state = adamw.update(params, {"a": torch.ones(2), "b": torch.ones(3)}, adamw.init(params))[1]
+    for field, moment, what in (("mu", torch.zeros(3, device="meta"), "on the meta device"),
+                                ("nu", torch.zeros(3).to_sparse(), "of layout torch.sparse_coo")):
+        bad = state._replace(**{field: {**getattr(state, field), "b": moment}})
+        with pytest.raises(ck.CheckpointError, match=rf"^state.{field}\['b'\]: expected a dense floating-point tensor "
+                                                     rf"with data, got one {what}"):
+            ck.to_torch_optim(adamw, bad)

@@ -93,11 +93,25 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
         for leaf in g.leaves:
             c = _export_count(counts[leaf], f"state.count{paths[leaf][len('params'):]}")
             if c > 0:
+                _check_exported_moments(mus[leaf], nus[leaf], paths[leaf][len('params'):])
                 torch_state[index] = {"step": torch.tensor(float(c), dtype=torch.float32),
                                       "exp_avg": mus[leaf].detach().clone(),
                                       "exp_avg_sq": nus[leaf].detach().clone()}
             index += 1
     return {"state": torch_state, "param_groups": param_groups}
+
+
+def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
+    """Refuse moments torch's ``load_state_dict`` cannot copy (it fails in its own copy, naming no parameter):
+    not a tensor, or one without dense floating-point data (:func:`_not_a_moment`). ``at``: the leaf's path
+    below the state's root."""
+    for field, t in (("mu", mu), ("nu", nu)):
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"state.{field}{at}: expected a dense floating-point tensor with data, got a "
+                                  f"{type(t).__name__}")
+        odd = _not_a_moment(t)
+        if odd is not None:
+            raise CheckpointError(f"state.{field}{at}: expected a dense floating-point tensor with data, got one {odd}")
 
 
 def _export_count(x: Any, where: str) -> int:
