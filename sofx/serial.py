@@ -275,7 +275,7 @@ def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseExce
 
 
 def _missing(**given: Any) -> list[str]:
-    """The names of ``given`` (the step's required keywords and their values), in order, left at ``REQUIRED``."""
+    """The names of ``given`` (the step's required arguments and their values), in order, left at ``REQUIRED``."""
     return [name for name, value in given.items() if value is REQUIRED]
 
 
@@ -290,37 +290,63 @@ def _keyword_names(fn: Callable[..., Any], leave_out: Sequence[str] = ()) -> tup
                  if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in leave_out)
 
 
+def _positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters of ``fn`` that may be given by position, in order (``opt, params, grads, state``)."""
+    return tuple(n for n, p in inspect.signature(fn).parameters.items()
+                 if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+
+
 def refuse_unknown_keywords(what: str, unknown: Mapping[str, Any], known: Sequence[str],
                             reduce_sumsq: Callable[[float], float] | None, loop: bool = True,
-                            missing: Sequence[str] = ()) -> None:
-    """Refuse the keywords ``unknown`` that step ``what`` does not take (it takes ``known``), and the required ones
-    ``missing`` it was not given: a :class:`~sofx.errors.SofxError` naming them and ``known`` (for a loop step,
-    ``loop``, a keyword the loop takes from its :class:`LoopState`, ``scaler_state=``, named as such; for a
-    missing one, the unknown keyword given in its place, :func:`_misspelt`: ``scalr= given, did you mean
-    scaler=?``), raised before the step evaluates or steps anything, after telling the reduction
+                            missing: Sequence[str] = (), extra: Sequence[Any] = (),
+                            positional: Sequence[str] = ()) -> None:
+    """Refuse a call of step ``what`` that Python would have refused at the call: the keywords ``unknown`` it does
+    not take (it takes ``known``, keyword-only), the required arguments ``missing`` it was not given and the
+    positional arguments ``extra`` beyond its own (``positional``: those it takes by position, ``opt, params,
+    grads, state``). A :class:`~sofx.errors.SofxError` names them and what it takes (for a loop step, ``loop``, a
+    keyword the loop takes from its :class:`LoopState`, ``scaler_state=``, named as such; for a missing one, the
+    unknown keyword given in its place, :func:`_misspelt`: ``scalr= given, did you mean scaler=?``,
+    ``stat= given, did you mean state=?``; where a positional argument is missing or one too many, the positional
+    ones before the keywords), raised before the step evaluates or steps anything, after telling the reduction
     (:func:`refuse_reduce`) through ``reduce_sumsq``, or without it, through a hook passed under an unknown
-    keyword (``reduce_sumq=``, named as such in the error). Python's ``TypeError`` at the call (an unknown
-    keyword, a required one left out or misspelt), or from the step it calls, left the other ranks waiting for
-    this rank's sum of squares forever; so did a refusal that did not find the hook under its misspelt keyword."""
-    if not unknown and not missing:
+    keyword (``reduce_sumq=``) or as a positional argument too many, named as such in the error. Python's
+    ``TypeError`` at the call (an unknown keyword, a required argument left out or misspelt, a positional argument
+    too many), or from the step it calls, left the other ranks waiting for this rank's sum of squares forever; so
+    did a refusal that did not find the hook where it was given."""
+    if not unknown and not missing and not extra:
         return
     guesses = _misspelt(missing, unknown)
     names = sorted(n for n in unknown if n not in guesses.values())
     said = []
+    if extra:
+        said.append(f"{len(extra)} positional argument{'s' if len(extra) > 1 else ''} too many "
+                    f"({', '.join(type(a).__name__ for a in extra)})")
     if missing:
         hint = "; ".join(f"{guesses[m]}= given, did you mean {m}=?" for m in missing if m in guesses)
-        said.append(f"missing required keyword argument{'s' if len(missing) > 1 else ''} "
+        kind = "argument" if any(m in positional for m in missing) else "keyword argument"
+        said.append(f"missing required {kind}{'s' if len(missing) > 1 else ''} "
                     f"{', '.join(map(repr, missing))}{f' ({hint})' if hint else ''}")
     if names:
         said.append(f"unknown keyword argument{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}")
+    takes = ", ".join(known)
+    if extra or any(m in positional for m in missing):
+        takes = f"{', '.join(positional)}, then only the keywords {takes}"
     from_loop = [f"{n} is {_FROM_LOOP[n]}" for n in names if n in _FROM_LOOP and loop]
     hint = f" ({'; '.join(from_loop)}: pass the loop with it replaced)" if from_loop else ""
     misspelt = [n for n in sorted(unknown) if _is_hook(unknown[n])]
     if misspelt:
         hint += f" ({misspelt[0]} is a reduce_sumsq hook: pass it as reduce_sumsq=)"
-    error = SofxError(f"{what}: {'; '.join(said)}; it takes {', '.join(known)}{hint}")
-    # the hook passed under a misspelt keyword (reduce_sumq=) is the one the other ranks wait in: refuse there
-    refuse_reduce(reduce_sumsq if reduce_sumsq is not None or not misspelt else unknown[misspelt[0]], error)
+    placed = next((k for k, a in enumerate(extra) if _is_hook(a)), None)
+    if placed is not None:
+        hint += (f" (positional argument {len(positional) + placed + 1} is a reduce_sumsq hook: pass it as "
+                 "reduce_sumsq=)")
+    error = SofxError(f"{what}: {'; '.join(said)}; it takes {takes}{hint}")
+    # the hook passed under a misspelt keyword (reduce_sumq=) or by position is the one the other ranks wait in
+    if reduce_sumsq is None and misspelt:
+        reduce_sumsq = unknown[misspelt[0]]
+    elif reduce_sumsq is None and placed is not None:
+        reduce_sumsq = extra[placed]
+    refuse_reduce(reduce_sumsq, error)
     raise error
 
 
@@ -404,7 +430,8 @@ def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: f
     return clip > 1.0, 1.0 / clip, 1.0 / (clip * scale)
 
 
-def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler: LossScaler = REQUIRED,
+def serial_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = REQUIRED, state: AdamState = REQUIRED,
+                *extra: Any, scaler: LossScaler = REQUIRED,
                 scaler_state: LossScaleState = REQUIRED, hparams: Any = None, max_norm: float | None = None,
                 profile: str = "torch", missing_grad: str = "skip",
                 reduce_sumsq: Callable[[float], float] | None = None,
@@ -423,13 +450,14 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     others through the hook (:func:`refuse_reduce`) before it raises.
     Returns the new params, state, loss-scaler state and the step's
     :class:`StepFacts`; on overflow params and state are returned unchanged.
-    ``scaler`` and ``scaler_state`` are required (``<required>``). A keyword it does not take, or a required
-    one left out or misspelt, is refused (:func:`refuse_unknown_keywords`) before anything runs.
+    ``opt``, ``params``, ``grads``, ``state``, ``scaler`` and ``scaler_state`` are required (``<required>``). A
+    keyword it does not take, a required argument left out or misspelt (``stat=``) or a positional argument too
+    many is refused (:func:`refuse_unknown_keywords`) before anything runs.
     """
-    missing = _missing(scaler=scaler, scaler_state=scaler_state)
-    if unknown or missing:
+    missing = _missing(opt=opt, params=params, grads=grads, state=state, scaler=scaler, scaler_state=scaler_state)
+    if unknown or missing or extra:
         refuse_unknown_keywords("serial_step", unknown, _keyword_names(serial_step), reduce_sumsq, loop=False,
-                                missing=missing)
+                                missing=missing, extra=extra, positional=_positional_names(serial_step))
     try:  # everything this rank may refuse, before the reduction (see refuse_reduce)
         check_opt(opt)
         check_profile(profile)
@@ -464,7 +492,8 @@ def serial_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, scaler:
     return SerialStepResult(new_params, new_state, facts.scaler_state, facts)
 
 
-def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScaler = REQUIRED,
+def serial_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grads: Any = REQUIRED, *extra: Any,
+                     scaler: LossScaler = REQUIRED,
                      hparams: Any = None,
                      max_norm: float | None = None, profile: str = "torch", missing_grad: str = "skip",
                      reduce_sumsq: Callable[[float], float] | None = None,
@@ -479,13 +508,14 @@ def serial_loop_step(opt: Adam, loop: LoopState, grads: Any, *, scaler: LossScal
             grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
             loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
 
-    ``scaler`` is required (``<required>``). A keyword it does not take, or ``scaler`` left out or misspelt, is
-    refused (:func:`refuse_unknown_keywords`) before anything runs.
+    ``opt``, ``loop``, ``grads`` and ``scaler`` are required (``<required>``). A keyword it does not take, a
+    required argument left out or misspelt (``lop=``) or a positional argument too many is refused
+    (:func:`refuse_unknown_keywords`) before anything runs.
     """
-    missing = _missing(scaler=scaler)
-    if unknown or missing:
+    missing = _missing(opt=opt, loop=loop, grads=grads, scaler=scaler)
+    if unknown or missing or extra:
         refuse_unknown_keywords("serial_loop_step", unknown, _keyword_names(serial_loop_step), reduce_sumsq,
-                                missing=missing)
+                                missing=missing, extra=extra, positional=_positional_names(serial_loop_step))
     try:
         step = check_loop(loop)
         check_opt(opt)  # (before the schedule runs)

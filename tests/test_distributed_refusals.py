@@ -292,6 +292,45 @@ def _not_a_number(rank: int) -> dict:
     return {"msg": error_text(lambda: reduce(torch.ones(2) if rank == BAD else 1.0)), "next": reduce(2.0)}
 
 
+def _positional_argument_misspelt_or_too_many(rank: int) -> dict:
+    """The steps, the loop steps and plan_validation with a positional argument under a misspelt keyword (stat=,
+    lop=, sumsqs=) or one positional argument too many on rank BAD only: before, Python's TypeError there at the
+    call, before any code ran, while the other rank waited in the hook for its sum until the group's timeout."""
+    opt, scaler = sofx.adamw(lr=1e-2), sofx.loss_scale.grad_scaler()
+    reduce = sd.all_reduce_sumsq()
+    loop = init_loop(opt, [torch.ones(3)], scaler)
+    bad = rank == BAD
+    grads = [torch.full((3,), 0.5)]
+    cfg = SpeculationConfig()
+    ctx, tally = begin_step(opt, cfg, scaler, loop.scaler_state, n_blocks=1)
+    state = {"stat" if bad else "state": loop.opt_state}
+    looped = {"lop" if bad else "loop": loop}
+    extra = (True,) if bad else ()
+    step_kw = {"scaler": scaler, "scaler_state": loop.scaler_state, "reduce_sumsq": reduce}
+    calls = {"serial_step_misspelt": lambda: serial_step(opt, loop.params, grads, **state, **step_kw),
+             "serial_step_too_many": lambda: serial_step(opt, loop.params, grads, loop.opt_state, *extra, **step_kw),
+             "serial_loop_step_misspelt": lambda: serial_loop_step(opt, grads=grads, scaler=scaler,
+                                                                   reduce_sumsq=reduce, **looped),
+             "serial_loop_step_too_many": lambda: serial_loop_step(opt, loop, grads, *extra, scaler=scaler,
+                                                                   reduce_sumsq=reduce),
+             "speculative_step_misspelt": lambda: speculative_step(opt, loop.params, grads, config=cfg, **state,
+                                                                   **step_kw),
+             "speculative_step_too_many": lambda: speculative_step(opt, loop.params, grads, loop.opt_state, *extra,
+                                                                   config=cfg, **step_kw),
+             "speculative_loop_step_misspelt": lambda: speculative_loop_step(opt, grads=grads, config=cfg,
+                                                                             scaler=scaler, reduce_sumsq=reduce,
+                                                                             **looped),
+             "speculative_loop_step_too_many": lambda: speculative_loop_step(opt, loop, grads, *extra, config=cfg,
+                                                                             scaler=scaler, reduce_sumsq=reduce),
+             "plan_validation_misspelt": lambda: plan_validation(ctx, tally, reduce_sumsq=reduce,
+                                                                 **{"sumsqs" if bad else "sumsq": [0.75]}),
+             "plan_validation_too_many": lambda: plan_validation(ctx, tally, [0.75], *extra, reduce_sumsq=reduce)}
+    out = {what: error_text(call) for what, call in calls.items()}
+    out["next"] = serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce)[0].step
+    out["params"] = loop.params
+    return out
+
+
 CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_data": _local_leaf_without_data,
          "local_leaf_unlike": _local_leaf_unlike, "meta_gradient": _meta_gradient,
          "nested_gradient": _nested_gradient, "gradient_not_floating": _gradient_not_floating,
@@ -300,7 +339,8 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
          "loop_step_unknown_keyword": _loop_step_unknown_keyword,
          "hook_under_a_misspelt_keyword": _hook_under_a_misspelt_keyword,
          "required_keyword_misspelt": _required_keyword_misspelt, "plan_validation_input": _plan_validation_input,
-         "hook_called_with_a_misspelt_keyword": _hook_called_with_a_misspelt_keyword, "not_a_number": _not_a_number}
+         "hook_called_with_a_misspelt_keyword": _hook_called_with_a_misspelt_keyword, "not_a_number": _not_a_number,
+         "positional_argument_misspelt_or_too_many": _positional_argument_misspelt_or_too_many}
 
 
 @pytest.fixture(scope="module")
@@ -463,6 +503,20 @@ def test_plan_validation_input_refused_on_one_rank_is_refused_on_every_rank(rank
            "taken": _is("block 0: taken[0] is True but the block was not speculated")}
     for case in _refused_on_every_rank(ranks, "plan_validation_input", own):
         assert case["next"] == pytest.approx((2 * 1.25) ** 0.5 / 2.0 ** 16)  # the next step, on every rank
+
+
+def test_a_positional_argument_misspelt_or_too_many_on_one_rank_is_refused_on_every_rank(ranks):
+    misspelt = {"serial_step": ("state", "stat"), "serial_loop_step": ("loop", "lop"),
+                "speculative_step": ("state", "stat"), "speculative_loop_step": ("loop", "lop"),
+                "plan_validation": ("sumsq", "sumsqs")}
+    own = {}
+    for what, (name, wrong) in misspelt.items():
+        own[f"{what}_misspelt"] = _starts(f"{what}: missing required argument '{name}' ({wrong}= given, did you "
+                                          f"mean {name}=?); it takes ")
+        own[f"{what}_too_many"] = _starts(f"{what}: 1 positional argument too many (bool); it takes ")
+    for case in _refused_on_every_rank(ranks, "positional_argument_misspelt_or_too_many", own):
+        assert case["next"] == 1  # the next step, on every rank
+        assert torch.equal(case["params"][0], torch.ones(3))
 
 
 def test_the_hook_called_with_a_misspelt_keyword_on_one_rank_is_refused_on_every_rank(ranks):

@@ -625,16 +625,98 @@ def test_a_missing_required_keyword_is_refused_naming_the_misspelt_one_before_an
     assert all(not m.any() for m in state.mu)
 
 
-def test_the_required_keywords_of_the_steps_show_as_required(rng):
-    """The required keywords have a private default (so that leaving one out is refused through the hook, not by
-    Python at the call): the signature help() shows says <required> for each, and the docstring says which."""
+def test_a_misspelt_or_extra_positional_argument_is_refused_through_the_hook_before_anything_runs(rng):
+    """A positional argument given under a misspelt keyword (stat=, lop=, sumsqs=) or one positional argument
+    too many, to either step, either loop step or plan_validation: before, Python's TypeError at the call, before
+    any code ran, so the reduction hook was never told and the other ranks waited for this rank's sum forever.
+    Now each raises a SofxError naming the missing argument (and the misspelt keyword given in its place) or the
+    extra one, and what it takes, after telling the hook (also one given as the extra positional argument), and
+    runs nothing: no schedule, no write."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    rule = loss_scale.grad_scaler()
+    params = _params(rng)
+    state = opt.init(params)
+    loop = init_loop(opt, params, rule)
+    grads = _grads(rng)
+    before = [t.clone() for t in params]
+    scheduled: list[int] = []
+
+    def schedule(step: int) -> AdamHParams:
+        scheduled.append(step)
+        return AdamHParams(lr=1e-2)
+
+    cfg = sp.SpeculationConfig()
+    ctx, tally = sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=len(params))
+    takes = {"serial_step": "opt, params, grads, state, then only the keywords scaler, scaler_state, hparams, "
+                            "max_norm, profile, missing_grad, reduce_sumsq, donate",
+             "serial_loop_step": "opt, loop, grads, then only the keywords scaler, hparams, max_norm, profile, "
+                                 "missing_grad, reduce_sumsq, donate",
+             "speculative_step": "opt, params, grads, state, then only the keywords config, scaler, scaler_state, "
+                                 "policy_state, hparams, validation_hparams, backward_scale, order, late_grads, "
+                                 "last_micro_step, reduce_sumsq, donate",
+             "speculative_loop_step": "opt, loop, grads, then only the keywords config, scaler, hparams, "
+                                      "validation_hparams, backward_scale, order, late_grads, last_micro_step, "
+                                      "reduce_sumsq, donate",
+             "plan_validation": "ctx, tally, sumsq, then only the keywords hparams, taken, reduce_sumsq"}
+    serial = {"scaler": rule, "scaler_state": rule.init(), "donate": True}
+    spec = {**serial, "config": cfg}
+    loop_kw = {"scaler": rule, "hparams": schedule, "donate": True}
+    misspelt = {  # what -> (the call, given the hook's keywords and the misspelt argument, its words)
+        "serial_step": (lambda kw: serial_step(opt, params, grads, **serial, **kw), "state", "stat", state),
+        "serial_loop_step": (lambda kw: serial_loop_step(opt, grads=grads, **loop_kw, **kw), "loop", "lop", loop),
+        "speculative_step": (lambda kw: sp.speculative_step(opt, params, grads, **spec, **kw), "state", "stat",
+                             state),
+        "speculative_loop_step": (lambda kw: sp.speculative_loop_step(opt, grads=grads, config=cfg, **loop_kw, **kw),
+                                  "loop", "lop", loop),
+        "plan_validation": (lambda kw: sp.plan_validation(ctx, tally, **kw), "sumsq", "sumsqs", [1.0] * 4)}
+    for what, (call, name, wrong, value) in misspelt.items():
+        hook = _RecordingHook()
+        with pytest.raises(sofx.SofxError) as info:
+            call({wrong: value, "reduce_sumsq": hook})
+        assert str(info.value) == (f"{what}: missing required argument '{name}' ({wrong}= given, did you mean "
+                                   f"{name}=?); it takes {takes[what]}"), str(info.value)
+        assert hook.calls == [f"refuse: {info.value}"], hook.calls
+    too_many = {  # what -> the call with one positional argument too many (extra), given the hook's keywords
+        "serial_step": lambda extra, kw: serial_step(opt, params, grads, state, extra, **serial, **kw),
+        "serial_loop_step": lambda extra, kw: serial_loop_step(opt, loop, grads, extra, **loop_kw, **kw),
+        "speculative_step": lambda extra, kw: sp.speculative_step(opt, params, grads, state, extra, **spec, **kw),
+        "speculative_loop_step": lambda extra, kw: sp.speculative_loop_step(opt, loop, grads, extra, config=cfg,
+                                                                            **loop_kw, **kw),
+        "plan_validation": lambda extra, kw: sp.plan_validation(ctx, tally, [1.0] * 4, extra, **kw)}
+    for what, call in too_many.items():
+        hook = _RecordingHook()
+        with pytest.raises(sofx.SofxError) as info:
+            call(True, {"reduce_sumsq": hook})
+        assert str(info.value) == f"{what}: 1 positional argument too many (bool); it takes {takes[what]}"
+        assert hook.calls == [f"refuse: {info.value}"], hook.calls
+        hook = _RecordingHook()  # the hook given as the extra argument: it is the one the other ranks wait in
+        with pytest.raises(sofx.SofxError) as info:
+            call(hook, {})
+        place = takes[what].split(", then")[0].count(",") + 2  # (after the last it takes)
+        assert str(info.value) == (f"{what}: 1 positional argument too many (_RecordingHook); it takes "
+                                   f"{takes[what]} (positional argument {place} is a reduce_sumsq hook: pass it as "
+                                   "reduce_sumsq=)"), str(info.value)
+        assert hook.calls == [f"refuse: {info.value}"], hook.calls
+    assert scheduled == []
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert all(not m.any() for m in state.mu)
+
+
+def test_the_required_arguments_of_the_steps_show_as_required(rng):
+    """The required arguments, positional and keyword, have a private default (so that leaving one out is refused
+    through the hook, not by Python at the call): the signature help() shows says <required> for each, and the
+    docstring says which."""
     import inspect
 
     from sofx.serial import serial_loop_step
 
-    for fn, required in ((serial_step, ("scaler", "scaler_state")), (serial_loop_step, ("scaler",)),
-                         (sp.speculative_step, ("config", "scaler", "scaler_state")),
-                         (sp.speculative_loop_step, ("config", "scaler"))):
+    step, loop = ("opt", "params", "grads", "state"), ("opt", "loop", "grads")
+    for fn, required in ((serial_step, (*step, "scaler", "scaler_state")), (serial_loop_step, (*loop, "scaler")),
+                         (sp.speculative_step, (*step, "config", "scaler", "scaler_state")),
+                         (sp.speculative_loop_step, (*loop, "config", "scaler")),
+                         (sp.plan_validation, ("ctx", "tally", "sumsq"))):
         sig = inspect.signature(fn)
         shown = [n for n, p in sig.parameters.items() if repr(p.default) == "<required>"]
         assert shown == list(required), (fn.__name__, str(sig))

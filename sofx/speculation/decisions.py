@@ -42,9 +42,10 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import as_integer, flag, integer
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
-from sofx.serial import (StepFacts, _keyword_names, can_unscale, check_max_norm, check_profile, check_scale,
-                         clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq, refuse_reduce,
-                         refuse_unknown_keywords, step_facts, step_settings, without_gradients)
+from sofx.required import REQUIRED
+from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
+                         check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq,
+                         refuse_reduce, refuse_unknown_keywords, step_facts, step_settings, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -503,8 +504,9 @@ def _changes(d: BlockDecision, late: bool, grad_scale: float, hp: AdamHParams, f
     return why
 
 
-def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], *,
-                    hparams: Any = None, taken: Sequence[bool] | None = None,
+def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED,
+                    sumsq: Sequence[float | None] = REQUIRED, *extra: Any, hparams: Any = None,
+                    taken: Sequence[bool] | None = None,
                     reduce_sumsq: Callable[[float], float] | None = None, **unknown: Any) -> ValidationPlan:
     """Validate the step: global facts, one :class:`BlockAction` per block, the next states and the report.
 
@@ -520,13 +522,15 @@ def plan_validation(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[floa
     gradient on any rank moves neither the loss scaler nor the policy); a hook
     that compares the ranks' step settings gets them (``config.profile``,
     ``max_norm``, ``missing_grad``, ``ctx.scaler_state``:
-    :func:`sofx.serial.reduced_sumsq`). A keyword it does not take is refused, after telling the hook
-    (:func:`sofx.serial.refuse_unknown_keywords`); so is input it refuses (:func:`_validation_inputs`), through
-    :func:`sofx.serial.refuse_reduce`, before it reduces.
+    :func:`sofx.serial.reduced_sumsq`). A keyword it does not take, a required argument (``ctx``, ``tally``,
+    ``sumsq``: ``<required>``) left out or misspelt, or a positional argument too many, is refused, after telling
+    the hook (:func:`sofx.serial.refuse_unknown_keywords`); so is input it refuses (:func:`_validation_inputs`),
+    through :func:`sofx.serial.refuse_reduce`, before it reduces.
     """
-    if unknown:
+    missing = _missing(ctx=ctx, tally=tally, sumsq=sumsq)
+    if unknown or missing or extra:
         refuse_unknown_keywords("plan_validation", unknown, _keyword_names(plan_validation), reduce_sumsq,
-                                loop=False)
+                                loop=False, missing=missing, extra=extra, positional=_positional_names(plan_validation))
     try:  # everything this rank may refuse, before the reduction (the other ranks wait in it for this one)
         hps, spec_taken, local = _validation_inputs(ctx, tally, sumsq, hparams, taken)
     except Exception as exc:

@@ -22,8 +22,8 @@ from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.required import REQUIRED
-from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, call_reduce, check_loop,
-                         check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords)
+from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, _positional_names, call_reduce,
+                         check_loop, check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -54,8 +54,9 @@ class SpeculativeStepResult(NamedTuple):
     plan: ValidationPlan
 
 
-def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *,
-                     config: SpeculationConfig = REQUIRED, scaler: LossScaler = REQUIRED,
+def speculative_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = REQUIRED,
+                     state: AdamState = REQUIRED, *extra: Any, config: SpeculationConfig = REQUIRED,
+                     scaler: LossScaler = REQUIRED,
                      scaler_state: LossScaleState = REQUIRED, policy_state: PolicyState | None = None,
                      hparams: Any = None, validation_hparams: Any = _SAME, backward_scale: float | None = None,
                      order: Sequence[int] | None = None, late_grads: Mapping[int, torch.Tensor] | None = None,
@@ -87,14 +88,17 @@ def speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *,
     speculative step ``undo='algebraic'`` refuses only with the speculation
     hparams is not speculated (stepped in validation). A rank that refuses
     before the reduction tells the others through ``reduce_sumsq``
-    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too; a keyword it does not take, or a
-    required one (``config``, ``scaler``, ``scaler_state``: ``<required>``) left out or misspelt, is refused so
+    (:func:`~sofx.serial.refuse_reduce`), whose hook then raises there too; a keyword it does not take, a
+    required argument (``opt``, ``params``, ``grads``, ``state``, ``config``, ``scaler``, ``scaler_state``:
+    ``<required>``) left out or misspelt (``stat=``), or a positional argument too many, is refused so
     (:func:`~sofx.serial.refuse_unknown_keywords`) before anything runs.
     """
-    missing = _missing(config=config, scaler=scaler, scaler_state=scaler_state)
-    if unknown or missing:
+    missing = _missing(opt=opt, params=params, grads=grads, state=state, config=config, scaler=scaler,
+                       scaler_state=scaler_state)
+    if unknown or missing or extra:
         refuse_unknown_keywords("speculative_step", unknown, _keyword_names(speculative_step), reduce_sumsq,
-                                loop=False, missing=missing)
+                                loop=False, missing=missing, extra=extra,
+                                positional=_positional_names(speculative_step))
     noted = None if reduce_sumsq is None else _NotedReduce(reduce_sumsq)
     try:
         return _speculative_step(opt, params, grads, state, config=config, scaler=scaler,
@@ -248,21 +252,23 @@ def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, con
 _LOOP_KEYWORDS = _keyword_names(speculative_step, leave_out=tuple(_FROM_LOOP))
 
 
-def speculative_loop_step(opt: Adam, loop: LoopState, grads: Any, *, config: SpeculationConfig = REQUIRED,
-                          scaler: LossScaler = REQUIRED, hparams: Any = None,
+def speculative_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grads: Any = REQUIRED, *extra: Any,
+                          config: SpeculationConfig = REQUIRED, scaler: LossScaler = REQUIRED, hparams: Any = None,
                           **kwargs: Any) -> tuple[LoopState, StepReport]:
     """:func:`speculative_step` on a :class:`~sofx.serial.LoopState` (the speculative twin of
     :func:`sofx.serial.serial_loop_step`).
 
     ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``;
     ``loop.step`` advances only when the step was not skipped, and the policy
-    state travels in ``loop.policy_state``. ``config`` and ``scaler`` are required (``<required>``).
-    ``kwargs`` go to :func:`speculative_step`; one it does not take (or one the loop takes from ``loop``,
-    ``scaler_state=``), or ``config`` or ``scaler`` left out or misspelt, is refused before anything runs
-    (:func:`sofx.serial.refuse_unknown_keywords`).
+    state travels in ``loop.policy_state``. ``opt``, ``loop``, ``grads``, ``config`` and ``scaler`` are required
+    (``<required>``). ``kwargs`` go to :func:`speculative_step`; one it does not take (or one the loop takes from
+    ``loop``, ``scaler_state=``), a required argument left out or misspelt (``lop=``), or a positional argument
+    too many, is refused before anything runs (:func:`sofx.serial.refuse_unknown_keywords`).
     """
     refuse_unknown_keywords("speculative_loop_step", {k: v for k, v in kwargs.items() if k not in _LOOP_KEYWORDS},
-                            _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"), missing=_missing(config=config, scaler=scaler))
+                            _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"),
+                            missing=_missing(opt=opt, loop=loop, grads=grads, config=config, scaler=scaler),
+                            extra=extra, positional=_positional_names(speculative_loop_step))
     try:
         step = check_loop(loop)
         check_opt(opt)  # (before the schedule runs)
