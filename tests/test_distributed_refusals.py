@@ -255,16 +255,17 @@ def _required_keyword_misspelt(rank: int) -> dict:
 
 
 def _plan_validation_input(rank: int) -> dict:
-    """plan_validation with one sum of squares too few, or taken for a block not speculated, on rank BAD only:
-    before, that rank raised without telling the hook, while the other waited in it for its sum until the
-    group's timeout."""
+    """plan_validation with one sum of squares too few, taken for a block not speculated, or a sum of squares
+    that is not a number, on rank BAD only: before, that rank raised without telling the hook, while the other
+    waited in it for its sum until the group's timeout (the last, float()'s ValueError after telling it)."""
     opt, scaler = sofx.adamw(lr=1e-2), sofx.loss_scale.grad_scaler()
     reduce = sd.all_reduce_sumsq()
     bad = rank == BAD
     ctx, tally = begin_step(opt, SpeculationConfig(), scaler, scaler.init(), n_blocks=2)
     calls = {"sumsq": lambda: plan_validation(ctx, tally, [0.75] if bad else [0.75, 0.5], reduce_sumsq=reduce),
              "taken": lambda: plan_validation(ctx, tally, [0.75, 0.5], taken=[True, False] if bad else None,
-                                              reduce_sumsq=reduce)}
+                                              reduce_sumsq=reduce),
+             "not_a_number": lambda: plan_validation(ctx, tally, [0.75, "x" if bad else 0.5], reduce_sumsq=reduce)}
     out = {what: error_text(call) for what, call in calls.items()}
     out["next"] = plan_validation(ctx, tally, [0.75, 0.5], reduce_sumsq=reduce).report.grad_norm
     return out
@@ -500,7 +501,9 @@ def test_a_required_keyword_misspelt_on_one_rank_is_refused_on_every_rank(ranks)
 
 def test_plan_validation_input_refused_on_one_rank_is_refused_on_every_rank(ranks):
     own = {"sumsq": _is("sumsq has 1 entries, the step has 2 blocks"),
-           "taken": _is("block 0: taken[0] is True but the block was not speculated")}
+           "taken": _is("block 0: taken[0] is True but the block was not speculated"),
+           "not_a_number": _is("sumsq[1] is 'x' (str); expected block 1's sum of squares, a real number >= 0 (inf or "
+                               "nan where its gradient is not finite), or None for no gradient")}
     for case in _refused_on_every_rank(ranks, "plan_validation_input", own):
         assert case["next"] == pytest.approx((2 * 1.25) ** 0.5 / 2.0 ** 16)  # the next step, on every rank
 

@@ -749,12 +749,40 @@ def test_plan_validation_refuses_its_bad_input_through_the_hook():
                        "block 1: taken[1] is True but the block was not speculated"),
                       ({"sumsq": [None, 1.0]}, "block 0 was speculated but has no gradient at validation"),
                       ({"sumsq": [1.0, 1.0], "hparams": "lr"}, "hparams: expected an AdamHParams or a sequence"),
-                      ({"sumsq": [1.0, "x"]}, "could not convert string to float")):
+                      ({"sumsq": [1.0, "x"]}, "sumsq[1] is 'x' (str); expected")):
         hook = _RecordingHook()
         with pytest.raises(ValueError) as info:
             sp.plan_validation(ctx, tally, reduce_sumsq=hook, **kw)
         assert words in str(info.value), str(info.value)
         assert hook.calls == [f"refuse: {info.value}"], hook.calls
+
+
+def test_a_sum_of_squares_that_is_not_a_number_is_refused_by_plan_validation_naming_it():
+    """A block's sum of squares that is not a real number >= 0 (a string, a tensor of two, a bool, a negative
+    number): before, float()'s ValueError or TypeError ("could not convert string to float: 'x'", "only one
+    element tensors can be converted"), or a bool or negative taken as a sum; now a SofxError naming the entry and
+    what was given, after telling the hook, which is not asked to reduce. A number, a numpy number or a 1-element
+    tensor, inf and nan (a gradient not finite: an overflow) are sums of squares."""
+    import numpy as np
+
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    expected = ("expected block 1's sum of squares, a real number >= 0 (inf or nan where its gradient is not "
+                "finite), or None for no gradient")
+    for value, given in (("x", "'x' (str)"), (torch.ones(2), "tensor([1., 1.]) (a torch.float32 tensor of shape "
+                                                             "(2,))"),
+                         (True, "True (bool)"), (-1.0, "-1.0 (float)"), (1j, "1j (complex)"), ([1.0], "[1.0] (list)")):
+        hook = _RecordingHook()
+        with pytest.raises(sofx.SofxError) as info:
+            sp.plan_validation(ctx, tally, [1.0, value], reduce_sumsq=hook)
+        assert str(info.value) == f"sumsq[1] is {given}; {expected}", str(info.value)
+        assert hook.calls == [f"refuse: {info.value}"], hook.calls
+    for value in (2.0, 2, np.float32(2.0), torch.tensor(2.0), torch.tensor([2.0], dtype=torch.float64)):
+        plan = sp.plan_validation(ctx, tally, [2.0, value])
+        assert plan.report.grad_norm == 2.0 / S16, value
+    for value in (math.inf, math.nan):
+        assert sp.plan_validation(ctx, tally, [2.0, value]).report.skipped
 
 
 def test_an_optimizer_or_loop_state_of_another_kind_is_refused_by_both_loops(rng):

@@ -33,6 +33,7 @@ Decisions (SPECULATION.md section 3):
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
@@ -40,7 +41,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams, check_hparam_value, check_step_hparams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
-from sofx.kernels.user_numbers import as_integer, flag, integer
+from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_bool, real_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
@@ -623,11 +624,32 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
         if was and sumsq[i] is None:
             raise SofxError(f"block {i} was speculated but has no gradient at validation")
         spec_taken.append(was)
+    values = [None if s is None else _block_sumsq(i, s) for i, s in enumerate(sumsq)]
     zero = ctx.config.missing_grad == "zero"
     _check_stepped_block_hparams(hps, [zero or s is not None for s in sumsq])
-    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else float(s) for s in sumsq]),
+    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]),
                         [zero or s is not None for s in sumsq])
     return hps, spec_taken, local
+
+
+def _block_sumsq(i: int, s: Any) -> float:
+    """``sumsq[i]`` of :func:`plan_validation` as a float: a real number >= 0, inf or nan where the block's gradient
+    is not finite (a Python or numpy number, not a bool, or a 1-element tensor:
+    :func:`~sofx.kernels.user_numbers.real_number`); anything else (a string, a tensor of several elements, a
+    negative number) is refused, a :class:`SofxError` naming the entry and what was given (``float()`` read
+    ``"1.5"`` and ``True`` as sums, and raised its own ValueError for ``"x"``)."""
+    if type(s) is float and not s < 0:  # (the common case, once per block and step)
+        return s
+    x = real_number(s)
+    if isinstance(x, numbers.Real) and not is_bool(x):
+        try:
+            value = float(x)
+        except OverflowError:  # an int beyond the float range
+            value = math.inf
+        if not value < 0:  # (nan is not < 0: a gradient that is not finite)
+            return value
+    raise SofxError(f"sumsq[{i}] is {s!r:.80} ({_described(s)}); expected block {i}'s sum of squares, a real number "
+                    ">= 0 (inf or nan where its gradient is not finite), or None for no gradient")
 
 
 def _check_stepped_block_hparams(hps: Sequence[AdamHParams], stepped: Sequence[bool]) -> None:
