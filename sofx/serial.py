@@ -79,7 +79,7 @@ __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop"
            "serial_step", "serial_loop_step", "check_opt", "check_loop", "check_profile", "check_max_norm",
            "clip_max_norm", "check_scale",
            "can_unscale",
-           "loss_scale_of", "call_reduce", "reduced_sumsq", "step_settings", "refuse_reduce",
+           "loss_scale_of", "call_reduce", "reduced_sumsq", "step_settings", "with_loop_settings", "refuse_reduce",
            "refuse_unknown_keywords", "local_sumsq", "without_gradients"]
 
 PROFILES = ("torch", "deepspeed")
@@ -236,6 +236,37 @@ def step_settings(profile: str, max_norm: float | None, missing_grad: str, scale
     one of them takes other global decisions than the others from the same sum of squares (clips at another
     threshold, unscales with another scale, grows the scale at another step): the replicas diverge."""
     return {"profile": profile, "max_norm": max_norm, "missing_grad": missing_grad, "scaler_state": scaler_state}
+
+
+class _LoopReduce:
+    """The ``reduce_sumsq`` hook as a loop step passes it on to its step (:func:`with_loop_settings`): the step's
+    settings, compared where the hook has ``agreed_sum``, with the loop's own first."""
+
+    def __init__(self, hook: Callable[[float], float], settings: Mapping[str, Any]) -> None:
+        self.hook = hook
+        self.settings = dict(settings)
+
+    def __call__(self, local: float) -> Any:
+        return self.agreed_sum(local, None)
+
+    def agreed_sum(self, local: float, settings: Mapping[str, Any] | None) -> Any:
+        return call_reduce(self.hook, local, {**self.settings, **(settings or {})})
+
+    def refuse(self, error: BaseException | None = None) -> None:
+        refuse_reduce(self.hook, error)
+
+
+def with_loop_settings(reduce_sumsq: Callable[[float], float] | None,
+                       step: int) -> Callable[[float], float] | None:
+    """``reduce_sumsq`` as a loop step passes it to its step: where the hook compares the ranks' step settings
+    (it has ``agreed_sum``: :func:`call_reduce`), one that adds the loop's step count ``step`` (``loop.step`` as
+    :func:`check_loop` read it) to them, first; else the hook itself. ``loop.step`` is the schedule position: a
+    rank at another one (resumed from another checkpoint, or a loop state of another run) evaluates the schedule elsewhere and steps with other hparams
+    than the others (the schedule itself is compared at setup, :func:`sofx.distributed.all_reduce_sumsq`), and
+    every rank of a group, sharded or not, takes the same steps: they all skip an overflow together."""
+    if not callable(getattr(reduce_sumsq, "agreed_sum", None)):
+        return reduce_sumsq
+    return _LoopReduce(reduce_sumsq, {"step": step})
 
 
 def call_reduce(reduce_sumsq: Callable[[float], float], local: float, settings: Mapping[str, Any] | None) -> Any:
@@ -508,6 +539,7 @@ def serial_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grads: An
             grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
             loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
 
+    A hook that compares the ranks' step settings also compares ``loop.step`` (:func:`with_loop_settings`).
     ``opt``, ``loop``, ``grads`` and ``scaler`` are required (``<required>``). A keyword it does not take, a
     required argument left out or misspelt (``lop=``) or a positional argument too many is refused
     (:func:`refuse_unknown_keywords`) before anything runs.
@@ -524,7 +556,7 @@ def serial_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grads: An
         refuse_reduce(reduce_sumsq, exc)
         raise
     res = serial_step(opt, loop.params, grads, loop.opt_state, scaler=scaler, scaler_state=loop.scaler_state,
-                      hparams=hp, max_norm=max_norm, profile=profile,
-                      missing_grad=missing_grad, reduce_sumsq=reduce_sumsq, donate=donate)
+                      hparams=hp, max_norm=max_norm, profile=profile, missing_grad=missing_grad,
+                      reduce_sumsq=with_loop_settings(reduce_sumsq, step), donate=donate)
     new = LoopState(res.params, res.state, res.scaler_state, step + (not res.facts.skipped), loop.policy_state)
     return new, res.facts

@@ -3,11 +3,12 @@
 :func:`sofx.distributed.all_reduce_sumsq` compares the setup once, as it builds the hook. What a loop passes at
 each step was not compared: a rank stepping with another ``max_norm`` clipped at another threshold, one with
 another profile or missing_grad mode took other decisions, one whose loss-scaler state had drifted (another
-scale, another growth count) unscaled with another scale or grew it at another step -- and the replicas
-diverged silently. The hook's one collective now carries a digest of those settings; where the ranks' digests
-differ every rank raises, naming the setting and each rank's value, before any rank applies the step. One
-spawned group runs every case, with a 10 s group timeout, and is killed if it does not finish in time: a hang
-fails the test instead of blocking it.
+scale, another growth count) unscaled with another scale or grew it at another step, one at another step count
+(resumed from another checkpoint) evaluated the schedule elsewhere -- and the replicas diverged silently. The
+hook's one collective now carries a digest of those settings; where the ranks' digests differ every rank raises,
+naming the setting and each rank's value, before any rank applies the step. One spawned group runs every case,
+with a 10 s group timeout, and is killed if it does not finish in time: a hang fails the test instead of blocking
+it.
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ from sofx.speculate import SpeculationConfig, speculative_loop_step
 from helpers import error_text, run_gloo_cases
 
 BAD = 1
-HINT = ("every rank must step with the same profile, max_norm, missing_grad and loss-scaler state; nothing was "
-        "stepped")
-# what differs on rank BAD: a loop step's keywords, the speculation config's fields, or its loop's scaler state
+HINT = ("every rank must step with the same profile, max_norm, missing_grad, loss-scaler state and step count; "
+        "nothing was stepped")
+# what differs on rank BAD: a loop step's keywords, the speculation config's fields, or its loop's scaler state or
+# step count
 CHANGES = {"max_norm": ({"max_norm": 2.0}, "max_norm", "1; 2"),
            "profile": ({"profile": "deepspeed"}, "profile", "'torch'; 'deepspeed'"),
            "missing_grad": ({"missing_grad": "zero"}, "missing_grad", "'skip'; 'zero'"),
            "scale": ({}, "scaler_state.scale", "65536; 32768"),
-           "growth_tracker": ({}, "scaler_state.growth_tracker", "0; 1")}
+           "growth_tracker": ({}, "scaler_state.growth_tracker", "0; 1"),
+           "step": ({}, "step", "0; 1")}
+
+
+def _schedule(step: int) -> sofx.AdamHParams:
+    return sofx.AdamHParams(lr=1e-2 / (step + 1))
 
 
 def _params() -> list:
@@ -40,9 +47,9 @@ def _grads() -> list:
     return [torch.full((3,), 0.5), torch.full((4,), -0.25)]
 
 
-def _setup(rank: int, change: str, scaler) -> tuple[dict, object]:
-    """The settings of rank ``rank`` (keywords of a loop step) and its loop's scaler state; on rank BAD with
-    ``change`` made."""
+def _setup(rank: int, change: str, scaler, loop):
+    """The settings of rank ``rank`` (keywords of a loop step) and its loop (its scaler state and step count); on
+    rank BAD with ``change`` made."""
     kw = {"max_norm": 1.0, "profile": "torch", "missing_grad": "skip"}
     state = scaler.init()
     if rank == BAD:
@@ -51,29 +58,32 @@ def _setup(rank: int, change: str, scaler) -> tuple[dict, object]:
             state = state._replace(scale=state.scale / 2)
         elif change == "growth_tracker":
             state = state._replace(growth_tracker=1)
-    return kw, state
+        elif change == "step":
+            loop = loop._replace(step=1)
+    return kw, loop._replace(scaler_state=state)
 
 
 def _steps_with_other_settings(rank: int) -> dict:
     """serial_loop_step and speculative_loop_step (donating, snapshot undo: its speculative steps are written in
-    place, then taken back) where rank BAD's settings differ in one of CHANGES, then a step where they agree."""
+    place, then taken back) with a schedule, where rank BAD's settings differ in one of CHANGES, then steps where
+    they agree."""
     opt, scaler = sofx.adamw(lr=1e-2, undo="exact"), sofx.loss_scale.grad_scaler()
-    reduce = sd.all_reduce_sumsq(opt=opt, scaler=scaler)
+    reduce = sd.all_reduce_sumsq(opt=opt, scaler=scaler, hparams=_schedule)
     out = {}
     for change in CHANGES:
-        kw, state = _setup(rank, change, scaler)
-        loop = init_loop(opt, _params(), scaler)._replace(scaler_state=state)
+        kw, loop = _setup(rank, change, scaler, init_loop(opt, _params(), scaler))
         out[f"serial_{change}"] = error_text(lambda: serial_loop_step(opt, loop, _grads(), scaler=scaler,
-                                                                      reduce_sumsq=reduce, **kw))
+                                                                      hparams=_schedule, reduce_sumsq=reduce, **kw))
         out[f"serial_{change}_params"] = loop.params
         cfg = SpeculationConfig(**kw)
         out[f"speculative_{change}"] = error_text(lambda: speculative_loop_step(
-            opt, loop, _grads(), config=cfg, scaler=scaler, reduce_sumsq=reduce, donate=True))
+            opt, loop, _grads(), config=cfg, scaler=scaler, hparams=_schedule, reduce_sumsq=reduce, donate=True))
         out[f"speculative_{change}_params"] = loop.params
         out[f"speculative_{change}_mu"] = loop.opt_state.mu
     loop = init_loop(opt, _params(), scaler)
     loop, _ = speculative_loop_step(opt, loop, _grads(), config=SpeculationConfig(max_norm=1.0), scaler=scaler,
-                                    reduce_sumsq=reduce)
+                                    hparams=_schedule, reduce_sumsq=reduce)
+    loop, _ = serial_loop_step(opt, loop, _grads(), scaler=scaler, hparams=_schedule, reduce_sumsq=reduce)
     out["next"] = loop.step
     return out
 
@@ -109,4 +119,4 @@ def test_nothing_is_stepped_where_the_settings_differ(ranks, change):
 
 
 def test_the_ranks_step_on_once_their_settings_agree(ranks):
-    assert [res["steps_with_other_settings"]["next"] for res in ranks] == [1, 1]
+    assert [res["steps_with_other_settings"]["next"] for res in ranks] == [2, 2]

@@ -785,6 +785,38 @@ def test_a_sum_of_squares_that_is_not_a_number_is_refused_by_plan_validation_nam
         assert sp.plan_validation(ctx, tally, [2.0, value]).report.skipped
 
 
+def test_the_loop_steps_pass_their_step_count_to_a_hook_that_compares_settings(rng):
+    """A hook with agreed_sum (all_reduce_sumsq's) gets the loop's step count first in the settings of both loop
+    steps (so that ranks at different steps raise), and a refusal inside the step still reaches its refuse; a hook
+    without agreed_sum is called with the local sum alone, as before."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    class Comparing(_RecordingHook):
+        def agreed_sum(self, local: float, settings) -> float:
+            self.calls.append(f"agreed_sum: {list(settings)[:2]} step={settings['step']}")
+            return local
+
+    opt, rule = sofx.adamw(lr=1e-2), loss_scale.grad_scaler()
+    loop = init_loop(opt, _params(rng), rule)._replace(step=3)
+    cfg = sp.SpeculationConfig()
+    steps = {"serial": lambda hook, grads: serial_loop_step(opt, loop, grads, scaler=rule, reduce_sumsq=hook),
+             "speculative": lambda hook, grads: sp.speculative_loop_step(opt, loop, grads, config=cfg, scaler=rule,
+                                                                         reduce_sumsq=hook)}
+    for what, step in steps.items():
+        hook = Comparing()
+        assert step(hook, _grads(rng))[0].step == 4
+        assert hook.calls == ["agreed_sum: ['step', 'profile'] step=3"], (what, hook.calls)
+        plain = _RecordingHook()
+        step(plain, _grads(rng))
+        assert plain.calls == ["reduce"], (what, plain.calls)
+        hook = Comparing()
+        bad = _grads(rng)
+        bad[1] = bad[1][:2]
+        with pytest.raises(sofx.SofxError) as info:
+            step(hook, bad)
+        assert hook.calls == [f"refuse: {info.value}"], (what, hook.calls)
+
+
 def test_an_optimizer_or_loop_state_of_another_kind_is_refused_by_both_loops(rng):
     """A torch.optim optimizer given as ``opt``, or an optax-style ``(params, opt_state)`` tuple given as the loop,
     raised AttributeErrors ("'AdamW' object has no attribute 'check_inputs'", "'tuple' object has no attribute

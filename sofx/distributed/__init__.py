@@ -42,8 +42,8 @@ that; one that returns ``+0.0`` there makes the step count as a step with zero
 gradients.
 
 The loops also pass the hook their step's settings (profile, ``max_norm``,
-``missing_grad``, the loss-scaler state: :func:`sofx.serial.step_settings`),
-whose digest travels in the same all-gather: ranks that step with different
+``missing_grad``, the loss-scaler state: :func:`sofx.serial.step_settings`;
+a loop step adds ``loop.step``), whose digest travels in the same all-gather: ranks that step with different
 ones raise on every rank, naming what differs, before any steps.
 
 ZeRO-style sharding: each rank owns a subset of the blocks (the leaves of the

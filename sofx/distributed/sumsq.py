@@ -4,7 +4,8 @@
 the ranks' local sums gathered and added in rank order, the same bits on every
 rank; a rank that refuses the step says so in the same collective, and a digest
 of each rank's step settings (profile, max_norm, missing_grad, loss-scaler
-state) travels with its sum, so that ranks stepping differently raise there.
+state, and a loop step's step count) travels with its sum, so that ranks
+stepping differently raise there.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ __all__ = ["SumsqReduce", "all_reduce_sumsq"]
 
 
 # what a step's settings (sofx.serial.step_settings) must agree in, as the hook's error asks for it
-_STEP_HINT = ("every rank must step with the same profile, max_norm, missing_grad and loss-scaler state; nothing "
-              "was stepped")
+_STEP_HINT = ("every rank must step with the same profile, max_norm, missing_grad, loss-scaler state and step count; "
+              "nothing was stepped")
 
 
 class SumsqReduce:
@@ -59,8 +60,9 @@ class SumsqReduce:
         :class:`SofxError` on every rank naming the first setting that differs with each rank's value.
 
         ``settings``: what the ranks' steps must share (:func:`sofx.serial.step_settings`: profile,
-        ``max_norm``, ``missing_grad``, the loss-scaler state; the loops pass it through
-        :func:`sofx.serial.reduced_sumsq`), or ``None``. They travel in the sum's own collective, as a
+        ``max_norm``, ``missing_grad``, the loss-scaler state; a loop step adds its step count,
+        :func:`sofx.serial.with_loop_settings`; the loops pass it through :func:`sofx.serial.reduced_sumsq`), or
+        ``None``. They travel in the sum's own collective, as a
         48-bit digest of their text: one more float64 per rank beside its sum and its refusal flag (24 bytes
         a rank in place of 16; no further round). Only where the digests differ, the error's path, does an
         ``all_gather_object`` fetch the settings to name what differs; every rank sees the same digests, so
@@ -183,12 +185,18 @@ def all_reduce_sumsq(group: Any = None, *extra: Any, device: torch.device | str 
     At every step the loops call it as ``hook.agreed_sum(s_local, settings)``
     (:func:`sofx.serial.reduced_sumsq`) with what their step must share beyond
     the setup, :func:`sofx.serial.step_settings`: the profile, ``max_norm``,
-    ``missing_grad`` and the loss-scaler state. A digest of them travels in
-    the same ``all_gather`` as the sum (one more float64 a rank, no further
-    round); where the ranks' differ, every rank raises a :class:`SofxError`
-    naming the first that differs and each rank's value, before any rank
-    applies the step (a rank that clipped at another threshold, or unscaled
-    with another scale, would silently diverge from the others).
+    ``missing_grad`` and the loss-scaler state, and in a loop step its step
+    count ``loop.step`` (:func:`sofx.serial.with_loop_settings`). A digest of
+    them travels in the same ``all_gather`` as the sum (one more float64 a
+    rank, no further round); where the ranks' differ, every rank raises a
+    :class:`SofxError` naming the first that differs and each rank's value,
+    before any rank applies the step (a rank that clipped at another
+    threshold, unscaled with another scale, or evaluated the schedule at
+    another step would silently diverge from the others). The hparams are
+    not compared at each step: a sharded rank steps its own leaves' hparams
+    (:meth:`Shard.local_hparams`), which differ from another rank's; they and
+    their schedule are compared at setup (``hparams=``), where the step count
+    then keeps a schedule's values the same on every rank.
 
     Building the hook is a collective too, every rank builds it once at
     setup: it checks, as :func:`check_same_setup` (``params``, ``opt``,

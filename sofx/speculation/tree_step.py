@@ -23,7 +23,8 @@ from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.required import REQUIRED
 from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, _positional_names, call_reduce,
-                         check_loop, check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords)
+                         check_loop, check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords,
+                         with_loop_settings)
 from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -260,10 +261,12 @@ def speculative_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grad
 
     ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``;
     ``loop.step`` advances only when the step was not skipped, and the policy
-    state travels in ``loop.policy_state``. ``opt``, ``loop``, ``grads``, ``config`` and ``scaler`` are required
-    (``<required>``). ``kwargs`` go to :func:`speculative_step`; one it does not take (or one the loop takes from
-    ``loop``, ``scaler_state=``), a required argument left out or misspelt (``lop=``), or a positional argument
-    too many, is refused before anything runs (:func:`sofx.serial.refuse_unknown_keywords`).
+    state travels in ``loop.policy_state``; a hook that compares the ranks' step settings also compares
+    ``loop.step`` (:func:`sofx.serial.with_loop_settings`). ``opt``, ``loop``, ``grads``, ``config`` and
+    ``scaler`` are required (``<required>``). ``kwargs`` go to :func:`speculative_step`; one it does not take
+    (or one the loop takes from ``loop``, ``scaler_state=``), a required argument left out or misspelt
+    (``lop=``), or a positional argument too many, is refused before anything runs
+    (:func:`sofx.serial.refuse_unknown_keywords`).
     """
     refuse_unknown_keywords("speculative_loop_step", {k: v for k, v in kwargs.items() if k not in _LOOP_KEYWORDS},
                             _LOOP_KEYWORDS, kwargs.get("reduce_sumsq"),
@@ -276,6 +279,8 @@ def speculative_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grad
     except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
         refuse_reduce(kwargs.get("reduce_sumsq"), exc)
         raise
+    if "reduce_sumsq" in kwargs:
+        kwargs["reduce_sumsq"] = with_loop_settings(kwargs["reduce_sumsq"], step)
     res = speculative_step(opt, loop.params, grads, loop.opt_state, config=config, scaler=scaler,
                            scaler_state=loop.scaler_state, policy_state=loop.policy_state, hparams=hp, **kwargs)
     new = LoopState(res.params, res.state, res.scaler_state, step + (not res.report.skipped), res.policy_state)
