@@ -81,6 +81,24 @@ undoes a speculative step algebraically (snapshot undo, ``undo="exact"``, is
 bitwise); to float32 rounding (<= 1e-6 relative) after that. Overflow and loss
 scale decisions are identical on every rank and equal to the single process's.
 
+Checkpoints and world sizes: a checkpoint of a sharded run holds the full
+tree, so that a run of any world size resumes it. Gather the shards
+(:meth:`Shard.gather` of ``loop.params`` and of each field of
+``loop.opt_state``) and save them with the loop's ``step`` and
+``scaler_state``: :func:`sofx.checkpoint.save` (from one rank) holds the
+whole tree; :func:`sofx.checkpoint.save_zero3` (every rank may write it at
+once) holds the params, the Adam state and a DeepSpeed or static loss
+scaler (``loss_scaler=``), not the loop's step (keep it beside). To resume,
+load the full tree, shard it again with :func:`shard_blocks` (the owners
+follow the new world size) and take each rank's leaves with
+:meth:`Shard.local` (tests/test_distributed_uneven.py: saved by 3 ranks,
+resumed by 2 and by 1). A rank's own local loop state, saved alone, is a
+list of its leaves: it resumes only at the same world size and owners (a
+load with another rank's template is refused where the number or shapes of
+the leaves differ, not where they agree), and ranks resumed at different
+steps are refused at their first step (``loop.step``, with the step's
+settings).
+
 Data parallelism: :func:`all_reduce_mean_` averages a gradient pytree in place
 across ranks, ``g <- (sum_r g_r) / world_size`` (summed by the backend's
 all-reduce, then divided once; fp16 and bf16 gradients in float32, divided
