@@ -207,6 +207,16 @@ class Shard:
         (``None`` where the leaf had none): the reduce-scatter of ZeRO-2, one
         ``reduce(SUM)`` per (owner, dtype) of the leaves with a gradient (fp16
         and bf16 ones in float32, divided first, as in :func:`all_reduce_mean_`).
+        With two ranks the sum is exact to order: the mean has the bits of
+        :func:`all_reduce_mean_`'s, and of ``DistributedDataParallel``'s but
+        where DDP halves an fp16 subnormal with a rounding
+        (tests/test_distributed_dtypes.py). With more, the order of the
+        additions is the backend's and follows the buffer (gloo's depends on
+        its size and on each element's place in it); the leaves travel in one
+        buffer per (owner, dtype) here, per (dtype, device) there, so the mean
+        may differ from :func:`all_reduce_mean_`'s in the last bit (seen on 3
+        gloo ranks), and a ZeRO-2 run from a data-parallel one by float32
+        rounding.
         ``grads`` is not modified. Non-finite elements reach the owner (and,
         through :func:`all_reduce_sumsq`, every rank). The ranks' trees must
         agree in structure, ``None`` leaves, dtypes and shapes (checked first,
