@@ -16,6 +16,7 @@ import collections
 import copy
 import threading
 import gc
+import math
 import re
 import sys
 import weakref
@@ -530,6 +531,45 @@ def test_a_step_count_set_as_inf_nan_or_beyond_int64_is_refused_clearly():
                                                             r">= 0 \(at most 9223372036854775807\), got "):
                 opt.state[p]["step"] = bad
             assert int(opt.state[p]["step"]) == 6
+
+
+def test_a_moment_or_master_set_per_parameter_is_checked_as_a_loaded_state_is():
+    """opt.state[p][key] = value took a negative second moment (which load_state_dict refuses as corrupt: the next
+    step's sqrt is nan) and failed on a meta or sparse tensor with torch's bare error from copy_. It now goes through
+    load_state_dict's checks, naming the parameter and the key, nothing changed on a refusal; what torch users set
+    (zeros, moments of another float dtype, torch's own state) and what load_state_dict takes (a nan or inf of a
+    diverged run, an inf second moment) is taken."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        p = model.mid.weight  # parameter 2
+        shape = tuple(p.shape)
+        bad_sq = torch.rand(shape)
+        bad_sq[3, 4] = -0.5
+        refused = [("exp_avg", torch.zeros(shape, device="meta"), "expected a tensor with data, got one on device meta"),
+                   ("master", torch.zeros(shape, device="meta"), "expected a tensor with data, got one on device meta"),
+                   ("exp_avg_sq", torch.rand(shape).to_sparse(),
+                    r"expected a dense \(strided\) tensor, got layout torch.sparse_coo"),
+                   ("exp_avg_sq", bad_sq, r"\[3, 4\] = -0\.5: expected a second moment >= 0"),
+                   ("exp_avg_sq", torch.full(shape, -math.inf), r"\[0, 0\] = -inf: expected a second moment >= 0"),
+                   ("exp_avg", torch.zeros(3), r"must be a float tensor of shape \(12, 12\)"),
+                   ("exp_avg", torch.zeros(shape, dtype=torch.int64), r"must be a float tensor of shape \(12, 12\)")]
+        before = [{k: v.clone() for k, v in opt.state[q].items()} for q in model.parameters()]
+        for key, bad, match in refused:
+            with pytest.raises(sofx.UnsupportedError, match=rf"parameter 2\b.*\[{key!r}\]|\[{key!r}\].* parameter 2\b"):
+                opt.state[p][key] = bad
+            with pytest.raises(sofx.UnsupportedError, match=match):
+                opt.state[p][key] = bad
+            for q, was in zip(model.parameters(), before):
+                assert all(torch.equal(v, was[k]) for k, v in opt.state[q].items()), (key, bad)
+        taken = [("exp_avg", torch.zeros_like(p)), ("exp_avg_sq", torch.zeros_like(p)),
+                 ("exp_avg", torch.rand(shape, dtype=torch.float64)), ("exp_avg_sq", torch.rand(shape).bfloat16()),
+                 ("exp_avg", torch.full(shape, math.nan)), ("exp_avg_sq", torch.full(shape, math.inf)),
+                 ("master", torch.full(shape, -math.inf)), ("exp_avg_sq", torch.rand(shape, requires_grad=True))]
+        for key, good in taken:
+            opt.state[p][key] = good
+            torch.testing.assert_close(opt.state[p][key], good.detach().float(), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

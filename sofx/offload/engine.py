@@ -97,7 +97,7 @@ from sofx.offload.blocks import (
     check_params,
     plan_blocks,
 )
-from sofx.offload.engine_state import STATE_FORMAT, engine_state_dict, load_engine_state
+from sofx.offload.engine_state import STATE_FORMAT, check_dense, check_nonnegative, engine_state_dict, load_engine_state
 from sofx.offload.executor import (
     Executor,
     ExecutorError,
@@ -1292,7 +1292,7 @@ class OffloadEngine:
 
     def set_param_state(self, index: int, key: str, value: Any) -> None:
         """Write ``value`` into parameter ``index``'s ``key`` of :meth:`param_state` (between steps; checked
-        first: nothing changes on a bad value)."""
+        first, as :meth:`load_state_dict` checks a state: nothing changes on a bad value)."""
         self._check_usable()
         with self._exclusive(f"opt.state[p][{key!r}] = ..."):
             self._check_between_steps(f"changing the optimizer state ({key!r})")
@@ -1311,14 +1311,27 @@ class OffloadEngine:
             self._wait_all()
             target.fill_(count)
             return
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape) \
-                or not value.is_floating_point():
-            got = f"{type(value).__name__} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
-                                   f"{tuple(target.shape)}, got {got}")
+        self._check_param_state_value(index, key, value, target)
         self._wait_all()
         with torch.no_grad():
             target.copy_(value)
+
+    @staticmethod
+    def _check_param_state_value(index: int, key: str, value: Any, target: torch.Tensor) -> None:
+        """``value`` can be written into parameter ``index``'s ``key`` (``target``): a floating-point tensor of its
+        shape (of any float dtype and device: ``copy_`` casts it, as torch users set moments of the parameter's
+        dtype) that :meth:`load_state_dict` would take -- dense, with data, no negative second moment
+        (:func:`~sofx.offload.engine_state.check_dense`, :func:`~sofx.offload.engine_state.check_nonnegative`;
+        a nan or an inf loads, as a diverged run's state)."""
+        where = f"parameter {index}'s state[{key!r}]"
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            check_dense(value, where, UnsupportedError)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
+                or tuple(value.shape) != tuple(target.shape):
+            got = f"{type(value).__name__} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
+                                   f"{tuple(target.shape)}, got {got}")
+        check_nonnegative(value.detach(), key, where, UnsupportedError)
 
     def reset_state(self) -> None:
         """Forget the Adam state (moments and step counts of every parameter; the masters are kept): the next

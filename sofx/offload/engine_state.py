@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sofx.errors import HParamError, StructureError
+from sofx.errors import HParamError, SofxError, StructureError
 from sofx.loss_scale import DynamicLossScaleRule, GradScalerRule, StaticScaleRule, plain_state
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
@@ -46,12 +46,14 @@ from sofx.speculate import PolicyState
 if TYPE_CHECKING:  # pragma: no cover
     from sofx.offload.engine import OffloadEngine
 
-__all__ = ["STATE_FORMAT", "engine_state_dict", "load_engine_state"]
+__all__ = ["STATE_FORMAT", "NONNEGATIVE", "engine_state_dict", "load_engine_state", "check_dense", "check_nonnegative"]
 
 STATE_FORMAT = "sofx.offload/1"
 _SAVED = tuple(name for name in TENSOR_NAMES if name != "grad")
 # The loss-scale rules whose settings the state holds (a custom rule's are its own: the loading optimizer's).
 _RULES = (GradScalerRule, DynamicLossScaleRule, StaticScaleRule)
+# The block tensors no run makes negative, and what their values are (for the error).
+NONNEGATIVE = {"counts": "step count", "exp_avg_sq": "second moment"}
 
 
 def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]:
@@ -180,22 +182,38 @@ def _check_tensor(x: Any, have: torch.Tensor, where: str) -> None:
     if not isinstance(x, torch.Tensor) or x.shape != have.shape or x.dtype != have.dtype:
         desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise StructureError(f"{where}: expected shape {tuple(have.shape)} dtype {have.dtype}, got {desc}")
+    check_dense(x, where)
+
+
+def check_dense(x: torch.Tensor, where: str, error: type[SofxError] = StructureError) -> None:
+    """``x`` is a dense (strided) tensor with data (not ``meta``), which ``copy_`` can copy from; else ``error``
+    naming ``where``."""
     if x.layout != torch.strided:
-        raise StructureError(f"{where}: expected a dense (strided) tensor, got layout {x.layout}")
+        raise error(f"{where}: expected a dense (strided) tensor, got layout {x.layout}")
     if x.is_meta:
-        raise StructureError(f"{where}: expected a tensor with data, got one on device {x.device}")
+        raise error(f"{where}: expected a tensor with data, got one on device {x.device}")
 
 
 def _check_values(block: Mapping[str, torch.Tensor], where: str) -> None:
-    """Values no run writes: a negative step count or second moment (a nan or an inf is a diverged run's state
-    and loads, as ``torch.optim`` loads it; rounding never makes a stored second moment negative: algebraic undo
-    clamps it at 0)."""
-    for name, what in (("counts", "step count"), ("exp_avg_sq", "second moment")):
-        below = block[name] < 0
-        if bool(below.any()):
-            i = int(below.nonzero()[0, 0])
-            raise StructureError(f"{where}[{name!r}][{i}] = {block[name][i].item()!r}: expected a {what} >= 0 "
-                                 "(no run stores a negative one: the state is corrupt)")
+    """Values no run writes: a negative step count or second moment (see :func:`check_nonnegative`)."""
+    for name in NONNEGATIVE:
+        check_nonnegative(block[name], name, f"{where}[{name!r}]")
+
+
+def check_nonnegative(x: torch.Tensor, name: str, where: str, error: type[SofxError] = StructureError) -> None:
+    """No element of ``x``, a block's tensor ``name``, is below 0 where that is a value no run writes: a step count
+    or a second moment (``NONNEGATIVE``; a nan or an inf is a diverged run's state and loads, as ``torch.optim``
+    loads it; rounding never makes a stored second moment negative: algebraic undo clamps it at 0); else ``error``
+    naming ``where``, the first such element's index and its value."""
+    what = NONNEGATIVE.get(name)
+    if what is None:
+        return
+    below = x < 0
+    if bool(below.any()):
+        at = [int(i) for i in below.nonzero()[0]]
+        index = f"[{', '.join(map(str, at))}]" if at else ""
+        raise error(f"{where}{index} = {x[tuple(at)].item()!r}: expected a {what} >= 0 (no run stores a negative "
+                    "one: the state is corrupt)")
 
 
 def _rule_settings(rule: Any) -> dict[str, Any] | None:
