@@ -19,6 +19,7 @@ import gc
 import math
 import re
 import sys
+import warnings
 import weakref
 
 import numpy as np
@@ -551,6 +552,8 @@ def test_a_moment_or_master_set_per_parameter_is_checked_as_a_loaded_state_is():
                    ("master", torch.zeros(shape, device="meta"), "expected a tensor with data, got one on device meta"),
                    ("exp_avg_sq", torch.rand(shape).to_sparse(),
                     r"expected a dense \(strided\) tensor, got layout torch.sparse_coo"),
+                   ("master", _nested([torch.zeros(12)] * 12),
+                    r"expected a dense \(strided\) tensor, got a nested tensor"),
                    ("exp_avg_sq", bad_sq, r"\[3, 4\] = -0\.5: expected a second moment >= 0"),
                    ("exp_avg_sq", torch.full(shape, -math.inf), r"\[0, 0\] = -inf: expected a second moment >= 0"),
                    ("exp_avg", torch.zeros(3), r"must be a float tensor of shape \(12, 12\)"),
@@ -837,6 +840,13 @@ def test_a_parameter_frozen_with_a_zeroed_gradient_is_stepped_as_torch(executor)
         assert report.committed == 1  # speculated, with the frozen bias
 
 
+def _nested(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A nested tensor of ``tensors`` (without the warning that nested tensors are a prototype)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor(tensors)
+
+
 def _corrupt(key_path: tuple, value: object) -> object:
     """A state-dict mutation: the entry at ``key_path`` (under ``state_dict['state']``) set to ``value`` (a
     function of the old value when callable)."""
@@ -856,6 +866,8 @@ _BAD_STATES = {  # name: (mutation, the error's match)
     "meta tensor in the last block": (_corrupt(("blocks", -1, "exp_avg_sq"), lambda t: t.to("meta")),
                                       r"state_dict\['state'\]\['blocks'\]\[\d+\]\['exp_avg_sq'\]: expected a "
                                       "tensor with data, got one on device meta"),
+    "nested tensor": (_corrupt(("blocks", 0, "exp_avg"), lambda t: _nested([t])),
+                      r"\['blocks'\]\[0\]\['exp_avg'\]: expected a dense \(strided\) tensor, got a nested tensor"),
     "negative count": (_corrupt(("blocks", 1, "counts"), lambda t: t - 5),
                        r"\['blocks'\]\[1\]\['counts'\]\[0\] = -\d: expected a step count >= 0"),
     "negative second moment": (_corrupt(("blocks", 1, "exp_avg_sq"), lambda t: -t - 1),

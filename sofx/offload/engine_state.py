@@ -179,15 +179,18 @@ def _checked_blocks(engine: "OffloadEngine", saved: Any, where: str) -> list[Map
 
 def _check_tensor(x: Any, have: torch.Tensor, where: str) -> None:
     """``x`` can be copied into ``have``: a dense tensor with data, of its shape and dtype."""
+    if isinstance(x, torch.Tensor):
+        check_dense(x, where)  # (first: a nested tensor has no shape)
     if not isinstance(x, torch.Tensor) or x.shape != have.shape or x.dtype != have.dtype:
         desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise StructureError(f"{where}: expected shape {tuple(have.shape)} dtype {have.dtype}, got {desc}")
-    check_dense(x, where)
 
 
 def check_dense(x: torch.Tensor, where: str, error: type[SofxError] = StructureError) -> None:
-    """``x`` is a dense (strided) tensor with data (not ``meta``), which ``copy_`` can copy from; else ``error``
-    naming ``where``."""
+    """``x`` is a dense (strided) tensor with data (not nested, not ``meta``), which ``copy_`` can copy from; else
+    ``error`` naming ``where``."""
+    if x.is_nested:  # (its layout is strided or jagged; it has no shape)
+        raise error(f"{where}: expected a dense (strided) tensor, got a nested tensor")
     if x.layout != torch.strided:
         raise error(f"{where}: expected a dense (strided) tensor, got layout {x.layout}")
     if x.is_meta:
