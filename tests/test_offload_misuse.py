@@ -284,11 +284,9 @@ def test_a_torch_optim_state_dict_is_refused_naming_how_to_carry_its_moments_ove
     topt.zero_grad()
     model.load_state_dict(ref.state_dict())
     with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
-        fresh = torch.optim.AdamW(ref.parameters()).state_dict()  # (no entry yet)
-        for torch_state in (topt.state_dict(), fresh):
-            with pytest.raises(sofx.StructureError, match=r"state_dict\['state'\] is a torch\.optim state .*"
-                                                          r"opt\.state\[p\]\[key\] = value"):
-                opt.load_state_dict(torch_state)
+        with pytest.raises(sofx.StructureError, match=r"state_dict\['state'\] is a torch\.optim state .*"
+                                                      r"opt\.state\[p\]\[key\] = value"):
+            opt.load_state_dict(topt.state_dict())
         assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
         assert all(torch.equal(opt.state[p]["master"], p.detach()) for p in model.parameters())
         for p, q in zip(model.parameters(), ref.parameters()):
@@ -297,6 +295,29 @@ def test_a_torch_optim_state_dict_is_refused_naming_how_to_carry_its_moments_ove
         for _ in range(2):
             mlp_step_side_by_side(opt, topt, model, ref, gen)
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_a_fresh_torch_optim_state_dict_is_refused_saying_it_holds_no_moments_and_what_to_do():
+    """torch.optim's state dict before its first step (``state`` empty) was refused as "a torch.optim state
+    (per-parameter entries keyed by index: [])". It is still refused (a torch state dict after a step is too: taking
+    only the empty one would make a checkpoint load work or fail by when it was saved), but the error says what it
+    is -- a torch optimizer's state before its first step, no moments to carry over -- and what to do: take its
+    hparams into opt.param_groups. Nothing is loaded."""
+    model, ref = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        opt.step()
+        before = copy.deepcopy(opt.state_dict())
+        fresh = torch.optim.AdamW(ref.parameters(), lr=3e-4).state_dict()
+        with pytest.raises(sofx.StructureError) as info:
+            opt.load_state_dict(fresh)
+        message = str(info.value)
+        assert "[]" not in message
+        assert re.search(r"state_dict\['state'\] is empty: a torch\.optim state dict taken before its first step "
+                         r"\(no per-parameter moments\)", message), message
+        assert re.search(r"set its hparams in opt\.param_groups .*opt\.state = collections\.defaultdict\(dict\)",
+                         message), message
+        assert_trees_bitwise(before, opt.state_dict())
 
 
 def test_torch_optim_options_are_carried_and_unsupported_ones_refused_not_ignored():

@@ -525,12 +525,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if isinstance(state_dict, Mapping) and _is_torch_optim_state(state_dict.get("state")):
-            found = sorted(state_dict["state"])[:3]
-            raise StructureError(f"state_dict['state'] is a torch.optim state (per-parameter entries keyed by index: "
-                                 f"{found}{'...' if len(state_dict['state']) > 3 else ''}), not this optimizer's "
-                                 "own (its state_dict()'s, of flat blocks); to carry torch.optim.Adam/AdamW's moments "
-                                 "over, assign them per parameter: opt.state[p][key] = value for key in 'step', "
-                                 "'exp_avg', 'exp_avg_sq'")
+            raise StructureError(_torch_optim_state_refusal(state_dict["state"]))
         groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise StructureError(f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
@@ -668,6 +663,25 @@ def _is_torch_optim_state(state: Any) -> bool:
     (empty before torch's first step), where the engine's is a dict of named entries (``format``, ``blocks``)."""
     return isinstance(state, Mapping) and all(isinstance(k, int) and not isinstance(k, bool)
                                               and isinstance(v, Mapping) for k, v in state.items())
+
+
+def _torch_optim_state_refusal(state: Mapping[int, Any]) -> str:
+    """Why a ``torch.optim`` state dict's ``state`` is not loaded, and what to do instead: its moments are assigned
+    per parameter; an empty one (taken before torch's first step) has none, only its param groups' hparams.
+
+    An empty one is refused too, not taken as "no state yet": a checkpoint of torch's would load or fail by whether
+    it was saved before the first step."""
+    own = "not this optimizer's own (its state_dict()'s, of flat blocks)"
+    if not state:
+        return (f"state_dict['state'] is empty: a torch.optim state dict taken before its first step (no "
+                f"per-parameter moments), {own}; there are no moments to carry over: set its hparams in "
+                "opt.param_groups (for g, saved in zip(opt.param_groups, state_dict['param_groups']): g['lr'] = "
+                "saved['lr'], and so 'betas', 'eps', 'weight_decay'), and where this optimizer has stepped, start "
+                "its moments afresh with opt.state = collections.defaultdict(dict)")
+    found = sorted(state)[:3]
+    return (f"state_dict['state'] is a torch.optim state (per-parameter entries keyed by index: "
+            f"{found}{'...' if len(state) > 3 else ''}), {own}; to carry torch.optim.Adam/AdamW's moments over, "
+            "assign them per parameter: opt.state[p][key] = value for key in 'step', 'exp_avg', 'exp_avg_sq'")
 
 
 def _plain(v: Any) -> Any:
