@@ -56,7 +56,8 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
-                               is_number, is_traced, leaf_tracer, any_lossy, write_param_copy, zeros_come_back)
+                               is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, write_param_copy,
+                               zeros_come_back)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.kernels.user_numbers import as_integer, flag, is_bool
@@ -85,7 +86,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class AdamHParams(NamedTuple):
-    """Dynamic Adam hyperparameters, passed at every step (``None``: the optimizer's default)."""
+    """Dynamic Adam hyperparameters, passed at every step (``None``: the optimizer's default): Python or numpy
+    numbers (read as the Python numbers they hold) or 0-d tensors."""
 
     lr: Scalar | None = None
     beta1: Scalar | None = None
@@ -817,7 +819,8 @@ class Adam:
             if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)
                 # A concrete tensor is read now: the step (and its undo record) must not see later in-place
                 # changes of it (a schedule's lr.fill_()).
-                full = filled[id(hp)] = hp if not any(x is None or isinstance(x, torch.Tensor) for x in hp) else \
+                # A numpy number is read as the Python number it holds (the kernels take Python numbers).
+                full = filled[id(hp)] = hp if all(type(x) is float or type(x) is int for x in hp) else \
                     AdamHParams(*(as_number(d if x is None else x) for x, d in zip(hp, self.defaults)))
             out.append(full)
         return out
@@ -1578,13 +1581,17 @@ def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:
 def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> None:
     """Refuse a value of hparam ``name`` that :meth:`Adam.update` cannot take (an :class:`HParamError` naming
     ``where + path``): not a real number or a 0-d tensor (a bool, a string, a tensor of another shape), or out
-    of its range (``lr >= 0``, ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite). A traced
-    tensor's value is not read, its shape is (vmap's per-member shape: 0-d too). Schedules check their constants
-    and results with it too."""
+    of its range (``lr >= 0``, ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite). A numpy
+    number is taken, as ``torch.optim`` takes it, and checked as the Python number it holds (what a step reads:
+    :meth:`Adam.resolve_hparams` and the kernels' scalars read it so, :func:`~sofx.kernels.base.as_number`). A
+    traced tensor's value is not read, its shape is (vmap's per-member shape: 0-d too). Schedules check their
+    constants and results with it too."""
     if type(value) is not float:  # a float (the common case, every leaf of every step) needs the range only
         if callable(value) and not isinstance(value, torch.Tensor):  # optax's adam(learning_rate=schedule)
             raise HParamError(f"{where}{path}: {name} is a schedule ({type(value).__name__}), where a value is taken "
                               f"(a float or a 0-d tensor): {_field_schedule_hint(name)}")
+        if is_numpy_real(value):  # (read as the Python number it holds where hparams are read: as_number)
+            value = as_number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
         if isinstance(value, torch.Tensor):

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence, Union
 
 from sofx.adam import AdamHParams, check_hparam_value
 from sofx.errors import HParamError
+from sofx.kernels.base import as_number, is_numpy_real
 from sofx.kernels.user_numbers import finite_number, flag, integer
 
 __all__ = [
@@ -402,6 +403,7 @@ class HParamsSchedule:
             f = getattr(self, name)
             if f is not None and not callable(f):  # a constant: what the optimizer takes (else a schedule, None)
                 check_hparam_value(name, f, "hparams_schedule")
+                _set(self, **{name: as_number(f) if is_numpy_real(f) else f})  # (a tensor: the caller's, as given)
         if self.base is not None and not callable(self.base):
             raise HParamError(f"hparams_schedule: base = {self.base!r:.60} ({type(self.base).__name__}) is invalid; "
                               "expected a schedule step -> AdamHParams (e.g. one_cycle(...)) or None")
@@ -422,7 +424,7 @@ class HParamsSchedule:
                                   + (f" ({name}=one_cycle(...).{name})" if name in ("lr", "beta1") else ""))
             if callable(f) and value is not None:
                 check_hparam_value(name, value, "hparams_schedule", f" at step {step}")
-            values.append(value)
+            values.append(as_number(value) if is_numpy_real(value) else value)
         return AdamHParams(*values)
 
 

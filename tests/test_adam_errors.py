@@ -363,3 +363,38 @@ def test_a_dict_key_too_long_for_decimal_text_is_stepped_and_named_in_hex():
     with pytest.raises(sofx.StructureError, match=rf"\(grads has entries \[{hex(huge)}\], expected \["):
         opt.update(new_p, {huge: grads[huge]}, new_s)
     _assert_unchanged(before, new_p, grads, new_s)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_numpy_hparams_are_taken_as_the_python_numbers_they_hold(backend):
+    """AdamHParams(lr=np.float32(1e-3)) was refused ("lr must be a float or a 0-d tensor, got float32"), as
+    sofx.adamw(lr=np.float32(...)) was, where torch.optim takes numpy numbers (and sofx's schedules and the offload
+    facade did); a numpy float64 was taken and handed to the kernels as a numpy number. Numpy reals (floating and
+    integer scalars) are read as Python numbers where hparams are read: defaults and a step's hparams step
+    bitwise as the Python numbers they hold, and what reaches the kernels is a Python float or int. A numpy bool is
+    no number, and a numpy value out of range is refused as a Python one."""
+    np = pytest.importorskip("numpy")
+    lr32, b2 = np.float32(3e-2), np.float32(0.99)
+    numpy_hp = AdamHParams(lr=lr32, beta1=np.float64(0.8), beta2=b2, eps=np.float16(1e-3), weight_decay=np.int64(1))
+    plain_hp = AdamHParams(lr=float(lr32), beta1=0.8, beta2=float(b2), eps=float(np.float16(1e-3)), weight_decay=1)
+    opt, params, grads, state = _setup(2)
+    numpy_opt = sofx.adamw(lr=lr32, betas=(np.float64(0.8), b2), eps=np.float16(1e-3), weight_decay=np.int64(1),
+                           backend=backend)
+    plain_opt = sofx.adamw(lr=float(lr32), betas=(0.8, float(b2)), eps=float(np.float16(1e-3)), weight_decay=1,
+                           backend=backend)
+    assert numpy_opt.defaults == plain_opt.defaults  # (kept as given, as torch.optim keeps its group's values)
+    spec = sofx.tree.flatten(params)[1]
+    for hp in (None, numpy_hp, AdamHParams(lr=lr32)):  # (None: the numpy defaults, read at each step)
+        assert all(type(x) in (float, int) for full in numpy_opt.resolve_hparams(hp, spec) for x in full)
+    for (o, hp), (q, want_hp) in (((numpy_opt, None), (plain_opt, None)),
+                                  ((opt, numpy_hp), (opt, plain_hp))):
+        got = o.update(clone_tree(params), grads, clone_tree(state), hp)[:2]
+        want = q.update(clone_tree(params), grads, clone_tree(state), want_hp)[:2]
+        assert trees_equal(got, want)
+    for hp, pattern in ((AdamHParams(beta1=np.bool_(False)), r"beta1 must be a float or a 0-d tensor, got bool"),
+                        (AdamHParams(lr=np.float32(-1.0)), r"lr = -1\.0 is invalid; expected lr >= 0"),
+                        (AdamHParams(eps=np.float64("nan")), r"eps = nan is invalid")):
+        with pytest.raises(sofx.HParamError, match=pattern):
+            opt.update(params, grads, state, hp)
+        with pytest.raises(sofx.HParamError, match=pattern):
+            sofx.Adam(hp, decoupled=True)

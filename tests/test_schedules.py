@@ -300,6 +300,26 @@ def test_hparams_schedule_refuses_a_field_schedule_returning_a_non_number():
                               ok)
 
 
+def test_hparams_schedule_reads_numpy_numbers_as_python_numbers():
+    """hparams_schedule(lr=lambda t: np.float32(...)) was refused at its first step ("lr must be a float or a 0-d
+    tensor, got float32"), and so was a numpy float32 constant, while the schedules' constructors take numpy
+    numbers (and torch.optim does); a numpy float64 was handed on as given. The constants and what a field schedule
+    returns are read as the Python numbers they hold (an integer stays an int): the hparams of a step hold no numpy
+    number. A numpy bool is no number."""
+    np = pytest.importorskip("numpy")
+    sched = schedules.hparams_schedule(lr=lambda step: np.float32(1e-3) * step, beta1=np.float64(0.85),
+                                       beta2=lambda step: np.float64(0.98), eps=np.float32(1e-6),
+                                       weight_decay=lambda step: np.int64(step))
+    got = sched(3)
+    assert got == AdamHParams(float(np.float32(1e-3) * 3), 0.85, 0.98, float(np.float32(1e-6)), 3)
+    assert [type(x) for x in got] == [float, float, float, float, int]
+    assert [type(x) for x in sofx.serial.hparams_at(sched, 2)] == [float, float, float, float, int]
+    with pytest.raises(HParamError, match=r"hparams_schedule: beta1 must be a float or a 0-d tensor, got bool"):
+        schedules.hparams_schedule(beta1=np.bool_(False))
+    with pytest.raises(HParamError, match=r"hparams_schedule at step 1: lr = -1\.0 is invalid; expected lr >= 0"):
+        schedules.hparams_schedule(lr=lambda step: np.float32(-1.0))(1)
+
+
 @pytest.mark.parametrize("make", [
     lambda n, c: schedules.constant(n(1e-3)),
     lambda n, c: schedules.linear(n(0.1), n(0.2), c(5)),

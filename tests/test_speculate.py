@@ -1582,3 +1582,27 @@ def test_max_norm_0_or_inf_speculate_as_the_serial_loop_steps(rng, profile: str,
         assert not r.speculating and "max_norm = 0" in r.not_speculating_reason and r.vetoed == 4
     _compare(spec, ser, r.actions)
     assert not any(torch.equal(a, b) for a, b in zip(spec.params, params))  # momentum and decay moved them
+
+
+def test_numpy_hparams_are_read_as_python_numbers_and_validate_as_the_values_they_hold(rng):
+    """Numpy hparams (torch.optim takes them) were refused ("lr must be a float or a 0-d tensor, got float32"); a
+    numpy float64 was kept as given. begin_step reads them as the Python numbers they hold, and validation hparams
+    given as numpy numbers of the speculated values commit (the same values: no undo and redo)."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng, 2), rng)
+    grads = _grads(rng, 2)
+    rule = loss_scale.grad_scaler()
+    given = AdamHParams(lr=np.float32(1e-2), beta2=np.float64(0.99), weight_decay=np.int64(0))
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=given)
+    assert all(type(x) in (float, int) for hp in ctx.hparams for x in hp)
+    blocks = [p.clone() for p in params]
+    states = [sofx.AdamState(state.count[i].clone(), state.mu[i].clone(), state.nu[i].clone()) for i in range(2)]
+    for i in (1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), lambda i=i: sp.block_eligibility(
+            opt, blocks[i], grads[i], states[i], ctx.hparams[i], ctx.grad_scale))
+        assert d.speculate
+        blocks[i], states[i], _ = sp.speculative_block_step(opt, blocks[i], grads[i], states[i], d, donate=True)
+    same = AdamHParams(lr=float(np.float32(1e-2)), beta2=0.99, weight_decay=0)
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), hparams=[given, same])
+    assert [a.kind for a in plan.actions] == ["commit", "commit"]

@@ -199,14 +199,23 @@ def traced_possible() -> tuple[bool, bool]:
 
 
 def as_number(x: Scalar) -> Scalar:
-    """A Python number for a concrete 0-d tensor, ``x`` itself otherwise.
+    """A Python number for a concrete 0-d tensor or a numpy real (:func:`is_numpy_real`: a numpy integer as an
+    int, a numpy float as a float), ``x`` itself otherwise.
 
     Reading hyperparameters as Python numbers makes the float arithmetic of a
     step identical to ``torch.optim``'s (done in double precision on the host).
     """
     if isinstance(x, torch.Tensor) and not is_traced(x) and x.dim() == 0:
         return x.item()
+    if is_numpy_real(x):
+        return int(x) if isinstance(x, numbers.Integral) else float(x)
     return x
+
+
+def is_numpy_real(x: object) -> bool:
+    """A numpy real scalar: a numpy floating or integer number (``float64``, a ``float`` subclass, included; a
+    numpy bool is no number)."""
+    return type(x).__module__ == "numpy" and isinstance(x, numbers.Real)
 
 
 def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = False) -> AdamScalars:
