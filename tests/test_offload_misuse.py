@@ -596,6 +596,31 @@ def test_a_moment_or_master_set_per_parameter_is_checked_as_a_loaded_state_is():
             torch.testing.assert_close(opt.state[p][key], good.detach().float(), rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_moment_or_master_set_per_parameter_beyond_the_states_range_is_refused():
+    """opt.state[p][key] = value casts a value of another float dtype into the state's (as torch users set moments of
+    the parameter's dtype), and a finite value beyond the state's range was stored as inf (a float64 1e39 in the
+    float32 masters, 1e5 in float16 moments): the next step's update was nan. It is refused, naming the parameter,
+    the key and the element, nothing changed; an inf given as such is taken (as load_state_dict takes it)."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline",
+                                       state_dtype=torch.float16) as opt:
+        p = model.mid.weight  # parameter 2
+        big = torch.zeros(tuple(p.shape), dtype=torch.float64)
+        big[1, 2] = 1e39
+        before = [{k: v.clone() for k, v in opt.state[q].items()} for q in model.parameters()]
+        for key, value, dtype in (("master", big, "torch.float32"), ("exp_avg", big.float() * 0 + 7e4, "torch.float16"),
+                                  ("exp_avg_sq", big.float().clamp(max=1e5), "torch.float16")):
+            with pytest.raises(sofx.UnsupportedError, match=rf"parameter 2's state\['{key}'\]\[\d, \d\] = \S+: beyond "
+                                                            rf"the range of the state's {dtype} \(largest \S+\): "
+                                                            "it would be stored as inf"):
+                opt.state[p][key] = value
+            for q, was in zip(model.parameters(), before):
+                assert all(torch.equal(v, was[k]) for k, v in opt.state[q].items()), key
+        opt.state[p]["exp_avg"] = torch.full(tuple(p.shape), -math.inf)
+        opt.state[p]["master"] = torch.full(tuple(p.shape), 3e38, dtype=torch.float64)
+        assert opt.state[p]["exp_avg"].isneginf().all() and opt.state[p]["master"].isfinite().all()
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("swap_params", [True, False])
 def test_parameters_changed_in_place_between_steps_are_the_new_masters(executor, swap_params):
