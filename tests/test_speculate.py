@@ -1606,3 +1606,37 @@ def test_numpy_hparams_are_read_as_python_numbers_and_validate_as_the_values_the
     same = AdamHParams(lr=float(np.float32(1e-2)), beta2=0.99, weight_decay=0)
     plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), hparams=[given, same])
     assert [a.kind for a in plan.actions] == ["commit", "commit"]
+
+
+def test_the_default_taken_leaves_out_a_block_the_caller_undid_for_a_late_gradient(rng):
+    """plan_validation's ``taken`` defaults to the speculative steps that stand: a block whose step the caller
+    undid as its late gradient came (``on_late_gradient(undone=True)``) is stepped with the sum, not undone and
+    redone a second time (its record is used: the undo_redo planned for it raised an UndoError), and the
+    result is the serial loop's; ``taken[i] = True`` for such a block is refused before anything is planned."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.05)
+    params, state = _warm(opt, _params(rng, n=2), rng)
+    grads, extra = _grads(rng, n=2, scale=1.0), _grads(rng, n=2, scale=1.0)[0]
+    rule = loss_scale.grad_scaler(init_scale=1.0)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    ps = list(params)
+    blocks = [sofx.AdamState(state.count[i], state.mu[i], state.nu[i]) for i in range(2)]
+    records = [None, None]
+    for i in (1, 0):
+        el = sp.block_eligibility(opt, ps[i], grads[i], blocks[i], ctx.hparams[i], ctx.grad_scale)
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), el)
+        ps[i], blocks[i], records[i] = sp.speculative_block_step(opt, ps[i], grads[i], blocks[i], d)
+    ps[0], blocks[0] = opt.undo(ps[0], blocks[0], records[0])  # the caller undoes block 0 as its late gradient comes
+    final = [grads[0] + extra, grads[1]]
+    tally = sp.on_late_gradient(ctx, tally, 0, sp.grad_sumsq(final[0]), undone=True)
+    with pytest.raises(sofx.SofxError, match=r"block 0: taken\[0\] is True but its speculative step was undone"):
+        sp.plan_validation(ctx, tally, list(tally.block_sumsq), taken=[True, True])
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq))
+    assert [a.kind for a in plan.actions] == ["step", "commit"]
+    assert (plan.report.speculated, plan.report.undone, plan.report.redone) == (2, 1, 1)
+    for i, action in enumerate(plan.actions):
+        ps[i], blocks[i] = sp.apply_block_action(opt, action, ps[i], final[i], blocks[i], records[i])
+    ser = serial_step(opt, params, final, state, scaler=rule, scaler_state=rule.init())
+    for i in range(2):
+        assert int(blocks[i].count) == int(ser.state.count[i])
+        for a, b in ((ps[i], ser.params[i]), (blocks[i].mu, ser.state.mu[i]), (blocks[i].nu, ser.state.nu[i])):
+            assert _rel(a, b) <= 1e-6 if i == 0 else torch.equal(a, b), (i, _rel(a, b))

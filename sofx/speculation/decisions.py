@@ -517,7 +517,9 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     all: it is planned as a block without gradient). ``hparams``: the validation-time hparams
     (default: those of the context); blocks speculated with other hparams are
     undone and redone. ``taken[i]``: whether block ``i``'s speculative step
-    actually ran (default: every speculated block). ``reduce_sumsq``: the
+    actually ran and stands (default: every speculated block but those the caller
+    undid for a late gradient, ``on_late_gradient(undone=True)``; ``True`` for
+    one of those is refused). ``reduce_sumsq``: the
     all-reduce (sum) of the local sum of squares across ranks (``-0.0`` where
     this rank has no gradient, :func:`sofx.serial.local_sumsq`; a step without
     gradient on any rank moves neither the loss scaler nor the policy); a hook
@@ -604,10 +606,11 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
 def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], hparams: Any,
                        taken: Sequence[bool] | None) -> tuple[tuple[AdamHParams, ...], list[bool], float]:
     """:func:`plan_validation`'s input, checked: each block's validation hparams, whether its speculative step
-    was taken (speculated and ``taken[i]``), and this rank's local sum of squares (:func:`sofx.serial.local_sumsq`;
-    a block without gradient counts as zeros under ``missing_grad="zero"``). Refused (a :class:`SofxError`):
-    ``sumsq`` or ``taken`` of another length than the step's blocks, ``taken[i]`` for a block not speculated, a
-    speculated block without gradient; (an :class:`HParamError`) hparams a block it would step cannot take
+    was taken (speculated, not undone by the caller for a late gradient, and ``taken[i]``), and this rank's local
+    sum of squares (:func:`sofx.serial.local_sumsq`; a block without gradient counts as zeros under
+    ``missing_grad="zero"``). Refused (a :class:`SofxError`): ``sumsq`` or ``taken`` of another length than the
+    step's blocks, ``taken[i]`` for a block not speculated or undone for a late gradient, a speculated block
+    without gradient; (an :class:`HParamError`) hparams a block it would step cannot take
     (:func:`_check_stepped_block_hparams`)."""
     n = ctx.n_blocks
     if len(sumsq) != n:
@@ -618,9 +621,13 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     spec_taken = []
     for i in range(n):
         d = tally.decisions[i]
-        was = d is not None and d.speculate and (taken is None or bool(taken[i]))
+        # (a step the caller undid for a late gradient, on_late_gradient(undone=True), no longer stands)
+        was = d is not None and d.speculate and i not in tally.undone and (taken is None or bool(taken[i]))
         if taken is not None and taken[i] and not (d is not None and d.speculate):
             raise SofxError(f"block {i}: taken[{i}] is True but the block was not speculated")
+        if taken is not None and taken[i] and i in tally.undone:
+            raise SofxError(f"block {i}: taken[{i}] is True but its speculative step was undone for a late gradient "
+                            "(on_late_gradient(undone=True)): nothing of it is left to validate")
         if was and sumsq[i] is None:
             raise SofxError(f"block {i} was speculated but has no gradient at validation")
         spec_taken.append(was)
