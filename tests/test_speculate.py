@@ -1640,3 +1640,26 @@ def test_the_default_taken_leaves_out_a_block_the_caller_undid_for_a_late_gradie
         assert int(blocks[i].count) == int(ser.state.count[i])
         for a, b in ((ps[i], ser.params[i]), (blocks[i].mu, ser.state.mu[i]), (blocks[i].nu, ser.state.nu[i])):
             assert _rel(a, b) <= 1e-6 if i == 0 else torch.equal(a, b), (i, _rel(a, b))
+
+
+def test_a_block_undone_at_its_second_late_gradient_is_planned_as_undone_and_releases_its_snapshot():
+    """A caller that sums a block's first late gradient out of place (its speculative step stands) and undoes the
+    step as a second one comes (``on_late_gradient(undone=True)``) has no step of it left: the tally releases its
+    snapshot bytes and counts it undone, and validation steps it with the sum, reported speculated, undone and
+    redone, as where the first late gradient undid it."""
+    scaler = loss_scale.grad_scaler()
+    cfg = sp.SpeculationConfig(snapshot_budget_bytes=1000)
+    ctx, tally = sp.begin_step(sofx.adamw(), cfg, scaler, scaler.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "snapshot", "", 100))
+    tally, _ = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    assert tally.snapshot_bytes == 100
+    tally = sp.on_late_gradient(ctx, tally, 0, 4.0)
+    assert tally.snapshot_bytes == 100 and tally.undone == frozenset()
+    tally = sp.on_late_gradient(ctx, tally, 0, 9.0, undone=True)
+    assert tally.snapshot_bytes == 0 and tally.undone == {0}
+    tally = sp.on_late_gradient(ctx, tally, 0, 16.0, undone=True)  # (nothing more to undo: released once)
+    assert tally.snapshot_bytes == 0 and tally.undone == {0}
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), taken=[False, True])
+    r = plan.report
+    assert [a.kind for a in plan.actions] == ["step", "commit"] and plan.actions[0].speculated
+    assert (r.speculated, r.committed, r.undone, r.redone, r.stepped_late) == (2, 1, 1, 1, 0)

@@ -468,8 +468,10 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     if not vetoed and not math.isfinite(sumsq):
         vetoed, veto_reason = True, f"block {block} got a non-finite late gradient"
     held, taken_back = tally.snapshot_bytes, tally.undone
-    if undone and d.kind == "speculate" and block not in tally.late:
-        held -= d.snapshot_bytes  # released once: a later arrival finds nothing more to undo
+    if undone and d.kind == "speculate" and block not in tally.undone:
+        # released once (a later arrival finds nothing more to undo), also where an earlier late gradient was
+        # summed out of place and the step stood until now
+        held -= d.snapshot_bytes
         taken_back = taken_back | {block}
     return BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq), tally.decisions,
                          tally.late | {block}, held, taken_back)
