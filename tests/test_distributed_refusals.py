@@ -502,8 +502,9 @@ def test_a_required_keyword_misspelt_on_one_rank_is_refused_on_every_rank(ranks)
 def test_plan_validation_input_refused_on_one_rank_is_refused_on_every_rank(ranks):
     own = {"sumsq": _is("sumsq has 1 entries, the step has 2 blocks"),
            "taken": _is("block 0: taken[0] is True but the block was not speculated"),
-           "not_a_number": _is("sumsq[1] is 'x' (str); expected block 1's sum of squares, a real number >= 0 (inf or "
-                               "nan where its gradient is not finite), or None for no gradient")}
+           "not_a_number": _is("plan_validation: sumsq[1] is 'x' (str); expected block 1's sum of squares, "
+                               "a real number >= 0 (inf or nan where its gradient is not finite), or None for no "
+                               "gradient")}
     for case in _refused_on_every_rank(ranks, "plan_validation_input", own):
         assert case["next"] == pytest.approx((2 * 1.25) ** 0.5 / 2.0 ** 16)  # the next step, on every rank
 

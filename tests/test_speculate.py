@@ -749,7 +749,7 @@ def test_plan_validation_refuses_its_bad_input_through_the_hook():
                        "block 1: taken[1] is True but the block was not speculated"),
                       ({"sumsq": [None, 1.0]}, "block 0 was speculated but has no gradient at validation"),
                       ({"sumsq": [1.0, 1.0], "hparams": "lr"}, "hparams: expected an AdamHParams or a sequence"),
-                      ({"sumsq": [1.0, "x"]}, "sumsq[1] is 'x' (str); expected")):
+                      ({"sumsq": [1.0, "x"]}, "plan_validation: sumsq[1] is 'x' (str); expected")):
         hook = _RecordingHook()
         with pytest.raises(ValueError) as info:
             sp.plan_validation(ctx, tally, reduce_sumsq=hook, **kw)
@@ -776,7 +776,7 @@ def test_a_sum_of_squares_that_is_not_a_number_is_refused_by_plan_validation_nam
         hook = _RecordingHook()
         with pytest.raises(sofx.SofxError) as info:
             sp.plan_validation(ctx, tally, [1.0, value], reduce_sumsq=hook)
-        assert str(info.value) == f"sumsq[1] is {given}; {expected}", str(info.value)
+        assert str(info.value) == f"plan_validation: sumsq[1] is {given}; {expected}", str(info.value)
         assert hook.calls == [f"refuse: {info.value}"], hook.calls
     for value in (2.0, 2, np.float32(2.0), torch.tensor(2.0), torch.tensor([2.0], dtype=torch.float64)):
         plan = sp.plan_validation(ctx, tally, [2.0, value])
@@ -1663,3 +1663,31 @@ def test_a_block_undone_at_its_second_late_gradient_is_planned_as_undone_and_rel
     r = plan.report
     assert [a.kind for a in plan.actions] == ["step", "commit"] and plan.actions[0].speculated
     assert (r.speculated, r.committed, r.undone, r.redone, r.stepped_late) == (2, 1, 1, 1, 0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, -math.inf, "x", True, torch.ones(2)])
+def test_a_sum_of_squares_that_is_not_a_number_at_least_0_is_refused_by_the_block_protocol(bad):
+    """A block's sum of squares is a number >= 0 (inf or nan where its gradient is not finite). A negative one
+    was taken by plan_validation (-1 beside 1: a norm of 0, the step taken unclipped) and raised "math domain
+    error" in on_block_ready; a string or a bool a bare ValueError or TypeError. Each is refused, naming the
+    block and what was expected, before the tally or the plan changes; a 1-element tensor or numpy number is
+    read as its value."""
+    np = pytest.importorskip("numpy")
+    scaler = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(sofx.adamw(), sp.SpeculationConfig(max_norm=1.0), scaler, scaler.init(), n_blocks=2)
+    eligible = sp.Eligibility(True, "algebraic", "", 0)
+    pattern = (r"\(.*\); expected (a block's|block 0's) sum of squares, a real number >= 0 \(inf or nan where "
+               r"its gradient is not finite\)")
+    with pytest.raises(sofx.SofxError, match=r"on_block_ready: block 0: sumsq is .* " + pattern):
+        sp.on_block_ready(ctx, tally, 0, bad, eligible)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, torch.tensor([0.25]), eligible)
+    tally, _ = sp.on_block_ready(ctx, tally, 1, np.float32(0.5), eligible)
+    assert tally.block_sumsq == (0.25, 0.5) and tally.sumsq == 0.75
+    with pytest.raises(sofx.SofxError, match=r"on_late_gradient: block 1: sumsq is .* " + pattern):
+        sp.on_late_gradient(ctx, tally, 1, bad)
+    hook = _RecordingHook()
+    with pytest.raises(sofx.SofxError, match=r"plan_validation: sumsq\[0\] is .* " + pattern) as info:
+        sp.plan_validation(ctx, tally, [bad, 1.0], reduce_sumsq=hook)
+    assert hook.calls == [f"refuse: {info.value}"]
+    plan = sp.plan_validation(ctx, tally, [math.nan, 1.0])
+    assert plan.report.skipped and [a.kind for a in plan.actions] == ["undo", "undo"]

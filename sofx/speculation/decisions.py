@@ -348,6 +348,29 @@ def _check_block(ctx: StepContext, block: int) -> int:
     return i
 
 
+def _sumsq_value(where: str, value: Any, block: int | None = None) -> float:
+    """A block's sum of squares as a Python float: a real number >= 0, inf and nan included (a gradient that is not
+    finite); a numpy number or a 1-element tensor as its value (:func:`~sofx.kernels.user_numbers.real_number`).
+    Anything else (a string, a bool, a tensor of several elements, a negative number) is refused, a
+    :class:`SofxError` naming ``where`` and what was given (a negative sum was taken by the plan as a smaller norm;
+    ``float()`` read ``"1.5"`` and ``True`` as sums and raised a bare ValueError for ``"x"``). ``block``: the
+    block of an entry of :func:`plan_validation`'s ``sumsq``, where ``None`` (no gradient) is taken too."""
+    if type(value) is float and not value < 0:  # (the common case, once per block and step)
+        return value
+    x = real_number(value)
+    if isinstance(x, numbers.Real) and not is_bool(x):
+        try:
+            f = float(x)
+        except OverflowError:  # an int beyond the float range
+            f = math.inf
+        if not f < 0:  # (nan is not < 0: a gradient that is not finite)
+            return f
+    whose = "a block's" if block is None else f"block {block}'s"
+    none = "" if block is None else ", or None for no gradient"
+    raise SofxError(f"{where} is {value!r:.80} ({_described(value)}); expected {whose} sum of squares, a real number "
+                    f">= 0 (inf or nan where its gradient is not finite){none}")
+
+
 def _replace(t: tuple[Any, ...], i: int, value: Any) -> tuple[Any, ...]:
     return t[:i] + (value,) + t[i + 1:]
 
@@ -366,7 +389,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
     if tally.decisions[block] is not None:
         raise SofxError(f"block {block} was already ready this step; a further gradient for it is a late "
                         "gradient: call on_late_gradient")
-    sumsq = float(sumsq)
+    sumsq = _sumsq_value(f"on_block_ready: block {block}: sumsq", sumsq)
     running = tally.sumsq + sumsq
     hp = ctx.hparams[block]
     vetoed, veto_reason, snap = tally.vetoed, tally.veto_reason, tally.snapshot_bytes
@@ -460,7 +483,7 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     d = tally.decisions[block]
     if d is None:
         raise SofxError(f"block {block} was not ready yet: a gradient before on_block_ready is not late")
-    sumsq = float(sumsq)
+    sumsq = _sumsq_value(f"on_late_gradient: block {block}: sumsq", sumsq)
     old = tally.block_sumsq[block]
     running = tally.sumsq + (sumsq - old if math.isfinite(sumsq) and old is not None and math.isfinite(old)
                              else sumsq)
@@ -633,32 +656,13 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
         if was and sumsq[i] is None:
             raise SofxError(f"block {i} was speculated but has no gradient at validation")
         spec_taken.append(was)
-    values = [None if s is None else _block_sumsq(i, s) for i, s in enumerate(sumsq)]
+    values = [None if s is None else _sumsq_value(f"plan_validation: sumsq[{i}]", s, i)
+              for i, s in enumerate(sumsq)]
     zero = ctx.config.missing_grad == "zero"
     _check_stepped_block_hparams(hps, [zero or s is not None for s in sumsq])
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]),
                         [zero or s is not None for s in sumsq])
     return hps, spec_taken, local
-
-
-def _block_sumsq(i: int, s: Any) -> float:
-    """``sumsq[i]`` of :func:`plan_validation` as a float: a real number >= 0, inf or nan where the block's gradient
-    is not finite (a Python or numpy number, not a bool, or a 1-element tensor:
-    :func:`~sofx.kernels.user_numbers.real_number`); anything else (a string, a tensor of several elements, a
-    negative number) is refused, a :class:`SofxError` naming the entry and what was given (``float()`` read
-    ``"1.5"`` and ``True`` as sums, and raised its own ValueError for ``"x"``)."""
-    if type(s) is float and not s < 0:  # (the common case, once per block and step)
-        return s
-    x = real_number(s)
-    if isinstance(x, numbers.Real) and not is_bool(x):
-        try:
-            value = float(x)
-        except OverflowError:  # an int beyond the float range
-            value = math.inf
-        if not value < 0:  # (nan is not < 0: a gradient that is not finite)
-            return value
-    raise SofxError(f"sumsq[{i}] is {s!r:.80} ({_described(s)}); expected block {i}'s sum of squares, a real number "
-                    ">= 0 (inf or nan where its gradient is not finite), or None for no gradient")
 
 
 def _check_stepped_block_hparams(hps: Sequence[AdamHParams], stepped: Sequence[bool]) -> None:
