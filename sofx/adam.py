@@ -1729,8 +1729,9 @@ def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: S
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
 
-def hparams_at(hparams: Any, step: int) -> Any:
-    """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise.
+def hparams_at(hparams: Any, step: int, name: str = "hparams") -> Any:
+    """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise (``name``: the argument's, in
+    the errors).
 
     Only the whole hparams may be a schedule. A number where hparams are expected (a float schedule such as
     ``cosine_decay(...)`` given as the hparams, or what a schedule returned) and a schedule inside an hparams tree
@@ -1738,12 +1739,12 @@ def hparams_at(hparams: Any, step: int) -> Any:
     ``hparams_schedule(lr=schedule)``, or one callable returning the whole tree
     (``lambda t: group_hparams(labels, groups, base=schedule(t))``)."""
     if not callable(hparams):
-        check_step_hparams(hparams, "hparams")
+        check_step_hparams(hparams, name)
         return hparams
     value = hparams(step)
     if is_hparams_number(value):
-        raise HParamError(f"hparams: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
+        raise HParamError(f"{name}: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
                           f"step {step}, a number; the hparams of a step are an AdamHParams or a tree of them (one per "
                           f"param group): {WRAP_HINT}")
-    check_step_hparams(value, f"hparams(step={step})")
+    check_step_hparams(value, f"{name}(step={step})")
     return value

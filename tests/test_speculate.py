@@ -1691,3 +1691,38 @@ def test_a_sum_of_squares_that_is_not_a_number_at_least_0_is_refused_by_the_bloc
     assert hook.calls == [f"refuse: {info.value}"]
     plan = sp.plan_validation(ctx, tally, [math.nan, 1.0])
     assert plan.report.skipped and [a.kind for a in plan.actions] == ["undo", "undo"]
+
+
+def test_the_speculative_loop_step_evaluates_a_validation_schedule_at_the_loop_step(rng):
+    """speculative_loop_step evaluates ``validation_hparams`` given as a schedule at ``loop.step``, as it does
+    ``hparams``: the blocks speculated with the backward's hparams are undone and redone with the schedule's, and
+    the loop follows serial_loop_step on that schedule. It was passed on unevaluated and refused, the error telling
+    the caller to take loop steps, which evaluate schedules: the very call refused. A schedule returning a number
+    is refused naming validation_hparams."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.05)
+    params = _params(rng, 3, 8)
+    rule = loss_scale.grad_scaler(init_scale=1.0)
+
+    def backward_hp(t: int) -> AdamHParams:
+        return AdamHParams(lr=1e-2 / (t + 1))
+
+    def schedule(t: int) -> AdamHParams:
+        return AdamHParams(lr=1e-2 / (t + 1), weight_decay=0.05 if t % 2 else 0.0)
+
+    spec_loop = ser_loop = init_loop(opt, params, rule)
+    for step in range(4):
+        grads = _grads(rng, 3, 8, scale=1.0)
+        spec_loop, report = sp.speculative_loop_step(opt, spec_loop, grads, config=sp.SpeculationConfig(),
+                                                     scaler=rule, hparams=backward_hp, validation_hparams=schedule)
+        ser_loop, _ = serial_loop_step(opt, ser_loop, grads, scaler=rule, hparams=schedule)
+        assert report.actions == ("undo_redo" if step % 2 == 0 else "commit",) * 3, (step, report.actions)
+        assert spec_loop.step == ser_loop.step == step + 1
+        for i in range(3):  # (without donation an undone block is its input: the redo is the serial step's bits)
+            assert torch.equal(spec_loop.params[i], ser_loop.params[i])
+            assert torch.equal(spec_loop.opt_state.mu[i], ser_loop.opt_state.mu[i])
+    with pytest.raises(sofx.HParamError, match=r"validation_hparams: the schedule .* returned 0.001 \(float\) at "
+                                               r"step 4"):
+        sp.speculative_loop_step(opt, spec_loop, grads, config=sp.SpeculationConfig(), scaler=rule,
+                                 hparams=backward_hp, validation_hparams=lambda t: 1e-3)

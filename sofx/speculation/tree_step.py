@@ -259,7 +259,8 @@ def speculative_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grad
     """:func:`speculative_step` on a :class:`~sofx.serial.LoopState` (the speculative twin of
     :func:`sofx.serial.serial_loop_step`).
 
-    ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``;
+    ``hparams`` may be a schedule ``step -> hparams``, evaluated at ``loop.step``, and so may
+    ``validation_hparams`` (the hparams in force at validation, see :func:`speculative_step`);
     ``loop.step`` advances only when the step was not skipped, and the policy
     state travels in ``loop.policy_state``; a hook that compares the ranks' step settings also compares
     ``loop.step`` (:func:`sofx.serial.with_loop_settings`). ``opt``, ``loop``, ``grads``, ``config`` and
@@ -276,6 +277,9 @@ def speculative_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grad
         step = check_loop(loop)
         check_opt(opt)  # (before the schedule runs)
         hp = hparams_at(hparams, step)
+        if "validation_hparams" in kwargs:
+            kwargs = {**kwargs, "validation_hparams": hparams_at(kwargs["validation_hparams"], step,
+                                                                 "validation_hparams")}
     except Exception as exc:  # a schedule's failure: refused before the reduction, as speculative_step's
         refuse_reduce(kwargs.get("reduce_sumsq"), exc)
         raise
