@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 import sofx
 from sofx import AdamHParams, loss_scale
 from sofx import speculate as sp
-from sofx.serial import init_loop, serial_loop_step
+from sofx.errors import SnapshotLimitError
+from sofx.serial import init_loop, serial_loop_step, serial_step
 
 SIZES = (6, 9, 4)
 
@@ -147,3 +148,106 @@ def test_random_event_sequences_from_a_fresh_state_follow_the_serial_loop(
         ser = ser_next
         if donate:  # re-synchronised: each step is checked at the per-step tolerance
             spec = ser._replace(policy_state=spec.policy_state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The block protocol driven by hand, as an engine drives it: steps that did not run (taken False), steps taken
+# back for the snapshot budget, late gradients summed out of place or after the caller undid the step (either
+# first, in any order), ``taken`` given or left at its default.
+
+_PROTOCOL_EVENT = st.fixed_dictionaries({
+    "clip": st.booleans(), "overflow": st.sampled_from([None, None, None, 0, 1, 2]),
+    "late": st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=3),  # (block, undone first)
+    "not_run": st.lists(st.integers(0, 2), max_size=2), "missing": st.sampled_from([None, None, 0, 1, 2]),
+    "spike": st.sampled_from([None, None, 0, 1]), "give_taken": st.sampled_from([False, False, True]),
+    "final_lr": st.sampled_from([None, None, 0.5]), "seed": st.integers(0, 2 ** 16)})
+
+
+@settings(max_examples=30, deadline=None)
+@given(decoupled=st.booleans(), undo=st.sampled_from(["auto", "exact"]), donate=st.booleans(),
+       profile=st.sampled_from(["torch", "deepspeed"]), max_norm=st.sampled_from([None, 1.0, 0.05]),
+       missing_grad=st.sampled_from(["skip", "zero"]), budget=st.sampled_from([None, 0, 40, 200]),
+       param_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       events=st.lists(_PROTOCOL_EVENT, min_size=1, max_size=4), seed=st.integers(0, 2 ** 16))
+def test_the_block_protocol_with_late_gradients_undone_first_or_not_follows_the_serial_loop(
+        decoupled, undo, donate, profile, max_norm, missing_grad, budget, param_dtype, events, seed):
+    """Each step's validation, applied block by block, gives serial_step's result: bitwise for blocks neither
+    undone nor taken back, within DESIGN.md's tolerance for the others; the same loss-scaler state; the report's
+    counts add up."""
+    gen = torch.Generator().manual_seed(seed)
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-2, weight_decay=0.05, undo=undo, state_dtype=torch.float32)
+    config = sp.SpeculationConfig(max_norm=max_norm, profile=profile, missing_grad=missing_grad,
+                                  snapshot_budget_bytes=budget)
+    scaler = loss_scale.grad_scaler(init_scale=4.0, growth_interval=2) if profile == "torch" else \
+        loss_scale.deepspeed_scaler(init_scale=4.0, scale_window=2)
+    params = [torch.randn(k, generator=gen).to(param_dtype) for k in (5, 8, 3)]
+    state, sstate = opt.init(params), scaler.init()
+    for ev in events:
+        egen = torch.Generator().manual_seed(ev["seed"])
+        S = scaler.scale(sstate)
+        mult = 0.5 if ev["clip"] else 0.01
+        grads = [(torch.randn(p.shape, generator=egen) * mult * S).to(param_dtype) for p in params]
+        if ev["spike"] is not None:  # (undo="auto" keeps a snapshot: a step the budget may take back)
+            grads[ev["spike"]][0] = 1e3 * S
+        if ev["overflow"] is not None:
+            grads[ev["overflow"]][1] = math.inf
+        if ev["missing"] is not None:
+            grads[ev["missing"]] = None
+        hp = AdamHParams(lr=1e-2)
+        final_hp = hp if ev["final_lr"] is None else AdamHParams(lr=1e-2 * ev["final_lr"])
+        ps = [p.clone() for p in params] if donate else list(params)
+        blocks = [sofx.AdamState(*(t.clone() if donate else t for t in (state.count[i], state.mu[i], state.nu[i])))
+                  for i in range(3)]
+        ctx, tally = sp.begin_step(opt, config, scaler, sstate, n_blocks=3, hparams=hp)
+        records, taken, held = [None] * 3, [False] * 3, 0
+        for i in (2, 1, 0):
+            if grads[i] is None:
+                continue
+
+            def eligibility(i: int = i) -> sp.Eligibility:
+                return sp.block_eligibility(opt, ps[i], grads[i], blocks[i], ctx.hparams[i], ctx.grad_scale)
+
+            tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), eligibility)
+            if d.speculate and i not in ev["not_run"]:
+                try:
+                    ps[i], blocks[i], records[i] = sp.speculative_block_step(opt, ps[i], grads[i], blocks[i], d,
+                                                                             donate=donate, held_bytes=held)
+                except SnapshotLimitError as exc:
+                    tally = sp.on_speculation_refused(ctx, tally, i, str(exc))
+                    continue
+                held += records[i].snapshot_bytes()
+                tally = sp.on_speculation_held(ctx, tally, i, records[i].snapshot_bytes())
+                taken[i] = True
+        inverted = [False] * 3  # an algebraic inverse ran on the block: DESIGN.md's tolerance
+        for i, undo_first in ev["late"]:
+            if grads[i] is None:
+                continue
+            undone = undo_first and taken[i]
+            if undone:
+                ps[i], blocks[i] = opt.undo(ps[i], blocks[i], records[i], donate=donate)
+                records[i], taken[i], inverted[i] = None, False, True
+            grads[i] = grads[i] + (torch.randn(params[i].shape, generator=egen) * mult * S).to(param_dtype)
+            tally = sp.on_late_gradient(ctx, tally, i, sp.grad_sumsq(grads[i]), undone=undone)
+        final = [None if g is None else tally.block_sumsq[i] for i, g in enumerate(grads)]
+        standing = [d is not None and d.speculate and i not in tally.undone for i, d in enumerate(tally.decisions)]
+        default = not ev["give_taken"] and all(t for t, s in zip(taken, standing) if s)
+        plan = sp.plan_validation(ctx, tally, final, hparams=final_hp, taken=None if default else taken)
+        for i, action in enumerate(plan.actions):
+            inverted[i] |= action.kind in ("undo", "undo_redo")
+            ps[i], blocks[i] = sp.apply_block_action(opt, action, ps[i], grads[i], blocks[i], records[i],
+                                                     donate=donate)
+        ser = serial_step(opt, params, grads, state, scaler=scaler, scaler_state=sstate, hparams=final_hp,
+                          max_norm=max_norm, profile=profile, missing_grad=missing_grad)
+        assert plan.error is None and plan.scaler_state == ser.scaler_state
+        r = plan.report
+        assert r.speculated == r.committed + r.undone and r.skipped == ser.facts.skipped
+        for i in range(3):
+            assert int(blocks[i].count) == int(ser.state.count[i]), i
+            for a, b in ((ps[i], ser.params[i]), (blocks[i].mu, ser.state.mu[i]), (blocks[i].nu, ser.state.nu[i])):
+                refused = tally.decisions[i] is not None and tally.decisions[i].kind == "refused"
+                if inverted[i] or (refused and donate):  # (a step taken back under donation: an inverse)
+                    assert _rel(a, b) <= (1e-6 if a.dtype == torch.float32 else 1e-2), (i, plan.actions[i])
+                else:
+                    assert torch.equal(a, b), (i, plan.actions[i], donate)
+        params, state, sstate = ser.params, ser.state, ser.scaler_state
