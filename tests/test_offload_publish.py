@@ -490,3 +490,81 @@ def test_borrowed_gradients_are_released_after_step(executor: str) -> None:
         assert len(refs) == 1 and refs[0]() is None
         opt.zero_grad()  # nothing pending: returns at once
         assert opt.engine.executor.pending == 0
+
+
+def _adamw_from(opt, params: list[torch.Tensor], lr: float) -> tuple[list[torch.Tensor], torch.optim.AdamW]:
+    """torch's AdamW started from ``opt``'s state: fp32 copies of the masters, the moments and step counts."""
+    ref = [opt.state[p]["master"].clone().requires_grad_(p.requires_grad) for p in params]
+    ropt = torch.optim.AdamW(ref, lr=lr, foreach=False)
+    for p, r in zip(params, ref):
+        state = opt.state[p]
+        if int(state["step"]) > 0:
+            ropt.state[r] = {"step": torch.tensor(float(state["step"])), "exp_avg": state["exp_avg"].clone(),
+                             "exp_avg_sq": state["exp_avg_sq"].clone()}
+    return ref, ropt
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_device_blocks", [0, 1])
+def test_a_master_assigned_between_steps_is_the_models_parameter_at_once(executor: str, dtype: torch.dtype,
+                                                                         n_device_blocks: int) -> None:
+    """``opt.state[p]["master"] = x`` gives the model's ``p`` the new master (rounded to ``p``'s dtype) at once, as
+    ``load_state_dict`` gives it the loaded masters: a forward pass before the next step used the old weights while
+    that step started from ``x``. The other parameters keep their values; the next step equals torch's AdamW started
+    from those weights (gradients of the weights the model shows)."""
+    torch.manual_seed(0)
+    model = SharedMLP().to(dtype)
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = mlp_batch(gen)
+        return x.to(dtype), y.to(dtype)
+
+    with sofx.offload.SpeculativeAdamW(params, lr=1e-2, executor=executor, block_numel=100,
+                                       n_device_blocks=n_device_blocks) as opt:
+        for _ in range(3):  # moments, and publish buffers swapped an odd number of times
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, batch()))
+            opt.step()
+        for p in (model.mid.weight, model.inp.weight):  # (a CPU block; the device block with n_device_blocks=1)
+            before = [q.detach().clone() for q in params]
+            new = torch.randn(tuple(p.shape), generator=gen) * 0.3
+            opt.state[p]["master"] = new
+            assert torch.equal(opt.state[p]["master"], new)
+            assert torch.equal(p.detach(), new.to(dtype)), "the model shows the assigned master"
+            assert all(torch.equal(q.detach(), b) for q, b in zip(params, before) if q is not p)
+
+        weights = copy.deepcopy(model)  # what the model shows, stepped by nothing
+        ref, ropt = _adamw_from(opt, params, lr=1e-2)
+        data = batch()
+        grads = torch.autograd.grad(mlp_loss(weights, data), [q for q in weights.parameters() if q.requires_grad])
+        opt.zero_grad()
+        opt.backward(mlp_loss(model, data))
+        opt.step()
+        for r, g in zip([r for r in ref if r.requires_grad], grads):
+            r.grad = g.float()
+        ropt.step()
+        for p, r in zip(params, ref):
+            master = opt.state[p]["master"]
+            assert (master - r.detach()).abs().max() <= 1e-6 * max(r.abs().max().item(), 1e-3)
+            assert torch.equal(p.detach(), master.to(dtype))
+
+
+def test_a_master_assigned_after_the_parameter_changed_kind_leaves_the_next_step_refused() -> None:
+    """A parameter given storage of another kind (``p.data = t``) is refused at the next step, naming it (its masters
+    and buffers are of the old kind); assigning its master in between writes the new values into the parameter
+    but must not hide the change."""
+    torch.manual_seed(0)
+    model = SharedMLP()
+    gen = torch.Generator().manual_seed(1)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        p = model.mid.weight  # parameter 2
+        p.data = p.detach().double()
+        opt.state[p]["master"] = torch.ones(tuple(p.shape))
+        assert torch.equal(p.detach(), torch.ones(tuple(p.shape), dtype=torch.float64))
+        with pytest.raises(sofx.SofxError, match=r"parameter 2 is now \(12, 12\) torch.float64"):
+            opt.step()  # (before it looks for gradients)

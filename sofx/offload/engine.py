@@ -1307,7 +1307,8 @@ class OffloadEngine:
 
     def set_param_state(self, index: int, key: str, value: Any) -> None:
         """Write ``value`` into parameter ``index``'s ``key`` of :meth:`param_state` (between steps; checked
-        first, as :meth:`load_state_dict` checks a state: nothing changes on a bad value)."""
+        first, as :meth:`load_state_dict` checks a state: nothing changes on a bad value). A ``master`` is also
+        given to the model's parameter at once (see :meth:`_show_master`)."""
         self._check_usable()
         with self._exclusive(f"opt.state[p][{key!r}] = ..."):
             self._check_between_steps(f"changing the optimizer state ({key!r})")
@@ -1330,6 +1331,21 @@ class OffloadEngine:
         self._wait_all()
         with torch.no_grad():
             target.copy_(value)
+        if key == "master":
+            self._show_master(index)
+
+    def _show_master(self, index: int) -> None:
+        """Give the model's parameter ``index`` its master (rounded to the parameter's dtype), as
+        :meth:`load_state_dict` gives it every master, and note its version: a forward pass before the next step
+        uses the weights that step starts from (the model kept its old values until then). The parameter is
+        written in place, in the publish buffer it holds now; other parameters' edits stay to be adopted, and so
+        does other storage given to this one since (``p.data = t``: refused at the next step where it is of
+        another kind, see :meth:`_take_params_as_masters`)."""
+        block, slot = self.tracker.where[index]
+        presents = [tuple(b == block and s == slot for s in range(len(layout.numels)))
+                    for b, layout in enumerate(self.layouts)]
+        self._copy_to_model([block], presents)
+        self._versions[index] = (self.params[index]._version, self._versions[index][1])
 
     @staticmethod
     def _check_param_state_value(index: int, key: str, value: Any, target: torch.Tensor) -> None:

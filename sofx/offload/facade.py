@@ -229,7 +229,8 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
 
 class _ParamState(MutableMapping):
     """``opt.state[p]``: one parameter's ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq`` and ``master`` as live
-    views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``)."""
+    views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``; ``state["master"] = x``
+    also sets the model's parameter to ``x``, rounded to its dtype, as ``load_state_dict`` does)."""
 
     def __init__(self, engine: OffloadEngine, index: int) -> None:
         self._engine, self._index = engine, index
