@@ -1079,6 +1079,34 @@ def test_block_indices_that_are_not_ints_are_refused_before_any_leaf_is_stepped(
     assert _unchanged(before, params, state)
 
 
+def test_numpy_integer_leaf_indices_in_order_and_late_grads_are_read_as_ints(rng):
+    """Leaf indices taken from a numpy array (``np.argsort``, ``np.int64``) in ``order`` and as ``late_grads`` keys
+    are indices, as the block protocol's ``on_block_ready`` takes them: the step equals the one given Python ints
+    (bitwise, reports included); numpy bools stay refused as Python bools are."""
+    import numpy as np
+
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    grads = _grads(rng)
+    late = torch.randn(6, generator=rng) * 0.01 * S16
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(), scaler=rule, scaler_state=rule.init())
+    want = sp.speculative_step(opt, params, grads, state, order=[3, 1, 2, 0], late_grads={2: late}, **kw)
+    for kind in (np.int64, np.int32, np.uint8):
+        order = list(np.array([3, 1, 2, 0], dtype=kind))
+        got = sp.speculative_step(opt, params, grads, state, order=order, late_grads={kind(2): late}, **kw)
+        assert got.report == want.report and got.report.actions[2] == "undo_redo"
+        for a, b in zip([*got.params, *got.state.mu, *got.state.nu, *got.state.count],
+                        [*want.params, *want.state.mu, *want.state.nu, *want.state.count]):
+            assert torch.equal(a, b)
+    before = _snapshot(params, state)
+    with pytest.raises(sofx.SofxError, match="order must be a permutation of the 4 leaf indices"):
+        sp.speculative_step(opt, params, _grads(rng), state, order=[3, 2, 1, np.False_], donate=True, **kw)
+    with pytest.raises(sofx.SofxError, match=r"late_grads\[(np\.)?True_?\]: a late gradient needs a leaf"):
+        sp.speculative_step(opt, params, _grads(rng), state, late_grads={np.True_: torch.ones(6)}, donate=True, **kw)
+    assert _unchanged(before, params, state)
+
+
 def test_speculative_step_does_not_read_finite_gradients_again(rng, monkeypatch):
     """The speculation layer took each block's sum of squares: it tells Adam the gradients are finite
     (eligibility, speculative step and validation), so Adam does not pass over them again."""

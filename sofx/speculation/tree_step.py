@@ -12,6 +12,7 @@ block was undone), plus the :class:`~sofx.step_report.StepReport`.
 from __future__ import annotations
 
 import math
+import numbers
 
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -20,6 +21,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
+from sofx.kernels.user_numbers import is_bool
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.required import REQUIRED
 from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, _positional_names, call_reduce,
@@ -152,11 +154,15 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     order = list(range(n - 1, -1, -1)) if order is None else list(order)
     if not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
         raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {order}")
-    late_grads = dict(late_grads or {})
-    for i, extra in late_grads.items():
-        if not (_is_index(i) and 0 <= i < n) or g_leaves[i] is None:
+    order = [int(i) for i in order]
+    late = dict(late_grads or {})
+    for i in late:
+        if not (_is_index(i) and 0 <= i < n) or g_leaves[int(i)] is None:
             raise SofxError(f"late_grads[{i!r}]: a late gradient needs a leaf (an int index) that already has "
                             "a gradient")
+    # (numpy integers hash and compare as the Python ints they are: no two keys name one leaf)
+    late_grads = {int(i): extra for i, extra in late.items()}
+    for i, extra in late_grads.items():
         g = g_leaves[i]
         if not isinstance(extra, torch.Tensor) or extra.shape != g.shape or extra.dtype != g.dtype \
                 or extra.device != g.device:
@@ -228,8 +234,9 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
 
 
 def _is_index(i: Any) -> bool:
-    """A leaf index: an int, not a bool (the block protocol refuses ``True``/``False`` as block ids)."""
-    return isinstance(i, int) and not isinstance(i, bool)
+    """A leaf index: a Python or numpy integer (an index taken from an array, as ``on_block_ready`` takes block
+    ids), not a bool (the block protocol refuses ``True``/``False``, numpy's too, as block ids)."""
+    return isinstance(i, numbers.Integral) and not is_bool(i)
 
 
 def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, config: SpeculationConfig,
