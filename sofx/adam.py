@@ -43,6 +43,7 @@ do not modify those in place while the record may still be undone.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import numbers
 import sys
@@ -1506,12 +1507,26 @@ def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -
     return copies
 
 
+_MODULE_PARAMS_HINT = ("sofx steps a pytree of tensors, e.g. {name: p.detach() for name, p in "
+                       "model.named_parameters()} with torch.func.functional_call; sofx.offload.SpeculativeAdamW "
+                       "takes model.parameters() as torch.optim does")
+
+
 def _check_param(path: str, p: Any) -> None:
     if not isinstance(p, torch.Tensor):
-        raise LeafError(f"{path}: expected a tensor, got {type(p).__name__}")
+        raise LeafError(f"{path}: expected a tensor, got {type(p).__name__}{_module_params_hint(p)}")
     if not p.dtype.is_floating_point:
         raise LeafError(f"{path}: expected a floating-point tensor, got dtype {p.dtype}")
     _check_dense(path, p)
+
+
+def _module_params_hint(x: Any) -> str:
+    """What to pass instead of a module or an iterator (``model.parameters()``) given as a params leaf, or ''."""
+    if isinstance(x, torch.nn.Module):
+        return f" (a module: {_MODULE_PARAMS_HINT})"
+    if isinstance(x, collections.abc.Iterator):
+        return f" (an iterator, as model.parameters() gives: {_MODULE_PARAMS_HINT})"
+    return ""
 
 
 def _check_dense(path: str, x: torch.Tensor) -> None:

@@ -398,3 +398,26 @@ def test_numpy_hparams_are_taken_as_the_python_numbers_they_hold(backend):
             opt.update(params, grads, state, hp)
         with pytest.raises(sofx.HParamError, match=pattern):
             sofx.Adam(hp, decoupled=True)
+
+
+@pytest.mark.parametrize("given", ["parameters", "named_parameters", "module"])
+@pytest.mark.parametrize("call", ["init", "update", "check_inputs"])
+def test_a_module_or_its_parameter_iterator_as_params_says_to_pass_a_tree_of_tensors(given, call):
+    """A torch.optim user passes ``model.parameters()`` (or the module) where sofx takes a pytree of tensors; it was
+    refused with "params: expected a tensor, got generator", which does not say what to pass: now the message
+    names the tree to build from the module, and the facade that takes ``model.parameters()``."""
+    model = torch.nn.Linear(3, 2)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    opt = sofx.adamw()
+    state = opt.init(params)
+    bad = {"parameters": model.parameters, "named_parameters": model.named_parameters,
+           "module": lambda: model}[given]()
+    kind = {"parameters": "generator", "named_parameters": "generator", "module": "Linear"}[given]
+    run = {"init": lambda: opt.init(bad), "update": lambda: opt.update(bad, params, state),
+           "check_inputs": lambda: opt.check_inputs(bad, params, state)}[call]
+    before = _snapshot(params, state)
+    with pytest.raises(sofx.LeafError, match=rf"^params: expected a tensor, got {kind} \(.*\{{name: p\.detach\(\) "
+                                             r"for name, p in model\.named_parameters\(\)\}.*"
+                                             r"sofx\.offload\.SpeculativeAdamW"):
+        run()
+    _assert_unchanged(before, params, state)
