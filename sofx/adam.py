@@ -833,7 +833,7 @@ class Adam:
         if expect_spec is not None and spec != expect_spec:
             raise UndoError(f"the record was made for params of structure {expect_spec}, got {spec}")
         if not isinstance(state, AdamState):
-            raise LeafError(f"state: expected an AdamState, got {type(state).__name__}")
+            raise LeafError(not_an_adam_state(state))
         paths = tree.leaf_paths(spec)
         g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
         counts = tree.flatten_up_to(spec, state.count, "state.count")
@@ -1505,6 +1505,20 @@ def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -
         if c.device != leaf.p.device:
             raise LeafError(f"{path}: expected device {leaf.p.device}, got {c.device}")
     return copies
+
+
+def not_an_adam_state(state: Any) -> str:
+    """The refusal of ``state`` where an :class:`AdamState` is taken, saying where the Adam state comes from."""
+    got = f"state: expected an AdamState, got {type(state).__name__}"
+    if isinstance(getattr(state, "opt_state", None), AdamState):
+        return f"{got} (a LoopState: its Adam state is loop.opt_state)"
+    if isinstance(getattr(state, "inner_state", None), AdamState):
+        return (f"{got} (an ApplyIfFiniteState: step it with the apply_if_finite optimizer that made it; the Adam "
+                f"state inside is state.inner_state)")
+    if isinstance(state, Mapping) and "state" in state and "param_groups" in state:
+        return (f"{got} (a torch.optim state_dict(): sofx.checkpoint.from_torch_optim(opt, state_dict, params) "
+                f"converts it to (state, hparams))")
+    return f"{got} (opt.init(params) makes it)"
 
 
 _MODULE_PARAMS_HINT = ("sofx steps a pytree of tensors, e.g. {name: p.detach() for name, p in "

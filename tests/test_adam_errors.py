@@ -421,3 +421,40 @@ def test_a_module_or_its_parameter_iterator_as_params_says_to_pass_a_tree_of_ten
                                              r"sofx\.offload\.SpeculativeAdamW"):
         run()
     _assert_unchanged(before, params, state)
+
+
+def _states_not_adam(params, opt):
+    """What a newcomer passes where ``update`` takes an AdamState, and what the refusal should point to."""
+    model = torch.nn.Linear(2, 2)
+    torch_opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 2)).sum().backward()
+    torch_opt.step()
+    from sofx.loss_scale import static_scale
+    from sofx.serial import init_loop
+    return {"none": (None, r"opt\.init\(params\) makes it"),
+            "params": (params, r"opt\.init\(params\) makes it"),
+            "torch state_dict": (torch_opt.state_dict(),
+                                 r"a torch\.optim state_dict\(\).*sofx\.checkpoint\.from_torch_optim\(opt, "
+                                 r"state_dict, params\)"),
+            "loop": (init_loop(opt, params, static_scale(1.0)), r"a LoopState: its Adam state is loop\.opt_state"),
+            "apply_if_finite": (sofx.apply_if_finite(opt, 3).init(params),
+                                r"an ApplyIfFiniteState: .*state\.inner_state")}
+
+
+@pytest.mark.parametrize("given", ["none", "params", "torch state_dict", "loop", "apply_if_finite"])
+def test_a_state_that_is_not_an_adam_state_says_where_the_adam_state_comes_from(given):
+    """``update(params, grads, None)`` (init forgotten), a torch.optim ``state_dict()``, a loop's or
+    apply_if_finite's state were refused with "state: expected an AdamState, got dict", which does not say what to
+    pass: now the message says where the Adam state comes from, in ``update`` and in the speculative step."""
+    from sofx.loss_scale import static_scale
+    from sofx.serial import init_loop
+    from sofx.speculate import SpeculationConfig, speculative_loop_step
+    opt, params, grads, state = _setup()
+    bad, hint = _states_not_adam(params, opt)[given]
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.LeafError, match=rf"^state: expected an AdamState, got {type(bad).__name__}.*{hint}"):
+        opt.update(params, grads, bad)
+    loop = init_loop(opt, params, static_scale(1.0))._replace(opt_state=bad)
+    with pytest.raises(sofx.SofxError, match=rf"state: expected an AdamState, got {type(bad).__name__}.*{hint}"):
+        speculative_loop_step(opt, loop, grads, config=SpeculationConfig(), scaler=static_scale(1.0))
+    _assert_unchanged(before, params, grads, state)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamState
+from sofx.adam import Adam, AdamState, not_an_adam_state
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
 from sofx.kernels.user_numbers import is_bool
 from sofx.loss_scale import LossScaler, LossScaleState
@@ -143,7 +143,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     n = len(p_leaves)
     g_leaves = list(tree.flatten_up_to(spec, grads, "grads")) if grads is not None else [None] * n
     if not isinstance(state, AdamState):
-        raise SofxError(f"state: expected an AdamState, got {type(state).__name__}")
+        raise LeafError(not_an_adam_state(state))
     counts = tree.flatten_up_to(spec, state.count, "state.count")
     mus = tree.flatten_up_to(spec, state.mu, "state.mu")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
