@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from sofx import memory_order_leaves, skipped_chunks, tree
-from sofx.errors import HParamError, LeafError, SnapshotLimitError, UndoError, UnsupportedError
+from sofx.errors import HParamError, LeafError, SnapshotLimitError, StructureError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
@@ -805,7 +805,10 @@ class Adam:
         leaves' paths if the caller has them."""
         if hparams is None:
             hparams = AdamHParams()
-        per_leaf = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams")
+        try:
+            per_leaf = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams")
+        except StructureError as exc:
+            raise StructureError(f"{exc}{_fields_dict_hint(hparams)}") from exc.__cause__
         if paths is None:
             paths = tree.leaf_paths(spec)
         out = []
@@ -815,7 +818,9 @@ class Adam:
                 hp = _NO_HPARAMS
             if not isinstance(hp, AdamHParams):
                 check_step_hparams(hparams, "hparams", evaluated=False)  # a schedule: how to give its value
-                raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}")
+                hint = f"; a number is not taken as the lr: AdamHParams(lr={hp!r:.40})" if is_hparams_number(hp) \
+                    else ""
+                raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}{hint}")
             full = filled.get(id(hp))
             if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)
                 # A concrete tensor is read now: the step (and its undo record) must not see later in-place
@@ -1505,6 +1510,22 @@ def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -
         if c.device != leaf.p.device:
             raise LeafError(f"{path}: expected device {leaf.p.device}, got {c.device}")
     return copies
+
+
+def _fields_dict_hint(hparams: Any) -> str:
+    """Where ``hparams`` is a dict of AdamHParams fields (``{"lr": 1e-3}``, a torch param group's keys), the
+    AdamHParams it means, as a hint to append to its refusal; else ''."""
+    fields = set(AdamHParams._fields) | {"betas"}
+    if not isinstance(hparams, Mapping) or not hparams or not all(isinstance(k, str) and k in fields
+                                                                  for k in hparams):
+        return ""
+    given = dict(hparams)
+    betas = given.pop("betas", None)
+    if isinstance(betas, (tuple, list)) and len(betas) == 2:
+        given.setdefault("beta1", betas[0])
+        given.setdefault("beta2", betas[1])
+    args = ", ".join(f"{f}={given[f]!r:.40}" for f in AdamHParams._fields if f in given)
+    return f"; a dict of AdamHParams fields is not the hparams: sofx.AdamHParams({args})"
 
 
 def not_an_adam_state(state: Any) -> str:

@@ -458,3 +458,26 @@ def test_a_state_that_is_not_an_adam_state_says_where_the_adam_state_comes_from(
     with pytest.raises(sofx.SofxError, match=rf"state: expected an AdamState, got {type(bad).__name__}.*{hint}"):
         speculative_loop_step(opt, loop, grads, config=SpeculationConfig(), scaler=static_scale(1.0))
     _assert_unchanged(before, params, grads, state)
+
+
+@pytest.mark.parametrize("hp, error, pattern", [
+    (1e-3, sofx.HParamError,
+     r"^hparams for params\['head'\]: expected an AdamHParams, got float; a number is not taken as the lr: "
+     r"AdamHParams\(lr=0\.001\)"),
+    ({"layers": sofx.AdamHParams(), "head": 0.1}, sofx.HParamError,
+     r"^hparams for params\['head'\]: expected an AdamHParams, got float; .*AdamHParams\(lr=0\.1\)"),
+    ({"lr": 1e-3, "weight_decay": 0.0}, sofx.StructureError,
+     r"^hparams is not a prefix of the structure of params.*; a dict of AdamHParams fields is not the hparams: "
+     r"sofx\.AdamHParams\(lr=0\.001, weight_decay=0\.0\)"),
+    ({"lr": 1e-3, "betas": (0.9, 0.99)}, sofx.StructureError,
+     r"; a dict of AdamHParams fields is not the hparams: sofx\.AdamHParams\(lr=0\.001, beta1=0\.9, beta2=0\.99\)")],
+    ids=["a number", "a number in a group", "a dict of fields", "a torch param group's keys"])
+def test_hparams_given_as_a_number_or_a_dict_of_fields_say_how_to_write_them(hp, error, pattern):
+    """``update(params, grads, state, 1e-3)`` (an lr alone, as optax's ``learning_rate``) and ``{"lr": 1e-3}`` (a
+    torch param group's keys) were refused with "expected an AdamHParams, got float" and "hparams has entries
+    ['lr'], expected ['head', 'layers']": now the message writes the AdamHParams they meant."""
+    opt, params, grads, state = _setup(2)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(error, match=pattern):
+        opt.update(params, grads, state, hp)
+    _assert_unchanged(before, params, grads, state)
