@@ -710,6 +710,28 @@ def test_the_writers_own_system_errors_are_checkpoint_io_errors():
 
 
 # ------------------------------------------------------------ property: any tree
+
+@pytest.mark.parametrize("call", ["save", "save_async", "AsyncSaver.save", "load", "read_metadata",
+                                  "stale_temporaries"])
+def test_a_path_that_is_not_a_path_is_refused_naming_the_call_and_the_argument_order(tmp_path, call):
+    """``ck.save(tree, path)`` (arguments swapped, as ``torch.save(obj, f)`` takes them) raised a bare TypeError
+    from ``os.fspath`` deep inside ("expected str, bytes or os.PathLike object, not dict"): now a
+    CheckpointError names the call, what it got and, for a tree, that the path comes first; nothing is written."""
+    tree_ = {"w": torch.ones(2)}
+    runs = {"save": lambda: ck.save(tree_, str(tmp_path / "x")),
+            "save_async": lambda: ck.save_async(tree_, str(tmp_path / "x")),
+            "AsyncSaver.save": lambda: ck.AsyncSaver().save(tree_, str(tmp_path / "x")),
+            "load": lambda: ck.load(tree_),
+            "read_metadata": lambda: ck.read_metadata(tree_),
+            "stale_temporaries": lambda: ck.stale_temporaries(tree_)}
+    with pytest.raises(ck.CheckpointError, match=rf"^{re.escape(call)}: path must be a str or "
+                                                 r"os\.PathLike, got dict \{'w': .*the path comes first"):
+        runs[call]()
+    assert not os.listdir(tmp_path)
+    with pytest.raises(ck.CheckpointError, match=r"^load: path must be a str or os\.PathLike, got NoneType None$"):
+        ck.load(None)
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

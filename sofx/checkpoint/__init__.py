@@ -42,7 +42,8 @@ from sofx.checkpoint import io
 from sofx.checkpoint.async_save import AsyncSaver, SaveHandle, save_async
 from sofx.checkpoint.atomic import stale_temporaries
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
+                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
+                                    check_path)
 from sofx.checkpoint.torch_optim import from_torch_optim, to_torch_optim, torch_param_groups
 from sofx.checkpoint.zero3 import (deepspeed_loss_scaler, load_zero3, load_zero3_loss_scaler, save_zero3,
                                   zero3_file_name)
@@ -93,6 +94,7 @@ def save(path: str | os.PathLike, tree: Any) -> str:
     parameters' layout, which the kernels step without copies. A tensor with
     gaps (a strided slice) is saved as a contiguous copy and loads contiguous.
     """
+    check_path("save", path)
     encoded = io.prepare(tree)
     return io.write(path, encoded)
 
@@ -122,10 +124,12 @@ def load(path: str | os.PathLike, like: Any = None, *,
     sofx checkpoint), :class:`CheckpointVersionError` (another format version),
     :class:`CheckpointMismatchError` (does not match ``like``).
     """
+    check_path("load", path)
     return io.read(path, like, types=types, device=device, verify=flag("load: verify", verify, CheckpointError))
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
     """Format version, writer and JSON structure of a checkpoint (checked against its CRC-32), without reading its
     tensors."""
+    check_path("read_metadata", path)
     return io.read_metadata(path)

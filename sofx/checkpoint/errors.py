@@ -8,6 +8,9 @@ checkpoint already at the destination.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from sofx.errors import SofxError, StructureError
 
 
@@ -35,3 +38,12 @@ class CheckpointIOError(CheckpointError, OSError):
     """Writing or reading a checkpoint file failed at the operating system (a full disk, a quota, an I/O
     error); an ``OSError`` too, with the cause chained."""
 
+
+
+def check_path(who: str, path: Any) -> None:
+    """Refuse a ``path`` that ``os.fspath`` does not take with a :class:`CheckpointError` naming ``who`` (a tree
+    passed first, as ``torch.save(obj, f)`` takes its arguments, raised a bare TypeError from deep inside)."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return
+    hint = "" if path is None else f" ({who}'s arguments: the path comes first)"
+    raise CheckpointError(f"{who}: path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}{hint}")
