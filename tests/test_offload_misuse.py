@@ -1078,3 +1078,57 @@ def test_a_deepspeed_scaler_state_no_run_reaches_is_refused_by_load_state_dict(b
         with pytest.raises(SofxError, match=r"state_dict\['state'\]\['scaler_state'\].*" + match):
             opt.load_state_dict(state)
         assert_trees_bitwise(before, (opt.state_dict(), list(model.parameters())))
+
+
+@pytest.mark.parametrize("how", ["loss.backward()", "closure with loss.backward()"])
+def test_a_backward_the_optimizer_did_not_scale_under_loss_scaling_warns_at_step(how):
+    """With ``loss_scale="dynamic"`` a torch user's ``loss.backward()`` (in place of ``opt.backward(loss)``) gives
+    gradients of the unscaled loss, which ``step()`` divides by the scale (65536): the run went on silently with
+    every gradient 65536 times too small (clipping and eps against the wrong norm). ``step()`` now warns, naming
+    what to call instead; the step itself is the one taken before."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale="dynamic") as opt:
+        pattern = (r"loss scaling is on \(scale 65536\.0\) but no backward since the last step\(\) was scaled by "
+                   r"this optimizer.*opt\.backward\(loss\).*opt\.scale_loss\(loss\)\.backward\(\)")
+        opt.zero_grad()
+        with pytest.warns(RuntimeWarning, match=pattern):
+            if how == "loss.backward()":
+                model(x).square().mean().backward()
+                opt.step()
+            else:
+                opt.step(lambda: model(x).square().mean().backward())
+
+
+@pytest.mark.parametrize("how", ["opt.backward", "scale_loss", "by opt.loss_scale", "no loss scaling"])
+def test_a_backward_scaled_by_the_optimizer_or_without_loss_scaling_does_not_warn(how):
+    """What the warning above suggests, scaling by ``opt.loss_scale`` by hand, and a plain ``loss.backward()``
+    without loss scaling step without a warning (and ``opt.backward`` after a warned step too)."""
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    scaled = how != "no loss scaling"
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline",
+                                       loss_scale="dynamic" if scaled else None) as opt:
+        backward = {"opt.backward": lambda loss: opt.backward(loss),
+                    "scale_loss": lambda loss: opt.scale_loss(loss).backward(),
+                    "by opt.loss_scale": lambda loss: (loss * opt.loss_scale).backward(),
+                    "no loss scaling": lambda loss: loss.backward()}[how]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                opt.zero_grad()
+                backward(model(x).square().mean())
+                opt.step()
+        if scaled:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            with pytest.warns(RuntimeWarning, match="loss scaling is on"):
+                opt.step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                opt.zero_grad()
+                backward(model(x).square().mean())
+                opt.step()

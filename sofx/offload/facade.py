@@ -88,6 +88,9 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
@@ -107,6 +110,16 @@ from sofx.speculate import AdaptivePolicy, SpeculationConfig
 __all__ = ["SpeculativeAdamW", "SpeculativeAdam", "resolve_loss_scale"]
 
 _Loss = TypeVar("_Loss")
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued here that names the caller's line: the first frame outside sofx and
+    torch (``step`` runs inside torch.optim's wrappers, whose number varies)."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["sofx"], torch))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
@@ -355,6 +368,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
         #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
         self.last_report: EngineStepReport | None = None
+        # Whether a backward since the last step() was scaled by this optimizer (opt.backward, scale_loss) or
+        # the caller read opt.loss_scale to scale one itself: see _warn_unscaled_backward.
+        self._scale_taken = False
 
     # ------------------------------------------------------------ torch.optim interface
     @property  # type: ignore[override]
@@ -451,7 +467,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._warn_unscaled_backward()
         report = self.engine.step()
+        self._scale_taken = False
         self.last_report = report
         return report if closure is None else loss
 
@@ -582,12 +600,29 @@ class _SpeculativeBase(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The loss scale the next backward must use (1.0 without loss scaling)."""
+        self._scale_taken = True
         return self.engine.loss_scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (``loss`` itself without loss scaling)."""
+        self._scale_taken = True
         s = self.engine.loss_scale
         return loss if s == 1.0 else loss * s
+
+    def _warn_unscaled_backward(self) -> None:
+        """Warn where loss scaling is on and gradients arrived, but no backward since the last step was scaled
+        by this optimizer (nor ``loss_scale`` read to scale one): a ``loss.backward()`` in place of
+        ``opt.backward(loss)`` gives gradients of the unscaled loss, which ``step()`` divides by the scale. A
+        warning, not a refusal: a loss scaled elsewhere by the same factor (another optimizer's
+        ``backward``) is right."""
+        scale = self.engine.loss_scale
+        if scale == 1.0 or self._scale_taken or not self.engine.tracker.started:
+            return
+        warnings.warn(f"sofx.offload: loss scaling is on (scale {scale}) but no backward since the last step() was "
+                      "scaled by this optimizer: a loss.backward() gives gradients of the unscaled loss, which "
+                      f"step() divides by {scale}; call opt.backward(loss) (or opt.scale_loss(loss).backward()) "
+                      "instead, as GradScaler's scaler.scale(loss).backward()", RuntimeWarning,
+                      stacklevel=_caller_stacklevel())
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
