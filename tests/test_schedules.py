@@ -528,6 +528,48 @@ def test_a_schedule_given_as_an_hparam_field_says_how_to_give_it(where):
     assert loop.params["w"].eq(1).all()  # nothing stepped
 
 
+@pytest.mark.parametrize("where", ["lr=", "a group's lr", "param_groups after construction"])
+def test_a_schedule_given_as_the_offload_optimizers_lr_says_to_use_an_lr_scheduler(where):
+    """``SpeculativeAdamW(params, lr=cosine_decay(...))`` (optax's ``learning_rate=schedule``) was refused with
+    "defaults['lr'] = CosineDecay(...) is invalid; expected a finite number": now the message says that the
+    facade's lr follows torch.optim's schedulers, and how to run a sofx schedule there (LambdaLR over lr=1.0),
+    which then gives the schedule's values step by step."""
+    import sofx.offload
+    model = torch.nn.Linear(3, 2)
+    lr = schedules.warmup_cosine(1e-2, 3, 10)
+    hint = (r"is a schedule \(WarmupCosine\), where the offload optimizer takes a number: its lr follows a "
+            r"torch\.optim\.lr_scheduler; for a sofx schedule, lr=1\.0 and "
+            r"torch\.optim\.lr_scheduler\.LambdaLR\(opt, schedule\)")
+    if where == "lr=":
+        with pytest.raises(HParamError, match=r"^defaults\['lr'\] " + hint):
+            sofx.offload.SpeculativeAdamW(model.parameters(), lr=lr)
+    elif where == "a group's lr":
+        with pytest.raises(HParamError, match=r"^param_groups\[0\]\['lr'\] " + hint):
+            sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "lr": lr}])
+    else:
+        with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+            opt.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+            with pytest.raises(HParamError, match=r"^param_groups\[0\]\['lr'\] " + hint):
+                opt.backward(model(torch.ones(1, 3)).sum())  # (the step's hparams are read as it begins)
+            opt.zero_grad()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1.0, executor="inline") as opt:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr)
+        for step in range(6):
+            assert opt.param_groups[0]["lr"] == lr(step)
+            opt.zero_grad()
+            opt.backward(model(torch.ones(1, 3)).sum())
+            opt.step()
+            sched.step()
+    whole = schedules.hparams_schedule(lr=lr)  # values are AdamHParams: their .lr
+    with pytest.raises(HParamError, match=r"LambdaLR\(opt, lambda t: schedule\(t\)\.lr\) make the group's lr "
+                                          r"schedule\(step\)\.lr \(its values are AdamHParams\)$"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), lr=whole)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1.0, executor="inline") as opt:
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda t: whole(t).lr)
+        assert opt.param_groups[0]["lr"] == lr(0) != 1.0
+
+
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(base_beta1=-0.5), r"base_beta1 = -0.5 is invalid; expected 0 <= base_beta1 < 1"),
     (dict(base_beta1=1.0), r"base_beta1 = 1.0 is invalid; expected 0 <= base_beta1 < 1"),

@@ -158,7 +158,24 @@ def _number(value: Any, what: str) -> float:
     in load_state_dict, where it read as traced)."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value = value.detach()
+    if callable(value):  # a sofx schedule (optax's learning_rate=schedule)
+        raise HParamError(f"{what} is a schedule ({type(value).__name__}), where the offload optimizer takes a "
+                          "number: its lr follows a torch.optim.lr_scheduler; for a sofx schedule, lr=1.0 and "
+                          f"{_lambda_lr_of(value)}")
     return float(finite_number(what, value))
+
+
+def _lambda_lr_of(schedule: Callable[[int], Any]) -> str:
+    """How ``LambdaLR`` runs ``schedule`` as a group's lr: the schedule itself, or its ``.lr`` where its values
+    are :class:`AdamHParams` (``hparams_schedule``, ``one_cycle``)."""
+    try:
+        whole = isinstance(schedule(0), AdamHParams)
+    except Exception:  # (not a sofx schedule: whatever it takes, the advice is the plain one)
+        whole = False
+    if whole:
+        return ("torch.optim.lr_scheduler.LambdaLR(opt, lambda t: schedule(t).lr) make the group's lr "
+                "schedule(step).lr (its values are AdamHParams)")
+    return "torch.optim.lr_scheduler.LambdaLR(opt, schedule) make the group's lr schedule(step)"
 
 
 # torch.optim.Adam/AdamW's options that change the math, and differentiable (the steps are in place, not
