@@ -234,3 +234,29 @@ def test_a_groups_betas_given_as_one_tensor_with_foreach_is_refused_as_torch_ref
         sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "betas": torch.tensor([0.8, 0.99])}],
                                       foreach=True, executor="inline")
     _assert_left_working(model)
+
+
+@pytest.mark.parametrize("given, pattern", [
+    ("module", r"^params is a Sequential \(a module\): pass model\.parameters\(\), model\.named_parameters\(\) or "
+               r"a list of param-group dicts$"),
+    ("a dict of named parameters", r"^params is a dict of 4 entries \(keys '0\.weight', '0\.bias', \.\.\.\): "
+                                   r"pass model\.parameters\(\), model\.named_parameters\(\) or a list of "
+                                   r"param-group dicts; a dict of named parameters: its \.items\(\)$"),
+    ("one group", r"^params is a dict of 1 entry \(key 'params'\): .*; one param group: a list of it, \[group\]$")])
+def test_a_module_or_a_dict_as_params_is_refused_saying_what_to_pass(given, pattern):
+    """torch refuses these with a TypeError that does not say what to pass ("optimizer can only optimize Tensors,
+    but one of the params is str" for a dict, whose keys it iterates): the facade names what it got and what it
+    takes; what it suggests trains (named parameters, a list of one group), and so does a ParameterList."""
+    model = _model()
+    params = {"module": model, "a dict of named parameters": dict(model.named_parameters()),
+              "one group": {"params": list(model.parameters())}}[given]
+    with pytest.raises(TypeError):
+        torch.optim.AdamW(params)
+    with pytest.raises(sofx.SofxError, match=pattern):
+        sofx.offload.SpeculativeAdamW(params)
+    for ok in (dict(model.named_parameters()).items(), [{"params": list(model.parameters())}],
+               torch.nn.ParameterList(model.parameters())):  # (a module torch iterates as its parameters)
+        with sofx.offload.SpeculativeAdamW(ok, executor="inline") as opt:
+            x, y = _batch(0)
+            opt.backward(((model(x) - y) ** 2).mean())
+            assert opt.step().blocks == 1

@@ -308,6 +308,20 @@ class _ParamStateView(Mapping):
         return len(self._engine.params)
 
 
+def _check_params_argument(params: Any) -> None:
+    """Refuse a module or a dict given as ``params``, saying what to pass (torch's TypeError, "optimizer can only
+    optimize Tensors, but one of the params is str" for a dict, whose keys it iterates, does not)."""
+    takes = "pass model.parameters(), model.named_parameters() or a list of param-group dicts"
+    if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):  # (iterates them)
+        raise StructureError(f"params is a {type(params).__name__} (a module): {takes}")
+    if isinstance(params, Mapping):
+        keys = ", ".join(repr(k) for k in list(params)[:2]) + (", ..." if len(params) > 2 else "")
+        what = "one param group: a list of it, [group]" if "params" in params else \
+            "a dict of named parameters: its .items()"
+        entries = "1 entry (key" if len(params) == 1 else f"{len(params)} entries (keys"
+        raise StructureError(f"params is a dict of {entries} {keys}): {takes}; {what}")
+
+
 def _hparams_of(opt: "_SpeculativeBase") -> Callable[[], list[AdamHParams]]:
     """The engine's ``hparams_fn``: the optimizer's param groups, read through a weak reference. Nothing the
     optimizer owns refers back to it, so dropping its last reference frees it (and closes its engine, which
@@ -354,6 +368,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
         if fused and foreach:  # (torch.optim.Adam's constructor; a group's pair steps fused there)
             raise UnsupportedError(f"fused={fused!r} and foreach={foreach!r}: torch.optim.AdamW's implementations, "
                                    "which cannot be set together (torch refuses it); set one (both are ignored here)")
+        _check_params_argument(params)
         super().__init__(params, defaults)
         # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_params.
         for i, group in enumerate(self.param_groups):
