@@ -522,3 +522,35 @@ def test_a_moment_without_dense_data_is_refused_on_export_naming_the_leaf():
         with pytest.raises(ck.CheckpointError, match=rf"^state.{field}\['b'\]: expected a dense floating-point tensor "
                                                      rf"with data, got one {what}"):
             ck.to_torch_optim(adamw, bad)
+
+
+def test_a_torch_optimizer_over_model_parameters_imports_by_groups_and_a_misordered_import_says_so():
+    """A newcomer imports the state of ``torch.optim.AdamW(model.parameters())`` with ``params =
+    dict(model.named_parameters())``: optree takes the dict's keys sorted ('0.bias' before '0.weight'), torch numbers
+    the parameters in the model's order, so the moments met the wrong leaves and were refused with "expected shape
+    (8,), got shape (8, 4)" only, without the cause. The refusal now names the order and the fix, groups= in the
+    model's order, which imports the state so that sofx continues torch's run bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+
+    def torch_step():
+        torch_opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch_opt.step()
+
+    for _ in range(3):
+        torch_step()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = sofx.adamw()
+    with pytest.raises(ck.CheckpointMismatchError,
+                       match=r"^from_torch_optim: state\[0\]\['exp_avg'\] for params\['0\.bias'\]: expected shape "
+                             r"\(8,\), got shape \(8, 4\) \(.*dict keys sorted.*model's order.*"
+                             r"groups=\[list\(params\)\]"):
+        ck.from_torch_optim(opt, torch_opt.state_dict(), params)
+    state, hp = ck.from_torch_optim(opt, torch_opt.state_dict(), params, groups=[list(params)])
+    torch_step()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    stepped, _, _ = opt.update(params, grads, state, hp)
+    assert all(torch.equal(stepped[k], p) for k, p in model.named_parameters())

@@ -211,7 +211,11 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
         for j, (pid, leaf) in enumerate(zip(saved["params"], g.leaves)):
             _check_hashable(pid, f"param_groups[{gi}]['params'][{j}]")
             _list_once(used, pid, gi)
-            _import_leaf(opt, saved_state.get(pid), leaves[leaf], paths[leaf], pid, leaf, counts, mus, nus)
+            try:
+                _import_leaf(opt, saved_state.get(pid), leaves[leaf], paths[leaf], pid, leaf, counts, mus, nus)
+            except CheckpointMismatchError as exc:
+                hint = _sorted_keys_hint(params) if groups is None else ""
+                raise CheckpointMismatchError(f"{exc}{hint}") from None
     extra = [k for k in saved_state if k not in used]
     if extra:
         ids = "[" + ", ".join(map(tree.key_text, extra[:8])) + "]"
@@ -251,6 +255,29 @@ def _check_param_names(saved: dict, g: ParamGroup, gi: int, named: dict[str, int
                 f"{paths[other]}, but the params tree puts {paths[leaf]} there (its flatten order sorts dict keys); "
                 "pass groups= in the state dict's order (for dict(model.named_parameters()): "
                 "groups=[g['param_names'] for g in state_dict['param_groups']])")
+
+
+def _sorted_keys_hint(params: Any) -> str:
+    """Where ``params`` holds a dict whose keys are not in sorted order, why its leaves can meet another
+    parameter's state (optree takes dict keys sorted, torch.optim numbers parameters in the model's order) and
+    what to pass; else ''."""
+    def unsorted(node: Any) -> bool:
+        if isinstance(node, dict):
+            keys = list(node)
+            try:
+                if keys != sorted(keys):
+                    return True
+            except TypeError:  # keys of mixed types: optree sorts them its own way
+                return True
+            return any(unsorted(v) for v in node.values())
+        return isinstance(node, (list, tuple)) and any(unsorted(v) for v in node)
+
+    if not unsorted(params):
+        return ""
+    return (" (the params tree's leaves are taken in optree's order, dict keys sorted, where torch.optim numbers "
+            "its parameters in the model's order: pass groups= in the model's order, e.g. groups=[list(params)] "
+            "for params = dict(model.named_parameters()) in one param group, or make the torch optimizer over "
+            "sofx.checkpoint.torch_param_groups(opt, params))")
 
 
 def _check_hashable(pid: Any, where: str) -> None:
