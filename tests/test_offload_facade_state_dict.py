@@ -420,3 +420,40 @@ def test_a_saved_parameter_of_another_shape_with_as_many_elements_is_refused_nam
                                                       r"shape \(6, 5\) in the state, \(5, 6\) here"):
             opt.load_state_dict(saved)
         assert_trees_bitwise(opt.state_dict()["state"], before["state"])
+
+
+def test_a_state_saved_with_another_block_numel_is_refused_saying_so_and_carries_over_per_parameter():
+    """A run resumed with another ``block_numel`` (a performance setting) was refused with "the saved blocks do not
+    match this optimizer's blocks (block_numel, parameter sizes or param groups differ)", without saying which:
+    where the same parameters are only packed into other blocks the refusal now says that block_numel differs and
+    how to carry the state over, per parameter, which the test does (then both optimizers step alike)."""
+    def make(block_numel):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+        return model, sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=block_numel)
+
+    x = torch.randn(3, 8)
+    model, opt = make(64)
+    with opt:
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(model(x).square().mean())
+            opt.step()
+        saved = opt.state_dict()
+        wide_model, wide = make(2 ** 22)
+        with wide:
+            with pytest.raises(sofx.SofxError, match=r"^state_dict\['state'\]\['layouts'\]: the saved state holds "
+                                                     r"these parameters packed into other blocks \(saved \[\[128\], "
+                                                     r"\[16, 32, 2\]\], here \[\[128, 16, 32, 2\]\]\): this "
+                                                     r"optimizer's block_numel differs from the saved run's.*"
+                                                     r"opt\.state\[p\]\[key\] = value"):
+                wide.load_state_dict(saved)
+            wide_model.load_state_dict(model.state_dict())
+            for p, q in zip(model.parameters(), wide_model.parameters()):
+                for key in ("step", "exp_avg", "exp_avg_sq"):
+                    wide.state[q][key] = opt.state[p][key]
+            for o, m in ((opt, model), (wide, wide_model)):
+                o.zero_grad()
+                o.backward(m(x).square().mean())
+                o.step()
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), wide_model.parameters()))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,11 +129,23 @@ def _check_layouts(engine: "OffloadEngine", saved: Any, where: str) -> None:
         except (KeyError, TypeError, ValueError) as exc:
             raise StructureError(f"{where}[{i}]: not a block layout ({type(exc).__name__}: {exc})") from None
     if [(b.numels, b.group) for b in layouts] != [(b.numels, b.group) for b in engine.layouts]:
+        if _per_parameter(layouts) == _per_parameter(engine.layouts):
+            raise StructureError(f"{where}: the saved state holds these parameters packed into other blocks (saved "
+                                 f"{[list(b.numels) for b in layouts]}, here "
+                                 f"{[list(b.numels) for b in engine.layouts]}): this optimizer's block_numel "
+                                 "differs from the saved run's; make it with the saved run's block_numel, or load "
+                                 "the state into such an optimizer and carry it over per parameter, with the model's "
+                                 "weights: opt.state[p][key] = value for 'step', 'exp_avg', 'exp_avg_sq'")
         raise StructureError(f"{where}: the saved blocks do not match this optimizer's blocks (block_numel, "
                              f"parameter sizes or param groups differ): saved {[list(b.numels) for b in layouts]}, "
                              f"here {[list(b.numels) for b in engine.layouts]}")
     for b, (was, here) in enumerate(zip(layouts, engine.layouts)):
         _check_shapes(was, here, f"{where}[{b}]")
+
+
+def _per_parameter(layouts: Sequence[BlockLayout]) -> list[tuple[int, int]]:
+    """``(numel, group)`` of every parameter, in block order: what two packings of the same parameters share."""
+    return [(n, b.group) for b in layouts for n in b.numels]
 
 
 def _check_shapes(saved: BlockLayout, here: BlockLayout, where: str) -> None:
