@@ -320,6 +320,19 @@ def identity() -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), lambda grads, state, params=None, **extra: (grads, state))
 
 
+def _not_a_transformation(where: str, t: Any) -> str:
+    """The refusal of ``t`` where a :class:`GradientTransformation` is taken, saying what to do for a sofx
+    optimizer (optax chains its optimizer last) and for a transformation's function not called."""
+    if callable(getattr(t, "update", None)) and callable(getattr(t, "undo", None)):
+        name = type(t).__name__
+        return (f"{where} is {'an' if name[:1] in 'AEIOU' else 'a'} {name} (a sofx optimizer, which is not chained as "
+                "optax's: its update takes (params, grads, state, hparams)); chain the gradient transformations, "
+                "then opt.update(params, grads, state, hparams) with their gradients")
+    if inspect.isfunction(t) and t.__name__ in globals() and globals()[t.__name__] is t:
+        return f"{where} is the function {t.__name__}: call it for the transformation, {t.__name__}(...)"
+    return f"{where} is a {type(t).__name__}, expected a GradientTransformation"
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` one after another; the state is the tuple of their states.
 
@@ -328,7 +341,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     as optax's chain gives extra arguments only to the transforms that take them)."""
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
-            raise SofxError(f"chain: argument {i} is a {type(t).__name__}, expected a GradientTransformation")
+            raise SofxError(_not_a_transformation(f"chain: argument {i}", t))
     taken = [_keywords_taken(t.update) for t in transforms]
 
     def init(params: Any) -> tuple[Any, ...]:

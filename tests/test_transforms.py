@@ -462,6 +462,24 @@ def test_chain_and_transform_errors(rng):
         c.update(_tree(rng), ())
 
 
+@pytest.mark.parametrize("given, pattern", [
+    (lambda: sofx.adamw(), r"^chain: argument 1 is an Adam \(a sofx optimizer, which is not chained as optax's: "
+                           r"its update takes \(params, grads, state, hparams\)\); chain the gradient "
+                           r"transformations, then opt\.update\(params, grads, state, hparams\) with their "
+                           r"gradients$"),
+    (lambda: sofx.apply_if_finite(sofx.adamw(), 3), r"^chain: argument 1 is an ApplyIfFinite \(a sofx optimizer"),
+    (lambda: tx.clip_by_global_norm, r"^chain: argument 1 is the function clip_by_global_norm: call it for the "
+                                     r"transformation, clip_by_global_norm\(\.\.\.\)$")],
+    ids=["adamw", "apply_if_finite", "a transformation's function"])
+def test_chain_given_an_optimizer_or_an_uncalled_transformation_says_what_to_do(given, pattern):
+    """optax chains the optimizer last (``chain(clip_by_global_norm(1.0), adamw(1e-3))``): sofx's chain refused it
+    with "argument 1 is a Adam, expected a GradientTransformation", which does not say how sofx composes them; a
+    transformation's function not called (``chain(clip_by_global_norm)``) said "is a function". Now both say what
+    to do."""
+    with pytest.raises(SofxError, match=pattern):
+        tx.chain(tx.identity(), given())
+
+
 def test_chain_gives_a_transform_only_the_per_step_values_its_update_takes(rng):
     """optax's chain gives extra arguments only to the transforms that take them; sofx's gave ``loss_scale=`` to an
     optax-style ``update(grads, state, params=None)`` of the user's too, a TypeError ("got an unexpected keyword
