@@ -732,6 +732,22 @@ def test_a_path_that_is_not_a_path_is_refused_naming_the_call_and_the_argument_o
         ck.load(None)
 
 
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy pickle"])
+def test_a_torch_save_file_given_to_load_says_to_read_it_with_torch_load(tmp_path, legacy):
+    """``ck.load`` of a file ``torch.save`` wrote (a torch user's ``ckpt.pt``) said "Error while deserializing header:
+    header too large; the file is truncated, corrupted, or not a sofx checkpoint", as for a damaged file: now it
+    says what the file is and what reads it. Still a CorruptCheckpointError; nothing is unpickled."""
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=not legacy)
+    what = "a pickle" if legacy else "a zip archive"
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"^{re.escape(str(path))} is not a sofx checkpoint: it is "
+                                                        rf"{what}, as torch\.save writes; read it with torch\.load"):
+        ck.load(path)
+    with pytest.raises(ck.CorruptCheckpointError, match=r"is not a sofx checkpoint: it is"):
+        ck.read_metadata(path)
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

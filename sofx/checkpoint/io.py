@@ -289,12 +289,33 @@ def _check_readable(path: str) -> None:
         raise _read_error(path, exc) from exc
 
 
+# torch.save's legacy format: a protocol-2 pickle whose first value is torch.serialization.MAGIC_NUMBER
+_TORCH_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _torch_save_kind(path: str) -> str | None:
+    """What ``torch.save`` wrote at ``path`` by its first bytes ("a zip archive", or "a pickle" in its legacy
+    format), or ``None``: a file safetensors refused is named so (its bytes are not unpickled)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_TORCH_LEGACY_HEAD))
+    except OSError:
+        return None
+    if head[:4] == b"PK\x03\x04":
+        return "a zip archive"
+    return "a pickle" if head == _TORCH_LEGACY_HEAD else None
+
+
 def _open(path: str) -> Any:
     _check_readable(path)
     st = _safetensors()
     try:
         return st.safe_open(path, framework="pt", device="cpu")
     except st.SafetensorError as exc:
+        kind = _torch_save_kind(path)
+        if kind is not None:
+            raise CorruptCheckpointError(f"{path} is not a sofx checkpoint: it is {kind}, as torch.save writes; read "
+                                         "it with torch.load") from None
         size = os.path.getsize(path)
         raise CorruptCheckpointError(f"{path} is not a readable checkpoint ({size} bytes): {exc}; the file is "
                                      "truncated, corrupted, or not a sofx checkpoint") from None
