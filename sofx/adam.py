@@ -139,6 +139,9 @@ def check_step_hparams(hparams: Any, root: str, evaluated: bool = True) -> None:
     refused here, saying how to give its value at the step."""
     if hparams is None or isinstance(hparams, AdamHParams):
         return
+    fields_hint = _fields_dict_hint(hparams)
+    if fields_hint:
+        raise HParamError(f"{root} has the keys {sorted(hparams)}{fields_hint}")
     leaves, spec = tree.flatten(hparams, is_leaf=_is_hparams)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, AdamHParams) or not (callable(leaf) or (evaluated and is_hparams_number(leaf))):
@@ -1519,6 +1522,8 @@ def _fields_dict_hint(hparams: Any) -> str:
     if not isinstance(hparams, Mapping) or not hparams or not all(isinstance(k, str) and k in fields
                                                                   for k in hparams):
         return ""
+    if any(v is None or _is_hparams(v) or isinstance(v, Mapping) for v in hparams.values()):
+        return ""  # (a tree of hparams whose keys happen to be field names: a params dict keyed so)
     given = dict(hparams)
     betas = given.pop("betas", None)
     if isinstance(betas, (tuple, list)) and len(betas) == 2:

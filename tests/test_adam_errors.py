@@ -481,3 +481,29 @@ def test_hparams_given_as_a_number_or_a_dict_of_fields_say_how_to_write_them(hp,
     with pytest.raises(error, match=pattern):
         opt.update(params, grads, state, hp)
     _assert_unchanged(before, params, grads, state)
+
+
+@pytest.mark.parametrize("loop_step", ["serial_loop_step", "speculative_loop_step"])
+def test_a_loop_step_given_a_dict_of_hparam_fields_writes_the_adam_hparams_meant(loop_step):
+    """The loop steps refused ``hparams={"lr": 1e-3, "betas": (0.9, 0.95)}`` (a torch param group's keys) with
+    "hparams['betas'][0] = 0.9 (float) is a number; expected an AdamHParams (AdamHParams(lr=0.9))", which reads a
+    beta as an lr: now they say, as ``update`` does, that a dict of fields is not the hparams, and write the
+    AdamHParams meant; a tree of AdamHParams keyed like fields (a params dict with such keys) still steps."""
+    from sofx.loss_scale import static_scale
+    from sofx.serial import init_loop, serial_loop_step
+    from sofx.speculate import SpeculationConfig, speculative_loop_step
+    opt, scaler = sofx.adamw(), static_scale(1.0)
+    step = {"serial_loop_step": lambda loop, g, hp: serial_loop_step(opt, loop, g, scaler=scaler, hparams=hp),
+            "speculative_loop_step": lambda loop, g, hp: speculative_loop_step(
+                opt, loop, g, config=SpeculationConfig(), scaler=scaler, hparams=hp)}[loop_step]
+    params = {"w": torch.ones(3)}
+    loop = init_loop(opt, params, scaler)
+    with pytest.raises(sofx.HParamError, match=r"^hparams has the keys \['betas', 'lr'\]; a dict of AdamHParams fields "
+                                               r"is not the hparams: sofx\.AdamHParams\(lr=0\.001, beta1=0\.9, "
+                                               r"beta2=0\.95\)$"):
+        step(loop, {"w": torch.ones(3)}, {"lr": 1e-3, "betas": (0.9, 0.95)})
+    assert loop.params["w"].eq(1).all()
+    keyed = {"lr": torch.ones(2), "eps": torch.ones(2)}
+    stepped, _ = step(init_loop(opt, keyed, scaler), {"lr": torch.ones(2), "eps": torch.ones(2)},
+                      {"lr": AdamHParams(lr=0.5), "eps": None})
+    assert stepped.step == 1 and not stepped.params["lr"].eq(1).any()
