@@ -198,7 +198,7 @@ class Adam:
         self.undo_mode = undo
         self.backend = backend
         self._selected: dict[tuple, str] = {}  # (traced, device, param dtype, state dtype) -> backend name
-        _validate_hparams(defaults, "defaults")
+        _check_defaults(defaults)
         if undo == "algebraic" and state_dtype in _LOW_PRECISION:
             raise UnsupportedError(f"undo='algebraic' is impossible with state_dtype={state_dtype}: the stored "
                                    "moments are rounded; use undo='auto' or 'exact'")
@@ -1623,6 +1623,19 @@ def _check_stepped_hparams(hp: AdamHParams, path: str, dtype: torch.dtype, check
     if key[1]:
         check_float32_range(hp, "hparams for ", path)
     checked.add(key)
+
+
+def _check_defaults(defaults: Any) -> None:
+    """The optimizer's defaults: an :class:`AdamHParams` of values :func:`check_hparam_value` takes, none ``None``
+    (a step's ``None`` fields fall back to them: ``weight_decay=None`` here reached the kernels as None)."""
+    if not isinstance(defaults, AdamHParams):
+        raise HParamError(f"defaults: expected an AdamHParams, got {type(defaults).__name__}")
+    _validate_hparams(defaults, "defaults")  # (the values given first: it passes None)
+    for name, value in zip(AdamHParams._fields, defaults):
+        if value is None:
+            raise HParamError(f"defaults: {name} = None is invalid; the optimizer's defaults are numbers (a float or "
+                              f"a 0-d tensor), which a step's None fields fall back to: None in a step's AdamHParams "
+                              f"means the default, not here")
 
 
 def _validate_hparams(hp: AdamHParams, where: str, path: str = "") -> None:

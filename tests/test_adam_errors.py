@@ -507,3 +507,21 @@ def test_a_loop_step_given_a_dict_of_hparam_fields_writes_the_adam_hparams_meant
     stepped, _ = step(init_loop(opt, keyed, scaler), {"lr": torch.ones(2), "eps": torch.ones(2)},
                       {"lr": AdamHParams(lr=0.5), "eps": None})
     assert stepped.step == 1 and not stepped.params["lr"].eq(1).any()
+
+
+@pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
+@pytest.mark.parametrize("field", ["lr", "eps", "weight_decay", "betas"])
+def test_a_default_hparam_given_as_none_is_refused_at_construction(make, field):
+    """``sofx.adamw(weight_decay=None)`` (a torch habit of "None: not set") was taken, and the first update raised
+    a bare TypeError deep in the kernels ("unsupported operand type(s) for *: 'float' and 'NoneType'"): the
+    defaults are what a step's None fields fall back to, so they must be numbers. Refused at construction now,
+    naming the field; a step's AdamHParams(field=None) still means the default."""
+    value = (None, 0.999) if field == "betas" else None
+    name = "beta1" if field == "betas" else field
+    with pytest.raises(sofx.HParamError, match=rf"^defaults: {name} = None is invalid; the optimizer's defaults "
+                                               r"are numbers.*None in a step's AdamHParams means the default"):
+        make(**{field: value})
+    opt = make()
+    params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    opt.update(params, grads, opt.init(params), AdamHParams(**{name: None}))
+
