@@ -186,6 +186,10 @@ class Adam:
                  state_dtype: torch.dtype | None = None, undo: str = "auto", backend: str = "auto") -> None:
         if undo not in _UNDO_MODES:
             raise UnsupportedError(f"undo={undo!r}; expected one of {_UNDO_MODES}")
+        if state_dtype is not None and not isinstance(state_dtype, torch.dtype):  # ("bfloat16" raised AttributeError)
+            raise UnsupportedError(f"state_dtype={state_dtype!r} is a {type(state_dtype).__name__}; expected a "
+                                   "floating torch.dtype (torch.float32, torch.bfloat16, torch.float16, "
+                                   "torch.float64) or None")
         if state_dtype is not None and not state_dtype.is_floating_point:
             raise UnsupportedError(f"state_dtype={state_dtype} is not a floating dtype")
         check_backend_name(backend)  # (an unknown name failed only at the first step)

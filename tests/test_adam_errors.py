@@ -525,3 +525,13 @@ def test_a_default_hparam_given_as_none_is_refused_at_construction(make, field):
     params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
     opt.update(params, grads, opt.init(params), AdamHParams(**{name: None}))
 
+
+
+def test_a_state_dtype_that_is_not_a_torch_dtype_is_refused_naming_it():
+    """``sofx.adamw(state_dtype="bfloat16")`` raised a bare AttributeError ("'str' object has no attribute
+    'is_floating_point'"): refused now naming the dtype meant."""
+    for bad in ("bfloat16", "torch.float16", 32):
+        with pytest.raises(sofx.UnsupportedError, match=rf"^state_dtype={bad!r} is a {type(bad).__name__}; expected "
+                                                        r"a floating torch\.dtype \(torch\.float32, torch\.bfloat16, "
+                                                        r"torch\.float16, torch\.float64\) or None"):
+            sofx.adamw(state_dtype=bad)
