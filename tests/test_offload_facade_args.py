@@ -260,3 +260,14 @@ def test_a_module_or_a_dict_as_params_is_refused_saying_what_to_pass(given, patt
             x, y = _batch(0)
             opt.backward(((model(x) - y) ** 2).mean())
             assert opt.step().blocks == 1
+
+
+def test_a_state_dtype_given_as_a_string_is_refused_saying_a_torch_dtype_is_taken():
+    """``SpeculativeAdamW(..., state_dtype="bfloat16")`` was refused with "state_dtype=bfloat16; expected
+    torch.float32, bfloat16 or float16", which reads as if bfloat16 were taken: the refusal now quotes what was
+    given and names the torch dtypes."""
+    with pytest.raises(sofx.SofxError, match=r"^state_dtype='bfloat16' \(a str\); expected torch\.float32, "
+                                             r"torch\.bfloat16 or torch\.float16 \(a torch\.dtype\)$"):
+        sofx.offload.SpeculativeAdamW(_model().parameters(), state_dtype="bfloat16")
+    with pytest.raises(sofx.SofxError, match=r"^state_dtype=torch\.float64 \(a dtype\); expected"):
+        sofx.offload.SpeculativeAdamW(_model().parameters(), state_dtype=torch.float64)

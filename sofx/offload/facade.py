@@ -378,7 +378,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
             group_hparams(group, f"param_groups[{i}]")
             check_group_flags(group, f"param_groups[{i}]", self._decoupled)
         if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise UnsupportedError(f"state_dtype={state_dtype}; expected torch.float32, bfloat16 or float16")
+            raise UnsupportedError(f"state_dtype={state_dtype!r} (a {type(state_dtype).__name__}); expected "
+                                   "torch.float32, torch.bfloat16 or torch.float16 (a torch.dtype)")
         speculate = flag("speculate", speculate, UnsupportedError)  # (speculate="no" was taken as on)
         speculation = SpeculationConfig(max_norm=max_grad_norm, profile=profile, missing_grad=missing_grad,
                                         snapshot_budget_bytes=snapshot_budget_bytes,
