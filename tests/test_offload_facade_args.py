@@ -271,3 +271,13 @@ def test_a_state_dtype_given_as_a_string_is_refused_saying_a_torch_dtype_is_take
         sofx.offload.SpeculativeAdamW(_model().parameters(), state_dtype="bfloat16")
     with pytest.raises(sofx.SofxError, match=r"^state_dtype=torch\.float64 \(a dtype\); expected"):
         sofx.offload.SpeculativeAdamW(_model().parameters(), state_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_shm_dir_that_is_not_a_path_is_refused_at_construction(executor):
+    """``shm_dir=None`` (read as "the default") raised a bare TypeError from ``shutil.disk_usage`` ("statvfs: path
+    should be string, bytes, os.PathLike or integer, not NoneType") under the process executor: refused now, with
+    any executor, naming the default."""
+    with pytest.raises(sofx.SofxError, match=r"^shm_dir must be a directory path \(a str or os\.PathLike; the "
+                                             r"default is '/dev/shm'\), got None$"):
+        sofx.offload.SpeculativeAdamW(_model().parameters(), executor=executor, shm_dir=None)

@@ -67,6 +67,7 @@ import functools
 import itertools
 import math
 import numbers
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -240,6 +241,9 @@ class OffloadEngine:
         if shm_limit_bytes is not None and (limit is None or limit < 0):
             raise UnsupportedError(f"shm_limit_bytes must be None or an integer >= 0, got {shm_limit_bytes!r}")
         shm_limit_bytes = limit
+        if not isinstance(shm_dir, (str, os.PathLike)):  # (None raised shutil's TypeError under "process")
+            raise UnsupportedError(f"shm_dir must be a directory path (a str or os.PathLike; the default is "
+                                   f"{DEFAULT_SHM_DIR!r}), got {shm_dir!r:.80}")
         swap_params = flag("swap_params", swap_params, UnsupportedError)  # ("no" was taken as on)
         self.device = check_params(groups)
         self.params: list[torch.Tensor] = [p for g in groups for p in g]
