@@ -9,6 +9,8 @@ float64, no library) the copy is a plain ``copy_`` and the sum is left to the ca
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +82,32 @@ def test_a_gradient_of_any_shape_is_copied_in_memory_order(rng):
     assert copy_with_sumsq(dst, transposed) is None and torch.equal(dst, transposed.reshape(-1))
     with pytest.raises(RuntimeError):  # as many elements or nothing
         copy_with_sumsq(torch.empty(7), grad)
+
+
+# A gradient or buffer whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk: the
+# native copy read and wrote at its address (a segmentation fault, or memory of something else). Run in a subprocess
+# so that a crash fails the test instead of ending pytest.
+_FREED = """
+import torch
+from sofx.errors import LeafError
+from sofx.kernels.grad_copy import copy_with_sumsq
+
+for keep in (0, 40):
+    for freed in ("grad", "dst"):
+        grad, dst = torch.randn(3000), torch.full((3000,), 7.0)
+        (grad if freed == "grad" else dst).untyped_storage().resize_(keep)
+        try:
+            copy_with_sumsq(dst, grad)
+            raise AssertionError(f"copied with a {freed} of {keep} bytes")
+        except LeafError as e:
+            assert f"copy_with_sumsq: {freed}: its storage holds {keep} bytes" in str(e) and "byte 12000" in str(e), e
+        if freed == "grad":
+            assert torch.equal(dst, torch.full((3000,), 7.0)), "nothing written"
+print("ok")
+"""
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_before_anything_is_written():
+    out = subprocess.run([sys.executable, "-c", _FREED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
+        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

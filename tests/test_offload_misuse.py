@@ -18,6 +18,7 @@ import threading
 import gc
 import math
 import re
+import subprocess
 import sys
 import warnings
 import weakref
@@ -187,6 +188,54 @@ def test_a_grad_set_by_hand_that_cannot_be_taken_is_not_counted(executor):
         opt.step()
         ropt.step()
         assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+
+
+# A .grad whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk, set on the bias
+# while the weight's gradient is fine: the native gradient copy read it (a segmentation fault, or garbage summed
+# into the step). Run in a subprocess so that a crash fails the test instead of ending pytest.
+_FREED_GRAD = """
+import copy, sys
+import torch
+from torch import nn
+import sofx.offload
+from sofx.errors import SofxError
+
+torch.set_num_threads(1)
+for executor in ("inline", "thread", "process"):
+    for keep in (0, 8):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        ref = copy.deepcopy(model)
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        with opt:
+            wg, bg = torch.randn(3, 4), torch.randn(3)
+            model.weight.grad, model.bias.grad = wg.clone(), torch.zeros(3)
+            model.bias.grad.untyped_storage().resize_(keep)
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                opt.step()
+                raise AssertionError("stepped a gradient whose storage was " + ("freed" if keep == 0 else "shrunk"))
+            except SofxError as e:
+                msg = str(e)
+            assert "parameter 1 (param_groups[0]['params'][1], shape (3,))" in msg, msg
+            assert f"storage holds {keep} bytes" in msg and "reach byte 12" in msg, msg
+            assert not opt.engine.in_step, "nothing was taken"
+            assert model.weight.grad is not None and torch.equal(model.weight.grad, wg), "the weight's .grad is kept"
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            model.bias.grad = bg.clone()
+            ref.weight.grad, ref.bias.grad = wg.clone(), bg.clone()
+            opt.step()
+            ropt.step()
+            assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+print("ok")
+"""
+
+
+def test_a_grad_whose_storage_was_freed_is_refused_naming_the_parameter_and_nothing_is_taken():
+    out = subprocess.run([sys.executable, "-c", _FREED_GRAD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
+        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from sofx.errors import LeafError
 from sofx.kernels import _cpu_build
 from sofx.kernels._cpu_build import DTYPE_CODES as _DTYPE_CODES
+from sofx.kernels.layout import short_storage_message, storage_shortfall
 
 __all__ = ["copy_with_sumsq"]
 
@@ -25,8 +27,14 @@ def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
     """``dst.copy_(grad)`` (``dst`` 1-d, ``grad`` of as many elements, any shape); returns the sum of squares
     of the values written to ``dst`` where the native library took it in the same pass, else None.
 
-    Called once per gradient on the training thread (the offload engine's hooks): the checks are the cheap
-    tensor attributes, a 256-element gradient costs ~2 us here."""
+    A tensor whose elements reach past the end of its storage (freed with ``untyped_storage().resize_(0)``:
+    :func:`~sofx.kernels.layout.storage_shortfall`) is refused with a :class:`~sofx.errors.LeafError`, nothing
+    written. Called once per gradient on the training thread (the offload engine's hooks): the checks are the
+    cheap tensor attributes, a 256-element gradient costs ~2 us here."""
+    for name, t in (("dst", dst), ("grad", grad)):
+        short = storage_shortfall(t)
+        if short is not None:  # (native code, and torch's copy_, would read or write outside any allocation)
+            raise LeafError(short_storage_message(f"copy_with_sumsq: {name}", t, *short))
     lib = _cpu_build.load()
     if (lib is not None and dst.is_cpu and grad.is_cpu and dst.is_contiguous() and grad.is_contiguous()
             and dst.numel() == grad.numel()):

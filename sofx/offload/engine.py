@@ -62,6 +62,7 @@ parameters moved back to private memory -- and no worker is started).
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import functools
 import itertools
@@ -83,6 +84,7 @@ from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
+from sofx.kernels.layout import short_storage_message, storage_shortfall
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
@@ -711,6 +713,24 @@ class OffloadEngine:
         grad, (ref, version, ptr) = self.params[index].grad, mark
         return grad is None or grad is not ref() or grad._version != version or grad.data_ptr() != ptr
 
+    def _describe_param(self, index: int) -> str:
+        """Parameter ``index`` for an error message: ``parameter 3 (param_groups[0]['params'][3], shape (4, 5))``."""
+        group = bisect.bisect_right(self._group_starts, index) - 1
+        path = param_path(self._group_starts, group, index)
+        return f"parameter {index} ({path}, shape {tuple(self.params[index].shape)})"
+
+    def _check_gradient(self, index: int, grad: torch.Tensor) -> None:
+        """Refuse parameter ``index``'s gradient where it cannot be taken into its block's buffer, before anything
+        of it is counted: a sparse one, or one whose elements reach past the end of its storage
+        (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed with ``untyped_storage().resize_(0)``, as
+        FSDP frees tensors, or shrunk; the native copy read outside any allocation, a segmentation fault)."""
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
+                            "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
+        short = storage_shortfall(grad)
+        if short is not None:
+            raise LeafError(short_storage_message(f"{self._describe_param(index)}: .grad", grad, *short))
+
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool,
                        replace: bool = False) -> None:
         """Record parameter ``index``'s gradient; ``owned``: nobody else holds ``grad`` (autograd's
@@ -718,9 +738,7 @@ class OffloadEngine:
         ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it. The arrival is
         counted once the gradient is in the block's buffer: one that cannot be copied there (a ``.grad`` set by hand
         through ``.data`` to another size) raises with nothing counted, and stays the caller's."""
-        if grad.is_sparse or grad.layout != torch.strided:
-            raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
-                            "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
+        self._check_gradient(index, grad)
         arrival = self.tracker.upcoming(index)
         b = arrival.block
         layout = self.layouts[b]
@@ -998,11 +1016,15 @@ class OffloadEngine:
             self._adopt_model_edits()
         self._settle_reduced()
         self._events.append(("step_called", -1))
-        # Gradients set by hand (no hook fired) are taken now; their blocks are stepped late.
-        for i, p in enumerate(self.params):
-            if p.grad is not None and self.tracker.arrivals[i] == 0:
-                self._take_gradient(i, p.grad, during_backward=False, owned=False)
-                p.grad = None
+        # Gradients set by hand (no hook fired) are taken now, all checked before the first is; their blocks are
+        # stepped late.
+        by_hand = [i for i, p in enumerate(self.params) if p.grad is not None and self.tracker.arrivals[i] == 0]
+        for i in by_hand:
+            self._check_gradient(i, self.params[i].grad)
+        for i in by_hand:
+            p = self.params[i]
+            self._take_gradient(i, p.grad, during_backward=False, owned=False)
+            p.grad = None
         if not self.tracker.started and self.speculation.missing_grad != "zero" and not any(self._zero_grads):
             warnings.warn("sofx.offload: step() found no gradients (no backward since the last step(), or every "
                           "parameter frozen), so nothing is stepped; torch.optim would step again with what is "
