@@ -164,7 +164,8 @@ def test_a_grad_set_by_hand_that_cannot_be_taken_is_not_counted(executor):
     torch checks the size only where ``.grad`` itself is assigned) raised out of step() after its arrival was
     counted: the next step() refused the gradient set right as "set after backward took this step's gradient", and
     one without it stepped the block with the last step's buffer. Now the arrival is counted once the gradient is
-    in the buffer: nothing changed, and the gradient set right is stepped as torch steps it."""
+    in the buffer: nothing changed, and the gradient set right is stepped as torch steps it. (Its shape is checked
+    first now, naming the parameter.)"""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     ref = copy.deepcopy(model)
@@ -180,8 +181,8 @@ def test_a_grad_set_by_hand_that_cannot_be_taken_is_not_counted(executor):
         grad = torch.randn(3, 4)
         model.weight.grad = torch.zeros_like(model.weight)
         model.weight.grad.data = torch.ones(5)
-        with pytest.raises(RuntimeError, match="invalid for input of size 5"):
-            opt.step()
+        with pytest.raises(SofxError, match=re.escape(".grad has shape (5,), expected (3, 4)")):
+            opt.step()  # (torch's reshape raised here before: "invalid for input of size 5")
         assert not opt.engine.in_step, "nothing was taken"
         model.weight.grad = grad.clone()
         ref.weight.grad = grad.clone()
@@ -236,6 +237,40 @@ def test_a_grad_whose_storage_was_freed_is_refused_naming_the_parameter_and_noth
     out = subprocess.run([sys.executable, "-c", _FREED_GRAD], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
         f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_grad_set_through_data_to_another_shape_is_refused_as_torch_refuses_it(executor):
+    """``p.grad.data = t`` of as many elements in another shape (torch checks the shape only where ``.grad``
+    itself is assigned) was reshaped into the block's buffer and stepped; ``torch.optim.AdamW`` (foreach and
+    for-loop) raises at the mismatch. Refused now, naming the parameter and both shapes, before any gradient of
+    the step is taken; the gradient set right is then stepped as torch steps it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with opt:
+        wg, bg = torch.randn(3, 4), torch.randn(3)
+        model.bias.grad = bg.clone()
+        model.weight.grad = torch.zeros_like(model.weight)
+        model.weight.grad.data = wg.t().clone()  # (4, 3): 12 elements
+        torch_side = copy.deepcopy(ref)  # what torch does (its failed step has changed the weight: decayed)
+        torch_side.weight.grad = torch.zeros_like(torch_side.weight)
+        torch_side.weight.grad.data = wg.t().clone()
+        with pytest.raises(RuntimeError, match="must match the size"):
+            torch.optim.AdamW(torch_side.parameters(), lr=1e-2, foreach=False).step()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(SofxError, match=re.escape("parameter 0 (param_groups[0]['params'][0], shape (3, 4)): "
+                                                      ".grad has shape (4, 3), expected (3, 4)")):
+            opt.step()
+        assert not opt.engine.in_step and torch.equal(model.bias.grad, bg), "nothing was taken"
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        model.weight.grad = wg.clone()
+        ref.weight.grad, ref.bias.grad = wg.clone(), bg.clone()
+        opt.step()
+        ropt.step()
+        assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

@@ -721,12 +721,19 @@ class OffloadEngine:
 
     def _check_gradient(self, index: int, grad: torch.Tensor) -> None:
         """Refuse parameter ``index``'s gradient where it cannot be taken into its block's buffer, before anything
-        of it is counted: a sparse one, or one whose elements reach past the end of its storage
+        of it is counted: a sparse one, one of another shape than the parameter (``p.grad.data = t``: torch checks
+        the shape only where ``.grad`` itself is assigned, and ``torch.optim.AdamW`` then raises at the mismatch;
+        a reshape took one of as many elements), or one whose elements reach past the end of its storage
         (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed with ``untyped_storage().resize_(0)``, as
         FSDP frees tensors, or shrunk; the native copy read outside any allocation, a segmentation fault)."""
         if grad.is_sparse or grad.layout != torch.strided:
             raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
                             "offload engine (e.g. nn.Embedding(sparse=True)); use dense gradients")
+        shape = self.params[index].shape
+        if grad.shape != shape:
+            raise LeafError(f"{self._describe_param(index)}: .grad has shape {tuple(grad.shape)}, expected "
+                            f"{tuple(shape)} (set through .grad.data, which torch does not check; torch.optim "
+                            "refuses it at the step too)")
         short = storage_shortfall(grad)
         if short is not None:
             raise LeafError(short_storage_message(f"{self._describe_param(index)}: .grad", grad, *short))
@@ -736,8 +743,9 @@ class OffloadEngine:
         """Record parameter ``index``'s gradient; ``owned``: nobody else holds ``grad`` (autograd's
         accumulated gradient once ``param.grad`` is cleared), so it may be borrowed and summed into;
         ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it. The arrival is
-        counted once the gradient is in the block's buffer: one that cannot be copied there (a ``.grad`` set by hand
-        through ``.data`` to another size) raises with nothing counted, and stays the caller's."""
+        counted once the gradient is in the block's buffer: one that cannot be taken (:meth:`_check_gradient`: a
+        ``.grad`` set by hand through ``.data`` to another shape, freed memory) raises with nothing counted, and
+        stays the caller's."""
         self._check_gradient(index, grad)
         arrival = self.tracker.upcoming(index)
         b = arrival.block
