@@ -480,6 +480,126 @@ def test_written_tensors_that_share_memory_are_refused_by_every_entry(name, rng)
     refuse_shared_memory(backend, name, rng)
 
 
+_FREED_STORAGE = """
+import re, sys
+import torch
+from sofx.errors import LeafError
+from sofx.kernels import cpu, cpu_fast, reference
+from sofx.kernels.base import AdamScalars, AdamVariant, FINITE_CHUNK, StepCall, UndoCall, UndoRedoCall
+from sofx.kernels.chunked import ChunkedCall
+
+N = 3000
+s = AdamScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3)
+gen = torch.Generator().manual_seed(0)
+
+
+def block():
+    return (torch.randn(N, generator=gen), torch.randn(N, generator=gen), 0.1 * torch.randn(N, generator=gen),
+            0.01 * torch.rand(N, generator=gen) + 1e-4)
+
+
+def freed(t, keep):
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+def strided(keep):  # (100, 30) of a (100, 60) matrix's every other column, its storage cut to `keep` bytes
+    t = torch.randn(100, 60, generator=gen)[:, ::2]
+    return freed(t, keep)
+
+
+def expect(case, fn, pattern, kept):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    before = [t.clone() for t in kept]
+    try:
+        fn()
+    except LeafError as e:
+        assert re.search(pattern, str(e)), f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: written"
+
+
+names = {"cpu": cpu, "cpu_fast": cpu_fast, "reference": reference}
+for name in sys.argv[1:]:
+    B = names[name]
+    v1 = AdamVariant()
+    for keep in (0, 40):
+        holds = f"its storage holds {keep} bytes.*reach byte 12000"
+        for role in "pgmv":
+            p, g, m, v = block()
+            args = dict(p=p, g=g, m=m, v=v)
+            freed(args[role], keep)
+            others = [t for r, t in args.items() if r != role]
+            expect(f"{name}.step {role} {keep}", lambda: B.step(p, g, m, v, s, v1), f"{name}.step: {role}: {holds}",
+                   others)
+            if role != "g":  # donated
+                expect(f"{name}.step donated {role} {keep}", lambda: B.step(p, g, m, v, s, v1, out=(p, m, v)),
+                       f"{name}.step: {role}: {holds}", others)
+        p, g, m, v = block()
+        for k in range(3):
+            out = [p.clone(), m.clone(), v.clone()]
+            freed(out[k], keep)
+            expect(f"{name}.step out[{k}] {keep}", lambda: B.step(p, g, m, v, s, v1, out=tuple(out)),
+                   rf"{name}.step: out\\[{k}\\]: {holds}", [p, g, m, v] + [o for j, o in enumerate(out) if j != k])
+        pc = freed(torch.empty(N, dtype=torch.bfloat16), keep)
+        expect(f"{name}.step p_copy {keep}", lambda: B.step(p, g, m, v, s, v1, out=(p, m, v), p_copy=pc),
+               f"{name}.step: p_copy: its storage holds {keep} bytes.*reach byte 6000", [p, g, m, v])
+        p_old = freed(p.clone(), keep)
+        expect(f"{name}.undo p_old {keep}", lambda: B.undo(p, g, m, v, s, v1, p_old=p_old, out=(p, m, v)),
+               f"{name}.undo: p_old: {holds}", [p, g, m, v])
+        g_new = freed(g.clone(), keep)
+        expect(f"{name}.undo_redo g_new {keep}", lambda: B.undo_redo(p, m, v, g, s, g_new, s, v1, out=(p, m, v)),
+               f"{name}.undo_redo: g_new: {holds}", [p, g, m, v])
+        first, second = block(), block()
+        freed(second[1], keep)
+        expect(f"{name}.step_many {keep}", lambda: B.step_many([
+            StepCall(*first, s, (first[0], first[2], first[3])), StepCall(*second, s)], v1),
+               rf"{name}.step_many\\[1\\]: g: {holds}", list(first))
+    # a strided view: the general extent
+    p, g, m, v = (torch.randn(100, 30, generator=gen) for _ in range(4))
+    g = strided(4000)
+    expect(f"{name}.step strided", lambda: B.step(p, g, m, v, s, v1, out=(p, m, v)),
+           f"{name}.step: g: its storage holds 4000 bytes.*reach byte 23996", [p, m, v])
+    if name != "reference":
+        # checked steps (skip) and chunked calls
+        p, g, m, v = block()
+        skip = freed(torch.zeros(-(-N // FINITE_CHUNK), dtype=torch.uint8), 0)
+        expect(f"{name}.step_many skip", lambda: B.step_many([StepCall(p, g, m, v, s, (p, m, v), skip=skip)], v1),
+               rf"{name}.step_many\\[0\\]: skip: its storage holds 0 bytes", [p, g, m, v])
+        chunks = torch.tensor([0, 1])
+        for what in ("kept", "out", "chunks"):
+            p, g, m, v = block()
+            kept = tuple(torch.empty(2 * FINITE_CHUNK) for _ in range(3))
+            out = (p, m, v)
+            if what == "kept":
+                freed(kept[1], 0)
+            elif what == "out":
+                out = (p.clone(), freed(m.clone(), 0), v.clone())
+            else:
+                chunks = freed(torch.tensor([0, 1]), 0)
+            call = ChunkedCall(StepCall(p, g, m, v, s, out), chunks, False, kept)
+            role = {"kept": r"kept\\[1\\]", "out": r"out\\[1\\]", "chunks": "chunks"}[what]
+            expect(f"{name}.step_chunks {what}", lambda: B.step_chunks([call], v1),
+                   rf"{name}.step_chunks\\[0\\]: {role}: its storage holds 0 bytes", [p, g, m, v])
+            chunks = torch.tensor([0, 1])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+def test_a_tensor_whose_storage_was_freed_is_refused_by_every_entry_before_anything_is_written(name):
+    # A tensor whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk, given as
+    # p, g, m, v, an out, a donated input, p_copy, p_old, g_new, skip, a chunk list or kept values: the native
+    # kernels read and wrote at its address (a segmentation fault at 0, memory of something else past a shrunk
+    # end: nan steps), and the reference's torch operations crashed the same way. Every entry now refuses it,
+    # naming the argument, its storage's size and where its elements end, before anything is written. Run in a
+    # subprocess so that a crash fails the test instead of ending pytest.
+    out = subprocess.run([sys.executable, "-c", _FREED_STORAGE, name], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
+        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_a_written_tensor_autograd_records_is_refused_by_the_native_kernels(name, rng):
     # An out, a donated input or a p_copy that requires grad without being a leaf (computed from one) was written
@@ -1399,7 +1519,7 @@ def test_chunk_lists_refuse_a_traced_input(name, rng):
     n = 3 * FINITE_CHUNK + 5
     p, g, m, v = block_inputs(rng, n, torch.float32, torch.float32)
     s = block_scalars(rng, 0.1)
-    chunks = torch.tensor([0, 2])
+    chunks = torch.tensor([0, 1])
     g_new = torch.randn(n, generator=rng).requires_grad_()
     kept = tuple(torch.zeros(listed_elements(chunks, n)) for _ in range(3))
     before = [t.clone() for t in (p, m, v, *kept)]

@@ -75,7 +75,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from sofx.errors import HParamError, LeafError, UnsupportedError
-from sofx.kernels.layout import in_memory_order, one_dense_layout, same_layout
+from sofx.kernels.layout import (in_memory_order, one_dense_layout, same_layout, short_storage_message,
+                                 storage_shortfall)
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -307,6 +308,7 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     the input itself: donation). What the call writes, ``out`` and ``p_copy``,
     must be writable in place (:func:`sofx.kernels.donation.check_written`;
     ``autograd``: the backend writes through torch, which autograd records).
+    Every tensor's storage must hold its elements (:func:`check_storage`).
     ``where`` prefixes the message (``"cpu.step"``). Backend-specific limits
     (device type, dtypes) and the memory the tensors share are the backend's
     own check.
@@ -329,9 +331,20 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
         check_float_tensor(where, name, t, device, "p")
         if t.shape != shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        check_storage(where, name, t)
     from sofx.kernels.donation import check_written  # (donation imports this module)
 
     check_written(where, written, autograd)
+
+
+def check_storage(where: str, name: str, t: torch.Tensor) -> None:
+    """Refuse tensor ``name`` of the call ``where`` whose elements reach past the end of its storage
+    (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed with ``untyped_storage().resize_(0)``, as
+    FSDP frees tensors, or shrunk): native code would read and write outside any allocation, and torch's own
+    operations crash on it too."""
+    short = storage_shortfall(t)
+    if short is not None:
+        raise LeafError(short_storage_message(f"{where}: {name}", t, *short))
 
 
 def check_float_tensor(where: str, name: str, t: Any, device: torch.device, anchor: str) -> None:
@@ -709,7 +722,7 @@ def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], whe
 
 def check_skip(where: str, c: Any, device: torch.device) -> None:
     """A checked call's ``c.skip`` (``c``: a call or block with ``p, m, v, out, p_copy, skip``): one uint8 per
-    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``, writable
+    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``, in its storage (:func:`check_storage`), writable
     (:func:`~sofx.kernels.donation.check_written`); and what is written in place
     contiguous (``out``, in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not
     touched."""
@@ -721,6 +734,7 @@ def check_skip(where: str, c: Any, device: torch.device) -> None:
             else type(sk).__name__
         raise LeafError(f"{where}: skip must be a contiguous uint8 tensor of shape ({chunks},) on {device} (one "
                         f"flag per {FINITE_CHUNK} elements), got {desc}")
+    check_storage(where, "skip", sk)
     from sofx.kernels.donation import check_written  # (donation imports this module)
 
     check_written(where, [("skip", sk)])

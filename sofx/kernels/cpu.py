@@ -281,8 +281,10 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     goes through the checks and :func:`_prepare`): every tensor ``op`` needs given (the second gradient an
     undo+redo's only), every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype ``lib`` reads,
     states of one storage dtype, ``out`` None or the inputs themselves (donation), ``skip`` (if any) a
-    contiguous uint8 vector of one flag per chunk, at least one element, and nothing written that torch refuses to
-    write (:func:`~sofx.kernels.donation.may_refuse_write`). What this accepts passes every
+    contiguous uint8 vector of one flag per chunk, at least one element, nothing written that torch refuses to
+    write (:func:`~sofx.kernels.donation.may_refuse_write`), and every tensor's storage holding its elements (here
+    ``(storage_offset + numel) * element_size`` bytes: contiguous or dense; one freed with
+    ``untyped_storage().resize_(0)`` goes to the checks, which refuse it naming it). What this accepts passes every
     check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry (but for the tensors of one
     dense layout of an unchecked call, :mod:`sofx.kernels.layout`: taken as they are, in memory order, where
     :func:`_prepare` copies them; fresh outputs of that layout). ``grad, transforms``:
@@ -293,23 +295,25 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
         return None
     codes = _codes(lib)
     shape = p.shape
+    n = p.numel()
     contiguous = p.is_contiguous()
     for t in (p, g, m, v, g2, p_old, pc):
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
                                   and (not contiguous or t.is_contiguous()) and not (grad and t.requires_grad)
-                                  and not (transforms and _wrapped(t))):
+                                  and not (transforms and _wrapped(t))
+                                  and (t.storage_offset() + n) * t.element_size() <= t.untyped_storage().nbytes()):
             return None
     if not contiguous and not spans_in_memory_order(p, (g, m, v, g2, p_old, pc), sk):
         return None
     if g is None or m is None or v is None:
         return None
-    n = p.numel()
     if n == 0 or m.dtype != v.dtype or not (out is None or (type(out) is tuple and len(out) == 3 and out[0] is p
                                                              and out[1] is m and out[2] is v)):
         return None
     if sk is not None and not (type(sk) is torch.Tensor and sk.dtype == torch.uint8 and sk.is_cpu
                                and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()
-                               and not (transforms and _wrapped(sk))):
+                               and not (transforms and _wrapped(sk))
+                               and sk.storage_offset() + sk.shape[0] <= sk.untyped_storage().nbytes()):
         return None
     if may_refuse_write((pc, sk, *((p, m, v) if out is not None else ()))):
         return None
