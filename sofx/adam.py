@@ -57,10 +57,11 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
-                               is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, write_param_copy,
-                               zeros_come_back)
+                               is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, storage_checked,
+                               write_param_copy, zeros_come_back)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
-from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
+from sofx.kernels.layout import (in_memory_order, is_dense, one_dense_layout, same_layout, short_storage_message,
+                                 storage_shortfall)
 from sofx.kernels.user_numbers import as_integer, flag, is_bool
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
@@ -703,6 +704,7 @@ class Adam:
                 continue
             if rec.strategy == "none":
                 raise UndoError(f"{leaf.path}: this step cannot be undone ({rec.reason})")
+            _check_record_storage(leaf, rec)
             have, want = leaf.steps, as_number(rec.step)
             if is_number(have) and is_number(want) and have != want:
                 raise UndoError(f"{leaf.path}: the state's step count is {have}, the record undoes step {want}: "
@@ -856,6 +858,7 @@ class Adam:
         leaves = []
         checked: set[tuple[int, bool]] = set()  # hparams objects checked already (a group's leaves share one)
         traced = leaf_tracer()
+        compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
         hp_traced: dict[int, bool] = {}  # per hparams object
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
@@ -865,6 +868,8 @@ class Adam:
             want_state = self.state_dtype or p.dtype
             _check_like("state.mu", path, m, p, want_state)
             _check_like("state.nu", path, v, p, want_state)
+            if not (compiling or _in_storage(p, g, m, v)):
+                _check_storage(path, p, g, m, v)  # (a strided view, a wrapper: checked whole; names a bad one)
             if g is not None:
                 _check_stepped_hparams(hp, path, p.dtype, checked)
             if id(hp) not in hp_traced:
@@ -1196,6 +1201,18 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
                                  f"{'the step was taken back' if flagged else 'nothing was changed'}", need, limit)
 
 
+def _check_record_storage(leaf: _Leaf, rec: LeafUndo) -> None:
+    """Raise :class:`UndoError` where a tensor ``rec`` holds (its gradient, the caller's own tensor unless
+    copied; its kept values and chunk list) reaches past the end of its storage
+    (:func:`~sofx.kernels.layout.storage_shortfall`: freed since the step, as FSDP frees gradients)."""
+    for name, t in (("gradient", rec.grad), ("kept p", rec.p_old), ("kept m", rec.m_old), ("kept v", rec.v_old),
+                    ("kept chunks", rec.chunks)):
+        if isinstance(t, torch.Tensor):
+            short = storage_shortfall(t)
+            if short is not None:
+                raise UndoError(short_storage_message(f"{leaf.path}: the record's {name}", t, *short))
+
+
 def _check_kept_whole(leaf: _Leaf, rec: LeafUndo) -> None:
     """Raise :class:`UndoError` unless ``rec``'s whole snapshots (``p`` of a ``"param_snapshot"``; ``p, m, v``
     of a ``"snapshot"``) have ``leaf``'s shapes, dtypes and devices: a record of another tree of the same
@@ -1401,14 +1418,18 @@ def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
     """``(leaf index, results)`` for every ``(leaf index, backend, call)`` of ``pending``: one
     ``run(backend, calls)`` per backend (its ``*_many`` function, which runs many leaves per launch
     where it can). ``leaves``: a backend's refusal of shared memory is named by leaf paths (the call's
-    memory was left to the kernel, see :func:`_kernel_checks_memory`)."""
+    memory was left to the kernel, see :func:`_kernel_checks_memory`). Every tensor of the calls lies in its
+    storage (the caller's, checked by :meth:`Adam._gather`, :func:`_check_record_storage` and
+    :func:`_param_copies`; the others made here): the kernels run under
+    :func:`~sofx.kernels.base.storage_checked`."""
     by_backend: dict[int, list[int]] = {}
     for i, (_, backend, _) in enumerate(pending):
         by_backend.setdefault(id(backend), []).append(i)
     out = []
     for members in by_backend.values():
         try:
-            results = run(pending[members[0]][1], [pending[i][2] for i in members])
+            with storage_checked():
+                results = run(pending[members[0]][1], [pending[i][2] for i in members])
         except MemoryOverlapError as e:
             if leaves is None:
                 raise
@@ -1516,6 +1537,9 @@ def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -
             raise LeafError(f"{path}: expected shape {tuple(leaf.p.shape)}, got {tuple(c.shape)}")
         if c.device != leaf.p.device:
             raise LeafError(f"{path}: expected device {leaf.p.device}, got {c.device}")
+        short = storage_shortfall(c)
+        if short is not None:
+            raise LeafError(short_storage_message(path, c, *short))
     return copies
 
 
@@ -1594,6 +1618,37 @@ def _check_like(tree_name: str, param_path: str, x: Any, p: torch.Tensor, dtype:
         raise LeafError(f"{path}: expected dtype {dtype}, got {x.dtype}")
     if x.device != p.device:
         raise LeafError(f"{path}: expected device {p.device}, got {x.device}")
+
+
+def _in_storage(p: torch.Tensor, g: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor) -> bool:
+    """The common case of :func:`_check_storage`, ~1 us a leaf: a leaf's tensors (checked alike: ``g`` of ``p``'s
+    shape and dtype, ``m`` and ``v`` of one) contiguous, and each storage holds ``storage_offset * element_size +
+    nbytes``; False where it cannot tell (one not contiguous, a ``torch.func`` wrapper, which has no storage to
+    look at) or one is not."""
+    try:
+        p_bytes, p_size, m_bytes, m_size = p.nbytes, p.element_size(), m.nbytes, m.element_size()
+        return (p.untyped_storage().nbytes() >= p.storage_offset() * p_size + p_bytes and p.is_contiguous()
+                and m.untyped_storage().nbytes() >= m.storage_offset() * m_size + m_bytes and m.is_contiguous()
+                and v.untyped_storage().nbytes() >= v.storage_offset() * m_size + m_bytes and v.is_contiguous()
+                and (g is None or (g.untyped_storage().nbytes() >= g.storage_offset() * p_size + p_bytes
+                                   and g.is_contiguous())))
+    except (NotImplementedError, RuntimeError):
+        return False
+
+
+def _check_storage(param_path: str, *leaf: torch.Tensor | None) -> None:
+    """Refuse a tensor of the leaf at ``param_path`` (its ``p, g, m, v``, the gradient None where absent) whose
+    elements reach past the end of its storage (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed
+    with ``untyped_storage().resize_(0)``, as FSDP frees tensors, or shrunk; the kernels, and torch's own
+    operations, would read and write outside any allocation), named by its tree's path (``grads['w']``)."""
+    for tree_name, t in zip(_LEAF_TREES, leaf):
+        if t is not None:
+            short = storage_shortfall(t)
+            if short is not None:
+                raise LeafError(short_storage_message(tree_name + param_path[len("params"):], t, *short))
+
+
+_LEAF_TREES = ("params", "grads", "state.mu", "state.nu")
 
 
 def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -535,3 +536,84 @@ def test_a_state_dtype_that_is_not_a_torch_dtype_is_refused_naming_it():
                                                         r"a floating torch\.dtype \(torch\.float32, torch\.bfloat16, "
                                                         r"torch\.float16, torch\.float64\) or None"):
             sofx.adamw(state_dtype=bad)
+
+
+# A leaf whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk: update, undo and
+# undo_redo handed its address to the native kernels, or read it with torch before them (a segmentation fault at 0,
+# reads past a shrunk end). Run in a subprocess so that a crash fails the test instead of ending pytest.
+_FREED_LEAF = """
+import re, sys
+import torch
+import sofx
+from sofx.errors import LeafError, UndoError
+
+backend = sys.argv[1]
+N = 3000
+
+
+def setup():
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(40, 30, generator=gen), "head": torch.randn(N, generator=gen)}
+    grads = {k: torch.randn(t.shape, generator=gen) for k, t in params.items()}
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    state = opt.init(params)
+    params, state, _ = opt.update(params, grads, state)  # nonzero state
+    return opt, params, grads, state
+
+
+def tensors(*trees):
+    return [t for tree in trees for t in sofx.tree.flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def expect(case, fn, error, pattern, *trees):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    kept = [t for t in tensors(*trees) if t.untyped_storage().nbytes() >= t.nbytes]  # (not the freed one)
+    before = [t.clone() for t in kept]
+    try:
+        fn()
+    except error as e:
+        assert re.search(pattern, str(e)), f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: an input was written"
+
+
+for keep in (0, 40):
+    holds = rf"\\['head'\\]: its storage holds {keep} bytes.*reach byte 12000"
+    for donate in (False, True):
+        for role in ("params", "grads", "state.mu", "state.nu", "param_copies"):
+            opt, params, grads, state = setup()
+            copies = {"w": None, "head": torch.zeros(N)}
+            tree = {"params": params, "grads": grads, "state.mu": state.mu, "state.nu": state.nu,
+                    "param_copies": copies}[role]
+            tree["head"].untyped_storage().resize_(keep)
+            expect(f"update {role} {keep} {donate}",
+                   lambda: opt.update(params, grads, state, donate=donate, param_copies=copies), LeafError,
+                   re.escape(role) + holds, params, grads, state, copies)
+        opt, params, grads, state = setup()
+        p1, s1, record = opt.update(params, grads, state)
+        record.leaves[0].grad.untyped_storage().resize_(keep)  # head's (leaves in key order); the caller's tensor
+        expect(f"undo record grad {keep} {donate}", lambda: opt.undo(p1, s1, record, donate=donate), UndoError,
+               r"params\\['head'\\]: the record's gradient: its storage holds", p1, s1)
+        new = {k: torch.randn(t.shape) for k, t in grads.items()}
+        expect(f"undo_redo record grad {keep} {donate}",
+               lambda: opt.undo_redo(p1, s1, record, new, donate=donate), UndoError,
+               r"params\\['head'\\]: the record's gradient: its storage holds", p1, s1, new)
+        opt, params, grads, state = setup()
+        p1, s1, record = opt.update(params, grads, state)
+        new = {k: torch.randn(t.shape) for k, t in grads.items()}
+        new["head"].untyped_storage().resize_(keep)
+        expect(f"undo_redo grads {keep} {donate}", lambda: opt.undo_redo(p1, s1, record, new, donate=donate),
+               LeafError, "grads" + holds, p1, s1, new)
+        s1.nu["head"].untyped_storage().resize_(keep)
+        expect(f"undo state.nu {keep} {donate}", lambda: opt.undo(p1, s1, record, donate=donate), LeafError,
+               "state.nu" + holds, p1, s1)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast", "reference"])
+def test_a_leaf_whose_storage_was_freed_is_refused_naming_it_and_changes_nothing(backend):
+    out = subprocess.run([sys.executable, "-c", _FREED_LEAF, backend], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
+        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

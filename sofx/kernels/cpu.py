@@ -76,8 +76,8 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
-                               beyond_limit, check_block_tensors, check_skip, kept_elements,
+from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
+                               UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
                                mark_written, refuse_traced, traced_possible, write_kept_param_copy, write_outputs,
                                write_param_copy)
@@ -276,7 +276,7 @@ def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_bui
 
 
 def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ctypes.Array | None,
-                  grad: bool = True, transforms: bool = True) -> _Native | None:
+                  grad: bool = True, transforms: bool = True, storage: bool = True) -> _Native | None:
     """The C entry's view of ``b`` (a block of ``op``) when it is the common case, else None (the block then
     goes through the checks and :func:`_prepare`): every tensor ``op`` needs given (the second gradient an
     undo+redo's only), every tensor a plain contiguous CPU tensor of ``p``'s shape in a dtype ``lib`` reads,
@@ -284,7 +284,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     contiguous uint8 vector of one flag per chunk, at least one element, nothing written that torch refuses to
     write (:func:`~sofx.kernels.donation.may_refuse_write`), and every tensor's storage holding its elements (here
     ``(storage_offset + numel) * element_size`` bytes: contiguous or dense; one freed with
-    ``untyped_storage().resize_(0)`` goes to the checks, which refuse it naming it). What this accepts passes every
+    ``untyped_storage().resize_(0)`` goes to the checks, which refuse it naming it; ``storage=False``: the caller
+    checked that, :data:`~sofx.kernels.base.STORAGE_CHECKED`). What this accepts passes every
     check of :func:`_run_blocks`, and :func:`_prepare` would build the same entry (but for the tensors of one
     dense layout of an unchecked call, :mod:`sofx.kernels.layout`: taken as they are, in memory order, where
     :func:`_prepare` copies them; fresh outputs of that layout). ``grad, transforms``:
@@ -301,7 +302,8 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
         if t is not None and not (type(t) is torch.Tensor and t.is_cpu and t.dtype in codes and t.shape == shape
                                   and (not contiguous or t.is_contiguous()) and not (grad and t.requires_grad)
                                   and not (transforms and _wrapped(t))
-                                  and (t.storage_offset() + n) * t.element_size() <= t.untyped_storage().nbytes()):
+                                  and (not storage or (t.storage_offset() + n) * t.element_size()
+                                       <= t.untyped_storage().nbytes())):
             return None
     if not contiguous and not spans_in_memory_order(p, (g, m, v, g2, p_old, pc), sk):
         return None
@@ -313,7 +315,7 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     if sk is not None and not (type(sk) is torch.Tensor and sk.dtype == torch.uint8 and sk.is_cpu
                                and sk.dim() == 1 and sk.shape[0] == -(-n // FINITE_CHUNK) and sk.is_contiguous()
                                and not (transforms and _wrapped(sk))
-                               and sk.storage_offset() + sk.shape[0] <= sk.untyped_storage().nbytes()):
+                               and (not storage or sk.storage_offset() + sk.shape[0] <= sk.untyped_storage().nbytes())):
         return None
     if may_refuse_write((pc, sk, *((p, m, v) if out is not None else ()))):
         return None
@@ -422,6 +424,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         return no_lossy[id(c)]
 
     grad, transforms = traced_possible()
+    storage = not STORAGE_CHECKED.get()
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
     for b, name, s1, s2 in zip(blocks, where, s1s, s2s):
         c1, c2 = scalar_block(s1), scalar_block(s2)
@@ -429,7 +432,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             c1 = without_lossy(c1)
         fast = None
         if c1 is not None and (s2 is None or c2 is not None):
-            fast = _plain_native(op, b, lib, c1, c2, grad, transforms)
+            fast = _plain_native(op, b, lib, c1, c2, grad, transforms, storage)
         if fast is None:
             _check(name, _named(op, b), b.p, b.out, backend)
             if b.skip is not None:

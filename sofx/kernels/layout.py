@@ -94,9 +94,10 @@ def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     resized to 0 (``untyped_storage().resize_(0)``, as FSDP frees a tensor's memory while keeping the tensor)
     has no memory at all: native code handed its address reads and writes outside any allocation. An empty
     tensor needs nothing; a tensor without a storage to look at (a ``torch.func`` wrapper, a subclass without
-    one) is None too. About 0.3 us a tensor."""
+    one) is None too, and so is every tensor under ``torch.compile`` (its tracing has fake tensors, whose storage
+    Dynamo cannot read). About 0.3 us a tensor."""
     n = t.numel()
-    if not n:
+    if not n or torch.compiler.is_compiling():
         return None
     try:
         have = t.untyped_storage().nbytes()
