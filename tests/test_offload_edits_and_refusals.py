@@ -5,6 +5,8 @@ a bf16 model is edited in place between steps (the fp32 masters of the elements 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -179,3 +181,55 @@ def test_a_model_converted_after_the_optimizer_was_made_is_refused_clearly(execu
         opt.backward(_loss(model, batch))
         opt.step()
         assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# A parameter whose memory was freed between steps (untyped_storage().resize_(0), as FSDP frees a resharded
+# parameter), gradients then set by hand: step() took it as edited (its storage moved) and copied it into its
+# master, reading address 0 (a segmentation fault). Run in a subprocess so that a crash fails the test instead of
+# ending pytest. (The process executor's parameters live in shared memory, which cannot be resized.)
+_FREED_PARAM = """
+import copy
+import subprocess
+import sys
+import torch
+from torch import nn
+import sofx.offload
+
+torch.set_num_threads(1)
+for executor in ("inline", "thread"):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(8, 4)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor) as opt:
+        opt.backward(model(x).square().mean())
+        opt.step()
+        ref(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+        bias = model.bias.detach().clone()
+        model.bias.untyped_storage().resize_(0)
+        wg, bg = torch.randn(3, 4), torch.randn(3)
+        model.weight.grad, model.bias.grad = wg.clone(), bg.clone()
+        try:
+            opt.step()
+            raise AssertionError("stepped a parameter whose storage was freed")
+        except sofx.SofxError as e:
+            msg = str(e)
+        assert "parameter 1 (param_groups[0]['params'][1], shape (3,)): its storage holds 0 bytes" in msg, msg
+        assert not opt.engine.in_step and torch.equal(model.weight.grad, wg), "nothing was taken"
+        model.bias.data = bias.clone()  # its memory back: taken as the new master, as torch steps from it
+        ref.bias.data = bias.clone()
+        ref.weight.grad, ref.bias.grad = wg.clone(), bg.clone()
+        opt.step()
+        ropt.step()
+        assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+print("ok")
+"""
+
+
+def test_a_parameter_whose_storage_was_freed_is_refused_naming_it_and_nothing_is_taken() -> None:
+    out = subprocess.run([sys.executable, "-c", _FREED_PARAM], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
+        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

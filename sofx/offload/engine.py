@@ -477,7 +477,10 @@ class OffloadEngine:
         """The model's values of parameters ``indices`` as their masters (between steps), then
         :meth:`_note_versions`. A bf16/fp16 parameter holds its master rounded: the elements it holds at that
         value keep their master (weight clipping that clips nothing, ``model.load_state_dict()`` of the weights
-        the model holds after the optimizer's state was loaded); taking them all lost the fp32 precision."""
+        the model holds after the optimizer's state was loaded); taking them all lost the fp32 precision. A
+        parameter whose storage no longer holds it (freed with ``untyped_storage().resize_(0)``, as FSDP frees a
+        resharded parameter: :func:`~sofx.kernels.layout.storage_shortfall`) is refused; copying it read address
+        0."""
         for i in indices:  # all checked before any is taken
             p, (dtype, shape, device) = self.params[i], self._param_kinds[i]
             if (p.dtype, p.shape, p.device) != (dtype, shape, device):
@@ -485,6 +488,9 @@ class OffloadEngine:
                                 f"made for {tuple(shape)} {dtype} on {device} (model.to(), model.half(), p.data = "
                                 "a tensor of another kind): its masters and buffers are of that kind; create the "
                                 "optimizer after converting or moving the model")
+            short = storage_shortfall(p)
+            if short is not None:
+                raise SofxError(short_storage_message(self._describe_param(i), p, *short))
         with torch.no_grad():
             for i in indices:  # (between steps)
                 master, p = self._param_views(i)["master"], self.params[i].detach()
