@@ -361,6 +361,25 @@ else:
         for b, old in zip(blocks, before):
             assert all(torch.equal(a, o) for a, o in zip(b, old))
 
+    def test_a_tensor_whose_storage_was_freed_is_refused_by_the_triton_kernels(rng):
+        # A block's tensor whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) passed the
+        # common-case check of a list call's blocks after the first of their kind: the kernels read and wrote its
+        # address. Refused now, naming it, before any block runs (sofx.Adam checks its leaves itself and sets
+        # base.storage_checked(), under which the common case does not test them again).
+        variant = AdamVariant()
+        blocks = _many_blocks(rng)[:3]
+        s = block_scalars(rng, 0.1)
+        before = [[t.clone() for t in b] for b in blocks]
+        for k, role in ((1, "g"), (2, "m"), (0, "p")):
+            freed = [t.clone() for t in blocks[k]]
+            freed["pgmv".index(role)].untyped_storage().resize_(0)
+            calls = [StepCall(*b, s, out=(b[0], b[2], b[3])) for b in blocks]
+            calls[k] = StepCall(*freed, s, out=(freed[0], freed[2], freed[3]))
+            with pytest.raises(LeafError, match=rf"triton\.step_many\[{k}\]: {role}: its storage holds 0 bytes"):
+                tk.step_many(calls, variant)
+        for b, old in zip(blocks, before):
+            assert all(torch.equal(a, o) for a, o in zip(b, old))
+
     def test_a_grad_scale_negative_or_not_finite_is_refused_by_every_entry(rng):
         blocks = _many_blocks(rng)[:2]
         refuse_bad_grad_scales(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())

@@ -53,7 +53,8 @@ import triton.language as tl
 
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
-from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoCall, UndoRedoCall,
+from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
+                               UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
                                lossy_factor, mark_written, refuse_traced, traced_possible, write_kept_param_copy,
                                write_outputs)
@@ -737,11 +738,12 @@ def _check_calls(names: Sequence[str], calls: Sequence,
     the inputs themselves, passes once a call of its device and dtypes has passed the full check."""
     supported: set[tuple] = set()  # (device, param dtype, state dtype) that passed the full check
     grad, transforms = traced_possible()
+    storage = not STORAGE_CHECKED.get()
     for i, c in enumerate(calls):
         tensors = named(c)
         p, m = c.p, c.m
         if type(p) is torch.Tensor and type(m) is torch.Tensor and (p.device, p.dtype, m.dtype) in supported \
-                and _plain(tensors, p, m, c.v, c.out, grad, transforms):
+                and _plain(tensors, p, m, c.v, c.out, grad, transforms, storage):
             continue
         _check(names[i], tensors, p, c.out)
         supported.add((p.device, p.dtype, m.dtype))
@@ -753,17 +755,23 @@ def _check_calls(names: Sequence[str], calls: Sequence,
 
 
 def _plain(tensors: Sequence[tuple[str, torch.Tensor | None]], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-           out: Sequence[torch.Tensor] | None, grad: bool = True, transforms: bool = True) -> bool:
+           out: Sequence[torch.Tensor] | None, grad: bool = True, transforms: bool = True,
+           storage: bool = True) -> bool:
     """The common case of :func:`_check_calls` (what passes here passes :func:`check_block_tensors` and
     :func:`~sofx.kernels.base.refuse_traced`; ``grad, transforms``: :func:`~sofx.kernels.base.traced_possible`'s):
-    nothing written that torch refuses to write (:func:`~sofx.kernels.donation.may_refuse_write`) among them."""
+    nothing written that torch refuses to write (:func:`~sofx.kernels.donation.may_refuse_write`) among them,
+    every storage holding its (contiguous) tensor (``storage=False``: the caller checked that,
+    :data:`~sofx.kernels.base.STORAGE_CHECKED`)."""
     device, shape = p.device, p.shape
     if v.dtype != m.dtype:
         return False
+    n = p.numel()
     for _, t in tensors:
         if t is not None and not (type(t) is torch.Tensor and t.dtype in _STORAGE_DTYPES and t.shape == shape
                                   and t.device == device and t.is_contiguous() and not (grad and t.requires_grad)
-                                  and not (transforms and _wrapped(t))):
+                                  and not (transforms and _wrapped(t))
+                                  and (not storage or (t.storage_offset() + n) * t.element_size()
+                                       <= t.untyped_storage().nbytes())):
             return False
     if not (out is None or (type(out) is tuple and len(out) == 3 and out[0] is p and out[1] is m and out[2] is v)):
         return False
