@@ -30,18 +30,23 @@ def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
     A tensor whose elements reach past the end of its storage (freed with ``untyped_storage().resize_(0)``:
     :func:`~sofx.kernels.layout.storage_shortfall`) is refused with a :class:`~sofx.errors.LeafError`, nothing
     written. Called once per gradient on the training thread (the offload engine's hooks): the checks are the
-    cheap tensor attributes, a 256-element gradient costs ~2 us here."""
-    for name, t in (("dst", dst), ("grad", grad)):
-        short = storage_shortfall(t)
-        if short is not None:  # (native code, and torch's copy_, would read or write outside any allocation)
-            raise LeafError(short_storage_message(f"copy_with_sumsq: {name}", t, *short))
+    cheap tensor attributes (the storage's in the native case's own test), a 256-element gradient costs ~2 us
+    here."""
     lib = _cpu_build.load()
+    n = grad.numel()
     if (lib is not None and dst.is_cpu and grad.is_cpu and dst.is_contiguous() and grad.is_contiguous()
-            and dst.numel() == grad.numel()):
+            and dst.numel() == n
+            and (grad.storage_offset() + n) * grad.element_size() <= grad.untyped_storage().nbytes()
+            and (dst.storage_offset() + n) * dst.element_size() <= dst.untyped_storage().nbytes()):
         grad_code, dst_code = _DTYPE_CODES.get(grad.dtype), _DTYPE_CODES.get(dst.dtype)
         if grad_code is not None and dst_code is not None:
-            total = lib.copy_sumsq(grad.data_ptr(), grad_code, dst.data_ptr(), dst_code, grad.numel())
+            total = lib.copy_sumsq(grad.data_ptr(), grad_code, dst.data_ptr(), dst_code, n)
             if total != -1.0:  # -1: a dtype this build cannot convert (float16 without compiler support)
                 return total
+    else:
+        for name, t in (("dst", dst), ("grad", grad)):
+            short = storage_shortfall(t)
+            if short is not None:  # (native code, and torch's copy_, would read or write outside any allocation)
+                raise LeafError(short_storage_message(f"copy_with_sumsq: {name}", t, *short))
     dst.copy_(grad.reshape(dst.shape))
     return None
