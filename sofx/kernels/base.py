@@ -750,8 +750,8 @@ def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], whe
 
 def check_skip(where: str, c: Any, device: torch.device) -> None:
     """A checked call's ``c.skip`` (``c``: a call or block with ``p, m, v, out, p_copy, skip``): one uint8 per
-    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``, in its storage (:func:`check_storage`), writable
-    (:func:`~sofx.kernels.donation.check_written`); and what is written in place
+    chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``, in its storage
+    (:func:`check_storage`), writable (:func:`~sofx.kernels.donation.check_written`); and what is written in place
     contiguous (``out``, in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not
     touched."""
     chunks = -(-c.p.numel() // FINITE_CHUNK)
