@@ -70,6 +70,9 @@ _POLL_S = 0.05
 CLOSE_TIMEOUT_S = 10.0
 #: How long a killed worker may take to exit before it is left to the system (see ``ProcessExecutor._kill``).
 KILL_WAIT_S = 10.0
+#: How long a worker whose connection ended may take to exit before its end is reported without its exit code
+#: (a failure path only: a worker printing its traceback on a loaded machine took over a second).
+EXIT_WAIT_S = 5.0
 _STOP = object()
 #: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
 _TAIL_LINES = 40
@@ -190,7 +193,7 @@ class ProcessExecutor(Executor):
         """Raise :class:`WorkerDiedError` for ``exc`` (a broken pipe or connection while starting) where the worker
         has exited (waiting a moment for that: the connection breaks as it exits); return otherwise."""
         try:
-            code = self.process.wait(timeout=1.0)
+            code = self.process.wait(timeout=EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             return
         raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
@@ -201,7 +204,7 @@ class ProcessExecutor(Executor):
         still run, its output is not waited for)."""
         if self._stderr is None:
             return ""
-        text = self._stderr.tail(timeout=1.0 if code is not None else 0.0).rstrip()
+        text = self._stderr.tail(timeout=EXIT_WAIT_S if code is not None else 0.0).rstrip()
         return f"; its last output:\n{text}" if text else ""
 
     # ------------------------------------------------------------ operations
@@ -271,7 +274,7 @@ class ProcessExecutor(Executor):
             code = self.process.poll()
             if code is None and self._received_all:  # the connection ended: the worker is exiting or gone
                 try:
-                    code = self.process.wait(timeout=1.0)
+                    code = self.process.wait(timeout=EXIT_WAIT_S)
                 except subprocess.TimeoutExpired:
                     pass
             if code is not None or self._send_error is not None or self._received_all:
