@@ -762,3 +762,12 @@ def check_a_large_triton_step(device: torch.device | str, n: int, mid: int, monk
     got = [t[idx] for t in (p, m, v)]
     for a, fresh, old in zip(got, tk.step(*before, s, variant), (before[0], before[2], before[3])):
         assert torch.equal(a[keep], fresh[keep]) and torch.equal(a[~keep], old[~keep])
+
+
+def script_prints_ok(script: str, *args: str, timeout: float = 300) -> None:
+    """Run ``script`` in a fresh Python process (``args`` its ``sys.argv[1:]``) and require that it exits with 0 and
+    prints ``ok`` last: for cases that crashed the process before their fix (a segmentation fault then fails the
+    test instead of ending pytest). On failure the message carries the exit code and the output's tails."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
+        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

@@ -9,12 +9,11 @@ float64, no library) the copy is a plain ``copy_`` and the sum is left to the ca
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from helpers import script_prints_ok
 from sofx.kernels import _cpu_build, cpu
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.transforms import sumsq
@@ -108,6 +107,4 @@ print("ok")
 
 
 def test_a_tensor_whose_storage_was_freed_is_refused_before_anything_is_written():
-    out = subprocess.run([sys.executable, "-c", _FREED], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
-        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    script_prints_ok(_FREED, timeout=120)

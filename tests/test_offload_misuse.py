@@ -18,7 +18,6 @@ import threading
 import gc
 import math
 import re
-import subprocess
 import sys
 import warnings
 import weakref
@@ -28,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_trees_bitwise
+from helpers import assert_trees_bitwise, script_prints_ok
 from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     SharedMLP,
     mlp_batch,
@@ -234,9 +233,7 @@ print("ok")
 
 
 def test_a_grad_whose_storage_was_freed_is_refused_naming_the_parameter_and_nothing_is_taken():
-    out = subprocess.run([sys.executable, "-c", _FREED_GRAD], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
-        f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    script_prints_ok(_FREED_GRAD)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
