@@ -39,7 +39,6 @@ class CheckpointIOError(CheckpointError, OSError):
     error); an ``OSError`` too, with the cause chained."""
 
 
-
 def check_path(who: str, path: Any) -> None:
     """Refuse a ``path`` that ``os.fspath`` does not take with a :class:`CheckpointError` naming ``who`` (a tree
     passed first, as ``torch.save(obj, f)`` takes its arguments, raised a bare TypeError from deep inside)."""
