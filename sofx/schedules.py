@@ -32,6 +32,7 @@ where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), els
 
 from __future__ import annotations
 
+import difflib
 import math
 import sys
 from dataclasses import dataclass
@@ -490,6 +491,36 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Join:
 
 def hparams_schedule(lr: FieldSchedule = None, beta1: FieldSchedule = None, beta2: FieldSchedule = None,
                      eps: FieldSchedule = None, weight_decay: FieldSchedule = None,
-                     base: Schedule | None = None) -> HParamsSchedule:
-    """``step -> AdamHParams`` with one schedule or constant per field (``None``: the optimizer's default)."""
+                     base: Schedule | None = None, **unknown: Any) -> HParamsSchedule:
+    """``step -> AdamHParams`` with one schedule or constant per field (``None``: the optimizer's default).
+
+    Another keyword (optax's ``learning_rate``, ``b1``, ``b2``; torch's ``betas``; a misspelt field) is refused
+    naming the fields taken and the one meant (:func:`_refuse_unknown_fields`)."""
+    if unknown:
+        _refuse_unknown_fields(unknown)
     return HParamsSchedule(lr, beta1, beta2, eps, weight_decay, base)
+
+
+# Other libraries' names of hparams_schedule's fields: what each means here, and whose name it is.
+_OTHER_NAMES = {"learning_rate": ("lr", "optax's name"), "b1": ("beta1", "optax's name"),
+                "b2": ("beta2", "optax's name"), "betas": ("beta1= and beta2", "torch's pair, a field each"),
+                "momentum": ("beta1", "torch's name in OneCycleLR")}
+
+
+def _refuse_unknown_fields(unknown: dict[str, Any]) -> None:
+    """Refuse the keywords :func:`hparams_schedule` caught in ``**unknown`` (Python's bare TypeError named neither
+    the fields taken nor the one meant): an :class:`HParamError` naming them all, with ``name= given, did you mean
+    field=?`` for another library's name (:data:`_OTHER_NAMES`) or a close spelling (``difflib``)."""
+    fields = [*AdamHParams._fields, "base"]
+    hints = []
+    for name in sorted(unknown):
+        meant, why = _OTHER_NAMES.get(name, (None, ""))
+        if meant is None:
+            close = difflib.get_close_matches(name, fields, n=1)
+            meant = close[0] if close else None
+        if meant is not None:
+            hints.append(f"{name}= given, did you mean {meant}=?{f' {why}' if why else ''}")
+    names = ", ".join(map(repr, sorted(unknown)))
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    raise HParamError(f"hparams_schedule: unknown field{'s' if len(unknown) > 1 else ''} {names}; it takes the "
+                      f"fields {', '.join(fields[:-1])} and {fields[-1]}{hint}")

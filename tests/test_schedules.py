@@ -287,6 +287,29 @@ def test_hparams_schedule_refuses_fields_that_are_neither_numbers_nor_schedules(
         schedules.hparams_schedule(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, hint", [
+    ({"learning_rate": 1e-3}, r" \(learning_rate= given, did you mean lr=\? optax's name\)$"),
+    ({"b1": 0.9}, r" \(b1= given, did you mean beta1=\? optax's name\)$"),
+    ({"b2": 0.99}, r" \(b2= given, did you mean beta2=\? optax's name\)$"),
+    ({"betas": (0.9, 0.99)}, r" \(betas= given, did you mean beta1= and beta2=\? torch's pair, a field each\)$"),
+    ({"weight_dacay": 0.1}, r" \(weight_dacay= given, did you mean weight_decay=\?\)$"),
+    ({"lr": 1e-3, "momentum": 0.9}, r" \(momentum= given, did you mean beta1=\? torch's name in OneCycleLR\)$"),
+    ({"foo": 1}, r"$")])
+def test_hparams_schedule_refuses_an_unknown_field_naming_those_it_takes(kwargs, hint):
+    """hparams_schedule(learning_rate=...) (optax's name), b1=/b2=, torch's betas= or a misspelt field raised
+    Python's bare "unexpected keyword argument" TypeError: it is an HParamError naming the fields it takes and the
+    one meant."""
+    unknown = next(k for k in kwargs if k != "lr")
+    with pytest.raises(HParamError, match=rf"^hparams_schedule: unknown field '{unknown}'; it takes the fields lr, "
+                                          r"beta1, beta2, eps, weight_decay and base" + hint):
+        schedules.hparams_schedule(**kwargs)
+    with pytest.raises(HParamError, match=r"unknown fields 'b1', 'learning_rate'; .* \(b1= given, did you mean "
+                                          r"beta1=\? optax's name; learning_rate= given, did you mean lr=\? optax's"):
+        schedules.hparams_schedule(learning_rate=1e-3, b1=0.9)
+    with pytest.raises(TypeError):  # (a positional argument too many is Python's, as for every function)
+        schedules.hparams_schedule(1e-3, 0.9, 0.99, 1e-8, 0.0, None, 1)
+
+
 def test_hparams_schedule_refuses_a_field_schedule_returning_a_non_number():
     sched = schedules.hparams_schedule(lr=lambda step: "x")
     with pytest.raises(HParamError, match=r"hparams_schedule at step 2: lr must be a float or a 0-d tensor, got str"):
