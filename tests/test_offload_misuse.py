@@ -1213,3 +1213,37 @@ def test_a_backward_scaled_by_the_optimizer_or_without_loss_scaling_does_not_war
                 opt.zero_grad()
                 backward(model(x).square().mean())
                 opt.step()
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_step_before_the_last_micro_step_warns_at_the_caller_and_steps_the_partial_sum(executor):
+    """With gradient_accumulation_steps=4, step() after 3 backward calls stepped on the sum of the 3 micro-steps
+    without a word (DeepSpeed's engine.step() does nothing before the boundary; a forgotten micro-step, or
+    gradient_accumulation_steps=4 with DDP's no_sync(), went unnoticed). It warns at the caller's line, naming the
+    counts; the step is still taken, on the partial sum (the last accumulation of an epoch), as torch.optim.AdamW
+    steps on what the 3 backwards accumulated in .grad. A full accumulation does not warn."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100,
+                                       gradient_accumulation_steps=4) as opt:
+        for micro_steps in (4, 3, 4):
+            for _ in range(micro_steps):
+                batch = mlp_batch(gen)
+                opt.backward(mlp_loss(model, batch) / 4)
+                (mlp_loss(ref, batch) / 4).backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            ropt.step()
+            ropt.zero_grad()
+            partial = [w for w in caught if "gradient_accumulation_steps" in str(w.message)]
+            if micro_steps == 4:
+                assert not partial, [str(w.message) for w in partial]
+            else:
+                assert len(partial) == 1 and partial[0].category is RuntimeWarning
+                assert re.match(r"sofx\.offload: step\(\) after 3 backward calls \(micro-steps\) of "
+                                r"gradient_accumulation_steps=4: the step is taken on the sum of those 3",
+                                str(partial[0].message)), str(partial[0].message)
+                assert partial[0].filename == __file__
+            assert relative_deviation(model, ref) <= TOL

@@ -102,6 +102,12 @@ class ArrivalTracker:
         return tuple(self.expected[i] for i in self.layouts[block].param_indices)
 
     @property
+    def micro_steps(self) -> int:
+        """The backward calls (micro-steps) seen this step: the most arrivals of any parameter (one that backward
+        reached in some micro-steps only counts fewer)."""
+        return max(self.arrivals, default=0)
+
+    @property
     def started(self) -> bool:
         """Whether any gradient arrived this step."""
         return self._started

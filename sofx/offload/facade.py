@@ -44,7 +44,8 @@ out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``, which counts gradient arrivals per parameter: one
 backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
-validation); param groups cannot be
+validation; a ``step()`` after fewer backward calls steps on their sum, the partial last accumulation of an
+epoch, with a ``RuntimeWarning`` naming the counts); param groups cannot be
 added after construction, nor parameters added to or removed from a group's ``params`` (refused at the
 next step, not ignored), and a group cannot hold a parameter twice (refused at construction: torch warns and
 steps it twice); ``step()`` without a closure returns a
@@ -501,6 +502,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._warn_unscaled_backward()
+        self._warn_partial_accumulation()
         report = self.engine.step()
         self._scale_taken = False
         self.last_report = report
@@ -657,6 +659,25 @@ class _SpeculativeBase(torch.optim.Optimizer):
                       "instead, as GradScaler's scaler.scale(loss).backward()", RuntimeWarning,
                       stacklevel=_caller_stacklevel())
 
+    def _warn_partial_accumulation(self) -> None:
+        """Warn where gradients arrived from fewer backward calls than ``gradient_accumulation_steps``: the step is
+        taken on the sum of the micro-steps seen (as ``torch.optim`` steps on what ``.grad`` accumulated), which
+        the last accumulation of an epoch means, but a forgotten micro-step, or ``no_sync()`` backwards under DDP
+        (which do not count), do not. A warning, not a refusal, so that a partial last accumulation steps;
+        DeepSpeed's ``engine.step()`` before the boundary does nothing instead."""
+        tracker = self.engine.tracker
+        declared, seen = tracker.accumulation_steps, tracker.micro_steps
+        if not tracker.started or seen >= declared:
+            return
+        ddp = (" (under DDP a backward inside no_sync() does not count: with no_sync(), "
+               "gradient_accumulation_steps=1)" if self.engine.reduced else "")
+        taken = "that micro-step's gradients" if seen == 1 else f"the sum of those {seen} micro-steps' gradients"
+        warnings.warn(f"sofx.offload: step() after {seen} backward call{'s' if seen > 1 else ''} (micro-steps) of "
+                      f"gradient_accumulation_steps={declared}: the step is taken on {taken} (with each loss divided by {declared}, {seen}/{declared} of a full "
+                      f"accumulation's), as a partial last accumulation at the end of an epoch is meant to; otherwise call "
+                      f"step() once per {declared} backward calls (DeepSpeed's engine.step() before the boundary "
+                      f"does nothing; here it steps){ddp}", RuntimeWarning, stacklevel=_caller_stacklevel())
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
         self.scale_loss(loss).backward(**kwargs)
@@ -795,7 +816,8 @@ class SpeculativeAdamW(_SpeculativeBase):
       ``n_device_blocks``: that many first blocks, in model order, stay on the model's device and are
       stepped there in ``step()``; ``swap_params``: see the module docstring.
     - ``missing_grad``: ``"skip"`` or ``"zero"``, for a parameter that got no gradient;
-      ``gradient_accumulation_steps``: backward calls (micro-steps) per ``step()``.
+      ``gradient_accumulation_steps``: backward calls (micro-steps) per ``step()`` (a ``step()`` after fewer
+      steps on their sum, with a ``RuntimeWarning`` naming the counts).
     - ``speculate``: on or off (also settable between steps); ``policy``: the
       :class:`~sofx.speculate.AdaptivePolicy` that pauses it while clipping fires on most steps;
       ``snapshot_budget_bytes``: the most snapshot memory the speculative steps may hold (``None``: no limit).
