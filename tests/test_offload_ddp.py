@@ -21,6 +21,7 @@ One spawned group runs every case (10 s group timeout); the tests compare what t
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 
@@ -379,9 +380,83 @@ def _join_by_remaining_ranks(rank: int) -> dict:
     return out
 
 
+def _engine_state(opt: sofx.offload.SpeculativeAdamW) -> list[torch.Tensor]:
+    """Copies of every block's master, moments and step counts."""
+    return [getattr(t, name).clone() for t in opt.engine.tensors.values()
+            for name in ("master", "exp_avg", "exp_avg_sq", "counts")]
+
+
+def _resumed_from_other_checkpoints(rank: int) -> dict:
+    """Three steps, the model's and the optimizer's state saved after each; then a resumed run (a new DDP module
+    and optimizer) where rank 1 loads the checkpoint saved two steps before rank 0's: what its first step() raised
+    on each rank, and whether the parameters and the optimizer state stayed as they were; then, rank 1 having
+    loaded rank 0's checkpoint after zero_grad(), two steps. And a resumed run where both ranks load the same
+    checkpoint, two steps; and the first optimizer's two steps on: the parameters after each run. Then a resumed
+    run where both ranks load the same checkpoint and rank 1 sets another lr: what its first step() raised."""
+    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+
+    def make(model: DDP) -> sofx.offload.SpeculativeAdamW:
+        return sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                             policy=AdaptivePolicy(enabled=False))
+
+    def resume(checkpoint: tuple[dict, dict]) -> tuple[DDP, sofx.offload.SpeculativeAdamW]:
+        model = _ddp({})
+        opt = make(model)
+        model.module.load_state_dict(checkpoint[0])
+        opt.load_state_dict(checkpoint[1])
+        return model, opt
+
+    def two_steps(model: DDP, opt: sofx.offload.SpeculativeAdamW) -> torch.Tensor:
+        for step in (3, 4):
+            opt.zero_grad()
+            plain(model, step)
+            opt.step()
+        return _flat(model.module)
+
+    out: dict = {}
+    opts = []
+    try:
+        model = _ddp({})
+        opts.append(make(model))
+        saved = []
+        for step in range(3):
+            opts[0].zero_grad()
+            plain(model, step)
+            opts[0].step()
+            saved.append(copy.deepcopy((model.module.state_dict(), opts[0].state_dict())))
+        mixed, opt = resume(saved[2] if rank == 0 else saved[0])
+        opts.append(opt)
+        plain(mixed, 3)
+        before = (_flat(mixed.module), _engine_state(opt))
+        out["mismatch"] = error_text(opt.step)
+        after = (_flat(mixed.module), _engine_state(opt))
+        out["unchanged"] = torch.equal(before[0], after[0]) and all(map(torch.equal, before[1], after[1]))
+        opt.zero_grad()
+        mixed.module.load_state_dict(saved[2][0])
+        opt.load_state_dict(saved[2][1])
+        out["fixed"] = two_steps(mixed, opt)
+        same, opt = resume(saved[2])
+        opts.append(opt)
+        out["same"] = two_steps(same, opt)
+        other_lr, opt = resume(saved[2])  # the same checkpoint, and rank 1 sets another lr
+        opts.append(opt)
+        opt.param_groups[0]["lr"] = LR * (1 + rank)
+        plain(other_lr, 3)
+        out["other_lr"] = error_text(opt.step)
+        out["continued"] = two_steps(model, opts[0])
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for opt in opts:
+            opt.close()
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
+         "resumed": _resumed_from_other_checkpoints,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -560,3 +635,26 @@ def test_join_dividing_by_the_ranks_left_is_refused_naming_it(ranks) -> None:
             assert "divide_by_initial_world_size=False" in out[how], (rank, how, out[how])
             assert "ddp=" in out[how], (rank, how, out[how])
         assert out["default"] == "no error" and out["closed"] == "no error", (rank, out)
+
+
+def test_ranks_resumed_from_different_checkpoints_refuse_to_step_on_every_rank(ranks) -> None:
+    """Rank 1 loaded the checkpoint saved two steps before rank 0's: each rank stepped its own optimizer state and
+    the replicas diverged silently (DDP compares the parameters at construction only). The first step() after
+    construction or load_state_dict compares a digest of the ranks' step counts, hparams and loss scaler (one
+    all-reduce): every rank raises the same error naming what differs and each rank's value, before anything is
+    stepped (another lr on one rank too). zero_grad() and loading the same checkpoint then go on as a run resumed on every rank from it, and as
+    the run that was never interrupted, bit for bit."""
+    said = [res["resumed"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["mismatch"].startswith("step() under DDP: the step count of block 0 (parameter 0 = param_groups"
+                                          "[0]['params'][0], shape (8, 4)) differs between ranks: 3 on rank 0; 1 on "
+                                          "rank 1 (and "), (rank, out["mismatch"])
+        assert "load the same state_dict on every rank" in out["mismatch"], out["mismatch"]
+        assert out["unchanged"], rank
+        assert torch.equal(out["fixed"], out["continued"]) and torch.equal(out["same"], out["continued"]), rank
+        assert out["other_lr"].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
+                                          "lr=0.01, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01 on rank 0; "
+                                          "lr=0.02, "), (rank, out["other_lr"])
+    assert said[0]["mismatch"] == said[1]["mismatch"]
+    assert torch.equal(said[0]["continued"], said[1]["continued"])

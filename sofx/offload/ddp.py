@@ -44,7 +44,7 @@ from sofx.errors import UnsupportedError
 if TYPE_CHECKING:
     from sofx.offload.engine import OffloadEngine
 
-__all__ = ["DDPRoute", "ddp_route", "reduced_indices", "refuse_averaged"]
+__all__ = ["DDPRoute", "check_replicas", "ddp_route", "reduced_indices", "refuse_averaged"]
 
 # The attribute of a DDP module holding its route (the route goes with the module; it holds no reference to it)
 _ROUTE_ATTRIBUTE = "_sofx_ddp_route"
@@ -151,6 +151,28 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
         return reduced
 
     return work.get_future().then(take)
+
+
+_REPLICAS_HINT = ("the optimizer states must be the same on every rank, as the replicas are (DDP compares the "
+                  "parameters at its construction only; each rank would step its own state, and the replicas "
+                  "diverge): load the same state_dict on every rank (or none on any), and set the same hparams; "
+                  "nothing was stepped: call zero_grad(), then load_state_dict, and step again")
+
+
+def check_replicas(route: DDPRoute, entries: Mapping[str, str]) -> None:
+    """Raise the same :class:`~sofx.errors.SofxError` on every rank of ``route``'s process group unless every rank
+    passed the same ``entries`` (name -> text: each block's step counts, the hparams, the loss scaler; see
+    :func:`sofx.offload.engine_state.replica_entries`), naming the first that differs and each rank's value.
+
+    :func:`sofx.distributed.agreement._agree`: one all-reduce of two int64 (a digest of the entries) on the group's
+    device (CUDA for NCCL, else the CPU); only where the digests differ an ``all_gather_object`` of the entries, to
+    name what differs. Every rank must call it at the same point (the engine does, at the first ``step()`` after
+    construction and after each ``load_state_dict``)."""
+    from sofx.distributed.agreement import _agree
+    from sofx.distributed.groups import _collective_device
+
+    _agree("step() under DDP", dict(entries), route.group, _collective_device(route.group, None), None,
+           _REPLICAS_HINT)
 
 
 def _check_ddp(ddp: Any) -> None:

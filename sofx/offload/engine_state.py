@@ -46,7 +46,8 @@ from sofx.speculate import PolicyState
 if TYPE_CHECKING:  # pragma: no cover
     from sofx.offload.engine import OffloadEngine
 
-__all__ = ["STATE_FORMAT", "NONNEGATIVE", "engine_state_dict", "load_engine_state", "check_dense", "check_nonnegative"]
+__all__ = ["STATE_FORMAT", "NONNEGATIVE", "engine_state_dict", "load_engine_state", "check_dense", "check_nonnegative",
+           "replica_entries"]
 
 STATE_FORMAT = "sofx.offload/1"
 _SAVED = tuple(name for name in TENSOR_NAMES if name != "grad")
@@ -70,6 +71,27 @@ def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]
         "iteration": engine.iteration,
         "adam": engine.adam_config.to_json(),
     }
+
+
+def replica_entries(engine: "OffloadEngine") -> dict[str, str]:
+    """What must be the same on every rank for data-parallel replicas to take the same step (name -> text, in a
+    fixed order; see :func:`sofx.offload.ddp.check_replicas`): each block's step counts (one per parameter), each
+    param group's hparams (the bits of their floats; an hparam the engine refuses as the text of the refusal, which
+    the step then raises), and the loss scaler's state and rule settings. Reads no gradient, changes nothing."""
+    entries = {}
+    for layout in engine.layouts:
+        counts = engine.tensors[layout.index].counts.tolist()
+        entries[f"the step count of {engine.describe_block(layout.index)}"] = ", ".join(map(str, counts))
+    try:
+        hparams = [f"lr={hp.lr!r}, betas=({hp.beta1!r}, {hp.beta2!r}), eps={hp.eps!r}, "
+                   f"weight_decay={hp.weight_decay!r}" for hp in engine.hparams_fn()]
+    except SofxError as exc:  # (a rank's own refusal: every rank must still take part in the comparison)
+        hparams = [f"refused ({exc})"] * engine.n_groups
+    for g, text in enumerate(hparams):
+        entries[f"the hparams of param_groups[{g}]"] = text
+    state = _jsonable(engine.scaler_state._asdict())
+    entries["the loss scaler"] = f"{type(engine.scaler_state).__name__} {state}, rule {_rule_settings(engine.scaler)}"
+    return entries
 
 
 def load_engine_state(engine: "OffloadEngine", state: Any, where: str = "state") -> None:

@@ -81,7 +81,14 @@ module must not have a communication hook of its own (it takes one), nor ``mixed
 one; the optimizer keeps fp32 masters of a bf16 model itself). Without ``ddp`` the optimizer's gradient hooks
 would take each rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module
 averages are refused then, at construction (or at the first backward, where the model was wrapped after the
-optimizer was made).
+optimizer was made). DDP compares the replicas' parameters at its construction only: the first ``step()`` after
+construction and after each ``load_state_dict`` compares the ranks' optimizer states (each block's step counts,
+the groups' hparams, the loss scaler; one all-reduce of a digest) and, where they differ (a rank loaded an older
+state dict, or none), raises the same error on every rank, naming what differs and each rank's value, before
+anything is stepped; so every rank loads a state dict at the same point, before the same ``step()``. That step's
+blocks are not speculated (they are stepped in ``step()`` after the check: the same bits); the check costs, once,
+about 0.5 ms and 8 ms more per 1,000 blocks (2 gloo ranks on one machine; about 14 ms for a 7B model's 1,700
+blocks of the default ``block_numel``), mostly in naming the blocks' entries.
 """
 
 from __future__ import annotations
