@@ -1,0 +1,155 @@
+"""The offload facade with what training scripts do to their model, each against torch.optim side by side.
+
+``torch.compile`` of the model (aot_eager, and inductor once), compiled
+autograd, ``torch.compile`` of a function that calls ``opt.step()``,
+activation checkpointing (reentrant and not), ``torch.autocast`` forwards and
+gradient accumulation over micro-batches. Each run: a few steps of a tiny
+model on fresh random batches; the reference is ``torch.optim.AdamW``
+(``foreach=False``) + ``clip_grad_norm_`` on a deep copy. With the reference
+kernel and nothing undone the trajectory is torch's bit for bit; where a step
+was undone and redone (clipping, a late gradient) within DESIGN.md's 1e-6.
+
+The facade's gradient hooks, ``step()`` and ``zero_grad()`` always run
+eagerly (``torch.compiler.disable``): dynamo never traces the engine, whose
+Python state, locks and worker threads it cannot follow.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+    SharedMLP,
+    TinyTransformer,
+    mlp_batch,
+    mlp_loss,
+    one_torch_thread,
+    relative_deviation,
+    transformer_batch,
+    transformer_loss,
+)
+
+import sofx.offload
+import sofx.offload.engine
+
+TOL = 1e-6
+
+LossFn = Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class Run:
+    deviations: list[float] = field(default_factory=list)
+    reports: list = field(default_factory=list)
+    n_blocks: int = 0
+
+
+def side_by_side(model: nn.Module, ref: nn.Module, loss_fn: LossFn, make_batch: Callable, *, steps: int = 4,
+                 micro: int = 1, max_norm: float | None = None, executor: str = "inline",
+                 backward: Callable[[sofx.offload.SpeculativeAdamW, torch.Tensor], None] | None = None,
+                 **opt_kwargs) -> Run:
+    """Train ``model`` with the facade and ``ref`` with torch.optim.AdamW (+ ``clip_grad_norm_(max_norm)``) on
+    the same batches, ``micro`` backward calls (of the loss divided by ``micro``) per step; ``backward(opt,
+    loss)`` replaces ``opt.backward(loss)``. Returns the relative deviation after every step and the reports."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05, max_grad_norm=max_norm, executor=executor,
+                  block_numel=100, backend="reference", timeout=60.0)
+    kwargs.update(opt_kwargs)
+    opt = sofx.offload.SpeculativeAdamW([p for p in model.parameters() if p.requires_grad], **kwargs)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99),
+                             weight_decay=0.05, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    out = Run(n_blocks=len(opt.engine.layouts))
+    with opt:
+        for _ in range(steps):
+            opt.zero_grad()
+            ropt.zero_grad()
+            for _ in range(micro):
+                batch = make_batch(gen)
+                loss = loss_fn(model, batch) / micro
+                opt.backward(loss) if backward is None else backward(opt, loss)
+                (loss_fn(ref, batch) / micro).backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
+            out.reports.append(opt.step())
+            ropt.step()
+            out.deviations.append(relative_deviation(model, ref))
+    return out
+
+
+def assert_speculated_in_backward(run: Run) -> None:
+    """Every block of every step was speculated during backward and committed (inline executor: the
+    speculative steps are done when their hooks return, before ``step()`` is called)."""
+    for i, report in enumerate(run.reports):
+        assert sorted(report.speculated_before_step()) == list(range(run.n_blocks)), (i, report.events)
+        assert report.speculated == report.committed == run.n_blocks, (i, report)
+
+
+def _models(cls: type = SharedMLP, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    model = cls()
+    return model, copy.deepcopy(model)
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches and counters emptied before and after (a test's compiles neither reuse nor count another's,
+    nor leave code objects near the recompile limit)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def traced_engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The engine's gradient intake, ``step`` and gradient discarding, recording their name whenever dynamo traces
+    them (``torch.compiler.is_compiling()`` inside: a traced frame replays the append)."""
+    traced: list[str] = []
+    for name in ("_take_gradient", "step", "discard_gradients"):
+        original = getattr(sofx.offload.engine.OffloadEngine, name)
+
+        def probe(self, *args, __original=original, __name=name, **kwargs):
+            if torch.compiler.is_compiling():
+                traced.append(__name)
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(sofx.offload.engine.OffloadEngine, name, probe)
+    return traced
+
+
+# ---------------------------------------------------------------- torch.compile(model)
+@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
+def test_compiled_model_trains_bitwise_as_torch_optim(model_name: str, fresh_dynamo: None,
+                                                      traced_engine_calls: list[str]) -> None:
+    """``torch.compile(model, backend="aot_eager")``: the compiled backward (one autograd node) leaves each
+    parameter's gradient accumulation to eager autograd, so the hooks fire per parameter (all at the end of that
+    node, not in reverse layer order) and every block is speculated during backward; the trajectory is torch's
+    bit for bit (the tied weights of both models included)."""
+    cls, make_batch, loss_fn = {"mlp": (SharedMLP, mlp_batch, mlp_loss),
+                                "transformer": (TinyTransformer, transformer_batch, transformer_loss)}[model_name]
+    model, ref = _models(cls)
+    compiled, compiled_ref = torch.compile(model, backend="aot_eager"), torch.compile(ref, backend="aot_eager")
+    run = side_by_side(model, ref, lambda m, batch: loss_fn(compiled if m is model else compiled_ref, batch),
+                       make_batch)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert traced_engine_calls == []
+    assert_speculated_in_backward(run)
+    assert run.deviations == [0.0] * len(run.deviations)
+
+
+@pytest.mark.slow  # a cold inductor compile of the tiny MLP takes ~15-20 s on 2 shared cores
+def test_inductor_compiled_model_trains_bitwise_as_torch_optim(fresh_dynamo: None) -> None:
+    """The inductor backend (one compiled loss function for both models: the same kernels, the same gradient
+    bits): hooks fire per parameter during backward; the trajectory is torch's bit for bit."""
+    model, ref = _models()
+    run = side_by_side(model, ref, torch.compile(mlp_loss), mlp_batch, steps=3)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert_speculated_in_backward(run)
+    assert run.deviations == [0.0] * len(run.deviations)
