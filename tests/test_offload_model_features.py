@@ -153,3 +153,25 @@ def test_inductor_compiled_model_trains_bitwise_as_torch_optim(fresh_dynamo: Non
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert_speculated_in_backward(run)
     assert run.deviations == [0.0] * len(run.deviations)
+
+
+# ---------------------------------------------------------------- compiled autograd
+def test_compiled_autograd_runs_the_gradient_hooks_eagerly(fresh_dynamo: None, traced_engine_calls: list[str]) -> None:
+    """``torch._dynamo.config.compiled_autograd = True``, backward called in a compiled function: compiled autograd
+    has dynamo trace the whole backward, post-accumulate-grad hooks included. The facade's hooks are
+    ``torch.compiler.disable``d: the backward graph breaks at each and it runs eagerly (traced, the engine's
+    gradient intake was compiled once per parameter shape and block state, past dynamo's recompile limit, its
+    Python state guarded and its locks graph-breaking). Every block is speculated during backward, and the
+    trajectory (a tied weight, the reference's backward eager) is torch's bit for bit."""
+    model, ref = _models()
+    with torch._dynamo.config.patch(compiled_autograd=True):  # (read where torch.compile wraps the function)
+
+        @torch.compile(backend="aot_eager")
+        def compiled_backward(opt: sofx.offload.SpeculativeAdamW, loss: torch.Tensor) -> None:
+            opt.backward(loss)
+
+        run = side_by_side(model, ref, mlp_loss, mlp_batch, backward=compiled_backward)
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] > 0, "compiled autograd did not run"
+    assert traced_engine_calls == []
+    assert_speculated_in_backward(run)
+    assert run.deviations == [0.0] * len(run.deviations)

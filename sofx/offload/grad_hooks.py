@@ -19,6 +19,15 @@ does while something (a scheduler, a notebook's output history) still holds
 the first optimizer. Parameters whose gradients come another way (``unhooked``:
 those a ``DistributedDataParallel`` module averages, see :mod:`sofx.offload.ddp`)
 get no hook, but are taken over from older owners all the same.
+
+The hooks run eagerly, never traced by dynamo (``torch.compiler.disable``):
+compiled autograd (``torch._dynamo.config.compiled_autograd = True``) traces a
+backward's hooks into its graph, which would have dynamo compile the engine's
+gradient intake -- its Python state guarded, its locks graph-breaking, a frame
+per parameter shape until the recompile limit. The backward graph breaks at
+each hook instead, and the hook runs as in an eager backward. Under a
+compiled model's eager backward they run eagerly anyway (autograd's gradient
+accumulation is outside the compiled graph).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ class _Hook:
         self.index = index
         self.callback = callback
 
+    @torch.compiler.disable  # (see the module docstring: compiled autograd)
     def __call__(self, param: torch.Tensor) -> None:
         callback = self.callback()
         if callback is not None:
