@@ -38,6 +38,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 
 import sofx.offload
 import sofx.offload.engine
+from sofx.speculate import AdaptivePolicy
 
 TOL = 1e-6
 
@@ -175,3 +176,74 @@ def test_compiled_autograd_runs_the_gradient_hooks_eagerly(fresh_dynamo: None, t
     assert traced_engine_calls == []
     assert_speculated_in_backward(run)
     assert run.deviations == [0.0] * len(run.deviations)
+
+
+# ---------------------------------------------------------------- torch.compile of a function calling opt.step()
+def _inject_inf(g: torch.Tensor) -> torch.Tensor:
+    g = g.clone()
+    g.view(-1)[0] = float("inf")
+    return g
+
+
+@pytest.mark.parametrize("compiled", ["step", "train_step"])
+def test_a_compiled_function_calling_step_runs_it_eagerly(compiled: str, fresh_dynamo: None,
+                                                         traced_engine_calls: list[str]) -> None:
+    """``torch.compile`` of ``lambda: opt.step()`` (torch.optim's step compiles) or of a whole train step
+    (``zero_grad``, forward, ``opt.backward``, ``step``): ``step()`` and ``zero_grad()`` are
+    ``torch.compiler.disable``d, so the function graph-breaks there and the engine runs eagerly (traced, an undo
+    failed: dynamo's stand-in pytree spec reached the undo record check). With clipping (blocks undone and redone),
+    a dynamic loss scale and an overflow (a skipped step, the scale backed off), a LambdaLR: the run equals
+    torch.optim.AdamW + clip_grad_norm_ + GradScaler, within 1e-6, and ``step`` returns its report. (The first
+    layer's gradient, the last to arrive, is boosted: clipping is known only after the other blocks were
+    speculated.)"""
+    model, ref = _models()
+    for m in (model, ref):
+        m.inp.weight.register_hook(lambda g: g * 1000.0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, weight_decay=0.05, max_grad_norm=20.0,
+                                        loss_scale="dynamic", executor="inline", block_numel=100, timeout=60.0,
+                                        policy=AdaptivePolicy(enabled=False))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.05, foreach=False)
+    scaler = torch.amp.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, lambda s: 0.9 ** s)
+
+    @torch.compile(backend="aot_eager")
+    def step() -> sofx.offload.engine.EngineStepReport:
+        return opt.step()
+
+    @torch.compile(backend="aot_eager")
+    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> sofx.offload.engine.EngineStepReport:
+        opt.zero_grad()
+        opt.backward(mlp_loss(model, batch))
+        return opt.step()
+
+    gen = torch.Generator().manual_seed(1)
+    reports = []
+    with opt:
+        for i in range(5):
+            batch = mlp_batch(gen)
+            handles = [m.mid.weight.register_hook(_inject_inf) for m in (model, ref)] if i == 2 else []
+            if compiled == "step":
+                opt.zero_grad()
+                opt.backward(mlp_loss(model, batch))
+                reports.append(step())
+            else:
+                reports.append(train_step(batch))
+            ropt.zero_grad()
+            scaler.scale(mlp_loss(ref, batch)).backward()
+            scaler.unscale_(ropt)
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 20.0)
+            scaler.step(ropt)
+            scaler.update()
+            for h in handles:
+                h.remove()
+            sched.step()
+            rsched.step()
+            assert opt.loss_scale == scaler.get_scale()
+            assert relative_deviation(model, ref) <= TOL, i
+    assert torch._dynamo.utils.counters["frames"]["total"] > 0, "dynamo did not run"
+    assert traced_engine_calls == []
+    assert all(isinstance(r, sofx.offload.engine.EngineStepReport) for r in reports)
+    assert [r.skipped for r in reports] == [False, False, True, False, False]
+    assert all(r.clipped for i, r in enumerate(reports) if i != 2)
+    assert sum(r.redone for r in reports) > 0, reports

@@ -89,6 +89,12 @@ anything is stepped; so every rank loads a state dict at the same point, before 
 blocks are not speculated (they are stepped in ``step()`` after the check: the same bits); the check costs, once,
 about 0.5 ms and 8 ms more per 1,000 blocks (2 gloo ranks on one machine; about 14 ms for a 7B model's 1,700
 blocks of the default ``block_numel``), mostly in naming the blocks' entries.
+
+``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
+gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
+:mod:`sofx.offload.grad_hooks`). ``step()`` and ``zero_grad()`` are ``torch.compiler.disable``d: a compiled function
+calling them (``torch.compile`` of a whole train step, as torch.optim's step compiles) graph-breaks there and runs
+them eagerly; dynamo cannot trace the engine (its Python state, locks and worker threads).
 """
 
 from __future__ import annotations
@@ -493,6 +499,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
     @overload
     def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
 
+    @torch.compiler.disable  # (graph-breaks a compiled function: the engine cannot be traced)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Validate the step (see the module docstring).
@@ -515,6 +522,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.last_report = report
         return report if closure is None else loss
 
+    @torch.compiler.disable  # (as torch.optim's zero_grad)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the current step (speculative steps already taken are undone: work wasted, and
         with an algebraic undo a result within its error, not bit for bit; freeze a model, ``requires_grad_(False)``,
