@@ -2,7 +2,8 @@
 
 The hook fires when autograd has accumulated a parameter's gradient for the
 current backward (once per backward per parameter, however often the
-parameter was used: tied weights have one accumulation node). The engine's
+parameter was used: tied weights have one accumulation node; but see
+reentrant checkpointing below). The engine's
 callback receives the parameter's index and the parameter; it takes the
 gradient out of ``param.grad`` into the block's buffer.
 
@@ -28,6 +29,15 @@ per parameter shape until the recompile limit. The backward graph breaks at
 each hook instead, and the hook runs as in an eager backward. Under a
 compiled model's eager backward they run eagerly anyway (autograd's gradient
 accumulation is outside the compiled graph).
+
+With reentrant activation checkpointing
+(``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``) a parameter used
+both inside and outside a checkpointed region is accumulated twice in one
+backward (once in the recomputation's own backward), so its hook fires twice:
+the second call is a late gradient (summed in, its block undone and redone in
+``step()``; with ``gradient_accumulation_steps``, which counts these calls,
+its block is ready a micro-step early and the later calls are late the same
+way). The non-reentrant checkpoint accumulates it once.
 """
 
 from __future__ import annotations
