@@ -318,3 +318,27 @@ def test_a_parameter_used_inside_and_outside_a_checkpointed_region_equals_torch_
         assert late == [0] * len(late)
         assert_speculated_in_backward(run)
         assert run.deviations == [0.0] * len(run.deviations)
+
+
+# ---------------------------------------------------------------- autocast
+@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
+def test_autocast_bf16_forward_trains_bitwise_as_torch_optim(model_name: str) -> None:
+    """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward of an fp32 model: the matmuls run in
+    bf16, the gradients reach the fp32 parameters as fp32 (autocast's casts are differentiated); every block is
+    speculated during backward and the trajectory is torch.optim's on the same autocast forward, bit for bit."""
+    cls, make_batch, loss_fn = {"mlp": (SharedMLP, mlp_batch, mlp_loss),
+                                "transformer": (TinyTransformer, transformer_batch, transformer_loss)}[model_name]
+
+    def autocast_loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(m, batch)
+        return loss
+
+    model, ref = _models(cls)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(make_batch(torch.Generator().manual_seed(0))[0]).dtype == torch.bfloat16
+    run = side_by_side(model, ref, autocast_loss, make_batch)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert_speculated_in_backward(run)
+    assert run.deviations == [0.0] * len(run.deviations)
+    assert relative_deviation(model, _models(cls)[0]) > 0  # (it trained)
