@@ -50,6 +50,8 @@ class Run:
     deviations: list[float] = field(default_factory=list)
     reports: list = field(default_factory=list)
     n_blocks: int = 0
+    #: The facade's per-parameter state after the run (``opt.state[p]`` as plain dicts).
+    states: dict = field(default_factory=dict)
 
 
 def side_by_side(model: nn.Module, ref: nn.Module, loss_fn: LossFn, make_batch: Callable, *, steps: int = 4,
@@ -81,6 +83,7 @@ def side_by_side(model: nn.Module, ref: nn.Module, loss_fn: LossFn, make_batch: 
             out.reports.append(opt.step())
             ropt.step()
             out.deviations.append(relative_deviation(model, ref))
+        out.states = {p: dict(opt.state[p]) for p in opt.state}
     return out
 
 
@@ -342,3 +345,56 @@ def test_autocast_bf16_forward_trains_bitwise_as_torch_optim(model_name: str) ->
     assert_speculated_in_backward(run)
     assert run.deviations == [0.0] * len(run.deviations)
     assert relative_deviation(model, _models(cls)[0]) > 0  # (it trained)
+
+
+# ---------------------------------------------------------------- gradient accumulation
+def test_gradient_accumulation_steps_speculate_once_on_the_summed_gradient() -> None:
+    """``gradient_accumulation_steps=3`` and three backward calls per step: the gradients are summed as ``.grad``
+    sums them, each block is speculated once, on its last micro-step's arrival (no late gradient, nothing
+    undone), and the trajectory and step counts are torch.optim's, bit for bit."""
+    model, ref = _models()
+    run = side_by_side(model, ref, mlp_loss, mlp_batch, micro=3, gradient_accumulation_steps=3)
+    assert_speculated_in_backward(run)
+    assert all(r.undone == 0 and ("late_gradient", 0) not in r.events for r in run.reports)
+    assert run.deviations == [0.0] * len(run.deviations)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_backward_called_several_times_before_step_accumulates_as_torch(executor: str) -> None:
+    """Three backward calls per step without ``gradient_accumulation_steps`` (as torch users accumulate): each
+    block is speculated at its first arrival; the later ones are late gradients, summed in, the block undone and
+    redone in ``step()``. The trajectory is torch.optim's on the summed ``.grad`` (within 1e-6), one step per
+    ``step()``: step counts advance by one, not by three."""
+    model, ref = _models()
+    run = side_by_side(model, ref, mlp_loss, mlp_batch, micro=3, executor=executor, steps=5)
+    assert all(r.redone == r.speculated > 0 and ("late_gradient", 0) in r.events for r in run.reports)
+    assert max(run.deviations) <= TOL, run.deviations
+    assert all(int(run.states[p]["step"]) == 5 for p in run.states)
+
+
+class SometimesUsed(nn.Module):
+    """A linear model with a second weight that only odd-numbered calls use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.extra = nn.Parameter(torch.randn(3, 6) * 0.1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) + (x @ self.extra.t() if self.calls % 2 else 0.0)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_parameter_used_in_some_micro_batches_only_accumulates_as_torch(accumulate: int) -> None:
+    """Two micro-batches per step, a parameter used in the first only: it has one arrival of the two that
+    ``gradient_accumulation_steps=2`` expects, so its block is not ready in backward and is stepped in ``step()``
+    (with the default 1, its block is speculated at once); either way torch.optim's trajectory on ``.grad``."""
+    model, ref = _models(SometimesUsed)
+    run = side_by_side(model, ref, mlp_loss, mlp_batch, micro=2, gradient_accumulation_steps=accumulate,
+                       block_numel=1)
+    assert max(run.deviations) <= TOL, run.deviations
+    if accumulate == 2:
+        assert run.deviations == [0.0] * len(run.deviations)
+        assert all(r.stepped_late >= 1 for r in run.reports)
