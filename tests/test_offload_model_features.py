@@ -398,3 +398,28 @@ def test_a_parameter_used_in_some_micro_batches_only_accumulates_as_torch(accumu
     if accumulate == 2:
         assert run.deviations == [0.0] * len(run.deviations)
         assert all(r.stepped_late >= 1 for r in run.reports)
+
+
+def test_a_fullgraph_compile_of_step_is_refused_with_the_reason_and_changes_nothing(fresh_dynamo: None) -> None:
+    """``torch.compile(..., fullgraph=True)`` of a function calling ``opt.step()`` cannot graph-break there: dynamo
+    refuses it, naming why (the engine runs eagerly), before the step starts; the gradients are still held, and an
+    eager ``step()`` then takes torch.optim's step, bit for bit."""
+    model, ref = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                        backend="reference")
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step() -> sofx.offload.engine.EngineStepReport:
+        return opt.step()
+
+    batch = mlp_batch(torch.Generator().manual_seed(1))
+    with opt:
+        opt.backward(mlp_loss(model, batch))
+        mlp_loss(ref, batch).backward()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"step\(\) runs eagerly: dynamo cannot trace"):
+            step()
+        assert opt.engine.in_step and opt.engine.iteration == 0
+        opt.step()
+        ropt.step()
+    assert relative_deviation(model, ref) == 0.0

@@ -94,7 +94,8 @@ blocks of the default ``block_numel``), mostly in naming the blocks' entries.
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
 :mod:`sofx.offload.grad_hooks`). ``step()`` and ``zero_grad()`` are ``torch.compiler.disable``d: a compiled function
 calling them (``torch.compile`` of a whole train step, as torch.optim's step compiles) graph-breaks there and runs
-them eagerly; dynamo cannot trace the engine (its Python state, locks and worker threads).
+them eagerly; dynamo cannot trace the engine (its Python state, locks and worker threads: see
+:mod:`sofx.offload.eager`). With ``fullgraph=True`` dynamo refuses such a call, saying so, before it starts.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.user_numbers import finite_number, flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
+from sofx.offload.eager import run_eagerly
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR
 from sofx.speculate import AdaptivePolicy, SpeculationConfig
@@ -499,7 +501,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
     @overload
     def step(self, closure: Callable[[], _Loss]) -> _Loss: ...
 
-    @torch.compiler.disable  # (graph-breaks a compiled function: the engine cannot be traced)
+    @run_eagerly("the speculative optimizer's step() runs eagerly: dynamo cannot trace the offload engine (call it "
+                 "outside a fullgraph=True function, or compile without fullgraph)")
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Validate the step (see the module docstring).
@@ -522,7 +525,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.last_report = report
         return report if closure is None else loss
 
-    @torch.compiler.disable  # (as torch.optim's zero_grad)
+    @run_eagerly("the speculative optimizer's zero_grad() runs eagerly: dynamo cannot trace the offload engine "
+                 "(call it outside a fullgraph=True function, or compile without fullgraph)")
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients of the current step (speculative steps already taken are undone: work wasted, and
         with an algebraic undo a result within its error, not bit for bit; freeze a model, ``requires_grad_(False)``,

@@ -48,6 +48,8 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
+from sofx.offload.eager import run_eagerly
+
 __all__ = ["GradHooks"]
 
 Callback = Callable[[int, torch.Tensor], None]
@@ -63,7 +65,7 @@ class _Hook:
         self.index = index
         self.callback = callback
 
-    @torch.compiler.disable  # (see the module docstring: compiled autograd)
+    @run_eagerly("the gradient hook of sofx's offload engine runs eagerly: dynamo cannot trace the engine")
     def __call__(self, param: torch.Tensor) -> None:
         callback = self.callback()
         if callback is not None:
