@@ -5,13 +5,15 @@ autograd, ``torch.compile`` of a function that calls ``opt.step()``,
 activation checkpointing (reentrant and not), ``torch.autocast`` forwards and
 gradient accumulation over micro-batches. Each run: a few steps of a tiny
 model on fresh random batches; the reference is ``torch.optim.AdamW``
-(``foreach=False``) + ``clip_grad_norm_`` on a deep copy. With the reference
-kernel and nothing undone the trajectory is torch's bit for bit; where a step
-was undone and redone (clipping, a late gradient) within DESIGN.md's 1e-6.
+(``foreach=False``) on a deep copy (+ ``clip_grad_norm_`` and ``GradScaler``
+where a test clips and scales). With the reference kernel and nothing undone
+the trajectory is torch's bit for bit; where a step was undone and redone
+(clipping, a late gradient) within DESIGN.md's 1e-6.
 
 The facade's gradient hooks, ``step()`` and ``zero_grad()`` always run
-eagerly (``torch.compiler.disable``): dynamo never traces the engine, whose
-Python state, locks and worker threads it cannot follow.
+eagerly (``torch.compiler.disable``, :mod:`sofx.offload.eager`): dynamo never
+traces the engine, whose Python state, locks and worker threads it cannot
+follow; ``fullgraph=True`` refuses them, saying why.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ LossFn = Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
 @dataclass
 class Run:
+    """What :func:`side_by_side` saw: the relative deviation and the facade's report after every step."""
+
     deviations: list[float] = field(default_factory=list)
     reports: list = field(default_factory=list)
     n_blocks: int = 0
@@ -55,14 +59,14 @@ class Run:
 
 
 def side_by_side(model: nn.Module, ref: nn.Module, loss_fn: LossFn, make_batch: Callable, *, steps: int = 4,
-                 micro: int = 1, max_norm: float | None = None, executor: str = "inline",
+                 micro: int = 1, executor: str = "inline",
                  backward: Callable[[sofx.offload.SpeculativeAdamW, torch.Tensor], None] | None = None,
                  **opt_kwargs) -> Run:
-    """Train ``model`` with the facade and ``ref`` with torch.optim.AdamW (+ ``clip_grad_norm_(max_norm)``) on
-    the same batches, ``micro`` backward calls (of the loss divided by ``micro``) per step; ``backward(opt,
-    loss)`` replaces ``opt.backward(loss)``. Returns the relative deviation after every step and the reports."""
-    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05, max_grad_norm=max_norm, executor=executor,
-                  block_numel=100, backend="reference", timeout=60.0)
+    """Train ``model`` with the facade (the reference kernel, ``opt_kwargs`` over the defaults) and ``ref`` with
+    torch.optim.AdamW on the same batches, ``micro`` backward calls (of the loss divided by ``micro``) per step;
+    ``backward(opt, loss)`` replaces ``opt.backward(loss)``."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05, executor=executor, block_numel=100,
+                  backend="reference", timeout=60.0)
     kwargs.update(opt_kwargs)
     opt = sofx.offload.SpeculativeAdamW([p for p in model.parameters() if p.requires_grad], **kwargs)
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99),
@@ -78,8 +82,6 @@ def side_by_side(model: nn.Module, ref: nn.Module, loss_fn: LossFn, make_batch: 
                 loss = loss_fn(model, batch) / micro
                 opt.backward(loss) if backward is None else backward(opt, loss)
                 (loss_fn(ref, batch) / micro).backward()
-            if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
             out.reports.append(opt.step())
             ropt.step()
             out.deviations.append(relative_deviation(model, ref))
@@ -118,14 +120,19 @@ def traced_engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     traced: list[str] = []
     for name in ("_take_gradient", "step", "discard_gradients"):
         original = getattr(sofx.offload.engine.OffloadEngine, name)
-
-        def probe(self, *args, __original=original, __name=name, **kwargs):
-            if torch.compiler.is_compiling():
-                traced.append(__name)
-            return __original(self, *args, **kwargs)
-
-        monkeypatch.setattr(sofx.offload.engine.OffloadEngine, name, probe)
+        monkeypatch.setattr(sofx.offload.engine.OffloadEngine, name, _tracing_probe(name, original, traced))
     return traced
+
+
+def _tracing_probe(name: str, method: Callable, traced: list[str]) -> Callable:
+    """``method``, appending ``name`` to ``traced`` where it runs traced by dynamo."""
+
+    def probe(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            traced.append(name)
+        return method(self, *args, **kwargs)
+
+    return probe
 
 
 # ---------------------------------------------------------------- torch.compile(model)
