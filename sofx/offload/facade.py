@@ -92,10 +92,13 @@ blocks of the default ``block_numel``), mostly in naming the blocks' entries.
 
 ``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
-:mod:`sofx.offload.grad_hooks`). ``step()`` and ``zero_grad()`` are ``torch.compiler.disable``d: a compiled function
-calling them (``torch.compile`` of a whole train step, as torch.optim's step compiles) graph-breaks there and runs
-them eagerly; dynamo cannot trace the engine (its Python state, locks and worker threads: see
-:mod:`sofx.offload.eager`). With ``fullgraph=True`` dynamo refuses such a call, saying so, before it starts.
+:mod:`sofx.offload.grad_hooks`). A compiled region's backward is one autograd node, so its parameters' gradients all
+arrive as it ends: their speculative steps overlap only the backward of what runs before the region (compile each
+layer, not the whole model, to keep the overlap with backward). ``step()`` and ``zero_grad()`` are
+``torch.compiler.disable``d: a compiled function calling them (``torch.compile`` of a whole train step, as
+torch.optim's step compiles) graph-breaks there and runs them eagerly; dynamo cannot trace the engine (its Python
+state, locks and worker threads: see :mod:`sofx.offload.eager`). With ``fullgraph=True`` dynamo refuses such a call,
+saying so, before it starts.
 """
 
 from __future__ import annotations
