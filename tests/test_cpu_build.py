@@ -3,6 +3,7 @@ with the real compiler: its reasons, an unusable cache directory, a full disk.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -390,3 +391,22 @@ def test_ranks_started_together_on_an_empty_cache_build_once_with_the_real_compi
     assert 1 <= logged.count("INFO:sofx.kernels:waiting for another process building") <= n - 1, logged  # (a rank
     # held back past the build finds the library built)
     assert sorted(os.listdir(cache)) == sorted([os.path.basename(path), os.path.basename(path)[:-3] + ".lock"])
+
+
+@pytest.mark.parametrize("outcome", ["unavailable", "displaced"])
+def test_the_load_warnings_name_the_callers_line(monkeypatch, outcome):
+    """The warning that the native kernels are unavailable, or built in the private directory, named the line in
+    sofx that first asked for the library; it names the first line outside sofx (and torch) that led there."""
+    from sofx.kernels import cpu
+
+    lib = _cpu_build.load()
+    if outcome == "displaced" and lib is None:
+        pytest.skip("the native kernels are unavailable here")
+    result = "no C compiler found" if outcome == "unavailable" else dataclasses.replace(lib, displaced="the cache "
+                                                                                       "directory /x is read-only")
+    monkeypatch.setattr(_cpu_build, "_loaded", [])
+    monkeypatch.setattr(_cpu_build, "_build_and_open", lambda: result)
+    with pytest.warns(RuntimeWarning, match="no C compiler found" if outcome == "unavailable" else "read-only") \
+            as record:
+        cpu.native_available()
+    assert record[0].filename == __file__, record[0].filename

@@ -67,8 +67,9 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
         with pytest.warns(RuntimeWarning, match=rf"close\(\) {why}, and the thread executor's worker is still running "
                                                 r"the 'ready' operation on block 0 \(parameter 0 = .*\); a thread "
                                                 r"cannot be stopped: it is left to finish alone.*1 queued "
-                                                r"operation\(s\) were dropped"):
+                                                r"operation\(s\) were dropped") as record:
             opt.close()
+        assert record[0].filename == __file__, "the warning names the caller's line"
         took = time.monotonic() - start
         assert took < (0.3 if waited_first else 1.5) and (waited_first or took >= 0.5), took
     finally:

@@ -878,8 +878,9 @@ def test_a_step_without_gradients_warns_that_nothing_is_stepped():
     with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
         opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
         opt.step()
-        with pytest.warns(RuntimeWarning, match="step\\(\\) found no gradients"):
+        with pytest.warns(RuntimeWarning, match="step\\(\\) found no gradients") as record:
             report = opt.step()  # torch.optim would step again with the old .grad
+        assert record[0].filename == __file__, "the warning names the caller's line"
         assert report.committed + report.redone + report.stepped_late == 0
 
 
@@ -1174,12 +1175,13 @@ def test_a_backward_the_optimizer_did_not_scale_under_loss_scaling_warns_at_step
         pattern = (r"loss scaling is on \(scale 65536\.0\) but no backward since the last step\(\) was scaled by "
                    r"this optimizer.*opt\.backward\(loss\).*opt\.scale_loss\(loss\)\.backward\(\)")
         opt.zero_grad()
-        with pytest.warns(RuntimeWarning, match=pattern):
+        with pytest.warns(RuntimeWarning, match=pattern) as record:
             if how == "loss.backward()":
                 model(x).square().mean().backward()
                 opt.step()
             else:
                 opt.step(lambda: model(x).square().mean().backward())
+        assert record[0].filename == __file__, "the warning names the caller's line"
 
 
 @pytest.mark.parametrize("how", ["opt.backward", "scale_loss", "by opt.loss_scale", "no loss scaling"])

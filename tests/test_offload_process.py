@@ -107,9 +107,11 @@ def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None
     torch.manual_seed(0)
     model = SharedMLP()
     ref = copy.deepcopy(model)
-    with pytest.warns(RuntimeWarning, match=r"needs .* MiB of shared memory .* falling back to the thread executor"):
+    with pytest.warns(RuntimeWarning,
+                      match=r"needs .* MiB of shared memory .* falling back to the thread executor") as record:
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
                                             shm_limit_bytes=1024)
+    assert record[0].filename == __file__, "the warning names the caller's line"
     assert opt.executor == "thread"
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
     gen = torch.Generator().manual_seed(0)
@@ -187,8 +189,10 @@ def test_a_failing_shared_memory_reservation_falls_back_to_thread_and_leaves_not
     ref = copy.deepcopy(model)
     kwargs = dict(lr=1e-2, weight_decay=0.05, max_grad_norm=3.0, block_numel=100)  # some steps clip
     with pytest.warns(RuntimeWarning, match=r"reserving shared memory in \S+ for the process executor failed "
-                                            r"\((OSError|RuntimeError): .*\); falling back to the thread executor"):
+                                            r"\((OSError|RuntimeError): .*\); falling back to the thread executor"
+                      ) as record:
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", **kwargs)
+    assert record[0].filename == __file__, "the warning names the caller's line"
     assert failed, "the injected failure happened"
     if failure != "first_tensor":
         assert failed[0], "shared tensors had been reserved before the failure"
@@ -728,8 +732,9 @@ def test_close_leaves_a_worker_that_does_not_die_at_once_to_the_system_with_a_wa
     with pytest.raises(ExecutorTimeout, match="alive but not answering"):
         opt.engine.wait()
     with pytest.warns(RuntimeWarning, match=rf"worker process \(pid {ex.pid}\) did not exit within 0 s of SIGKILL.*"
-                                            r"left to the system"):
+                                            r"left to the system") as record:
         opt.close()
+    assert record[0].filename == __file__, "the warning names the caller's line"
     assert opt.engine._closed and ex.conn.closed
     assert not any(p.is_shared() for p in model.parameters()), "the shared memory is released all the same"
     assert ex.process.wait(timeout=10) == -signal.SIGKILL

@@ -57,6 +57,7 @@ import torch
 from sofx.durable import fsync_best_effort
 from sofx.kernels._cpu_source import DT_BF16, DT_F16, DT_F32, SOURCE
 from sofx.kernels._torch_sqrt import torch_sqrt_is_ieee, torch_sqrt_routine
+from sofx.warn import caller_stacklevel
 
 __all__ = ["NativeLib", "load", "unavailable_reason"]
 
@@ -692,11 +693,12 @@ def load() -> NativeLib | None:
                 if isinstance(_loaded[0], NativeLib) and _loaded[0].displaced:
                     warnings.warn(f"sofx: {_loaded[0].displaced}; they are in {os.path.dirname(_loaded[0].path)}, "
                                   "this user's alone on this machine, instead (set SOFX_CACHE_DIR to a writable "
-                                  "directory to keep them there)", RuntimeWarning, stacklevel=2)
+                                  "directory to keep them there)", RuntimeWarning, stacklevel=caller_stacklevel())
                 if isinstance(_loaded[0], str) and _loaded[0] != DISABLED:
                     warnings.warn(f"sofx: the native CPU kernels are unavailable ({_loaded[0]}); the cpu and cpu_fast "
                                   "backends run the reference math, several times slower (`python -m sofx.kernels` "
-                                  "reports; SOFX_CPU_NATIVE=0 silences this)", RuntimeWarning, stacklevel=2)
+                                  "reports; SOFX_CPU_NATIVE=0 silences this)", RuntimeWarning,
+                                  stacklevel=caller_stacklevel())
     lib = _loaded[0]
     return lib if isinstance(lib, NativeLib) else None
 

@@ -132,6 +132,7 @@ from sofx.speculate import (
     plan_validation,
 )
 from sofx.transforms import total_sumsq
+from sofx.warn import caller_stacklevel
 
 __all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
 
@@ -318,7 +319,7 @@ class OffloadEngine:
                     f"{shm_dir} for the optimizer state, but only {budget / 2**20:.1f} MiB are available"
                     f"{' (shm_limit_bytes)' if shm_limit_bytes is not None else ''}; falling back to the "
                     "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
-                    RuntimeWarning, stacklevel=3)
+                    RuntimeWarning, stacklevel=caller_stacklevel())
                 executor, swappable = "thread", local_swappable
         self._interrupts: Any = NO_GATE
         self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
@@ -339,7 +340,7 @@ class OffloadEngine:
                 self.tensors.clear()
                 warnings.warn(f"sofx.offload: reserving shared memory in {shm_dir} for the process executor failed "
                               f"({type(exc).__name__}: {exc}); falling back to the thread executor",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=caller_stacklevel())
                 self._cpu_arena, executor = LocalArena("cpu"), "thread"
                 self._reserve_cpu_blocks(cpu_layouts, state_dtype, local_swappable)
             self.executor_name = executor
@@ -1064,7 +1065,7 @@ class OffloadEngine:
             warnings.warn("sofx.offload: step() found no gradients (no backward since the last step(), or every "
                           "parameter frozen), so nothing is stepped; torch.optim would step again with what is "
                           "left in .grad, but here step() consumes a backward's gradients", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=caller_stacklevel())
         self._begin()
         self._record(self._wait(help=True))
         self._take_snapshot_reports()

@@ -106,8 +106,6 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import os
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -125,20 +123,11 @@ from sofx.offload.eager import run_eagerly
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR
 from sofx.speculate import AdaptivePolicy, SpeculationConfig
+from sofx.warn import caller_stacklevel
 
 __all__ = ["SpeculativeAdamW", "SpeculativeAdam", "resolve_loss_scale"]
 
 _Loss = TypeVar("_Loss")
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of a warning issued here that names the caller's line: the first frame outside sofx and
-    torch (``step`` runs inside torch.optim's wrappers, whose number varies)."""
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["sofx"], torch))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
@@ -679,7 +668,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                       "scaled by this optimizer: a loss.backward() gives gradients of the unscaled loss, which "
                       f"step() divides by {scale}; call opt.backward(loss) (or opt.scale_loss(loss).backward()) "
                       "instead, as GradScaler's scaler.scale(loss).backward()", RuntimeWarning,
-                      stacklevel=_caller_stacklevel())
+                      stacklevel=caller_stacklevel())
 
     def _warn_partial_accumulation(self) -> None:
         """Warn where gradients arrived from fewer backward calls than ``gradient_accumulation_steps``: the step is
@@ -698,7 +687,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                       f"gradient_accumulation_steps={declared}: the step is taken on {taken} (with each loss divided by {declared}, {seen}/{declared} of a full "
                       f"accumulation's), as a partial last accumulation at the end of an epoch is meant to; otherwise call "
                       f"step() once per {declared} backward calls (DeepSpeed's engine.step() before the boundary "
-                      f"does nothing; here it steps){ddp}", RuntimeWarning, stacklevel=_caller_stacklevel())
+                      f"does nothing; here it steps){ddp}", RuntimeWarning, stacklevel=caller_stacklevel())
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""

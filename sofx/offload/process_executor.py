@@ -61,6 +61,7 @@ from sofx.offload.executor import (
     raise_failures,
 )
 from sofx.offload.interrupts import NO_GATE
+from sofx.warn import caller_stacklevel
 
 __all__ = ["ProcessExecutor", "CLOSE_TIMEOUT_S", "KILL_WAIT_S"]
 
@@ -337,7 +338,8 @@ class ProcessExecutor(Executor):
             warnings.warn(f"sofx.offload: the offload worker process (pid {self.pid}) did not exit within "
                           f"{KILL_WAIT_S:g} s of SIGKILL (uninterruptible sleep, e.g. in a driver or on a hung file "
                           "system, or freeing a large address space); it is left to the system and exits when the "
-                          "kernel lets it (its memory is released then)", RuntimeWarning, stacklevel=2)
+                          "kernel lets it (its memory is released then)", RuntimeWarning,
+                          stacklevel=caller_stacklevel())
 
 
 class _StderrTail:

@@ -31,6 +31,7 @@ from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import BlockRunner
 from sofx.offload.executor import BlockNamer, Executor, ExecutorError, ExecutorTimeout, block_number, raise_failures
 from sofx.offload.interrupts import NO_GATE
+from sofx.warn import caller_stacklevel
 
 __all__ = ["ThreadExecutor", "CLOSE_TIMEOUT_S"]
 
@@ -196,4 +197,4 @@ class ThreadExecutor(Executor):
                       f"thread cannot be stopped: it is left to finish alone and may still change those blocks' "
                       f"optimizer state"
                       f"{f'; {dropped} queued operation(s) were dropped' if dropped else ''}", RuntimeWarning,
-                      stacklevel=2)
+                      stacklevel=caller_stacklevel())
