@@ -390,6 +390,7 @@ class HParamsSchedule:
 
     ``base`` (a schedule returning :class:`AdamHParams`, e.g. :func:`one_cycle`)
     is evaluated first; the per-field entries that are not ``None`` override it.
+    A keyword that is no field is refused as :func:`hparams_schedule` refuses it.
     """
 
     lr: FieldSchedule = None
@@ -398,6 +399,14 @@ class HParamsSchedule:
     eps: FieldSchedule = None
     weight_decay: FieldSchedule = None
     base: Schedule | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> HParamsSchedule:
+        """Refuse a keyword that is no field (optax's ``learning_rate``, ...) with :func:`_refuse_unknown_fields`'s
+        :class:`HParamError` before the generated ``__init__`` gives Python's bare TypeError."""
+        unknown = {name: value for name, value in kwargs.items() if name not in cls.__dataclass_fields__}
+        if unknown:
+            _refuse_unknown_fields(unknown)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for name in AdamHParams._fields:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -295,19 +296,24 @@ def test_hparams_schedule_refuses_fields_that_are_neither_numbers_nor_schedules(
     ({"weight_dacay": 0.1}, r" \(weight_dacay= given, did you mean weight_decay=\?\)$"),
     ({"lr": 1e-3, "momentum": 0.9}, r" \(momentum= given, did you mean beta1=\? torch's name in OneCycleLR\)$"),
     ({"foo": 1}, r"$")])
-def test_hparams_schedule_refuses_an_unknown_field_naming_those_it_takes(kwargs, hint):
+@pytest.mark.parametrize("make", [schedules.hparams_schedule, schedules.HParamsSchedule],
+                         ids=["hparams_schedule", "HParamsSchedule"])
+def test_hparams_schedule_and_its_class_refuse_an_unknown_field_naming_those_they_take(kwargs, hint, make):
     """hparams_schedule(learning_rate=...) (optax's name), b1=/b2=, torch's betas= or a misspelt field raised
     Python's bare "unexpected keyword argument" TypeError: it is an HParamError naming the fields it takes and the
-    one meant."""
+    one meant; the same from the public dataclass HParamsSchedule, called directly."""
     unknown = next(k for k in kwargs if k != "lr")
     with pytest.raises(HParamError, match=rf"^hparams_schedule: unknown field '{unknown}'; it takes the fields lr, "
                                           r"beta1, beta2, eps, weight_decay and base" + hint):
-        schedules.hparams_schedule(**kwargs)
+        make(**kwargs)
     with pytest.raises(HParamError, match=r"unknown fields 'b1', 'learning_rate'; .* \(b1= given, did you mean "
                                           r"beta1=\? optax's name; learning_rate= given, did you mean lr=\? optax's"):
-        schedules.hparams_schedule(learning_rate=1e-3, b1=0.9)
+        make(learning_rate=1e-3, b1=0.9)
     with pytest.raises(TypeError):  # (a positional argument too many is Python's, as for every function)
-        schedules.hparams_schedule(1e-3, 0.9, 0.99, 1e-8, 0.0, None, 1)
+        make(1e-3, 0.9, 0.99, 1e-8, 0.0, None, 1)
+    made = make(lr=1e-3, beta1=0.9)  # the fields it takes, as before; still a picklable, comparable dataclass
+    assert pickle.loads(pickle.dumps(made)) == made == schedules.HParamsSchedule(1e-3, 0.9)
+    assert dataclasses.replace(made, eps=1e-6)(0).eps == 1e-6
 
 
 def test_hparams_schedule_refuses_a_field_schedule_returning_a_non_number():
