@@ -10,8 +10,8 @@ where a test clips and scales). With the reference kernel and nothing undone
 the trajectory is torch's bit for bit; where a step was undone and redone
 (clipping, a late gradient) within DESIGN.md's 1e-6.
 
-The facade's gradient hooks, ``step()`` and ``zero_grad()`` always run
-eagerly (``torch.compiler.disable``, :mod:`sofx.offload.eager`): dynamo never
+The facade's gradient hooks, ``step()``, ``zero_grad()``, ``state_dict()`` and
+``load_state_dict()`` always run eagerly (``torch.compiler.disable``, :mod:`sofx.offload.eager`): dynamo never
 traces the engine, whose Python state, locks and worker threads it cannot
 follow; ``fullgraph=True`` refuses them, saying why.
 """
@@ -405,6 +405,46 @@ def test_a_parameter_used_in_some_micro_batches_only_accumulates_as_torch(accumu
     if accumulate == 2:
         assert run.deviations == [0.0] * len(run.deviations)
         assert all(r.stepped_late >= 1 for r in run.reports)
+
+
+def test_a_compiled_function_saving_or_loading_the_state_runs_state_dict_eagerly(
+        fresh_dynamo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile`` of a function calling ``opt.state_dict()`` or ``opt.load_state_dict(...)`` (a checkpoint
+    inside a compiled train loop): dynamo traced both into the engine (its locks, its executor's state), as
+    ``torch.optim`` disables its own; they are ``torch.compiler.disable``d, run eagerly, and give and take what the
+    eager calls do. ``fullgraph=True`` refuses them, naming why."""
+    traced: list[str] = []
+    for name in ("state_dict", "load_state_dict"):
+        original = getattr(sofx.offload.engine.OffloadEngine, name)
+        monkeypatch.setattr(sofx.offload.engine.OffloadEngine, name, _tracing_probe(name, original, traced))
+    model, _ = _models()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+
+    @torch.compile(backend="aot_eager")
+    def save() -> dict:
+        return opt.state_dict()
+
+    @torch.compile(backend="aot_eager")
+    def load(state_dict: dict) -> None:
+        opt.load_state_dict(state_dict)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def save_in_one_graph() -> dict:
+        return opt.state_dict()
+
+    with opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+        opt.step()
+        saved = save()
+        assert torch._dynamo.utils.counters["frames"]["total"] > 0, "dynamo did not run"
+        assert saved["param_groups"] == opt.state_dict()["param_groups"]
+        assert [int(b["counts"].max()) for b in saved["state"]["blocks"]] == [1] * len(saved["state"]["blocks"])
+        opt.param_groups[0]["lr"] = 0.5
+        load(saved)
+        assert opt.param_groups[0]["lr"] == 1e-2
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"state_dict\(\) runs eagerly"):
+            save_in_one_graph()
+    assert traced == []
 
 
 def test_a_fullgraph_compile_of_step_is_refused_with_the_reason_and_changes_nothing(fresh_dynamo: None) -> None:

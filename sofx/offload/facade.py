@@ -94,8 +94,9 @@ blocks of the default ``block_numel``), mostly in naming the blocks' entries.
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
 :mod:`sofx.offload.grad_hooks`). A compiled region's backward is one autograd node, so its parameters' gradients all
 arrive as it ends: their speculative steps overlap only the backward of what runs before the region (compile each
-layer, not the whole model, to keep the overlap with backward). ``step()`` and ``zero_grad()`` are
-``torch.compiler.disable``d: a compiled function calling them (``torch.compile`` of a whole train step, as
+layer, not the whole model, to keep the overlap with backward). ``step()``, ``zero_grad()``, ``state_dict()`` and
+``load_state_dict()`` are ``torch.compiler.disable``d (torch.optim disables its own ``state_dict`` and
+``load_state_dict`` too): a compiled function calling them (``torch.compile`` of a whole train step, as
 torch.optim's step compiles) graph-breaks there and runs them eagerly; dynamo cannot trace the engine (its Python
 state, locks and worker threads: see :mod:`sofx.offload.eager`). With ``fullgraph=True`` dynamo refuses such a call,
 saying so, before it starts.
@@ -531,6 +532,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """
         self.engine.discard_gradients(set_to_none)
 
+    @run_eagerly("the speculative optimizer's state_dict() runs eagerly: dynamo cannot trace the offload engine "
+                 "(call it outside a fullgraph=True function, or compile without fullgraph)")
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"state": engine state (tensors + JSON-able values), "param_groups": [...]}``.
 
@@ -554,6 +557,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
+    @run_eagerly("the speculative optimizer's load_state_dict() runs eagerly: dynamo cannot trace the offload "
+                 "engine (call it outside a fullgraph=True function, or compile without fullgraph)")
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore :meth:`state_dict`'s output: block state, loss scale, and every group's hparams (the
         hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``).
