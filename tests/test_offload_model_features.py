@@ -19,6 +19,7 @@ follow; ``fullgraph=True`` refuses them, saying why.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -229,7 +230,8 @@ def test_a_compiled_function_calling_step_runs_it_eagerly(compiled: str, fresh_d
 
     gen = torch.Generator().manual_seed(1)
     reports = []
-    with opt:
+    with opt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for i in range(5):
             batch = mlp_batch(gen)
             handles = [m.mid.weight.register_hook(_inject_inf) for m in (model, ref)] if i == 2 else []
@@ -257,6 +259,8 @@ def test_a_compiled_function_calling_step_runs_it_eagerly(compiled: str, fresh_d
     assert [r.skipped for r in reports] == [False, False, True, False, False]
     assert all(r.clipped for i, r in enumerate(reports) if i != 2)
     assert sum(r.redone for r in reports) > 0, reports
+    # every backward was opt.backward's: no warning that one was not scaled (a traced scale_loss's flag was lost)
+    assert not [w for w in caught if "loss scaling is on" in str(w.message)], [str(w.message) for w in caught]
 
 
 # ---------------------------------------------------------------- activation checkpointing

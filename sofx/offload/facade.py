@@ -651,14 +651,20 @@ class _SpeculativeBase(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The loss scale the next backward must use (1.0 without loss scaling)."""
-        self._scale_taken = True
-        return self.engine.loss_scale
+        return self._take_loss_scale()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale`` (``loss`` itself without loss scaling)."""
-        self._scale_taken = True
-        s = self.engine.loss_scale
+        s = self._take_loss_scale()
         return loss if s == 1.0 else loss * s
+
+    @run_eagerly("the speculative optimizer's loss scale is read eagerly: it notes that a backward is scaled, "
+                 "which step() checks (traced, the note was lost), and the scale changes as the run goes")
+    def _take_loss_scale(self) -> float:
+        """The engine's loss scale, noting that the caller scales a backward with it (see
+        :meth:`_warn_unscaled_backward`)."""
+        self._scale_taken = True
+        return self.engine.loss_scale
 
     def _warn_unscaled_backward(self) -> None:
         """Warn where loss scaling is on and gradients arrived, but no backward since the last step was scaled
@@ -689,10 +695,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
                "gradient_accumulation_steps=1)" if self.engine.reduced else "")
         taken = "that micro-step's gradients" if seen == 1 else f"the sum of those {seen} micro-steps' gradients"
         warnings.warn(f"sofx.offload: step() after {seen} backward call{'s' if seen > 1 else ''} (micro-steps) of "
-                      f"gradient_accumulation_steps={declared}: the step is taken on {taken} (with each loss divided by {declared}, {seen}/{declared} of a full "
-                      f"accumulation's), as a partial last accumulation at the end of an epoch is meant to; otherwise call "
-                      f"step() once per {declared} backward calls (DeepSpeed's engine.step() before the boundary "
-                      f"does nothing; here it steps){ddp}", RuntimeWarning, stacklevel=caller_stacklevel())
+                      f"gradient_accumulation_steps={declared}: the step is taken on {taken} (with each loss divided "
+                      f"by {declared}, {seen}/{declared} of a full accumulation's), as a partial last accumulation at "
+                      f"the end of an epoch is meant to; otherwise call step() once per {declared} backward calls "
+                      f"(DeepSpeed's engine.step() before the boundary does nothing; here it steps){ddp}",
+                      RuntimeWarning, stacklevel=caller_stacklevel())
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``."""
