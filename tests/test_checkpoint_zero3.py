@@ -989,3 +989,28 @@ def test_a_sparse_flat_master_or_moment_in_a_file_is_a_corrupt_checkpoint_error(
         torch.save(top, files[0])
         with pytest.raises(ck.CheckpointError, match=r"block 1 \(params\['enc'\]\['b'\]...\): " + match):
             ck.load_zero3(tmp_path / f"d{i}", opt, params, HP)
+
+
+def test_save_zero3_into_a_path_that_is_a_file_raises_a_checkpoint_error(tmp_path):
+    """A ``directory`` that is a file (a sofx checkpoint's path, say) is refused naming it, not with
+    ``os.makedirs``'s bare FileExistsError; the file is left as it was."""
+    opt = sofx.adamw(lr=1e-2)
+    params = _params()
+    state = opt.init(params)
+    path = tmp_path / "model.sofx"
+    path.write_bytes(b"keep me")
+    with pytest.raises(ck.CheckpointError, match=r"model\.sofx.*is a file, not a directory"):
+        ck.save_zero3(path, opt, params, state, deepspeed_objects=False)
+    assert path.read_bytes() == b"keep me"
+
+
+def test_save_zero3_where_the_directory_cannot_be_made_raises_a_checkpoint_io_error(tmp_path):
+    """The system's refusal to create the directory (here: under a file) is a ``CheckpointIOError`` naming the
+    directory, an ``OSError`` too, with the cause chained."""
+    opt = sofx.adamw(lr=1e-2)
+    params = _params()
+    (tmp_path / "plain").write_bytes(b"")
+    target = tmp_path / "plain" / "global_step1"
+    with pytest.raises(ck.CheckpointIOError, match=r"cannot create the ZeRO-3 checkpoint directory .*global_step1"):
+        ck.save_zero3(target, opt, params, opt.init(params), deepspeed_objects=False)
+

@@ -56,8 +56,8 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
-from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                                    CheckpointVersionError, CorruptCheckpointError)
+from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
@@ -212,7 +212,7 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
         deepspeed_objects = importlib.util.find_spec("deepspeed") is not None
     if deepspeed_objects:
         stage, scaler = _deepspeed_objects(scaler_attrs)
-    os.makedirs(directory, exist_ok=True)
+    _make_directory(directory)
     written = []
     for r in range(dp_world_size):
         inner = {"state": {b: {"step": steps[b], "exp_avg": exp_avgs[b][r], "exp_avg_sq": exp_avg_sqs[b][r]}
@@ -244,6 +244,23 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
             written.append(atomic_write(path, lambda tmp: torch.save(states, tmp)))
     _remove_older_files(os.path.abspath(os.fspath(directory)), mp_rank, {os.path.abspath(w) for w in written})
     return written
+
+
+def _make_directory(directory: str | os.PathLike) -> None:
+    """Create ``directory`` (and its parents) if missing. A path that is a file is refused with a
+    :class:`CheckpointError`, and the system's refusal (a read-only parent, a parent that is a file) raised as a
+    :class:`CheckpointIOError` naming the directory (an ``OSError`` too, the cause chained), not ``os.makedirs``'s
+    bare error."""
+    if os.path.isfile(directory):
+        raise CheckpointError(f"save_zero3: {os.fspath(directory)} is a file, not a directory; the ZeRO-3 layout "
+                              "is a directory of files (name its tag directory, e.g. .../global_step100)")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        failure = CheckpointIOError(f"save_zero3: cannot create the ZeRO-3 checkpoint directory "
+                                    f"{os.fspath(directory)}: {type(exc).__name__}: {exc}")
+        failure.errno = exc.errno
+        raise failure from exc
 
 
 def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
