@@ -1014,3 +1014,13 @@ def test_save_zero3_where_the_directory_cannot_be_made_raises_a_checkpoint_io_er
     with pytest.raises(ck.CheckpointIOError, match=r"cannot create the ZeRO-3 checkpoint directory .*global_step1"):
         ck.save_zero3(target, opt, params, opt.init(params), deepspeed_objects=False)
 
+def test_load_zero3_of_a_file_says_it_is_not_a_directory(tmp_path):
+    """``load_zero3`` given a file (not the directory holding it) says so, rather than that it does not exist."""
+    opt = sofx.adamw(lr=1e-2)
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, opt.init(params), deepspeed_objects=False)
+    with pytest.raises(ck.CheckpointError, match=r"is a file, not a directory.*the directory that holds") as e:
+        ck.load_zero3(files[0], opt, params)
+    assert not isinstance(e.value, FileNotFoundError)
+    with pytest.raises(ck.CheckpointError, match=r"is a file, not a directory"):
+        ck.load_zero3_loss_scaler(files[0])

@@ -412,6 +412,10 @@ def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[s
     writes ``zero_pp_rank_1``; ``zero_pp_rank_01`` is rank 1 too), and DeepSpeed's old name
     ``..._mp_rank_00optim_states.pt`` is read as its engine reads it: two files of one rank are refused, naming
     both (which one is rank 1's?)."""
+    if os.path.isfile(directory):
+        raise CheckpointError(f"ZeRO-3 checkpoint directory {directory} is a file, not a directory; name the "
+                              "directory that holds the zero_pp_rank_* files (the tag directory, e.g. "
+                              ".../global_step100)")
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint directory {directory} does not exist")
     found: dict[bool, dict[int, list[str]]] = {False: {}, True: {}}
