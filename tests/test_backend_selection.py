@@ -283,3 +283,20 @@ def test_a_native_backend_asked_for_by_name_runs_the_reference_math_where_sofx_c
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["cpu ran", "cpu_fast ran", "auto ran"]
+
+
+def test_an_unsupported_combination_says_what_the_backend_takes_and_what_auto_would_pick():
+    """A backend named for a leaf it cannot step says what it takes and which backend ``auto`` picks for that
+    leaf, so that the error says what to do (it named the combination only)."""
+    with pytest.raises(UnsupportedError, match=r"backend 'cpu' does not support .*float64.*: it takes CPU tensors "
+                                               r"with float32, bfloat16 or float16 .*backend='auto' picks "
+                                               r"'reference' for this one"):
+        select_backend("cpu", "cpu", torch.float64, torch.float64)
+    with pytest.raises(UnsupportedError, match=r"backend 'cpu_fast' does not support device=cuda.*: it takes CPU "
+                                               r"tensors"):
+        select_backend("cpu_fast", "cuda", torch.float32, torch.float32)
+    if load_backend("triton") is not None:
+        with pytest.raises(UnsupportedError, match=r"backend 'triton' does not support device=cpu.*: it takes CUDA "
+                                                   r"tensors \(CPU tensors only under TRITON_INTERPRET=1\).*"
+                                                   r"backend='auto' picks 'cpu' for this one"):
+            select_backend("triton", "cpu", torch.float32, torch.float32)

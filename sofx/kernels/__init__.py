@@ -87,6 +87,26 @@ def _refuse_unable(module: ModuleType) -> None:
                                "SOFX_CPU_NATIVE=0 too")
 
 
+# what each named backend steps, for its refusal of another leaf (their ``supports``, in words)
+_TAKES = {
+    "cpu": "CPU tensors with float32, bfloat16 or float16 params and states",
+    "cpu_fast": "CPU tensors with float32, bfloat16 or float16 params and states",
+    "triton": "CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) with float32, bfloat16 or float16 params "
+              "and states",
+}
+
+
+def _what_to_do(backend: str, device: torch.device, param_dtype: torch.dtype, state_dtype: torch.dtype) -> str:
+    """The tail of a named backend's refusal of a leaf: what the backend takes, and which backend ``auto`` picks
+    for this leaf (``""`` where neither is known)."""
+    tail = f": it takes {_TAKES[backend]}" if backend in _TAKES else ""
+    try:
+        picked = select_backend("auto", device, param_dtype, state_dtype).NAME
+    except UnsupportedError:
+        return tail
+    return f"{tail}; backend='auto' picks {picked!r} for this one"
+
+
 def select_backend(backend: str, device: torch.device | str, param_dtype: torch.dtype,
                    state_dtype: torch.dtype) -> ModuleType:
     """The kernel module to use for one block, or a clear :class:`UnsupportedError`."""
@@ -105,4 +125,4 @@ def select_backend(backend: str, device: torch.device | str, param_dtype: torch.
     if module is None:
         raise UnsupportedError(f"backend {backend!r} is not available here (its dependencies are not installed)")
     raise UnsupportedError(f"backend {backend!r} does not support device={device}, param dtype {param_dtype}, "
-                           f"state dtype {state_dtype}")
+                           f"state dtype {state_dtype}{_what_to_do(backend, device, param_dtype, state_dtype)}")
