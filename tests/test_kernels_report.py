@@ -100,3 +100,19 @@ def test_the_descriptions_of_each_build_kind():
     assert report.cpu_square_root(dataclasses.replace(ieee, sqrt_replica=kinds["ieee"])).startswith(
         "IEEE, inline in the vector loops")
     assert report.cpu_square_root(dataclasses.replace(ieee, sqrt_replica=0)).startswith("IEEE, sqrtf in tiles")
+
+
+def test_help_prints_the_usage_and_an_unknown_argument_is_refused(tmp_path):
+    """``python -m sofx.kernels --help`` says what the command does and exits 0 without building or reporting
+    (it ran the report, a build in an empty cache, and ignored its arguments); an unknown argument is refused
+    naming it, with argparse's exit status 2."""
+    env = {"SOFX_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "sofx.kernels", "--help"], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m sofx.kernels") and "exit status" in proc.stdout
+    assert "native kernels" not in proc.stdout and not any(tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "sofx.kernels", "--build"], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unrecognized arguments: --build" in proc.stderr
+    assert not any(tmp_path.iterdir())

@@ -8,11 +8,13 @@ when the native library is unavailable (no compiler, ``SOFX_CPU_NATIVE=0``, a bu
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import platform
 import sys
 import time
 import warnings
+from typing import Sequence
 
 import torch
 
@@ -98,8 +100,21 @@ def lines() -> list[str]:
     return out
 
 
-def main() -> int:
-    """Print :func:`lines`; 1 where the native CPU library is unavailable, else 0."""
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments: none but ``--help``, which says what it does (an unknown one is refused)."""
+    return argparse.ArgumentParser(
+        prog="python -m sofx.kernels",
+        description="Build the native CPU library where the cache (~/.cache/sofx, SOFX_CACHE_DIR) has none, then "
+                    "say what the kernels are here: the library and its flags, its vector loops, threads and square "
+                    "root, triton's devices, or why the CPU backends run the reference math.",
+        epilog="exit status: 0 where the native CPU kernels are in use, 1 where the cpu and cpu_fast backends run "
+               "the reference math (no compiler, SOFX_CPU_NATIVE=0, a build that failed).")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print :func:`lines`; 1 where the native CPU library is unavailable, else 0. ``argv`` (default
+    ``sys.argv[1:]``) takes only ``--help``."""
+    _parser().parse_args(argv)
     for line in lines():
         print(line)
     return 0 if _cpu_build.load() is not None else 1
