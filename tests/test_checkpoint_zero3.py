@@ -1024,3 +1024,21 @@ def test_load_zero3_of_a_file_says_it_is_not_a_directory(tmp_path):
     assert not isinstance(e.value, FileNotFoundError)
     with pytest.raises(ck.CheckpointError, match=r"is a file, not a directory"):
         ck.load_zero3_loss_scaler(files[0])
+
+
+def test_load_zero3_of_the_checkpoint_root_names_the_tag_directories_below_it(tmp_path):
+    """DeepSpeed's engine takes the checkpoint root and reads the tag from its ``latest`` file, which sofx does not
+    write: ``load_zero3`` given the root says which tag directories below it hold ZeRO-3 files (it said only
+    that the root holds none)."""
+    opt = sofx.adamw(lr=1e-2)
+    params = _params()
+    ck.save_zero3(tmp_path / "global_step2", opt, params, opt.init(params), deepspeed_objects=False)
+    ck.save_zero3(tmp_path / "global_step4", opt, params, opt.init(params), deepspeed_objects=False)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ck.CheckpointNotFoundError, match=r"no zero_pp_rank_0_mp_rank_00_optim_states\.pt .*; "
+                                                         r"name a tag directory below it: global_step2, "
+                                                         r"global_step4 hold ZeRO-3 files") as e:
+        ck.load_zero3(tmp_path, opt, params)
+    assert str(e.value).endswith(": global_step2, global_step4 hold ZeRO-3 files")  # not the empty "other"
+    with pytest.raises(ck.CheckpointNotFoundError, match=r"optim_states\.pt \(or other dp ranks\) in \S+$"):
+        ck.load_zero3(tmp_path / "other", opt, params)

@@ -406,6 +406,19 @@ def _optional_flag(name: str, value: Any) -> bool | None:
     return None if value is None else flag(name, value, CheckpointError)
 
 
+def _tag_directories_hint(directory: str, mp_rank: int) -> str:
+    """Where ``directory`` is a checkpoint root (DeepSpeed's engine reads the tag from its ``latest`` file, which
+    sofx does not write): the subdirectories holding ZeRO-3 optimizer files of ``mp_rank``, as the tail of the
+    error that ``directory`` holds none; ``""`` where none do."""
+    def holds_files(sub: str) -> bool:
+        with contextlib.suppress(OSError):
+            return any((m := _FILE_RE.match(name)) and int(m.group(3)) == mp_rank for name in os.listdir(sub))
+        return False
+
+    tags = [name for name in sorted(os.listdir(directory)) if holds_files(os.path.join(directory, name))]
+    return f"; name a tag directory below it: {', '.join(tags)} hold ZeRO-3 files" if tags else ""
+
+
 def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[str], bool]:
     """The ZeRO-3 optimizer files of ``mp_rank`` in ``directory``, one per dp rank ``0..W-1`` in rank order, and
     whether they are the ``bf16_`` ones (``bf16=None``: those present). Ranks are read as numbers (DeepSpeed
@@ -436,7 +449,8 @@ def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[s
                                          "of the checkpoint")
     ranks = {dp: os.path.join(directory, names[0]) for dp, names in named.items()}
     if not ranks:
-        raise CheckpointNotFoundError(f"no {zero3_file_name(0, mp_rank, bf16)} (or other dp ranks) in {directory}")
+        raise CheckpointNotFoundError(f"no {zero3_file_name(0, mp_rank, bf16)} (or other dp ranks) in {directory}"
+                                      f"{_tag_directories_hint(directory, mp_rank)}")
     world = len(ranks)
     missing = [r for r in range(world) if r not in ranks]
     if missing:
