@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -194,7 +195,8 @@ def with_define(source: str, define: str) -> str:
     if not sep or not name.isidentifier():
         raise SystemExit(f"--define takes NAME=VALUE, not {define!r}")
     if f"#ifndef {name}\n" not in source:  # a plain #define later in the source would override it, silently
-        raise SystemExit(f"{name} is not one of the kernel source's #ifndef knobs")
+        knobs = ", ".join(sorted(set(re.findall(r"^#ifndef (\w+)$", source, flags=re.MULTILINE))))
+        raise SystemExit(f"{name} is not one of the kernel source's #ifndef knobs; they are: {knobs}")
     return f"#define {name} {value}\n" + source
 
 

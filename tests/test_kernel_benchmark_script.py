@@ -228,6 +228,18 @@ def test_kernel_memory_ab_script_runs():
     assert proc.returncode != 0 and "NOT_A_KNOB is not one of the kernel source's #ifndef knobs" in proc.stderr
 
 
+def test_a_define_that_is_no_knob_lists_the_knobs():
+    """``--define NAME=VALUE`` (kernel_compute.py, kernel_memory_ab.py) with a NAME the kernel source has no
+    ``#ifndef`` for is refused listing the knobs there are, so that the next try can name one (it only said
+    that NAME was none)."""
+    mod = _module(os.path.join(ROOT, "benchmarks", "kernel_compute.py"))
+    source = "#ifndef STEP_WIDTH\n#define STEP_WIDTH 1\n#endif\n#ifndef FTILE\n#define FTILE 64\n#endif\n"
+    assert mod.with_define(source, "FTILE=128").startswith("#define FTILE 128\n")
+    with pytest.raises(SystemExit, match=r"PREFETCH_BYTE is not one of the kernel source's #ifndef knobs; "
+                                         r"they are: FTILE, STEP_WIDTH$"):
+        mod.with_define(source, "PREFETCH_BYTE=1024")
+
+
 def test_build_parallel_script_runs():
     """``benchmarks/build_parallel.py`` builds the library with and without the parallel flags and times both in
     turns: a row per build with positive seconds, a row per dtype combination, backend and operation with positive
