@@ -1042,3 +1042,18 @@ def test_load_zero3_of_the_checkpoint_root_names_the_tag_directories_below_it(tm
     assert str(e.value).endswith(": global_step2, global_step4 hold ZeRO-3 files")  # not the empty "other"
     with pytest.raises(ck.CheckpointNotFoundError, match=r"optim_states\.pt \(or other dp ranks\) in \S+$"):
         ck.load_zero3(tmp_path / "other", opt, params)
+
+
+def test_load_zero3_into_params_of_another_structure_names_the_file_and_its_recorded_leaves(tmp_path):
+    """Without ``groups=``, the layout a sofx-written file records is resolved against ``params``; params of
+    another structure (a list where a dict was saved) are refused naming the file and the leaves it records, not
+    as a ``groups:`` error about an argument the caller never passed."""
+    opt = sofx.adamw(lr=1e-2)
+    params = {"w": torch.randn(4, 3), "b": torch.zeros(3)}
+    files = ck.save_zero3(tmp_path, opt, params, opt.init(params), deepspeed_objects=False)
+    with pytest.raises(ck.CheckpointMismatchError) as e:
+        ck.load_zero3(tmp_path, opt, [params["b"], params["w"]])
+    message = str(e.value)
+    assert message.startswith(f"{files[0]}: the layout the file records does not fit params")
+    assert "no params leaf is named \"params['b']\"" in message
+    assert "it records the leaves [\"params['b']\", \"params['w']\"]" in message and "groups=" in message

@@ -494,6 +494,18 @@ def _block_owners(saved_groups: Sequence[Any], n_blocks: int, path: str) -> list
     return owners
 
 
+def _recorded_layout_refusal(path: str, recorded_groups: list[list[Any]], exc: CheckpointError) -> CheckpointError:
+    """The error for params that the leaf layout recorded in the sofx-written file ``path`` does not fit (params
+    of another structure than the saved ones): names the file, the leaves it records and the way out, where
+    :func:`resolve_groups`'s own error spoke of a ``groups:`` argument the caller did not pass."""
+    leaves = [leaf for block in recorded_groups for leaf in block]
+    shown = ", ".join(f'"{leaf}"' for leaf in leaves[:8]) + (", ..." if len(leaves) > 8 else "")
+    reason = str(exc).removeprefix("groups: ")
+    return CheckpointMismatchError(f"{path}: the layout the file records does not fit params ({reason}); it "
+                                   f"records the leaves [{shown}]: pass params in the structure they were saved "
+                                   "in, or groups= naming params' leaves per block")
+
+
 def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: Any = None, *,
                groups: Sequence[Sequence[Any]] | None = None, mp_rank: int = 0,
                bf16: bool | None = None) -> tuple[Any, AdamState, Any]:
@@ -528,13 +540,20 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     if groups is None:
         groups = _groups_from_model_states(directory, mp_rank, params, p_leaves)
         from_file = groups is not None
+    recorded_groups = None
     if groups is None:  # the layout sofx recorded in the file (save_zero3's groups=, whatever the tree's order)
         recorded = first.get("sofx", {}).get("blocks") if isinstance(first, dict) and \
             isinstance(first.get("sofx"), dict) else None
         if isinstance(recorded, list) and all(isinstance(b, list) for b in recorded):
-            groups = [[leaf[0] for leaf in block if isinstance(leaf, list) and leaf] for block in recorded]
+            groups = recorded_groups = [[leaf[0] for leaf in block if isinstance(leaf, list) and leaf]
+                                        for block in recorded]
             from_file = True
-    resolved = resolve_groups(opt, spec, None if from_file else hparams, groups)
+    try:
+        resolved = resolve_groups(opt, spec, None if from_file else hparams, groups)
+    except CheckpointError as exc:
+        if recorded_groups is None:  # the caller's groups=, or the model states' names: its own error says it
+            raise
+        raise _recorded_layout_refusal(files[0], recorded_groups, exc) from exc
     world = len(files)
     ranks = [_read_rank(f, r, world, resolved, p_leaves, paths, opt, first if r == 0 else None)
              for r, f in enumerate(files)]
