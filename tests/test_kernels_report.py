@@ -116,3 +116,16 @@ def test_help_prints_the_usage_and_an_unknown_argument_is_refused(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unrecognized arguments: --build" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_the_triton_line_says_whether_the_interpreter_runs_cpu_tensors():
+    """Under ``TRITON_INTERPRET=1`` the report says that the triton backend takes CPU tensors now (the
+    interpreter), where it said "only under TRITON_INTERPRET=1" whether or not that was set."""
+    from sofx.kernels import load_backend
+    if load_backend("triton") is None:
+        pytest.skip("triton is not installed")
+    interpreted = _run({"TRITON_INTERPRET": "1"})
+    assert interpreted.returncode in (0, 1), interpreted.stderr
+    assert "CUDA tensors, and CPU tensors in the interpreter (TRITON_INTERPRET=1 is set)" in interpreted.stdout
+    plain = _run({"TRITON_INTERPRET": "0"})
+    assert "(CUDA tensors; CPU tensors only under TRITON_INTERPRET=1)" in plain.stdout

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from sofx.kernels import _cpu_build, available_backends, cpu
+from sofx.kernels import _cpu_build, available_backends, cpu, load_backend
 
 __all__ = ["vector_loops", "cpu_square_root", "build_command", "lines", "main"]
 
@@ -91,8 +91,10 @@ def lines() -> list[str]:
     triton = _version("triton")
     if "triton" in available_backends():
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        out.append(f"triton: triton {triton}, {devices} CUDA device(s) (CUDA tensors; CPU tensors only under "
-                   f"TRITON_INTERPRET=1)")
+        interpreted = load_backend("triton").supports("cpu", torch.float32, torch.float32)  # TRITON_INTERPRET=1
+        takes = ("CUDA tensors, and CPU tensors in the interpreter (TRITON_INTERPRET=1 is set)" if interpreted
+                 else "CUDA tensors; CPU tensors only under TRITON_INTERPRET=1")
+        out.append(f"triton: triton {triton}, {devices} CUDA device(s) ({takes})")
     else:
         out.append("triton: not available" + (f" (triton {triton} installed but not importable here)" if triton
                                               else " (pip install triton)"))
