@@ -554,3 +554,23 @@ def test_a_torch_optimizer_over_model_parameters_imports_by_groups_and_a_misorde
     grads = {k: p.grad for k, p in model.named_parameters()}
     stepped, _, _ = opt.update(params, grads, state, hp)
     assert all(torch.equal(stepped[k], p) for k, p in model.named_parameters())
+
+
+def test_from_torch_optim_of_an_offload_facade_state_dict_says_whose_format_it_is():
+    """The offload facade's ``state_dict()`` has torch.optim's two keys but a format of its own; given to
+    ``from_torch_optim`` it is refused naming that format and the facade's ``load_state_dict`` (it said that the
+    state held parameter ids 'format', 'complete', ... that no param group lists)."""
+    from sofx.offload import SpeculativeAdamW
+
+    model = torch.nn.Linear(4, 2)
+    facade = SpeculativeAdamW(model.parameters(), lr=1e-3)
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+        facade.step()
+        saved = facade.state_dict()
+    finally:
+        facade.close()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(ck.CheckpointError, match=r"from_torch_optim: this is a sofx\.offload optimizer's "
+                                                 r"state_dict\(\) \(format 'sofx\.offload/1'\).*load_state_dict"):
+        ck.from_torch_optim(sofx.adamw(lr=1e-3), saved, params)

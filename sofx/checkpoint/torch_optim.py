@@ -164,6 +164,16 @@ def _group_hparams(group: dict, gi: int) -> AdamHParams:
     return AdamHParams(*(float(v) for v in values))
 
 
+def _refuse_offload_state(state_dict: dict) -> None:
+    """Refuse the offload facade's ``state_dict()`` (``sofx.offload``'s own format under torch.optim's two keys,
+    ``state["format"]`` naming it) with a :class:`CheckpointError` saying whose it is and what loads it."""
+    fmt = state_dict["state"].get("format")
+    if isinstance(fmt, str) and fmt.startswith("sofx.offload/"):
+        raise CheckpointError(f"from_torch_optim: this is a sofx.offload optimizer's state_dict() (format {fmt!r}), "
+                              "its own format, not a torch.optim one; load it with that optimizer's "
+                              "load_state_dict (sofx.checkpoint.save and load keep it as it is)")
+
+
 def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = None, *,
                      groups: Sequence[Sequence[Any]] | None = None) -> tuple[AdamState, Any]:
     """Import a ``torch.optim.Adam``/``AdamW`` ``state_dict()``: returns ``(state, hparams)``.
@@ -184,6 +194,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
             or not isinstance(state_dict.get("param_groups"), (list, tuple)):
         raise CheckpointError("from_torch_optim: expected a torch.optim state_dict() with 'state' (a dict) and "
                               "'param_groups' (a list)")
+    _refuse_offload_state(state_dict)
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
     resolved = resolve_groups(opt, spec, hparams, groups)
