@@ -154,7 +154,10 @@ def _positional_too_many(rank: int) -> dict:
     grads = _grads(rank)
     return {"all_reduce_mean_": error_text(lambda: sd.all_reduce_mean_(grads, None, *more)),
             "reduce_mean": error_text(lambda: shard.reduce_mean(grads, None, *more)),
-            "gather": error_text(lambda: shard.gather(shard.local(FULL), FULL, None, *more)), "grads": grads}
+            "gather": error_text(lambda: shard.gather(shard.local(FULL), FULL, None, *more)),
+            "gather_without_like": error_text(lambda: shard.gather(shard.local(FULL)) if rank == BAD
+                                              else shard.gather(shard.local(FULL), FULL)),
+            "grads": grads}
 
 
 class _SaysCuda0(torch.Tensor):
@@ -423,6 +426,8 @@ def test_a_positional_argument_too_many_on_one_rank_is_refused_on_every_rank(ran
         refused_on_every_rank(ranks, BAD, "positional_too_many", what.removeprefix("Shard."),
                                f"{what}: 1 positional argument too many (bool); it takes {takes}, then only the "
                                "keywords check_layout")
+    refused_on_every_rank(ranks, BAD, "positional_too_many", "gather_without_like",
+                          "Shard.gather: missing required argument 'like'")  # (left out on one rank)
     for rank, res in enumerate(ranks):
         _assert_unchanged(res["positional_too_many"]["grads"], _grads(rank))
 

@@ -23,6 +23,7 @@ from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floa
 from sofx.distributed.setup import _params_entries
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import as_integer, integer
+from sofx.required import REQUIRED
 
 __all__ = ["partition_blocks", "Shard", "shard_blocks"]
 
@@ -156,14 +157,15 @@ class Shard:
         _check_floating_tensors("Shard.reduce_mean", tree.leaf_paths(self.spec, "grads"), g_leaves)
         return g_leaves
 
-    def gather(self, local: Sequence[torch.Tensor], like: Any, group: Any = None, *extra: Any,
+    def gather(self, local: Sequence[torch.Tensor], like: Any = REQUIRED, group: Any = None, *extra: Any,
                check_layout: bool = True, **unknown: Any) -> Any:
         """The full tree, every leaf sent by its owner: ``local`` from each rank, assembled on every rank.
 
         ``local``: this rank's leaves (as :meth:`local` orders them, e.g. the
         ``params``, ``opt_state.mu`` or ``opt_state.count`` of a loop state).
         ``like``: a tree of the full structure whose leaves give each leaf's
-        shape and dtype (meta tensors are fine). The leaves of one owner and
+        shape and dtype (meta tensors are fine); required (left out on one
+        rank, it is that rank's refusal, raised on every rank). The leaves of one owner and
         dtype travel as one flat buffer: one broadcast per (owner, dtype).
         Every rank of ``group`` must call it, with ``like`` of the same dtypes and
         shapes (checked first, as in :func:`all_reduce_mean_`). The returned leaves are
@@ -173,6 +175,10 @@ class Shard:
         refused = None
         try:
             _check_arguments("Shard.gather", "local, like, group", extra, unknown, ("check_layout",))
+            if like is REQUIRED:  # (Python's TypeError at the call left the other ranks waiting)
+                raise SofxError("Shard.gather: missing required argument 'like', a tree of the full structure "
+                                "whose leaves give each leaf's shape and dtype (the full params, meta tensors "
+                                "are fine): shard.gather(local, like=params)")
             self._check_group(group, "Shard.gather")
             local = list(local)  # (a TypeError for None: refused below, as the checks' errors)
             templates = self._gather_inputs(local, like)
