@@ -477,24 +477,36 @@ class _RecordingHook:
         self.calls.append(f"refuse: {error}")
 
 
-def test_an_unknown_keyword_is_refused_by_both_loops_before_anything_runs(rng):
-    """A misspelt keyword (max_nrom=), or one the loop takes from its LoopState (scaler_state=): serial_loop_step
-    raised Python's TypeError at the call, speculative_loop_step one from speculative_step, after the schedule
-    ran; neither told the reduction hook, so on the other ranks all_reduce_sumsq waited for this rank forever.
-    Now both raise naming the keyword and those they take, before the schedule runs, and tell the hook."""
-    from sofx.serial import init_loop, serial_loop_step
+def _argument_refusal_setup(rng: torch.Generator, undo: str) -> tuple:
+    """What the tests of refused step arguments call the steps with: ``(opt, rule, params, state, loop, grads,
+    before, scheduled, schedule)``: an AdamW (``undo``), a GradScaler rule, params, their fresh state and loop
+    state, gradients, a copy of the params (nothing may be written) and a schedule that records in ``scheduled``
+    each step it was evaluated at (nothing may run)."""
+    from sofx.serial import init_loop
 
-    opt = sofx.adamw(lr=1e-2)
+    opt = sofx.adamw(lr=1e-2, undo=undo)
     rule = loss_scale.grad_scaler()
     params = _params(rng)
+    state = opt.init(params)
     loop = init_loop(opt, params, rule)
     grads = _grads(rng)
-    before = [t.clone() for t in params]
     scheduled: list[int] = []
 
     def schedule(step: int) -> AdamHParams:
         scheduled.append(step)
         return AdamHParams(lr=1e-2)
+
+    return opt, rule, params, state, loop, grads, [t.clone() for t in params], scheduled, schedule
+
+
+def test_an_unknown_keyword_is_refused_by_both_loops_before_anything_runs(rng):
+    """A misspelt keyword (max_nrom=), or one the loop takes from its LoopState (scaler_state=): serial_loop_step
+    raised Python's TypeError at the call, speculative_loop_step one from speculative_step, after the schedule
+    ran; neither told the reduction hook, so on the other ranks all_reduce_sumsq waited for this rank forever.
+    Now both raise naming the keyword and those they take, before the schedule runs, and tell the hook."""
+    from sofx.serial import serial_loop_step
+
+    opt, rule, params, _, loop, grads, before, scheduled, schedule = _argument_refusal_setup(rng, "auto")
 
     serial_takes = "scaler, hparams, max_norm, profile, missing_grad, reduce_sumsq, donate"
     spec_takes = ("config, scaler, hparams, validation_hparams, backward_scale, order, late_grads, last_micro_step, "
@@ -559,20 +571,9 @@ def test_a_missing_required_keyword_is_refused_naming_the_misspelt_one_before_an
     reduction hook was never told and the other ranks waited for this rank's sum forever. Now each raises a
     SofxError naming the missing keyword and the misspelt one that was given in its place, after telling the hook
     (also one passed under a misspelt keyword), and runs nothing: no schedule, no write."""
-    from sofx.serial import init_loop, serial_loop_step
+    from sofx.serial import serial_loop_step
 
-    opt = sofx.adamw(lr=1e-2, undo="exact")
-    rule = loss_scale.grad_scaler()
-    params = _params(rng)
-    state = opt.init(params)
-    loop = init_loop(opt, params, rule)
-    grads = _grads(rng)
-    before = [t.clone() for t in params]
-    scheduled: list[int] = []
-
-    def schedule(step: int) -> AdamHParams:
-        scheduled.append(step)
-        return AdamHParams(lr=1e-2)
+    opt, rule, params, state, loop, grads, before, scheduled, schedule = _argument_refusal_setup(rng, "exact")
 
     cfg = sp.SpeculationConfig()
     serial_takes = "scaler, hparams, max_norm, profile, missing_grad, reduce_sumsq, donate"
@@ -632,20 +633,9 @@ def test_a_misspelt_or_extra_positional_argument_is_refused_through_the_hook_bef
     Now each raises a SofxError naming the missing argument (and the misspelt keyword given in its place) or the
     extra one, and what it takes, after telling the hook (also one given as the extra positional argument), and
     runs nothing: no schedule, no write."""
-    from sofx.serial import init_loop, serial_loop_step
+    from sofx.serial import serial_loop_step
 
-    opt = sofx.adamw(lr=1e-2, undo="exact")
-    rule = loss_scale.grad_scaler()
-    params = _params(rng)
-    state = opt.init(params)
-    loop = init_loop(opt, params, rule)
-    grads = _grads(rng)
-    before = [t.clone() for t in params]
-    scheduled: list[int] = []
-
-    def schedule(step: int) -> AdamHParams:
-        scheduled.append(step)
-        return AdamHParams(lr=1e-2)
+    opt, rule, params, state, loop, grads, before, scheduled, schedule = _argument_refusal_setup(rng, "exact")
 
     cfg = sp.SpeculationConfig()
     ctx, tally = sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=len(params))
