@@ -11,6 +11,7 @@ import re
 import shutil
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -586,22 +587,41 @@ def batch(step):
 """
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
-def test_deepspeed_engine_and_sofx_continue_each_others_zero3_checkpoints(tmp_path):
-    """A real DeepSpeed ZeRO-3 engine (CPU, one rank, torch AdamW): its checkpoint imported into sofx and
-    continued equals DeepSpeed's own continuation, and DeepSpeed continuing sofx's export equals sofx's
-    uninterrupted run -- bitwise."""
-    import socket
-    import subprocess
-
+def _deepspeed_scripts(tmp_path: Path, child: str) -> types.ModuleType:
+    """Write ``DS_COMMON`` and the DeepSpeed child script ``child`` into ``tmp_path``; returns ``ds_common``
+    imported from there (the model and batches both sides train)."""
     (tmp_path / "ds_common.py").write_text(DS_COMMON)
-    (tmp_path / "ds_child.py").write_text(DS_CHILD)
+    (tmp_path / "ds_child.py").write_text(child)
     sys.path.insert(0, str(tmp_path))
     try:
         sys.modules.pop("ds_common", None)
         import ds_common
     finally:
         sys.path.remove(str(tmp_path))
+    return ds_common
+
+
+def _run_deepspeed_child(tmp_path: Path) -> None:
+    """Run the child script a real DeepSpeed engine trains in (one rank on a free local port, one thread), over
+    the checkpoints under ``tmp_path / "ckpt"``; it prints ``deepspeed ok`` when done."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(tmp_path / "ds_child.py"), str(tmp_path / "ckpt"), str(port),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "deepspeed ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+def test_deepspeed_engine_and_sofx_continue_each_others_zero3_checkpoints(tmp_path):
+    """A real DeepSpeed ZeRO-3 engine (CPU, one rank, torch AdamW): its checkpoint imported into sofx and
+    continued equals DeepSpeed's own continuation, and DeepSpeed continuing sofx's export equals sofx's
+    uninterrupted run -- bitwise."""
+    ds_common = _deepspeed_scripts(tmp_path, DS_CHILD)
     model = ds_common.model_()
     opt = sofx.adamw(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     names = [name for name, _ in model.named_parameters()]
@@ -622,13 +642,7 @@ def test_deepspeed_engine_and_sofx_continue_each_others_zero3_checkpoints(tmp_pa
     ref_p, ref_s = train(init, opt.init(init), 0, n + m)
     p, s = train(init, opt.init(init), 0, n)
     ck.save_zero3(tmp_path / "ckpt" / "sofx", opt, p, s, groups=[names], model_states=True)  # model order
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(tmp_path / "ds_child.py"), str(tmp_path / "ckpt"), str(port),
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "deepspeed ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    _run_deepspeed_child(tmp_path)
     template = {k: torch.zeros_like(v) for k, v in init.items()}  # sorted keys: mapped by name from param_shapes
     ds_n = ck.load_zero3(tmp_path / "ckpt" / "n", opt, template)
     ds_nm = ck.load_zero3(tmp_path / "ckpt" / "nm", opt, template)
@@ -928,24 +942,8 @@ def test_a_deepspeed_checkpoint_whose_param_group_spans_several_sub_groups_loads
     a larger model), one flat block each; the wrapped optimizer's param group then lists all of its blocks. Such
     files (3 flat blocks, 2 param groups listing [0, 1] and [2]) were refused ('3 flat groups and 2 param groups');
     they load, each block with its group's hyperparameters, and equal sofx's own run of the same groups."""
-    import socket
-    import subprocess
-
-    (tmp_path / "ds_common.py").write_text(DS_COMMON)
-    (tmp_path / "ds_child.py").write_text(DS_SUB_GROUPS_CHILD)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        sys.modules.pop("ds_common", None)
-        import ds_common
-    finally:
-        sys.path.remove(str(tmp_path))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(tmp_path / "ds_child.py"), str(tmp_path / "ckpt"), str(port),
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "deepspeed ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    ds_common = _deepspeed_scripts(tmp_path, DS_SUB_GROUPS_CHILD)
+    _run_deepspeed_child(tmp_path)
     top = torch.load(tmp_path / "ckpt" / "n" / ck.zero3_file_name(0), weights_only=False)
     assert [g["params"] for g in top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]] == [[0, 1], [2]]
 
