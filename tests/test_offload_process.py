@@ -19,6 +19,7 @@ import gc
 import glob
 import math
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -375,11 +376,35 @@ def _kill_the_worker(done: threading.Event, once_it_maps: bool) -> None:
         time.sleep(0.001)
 
 
+_STALL_AFTER_THE_FIRST_MAPPING = """\
+import time
+import sofx.offload.shared_memory as shared_memory
+
+_open = shared_memory.open_shared_tensor
+
+
+def _open_then_stall(spec):
+    tensor = _open(spec)
+    time.sleep(600)  # the test kills this worker now: it has mapped a tensor and is not ready
+    return tensor
+
+
+shared_memory.open_shared_tensor = _open_then_stall
+"""
+
+
 @pytest.mark.parametrize("when", ["at_once", "while_it_maps_the_blocks"])
-def test_a_worker_killed_while_starting_fails_the_constructor_and_leaves_nothing_behind(when: str) -> None:
+def test_a_worker_killed_while_starting_fails_the_constructor_and_leaves_nothing_behind(
+        when: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real worker SIGKILLed (the OOM killer) before it got ready: a WorkerDiedError from the constructor within a
     moment -- killed while mapping the blocks, after it had connected, a bare EOFError came out instead -- and no
-    file in /dev/shm, no mapping, no parameter in shared memory, no hook, thread, descriptor or process."""
+    file in /dev/shm, no mapping, no parameter in shared memory, no hook, thread, descriptor or process.
+
+    "While it maps": the worker's ``sitecustomize`` (its PYTHONPATH here) stalls it after its first mapping, so the
+    kill lands there on a loaded machine too (polling alone, the worker got ready first once in CI)."""
+    if when != "at_once":
+        (tmp_path / "sitecustomize.py").write_text(_STALL_AFTER_THE_FIRST_MAPPING)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     gc.collect()
     before = _resources()
     torch.manual_seed(0)
