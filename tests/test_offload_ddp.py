@@ -453,10 +453,70 @@ def _resumed_from_other_checkpoints(rank: int) -> dict:
     return out
 
 
+def _state_changed_on_one_rank(rank: int) -> dict:
+    """Two steps; then, each in turn, one way of changing the optimizer state made on rank 1 alone before a step
+    (the first of them too: a state dict loaded on one rank only, a state assignment, opt.state reset,
+    reload_params after a weight edit, another lr): what that step() raised on each rank and whether the
+    parameters and the optimizer state stayed as they were; then, the same change made on rank 0 too (after
+    zero_grad()), what the step raised. Then rank 1 loads its own state dict alone (nothing differs), and two steps:
+    what they raised, and the parameters after."""
+    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        policy=AdaptivePolicy(enabled=False))
+    p = model.module.out.weight  # parameter 4
+
+    def step(at: int) -> str:
+        opt.zero_grad()
+        plain(model, at)
+        return error_text(opt.step)
+
+    def edit_then_reload() -> None:
+        with torch.no_grad():
+            p.add_(1.0)
+        opt.reload_params()
+
+    out: dict = {"first": step(0)}
+    saved = copy.deepcopy(opt.state_dict())
+    out["second"] = step(1)
+    changes = {"load_state_dict": lambda: opt.load_state_dict(copy.deepcopy(saved)),
+               "step": lambda: opt.state[p].__setitem__("step", 7),
+               "exp_avg": lambda: opt.state[p].__setitem__("exp_avg", torch.full_like(p, 0.5)),
+               "exp_avg_sq": lambda: opt.state[p].__setitem__("exp_avg_sq", torch.full_like(p, 0.5)),
+               "master": lambda: opt.state[p].__setitem__("master", torch.full_like(p, 0.5)),
+               "reset": lambda: setattr(opt, "state", {}),
+               "reload_params": edit_then_reload,
+               "lr": lambda: opt.param_groups[0].__setitem__("lr", 2 * LR)}
+    try:
+        for at, (how, change) in enumerate(changes.items(), start=2):
+            if rank == 1:
+                change()
+            opt.zero_grad()
+            plain(model, at)
+            before = (_flat(model.module), _engine_state(opt))
+            out[how] = error_text(opt.step)
+            after = (_flat(model.module), _engine_state(opt))
+            out[f"{how}_unchanged"] = torch.equal(before[0], after[0]) and all(map(torch.equal, before[1], after[1]))
+            opt.zero_grad()
+            if rank == 0:
+                change()
+            out[f"{how}_same"] = step(at)
+        if rank == 1:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        out["alone"] = [step(10), step(11)]
+        out["params"] = _flat(model.module)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
-         "resumed": _resumed_from_other_checkpoints,
+         "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -658,3 +718,48 @@ def test_ranks_resumed_from_different_checkpoints_refuse_to_step_on_every_rank(r
                                           "lr=0.02, "), (rank, out["other_lr"])
     assert said[0]["mismatch"] == said[1]["mismatch"]
     assert torch.equal(said[0]["continued"], said[1]["continued"])
+
+
+# what differs, named, where each way of changing the state is made on rank 1 alone (_state_changed_on_one_rank)
+_DIFFERS = {
+    "load_state_dict": "the step count of block 0 (parameter 0 = param_groups[0]['params'][0], shape (8, 4)) differs "
+                       "between ranks: 2 on rank 0; 1 on rank 1",
+    "step": "the step count of block 4 (parameter 4 = param_groups[0]['params'][4], shape (3, 8)) differs between "
+            "ranks: 2 on rank 0; 7 on rank 1",
+    **{how: f"the {key} of parameter 4 (param_groups[0]['params'][4], shape (3, 8)) differs between ranks: bits "
+            "digest " for how, key in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("master", "master"),
+                                       ("reload_params", "master"))},
+    "reset": "the step count of block 0 (parameter 0 = param_groups[0]['params'][0], shape (8, 4)) differs between "
+             "ranks: 6 on rank 0; 0 on rank 1",
+    "lr": "the hparams of param_groups[0] differs between ranks: lr=0.01, betas=(0.9, 0.999), eps=1e-08, "
+          "weight_decay=0.01 on rank 0; lr=0.02, ",
+}
+
+
+def test_a_state_changed_on_one_rank_alone_is_refused_at_the_next_step_on_every_rank(ranks) -> None:
+    """The comparison of the ranks' states was armed at the first step() and by load_state_dict only, on the rank
+    that called it: a state assignment, opt.state reset, reload_params or another lr on one rank stepped on
+    silently, and a state dict loaded on one rank alone made that rank enter the comparison's all-reduce alone
+    (gloo aborted on the mismatched collective). Now the ranks decide together at each backward whether any
+    rank's state changed: each way of changing rank 1's state alone is refused at the next step() on every rank,
+    with the same error naming the parameter, the key and each rank's value, before anything is stepped; the same
+    change on rank 0 too then steps."""
+    said = [res["changed_on_one_rank"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["first"] == out["second"] == "no error", (rank, out)
+        for how, differs in _DIFFERS.items():
+            assert out[how].startswith(f"step() under DDP: {differs}"), (rank, how, out[how])
+            assert "on rank 1" in out[how] and "change the state the same way on every rank" in out[how], out[how]
+            assert out[f"{how}_unchanged"], (rank, how)
+            assert out[f"{how}_same"] == "no error", (rank, how, out[f"{how}_same"])
+    for how in _DIFFERS:
+        assert said[0][how] == said[1][how], how
+
+
+def test_a_state_dict_loaded_on_one_rank_alone_steps_on_every_rank(ranks) -> None:
+    """Rank 1 loads its own state dict alone (nothing differs): every rank compares at the next step, which steps,
+    and the next one; the replicas stay identical (the spawn's timeout fails a hang)."""
+    for rank, res in enumerate(ranks):
+        assert res["changed_on_one_rank"]["alone"] == ["no error", "no error"], rank
+    assert torch.equal(ranks[0]["changed_on_one_rank"]["params"], ranks[1]["changed_on_one_rank"]["params"])

@@ -23,6 +23,11 @@ The hook's state is a :class:`DDPRoute`, one per DDP module (an attribute of the
 over the same DDP module takes the route over (the older one refuses to step from then on, as with
 gradient hooks), and a closed or collected optimizer leaves DDP's plain all-reduce.
 
+DDP compares the replicas' parameters at its construction only; the optimizer states are the engine's to keep the
+same: a :class:`ReplicaWatch` per engine notes each call that changes its state, and at each synchronized backward
+the hook has every rank take part in one tiny all-reduce (before its first bucket's), by which the ranks decide
+together whether ``step()`` compares their states (:func:`check_replicas`).
+
 An optimizer made without ``ddp`` over parameters a DDP module averages is refused
 (:func:`refuse_averaged`): at construction, and at its first backward where the model was wrapped after it
 was made. The DDP modules are found among the objects the garbage collector tracks (a parameter does not
@@ -34,8 +39,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -44,7 +50,8 @@ from sofx.errors import UnsupportedError
 if TYPE_CHECKING:
     from sofx.offload.engine import OffloadEngine
 
-__all__ = ["DDPRoute", "check_replicas", "ddp_route", "reduced_indices", "refuse_averaged"]
+__all__ = ["CONTENT_KEYS", "DDPRoute", "Decision", "ReplicaWatch", "check_replicas", "ddp_route", "reduced_indices",
+           "refuse_averaged"]
 
 # The attribute of a DDP module holding its route (the route goes with the module; it holds no reference to it)
 _ROUTE_ATTRIBUTE = "_sofx_ddp_route"
@@ -101,6 +108,13 @@ class DDPRoute:
             engine.begin_reduced_backward()
         _queue_after_ddp(self._end)
 
+    def shadow_bucket(self, index: int) -> None:
+        """A rank that joined (``DDP.join()``) shadows bucket ``index`` of the others' backward: at the first (the
+        others' :meth:`begin_bucket`), its engine takes part in their exchange (:meth:`ReplicaWatch.exchange`)."""
+        engine = self.owner()
+        if index == 0 and engine is not None:
+            engine.shadow_reduced_backward()
+
     def _end(self) -> None:
         """The end of a backward, after DDP's: the engine raises what it refused during it (see
         :meth:`~sofx.offload.engine.OffloadEngine.end_reduced_backward`)."""
@@ -142,6 +156,8 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
     mine = _in_backward()  # (not: the zeros of a joined rank, whose optimizer has no step, as torch's)
     if mine:
         route.begin_bucket()
+    else:
+        route.shadow_bucket(bucket.index())
     work = torch.distributed.all_reduce(buffer, group=route.group, async_op=True)
 
     def take(fut: torch.futures.Future) -> torch.Tensor:
@@ -155,19 +171,104 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
 
 _REPLICAS_HINT = ("the optimizer states must be the same on every rank, as the replicas are (DDP compares the "
                   "parameters at its construction only; each rank would step its own state, and the replicas "
-                  "diverge): load the same state_dict on every rank (or none on any), and set the same hparams; "
-                  "nothing was stepped: call zero_grad(), then load_state_dict, and step again")
+                  "diverge): change the state the same way on every rank (load the same state_dict on every rank, "
+                  "or none on any; the same opt.state assignments; the same hparams); nothing was stepped: call "
+                  "zero_grad(), make the ranks' states the same, and step again")
+
+# The keys whose contents a comparison digests where a rank changed them (the step counts are always compared)
+CONTENT_KEYS = ("exp_avg", "exp_avg_sq", "master")
+_NEUTRAL = torch.iinfo(torch.int64).min  # (what a joined rank sends in the hparams' digest slots: MAX ignores it)
+
+
+class Decision(NamedTuple):
+    """Whether the ranks compare their optimizer states at this step, and the keys whose contents they digest."""
+
+    compare: bool
+    contents: tuple[str, ...]
+
+
+class ReplicaWatch:
+    """Under DDP: what of this rank's optimizer state changed since the ranks last compared theirs, and what the
+    ranks decided together about the step under way.
+
+    Every call that changes the state (construction, ``load_state_dict``, an ``opt.state[p][key]`` assignment,
+    ``opt.state = {}``, ``reload_params``) bumps :attr:`generation` (:meth:`changed`, naming the keys whose contents
+    changed; a step count is always compared). At each synchronized backward (in the communication hook, before
+    its first bucket's all-reduce: before any block is ready) -- or in ``step()``, where the step had none --
+    every rank takes part in one all-reduce (MAX) of 7 int64 (:meth:`exchange`): whether its generation moved since
+    the last comparison, which contents changed, whether it joined (``DDP.join()``: it shadows the others'
+    backward), and a digest of its hparams and minus it. Where a rank's generation moved or the hparams differ, all
+    ranks compare their states at ``step()`` (:func:`check_replicas`, before anything is stepped; no block of that
+    step is speculated); not while a rank has joined (it takes no step: the comparison waits for a step of every
+    rank). A rank that changed its state alone so makes every rank compare: none enters a collective alone."""
+
+    def __init__(self, route: DDPRoute) -> None:
+        self.route = route
+        self.generation, self.compared = 1, 0  # (construction: compared at the first step)
+        self.contents: set[str] = set()  # the keys whose contents changed since the last comparison
+        self.decision: Decision | None = None  # this step's (None: no exchange yet)
+
+    def changed(self, contents: Sequence[str] = ()) -> None:
+        """This rank's state changed (``contents``: the keys of :data:`CONTENT_KEYS` whose values it changed)."""
+        self.generation += 1
+        self.contents.update(contents)
+
+    def exchange(self, hparams: str | None, joined: bool = False) -> None:
+        """The ranks' exchange (see the class docstring), this rank's hparams being ``hparams`` (text; ``None``:
+        refused, the rank's own error, which its step raises: its digest is left out); the decision is this
+        step's, or-ed with an earlier one of it (a backward of an accumulation). A ``joined`` rank (its shadow of
+        a backward) only takes part."""
+        dirty = self.generation != self.compared
+        digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)
+        flags = [0, 0, 0, 0, 1, *digest] if joined else \
+            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest]
+        from sofx.distributed.groups import _collective_device
+
+        got = torch.tensor(flags, dtype=torch.int64, device=_collective_device(self.route.group, None))
+        torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX, group=self.route.group)
+        if joined:
+            return
+        moved, *changed, anyone_joined, high, minus_low = got.tolist()
+        differ = high != _NEUTRAL and high != -minus_low  # (every rank refused its hparams: none to compare)
+        compare = not anyone_joined and bool(moved or differ)
+        contents = {key for key, flag in zip(CONTENT_KEYS, changed) if flag}
+        if self.decision is not None:
+            compare, contents = compare or self.decision.compare, contents | set(self.decision.contents)
+        self.decision = Decision(compare, tuple(key for key in CONTENT_KEYS if key in contents))
+
+    @property
+    def holds_speculation(self) -> bool:
+        """Whether no block may be speculated now: the step's decision is not made yet, or it compares (the
+        comparison reads the state before the step)."""
+        return self.decision is None or self.decision.compare
+
+    def compared_now(self) -> None:
+        """The ranks compared their states and found them the same."""
+        self.compared = self.generation
+        self.contents.clear()
+
+    def forget_step(self) -> None:
+        """The step ended (or was dropped): the next one decides anew."""
+        self.decision = None
+
+
+def _digest_bounds(text: str) -> tuple[int, int]:
+    """A 56-bit digest of ``text`` and minus it: all-reduced with MAX, the max and minus the min, which agree
+    exactly where every rank's digest does (as :func:`sofx.distributed.agreement._digests_agree`)."""
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    return digest, -digest
 
 
 def check_replicas(route: DDPRoute, entries: Mapping[str, str]) -> None:
     """Raise the same :class:`~sofx.errors.SofxError` on every rank of ``route``'s process group unless every rank
-    passed the same ``entries`` (name -> text: each block's step counts, the hparams, the loss scaler; see
-    :func:`sofx.offload.engine_state.replica_entries`), naming the first that differs and each rank's value.
+    passed the same ``entries`` (name -> text: each block's step counts, the hparams, the loss scaler, the digests
+    of the contents a rank changed; see :func:`sofx.offload.engine_state.replica_entries`), naming the first that
+    differs and each rank's value.
 
     :func:`sofx.distributed.agreement._agree`: one all-reduce of two int64 (a digest of the entries) on the group's
     device (CUDA for NCCL, else the CPU); only where the digests differ an ``all_gather_object`` of the entries, to
-    name what differs. Every rank must call it at the same point (the engine does, at the first ``step()`` after
-    construction and after each ``load_state_dict``)."""
+    name what differs. Every rank must call it at the same point: at a ``step()`` where :class:`ReplicaWatch`'s
+    exchange decided so, on every rank."""
     from sofx.distributed.agreement import _agree
     from sofx.distributed.groups import _collective_device
 

@@ -91,7 +91,8 @@ from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
-from sofx.offload.ddp import DDPRoute, check_replicas, ddp_route, reduced_indices, refuse_averaged
+from sofx.offload.ddp import (CONTENT_KEYS, DDPRoute, ReplicaWatch, check_replicas, ddp_route, reduced_indices,
+                              refuse_averaged)
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -101,7 +102,7 @@ from sofx.offload.blocks import (
     plan_blocks,
 )
 from sofx.offload.engine_state import (STATE_FORMAT, check_dense, check_nonnegative, engine_state_dict,
-                                      load_engine_state, replica_entries)
+                                      hparams_text, load_engine_state, replica_entries)
 from sofx.offload.executor import (
     Executor,
     ExecutorError,
@@ -262,9 +263,9 @@ class OffloadEngine:
         # backward), or None; and whether that first backward's check is still to come (without ddp).
         self._refusal: UnsupportedError | None = None
         self._check_averaged = ddp is None
-        # Under ddp: whether the ranks' states are still to be compared, at the next step() (after construction and
-        # after each load_state_dict; see _check_replicas); no block is speculated until they are.
-        self._replicas_unchecked = ddp is not None
+        # Under ddp: what of this rank's state changed since the ranks compared theirs, and whether they compare
+        # them at this step (decided together at each synchronized backward; see _check_replicas)
+        self._replicas: ReplicaWatch | None = None if self._route is None else ReplicaWatch(self._route)
         self.hparams_fn = hparams_fn
         self.adam_config = adam
         self.adam = adam.build()
@@ -573,6 +574,13 @@ class OffloadEngine:
             self._check_between_steps("reload_params()")
             self._wait_all()
             self._take_params_as_masters(range(len(self.params)))
+            self._state_changed(("master",))
+
+    def _state_changed(self, contents: Sequence[str] = ()) -> None:
+        """A call changed the state (``contents``: the keys whose values it changed; the step counts are always
+        compared): under ``ddp`` the ranks compare their states at the next step (:meth:`_check_replicas`)."""
+        if self._replicas is not None:
+            self._replicas.changed(contents)
 
     def _check_between_steps(self, what: str) -> None:
         if self.in_step:
@@ -583,6 +591,8 @@ class OffloadEngine:
     # ------------------------------------------------------------ step state
     def _reset_step(self) -> None:
         self.tracker.reset([p.requires_grad for p in self.params])
+        if self._replicas is not None:
+            self._replicas.forget_step()
         self.hooks.refresh()
         self._ctx: StepContext | None = None
         self._tally: BackwardTally | None = None
@@ -701,8 +711,15 @@ class OffloadEngine:
             self._reduced_error = exc
 
     def begin_reduced_backward(self) -> None:
-        """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`): nothing refused yet."""
+        """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`), before its first bucket's
+        all-reduce: nothing refused yet, and the ranks decide whether they compare their states at this step
+        (:meth:`~sofx.offload.ddp.ReplicaWatch.exchange`, before any block is ready)."""
         self._reduced_error = None
+        self._replicas.exchange(self._hparams_text())
+
+    def shadow_reduced_backward(self) -> None:
+        """This rank joined (``DDP.join()``) and shadows the others' backward: it takes part in their exchange."""
+        self._replicas.exchange("", joined=True)
 
     def end_reduced_backward(self) -> None:
         """The end of a backward whose gradients ``ddp`` averaged, after DDP wrote ``.grad``: raise what the engine
@@ -802,7 +819,7 @@ class OffloadEngine:
         arrived = self.tracker.present(b)
         self._zero_absent(b, arrived)
         present = self._stepped(b, arrived)
-        if not during_backward or layout.on_device or self._replicas_unchecked:
+        if not during_backward or layout.on_device or (self._replicas is not None and self._replicas.holds_speculation):
             return  # stepped in step(), not speculated (its sum of squares is taken there)
         self._begin()
         grads = self._op_grads(b)
@@ -1004,24 +1021,42 @@ class OffloadEngine:
         refuses, not begun (a second Ctrl-C goes through at once, see :mod:`sofx.offload.interrupts`)."""
         self._check_usable()
         with self._exclusive("step()"), self._interrupts:
-            if self._replicas_unchecked:
-                self._check_replicas()
+            if self._replicas is not None:
+                self._check_replicas(self._replicas)
             return self._step()
 
-    def _check_replicas(self) -> None:
-        """Under ``ddp``, at the first ``step()`` after construction and after each :meth:`load_state_dict`: raise
-        the same error on every rank where the ranks' step counts, hparams or loss scaler differ (one rank loaded
-        an older state dict, or none), before anything is stepped (:func:`~sofx.offload.ddp.check_replicas`): DDP
+    def _check_replicas(self, watch: ReplicaWatch) -> None:
+        """Under ``ddp``, where the ranks decided so (:class:`~sofx.offload.ddp.ReplicaWatch`: a rank's state changed
+        since they last compared, construction included, or their hparams differ; the exchange is made here where
+        the step had no synchronized backward): raise the same error on every rank where the ranks' step counts,
+        hparams, loss scaler or the contents a rank changed differ (one rank loaded an older state dict, or none;
+        assigned a state alone), before anything is stepped (:func:`~sofx.offload.ddp.check_replicas`): DDP
         compares the parameters at its construction only, and each rank would step its own state. The blocks of
         that step are not speculated (they are stepped in ``step()``, after the check): a rank's state is what it
         was when the check raises, and the step is the same bits as speculated.
 
-        Its cost, once: about 0.5 ms (one all-reduce of two int64 and the wait for it) and 8 ms more per 1,000
-        blocks (reading and naming each block's counts; measured with 2 gloo ranks on one machine, 10 blocks to
-        10^4), and the first step's speculation (that step's Adam work is done in ``step()``, after backward)."""
+        Its cost at every step: one all-reduce of 7 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
+        ranks on one machine) and the hparams' digest. Where the ranks compare: about 0.5 ms (one all-reduce of
+        two int64 and the wait for it) and 8 ms more per 1,000 blocks (reading and naming each block's counts;
+        measured with 2 gloo ranks on one machine, 10 blocks to 10^4), one pass over each changed content (a sum
+        of its bits), and that step's speculation (its Adam work is done in ``step()``, after backward)."""
+        if watch.decision is None:
+            watch.exchange(self._hparams_text())
+        decision = watch.decision
+        if not decision.compare:
+            return
         self._wait_all()  # (the last step's operations: the counts are read)
-        check_replicas(self._route, replica_entries(self))
-        self._replicas_unchecked = False
+        check_replicas(self._route, replica_entries(self, decision.contents))
+        watch.compared_now()
+
+    def _hparams_text(self) -> str | None:
+        """The groups' hparams as text, for the ranks' exchange (:meth:`ReplicaWatch.exchange`); ``None`` where the
+        engine refuses one: that is this rank's own error, raised where the hparams are read (as a step's first
+        block is ready, or in ``step()``), not a difference between the ranks."""
+        try:
+            return "; ".join(hparams_text(hp) for hp in self.hparams_fn())
+        except SofxError:
+            return None
 
     def _step(self) -> EngineStepReport:
         for i, p in enumerate(self.params):
@@ -1306,7 +1341,7 @@ class OffloadEngine:
             self._check_between_steps("load_state_dict()")
             self._wait_all()
             load_engine_state(self, state, where)
-            self._replicas_unchecked = self._route is not None  # (compared at the next step(): see step())
+            self._state_changed(CONTENT_KEYS)
             self._copy_to_model([b.index for b in self.layouts], [(True,) * len(b.numels) for b in self.layouts])
             self._note_versions()
             self._snapshot_needs.forget()  # learnt on other moments
@@ -1389,11 +1424,13 @@ class OffloadEngine:
                                        f"{torch.iinfo(target.dtype).max}), got {value!r}")
             self._wait_all()
             target.fill_(count)
+            self._state_changed()
             return
         self._check_param_state_value(index, key, value, target)
         self._wait_all()
         with torch.no_grad():
             target.copy_(value)
+        self._state_changed((key,))
         if key == "master":
             self._show_master(index)
 
@@ -1444,6 +1481,7 @@ class OffloadEngine:
                 t.exp_avg.zero_()
                 t.exp_avg_sq.zero_()
                 t.counts.zero_()
+        self._state_changed(("exp_avg", "exp_avg_sq"))
         self._eligibility_memo = [None] * len(self.layouts)
         self._snapshot_needs.forget()
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sofx.offload.engine import OffloadEngine
 
 __all__ = ["STATE_FORMAT", "NONNEGATIVE", "engine_state_dict", "load_engine_state", "check_dense", "check_nonnegative",
-           "replica_entries"]
+           "replica_entries", "hparams_texts", "hparams_text", "bits_digest"]
 
 STATE_FORMAT = "sofx.offload/1"
 _SAVED = tuple(name for name in TENSOR_NAMES if name != "grad")
@@ -73,25 +73,47 @@ def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]
     }
 
 
-def replica_entries(engine: "OffloadEngine") -> dict[str, str]:
+def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = ()) -> dict[str, str]:
     """What must be the same on every rank for data-parallel replicas to take the same step (name -> text, in a
     fixed order; see :func:`sofx.offload.ddp.check_replicas`): each block's step counts (one per parameter), each
     param group's hparams (the bits of their floats; an hparam the engine refuses as the text of the refusal, which
-    the step then raises), and the loss scaler's state and rule settings. Reads no gradient, changes nothing."""
+    the step then raises), and the loss scaler's state and rule settings; and for each key of ``contents``
+    (``"exp_avg"``, ``"exp_avg_sq"``, ``"master"``) each parameter's :func:`bits_digest` of it (a state changed
+    since the ranks last compared). Reads no gradient, changes nothing."""
     entries = {}
     for layout in engine.layouts:
         counts = engine.tensors[layout.index].counts.tolist()
         entries[f"the step count of {engine.describe_block(layout.index)}"] = ", ".join(map(str, counts))
-    try:
-        hparams = [f"lr={hp.lr!r}, betas=({hp.beta1!r}, {hp.beta2!r}), eps={hp.eps!r}, "
-                   f"weight_decay={hp.weight_decay!r}" for hp in engine.hparams_fn()]
-    except SofxError as exc:  # (a rank's own refusal: every rank must still take part in the comparison)
-        hparams = [f"refused ({exc})"] * engine.n_groups
-    for g, text in enumerate(hparams):
+    for g, text in enumerate(hparams_texts(engine)):
         entries[f"the hparams of param_groups[{g}]"] = text
     state = _jsonable(engine.scaler_state._asdict())
     entries["the loss scaler"] = f"{type(engine.scaler_state).__name__} {state}, rule {_rule_settings(engine.scaler)}"
+    for key in contents:
+        for i in range(len(engine.params)):
+            entries[f"the {key} of {engine._describe_param(i)}"] = bits_digest(engine._param_views(i)[key])
     return entries
+
+
+def hparams_texts(engine: "OffloadEngine") -> list[str]:
+    """Each param group's hparams as text (:func:`hparams_text`), or every group's ``refused (...)`` where the
+    engine refuses one (a rank's own refusal: every rank must still take part in a comparison)."""
+    try:
+        return [hparams_text(hp) for hp in engine.hparams_fn()]
+    except SofxError as exc:
+        return [f"refused ({exc})"] * engine.n_groups
+
+
+def hparams_text(hp: Any) -> str:
+    """One group's :class:`~sofx.AdamHParams` as text: the reprs of its floats (their bits)."""
+    return f"lr={hp.lr!r}, betas=({hp.beta1!r}, {hp.beta2!r}), eps={hp.eps!r}, weight_decay={hp.weight_decay!r}"
+
+
+def bits_digest(t: torch.Tensor) -> str:
+    """A digest of ``t``'s bits: the sum of its elements' bit patterns, read as integers of their width, modulo
+    2**64 (one pass over ``t``). Any change of one element changes it (not a change that moves values between
+    elements); ``-0.0`` and ``0.0`` differ, as their bits do."""
+    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    return f"bits digest {int(t.detach().reshape(-1).view(width).sum(dtype=torch.int64))}"
 
 
 def load_engine_state(engine: "OffloadEngine", state: Any, where: str = "state") -> None:

@@ -81,14 +81,20 @@ module must not have a communication hook of its own (it takes one), nor ``mixed
 one; the optimizer keeps fp32 masters of a bf16 model itself). Without ``ddp`` the optimizer's gradient hooks
 would take each rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module
 averages are refused then, at construction (or at the first backward, where the model was wrapped after the
-optimizer was made). DDP compares the replicas' parameters at its construction only: the first ``step()`` after
-construction and after each ``load_state_dict`` compares the ranks' optimizer states (each block's step counts,
-the groups' hparams, the loss scaler; one all-reduce of a digest) and, where they differ (a rank loaded an older
-state dict, or none), raises the same error on every rank, naming what differs and each rank's value, before
-anything is stepped; so every rank loads a state dict at the same point, before the same ``step()``. That step's
-blocks are not speculated (they are stepped in ``step()`` after the check: the same bits); the check costs, once,
-about 0.5 ms and 8 ms more per 1,000 blocks (2 gloo ranks on one machine; about 14 ms for a 7B model's 1,700
-blocks of the default ``block_numel``), mostly in naming the blocks' entries.
+optimizer was made). DDP compares the replicas' parameters at its construction only: at each synchronized
+backward (before its first bucket's all-reduce) the ranks decide together, in one all-reduce of 7 int64, whether
+any rank's optimizer state changed since they last compared them -- construction, ``load_state_dict``, an
+``opt.state[p][key] = value``, ``opt.state = {}``, ``reload_params()`` -- or their hparams differ; if so, that
+``step()`` compares the ranks' optimizer states on every rank (each block's step counts, the groups' hparams, the
+loss scaler, and a digest of the bits of each parameter's moments or masters that a rank changed; one all-reduce of
+a digest) and, where they differ (a rank loaded an older state dict, or none; assigned a state or set an lr alone),
+raises the same error on every rank, naming what differs (the parameter and key) and each rank's value, before
+anything is stepped; a change made the same way on every rank steps on. A rank that changes its state alone so
+makes every rank compare (none enters a collective alone). That step's blocks are not speculated (they are
+stepped in ``step()`` after the check: the same bits); the decision costs about 0.1-0.3 ms per synchronized
+backward (2 gloo ranks on one machine; the all-reduce's latency) and the comparison, where made, about 0.5 ms and
+8 ms more per 1,000 blocks (about 14 ms for a 7B model's 1,700 blocks of the default ``block_numel``), mostly in
+naming the blocks' entries, and one pass over each changed moment or master.
 
 ``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
