@@ -24,6 +24,7 @@ import contextlib
 import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -459,7 +460,9 @@ def _state_changed_on_one_rank(rank: int) -> dict:
     reload_params after a weight edit, another lr): what that step() raised on each rank and whether the
     parameters and the optimizer state stayed as they were; then, the same change made on rank 0 too (after
     zero_grad()), what the step raised. Then rank 1 loads its own state dict alone (nothing differs), and two steps:
-    what they raised, and the parameters after."""
+    what they raised, and the parameters after. Then steps without a backward (the ranks decide in step()): rank 1
+    sets a step count alone; then rank 0 sets it too and rank 1 sets an exp_avg alone (no zero_grad() between);
+    then rank 0 sets it too: what each step raised."""
     plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
                               scale=lambda loss: loss, inject=False)
     model = _ddp({})
@@ -506,6 +509,20 @@ def _state_changed_on_one_rank(rank: int) -> dict:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         out["alone"] = [step(10), step(11)]
         out["params"] = _flat(model.module)
+        opt.zero_grad()
+        with warnings.catch_warnings():  # (step() found no gradients)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if rank == 1:
+                opt.state[p]["step"] = 9
+            out["no_backward"] = error_text(opt.step)
+            if rank == 0:
+                opt.state[p]["step"] = 9
+            else:
+                opt.state[p]["exp_avg"] = torch.full_like(p, 0.25)
+            out["no_backward_then"] = error_text(opt.step)
+            if rank == 0:
+                opt.state[p]["exp_avg"] = torch.full_like(p, 0.25)
+            out["no_backward_same"] = error_text(opt.step)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -763,3 +780,18 @@ def test_a_state_dict_loaded_on_one_rank_alone_steps_on_every_rank(ranks) -> Non
     for rank, res in enumerate(ranks):
         assert res["changed_on_one_rank"]["alone"] == ["no error", "no error"], rank
     assert torch.equal(ranks[0]["changed_on_one_rank"]["params"], ranks[1]["changed_on_one_rank"]["params"])
+
+
+def test_a_state_changed_on_one_rank_before_a_step_without_backward_is_refused_on_every_rank(ranks) -> None:
+    """Without a synchronized backward the ranks decide in step() whether to compare. After a refused step the next
+    decides anew: an exp_avg set on rank 1 alone after it (no zero_grad() between) was left out of the comparison
+    that the refused step had decided (its keys), and stepped on silently."""
+    for rank, res in enumerate(ranks):
+        out = res["changed_on_one_rank"]
+        assert out["no_backward"].startswith("step() under DDP: the step count of block 4 (parameter 4 = "
+                                             "param_groups[0]['params'][4], shape (3, 8)) differs between ranks: "), \
+            (rank, out["no_backward"])
+        assert out["no_backward_then"].startswith("step() under DDP: the exp_avg of parameter 4 (param_groups[0]"
+                                                  "['params'][4], shape (3, 8)) differs between ranks: "), \
+            (rank, out["no_backward_then"])
+        assert out["no_backward_same"] == "no error", (rank, out["no_backward_same"])

@@ -1033,7 +1033,8 @@ class OffloadEngine:
         assigned a state alone), before anything is stepped (:func:`~sofx.offload.ddp.check_replicas`): DDP
         compares the parameters at its construction only, and each rank would step its own state. The blocks of
         that step are not speculated (they are stepped in ``step()``, after the check): a rank's state is what it
-        was when the check raises, and the step is the same bits as speculated.
+        was when the check raises, and the step is the same bits as speculated. Where it raises (on every rank) the
+        step's decision is dropped: the next ``step()`` decides anew, with what changed since.
 
         Its cost at every step: one all-reduce of 7 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
         ranks on one machine) and the hparams' digest. Where the ranks compare: about 0.5 ms (one all-reduce of
@@ -1046,7 +1047,12 @@ class OffloadEngine:
         if not decision.compare:
             return
         self._wait_all()  # (the last step's operations: the counts are read)
-        check_replicas(self._route, replica_entries(self, decision.contents))
+        try:
+            check_replicas(self._route, replica_entries(self, decision.contents))
+        except SofxError:
+            # (raised on every rank: each decides anew at its next step, taking in what changes meanwhile)
+            watch.forget_step()
+            raise
         watch.compared_now()
 
     def _hparams_text(self) -> str | None:
