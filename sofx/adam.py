@@ -60,8 +60,8 @@ from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADI
                                is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, storage_checked,
                                write_param_copy, zeros_come_back)
 from sofx.kernels.chunked import ascending_chunks, listed_elements
-from sofx.kernels.layout import (in_memory_order, is_dense, one_dense_layout, same_layout, short_storage_message,
-                                 storage_shortfall)
+from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
+from sofx.kernels.storage import refuse_short_storage
 from sofx.kernels.user_numbers import as_integer, flag, is_bool
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
@@ -1204,13 +1204,11 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
 def _check_record_storage(leaf: _Leaf, rec: LeafUndo) -> None:
     """Raise :class:`UndoError` where a tensor ``rec`` holds (its gradient, the caller's own tensor unless
     copied; its kept values and chunk list) reaches past the end of its storage
-    (:func:`~sofx.kernels.layout.storage_shortfall`: freed since the step, as FSDP frees gradients)."""
+    (:func:`~sofx.kernels.storage.storage_shortfall`: freed since the step, as FSDP frees gradients)."""
     for name, t in (("gradient", rec.grad), ("kept p", rec.p_old), ("kept m", rec.m_old), ("kept v", rec.v_old),
                     ("kept chunks", rec.chunks)):
         if isinstance(t, torch.Tensor):
-            short = storage_shortfall(t)
-            if short is not None:
-                raise UndoError(short_storage_message(f"{leaf.path}: the record's {name}", t, *short))
+            refuse_short_storage(t, lambda: f"{leaf.path}: the record's {name}", UndoError)
 
 
 def _check_kept_whole(leaf: _Leaf, rec: LeafUndo) -> None:
@@ -1537,9 +1535,7 @@ def _param_copies(spec: tree.TreeSpec, leaves: list[_Leaf], param_copies: Any) -
             raise LeafError(f"{path}: expected shape {tuple(leaf.p.shape)}, got {tuple(c.shape)}")
         if c.device != leaf.p.device:
             raise LeafError(f"{path}: expected device {leaf.p.device}, got {c.device}")
-        short = storage_shortfall(c)
-        if short is not None:
-            raise LeafError(short_storage_message(path, c, *short))
+        refuse_short_storage(c, path)
     return copies
 
 
@@ -1638,14 +1634,12 @@ def _in_storage(p: torch.Tensor, g: torch.Tensor | None, m: torch.Tensor, v: tor
 
 def _check_storage(param_path: str, *leaf: torch.Tensor | None) -> None:
     """Refuse a tensor of the leaf at ``param_path`` (its ``p, g, m, v``, the gradient None where absent) whose
-    elements reach past the end of its storage (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed
+    elements reach past the end of its storage (:func:`~sofx.kernels.storage.storage_shortfall`: its memory freed
     with ``untyped_storage().resize_(0)``, as FSDP frees tensors, or shrunk; the kernels, and torch's own
     operations, would read and write outside any allocation), named by its tree's path (``grads['w']``)."""
     for tree_name, t in zip(_LEAF_TREES, leaf):
         if t is not None:
-            short = storage_shortfall(t)
-            if short is not None:
-                raise LeafError(short_storage_message(tree_name + param_path[len("params"):], t, *short))
+            refuse_short_storage(t, lambda: tree_name + param_path[len("params"):])
 
 
 _LEAF_TREES = ("params", "grads", "state.mu", "state.nu")

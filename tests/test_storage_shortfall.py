@@ -1,10 +1,13 @@
-"""``storage_shortfall``: where a tensor's elements end, against the bytes its storage holds.
+"""``storage_shortfall``: where a tensor's elements end, against the bytes its storage holds; and
+``refuse_short_storage``, the one refusal every entry makes of a tensor that falls short.
 
 A tensor needs its storage up to the end of its last element, ``(storage_offset + 1 + sum((size - 1) * stride))
 * element_size`` bytes: a contiguous one ``(storage_offset + numel) * element_size``, a slice with gaps more than
 its ``numel``, an ``expand()``-ed one (stride 0) less. FSDP frees a tensor's memory with
 ``untyped_storage().resize_(0)`` and keeps the tensor; nothing here reads the elements, so freed and shrunk
-storages are safe to look at in this process.
+storages are safe to look at in this process. The entries' own refusals (naming their arguments and leaves,
+nothing written): tests/test_kernels_cpu.py, test_kernels_triton.py, test_grad_copy.py, test_adam_errors.py,
+test_offload_misuse.py and test_offload_edits_and_refusals.py.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sofx.kernels.layout import storage_shortfall
+from sofx.errors import LeafError, UndoError
+from sofx.kernels.storage import refuse_short_storage, storage_shortfall
 
 
 def _cut(t: torch.Tensor, keep: int) -> torch.Tensor:
@@ -84,3 +88,31 @@ def test_an_empty_tensor_needs_nothing_even_of_a_freed_storage(shape):
     middle = base[50:50]  # (storage offset 50, no element)
     _cut(base, 0)
     assert storage_shortfall(middle) is None
+
+
+def test_a_refusal_names_the_tensor_and_says_where_its_elements_end():
+    t = _cut(torch.randn(10, 8)[:, ::2], 312)
+    with pytest.raises(LeafError) as e:
+        refuse_short_storage(t, "grads['w']")
+    assert str(e.value) == ("grads['w']: its storage holds 312 bytes, but its elements (shape (10, 4), strides (8, 2), "
+                            "storage offset 0, torch.float32) reach byte 316: its memory was freed or shrunk "
+                            "(untyped_storage().resize_(), as FSDP frees a tensor's memory); give it its memory back "
+                            "(or a tensor that has it) before this call")
+    with pytest.raises(UndoError, match=r"^params\['w'\]: the record's gradient: its storage holds 0 bytes"):
+        refuse_short_storage(_cut(torch.randn(3), 0), lambda: "params['w']: the record's gradient", UndoError)
+
+
+def test_a_refusal_builds_the_name_only_to_raise():
+    built = []
+
+    def name() -> str:
+        built.append(1)
+        return "x"
+
+    refuse_short_storage(torch.randn(3), name)
+    refuse_short_storage(torch.randn(1).expand(5), name)
+    refuse_short_storage(_cut(torch.empty(0), 0), name)
+    assert not built
+    with pytest.raises(LeafError, match="^x: its storage holds 0 bytes"):
+        refuse_short_storage(_cut(torch.randn(3), 0), name)
+    assert built == [1]

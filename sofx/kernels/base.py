@@ -59,9 +59,10 @@ gradient of the values it overwrote. The native and Triton backends write raw me
 
 Every tensor of a call must lie in its storage: one whose memory was freed (``untyped_storage().resize_(0)``, as
 FSDP frees tensors) or shrunk would have native code (and torch's own operations) read and write outside any
-allocation, so every entry refuses it first (:func:`check_storage`). A caller that has checked every tensor of its
-calls so already (:class:`sofx.Adam`, leaf by leaf, naming leaf paths) sets :data:`STORAGE_CHECKED` around them,
-and the cpu backends' common case then does not check again (~0.2 us a tensor).
+allocation, so every entry refuses it first (:func:`~sofx.kernels.storage.refuse_short_storage`). A caller that
+has checked every tensor of its calls so already (:class:`sofx.Adam`, leaf by leaf, naming leaf paths) sets
+:data:`STORAGE_CHECKED` around them, and the cpu backends' common case then does not check again (~0.2 us a
+tensor).
 
 Traced tensors (one that requires grad while grad mode is on, a ``torch.func`` transform's): the reference's
 results are differentiable (autograd and the transforms record its torch operations); the native and Triton
@@ -83,8 +84,8 @@ import torch
 from torch.autograd.graph import increment_version
 
 from sofx.errors import HParamError, LeafError, UnsupportedError
-from sofx.kernels.layout import (in_memory_order, one_dense_layout, same_layout, short_storage_message,
-                                 storage_shortfall)
+from sofx.kernels.layout import in_memory_order, one_dense_layout, same_layout
+from sofx.kernels.storage import refuse_short_storage
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -316,7 +317,7 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     the input itself: donation). What the call writes, ``out`` and ``p_copy``,
     must be writable in place (:func:`sofx.kernels.donation.check_written`;
     ``autograd``: the backend writes through torch, which autograd records).
-    Every tensor's storage must hold its elements (:func:`check_storage`).
+    Every tensor's storage must hold its elements (:func:`~sofx.kernels.storage.refuse_short_storage`).
     ``where`` prefixes the message (``"cpu.step"``). Backend-specific limits
     (device type, dtypes) and the memory the tensors share are the backend's
     own check.
@@ -339,25 +340,15 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
         check_float_tensor(where, name, t, device, "p")
         if t.shape != shape:
             raise LeafError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        check_storage(where, name, t)
+        refuse_short_storage(t, lambda: f"{where}: {name}")
     from sofx.kernels.donation import check_written  # (donation imports this module)
 
     check_written(where, written, autograd)
 
 
-def check_storage(where: str, name: str, t: torch.Tensor) -> None:
-    """Refuse tensor ``name`` of the call ``where`` whose elements reach past the end of its storage
-    (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed with ``untyped_storage().resize_(0)``, as
-    FSDP frees tensors, or shrunk): native code would read and write outside any allocation, and torch's own
-    operations crash on it too."""
-    short = storage_shortfall(t)
-    if short is not None:
-        raise LeafError(short_storage_message(f"{where}: {name}", t, *short))
-
-
-#: True while a caller runs kernel calls every tensor of which it has checked with :func:`check_storage`'s test
-#: (:func:`storage_checked`); the cpu backends' common case then leaves that test out. Their other checks, and
-#: every other backend's, test all the same.
+#: True while a caller runs kernel calls every tensor of which it has checked
+#: (:func:`~sofx.kernels.storage.storage_shortfall`; :func:`storage_checked`); the cpu backends' common case then
+#: leaves that test out. Their other checks, and every other backend's, test all the same.
 STORAGE_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("sofx_storage_checked", default=False)
 
 
@@ -751,9 +742,9 @@ def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], whe
 def check_skip(where: str, c: Any, device: torch.device) -> None:
     """A checked call's ``c.skip`` (``c``: a call or block with ``p, m, v, out, p_copy, skip``): one uint8 per
     chunk of :data:`FINITE_CHUNK` elements, zeros, contiguous, on ``device``, in its storage
-    (:func:`check_storage`), writable (:func:`~sofx.kernels.donation.check_written`); and what is written in place
-    contiguous (``out``, in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped chunk's outputs are not
-    touched."""
+    (:func:`~sofx.kernels.storage.refuse_short_storage`), writable (:func:`~sofx.kernels.donation.check_written`);
+    and what is written in place contiguous (``out``, in the dtypes of ``p, m, v``; ``p_copy``), so that a skipped
+    chunk's outputs are not touched."""
     chunks = -(-c.p.numel() // FINITE_CHUNK)
     sk = c.skip
     if not isinstance(sk, torch.Tensor) or sk.dtype != torch.uint8 or sk.device != device \
@@ -762,7 +753,7 @@ def check_skip(where: str, c: Any, device: torch.device) -> None:
             else type(sk).__name__
         raise LeafError(f"{where}: skip must be a contiguous uint8 tensor of shape ({chunks},) on {device} (one "
                         f"flag per {FINITE_CHUNK} elements), got {desc}")
-    check_storage(where, "skip", sk)
+    refuse_short_storage(sk, lambda: f"{where}: skip")
     from sofx.kernels.donation import check_written  # (donation imports this module)
 
     check_written(where, [("skip", sk)])

@@ -27,9 +27,10 @@ import torch
 
 from sofx.errors import LeafError
 from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, StepCall, Triple, UndoRedoCall,
-                               check_float_tensor, check_storage, refuse_traced)
+                               check_float_tensor, refuse_traced)
 from sofx.kernels.donation import MemorySpans, check_written, overlap_error, same_memory
 from sofx.kernels.layout import in_memory_order
+from sofx.kernels.storage import refuse_short_storage
 from sofx.kernels.reference import concrete_checked
 
 __all__ = ["ChunkedCall", "ascending_chunks", "check_chunked", "check_chunked_calls", "gather_chunks",
@@ -90,7 +91,7 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
     """Refuse, before anything is written, a :class:`ChunkedCall` (of a ``kind`` call) a backend cannot run as
     the module docstring says: the chunk list, and the tensors' sizes, contiguity, device and floating-point
     dtypes (those of the outputs and kept values the inputs'), storage that does not hold a tensor's elements
-    (:func:`~sofx.kernels.base.check_storage`), and written arrays that cannot be written
+    (:func:`~sofx.kernels.storage.refuse_short_storage`), and written arrays that cannot be written
     (:func:`~sofx.kernels.donation.check_written`: none may require grad with grad mode on, as the native code
     writes them), and tensors it would read as plain values that autograd or a ``torch.func`` transform traces
     (:func:`~sofx.kernels.base.refuse_traced`). Its scalars and memory: :func:`check_chunked_calls`; the dtypes
@@ -111,7 +112,7 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
         got = f"{ch.dtype} of shape {tuple(ch.shape)} on {ch.device}" if isinstance(ch, torch.Tensor) \
             else type(ch).__name__
         raise LeafError(f"{where}: chunks must be a 1-d int64 tensor on {device}, got {got}")
-    check_storage(where, "chunks", ch)
+    refuse_short_storage(ch, lambda: f"{where}: chunks")
     if not ascending_chunks(ch, n):
         raise LeafError(f"{where}: chunks {ch[:8].tolist()} are not ascending chunk indices of a block of {last} "
                         f"chunks ({n} elements, {FINITE_CHUNK} per chunk)")
@@ -137,7 +138,7 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
         if t.numel() != size or not t.is_contiguous():
             raise LeafError(f"{where}: {name} must be contiguous with {size} elements ({whose}), got shape "
                             f"{tuple(t.shape)}" + ("" if t.is_contiguous() else ", not contiguous"))
-        check_storage(where, name, t)
+        refuse_short_storage(t, lambda: f"{where}: {name}")
     sk = call.skip
     if sk is not None and not (isinstance(sk, torch.Tensor) and sk.dtype == torch.uint8 and sk.device == device
                                and sk.shape == (last,) and sk.is_contiguous()):
@@ -146,7 +147,7 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
         raise LeafError(f"{where}: skip must be a contiguous uint8 tensor of shape ({last},) on {device} (one flag "
                         f"per {FINITE_CHUNK} elements of the block), got {got}")
     if sk is not None:
-        check_storage(where, "skip", sk)
+        refuse_short_storage(sk, lambda: f"{where}: skip")
     for i, (name, t) in enumerate(inputs):
         if call.out[i].dtype != t.dtype or (c.kept is not None and c.kept[i].dtype != t.dtype):
             raise LeafError(f"{where}: {name} is {t.dtype}; its output"

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from sofx.errors import LeafError
 from sofx.kernels import _cpu_build
 from sofx.kernels._cpu_build import DTYPE_CODES as _DTYPE_CODES
-from sofx.kernels.layout import short_storage_message, storage_shortfall
+from sofx.kernels.storage import refuse_short_storage
 
 __all__ = ["copy_with_sumsq"]
 
@@ -28,7 +27,7 @@ def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
     of the values written to ``dst`` where the native library took it in the same pass, else None.
 
     A tensor whose elements reach past the end of its storage (freed with ``untyped_storage().resize_(0)``:
-    :func:`~sofx.kernels.layout.storage_shortfall`) is refused with a :class:`~sofx.errors.LeafError`, nothing
+    :func:`~sofx.kernels.storage.storage_shortfall`) is refused with a :class:`~sofx.errors.LeafError`, nothing
     written. Called once per gradient on the training thread (the offload engine's hooks): the checks are the
     cheap tensor attributes (the storage's in the native case's own test), a 256-element gradient costs ~2 us
     here."""
@@ -44,9 +43,8 @@ def copy_with_sumsq(dst: torch.Tensor, grad: torch.Tensor) -> float | None:
             if total != -1.0:  # -1: a dtype this build cannot convert (float16 without compiler support)
                 return total
     else:
-        for name, t in (("dst", dst), ("grad", grad)):
-            short = storage_shortfall(t)
-            if short is not None:  # (native code, and torch's copy_, would read or write outside any allocation)
-                raise LeafError(short_storage_message(f"copy_with_sumsq: {name}", t, *short))
+        # (native code, and torch's copy_, would read or write outside any allocation)
+        refuse_short_storage(dst, "copy_with_sumsq: dst")
+        refuse_short_storage(grad, "copy_with_sumsq: grad")
     dst.copy_(grad.reshape(dst.shape))
     return None

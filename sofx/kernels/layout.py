@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 
 __all__ = ["is_dense", "same_layout", "in_memory_order", "dims_in_memory_order", "one_dense_layout",
-           "spans_in_memory_order", "storage_shortfall", "short_storage_message"]
+           "spans_in_memory_order"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -84,36 +84,3 @@ def spans_in_memory_order(p: torch.Tensor, others: Iterable[torch.Tensor | None]
     flags index the order of its callers' slices; :mod:`sofx.memory_order_leaves` gives such calls the memory's
     1-d views)."""
     return skip is None and not p.is_contiguous() and one_dense_layout(p, others)
-
-
-def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(have, need)`` in bytes where ``t``'s elements reach past the end of its storage, else None.
-
-    ``need`` is where its last element ends, ``(storage_offset + 1 + sum((size - 1) * stride)) * element_size``
-    (``(storage_offset + numel) * element_size`` where contiguous), ``have`` its storage's ``nbytes()``. A storage
-    resized to 0 (``untyped_storage().resize_(0)``, as FSDP frees a tensor's memory while keeping the tensor)
-    has no memory at all: native code handed its address reads and writes outside any allocation. An empty
-    tensor needs nothing; a tensor without a storage to look at (a ``torch.func`` wrapper, a subclass without
-    one) is None too, and so is every tensor under ``torch.compile`` (its tracing has fake tensors, whose storage
-    Dynamo cannot read). About 0.3 us a tensor."""
-    n = t.numel()
-    if not n or torch.compiler.is_compiling():
-        return None
-    try:
-        have = t.untyped_storage().nbytes()
-    except (NotImplementedError, RuntimeError):  # (torch.func's wrappers: "Cannot access storage of ...")
-        return None
-    size, offset = t.element_size(), t.storage_offset()
-    if (offset + n) * size <= have and t.is_contiguous():
-        return None
-    need = (offset + 1 + sum((k - 1) * s for k, s in zip(t.shape, t.stride()))) * size
-    return None if need <= have else (have, need)
-
-
-def short_storage_message(name: str, t: torch.Tensor, have: int, need: int) -> str:
-    """The error for tensor ``name`` (``"grads['w']"``, ``"cpu.step: g"``) whose storage holds ``have`` bytes where
-    its elements need ``need`` (:func:`storage_shortfall`)."""
-    return (f"{name}: its storage holds {have} bytes, but its elements (shape {tuple(t.shape)}, strides "
-            f"{t.stride()}, storage offset {t.storage_offset()}, {t.dtype}) reach byte {need}: its memory was freed "
-            "or shrunk (untyped_storage().resize_(), as FSDP frees a tensor's memory); give it its memory back "
-            "(or a tensor that has it) before this call")

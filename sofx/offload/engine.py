@@ -84,7 +84,7 @@ from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
-from sofx.kernels.layout import short_storage_message, storage_shortfall
+from sofx.kernels.storage import refuse_short_storage
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
@@ -485,7 +485,7 @@ class OffloadEngine:
         value keep their master (weight clipping that clips nothing, ``model.load_state_dict()`` of the weights
         the model holds after the optimizer's state was loaded); taking them all lost the fp32 precision. A
         parameter whose storage no longer holds it (freed with ``untyped_storage().resize_(0)``, as FSDP frees a
-        resharded parameter: :func:`~sofx.kernels.layout.storage_shortfall`) is refused; copying it read address
+        resharded parameter: :func:`~sofx.kernels.storage.storage_shortfall`) is refused; copying it read address
         0."""
         for i in indices:  # all checked before any is taken
             p, (dtype, shape, device) = self.params[i], self._param_kinds[i]
@@ -494,9 +494,7 @@ class OffloadEngine:
                                 f"made for {tuple(shape)} {dtype} on {device} (model.to(), model.half(), p.data = "
                                 "a tensor of another kind): its masters and buffers are of that kind; create the "
                                 "optimizer after converting or moving the model")
-            short = storage_shortfall(p)
-            if short is not None:
-                raise SofxError(short_storage_message(self._describe_param(i), p, *short))
+            refuse_short_storage(p, lambda: self._describe_param(i), SofxError)
         with torch.no_grad():
             for i in indices:  # (between steps)
                 master, p = self._param_views(i)["master"], self.params[i].detach()
@@ -752,7 +750,7 @@ class OffloadEngine:
         of it is counted: a sparse one, one of another shape than the parameter (``p.grad.data = t``: torch checks
         the shape only where ``.grad`` itself is assigned, and ``torch.optim.AdamW`` then raises at the mismatch;
         a reshape took one of as many elements), or one whose elements reach past the end of its storage
-        (:func:`~sofx.kernels.layout.storage_shortfall`: its memory freed with ``untyped_storage().resize_(0)``, as
+        (:func:`~sofx.kernels.storage.storage_shortfall`: its memory freed with ``untyped_storage().resize_(0)``, as
         FSDP frees tensors, or shrunk; the native copy read outside any allocation, a segmentation fault)."""
         if grad.is_sparse or grad.layout != torch.strided:
             raise LeafError(f"parameter {index} ({tuple(grad.shape)}): sparse gradients are not supported by the "
@@ -762,9 +760,7 @@ class OffloadEngine:
             raise LeafError(f"{self._describe_param(index)}: .grad has shape {tuple(grad.shape)}, expected "
                             f"{tuple(shape)} (set through .grad.data, which torch does not check; torch.optim "
                             "refuses it at the step too)")
-        short = storage_shortfall(grad)
-        if short is not None:
-            raise LeafError(short_storage_message(f"{self._describe_param(index)}: .grad", grad, *short))
+        refuse_short_storage(grad, lambda: f"{self._describe_param(index)}: .grad")
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool,
                        replace: bool = False) -> None:
