@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sofx.errors import LeafError, UndoError
-from sofx.kernels.storage import refuse_short_storage, storage_shortfall
+from sofx.kernels.storage import in_storage, refuse_short_storage, storage_shortfall
 
 
 def _cut(t: torch.Tensor, keep: int) -> torch.Tensor:
@@ -116,3 +116,17 @@ def test_a_refusal_builds_the_name_only_to_raise():
     with pytest.raises(LeafError, match="^x: its storage holds 0 bytes"):
         refuse_short_storage(_cut(torch.randn(3), 0), name)
     assert built == [1]
+
+
+def test_the_common_case_test_passes_only_contiguous_tensors_in_their_storage():
+    base = torch.randn(100)
+    tail, last = base[97:], base[99:]
+    assert in_storage(torch.randn(3, 4)) and in_storage(tail) and in_storage(last)
+    assert in_storage(torch.empty(0)) and in_storage(_cut(torch.empty(0), 0))
+    # what it cannot tell (not contiguous) is storage_shortfall's to decide, in its storage or not
+    assert not in_storage(torch.randn(4, 5).t()) and not in_storage(torch.randn(1).expand(37))
+    _cut(base, 396)
+    assert not in_storage(tail) and not in_storage(last) and in_storage(base[:99])
+    assert not in_storage(_cut(torch.randn(3000), 0))
+    for t in (torch.randn(3, 4), tail, last, base[:99], torch.randn(4, 5).t(), _cut(torch.randn(8), 16)):
+        assert not in_storage(t) or storage_shortfall(t) is None

@@ -18,10 +18,22 @@ import torch
 
 from sofx.errors import LeafError
 
-__all__ = ["storage_shortfall", "short_storage_message", "refuse_short_storage"]
+__all__ = ["in_storage", "storage_shortfall", "short_storage_message", "refuse_short_storage"]
 
 #: How a caller names the tensor it checks: the name, or a function that builds it (called only to raise).
 TensorName = Union[str, Callable[[], str]]
+
+
+def in_storage(t: torch.Tensor) -> bool:
+    """The common case of :func:`storage_shortfall` in one expression (~0.25 us): ``t`` contiguous and its storage
+    holding ``storage_offset * element_size + nbytes`` bytes. False where it is not, or where it cannot tell (no
+    storage to look at: a ``torch.func`` wrapper); :func:`storage_shortfall` decides those. Not under
+    ``torch.compile`` (Dynamo cannot read a fake tensor's storage): its callers test that once for all their
+    tensors."""
+    try:
+        return t.is_contiguous() and t.untyped_storage().nbytes() >= t.storage_offset() * t.element_size() + t.nbytes
+    except (NotImplementedError, RuntimeError):  # (torch.func's wrappers: "Cannot access storage of ...")
+        return False
 
 
 def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
