@@ -1204,14 +1204,17 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
 
 
 def _check_record_storage(leaf: _Leaf, rec: LeafUndo) -> None:
-    """Raise :class:`UndoError` where a tensor ``rec`` holds (its gradient, the caller's own tensor unless
-    copied; its kept values and chunk list) reaches past the end of its storage
+    """Raise :class:`UndoError` where a tensor ``rec`` holds (its gradient and the step count it restores, the
+    caller's own tensors unless copied; its kept values and chunk list) reaches past the end of its storage
     (:func:`~sofx.kernels.storage.storage_shortfall`: freed since the step, as FSDP frees gradients). The common
-    case, an algebraic record's gradient contiguous in its storage, is one test (not under ``torch.compile``)."""
-    if rec.p_old is None and rec.m_old is None and rec.v_old is None and rec.chunks is None and in_storage(rec.grad):
+    case, an algebraic record's gradient and count contiguous in their storage, is a test each (not under
+    ``torch.compile``)."""
+    count = rec.count_before  # (a number where torch.func rebuilt the record with non-tensor leaves)
+    if (rec.p_old is None and rec.m_old is None and rec.v_old is None and rec.chunks is None
+            and in_storage(rec.grad) and (not isinstance(count, torch.Tensor) or in_storage(count))):
         return
-    for name, t in (("gradient", rec.grad), ("kept p", rec.p_old), ("kept m", rec.m_old), ("kept v", rec.v_old),
-                    ("kept chunks", rec.chunks)):
+    for name, t in (("gradient", rec.grad), ("count_before", count), ("kept p", rec.p_old),
+                    ("kept m", rec.m_old), ("kept v", rec.v_old), ("kept chunks", rec.chunks)):
         if isinstance(t, torch.Tensor):
             refuse_short_storage(t, lambda: f"{leaf.path}: the record's {name}", UndoError)
 
@@ -1653,14 +1656,21 @@ _LEAF_TREES = ("params", "grads", "state.mu", "state.nu")
 
 
 def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:
-    """The step count ``c`` (of the parameter at ``param_path``) checked; its value as an int where it
-    can be read (``traced``: :func:`~sofx.kernels.base.leaf_tracer`'s function), else ``c``."""
+    """The step count ``c`` (of the parameter at ``param_path``) checked, in its storage too
+    (:func:`~sofx.kernels.storage.refuse_short_storage`); its value as an int where it can be read (``traced``:
+    :func:`~sofx.kernels.base.leaf_tracer`'s function, true of every tensor under ``torch.compile``), else ``c``."""
     if not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0:
         desc = f"a tensor of dtype {c.dtype} and shape {tuple(c.shape)}" if isinstance(c, torch.Tensor) \
             else type(c).__name__
         raise LeafError(f"state.count{param_path[len('params'):]}: expected a 0-d int64 tensor, got {desc}")
     if traced(c):
         return c
+    try:  # (read as a number below: a freed one by torch's error, a shrunk one past its end)
+        fits = c.untyped_storage().nbytes() >= (c.storage_offset() + 1) * 8  # (8 bytes of int64 at its offset)
+    except (NotImplementedError, RuntimeError):  # (no storage to look at: storage_shortfall's None)
+        fits = True
+    if not fits:
+        refuse_short_storage(c, lambda: f"state.count{param_path[len('params'):]}")
     n = c.item()
     if n < 0:
         raise LeafError(f"state.count{param_path[len('params'):]}: step count {n} is negative")

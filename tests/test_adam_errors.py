@@ -677,3 +677,73 @@ print("ok")
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_a_view_whose_storage_ends_short_of_it_is_refused_naming_it(backend):
     script_prints_ok(_SHORT_VIEWS, backend)
+
+
+# A step count whose memory was freed or shrunk (its state's count leaf, or the one an undo record restores):
+# update and undo read the state's with .item() (torch's RuntimeError for a freed one, 8 bytes of a shrunk
+# 4-byte storage read past its end), and undo_redo added 1 to the record's (a segmentation fault); the leaf's other
+# tensors were refused naming them. Refused now alike, before anything is written.
+_SHORT_COUNT = """
+import re, sys
+import torch
+import sofx
+from sofx.errors import LeafError, UndoError
+
+backend = sys.argv[1]
+gen = torch.Generator().manual_seed(0)
+
+
+def setup():
+    params = {"w": torch.randn(4, 3, generator=gen), "head": torch.randn(30, generator=gen)}
+    grads = {k: torch.randn(t.shape, generator=gen) for k, t in params.items()}
+    opt = sofx.adamw(lr=1e-2, backend=backend)
+    params, state, _ = opt.update(params, grads, opt.init(params))
+    return opt, params, grads, state
+
+
+def expect(case, fn, error, pattern, *kept):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    before = [t.clone() for t in kept]
+    try:
+        fn()
+    except error as e:
+        assert re.search(pattern, str(e)), f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: an input was written"
+
+
+for keep in (0, 4):
+    holds = rf"its storage holds {keep} bytes.*reach byte 8"
+    for donate in (False, True):
+        opt, params, grads, state = setup()
+        state.count["head"].untyped_storage().resize_(keep)
+        kept = [*params.values(), *state.mu.values(), *state.nu.values()]
+        expect(f"update {keep} {donate}", lambda: opt.update(params, grads, state, donate=donate), LeafError,
+               r"state\\.count\\['head'\\]: " + holds, *kept)
+        opt, params, grads, state = setup()
+        p1, s1, record = opt.update(params, grads, state)
+        state.count["head"].untyped_storage().resize_(keep)  # the count the record restores
+        kept = [*p1.values(), *s1.mu.values(), *s1.nu.values()]
+        expect(f"undo {keep} {donate}", lambda: opt.undo(p1, s1, record, donate=donate), UndoError,
+               r"params\\['head'\\]: the record's count_before: " + holds, *kept)
+        expect(f"undo_redo {keep} {donate}", lambda: opt.undo_redo(p1, s1, record, grads, donate=donate),
+               UndoError, r"params\\['head'\\]: the record's count_before: " + holds, *kept)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_step_count_whose_storage_was_freed_is_refused_naming_it_and_changes_nothing(backend):
+    script_prints_ok(_SHORT_COUNT, backend)
+
+
+def test_a_record_whose_count_before_is_a_number_is_undone_as_before():
+    # (torch.func rebuilds records with non-tensor leaves; there is no storage to check)
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, generator=gen)}
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    p1, s1, record = opt.update(params, {"w": torch.randn(5, generator=gen)}, opt.init(params))
+    record.leaves[0].count_before = 0
+    p0, s0 = opt.undo(p1, s1, record)
+    assert s0.count["w"] == 0 and torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=1e-7)
