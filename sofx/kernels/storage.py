@@ -7,7 +7,10 @@ operations crash on it too. Every entry that hands tensors on refuses such a one
 :func:`refuse_short_storage`, naming it as its caller does (a kernel argument ``"cpu.step: g"``, a leaf path
 ``"grads['w']"``, a parameter of the offload engine): one test (:func:`storage_shortfall`), one message
 (:func:`short_storage_message`). The name is built only to raise (a callable), so the common case costs the
-test alone.
+test alone. Callers that check many tensors per step (:class:`sofx.Adam`'s leaves and records) first take the
+common case in one expression each (:func:`in_storage`, or the same test inline), and refuse with
+:func:`refuse_short_storage` only where it does not hold; the kernels' own common cases do so inline, or skip it
+where their caller checked (:data:`sofx.kernels.base.STORAGE_CHECKED`).
 """
 
 from __future__ import annotations
