@@ -29,12 +29,14 @@ TensorName = Union[str, Callable[[], str]]
 
 def in_storage(t: torch.Tensor) -> bool:
     """The common case of :func:`storage_shortfall` in one expression (~0.25 us): ``t`` contiguous and its storage
-    holding ``storage_offset * element_size + nbytes`` bytes. False where it is not, or where it cannot tell (no
-    storage to look at: a ``torch.func`` wrapper); :func:`storage_shortfall` decides those. Not under
-    ``torch.compile`` (Dynamo cannot read a fake tensor's storage): its callers test that once for all their
-    tensors."""
+    holding ``storage_offset * element_size + nbytes`` bytes (``nbytes`` at offset 0, a tensor that starts its
+    storage: no element size read). False where it is not, or where it cannot tell (no storage to look at: a
+    ``torch.func`` wrapper); :func:`storage_shortfall` decides those. Not under ``torch.compile`` (Dynamo cannot
+    read a fake tensor's storage): its callers test that once for all their tensors."""
     try:
-        return t.is_contiguous() and t.untyped_storage().nbytes() >= t.storage_offset() * t.element_size() + t.nbytes
+        offset = t.storage_offset()
+        return t.is_contiguous() and t.untyped_storage().nbytes() >= (
+            t.nbytes if not offset else offset * t.element_size() + t.nbytes)
     except (NotImplementedError, RuntimeError):  # (torch.func's wrappers: "Cannot access storage of ...")
         return False
 
