@@ -530,10 +530,48 @@ def _state_changed_on_one_rank(rank: int) -> dict:
     return out
 
 
+def _hparams_unreadable_on_one_rank(rank: int) -> dict:
+    """Rank 1's param group loses its 'lr' (reading its hparams raises a KeyError, not the engine's own error): at
+    step 1 before backward (restored before step()); at step 2 after backward, a step count set the same way on
+    both ranks first (so every rank compares its state at that step); restored, zero_grad(), step 3. What each
+    backward and step() raised, and the parameters after."""
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        policy=AdaptivePolicy(enabled=False))
+    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    group = opt.param_groups[0]
+    out: dict = {}
+    try:
+        plain(0)
+        opt.step()
+        opt.zero_grad()
+        group.pop("lr") if rank == 1 else None
+        out["backward"] = error_text(lambda: plain(1))
+        group["lr"] = LR
+        out["step"] = error_text(opt.step)
+        opt.zero_grad()
+        opt.state[model.module.out.weight]["step"] = 2
+        plain(2)
+        group.pop("lr") if rank == 1 else None
+        out["compared"] = error_text(opt.step)
+        group["lr"] = LR
+        opt.zero_grad()
+        plain(3)
+        out["then"] = error_text(opt.step)
+        out["params"] = _flat(model.module)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
+         "hparams_unreadable": _hparams_unreadable_on_one_rank,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -795,3 +833,23 @@ def test_a_state_changed_on_one_rank_before_a_step_without_backward_is_refused_o
                                                   "['params'][4], shape (3, 8)) differs between ranks: "), \
             (rank, out["no_backward_then"])
         assert out["no_backward_same"] == "no error", (rank, out["no_backward_same"])
+
+
+def test_hparams_that_raise_on_one_rank_are_its_own_error_and_no_rank_waits_for_it(ranks) -> None:
+    """Reading rank 1's hparams raised something other than the engine's own error (a group without 'lr': a
+    KeyError). At its backward the hook raised it before the ranks' exchange and the bucket's all-reduce: rank 0
+    waited in the exchange alone (gloo aborted on the mismatched collective, or a hang). At a step() where the
+    ranks compare their states, rank 1 raised it before the comparison's all-reduce (rank 0 waited there alone).
+    Now it is rank 1's own error, as a refused hparam is: raised out of its backward (the all-reduces complete
+    on every rank, and step() after restoring the lr steps as rank 0's), and named as rank 1's refused hparams by
+    the comparison, on every rank."""
+    said = [res["hparams_unreadable"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["backward"] == ("KeyError: 'lr'" if rank == 1 else "no error"), (rank, out["backward"])
+        assert out["step"] == out["then"] == "no error", (rank, out)
+        assert out["compared"].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
+                                          "lr=0.01, "), (rank, out["compared"])
+        assert "refused (KeyError: 'lr') on rank 1" in out["compared"], (rank, out["compared"])
+    assert said[0]["compared"] == said[1]["compared"]
+    assert torch.equal(said[0]["params"], said[1]["params"])

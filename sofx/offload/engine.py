@@ -1052,12 +1052,15 @@ class OffloadEngine:
         watch.compared_now()
 
     def _hparams_text(self) -> str | None:
-        """The groups' hparams as text, for the ranks' exchange (:meth:`ReplicaWatch.exchange`); ``None`` where the
-        engine refuses one: that is this rank's own error, raised where the hparams are read (as a step's first
-        block is ready, or in ``step()``), not a difference between the ranks."""
+        """The groups' hparams as text, for the ranks' exchange (:meth:`ReplicaWatch.exchange`); ``None`` where
+        reading them raises (the engine refuses one, or ``hparams_fn`` raised something else: a group without
+        ``'lr'``, a ``KeyError``): that is this rank's own error, raised where the hparams are read (as a step's
+        first block is ready, out of backward; or in ``step()``), not a difference between the ranks. Raised here,
+        in the communication hook, it skipped this rank's part in the exchange and its bucket's all-reduce: the
+        other ranks waited in them alone."""
         try:
             return "; ".join(hparams_text(hp) for hp in self.hparams_fn())
-        except SofxError:
+        except Exception:
             return None
 
     def _step(self) -> EngineStepReport:

@@ -95,12 +95,16 @@ def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = ()) -> di
 
 
 def hparams_texts(engine: "OffloadEngine") -> list[str]:
-    """Each param group's hparams as text (:func:`hparams_text`), or every group's ``refused (...)`` where the
-    engine refuses one (a rank's own refusal: every rank must still take part in a comparison)."""
+    """Each param group's hparams as text (:func:`hparams_text`), or every group's ``refused (...)`` where reading
+    them raises: the engine refuses one, or ``hparams_fn`` raised something else (a group without ``'lr'``: a
+    ``KeyError``, named with its type). That is the rank's own error, which its step raises: every rank must still
+    take part in a comparison (a rank raising here instead left the others waiting in its all-reduce)."""
     try:
         return [hparams_text(hp) for hp in engine.hparams_fn()]
     except SofxError as exc:
         return [f"refused ({exc})"] * engine.n_groups
+    except Exception as exc:
+        return [f"refused ({type(exc).__name__}: {exc})"] * engine.n_groups
 
 
 def hparams_text(hp: Any) -> str:
