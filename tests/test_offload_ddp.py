@@ -567,11 +567,57 @@ def _hparams_unreadable_on_one_rank(rank: int) -> dict:
     return out
 
 
+class _Reordered(nn.Module):
+    """A model whose parameters are registered in another order than backward makes their gradients ready: DDP
+    rebuilds its buckets after the first iteration in that order (one bucket per parameter at a tiny
+    ``bucket_cap_mb``; the first iteration's single bucket before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid, self.out, self.inp, self.skip = nn.Linear(8, 8), nn.Linear(8, 3), nn.Linear(4, 8), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)) + self.skip(x))))
+
+
+def _rebuilt_buckets(rank: int) -> dict:
+    """Under ``ddp.join()``, a model in many buckets that DDP rebuilds in another order after the first iteration:
+    rank 0 has 1 batch and rank 1 has 3 (rank 0 shadows the rebuilt buckets), then rank 0 has 3 and rank 1 has 1
+    (rank 1 joins after the rebuild); then 2 steps on both ranks. The parameters after, for the facade (torch's
+    kernels, no clipping) and for torch.optim.AdamW, and DDP's rebuilt bucket order."""
+    out: dict = {}
+    for batches in ((1, 3), (3, 1)):
+        for name in ("torch", "sofx"):
+            torch.manual_seed(0)
+            model = DDP(_Reordered(), bucket_cap_mb=1e-5)
+            opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
+                   sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                                 backend="reference", policy=AdaptivePolicy(enabled=False)))
+            try:
+                with model.join():
+                    for step in range(batches[rank]):
+                        opt.zero_grad()
+                        _backward(model, step, rank, 1, False, _always, lambda loss: loss, False)
+                        opt.step()
+                for step in (3, 4):
+                    opt.zero_grad()
+                    _backward(model, step, rank, 1, False, _always, lambda loss: loss, False)
+                    opt.step()
+                out[f"{name}_{batches}"] = _flat(model.module)
+                out["order"] = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+            except Exception as exc:
+                out["error"] = f"{name} {batches}: {type(exc).__name__}: {exc}"
+            finally:
+                close = getattr(opt, "close", None)
+                close() if close else None
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
-         "hparams_unreadable": _hparams_unreadable_on_one_rank,
+         "hparams_unreadable": _hparams_unreadable_on_one_rank, "rebuilt_buckets": _rebuilt_buckets,
          **{name: functools.partial(_setup_case, name) for name in SETUPS}}
 
 
@@ -853,3 +899,17 @@ def test_hparams_that_raise_on_one_rank_are_its_own_error_and_no_rank_waits_for_
         assert "refused (KeyError: 'lr') on rank 1" in out["compared"], (rank, out["compared"])
     assert said[0]["compared"] == said[1]["compared"]
     assert torch.equal(said[0]["params"], said[1]["params"])
+
+
+def test_buckets_ddp_rebuilds_in_another_order_under_join_equal_ddp_and_torch_adamw(ranks) -> None:
+    """The ranks' exchange is made at the first bucket DDP all-reduces in each synchronized backward (and by a
+    rank that joined, at bucket 0 of the others'): one bucket in the first iteration, then one per parameter in
+    the order DDP rebuilt them (not the registration order), a rank joining before the rebuild and after it.
+    No rank waits alone (the spawn's timeout fails a hang), and every step is DDP + torch.optim.AdamW's, bit for
+    bit, on both ranks."""
+    for rank, res in enumerate(ranks):
+        out = res["rebuilt_buckets"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["order"] == "3, 2, 1, 0, 7, 6, 5, 4", (rank, out["order"])  # (registration: 7, 6, ..., 0)
+        for batches in ((1, 3), (3, 1)):
+            assert torch.equal(out[f"sofx_{batches}"], out[f"torch_{batches}"]), (rank, batches)
