@@ -94,7 +94,14 @@ makes every rank compare (none enters a collective alone). That step's blocks ar
 stepped in ``step()`` after the check: the same bits); the decision costs about 0.1-0.3 ms per synchronized
 backward (2 gloo ranks on one machine; the all-reduce's latency) and the comparison, where made, about 0.5 ms and
 8 ms more per 1,000 blocks (about 14 ms for a 7B model's 1,700 blocks of the default ``block_numel``), mostly in
-naming the blocks' entries, and one pass over each changed moment or master.
+naming the blocks' entries, and one pass over each changed moment or master. So a ``step()`` that compares, and
+one without a synchronized backward (the ranks then decide in ``step()``), are collectives, as DDP's backward is:
+every rank calls ``step()`` at the same point. A rank that skips one the others make (an error between backward
+and ``step()`` caught on one rank; a ``zero_grad()`` there, or an extra ``step()``, on one rank only) leaves them
+waiting in its all-reduce -- a hang until the process group's timeout, or gloo's abort on a mismatched
+collective --, where ``torch.optim`` steps on with the replicas diverged. The decision is made at backward: an lr
+set on one rank alone between backward and ``step()`` is not seen by it (that step diverges the replicas; the
+next step is refused where the lr still differs at its backward).
 
 ``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
