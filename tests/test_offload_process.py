@@ -578,6 +578,43 @@ sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_nume
 print("started", flush=True)
 """
 
+# The ``sitecustomize`` of the main process and its worker (their PYTHONPATH): the main process leaves its pid to the
+# worker; the worker stalls where the main process is to be killed, until that process is gone (the worker's parent
+# changes; it may have by the time this runs), then goes on as a slow worker would -- it finds nobody to connect to,
+# or nobody to tell it is ready, and exits.
+_STALL_THE_WORKER = """\
+import os
+import time
+
+with open("/proc/self/cmdline", "rb") as _f:
+    _IS_THE_WORKER = b"sofx.offload.process_worker" in _f.read()
+if not _IS_THE_WORKER:
+    os.environ["SOFX_TEST_MAIN_PID"] = str(os.getpid())
+
+
+def _stall_while_the_main_process_lives():
+    while os.getppid() == int(os.environ["SOFX_TEST_MAIN_PID"]):
+        time.sleep(0.01)
+
+
+if _IS_THE_WORKER and {when!r} == "before_it_connects":
+    _stall_while_the_main_process_lives()  # (before it reads its key and connects)
+elif _IS_THE_WORKER:
+    import sofx.offload.shared_memory as shared_memory
+
+    _open = shared_memory.open_shared_tensor
+    _stalled = []
+
+    def _open_then_stall(spec):
+        tensor = _open(spec)
+        if not _stalled:  # connected, its first block tensor mapped, not ready
+            _stalled.append(True)
+            _stall_while_the_main_process_lives()
+        return tensor
+
+    shared_memory.open_shared_tensor = _open_then_stall
+"""
+
 
 def _socket_dir(worker: int) -> str:
     """The private directory of the unix socket worker ``worker`` connects to (its last argument)."""
@@ -587,13 +624,19 @@ def _socket_dir(worker: int) -> str:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 @pytest.mark.parametrize("when", ["before_it_connects", "once_it_connected"])
-def test_a_main_process_killed_while_its_worker_starts_leaves_no_shared_memory_behind(when: str,
-                                                                                     signum: int) -> None:
+def test_a_main_process_killed_while_its_worker_starts_leaves_no_shared_memory_behind(
+        when: str, signum: int, tmp_path: pathlib.Path) -> None:
     """SIGTERM (what torchrun, SLURM and Kubernetes send first) or SIGKILL to the main process while its worker
     starts (1-5 s: importing torch, mapping the blocks): the shared tensors' files were made before the worker
     and named until it was ready, and stayed in /dev/shm for good (nothing left knew their names); now none ever
-    has a name, the worker exits and the socket's directory goes too."""
-    proc = subprocess.Popen([sys.executable, "-c", _MADE_DURING_KILL], stdout=subprocess.PIPE, text=True,
+    has a name, the worker exits and the socket's directory goes too.
+
+    The worker's ``sitecustomize`` stalls it before it connects, or after its first mapping, until the main
+    process is gone, so the signal lands there on a loaded machine too (polling alone, the main process could
+    have finished starting before the poll saw the worker, or saw it connected)."""
+    (tmp_path / "sitecustomize.py").write_text(_STALL_THE_WORKER.format(when=when))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", _MADE_DURING_KILL], stdout=subprocess.PIPE, text=True, env=env,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     named = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{proc.pid}-*")
     try:
@@ -607,10 +650,11 @@ def test_a_main_process_killed_while_its_worker_starts_leaves_no_shared_memory_b
         # (the main process removes the socket's directory once the worker has connected, then sends the blocks)
         while when == "once_it_connected" and os.path.exists(socket_dir) and time.monotonic() < deadline:
             time.sleep(0.0005)
+        assert when == "before_it_connects" or not os.path.exists(socket_dir), "the worker connected"
         proc.send_signal(signum)
         assert proc.wait(timeout=30) == -signum
         assert proc.stdout.read() == "", "killed while starting"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # (a worker stalled before it connects imports torch then)
         while time.monotonic() < deadline and _alive(worker):
             time.sleep(0.05)
         assert not _alive(worker), "the worker exits when its main process is gone"
