@@ -257,8 +257,8 @@ def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid literal "
                                               r"for int\(\) with base 10: 'sofx test: the worker cannot read"):
-        executor.wait(30.0)
-    assert time.monotonic() - start < 10.0
+        executor.wait(120.0)
+    assert time.monotonic() - start < 30.0, "told as the worker exits, not at the timeout"
     steps = [int(opt.state[p]["step"]) for p in model.parameters()]
     opt.close()
     assert executor.process.poll() == 1
@@ -281,7 +281,7 @@ def test_an_operation_that_cannot_be_sent_is_a_clear_error_and_the_worker_stops_
         ex.submit(BlockOp(10 ** 6, "commit_all"))
         assert [r.kind for r in ex.wait(30.0)] == ["commit_all"]
         start = time.monotonic()
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 30.0, "not the optimizer's 60 s timeout"
     assert ex.process.poll() == 0, "stopped by its stop message"
 
 
@@ -450,7 +450,7 @@ def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everyth
     model = SharedMLP()
     gen = torch.Generator().manual_seed(0)
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
-                                        timeout=30.0)
+                                        timeout=120.0)
     opt.backward(mlp_loss(model, mlp_batch(gen)))
     opt.step()
     worker = opt.engine.executor.process
@@ -463,7 +463,7 @@ def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everyth
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"died \(killed by signal SIGKILL\)"):
         opt.step()
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 30.0, "at once, not at the timeout"
     with pytest.raises(ExecutorError, match="failed earlier"):
         opt.step()
     with pytest.raises(ExecutorError, match="failed earlier"):
