@@ -50,10 +50,12 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
         waited_first: bool) -> None:
     """close() waited 30 s for the worker thread whatever the engine's ``timeout``, also right after a wait that
     had timed out, then returned silently with the thread still running: now it waits up to ``timeout`` (not at all
-    after a timed-out wait), drops the queued operations and warns that the running one is left to finish."""
+    after a timed-out wait), drops the queued operations and warns that the running one is left to finish.
+
+    The operation ends only when the test lets it (a timer ended it after 4 s, within the test on a loaded
+    machine); after a timed-out wait, the close timeout is made a minute, so that a close that waited again is told
+    apart from one that did not by a bound a loaded machine keeps (0.3 s, for a close that waits 0.5 s too)."""
     release = threading.Event()
-    timer = threading.Timer(4.0, release.set)  # (ends the operation in any case)
-    timer.start()
     try:
         opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="thread", block_numel=100,
                                             timeout=0.5)
@@ -62,6 +64,7 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
         if waited_first:
             with pytest.raises(ExecutorTimeout, match="did not finish within 0.5 s"):
                 opt.engine.wait()
+            executor.close_timeout = 60.0  # (what a close that waited again would wait)
         start = time.monotonic()
         why = r"did not wait for it again \(the last wait for it timed out\)" if waited_first else r"waited 0.5 s"
         with pytest.warns(RuntimeWarning, match=rf"close\(\) {why}, and the thread executor's worker is still running "
@@ -71,11 +74,10 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
             opt.close()
         assert record[0].filename == __file__, "the warning names the caller's line"
         took = time.monotonic() - start
-        assert took < (0.3 if waited_first else 1.5) and (waited_first or took >= 0.5), took
+        assert took < 15.0 and (waited_first or took >= 0.5), took  # (the thread executor's default: 30 s)
     finally:
         release.set()
-        timer.cancel()
-    executor._thread.join(5.0)
+    executor._thread.join(30.0)
     assert not executor._thread.is_alive(), "it stops after the operation it ran"
     assert executor._finished == executor._submitted - 1, "the queued operation did not run"
 
