@@ -117,14 +117,6 @@ def _twins(executor: str) -> tuple:
     return model, ref, opt
 
 
-def _in_step(opt: sofx.offload.SpeculativeAdamW) -> None:
-    deadline = time.monotonic() + 10
-    while not opt.engine._call_lock.locked():
-        assert time.monotonic() < deadline, "step() began"
-        time.sleep(0.001)
-    time.sleep(0.05)  # (it waits for the executor now)
-
-
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_close_from_another_thread_waits_for_the_step_that_runs(executor: str) -> None:
     """close() while step() runs in another thread (a watchdog, a handler on another thread): it closed the executor
@@ -143,10 +135,10 @@ def test_close_from_another_thread_waits_for_the_step_that_runs(executor: str) -
 
     stepper = threading.Thread(target=step)
     stepper.start()
-    _in_step(opt)
+    _waiting_for_the_executor(stepper)
     closer = threading.Thread(target=opt.close)
     closer.start()
-    time.sleep(0.05)
+    _closing(opt)  # (a sleep of 0.05 s, and a closer thread not started yet on a loaded machine: "another thread")
     assert closer.is_alive(), "close() waits for the step"
     with pytest.raises(SofxError, match="being closed"):
         opt.step()
@@ -264,7 +256,7 @@ def _stepped_once(executor: str) -> tuple[torch.nn.Module, sofx.offload.Speculat
 def _waiting_for_the_executor(thread: threading.Thread) -> None:
     """Return once ``thread`` waits for the engine's executor (``OffloadEngine._wait`` is on its stack)."""
     waiting = type(sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="inline").engine)._wait.__code__
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while True:
         frame = sys._current_frames().get(thread.ident)
         while frame is not None and frame.f_code is not waiting:
@@ -272,6 +264,14 @@ def _waiting_for_the_executor(thread: threading.Thread) -> None:
         if frame is not None:
             return
         assert thread.is_alive() and time.monotonic() < deadline, "the call waits for the executor"
+        time.sleep(0.001)
+
+
+def _closing(opt: sofx.offload.SpeculativeAdamW) -> None:
+    """Return once a close() called in another thread is under way (it waits for the call that holds the engine)."""
+    deadline = time.monotonic() + 60
+    while not opt.engine._closing:
+        assert time.monotonic() < deadline, "close() began"
         time.sleep(0.001)
 
 
@@ -322,7 +322,7 @@ def test_close_from_another_thread_waits_for_wait_and_the_state_calls(executor: 
         _waiting_for_the_executor(caller)
         closer = threading.Thread(target=opt.close)
         closer.start()
-        time.sleep(0.05)
+        _closing(opt)
         assert closer.is_alive() and not opt.engine._closed, "close() waits for the call"
     finally:
         release.set()
