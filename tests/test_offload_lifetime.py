@@ -157,26 +157,33 @@ def test_close_from_another_thread_waits_for_the_step_that_runs(executor: str) -
 def test_close_from_a_signal_handler_inside_step_takes_effect_as_the_step_returns() -> None:
     """A signal handler (SIGTERM from a scheduler; here SIGALRM) that closes the optimizer runs on the main thread,
     inside the step() it interrupts: close() cannot wait for it there (it would wait for itself), and closing under
-    it failed the step; now the close is done as the step returns, whole."""
+    it failed the step; now the close is done as the step returns, whole.
+
+    The signal is sent once the step waits for the executor, whose operation ends once the handler has run (a 0.2 s
+    timer for the signal and a 0.5 s one for the operation: on a loaded machine, the signal could come before the
+    step or after it)."""
     model, ref, opt = _twins("thread")
     release = _slowed(opt, "thread")
-    timer = threading.Timer(0.5, release.set)
     seen: dict = {}
 
     def handler(signum, frame) -> None:
         opt.close()
         seen["closed_in_handler"] = opt.engine._closed
+        release.set()  # the step goes on once the handler has run inside it
+
+    def send() -> None:
+        _waiting_for_the_executor(threading.main_thread())
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
 
     old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
-    timer.start()
+    sender = threading.Thread(target=send)
+    sender.start()
     try:
         report = opt.step()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        sender.join(60)
         signal.signal(signal.SIGALRM, old)
         release.set()
-        timer.cancel()
     assert seen == {"closed_in_handler": False}, "the handler ran during the step"
     assert report.iteration == 1 and opt.engine._closed
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())), "the step is whole"
