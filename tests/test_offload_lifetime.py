@@ -383,7 +383,7 @@ _EXIT_DURING_STEP = """
 import atexit, os, sys, threading, time, torch
 import sofx.offload, sofx.offload.engine
 from sofx.offload.block_ops import BlockOp
-hold, sofx.offload.engine.EXIT_WAIT_S = float(sys.argv[1]), float(sys.argv[2])
+hold, sofx.offload.engine.EXIT_WAIT_S = sys.argv[1], float(sys.argv[2])
 seen = {}
 # registered first, so it runs after the optimizer's own exit handler (atexit runs last-in first-out): the step's
 # thread gets to say how its step ended
@@ -392,7 +392,17 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", timeout=30)
 opt.backward(model(torch.randn(3, 4)).square().mean())
-opt.engine.executor.submit(BlockOp(10 ** 6, "ready", 0, payload=lambda: time.sleep(hold)))  # (the step waits)
+
+
+def held():
+    if hold == "until_closed":  # past the exit's wait for the step: its close closes the executor under it
+        while not opt.engine.executor._closed:
+            time.sleep(0.001)
+    else:
+        time.sleep(float(hold))
+
+
+opt.engine.executor.submit(BlockOp(10 ** 6, "ready", 0, payload=held))  # (the step waits)
 
 
 def step():
@@ -409,9 +419,9 @@ while not opt.engine._call_lock.locked():  # the script ends while the daemon th
 """
 
 
-def _exit_during_step(hold: float, exit_wait: float) -> tuple[subprocess.CompletedProcess, float]:
-    """Run a script that ends while a daemon thread is in step(), held ``hold`` s, with ``EXIT_WAIT_S =
-    exit_wait``; its result and how long it ran."""
+def _exit_during_step(hold: float | str, exit_wait: float) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a script that ends while a daemon thread is in step(), held ``hold`` s (``"until_closed"``: until the
+    exit's close has closed the executor), with ``EXIT_WAIT_S = exit_wait``; its result and how long it ran."""
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", _EXIT_DURING_STEP, str(hold), str(exit_wait)], capture_output=True,
                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -431,8 +441,11 @@ def test_at_exit_the_close_waits_for_a_step_running_in_a_daemon_thread() -> None
 
 def test_at_exit_a_step_that_does_not_end_in_time_is_closed_under_with_a_warning() -> None:
     """Waiting for a daemon thread's step() at exit is bounded: past EXIT_WAIT_S the optimizer is closed anyway (the
-    process must exit, its worker stopped), with a warning naming the call."""
-    out, took = _exit_during_step(hold=2.0, exit_wait=0.2)
+    process must exit, its worker stopped), with a warning naming the call.
+
+    The step is held until the executor is closed (held 2 s, it could end within the exit's 0.2 s wait when the
+    script reached its end late, on a loaded machine)."""
+    out, took = _exit_during_step(hold="until_closed", exit_wait=0.2)
     assert out.returncode == 0, out.stderr
     assert "at interpreter exit, step() was still running in another thread after 0.2 s" in out.stderr, out.stderr
     assert out.stdout.startswith("step failed: ExecutorError('the thread executor is closed')"), out.stdout
