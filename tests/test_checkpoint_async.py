@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -271,12 +272,35 @@ class _Interrupt(BaseException):
     """What a signal handler raises in the main thread (as Ctrl-C's KeyboardInterrupt)."""
 
 
+def _interrupt_once_it_waits_for(handle: ck.SaveHandle) -> threading.Thread:
+    """Start a thread that sends SIGALRM to the main thread once it waits for ``handle`` (``SaveHandle.wait`` on its
+    stack): a timer could fire before the main thread got there, on a loaded machine."""
+    main, waiting = threading.main_thread(), type(handle).wait.__code__
+
+    def send() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main.ident)
+            while frame is not None and not (frame.f_code is waiting and frame.f_locals.get("self") is handle):
+                frame = frame.f_back
+            if frame is not None:
+                signal.pthread_kill(main.ident, signal.SIGALRM)
+                return
+            time.sleep(0.001)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
 def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp_path, monkeypatch):
     """A signal (Ctrl-C) while ``AsyncSaver.wait`` waits is raised at once: it was taken for a save's error and
-    held until every other pending save had finished. The saves go on, and a later wait commits them."""
+    held until every other pending save had finished. The saves go on, and a later wait commits them.
+
+    The saves are held until the test lets them go (held 3 s, they could end before a loaded machine had looked)."""
     release = threading.Event()
     real = ck_io.serialize_file
-    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(3), real(*a, **k)))
+    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(60), real(*a, **k)))
 
     def on_alarm(signum, frame):
         raise _Interrupt
@@ -284,13 +308,13 @@ def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp
     saver = ck.AsyncSaver()
     handles = [saver.save(tmp_path / f"{n}.ckpt", {"x": torch.full((2,), float(i))}) for i, n in enumerate("ab")]
     previous = signal.signal(signal.SIGALRM, on_alarm)
+    sender = _interrupt_once_it_waits_for(handles[0])
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
         with pytest.raises(_Interrupt):
             saver.wait(timeout=30)
         running = [not h.done() for h in handles]
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        sender.join(60)
         signal.signal(signal.SIGALRM, previous)
         release.set()
     assert running == [True, True], "the interrupt was held until the saves had finished"
@@ -301,15 +325,18 @@ def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp
 @pytest.mark.parametrize("cut_short", ["timeout", "interrupt"])
 def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, monkeypatch, cut_short):
     """A save that had failed was forgotten, its error unreported, when a later save's wait timed out or was
-    interrupted: the next ``wait`` returned as if every save had been committed."""
+    interrupted: the next ``wait`` returned as if every save had been committed.
+
+    The second save is held until the test lets it go (held 3 s, it could end before the wait was cut short on a
+    loaded machine), and the interrupt is sent once the wait waits for it."""
     release, issued = threading.Event(), threading.Event()
     real = ck_io.serialize_file
 
     def writer(specs, filename, metadata=None, **kwargs):
         if os.path.basename(filename).startswith(".a.ckpt."):
-            issued.wait(3)  # (failed before the second save, it would be raised by it)
+            issued.wait(60)  # (failed before the second save, it would be raised by it)
             raise OSError("no space left on device")
-        release.wait(3)
+        release.wait(60)
         return real(specs, filename, metadata=metadata, **kwargs)
 
     def on_alarm(signum, frame):
@@ -318,20 +345,22 @@ def test_a_failed_saves_error_is_kept_when_a_saver_wait_is_cut_short(tmp_path, m
     monkeypatch.setattr(ck_io, "serialize_file", writer)
     saver = ck.AsyncSaver()
     failed = saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(1)})
-    saver.save(tmp_path / "b.ckpt", {"x": torch.ones(1)})
+    held = saver.save(tmp_path / "b.ckpt", {"x": torch.ones(1)})
     issued.set()
     failed._done.wait(30)
     previous = signal.signal(signal.SIGALRM, on_alarm)
+    sender = None
     try:
         if cut_short == "timeout":
             with pytest.raises(TimeoutError):
                 saver.wait(timeout=0.2)
         else:
-            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            sender = _interrupt_once_it_waits_for(held)
             with pytest.raises(_Interrupt):
                 saver.wait(timeout=30)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        if sender is not None:
+            sender.join(60)
         signal.signal(signal.SIGALRM, previous)
         release.set()
     with pytest.raises(OSError, match="no space left"):
