@@ -421,31 +421,53 @@ def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
 
 def test_thread_executor_runs_apply_operations_of_one_block_in_order() -> None:
     """Two "apply" operations of one block never run at the same time (the second waits for the first,
-    whoever runs it), while one of another block may run beside them; "commit_all" waits for all."""
+    whoever runs it), while one of another block may run beside them; "commit_all" waits for all.
+
+    The worker is held in an operation of a third block until the helping main thread has taken block 0's first
+    (where the worker took that one first, the helper found block 0's second at the head, stopped helping, and block
+    1's ran after it: on a loaded machine, the worker could start between two submissions); block 0's second then
+    waits for block 1's to start beside it (a 0.05 s sleep each: a worker that woke late missed that window)."""
     from sofx.offload.block_ops import BlockOp, OpResult
     from sofx.offload.thread_executor import ThreadExecutor
 
     spans: list[tuple[int, int, float, float]] = []  # (seq, block, start, end)
+    held, first_taken, beside = threading.Event(), threading.Event(), threading.Event()
+    waited: list[bool] = []
 
-    class SlowRunner:
+    class GatedRunner:
         def run(self, op):
             start = time.monotonic()
-            time.sleep(0.05)
+            if op.seq == 10:  # the worker's, on block 2: held until the helper has taken block 0's first
+                held.set()
+                waited.append(first_taken.wait(30))
+            elif op.seq == 0:
+                first_taken.set()
+                time.sleep(0.05)  # (block 0's second, run beside it, would start in here)
+            elif op.seq == 1:
+                waited.append(beside.wait(30))  # until block 1's has started beside it
+            elif op.seq == 2:
+                beside.set()
             spans.append((op.seq, op.block, start, time.monotonic()))
             return OpResult(op.seq, op.kind, op.block)
 
-    executor = ThreadExecutor(SlowRunner())
+    executor = ThreadExecutor(GatedRunner())
     try:
+        executor.submit(BlockOp(10, "apply", 2, payload="action"))
+        assert held.wait(30), "the worker runs block 2's operation"
         for seq, block in enumerate((0, 0, 1)):
             executor.submit(BlockOp(seq, "apply", block, payload="action"))
         executor.submit(BlockOp(3, "commit_all"))
         executor.wait(30, help=True)
     finally:
+        held.set()
+        first_taken.set()
+        beside.set()
         executor.close()
+    assert waited == [True, True]
     by_seq = {seq: (block, start, end) for seq, block, start, end in spans}
-    assert sorted(by_seq) == [0, 1, 2, 3]
+    assert sorted(by_seq) == [0, 1, 2, 3, 10]
     assert by_seq[1][1] >= by_seq[0][2]  # block 0's second action after its first
-    assert by_seq[3][1] >= max(by_seq[k][2] for k in (0, 1, 2))  # commit_all after every action
+    assert by_seq[3][1] >= max(by_seq[k][2] for k in (0, 1, 2, 10))  # commit_all after every action
     assert by_seq[2][1] < max(by_seq[0][2], by_seq[1][2])  # block 1's beside one of block 0's
 
 
