@@ -387,7 +387,7 @@ def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
                 return run(op)
             on_main = threading.current_thread() is threading.main_thread()
             if on_main:
-                worker_in.wait(5)  # the worker holds a block of its own meanwhile ...
+                worker_in.wait(30)  # the worker holds a block of its own meanwhile ...
             with lock:
                 assert op.block not in running  # one operation per block at a time
                 overlapped.append(bool(running))
@@ -398,7 +398,7 @@ def test_step_runs_its_block_actions_on_both_threads(speculate: bool) -> None:
             if on_main:
                 main_done.set()
             elif not main_done.is_set():
-                main_done.wait(5)  # ... until the main thread has run one beside it
+                main_done.wait(30)  # ... until the main thread has run one beside it
             with lock:
                 running.discard(op.block)
                 ran.append((op.block, on_main))
