@@ -186,6 +186,22 @@ def test_the_library_works_without_triton():
 _RACE = r"""
 import importlib.abc, importlib.machinery, sys, threading, time
 
+started, returned, main = threading.Event(), threading.Event(), threading.main_thread()
+
+
+def main_waits_for_the_import():
+    # until the main thread, inside load_backend, waits on the module's import lock (or load_backend returned)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not returned.is_set():
+        frame, codes = sys._current_frames().get(main.ident), []
+        while frame is not None:
+            codes.append(frame.f_code)
+            frame = frame.f_back
+        if load_backend.__code__ in codes and codes[0].co_name == "acquire":
+            return
+        time.sleep(0.001)
+
+
 class _Slow(importlib.abc.MetaPathFinder):
     # Imports sofx.kernels.cpu slowly: the module is in sys.modules, still empty, meanwhile.
     def find_spec(self, name, path, target=None):
@@ -194,7 +210,8 @@ class _Slow(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         exec_module = spec.loader.exec_module
         def slow(module):
-            time.sleep(0.5)
+            started.set()
+            main_waits_for_the_import()
             exec_module(module)
         spec.loader.exec_module = slow
         return spec
@@ -204,9 +221,10 @@ from sofx.kernels import load_backend
 assert "sofx.kernels.cpu" not in sys.modules
 first = threading.Thread(target=load_backend, args=("cpu",))
 first.start()
-time.sleep(0.2)
+assert started.wait(60)
 assert "sofx.kernels.cpu" in sys.modules  # being imported by the first thread
 module = load_backend("cpu")
+returned.set()
 assert hasattr(module, "supports") and hasattr(module, "step_many"), "a half-imported backend was returned"
 first.join()
 print("ok")
@@ -215,7 +233,10 @@ print("ok")
 
 def test_a_backend_two_threads_load_at_once_is_whole_in_both():
     """The offload engine's worker and a helping step() may load a backend at the same time: the second
-    must wait for the first's import, not take the module half-initialized from sys.modules."""
+    must wait for the first's import, not take the module half-initialized from sys.modules.
+
+    The first import goes on once the second waits for it (it slept 0.5 s, and the test 0.2 s before it looked
+    for the module being imported: on a loaded machine, the first thread could not have begun yet)."""
     proc = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().endswith("ok")
