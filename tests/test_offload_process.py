@@ -713,9 +713,12 @@ def test_ctrl_c_reaches_the_main_process_only() -> None:
 
 
 def test_an_interrupt_while_waiting_loses_no_result() -> None:
-    """KeyboardInterrupt (here from a timer) while the main thread waits for the worker: the results are read
+    """KeyboardInterrupt (here from SIGALRM) while the main thread waits for the worker: the results are read
     by the receiver thread, so waiting again collects every one (an interrupt inside the socket read lost a
-    result, or left a message half read and later reads misaligned)."""
+    result, or left a message half read and later reads misaligned).
+
+    The signal is sent once the main thread is in wait() (a 0.2 s timer could fire before it got there, on a
+    loaded machine)."""
     model = SharedMLP()
     with sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100) as opt:
         ex = opt.engine.executor
@@ -727,13 +730,26 @@ def test_an_interrupt_while_waiting_loses_no_result() -> None:
             def interrupt(*_):
                 raise KeyboardInterrupt
 
+            def send() -> None:
+                main, waiting = threading.main_thread(), type(ex).wait.__code__
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    frame = sys._current_frames().get(main.ident)
+                    while frame is not None and frame.f_code is not waiting:
+                        frame = frame.f_back
+                    if frame is not None:
+                        signal.pthread_kill(main.ident, signal.SIGALRM)
+                        return
+                    time.sleep(0.001)
+
             old = signal.signal(signal.SIGALRM, interrupt)
-            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            sender = threading.Thread(target=send)
+            sender.start()
             try:
                 with pytest.raises(KeyboardInterrupt):
                     ex.wait(30)
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                sender.join(60)
                 signal.signal(signal.SIGALRM, old)
         finally:
             os.kill(ex.pid, signal.SIGCONT)
