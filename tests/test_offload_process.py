@@ -244,10 +244,16 @@ class _UnreadableInTheWorker:
         return int, ("sofx test: the worker cannot read this message",)
 
 
-def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
+def test_a_worker_that_raises_is_a_clear_error_with_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker fails outside an operation (here: it cannot read a message) and exits: the error names the
     exit code and carries what the worker printed (its traceback went to the terminal only, out of sight in a
-    notebook); close() then works and the state is still readable."""
+    notebook); close() then works and the state is still readable.
+
+    The worker's exit is waited for up to a minute (EXIT_WAIT_S): on a loaded machine its interpreter took more than
+    the 5 s it is given by default to end, and the error named "the connection to it broke" instead of the code."""
+    from sofx.offload import process_executor
+
+    monkeypatch.setattr(process_executor, "EXIT_WAIT_S", 60.0)
     model = SharedMLP()
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
     opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
@@ -258,7 +264,7 @@ def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
     with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid literal "
                                               r"for int\(\) with base 10: 'sofx test: the worker cannot read"):
         executor.wait(120.0)
-    assert time.monotonic() - start < 30.0, "told as the worker exits, not at the timeout"
+    assert time.monotonic() - start < 90.0, "told as the worker exits, not at the timeout"
     steps = [int(opt.state[p]["step"]) for p in model.parameters()]
     opt.close()
     assert executor.process.poll() == 1
