@@ -681,8 +681,9 @@ def _run_until_it_kills_itself(script: str) -> list[str]:
 
 
 def _wait_for_the_worker_to_clean_up(prefix: str, worker: int) -> None:
-    """A worker whose main process was killed removes the shared-memory files (``prefix*``) and exits."""
-    deadline = time.monotonic() + 30
+    """A worker whose main process was killed removes the shared-memory files (``prefix*``) and exits (waited for up
+    to 120 s: it may finish a step first, and its interpreter took over 5 s to end on a loaded machine)."""
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (glob.glob(prefix + "*") or _alive(worker)):
         time.sleep(0.1)
     assert glob.glob(prefix + "*") == [], "the worker removes the files when its main process is gone"
