@@ -33,6 +33,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 import sofx.offload
 from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
+from sofx.offload.engine import OffloadEngine
 from sofx.offload.executor import ExecutorError, ExecutorTimeout
 
 
@@ -262,7 +263,7 @@ def _stepped_once(executor: str) -> tuple[torch.nn.Module, sofx.offload.Speculat
 
 def _waiting_for_the_executor(thread: threading.Thread) -> None:
     """Return once ``thread`` waits for the engine's executor (``OffloadEngine._wait`` is on its stack)."""
-    waiting = type(sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="inline").engine)._wait.__code__
+    waiting = OffloadEngine._wait.__code__
     deadline = time.monotonic() + 60
     while True:
         frame = sys._current_frames().get(thread.ident)
