@@ -54,6 +54,7 @@ from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, is_traced
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import integer, is_bool, nonnegative_number, positive_number, real_number
 
 __all__ = [
@@ -112,6 +113,8 @@ _SUMSQ_CHUNK = 1 << 20
 def sumsq(x: torch.Tensor) -> float:
     """``sum(x**2)`` as a Python float: finite exactly when every element of ``x`` is (for float64 input: and
     the sum is below float64's largest value, i.e. no element beyond ~1e154, where torch's norm is inf too).
+    A tensor whose elements reach past the end of its storage (freed or shrunk:
+    :func:`~sofx.kernels.storage.refuse_short_storage`) is refused, a :class:`LeafError` naming it ``sumsq: x``.
 
     Rows of 1024 elements are reduced in float32 (float64 for float64 input)
     and the row results summed in float64: one pass at memory speed, no copy,
@@ -120,6 +123,13 @@ def sumsq(x: torch.Tensor) -> float:
     mean a non-finite element (or a float64 sum beyond its range): one pass gives both the norm and the overflow
     check.
     """
+    if not in_storage(x):
+        refuse_short_storage(x, "sumsq: x")
+    return _sumsq(x)
+
+
+def _sumsq(x: torch.Tensor) -> float:
+    """:func:`sumsq` of a tensor checked already (:func:`_gradient_leaves`)."""
     flat = x.reshape(-1)
     if flat.numel() == 0:
         return 0.0
@@ -155,19 +165,25 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
 
 
 def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
-    """The leaves of a gradient pytree that are not ``None``, each checked: a dense floating-point tensor
-    (else a :class:`LeafError` naming ``who`` and the leaf's path)."""
+    """The leaves of a gradient pytree that are not ``None``, each checked: a dense floating-point tensor whose
+    elements lie in its storage (not freed or shrunk, :func:`~sofx.kernels.storage.refuse_short_storage`: torch's
+    operations on it crash or read past its end), else a :class:`LeafError` naming ``who`` and the leaf's path.
+    The storage test is :func:`~sofx.kernels.storage.in_storage` a leaf (~0.3 us); not under ``torch.compile``."""
     leaves, spec = tree.flatten(grads)
     present = [g for g in leaves if g is not None]
+    compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
     for i, g in enumerate(leaves):
-        if g is not None and not (isinstance(g, torch.Tensor) and g.is_floating_point()
-                                  and g.layout == torch.strided):
+        if g is None:
+            continue
+        if not (isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided):
             path = tree.leaf_paths(spec, root="grads")[i]
             if not isinstance(g, torch.Tensor):
                 raise LeafError(f"{who}: {path}: expected a tensor, got {type(g).__name__}")
             if g.layout != torch.strided:
                 raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got {g.layout}")
             raise LeafError(f"{who}: {path}: expected a floating-point tensor, got {g.dtype}")
+        if not (compiling or in_storage(g)):
+            refuse_short_storage(g, lambda: f"{who}: {tree.leaf_paths(spec, root='grads')[i]}")
     return present
 
 
@@ -177,7 +193,7 @@ def global_norm(grads: Any) -> float:
     ``||g|| = sqrt(sum_leaves sum_i g_i^2)``: :func:`sumsq` per leaf, :func:`total_sumsq` over the leaves in
     tree order, the square root in float64 (a Python float).
     """
-    return math.sqrt(total_sumsq([sumsq(g) for g in _gradient_leaves(grads, "global_norm")]))
+    return math.sqrt(total_sumsq([_sumsq(g) for g in _gradient_leaves(grads, "global_norm")]))
 
 
 def all_finite(grads: Any) -> bool:
@@ -444,7 +460,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             norm_t = _global_norm_tensor(leaves)
             coef_t = torch.clamp(max_norm / (norm_t + CLIP_EPS), max=1.0)
             return _scale_by_tensor(grads, coef_t), ClipState(norm_t, coef_t)
-        norm = math.sqrt(total_sumsq([sumsq(g) for g in leaves]))
+        norm = math.sqrt(total_sumsq([_sumsq(g) for g in leaves]))
         coef = clip_coefficient(norm, max_norm)
         return (grads if coef == 1.0 else tree.tree_map(lambda g: g * coef, grads)), ClipState(norm, coef)
 
@@ -471,7 +487,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
             clip_t = (torch.ones_like(scaled_t) if max_norm is None else
                       torch.clamp((scaled_t / s + CLIP_EPS) / max_norm, min=1.0))
             return _scale_by_tensor(grads, 1.0 / (clip_t * s)), ClipState(scaled_t / s, 1.0 / clip_t)
-        scaled = math.sqrt(total_sumsq([sumsq(g) for g in leaves]))
+        scaled = math.sqrt(total_sumsq([_sumsq(g) for g in leaves]))
         clip = 1.0 if max_norm is None else zero_clip_factor(scaled, s, max_norm)
         combined = clip * s
         return ((grads if combined == 1.0 else tree.tree_map(lambda g: g * (1.0 / combined), grads)),
@@ -563,7 +579,8 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
 
 
 def _check_grad(path: str, g: Any, p: torch.Tensor, root: str = "grads") -> None:
-    """``g`` (a gradient, or a sum of them: ``root``) must be a tensor of the shape, dtype and device of ``p``."""
+    """``g`` (a gradient, or a sum of them: ``root``) must be a tensor of the shape, dtype and device of ``p``, whose
+    elements lie in its storage (:func:`~sofx.kernels.storage.refuse_short_storage`)."""
     gpath = root + path[len("params"):]
     if not isinstance(g, torch.Tensor):
         raise LeafError(f"{gpath}: expected a tensor, got {type(g).__name__}")
@@ -573,6 +590,8 @@ def _check_grad(path: str, g: Any, p: torch.Tensor, root: str = "grads") -> None
         raise LeafError(f"{gpath}: expected dtype {p.dtype}, got {g.dtype}")
     if g.device != p.device:
         raise LeafError(f"{gpath}: expected device {p.device}, got {g.device}")
+    if not (torch.compiler.is_compiling() or in_storage(g)):  # (freed or shrunk: acc + g read past its end)
+        refuse_short_storage(g, gpath)
 
 
 # ------------------------------------------------------------- param groups

@@ -14,6 +14,8 @@ from sofx import AdamHParams
 from sofx import transforms as tx
 from sofx.errors import HParamError, LeafError, SofxError
 
+from helpers import script_prints_ok
+
 
 def _tree(gen: torch.Generator, scale: float = 1.0) -> dict:
     return {"w": torch.randn(4, 3, generator=gen) * scale, "b": torch.randn(3, generator=gen) * scale,
@@ -746,3 +748,76 @@ def test_clip_coefficient_and_zero_clip_factor_of_traced_norms_equal_the_float_p
                              backend="eager", fullgraph=True)
     c, z = compiled(torch.tensor(2.0, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64))
     assert c.item() == tx.clip_coefficient(2.0, 0.5) and z.item() == tx.zero_clip_factor(2.0, 0.5, 0.5)
+
+
+# A gradient (or an accumulated sum) whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors)
+# or shrunk: the transforms read it with torch (a segmentation fault for a freed one in all_finite, scale_tree,
+# unscale, check_finite and accumulate; torch's RuntimeError in sumsq's views; nan from past a shrunk end). Refused
+# naming its path, before anything is computed; run in a subprocess so that a crash fails the test.
+_FREED_GRADIENT = """
+import re
+import torch
+from sofx import transforms as tx
+from sofx.errors import LeafError
+
+
+def tree():
+    gen = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(40, 30, generator=gen), "deep": [torch.randn(3000, generator=gen)]}
+
+
+def expect(case, fn, pattern, *kept):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    before = [t.clone() for t in kept]
+    try:
+        fn()
+    except LeafError as e:
+        assert re.search(pattern, str(e)), f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: an input was written"
+
+
+def cut(t, keep):
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+for keep in (0, 11996):  # freed; one element short
+    holds = rf"\\['deep'\\]\\[0\\]: its storage holds {keep} bytes.*reach byte 12000"
+    transforms = {"clip_by_global_norm": (tx.clip_by_global_norm(1.0), {}),
+                  "unscale": (tx.unscale(), {"loss_scale": 2.0}),
+                  "unscale_and_clip_zero": (tx.unscale_and_clip_zero(1.0), {"loss_scale": 2.0}),
+                  "check_finite": (tx.check_finite(), {})}
+    for name, (t, extra) in transforms.items():
+        g = tree()
+        cut(g["deep"][0], keep)
+        expect(f"{name} {keep}", lambda: t.update(g, t.init(g), **extra), name + ": grads" + holds, g["w"])
+    for name, fn in {"global_norm": tx.global_norm, "all_finite": tx.all_finite,
+                     "scale_tree": lambda g: tx.scale_tree(g, 0.5)}.items():
+        g = tree()
+        cut(g["deep"][0], keep)
+        expect(f"{name} {keep}", lambda: fn(g), name + ": grads" + holds, g["w"])
+    expect(f"sumsq {keep}", lambda: tx.sumsq(cut(torch.randn(3000), keep)),
+           rf"sumsq: x: its storage holds {keep} bytes.*reach byte 12000")
+
+    params = tree()
+    first = tree()
+    state = tx.accumulate(tx.accumulation_init(params), first, params)
+    g = tree()
+    cut(g["deep"][0], keep)
+    expect(f"accumulate first {keep}", lambda: tx.accumulate(tx.accumulation_init(params), g, params),
+           "grads" + holds, params["w"])
+    expect(f"accumulate {keep}", lambda: tx.accumulate(state, g, params), "grads" + holds, state.total["w"],
+           state.total["deep"][0])
+    cut(state.total["deep"][0], keep)
+    expect(f"accumulate state.total {keep}", lambda: tx.accumulate(state, tree(), params), "state.total" + holds,
+           state.total["w"])
+    expect(f"accumulated state.total {keep}", lambda: tx.accumulated(state, params), "state.total" + holds,
+           state.total["w"])
+print("ok")
+"""
+
+
+def test_a_gradient_whose_storage_was_freed_or_shrunk_is_refused_by_the_transforms_naming_it():
+    script_prints_ok(_FREED_GRADIENT)
