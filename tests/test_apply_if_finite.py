@@ -22,6 +22,8 @@ from sofx import transforms
 from sofx.errors import HParamError, LeafError, SofxError, UndoError, UnsupportedError
 from sofx.apply_if_finite import ApplyIfFiniteState
 
+from helpers import script_prints_ok
+
 NAN, INF = math.nan, math.inf
 
 
@@ -361,3 +363,38 @@ def test_the_loops_refuse_the_wrapper_and_say_they_skip_non_finite_steps_themsel
     loop = sofx.serial.init_loop(opt.inner, params, sofx.loss_scale.static_scale(1.0))
     with pytest.raises(SofxError, match=r"apply_if_finite.*opt\.inner"):
         sofx.serial.serial_loop_step(opt, loop, {"w": torch.randn(3, 2)}, scaler=sofx.loss_scale.static_scale(1.0))
+
+
+# A gradient whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk: the finiteness
+# test read it with torch before the inner optimizer's checks (a segmentation fault for a freed one). Refused naming
+# its path, the inputs and the counters unchanged; run in a subprocess so that a crash fails the test.
+_FREED_GRADIENT = """
+import re
+import torch
+import sofx
+from sofx.errors import LeafError
+
+for keep in (0, 11996):  # freed; one element short
+    for donate in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = {"w": torch.randn(4, 3, generator=gen), "deep": [torch.randn(3000, generator=gen)]}
+        grads = {"w": torch.randn(4, 3, generator=gen), "deep": [torch.randn(3000, generator=gen)]}
+        opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+        state = opt.init(params)
+        kept = [params["w"], params["deep"][0], grads["w"], state.notfinite_count, state.total_notfinite]
+        before = [t.clone() for t in kept]
+        grads["deep"][0].untyped_storage().resize_(keep)
+        print(keep, donate, flush=True)  # (a crash names the case it crashed in)
+        try:
+            opt.update(params, grads, state, donate=donate)
+        except LeafError as e:
+            assert re.search(rf"grads\\['deep'\\]\\[0\\]: its storage holds {keep} bytes.*reach byte 12000", str(e)), e
+        else:
+            raise AssertionError("not refused")
+        assert all(torch.equal(a, b) for a, b in zip(kept, before)), "an input was written"
+print("ok")
+"""
+
+
+def test_a_gradient_whose_storage_was_freed_or_shrunk_is_refused_naming_it_before_the_finiteness_test():
+    script_prints_ok(_FREED_GRADIENT)

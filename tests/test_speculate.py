@@ -24,6 +24,8 @@ from sofx import speculate as sp
 from sofx.kernels.base import FINITE_CHUNK
 from sofx.serial import serial_step
 
+from helpers import script_prints_ok
+
 S16 = 2.0 ** 16
 
 
@@ -1744,3 +1746,46 @@ def test_the_speculative_loop_step_evaluates_a_validation_schedule_at_the_loop_s
                                                r"step 4"):
         sp.speculative_loop_step(opt, spec_loop, grads, config=sp.SpeculationConfig(), scaler=rule,
                                  hparams=backward_hp, validation_hparams=lambda t: 1e-3)
+
+
+# A late gradient (or any leaf's gradient) whose memory was freed (untyped_storage().resize_(0), as FSDP frees
+# tensors) or shrunk: the step added the late one to the leaf's gradient with torch after the leaves were
+# speculated (a segmentation fault for a freed one). Refused naming it before any leaf is stepped, the inputs
+# unchanged even with donation; run in a subprocess so that a crash fails the test.
+_FREED_LATE_GRADIENT = """
+import re
+import torch
+import sofx
+from sofx import loss_scale
+from sofx import speculate as sp
+from sofx.errors import LeafError
+
+for keep in (0, 11996):  # freed; one element short
+    for donate in (False, True):
+        for role in ("grads", "late_grads"):
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.randn(6, generator=gen), torch.randn(3000, generator=gen)]
+            grads = [torch.randn(6, generator=gen), torch.randn(3000, generator=gen)]
+            late = {1: torch.randn(3000, generator=gen)}
+            opt = sofx.adamw(lr=1e-2)
+            state = opt.init(params)
+            kept = [params[0], params[1], grads[0], state.mu[0], state.mu[1], state.nu[1]]
+            before = [t.clone() for t in kept]
+            (grads[1] if role == "grads" else late[1]).untyped_storage().resize_(keep)
+            print(keep, donate, role, flush=True)  # (a crash names the case it crashed in)
+            try:
+                sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=100.0),
+                                    scaler=loss_scale.static_scale(), scaler_state=loss_scale.static_scale().init(),
+                                    late_grads=late, donate=donate)
+            except LeafError as e:
+                want = rf"{re.escape(role)}\\[1\\]: its storage holds {keep} bytes.*reach byte 12000"
+                assert re.search(want, str(e)), str(e)
+            else:
+                raise AssertionError("not refused")
+            assert all(torch.equal(a, b) for a, b in zip(kept, before)), "an input was written"
+print("ok")
+"""
+
+
+def test_a_late_gradient_whose_storage_was_freed_or_shrunk_is_refused_before_any_leaf_is_stepped():
+    script_prints_ok(_FREED_LATE_GRADIENT)

@@ -21,6 +21,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamState, not_an_adam_state
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import is_bool
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.required import REQUIRED
@@ -170,6 +171,8 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                    if isinstance(extra, torch.Tensor) else type(extra).__name__)
             raise LeafError(f"late_grads[{i}]: expected a tensor like the leaf's gradient (shape {tuple(g.shape)}, "
                             f"dtype {g.dtype}, device {g.device}), got {got}")
+        if not in_storage(extra):  # (freed or shrunk: added to the gradient after the leaves were stepped)
+            refuse_short_storage(extra, f"late_grads[{i}]")
 
     ctx, tally = begin_step(opt, config, scaler, scaler_state, policy_state, n_blocks=n, hparams=list(hps),
                             backward_scale=backward_scale, last_micro_step=last_micro_step)
