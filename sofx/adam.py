@@ -838,7 +838,7 @@ class Adam:
                 # changes of it (a schedule's lr.fill_()).
                 # A numpy number is read as the Python number it holds (the kernels take Python numbers).
                 full = filled[id(hp)] = hp if all(type(x) is float or type(x) is int for x in hp) else \
-                    AdamHParams(*(as_number(d if x is None else x) for x, d in zip(hp, self.defaults)))
+                    _read_hparams(hp, self.defaults, f"hparams for {path}")
             out.append(full)
         return out
 
@@ -1010,6 +1010,16 @@ class Adam:
         return "algebraic", ""
 
 
+def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHParams:
+    """``hp`` with its ``None`` fields from ``defaults``, each value read (:func:`~sofx.kernels.base.as_number`: a
+    concrete 0-d tensor or a numpy number as its Python number); a tensor outside its storage (freed or shrunk) is
+    refused, an :class:`HParamError` naming ``where`` and the field (``hparams for params['w']: lr``), or the
+    default's field where it came from ``defaults`` (``defaults: lr``, as the optimizer's construction names it)."""
+    return AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
+                         as_number(x, lambda f=f: f"{where}: {f}")
+                         for f, x, d in zip(AdamHParams._fields, hp, defaults)))
+
+
 def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
     number or a 0-d floating-point tensor, >= 0, and at most float32's largest value where a leaf with a
@@ -1027,7 +1037,7 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
         raise HParamError(f"grad_scale must be a number or a 0-d floating-point tensor, got a tensor of shape "
                           f"{tuple(grad_scale.shape)} and dtype {grad_scale.dtype}")
     else:
-        value = as_number(grad_scale)
+        value = as_number(grad_scale, "grad_scale")
     if is_number(value) and not 0 <= value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value >= 0")
     if is_number(value) and value > FLOAT32_MAX:
@@ -1738,7 +1748,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
                                   f"got shape {tuple(value.shape)}")
             if is_traced(value):
                 return
-            value = value.item()
+            value = as_number(value, lambda: f"{where}{path}: {name}")
         if isinstance(value, int) and not -sys.float_info.max <= value <= sys.float_info.max:
             # an int no float holds: the kernels' float(value) would raise an OverflowError
             raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {HPARAM_RANGES[name][1]}, a "

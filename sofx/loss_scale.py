@@ -177,7 +177,7 @@ def _store(rule: Any, **fields: Any) -> None:
 def _overflow(value: Any) -> bool:
     """``overflow`` as a bool: a Python or numpy bool, or a 0-d bool tensor; a string, a number or ``None`` is
     refused (any non-empty string was taken as an overflow)."""
-    x = as_number(value)  # a concrete 0-d tensor as its Python value
+    x = as_number(value, "overflow")  # a concrete 0-d tensor as its Python value
     if is_bool(x):
         return bool(x)
     raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
@@ -204,7 +204,7 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return
-    scale = real_number(state.scale)  # (torch's GradScaler keeps a 0-d tensor; numpy numbers come from files)
+    scale = real_number(state.scale, f"{where}['scale']")  # (torch's GradScaler keeps a 0-d tensor; numpy: files)
     try:
         ok = isinstance(scale, numbers.Real) and not is_bool(scale) and math.isfinite(scale) and scale >= 0
     except OverflowError:  # an int beyond the float range
@@ -244,7 +244,7 @@ def plain_state(state: LossScaleState, where: str = "scaler_state") -> LossScale
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return state
-    return state._replace(scale=float(real_number(state.scale)),
+    return state._replace(scale=float(real_number(state.scale, f"{where}['scale']")),
                           **{name: int(getattr(state, name)) for name in least})
 
 

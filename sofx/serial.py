@@ -210,7 +210,7 @@ def check_scale(name: str, s: Any) -> float:
     """A loss scale as a float: finite and >= 0 (a scale of 0, which GradScaler reaches after many
     overflows in a row, is not refused: the step is an overflow, see :func:`can_unscale`). A numpy number or a
     1-element tensor is read as its number (:func:`~sofx.kernels.user_numbers.real_number`)."""
-    x = real_number(s)
+    x = real_number(s, name)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
     except OverflowError:  # an int beyond the float range

@@ -208,7 +208,7 @@ def _norm_value(who: str, name: str, norm: Any) -> float | torch.Tensor:
     ``who``, ``name``, the value and its type (a negative norm made ``norm + 1e-6`` 0 or of the wrong sign)."""
     if is_traced(norm):
         return norm
-    x = real_number(norm)
+    x = real_number(norm, f"{who}: {name}")
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else -math.inf
     except OverflowError:  # an int beyond the float range
@@ -274,6 +274,8 @@ def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
                           "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")
     if isinstance(factor, torch.Tensor):
+        if not (is_traced(factor) or in_storage(factor)):  # (freed or shrunk: every leaf times bytes past its end)
+            refuse_short_storage(factor, "scale_tree: factor", HParamError)
         return _scale_by_tensor(grads, factor.reshape(()))
     return tree.tree_map(lambda g: g * factor, grads)
 
@@ -408,7 +410,7 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
                               f"{tuple(s.shape)}")
         if is_traced(s):
             return s.reshape(())
-        s = s.item()
+        s = real_number(s, f"{who}: loss_scale")
     if isinstance(s, bool) or not isinstance(s, numbers.Real):
         raise HParamError(f"{who}: loss_scale must be a number or a 1-element float tensor, got {type(s).__name__}")
     try:

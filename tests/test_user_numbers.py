@@ -11,6 +11,8 @@ import torch
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.user_numbers import as_integer, finite_number, flag, integer
 
+from helpers import script_prints_ok
+
 np = pytest.importorskip("numpy")
 
 
@@ -69,3 +71,100 @@ def test_flag_refuses_what_is_no_python_or_numpy_bool_naming_it(value, kind):
     assert flag("on", np.bool_(True)) is True
     with pytest.raises(HParamError, match=r"on = .* is invalid; expected a bool \(True or False\), got " + kind):
         flag("on", value)
+
+
+# A number given as a 0-d tensor whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or
+# shrunk: its .item() raised torch's RuntimeError ("... lazy allocation ... mutable_data()") for a freed one, and
+# read bytes past a shrunk end (an lr of 1.9e36, a loss scale of -1.2e17: steps of garbage, or refused as the
+# wrong number). Refused naming the argument (the hparam's leaf path), nothing written; in a subprocess, so that a
+# crash fails the test.
+_FREED_NUMBER = """
+import re
+import torch
+import sofx
+from sofx import AdamHParams, loss_scale, serial
+from sofx import transforms as tx
+from sofx.errors import HParamError, SofxError
+
+
+def number(value, keep, dtype=torch.float32):
+    t = torch.tensor(value, dtype=dtype)
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+def expect(case, fn, error, name, keep, need=4):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    before = {k: t.clone() for k, t in params.items()}
+    try:
+        fn()
+    except error as e:
+        assert re.search(re.escape(name) + rf": its storage holds {keep} bytes.*reach byte {need}", str(e)), \\
+            f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert all(torch.equal(params[k], before[k]) for k in params), f"{case}: an input was written"
+
+
+for keep in (0, 2):  # freed; shrunk
+    params = {"w": torch.randn(4, 3), "b": torch.randn(5)}
+    grads = {k: torch.randn(t.shape) for k, t in params.items()}
+    opt = sofx.adamw(lr=1e-2)
+    state = opt.init(params)
+    for donate in (False, True):
+        expect(f"hparams lr {keep} {donate}", lambda: opt.update(params, grads, state, AdamHParams(lr=number(1e-3, keep)),
+               donate=donate), HParamError, "hparams for params['b']: lr", keep)
+        expect(f"hparams per leaf {keep} {donate}",
+               lambda: opt.update(params, grads, state, {"w": AdamHParams(), "b": AdamHParams(eps=number(1e-8, keep))},
+                                  donate=donate), HParamError, "hparams for params['b']: eps", keep)
+        expect(f"grad_scale {keep} {donate}", lambda: opt.update(params, grads, state, grad_scale=number(0.5, keep),
+               donate=donate), HParamError, "grad_scale", keep)
+    expect(f"defaults {keep}", lambda: sofx.adamw(lr=number(1e-3, keep)), HParamError, "defaults: lr", keep)
+    lr = torch.tensor(1e-3)
+    later = sofx.adamw(lr=lr)
+    lr.untyped_storage().resize_(keep)
+    expect(f"defaults freed later {keep}", lambda: later.update(params, grads, later.init(params)), HParamError,
+           "defaults: lr", keep)
+    static = loss_scale.static_scale()
+    expect(f"speculative hparams {keep}", lambda: sofx.speculate.speculative_step(
+        opt, params, grads, state, config=sofx.speculate.SpeculationConfig(), scaler=static,
+        scaler_state=static.init(), hparams=AdamHParams(beta1=number(0.9, keep))), HParamError,
+        "hparams for params['b']: beta1", keep)
+    expect(f"begin_step hparams {keep}", lambda: sofx.speculate.begin_step(
+        opt, sofx.speculate.SpeculationConfig(), static, static.init(), None, n_blocks=2,
+        hparams=[AdamHParams(), AdamHParams(lr=number(1e-3, keep))]), HParamError, "hparams for blocks[1]: lr", keep)
+
+    t = tx.unscale()
+    expect(f"unscale loss_scale {keep}", lambda: t.update(grads, t.init(grads), loss_scale=number(2.0, keep)),
+           HParamError, "unscale: loss_scale", keep)
+    t = tx.unscale_and_clip_zero(1.0)
+    expect(f"zero loss_scale {keep}", lambda: t.update(grads, t.init(grads), loss_scale=number(2.0, keep)),
+           HParamError, "unscale_and_clip_zero: loss_scale", keep)
+    expect(f"max_norm {keep}", lambda: tx.clip_by_global_norm(number(1.0, keep)), HParamError, "max_norm", keep)
+    expect(f"clip_coefficient norm {keep}", lambda: tx.clip_coefficient(number(1.0, keep), 1.0), HParamError,
+           "clip_coefficient: norm", keep)
+    expect(f"zero_clip_factor scale {keep}", lambda: tx.zero_clip_factor(1.0, number(2.0, keep), 1.0), HParamError,
+           "zero_clip_factor: scale", keep)
+    expect(f"scale_tree factor {keep}", lambda: tx.scale_tree(grads, number(0.5, keep)), HParamError,
+           "scale_tree: factor", keep)
+
+    rule = loss_scale.grad_scaler()
+    sstate = rule.init()._replace(scale=number(65536.0, keep))
+    expect(f"serial_step scaler_state {keep}", lambda: serial.serial_step(
+        opt, params, grads, state, scaler=rule, scaler_state=sstate), HParamError, "scaler.scale(scaler_state)", keep)
+    expect(f"scaler update {keep}", lambda: rule.update(sstate, False), HParamError, "scaler_state['scale']", keep)
+    if keep == 0:  # (a bool's one byte cannot be shrunk but to none)
+        expect("scaler overflow", lambda: rule.update(rule.init(), number(True, 0, torch.bool)), HParamError,
+               "overflow", 0, 1)
+
+    fin = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    fstate = fin.init(params)
+    fstate = fstate._replace(notfinite_count=number(0, keep * 2, torch.int64))
+    expect(f"apply_if_finite counter {keep}", lambda: fin.update(params, grads, fstate), SofxError,
+           "apply_if_finite: state.notfinite_count", keep * 2, 8)
+print("ok")
+"""
+
+
+def test_a_number_given_as_a_tensor_whose_storage_was_freed_or_shrunk_is_refused_naming_it():
+    script_prints_ok(_FREED_NUMBER)

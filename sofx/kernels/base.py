@@ -85,7 +85,7 @@ from torch.autograd.graph import increment_version
 
 from sofx.errors import HParamError, LeafError, UnsupportedError
 from sofx.kernels.layout import in_memory_order, one_dense_layout, same_layout
-from sofx.kernels.storage import refuse_short_storage
+from sofx.kernels.storage import TensorName, in_storage, refuse_short_storage
 
 Scalar = Union[float, int, torch.Tensor]
 
@@ -208,14 +208,19 @@ def traced_possible() -> tuple[bool, bool]:
     return torch.is_grad_enabled(), torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def as_number(x: Scalar) -> Scalar:
+def as_number(x: Scalar, name: TensorName = "a 0-d tensor", error: type[Exception] = HParamError) -> Scalar:
     """A Python number for a concrete 0-d tensor or a numpy real (:func:`is_numpy_real`: a numpy integer as an
     int, a numpy float as a float), ``x`` itself otherwise.
 
     Reading hyperparameters as Python numbers makes the float arithmetic of a
     step identical to ``torch.optim``'s (done in double precision on the host).
+    A tensor whose element lies outside its storage (freed, ``untyped_storage().resize_(0)``, or shrunk: its
+    ``item()`` raised torch's RuntimeError, or read past the end) is refused, ``error`` naming it ``name`` (the
+    caller's name of the argument, or a function that builds it: :func:`~sofx.kernels.storage.refuse_short_storage`).
     """
     if isinstance(x, torch.Tensor) and not is_traced(x) and x.dim() == 0:
+        if not in_storage(x):
+            refuse_short_storage(x, name, error)
         return x.item()
     if is_numpy_real(x):
         return int(x) if isinstance(x, numbers.Integral) else float(x)

@@ -17,6 +17,7 @@ import torch
 
 from sofx.errors import HParamError
 from sofx.kernels.base import is_traced
+from sofx.kernels.storage import TensorName, in_storage, refuse_short_storage
 
 __all__ = ["is_bool", "real_number", "positive_number", "nonnegative_number", "finite_number", "as_integer", "integer", "flag"]
 
@@ -26,15 +27,20 @@ def is_bool(x: object) -> bool:
     return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
 
 
-def real_number(value: Any) -> Any:
+def real_number(value: Any, name: TensorName = "a 1-element tensor", error: type[Exception] = HParamError) -> Any:
     """``value`` as a real number where it is one, else ``value`` itself.
 
     A Python or numpy real (``numbers.Real``, not a bool) is returned as is; a
     1-element tensor whose value can be read (not traced, :func:`is_traced`) as
-    its Python value, when that is a real number (a bool or complex tensor is not).
+    its Python value, when that is a real number (a bool or complex tensor is not). A tensor whose element lies
+    outside its storage (freed, ``untyped_storage().resize_(0)``, or shrunk: its ``item()`` raised torch's
+    RuntimeError, or read past the end) is refused, ``error`` naming it ``name``
+    (:func:`~sofx.kernels.storage.refuse_short_storage`).
     """
     x = value
     if isinstance(x, torch.Tensor) and x.numel() == 1 and not is_traced(x):
+        if not in_storage(x):
+            refuse_short_storage(x, name, error)
         x = x.item()
     return x if isinstance(x, numbers.Real) and not is_bool(x) else value
 
@@ -53,7 +59,7 @@ def positive_number(name: str, value: Any) -> float:
 
     Converted once where a configuration is built, so that the arithmetic downstream is on Python floats (a
     tensor kept as given made every number computed from it a tensor)."""
-    x = real_number(value)
+    x = real_number(value, name)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
     except OverflowError:  # an int beyond the float range
@@ -68,7 +74,7 @@ def nonnegative_number(name: str, value: Any, hint: str = "") -> float:
     """``value`` as a Python float where it is a real number >= 0, inf included (:func:`real_number`: a Python or
     numpy number, a 1-element readable tensor; an int beyond the float range is inf), else an
     :class:`HParamError` naming ``name``, the value and its type (``hint``: what the values mean, in the message)."""
-    x = real_number(value)
+    x = real_number(value, name)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
     except OverflowError:  # an int beyond the float range
@@ -85,7 +91,7 @@ def finite_number(name: str, value: Any) -> int | float:
     ``name``, the value and its type.
 
     Read once where a configuration is built (a numpy ``float32`` was refused, a tensor kept as given)."""
-    x = real_number(value)
+    x = real_number(value, name)
     if isinstance(x, numbers.Real) and not is_bool(x):
         x = int(x) if isinstance(x, numbers.Integral) else float(x)
         try:
@@ -97,11 +103,12 @@ def finite_number(name: str, value: Any) -> int | float:
                       f"1-element tensor), got {_described(value)}")
 
 
-def as_integer(value: Any) -> int | None:
+def as_integer(value: Any, name: TensorName = "a 1-element tensor",
+               error: type[Exception] = HParamError) -> int | None:
     """``value`` as a Python int where it is an integer (:func:`real_number`: a Python or numpy integer, a
     1-element readable integer tensor; not a bool), else None. For a caller with its own message; else
-    :func:`integer`."""
-    x = real_number(value)
+    :func:`integer`. A tensor outside its storage is refused, ``error`` naming it ``name`` (:func:`real_number`)."""
+    x = real_number(value, name, error)
     return int(x) if isinstance(x, numbers.Integral) and not is_bool(x) else None
 
 
@@ -111,7 +118,7 @@ def integer(name: str, value: Any, minimum: int = 0, error: type[Exception] = HP
 
     For counts and sizes: a float, even a whole one, is refused (a count computed in floats is a bug
     upstream), and so is a bool."""
-    x = as_integer(value)
+    x = as_integer(value, name, error)
     if x is not None and x >= minimum:
         return x
     x = real_number(value)

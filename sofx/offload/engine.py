@@ -164,7 +164,7 @@ def _check_timeout(timeout: Any) -> float:
     """``timeout`` as a Python float of seconds in ``(0, threading.TIMEOUT_MAX]`` (a numpy number or a 1-element
     tensor too); a bool is refused, and so is more than the threads' waits take (an inf timeout was taken and
     the first wait raised an OverflowError)."""
-    t = real_number(timeout)
+    t = real_number(timeout, "timeout", UnsupportedError)
     if not (isinstance(t, numbers.Real) and not is_bool(t) and 0 < t <= threading.TIMEOUT_MAX):
         raise UnsupportedError(f"timeout must be a number of seconds > 0 and at most threading.TIMEOUT_MAX = "
                                f"{threading.TIMEOUT_MAX:g}, got {timeout!r}")

@@ -155,7 +155,8 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
         if loss_scale != "dynamic":
             raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule")
         return grad_scaler() if profile == "torch" else deepspeed_scaler()
-    number = real_number(loss_scale)  # numpy's float32 too, or a 1-element tensor (it was refused as no number)
+    # numpy's float32 too, or a 1-element tensor (it was refused as no number)
+    number = real_number(loss_scale, "loss_scale")
     if isinstance(number, numbers.Real) and not is_bool(number):
         return static_scale(number)
     if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):

@@ -271,7 +271,8 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
             check_step_hparams(hparams, "hparams", evaluated=False)
             raise HParamError(f"hparams for blocks[{i}]: expected an AdamHParams, got {type(hp).__name__}")
         # concrete tensors read now: validation compares these values, not tensors changed in place since
-        out.append(AdamHParams(*(as_number(d if x is None else x) for x, d in zip(hp, defaults))))
+        out.append(AdamHParams(*(as_number(d if x is None else x, lambda f=f: f"hparams for blocks[{i}]: {f}")
+                                 for f, x, d in zip(AdamHParams._fields, hp, defaults))))
     return tuple(out)
 
 
@@ -357,7 +358,7 @@ def _sumsq_value(where: str, value: Any, block: int | None = None) -> float:
     block of an entry of :func:`plan_validation`'s ``sumsq``, where ``None`` (no gradient) is taken too."""
     if type(value) is float and not value < 0:  # (the common case, once per block and step)
         return value
-    x = real_number(value)
+    x = real_number(value, where, SofxError)
     if isinstance(x, numbers.Real) and not is_bool(x):
         try:
             f = float(x)
