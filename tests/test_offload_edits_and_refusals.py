@@ -230,3 +230,94 @@ print("ok")
 
 def test_a_parameter_whose_storage_was_freed_is_refused_naming_it_and_nothing_is_taken() -> None:
     script_prints_ok(_FREED_PARAM)
+
+
+# The optimizer's state given, or a model parameter it writes, whose memory was freed (untyped_storage().resize_(0),
+# as FSDP frees tensors) or shrunk: load_state_dict() copied a block's tensors in (a segmentation fault for a freed
+# one) and the masters into the model's parameters (a segmentation fault, or a write past a shrunk parameter's end:
+# glibc's "corrupted double-linked list"); opt.state[p][key] = t copied t in (reading past its end: garbage in the
+# moments), and a master into the model's parameter; a saved group's tensor lr failed torch's deepcopy. Each is
+# refused naming it before anything changes; in a subprocess, so that a crash fails the test.
+_FREED_STATE = """
+import re
+import torch
+from torch import nn
+import sofx.offload
+from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
+
+torch.set_num_threads(1)
+
+
+def cut(t, keep):
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+def setup(executor):
+    torch.manual_seed(0)
+    model = nn.Linear(40, 30)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
+    for _ in range(2):
+        opt.backward(model(torch.randn(8, 40)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    saved = {"state": {**sd["state"], "blocks": [{k: v.clone() for k, v in b.items()} for b in sd["state"]["blocks"]]},
+             "param_groups": [dict(g) for g in sd["param_groups"]]}
+    return model, opt, saved
+
+
+def engine_tensors(opt):
+    blocks = [opt.engine.tensors[layout.index] for layout in opt.engine.layouts]
+    return [getattr(t, k).clone() for t in blocks for k in ("master", "exp_avg", "exp_avg_sq", "counts")]
+
+
+def expect(case, opt, model, fn, error, pattern):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    before, bias = engine_tensors(opt), model.bias.detach().clone()
+    try:
+        fn()
+    except error as e:
+        assert re.search(pattern, str(e)), f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert all(torch.equal(a, b) for a, b in zip(engine_tensors(opt), before)), f"{case}: the state changed"
+    assert torch.equal(model.bias, bias), f"{case}: the model changed"
+
+
+for executor in ("inline", "thread"):
+    for keep in (0, 8):  # freed; shrunk
+        holds = f": its storage holds {keep} bytes"
+        for key in ("master", "exp_avg", "exp_avg_sq", "counts"):
+            model, opt, saved = setup(executor)
+            cut(saved["state"]["blocks"][0][key], keep)
+            expect(f"load {key} {executor} {keep}", opt, model, lambda: opt.load_state_dict(saved), StructureError,
+                   re.escape(f"state_dict['state']['blocks'][0][{key!r}]") + holds)
+        model, opt, saved = setup(executor)
+        saved["param_groups"][0]["lr"] = cut(torch.tensor(1e-3), keep // 4)
+        expect(f"load group lr {executor} {keep}", opt, model, lambda: opt.load_state_dict(saved), HParamError,
+               re.escape("saved param_groups[0]['lr']") + f": its storage holds {keep // 4} bytes")
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            model, opt, saved = setup(executor)
+            value = cut(torch.randn(30, 40), keep)
+            expect(f"set {key} {executor} {keep}", opt, model, lambda: opt.state[model.weight].__setitem__(key, value),
+                   UnsupportedError, re.escape(f"parameter 0's state[{key!r}]") + holds)
+        model, opt, saved = setup(executor)
+        step = cut(torch.tensor(5), keep // 2)
+        expect(f"set step {executor} {keep}", opt, model, lambda: opt.state[model.weight].__setitem__("step", step),
+               UnsupportedError, re.escape("parameter 0's state['step']") + f": its storage holds {keep // 2} bytes")
+        param = re.escape("parameter 0 (param_groups[0]['params'][0], shape (30, 40))") + holds
+        model, opt, saved = setup(executor)
+        cut(model.weight, keep)
+        expect(f"set master into a freed parameter {executor} {keep}", opt, model,
+               lambda: opt.state[model.weight].__setitem__("master", torch.randn(30, 40)), SofxError, param)
+        model, opt, saved = setup(executor)
+        cut(model.weight, keep)
+        expect(f"load into a freed parameter {executor} {keep}", opt, model, lambda: opt.load_state_dict(saved),
+               SofxError, param)
+print("ok")
+"""
+
+
+def test_a_state_or_a_parameter_whose_storage_was_freed_or_shrunk_is_refused_naming_it_and_nothing_changes() -> None:
+    script_prints_ok(_FREED_STATE)

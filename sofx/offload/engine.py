@@ -84,7 +84,7 @@ from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
-from sofx.kernels.storage import refuse_short_storage
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
@@ -190,10 +190,11 @@ def describe_block(layouts: Sequence[BlockLayout], group_starts: Sequence[int], 
     return f"block {b} ({'; '.join(named)}{f'; and {more} more' if more > 0 else ''})"
 
 
-def _whole_number(value: Any, largest: int) -> int | None:
+def _whole_number(value: Any, largest: int, name: str, error: type[Exception]) -> int | None:
     """``value`` as a Python int where it is a whole number in ``[0, largest]`` (a float as torch.optim keeps its
-    step, a numpy number, a 1-element tensor), else None (an inf or nan float, whose ``int()`` raised)."""
-    x = real_number(value)
+    step, a numpy number, a 1-element tensor), else None (an inf or nan float, whose ``int()`` raised); a tensor
+    outside its storage (freed or shrunk) is refused, ``error`` naming it ``name``."""
+    x = real_number(value, name, error)
     if isinstance(x, numbers.Real) and not is_bool(x) and not isinstance(x, numbers.Integral):
         x = float(x)
         x = int(x) if math.isfinite(x) and x.is_integer() else None
@@ -738,6 +739,16 @@ class OffloadEngine:
             return False
         grad, (ref, version, ptr) = self.params[index].grad, mark
         return grad is None or grad is not ref() or grad._version != version or grad.data_ptr() != ptr
+
+    def _refuse_short_params(self, indices: Sequence[int]) -> None:
+        """Refuse (a :class:`SofxError` naming it, :meth:`_describe_param`) a model parameter of ``indices`` whose
+        storage no longer holds it (freed with ``untyped_storage().resize_(0)``, as FSDP frees a parameter, or
+        shrunk: :func:`~sofx.kernels.storage.refuse_short_storage`), before a master is copied into it (a write at
+        address 0, or past its end)."""
+        for i in indices:
+            p = self.params[i]
+            if not in_storage(p):
+                refuse_short_storage(p, lambda: self._describe_param(i), SofxError)
 
     def _describe_param(self, index: int) -> str:
         """Parameter ``index`` for an error message: ``parameter 3 (param_groups[0]['params'][3], shape (4, 5))``."""
@@ -1344,6 +1355,7 @@ class OffloadEngine:
         self._check_usable()
         with self._exclusive("load_state_dict()"):
             self._check_between_steps("load_state_dict()")
+            self._refuse_short_params(range(len(self.params)))  # (the masters are copied into them)
             self._wait_all()
             load_engine_state(self, state, where)
             self._state_changed(CONTENT_KEYS)
@@ -1423,7 +1435,8 @@ class OffloadEngine:
             raise UnsupportedError(f"optimizer state key {key!r}; a parameter's state has {sorted(views)}")
         target = views[key]
         if key == "step":
-            count = _whole_number(value, torch.iinfo(target.dtype).max)
+            count = _whole_number(value, torch.iinfo(target.dtype).max, f"parameter {index}'s state['step']",
+                                  UnsupportedError)
             if count is None:
                 raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0 (at most "
                                        f"{torch.iinfo(target.dtype).max}), got {value!r}")
@@ -1432,6 +1445,8 @@ class OffloadEngine:
             self._state_changed()
             return
         self._check_param_state_value(index, key, value, target)
+        if key == "master":  # (given to the model's parameter too)
+            self._refuse_short_params([index])
         self._wait_all()
         with torch.no_grad():
             target.copy_(value)

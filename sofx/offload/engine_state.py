@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sofx.errors import HParamError, SofxError, StructureError
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.loss_scale import DynamicLossScaleRule, GradScalerRule, StaticScaleRule, plain_state
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
@@ -247,14 +248,17 @@ def _check_tensor(x: Any, have: torch.Tensor, where: str) -> None:
 
 
 def check_dense(x: torch.Tensor, where: str, error: type[SofxError] = StructureError) -> None:
-    """``x`` is a dense (strided) tensor with data (not nested, not ``meta``), which ``copy_`` can copy from; else
-    ``error`` naming ``where``."""
+    """``x`` is a dense (strided) tensor with data (not nested, not ``meta``, its elements in its storage: not freed
+    or shrunk, :func:`~sofx.kernels.storage.refuse_short_storage`), which ``copy_`` can copy from; else ``error``
+    naming ``where``."""
     if x.is_nested:  # (its layout is strided or jagged; it has no shape)
         raise error(f"{where}: expected a dense (strided) tensor, got a nested tensor")
     if x.layout != torch.strided:
         raise error(f"{where}: expected a dense (strided) tensor, got layout {x.layout}")
     if x.is_meta:
         raise error(f"{where}: expected a tensor with data, got one on device {x.device}")
+    if not in_storage(x):  # (freed, as FSDP frees tensors, or shrunk: copy_ read outside any allocation)
+        refuse_short_storage(x, where, error)
 
 
 def _check_values(block: Mapping[str, torch.Tensor], where: str) -> None:

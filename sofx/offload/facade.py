@@ -130,6 +130,7 @@ import torch
 from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option,
                        torch_betas)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import finite_number, flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
@@ -775,9 +776,16 @@ def _check_no_repeats(params: list[torch.Tensor], where: str) -> None:
 
 
 def _check_saved_group_fits(saved: Any, group: Mapping[str, Any], where: str) -> None:
-    """A saved param group fits ``group``: a dict with as many ``params``."""
+    """A saved param group fits ``group``: a dict with as many ``params``, whose tensors (a tensor ``lr``, ``betas``
+    of tensors) hold their elements in their storage (not freed or shrunk: torch's deepcopy of the group failed on
+    one, :func:`~sofx.kernels.storage.refuse_short_storage`; an :class:`HParamError` naming it)."""
     if not isinstance(saved, Mapping):
         raise StructureError(f"{where}: expected a dict (a param group), got {type(saved).__name__}")
+    for key, value in saved.items():
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        for j, v in enumerate(values):
+            if isinstance(v, torch.Tensor) and not in_storage(v):
+                refuse_short_storage(v, f"{where}[{key!r}]" + (f"[{j}]" if values is value else ""), HParamError)
     params = saved.get("params", ())
     if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
         found = f"{len(params)} parameters" if isinstance(params, (list, tuple)) else repr(params)
