@@ -22,7 +22,7 @@ from sofx import tree
 from sofx.checkpoint import atomic as ck_atomic
 from sofx.checkpoint import io as ck_io
 
-from helpers import trees_equal
+from helpers import script_prints_ok, trees_equal
 
 
 class Pair(NamedTuple):
@@ -867,3 +867,89 @@ def test_a_file_name_as_long_as_the_file_system_allows_is_saved_and_its_temporar
         ck.save(path, {"x": torch.zeros(2)})
     assert len(seen) == 1 and len(seen[0]) == 1 and len(os.fsencode(os.path.basename(seen[0][0]))) <= limit
     assert torch.equal(ck.load(path)["x"], torch.arange(4)) and ck.stale_temporaries(path) == []
+
+
+# A tensor whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk, given to a
+# checkpoint writer or converter: save() failed in safetensors' memoryview ("info->buf must not be NULL") for a freed
+# one and wrote a file of bytes read past a shrunk one's end (its load then failed the checksum); save_async(),
+# to_torch_optim() and from_torch_optim() copied it (a segmentation fault; garbage past a shrunk end); save_zero3()
+# failed in torch's view ("setStorage: ... out of bounds"); a step count or a group's tensor lr named no leaf.
+# Each is refused naming the leaf, before any file is written; in a subprocess, so that a crash fails the test.
+_FREED_CHECKPOINT = """
+import os, re, sys, tempfile
+import torch
+import sofx
+import sofx.checkpoint as ck
+from sofx.checkpoint import CheckpointError
+
+
+def cut(t, keep):
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+def setup():
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.adamw(lr=1e-2)
+    params = {"w": torch.randn(40, 30, generator=gen), "b": torch.randn(3000, generator=gen)}
+    grads = {k: torch.randn(t.shape, generator=gen) for k, t in params.items()}
+    params, state, _ = opt.update(params, grads, opt.init(params))
+    return opt, params, state
+
+
+def expect(case, fn, pattern, directory):
+    print(case, flush=True)  # (a crash names the case it crashed in)
+    before = sorted(os.listdir(directory))
+    try:
+        fn()
+    except CheckpointError as e:
+        assert re.search(pattern, str(e)), f"{case}: {e}"
+    else:
+        raise AssertionError(f"{case}: not refused")
+    assert sorted(os.listdir(directory)) == before, f"{case}: a file was written"
+
+
+for keep in (0, 8):  # freed; shrunk
+    holds = f": its storage holds {keep} bytes"
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "run.ckpt")
+    opt, params, state = setup()
+    cut(params["b"], keep)
+    expect(f"save {keep}", lambda: ck.save(path, {"params": params}), re.escape("tree['params']['b']") + holds, d)
+    expect(f"save_async {keep}", lambda: ck.save_async(path, {"params": params}).wait(),
+           re.escape("tree['params']['b']") + holds, d)
+    expect(f"save_zero3 param {keep}", lambda: ck.save_zero3(d, opt, params, state),
+           re.escape("params['b']") + holds, d)
+    for field in ("mu", "nu"):
+        opt, params, state = setup()
+        cut(getattr(state, field)["b"], keep)
+        expect(f"to_torch_optim {field} {keep}", lambda: ck.to_torch_optim(opt, state),
+               re.escape(f"state.{field}['b']") + holds, d)
+        expect(f"save_zero3 {field} {keep}", lambda: ck.save_zero3(d, opt, params, state),
+               re.escape(f"state.{field}['b']") + holds, d)
+    opt, params, state = setup()
+    cut(state.count["b"], keep // 2)
+    count = re.escape("state.count['b']") + f": its storage holds {keep // 2} bytes"
+    expect(f"to_torch_optim count {keep}", lambda: ck.to_torch_optim(opt, state), count, d)
+    expect(f"save_zero3 count {keep}", lambda: ck.save_zero3(d, opt, params, state), count, d)
+    for key in ("exp_avg", "exp_avg_sq"):
+        opt, params, state = setup()
+        sd = ck.to_torch_optim(opt, state)
+        cut(sd["state"][0][key], keep)
+        expect(f"from_torch_optim {key} {keep}", lambda: ck.from_torch_optim(opt, sd, params),
+               re.escape(f"state[0][{key!r}] for params['b']") + holds, d)
+    opt, params, state = setup()
+    sd = ck.to_torch_optim(opt, state)
+    cut(sd["state"][0]["step"], keep // 4)
+    expect(f"from_torch_optim step {keep}", lambda: ck.from_torch_optim(opt, sd, params),
+           re.escape("state[0] (params['b'])") + f": its storage holds {keep // 4} bytes", d)
+    sd = ck.to_torch_optim(opt, state)
+    sd["param_groups"][0]["lr"] = cut(torch.tensor(1e-3), keep // 4)
+    expect(f"from_torch_optim lr {keep}", lambda: ck.from_torch_optim(opt, sd, params),
+           re.escape("param_groups[0]['lr']") + f": its storage holds {keep // 4} bytes", d)
+print("ok")
+"""
+
+
+def test_a_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_the_checkpoint_writers_naming_it():
+    script_prints_ok(_FREED_CHECKPOINT)

@@ -43,6 +43,7 @@ except ImportError:  # numpy is optional: no numpy scalar can reach the codec th
         pass
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from sofx.kernels.storage import in_storage, refuse_short_storage
 
 __all__ = ["EncodedTree", "NO_TEMPLATE", "encode", "decode", "dtype_name", "dtype_from_name", "type_name", "ROOT"]
 
@@ -208,6 +209,8 @@ def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:
         raise CheckpointError(f"{path}: a tensor on the meta device has no data to store")
     if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t):
         raise CheckpointError(f"{path}: the tensor is traced by torch.func or torch.compile and has no value to store")
+    if not in_storage(t):  # (freed, as FSDP frees tensors, or shrunk: its bytes would be read outside its storage)
+        refuse_short_storage(t, path, CheckpointError)
     name = dtype_name(t.dtype)
     if name is None:
         raise CheckpointError(f"{path}: dtype {t.dtype} cannot be stored in a checkpoint (safetensors has no code "

@@ -35,6 +35,7 @@ from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
+from sofx.kernels.storage import in_storage, refuse_short_storage
 
 __all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
 
@@ -112,13 +113,15 @@ def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
         odd = _not_a_moment(t)
         if odd is not None:
             raise CheckpointError(f"state.{field}{at}: expected a dense floating-point tensor with data, got one {odd}")
+        if not in_storage(t):  # (freed or shrunk: its clone read outside its storage)
+            refuse_short_storage(t, f"state.{field}{at}", CheckpointError)
 
 
 def _export_count(x: Any, where: str) -> int:
     """A leaf's step count as torch.optim can hold it: an integer in ``[0, 2**24]`` (0: a leaf never stepped,
     which torch keeps no state for; torch's float32 ``step`` is exact up to ``2**24``). A negative count (which
     ``update`` refuses) is refused, not left out as a leaf never stepped."""
-    c = as_number(x)
+    c = as_number(x, where, CheckpointError)
     if not isinstance(c, int):
         raise CheckpointError(f"{where}: expected a concrete 0-d int64 tensor, got {x!r}")
     if c < 0:
@@ -131,7 +134,7 @@ def _export_count(x: Any, where: str) -> int:
 
 def _as_step(x: Any, where: str) -> int:
     """A saved step as sofx counts it: an integer value in ``[0, 2**63)`` (an int64 count)."""
-    v = as_number(x) if isinstance(x, torch.Tensor) else x
+    v = as_number(x, where, CheckpointError) if isinstance(x, torch.Tensor) else x
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not 0 <= v < 2 ** 63 or int(v) != v:
         raise CheckpointError(f"{where}: step must be a non-negative integer value below 2**63, got "
                               f"{tree.key_text(x)}")
@@ -156,8 +159,12 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
 def _group_hparams(group: dict, gi: int) -> AdamHParams:
     try:
         b1, b2 = group["betas"]
-        values = [as_number(group["lr"]), as_number(b1), as_number(b2), as_number(group["eps"]),
-                  as_number(group["weight_decay"])]
+        at = f"param_groups[{gi}]"
+        values = [as_number(group["lr"], f"{at}['lr']", CheckpointError),
+                  as_number(b1, f"{at}['betas'][0]", CheckpointError),
+                  as_number(b2, f"{at}['betas'][1]", CheckpointError),
+                  as_number(group["eps"], f"{at}['eps']", CheckpointError),
+                  as_number(group["weight_decay"], f"{at}['weight_decay']", CheckpointError)]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay ({exc})") \
             from None
@@ -342,6 +349,8 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         if odd is not None:
             raise CheckpointError(f"from_torch_optim: {where}[{name!r}] for {path}: expected a dense floating-point "
                                   f"tensor with data, got one {odd}")
+        if not in_storage(t):  # (freed or shrunk: its copy read outside its storage)
+            refuse_short_storage(t, f"from_torch_optim: {where}[{name!r}] for {path}", CheckpointError)
         out[leaf] = t.detach().to(device=device, dtype=dtype, copy=True)
 
 

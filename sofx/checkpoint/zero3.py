@@ -62,6 +62,7 @@ from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import flag, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
                              StaticScaleState, deepspeed_scaler, static_scale)
@@ -115,7 +116,7 @@ def _pieces(leaves: Sequence[torch.Tensor], world_size: int) -> list[torch.Tenso
 
 def _block_count(counts: list[Any], g: ParamGroup, paths: list[str]) -> int:
     """The one step count of block ``g``: its leaves' counts, each a concrete integer >= 0, all equal."""
-    values = [as_number(counts[i]) for i in g.leaves]
+    values = [as_number(counts[i], f"state.count{paths[i][len('params'):]}", CheckpointError) for i in g.leaves]
     for i, v in zip(g.leaves, values):
         if not isinstance(v, int):
             raise CheckpointError(f"state.count{paths[i][len('params'):]}: expected a concrete 0-d int64 tensor")
@@ -181,6 +182,8 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
             if t.layout != torch.strided or t.device.type == "meta":  # (torch's bare errors from the copy)
                 what = f"of layout {t.layout}" if t.layout != torch.strided else "on the meta device"
                 raise CheckpointError(f"{path}: {name} is a tensor {what}, which has no dense data to store")
+            if not in_storage(t):  # (freed, as FSDP frees tensors, or shrunk: torch's view of it failed)
+                refuse_short_storage(t, path if name == "param" else name + path[len("params"):], CheckpointError)
             if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 # the layout's flat groups are float32: wider values would be rounded without a word
                 raise UnsupportedError(f"{path}: {name} has dtype {t.dtype}; the ZeRO-3 layout stores float32 (from "
