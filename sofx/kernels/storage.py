@@ -10,7 +10,12 @@ operations crash on it too. Every entry that hands tensors on refuses such a one
 test alone. Callers that check many tensors per step (:class:`sofx.Adam`'s leaves and records) first take the
 common case in one expression each (:func:`in_storage`, or the same test inline), and refuse with
 :func:`refuse_short_storage` only where it does not hold; the kernels' own common cases do so inline, or skip it
-where their caller checked (:data:`sofx.kernels.base.STORAGE_CHECKED`).
+where their caller checked (:data:`sofx.kernels.base.STORAGE_CHECKED`). Beyond the kernels and
+:class:`sofx.Adam`, the same refusal guards what reads the user's tensors before them: the gradient transforms
+(``sofx.transforms``: each leaf once, in ``_gradient_leaves``), a speculative step's late gradients and
+``apply_if_finite``'s finiteness test, a number given as a tensor (:func:`sofx.kernels.base.as_number`,
+:func:`sofx.kernels.user_numbers.real_number`: an hparam, ``grad_scale``, a loss scale, named by their callers), the
+offload engine's state loading and the model parameters it writes, and the checkpoint writers and converters.
 """
 
 from __future__ import annotations
