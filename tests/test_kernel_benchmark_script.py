@@ -5,7 +5,11 @@
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
 ``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``, ``benchmarks/dense_layouts.py``,
 ``benchmarks/redo_paths.py``,
-``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run."""
+``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run.
+
+The scripts run as ``__main__`` in one process (``script_runner``: Python, torch and sofx started once, not per
+script), but for those that need a process of their own (one that restarts itself, one that reads the environment
+at its start)."""
 
 from __future__ import annotations
 
@@ -19,9 +23,45 @@ import tempfile
 
 import pytest
 import torch
+from script_runner import ScriptRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "kernels.py")
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    """The process that runs the scripts here (one start of Python, torch and sofx for all; see script_runner)."""
+    runner = ScriptRunner(ROOT)
+    yield runner
+    runner.close()
+
+
+def test_a_script_that_fails_or_ends_the_runners_process_fails_its_run(scripts, tmp_path):
+    """The shared process answers as a process of the script's own would: a script's exit code and output, an
+    exception's traceback with exit code 1; a script that kills the process (a crash in native code) fails its
+    run, and the next script runs in a fresh process, from a state the previous scripts' changes do not reach."""
+    script = tmp_path / "probe.py"
+    script.write_text("import os, signal, sys, torch\n"
+                      "print('threads', torch.get_num_threads(), 'argv', sys.argv[1:], os.environ.get('PROBE'))\n"
+                      "os.environ['PROBE'] = 'set'\n"
+                      "torch.set_num_threads(1)\n"
+                      "if sys.argv[1] == 'exit': sys.exit('refused: ' + sys.argv[2])\n"
+                      "if sys.argv[1] == 'raise': raise ValueError('bad ' + sys.argv[2])\n"
+                      "if sys.argv[1] == 'kill': os.kill(os.getpid(), signal.SIGKILL)\n")
+    ok = scripts.run(str(script), ["ok"], timeout=120)
+    threads = ok.stdout.split()[1]  # torch's default in a fresh process
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, f"threads {threads} argv ['ok'] None\n", "")
+    refused = scripts.run(str(script), ["exit", "x"], timeout=120)
+    assert refused.returncode == 1 and refused.stdout == f"threads {threads} argv ['exit', 'x'] None\n"
+    assert refused.stderr == "refused: x\n"
+    raised = scripts.run(str(script), ["raise", "y"], timeout=120)
+    assert raised.returncode == 1 and raised.stderr.startswith("Traceback")
+    assert raised.stderr.endswith("ValueError: bad y\n")
+    killed = scripts.run(str(script), ["kill"], timeout=120)
+    assert killed.returncode != 0 and "ended (exit code -9)" in killed.stderr
+    after = scripts.run(str(script), ["ok"], timeout=120)
+    assert (after.returncode, after.stdout) == (0, f"threads {threads} argv ['ok'] None\n")
 
 
 def _module(script: str = SCRIPT):
@@ -32,9 +72,8 @@ def _module(script: str = SCRIPT):
     return mod
 
 
-def test_quick_run_prints_every_table_and_the_targets():
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--no-gpt2", "--no-deepspeed", "--reps", "1"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_quick_run_prints_every_table_and_the_targets(scripts):
+    proc = scripts.run(SCRIPT, ["--quick", "--no-gpt2", "--no-deepspeed", "--reps", "1"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     for config in ("params float32, states float32", "params bfloat16, states float32",
@@ -84,22 +123,27 @@ def test_stagger_places_the_arrays_at_distinct_page_offsets():
         assert torch.all(vs[0] > 0) and ps[1].shape == (5, 7)
 
 
-def _table_rows(script: str, args: list[str], prefixes: tuple[str, ...]) -> list[str]:
-    """Run ``benchmarks/<script>`` with ``args``; the lines of its table that start with one of ``prefixes``."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+def _table_rows(scripts: ScriptRunner | None, script: str, args: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    """Run ``benchmarks/<script>`` with ``args`` (in ``scripts``' process; None: in a fresh one, for a script that
+    reads the environment at its start); the lines of its table that start with one of ``prefixes``."""
+    path = os.path.join(ROOT, "benchmarks", script)
+    if scripts is None:
+        proc = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    else:
+        proc = scripts.run(path, args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [line for line in proc.stdout.splitlines() if line.startswith(prefixes)]
 
 
-def test_memory_floor_script_runs():
+def test_memory_floor_script_runs(scripts):
     """``benchmarks/memory_floor.py`` patches the kernel source by text; this keeps it building and running."""
     from sofx.kernels import _cpu_build
 
     lib = _cpu_build.load()
     if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
-    rows = _table_rows("memory_floor.py", ["--log2-numel", "14", "--rounds", "2", "--smoke-build"], ("| kernels", "| memory"))
+    rows = _table_rows(scripts, "memory_floor.py", ["--log2-numel", "14", "--rounds", "2", "--smoke-build"],
+                       ("| kernels", "| memory"))
     assert len(rows) == 2
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
@@ -139,30 +183,30 @@ def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, tmp_pat
     assert torch.equal(p2, p + g) or torch.equal(p2, p + v2)  # the AVX-512 step's add, or the AVX2 one's
 
 
-def test_prefetch_stagger_script_runs():
+def test_prefetch_stagger_script_runs(scripts):
     """``benchmarks/prefetch_stagger.py`` rewrites a #define of the kernel source; this keeps it building."""
     from sofx.kernels import _cpu_build
 
     lib = _cpu_build.load()
     if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
-    rows = _table_rows("prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--smoke-build", "--log2-numel", "14",
-                                               "--rounds", "2"], ("| kernels", "| traffic"))
+    rows = _table_rows(scripts, "prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--smoke-build",
+                                                        "--log2-numel", "14", "--rounds", "2"], ("| kernels", "| traffic"))
     assert [row.split(" | ")[0] for row in rows] == ["| kernels, stagger 64", "| traffic only, stagger 64"]
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
 
 
-def test_arena_placement_script_runs():
-    rows = _table_rows("arena_colouring.py", ["--log2-numel", "22", "--rounds", "1"], ("| one", "| coloured"))
+def test_arena_placement_script_runs(scripts):
+    rows = _table_rows(scripts, "arena_colouring.py", ["--log2-numel", "22", "--rounds", "1"], ("| one", "| coloured"))
     assert [row.split(" | ")[0] for row in rows] == ["| one page offset", "| coloured, 4 KiB pages",
                                                      "| coloured, huge pages (LocalArena)"] * 2
     for row in rows:
         assert re.fullmatch(r"\| .+ \| cpu(_fast)? \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \| \d+\.\d\d \|", row), row
 
 
-def test_idle_rows_script_runs():
-    rows = _table_rows("idle_rows.py", ["--log2-numel", "12", "--rounds", "1"], ("| float32", "| bfloat16"))
+def test_idle_rows_script_runs(scripts):
+    rows = _table_rows(scripts, "idle_rows.py", ["--log2-numel", "12", "--rounds", "1"], ("| float32", "| bfloat16"))
     assert len(rows) == 12
     for row in rows:
         assert re.fullmatch(r"\| \w+ \| (zero|decayed) \| [\d.]+( \| \d+\.\d){5} \|", row), row
@@ -180,19 +224,19 @@ def test_read_streams_script_runs():
         if subprocess.run([*cc.split(), "-fopenmp", probe, "-o", os.path.join(tmp, "omp")],
                           capture_output=True, timeout=120).returncode != 0:
             pytest.skip(f"{cc} builds no OpenMP program here (the script's threads)")
-    rows = _table_rows("read_streams.py", ["--log2-numel", "14", "--rounds", "2"], ("| ", "5/"))
+    rows = _table_rows(None, "read_streams.py", ["--log2-numel", "14", "--rounds", "2"], ("| ", "5/"))
     mixes = [row.split(" | ")[0] for row in rows if row.startswith("| ") and row[2].isdigit()]
     assert mixes == ["| 4 / 0", "| 5 / 0", "| 4 / 3", "| 5 / 3", "| 3 / 3", "| 4 / 4", "| 5 / 5", "| 2 / 1"]
     assert any(row.startswith("5/3 over 4/3") for row in rows)
 
 
 @pytest.mark.parametrize("backend", ["cpu_fast", "cpu"])
-def test_kernel_compute_script_runs(backend):
+def test_kernel_compute_script_runs(backend, scripts):
     """``benchmarks/kernel_compute.py`` compiles the kernel source with its own C harness: one row per dtype
     combination, a positive time per operation and place, for either backend's loops."""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("needs a C compiler")
-    rows = _table_rows("kernel_compute.py", ["--quick", "--smoke-build", "--backend", backend], ("| ",))
+    rows = _table_rows(scripts, "kernel_compute.py", ["--quick", "--smoke-build", "--backend", backend], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| ns per")]
     assert [row.split(" | ")[0] for row in body] == ["| float32", "| bf16 params + fp32 states", "| all-bf16"]
     for row in body:
@@ -209,13 +253,13 @@ def test_kernel_compute_reads_a_revisions_source():
     assert "sofx_adam_many" in source and not source.lstrip().startswith('"""')
 
 
-def test_kernel_memory_ab_script_runs():
+def test_kernel_memory_ab_script_runs(scripts):
     """``benchmarks/kernel_memory_ab.py`` builds two kernel sources as libraries and times both in one process:
     here this tree's against itself with one of its knobs changed (STEP_WIDTH 2), a row per dtype combination and
     operation with positive times and ratios; a name that is no knob of the source is refused."""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("needs a C compiler")
-    rows = _table_rows("kernel_memory_ab.py", ["--quick", "--smoke-build", "--define", "STEP_WIDTH=2",
+    rows = _table_rows(scripts, "kernel_memory_ab.py", ["--quick", "--smoke-build", "--define", "STEP_WIDTH=2",
                                               "--backend", "cpu"], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| dtypes")]
     assert [tuple(row.split(" | ")[:2]) for row in body] == [
@@ -223,8 +267,8 @@ def test_kernel_memory_ab_script_runs():
     for row in body:
         a, b, ratio = (float(x) for x in row.split(" | ")[2:5])
         assert a > 0 and b > 0 and ratio > 0, row
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_memory_ab.py"), "--quick",
-                           "--define", "NOT_A_KNOB=1"], capture_output=True, text=True, timeout=300)
+    proc = scripts.run(os.path.join(ROOT, "benchmarks", "kernel_memory_ab.py"), ["--quick", "--define", "NOT_A_KNOB=1"],
+                       timeout=300)
     assert proc.returncode != 0 and "NOT_A_KNOB is not one of the kernel source's #ifndef knobs" in proc.stderr
 
 
@@ -240,7 +284,7 @@ def test_a_define_that_is_no_knob_lists_the_knobs():
         mod.with_define(source, "PREFETCH_BYTE=1024")
 
 
-def test_build_parallel_script_runs():
+def test_build_parallel_script_runs(scripts):
     """``benchmarks/build_parallel.py`` builds the library with and without the parallel flags and times both in
     turns: a row per build with positive seconds, a row per dtype combination, backend and operation with positive
     times and ratios."""
@@ -249,7 +293,7 @@ def test_build_parallel_script_runs():
     cc = _cpu_build._compiler()
     if cc is None or not _cpu_build._parallel_flags(cc):
         pytest.skip("needs GCC 10 or later")
-    rows = _table_rows("build_parallel.py", ["--quick", "--smoke-build"], ("| parallel", "| serial", "| 2^16"))
+    rows = _table_rows(scripts, "build_parallel.py", ["--quick", "--smoke-build"], ("| parallel", "| serial", "| 2^16"))
     builds, body = rows[:2], rows[2:]
     assert [row.split(" (")[0] for row in builds] == ["| parallel", "| serial"]
     assert all(float(x) > 0 for row in builds for x in row.strip(" |").split(" | ")[1:])
@@ -276,8 +320,8 @@ def test_build_parallel_script_gives_the_librarys_reason_for_no_compiler(tmp_pat
     assert exit_.value.code == _cpu_build._no_compiler()
 
 
-def test_param_copy_script_runs():
-    rows = _table_rows("param_copy.py", ["--cases", "12:1,13:2", "--rounds", "2"], ("| step",))
+def test_param_copy_script_runs(scripts):
+    rows = _table_rows(scripts, "param_copy.py", ["--cases", "12:1,13:2", "--rounds", "2"], ("| step",))
     assert [row.split(" | ")[0] for row in rows] == [
         "| step", "| step, then copy_ (float32)", "| step(p_copy) (float32)", "| step, then copy_ (bfloat16)",
         "| step(p_copy) (bfloat16)"]
@@ -285,20 +329,20 @@ def test_param_copy_script_runs():
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d\d){2} \|", row), row
 
 
-def test_serial_step_script_runs():
+def test_serial_step_script_runs(scripts):
     """``benchmarks/serial_step.py --smoke``: every variant, and the same parameters after the same steps
     (the script exits 1 otherwise)."""
-    rows = _table_rows("serial_step.py", ["--smoke"], ("| torch", "| sofx"))
+    rows = _table_rows(scripts, "serial_step.py", ["--smoke"], ("| torch", "| sofx"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| torch: GradScaler + clip_grad_norm_ + AdamW(fused=True)",
         "| torch: clip_grad_norm_ + AdamW(fused=True), no scaler",
         "| sofx serial_step (backend cpu)", "| sofx serial_step (backend cpu_fast)"]
 
 
-def test_checked_update_script_runs():
+def test_checked_update_script_runs(scripts):
     """``benchmarks/checked_update.py --smoke``: every variant; the sofx ones took the same steps as the
     hinted one of their kind (the script exits 1 otherwise)."""
-    rows = _table_rows("checked_update.py", ["--smoke"], ("| torch", "| sofx"))
+    rows = _table_rows(scripts, "checked_update.py", ["--smoke"], ("| torch", "| sofx"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| torch AdamW(fused=True).step()", "| sofx update, hinted (grads_finite=True)",
         "| sofx update, checked in the step", "| sofx update, checked by a pass before",
@@ -310,10 +354,10 @@ def test_checked_update_script_runs():
     assert all(row.endswith(("| yes |", "| - |")) for row in rows), rows
 
 
-def test_snapshot_budget_script_runs():
+def test_snapshot_budget_script_runs(scripts):
     """``benchmarks/snapshot_budget.py --smoke``: a row per budget; without one nothing is refused and the run
     is torch's bit for bit (nothing undone); with 0 every speculated block that needed a snapshot is."""
-    rows = _table_rows("snapshot_budget.py", ["--smoke"], ("| none", "| the", "| 1/4", "| 0"))
+    rows = _table_rows(scripts, "snapshot_budget.py", ["--smoke"], ("| none", "| the", "| 1/4", "| 0"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| none", "| the embedding's whole snapshot", "| 1/4 of the embedding's", "| 0"]
     cells = [row.strip("|").split(" | ") for row in rows]
@@ -321,20 +365,21 @@ def test_snapshot_budget_script_runs():
     assert all(float(c[6]) <= 1e-5 for c in cells)
 
 
-def test_flagged_chunks_script_runs():
+def test_flagged_chunks_script_runs(scripts):
     """``benchmarks/flagged_chunks.py --smoke``: a row per phase, every time and ratio a number; the undoable and
     plain runs took the same steps (the script exits 1 otherwise)."""
-    rows = _table_rows("flagged_chunks.py", ["--smoke"], ("| 2-", "| 3-"))
+    rows = _table_rows(scripts, "flagged_chunks.py", ["--smoke"], ("| 2-", "| 3-"))
     assert [row.split(" | ")[0] for row in rows] == ["| 2-2", "| 3-4", "| 2-4"]
     for row in rows:
         assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){7}", row), row
 
 
-def test_overlap_script_runs():
+def test_overlap_script_runs(scripts):
     """``benchmarks/overlap.py`` on a tiny MLP, thread executor: one row with every column; the mild clip's
     speculated blocks are all redone (each step clips late)."""
-    rows = _table_rows("overlap.py", ["--width", "64", "--depth", "2", "--batch", "8", "--steps", "2", "--warmup",
-                                      "1", "--executors", "thread", "--block-numel", "4096"], ("| thread",))
+    rows = _table_rows(scripts, "overlap.py", ["--width", "64", "--depth", "2", "--batch", "8", "--steps", "2",
+                                               "--warmup", "1", "--executors", "thread", "--block-numel", "4096"],
+                       ("| thread",))
     assert len(rows) == 1
     cells = rows[0].strip("|").split(" | ")
     assert len(cells) == 14 and all(float(c) >= 0 for c in cells[1:12]), rows
@@ -342,11 +387,10 @@ def test_overlap_script_runs():
     assert mild and float(mild[1]) > 0 and mild[1] == mild[3] and float(mild[2]) == 0, cells[12]
 
 
-def test_spike_records_script_runs():
+def test_spike_records_script_runs(scripts):
     """``benchmarks/spike_records.py --smoke``: a row per variant, each with its time, ratio and page faults; the
     spiked update kept the leaves whole (the script asserts that the kernel call flagged every chunk)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "spike_records.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = scripts.run(os.path.join(ROOT, "benchmarks", "spike_records.py"), ["--smoke"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "the spiked records: snapshot" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| plain", "| spiked", "| its", "| kernel"))]
@@ -355,19 +399,19 @@ def test_spike_records_script_runs():
         assert re.fullmatch(r"\| [^|]+ \| \d+\.\d\d \| \d+\.\d\d \| \d+ \|", row), row
 
 
-def test_dense_layouts_script_runs():
+def test_dense_layouts_script_runs(scripts):
     """``benchmarks/dense_layouts.py --smoke``: a row per layout, each with its three times and ratios; the transposed
     leaf ended as the contiguous one's transpose (the script exits 1 otherwise)."""
-    rows = _table_rows("dense_layouts.py", ["--smoke"], ("| contiguous", "| transposed", "| channels_last"))
+    rows = _table_rows(scripts, "dense_layouts.py", ["--smoke"], ("| contiguous", "| transposed", "| channels_last"))
     assert [row.split(" | ")[0] for row in rows] == ["| contiguous", "| transposed", "| channels_last"]
     for row in rows:
         assert re.fullmatch(r"\| \w+( \| \d+\.\d+){6} \|", row), row
 
 
-def test_redo_paths_script_runs():
+def test_redo_paths_script_runs(scripts):
     """``benchmarks/redo_paths.py --smoke``: per backend the two plain steps, then the first step's and the bf16
     leaf's two undo_redo rows, donated and not, each with its min and median."""
-    rows = _table_rows("redo_paths.py", ["--smoke"], ("| plain", "| first", "| bf16"))
+    rows = _table_rows(scripts, "redo_paths.py", ["--smoke"], ("| plain", "| first", "| bf16"))
     names = ["plain step, fp32", "plain step, bf16 params"] + ["first step", "bf16 params, late clip",
                                                                 "bf16 params, new gradient"] * 2
     assert [row.split(" | ")[0][2:] for row in rows] == names * 2
@@ -375,9 +419,9 @@ def test_redo_paths_script_runs():
         assert re.fullmatch(r"\| [\w ,0-9]+ \| cpu(_fast)? \| (yes|no)( \| \d+\.\d+){2} \|", row), row
 
 
-def test_host_overhead_script_runs():
+def test_host_overhead_script_runs(scripts):
     """``benchmarks/host_overhead.py --smoke``: every variant prints its time per call and per tensor."""
-    rows = _table_rows("host_overhead.py", ["--smoke"], ("| torch", "| sofx"))
+    rows = _table_rows(scripts, "host_overhead.py", ["--smoke"], ("| torch", "| sofx"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| torch AdamW(fused=True).step()", "| torch AdamW(foreach=True).step()", "| sofx update, cpu, hinted",
         "| sofx update, cpu, checked in the pass", "| sofx update, cpu_fast, hinted",
@@ -386,10 +430,10 @@ def test_host_overhead_script_runs():
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
 
 
-def test_facade_overhead_script_runs():
+def test_facade_overhead_script_runs(scripts):
     """``benchmarks/facade_overhead.py --smoke``: the torch anchors and the facade with and without the SIGINT
     gate, each with its time per iteration and per parameter."""
-    rows = _table_rows("facade_overhead.py", ["--smoke"], ("| torch", "| SpeculativeAdamW"))
+    rows = _table_rows(scripts, "facade_overhead.py", ["--smoke"], ("| torch", "| SpeculativeAdamW"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| torch AdamW(foreach=True)", "| torch AdamW(fused=True)", "| SpeculativeAdamW, inline executor",
         "| SpeculativeAdamW, thread executor", "| SpeculativeAdamW, thread executor, no SIGINT gate"]
@@ -400,7 +444,7 @@ def test_facade_overhead_script_runs():
 def test_triton_host_script_runs():
     """``benchmarks/triton_host.py --smoke``: the Triton backend's host work with no-op launches, every row."""
     pytest.importorskip("triton")
-    rows = _table_rows("triton_host.py", ["--smoke"], ("| triton", "| adamw", "| the same"))
+    rows = _table_rows(None, "triton_host.py", ["--smoke"], ("| triton", "| adamw", "| the same"))
     assert [row.split(" | ")[0] for row in rows] == [
         "| triton.step, one call per tensor", "| triton.step_many, all tensors", "| triton.undo_redo_many, all tensors",
         "| adamw(backend='triton').update(..., grads_finite=True)",
@@ -409,9 +453,9 @@ def test_triton_host_script_runs():
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
 
 
-def test_borrow_crossover_script_runs():
+def test_borrow_crossover_script_runs(scripts):
     """``benchmarks/borrow_crossover.py --smoke``: a row per executor and size, with both policies timed."""
-    rows = _table_rows("borrow_crossover.py", ["--smoke"], ("| inline", "| thread"))
+    rows = _table_rows(scripts, "borrow_crossover.py", ["--smoke"], ("| inline", "| thread"))
     assert [row.split(" | ")[:2] for row in rows] == [["| inline", "16"], ["| inline", "64"],
                                                       ["| thread", "16"], ["| thread", "64"]]
     for row in rows:
