@@ -230,13 +230,14 @@ def test_read_streams_script_runs():
     assert any(row.startswith("5/3 over 4/3") for row in rows)
 
 
-@pytest.mark.parametrize("backend", ["cpu_fast", "cpu"])
-def test_kernel_compute_script_runs(backend, scripts):
+def test_kernel_compute_script_runs(scripts):
     """``benchmarks/kernel_compute.py`` compiles the kernel source with its own C harness: one row per dtype
-    combination, a positive time per operation and place, for either backend's loops."""
+    combination, a positive time per operation and place, for cpu_fast's loops. (``--backend cpu`` builds the
+    same program and passes it the replica kind; ``replica_kind``, ``loops_title`` and the harnesses' common part
+    with a replica, ``HELPERS``, run in ``test_kernel_memory_ab_script_runs``'s ``--backend cpu``.)"""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("needs a C compiler")
-    rows = _table_rows(scripts, "kernel_compute.py", ["--quick", "--smoke-build", "--backend", backend], ("| ",))
+    rows = _table_rows(scripts, "kernel_compute.py", ["--quick", "--smoke-build"], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| ns per")]
     assert [row.split(" | ")[0] for row in body] == ["| float32", "| bf16 params + fp32 states", "| all-bf16"]
     for row in body:
