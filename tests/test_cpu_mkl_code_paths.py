@@ -40,19 +40,31 @@ def _capped(isa: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=900, env=env, cwd=HERE)
 
 
+# The library's replica and whether it gives torch's bits, printed first; then, where there is a replica, cpu's
+# tests run in the same process (pytest.main: one start of Python, torch and sofx, not two).
+_PROBE_THEN_TESTS = f"""
+import sys
+import pytest
+from sofx.kernels import _cpu_build as b
+lib = b.load()
+print(lib.sqrt_replica, int(lib.bitwise_torch), flush=True)
+if lib.sqrt_replica:
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_cpu_mkl_sqrt.py",
+                          "test_kernels_cpu.py", "-k", {f"test_cpu_mkl_sqrt.py or ({KERNEL_TESTS})"!r}]))
+"""
+
+
 @pytest.mark.parametrize("isa", sorted(EXPECTED_ON_INTEL))
 def test_each_mkl_code_path_is_replicated(isa):
-    probe = _capped(isa, "-c", "from sofx.kernels import _cpu_build as b; lib = b.load(); "
-                               "print(lib.sqrt_replica, int(lib.bitwise_torch))")
-    assert probe.returncode == 0, probe.stderr
-    replica, bitwise = map(int, probe.stdout.split()[-2:])
+    run = _capped(isa, "-c", _PROBE_THEN_TESTS)
+    lines = run.stdout.strip().splitlines()
+    assert lines and len(lines[0].split()) == 2, run.stdout[-4000:] + run.stderr[-2000:]
+    replica, bitwise = map(int, lines[0].split())
     names = {kind: name for name, kind in _cpu_build.REPLICA_KINDS.items()}
     if _cpu_build._cpuinfo_field("vendor_id") == "GenuineIntel":
         assert names.get(replica) == EXPECTED_ON_INTEL[isa] and bitwise, (isa, replica)
     if not replica:
+        assert run.returncode == 0, run.stderr
         pytest.skip(f"no replica of MKL's square root accepted under MKL_ENABLE_INSTRUCTIONS={isa} here")
-    run = _capped(isa, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                  "test_cpu_mkl_sqrt.py", "test_kernels_cpu.py", "-k",
-                  f"test_cpu_mkl_sqrt.py or ({KERNEL_TESTS})")
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    summary = lines[-1]
     assert run.returncode == 0 and "passed" in summary, run.stdout[-4000:] + run.stderr[-2000:]
