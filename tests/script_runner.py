@@ -10,7 +10,7 @@ one would see (``sys.argv``, ``sys.path``, the environment, torch's thread count
 after it. Scripts that replace the process (``os.execve``) or read the environment before their imports
 (``TRITON_INTERPRET``) must run in a process of their own.
 
-Run as a program, this module is that process: a request per line on stdin (JSON: ``script``, ``args``), a
+Run as a program, this module is that process: a request per line on stdin (JSON: ``script``, ``args``, ``env``), a
 reply per line on the stdout it was started with (JSON: ``returncode``, ``stdout``, ``stderr``); output that
 bypasses ``sys.stdout`` (native code, child processes) goes to its stderr instead.
 """
@@ -31,20 +31,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ScriptRunner:
-    """Runs scripts in one Python process (started at the first :meth:`run`, again after one ended it)."""
+    """Runs scripts in one Python process (started at the first :meth:`run`, again after one ended it) in the
+    working directory ``cwd`` and with the environment ``env`` (default: this process's)."""
 
-    def __init__(self, cwd: str = ROOT) -> None:
-        self._cwd = cwd
+    def __init__(self, cwd: str = ROOT, env: dict[str, str] | None = None) -> None:
+        self._cwd, self._env = cwd, env
         self._proc: subprocess.Popen | None = None
 
-    def run(self, script: str, args: list[str], timeout: float = 600.0) -> subprocess.CompletedProcess:
-        """``script`` run as ``__main__`` with ``sys.argv[1:] == args``: its exit code, stdout and stderr (as
-        ``subprocess.run(..., capture_output=True, text=True)`` gives them). Raises ``subprocess.TimeoutExpired``
-        (the process killed) where it runs longer than ``timeout`` seconds."""
+    def run(self, script: str, args: list[str], timeout: float = 600.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``script`` run as ``__main__`` with ``sys.argv[1:] == args`` and the variables ``env`` set in the
+        environment for it: its exit code, stdout and stderr (as ``subprocess.run(..., capture_output=True,
+        text=True)`` gives them). Raises ``subprocess.TimeoutExpired`` (the process killed) where it runs longer
+        than ``timeout`` seconds."""
         proc = self._started()
         command = [script, *args]
         try:
-            proc.stdin.write(json.dumps({"script": script, "args": args}) + "\n")
+            proc.stdin.write(json.dumps({"script": script, "args": args, "env": env or {}}) + "\n")
             proc.stdin.flush()
         except BrokenPipeError:
             pass  # the process ended: reported below
@@ -78,7 +81,7 @@ class ScriptRunner:
     def _started(self) -> subprocess.Popen:
         if self._proc is None:
             self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True, cwd=self._cwd)
+                                          stdout=subprocess.PIPE, text=True, cwd=self._cwd, env=self._env)
         return self._proc
 
 
@@ -92,9 +95,9 @@ def _exit_code(exit_: SystemExit) -> int:
     return 1
 
 
-def _run(script: str, args: list[str]) -> dict:
-    """``script`` run as ``__main__`` (``sys.argv`` = [script, *args]): its exit code and captured output; the
-    process's state that a script changes is put back after it."""
+def _run(script: str, args: list[str], env: dict[str, str]) -> dict:
+    """``script`` run as ``__main__`` (``sys.argv`` = [script, *args], ``env`` set in the environment): its exit
+    code and captured output; the process's state that a script changes is put back after it."""
     import runpy
 
     import torch
@@ -104,6 +107,7 @@ def _run(script: str, args: list[str]) -> dict:
     out, err = io.StringIO(), io.StringIO()
     try:
         sys.argv = [script, *args]
+        os.environ.update(env)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 runpy.run_path(script, run_name="__main__")
@@ -133,7 +137,7 @@ def _serve() -> None:
 
     for line in sys.stdin:
         request = json.loads(line)
-        replies.write(json.dumps(_run(request["script"], request["args"])) + "\n")
+        replies.write(json.dumps(_run(request["script"], request["args"], request["env"])) + "\n")
         replies.flush()
 
 

@@ -2,7 +2,8 @@
 
 A GPU is lent to a session only now and then, for minutes: the script it runs must work the first
 time. The smoke run goes through the same code (correctness check against the reference, every
-storage configuration, the timing tables, the file written to ``$OUT``) at tiny sizes.
+storage configuration, the timing tables, the file written to ``$OUT``) at tiny sizes. The runs that need
+no interpreter share one process (``script_runner``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from script_runner import ScriptRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,28 +46,33 @@ def test_gpu_benchmark_script_smoke_run(tmp_path):
     assert "| sofx.adamw(backend='triton').update, donated |" in written
 
 
-def test_gpu_benchmark_script_refuses_a_smoke_run_without_the_interpreter():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_kernels.py"), "--smoke"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+@pytest.fixture(scope="module")
+def scripts():
+    """One process for the runs here that need no Triton interpreter (see script_runner): without
+    ``TRITON_INTERPRET``, which the Triton kernels read when they are defined."""
+    runner = ScriptRunner(ROOT, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    yield runner
+    runner.close()
+
+
+def test_gpu_benchmark_script_refuses_a_smoke_run_without_the_interpreter(scripts):
+    proc = scripts.run(os.path.join(ROOT, "benchmarks", "gpu_kernels.py"), ["--smoke"], timeout=120)
     assert proc.returncode == 2 and "TRITON_INTERPRET=1" in proc.stdout
 
 
-def test_back_to_back_script_says_when_there_is_no_gpu():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_back_to_back.py")],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+def test_back_to_back_script_says_when_there_is_no_gpu(scripts):
+    proc = scripts.run(os.path.join(ROOT, "benchmarks", "gpu_back_to_back.py"), [], timeout=120)
     if torch.cuda.is_available():
         assert proc.returncode == 0 and "| 2^28 | sofx triton step |" in proc.stdout
     else:
         assert proc.returncode == 0 and "no CUDA device here" in proc.stdout
 
 
-def test_gpu_offload_script_smoke_run(tmp_path):
+def test_gpu_offload_script_smoke_run(scripts, tmp_path):
     """``benchmarks/gpu_offload.py --smoke`` (a tiny model on the CPU): every variant, and the sofx
     variants' parameters equal the plain-torch offload's after the same steps (exit status 1 otherwise)."""
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_offload.py"), "--smoke"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = scripts.run(os.path.join(ROOT, "benchmarks", "gpu_offload.py"), ["--smoke"], timeout=300,
+                       env={"OUT": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     written = (tmp_path / "gpu_offload.md").read_text()
     rows = [line.split(" | ")[0] for line in written.splitlines() if line.startswith("| ") and "---" not in line]
@@ -73,9 +80,8 @@ def test_gpu_offload_script_smoke_run(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["gpu_kernels.py", "gpu_back_to_back.py"])
-def test_gpu_benchmark_scripts_print_their_usage_with_help(script):
+def test_gpu_benchmark_scripts_print_their_usage_with_help(script, scripts):
     """``--help`` prints the usage and exits 0 before the CUDA check (which says "no CUDA device here")."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = scripts.run(os.path.join(ROOT, "benchmarks", script), ["--help"], timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:") and "no CUDA device" not in proc.stdout, (
         proc.stdout + proc.stderr)
