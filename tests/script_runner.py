@@ -53,22 +53,25 @@ class ScriptRunner:
             pass  # the process ended: reported below
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         if not ready:
-            self.close()
+            self.close(kill=True)
             raise subprocess.TimeoutExpired(command, timeout)
         line = proc.stdout.readline()
         if not line:  # the script ended the process
-            code = proc.wait()
-            self._proc = None
+            self.close()
+            code = proc.returncode
             return subprocess.CompletedProcess(command, code if code else 1, "",
                                                f"the script runner's process ended (exit code {code}) running {script}")
         reply = json.loads(line)
         return subprocess.CompletedProcess(command, reply["returncode"], reply["stdout"], reply["stderr"])
 
-    def close(self) -> None:
-        """End the process (it ends at the end of its stdin; killed where it does not within 30 s)."""
+    def close(self, kill: bool = False) -> None:
+        """End the process: it ends at the end of its stdin, killed where it does not within 30 s (at once with
+        ``kill``: a script still running)."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        if kill:
+            proc.kill()
         with contextlib.suppress(OSError):
             proc.stdin.close()
         try:
