@@ -24,10 +24,13 @@ import contextlib
 import copy
 import functools
 import math
+import time
 import warnings
+from typing import Iterator
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.join import Join
@@ -532,9 +535,9 @@ def _state_changed_on_one_rank(rank: int) -> dict:
 
 def _hparams_unreadable_on_one_rank(rank: int) -> dict:
     """Rank 1's param group loses its 'lr' (reading its hparams raises a KeyError, not the engine's own error): at
-    step 1 before backward (restored before step()); at step 2 after backward, a step count set the same way on
-    both ranks first (so every rank compares its state at that step); restored, zero_grad(), step 3. What each
-    backward and step() raised, and the parameters after."""
+    step 1 before backward (restored before step()); at step 2 before backward too, a step count set the same way
+    on both ranks first (so every rank compares its state at that backward), restored before step(); restored,
+    zero_grad(), step 3. What each backward and step() raised, and the parameters after."""
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
@@ -552,10 +555,10 @@ def _hparams_unreadable_on_one_rank(rank: int) -> dict:
         out["step"] = error_text(opt.step)
         opt.zero_grad()
         opt.state[model.module.out.weight]["step"] = 2
-        plain(2)
         group.pop("lr") if rank == 1 else None
-        out["compared"] = error_text(opt.step)
+        out["compared_backward"] = error_text(lambda: plain(2))
         group["lr"] = LR
+        out["compared"] = error_text(opt.step)
         opt.zero_grad()
         plain(3)
         out["then"] = error_text(opt.step)
@@ -613,12 +616,171 @@ def _rebuilt_buckets(rank: int) -> dict:
     return out
 
 
+def _state_changed_after_a_backward_without_gradient(rank: int) -> dict:
+    """An optimizer over ``extra`` alone, frozen before the model was wrapped (DDP reduces the other layers: the
+    ranks exchange at each backward, and this optimizer gets no gradient). Between a backward and step(), on rank 1
+    alone: a step count set, a state dict loaded; what each raised, and what step() then said on each rank; then the
+    step count set on rank 1 alone after step(), and what the next backward's step() said."""
+    torch.manual_seed(0)
+    net = _Net()
+    net.extra.requires_grad_(False)
+    model = DDP(net)
+    opt = sofx.offload.SpeculativeAdamW(net.extra.parameters(), lr=LR, block_numel=16, ddp=model)
+    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    out: dict = {}
+    try:
+        with warnings.catch_warnings():  # (step() found no gradients)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            saved = copy.deepcopy(opt.state_dict())
+            plain(0)
+            if rank == 1:
+                out["step"] = error_text(lambda: opt.state[net.extra.weight].__setitem__("step", 3))
+                out["load_state_dict"] = error_text(lambda: opt.load_state_dict(saved))
+            out["stepped"] = error_text(opt.step)
+            if rank == 1:
+                opt.state[net.extra.weight]["step"] = 3
+            opt.zero_grad()
+            plain(1)
+            out["then"] = error_text(opt.step)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
+class _Checkpointed(nn.Module):
+    """The tiny MLP with its middle layer under reentrant checkpointing: its gradients come from a backward of their
+    own, inside the outer one (one exchange per backward DDP's buckets see: three once DDP rebuilt them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.extra, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.extra(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+@contextlib.contextmanager
+def _counted(calls: list, watch) -> Iterator[None]:
+    """Count the ranks' exchanges (``watch.exchange``) and comparisons (the engine's ``check_replicas``) into
+    ``calls`` (``"exchange"``, ``"compare"``)."""
+    import sofx.offload.engine as engine_module
+
+    compare, exchange = engine_module.check_replicas, watch.exchange
+    engine_module.check_replicas = lambda *args: (calls.append("compare"), compare(*args))[1]
+    watch.exchange = lambda *args, **kwargs: (calls.append("exchange"), exchange(*args, **kwargs))[1]
+    try:
+        yield
+    finally:
+        engine_module.check_replicas = compare
+        del watch.exchange
+
+
+def _exchanges_within_a_step(rank: int) -> dict:
+    """Per step, what step() said and the exchanges and comparisons made: a middle layer under reentrant
+    checkpointing, one bucket per parameter (3 exchanges per backward once DDP rebuilt them), a step count set on
+    rank 1 alone before step 2 ("checkpointed"); two synchronized backwards per step, rank 1 setting another lr
+    between them at step 1 ("accumulated")."""
+    out: dict = {}
+    for name in ("checkpointed", "accumulated"):
+        torch.manual_seed(0)
+        model = DDP(_Checkpointed(), bucket_cap_mb=1e-5) if name == "checkpointed" else _ddp({})
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                            gradient_accumulation_steps=1 if name == "checkpointed" else 2,
+                                            policy=AdaptivePolicy(enabled=False))
+        out[name] = []
+        calls: list = []
+        try:
+            with _counted(calls, opt.engine._replicas):
+                for step in range(3):
+                    opt.zero_grad()
+                    calls.clear()
+                    if name == "checkpointed":
+                        if step == 2 and rank == 1:
+                            opt.state[model.module.out.weight]["step"] = 9
+                        x, y = _batch(step, 0, rank)
+                        ((model(x) - y) ** 2).mean().backward()
+                    else:
+                        for micro in range(2):
+                            opt.param_groups[0]["lr"] = LR * (1 + rank) if (step, micro) == (1, 1) else LR
+                            x, y = _batch(step, micro, rank)
+                            ((model(x) - y) ** 2).mean().backward()
+                    out[name].append((error_text(opt.step), calls.count("exchange"), calls.count("compare")))
+        except Exception as exc:
+            out["error"] = f"{name}: {type(exc).__name__}: {exc}"
+        finally:
+            opt.close()
+    return out
+
+
+class _LoopError(Exception):
+    """An error of the training loop on one rank, between backward and step()."""
+
+
+def _raise_in_loop() -> None:
+    raise _LoopError("the loop's own error")
+
+
+def _step_skipped_on_one_rank(rank: int) -> dict:
+    """A step count set the same way on both ranks (so the next backward compares the ranks' states); after that
+    backward rank 1 skips step(): an error of the training loop raised and caught there ("raised"), or its step()
+    raising its own error (its param group lost its 'lr' after backward: "own_error"); both ranks then zero_grad().
+    What rank 0's step() (rank 1's error) said and how long it took; what the next step() said on each rank; and
+    after both ranks load the model and optimizer states saved before and zero_grad(), what a step() said and the
+    parameters after."""
+    out: dict = {}
+    for how in ("raised", "own_error"):
+        model = _ddp({})
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                            policy=AdaptivePolicy(enabled=False))
+        plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                                  scale=lambda loss: loss, inject=False)
+        group = opt.param_groups[0]
+        try:
+            plain(0)
+            opt.step()
+            saved = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
+            opt.zero_grad()
+            opt.state[model.module.out.weight]["step"] = 5
+            plain(1)
+            start = time.monotonic()
+            if rank == 0:
+                out[how] = error_text(opt.step)
+            elif how == "raised":
+                out[how] = error_text(_raise_in_loop)
+            else:
+                group.pop("lr")
+                out[how] = error_text(opt.step)
+                group["lr"] = LR
+            out[f"{how}_s"] = time.monotonic() - start
+            opt.zero_grad()
+            plain(2)
+            out[f"{how}_next"] = error_text(opt.step)
+            opt.zero_grad()
+            model.module.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            plain(3)
+            out[f"{how}_resumed"] = error_text(opt.step)
+            out[f"{how}_params"] = _flat(model.module)
+        except Exception as exc:
+            out["error"] = f"{how}: {type(exc).__name__}: {exc}"
+        finally:
+            opt.close()
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
          "hparams_unreadable": _hparams_unreadable_on_one_rank, "rebuilt_buckets": _rebuilt_buckets,
-         **{name: functools.partial(_setup_case, name) for name in SETUPS}}
+         **{name: functools.partial(_setup_case, name) for name in SETUPS},
+         "no_gradient": _state_changed_after_a_backward_without_gradient, "within_a_step": _exchanges_within_a_step,
+         "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
 
 @pytest.fixture(scope="module")
@@ -653,7 +815,9 @@ def _check(ranks: list[dict], name: str, tol: float = TOL) -> list[list[list[int
 @pytest.mark.parametrize("speculate", [True, False])
 def test_each_executor_under_ddp_equals_ddp_and_torch_adamw(ranks, executor: str, speculate: bool) -> None:
     """Clipping on CLIP_STEPS (speculated blocks undone and redone; the steps after may clip too), an inf on one
-    rank at INF_STEP (every rank skips, the scale backs off), a dynamic loss scale that grows."""
+    rank at INF_STEP (every rank skips, the scale backs off), a dynamic loss scale that grows. The first step, whose
+    backward compares the ranks' states (construction), is speculated after the comparison (it was held for a
+    comparison in step())."""
     reports = _check(ranks, executor if speculate else f"{executor}_off")
     assert reports[0] == reports[1], "the ranks took other decisions"
     for per_rank in reports:
@@ -662,6 +826,7 @@ def test_each_executor_under_ddp_equals_ddp_and_torch_adamw(ranks, executor: str
         assert (sum(r[0] for r in per_rank) > 0) == speculate
         if speculate:
             assert all(per_rank[s][1] > 0 for s in CLIP_STEPS), "the clipped steps redo speculated blocks"
+            assert per_rank[0][0] > 0, "the first step's blocks are speculated once its backward compared the states"
 
 
 @pytest.mark.parametrize("name", ["bucket_view", "find_unused", "static_graph", "no_sync", "accumulate_synced"])
@@ -884,16 +1049,17 @@ def test_a_state_changed_on_one_rank_before_a_step_without_backward_is_refused_o
 def test_hparams_that_raise_on_one_rank_are_its_own_error_and_no_rank_waits_for_it(ranks) -> None:
     """Reading rank 1's hparams raised something other than the engine's own error (a group without 'lr': a
     KeyError). At its backward the hook raised it before the ranks' exchange and the bucket's all-reduce: rank 0
-    waited in the exchange alone (gloo aborted on the mismatched collective, or a hang). At a step() where the
-    ranks compare their states, rank 1 raised it before the comparison's all-reduce (rank 0 waited there alone).
-    Now it is rank 1's own error, as a refused hparam is: raised out of its backward (the all-reduces complete
-    on every rank, and step() after restoring the lr steps as rank 0's), and named as rank 1's refused hparams by
-    the comparison, on every rank."""
+    waited in the exchange alone (gloo aborted on the mismatched collective, or a hang). Where the ranks compare
+    their states, rank 1 raised it before the comparison's all-reduce (rank 0 waited there alone). Now it is rank
+    1's own error, as a refused hparam is: raised out of its backward (the all-reduces complete on every rank, and
+    step() after restoring the lr steps as rank 0's), and named as rank 1's refused hparams by the comparison at
+    the backward where the ranks compare (nothing is speculated: neither backward raises), raised by step() on
+    every rank."""
     said = [res["hparams_unreadable"] for res in ranks]
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
         assert out["backward"] == ("KeyError: 'lr'" if rank == 1 else "no error"), (rank, out["backward"])
-        assert out["step"] == out["then"] == "no error", (rank, out)
+        assert out["step"] == out["compared_backward"] == out["then"] == "no error", (rank, out)
         assert out["compared"].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
                                           "lr=0.01, "), (rank, out["compared"])
         assert "refused (KeyError: 'lr') on rank 1" in out["compared"], (rank, out["compared"])
@@ -913,3 +1079,65 @@ def test_buckets_ddp_rebuilds_in_another_order_under_join_equal_ddp_and_torch_ad
         assert out["order"] == "3, 2, 1, 0, 7, 6, 5, 4", (rank, out["order"])  # (registration: 7, 6, ..., 0)
         for batches in ((1, 3), (3, 1)):
             assert torch.equal(out[f"sofx_{batches}"], out[f"torch_{batches}"]), (rank, batches)
+
+
+def test_a_step_skipped_on_one_rank_after_a_comparing_backward_leaves_no_rank_waiting(ranks) -> None:
+    """The ranks compared their states in step() where their exchange at backward decided so: a rank that skipped
+    that step() (an error of the loop between backward and step(), caught there; its step() raising its own error
+    first) left the others waiting in the comparison's all-reduce (until gloo's timeout, or its abort on the next
+    mismatched collective), where torch.optim steps on. The comparison is now made at backward, every rank at the
+    same point, and step() enters no collective: rank 0 steps at once (the group's timeout is 10 s). Loading the
+    same states on both ranks then steps on both, and the replicas are the same."""
+    said = [res["skipped_on_one_rank"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        for how in ("raised", "own_error"):
+            mine = ("no error" if rank == 0 else "_LoopError: the loop's own error" if how == "raised"
+                    else "KeyError: 'lr'")
+            assert out[how] == mine, (rank, how, out[how])
+            assert out[f"{how}_s"] < 5.0, (rank, how, out[f"{how}_s"])
+            assert out[f"{how}_resumed"] == "no error", (rank, how, out[f"{how}_resumed"])
+    for how in ("raised", "own_error"):
+        assert torch.equal(said[0][f"{how}_params"], said[1][f"{how}_params"]), how
+
+
+def test_a_state_change_between_a_backward_without_gradient_and_step_is_refused_under_ddp(ranks) -> None:
+    """Where a synchronized backward gave the optimizer no gradient (its parameters frozen: DDP reduces the
+    others) it held none, and a state change before step() was taken: the ranks had compared their states at that
+    backward, and step() compares nothing, so a change on one rank would be stepped unseen by the others (a state
+    dict loaded there made that rank's step() a collective of its own: gloo aborted). It is refused, as between a
+    backward that gave gradients and step(), naming it, and nothing changes; step() steps on every rank, and a
+    change made after it on one rank alone is named by the next step() on every rank."""
+    said = [res["no_gradient"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["stepped"] == "no error", (rank, out["stepped"])
+        assert out["then"].startswith("step() under DDP: the step count of block 0 (parameter 0 = param_groups[0]"
+                                      "['params'][0], shape (8, 8)) differs between ranks: 0 on rank 0; 3 on rank 1"), \
+            (rank, out["then"])
+    for what, call in (("step", "changing the optimizer state ('step')"), ("load_state_dict", "load_state_dict()")):
+        assert said[1][what].startswith(f"{call} was called between a synchronized backward and step(): under ddp "
+                                        "the ranks compared their optimizer states at that backward"), said[1][what]
+    assert said[0]["then"] == said[1]["then"]
+
+
+def test_the_exchanges_within_a_step_compare_once_and_step_enters_no_collective(ranks) -> None:
+    """Reentrant checkpointing makes several exchanges per backward: the comparison the first decided is made once
+    (where it found the states differ, the later ones, whose ranks' generations still moved, compare nothing more:
+    every step() raises what it found). An lr set on one rank alone between two synchronized backwards of a step is
+    compared at the second (the hparams: blocks may be speculated by then), and step() raises it on every rank,
+    entering no collective (a comparison there needed every rank's step())."""
+    said = [res["within_a_step"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        checkpointed, accumulated = out["checkpointed"], out["accumulated"]
+        assert [c[1:] for c in checkpointed] == [(1, 1), (3, 0), (3, 1)], (rank, checkpointed)
+        assert checkpointed[0][0] == checkpointed[1][0] == "no error", (rank, checkpointed)
+        assert checkpointed[2][0].startswith("step() under DDP: the step count of block 4 (parameter 4 = "
+                                             "param_groups[0]['params'][4], shape (3, 8)) differs between ranks: "
+                                             "2 on rank 0; 9 on rank 1"), (rank, checkpointed[2][0])
+        assert [a[1:] for a in accumulated] == [(2, 1), (2, 1), (2, 0)], (rank, accumulated)
+        assert accumulated[0][0] == "no error" and accumulated[2][0] == "no error", (rank, accumulated)
+        assert accumulated[1][0].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
+                                            "lr=0.01, "), (rank, accumulated[1][0])
+    assert said[0]["checkpointed"] == said[1]["checkpointed"] and said[0]["accumulated"] == said[1]["accumulated"]

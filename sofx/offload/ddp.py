@@ -26,7 +26,8 @@ gradient hooks), and a closed or collected optimizer leaves DDP's plain all-redu
 DDP compares the replicas' parameters at its construction only; the optimizer states are the engine's to keep the
 same: a :class:`ReplicaWatch` per engine notes each call that changes its state, and at each synchronized backward
 the hook has every rank take part in one tiny all-reduce (before its first bucket's), by which the ranks decide
-together whether ``step()`` compares their states (:func:`check_replicas`).
+together whether to compare their states, and where they decided so, compare them right after it, every rank at the
+same point (:func:`check_replicas`): ``step()`` raises what differs, on every rank, entering no collective.
 
 An optimizer made without ``ddp`` over parameters a DDP module averages is refused
 (:func:`refuse_averaged`): at construction, and at its first backward where the model was wrapped after it
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-from sofx.errors import UnsupportedError
+from sofx.errors import SofxError, UnsupportedError
 
 if TYPE_CHECKING:
     from sofx.offload.engine import OffloadEngine
@@ -189,7 +190,7 @@ class Decision(NamedTuple):
 
 class ReplicaWatch:
     """Under DDP: what of this rank's optimizer state changed since the ranks last compared theirs, and what the
-    ranks decided together about the step under way.
+    ranks decided and found together about the step under way.
 
     Every call that changes the state (construction, ``load_state_dict``, an ``opt.state[p][key]`` assignment,
     ``opt.state = {}``, ``reload_params``) bumps :attr:`generation` (:meth:`changed`, naming the keys whose contents
@@ -198,15 +199,17 @@ class ReplicaWatch:
     every rank takes part in one all-reduce (MAX) of 7 int64 (:meth:`exchange`): whether its generation moved since
     the last comparison, which contents changed, whether it joined (``DDP.join()``: it shadows the others'
     backward), and a digest of its hparams and minus it. Where a rank's generation moved or the hparams differ, all
-    ranks compare their states at ``step()`` (:func:`check_replicas`, before anything is stepped; no block of that
-    step is speculated); not while a rank has joined (it takes no step: the comparison waits for a step of every
-    rank). A rank that changed its state alone so makes every rank compare: none enters a collective alone."""
+    ranks compare their states right after it, at the same point (:func:`check_replicas`; at backward the outcome
+    is kept, :meth:`compared`, and ``step()`` raises the error on every rank: it enters no collective); not while
+    a rank has joined (it takes no step: the comparison waits for a step of every rank). A rank that changed its
+    state alone so makes every rank compare: none enters a collective alone."""
 
     def __init__(self, route: DDPRoute) -> None:
         self.route = route
-        self.generation, self.compared = 1, 0  # (construction: compared at the first step)
+        self.generation, self.compared_at = 1, 0  # (construction: compared at the first step)
         self.contents: set[str] = set()  # the keys whose contents changed since the last comparison
-        self.decision: Decision | None = None  # this step's (None: no exchange yet)
+        self.decision: Decision | None = None  # this step's latest exchange's (None: no exchange yet)
+        self.error: SofxError | None = None  # what this step's comparison found (None: nothing differs)
 
     def changed(self, contents: Sequence[str] = ()) -> None:
         """This rank's state changed (``contents``: the keys of :data:`CONTENT_KEYS` whose values it changed)."""
@@ -215,10 +218,12 @@ class ReplicaWatch:
 
     def exchange(self, hparams: str | None, joined: bool = False) -> None:
         """The ranks' exchange (see the class docstring), this rank's hparams being ``hparams`` (text; ``None``:
-        refused, the rank's own error, which its step raises: its digest is left out); the decision is this
-        step's, or-ed with an earlier one of it (a backward of an accumulation). A ``joined`` rank (its shadow of
-        a backward) only takes part."""
-        dirty = self.generation != self.compared
+        refused, the rank's own error, which its step raises: its digest is left out); its decision is this
+        step's from then on. Where the step's comparison found a difference already, it decides none (every rank
+        found it, and every step() raises it: no comparison twice for nothing, at the reentrant backwards of
+        checkpointing or the synchronized backwards of an accumulation). A ``joined`` rank (its shadow of a
+        backward) only takes part."""
+        dirty = self.generation != self.compared_at
         digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)
         flags = [0, 0, 0, 0, 1, *digest] if joined else \
             [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest]
@@ -230,26 +235,31 @@ class ReplicaWatch:
             return
         moved, *changed, anyone_joined, high, minus_low = got.tolist()
         differ = high != _NEUTRAL and high != -minus_low  # (every rank refused its hparams: none to compare)
-        compare = not anyone_joined and bool(moved or differ)
-        contents = {key for key, flag in zip(CONTENT_KEYS, changed) if flag}
-        if self.decision is not None:
-            compare, contents = compare or self.decision.compare, contents | set(self.decision.contents)
-        self.decision = Decision(compare, tuple(key for key in CONTENT_KEYS if key in contents))
+        compare = not anyone_joined and bool(moved or differ) and self.error is None
+        self.decision = Decision(compare, tuple(key for key, flag in zip(CONTENT_KEYS, changed) if flag))
 
     @property
     def holds_speculation(self) -> bool:
-        """Whether no block may be speculated now: the step's decision is not made yet, or it compares (the
-        comparison reads the state before the step)."""
-        return self.decision is None or self.decision.compare
+        """Whether no block may be speculated now: the step's decision is not made yet, its comparison is still
+        to come, or it found the states differ (the step raises)."""
+        return self.decision is None or self.decision.compare or self.error is not None
 
-    def compared_now(self) -> None:
-        """The ranks compared their states and found them the same."""
-        self.compared = self.generation
-        self.contents.clear()
+    def compared(self, error: SofxError | None, whole: bool = True) -> None:
+        """The ranks compared their states as decided: ``error``, where they differ (this step's, raised by its
+        ``step()``), else nothing differs; ``whole``: every entry was compared (not only the hparams and the loss
+        scaler, at a later backward of the step: see
+        :meth:`~sofx.offload.engine.OffloadEngine.begin_reduced_backward`), so the state is the others' as of
+        now."""
+        if error is not None:
+            self.error = error
+        elif whole:
+            self.compared_at = self.generation
+            self.contents.clear()
+        self.decision = self.decision._replace(compare=False)
 
     def forget_step(self) -> None:
         """The step ended (or was dropped): the next one decides anew."""
-        self.decision = None
+        self.decision, self.error = None, None
 
 
 def _digest_bounds(text: str) -> tuple[int, int]:
@@ -267,8 +277,8 @@ def check_replicas(route: DDPRoute, entries: Mapping[str, str]) -> None:
 
     :func:`sofx.distributed.agreement._agree`: one all-reduce of two int64 (a digest of the entries) on the group's
     device (CUDA for NCCL, else the CPU); only where the digests differ an ``all_gather_object`` of the entries, to
-    name what differs. Every rank must call it at the same point: at a ``step()`` where :class:`ReplicaWatch`'s
-    exchange decided so, on every rank."""
+    name what differs. Every rank must call it at the same point: right after :class:`ReplicaWatch`'s exchange
+    decided so (at a synchronized backward, or in a ``step()`` without one), on every rank."""
     from sofx.distributed.agreement import _agree
     from sofx.distributed.groups import _collective_device
 

@@ -570,7 +570,7 @@ class OffloadEngine:
         """Take the model's current parameter values as the new masters (after loading model weights)."""
         self._check_usable()
         with self._exclusive("reload_params()"):
-            self._check_between_steps("reload_params()")
+            self._check_state_change("reload_params()")
             self._wait_all()
             self._take_params_as_masters(range(len(self.params)))
             self._state_changed(("master",))
@@ -586,6 +586,18 @@ class OffloadEngine:
             raise SofxError(f"{what} was called between backward and step(): this step's gradients are held and "
                             "blocks may hold speculative steps of the current masters; call step() or zero_grad() "
                             "first")
+
+    def _check_state_change(self, what: str) -> None:
+        """:meth:`_check_between_steps` for a call that changes the state; under ``ddp`` also refused after the
+        ranks' exchange of a step at its synchronized backward (where that backward gave this optimizer no
+        gradient: it holds none): they compared their states there, and ``step()`` compares nothing, so the
+        change would be stepped unseen by the others."""
+        self._check_between_steps(what)
+        if self._replicas is not None and self._replicas.decision is not None:
+            raise SofxError(f"{what} was called between a synchronized backward and step(): under ddp the ranks "
+                            "compared their optimizer states at that backward and step() compares nothing (it "
+                            "enters no collective), so the change would be stepped unseen by the other ranks; call "
+                            "step() or zero_grad() first")
 
     # ------------------------------------------------------------ step state
     def _reset_step(self) -> None:
@@ -711,10 +723,21 @@ class OffloadEngine:
 
     def begin_reduced_backward(self) -> None:
         """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`), before its first bucket's
-        all-reduce: nothing refused yet, and the ranks decide whether they compare their states at this step
-        (:meth:`~sofx.offload.ddp.ReplicaWatch.exchange`, before any block is ready)."""
+        all-reduce: nothing refused yet, and the ranks decide whether they compare their states
+        (:meth:`~sofx.offload.ddp.ReplicaWatch.exchange`) and, where they decided so, compare them here, every
+        rank at the same point (:meth:`_compare_replicas`); what differs ``step()`` raises, on every rank, without
+        a collective of its own. At the step's first exchange no block of the step is speculated nor in flight
+        (the blocks ready before it are held): the whole state is compared, once the last step's operations are
+        done. At a later one (a reentrant backward of checkpointing, a synchronized backward of an accumulation)
+        blocks may be speculated meanwhile, by another thread (the completed buckets' gradients), so only what
+        none changes is compared (the hparams and the loss scaler: an lr set on one rank between the backwards);
+        the state is then compared at the next step's first exchange."""
         self._reduced_error = None
-        self._replicas.exchange(self._hparams_text())
+        watch = self._replicas
+        whole = watch.decision is None
+        watch.exchange(self._hparams_text())
+        if watch.decision.compare:
+            watch.compared(self._compare_replicas(watch.decision.contents, whole), whole)
 
     def shadow_reduced_backward(self) -> None:
         """This rank joined (``DDP.join()``) and shadows the others' backward: it takes part in their exchange."""
@@ -1022,7 +1045,8 @@ class OffloadEngine:
                 from self._failed
 
     def step(self) -> EngineStepReport:
-        """Validate this step's speculative updates and complete the step; returns its report.
+        """Validate this step's speculative updates and complete the step; returns its report. Under ``ddp`` it
+        enters no collective after a synchronized backward (see :meth:`_check_replicas`).
 
         Ctrl-C during ``step()`` is raised as it returns (or raises): the step is taken whole or, where it
         refuses, not begun (a second Ctrl-C goes through at once, see :mod:`sofx.offload.interrupts`)."""
@@ -1033,34 +1057,57 @@ class OffloadEngine:
             return self._step()
 
     def _check_replicas(self, watch: ReplicaWatch) -> None:
-        """Under ``ddp``, where the ranks decided so (:class:`~sofx.offload.ddp.ReplicaWatch`: a rank's state changed
-        since they last compared, construction included, or their hparams differ; the exchange is made here where
-        the step had no synchronized backward): raise the same error on every rank where the ranks' step counts,
-        hparams, loss scaler or the contents a rank changed differ (one rank loaded an older state dict, or none;
-        assigned a state alone), before anything is stepped (:func:`~sofx.offload.ddp.check_replicas`): DDP
-        compares the parameters at its construction only, and each rank would step its own state. The blocks of
-        that step are not speculated (they are stepped in ``step()``, after the check): a rank's state is what it
-        was when the check raises, and the step is the same bits as speculated. Where it raises (on every rank) the
-        step's decision is dropped: the next ``step()`` decides anew, with what changed since.
+        """Under ``ddp``, raise the same error on every rank where the ranks' step counts, hparams, loss scaler or
+        the contents a rank changed differ (one rank loaded an older state dict, or none; assigned a state alone),
+        before anything is stepped: DDP compares the parameters at its construction only, and each rank would step
+        its own state. The ranks decide together whether to compare (:class:`~sofx.offload.ddp.ReplicaWatch`: a
+        rank's state changed since they last compared, construction included, or their hparams differ) and compare
+        at the step's synchronized backward (:meth:`begin_reduced_backward`): here only its outcome is raised, no
+        collective is entered (a rank that skips this ``step()`` -- an error between backward and ``step()`` caught
+        on one rank -- leaves no other waiting). The outcome stands until the step ends or is dropped: another
+        ``step()`` raises it again. Where the step had no synchronized backward
+        the ranks exchange and compare here: that ``step()`` is a collective, and where it raises the step's
+        decision is dropped (the next ``step()`` decides anew, with what changed since).
 
         Its cost at every step: one all-reduce of 7 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
         ranks on one machine) and the hparams' digest. Where the ranks compare: about 0.5 ms (one all-reduce of
         two int64 and the wait for it) and 8 ms more per 1,000 blocks (reading and naming each block's counts;
         measured with 2 gloo ranks on one machine, 10 blocks to 10^4), one pass over each changed content (a sum
-        of its bits), and that step's speculation (its Adam work is done in ``step()``, after backward)."""
-        if watch.decision is None:
-            watch.exchange(self._hparams_text())
-        decision = watch.decision
-        if not decision.compare:
+        of its bits), inside backward before its first bucket's all-reduce; the blocks are speculated after it
+        where nothing differs."""
+        if watch.error is not None:
+            raise watch.error.with_traceback(None)  # (found at backward, on every rank)
+        if watch.decision is not None:
+            return  # (decided, and compared where decided so, at backward)
+        watch.exchange(self._hparams_text())
+        if not watch.decision.compare:
             return
-        self._wait_all()  # (the last step's operations: the counts are read)
-        try:
-            check_replicas(self._route, replica_entries(self, decision.contents))
-        except SofxError:
+        error = self._compare_replicas(watch.decision.contents, whole=True)
+        if error is not None:
             # (raised on every rank: each decides anew at its next step, taking in what changes meanwhile)
             watch.forget_step()
-            raise
-        watch.compared_now()
+            raise error
+        watch.compared(None)
+
+    def _compare_replicas(self, contents: Sequence[str], whole: bool) -> SofxError | None:
+        """The ranks' comparison of their states (every rank calls it at the same point): the error where they
+        differ, else ``None`` (:func:`~sofx.offload.ddp.check_replicas` of
+        :func:`~sofx.offload.engine_state.replica_entries`; ``contents``: the keys whose contents a rank changed;
+        ``whole=False``: only the hparams and the loss scaler, what no block operation changes). A rank that cannot
+        read its state (an executor that failed as the last step's operations are waited for) still takes part,
+        with an entry naming its error, which the others name: a rank raising before the comparison's all-reduce
+        left them waiting in it alone."""
+        try:
+            if whole:
+                self._wait_all()  # (the last step's operations: the counts are read)
+            entries = replica_entries(self, contents, blocks=whole)
+        except Exception as exc:
+            entries = {"this rank's optimizer state": f"unreadable ({type(exc).__name__}: {exc})"}
+        try:
+            check_replicas(self._route, entries)
+        except SofxError as exc:
+            return exc
+        return None
 
     def _hparams_text(self) -> str | None:
         """The groups' hparams as text, for the ranks' exchange (:meth:`ReplicaWatch.exchange`); ``None`` where
@@ -1354,7 +1401,7 @@ class OffloadEngine:
         names the entry as ``where`` + its keys); the masters are copied into the model's parameters."""
         self._check_usable()
         with self._exclusive("load_state_dict()"):
-            self._check_between_steps("load_state_dict()")
+            self._check_state_change("load_state_dict()")
             self._refuse_short_params(range(len(self.params)))  # (the masters are copied into them)
             self._wait_all()
             load_engine_state(self, state, where)
@@ -1426,7 +1473,7 @@ class OffloadEngine:
         given to the model's parameter at once (see :meth:`_show_master`)."""
         self._check_usable()
         with self._exclusive(f"opt.state[p][{key!r}] = ..."):
-            self._check_between_steps(f"changing the optimizer state ({key!r})")
+            self._check_state_change(f"changing the optimizer state ({key!r})")
             self._set_param_state(index, key, value)
 
     def _set_param_state(self, index: int, key: str, value: Any) -> None:
@@ -1491,7 +1538,7 @@ class OffloadEngine:
         step is every parameter's first, as in ``torch.optim`` after ``opt.state = defaultdict(dict)``."""
         self._check_usable()
         with self._exclusive("reset_state() (opt.state = {})"):
-            self._check_between_steps("resetting the optimizer state")
+            self._check_state_change("resetting the optimizer state")
             self._reset_state()
 
     def _reset_state(self) -> None:

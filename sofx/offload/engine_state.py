@@ -74,22 +74,23 @@ def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]
     }
 
 
-def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = ()) -> dict[str, str]:
+def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = (), blocks: bool = True) -> dict[str, str]:
     """What must be the same on every rank for data-parallel replicas to take the same step (name -> text, in a
     fixed order; see :func:`sofx.offload.ddp.check_replicas`): each block's step counts (one per parameter), each
     param group's hparams (the bits of their floats; an hparam the engine refuses as the text of the refusal, which
     the step then raises), and the loss scaler's state and rule settings; and for each key of ``contents``
     (``"exp_avg"``, ``"exp_avg_sq"``, ``"master"``) each parameter's :func:`bits_digest` of it (a state changed
-    since the ranks last compared). Reads no gradient, changes nothing."""
+    since the ranks last compared). ``blocks=False``: only the hparams and the loss scaler (what no block operation
+    changes: read while blocks may be stepped). Reads no gradient, changes nothing."""
     entries = {}
-    for layout in engine.layouts:
+    for layout in engine.layouts if blocks else ():
         counts = engine.tensors[layout.index].counts.tolist()
         entries[f"the step count of {engine.describe_block(layout.index)}"] = ", ".join(map(str, counts))
     for g, text in enumerate(hparams_texts(engine)):
         entries[f"the hparams of param_groups[{g}]"] = text
     state = _jsonable(engine.scaler_state._asdict())
     entries["the loss scaler"] = f"{type(engine.scaler_state).__name__} {state}, rule {_rule_settings(engine.scaler)}"
-    for key in contents:
+    for key in contents if blocks else ():
         for i in range(len(engine.params)):
             entries[f"the {key} of {engine._describe_param(i)}"] = bits_digest(engine._param_views(i)[key])
     return entries
