@@ -194,15 +194,17 @@ class ReplicaWatch:
 
     Every call that changes the state (construction, ``load_state_dict``, an ``opt.state[p][key]`` assignment,
     ``opt.state = {}``, ``reload_params``) bumps :attr:`generation` (:meth:`changed`, naming the keys whose contents
-    changed; a step count is always compared). At each synchronized backward (in the communication hook, before
-    its first bucket's all-reduce: before any block is ready) -- or in ``step()``, where the step had none --
-    every rank takes part in one all-reduce (MAX) of 7 int64 (:meth:`exchange`): whether its generation moved since
-    the last comparison, which contents changed, whether it joined (``DDP.join()``: it shadows the others'
-    backward), and a digest of its hparams and minus it. Where a rank's generation moved or the hparams differ, all
-    ranks compare their states right after it, at the same point (:func:`check_replicas`; at backward the outcome
-    is kept, :meth:`compared`, and ``step()`` raises the error on every rank: it enters no collective); not while
-    a rank has joined (it takes no step: the comparison waits for a step of every rank). A rank that changed its
-    state alone so makes every rank compare: none enters a collective alone."""
+    changed; a step count is always compared), and so does a step dropped after the ranks' exchange at it
+    (:meth:`drop_step`: ``zero_grad()`` on a rank that skipped a ``step()`` the others may have taken). At each
+    synchronized backward (in the communication hook, before its first bucket's all-reduce: before any block is
+    ready) -- or in ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 7 int64
+    (:meth:`exchange`): whether its generation moved since the last comparison, which contents changed, whether it
+    joined (``DDP.join()``: it shadows the others' backward), and a digest of its hparams and minus it. Where a
+    rank's generation moved or the hparams differ, all ranks compare their states right after it, at the same point
+    (:func:`check_replicas`; at backward the outcome is kept, :meth:`compared`, and ``step()`` raises the error on
+    every rank: it enters no collective); not while a rank has joined (it takes no step: the comparison waits for a
+    step of every rank). A rank that changed its state alone so makes every rank compare: none enters a collective
+    alone."""
 
     def __init__(self, route: DDPRoute) -> None:
         self.route = route
@@ -256,6 +258,14 @@ class ReplicaWatch:
             self.compared_at = self.generation
             self.contents.clear()
         self.decision = self.decision._replace(compare=False)
+
+    def drop_step(self) -> None:
+        """This rank drops the step (``zero_grad()`` before ``step()``): where the ranks had exchanged at it, the
+        others may have taken it (a rank that raised between backward and ``step()`` and skipped it), so the
+        state counts as changed: the next exchange compares (the step counts then differ, named)."""
+        if self.decision is not None:
+            self.changed()
+        self.forget_step()
 
     def forget_step(self) -> None:
         """The step ended (or was dropped): the next one decides anew."""

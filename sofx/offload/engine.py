@@ -1064,8 +1064,9 @@ class OffloadEngine:
         rank's state changed since they last compared, construction included, or their hparams differ) and compare
         at the step's synchronized backward (:meth:`begin_reduced_backward`): here only its outcome is raised, no
         collective is entered (a rank that skips this ``step()`` -- an error between backward and ``step()`` caught
-        on one rank -- leaves no other waiting). The outcome stands until the step ends or is dropped: another
-        ``step()`` raises it again. Where the step had no synchronized backward
+        on one rank -- leaves no other waiting; it drops the step at its ``zero_grad()``, and the next backward
+        compares the states: see :meth:`~sofx.offload.ddp.ReplicaWatch.drop_step`). The outcome stands until the
+        step ends or is dropped: another ``step()`` raises it again. Where the step had no synchronized backward
         the ranks exchange and compare here: that ``step()`` is a collective, and where it raises the step's
         decision is dropped (the next ``step()`` decides anew, with what changed since).
 
@@ -1341,7 +1342,8 @@ class OffloadEngine:
 
         ``set_to_none=False`` follows ``torch.optim``: a parameter that has had a gradient keeps a zero one,
         so later steps step it (with a zero gradient) when it gets none; ``True`` (torch's default) forgets
-        that too.
+        that too. Under ``ddp`` a step dropped after the ranks' exchange at its backward makes the next backward
+        compare the ranks' states (:meth:`~sofx.offload.ddp.ReplicaWatch.drop_step`).
         """
         self._check_usable()
         with self._exclusive("zero_grad()"), self._interrupts:  # the speculative steps are undone whole
@@ -1365,6 +1367,8 @@ class OffloadEngine:
             self.executor.submit(BlockOp(next(self._seq), "commit_all"))
             self.device_runner.run(BlockOp(next(self._seq), "commit_all"))
             self._record(self._wait())
+        if self._replicas is not None:
+            self._replicas.drop_step()  # (the other ranks may have taken it: the next backward compares)
         self._reset_step()
 
     @property
