@@ -681,10 +681,10 @@ def _counted(calls: list, watch) -> Iterator[None]:
 
 
 def _exchanges_within_a_step(rank: int) -> dict:
-    """Per step, what step() said and the exchanges and comparisons made: a middle layer under reentrant
-    checkpointing, one bucket per parameter (3 exchanges per backward once DDP rebuilt them), a step count set on
-    rank 1 alone before step 2 ("checkpointed"); two synchronized backwards per step, rank 1 setting another lr
-    between them at step 1 ("accumulated")."""
+    """Per step, what step() said, the exchanges made, and the comparisons made in backward and in step(): a middle
+    layer under reentrant checkpointing, one bucket per parameter (3 exchanges per backward once DDP rebuilt them),
+    a step count set on rank 1 alone before step 2 ("checkpointed"); two synchronized backwards per step, rank 1
+    setting another lr between them at step 1 ("accumulated")."""
     out: dict = {}
     for name in ("checkpointed", "accumulated"):
         torch.manual_seed(0)
@@ -709,7 +709,9 @@ def _exchanges_within_a_step(rank: int) -> dict:
                             opt.param_groups[0]["lr"] = LR * (1 + rank) if (step, micro) == (1, 1) else LR
                             x, y = _batch(step, micro, rank)
                             ((model(x) - y) ** 2).mean().backward()
-                    out[name].append((error_text(opt.step), calls.count("exchange"), calls.count("compare")))
+                    in_backward = calls.count("compare")
+                    said = error_text(opt.step)
+                    out[name].append((said, calls.count("exchange"), in_backward, calls.count("compare") - in_backward))
         except Exception as exc:
             out["error"] = f"{name}: {type(exc).__name__}: {exc}"
         finally:
@@ -1137,12 +1139,12 @@ def test_the_exchanges_within_a_step_compare_once_and_step_enters_no_collective(
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
         checkpointed, accumulated = out["checkpointed"], out["accumulated"]
-        assert [c[1:] for c in checkpointed] == [(1, 1), (3, 0), (3, 1)], (rank, checkpointed)
+        assert [c[1:] for c in checkpointed] == [(1, 1, 0), (3, 0, 0), (3, 1, 0)], (rank, checkpointed)
         assert checkpointed[0][0] == checkpointed[1][0] == "no error", (rank, checkpointed)
         assert checkpointed[2][0].startswith("step() under DDP: the step count of block 4 (parameter 4 = "
                                              "param_groups[0]['params'][4], shape (3, 8)) differs between ranks: "
                                              "2 on rank 0; 9 on rank 1"), (rank, checkpointed[2][0])
-        assert [a[1:] for a in accumulated] == [(2, 1), (2, 1), (2, 1)], (rank, accumulated)
+        assert [a[1:] for a in accumulated] == [(2, 1, 0), (2, 1, 0), (2, 1, 0)], (rank, accumulated)
         assert accumulated[0][0] == "no error" and accumulated[2][0] == "no error", (rank, accumulated)
         assert accumulated[1][0].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
                                             "lr=0.01, "), (rank, accumulated[1][0])
