@@ -232,6 +232,47 @@ def test_a_parameter_whose_storage_was_freed_is_refused_naming_it_and_nothing_is
     script_prints_ok(_FREED_PARAM)
 
 
+# A parameter whose memory was freed (untyped_storage().resize_(0), as FSDP frees a resharded parameter) or shrunk
+# between backward and step(), after its block began stepping from its master: step() refused it as "changed in
+# place", which it was not. The refusal names it, says its memory was freed or shrunk and what to do; nothing is
+# stepped, and zero_grad() drops the step. (The process executor's parameters live in shared memory, which cannot
+# be resized.)
+@pytest.mark.parametrize("keep", [0, 8])
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_parameter_freed_between_backward_and_step_is_refused_as_freed_and_nothing_is_stepped(executor: str,
+                                                                                                keep: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(8, 4)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor) as opt:
+        for _ in range(2):
+            ref(x).square().mean().backward()
+            ropt.step()
+            ropt.zero_grad()
+        opt.backward(model(x).square().mean())
+        opt.step()
+        opt.zero_grad()
+        weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
+        opt.backward(model(x).square().mean())
+        model.bias.untyped_storage().resize_(keep)
+        with pytest.raises(sofx.SofxError) as refused:
+            opt.step()
+        msg = str(refused.value)
+        assert msg.startswith(f"parameter 1 (param_groups[0]['params'][1], shape (3,)): its storage holds {keep} "
+                              "bytes, but its elements"), msg
+        assert "its memory was freed or shrunk" in msg and "between backward and step()" in msg, msg
+        assert "zero_grad()" in msg and "changed in place" not in msg, msg
+        assert torch.equal(model.weight, weight), "nothing is stepped"
+        model.bias.data = bias.clone()  # its memory back, then the step dropped
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in (model.weight, model.bias)] == [1, 1]
+        opt.backward(model(x).square().mean())
+        opt.step()
+        assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+
+
 # The optimizer's state given, or a model parameter it writes, whose memory was freed (untyped_storage().resize_(0),
 # as FSDP frees tensors) or shrunk: load_state_dict() copied a block's tensors in (a segmentation fault for a freed
 # one) and the masters into the model's parameters (a segmentation fault, or a write past a shrunk parameter's end:

@@ -71,13 +71,17 @@ def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     return None if need <= have else (have, need)
 
 
-def short_storage_message(name: str, t: torch.Tensor, have: int, need: int) -> str:
+#: What :func:`short_storage_message` tells the caller to do, unless its caller knows better.
+GIVE_IT_BACK = "give it its memory back (or a tensor that has it) before this call"
+
+
+def short_storage_message(name: str, t: torch.Tensor, have: int, need: int, remedy: str = GIVE_IT_BACK) -> str:
     """The error for tensor ``name`` (``"grads['w']"``, ``"cpu.step: g"``) whose storage holds ``have`` bytes where
-    its elements need ``need`` (:func:`storage_shortfall`)."""
+    its elements need ``need`` (:func:`storage_shortfall`), ending with ``remedy`` (what to do: by default, give it
+    its memory back before the call; a caller where that is not enough says what is)."""
     return (f"{name}: its storage holds {have} bytes, but its elements (shape {tuple(t.shape)}, strides "
             f"{t.stride()}, storage offset {t.storage_offset()}, {t.dtype}) reach byte {need}: its memory was freed "
-            "or shrunk (untyped_storage().resize_(), as FSDP frees a tensor's memory); give it its memory back "
-            "(or a tensor that has it) before this call")
+            f"or shrunk (untyped_storage().resize_(), as FSDP frees a tensor's memory); {remedy}")
 
 
 def refuse_short_storage(t: torch.Tensor, name: TensorName, error: type[Exception] = LeafError) -> None:

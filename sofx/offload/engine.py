@@ -84,7 +84,7 @@ from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
-from sofx.kernels.storage import in_storage, refuse_short_storage
+from sofx.kernels.storage import in_storage, refuse_short_storage, short_storage_message, storage_shortfall
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
@@ -773,6 +773,24 @@ class OffloadEngine:
             if not in_storage(p):
                 refuse_short_storage(p, lambda: self._describe_param(i), SofxError)
 
+    def _refuse_freed_since_backward(self, indices: Sequence[int]) -> None:
+        """Refuse (a :class:`SofxError` naming it, :meth:`_describe_param`) a parameter of ``indices`` (those
+        changed since backward began this step, :meth:`_edited_params`) whose storage no longer holds it: freed
+        with ``untyped_storage().resize_(0)``, as FSDP frees a resharded parameter, or shrunk
+        (:func:`~sofx.kernels.storage.storage_shortfall`). Its block began stepping from its master at backward,
+        so its memory given back is still a change of it: the step is dropped (``zero_grad()``), or the parameter
+        freed only after ``step()``. Nothing is changed."""
+        for i in indices:
+            p = self.params[i]
+            short = None if in_storage(p) else storage_shortfall(p)
+            if short is not None:
+                raise SofxError(short_storage_message(
+                    self._describe_param(i), p, *short,
+                    remedy="this was between backward and step(), after this step's blocks began stepping from "
+                           "their masters, and step() writes the new values into it: free parameters after step() "
+                           "(or reshard before backward), or give it its memory back (p.data = a tensor holding "
+                           "its values; they are then taken as its master) and call zero_grad() to drop this step"))
+
     def _describe_param(self, index: int) -> str:
         """Parameter ``index`` for an error message: ``parameter 3 (param_groups[0]['params'][3], shape (4, 5))``."""
         group = bisect.bisect_right(self._group_starts, index) - 1
@@ -1141,6 +1159,7 @@ class OffloadEngine:
                                 "(Tensor.register_hook) instead, or call zero_grad() to drop this step")
         if self.tracker.started:
             edited = self._edited_params()
+            self._refuse_freed_since_backward(edited)
             if edited:
                 i = edited[0]
                 raise SofxError(f"parameter {i} (shape {tuple(self.params[i].shape)}) was changed in place between "
