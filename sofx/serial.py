@@ -72,7 +72,7 @@ from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import integer, is_bool, real_number
 from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_scaler, check_state_kind
 from sofx.required import REQUIRED
-from sofx.transforms import (MISSING_GRAD_MODES, clip_coefficient, max_norm_value, sumsq, total_sumsq,
+from sofx.transforms import (MISSING_GRAD_MODES, _sumsq, clip_coefficient, max_norm_value, total_sumsq,
                              zero_clip_factor)
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
@@ -502,7 +502,8 @@ def serial_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = REQUI
         g_leaves = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(p_leaves)
         if missing_grad == "zero":
             g_leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(p_leaves, g_leaves)]
-        local = local_sumsq(total_sumsq([None if g is None else sumsq(g) for g in g_leaves]),
+        # (each gradient's storage checked by check_inputs, a zero one new: transforms.sumsq would check it again)
+        local = local_sumsq(total_sumsq([None if g is None else _sumsq(g) for g in g_leaves]),
                             [g is not None for g in g_leaves])
     except Exception as exc:
         refuse_reduce(reduce_sumsq, exc)

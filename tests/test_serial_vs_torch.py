@@ -20,6 +20,8 @@ import sofx
 from sofx import AdamHParams, loss_scale, schedules
 from sofx.serial import serial_step, step_facts
 
+from helpers import script_prints_ok
+
 STEPS = 60
 SHAPES = {"w1": (8, 6), "b1": (6,), "w2": (6, 3), "rare": (5,)}
 
@@ -217,6 +219,59 @@ def test_serial_step_errors_change_nothing(rng):
     with pytest.raises(sofx.HParamError, match="max_norm"):
         serial_step(opt, params, {"a": torch.randn(3)}, state, scaler=rule, scaler_state=rule.init(), max_norm=-1.0)
     assert int(state.count["a"]) == 0
+
+
+# A gradient whose memory was freed (untyped_storage().resize_(0), as FSDP frees tensors) or shrunk: serial_step
+# refuses it through opt.check_inputs, naming its leaf, before the sum of squares reads it (which does not check
+# each leaf's storage again) and before the reduction (the hook is told through its refuse); in a subprocess, so
+# that a crash fails the test.
+_FREED_GRADIENT = """
+import re
+import torch
+import sofx
+from sofx import loss_scale
+from sofx.errors import LeafError
+from sofx.serial import serial_step
+
+
+class Hook:
+    def __init__(self):
+        self.refused, self.called = [], False
+
+    def __call__(self, local):
+        self.called = True
+        return local
+
+    def refuse(self, error):
+        self.refused.append(error)
+
+
+for keep in (0, 11996):  # freed; one element short
+    for missing_grad in ("skip", "zero"):
+        gen = torch.Generator().manual_seed(0)
+        params = {"w": torch.randn(6, generator=gen), "head": torch.randn(3000, generator=gen)}
+        grads = {"w": None, "head": torch.randn(3000, generator=gen)}
+        opt = sofx.adamw(lr=1e-2)
+        state = opt.init(params)
+        grads["head"].untyped_storage().resize_(keep)
+        rule, hook = loss_scale.static_scale(), Hook()
+        print(keep, missing_grad, flush=True)  # (a crash names the case it crashed in)
+        try:
+            serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), missing_grad=missing_grad,
+                        reduce_sumsq=hook)
+        except LeafError as e:
+            want = rf"^grads\\['head'\\]: its storage holds {keep} bytes.*reach byte 12000"
+            assert re.search(want, str(e)), str(e)
+            assert hook.refused == [e] and not hook.called, "the other ranks are told, the sum is not reduced"
+        else:
+            raise AssertionError("not refused")
+        assert int(state.count["head"]) == 0
+print("ok")
+"""
+
+
+def test_serial_step_refuses_a_gradient_whose_storage_was_freed_naming_its_leaf_before_the_reduction():
+    script_prints_ok(_FREED_GRADIENT)
 
 
 def test_serial_step_reads_each_gradient_once(rng, monkeypatch):
