@@ -28,7 +28,7 @@ from sofx.required import REQUIRED
 from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, _positional_names, call_reduce,
                          check_loop, check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords,
                          with_loop_settings)
-from sofx.speculation.apply import apply_block_action, block_eligibility, grad_sumsq, speculative_block_step
+from sofx.speculation.apply import apply_block_action, block_eligibility, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
     ValidationPlan,
@@ -41,6 +41,7 @@ from sofx.speculation.decisions import (
 )
 from sofx.speculation.policy import PolicyState
 from sofx.step_report import StepReport
+from sofx.transforms import _sumsq
 
 __all__ = ["SpeculativeStepResult", "speculative_step", "speculative_loop_step"]
 
@@ -190,7 +191,8 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                 return block_eligibility(opt, new_p[i], g, block_states[i], ctx.hparams[i], ctx.grad_scale,
                                          grads_finite=True)
 
-            tally, decision = on_block_ready(ctx, tally, i, grad_sumsq(g), eligibility)
+            # (g's storage checked by _check_step_inputs: transforms.sumsq, grad_sumsq, would check it again)
+            tally, decision = on_block_ready(ctx, tally, i, _sumsq(g), eligibility)
             if decision.speculate:
                 # Speculated only with a finite sum of squares of this very gradient: every element is finite.
                 try:
@@ -204,7 +206,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                 tally = on_speculation_held(ctx, tally, i, records[i].snapshot_bytes())
         for i, extra in late_grads.items():
             g_leaves[i] = g_leaves[i] + extra  # out of place: the record keeps the old gradient
-            tally = on_late_gradient(ctx, tally, i, grad_sumsq(g_leaves[i]))
+            tally = on_late_gradient(ctx, tally, i, _sumsq(g_leaves[i]))  # (a new tensor)
 
         final = [None if g is None else tally.block_sumsq[i] for i, g in enumerate(g_leaves)]
         plan = plan_validation(ctx, tally, final, hparams=list(final_hps), reduce_sumsq=reduce_sumsq)
