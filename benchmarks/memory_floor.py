@@ -56,8 +56,8 @@ _PATCHES = (
      "*M = _mm256_add_ps(*M, G); *V = _mm256_add_ps(*V, G); (void)P; (void)k; return;"),
     ("static inline __attribute__((always_inline)) v8 step_post8(v8 P, v8 M, v8 D, const StepK *k) {",
      "(void)M; (void)k; return _mm256_add_ps(P, D);"),
-    ("static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, "
-     "int have_p_old, int fast) {",
+    ("static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k,\n"
+     + " " * 58 + "int have_p_old, int fast) {",
      "*P = _mm256_sub_ps(*P, G); *M = _mm256_sub_ps(*M, G); *V = _mm256_sub_ps(*V, G);"
      " (void)D; (void)k; (void)have_p_old; (void)fast; return;"),
 )

@@ -261,8 +261,9 @@ def with_loop_settings(reduce_sumsq: Callable[[float], float] | None,
     """``reduce_sumsq`` as a loop step passes it to its step: where the hook compares the ranks' step settings
     (it has ``agreed_sum``: :func:`call_reduce`), one that adds the loop's step count ``step`` (``loop.step`` as
     :func:`check_loop` read it) to them, first; else the hook itself. ``loop.step`` is the schedule position: a
-    rank at another one (resumed from another checkpoint, or a loop state of another run) evaluates the schedule elsewhere and steps with other hparams
-    than the others (the schedule itself is compared at setup, :func:`sofx.distributed.all_reduce_sumsq`), and
+    rank at another one (resumed from another checkpoint, or a loop state of another run) evaluates the schedule
+    elsewhere and steps with other hparams than the others (the schedule itself is compared at setup,
+    :func:`sofx.distributed.all_reduce_sumsq`), and
     every rank of a group, sharded or not, takes the same steps: they all skip an overflow together."""
     if not callable(getattr(reduce_sumsq, "agreed_sum", None)):
         return reduce_sumsq

@@ -335,7 +335,8 @@ class FiniteState(NamedTuple):
 
 def identity() -> GradientTransformation:
     """Leaves the gradients as they are."""
-    return GradientTransformation(lambda params: EmptyState(), lambda grads, state, params=None, **extra: (grads, state))
+    return GradientTransformation(lambda params: EmptyState(),
+                                  lambda grads, state, params=None, **extra: (grads, state))
 
 
 def _not_a_transformation(where: str, t: Any) -> str:

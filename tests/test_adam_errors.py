@@ -265,7 +265,8 @@ def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing
     p2, s2, rec2 = opt.update(p1, grads, s1)
     before = _snapshot(p2, s2)
     # the record of step 2 applied to the state after step 1: counts differ
-    with pytest.raises(sofx.UndoError, match=r"params\['head'\]: the state's step count is 2, the record undoes step 3"):
+    with pytest.raises(sofx.UndoError,
+                       match=r"params\['head'\]: the state's step count is 2, the record undoes step 3"):
         opt.undo(p1, s1, rec2)
     # a record for another structure
     other = {"w": torch.randn(3)}

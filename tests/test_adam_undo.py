@@ -362,7 +362,8 @@ def test_forced_algebraic_with_non_finite_gradient_steps_but_refuses_to_undo():
 @pytest.mark.parametrize("undo", ["auto", "exact"])
 def test_undo_redo_equals_undo_then_update(undo):
     gen = torch.Generator().manual_seed(9)
-    params = {"a": torch.randn(40, generator=gen), "b": torch.randn(5, generator=gen), "c": torch.randn(3, generator=gen)}
+    params = {"a": torch.randn(40, generator=gen), "b": torch.randn(5, generator=gen),
+              "c": torch.randn(3, generator=gen)}
     opt = sofx.adam(lr=1e-2, weight_decay=0.1, undo=undo)
     state = opt.init(params)
     g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}

@@ -291,9 +291,10 @@ def test_a_native_backend_asked_for_by_name_is_refused_where_it_cannot_be_built(
     said = proc.stdout.splitlines()
     assert said[2] == "auto ran", said
     for backend, line in zip(("cpu", "cpu_fast"), said):
-        assert line == (f"{backend} refused: params['w']: backend {backend!r} needs the native CPU kernels, unavailable "
-                        f"here (no C compiler found: CC={missing!r} names no command here); backend='auto' or "
-                        "'reference' runs the reference math (several times slower), SOFX_CPU_NATIVE=0 too"), line
+        assert line == (f"{backend} refused: params['w']: backend {backend!r} needs the native CPU kernels, "
+                        f"unavailable here (no C compiler found: CC={missing!r} names no command here); "
+                        "backend='auto' or 'reference' runs the reference math (several times slower), "
+                        "SOFX_CPU_NATIVE=0 too"), line
 
 
 def test_a_native_backend_asked_for_by_name_runs_the_reference_math_where_sofx_cpu_native_0_says_so(tmp_path):

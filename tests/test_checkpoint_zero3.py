@@ -420,8 +420,11 @@ def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
     pair was, and as DeepSpeed's attributes too (they were written as given)."""
     rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0)
     good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4, cur_hysteresis=1))
-    for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"), ({"cur_scale": 1.0}, r"\['cur_scale'\] = 1.0 is below min_scale = 2.0"),
-                       ({"last_overflow_iter": 9}, r"loss_scaler\['last_overflow_iter'\] = 9 is invalid with cur_iter = 9"), ({"cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 is invalid"),
+    for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"),
+                       ({"cur_scale": 1.0}, r"\['cur_scale'\] = 1.0 is below min_scale = 2.0"),
+                       ({"last_overflow_iter": 9},
+                        r"loss_scaler\['last_overflow_iter'\] = 9 is invalid with cur_iter = 9"),
+                       ({"cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 is invalid"),
                        ({"cur_iter": -1}, "cur_iter"), ({"scale_window": 2.5}, "no valid 'scale_window'"),
                        ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'"),
                        ({"dynamic": False, "cur_scale": -2.0}, "cur_scale = -2.0")):

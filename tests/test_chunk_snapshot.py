@@ -96,7 +96,8 @@ def test_a_spike_keeps_its_chunks_only_and_undo_restores_them_bitwise(backend: s
     kept = rec.leaves[1]
     assert kept.chunks.tolist() == [1, 3] and kept.chunks.dtype == torch.int64
     assert kept.p_old.numel() == FINITE_CHUNK + 123
-    assert rec.snapshot_bytes() == chunk_snapshot_bytes(torch.tensor([1, 3]), *_leaf(params, state)) == 12 * (FINITE_CHUNK + 123) + 16
+    assert (rec.snapshot_bytes() == chunk_snapshot_bytes(torch.tensor([1, 3]), *_leaf(params, state))
+            == 12 * (FINITE_CHUNK + 123) + 16)
     assert rec.snapshot_bytes() < 3 * 4 * N // 2  # well below a whole snapshot
 
     c0 = make()
@@ -519,7 +520,8 @@ def test_a_block_refused_every_step_is_remembered(executor: str) -> None:
     of one chunk's snapshot: the first block to arrive holds it; the other's step is taken back. The engine
     tells the tally what the first one holds (and reserves it at its next decision) and remembers what the
     other needed, so that one is not speculated again for a while (snapshot_needs: waits of 1, 2, 4, ...
-    decisions) instead of being taken back every step. The run equals torch.optim.AdamW within DESIGN.md's 1e-6 at every step."""
+    decisions) instead of being taken back every step. The run equals torch.optim.AdamW within DESIGN.md's 1e-6 at
+    every step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Tanh(), nn.Linear(128, 128, bias=False))
     ref = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Tanh(), nn.Linear(128, 128, bias=False))

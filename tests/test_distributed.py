@@ -624,7 +624,8 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
                    "grads does not have the structure of params",
                    "Shard.reduce_mean: grads['q'] is a torch.int32 tensor; expected a floating-point one",
                    "like does not have the structure of params",
-                   "Shard.gather: this rank's local leaf for params['q'] is torch.float32 (4,); like says torch.float64 (4,)",
+                   "Shard.gather: this rank's local leaf for params['q'] is torch.float32 (4,); like says "
+                   "torch.float64 (4,)",
                    "Shard.gather: like['q'] is NoneType; like's leaves must be tensors",
                    "Shard.gather: this rank's input could not be read (TypeError: "]
             for msg, want in zip(msgs[5:], own, strict=True):

@@ -33,7 +33,8 @@ def test_gpu_benchmark_script_smoke_run(tmp_path):
     # the correctness table comes first; the timing tables after it
     assert proc.returncode == 0, proc.stdout[:6000] + "\n...\n" + proc.stdout[-2000:] + proc.stderr[-4000:]
     written = (tmp_path / "gpu_kernels.md").read_text()
-    checks = [line for line in written.splitlines() if line.startswith("| float32 /") or line.startswith("| bfloat16 /")]
+    checks = [line for line in written.splitlines()
+              if line.startswith("| float32 /") or line.startswith("| bfloat16 /")]
     judged = [line for line in checks if "| cpu_fast |" in line]
     assert len(checks) == 12 and len(judged) == 6 and all(line.endswith("| yes |") for line in judged), written
     for config in ("params float32, states float32", "params bfloat16, states float32",

@@ -3,8 +3,8 @@
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
-``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``, ``benchmarks/dense_layouts.py``,
-``benchmarks/redo_paths.py``,
+``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``,
+``benchmarks/dense_layouts.py``, ``benchmarks/redo_paths.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run.
 
 The scripts run as ``__main__`` in one process (``script_runner``: Python, torch and sofx started once, not per
@@ -191,7 +191,8 @@ def test_prefetch_stagger_script_runs(scripts):
     if lib is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
     rows = _table_rows(scripts, "prefetch_stagger.py", ["--staggers", "64", "--traffic-only", "--smoke-build",
-                                                        "--log2-numel", "14", "--rounds", "2"], ("| kernels", "| traffic"))
+                                                        "--log2-numel", "14", "--rounds", "2"],
+                       ("| kernels", "| traffic"))
     assert [row.split(" | ")[0] for row in rows] == ["| kernels, stagger 64", "| traffic only, stagger 64"]
     for row in rows:
         assert re.fullmatch(r"\| .+ \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", row), row
@@ -202,7 +203,8 @@ def test_arena_placement_script_runs(scripts):
     assert [row.split(" | ")[0] for row in rows] == ["| one page offset", "| coloured, 4 KiB pages",
                                                      "| coloured, huge pages (LocalArena)"] * 2
     for row in rows:
-        assert re.fullmatch(r"\| .+ \| cpu(_fast)? \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \| \d+\.\d\d \|", row), row
+        assert re.fullmatch(r"\| .+ \| cpu(_fast)? \| \d+\.\d \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \| \d+\.\d\d \|",
+                            row), row
 
 
 def test_idle_rows_script_runs(scripts):
@@ -264,7 +266,8 @@ def test_kernel_memory_ab_script_runs(scripts):
                                               "--backend", "cpu"], ("| ",))
     body = [row for row in rows if row.startswith("| ") and not row.startswith("| dtypes")]
     assert [tuple(row.split(" | ")[:2]) for row in body] == [
-        (f"| {d}", op) for d in ("float32", "bf16 params + fp32 states", "all-bf16") for op in ("step", "undo+redo", "undo")]
+        (f"| {d}", op) for d in ("float32", "bf16 params + fp32 states", "all-bf16")
+        for op in ("step", "undo+redo", "undo")]
     for row in body:
         a, b, ratio = (float(x) for x in row.split(" | ")[2:5])
         assert a > 0 and b > 0 and ratio > 0, row

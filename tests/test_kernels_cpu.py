@@ -667,7 +667,8 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     assert not cpu.native_available()
     g = torch.Generator().manual_seed(0)
-    p, gr, m, v = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g), torch.rand(100, generator=g)
+    p, gr, m = torch.randn(100, generator=g), torch.randn(100, generator=g), torch.randn(100, generator=g)
+    v = torch.rand(100, generator=g)
     s = AdamScalars(1e-3, 0.9, 0.999, 1e-8, 0.1, 3)
     a = cpu.step(p, gr, m, v, s, AdamVariant())
     a2 = cpu.step(p, gr, m, v, s, AdamVariant())
@@ -708,7 +709,8 @@ def test_flag_sets_the_compiler_refused_are_not_tried_again_by_later_processes(t
                     'case " $* " in *" --version "*) echo "fakecc 1.0"; exit 0;; esac\n'
                     'echo "fakecc: error: this flag set is refused" >&2\nexit 1\n')
     fake.chmod(0o755)
-    code = "from sofx.kernels import _cpu_build, cpu; assert not cpu.native_available(); print(_cpu_build.unavailable_reason())"
+    code = ("from sofx.kernels import _cpu_build, cpu; assert not cpu.native_available(); "
+            "print(_cpu_build.unavailable_reason())")
     env = dict(os.environ, CC=str(fake), SOFX_CACHE_DIR=str(tmp_path / "cache"))
     builds = []
     for _ in range(2):

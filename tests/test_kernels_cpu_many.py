@@ -162,7 +162,8 @@ def _checked(backend, op: str, blocks, s, s_new, variant, donate: bool):
         res = backend.step_many([StepCall(p, g, m, v, s, (p, m, v) if donate else None, c, f)
                                  for (p, g, m, v), c, f in zip(work, cps, flags)], variant)
     else:
-        res = backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, b[4], s_new, None, (p, m, v) if donate else None, c, f)
+        res = backend.undo_redo_many([UndoRedoCall(p, m, v, g, s, b[4], s_new, None, (p, m, v) if donate else None,
+                                                   c, f)
                                       for (p, g, m, v), b, c, f in zip(work, blocks, cps, flags)], variant)
     return res, flags, cps
 

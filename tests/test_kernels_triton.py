@@ -63,7 +63,8 @@ else:
             g2 = torch.randn(p.shape, generator=rng).to(g.dtype)
             s2 = block_scalars(rng, wd)._replace(step=s.step)
             undone = reference.undo(*want[:1], g, *want[1:], s, variant)
-            _close(tk.undo_redo(*want, g, s, g2, s2, variant), reference.step(*undone[:1], g2, *undone[1:], s2, variant))
+            _close(tk.undo_redo(*want, g, s, g2, s2, variant),
+                   reference.step(*undone[:1], g2, *undone[1:], s2, variant))
 
     def test_donation_reuses_storage_and_inputs_stay_untouched_otherwise(rng):
         variant = AdamVariant()
@@ -410,7 +411,8 @@ else:
             stor = block_inputs(gen, n + offset, pdt, sdt)
             p, g, m, v = (t[offset:] for t in stor)
             g2 = torch.randn(n, generator=gen).to(pdt)
-            ins.append((p, g, m, v, g2, scalar_sets[sc], donate, torch.empty(n, dtype=torch.bfloat16) if copy else None))
+            ins.append((p, g, m, v, g2, scalar_sets[sc], donate,
+                        torch.empty(n, dtype=torch.bfloat16) if copy else None))
 
         def run(many: bool):
             work = [(p.clone(), g, m.clone(), v.clone(), g2, s, d, c) for p, g, m, v, g2, s, d, c in ins]
@@ -531,8 +533,8 @@ else:
     def test_checked_step_flags_what_the_python_form_finds_and_leaves_those_chunks_alone(dtypes, variant, rng):
         """A checked step (skip) flags exactly the chunks where beyond_limit or lossy_elements finds an element
         (a spike, an inf gradient, a nan v, an inf m, an inf p where v is 0; planted in the first, a middle and
-        the partial last chunk), writes none of their outputs (donated: they keep their old values) and gives the unchecked
-        step's bits everywhere else."""
+        the partial last chunk), writes none of their outputs (donated: they keep their old values) and gives the
+        unchecked step's bits everywhere else."""
         for n in CHECK_SIZES:
             last = n - 1
             where = [("spike", 3), ("inf", min(FINITE_CHUNK + 5, last)), ("nan_v", last), ("inf_m", last // 2),

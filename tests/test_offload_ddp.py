@@ -970,8 +970,8 @@ def test_ranks_resumed_from_different_checkpoints_refuse_to_step_on_every_rank(r
     the replicas diverged silently (DDP compares the parameters at construction only). The first step() after
     construction or load_state_dict compares a digest of the ranks' step counts, hparams and loss scaler (one
     all-reduce): every rank raises the same error naming what differs and each rank's value, before anything is
-    stepped (another lr on one rank too). zero_grad() and loading the same checkpoint then go on as a run resumed on every rank from it, and as
-    the run that was never interrupted, bit for bit."""
+    stepped (another lr on one rank too). zero_grad() and loading the same checkpoint then go on as a run resumed on
+    every rank from it, and as the run that was never interrupted, bit for bit."""
     said = [res["resumed"] for res in ranks]
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"

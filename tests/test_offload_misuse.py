@@ -650,7 +650,8 @@ def test_a_moment_or_master_set_per_parameter_is_checked_as_a_loaded_state_is():
         shape = tuple(p.shape)
         bad_sq = torch.rand(shape)
         bad_sq[3, 4] = -0.5
-        refused = [("exp_avg", torch.zeros(shape, device="meta"), "expected a tensor with data, got one on device meta"),
+        refused = [("exp_avg", torch.zeros(shape, device="meta"),
+                    "expected a tensor with data, got one on device meta"),
                    ("master", torch.zeros(shape, device="meta"), "expected a tensor with data, got one on device meta"),
                    ("exp_avg_sq", torch.rand(shape).to_sparse(),
                     r"expected a dense \(strided\) tensor, got layout torch.sparse_coo"),

@@ -143,7 +143,8 @@ def test_backward_with_create_graph_steps_as_torch_does(executor: str, width: in
 def test_a_published_block_of_a_few_large_parameters_is_stepped_per_parameter() -> None:
     """So that each parameter's kernel writes its publish buffer; a block of many or small parameters stays
     one flat leaf (one kernel call, copied after)."""
-    from sofx.offload.block_runner import MAX_LEAVES_FOR_FUSED_PUBLISH as most, MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH as least
+    from sofx.offload.block_runner import MAX_LEAVES_FOR_FUSED_PUBLISH as most
+    from sofx.offload.block_runner import MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH as least
 
     def block(numels):
         (layout,) = plan_blocks([[torch.zeros(n) for n in numels]], sum(numels))

@@ -69,10 +69,10 @@ def _full_snapshot(leaf: int) -> int:
 def test_a_step_that_finds_it_needs_a_snapshot_beyond_the_limit_is_taken_back(backend: str, donate: bool) -> None:
     """A 1000x spike in the first leaf's last chunk: its record would be a snapshot (p, m, v) of that chunk
     where the kernel checks the step (cpu: 300 elements and the chunk's index), of the leaf where a pass before
-    it finds the spike (reference). With a limit below it the update raises and leaves params, moments and counts as they were (bitwise where the test
-    found the need: the whole leaf without donation; within 1e-6 of the tensor where a donated step was
-    inverted), and the parameter copies hold the old parameters; with the limit it needs, the update is the
-    unlimited one bit for bit."""
+    it finds the spike (reference). With a limit below it the update raises and leaves params, moments and counts
+    as they were (bitwise where the test found the need: the whole leaf without donation; within 1e-6 of the
+    tensor where a donated step was inverted), and the parameter copies hold the old parameters; with the limit it
+    needs, the update is the unlimited one bit for bit."""
     gen = torch.Generator().manual_seed(1)
     opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
     params, state = _warm(opt, gen)

@@ -224,7 +224,8 @@ _EVENT = st.fixed_dictionaries({
     "clip": st.sampled_from([False, False, True]),
     # (often in the first and last chunks of leaf 0: two runs of kept chunks)
     "spikes": st.one_of(st.just([(0, 0.0), (0, 0.999)]),
-                        st.lists(st.tuples(st.sampled_from([0, 0, 1, 2]), st.floats(0, 0.999)), min_size=1, max_size=3)),
+                        st.lists(st.tuples(st.sampled_from([0, 0, 1, 2]), st.floats(0, 0.999)), min_size=1,
+                                 max_size=3)),
     "bad": st.sampled_from([[]] * 9 + [[(0, 0.3, math.inf)], [(1, 0.9, -math.inf)], [(2, 0.0, math.nan)]]),
     "missing": st.sampled_from([None, None, None, 0, 1, 2]),
     "late": st.sampled_from([None, None, 0, 1, 2]),

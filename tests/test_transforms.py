@@ -726,7 +726,8 @@ def test_clip_coefficient_and_zero_clip_factor_take_inf_and_nan_norms_and_number
     for norm in (np.float32(3.0), np.float64(3.0), torch.tensor(3.0), torch.tensor([3.0], dtype=torch.float64), 3):
         got = tx.clip_coefficient(norm, 0.5)
         assert type(got) is float and got == want, norm
-    assert tx.zero_clip_factor(np.float64(6.0), torch.tensor(2.0), np.float32(0.5)) == tx.zero_clip_factor(6.0, 2.0, 0.5)
+    assert (tx.zero_clip_factor(np.float64(6.0), torch.tensor(2.0), np.float32(0.5))
+            == tx.zero_clip_factor(6.0, 2.0, 0.5))
 
 
 def test_clip_coefficient_and_zero_clip_factor_of_traced_norms_equal_the_float_path():
@@ -738,7 +739,8 @@ def test_clip_coefficient_and_zero_clip_factor_of_traced_norms_equal_the_float_p
     clip = torch.func.vmap(lambda n, s: tx.zero_clip_factor(n, s, 0.5))(norms, scales)
     off = torch.func.vmap(lambda n, s: tx.zero_clip_factor(n, s, 0.0))(norms, scales)
     for i, (n, s) in enumerate(zip(norms.tolist(), scales.tolist())):
-        for got, want in ((coef[i].item(), tx.clip_coefficient(n, 0.5)), (clip[i].item(), tx.zero_clip_factor(n, s, 0.5)),
+        for got, want in ((coef[i].item(), tx.clip_coefficient(n, 0.5)),
+                          (clip[i].item(), tx.zero_clip_factor(n, s, 0.5)),
                           (off[i].item(), tx.zero_clip_factor(n, s, 0.0))):
             assert got == want or (math.isnan(got) and math.isnan(want)), (i, got, want)
     recorded = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)

@@ -112,8 +112,9 @@ for keep in (0, 2):  # freed; shrunk
     opt = sofx.adamw(lr=1e-2)
     state = opt.init(params)
     for donate in (False, True):
-        expect(f"hparams lr {keep} {donate}", lambda: opt.update(params, grads, state, AdamHParams(lr=number(1e-3, keep)),
-               donate=donate), HParamError, "hparams for params['b']: lr", keep)
+        expect(f"hparams lr {keep} {donate}",
+               lambda: opt.update(params, grads, state, AdamHParams(lr=number(1e-3, keep)), donate=donate),
+               HParamError, "hparams for params['b']: lr", keep)
         expect(f"hparams per leaf {keep} {donate}",
                lambda: opt.update(params, grads, state, {"w": AdamHParams(), "b": AdamHParams(eps=number(1e-8, keep))},
                                   donate=donate), HParamError, "hparams for params['b']: eps", keep)

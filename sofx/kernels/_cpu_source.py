@@ -1406,7 +1406,9 @@ NATIVE_COMBOS(VLOSSY)
     if (e < j->end) vstep_at_##DP##DG##DS(&a, &k, rk, e, U, unit_lanes_left(EO, j->end - e)); \
     return scan && (SCAN_RESULT(DG, a.g, j->begin, scan_end, bad, lim) || LOSSY_REST_BAD(j, j->begin, scan_end)); \
   }                                                                                \
-  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) { (void)BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, 0, 0); }
+  static void vstep_##DP##DG##DS(const Job *j, const Sqrt *sq) {                   \
+    (void)BY_SQRT(STEP_SQ(sq), vstep_run_##DP##DG##DS, j, 0, 0);                   \
+  }
 
 /* x / b with the division's bits: div_by where its comment proves it exact, a true division elsewhere (fast 2
    in quot_vec: cpu's inverse where torch's square root is IEEE, REPLICA_IEEE, whose loops are bound by the
@@ -1730,7 +1732,8 @@ static inline __attribute__((always_inline)) v8 quot8(v8 x, float b, float rb, i
 }
 
 /* undo_elem_d on 8 lanes, given D = sqrt(v') (unused with have_p_old); undo8 takes sqrt8's. */
-static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k, int have_p_old, int fast) {
+static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8 *V, v8 D, const UndoK *k,
+                                                          int have_p_old, int fast) {
   v8 g = _mm256_mul_ps(G, v8set(k->gs));
   v8 p = *P;
   if (!have_p_old) {
@@ -1744,7 +1747,8 @@ static inline __attribute__((always_inline)) void undo8_d(v8 *P, v8 G, v8 *M, v8
   *M = m;
   *V = _mm256_max_ps(_mm256_setzero_ps(), x); /* x < 0 ? 0 : x, as maxps: -0 and nan x kept */
 }
-static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old, int fast, const Sqrt *sq) {
+static inline __attribute__((always_inline)) void undo8(v8 *P, v8 G, v8 *M, v8 *V, const UndoK *k, int have_p_old,
+                                                        int fast, const Sqrt *sq) {
   undo8_d(P, G, M, V, have_p_old ? *V : sqrt8(*V, sq), k, have_p_old, fast);
 }
 
@@ -2054,7 +2058,8 @@ NATIVE_COMBOS(VECTORS8)
       for (int64_t off = begin; off < end; off += FTILE) {                         \
         const int n = (int)((end - off) < FTILE ? (end - off) : FTILE);            \
         /* float32 arrays: 16 elements (a line per stream) at a time, each line prefetched */\
-        for (int i0 = 0; i0 < n && (DP || DG || DS || prefetch_lines(p, g, m, v, off + i0)); i0 += STEP_STRIDE(DP, DG, DS))\
+        for (int i0 = 0; i0 < n && (DP || DG || DS || prefetch_lines(p, g, m, v, off + i0));                  \
+             i0 += STEP_STRIDE(DP, DG, DS))                                        \
         IVDEP for (int i = i0, i1 = i0 + STEP_STRIDE(DP, DG, DS) < n ? i0 + STEP_STRIDE(DP, DG, DS) : n; i < i1; i++) {\
           const int64_t e = off + i;                                               \
           float P = LD_##DP(p, e), M = LD_##DS(m, e), V = LD_##DS(v, e);           \

@@ -19,7 +19,8 @@ from sofx.errors import HParamError
 from sofx.kernels.base import is_traced
 from sofx.kernels.storage import TensorName, in_storage, refuse_short_storage
 
-__all__ = ["is_bool", "real_number", "positive_number", "nonnegative_number", "finite_number", "as_integer", "integer", "flag"]
+__all__ = ["is_bool", "real_number", "positive_number", "nonnegative_number", "finite_number", "as_integer", "integer",
+           "flag"]
 
 
 def is_bool(x: object) -> bool:
