@@ -767,7 +767,11 @@ def check_a_large_triton_step(device: torch.device | str, n: int, mid: int, monk
 def script_prints_ok(script: str, *args: str, timeout: float = 300) -> None:
     """Run ``script`` in a fresh Python process (``args`` its ``sys.argv[1:]``) and require that it exits with 0 and
     prints ``ok`` last: for cases that crashed the process before their fix (a segmentation fault then fails the
-    test instead of ending pytest). On failure the message carries the exit code and the output's tails."""
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
+    test instead of ending pytest). On failure the message carries the exit code and the output's tails. The
+    tests' directory is on its path (``from refusal_script import expect_refused``)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                         env=env)
     assert out.returncode == 0 and out.stdout.splitlines()[-1:] == ["ok"], \
         f"exit code {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

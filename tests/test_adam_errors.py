@@ -544,6 +544,7 @@ def test_a_state_dtype_that_is_not_a_torch_dtype_is_refused_naming_it():
 _FREED_LEAF = """
 import re, sys
 import torch
+from refusal_script import clones, expect_refused
 import sofx
 from sofx.errors import LeafError, UndoError
 
@@ -566,16 +567,8 @@ def tensors(*trees):
 
 
 def expect(case, fn, error, pattern, *trees):
-    print(case, flush=True)  # (a crash names the case it crashed in)
     kept = [t for t in tensors(*trees) if t.untyped_storage().nbytes() >= t.nbytes]  # (not the freed one)
-    before = [t.clone() for t in kept]
-    try:
-        fn()
-    except error as e:
-        assert re.search(pattern, str(e)), f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
-    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: an input was written"
+    expect_refused(case, fn, error, pattern, clones(kept))
 
 
 for keep in (0, 40):
@@ -623,6 +616,7 @@ def test_a_leaf_whose_storage_was_freed_is_refused_naming_it_and_changes_nothing
 _SHORT_VIEWS = """
 import re, sys
 import torch
+from refusal_script import expect_refused
 import sofx
 from sofx.errors import LeafError, UndoError
 
@@ -635,14 +629,7 @@ def flat_tree(n_a, n_head):  # {"a", "head"}: views of one buffer, "head" at sto
     return flat, {"a": flat[:n_a], "head": flat[n_a:]}
 
 
-def expect(case, fn, error, pattern):
-    print(case, flush=True)  # (a crash names the case it crashed in)
-    try:
-        fn()
-    except error as e:
-        assert re.search(pattern, str(e)), f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
+expect = expect_refused
 
 
 short = r"\\['head'\\]: its storage holds 11996 bytes.*storage offset 100.*reach byte 12000"
@@ -687,6 +674,7 @@ def test_a_view_whose_storage_ends_short_of_it_is_refused_naming_it(backend):
 _SHORT_COUNT = """
 import re, sys
 import torch
+from refusal_script import clones, expect_refused
 import sofx
 from sofx.errors import LeafError, UndoError
 
@@ -703,15 +691,7 @@ def setup():
 
 
 def expect(case, fn, error, pattern, *kept):
-    print(case, flush=True)  # (a crash names the case it crashed in)
-    before = [t.clone() for t in kept]
-    try:
-        fn()
-    except error as e:
-        assert re.search(pattern, str(e)), f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
-    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: an input was written"
+    expect_refused(case, fn, error, pattern, clones(kept))
 
 
 for keep in (0, 4):

@@ -878,6 +878,7 @@ def test_a_file_name_as_long_as_the_file_system_allows_is_saved_and_its_temporar
 _FREED_CHECKPOINT = """
 import os, re, sys, tempfile
 import torch
+from refusal_script import expect_refused
 import sofx
 import sofx.checkpoint as ck
 from sofx.checkpoint import CheckpointError
@@ -897,16 +898,8 @@ def setup():
     return opt, params, state
 
 
-def expect(case, fn, pattern, directory):
-    print(case, flush=True)  # (a crash names the case it crashed in)
-    before = sorted(os.listdir(directory))
-    try:
-        fn()
-    except CheckpointError as e:
-        assert re.search(pattern, str(e)), f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
-    assert sorted(os.listdir(directory)) == before, f"{case}: a file was written"
+def expect(case, fn, pattern, directory):  # (and no file written)
+    expect_refused(case, fn, CheckpointError, pattern, lambda: [sorted(os.listdir(directory))])
 
 
 for keep in (0, 8):  # freed; shrunk

@@ -483,6 +483,7 @@ def test_written_tensors_that_share_memory_are_refused_by_every_entry(name, rng)
 _FREED_STORAGE = """
 import re, sys
 import torch
+from refusal_script import clones, expect_refused
 from sofx.errors import LeafError
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import AdamScalars, AdamVariant, FINITE_CHUNK, StepCall, UndoCall, UndoRedoCall
@@ -509,15 +510,7 @@ def strided(keep):  # (100, 30) of a (100, 60) matrix's every other column, its 
 
 
 def expect(case, fn, pattern, kept):
-    print(case, flush=True)  # (a crash names the case it crashed in)
-    before = [t.clone() for t in kept]
-    try:
-        fn()
-    except LeafError as e:
-        assert re.search(pattern, str(e)), f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
-    assert all(torch.equal(a, b) for a, b in zip(kept, before)), f"{case}: written"
+    expect_refused(case, fn, LeafError, pattern, clones(kept))
 
 
 names = {"cpu": cpu, "cpu_fast": cpu_fast, "reference": reference}

@@ -282,6 +282,7 @@ def test_a_parameter_freed_between_backward_and_step_is_refused_as_freed_and_not
 _FREED_STATE = """
 import re
 import torch
+from refusal_script import expect_refused
 from torch import nn
 import sofx.offload
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
@@ -313,17 +314,8 @@ def engine_tensors(opt):
     return [getattr(t, k).clone() for t in blocks for k in ("master", "exp_avg", "exp_avg_sq", "counts")]
 
 
-def expect(case, opt, model, fn, error, pattern):
-    print(case, flush=True)  # (a crash names the case it crashed in)
-    before, bias = engine_tensors(opt), model.bias.detach().clone()
-    try:
-        fn()
-    except error as e:
-        assert re.search(pattern, str(e)), f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
-    assert all(torch.equal(a, b) for a, b in zip(engine_tensors(opt), before)), f"{case}: the state changed"
-    assert torch.equal(model.bias, bias), f"{case}: the model changed"
+def expect(case, opt, model, fn, error, pattern):  # (the engine's state and the model's bias unchanged)
+    expect_refused(case, fn, error, pattern, lambda: engine_tensors(opt) + [model.bias.detach().clone()])
 
 
 for executor in ("inline", "thread"):

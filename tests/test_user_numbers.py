@@ -81,6 +81,7 @@ def test_flag_refuses_what_is_no_python_or_numpy_bool_naming_it(value, kind):
 _FREED_NUMBER = """
 import re
 import torch
+from refusal_script import clones, expect_refused
 import sofx
 from sofx import AdamHParams, loss_scale, serial
 from sofx import transforms as tx
@@ -94,16 +95,8 @@ def number(value, keep, dtype=torch.float32):
 
 
 def expect(case, fn, error, name, keep, need=4):
-    print(case, flush=True)  # (a crash names the case it crashed in)
-    before = {k: t.clone() for k, t in params.items()}
-    try:
-        fn()
-    except error as e:
-        assert re.search(re.escape(name) + rf": its storage holds {keep} bytes.*reach byte {need}", str(e)), \\
-            f"{case}: {e}"
-    else:
-        raise AssertionError(f"{case}: not refused")
-    assert all(torch.equal(params[k], before[k]) for k in params), f"{case}: an input was written"
+    expect_refused(case, fn, error, re.escape(name) + rf": its storage holds {keep} bytes.*reach byte {need}",
+                   clones(params.values()))
 
 
 for keep in (0, 2):  # freed; shrunk
