@@ -26,7 +26,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -583,16 +583,16 @@ class _Reordered(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)) + self.skip(x))))
 
 
-def _rebuilt_buckets(rank: int) -> dict:
-    """Under ``ddp.join()``, a model in many buckets that DDP rebuilds in another order after the first iteration:
-    rank 0 has 1 batch and rank 1 has 3 (rank 0 shadows the rebuilt buckets), then rank 0 has 3 and rank 1 has 1
-    (rank 1 joins after the rebuild); then 2 steps on both ranks. The parameters after, for the facade (torch's
-    kernels, no clipping) and for torch.optim.AdamW, and DDP's rebuilt bucket order."""
+def _steps_under_join(rank: int, make: Callable[[], nn.Module]) -> dict:
+    """Under ``ddp.join()``, a DDP module of ``make()`` in one bucket per parameter (after DDP's rebuild; a single one
+    in the first iteration): rank 0 has 1 batch and rank 1 has 3 (rank 0 shadows the rebuilt buckets), then rank 0
+    has 3 and rank 1 has 1 (rank 1 joins after the rebuild); then 2 steps on both ranks. The parameters after, for
+    the facade (torch's kernels, no clipping) and for torch.optim.AdamW, and DDP's rebuilt bucket order."""
     out: dict = {}
     for batches in ((1, 3), (3, 1)):
         for name in ("torch", "sofx"):
             torch.manual_seed(0)
-            model = DDP(_Reordered(), bucket_cap_mb=1e-5)
+            model = DDP(make(), bucket_cap_mb=1e-5)
             opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
                    sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                                  backend="reference", policy=AdaptivePolicy(enabled=False)))
@@ -779,9 +779,11 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
-         "hparams_unreadable": _hparams_unreadable_on_one_rank, "rebuilt_buckets": _rebuilt_buckets,
+         "hparams_unreadable": _hparams_unreadable_on_one_rank,
+         "rebuilt_buckets": functools.partial(_steps_under_join, make=_Reordered),
          **{name: functools.partial(_setup_case, name) for name in SETUPS},
          "no_gradient": _state_changed_after_a_backward_without_gradient, "within_a_step": _exchanges_within_a_step,
+         "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
 
@@ -1079,6 +1081,19 @@ def test_buckets_ddp_rebuilds_in_another_order_under_join_equal_ddp_and_torch_ad
         out = res["rebuilt_buckets"]
         assert "error" not in out, f"rank {rank}: {out['error']}"
         assert out["order"] == "3, 2, 1, 0, 7, 6, 5, 4", (rank, out["order"])  # (registration: 7, 6, ..., 0)
+        for batches in ((1, 3), (3, 1)):
+            assert torch.equal(out[f"sofx_{batches}"], out[f"torch_{batches}"]), (rank, batches)
+
+
+def test_reentrant_checkpointing_under_join_equals_ddp_and_torch_adamw(ranks) -> None:
+    """A middle layer under reentrant checkpointing makes its gradients ready in a backward of their own, inside the
+    outer one (three autograd backwards per synchronized backward once DDP rebuilt its buckets, one per parameter),
+    while a rank that joined (``ddp.join()``) shadows each synchronized backward once: every rank makes the same
+    exchanges all the same (gloo aborted on the mismatched collective, or the ranks waited), a rank joining before
+    the rebuild and after it, and every step is DDP + torch.optim.AdamW's, bit for bit, on both ranks."""
+    for rank, res in enumerate(ranks):
+        out = res["checkpointed_under_join"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
         for batches in ((1, 3), (3, 1)):
             assert torch.equal(out[f"sofx_{batches}"], out[f"torch_{batches}"]), (rank, batches)
 
