@@ -652,7 +652,8 @@ def _state_changed_after_a_backward_without_gradient(rank: int) -> dict:
 
 class _Checkpointed(nn.Module):
     """The tiny MLP with its middle layer under reentrant checkpointing: its gradients come from a backward of their
-    own, inside the outer one (one exchange per backward DDP's buckets see: three once DDP rebuilt them)."""
+    own, inside the outer one (three autograd backwards in which DDP's buckets are ready once DDP rebuilt them, one
+    per parameter; one exchange of the ranks, at bucket 0)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -682,8 +683,8 @@ def _counted(calls: list, watch) -> Iterator[None]:
 
 def _exchanges_within_a_step(rank: int) -> dict:
     """Per step, what step() said, the exchanges made, and the comparisons made in backward and in step(): a middle
-    layer under reentrant checkpointing, one bucket per parameter (3 exchanges per backward once DDP rebuilt them),
-    a step count set on rank 1 alone before step 2 ("checkpointed"); two synchronized backwards per step, rank 1
+    layer under reentrant checkpointing, one bucket per parameter (3 autograd backwards see buckets once DDP rebuilt
+    them), a step count set on rank 1 alone before step 2 ("checkpointed"); two synchronized backwards per step, rank 1
     setting another lr between them at step 1 ("accumulated")."""
     out: dict = {}
     for name in ("checkpointed", "accumulated"):
@@ -1145,16 +1146,16 @@ def test_a_state_change_between_a_backward_without_gradient_and_step_is_refused_
 
 
 def test_the_exchanges_within_a_step_compare_once_and_step_enters_no_collective(ranks) -> None:
-    """Reentrant checkpointing makes several exchanges per backward: the comparison the first decided is made once
-    (where it found the states differ, the later ones, whose ranks' generations still moved, compare nothing more:
-    every step() raises what it found). An lr set on one rank alone between two synchronized backwards of a step is
-    compared at the second (the hparams: blocks may be speculated by then), and step() raises it on every rank,
-    entering no collective (a comparison there needed every rank's step())."""
+    """Reentrant checkpointing runs several autograd backwards per synchronized backward, in which DDP's buckets
+    are ready: the ranks exchange once (at bucket 0), and compare once where it decided so. An lr set on one rank
+    alone between two synchronized backwards of a step is compared at the second (the hparams: blocks may be
+    speculated by then), and step() raises it on every rank, entering no collective (a comparison there needed
+    every rank's step())."""
     said = [res["within_a_step"] for res in ranks]
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
         checkpointed, accumulated = out["checkpointed"], out["accumulated"]
-        assert [c[1:] for c in checkpointed] == [(1, 1, 0), (3, 0, 0), (3, 1, 0)], (rank, checkpointed)
+        assert [c[1:] for c in checkpointed] == [(1, 1, 0), (1, 0, 0), (1, 1, 0)], (rank, checkpointed)
         assert checkpointed[0][0] == checkpointed[1][0] == "no error", (rank, checkpointed)
         assert checkpointed[2][0].startswith("step() under DDP: the step count of block 4 (parameter 4 = "
                                              "param_groups[0]['params'][4], shape (3, 8)) differs between ranks: "

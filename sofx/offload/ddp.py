@@ -25,7 +25,7 @@ gradient hooks), and a closed or collected optimizer leaves DDP's plain all-redu
 
 DDP compares the replicas' parameters at its construction only; the optimizer states are the engine's to keep the
 same: a :class:`ReplicaWatch` per engine notes each call that changes its state, and at each synchronized backward
-the hook has every rank take part in one tiny all-reduce (before its first bucket's), by which the ranks decide
+the hook has every rank take part in one tiny all-reduce (before its bucket 0's, the first), by which the ranks decide
 together whether to compare their states, and where they decided so, compare them right after it, every rank at the
 same point (:func:`check_replicas`): ``step()`` raises what differs, on every rank, entering no collective.
 
@@ -96,22 +96,27 @@ class DDPRoute:
             if index is not None:
                 engine.take_reduced_gradient(index, g)
 
-    def begin_bucket(self) -> None:
-        """A bucket of a backward comes to the hook (on the thread running backward): on the backward's first,
-        the engine starts taking its gradients, and :meth:`_end` is queued to run once DDP has written ``.grad``
-        (see :func:`_queue_after_ddp`)."""
-        task = torch._C._current_graph_task_id()
-        if task == self._task:
-            return
-        self._task = task
+    def begin_bucket(self, index: int) -> None:
+        """Bucket ``index`` of a synchronized backward comes to the hook (on the thread running backward). At bucket 0
+        the engine starts taking the backward's gradients, and the ranks make their exchange
+        (:meth:`~sofx.offload.engine.OffloadEngine.begin_reduced_backward`): DDP's reducer all-reduces the buckets in
+        index order, so bucket 0 is the first of each synchronized backward on every rank, and a rank that joined
+        shadows it first (:meth:`shadow_bucket`) -- one exchange per synchronized backward on every rank, not one per
+        autograd backward (reentrant checkpointing runs backwards of its own inside it: a joined rank shadows it
+        once, and the mismatched collectives aborted gloo). On the first bucket of each autograd backward,
+        :meth:`_end` is queued to run once DDP has written ``.grad`` (see :func:`_queue_after_ddp`)."""
         engine = self.owner()
-        if engine is not None:
+        if index == 0 and engine is not None:
             engine.begin_reduced_backward()
-        _queue_after_ddp(self._end)
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            _queue_after_ddp(self._end)
 
     def shadow_bucket(self, index: int) -> None:
-        """A rank that joined (``DDP.join()``) shadows bucket ``index`` of the others' backward: at the first (the
-        others' :meth:`begin_bucket`), its engine takes part in their exchange (:meth:`ReplicaWatch.exchange`)."""
+        """A rank that joined (``DDP.join()``) shadows bucket ``index`` of the others' synchronized backward: at bucket
+        0 (as the others' :meth:`begin_bucket`), its engine takes part in their exchange
+        (:meth:`ReplicaWatch.exchange`)."""
         engine = self.owner()
         if index == 0 and engine is not None:
             engine.shadow_reduced_backward()
@@ -156,7 +161,7 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
     buffer.mul_(1.0 / route.world_size)  # (as DDP's reducer scales each gradient into its bucket without a hook)
     mine = _in_backward()  # (not: the zeros of a joined rank, whose optimizer has no step, as torch's)
     if mine:
-        route.begin_bucket()
+        route.begin_bucket(bucket.index())
     else:
         route.shadow_bucket(bucket.index())
     work = torch.distributed.all_reduce(buffer, group=route.group, async_op=True)
@@ -196,8 +201,9 @@ class ReplicaWatch:
     ``opt.state = {}``, ``reload_params``) bumps :attr:`generation` (:meth:`changed`, naming the keys whose contents
     changed; a step count is always compared), and so does a step dropped after the ranks' exchange at it
     (:meth:`drop_step`: ``zero_grad()`` on a rank that skipped a ``step()`` the others may have taken). At each
-    synchronized backward (in the communication hook, before its first bucket's all-reduce: before any block is
-    ready) -- or in ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 7 int64
+    synchronized backward (in the communication hook, before the all-reduce of its bucket 0, the first: before any
+    block is ready; once however many autograd backwards reentrant checkpointing runs inside it) -- or in
+    ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 7 int64
     (:meth:`exchange`): whether its generation moved since the last comparison, which contents changed, whether it
     joined (``DDP.join()``: it shadows the others' backward), and a digest of its hparams and minus it. Where a
     rank's generation moved or the hparams differ, all ranks compare their states right after it, at the same point
@@ -222,8 +228,8 @@ class ReplicaWatch:
         """The ranks' exchange (see the class docstring), this rank's hparams being ``hparams`` (text; ``None``:
         refused, the rank's own error, which its step raises: its digest is left out); its decision is this
         step's from then on. Where the step's comparison found a difference already, it decides none (every rank
-        found it, and every step() raises it: no comparison twice for nothing, at the reentrant backwards of
-        checkpointing or the synchronized backwards of an accumulation). A ``joined`` rank (its shadow of a
+        found it, and every step() raises it: no comparison twice for nothing, at the synchronized backwards of an
+        accumulation). A ``joined`` rank (its shadow of a
         backward) only takes part."""
         dirty = self.generation != self.compared_at
         digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)

@@ -722,16 +722,17 @@ class OffloadEngine:
             self._reduced_error = exc
 
     def begin_reduced_backward(self) -> None:
-        """A backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`), before its first bucket's
-        all-reduce: nothing refused yet, and the ranks decide whether they compare their states
-        (:meth:`~sofx.offload.ddp.ReplicaWatch.exchange`) and, where they decided so, compare them here, every
-        rank at the same point (:meth:`_compare_replicas`); what differs ``step()`` raises, on every rank, without
-        a collective of its own. At the step's first exchange no block of the step is speculated nor in flight
-        (the blocks ready before it are held): the whole state is compared, once the last step's operations are
-        done. At a later one (a reentrant backward of checkpointing, a synchronized backward of an accumulation)
-        blocks may be speculated meanwhile, by another thread (the completed buckets' gradients), so only what
-        none changes is compared (the hparams and the loss scaler: an lr set on one rank between the backwards);
-        the state is then compared at the next step's first exchange."""
+        """A synchronized backward whose gradients ``ddp`` averages begins (:mod:`sofx.offload.ddp`), before the
+        all-reduce of its bucket 0, the first (once per synchronized backward on every rank, as a rank that joined
+        shadows it: not at each autograd backward reentrant checkpointing runs inside it): nothing refused yet, and
+        the ranks decide whether they compare their states (:meth:`~sofx.offload.ddp.ReplicaWatch.exchange`) and,
+        where they decided so, compare them here, every rank at the same point (:meth:`_compare_replicas`); what
+        differs ``step()`` raises, on every rank, without a collective of its own. At the step's first exchange no
+        block of the step is speculated nor in flight (the blocks ready before it are held): the whole state is
+        compared, once the last step's operations are done. At a later one (a synchronized backward of an
+        accumulation) blocks may be speculated meanwhile, by another thread (the completed buckets' gradients), so
+        only what none changes is compared (the hparams and the loss scaler: an lr set on one rank between the
+        backwards); the state is then compared at the next step's first exchange."""
         self._reduced_error = None
         watch = self._replicas
         whole = watch.decision is None
