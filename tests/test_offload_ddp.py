@@ -261,12 +261,12 @@ def _without_ddp(rank: int) -> dict:
     return out
 
 
-def _refused_in_hook(rank: int) -> dict:
+def _refused_in_hook(rank: int, make: Callable[[], DDP] = functools.partial(_ddp, {})) -> dict:
     """An hparam the engine refuses when the step's first block is ready (lr nan): at step 1 on rank 1 only, at
     step 2 on both ranks, then a second backward accumulated before step(). What each backward raised, and the
     parameters after each step next to DDP + torch.optim.AdamW's (DDP's all-reduce of every bucket completed, so
-    torch's backward is a whole one)."""
-    ref, model = _ddp({}), _ddp({})
+    torch's backward is a whole one); both DDP modules of ``make()``."""
+    ref, model = make(), make()
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
@@ -655,14 +655,27 @@ class _Checkpointed(nn.Module):
     own, inside the outer one (three autograd backwards in which DDP's buckets are ready once DDP rebuilt them, one
     per parameter; one exchange of the ranks, at bucket 0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, recompute_s: float = 0.0) -> None:
         super().__init__()
         self.inp, self.extra, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.recompute_s = recompute_s  # how long the recomputation (inside backward) sleeps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.extra(t)), h, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(self._middle, h, use_reentrant=True)
         return self.out(h)
+
+    def _middle(self, h: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # (the recomputation: the reentrant forward runs without grad)
+            time.sleep(self.recompute_s)
+        return torch.tanh(self.extra(h))
+
+
+def _checkpointed_ddp(recompute_s: float = 0.0) -> DDP:
+    """:class:`_Checkpointed` in DDP, one bucket per parameter once DDP rebuilt them (a single one at the first
+    iteration)."""
+    torch.manual_seed(0)
+    return DDP(_Checkpointed(recompute_s), bucket_cap_mb=1e-5)
 
 
 @contextlib.contextmanager
@@ -777,7 +790,9 @@ def _step_skipped_on_one_rank(rank: int) -> dict:
 
 
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
-         "refused_in_hook": _refused_in_hook, "grad_changed": _grad_changed_after_backward,
+         "refused_in_hook": _refused_in_hook,
+         "refused_in_hook_checkpointed": functools.partial(_refused_in_hook, make=functools.partial(
+             _checkpointed_ddp, recompute_s=0.05)), "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
          "hparams_unreadable": _hparams_unreadable_on_one_rank,
@@ -891,14 +906,18 @@ def test_a_ddp_modules_parameters_without_ddp_are_refused_naming_ddp(ranks) -> N
         assert "ddp=ddp_model" in out["step"]
 
 
-def test_an_error_in_the_communication_hook_is_raised_by_backward_as_without_ddp(ranks) -> None:
+@pytest.mark.parametrize("case", ["refused_in_hook", "refused_in_hook_checkpointed"])
+def test_an_error_in_the_communication_hook_is_raised_by_backward_as_without_ddp(ranks, case: str) -> None:
     """The engine refusing a gradient DDP hands it (here an lr of nan, read when the step's first block is ready)
     raises the engine's own error out of backward, as its gradient hooks do without DDP (it reached the user as
     DDP's RuntimeError "Got the following error when running the callback: ..."). The hook still gives DDP the
     reduced bucket: the all-reduce completes on every rank (rank 0 goes on alone at step 1), DDP writes .grad,
-    and step() after fixing the lr (or after a second backward) is DDP + torch.optim.AdamW's."""
+    and step() after fixing the lr (or after a second backward) is DDP + torch.optim.AdamW's. Under reentrant
+    checkpointing the error is raised at the end of the outer backward, after DDP's: raised at the end of the
+    nested backward of the recomputation (its first bucket's block refused meanwhile), it left DDP's reduction
+    unfinished (gloo aborted on the next, mismatched collective, or DDP refused the next forward)."""
     for rank, res in enumerate(ranks):
-        out = res["refused_in_hook"]
+        out = res[case]
         assert "error" not in out, f"rank {rank}: {out['error']}"
         for step, msg in enumerate(out["raised"]):
             if step == 2 or (step == 1 and rank == 1):
@@ -908,7 +927,7 @@ def test_an_error_in_the_communication_hook_is_raised_by_backward_as_without_ddp
         for step, (mine, theirs) in enumerate(zip(out["sofx"], out["torch"])):
             assert _deviation(mine, theirs) <= TOL, f"rank {rank} step {step}"
     for step in range(4):
-        assert torch.equal(ranks[0]["refused_in_hook"]["sofx"][step], ranks[1]["refused_in_hook"]["sofx"][step])
+        assert torch.equal(ranks[0][case]["sofx"][step], ranks[1][case]["sofx"][step])
 
 
 def test_a_block_ddp_found_unused_on_every_rank_is_reported_not_stepped(ranks) -> None:
