@@ -67,7 +67,6 @@ class DDPRoute:
         self.world_size = world_size
         self._engine: weakref.ReferenceType[OffloadEngine] | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
-        self._task = -1  # autograd's id of the backward whose buckets come (see begin_bucket)
 
     def owner(self) -> OffloadEngine | None:
         """The engine taking the gradients now (``None``: none, or it was collected)."""
@@ -96,21 +95,20 @@ class DDPRoute:
             if index is not None:
                 engine.take_reduced_gradient(index, g)
 
-    def begin_bucket(self, index: int) -> None:
-        """Bucket ``index`` of a synchronized backward comes to the hook (on the thread running backward). At bucket 0
-        the engine starts taking the backward's gradients, and the ranks make their exchange
-        (:meth:`~sofx.offload.engine.OffloadEngine.begin_reduced_backward`): DDP's reducer all-reduces the buckets in
-        index order, so bucket 0 is the first of each synchronized backward on every rank, and a rank that joined
-        shadows it first (:meth:`shadow_bucket`) -- one exchange per synchronized backward on every rank, not one per
-        autograd backward (reentrant checkpointing runs backwards of its own inside it: a joined rank shadows it
-        once, and the mismatched collectives aborted gloo). On the first bucket of each autograd backward,
-        :meth:`_end` is queued to run once DDP has written ``.grad`` (see :func:`_queue_after_ddp`)."""
+    def begin_bucket(self, index: int, last: bool) -> None:
+        """Bucket ``index`` of a synchronized backward comes to the hook (on the thread running backward; ``last``:
+        the last of the backward's buckets). DDP's reducer all-reduces the buckets in index order, so bucket 0 is
+        the first of each synchronized backward on every rank, and a rank that joined shadows it first
+        (:meth:`shadow_bucket`): there the engine starts taking the backward's gradients, and the ranks make their
+        exchange (:meth:`~sofx.offload.engine.OffloadEngine.begin_reduced_backward`). At the last, :meth:`_end` is
+        queued to run once DDP has written ``.grad`` (see :func:`_queue_after_ddp`). Both once per synchronized
+        backward, not per autograd backward: reentrant checkpointing runs backwards of its own inside it (a joined
+        rank shadows it once: the mismatched exchanges aborted gloo; and the end of a nested one raised the engine's
+        error before DDP's reduction was done: that rank's backward stopped with buckets left to all-reduce)."""
         engine = self.owner()
         if index == 0 and engine is not None:
             engine.begin_reduced_backward()
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._task = task
+        if last:
             _queue_after_ddp(self._end)
 
     def shadow_bucket(self, index: int) -> None:
@@ -131,8 +129,9 @@ class DDPRoute:
 
 def _queue_after_ddp(callback: Any) -> None:
     """Run ``callback`` at the end of the running backward, after DDP's own end of it (the reducer waits for every
-    bucket's all-reduce and writes ``.grad``). DDP queues that as autograd's final callback when the last bucket is
-    ready, after this hook saw the first: a callback queued now runs before it, and queues ``callback``, which then
+    bucket's all-reduce and writes ``.grad``). Called from the last bucket's hook: DDP queues its end as a final
+    callback of the running autograd backward (the outer one under reentrant checkpointing, or a nested one) right
+    after that hook launched the all-reduce: a callback queued now runs before it, and queues ``callback``, which then
     runs after it (autograd runs the callbacks queued while it runs them, in order)."""
     queue = torch.autograd.Variable._execution_engine.queue_callback
     queue(lambda: queue(callback))
@@ -161,7 +160,7 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
     buffer.mul_(1.0 / route.world_size)  # (as DDP's reducer scales each gradient into its bucket without a hook)
     mine = _in_backward()  # (not: the zeros of a joined rank, whose optimizer has no step, as torch's)
     if mine:
-        route.begin_bucket(bucket.index())
+        route.begin_bucket(bucket.index(), bucket.is_last())
     else:
         route.shadow_bucket(bucket.index())
     work = torch.distributed.all_reduce(buffer, group=route.group, async_op=True)
