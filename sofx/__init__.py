@@ -10,6 +10,8 @@ speculation protocol and its serial twin; the offload engine; checkpoints;
 torch.distributed collectives.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, adam, adamw
 from sofx.errors import (HParamError, LeafError, SnapshotLimitError, SofxError, StructureError, UndoError,
@@ -22,7 +24,10 @@ from sofx.speculate import SpeculationConfig
 from sofx.step_report import StepReport
 from sofx.apply_if_finite import apply_if_finite
 
-from sofx import checkpoint, distributed, offload
+from sofx.lazy_imports import lazy_attribute
+
+if TYPE_CHECKING:  # imported where first used (sofx.lazy_imports)
+    from sofx import checkpoint, distributed, offload
 
 __version__ = "0.1.0"
 
@@ -59,3 +64,13 @@ __all__ = [
     "distributed",
     "offload",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``sofx.checkpoint``, ``sofx.distributed``, ``sofx.offload`` (or another submodule) where not imported yet:
+    imported now, at first use, not by ``import sofx`` (see :mod:`sofx.lazy_imports`)."""
+    return lazy_attribute(__name__, {}, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

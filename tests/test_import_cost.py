@@ -29,3 +29,69 @@ print("ok")
 ])
 def test_importing_sofx_does_not_import_dynamo(imports: str) -> None:
     script_prints_ok(_NO_DYNAMO.format(imports=imports), timeout=120)
+
+
+_LEFT_UNIMPORTED = """
+import sys
+{imports}
+loaded = sorted(m for m in {modules} if m in sys.modules)
+assert not loaded, loaded
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("imports, modules", [
+    # the worker: the block math and shared memory, not the engine, the facade, checkpoints or collectives
+    ("import sofx.offload.process_worker",
+     ["sofx.offload.engine", "sofx.offload.facade", "sofx.offload.grad_hooks", "sofx.checkpoint",
+      "sofx.distributed"]),
+    ("import sofx", ["sofx.offload.engine", "sofx.offload.facade", "sofx.checkpoint", "sofx.distributed"]),
+])
+def test_a_subpackage_is_imported_where_first_used(imports: str, modules: list[str]) -> None:
+    script_prints_ok(_LEFT_UNIMPORTED.format(imports=imports, modules=modules), timeout=120)
+
+
+_NAMES_REACHABLE = """
+import sofx
+import sofx.offload.engine, sofx.offload.executor, sofx.offload.facade
+offload = sofx.offload
+for name in offload.__all__:
+    home = {"SpeculativeAdamW": offload.facade, "SpeculativeAdam": offload.facade,
+            "resolve_loss_scale": offload.facade, "ExecutorError": offload.executor,
+            "ExecutorTimeout": offload.executor, "WorkerDiedError": offload.executor}.get(name, offload.engine)
+    assert getattr(offload, name) is getattr(home, name), name
+assert set(offload.__all__) <= set(dir(offload)) and set(sofx.__all__) <= set(dir(sofx))
+star = {}
+exec("from sofx.offload import *", star)
+assert set(offload.__all__) <= set(star), sorted(set(offload.__all__) - set(star))
+for missing in (offload, sofx):
+    try:
+        missing.no_such_name
+    except AttributeError as e:
+        assert missing.__name__ in str(e) and "no_such_name" in str(e), str(e)
+    else:
+        raise AssertionError("no AttributeError")
+print("ok")
+"""
+
+_SUBMODULES_REACHABLE = """
+import sofx
+assert sofx.offload.engine.OffloadEngine.__module__ == "sofx.offload.engine"
+assert sofx.offload.shared_memory.DEFAULT_SHM_DIR
+assert callable(sofx.checkpoint.save) and callable(sofx.distributed.all_reduce_sumsq)
+from sofx.offload import SpeculativeAdamW
+assert SpeculativeAdamW is sofx.offload.facade.SpeculativeAdamW
+print("ok")
+"""
+
+
+def test_the_public_names_of_sofx_offload_are_the_modules_own() -> None:
+    """``sofx.offload.X``, ``from sofx.offload import X`` and ``import *`` give the defining module's object;
+    ``dir()`` lists them; an unknown name is an ``AttributeError`` naming the module and the name."""
+    script_prints_ok(_NAMES_REACHABLE, timeout=120)
+
+
+def test_after_import_sofx_its_subpackages_and_their_modules_are_attributes() -> None:
+    """``import sofx`` then ``sofx.offload.engine.OffloadEngine``, ``sofx.checkpoint.save``: reached as
+    attributes, imported where first reached."""
+    script_prints_ok(_SUBMODULES_REACHABLE, timeout=120)

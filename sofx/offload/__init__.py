@@ -10,9 +10,29 @@ Public API::
 Errors: :class:`ExecutorError`, :class:`ExecutorTimeout`, :class:`WorkerDiedError`.
 """
 
-from sofx.offload.engine import EXECUTORS, EngineStepReport, OffloadEngine
-from sofx.offload.executor import ExecutorError, ExecutorTimeout, WorkerDiedError
-from sofx.offload.facade import SpeculativeAdam, SpeculativeAdamW, resolve_loss_scale
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sofx.lazy_imports import lazy_attribute
+
+if TYPE_CHECKING:
+    from sofx.offload.engine import EXECUTORS, EngineStepReport, OffloadEngine
+    from sofx.offload.executor import ExecutorError, ExecutorTimeout, WorkerDiedError
+    from sofx.offload.facade import SpeculativeAdam, SpeculativeAdamW, resolve_loss_scale
+
+#: The module each public name is defined in (imported where the name is first used, see :func:`__getattr__`).
+_HOMES = {
+    "SpeculativeAdamW": "facade",
+    "SpeculativeAdam": "facade",
+    "resolve_loss_scale": "facade",
+    "OffloadEngine": "engine",
+    "EngineStepReport": "engine",
+    "EXECUTORS": "engine",
+    "ExecutorError": "executor",
+    "ExecutorTimeout": "executor",
+    "WorkerDiedError": "executor",
+}
 
 __all__ = [
     "SpeculativeAdamW",
@@ -25,3 +45,15 @@ __all__ = [
     "WorkerDiedError",
     "resolve_loss_scale",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``sofx.offload.<name>`` (and ``from sofx.offload import <name>``) for a public name, or a submodule, that
+    is not imported yet: the facade and the engine are imported where first used, not by ``import sofx`` nor by
+    a process executor's worker (``sofx.offload.process_worker``), which needs neither."""
+    return lazy_attribute(__name__, _HOMES, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
