@@ -34,17 +34,7 @@ _HOMES = {
     "WorkerDiedError": "executor",
 }
 
-__all__ = [
-    "SpeculativeAdamW",
-    "SpeculativeAdam",
-    "OffloadEngine",
-    "EngineStepReport",
-    "EXECUTORS",
-    "ExecutorError",
-    "ExecutorTimeout",
-    "WorkerDiedError",
-    "resolve_loss_scale",
-]
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
