@@ -1675,11 +1675,7 @@ def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:
         raise LeafError(f"state.count{param_path[len('params'):]}: expected a 0-d int64 tensor, got {desc}")
     if traced(c):
         return c
-    try:  # (read as a number below: a freed one by torch's error, a shrunk one past its end)
-        fits = c.untyped_storage().nbytes() >= (c.storage_offset() + 1) * 8  # (8 bytes of int64 at its offset)
-    except (NotImplementedError, RuntimeError):  # (no storage to look at: storage_shortfall's None)
-        fits = True
-    if not fits:
+    if not in_storage(c):  # (read as a number below: a freed one by torch's error, a shrunk one past its end)
         refuse_short_storage(c, lambda: f"state.count{param_path[len('params'):]}")
     n = c.item()
     if n < 0:
