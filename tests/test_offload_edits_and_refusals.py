@@ -14,7 +14,7 @@ from helpers import script_prints_ok
 from test_offload_support import one_torch_thread, relative_deviation  # noqa: F401 (autouse fixture)
 
 import sofx.offload
-from sofx.errors import HParamError
+from sofx.errors import HParamError, LeafError
 
 TOL = 1e-6
 EXECUTORS = ["inline", "thread", "process"]
@@ -169,10 +169,10 @@ def test_a_model_converted_after_the_optimizer_was_made_is_refused_clearly(execu
         opt.backward(_loss(model, batch))
         opt.step()
         model.double()
-        with pytest.raises(sofx.SofxError, match=r"parameter \d+ is now \(\d+(, \d+)?\) torch.float64 on cpu, the "
-                                                  r"optimizer was made for .* torch.float32"):
+        with pytest.raises(LeafError, match=r"parameter \d+ is now \(\d+(, \d+)?\) torch.float64 on cpu, the "
+                                            r"optimizer was made for .* torch.float32"):
             opt.backward(_loss(model, tuple(t.double() for t in batch)))
-        with pytest.raises(sofx.SofxError, match="torch.float64"):
+        with pytest.raises(LeafError, match="torch.float64"):
             opt.step()
         assert all(p.dtype == torch.float64 for p in model.parameters())
         model.float()
@@ -193,6 +193,7 @@ import sys
 import torch
 from torch import nn
 import sofx.offload
+from sofx.errors import LeafError
 
 torch.set_num_threads(1)
 for executor in ("inline", "thread"):
@@ -214,7 +215,7 @@ for executor in ("inline", "thread"):
         try:
             opt.step()
             raise AssertionError("stepped a parameter whose storage was freed")
-        except sofx.SofxError as e:
+        except LeafError as e:
             msg = str(e)
         assert "parameter 1 (param_groups[0]['params'][1], shape (3,)): its storage holds 0 bytes" in msg, msg
         assert not opt.engine.in_step and torch.equal(model.weight.grad, wg), "nothing was taken"
@@ -257,7 +258,7 @@ def test_a_parameter_freed_between_backward_and_step_is_refused_as_freed_and_not
         weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
         opt.backward(model(x).square().mean())
         model.bias.untyped_storage().resize_(keep)
-        with pytest.raises(sofx.SofxError) as refused:
+        with pytest.raises(LeafError) as refused:
             opt.step()
         msg = str(refused.value)
         assert msg.startswith(f"parameter 1 (param_groups[0]['params'][1], shape (3,)): its storage holds {keep} "
@@ -285,7 +286,7 @@ import torch
 from refusal_script import expect_refused
 from torch import nn
 import sofx.offload
-from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
+from sofx.errors import HParamError, LeafError, StructureError, UnsupportedError
 
 torch.set_num_threads(1)
 
@@ -343,11 +344,11 @@ for executor in ("inline", "thread"):
         model, opt, saved = setup(executor)
         cut(model.weight, keep)
         expect(f"set master into a freed parameter {executor} {keep}", opt, model,
-               lambda: opt.state[model.weight].__setitem__("master", torch.randn(30, 40)), SofxError, param)
+               lambda: opt.state[model.weight].__setitem__("master", torch.randn(30, 40)), LeafError, param)
         model, opt, saved = setup(executor)
         cut(model.weight, keep)
         expect(f"load into a freed parameter {executor} {keep}", opt, model, lambda: opt.load_state_dict(saved),
-               SofxError, param)
+               LeafError, param)
 print("ok")
 """
 

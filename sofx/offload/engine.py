@@ -491,11 +491,11 @@ class OffloadEngine:
         for i in indices:  # all checked before any is taken
             p, (dtype, shape, device) = self.params[i], self._param_kinds[i]
             if (p.dtype, p.shape, p.device) != (dtype, shape, device):
-                raise SofxError(f"parameter {i} is now {tuple(p.shape)} {p.dtype} on {p.device}, the optimizer was "
+                raise LeafError(f"parameter {i} is now {tuple(p.shape)} {p.dtype} on {p.device}, the optimizer was "
                                 f"made for {tuple(shape)} {dtype} on {device} (model.to(), model.half(), p.data = "
                                 "a tensor of another kind): its masters and buffers are of that kind; create the "
                                 "optimizer after converting or moving the model")
-            refuse_short_storage(p, lambda: self._describe_param(i), SofxError)
+            refuse_short_storage(p, lambda: self._describe_param(i))
         with torch.no_grad():
             for i in indices:  # (between steps)
                 master, p = self._param_views(i)["master"], self.params[i].detach()
@@ -765,17 +765,17 @@ class OffloadEngine:
         return grad is None or grad is not ref() or grad._version != version or grad.data_ptr() != ptr
 
     def _refuse_short_params(self, indices: Sequence[int]) -> None:
-        """Refuse (a :class:`SofxError` naming it, :meth:`_describe_param`) a model parameter of ``indices`` whose
+        """Refuse (a :class:`LeafError` naming it, :meth:`_describe_param`) a model parameter of ``indices`` whose
         storage no longer holds it (freed with ``untyped_storage().resize_(0)``, as FSDP frees a parameter, or
         shrunk: :func:`~sofx.kernels.storage.refuse_short_storage`), before a master is copied into it (a write at
         address 0, or past its end)."""
         for i in indices:
             p = self.params[i]
             if not in_storage(p):
-                refuse_short_storage(p, lambda: self._describe_param(i), SofxError)
+                refuse_short_storage(p, lambda: self._describe_param(i))
 
     def _refuse_freed_since_backward(self, indices: Sequence[int]) -> None:
-        """Refuse (a :class:`SofxError` naming it, :meth:`_describe_param`) a parameter of ``indices`` (those
+        """Refuse (a :class:`LeafError` naming it, :meth:`_describe_param`) a parameter of ``indices`` (those
         changed since backward began this step, :meth:`_edited_params`) whose storage no longer holds it: freed
         with ``untyped_storage().resize_(0)``, as FSDP frees a resharded parameter, or shrunk
         (:func:`~sofx.kernels.storage.storage_shortfall`). Its block began stepping from its master at backward,
@@ -785,7 +785,7 @@ class OffloadEngine:
             p = self.params[i]
             short = None if in_storage(p) else storage_shortfall(p)
             if short is not None:
-                raise SofxError(short_storage_message(
+                raise LeafError(short_storage_message(
                     self._describe_param(i), p, *short,
                     remedy="this was between backward and step(), after this step's blocks began stepping from "
                            "their masters, and step() writes the new values into it: free parameters after step() "
