@@ -67,7 +67,8 @@ def time_backend(backend, arrays: list[torch.Tensor], reps: int) -> tuple[float,
 def main() -> None:
     args = size_arguments(__doc__.split("\n")[0], rounds=6)
     placements = {name: block_arrays(1 << args.log2_numel, name) for name in PLACEMENTS}
-    print("| placement | backend | step ms | clip undo+redo ms | new-gradient undo+redo ms | clip / step | new / step |")
+    print("| placement | backend | step ms | clip undo+redo ms | new-gradient undo+redo ms | clip / step "
+          "| new / step |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for backend in (cpu, cpu_fast):
         times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in placements}

@@ -10,8 +10,9 @@ fill their memory span, in another order than the logical one. Their gradients (
 without a record (``undoable=False``), checked (``undo="auto"``: in the kernel, over the leaf's memory in
 memory order, ``sofx/memory_order_leaves.py``; until stop 47 a pass before the step for these leaves) and a late
 clip (``undo_redo`` of the step before, the same gradient with another ``grad_scale``: fused and checked in one
-pass), donated, the minimum over the calls, with the ratio to the contiguous leaf's time. The transposed leaf (the contiguous one's values, transposed) is
-checked to end as the contiguous one's transpose (exit 1 otherwise). Two threads.
+pass), donated, the minimum over the calls, with the ratio to the contiguous leaf's time. The transposed leaf
+(the contiguous one's values, transposed) is checked to end as the contiguous one's transpose (exit 1 otherwise).
+Two threads.
 """
 
 from __future__ import annotations

@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                                                        donate=True, undoable=False)
         times["engine"].append(time.perf_counter() - t)
     same = all(torch.equal(a, b) for a, b in zip(runs["undoable"]["params"], runs["plain"]["params"]))
-    print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), lr {args.lr:g}, backend {args.backend}, "
-          f"{args.threads} threads, FINITE_CHUNK {FINITE_CHUNK}, torch {torch.__version__}; params equal: {same}")
+    print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), lr {args.lr:g}, "
+          f"backend {args.backend}, {args.threads} threads, FINITE_CHUNK {FINITE_CHUNK}, torch {torch.__version__}; "
+          f"params equal: {same}")
     print()
     print("| steps | elements in flagged chunks | undoable ms | plain ms | undoable / plain | late clip ms "
           "| late clip / plain | engine's late clip ms | engine's / plain |")

@@ -90,7 +90,8 @@ def check(tk, n: int, dev: torch.device, out: list[str]) -> bool:
             f"{n} elements (a partial last block), fresh random inputs; largest relative error per output p / m / v "
             f"against `cpu_fast` on the CPU (native kernels: {cpu_fast.cpu.native_available()}; judged) and, "
             "below each, against `reference.py` on the CPU\n",
-            "| params / states | weight decay | against | step | undo | undo+redo (new gradient) | undo+redo (clip) | ok |",
+            "| params / states | weight decay | against | step | undo | undo+redo (new gradient) | undo+redo (clip) "
+            "| ok |",
             "|---|---|---|---|---|---|---|---|"]
     all_ok = True
     for pdt, sdt in CONFIGS:

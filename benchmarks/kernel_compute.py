@@ -228,7 +228,8 @@ def alternated(exes: list[str], n: int, reps: int, rounds: int, replica: int, ca
 
 
 def print_table(results: dict[str, Rows], digits: int = 3) -> None:
-    print("| ns per element | step cache | step memory | undo cache | undo memory | undo+redo cache | undo+redo memory |")
+    print("| ns per element | step cache | step memory | undo cache | undo memory | undo+redo cache "
+          "| undo+redo memory |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for combo, name in COMBOS.items():
         c, m = results["cache"][combo], results["memory"][combo]

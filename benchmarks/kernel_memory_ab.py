@@ -13,12 +13,12 @@ runs minutes apart differ by more than most changes. This script compiles this t
 (``sofx/kernels/_cpu_source.py``) and either a git revision's (``--against REV``) or this tree's with one define
 more (``--define NAME=VALUE``, for a knob the source leaves ``#ifndef``) into two shared libraries with the
 kernels' own flags, loads both, and times them in turns a rep apart: each rep runs, on the same arrays of
-2^26 elements (``--elements``; two sets would lie differently in the memory, a bias of its own) with ``--threads`` threads (the elements split evenly, at a multiple of the
-finiteness chunk), a step, an undo+redo with a new gradient, and an undo (the inverse of the step; an untimed
-undo+redo back in between), so that both builds see the same memory phase. Each rep gives a ratio per
-operation (this tree / the other); the table has the median time of each build and the median and range of those
-ratios, for float32, bf16 params + fp32 states and all-bf16. The threads are plain pthreads started per call
-(the library's own OpenMP or started threads do the same split).
+2^26 elements (``--elements``; two sets would lie differently in the memory, a bias of its own) with ``--threads``
+threads (the elements split evenly, at a multiple of the finiteness chunk), a step, an undo+redo with a new gradient,
+and an undo (the inverse of the step; an untimed undo+redo back in between), so that both builds see the same memory
+phase. Each rep gives a ratio per operation (this tree / the other); the table has the median time of each build and
+the median and range of those ratios, for float32, bf16 params + fp32 states and all-bf16. The threads are plain
+pthreads started per call (the library's own OpenMP or started threads do the same split).
 """
 
 from __future__ import annotations
