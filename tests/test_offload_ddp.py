@@ -26,7 +26,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -183,6 +183,22 @@ SETUPS = {
 }
 
 
+@contextlib.contextmanager
+def _reported(out: dict, opts: Sequence, case: str = "") -> Iterator[None]:
+    """Run a case's body: what it raises is this rank's ``out["error"]`` (``"case: Type: message"``, for the test's
+    message) instead of ending the rank's cases, and every optimizer of ``opts`` that has ``close()`` (a
+    torch.optim one has none) is closed either way; ``opts`` is read at the end (a list the body may append to)."""
+    try:
+        yield
+    except Exception as exc:
+        where = f"{case}: " if case else ""
+        out["error"] = f"{where}{type(exc).__name__}: {exc}"
+    finally:
+        for opt in opts:
+            close = getattr(opt, "close", None)
+            close() if close else None
+
+
 def _setup_case(name: str, rank: int) -> dict:
     """SETUPS[name] on this rank; what it raised, for the test's message."""
     try:
@@ -273,7 +289,7 @@ def _refused_in_hook(rank: int, make: Callable[[], DDP] = functools.partial(_ddp
     plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
                               scale=lambda loss: loss, inject=False)
     out: dict = {"raised": [], "torch": [], "sofx": []}
-    try:
+    with _reported(out, [opt]):
         for step in range(4):
             ropt.zero_grad()
             plain(ref, step)
@@ -289,10 +305,6 @@ def _refused_in_hook(rank: int, make: Callable[[], DDP] = functools.partial(_ddp
             opt.step()
             out["torch"].append(_flat(ref.module))
             out["sofx"].append(_flat(model.module))
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -352,7 +364,7 @@ def _uneven_inputs(rank: int) -> dict:
                sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model))
         plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
                                   scale=lambda loss: loss, inject=False)
-        try:
+        with _reported(out, [opt], case=name):
             with model.join():
                 for step in range(2 + rank):
                     plain(step)
@@ -363,11 +375,6 @@ def _uneven_inputs(rank: int) -> dict:
             plain(3)
             opt.step()
             out[name] = _flat(model.module)
-        except Exception as exc:
-            out["error"] = f"{name}: {type(exc).__name__}: {exc}"
-        finally:
-            close = getattr(opt, "close", None)
-            close() if close else None
     return out
 
 
@@ -420,7 +427,7 @@ def _resumed_from_other_checkpoints(rank: int) -> dict:
 
     out: dict = {}
     opts = []
-    try:
+    with _reported(out, opts):
         model = _ddp({})
         opts.append(make(model))
         saved = []
@@ -449,11 +456,6 @@ def _resumed_from_other_checkpoints(rank: int) -> dict:
         plain(other_lr, 3)
         out["other_lr"] = error_text(opt.step)
         out["continued"] = two_steps(model, opts[0])
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        for opt in opts:
-            opt.close()
     return out
 
 
@@ -494,7 +496,7 @@ def _state_changed_on_one_rank(rank: int) -> dict:
                "reset": lambda: setattr(opt, "state", {}),
                "reload_params": edit_then_reload,
                "lr": lambda: opt.param_groups[0].__setitem__("lr", 2 * LR)}
-    try:
+    with _reported(out, [opt]):
         for at, (how, change) in enumerate(changes.items(), start=2):
             if rank == 1:
                 change()
@@ -526,10 +528,6 @@ def _state_changed_on_one_rank(rank: int) -> dict:
             if rank == 0:
                 opt.state[p]["exp_avg"] = torch.full_like(p, 0.25)
             out["no_backward_same"] = error_text(opt.step)
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -545,7 +543,7 @@ def _hparams_unreadable_on_one_rank(rank: int) -> dict:
                               scale=lambda loss: loss, inject=False)
     group = opt.param_groups[0]
     out: dict = {}
-    try:
+    with _reported(out, [opt]):
         plain(0)
         opt.step()
         opt.zero_grad()
@@ -563,10 +561,6 @@ def _hparams_unreadable_on_one_rank(rank: int) -> dict:
         plain(3)
         out["then"] = error_text(opt.step)
         out["params"] = _flat(model.module)
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -596,7 +590,7 @@ def _steps_under_join(rank: int, make: Callable[[], nn.Module]) -> dict:
             opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
                    sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                                  backend="reference", policy=AdaptivePolicy(enabled=False)))
-            try:
+            with _reported(out, [opt], case=f"{name} {batches}"):
                 with model.join():
                     for step in range(batches[rank]):
                         opt.zero_grad()
@@ -608,11 +602,6 @@ def _steps_under_join(rank: int, make: Callable[[], nn.Module]) -> dict:
                     opt.step()
                 out[f"{name}_{batches}"] = _flat(model.module)
                 out["order"] = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
-            except Exception as exc:
-                out["error"] = f"{name} {batches}: {type(exc).__name__}: {exc}"
-            finally:
-                close = getattr(opt, "close", None)
-                close() if close else None
     return out
 
 
@@ -629,7 +618,7 @@ def _state_changed_after_a_backward_without_gradient(rank: int) -> dict:
     plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
                               scale=lambda loss: loss, inject=False)
     out: dict = {}
-    try:
+    with _reported(out, [opt]):
         with warnings.catch_warnings():  # (step() found no gradients)
             warnings.simplefilter("ignore", RuntimeWarning)
             saved = copy.deepcopy(opt.state_dict())
@@ -643,10 +632,6 @@ def _state_changed_after_a_backward_without_gradient(rank: int) -> dict:
             opt.zero_grad()
             plain(1)
             out["then"] = error_text(opt.step)
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -708,7 +693,7 @@ def _exchanges_within_a_step(rank: int) -> dict:
                                             policy=AdaptivePolicy(enabled=False))
         out[name] = []
         calls: list = []
-        try:
+        with _reported(out, [opt], case=name):
             with _counted(calls, opt.engine._replicas):
                 for step in range(3):
                     opt.zero_grad()
@@ -726,10 +711,6 @@ def _exchanges_within_a_step(rank: int) -> dict:
                     in_backward = calls.count("compare")
                     said = error_text(opt.step)
                     out[name].append((said, calls.count("exchange"), in_backward, calls.count("compare") - in_backward))
-        except Exception as exc:
-            out["error"] = f"{name}: {type(exc).__name__}: {exc}"
-        finally:
-            opt.close()
     return out
 
 
@@ -756,7 +737,7 @@ def _step_skipped_on_one_rank(rank: int) -> dict:
         plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
                                   scale=lambda loss: loss, inject=False)
         group = opt.param_groups[0]
-        try:
+        with _reported(out, [opt], case=how):
             plain(0)
             opt.step()
             saved = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
@@ -782,10 +763,6 @@ def _step_skipped_on_one_rank(rank: int) -> dict:
             plain(3)
             out[f"{how}_resumed"] = error_text(opt.step)
             out[f"{how}_params"] = _flat(model.module)
-        except Exception as exc:
-            out["error"] = f"{how}: {type(exc).__name__}: {exc}"
-        finally:
-            opt.close()
     return out
 
 
