@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from helpers import script_prints_ok
-from test_offload_support import one_torch_thread, relative_deviation  # noqa: F401 (autouse fixture)
+from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
+    linear_beside_torch,
+    one_torch_thread,
+    relative_deviation,
+)
 
 import sofx.offload
 from sofx.errors import HParamError, LeafError
@@ -187,22 +191,15 @@ def test_a_model_converted_after_the_optimizer_was_made_is_refused_clearly(execu
 # master, reading address 0 (a segmentation fault). Run in a subprocess so that a crash fails the test instead of
 # ending pytest. (The process executor's parameters live in shared memory, which cannot be resized.)
 _FREED_PARAM = """
-import copy
-import subprocess
-import sys
 import torch
-from torch import nn
-import sofx.offload
 from sofx.errors import LeafError
+from test_offload_support import linear_beside_torch
 
 torch.set_num_threads(1)
 for executor in ("inline", "thread"):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    ref = copy.deepcopy(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    model, ref, opt, ropt = linear_beside_torch(executor)
     x = torch.randn(8, 4)
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor) as opt:
+    with opt:
         opt.backward(model(x).square().mean())
         opt.step()
         ref(x).square().mean().backward()
@@ -242,12 +239,9 @@ def test_a_parameter_whose_storage_was_freed_is_refused_naming_it_and_nothing_is
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_a_parameter_freed_between_backward_and_step_is_refused_as_freed_and_nothing_is_stepped(executor: str,
                                                                                                 keep: int) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    ref = copy.deepcopy(model)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    model, ref, opt, ropt = linear_beside_torch(executor)
     x = torch.randn(8, 4)
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor) as opt:
+    with opt:
         for _ in range(2):
             ref(x).square().mean().backward()
             ropt.step()

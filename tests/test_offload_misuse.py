@@ -30,6 +30,7 @@ from torch import nn
 from helpers import assert_trees_bitwise, script_prints_ok
 from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse fixture)
     SharedMLP,
+    linear_beside_torch,
     mlp_batch,
     mlp_loss,
     mlp_step_side_by_side,
@@ -165,11 +166,7 @@ def test_a_grad_set_by_hand_that_cannot_be_taken_is_not_counted(executor):
     one without it stepped the block with the last step's buffer. Now the arrival is counted once the gradient is
     in the buffer: nothing changed, and the gradient set right is stepped as torch steps it. (Its shape is checked
     first now, naming the parameter.)"""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    ref = copy.deepcopy(model)
-    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    model, ref, opt, ropt = linear_beside_torch(executor)
     x = torch.randn(8, 4)
     with opt:
         opt.backward(model(x).square().mean())  # a first step: the buffer holds its gradients
@@ -194,20 +191,14 @@ def test_a_grad_set_by_hand_that_cannot_be_taken_is_not_counted(executor):
 # while the weight's gradient is fine: the native gradient copy read it (a segmentation fault, or garbage summed
 # into the step). Run in a subprocess so that a crash fails the test instead of ending pytest.
 _FREED_GRAD = """
-import copy, sys
 import torch
-from torch import nn
-import sofx.offload
 from sofx.errors import SofxError
+from test_offload_support import linear_beside_torch
 
 torch.set_num_threads(1)
 for executor in ("inline", "thread", "process"):
     for keep in (0, 8):
-        torch.manual_seed(0)
-        model = nn.Linear(4, 3)
-        ref = copy.deepcopy(model)
-        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        model, ref, opt, ropt = linear_beside_torch(executor)
         with opt:
             wg, bg = torch.randn(3, 4), torch.randn(3)
             model.weight.grad, model.bias.grad = wg.clone(), torch.zeros(3)
@@ -242,11 +233,7 @@ def test_a_grad_set_through_data_to_another_shape_is_refused_as_torch_refuses_it
     itself is assigned) was reshaped into the block's buffer and stepped; ``torch.optim.AdamW`` (foreach and
     for-loop) raises at the mismatch. Refused now, naming the parameter and both shapes, before any gradient of
     the step is taken; the gradient set right is then stepped as torch steps it."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    ref = copy.deepcopy(model)
-    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    model, ref, opt, ropt = linear_beside_torch(executor)
     with opt:
         wg, bg = torch.randn(3, 4), torch.randn(3)
         model.bias.grad = bg.clone()

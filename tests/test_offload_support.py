@@ -117,6 +117,18 @@ def relative_deviation(a: nn.Module, b: nn.Module) -> float:
     return max((tensor_deviation(p, q) for p, q in zip(a.parameters(), b.parameters())), default=0.0)
 
 
+def linear_beside_torch(executor: str) -> tuple[nn.Linear, nn.Linear, sofx.offload.SpeculativeAdamW,
+                                                torch.optim.AdamW]:
+    """``(model, ref, opt, ropt)``: after ``torch.manual_seed(0)``, an ``nn.Linear(4, 3)`` and a deep copy of it,
+    the first stepped by ``SpeculativeAdamW`` (``executor``), the copy by ``torch.optim.AdamW`` (for-loop), both at
+    lr 1e-2: the refusal tests' smallest side-by-side (their subprocess scripts import it too)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    return (model, ref, sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor),
+            torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))
+
+
 def mlp_step_side_by_side(opt, ropt: torch.optim.Optimizer, model: nn.Module, ref: nn.Module,
                           gen: torch.Generator):
     """One training step of ``model`` with the sofx optimizer ``opt`` and of ``ref`` with the torch
