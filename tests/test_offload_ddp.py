@@ -714,6 +714,35 @@ def _exchanges_within_a_step(rank: int) -> dict:
     return out
 
 
+def _compared_once_after_a_difference(rank: int) -> dict:
+    """Two synchronized backwards per step; rank 1 sets a step count alone before step 1 (its first backward's
+    exchange decides to compare, and the comparison finds the difference); rank 0 sets it too before step 2. Per
+    step, what step() said, the exchanges made, and the comparisons made in backward and in step()."""
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        gradient_accumulation_steps=2, policy=AdaptivePolicy(enabled=False))
+    out: dict = {"steps": []}
+    calls: list = []
+    try:
+        with _counted(calls, opt.engine._replicas):
+            for step in range(3):
+                opt.zero_grad()
+                calls.clear()
+                if (step, rank) in ((1, 1), (2, 0)):
+                    opt.state[model.module.out.weight]["step"] = 9
+                for micro in range(2):
+                    x, y = _batch(step, micro, rank)
+                    ((model(x) - y) ** 2).mean().backward()
+                in_backward = calls.count("compare")
+                said = error_text(opt.step)
+                out["steps"].append((said, calls.count("exchange"), in_backward, calls.count("compare") - in_backward))
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -776,6 +805,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "rebuilt_buckets": functools.partial(_steps_under_join, make=_Reordered),
          **{name: functools.partial(_setup_case, name) for name in SETUPS},
          "no_gradient": _state_changed_after_a_backward_without_gradient, "within_a_step": _exchanges_within_a_step,
+         "compared_once": _compared_once_after_a_difference,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1161,3 +1191,20 @@ def test_the_exchanges_within_a_step_compare_once_and_step_enters_no_collective(
         assert accumulated[1][0].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
                                             "lr=0.01, "), (rank, accumulated[1][0])
     assert said[0]["checkpointed"] == said[1]["checkpointed"] and said[0]["accumulated"] == said[1]["accumulated"]
+
+
+def test_a_difference_found_at_a_steps_backward_is_not_compared_again_at_its_later_backwards(ranks) -> None:
+    """Where a synchronized backward's comparison found the ranks' states differ (a step count set on rank 1 alone),
+    the step's later synchronized backwards (an accumulation) still exchange (every rank takes part) but compare
+    nothing again: every rank found the difference, and step() raises it on every rank, entering no collective.
+    The step after the same change on rank 0 compares once (rank 0's state changed) and steps."""
+    said = [res["compared_once"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        steps = out["steps"]
+        assert [s[1:] for s in steps] == [(2, 1, 0), (2, 1, 0), (2, 1, 0)], (rank, steps)
+        assert steps[0][0] == steps[2][0] == "no error", (rank, steps)
+        assert steps[1][0].startswith("step() under DDP: the step count of block 4 (parameter 4 = param_groups[0]"
+                                      "['params'][4], shape (3, 8)) differs between ranks: 1 on rank 0; 9 on rank 1"), \
+            (rank, steps[1][0])
+    assert said[0]["steps"] == said[1]["steps"]
