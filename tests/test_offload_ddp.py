@@ -743,6 +743,65 @@ def _compared_once_after_a_difference(rank: int) -> dict:
     return out
 
 
+def _lr_set_between_backward_and_step(rank: int) -> dict:
+    """Rank 1 alone sets another lr between step 1's synchronized backward and its step() (after the ranks' exchange
+    at that backward), and sets it back after step(): what steps 2 and 3 (zero_grad() between) said on each rank;
+    then both ranks load the model and optimizer states saved before step 1: what a step said, and the parameters
+    after. And DDP + torch.optim.AdamW and the facade (torch's kernels, no clipping; speculation on and off) with an
+    lr set on both ranks between each backward and step() (a warmup): the parameters after 4 steps, and what each
+    facade step said."""
+    out: dict = {}
+    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        policy=AdaptivePolicy(enabled=False))
+    group = opt.param_groups[0]
+    try:
+        plain(model, 0)
+        opt.step()
+        saved = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
+        opt.zero_grad()
+        plain(model, 1)
+        group["lr"] = LR * (1 + rank)
+        out["alone"] = error_text(opt.step)
+        group["lr"] = LR
+        out["said"] = []
+        for step in (2, 3):
+            opt.zero_grad()
+            plain(model, step)
+            out["said"].append(error_text(opt.step))
+        opt.zero_grad()
+        model.module.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        plain(model, 4)
+        out["resumed"] = error_text(opt.step)
+        out["params"] = _flat(model.module)
+    except Exception as exc:
+        out["error"] = f"alone: {type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    for name in ("torch", "sofx", "sofx_off"):
+        model = _ddp({})
+        opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
+               sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, backend="reference",
+                                             speculate=name == "sofx", policy=AdaptivePolicy(enabled=False)))
+        out[f"{name}_said"] = []
+        try:
+            for step in range(4):
+                opt.zero_grad()
+                plain(model, step)
+                opt.param_groups[0]["lr"] = LR * (step + 2) / 4
+                out[f"{name}_said"].append(error_text(opt.step))
+            out[name] = _flat(model.module)
+        except Exception as exc:
+            out["error"] = f"{name}: {type(exc).__name__}: {exc}"
+        finally:
+            close = getattr(opt, "close", None)
+            close() if close else None
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -805,7 +864,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "rebuilt_buckets": functools.partial(_steps_under_join, make=_Reordered),
          **{name: functools.partial(_setup_case, name) for name in SETUPS},
          "no_gradient": _state_changed_after_a_backward_without_gradient, "within_a_step": _exchanges_within_a_step,
-         "compared_once": _compared_once_after_a_difference,
+         "compared_once": _compared_once_after_a_difference, "lr_before_step": _lr_set_between_backward_and_step,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1208,3 +1267,32 @@ def test_a_difference_found_at_a_steps_backward_is_not_compared_again_at_its_lat
                                       "['params'][4], shape (3, 8)) differs between ranks: 1 on rank 0; 9 on rank 1"), \
             (rank, steps[1][0])
     assert said[0]["steps"] == said[1]["steps"]
+
+
+def test_an_lr_set_on_one_rank_between_backward_and_step_is_refused_at_the_next_step_on_every_rank(ranks) -> None:
+    """The ranks exchange their hparams at a step's synchronized backward, and step() enters no collective: an lr
+    set on rank 1 alone after that backward (set back after step()) was stepped unseen, and the replicas diverged
+    silently from then on. Each step() folds the digest of the hparams it used into the next exchange: the next
+    step() raises on every rank, naming the hparams the last step used on each rank (one step late: the replicas
+    diverged at that step), and the steps after it go on refusing (the masters differ, named) until the ranks'
+    states are the same again: loading the same states on both ranks then steps, and the replicas are the same.
+    The same lr set on both ranks between backward and step() (a warmup) is DDP + torch.optim.AdamW's: bit for bit
+    without speculation, within 1e-6 with it (the blocks speculated with the lr of backward are redone)."""
+    said = [res["lr_before_step"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["alone"] == "no error", (rank, out["alone"])
+        first, then = out["said"]
+        assert first.startswith("step() under DDP: the hparams the last step() used (set after the ranks' exchange "
+                                "at its synchronized backward: unseen by the other ranks, and the replicas diverged "
+                                "at that step) differs between ranks: lr=0.01, betas=(0.9, 0.999), eps=1e-08, "
+                                "weight_decay=0.01 on rank 0; lr=0.02, "), (rank, first)
+        assert "load the same state_dict on every rank" in first, first
+        assert then.startswith("step() under DDP: the master of parameter 0 (param_groups[0]['params'][0], shape "
+                               "(8, 4)) differs between ranks: bits digest "), (rank, then)
+        assert out["resumed"] == "no error", (rank, out["resumed"])
+        assert out["sofx_said"] == out["sofx_off_said"] == ["no error"] * 4, (rank, out)
+        assert torch.equal(out["sofx_off"], out["torch"]), rank
+        assert _deviation(out["sofx"], out["torch"]) <= TOL, rank
+    assert said[0]["said"] == said[1]["said"]
+    assert torch.equal(said[0]["params"], said[1]["params"])

@@ -51,8 +51,8 @@ from sofx.errors import SofxError, UnsupportedError
 if TYPE_CHECKING:
     from sofx.offload.engine import OffloadEngine
 
-__all__ = ["CONTENT_KEYS", "DDPRoute", "Decision", "ReplicaWatch", "check_replicas", "ddp_route", "reduced_indices",
-           "refuse_averaged"]
+__all__ = ["CONTENT_KEYS", "USED_HPARAMS", "DDPRoute", "Decision", "ReplicaWatch", "check_replicas", "ddp_route",
+           "reduced_indices", "refuse_averaged"]
 
 # The attribute of a DDP module holding its route (the route goes with the module; it holds no reference to it)
 _ROUTE_ATTRIBUTE = "_sofx_ddp_route"
@@ -182,14 +182,21 @@ _REPLICAS_HINT = ("the optimizer states must be the same on every rank, as the r
 
 # The keys whose contents a comparison digests where a rank changed them (the step counts are always compared)
 CONTENT_KEYS = ("exp_avg", "exp_avg_sq", "master")
-_NEUTRAL = torch.iinfo(torch.int64).min  # (what a joined rank sends in the hparams' digest slots: MAX ignores it)
+# (a digest left out -- a joined rank's, or of hparams it has not -- which MAX ignores)
+_NEUTRAL = torch.iinfo(torch.int64).min
+# The entry naming the hparams each rank's last step() used, where they differ (see ReplicaWatch)
+USED_HPARAMS = ("the hparams the last step() used (set after the ranks' exchange at its synchronized backward: "
+                "unseen by the other ranks, and the replicas diverged at that step)")
 
 
 class Decision(NamedTuple):
-    """Whether the ranks compare their optimizer states at this step, and the keys whose contents they digest."""
+    """Whether the ranks compare their optimizer states at this step, the keys whose contents they digest, and
+    where the hparams the ranks' last steps used differ (an hparam set on a rank alone after the last step's
+    exchange), this rank's (its text, compared too: ``None`` where it is not compared)."""
 
     compare: bool
     contents: tuple[str, ...]
+    used: str | None = None
 
 
 class ReplicaWatch:
@@ -202,14 +209,21 @@ class ReplicaWatch:
     (:meth:`drop_step`: ``zero_grad()`` on a rank that skipped a ``step()`` the others may have taken). At each
     synchronized backward (in the communication hook, before the all-reduce of its bucket 0, the first: before any
     block is ready; once however many autograd backwards reentrant checkpointing runs inside it) -- or in
-    ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 7 int64
+    ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 9 int64
     (:meth:`exchange`): whether its generation moved since the last comparison, which contents changed, whether it
-    joined (``DDP.join()``: it shadows the others' backward), and a digest of its hparams and minus it. Where a
-    rank's generation moved or the hparams differ, all ranks compare their states right after it, at the same point
-    (:func:`check_replicas`; at backward the outcome is kept, :meth:`compared`, and ``step()`` raises the error on
-    every rank: it enters no collective); not while a rank has joined (it takes no step: the comparison waits for a
-    step of every rank). A rank that changed its state alone so makes every rank compare: none enters a collective
-    alone."""
+    joined (``DDP.join()``: it shadows the others' backward), a digest of its hparams and minus it, and a digest of
+    the hparams its last ``step()`` used (:meth:`stepped`) and minus it. Where a rank's generation moved or the
+    hparams differ, all ranks compare their states right after it, at the same point (:func:`check_replicas`; at
+    backward the outcome is kept, :meth:`compared`, and ``step()`` raises the error on every rank: it enters no
+    collective); not while a rank has joined (it takes no step: the comparison waits for a step of every rank). A
+    rank that changed its state alone so makes every rank compare: none enters a collective alone.
+
+    An hparam set on a rank alone between a synchronized backward and ``step()`` (after the exchange) is stepped
+    unseen by the others: the replicas diverge at that step. The next exchange finds it, one step late: the hparams
+    the ranks' last steps used differ; every rank then counts its whole state as changed (each content: the masters
+    and moments differ from that step on), compares it and the hparams each rank's last step used, and raises at
+    its ``step()``, naming them, until the ranks' states are the same again (the same ``state_dict`` loaded on every
+    rank). The same hparam set on every rank between backward and ``step()`` (a warmup) is stepped as set."""
 
     def __init__(self, route: DDPRoute) -> None:
         self.route = route
@@ -217,33 +231,46 @@ class ReplicaWatch:
         self.contents: set[str] = set()  # the keys whose contents changed since the last comparison
         self.decision: Decision | None = None  # this step's latest exchange's (None: no exchange yet)
         self.error: SofxError | None = None  # what this step's comparison found (None: nothing differs)
+        self.used: str | None = None  # the hparams of this rank's last step() since the last exchange (None: none)
 
     def changed(self, contents: Sequence[str] = ()) -> None:
         """This rank's state changed (``contents``: the keys of :data:`CONTENT_KEYS` whose values it changed)."""
         self.generation += 1
         self.contents.update(contents)
 
+    def stepped(self, hparams: str | None) -> None:
+        """This rank's ``step()`` was taken with ``hparams`` (text; ``None``: unreadable now): sent in the next
+        exchange, where the ranks' last steps' hparams are compared."""
+        self.used = hparams
+
     def exchange(self, hparams: str | None, joined: bool = False) -> None:
         """The ranks' exchange (see the class docstring), this rank's hparams being ``hparams`` (text; ``None``:
         refused, the rank's own error, which its step raises: its digest is left out); its decision is this
         step's from then on. Where the step's comparison found a difference already, it decides none (every rank
         found it, and every step() raises it: no comparison twice for nothing, at the synchronized backwards of an
-        accumulation). A ``joined`` rank (its shadow of a
-        backward) only takes part."""
+        accumulation). A ``joined`` rank (its shadow of a backward) only takes part. The hparams of the last
+        ``step()`` (:meth:`stepped`) are sent once (a rank without a step since leaves them out); where they differ
+        between the ranks, every rank's whole state counts as changed, and the ranks compare."""
         dirty = self.generation != self.compared_at
         digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)
-        flags = [0, 0, 0, 0, 1, *digest] if joined else \
-            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest]
+        used, self.used = self.used, None
+        used_digest = (_NEUTRAL, _NEUTRAL) if used is None or joined else _digest_bounds(used)
+        flags = [0, 0, 0, 0, 1, *digest, *used_digest] if joined else \
+            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest, *used_digest]
         from sofx.distributed.groups import _collective_device
 
         got = torch.tensor(flags, dtype=torch.int64, device=_collective_device(self.route.group, None))
         torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX, group=self.route.group)
         if joined:
             return
-        moved, *changed, anyone_joined, high, minus_low = got.tolist()
-        differ = high != _NEUTRAL and high != -minus_low  # (every rank refused its hparams: none to compare)
-        compare = not anyone_joined and bool(moved or differ) and self.error is None
-        self.decision = Decision(compare, tuple(key for key, flag in zip(CONTENT_KEYS, changed) if flag))
+        moved, *changed, anyone_joined, high, minus_low, used_high, used_minus_low = got.tolist()
+        diverged = _differ(used_high, used_minus_low)
+        if diverged:  # (every rank: the masters and moments differ from the last step on; compared until the same)
+            self.changed(CONTENT_KEYS)
+            changed = [1] * len(CONTENT_KEYS)
+        compare = not anyone_joined and bool(moved or diverged or _differ(high, minus_low)) and self.error is None
+        self.decision = Decision(compare, tuple(key for key, flag in zip(CONTENT_KEYS, changed) if flag),
+                                 used if diverged else None)
 
     @property
     def holds_speculation(self) -> bool:
@@ -262,7 +289,7 @@ class ReplicaWatch:
         elif whole:
             self.compared_at = self.generation
             self.contents.clear()
-        self.decision = self.decision._replace(compare=False)
+        self.decision = self.decision._replace(compare=False, used=None)
 
     def drop_step(self) -> None:
         """This rank drops the step (``zero_grad()`` before ``step()``): where the ranks had exchanged at it, the
@@ -275,6 +302,12 @@ class ReplicaWatch:
     def forget_step(self) -> None:
         """The step ended (or was dropped): the next one decides anew."""
         self.decision, self.error = None, None
+
+
+def _differ(high: int, minus_low: int) -> bool:
+    """Whether the ranks' digests all-reduced by :meth:`ReplicaWatch.exchange` (the max, and minus the min) differ;
+    not where every rank left its digest out (neutral)."""
+    return high != _NEUTRAL and high != -minus_low
 
 
 def _digest_bounds(text: str) -> tuple[int, int]:

@@ -91,8 +91,8 @@ from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
-from sofx.offload.ddp import (CONTENT_KEYS, DDPRoute, ReplicaWatch, check_replicas, ddp_route, reduced_indices,
-                              refuse_averaged)
+from sofx.offload.ddp import (CONTENT_KEYS, USED_HPARAMS, DDPRoute, Decision, ReplicaWatch, check_replicas, ddp_route,
+                              reduced_indices, refuse_averaged)
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -738,7 +738,7 @@ class OffloadEngine:
         whole = watch.decision is None
         watch.exchange(self._hparams_text())
         if watch.decision.compare:
-            watch.compared(self._compare_replicas(watch.decision.contents, whole), whole)
+            watch.compared(self._compare_replicas(watch.decision, whole), whole)
 
     def shadow_reduced_backward(self) -> None:
         """This rank joined (``DDP.join()``) and shadows the others' backward: it takes part in their exchange."""
@@ -1071,9 +1071,12 @@ class OffloadEngine:
         refuses, not begun (a second Ctrl-C goes through at once, see :mod:`sofx.offload.interrupts`)."""
         self._check_usable()
         with self._exclusive("step()"), self._interrupts:
-            if self._replicas is not None:
-                self._check_replicas(self._replicas)
-            return self._step()
+            if self._replicas is None:
+                return self._step()
+            self._check_replicas(self._replicas)
+            report = self._step()
+            self._replicas.stepped(self._hparams_text())  # (the next exchange compares them: see ReplicaWatch)
+            return report
 
     def _check_replicas(self, watch: ReplicaWatch) -> None:
         """Under ``ddp``, raise the same error on every rank where the ranks' step counts, hparams, loss scaler or
@@ -1089,8 +1092,10 @@ class OffloadEngine:
         the ranks exchange and compare here: that ``step()`` is a collective, and where it raises the step's
         decision is dropped (the next ``step()`` decides anew, with what changed since).
 
-        Its cost at every step: one all-reduce of 7 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
-        ranks on one machine) and the hparams' digest. Where the ranks compare: about 0.5 ms (one all-reduce of
+        Its cost at every step: one all-reduce of 9 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
+        ranks on one machine) and the hparams' digests (at backward, and of those each ``step()`` used: an hparam
+        set on a rank alone between backward and ``step()`` is found at the next exchange; see
+        :class:`~sofx.offload.ddp.ReplicaWatch`). Where the ranks compare: about 0.5 ms (one all-reduce of
         two int64 and the wait for it) and 8 ms more per 1,000 blocks (reading and naming each block's counts;
         measured with 2 gloo ranks on one machine, 10 blocks to 10^4), one pass over each changed content (a sum
         of its bits), inside backward before its first bucket's all-reduce; the blocks are speculated after it
@@ -1102,27 +1107,29 @@ class OffloadEngine:
         watch.exchange(self._hparams_text())
         if not watch.decision.compare:
             return
-        error = self._compare_replicas(watch.decision.contents, whole=True)
+        error = self._compare_replicas(watch.decision, whole=True)
         if error is not None:
             # (raised on every rank: each decides anew at its next step, taking in what changes meanwhile)
             watch.forget_step()
             raise error
         watch.compared(None)
 
-    def _compare_replicas(self, contents: Sequence[str], whole: bool) -> SofxError | None:
+    def _compare_replicas(self, decision: Decision, whole: bool) -> SofxError | None:
         """The ranks' comparison of their states (every rank calls it at the same point): the error where they
         differ, else ``None`` (:func:`~sofx.offload.ddp.check_replicas` of
-        :func:`~sofx.offload.engine_state.replica_entries`; ``contents``: the keys whose contents a rank changed;
+        :func:`~sofx.offload.engine_state.replica_entries`; ``decision.contents``: the keys whose contents a rank
+        changed; ``decision.used``: the hparams this rank's last step used, first, where the ranks' differ;
         ``whole=False``: only the hparams and the loss scaler, what no block operation changes). A rank that cannot
         read its state (an executor that failed as the last step's operations are waited for) still takes part,
         with an entry naming its error, which the others name: a rank raising before the comparison's all-reduce
         left them waiting in it alone."""
+        entries = {} if decision.used is None else {USED_HPARAMS: decision.used}
         try:
             if whole:
                 self._wait_all()  # (the last step's operations: the counts are read)
-            entries = replica_entries(self, contents, blocks=whole)
+            entries.update(replica_entries(self, decision.contents, blocks=whole))
         except Exception as exc:
-            entries = {"this rank's optimizer state": f"unreadable ({type(exc).__name__}: {exc})"}
+            entries["this rank's optimizer state"] = f"unreadable ({type(exc).__name__}: {exc})"
         try:
             check_replicas(self._route, entries)
         except SofxError as exc:
