@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import math
 import time
 import warnings
@@ -802,6 +803,46 @@ def _lr_set_between_backward_and_step(rank: int) -> dict:
     return out
 
 
+def _closed_on_one_rank(rank: int, collected: bool = False) -> dict:
+    """A step; then rank 1 closes its optimizer (``collected``: drops it, collected without close()) and trains on
+    with DDP alone: what the next backward and step() said on each rank (rank 1: its backward) and how long rank 0's
+    took; then rank 0 closes its optimizer too, and both train 2 steps with DDP + torch.optim.AdamW: what each
+    backward said, and the parameters after."""
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
+    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    out: dict = {}
+    try:
+        plain(0)
+        opt.step()
+        opt.zero_grad()
+        if rank == 1 and collected:
+            opt = None
+            gc.collect()
+        elif rank == 1:
+            opt.close()
+        start = time.monotonic()
+        out["backward"] = error_text(lambda: plain(1))
+        out["step"] = error_text(opt.step) if rank == 0 else "closed"
+        out["seconds"] = time.monotonic() - start
+        if opt is not None:
+            opt.close()
+        ref = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+        out["then"] = []
+        for step in (2, 3):
+            ref.zero_grad()
+            out["then"].append(error_text(lambda: plain(step)))
+            ref.step()
+        out["params"] = _flat(model.module)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if opt is not None:
+            opt.close()
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -865,6 +906,8 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          **{name: functools.partial(_setup_case, name) for name in SETUPS},
          "no_gradient": _state_changed_after_a_backward_without_gradient, "within_a_step": _exchanges_within_a_step,
          "compared_once": _compared_once_after_a_difference, "lr_before_step": _lr_set_between_backward_and_step,
+         "closed_on_one_rank": _closed_on_one_rank,
+         "collected_on_one_rank": functools.partial(_closed_on_one_rank, collected=True),
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1295,4 +1338,23 @@ def test_an_lr_set_on_one_rank_between_backward_and_step_is_refused_at_the_next_
         assert torch.equal(out["sofx_off"], out["torch"]), rank
         assert _deviation(out["sofx"], out["torch"]) <= TOL, rank
     assert said[0]["said"] == said[1]["said"]
+    assert torch.equal(said[0]["params"], said[1]["params"])
+
+
+@pytest.mark.parametrize("case", ["closed_on_one_rank", "collected_on_one_rank"])
+def test_an_optimizer_closed_on_one_rank_is_named_by_the_others_step(ranks, case: str) -> None:
+    """An optimizer closed on rank 1 alone left its DDP module's plain all-reduce there, while rank 0's made the
+    ranks' exchange at its next backward: the mismatched collectives aborted gloo (SIGABRT, "Received data size
+    doesn't match expected size"). A rank whose optimizer is closed now takes part in the exchange, saying so: its
+    backward trains on, and the others' step() raises, within the group's timeout, naming the rank whose optimizer
+    is closed, stepping nothing (as where it was collected without close()). Once every rank's is closed, the ranks
+    leave the exchange together: DDP trains on with torch.optim on every rank, and the replicas are the same."""
+    said = [res[case] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["backward"] == "no error", (rank, out["backward"])
+        assert out["seconds"] < 5.0, (rank, out["seconds"])
+        assert out["then"] == ["no error", "no error"], (rank, out["then"])
+    assert said[0]["step"].startswith("step() under DDP: the optimizer of rank 1 over this DDP module is closed"), \
+        said[0]["step"]
     assert torch.equal(said[0]["params"], said[1]["params"])

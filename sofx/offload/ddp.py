@@ -21,7 +21,8 @@ left (``divide_by_initial_world_size=False``, which DDP tells no hook) is refuse
 
 The hook's state is a :class:`DDPRoute`, one per DDP module (an attribute of the module): an optimizer created again
 over the same DDP module takes the route over (the older one refuses to step from then on, as with
-gradient hooks), and a closed or collected optimizer leaves DDP's plain all-reduce.
+gradient hooks), and a closed or collected optimizer leaves DDP's plain all-reduce -- once every rank's is: until
+then its rank takes part in the ranks' exchanges, saying so, and the others' ``step()`` raises, naming it.
 
 DDP compares the replicas' parameters at its construction only; the optimizer states are the engine's to keep the
 same: a :class:`ReplicaWatch` per engine notes each call that changes its state, and at each synchronized backward
@@ -67,6 +68,7 @@ class DDPRoute:
         self.world_size = world_size
         self._engine: weakref.ReferenceType[OffloadEngine] | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
+        self._closed = False  # the engine was closed, and another rank's may still take part in the exchanges
 
     def owner(self) -> OffloadEngine | None:
         """The engine taking the gradients now (``None``: none, or it was collected)."""
@@ -78,12 +80,29 @@ class DDPRoute:
         older = self.owner()
         if older is not None and older is not engine:
             older.hooks.supersede(next(iter(older.reduced), -1))
-        self._engine, self._index = weakref.ref(engine), dict(index)
+        self._engine, self._index, self._closed = weakref.ref(engine), dict(index), False
 
     def unbind(self, engine: OffloadEngine) -> None:
-        """Stop sending gradients to ``engine`` (closed), if it is the one taking them."""
+        """Stop sending gradients to ``engine`` (closed), if it is the one taking them: this rank takes part in
+        the exchanges as closed until every rank's optimizer is (:meth:`_closed_exchange`)."""
         if self.owner() is engine:
-            self._engine, self._index = None, {}
+            self._engine, self._index, self._closed = None, {}, True
+
+    def _gone(self) -> bool:
+        """Whether this rank's engine was closed, or collected without ``close()``, and the ranks still exchange."""
+        return self._closed or (self._engine is not None and self._engine() is None)
+
+    def _closed_exchange(self) -> None:
+        """This rank's part in the ranks' exchange (:meth:`ReplicaWatch.exchange`) at bucket 0 of a synchronized
+        backward (its own or, joined, the others'), its optimizer closed or collected: it says so (the others'
+        ``step()`` raises, naming this rank: stepping alone, they would diverge from it), and once no rank's
+        optimizer is live, every rank leaves the exchanges at this same one (DDP's plain all-reduce from then on).
+        Without it the others' exchange met this rank's all-reduce of its bucket: gloo aborted the process on the
+        mismatched sizes (or, sizes alike, each took the other's bits)."""
+        rank = torch.distributed.get_rank(self.group)
+        got = _exchange(self.group, [0, 0, 0, 0, 0, *(_NEUTRAL,) * 4, rank + 1, 0])
+        if not got[_LIVE]:
+            self._engine, self._closed = None, False
 
     def take(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """Hand a reduced bucket's averaged gradients to the engine (those of parameters it steps)."""
@@ -108,6 +127,8 @@ class DDPRoute:
         engine = self.owner()
         if index == 0 and engine is not None:
             engine.begin_reduced_backward()
+        elif index == 0 and self._gone():
+            self._closed_exchange()
         if last:
             _queue_after_ddp(self._end)
 
@@ -118,6 +139,8 @@ class DDPRoute:
         engine = self.owner()
         if index == 0 and engine is not None:
             engine.shadow_reduced_backward()
+        elif index == 0 and self._gone():
+            self._closed_exchange()
 
     def _end(self) -> None:
         """The end of a backward, after DDP's: the engine raises what it refused during it (see
@@ -209,10 +232,12 @@ class ReplicaWatch:
     (:meth:`drop_step`: ``zero_grad()`` on a rank that skipped a ``step()`` the others may have taken). At each
     synchronized backward (in the communication hook, before the all-reduce of its bucket 0, the first: before any
     block is ready; once however many autograd backwards reentrant checkpointing runs inside it) -- or in
-    ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 9 int64
+    ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 11 int64
     (:meth:`exchange`): whether its generation moved since the last comparison, which contents changed, whether it
-    joined (``DDP.join()``: it shadows the others' backward), a digest of its hparams and minus it, and a digest of
-    the hparams its last ``step()`` used (:meth:`stepped`) and minus it. Where a rank's generation moved or the
+    joined (``DDP.join()``: it shadows the others' backward), a digest of its hparams and minus it, a digest of
+    the hparams its last ``step()`` used (:meth:`stepped`) and minus it, and, its optimizer closed (or collected),
+    its rank plus one (else 0: a closed rank takes part in the exchanges, :meth:`DDPRoute._closed_exchange`, and the
+    others' ``step()`` raises, naming it), or 1 where its optimizer is live. Where a rank's generation moved or the
     hparams differ, all ranks compare their states right after it, at the same point (:func:`check_replicas`; at
     backward the outcome is kept, :meth:`compared`, and ``step()`` raises the error on every rank: it enters no
     collective); not while a rank has joined (it takes no step: the comparison waits for a step of every rank). A
@@ -255,15 +280,16 @@ class ReplicaWatch:
         digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)
         used, self.used = self.used, None
         used_digest = (_NEUTRAL, _NEUTRAL) if used is None or joined else _digest_bounds(used)
-        flags = [0, 0, 0, 0, 1, *digest, *used_digest] if joined else \
-            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest, *used_digest]
-        from sofx.distributed.groups import _collective_device
-
-        got = torch.tensor(flags, dtype=torch.int64, device=_collective_device(self.route.group, None))
-        torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX, group=self.route.group)
+        flags = [0, 0, 0, 0, 1, *digest, *used_digest, 0, 1] if joined else \
+            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest, *used_digest, 0, 1]
+        got = _exchange(self.route.group, flags)
         if joined:
             return
-        moved, *changed, anyone_joined, high, minus_low, used_high, used_minus_low = got.tolist()
+        moved, *changed, anyone_joined, high, minus_low, used_high, used_minus_low, closed, _ = got
+        if closed:  # (a rank whose optimizer is closed takes no step, nor part in a comparison)
+            self.error = self.error or _closed_error(closed - 1)
+            self.decision = Decision(False, ())
+            return
         diverged = _differ(used_high, used_minus_low)
         if diverged:  # (every rank: the masters and moments differ from the last step on; compared until the same)
             self.changed(CONTENT_KEYS)
@@ -302,6 +328,28 @@ class ReplicaWatch:
     def forget_step(self) -> None:
         """The step ended (or was dropped): the next one decides anew."""
         self.decision, self.error = None, None
+
+
+_LIVE = 10  # (the slot of the exchange saying whether a rank's optimizer is live: see ReplicaWatch.exchange)
+
+
+def _exchange(group: Any, flags: list[int]) -> list[int]:
+    """The ranks' exchange: ``flags`` (11 int64, :meth:`ReplicaWatch.exchange`) all-reduced with MAX over ``group``,
+    on its device."""
+    from sofx.distributed.groups import _collective_device
+
+    got = torch.tensor(flags, dtype=torch.int64, device=_collective_device(group, None))
+    torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX, group=group)
+    return got.tolist()
+
+
+def _closed_error(rank: int) -> SofxError:
+    """The error of a live rank's ``step()`` where rank ``rank``'s optimizer (the highest such) is closed."""
+    return SofxError(f"step() under DDP: the optimizer of rank {rank} over this DDP module is closed (or was collected "
+                     "without close()), and that rank takes no step: stepping the others alone would diverge the "
+                     "replicas; nothing was stepped: close the optimizer on every rank (DDP then averages for "
+                     "torch.optim, as without a hook), or make a new one over the DDP module on every rank (from "
+                     "the same state_dict)")
 
 
 def _differ(high: int, minus_low: int) -> bool:

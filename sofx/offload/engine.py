@@ -1092,7 +1092,7 @@ class OffloadEngine:
         the ranks exchange and compare here: that ``step()`` is a collective, and where it raises the step's
         decision is dropped (the next ``step()`` decides anew, with what changed since).
 
-        Its cost at every step: one all-reduce of 9 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
+        Its cost at every step: one all-reduce of 11 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
         ranks on one machine) and the hparams' digests (at backward, and of those each ``step()`` used: an hparam
         set on a rank alone between backward and ``step()`` is found at the next exchange; see
         :class:`~sofx.offload.ddp.ReplicaWatch`). Where the ranks compare: about 0.5 ms (one all-reduce of

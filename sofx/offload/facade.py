@@ -83,7 +83,7 @@ would take each rank's *local* gradient before DDP averages it, speculation on o
 averages are refused then, at construction (or at the first backward, where the model was wrapped after the
 optimizer was made). DDP compares the replicas' parameters at its construction only: at each synchronized
 backward (in the communication hook, before its first bucket's all-reduce) the ranks decide together, in one
-all-reduce of 9 int64, whether any rank's optimizer state changed since they last compared them -- construction,
+all-reduce of 11 int64, whether any rank's optimizer state changed since they last compared them -- construction,
 ``load_state_dict``, an ``opt.state[p][key] = value``, ``opt.state = {}``, ``reload_params()``, a step dropped by
 ``zero_grad()`` after that exchange -- or their hparams differ; if so, they compare their optimizer states there,
 every rank at the same point (each block's step counts, the groups' hparams, the loss scaler, and a digest of the
@@ -108,7 +108,9 @@ The decision and the comparison are made at backward: an lr set on one rank alon
 not seen by them, and that step diverges the replicas. Each ``step()`` sends a digest of the hparams it used in the
 next exchange: the next ``step()`` raises on every rank, one step late, naming the hparams each rank's last step
 used, and the steps after it go on raising (naming the masters that differ) until the ranks load the same
-``state_dict``. The same lr set on every rank between backward and ``step()`` (a warmup) is stepped as set.
+``state_dict``. The same lr set on every rank between backward and ``step()`` (a warmup) is stepped as set. An
+optimizer closed (or collected) on some ranks only still takes part in the exchanges there, saying so: the other
+ranks' ``step()`` raises, naming the rank, and once every rank's is closed DDP averages as without a hook.
 
 ``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
