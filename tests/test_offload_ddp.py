@@ -843,6 +843,42 @@ def _closed_on_one_rank(rank: int, collected: bool = False) -> dict:
     return out
 
 
+def _join_without_batches(rank: int) -> dict:
+    """Under ``ddp.join()`` rank 0 has no batch and rank 1 has 2: what the step after the join said on each rank; then,
+    after zero_grad(), both ranks load rank 1's optimizer state (broadcast) and step twice: what they said, and the
+    parameters after."""
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        policy=AdaptivePolicy(enabled=False))
+    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    out: dict = {}
+    try:
+        with model.join():
+            for step in range(2 * rank):
+                opt.zero_grad()
+                plain(step)
+                opt.step()
+        opt.zero_grad()
+        plain(2)
+        out["after"] = error_text(opt.step)
+        opt.zero_grad()
+        state = [opt.state_dict()]
+        torch.distributed.broadcast_object_list(state, src=1)
+        opt.load_state_dict(state[0])
+        out["loaded"] = []
+        for step in (3, 4):
+            opt.zero_grad()
+            plain(step)
+            out["loaded"].append(error_text(opt.step))
+        out["params"] = _flat(model.module)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -908,6 +944,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "compared_once": _compared_once_after_a_difference, "lr_before_step": _lr_set_between_backward_and_step,
          "closed_on_one_rank": _closed_on_one_rank,
          "collected_on_one_rank": functools.partial(_closed_on_one_rank, collected=True),
+         "join_without_batches": _join_without_batches,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1357,4 +1394,25 @@ def test_an_optimizer_closed_on_one_rank_is_named_by_the_others_step(ranks, case
         assert out["then"] == ["no error", "no error"], (rank, out["then"])
     assert said[0]["step"].startswith("step() under DDP: the optimizer of rank 1 over this DDP module is closed"), \
         said[0]["step"]
+    assert torch.equal(said[0]["params"], said[1]["params"])
+
+
+def test_a_rank_without_batches_under_join_is_refused_at_the_next_step_naming_the_join(ranks) -> None:
+    """Under ``ddp.join()`` rank 0 had no batch (it shadowed each of rank 1's backwards, and its optimizer took no
+    step, as torch.optim's takes none): the step after the join is refused on every rank, as the step counts differ
+    (torch.optim's replicas diverge there silently), and the error said only that the states differ, with the
+    advice for a state dict loaded on one rank. It now says that a rank ran out of inputs under DDP.join() and what to
+    do; loading the last rank to join's optimizer state on every rank then steps, and the replicas are the same."""
+    said = [res["join_without_batches"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["after"].startswith("step() under DDP: the step count of block 0 (parameter 0 = param_groups"
+                                       "[0]['params'][0], shape (8, 4)) differs between ranks: 0 on rank 0; 2 on "
+                                       "rank 1"), (rank, out["after"])
+        assert "a rank ran out of inputs under DDP.join() (it shadowed the others' synchronized backwards)" \
+            in out["after"], (rank, out["after"])
+        assert "after the join load the same state_dict on every rank: that of the last rank to join" \
+            in out["after"], out["after"]
+        assert out["loaded"] == ["no error", "no error"], (rank, out["loaded"])
+    assert said[0]["after"] == said[1]["after"]
     assert torch.equal(said[0]["params"], said[1]["params"])

@@ -213,13 +213,15 @@ USED_HPARAMS = ("the hparams the last step() used (set after the ranks' exchange
 
 
 class Decision(NamedTuple):
-    """Whether the ranks compare their optimizer states at this step, the keys whose contents they digest, and
+    """Whether the ranks compare their optimizer states at this step, the keys whose contents they digest,
     where the hparams the ranks' last steps used differ (an hparam set on a rank alone after the last step's
-    exchange), this rank's (its text, compared too: ``None`` where it is not compared)."""
+    exchange), this rank's (its text, compared too: ``None`` where it is not compared), and whether a rank shadowed
+    the others' backwards under ``DDP.join()`` since the ranks last compared (a difference found names the join)."""
 
     compare: bool
     contents: tuple[str, ...]
     used: str | None = None
+    joined: bool = False
 
 
 class ReplicaWatch:
@@ -234,7 +236,8 @@ class ReplicaWatch:
     block is ready; once however many autograd backwards reentrant checkpointing runs inside it) -- or in
     ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 11 int64
     (:meth:`exchange`): whether its generation moved since the last comparison, which contents changed, whether it
-    joined (``DDP.join()``: it shadows the others' backward), a digest of its hparams and minus it, a digest of
+    joined (``DDP.join()``: 2 where it shadows the others' backward, and no rank compares; 1 where it shadowed one
+    since the ranks last agreed, which an error found names), a digest of its hparams and minus it, a digest of
     the hparams its last ``step()`` used (:meth:`stepped`) and minus it, and, its optimizer closed (or collected),
     its rank plus one (else 0: a closed rank takes part in the exchanges, :meth:`DDPRoute._closed_exchange`, and the
     others' ``step()`` raises, naming it), or 1 where its optimizer is live. Where a rank's generation moved or the
@@ -257,6 +260,7 @@ class ReplicaWatch:
         self.decision: Decision | None = None  # this step's latest exchange's (None: no exchange yet)
         self.error: SofxError | None = None  # what this step's comparison found (None: nothing differs)
         self.used: str | None = None  # the hparams of this rank's last step() since the last exchange (None: none)
+        self.shadowed = False  # this rank shadowed a backward under DDP.join() since the ranks last agreed
 
     def changed(self, contents: Sequence[str] = ()) -> None:
         """This rank's state changed (``contents``: the keys of :data:`CONTENT_KEYS` whose values it changed)."""
@@ -280,12 +284,14 @@ class ReplicaWatch:
         digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)
         used, self.used = self.used, None
         used_digest = (_NEUTRAL, _NEUTRAL) if used is None or joined else _digest_bounds(used)
-        flags = [0, 0, 0, 0, 1, *digest, *used_digest, 0, 1] if joined else \
-            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), 0, *digest, *used_digest, 0, 1]
+        self.shadowed = self.shadowed or joined
+        flags = [0, 0, 0, 0, 2, *digest, *used_digest, 0, 1] if joined else \
+            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), int(self.shadowed), *digest,
+             *used_digest, 0, 1]
         got = _exchange(self.route.group, flags)
         if joined:
             return
-        moved, *changed, anyone_joined, high, minus_low, used_high, used_minus_low, closed, _ = got
+        moved, *changed, joins, high, minus_low, used_high, used_minus_low, closed, _ = got
         if closed:  # (a rank whose optimizer is closed takes no step, nor part in a comparison)
             self.error = self.error or _closed_error(closed - 1)
             self.decision = Decision(False, ())
@@ -294,9 +300,10 @@ class ReplicaWatch:
         if diverged:  # (every rank: the masters and moments differ from the last step on; compared until the same)
             self.changed(CONTENT_KEYS)
             changed = [1] * len(CONTENT_KEYS)
-        compare = not anyone_joined and bool(moved or diverged or _differ(high, minus_low)) and self.error is None
+        # (joins: 2 where a rank shadows this backward, and none compares; 1 where one did since the last agreement)
+        compare = joins < 2 and bool(moved or diverged or _differ(high, minus_low)) and self.error is None
         self.decision = Decision(compare, tuple(key for key, flag in zip(CONTENT_KEYS, changed) if flag),
-                                 used if diverged else None)
+                                 used if diverged else None, joins == 1)
 
     @property
     def holds_speculation(self) -> bool:
@@ -309,12 +316,13 @@ class ReplicaWatch:
         ``step()``), else nothing differs; ``whole``: every entry was compared (not only the hparams and the loss
         scaler, at a later backward of the step: see
         :meth:`~sofx.offload.engine.OffloadEngine.begin_reduced_backward`), so the state is the others' as of
-        now."""
+        now (a join since the last comparison is then forgotten)."""
         if error is not None:
             self.error = error
         elif whole:
             self.compared_at = self.generation
             self.contents.clear()
+            self.shadowed = False
         self.decision = self.decision._replace(compare=False, used=None)
 
     def drop_step(self) -> None:
@@ -365,7 +373,15 @@ def _digest_bounds(text: str) -> tuple[int, int]:
     return digest, -digest
 
 
-def check_replicas(route: DDPRoute, entries: Mapping[str, str]) -> None:
+_JOIN_HINT = ("a rank ran out of inputs under DDP.join() (it shadowed the others' synchronized backwards) since the "
+              "ranks last compared their optimizer states: its optimizer took no step at those backwards, the others' "
+              "did, and their states differ (torch.optim's replicas diverge there silently); give every rank the same "
+              "number of batches (a DistributedSampler with drop_last=True), or after the join load the same "
+              "state_dict on every rank: that of the last rank to join, which stepped at every backward "
+              "(torch.distributed.broadcast_object_list([opt.state_dict()], src=that rank)); ")
+
+
+def check_replicas(route: DDPRoute, entries: Mapping[str, str], joined: bool = False) -> None:
     """Raise the same :class:`~sofx.errors.SofxError` on every rank of ``route``'s process group unless every rank
     passed the same ``entries`` (name -> text: each block's step counts, the hparams, the loss scaler, the digests
     of the contents a rank changed; see :func:`sofx.offload.engine_state.replica_entries`), naming the first that
@@ -374,12 +390,13 @@ def check_replicas(route: DDPRoute, entries: Mapping[str, str]) -> None:
     :func:`sofx.distributed.agreement._agree`: one all-reduce of two int64 (a digest of the entries) on the group's
     device (CUDA for NCCL, else the CPU); only where the digests differ an ``all_gather_object`` of the entries, to
     name what differs. Every rank must call it at the same point: right after :class:`ReplicaWatch`'s exchange
-    decided so (at a synchronized backward, or in a ``step()`` without one), on every rank."""
+    decided so (at a synchronized backward, or in a ``step()`` without one), on every rank. ``joined``: a rank
+    shadowed backwards under ``DDP.join()`` since the ranks last compared (the error says so, and what to do)."""
     from sofx.distributed.agreement import _agree
     from sofx.distributed.groups import _collective_device
 
     _agree("step() under DDP", dict(entries), route.group, _collective_device(route.group, None), None,
-           _REPLICAS_HINT)
+           (_JOIN_HINT if joined else "") + _REPLICAS_HINT)
 
 
 def _check_ddp(ddp: Any) -> None:

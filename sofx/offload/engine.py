@@ -1131,7 +1131,7 @@ class OffloadEngine:
         except Exception as exc:
             entries["this rank's optimizer state"] = f"unreadable ({type(exc).__name__}: {exc})"
         try:
-            check_replicas(self._route, entries)
+            check_replicas(self._route, entries, decision.joined)
         except SofxError as exc:
             return exc
         return None

@@ -76,7 +76,12 @@ every rank is not stepped. After backward ``.grad`` holds DDP's average, as in t
 it (the optimizer took it during backward: ``step()`` refuses a change made to it there -- replaced, cleared,
 written in place --, as it would be ignored; change gradients in a tensor hook, ``Tensor.register_hook``, which
 runs before DDP averages them). ``ddp.join()`` works for uneven inputs, with the default
-``divide_by_initial_world_size=True`` (``False`` is refused: DDP does not tell a hook the ranks left). The DDP
+``divide_by_initial_world_size=True`` (``False`` is refused: DDP does not tell a hook the ranks left). A rank out of
+inputs takes no step, as with torch.optim, so after the join the ranks' optimizer states differ where they took
+different numbers of steps: where the ranks next compare their states (below: at the first step after construction,
+or after a state change on any rank) that step is refused on every rank, naming the join and what to do (load the
+last rank to join's ``state_dict`` on every rank); otherwise they step on, and the replicas diverge as DDP +
+torch.optim's do. The DDP
 module must not have a communication hook of its own (it takes one), nor ``mixed_precision`` (which registers
 one; the optimizer keeps fp32 masters of a bf16 model itself). Without ``ddp`` the optimizer's gradient hooks
 would take each rank's *local* gradient before DDP averages it, speculation on or off: parameters a DDP module
