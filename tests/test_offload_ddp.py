@@ -879,6 +879,26 @@ def _join_without_batches(rank: int) -> dict:
     return out
 
 
+def _settings_differ(rank: int) -> dict:
+    """Rank 1's optimizer is made with another max_grad_norm, then (a second pair) with the cpu_fast backend: what
+    the first step() said on each rank, and whether the parameters stayed as they were."""
+    out: dict = {}
+    for how, other in (("max_grad_norm", {"max_grad_norm": 2.0}), ("backend", {"backend": "cpu_fast"})):
+        model = _ddp({})
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                            **{"max_grad_norm": 1.0, **(other if rank == 1 else {})})
+        try:
+            _backward(model, 1, rank, 1, False, _always, lambda loss: loss, False)
+            before = _flat(model.module)
+            out[how] = error_text(opt.step)
+            out[f"{how}_unchanged"] = torch.equal(before, _flat(model.module))
+        except Exception as exc:
+            out["error"] = f"{how}: {type(exc).__name__}: {exc}"
+        finally:
+            opt.close()
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -944,7 +964,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "compared_once": _compared_once_after_a_difference, "lr_before_step": _lr_set_between_backward_and_step,
          "closed_on_one_rank": _closed_on_one_rank,
          "collected_on_one_rank": functools.partial(_closed_on_one_rank, collected=True),
-         "join_without_batches": _join_without_batches,
+         "join_without_batches": _join_without_batches, "settings_differ": _settings_differ,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1416,3 +1436,22 @@ def test_a_rank_without_batches_under_join_is_refused_at_the_next_step_naming_th
         assert out["loaded"] == ["no error", "no error"], (rank, out["loaded"])
     assert said[0]["after"] == said[1]["after"]
     assert torch.equal(said[0]["params"], said[1]["params"])
+
+
+def test_optimizers_made_with_other_settings_on_one_rank_are_refused_at_the_first_step_on_every_rank(ranks) -> None:
+    """The ranks compared their step counts, hparams and loss scaler, not the settings the optimizer was made with:
+    rank 1's optimizer made with another max_grad_norm (clipping at another norm) or another backend (cpu_fast:
+    within an ulp of cpu) stepped on silently, and the replicas diverged. The settings that change a step's bits
+    are compared too: the first step() is refused on every rank, naming them and each rank's value, and nothing
+    is stepped."""
+    said = [res["settings_differ"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        for how, mine, theirs in (("max_grad_norm", "max_grad_norm=1.0", "max_grad_norm=2.0"),
+                                  ("backend", "backend='auto'", "backend='cpu_fast'")):
+            assert out[how].startswith("step() under DDP: the optimizer's settings differs between ranks: "), \
+                (rank, how, out[how])
+            assert mine in out[how].split(" on rank 0; ")[0] and theirs in out[how].split(" on rank 0; ")[1], \
+                (rank, how, out[how])
+            assert out[f"{how}_unchanged"], (rank, how)
+    assert said[0]["max_grad_norm"] == said[1]["max_grad_norm"] and said[0]["backend"] == said[1]["backend"]

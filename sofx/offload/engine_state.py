@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sofx.offload.engine import OffloadEngine
 
 __all__ = ["STATE_FORMAT", "NONNEGATIVE", "engine_state_dict", "load_engine_state", "check_dense", "check_nonnegative",
-           "replica_entries", "hparams_texts", "hparams_text", "bits_digest"]
+           "replica_entries", "settings_text", "hparams_texts", "hparams_text", "bits_digest"]
 
 STATE_FORMAT = "sofx.offload/1"
 _SAVED = tuple(name for name in TENSOR_NAMES if name != "grad")
@@ -76,13 +76,14 @@ def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]
 
 def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = (), blocks: bool = True) -> dict[str, str]:
     """What must be the same on every rank for data-parallel replicas to take the same step (name -> text, in a
-    fixed order; see :func:`sofx.offload.ddp.check_replicas`): each block's step counts (one per parameter), each
+    fixed order; see :func:`sofx.offload.ddp.check_replicas`): the settings the optimizer was made with that change
+    a step's bits (:func:`settings_text`), each block's step counts (one per parameter), each
     param group's hparams (the bits of their floats; an hparam the engine refuses as the text of the refusal, which
     the step then raises), and the loss scaler's state and rule settings; and for each key of ``contents``
     (``"exp_avg"``, ``"exp_avg_sq"``, ``"master"``) each parameter's :func:`bits_digest` of it (a state changed
     since the ranks last compared). ``blocks=False``: only the hparams and the loss scaler (what no block operation
     changes: read while blocks may be stepped). Reads no gradient, changes nothing."""
-    entries = {}
+    entries = {"the optimizer's settings": settings_text(engine)} if blocks else {}
     for layout in engine.layouts if blocks else ():
         counts = engine.tensors[layout.index].counts.tolist()
         entries[f"the step count of {engine.describe_block(layout.index)}"] = ", ".join(map(str, counts))
@@ -94,6 +95,16 @@ def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = (), block
         for i in range(len(engine.params)):
             entries[f"the {key} of {engine._describe_param(i)}"] = bits_digest(engine._param_views(i)[key])
     return entries
+
+
+def settings_text(engine: "OffloadEngine") -> str:
+    """The settings ``engine`` was made with that change a step's bits, as text: clipping (``max_grad_norm``, its
+    profile), what becomes of a parameter without gradient, the accumulation, and the Adam transform's static
+    configuration (the kernel backend among them: ``cpu_fast`` is within an ulp of ``cpu``)."""
+    spec = engine.speculation
+    adam = ", ".join(f"{key}={value!r}" for key, value in engine.adam_config.to_json().items())
+    return (f"max_grad_norm={spec.max_norm!r}, profile={spec.profile!r}, missing_grad={spec.missing_grad!r}, "
+            f"gradient_accumulation_steps={engine.tracker.accumulation_steps}, {adam}")
 
 
 def hparams_texts(engine: "OffloadEngine") -> list[str]:

@@ -91,7 +91,8 @@ backward (in the communication hook, before its first bucket's all-reduce) the r
 all-reduce of 11 int64, whether any rank's optimizer state changed since they last compared them -- construction,
 ``load_state_dict``, an ``opt.state[p][key] = value``, ``opt.state = {}``, ``reload_params()``, a step dropped by
 ``zero_grad()`` after that exchange -- or their hparams differ; if so, they compare their optimizer states there,
-every rank at the same point (each block's step counts, the groups' hparams, the loss scaler, and a digest of the
+every rank at the same point (the settings it was made with that change a step's bits -- max_grad_norm, the
+backend, ... --, each block's step counts, the groups' hparams, the loss scaler, and a digest of the
 bits of each parameter's moments or masters that a rank changed; one all-reduce of a digest), and where they differ
 (a rank loaded an older state dict, or none; assigned a state or set an lr alone) that ``step()`` raises the same
 error on every rank, naming what differs (the parameter and key) and each rank's value, before anything is stepped
