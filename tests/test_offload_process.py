@@ -264,16 +264,11 @@ class _UnreadableInTheWorker:
         return int, ("sofx test: the worker cannot read this message",)
 
 
-def test_a_worker_that_raises_is_a_clear_error_with_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
     """The worker fails outside an operation (here: it cannot read a message) and exits: the error names the
     exit code and carries what the worker printed (its traceback went to the terminal only, out of sight in a
-    notebook); close() then works and the state is still readable.
-
-    The worker's exit is waited for up to a minute (EXIT_WAIT_S): on a loaded machine its interpreter took more than
-    the 5 s it is given by default to end, and the error named "the connection to it broke" instead of the code."""
-    from sofx.offload import process_executor
-
-    monkeypatch.setattr(process_executor, "EXIT_WAIT_S", 60.0)
+    notebook); close() then works and the state is still readable (an exit slower than EXIT_WAIT_S:
+    test_a_worker_that_raises_and_is_slow_to_exit_is_reported_with_its_exit_code_and_traceback)."""
     model = SharedMLP()
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
     opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
@@ -289,6 +284,103 @@ def test_a_worker_that_raises_is_a_clear_error_with_its_traceback(monkeypatch: p
     opt.close()
     assert executor.process.poll() == 1
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == steps
+
+
+# The worker's ``sitecustomize`` (its PYTHONPATH): once it has closed its connection and printed what it printed,
+# its interpreter takes {seconds} s more to end (as one did on a loaded machine: exit handlers, the teardown of torch);
+# ``refuse`` makes it fail its authentication (after connecting, so the main process sees the connection break).
+_SLOW_TO_EXIT = """\
+import atexit
+import time
+
+with open("/proc/self/cmdline", "rb") as _f:
+    _IS_THE_WORKER = b"sofx.offload.process_worker" in _f.read()
+if _IS_THE_WORKER:
+    atexit.register(time.sleep, {seconds})
+if _IS_THE_WORKER and {refuse}:
+    import multiprocessing.connection as _connection
+
+    def _refuse(conn, authkey):
+        raise EOFError("sofx test: the worker refuses to authenticate")
+
+    _connection.answer_challenge = _refuse
+"""
+
+
+def _worker_slow_to_exit(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, refuse: bool = False,
+                         seconds: float = 3.0) -> None:
+    """Workers started from now on take ``seconds`` to end once their connection closed, 15 times ``EXIT_WAIT_S``
+    (made 0.2 s): a loaded machine's slowdown where the default 5 s is given (see :data:`_SLOW_TO_EXIT`)."""
+    from sofx.offload import process_executor
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_TO_EXIT.format(seconds=seconds, refuse=refuse))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(process_executor, "EXIT_WAIT_S", 0.2)
+
+
+def test_a_worker_that_raises_and_is_slow_to_exit_is_reported_with_its_exit_code_and_traceback(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that fails outside an operation closes its connection, prints its traceback and exits: where its
+    exit took longer than EXIT_WAIT_S (a loaded machine), wait() said "the connection to it broke", without the
+    exit code. It now waits for the exit within its own timeout, and names the code and the traceback."""
+    _worker_slow_to_exit(tmp_path, monkeypatch)
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
+    try:
+        executor = opt.engine.executor
+        executor.submit(_UnreadableInTheWorker())
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid "
+                                                  r"literal for int\(\) with base 10: 'sofx test: the worker cannot"):
+            executor.wait(120.0)
+        assert time.monotonic() - start < 90.0, "told as the worker exits, not at the timeout"
+    finally:
+        opt.close()
+    assert executor.process.poll() == 1
+
+
+def test_a_worker_that_does_not_exit_after_its_connection_broke_is_reported_at_the_timeout_and_killed_by_close(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose connection broke but that does not exit (here: stuck in an exit handler) is waited for up to
+    the timeout of wait(), which then says both facts and what it printed so far; close() kills it at once.
+
+    wait() is called once the worker's traceback was read (printed after its connection closed), so its 5 s are
+    left for the exit on a loaded machine too."""
+    _worker_slow_to_exit(tmp_path, monkeypatch, seconds=600.0)
+    opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100, timeout=60.0)
+    try:
+        executor = opt.engine.executor
+        executor.submit(_UnreadableInTheWorker())
+        deadline = time.monotonic() + 60
+        while "ValueError" not in executor._stderr.tail() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(WorkerDiedError, match=r"(?s)died \(the connection to it broke, and it had not exited "
+                                                  r"[0-9.]+ s later\).*its last output so far \(its stderr had not "
+                                                  r"ended\):\nTraceback.*ValueError: invalid literal"):
+            executor.wait(5.0)
+        assert executor.process.poll() is None
+        start = time.monotonic()
+        opt.close()
+        assert time.monotonic() - start < 30.0, "not the optimizer's 60 s timeout"
+    finally:
+        if executor.process.poll() is None:
+            executor.process.kill()
+    assert executor.process.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_worker_whose_connection_breaks_while_starting_and_is_slow_to_exit_is_reported_with_its_exit_code(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker connects, then fails (here: its authentication) and exits: where its exit took longer than
+    EXIT_WAIT_S (a loaded machine), the constructor raised the bare EOFError of the broken connection. It now
+    waits for the exit within its startup timeout, and raises a WorkerDiedError with the exit code and what the
+    worker printed."""
+    _worker_slow_to_exit(tmp_path, monkeypatch, refuse=True)
+    gc.collect()
+    before = _resources()
+    with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\) while starting.*its last output:.*"
+                                              r"ended while authenticating: EOFError\('sofx test: the worker refuses"):
+        sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
+    assert _resources() == before
 
 
 def test_an_operation_that_cannot_be_sent_is_a_clear_error_and_the_worker_stops_when_closed() -> None:

@@ -15,7 +15,8 @@ threads and ignores Ctrl-C (the main process decides what it means).
 Failures are clear and bounded in time: a failing operation is raised by
 :meth:`wait` with the worker's traceback; a worker that died (killed, out of
 memory, crashed) is detected by :meth:`wait` within a fraction of a second
-and raised as :class:`~sofx.offload.executor.WorkerDiedError`, with the last
+and raised as :class:`~sofx.offload.executor.WorkerDiedError`, with its exit status (once its connection broke,
+its exit is waited for within the timeout: a loaded machine took seconds for it) and the last
 lines the worker wrote to its stderr (a Python traceback where it raised; a
 reader thread passes that stream on to this process's ``sys.stderr``, where a
 notebook shows it); an operation that cannot be pickled fails alone (:meth:`wait`
@@ -47,7 +48,7 @@ import warnings
 from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
-from typing import IO, Any, Sequence
+from typing import IO, Any, NoReturn, Sequence
 
 from sofx.errors import UnsupportedError
 from sofx.offload.block_ops import BlockOp, OpResult
@@ -71,8 +72,9 @@ _POLL_S = 0.05
 CLOSE_TIMEOUT_S = 10.0
 #: How long a killed worker may take to exit before it is left to the system (see ``ProcessExecutor._kill``).
 KILL_WAIT_S = 10.0
-#: How long a worker whose connection ended may take to exit before its end is reported without its exit code
-#: (a failure path only: a worker printing its traceback on a loaded machine took over a second).
+#: How long, at least, a worker whose connection ended may take to exit before its end is reported without its exit
+#: code (a failure path only): :meth:`ProcessExecutor.wait` gives it what is left of its timeout where that is longer,
+#: the constructor its startup timeout (a worker printing its traceback took over 5 s to exit on a loaded machine).
 EXIT_WAIT_S = 5.0
 _STOP = object()
 #: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
@@ -105,7 +107,7 @@ class ProcessExecutor(Executor):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # results, then _STOP once the connection ends
         self._received_all = False
-        self._unanswered = False  # the last wait() timed out: the worker does not answer
+        self._unanswered = False  # the last wait() timed out (or its exit): the worker does not answer
         self._dir = tempfile.mkdtemp(prefix="sofx-worker-")  # mode 0700: only this user can connect
         address = os.path.join(self._dir, "socket")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,8 +134,7 @@ class ProcessExecutor(Executor):
                 self.conn.send(config)
                 self._wait_ready(startup_timeout)
             except (OSError, EOFError) as exc:
-                self._raise_if_gone(exc)
-                raise
+                self._raise_broken(exc, startup_timeout)
         except BaseException:
             server.close()
             self._kill()
@@ -190,15 +191,26 @@ class ProcessExecutor(Executor):
             raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
                                   f"{when}{self._last_output(code)}")
 
-    def _raise_if_gone(self, exc: BaseException) -> None:
-        """Raise :class:`WorkerDiedError` for ``exc`` (a broken pipe or connection while starting) where the worker
-        has exited (waiting a moment for that: the connection breaks as it exits); return otherwise."""
+    def _raise_broken(self, exc: BaseException, timeout: float) -> NoReturn:
+        """Raise ``exc`` (a broken pipe or connection while starting) as what it means: a :class:`WorkerDiedError`
+        with the exit status where the worker exits within ``max(timeout, EXIT_WAIT_S)`` seconds (the connection
+        breaks as it exits, and its exit took seconds on a loaded machine), else an :class:`ExecutorError` saying
+        both facts."""
+        waited = max(timeout, EXIT_WAIT_S)
+        code = self._exit_code(waited)
+        if code is not None:
+            raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
+                                  f"while starting{self._last_output(code)}") from exc
+        raise ExecutorError(f"the connection to the offload worker process (pid {self.pid}) broke while starting "
+                            f"({type(exc).__name__}: {exc}), and it had not exited {waited:g} s later"
+                            f"{self._last_output(None)}") from exc
+
+    def _exit_code(self, timeout: float) -> int | None:
+        """The worker's exit status, waiting up to ``timeout`` seconds for its exit; None where it still runs."""
         try:
-            code = self.process.wait(timeout=EXIT_WAIT_S)
+            return self.process.wait(timeout=min(timeout, threading.TIMEOUT_MAX))
         except subprocess.TimeoutExpired:
-            return
-        raise WorkerDiedError(f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) "
-                              f"while starting{self._last_output(code)}") from exc
+            return None
 
     def _last_output(self, code: int | None) -> str:
         """What the worker wrote to stderr last, for an error reporting its end (exit ``code``; None: it may
@@ -273,17 +285,19 @@ class ProcessExecutor(Executor):
             if self._drain(_POLL_S):
                 continue
             code = self.process.poll()
-            if code is None and self._received_all:  # the connection ended: the worker is exiting or gone
-                try:
-                    code = self.process.wait(timeout=EXIT_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    pass
-            if code is not None or self._send_error is not None or self._received_all:
+            ended = self._received_all or self._send_error is not None
+            waited = max(EXIT_WAIT_S, _left(deadline))
+            if code is None and ended:  # the connection ended: the worker is exiting or gone (within the timeout)
+                code = self._exit_code(waited)
+            if code is not None or ended:
                 self._drain(None)  # results it sent before dying
                 if self._outstanding() == 0:
                     break
+                self._unanswered = code is None  # (waited for already: close() kills it at once)
+                how = _exit_description(code) if code is not None else \
+                    f"the connection to it broke, and it had not exited {waited:g} s later"
                 raise WorkerDiedError(
-                    f"the offload worker process (pid {self.pid}) died ({_exit_description(code)}) with "
+                    f"the offload worker process (pid {self.pid}) died ({how}) with "
                     f"{self._outstanding()} block operation(s) unfinished. The optimizer state in shared memory is "
                     "intact and readable (state_dict() still works), but blocks of the current step may be partly "
                     f"stepped: reload a checkpoint to continue training{self._last_output(code)}")
@@ -394,9 +408,8 @@ def _left(deadline: float) -> float:
     return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return "the connection to it broke"
+def _exit_description(code: int) -> str:
+    """How a process ended, from its exit status ``code`` (negative: the signal that killed it)."""
     if code < 0:
         try:
             return f"killed by signal {signal.Signals(-code).name}"
