@@ -288,15 +288,20 @@ def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
 
 # The worker's ``sitecustomize`` (its PYTHONPATH): once it has closed its connection and printed what it printed,
 # its interpreter takes {seconds} s more to end (as one did on a loaded machine: exit handlers, the teardown of torch);
-# ``refuse`` makes it fail its authentication (after connecting, so the main process sees the connection break).
+# ``refuse`` makes it fail its authentication (after connecting, so the main process sees the connection break);
+# ``late`` leaves its stderr open {late} s after it exited, in a process that writes one more line there then (as
+# a reader thread that got no core for that long on a loaded machine: the stream ends later than the worker).
 _SLOW_TO_EXIT = """\
 import atexit
+import subprocess
 import time
 
 with open("/proc/self/cmdline", "rb") as _f:
     _IS_THE_WORKER = b"sofx.offload.process_worker" in _f.read()
 if _IS_THE_WORKER:
     atexit.register(time.sleep, {seconds})
+if _IS_THE_WORKER and {late}:
+    atexit.register(subprocess.Popen, ["sh", "-c", "sleep {late}; echo sofx test: a late line >&2"])
 if _IS_THE_WORKER and {refuse}:
     import multiprocessing.connection as _connection
 
@@ -308,12 +313,13 @@ if _IS_THE_WORKER and {refuse}:
 
 
 def _worker_slow_to_exit(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, refuse: bool = False,
-                         seconds: float = 3.0) -> None:
+                         seconds: float = 3.0, late: float = 0.0) -> None:
     """Workers started from now on take ``seconds`` to end once their connection closed, 15 times ``EXIT_WAIT_S``
-    (made 0.2 s): a loaded machine's slowdown where the default 5 s is given (see :data:`_SLOW_TO_EXIT`)."""
+    (made 0.2 s): a loaded machine's slowdown where the default 5 s is given; their stderr ends ``late`` s after
+    them (see :data:`_SLOW_TO_EXIT`)."""
     from sofx.offload import process_executor
 
-    (tmp_path / "sitecustomize.py").write_text(_SLOW_TO_EXIT.format(seconds=seconds, refuse=refuse))
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_TO_EXIT.format(seconds=seconds, refuse=refuse, late=late))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setattr(process_executor, "EXIT_WAIT_S", 0.2)
 
@@ -492,6 +498,35 @@ def _kill_the_worker(done: threading.Event, once_it_maps: bool) -> None:
             except (FileNotFoundError, ProcessLookupError):
                 pass
         time.sleep(0.001)
+
+
+def test_the_error_of_a_worker_that_raised_has_its_last_output_however_late_its_stderr_ends(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker raised and exited, and its stderr ended 1.5 s later, 7 times EXIT_WAIT_S (made 0.2 s): the error
+    was made from the lines read by then, the last ones missing. The end of the stream is now waited for once the
+    worker exited (OUTPUT_WAIT_S), and the error has every line."""
+    _worker_slow_to_exit(tmp_path, monkeypatch, seconds=0.0, late=1.5)
+    opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
+    with opt:
+        opt.engine.executor.submit(_UnreadableInTheWorker())
+        with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*; its last output:\n.*Traceback.*"
+                                                  r"ValueError: invalid literal.*\nsofx test: a late line$"):
+            opt.engine.executor.wait(120.0)
+
+
+def test_close_waits_for_the_end_of_the_workers_stderr_and_leaves_no_reader_thread(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
+    """The worker exited at close(), and its stderr ended 1.5 s later: close() waited 1 s for the stream's reader
+    thread and returned with that thread still running (and the last line not yet passed on). It now waits for the
+    stream's end once the worker exited (OUTPUT_WAIT_S), so close() leaves no thread behind and every line read."""
+    _worker_slow_to_exit(tmp_path, monkeypatch, seconds=0.0, late=1.5)
+    before = threading.active_count()
+    opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100)
+    worker = opt.engine.executor.process
+    opt.close()
+    assert worker.poll() == 0
+    assert threading.active_count() == before, [t.name for t in threading.enumerate()]
+    assert "sofx test: a late line" in capfd.readouterr().err
 
 
 _STALL_AFTER_THE_FIRST_MAPPING = """\

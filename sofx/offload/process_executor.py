@@ -76,6 +76,11 @@ KILL_WAIT_S = 10.0
 #: code (a failure path only): :meth:`ProcessExecutor.wait` gives it what is left of its timeout where that is longer,
 #: the constructor its startup timeout (a worker printing its traceback took over 5 s to exit on a loaded machine).
 EXIT_WAIT_S = 5.0
+#: How long, once the worker exited, the end of its stderr is waited for (for its last lines, in an error or passed
+#: on by close()): the reader thread reads what is left in the pipe, then ends (on a loaded machine it may wait
+#: seconds for a core; close() waited 1 s, and returned with it still running).
+#: Only a process the worker started and left running holds the stream open longer; its reader thread ends with it.
+OUTPUT_WAIT_S = 30.0
 _STOP = object()
 #: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
 _TAIL_LINES = 40
@@ -142,8 +147,7 @@ class ProcessExecutor(Executor):
                 self.process.stdin.close()  # (a write that failed left it open, its data unflushed)
             except (AttributeError, OSError, ValueError):
                 pass
-            if self._stderr is not None:
-                self._stderr.join(1.0)  # (its stream is closed at its end)
+            self._join_stderr()
             if self.conn is not None:  # (connected, then the worker refused its config or never got ready)
                 self.conn.close()
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -213,12 +217,22 @@ class ProcessExecutor(Executor):
             return None
 
     def _last_output(self, code: int | None) -> str:
-        """What the worker wrote to stderr last, for an error reporting its end (exit ``code``; None: it may
-        still run, its output is not waited for)."""
+        """What the worker wrote to stderr last, for an error reporting its end (exit ``code``: the stream's end is
+        waited for up to :data:`OUTPUT_WAIT_S`; None: it may still run, and its output so far is taken); said so
+        where the stream had not ended (later lines may be missing)."""
         if self._stderr is None:
             return ""
-        text = self._stderr.tail(timeout=EXIT_WAIT_S if code is not None else 0.0).rstrip()
-        return f"; its last output:\n{text}" if text else ""
+        ended = self._stderr.join(OUTPUT_WAIT_S if code is not None else 0.0)
+        text = self._stderr.tail().rstrip()
+        if not text:
+            return ""
+        return f"; its last output{'' if ended else ' so far (its stderr had not ended)'}:\n{text}"
+
+    def _join_stderr(self) -> None:
+        """Wait for the end of the worker's stderr where the worker exited (up to :data:`OUTPUT_WAIT_S`: the reader
+        thread reads the rest, passes it on and ends); a worker left running is not waited for."""
+        if self._stderr is not None:
+            self._stderr.join(OUTPUT_WAIT_S if self.process.poll() is not None else 0.0)
 
     # ------------------------------------------------------------ operations
     def _send_loop(self) -> None:
@@ -334,8 +348,7 @@ class ProcessExecutor(Executor):
             self.conn.close()
         if getattr(self, "_receiver", None) is not None:
             self._receiver.join(timeout=_left(deadline))  # (ends with the connection; a daemon thread anyway)
-        if self._stderr is not None:
-            self._stderr.join(1.0)  # the worker is gone: its stderr is at its end
+        self._join_stderr()
 
     def _kill(self) -> None:
         """SIGKILL the worker where it still runs and reap it. One that does not exit within :data:`KILL_WAIT_S`
@@ -359,7 +372,8 @@ class ProcessExecutor(Executor):
 class _StderrTail:
     """Reads the worker's stderr: passes each line on to this process's ``sys.stderr`` (a notebook shows it, where
     the worker's own stderr went to the server's terminal) and keeps the last :data:`_TAIL_LINES` lines for the
-    error that reports the worker's end. The reader thread ends, closing the stream, when the worker is gone."""
+    error that reports the worker's end. The reader thread ends, closing the stream, at the stream's end: when the
+    worker is gone (and any process it started that inherited the stream)."""
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
@@ -383,13 +397,13 @@ class _StderrTail:
         finally:
             self._stream.close()
 
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the end of the stream (the worker gone)."""
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the end of the stream (the worker gone); whether it ended."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
-    def tail(self, timeout: float) -> str:
-        """The last lines, once the stream ended (waiting up to ``timeout`` seconds for that)."""
-        self.join(timeout)
+    def tail(self) -> str:
+        """The last lines read so far (all of them once :meth:`join` said the stream ended)."""
         return "".join(list(self._lines))
 
 
