@@ -607,17 +607,38 @@ def run_gloo(worker, world: int, directory, timeout_s: float = 120.0) -> list:
     return [torch.load(directory / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
-def run_gloo_cases(cases: dict, world: int, directory, timeout_s: float = 120.0) -> list[dict]:
+#: How long spawned ranks wait for each other to join their gloo group (:func:`init_gloo`): far longer than a rank
+#: takes to start, however loaded the machine; a run's own timeout (:func:`run_gloo`) ends a rank that never comes.
+RENDEZVOUS_S = 300.0
+
+
+def init_gloo(rank: int, world: int, store: str, timeout_s: float) -> None:
+    """Join the ``world`` ranks' gloo group through the file ``store``, waiting up to :data:`RENDEZVOUS_S` for the
+    others (ranks start seconds apart on a loaded machine: importing torch), then make ``timeout_s`` the timeout of
+    the group's collectives (a rank left waiting alone in one fails after it instead of hanging). The timeout given
+    to ``init_process_group`` covers both: a short one made a late rank fail the rendezvous."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
+    dist.barrier()  # every rank has joined
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def run_gloo_cases(cases: dict, world: int, directory, timeout_s: float = 120.0,
+                   case_timeout_s: float = 10.0) -> list[dict]:
     """:func:`run_gloo` of ``cases`` (name -> ``case(rank)``, module-level functions returning what to keep):
-    every rank runs them in order on one gloo group (10 s timeout), each followed by an all-reduce that shows
-    the group still works, and saves ``{name: result}``."""
+    every rank runs them in order on one gloo group (:func:`init_gloo`; its collectives time out after
+    ``case_timeout_s``), each followed by an all-reduce that shows the group still works, and saves
+    ``{name: result}``."""
     import functools
 
-    return run_gloo(functools.partial(_run_cases, cases), world, directory, timeout_s)
+    return run_gloo(functools.partial(_run_cases, cases, case_timeout_s), world, directory, timeout_s)
 
 
-def _run_cases(cases: dict, rank: int, world: int, store: str, outdir: str) -> None:
-    import datetime
+def _run_cases(cases: dict, case_timeout_s: float, rank: int, world: int, store: str, outdir: str) -> None:
     import os
 
     import torch.distributed as dist
@@ -625,8 +646,7 @@ def _run_cases(cases: dict, rank: int, world: int, store: str, outdir: str) -> N
     from sofx import distributed as sd
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
+    init_gloo(rank, world, store, case_timeout_s)
     try:
         results = {}
         for name, case in cases.items():

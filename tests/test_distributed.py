@@ -30,7 +30,6 @@ with single-process runs on the same fresh random inputs:
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
@@ -46,6 +45,7 @@ from sofx import AdamHParams, loss_scale
 from sofx import distributed as sd
 from sofx import speculate as sp
 from sofx.serial import init_loop, serial_loop_step
+from helpers import init_gloo
 
 STEPS = 20
 MAX_NORM = 1.0
@@ -467,8 +467,7 @@ def _run_refusals(rank: int, world: int) -> dict:
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, store, timeout_s=60)
     try:
         if world == 1:  # one rank owns every block: the same steps as no sharding
             results = {f"sharded_{p}": _run_sharded_speculative(rank, world, p) for p in ("torch", "deepspeed")}

@@ -10,7 +10,6 @@ with it raised alone ("reshape is not implemented for sparse tensors") while the
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sofx import distributed as sd
-from helpers import error_text
+from helpers import error_text, init_gloo
 
 SPARSE_RANK = 1
 
@@ -31,8 +30,7 @@ def _grad(rank: int) -> torch.Tensor:
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+    init_gloo(rank, world, store, timeout_s=20)
     try:
         shard = sd.shard_blocks({"a": torch.ones(2), "e": torch.ones(4)})
         out = {"reduce_mean": error_text(lambda: shard.reduce_mean({"a": torch.ones(2), "e": _grad(rank)})),

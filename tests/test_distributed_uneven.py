@@ -15,7 +15,6 @@ sub-group) and go on: equal to the single process that was never interrupted.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 
@@ -29,7 +28,7 @@ from sofx import AdamHParams, AdamState, loss_scale
 from sofx import distributed as sd
 from sofx import speculate as sp
 from sofx.serial import init_loop, serial_loop_step, serial_step
-from helpers import run_gloo
+from helpers import init_gloo, run_gloo
 
 SHAPES = {"a": (5,), "b": (0,), "c": (1,), "d": (7, 3), "e": (0, 4), "f": (2,), "g": (3, 3)}
 KEYS = sorted(SHAPES)  # the leaf order (dict keys sorted)
@@ -179,8 +178,7 @@ def _save_and_resume(rank: int, directory: str, first: dict) -> dict:
 
 def _worker(rank: int, world: int, store: str, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    init_gloo(rank, world, store, timeout_s=30)
     try:
         results = {(case, name): _sharded(case, owners, rank) for case in CASES for name, owners in OWNERS.items()}
         results["clipped"] = _clipped_run(rank)
