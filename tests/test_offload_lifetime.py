@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -386,12 +387,14 @@ import sofx.offload, sofx.offload.engine
 from sofx.offload.block_ops import BlockOp
 hold, sofx.offload.engine.EXIT_WAIT_S = sys.argv[1], float(sys.argv[2])
 seen = {}
-# registered first, so it runs after the optimizer's own exit handler (atexit runs last-in first-out): the step's
-# thread gets to say how its step ended
-atexit.register(lambda: seen["stepper"].join(30))
+# registered first, so it runs after the optimizer's own exit handler (atexit runs last-in first-out): it says how
+# long that handler took, and the step's thread gets to say how its step ended
+atexit.register(lambda: (print(f"the exit's close took {time.monotonic() - seen['exit']:.3f} s", file=sys.stderr,
+                               flush=True), seen["stepper"].join(30)))
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
 opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", timeout=30)
+atexit.register(lambda: seen.setdefault("exit", time.monotonic()))  # (runs before the optimizer's exit handler)
 opt.backward(model(torch.randn(3, 4)).square().mean())
 
 
@@ -422,12 +425,14 @@ while not opt.engine._call_lock.locked():  # the script ends while the daemon th
 
 def _exit_during_step(hold: float | str, exit_wait: float) -> tuple[subprocess.CompletedProcess, float]:
     """Run a script that ends while a daemon thread is in step(), held ``hold`` s (``"until_closed"``: until the
-    exit's close has closed the executor), with ``EXIT_WAIT_S = exit_wait``; its result and how long it ran."""
-    start = time.monotonic()
+    exit's close has closed the executor), with ``EXIT_WAIT_S = exit_wait``; its result and how long the optimizer's
+    exit handler took (measured in the script: its start, importing torch, is slowed many times on a loaded machine)."""
     out = subprocess.run([sys.executable, "-c", _EXIT_DURING_STEP, str(hold), str(exit_wait)], capture_output=True,
-                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return out, time.monotonic() - start
+    took = re.search(r"the exit's close took ([0-9.]+) s", out.stderr)
+    assert took, (out.stdout, out.stderr)
+    return out, float(took.group(1))
 
 
 def test_at_exit_the_close_waits_for_a_step_running_in_a_daemon_thread() -> None:
@@ -450,4 +455,4 @@ def test_at_exit_a_step_that_does_not_end_in_time_is_closed_under_with_a_warning
     assert out.returncode == 0, out.stderr
     assert "at interpreter exit, step() was still running in another thread after 0.2 s" in out.stderr, out.stderr
     assert out.stdout.startswith("step failed: ExecutorError('the thread executor is closed')"), out.stdout
-    assert took < 60, took
+    assert took < 20, "not the optimizer's 30 s timeout"

@@ -87,7 +87,7 @@ def test_killing_the_worker_mid_step_is_a_clear_error_and_the_state_survives() -
     opt.backward(mlp_loss(model, mlp_batch(gen)))  # speculative steps submitted to the worker
     worker = opt.engine.executor.process
     os.kill(worker.pid, signal.SIGKILL)
-    worker.wait(timeout=10)
+    worker.wait(timeout=60)  # (a loaded machine slows tearing a process down many times)
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"worker process \(pid \d+\) died \(killed by signal SIGKILL\)"):
         opt.step()
@@ -571,7 +571,9 @@ def test_a_worker_killed_while_starting_fails_the_constructor_and_leaves_nothing
         with pytest.raises(WorkerDiedError, match=r"worker process \(pid \d+\) died \(killed by signal SIGKILL\) "
                                                   r"while starting"):
             sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=4)
-        assert time.monotonic() - start < 30.0
+        # within a moment of the kill, not at the 120 s startup timeout (the worker's start before it counts too:
+        # importing torch, slowed many times on a loaded machine)
+        assert time.monotonic() - start < 100.0
     finally:
         done.set()
         killer.join()
@@ -610,7 +612,7 @@ def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everyth
     if when == "during_backward":
         opt.backward(mlp_loss(model, mlp_batch(gen)))
     os.kill(worker.pid, signal.SIGKILL)
-    worker.wait(timeout=10)
+    worker.wait(timeout=60)  # (a loaded machine slows tearing a process down many times)
     if when == "between_steps":
         opt.backward(mlp_loss(model, mlp_batch(gen)))  # its operations go to a dead worker
     start = time.monotonic()
@@ -793,7 +795,7 @@ def test_a_main_process_killed_while_its_worker_starts_leaves_no_shared_memory_b
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     named = os.path.join(sofx.offload.shared_memory.DEFAULT_SHM_DIR, f"sofx-{proc.pid}-*")
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # (the main process imports torch and sofx first)
         workers: list[int] = []
         while not workers and time.monotonic() < deadline and proc.poll() is None:
             workers = _worker_children(proc.pid)
@@ -822,7 +824,7 @@ def test_a_main_process_killed_while_its_worker_starts_leaves_no_shared_memory_b
 
 def _run_until_it_kills_itself(script: str) -> list[str]:
     """Run ``script`` in a fresh interpreter that ends by SIGKILL-ing itself; the words it printed."""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == -signal.SIGKILL, out.stderr
     return out.stdout.split()
 
@@ -1061,6 +1063,6 @@ def test_a_script_that_ends_without_close_stops_the_worker_by_its_stop_message(e
     Closed from __del__ during finalization, the sender thread could no longer run, and close() waited 10 s,
     then killed the worker."""
     out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, "process", ending], capture_output=True,
-                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == (0 if ending == "end" else 1), out.stderr
     assert out.stdout.strip().endswith("closed True worker 0"), (out.stdout, out.stderr)
