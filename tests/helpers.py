@@ -627,6 +627,18 @@ def init_gloo(rank: int, world: int, store: str, timeout_s: float) -> None:
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
 
 
+def meet() -> None:
+    """Wait, up to :data:`RENDEZVOUS_S`, until every rank of :func:`init_gloo`'s group gets here (a barrier of that
+    timeout, whatever the group's): after work whose time differs between the ranks by more than the group's short
+    timeout on a loaded machine (starting an offload worker process: it imports torch), before the collectives that
+    follow it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
+
+
 def run_gloo_cases(cases: dict, world: int, directory, timeout_s: float = 120.0,
                    case_timeout_s: float = 10.0) -> list[dict]:
     """:func:`run_gloo` of ``cases`` (name -> ``case(rank)``, module-level functions returning what to keep):

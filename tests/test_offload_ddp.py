@@ -41,7 +41,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 import sofx
 from sofx.loss_scale import grad_scaler
 from sofx.speculate import AdaptivePolicy
-from helpers import error_text, run_gloo_cases
+from helpers import error_text, meet, run_gloo_cases
 
 STEPS = 5
 LR = 1e-2
@@ -142,6 +142,7 @@ def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True
         loss_scale=grad_scaler(init_scale=2.0 ** 10, growth_interval=2) if scaled else None, block_numel=16,
         gradient_accumulation_steps=1 if no_sync else accumulate, backend=backend,
         policy=AdaptivePolicy(enabled=False), ddp=model)  # (speculating at every step, clipped or not)
+    meet()  # (each rank's process executor started its worker at its own pace)
     out: dict = {"torch": [], "sofx": [], "reports": [], "outcomes": []}
     try:
         for step in range(STEPS):
