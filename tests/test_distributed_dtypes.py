@@ -140,7 +140,7 @@ CASES = {"sharded_loops": _sharded_loops, "means_beside_ddp": _means_beside_ddp}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo_cases(CASES, WORLD, tmp_path_factory.mktemp("dtypes"), timeout_s=120)
+    return run_gloo_cases(CASES, WORLD, tmp_path_factory.mktemp("dtypes"), timeout_s=300)
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["serial", "speculative"])

@@ -349,7 +349,7 @@ CASES = {"shard_of_another_rank": _shard_of_another_rank, "local_leaf_without_da
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("refusals"), timeout_s=90)
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("refusals"), timeout_s=300)
 
 
 def _assert_unchanged(got: dict, want: dict) -> None:

@@ -157,7 +157,7 @@ CASES = {"shard_blocks": _shard_blocks, "all_reduce_sumsq": _all_reduce_sumsq, "
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("setup"), timeout_s=90)
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("setup"), timeout_s=300)
 
 
 def test_shard_blocks_refuses_params_or_owners_that_differ_between_ranks(ranks):

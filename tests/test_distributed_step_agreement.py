@@ -93,7 +93,7 @@ CASES = {"steps_with_other_settings": _steps_with_other_settings}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("step_agreement"), timeout_s=90)
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("step_agreement"), timeout_s=300)
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

@@ -224,7 +224,7 @@ def _check(got: dict, want: dict, exact: bool, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo(_worker, 3, tmp_path_factory.mktemp("uneven"), timeout_s=120)
+    return run_gloo(_worker, 3, tmp_path_factory.mktemp("uneven"), timeout_s=300)
 
 
 def test_uneven_shards_with_events_on_one_rank_equal_one_process(ranks):

@@ -972,7 +972,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("ddp"), timeout_s=240)
+    return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("ddp"), timeout_s=600)
 
 
 def _deviation(a: torch.Tensor, b: torch.Tensor) -> float:
