@@ -1301,7 +1301,7 @@ def test_a_step_skipped_on_one_rank_after_a_comparing_backward_leaves_no_rank_wa
             mine = ("no error" if rank == 0 else "_LoopError: the loop's own error" if how == "raised"
                     else "KeyError: 'lr'")
             assert out[how] == mine, (rank, how, out[how])
-            assert out[f"{how}_s"] < 5.0, (rank, how, out[f"{how}_s"])
+            assert out[f"{how}_s"] < 9.0, (rank, how, out[f"{how}_s"])  # (not the group's 10 s timeout)
             assert out[f"{how}_next"].startswith("step() under DDP: the step count of block 0 (parameter 0 = "
                                                  "param_groups[0]['params'][0], shape (8, 4)) differs between ranks: "
                                                  "2 on rank 0; 1 on rank 1"), (rank, how, out[f"{how}_next"])
@@ -1411,7 +1411,7 @@ def test_an_optimizer_closed_on_one_rank_is_named_by_the_others_step(ranks, case
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
         assert out["backward"] == "no error", (rank, out["backward"])
-        assert out["seconds"] < 5.0, (rank, out["seconds"])
+        assert out["seconds"] < 9.0, (rank, out["seconds"])  # (not the group's 10 s timeout)
         assert out["then"] == ["no error", "no error"], (rank, out["then"])
     assert said[0]["step"].startswith("step() under DDP: the optimizer of rank 1 over this DDP module is closed"), \
         said[0]["step"]
