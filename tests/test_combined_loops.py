@@ -1,0 +1,289 @@
+"""Long training loops that combine features, side by side with torch.optim.
+
+Each test trains a small ``nn.Module`` (Linear, LayerNorm, GELU, a head)
+for 40 steps with everything a real loop has at once: three param groups (no
+weight decay on biases and norms, a head with its own lr and betas), three
+micro-batches accumulated per step, ``torch.amp.GradScaler`` semantics
+(overflows skip the step and back the scale off, clean steps grow it after
+``growth_interval``), a warm-up + cosine schedule that advances only on steps
+taken, a checkpoint saved and loaded mid-run (the run goes on from the loaded
+state), the head's lr changed by hand mid-run, and clipping on the last
+steps. The torch side is ``torch.optim.AdamW(foreach=False)`` +
+``GradScaler("cpu")`` + ``clip_grad_norm_`` + ``LambdaLR``, its own state
+saved and loaded through ``torch.save`` at the same step.
+
+Tolerance: bit for bit until the first step that clips. sofx folds unscaling
+and clipping into one multiplier and sums the squares partly in float64
+(``sofx.serial``'s "Known differences from torch"), so a clipped step is
+torch's to float32 rounding; from there on DESIGN.md's 1e-6 relative (with
+an absolute 1e-7 for elements near 0), checked at every step (no drift).
+The speculative functional loop equals the serial one bit for bit at every
+step (without donation, ``sofx.speculate``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import sofx
+import sofx.checkpoint
+from sofx import AdamHParams, loss_scale
+from sofx.serial import serial_loop_step
+from sofx.speculate import SpeculationConfig, speculative_loop_step
+
+STEPS = 40
+MICRO = 3
+INF_INPUT_AT = {6: 1}  # step -> the micro-batch whose input holds an inf (every gradient nan)
+INF_GRAD_AT = {13: 2, 14: 0, 29: 2}  # step -> the micro-batch that gives inp.weight an inf gradient
+OVERFLOW_AT = {**INF_INPUT_AT, **INF_GRAD_AT}
+SAVE_AT = 17  # checkpoint after this step, then go on from the loaded state
+LR_CHANGE_AT = 24  # the head's lr lowered by hand before this step's optimizer step
+CLIP_FROM = 32  # from here on, some steps' losses are scaled up: clip_grad_norm_ clips
+MAX_NORM = 1.0
+BASE_LR = {"decay": 3e-3, "no_decay": 3e-3, "head": 1e-3}
+GROUP_OPTIONS = {"decay": dict(weight_decay=0.1), "no_decay": dict(weight_decay=0.0),
+                 "head": dict(weight_decay=0.05, betas=(0.8, 0.95), eps=1e-6)}
+BACKWARD_ORDER = ["head", "mid", "norm", "inp"]  # the modules in the order backward reaches them
+SCALING = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
+
+
+class Net(nn.Module):
+    """A few layers: Linear -> LayerNorm -> GELU -> Linear -> tanh -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(nn.functional.gelu(self.norm(self.inp(x))))))
+
+
+def group_of(name: str) -> str:
+    """The param group of a parameter: the head's, or decay / no decay (biases and norms)."""
+    if name.startswith("head."):
+        return "head"
+    return "no_decay" if name.endswith("bias") or name.startswith("norm.") else "decay"
+
+
+def lr_factor(t: int) -> float:
+    """Linear warm-up over 5 steps, then cosine decay to 10% by step 40 (a LambdaLR factor)."""
+    if t < 5:
+        return (t + 1) / 5
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(t - 5, 35) / 35))
+
+
+def batch(gen: torch.Generator, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Micro-batch ``micro`` of ``step``: inputs (an inf in one at ``INF_INPUT_AT``), targets, and the loss
+    weight (heavy on some clipping steps: the first block's gradient alone clips)."""
+    x = torch.randn(8, 6, generator=gen)
+    y = torch.randn(8, 3, generator=gen)
+    if INF_INPUT_AT.get(step) == micro:
+        x[2, 1] = math.inf
+    weight = 200.0 if step >= CLIP_FROM and step % 4 == 0 else 1.0
+    return x, y, weight / MICRO
+
+
+def gradient_edit(step: int, micro: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a tensor hook does to this micro-step's gradient of ``inp.weight`` (the last to arrive in
+    backward): an inf (an fp16 overflow's) at ``INF_GRAD_AT``, 8x on the clipping steps that are not heavy
+    (the blocks speculated before it must be undone and redone), else nothing (``None``)."""
+    if INF_GRAD_AT.get(step) == micro:
+        return with_inf
+    if step >= CLIP_FROM and step % 4 in (1, 2):
+        return lambda g: g * 8.0
+    return None
+
+
+def with_inf(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with an inf in one element."""
+    g = g.clone()
+    g[3, 4] = math.inf
+    return g
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y) * weight
+
+
+@dataclass
+class TorchRun:
+    """torch's side: the module, AdamW over three groups, GradScaler, LambdaLR stepped when the optimizer was."""
+
+    model: Net
+    opt: torch.optim.AdamW = field(init=False)
+    scaler: torch.amp.GradScaler = field(init=False)
+    sched: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> None:
+        named = dict(self.model.named_parameters())
+        groups = [dict(params=[p for n, p in named.items() if group_of(n) == g], lr=BASE_LR[g], **GROUP_OPTIONS[g])
+                  for g in BASE_LR]
+        self.opt = torch.optim.AdamW(groups, foreach=False)
+        self.scaler = torch.amp.GradScaler("cpu", **SCALING)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor)
+
+    def step(self, gen: torch.Generator, step: int, head_lr: float | None) -> bool:
+        """One iteration; returns whether the optimizer stepped (no overflow)."""
+        self.opt.zero_grad()
+        for micro in range(MICRO):
+            x, y, w = batch(gen, step, micro)
+            edit = gradient_edit(step, micro)
+            hook = self.model.inp.weight.register_hook(edit) if edit else None
+            self.scaler.scale(loss_of(self.model(x), y, w)).backward()
+            if hook is not None:
+                hook.remove()
+        if head_lr is not None:  # set by hand between backward and step, and kept by the scheduler
+            self.sched.base_lrs[2] = head_lr
+            self.opt.param_groups[2]["lr"] = head_lr * lr_factor(self.sched.last_epoch)
+        before = self.scaler.get_scale()
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= before
+        if stepped:
+            self.sched.step()
+        return stepped
+
+    def reload(self) -> None:
+        """Save model, optimizer, scaler and scheduler through torch.save, then go on with fresh objects."""
+        buf = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "scaler": self.scaler.state_dict(), "sched": self.sched.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        self.model = Net()
+        self.model.load_state_dict(saved["model"])
+        base_lrs = list(self.sched.base_lrs)
+        self.build()
+        self.opt.load_state_dict(saved["opt"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.sched.load_state_dict(saved["sched"])
+        assert self.sched.base_lrs == base_lrs
+
+
+def _hparams(base: dict[str, float]):
+    """The sofx schedule: each group's options at its lr ``base[g] * lr_factor(t)``, as LambdaLR computes it."""
+    def at(t: int) -> dict[str, AdamHParams]:
+        out = {}
+        for g, o in GROUP_OPTIONS.items():
+            b1, b2 = o.get("betas", (0.9, 0.999))
+            out[g] = AdamHParams(lr=base[g] * lr_factor(t), beta1=b1, beta2=b2, eps=o.get("eps", 1e-8),
+                                 weight_decay=o["weight_decay"])
+        return out
+    return at
+
+
+def _grads(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, w: float, scale: float,
+           template: Net) -> dict[str, torch.Tensor]:
+    """Gradients of the loss times the loss scale, by ``torch.func.functional_call`` on the params tree."""
+    live = {k: v.detach().requires_grad_() for k, v in params.items()}
+    loss = loss_of(torch.func.functional_call(template, live, (x,)), y, w)
+    grads = torch.autograd.grad(loss * torch.tensor(scale), list(live.values()))
+    return dict(zip(live, grads))
+
+
+def _compare(step: int, params: dict[str, torch.Tensor], state, model: Net, topt: torch.optim.AdamW,
+             bitwise: bool) -> None:
+    """sofx's params, moments and counts against torch's, bit for bit or within DESIGN.md's tolerance."""
+    for name, p in model.named_parameters():
+        pairs = [("param", params[name], p.detach())]
+        tstate = topt.state.get(p, {})
+        assert int(state.count[name]) == (int(tstate["step"]) if tstate else 0), (step, name)
+        if tstate:
+            pairs += [("exp_avg", state.mu[name], tstate["exp_avg"]), ("exp_avg_sq", state.nu[name],
+                                                                       tstate["exp_avg_sq"])]
+        for what, ours, theirs in pairs:
+            if bitwise:
+                assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
+            else:
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"step {step}: {what} of {name}: {m}")
+
+
+def _accumulated_grads(params: dict[str, torch.Tensor], gen: torch.Generator, step: int, scale: float,
+                       template: Net) -> dict[str, torch.Tensor]:
+    """The step's micro-batches' gradients of the scaled loss, edited as torch's hooks edit them, summed."""
+    acc = sofx.transforms.accumulation_init(params)
+    for micro in range(MICRO):
+        x, y, w = batch(gen, step, micro)
+        g = _grads(params, x, y, w, scale, template)
+        edit = gradient_edit(step, micro)
+        if edit:
+            g["inp.weight"] = edit(g["inp.weight"])
+        acc = sofx.transforms.accumulate(acc, g, params)
+    return sofx.transforms.accumulated(acc, params)
+
+
+def _assert_loops_bitwise(step: int, a: sofx.serial.LoopState, b: sofx.serial.LoopState) -> None:
+    assert a.step == b.step and a.scaler_state == b.scaler_state, step
+    for x, y in zip(sofx.tree.flatten((a.params, a.opt_state))[0], sofx.tree.flatten((b.params, b.opt_state))[0]):
+        assert torch.equal(x, y), f"step {step}: the speculative loop left the serial one"
+
+
+def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation_equals_it_bitwise(tmp_path):
+    """serial_loop_step on the params of a module through functional_call, against torch's loop over the
+    module (see the module docstring for the events and the tolerance), and speculative_loop_step beside it,
+    bitwise the serial one at every step: blocks speculated in backward's order, undone for overflows, undone
+    and redone for clips and for the lr changed between backward and the step, vetoed, paused by the adaptive
+    policy. The checkpoint holds both loops and the changed base lrs."""
+    torch.manual_seed(0)
+    ref = TorchRun(Net())
+    template = Net()
+    params = {k: v.detach().clone() for k, v in ref.model.named_parameters()}
+    labels = {name: group_of(name) for name in params}
+    base = dict(BASE_LR)
+
+    def hparams(t: int) -> Any:
+        return sofx.transforms.group_hparams(labels, _hparams(base)(t), params=params)
+
+    opt, rule = sofx.adamw(), loss_scale.grad_scaler(**SCALING)
+    ser = spec = sofx.serial.init_loop(opt, params, rule)
+    config = SpeculationConfig(max_norm=MAX_NORM)
+    names = sorted(params)  # the leaf order (optree sorts dict keys)
+    arrival = sorted(range(len(names)), key=lambda i: BACKWARD_ORDER.index(names[i].split(".")[0]))
+    gen, tgen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    seen = {"skipped": 0, "growth": 0, "clipped": 0, "undone": 0, "redone": 0, "speculated": 0, "lr_redone": 0}
+    first_clip = None
+    for step in range(STEPS):
+        head_lr = BASE_LR["head"] * 0.25 if step == LR_CHANGE_AT else None
+        stepped = ref.step(tgen, step, head_lr)
+        S = rule.scale(ser.scaler_state)
+        grads = _accumulated_grads(ser.params, gen, step, S, template)
+        assumed = hparams(spec.step)  # what the speculative steps during backward took
+        if head_lr is not None:
+            base["head"] = head_lr
+        ser, facts = serial_loop_step(opt, ser, grads, scaler=rule, hparams=hparams, max_norm=MAX_NORM)
+        spec, report = speculative_loop_step(opt, spec, grads, config=config, scaler=rule, hparams=assumed,
+                                             validation_hparams=hparams, order=arrival)
+        assert facts.skipped == (not stepped) == (step in OVERFLOW_AT), step
+        assert rule.scale(ser.scaler_state) == ref.scaler.get_scale() and ser.step == ref.sched.last_epoch, step
+        first_clip = step if facts.clipped and first_clip is None else first_clip
+        _compare(step, ser.params, ser.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
+        _assert_loops_bitwise(step, spec, ser)
+        for key, n in [("skipped", facts.skipped), ("growth", rule.scale(ser.scaler_state) > S),
+                       ("clipped", facts.clipped), ("undone", report.undone), ("redone", report.redone),
+                       ("speculated", report.speculated), ("lr_redone", report.redone * (head_lr is not None))]:
+            seen[key] += n
+        if step == SAVE_AT:
+            ref.reload()
+            path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base})
+            loaded = sofx.checkpoint.load(path)
+            ser, spec, base = loaded["serial"], loaded["speculative"], loaded["base"]
+            params = ser.params
+    assert first_clip is not None and first_clip >= CLIP_FROM, first_clip
+    assert seen["skipped"] == len(OVERFLOW_AT) and seen["growth"] >= 2 and seen["clipped"] >= 3, seen
+    assert seen["speculated"] > 0 and seen["undone"] > seen["redone"] > seen["lr_redone"] == 2, seen
