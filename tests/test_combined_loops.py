@@ -18,7 +18,10 @@ and clipping into one multiplier and sums the squares partly in float64
 torch's to float32 rounding; from there on DESIGN.md's 1e-6 relative (with
 an absolute 1e-7 for elements near 0), checked at every step (no drift).
 The speculative functional loop equals the serial one bit for bit at every
-step (without donation, ``sofx.speculate``).
+step (without donation, ``sofx.speculate``). A loop of one's own (``check_finite``
++ ``unscale`` + ``clip_by_global_norm`` + ``Adam.update``) runs beside them,
+under the same rule: its clip multiplies as torch's does, but its norm is
+summed partly in float64 (``clip_by_global_norm``'s docstring).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -123,6 +126,7 @@ class TorchRun:
     opt: torch.optim.AdamW = field(init=False)
     scaler: torch.amp.GradScaler = field(init=False)
     sched: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+    backward_scale: float = field(init=False, default=0.0)  # the loss scale of the latest step's backward
 
     def __post_init__(self) -> None:
         self.build()
@@ -148,7 +152,7 @@ class TorchRun:
         if head_lr is not None:  # set by hand between backward and step, and kept by the scheduler
             self.sched.base_lrs[2] = head_lr
             self.opt.param_groups[2]["lr"] = head_lr * lr_factor(self.sched.last_epoch)
-        before = self.scaler.get_scale()
+        before = self.backward_scale = self.scaler.get_scale()
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
         self.scaler.step(self.opt)
@@ -228,6 +232,37 @@ def _accumulated_grads(params: dict[str, torch.Tensor], gen: torch.Generator, st
     return sofx.transforms.accumulated(acc, params)
 
 
+class ChainLoop(NamedTuple):
+    """A loop of one's own over ``Adam.update``: params, Adam state, the transforms' and the scaler's states,
+    steps taken."""
+
+    params: Any
+    opt_state: Any
+    chain_state: Any
+    scaler_state: Any
+    step: int = 0
+
+
+def _chain() -> sofx.transforms.GradientTransformation:
+    """GradScaler's ``unscale_`` then ``clip_grad_norm_``, with the overflow check first."""
+    tx = sofx.transforms
+    return tx.chain(tx.check_finite(), tx.unscale(), tx.clip_by_global_norm(MAX_NORM))
+
+
+def _chain_step(opt: sofx.Adam, rule: Any, loop: ChainLoop, grads: Any, hparams: Callable[[int], Any]
+                ) -> tuple[ChainLoop, bool]:
+    """check_finite + unscale + clip_by_global_norm, then ``opt.update`` unless an overflow skips the step, then
+    the loss scaler's update (torch's loop order); returns the loop and whether the step was taken."""
+    grads, chain_state = _chain().update(grads, loop.chain_state, loop.params,
+                                         loss_scale=rule.scale(loop.scaler_state))
+    finite = chain_state[0].all_finite
+    params, state = loop.params, loop.opt_state
+    if finite:
+        params, state, _ = opt.update(params, grads, state, hparams(loop.step), undoable=False)
+    return ChainLoop(params, state, chain_state, rule.update(loop.scaler_state, not finite),
+                     loop.step + finite), finite
+
+
 def _assert_loops_bitwise(step: int, a: sofx.serial.LoopState, b: sofx.serial.LoopState) -> None:
     assert a.step == b.step and a.scaler_state == b.scaler_state, step
     for x, y in zip(sofx.tree.flatten((a.params, a.opt_state))[0], sofx.tree.flatten((b.params, b.opt_state))[0]):
@@ -252,6 +287,7 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
 
     opt, rule = sofx.adamw(), loss_scale.grad_scaler(**SCALING)
     ser = spec = sofx.serial.init_loop(opt, params, rule)
+    mine = ChainLoop(params, opt.init(params), _chain().init(params), rule.init())
     config = SpeculationConfig(max_norm=MAX_NORM)
     names = sorted(params)  # the leaf order (optree sorts dict keys)
     arrival = sorted(range(len(names)), key=lambda i: BACKWARD_ORDER.index(names[i].split(".")[0]))
@@ -269,21 +305,27 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
         ser, facts = serial_loop_step(opt, ser, grads, scaler=rule, hparams=hparams, max_norm=MAX_NORM)
         spec, report = speculative_loop_step(opt, spec, grads, config=config, scaler=rule, hparams=assumed,
                                              validation_hparams=hparams, order=arrival)
+        mine, taken = _chain_step(opt, rule, mine, grads, hparams)
         assert facts.skipped == (not stepped) == (step in OVERFLOW_AT), step
         assert rule.scale(ser.scaler_state) == ref.scaler.get_scale() and ser.step == ref.sched.last_epoch, step
         first_clip = step if facts.clipped and first_clip is None else first_clip
         _compare(step, ser.params, ser.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
         _assert_loops_bitwise(step, spec, ser)
+        assert taken == stepped and mine.scaler_state == ser.scaler_state and mine.step == ser.step, step
+        _compare(step, mine.params, mine.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
         for key, n in [("skipped", facts.skipped), ("growth", rule.scale(ser.scaler_state) > S),
                        ("clipped", facts.clipped), ("undone", report.undone), ("redone", report.redone),
                        ("speculated", report.speculated), ("lr_redone", report.redone * (head_lr is not None))]:
             seen[key] += n
         if step == SAVE_AT:
             ref.reload()
-            path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base})
+            path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base,
+                                                                 "chain": tuple(mine)})
             loaded = sofx.checkpoint.load(path)
             ser, spec, base = loaded["serial"], loaded["speculative"], loaded["base"]
+            mine = ChainLoop(*loaded["chain"])
             params = ser.params
     assert first_clip is not None and first_clip >= CLIP_FROM, first_clip
     assert seen["skipped"] == len(OVERFLOW_AT) and seen["growth"] >= 2 and seen["clipped"] >= 3, seen
     assert seen["speculated"] > 0 and seen["undone"] > seen["redone"] > seen["lr_redone"] == 2, seen
+
