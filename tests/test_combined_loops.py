@@ -22,6 +22,12 @@ step (without donation, ``sofx.speculate``). A loop of one's own (``check_finite
 + ``unscale`` + ``clip_by_global_norm`` + ``Adam.update``) runs beside them,
 under the same rule: its clip multiplies as torch's does, but its norm is
 summed partly in float64 (``clip_by_global_norm``'s docstring).
+
+The offload facade (``SpeculativeAdamW`` with a ``LambdaLR`` of its own, the
+thread and process executors, saved with ``sofx.checkpoint`` and loaded into a
+new module and optimizer) is held to the same rule with ``undo="exact"``; with
+``undo="auto"`` an undone speculative step is an algebraic inverse (float32
+rounding, README), so bit for bit until the first step that undid one.
 """
 
 from __future__ import annotations
@@ -329,3 +335,121 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     assert seen["skipped"] == len(OVERFLOW_AT) and seen["growth"] >= 2 and seen["clipped"] >= 3, seen
     assert seen["speculated"] > 0 and seen["undone"] > seen["redone"] > seen["lr_redone"] == 2, seen
 
+
+# ------------------------------------------------------------------ the offload facade
+
+
+def _facade(model: Net, executor: str, undo: str) -> sofx.offload.SpeculativeAdamW:
+    """The facade over the module's three param groups, with the torch run's loss scaling, clipping and
+    accumulation; blocks of at most 16 elements or one parameter (several per group, speculated during
+    backward)."""
+    named = dict(model.named_parameters())
+    groups = [dict(params=[p for n, p in named.items() if group_of(n) == g], lr=BASE_LR[g], **GROUP_OPTIONS[g])
+              for g in BASE_LR]
+    return sofx.offload.SpeculativeAdamW(groups, max_grad_norm=MAX_NORM, loss_scale=loss_scale.grad_scaler(**SCALING),
+                                         executor=executor, undo=undo, block_numel=16,
+                                         gradient_accumulation_steps=MICRO, timeout=60.0)
+
+
+@dataclass
+class FacadeRun:
+    """sofx's side: the module, the facade, a LambdaLR stepped when the optimizer was."""
+
+    model: Net
+    executor: str
+    undo: str
+    opt: sofx.offload.SpeculativeAdamW = field(init=False)
+    sched: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.opt = _facade(self.model, self.executor, self.undo)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor)
+
+    def step(self, gen: torch.Generator, step: int, head_lr: float | None):
+        """One iteration, as torch's loop (TorchRun.step) with the facade's calls; returns the step report."""
+        self.opt.zero_grad()
+        for micro in range(MICRO):
+            x, y, w = batch(gen, step, micro)
+            edit = gradient_edit(step, micro)
+            hook = self.model.inp.weight.register_hook(edit) if edit else None
+            self.opt.backward(loss_of(self.model(x), y, w))
+            if hook is not None:
+                hook.remove()
+        if head_lr is not None:  # after the blocks were speculated with the old lr
+            self.sched.base_lrs[2] = head_lr
+            self.opt.param_groups[2]["lr"] = head_lr * lr_factor(self.sched.last_epoch)
+        report = self.opt.step()
+        if not report.skipped:
+            self.sched.step()
+        return report
+
+    def reload(self, path) -> None:
+        """Save model, facade and scheduler with sofx.checkpoint, close, and go on with fresh objects."""
+        sofx.checkpoint.save(path, {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                                    "sched": self.sched.state_dict()})
+        base_lrs = list(self.sched.base_lrs)
+        self.opt.close()
+        saved = sofx.checkpoint.load(path)
+        self.model = Net()
+        self.model.load_state_dict(saved["model"])
+        self.__post_init__()
+        self.opt.load_state_dict(saved["opt"])
+        self.sched.load_state_dict(saved["sched"])
+        assert self.sched.base_lrs == base_lrs
+
+
+def _compare_facade(step: int, run: FacadeRun, ref: TorchRun, bitwise: bool) -> None:
+    """The facade's params and per-parameter state against torch's."""
+    for (name, p), q in zip(run.model.named_parameters(), ref.model.parameters()):
+        state, tstate = run.opt.state[p], ref.opt.state.get(q, {})
+        assert int(state["step"]) == (int(tstate["step"]) if tstate else 0), (step, name)
+        pairs = [("param", p.detach(), q.detach())]
+        if tstate:
+            pairs += [(key, state[key], tstate[key]) for key in ("exp_avg", "exp_avg_sq")]
+        for what, ours, theirs in pairs:
+            if bitwise:
+                assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
+            else:
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"step {step}: {what} of {name}: {m}")
+
+
+@pytest.mark.parametrize("executor,undo", [("thread", "exact"), ("thread", "auto"), ("process", "auto")])
+def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, undo: str) -> None:
+    """SpeculativeAdamW + LambdaLR against torch's loop (module docstring). With ``undo="exact"`` an undone
+    speculative step comes back bit for bit, so the run is torch's bit for bit until the first clip; with
+    ``"auto"`` an algebraic undo restores to float32 rounding (README), so bit for bit until the first step
+    that undid something, then within 1e-6."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = TorchRun(Net())
+    ref.model.load_state_dict(model.state_dict())
+    run = FacadeRun(model, executor, undo)
+    gen, tgen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    seen = {"skipped": 0, "clipped": 0, "undone": 0, "redone": 0, "speculated": 0, "lr_redone": 0}
+    exact_until = None  # the first step after which the runs may differ by rounding
+    try:
+        for step in range(STEPS):
+            head_lr = BASE_LR["head"] * 0.25 if step == LR_CHANGE_AT else None
+            stepped = ref.step(tgen, step, head_lr)
+            report = run.step(gen, step, head_lr)
+            assert report.skipped == (not stepped) == (step in OVERFLOW_AT), step
+            assert report.scale == ref.backward_scale, step
+            assert run.sched.last_epoch == ref.sched.last_epoch, step
+            if exact_until is None and (report.clipped or (undo == "auto" and report.undone)):
+                exact_until = step
+            _compare_facade(step, run, ref, bitwise=exact_until is None)
+            for key, n in [("skipped", report.skipped), ("clipped", report.clipped), ("undone", report.undone),
+                           ("redone", report.redone), ("speculated", report.speculated),
+                           ("lr_redone", report.redone * (head_lr is not None))]:
+                seen[key] += n
+            if step == SAVE_AT:
+                ref.reload()
+                run.reload(tmp_path / "run.ckpt")
+    finally:
+        run.opt.close()
+    assert run.opt.executor == executor
+    assert seen["skipped"] == len(OVERFLOW_AT) and seen["clipped"] >= 3, seen
+    assert seen["speculated"] > 0 and seen["undone"] > seen["lr_redone"] > 0 and seen["redone"] > 0, seen
+    if undo == "exact":
+        assert exact_until >= CLIP_FROM, exact_until
