@@ -3,14 +3,16 @@
 Each test trains a small ``nn.Module`` (Linear, LayerNorm, GELU, a head)
 for 40 steps with everything a real loop has at once: three param groups (no
 weight decay on biases and norms, a head with its own lr and betas), three
-micro-batches accumulated per step, ``torch.amp.GradScaler`` semantics
-(overflows skip the step and back the scale off, clean steps grow it after
-``growth_interval``), a warm-up + cosine schedule that advances only on steps
-taken, a checkpoint saved and loaded mid-run (the run goes on from the loaded
-state), the head's lr changed by hand mid-run, and clipping on the last
-steps. The torch side is ``torch.optim.AdamW(foreach=False)`` +
-``GradScaler("cpu")`` + ``clip_grad_norm_`` + ``LambdaLR``, its own state
-saved and loaded through ``torch.save`` at the same step.
+micro-batches accumulated per step, a branch of the module that only some
+micro-batches go through (its parameters get no gradient on most steps),
+``torch.amp.GradScaler`` semantics (overflows skip the step and back the
+scale off, clean steps grow it after ``growth_interval``), a warm-up + cosine
+schedule that advances only on steps taken, a checkpoint saved and loaded
+mid-run (the run goes on from the loaded state), the head's lr changed by
+hand mid-run, and clipping on the last steps. The torch side is
+``torch.optim.AdamW(foreach=False)`` + ``GradScaler("cpu")`` +
+``clip_grad_norm_`` + ``LambdaLR``, its own state saved and loaded through
+``torch.save`` at the same step.
 
 Tolerance: bit for bit until the first step that clips. sofx folds unscaling
 and clipping into one multiplier and sums the squares partly in float64
@@ -59,12 +61,13 @@ MAX_NORM = 1.0
 BASE_LR = {"decay": 3e-3, "no_decay": 3e-3, "head": 1e-3}
 GROUP_OPTIONS = {"decay": dict(weight_decay=0.1), "no_decay": dict(weight_decay=0.0),
                  "head": dict(weight_decay=0.05, betas=(0.8, 0.95), eps=1e-6)}
-BACKWARD_ORDER = ["head", "mid", "norm", "inp"]  # the modules in the order backward reaches them
+BACKWARD_ORDER = ["head", "aux", "mid", "norm", "inp"]  # the modules in the order backward reaches them
 SCALING = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
 
 
 class Net(nn.Module):
-    """A few layers: Linear -> LayerNorm -> GELU -> Linear -> tanh -> head."""
+    """A few layers: Linear -> LayerNorm -> GELU -> Linear -> tanh -> head, plus an ``aux`` head used only
+    where ``forward`` is asked to (its parameters get no gradient from the other micro-batches)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,9 +75,17 @@ class Net(nn.Module):
         self.norm = nn.LayerNorm(16)
         self.mid = nn.Linear(16, 16)
         self.head = nn.Linear(16, 3)
+        self.aux = nn.Linear(16, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mid(nn.functional.gelu(self.norm(self.inp(x))))))
+    def forward(self, x: torch.Tensor, aux: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.mid(nn.functional.gelu(self.norm(self.inp(x)))))
+        return self.head(h) + self.aux(h) if aux else self.head(h)
+
+
+def uses_aux(step: int, micro: int) -> bool:
+    """Whether this micro-batch goes through ``aux``: one micro-batch of every third step, so ``aux`` has no
+    gradient on the other steps (torch.optim leaves it and its state alone) and one micro-batch's on these."""
+    return step % 3 == 0 and micro == 1
 
 
 def group_of(name: str) -> str:
@@ -152,7 +163,7 @@ class TorchRun:
             x, y, w = batch(gen, step, micro)
             edit = gradient_edit(step, micro)
             hook = self.model.inp.weight.register_hook(edit) if edit else None
-            self.scaler.scale(loss_of(self.model(x), y, w)).backward()
+            self.scaler.scale(loss_of(self.model(x, uses_aux(step, micro)), y, w)).backward()
             if hook is not None:
                 hook.remove()
         if head_lr is not None:  # set by hand between backward and step, and kept by the scheduler
@@ -197,12 +208,13 @@ def _hparams(base: dict[str, float]):
     return at
 
 
-def _grads(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, w: float, scale: float,
-           template: Net) -> dict[str, torch.Tensor]:
-    """Gradients of the loss times the loss scale, by ``torch.func.functional_call`` on the params tree."""
+def _grads(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, w: float, aux: bool, scale: float,
+           template: Net) -> dict[str, torch.Tensor | None]:
+    """Gradients of the loss times the loss scale, by ``torch.func.functional_call`` on the params tree (``None``
+    for the parameters the forward did not use)."""
     live = {k: v.detach().requires_grad_() for k, v in params.items()}
-    loss = loss_of(torch.func.functional_call(template, live, (x,)), y, w)
-    grads = torch.autograd.grad(loss * torch.tensor(scale), list(live.values()))
+    loss = loss_of(torch.func.functional_call(template, live, (x, aux)), y, w)
+    grads = torch.autograd.grad(loss * torch.tensor(scale), list(live.values()), allow_unused=True)
     return dict(zip(live, grads))
 
 
@@ -230,7 +242,7 @@ def _accumulated_grads(params: dict[str, torch.Tensor], gen: torch.Generator, st
     acc = sofx.transforms.accumulation_init(params)
     for micro in range(MICRO):
         x, y, w = batch(gen, step, micro)
-        g = _grads(params, x, y, w, scale, template)
+        g = _grads(params, x, y, w, uses_aux(step, micro), scale, template)
         edit = gradient_edit(step, micro)
         if edit:
             g["inp.weight"] = edit(g["inp.weight"])
@@ -334,6 +346,7 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     assert first_clip is not None and first_clip >= CLIP_FROM, first_clip
     assert seen["skipped"] == len(OVERFLOW_AT) and seen["growth"] >= 2 and seen["clipped"] >= 3, seen
     assert seen["speculated"] > 0 and seen["undone"] > seen["redone"] > seen["lr_redone"] == 2, seen
+    assert 0 < ser.opt_state.count["aux.weight"] < ser.opt_state.count["head.weight"]  # steps without aux's
 
 
 # ------------------------------------------------------------------ the offload facade
@@ -372,7 +385,7 @@ class FacadeRun:
             x, y, w = batch(gen, step, micro)
             edit = gradient_edit(step, micro)
             hook = self.model.inp.weight.register_hook(edit) if edit else None
-            self.opt.backward(loss_of(self.model(x), y, w))
+            self.opt.backward(loss_of(self.model(x, uses_aux(step, micro)), y, w))
             if hook is not None:
                 hook.remove()
         if head_lr is not None:  # after the blocks were speculated with the old lr
@@ -453,3 +466,4 @@ def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: st
     assert seen["speculated"] > 0 and seen["undone"] > seen["lr_redone"] > 0 and seen["redone"] > 0, seen
     if undo == "exact":
         assert exact_until >= CLIP_FROM, exact_until
+    assert 0 < run.opt.state[run.model.aux.weight]["step"] < run.opt.state[run.model.head.weight]["step"]
