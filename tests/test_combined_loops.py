@@ -25,8 +25,8 @@ step (without donation, ``sofx.speculate``). A loop of one's own (``check_finite
 under the same rule: its clip multiplies as torch's does, but its norm is
 summed partly in float64 (``clip_by_global_norm``'s docstring).
 
-The offload facade (``SpeculativeAdamW`` with a ``LambdaLR`` of its own, the
-thread and process executors, saved with ``sofx.checkpoint`` and loaded into a
+The offload facade (``SpeculativeAdamW`` with a ``LambdaLR`` or a
+``OneCycleLR``, which moves beta1 too, of its own, the thread and process executors, saved with ``sofx.checkpoint`` and loaded into a
 new module and optimizer) is held to the same rule with ``undo="exact"``; with
 ``undo="auto"`` an undone speculative step is an algebraic inverse (float32
 rounding, README), so bit for bit until the first step that undid one.
@@ -115,6 +115,34 @@ def lr_factor(t: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(t - 5, 35) / 35))
 
 
+HEAD_LR_AFTER = BASE_LR["head"] * 0.25  # the head's base lr from LR_CHANGE_AT on
+
+
+class WarmupCosine:
+    """A LambdaLR of ``lr_factor``; the head's lr lowered to ``HEAD_LR_AFTER`` by hand (its base lr too, so
+    that the scheduler keeps it)."""
+
+    def make(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+    def change_head_lr(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+        sched.base_lrs[2] = HEAD_LR_AFTER
+        opt.param_groups[2]["lr"] = HEAD_LR_AFTER * lr_factor(sched.last_epoch)
+
+
+class OneCycle:
+    """OneCycleLR, which moves beta1 too (``cycle_momentum``); the head's lr lowered by hand for the step,
+    and its peak lr from then on."""
+
+    def make(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[3 * BASE_LR[g] for g in BASE_LR], total_steps=STEPS,
+                                                   pct_start=0.25)
+
+    def change_head_lr(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+        opt.param_groups[2]["lr"] *= 0.25
+        opt.param_groups[2]["max_lr"] *= 0.25
+
+
 def batch(gen: torch.Generator, step: int, micro: int, dtype: torch.dtype
           ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Micro-batch ``micro`` of ``step``: inputs (an inf in one at ``INF_INPUT_AT``), targets, and the loss
@@ -157,7 +185,8 @@ class TorchRun:
     precision: Precision = FP32
     opt: torch.optim.AdamW = field(init=False)
     scaler: torch.amp.GradScaler = field(init=False)
-    sched: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+    schedule: WarmupCosine | OneCycle = field(default_factory=WarmupCosine)
+    sched: torch.optim.lr_scheduler.LRScheduler = field(init=False)
     backward_scale: float = field(init=False, default=0.0)  # the loss scale of the latest step's backward
 
     def __post_init__(self) -> None:
@@ -169,9 +198,9 @@ class TorchRun:
                   for g in BASE_LR]
         self.opt = torch.optim.AdamW(groups, **self.precision.torch_options)
         self.scaler = torch.amp.GradScaler("cpu", **SCALING)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor)
+        self.sched = self.schedule.make(self.opt)
 
-    def step(self, gen: torch.Generator, step: int, head_lr: float | None) -> bool:
+    def step(self, gen: torch.Generator, step: int) -> bool:
         """One iteration; returns whether the optimizer stepped (no overflow)."""
         self.opt.zero_grad()
         for micro in range(MICRO):
@@ -181,9 +210,8 @@ class TorchRun:
             self.scaler.scale(loss_of(self.model(x, uses_aux(step, micro)), y, w)).backward()
             if hook is not None:
                 hook.remove()
-        if head_lr is not None:  # set by hand between backward and step, and kept by the scheduler
-            self.sched.base_lrs[2] = head_lr
-            self.opt.param_groups[2]["lr"] = head_lr * lr_factor(self.sched.last_epoch)
+        if step == LR_CHANGE_AT:  # by hand, between backward and step
+            self.schedule.change_head_lr(self.opt, self.sched)
         before = self.backward_scale = self.scaler.get_scale()
         self.scaler.unscale_(self.opt)
         if self.precision.max_norm is not None:
@@ -334,13 +362,12 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     seen = {"skipped": 0, "growth": 0, "clipped": 0, "undone": 0, "redone": 0, "speculated": 0, "lr_redone": 0}
     first_clip = None
     for step in range(STEPS):
-        head_lr = BASE_LR["head"] * 0.25 if step == LR_CHANGE_AT else None
-        stepped = ref.step(tgen, step, head_lr)
+        stepped = ref.step(tgen, step)
         S = rule.scale(ser.scaler_state)
         grads = _accumulated_grads(ser.params, gen, step, S, template)
         assumed = hparams(spec.step)  # what the speculative steps during backward took
-        if head_lr is not None:
-            base["head"] = head_lr
+        if step == LR_CHANGE_AT:
+            base["head"] = HEAD_LR_AFTER
         ser, facts = serial_loop_step(opt, ser, grads, scaler=rule, hparams=hparams, max_norm=max_norm)
         spec, report = speculative_loop_step(opt, spec, grads, config=config, scaler=rule, hparams=assumed,
                                              validation_hparams=hparams, order=arrival)
@@ -354,7 +381,7 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
         _compare(step, mine.params, mine.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
         for key, n in [("skipped", facts.skipped), ("growth", rule.scale(ser.scaler_state) > S),
                        ("clipped", facts.clipped), ("undone", report.undone), ("redone", report.redone),
-                       ("speculated", report.speculated), ("lr_redone", report.redone * (head_lr is not None))]:
+                       ("speculated", report.speculated), ("lr_redone", report.redone * (step == LR_CHANGE_AT))]:
             seen[key] += n
         if step == SAVE_AT:
             ref.reload()
@@ -395,14 +422,15 @@ class FacadeRun:
     model: Net
     executor: str
     undo: str
+    schedule: WarmupCosine | OneCycle
     opt: sofx.offload.SpeculativeAdamW = field(init=False)
-    sched: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+    sched: torch.optim.lr_scheduler.LRScheduler = field(init=False)
 
     def __post_init__(self) -> None:
         self.opt = _facade(self.model, self.executor, self.undo)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor)
+        self.sched = self.schedule.make(self.opt)
 
-    def step(self, gen: torch.Generator, step: int, head_lr: float | None):
+    def step(self, gen: torch.Generator, step: int):
         """One iteration, as torch's loop (TorchRun.step) with the facade's calls; returns the step report."""
         self.opt.zero_grad()
         for micro in range(MICRO):
@@ -412,9 +440,8 @@ class FacadeRun:
             self.opt.backward(loss_of(self.model(x, uses_aux(step, micro)), y, w))
             if hook is not None:
                 hook.remove()
-        if head_lr is not None:  # after the blocks were speculated with the old lr
-            self.sched.base_lrs[2] = head_lr
-            self.opt.param_groups[2]["lr"] = head_lr * lr_factor(self.sched.last_epoch)
+        if step == LR_CHANGE_AT:  # after the blocks were speculated with the old lr
+            self.schedule.change_head_lr(self.opt, self.sched)
         report = self.opt.step()
         if not report.skipped:
             self.sched.step()
@@ -451,25 +478,28 @@ def _compare_facade(step: int, run: FacadeRun, ref: TorchRun, bitwise: bool) -> 
                                            msg=lambda m: f"step {step}: {what} of {name}: {m}")
 
 
-@pytest.mark.parametrize("executor,undo", [("thread", "exact"), ("thread", "auto"), ("process", "auto")])
-def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, undo: str) -> None:
-    """SpeculativeAdamW + LambdaLR against torch's loop (module docstring). With ``undo="exact"`` an undone
-    speculative step comes back bit for bit, so the run is torch's bit for bit until the first clip; with
-    ``"auto"`` an algebraic undo restores to float32 rounding (README), so bit for bit until the first step
-    that undid something, then within 1e-6."""
+@pytest.mark.parametrize("executor,undo,schedule", [("thread", "exact", WarmupCosine()),
+                                                    ("thread", "auto", OneCycle()),
+                                                    ("process", "auto", WarmupCosine())],
+                         ids=["thread-exact-warmup_cosine", "thread-auto-one_cycle", "process-auto-warmup_cosine"])
+def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, undo: str,
+                                                          schedule: WarmupCosine | OneCycle) -> None:
+    """SpeculativeAdamW + a torch scheduler on it against torch's loop (module docstring). With
+    ``undo="exact"`` an undone speculative step comes back bit for bit, so the run is torch's bit for bit until
+    the first clip; with ``"auto"`` an algebraic undo restores to float32 rounding (README), so bit for bit
+    until the first step that undid something, then within 1e-6. OneCycleLR moves beta1 at every step."""
     torch.manual_seed(0)
     model = Net()
-    ref = TorchRun(Net())
+    ref = TorchRun(Net(), schedule=schedule)
     ref.model.load_state_dict(model.state_dict())
-    run = FacadeRun(model, executor, undo)
+    run = FacadeRun(model, executor, undo, schedule)
     gen, tgen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     seen = {"skipped": 0, "clipped": 0, "undone": 0, "redone": 0, "speculated": 0, "lr_redone": 0}
     exact_until = None  # the first step after which the runs may differ by rounding
     try:
         for step in range(STEPS):
-            head_lr = BASE_LR["head"] * 0.25 if step == LR_CHANGE_AT else None
-            stepped = ref.step(tgen, step, head_lr)
-            report = run.step(gen, step, head_lr)
+            stepped = ref.step(tgen, step)
+            report = run.step(gen, step)
             assert report.skipped == (not stepped) == (step in OVERFLOW_AT), step
             assert report.scale == ref.backward_scale, step
             assert run.sched.last_epoch == ref.sched.last_epoch, step
@@ -478,7 +508,7 @@ def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: st
             _compare_facade(step, run, ref, bitwise=exact_until is None)
             for key, n in [("skipped", report.skipped), ("clipped", report.clipped), ("undone", report.undone),
                            ("redone", report.redone), ("speculated", report.speculated),
-                           ("lr_redone", report.redone * (head_lr is not None))]:
+                           ("lr_redone", report.redone * (step == LR_CHANGE_AT))]:
                 seen[key] += n
             if step == SAVE_AT:
                 ref.reload()
