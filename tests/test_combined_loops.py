@@ -26,10 +26,11 @@ under the same rule: its clip multiplies as torch's does, but its norm is
 summed partly in float64 (``clip_by_global_norm``'s docstring).
 
 The offload facade (``SpeculativeAdamW`` with a ``LambdaLR`` or a
-``OneCycleLR``, which moves beta1 too, of its own, the thread and process executors, saved with ``sofx.checkpoint`` and loaded into a
-new module and optimizer) is held to the same rule with ``undo="exact"``; with
-``undo="auto"`` an undone speculative step is an algebraic inverse (float32
-rounding, README), so bit for bit until the first step that undid one.
+``OneCycleLR``, which moves beta1 too; the thread and process executors;
+saved with ``sofx.checkpoint`` and loaded into a new module and optimizer) is
+held to the same rule with ``undo="exact"``; with ``undo="auto"`` an undone
+speculative step is an algebraic inverse (float32 rounding, README), so bit
+for bit until the first step that undid one.
 """
 
 from __future__ import annotations
