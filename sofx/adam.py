@@ -89,7 +89,11 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 class AdamHParams(NamedTuple):
     """Dynamic Adam hyperparameters, passed at every step (``None``: the optimizer's default): Python or numpy
-    numbers (read as the Python numbers they hold) or 0-d tensors."""
+    numbers (read as the Python numbers they hold) or 0-d tensors (read as the Python number they hold, where
+    their value can be read: a step with ``lr=torch.tensor(1e-3)`` is ``torch.optim``'s with ``lr=float(that
+    tensor)``, bit for bit; torch's for-loop Adam(W) given the tensor itself computes ``lr * weight_decay`` and
+    ``lr / bias_correction1`` in float32 tensor arithmetic, and differs from its own float-lr step by that
+    rounding, ~1e-7 relative per step)."""
 
     lr: Scalar | None = None
     beta1: Scalar | None = None

@@ -162,3 +162,41 @@ def test_a_grad_scale_of_0_steps_with_zero_gradients(backend: str, dtype: torch.
     bad = dict(grads, b=grads["b"].clone().index_fill_(0, torch.tensor([1]), math.inf))
     assert opt.undo_strategies(params, bad, state, grad_scale=0.0) == opt.undo_strategies(params, bad, state)
     assert opt.undo_strategies(params, bad, state)[0][0] != "algebraic"
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_0d_tensor_lr_steps_as_torch_optim_with_the_float_it_holds(decoupled: bool):
+    """A float32 0-d tensor lr (torch's schedulers ``fill_`` a group's tensor lr) is read as the Python number it
+    holds, as every hparam is: the run is ``torch.optim``'s with that float as lr, bit for bit, in ``sofx.adam(w)``
+    and in the offload facade. torch's for-loop Adam(W) given the tensor itself computes ``lr * weight_decay``
+    and ``lr / bias_correction1`` in float32 tensor arithmetic, where its float path computes them in float64:
+    its own two runs differ by that rounding (~1e-7 relative per step), and sofx's is the float one."""
+    gen = torch.Generator().manual_seed(5)
+    init = torch.randn(1000, generator=gen)
+    grads = [torch.randn(1000, generator=gen) for _ in range(20)]
+    lr, wd = torch.tensor(3e-3), 0.1
+
+    def torch_run(step_lr) -> torch.Tensor:
+        p = torch.nn.Parameter(init.clone())
+        topt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p], lr=step_lr, weight_decay=wd, foreach=False)
+        for g in grads:
+            p.grad = g.clone()
+            topt.step()
+        return p.detach()
+
+    opt = (sofx.adamw if decoupled else sofx.adam)(weight_decay=wd)
+    params, state = {"p": init.clone()}, opt.init({"p": init})
+    for g in grads:
+        params, state, _ = opt.update(params, {"p": g}, state, sofx.AdamHParams(lr=lr))
+    facade_param = torch.nn.Parameter(init.clone())
+    cls = sofx.offload.SpeculativeAdamW if decoupled else sofx.offload.SpeculativeAdam
+    with cls([facade_param], lr=lr.clone(), weight_decay=wd, executor="inline") as fopt:
+        for g in grads:
+            fopt.zero_grad()
+            fopt.backward((facade_param * g).sum())
+            fopt.step()
+    want = torch_run(float(lr))
+    assert torch.equal(params["p"], want) and torch.equal(facade_param.detach(), want)
+    with_tensor = torch_run(lr.clone())
+    assert not torch.equal(with_tensor, want)  # torch's tensor-lr path: its float32 scalar arithmetic
+    torch.testing.assert_close(with_tensor, want, rtol=1e-5, atol=0)
