@@ -27,10 +27,11 @@ summed partly in float64 (``clip_by_global_norm``'s docstring).
 
 The offload facade (``SpeculativeAdamW`` with a ``LambdaLR`` or a
 ``OneCycleLR``, which moves beta1 too; the thread and process executors;
-saved with ``sofx.checkpoint`` and loaded into a new module and optimizer) is
-held to the same rule with ``undo="exact"``; with ``undo="auto"`` an undone
-speculative step is an algebraic inverse (float32 rounding, README), so bit
-for bit until the first step that undid one.
+saved with ``sofx.checkpoint`` and resumed in a new module and optimizer, on
+another executor; speculation switched off for a few steps) is held to the
+same rule with ``undo="exact"``; with ``undo="auto"`` an undone speculative
+step is an algebraic inverse (float32 rounding, README), so bit for bit until
+the first step that undid one.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def lr_factor(t: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(t - 5, 35) / 35))
 
 
+SPECULATION_OFF = range(8, 11)  # the facade's steps with speculation switched off (opt.speculate = False)
 HEAD_LR_AFTER = BASE_LR["head"] * 0.25  # the head's base lr from LR_CHANGE_AT on
 
 
@@ -432,7 +434,9 @@ class FacadeRun:
         self.sched = self.schedule.make(self.opt)
 
     def step(self, gen: torch.Generator, step: int):
-        """One iteration, as torch's loop (TorchRun.step) with the facade's calls; returns the step report."""
+        """One iteration, as torch's loop (TorchRun.step) with the facade's calls (speculation switched off for
+        the steps of ``SPECULATION_OFF``); returns the step report."""
+        self.opt.speculate = step not in SPECULATION_OFF
         self.opt.zero_grad()
         for micro in range(MICRO):
             x, y, w = batch(gen, step, micro, torch.float32)
@@ -448,8 +452,9 @@ class FacadeRun:
             self.sched.step()
         return report
 
-    def reload(self, path) -> None:
-        """Save model, facade and scheduler with sofx.checkpoint, close, and go on with fresh objects."""
+    def reload(self, path, executor: str) -> None:
+        """Save model, facade and scheduler with sofx.checkpoint, close, and go on with fresh objects (on
+        ``executor``)."""
         sofx.checkpoint.save(path, {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
                                     "sched": self.sched.state_dict()})
         base_lrs = list(self.sched.base_lrs)
@@ -457,6 +462,7 @@ class FacadeRun:
         saved = sofx.checkpoint.load(path)
         self.model = Net()
         self.model.load_state_dict(saved["model"])
+        self.executor = executor
         self.__post_init__()
         self.opt.load_state_dict(saved["opt"])
         self.sched.load_state_dict(saved["sched"])
@@ -479,13 +485,15 @@ def _compare_facade(step: int, run: FacadeRun, ref: TorchRun, bitwise: bool) -> 
                                            msg=lambda m: f"step {step}: {what} of {name}: {m}")
 
 
-@pytest.mark.parametrize("executor,undo,schedule", [("thread", "exact", WarmupCosine()),
-                                                    ("thread", "auto", OneCycle()),
-                                                    ("process", "auto", WarmupCosine())],
-                         ids=["thread-exact-warmup_cosine", "thread-auto-one_cycle", "process-auto-warmup_cosine"])
-def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, undo: str,
+@pytest.mark.parametrize("executor,resumed_on,undo,schedule", [
+    ("thread", "inline", "exact", WarmupCosine()),
+    ("thread", "thread", "auto", OneCycle()),
+    ("process", "thread", "auto", WarmupCosine())],
+    ids=["thread-then-inline-exact-warmup_cosine", "thread-auto-one_cycle", "process-then-thread-auto-warmup_cosine"])
+def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, resumed_on: str, undo: str,
                                                           schedule: WarmupCosine | OneCycle) -> None:
-    """SpeculativeAdamW + a torch scheduler on it against torch's loop (module docstring). With
+    """SpeculativeAdamW + a torch scheduler on it against torch's loop (module docstring), resumed from its
+    checkpoint on the executor ``resumed_on``, with speculation switched off for a few steps. With
     ``undo="exact"`` an undone speculative step comes back bit for bit, so the run is torch's bit for bit until
     the first clip; with ``"auto"`` an algebraic undo restores to float32 rounding (README), so bit for bit
     until the first step that undid something, then within 1e-6. OneCycleLR moves beta1 at every step."""
@@ -504,6 +512,8 @@ def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: st
             assert report.skipped == (not stepped) == (step in OVERFLOW_AT), step
             assert report.scale == ref.backward_scale, step
             assert run.sched.last_epoch == ref.sched.last_epoch, step
+            assert report.speculated == 0 or step not in SPECULATION_OFF, step
+            assert run.opt.executor == (executor if step <= SAVE_AT else resumed_on), step
             if exact_until is None and (report.clipped or (undo == "auto" and report.undone)):
                 exact_until = step
             _compare_facade(step, run, ref, bitwise=exact_until is None)
@@ -513,10 +523,9 @@ def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: st
                 seen[key] += n
             if step == SAVE_AT:
                 ref.reload()
-                run.reload(tmp_path / "run.ckpt")
+                run.reload(tmp_path / "run.ckpt", resumed_on)
     finally:
         run.opt.close()
-    assert run.opt.executor == executor
     assert seen["skipped"] == len(OVERFLOW_AT) and seen["clipped"] >= 3, seen
     assert seen["speculated"] > 0 and seen["undone"] > seen["lr_redone"] > 0 and seen["redone"] > 0, seen
     if undo == "exact":
