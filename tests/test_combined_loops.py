@@ -20,7 +20,8 @@ and clipping into one multiplier and sums the squares partly in float64
 torch's to float32 rounding; from there on DESIGN.md's 1e-6 relative (with
 an absolute 1e-7 for elements near 0), checked at every step (no drift).
 The speculative functional loop equals the serial one bit for bit at every
-step (without donation, ``sofx.speculate``). A loop of one's own (``check_finite``
+step without donation, and within 1e-6 with it (undone blocks are then
+algebraic inverses, ``sofx.speculate``). A loop of one's own (``check_finite``
 + ``unscale`` + ``clip_by_global_norm`` + ``Adam.update``) runs beside them,
 under the same rule: its clip multiplies as torch's does, but its norm is
 summed partly in float64 (``clip_by_global_norm``'s docstring).
@@ -335,6 +336,14 @@ def _assert_loops_bitwise(step: int, a: sofx.serial.LoopState, b: sofx.serial.Lo
         assert torch.equal(x, y), f"step {step}: the speculative loop left the serial one"
 
 
+def _assert_loops_close(step: int, a: sofx.serial.LoopState, b: sofx.serial.LoopState) -> None:
+    """Within DESIGN.md's float32 rounding (an algebraic undo's), with the same counts and loss scale."""
+    assert a.step == b.step and a.scaler_state == b.scaler_state, step
+    assert all(torch.equal(x, y) for x, y in zip(*(sofx.tree.flatten(s.opt_state.count)[0] for s in (a, b))))
+    for x, y in zip(sofx.tree.flatten((a.params, a.opt_state))[0], sofx.tree.flatten((b.params, b.opt_state))[0]):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: donated: {m}")
+
+
 @pytest.mark.parametrize("precision", [FP32, BF16], ids=["fp32", "bf16"])
 def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation_equals_it_bitwise(
         tmp_path, precision: Precision):
@@ -357,6 +366,7 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
 
     opt, rule = sofx.adamw(backend=precision.backend), loss_scale.grad_scaler(**SCALING)
     ser = spec = sofx.serial.init_loop(opt, params, rule)
+    donated = sofx.serial.init_loop(opt, {k: v.clone() for k, v in params.items()}, rule)
     mine = ChainLoop(params, opt.init(params), _chain(max_norm).init(params), rule.init())
     config = SpeculationConfig(max_norm=max_norm)
     names = sorted(params)  # the leaf order (optree sorts dict keys)
@@ -374,12 +384,15 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
         ser, facts = serial_loop_step(opt, ser, grads, scaler=rule, hparams=hparams, max_norm=max_norm)
         spec, report = speculative_loop_step(opt, spec, grads, config=config, scaler=rule, hparams=assumed,
                                              validation_hparams=hparams, order=arrival)
+        donated, _ = speculative_loop_step(opt, donated, grads, config=config, scaler=rule, hparams=assumed,
+                                           validation_hparams=hparams, order=arrival, donate=True)
         mine, taken = _chain_step(opt, rule, mine, grads, hparams, max_norm)
         assert facts.skipped == (not stepped) == (step in OVERFLOW_AT), step
         assert rule.scale(ser.scaler_state) == ref.scaler.get_scale() and ser.step == ref.sched.last_epoch, step
         first_clip = step if facts.clipped and first_clip is None else first_clip
         _compare(step, ser.params, ser.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
         _assert_loops_bitwise(step, spec, ser)
+        _assert_loops_close(step, donated, ser)
         assert taken == stepped and mine.scaler_state == ser.scaler_state and mine.step == ser.step, step
         _compare(step, mine.params, mine.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
         for key, n in [("skipped", facts.skipped), ("growth", rule.scale(ser.scaler_state) > S),
@@ -389,10 +402,10 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
         if step == SAVE_AT:
             ref.reload()
             path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base,
-                                                                 "chain": tuple(mine)})
+                                                                 "chain": tuple(mine), "donated": donated})
             loaded = sofx.checkpoint.load(path)
             ser, spec, base = loaded["serial"], loaded["speculative"], loaded["base"]
-            mine = ChainLoop(*loaded["chain"])
+            mine, donated = ChainLoop(*loaded["chain"]), loaded["donated"]
             params = ser.params
     if max_norm is None:
         assert first_clip is None
