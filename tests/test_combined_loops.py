@@ -446,13 +446,13 @@ class FacadeRun:
         self.opt = _facade(self.model, self.executor, self.undo)
         self.sched = self.schedule.make(self.opt)
 
-    def step(self, gen: torch.Generator, step: int):
+    def step(self, gen: torch.Generator, step: int, dtype: torch.dtype = torch.float32):
         """One iteration, as torch's loop (TorchRun.step) with the facade's calls (speculation switched off for
-        the steps of ``SPECULATION_OFF``); returns the step report."""
+        the steps of ``SPECULATION_OFF``), on batches of the module's ``dtype``; returns the step report."""
         self.opt.speculate = step not in SPECULATION_OFF
         self.opt.zero_grad()
         for micro in range(MICRO):
-            x, y, w = batch(gen, step, micro, torch.float32)
+            x, y, w = batch(gen, step, micro, dtype)
             edit = gradient_edit(step, micro)
             hook = self.model.inp.weight.register_hook(edit) if edit else None
             self.opt.backward(loss_of(self.model(x, uses_aux(step, micro)), y, w))
@@ -465,7 +465,7 @@ class FacadeRun:
             self.sched.step()
         return report
 
-    def reload(self, path, executor: str) -> None:
+    def reload(self, path, executor: str, dtype: torch.dtype = torch.float32) -> None:
         """Save model, facade and scheduler with sofx.checkpoint, close, and go on with fresh objects (on
         ``executor``)."""
         sofx.checkpoint.save(path, {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
@@ -473,7 +473,7 @@ class FacadeRun:
         base_lrs = list(self.sched.base_lrs)
         self.opt.close()
         saved = sofx.checkpoint.load(path)
-        self.model = Net()
+        self.model = Net().to(dtype)
         self.model.load_state_dict(saved["model"])
         self.executor = executor
         self.__post_init__()
@@ -544,3 +544,122 @@ def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: st
     if undo == "exact":
         assert exact_until >= CLIP_FROM, exact_until
     assert 0 < run.opt.state[run.model.aux.weight]["step"] < run.opt.state[run.model.head.weight]["step"]
+
+
+@dataclass
+class TorchMastersRun:
+    """torch's mixed-precision recipe for a bf16 module: AdamW over fp32 master copies of its parameters, each
+    micro-step's bf16 gradients summed in float32 into the masters' ``.grad``, GradScaler + ``clip_grad_norm_``
+    on the masters, the new masters rounded into the module after each step."""
+
+    model: Net
+    masters: list[nn.Parameter] = field(init=False)
+    opt: torch.optim.AdamW = field(init=False)
+    scaler: torch.amp.GradScaler = field(init=False)
+    sched: torch.optim.lr_scheduler.LRScheduler = field(init=False)
+    backward_scale: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.build([p.detach().float() for p in self.model.parameters()])
+
+    def build(self, masters: list[torch.Tensor]) -> None:
+        self.masters = [nn.Parameter(m.clone()) for m in masters]
+        names = [n for n, _ in self.model.named_parameters()]
+        groups = [dict(params=[m for n, m in zip(names, self.masters) if group_of(n) == g], lr=BASE_LR[g],
+                       **GROUP_OPTIONS[g]) for g in BASE_LR]
+        self.opt = torch.optim.AdamW(groups, foreach=False)
+        self.scaler = torch.amp.GradScaler("cpu", **SCALING)
+        self.sched = WarmupCosine().make(self.opt)
+
+    def step(self, gen: torch.Generator, step: int) -> bool:
+        """One iteration (TorchRun.step's, on the masters); returns whether the optimizer stepped."""
+        self.opt.zero_grad()
+        for micro in range(MICRO):
+            x, y, w = batch(gen, step, micro, torch.bfloat16)
+            edit = gradient_edit(step, micro)
+            hook = self.model.inp.weight.register_hook(edit) if edit else None
+            self.scaler.scale(loss_of(self.model(x, uses_aux(step, micro)), y, w)).backward()
+            if hook is not None:
+                hook.remove()
+            for p, m in zip(self.model.parameters(), self.masters):
+                if p.grad is not None:
+                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                    p.grad = None
+        if step == LR_CHANGE_AT:
+            WarmupCosine().change_head_lr(self.opt, self.sched)
+        before = self.backward_scale = self.scaler.get_scale()
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.masters):
+                p.copy_(m)
+        stepped = self.scaler.get_scale() >= before
+        if stepped:
+            self.sched.step()
+        return stepped
+
+    def reload(self) -> None:
+        """Save masters, optimizer, scaler and scheduler through torch.save, then go on with fresh objects."""
+        buf = io.BytesIO()
+        torch.save({"masters": [m.detach() for m in self.masters], "opt": self.opt.state_dict(),
+                    "scaler": self.scaler.state_dict(), "sched": self.sched.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        self.model = Net().to(torch.bfloat16)
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), saved["masters"]):
+                p.copy_(m)
+        self.build(saved["masters"])
+        self.opt.load_state_dict(saved["opt"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.sched.load_state_dict(saved["sched"])
+
+
+def test_the_facade_on_a_bf16_module_equals_torch_optim_over_fp32_masters(tmp_path) -> None:
+    """A bf16 module: the facade keeps fp32 masters itself and sums each micro-step's bf16 gradients in float32
+    (its gradient buffers are the masters' dtype), which is torch's recipe of fp32 master copies whose ``.grad``
+    takes the float32 sum of the micro-steps' bf16 gradients, not the bf16 ``.grad`` autograd would accumulate
+    on the module itself. The same events as the other loops (thread executor, ``undo="auto"``, resumed on the
+    process executor); masters, moments and counts compared, and the module's bf16 parameters: bit for bit until
+    the first step that undid or clipped something, within 1e-6 after (the module's parameters: their bf16
+    rounding of the masters)."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    ref = TorchMastersRun(Net().to(torch.bfloat16))
+    ref.model.load_state_dict(model.state_dict())
+    ref.__post_init__()
+    run = FacadeRun(model, "thread", "auto", WarmupCosine())
+    gen, tgen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    exact_until, undone = None, 0
+    try:
+        for step in range(STEPS):
+            stepped = ref.step(tgen, step)
+            report = run.step(gen, step, torch.bfloat16)
+            assert report.skipped == (not stepped) == (step in OVERFLOW_AT), step
+            assert report.scale == ref.backward_scale and run.sched.last_epoch == ref.sched.last_epoch, step
+            if exact_until is None and (report.clipped or report.undone):
+                exact_until = step
+            undone += report.undone
+            bitwise = exact_until is None
+            for (name, p), q, m in zip(run.model.named_parameters(), ref.model.parameters(), ref.masters):
+                state, tstate = run.opt.state[p], ref.opt.state.get(m, {})
+                assert int(state["step"]) == (int(tstate["step"]) if tstate else 0), (step, name)
+                pairs = [("master", state["master"], m.detach())]
+                pairs += [(key, state[key], tstate[key]) for key in ("exp_avg", "exp_avg_sq") if tstate]
+                for what, ours, theirs in pairs:
+                    if bitwise:
+                        assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
+                    else:
+                        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
+                                                   msg=lambda msg: f"step {step}: {what} of {name}: {msg}")
+                assert torch.equal(p.detach(), state["master"].to(torch.bfloat16)), (step, name)
+                if bitwise:
+                    assert torch.equal(p.detach(), q.detach()), (step, name)
+            if step == SAVE_AT:
+                ref.reload()
+                run.reload(tmp_path / "run.ckpt", "process", torch.bfloat16)
+    finally:
+        run.opt.close()
+    assert exact_until is not None and undone > 0

@@ -48,7 +48,9 @@ backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``, which counts gradient arrivals per parameter: one
 backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
 validation; a ``step()`` after fewer backward calls steps on their sum, the partial last accumulation of an
-epoch, with a ``RuntimeWarning`` naming the counts); param groups cannot be
+epoch, with a ``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
+bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of fp32 master copies whose
+``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the module); param groups cannot be
 added after construction, nor parameters added to or removed from a group's ``params`` (refused at the
 next step, not ignored), and a group cannot hold a parameter twice (refused at construction: torch warns and
 steps it twice); ``step()`` without a closure returns a
