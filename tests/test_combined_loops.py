@@ -67,16 +67,19 @@ GROUP_OPTIONS = {"decay": dict(weight_decay=0.1), "no_decay": dict(weight_decay=
 BACKWARD_ORDER = ["head", "aux", "mid", "norm", "inp"]  # the modules in the order backward reaches them
 class Precision(NamedTuple):
     """A dtype of the model and its gradients, with the torch.optim implementation sofx's backend steps as (README,
-    "The functional core") and the clipping torch computes with the same rule in that dtype (``None``: none)."""
+    "The functional core") and the clipping torch computes with the same rule in that dtype (``None``: none);
+    ``decoupled``: AdamW (else Adam, L2 weight decay)."""
 
     dtype: torch.dtype
     torch_options: dict[str, Any]
     backend: str
     max_norm: float | None
+    decoupled: bool = True
 
 
 FP32 = Precision(torch.float32, dict(foreach=False), "auto", MAX_NORM)
 # bf16 parameters: cpu_fast's step is fused=True's; clip_grad_norm_ takes a bf16 norm, sofx a float32 one
+FP32_L2 = FP32._replace(decoupled=False)
 BF16 = Precision(torch.bfloat16, dict(fused=True), "cpu_fast", None)
 SCALING = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
 
@@ -200,7 +203,8 @@ class TorchRun:
         named = dict(self.model.named_parameters())
         groups = [dict(params=[p for n, p in named.items() if group_of(n) == g], lr=BASE_LR[g], **GROUP_OPTIONS[g])
                   for g in BASE_LR]
-        self.opt = torch.optim.AdamW(groups, **self.precision.torch_options)
+        cls = torch.optim.AdamW if self.precision.decoupled else torch.optim.Adam
+        self.opt = cls(groups, **self.precision.torch_options)
         self.scaler = torch.amp.GradScaler("cpu", **SCALING)
         self.sched = self.schedule.make(self.opt)
 
@@ -344,7 +348,7 @@ def _assert_loops_close(step: int, a: sofx.serial.LoopState, b: sofx.serial.Loop
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: donated: {m}")
 
 
-@pytest.mark.parametrize("precision", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [FP32, FP32_L2, BF16], ids=["fp32", "fp32-adam_l2", "bf16"])
 def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation_equals_it_bitwise(
         tmp_path, precision: Precision):
     """serial_loop_step on the params of a module through functional_call, against torch's loop over the
@@ -352,7 +356,8 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     bitwise the serial one at every step: blocks speculated in backward's order, undone for overflows, undone
     and redone for clips and for the lr changed between backward and the step, vetoed, paused by the adaptive
     policy. The checkpoint holds the loops and the changed base lrs. bf16: a bf16 module (parameters,
-    gradients, their sums) against ``fused=True``, without clipping: bit for bit throughout."""
+    gradients, their sums) against ``fused=True``, without clipping: bit for bit throughout. adam_l2: sofx.adam
+    against torch.optim.Adam (L2 weight decay, its own inverse)."""
     torch.manual_seed(0)
     max_norm = precision.max_norm
     ref = TorchRun(Net().to(precision.dtype), precision)
@@ -364,7 +369,8 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     def hparams(t: int) -> Any:
         return sofx.transforms.group_hparams(labels, _hparams(base)(t), params=params)
 
-    opt, rule = sofx.adamw(backend=precision.backend), loss_scale.grad_scaler(**SCALING)
+    opt = (sofx.adamw if precision.decoupled else sofx.adam)(backend=precision.backend)
+    rule = loss_scale.grad_scaler(**SCALING)
     ser = spec = sofx.serial.init_loop(opt, params, rule)
     donated = sofx.serial.init_loop(opt, {k: v.clone() for k, v in params.items()}, rule)
     mine = ChainLoop(params, opt.init(params), _chain(max_norm).init(params), rule.init())
@@ -419,16 +425,16 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
 # ------------------------------------------------------------------ the offload facade
 
 
-def _facade(model: Net, executor: str, undo: str) -> sofx.offload.SpeculativeAdamW:
-    """The facade over the module's three param groups, with the torch run's loss scaling, clipping and
+def _facade(model: Net, executor: str, undo: str, decoupled: bool = True) -> sofx.offload.SpeculativeAdamW:
+    """The facade (SpeculativeAdamW, or SpeculativeAdam where not ``decoupled``) over the module's three param groups, with the torch run's loss scaling, clipping and
     accumulation; blocks of at most 16 elements or one parameter (several per group, speculated during
     backward)."""
     named = dict(model.named_parameters())
     groups = [dict(params=[p for n, p in named.items() if group_of(n) == g], lr=BASE_LR[g], **GROUP_OPTIONS[g])
               for g in BASE_LR]
-    return sofx.offload.SpeculativeAdamW(groups, max_grad_norm=MAX_NORM, loss_scale=loss_scale.grad_scaler(**SCALING),
-                                         executor=executor, undo=undo, block_numel=16,
-                                         gradient_accumulation_steps=MICRO, timeout=60.0)
+    cls = sofx.offload.SpeculativeAdamW if decoupled else sofx.offload.SpeculativeAdam
+    return cls(groups, max_grad_norm=MAX_NORM, loss_scale=loss_scale.grad_scaler(**SCALING), executor=executor,
+               undo=undo, block_numel=16, gradient_accumulation_steps=MICRO, timeout=60.0)
 
 
 @dataclass
@@ -439,11 +445,12 @@ class FacadeRun:
     executor: str
     undo: str
     schedule: WarmupCosine | OneCycle
+    decoupled: bool = True
     opt: sofx.offload.SpeculativeAdamW = field(init=False)
     sched: torch.optim.lr_scheduler.LRScheduler = field(init=False)
 
     def __post_init__(self) -> None:
-        self.opt = _facade(self.model, self.executor, self.undo)
+        self.opt = _facade(self.model, self.executor, self.undo, self.decoupled)
         self.sched = self.schedule.make(self.opt)
 
     def step(self, gen: torch.Generator, step: int, dtype: torch.dtype = torch.float32):
@@ -498,23 +505,26 @@ def _compare_facade(step: int, run: FacadeRun, ref: TorchRun, bitwise: bool) -> 
                                            msg=lambda m: f"step {step}: {what} of {name}: {m}")
 
 
-@pytest.mark.parametrize("executor,resumed_on,undo,schedule", [
-    ("thread", "inline", "exact", WarmupCosine()),
-    ("thread", "thread", "auto", OneCycle()),
-    ("process", "thread", "auto", WarmupCosine())],
-    ids=["thread-then-inline-exact-warmup_cosine", "thread-auto-one_cycle", "process-then-thread-auto-warmup_cosine"])
+@pytest.mark.parametrize("executor,resumed_on,undo,schedule,decoupled", [
+    ("thread", "inline", "exact", WarmupCosine(), True),
+    ("thread", "thread", "auto", OneCycle(), True),
+    ("process", "thread", "auto", WarmupCosine(), True),
+    ("thread", "thread", "auto", WarmupCosine(), False)],
+    ids=["thread-then-inline-exact-warmup_cosine", "thread-auto-one_cycle", "process-then-thread-auto-warmup_cosine",
+         "thread-auto-warmup_cosine-adam_l2"])
 def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, resumed_on: str, undo: str,
-                                                          schedule: WarmupCosine | OneCycle) -> None:
+                                                          schedule: WarmupCosine | OneCycle, decoupled: bool) -> None:
     """SpeculativeAdamW + a torch scheduler on it against torch's loop (module docstring), resumed from its
     checkpoint on the executor ``resumed_on``, with speculation switched off for a few steps. With
     ``undo="exact"`` an undone speculative step comes back bit for bit, so the run is torch's bit for bit until
     the first clip; with ``"auto"`` an algebraic undo restores to float32 rounding (README), so bit for bit
-    until the first step that undid something, then within 1e-6. OneCycleLR moves beta1 at every step."""
+    until the first step that undid something, then within 1e-6. OneCycleLR moves beta1 at every step.
+    adam_l2: SpeculativeAdam against torch.optim.Adam."""
     torch.manual_seed(0)
     model = Net()
-    ref = TorchRun(Net(), schedule=schedule)
+    ref = TorchRun(Net(), FP32 if decoupled else FP32_L2, schedule=schedule)
     ref.model.load_state_dict(model.state_dict())
-    run = FacadeRun(model, executor, undo, schedule)
+    run = FacadeRun(model, executor, undo, schedule, decoupled)
     gen, tgen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     seen = {"skipped": 0, "clipped": 0, "undone": 0, "redone": 0, "speculated": 0, "lr_redone": 0}
     exact_until = None  # the first step after which the runs may differ by rounding
