@@ -8,8 +8,9 @@ micro-batches go through (its parameters get no gradient on most steps),
 ``torch.amp.GradScaler`` semantics (overflows skip the step and back the
 scale off, clean steps grow it after ``growth_interval``), a warm-up + cosine
 schedule that advances only on steps taken, a checkpoint saved and loaded
-mid-run (the run goes on from the loaded state), the head's lr changed by
-hand mid-run, and clipping on the last steps. The torch side is
+mid-run (the run goes on from the loaded state), the head's lr, weight
+decay and betas changed by hand mid-run, and clipping on the last steps.
+The torch side is
 ``torch.optim.AdamW(foreach=False)`` + ``GradScaler("cpu")`` +
 ``clip_grad_norm_`` + ``LambdaLR``, its own state saved and loaded through
 ``torch.save`` at the same step.
@@ -58,7 +59,7 @@ INF_INPUT_AT = {6: 1}  # step -> the micro-batch whose input holds an inf (every
 INF_GRAD_AT = {13: 2, 14: 0, 29: 2}  # step -> the micro-batch that gives inp.weight an inf gradient
 OVERFLOW_AT = {**INF_INPUT_AT, **INF_GRAD_AT}
 SAVE_AT = 17  # checkpoint after this step, then go on from the loaded state
-LR_CHANGE_AT = 24  # the head's lr lowered by hand before this step's optimizer step
+LR_CHANGE_AT = 24  # the head's lr lowered (and other hparams changed) by hand before this step's optimizer step
 CLIP_FROM = 32  # from here on, some steps' losses are scaled up: clip_grad_norm_ clips
 MAX_NORM = 1.0
 BASE_LR = {"decay": 3e-3, "no_decay": 3e-3, "head": 1e-3}
@@ -123,11 +124,12 @@ def lr_factor(t: int) -> float:
 
 SPECULATION_OFF = range(8, 11)  # the facade's steps with speculation switched off (opt.speculate = False)
 HEAD_LR_AFTER = BASE_LR["head"] * 0.25  # the head's base lr from LR_CHANGE_AT on
+HEAD_CHANGES = dict(weight_decay=0.2, betas=(0.85, 0.97))  # and its other hparams changed by hand there
 
 
 class WarmupCosine:
     """A LambdaLR of ``lr_factor``; the head's lr lowered to ``HEAD_LR_AFTER`` by hand (its base lr too, so
-    that the scheduler keeps it)."""
+    that the scheduler keeps it), its weight decay and betas changed."""
 
     def make(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
@@ -135,11 +137,12 @@ class WarmupCosine:
     def change_head_lr(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
         sched.base_lrs[2] = HEAD_LR_AFTER
         opt.param_groups[2]["lr"] = HEAD_LR_AFTER * lr_factor(sched.last_epoch)
+        opt.param_groups[2].update(HEAD_CHANGES)
 
 
 class OneCycle:
     """OneCycleLR, which moves beta1 too (``cycle_momentum``); the head's lr lowered by hand for the step,
-    and its peak lr from then on."""
+    and its peak lr from then on, its weight decay and betas changed (beta1 for the step)."""
 
     def make(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[3 * BASE_LR[g] for g in BASE_LR], total_steps=STEPS,
@@ -148,6 +151,7 @@ class OneCycle:
     def change_head_lr(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
         opt.param_groups[2]["lr"] *= 0.25
         opt.param_groups[2]["max_lr"] *= 0.25
+        opt.param_groups[2].update(HEAD_CHANGES)
 
 
 def batch(gen: torch.Generator, step: int, micro: int, dtype: torch.dtype
@@ -248,11 +252,11 @@ class TorchRun:
         assert self.sched.base_lrs == base_lrs
 
 
-def _hparams(base: dict[str, float]):
-    """The sofx schedule: each group's options at its lr ``base[g] * lr_factor(t)``, as LambdaLR computes it."""
+def _hparams(base: dict[str, float], options: dict[str, dict[str, Any]]):
+    """The sofx schedule: each group's ``options`` at its lr ``base[g] * lr_factor(t)``, as LambdaLR computes it."""
     def at(t: int) -> dict[str, AdamHParams]:
         out = {}
-        for g, o in GROUP_OPTIONS.items():
+        for g, o in options.items():
             b1, b2 = o.get("betas", (0.9, 0.999))
             out[g] = AdamHParams(lr=base[g] * lr_factor(t), beta1=b1, beta2=b2, eps=o.get("eps", 1e-8),
                                  weight_decay=o["weight_decay"])
@@ -354,7 +358,7 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     """serial_loop_step on the params of a module through functional_call, against torch's loop over the
     module (see the module docstring for the events and the tolerance), and speculative_loop_step beside it,
     bitwise the serial one at every step: blocks speculated in backward's order, undone for overflows, undone
-    and redone for clips and for the lr changed between backward and the step, vetoed, paused by the adaptive
+    and redone for clips and for the hparams changed between backward and the step, vetoed, paused by the adaptive
     policy. The checkpoint holds the loops and the changed base lrs. bf16: a bf16 module (parameters,
     gradients, their sums) against ``fused=True``, without clipping: bit for bit throughout. adam_l2: sofx.adam
     against torch.optim.Adam (L2 weight decay, its own inverse)."""
@@ -364,10 +368,10 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     template = Net().to(precision.dtype)
     params = {k: v.detach().clone() for k, v in ref.model.named_parameters()}
     labels = {name: group_of(name) for name in params}
-    base = dict(BASE_LR)
+    base, options = dict(BASE_LR), {g: dict(o) for g, o in GROUP_OPTIONS.items()}
 
     def hparams(t: int) -> Any:
-        return sofx.transforms.group_hparams(labels, _hparams(base)(t), params=params)
+        return sofx.transforms.group_hparams(labels, _hparams(base, options)(t), params=params)
 
     opt = (sofx.adamw if precision.decoupled else sofx.adam)(backend=precision.backend)
     rule = loss_scale.grad_scaler(**SCALING)
@@ -387,6 +391,7 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
         assumed = hparams(spec.step)  # what the speculative steps during backward took
         if step == LR_CHANGE_AT:
             base["head"] = HEAD_LR_AFTER
+            options["head"].update(HEAD_CHANGES)
         ser, facts = serial_loop_step(opt, ser, grads, scaler=rule, hparams=hparams, max_norm=max_norm)
         spec, report = speculative_loop_step(opt, spec, grads, config=config, scaler=rule, hparams=assumed,
                                              validation_hparams=hparams, order=arrival)
@@ -407,10 +412,10 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
             seen[key] += n
         if step == SAVE_AT:
             ref.reload()
-            path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base,
+            path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base, "options": options,
                                                                  "chain": tuple(mine), "donated": donated})
             loaded = sofx.checkpoint.load(path)
-            ser, spec, base = loaded["serial"], loaded["speculative"], loaded["base"]
+            ser, spec, base, options = loaded["serial"], loaded["speculative"], loaded["base"], loaded["options"]
             mine, donated = ChainLoop(*loaded["chain"]), loaded["donated"]
             params = ser.params
     if max_norm is None:
