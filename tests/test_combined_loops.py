@@ -412,11 +412,8 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
             seen[key] += n
         if step == SAVE_AT:
             ref.reload()
-            path = sofx.checkpoint.save(tmp_path / "run.ckpt", {"serial": ser, "speculative": spec, "base": base, "options": options,
-                                                                 "chain": tuple(mine), "donated": donated})
-            loaded = sofx.checkpoint.load(path)
-            ser, spec, base, options = loaded["serial"], loaded["speculative"], loaded["base"], loaded["options"]
-            mine, donated = ChainLoop(*loaded["chain"]), loaded["donated"]
+            ser, spec, donated, mine, base, options = sofx.checkpoint.load(sofx.checkpoint.save(
+                tmp_path / "run.ckpt", (ser, spec, donated, mine, base, options)), types=[ChainLoop])
             params = ser.params
     if max_norm is None:
         assert first_clip is None
@@ -431,9 +428,9 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
 
 
 def _facade(model: Net, executor: str, undo: str, decoupled: bool = True) -> sofx.offload.SpeculativeAdamW:
-    """The facade (SpeculativeAdamW, or SpeculativeAdam where not ``decoupled``) over the module's three param groups, with the torch run's loss scaling, clipping and
-    accumulation; blocks of at most 16 elements or one parameter (several per group, speculated during
-    backward)."""
+    """The facade (SpeculativeAdamW, or SpeculativeAdam where not ``decoupled``) over the module's three param
+    groups, with the torch run's loss scaling, clipping and accumulation; blocks of at most 16 elements or one
+    parameter (several per group, speculated during backward)."""
     named = dict(model.named_parameters())
     groups = [dict(params=[p for n, p in named.items() if group_of(n) == g], lr=BASE_LR[g], **GROUP_OPTIONS[g])
               for g in BASE_LR]
