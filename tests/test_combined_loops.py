@@ -66,6 +66,12 @@ BASE_LR = {"decay": 3e-3, "no_decay": 3e-3, "head": 1e-3}
 GROUP_OPTIONS = {"decay": dict(weight_decay=0.1), "no_decay": dict(weight_decay=0.0),
                  "head": dict(weight_decay=0.05, betas=(0.8, 0.95), eps=1e-6)}
 BACKWARD_ORDER = ["head", "aux", "mid", "norm", "inp"]  # the modules in the order backward reaches them
+SCALING = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
+SPECULATION_OFF = range(8, 11)  # the facade's steps with speculation switched off (opt.speculate = False)
+HEAD_LR_AFTER = BASE_LR["head"] * 0.25  # the head's base lr from LR_CHANGE_AT on
+HEAD_CHANGES = dict(weight_decay=0.2, betas=(0.85, 0.97))  # and its other hparams changed by hand there
+
+
 class Precision(NamedTuple):
     """A dtype of the model and its gradients, with the torch.optim implementation sofx's backend steps as (README,
     "The functional core") and the clipping torch computes with the same rule in that dtype (``None``: none);
@@ -79,10 +85,9 @@ class Precision(NamedTuple):
 
 
 FP32 = Precision(torch.float32, dict(foreach=False), "auto", MAX_NORM)
-# bf16 parameters: cpu_fast's step is fused=True's; clip_grad_norm_ takes a bf16 norm, sofx a float32 one
 FP32_L2 = FP32._replace(decoupled=False)
+# bf16 parameters: cpu_fast's step is fused=True's; clip_grad_norm_ takes a bf16 norm, sofx a float32 one
 BF16 = Precision(torch.bfloat16, dict(fused=True), "cpu_fast", None)
-SCALING = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
 
 
 class Net(nn.Module):
@@ -122,11 +127,6 @@ def lr_factor(t: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(t - 5, 35) / 35))
 
 
-SPECULATION_OFF = range(8, 11)  # the facade's steps with speculation switched off (opt.speculate = False)
-HEAD_LR_AFTER = BASE_LR["head"] * 0.25  # the head's base lr from LR_CHANGE_AT on
-HEAD_CHANGES = dict(weight_decay=0.2, betas=(0.85, 0.97))  # and its other hparams changed by hand there
-
-
 class WarmupCosine:
     """A LambdaLR of ``lr_factor``; the head's lr lowered to ``HEAD_LR_AFTER`` by hand (its base lr too, so
     that the scheduler keeps it), its weight decay and betas changed."""
@@ -134,7 +134,7 @@ class WarmupCosine:
     def make(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
-    def change_head_lr(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    def change_head_hparams(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
         sched.base_lrs[2] = HEAD_LR_AFTER
         opt.param_groups[2]["lr"] = HEAD_LR_AFTER * lr_factor(sched.last_epoch)
         opt.param_groups[2].update(HEAD_CHANGES)
@@ -148,7 +148,7 @@ class OneCycle:
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[3 * BASE_LR[g] for g in BASE_LR], total_steps=STEPS,
                                                    pct_start=0.25)
 
-    def change_head_lr(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    def change_head_hparams(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
         opt.param_groups[2]["lr"] *= 0.25
         opt.param_groups[2]["max_lr"] *= 0.25
         opt.param_groups[2].update(HEAD_CHANGES)
@@ -223,7 +223,7 @@ class TorchRun:
             if hook is not None:
                 hook.remove()
         if step == LR_CHANGE_AT:  # by hand, between backward and step
-            self.schedule.change_head_lr(self.opt, self.sched)
+            self.schedule.change_head_hparams(self.opt, self.sched)
         before = self.backward_scale = self.scaler.get_scale()
         self.scaler.unscale_(self.opt)
         if self.precision.max_norm is not None:
@@ -468,7 +468,7 @@ class FacadeRun:
             if hook is not None:
                 hook.remove()
         if step == LR_CHANGE_AT:  # after the blocks were speculated with the old lr
-            self.schedule.change_head_lr(self.opt, self.sched)
+            self.schedule.change_head_hparams(self.opt, self.sched)
         report = self.opt.step()
         if not report.skipped:
             self.sched.step()
@@ -598,7 +598,7 @@ class TorchMastersRun:
                     m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
                     p.grad = None
         if step == LR_CHANGE_AT:
-            WarmupCosine().change_head_lr(self.opt, self.sched)
+            WarmupCosine().change_head_hparams(self.opt, self.sched)
         before = self.backward_scale = self.scaler.get_scale()
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
