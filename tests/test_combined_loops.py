@@ -190,7 +190,8 @@ def loss_of(out: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
 
 @dataclass
 class TorchRun:
-    """torch's side: the module, AdamW over three groups, GradScaler, LambdaLR stepped when the optimizer was."""
+    """torch's side: the module, AdamW (or Adam) over three groups, GradScaler, the schedule's scheduler stepped
+    when the optimizer was."""
 
     model: Net
     precision: Precision = FP32
@@ -329,7 +330,7 @@ def _chain_step(opt: sofx.Adam, rule: Any, loop: ChainLoop, grads: Any, hparams:
     """check_finite + unscale + clip_by_global_norm, then ``opt.update`` unless an overflow skips the step, then
     the loss scaler's update (torch's loop order); returns the loop and whether the step was taken."""
     grads, chain_state = _chain(max_norm).update(grads, loop.chain_state, loop.params,
-                                         loss_scale=rule.scale(loop.scaler_state))
+                                                 loss_scale=rule.scale(loop.scaler_state))
     finite = chain_state[0].all_finite
     params, state = loop.params, loop.opt_state
     if finite:
@@ -441,7 +442,7 @@ def _facade(model: Net, executor: str, undo: str, decoupled: bool = True) -> sof
 
 @dataclass
 class FacadeRun:
-    """sofx's side: the module, the facade, a LambdaLR stepped when the optimizer was."""
+    """sofx's side: the module, the facade, the schedule's scheduler stepped when the optimizer was."""
 
     model: Net
     executor: str
