@@ -20,6 +20,8 @@ and clipping into one multiplier and sums the squares partly in float64
 (``sofx.serial``'s "Known differences from torch"), so a clipped step is
 torch's to float32 rounding; from there on DESIGN.md's 1e-6 relative (with
 an absolute 1e-7 for elements near 0), checked at every step (no drift).
+A run handed over mid-way between torch.optim and the serial loop (the
+``torch.optim`` state-dict interop) stays torch's under the same rule.
 The speculative functional loop equals the serial one bit for bit at every
 step without donation, and within 1e-6 with it (undone blocks are then
 algebraic inverses, ``sofx.speculate``). A loop of one's own (``check_finite``
@@ -423,6 +425,98 @@ def test_a_functional_loop_with_every_feature_equals_torch_optim_and_speculation
     assert seen["skipped"] == len(OVERFLOW_AT) and seen["growth"] >= 2, seen
     assert seen["speculated"] > 0 and seen["undone"] > seen["redone"] >= seen["lr_redone"] > 0, seen
     assert 0 < ser.opt_state.count["aux.weight"] < ser.opt_state.count["head.weight"]  # steps without aux's
+
+
+
+def _torch_group_names(model: Net) -> list[list[str]]:
+    """The parameter names of torch's param groups, in their order (``groups=`` of the torch.optim interop)."""
+    return [[n for n, _ in model.named_parameters() if group_of(n) == g] for g in BASE_LR]
+
+
+def _serial_from_torch(ref: TorchRun, opt: sofx.Adam, rule: Any, hparams: Callable[[int], Any]
+                       ) -> sofx.serial.LoopState:
+    """The serial loop that takes the torch run over: its parameters, ``from_torch_optim`` of its optimizer's
+    state dict, GradScaler's scale and growth tracker, its scheduler's position."""
+    params = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    state, _ = sofx.checkpoint.from_torch_optim(opt, ref.opt.state_dict(), params, hparams(ref.sched.last_epoch),
+                                                groups=_torch_group_names(ref.model))
+    saved = ref.scaler.state_dict()
+    scaler_state = loss_scale.GradScalerState(saved["scale"], saved["_growth_tracker"])
+    assert scaler_state == rule.init()._replace(scale=saved["scale"], growth_tracker=saved["_growth_tracker"])
+    return sofx.serial.LoopState(params, state, scaler_state, ref.sched.last_epoch)
+
+
+def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, hparams: Callable[[int], Any]) -> TorchRun:
+    """A torch run that takes the serial loop over: a module of its params, ``to_torch_optim`` of its state
+    loaded into AdamW, GradScaler at its scale and growth tracker, a LambdaLR at its schedule position."""
+    run = TorchRun(Net())
+    with torch.no_grad():
+        for n, p in run.model.named_parameters():
+            p.copy_(loop.params[n])
+    saved = sofx.checkpoint.to_torch_optim(opt, loop.opt_state, hparams(loop.step),
+                                           groups=_torch_group_names(run.model))
+    for group, g in zip(saved["param_groups"], BASE_LR):
+        group["initial_lr"] = BASE_LR[g]  # (LambdaLR's base lr: not an Adam hparam)
+    run.opt.load_state_dict(saved)
+    run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": loop.scaler_state.scale,
+                                "_growth_tracker": loop.scaler_state.growth_tracker})
+    run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_factor, last_epoch=loop.step - 1)
+    return run
+
+
+@pytest.mark.parametrize("direction", ["torch_then_sofx", "sofx_then_torch"])
+def test_a_run_handed_over_between_torch_optim_and_the_serial_loop_mid_run_stays_torchs(direction: str) -> None:
+    """The combined loop begun in one and, after ``SAVE_AT``, continued in the other through the torch.optim
+    interop (``from_torch_optim`` / ``to_torch_optim``, GradScaler's state, the schedule position) equals the
+    uninterrupted torch run: bit for bit until the first clip, within 1e-6 after."""
+    torch.manual_seed(0)
+    ref = TorchRun(Net())
+    first = TorchRun(Net())
+    first.model.load_state_dict(ref.model.state_dict())
+    template = Net()
+    params = {k: v.detach().clone() for k, v in ref.model.named_parameters()}
+    labels = {name: group_of(name) for name in params}
+    base, options = dict(BASE_LR), {g: dict(o) for g, o in GROUP_OPTIONS.items()}
+
+    def hparams(t: int) -> Any:
+        return sofx.transforms.group_hparams(labels, _hparams(base, options)(t), params=params)
+
+    opt, rule = sofx.adamw(), loss_scale.grad_scaler(**SCALING)
+    loop = sofx.serial.init_loop(opt, params, rule)
+    gens = [torch.Generator().manual_seed(1) for _ in range(2)]
+    first_clip, handed_over = None, False
+    for step in range(STEPS):
+        stepped = ref.step(gens[0], step)
+        in_torch = (direction == "torch_then_sofx") != handed_over
+        if in_torch:
+            first.step(gens[1], step)
+        else:
+            grads = _accumulated_grads(loop.params, gens[1], step, rule.scale(loop.scaler_state), template)
+            if step == LR_CHANGE_AT:
+                base["head"] = HEAD_LR_AFTER
+                options["head"].update(HEAD_CHANGES)
+            loop, facts = serial_loop_step(opt, loop, grads, scaler=rule, hparams=hparams, max_norm=MAX_NORM)
+            assert facts.skipped == (not stepped), step
+            first_clip = step if facts.clipped and first_clip is None else first_clip
+        if in_torch:
+            for a, b in zip(first.model.parameters(), ref.model.parameters()):
+                assert torch.equal(a, b) or first_clip is not None, step
+        else:
+            _compare(step, loop.params, loop.opt_state, ref.model, ref.opt, bitwise=first_clip is None)
+        if step == SAVE_AT:
+            handed_over = True
+            if direction == "torch_then_sofx":
+                loop = _serial_from_torch(first, opt, rule, hparams)
+                params = loop.params
+            else:
+                first = _torch_from_serial(loop, opt, hparams)
+    if direction == "sofx_then_torch":
+        _compare(STEPS, {n: p.detach() for n, p in first.model.named_parameters()},
+                 sofx.checkpoint.from_torch_optim(opt, first.opt.state_dict(), params, hparams(first.sched.last_epoch),
+                                                  groups=_torch_group_names(first.model))[0],
+                 ref.model, ref.opt, bitwise=True)
+    else:
+        assert first_clip is not None
 
 
 # ------------------------------------------------------------------ the offload facade
