@@ -522,16 +522,17 @@ def test_a_run_handed_over_between_torch_optim_and_the_serial_loop_mid_run_stays
 # ------------------------------------------------------------------ the offload facade
 
 
-def _facade(model: Net, executor: str, undo: str, decoupled: bool = True) -> sofx.offload.SpeculativeAdamW:
+def _facade(model: Net, executor: str, undo: str, decoupled: bool = True, **options: Any
+            ) -> sofx.offload.SpeculativeAdamW:
     """The facade (SpeculativeAdamW, or SpeculativeAdam where not ``decoupled``) over the module's three param
     groups, with the torch run's loss scaling, clipping and accumulation; blocks of at most 16 elements or one
-    parameter (several per group, speculated during backward)."""
+    parameter (several per group, speculated during backward); ``options``: the facade's others."""
     named = dict(model.named_parameters())
     groups = [dict(params=[p for n, p in named.items() if group_of(n) == g], lr=BASE_LR[g], **GROUP_OPTIONS[g])
               for g in BASE_LR]
     cls = sofx.offload.SpeculativeAdamW if decoupled else sofx.offload.SpeculativeAdam
     return cls(groups, max_grad_norm=MAX_NORM, loss_scale=loss_scale.grad_scaler(**SCALING), executor=executor,
-               undo=undo, block_numel=16, gradient_accumulation_steps=MICRO, timeout=60.0)
+               undo=undo, block_numel=16, gradient_accumulation_steps=MICRO, timeout=60.0, **options)
 
 
 @dataclass
@@ -543,11 +544,12 @@ class FacadeRun:
     undo: str
     schedule: WarmupCosine | OneCycle
     decoupled: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
     opt: sofx.offload.SpeculativeAdamW = field(init=False)
     sched: torch.optim.lr_scheduler.LRScheduler = field(init=False)
 
     def __post_init__(self) -> None:
-        self.opt = _facade(self.model, self.executor, self.undo, self.decoupled)
+        self.opt = _facade(self.model, self.executor, self.undo, self.decoupled, **self.options)
         self.sched = self.schedule.make(self.opt)
 
     def step(self, gen: torch.Generator, step: int, dtype: torch.dtype = torch.float32):
@@ -602,26 +604,28 @@ def _compare_facade(step: int, run: FacadeRun, ref: TorchRun, bitwise: bool) -> 
                                            msg=lambda m: f"step {step}: {what} of {name}: {m}")
 
 
-@pytest.mark.parametrize("executor,resumed_on,undo,schedule,decoupled", [
-    ("thread", "inline", "exact", WarmupCosine(), True),
-    ("thread", "thread", "auto", OneCycle(), True),
-    ("process", "thread", "auto", WarmupCosine(), True),
-    ("thread", "thread", "auto", WarmupCosine(), False)],
-    ids=["thread-then-inline-exact-warmup_cosine", "thread-auto-one_cycle", "process-then-thread-auto-warmup_cosine",
-         "thread-auto-warmup_cosine-adam_l2"])
+@pytest.mark.parametrize("executor,resumed_on,undo,schedule,decoupled,options", [
+    ("thread", "inline", "exact", WarmupCosine(), True, {}),
+    ("thread", "thread", "auto", OneCycle(), True, {}),
+    ("process", "thread", "auto", WarmupCosine(), True, dict(n_device_blocks=2)),
+    ("thread", "thread", "auto", WarmupCosine(), False, dict(swap_params=False))],
+    ids=["thread-then-inline-exact-warmup_cosine", "thread-auto-one_cycle",
+         "process-then-thread-auto-warmup_cosine-device_blocks", "thread-auto-warmup_cosine-adam_l2-copied_params"])
 def test_the_facade_with_every_feature_equals_torch_optim(tmp_path, executor: str, resumed_on: str, undo: str,
-                                                          schedule: WarmupCosine | OneCycle, decoupled: bool) -> None:
+                                                          schedule: WarmupCosine | OneCycle, decoupled: bool,
+                                                          options: dict[str, Any]) -> None:
     """SpeculativeAdamW + a torch scheduler on it against torch's loop (module docstring), resumed from its
     checkpoint on the executor ``resumed_on``, with speculation switched off for a few steps. With
     ``undo="exact"`` an undone speculative step comes back bit for bit, so the run is torch's bit for bit until
     the first clip; with ``"auto"`` an algebraic undo restores to float32 rounding (README), so bit for bit
     until the first step that undid something, then within 1e-6. OneCycleLR moves beta1 at every step.
-    adam_l2: SpeculativeAdam against torch.optim.Adam."""
+    adam_l2: SpeculativeAdam against torch.optim.Adam. ``options``: two blocks stepped in ``step()`` on the
+    module's device (partial offload: here the CPU), the new parameters copied rather than swapped in."""
     torch.manual_seed(0)
     model = Net()
     ref = TorchRun(Net(), FP32 if decoupled else FP32_L2, schedule=schedule)
     ref.model.load_state_dict(model.state_dict())
-    run = FacadeRun(model, executor, undo, schedule, decoupled)
+    run = FacadeRun(model, executor, undo, schedule, decoupled, options)
     gen, tgen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     seen = {"skipped": 0, "clipped": 0, "undone": 0, "redone": 0, "speculated": 0, "lr_redone": 0}
     exact_until = None  # the first step after which the runs may differ by rounding
