@@ -61,7 +61,9 @@ INF_INPUT_AT = {6: 1}  # step -> the micro-batch whose input holds an inf (every
 INF_GRAD_AT = {13: 2, 14: 0, 29: 2}  # step -> the micro-batch that gives inp.weight an inf gradient
 OVERFLOW_AT = {**INF_INPUT_AT, **INF_GRAD_AT}
 SAVE_AT = 17  # checkpoint after this step, then go on from the loaded state
-LR_CHANGE_AT = 24  # the head's lr lowered (and other hparams changed) by hand before this step's optimizer step
+# the head's lr lowered (and other hparams changed) by hand before this step's optimizer step, before the
+# checkpoint: the changed param groups must survive it
+LR_CHANGE_AT = 15
 CLIP_FROM = 32  # from here on, some steps' losses are scaled up: clip_grad_norm_ clips
 MAX_NORM = 1.0
 BASE_LR = {"decay": 3e-3, "no_decay": 3e-3, "head": 1e-3}
@@ -446,9 +448,11 @@ def _serial_from_torch(ref: TorchRun, opt: sofx.Adam, rule: Any, hparams: Callab
     return sofx.serial.LoopState(params, state, scaler_state, ref.sched.last_epoch)
 
 
-def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, hparams: Callable[[int], Any]) -> TorchRun:
+def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, hparams: Callable[[int], Any],
+                       base: dict[str, float]) -> TorchRun:
     """A torch run that takes the serial loop over: a module of its params, ``to_torch_optim`` of its state
-    loaded into AdamW, GradScaler at its scale and growth tracker, a LambdaLR at its schedule position."""
+    loaded into AdamW, GradScaler at its scale and growth tracker, a LambdaLR of the base lrs ``base`` at its
+    schedule position."""
     run = TorchRun(Net())
     with torch.no_grad():
         for n, p in run.model.named_parameters():
@@ -456,7 +460,7 @@ def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, hparams: Cal
     saved = sofx.checkpoint.to_torch_optim(opt, loop.opt_state, hparams(loop.step),
                                            groups=_torch_group_names(run.model))
     for group, g in zip(saved["param_groups"], BASE_LR):
-        group["initial_lr"] = BASE_LR[g]  # (LambdaLR's base lr: not an Adam hparam)
+        group["initial_lr"] = base[g]  # (LambdaLR's base lr: not an Adam hparam)
     run.opt.load_state_dict(saved)
     run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": loop.scaler_state.scale,
                                 "_growth_tracker": loop.scaler_state.growth_tracker})
@@ -492,9 +496,10 @@ def test_a_run_handed_over_between_torch_optim_and_the_serial_loop_mid_run_stays
             first.step(gens[1], step)
         else:
             grads = _accumulated_grads(loop.params, gens[1], step, rule.scale(loop.scaler_state), template)
-            if step == LR_CHANGE_AT:
-                base["head"] = HEAD_LR_AFTER
-                options["head"].update(HEAD_CHANGES)
+        if step == LR_CHANGE_AT:  # (the sofx schedule's record of the change, on either side)
+            base["head"] = HEAD_LR_AFTER
+            options["head"].update(HEAD_CHANGES)
+        if not in_torch:
             loop, facts = serial_loop_step(opt, loop, grads, scaler=rule, hparams=hparams, max_norm=MAX_NORM)
             assert facts.skipped == (not stepped), step
             first_clip = step if facts.clipped and first_clip is None else first_clip
@@ -509,7 +514,7 @@ def test_a_run_handed_over_between_torch_optim_and_the_serial_loop_mid_run_stays
                 loop = _serial_from_torch(first, opt, rule, hparams)
                 params = loop.params
             else:
-                first = _torch_from_serial(loop, opt, hparams)
+                first = _torch_from_serial(loop, opt, hparams, base)
     if direction == "sofx_then_torch":
         _compare(STEPS, {n: p.detach() for n, p in first.model.named_parameters()},
                  sofx.checkpoint.from_torch_optim(opt, first.opt.state_dict(), params, hparams(first.sched.last_epoch),
