@@ -7,12 +7,12 @@ micro-batches accumulated per step, a branch of the module that only some
 micro-batches go through (its parameters get no gradient on most steps),
 ``torch.amp.GradScaler`` semantics (overflows skip the step and back the
 scale off, clean steps grow it after ``growth_interval``), a warm-up + cosine
-schedule that advances only on steps taken, a checkpoint saved and loaded
-mid-run (the run goes on from the loaded state), the head's lr, weight
-decay and betas changed by hand mid-run, and clipping on the last steps.
-The torch side is
-``torch.optim.AdamW(foreach=False)`` + ``GradScaler("cpu")`` +
-``clip_grad_norm_`` + ``LambdaLR``, its own state saved and loaded through
+schedule that advances only on steps taken, the head's lr, weight decay and
+betas changed by hand, then a checkpoint saved and loaded (the run goes on
+from the loaded state), and clipping on the last steps. The torch side is
+``torch.optim.AdamW(foreach=False)`` (``Adam`` for L2 decay, ``fused=True``
+for a bf16 module) + ``GradScaler("cpu")`` + ``clip_grad_norm_`` +
+``LambdaLR`` (or ``OneCycleLR``), its own state saved and loaded through
 ``torch.save`` at the same step.
 
 Tolerance: bit for bit until the first step that clips. sofx folds unscaling
@@ -20,22 +20,23 @@ and clipping into one multiplier and sums the squares partly in float64
 (``sofx.serial``'s "Known differences from torch"), so a clipped step is
 torch's to float32 rounding; from there on DESIGN.md's 1e-6 relative (with
 an absolute 1e-7 for elements near 0), checked at every step (no drift).
-A run handed over mid-way between torch.optim and the serial loop (the
-``torch.optim`` state-dict interop) stays torch's under the same rule.
-The speculative functional loop equals the serial one bit for bit at every
-step without donation, and within 1e-6 with it (undone blocks are then
-algebraic inverses, ``sofx.speculate``). A loop of one's own (``check_finite``
-+ ``unscale`` + ``clip_by_global_norm`` + ``Adam.update``) runs beside them,
-under the same rule: its clip multiplies as torch's does, but its norm is
-summed partly in float64 (``clip_by_global_norm``'s docstring).
 
-The offload facade (``SpeculativeAdamW`` with a ``LambdaLR`` or a
-``OneCycleLR``, which moves beta1 too; the thread and process executors;
-saved with ``sofx.checkpoint`` and resumed in a new module and optimizer, on
-another executor; speculation switched off for a few steps) is held to the
-same rule with ``undo="exact"``; with ``undo="auto"`` an undone speculative
-step is an algebraic inverse (float32 rounding, README), so bit for bit until
-the first step that undid one.
+- The functional serial loop (``serial_loop_step`` + ``accumulate`` +
+  ``group_hparams``), and a run handed over mid-way between torch.optim and it
+  (the ``torch.optim`` state-dict interop), follow that rule. So does a loop
+  of one's own (``check_finite`` + ``unscale`` + ``clip_by_global_norm`` +
+  ``Adam.update``): its clip multiplies as torch's does, but its norm is
+  summed partly in float64 (``clip_by_global_norm``'s docstring).
+- The speculative functional loop equals the serial one bit for bit at every
+  step without donation, and within 1e-6 with it (undone blocks are then
+  algebraic inverses, ``sofx.speculate``).
+- The offload facade (``SpeculativeAdamW`` / ``SpeculativeAdam``; the thread,
+  process and inline executors; saved with ``sofx.checkpoint`` and resumed in
+  a new module and optimizer on another executor; speculation switched off
+  for a few steps; device blocks; a bf16 or fp16 module against torch's
+  fp32-master recipe) follows the rule with ``undo="exact"``; with
+  ``undo="auto"`` an undone speculative step is an algebraic inverse (float32
+  rounding, README), so bit for bit until the first step that undid one.
 """
 
 from __future__ import annotations
