@@ -56,6 +56,8 @@ from sofx import AdamHParams, loss_scale
 from sofx.serial import serial_loop_step
 from sofx.speculate import SpeculationConfig, speculative_loop_step
 
+from test_offload_support import one_torch_thread  # noqa: F401 (autouse fixture)
+
 STEPS = 40
 MICRO = 3
 INF_INPUT_AT = {6: 1}  # step -> the micro-batch whose input holds an inf (every gradient nan)
