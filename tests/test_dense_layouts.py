@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sofx
 from sofx.kernels import cpu, cpu_fast, reference
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
+from sofx.kernels.chunked import gather_chunks
 from sofx.kernels.layout import in_memory_order, is_dense, same_layout
+from sofx.undo_record import CHECKED_CHUNKS_REASON
 
 native = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no native kernels")
 
@@ -463,3 +467,170 @@ def test_the_fused_redo_of_a_bf16_leaf_of_a_dense_layout_equals_undo_then_update
     assert_trees_bitwise(_bits_tree(got_results), _bits_tree(want[:2]))
     _assert_records_bitwise(got[2], want[2])
     assert_trees_bitwise(_bits_tree(opt.undo(*got, donate=donate)), _bits_tree(opt.undo(*want, donate=donate)))
+
+
+# (layout, shape): views of every dense kind, sizes that end mid-chunk, exactly on a chunk, a single element
+VIEWS = [("transposed", (67, 129)), ("transposed", (3, 1025)), ("transposed", (1, 5)),
+         ("channels_last", (5, 7, 3, 11)), ("channels_last", (2, 64, 4, 4)), ("channels_last", (1, 1, 1, 1)),
+         ("offset", (2 * 1024 + 17,)), ("offset", (1024,)), ("offset", (1,)), ("contiguous", (3 * 1024 + 123,))]
+_MARK = {"spike": 1e3, "inf": float("inf"), "nan": float("nan")}
+_EVENT = st.fixed_dictionaries({
+    "marks": st.lists(st.sampled_from(sorted(_MARK)), max_size=3), "same_gradient": st.booleans(),
+    "hp": st.sampled_from([sofx.AdamHParams(), sofx.AdamHParams(lr=3e-3, beta1=0.8, beta2=0.99),
+                           sofx.AdamHParams(lr=10.0), sofx.AdamHParams(eps=1e-30),
+                           sofx.AdamHParams(weight_decay=0.0), sofx.AdamHParams(lr=1.0, weight_decay=0.9999)]),
+    "grad_scale": st.sampled_from([1.0, 0.25, 2.0 ** -8, 3.0]), "donate": st.booleans(), "seed": st.integers(0, 99)})
+
+
+def _empty_view(layout: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor of ``shape`` in ``layout`` (``"offset"``: contiguous, 5 elements into a larger
+    storage)."""
+    if layout == "transposed":
+        return torch.empty(shape[::-1], dtype=dtype).t()
+    if layout == "channels_last":
+        return torch.empty(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    if layout == "offset":
+        n = shape[0]
+        return torch.empty(n + 9, dtype=dtype)[5:5 + n]
+    return torch.empty(shape, dtype=dtype)
+
+
+def _empty_like_view(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new uninitialized tensor of dense ``like``'s layout (a contiguous one at an offset: again at one)."""
+    dtype = dtype or like.dtype
+    if like.storage_offset():
+        return _empty_view("offset", tuple(like.shape), dtype)
+    return torch.empty_like(like, dtype=dtype)  # (strides kept: dense)
+
+
+def _random_view(gen: torch.Generator, like: torch.Tensor, scale: float = 1.0, square: bool = False,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Fresh random values (float64, then rounded) in a new tensor of ``like``'s layout."""
+    x = torch.randn(like.shape, generator=gen, dtype=torch.float64)
+    return _empty_like_view(like, dtype).copy_((x.square() if square else x) * scale)
+
+
+def _views_clone(tree):
+    """``tree`` with each tensor copied into a new one of its layout."""
+    return sofx.tree.tree_map(lambda t: _empty_like_view(t).copy_(t), tree)
+
+
+def _marked_grads(params: dict, event: dict) -> dict:
+    """Fresh random gradients of the leaves' layouts; leaf "w" with a spike, an inf or a nan per mark."""
+    gen = torch.Generator().manual_seed(event["seed"])
+    grads = {k: _random_view(gen, p) for k, p in params.items()}
+    w = grads["w"]
+    for mark in event["marks"]:
+        index = tuple(int(torch.randint(n, (), generator=gen)) for n in w.shape)
+        w[index] = _MARK[mark]
+    return grads
+
+
+def _rel_to(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """max |a - b| over the finite elements of ``b`` relative to max(|b|, ``scale``); inf where a and b are not
+    finite at the same elements or differ at the others (an inf, a nan)."""
+    a64, b64 = a.double(), b.double()
+    fin = torch.isfinite(b64)
+    if not torch.equal(fin, torch.isfinite(a64)) or not torch.equal(a64[~fin].nan_to_num(0.0, 1.0, -1.0),
+                                                                     b64[~fin].nan_to_num(0.0, 1.0, -1.0)):
+        return float("inf")
+    if not bool(fin.any()):
+        return 0.0
+    diff = float((a64[fin] - b64[fin]).abs().max())
+    return diff / max(float(b64[fin].abs().max()), scale, 1e-30) if diff else 0.0
+
+
+def _finite_peak(*trees) -> float:
+    return max((float(t.double().nan_to_num(0.0, 0.0, 0.0).abs().max()) for t in sofx.tree.flatten(trees)[0]
+                if t.numel()), default=0.0)
+
+
+@settings(deadline=None)
+@given(view=st.sampled_from(VIEWS), backend=st.sampled_from(["reference", "cpu", "cpu_fast"]),
+       dtypes=st.sampled_from([(torch.float32, None), (torch.bfloat16, torch.float32), (torch.bfloat16, None)]),
+       decoupled=st.booleans(), bias_correction=st.sampled_from([True, True, False]), warm=st.sampled_from([0, 3]),
+       first=_EVENT, redos=st.lists(_EVENT, max_size=3), donate_undo=st.booleans())
+def test_update_undo_redo_and_undo_of_views_equal_the_reference_and_the_serial_path(
+        view, backend, dtypes, decoupled, bias_correction, warm, first, redos, donate_undo):
+    """A leaf that is a view (transposed, channels_last, a contiguous slice at an offset; sizes ending mid-chunk,
+    one element) beside a small contiguous one, fresh random values, spikes, infs and nans in a few chunks, large
+    lr and tiny eps: ``update`` equals the reference backend's (DESIGN.md: 1e-6 in float32, 1e-2 for bfloat16), and
+    keeps the leaf's layout; each ``undo_redo`` (donated or not, other gradients, hparams and multipliers) equals
+    ``undo`` then ``update`` within 1e-6 of the largest parameter; the last record's ``undo`` equals the serial
+    path's, finite, with the start's counts; a single update's undo restores its snapshot bit for bit (its
+    chunks for a chunk snapshot) and zero moments exactly. Inputs not donated are left as they were."""
+    if backend != "reference" and not cpu.native_available():
+        return
+    layout, shape = view
+    pdt, sdt = dtypes
+    make = sofx.adamw if decoupled else sofx.adam
+    opt = make(lr=1e-2, weight_decay=0.05, bias_correction=bias_correction, state_dtype=sdt, backend=backend)
+    ref = make(lr=1e-2, weight_decay=0.05, bias_correction=bias_correction, state_dtype=sdt, backend="reference")
+    gen = torch.Generator().manual_seed(first["seed"] + 1000)
+    params = {"w": _random_view(gen, _empty_view(layout, shape, pdt)), "b": torch.randn(37, generator=gen).to(pdt)}
+    state = opt.init(params)
+    if warm:
+        sd = sdt or pdt
+        state = sofx.AdamState({k: torch.tensor(warm) for k in params},
+                               {k: _random_view(gen, p, 0.1, dtype=sd) for k, p in params.items()},
+                               {k: _random_view(gen, p, 0.01, square=True, dtype=sd) for k, p in params.items()})
+    start = _views_clone((params, state))
+    low = {torch.bfloat16}
+    tol = {"p": 1e-2 if pdt in low else 1e-6, "m": 1e-2 if (sdt or pdt) in low else 1e-6}
+    tol["v"] = tol["m"]
+    grads = _marked_grads(params, first)
+    want = ref.update(_views_clone(params), grads, _views_clone(state), first["hp"], grad_scale=first["grad_scale"])
+    inputs = _views_clone((params, state))
+    p, s, rec = opt.update(*inputs[:1], grads, inputs[1], first["hp"], grad_scale=first["grad_scale"],
+                           donate=first["donate"])
+    for k in params:
+        for name, a, b in (("p", p[k], want[0][k]), ("m", s.mu[k], want[1].mu[k]), ("v", s.nu[k], want[1].nu[k])):
+            assert _rel_to(a, b, 0.0) <= max(tol[name], 2e-6), (k, name, rec.strategies())
+            assert same_layout(a, params[k]), (k, name)
+    if not first["donate"]:
+        sofx.tree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0), inputs, start)
+    serial = opt.update(*_views_clone(start)[:1], grads, _views_clone(start)[1], first["hp"],
+                        grad_scale=first["grad_scale"])
+    peak = _finite_peak(p, params)
+    for i, event in enumerate(redos):
+        if not event["same_gradient"]:
+            grads = _marked_grads(params, event)
+        peak = max(peak, _finite_peak(p))
+        given_in = (p, s) if event["donate"] else _views_clone((p, s))
+        kept_in = None if event["donate"] else _views_clone(given_in)
+        p, s, rec = opt.undo_redo(*given_in, rec, grads, event["hp"], grad_scale=event["grad_scale"],
+                                  donate=event["donate"])
+        if kept_in is not None:
+            sofx.tree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True),
+                               given_in, kept_in)
+        undone = opt.undo(*serial)
+        serial = opt.update(undone[0], grads, undone[1], event["hp"], grad_scale=event["grad_scale"])
+        for k in params:
+            assert torch.equal(s.count[k], serial[1].count[k])
+            for name, a, b in (("p", p[k], serial[0][k]), ("m", s.mu[k], serial[1].mu[k]),
+                               ("v", s.nu[k], serial[1].nu[k])):
+                assert _rel_to(a, b, peak if name == "p" else 0.0) <= tol[name], (i, k, name, rec.strategies())
+                assert same_layout(a, params[k]), (i, k, name)
+    peak = max(peak, _finite_peak(p))
+    last = rec
+    p0, s0 = opt.undo(p, s, rec, donate=donate_undo)
+    want0 = opt.undo(*serial)
+    for k in params:
+        assert torch.equal(s0.count[k], start[1].count[k])
+        for name, a, b, b0 in (("p", p0[k], want0[0][k], start[0][k]), ("m", s0.mu[k], want0[1].mu[k], start[1].mu[k]),
+                               ("v", s0.nu[k], want0[1].nu[k], start[1].nu[k])):
+            assert bool(torch.isfinite(a).all()), (k, name, last.strategies())
+            assert _rel_to(a, b, peak if name == "p" else 0.0) <= tol[name], (k, name, last.strategies())
+            assert same_layout(a, params[k]), (k, name)
+            if name != "p" and not warm:
+                assert torch.equal(a, b0), (k, name)  # zero moments back exactly
+    if redos:
+        return
+    for k, leaf in zip(sorted(params), last.leaves):
+        restored = (p0[k], s0.mu[k], s0.nu[k])
+        before = (start[0][k], start[1].mu[k], start[1].nu[k])
+        if leaf.strategy == "snapshot" and not (first["donate"] and leaf.reason == CHECKED_CHUNKS_REASON):
+            assert all(torch.equal(a, b) for a, b in zip(restored, before)), k
+        if leaf.strategy == "chunk_snapshot":
+            assert all(torch.equal(gather_chunks(a, leaf.chunks), gather_chunks(b, leaf.chunks))
+                       for a, b in zip(restored, before)), k
