@@ -677,6 +677,14 @@ else:
         from test_dense_layouts import check_adam_on_dense_layouts
         check_adam_on_dense_layouts("triton", donate)
 
+    @pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+    @pytest.mark.parametrize("donate", [False, True])
+    def test_a_leaf_whose_gradient_has_another_layout_keeps_its_layout_in_triton(layout, donate):
+        """test_dense_layouts.py's leaf with a contiguous gradient on the Triton backend: its results keep its
+        layout, with the bits of the same calls on contiguous leaves."""
+        from test_dense_layouts import check_a_gradient_of_another_layout
+        check_a_gradient_of_another_layout("triton", layout, donate)
+
     @pytest.mark.parametrize("donate", [False, True])
     def test_a_checked_step_of_a_dense_layout_in_triton_keeps_the_chunks_of_its_memory(donate, monkeypatch):
         """test_dense_layouts.py's checked step of a transposed leaf on the Triton backend: checked in the kernel

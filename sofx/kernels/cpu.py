@@ -49,7 +49,9 @@ always takes IEEE square roots (about as fast as
 reference's bit for bit on this machine. ``out`` may be the inputs' own
 tensors (donation): the update is then in place and allocates nothing. Any
 shape works (the tensors are treated as flat); non-contiguous tensors are
-computed through contiguous copies and written back.
+computed through copies and written back: into the parameter's layout where
+it is dense (its results keep it: :func:`~sofx.kernels.layout.spans_after_copies`),
+else contiguous ones.
 
 Element types: float32, bfloat16 and float16 (params, gradients, states, in
 any combination; float16 where the C compiler has ``_Float16``, through a
@@ -83,7 +85,7 @@ from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamV
                                write_param_copy)
 from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
-from sofx.kernels.layout import same_layout, spans_in_memory_order
+from sofx.kernels.layout import in_layout_of, same_layout, spans_after_copies, spans_in_memory_order
 
 __all__ = ["NAME", "supports", "step", "undo", "undo_redo", "step_many", "undo_many", "undo_redo_many",
            "step_chunks", "undo_redo_chunks", "prepare_chunks", "native_available", "native_refusal",
@@ -230,16 +232,19 @@ class _Native(NamedTuple):
     copied: bool  # the kernel writes p_copy itself
 
 
-def _native_input(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
+def _native_input(t: torch.Tensor, spans: bool = False, like: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` as a contiguous tensor of a dtype the C kernel reads (a copy only where needed); ``spans``: a block
     of one dense layout (:func:`~sofx.kernels.layout.spans_in_memory_order`), whose tensors are read as they
-    are.
+    are; ``like``: a block run over the memory spans of its parameter ``like``'s layout, ``t`` copied into it
+    where it has another (:func:`~sofx.kernels.layout.spans_after_copies`).
 
     Other dtypes (float64 gradients) are rounded to float32, as the reference's ``.to(float32)`` (which keeps a
     dense layout).
     """
     if t.dtype not in _DTYPE_CODES:
         t = t.to(torch.float32)
+    if like is not None:
+        return in_layout_of(t, like)
     return t if spans else t.contiguous()
 
 
@@ -255,11 +260,14 @@ def _native(b: _Block, lib: _cpu_build.NativeLib | None) -> _cpu_build.NativeLib
 
 def _prepare(b: _Block, s1: ctypes.Array, s2: ctypes.Array | None, lib: _cpu_build.NativeLib) -> _Native:
     """The C entry's view of ``b``: contiguous inputs of its dtypes (copies only where needed; a block of one
-    dense layout as it is) and the tensors it writes (``out``'s own where they fit, else fresh ones)."""
+    dense layout as it is; one of a dense parameter, the others copied into its layout) and the tensors it
+    writes (``out``'s own where they fit, else fresh ones, of the layout the call runs in)."""
     spans = spans_in_memory_order(b.p, (b.g, b.m, b.v, b.g2, b.p_old), b.skip)
-    p, g, m, v = (_native_input(t, spans) for t in (b.p, b.g, b.m, b.v))
-    g2 = _native_input(b.g2, spans) if b.g2 is not None else None
-    p_old = _native_input(b.p_old, spans) if b.p_old is not None else None
+    like = b.p if not spans and spans_after_copies(b.p, b.skip) else None  # (the others copied into its layout)
+    spans = spans or like is not None
+    p, g, m, v = (_native_input(t, spans, like) for t in (b.p, b.g, b.m, b.v))
+    g2 = _native_input(b.g2, spans, like) if b.g2 is not None else None
+    p_old = _native_input(b.p_old, spans, like) if b.p_old is not None else None
     pc = kernel_param_copy(b.p_copy, _codes(lib), p if spans else None)  # (another layout: written after the call)
     out = b.out
     if out is not None and out[0] is p and out[1] is m and out[2] is v:

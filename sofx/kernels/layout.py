@@ -9,9 +9,12 @@ kernels run such a block over the memory spans as they do over contiguous tensor
 (A transposed 4096 x 4096 leaf took 50-75x a contiguous one's update through copies.) Autograd gives a
 parameter of a dense layout gradients of that layout, and ``zeros_like`` moments of it.
 
-The kernels still copy where the layouts differ or a tensor is not dense (a slice with gaps). A checked step's
-chunks (``FINITE_CHUNK`` flags) are ranges of contiguous memory: :class:`sofx.Adam` gives the kernels such a
-leaf's 1-d memory views for it (:mod:`sofx.memory_order_leaves`), so its chunks are ranges of its memory order.
+Where the layouts differ the kernels copy the other tensors into a dense parameter's layout and run the block
+over the memory spans as above (:func:`spans_after_copies`: its fresh results keep the parameter's layout, as the
+reference's do); where the parameter is not dense (a slice with gaps), every tensor into a contiguous one. A
+checked step's chunks (``FINITE_CHUNK`` flags) are ranges of contiguous memory: :class:`sofx.Adam` gives the
+kernels such a leaf's 1-d memory views for it (:mod:`sofx.memory_order_leaves`), so its chunks are ranges of its
+memory order.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Iterable
 import torch
 
 __all__ = ["is_dense", "same_layout", "in_memory_order", "dims_in_memory_order", "one_dense_layout",
-           "spans_in_memory_order"]
+           "spans_in_memory_order", "spans_after_copies", "in_layout_of"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -84,3 +87,21 @@ def spans_in_memory_order(p: torch.Tensor, others: Iterable[torch.Tensor | None]
     flags index the order of its callers' slices; :mod:`sofx.memory_order_leaves` gives such calls the memory's
     1-d views)."""
     return skip is None and not p.is_contiguous() and one_dense_layout(p, others)
+
+
+def spans_after_copies(p: torch.Tensor, skip: torch.Tensor | None = None) -> bool:
+    """Whether a kernel block that :func:`spans_in_memory_order` does not take as it is (a tensor of another
+    layout than ``p``'s: a contiguous gradient of a transposed parameter, say) is run over its memory spans once
+    those tensors are copied into ``p``'s layout (:func:`in_layout_of`), rather than through contiguous copies of
+    all: ``p`` dense, not contiguous, the call unchecked. Its fresh results then have ``p``'s layout, as the
+    reference's have (a parameter keeps its layout across a step, as with torch.optim's steps in place), and
+    ``p`` itself is not copied."""
+    return skip is None and not p.is_contiguous() and is_dense(p)
+
+
+def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in dense ``like``'s layout: ``t`` itself where it has it (:func:`same_layout`), else a copy of it of
+    that layout (``like``'s strides, ``t``'s dtype)."""
+    if same_layout(t, like):
+        return t
+    return torch.empty_like(like, dtype=t.dtype).copy_(t)  # (empty_like keeps a dense tensor's strides)

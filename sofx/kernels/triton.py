@@ -59,7 +59,7 @@ from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamV
                                lossy_factor, mark_written, refuse_traced, traced_possible, write_kept_param_copy,
                                write_outputs)
 from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
-from sofx.kernels.layout import in_memory_order, same_layout, spans_in_memory_order
+from sofx.kernels.layout import in_layout_of, in_memory_order, same_layout, spans_after_copies, spans_in_memory_order
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -441,12 +441,15 @@ def _check(what: str, tensors: Sequence[tuple[str, torch.Tensor | None]], like: 
                                "one state dtype")
 
 
-def _contiguous(t: torch.Tensor, spans: bool = False) -> torch.Tensor:
+def _contiguous(t: torch.Tensor, spans: bool = False, like: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` as the kernels read it: contiguous, in a storage dtype (a copy where it is not already);
     ``spans``: a block of one dense layout (:func:`~sofx.kernels.layout.spans_in_memory_order`), whose tensors
-    are read as they are."""
+    are read as they are; ``like``: a block run over the memory spans of its parameter ``like``'s layout, ``t``
+    copied into it where it has another (:func:`~sofx.kernels.layout.spans_after_copies`)."""
     if t.dtype not in _STORAGE_DTYPES:
         t = t.to(torch.float32)
+    if like is not None:
+        return in_layout_of(t, like)
     return t if spans or t.is_contiguous() else t.contiguous()
 
 
@@ -477,7 +480,9 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     """Results go to ``out`` (or fresh tensors), via contiguous temporaries where needed; ``p_copy`` is
     written by the kernel where it is contiguous in a storage dtype, else copied afterwards."""
     spans = spans_in_memory_order(p, (g, m, v, g2, p_old), skip)
-    cp, cg, cm, cv = _contiguous(p, spans), _contiguous(g, spans), _contiguous(m, spans), _contiguous(v, spans)
+    relaid = p if not spans and spans_after_copies(p, skip) else None  # (the others copied into its layout)
+    spans = spans or relaid is not None
+    cp, cg, cm, cv = (_contiguous(t, spans, relaid) for t in (p, g, m, v))
     ip, ig, im, iv = _address(cp), _address(cg), _address(cm), _address(cv)
     if out is not None and out[0] is p and out[1] is m and out[2] is v and cp is p and cm is m and cv is v:
         targets, it = [p, m, v], (ip, im, iv)  # donation: the inputs themselves (the common case, cheaply)
@@ -493,8 +498,8 @@ def _operands(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
                 targets.append(torch.empty(p.shape, dtype=like.dtype, device=p.device))
         it = tuple(_address(t) for t in targets)
     pc = kernel_param_copy(p_copy, _STORAGE_DTYPES, p if spans else None)  # (another layout: copied afterwards)
-    c2 = _contiguous(g2, spans) if g2 is not None else cg
-    co = _contiguous(p_old, spans) if p_old is not None else cp
+    c2 = _contiguous(g2, spans, relaid) if g2 is not None else cg
+    co = _contiguous(p_old, spans, relaid) if p_old is not None else cp
     arrays = (cp, cg, cm, cv, c2, co, *targets, pc if pc is not None else cp, skip if skip is not None else cp)
     # An absent tensor's slot holds p (or g) again: its address is not asked twice (every tensor of every step).
     info = (ip, ig, im, iv, _address(c2) if g2 is not None else ig, _address(co) if p_old is not None else ip,
