@@ -538,7 +538,8 @@ _EVENT = st.fixed_dictionaries({
     "hp": st.sampled_from([sofx.AdamHParams(), sofx.AdamHParams(lr=3e-3, beta1=0.8, beta2=0.99),
                            sofx.AdamHParams(lr=10.0), sofx.AdamHParams(eps=1e-30),
                            sofx.AdamHParams(weight_decay=0.0), sofx.AdamHParams(lr=1.0, weight_decay=0.9999)]),
-    "grad_scale": st.sampled_from([1.0, 0.25, 2.0 ** -8, 3.0]), "donate": st.booleans(), "seed": st.integers(0, 99)})
+    "grad_scale": st.sampled_from([1.0, 0.25, 2.0 ** -8, 3.0]), "donate": st.booleans(), "seed": st.integers(0, 99),
+    "contiguous_gradient": st.sampled_from([False, False, True])})
 
 
 def _empty_view(layout: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -575,9 +576,10 @@ def _views_clone(tree):
 
 
 def _marked_grads(params: dict, event: dict) -> dict:
-    """Fresh random gradients of the leaves' layouts; leaf "w" with a spike, an inf or a nan per mark."""
+    """Fresh random gradients of the leaves' layouts (contiguous ones where the event says); leaf "w" with a spike,
+    an inf or a nan per mark."""
     gen = torch.Generator().manual_seed(event["seed"])
-    grads = {k: _random_view(gen, p) for k, p in params.items()}
+    grads = {k: _random_view(gen, p.contiguous() if event["contiguous_gradient"] else p) for k, p in params.items()}
     w = grads["w"]
     for mark in event["marks"]:
         index = tuple(int(torch.randint(n, (), generator=gen)) for n in w.shape)
@@ -613,11 +615,12 @@ def test_update_undo_redo_and_undo_of_views_equal_the_reference_and_the_serial_p
         view, backend, dtypes, decoupled, bias_correction, warm, first, redos, donate_undo):
     """A leaf that is a view (transposed, channels_last, a contiguous slice at an offset; sizes ending mid-chunk,
     one element) beside a small contiguous one, fresh random values, spikes, infs and nans in a few chunks, large
-    lr and tiny eps: ``update`` equals the reference backend's (DESIGN.md: 1e-6 in float32, 1e-2 for bfloat16), and
-    keeps the leaf's layout; each ``undo_redo`` (donated or not, other gradients, hparams and multipliers) equals
-    ``undo`` then ``update`` within 1e-6 of the largest parameter; the last record's ``undo`` equals the serial
-    path's, finite, with the start's counts; a single update's undo restores its snapshot bit for bit (its
-    chunks for a chunk snapshot) and zero moments exactly. Inputs not donated are left as they were."""
+    lr and tiny eps, gradients of its layout or contiguous: ``update`` equals the reference backend's (DESIGN.md:
+    1e-6 in float32, 1e-2 for bfloat16), and keeps the leaf's layout; each ``undo_redo`` (donated or not, other
+    gradients, hparams and multipliers) equals ``undo`` then ``update`` within 1e-6 of the largest parameter; the
+    last record's ``undo`` equals the serial path's, finite, with the start's counts; a single update's undo
+    restores its snapshot bit for bit (its chunks for a chunk snapshot) and zero moments exactly. Inputs not
+    donated are left as they were."""
     if backend != "reference" and not cpu.native_available():
         return
     layout, shape = view
