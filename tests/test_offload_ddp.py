@@ -900,6 +900,50 @@ def _settings_differ(rank: int) -> dict:
     return out
 
 
+def _speculation_set_on_one_rank(rank: int) -> dict:
+    """Rank 1 alone sets ``opt.speculate = False`` after a step: what the next step() said on each rank (a clipping
+    step: blocks speculated on rank 0 are redone), and whether the parameters stayed as they were; then rank 0 sets
+    it too, and both set it back on later: what those steps said, and the parameters after. And an optimizer made
+    with ``speculate=False`` on rank 1 alone: what its first step() said."""
+    out: dict = {}
+    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
+                              scale=lambda loss: loss, inject=False)
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, max_grad_norm=MAX_NORM,
+                                        policy=AdaptivePolicy(enabled=False))
+    try:
+        plain(model, 0)
+        opt.step()
+        opt.zero_grad()
+        if rank == 1:
+            opt.speculate = False
+        plain(model, 1)
+        before = _flat(model.module)
+        out["alone"] = error_text(opt.step)
+        out["alone_unchanged"] = torch.equal(before, _flat(model.module))
+        out["said"] = []
+        for step, on in ((2, False), (3, True)):
+            opt.zero_grad()
+            opt.speculate = on
+            plain(model, step)
+            out["said"].append(error_text(opt.step))
+        out["params"] = _flat(model.module)
+    except Exception as exc:
+        out["error"] = f"set: {type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, speculate=rank == 0)
+    try:
+        plain(model, 1)
+        out["made"] = error_text(opt.step)
+    except Exception as exc:
+        out["error"] = f"made: {type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -966,6 +1010,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "closed_on_one_rank": _closed_on_one_rank,
          "collected_on_one_rank": functools.partial(_closed_on_one_rank, collected=True),
          "join_without_batches": _join_without_batches, "settings_differ": _settings_differ,
+         "speculation_on_one_rank": _speculation_set_on_one_rank,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1456,3 +1501,25 @@ def test_optimizers_made_with_other_settings_on_one_rank_are_refused_at_the_firs
                 (rank, how, out[how])
             assert out[f"{how}_unchanged"], (rank, how)
     assert said[0]["max_grad_norm"] == said[1]["max_grad_norm"] and said[0]["backend"] == said[1]["backend"]
+
+
+def test_speculation_set_on_one_rank_alone_is_refused_at_the_next_step_on_every_rank(ranks) -> None:
+    """``opt.speculate = False`` set on rank 1 alone (or ``speculate=False`` given to its constructor alone) was
+    compared by no rank: rank 0 speculated blocks and redid them at a clipping step (within float32 rounding of the
+    serial step rank 1 took), and the replicas diverged silently. The setting is among the settings the ranks
+    compare, and setting it makes the ranks compare: the next step() is refused on every rank, naming each rank's
+    setting, and nothing is stepped; the same setting on every rank (set on both, or back) steps on, and the
+    replicas are the same."""
+    said = [res["speculation_on_one_rank"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        for key in ("alone", "made"):
+            assert out[key].startswith("step() under DDP: the optimizer's settings differs between ranks: "), \
+                (rank, key, out[key])
+            mine, theirs = out[key].split(" on rank 0; ")
+            assert "speculate=True" in mine and "speculate=False" in theirs.split(" on rank 1")[0], \
+                (rank, key, out[key])
+        assert out["alone_unchanged"], rank
+        assert out["said"] == ["no error", "no error"], (rank, out["said"])
+    assert said[0]["alone"] == said[1]["alone"] and said[0]["made"] == said[1]["made"]
+    assert torch.equal(said[0]["params"], said[1]["params"])

@@ -200,8 +200,8 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
 _REPLICAS_HINT = ("the optimizer states must be the same on every rank, as the replicas are (DDP compares the "
                   "parameters at its construction only; each rank would step its own state, and the replicas "
                   "diverge): change the state the same way on every rank (load the same state_dict on every rank, "
-                  "or none on any; the same opt.state assignments; the same hparams); nothing was stepped: call "
-                  "zero_grad(), make the ranks' states the same, and step again")
+                  "or none on any; the same opt.state assignments; the same hparams and opt.speculate); nothing "
+                  "was stepped: call zero_grad(), make the ranks' states the same, and step again")
 
 # The keys whose contents a comparison digests where a rank changed them (the step counts are always compared)
 CONTENT_KEYS = ("exp_avg", "exp_avg_sq", "master")
@@ -229,12 +229,12 @@ class ReplicaWatch:
     ranks decided and found together about the step under way.
 
     Every call that changes the state (construction, ``load_state_dict``, an ``opt.state[p][key]`` assignment,
-    ``opt.state = {}``, ``reload_params``) bumps :attr:`generation` (:meth:`changed`, naming the keys whose contents
-    changed; a step count is always compared), and so does a step dropped after the ranks' exchange at it
-    (:meth:`drop_step`: ``zero_grad()`` on a rank that skipped a ``step()`` the others may have taken). At each
-    synchronized backward (in the communication hook, before the all-reduce of its bucket 0, the first: before any
-    block is ready; once however many autograd backwards reentrant checkpointing runs inside it) -- or in
-    ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 11 int64
+    ``opt.state = {}``, ``reload_params``, ``opt.speculate`` set to another value) bumps :attr:`generation`
+    (:meth:`changed`, naming the keys whose contents changed; a step count is always compared), and so does a step
+    dropped after the ranks' exchange at it (:meth:`drop_step`: ``zero_grad()`` on a rank that skipped a ``step()`` the
+    others may have taken). At each synchronized backward (in the communication hook, before the all-reduce of its
+    bucket 0, the first: before any block is ready; once however many autograd backwards reentrant checkpointing runs
+    inside it) -- or in ``step()``, where the step had none -- every rank takes part in one all-reduce (MAX) of 11 int64
     (:meth:`exchange`): whether its generation moved since the last comparison, which contents changed, whether it
     joined (``DDP.join()``: 2 where it shadows the others' backward, and no rank compares; 1 where it shadowed one
     since the ranks last agreed, which an error found names), a digest of its hparams and minus it, a digest of

@@ -64,6 +64,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import dataclasses
 import functools
 import itertools
 import math
@@ -565,6 +566,17 @@ class OffloadEngine:
         mask = tuple(1 - self._cur[i] if bufs is not None and has else -1
                      for bufs, i, has in zip(slots, self.layouts[b].param_indices, present))
         return None if all(k < 0 for k in mask) else mask
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Speculate blocks during backward (``enabled``) or step every block in ``step()``; settable between steps.
+        The setting changes a step's bits (a block speculated and redone is the serial step within float32
+        rounding), so under ``ddp`` a change makes the ranks compare their settings at the next step (see
+        :func:`~sofx.offload.engine_state.settings_text`): set on one rank alone, that step is refused on every
+        rank, naming each rank's setting; set the same on every rank, it steps on."""
+        if enabled == self.speculation.enabled:
+            return
+        self.speculation = dataclasses.replace(self.speculation, enabled=enabled)
+        self._state_changed()
 
     def reload_params(self) -> None:
         """Take the model's current parameter values as the new masters (after loading model weights)."""

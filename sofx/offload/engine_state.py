@@ -99,11 +99,14 @@ def replica_entries(engine: "OffloadEngine", contents: Sequence[str] = (), block
 
 def settings_text(engine: "OffloadEngine") -> str:
     """The settings ``engine`` was made with that change a step's bits, as text: clipping (``max_grad_norm``, its
-    profile), what becomes of a parameter without gradient, the accumulation, and the Adam transform's static
-    configuration (the kernel backend among them: ``cpu_fast`` is within an ulp of ``cpu``)."""
+    profile), whether blocks are speculated (a block speculated and redone is the serial step within float32
+    rounding; ``opt.speculate`` set on one rank alone), what becomes of a parameter without gradient, the
+    accumulation, and the Adam transform's static configuration (the kernel backend among them: ``cpu_fast`` is
+    within an ulp of ``cpu``)."""
     spec = engine.speculation
     adam = ", ".join(f"{key}={value!r}" for key, value in engine.adam_config.to_json().items())
-    return (f"max_grad_norm={spec.max_norm!r}, profile={spec.profile!r}, missing_grad={spec.missing_grad!r}, "
+    return (f"max_grad_norm={spec.max_norm!r}, profile={spec.profile!r}, speculate={spec.enabled!r}, "
+            f"missing_grad={spec.missing_grad!r}, "
             f"gradient_accumulation_steps={engine.tracker.accumulation_steps}, {adam}")
 
 

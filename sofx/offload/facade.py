@@ -94,33 +94,34 @@ averages are refused then, at construction (or at the first backward, where the 
 optimizer was made). DDP compares the replicas' parameters at its construction only: at each synchronized
 backward (in the communication hook, before its first bucket's all-reduce) the ranks decide together, in one
 all-reduce of 11 int64, whether any rank's optimizer state changed since they last compared them -- construction,
-``load_state_dict``, an ``opt.state[p][key] = value``, ``opt.state = {}``, ``reload_params()``, a step dropped by
-``zero_grad()`` after that exchange -- or their hparams differ; if so, they compare their optimizer states there,
-every rank at the same point (the settings it was made with that change a step's bits -- max_grad_norm, the
-backend, ... --, each block's step counts, the groups' hparams, the loss scaler, and a digest of the
-bits of each parameter's moments or masters that a rank changed; one all-reduce of a digest), and where they differ
-(a rank loaded an older state dict, or none; assigned a state or set an lr alone) that ``step()`` raises the same
-error on every rank, naming what differs (the parameter and key) and each rank's value, before anything is stepped
-(again at each ``step()`` until ``zero_grad()``); a change made the same way on every rank steps on. A rank that
-changes its state alone so makes every rank compare (none enters a collective alone). Between a synchronized
-backward and ``step()`` the state cannot change (refused, as between any backward and ``step()``: also where that
-backward gave the optimizer no gradient). The decision costs about 0.1-0.3 ms per synchronized backward (2 gloo
-ranks on one machine; the all-reduce's latency) and the comparison, where made, about 0.5 ms and 8 ms more per 1,000
-blocks (about 14 ms for a 7B model's 1,700 blocks of the default ``block_numel``), mostly in naming the blocks'
-entries, and one pass over each changed moment or master, inside that backward before any block is ready (the blocks
-are speculated after it). So ``step()`` after a synchronized backward enters no collective: a rank that skips it (an
-error between backward and ``step()`` caught on one rank) leaves no other waiting, and the others step, as with
-``torch.optim``; its ``zero_grad()`` drops the step, and the next backward compares, raising on every rank where the
-states now differ (the step counts, named). A ``step()`` without a synchronized backward (the ranks then decide, and
-compare, in ``step()``) is a collective, as DDP's backward is: every rank calls it at the same point, and a rank
-that skips one the others make (a ``zero_grad()`` before it, or an extra ``step()``, on one rank only) leaves them
-waiting in its all-reduce -- a hang until the process group's timeout, or gloo's abort on a mismatched collective.
-The decision and the comparison are made at backward: an lr set on one rank alone between backward and ``step()`` is
-not seen by them, and that step diverges the replicas. Each ``step()`` sends a digest of the hparams it used in the
-next exchange: the next ``step()`` raises on every rank, one step late, naming the hparams each rank's last step
-used, and the steps after it go on raising (naming the masters that differ) until the ranks load the same
-``state_dict``. The same lr set on every rank between backward and ``step()`` (a warmup) is stepped as set. An
-optimizer closed (or collected) on some ranks only still takes part in the exchanges there, saying so: the other
+``load_state_dict``, an ``opt.state[p][key] = value``, ``opt.state = {}``, ``reload_params()``, ``opt.speculate``
+set, a step dropped by ``zero_grad()`` after that exchange -- or their hparams differ; if so, they compare their
+optimizer states there, every rank at the same point (the settings that change a step's bits -- max_grad_norm, the
+backend, whether blocks are speculated (a block speculated and redone is the serial step within float32 rounding:
+set ``opt.speculate`` on every rank), ... --, each block's step counts, the groups' hparams, the loss scaler, and
+a digest of the bits of each parameter's moments or masters that a rank changed; one all-reduce of a digest), and
+where they differ (a rank loaded an older state dict, or none; assigned a state, set an lr or ``opt.speculate``
+alone) that ``step()`` raises the same error on every rank, naming what differs (the parameter and key) and each
+rank's value, before anything is stepped (again at each ``step()`` until ``zero_grad()``); a change made the same
+way on every rank steps on. A rank that changes its state alone so makes every rank compare (none enters a collective
+alone). Between a synchronized backward and ``step()`` the state cannot change (refused, as between any backward and
+``step()``: also where that backward gave the optimizer no gradient). The decision costs about 0.1-0.3 ms per
+synchronized backward (2 gloo ranks on one machine; the all-reduce's latency) and the comparison, where made, about
+0.5 ms and 8 ms more per 1,000 blocks (about 14 ms for a 7B model's 1,700 blocks of the default ``block_numel``),
+mostly in naming the blocks' entries, and one pass over each changed moment or master, inside that backward before any
+block is ready (the blocks are speculated after it). So ``step()`` after a synchronized backward enters no collective:
+a rank that skips it (an error between backward and ``step()`` caught on one rank) leaves no other waiting, and the
+others step, as with ``torch.optim``; its ``zero_grad()`` drops the step, and the next backward compares, raising on
+every rank where the states now differ (the step counts, named). A ``step()`` without a synchronized backward (the
+ranks then decide, and compare, in ``step()``) is a collective, as DDP's backward is: every rank calls it at the same
+point, and a rank that skips one the others make (a ``zero_grad()`` before it, or an extra ``step()``, on one rank
+only) leaves them waiting in its all-reduce -- a hang until the process group's timeout, or gloo's abort on a
+mismatched collective. The decision and the comparison are made at backward: an lr set on one rank alone between
+backward and ``step()`` is not seen by them, and that step diverges the replicas. Each ``step()`` sends a digest of
+the hparams it used in the next exchange: the next ``step()`` raises on every rank, one step late, naming the hparams
+each rank's last step used, and the steps after it go on raising (naming the masters that differ) until the ranks load
+the same ``state_dict``. The same lr set on every rank between backward and ``step()`` (a warmup) is stepped as set.
+An optimizer closed (or collected) on some ranks only still takes part in the exchanges there, saying so: the other
 ranks' ``step()`` raises, naming the rank, and once every rank's is closed DDP averages as without a hook.
 
 ``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
@@ -747,15 +748,14 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     @property
     def speculate(self) -> bool:
-        """Whether blocks are speculated during backward (settable between steps)."""
+        """Whether blocks are speculated during backward (settable between steps; under ``ddp`` set on every rank:
+        a rank's setting alone makes the next ``step()`` raise on every rank, naming each rank's)."""
         return self.engine.speculation.enabled
 
     @speculate.setter
     def speculate(self, on: bool) -> None:
-        import dataclasses
-
         on = flag("speculate", on, UnsupportedError)  # (bool("no") was True)
-        self.engine.speculation = dataclasses.replace(self.engine.speculation, enabled=on)
+        self.engine.set_speculation(on)  # (under ddp the ranks compare it at the next step)
 
     def reload_params(self) -> None:
         """Take the model's current parameter values as the fp32 masters (after loading model weights)."""
