@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import functools
 import gc
 import math
@@ -944,6 +945,36 @@ def _speculation_set_on_one_rank(rank: int) -> dict:
     return out
 
 
+def _step_without_backward_beside_a_closed_rank(rank: int) -> dict:
+    """On a group of its own (2 s timeout: the default group outlives what happens to it), a step; then rank 1 closes
+    its optimizer, and both ranks run a backward under ``no_sync()``, after which rank 0 alone calls step(): what its
+    step() said (rank 1: nothing), and how long it took."""
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    torch.manual_seed(0)
+    model = DDP(_Net(), process_group=group)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
+    out: dict = {"step": "closed"}
+    try:
+        _backward(model, 0, rank, 1, False, _always, lambda loss: loss, False)
+        opt.step()
+        opt.zero_grad()
+        if rank == 1:
+            opt.close()
+        with model.no_sync():  # (on rank 1 with DDP alone)
+            _backward(model, 1, rank, 1, False, _always, lambda loss: loss, False)
+        if rank == 0:
+            start = time.monotonic()
+            out["step"] = error_text(opt.step)
+            out["seconds"] = time.monotonic() - start
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+        meet()
+        torch.distributed.destroy_process_group(group)
+    return out
+
+
 class _LoopError(Exception):
     """An error of the training loop on one rank, between backward and step()."""
 
@@ -1011,6 +1042,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "collected_on_one_rank": functools.partial(_closed_on_one_rank, collected=True),
          "join_without_batches": _join_without_batches, "settings_differ": _settings_differ,
          "speculation_on_one_rank": _speculation_set_on_one_rank,
+         "without_backward_beside_closed": _step_without_backward_beside_a_closed_rank,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
@@ -1523,3 +1555,20 @@ def test_speculation_set_on_one_rank_alone_is_refused_at_the_next_step_on_every_
         assert out["said"] == ["no error", "no error"], (rank, out["said"])
     assert said[0]["alone"] == said[1]["alone"] and said[0]["made"] == said[1]["made"]
     assert torch.equal(said[0]["params"], said[1]["params"])
+
+
+def test_a_step_without_synchronized_backward_beside_a_closed_rank_raises_naming_the_exchange(ranks) -> None:
+    """A step() whose backwards were all under ``no_sync()`` is a collective (the ranks' exchange); a rank whose
+    optimizer is closed takes no part in it: the live rank waited the group's timeout and got gloo's raw
+    ``RuntimeError`` ("Timed out waiting 2000ms for recv operation"). It now raises a SofxError after that timeout,
+    saying that a rank did not take part in the step()'s exchange and naming the likely causes (a closed optimizer
+    among them), with gloo's error; nothing is stepped."""
+    out = ranks[0]["without_backward_beside_closed"]
+    assert "error" not in out, out["error"]
+    assert ranks[1]["without_backward_beside_closed"] == {"step": "closed"}, ranks[1]["without_backward_beside_closed"]
+    assert out["step"].startswith("step() under DDP without a synchronized backward (every backward of the step under "
+                                  "no_sync(), or none) is a collective: "), out["step"]
+    for said in ("a rank did not take part in the ranks' exchange of this step() within the process group's timeout",
+                 "a rank whose optimizer over this DDP module is closed", "Timed out waiting 2000ms"):
+        assert said in out["step"], (said, out["step"])
+    assert out["seconds"] < 8.0, out["seconds"]  # (the group's 2 s timeout: bounded)

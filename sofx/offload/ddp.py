@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from sofx.offload.engine import OffloadEngine
 
 __all__ = ["CONTENT_KEYS", "USED_HPARAMS", "DDPRoute", "Decision", "ReplicaWatch", "check_replicas", "ddp_route",
-           "reduced_indices", "refuse_averaged"]
+           "reduced_indices", "refuse_averaged", "unmatched_step_error"]
 
 # The attribute of a DDP module holding its route (the route goes with the module; it holds no reference to it)
 _ROUTE_ATTRIBUTE = "_sofx_ddp_route"
@@ -282,13 +282,13 @@ class ReplicaWatch:
         between the ranks, every rank's whole state counts as changed, and the ranks compare."""
         dirty = self.generation != self.compared_at
         digest = (_NEUTRAL, _NEUTRAL) if hparams is None or joined else _digest_bounds(hparams)
-        used, self.used = self.used, None
+        used = self.used
         used_digest = (_NEUTRAL, _NEUTRAL) if used is None or joined else _digest_bounds(used)
-        self.shadowed = self.shadowed or joined
         flags = [0, 0, 0, 0, 2, *digest, *used_digest, 0, 1] if joined else \
-            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), int(self.shadowed), *digest,
+            [int(dirty), *(int(key in self.contents) for key in CONTENT_KEYS), int(self.shadowed or joined), *digest,
              *used_digest, 0, 1]
-        got = _exchange(self.route.group, flags)
+        got = _exchange(self.route.group, flags)  # (where it raises, nothing of the watch changed)
+        self.used, self.shadowed = None, self.shadowed or joined
         if joined:
             return
         moved, *changed, joins, high, minus_low, used_high, used_minus_low, closed, _ = got
@@ -358,6 +358,22 @@ def _closed_error(rank: int) -> SofxError:
                      "replicas; nothing was stepped: close the optimizer on every rank (DDP then averages for "
                      "torch.optim, as without a hook), or make a new one over the DDP module on every rank (from "
                      "the same state_dict)")
+
+
+def unmatched_step_error(exc: BaseException) -> SofxError:
+    """The error of a ``step()`` without a synchronized backward whose exchange (:meth:`ReplicaWatch.exchange`, a
+    collective of that ``step()``) failed with ``exc``: a rank did not take part in it within the process group's
+    timeout (gloo's ``RuntimeError``), naming the likely causes."""
+    return SofxError("step() under DDP without a synchronized backward (every backward of the step under no_sync(), "
+                     "or none) is a collective: a rank did not take part in the ranks' exchange of this step() within "
+                     f"the process group's timeout ({type(exc).__name__}: {exc}); likely causes: a rank whose "
+                     "optimizer over this DDP module is closed (or was collected without close()), a rank that skipped "
+                     "this step() (a zero_grad() before it, or an extra step(), on one rank only), a rank out of "
+                     "inputs under DDP.join(); nothing was "
+                     "stepped, and the process group may be unusable now (gloo closes its connections on a timeout): "
+                     "call step() at the same points on every rank, with the optimizer open on every rank, or end "
+                     "each step with a synchronized backward (the last micro-step outside no_sync()), whose exchange "
+                     "a closed rank takes part in")
 
 
 def _differ(high: int, minus_low: int) -> bool:

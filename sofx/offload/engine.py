@@ -93,7 +93,7 @@ from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
 from sofx.offload.ddp import (CONTENT_KEYS, USED_HPARAMS, DDPRoute, Decision, ReplicaWatch, check_replicas, ddp_route,
-                              reduced_indices, refuse_averaged)
+                              reduced_indices, refuse_averaged, unmatched_step_error)
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -1102,7 +1102,10 @@ class OffloadEngine:
         compares the states: see :meth:`~sofx.offload.ddp.ReplicaWatch.drop_step`). The outcome stands until the
         step ends or is dropped: another ``step()`` raises it again. Where the step had no synchronized backward
         the ranks exchange and compare here: that ``step()`` is a collective, and where it raises the step's
-        decision is dropped (the next ``step()`` decides anew, with what changed since).
+        decision is dropped (the next ``step()`` decides anew, with what changed since); a rank that takes no part
+        in its exchange (its optimizer closed, a ``step()`` skipped on it) makes the others' raise after the
+        process group's timeout, saying so (:func:`~sofx.offload.ddp.unmatched_step_error`): gloo's raw timeout
+        before.
 
         Its cost at every step: one all-reduce of 11 int64 at each synchronized backward (about 0.1-0.3 ms, 2 gloo
         ranks on one machine) and the hparams' digests (at backward, and of those each ``step()`` used: an hparam
@@ -1116,7 +1119,10 @@ class OffloadEngine:
             raise watch.error.with_traceback(None)  # (found at backward, on every rank)
         if watch.decision is not None:
             return  # (decided, and compared where decided so, at backward)
-        watch.exchange(self._hparams_text())
+        try:
+            watch.exchange(self._hparams_text())
+        except RuntimeError as exc:  # (gloo's timeout: a rank took no part in this step()'s exchange)
+            raise unmatched_step_error(exc) from exc
         if not watch.decision.compare:
             return
         error = self._compare_replicas(watch.decision, whole=True)

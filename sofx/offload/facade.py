@@ -114,15 +114,20 @@ a rank that skips it (an error between backward and ``step()`` caught on one ran
 others step, as with ``torch.optim``; its ``zero_grad()`` drops the step, and the next backward compares, raising on
 every rank where the states now differ (the step counts, named). A ``step()`` without a synchronized backward (the
 ranks then decide, and compare, in ``step()``) is a collective, as DDP's backward is: every rank calls it at the same
-point, and a rank that skips one the others make (a ``zero_grad()`` before it, or an extra ``step()``, on one rank
-only) leaves them waiting in its all-reduce -- a hang until the process group's timeout, or gloo's abort on a
-mismatched collective. The decision and the comparison are made at backward: an lr set on one rank alone between
-backward and ``step()`` is not seen by them, and that step diverges the replicas. Each ``step()`` sends a digest of
-the hparams it used in the next exchange: the next ``step()`` raises on every rank, one step late, naming the hparams
-each rank's last step used, and the steps after it go on raising (naming the masters that differ) until the ranks load
-the same ``state_dict``. The same lr set on every rank between backward and ``step()`` (a warmup) is stepped as set.
-An optimizer closed (or collected) on some ranks only still takes part in the exchanges there, saying so: the other
-ranks' ``step()`` raises, naming the rank, and once every rank's is closed DDP averages as without a hook.
+point. A rank that takes no part in it (its optimizer closed or collected; a ``zero_grad()`` before it, or an extra
+``step()``, on one rank only) leaves the others waiting in its all-reduce until the process group's timeout: their
+``step()`` then raises a ``SofxError`` saying that a rank did not take part in the step()'s exchange, naming the
+likely causes, and steps nothing (the group may be unusable after it: gloo closes its connections on a timeout). A
+rank that meets it with another collective instead -- a rank out of inputs in ``ddp.join()``, whose join loop
+all-reduces one number -- makes gloo abort the process on the mismatched sizes: under ``join()`` end each step with a
+synchronized backward (the last micro-step outside ``no_sync()``). The decision and the comparison are made at
+backward: an lr set on one rank alone between backward and ``step()`` is not seen by them, and that step diverges the
+replicas. Each ``step()`` sends a digest of the hparams it used in the next exchange: the next ``step()`` raises on
+every rank, one step late, naming the hparams each rank's last step used, and the steps after it go on raising (naming
+the masters that differ) until the ranks load the same ``state_dict``. The same lr set on every rank between backward
+and ``step()`` (a warmup) is stepped as set. An optimizer closed (or collected) on some ranks only still takes part in
+the exchanges there, saying so: the other ranks' ``step()`` raises, naming the rank, and once every rank's is closed
+DDP averages as without a hook.
 
 ``torch.compile``: a compiled model trains as an eager one (its backward leaves gradient accumulation, and so the
 gradient hooks, to eager autograd); under compiled autograd the hooks run eagerly too (see
