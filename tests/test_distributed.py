@@ -38,14 +38,13 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import sofx
 from sofx import AdamHParams, loss_scale
 from sofx import distributed as sd
 from sofx import speculate as sp
 from sofx.serial import init_loop, serial_loop_step
-from helpers import init_gloo
+from helpers import init_gloo, run_gloo
 
 STEPS = 20
 MAX_NORM = 1.0
@@ -492,10 +491,13 @@ def _worker(rank: int, world: int, store: str, outdir: str) -> None:
         dist.destroy_process_group()
 
 
+#: How long one spawned group of this module's cases may run (:func:`helpers.run_gloo` kills it after that and fails
+#: the test: a rank hanging in a collective hung CI until its job's timeout): far longer than its cases take.
+SPAWN_TIMEOUT_S = 600.0
+
+
 def _spawn(world: int, tmp_path_factory) -> list[dict]:
-    d = tmp_path_factory.mktemp(f"gloo{world}")
-    mp.spawn(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True)
-    return [torch.load(d / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    return run_gloo(_worker, world, tmp_path_factory.mktemp(f"gloo{world}"), timeout_s=SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
