@@ -17,7 +17,7 @@ import sofx
 from sofx.kernels import cpu, cpu_fast, load_backend, reference
 from sofx.kernels.base import AdamScalars, AdamVariant, StepCall, UndoCall, UndoRedoCall
 from sofx.kernels.chunked import gather_chunks
-from sofx.kernels.layout import in_memory_order, is_dense, same_layout
+from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.undo_record import CHECKED_CHUNKS_REASON
 
 native = pytest.mark.skipif(not cpu.native_available(), reason="no C compiler: no native kernels")
@@ -51,6 +51,22 @@ def test_layout_helpers():
     assert torch.equal(t, (flat - 0).view(6, 4).t())
     with pytest.raises(ValueError, match="not dense"):
         in_memory_order(torch.randn(4, 6)[:, ::2])
+
+
+def test_one_dense_layout_is_dense_and_same_layout_on_empty_size_one_and_strided_tensors():
+    """The contiguous shortcut of one_dense_layout decides as is_dense and same_layout do, empty tensors (which
+    torch calls contiguous whatever their strides) and dimensions of size 1 (any stride) included."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4, 6), torch.randn(6, 4).t(), torch.randn(4, 6)[:, ::2], torch.randn(4, 3),
+               torch.empty_strided((0, 3), (1, 5)), torch.empty_strided((0, 3), (3, 1)), torch.empty(0),
+               torch.empty_strided((1, 5), (7, 1)), torch.empty_strided((1, 5), (5, 1)), torch.randn(3, 0).t(),
+               _channels_last(gen, (2, 3, 4, 5)), torch.randn(2, 3, 4, 5), torch.randn(()), torch.randn(())]
+    for p in tensors:
+        for a in tensors:
+            for b in (None, *tensors):
+                want = is_dense(p) and same_layout(a, p) and (b is None or same_layout(b, p))
+                assert one_dense_layout(p, (a, None, b)) == want
+                assert one_dense_layout(p, iter([a, b])) == want
 
 
 def _block(layout: str, gen: torch.Generator, pdt: torch.dtype, sdt: torch.dtype):

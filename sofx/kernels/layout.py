@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 
 __all__ = ["is_dense", "same_layout", "in_memory_order", "dims_in_memory_order", "one_dense_layout",
-           "spans_in_memory_order", "spans_after_copies", "in_layout_of"]
+           "all_contiguous_alike", "spans_in_memory_order", "spans_after_copies", "in_layout_of"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -75,8 +75,26 @@ def dims_in_memory_order(t: torch.Tensor) -> list[int]:
 
 def one_dense_layout(p: torch.Tensor, others: Iterable[torch.Tensor | None]) -> bool:
     """Whether ``p`` is dense and every tensor of ``others`` (None where absent) of its layout: contiguous
-    tensors all, or tensors whose memory order is one (:func:`in_memory_order` views them alike)."""
-    return is_dense(p) and all(t is None or same_layout(t, p) for t in others)
+    tensors all, or tensors whose memory order is one (:func:`in_memory_order` views them alike).
+
+    The common case first (:func:`all_contiguous_alike`, a few attribute reads a tensor: this runs for every
+    leaf of every checked update), then :func:`same_layout`'s strides."""
+    others = tuple(others)
+    return all_contiguous_alike(p, others) or (is_dense(p) and all(t is None or same_layout(t, p) for t in others))
+
+
+def all_contiguous_alike(p: torch.Tensor, others: Iterable[torch.Tensor | None]) -> bool:
+    """Whether ``p`` has an element, is contiguous, and every tensor of ``others`` (None where absent) is
+    contiguous of ``p``'s shape: then ``p`` is dense and each of them :func:`same_layout` as ``p`` (contiguous
+    tensors of one shape have the same stride on every dimension of more than one element; not so for empty
+    ones, which torch calls contiguous whatever their strides). False says nothing."""
+    if not (p.is_contiguous() and p.numel()):
+        return False
+    shape = p.shape
+    for t in others:
+        if t is not None and not (t.is_contiguous() and t.shape == shape):
+            return False
+    return True
 
 
 def spans_in_memory_order(p: torch.Tensor, others: Iterable[torch.Tensor | None],
