@@ -1412,23 +1412,23 @@ class _ChunkFlags(NamedTuple):
 
 def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags:
     """Zeroed flags (``skip`` of a checked step) for the ``wanted`` leaves, None for the others: on each
-    leaf's device, one buffer per device, read once after the kernels."""
-    sizes = [-(-leaf.p.numel() // FINITE_CHUNK) if w else None for leaf, w in zip(leaves, wanted)]
-    totals: dict[torch.device, int] = {}
-    for leaf, n in zip(leaves, sizes):
-        if n is not None:
-            totals[leaf.p.device] = totals.get(leaf.p.device, 0) + n
-    buffers = {device: torch.zeros(total, dtype=torch.uint8, device=device) for device, total in totals.items()}
-    at = dict.fromkeys(totals, 0)
-    views: list[torch.Tensor | None] = []
-    for leaf, n in zip(leaves, sizes):
-        if n is None:
-            views.append(None)
-            continue
-        device = leaf.p.device
-        views.append(buffers[device][at[device]:at[device] + n])
-        at[device] += n
-    return _ChunkFlags(list(buffers.values()), views)
+    leaf's device, one buffer per device, read once after the kernels. A leaf's view is the next
+    ``ceil(numel / FINITE_CHUNK)`` flags of its device's buffer, in leaf order (one ``torch.split`` per device:
+    a slice per leaf costs a torch call each)."""
+    by_device: dict[torch.device, tuple[list[int], list[int]]] = {}  # (leaf indices, sizes) per device
+    for k, (leaf, w) in enumerate(zip(leaves, wanted)):
+        if w:
+            ks, sizes = by_device.setdefault(leaf.p.device, ([], []))
+            ks.append(k)
+            sizes.append(-(-leaf.p.numel() // FINITE_CHUNK))
+    views: list[torch.Tensor | None] = [None] * len(leaves)
+    buffers = []
+    for device, (ks, sizes) in by_device.items():
+        buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        buffers.append(buffer)
+        for k, view in zip(ks, torch.split(buffer, sizes)):
+            views[k] = view
+    return _ChunkFlags(buffers, views)
 
 
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
