@@ -868,12 +868,15 @@ class Adam:
         hp_traced: dict[int, bool] = {}  # per hparams object
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
-            if g is not None:
-                _check_like("grads", path, g, p, p.dtype)
-            steps = _check_count(path, c, traced)
             want_state = self.state_dtype or p.dtype
-            _check_like("state.mu", path, m, p, want_state)
-            _check_like("state.nu", path, v, p, want_state)
+            if _leaf_alike(p, g, m, v, want_state):  # the common case: what the three checks below accept
+                steps = _check_count(path, c, traced)
+            else:
+                if g is not None:
+                    _check_like("grads", path, g, p, p.dtype)
+                steps = _check_count(path, c, traced)
+                _check_like("state.mu", path, m, p, want_state)
+                _check_like("state.nu", path, v, p, want_state)
             if not (compiling or _in_storage(p, g, m, v)):
                 _check_storage(path, p, g, m, v)  # (a strided view, a wrapper: checked whole; names a bad one)
             if g is not None:
@@ -1636,6 +1639,20 @@ def _check_like(tree_name: str, param_path: str, x: Any, p: torch.Tensor, dtype:
         raise LeafError(f"{path}: expected dtype {dtype}, got {x.dtype}")
     if x.device != p.device:
         raise LeafError(f"{path}: expected device {p.device}, got {x.device}")
+
+
+def _leaf_alike(p: torch.Tensor, g: Any, m: Any, v: Any, state_dtype: torch.dtype) -> bool:
+    """Whether :func:`_check_like` accepts all of a leaf's ``g`` (None where absent; of ``p``'s dtype), ``m`` and
+    ``v`` (of ``state_dtype``) by its common case: plain strided tensors of ``p``'s shape and device. One call
+    per leaf, ``p``'s shape and device read once (each read builds an object); False: ask :func:`_check_like`,
+    which names what is wrong."""
+    shape, device, strided = p.shape, p.device, torch.strided
+    return ((g is None or (type(g) is torch.Tensor and g.shape == shape and g.dtype == p.dtype
+                           and g.device == device and g.layout is strided))
+            and type(m) is torch.Tensor and m.shape == shape and m.dtype == state_dtype and m.device == device
+            and m.layout is strided
+            and type(v) is torch.Tensor and v.shape == shape and v.dtype == state_dtype and v.device == device
+            and v.layout is strided)
 
 
 def _in_storage(p: torch.Tensor, g: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor) -> bool:
