@@ -737,12 +737,13 @@ class TorchMastersRun:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_the_facade_on_a_half_precision_module_equals_torch_optim_over_fp32_masters(tmp_path, dtype: torch.dtype) -> None:
+def test_the_facade_on_a_half_precision_module_equals_torch_optim_over_fp32_masters(tmp_path,
+                                                                                    dtype: torch.dtype) -> None:
     """A bf16 (fp16) module: the facade keeps fp32 masters itself and sums each micro-step's bf16 gradients in
     float32 (its gradient buffers are the masters' dtype), which is torch's recipe of fp32 master copies whose
     ``.grad`` takes the float32 sum of the micro-steps' bf16 gradients, not the bf16 ``.grad`` autograd would
-    accumulate on the module itself. The same events as the other loops (thread executor, ``undo="auto"``, resumed on the
-    process executor); masters, moments and counts compared, and the module's bf16 parameters: bit for bit until
+    accumulate on the module itself. The same events as the other loops (thread executor, ``undo="auto"``, resumed
+    on the process executor); masters, moments and counts compared, and the module's bf16 parameters: bit for bit until
     the first step that undid or clipped something, within 1e-6 after (the module's parameters: their bf16
     rounding of the masters)."""
     torch.manual_seed(0)
