@@ -726,7 +726,7 @@ def _compared_once_after_a_difference(rank: int) -> dict:
                                         gradient_accumulation_steps=2, policy=AdaptivePolicy(enabled=False))
     out: dict = {"steps": []}
     calls: list = []
-    try:
+    with _reported(out, [opt]):
         with _counted(calls, opt.engine._replicas):
             for step in range(3):
                 opt.zero_grad()
@@ -739,10 +739,6 @@ def _compared_once_after_a_difference(rank: int) -> dict:
                 in_backward = calls.count("compare")
                 said = error_text(opt.step)
                 out["steps"].append((said, calls.count("exchange"), in_backward, calls.count("compare") - in_backward))
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -760,7 +756,7 @@ def _lr_set_between_backward_and_step(rank: int) -> dict:
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
     group = opt.param_groups[0]
-    try:
+    with _reported(out, [opt], case="alone"):
         plain(model, 0)
         opt.step()
         saved = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
@@ -780,28 +776,19 @@ def _lr_set_between_backward_and_step(rank: int) -> dict:
         plain(model, 4)
         out["resumed"] = error_text(opt.step)
         out["params"] = _flat(model.module)
-    except Exception as exc:
-        out["error"] = f"alone: {type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     for name in ("torch", "sofx", "sofx_off"):
         model = _ddp({})
         opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
                sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, backend="reference",
                                              speculate=name == "sofx", policy=AdaptivePolicy(enabled=False)))
         out[f"{name}_said"] = []
-        try:
+        with _reported(out, [opt], case=name):
             for step in range(4):
                 opt.zero_grad()
                 plain(model, step)
                 opt.param_groups[0]["lr"] = LR * (step + 2) / 4
                 out[f"{name}_said"].append(error_text(opt.step))
             out[name] = _flat(model.module)
-        except Exception as exc:
-            out["error"] = f"{name}: {type(exc).__name__}: {exc}"
-        finally:
-            close = getattr(opt, "close", None)
-            close() if close else None
     return out
 
 
@@ -855,7 +842,7 @@ def _join_without_batches(rank: int) -> dict:
     plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
                               scale=lambda loss: loss, inject=False)
     out: dict = {}
-    try:
+    with _reported(out, [opt]):
         with model.join():
             for step in range(2 * rank):
                 opt.zero_grad()
@@ -874,10 +861,6 @@ def _join_without_batches(rank: int) -> dict:
             plain(step)
             out["loaded"].append(error_text(opt.step))
         out["params"] = _flat(model.module)
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -889,15 +872,11 @@ def _settings_differ(rank: int) -> dict:
         model = _ddp({})
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                             **{"max_grad_norm": 1.0, **(other if rank == 1 else {})})
-        try:
+        with _reported(out, [opt], case=how):
             _backward(model, 1, rank, 1, False, _always, lambda loss: loss, False)
             before = _flat(model.module)
             out[how] = error_text(opt.step)
             out[f"{how}_unchanged"] = torch.equal(before, _flat(model.module))
-        except Exception as exc:
-            out["error"] = f"{how}: {type(exc).__name__}: {exc}"
-        finally:
-            opt.close()
     return out
 
 
@@ -912,7 +891,7 @@ def _speculation_set_on_one_rank(rank: int) -> dict:
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, max_grad_norm=MAX_NORM,
                                         policy=AdaptivePolicy(enabled=False))
-    try:
+    with _reported(out, [opt], case="set"):
         plain(model, 0)
         opt.step()
         opt.zero_grad()
@@ -929,19 +908,11 @@ def _speculation_set_on_one_rank(rank: int) -> dict:
             plain(model, step)
             out["said"].append(error_text(opt.step))
         out["params"] = _flat(model.module)
-    except Exception as exc:
-        out["error"] = f"set: {type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, speculate=rank == 0)
-    try:
+    with _reported(out, [opt], case="made"):
         plain(model, 1)
         out["made"] = error_text(opt.step)
-    except Exception as exc:
-        out["error"] = f"made: {type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
     return out
 
 
@@ -956,7 +927,7 @@ def _step_without_backward_beside_a_closed_rank(rank: int) -> dict:
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
     meet()
     out: dict = {"step": "closed"}
-    try:
+    with _reported(out, [opt]):
         _backward(model, 0, rank, 1, False, _always, lambda loss: loss, False)
         opt.step()
         opt.zero_grad()
@@ -968,12 +939,8 @@ def _step_without_backward_beside_a_closed_rank(rank: int) -> dict:
             start = time.monotonic()
             out["step"] = error_text(opt.step)
             out["seconds"] = time.monotonic() - start
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        opt.close()
-        meet()
-        torch.distributed.destroy_process_group(group)
+    meet()
+    torch.distributed.destroy_process_group(group)
     return out
 
 
