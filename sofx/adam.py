@@ -471,7 +471,10 @@ class Adam:
         """Invert the :meth:`update` that produced ``(params, state)`` and ``record``.
 
         Per leaf, by the record's strategy. ``"snapshot"``: the kept ``p, m, v``
-        restored bit for bit. ``"algebraic"``: from the stepped ``p', m', v'``,
+        restored bit for bit (but for one case: a donated checked step that flagged
+        some chunks of a leaf planned ``"param_snapshot"`` keeps a whole snapshot whose
+        stepped chunks' moments were recovered by the inverse below, within its error;
+        see :func:`sofx.skipped_chunks.finish_step`). ``"algebraic"``: from the stepped ``p', m', v'``,
         the gradient ``g`` the step used (times its ``grad_scale``) and that
         step's hparams and ``t`` (never the current ones)::
 
