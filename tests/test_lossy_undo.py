@@ -777,3 +777,36 @@ def check_tiny_weight_decay_flagged(backends) -> None:
     for backend in backends:
         assert _flags(backend, variant, StepCall(p, g, m, v, s)) == want
         assert _flags(backend, variant, UndoRedoCall(p1, m1, v1, g_old, s, g, s)) == want_redo
+
+
+@pytest.mark.xfail(strict=True, reason="the lossy check ignores the L2 inverse's recovered p (an ulp of p' off) "
+                   "passing through wd * p into the recovered moments: no bound for it in any backend yet")
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+def test_l2_steps_far_larger_than_the_parameter_are_flagged_or_undone_within_the_tolerance(backend):
+    """L2 mode (gh = g + wd * p) with an effective step far larger than |p| (lr 1, wd 0.5, betas 0.99, a few
+    steps in): the inverse recovers p about an ulp of p' off, and wd times that error passes into the recovered
+    moments (``v = (v' - (1 - b2) gh^2) / b2``: ~ ``2 (1 - b2) / b2 |gh| wd ulp(p')``). Every element
+    :func:`lossy_elements` does not flag comes back within the tolerance of the other lossy tests: v within
+    1e-6, m within 2e-6 of sqrt(v) (v was 7.5e-6 off)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    opt = sofx.adam(lr=1.0, betas=(0.99, 0.99), weight_decay=0.5, backend=backend, undo="algebraic")
+    worst_v = worst_m = 0.0
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        for steps in range(1, 4):
+            params = {"w": torch.randn(4 * FINITE_CHUNK, generator=gen)}
+            state = opt.init(params)
+            for _ in range(steps):
+                params, state, _ = opt.update(params, {"w": torch.randn(params["w"].shape, generator=gen)}, state,
+                                              grads_finite=True)
+            g = {"w": torch.randn(params["w"].shape, generator=gen)}
+            p0, v0, m0 = params["w"].clone(), state.nu["w"].clone(), state.mu["w"].clone()
+            s = AdamScalars(1.0, 0.99, 0.99, 1e-8, 0.5, steps + 1, 1.0)
+            ok = ~lossy_elements(p0, g["w"], v0, s, False, m=m0)
+            p2, s2, rec = opt.update(params, g, state)
+            _, s3 = opt.undo(p2, s2, rec)
+            assert rec.strategies() == ["algebraic"] and bool(ok.any())
+            worst_v = max(worst_v, _rel(s3.nu["w"][ok], v0[ok]))
+            worst_m = max(worst_m, float(((s3.mu["w"][ok] - m0[ok]).abs() / v0[ok].sqrt()).max()))
+    assert worst_v <= 1e-6 and worst_m <= 2e-6, (worst_v, worst_m)
