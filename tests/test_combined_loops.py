@@ -184,6 +184,19 @@ def gradient_edit(step: int, micro: int) -> Callable[[torch.Tensor], torch.Tenso
     return None
 
 
+def micro_backward(model: Net, gen: torch.Generator, step: int, micro: int, dtype: torch.dtype,
+                   backward: Callable[[torch.Tensor], Any]) -> None:
+    """One micro-step of a module loop: its batch (of ``dtype``) through ``model``, the loss handed to
+    ``backward`` (``scaler.scale(loss).backward()``, ``opt.backward``) with this micro-step's
+    :func:`gradient_edit` hooked on ``inp.weight`` while it runs."""
+    x, y, w = batch(gen, step, micro, dtype)
+    edit = gradient_edit(step, micro)
+    hook = model.inp.weight.register_hook(edit) if edit else None
+    backward(loss_of(model(x, uses_aux(step, micro)), y, w))
+    if hook is not None:
+        hook.remove()
+
+
 def with_inf(g: torch.Tensor) -> torch.Tensor:
     """``g`` with an inf in one element."""
     g = g.clone()
@@ -224,12 +237,8 @@ class TorchRun:
         """One iteration; returns whether the optimizer stepped (no overflow)."""
         self.opt.zero_grad()
         for micro in range(MICRO):
-            x, y, w = batch(gen, step, micro, self.precision.dtype)
-            edit = gradient_edit(step, micro)
-            hook = self.model.inp.weight.register_hook(edit) if edit else None
-            self.scaler.scale(loss_of(self.model(x, uses_aux(step, micro)), y, w)).backward()
-            if hook is not None:
-                hook.remove()
+            micro_backward(self.model, gen, step, micro, self.precision.dtype,
+                           lambda loss: self.scaler.scale(loss).backward())
         if step == LR_CHANGE_AT:  # by hand, between backward and step
             self.schedule.change_head_hparams(self.opt, self.sched)
         before = self.backward_scale = self.scaler.get_scale()
@@ -566,12 +575,7 @@ class FacadeRun:
         self.opt.speculate = step not in SPECULATION_OFF
         self.opt.zero_grad()
         for micro in range(MICRO):
-            x, y, w = batch(gen, step, micro, dtype)
-            edit = gradient_edit(step, micro)
-            hook = self.model.inp.weight.register_hook(edit) if edit else None
-            self.opt.backward(loss_of(self.model(x, uses_aux(step, micro)), y, w))
-            if hook is not None:
-                hook.remove()
+            micro_backward(self.model, gen, step, micro, dtype, self.opt.backward)
         if step == LR_CHANGE_AT:  # after the blocks were speculated with the old lr
             self.schedule.change_head_hparams(self.opt, self.sched)
         report = self.opt.step()
@@ -694,12 +698,8 @@ class TorchMastersRun:
         """One iteration (TorchRun.step's, on the masters); returns whether the optimizer stepped."""
         self.opt.zero_grad()
         for micro in range(MICRO):
-            x, y, w = batch(gen, step, micro, self.model.inp.weight.dtype)
-            edit = gradient_edit(step, micro)
-            hook = self.model.inp.weight.register_hook(edit) if edit else None
-            self.scaler.scale(loss_of(self.model(x, uses_aux(step, micro)), y, w)).backward()
-            if hook is not None:
-                hook.remove()
+            micro_backward(self.model, gen, step, micro, self.model.inp.weight.dtype,
+                           lambda loss: self.scaler.scale(loss).backward())
             for p, m in zip(self.model.parameters(), self.masters):
                 if p.grad is not None:
                     m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
