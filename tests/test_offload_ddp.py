@@ -119,6 +119,12 @@ def _backward(ddp: DDP, step: int, rank: int, accumulate: int, no_sync: bool, us
             handle.remove()
 
 
+def _plain_backward(ddp: DDP, step: int, rank: int) -> None:
+    """:func:`_backward` of one synchronized micro-step of ``ddp``'s loss as it is (not scaled), the extra branch
+    used, no inf injected."""
+    _backward(ddp, step, rank, 1, False, _always, lambda loss: loss, False)
+
+
 def _flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
@@ -242,7 +248,7 @@ def _replaced_then_closed(rank: int) -> dict:
     model, ref = DDP(net), _ddp({})
     first = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, ddp=model)
     second = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, ddp=model)
-    _backward(model, 0, rank, 1, False, _always, lambda loss: loss, False)
+    _plain_backward(model, 0, rank)
     out = {"unwrapped": error_text(unwrapped.step), "first": error_text(first.step),
            "second": error_text(second.step)}
     for opt in (unwrapped, first, second):
@@ -289,8 +295,7 @@ def _refused_in_hook(rank: int, make: Callable[[], DDP] = functools.partial(_ddp
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
-    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, rank=rank)
     out: dict = {"raised": [], "torch": [], "sofx": []}
     with _reported(out, [opt]):
         for step in range(4):
@@ -365,8 +370,7 @@ def _uneven_inputs(rank: int) -> dict:
         model = _ddp({})
         opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if name == "torch" else
                sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model))
-        plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                                  scale=lambda loss: loss, inject=False)
+        plain = functools.partial(_plain_backward, model, rank=rank)
         with _reported(out, [opt], case=name):
             with model.join():
                 for step in range(2 + rank):
@@ -407,8 +411,7 @@ def _resumed_from_other_checkpoints(rank: int) -> dict:
     loaded rank 0's checkpoint after zero_grad(), two steps. And a resumed run where both ranks load the same
     checkpoint, two steps; and the first optimizer's two steps on: the parameters after each run. Then a resumed
     run where both ranks load the same checkpoint and rank 1 sets another lr: what its first step() raised."""
-    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, rank=rank)
 
     def make(model: DDP) -> sofx.offload.SpeculativeAdamW:
         return sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
@@ -471,8 +474,7 @@ def _state_changed_on_one_rank(rank: int) -> dict:
     what they raised, and the parameters after. Then steps without a backward (the ranks decide in step()): rank 1
     sets a step count alone; then rank 0 sets it too and rank 1 sets an exp_avg alone (no zero_grad() between);
     then rank 0 sets it too: what each step raised."""
-    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, rank=rank)
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
@@ -542,8 +544,7 @@ def _hparams_unreadable_on_one_rank(rank: int) -> dict:
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
-    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, model, rank=rank)
     group = opt.param_groups[0]
     out: dict = {}
     with _reported(out, [opt]):
@@ -597,11 +598,11 @@ def _steps_under_join(rank: int, make: Callable[[], nn.Module]) -> dict:
                 with model.join():
                     for step in range(batches[rank]):
                         opt.zero_grad()
-                        _backward(model, step, rank, 1, False, _always, lambda loss: loss, False)
+                        _plain_backward(model, step, rank)
                         opt.step()
                 for step in (3, 4):
                     opt.zero_grad()
-                    _backward(model, step, rank, 1, False, _always, lambda loss: loss, False)
+                    _plain_backward(model, step, rank)
                     opt.step()
                 out[f"{name}_{batches}"] = _flat(model.module)
                 out["order"] = model._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
@@ -618,8 +619,7 @@ def _state_changed_after_a_backward_without_gradient(rank: int) -> dict:
     net.extra.requires_grad_(False)
     model = DDP(net)
     opt = sofx.offload.SpeculativeAdamW(net.extra.parameters(), lr=LR, block_numel=16, ddp=model)
-    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, model, rank=rank)
     out: dict = {}
     with _reported(out, [opt]):
         with warnings.catch_warnings():  # (step() found no gradients)
@@ -750,8 +750,7 @@ def _lr_set_between_backward_and_step(rank: int) -> dict:
     lr set on both ranks between each backward and step() (a warmup): the parameters after 4 steps, and what each
     facade step said."""
     out: dict = {}
-    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, rank=rank)
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
@@ -799,8 +798,7 @@ def _closed_on_one_rank(rank: int, collected: bool = False) -> dict:
     backward said, and the parameters after."""
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model)
-    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, model, rank=rank)
     out: dict = {}
     try:
         plain(0)
@@ -839,8 +837,7 @@ def _join_without_batches(rank: int) -> dict:
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                         policy=AdaptivePolicy(enabled=False))
-    plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, model, rank=rank)
     out: dict = {}
     with _reported(out, [opt]):
         with model.join():
@@ -873,7 +870,7 @@ def _settings_differ(rank: int) -> dict:
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                             **{"max_grad_norm": 1.0, **(other if rank == 1 else {})})
         with _reported(out, [opt], case=how):
-            _backward(model, 1, rank, 1, False, _always, lambda loss: loss, False)
+            _plain_backward(model, 1, rank)
             before = _flat(model.module)
             out[how] = error_text(opt.step)
             out[f"{how}_unchanged"] = torch.equal(before, _flat(model.module))
@@ -886,8 +883,7 @@ def _speculation_set_on_one_rank(rank: int) -> dict:
     it too, and both set it back on later: what those steps said, and the parameters after. And an optimizer made
     with ``speculate=False`` on rank 1 alone: what its first step() said."""
     out: dict = {}
-    plain = functools.partial(_backward, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                              scale=lambda loss: loss, inject=False)
+    plain = functools.partial(_plain_backward, rank=rank)
     model = _ddp({})
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, max_grad_norm=MAX_NORM,
                                         policy=AdaptivePolicy(enabled=False))
@@ -928,13 +924,13 @@ def _step_without_backward_beside_a_closed_rank(rank: int) -> dict:
     meet()
     out: dict = {"step": "closed"}
     with _reported(out, [opt]):
-        _backward(model, 0, rank, 1, False, _always, lambda loss: loss, False)
+        _plain_backward(model, 0, rank)
         opt.step()
         opt.zero_grad()
         if rank == 1:
             opt.close()
         with model.no_sync():  # (on rank 1 with DDP alone)
-            _backward(model, 1, rank, 1, False, _always, lambda loss: loss, False)
+            _plain_backward(model, 1, rank)
         if rank == 0:
             start = time.monotonic()
             out["step"] = error_text(opt.step)
@@ -964,8 +960,7 @@ def _step_skipped_on_one_rank(rank: int) -> dict:
         model = _ddp({})
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
                                             policy=AdaptivePolicy(enabled=False))
-        plain = functools.partial(_backward, model, rank=rank, accumulate=1, no_sync=False, uses_extra=_always,
-                                  scale=lambda loss: loss, inject=False)
+        plain = functools.partial(_plain_backward, model, rank=rank)
         group = opt.param_groups[0]
         with _reported(out, [opt], case=how):
             plain(0)
