@@ -412,9 +412,10 @@ class Adam:
             if rec is not None:
                 p = rec.p_old if rec.p_old is not None else leaf.p
                 bad = any_lossy(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars,
-                                m=leaf.m)
+                                m=leaf.m, p_kept=plan[1] == "param_snapshot")
             else:
-                bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled, m=leaf.m)
+                bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled, m=leaf.m,
+                                p_kept=plan[1] == "param_snapshot")
             tests.setdefault(leaf.p.device, []).append((k, bad))
         for found in tests.values():
             for (k, _), lossy in zip(found, torch.stack([t for _, t in found]).tolist()):
@@ -456,7 +457,8 @@ class Adam:
         out = (leaf.p, leaf.m, leaf.v) if donate else None
         rec = LeafUndo(strategy, leaf.g, scalars, leaf.count, p_old, m_old, v_old, reason, moments_were_zero=fresh,
                        owns_kept=own or leaf_owned)
-        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip, zero_moments=fresh), rec
+        return StepCall(leaf.p, leaf.g, leaf.m, leaf.v, scalars, out, copy, skip, zero_moments=fresh,
+                        p_kept=strategy == "param_snapshot"), rec
 
     def _step_leaf(self, leaf: _Leaf, plan: tuple[AdamScalars, str, str], donate: bool,
                    copy: torch.Tensor | None = None, *, copy_snapshots: bool | None = None, leaf_owned: bool = False,
@@ -628,12 +630,13 @@ class Adam:
                 out = (leaf.p, leaf.m, leaf.v) if donate else (torch.empty_like(leaf.p), torch.empty_like(leaf.m),
                                                                torch.empty_like(leaf.v))
                 whole[k] = UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g, plan[0], None, out,
-                                        copy, flags.views[k])
+                                        copy, flags.views[k], plan[1] == "param_snapshot")
                 chunked += [(kernels[k], c) for c in skipped_chunks.split_by_kept_chunks(whole[k], rec)]
             elif fused:
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 pending.append((k, kernels[k], UndoRedoCall(leaf.p, leaf.m, leaf.v, rec.grad, rec.scalars, leaf.g,
-                                                            plan[0], rec.p_old, out, copy, flags.views[k])))
+                                                            plan[0], rec.p_old, out, copy, flags.views[k],
+                                                            plan[1] == "param_snapshot")))
             if fused:
                 new_c[k] = rec.count_before + 1
                 records[k] = _fused_record(leaf, rec, plan) if undoable else \

@@ -152,14 +152,16 @@ def test_auto_strategy_is_sound(c):
     hp = c["hp"]
     s_dtype = c["s_dtype"] or c["p_dtype"]
     s = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, 1, 1.0)  # (update without grad_scale)
-    leaves = zip(*(sofx.tree.flatten(t)[0] for t in (params, grads, state.nu)))
-    lossy = [bool(lossy_elements(p, g, v, s, c["decoupled"]).any()) for p, g, v in leaves]
+    # a param_snapshot keeps p: its inverse takes no recovered p, so no L2 terms in its test (p_kept)
+    p_kept = c["p_dtype"] in (torch.bfloat16, torch.float16) or bool(
+        c["decoupled"] and hp.weight_decay and abs(1 - hp.lr * hp.weight_decay) < 0.5)
+    leaves = zip(*(sofx.tree.flatten(t)[0] for t in (params, grads, state.nu, state.mu)))
+    lossy = [bool(lossy_elements(p, g, v, s, c["decoupled"], m=m, p_kept=p_kept).any()) for p, g, v, m in leaves]
     for rec, too_lossy in zip(record.leaves, lossy):
         if c["undo"] == "exact" or hp.beta1 < 0.5 or hp.beta2 < 0.5 or s_dtype in (torch.bfloat16, torch.float16) \
                 or (c["undo"] == "auto" and too_lossy):
             assert rec.strategy == "snapshot"
-        elif c["p_dtype"] in (torch.bfloat16, torch.float16) or (
-                c["decoupled"] and hp.weight_decay and abs(1 - hp.lr * hp.weight_decay) < 0.5):
+        elif p_kept:
             assert rec.strategy == "param_snapshot"
         else:
             assert rec.strategy == "algebraic"

@@ -1219,6 +1219,16 @@ def test_another_build_flags_the_edges_of_exact_zero_moments_alike(other_build, 
     check_zero_edges_flagged_alike((cpu, cpu_fast), rng)
 
 
+def test_another_build_flags_the_l2_term_alike(other_build, rng, monkeypatch):
+    """test_lossy_undo.py's check_l2_flags_alike in the other builds (AVX2 vector loops, the pass per chunk):
+    the recovered p's error through wd * p (base.py's _l2_term) flagged as lossy_elements finds it."""
+    from sofx.kernels import _cpu_build
+    from test_lossy_undo import check_l2_flags_alike
+
+    monkeypatch.setattr(_cpu_build, "_loaded", [other_build])
+    check_l2_flags_alike((cpu, cpu_fast), rng)
+
+
 def test_another_build_gives_the_same_bits_for_nans_and_infinities_in_bf16(other_build, rng, monkeypatch):
     """All-bf16 jobs (whose AVX-512 loops take even/odd pairs of vectors and store a pair by one two-vector
     conversion) give the other builds' bit patterns where the gradients hold nans of either sign and

@@ -635,6 +635,11 @@ else:
         from test_lossy_undo import check_zero_edges_flagged_alike
         check_zero_edges_flagged_alike((tk,), rng)
 
+    def test_checked_calls_flag_the_l2_term_alike_in_triton(rng):
+        """test_lossy_undo.py's check_l2_flags_alike on the Triton backend (_chunk_bad's L2 term, p_kept)."""
+        from test_lossy_undo import COMBOS, check_l2_flags_alike
+        check_l2_flags_alike((tk,), rng, [c for c in COMBOS if c[0] == c[1]])
+
     def test_a_weight_decay_that_rounds_to_0_in_float32_is_l2_decay_in_the_triton_check():
         """test_lossy_undo.py's test on the Triton kernels: their check tests the L2 term wherever the step adds
         it (an inf parameter's chunk flagged, moments exactly 0 not exempt)."""

@@ -96,7 +96,8 @@ enum { OP_STEP = 0, OP_UNDO = 1, OP_UNDO_REDO = 2 };
 enum {
   S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
   S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY,
-  S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16, S_LOSSY, S_COUNT
+  S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16, S_LOSSY, S_L2_CV, S_L2_CM, S_L2_WA, S_L2_WB, S_L2_WKA, S_L2_WKB, S_P_KEPT,
+  S_COUNT
 };
 
 /* lim[dtype]: a checked step flags a chunk whose gradient has an element whose magnitude bits (sign cleared)
@@ -104,10 +105,11 @@ enum {
    could overflow float32, whose step's inverse would be inf - inf (see Adam's undo strategies). lossy: it
    also flags a chunk whose step an algebraic inverse would restore too lossily (chunk_exact; base.py's
    lossy_factor, for any value: 0, a beta of 0 or a step from zero moments (StepCall.zero_moments), still flags
-   a nan v and a non-finite m or gh). */
+   a nan v and a non-finite m or gh). l2[]: cv, cm, wa, wb, wka, wkb of base.py's LossyL2 (its L2 terms,
+   see chunk_exact), none where p_kept (the step's record keeps p: StepCall.p_kept). */
 typedef struct {
-  float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss, lossy;
-  int has_gs, has_decay;
+  float gs, decay, wd, omb1, b1, b2, omb2, bc2, eps, ss, lossy, l2[6];
+  int has_gs, has_decay, p_kept;
   uint32_t lim[3];
 } Sc;
 
@@ -560,6 +562,8 @@ static Sc make_sc(const double *d) {
   s.lim[DT_BF16] = (uint32_t)d[S_LIMIT_BF16];
   s.lim[DT_F16] = (uint32_t)d[S_LIMIT_F16];
   s.lossy = (float)d[S_LOSSY];
+  for (int i = 0; i < 6; i++) s.l2[i] = (float)d[S_L2_CV + i];
+  s.p_kept = d[S_P_KEPT] != 0.0;
   return s;
 }
 
@@ -981,11 +985,17 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
    the undone one: b2 times it, v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division),
    gh_old the old gradient's (p: p_old where given, else p'), and its undone m's numerator m' - (1 - b1) gh_old.
    A non-finite gh * gh * c is flagged whatever v (an inf or nan p in L2 mode: its inverse gives nan moments); a
-   non-finite m (m' of an undo+redo) too: its inverse gives nan p. */
+   non-finite m (m' of an undo+redo) too: its inverse gives nan p. In L2 mode (base.py's _l2_term, the inverse's
+   p an ulp of p' off, times wd in gh) gh * gh * c is max(gh * gh * c, (A + |gh|) |gh| cv, (B + |gh|)^2 cm), A = |p|
+   wa + q wka, B = |p| wb + q wkb, q = |m'| / sqrt(v') (0 where m' is 0; m' = r1 mb + (1 - b1) gh, v' = r2 v + ((1 -
+   b2) gh) gh; mb: m, an undo+redo's undone numerator m' - (1 - b1) gh_old; r1, r2: b1, b2, an undo+redo's b1 /
+   b1_old, b2 / b2_old), a nan term leaving the others' maximum; then times b2s. */
 /* The constants of that test for a job (n: the step taken, o: an undo+redo's undone one). */
 typedef struct {
   float c, b2s, gsn, wdn, gso, wdo, omb2o, omb1o;
+  float cv, cm, wa, wb, wka, wkb, r1, r2, omb1n, omb2n; /* L2 mode's (base.py's LossyL2) */
   int l2n, l2o, zok; /* zok: moments exactly 0 come back exactly 0 (their elements not flagged) */
+  int l2t; /* the L2 term: l2n, but where the step's record keeps p */
 } LossyK;
 static LossyK lossy_k(const Job *j) {
   const int redo = j->op == OP_UNDO_REDO;
@@ -1004,6 +1014,17 @@ static LossyK lossy_k(const Job *j) {
   x.omb2o = so->omb2;
   x.omb1o = so->omb1;
   x.zok = j->ds == DT_F32 && !x.l2n && !x.l2o;
+  x.l2t = x.l2n && !sn->p_kept;
+  x.cv = sn->l2[0];
+  x.cm = sn->l2[1];
+  x.wa = sn->l2[2];
+  x.wb = sn->l2[3];
+  x.wka = sn->l2[4];
+  x.wkb = sn->l2[5];
+  x.r1 = redo ? (float)((double)sn->b1 / (double)so->b1) : sn->b1;
+  x.r2 = redo ? (float)((double)sn->b2 / (double)so->b2) : sn->b2;
+  x.omb1n = sn->omb1;
+  x.omb2n = sn->omb2;
   return x;
 }
 static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
@@ -1037,7 +1058,17 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
     for (int i = 0; i < n; i++) {
       float gh = G[i] * x.gsn;
       if (x.l2n) gh = gh + P[i] * x.wdn;
-      const float t = gh * gh * x.c * x.b2s;
+      float t = gh * gh * x.c;
+      if (x.l2t) { /* Z: mb */
+        const float mp = Z[i] * x.r1 + gh * x.omb1n, vp = V[i] * x.r2 + gh * x.omb2n * gh;
+        const float q = mp == 0.0f ? 0.0f : fabsf(mp) / sqrtf(vp);
+        const float ap = fabsf(P[i]), ag = fabsf(gh);
+        const float a = ap * x.wa + q * x.wka + ag, b = ap * x.wb + q * x.wkb + ag;
+        const float t1 = a * ag * x.cv, t2 = b * b * x.cm;
+        if (t1 > t) t = t1;
+        if (t2 > t) t = t2;
+      }
+      t = t * x.b2s;
       const float nz = fabsf(V[i]) + fabsf(Z[i]) + zk;
       bad |= (!(t <= V[i]) & (nz != 0.0f)) | !(t <= FLT_MAX) | !(fabsf(M[i]) <= FLT_MAX);
     }
@@ -1306,6 +1337,25 @@ _Static_assert(STEP_WIDTH <= MAX_WIDTH && EO_STEP_WIDTH <= MAX_WIDTH && EO_UNDO_
 static inline uint32_t unit_lanes_left(int eo, int64_t left) {
   return eo ? (uint32_t)lanes32_left(left) : (uint32_t)lanes_left(left);
 }
+/* chunk_exact's L2 terms on 16 lanes (t: gh * gh * c; mb: m0). */
+static inline __attribute__((always_inline)) __m512 vlossy_l2(__m512 t, __m512 gh, __m512 p, __m512 mb, __m512 v,
+                                                               const LossyK *x) {
+  const __m512 mp = _mm512_add_ps(_mm512_mul_ps(mb, _mm512_set1_ps(x->r1)),
+                                  _mm512_mul_ps(gh, _mm512_set1_ps(x->omb1n)));
+  const __m512 vp = _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(x->r2)),
+                                  _mm512_mul_ps(_mm512_mul_ps(gh, _mm512_set1_ps(x->omb2n)), gh));
+  const __m512 q = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mp, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_abs_ps(mp),
+                                       _mm512_sqrt_ps(vp));
+  const __m512 ap = _mm512_abs_ps(p), ag = _mm512_abs_ps(gh);
+  const __m512 a = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(ap, _mm512_set1_ps(x->wa)),
+                                               _mm512_mul_ps(q, _mm512_set1_ps(x->wka))), ag);
+  const __m512 b = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(ap, _mm512_set1_ps(x->wb)),
+                                               _mm512_mul_ps(q, _mm512_set1_ps(x->wkb))), ag);
+  const __m512 t1 = _mm512_mul_ps(_mm512_mul_ps(a, ag), _mm512_set1_ps(x->cv));
+  const __m512 t2 = _mm512_mul_ps(_mm512_mul_ps(b, b), _mm512_set1_ps(x->cm));
+  t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t1, t, _CMP_GT_OQ), t, t1);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t2, t, _CMP_GT_OQ), t, t2);
+}
 /* chunk_exact on 16 lanes (the same operations in the same order, so the same flags): the vector loops' read of
    the next chunk (LOSSY_AT) in every checked step. */
 #define VLOSSY(DP, DG, DS)                                                         \
@@ -1321,7 +1371,7 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
       if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, _mm512_set1_ps(x->wdo))); \
       const __m512 u = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(x->omb2o), go), go)); \
       v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ), u, zero);  \
-      if (x->zok) m0 = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(x->omb1o), go)); \
+      if (x->zok || x->l2n) m0 = _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(x->omb1o), go)); \
       gh = vld_##DG(a->g2, e, ALL_LANES);                                          \
     } else {                                                                       \
       gh = vld_##DG(a->g, e, ALL_LANES);                                           \
@@ -1329,6 +1379,7 @@ static inline uint32_t unit_lanes_left(int eo, int64_t left) {
     gh = _mm512_mul_ps(gh, _mm512_set1_ps(x->gsn));                                \
     if (x->l2n) gh = _mm512_add_ps(gh, _mm512_mul_ps(p, _mm512_set1_ps(x->wdn)));  \
     __m512 t = _mm512_mul_ps(_mm512_mul_ps(gh, gh), _mm512_set1_ps(x->c));         \
+    if (x->l2t) t = vlossy_l2(t, gh, p, m0, v, x);                                 \
     if (redo) t = _mm512_mul_ps(t, _mm512_set1_ps(x->b2s));                        \
     const __m512 am = _mm512_abs_ps(m);                                            \
     const __m512 big = _mm512_set1_ps(FLT_MAX);                                    \
@@ -2293,6 +2344,24 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
   }
 #define SCAN8_RESULT(DG, gs, begin, scan_end, bad, lim)                            \
   (!_mm256_testz_si256((bad), (bad)) || SCAN_REST_BAD(DG, gs, begin, scan_end, lim))
+/* chunk_exact's L2 terms on 8 lanes (t: gh * gh * c; mb: m0). */
+static inline __attribute__((always_inline)) v8 vlossy8_l2(v8 t, v8 gh, v8 p, v8 mb, v8 v, const LossyK *x) {
+  const v8 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), zero = _mm256_setzero_ps();
+  const v8 mp = _mm256_add_ps(_mm256_mul_ps(mb, _mm256_set1_ps(x->r1)), _mm256_mul_ps(gh, _mm256_set1_ps(x->omb1n)));
+  const v8 vp = _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(x->r2)),
+                              _mm256_mul_ps(_mm256_mul_ps(gh, _mm256_set1_ps(x->omb2n)), gh));
+  const v8 q = _mm256_blendv_ps(_mm256_div_ps(_mm256_and_ps(mp, absm), _mm256_sqrt_ps(vp)), zero,
+                                _mm256_cmp_ps(mp, zero, _CMP_EQ_OQ));
+  const v8 ap = _mm256_and_ps(p, absm), ag = _mm256_and_ps(gh, absm);
+  const v8 a = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(ap, _mm256_set1_ps(x->wa)),
+                                           _mm256_mul_ps(q, _mm256_set1_ps(x->wka))), ag);
+  const v8 b = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(ap, _mm256_set1_ps(x->wb)),
+                                           _mm256_mul_ps(q, _mm256_set1_ps(x->wkb))), ag);
+  const v8 t1 = _mm256_mul_ps(_mm256_mul_ps(a, ag), _mm256_set1_ps(x->cv));
+  const v8 t2 = _mm256_mul_ps(_mm256_mul_ps(b, b), _mm256_set1_ps(x->cm));
+  t = _mm256_blendv_ps(t, t1, _mm256_cmp_ps(t1, t, _CMP_GT_OQ));
+  return _mm256_blendv_ps(t, t2, _mm256_cmp_ps(t2, t, _CMP_GT_OQ));
+}
 /* vlossy on the AVX2 loops' 8 lanes (the same operations, so the same flags), 16 elements per SCAN8L_AT. */
 #define VLOSSY8(DP, DG, DS)                                                        \
   static inline __attribute__((always_inline)) __m256i vlossy8_##DP##DG##DS(     \
@@ -2307,7 +2376,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
       if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, _mm256_set1_ps(x->wdo))); \
       const v8 u = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(x->omb2o), go), go)); \
       v = _mm256_blendv_ps(u, zero, _mm256_cmp_ps(u, zero, _CMP_LT_OQ));           \
-      if (x->zok) m0 = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_set1_ps(x->omb1o), go)); \
+      if (x->zok || x->l2n) m0 = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_set1_ps(x->omb1o), go)); \
       gh = v8ld_##DG(a->g2, e);                                                    \
     } else {                                                                       \
       gh = v8ld_##DG(a->g, e);                                                     \
@@ -2315,6 +2384,7 @@ static inline __m256i vnonfinite8_1(const void *g, int64_t e, uint32_t lim) {
     gh = _mm256_mul_ps(gh, _mm256_set1_ps(x->gsn));                                \
     if (x->l2n) gh = _mm256_add_ps(gh, _mm256_mul_ps(p, _mm256_set1_ps(x->wdn)));  \
     v8 t = _mm256_mul_ps(_mm256_mul_ps(gh, gh), _mm256_set1_ps(x->c));             \
+    if (x->l2t) t = vlossy8_l2(t, gh, p, m0, v, x);                                \
     if (redo) t = _mm256_mul_ps(t, _mm256_set1_ps(x->b2s));                        \
     const v8 am = _mm256_and_ps(m, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); \
     const v8 big = _mm256_set1_ps(FLT_MAX);                                        \
@@ -2947,6 +3017,6 @@ assert FINITE_CHUNK % 1024 == 0  # XTILE (see CHUNK in SOURCE)
 # Keep in sync with the enum in SOURCE.
 (S_GRAD_SCALE, S_DECAY_FACTOR, S_WD, S_ONE_MINUS_B1, S_B1, S_B2, S_ONE_MINUS_B2,
  S_BC2_SQRT, S_EPS, S_STEP_SIZE, S_HAS_GRAD_SCALE, S_HAS_DECAY, S_LIMIT_F32, S_LIMIT_BF16, S_LIMIT_F16,
- S_LOSSY, S_COUNT) = range(17)
+ S_LOSSY, S_L2_CV, S_L2_CM, S_L2_WA, S_L2_WB, S_L2_WKA, S_L2_WKB, S_P_KEPT, S_COUNT) = range(24)
 OP_STEP, OP_UNDO, OP_UNDO_REDO = 0, 1, 2
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2

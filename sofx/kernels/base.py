@@ -475,6 +475,7 @@ class StepCall(NamedTuple):
     p_copy: torch.Tensor | None = None
     skip: torch.Tensor | None = None
     zero_moments: bool = False
+    p_kept: bool = False  # the caller keeps p (a param_snapshot record): no L2 term in the check, see _l2_term
 
 
 # A checked step (``StepCall.skip``, ``UndoRedoCall.skip``; backends whose ``CHECKS_FINITE`` is True):
@@ -559,8 +560,29 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # to take back), and a leaf's first step from zero moments (``StepCall.zero_moments``: its undo restores exact
 # zeros). A nan ``v`` is flagged, a non-finite ``m``, and a non-finite ``gh^2 c`` (an inf or nan parameter in
 # L2 mode, whose effective gradient is then not finite: the inverse would give nan moments).
+# L2 mode (``gh = g * grad_scale + wd * p``) also: the inverse recovers p from p' about half an ulp of each off (at most
+# 2^-24 (|p| + |p'|) <= 2^-24 P, ``P = 2 |p| + |u|``, ``u`` the update, ``|u| <= K |m'| / sqrt(v')``, ``K`` of
+# :class:`LossyL2`; an element hits it now and then: a tie, the update's rounding), and wd times that error enters the
+# recovered ``gh``, so the moments: v by up to ``E_v = 2 (1 - b2) / b2 |gh| W / v`` (relative, in units of 2^-24; ``W =
+# wd P``) and m by up to ``E_m = (1 - b1) / b1 W / sqrt(v)``. Where ``wd |p|`` or the update is large beside ``|gh|``
+# that is far beyond the ratios' bounds: with an update far larger than |p| (``sofx.adam(weight_decay=0.5)``, lr 1,
+# betas 0.99, a few steps in) unflagged elements came back with v 7.5e-6 off; with ``g`` near ``-wd p`` (``gh`` small
+# beside ``wd p``: the balance L2 training tends to) and a second moment still small (a second step), 5e-6 off at lr
+# 0.01 and wd 0.1, 6e-4 at lr 0.1 and wd 0.5. So in L2 mode these errors share the ratios' budgets: ``3.3 R + E_v <= 3.3
+# LOSSY_V_RATIO``, i.e. ``|gh| (|gh| + LOSSY_L2_V W) cv <= v`` with ``LOSSY_L2_V = 2 / 3.3``, and ``2 R_m + E_m <= 2
+# LOSSY_M_RATIO``, i.e. ``(|gh| + LOSSY_L2_M W)^2 cm <= v`` with ``LOSSY_L2_M = 1 / 2`` (``cv``, ``cm``: the two parts
+# of :func:`lossy_factor`; :func:`_l2_term`): where W is 0 the ratios' own test, elsewhere never more error than they
+# allow. Measured by ``benchmarks/lossy_l2.py`` (float32, 2^15 elements per case over lr 1e-3..1, wd 0.01..0.5, betas
+# (0.9, 0.999), (0.99, 0.99), (0.9, 0.95), 1..30 steps; Adam-evolved states with gradients over three decades and an
+# eighth of them near ``-wd p``): 17.4% of elements flagged (the ratios alone: 14.5%, and unflagged elements came back
+# with v up to 9e-4 off; separate budgets of 2 ulps of v and 8 of sqrt(v): 29.5%), unflagged ones within 11.8 ulps of v
+# and 12.1 of ``sqrt(v) + |m|`` (on wider random states 13.8 and 14.2). None where the step's record keeps p
+# (``StepCall.p_kept``: a ``param_snapshot``, whose inverse takes p from it exactly). An undo+redo's check takes ``|p|``
+# of the parameter it is given (its ``p_old``, else ``p'``), as its ``gh``.
 LOSSY_V_RATIO = 3.0
 LOSSY_M_RATIO = 12.0
+LOSSY_L2_V = 2 / 3.3
+LOSSY_L2_M = 1 / 2
 
 
 def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
@@ -578,6 +600,83 @@ def lossy_factor(beta1: float, beta2: float, float64: bool = False) -> float:
     finer = 2.0 ** 29 if float64 else 1.0
     c = max((1 - b2) / (LOSSY_V_RATIO * finer * b2), ((1 - b1) / (LOSSY_M_RATIO * finer * b1)) ** 2)
     return min(c, FLOAT32_MAX)
+
+
+def _to_f32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (as C's ``(float)`` of a double)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0] if abs(x) <= FLOAT32_MAX else math.copysign(math.inf, x)
+
+
+class LossyL2(NamedTuple):
+    """The float32 constants of the L2 terms of the lossy check (see :data:`LOSSY_V_RATIO`), for a step ``s`` (the
+    redo of an undo+redo: also ``s_old``, the undone one's): ``cv, cm``: the two parts of :func:`lossy_factor`,
+    ``(1 - b2) / (LOSSY_V_RATIO b2)`` and ``((1 - b1) / (LOSSY_M_RATIO b1))^2`` (both 0 for a step from zero
+    moments, whose undo zeroes them); ``wa = LOSSY_L2_V wd``, ``wb = LOSSY_L2_M wd`` (the shares of ``wd P`` in each
+    check, ``P = 2 |p| + K q``); ``wka = wa K / 2``, ``wkb = wb K / 2`` with ``K = lr max(1, sqrt(1 - b2^t) / (1 -
+    b1^t))`` (``|u| <= K |m'| / sqrt(v')``, with or without bias correction); ``r1, r2``: ``b1, b2`` (an undo+redo's
+    ``b1 / b1_old, b2 / b2_old``, of the float32 betas: against the undone moments' ``b1_old m, b2_old v``); ``omb1,
+    omb2``: the step's ``1 - b1, 1 - b2``."""
+
+    cv: float
+    cm: float
+    wa: float
+    wb: float
+    wka: float
+    wkb: float
+    r1: float
+    r2: float
+    omb1: float
+    omb2: float
+
+
+def lossy_l2(s: AdamScalars, zero_moments: bool = False, s_old: AdamScalars | None = None,
+             float64: bool = False) -> LossyL2:
+    """:class:`LossyL2` of a step ``s`` (``zero_moments``: from zero moments; ``float64``: computed and stored in
+    float64, whose ratios are 2^29 times larger, as :func:`lossy_factor`'s)."""
+    b1, b2, t = float(s.beta1), float(s.beta2), float(s.step)
+    finer = 2.0 ** 29 if float64 else 1.0
+    if zero_moments or b1 == 0 or b2 == 0:
+        cv = cm = 0.0
+    elif min(b1, b2) < 1e-30:
+        cv = cm = FLOAT32_MAX
+    else:
+        cv = min((1 - b2) / (LOSSY_V_RATIO * finer * b2), FLOAT32_MAX)
+        cm = min(((1 - b1) / (LOSSY_M_RATIO * finer * b1)) ** 2, FLOAT32_MAX)
+    bc1 = 1 - b1 ** t
+    k = float(s.lr) * (max(1.0, math.sqrt(max(1 - b2 ** t, 0.0)) / bc1) if bc1 > 0 else math.inf)
+    wd = abs(_to_f32(float(s.weight_decay)))
+    wa, wb = 2 * LOSSY_L2_V * wd, 2 * LOSSY_L2_M * wd
+    r1, r2 = _to_f32(b1), _to_f32(b2)
+    if s_old is not None:
+        o1, o2 = _to_f32(float(s_old.beta1)), _to_f32(float(s_old.beta2))
+        r1, r2 = _to_f32(r1 / o1) if o1 else math.inf, _to_f32(r2 / o2) if o2 else math.inf
+    return LossyL2(_to_f32(cv), _to_f32(cm), _to_f32(wa), _to_f32(wb), _to_f32(min(wa * k / 2, FLOAT32_MAX)),
+                   _to_f32(min(wb * k / 2, FLOAT32_MAX)), r1, r2, _to_f32(1 - b1), _to_f32(1 - b2))
+
+
+def _l2_term(p: torch.Tensor, gh: torch.Tensor, mb: torch.Tensor | None, vv: torch.Tensor, c: float,
+             k: LossyL2) -> torch.Tensor:
+    """L2 mode's ``gh^2 c`` of :func:`_lossy_operands` (``vv``: ``v``, an undo+redo's ``b2_old`` times the undone
+    ``v``; ``mb``: ``m``, an undo+redo's ``b1_old`` times the undone ``m``): ``max(gh^2 c, |gh| (|gh| + A) cv, (|gh| +
+    B)^2 cm)`` with ``A = |p| wa + q wka``, ``B = |p| wb + q wkb``, ``q = |m'| / sqrt(v')`` (0 where ``m'`` is; ``m' =
+    r1 mb + (1 - b1) gh``, ``v' = r2 vv + ((1 - b2) gh) gh``); see :data:`LOSSY_V_RATIO` and :class:`LossyL2`. ``mb``
+    None (unknown): no ``q`` terms. A nan term leaves the others' maximum (a nan ``gh^2 c`` stays nan)."""
+    t = torch.mul(gh, gh).mul_(c)
+    ap = torch.abs(p.to(gh.dtype))
+    ag = torch.abs(gh)
+    a = torch.mul(ap, k.wa)
+    b = ap.mul_(k.wb)
+    if mb is not None:
+        mp = torch.mul(mb, k.r1).add_(torch.mul(gh, k.omb1))
+        vp = torch.mul(vv, k.r2).add_(torch.mul(gh, k.omb2).mul_(gh))
+        q = torch.abs(mp).div_(vp.sqrt_()).masked_fill_(mp == 0, 0.0)
+        a.add_(torch.mul(q, k.wka))
+        b.add_(q.mul_(k.wkb))
+    t1 = a.add_(ag).mul_(ag).mul_(k.cv)
+    t = torch.where(t1 > t, t1, t)
+    b.add_(ag)
+    t2 = b.mul_(b).mul_(k.cm)
+    return torch.where(t2 > t, t2, t)
 
 
 def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoupled: bool) -> torch.Tensor:
@@ -603,7 +702,7 @@ def zeros_come_back(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor, s:
 
 def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                     g_old: torch.Tensor | None, s_old: AdamScalars | None, zero_moments: bool = False,
-                    m: torch.Tensor | None = None,
+                    m: torch.Tensor | None = None, p_kept: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor] | None]:
     """``(gh * gh * c, v, mm)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``mm()``: 0 where the
     first moment before the step is, so that both moments are 0 where ``v`` is too, :func:`_zeros`, computed when
@@ -626,9 +725,14 @@ def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSc
     t = _effective_gradient(p, g, s, decoupled)
     # float64's finer factor only where the moments are stored in float64 too: float32 moments (state_dtype)
     # round v' to float32 whatever the precision of the step's math
-    c = 0.0 if zero_moments else lossy_factor(s.beta1, s.beta2,
-                                              float64=dtype == torch.float64 and v.dtype == torch.float64)
-    t.mul_(t).mul_(c)
+    c_float64 = dtype == torch.float64 and v.dtype == torch.float64
+    c = 0.0 if zero_moments else lossy_factor(s.beta1, s.beta2, float64=c_float64)
+    if not decoupled and float(s.weight_decay) != 0 and not p_kept:
+        mb = None if m is None else m.to(dtype) if g_old is None else \
+            torch.sub(m.to(dtype), torch.mul(gho, 1 - float(s_old.beta1)))
+        t = _l2_term(p, t, mb, vv, c, lossy_l2(s, zero_moments, s_old, float64=c_float64))
+    else:
+        t.mul_(t).mul_(c)
     if g_old is not None:
         t.mul_(float(s_old.beta2))  # against b2 times the undone v: no division
     return t, vv, mm
@@ -650,7 +754,7 @@ def _sound(t: torch.Tensor, vv: torch.Tensor, mm: Callable[[], torch.Tensor] | N
 
 def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                    g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
-                   m: torch.Tensor | None = None, zero_moments: bool = False) -> torch.Tensor:
+                   m: torch.Tensor | None = None, zero_moments: bool = False, p_kept: bool = False) -> torch.Tensor:
     """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
     less exactly than DESIGN.md's tolerance: not ``gh^2 * lossy_factor(b1, b2) <= v``, a nan ``v`` and a zero
     ``v`` with a nonzero ``gh`` included (see :data:`LOSSY_V_RATIO`), but for moments exactly 0 where
@@ -664,8 +768,10 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
     first moment (``m'`` of an undo+redo); an element where it is not finite is flagged too (its inverse would
     give a nan parameter: inf - inf). ``zero_moments`` (a step's, as :class:`StepCall`'s: all-zero moments
     that its undo restores by zeroing them): a factor ``c`` of 0, so that only non-finite values are flagged.
-    The checked kernels flag the chunks holding such an element."""
-    bad = _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments, m)).logical_not_()
+    L2 mode: ``gh^2 c`` is :func:`_l2_term`'s (the inverse's p is an ulp of p' off), but where ``p_kept`` (the
+    step's record keeps p: a ``param_snapshot``, :class:`StepCall`'s). The checked kernels flag the chunks
+    holding such an element."""
+    bad = _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments, m, p_kept)).logical_not_()
     return bad if m is None else bad.logical_or_(~torch.isfinite(m))
 
 
@@ -674,17 +780,16 @@ _LOSSY_SLICE = 1 << 18  # elements per slice of a CPU tensor in any_lossy (its t
 
 def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
               g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
-              m: torch.Tensor | None = None) -> torch.Tensor:
+              m: torch.Tensor | None = None, p_kept: bool = False) -> torch.Tensor:
     """``lossy_elements(...).any()`` (a 0-d bool tensor) with fewer passes. On CPU a slice at a time, up to
     the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages). ``m`` is
     tested by its sum, one reduction (an inf or a nan makes it so; a sum beyond the float range, from finite
     elements, flags it too: a snapshot where none was needed), and read by slice where :func:`zeros_come_back`
-    (its exact zeros)."""
-    exact = zeros_come_back(p, m, v, s, decoupled, s_old)
+    (its exact zeros, and in L2 mode for its L2 term: see :data:`LOSSY_V_RATIO`)."""
 
     def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None,
               m: torch.Tensor | None) -> torch.Tensor:
-        t, vv, mm = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m if exact else None)
+        t, vv, mm = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m, p_kept=p_kept)
         if mm is None or p.device.type != "cpu":
             return _sound(t, vv, mm).all()
         ok = torch.le(t, vv).logical_and_(torch.isfinite(t)).all()  # (on CPU the exact zeros only where needed)
@@ -734,6 +839,7 @@ class UndoRedoCall(NamedTuple):
     out: Triple | None = None
     p_copy: torch.Tensor | None = None
     skip: torch.Tensor | None = None  # checked on g_new, see FINITE_CHUNK
+    p_kept: bool = False  # the redo's record keeps p (see StepCall)
 
 
 def refuse_checked_steps(calls: Sequence[StepCall] | Sequence[UndoRedoCall], where: str) -> None:

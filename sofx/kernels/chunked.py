@@ -221,11 +221,11 @@ def range_calls(c: ChunkedCall) -> list[StepCall | UndoRedoCall]:
                     skip=call.skip[a // FINITE_CHUNK:-(-b // FINITE_CHUNK)] if call.skip is not None else None)
         if isinstance(call, StepCall):
             calls.append(StepCall(pieces[0], flat(call.g)[a:b], pieces[1], pieces[2], call.s, **rest,
-                                  zero_moments=call.zero_moments))
+                                  zero_moments=call.zero_moments, p_kept=call.p_kept))
         else:
             calls.append(UndoRedoCall(pieces[0], pieces[1], pieces[2], flat(call.g_old)[a:b], call.s_old,
                                       flat(call.g_new)[a:b], call.s_new,
-                                      p_old[a:b] if p_old is not None else None, **rest))
+                                      p_old[a:b] if p_old is not None else None, **rest, p_kept=call.p_kept))
         at += b - a
     return calls
 

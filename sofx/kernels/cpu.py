@@ -81,8 +81,8 @@ from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
 from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
                                UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
-                               mark_written, refuse_traced, traced_possible, write_kept_param_copy, write_outputs,
-                               write_param_copy)
+                               lossy_l2, mark_written, refuse_traced, traced_possible, write_kept_param_copy,
+                               write_outputs, write_param_copy)
 from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
 from sofx.kernels.layout import in_layout_of, same_layout, spans_after_copies, spans_in_memory_order
@@ -174,6 +174,7 @@ def _scalar_block(s: AdamScalars, variant: AdamVariant) -> ctypes.Array | None:
     block[src.S_STEP_SIZE] = step_size
     block[src.S_LIMIT_F32], block[src.S_LIMIT_BF16], block[src.S_LIMIT_F16] = gradient_limit_bits(s.grad_scale)
     block[src.S_LOSSY] = lossy_factor(s.beta1, s.beta2)
+    block[src.S_L2_CV:src.S_L2_WKB + 1] = list(lossy_l2(s)[:6])  # (cv, cm, wa, wb, wka, wkb)
     return block
 
 
@@ -181,7 +182,15 @@ def _without_lossy(c: ctypes.Array) -> ctypes.Array:
     """A copy of the scalar block ``c`` with a lossy factor of 0: a checked step from zero moments
     (``StepCall.zero_moments``) flags only non-finite values."""
     out = (ctypes.c_double * src.S_COUNT)(*c)
-    out[src.S_LOSSY] = 0.0
+    out[src.S_LOSSY] = out[src.S_L2_CV] = out[src.S_L2_CM] = 0.0
+    return out
+
+
+def _with_p_kept(c: ctypes.Array) -> ctypes.Array:
+    """A copy of the scalar block ``c`` whose check takes no L2 term: the step's record keeps p
+    (``StepCall.p_kept``, ``UndoRedoCall.p_kept``)."""
+    out = (ctypes.c_double * src.S_COUNT)(*c)
+    out[src.S_P_KEPT] = 1.0
     return out
 
 
@@ -218,6 +227,7 @@ class _Block(NamedTuple):
     p_copy: torch.Tensor | None
     skip: torch.Tensor | None = None  # the finiteness flags of a checked step or undo+redo (see step_many)
     zero_moments: bool = False  # a step's StepCall.zero_moments: its check takes a lossy factor of 0
+    p_kept: bool = False  # StepCall.p_kept, UndoRedoCall.p_kept: its check takes no L2 term
 
 
 class _Native(NamedTuple):
@@ -370,7 +380,7 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     p = b.p_old if redo and b.p_old is not None else b.p
     bad |= lossy_elements(p.reshape(-1), checked.reshape(-1), b.v.reshape(-1), s, variant.decoupled,
                           b.g.reshape(-1) if redo else None, s1 if redo else None, m=b.m.reshape(-1),
-                          zero_moments=b.zero_moments and not redo)
+                          zero_moments=b.zero_moments and not redo, p_kept=b.p_kept)
     flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
     b.skip.copy_(flags)
     unchecked = b._replace(skip=None)
@@ -415,6 +425,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     by_value: dict[AdamScalars, ctypes.Array | None] = {}  # a group's blocks share scalars ...
     by_id: dict[int, ctypes.Array | None] = {}  # ... and mostly the very objects (the lists hold them)
     no_lossy: dict[int, ctypes.Array] = {}  # a block of by_value's with S_LOSSY 0, by its id (zero_moments)
+    p_kept: dict[int, ctypes.Array] = {}  # a block (by its id) with S_P_KEPT 1 (StepCall.p_kept)
 
     def scalar_block(s: AdamScalars | None) -> ctypes.Array | None:
         """The C block of ``s`` (None: no scalars, no library, or not all numbers)."""
@@ -431,6 +442,11 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             no_lossy[id(c)] = _without_lossy(c)
         return no_lossy[id(c)]
 
+    def with_p_kept(c: ctypes.Array) -> ctypes.Array:
+        if id(c) not in p_kept:
+            p_kept[id(c)] = _with_p_kept(c)
+        return p_kept[id(c)]
+
     grad, transforms = traced_possible()
     storage = not STORAGE_CHECKED.get()
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
@@ -438,6 +454,11 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         c1, c2 = scalar_block(s1), scalar_block(s2)
         if c1 is not None and b.zero_moments and b.skip is not None and op == src.OP_STEP:
             c1 = without_lossy(c1)
+        if b.p_kept and b.skip is not None and (c2 if op == src.OP_UNDO_REDO else c1) is not None:
+            if op == src.OP_UNDO_REDO:
+                c2 = with_p_kept(c2)
+            else:
+                c1 = with_p_kept(c1)
         fast = None
         if c1 is not None and (s2 is None or c2 is not None):
             fast = _plain_native(op, b, lib, c1, c2, grad, transforms, storage)
@@ -660,8 +681,8 @@ def undo_redo_impl(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g_old: tor
 def step_many_impl(calls: Sequence[StepCall], variant: AdamVariant, *, exact: bool, backend: str,
                    ) -> list[Triple]:
     """:func:`step_many` with the choice of square root and the backend's name (see :func:`step_impl`)."""
-    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy, c.skip, c.zero_moments)
-              for c in calls]
+    blocks = [_Block(c.p, c.g, c.m, c.v, None, None, c.s, None, c.out, c.p_copy, c.skip, c.zero_moments,
+                     c.p_kept) for c in calls]
     return _run_blocks(src.OP_STEP, blocks, variant, exact, backend, _block_names(backend, "step_many", calls))
 
 
@@ -675,7 +696,8 @@ def undo_many_impl(calls: Sequence[UndoCall], variant: AdamVariant, *, exact: bo
 def undo_redo_many_impl(calls: Sequence[UndoRedoCall], variant: AdamVariant, *, exact: bool, backend: str,
                         ) -> list[Triple]:
     """:func:`undo_redo_many` with the choice of square root and the backend's name (see :func:`step_impl`)."""
-    blocks = [_Block(c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.s_old, c.s_new, c.out, c.p_copy, c.skip)
+    blocks = [_Block(c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.s_old, c.s_new, c.out, c.p_copy, c.skip, False,
+                     c.p_kept)
               for c in calls]
     return _run_blocks(src.OP_UNDO_REDO, blocks, variant, exact, backend,
                        _block_names(backend, "undo_redo_many", calls))
@@ -757,8 +779,9 @@ def _run_by_runs(op: int, name: str, c: ChunkedCall, variant: AdamVariant, exact
     kept values copied out first (:func:`~sofx.kernels.chunked.range_calls`)."""
     runs = range_calls(c)
     blocks = [_Block(r.p, r.g, r.m, r.v, None, None, r.s, None, r.out, r.p_copy, r.skip,
-                     getattr(r, "zero_moments", False)) if op == src.OP_STEP else
-              _Block(r.p, r.g_old, r.m, r.v, r.g_new, r.p_old, r.s_old, r.s_new, r.out, r.p_copy, r.skip)
+                     getattr(r, "zero_moments", False), r.p_kept) if op == src.OP_STEP else
+              _Block(r.p, r.g_old, r.m, r.v, r.g_new, r.p_old, r.s_old, r.s_new, r.out, r.p_copy, r.skip, False,
+                     r.p_kept)
               for r in runs]
     _run_blocks(op, blocks, variant, exact, backend, [f"{name} run {i}" for i in range(len(blocks))])
 
@@ -782,6 +805,11 @@ def _chunked_native(op: int, c: ChunkedCall, lib: _cpu_build.NativeLib, variant:
         return None
     if op == src.OP_STEP and call.zero_moments and call.skip is not None:
         c1 = _without_lossy(c1)
+    if getattr(call, "p_kept", False) and call.skip is not None:
+        if op == src.OP_UNDO_REDO:
+            c2 = _with_p_kept(c2)
+        else:
+            c1 = _with_p_kept(c1)
     pc, out = call.p_copy, call.out
     dtypes, ptrs = _table_entry(codes, call.p, g, call.m, call.v, g2, p_old, out, pc, call.skip)
     return _Native(dtypes, ptrs, g.numel(), c1, c2, list(out), pc is not None), c.chunks.contiguous()

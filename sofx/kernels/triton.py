@@ -56,8 +56,8 @@ from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
                                UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
-                               lossy_factor, mark_written, refuse_traced, traced_possible, write_kept_param_copy,
-                               write_outputs)
+                               lossy_factor, lossy_l2, mark_written, refuse_traced, traced_possible,
+                               write_kept_param_copy, write_outputs)
 from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
 from sofx.kernels.layout import in_layout_of, in_memory_order, same_layout, spans_after_copies, spans_in_memory_order
 
@@ -136,7 +136,8 @@ def _div_by(x, b, rb):
 
 @triton.jit
 def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c,
-               OP: tl.constexpr, ROUND_S: tl.constexpr):
+               k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP: tl.constexpr,
+               ROUND_S: tl.constexpr):
     """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
     (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
     algebraic inverse would restore too lossily (``k_c``: the lossy factor; a zero ``v`` with a nonzero
@@ -145,7 +146,9 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_g
     exactly, :func:`sofx.kernels.base.zeros_come_back`; 0, a beta of 0 or a step from zero moments
     (``StepCall.zero_moments``), still flags a nan ``v``, a non-finite ``m`` or effective gradient). The same
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
-    ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``)."""
+    ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``). L2 mode:
+    ``k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2``, :class:`sofx.kernels.base.LossyL2`'s (its
+    ``_l2_term``), but where ``k_l2t`` is 0 (the step's record keeps p: ``StepCall.p_kept``)."""
     n_l2 = s_l2 != 0  # (as the step's: also a decay that rounds to 0 in float32, fma(p, 0, g) nan for an inf p)
     m0 = m  # 0 where the moments' m is (an undo+redo's: the undone m's numerator)
     if OP == 2:
@@ -165,6 +168,18 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_g
     gh = gn * s_gs
     gh = tl.where(n_l2, gh + p * s_wd, gh)
     t = (gh * gh) * k_c
+    mp = m0 * k_r1 + gh * k_o1
+    vp = vv * k_r2 + (gh * k_o2) * gh
+    q = tl.where(mp == 0.0, 0.0, tl.div_rn(tl.abs(mp), tl.sqrt_rn(vp)))
+    ap = tl.abs(p)
+    ag = tl.abs(gh)
+    a = (ap * k_wa + q * k_wka) + ag
+    b = (ap * k_wb + q * k_wkb) + ag
+    t1 = (a * ag) * k_cv
+    t2 = (b * b) * k_cm
+    tl2 = tl.where(t1 > t, t1, t)
+    tl2 = tl.where(t2 > tl2, t2, tl2)
+    t = tl.where(n_l2 & (k_l2t != 0), tl2, t)
     if OP == 2:
         t = t * u_b2
     over = ~(t <= vv)
@@ -180,7 +195,7 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
                    offs, mask,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   k_lim, k_c,
+                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
                    OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                    SOFT_BF16: tl.constexpr, HAS_COPY: tl.constexpr, ROUND_C: tl.constexpr, CHECK: tl.constexpr):
     """The operation ``OP`` on the elements ``offs`` (where ``mask``) of one block's tensors. ``CHECK``: a
@@ -198,7 +213,7 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
         if OP == 2:
             g2 = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
         skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim,
-                          k_c, OP, ROUND_S)
+                          k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP, ROUND_S)
         tl.store(sk_ptr + chunk, skip.to(tl.uint8))
         mask = mask & (tl.full(offs.shape, 0, tl.int32) == skip)  # (a block-wide comparison: a mask of int1)
     if OP != 0:
@@ -244,7 +259,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
                  # step scalars
                  s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
                  # checked-step scalars (CHECK)
-                 k_lim, k_c,
+                 k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
                  OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                  SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32, CHECK: tl.constexpr = False):
@@ -255,7 +270,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
                    offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   k_lim, k_c, OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
+                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP, HAS_P_OLD,
+                   ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
 
 
 # The multi-tensor kernel's table: a row of 14 int64 per tensor of a launch: its first program, its element
@@ -271,7 +287,7 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
                        u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
                        u_rbc2, u_rpdiv, u_rb1, u_rb2,
                        s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                       k_lim, k_c,
+                       k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
                        OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                        SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_COPY: tl.constexpr,
                        ROUND_C: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr,
@@ -316,7 +332,8 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
                    po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, sk, chunk, offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   k_lim, k_c, OP, HAS_P_OLD, ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
+                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP, HAS_P_OLD,
+                   ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -403,17 +420,32 @@ def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
 class _CheckArgs(NamedTuple):
     lim: int  # the float32 bits above which a gradient element's magnitude is flagged
     c: float  # lossy_factor of the step taken (the redo of an undo+redo)
+    cv: float  # then base.LossyL2's (its L2 terms)
+    cm: float
+    wa: float
+    wb: float
+    wka: float
+    wkb: float
+    r1: float
+    r2: float
+    o1: float
+    o2: float
+    l2t: int  # 0: no L2 term (StepCall.p_kept)
 
 
-def _check_args(s: AdamScalars, g_dtype: torch.dtype, zero_moments: bool = False) -> _CheckArgs:
+def _check_args(s: AdamScalars, g_dtype: torch.dtype, zero_moments: bool = False,
+                s_old: AdamScalars | None = None, p_kept: bool = False) -> _CheckArgs:
     """A checked call's constants, as the CPU kernels' (``gradient_limit_bits``, ``lossy_factor``, 0 for a
     step from zero moments: ``StepCall.zero_moments``): the kernel compares the float32 bits of the gradient
-    it loaded (a bfloat16's upper half, a float16 widened exactly: the float16 limit's own value)."""
+    it loaded (a bfloat16's upper half, a float16 widened exactly: the float16 limit's own value). ``s_old``: an
+    undo+redo's undone step (:func:`~sofx.kernels.base.lossy_l2`); ``p_kept``: no L2 term (``StepCall.p_kept``)."""
     s = _python_numbers(s)
     lim32, _, lim16 = gradient_limit_bits(s.grad_scale)
     if g_dtype == torch.float16:
         lim32 = int(np.array(lim16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.int32))
-    return _CheckArgs(lim=lim32, c=0.0 if zero_moments else _f32(lossy_factor(s.beta1, s.beta2)))
+    c = 0.0 if zero_moments else _f32(lossy_factor(s.beta1, s.beta2))
+    l2 = lossy_l2(s, zero_moments, None if s_old is None else _python_numbers(s_old))
+    return _CheckArgs(lim32, c, *l2[:6], l2.r1, l2.r2, l2.omb1, l2.omb2, int(not p_kept))
 
 
 # placeholders for the unused half of a launch (step: no undo scalars; undo: no step scalars)
@@ -421,7 +453,8 @@ _NO_UNDO = _UndoArgs(gs=1.0, pdiv=1.0, wd=0.0, l2=0, bc2=1.0, eps=1.0, ss=0.0, o
                      rbc2=1.0, rpdiv=1.0, rb1=1.0, rb2=1.0)
 _NO_STEP = _StepArgs(gs=1.0, pmul=1.0, wd=0.0, l2=0, small=1, coef=0.0, b2=1.0, c2=0.0, bc2=1.0, eps=1.0, nss=0.0,
                      rbc2=1.0)
-_NO_CHECK = _CheckArgs(lim=0, c=0.0)
+_NO_CHECK = _CheckArgs(lim=0, c=0.0, cv=0.0, cm=0.0, wa=0.0, wb=0.0, wka=0.0, wkb=0.0, r1=0.0, r2=0.0, o1=0.0, o2=0.0,
+                       l2t=0)
 
 
 # ------------------------------------------------------------------ checks and launch
@@ -811,7 +844,7 @@ def _by_kernel(op: int, calls: Sequence, names: Sequence[str], undo_scalars: Seq
         if by_id[ids] is None and getattr(c, "skip", None) is not None:
             raise UnsupportedError(f"{names[i]}: a checked call "
                                    "needs scalars whose values can be read (not traced)")
-    checks: dict[tuple[int, torch.dtype, bool], _CheckArgs] = {}
+    checks: dict[tuple[int, torch.dtype, bool, int | None, bool], _CheckArgs] = {}
     results: list[Triple | None] = [None] * len(calls)
     launch, u_args, s_args, k_args = [], [], [], []
     for i, (c, su, ss, args) in enumerate(zip(calls, undo_scalars, step_scalars, every)):
@@ -827,9 +860,10 @@ def _by_kernel(op: int, calls: Sequence, names: Sequence[str], undo_scalars: Seq
         else:
             g = c.g_new if op == _OP_UNDO_REDO else c.g
             zero = op == _OP_STEP and c.zero_moments
-            kk = (id(ss), g.dtype, zero)
+            kept = getattr(c, "p_kept", False)
+            kk = (id(ss), g.dtype, zero, id(su) if op == _OP_UNDO_REDO else None, kept)
             if kk not in checks:
-                checks[kk] = _check_args(ss, g.dtype, zero)
+                checks[kk] = _check_args(ss, g.dtype, zero, su if op == _OP_UNDO_REDO else None, kept)
             k_args.append(checks[kk])
     if launch:
         done = _launch(op, [block(calls[i], undo_scalars[i], step_scalars[i]) for i in launch], u_args, s_args,
