@@ -2,6 +2,7 @@
 
     python benchmarks/flagged_chunks.py                 # overlap.py's MLP (6 x 1024), 40 steps
     python benchmarks/flagged_chunks.py --smoke         # tiny: checks that the script runs
+    python benchmarks/flagged_chunks.py --l2 0.01       # sofx.adam with L2 weight decay 0.01 (adamw otherwise)
 
 A checked step (``update`` with ``undo="auto"``, donated: what the offload engine runs) flags a chunk of
 ``FINITE_CHUNK`` elements where its gradient is not finite or its algebraic inverse would be too lossy
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--early", type=int, default=12, help="steps in the first phase")
     ap.add_argument("--lr", type=float, default=1e-3, help="overlap.py trains at 1e-4: ReLU units come alive "
                     "later there, and their rows' first gradients meet moments still exactly 0")
+    ap.add_argument("--l2", type=float, default=None, metavar="WD",
+                    help="sofx.adam with this L2 weight decay (gh = g + wd * p) instead of sofx.adamw")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cpu_fast"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model = build_model(args.width, args.depth)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, 1)
-    opt = sofx.adamw(lr=args.lr, backend=args.backend)
+    opt = (sofx.adamw(lr=args.lr, backend=args.backend) if args.l2 is None
+           else sofx.adam(lr=args.lr, weight_decay=args.l2, backend=args.backend))
     start = [p.detach().clone() for p in model.parameters()]
     runs = {name: {"params": [t.clone() for t in start]} for name in ("undoable", "plain", "late clip", "engine")}
     for run in runs.values():
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         times["engine"].append(time.perf_counter() - t)
     same = all(torch.equal(a, b) for a, b in zip(runs["undoable"]["params"], runs["plain"]["params"]))
     print(f"# {args.depth} x {args.width} MLP ({total / 1e6:.2f} M float32 elements), lr {args.lr:g}, "
+          f"{'adamw' if args.l2 is None else f'adam (L2 weight decay {args.l2:g})'}, "
           f"backend {args.backend}, {args.threads} threads, FINITE_CHUNK {FINITE_CHUNK}, torch {torch.__version__}; "
           f"params equal: {same}")
     print()

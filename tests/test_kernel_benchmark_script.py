@@ -4,7 +4,7 @@
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
 ``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``,
-``benchmarks/dense_layouts.py``, ``benchmarks/redo_paths.py``,
+``benchmarks/dense_layouts.py``, ``benchmarks/redo_paths.py``, ``benchmarks/lossy_l2.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run.
 
 The scripts run as ``__main__`` in one process (``script_runner``: Python, torch and sofx started once, not per
@@ -371,11 +371,24 @@ def test_snapshot_budget_script_runs(scripts):
 
 def test_flagged_chunks_script_runs(scripts):
     """``benchmarks/flagged_chunks.py --smoke``: a row per phase, every time and ratio a number; the undoable and
-    plain runs took the same steps (the script exits 1 otherwise)."""
-    rows = _table_rows(scripts, "flagged_chunks.py", ["--smoke"], ("| 2-", "| 3-"))
-    assert [row.split(" | ")[0] for row in rows] == ["| 2-2", "| 3-4", "| 2-4"]
-    for row in rows:
-        assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){7}", row), row
+    plain runs took the same steps (the script exits 1 otherwise); with ``sofx.adam``'s L2 decay too (``--l2``)."""
+    for extra in ([], ["--l2", "0.01"]):
+        rows = _table_rows(scripts, "flagged_chunks.py", ["--smoke", *extra], ("| 2-", "| 3-"))
+        assert [row.split(" | ")[0] for row in rows] == ["| 2-2", "| 3-4", "| 2-4"]
+        for row in rows:
+            assert re.fullmatch(r"\| \d-\d \| \d+\.\d% \|( \d+\.\d+ \|){7}", row), row
+
+
+def test_lossy_l2_script_runs(scripts):
+    """``benchmarks/lossy_l2.py --smoke``: a row per state, lr and check; the check with the L2 terms flags at
+    least what the ratios alone flag, and every error is a number."""
+    rows = _table_rows(scripts, "lossy_l2.py", ["--smoke"], ("| evolved", "| random"))
+    cells = {tuple(r.strip("|").split(" | ")[:3]): r.strip(" |").split(" | ")[3:] for r in rows}
+    assert len(cells) == 2 * 3 * 2, rows
+    for (kind, lr, check), (flagged, wv, wm) in cells.items():
+        assert float(wv) >= 0 and float(wm) >= 0
+        if check == "this checkout's":
+            assert float(flagged.rstrip("%")) >= float(cells[kind, lr, "ratios alone"][0].rstrip("%"))
 
 
 def test_overlap_script_runs(scripts):
