@@ -412,7 +412,8 @@ class Adam:
             if rec is not None:
                 p = rec.p_old if rec.p_old is not None else leaf.p
                 bad = any_lossy(p, leaf.g, leaf.v, plan[0], self.variant.decoupled, rec.grad, rec.scalars,
-                                m=leaf.m, p_kept=plan[1] == "param_snapshot")
+                                m=leaf.m, p_kept=plan[1] == "param_snapshot",
+                                bias_correction=self.variant.bias_correction, p_old_given=rec.p_old is not None)
             else:
                 bad = any_lossy(leaf.p, leaf.g, leaf.v, plan[0], self.variant.decoupled, m=leaf.m,
                                 p_kept=plan[1] == "param_snapshot")

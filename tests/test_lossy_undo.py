@@ -843,6 +843,34 @@ def test_l2_gradients_near_minus_wd_p_are_flagged_or_undone_within_the_tolerance
     assert _rel(s3.nu["w"][ok], v0[ok]) <= 1e-6
     assert float(((s3.mu["w"][ok] - m0[ok]).abs() / v0[ok].sqrt()).max()) <= 2e-6
 
+
+def test_l2_redone_steps_undone_again_come_back_within_the_tolerance():
+    """L2 mode, an undo+redo given the undone step's result p' (no p_old: an algebraic record), as a late clip
+    redoes it: its check must read the parameter the redo steps from, what the inverse recovers from p', not p'
+    itself (with g near -wd p the effective gradients from p' are far off: the redone step, undone again, gave v
+    back 1.7e-4 off here, at lr 1e-2 and wd 0.1 on a second step). Every element lossy_elements does not flag
+    comes back as the first inverse gave it (v within 1e-6, m 2e-6 of sqrt(v)); the kernels flag its chunks
+    (check_l2_flags_alike)."""
+    variant = AdamVariant(decoupled=False)
+    gen = torch.Generator().manual_seed(1)
+    n = 1 << 15
+    s_old = AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 2, 1.0)
+    s_new = s_old._replace(grad_scale=0.3)  # (a clip)
+    p = torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-2, 1, generator=gen)
+    g1 = torch.randn(n, generator=gen) * 1e-2 * 10 ** torch.empty(n).uniform_(-1, 1, generator=gen)
+    p, m, v = reference.step(p, g1, torch.zeros(n), torch.zeros(n), s_old._replace(step=1), variant)
+    g = torch.randn(n, generator=gen) * 1e-2 * 10 ** torch.empty(n).uniform_(-1.5, 1.5, generator=gen)
+    g[:n // 8] = -0.1 * p[:n // 8] * (1 + 1e-3 * torch.randn(n // 8, generator=gen))
+    p1, m1, v1 = reference.step(p, g, m, v, s_old, variant)
+    ok = ~lossy_elements(p1, g, v1, s_new, False, g, s_old, m=m1)
+    p0, m0, v0 = reference.undo(p1, g, m1, v1, s_old, variant)  # what the redo steps from
+    p2, m2, v2 = reference.step(p0, g, m0, v0, s_new, variant)  # the redo
+    _, m3, v3 = reference.undo(p2, g, m2, v2, s_new, variant)
+    ok &= v0 > 0
+    assert bool(ok[:n // 8].any())
+    assert _rel(v3[ok], v0[ok]) <= 1e-6
+    assert float(((m3[ok] - m0[ok]).abs() / v0[ok].sqrt()).max()) <= 2e-6
+
 def l2_risky(gen: torch.Generator, nc: int, combo) -> tuple[torch.Tensor, ...]:
     """Sound inputs (p 0, v 1) but for one element per chunk of random size in each of p, g, m, v, so that
     about half the chunks are flagged in L2 mode, now and then by base.py's ``_l2_term`` alone (see
@@ -895,12 +923,21 @@ def check_l2_flags_alike(backends, gen: torch.Generator, combos=COMBOS) -> None:
                 cpu._reference_checked(0, cpu._Block(p, g, m, v, None, None, s, None, None, None, ref, False, kept),
                                        variant, s, None)
                 assert ref.tolist() == want
-                for p_old in (None, p):
-                    want_redo = _want_flags(lossy_elements(p, g, v, s, False, g_old, s_old, m=m, p_kept=kept)
-                                            | beyond_limit(g, s.grad_scale), p.numel())
-                    for backend in backends:
-                        assert _flags(backend, variant, StepCall(p, g, m, v, s, p_kept=kept)) == want, backend
-                        assert _flags(backend, variant, UndoRedoCall(p, m, v, g_old, s_old, g, s, p_old,
+                for p_old in (None, p):  # (without p_old the check reads what the inverse recovers from p)
+                    for bc in (True, False):
+                        var = AdamVariant(decoupled=False, bias_correction=bc)
+                        want_redo = _want_flags(lossy_elements(p, g, v, s, False, g_old, s_old, m=m, p_kept=kept,
+                                                               bias_correction=bc, p_old_given=p_old is not None)
+                                                | beyond_limit(g, s.grad_scale), p.numel())
+                        ref = torch.zeros(len(want), dtype=torch.uint8)
+                        cpu._reference_checked(2, cpu._Block(p, g_old, m, v, g, p_old, s_old, s, None, None, ref,
+                                                             False, kept), var, s_old, s)
+                        assert ref.tolist() == want_redo
+                        for backend in backends:
+                            assert _flags(backend, var, StepCall(p, g, m, v, s, p_kept=kept)) == \
+                                _want_flags(lossy_elements(p, g, v, s, False, m=m, p_kept=kept)
+                                            | beyond_limit(g, s.grad_scale), p.numel()), backend
+                            assert _flags(backend, var, UndoRedoCall(p, m, v, g_old, s_old, g, s, p_old,
                                                                      p_kept=kept)) == want_redo, backend
     assert flagged > 0
 

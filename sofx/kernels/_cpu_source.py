@@ -983,7 +983,8 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
    c = 0: StepCall.zero_moments) unless m is 0 too and zok (base.py's zeros_come_back: float32 moments, no L2
    decay): the inverse then gives both back exactly (it subtracts the step's own roundings). An undo+redo's is
    the undone one: b2 times it, v' - (1 - b2) gh_old^2 (at least 0), against b2 (gh * gh * c) (no division),
-   gh_old the old gradient's (p: p_old where given, else p'), and its undone m's numerator m' - (1 - b1) gh_old.
+   gh_old the old gradient's (p: p_old where given, else p', in L2 mode what the inverse recovers from it: pest),
+   and its undone m's numerator m' - (1 - b1) gh_old.
    A non-finite gh * gh * c is flagged whatever v (an inf or nan p in L2 mode: its inverse gives nan moments); a
    non-finite m (m' of an undo+redo) too: its inverse gives nan p. In L2 mode (base.py's _l2_term, the inverse's
    p an ulp of p' off, times wd in gh) gh * gh * c is max(gh * gh * c, (A + |gh|) |gh| cv, (B + |gh|)^2 cm), A = |p|
@@ -994,7 +995,10 @@ static int chunk_finite(const void *g, int dg, int64_t begin, int64_t end, uint3
 typedef struct {
   float c, b2s, gsn, wdn, gso, wdo, omb2o, omb1o;
   float cv, cm, wa, wb, wka, wkb, r1, r2, omb1n, omb2n; /* L2 mode's (base.py's LossyL2) */
+  float sso, bc2o, epso; /* the undone step's (pest) */
   int l2n, l2o, zok; /* zok: moments exactly 0 come back exactly 0 (their elements not flagged) */
+  int pest; /* an undo+redo in L2 mode given p' (no p_old): p is what the inverse recovers (base.py's
+               _recovered_param), p + (ss m) / (sqrt(v) / bc2 + eps) of the undone step, before the test */
   int l2t; /* the L2 term: l2n, but where the step's record keeps p */
 } LossyK;
 static LossyK lossy_k(const Job *j) {
@@ -1014,6 +1018,10 @@ static LossyK lossy_k(const Job *j) {
   x.omb2o = so->omb2;
   x.omb1o = so->omb1;
   x.zok = j->ds == DT_F32 && !x.l2n && !x.l2o;
+  x.pest = redo && !j->pold && (x.l2n || x.l2o);
+  x.sso = so->ss;
+  x.bc2o = so->bc2;
+  x.epso = so->eps;
   x.l2t = x.l2n && !sn->p_kept;
   x.cv = sn->l2[0];
   x.cm = sn->l2[1];
@@ -1044,6 +1052,8 @@ static int chunk_exact(const Job *j, int64_t begin, int64_t end) {
     load(V, j->v, j->ds, off, n);
     load(G, j->g, j->dg, off, n);
     if (x.l2n || x.l2o) load(P, pp, dpp, off, n);
+    if (x.pest)
+      for (int i = 0; i < n; i++) P[i] = P[i] + (x.sso * M[i]) / (sqrtf(V[i]) / x.bc2o + x.epso);
     if (redo) {
       load(G2, j->g2, j->dg2, off, n);
       for (int i = 0; i < n; i++) {
@@ -1366,6 +1376,10 @@ static inline __attribute__((always_inline)) __m512 vlossy_l2(__m512 t, __m512 g
     const __m512 m = vld_##DS(a->m, e, ALL_LANES);                                 \
     __m512 m0 = m; /* 0 where the moments' m is 0 (a redo's: the undone one's numerator) */ \
     if (x->l2n || x->l2o) p = vld_##DP(a->p, e, ALL_LANES);                        \
+    if (redo && x->pest)                                                           \
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(x->sso), m),  \
+                                         _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(x->bc2o)), \
+                                                       _mm512_set1_ps(x->epso)))); \
     if (redo) {                                                                    \
       __m512 go = _mm512_mul_ps(vld_##DG(a->g, e, ALL_LANES), _mm512_set1_ps(x->gso)); \
       if (x->l2o) go = _mm512_add_ps(go, _mm512_mul_ps(p, _mm512_set1_ps(x->wdo))); \
@@ -2371,6 +2385,10 @@ static inline __attribute__((always_inline)) v8 vlossy8_l2(v8 t, v8 gh, v8 p, v8
     const v8 m = v8ld_##DS(a->m, e);                                               \
     v8 m0 = m; /* 0 where the moments' m is 0 (a redo's: the undone one's numerator) */ \
     if (x->l2n || x->l2o) p = v8ld_##DP(a->p, e);                                  \
+    if (redo && x->pest)                                                           \
+      p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(x->sso), m),  \
+                                         _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(x->bc2o)), \
+                                                       _mm256_set1_ps(x->epso)))); \
     if (redo) {                                                                    \
       v8 go = _mm256_mul_ps(v8ld_##DG(a->g, e), _mm256_set1_ps(x->gso));           \
       if (x->l2o) go = _mm256_add_ps(go, _mm256_mul_ps(p, _mm256_set1_ps(x->wdo))); \

@@ -577,8 +577,9 @@ def beyond_limit(g: torch.Tensor, grad_scale: float) -> torch.Tensor:
 # eighth of them near ``-wd p``): 17.4% of elements flagged (the ratios alone: 14.5%, and unflagged elements came back
 # with v up to 9e-4 off; separate budgets of 2 ulps of v and 8 of sqrt(v): 29.5%), unflagged ones within 11.8 ulps of v
 # and 12.1 of ``sqrt(v) + |m|`` (on wider random states 13.8 and 14.2). None where the step's record keeps p
-# (``StepCall.p_kept``: a ``param_snapshot``, whose inverse takes p from it exactly). An undo+redo's check takes ``|p|``
-# of the parameter it is given (its ``p_old``, else ``p'``), as its ``gh``.
+# (``StepCall.p_kept``: a ``param_snapshot``, whose inverse takes p from it exactly). An undo+redo's check reads the
+# parameter its redo steps from, for ``|p|`` and its ``gh``: its ``p_old``, else what the inverse recovers from ``p'``
+# (:func:`_recovered_param`).
 LOSSY_V_RATIO = 3.0
 LOSSY_M_RATIO = 12.0
 LOSSY_L2_V = 2 / 3.3
@@ -679,6 +680,37 @@ def _l2_term(p: torch.Tensor, gh: torch.Tensor, mb: torch.Tensor | None, vv: tor
     return torch.where(t2 > t, t2, t)
 
 
+def bias_corrections(s: AdamScalars, variant: AdamVariant) -> tuple[Scalar, Scalar]:
+    """``(lr / bc1, sqrt(bc2))`` of the step, in double precision for Python numbers.
+
+    Computed from the step's own betas and ``t`` every time (no cache).
+    """
+    if not variant.bias_correction:
+        return s.lr, 1.0
+    if is_number(s.beta1) and is_number(s.step):
+        bc1 = 1 - s.beta1 ** s.step
+    else:
+        bc1 = 1 - torch.as_tensor(s.beta1, dtype=torch.float64) ** s.step
+    if is_number(s.beta2) and is_number(s.step):
+        bc2_sqrt = (1 - s.beta2 ** s.step) ** 0.5
+    else:
+        bc2_sqrt = (1 - torch.as_tensor(s.beta2, dtype=torch.float64) ** s.step).sqrt()
+    return s.lr / bc1, bc2_sqrt
+
+
+def _recovered_param(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s_old: AdamScalars,
+                     bias_correction: bool) -> torch.Tensor:
+    """What the inverse of an L2 step (scalars ``s_old``; ``m``, ``v``: its results) recovers from its result
+    ``p``: ``p + (ss m) / (sqrt(v) / sqrt(bc2) + eps)`` (``ss = lr / bc1``), with true divisions and a correctly
+    rounded square root in the compute dtype: the parameter the redo of an undo+redo steps from, within an ulp or
+    two of the kernels' own (their inverses' square roots and divisions by a step constant), for the redo's
+    lossy test (see :data:`LOSSY_V_RATIO`)."""
+    dtype = compute_dtype(p)
+    ss, bc2 = bias_corrections(s_old, AdamVariant(decoupled=False, bias_correction=bias_correction))
+    d = v.to(dtype).sqrt().div_(float(bc2)).add_(float(s_old.eps))
+    return torch.mul(m.to(dtype), float(ss)).div_(d).add_(p.to(dtype))
+
+
 def _effective_gradient(p: torch.Tensor, g: torch.Tensor, s: AdamScalars, decoupled: bool) -> torch.Tensor:
     """``g * grad_scale`` (plus ``p * wd`` in L2 mode), a new tensor in the compute dtype."""
     dtype = compute_dtype(p)
@@ -702,14 +734,19 @@ def zeros_come_back(p: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor, s:
 
 def _lossy_operands(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                     g_old: torch.Tensor | None, s_old: AdamScalars | None, zero_moments: bool = False,
-                    m: torch.Tensor | None = None, p_kept: bool = False,
+                    m: torch.Tensor | None = None, p_kept: bool = False, bias_correction: bool = True,
+                    p_old_given: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor] | None]:
     """``(gh * gh * c, v, mm)`` of :func:`lossy_elements` (``c`` 0 with ``zero_moments``; ``mm()``: 0 where the
     first moment before the step is, so that both moments are 0 where ``v`` is too, :func:`_zeros`, computed when
     called; None where :func:`zeros_come_back` says such elements are not undone exactly), in place where the
     tensors are its own (the pass before a step that no kernel checks: a few passes, no more temporaries than
-    needed)."""
+    needed). An undo+redo's in L2 mode (either step's decay) given the undone step's result ``p'`` (not
+    ``p_old_given``) and ``m``: its p from :func:`_recovered_param`."""
     dtype = compute_dtype(p)
+    if g_old is not None and not decoupled and not p_old_given and m is not None and any(
+            float(x.weight_decay) != 0 for x in (s, s_old)):
+        p = _recovered_param(p, m, v, s_old, bias_correction)
     vv = v.to(dtype)
     mm: Callable[[], torch.Tensor] | None = None
     if m is not None and zeros_come_back(p, m, v, s, decoupled, s_old):
@@ -754,7 +791,8 @@ def _sound(t: torch.Tensor, vv: torch.Tensor, mm: Callable[[], torch.Tensor] | N
 
 def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
                    g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
-                   m: torch.Tensor | None = None, zero_moments: bool = False, p_kept: bool = False) -> torch.Tensor:
+                   m: torch.Tensor | None = None, zero_moments: bool = False, p_kept: bool = False, *,
+                   bias_correction: bool = True, p_old_given: bool = False) -> torch.Tensor:
     """The elements whose step (``p, g, v`` before it, scalars ``s``) an algebraic inverse would restore
     less exactly than DESIGN.md's tolerance: not ``gh^2 * lossy_factor(b1, b2) <= v``, a nan ``v`` and a zero
     ``v`` with a nonzero ``gh`` included (see :data:`LOSSY_V_RATIO`), but for moments exactly 0 where
@@ -769,9 +807,13 @@ def lossy_elements(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamSca
     give a nan parameter: inf - inf). ``zero_moments`` (a step's, as :class:`StepCall`'s: all-zero moments
     that its undo restores by zeroing them): a factor ``c`` of 0, so that only non-finite values are flagged.
     L2 mode: ``gh^2 c`` is :func:`_l2_term`'s (the inverse's p is an ulp of p' off), but where ``p_kept`` (the
-    step's record keeps p: a ``param_snapshot``, :class:`StepCall`'s). The checked kernels flag the chunks
-    holding such an element."""
-    bad = _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments, m, p_kept)).logical_not_()
+    step's record keeps p: a ``param_snapshot``, :class:`StepCall`'s); an undo+redo's ``p``, the undone step's
+    result ``p'`` where not ``p_old_given``, is first what its inverse recovers (:func:`_recovered_param`, with or
+    without ``bias_correction``): the effective gradients read the parameter the redo steps from (with ``p'``
+    instead, far off where ``g`` nearly cancels ``wd p``, redone steps undone again came back with v 1.2e-4 off at
+    lr 1e-3, wd 0.5). The checked kernels flag the chunks holding such an element."""
+    bad = _sound(*_lossy_operands(p, g, v, s, decoupled, g_old, s_old, zero_moments, m, p_kept, bias_correction,
+                                  p_old_given)).logical_not_()
     return bad if m is None else bad.logical_or_(~torch.isfinite(m))
 
 
@@ -780,7 +822,8 @@ _LOSSY_SLICE = 1 << 18  # elements per slice of a CPU tensor in any_lossy (its t
 
 def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars, decoupled: bool,
               g_old: torch.Tensor | None = None, s_old: AdamScalars | None = None,
-              m: torch.Tensor | None = None, p_kept: bool = False) -> torch.Tensor:
+              m: torch.Tensor | None = None, p_kept: bool = False, *, bias_correction: bool = True,
+              p_old_given: bool = False) -> torch.Tensor:
     """``lossy_elements(...).any()`` (a 0-d bool tensor) with fewer passes. On CPU a slice at a time, up to
     the first one found: whole-tensor temporaries cost ~9x a streaming pass there (fresh pages). ``m`` is
     tested by its sum, one reduction (an inf or a nan makes it so; a sum beyond the float range, from finite
@@ -789,7 +832,8 @@ def any_lossy(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, s: AdamScalars,
 
     def sound(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, g_old: torch.Tensor | None,
               m: torch.Tensor | None) -> torch.Tensor:
-        t, vv, mm = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m, p_kept=p_kept)
+        t, vv, mm = _lossy_operands(p, g, v, s, decoupled, g_old, s_old, m=m, p_kept=p_kept,
+                                    bias_correction=bias_correction, p_old_given=p_old_given)
         if mm is None or p.device.type != "cpu":
             return _sound(t, vv, mm).all()
         ok = torch.le(t, vv).logical_and_(torch.isfinite(t)).all()  # (on CPU the exact zeros only where needed)

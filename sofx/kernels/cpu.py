@@ -380,7 +380,8 @@ def _reference_checked(op: int, b: _Block, variant: AdamVariant, s1: AdamScalars
     p = b.p_old if redo and b.p_old is not None else b.p
     bad |= lossy_elements(p.reshape(-1), checked.reshape(-1), b.v.reshape(-1), s, variant.decoupled,
                           b.g.reshape(-1) if redo else None, s1 if redo else None, m=b.m.reshape(-1),
-                          zero_moments=b.zero_moments and not redo, p_kept=b.p_kept)
+                          zero_moments=b.zero_moments and not redo, p_kept=b.p_kept,
+                          bias_correction=variant.bias_correction, p_old_given=redo and b.p_old is not None)
     flags = torch.nn.functional.pad(bad, (0, -n % FINITE_CHUNK)).view(-1, FINITE_CHUNK).any(dim=1)
     b.skip.copy_(flags)
     unchecked = b._replace(skip=None)

@@ -41,6 +41,7 @@ from sofx.kernels.base import (
     UndoCall,
     UndoRedoCall,
     any_traced,
+    bias_corrections,
     check_block_tensors,
     compute_dtype,
     concrete_scalars,
@@ -62,24 +63,6 @@ CHECKS_FINITE = False  # no checked calls (skip)
 def supports(device: torch.device | str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> bool:
     """The reference backend runs on any device and any floating dtype."""
     return param_dtype.is_floating_point and state_dtype.is_floating_point
-
-
-def bias_corrections(s: AdamScalars, variant: AdamVariant) -> tuple[Scalar, Scalar]:
-    """``(lr / bc1, sqrt(bc2))`` of the step, in double precision for Python numbers.
-
-    Computed from the step's own betas and ``t`` every time (no cache).
-    """
-    if not variant.bias_correction:
-        return s.lr, 1.0
-    if is_number(s.beta1) and is_number(s.step):
-        bc1 = 1 - s.beta1 ** s.step
-    else:
-        bc1 = 1 - torch.as_tensor(s.beta1, dtype=torch.float64) ** s.step
-    if is_number(s.beta2) and is_number(s.step):
-        bc2_sqrt = (1 - s.beta2 ** s.step) ** 0.5
-    else:
-        bc2_sqrt = (1 - torch.as_tensor(s.beta2, dtype=torch.float64) ** s.step).sqrt()
-    return s.lr / bc1, bc2_sqrt
 
 
 def _has_decay(wd: Scalar) -> bool:

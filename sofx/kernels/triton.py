@@ -135,9 +135,9 @@ def _div_by(x, b, rb):
 
 
 @triton.jit
-def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim, k_c,
-               k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP: tl.constexpr,
-               ROUND_S: tl.constexpr):
+def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, u_ss, u_bc2, u_eps, s_gs, s_wd, s_l2,
+               k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP: tl.constexpr,
+               ROUND_S: tl.constexpr, HAS_P_OLD: tl.constexpr):
     """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
     (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
     algebraic inverse would restore too lossily (``k_c``: the lossy factor; a zero ``v`` with a nonzero
@@ -148,10 +148,15 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_g
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
     ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``). L2 mode:
     ``k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2``, :class:`sofx.kernels.base.LossyL2`'s (its
-    ``_l2_term``), but where ``k_l2t`` is 0 (the step's record keeps p: ``StepCall.p_kept``)."""
+    ``_l2_term``), but where ``k_l2t`` is 0 (the step's record keeps p: ``StepCall.p_kept``); an undo+redo's
+    ``p'`` (no ``HAS_P_OLD``) in L2 mode first what its inverse recovers (``u_ss, u_bc2, u_eps``: the undone
+    step's; :func:`sofx.kernels.base._recovered_param`)."""
     n_l2 = s_l2 != 0  # (as the step's: also a decay that rounds to 0 in float32, fma(p, 0, g) nan for an inf p)
     m0 = m  # 0 where the moments' m is (an undo+redo's: the undone m's numerator)
     if OP == 2:
+        if not HAS_P_OLD:
+            pe = p + tl.div_rn(u_ss * m, tl.div_rn(tl.sqrt_rn(v), u_bc2) + u_eps)
+            p = tl.where((u_l2 != 0) | n_l2, pe, p)
         gn = g2
         go = g * u_gs
         o_l2 = u_l2 != 0
@@ -212,8 +217,9 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
         g2 = g
         if OP == 2:
             g2 = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
-        skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, s_gs, s_wd, s_l2, k_lim,
-                          k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP, ROUND_S)
+        skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, u_ss, u_bc2, u_eps, s_gs,
+                          s_wd, s_l2, k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
+                          OP, ROUND_S, HAS_P_OLD)
         tl.store(sk_ptr + chunk, skip.to(tl.uint8))
         mask = mask & (tl.full(offs.shape, 0, tl.int32) == skip)  # (a block-wide comparison: a mask of int1)
     if OP != 0:
