@@ -41,6 +41,7 @@ from torch.nn.parallel.distributed import _MixedPrecision
 
 import sofx
 from sofx.loss_scale import grad_scaler
+from sofx.offload.blocks import BlockLayout
 from sofx.speculate import AdaptivePolicy
 from helpers import error_text, meet, run_gloo_cases
 
@@ -536,6 +537,69 @@ def _state_changed_on_one_rank(rank: int) -> dict:
     return out
 
 
+def _two_values_exchanged(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` whose first two elements hold each other's values (the same values, arranged otherwise)."""
+    y = x.detach().clone()
+    y.view(-1)[:2] = x.detach().reshape(-1)[:2].flip(0)
+    return y
+
+
+def _state_rearranged_on_one_rank(rank: int) -> dict:
+    """Two steps; then, each in turn, rank 1 alone rearranges values of one parameter's state before a step (its
+    elements hold the same values as rank 0's, at other positions): two elements of ``out.weight``'s exp_avg
+    exchanged (``opt.state[p]['exp_avg'] = ...``), ``extra.weight``'s exp_avg_sq transposed, a state dict loaded with
+    two elements of ``out.weight``'s master exchanged. What that step() raised on each rank, whether the parameters
+    and the optimizer state stayed as they were, and whether the rearranged values differ from the old ones; then,
+    the same change made on rank 0 too (after zero_grad()), what the step raised."""
+    plain = functools.partial(_plain_backward, rank=rank)
+    model = _ddp({})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model,
+                                        policy=AdaptivePolicy(enabled=False))
+    out_w, extra_w = model.module.out.weight, model.module.extra.weight  # parameters 4 and 2
+
+    def step(at: int) -> str:
+        opt.zero_grad()
+        plain(model, at)
+        return error_text(opt.step)
+
+    def master_exchanged_in_state_dict() -> Callable[[], None]:
+        """Loading this state dict with parameter 4's master's first two elements exchanged."""
+        state = copy.deepcopy(opt.state_dict())
+        for layout in map(BlockLayout.from_json, state["state"]["layouts"]):
+            if 4 in layout.param_indices:
+                master = state["state"]["blocks"][layout.index]["master"]
+                span = layout.span(layout.param_indices.index(4))
+                master[span] = _two_values_exchanged(master[span])
+        return lambda: opt.load_state_dict(copy.deepcopy(state))
+
+    def assigned(p: torch.Tensor, key: str, how: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        value = how(opt.state[p][key])
+        return lambda: opt.state[p].__setitem__(key, value)
+
+    out: dict = {"first": step(0), "second": step(1)}
+    changes = {"exchanged": lambda: assigned(out_w, "exp_avg", _two_values_exchanged),
+               "transposed": lambda: assigned(extra_w, "exp_avg_sq", lambda x: x.t().contiguous()),
+               "loaded": master_exchanged_in_state_dict}
+    with _reported(out, [opt]):
+        for at, (how, make) in enumerate(changes.items(), start=2):
+            opt.zero_grad()
+            old = _engine_state(opt)
+            change = make()  # (the same change on both ranks: the states are the same here)
+            if rank == 1:
+                change()
+            out[f"{how}_moved"] = not all(map(torch.equal, old, _engine_state(opt))) if rank == 1 else None
+            plain(model, at)
+            before = (_flat(model.module), _engine_state(opt))
+            out[how] = error_text(opt.step)
+            after = (_flat(model.module), _engine_state(opt))
+            out[f"{how}_unchanged"] = torch.equal(before[0], after[0]) and all(map(torch.equal, before[1], after[1]))
+            opt.zero_grad()
+            if rank == 0:
+                change()
+            out[f"{how}_same"] = step(at)
+    return out
+
+
 def _hparams_unreadable_on_one_rank(rank: int) -> dict:
     """Rank 1's param group loses its 'lr' (reading its hparams raises a KeyError, not the engine's own error): at
     step 1 before backward (restored before step()); at step 2 before backward too, a step count set the same way
@@ -997,6 +1061,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
              _checkpointed_ddp, recompute_s=0.05)), "grad_changed": _grad_changed_after_backward,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
+         "rearranged_on_one_rank": _state_rearranged_on_one_rank,
          "hparams_unreadable": _hparams_unreadable_on_one_rank,
          "rebuilt_buckets": functools.partial(_steps_under_join, make=_Reordered),
          **{name: functools.partial(_setup_case, name) for name in SETUPS},
@@ -1252,6 +1317,35 @@ def test_a_state_changed_on_one_rank_alone_is_refused_at_the_next_step_on_every_
             assert out[f"{how}_unchanged"], (rank, how)
             assert out[f"{how}_same"] == "no error", (rank, how, out[f"{how}_same"])
     for how in _DIFFERS:
+        assert said[0][how] == said[1][how], how
+
+
+# what differs, named, where rank 1 alone rearranges values of a state (_state_rearranged_on_one_rank)
+_REARRANGED = {
+    "exchanged": "the exp_avg of parameter 4 (param_groups[0]['params'][4], shape (3, 8))",
+    "transposed": "the exp_avg_sq of parameter 2 (param_groups[0]['params'][2], shape (8, 8))",
+    "loaded": "the master of parameter 4 (param_groups[0]['params'][4], shape (3, 8))",
+}
+
+
+def test_values_rearranged_within_a_state_on_one_rank_are_refused_at_the_next_step_on_every_rank(ranks) -> None:
+    """The ranks compared a changed state's contents by the sum of its elements' bit patterns: rank 1's state with
+    two elements' values exchanged (an assignment, a state dict loaded), or a square moment transposed, summed as
+    rank 0's, and each rank stepped its own state silently. Each such change on rank 1 alone is refused at the
+    next step() on every rank, with the same error naming the parameter and the key, before anything is stepped;
+    the same change on rank 0 too then steps."""
+    said = [res["rearranged_on_one_rank"] for res in ranks]
+    for rank, out in enumerate(said):
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert out["first"] == out["second"] == "no error", (rank, out)
+        for how, entry in _REARRANGED.items():
+            assert out[how].startswith(f"step() under DDP: {entry} differs between ranks: bits digest "), \
+                (rank, how, out[how])
+            assert "on rank 1" in out[how] and "change the state the same way on every rank" in out[how], out[how]
+            assert out[f"{how}_unchanged"], (rank, how)
+            assert out[f"{how}_same"] == "no error", (rank, how, out[f"{how}_same"])
+    for how in _REARRANGED:
+        assert said[1][f"{how}_moved"], how  # (values really moved: the state differs from rank 0's)
         assert said[0][how] == said[1][how], how
 
 

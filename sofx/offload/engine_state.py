@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +56,18 @@ _SAVED = tuple(name for name in TENSOR_NAMES if name != "grad")
 _RULES = (GradScalerRule, DynamicLossScaleRule, StaticScaleRule)
 # The block tensors no run makes negative, and what their values are (for the error).
 NONNEGATIVE = {"counts": "step count", "exp_avg_sq": "second moment"}
+# bits_digest's slices: 2**DIGEST_SLICE_BITS elements (a 256 KiB int64 weight vector, one per device, reused). Not
+# above torch's parallel grain (32768 elements): each slice's ops run on the calling thread. A parallel region per
+# slice waits at its barrier for threads the machine runs others on: DDP ranks on one machine, each with as many
+# threads as cores, took seconds for a 2**26-element state, and 0.13 s so.
+DIGEST_SLICE_BITS = 15
+_MASK64 = (1 << 64) - 1
+# the integer view of an element of each width (an 8-byte element is folded, _folded)
+_WIDTHS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# the slice multiplier's quadratic coefficient (any integer: a golden-ratio constant, so slices mix)
+_SLICE_MIX = 0x9E3779B97F4A7C15
+# bits_digest's weight vector on each device it was asked for (_slice_weights)
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]:
@@ -129,11 +141,117 @@ def hparams_text(hp: Any) -> str:
 
 
 def bits_digest(t: torch.Tensor) -> str:
-    """A digest of ``t``'s bits: the sum of its elements' bit patterns, read as integers of their width, modulo
-    2**64 (one pass over ``t``). Any change of one element changes it (not a change that moves values between
-    elements); ``-0.0`` and ``0.0`` differ, as their bits do."""
-    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
-    return f"bits digest {int(t.detach().reshape(-1).view(width).sum(dtype=torch.int64))}"
+    """A digest of ``t``'s bits, sensitive to where each value lies, in one pass over ``t``: with ``b_g`` the bit
+    pattern of element ``g`` (row-major) read as an integer of its width (an 8-byte one folded, :func:`_folded`),
+    ``sum_g b_g * w_g`` modulo 2**64. ``t`` is read in slices of ``S = 2**s`` elements (``s =
+    DIGEST_SLICE_BITS``); element ``g = k*S + i`` weighs ``w_g = a_k * W_i``, ``W`` one fixed vector of odd
+    integers (:func:`_slice_weights`) and ``a_k`` an odd multiplier of slice ``k`` (:func:`_slice_multiplier`),
+    so that ``w_g - w_h`` has exactly as many trailing zero bits as ``2 * (g - h)``.
+
+    Any change of one element changes it (its pattern changes by ``d``, nonzero modulo 2**64, times an odd
+    weight); ``-0.0`` and ``0.0`` differ, as their bits do. So does exchanging the values of two elements ``g`` and
+    ``h`` of a tensor of at most 2**32 elements where their (folded) patterns differ in the low 32 bits -- always
+    for elements of at most 4 bytes (``-0.0`` and ``0.0`` too), and for 8-byte ones that differ in their high half
+    alone (float64 values of another sign or exponent): the sum changes by ``(b_h - b_g) * (w_g - w_h)``, of at most
+    31 + 1 + 31 trailing zero bits: not a multiple of 2**64. Any other rearrangement (a transpose, slices
+    exchanged) changes it unless the pseudo-random high bits of ``W`` and the quadratic ``a_k`` happen to cancel
+    modulo 2**64 (no linear relation between positions makes them cancel). Temporaries hold one slice (a
+    non-contiguous ``t`` is copied a slice at a time). The same on every rank and machine: the weights are integer
+    arithmetic."""
+    width = _WIDTHS[t.element_size()]
+    weights = _slice_weights(t.device)
+    sums, multipliers = [], []  # (per slice part: sum_i b_i * W_i, and a_k)
+    for k, i, part in _slice_parts(t.detach().view(width), weights.numel()):
+        values = _folded(part) if width == torch.int64 else part
+        sums.append(torch.mul(values, weights[i:i + part.numel()]).sum())
+        multipliers.append(_slice_multiplier(k))
+    if len(sums) <= 1:  # (one read back, where t is on a GPU too)
+        total = int(sums[0]) * multipliers[0] if sums else 0
+    else:
+        total = int((torch.stack(sums) * torch.tensor(multipliers, device=t.device)).sum())
+    return f"bits digest {total & _MASK64}"
+
+
+def _slice_weights(device: torch.device) -> torch.Tensor:
+    """``W_i = 2*i + 1 + 2**(s+1) * R_i`` modulo 2**64 for ``i < 2**s`` (int64), on ``device``, made once: odd,
+    ``W_i - W_j = 2*(i - j)`` modulo 2**(s+1); ``R_i`` the splitmix64 of ``i`` (pseudo-random: no linear relation
+    between the weights, which a permutation of several elements could cancel)."""
+    if device not in _WEIGHTS:
+        s = DIGEST_SLICE_BITS
+        i = torch.arange(1 << s, dtype=torch.int64)
+        _WEIGHTS[device] = (2 * i + 1 + (_splitmix64(i) << (s + 1))).to(device)
+    return _WEIGHTS[device]
+
+
+def _slice_multiplier(k: int) -> int:
+    """``a_k = 1 + 2**(s+1) * k * (1 + 2*C*k)`` modulo 2**64 (as a signed int64; ``C = _SLICE_MIX``): ``a_k = 1``
+    modulo 2**(s+1) (``a_k*W_i - a_l*W_j = 2*(i - j)`` modulo 2**(s+1)), and ``a_k - a_l = 2**(s+1) * (k - l) *
+    (1 + 2*C*(k + l))``, an odd multiple of ``2**(s+1) * (k - l)``. Exchanging slices ``k`` and ``l`` changes the
+    digest by ``(a_k - a_l) * (D_l - D_k)``, ``D`` a slice's ``sum_i b_i * W_i`` (pseudo-random where the contents
+    differ, arranged otherwise too); quadratic in ``k``: no linear relation between the slices' multipliers, which
+    slices rotated could cancel (with ``a_k`` linear, ``a_0 + a_2 = 2 * a_1``)."""
+    a = (1 + (k * (1 + 2 * _SLICE_MIX * k) << (DIGEST_SLICE_BITS + 1))) & _MASK64
+    return a - (1 << 64) if a >= 1 << 63 else a
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer of ``x + 1`` (int64, wrapping; ``>>>`` a logical shift)."""
+    z = x + 1
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+        z = z ^ _logical_shift(z, shift)
+        if factor is not None:
+            z = z * (factor - (1 << 64))
+    return z
+
+
+def _logical_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x >>> shift`` of int64 ``x`` (zeros shifted in; torch's ``>>`` shifts the sign in)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _folded(bits: torch.Tensor) -> torch.Tensor:
+    """``b ^ (b >>> 32)`` of 8-byte patterns: a bijection (the high half kept, the low half xor-ed with it), so that
+    two patterns that differ in their high half only (float64 values differing in sign or exponent) differ in their
+    low 32 bits."""
+    return bits ^ _logical_shift(bits, 32)
+
+
+def _row_major_pieces(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """``t``'s elements in row-major order, as 1-D contiguous pieces of at most ``limit`` elements: slices of
+    ``t``'s own memory where ``t`` is contiguous, else copies of rows of it (no piece is copied larger)."""
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), limit):
+            yield flat[start:start + limit]
+    elif t.numel():
+        row = t[0].numel()
+        if row > limit:
+            for sub in t:
+                yield from _row_major_pieces(sub, limit)
+        else:
+            rows = limit // row
+            for start in range(0, t.shape[0], rows):
+                yield t[start:start + rows].reshape(-1)
+
+
+def _slice_parts(bits: torch.Tensor, size: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(k, i, part)``: ``bits``'s elements in row-major order as 1-D contiguous parts, each within one slice of
+    ``size`` elements, ``part`` holding elements ``k*size + i`` on: slices of ``bits``'s own memory where it is
+    contiguous, else copies of at most ``size`` elements (:func:`_row_major_pieces`) split at the slices' ends."""
+    if bits.is_contiguous():
+        flat = bits.reshape(-1)
+        for start in range(0, flat.numel(), size):
+            yield start // size, 0, flat if flat.numel() <= size else flat[start:start + size]
+        return
+    offset = 0
+    for piece in _row_major_pieces(bits, size):
+        start = 0
+        while start < piece.numel():
+            k, i = divmod(offset + start, size)
+            n = min(piece.numel() - start, size - i)
+            yield k, i, piece[start:start + n]
+            start += n
+        offset += piece.numel()
 
 
 def load_engine_state(engine: "OffloadEngine", state: Any, where: str = "state") -> None:
