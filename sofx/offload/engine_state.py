@@ -31,6 +31,7 @@ diverged run's state) loads, as ``torch.optim`` loads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -66,8 +67,6 @@ _MASK64 = (1 << 64) - 1
 _WIDTHS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # the slice multiplier's quadratic coefficient (any integer: a golden-ratio constant, so slices mix)
 _SLICE_MIX = 0x9E3779B97F4A7C15
-# bits_digest's weight vector on each device it was asked for (_slice_weights)
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def engine_state_dict(engine: "OffloadEngine", complete: bool) -> dict[str, Any]:
@@ -172,15 +171,14 @@ def bits_digest(t: torch.Tensor) -> str:
     return f"bits digest {total & _MASK64}"
 
 
+@functools.lru_cache(maxsize=None)  # (a constant per device: made once)
 def _slice_weights(device: torch.device) -> torch.Tensor:
     """``W_i = 2*i + 1 + 2**(s+1) * R_i`` modulo 2**64 for ``i < 2**s`` (int64), on ``device``, made once: odd,
     ``W_i - W_j = 2*(i - j)`` modulo 2**(s+1); ``R_i`` the splitmix64 of ``i`` (pseudo-random: no linear relation
     between the weights, which a permutation of several elements could cancel)."""
-    if device not in _WEIGHTS:
-        s = DIGEST_SLICE_BITS
-        i = torch.arange(1 << s, dtype=torch.int64)
-        _WEIGHTS[device] = (2 * i + 1 + (_splitmix64(i) << (s + 1))).to(device)
-    return _WEIGHTS[device]
+    s = DIGEST_SLICE_BITS
+    i = torch.arange(1 << s, dtype=torch.int64)
+    return (2 * i + 1 + (_splitmix64(i) << (s + 1))).to(device)
 
 
 def _slice_multiplier(k: int) -> int:
