@@ -53,8 +53,8 @@ import triton.language as tl
 
 from sofx.errors import UnsupportedError
 from sofx.kernels import reference
-from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
-                               UndoRedoCall,
+from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, LossyL2, StepCall, Triple,
+                               UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
                                lossy_factor, lossy_l2, mark_written, refuse_traced, traced_possible,
                                write_kept_param_copy, write_outputs)
@@ -426,17 +426,12 @@ def _undo_args(s: AdamScalars, variant: AdamVariant) -> _UndoArgs:
 class _CheckArgs(NamedTuple):
     lim: int  # the float32 bits above which a gradient element's magnitude is flagged
     c: float  # lossy_factor of the step taken (the redo of an undo+redo)
-    cv: float  # then base.LossyL2's (its L2 terms)
-    cm: float
-    wa: float
-    wb: float
-    wka: float
-    wkb: float
-    r1: float
-    r2: float
-    o1: float
-    o2: float
+    l2: LossyL2  # the constants of its L2 terms
     l2t: int  # 0: no L2 term (StepCall.p_kept)
+
+    def flat(self) -> tuple:
+        """The kernels' ``k_*`` arguments, in their order."""
+        return (self.lim, self.c, *self.l2, self.l2t)
 
 
 def _check_args(s: AdamScalars, g_dtype: torch.dtype, zero_moments: bool = False,
@@ -451,7 +446,7 @@ def _check_args(s: AdamScalars, g_dtype: torch.dtype, zero_moments: bool = False
         lim32 = int(np.array(lim16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.int32))
     c = 0.0 if zero_moments else _f32(lossy_factor(s.beta1, s.beta2))
     l2 = lossy_l2(s, zero_moments, None if s_old is None else _python_numbers(s_old))
-    return _CheckArgs(lim32, c, *l2[:6], l2.r1, l2.r2, l2.omb1, l2.omb2, int(not p_kept))
+    return _CheckArgs(lim32, c, l2, int(not p_kept))
 
 
 # placeholders for the unused half of a launch (step: no undo scalars; undo: no step scalars)
@@ -459,8 +454,7 @@ _NO_UNDO = _UndoArgs(gs=1.0, pdiv=1.0, wd=0.0, l2=0, bc2=1.0, eps=1.0, ss=0.0, o
                      rbc2=1.0, rpdiv=1.0, rb1=1.0, rb2=1.0)
 _NO_STEP = _StepArgs(gs=1.0, pmul=1.0, wd=0.0, l2=0, small=1, coef=0.0, b2=1.0, c2=0.0, bc2=1.0, eps=1.0, nss=0.0,
                      rbc2=1.0)
-_NO_CHECK = _CheckArgs(lim=0, c=0.0, cv=0.0, cm=0.0, wa=0.0, wb=0.0, wka=0.0, wkb=0.0, r1=0.0, r2=0.0, o1=0.0, o2=0.0,
-                       l2t=0)
+_NO_CHECK = _CheckArgs(lim=0, c=0.0, l2=LossyL2(*[0.0] * len(LossyL2._fields)), l2t=0)
 
 
 # ------------------------------------------------------------------ checks and launch
@@ -586,7 +580,7 @@ def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepA
     for start, count, programs in _flat_launches(ops.n, k is not None):
         # the kernel takes the tensors' addresses: the arrays themselves from element 0
         arrays = ops.arrays if start == 0 else _from(ops.arrays, start, ops.skip)
-        _adam_kernel[(programs,)](*arrays, count, *u, *st, *(k or _NO_CHECK), **constexprs)
+        _adam_kernel[(programs,)](*arrays, count, *u, *st, *(k or _NO_CHECK).flat(), **constexprs)
 
 
 def _flat_launches(n: int, check: bool) -> list[tuple[int, int, int]]:
@@ -628,7 +622,7 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     on_device = host.to(device, non_blocking=True)
     tensor_of = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device),
                                         on_device[:, _ROW_WIDTH], output_size=first)
-    _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, *(k or _NO_CHECK),
+    _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, *(k or _NO_CHECK).flat(),
                                  ALIGNED=aligned, ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old,
                                                                                     k is not None))
 
