@@ -466,6 +466,23 @@ def _resumed_from_other_checkpoints(rank: int) -> dict:
     return out
 
 
+def _stepped_then_changed_on_rank_0(out: dict, how: str, change: Callable[[], None], rank: int, model, opt,
+                                    at: int, step: Callable[[int], str]) -> None:
+    """After ``change`` made on rank 1 alone, a synchronized backward and ``step()``: into ``out[how]`` what it
+    raised and ``out[how + '_unchanged']`` whether the parameters and the optimizer state stayed as they were; then
+    the same change on rank 0 too (after ``zero_grad()``): into ``out[how + '_same']`` what ``step(at)`` raised."""
+    opt.zero_grad()
+    _plain_backward(model, at, rank=rank)
+    before = (_flat(model.module), _engine_state(opt))
+    out[how] = error_text(opt.step)
+    after = (_flat(model.module), _engine_state(opt))
+    out[f"{how}_unchanged"] = torch.equal(before[0], after[0]) and all(map(torch.equal, before[1], after[1]))
+    opt.zero_grad()
+    if rank == 0:
+        change()
+    out[f"{how}_same"] = step(at)
+
+
 def _state_changed_on_one_rank(rank: int) -> dict:
     """Two steps; then, each in turn, one way of changing the optimizer state made on rank 1 alone before a step
     (the first of them too: a state dict loaded on one rank only, a state assignment, opt.state reset,
@@ -506,16 +523,7 @@ def _state_changed_on_one_rank(rank: int) -> dict:
         for at, (how, change) in enumerate(changes.items(), start=2):
             if rank == 1:
                 change()
-            opt.zero_grad()
-            plain(model, at)
-            before = (_flat(model.module), _engine_state(opt))
-            out[how] = error_text(opt.step)
-            after = (_flat(model.module), _engine_state(opt))
-            out[f"{how}_unchanged"] = torch.equal(before[0], after[0]) and all(map(torch.equal, before[1], after[1]))
-            opt.zero_grad()
-            if rank == 0:
-                change()
-            out[f"{how}_same"] = step(at)
+            _stepped_then_changed_on_rank_0(out, how, change, rank, model, opt, at, step)
         if rank == 1:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         out["alone"] = [step(10), step(11)]
@@ -588,15 +596,7 @@ def _state_rearranged_on_one_rank(rank: int) -> dict:
             if rank == 1:
                 change()
             out[f"{how}_moved"] = not all(map(torch.equal, old, _engine_state(opt))) if rank == 1 else None
-            plain(model, at)
-            before = (_flat(model.module), _engine_state(opt))
-            out[how] = error_text(opt.step)
-            after = (_flat(model.module), _engine_state(opt))
-            out[f"{how}_unchanged"] = torch.equal(before[0], after[0]) and all(map(torch.equal, before[1], after[1]))
-            opt.zero_grad()
-            if rank == 0:
-                change()
-            out[f"{how}_same"] = step(at)
+            _stepped_then_changed_on_rank_0(out, how, change, rank, model, opt, at, step)
     return out
 
 
