@@ -80,6 +80,15 @@ ALGEBRAIC_MIN_DIVISOR = 2.0 ** -12
 # Decoupled decay: restoring p divides by (1 - lr*wd); below this the division
 # amplifies rounding, and ``undo="auto"`` keeps a snapshot of the parameter.
 ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
+# L2 decay, a leaf's first step (t = 1, from zero moments): its undo zeroes the moments exactly, but a redo from them
+# (a clip, a loss scale or hparams changed) takes gh = g + wd * p from the recovered p, an ulp off, and its moments
+# are made of that gh alone (no earlier v bounds the error, as base.py's lossy check bounds it on later steps):
+# where g is near -wd * p (gh ~1e-3 of wd * p) they came back ~5e-5 off the serial step's element by element
+# (without bound as gh goes to 0), and a leaf made of such elements up to 1e-4 of its largest (lr 1e-2..1e-1, wd
+# 0.1..0.5: tests/test_l2_decay_trajectories.py). So ``undo="auto"`` keeps the parameter (``"param_snapshot"``, a
+# copy of p on the first step only): its undo, and a redo from it, are then the serial loop's bits.
+L2_FIRST_STEP_REASON = ("L2 decay's first step: a redo from its zero moments takes gh = g + weight_decay * p from "
+                        "the parameter, which an algebraic inverse restores only to an ulp")
 
 _UNDO_MODES = ("auto", "algebraic", "exact")
 _NOT_UNDOABLE = "stepped with undoable=False"
@@ -266,7 +275,9 @@ class Adam:
         inverse would restore ``v`` and ``m`` less exactly than DESIGN.md's
         1e-6 there (a gradient 1000x the ones before it left ``v`` 62% off).
         Not on a leaf's first step from all-zero moments, whose undo restores
-        the zeros exactly (nothing kept for it), nor where both moments are
+        the zeros exactly (nothing kept for it; in L2 mode with a nonzero decay
+        its parameter, ``"param_snapshot"``: a redo's ``gh = g + wd * p`` would
+        take the undone p, an ulp off, see ``L2_FIRST_STEP_REASON``), nor where both moments are
         exactly 0 in float32 without L2 decay: the inverse gives them back
         exactly (:func:`sofx.kernels.base.zeros_come_back`). The test,
         :func:`sofx.kernels.base.lossy_elements`, runs in the CPU and Triton kernels'
@@ -1019,6 +1030,8 @@ class Adam:
             return "snapshot", "; ".join(full_reasons) or NOT_FINITE_REASON
         if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
             param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
+        if not self.variant.decoupled and wd != 0 and is_number(s.step) and s.step == 1:
+            param_reasons.append(L2_FIRST_STEP_REASON)
         if param_reasons:
             return "param_snapshot", "; ".join(param_reasons)
         return "algebraic", ""

@@ -12,7 +12,8 @@ Strategies:
 
 ``"algebraic"``       nothing stored; ``p, m, v`` recomputed from ``p', m', v'``
 ``"param_snapshot"``  the old parameter is kept (low-precision masters,
-                      ``lr*wd`` near 1); the moments are recomputed
+                      ``lr*wd`` near 1, an L2-decay leaf's first step); the
+                      moments are recomputed
 ``"snapshot"``        old ``p, m, v`` kept; restored bit for bit
 ``"chunk_snapshot"``  algebraic, but for the chunks of ``FINITE_CHUNK`` elements
                       (``chunks``: their indices) whose old ``p, m, v`` are kept,

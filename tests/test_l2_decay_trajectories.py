@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -43,9 +42,6 @@ LR = st.floats(-2.0, -1.0).map(lambda e: 10.0 ** e)  # lr 1e-2..1e-1
 WD = st.floats(0.1, 0.5)
 NEAR = st.sampled_from([0.05, 0.3, 0.7, 0.95])  # the share of gradient elements near -wd p
 SIZES = (16, 40, 7, 100)  # one chunk each: some kept by the check, some undone algebraically
-FIRST_STEP_REDO = ("L2 mode: a leaf's first step from zero moments is undone algebraically (nothing kept); a redo "
-                   "from the recovered p, an ulp off, takes gh = g + wd * p from it: near -wd p its moments come back "
-                   "~5e-5 off the serial step's")
 
 
 def _no_native(backend: str) -> bool:
@@ -118,7 +114,6 @@ def test_l2_update_then_undo_restores_the_state_within_the_tolerance(backend, lr
         assert int(s3.count[i]) == steps
 
 
-@pytest.mark.xfail(strict=True, reason=FIRST_STEP_REDO)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(backend=st.sampled_from(["reference", "cpu", "cpu_fast"]), lr=LR, wd=WD, near=NEAR,
        steps=st.integers(0, 3), change=st.sampled_from(["lr", "eps", "betas", "scale", "clip", "wd"]),
@@ -184,7 +179,6 @@ def _event_grads(params, hp: AdamHParams, ev: dict, near: float, scale: float) -
     return grads
 
 
-@pytest.mark.xfail(strict=True, reason=FIRST_STEP_REDO)
 @settings(max_examples=15, deadline=None)
 @given(backend=st.sampled_from(["reference", "cpu", "cpu_fast"]), lr=LR, wd=WD, near=NEAR,
        profile=st.sampled_from(["torch", "deepspeed"]), predict=st.booleans(),
@@ -298,7 +292,6 @@ def _facade(model: nn.Module, lr: float, wd: float, profile: str, backend: str, 
                                         policy=sp.AdaptivePolicy(enabled=False))
 
 
-@pytest.mark.xfail(strict=True, reason=FIRST_STEP_REDO)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lr=LR, wd=WD, near=NEAR, profile=st.sampled_from(["torch", "deepspeed"]),
        backend=st.sampled_from(["auto", "cpu_fast", "reference"]), block_numel=st.sampled_from([40, 200]),
