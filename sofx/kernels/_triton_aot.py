@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sofx.kernels import triton as tk
+from sofx.kernels.base import LossyL2
 
 __all__ = ["available", "compile_kernel", "resource_usage", "sass"]
 
@@ -46,24 +47,27 @@ def _scalar_type(name: str, large: bool = False) -> str:
         return "i64" if large else "i32"
     # (resolved: under ``from __future__ import annotations`` the raw annotations are strings)
     fields = typing.get_type_hints({"u": tk._UndoArgs, "s": tk._StepArgs, "k": tk._CheckArgs}[name[0]])
+    if name[0] == "k":  # (its L2 constants: base.LossyL2's fields, one argument each)
+        fields.update(typing.get_type_hints(LossyL2))
     return "i32" if fields[name[2:]] is int else "fp32"
 
 
 def compile_kernel(arch: int, op: int, has_p_old: bool, pdt: str, sdt: str,
                    options: Mapping[str, Any] = tk.COMPILE_OPTIONS, copy_dtype: str | None = None,
-                   multi: bool = False, check: bool = False, large: bool = False):
+                   multi: bool = False, check: bool = False, large: bool = False, l2: bool = False):
     """``_adam_kernel`` for ``sm_<arch>``: ``op`` 0 step, 1 undo, 2 undo+redo; dtypes "fp32"/"bf16"/"fp16";
     ``copy_dtype``: the dtype of a ``p_copy`` (None: without one). ``multi``: the multi-tensor kernel
     (``_adam_multi_kernel``) as launched on tensors that are all aligned (``ALIGNED``). ``check``: a
     checked call (``CHECK``: a chunk of ``CHECK_BLOCK`` elements per program, on ``CHECK_WARPS`` warps).
-    ``large``: the flat kernel as launched on a count of 2^31 elements or more (a 64-bit ``n``)."""
+    ``large``: the flat kernel as launched on a count of 2^31 elements or more (a 64-bit ``n``). ``l2``: a checked
+    call in L2 mode (``L2_CHECK``: its check's L2 terms compiled in)."""
     fn = tk._adam_multi_kernel if multi else tk._adam_kernel
     names = fn.arg_names
     storage = dict(p=pdt, g=pdt, g2=pdt, pold=pdt, po=pdt, m=sdt, v=sdt, mo=sdt, vo=sdt, pc=copy_dtype or pdt,
                    sk="u8", rows="i64", tensor_of="i32")
     constexprs = dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=TL_DTYPES[pdt], ROUND_S=TL_DTYPES[sdt], SOFT_BF16=False,
                       BLOCK_SIZE=tk.CHECK_BLOCK if check else tk.BLOCK, HAS_COPY=copy_dtype is not None,
-                      ROUND_C=TL_DTYPES[copy_dtype or "fp32"], CHECK=check)
+                      ROUND_C=TL_DTYPES[copy_dtype or "fp32"], CHECK=check, L2_CHECK=check and l2)
     if check:
         options = {**options, "num_warps": tk.CHECK_WARPS}
     if multi:

@@ -135,9 +135,27 @@ def _div_by(x, b, rb):
 
 
 @triton.jit
+def _l2_terms(t, gh, p, m0, vv, n_l2, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t):
+    """:func:`_chunk_bad`'s ``t`` (``gh * gh * c``) with L2 mode's terms where ``n_l2`` and ``k_l2t``:
+    :func:`sofx.kernels.base._l2_term`'s operations in its order (``m0``: ``mb``, ``vv``: ``v``)."""
+    mp = m0 * k_r1 + gh * k_omb1
+    vp = vv * k_r2 + (gh * k_omb2) * gh
+    q = tl.where(mp == 0.0, 0.0, tl.div_rn(tl.abs(mp), tl.sqrt_rn(vp)))
+    ap = tl.abs(p)
+    ag = tl.abs(gh)
+    a = (ap * k_wa + q * k_wka) + ag
+    b = (ap * k_wb + q * k_wkb) + ag
+    t1 = (a * ag) * k_cv
+    t2 = (b * b) * k_cm
+    tl2 = tl.where(t1 > t, t1, t)
+    tl2 = tl.where(t2 > tl2, t2, tl2)
+    return tl.where(n_l2 & (k_l2t != 0), tl2, t)
+
+
+@triton.jit
 def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, u_ss, u_bc2, u_eps, s_gs, s_wd, s_l2,
-               k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP: tl.constexpr,
-               ROUND_S: tl.constexpr, HAS_P_OLD: tl.constexpr):
+               k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t, OP: tl.constexpr,
+               ROUND_S: tl.constexpr, HAS_P_OLD: tl.constexpr, L2_CHECK: tl.constexpr):
     """1 where the chunk a program holds has an element a checked step leaves alone, else 0: its gradient
     (an undo+redo's new one) beyond the limit's bits ``k_lim`` (inf and nan included), or a step an
     algebraic inverse would restore too lossily (``k_c``: the lossy factor; a zero ``v`` with a nonzero
@@ -147,14 +165,16 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, u_s
     (``StepCall.zero_moments``), still flags a nan ``v``, a non-finite ``m`` or effective gradient). The same
     operations, in the same order, as :func:`sofx.kernels.base.lossy_elements` and the CPU kernels'
     ``chunk_exact``; ``p`` is the parameter before the step (an undo+redo's ``p_old``, else ``p'``). L2 mode:
-    ``k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2``, :class:`sofx.kernels.base.LossyL2`'s (its
+    ``k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2``, :class:`sofx.kernels.base.LossyL2`'s (its
     ``_l2_term``), but where ``k_l2t`` is 0 (the step's record keeps p: ``StepCall.p_kept``); an undo+redo's
     ``p'`` (no ``HAS_P_OLD``) in L2 mode first what its inverse recovers (``u_ss, u_bc2, u_eps``: the undone
-    step's; :func:`sofx.kernels.base._recovered_param`)."""
+    step's; :func:`sofx.kernels.base._recovered_param`). Both compiled only where ``L2_CHECK`` (a launch whose
+    step, or undone step, has L2 decay): the other kernels keep their registers (compiled for sm_90, a checked
+    step takes 109 a thread with them, 56 without; an undo+redo 151-160 against 71-72)."""
     n_l2 = s_l2 != 0  # (as the step's: also a decay that rounds to 0 in float32, fma(p, 0, g) nan for an inf p)
     m0 = m  # 0 where the moments' m is (an undo+redo's: the undone m's numerator)
     if OP == 2:
-        if not HAS_P_OLD:
+        if L2_CHECK and not HAS_P_OLD:
             pe = p + tl.div_rn(u_ss * m, tl.div_rn(tl.sqrt_rn(v), u_bc2) + u_eps)
             p = tl.where((u_l2 != 0) | n_l2, pe, p)
         gn = g2
@@ -173,18 +193,8 @@ def _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, u_s
     gh = gn * s_gs
     gh = tl.where(n_l2, gh + p * s_wd, gh)
     t = (gh * gh) * k_c
-    mp = m0 * k_r1 + gh * k_o1
-    vp = vv * k_r2 + (gh * k_o2) * gh
-    q = tl.where(mp == 0.0, 0.0, tl.div_rn(tl.abs(mp), tl.sqrt_rn(vp)))
-    ap = tl.abs(p)
-    ag = tl.abs(gh)
-    a = (ap * k_wa + q * k_wka) + ag
-    b = (ap * k_wb + q * k_wkb) + ag
-    t1 = (a * ag) * k_cv
-    t2 = (b * b) * k_cm
-    tl2 = tl.where(t1 > t, t1, t)
-    tl2 = tl.where(t2 > tl2, t2, tl2)
-    t = tl.where(n_l2 & (k_l2t != 0), tl2, t)
+    if L2_CHECK:
+        t = _l2_terms(t, gh, p, m0, vv, n_l2, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t)
     if OP == 2:
         t = t * u_b2
     over = ~(t <= vv)
@@ -200,12 +210,14 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
                    offs, mask,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
+                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t,
                    OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, HAS_COPY: tl.constexpr, ROUND_C: tl.constexpr, CHECK: tl.constexpr):
+                   SOFT_BF16: tl.constexpr, HAS_COPY: tl.constexpr, ROUND_C: tl.constexpr, CHECK: tl.constexpr,
+                   L2_CHECK: tl.constexpr):
     """The operation ``OP`` on the elements ``offs`` (where ``mask``) of one block's tensors. ``CHECK``: a
     checked step (the program's elements are chunk ``chunk`` of the block, see :data:`CHECK_BLOCK`): where
-    :func:`_chunk_bad` finds one, nothing is stored but the chunk's flag (``sk_ptr``)."""
+    :func:`_chunk_bad` finds one, nothing is stored but the chunk's flag (``sk_ptr``); ``L2_CHECK``: its L2
+    terms compiled in."""
     if HAS_P_OLD:
         p = tl.load(pold_ptr + offs, mask=mask, other=1.0).to(tl.float32)
     else:
@@ -218,8 +230,8 @@ def _adam_elements(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr,
         if OP == 2:
             g2 = tl.load(g2_ptr + offs, mask=mask, other=1.0).to(tl.float32)
         skip = _chunk_bad(p, g, g2, m, v, mask, u_gs, u_wd, u_l2, u_omb1, u_omb2, u_b2, u_ss, u_bc2, u_eps, s_gs,
-                          s_wd, s_l2, k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
-                          OP, ROUND_S, HAS_P_OLD)
+                          s_wd, s_l2, k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2,
+                          k_l2t, OP, ROUND_S, HAS_P_OLD, L2_CHECK)
         tl.store(sk_ptr + chunk, skip.to(tl.uint8))
         mask = mask & (tl.full(offs.shape, 0, tl.int32) == skip)  # (a block-wide comparison: a mask of int1)
     if OP != 0:
@@ -265,10 +277,11 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
                  # step scalars
                  s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
                  # checked-step scalars (CHECK)
-                 k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
+                 k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t,
                  OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                  SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32, CHECK: tl.constexpr = False):
+                 HAS_COPY: tl.constexpr = False, ROUND_C: tl.constexpr = tl.float32, CHECK: tl.constexpr = False,
+                 L2_CHECK: tl.constexpr = False):
     """One flat block of ``n`` elements, ``BLOCK_SIZE`` per program."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -276,8 +289,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_ptr, v
                    offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP, HAS_P_OLD,
-                   ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
+                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t, OP, HAS_P_OLD,
+                   ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK, L2_CHECK)
 
 
 # The multi-tensor kernel's table: a row of 14 int64 per tensor of a launch: its first program, its element
@@ -293,11 +306,11 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
                        u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2,
                        u_rbc2, u_rpdiv, u_rb1, u_rb2,
                        s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                       k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t,
+                       k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t,
                        OP: tl.constexpr, HAS_P_OLD: tl.constexpr, ROUND_P: tl.constexpr, ROUND_S: tl.constexpr,
                        SOFT_BF16: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_COPY: tl.constexpr,
                        ROUND_C: tl.constexpr, ALIGNED: tl.constexpr, ROW: tl.constexpr,
-                       CHECK: tl.constexpr = False):
+                       CHECK: tl.constexpr = False, L2_CHECK: tl.constexpr = False):
     """Many tensors in one launch: program ``pid`` runs ``BLOCK_SIZE`` elements of tensor
     ``tensor_of[pid]``, whose row in ``rows`` holds its first program, its element count and, per
     pointer argument, the element offset of its storage from that argument (every tensor of a slot
@@ -338,8 +351,8 @@ def _adam_multi_kernel(p_ptr, g_ptr, m_ptr, v_ptr, g2_ptr, pold_ptr, po_ptr, mo_
                    po_ptr + d_po, mo_ptr + d_mo, vo_ptr + d_vo, pc_ptr + d_pc, sk, chunk, offs, offs < n,
                    u_gs, u_pdiv, u_wd, u_l2, u_bc2, u_eps, u_ss, u_omb1, u_b1, u_omb2, u_b2, u_rbc2, u_rpdiv, u_rb1,
                    u_rb2, s_gs, s_pmul, s_wd, s_l2, s_small, s_coef, s_b2, s_c2, s_bc2, s_eps, s_nss, s_rbc2,
-                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_o1, k_o2, k_l2t, OP, HAS_P_OLD,
-                   ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK)
+                   k_lim, k_c, k_cv, k_cm, k_wa, k_wb, k_wka, k_wkb, k_r1, k_r2, k_omb1, k_omb2, k_l2t, OP, HAS_P_OLD,
+                   ROUND_P, ROUND_S, SOFT_BF16, HAS_COPY, ROUND_C, CHECK, L2_CHECK)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -558,9 +571,13 @@ def _finish(ops: _Operands) -> Triple:
     return results
 
 
-def _constexprs(op: int, ops: _Operands, has_p_old: bool, check: bool) -> dict:
+def _constexprs(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepArgs, k: _CheckArgs | None) -> dict:
+    """A launch's compile-time arguments; a checked one (``k``) compiles the L2 terms of its check (``L2_CHECK``)
+    where its step, or an undo+redo's undone step, has L2 decay."""
     fp, fm, pc = ops.arrays[0], ops.arrays[2], ops.pc
-    shape = dict(BLOCK_SIZE=CHECK_BLOCK, CHECK=True, num_warps=CHECK_WARPS) if check else dict(BLOCK_SIZE=BLOCK)
+    l2 = k is not None and bool(st.l2 or (op == _OP_UNDO_REDO and u.l2))
+    shape = dict(BLOCK_SIZE=CHECK_BLOCK, CHECK=True, num_warps=CHECK_WARPS, L2_CHECK=l2) if k is not None else \
+        dict(BLOCK_SIZE=BLOCK)
     return dict(OP=op, HAS_P_OLD=has_p_old, ROUND_P=_TL_DTYPES[fp.dtype], ROUND_S=_TL_DTYPES[fm.dtype],
                 SOFT_BF16=_INTERPRETING, HAS_COPY=pc is not None,
                 ROUND_C=_TL_DTYPES[pc.dtype] if pc is not None else tl.float32, **shape, **COMPILE_OPTIONS)
@@ -576,7 +593,7 @@ def _run_flat(op: int, ops: _Operands, has_p_old: bool, u: _UndoArgs, st: _StepA
     that at launch): the last n % 16 elements, if any, get a launch of their own (16-element offsets
     keep the pointers 16-byte aligned). A checked call (``k``) decides a chunk whole: where n % 16 is not
     0 its last chunk (partial) gets the launch of its own, with its flag."""
-    constexprs = _constexprs(op, ops, has_p_old, k is not None)
+    constexprs = _constexprs(op, ops, has_p_old, u, st, k)
     for start, count, programs in _flat_launches(ops.n, k is not None):
         # the kernel takes the tensors' addresses: the arrays themselves from element 0
         arrays = ops.arrays if start == 0 else _from(ops.arrays, start, ops.skip)
@@ -623,8 +640,7 @@ def _run_multi(op: int, group: Sequence[_Operands], has_p_old: bool, aligned: bo
     tensor_of = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device=device),
                                         on_device[:, _ROW_WIDTH], output_size=first)
     _adam_multi_kernel[(first,)](*group[0].arrays, on_device, tensor_of, *u, *st, *(k or _NO_CHECK).flat(),
-                                 ALIGNED=aligned, ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old,
-                                                                                    k is not None))
+                                 ALIGNED=aligned, ROW=_ROW_WIDTH + 1, **_constexprs(op, group[0], has_p_old, u, st, k))
 
 
 def _table(group: Sequence[_Operands], check: bool) -> tuple[np.ndarray, int]:
