@@ -88,6 +88,16 @@ def _warm_l2(opt, gen: torch.Generator, steps: int, wd: float, near: float) -> t
     return params, state
 
 
+def _l2_case(backend: str, lr: float, wd: float, near: float, steps: int, seed: int) -> tuple:
+    """``(opt, params, state, before, grads)``: an ``undo="auto"`` L2 optimizer, its parameters and state after
+    ``steps`` plain steps (:func:`_warm_l2`), a copy of both, and the next step's near_balance gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = sofx.adam(lr=lr, weight_decay=wd, backend=backend, undo="auto")
+    params, state = _warm_l2(opt, gen, steps, wd, 0.0)
+    before = sofx.tree.tree_map(torch.clone, (params, state))
+    return opt, params, state, before, [near_balance(p, wd, near, gen) for p in params]
+
+
 # ---------------------------------------------------------------------------------------- the record alone
 
 
@@ -101,11 +111,7 @@ def test_l2_update_then_undo_restores_the_state_within_the_tolerance(backend, lr
     whether the check kept it or it was undone algebraically; a first step's moments exactly 0."""
     if _no_native(backend):
         return
-    gen = torch.Generator().manual_seed(seed)
-    opt = sofx.adam(lr=lr, weight_decay=wd, backend=backend, undo="auto")
-    params, state = _warm_l2(opt, gen, steps, wd, 0.0)
-    before = sofx.tree.tree_map(torch.clone, (params, state))
-    grads = [near_balance(p, wd, near, gen) for p in params]
+    opt, params, state, before, grads = _l2_case(backend, lr, wd, near, steps, seed)
     p2, s2, rec = opt.update(params, grads, state, donate=donate)
     p3, s3 = opt.undo(p2, s2, rec, donate=donate)
     p0, s0 = before
@@ -126,11 +132,7 @@ def test_l2_undo_redo_equals_the_redone_step_within_the_tolerance(backend, lr, w
     redoes), equals the step taken with those from the state before, within the record's tolerance."""
     if _no_native(backend):
         return
-    gen = torch.Generator().manual_seed(seed)
-    opt = sofx.adam(lr=lr, weight_decay=wd, backend=backend, undo="auto")
-    params, state = _warm_l2(opt, gen, steps, wd, 0.0)
-    before = sofx.tree.tree_map(torch.clone, (params, state))
-    grads = [near_balance(p, wd, near, gen) for p in params]
+    opt, params, state, before, grads = _l2_case(backend, lr, wd, near, steps, seed)
     hp = AdamHParams(lr=lr, weight_decay=wd)
     new_hp = {"lr": hp._replace(lr=lr * 0.5), "eps": hp._replace(eps=1e-6), "betas": hp._replace(beta1=0.8, beta2=0.99),
               "wd": hp._replace(weight_decay=wd * 0.5)}.get(change, hp)
