@@ -208,6 +208,33 @@ def loss_of(out: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
     return nn.functional.mse_loss(out, y) * weight
 
 
+def scaler_step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer,
+                sched: torch.optim.lr_scheduler.LRScheduler, before: float) -> bool:
+    """GradScaler's step and update (``before``: the scale of the step's backward), the scheduler stepped where
+    the optimizer was (the scale did not drop: no overflow); whether it was."""
+    scaler.step(opt)
+    scaler.update()
+    stepped = scaler.get_scale() >= before
+    if stepped:
+        sched.step()
+    return stepped
+
+
+def through_torch_save(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` saved by ``torch.save`` and loaded back (``weights_only``), as a checkpoint file would."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def load_opt_scaler_sched(run: "TorchRun | TorchMastersRun", saved: dict[str, Any]) -> None:
+    """``run``'s fresh optimizer, scaler and scheduler given the saved states of :func:`through_torch_save`."""
+    run.opt.load_state_dict(saved["opt"])
+    run.scaler.load_state_dict(saved["scaler"])
+    run.sched.load_state_dict(saved["sched"])
+
+
 @dataclass
 class TorchRun:
     """torch's side: the module, AdamW (or Adam) over three groups, GradScaler, the schedule's scheduler stepped
@@ -245,27 +272,17 @@ class TorchRun:
         self.scaler.unscale_(self.opt)
         if self.precision.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.precision.max_norm)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        stepped = self.scaler.get_scale() >= before
-        if stepped:
-            self.sched.step()
-        return stepped
+        return scaler_step(self.scaler, self.opt, self.sched, before)
 
     def reload(self) -> None:
         """Save model, optimizer, scaler and scheduler through torch.save, then go on with fresh objects."""
-        buf = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "scaler": self.scaler.state_dict(), "sched": self.sched.state_dict()}, buf)
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=True)
+        saved = through_torch_save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                                    "scaler": self.scaler.state_dict(), "sched": self.sched.state_dict()})
         self.model = Net().to(self.precision.dtype)
         self.model.load_state_dict(saved["model"])
         base_lrs = list(self.sched.base_lrs)
         self.build()
-        self.opt.load_state_dict(saved["opt"])
-        self.scaler.load_state_dict(saved["scaler"])
-        self.sched.load_state_dict(saved["sched"])
+        load_opt_scaler_sched(self, saved)
         assert self.sched.base_lrs == base_lrs
 
 
@@ -291,6 +308,17 @@ def _grads(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, w:
     return dict(zip(live, grads))
 
 
+def _assert_pairs(step: int, name: str, pairs: list[tuple[str, torch.Tensor, torch.Tensor]], bitwise: bool) -> None:
+    """Each ``(what, ours, torch's)`` of parameter ``name`` at ``step``: bit for bit, or within DESIGN.md's
+    tolerance."""
+    for what, ours, theirs in pairs:
+        if bitwise:
+            assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"step {step}: {what} of {name}: {m}")
+
+
 def _compare(step: int, params: dict[str, torch.Tensor], state, model: Net, topt: torch.optim.AdamW,
              bitwise: bool) -> None:
     """sofx's params, moments and counts against torch's, bit for bit or within DESIGN.md's tolerance."""
@@ -301,12 +329,7 @@ def _compare(step: int, params: dict[str, torch.Tensor], state, model: Net, topt
         if tstate:
             pairs += [("exp_avg", state.mu[name], tstate["exp_avg"]), ("exp_avg_sq", state.nu[name],
                                                                        tstate["exp_avg_sq"])]
-        for what, ours, theirs in pairs:
-            if bitwise:
-                assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
-            else:
-                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
-                                           msg=lambda m: f"step {step}: {what} of {name}: {m}")
+        _assert_pairs(step, name, pairs, bitwise)
 
 
 def _accumulated_grads(params: dict[str, torch.Tensor], gen: torch.Generator, step: int, scale: float,
@@ -608,12 +631,7 @@ def _compare_facade(step: int, run: FacadeRun, ref: TorchRun, bitwise: bool) -> 
         pairs = [("param", p.detach(), q.detach())]
         if tstate:
             pairs += [(key, state[key], tstate[key]) for key in ("exp_avg", "exp_avg_sq")]
-        for what, ours, theirs in pairs:
-            if bitwise:
-                assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
-            else:
-                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
-                                           msg=lambda m: f"step {step}: {what} of {name}: {m}")
+        _assert_pairs(step, name, pairs, bitwise)
 
 
 @pytest.mark.parametrize("executor,resumed_on,undo,schedule,decoupled,options", [
@@ -709,31 +727,22 @@ class TorchMastersRun:
         before = self.backward_scale = self.scaler.get_scale()
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        stepped = scaler_step(self.scaler, self.opt, self.sched, before)
         with torch.no_grad():
             for p, m in zip(self.model.parameters(), self.masters):
                 p.copy_(m)
-        stepped = self.scaler.get_scale() >= before
-        if stepped:
-            self.sched.step()
         return stepped
 
     def reload(self) -> None:
         """Save masters, optimizer, scaler and scheduler through torch.save, then go on with fresh objects."""
-        buf = io.BytesIO()
-        torch.save({"masters": [m.detach() for m in self.masters], "opt": self.opt.state_dict(),
-                    "scaler": self.scaler.state_dict(), "sched": self.sched.state_dict()}, buf)
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=True)
+        saved = through_torch_save({"masters": [m.detach() for m in self.masters], "opt": self.opt.state_dict(),
+                                    "scaler": self.scaler.state_dict(), "sched": self.sched.state_dict()})
         self.model = Net().to(self.model.inp.weight.dtype)
         with torch.no_grad():
             for p, m in zip(self.model.parameters(), saved["masters"]):
                 p.copy_(m)
         self.build(saved["masters"])
-        self.opt.load_state_dict(saved["opt"])
-        self.scaler.load_state_dict(saved["scaler"])
-        self.sched.load_state_dict(saved["sched"])
+        load_opt_scaler_sched(self, saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -770,12 +779,7 @@ def test_the_facade_on_a_half_precision_module_equals_torch_optim_over_fp32_mast
                 assert int(state["step"]) == (int(tstate["step"]) if tstate else 0), (step, name)
                 pairs = [("master", state["master"], m.detach())]
                 pairs += [(key, state[key], tstate[key]) for key in ("exp_avg", "exp_avg_sq") if tstate]
-                for what, ours, theirs in pairs:
-                    if bitwise:
-                        assert torch.equal(ours, theirs), f"step {step}: {what} of {name} differs from torch's"
-                    else:
-                        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7,
-                                                   msg=lambda msg: f"step {step}: {what} of {name}: {msg}")
+                _assert_pairs(step, name, pairs, bitwise)
                 assert torch.equal(p.detach(), state["master"].to(dtype)), (step, name)
                 if bitwise:
                     assert torch.equal(p.detach(), q.detach()), (step, name)
