@@ -264,6 +264,19 @@ class _UnreadableInTheWorker:
         return int, ("sofx test: the worker cannot read this message",)
 
 
+def _unreadable_task_reports_the_exit(opt: sofx.offload.SpeculativeAdamW):
+    """``opt``'s process executor given a task its worker cannot read: ``wait()`` raises WorkerDiedError with the
+    exit code 1 and the worker's traceback, as the worker exits (well before the timeout). The executor."""
+    executor = opt.engine.executor
+    executor.submit(_UnreadableInTheWorker())
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid literal "
+                                              r"for int\(\) with base 10: 'sofx test: the worker cannot read"):
+        executor.wait(120.0)
+    assert time.monotonic() - start < 90.0, "told as the worker exits, not at the timeout"
+    return executor
+
+
 def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
     """The worker fails outside an operation (here: it cannot read a message) and exits: the error names the
     exit code and carries what the worker printed (its traceback went to the terminal only, out of sight in a
@@ -273,13 +286,7 @@ def test_a_worker_that_raises_is_a_clear_error_with_its_traceback() -> None:
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
     opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
     opt.step()
-    executor = opt.engine.executor
-    executor.submit(_UnreadableInTheWorker())
-    start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid literal "
-                                              r"for int\(\) with base 10: 'sofx test: the worker cannot read"):
-        executor.wait(120.0)
-    assert time.monotonic() - start < 90.0, "told as the worker exits, not at the timeout"
+    executor = _unreadable_task_reports_the_exit(opt)
     steps = [int(opt.state[p]["step"]) for p in model.parameters()]
     opt.close()
     assert executor.process.poll() == 1
@@ -333,13 +340,7 @@ def test_a_worker_that_raises_and_is_slow_to_exit_is_reported_with_its_exit_code
     model = SharedMLP()
     opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
     try:
-        executor = opt.engine.executor
-        executor.submit(_UnreadableInTheWorker())
-        start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=r"(?s)died \(exit code 1\).*Traceback.*ValueError: invalid "
-                                                  r"literal for int\(\) with base 10: 'sofx test: the worker cannot"):
-            executor.wait(120.0)
-        assert time.monotonic() - start < 90.0, "told as the worker exits, not at the timeout"
+        executor = _unreadable_task_reports_the_exit(opt)
     finally:
         opt.close()
     assert executor.process.poll() == 1
