@@ -3,6 +3,10 @@
 Ranks that start seconds apart (importing torch on a loaded machine) still meet: the group's short timeout,
 there to turn a rank waiting alone in a case's collective into an error, covered the rendezvous too, and the
 rank that came first failed with it. The cases' collectives keep the short timeout.
+
+A rank killed by a signal of its own (gloo's transport threads abort the process on a socket error) costs one
+more run, with a warning that shows the first run's logs; killed again, the test fails with each rank's exit and
+the end of its log.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import run_gloo_cases
+from helpers import run_gloo, run_gloo_cases
 
 # The spawned ranks' ``sitecustomize`` (their PYTHONPATH): the second rank to start sleeps {late} s first, before it
 # imports anything (as a rank on a loaded machine imported torch that much later than the other).
@@ -47,3 +51,32 @@ def test_ranks_that_start_seconds_apart_meet_and_the_cases_keep_their_short_time
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     ranks = run_gloo_cases({"timeout": _collective_timeout_s}, 2, tmp_path, timeout_s=300, case_timeout_s=1.0)
     assert [res["timeout"] for res in ranks] == [1.0, 1.0]
+
+
+def _aborts_on_its_first_run(rank: int, world: int, store: str, outdir: str) -> None:
+    """Rank 1 aborts on the first run (its log says so first), not on the run again (``.../again``)."""
+    if rank == 1 and not outdir.endswith("again"):
+        print("rank 1 aborts", flush=True)
+        os.abort()
+    torch.save({"rank": rank}, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+def _aborts_always(rank: int, world: int, store: str, outdir: str) -> None:
+    if rank == 1:
+        print("rank 1 aborts again", flush=True)
+        os.abort()
+    torch.save({"rank": rank}, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+def test_a_rank_lost_to_a_signal_runs_once_more_with_a_warning_that_shows_its_log(tmp_path: pathlib.Path) -> None:
+    with pytest.warns(UserWarning, match=r"(?s)lost a rank to a signal.*rank 1: killed by SIGABRT.*rank 1 aborts"):
+        assert run_gloo(_aborts_on_its_first_run, 2, tmp_path) == [{"rank": 0}, {"rank": 1}]
+
+
+def test_a_rank_lost_to_a_signal_twice_fails_the_test_with_each_ranks_exit_and_log(tmp_path: pathlib.Path) -> None:
+    with pytest.warns(UserWarning, match="lost a rank to a signal"), pytest.raises(pytest.fail.Exception) as err:
+        run_gloo(_aborts_always, 2, tmp_path)
+    text = str(err.value)
+    assert "process 1 terminated with signal SIGABRT" in text, text
+    assert "--- rank 1: killed by SIGABRT; the end of rank1.log:\nrank 1 aborts again" in text, text
+    assert "--- rank 0: " in text, text
