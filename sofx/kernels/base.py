@@ -670,7 +670,7 @@ def _l2_term(p: torch.Tensor, gh: torch.Tensor, mb: torch.Tensor | None, vv: tor
     if mb is not None:
         mp = torch.mul(mb, k.r1).add_(torch.mul(gh, k.omb1))
         vp = torch.mul(vv, k.r2).add_(torch.mul(gh, k.omb2).mul_(gh))
-        q = torch.abs(mp).div_(vp.sqrt_()).masked_fill_(mp == 0, 0.0)
+        q = torch.abs(mp).div_(_sqrt_rn(vp)).masked_fill_(mp == 0, 0.0)
         a.add_(torch.mul(q, k.wka))
         b.add_(q.mul_(k.wkb))
     t1 = a.add_(ag).mul_(ag).mul_(k.cv)
@@ -678,6 +678,18 @@ def _l2_term(p: torch.Tensor, gh: torch.Tensor, mb: torch.Tensor | None, vv: tor
     b.add_(ag)
     t2 = b.mul_(b).mul_(k.cm)
     return torch.where(t2 > t, t2, t)
+
+
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(x)`` correctly rounded in ``x``'s dtype (a new tensor), as the lossy check's native (``sqrtf``) and
+    Triton (``sqrt_rn``) forms take it, so that all flag the same elements where one bit of ``q`` or of the
+    recovered p decides. torch's own float32 square root on CPU is MKL's where torch has MKL, an ulp off for ~0.7%
+    of values (:mod:`sofx.kernels._torch_sqrt`): there a float32 one is taken in float64 and rounded, which is
+    float32's correctly rounded result (the square root of a float32 lies at least 2^-49 relative from a float32
+    midpoint, farther than float64's rounding)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return x.double().sqrt_().float()
+    return x.sqrt()
 
 
 def bias_corrections(s: AdamScalars, variant: AdamVariant) -> tuple[Scalar, Scalar]:
@@ -707,7 +719,7 @@ def _recovered_param(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s_old: A
     lossy test (see :data:`LOSSY_V_RATIO`)."""
     dtype = compute_dtype(p)
     ss, bc2 = bias_corrections(s_old, AdamVariant(decoupled=False, bias_correction=bias_correction))
-    d = v.to(dtype).sqrt().div_(float(bc2)).add_(float(s_old.eps))
+    d = _sqrt_rn(v.to(dtype)).div_(float(bc2)).add_(float(s_old.eps))
     return torch.mul(m.to(dtype), float(ss)).div_(d).add_(p.to(dtype))
 
 
