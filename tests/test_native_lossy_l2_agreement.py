@@ -4,11 +4,11 @@ Each example is a list of one to four blocks of 1..3000 elements (sizes near the
 :data:`~sofx.kernels.base.FINITE_CHUNK` boundaries drawn often), each with its own dtypes (float32 parameters and
 moments; bfloat16 and float16 parameters, bfloat16 moments), scalars (weight decay 0..0.5, in L2 or decoupled mode),
 ``out`` donated or not, a ``p_copy`` or not, ``p_old`` or not, checked (``skip``) or not, the record keeping p
-(``p_kept``) or not. Its elements are sound but for a few probes per chunk (so that a chunk's flag is mostly one
-element's): gradients over three decades, a share of them near ``-wd p`` (where the L2 terms of the lossy check
-matter), second moments over up to eight decades, some moments exactly 0, and, in some blocks, second moments at
-the check's very margin (bisected to the last bit, see :func:`_at_margin`). One call of ``step_many``,
-``undo_many`` or ``undo_redo_many`` per backend, then:
+(``p_kept``) or not, an inf or a nan in a checked call's gradient or state or not. Its elements are sound but for
+a few probes per chunk (so that a chunk's flag is mostly one element's): gradients over three decades, a share of
+them near ``-wd p`` (where the L2 terms of the lossy check matter), second moments over up to eight decades, some
+moments exactly 0, and, in some blocks, second moments at the check's very margin (bisected to the last bit, see
+:func:`_at_margin`). One call of ``step_many``, ``undo_many`` or ``undo_redo_many`` per backend, then:
 
 - a checked call's flags are the chunks ``lossy_elements | beyond_limit`` finds (base.py; the Python form of the
   native ``chunk_exact`` and its vector loops ``vlossy``/``vlossy8``), for both backends alike;
@@ -73,6 +73,7 @@ class Block(NamedTuple):
     zero_rows: float  # share of the probes whose moments are exactly 0
     margin: bool  # the probes' second moments where the check changes its mind (see _at_margin)
     bad_g: bool  # one inf or nan in the (new) gradient
+    bad_state: int  # -1, or which of p, m, v (an undo+redo's p', m', v') gets one inf or nan
     donate: bool
     copy: torch.dtype | None
     p_old: bool
@@ -93,6 +94,7 @@ def blocks(draw: Any) -> Block:
                  v_top=draw(st.sampled_from([-1, 1])), v_span=draw(st.sampled_from([1, 8])),
                  probes=draw(st.sampled_from([1, 2, 1024])), zero_rows=draw(st.sampled_from([0.0, 0.0, 0.2])),
                  margin=draw(st.booleans()), bad_g=draw(st.booleans()),
+                 bad_state=draw(st.sampled_from([-1, -1, -1, 0, 1, 2])),
                  donate=draw(st.booleans()), copy=draw(st.sampled_from([None, torch.float32, torch.bfloat16])),
                  p_old=draw(st.booleans()), checked=draw(st.booleans()), p_kept=draw(st.booleans()),
                  zero_moments=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 31 - 1)))
@@ -144,12 +146,13 @@ def _state(b: Block, probes: torch.Tensor, gen: torch.Generator, zero: bool = Fa
     return p.to(pdt), g.to(gdt), m.to(sdt), v.to(sdt)
 
 
-def _spoil(b: Block, g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """``g`` with one inf or nan at a random place where ``b.bad_g`` (only a checked call's gradient)."""
-    if not (b.bad_g and b.checked):
+def _spoil(b: Block, g: torch.Tensor, gen: torch.Generator, spoiled: bool | None = None) -> torch.Tensor:
+    """``g`` with one inf, -inf or nan at a random place where ``spoiled`` (default ``b.bad_g``) in a checked call
+    (whose check flags its chunk; an unchecked call's nan results are not compared but to the reference's)."""
+    if not ((b.bad_g if spoiled is None else spoiled) and b.checked):
         return g
     g = g.clone()
-    g[int(torch.randint(b.n, (1,), generator=gen))] = float("inf") if b.seed % 2 else float("nan")
+    g[int(torch.randint(b.n, (1,), generator=gen))] = (float("inf"), float("-inf"), float("nan"))[b.seed % 3]
     return g
 
 
@@ -181,6 +184,9 @@ def _case(op: str, b: Block, variant: AdamVariant) -> Case:
         s_new = s._replace(lr=b.new_lr, grad_scale=b.new_gs) if op == "undo_redo" else None
         g_new = _spoil(b, _gradient(b, p, b.new_gs, probes, gen).to(g.dtype), gen) if op == "undo_redo" else None
         c = Case(p1, g, m1, v1, s, g_new, s_new, p.clone() if b.p_old else None)
+    if b.bad_state >= 0 and op != "undo":
+        k = "pmv"[b.bad_state]
+        c = c._replace(**{k: _spoil(b, getattr(c, k), gen, True)})
     return _at_margin(op, c, b, variant, probes, gen) if b.margin and b.checked and op != "undo" else c
 
 
@@ -361,7 +367,9 @@ def _check_block(op: str, name: str, i: int, c: Case, b: Block, variant: AdamVar
         if p_copy is not None:
             assert bool((p_copy[~keep] == 7.0).all()), f"{where}: p_copy written in a flagged chunk"
     if p_copy is not None:
-        assert torch.equal(p_copy[keep], result[0][keep].to(p_copy.dtype)), f"{where}: p_copy is not p' cast"
+        got, want = p_copy[keep], result[0][keep].to(p_copy.dtype)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()]), \
+            f"{where}: p_copy is not p' cast"
     want, parts = _reference(op, c, variant)
     exact = name == "cpu" and cpu.bitwise_with_torch()
     if not exact and op != "step":  # DESIGN.md's tolerance holds where the undone step was not too lossy to undo
@@ -395,8 +403,8 @@ def _margin_block(n: int, seed: int) -> Block:
     (:func:`_at_margin`); with the seeds below, the probe whose flag a square root's last bit decides."""
     return Block(n=n, combo=(torch.float32,) * 3, lr=0.1, betas=(0.9, 0.999), wd=0.5, t=3, gs=1.0, new_gs=0.5,
                  new_lr=0.01, g_mag=1.0, near=0.3, v_top=-1, v_span=8, probes=1, zero_rows=0.0, margin=True,
-                 bad_g=False, donate=False, copy=None, p_old=False, checked=True, p_kept=False, zero_moments=False,
-                 seed=seed)
+                 bad_g=False, bad_state=-1, donate=False, copy=None, p_old=False, checked=True, p_kept=False,
+                 zero_moments=False, seed=seed)
 
 
 @FUZZ
