@@ -612,11 +612,11 @@ class LossyL2(NamedTuple):
     """The float32 constants of the L2 terms of the lossy check (see :data:`LOSSY_V_RATIO`), for a step ``s`` (the
     redo of an undo+redo: also ``s_old``, the undone one's): ``cv, cm``: the two parts of :func:`lossy_factor`,
     ``(1 - b2) / (LOSSY_V_RATIO b2)`` and ``((1 - b1) / (LOSSY_M_RATIO b1))^2`` (both 0 for a step from zero
-    moments, whose undo zeroes them); ``wa = LOSSY_L2_V wd``, ``wb = LOSSY_L2_M wd`` (the shares of ``wd P`` in each
-    check, ``P = 2 |p| + K q``); ``wka = wa K / 2``, ``wkb = wb K / 2`` with ``K = lr max(1, sqrt(1 - b2^t) / (1 -
-    b1^t))`` (``|u| <= K |m'| / sqrt(v')``, with or without bias correction); ``r1, r2``: ``b1, b2`` (an undo+redo's
-    ``b1 / b1_old, b2 / b2_old``, of the float32 betas: against the undone moments' ``b1_old m, b2_old v``); ``omb1,
-    omb2``: the step's ``1 - b1, 1 - b2``."""
+    moments, whose undo zeroes them); ``wa = 2 LOSSY_L2_V wd``, ``wb = 2 LOSSY_L2_M wd`` (the factors of ``|p|`` in
+    each check's share of ``wd P``, ``P = 2 |p| + K q``); ``wka = wa K / 2``, ``wkb = wb K / 2`` (those of ``q``)
+    with ``K = lr max(1, sqrt(1 - b2^t) / (1 - b1^t))`` (``|u| <= K |m'| / sqrt(v')``, with or without bias
+    correction); ``r1, r2``: ``b1, b2`` (an undo+redo's ``b1 / b1_old, b2 / b2_old``, of the float32 betas: against
+    the undone moments' ``b1_old m, b2_old v``); ``omb1, omb2``: the step's ``1 - b1, 1 - b2``."""
 
     cv: float
     cm: float
