@@ -247,13 +247,19 @@ def _call(op: str, c: Case, b: Block) -> tuple[Any, torch.Tensor | None, torch.T
     if b.checked and op != "undo":
         guards.append(_guarded(torch.zeros(-(-b.n // FINITE_CHUNK), dtype=torch.uint8), "skip", True, gen))
         skip = guards[-1].view
+    return _call_of(op, c, b, (p, g, m, v, g_new, p_old), out, p_copy, skip), p_copy, skip, guards
+
+
+def _call_of(op: str, c: Case, b: Block, tensors: tuple, out: tuple | None, p_copy: torch.Tensor | None,
+             skip: torch.Tensor | None) -> Any:
+    """The backend call of ``op`` on ``tensors`` = ``(p, g, m, v, g_new, p_old)`` with ``c``'s scalars and ``b``'s
+    flags."""
+    p, g, m, v, g_new, p_old = tensors
     if op == "step":
-        call = StepCall(p, g, m, v, c.s, out, p_copy, skip, b.zero_moments, b.p_kept)
-    elif op == "undo":
-        call = UndoCall(p, g, m, v, c.s, p_old, out, p_copy)
-    else:
-        call = UndoRedoCall(p, m, v, g, c.s, g_new, c.s_new, p_old, out, p_copy, skip, b.p_kept)
-    return call, p_copy, skip, guards
+        return StepCall(p, g, m, v, c.s, out, p_copy, skip, b.zero_moments, b.p_kept)
+    if op == "undo":
+        return UndoCall(p, g, m, v, c.s, p_old, out, p_copy)
+    return UndoRedoCall(p, m, v, g, c.s, g_new, c.s_new, p_old, out, p_copy, skip, b.p_kept)
 
 
 def _lossy(op: str, c: Case, b: Block, variant: AdamVariant) -> torch.Tensor:
@@ -471,10 +477,7 @@ def _listed_call(op: str, c: Case, b: Block, guard: torch.Generator | None, guar
     p_copy = fresh(torch.full((b.n,), 7.0, dtype=b.copy), "p_copy", True) if b.copy is not None else None
     skip = fresh(torch.zeros(-(-b.n // FINITE_CHUNK), dtype=torch.uint8), "skip", True) if b.checked else None
     g, g_new, p_old = (fresh(t, name, False) for name, t in (("g", c.g), ("g_new", c.g_new), ("p_old", c.p_old)))
-    if op == "step":
-        call = StepCall(p, g, m, v, c.s, out, p_copy, skip, b.zero_moments, b.p_kept)
-    else:
-        call = UndoRedoCall(p, m, v, g, c.s, g_new, c.s_new, p_old, out, p_copy, skip, b.p_kept)
+    call = _call_of(op, c, b, (p, g, m, v, g_new, p_old), out, p_copy, skip)
     return Listed(ChunkedCall(call, chunks, packed, kept), [*out, *(kept or ()), p_copy, skip])
 
 
