@@ -11,6 +11,7 @@ the end of its log.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 
@@ -53,30 +54,25 @@ def test_ranks_that_start_seconds_apart_meet_and_the_cases_keep_their_short_time
     assert [res["timeout"] for res in ranks] == [1.0, 1.0]
 
 
-def _aborts_on_its_first_run(rank: int, world: int, store: str, outdir: str) -> None:
-    """Rank 1 aborts on the first run (its log says so first), not on the run again (``.../again``)."""
-    if rank == 1 and not outdir.endswith("again"):
-        print("rank 1 aborts", flush=True)
-        os.abort()
-    torch.save({"rank": rank}, os.path.join(outdir, f"rank{rank}.pt"))
-
-
-def _aborts_always(rank: int, world: int, store: str, outdir: str) -> None:
-    if rank == 1:
-        print("rank 1 aborts again", flush=True)
+def _rank_1_aborts(every_run: bool, rank: int, world: int, store: str, outdir: str) -> None:
+    """Rank 1 says so in its log and aborts: on every run, or on the first only (not on the run again,
+    ``.../again``); the others save their rank."""
+    if rank == 1 and (every_run or not outdir.endswith("again")):
+        print(f"rank 1 aborts ({'every run' if every_run else 'the first run'})", flush=True)
         os.abort()
     torch.save({"rank": rank}, os.path.join(outdir, f"rank{rank}.pt"))
 
 
 def test_a_rank_lost_to_a_signal_runs_once_more_with_a_warning_that_shows_its_log(tmp_path: pathlib.Path) -> None:
-    with pytest.warns(UserWarning, match=r"(?s)lost a rank to a signal.*rank 1: killed by SIGABRT.*rank 1 aborts"):
-        assert run_gloo(_aborts_on_its_first_run, 2, tmp_path) == [{"rank": 0}, {"rank": 1}]
+    shown = r"(?s)lost a rank to a signal.*rank 1: killed by SIGABRT.*rank 1 aborts \(the first run\)"
+    with pytest.warns(UserWarning, match=shown):
+        assert run_gloo(functools.partial(_rank_1_aborts, False), 2, tmp_path) == [{"rank": 0}, {"rank": 1}]
 
 
 def test_a_rank_lost_to_a_signal_twice_fails_the_test_with_each_ranks_exit_and_log(tmp_path: pathlib.Path) -> None:
     with pytest.warns(UserWarning, match="lost a rank to a signal"), pytest.raises(pytest.fail.Exception) as err:
-        run_gloo(_aborts_always, 2, tmp_path)
+        run_gloo(functools.partial(_rank_1_aborts, True), 2, tmp_path)
     text = str(err.value)
     assert "process 1 terminated with signal SIGABRT" in text, text
-    assert "--- rank 1: killed by SIGABRT; the end of rank1.log:\nrank 1 aborts again" in text, text
+    assert "--- rank 1: killed by SIGABRT; the end of rank1.log:\nrank 1 aborts (every run)" in text, text
     assert "--- rank 0: " in text, text
