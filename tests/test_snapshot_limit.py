@@ -356,6 +356,28 @@ def test_a_block_undone_for_a_late_gradient_frees_its_share_of_the_budget(execut
         assert max(relative_deviation(m, r) for m, r in zip((a, b), ref)) <= TOL
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_an_l2_block_kept_from_speculating_at_its_first_step_is_speculated_from_its_second(executor: str) -> None:
+    """L2 decay (``SpeculativeAdam(weight_decay=...)``), ``undo="auto"``, a snapshot budget of 0 bytes: the first
+    step's undo keeps the parameter (``param_snapshot``, see ``sofx.adam.L2_FIRST_STEP_REASON``), which does not
+    fit (decision "budget", stepped in validation); from the second step on the inverse is algebraic (no snapshot;
+    gradients of one size, so the step's check keeps no chunk), so the block is speculated, with the same hparams,
+    grad scale, layout and dtypes as at its first step."""
+    gen = torch.Generator().manual_seed(0)
+    w = nn.Parameter(torch.randn(300, generator=gen))
+    signs = torch.randn(300, generator=gen).sign()
+    with sofx.offload.SpeculativeAdam([w], lr=1e-3, weight_decay=1e-3, executor=executor,
+                                      snapshot_budget_bytes=0) as opt:
+        for step in range(3):
+            opt.zero_grad()
+            opt.backward((w * signs).sum())
+            report = opt.step()
+            if step == 0:
+                assert report.speculated == 0 and report.ineligible == 1, report.summary()
+            else:
+                assert report.speculated == 1 and report.committed == 1 and report.refused == 0, report.summary()
+
+
 def test_on_speculation_held_counts_what_the_step_holds() -> None:
     opt = sofx.adamw()
     scaler = loss_scale.grad_scaler()

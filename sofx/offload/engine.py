@@ -962,14 +962,16 @@ class OffloadEngine:
         """Block ``b``'s eligibility for a speculative step, its gradients known to be finite.
 
         With finite gradients the undo strategy depends only on the hparams, the grad scale, the
-        layout and the dtypes (never on the values), so the last answer is reused while those are
-        unchanged: Adam's planning is Python work that would otherwise run for every block of every
-        step (and hold the GIL against backward).
+        layout, the dtypes and which parameters take their first step (L2 decay keeps the parameter
+        there: ``sofx.adam.L2_FIRST_STEP_REASON``), never on the values, so the last answer is reused
+        while those are unchanged: Adam's planning is Python work that would otherwise run for every
+        block of every step (and hold the GIL against backward).
         """
         ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
         hp = ctx.hparams[b]
         key = (flat, present, tuple(None if x is None else float(x) for x in hp), float(ctx.grad_scale),
-               None if grads is None else tuple(None if g is None else g.dtype for g in grads))
+               None if grads is None else tuple(None if g is None else g.dtype for g in grads),
+               tuple((t.counts == 0).tolist()))
         memo = self._eligibility_memo[b]
         if memo is not None and memo[0] == key:
             el = memo[1]
