@@ -547,12 +547,12 @@ def test_a_block_refused_every_step_is_remembered(executor: str) -> None:
                 committed.append(report.committed)
         # (a loaded state, or one reset, starts afresh: what was learnt is of other moments)
         needs = opt.engine._snapshot_needs
-        assert any(r is not None for r in needs._refused) or any(needs._expected)
+        assert any(r is not None for r in needs._refused) or any(needs._unplanned)
         opt.load_state_dict(opt.state_dict())
-        assert all(r is None for r in needs._refused) and not any(needs._expected)
-        needs._expected[0] = 100
+        assert all(r is None for r in needs._refused) and not any(needs._unplanned)
+        needs._unplanned[0] = 100
         opt.engine.reset_state()
-        assert not any(needs._expected)
+        assert not any(needs._unplanned)
     # Without the memory: a refusal every step (28 here). With it, at the tries after waits of 1, 2, 4, 8, 16
     # decisions. (In the first steps every chunk was flagged, whole snapshots: the blocks remember that need
     # for the waits it earned, so the first steps here may speculate neither.)

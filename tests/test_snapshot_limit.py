@@ -378,6 +378,49 @@ def test_an_l2_block_kept_from_speculating_at_its_first_step_is_speculated_from_
                 assert report.speculated == 1 and report.committed == 1 and report.refused == 0, report.summary()
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_a_block_whose_planned_snapshot_shrank_reserves_none_of_it_for_the_blocks_after_it(executor: str) -> None:
+    """L2 decay, ``undo="auto"``, two one-parameter blocks, a budget of one parameter snapshot. Step 1: only ``a``
+    has a gradient; its first step keeps its parameter (``param_snapshot``, the bytes planned). Step 2: ``a``'s step
+    is algebraic (nothing planned, nothing kept: gradients of one size) and arrives first; ``c`` then takes its
+    first step (a parameter snapshot planned). ``a`` held only what it planned, so its next decision reserves
+    nothing of it: ``c`` is speculated too, with an executor that runs ``a``'s step meanwhile as well (its
+    report of what it holds comes after ``c``'s decision there), rather than decided "budget"."""
+    gen = torch.Generator().manual_seed(0)
+    n = 300
+    c, a = (nn.Parameter(torch.randn(n, generator=gen)) for _ in range(2))
+    signs = torch.randn(n, generator=gen).sign()
+    with sofx.offload.SpeculativeAdam([c, a], lr=1e-3, weight_decay=1e-3, executor=executor, block_numel=n,
+                                      snapshot_budget_bytes=4 * n) as opt:
+        for step in range(3):
+            opt.zero_grad()
+            first = (c * signs).sum() if step else 0.0  # made first: its gradient comes last
+            opt.backward(first + (a * signs).sum())
+            report = opt.step()
+            assert report.speculated == 1 + (step > 0) and report.committed == report.speculated, report.summary()
+            assert report.ineligible == 0 and report.refused == 0, (report.summary(), report.events)
+
+
+def test_snapshot_needs_reserve_only_what_a_step_held_beyond_its_plan() -> None:
+    """What a speculative step held beyond the bytes its strategy planned is learnt, and offered on top of the
+    next plan where both fit: a plan that shrank (an L2 first step's parameter snapshot, then algebraic steps)
+    is not reserved at its old size; chunks kept beyond the plan (sofx.skipped_chunks) are, at every plan."""
+    from sofx.offload.snapshot_needs import SnapshotNeeds
+
+    def decision(held: int):
+        return sp.BlockDecision(0, True, "speculate", "", None, 1.0, "param_snapshot", held, 1000)
+
+    needs = SnapshotNeeds(1)
+    needs.after_step([decision(400)], {}, planned={0: 400})  # held what it planned
+    assert needs.need(0, 0, 1000) == (0, "") and needs.need(0, 400, 1000) == (400, "")
+    needs.after_step([decision(700)], {}, planned={0: 400})  # 300 bytes of chunks kept beyond the plan
+    nbytes, why = needs.need(0, 0, 1000)
+    assert nbytes == 300 and "300 bytes of snapshot beyond" in why
+    assert needs.need(0, 100, 1000)[0] == 400 and needs.need(0, 100, 399) == (100, "")
+    needs.after_step([decision(50)], {}, planned={0: 400})  # less than planned: nothing beyond
+    assert needs.need(0, 0, 1000) == (0, "")
+
+
 def test_on_speculation_held_counts_what_the_step_holds() -> None:
     opt = sofx.adamw()
     scaler = loss_scale.grad_scaler()

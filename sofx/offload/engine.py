@@ -626,6 +626,7 @@ class OffloadEngine:
         # (where the executor decides) and step() (thread-safe appends and pops)
         self._snapshot_reports: deque[tuple[int, str | None, int]] = deque()
         self._refused_bytes: dict[int, int] = {}  # this step's refused blocks: the bytes each needed
+        self._planned_bytes: dict[int, int] = {}  # this step's eligible blocks: the bytes their strategies planned
         self._events: list[tuple[str, int]] = []
         self._tickets = self._turn = 0  # nothing is pending: every "ready" operation of the last step ran
         # Per block and parameter: this step's gradient (borrowed from autograd, or a buffer slice).
@@ -978,6 +979,8 @@ class OffloadEngine:
         else:
             el = combined_eligibility(self.adam, t, layout, flat, present, hp, ctx.grad_scale, grads, finite=True)
             self._eligibility_memo[b] = (key, el)
+        if el.eligible:
+            self._planned_bytes[b] = el.snapshot_bytes  # what the step holds beyond it is learnt (snapshot_needs)
         budget = ctx.config.snapshot_budget_bytes
         if not el.eligible or budget is None:
             return el
@@ -1234,8 +1237,8 @@ class OffloadEngine:
         # has nothing left to undo; validation plans (and reports) it as the plain step (or skip) it runs.
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams(),
                                taken=list(self._speculated))
-        self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes)
-        self._refused_bytes = {}
+        self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes, self._planned_bytes)
+        self._refused_bytes, self._planned_bytes = {}, {}
         return self._apply(plan, presents, sumsq)
 
     def _settle_reduced(self) -> None:

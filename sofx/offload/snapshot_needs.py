@@ -8,10 +8,16 @@ leaves the unflagged chunks a few ulps off). Where the need persists (an embeddi
 rare rows spike every step, the first steps of a run) that would happen every step. So the engine offers a
 block's learnt need as its snapshot need (:class:`~sofx.speculate.Eligibility`) when it decides:
 
-* **expected**: what the block's last speculative step held. Reserved where it fits in what is left of the
-  budget, so that the blocks decided after it (before its step reports what it holds, with an executor that
-  runs it meanwhile) see the budget it will take; where it does not fit, the block is decided on its planned
-  bytes (and may be taken back).
+* **unplanned**: what the block's last speculative step held (its record's ``snapshot_bytes()`` as reported,
+  :func:`~sofx.speculate.on_speculation_held`) beyond the bytes its undo strategy planned for that step (the
+  ``snapshot_bytes`` of its :class:`~sofx.speculate.Eligibility`, before anything here was added): the chunks
+  it kept, 0 where it held no more than planned. The block is decided on its plan now plus these, where they
+  fit in what is left of the budget, so that the blocks decided after it (before its step reports what it
+  holds, with an executor that runs it meanwhile) see the budget it will take; where they do not fit, the
+  block is decided on its planned bytes (and may be taken back). Only the excess is learnt: a plan that
+  shrinks (an L2-decay leaf's first step keeps its parameter, ``sofx.adam.L2_FIRST_STEP_REASON``; its later
+  steps are algebraic) is not reserved at its old size a step longer, while a persistent unplanned need is
+  reserved at every plan.
 * **refused**: the bytes a step that was taken back needed. The block is not speculated while they do not
   fit (decision ``"budget"``) for its next ``wait`` decisions, then tried again; refused once more, it waits
   twice as long (1, 2, 4, ... up to :data:`MAX_WAIT` decisions). Each time it is speculated without a
@@ -42,11 +48,11 @@ class _Refused:
 
 
 class SnapshotNeeds:
-    """Per block: what its last speculative step held, and the need of its last refused one while it waits
-    (see the module docstring)."""
+    """Per block: what its last speculative step held beyond its plan, and the need of its last refused one
+    while it waits (see the module docstring)."""
 
     def __init__(self, n_blocks: int) -> None:
-        self._expected = [0] * n_blocks
+        self._unplanned = [0] * n_blocks
         self._refused: list[_Refused | None] = [None] * n_blocks
 
     def need(self, block: int, planned: int, left: int | None) -> tuple[int, str]:
@@ -56,14 +62,19 @@ class SnapshotNeeds:
         if r is not None and r.wait > 0 and r.nbytes > planned:
             return r.nbytes, (f"a recent speculative step of this block needed {r.nbytes} bytes of snapshot and "
                               "was taken back (see sofx.offload.snapshot_needs)")
-        expected = self._expected[block]
-        if expected > planned and left is not None and expected <= left:
-            return expected, f"its last speculative step held {expected} bytes of snapshot"
+        unplanned = self._unplanned[block]
+        if unplanned > 0 and left is not None and planned + unplanned <= left:
+            return planned + unplanned, (f"its last speculative step held {unplanned} bytes of snapshot beyond "
+                                         "its planned ones")
         return planned, ""
 
-    def after_step(self, decisions: Sequence[Any], refused_bytes: Mapping[int, int]) -> None:
+    def after_step(self, decisions: Sequence[Any], refused_bytes: Mapping[int, int],
+                   planned: Mapping[int, int] | None = None) -> None:
         """Update from a step's final decisions (:class:`~sofx.speculate.BlockDecision` or None per block; a
-        speculated one's ``snapshot_bytes`` what its step holds) and the bytes each refused block needed."""
+        speculated one's ``snapshot_bytes`` what its step holds), the bytes each refused block needed and those
+        each speculated block's strategy planned (the :class:`~sofx.speculate.Eligibility` it was decided on,
+        before :meth:`need`; a block not in ``planned``: 0, all it held is learnt)."""
+        planned = {} if planned is None else planned
         for b, d in enumerate(decisions):
             if d is None:
                 continue
@@ -72,7 +83,7 @@ class SnapshotNeeds:
                 wait = 1 if r is None else min(2 * r.backoff, MAX_WAIT)
                 self._refused[b] = _Refused(int(refused_bytes.get(b, 0)), wait, wait)
             elif d.kind == "speculate":
-                self._expected[b] = int(d.snapshot_bytes)
+                self._unplanned[b] = max(0, int(d.snapshot_bytes) - int(planned.get(b, 0)))
                 if r is not None:  # it fitted: its next refusal waits half as long; forgotten after a few fits
                     self._refused[b] = _Refused(r.nbytes, 0, r.backoff // 2) if r.backoff > 1 else None
             elif r is not None and r.wait > 0 and d.kind == "budget":
@@ -80,5 +91,5 @@ class SnapshotNeeds:
 
     def forget(self) -> None:
         """Drop everything learnt (a loaded or reset optimizer state)."""
-        self._expected = [0] * len(self._expected)
+        self._unplanned = [0] * len(self._unplanned)
         self._refused = [None] * len(self._refused)
