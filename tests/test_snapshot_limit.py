@@ -421,6 +421,26 @@ def test_snapshot_needs_reserve_only_what_a_step_held_beyond_its_plan() -> None:
     assert needs.need(0, 0, 1000) == (0, "")
 
 
+def test_snapshot_needs_hold_back_a_refused_block_only_for_what_it_needed_beyond_its_plan() -> None:
+    """A refused step's need beyond its plan is what keeps the block waiting ("budget") while it does not fit on
+    top of the next plan: one whose plan shrank since (an L2 first step's parameter snapshot, then algebraic
+    steps) is speculated where its plan now and that excess fit, not held back for the bytes it no longer plans."""
+    from sofx.offload.snapshot_needs import SnapshotNeeds
+
+    def decision(kind: str):
+        return sp.BlockDecision(0, kind == "speculate", kind, "", None, 1.0, "param_snapshot", 0, 1000)
+
+    needs = SnapshotNeeds(1)
+    needs.after_step([decision("refused")], {0: 700}, planned={0: 400})  # 300 bytes of chunks beyond its plan
+    nbytes, why = needs.need(0, 0, 400)
+    assert nbytes == 300 and "300 bytes of snapshot beyond" in why and "taken back" in why
+    assert needs.need(0, 200, 400)[0] == 500  # too much for what is left: decided "budget" on it
+    needs.after_step([decision("budget")], {})
+    assert needs.need(0, 0, 400) == (0, "")  # its wait is over
+    needs.after_step([decision("refused")], {0: 400}, planned={0: 400})  # nothing beyond its plan
+    assert needs.need(0, 0, 400) == (0, "")
+
+
 def test_on_speculation_held_counts_what_the_step_holds() -> None:
     opt = sofx.adamw()
     scaler = loss_scale.grad_scaler()

@@ -18,12 +18,13 @@ block's learnt need as its snapshot need (:class:`~sofx.speculate.Eligibility`) 
   shrinks (an L2-decay leaf's first step keeps its parameter, ``sofx.adam.L2_FIRST_STEP_REASON``; its later
   steps are algebraic) is not reserved at its old size a step longer, while a persistent unplanned need is
   reserved at every plan.
-* **refused**: the bytes a step that was taken back needed. The block is not speculated while they do not
-  fit (decision ``"budget"``) for its next ``wait`` decisions, then tried again; refused once more, it waits
-  twice as long (1, 2, 4, ... up to :data:`MAX_WAIT` decisions). Each time it is speculated without a
-  refusal, the wait its next refusal would get halves, and the refusal is forgotten at the first such step
-  after that reached 1: a block whose need went away is forgotten after a few steps, while blocks that take
-  turns at one budget keep their long waits.
+* **refused**: the bytes a step that was taken back needed (:class:`~sofx.errors.SnapshotLimitError`'s
+  ``needed``) beyond those its strategy planned for it, as above. The block is decided on its plan now plus
+  these, so not speculated while they do not fit (decision ``"budget"``), for its next ``wait`` decisions, then
+  tried again; refused once more, it waits twice as long (1, 2, 4, ... up to :data:`MAX_WAIT` decisions). Each
+  time it is speculated without a refusal, the wait its next refusal would get halves, and the refusal is
+  forgotten at the first such step after that reached 1: a block whose need went away is forgotten after a few
+  steps, while blocks that take turns at one budget keep their long waits.
 
 Plain Python state per block; the engine calls :meth:`need` as it decides and :meth:`after_step` once the
 step's decisions are final.
@@ -42,7 +43,7 @@ MAX_WAIT = 16
 
 @dataclass
 class _Refused:
-    nbytes: int  # what the refused step needed (SnapshotLimitError.needed)
+    beyond: int  # what the refused step needed (SnapshotLimitError.needed) beyond its strategy's plan
     wait: int  # decisions left before it is tried again
     backoff: int  # the wait it was given
 
@@ -59,9 +60,10 @@ class SnapshotNeeds:
         """The snapshot bytes to decide ``block`` on (at least ``planned``, its strategy's; ``left``: what is
         left of the budget, None without one) and why, "" where they are the planned ones."""
         r = self._refused[block]
-        if r is not None and r.wait > 0 and r.nbytes > planned:
-            return r.nbytes, (f"a recent speculative step of this block needed {r.nbytes} bytes of snapshot and "
-                              "was taken back (see sofx.offload.snapshot_needs)")
+        if r is not None and r.wait > 0 and r.beyond > 0:
+            return planned + r.beyond, (f"a recent speculative step of this block needed {r.beyond} bytes of "
+                                        "snapshot beyond its planned ones and was taken back (see "
+                                        "sofx.offload.snapshot_needs)")
         unplanned = self._unplanned[block]
         if unplanned > 0 and left is not None and planned + unplanned <= left:
             return planned + unplanned, (f"its last speculative step held {unplanned} bytes of snapshot beyond "
@@ -72,8 +74,8 @@ class SnapshotNeeds:
                    planned: Mapping[int, int] | None = None) -> None:
         """Update from a step's final decisions (:class:`~sofx.speculate.BlockDecision` or None per block; a
         speculated one's ``snapshot_bytes`` what its step holds), the bytes each refused block needed and those
-        each speculated block's strategy planned (the :class:`~sofx.speculate.Eligibility` it was decided on,
-        before :meth:`need`; a block not in ``planned``: 0, all it held is learnt)."""
+        each speculated or refused block's strategy planned (the :class:`~sofx.speculate.Eligibility` it was
+        decided on, before :meth:`need`; a block not in ``planned``: 0, all it held or needed is learnt)."""
         planned = {} if planned is None else planned
         for b, d in enumerate(decisions):
             if d is None:
@@ -81,11 +83,12 @@ class SnapshotNeeds:
             r = self._refused[b]
             if d.kind == "refused":
                 wait = 1 if r is None else min(2 * r.backoff, MAX_WAIT)
-                self._refused[b] = _Refused(int(refused_bytes.get(b, 0)), wait, wait)
+                beyond = max(0, int(refused_bytes.get(b, 0)) - int(planned.get(b, 0)))
+                self._refused[b] = _Refused(beyond, wait, wait)
             elif d.kind == "speculate":
                 self._unplanned[b] = max(0, int(d.snapshot_bytes) - int(planned.get(b, 0)))
                 if r is not None:  # it fitted: its next refusal waits half as long; forgotten after a few fits
-                    self._refused[b] = _Refused(r.nbytes, 0, r.backoff // 2) if r.backoff > 1 else None
+                    self._refused[b] = _Refused(r.beyond, 0, r.backoff // 2) if r.backoff > 1 else None
             elif r is not None and r.wait > 0 and d.kind == "budget":
                 r.wait -= 1
 
