@@ -778,6 +778,58 @@ def test_undo_algebraic_refusals_come_before_any_block_is_stepped():
         assert [int(opt.state[p]["step"]) for p in model.parameters()] == counts
 
 
+def _engine_beside_serial_loop(executor: str, hparams: list) -> tuple:
+    """``(engine, params, opt, loop)``: an :class:`~sofx.offload.engine.OffloadEngine` over two groups of two
+    parameters, one block each, whose ``hparams_fn`` returns ``hparams`` (a list the test changes), and a
+    :func:`sofx.serial.init_loop` of the same parameters to step beside it."""
+    from sofx.offload.block_runner import AdamConfig
+    from sofx.offload.engine import OffloadEngine
+    from sofx.serial import init_loop
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5)) for _ in range(4)]
+    rule = sofx.loss_scale.static_scale()
+    engine = OffloadEngine([params[:2], params[2:]], lambda: list(hparams), adam=AdamConfig(decoupled=True),
+                           speculation=sofx.speculate.SpeculationConfig(), scaler=rule, executor=executor,
+                           block_numel=5, swap_params=False)
+    opt = sofx.adamw(lr=1e-2)
+    return engine, params, opt, init_loop(opt, [p.detach().clone() for p in params], rule)
+
+
+@pytest.mark.parametrize("bad", [sofx.AdamHParams(1e-2, 0.9, 0.999, 1e-8, 0.0)._replace(**kw) for kw in (
+    {"lr": -1.0}, {"beta1": 1.0}, {"beta2": math.nan}, {"eps": 0.0}, {"weight_decay": -0.1})],
+    ids=["negative lr", "beta1 of 1", "nan beta2", "eps of 0", "negative weight_decay"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_an_engines_hparams_adam_refuses_are_refused_by_step_and_the_engine_keeps_working(executor, bad):
+    """An OffloadEngine whose hparams_fn gives a group a value sofx.Adam's update refuses (a scheduler gone
+    wrong): the blocks of the other group arriving first were speculated, then the bad block's speculative step
+    raised in the executor and stopped the engine for good. Now nothing is speculated: step() refuses the
+    hparams as update does, naming the block, and once they are put back step() steps the same gradients as the
+    serial loop does."""
+    from sofx.serial import serial_loop_step
+
+    good = sofx.AdamHParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
+    hparams = [good, good]
+    engine, params, opt, loop = _engine_beside_serial_loop(executor, hparams)
+    rule = engine.scaler
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(3):
+            grads = [torch.randn(5, generator=gen) for _ in params]
+            hparams[1] = bad if step == 1 else good  # (read as the step's first block is ready, in backward)
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            if step == 1:
+                with pytest.raises(sofx.HParamError, match=r"^hparams for blocks\[2\]: .* is invalid; expected"):
+                    engine.step()
+                hparams[1] = good
+            report = engine.step()
+            loop, _ = serial_loop_step(opt, loop, grads, scaler=rule, hparams=[good] * 4)
+            assert not report.skipped
+            assert all(torch.equal(p.detach(), q) for p, q in zip(params, loop.params)), step
+    finally:
+        engine.close()
+
+
 def test_hparams_float32_cannot_hold_are_refused_before_any_block_is_stepped():
     """The masters are float32: an lr beyond its range, or an eps that is 0 there, was taken by the constructor
     and refused inside the executor at the first step, which stopped the engine for good (a scheduler setting

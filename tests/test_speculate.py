@@ -954,6 +954,81 @@ def test_validation_hparams_a_step_cannot_take_are_refused_before_anything_is_pl
         assert _rel(blocks[i], ser.params[i]) <= 1e-6 and int(states[i].count) == int(ser.state.count[i])
 
 
+_REFUSED_HPARAMS = {
+    "negative lr": AdamHParams(lr=-1.0), "nan lr": AdamHParams(lr=math.nan), "inf lr": AdamHParams(lr=math.inf),
+    "beta1 of 1": AdamHParams(beta1=1.0), "negative beta1": AdamHParams(beta1=-0.1),
+    "nan beta2": AdamHParams(beta2=math.nan), "beta2 above 1": AdamHParams(beta2=1.5),
+    "eps of 0": AdamHParams(eps=0.0), "negative eps": AdamHParams(eps=-1e-8), "nan eps": AdamHParams(eps=math.nan),
+    "negative weight_decay": AdamHParams(weight_decay=-0.1), "nan weight_decay": AdamHParams(weight_decay=math.nan),
+    "a string": AdamHParams(lr="fast"), "a tensor of 2 elements": AdamHParams(lr=torch.tensor([1e-3, 2e-3])),
+}
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["one for all blocks", "one bad block"])
+@pytest.mark.parametrize("bad", _REFUSED_HPARAMS.values(), ids=_REFUSED_HPARAMS.keys())
+def test_hparams_a_step_cannot_take_speculate_no_block_and_validation_refuses_them_before_anything_is_written(
+        rng, bad, per_block):
+    """begin_step took hparams sofx.Adam's update refuses (a negative or nan lr, a beta outside [0, 1), ...) and
+    the step speculated: the blocks arriving before the bad one were stepped in place (donated), then the bad
+    block's eligibility raised out of on_block_ready naming ``params``, not the block, half-way through backward.
+    Now no block is speculated (the context says why, with update's words, naming the block), and
+    plan_validation refuses them as update does, naming the block and telling the hook, before anything is
+    written; with good validation hparams the step is then serial_step's, bit for bit."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng, 3), rng)
+    grads = _grads(rng, 3)
+    rule = loss_scale.grad_scaler()
+    hp, first = ([AdamHParams(), bad, AdamHParams()], 1) if per_block else (bad, 0)
+    with pytest.raises(sofx.HParamError) as update_error:
+        opt.update(params[first], grads[first], opt.init(params[first]), bad)
+    expected = str(update_error.value).replace("hparams for params:", f"hparams for blocks[{first}]:")
+    blocks = [p.clone() for p in params]
+    states = [sofx.AdamState(state.count[i].clone(), state.mu[i].clone(), state.nu[i].clone()) for i in range(3)]
+    before = _snapshot(params, state)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=3, hparams=hp)
+    assert not ctx.speculating and ctx.kind == "vetoed" and expected in ctx.reason, ctx.reason
+    for i in (2, 1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), lambda i=i: sp.block_eligibility(
+            opt, blocks[i], grads[i], states[i], ctx.hparams[i], ctx.grad_scale))
+        assert not d.speculate and d.kind == "vetoed", d
+    hook = _RecordingHook()
+    with pytest.raises(sofx.HParamError) as info:
+        sp.plan_validation(ctx, tally, list(tally.block_sumsq), reduce_sumsq=hook)
+    assert str(info.value) == expected and hook.calls == [f"refuse: {expected}"]
+    assert _unchanged(before, blocks, sofx.AdamState([s.count for s in states], [s.mu for s in states],
+                                                     [s.nu for s in states]))
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq), hparams=AdamHParams())
+    assert [a.kind for a in plan.actions] == ["step"] * 3
+    for i, a in enumerate(plan.actions):
+        blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], grads[i], states[i], donate=True)
+    ser = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), hparams=AdamHParams())
+    assert all(torch.equal(b, p) for b, p in zip(blocks, ser.params))
+
+
+@pytest.mark.parametrize("field, value", [("lr", 1e39), ("eps", 1e-50), ("weight_decay", 1e39)])
+def test_hparams_beyond_float32s_range_speculate_no_block(rng, field, value):
+    """An lr or weight_decay beyond float32's largest value, or an eps that is 0 there: sofx.Adam's update
+    refuses them for a leaf stepped in float32, and the speculation steps of begin_step cannot know the blocks'
+    dtype. They were speculated: the first float32 block's eligibility raised out of on_block_ready, the blocks
+    before it stepped in place. No block is speculated now (the context says why, naming the block)."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng, 3), rng)
+    grads = _grads(rng, 3)
+    rule = loss_scale.grad_scaler()
+    bad = AdamHParams(**{field: value})
+    with pytest.raises(sofx.HParamError) as update_error:
+        opt.update(params[1], grads[1], opt.init(params[1]), bad)
+    expected = str(update_error.value).replace("hparams for params:", "hparams for blocks[1]:")
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=3,
+                               hparams=[AdamHParams(), bad, AdamHParams()])
+    assert not ctx.speculating and ctx.kind == "vetoed" and expected in ctx.reason, ctx.reason
+    for i in (2, 1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), lambda i=i: sp.block_eligibility(
+            opt, params[i], grads[i], sofx.AdamState(state.count[i], state.mu[i], state.nu[i]), ctx.hparams[i],
+            ctx.grad_scale))
+        assert not d.speculate and d.kind == "vetoed", d
+
+
 @pytest.mark.parametrize("bad_grad, pattern", [
     (torch.randn(2, 6), r"grads\[0\]: expected shape \(6,\), got \(2, 6\)"),
     (torch.randn(6).double(), r"grads\[0\]: expected dtype torch.float32, got torch.float64"),

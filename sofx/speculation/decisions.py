@@ -10,7 +10,8 @@ immutable values; the engine carries the tensor work out with
 Decisions (SPECULATION.md section 3):
 
 * a ready block is speculated iff the step may speculate (enabled, last
-  micro-step, adaptive policy not paused), speculation was not vetoed, its
+  micro-step, adaptive policy not paused, every block's hparams ones
+  ``Adam.update`` takes), speculation was not vetoed, its
   gradient is finite, and it is eligible (its undo strategy exists and its
   snapshot fits in the remaining budget); a speculative step that finds in
   itself a need for more snapshot than is left (``undo="auto"``'s test of the
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, check_hparam_value, check_step_hparams
+from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value, check_step_hparams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_bool, real_number
@@ -286,7 +287,10 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     (``None``, one :class:`AdamHParams`, or one per block). ``backward_scale``
     is the loss scale this backward multiplies the loss by (default:
     ``scaler.scale(scaler_state)``). Speculation only happens in the backward
-    of the last micro-step (``last_micro_step=True``).
+    of the last micro-step (``last_micro_step=True``), and not where a block's
+    hparams are ones :meth:`sofx.Adam.update` refuses (:func:`_refused_block_hparams`:
+    the context's ``reason`` gives its error, naming ``blocks[i]``; validation
+    refuses them for a block it steps).
     """
     if not isinstance(config, SpeculationConfig):
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
@@ -307,12 +311,17 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     max_norm = clip_max_norm(config.profile, config.max_norm)
     veto = _veto_sumsq(max_norm, assumed)
     allowed, why = config.policy.allows(policy_state)
+    refused = _refused_block_hparams(hps)
     if not config.enabled:
         speculating, kind, reason = False, "disabled", "speculation is disabled"
     elif not last_micro_step:
         speculating, kind, reason = False, "micro_step", "not the last micro-step (gradients are still accumulating)"
     elif not allowed:
         speculating, kind, reason = False, "policy", why
+    elif refused is not None:
+        speculating, kind = False, "vetoed"
+        reason = (f"{refused}: a speculative step cannot take these hparams, so no block is speculated; "
+                  "validation refuses them for a block it steps")
     elif not can_unscale(assumed):
         speculating, kind = False, "vetoed"
         reason = (f"the loss scale {assumed:g} cannot unscale the gradients (1/S is not a finite float32): "
@@ -327,6 +336,29 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
                       1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason)
     tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0)
     return ctx, tally
+
+
+def _refused_block_hparams(hps: Sequence[AdamHParams]) -> HParamError | None:
+    """The error :meth:`sofx.Adam.update` would raise for the first block whose hparams it refuses, naming
+    ``blocks[i]`` (:func:`~sofx.adam.check_hparam_value`: not a number, or out of its range, nan included;
+    :func:`~sofx.adam.check_float32_range`: beyond float32's, in which every block but a float64 one is stepped),
+    else ``None``. Such hparams speculate no block (:func:`begin_step`): a speculative step raised in the middle of
+    backward, the blocks before it stepped in place. They are not refused here: a block that gets no gradient is
+    not stepped, and its hparams are not read (as :func:`sofx.serial.serial_step`); validation refuses them for a
+    block it steps (:func:`_check_stepped_block_hparams`)."""
+    checked: set[tuple[int, ...]] = set()  # (the blocks of one group hold the same values: checked once)
+    for i, hp in enumerate(hps):
+        key = tuple(map(id, hp))
+        if key in checked:
+            continue
+        try:
+            for name, value in zip(AdamHParams._fields, hp):
+                check_hparam_value(name, value, "hparams for ", f"blocks[{i}]")
+            check_float32_range(hp, "hparams for ", f"blocks[{i}]")
+        except HParamError as exc:
+            return exc
+        checked.add(key)
+    return None
 
 
 def _veto_sumsq(max_norm: float | None, assumed: float) -> float:
