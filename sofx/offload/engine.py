@@ -80,7 +80,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from sofx.adam import AdamHParams
+from sofx.adam import AdamHParams, check_float32_range
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
@@ -120,6 +120,7 @@ from sofx.offload.step_events import EngineStepReport
 from sofx.offload.thread_executor import ThreadExecutor
 from sofx.speculate import (
     BackwardTally,
+    BlockAction,
     PolicyState,
     SpeculationConfig,
     StepContext,
@@ -1237,6 +1238,8 @@ class OffloadEngine:
         # has nothing left to undo; validation plans (and reports) it as the plain step (or skip) it runs.
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams(),
                                taken=list(self._speculated))
+        zero = self._ctx.config.missing_grad == "zero"
+        _check_float32_hparams(plan.actions, [zero or s is not None for s in sumsq])  # (before anything is applied)
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes, self._planned_bytes)
         self._refused_bytes, self._planned_bytes = {}, {}
         return self._apply(plan, presents, sumsq)
@@ -1725,6 +1728,21 @@ class OffloadEngine:
             self._close(keep_state=False)
         except Exception:
             pass
+
+
+def _check_float32_hparams(actions: Sequence[BlockAction], stepped: Sequence[bool]) -> None:
+    """Refuse (an :class:`~sofx.errors.HParamError` naming ``blocks[i]``, in :meth:`sofx.Adam.update`'s words for a
+    float32 leaf: :func:`~sofx.adam.check_float32_range`) the validation hparams of a block the step would step
+    (``stepped``: it has a gradient, or ``missing_grad="zero"``; also on a step that overflows, as
+    :func:`sofx.serial.serial_step` checks them) that its fp32 masters cannot hold: an lr or weight_decay beyond
+    float32's largest value, an eps that is 0 there. :func:`~sofx.speculate.plan_validation` checks their values,
+    not this range (its blocks may be float64): the block's step raised in the executor as the plan was applied,
+    the blocks before it stepped, and the engine stopped for good. Checked before anything is applied."""
+    checked: set[AdamHParams] = set()  # (the blocks of one group hold the same values: checked once)
+    for action, used in zip(actions, stepped):
+        if used and action.hparams not in checked:
+            check_float32_range(action.hparams, "hparams for ", f"blocks[{action.block}]")
+            checked.add(action.hparams)
 
 
 def _grad_mark(grad: torch.Tensor | None) -> tuple[weakref.ReferenceType, int, int] | None:
