@@ -86,9 +86,13 @@ ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 # where g is near -wd * p (gh ~1e-3 of wd * p) they came back ~5e-5 off the serial step's element by element
 # (without bound as gh goes to 0), and a leaf made of such elements up to 1e-4 of its largest (lr 1e-2..1e-1, wd
 # 0.1..0.5: tests/test_l2_decay_trajectories.py). So ``undo="auto"`` keeps the parameter (``"param_snapshot"``, a
-# copy of p on the first step only): its undo, and a redo from it, are then the serial loop's bits.
+# copy of p on the first step only): its undo, and a redo from it, are then the serial loop's bits. Also where the
+# step's own weight decay is 0 (a schedule starting at 0, a group's decay set between backward and step()): its redo,
+# or the first step taken again after its undo (an overflow), may have a nonzero one, taking ``gh`` from an undone p
+# (v 13% off element by element: tests/test_l2_first_step_interop.py).
 L2_FIRST_STEP_REASON = ("L2 decay's first step: a redo from its zero moments takes gh = g + weight_decay * p from "
-                        "the parameter, which an algebraic inverse restores only to an ulp")
+                        "the parameter (also where this step's weight decay is 0: the redo's may not be), which an "
+                        "algebraic inverse restores only to an ulp")
 
 _UNDO_MODES = ("auto", "algebraic", "exact")
 _NOT_UNDOABLE = "stepped with undoable=False"
@@ -275,8 +279,8 @@ class Adam:
         inverse would restore ``v`` and ``m`` less exactly than DESIGN.md's
         1e-6 there (a gradient 1000x the ones before it left ``v`` 62% off).
         Not on a leaf's first step from all-zero moments, whose undo restores
-        the zeros exactly (nothing kept for it; in L2 mode with a nonzero decay
-        its parameter, ``"param_snapshot"``: a redo's ``gh = g + wd * p`` would
+        the zeros exactly (nothing kept for it; in L2 mode, whatever the step's
+        decay, its parameter, ``"param_snapshot"``: a redo's ``gh = g + wd * p`` would
         take the undone p, an ulp off, see ``L2_FIRST_STEP_REASON``), nor where both moments are
         exactly 0 in float32 without L2 decay: the inverse gives them back
         exactly (:func:`sofx.kernels.base.zeros_come_back`). The test,
@@ -1030,7 +1034,7 @@ class Adam:
             return "snapshot", "; ".join(full_reasons) or NOT_FINITE_REASON
         if self.variant.decoupled and wd != 0 and abs(decay_factor) < ALGEBRAIC_MIN_DECAY_FACTOR:
             param_reasons.append(f"1 - lr*weight_decay = {decay_factor:g} amplifies rounding")
-        if not self.variant.decoupled and wd != 0 and is_number(s.step) and s.step == 1:
+        if not self.variant.decoupled and is_number(s.step) and s.step == 1:
             param_reasons.append(L2_FIRST_STEP_REASON)
         if param_reasons:
             return "param_snapshot", "; ".join(param_reasons)
