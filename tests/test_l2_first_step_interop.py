@@ -207,3 +207,80 @@ def test_the_facade_whose_weight_decay_is_set_between_backward_and_the_first_ste
     finally:
         opt.close()
         ropt.close()
+
+
+# ----------------------------------------------------------------------------------- a snapshot budget
+
+
+def _facade_state(model: nn.Module, opt) -> dict:
+    """Copies of the model's and the optimizer's state dicts."""
+    return sofx.tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
+                              {"model": model.state_dict(), "opt": opt.state_dict()})
+
+
+BUDGET_RUN = {"loss_scale": None, "lr": 1e-2, "weight_decay": 0.01, "snapshot_budget_bytes": 4}
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_a_snapshot_budget_too_small_for_the_first_steps_parameter_copy_steps_it_in_validation_then_speculates(
+        executor):
+    """SpeculativeAdam (L2) with a snapshot budget of 4 bytes: on the first step every block needs its parameter
+    kept (the first-step rule), so none is speculated (decided "budget") and each is stepped in validation; from
+    the second step on the steps need no copy of the parameter, and blocks are speculated again (the engine's
+    eligibility is not the first step's, reused). Every step bitwise the facade not speculating (nothing undone)."""
+    make_model, make_batch, loss_fn = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = _facade(model, True, executor=executor, **BUDGET_RUN)
+    ropt = _facade(ref, False, executor=executor, **{**BUDGET_RUN, "snapshot_budget_bytes": None})
+    batch = make_batch(torch.Generator().manual_seed(1))  # (one batch: few elements the lossy check flags)
+    reports = []
+    try:
+        for k in range(6):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                o.backward(loss_fn(m, batch))
+            reports.append(opt.step())
+            ropt.step()
+            _compare_facades(opt, ropt, reports[-1].actions, k)
+    finally:
+        opt.close()
+        ropt.close()
+    first = reports[0]
+    assert first.speculated == 0 and first.ineligible == first.stepped_late == first.blocks, first.summary()
+    assert sum(r.speculated for r in reports[1:]) > 0, [r.summary() for r in reports]
+    assert all(r.undone == 0 for r in reports)
+
+
+def test_a_state_saved_before_the_first_step_loaded_into_a_used_facade_is_decided_on_its_first_step():
+    """A facade with a 4-byte snapshot budget, past its first steps (speculating again), loads a state_dict saved
+    before any step: the next step is every block's first again, decided "budget" (not speculated, rather than
+    taken back as it runs) and stepped in validation: bitwise the run from the loaded state."""
+    make_model, make_batch, loss_fn = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = make_model()
+    opt = _facade(model, True, executor="inline", **BUDGET_RUN)
+    saved = _facade_state(model, opt)
+    torch.manual_seed(0)
+    ref = make_model()
+    ropt = _facade(ref, False, executor="inline", **{**BUDGET_RUN, "snapshot_budget_bytes": None})
+    batch = make_batch(torch.Generator().manual_seed(1))
+    try:
+        for _ in range(6):
+            opt.zero_grad()
+            opt.backward(loss_fn(model, batch))
+            report = opt.step()
+        assert report.speculated > 0, report.summary()
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            o.backward(loss_fn(m, batch))
+        report = opt.step()
+        ropt.step()
+        assert report.speculated == report.refused == 0 and report.ineligible == report.blocks, report.summary()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    finally:
+        opt.close()
+        ropt.close()
