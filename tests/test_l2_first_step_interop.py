@@ -284,3 +284,249 @@ def test_a_state_saved_before_the_first_step_loaded_into_a_used_facade_is_decide
     finally:
         opt.close()
         ropt.close()
+
+
+def test_a_first_l2_step_over_the_snapshot_budget_is_decided_budget_naming_the_first_step_rule():
+    """speculative_step on a first step whose parameter copies do not fit the budget: each leaf stepped in
+    validation, its reason the budget and the first-step rule; the result is serial_step's, bit for bit."""
+    from sofx.serial import serial_step
+    opt = sofx.adam(lr=LR, weight_decay=WD)
+    params, grads = _first_step_case(0)
+    scaler = loss_scale.grad_scaler(init_scale=1.0)
+    config = sp.SpeculationConfig(snapshot_budget_bytes=4 * min(SIZES) - 1)
+    spec = sp.speculative_step(opt, [p.clone() for p in params], grads, opt.init(params), config=config,
+                               scaler=scaler, scaler_state=scaler.init())
+    ser = serial_step(opt, params, grads, opt.init(params), scaler=scaler, scaler_state=scaler.init())
+    assert spec.report.speculated == 0 and spec.report.stepped_late == len(SIZES)
+    for a in spec.plan.actions:
+        assert a.kind == "step" and "of the budget" in a.reason and "L2 decay's first step" in a.reason, a.reason
+    for got, want in ((spec.params, ser.params), (spec.state.mu, ser.state.mu), (spec.state.nu, ser.state.nu)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------- param groups, gradient accumulation
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("event", ["clip", "overflow", "hparams"])
+def test_a_group_whose_weight_decay_turns_on_after_the_first_step_follows_the_serial_loop(k, event):
+    """Param groups (a prefix per leaf): leaves 1 and 3 without decay throughout, 0 and 2 at weight decay 0 until
+    step ``k`` and WD from it. At step ``k`` a clip, an overflow, or WD set only at validation: the undone steps
+    within the tolerance of the serial loop, the others bitwise (the lossy check bounds a redo from moments that
+    are not 0). The first-step rule is about the count: step ``k`` keeps no copy of the parameter for it."""
+    opt = sofx.adam(lr=LR, weight_decay=WD, backend="reference")
+    before, after = _per_leaf(lambda i: 0.0), _per_leaf(lambda i: WD if i % 2 == 0 else 0.0)
+    final = lambda t: after if t >= k - 1 else before  # noqa: E731  (t: steps taken, so step t + 1 is taken)
+    schedule = (lambda t: after if t >= k else before) if event == "hparams" else final
+    events = ["none"] * (k - 1) + [event if event != "hparams" else "none", "none"]
+    ser, reports = _loop_beside_serial(opt, schedule, final, events)
+    assert reports[k - 1].undone > 0 and ser.step == k + 1 - (event == "overflow")
+    params, _ = _first_step_case(0)
+    state = opt.init(params)._replace(count=[torch.tensor(k - 1)] * len(SIZES))
+    assert [s for s, _ in opt.undo_strategies(params, params, state, after)] == ["algebraic"] * len(SIZES)
+
+
+@pytest.mark.parametrize("boost_at", [0, -1])
+def test_l2_gradient_accumulation_with_a_clip_on_the_first_step_follows_torch_adam(boost_at):
+    """SpeculativeAdam (groups with decay 0.05 and 0) with two micro-steps per step and a clip on steps 1 and 2
+    (the spike on the parameter that arrives last in backward: the first step's speculated blocks undone; or
+    first: the early veto) against torch.optim.Adam + clip_grad_norm_ + GradScaler: within 1e-6 every step."""
+    from test_offload_support import run_side_by_side
+    r = run_side_by_side("mlp", "thread", steps=4, accumulate=2, inf_every=0, make_opt=sofx.offload.SpeculativeAdam,
+                         ref_cls=torch.optim.Adam, boost_at=boost_at, boost_when=lambda s: s < 2,
+                         opt_kwargs={"policy": sp.AdaptivePolicy(enabled=False)})
+    first = r.reports[0]
+    assert first.clipped and (first.undone > 0 if boost_at == 0 else first.vetoed > 0), first.summary()
+    assert max(r.deviations) <= 1e-6, r.deviations
+
+
+# ------------------------------------------------------------------------- checkpoints around the first step
+
+EVENTS = ["none", "clip", "overflow", "none"]  # steps 1, 2 (clipped), 3 (skipped), 3
+GROUPS = _per_leaf(lambda i: WD if i % 2 == 0 else 0.0)  # decay WD on leaves 0 and 2, none on 1 and 3
+
+
+def _spec_loop_run(opt, loop, start: int, stop: int):
+    """``speculative_loop_step`` over calls ``start`` to ``stop`` of EVENTS at GROUPS; returns the loop."""
+    scaler = loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=2)
+    config = sp.SpeculationConfig(max_norm=MAX_NORM, policy=sp.AdaptivePolicy(enabled=False))
+    for call in range(start, stop):
+        grads = _loop_grads(loop.params, [WD] * 4, call, EVENTS[call], scaler.scale(loop.scaler_state))
+        loop, report = sp.speculative_loop_step(opt, loop, grads, config=config, scaler=scaler, hparams=GROUPS)
+        assert report.undone > 0 or EVENTS[call] == "none", (call, report.summary())
+    return loop
+
+
+@pytest.mark.parametrize("saved_after", [0, 1, 2])
+def test_the_l2_speculative_loop_resumed_around_its_first_step_is_bitwise_the_uninterrupted_run(tmp_path,
+                                                                                              saved_after):
+    """A loop state saved after 0, 1 or 2 calls (sofx.checkpoint, loaded without a template, a fresh optimizer),
+    continued with speculation through a clip on step 2 and an overflow: bitwise the uninterrupted run. The loaded
+    counts say where the leaves are: the first-step rule keeps the parameter on a leaf's first step only."""
+    from helpers import assert_trees_bitwise
+    import sofx.checkpoint as ck
+    opt = sofx.adam(lr=LR, weight_decay=WD, backend="reference")
+    expected = _spec_loop_run(opt, _start_loop(opt), 0, len(EVENTS))
+    assert expected.step == len(EVENTS) - 1
+    saved = _spec_loop_run(opt, _start_loop(opt), 0, saved_after)
+    loaded = ck.load(ck.save(tmp_path / "loop.ckpt", {"loop": saved, "calls": saved_after}))["loop"]
+    fresh = sofx.adam(lr=LR, weight_decay=WD, backend="reference")
+    plans = fresh.undo_strategies(loaded.params, loaded.params, loaded.opt_state, GROUPS)
+    assert [s for s, _ in plans] == ["param_snapshot" if saved_after == 0 else "algebraic"] * len(SIZES)
+    assert_trees_bitwise(_spec_loop_run(fresh, loaded, saved_after, len(EVENTS)), expected)
+
+
+def _facade_run(model: nn.Module, opt, start: int, stop: int) -> None:
+    """Steps ``start`` to ``stop`` of EVENTS on the MLP (70% of its gradient elements at the L2 balance of WD; at a
+    clip a spike of 100 on the first parameter, at an overflow an inf)."""
+    _, make_batch, loss_fn = MODELS["mlp"]
+    for k in range(start, stop):
+        opt.zero_grad()
+        handles = _balance_hooks(model, opt, WD, k)
+        if EVENTS[k] != "none":
+            def spike(g, size=100.0 if EVENTS[k] == "clip" else math.inf):
+                g = g.clone()
+                g.view(-1)[0] = size * opt.engine.loss_scale
+                return g
+            handles.append(next(p for p in model.parameters() if p.requires_grad).register_hook(spike))
+        opt.backward(loss_fn(model, make_batch(torch.Generator().manual_seed(k))))
+        for h in handles:
+            h.remove()
+        report = opt.step()
+        assert report.skipped == (EVENTS[k] == "overflow"), (k, report.summary())
+        assert report.undone > 0 or EVENTS[k] == "none", (k, report.summary())
+
+
+@pytest.mark.parametrize("executor,saved_after", [("thread", 0), ("thread", 1), ("thread", 2), ("process", 1)])
+def test_the_l2_facade_resumed_around_its_first_step_is_bitwise_the_uninterrupted_run(tmp_path, executor,
+                                                                                     saved_after):
+    """SpeculativeAdam (two param groups: decay WD and 0) saved after 0, 1 or 2 steps (state_dict through
+    sofx.checkpoint), loaded into a fresh model and optimizer, continued through a clip on step 2 and an overflow:
+    bitwise the uninterrupted run (engine state, counts, the model); the loaded counts are the saved ones."""
+    from helpers import assert_trees_bitwise
+    import sofx.checkpoint as ck
+
+    def build():
+        torch.manual_seed(0)
+        model = MODELS["mlp"][0]()
+        decayed = [model.inp.weight, model.mid.weight]
+        groups = [{"params": decayed},
+                  {"params": [p for p in model.parameters() if all(p is not q for q in decayed)], "weight_decay": 0.0}]
+        return model, sofx.offload.SpeculativeAdam(
+            groups, lr=LR, weight_decay=WD, max_grad_norm=20.0, executor=executor, block_numel=40, timeout=60.0,
+            policy=sp.AdaptivePolicy(enabled=False), backend="reference",
+            loss_scale=loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=2))
+
+    def counts(opt):
+        return [int(opt.engine.param_state(i)["step"]) for i in range(len(opt.engine.params))]
+
+    model, opt = build()
+    with opt:
+        _facade_run(model, opt, 0, len(EVENTS))
+        expected = _facade_state(model, opt)
+    model, opt = build()
+    with opt:
+        _facade_run(model, opt, 0, saved_after)
+        path = ck.save(tmp_path / "facade.ckpt", _facade_state(model, opt))
+        saved_counts = counts(opt)
+    assert max(saved_counts) == saved_after  # (the frozen head bias: 0)
+    model, opt = build()
+    with opt:
+        saved = ck.load(path)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        assert counts(opt) == saved_counts
+        _facade_run(model, opt, saved_after, len(EVENTS))
+        assert_trees_bitwise(_facade_state(model, opt), expected)
+
+
+# ------------------------------------------------------------------------------ torch.optim state dicts
+
+
+def _torch_start(opt):
+    """``(params, torch.optim.Adam over them in GROUPS, GradScaler)`` as _start_loop's parameters."""
+    import sofx.checkpoint as ck
+    params = [torch.randn(k, generator=torch.Generator().manual_seed(k)) for k in SIZES]
+    topt = torch.optim.Adam(ck.torch_param_groups(opt, params, GROUPS), foreach=False)
+    return params, topt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+
+
+def _torch_run(topt, params, scaler, start: int, stop: int, trace: list) -> None:
+    """torch.optim + GradScaler + clip_grad_norm_ (DESIGN.md's reference loop) over calls ``start`` to ``stop`` of
+    EVENTS on :func:`_loop_grads`' gradients; appends each call's parameters and moments to ``trace``."""
+    for call in range(start, stop):
+        for p, g in zip(params, _loop_grads(params, [WD] * 4, call, EVENTS[call], scaler.get_scale())):
+            p.grad = g
+        scaler.scale(torch.zeros(()))  # (GradScaler makes its scale tensor at its first scale())
+        scaler.unscale_(topt)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        scaler.step(topt)
+        scaler.update()
+        topt.zero_grad()
+        state = topt.state_dict()["state"]
+        trace.append([(p.detach().clone(), state[i]["exp_avg"].clone(), state[i]["exp_avg_sq"].clone())
+                      for i, p in enumerate(params)])
+
+
+@pytest.mark.parametrize("saved_after", [0, 1, 2])
+def test_a_torch_adam_l2_state_imported_around_its_first_step_continues_with_speculation_as_torch_does(saved_after):
+    """torch.optim.Adam (L2, GROUPS) with GradScaler and clip_grad_norm_ for 0, 1 or 2 calls, imported
+    (from_torch_optim; the scaler's scale and growth tracker), continued by speculative_loop_step through a clip on
+    step 2 and an overflow: every call bitwise torch's until a speculated step is undone, within 1e-6 of the tensor
+    after (and the moments at the record's tolerance)."""
+    import sofx.checkpoint as ck
+    opt = sofx.adam(lr=LR, weight_decay=WD)
+    params, topt, scaler = _torch_start(opt)
+    trace: list = []
+    _torch_run(topt, params, scaler, 0, len(EVENTS), trace)
+    params, topt, scaler = _torch_start(opt)
+    _torch_run(topt, params, scaler, 0, saved_after, [])
+    state, hparams = ck.from_torch_optim(opt, topt.state_dict(), params, GROUPS)
+    assert [int(c) for c in state.count] == [saved_after] * len(SIZES)
+    rule = loss_scale.grad_scaler(init_scale=2.0 ** 8, growth_interval=2)
+    loop = init_loop(opt, [p.detach().clone() for p in params], rule)._replace(
+        opt_state=state, step=saved_after,
+        scaler_state=loss_scale.GradScalerState(scaler.get_scale(), scaler._get_growth_tracker()))
+    config = sp.SpeculationConfig(max_norm=MAX_NORM, policy=sp.AdaptivePolicy(enabled=False))
+    exact = True
+    for call in range(saved_after, len(EVENTS)):
+        grads = _loop_grads(loop.params, [WD] * 4, call, EVENTS[call], rule.scale(loop.scaler_state))
+        loop, report = sp.speculative_loop_step(opt, loop, grads, config=config, scaler=rule, hparams=hparams)
+        exact = exact and report.undone == 0
+        assert report.undone > 0 or EVENTS[call] == "none", (call, report.summary())
+        for i, want in enumerate(trace[call]):
+            got = (loop.params[i], loop.opt_state.mu[i], loop.opt_state.nu[i])
+            if exact:
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (call, i)
+            else:
+                assert max(tensor_deviation(a, b) for a, b in zip(got, want)) <= 1e-6, (call, i)
+                assert_moments_close(*got, *want, (call, i))
+
+
+@pytest.mark.parametrize("saved_after", [0, 1, 2])
+def test_an_l2_speculative_run_exported_around_its_first_step_continues_in_torch_as_torch_does(saved_after):
+    """speculative_loop_step for 0, 1 or 2 calls (the second clipped: undone and redone), exported (to_torch_optim;
+    the loss scale into a GradScaler), continued by torch.optim.Adam: torch's uninterrupted run, bitwise where
+    nothing was undone before the export, else within 1e-6 of the tensor."""
+    import sofx.checkpoint as ck
+    opt = sofx.adam(lr=LR, weight_decay=WD)
+    params, topt, scaler = _torch_start(opt)
+    trace: list = []
+    _torch_run(topt, params, scaler, 0, len(EVENTS), trace)
+    loop = _spec_loop_run(opt, _start_loop(opt), 0, saved_after)
+    sd = ck.to_torch_optim(opt, loop.opt_state, GROUPS)
+    assert sorted(sd["state"]) == ([] if saved_after == 0 else [0, 1, 2, 3])
+    params = [p.clone() for p in loop.params]
+    topt = torch.optim.Adam(ck.torch_param_groups(opt, params, GROUPS), foreach=False)
+    topt.load_state_dict(sd)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": loop.scaler_state.scale,
+                            "_growth_tracker": loop.scaler_state.growth_tracker})
+    got: list = [None] * saved_after
+    _torch_run(topt, params, scaler, saved_after, len(EVENTS), got)
+    for call in range(saved_after, len(EVENTS)):
+        for i, (a, b) in enumerate(zip(got[call], trace[call])):
+            if saved_after < 2:
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (call, i)
+            else:
+                assert max(tensor_deviation(x, y) for x, y in zip(a, b)) <= 1e-6, (call, i)
