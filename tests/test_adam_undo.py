@@ -148,6 +148,9 @@ def test_undo_restores_the_moments_of_a_decayed_step_in_float64(decoupled):
 @example({"p_dtype": torch.float32, "s_dtype": None, "decoupled": False,
           "hp": sofx.AdamHParams(lr=0.0, beta1=0.5, beta2=0.5, eps=0.001, weight_decay=0.5), "bias_correction": False,
           "count": 0, "grad_scale": 1.0, "undo": "auto", "seed": 0, "n": 0})  # L2's first step keeps p
+@example({"p_dtype": torch.float32, "s_dtype": None, "decoupled": False,
+          "hp": sofx.AdamHParams(lr=0.0, beta1=0.5, beta2=0.5, eps=1e-10, weight_decay=0.0), "bias_correction": False,
+          "count": 0, "grad_scale": 1.0, "undo": "auto", "seed": 0, "n": 0})  # ... also at weight decay 0
 def test_auto_strategy_is_sound(c):
     """auto snapshots exactly where the algebraic inverse is impossible or too lossy."""
     opt, params, grads, state = _setup(c)
@@ -155,11 +158,11 @@ def test_auto_strategy_is_sound(c):
     hp = c["hp"]
     s_dtype = c["s_dtype"] or c["p_dtype"]
     s = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, 1, 1.0)  # (update without grad_scale)
-    # a param_snapshot keeps p: its inverse takes no recovered p, so no L2 terms in its test (p_kept); so does an
-    # L2-decay leaf's first step (count 0: adam.py's L2_FIRST_STEP_REASON)
+    # a param_snapshot keeps p: its inverse takes no recovered p, so no L2 terms in its test (p_kept); so does a
+    # leaf's first step in L2 mode, whatever that step's decay (count 0: adam.py's L2_FIRST_STEP_REASON)
     p_kept = c["p_dtype"] in (torch.bfloat16, torch.float16) or bool(
         c["decoupled"] and hp.weight_decay and abs(1 - hp.lr * hp.weight_decay) < 0.5) or bool(
-        not c["decoupled"] and hp.weight_decay and c["count"] == 0)
+        not c["decoupled"] and c["count"] == 0)
     leaves = zip(*(sofx.tree.flatten(t)[0] for t in (params, grads, state.nu, state.mu)))
     lossy = [bool(lossy_elements(p, g, v, s, c["decoupled"], m=m, p_kept=p_kept).any()) for p, g, v, m in leaves]
     for rec, too_lossy in zip(record.leaves, lossy):
