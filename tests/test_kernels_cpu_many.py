@@ -138,6 +138,23 @@ def test_an_empty_list_runs_nothing():
     assert cpu_fast.undo_redo_many([], AdamVariant()) == []
 
 
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+@pytest.mark.parametrize("op", ["step", "undo"])
+def test_blocks_whose_lr_differs_only_in_the_sign_of_zero_keep_their_own_scalars(name, op, rng):
+    """Two blocks of one list call on the same inputs, one with ``lr = 0.0`` and one with ``lr = -0.0`` (equal
+    numbers: one dict key where scalars are shared by value): ``p -+ lr*u`` gives a parameter element that is
+    ``-0.0`` the other sign, so each block's bits are its one-block call's (as
+    ``sofx.speculation.decisions._same_number`` tells the two apart)."""
+    variant = AdamVariant(decoupled=op == "step")
+    s = block_scalars(rng, 0.0)
+    p, g, m, v = block_inputs(rng, 300, torch.float32, torch.float32)
+    p[::3] = -0.0
+    work = [(p.clone(), g, m.clone(), v.clone(), g, s._replace(lr=lr), False, None) for lr in (0.0, -0.0)]
+    many = run_blocks(BACKENDS[name], op, work, variant, s, many=True)
+    _same(many, run_blocks(BACKENDS[name], op, work, variant, s, many=False))
+    assert not torch.equal(many[0][0], many[1][0])  # (those zeros' signs differ between the two)
+
+
 # ---------------------------------------------------------------- checked steps (StepCall.skip)
 def _nonfinite_gradient(gen: torch.Generator, n: int, dtype: torch.dtype, where: list[int]) -> torch.Tensor:
     g = torch.randn(n, generator=gen).to(dtype)

@@ -131,6 +131,14 @@ class AdamScalars(NamedTuple):
     grad_scale: Scalar = 1.0
 
 
+def scalars_key(s: AdamScalars) -> tuple:
+    """A dict key for the values of ``s`` that a kernel computes with: ``s`` itself, and the sign of each float zero
+    in it. ``0.0 == -0.0``, so ``s`` alone is one key for both, but they step differently: ``p - lr*u`` with
+    ``lr = -0.0`` gives a ``-0.0`` parameter element the other sign (as
+    ``sofx.speculation.decisions._same_number`` says)."""
+    return s, tuple(type(x) is float and x == 0 and math.copysign(1.0, x) < 0 for x in s)
+
+
 def is_traced(x: object) -> bool:
     """True for a tensor whose value cannot be read on the host right now.
 

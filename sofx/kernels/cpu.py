@@ -81,8 +81,8 @@ from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
 from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
                                UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
                                gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
-                               lossy_l2, mark_written, refuse_traced, traced_possible, write_kept_param_copy,
-                               write_outputs, write_param_copy)
+                               lossy_l2, mark_written, refuse_traced, scalars_key, traced_possible,
+                               write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
 from sofx.kernels.layout import in_layout_of, same_layout, spans_after_copies, spans_in_memory_order
@@ -423,7 +423,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
                                      [b.p_old is not None for b in blocks] if undone else None, where, float64)
     s2s = reference.concrete_checked([b.s2 for b in blocks], where=where, float64=float64) \
         if op == src.OP_UNDO_REDO else [None] * len(blocks)
-    by_value: dict[AdamScalars, ctypes.Array | None] = {}  # a group's blocks share scalars ...
+    by_value: dict[tuple, ctypes.Array | None] = {}  # a group's blocks share scalars (scalars_key) ...
     by_id: dict[int, ctypes.Array | None] = {}  # ... and mostly the very objects (the lists hold them)
     no_lossy: dict[int, ctypes.Array] = {}  # a block of by_value's with S_LOSSY 0, by its id (zero_moments)
     p_kept: dict[int, ctypes.Array] = {}  # a block (by its id) with S_P_KEPT 1 (StepCall.p_kept)
@@ -433,9 +433,10 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
         if s is None or lib is None:
             return None
         if id(s) not in by_id:
-            if s not in by_value:
-                by_value[s] = _scalar_block(s, variant)
-            by_id[id(s)] = by_value[s]
+            key = scalars_key(s)  # (an lr of -0.0 is not 0.0's)
+            if key not in by_value:
+                by_value[key] = _scalar_block(s, variant)
+            by_id[id(s)] = by_value[key]
         return by_id[id(s)]
 
     def without_lossy(c: ctypes.Array) -> ctypes.Array:
