@@ -32,8 +32,8 @@ else:
     from sofx.kernels import triton as tk
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
-    from helpers import (UNWRITABLE, block_inputs, block_scalars, check_a_large_triton_step, expanded, max_rel_err,
-                         refuse_bad_blocks_first, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes,
+    from helpers import (UNWRITABLE, bits, block_inputs, block_scalars, check_a_large_triton_step, expanded,
+                         max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes,
                          refuse_shared_memory, refuse_traced_inputs, result_requiring_grad, run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
@@ -314,6 +314,24 @@ else:
         for c, g_ in zip(calls, got):
             _same(g_, tk.undo_redo(c.p, c.m, c.v, c.g_old, c.s_old, c.g_new, c.s_new, variant))
         assert launches
+
+    def test_blocks_whose_lr_differs_only_in_the_sign_of_zero_keep_their_own_scalars_in_triton(rng):
+        """Two blocks of one list call on the same inputs, one with ``lr = 0.0`` and one with ``lr = -0.0`` (equal
+        numbers: one dict key where kernel arguments are derived by value): a ``-0.0`` parameter element comes out
+        of a step and of an undo with the other sign, so each block's bits are its one-block call's."""
+        s = block_scalars(rng, 0.0)
+        p, g, m, v = block_inputs(rng, 300, torch.float32, torch.float32)
+        p[::3] = -0.0
+        for lr_first in (0.0, -0.0):
+            lrs = (lr_first, -lr_first)
+            got = tk.step_many([StepCall(p, g, m, v, s._replace(lr=lr)) for lr in lrs], AdamVariant())
+            for g_, lr in zip(got, lrs):
+                _same([bits(t) for t in g_], [bits(t) for t in tk.step(p, g, m, v, s._replace(lr=lr), AdamVariant())])
+            assert not torch.equal(bits(got[0][0]), bits(got[1][0]))  # (those zeros' signs differ between the two)
+            variant = AdamVariant(decoupled=False)
+            got = tk.undo_many([UndoCall(p, g, m, v, s._replace(lr=lr)) for lr in lrs], variant)
+            for g_, lr in zip(got, lrs):
+                _same([bits(t) for t in g_], [bits(t) for t in tk.undo(p, g, m, v, s._replace(lr=lr), variant)])
 
     def test_many_blocks_donate_copy_and_tensorblock_scalars(rng):
         """In place (out = the inputs) and with parameter copies, as one call per block; a block whose

@@ -56,7 +56,7 @@ from sofx.kernels import reference
 from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, LossyL2, StepCall, Triple,
                                UndoCall, UndoRedoCall,
                                check_block_tensors, check_skip, gradient_limit_bits, is_number, kernel_param_copy,
-                               lossy_factor, lossy_l2, mark_written, refuse_traced, traced_possible,
+                               lossy_factor, lossy_l2, mark_written, refuse_traced, scalars_key, traced_possible,
                                write_kept_param_copy, write_outputs)
 from sofx.kernels.donation import may_refuse_write, refuse_shared_memory
 from sofx.kernels.layout import in_layout_of, in_memory_order, same_layout, spans_after_copies, spans_in_memory_order
@@ -850,7 +850,7 @@ def _by_kernel(op: int, calls: Sequence, names: Sequence[str], undo_scalars: Seq
     for i, (c, su, ss) in enumerate(zip(calls, undo_scalars, step_scalars)):
         ids = (id(su), id(ss))  # the lists hold the objects
         if ids not in by_id:
-            key = (su, ss)
+            key = tuple(None if x is None else scalars_key(x) for x in (su, ss))  # (an lr of -0.0 is not 0.0's)
             if key not in derived:
                 numbers = (su is None or _numbers(su)) and (ss is None or _numbers(ss))
                 derived[key] = (_undo_args(su, variant) if su is not None else None,
