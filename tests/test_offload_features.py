@@ -400,6 +400,32 @@ def test_missing_gradients(mode: str, block_numel: int) -> None:
     assert counts == ([3, 3] if mode == "skip" else [8, 8])
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+@pytest.mark.parametrize("freeze_before_zero_grad", [True, False])
+def test_a_parameter_frozen_before_its_backward_is_not_stepped_with_missing_grad_zero(
+        executor: str, freeze_before_zero_grad: bool) -> None:
+    """``missing_grad="zero"`` steps the parameters that require grad and got no gradient with zeros, not the frozen
+    ones: a parameter frozen after one step and before the next backward is not stepped at that step, whether it
+    was frozen before ``zero_grad()`` (which ends the step) or after it (``step(); zero_grad()`` at the end of each
+    iteration, the freeze at the start of the next)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(8, 4)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, missing_grad="zero") as opt:
+        opt.backward(model(x).square().mean())
+        opt.step()
+        if freeze_before_zero_grad:
+            model.bias.requires_grad_(False)
+        opt.zero_grad()
+        if not freeze_before_zero_grad:
+            model.bias.requires_grad_(False)
+        bias = model.bias.detach().clone()
+        opt.backward(model(x).square().mean())
+        report = opt.step()
+        assert torch.equal(model.bias, bias) and int(opt.state[model.bias]["step"]) == 1
+        assert int(opt.state[model.weight]["step"]) == 2 and report.committed == 1, report.summary()
+
+
 # ---------------------------------------------------------------- schedules changing betas
 def test_one_cycle_lr_with_cycle_momentum() -> None:
     model, ref = _models()

@@ -838,6 +838,8 @@ class OffloadEngine:
         ``.grad`` set by hand through ``.data`` to another shape, freed memory) raises with nothing counted, and
         stays the caller's."""
         self._check_gradient(index, grad)
+        if not self.tracker.started:
+            self._note_expected()
         arrival = self.tracker.upcoming(index)
         b = arrival.block
         layout = self.layouts[b]
@@ -1200,6 +1202,7 @@ class OffloadEngine:
                                 "new masters), or call zero_grad() to drop this step")
         else:
             self._adopt_model_edits()
+            self._note_expected()
         self._settle_reduced()
         self._events.append(("step_called", -1))
         # Gradients set by hand (no hook fired) are taken now, all checked before the first is; their blocks are
@@ -1374,6 +1377,13 @@ class OffloadEngine:
                     if has:
                         p = self.params[i]
                         p.copy_(view.view(p.shape))
+
+    def _note_expected(self) -> None:
+        """Start the step's arrivals over (none came yet) expecting a gradient of the parameters that require grad
+        now. :meth:`_reset_step` took them at the end of the last step, so a parameter frozen since (after
+        ``zero_grad()``, before the backward) was still expected: its block was not ready without it, and
+        ``missing_grad="zero"`` stepped it with a zero gradient, where one frozen before ``zero_grad()`` was not."""
+        self.tracker.reset([p.requires_grad for p in self.params])
 
     def _stepped(self, b: int, arrived: Sequence[bool]) -> tuple[bool, ...]:
         """Which parameters of block ``b`` a step steps: those with a gradient, and with a zero one (their
