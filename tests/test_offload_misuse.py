@@ -894,6 +894,31 @@ def test_a_parameter_list_of_a_group_changed_after_construction_is_refused_not_i
         assert [int(opt.state[p]["step"]) for p in model.parameters() if p.requires_grad] == [1] * (n - 1)
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_parameter_written_over_another_in_a_groups_list_is_refused_not_stepped_as_before(executor):
+    """``params[1] = params[0]`` (``[a, b] -> [a, a]``) keeps the list's length and holds only parameters the group
+    was made with: torch.optim then steps ``a`` twice per step and ``b`` no more; the facade went on stepping both
+    once, as if the list were unchanged. Refused at the next step, naming both places, before any block is
+    stepped; the optimizer works again once the list is put back."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor) as opt:
+        params = opt.param_groups[0]["params"]
+        kept = list(params)
+        params[1] = params[0]
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['params'\]\[1\] is "
+                                                        r"param_groups\[0\]\['params'\]\[0\] again"):
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.step()
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == [0] * len(kept)
+        params[:] = kept
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        assert [int(opt.state[p]["step"]) for p in model.parameters() if p.requires_grad] == [1] * sum(
+            p.requires_grad for p in model.parameters())
+
+
 def test_a_group_appended_to_or_removed_from_param_groups_directly_is_refused_naming_param_groups():
     """``opt.param_groups.append(group)`` bypasses the refused ``add_param_group`` (and ``pop`` removes a group
     whose parameters are packed into blocks): refused clearly, naming ``param_groups`` and what to do, before any

@@ -52,8 +52,8 @@ epoch, with a ``RuntimeWarning`` naming the counts; the sum is taken in float32,
 bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of fp32 master copies whose
 ``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the module); param groups cannot be
 added after construction, nor parameters added to or removed from a group's ``params`` (refused at the
-next step, not ignored), and a group cannot hold a parameter twice (refused at construction: torch warns and
-steps it twice); ``step()`` without a closure returns a
+next step, not ignored), and a group cannot hold a parameter twice (refused at construction, and at the next step
+where its list was edited so, ``[a, b] -> [a, a]``: torch steps it twice); ``step()`` without a closure returns a
 :class:`~sofx.offload.engine.EngineStepReport` (``torch.optim`` returns
 ``None``; with a closure both return its loss); with ``swap_params=True``
 (the default) a CPU parameter's storage alternates between two buffers that
@@ -507,9 +507,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                    "or create a new optimizer with every group")
 
     def _check_group_params(self, group: Mapping[str, Any], i: int) -> None:
-        """Group ``i`` still holds the parameters it was made with (in any order). torch.optim steps a parameter
-        appended to ``param_groups[i]['params']`` and stops stepping one removed; here the blocks are packed at
-        construction, so such a change is refused (as :meth:`add_param_group` is) rather than ignored."""
+        """Group ``i`` still holds the parameters it was made with (in any order), each once. torch.optim steps a
+        parameter appended to ``param_groups[i]['params']``, stops stepping one removed, and steps one written over
+        another (``[a, b] -> [a, a]``) twice per step; here the blocks are packed at construction, so such a change
+        is refused (as :meth:`add_param_group` is) rather than ignored."""
         params, made = group["params"], self._group_param_ids[i]
         where = f"param_groups[{i}]['params']"
         for j, p in enumerate(params):
@@ -518,6 +519,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 raise UnsupportedError(f"{where}[{j}] (shape {shape}) is not one of the parameters this optimizer "
                                        "was made with: its parameters are packed into blocks at construction and "
                                        "cannot be added or replaced; create a new optimizer over every parameter")
+        _check_no_repeats(params, where)  # (as many as made, all made: one twice means another is gone)
         if len(params) != len(made):
             raise UnsupportedError(f"{where} has {len(params)} parameters, this optimizer was made with {len(made)}: "
                                    "its parameters are packed into blocks at construction and cannot be removed; "
