@@ -919,6 +919,43 @@ def test_a_parameter_written_over_another_in_a_groups_list_is_refused_not_steppe
             p.requires_grad for p in model.parameters())
 
 
+def test_groups_reordered_or_a_parameter_moved_between_groups_is_refused_naming_its_group_at_construction():
+    """torch.optim steps each parameter with the hparams of the group that holds it now: groups reordered
+    (``param_groups.reverse()``) or a parameter moved to another group's list train on. The facade's blocks are
+    packed per group at construction, and it refused both saying the parameter "is not one of the parameters this
+    optimizer was made with", which it is: refused naming the group it was made in and what cannot change, before
+    any block is stepped; the optimizer works again once the lists are put back."""
+    model, _ = _models()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2,
+                                       executor="inline") as opt:
+        groups = opt.param_groups
+        first, second = groups[0]["params"], groups[1]["params"]
+
+        def move():
+            second.append(first.pop())
+
+        for change, message in ((groups.reverse, r"param_groups\[0\]\['params'\]\[0\] \(shape \(12, 12\)\) is a "
+                                                 r"parameter of param_groups\[1\] as this optimizer was made"),
+                                (move, rf"param_groups\[1\]\['params'\]\[{len(params) - 2}\] \(shape \(12,\)\) is a "
+                                       r"parameter of param_groups\[0\] as this optimizer was made")):
+            kept = [list(g["params"]) for g in groups]
+            kept_groups = list(groups)
+            change()
+            with pytest.raises(sofx.UnsupportedError, match=message + ".*cannot be reordered"):
+                opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.zero_grad()
+            assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+            groups[:] = kept_groups
+            for g, ps in zip(groups, kept):
+                g["params"][:] = ps
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        assert [int(opt.state[p]["step"]) for p in params if p.requires_grad] == [1] * sum(
+            p.requires_grad for p in params)
+
+
 def test_a_group_appended_to_or_removed_from_param_groups_directly_is_refused_naming_param_groups():
     """``opt.param_groups.append(group)`` bypasses the refused ``add_param_group`` (and ``pop`` removes a group
     whose parameters are packed into blocks): refused clearly, naming ``param_groups`` and what to do, before any

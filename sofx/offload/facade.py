@@ -51,9 +51,10 @@ validation; a ``step()`` after fewer backward calls steps on their sum, the part
 epoch, with a ``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
 bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of fp32 master copies whose
 ``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the module); param groups cannot be
-added after construction, nor parameters added to or removed from a group's ``params`` (refused at the
-next step, not ignored), and a group cannot hold a parameter twice (refused at construction, and at the next step
-where its list was edited so, ``[a, b] -> [a, a]``: torch steps it twice); ``step()`` without a closure returns a
+added after construction, reordered, nor parameters added to, removed from or moved between groups' ``params``
+(refused at the next step, naming a moved parameter's group, not ignored; their order in a group is free), and a
+group cannot hold a parameter twice (refused at construction, and at the next step where its list was edited so,
+``[a, b] -> [a, a]``: torch steps it twice); ``step()`` without a closure returns a
 :class:`~sofx.offload.engine.EngineStepReport` (``torch.optim`` returns
 ``None``; with a closure both return its loss); with ``swap_params=True``
 (the default) a CPU parameter's storage alternates between two buffers that
@@ -420,7 +421,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                    "which cannot be set together (torch refuses it); set one (both are ignored here)")
         _check_params_argument(params)
         super().__init__(params, defaults)
-        # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_params.
+        # Each group's parameters, fixed at construction (they are packed into blocks): see _check_group_members.
         for i, group in enumerate(self.param_groups):
             _check_no_repeats(group["params"], f"param_groups[{i}]['params']")
         self._group_param_ids = [frozenset(id(p) for p in g["params"]) for g in self.param_groups]
@@ -485,6 +486,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses; its parameters
         those of construction)."""
         self._check_group_count()
+        for i, g in enumerate(self.param_groups):  # (every group first: a moved parameter is named where it is now)
+            self._check_group_members(g, i)
         out = []
         for i, g in enumerate(self.param_groups):
             self._check_group_params(g, i)
@@ -506,19 +509,35 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                    "(with param_groups.append or add_param_group) or removed; put the list back, "
                                    "or create a new optimizer with every group")
 
+    def _check_group_members(self, group: Mapping[str, Any], i: int) -> None:
+        """Every entry of group ``i``'s ``params`` is one of the parameters it was made with. torch.optim steps a
+        parameter appended to it, and one moved there from another group (or the groups reordered) with this
+        group's hparams; here each group's parameters are packed into its blocks at construction, so such a change
+        is refused (as :meth:`add_param_group` is), naming the group a moved parameter was made in."""
+        made = self._group_param_ids[i]
+        for j, p in enumerate(group["params"]):
+            if id(p) in made:
+                continue
+            what = f"param_groups[{i}]['params'][{j}] (shape " + (
+                f"{tuple(p.shape)})" if isinstance(p, torch.Tensor) else f"{type(p).__name__})")
+            home = [k for k, ids in enumerate(self._group_param_ids) if id(p) in ids]
+            if home:
+                raise UnsupportedError(f"{what} is a parameter of param_groups[{home[0]}] as this optimizer was made: "
+                                       "its groups' parameters are packed into blocks at construction, so groups "
+                                       "cannot be reordered nor parameters moved between them; put the lists back "
+                                       "(set a parameter's hparams in its group's dict), or create a new optimizer "
+                                       "with the new groups")
+            raise UnsupportedError(f"{what} is not one of the parameters this optimizer was made with: its "
+                                   "parameters are packed into blocks at construction and cannot be added or "
+                                   "replaced; create a new optimizer over every parameter")
+
     def _check_group_params(self, group: Mapping[str, Any], i: int) -> None:
-        """Group ``i`` still holds the parameters it was made with (in any order), each once. torch.optim steps a
-        parameter appended to ``param_groups[i]['params']``, stops stepping one removed, and steps one written over
-        another (``[a, b] -> [a, a]``) twice per step; here the blocks are packed at construction, so such a change
-        is refused (as :meth:`add_param_group` is) rather than ignored."""
+        """Group ``i`` (its entries those it was made with, :meth:`_check_group_members`) still holds each of them
+        once (in any order). torch.optim stops stepping a parameter removed from ``param_groups[i]['params']``, and
+        steps one written over another (``[a, b] -> [a, a]``) twice per step; here the blocks are packed at
+        construction, so such a change is refused (as :meth:`add_param_group` is) rather than ignored."""
         params, made = group["params"], self._group_param_ids[i]
         where = f"param_groups[{i}]['params']"
-        for j, p in enumerate(params):
-            if id(p) not in made:
-                shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
-                raise UnsupportedError(f"{where}[{j}] (shape {shape}) is not one of the parameters this optimizer "
-                                       "was made with: its parameters are packed into blocks at construction and "
-                                       "cannot be added or replaced; create a new optimizer over every parameter")
         _check_no_repeats(params, where)  # (as many as made, all made: one twice means another is gone)
         if len(params) != len(made):
             raise UnsupportedError(f"{where} has {len(params)} parameters, this optimizer was made with {len(made)}: "
