@@ -457,3 +457,29 @@ def test_a_state_saved_with_another_block_numel_is_refused_saying_so_and_carries
                 o.backward(m(x).square().mean())
                 o.step()
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), wide_model.parameters()))
+
+
+def test_a_state_dict_of_reordered_or_edited_groups_is_refused_as_their_next_step_is():
+    """Groups reordered (or a group's ``params`` edited: a parameter moved, removed, written over another) are refused
+    at the next step, as the blocks are packed per group at construction; ``state_dict()`` took them as they were:
+    reordered, each group's hparams were saved at the other's place beside the engine's state (in the groups'
+    order of construction), and loading that gave each group of a new optimizer the other's lr without a word.
+    Refused as the step refuses them; once the lists are put back the state dict is the optimizer's."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    params = list(model.parameters())
+    groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 0.5}]
+    with sofx.offload.SpeculativeAdamW(groups, executor="inline") as opt:
+        opt.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        for edit, undo, message in (
+                (opt.param_groups.reverse, opt.param_groups.reverse,
+                 r"param_groups\[0\]\['params'\]\[0\] \(shape \(3, 3\)\) is a parameter of param_groups\[1\]"),
+                (opt.param_groups[1]["params"].pop, lambda: opt.param_groups[1]["params"].append(params[3]),
+                 r"param_groups\[1\]\['params'\] has 1 parameters, this optimizer was made with 2")):
+            edit()
+            with pytest.raises(sofx.UnsupportedError, match=message):
+                opt.state_dict()
+            undo()
+        saved = opt.state_dict()
+    assert [g["lr"] for g in saved["param_groups"]] == [1e-2, 0.5]

@@ -485,12 +485,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
     def _checked_hparams(self, adam: Adam) -> list[AdamHParams]:
         """Every group's hparams, checked (flags, ranges, and what ``adam``'s undo mode refuses; its parameters
         those of construction)."""
-        self._check_group_count()
-        for i, g in enumerate(self.param_groups):  # (every group first: a moved parameter is named where it is now)
-            self._check_group_members(g, i)
+        self._check_groups()
         out = []
         for i, g in enumerate(self.param_groups):
-            self._check_group_params(g, i)
             check_group_flags(g, f"param_groups[{i}]", self._decoupled)
             hp = group_hparams(g, f"param_groups[{i}]")
             refusal = adam.algebraic_refusal(hp)  # (fp32 masters) before any block of the step is stepped
@@ -498,6 +495,15 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 raise UnsupportedError(f"param_groups[{i}]: {refusal}")
             out.append(hp)
         return out
+
+    def _check_groups(self) -> None:
+        """``param_groups`` holds the groups of construction in their order, each with its parameters (in any order,
+        each once): the engine's blocks are packed per group at construction, and its state is in their order."""
+        self._check_group_count()
+        for i, g in enumerate(self.param_groups):  # (every group first: a moved parameter is named where it is now)
+            self._check_group_members(g, i)
+        for i, g in enumerate(self.param_groups):
+            self._check_group_params(g, i)
 
     def _check_group_count(self) -> None:
         """``param_groups`` still holds as many groups as at construction: a group appended to the list directly
@@ -602,10 +608,14 @@ class _SpeculativeBase(torch.optim.Optimizer):
         ``param_groups`` are torch.optim-style: every key but ``params`` (a tensor
         ``lr`` the group's own tensor, as torch's; numpy numbers as Python numbers),
         and ``params`` as indices in model order. The hooks of
-        ``register_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``.
+        ``register_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``. Groups edited as ``step()``
+        refuses them (reordered, added or removed; parameters moved, added, removed or held twice) are refused
+        here too: their hparams would be saved beside the engine's state in another order than its blocks'.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        # (groups edited as a step refuses would be saved beside the engine's state in another order or size)
+        self._check_groups()
         groups, start = [], 0
         for g in self.param_groups:
             entry = {k: _plain(v) for k, v in g.items() if k != "params"}
