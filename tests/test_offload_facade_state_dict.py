@@ -483,3 +483,27 @@ def test_a_state_dict_of_reordered_or_edited_groups_is_refused_as_their_next_ste
             undo()
         saved = opt.state_dict()
     assert [g["lr"] for g in saved["param_groups"]] == [1e-2, 0.5]
+
+
+def test_a_state_dict_loaded_into_reordered_groups_is_refused_before_anything_is_loaded():
+    """Loading gives the saved groups' hparams to the groups by position. Into groups reordered (refused at the next
+    step), each took the other's saved hparams, and putting the order back then kept the swap: every group trained
+    on at the other's lr without a word. Refused, as the step refuses such groups, before anything is loaded."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    params = list(model.parameters())
+    groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 0.5}]
+    with sofx.offload.SpeculativeAdamW(groups, executor="inline") as opt:
+        opt.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        before = copy.deepcopy(opt.state_dict())
+        opt.param_groups.reverse()
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(3, 3\)\) is a "
+                                                        r"parameter of param_groups\[1\]"):
+            opt.load_state_dict(saved)
+        opt.param_groups.reverse()
+        assert [g["lr"] for g in opt.param_groups] == [1e-2, 0.5]
+        assert_trees_bitwise(opt.state_dict(), before)
+        opt.load_state_dict(saved)
+        assert [g["lr"] for g in opt.param_groups] == [1e-2, 0.5]

@@ -654,7 +654,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         scaler's into a static one) is refused.
 
         As ``torch.optim``'s, the pre-hooks get a shallow copy of ``state_dict``: one that sets or removes a
-        top-level key leaves the caller's dict as it was."""
+        top-level key leaves the caller's dict as it was. Into groups edited as ``step()`` refuses them (reordered:
+        each would take the other's saved hparams) nothing is loaded: that is refused as the step refuses it."""
         if isinstance(state_dict, Mapping):  # (anything else is refused by name below, after the hooks)
             state_dict = state_dict.copy() if isinstance(state_dict, dict) else dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -666,6 +667,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_groups()  # (the saved groups replace these by position: reordered, each took the other's)
         if isinstance(state_dict, Mapping) and _is_torch_optim_state(state_dict.get("state")):
             raise StructureError(_torch_optim_state_refusal(state_dict["state"]))
         groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
