@@ -281,3 +281,29 @@ def test_a_shm_dir_that_is_not_a_path_is_refused_at_construction(executor):
     with pytest.raises(sofx.SofxError, match=r"^shm_dir must be a directory path \(a str or os\.PathLike; the "
                                              r"default is '/dev/shm'\), got None$"):
         sofx.offload.SpeculativeAdamW(_model().parameters(), executor=executor, shm_dir=None)
+
+
+def test_a_groups_max_grad_norm_is_refused_naming_the_constructors_where_it_was_ignored():
+    """``max_grad_norm`` is the optimizer's (one norm over every parameter, as ``clip_grad_norm_`` takes it), set at
+    construction; the groups' hparams are read at every step, but a group's ``max_grad_norm`` was not: given in a
+    group dict, or set on one mid-run (as a scheduler sets ``lr``), it was ignored without a word, the gradients
+    clipped by the constructor's (or not at all). Refused, naming the group and the constructor's argument, at
+    construction (nothing made) and at the next step (nothing stepped; the optimizer works again without it)."""
+    model = _model()
+    params = list(model.parameters())
+    with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[1\]\['max_grad_norm'\] = 0\.5: .*"
+                                                    r"SpeculativeAdamW\(\.\.\., max_grad_norm=\.\.\.\)"):
+        sofx.offload.SpeculativeAdamW([{"params": params[:2]}, {"params": params[2:], "max_grad_norm": 0.5}],
+                                      executor="inline")
+    _assert_left_working(model)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", max_grad_norm=1.0) as opt:
+        opt.param_groups[0]["max_grad_norm"] = 1e-3
+        x, y = _batch(1)
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['max_grad_norm'\] = 0\.001"):
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+        del opt.param_groups[0]["max_grad_norm"]
+        opt.backward(((model(x) - y) ** 2).mean())
+        assert not opt.step().skipped

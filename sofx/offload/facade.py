@@ -31,7 +31,8 @@ DeepSpeed's ``gradient_clipping`` "off" under ``"deepspeed"``.
 ``param_groups`` are ordinary dicts (``lr``, ``betas``, ``eps``,
 ``weight_decay``), read at every step, so every ``torch.optim.lr_scheduler``
 works, including those that change ``betas`` (``OneCycleLR`` with
-``cycle_momentum``). They also carry ``torch.optim.AdamW``'s other options
+``cycle_momentum``); ``max_grad_norm`` is the optimizer's, not a group's (a group
+holding one is refused). They also carry ``torch.optim.AdamW``'s other options
 with its defaults, so that group dicts (and a state dict's ``param_groups``) read as torch's do:
 ``foreach``, ``fused`` and ``capturable`` (torch's implementation choices)
 are ignored, but what torch refuses of them is refused (a tensor ``lr`` or beta with
@@ -239,9 +240,16 @@ _REFUSED_FLAGS = (*TORCH_MATH_OPTIONS, "differentiable")
 def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> None:
     """Refuse a param group asking for what the speculative optimizer does not implement: ``amsgrad``,
     ``maximize`` or ``differentiable`` set, or ``decoupled_weight_decay`` other than the class's (AdamW: True,
-    Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s -- and what
-    ``torch.optim.AdamW`` refuses of its implementation options (:func:`check_foreach_tensors`)."""
+    Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s --, a
+    ``max_grad_norm`` (the optimizer's, not a group's: ignored, the group's gradients were clipped by another),
+    and what ``torch.optim.AdamW`` refuses of its implementation options (:func:`check_foreach_tensors`)."""
     check_foreach_tensors(group, where)
+    if "max_grad_norm" in group:
+        kind = "SpeculativeAdamW" if decoupled else "SpeculativeAdam"
+        raise UnsupportedError(f"{where}['max_grad_norm'] = {group['max_grad_norm']!r}: a group's max_grad_norm is "
+                               "not read: the gradients of every group are clipped by one norm over all of them (as "
+                               "clip_grad_norm_ over every parameter), set at construction: "
+                               f"{kind}(..., max_grad_norm=...)")
     key = refused_torch_option(group, _REFUSED_FLAGS)
     if key is not None:
         raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
