@@ -956,6 +956,37 @@ def test_groups_reordered_or_a_parameter_moved_between_groups_is_refused_naming_
             p.requires_grad for p in params)
 
 
+@pytest.mark.parametrize("given, found", [(lambda model: model.parameters(), "generator"),
+                                           (lambda model: model.inp.weight, "Parameter"),
+                                           (lambda model: None, "NoneType"),
+                                           (lambda model: set(model.parameters()), "set")],
+                         ids=["generator", "parameter", "none", "set"])
+def test_a_groups_params_set_to_other_than_a_list_is_refused_naming_its_type(given, found):
+    """``param_groups[0]['params'] = model.parameters()`` (a generator), a single parameter or ``None``: torch.optim's
+    ``add_param_group`` makes a group's ``params`` a list (refusing a set, whose order changes between runs), and its
+    step iterates whatever is there (a tensor's rows: nothing stepped). The facade raised a bare ``TypeError`` out of
+    backward ("object of type 'generator' has no len()", having consumed the generator) or said a parameter's row
+    was "not one of the parameters this optimizer was made with". Refused naming the type, before any block is
+    stepped, in ``state_dict()`` too; the optimizer works again once a list is put back."""
+    model, _ = _models()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        opt.param_groups[0]["params"] = given(model)
+        message = rf"param_groups\[0\]\['params'\] is a {found}, not a list of the group's parameters"
+        with pytest.raises(sofx.UnsupportedError, match=message):
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+        with pytest.raises(sofx.UnsupportedError, match=message):
+            opt.state_dict()
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+        opt.param_groups[0]["params"] = params
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        assert [int(opt.state[p]["step"]) for p in params if p.requires_grad] == [1] * sum(
+            p.requires_grad for p in params)
+
+
 def test_a_group_appended_to_or_removed_from_param_groups_directly_is_refused_naming_param_groups():
     """``opt.param_groups.append(group)`` bypasses the refused ``add_param_group`` (and ``pop`` removes a group
     whose parameters are packed into blocks): refused clearly, naming ``param_groups`` and what to do, before any

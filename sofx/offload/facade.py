@@ -527,9 +527,17 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """Every entry of group ``i``'s ``params`` is one of the parameters it was made with. torch.optim steps a
         parameter appended to it, and one moved there from another group (or the groups reordered) with this
         group's hparams; here each group's parameters are packed into its blocks at construction, so such a change
-        is refused (as :meth:`add_param_group` is), naming the group a moved parameter was made in."""
+        is refused (as :meth:`add_param_group` is), naming the group a moved parameter was made in. ``params`` is a
+        list (or tuple), as ``torch.optim``'s ``add_param_group`` makes it: a generator assigned there
+        (``model.parameters()``), a single parameter (torch's step iterates its rows) or a set are refused."""
+        params = group.get("params")
+        if not isinstance(params, (list, tuple)):
+            found = "missing" if "params" not in group else f"a {type(params).__name__}"
+            raise UnsupportedError(f"param_groups[{i}]['params'] is {found}, not a list of the group's parameters: "
+                                   "put back a list of the parameters it was made with (torch.optim's "
+                                   "add_param_group makes it a list; a set's order changes between runs)")
         made = self._group_param_ids[i]
-        for j, p in enumerate(group["params"]):
+        for j, p in enumerate(params):
             if id(p) in made:
                 continue
             what = f"param_groups[{i}]['params'][{j}] (shape " + (
