@@ -808,6 +808,7 @@ class Adam:
         checked = {_hparams_key(leaf.hp, leaf.p.dtype) for leaf in leaves if leaf.g is not None}  # by _gather
         for leaf in stepped:  # and those of the leaves stepped with a zero gradient (zero_missing)
             _check_stepped_hparams(leaf.hp, leaf.path, leaf.p.dtype, checked)
+            _check_next_count(leaf.path, leaf.steps)
         # each stepped leaf's backend chosen, or refused (a dtype or device it does not support); a leaf stepped
         # with a zero gradient (zero_missing) as one with a gradient
         self._kernels([leaf if leaf.g is not None else leaf._replace(g=leaf.p) for leaf in stepped])
@@ -903,6 +904,8 @@ class Adam:
                 _check_storage(path, p, g, m, v)  # (a strided view, a wrapper: checked whole; names a bad one)
             if g is not None:
                 _check_stepped_hparams(hp, path, p.dtype, checked)
+                if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
+                    _check_next_count(path, steps)
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
             leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
@@ -1726,6 +1729,19 @@ def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:
     if n < 0:
         raise LeafError(f"state.count{param_path[len('params'):]}: step count {n} is negative")
     return n
+
+
+# The largest step count a state holds (its 0-d int64 tensors): the step from it would count 2^63, no int64.
+COUNT_MAX = torch.iinfo(torch.int64).max
+
+
+def _check_next_count(param_path: str, steps: Any) -> None:
+    """Refuse to step the leaf at ``param_path`` from the count ``steps`` (its value, as :func:`_check_count` gives
+    it; a traced count is not read) where the step's count ``steps + 1`` is beyond int64: stored, it would wrap to
+    ``-2^63``, a count every later call refuses (the step could not even be undone)."""
+    if type(steps) is int and steps >= COUNT_MAX:
+        raise LeafError(f"state.count{param_path[len('params'):]}: step count {steps} is int64's largest; the next "
+                        f"step's count, {steps + 1}, cannot be stored (it would wrap to a negative count)")
 
 
 def _hparams_key(hp: AdamHParams, dtype: torch.dtype) -> tuple[int, bool]:

@@ -1,0 +1,63 @@
+"""Long runs: step counts far beyond float32's exact integers (2^24), int32's (2^31, 2^32) and float64's (2^53), up
+to int64's largest, stepped, undone and redone as at small counts (DESIGN.md "Numerics reference": ``t`` counts from
+1 and is never rounded), and refused with a clear error where the count cannot take another step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sofx
+from sofx.adam import AdamState
+
+from helpers import clone_tree, trees_equal
+
+INT64_MAX = torch.iinfo(torch.int64).max
+
+
+def _leaves(count: int, seed: int = 0):
+    """Two leaves with evolved-looking moments, ``head`` at step count ``count`` and ``w`` at 5."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(3, 4, generator=gen), "head": torch.randn(6, generator=gen)}
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    mu = {k: 0.1 * torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    nu = {k: torch.rand(p.shape, generator=gen) + 0.1 for k, p in params.items()}
+    state = AdamState({"w": torch.tensor(5), "head": torch.tensor(count)}, mu, nu)
+    return params, grads, state
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_count_at_int64_max_is_refused_naming_the_leaf_and_changes_nothing(backend, donate):
+    """Its next step's count, 2^63, is no int64: it wrapped to -2^63 (a state that every later call refuses as
+    negative, the step not undoable)."""
+    opt = sofx.adamw(lr=1e-3, backend=backend)
+    params, grads, state = _leaves(INT64_MAX)
+    before = [clone_tree(t) for t in (params, grads, state)]
+    pattern = r"state\.count\['head'\]: step count 9223372036854775807 is int64's largest"
+    with pytest.raises(sofx.LeafError, match=pattern):
+        opt.update(params, grads, state, donate=donate)
+    with pytest.raises(sofx.LeafError, match=pattern):
+        opt.check_inputs(params, grads, state)
+    with pytest.raises(sofx.LeafError, match=pattern):
+        opt.undo_strategies(params, grads, state)
+    for b, t in zip(before, (params, grads, state)):
+        assert trees_equal(b, t)
+    # a leaf without a gradient is not stepped: its count may be the largest
+    p2, s2, _ = opt.update(params, {"w": grads["w"], "head": None}, state)
+    assert int(s2.count["head"]) == INT64_MAX and int(s2.count["w"]) == 6
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+def test_the_step_to_int64_max_is_taken_undone_and_redone(backend):
+    opt = sofx.adamw(lr=1e-3, backend=backend)
+    params, grads, state = _leaves(INT64_MAX - 1)
+    p1, s1, rec = opt.update(params, grads, state)
+    assert int(s1.count["head"]) == INT64_MAX
+    assert rec.leaves[0].scalars.step == INT64_MAX  # (leaves in sorted order: head first)
+    p0, s0 = opt.undo(p1, s1, rec)
+    assert int(s0.count["head"]) == INT64_MAX - 1
+    _, s1, rec = opt.update(params, grads, state)
+    halved = {k: g / 2 for k, g in grads.items()}
+    _, s2, _ = opt.undo_redo(p1, s1, rec, halved)
+    assert int(s2.count["head"]) == INT64_MAX
