@@ -61,3 +61,58 @@ def test_the_step_to_int64_max_is_taken_undone_and_redone(backend):
     halved = {k: g / 2 for k, g in grads.items()}
     _, s2, _ = opt.undo_redo(p1, s1, rec, halved)
     assert int(s2.count["head"]) == INT64_MAX
+
+
+def _facade_state(opt, model) -> list:
+    """Every parameter's optimizer state, copied (read between steps)."""
+    return [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_the_offload_facade_refuses_a_step_from_a_count_at_int64_max_and_keeps_working(executor, speculate):
+    """The engine's blocks step through sofx.adam, which refuses that count: the refusal came out of the executor
+    (the block's speculative step, or validation's) and stopped the engine for good. Now no block holding such a
+    count is speculated, and step() refuses it before any block is stepped, naming the parameter; a parameter
+    without gradient may hold it (it is not stepped), and a speculative step to it is redone (the lr changed
+    between backward and step(): every speculated block undone and redone at the count it reached)."""
+    import sofx.offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    gen = torch.Generator().manual_seed(1)
+
+    def loss() -> torch.Tensor:
+        return model(torch.randn(4, 6, generator=gen)).pow(2).mean()
+
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=40,
+                                       loss_scale=None, speculate=speculate) as opt:
+        opt.backward(loss())
+        opt.step()
+        opt.zero_grad()
+        first = list(model.parameters())[0]
+        opt.state[first]["step"] = INT64_MAX
+        before = _facade_state(opt, model)
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt.backward(loss())
+        with pytest.raises(sofx.LeafError, match=r"parameter 0 = param_groups\[0\]\['params'\]\[0\].*step count "
+                                                 r"9223372036854775807 is int64's largest"):
+            opt.step()
+        opt.zero_grad()
+        after = _facade_state(opt, model)
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(before, after) for k in a)
+        assert all(torch.equal(w, p.detach()) for w, p in zip(weights, model.parameters()))
+        # not stepped (no gradient): its count may be the largest
+        first.requires_grad_(False)
+        opt.backward(loss())
+        opt.step()
+        opt.zero_grad()
+        assert int(opt.state[first]["step"]) == INT64_MAX
+        assert [int(opt.state[p]["step"]) for p in list(model.parameters())[1:]] == [2, 2, 2]
+        first.requires_grad_(True)
+        opt.state[first]["step"] = INT64_MAX - 1
+        opt.backward(loss())
+        opt.param_groups[0]["lr"] = 2e-2  # (as a scheduler between backward and step())
+        report = opt.step()
+        assert int(opt.state[first]["step"]) == INT64_MAX
+        assert report.redone == (2 if speculate else 0)

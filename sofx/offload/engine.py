@@ -80,7 +80,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from sofx.adam import AdamHParams, check_float32_range
+from sofx.adam import COUNT_MAX, AdamHParams, check_float32_range
 from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
@@ -121,6 +121,7 @@ from sofx.offload.thread_executor import ThreadExecutor
 from sofx.speculate import (
     BackwardTally,
     BlockAction,
+    Eligibility,
     PolicyState,
     SpeculationConfig,
     StepContext,
@@ -973,9 +974,13 @@ class OffloadEngine:
         """
         ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
         hp = ctx.hparams[b]
+        counts = t.counts.tolist()
+        full = self._count_at_max(b, counts, present)
+        if full is not None:  # (its step is refused: validation names it, before anything is stepped)
+            return Eligibility(False, None, f"{full}: the step's count cannot be stored", 0)
         key = (flat, present, tuple(None if x is None else float(x) for x in hp), float(ctx.grad_scale),
                None if grads is None else tuple(None if g is None else g.dtype for g in grads),
-               tuple((t.counts == 0).tolist()))
+               tuple(c == 0 for c in counts))
         memo = self._eligibility_memo[b]
         if memo is not None and memo[0] == key:
             el = memo[1]
@@ -1243,9 +1248,37 @@ class OffloadEngine:
                                taken=list(self._speculated))
         zero = self._ctx.config.missing_grad == "zero"
         _check_float32_hparams(plan.actions, [zero or s is not None for s in sumsq])  # (before anything is applied)
+        self._check_counts(plan.actions, presents)
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes, self._planned_bytes)
         self._refused_bytes, self._planned_bytes = {}, {}
         return self._apply(plan, presents, sumsq)
+
+    def _count_at_max(self, b: int, counts: Sequence[int], present: Sequence[bool]) -> str | None:
+        """The first parameter of block ``b`` (``counts``: its parameters' step counts) that the step steps
+        (``present``) and whose count is int64's largest (:data:`~sofx.adam.COUNT_MAX`), named as the engine's errors
+        name parameters, with its count; else None."""
+        layout = self.layouts[b]
+        for index, c, stepped in zip(layout.param_indices, counts, present):
+            if stepped and c >= COUNT_MAX:
+                return (f"parameter {index} = {param_path(self._group_starts, layout.group, index)}: state['step'] "
+                        f"= {c}")
+        return None
+
+    def _check_counts(self, actions: Sequence[BlockAction], presents: Sequence[tuple[bool, ...]]) -> None:
+        """Refuse (a :class:`~sofx.errors.LeafError` naming the parameter, before anything is applied) a step of a
+        parameter whose count is int64's largest, as :meth:`sofx.Adam.update` refuses it: the block's step raised
+        in the executor, the blocks before it stepped, and the engine stopped for good (its count would wrap to
+        -2^63). Such a block is never speculated (:meth:`_eligibility`); an undo+redo redoes a speculative step at
+        the count it reached (that count may be the largest)."""
+        for action in actions:
+            if action.kind != "step":
+                continue
+            full = self._count_at_max(action.block, self.tensors[action.block].counts.tolist(),
+                                      presents[action.block])
+            if full is not None:
+                raise LeafError(f"{full}: step count {COUNT_MAX} is int64's largest; the next step's count, "
+                                f"{COUNT_MAX + 1}, cannot be stored (it would wrap to a negative count); set "
+                                "opt.state[p]['step'] to a smaller count")
 
     def _settle_reduced(self) -> None:
         """After backward, the parameters whose gradients ``ddp`` averages: DDP wrote the average the engine took
