@@ -985,6 +985,11 @@ class Adam:
             param_reasons.append(f"lr * weight_decay == 1 or near it (decoupled decay; |1 - lr * weight_decay| = "
                                  f"{abs(1 - lr * wd):.3g} is below 2^-12: dividing by it loses more than half of "
                                  "float32's bits)")
+        if self.variant.decoupled and abs(1 - lr * wd) > 1 / ALGEBRAIC_MIN_DIVISOR:
+            param_reasons.append(f"1 - lr * weight_decay = {1 - lr * wd:.3g} is beyond 2^12 in magnitude (decoupled "
+                                 "decay): the decayed parameter p * (1 - lr * weight_decay) leaves float32's range "
+                                 "(the factor itself beyond 3.4e38), where dividing by the factor gives inf or nan, "
+                                 "not p")
         return full_reasons, param_reasons
 
     def algebraic_refusal(self, hparams: AdamHParams, param_dtype: torch.dtype = torch.float32) -> str | None:

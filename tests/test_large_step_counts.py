@@ -116,3 +116,34 @@ def test_the_offload_facade_refuses_a_step_from_a_count_at_int64_max_and_keeps_w
         report = opt.step()
         assert int(opt.state[first]["step"]) == INT64_MAX
         assert report.redone == (2 if speculate else 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("lr_wd", [1e19, 1e38])
+def test_a_decay_factor_far_beyond_one_keeps_the_parameter_and_its_undo_restores_it(backend, lr_wd):
+    """Decoupled decay with ``lr * weight_decay`` huge (valid hparams, torch.optim.AdamW takes them): the decayed
+    parameter ``p * (1 - lr * wd)`` is beyond float32 (``1 - lr*wd`` itself, -1e76, is inf there), where dividing
+    by the factor cannot give it back: the cpu backends' undo, algebraic outside the chunk their check kept, wrote
+    nan into three quarters of the parameters. ``undo="auto"`` keeps the parameter (``1 - lr*wd`` outside
+    ``[2^-12, 2^12]``, as below ``2^-12``), ``"algebraic"`` refuses."""
+    gen = torch.Generator().manual_seed(3)
+    n = 4096
+    params = {"w": 10 * torch.randn(n, generator=gen)}
+    grads = {"w": torch.randn(n, generator=gen)}
+    state = AdamState({"w": torch.tensor(3)}, {"w": 0.1 * torch.randn(n, generator=gen)},
+                      {"w": torch.rand(n, generator=gen) * 0.1 + 1e-3})
+    hp = sofx.AdamHParams(lr=lr_wd, weight_decay=lr_wd)
+    before = [clone_tree(t) for t in (params, state)]
+    opt = sofx.adamw(backend=backend)
+    p1, s1, rec = opt.update(params, grads, state, hp)
+    assert rec.strategies() in (["param_snapshot"], ["snapshot"])
+    p0, s0 = opt.undo(p1, s1, rec)
+    assert trees_equal(p0, before[0])
+    m, v = before[1].mu["w"], before[1].nu["w"]
+    assert int(s0.count["w"]) == 3
+    assert bool(((s0.mu["w"] - m).abs() <= 2e-6 * (v.sqrt() + m.abs())).all())  # (the tolerance of the inverse)
+    torch.testing.assert_close(s0.nu["w"], v, rtol=2e-6, atol=0)
+    with pytest.raises(sofx.UnsupportedError, match=r"params\['w'\]: undo='algebraic' is impossible: .*1 - lr \* "
+                                                     r"weight_decay"):
+        sofx.adamw(backend=backend, undo="algebraic").update(params, grads, state, hp)
+
