@@ -809,6 +809,8 @@ class Adam:
         for leaf in stepped:  # and those of the leaves stepped with a zero gradient (zero_missing)
             _check_stepped_hparams(leaf.hp, leaf.path, leaf.p.dtype, checked)
             _check_next_count(leaf.path, leaf.steps)
+            if self.variant.bias_correction:
+                _check_step_size(leaf.path, leaf.hp, leaf.steps, leaf.p.dtype)
         # each stepped leaf's backend chosen, or refused (a dtype or device it does not support); a leaf stepped
         # with a zero gradient (zero_missing) as one with a gradient
         self._kernels([leaf if leaf.g is not None else leaf._replace(g=leaf.p) for leaf in stepped])
@@ -906,6 +908,8 @@ class Adam:
                 _check_stepped_hparams(hp, path, p.dtype, checked)
                 if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
                     _check_next_count(path, steps)
+                if self.variant.bias_correction:  # (an undo_redo's redo takes the undone step's t: this count)
+                    _check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
             leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
@@ -1747,6 +1751,27 @@ def _check_next_count(param_path: str, steps: Any) -> None:
     if type(steps) is int and steps >= COUNT_MAX:
         raise LeafError(f"state.count{param_path[len('params'):]}: step count {steps} is int64's largest; the next "
                         f"step's count, {steps + 1}, cannot be stored (it would wrap to a negative count)")
+
+
+def _check_step_size(param_path: str, hp: AdamHParams, steps: Any, dtype: torch.dtype) -> None:
+    """Refuse (an :class:`HParamError` naming the leaf at ``param_path``) a step ``t = steps + 1`` with bias correction
+    whose step size ``lr / (1 - beta1**t)`` (computed in double precision, as torch.optim's) is beyond the range of
+    the dtype the leaf is stepped in (float32, but for float64 leaves): a large lr with a beta1 near 1 at a small
+    ``t``. The kernels take it as a number of that dtype: inf there, every parameter stepped to inf or nan (torch.optim
+    refuses such a step: "value cannot be converted to type float without overflow"). Values that cannot be read
+    (traced) are not."""
+    lr, b1 = hp.lr, hp.beta1  # (numbers where they can be read: resolve_hparams read them)
+    if type(steps) is not int or steps < 0 or not (is_number(lr) and is_number(b1)) or lr == 0:
+        return  # (a negative count: an undo_redo's record of no step, which its checks refuse)
+    t = steps + 1
+    size = lr / (1 - b1 ** t)
+    largest = sys.float_info.max if dtype == torch.float64 else FLOAT32_MAX
+    if abs(size) > largest:
+        kind = "float64" if dtype == torch.float64 else "float32"
+        raise HParamError(f"hparams for {param_path}: lr / (1 - beta1**t) = {size!r} at step t = {t} is beyond "
+                          f"{kind}'s range (largest {largest!r}), in which the leaf is stepped: its update would be "
+                          "inf (torch.optim refuses such a step); a smaller lr, or a beta1 further from 1 on the "
+                          "first steps")
 
 
 def _hparams_key(hp: AdamHParams, dtype: torch.dtype) -> tuple[int, bool]:

@@ -147,3 +147,42 @@ def test_a_decay_factor_far_beyond_one_keeps_the_parameter_and_its_undo_restores
                                                      r"weight_decay"):
         sofx.adamw(backend=backend, undo="algebraic").update(params, grads, state, hp)
 
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_a_step_size_beyond_float32_is_refused_naming_the_leaf_and_changes_nothing(backend, decoupled):
+    """``lr / (1 - beta1**t)`` beyond float32 (lr 1e30 with a beta1 of 1 - 2^-53 at t = 4: 2.25e45): torch.optim
+    refuses the step ('value cannot be converted to type float without overflow'); the reference backend raised
+    that bare RuntimeError, the cpu backends stepped every parameter to inf or nan (their undo then wrote nan).
+    Refused before anything is computed, naming the leaf, the step and the value; the redo of an undo_redo
+    likewise; later steps, whose ``1 - beta1**t`` is larger, are taken."""
+    b1 = 1 - 2 ** -53
+    torch_opt = torch.optim.AdamW if decoupled else torch.optim.Adam
+    w = torch.nn.Parameter(torch.randn(4))
+    w.grad = torch.randn(4)
+    topt = torch_opt([w], lr=1e30, betas=(b1, 0.999), weight_decay=0.0, foreach=False)
+    topt.state[w] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.ones(4)}
+    with pytest.raises(RuntimeError, match="overflow"):
+        topt.step()
+    opt = (sofx.adamw if decoupled else sofx.adam)(backend=backend, weight_decay=0.0)
+    params, grads, state = _leaves(3)
+    hp = {"w": sofx.AdamHParams(lr=1e-3), "head": sofx.AdamHParams(lr=1e30, beta1=b1)}
+    before = [clone_tree(t) for t in (params, grads, state)]
+    pattern = (r"hparams for params\['head'\]: lr / \(1 - beta1\*\*t\) = 2\.25\d*e\+45 at step t = 4 is beyond "
+               r"float32's range")
+    for donate in (False, True):
+        with pytest.raises(sofx.HParamError, match=pattern):
+            opt.update(params, grads, state, hp, donate=donate)
+        for b, t in zip(before, (params, grads, state)):
+            assert trees_equal(b, t)
+    with pytest.raises(sofx.HParamError, match=pattern):
+        opt.check_inputs(params, grads, state, hp)
+    # the redo of an undo_redo takes the undone step's t
+    ok = {"w": sofx.AdamHParams(lr=1e-3), "head": sofx.AdamHParams(lr=1e-3, beta1=b1)}
+    p1, s1, rec = opt.update(params, grads, state, ok)
+    with pytest.raises(sofx.HParamError, match=pattern):
+        opt.undo_redo(p1, s1, rec, grads, hp)
+    # at t = 2^60, 1 - beta1**t is 0.12: the step is taken
+    far = state._replace(count={"w": state.count["w"], "head": torch.tensor(2 ** 60)})
+    p2, _, _ = opt.update(params, grads, far, hp)
+    assert bool(p2["head"].isfinite().all())
