@@ -67,8 +67,8 @@ from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, 
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
-           "check_hparam_value", "check_float32_range", "TORCH_MATH_OPTIONS", "refused_torch_option", "torch_betas",
-           "hparams_at"]
+           "check_hparam_value", "check_float32_range", "check_step_size", "TORCH_MATH_OPTIONS", "refused_torch_option",
+           "torch_betas", "hparams_at"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -810,7 +810,7 @@ class Adam:
             _check_stepped_hparams(leaf.hp, leaf.path, leaf.p.dtype, checked)
             _check_next_count(leaf.path, leaf.steps)
             if self.variant.bias_correction:
-                _check_step_size(leaf.path, leaf.hp, leaf.steps, leaf.p.dtype)
+                check_step_size(leaf.path, leaf.hp, leaf.steps, leaf.p.dtype)
         # each stepped leaf's backend chosen, or refused (a dtype or device it does not support); a leaf stepped
         # with a zero gradient (zero_missing) as one with a gradient
         self._kernels([leaf if leaf.g is not None else leaf._replace(g=leaf.p) for leaf in stepped])
@@ -909,7 +909,7 @@ class Adam:
                 if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
                     _check_next_count(path, steps)
                 if self.variant.bias_correction:  # (an undo_redo's redo takes the undone step's t: this count)
-                    _check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
+                    check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
             leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
@@ -1753,8 +1753,9 @@ def _check_next_count(param_path: str, steps: Any) -> None:
                         f"step's count, {steps + 1}, cannot be stored (it would wrap to a negative count)")
 
 
-def _check_step_size(param_path: str, hp: AdamHParams, steps: Any, dtype: torch.dtype) -> None:
-    """Refuse (an :class:`HParamError` naming the leaf at ``param_path``) a step ``t = steps + 1`` with bias correction
+def check_step_size(param_path: str, hp: AdamHParams, steps: Any, dtype: torch.dtype) -> None:
+    """Refuse (an :class:`HParamError` naming the leaf at ``param_path``, or the offload engine's parameter) a step
+    ``t = steps + 1`` with bias correction
     whose step size ``lr / (1 - beta1**t)`` (computed in double precision, as torch.optim's) is beyond the range of
     the dtype the leaf is stepped in (float32, but for float64 leaves): a large lr with a beta1 near 1 at a small
     ``t``. The kernels take it as a number of that dtype: inf there, every parameter stepped to inf or nan (torch.optim

@@ -186,3 +186,45 @@ def test_a_step_size_beyond_float32_is_refused_naming_the_leaf_and_changes_nothi
     far = state._replace(count={"w": state.count["w"], "head": torch.tensor(2 ** 60)})
     p2, _, _ = opt.update(params, grads, far, hp)
     assert bool(p2["head"].isfinite().all())
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_the_offload_facade_refuses_a_step_size_beyond_float32_and_keeps_working(executor, speculate):
+    """A group's lr set so that ``lr / (1 - beta1**t)`` is beyond float32 (beta1 of 1 - 2^-53: ``1 - beta1**t`` is
+    2.2e-16 at t = 2), as sofx.adam refuses it: the refusal came out of the executor and stopped the engine for
+    good. step() refuses it before any block is stepped, naming the parameter, with nothing speculated; the
+    engine keeps working once the lr is put back, and a later lr change between backward and step() to such a
+    value is refused as well (the speculated blocks' redo)."""
+    import sofx.offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    gen = torch.Generator().manual_seed(1)
+
+    def loss() -> torch.Tensor:
+        return model(torch.randn(4, 6, generator=gen)).pow(2).mean()
+
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, betas=(1 - 2 ** -53, 0.999), executor=executor,
+                                       block_numel=40, loss_scale=None, speculate=speculate) as opt:
+        opt.backward(loss())
+        opt.step()
+        opt.zero_grad()
+        for bad_before_backward in (True, False):
+            before = _facade_state(opt, model)
+            weights = [p.detach().clone() for p in model.parameters()]
+            if bad_before_backward:
+                opt.param_groups[0]["lr"] = 1e30
+            opt.backward(loss())
+            opt.param_groups[0]["lr"] = 1e30
+            with pytest.raises(sofx.HParamError, match=r"hparams for parameter 0 = param_groups\[0\]\['params'\]\[0\]: "
+                                                       r"lr / \(1 - beta1\*\*t\) = 4\.5\d*e\+45 at step t = 2 is "
+                                                       r"beyond float32's range"):
+                opt.step()
+            opt.zero_grad()
+            assert all(torch.equal(a[k], b[k]) for a, b in zip(before, _facade_state(opt, model)) for k in a)
+            assert all(torch.equal(w, p.detach()) for w, p in zip(weights, model.parameters()))
+            opt.param_groups[0]["lr"] = 1e-3
+        opt.backward(loss())
+        opt.step()
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2, 2, 2, 2]

@@ -80,8 +80,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from sofx.adam import COUNT_MAX, AdamHParams, check_float32_range
-from sofx.errors import LeafError, SofxError, StructureError, UnsupportedError
+from sofx.adam import COUNT_MAX, AdamHParams, check_float32_range, check_step_size
+from sofx.errors import HParamError, LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
@@ -978,6 +978,10 @@ class OffloadEngine:
         full = self._count_at_max(b, counts, present)
         if full is not None:  # (its step is refused: validation names it, before anything is stepped)
             return Eligibility(False, None, f"{full}: the step's count cannot be stored", 0)
+        try:  # (likewise)
+            self._check_step_sizes(b, counts, present, hp)
+        except HParamError as exc:
+            return Eligibility(False, None, str(exc), 0)
         key = (flat, present, tuple(None if x is None else float(x) for x in hp), float(ctx.grad_scale),
                None if grads is None else tuple(None if g is None else g.dtype for g in grads),
                tuple(c == 0 for c in counts))
@@ -1248,7 +1252,7 @@ class OffloadEngine:
                                taken=list(self._speculated))
         zero = self._ctx.config.missing_grad == "zero"
         _check_float32_hparams(plan.actions, [zero or s is not None for s in sumsq])  # (before anything is applied)
-        self._check_counts(plan.actions, presents)
+        self._check_stepped_counts(plan.actions, presents)
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes, self._planned_bytes)
         self._refused_bytes, self._planned_bytes = {}, {}
         return self._apply(plan, presents, sumsq)
@@ -1264,17 +1268,38 @@ class OffloadEngine:
                         f"= {c}")
         return None
 
-    def _check_counts(self, actions: Sequence[BlockAction], presents: Sequence[tuple[bool, ...]]) -> None:
-        """Refuse (a :class:`~sofx.errors.LeafError` naming the parameter, before anything is applied) a step of a
-        parameter whose count is int64's largest, as :meth:`sofx.Adam.update` refuses it: the block's step raised
-        in the executor, the blocks before it stepped, and the engine stopped for good (its count would wrap to
-        -2^63). Such a block is never speculated (:meth:`_eligibility`); an undo+redo redoes a speculative step at
-        the count it reached (that count may be the largest)."""
+    def _check_step_sizes(self, b: int, counts: Sequence[int], present: Sequence[bool], hp: AdamHParams,
+                          redo: bool = False) -> None:
+        """Refuse (:func:`~sofx.adam.check_step_size`, naming the parameter) a step of block ``b`` with hparams ``hp``
+        whose size ``lr / (1 - beta1**t)`` is beyond float32 (the masters') for a parameter it steps (``present``),
+        ``t`` from its count (``counts``; ``redo``: the count a speculative step reached, the redo's ``t``)."""
+        if not self.adam.variant.bias_correction:
+            return
+        layout = self.layouts[b]
+        seen: set[int] = set()  # (the parameters of a block share a count, mostly: each checked once)
+        for index, c, stepped in zip(layout.param_indices, counts, present):
+            if stepped and c not in seen:
+                seen.add(c)
+                check_step_size(f"parameter {index} = {param_path(self._group_starts, layout.group, index)}", hp,
+                                c - 1 if redo else c, torch.float32)
+
+    def _check_stepped_counts(self, actions: Sequence[BlockAction], presents: Sequence[tuple[bool, ...]]) -> None:
+        """Refuse, before anything is applied, a step (or an undo+redo's redo) of a parameter that
+        :meth:`sofx.Adam.update` refuses for its count: a :class:`~sofx.errors.LeafError` where the count is int64's
+        largest (it would wrap to -2^63), an :class:`~sofx.errors.HParamError` where the step's size ``lr / (1 -
+        beta1**t)`` is beyond float32 (:meth:`_check_step_sizes`); each naming the parameter. The block's step raised
+        in the executor, the blocks before it stepped, and the engine stopped for good. Such a block is never
+        speculated (:meth:`_eligibility`); an undo+redo redoes a speculative step at the count it reached (that count
+        may be the largest)."""
         for action in actions:
+            if action.kind not in ("step", "undo_redo"):
+                continue
+            counts = self.tensors[action.block].counts.tolist()
+            self._check_step_sizes(action.block, counts, presents[action.block], action.hparams,
+                                   redo=action.kind == "undo_redo")
             if action.kind != "step":
                 continue
-            full = self._count_at_max(action.block, self.tensors[action.block].counts.tolist(),
-                                      presents[action.block])
+            full = self._count_at_max(action.block, counts, presents[action.block])
             if full is not None:
                 raise LeafError(f"{full}: step count {COUNT_MAX} is int64's largest; the next step's count, "
                                 f"{COUNT_MAX + 1}, cannot be stored (it would wrap to a negative count); set "
