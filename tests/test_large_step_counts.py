@@ -228,3 +228,72 @@ def test_the_offload_facade_refuses_a_step_size_beyond_float32_and_keeps_working
         opt.backward(loss())
         opt.step()
         assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("start", [2 ** 24 - 2, 2 ** 31 - 2, 2 ** 32 - 2, 2 ** 53 - 2])
+def test_a_run_resumed_from_a_checkpoint_at_a_large_count_is_the_uninterrupted_run(backend, start, tmp_path):
+    """Counts past float32's exact integers (2^24) and int32's (2^31, 2^32) are int64 in the state and in the file:
+    the resumed run steps with the same ``t`` bit for bit (a beta2 of 1 - 2^-24 makes ``1 - beta2**t`` depend on
+    every bit of ``t`` near 2^24), and its count goes on from the saved one."""
+    import sofx.checkpoint as ck
+
+    hp = sofx.AdamHParams(lr=1e-3, beta1=0.9, beta2=1 - 2 ** -24, eps=1e-8, weight_decay=0.1)
+    opt = sofx.adamw(backend=backend)
+    params, _, state = _leaves(start)
+    state = state._replace(count={k: torch.tensor(start) for k in params})
+    gen = torch.Generator().manual_seed(5)
+    grads = [{k: torch.randn(p.shape, generator=gen) for k, p in params.items()} for _ in range(6)]
+    p, s = params, state
+    for i, g in enumerate(grads):
+        p, s, _ = opt.update(p, g, s, hp)
+        if i == 2:
+            ck.save(tmp_path / "run.ckpt", {"params": p, "state": s})
+    back = ck.load(tmp_path / "run.ckpt")
+    q, r = back["params"], back["state"]
+    assert r.count["head"].dtype == torch.int64 and int(r.count["head"]) == start + 3
+    for g in grads[3:]:
+        q, r, _ = opt.update(q, g, r, hp)
+    assert trees_equal(p, q) and trees_equal(s, r) and int(r.count["w"]) == start + 6
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_the_offload_facade_resumed_from_a_checkpoint_at_a_large_count_is_the_uninterrupted_run(executor, tmp_path):
+    import sofx.checkpoint as ck
+    import sofx.offload
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    def loss(model: torch.nn.Module, gen: torch.Generator) -> torch.Tensor:
+        return model(torch.randn(4, 6, generator=gen)).pow(2).mean()
+
+    kw = dict(lr=1e-2, betas=(0.9, 1 - 2 ** -24), executor=executor, block_numel=40, loss_scale=None)
+    model, gen = make(), torch.Generator().manual_seed(1)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), **kw) as opt:
+        opt.backward(loss(model, gen))
+        opt.step()
+        opt.zero_grad()
+        for p in model.parameters():
+            opt.state[p]["step"] = 2 ** 24 - 2
+        for i in range(6):
+            opt.backward(loss(model, gen))
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                ck.save(tmp_path / "run.ckpt", {"opt": opt.state_dict(), "model": model.state_dict(),
+                                                "gen": gen.get_state()})
+        whole = [p.detach().clone() for p in model.parameters()]
+    saved = ck.load(tmp_path / "run.ckpt")
+    model = make()
+    model.load_state_dict(saved["model"])
+    gen.set_state(saved["gen"])
+    with sofx.offload.SpeculativeAdamW(model.parameters(), **kw) as opt:
+        opt.load_state_dict(saved["opt"])
+        for _ in range(3):
+            opt.backward(loss(model, gen))
+            opt.step()
+            opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2 ** 24 + 4] * 4
+    assert all(torch.equal(a, b.detach()) for a, b in zip(whole, model.parameters()))
