@@ -1029,6 +1029,25 @@ def test_hparams_beyond_float32s_range_speculate_no_block(rng, field, value):
         assert not d.speculate and d.kind == "vetoed", d
 
 
+@pytest.mark.parametrize("field, value", [("lr", 1e39), ("eps", 1e-50), ("weight_decay", 1e39)])
+def test_float64_leaves_with_hparams_beyond_float32s_range_are_speculated(field, value):
+    """float64 leaves are stepped in float64, where an lr or weight_decay of 1e39 and an eps of 1e-50 are legal
+    (sofx.Adam's update takes them; validation steps them). speculative_step knows the leaves' dtypes, yet
+    begin_step held every block to float32's range: no block was speculated, the report saying the hparams were
+    refused. They are speculated now, and the step is serial_step's bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.adam(lr=1e-3)
+    params = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    grads = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    hp = AdamHParams(lr=1e-3)._replace(**{field: value})
+    rule = loss_scale.static_scale()
+    spec = sp.speculative_step(opt, params, grads, opt.init(params), config=sp.SpeculationConfig(), scaler=rule,
+                               scaler_state=rule.init(), hparams=hp)
+    assert spec.report.speculating and spec.report.speculated == 3, spec.report
+    ser = serial_step(opt, params, grads, opt.init(params), scaler=rule, scaler_state=rule.init(), hparams=hp)
+    assert all(torch.equal(a, b) for a, b in zip(spec.params, ser.params))
+
+
 @pytest.mark.parametrize("bad_grad, pattern", [
     (torch.randn(2, 6), r"grads\[0\]: expected shape \(6,\), got \(2, 6\)"),
     (torch.randn(6).double(), r"grads\[0\]: expected dtype torch.float32, got torch.float64"),

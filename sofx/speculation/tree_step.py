@@ -176,7 +176,8 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
             refuse_short_storage(extra, f"late_grads[{i}]")
 
     ctx, tally = begin_step(opt, config, scaler, scaler_state, policy_state, n_blocks=n, hparams=list(hps),
-                            backward_scale=backward_scale, last_micro_step=last_micro_step)
+                            backward_scale=backward_scale, last_micro_step=last_micro_step,
+                            float64=[isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in p_leaves])
     new_p = list(p_leaves)
     records: list[Any] = [None] * n
     held = 0  # snapshot bytes the speculative steps' records hold
