@@ -33,8 +33,9 @@ else:
     from sofx.kernels.base import AdamVariant, StepCall, UndoCall, UndoRedoCall
 
     from helpers import (UNWRITABLE, bits, block_inputs, block_scalars, check_a_large_triton_step, expanded,
-                         max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes,
-                         refuse_shared_memory, refuse_traced_inputs, result_requiring_grad, run_blocks)
+                         max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales, refuse_bad_scalars,
+                         refuse_bad_writes, refuse_shared_memory, refuse_traced_inputs, result_requiring_grad,
+                         run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 

@@ -359,10 +359,11 @@ def _refused_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool]) 
     """The error :meth:`sofx.Adam.update` would raise for the first block whose hparams it refuses, naming
     ``blocks[i]`` (:func:`~sofx.adam.check_hparam_value`: not a number, or out of its range, nan included;
     :func:`~sofx.adam.check_float32_range`: beyond float32's, in which every block but a float64 one,
-    ``float64[i]``, is stepped), else ``None``. Such hparams speculate no block (:func:`begin_step`): a speculative step raised in the middle of
-    backward, the blocks before it stepped in place. They are not refused here: a block that gets no gradient is
-    not stepped, and its hparams are not read (as :func:`sofx.serial.serial_step`); validation refuses them for a
-    block it steps (:func:`_check_stepped_block_hparams`)."""
+    ``float64[i]``, is stepped), else ``None``. Such hparams speculate no block (:func:`begin_step`): a
+    speculative step raised in the middle of backward, the blocks before it stepped in place. They are not
+    refused here: a block that gets no gradient is not stepped, and its hparams are not read (as
+    :func:`sofx.serial.serial_step`); validation refuses them for a block it steps
+    (:func:`_check_stepped_block_hparams`)."""
     checked: set[tuple[Any, ...]] = set()  # (the blocks of one group hold the same values: checked once)
     for i, (hp, wide) in enumerate(zip(hps, float64)):
         key = (*map(id, hp), wide)
