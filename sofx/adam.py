@@ -991,9 +991,8 @@ class Adam:
                                  "float32's bits)")
         if self.variant.decoupled and abs(1 - lr * wd) > 1 / ALGEBRAIC_MIN_DIVISOR:
             param_reasons.append(f"1 - lr * weight_decay = {1 - lr * wd:.3g} is beyond 2^12 in magnitude (decoupled "
-                                 "decay): the decayed parameter p * (1 - lr * weight_decay) leaves float32's range "
-                                 "(the factor itself beyond 3.4e38), where dividing by the factor gives inf or nan, "
-                                 "not p")
+                                 "decay): the decayed parameter p * (1 - lr * weight_decay), or the factor itself, "
+                                 "may leave the float range, where dividing by the factor gives inf or nan, not p")
         return full_reasons, param_reasons
 
     def algebraic_refusal(self, hparams: AdamHParams, param_dtype: torch.dtype = torch.float32) -> str | None:
