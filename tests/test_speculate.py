@@ -1048,6 +1048,51 @@ def test_float64_leaves_with_hparams_beyond_float32s_range_are_speculated(field,
     assert all(torch.equal(a, b) for a, b in zip(spec.params, ser.params))
 
 
+@pytest.mark.parametrize("missing_grad", ["skip", "zero"])
+def test_refused_hparams_of_a_leaf_without_gradient_leave_the_others_speculated(missing_grad):
+    """A leaf that gets no gradient is not stepped (missing_grad="skip") and its hparams are not read, as
+    serial_step does: an lr of -1 there is taken. begin_step yet vetoed every block for it, each step of the run,
+    the report's reason alone saying so. speculative_step tells begin_step which leaves it steps: the others are
+    speculated, and the step is serial_step's bit for bit. With missing_grad="zero" the leaf is stepped with a
+    zero gradient, and its lr is refused before anything is stepped, as before."""
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.adam(lr=1e-3)
+    params = [torch.randn(6, generator=gen) for _ in range(3)]
+    grads = [torch.randn(6, generator=gen), None, torch.randn(6, generator=gen)]
+    hp = [AdamHParams(), AdamHParams(lr=-1.0), AdamHParams()]
+    rule = loss_scale.static_scale()
+    config = sp.SpeculationConfig(missing_grad=missing_grad)
+    if missing_grad == "zero":
+        with pytest.raises(sofx.HParamError, match=r"lr = -1.0 is invalid"):
+            sp.speculative_step(opt, params, grads, opt.init(params), config=config, scaler=rule,
+                                scaler_state=rule.init(), hparams=hp)
+        return
+    spec = sp.speculative_step(opt, params, grads, opt.init(params), config=config, scaler=rule,
+                               scaler_state=rule.init(), hparams=hp)
+    assert spec.report.speculating and spec.report.speculated == 2, spec.report
+    ser = serial_step(opt, params, grads, opt.init(params), scaler=rule, scaler_state=rule.init(), hparams=hp)
+    assert all(torch.equal(a, b) for a, b in zip(spec.params, ser.params))
+
+
+def test_begin_step_vetoes_only_for_the_hparams_of_blocks_it_is_told_are_stepped():
+    """begin_step's ``stepped[i]``: block ``i`` may be stepped this step. Refused hparams of a block that is not
+    (it gets no gradient) leave the others speculated; those of one that is veto every block, as with no
+    ``stepped`` given (every block). A ``stepped`` of another length, or not of bools, is refused."""
+    opt = sofx.adam(lr=1e-3)
+    rule = loss_scale.static_scale()
+    hp = [AdamHParams(), AdamHParams(lr=-1.0)]
+    config = sp.SpeculationConfig()
+    ctx, _ = sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=[True, False])
+    assert ctx.speculating and ctx.kind == "speculate", ctx.reason
+    for stepped in ([True, True], None):
+        ctx, _ = sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=stepped)
+        assert not ctx.speculating and ctx.kind == "vetoed" and "blocks[1]" in ctx.reason, ctx.reason
+    with pytest.raises(sofx.HParamError, match=r"stepped has 1 entries, the step has 2 blocks"):
+        sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=[True])
+    with pytest.raises(sofx.HParamError, match=r"stepped\[1\] must be a bool, got int"):
+        sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=[True, 0])
+
+
 @pytest.mark.parametrize("bad_grad, pattern", [
     (torch.randn(2, 6), r"grads\[0\]: expected shape \(6,\), got \(2, 6\)"),
     (torch.randn(6).double(), r"grads\[0\]: expected dtype torch.float32, got torch.float64"),

@@ -654,7 +654,19 @@ class OffloadEngine:
         if self._ctx is None:
             self._ctx, self._tally = begin_step(self.adam, self.speculation, self.scaler, self.scaler_state,
                                                 self.policy_state, n_blocks=len(self.layouts),
-                                                hparams=self.block_hparams(), backward_scale=self.loss_scale)
+                                                hparams=self.block_hparams(), backward_scale=self.loss_scale,
+                                                stepped=self._may_step())
+
+    def _may_step(self) -> list[bool]:
+        """Per block: whether this step may step it, so that its hparams are read (:func:`begin_step`'s
+        ``stepped``): a parameter of it is expected to get a gradient (it requires grad: stepped with a zero one
+        under ``missing_grad="zero"`` where none comes), has one (set by hand on a frozen parameter, taken at
+        ``step()``), or keeps the zero one ``zero_grad(set_to_none=False)`` left (:meth:`_stepped`). A block of
+        frozen parameters without any is not stepped: its hparams (a frozen group's lr a scheduler set out of
+        range) veto no other block's speculation."""
+        return [any(self.tracker.expected[i] or self.tracker.arrivals[i] > 0 or self._zero_grads[i]
+                    or self.params[i].grad is not None for i in layout.param_indices)
+                for layout in self.layouts]
 
     # ------------------------------------------------------------ backward
     def _on_grad(self, index: int, param: torch.Tensor) -> None:

@@ -280,7 +280,8 @@ def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) ->
 def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_state: LossScaleState,
                policy_state: PolicyState | None = None, *, n_blocks: int, hparams: Any = None,
                backward_scale: float | None = None, last_micro_step: bool = True,
-               float64: Sequence[bool] | None = None) -> tuple[StepContext, BackwardTally]:
+               float64: Sequence[bool] | None = None,
+               stepped: Sequence[bool] | None = None) -> tuple[StepContext, BackwardTally]:
     """The context and an empty tally for the backward that is about to run.
 
     ``opt`` supplies the hparams defaults; ``hparams`` are this step's
@@ -293,7 +294,11 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     refuses them for a block it steps). ``float64[i]``: block ``i`` is stepped in
     float64 (its parameter is float64), so its hparams are not held to float32's
     range (default: every block is stepped in float32, as the offload engine's
-    masters).
+    masters). ``stepped[i]``: block ``i`` may be stepped this step (it may get a
+    gradient, or is stepped with a zero one under ``missing_grad="zero"``); the
+    hparams of a block that is not (a frozen group's) are not read, as
+    :func:`sofx.serial.serial_step` does not read them, and veto nothing
+    (default: every block may be stepped).
     """
     if not isinstance(config, SpeculationConfig):
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
@@ -314,7 +319,8 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     max_norm = clip_max_norm(config.profile, config.max_norm)
     veto = _veto_sumsq(max_norm, assumed)
     allowed, why = config.policy.allows(policy_state)
-    refused = _refused_block_hparams(hps, _float64_flags(float64, len(hps)))
+    refused = _refused_block_hparams(hps, _block_flags("float64", float64, len(hps), False),
+                                     _block_flags("stepped", stepped, len(hps), True))
     if not config.enabled:
         speculating, kind, reason = False, "disabled", "speculation is disabled"
     elif not last_micro_step:
@@ -341,33 +347,37 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     return ctx, tally
 
 
-def _float64_flags(float64: Sequence[bool] | None, n: int) -> list[bool]:
-    """:func:`begin_step`'s ``float64``, checked: one bool per block (``None``: ``False`` for every block)."""
-    if float64 is None:
-        return [False] * n
-    if isinstance(float64, (str, bytes)) or not isinstance(float64, Sequence):
-        raise HParamError(f"float64 must be a sequence of one bool per block, got {type(float64).__name__}")
-    if len(float64) != n:
-        raise HParamError(f"float64 has {len(float64)} entries, the step has {n} blocks")
-    for i, x in enumerate(float64):
+def _block_flags(name: str, flags: Sequence[bool] | None, n: int, default: bool) -> list[bool]:
+    """:func:`begin_step`'s ``float64`` or ``stepped`` (``name``), checked: one bool per block (``None``:
+    ``default`` for every block)."""
+    if flags is None:
+        return [default] * n
+    if isinstance(flags, (str, bytes)) or not isinstance(flags, Sequence):
+        raise HParamError(f"{name} must be a sequence of one bool per block, got {type(flags).__name__}")
+    if len(flags) != n:
+        raise HParamError(f"{name} has {len(flags)} entries, the step has {n} blocks")
+    for i, x in enumerate(flags):
         if not is_bool(x):
-            raise HParamError(f"float64[{i}] must be a bool, got {type(x).__name__}")
-    return [bool(x) for x in float64]
+            raise HParamError(f"{name}[{i}] must be a bool, got {type(x).__name__}")
+    return [bool(x) for x in flags]
 
 
-def _refused_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool]) -> HParamError | None:
-    """The error :meth:`sofx.Adam.update` would raise for the first block whose hparams it refuses, naming
+def _refused_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool],
+                           stepped: Sequence[bool]) -> HParamError | None:
+    """The error :meth:`sofx.Adam.update` would raise for the first block that may be stepped (``stepped[i]``)
+    whose hparams it refuses, naming
     ``blocks[i]`` (:func:`~sofx.adam.check_hparam_value`: not a number, or out of its range, nan included;
     :func:`~sofx.adam.check_float32_range`: beyond float32's, in which every block but a float64 one,
     ``float64[i]``, is stepped), else ``None``. Such hparams speculate no block (:func:`begin_step`): a
     speculative step raised in the middle of backward, the blocks before it stepped in place. They are not
     refused here: a block that gets no gradient is not stepped, and its hparams are not read (as
     :func:`sofx.serial.serial_step`); validation refuses them for a block it steps
-    (:func:`_check_stepped_block_hparams`)."""
+    (:func:`_check_stepped_block_hparams`). Nor do they veto where the block cannot be stepped this step (a
+    frozen group's): its hparams would stop every other block from speculating for the whole run."""
     checked: set[tuple[Any, ...]] = set()  # (the blocks of one group hold the same values: checked once)
-    for i, (hp, wide) in enumerate(zip(hps, float64)):
+    for i, (hp, wide, used) in enumerate(zip(hps, float64, stepped)):
         key = (*map(id, hp), wide)
-        if key in checked:
+        if not used or key in checked:
             continue
         try:
             for name, value in zip(AdamHParams._fields, hp):

@@ -175,9 +175,13 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
         if not in_storage(extra):  # (freed or shrunk: added to the gradient after the leaves were stepped)
             refuse_short_storage(extra, f"late_grads[{i}]")
 
+    # stepped: a leaf with a gradient, or any with missing_grad="zero" (a leaf without gradient is not stepped
+    # otherwise, and its hparams are not read: they veto no other leaf's speculation)
+    zero = config.missing_grad == "zero"
     ctx, tally = begin_step(opt, config, scaler, scaler_state, policy_state, n_blocks=n, hparams=list(hps),
                             backward_scale=backward_scale, last_micro_step=last_micro_step,
-                            float64=[isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in p_leaves])
+                            float64=[isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in p_leaves],
+                            stepped=[zero or g is not None for g in g_leaves])
     new_p = list(p_leaves)
     records: list[Any] = [None] * n
     held = 0  # snapshot bytes the speculative steps' records hold
