@@ -59,6 +59,7 @@ from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADI
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
                                is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, storage_checked,
                                write_param_copy, zeros_come_back)
+from sofx.kernels.base import check_step_size as kernel_check_step_size
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.kernels.storage import in_storage, refuse_short_storage
@@ -1759,19 +1760,11 @@ def check_step_size(param_path: str, hp: AdamHParams, steps: Any, dtype: torch.d
     the dtype the leaf is stepped in (float32, but for float64 leaves): a large lr with a beta1 near 1 at a small
     ``t``. The kernels take it as a number of that dtype: inf there, every parameter stepped to inf or nan (torch.optim
     refuses such a step: "value cannot be converted to type float without overflow"). Values that cannot be read
-    (traced) are not."""
-    lr, b1 = hp.lr, hp.beta1  # (numbers where they can be read: resolve_hparams read them)
-    if type(steps) is not int or steps < 0 or not (is_number(lr) and is_number(b1)) or lr == 0:
+    (traced) are not. (:func:`sofx.kernels.base.check_step_size`, which every backend's entries check too.)"""
+    if type(steps) is not int or steps < 0:
         return  # (a negative count: an undo_redo's record of no step, which its checks refuse)
-    t = steps + 1
-    size = lr / (1 - b1 ** t)
-    largest = sys.float_info.max if dtype == torch.float64 else FLOAT32_MAX
-    if abs(size) > largest:
-        kind = "float64" if dtype == torch.float64 else "float32"
-        raise HParamError(f"hparams for {param_path}: lr / (1 - beta1**t) = {size!r} at step t = {t} is beyond "
-                          f"{kind}'s range (largest {largest!r}), in which the leaf is stepped: its update would be "
-                          "inf (torch.optim refuses such a step); a smaller lr, or a beta1 further from 1 on the "
-                          "first steps")
+    # (lr and beta1: numbers where they can be read, resolve_hparams read them; the kernels refuse the same)
+    kernel_check_step_size(f"hparams for {param_path}", hp.lr, hp.beta1, steps + 1, dtype == torch.float64, "leaf")
 
 
 def _hparams_key(hp: AdamHParams, dtype: torch.dtype) -> tuple[int, bool]:

@@ -290,6 +290,29 @@ def refuse_bad_scalars_everywhere(backend, prefix: str, blocks, s: AdamScalars, 
             call()
 
 
+# lr / (1 - beta1**t) beyond float32's range at t = 4 (about 2.25e45): torch.optim refuses such a step
+HUGE_STEP_SIZE = {"lr": 1e30, "beta1": 1 - 2**-53, "step": 4}
+
+
+def refuse_step_sizes_beyond_float32(backend, prefix: str, blocks, s: AdamScalars, variant) -> None:
+    """Every entry of ``backend`` refuses scalars whose step size ``lr / (1 - beta1**t)`` is beyond float32's range
+    (:data:`HUGE_STEP_SIZE`) with bias correction (``variant``'s), naming the call, ``t`` and the value, as
+    sofx.Adam.update does (:func:`refuse_bad_scalars_everywhere`), writing nothing; without bias correction
+    (a step size of lr) the same scalars step every block to finite values. ``blocks``: ``(p, g, m, v)`` of
+    float32 parameters, donated."""
+    from sofx.kernels.base import AdamVariant
+
+    before = _copies(blocks)
+    bad = s._replace(**HUGE_STEP_SIZE)
+    refuse_bad_scalars_everywhere(backend, prefix, blocks, s, bad, variant._replace(bias_correction=True),
+                                  r"lr / \(1 - beta1\*\*t\) = 2\.25\d*e\+45 at step t = 4 is beyond float32's range "
+                                  r"\(largest 3\.4028234663852886e\+38\), in which the block is stepped")
+    _assert_unchanged(blocks, before)
+    p, g, m, v = blocks[0]
+    uncorrected = AdamVariant(decoupled=variant.decoupled, bias_correction=False)
+    assert all(torch.isfinite(t).all() for t in backend.step(p, g, m, v, bad, uncorrected))
+
+
 WRITTEN_SLOTS = ("out[0]", "out[1]", "out[2]", "p", "m", "v", "p_copy")
 
 

@@ -25,9 +25,10 @@ from sofx.kernels.base import (FINITE_CHUNK, AdamScalars, AdamVariant, MemoryOve
                                beyond_limit, lossy_elements)
 from sofx.kernels.chunked import ChunkedCall, listed_elements
 
-from helpers import (UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded, library_copying_compiler,
-                     max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars, refuse_bad_writes, refuse_shared_memory,
-                     refuse_traced_inputs, result_requiring_grad, script_prints_ok)
+from helpers import (HUGE_STEP_SIZE, UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded,
+                     library_copying_compiler, max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars,
+                     refuse_bad_writes, refuse_shared_memory, refuse_step_sizes_beyond_float32, refuse_traced_inputs,
+                     result_requiring_grad, script_prints_ok)
 
 BACKENDS = {"cpu": cpu, "cpu_fast": cpu_fast}
 VARIANTS = [AdamVariant(decoupled=d, bias_correction=b) for d in (True, False) for b in (True, False)]
@@ -432,6 +433,22 @@ def test_a_grad_scale_negative_or_not_finite_is_refused_by_every_entry(name, rng
         for got, want in zip(backend.step(p, g, m, v, tiny, AdamVariant()),
                              reference.step(p, 0 * g, m, v, tiny._replace(grad_scale=1.0), AdamVariant())):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+def test_step_sizes_beyond_float32_are_refused_by_every_entry(name, decoupled, rng):
+    """lr / (1 - beta1**t) beyond float32 with bias correction (lr 1e30, beta1 1 - 2^-53, t = 4): the reference
+    raised torch's bare RuntimeError, the cpu backends wrote inf or nan, where sofx.Adam.update refuses it. Every
+    entry now refuses it with update's words, naming the call, before anything is written; a float64 block
+    (float64's range) is stepped."""
+    backend = reference if name == "reference" else BACKENDS[name]
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
+    s = block_scalars(rng, 0.1)
+    variant = AdamVariant(decoupled=decoupled)
+    refuse_step_sizes_beyond_float32(backend, name, blocks, s, variant)
+    p, g, m, v = (t.double() for t in blocks[0])
+    assert all(torch.isfinite(t).all() for t in backend.step(p, g, m, v, s._replace(**HUGE_STEP_SIZE), variant))
 
 
 @pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])

@@ -34,8 +34,8 @@ else:
 
     from helpers import (UNWRITABLE, bits, block_inputs, block_scalars, check_a_large_triton_step, expanded,
                          max_rel_err, refuse_bad_blocks_first, refuse_bad_grad_scales, refuse_bad_scalars,
-                         refuse_bad_writes, refuse_shared_memory, refuse_traced_inputs, result_requiring_grad,
-                         run_blocks)
+                         refuse_bad_writes, refuse_shared_memory, refuse_step_sizes_beyond_float32,
+                         refuse_traced_inputs, result_requiring_grad, run_blocks)
     from test_adam_undo import (CHAIN_DONATIONS, check_first_step_redone_fused, check_kept_parameter_redone_fused,
                                 check_records_intact_through_a_chain, first_steps, kept_parameter_redos)
 
@@ -412,6 +412,14 @@ else:
     def test_scalars_no_step_can_take_are_refused_by_every_entry(rng):
         blocks = _many_blocks(rng)[:2]
         refuse_bad_scalars(tk, "triton", blocks, block_scalars(rng, 0.1), AdamVariant())
+
+    @pytest.mark.parametrize("decoupled", [True, False])
+    def test_step_sizes_beyond_float32_are_refused_by_every_entry(decoupled, rng):
+        """lr / (1 - beta1**t) beyond float32 with bias correction: the kernels wrote inf or nan, where
+        sofx.Adam.update refuses it; every entry now refuses it as the other backends do, writing nothing."""
+        blocks = _many_blocks(rng)[:2]
+        variant = AdamVariant(decoupled=decoupled)
+        refuse_step_sizes_beyond_float32(tk, "triton", blocks, block_scalars(rng, 0.1), variant)
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(blocks=st.lists(st.tuples(st.integers(0, 300), st.sampled_from(range(3)), st.integers(0, 2),

@@ -241,22 +241,26 @@ def is_numpy_real(x: object) -> bool:
     return type(x).__module__ == "numpy" and isinstance(x, numbers.Real)
 
 
-def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = False) -> AdamScalars:
+def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = False,
+                     bias_correction: bool = False) -> AdamScalars:
     """``s`` with every field that can be read as a Python number converted to one, checked
     (:func:`check_scalars`; ``where`` names the call in the error, ``float64``: the block is stepped in
-    float64). Every backend builds its scalars through this, so that all refuse the same values."""
+    float64, ``bias_correction``: the variant's). Every backend builds its scalars through this, so that all
+    refuse the same values."""
     if not all(type(x) is float or type(x) is int for x in s):  # (the common case, once per leaf and step: floats)
         s = AdamScalars(*(as_number(x) for x in s))
-    check_scalars(s, where, float64)
+    check_scalars(s, where, float64, bias_correction)
     return s
 
 
-def check_scalars(s: AdamScalars, where: str, float64: bool = False) -> None:
+def check_scalars(s: AdamScalars, where: str, float64: bool = False, bias_correction: bool = False) -> None:
     """Refuse, as :meth:`sofx.Adam.update` does, the values of ``s`` that can be read (numbers; concrete 0-d
     tensors) and that no step can take: an hparam outside :data:`HPARAM_RANGES` (an eps of 0 divides 0 by 0
     where v is 0, a beta of 1 divides by ``1 - beta**t`` = 0 with bias correction), an lr, weight_decay or
     eps that float32 cannot hold unless the block is stepped in float64 (``float64``), a ``step`` below 1
-    (``t`` counts from 1: ``1 - beta**0`` is 0), and a ``grad_scale`` that :func:`check_grad_scale` refuses."""
+    (``t`` counts from 1: ``1 - beta**0`` is 0), a ``grad_scale`` that :func:`check_grad_scale` refuses, and
+    with ``bias_correction`` a step size ``lr / (1 - beta1**t)`` beyond the block's float range
+    (:func:`check_step_size`)."""
     values = {name: as_number(getattr(s, name)) for name in HPARAM_RANGES}
     for name, x in values.items():
         if is_number(x):
@@ -275,6 +279,30 @@ def check_scalars(s: AdamScalars, where: str, float64: bool = False) -> None:
         raise HParamError(f"{where}: step = {t!r} is invalid; expected the number of the step taken, >= 1, a finite "
                           "number (this int is beyond the float range)")
     check_grad_scale(s.grad_scale, where, float64)
+    if bias_correction:
+        check_step_size(where, values["lr"], values["beta1"], t, float64)
+
+
+def check_step_size(where: str, lr: Scalar, beta1: Scalar, t: Scalar, float64: bool, what: str = "block") -> None:
+    """Refuse (an :class:`HParamError` naming ``where``) a step ``t`` with bias correction whose step size
+    ``lr / (1 - beta1**t)`` (computed in double precision, as torch.optim's) is beyond the range of the dtype
+    the ``what`` (block, leaf) is stepped in (float64 where ``float64``, else float32): a large lr with a beta1
+    near 1 at a small ``t``. The kernels take it as a number of that dtype: inf there, every element stepped
+    to inf or nan (torch.optim refuses such a step: "value cannot be converted to type float without
+    overflow"). Values that cannot be read (traced), and those the hparam checks refuse, are not checked."""
+    if not (is_number(lr) and is_number(beta1) and is_number(t)) or lr == 0:
+        return
+    if not (0 <= beta1 < 1 and t >= 1):
+        return  # (check_hparam_value's and the step's refusals)
+    denominator = 1 - beta1 ** t
+    size = lr / denominator if denominator > 0 else math.inf
+    largest = sys.float_info.max if float64 else FLOAT32_MAX
+    if abs(size) > largest:
+        kind = "float64" if float64 else "float32"
+        raise HParamError(f"{where}: lr / (1 - beta1**t) = {size!r} at step t = {t} is beyond {kind}'s range "
+                          f"(largest {largest!r}), in which the {what} is stepped: its update would be inf "
+                          "(torch.optim refuses such a step); a smaller lr, or a beta1 further from 1 on the "
+                          "first steps")
 
 
 def _check_hparam_range(name: str, x: float | int, where: str) -> None:

@@ -172,11 +172,13 @@ def check_chunked_calls(where: Sequence[str], calls: Sequence[ChunkedCall], kind
     if found is not None:
         raise overlap_error(*found, where)
     float64 = [c.call.p.dtype == torch.float64 for c in calls]
+    bc = variant.bias_correction
     if kind is StepCall:
-        return concrete_checked([c.call.s for c in calls], where=where, float64=float64), [None] * len(calls)
+        return (concrete_checked([c.call.s for c in calls], where=where, float64=float64, bias_correction=bc),
+                [None] * len(calls))
     return (concrete_checked([c.call.s_old for c in calls], variant, [c.call.p_old is not None for c in calls], where,
-                             float64),
-            concrete_checked([c.call.s_new for c in calls], where=where, float64=float64))
+                             float64, bc),
+            concrete_checked([c.call.s_new for c in calls], where=where, float64=float64, bias_correction=bc))
 
 
 def _clash(calls: Sequence[ChunkedCall], where: Sequence[str]) -> tuple[tuple[int, str], tuple[int, str]] | None:

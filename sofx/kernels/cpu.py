@@ -420,8 +420,10 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
     undone = op != src.OP_STEP
     float64 = [getattr(b.p, "dtype", None) == torch.float64 for b in blocks]  # (the reference's float64 math)
     s1s = reference.concrete_checked([b.s1 for b in blocks], variant if undone else None,
-                                     [b.p_old is not None for b in blocks] if undone else None, where, float64)
-    s2s = reference.concrete_checked([b.s2 for b in blocks], where=where, float64=float64) \
+                                     [b.p_old is not None for b in blocks] if undone else None, where, float64,
+                                     variant.bias_correction)
+    s2s = reference.concrete_checked([b.s2 for b in blocks], where=where, float64=float64,
+                                     bias_correction=variant.bias_correction) \
         if op == src.OP_UNDO_REDO else [None] * len(blocks)
     by_value: dict[tuple, ctypes.Array | None] = {}  # a group's blocks share scalars (scalars_key) ...
     by_id: dict[int, ctypes.Array | None] = {}  # ... and mostly the very objects (the lists hold them)

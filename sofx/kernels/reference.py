@@ -162,7 +162,7 @@ def step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: 
          p_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Adam step; returns ``(p', m', v')`` in the dtypes of ``p, m, v`` (``p_copy``: also ``p'``)."""
     c = StepCall(p, g, m, v, s, out, p_copy)
-    s = _checked_step(c, f"{NAME}.step")
+    s = _checked_step(c, variant, f"{NAME}.step")
     refuse_shared_memory([c], [f"{NAME}.step"])
     return _step_block(p, g, m, v, s, variant, out, p_copy)
 
@@ -175,18 +175,19 @@ def _step_block(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
     return results
 
 
-def _checked_step(c: StepCall, where: str) -> AdamScalars:
-    """``c``'s tensors checked and its scalars checked and concrete (``where`` names the call in errors)."""
+def _checked_step(c: StepCall, variant: AdamVariant, where: str) -> AdamScalars:
+    """``c``'s tensors checked and its scalars checked (as ``variant`` steps: its step size) and concrete
+    (``where`` names the call in errors)."""
     check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)], c.p, c.out,
                         autograd=True)
-    return concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64)
+    return concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64, variant.bias_correction)
 
 
 def _checked_undo(c: UndoCall, variant: AdamVariant, where: str) -> AdamScalars:
     """``c``'s tensors and scalars checked (:func:`_checked_step`), the scalars also as an undo's."""
     check_block_tensors(where, [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
                                 ("p_copy", c.p_copy)], c.p, c.out, autograd=True)
-    s = concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64)
+    s = concrete_scalars(c.s, where, compute_dtype(c.p) == torch.float64, variant.bias_correction)
     _check_invertible(s, variant, c.p_old is not None, where)
     return s
 
@@ -196,9 +197,9 @@ def _checked_undo_redo(c: UndoRedoCall, variant: AdamVariant, where: str) -> tup
     check_block_tensors(where, [("p", c.p), ("m", c.m), ("v", c.v), ("g_old", c.g_old), ("g_new", c.g_new),
                                 ("p_old", c.p_old), ("p_copy", c.p_copy)], c.p, c.out, autograd=True)
     float64 = compute_dtype(c.p) == torch.float64
-    s_old = concrete_scalars(c.s_old, where, float64)
+    s_old = concrete_scalars(c.s_old, where, float64, variant.bias_correction)
     _check_invertible(s_old, variant, c.p_old is not None, where)
-    return s_old, concrete_scalars(c.s_new, where, float64)
+    return s_old, concrete_scalars(c.s_new, where, float64, variant.bias_correction)
 
 
 def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: bool, where: str) -> None:
@@ -217,11 +218,13 @@ def _check_invertible(s: AdamScalars, variant: AdamVariant, restoring_param: boo
 def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant | None = None,
                      restoring_param: Sequence[bool] | None = None,
                      where: Sequence[str] | None = None,
-                     float64: Sequence[bool] | None = None) -> list[AdamScalars | None]:
+                     float64: Sequence[bool] | None = None,
+                     bias_correction: bool = False) -> list[AdamScalars | None]:
     """:func:`concrete_scalars` of each of a list form's scalars (None stays None), once per object (a
     group's blocks share theirs); with ``variant``, each checked as an undo's (``restoring_param[i]``: block
     ``i`` restores p from ``p_old``). ``where[i]`` names block ``i`` in errors; ``float64[i]``: block ``i``
-    is stepped in float64 (default: none is)."""
+    is stepped in float64 (default: none is); ``bias_correction``: the variant's (the step size is checked:
+    :func:`~sofx.kernels.base.check_step_size`)."""
     done: dict[tuple[int, bool, bool], AdamScalars] = {}
     out: list[AdamScalars | None] = []
     for i, s in enumerate(scalars):
@@ -232,7 +235,7 @@ def concrete_checked(scalars: Sequence[AdamScalars | None], variant: AdamVariant
         wide = float64[i] if float64 is not None else False
         key = (id(s), restoring, wide)  # the caller's list holds the objects
         if key not in done:
-            done[key] = concrete_scalars(s, where[i] if where is not None else f"block {i}", wide)
+            done[key] = concrete_scalars(s, where[i] if where is not None else f"block {i}", wide, bias_correction)
             if variant is not None:
                 _check_invertible(done[key], variant, restoring, where[i] if where is not None else f"block {i}")
         out.append(done[key])
@@ -316,7 +319,7 @@ def _undo_redo_block(c: UndoRedoCall, s_old: AdamScalars, s_new: AdamScalars, va
 def step_many(calls: Sequence[StepCall], variant: AdamVariant) -> list[Triple]:
     """:func:`step` for each block (the kernel contract's list form)."""
     refuse_checked_steps(calls, f"{NAME}.step_many")
-    scalars = [_checked_step(c, f"{NAME}.step_many[{i}]") for i, c in enumerate(calls)]
+    scalars = [_checked_step(c, variant, f"{NAME}.step_many[{i}]") for i, c in enumerate(calls)]
     refuse_shared_memory(calls, _names("step_many", calls))
     return [_step_block(c.p, c.g, c.m, c.v, s, variant, c.out, c.p_copy) for c, s in zip(calls, scalars)]
 

@@ -753,7 +753,7 @@ def undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant) -> list[
 def _step_many(calls: Sequence[StepCall], variant: AdamVariant, names: Sequence[str]) -> list[Triple]:
     """:func:`step_many`, errors naming call ``i`` ``names[i]`` (the single-block forms are named as such)."""
     _check_calls(names, calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_copy", c.p_copy)])
-    scalars = reference.concrete_checked([c.s for c in calls], where=names)
+    scalars = reference.concrete_checked([c.s for c in calls], where=names, bias_correction=variant.bias_correction)
     return _by_kernel(_OP_STEP, calls, names, [None] * len(calls), scalars, variant,
                       lambda c, _, s: (c.p, c.g, c.m, c.v, None, None, c.out, c.p_copy, c.skip),
                       lambda c, _, s: reference.step(c.p, c.g, c.m, c.v, s, variant, out=c.out, p_copy=c.p_copy))
@@ -764,7 +764,7 @@ def _undo_many(calls: Sequence[UndoCall], variant: AdamVariant, names: Sequence[
     _check_calls(names, calls, lambda c: [("p", c.p), ("g", c.g), ("m", c.m), ("v", c.v), ("p_old", c.p_old),
                                           ("p_copy", c.p_copy)])
     scalars = reference.concrete_checked([c.s for c in calls], variant, [c.p_old is not None for c in calls],
-                                         names)
+                                         names, bias_correction=variant.bias_correction)
     return _by_kernel(_OP_UNDO, calls, names, scalars, [None] * len(calls), variant,
                       lambda c, s, _: (c.p, c.g, c.m, c.v, None, c.p_old, c.out, c.p_copy, None),
                       lambda c, s, _: reference.undo(c.p, c.g, c.m, c.v, s, variant, p_old=c.p_old, out=c.out,
@@ -775,8 +775,9 @@ def _undo_redo_many(calls: Sequence[UndoRedoCall], variant: AdamVariant, names: 
     """:func:`undo_redo_many` (errors named as in :func:`_step_many`)."""
     _check_calls(names, calls, lambda c: [("p", c.p), ("g_old", c.g_old), ("m", c.m), ("v", c.v),
                                           ("g_new", c.g_new), ("p_old", c.p_old), ("p_copy", c.p_copy)])
-    olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls], names)
-    news = reference.concrete_checked([c.s_new for c in calls], where=names)
+    olds = reference.concrete_checked([c.s_old for c in calls], variant, [c.p_old is not None for c in calls], names,
+                                      bias_correction=variant.bias_correction)
+    news = reference.concrete_checked([c.s_new for c in calls], where=names, bias_correction=variant.bias_correction)
     return _by_kernel(_OP_UNDO_REDO, calls, names, olds, news, variant,
                       lambda c, so, sn: (c.p, c.g_old, c.m, c.v, c.g_new, c.p_old, c.out, c.p_copy, c.skip),
                       lambda c, so, sn: reference.undo_redo(c.p, c.m, c.v, c.g_old, so, c.g_new, sn, variant,
