@@ -778,10 +778,11 @@ def test_undo_algebraic_refusals_come_before_any_block_is_stepped():
         assert [int(opt.state[p]["step"]) for p in model.parameters()] == counts
 
 
-def _engine_beside_serial_loop(executor: str, hparams: list) -> tuple:
+def _engine_beside_serial_loop(executor: str, hparams: list, missing_grad: str = "skip") -> tuple:
     """``(engine, params, opt, loop)``: an :class:`~sofx.offload.engine.OffloadEngine` over two groups of two
     parameters, one block each, whose ``hparams_fn`` returns ``hparams`` (a list the test changes), and a
-    :func:`sofx.serial.init_loop` of the same parameters to step beside it."""
+    :func:`sofx.serial.init_loop` of the same parameters to step beside it (``missing_grad``: the engine's
+    :class:`~sofx.speculate.SpeculationConfig`'s)."""
     from sofx.offload.block_runner import AdamConfig
     from sofx.offload.engine import OffloadEngine
     from sofx.serial import init_loop
@@ -790,8 +791,8 @@ def _engine_beside_serial_loop(executor: str, hparams: list) -> tuple:
     params = [nn.Parameter(torch.randn(5)) for _ in range(4)]
     rule = sofx.loss_scale.static_scale()
     engine = OffloadEngine([params[:2], params[2:]], lambda: list(hparams), adam=AdamConfig(decoupled=True),
-                           speculation=sofx.speculate.SpeculationConfig(), scaler=rule, executor=executor,
-                           block_numel=5, swap_params=False)
+                           speculation=sofx.speculate.SpeculationConfig(missing_grad=missing_grad), scaler=rule,
+                           executor=executor, block_numel=5, swap_params=False)
     opt = sofx.adamw(lr=1e-2)
     return engine, params, opt, init_loop(opt, [p.detach().clone() for p in params], rule)
 
@@ -850,6 +851,33 @@ def test_refused_hparams_of_a_frozen_group_leave_the_other_groups_speculated(exe
     good = sofx.AdamHParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
     hparams = [good, good._replace(lr=-1.0)]
     engine, params, opt, loop = _engine_beside_serial_loop(executor, hparams)
+    for p in params[2:]:
+        p.requires_grad_(False)
+    rule = engine.scaler
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(3):
+            grads = [torch.randn(5, generator=gen) for _ in params[:2]] + [None, None]
+            sum((p * g).sum() for p, g in zip(params[:2], grads)).backward()
+            report = engine.step()
+            loop, _ = serial_loop_step(opt, loop, grads, scaler=rule, hparams=[good, good] + hparams[1:] * 2)
+            assert report.speculating and report.speculated == 2, report.summary()
+            assert all(torch.equal(p.detach(), q) for p, q in zip(params, loop.params)), step
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_refused_hparams_of_a_frozen_group_are_not_read_with_missing_grad_zero(executor):
+    """missing_grad="zero" steps with a zero gradient the parameters expected to get one (they require grad),
+    not frozen ones: a frozen group's blocks are not stepped. Validation yet refused their hparams (an lr of -1 a
+    scheduler set there) as those of blocks it steps, so step() raised at every step. They are not read now,
+    and the run is the serial loop's bit for bit."""
+    from sofx.serial import serial_loop_step
+
+    good = sofx.AdamHParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
+    hparams = [good, good._replace(lr=-1.0)]
+    engine, params, opt, loop = _engine_beside_serial_loop(executor, hparams, "zero")
     for p in params[2:]:
         p.requires_grad_(False)
     rule = engine.scaler

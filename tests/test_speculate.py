@@ -553,7 +553,7 @@ def test_an_unknown_keyword_is_refused_by_the_steps_before_anything_runs(rng):
              lambda hook, kw: sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(),
                                                   scaler=rule, scaler_state=rule.init(), reduce_sumsq=hook,
                                                   donate=True, **kw)),
-            ("plan_validation", "hparams, taken, reduce_sumsq",
+            ("plan_validation", "hparams, taken, reduce_sumsq, stepped",
              lambda hook, kw: sp.plan_validation(ctx, tally, [1.0] * len(params), reduce_sumsq=hook, **kw))):
         other = {"loop": None, "policy_state": None} if what == "serial_step" else {"loop": None}
         for kw, words in (({"max_nrom": 1.0}, "argument 'max_nrom'"),
@@ -651,7 +651,7 @@ def test_a_misspelt_or_extra_positional_argument_is_refused_through_the_hook_bef
              "speculative_loop_step": "opt, loop, grads, then only the keywords config, scaler, hparams, "
                                       "validation_hparams, backward_scale, order, late_grads, last_micro_step, "
                                       "reduce_sumsq, donate",
-             "plan_validation": "ctx, tally, sumsq, then only the keywords hparams, taken, reduce_sumsq"}
+             "plan_validation": "ctx, tally, sumsq, then only the keywords hparams, taken, reduce_sumsq, stepped"}
     serial = {"scaler": rule, "scaler_state": rule.init(), "donate": True}
     spec = {**serial, "config": cfg}
     loop_kw = {"scaler": rule, "hparams": schedule, "donate": True}
@@ -1091,6 +1091,27 @@ def test_begin_step_vetoes_only_for_the_hparams_of_blocks_it_is_told_are_stepped
         sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=[True])
     with pytest.raises(sofx.HParamError, match=r"stepped\[1\] must be a bool, got int"):
         sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=[True, 0])
+
+
+def test_plan_validation_reads_the_hparams_only_of_the_blocks_it_is_told_are_stepped():
+    """plan_validation's ``stepped[i]``: the caller steps block ``i``. With missing_grad="zero" every block
+    without gradient counts as stepped (with zeros), but a caller that steps none of a block's elements (the
+    offload engine's frozen parameters) says so: that block's refused hparams are not read. By default, and for a
+    block said to be stepped, they are refused naming the block; a ``stepped`` not of one bool per block is
+    refused."""
+    opt = sofx.adam(lr=1e-3)
+    rule = loss_scale.static_scale()
+    config = sp.SpeculationConfig(missing_grad="zero")
+    hp = [AdamHParams(), AdamHParams(lr=-1.0)]
+    ctx, tally = sp.begin_step(opt, config, rule, rule.init(), n_blocks=2, hparams=hp, stepped=[True, False])
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 4.0, lambda: sp.Eligibility(False, None, "not asked"))
+    plan = sp.plan_validation(ctx, tally, [4.0, None], stepped=[True, False])
+    assert [a.kind for a in plan.actions] == ["step", "step"]
+    for stepped in (None, [True, True]):
+        with pytest.raises(sofx.HParamError, match=r"^hparams for blocks\[1\]: lr = -1.0 is invalid"):
+            sp.plan_validation(ctx, tally, [4.0, None], stepped=stepped)
+    with pytest.raises(sofx.HParamError, match=r"stepped has 3 entries, the step has 2 blocks"):
+        sp.plan_validation(ctx, tally, [4.0, None], stepped=[True, False, True])
 
 
 @pytest.mark.parametrize("bad_grad, pattern", [

@@ -1260,10 +1260,12 @@ class OffloadEngine:
             sumsq.append(self._block_sumsq(b) if any(arrived) else 0.0 if kept else None)
         # taken: a block whose speculative step a late gradient undid (undo_now) or that was taken back as it ran
         # has nothing left to undo; validation plans (and reports) it as the plain step (or skip) it runs.
+        # stepped: a block with a parameter the step steps (_stepped: no frozen one is stepped with zeros under
+        # missing_grad="zero"); the hparams of the others are not read
+        stepped = [any(present) for present in presents]
         plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams(),
-                               taken=list(self._speculated))
-        zero = self._ctx.config.missing_grad == "zero"
-        _check_float32_hparams(plan.actions, [zero or s is not None for s in sumsq])  # (before anything is applied)
+                               taken=list(self._speculated), stepped=stepped)
+        _check_float32_hparams(plan.actions, stepped)  # (before anything is applied)
         self._check_stepped_counts(plan.actions, presents)
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes, self._planned_bytes)
         self._refused_bytes, self._planned_bytes = {}, {}
@@ -1813,7 +1815,7 @@ class OffloadEngine:
 def _check_float32_hparams(actions: Sequence[BlockAction], stepped: Sequence[bool]) -> None:
     """Refuse (an :class:`~sofx.errors.HParamError` naming ``blocks[i]``, in :meth:`sofx.Adam.update`'s words for a
     float32 leaf: :func:`~sofx.adam.check_float32_range`) the validation hparams of a block the step would step
-    (``stepped``: it has a gradient, or ``missing_grad="zero"``; also on a step that overflows, as
+    (``stepped``: a parameter of it is stepped, :meth:`OffloadEngine._stepped`; also on a step that overflows, as
     :func:`sofx.serial.serial_step` checks them) that its fp32 masters cannot hold: an lr or weight_decay beyond
     float32's largest value, an eps that is 0 there. :func:`~sofx.speculate.plan_validation` checks their values,
     not this range (its blocks may be float64): the block's step raised in the executor as the plan was applied,

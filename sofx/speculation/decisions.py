@@ -595,7 +595,8 @@ def _changes(d: BlockDecision, late: bool, grad_scale: float, hp: AdamHParams, f
 def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED,
                     sumsq: Sequence[float | None] = REQUIRED, *extra: Any, hparams: Any = None,
                     taken: Sequence[bool] | None = None,
-                    reduce_sumsq: Callable[[float], float] | None = None, **unknown: Any) -> ValidationPlan:
+                    reduce_sumsq: Callable[[float], float] | None = None, stepped: Sequence[bool] | None = None,
+                    **unknown: Any) -> ValidationPlan:
     """Validate the step: global facts, one :class:`BlockAction` per block, the next states and the report.
 
     ``sumsq[i]``: the sum of squares of block ``i``'s final raw gradient
@@ -606,7 +607,9 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     undone and redone. ``taken[i]``: whether block ``i``'s speculative step
     actually ran and stands (default: every speculated block but those the caller
     undid for a late gradient, ``on_late_gradient(undone=True)``; ``True`` for
-    one of those is refused). ``reduce_sumsq``: the
+    one of those is refused). ``stepped[i]``: the caller steps block ``i``, so that its hparams are
+    checked (default: a block with a gradient, every block with ``missing_grad="zero"``; the offload engine
+    steps no frozen parameter with zeros). ``reduce_sumsq``: the
     all-reduce (sum) of the local sum of squares across ranks (``-0.0`` where
     this rank has no gradient, :func:`sofx.serial.local_sumsq`; a step without
     gradient on any rank moves neither the loss scaler nor the policy); a hook
@@ -622,7 +625,7 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
         refuse_unknown_keywords("plan_validation", unknown, _keyword_names(plan_validation), reduce_sumsq,
                                 loop=False, missing=missing, extra=extra, positional=_positional_names(plan_validation))
     try:  # everything this rank may refuse, before the reduction (the other ranks wait in it for this one)
-        hps, spec_taken, local = _validation_inputs(ctx, tally, sumsq, hparams, taken)
+        hps, spec_taken, local = _validation_inputs(ctx, tally, sumsq, hparams, taken, stepped)
     except Exception as exc:
         refuse_reduce(reduce_sumsq, exc)
         raise
@@ -691,14 +694,16 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
 
 
 def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], hparams: Any,
-                       taken: Sequence[bool] | None) -> tuple[tuple[AdamHParams, ...], list[bool], float]:
+                       taken: Sequence[bool] | None,
+                       stepped: Sequence[bool] | None = None) -> tuple[tuple[AdamHParams, ...], list[bool], float]:
     """:func:`plan_validation`'s input, checked: each block's validation hparams, whether its speculative step
     was taken (speculated, not undone by the caller for a late gradient, and ``taken[i]``), and this rank's local
     sum of squares (:func:`sofx.serial.local_sumsq`; a block without gradient counts as zeros under
     ``missing_grad="zero"``). Refused (a :class:`SofxError`): ``sumsq`` or ``taken`` of another length than the
     step's blocks, ``taken[i]`` for a block not speculated or undone for a late gradient, a speculated block
-    without gradient; (an :class:`HParamError`) hparams a block it would step cannot take
-    (:func:`_check_stepped_block_hparams`)."""
+    without gradient; (an :class:`HParamError`) hparams a block it would step (``stepped``, by default one with a
+    gradient or every block with ``missing_grad="zero"``) cannot take (:func:`_check_stepped_block_hparams`), and a
+    ``stepped`` that is not one bool per block."""
     n = ctx.n_blocks
     if len(sumsq) != n:
         raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
@@ -721,7 +726,10 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     values = [None if s is None else _sumsq_value(f"plan_validation: sumsq[{i}]", s, i)
               for i, s in enumerate(sumsq)]
     zero = ctx.config.missing_grad == "zero"
-    _check_stepped_block_hparams(hps, [zero or s is not None for s in sumsq])
+    if stepped is None:
+        _check_stepped_block_hparams(hps, [zero or s is not None for s in sumsq])
+    else:
+        _check_stepped_block_hparams(hps, _block_flags("stepped", stepped, n, True))
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]),
                         [zero or s is not None for s in sumsq])
     return hps, spec_taken, local
