@@ -839,45 +839,21 @@ def test_an_engines_hparams_adam_refuses_are_refused_by_step_and_the_engine_keep
         engine.close()
 
 
+@pytest.mark.parametrize("missing_grad", ["skip", "zero"])
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_refused_hparams_of_a_frozen_group_leave_the_other_groups_speculated(executor):
-    """A param group whose parameters are all frozen (requires_grad=False) gets no gradient and is not stepped,
-    so its hparams are not read (as serial_step's): an lr a scheduler set to -1 there is taken. begin_step yet
-    vetoed every block for it, at every step of the run, only the report's reason saying so. The engine tells
-    begin_step which blocks may be stepped (a parameter requiring grad, or with a gradient): the other group's
-    blocks are speculated, and the run is the serial loop's bit for bit."""
+def test_refused_hparams_of_a_frozen_group_leave_the_other_groups_speculated(executor, missing_grad):
+    """A param group whose parameters are all frozen (requires_grad=False) gets no gradient and is not stepped
+    (missing_grad="zero" steps with a zero gradient the parameters expected to get one, which require grad), so
+    its hparams are not read (as serial_step's): an lr a scheduler set to -1 there is taken. begin_step yet
+    vetoed every block for it, at every step of the run, only the report's reason saying so; with "zero",
+    validation refused them as those of blocks it steps, so step() raised at every step. The engine tells
+    begin_step which blocks may be stepped (a parameter requiring grad, or with a gradient) and validation those
+    it steps: the other group's blocks are speculated, and the run is the serial loop's bit for bit."""
     from sofx.serial import serial_loop_step
 
     good = sofx.AdamHParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
     hparams = [good, good._replace(lr=-1.0)]
-    engine, params, opt, loop = _engine_beside_serial_loop(executor, hparams)
-    for p in params[2:]:
-        p.requires_grad_(False)
-    rule = engine.scaler
-    gen = torch.Generator().manual_seed(1)
-    try:
-        for step in range(3):
-            grads = [torch.randn(5, generator=gen) for _ in params[:2]] + [None, None]
-            sum((p * g).sum() for p, g in zip(params[:2], grads)).backward()
-            report = engine.step()
-            loop, _ = serial_loop_step(opt, loop, grads, scaler=rule, hparams=[good, good] + hparams[1:] * 2)
-            assert report.speculating and report.speculated == 2, report.summary()
-            assert all(torch.equal(p.detach(), q) for p, q in zip(params, loop.params)), step
-    finally:
-        engine.close()
-
-
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_refused_hparams_of_a_frozen_group_are_not_read_with_missing_grad_zero(executor):
-    """missing_grad="zero" steps with a zero gradient the parameters expected to get one (they require grad),
-    not frozen ones: a frozen group's blocks are not stepped. Validation yet refused their hparams (an lr of -1 a
-    scheduler set there) as those of blocks it steps, so step() raised at every step. They are not read now,
-    and the run is the serial loop's bit for bit."""
-    from sofx.serial import serial_loop_step
-
-    good = sofx.AdamHParams(1e-2, 0.9, 0.999, 1e-8, 0.0)
-    hparams = [good, good._replace(lr=-1.0)]
-    engine, params, opt, loop = _engine_beside_serial_loop(executor, hparams, "zero")
+    engine, params, opt, loop = _engine_beside_serial_loop(executor, hparams, missing_grad)
     for p in params[2:]:
         p.requires_grad_(False)
     rule = engine.scaler
