@@ -4,8 +4,10 @@ it goes on as the uninterrupted one."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -459,12 +461,10 @@ def test_a_state_saved_with_another_block_numel_is_refused_saying_so_and_carries
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), wide_model.parameters()))
 
 
-def test_a_state_dict_of_reordered_or_edited_groups_is_refused_as_their_next_step_is():
-    """Groups reordered (or a group's ``params`` edited: a parameter moved, removed, written over another) are refused
-    at the next step, as the blocks are packed per group at construction; ``state_dict()`` took them as they were:
-    reordered, each group's hparams were saved at the other's place beside the engine's state (in the groups'
-    order of construction), and loading that gave each group of a new optimizer the other's lr without a word.
-    Refused as the step refuses them; once the lists are put back the state dict is the optimizer's."""
+@contextlib.contextmanager
+def _two_groups_after_a_step() -> Iterator[tuple[list[torch.Tensor], Any]]:
+    """``(params, opt)``: a SpeculativeAdamW (inline) over two groups of a two-layer model's parameters (lr 1e-2
+    and 0.5), after one step."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
     params = list(model.parameters())
     groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 0.5}]
@@ -472,6 +472,16 @@ def test_a_state_dict_of_reordered_or_edited_groups_is_refused_as_their_next_ste
         opt.zero_grad()
         model(torch.randn(4, 3)).sum().backward()
         opt.step()
+        yield params, opt
+
+
+def test_a_state_dict_of_reordered_or_edited_groups_is_refused_as_their_next_step_is():
+    """Groups reordered (or a group's ``params`` edited: a parameter moved, removed, written over another) are refused
+    at the next step, as the blocks are packed per group at construction; ``state_dict()`` took them as they were:
+    reordered, each group's hparams were saved at the other's place beside the engine's state (in the groups'
+    order of construction), and loading that gave each group of a new optimizer the other's lr without a word.
+    Refused as the step refuses them; once the lists are put back the state dict is the optimizer's."""
+    with _two_groups_after_a_step() as (params, opt):
         for edit, undo, message in (
                 (opt.param_groups.reverse, opt.param_groups.reverse,
                  r"param_groups\[0\]\['params'\]\[0\] \(shape \(3, 3\)\) is a parameter of param_groups\[1\]"),
@@ -489,13 +499,7 @@ def test_a_state_dict_loaded_into_reordered_groups_is_refused_before_anything_is
     """Loading gives the saved groups' hparams to the groups by position. Into groups reordered (refused at the next
     step), each took the other's saved hparams, and putting the order back then kept the swap: every group trained
     on at the other's lr without a word. Refused, as the step refuses such groups, before anything is loaded."""
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
-    params = list(model.parameters())
-    groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 0.5}]
-    with sofx.offload.SpeculativeAdamW(groups, executor="inline") as opt:
-        opt.zero_grad()
-        model(torch.randn(4, 3)).sum().backward()
-        opt.step()
+    with _two_groups_after_a_step() as (params, opt):
         saved = copy.deepcopy(opt.state_dict())
         before = copy.deepcopy(opt.state_dict())
         opt.param_groups.reverse()
