@@ -129,6 +129,22 @@ def _measured(fresh: _FreshTensors, step: Callable[[], Any]) -> list[Any]:
     return out
 
 
+def _facade_reports(fresh: _FreshTensors, executor: str, **kwargs: Any) -> tuple[nn.Module, list[Any]]:
+    """``(model, reports)``: :func:`_measured` steps of a SpeculativeAdamW (``kwargs``: its settings beside lr
+    1e-3, blocks of 2048 elements and no adaptive policy) training :func:`_mlp` on :func:`_batches`."""
+    model = _mlp()
+    batch = _batches()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, executor=executor, block_numel=2048,
+                                       policy=AdaptivePolicy(enabled=False), **kwargs) as opt:
+        def step():
+            x, y = batch()
+            opt.zero_grad()
+            opt.backward(((model(x) - y) ** 2).mean())
+            return opt.step()
+
+        return model, _measured(fresh, step)
+
+
 def _expected_actions(actions: tuple[str, ...], speculate: bool, regime: str) -> bool:
     if not speculate:
         return set(actions) == {"step"}
@@ -139,19 +155,9 @@ def _expected_actions(actions: tuple[str, ...], speculate: bool, regime: str) ->
 @pytest.mark.parametrize("speculate", [True, False])
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_offload_facade_steady_state_step_allocates_nothing_parameter_sized(executor, speculate, regime, fresh):
-    max_norm = REGIMES[regime]
-    model = _mlp()
-    batch = _batches()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, max_grad_norm=max_norm, executor=executor,
-                                       block_numel=2048, speculate=speculate,
-                                       policy=AdaptivePolicy(enabled=False)) as opt:
-        def step():
-            x, y = batch()
-            opt.zero_grad()
-            opt.backward(((model(x) - y) ** 2).mean())
-            return opt.step()
-
-        reports = _measured(fresh, step)
+    """The facade's steady-state steps (inline and thread executors, speculated or not, committed or undone and
+    redone for a late clip) allocate only 0-d and tiny tensors."""
+    _, reports = _facade_reports(fresh, executor, max_grad_norm=REGIMES[regime], speculate=speculate)
     assert all(_expected_actions(r.actions, speculate, regime) for r in reports), [r.actions for r in reports]
     assert all(r.clipped == (regime == "late clip") for r in reports)
     assert fresh.param_sized() == []
@@ -193,17 +199,7 @@ def test_donated_loop_steady_state_step_allocates_nothing_parameter_sized(loop_s
 def test_a_snapshot_undo_copies_its_blocks_every_step_where_the_count_sees_them(executor, fresh):
     """The control: ``undo="exact"`` snapshots the master weights and both moments of every speculated block
     (``Adam._prepare_step``), on the worker thread with the thread executor."""
-    model = _mlp()
-    batch = _batches()
-    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, max_grad_norm=3.0, executor=executor,
-                                       block_numel=2048, undo="exact", policy=AdaptivePolicy(enabled=False)) as opt:
-        def step():
-            x, y = batch()
-            opt.zero_grad()
-            opt.backward(((model(x) - y) ** 2).mean())
-            return opt.step()
-
-        reports = _measured(fresh, step)
+    model, reports = _facade_reports(fresh, executor, max_grad_norm=3.0, undo="exact")
     assert all(set(r.actions) == {"commit"} for r in reports)
     numel = sum(p.numel() for p in model.parameters())
     copied = fresh.param_sized()
