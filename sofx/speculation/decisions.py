@@ -726,12 +726,9 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     values = [None if s is None else _sumsq_value(f"plan_validation: sumsq[{i}]", s, i)
               for i, s in enumerate(sumsq)]
     zero = ctx.config.missing_grad == "zero"
-    if stepped is None:
-        _check_stepped_block_hparams(hps, [zero or s is not None for s in sumsq])
-    else:
-        _check_stepped_block_hparams(hps, _block_flags("stepped", stepped, n, True))
-    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]),
-                        [zero or s is not None for s in sumsq])
+    with_gradient = [zero or s is not None for s in sumsq]  # (a zero one with missing_grad="zero")
+    _check_stepped_block_hparams(hps, with_gradient if stepped is None else _block_flags("stepped", stepped, n, True))
+    local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]), with_gradient)
     return hps, spec_taken, local
 
 
