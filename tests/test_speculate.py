@@ -1048,6 +1048,42 @@ def test_float64_leaves_with_hparams_beyond_float32s_range_are_speculated(field,
     assert all(torch.equal(a, b) for a, b in zip(spec.params, ser.params))
 
 
+
+@pytest.mark.parametrize("field, value", [("lr", 1e39), ("eps", 1e-50), ("weight_decay", 1e39)])
+def test_plan_validation_refuses_hparams_beyond_float32s_range_before_a_block_is_written(field, value):
+    """Validation-time hparams that float32 cannot hold (an lr set to 1e39 between backward and step()) were
+    planned: the plan's first action with them raised in opt.update, the block API's caller left with the
+    speculative steps before it undone and redone, those after it standing. plan_validation refuses them now,
+    naming the block, before any action is taken; a block begin_step was told is float64 takes them, and the
+    applied plan is serial_step's bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.adam(lr=1e-3)
+    rule = loss_scale.static_scale()
+    late = AdamHParams(lr=1e-3)._replace(**{field: value})
+    for dtype in (torch.float32, torch.float64):
+        params = [torch.randn(6, generator=gen, dtype=dtype) for _ in range(2)]
+        grads = [torch.randn(6, generator=gen, dtype=dtype) for _ in range(2)]
+        state = opt.init(params)
+        ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2,
+                                   hparams=AdamHParams(lr=1e-3), float64=[dtype == torch.float64] * 2)
+        new_p, states, records = list(params), [sofx.AdamState(c, m, v) for c, m, v in zip(*state)], [None] * 2
+        for i in (1, 0):
+            tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]), lambda i=i: sp.block_eligibility(
+                opt, new_p[i], grads[i], states[i], ctx.hparams[i], ctx.grad_scale))
+            assert d.speculate, d
+            new_p[i], states[i], records[i] = sp.speculative_block_step(opt, new_p[i], grads[i], states[i], d)
+        sumsq = list(tally.block_sumsq)
+        if dtype == torch.float32:
+            with pytest.raises(sofx.HParamError, match=rf"^hparams for blocks\[0\]: {field} = .* is beyond float32"):
+                sp.plan_validation(ctx, tally, sumsq, hparams=late)
+            continue
+        plan = sp.plan_validation(ctx, tally, sumsq, hparams=late)
+        assert [a.kind for a in plan.actions] == ["undo_redo", "undo_redo"], plan.actions
+        for i, action in enumerate(plan.actions):
+            new_p[i], states[i] = sp.apply_block_action(opt, action, new_p[i], grads[i], states[i], records[i])
+        ser = serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), hparams=late)
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(new_p, ser.params))
+
 @pytest.mark.parametrize("missing_grad", ["skip", "zero"])
 def test_refused_hparams_of_a_leaf_without_gradient_leave_the_others_speculated(missing_grad):
     """A leaf that gets no gradient is not stepped (missing_grad="skip") and its hparams are not read, as

@@ -138,6 +138,8 @@ class StepContext:
     their Adam multiplier (inf for a scale of 0, which never speculates).
     ``veto_sumsq = (max_norm * assumed_scale)**2`` (inf without clipping).
     ``speculating``/``reason``: whether this step may speculate, and why not.
+    ``float64[i]``: block ``i`` is stepped in float64, so its hparams are not held to float32's range (here and
+    in validation; :func:`begin_step`'s ``float64``).
     """
 
     n_blocks: int
@@ -154,6 +156,7 @@ class StepContext:
     speculating: bool
     kind: str
     reason: str
+    float64: tuple[bool, ...] = ()
 
 
 class Eligibility(NamedTuple):
@@ -293,8 +296,8 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     the context's ``reason`` gives its error, naming ``blocks[i]``; validation
     refuses them for a block it steps). ``float64[i]``: block ``i`` is stepped in
     float64 (its parameter is float64), so its hparams are not held to float32's
-    range (default: every block is stepped in float32, as the offload engine's
-    masters). ``stepped[i]``: block ``i`` may be stepped this step (it may get a
+    range, here nor in :func:`plan_validation` (default: every block is stepped in
+    float32, as the offload engine's masters). ``stepped[i]``: block ``i`` may be stepped this step (it may get a
     gradient, or is stepped with a zero one under ``missing_grad="zero"``); the
     hparams of a block that is not (a frozen group's) are not read, as
     :func:`sofx.serial.serial_step` does not read them, and veto nothing
@@ -319,8 +322,8 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     max_norm = clip_max_norm(config.profile, config.max_norm)
     veto = _veto_sumsq(max_norm, assumed)
     allowed, why = config.policy.allows(policy_state)
-    refused = _refused_block_hparams(hps, _block_flags("float64", float64, len(hps), False),
-                                     _block_flags("stepped", stepped, len(hps), True))
+    wide = tuple(_block_flags("float64", float64, len(hps), False))
+    refused = _refused_block_hparams(hps, wide, _block_flags("stepped", stepped, len(hps), True))
     if not config.enabled:
         speculating, kind, reason = False, "disabled", "speculation is disabled"
     elif not last_micro_step:
@@ -342,7 +345,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     else:
         speculating, kind, reason = True, "speculate", ""
     ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
-                      1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason)
+                      1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason, wide)
     tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0)
     return ctx, tally
 
@@ -374,19 +377,10 @@ def _refused_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool],
     :func:`sofx.serial.serial_step`); validation refuses them for a block it steps
     (:func:`_check_stepped_block_hparams`). Nor do they veto where the block cannot be stepped this step (a
     frozen group's): its hparams would stop every other block from speculating for the whole run."""
-    checked: set[tuple[Any, ...]] = set()  # (the blocks of one group hold the same values: checked once)
-    for i, (hp, wide, used) in enumerate(zip(hps, float64, stepped)):
-        key = (*map(id, hp), wide)
-        if not used or key in checked:
-            continue
-        try:
-            for name, value in zip(AdamHParams._fields, hp):
-                check_hparam_value(name, value, "hparams for ", f"blocks[{i}]")
-            if not wide:
-                check_float32_range(hp, "hparams for ", f"blocks[{i}]")
-        except HParamError as exc:
-            return exc
-        checked.add(key)
+    try:
+        _check_stepped_block_hparams(hps, float64, stepped)
+    except HParamError as exc:
+        return exc
     return None
 
 
@@ -727,23 +721,28 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
               for i, s in enumerate(sumsq)]
     zero = ctx.config.missing_grad == "zero"
     with_gradient = [zero or s is not None for s in sumsq]  # (a zero one with missing_grad="zero")
-    _check_stepped_block_hparams(hps, with_gradient if stepped is None else _block_flags("stepped", stepped, n, True))
+    _check_stepped_block_hparams(hps, ctx.float64 or (False,) * n,
+                                 with_gradient if stepped is None else _block_flags("stepped", stepped, n, True))
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]), with_gradient)
     return hps, spec_taken, local
 
 
-def _check_stepped_block_hparams(hps: Sequence[AdamHParams], stepped: Sequence[bool]) -> None:
+def _check_stepped_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool],
+                                 stepped: Sequence[bool]) -> None:
     """Refuse (an :class:`HParamError` naming ``blocks[i]``) a value that :meth:`sofx.Adam.update` would refuse
-    (:func:`~sofx.adam.check_hparam_value`) in the hparams of a block the step would step (``stepped``: it has a
-    gradient, or ``missing_grad="zero"``), as :func:`sofx.serial.serial_step` checks its leaves' before anything,
-    also on a step that will overflow. A plan with them was applied block by block, the blocks before the bad one
-    undone and redone when it raised; a block without gradient is not stepped, and its hparams are not read."""
-    checked: set[tuple[int, ...]] = set()  # (the blocks of one group hold the same values: checked once)
-    for i, (hp, used) in enumerate(zip(hps, stepped)):
-        key = tuple(map(id, hp))
+    (:func:`~sofx.adam.check_hparam_value`; :func:`~sofx.adam.check_float32_range` but for a float64 block,
+    ``float64[i]``) in the hparams of a block the step would step (``stepped``: it has a gradient, or
+    ``missing_grad="zero"``), as :func:`sofx.serial.serial_step` checks its leaves' before anything, also on a
+    step that will overflow. A plan with them was applied block by block, the blocks before the bad one undone
+    and redone when it raised; a block without gradient is not stepped, and its hparams are not read."""
+    checked: set[tuple[Any, ...]] = set()  # (the blocks of one group hold the same values: checked once)
+    for i, (hp, wide, used) in enumerate(zip(hps, float64, stepped)):
+        key = (*map(id, hp), wide)
         if used and key not in checked:
             for name, value in zip(AdamHParams._fields, hp):
                 check_hparam_value(name, value, "hparams for ", f"blocks[{i}]")
+            if not wide:
+                check_float32_range(hp, "hparams for ", f"blocks[{i}]")
             checked.add(key)
 
 
