@@ -18,6 +18,7 @@ grads tree). This module is the only place that knows how trees are walked:
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Sequence
 
 import optree
@@ -73,20 +74,43 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
     spec = spec_or_tree if _is_treespec(spec_or_tree) else optree.tree_structure(spec_or_tree)
     if isinstance(spec, optree.PyTreeSpec):  # not torch.compile's stand-in
         try:
-            return list(_codified_paths(spec, root))
+            paths, non_str_keys = _codified_paths(spec, root)
+            if non_str_keys:
+                paths = _codified_paths_of_key_types(spec, root, _key_types(spec))
+            return list(paths)
         except TypeError:  # a custom node whose metadata cannot be hashed
             pass
     return [_codify(acc, root) for acc in spec.accessors()]
 
 
 @functools.lru_cache(maxsize=1024)
-def _codified_paths(spec: TreeSpec, root: str) -> tuple[str, ...]:
+def _codified_paths(spec: TreeSpec, root: str) -> tuple[tuple[str, ...], bool]:
     """:func:`leaf_paths` of a real optree spec, memoized: an update asks for the same structure's paths
     every step (to name leaves in errors), and building the accessors costs more than the rest of the
-    checks of a small leaf."""
+    checks of a small leaf. Also whether a mapping of ``spec`` has a key that is not a ``str``: specs compare
+    their keys by ``==``, so that ``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are one spec to this memo, each
+    key written its own way (``params[True]``): such a spec's paths are memoized by its keys' types as well
+    (:func:`_codified_paths_of_key_types`)."""
     if spec.is_leaf():
-        return (root,)
+        return (root,), False
+    accessors = spec.accessors()
+    non_str_keys = any(isinstance(entry, optree.MappingEntry) and type(entry.entry) is not str
+                           for acc in accessors for entry in acc)
+    return tuple(_codify(acc, root) for acc in accessors), non_str_keys
+
+
+@functools.lru_cache(maxsize=256)
+def _codified_paths_of_key_types(spec: TreeSpec, root: str, key_types: tuple[type, ...]
+                                 ) -> tuple[str, ...]:
+    """:func:`leaf_paths` of a spec with a mapping key that is not a ``str``, memoized by ``spec`` and the
+    types of its leaves' keys (:func:`_key_types`)."""
     return tuple(_codify(acc, root) for acc in spec.accessors())
+
+
+def _key_types(spec: TreeSpec) -> tuple[type, ...]:
+    """The types of the keys on the leaves' paths, one path after the other (``True`` and ``1`` are equal keys
+    of other types; the spec fixes each path's length)."""
+    return tuple(map(type, itertools.chain.from_iterable(spec.paths())))
 
 
 def _codify(accessor: optree.PyTreeAccessor, root: str) -> str:

@@ -121,6 +121,23 @@ def test_pack_unpack_roundtrip_views_share_storage():
         tree.unpack(flat, [(3, 4)])
 
 
+
+def test_leaf_paths_write_each_key_as_it_is_where_equal_keys_of_other_types_make_one_spec():
+    """``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are one spec to optree (keys compare by ``==``): the memo of
+    the paths gave the first one's text to the others (an error about ``{True: w}`` named ``params[1]``). Each
+    is written with its own keys, whichever came first, and the path reaches its leaf."""
+    for order in ((1, True, 1.0), (True, 1.0, 1), (1.0, 1, True)):
+        for key in order * 2:
+            t = {key: [torch.ones(1), {key: torch.ones(2)}], "a": torch.ones(3)}
+            paths = tree.leaf_paths(t, root="grads")
+            assert paths == [f"grads[{key!r}][0]", f"grads[{key!r}][1][{key!r}]", "grads['a']"], (order, key)
+            for path, leaf in zip(paths, tree.flatten(t)[0]):
+                assert eval(path, {"grads": t}) is leaf  # noqa: S307
+    opt = sofx.adam()
+    opt.init({1: torch.ones(2)})  # (its paths memoized first)
+    with pytest.raises(sofx.LeafError, match=r"^params\[True\]: "):
+        opt.init({True: torch.ones(2, dtype=torch.int64)})
+
 @pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
 def test_an_int_key_too_long_for_decimal_text_is_written_in_hex_in_leaf_paths():
     """Python refuses the decimal text of an int of more than ``sys.get_int_max_str_digits()`` digits: such a
