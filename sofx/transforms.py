@@ -487,8 +487,11 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
         leaves = _gradient_leaves(grads, "unscale_and_clip_zero")
         if _traced(leaves) or isinstance(s, torch.Tensor):
             scaled_t = _global_norm_tensor(leaves)
-            clip_t = (torch.ones_like(scaled_t) if max_norm is None else
-                      torch.clamp((scaled_t / s + CLIP_EPS) / max_norm, min=1.0))
+            if max_norm is None:
+                clip_t = torch.ones_like(scaled_t)
+            else:  # clipped only where clip > 1, as the float path: a nan clip (a nan norm, inf / inf) is 1 there
+                clip_t = (scaled_t / s + CLIP_EPS) / max_norm
+                clip_t = torch.where(clip_t > 1.0, clip_t, torch.ones_like(clip_t))
             return _scale_by_tensor(grads, 1.0 / (clip_t * s)), ClipState(scaled_t / s, 1.0 / clip_t)
         scaled = math.sqrt(total_sumsq([_sumsq(g) for g in leaves]))
         clip = 1.0 if max_norm is None else zero_clip_factor(scaled, s, max_norm)

@@ -541,6 +541,32 @@ def test_unscale_under_vmap_over_loss_scales_equals_each_scale(rng):
     torch.testing.assert_close(out["a"][1], want["a"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("max_norm", [1.0, math.inf])
+def test_traced_unscale_and_clip_zero_of_a_non_finite_gradient_does_not_clip_as_eager_and_deepspeed(rng, max_norm):
+    """ZeRO clips only where ``clip > 1``: a nan norm (a nan gradient), or an inf one against an inf max_norm
+    (``inf / inf``), gives ``clip = 1`` eagerly (:func:`~sofx.transforms.zero_clip_factor`), the gradients
+    unscaled as they are. Under vmap (or with a traced loss scale) ``torch.clamp(min=1)`` kept the nan: every
+    gradient of the member nan, its finite leaves included, and its coefficient nan."""
+    bad = math.nan if max_norm == 1.0 else math.inf
+    members = [_tree(rng), _tree(rng)]
+    members[0]["w"][1, 2] = bad
+    batched = sofx.tree.tree_map(lambda *xs: torch.stack(xs), *members)
+    z = tx.unscale_and_clip_zero(max_norm)
+    out, state = torch.func.vmap(lambda g: z.update(g, z.init(g), loss_scale=4.0))(batched)
+    scaled, scaled_state = torch.func.vmap(lambda s: z.update(members[0], z.init(None), loss_scale=s))(
+        torch.tensor([4.0, 4.0]))
+    for k, m in enumerate(members):
+        eager, es = z.update(m, z.init(m), loss_scale=4.0)
+        assert state.coef[k].item() == pytest.approx(es.coef, rel=1e-6), k
+        for a, b in zip(sofx.tree.flatten(sofx.tree.tree_map(lambda x: x[k], out))[0], sofx.tree.flatten(eager)[0]):
+            assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()],
+                                                                                          b[~b.isnan()]), k
+    assert scaled_state.coef[0].item() == 1.0
+    for a, b in zip(sofx.tree.flatten(sofx.tree.tree_map(lambda x: x[0], scaled))[0],
+                    sofx.tree.flatten(z.update(members[0], z.init(None), loss_scale=4.0)[0])[0]):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_traced_clip_and_unscale_multiply_low_precision_leaves_as_eager(rng, dtype: torch.dtype):
     """Under vmap the clip coefficient (and ZeRO's 1/(clip*S)) was rounded to the leaves' dtype before the
