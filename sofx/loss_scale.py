@@ -128,7 +128,8 @@ def _float32_scale(name: str, value: float) -> float:
     beyond its largest value or rounding to 0 there (torch's GradScaler keeps its scale in a float32 tensor; it
     fails with "value cannot be converted to type float without overflow" at its first ``scale``)."""
     x = positive_number(name, value)
-    rounded = _f32(x)
+    # torch's checked conversion overflows beyond the largest value, also where rounding would give that value
+    rounded = math.inf if x > FLOAT32_MAX else _f32(x)
     if not math.isfinite(rounded) or rounded == 0:
         raise HParamError(f"{name} = {value!r} is invalid; expected a scale float32 can hold (GradScaler keeps it "
                           f"in a float32 tensor): at most {FLOAT32_MAX!r} and not rounding to 0 there, got "
@@ -468,9 +469,15 @@ class StaticScaleRule:
         return plain_state(state)
 
 
+# Where rounding to float32 overflows: float32's largest value plus half an ulp (2**104), a tie rounding to even
+# (to 2**128, inf); a value below it rounds down to the largest value, as torch's cast of a scale does.
+_F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+
+
 def _f32(x: float) -> float:
-    """``x`` rounded to float32 (GradScaler keeps its scale in a float32 tensor); inf past float32's range."""
-    if not math.isfinite(x) or abs(x) > FLOAT32_MAX:
+    """``x`` rounded to float32 (GradScaler keeps its scale in a float32 tensor), to nearest as torch's cast: inf
+    from float32's largest value plus half an ulp on (a value just above the largest value rounds down to it)."""
+    if not math.isfinite(x) or abs(x) >= _F32_OVERFLOW:
         return math.copysign(math.inf, x) if not math.isnan(x) else x
     return struct.unpack("f", struct.pack("f", x))[0]
 

@@ -43,6 +43,22 @@ def test_grad_scaler_equals_torch(seq: list[bool], interval: int, init: float):
     assert ours == _torch_scales(seq, init_scale=init, growth_interval=interval)
 
 
+@pytest.mark.parametrize("growth", [1.9999999, 1.99999994, 2.0, 1.5])
+def test_grad_scaler_growth_past_float32s_largest_value_rounds_as_torch(growth: float):
+    """torch grows the scale to ``float(scale * growth_factor)`` unless that is inf: a product just above float32's
+    largest value (below it plus half an ulp) rounds down to that largest value, and torch's scale grows there.
+    sofx took every product beyond the largest value as inf and kept the old scale (2**127 where torch had
+    3.4028235e38, from then on every backward scaled by half of torch's)."""
+    rule = ls.grad_scaler(init_scale=2.0 ** 127, growth_factor=growth, growth_interval=1)
+    state = rule.init()
+    ours = []
+    for ov in [False, False, True, False, False]:
+        state = rule.update(state, ov)
+        ours.append((rule.scale(state), state.growth_tracker))
+    assert ours == _torch_scales([False, False, True, False, False], init_scale=2.0 ** 127, growth_factor=growth,
+                                 growth_interval=1)
+
+
 def test_grad_scaler_defaults_over_a_long_random_sequence():
     rnd = random.Random(0)
     seq = [rnd.random() < 0.0008 for _ in range(4500)]
