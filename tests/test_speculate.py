@@ -954,6 +954,28 @@ def test_validation_hparams_a_step_cannot_take_are_refused_before_anything_is_pl
         assert _rel(blocks[i], ser.params[i]) <= 1e-6 and int(states[i].count) == int(ser.state.count[i])
 
 
+@pytest.mark.parametrize("bad, pattern", [
+    (AdamHParams(lr=-1.0), r"lr = -1\.0 is invalid"),
+    (lambda t: AdamHParams(), r"is a schedule \(function\)"),
+    (1e-3, r"a number is not taken as the lr"),
+    ({"lr": 1e-3}, r"not a prefix of the structure of params"),
+], ids=["negative lr", "a schedule", "a number", "a dict of fields"])
+def test_speculative_step_names_validation_hparams_where_they_are_refused(rng, bad, pattern):
+    """speculative_step checks its validation_hparams as serial_step checks its hparams, before anything runs;
+    the error named them "hparams" (``hparams for params[0]: lr = -1.0 is invalid``) where the hparams given as
+    hparams= were good, and nothing said the validation_hparams were meant. It names them; nothing changes."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng, 2), rng)
+    grads = _grads(rng, 2)
+    before = [p.clone() for p in params]
+    rule = loss_scale.grad_scaler()
+    with pytest.raises(sofx.SofxError, match=rf"^validation_hparams: .*{pattern}"):
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), hparams=AdamHParams(lr=1e-2), validation_hparams=bad,
+                            donate=True)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 _REFUSED_HPARAMS = {
     "negative lr": AdamHParams(lr=-1.0), "nan lr": AdamHParams(lr=math.nan), "inf lr": AdamHParams(lr=math.inf),
     "beta1 of 1": AdamHParams(beta1=1.0), "negative beta1": AdamHParams(beta1=-0.1),

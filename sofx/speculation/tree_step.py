@@ -20,7 +20,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamState, not_an_adam_state
-from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError
+from sofx.errors import HParamError, LeafError, SnapshotLimitError, SofxError, StructureError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import is_bool
 from sofx.loss_scale import LossScaler, LossScaleState
@@ -263,7 +263,14 @@ def _check_step_inputs(opt: Adam, params: Any, grads: Any, state: AdamState, con
     same = validation_hparams is _SAME
     opt.check_inputs(params, grads, state, hparams, donate=donate, zero_missing=zero and same, check_undo=same)
     if not same:
-        opt.check_inputs(params, grads, state, validation_hparams, zero_missing=zero)
+        try:
+            opt.check_inputs(params, grads, state, validation_hparams, zero_missing=zero)
+        except (HParamError, StructureError) as exc:
+            if type(exc) not in (HParamError, StructureError):
+                raise
+            # the values or the structure of the validation hparams, which the optimizer calls "hparams", as those
+            # given as hparams= (checked above); its other refusals (undo='algebraic' here) concern the leaves
+            raise type(exc)(f"validation_hparams: {exc}") from None
 
 
 # what speculative_loop_step takes: speculative_step's keywords but those it takes from the LoopState
