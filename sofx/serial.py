@@ -541,6 +541,9 @@ def serial_loop_step(opt: Adam = REQUIRED, loop: LoopState = REQUIRED, grads: An
             grads = ...                        # gradients of loss * scaler.scale(loop.scaler_state)
             loop, facts = serial_loop_step(opt, loop, grads, scaler=scaler, hparams=schedule, max_norm=1.0)
 
+    A step without any gradient (every leaf ``None``, ``missing_grad="skip"``) is not skipped: nothing is stepped
+    and the loss scaler does not count it, but ``loop.step`` advances, as a torch loop's ``scheduler.step()``
+    after an ``optimizer.step()`` that found no gradient (torch's ``GradScaler.step`` refuses such a step).
     A hook that compares the ranks' step settings also compares ``loop.step`` (:func:`with_loop_settings`).
     ``opt``, ``loop``, ``grads`` and ``scaler`` are required (``<required>``). A keyword it does not take, a
     required argument left out or misspelt (``lop=``) or a positional argument too many is refused

@@ -45,9 +45,10 @@ def _grads(t: int, bad: bool = False) -> dict[str, torch.Tensor]:
 
 def _torch_loop(make_scheduler: Callable[[torch.optim.Optimizer], Any], steps: int, *, groups: bool = False,
                 decoupled: bool = True, max_norm: float | None = None, overflow: frozenset[int] = frozenset(),
-                before_step: Callable[[torch.optim.Optimizer, int], None] | None = None
-                ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """torch's loop: the params after ``steps`` iterations and the lr of ``w``'s group at each step taken."""
+                before_step: Callable[[torch.optim.Optimizer, int], None] | None = None,
+                empty: frozenset[int] = frozenset()) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """torch's loop: the params after ``steps`` iterations and the lr of ``w``'s group at each step taken (at a
+    step of ``empty`` no parameter has a gradient: ``opt.step()`` steps none, the scheduler steps)."""
     named = {k: torch.nn.Parameter(v) for k, v in _params().items()}
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     if groups:  # "b" without weight decay, as no_decay_labels would have it
@@ -60,7 +61,13 @@ def _torch_loop(make_scheduler: Callable[[torch.optim.Optimizer], Any], steps: i
     for t in range(steps):
         grads = _grads(t, t in overflow)
         for k, p in named.items():
-            p.grad = grads[k]
+            p.grad = None if t in empty else grads[k]
+        if t in empty:
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+            taken += 1
+            continue
         if not all(bool(torch.isfinite(p.grad).all()) for p in named.values()):
             continue  # skipped: neither the optimizer nor the scheduler steps
         if max_norm is not None:
@@ -75,15 +82,16 @@ def _torch_loop(make_scheduler: Callable[[torch.optim.Optimizer], Any], steps: i
 
 
 def _sofx_loop(schedule: Any, steps: int, *, decoupled: bool = True, max_norm: float | None = None,
-               overflow: frozenset[int] = frozenset(), speculative: bool = False
+               overflow: frozenset[int] = frozenset(), speculative: bool = False, empty: frozenset[int] = frozenset()
                ) -> tuple[dict[str, torch.Tensor], serial.LoopState]:
-    """The serial loop (or its speculative twin, each leaf a block) over the same gradients."""
+    """The serial loop (or its speculative twin, each leaf a block) over the same gradients (none at a step of
+    ``empty``)."""
     opt = sofx.adamw() if decoupled else sofx.adam()
     scaler = loss_scale.static_scale()
     loop = serial.init_loop(opt, _params(), scaler)
     config = sofx.SpeculationConfig(max_norm=max_norm)
     for t in range(steps):
-        grads = _grads(t, t in overflow)
+        grads = {k: None for k in SHAPES} if t in empty else _grads(t, t in overflow)
         if speculative:
             loop, report = speculate.speculative_loop_step(opt, loop, grads, config=config, scaler=scaler,
                                                            hparams=schedule)
@@ -152,6 +160,24 @@ def test_lr_schedules_in_the_loop_equal_torch_schedulers(pair, steps: int, max_n
     assert loop.step == steps
     _assert_params_close(got, want)
 
+
+
+@loop_settings
+@given(pair=_schedule_pairs(), steps=st.integers(2, 25), empty=st.frozensets(st.integers(0, 24), max_size=4),
+       speculative=st.booleans())
+def test_a_step_without_any_gradient_advances_the_schedule_as_torchs_scheduler(pair, steps: int,
+                                                                               empty: frozenset[int],
+                                                                               speculative: bool):
+    """A step where no leaf has a gradient steps nothing but is taken: the schedule advances, as a torch loop's
+    ``scheduler.step()`` after an ``optimizer.step()`` that found no gradient (serial_loop_step's docstring)."""
+    kind, make_scheduler, lr, agree = pair
+    steps = min(steps, agree)
+    empty = frozenset(t for t in empty if t < steps)
+    want, lrs = _torch_loop(make_scheduler, steps, empty=empty)
+    got, loop = _sofx_loop(_lr_only(lr), steps, speculative=speculative, empty=empty)
+    assert loop.step == steps == len(lrs)
+    assert [lr(t) for t in range(loop.step)] == pytest.approx(lrs, rel=1e-12, abs=1e-18), kind
+    _assert_params_close(got, want)
 
 @loop_settings
 @given(pair=_schedule_pairs(), steps=st.integers(2, 25), overflow=st.frozensets(st.integers(0, 24), max_size=4),
