@@ -450,7 +450,15 @@ class StaticScaleRule:
     value: float = 1.0
 
     def __post_init__(self) -> None:
-        _store(self, value=positive_number("scale", self.value))
+        value = positive_number("scale", self.value)
+        if value > FLOAT32_MAX or 1.0 / value > FLOAT32_MAX:
+            # (a scale that never changes: every step of the run would be skipped as an overflow)
+            raise HParamError(f"scale = {self.value!r:.80} is invalid for a static scale: "
+                              + ("a float32 loss times it is inf" if value > FLOAT32_MAX else
+                                 "the gradients cannot be unscaled in float32 (1/scale is beyond its range)")
+                              + f", so every step would be skipped as an overflow; expected a scale within "
+                              f"[{1.0 / FLOAT32_MAX!r}, {FLOAT32_MAX!r}]")
+        _store(self, value=value)
 
     def init(self) -> StaticScaleState:
         """``S = value``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -231,6 +232,22 @@ def test_grad_scaler_refuses_an_init_scale_float32_cannot_hold(init: float):
         ls.grad_scaler(init_scale=init)
     assert ls.grad_scaler(init_scale=ls.FLOAT32_MAX).init().scale == ls.FLOAT32_MAX
 
+
+
+@pytest.mark.parametrize("value, why", [(1e-39, r"the gradients cannot be unscaled in float32 \(1/scale is beyond "
+                                                 r"its range\)"),
+                                        (3.5e38, r"a float32 loss times it is inf")])
+def test_static_scale_refuses_a_scale_every_step_would_overflow_at(value: float, why: str):
+    """A static scale never changes: one whose 1/S is beyond float32's range (a step cannot unscale with it), or
+    beyond float32's largest value (torch's float32 loss times it is inf), made every step of the run an
+    overflow, skipped, the report alone saying so. It is refused where the rule is made; the bounds are taken."""
+    torch_loss = torch.tensor(1e-10) * value
+    assert not torch.isfinite(torch_loss) or 1.0 / value > ls.FLOAT32_MAX
+    with pytest.raises(HParamError, match=rf"^scale = {re.escape(repr(value))} is invalid for a static scale: {why}, "
+                                          r"so every step would be skipped as an overflow; expected a scale within "):
+        ls.static_scale(value)
+    for bound in (1.0 / ls.FLOAT32_MAX, ls.FLOAT32_MAX):
+        assert ls.static_scale(bound).init().scale == bound
 
 def test_deepspeed_scaler_refuses_min_scale_above_init_scale():
     """DeepSpeed's DynamicLossScaler takes min_scale > init_scale, and its overflow then *raises* the scale to
