@@ -657,6 +657,41 @@ def test_namedtuples_only_from_allowed_classes(tmp_path):
         ck.load(path, types={f"{Pair.__module__}.{Pair.__qualname__}": Other})
 
 
+def _sofx_state_classes():
+    """Every NamedTuple class named ``...State`` that a sofx module defines (the states a run checkpoints)."""
+    import importlib
+    import pkgutil
+
+    from sofx.checkpoint.known_types import _is_namedtuple_class
+
+    found = []
+    for info in pkgutil.walk_packages(sofx.__path__, "sofx."):
+        if info.name in ("sofx.demo", "sofx.kernels.__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        found += [cls for name, cls in vars(module).items()
+                  if _is_namedtuple_class(cls) and cls.__module__ == info.name and name.endswith("State")]
+    return found
+
+
+def test_every_sofx_state_namedtuple_loads_without_a_template(tmp_path, rng):
+    """sofx's own NamedTuples load without like= or types=: apply_if_finite's state, moved to its own module,
+    was refused as "not a sofx type"."""
+    classes = _sofx_state_classes()
+    from sofx.apply_if_finite import ApplyIfFiniteState
+    from sofx.checkpoint.codec import type_name
+    from sofx.checkpoint.known_types import sofx_type
+
+    assert ApplyIfFiniteState in classes
+    assert [type_name(c) for c in classes if sofx_type(type_name(c)) is not c] == []
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), max_consecutive_errors=5)
+    params = {"w": torch.randn(3, 4, generator=rng)}
+    params, state, _ = opt.update(params, {"w": torch.randn(3, 4, generator=rng)}, opt.init(params))
+    loaded = ck.load(ck.save(tmp_path / "aif.ckpt", {"params": params, "state": state}))
+    assert type(loaded["state"]) is ApplyIfFiniteState
+    _assert_same(loaded, {"params": params, "state": state})
+
+
 def test_type_names_in_a_file_are_never_imported(tmp_path, monkeypatch):
     """A structure naming 'os.system' or an unimported module is refused, and nothing is imported."""
     import sys

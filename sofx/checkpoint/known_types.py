@@ -21,8 +21,8 @@ __all__ = ["SOFX_MODULES", "sofx_type", "TypeRegistry", "type_registry"]
 
 # sofx modules whose NamedTuples are state or configuration worth checkpointing.
 SOFX_MODULES = ("sofx.adam", "sofx.kernels.base", "sofx.loss_scale", "sofx.schedules", "sofx.transforms",
-                "sofx.speculate", "sofx.speculation.policy", "sofx.serial", "sofx.offload.facade",
-                "sofx.offload.engine")
+                "sofx.apply_if_finite", "sofx.speculate", "sofx.speculation.policy", "sofx.serial",
+                "sofx.offload.facade", "sofx.offload.engine")
 
 
 def _is_namedtuple_class(cls: object) -> bool:
