@@ -574,3 +574,31 @@ def test_from_torch_optim_of_an_offload_facade_state_dict_says_whose_format_it_i
     with pytest.raises(ck.CheckpointError, match=r"from_torch_optim: this is a sofx\.offload optimizer's "
                                                  r"state_dict\(\) \(format 'sofx\.offload/1'\).*load_state_dict"):
         ck.from_torch_optim(sofx.adamw(lr=1e-3), saved, params)
+
+
+@pytest.mark.parametrize("torch_cls", [torch.optim.NAdam, torch.optim.RAdam])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_a_state_dict_of_another_torch_optimizer_with_adams_state_keys_is_refused_naming_the_group(torch_cls,
+                                                                                                   decoupled):
+    """NAdam's and RAdam's state dicts hold step, exp_avg and exp_avg_sq as Adam's do, and were imported without a
+    word (a run continued with Adam's steps on NAdam's or RAdam's moments); their groups lack the ``amsgrad`` that
+    torch.optim.Adam and AdamW write in every group. Nothing is imported, and the params are untouched."""
+    params = _params()
+    torch_opt = torch_cls(ck.torch_param_groups(sofx.adam(), params), decoupled_weight_decay=decoupled,
+                          weight_decay=0.01)
+    _torch_steps(torch_opt, params, 0, 3)
+    sd = torch_opt.state_dict()
+    assert set(sd["state"][0]) >= {"step", "exp_avg", "exp_avg_sq"}
+    before, saved = _clone(params), copy.deepcopy(sd)
+    opt = sofx.adamw() if decoupled else sofx.adam()
+    why = "'momentum_decay'" if torch_cls is torch.optim.NAdam else "no 'amsgrad'"
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"param_groups\[0\]: it holds .*{why}.*not a torch\.optim\."
+                                                         r"Adam or AdamW state dict"):
+        ck.from_torch_optim(opt, sd, params)
+    assert _equal(params, before) and _equal(sd["state"], saved["state"])  # nothing changed
+    # torch.optim.Adam's and AdamW's own state dicts still import
+    adam_params = _params()
+    adam = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), adam_params))
+    _torch_steps(adam, adam_params, 0, 3)
+    state, _ = ck.from_torch_optim(sofx.adamw(), adam.state_dict(), adam_params)
+    assert state.count["enc"]["w"].item() == 3

@@ -19,6 +19,8 @@ moments on import. Step counts travel as torch's float32 ``step`` tensors
 (the parameter's dtype when ``None``); torch casts them to the parameter
 dtype on ``load_state_dict``. Unsupported on either side: ``amsgrad``,
 ``maximize``, and sofx's ``bias_correction=False`` (torch has no such option).
+The state dict of another torch optimizer that keeps Adam's state keys
+(``NAdam``, ``RAdam``) is refused by its param groups.
 """
 
 from __future__ import annotations
@@ -142,9 +144,14 @@ def _as_step(x: Any, where: str) -> int:
 
 
 def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
-    """Refuse a saved group whose options sofx does not implement: torch's options that change the math
-    (:func:`sofx.adam.refused_torch_option`, the rule sofx.adam/adamw and the offload facade refuse by) and
-    a ``decoupled_weight_decay`` other than ``opt``'s."""
+    """Refuse a saved group whose options sofx does not implement: another torch optimizer's
+    (:func:`_other_torch_optimizer`), torch's options that change the math (:func:`sofx.adam.refused_torch_option`,
+    the rule sofx.adam/adamw and the offload facade refuse by) and a ``decoupled_weight_decay`` other than
+    ``opt``'s."""
+    other = _other_torch_optimizer(group)
+    if other is not None:
+        raise CheckpointMismatchError(f"from_torch_optim: param_groups[{gi}]: {other}: not a torch.optim.Adam or AdamW "
+                                      "state dict (their moments and steps are another algorithm's)")
     name = refused_torch_option(group)
     if name is not None:
         raise UnsupportedError(f"param_groups[{gi}]: {name}={group[name]!r} is not supported (only torch.optim's "
@@ -154,6 +161,19 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
         want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
         raise UnsupportedError(f"param_groups[{gi}] has decoupled_weight_decay={bool(decoupled)}, the optimizer "
                                f"is not: use {want}")
+
+
+def _other_torch_optimizer(group: dict) -> str | None:
+    """Why the saved ``group`` is another torch optimizer's than Adam's or AdamW's (``None``: nothing says so).
+    NAdam and RAdam keep ``step``, ``exp_avg`` and ``exp_avg_sq`` as Adam does, but torch.optim.Adam and AdamW
+    write ``amsgrad`` into every group, beside the ``maximize`` every torch optimizer writes (a group made by hand,
+    without either, says nothing); NAdam's also holds its ``momentum_decay``."""
+    if "momentum_decay" in group:
+        return "it holds 'momentum_decay' (torch.optim.NAdam's)"
+    if "maximize" in group and "amsgrad" not in group:
+        return ("it holds torch.optim's options ('maximize') but no 'amsgrad', which torch.optim.Adam and AdamW "
+                "write into every group (torch.optim.RAdam's and NAdam's groups have none)")
+    return None
 
 
 def _group_hparams(group: dict, gi: int) -> AdamHParams:
