@@ -767,6 +767,37 @@ def test_a_path_that_is_not_a_path_is_refused_naming_the_call_and_the_argument_o
         ck.load(None)
 
 
+class _BytesPath:
+    """An ``os.PathLike`` whose ``__fspath__`` gives bytes (as ``os.fspath`` allows)."""
+
+    def __init__(self, path: bytes) -> None:
+        self.path = path
+
+    def __fspath__(self) -> bytes:
+        return self.path
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytes PathLike"])
+def test_a_bytes_path_saves_and_loads_as_its_text(tmp_path, rng, kind):
+    """A path in bytes (which the checks let through, as ``os.fspath`` takes it) raised bare TypeErrors ("Can't mix
+    strings and bytes in path components" from save, save_async and stale_temporaries; "argument 'filename':
+    'bytes' object is not an instance of 'str'" from load and read_metadata): now it is the path it names."""
+    wrap = (lambda p: p) if kind == "bytes" else _BytesPath
+    path = tmp_path / "b.ckpt"
+    tree_ = {"w": torch.randn(3, 4, generator=rng), "n": 3}
+    assert ck.save(wrap(os.fsencode(path)), tree_) == str(path)
+    _assert_same(ck.load(wrap(os.fsencode(path))), tree_)
+    assert ck.read_metadata(wrap(os.fsencode(path)))["tree"]["k"] == "dict"
+    assert ck.stale_temporaries(wrap(os.fsencode(path))) == []
+    other = {"w": torch.randn(2, generator=rng)}
+    assert ck.save_async(wrap(os.fsencode(tmp_path / "a.ckpt")), other).wait() == str(tmp_path / "a.ckpt")
+    with ck.AsyncSaver() as saver:
+        saver.save(wrap(os.fsencode(tmp_path / "s.ckpt")), other)
+    for name in ("a.ckpt", "s.ckpt"):
+        _assert_same(ck.load(tmp_path / name), other)
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt", "s.ckpt"]
+
+
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy pickle"])
 def test_a_torch_save_file_given_to_load_says_to_read_it_with_torch_load(tmp_path, legacy):

@@ -94,7 +94,7 @@ def save(path: str | os.PathLike, tree: Any) -> str:
     parameters' layout, which the kernels step without copies. A tensor with
     gaps (a strided slice) is saved as a contiguous copy and loads contiguous.
     """
-    check_path("save", path)
+    path = check_path("save", path)
     encoded = io.prepare(tree)
     return io.write(path, encoded)
 
@@ -124,12 +124,12 @@ def load(path: str | os.PathLike, like: Any = None, *,
     sofx checkpoint), :class:`CheckpointVersionError` (another format version),
     :class:`CheckpointMismatchError` (does not match ``like``).
     """
-    check_path("load", path)
+    path = check_path("load", path)
     return io.read(path, like, types=types, device=device, verify=flag("load: verify", verify, CheckpointError))
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
     """Format version, writer and JSON structure of a checkpoint (checked against its CRC-32), without reading its
     tensors."""
-    check_path("read_metadata", path)
+    path = check_path("read_metadata", path)
     return io.read_metadata(path)

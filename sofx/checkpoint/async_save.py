@@ -106,7 +106,7 @@ def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None =
     ``wait()`` re-raises a failed write (a full disk, the directory removed
     meanwhile).
     """
-    check_path("save_async", path)
+    path = check_path("save_async", path)
     if after is not None and not isinstance(after, SaveHandle):
         raise CheckpointError(f"save_async: after= must be a SaveHandle (a previous save_async's) or None, got "
                               f"{type(after).__name__} {after!r:.80}")
@@ -145,7 +145,7 @@ class AsyncSaver:
         """Snapshot ``tree`` now (after waiting for a save to finish where ``max_pending`` are running); write
         it after every save issued before by this saver. Where an earlier save has failed, raise its error
         instead (as :meth:`wait` would: the first, each once), before anything is snapshotted or written."""
-        check_path("AsyncSaver.save", path)
+        path = check_path("AsyncSaver.save", path)
         with self._admission:
             while True:
                 self._raise_failed()

@@ -72,8 +72,8 @@ def stale_temporaries(path: str | os.PathLike) -> list[str]:
     """Temporary files left beside ``path`` (beside its target where ``path`` is a symbolic link) by interrupted
     saves (safe to delete when no save is running): the files named ``.NAME.tmp-PID-RANDOM`` exactly, not a
     sibling that only starts so (the temporary of a target named ``NAME.tmp-...``, a user's own file)."""
-    check_path("stale_temporaries", path)
-    prefix = _temporary_prefix(os.path.realpath(os.fspath(path)))
+    path = check_path("stale_temporaries", path)
+    prefix = _temporary_prefix(os.path.realpath(path))
     return sorted(p for p in glob.glob(glob.escape(prefix) + "*")
                   if _TEMPORARY_SUFFIX.fullmatch(p[len(prefix):]))
 

@@ -39,10 +39,12 @@ class CheckpointIOError(CheckpointError, OSError):
     error); an ``OSError`` too, with the cause chained."""
 
 
-def check_path(who: str, path: Any) -> None:
-    """Refuse a ``path`` that ``os.fspath`` does not take with a :class:`CheckpointError` naming ``who`` (a tree
-    passed first, as ``torch.save(obj, f)`` takes its arguments, raised a bare TypeError from deep inside)."""
+def check_path(who: str, path: Any) -> str:
+    """``path`` as text (``os.fsdecode``: a path in bytes, or an ``os.PathLike`` giving bytes, is the path it names;
+    safetensors and ``os.path.join`` with text took it for a bare TypeError). A ``path`` that ``os.fspath`` does not
+    take is refused with a :class:`CheckpointError` naming ``who`` (a tree passed first, as ``torch.save(obj, f)``
+    takes its arguments, raised a bare TypeError from deep inside)."""
     if isinstance(path, (str, bytes, os.PathLike)):
-        return
+        return os.fsdecode(path)
     hint = "" if path is None else f" ({who}'s arguments: the path comes first)"
     raise CheckpointError(f"{who}: path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}{hint}")
