@@ -1015,6 +1015,30 @@ def test_save_zero3_where_the_directory_cannot_be_made_raises_a_checkpoint_io_er
     with pytest.raises(ck.CheckpointIOError, match=r"cannot create the ZeRO-3 checkpoint directory .*global_step1"):
         ck.save_zero3(target, opt, params, opt.init(params), deepspeed_objects=False)
 
+def test_a_zero3_directory_in_bytes_is_the_one_it_names_and_one_that_is_not_a_path_is_refused(tmp_path):
+    """``save_zero3``, ``load_zero3`` and ``load_zero3_loss_scaler`` raised bare TypeErrors for a directory in bytes
+    ("Can't mix strings and bytes in path components", "cannot use a string pattern on a bytes-like object") and
+    for one that is not a path (None; the params tree passed first): a bytes directory is the one it names, and
+    anything else a CheckpointError naming the call, before any file is written."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    directory = tmp_path / "global_step2"
+    files = ck.save_zero3(os.fsencode(directory), opt, params, state, HP, deepspeed_objects=False)
+    assert files == [str(directory / zero3.zero3_file_name(0))]
+    loaded_params, loaded_state, _ = ck.load_zero3(os.fsencode(directory), opt, _params(), HP)
+    assert _bits_equal((loaded_params, loaded_state), (params, state))
+    rule, scaler_state = ck.load_zero3_loss_scaler(os.fsencode(directory))
+    assert scaler_state.scale == 1.0
+    for call, run in (("save_zero3", lambda bad: ck.save_zero3(bad, opt, params, state, HP)),
+                      ("load_zero3", lambda bad: ck.load_zero3(bad, opt, params, HP)),
+                      ("load_zero3_loss_scaler", lambda bad: ck.load_zero3_loss_scaler(bad))):
+        for bad in (None, params):
+            with pytest.raises(ck.CheckpointError, match=rf"^{call}: path must be a str or os\.PathLike, got "
+                                                         rf"{type(bad).__name__}"):
+                run(bad)
+    assert os.listdir(tmp_path) == ["global_step2"]
+
+
 def test_load_zero3_of_a_file_says_it_is_not_a_directory(tmp_path):
     """``load_zero3`` given a file (not the directory holding it) says so, rather than that it does not exist."""
     opt = sofx.adamw(lr=1e-2)

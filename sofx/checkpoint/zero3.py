@@ -57,7 +57,8 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
+                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
+                                    check_path)
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
@@ -157,6 +158,7 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     package (default: when it is installed). Otherwise they are stored as a
     plain dict and an int (enough for ``zero_to_fp32`` and for sofx).
     """
+    directory = check_path("save_zero3", directory)  # (text: a directory in bytes too)
     if not isinstance(opt, Adam):
         raise CheckpointError(f"save_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
     # Python ints (numpy's were refused; a bool was taken, into file names and partition_count)
@@ -530,11 +532,11 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     picks the files present (``bf16_`` prefixed or not). Every dp rank's file
     must be there.
     """
+    directory = check_path("load_zero3", directory)  # (text: a directory in bytes too)
     if not isinstance(opt, Adam):
         raise CheckpointError(f"load_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
     mp_rank = integer("load_zero3: mp_rank", mp_rank, 0, CheckpointError)  # (1.5 raised a ValueError from a format)
     bf16 = _optional_flag("load_zero3: bf16", bf16)
-    directory = os.fspath(directory)
     files, _ = _find_files(directory, mp_rank, bf16)
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
@@ -616,9 +618,9 @@ def load_zero3_loss_scaler(directory: str | os.PathLike, *, mp_rank: int = 0, bf
     raises :class:`~sofx.checkpoint.CorruptCheckpointError` naming the field."""
     if growth_rule not in GROWTH_RULES:
         raise HParamError(f"growth_rule = {growth_rule!r}; expected one of {GROWTH_RULES}")
+    directory = check_path("load_zero3_loss_scaler", directory)  # (text: a directory in bytes too)
     mp_rank = integer("load_zero3_loss_scaler: mp_rank", mp_rank, 0, CheckpointError)
     bf16 = _optional_flag("load_zero3_loss_scaler: bf16", bf16)
-    directory = os.fspath(directory)
     files, _ = _find_files(directory, mp_rank, bf16)
     top = _torch_load(files[0])
     zero = _get(top, "optimizer_state_dict", files[0], dict)
