@@ -177,6 +177,27 @@ def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
         ck.load_zero3(tmp_path, opt, template, groups=[["params['a']"], ["params['b']"]])
 
 
+@pytest.mark.parametrize("model_states", [False, True])
+def test_an_hparams_template_coarser_than_the_files_blocks_is_refused_not_given_one_blocks_values(tmp_path,
+                                                                                                  model_states):
+    """Where the layout comes from the files (their recorded blocks, or the model states' names), an ``hparams``
+    template whose entry covers blocks of different hyperparameters (one ``AdamHParams`` for the whole tree) came
+    back as the values of the first block alone: ``enc`` would have gone on with ``dec``'s lr and beta2 without a
+    word. It is refused naming the leaves and their values; a template that fits gets each block's."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    ck.save_zero3(tmp_path, opt, params, state, HP, model_states=model_states, deepspeed_objects=False)
+    with pytest.raises(ck.CheckpointMismatchError, match=r"hparams: the template's entry at hparams covers leaves "
+                                                         r"the files give other hyperparameters: params\['dec'\]\[0\] "
+                                                         r"lr=0\.005.*params\['enc'\]\['b'\] lr=0\.02"):
+        ck.load_zero3(tmp_path, opt, _params(), sofx.AdamHParams())
+    _, _, hp = ck.load_zero3(tmp_path, opt, _params(), {"enc": sofx.AdamHParams(), "dec": None})
+    assert hp == {"enc": HP["enc"]._replace(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2),
+                  "dec": HP["dec"]._replace(beta1=0.9, eps=1e-8, weight_decay=1e-2)}
+    _, _, hp = ck.load_zero3(tmp_path, opt, _params())  # no template: one per leaf
+    assert hp["enc"]["w"].lr == 2e-2 and hp["dec"][0].lr == 5e-3
+
+
 def test_swapped_rank_files_are_refused_naming_the_file_and_both_ranks(tmp_path):
     """Each file records the dp rank it was written for: rank files swapped (or renamed) would otherwise load
     their pieces into the other rank's places without a word (the sizes agree)."""

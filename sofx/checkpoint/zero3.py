@@ -528,7 +528,8 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     or the module's nested structure map by name, whatever the tree's key order);
     else, for a file sofx wrote, the layout it records (leaf paths per block); else from ``hparams`` as for
     :func:`save_zero3`. The returned hparams carry
-    the file's values (in the structure of ``hparams`` when given). ``bf16=None``
+    the file's values (in the structure of ``hparams`` when given: where the layout comes from the files, an
+    entry of it over blocks of different values is refused). ``bf16=None``
     picks the files present (``bf16_`` prefixed or not). Every dp rank's file
     must be there.
     """
@@ -682,13 +683,28 @@ def _check_scaler_attributes(attrs: Mapping[str, Any]) -> None:
 
 
 def _hparams_like(hparams: Any, spec: tree.TreeSpec, per_leaf: dict[int, AdamHParams]) -> Any:
-    """The file's hyperparameters in the structure of the ``hparams`` template (each template entry takes the
-    values of its first leaf)."""
+    """The file's hyperparameters in the structure of the ``hparams`` template: each template entry takes the
+    values of its leaves. An entry over leaves the files give different values (one ``AdamHParams`` for blocks of
+    different lrs) is a :class:`CheckpointMismatchError` naming two of them: the values of one would have been
+    those of every leaf under it."""
     ids, leaf_ids = prefix_ids(hparams, spec)
-    first: dict[int, AdamHParams] = {}
+    first: dict[int, int] = {}
+    paths = tree.leaf_paths(spec)
     for leaf, gid in enumerate(leaf_ids):
-        first.setdefault(gid, per_leaf[leaf])
-    return optree.tree_map(lambda gid: first.get(gid, AdamHParams()), ids)
+        was = first.setdefault(gid, leaf)
+        if per_leaf[leaf] != per_leaf[was]:
+            at = tree.leaf_paths(ids, root="hparams")[gid]
+            raise CheckpointMismatchError(
+                f"load_zero3: hparams: the template's entry at {at} covers leaves the files give other "
+                f"hyperparameters: {paths[was]} {_hparams_words(per_leaf[was])}, {paths[leaf]} "
+                f"{_hparams_words(per_leaf[leaf])}; pass hparams=None (one per leaf) or a template with an entry "
+                "for each block's leaves")
+    return optree.tree_map(lambda gid: per_leaf[first[gid]] if gid in first else AdamHParams(), ids)
+
+
+def _hparams_words(hp: AdamHParams) -> str:
+    """``lr=0.02, beta1=0.9, ...``: one block's hyperparameters, as an error names them."""
+    return ", ".join(f"{name}={value!r}" for name, value in zip(AdamHParams._fields, hp))
 
 
 def _name_part(key: Any) -> str:
