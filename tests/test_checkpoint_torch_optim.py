@@ -602,3 +602,20 @@ def test_a_state_dict_of_another_torch_optimizer_with_adams_state_keys_is_refuse
     _torch_steps(adam, adam_params, 0, 3)
     state, _ = ck.from_torch_optim(sofx.adamw(), adam.state_dict(), adam_params)
     assert state.count["enc"]["w"].item() == 3
+
+
+@pytest.mark.parametrize("key, value, where", [
+    ("lr", "0.01", r"\['lr'\]"), ("lr", None, r"\['lr'\]"), ("eps", torch.tensor([1e-8, 1e-6]), r"\['eps'\]"),
+    ("betas", (0.9, "0.999"), r"\['betas'\]\[1\]"), ("weight_decay", [0.01], r"\['weight_decay'\]")])
+def test_a_saved_hparam_that_is_not_a_number_is_refused_naming_it(key, value, where):
+    """A param group's lr, beta, eps or weight_decay that is no number (a string, None, a tensor of two elements, a
+    list) raised Python's bare ValueError, TypeError or torch's RuntimeError from float(): now a CheckpointError
+    names the entry and the value."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0][key] = value
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}: expected a number, "
+                                                 rf"got "):
+        ck.from_torch_optim(sofx.adamw(), sd, params)

@@ -36,7 +36,7 @@ from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
-from sofx.kernels.base import as_number
+from sofx.kernels.base import as_number, is_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
 
 __all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
@@ -177,18 +177,23 @@ def _other_torch_optimizer(group: dict) -> str | None:
 
 
 def _group_hparams(group: dict, gi: int) -> AdamHParams:
+    """A saved group's lr, betas, eps and weight_decay as floats: each a number (a Python or numpy one, or a tensor
+    of one element, as torch.optim takes a tensor lr), else a :class:`CheckpointError` naming the entry (a string,
+    None or a tensor of two elements reached ``float()``: a string was parsed, the others raised bare errors)."""
+    at = f"param_groups[{gi}]"
     try:
         b1, b2 = group["betas"]
-        at = f"param_groups[{gi}]"
-        values = [as_number(group["lr"], f"{at}['lr']", CheckpointError),
-                  as_number(b1, f"{at}['betas'][0]", CheckpointError),
-                  as_number(b2, f"{at}['betas'][1]", CheckpointError),
-                  as_number(group["eps"], f"{at}['eps']", CheckpointError),
-                  as_number(group["weight_decay"], f"{at}['weight_decay']", CheckpointError)]
+        raw = [(f"{at}['lr']", group["lr"]), (f"{at}['betas'][0]", b1), (f"{at}['betas'][1]", b2),
+               (f"{at}['eps']", group["eps"]), (f"{at}['weight_decay']", group["weight_decay"])]
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay ({exc})") \
-            from None
-    return AdamHParams(*(float(v) for v in values))
+        raise CheckpointError(f"{at}: expected lr, betas (a pair), eps and weight_decay ({exc})") from None
+    values = []
+    for where, x in raw:
+        v = as_number(x.reshape(()) if isinstance(x, torch.Tensor) and x.numel() == 1 else x, where, CheckpointError)
+        if not is_number(v):
+            raise CheckpointError(f"from_torch_optim: {where}: expected a number, got {type(x).__name__} {x!r:.80}")
+        values.append(float(v))
+    return AdamHParams(*values)
 
 
 def _refuse_offload_state(state_dict: dict) -> None:
