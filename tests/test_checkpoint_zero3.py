@@ -769,6 +769,25 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
             ck.load_zero3(tmp_path, opt, params, HP)
 
 
+@pytest.mark.parametrize("key, value, where", [
+    ("lr", "0.01", r"\['lr'\]"), ("eps", None, r"\['eps'\]"), ("lr", torch.tensor([1e-2, 1e-3]), r"\['lr'\]"),
+    ("betas", (0.9, "0.99"), r"\['betas'\]\[1\]")])
+def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_path, key, value, where):
+    """A file's lr, beta, eps or weight_decay that is not a number: a string was parsed by float() and loaded, and
+    None or a tensor of two elements was said to be missing ("the param group lacks lr, betas, eps or
+    weight_decay"): each is a CorruptCheckpointError naming the entry and its value."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          deepspeed_objects=False)
+    top = torch.load(files[0], weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1][key] = value
+    torch.save(top, files[0])
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"block 1 .*param_groups\[1\]{where}: expected a number, "
+                                                        r"got "):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def test_a_file_whose_group_sets_amsgrad_or_maximize_is_refused_naming_the_saved_value(tmp_path):
     """A param group with maximize=1 was reported as maximize=True (the checkpoint had its own copy of the
     rule); it is refused by sofx.adam.refused_torch_option, in sofx.adamw's words."""
