@@ -619,3 +619,25 @@ def test_a_saved_hparam_that_is_not_a_number_is_refused_naming_it(key, value, wh
     with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}: expected a number, "
                                                  rf"got "):
         ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
+def test_a_negative_second_moment_is_refused_naming_the_element_and_a_nan_one_imports():
+    """No run stores a negative ``exp_avg_sq``: one imported without a word made the next step's parameters nan (the
+    offload facade's ``load_state_dict`` refuses it as corrupt). It is refused naming the entry, the leaf, the
+    first negative element and its value; nothing is imported. A nan one (a diverged run's) imports, as torch
+    loads it."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    key = 3  # params['enc']['w'] (dec[0], dec[1], enc.b, enc.w)
+    sd["state"][key]["exp_avg_sq"][4, 2] = -0.5
+    saved = copy.deepcopy(sd)
+    with pytest.raises(ck.CheckpointError, match=r"from_torch_optim: state\[3\]\['exp_avg_sq'\] for "
+                                                 r"params\['enc'\]\['w'\]\[4, 2\] = -0.5: expected a second moment "
+                                                 r">= 0"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    assert _equal(sd["state"], saved["state"])
+    sd["state"][key]["exp_avg_sq"][4, 2] = float("nan")
+    state, _ = ck.from_torch_optim(sofx.adamw(), sd, params)
+    assert torch.isnan(state.nu["enc"]["w"][4, 2])

@@ -32,7 +32,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
-from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, check_second_moment
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
@@ -376,6 +376,8 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
                                   f"tensor with data, got one {odd}")
         if not in_storage(t):  # (freed or shrunk: its copy read outside its storage)
             refuse_short_storage(t, f"from_torch_optim: {where}[{name!r}] for {path}", CheckpointError)
+        if name == "exp_avg_sq":
+            check_second_moment(t.detach(), f"from_torch_optim: {where}[{name!r}] for {path}")
         out[leaf] = t.detach().to(device=device, dtype=dtype, copy=True)
 
 
