@@ -788,6 +788,26 @@ def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_pat
         ck.load_zero3(tmp_path, opt, params, HP)
 
 
+def test_a_negative_second_moment_in_a_file_is_a_corrupt_checkpoint_error_and_a_nan_one_loads(tmp_path):
+    """No run stores a negative ``exp_avg_sq``: one loaded without a word made the next step's parameters nan. It is
+    a CorruptCheckpointError naming the file, the block and the element of its flat moment; a nan (a diverged
+    run's state) loads."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP, dp_world_size=2,
+                          deepspeed_objects=False)
+    top = torch.load(files[1], weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["exp_avg_sq"][2] = -0.25
+    torch.save(top, files[1])
+    with pytest.raises(ck.CorruptCheckpointError, match=r"rank_1_.*: block 1 .*exp_avg_sq\[2\] = -0\.25: expected a "
+                                                        r"second moment >= 0"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["exp_avg_sq"][2] = float("nan")
+    torch.save(top, files[1])
+    _, state, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert torch.isnan(state.nu["enc"]["b"][6]) and int(torch.isnan(state.nu["enc"]["b"]).sum()) == 1
+
+
 def test_a_file_whose_group_sets_amsgrad_or_maximize_is_refused_naming_the_saved_value(tmp_path):
     """A param group with maximize=1 was reported as maximize=True (the checkpoint had its own copy of the
     rule); it is refused by sofx.adam.refused_torch_option, in sofx.adamw's words."""

@@ -58,7 +58,7 @@ from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
-                                    check_path)
+                                    check_path, check_second_moment)
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
@@ -864,6 +864,7 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                         or t.layout != torch.strided:
                     raise CheckpointMismatchError(f"{where}: {key} must be a flat floating-point tensor of {want} "
                                                   "elements")
+            check_second_moment(entry["exp_avg_sq"].reshape(-1), f"{where}: exp_avg_sq", CorruptCheckpointError)
             steps.append(_step_value(entry.get("step"), where))
             exp_avg.append(entry["exp_avg"].reshape(-1))
             exp_avg_sq.append(entry["exp_avg_sq"].reshape(-1))
