@@ -1336,6 +1336,32 @@ def test_a_deepspeed_scaler_state_no_run_reaches_is_refused_by_load_state_dict(b
         assert_trees_bitwise(before, (opt.state_dict(), list(model.parameters())))
 
 
+@pytest.mark.parametrize("profile, field", [("torch", "growth_tracker"), ("deepspeed", "cur_iter"),
+                                            ("deepspeed", "last_overflow_iter"), ("deepspeed", "cur_hysteresis")])
+def test_a_scaler_state_missing_a_field_is_refused_by_load_state_dict_naming_it(profile, field):
+    """A saved loss-scaler state without one of its fields (every sofx state dict holds them all, as torch's
+    GradScaler state dict holds its ``_growth_tracker``, whose ``load_state_dict`` raises without it) loaded with the
+    field's default: a growth tracker of 2 became 0, a DeepSpeed scaler's iteration count 0, without a word. It is
+    refused naming the field, and nothing changes."""
+    model, _ = _models()
+    rule = (sofx.loss_scale.grad_scaler(init_scale=1024.0, growth_interval=5) if profile == "torch" else
+            sofx.loss_scale.deepspeed_scaler(init_scale=1024.0, hysteresis=2, min_scale=2.0))
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                        profile=profile, max_grad_norm=1.0, loss_scale=rule)
+    with opt:
+        for k in range(3):
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(k))))
+            opt.step()
+        state = copy.deepcopy(opt.state_dict())
+        del state["state"]["scaler_state"][field]
+        before = (copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()])
+        with pytest.raises(SofxError, match=rf"state_dict\['state'\]\['scaler_state'\]\[{field!r}\]: the field is "
+                                            r"missing"):
+            opt.load_state_dict(state)
+        assert_trees_bitwise(before, (opt.state_dict(), list(model.parameters())))
+
+
 @pytest.mark.parametrize("how", ["loss.backward()", "closure with loss.backward()"])
 def test_a_backward_the_optimizer_did_not_scale_under_loss_scaling_warns_at_step(how):
     """With ``loss_scale="dynamic"`` a torch user's ``loss.backward()`` (in place of ``opt.backward(loss)``) gives

@@ -451,9 +451,9 @@ def _checked_rule(engine: "OffloadEngine", saved: Any, where: str) -> Any:
 
 def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, at: str) -> tuple[Any, Any]:
     """The loss-scale rule (:func:`_checked_rule`, from ``saved_rule``) and the saved loss-scaler state, of this
-    engine's kind, with fields any run can reach (see :func:`sofx.loss_scale.check_state`), valid for that
-    rule, and a scale that is a finite number >= 0, held as Python numbers (:func:`sofx.loss_scale.plain_state`).
-    ``at``: what the caller calls the engine state."""
+    engine's kind, with every field (none missing: its default is not the run's value) and fields any run can reach
+    (see :func:`sofx.loss_scale.check_state`), valid for that rule, and a scale that is a finite number >= 0, held as
+    Python numbers (:func:`sofx.loss_scale.plain_state`). ``at``: what the caller calls the engine state."""
     where = f"{at}['scaler_state']"
     if not isinstance(saved, Mapping):
         raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
@@ -465,6 +465,10 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, 
     unknown = sorted(set(fields) - set(expected._fields))
     if unknown:
         raise StructureError(f"{where}[{unknown[0]!r}]: a {expected.__name__} has no such field (it has "
+                             f"{list(expected._fields)})")
+    missing = [name for name in expected._fields if name not in fields]
+    if missing:  # (every state dict holds them all: a default would be taken for the run's value without a word)
+        raise StructureError(f"{where}[{missing[0]!r}]: the field is missing (a {expected.__name__} has "
                              f"{list(expected._fields)})")
     for name, value in fields.items():  # the state dict holds a tuple field as a list (JSON-like, as torch's betas)
         if isinstance(value, list) and isinstance(getattr(engine.scaler_state, name), tuple):
