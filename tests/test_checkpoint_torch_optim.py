@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -641,3 +642,15 @@ def test_a_negative_second_moment_is_refused_naming_the_element_and_a_nan_one_im
     sd["state"][key]["exp_avg_sq"][4, 2] = float("nan")
     state, _ = ck.from_torch_optim(sofx.adamw(), sd, params)
     assert torch.isnan(state.nu["enc"]["w"][4, 2])
+
+
+@pytest.mark.parametrize("lr", [np.array(0.02), np.array([0.02]), torch.tensor([0.02], dtype=torch.float64),
+                                np.float64(0.02)], ids=["numpy 0-d", "numpy 1 element", "tensor 1 element", "numpy"])
+def test_a_saved_hparam_of_one_element_imports_as_its_number(lr):
+    """An lr held as a tensor or numpy array of one element (torch.optim takes one) is its number."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0]["lr"] = lr
+    assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].lr == 0.02

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import optree
+import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.checkpoint.errors import CheckpointError
 from sofx.kernels.base import as_number, is_number
 
-__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree"]
+__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,16 @@ def _numbers(hp: AdamHParams, where: str) -> AdamHParams:
             raise CheckpointError(f"{where}: {name} must be a concrete number to be exported, got {x!r}")
         values.append(float(v))
     return AdamHParams(*values)
+
+
+def one_element(x: Any) -> Any:
+    """A saved hyperparameter that is a tensor or numpy array of one element as its 0-d tensor or its number
+    (torch.optim takes an lr so); ``x`` otherwise."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        return x.reshape(())
+    if type(x).__module__ == "numpy" and getattr(x, "size", None) == 1 and callable(getattr(x, "item", None)):
+        return x.item()
+    return x
 
 
 def _leaf_index(ref: Any, paths: list[str]) -> int:

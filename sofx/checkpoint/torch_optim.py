@@ -33,7 +33,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, check_second_moment
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, one_element, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number, is_number
@@ -189,7 +189,7 @@ def _group_hparams(group: dict, gi: int) -> AdamHParams:
         raise CheckpointError(f"{at}: expected lr, betas (a pair), eps and weight_decay ({exc})") from None
     values = []
     for where, x in raw:
-        v = as_number(x.reshape(()) if isinstance(x, torch.Tensor) and x.numel() == 1 else x, where, CheckpointError)
+        v = as_number(one_element(x), where, CheckpointError)
         if not is_number(v):
             raise CheckpointError(f"from_torch_optim: {where}: expected a number, got {type(x).__name__} {x!r:.80}")
         values.append(float(v))

@@ -59,7 +59,7 @@ from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
                                     check_path, check_second_moment)
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, one_element, prefix_ids, resolve_groups
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number, is_number
@@ -492,8 +492,7 @@ def _file_hparams(group: dict, at: str, where: str) -> AdamHParams:
         raise CorruptCheckpointError(f"{where}: the param group lacks lr, betas, eps or weight_decay") from None
     values = []
     for name, x in raw:
-        one = x.reshape(()) if isinstance(x, torch.Tensor) and x.numel() == 1 else x
-        v = as_number(one, f"{where}: {at}{name}", CorruptCheckpointError)
+        v = as_number(one_element(x), f"{where}: {at}{name}", CorruptCheckpointError)
         if not is_number(v):
             raise CorruptCheckpointError(f"{where}: {at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
         values.append(float(v))
