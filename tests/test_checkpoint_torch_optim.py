@@ -654,3 +654,21 @@ def test_a_saved_hparam_of_one_element_imports_as_its_number(lr):
     sd = torch_opt.state_dict()
     sd["param_groups"][0]["lr"] = lr
     assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].lr == 0.02
+
+
+@pytest.mark.parametrize("key", ["bias_correction", "correct_bias"])
+def test_a_saved_group_without_bias_correction_is_refused_naming_it(key):
+    """DeepSpeed's Adam (``bias_correction``) and Hugging Face's AdamW (``correct_bias``) keep Adam's state keys in
+    a torch-style state dict; a group of theirs that turned bias correction off was imported into sofx's
+    bias-corrected Adam without a word (load_zero3 refuses the same group). It is refused naming the group and the
+    value; ``True`` imports."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0][key] = False
+    with pytest.raises(UnsupportedError, match=rf"param_groups\[0\]: {key}=False is not supported \(torch\.optim's "
+                                               r"Adam always corrects the bias"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    sd["param_groups"][0][key] = True
+    ck.from_torch_optim(sofx.adamw(), sd, params)

@@ -146,8 +146,9 @@ def _as_step(x: Any, where: str) -> int:
 def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
     """Refuse a saved group whose options sofx does not implement: another torch optimizer's
     (:func:`_other_torch_optimizer`), torch's options that change the math (:func:`sofx.adam.refused_torch_option`,
-    the rule sofx.adam/adamw and the offload facade refuse by) and a ``decoupled_weight_decay`` other than
-    ``opt``'s."""
+    the rule sofx.adam/adamw and the offload facade refuse by), bias correction turned off (``bias_correction``,
+    ``correct_bias``: torch-style state dicts of DeepSpeed's and Hugging Face's Adam) and a
+    ``decoupled_weight_decay`` other than ``opt``'s."""
     other = _other_torch_optimizer(group)
     if other is not None:
         raise CheckpointMismatchError(f"from_torch_optim: param_groups[{gi}]: {other}: not a torch.optim.Adam or AdamW "
@@ -156,6 +157,10 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
     if name is not None:
         raise UnsupportedError(f"param_groups[{gi}]: {name}={group[name]!r} is not supported (only torch.optim's "
                                "default, False)")
+    for key in ("bias_correction", "correct_bias"):  # DeepSpeed's Adam, Hugging Face's AdamW (as load_zero3 refuses)
+        if key in group and not group[key]:
+            raise UnsupportedError(f"param_groups[{gi}]: {key}={group[key]!r} is not supported (torch.optim's Adam "
+                                   "always corrects the bias, and so does the optimizer it imports into)")
     decoupled = group.get("decoupled_weight_decay")
     if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
         want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
