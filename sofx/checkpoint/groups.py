@@ -37,7 +37,7 @@ from sofx.adam import Adam, AdamHParams
 from sofx.checkpoint.errors import CheckpointError
 from sofx.kernels.base import as_number, is_number
 
-__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element"]
+__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,28 @@ def one_element(x: Any) -> Any:
     if type(x).__module__ == "numpy" and getattr(x, "size", None) == 1 and callable(getattr(x, "item", None)):
         return x.item()
     return x
+
+
+def saved_hparams(group: Any, at: str, missing: str,
+                  error: type[CheckpointError] = CheckpointError) -> AdamHParams:
+    """A saved param group's lr, betas, eps and weight_decay as floats. Where one is missing or the betas are not
+    a pair: ``error`` with the message ``missing`` and what is wrong. Each is a number (a Python or numpy one, or a
+    tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
+    (the group) followed by its key, and its value (a string reached ``float()`` and was parsed; None or a tensor
+    of two elements raised bare errors)."""
+    try:
+        b1, b2 = group["betas"]
+        raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
+               ("['weight_decay']", group["weight_decay"])]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise error(f"{missing} ({type(exc).__name__}: {exc})") from None
+    values = []
+    for name, x in raw:
+        v = as_number(one_element(x), f"{at}{name}", error)
+        if not is_number(v):
+            raise error(f"{at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
+        values.append(float(v))
+    return AdamHParams(*values)
 
 
 def _leaf_index(ref: Any, paths: list[str]) -> int:

@@ -33,10 +33,10 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, check_second_moment
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, one_element, resolve_groups
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups, saved_hparams
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
-from sofx.kernels.base import as_number, is_number
+from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
 
 __all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
@@ -181,26 +181,6 @@ def _other_torch_optimizer(group: dict) -> str | None:
     return None
 
 
-def _group_hparams(group: dict, gi: int) -> AdamHParams:
-    """A saved group's lr, betas, eps and weight_decay as floats: each a number (a Python or numpy one, or a tensor
-    of one element, as torch.optim takes a tensor lr), else a :class:`CheckpointError` naming the entry (a string,
-    None or a tensor of two elements reached ``float()``: a string was parsed, the others raised bare errors)."""
-    at = f"param_groups[{gi}]"
-    try:
-        b1, b2 = group["betas"]
-        raw = [(f"{at}['lr']", group["lr"]), (f"{at}['betas'][0]", b1), (f"{at}['betas'][1]", b2),
-               (f"{at}['eps']", group["eps"]), (f"{at}['weight_decay']", group["weight_decay"])]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{at}: expected lr, betas (a pair), eps and weight_decay ({exc})") from None
-    values = []
-    for where, x in raw:
-        v = as_number(one_element(x), where, CheckpointError)
-        if not is_number(v):
-            raise CheckpointError(f"from_torch_optim: {where}: expected a number, got {type(x).__name__} {x!r:.80}")
-        values.append(float(v))
-    return AdamHParams(*values)
-
-
 def _refuse_offload_state(state_dict: dict) -> None:
     """Refuse the offload facade's ``state_dict()`` (``sofx.offload``'s own format under torch.optim's two keys,
     ``state["format"]`` naming it) with a :class:`CheckpointError` saying whose it is and what loads it."""
@@ -255,7 +235,8 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                           f"({[paths[i] for i in g.leaves][:4]}...)")
         _check_group_flags(opt, saved, gi)
         _check_param_names(saved, g, gi, named, paths)
-        group_hp.append(_group_hparams(saved, gi))
+        group_hp.append(saved_hparams(saved, f"from_torch_optim: param_groups[{gi}]",
+                                      f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay"))
         for j, (pid, leaf) in enumerate(zip(saved["params"], g.leaves)):
             _check_hashable(pid, f"param_groups[{gi}]['params'][{j}]")
             _list_once(used, pid, gi)

@@ -59,10 +59,10 @@ from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
                                     check_path, check_second_moment)
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, one_element, prefix_ids, resolve_groups
+from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups, saved_hparams
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.base import as_number, is_number
+from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import flag, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
@@ -479,26 +479,6 @@ def _step_value(x: Any, where: str) -> int:
     return int(v)
 
 
-def _file_hparams(group: dict, at: str, where: str) -> AdamHParams:
-    """A file's param group's lr, betas, eps and weight_decay as floats: each a number (a Python or numpy one, or a
-    tensor of one element), else a :class:`CorruptCheckpointError` naming ``where`` (the file and block), the entry
-    (``at``: the group) and its value (a string was parsed by ``float()``; None or a tensor of two elements was said
-    to be missing)."""
-    try:
-        b1, b2 = group["betas"]
-        raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
-               ("['weight_decay']", group["weight_decay"])]
-    except (KeyError, TypeError, ValueError):
-        raise CorruptCheckpointError(f"{where}: the param group lacks lr, betas, eps or weight_decay") from None
-    values = []
-    for name, x in raw:
-        v = as_number(one_element(x), f"{where}: {at}{name}", CorruptCheckpointError)
-        if not is_number(v):
-            raise CorruptCheckpointError(f"{where}: {at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
-        values.append(float(v))
-    return AdamHParams(*values)
-
-
 def _block_owners(saved_groups: Sequence[Any], n_blocks: int, path: str) -> list[dict]:
     """The param group of each flat block: the wrapped optimizer's groups list the blocks' ids, which its
     ``state_dict()`` numbers ``0..n_blocks-1`` in group order (the ids of its ``state``). ZeRO-3 splits a param
@@ -850,7 +830,8 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
             raise UnsupportedError(f"{where}: the file's optimizer has decoupled weight decay={bool(decoupled)}, "
                                    f"this one {opt.variant.decoupled}")
         gi = next(i for i, group in enumerate(saved_groups) if group is saved)
-        hp = _file_hparams(saved, f"param_groups[{gi}]", where)
+        hp = saved_hparams(saved, f"{where}: param_groups[{gi}]",
+                           f"{where}: the param group lacks lr, betas, eps or weight_decay", CorruptCheckpointError)
         entry = saved_state.get(b)
         if entry is None:
             steps.append(0)
