@@ -20,6 +20,7 @@ from helpers import HAVE_TRITON, INTERPRETING_TRITON, rerun_under_the_triton_int
 if not INTERPRETING_TRITON:
 
     @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+    @pytest.mark.timeout(600)  # (the whole file's ~110 tests in one process: its run's own limit, not 300 s)
     def test_triton_kernels_under_the_interpreter():
         rerun_under_the_triton_interpreter(__file__)
 
