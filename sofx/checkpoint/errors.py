@@ -49,15 +49,3 @@ def check_path(who: str, path: Any) -> str:
     hint = "" if path is None else f" ({who}'s arguments: the path comes first)"
     raise CheckpointError(f"{who}: path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}{hint}")
 
-
-def check_second_moment(t: Any, where: str, error: type[CheckpointError] = CheckpointError) -> None:
-    """Refuse a saved second moment ``t`` (a tensor) holding a negative element, which no run stores (Adam's
-    ``exp_avg_sq`` is a sum of squares; the offload facade's ``load_state_dict`` refuses one as corrupt): imported,
-    it made the next step's parameters nan without a word. ``error`` names ``where``, the first such element's
-    index and its value. A nan (a diverged run's state) passes, as torch.optim loads it."""
-    below = t < 0
-    if bool(below.any()):
-        at = [int(i) for i in below.nonzero()[0]]
-        index = f"[{', '.join(map(str, at))}]" if at else ""
-        raise error(f"{where}{index} = {t[tuple(at)].item()!r}: expected a second moment >= 0 (no run stores a "
-                    "negative one: the state is corrupt)")

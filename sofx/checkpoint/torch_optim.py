@@ -32,12 +32,13 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
-from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, check_second_moment
+from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups, saved_hparams
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
+from sofx.stored_values import refuse_negative
 
 __all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
 
@@ -363,7 +364,8 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         if not in_storage(t):  # (freed or shrunk: its copy read outside its storage)
             refuse_short_storage(t, f"from_torch_optim: {where}[{name!r}] for {path}", CheckpointError)
         if name == "exp_avg_sq":
-            check_second_moment(t.detach(), f"from_torch_optim: {where}[{name!r}] for {path}")
+            refuse_negative(t.detach(), "second moment", f"from_torch_optim: {where}[{name!r}] for {path}",
+                            CheckpointError)
         out[leaf] = t.detach().to(device=device, dtype=dtype, copy=True)
 
 

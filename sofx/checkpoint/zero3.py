@@ -58,7 +58,7 @@ from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
-                                    check_path, check_second_moment)
+                                    check_path)
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups, saved_hparams
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
@@ -67,6 +67,7 @@ from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import flag, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
                              StaticScaleState, deepspeed_scaler, static_scale)
+from sofx.stored_values import refuse_negative
 
 __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3",
            "load_zero3_loss_scaler", "partition_numel", "DEEPSPEED_STAND_INS"]
@@ -844,7 +845,8 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                         or t.layout != torch.strided:
                     raise CheckpointMismatchError(f"{where}: {key} must be a flat floating-point tensor of {want} "
                                                   "elements")
-            check_second_moment(entry["exp_avg_sq"].reshape(-1), f"{where}: exp_avg_sq", CorruptCheckpointError)
+            refuse_negative(entry["exp_avg_sq"].reshape(-1), "second moment", f"{where}: exp_avg_sq",
+                            CorruptCheckpointError)
             steps.append(_step_value(entry.get("step"), where))
             exp_avg.append(entry["exp_avg"].reshape(-1))
             exp_avg_sq.append(entry["exp_avg_sq"].reshape(-1))

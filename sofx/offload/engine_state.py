@@ -44,6 +44,7 @@ from sofx.loss_scale import DynamicLossScaleRule, GradScalerRule, StaticScaleRul
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
+from sofx.stored_values import refuse_negative
 
 if TYPE_CHECKING:  # pragma: no cover
     from sofx.offload.engine import OffloadEngine
@@ -404,14 +405,8 @@ def check_nonnegative(x: torch.Tensor, name: str, where: str, error: type[SofxEr
     loads it; rounding never makes a stored second moment negative: algebraic undo clamps it at 0); else ``error``
     naming ``where``, the first such element's index and its value."""
     what = NONNEGATIVE.get(name)
-    if what is None:
-        return
-    below = x < 0
-    if bool(below.any()):
-        at = [int(i) for i in below.nonzero()[0]]
-        index = f"[{', '.join(map(str, at))}]" if at else ""
-        raise error(f"{where}{index} = {x[tuple(at)].item()!r}: expected a {what} >= 0 (no run stores a negative "
-                    "one: the state is corrupt)")
+    if what is not None:
+        refuse_negative(x, what, where, error)
 
 
 def _rule_settings(rule: Any) -> dict[str, Any] | None:
