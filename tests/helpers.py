@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 import sofx
@@ -230,6 +231,12 @@ BAD_SCALARS = (
     ({"weight_decay": -0.1}, r"weight_decay = -0.1 is invalid; expected weight_decay >= 0"),
     ({"weight_decay": float("nan")}, r"weight_decay = nan is invalid; expected weight_decay >= 0"),
     ({"weight_decay": 10**400}, r"weight_decay = 1000\d+ is invalid; expected weight_decay >= 0, a finite number"),
+    # a bool (no number: step=False stepped with 1 - beta1**False = 0, every result nan) or another non-number
+    ({"step": False}, r"step = False is invalid; expected a number or a 0-d tensor, got bool"),
+    ({"lr": True}, r"lr = True is invalid; expected a number or a 0-d tensor, got bool"),
+    ({"grad_scale": np.bool_(True)}, r"grad_scale = \S+ is invalid; expected a number or a 0-d tensor, got bool"),
+    ({"eps": "1e-8"}, r"eps = '1e-8' is invalid; expected a number or a 0-d tensor, got str"),
+    ({"beta2": None}, r"beta2 = None is invalid; expected a number or a 0-d tensor, got NoneType"),
 )
 
 

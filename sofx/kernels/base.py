@@ -248,9 +248,28 @@ def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = Fals
     float64, ``bias_correction``: the variant's). Every backend builds its scalars through this, so that all
     refuse the same values."""
     if not all(type(x) is float or type(x) is int for x in s):  # (the common case, once per leaf and step: floats)
+        _refuse_non_numbers(s, where)
         s = AdamScalars(*(as_number(x) for x in s))
     check_scalars(s, where, float64, bias_correction)
     return s
+
+
+# what a field of AdamScalars may be: a real number (a Python or numpy one; not a bool), a tensor, or the symbolic
+# numbers torch.compile traces with
+_SCALAR_TYPES = (numbers.Real, torch.Tensor, torch.SymInt, torch.SymFloat)
+
+
+def _refuse_non_numbers(s: AdamScalars, where: str) -> None:
+    """Refuse (an :class:`HParamError` naming ``where`` and the field) a field of ``s`` that is no number and no
+    tensor: a bool (Python's or numpy's: ``step=False`` was stepped with ``1 - beta1**False = 0``, every result
+    nan), a string, None. The range checks (:func:`check_scalars`) read only numbers and let these pass. Not
+    under ``torch.compile`` (its tracing has its own stand-ins for numbers)."""
+    if torch.compiler.is_compiling():
+        return
+    for name, x in zip(AdamScalars._fields, s):
+        if isinstance(x, bool) or not isinstance(x, _SCALAR_TYPES):
+            raise HParamError(f"{where}: {name} = {x!r:.80} is invalid; expected a number or a 0-d tensor, got "
+                              f"{type(x).__name__}")
 
 
 def check_scalars(s: AdamScalars, where: str, float64: bool = False, bias_correction: bool = False) -> None:
