@@ -237,6 +237,9 @@ BAD_SCALARS = (
     ({"grad_scale": np.bool_(True)}, r"grad_scale = \S+ is invalid; expected a number or a 0-d tensor, got bool"),
     ({"eps": "1e-8"}, r"eps = '1e-8' is invalid; expected a number or a 0-d tensor, got str"),
     ({"beta2": None}, r"beta2 = None is invalid; expected a number or a 0-d tensor, got NoneType"),
+    # a tensor of elements (a p of 1 element was stepped by an lr of 3 into a p' of 3)
+    ({"lr": torch.tensor([1e-3, 2e-3, 3e-3])}, r"lr is a tensor of shape \(3,\); expected a number or a 0-d tensor"),
+    ({"grad_scale": torch.tensor([0.5])}, r"grad_scale is a tensor of shape \(1,\); expected a number or a 0-d tensor"),
 )
 
 
