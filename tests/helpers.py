@@ -240,6 +240,10 @@ BAD_SCALARS = (
     # a tensor of elements (a p of 1 element was stepped by an lr of 3 into a p' of 3)
     ({"lr": torch.tensor([1e-3, 2e-3, 3e-3])}, r"lr is a tensor of shape \(3,\); expected a number or a 0-d tensor"),
     ({"grad_scale": torch.tensor([0.5])}, r"grad_scale is a tensor of shape \(1,\); expected a number or a 0-d tensor"),
+    # a 0-d tensor of no real number (step=torch.tensor(False) read as False: nan results, as above)
+    ({"step": torch.tensor(False)}, r"step is a torch.bool tensor; expected a number or a 0-d tensor of a real dtype"),
+    ({"lr": torch.tensor(1e-3 + 0j)}, r"lr is a torch.complex64 tensor; expected a number or a 0-d tensor of a real "
+                                      "dtype"),
 )
 
 

@@ -261,10 +261,11 @@ _SCALAR_TYPES = (numbers.Real, torch.Tensor, torch.SymInt, torch.SymFloat)
 
 def _refuse_non_numbers(s: AdamScalars, where: str) -> None:
     """Refuse (an :class:`HParamError` naming ``where`` and the field) a field of ``s`` that is no number and no
-    0-d tensor: a bool (Python's or numpy's: ``step=False`` was stepped with ``1 - beta1**False = 0``, every result
-    nan), a string, None, a tensor of elements (broadcast against the block: an lr of 3 elements stepped a ``p`` of
-    1 into a ``p'`` of 3). The range checks (:func:`check_scalars`) read only numbers and let these pass. Not
-    under ``torch.compile`` (its tracing has its own stand-ins for numbers)."""
+    0-d tensor of a real dtype: a bool (Python's or numpy's, or a bool tensor: ``step=False`` was stepped with
+    ``1 - beta1**False = 0``, every result nan), a complex number, a string, None, a tensor of elements
+    (broadcast against the block: an lr of 3 elements stepped a ``p`` of 1 into a ``p'`` of 3). The range checks
+    (:func:`check_scalars`) read only numbers and let these pass. Not under ``torch.compile`` (its tracing has
+    its own stand-ins for numbers)."""
     if torch.compiler.is_compiling():
         return
     for name, x in zip(AdamScalars._fields, s):
@@ -272,6 +273,9 @@ def _refuse_non_numbers(s: AdamScalars, where: str) -> None:
             if x.dim() != 0:  # (a torch.func transform's tensor has the dimensions of one of its members)
                 raise HParamError(f"{where}: {name} is a tensor of shape {tuple(x.shape)}; expected a number or a "
                                   "0-d tensor")
+            if x.dtype == torch.bool or x.is_complex():  # (read as a bool or a complex number)
+                raise HParamError(f"{where}: {name} is a {x.dtype} tensor; expected a number or a 0-d tensor of a "
+                                  "real dtype")
         elif isinstance(x, bool) or not isinstance(x, _SCALAR_TYPES):
             raise HParamError(f"{where}: {name} = {x!r:.80} is invalid; expected a number or a 0-d tensor, got "
                               f"{type(x).__name__}")
