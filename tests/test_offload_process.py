@@ -1067,3 +1067,71 @@ def test_a_script_that_ends_without_close_stops_the_worker_by_its_stop_message(e
                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == (0 if ending == "end" else 1), out.stderr
     assert out.stdout.strip().endswith("closed True worker 0"), (out.stdout, out.stderr)
+
+
+def _in_a_forked_child(work) -> str:
+    """Run ``work()`` in a child forked from this process; what it returned (a str), or its exception's type and
+    message. The child ends with ``os._exit`` (no exit handlers, pytest's included), within 60 s."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 0
+        try:
+            os.close(read)
+            try:
+                text = work()
+            except BaseException as exc:
+                text = f"{type(exc).__name__}: {exc}"
+            os.write(write, text.encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write)
+    chunks = []
+    with os.fdopen(read, "rb") as f:
+        chunks.append(f.read())
+    assert os.waitpid(pid, 0)[1] == 0
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_an_optimizer_used_in_a_forked_child_is_refused_and_leaves_the_parents_step_alone(executor: str) -> None:
+    """A child forked between backward and step() (os.fork, multiprocessing's "fork") that runs a backward of the
+    model took the gradients into the parent's shared-memory gradient buffers (process executor): the parent's
+    step silently stepped the sum of both. Its step() waited for a worker that is not its own: the thread
+    executor's timeout, or the process executor's "worker died (exit code 0)" of a worker alive and well. In the
+    child the optimizer takes no gradient (they stay in .grad, as without it) and its calls are refused at once,
+    naming the fork; the parent's trajectory is torch.optim's."""
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05, executor=executor,
+                                        block_numel=100, timeout=30.0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    try:
+        for i in range(3):
+            batch = mlp_batch(gen)
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, batch))
+            if i == 1:
+                def child() -> str:
+                    opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(7))))
+                    kept = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+                    start = time.monotonic()
+                    try:
+                        opt.step()
+                    except SofxError as exc:
+                        return f"grads kept {kept} in {time.monotonic() - start:.1f} s: {exc}"
+                    return "stepped"
+                said = _in_a_forked_child(child)
+                assert said.startswith("grads kept True in 0."), said
+                assert f"created in process {os.getpid()}" in said and "forked" in said, said
+            opt.step()
+            mlp_loss(ref, batch).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ropt.step()
+            ropt.zero_grad()
+            assert relative_deviation(model, ref) <= TOL
+    finally:
+        opt.close()
