@@ -2,7 +2,7 @@
 torch`` is about 1.2 s), which ``import torch`` does not import either.
 
 Each check runs in a fresh Python process: the test process has long imported dynamo. The offload process
-executor's worker (``python -m sofx.offload.process_worker``) is one such process, started by every optimizer
+executor's worker (``sofx.offload.process_worker``) is one such process, started by every optimizer
 that runs on it. Dynamo is imported where something is compiled, or where a method that runs eagerly under
 ``torch.compile`` is first called: constructing a ``SpeculativeAdamW`` imports it, as constructing any
 ``torch.optim`` optimizer does (``Optimizer.__init__`` calls ``add_param_group``, which torch disables the same

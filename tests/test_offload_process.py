@@ -20,6 +20,7 @@ import glob
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -1135,3 +1136,37 @@ def test_an_optimizer_used_in_a_forked_child_is_refused_and_leaves_the_parents_s
             assert relative_deviation(model, ref) <= TOL
     finally:
         opt.close()
+
+
+_IMPORTED_FROM_ITS_PATH = """\
+import sys
+sys.path.insert(0, sys.argv[1])  # (a checkout beside an installed sofx, a notebook's sys.path.append(".."))
+import torch
+import sofx.offload
+assert sofx.__file__.startswith(sys.argv[1]), sofx.__file__
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process") as opt:
+    opt.backward(model(torch.randn(5, 4)).square().mean())
+    opt.step()
+    print("executor", opt.executor)
+"""
+
+
+def test_the_worker_imports_the_sofx_the_main_process_imported(tmp_path: pathlib.Path) -> None:
+    """The worker ran ``python -m sofx.offload.process_worker`` with its own import path (its working directory,
+    PYTHONPATH, site-packages): a main process that imported sofx from a directory on its ``sys.path`` (a checkout
+    beside an installed release, a notebook's ``sys.path.append``) got a worker running another sofx -- an
+    installed one, silently, or none ("No module named 'sofx'"). It imports from the main process's path now."""
+    root = pathlib.Path(sofx.__file__).parent
+    checkout = tmp_path / "checkout"
+    shutil.copytree(root, checkout / "sofx", ignore=shutil.ignore_patterns("__pycache__"))
+    worker = checkout / "sofx" / "offload" / "process_worker.py"
+    worker.write_text(worker.read_text() + '\nprint("sofx test: worker module", __file__, file=sys.stderr)\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run([sys.executable, "-c", _IMPORTED_FROM_ITS_PATH, str(checkout)], capture_output=True,
+                         text=True, timeout=600, cwd=elsewhere)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "executor process", out.stdout
+    assert f"sofx test: worker module {worker}" in out.stderr, out.stderr

@@ -2,8 +2,9 @@
 
 The block tensors are allocated in a
 :class:`~sofx.offload.shared_memory.SharedMemoryArena` by the engine; this
-executor starts one worker (``python -m sofx.offload.process_worker``, a
-fresh interpreter that maps the same files through the descriptors it inherits) and talks to it over a unix
+executor starts one worker (:mod:`sofx.offload.process_worker` in a fresh interpreter, which imports it from this
+process's ``sys.path``: see :data:`_WORKER_CODE`; it maps the same files through the descriptors it inherits) and
+talks to it over a unix
 socket in a private temporary directory (mutually authenticated with a random
 key). Submitting never blocks the caller (a backward hook): a sender thread
 writes the operations, and a receiver thread reads the results into a queue,
@@ -33,6 +34,7 @@ failure.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import queue
 import shutil
@@ -82,6 +84,14 @@ EXIT_WAIT_S = 5.0
 #: Only a process the worker started and left running holds the stream open longer; its reader thread ends with it.
 OUTPUT_WAIT_S = 30.0
 _STOP = object()
+#: What the worker's interpreter runs (``python -c``; its arguments: this process's ``sys.path`` as JSON, then the
+#: socket's address): it imports sofx (and torch) from this process's import path, as ``multiprocessing``'s "spawn"
+#: does. ``python -m sofx.offload.process_worker`` imported from the worker's own (its working directory,
+#: PYTHONPATH, site-packages): a main process that imported sofx from a directory added to its ``sys.path`` (a
+#: checkout beside an installed release, a notebook's ``sys.path.append``) got a worker running another sofx, or
+#: none.
+_WORKER_CODE = ("import json, sys; sys.path[:0] = json.loads(sys.argv.pop(1)); "
+                "from sofx.offload.process_worker import main; sys.exit(main(sys.argv))")
 #: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
 _TAIL_LINES = 40
 _TAIL_LINE_CHARS = 2000
@@ -124,7 +134,9 @@ class ProcessExecutor(Executor):
             server.listen(1)
             server.settimeout(_POLL_S)
             authkey = os.urandom(32)
-            self.process = subprocess.Popen([sys.executable, "-m", "sofx.offload.process_worker", address],
+            path = [entry if isinstance(entry, str) else os.fsdecode(entry) for entry in sys.path
+                    if isinstance(entry, (str, bytes, os.PathLike))]
+            self.process = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, json.dumps(path), address],
                                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                             errors="replace", close_fds=True, pass_fds=tuple(pass_fds))
             self.pid = self.process.pid

@@ -1,8 +1,9 @@
-"""The worker process of the process executor: ``python -m sofx.offload.process_worker ADDRESS``.
+"""The worker process of the process executor: :func:`main` (``python -m sofx.offload.process_worker ADDRESS``).
 
 Started by :class:`sofx.offload.process_executor.ProcessExecutor` as a fresh
 interpreter (not ``multiprocessing``: no re-import of the user's ``__main__``,
-so scripts without an ``if __name__ == "__main__"`` guard and notebooks work).
+so scripts without an ``if __name__ == "__main__"`` guard and notebooks work),
+which imports this module from the main process's ``sys.path`` (``process_executor._WORKER_CODE``).
 It reads an authentication key from stdin, connects to the unix socket
 ``ADDRESS``, receives its configuration (the shared tensors' specs, block
 layouts, the Adam configuration, the publish buffers -- all JSON-able), maps the
