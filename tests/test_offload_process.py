@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -1170,3 +1171,25 @@ def test_the_worker_imports_the_sofx_the_main_process_imported(tmp_path: pathlib
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "executor process", out.stdout
     assert f"sofx test: worker module {worker}" in out.stderr, out.stderr
+
+
+def test_a_temporary_directory_too_long_for_a_socket_address_is_not_refused(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's unix socket lives in a private directory under the temporary directory; a socket's address holds
+    at most 107 bytes (103 on BSDs), and a long ``TMPDIR`` (a job's scratch directory) made the constructor raise
+    ``OSError: AF_UNIX path too long``. The directory is made in /tmp then; nothing is left in either."""
+    long = tmp_path / ("t" * max(1, 100 - len(str(tmp_path))))
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100) as opt:
+        assert opt.executor == "process"
+        socket_dir = opt.engine.executor._dir
+        assert os.path.dirname(socket_dir) == "/tmp"
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+    assert relative_deviation(model, ref) <= TOL
+    assert list(long.glob("sofx-worker-*")) == [] and not os.path.exists(socket_dir)

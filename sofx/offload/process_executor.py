@@ -123,7 +123,7 @@ class ProcessExecutor(Executor):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # results, then _STOP once the connection ends
         self._received_all = False
         self._unanswered = False  # the last wait() timed out (or its exit): the worker does not answer
-        self._dir = tempfile.mkdtemp(prefix="sofx-worker-")  # mode 0700: only this user can connect
+        self._dir = _socket_dir()  # mode 0700: only this user can connect
         address = os.path.join(self._dir, "socket")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn: Connection | None = None
@@ -426,6 +426,22 @@ def _unsent(op: Any, exc: BaseException) -> OpResult:
     return OpResult(getattr(op, "seq", -1), getattr(op, "kind", type(op).__name__), getattr(op, "block", -1),
                     f"it could not be sent to the worker process (pickling it failed): {type(exc).__name__}: "
                     f"{exc}\n{detail}")
+
+
+#: The longest path a unix socket may be bound to, in bytes: its address holds 108 on Linux, 104 on BSDs and macOS,
+#: with the terminating NUL.
+_MAX_SOCKET_PATH = 103
+
+
+def _socket_dir() -> str:
+    """A new private directory (mode 0700) for the worker's socket: in the temporary directory, or in /tmp where the
+    socket's path there would be too long to bind (a long ``TMPDIR``, a job's scratch directory: the constructor
+    raised ``OSError: AF_UNIX path too long``)."""
+    path = tempfile.mkdtemp(prefix="sofx-worker-")
+    if len(os.fsencode(os.path.join(path, "socket"))) <= _MAX_SOCKET_PATH or not os.path.isdir("/tmp"):
+        return path
+    os.rmdir(path)
+    return tempfile.mkdtemp(prefix="sofx-worker-", dir="/tmp")
 
 
 def _left(deadline: float) -> float:
