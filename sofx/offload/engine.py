@@ -162,18 +162,6 @@ EXIT_WAIT_S = 5.0
 #: The keys of a parameter's torch.optim-style state (:meth:`OffloadEngine.param_state`), in order.
 PARAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 
-#: How many forks (``os.fork``, multiprocessing's "fork" start method) led to this process: an engine made before
-#: one cannot use its thread or process executor in the child (see :meth:`OffloadEngine._forked_message`).
-_FORKS = [0]
-
-
-def _note_fork() -> None:
-    _FORKS[0] += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_note_fork)
-
 
 def _check_timeout(timeout: Any) -> float:
     """``timeout`` as a Python float of seconds in ``(0, threading.TIMEOUT_MAX]`` (a numpy number or a 1-element
@@ -306,8 +294,8 @@ class OffloadEngine:
         # _grad_mark), for step() to see a change made to it since
         self._reduced_grads: dict[int, tuple[weakref.ReferenceType, int, int] | None] = {}
         self._closed = False
-        # The process that made the engine and its fork count (a child forked from it: see _forked_message)
-        self._pid, self._forks = os.getpid(), _FORKS[0]
+        # The process that made the engine (a child forked from it has another id: see _forked_message)
+        self._pid = os.getpid()
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
         self._call_lock = threading.Lock()  # step(), zero_grad() and the state calls: one at a time (_exclusive)
         # The thread holding _call_lock (in _exclusive or close()) / running a gradient hook's section, else None; a
@@ -1108,7 +1096,7 @@ class OffloadEngine:
         and the process executor's worker and shared memory (gradient buffers, masters, moments) are the parent's:
         a gradient taken in the child went into the parent's step. The inline executor works on the child's own
         copy of the state, as ``torch.optim`` does."""
-        if self._forks == _FORKS[0] or self.executor_name == "inline":
+        if self._pid == os.getpid() or self.executor_name == "inline":
             return None
         owner = "worker thread is" if self.executor_name == "thread" else "worker process and shared memory are"
         return (f"this optimizer was created in process {self._pid}, and this process ({os.getpid()}) was forked "
