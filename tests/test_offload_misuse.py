@@ -118,6 +118,27 @@ def test_a_state_dict_between_backward_and_step_is_refused(options):
         assert opt.state_dict()["state"]
 
 
+def test_the_state_of_an_optimizer_closed_between_backward_and_step_is_refused_saying_so():
+    """Closed between backward and step(), an optimizer keeps blocks that may hold speculative steps never
+    validated: opt.state[p] is refused, as between backward and step(), but its message told to read it after
+    step() or zero_grad(), which a closed optimizer refuses. It says what the kept state holds and what to do; an
+    optimizer closed between steps is read as before."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    p = next(iter(model.parameters()))
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.step()
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.close()
+    with pytest.raises(SofxError, match=r"^opt.state\[p\] was read from an optimizer closed between backward and "
+                                        r"step\(\): .*; close it after step\(\) or zero_grad\(\) to read its state"):
+        opt.state[p]["exp_avg"]
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+    assert int(opt.state[p]["step"]) == 1
+
 @pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_loading_state_or_weights_between_backward_and_step_is_refused(executor):
     model, ref = _models()

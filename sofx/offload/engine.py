@@ -1610,6 +1610,11 @@ class OffloadEngine:
         the state before the step), and a change would be mixed into them; and while another thread is in a call
         that holds the engine (see :meth:`_exclusive`). Readable after :meth:`close` (the state it keeps)."""
         with self._exclusive("opt.state[p]", closed_ok=True):
+            if self.in_step and self._closed:  # (no step() or zero_grad() can come: say what the state holds)
+                raise SofxError("opt.state[p] was read from an optimizer closed between backward and step(): its "
+                                "blocks may hold speculative steps that were never validated, so the state it kept "
+                                "is neither the one before the step nor the one after it; close it after step() or "
+                                "zero_grad() to read its state")
             if self.in_step:
                 raise SofxError("opt.state[p] was read between backward and step(): blocks may hold speculative "
                                 "steps that are not validated yet (torch.optim would show the state before the "
