@@ -27,6 +27,7 @@ from sofx.kernels.chunked import ChunkedCall, listed_elements
 
 from helpers import (HUGE_STEP_SIZE, UNWRITABLE, block_inputs, block_scalars, cached_native_build, expanded,
                      library_copying_compiler, max_rel_err, refuse_bad_grad_scales, refuse_bad_scalars,
+                     refuse_bad_scalars_everywhere,
                      refuse_bad_writes, refuse_shared_memory, refuse_step_sizes_beyond_float32, refuse_traced_inputs,
                      result_requiring_grad, script_prints_ok)
 
@@ -470,6 +471,19 @@ def test_scalars_no_step_can_take_are_refused_by_every_entry(name, rng):
         want = reference.step(p, gs, m, v, s, AdamVariant())
         assert all(torch.isfinite(x).all() and torch.equal(x, y) for x, y in zip(got, want))
 
+
+@pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
+def test_scalars_that_are_a_plain_tuple_are_refused_by_every_entry(name, rng):
+    """Scalars given as a plain tuple of AdamScalars' values: every entry read their fields by name, a bare
+    AttributeError ("'tuple' object has no attribute 'lr'"). They are refused naming the call, writing nothing."""
+    backend = reference if name == "reference" else BACKENDS[name]
+    blocks = [block_inputs(rng, n, torch.float32, torch.float32) for n in (10, 5000)]
+    before = [[t.clone() for t in b] for b in blocks]
+    s = block_scalars(rng, 0.1)
+    refuse_bad_scalars_everywhere(backend, name, blocks, s, tuple(s), AdamVariant(),
+                                  r"the scalars must be an AdamScalars \(lr, beta1, beta2, eps, weight_decay, step, "
+                                  r"grad_scale\), got tuple \(")
+    assert all(torch.equal(x, y) for b, old in zip(blocks, before) for x, y in zip(b, old))
 
 @pytest.mark.parametrize("name", [*sorted(BACKENDS), "reference"])
 @pytest.mark.parametrize("bad, message", UNWRITABLE, ids=["inference", "leaf", "view_of_leaf"])

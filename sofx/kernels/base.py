@@ -246,7 +246,11 @@ def concrete_scalars(s: AdamScalars, where: str = "kernel", float64: bool = Fals
     """``s`` with every field that can be read as a Python number converted to one, checked
     (:func:`check_scalars`; ``where`` names the call in the error, ``float64``: the block is stepped in
     float64, ``bias_correction``: the variant's). Every backend builds its scalars through this, so that all
-    refuse the same values."""
+    refuse the same values. Scalars that are not an :class:`AdamScalars` (a plain tuple of its values: its fields
+    were read by name, a bare AttributeError) are refused, naming ``where``."""
+    if not isinstance(s, AdamScalars):
+        raise HParamError(f"{where}: the scalars must be an AdamScalars (lr, beta1, beta2, eps, weight_decay, step, "
+                          f"grad_scale), got {type(s).__name__} {s!r:.80}")
     if not all(type(x) is float or type(x) is int for x in s):  # (the common case, once per leaf and step: floats)
         _refuse_non_numbers(s, where)
         s = AdamScalars(*(as_number(x) for x in s))
