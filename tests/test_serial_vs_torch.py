@@ -173,10 +173,11 @@ def test_step_facts_profiles_differ_on_a_growth_step():
 @pytest.mark.parametrize("profile", ["torch", "deepspeed"])
 def test_step_facts_at_a_loss_scale_that_cannot_unscale(profile: str):
     """A scale of 0 (GradScaler's after ~166 overflows in a row) or one whose inverse is beyond float32 makes the
-    step an overflow: skipped, the scaler backs off; never a division by zero, never a nan multiplier."""
+    step an overflow: skipped, the scaler backs off; never a division by zero, never a nan multiplier. (A static
+    rule's state loaded with such a scale: static_scale itself refuses one.)"""
     for rule, state in [(loss_scale.grad_scaler(), loss_scale.GradScalerState(0.0, 3)),
                         (loss_scale.grad_scaler(), loss_scale.GradScalerState(2.0 ** -128, 3)),
-                        (loss_scale.static_scale(2.0 ** -140), loss_scale.static_scale(2.0 ** -140).init())]:
+                        (loss_scale.static_scale(), loss_scale.StaticScaleState(2.0 ** -140))]:
         for max_norm in (None, 1.0):
             facts = step_facts(profile, rule, state, 4.0, max_norm)
             assert facts.overflow and facts.skipped and not facts.clipped, (state, max_norm)
