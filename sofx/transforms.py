@@ -100,7 +100,10 @@ def max_norm_value(max_norm: Any, name: str = "max_norm") -> float:
     (torch multiplies the gradients by a negative coefficient: every gradient reversed, the step climbs the
     loss), nan (every gradient nan) or anything else is refused, an :class:`HParamError` naming the value and
     its type (``name``: how the message calls it). No clipping is ``None`` where a caller takes it (or
-    :func:`identity`)."""
+    :func:`identity`); here, where the call clips, ``None`` is refused saying so."""
+    if max_norm is None:  # (the rule's "None: no clipping" is the loops' and the facade's, not this call's)
+        raise HParamError(f"{name} = None is invalid here: this call clips (expected a number >= 0, inf included: "
+                          "inf never clips); for no clipping leave the clip out (or use identity())")
     return nonnegative_number(name, max_norm, " (as clip_grad_norm_ takes it, 0 zeroes the gradients and inf "
                               "leaves them as they are; None: no clipping; there a negative max_norm would reverse "
                               "every gradient, and nan make them nan)")

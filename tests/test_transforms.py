@@ -842,3 +842,18 @@ print("ok")
 
 def test_a_gradient_whose_storage_was_freed_or_shrunk_is_refused_by_the_transforms_naming_it():
     script_prints_ok(_FREED_GRADIENT)
+
+
+@pytest.mark.parametrize("call, name", [(lambda: tx.clip_by_global_norm(None), "max_norm"),
+                                        (lambda: tx.clip_coefficient(1.0, None), "clip_coefficient: max_norm"),
+                                        (lambda: tx.zero_clip_factor(1.0, 2.0, None), "zero_clip_factor: max_norm")],
+                         ids=["clip_by_global_norm", "clip_coefficient", "zero_clip_factor"])
+def test_a_max_norm_of_none_where_the_call_clips_is_refused_saying_how_not_to_clip(call, name):
+    """``clip_by_global_norm(None)`` was refused with a message that said "None: no clipping" (the rule of the
+    loops and the facade, which take None), as if None were what it takes; it says that this call always
+    clips, and how not to clip (leave the clip out, or ``identity()``), without that contradiction."""
+    with pytest.raises(HParamError) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith(f"{name} = None is invalid here: this call clips"), message
+    assert "identity()" in message and "None: no clipping" not in message, message
