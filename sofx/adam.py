@@ -1835,7 +1835,9 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
                               "finite number (this int is beyond the float range)")
     ok, rule = HPARAM_RANGES[name]
     # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
-    if not -math.inf < value < math.inf or not ok(value):
+    if not -math.inf < value < math.inf:  # (inf meets some rules, nan none: say what is wrong with it)
+        raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}, a finite number")
+    if not ok(value):
         raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -85,6 +86,28 @@ def test_invalid_hparams_raise_and_change_nothing(hp, pattern):
     before = _snapshot(params, grads, state)
     with pytest.raises(sofx.SofxError, match=pattern):
         opt.update(params, grads, state, hp, donate=True)
+    _assert_unchanged(before, params, grads, state)
+
+
+@pytest.mark.parametrize("name, value", [("lr", float("inf")), ("lr", float("nan")), ("eps", float("inf")),
+                                         ("weight_decay", float("inf")), ("beta1", float("-inf"))])
+@pytest.mark.parametrize("where", ["update", "defaults"])
+def test_a_non_finite_hparam_is_refused_saying_a_finite_number_is_expected(name, value, where):
+    """``lr = inf`` was refused as "expected lr >= 0", a rule inf meets: the message did not say what is wrong
+    with it. A non-finite hparam (README: "all finite") is refused saying a finite number is expected, at the
+    step and at construction, changing nothing."""
+    expected = {"lr": "lr >= 0", "eps": "eps > 0", "weight_decay": "weight_decay >= 0",
+                "beta1": "0 <= beta1 < 1"}[name]
+    pattern = re.escape(f"{name} = {value!r} is invalid; expected {expected}, a finite number")
+    if where == "defaults":
+        kwargs = {"betas": (value, 0.999)} if name == "beta1" else {name: value}
+        with pytest.raises(sofx.HParamError, match=pattern):
+            sofx.adamw(**kwargs)
+        return
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.HParamError, match=pattern):
+        opt.update(params, grads, state, sofx.AdamHParams(**{name: value}), donate=True)
     _assert_unchanged(before, params, grads, state)
 
 

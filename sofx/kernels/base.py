@@ -344,8 +344,10 @@ def _check_hparam_range(name: str, x: float | int, where: str) -> None:
     if isinstance(x, int) and not -sys.float_info.max <= x <= sys.float_info.max:  # float(x) would overflow
         raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}, a finite number (this int is "
                           "beyond the float range)")
-    # (nan fails every comparison)
-    if not -math.inf < x < math.inf or not HPARAM_RANGES[name][0](x):
+    # (nan fails every comparison; inf meets some rules: say what is wrong with it)
+    if not -math.inf < x < math.inf:
+        raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}, a finite number")
+    if not HPARAM_RANGES[name][0](x):
         raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}")
 
 
