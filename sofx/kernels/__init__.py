@@ -5,7 +5,7 @@ and a device/dtype combination to a backend module:
 
 ``reference``  plain torch, every device and dtype, the specification
 ``cpu``        fused multi-threaded native CPU kernels, bitwise equal to ``reference``
-``cpu_fast``   one fused loop, IEEE square roots: fastest, within an ulp of ``reference``,
+``cpu_fast``   one fused loop, IEEE square roots: fastest, a few ulps of the update from ``reference``,
                its step bitwise ``torch.optim`` Adam/AdamW with ``fused=True``
 ``triton``     Triton GPU kernels (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``)
 

@@ -44,7 +44,7 @@ inverse's divisions by beta1, beta2 and 1 - lr*wd go through that correction
 where it is exact and divide the other lanes, the same bits as true divisions;
 its tile loops with ``sqrtf`` give the same bits, 1.1-1.8x slower). :mod:`sofx.kernels.cpu_fast`
 always takes IEEE square roots (about as fast as
-``torch.optim.AdamW(fused=True)``, within an ulp of the reference).
+``torch.optim.AdamW(fused=True)``, a few ulps of the update from the reference).
 :func:`bitwise_with_torch` says whether this backend's results are the
 reference's bit for bit on this machine. ``out`` may be the inputs' own
 tensors (donation): the update is then in place and allocates nothing. Any

@@ -7,8 +7,10 @@ the update. This backend instead runs one fully fused loop per element with
 the correctly rounded IEEE ``sqrtf``, which is what
 ``torch.optim.Adam/AdamW(fused=True)`` computes: its step equals torch's
 fused CPU kernel bit for bit (float32 and bfloat16; tested), and differs
-from ``cpu`` / ``reference`` only where MKL's square root is an ulp off
-(about 1e-4 of the parameters, by an ulp, per step). Its inverse divides by
+from ``cpu`` / ``reference`` by a few ulps of the update (up to 3 measured, on
+about one element in eight): the fused kernel's order of operations, which
+torch's own fused and for-loop steps differ by as much, and MKL's square root
+where it is an ulp off. Its inverse divides by
 ``1 - lr*wd``, ``beta1`` and ``beta2`` through their reciprocals and one
 multiply-add correction (the true quotient but for operands below ~2^-78 or
 quotients that overflow, where it may be an ulp off; ``u`` itself is
