@@ -114,7 +114,7 @@ def settings_text(engine: "OffloadEngine") -> str:
     profile), whether blocks are speculated (a block speculated and redone is the serial step within float32
     rounding; ``opt.speculate`` set on one rank alone), what becomes of a parameter without gradient, the
     accumulation, and the Adam transform's static configuration (the kernel backend among them: ``cpu_fast`` is
-    within an ulp of ``cpu``)."""
+    a few ulps of the update from ``cpu``)."""
     spec = engine.speculation
     adam = ", ".join(f"{key}={value!r}" for key, value in engine.adam_config.to_json().items())
     return (f"max_grad_norm={spec.max_norm!r}, profile={spec.profile!r}, speculate={spec.enabled!r}, "
