@@ -20,6 +20,7 @@ import glob
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -111,7 +112,7 @@ def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None
     model = SharedMLP()
     ref = copy.deepcopy(model)
     with pytest.warns(RuntimeWarning,
-                      match=r"needs .* MiB of shared memory .* falling back to the thread executor") as record:
+                      match=r"needs .* bytes .* of shared memory .* falling back to the thread executor") as record:
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
                                             shm_limit_bytes=1024)
     assert record[0].filename == __file__, "the warning names the caller's line"
@@ -123,6 +124,22 @@ def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None
             report = mlp_step_side_by_side(opt, ropt, model, ref, gen)
             assert report.executor == "thread" and report.committed > 0
             assert relative_deviation(model, ref) <= TOL
+
+
+def test_the_shared_memory_warning_gives_the_sizes_in_bytes_so_that_a_small_shortfall_reads_as_one() -> None:
+    """A model whose state needs less than 0.05 MiB, at a budget of 1024 bytes, was told "needs 0.0 MiB of shared
+    memory ..., but only 0.0 MiB are available": two equal numbers for a shortfall. The warning gives the sizes in
+    bytes (and MiB), the need above the budget."""
+    model = torch.nn.Linear(20, 20)
+    with pytest.warns(RuntimeWarning, match="falling back to the thread executor") as record:
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", shm_limit_bytes=1024)
+    opt.close()
+    message = str(record[0].message)
+    found = re.search(r"needs ([\d,]+) bytes \(\d+\.\d MiB\) of shared memory .* but only ([\d,]+) bytes "
+                      r"\(\d+\.\d MiB\) are available", message)
+    assert found, message
+    need, available = (int(x.replace(",", "")) for x in found.groups())
+    assert available == 1024 and need > available, message
 
 
 def _child_candidates(parent: int) -> list[str]:

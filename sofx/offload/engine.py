@@ -322,8 +322,9 @@ class OffloadEngine:
                 swappable = set()  # the publish buffers do not fit: copy in step() instead
             if need > budget:
                 warnings.warn(
-                    f"sofx.offload: the process executor needs {need / 2**20:.1f} MiB of shared memory in "
-                    f"{shm_dir} for the optimizer state, but only {budget / 2**20:.1f} MiB are available"
+                    f"sofx.offload: the process executor needs {need:,} bytes ({need / 2**20:.1f} MiB) of shared "
+                    f"memory in {shm_dir} for the optimizer state, but only {budget:,} bytes ({budget / 2**20:.1f} "
+                    "MiB) are available"
                     f"{' (shm_limit_bytes)' if shm_limit_bytes is not None else ''}; falling back to the "
                     "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
                     RuntimeWarning, stacklevel=caller_stacklevel())
