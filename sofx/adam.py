@@ -806,9 +806,10 @@ class Adam:
         _validate_donate(donate)
         spec, leaves = self._gather(params, grads, state, hparams)
         stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
-        checked = {_hparams_key(leaf.hp, leaf.p.dtype) for leaf in leaves if leaf.g is not None}  # by _gather
+        checked = {_hparams_key(leaf.hp, leaf.p.dtype, leaf.p.is_meta)  # by _gather
+                   for leaf in leaves if leaf.g is not None}
         for leaf in stepped:  # and those of the leaves stepped with a zero gradient (zero_missing)
-            _check_stepped_hparams(leaf.hp, leaf.path, leaf.p.dtype, checked)
+            _check_stepped_hparams(leaf.hp, leaf.path, leaf.p.dtype, checked, leaf.p.is_meta)
             _check_next_count(leaf.path, leaf.steps)
             if self.variant.bias_correction:
                 check_step_size(leaf.path, leaf.hp, leaf.steps, leaf.p.dtype)
@@ -888,7 +889,7 @@ class Adam:
         stepping = expect_spec is None or grads is not None  # an update, or the redo of an undo_redo
         hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
-        checked: set[tuple[int, bool]] = set()  # hparams objects checked already (a group's leaves share one)
+        checked: set[tuple[int, bool, bool]] = set()  # hparams objects checked already (a group's leaves share one)
         traced = leaf_tracer()
         compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
         hp_traced: dict[int, bool] = {}  # per hparams object
@@ -906,7 +907,7 @@ class Adam:
             if not (compiling or _in_storage(p, g, m, v)):
                 _check_storage(path, p, g, m, v)  # (a strided view, a wrapper: checked whole; names a bad one)
             if g is not None:
-                _check_stepped_hparams(hp, path, p.dtype, checked)
+                _check_stepped_hparams(hp, path, p.dtype, checked, p.is_meta)
                 if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
                     _check_next_count(path, steps)
                 if self.variant.bias_correction:  # (an undo_redo's redo takes the undone step's t: this count)
@@ -1767,21 +1768,30 @@ def check_step_size(param_path: str, hp: AdamHParams, steps: Any, dtype: torch.d
     kernel_check_step_size(f"hparams for {param_path}", hp.lr, hp.beta1, steps + 1, dtype == torch.float64, "leaf")
 
 
-def _hparams_key(hp: AdamHParams, dtype: torch.dtype) -> tuple[int, bool]:
-    """What :func:`_check_stepped_hparams` checks once: the hparams object, and whether its leaf is stepped in
-    float32 (every dtype but float64)."""
-    return id(hp), dtype != torch.float64
+def _hparams_key(hp: AdamHParams, dtype: torch.dtype, meta: bool = False) -> tuple[int, bool, bool]:
+    """What :func:`_check_stepped_hparams` checks once: the hparams object, whether its leaf is stepped in
+    float32 (every dtype but float64), and whether the leaf is a meta tensor."""
+    return id(hp), dtype != torch.float64, meta
 
 
-def _check_stepped_hparams(hp: AdamHParams, path: str, dtype: torch.dtype, checked: set[tuple[int, bool]]) -> None:
-    """The hparams of a leaf of ``dtype`` that is stepped: their values (:func:`_validate_hparams`) and, stepped in
-    float32, its range (:func:`check_float32_range`); once per :func:`_hparams_key` in ``checked``."""
-    key = _hparams_key(hp, dtype)
+def _check_stepped_hparams(hp: AdamHParams, path: str, dtype: torch.dtype, checked: set[tuple[int, bool, bool]],
+                           meta: bool = False) -> None:
+    """The hparams of a leaf of ``dtype`` that is stepped: their values (:func:`_validate_hparams`), stepped in
+    float32 its range (:func:`check_float32_range`), and for a leaf with data (not ``meta``) no meta tensor
+    among them (it holds no value: torch's arithmetic raised a device mismatch naming neither); once per
+    :func:`_hparams_key` in ``checked``."""
+    key = _hparams_key(hp, dtype, meta)
     if key in checked:
         return
     _validate_hparams(hp, "hparams for ", path)
     if key[1]:
         check_float32_range(hp, "hparams for ", path)
+    if not meta:
+        for name, value in zip(AdamHParams._fields, hp):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise HParamError(f"hparams for {path}: {name} is a meta tensor, which holds no value, for a leaf "
+                                  "with data; give a float or a 0-d tensor with its value (meta hparams go with "
+                                  "meta parameters only)")
     checked.add(key)
 
 

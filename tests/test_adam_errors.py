@@ -111,6 +111,27 @@ def test_a_non_finite_hparam_is_refused_saying_a_finite_number_is_expected(name,
     _assert_unchanged(before, params, grads, state)
 
 
+@pytest.mark.parametrize("name", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("call", ["update", "check_inputs"])
+def test_a_meta_tensor_hparam_of_a_leaf_with_data_is_refused_naming_the_leaf(name, call):
+    """A 0-d meta tensor as an hparam of a leaf that has data (a meta lr beside CPU parameters) reached torch's
+    arithmetic, which raised "RuntimeError: Tensor on device meta is not on the expected device cpu!", naming
+    neither the leaf nor the hparam. It is refused naming both, changing nothing; meta parameters (planning a
+    state without memory) still take a meta hparam."""
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    hp = sofx.AdamHParams(**{name: torch.tensor(1e-3, device="meta")})
+    with pytest.raises(sofx.HParamError, match=r"hparams for params\[.*\]: " + name + r" is a meta tensor"):
+        if call == "update":
+            opt.update(params, grads, state, hp, donate=True)
+        else:
+            opt.check_inputs(params, grads, state, hp)
+    _assert_unchanged(before, params, grads, state)
+    meta = {"w": torch.empty(3, device="meta")}
+    out, _, _ = opt.update(meta, {"w": torch.empty(3, device="meta")}, opt.init(meta), hp)
+    assert out["w"].is_meta and out["w"].shape == (3,)
+
+
 def test_invalid_defaults_and_options_are_refused_at_construction():
     with pytest.raises(sofx.HParamError, match="betas must be a pair"):
         sofx.adamw(betas=(0.9,))
