@@ -1656,6 +1656,9 @@ def _module_params_hint(x: Any) -> str:
 
 
 def _check_dense(path: str, x: torch.Tensor) -> None:
+    if x.is_nested:  # (of strided layout too: it has no shape, which torch's "Internal error" said)
+        raise LeafError(f"{path}: expected a dense (strided) tensor, got a nested tensor ({x.layout}); nested "
+                        "tensors are not supported")
     if x.layout != torch.strided:
         raise LeafError(f"{path}: expected a dense (strided) tensor, got layout {x.layout}; sparse tensors are "
                         "not supported (e.g. nn.Embedding(sparse=True) gives sparse gradients)")
@@ -1663,8 +1666,8 @@ def _check_dense(path: str, x: torch.Tensor) -> None:
 
 def _check_like(tree_name: str, param_path: str, x: Any, p: torch.Tensor, dtype: torch.dtype) -> None:
     """``x`` (the leaf of ``tree_name`` at the parameter's ``param_path``) is a tensor like ``p`` of ``dtype``."""
-    if type(x) is torch.Tensor and x.shape == p.shape and x.dtype == dtype and x.device == p.device \
-            and x.layout is torch.strided:
+    if type(x) is torch.Tensor and not x.is_nested and x.shape == p.shape and x.dtype == dtype \
+            and x.device == p.device and x.layout is torch.strided:
         return  # the common case, three times per leaf and step
     path = tree_name + param_path[len("params"):]
     if not isinstance(x, torch.Tensor):
@@ -1684,12 +1687,15 @@ def _leaf_alike(p: torch.Tensor, g: Any, m: Any, v: Any, state_dtype: torch.dtyp
     per leaf, ``p``'s shape and device read once (each read builds an object); False: ask :func:`_check_like`,
     which names what is wrong."""
     shape, device, strided = p.shape, p.device, torch.strided
-    return ((g is None or (type(g) is torch.Tensor and g.shape == shape and g.dtype == p.dtype
-                           and g.device == device and g.layout is strided))
-            and type(m) is torch.Tensor and m.shape == shape and m.dtype == state_dtype and m.device == device
-            and m.layout is strided
-            and type(v) is torch.Tensor and v.shape == shape and v.dtype == state_dtype and v.device == device
-            and v.layout is strided)
+    try:
+        return ((g is None or (type(g) is torch.Tensor and g.shape == shape and g.dtype == p.dtype
+                               and g.device == device and g.layout is strided))
+                and type(m) is torch.Tensor and m.shape == shape and m.dtype == state_dtype and m.device == device
+                and m.layout is strided
+                and type(v) is torch.Tensor and v.shape == shape and v.dtype == state_dtype and v.device == device
+                and v.layout is strided)
+    except RuntimeError:  # a nested tensor's shape cannot be read: _check_like names it
+        return False
 
 
 def _in_storage(p: torch.Tensor, g: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -130,6 +131,39 @@ def test_a_meta_tensor_hparam_of_a_leaf_with_data_is_refused_naming_the_leaf(nam
     meta = {"w": torch.empty(3, device="meta")}
     out, _, _ = opt.update(meta, {"w": torch.empty(3, device="meta")}, opt.init(meta), hp)
     assert out["w"].is_meta and out["w"].shape == (3,)
+
+
+@pytest.mark.parametrize("where, call", [(where, call) for call in ("update", "check_inputs", "undo")
+                                         for where in ("params", "grads", "state.mu", "state.nu")
+                                         if (where, call) != ("grads", "undo")])  # (undo takes no gradients)
+def test_a_nested_tensor_leaf_is_refused_naming_it(where, call):
+    """A nested tensor (torch.nested.nested_tensor, strided layout) as a leaf raised torch's "RuntimeError:
+    Internal error: NestedTensorImpl doesn't support sizes. Please file an issue." from the leaves' common-case
+    check, naming no leaf. It is refused as a LeafError naming its path, changing nothing."""
+    opt, params, grads, state = _setup(1)
+    new_params, new_state, record = opt.update(params, grads, state)
+    p, s = (clone_tree(params), clone_tree(state)) if call != "undo" else (clone_tree(new_params),
+                                                                            clone_tree(new_state))
+    g = clone_tree(grads)
+    with warnings.catch_warnings():  # (torch's warning that nested tensors are a prototype, once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.randn(2)])
+    if where == "params":
+        p["head"] = nested
+    elif where == "grads":
+        g["head"] = nested
+    else:
+        key = where.split(".")[1]
+        s = s._replace(**{key: dict(getattr(s, key), head=nested)})
+    before = _snapshot(p["layers"], s.mu["layers"], s.nu["layers"])  # (what donation would write; never nested)
+    with pytest.raises(sofx.LeafError, match=re.escape(f"{where}['head']") + r": .*nested"):
+        if call == "update":
+            opt.update(p, g, s, donate=True)
+        elif call == "check_inputs":
+            opt.check_inputs(p, g, s)
+        else:
+            opt.undo(p, s, record, donate=True)
+    _assert_unchanged(before, p["layers"], s.mu["layers"], s.nu["layers"])
 
 
 def test_invalid_defaults_and_options_are_refused_at_construction():
