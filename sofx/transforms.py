@@ -129,6 +129,8 @@ def sumsq(x: torch.Tensor) -> float:
     mean a non-finite element (or a float64 sum beyond its range): one pass gives both the norm and the overflow
     check.
     """
+    if isinstance(x, torch.Tensor) and x.is_nested:  # (torch's reshape of it raised, naming no argument)
+        raise LeafError(f"sumsq: x: expected a dense (strided) tensor, got a nested tensor ({x.layout})")
     if not in_storage(x):
         refuse_short_storage(x, "sumsq: x")
     return _sumsq(x)
@@ -181,10 +183,13 @@ def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
     for i, g in enumerate(leaves):
         if g is None:
             continue
-        if not (isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided):
+        if not (isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided
+                and not g.is_nested):
             path = tree.leaf_paths(spec, root="grads")[i]
             if not isinstance(g, torch.Tensor):
                 raise LeafError(f"{who}: {path}: expected a tensor, got {type(g).__name__}")
+            if g.is_nested:  # (of strided layout too: torch's operations on it raise, naming no leaf)
+                raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got a nested tensor ({g.layout})")
             if g.layout != torch.strided:
                 raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got {g.layout}")
             raise LeafError(f"{who}: {path}: expected a floating-point tensor, got {g.dtype}")
@@ -596,6 +601,8 @@ def _check_grad(path: str, g: Any, p: torch.Tensor, root: str = "grads") -> None
     gpath = root + path[len("params"):]
     if not isinstance(g, torch.Tensor):
         raise LeafError(f"{gpath}: expected a tensor, got {type(g).__name__}")
+    if g.is_nested:  # (its shape cannot be read: torch's "Internal error")
+        raise LeafError(f"{gpath}: expected a dense (strided) tensor, got a nested tensor ({g.layout})")
     if g.shape != p.shape:
         raise LeafError(f"{gpath}: expected shape {tuple(p.shape)}, got {tuple(g.shape)}")
     if g.dtype != p.dtype:

@@ -857,3 +857,33 @@ def test_a_max_norm_of_none_where_the_call_clips_is_refused_saying_how_not_to_cl
     message = str(info.value)
     assert message.startswith(f"{name} = None is invalid here: this call clips"), message
     assert "identity()" in message and "None: no clipping" not in message, message
+
+
+def test_a_nested_tensor_gradient_is_refused_naming_its_path():
+    """A nested tensor (torch.nested.nested_tensor) as a gradient reached torch's operations, which raised
+    "reshape: For now nested reshape cannot change ...", "Could not run 'aten::ne.Scalar' with arguments from the
+    'NestedTensorCPU' backend" or "NestedTensorImpl doesn't support sizes" (accumulate), naming no leaf. The
+    transforms, the norms, ``scale_tree``, ``sumsq`` and ``accumulate`` refuse it as a LeafError naming it."""
+    import warnings
+    from sofx import speculate as sp
+    with warnings.catch_warnings():  # (torch's warning that nested tensors are a prototype, once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.ones(2)])
+    grads = {"enc": {"w": torch.ones(2), "b": nested}}
+    pattern = r"grads\['enc'\]\['b'\]: expected a dense \(strided\) tensor, got a nested tensor"
+    for name, t, extra in (("clip_by_global_norm", tx.clip_by_global_norm(1.0), {}),
+                           ("check_finite", tx.check_finite(), {}), ("unscale", tx.unscale(), {"loss_scale": 2.0}),
+                           ("unscale_and_clip_zero", tx.unscale_and_clip_zero(1.0), {"loss_scale": 2.0})):
+        with pytest.raises(LeafError, match=name + ": " + pattern):
+            t.update(grads, t.init(None), **extra)
+    for name, f in (("global_norm", tx.global_norm), ("all_finite", tx.all_finite),
+                    ("scale_tree", lambda g: tx.scale_tree(g, 0.5))):
+        with pytest.raises(LeafError, match=name + ": " + pattern):
+            f(grads)
+    for f in (tx.sumsq, sp.grad_sumsq):
+        with pytest.raises(LeafError, match=r"sumsq: x: expected a dense \(strided\) tensor, got a nested tensor"):
+            f(nested)
+    params = {"enc": {"w": torch.ones(2), "b": torch.ones(2)}}
+    state = tx.accumulation_init(params)
+    with pytest.raises(LeafError, match=pattern):
+        tx.accumulate(state, grads, params)
