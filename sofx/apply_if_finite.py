@@ -13,7 +13,7 @@ import torch
 
 from sofx import tree
 from sofx.adam import Adam
-from sofx.errors import SofxError, UndoError, UnsupportedError
+from sofx.errors import LeafError, SofxError, UndoError, UnsupportedError
 from sofx.kernels.base import is_traced
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import integer
@@ -209,13 +209,16 @@ def _grads_all_finite(grads: Any) -> bool | torch.Tensor:
     back where it is read), True without such a leaf. Other leaves are left to the inner optimizer to refuse; a
     leaf whose elements reach past the end of its storage (freed or shrunk: torch's test would read outside any
     allocation) is refused before any is read, a :class:`~sofx.errors.LeafError` naming its path
-    (:func:`~sofx.kernels.storage.refuse_short_storage`), as the inner optimizer would."""
+    (:func:`~sofx.kernels.storage.refuse_short_storage`), as the inner optimizer would; so is a nested tensor."""
     all_leaves, spec = tree.flatten(grads)
     leaves = [g for g in all_leaves if isinstance(g, torch.Tensor) and g.is_floating_point()]
     if not leaves:
         return True
     if not torch.compiler.is_compiling():  # (no storage to check: Dynamo traces fake tensors)
         for i, g in enumerate(all_leaves):
+            if isinstance(g, torch.Tensor) and g.is_floating_point() and g.is_nested:  # (torch.isfinite raised)
+                raise LeafError(f"{tree.leaf_paths(spec, root='grads')[i]}: expected a dense (strided) tensor, got "
+                                f"a nested tensor ({g.layout})")
             if isinstance(g, torch.Tensor) and g.is_floating_point() and not in_storage(g):
                 refuse_short_storage(g, lambda: tree.leaf_paths(spec, root="grads")[i])
     flags = [torch.isfinite(g).all() for g in leaves]

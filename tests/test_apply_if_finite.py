@@ -391,3 +391,20 @@ print("ok")
 
 def test_a_gradient_whose_storage_was_freed_or_shrunk_is_refused_naming_it_before_the_finiteness_test():
     script_prints_ok(_FREED_GRADIENT)
+
+
+def test_a_nested_tensor_gradient_is_refused_naming_its_path(rng):
+    """A nested tensor gradient reached torch.isfinite in the finiteness test, which raised "Could not run
+    'aten::ne.Scalar' with arguments from the 'NestedTensorCPU' backend", naming no leaf, before the inner
+    optimizer's checks. It is refused as a LeafError naming its path, the counters unchanged."""
+    import warnings
+    opt = sofx.apply_if_finite(sofx.adam(), 3)
+    params = _params(rng)
+    state = opt.init(params)
+    g = _grads(rng)
+    with warnings.catch_warnings():  # (torch's warning that nested tensors are a prototype, once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        g["b"] = torch.nested.nested_tensor([torch.ones(3)])
+    with pytest.raises(LeafError, match=r"grads\['b'\]: expected a dense \(strided\) tensor, got a nested tensor"):
+        opt.update(params, g, state)
+    assert _counters(state) == (0, True, 0)
