@@ -1012,3 +1012,20 @@ print("ok")
 
 def test_a_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_the_checkpoint_writers_naming_it():
     script_prints_ok(_FREED_CHECKPOINT)
+
+
+def test_a_nested_tensor_is_refused_naming_its_path_and_nothing_is_written(tmp_path):
+    """A nested tensor (strided layout) passed the layout check and raised torch's "Internal error:
+    NestedTensorImpl doesn't support sizes" from save and save_async, naming no leaf. It is a CheckpointError
+    naming its path, before anything is written (the previous file intact, no temporary left)."""
+    import warnings
+    with warnings.catch_warnings():  # (torch's warning that nested tensors are a prototype, once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    path = tmp_path / "n.ckpt"
+    ck.save(path, {"previous": torch.arange(3)})
+    for save in (ck.save, ck.save_async):
+        with pytest.raises(ck.CheckpointError, match=r"^tree\['x'\]: a nested tensor cannot be stored"):
+            save(path, {"x": nested})
+    assert torch.equal(ck.load(path)["previous"], torch.arange(3))
+    assert ck.stale_temporaries(path) == []

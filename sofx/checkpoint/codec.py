@@ -203,6 +203,8 @@ def json_int(text: str) -> int:
 
 
 def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:
+    if t.is_nested:  # (of strided layout too: it has no shape, which torch's "Internal error" said)
+        raise CheckpointError(f"{path}: a nested tensor cannot be stored; store its components (t.unbind())")
     if t.layout != torch.strided:
         raise CheckpointError(f"{path}: a tensor with layout {t.layout} cannot be stored; convert it to dense")
     if t.device.type == "meta":
