@@ -1066,7 +1066,7 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
 
 def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
-    number or a 0-d floating-point tensor, >= 0, and at most float32's largest value where a leaf with a
+    number (a numpy one read as the Python number it holds) or a 0-d floating-point tensor, >= 0, and at most float32's largest value where a leaf with a
     gradient is stepped in float32 (every dtype but float64: the kernels multiply its gradient by it in
     float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it). 0
     steps with zero gradients (``clip_grad_norm_`` at ``max_norm=0`` multiplies them by 0), and so does one so
@@ -1074,6 +1074,8 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     not finite stays one (``0 * inf`` is nan)."""
     if type(grad_scale) is float or type(grad_scale) is int:
         value = grad_scale
+    elif is_numpy_real(grad_scale):  # (np.float32 was refused as no number; np.float64, a float, passed)
+        value = as_number(grad_scale)
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
         raise HParamError(f"grad_scale must be a number or a 0-d floating-point tensor, got "
                           f"{type(grad_scale).__name__}")

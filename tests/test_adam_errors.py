@@ -166,6 +166,23 @@ def test_a_nested_tensor_leaf_is_refused_naming_it(where, call):
     _assert_unchanged(before, p["layers"], s.mu["layers"], s.nu["layers"])
 
 
+def test_a_numpy_grad_scale_is_taken_as_the_number_it_holds():
+    """grad_scale = np.float32(0.5) (or a numpy integer) was refused as "grad_scale must be a number or a 0-d
+    floating-point tensor, got float32" (np.float64, a float subclass, passed): the step takes it as the Python
+    number it holds, as the hparams and the loss scale take numpy numbers, bit for bit the float's step."""
+    np = pytest.importorskip("numpy")
+    opt, params, grads, state = _setup(1)
+    want = opt.update(params, grads, state, grad_scale=0.5)
+    for gs, value in ((np.float32(0.5), 0.5), (np.float64(0.5), 0.5), (np.int64(2), 2.0)):
+        got = opt.update(params, grads, state, grad_scale=gs)
+        ref = want if value == 0.5 else opt.update(params, grads, state, grad_scale=value)
+        assert trees_equal(got[0], ref[0]) and trees_equal(got[1], ref[1]), gs
+    with pytest.raises(sofx.HParamError, match=r"grad_scale must be a number .*, got bool"):
+        opt.update(params, grads, state, grad_scale=np.bool_(True))
+    with pytest.raises(sofx.HParamError, match=r"grad_scale = -1\.0 is invalid"):
+        opt.update(params, grads, state, grad_scale=np.float32(-1.0))
+
+
 def test_invalid_defaults_and_options_are_refused_at_construction():
     with pytest.raises(sofx.HParamError, match="betas must be a pair"):
         sofx.adamw(betas=(0.9,))
