@@ -1066,7 +1066,8 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
 
 def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     """``grad_scale`` as a number where it can be read (the record keeps this step's value), checked: a real
-    number (a numpy one read as the Python number it holds) or a 0-d floating-point tensor, >= 0, and at most float32's largest value where a leaf with a
+    number (a numpy one read as the Python number it holds) or a 0-d floating-point tensor (not a meta one
+    beside leaves with data), >= 0, and at most float32's largest value where a leaf with a
     gradient is stepped in float32 (every dtype but float64: the kernels multiply its gradient by it in
     float32, where a larger one is inf; the step's values would be nan, and no finiteness check sees it). 0
     steps with zero gradients (``clip_grad_norm_`` at ``max_norm=0`` multiplies them by 0), and so does one so
@@ -1084,6 +1085,10 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
                           f"{tuple(grad_scale.shape)} and dtype {grad_scale.dtype}")
     else:
         value = as_number(grad_scale, "grad_scale")
+        if isinstance(value, torch.Tensor) and value.is_meta and any(leaf.g is not None and not leaf.p.is_meta
+                                                                     for leaf in leaves):
+            raise HParamError("grad_scale is a meta tensor, which holds no value, for leaves with data; give a float "
+                              "or a 0-d tensor with its value")
     if is_number(value) and not 0 <= value < math.inf:  # a comparison traces for symbolic floats
         raise HParamError(f"grad_scale = {value!r} is invalid; expected a finite value >= 0")
     if is_number(value) and value > FLOAT32_MAX:

@@ -183,6 +183,16 @@ def test_a_numpy_grad_scale_is_taken_as_the_number_it_holds():
         opt.update(params, grads, state, grad_scale=np.float32(-1.0))
 
 
+def test_a_meta_grad_scale_of_leaves_with_data_is_refused():
+    """A meta 0-d grad_scale beside parameters with data reached torch's arithmetic ("Tensor on device meta is not
+    on the expected device cpu!"); it is refused naming grad_scale, changing nothing."""
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.HParamError, match=r"grad_scale is a meta tensor"):
+        opt.update(params, grads, state, grad_scale=torch.tensor(0.5, device="meta"), donate=True)
+    _assert_unchanged(before, params, grads, state)
+
+
 def test_invalid_defaults_and_options_are_refused_at_construction():
     with pytest.raises(sofx.HParamError, match="betas must be a pair"):
         sofx.adamw(betas=(0.9,))
