@@ -27,7 +27,8 @@ were unscaled with), ``next_scale`` (the scale for the next step),
 ``grad_scale`` (the one multiplier Adam applied to the raw gradients).
 ``speculating``: whether this step was allowed to speculate
 (``not_speculating_reason`` says why not: disabled, not the last micro-step,
-or the adaptive policy). ``policy_paused``/``policy_reason``: the adaptive
+the adaptive policy, or a step no speculative block could stand: hparams a
+block refuses, a loss scale that cannot unscale, ``max_norm=0``). ``policy_paused``/``policy_reason``: the adaptive
 policy's state *after* this step ("paused: clipping fired on 5 of the last 8
 steps ...", "resumed: ..."). ``veto_reason``: why speculation was vetoed
 during backward. ``actions``: the validation action of every block.

@@ -812,7 +812,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.engine.set_speculation(on)  # (under ddp the ranks compare it at the next step)
 
     def reload_params(self) -> None:
-        """Take the model's current parameter values as the fp32 masters (after loading model weights)."""
+        """Take the model's current parameter values as the fp32 masters: after a write into ``p.data`` in place
+        (``p.data.clamp_()``), which the optimizer does not see (``model.load_state_dict()``, ``p.data = t`` and
+        in-place changes of the parameters themselves under ``torch.no_grad()`` are taken at the next backward)."""
         self.engine.reload_params()
 
     def close(self) -> None:
