@@ -138,6 +138,9 @@ def test_the_shared_memory_warning_gives_the_sizes_in_bytes_so_that_a_small_shor
     found = re.search(r"needs ([\d,]+) bytes \(\d+\.\d MiB\) of shared memory .* but only ([\d,]+) bytes "
                       r"\(\d+\.\d MiB\) are available", message)
     assert found, message
+    # the limit was the caller's: the remedy is to raise it (it said to enlarge /dev/shm, which had room)
+    assert "(shm_limit_bytes); falling back" in message and "Raise shm_limit_bytes to use the process" in message
+    assert "Enlarge" not in message
     need, available = (int(x.replace(",", "")) for x in found.groups())
     assert available == 1024 and need > available, message
 

@@ -321,12 +321,15 @@ class OffloadEngine:
             if need + publish_bytes > budget:
                 swappable = set()  # the publish buffers do not fit: copy in step() instead
             if need > budget:
+                # (the binding limit: the caller's shm_limit_bytes, or the directory's free space)
+                limited = shm_limit_bytes is not None and budget == int(shm_limit_bytes)
+                remedy = ("Raise shm_limit_bytes" if limited else
+                          f"Enlarge {shm_dir} (e.g. docker --shm-size for /dev/shm) or pass another shm_dir")
                 warnings.warn(
                     f"sofx.offload: the process executor needs {need:,} bytes ({need / 2**20:.1f} MiB) of shared "
                     f"memory in {shm_dir} for the optimizer state, but only {budget:,} bytes ({budget / 2**20:.1f} "
-                    "MiB) are available"
-                    f"{' (shm_limit_bytes)' if shm_limit_bytes is not None else ''}; falling back to the "
-                    "thread executor. Enlarge /dev/shm (e.g. docker --shm-size) to use the process executor.",
+                    f"MiB) are available{' (shm_limit_bytes)' if limited else ''}; falling back to the thread "
+                    f"executor. {remedy} to use the process executor.",
                     RuntimeWarning, stacklevel=caller_stacklevel())
                 executor, swappable = "thread", local_swappable
         self._interrupts: Any = NO_GATE
