@@ -88,7 +88,24 @@ def _steps_with_other_settings(rank: int) -> dict:
     return out
 
 
-CASES = {"steps_with_other_settings": _steps_with_other_settings}
+def _settings_in_another_order(rank: int) -> dict:
+    """The hook's agreed_sum given the same settings on both ranks, a dict built in another key order on rank BAD
+    (equal dicts), then settings that differ in one value."""
+    reduce = sd.all_reduce_sumsq()
+    items = [("max_norm", 1.0), ("profile", "torch"), ("missing_grad", "skip")]
+    settings = dict(reversed(items) if rank == BAD else items)
+    out = {"same": None}
+
+    def same() -> None:
+        out["same"] = reduce.agreed_sum(0.5 + rank, settings)
+
+    out["same_error"] = error_text(same)
+    out["other"] = error_text(lambda: reduce.agreed_sum(0.5, {**settings, "max_norm": 1.0 + (rank == BAD)}))
+    return out
+
+
+CASES = {"steps_with_other_settings": _steps_with_other_settings,
+         "settings_in_another_order": _settings_in_another_order}
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +137,13 @@ def test_nothing_is_stepped_where_the_settings_differ(ranks, change):
 
 def test_the_ranks_step_on_once_their_settings_agree(ranks):
     assert [res["steps_with_other_settings"]["next"] for res in ranks] == [2, 2]
+
+
+def test_equal_settings_whose_dicts_list_their_keys_in_another_order_agree(ranks):
+    """A dict's key order is not part of its value (``{"a": 1, "b": 2} == {"b": 2, "a": 1}``): such settings agree,
+    as in check_same_setup, where the ranks raised that they list them in another order."""
+    want = f"all_reduce_sumsq: max_norm differs between ranks at this step: 1 on rank 0; 2 on rank 1; {HINT}"
+    for res in ranks:
+        case = res["settings_in_another_order"]
+        assert (case["same_error"], case["same"]) == ("no error", 0.5 + 1.5)
+        assert case["other"] == want

@@ -155,8 +155,10 @@ def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
 
 def _digest(entries: dict[str, str]) -> float:
     """A 48-bit digest of ``entries`` as a float64 (an integer below 2**53: exact), equal on the ranks whose
-    entries are."""
-    text = repr(list(entries.items())).encode()
+    entries are, in whatever order (a dict's key order is not part of its value: equal settings built in another
+    order raised on every rank that the ranks list them in another order; the error names the first that differs
+    in each rank's own order, a loop's step count first)."""
+    text = repr(sorted(entries.items())).encode()
     return float(int.from_bytes(hashlib.blake2b(text, digest_size=6).digest(), "little"))
 
 
