@@ -552,3 +552,52 @@ def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):
         else:
             assert msg.startswith(OTHERS_REFUSED), msg
         assert res["not_a_number"]["next"] == 4.0  # the next step's sum, on every rank
+
+
+# ---------------------------------------------------------------- a rank that never comes to the step's reduction
+LEFT_TIMEOUT_S = 2.0  # the group's timeout in this run: rank 0 waits this long for the rank that left
+
+
+def _left_before_the_reduction(rank: int, world: int, store: str, outdir: str) -> None:
+    """Rank BAD raises in its own code before its step, leaving the group (it never calls the hook); rank 0 takes
+    the serial and the speculative loop step (donating) and waits in the hook's collective until the group's
+    timeout (its own group: a timeout leaves it unusable)."""
+    import os
+    import sys
+    import time
+
+    from helpers import init_gloo
+
+    torch.set_num_threads(1)
+    init_gloo(rank, world, store, LEFT_TIMEOUT_S)
+    opt, scaler = sofx.adamw(lr=1e-2, undo="exact"), sofx.loss_scale.grad_scaler()
+    reduce = sd.all_reduce_sumsq()  # (the setup's collective: both ranks take part)
+    out = {}
+    if rank == BAD:
+        time.sleep(4 * LEFT_TIMEOUT_S)  # (alive: rank 0's collective times out, its peer is not gone)
+    else:
+        loop = init_loop(opt, [torch.ones(3)], scaler)
+        grads = [torch.full((3,), 0.5)]
+        out["serial"] = error_text(lambda: serial_loop_step(opt, loop, grads, scaler=scaler, reduce_sumsq=reduce))
+        out["speculative"] = error_text(lambda: speculative_loop_step(
+            opt, loop, grads, config=SpeculationConfig(), scaler=scaler, reduce_sumsq=reduce, donate=True))
+        out["params"] = loop.params
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    os._exit(0)  # (the group is unusable after a timeout: no destroy_process_group)
+
+
+def test_a_rank_that_left_before_the_reduction_is_a_clear_error_after_the_groups_timeout(tmp_path):
+    """Where a rank raised in its own code before its step (no sofx call to refuse through), the other waited in
+    the hook's all_gather until the group's timeout and raised gloo's bare RuntimeError ("Timed out waiting
+    2000ms for send operation to complete", or "Application timeout caused pair closure"), which named neither
+    the step's reduction nor what to do. It is now a SofxError naming them, with gloo's words; nothing was
+    stepped."""
+    from helpers import run_gloo
+
+    res = run_gloo(_left_before_the_reduction, 2, tmp_path, timeout_s=120)[0]
+    for what in ("serial", "speculative"):
+        assert res[what].startswith("all_reduce_sumsq: a rank did not take part in this step's reduction of the sum "
+                                    "of squares (RuntimeError: "), (what, res[what])
+        assert "nothing was stepped on this rank" in res[what], res[what]
+    assert torch.equal(res["params"][0], torch.ones(3))

@@ -120,7 +120,16 @@ class SumsqReduce:
         digest = math.nan if entries is None else _digest(entries)
         mine = torch.tensor([local, 1.0 if refused else 0.0, digest], dtype=torch.float64, device=dev)
         parts = [torch.empty(3, dtype=torch.float64, device=dev) for _ in range(world)]
-        dist.all_gather(parts, mine, group=group)
+        try:
+            dist.all_gather(parts, mine, group=group)
+        except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+            if refused:  # (this rank raises its own error, the step's cause, from the loop that refused)
+                raise
+            raise SofxError(f"all_reduce_sumsq: a rank did not take part in this step's reduction of the sum of "
+                            f"squares ({type(exc).__name__}: {exc}) within the process group's timeout (or it "
+                            "exited): a rank that raised in its own code before its step, took fewer steps or "
+                            "failed; nothing was stepped on this rank, and the process group may be unusable now "
+                            "(gloo closes its connections on a timeout); every rank must take every step") from exc
         gathered = torch.stack(parts).tolist()
         refusing = [r for r, (_, flag, _) in enumerate(gathered) if flag != 0.0]
         if refused:
@@ -182,7 +191,10 @@ def all_reduce_sumsq(group: Any = None, *extra: Any, device: torch.device | str 
     calls ``hook.refuse(error)`` in its place, as :func:`sofx.serial.serial_step`
     and :func:`sofx.speculate.speculative_step` do, and raises its own error; the
     hook then raises :class:`RankRefusedError` on the other ranks, which step
-    nothing either, instead of leaving them waiting in the collective.
+    nothing either, instead of leaving them waiting in the collective. A rank
+    that never calls the hook (it raised in its own code before its step) leaves
+    the others waiting until the group's timeout: their hook then raises a
+    :class:`SofxError` saying so (with the backend's words), not the backend's bare error.
 
     At every step the loops call it as ``hook.agreed_sum(s_local, settings)``
     (:func:`sofx.serial.reduced_sumsq`) with what their step must share beyond
