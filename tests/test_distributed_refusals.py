@@ -601,3 +601,43 @@ def test_a_rank_that_left_before_the_reduction_is_a_clear_error_after_the_groups
                                     "of squares (RuntimeError: "), (what, res[what])
         assert "nothing was stepped on this rank" in res[what], res[what]
     assert torch.equal(res["params"][0], torch.ones(3))
+
+
+def _left_before_an_agreement(rank: int, world: int, store: str, outdir: str) -> None:
+    """Rank BAD never comes to the collectives rank 0 calls (it raised in its own code before them): the first
+    waits until the group's timeout, the later ones find the group's connections closed."""
+    import os
+    import sys
+    import time
+
+    from helpers import init_gloo
+
+    torch.set_num_threads(1)
+    init_gloo(rank, world, store, LEFT_TIMEOUT_S)
+    out = {}
+    if rank == BAD:
+        time.sleep(4 * LEFT_TIMEOUT_S)
+    else:
+        shard = sd.shard_blocks(FULL, rank=0, world_size=2)  # (no collective)
+        calls = {"shard_blocks": lambda: sd.shard_blocks(FULL), "check_same_setup": lambda: sd.check_same_setup(
+                 params=FULL), "Shard.gather": lambda: shard.gather(shard.local(FULL), FULL),
+                 "Shard.reduce_mean": lambda: shard.reduce_mean(_grads(rank)),
+                 "all_reduce_mean_": lambda: sd.all_reduce_mean_(_grads(rank))}
+        out = {what: error_text(call) for what, call in calls.items()}
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    os._exit(0)  # (the group is unusable after a timeout: no destroy_process_group)
+
+
+def test_a_rank_that_left_before_an_agreement_is_a_clear_error_after_the_groups_timeout(tmp_path):
+    """The setup's collectives and the layout checks of gather, reduce_mean and all_reduce_mean_, where a rank never
+    came to them: the other raised gloo's bare RuntimeError after the group's timeout ("Timed out waiting 2000ms
+    ...", then "Application timeout caused pair closure"), naming neither the call nor what to do. Each is now a
+    SofxError naming the call, with gloo's words."""
+    from helpers import run_gloo
+
+    res = run_gloo(_left_before_an_agreement, 2, tmp_path, timeout_s=120)[0]
+    for what in ("shard_blocks", "check_same_setup", "Shard.gather", "Shard.reduce_mean", "all_reduce_mean_"):
+        assert res[what].startswith(f"{what}: a rank did not take part in this call's agreement (RuntimeError: "), \
+            (what, res[what])
+        assert "every rank must make the same calls in the same order" in res[what], res[what]

@@ -72,7 +72,8 @@ checks, with one all-reduce of 16 bytes, that every rank passed the same
 scaler, speculation config and the full hparams or schedule), and where not,
 every rank raises naming what differs (:func:`check_same_setup` checks the
 same for a loop without the hook). Build them first: a rank that fails
-before them alone leaves the others waiting there.
+before them alone leaves the others waiting there until the group's timeout
+(each then raises a :class:`SofxError` naming the call it waited in).
 
 The result, gathered, equals the single-process loop over the whole tree:
 bitwise on every step until one clips (the clip coefficient comes from ``s``,

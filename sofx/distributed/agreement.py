@@ -61,12 +61,26 @@ def _device_kinds(leaves: Sequence[Any]) -> tuple[str | None, ...]:
     return tuple(kind(x) for x in leaves)
 
 
-def _digests_agree(text: str, group: Any, dev: torch.device) -> bool:
+def _digests_agree(text: str, group: Any, dev: torch.device, what: str = "sofx.distributed",
+                   refused: SofxError | None = None) -> bool:
     """Whether every rank of ``group`` passed the same ``text``: one all-reduce (MAX) of two int64, a 56-bit
-    digest of it and minus that digest (the max and minus the min agree exactly where every digest does)."""
+    digest of it and minus that digest (the max and minus the min agree exactly where every digest does).
+
+    Where the all-reduce fails (a rank that never came to the call ``what``: the group's timeout, or its
+    connections closed by an earlier one), a :class:`SofxError` naming ``what``, with the backend's words (its
+    bare ``RuntimeError`` named neither), or this rank's own ``refused``, the cause of its call's failure."""
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+        if refused is not None:
+            raise refused from exc
+        raise SofxError(f"{what}: a rank did not take part in this call's agreement ({type(exc).__name__}: {exc}) "
+                        "within the process group's timeout (or it exited, or an earlier timeout closed the group): "
+                        "a rank that raised in its own code before it, or skipped it; every rank must make the same "
+                        "calls in the same order; no data moved, and the process group may be unusable now (gloo "
+                        "closes its connections on a timeout)") from exc
     return int(bounds[0]) == digest and -int(bounds[1]) == digest
 
 
@@ -81,7 +95,7 @@ def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, re
     (:func:`_digests_agree`); only where they differ an ``all_gather_object`` of the entries, to name the first
     entry that differs with every rank's value (``absent``: a rank without that entry), or where none does, the
     first place where their orders differ."""
-    if _digests_agree(repr((list(entries.items()), refused is None)), group, dev):
+    if _digests_agree(repr((list(entries.items()), refused is None)), group, dev, what, refused):
         if refused is not None:  # every rank refused its input
             raise refused
         return
@@ -156,7 +170,7 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
     another structure than the shard's): it still takes part, so that the others do not wait in the
     collective for it; it raises that error, and every other rank says which rank refused what."""
     mine = _layout(spec, leaves)
-    if _digests_agree(repr((mine, owners, devices, refused is None)), group, dev):
+    if _digests_agree(repr((mine, owners, devices, refused is None)), group, dev, what, refused):
         if refused is not None:  # every rank refused its input
             raise refused
         return
