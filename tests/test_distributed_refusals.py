@@ -582,6 +582,8 @@ def _left_before_the_reduction(rank: int, world: int, store: str, outdir: str) -
         out["speculative"] = error_text(lambda: speculative_loop_step(
             opt, loop, grads, config=SpeculationConfig(), scaler=scaler, reduce_sumsq=reduce, donate=True))
         out["params"] = loop.params
+        out["refused"] = error_text(lambda: serial_loop_step(opt, loop, [torch.ones(4)], scaler=scaler,
+                                                             reduce_sumsq=reduce))
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     sys.stdout.flush()
     os._exit(0)  # (the group is unusable after a timeout: no destroy_process_group)
@@ -592,7 +594,8 @@ def test_a_rank_that_left_before_the_reduction_is_a_clear_error_after_the_groups
     the hook's all_gather until the group's timeout and raised gloo's bare RuntimeError ("Timed out waiting
     2000ms for send operation to complete", or "Application timeout caused pair closure"), which named neither
     the step's reduction nor what to do. It is now a SofxError naming them, with gloo's words; nothing was
-    stepped."""
+    stepped. A step that this rank refuses then raises its own error, where the hook's refuse raised gloo's
+    ("Application timeout caused pair closure") in its place."""
     from helpers import run_gloo
 
     res = run_gloo(_left_before_the_reduction, 2, tmp_path, timeout_s=120)[0]
@@ -601,6 +604,8 @@ def test_a_rank_that_left_before_the_reduction_is_a_clear_error_after_the_groups
                                     "of squares (RuntimeError: "), (what, res[what])
         assert "nothing was stepped on this rank" in res[what], res[what]
     assert torch.equal(res["params"][0], torch.ones(3))
+    # a rank that refuses its own input raises that error, where the hook's refuse raised gloo's in its place
+    assert res["refused"] == "grads[0]: expected shape (3,), got (4,)", res["refused"]
 
 
 def _left_before_an_agreement(rank: int, world: int, store: str, outdir: str) -> None:

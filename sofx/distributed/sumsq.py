@@ -87,10 +87,17 @@ class SumsqReduce:
     def refuse(self, error: BaseException | None = None, *extra: Any, **unknown: Any) -> None:
         """Take part in this step's collective as a rank that refuses the step (``error``: why, for the
         record; this rank raises it itself): every other rank's call raises :class:`RankRefusedError`
-        instead of waiting for this rank forever. The serial and speculative loops call it when they raise
-        before reducing. Arguments it does not take are refused after it took part, as a :class:`SofxError`."""
+        instead of waiting for this rank forever. Where the collective fails (the others gone, or the group's
+        timeout), it raises ``error`` itself, the step's cause, not the backend's error. The serial and
+        speculative loops call it when they raise before reducing. Arguments it does not take are refused after
+        it took part, as a :class:`SofxError`."""
         self._refuse_call("the hook's refuse", ("error",), False, extra, unknown)
-        self._gather(math.nan, refused=True)
+        try:
+            self._gather(math.nan, refused=True)
+        except RuntimeError as exc:  # (the others gone: this rank's own error is its step's cause, not gloo's)
+            if isinstance(error, Exception):
+                raise error from exc
+            raise
 
     def _refuse_call(self, what: str, takes: Sequence[str], missing: bool, extra: tuple[Any, ...],
                      unknown: dict[str, Any]) -> None:
@@ -123,7 +130,7 @@ class SumsqReduce:
         try:
             dist.all_gather(parts, mine, group=group)
         except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
-            if refused:  # (this rank raises its own error, the step's cause, from the loop that refused)
+            if refused:  # (refuse raises this rank's own error, the step's cause)
                 raise
             raise SofxError(f"all_reduce_sumsq: a rank did not take part in this step's reduction of the sum of "
                             f"squares ({type(exc).__name__}: {exc}) within the process group's timeout (or it "
