@@ -179,6 +179,7 @@ def test_a_step_without_any_gradient_advances_the_schedule_as_torchs_scheduler(p
     assert [lr(t) for t in range(loop.step)] == pytest.approx(lrs, rel=1e-12, abs=1e-18), kind
     _assert_params_close(got, want)
 
+
 @loop_settings
 @given(pair=_schedule_pairs(), steps=st.integers(2, 25), overflow=st.frozensets(st.integers(0, 24), max_size=4),
        speculative=st.booleans())
