@@ -65,7 +65,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState, hparams_at
+from sofx.adam import Adam, AdamState, hparams_at
 from sofx.apply_if_finite import ApplyIfFinite
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
