@@ -1213,3 +1213,37 @@ def test_a_temporary_directory_too_long_for_a_socket_address_is_not_refused(
             mlp_step_side_by_side(opt, ropt, model, ref, gen)
     assert relative_deviation(model, ref) <= TOL
     assert list(long.glob("sofx-worker-*")) == [] and not os.path.exists(socket_dir)
+
+
+_IMPORTED_FROM_A_RELATIVE_ENTRY = """\
+import os, sys
+sys.path.insert(0, "checkout")  # (relative: a notebook's sys.path.append(".."), then an os.chdir)
+import torch
+import sofx.offload
+assert sofx.__file__ == os.path.abspath(os.path.join("checkout", "sofx", "__init__.py")), sofx.__file__
+os.chdir("elsewhere")
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process") as opt:
+    opt.backward(model(torch.randn(5, 4)).square().mean())
+    opt.step()
+    print("executor", opt.executor)
+"""
+
+
+def test_the_worker_imports_the_sofx_of_a_relative_path_entry_after_a_chdir(tmp_path: pathlib.Path) -> None:
+    """A relative ``sys.path`` entry is resolved by the import system where it is first used (its finder holds the
+    directory): a main process that imported sofx through one and then changed its working directory gave the
+    worker the entry as text, which named another directory there: the worker ran another sofx (an installed one,
+    silently) or none. The worker gets the directory the main process's import system resolved it to."""
+    root = pathlib.Path(sofx.__file__).parent
+    checkout = tmp_path / "checkout"
+    shutil.copytree(root, checkout / "sofx", ignore=shutil.ignore_patterns("__pycache__"))
+    worker = checkout / "sofx" / "offload" / "process_worker.py"
+    worker.write_text(worker.read_text() + '\nprint("sofx test: worker module", __file__, file=sys.stderr)\n')
+    (tmp_path / "elsewhere").mkdir()
+    out = subprocess.run([sys.executable, "-c", _IMPORTED_FROM_A_RELATIVE_ENTRY], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "executor process", out.stdout
+    assert f"sofx test: worker module {worker}" in out.stderr, out.stderr

@@ -134,9 +134,8 @@ class ProcessExecutor(Executor):
             server.listen(1)
             server.settimeout(_POLL_S)
             authkey = os.urandom(32)
-            path = [entry if isinstance(entry, str) else os.fsdecode(entry) for entry in sys.path
-                    if isinstance(entry, (str, bytes, os.PathLike))]
-            self.process = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, json.dumps(path), address],
+            path = json.dumps(_worker_path())
+            self.process = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, path, address],
                                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                             errors="replace", close_fds=True, pass_fds=tuple(pass_fds))
             self.pid = self.process.pid
@@ -426,6 +425,24 @@ def _unsent(op: Any, exc: BaseException) -> OpResult:
     return OpResult(getattr(op, "seq", -1), getattr(op, "kind", type(op).__name__), getattr(op, "block", -1),
                     f"it could not be sent to the worker process (pickling it failed): {type(exc).__name__}: "
                     f"{exc}\n{detail}")
+
+
+def _worker_path() -> list[str]:
+    """This process's ``sys.path`` as text, for the worker (:data:`_WORKER_CODE`), each relative entry (but ``''``,
+    the working directory at each import, which the worker inherits) as the directory this process's import system
+    resolved it to (its finder's, made where the entry was first used: a ``sys.path.append("..")`` and then an
+    ``os.chdir`` named another directory in the worker, which imported another sofx, or none), else as it names
+    now."""
+    path = []
+    for entry in sys.path:
+        if not isinstance(entry, (str, bytes, os.PathLike)):
+            continue
+        text = entry if isinstance(entry, str) else os.fsdecode(entry)
+        if text and not os.path.isabs(text):
+            resolved = getattr(sys.path_importer_cache.get(text), "path", None)
+            text = resolved if isinstance(resolved, str) and os.path.isabs(resolved) else os.path.abspath(text)
+        path.append(text)
+    return path
 
 
 #: The longest path a unix socket may be bound to, in bytes: its address holds 108 on Linux, 104 on BSDs and macOS,
