@@ -76,7 +76,7 @@ def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[st
         try:
             paths, non_str_keys = _codified_paths(spec, root)
             if non_str_keys:
-                paths = _codified_paths_of_key_types(spec, root, _key_types(spec))
+                paths = _codified_paths_of_key_texts(spec, root, _key_texts(spec))
             return list(paths)
         except TypeError:  # a custom node whose metadata cannot be hashed
             pass
@@ -89,8 +89,8 @@ def _codified_paths(spec: TreeSpec, root: str) -> tuple[tuple[str, ...], bool]:
     every step (to name leaves in errors), and building the accessors costs more than the rest of the
     checks of a small leaf. Also whether a mapping of ``spec`` has a key that is not a ``str``: specs compare
     their keys by ``==``, so that ``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are one spec to this memo, each
-    key written its own way (``params[True]``): such a spec's paths are memoized by its keys' types as well
-    (:func:`_codified_paths_of_key_types`)."""
+    key written its own way (``params[True]``): such a spec's paths are memoized by its keys' texts as well
+    (:func:`_codified_paths_of_key_texts`)."""
     if spec.is_leaf():
         return (root,), False
     accessors = spec.accessors()
@@ -100,17 +100,18 @@ def _codified_paths(spec: TreeSpec, root: str) -> tuple[tuple[str, ...], bool]:
 
 
 @functools.lru_cache(maxsize=256)
-def _codified_paths_of_key_types(spec: TreeSpec, root: str, key_types: tuple[type, ...]
+def _codified_paths_of_key_texts(spec: TreeSpec, root: str, key_texts: tuple[str, ...]
                                  ) -> tuple[str, ...]:
     """:func:`leaf_paths` of a spec with a mapping key that is not a ``str``, memoized by ``spec`` and the
-    types of its leaves' keys (:func:`_key_types`)."""
+    texts of its leaves' keys (:func:`_key_texts`)."""
     return tuple(_codify(acc, root) for acc in spec.accessors())
 
 
-def _key_types(spec: TreeSpec) -> tuple[type, ...]:
-    """The types of the keys on the leaves' paths, one path after the other (``True`` and ``1`` are equal keys
-    of other types; the spec fixes each path's length)."""
-    return tuple(map(type, itertools.chain.from_iterable(spec.paths())))
+def _key_texts(spec: TreeSpec) -> tuple[str, ...]:
+    """The texts (:func:`key_text`) of the keys on the leaves' paths, one path after the other: equal keys are
+    written otherwise where their types differ (``True`` and ``1``), and also where they do not (``(1, 'a')`` and
+    ``(True, 'a')``, ``0.0`` and ``-0.0``); the spec fixes each path's length."""
+    return tuple(map(key_text, itertools.chain.from_iterable(spec.paths())))
 
 
 def _codify(accessor: optree.PyTreeAccessor, root: str) -> str:

@@ -138,6 +138,21 @@ def test_leaf_paths_write_each_key_as_it_is_where_equal_keys_of_other_types_make
     with pytest.raises(sofx.LeafError, match=r"^params\[True\]: "):
         opt.init({True: torch.ones(2, dtype=torch.int64)})
 
+def test_leaf_paths_write_each_key_as_it_is_where_equal_keys_of_the_same_type_are_written_otherwise():
+    """Keys of one type can be equal and written otherwise: tuples holding equal items of other types (``(1, 'a')``
+    and ``(True, 'a')``), ``0.0`` and ``-0.0``. Their specs are one to optree, and memoizing the paths by the
+    keys' types gave the first one's text to the others. Each is written with its own keys, whichever came first,
+    and the path reaches its leaf."""
+    for keys in (((1, "a"), (True, "a"), (1.0, "a")), (0.0, -0.0), (frozenset({1}), frozenset({True}))):
+        for order in (keys, keys[::-1]):
+            for key in order * 2:
+                t = {key: [torch.ones(1), {key: torch.ones(2)}]}
+                paths = tree.leaf_paths(t, root="grads")
+                assert paths == [f"grads[{key!r}][0]", f"grads[{key!r}][1][{key!r}]"], (order, key)
+                for path, leaf in zip(paths, tree.flatten(t)[0]):
+                    assert eval(path, {"grads": t}) is leaf  # noqa: S307
+
+
 @pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
 def test_an_int_key_too_long_for_decimal_text_is_written_in_hex_in_leaf_paths():
     """Python refuses the decimal text of an int of more than ``sys.get_int_max_str_digits()`` digits: such a
