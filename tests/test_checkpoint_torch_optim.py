@@ -672,3 +672,17 @@ def test_a_saved_group_without_bias_correction_is_refused_naming_it(key):
         ck.from_torch_optim(sofx.adamw(), sd, params)
     sd["param_groups"][0][key] = True
     ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
+def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():
+    """A saved lr held as a tensor that requires grad (torch.optim's ``differentiable=True`` with a tensor lr, a
+    learned lr) is read as its number, as float() took it before the number checks; they refused it as "not a
+    number" (autograd records its uses while grad mode is on)."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(0.02, dtype=torch.float64, requires_grad=True)
+    sd["param_groups"][0]["betas"] = (torch.tensor([0.8], dtype=torch.float64, requires_grad=True), 0.99)
+    hp = ck.from_torch_optim(sofx.adamw(), sd, params)[1]
+    assert (hp.lr, hp.beta1, hp.beta2) == (0.02, 0.8, 0.99)

@@ -59,10 +59,11 @@ def _numbers(hp: AdamHParams, where: str) -> AdamHParams:
 
 
 def one_element(x: Any) -> Any:
-    """A saved hyperparameter that is a tensor or numpy array of one element as its 0-d tensor or its number
-    (torch.optim takes an lr so); ``x`` otherwise."""
+    """A saved hyperparameter that is a tensor or numpy array of one element as its 0-d tensor (detached: one that
+    requires grad, a learned lr, is read as its value) or its number (torch.optim takes an lr so); ``x``
+    otherwise."""
     if isinstance(x, torch.Tensor) and x.numel() == 1:
-        return x.reshape(())
+        return x.detach().reshape(())
     if type(x).__module__ == "numpy" and getattr(x, "size", None) == 1 and callable(getattr(x, "item", None)):
         return x.item()
     return x
