@@ -1247,3 +1247,36 @@ def test_the_worker_imports_the_sofx_of_a_relative_path_entry_after_a_chdir(tmp_
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "executor process", out.stdout
     assert f"sofx test: worker module {worker}" in out.stderr, out.stderr
+
+
+_A_LONG_IMPORT_PATH = """\
+import copy, sys
+sys.path.extend(f"/nonexistent/{'d' * 120}/{i}" for i in range(1200))  # (150 KB of JSON: a big runfiles tree's)
+import torch
+import sofx.offload
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+ref = copy.deepcopy(model)
+ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+x = torch.randn(5, 4)
+with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process") as opt:
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(model(x).square().mean())
+        opt.step()
+        ref(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+    print("executor", opt.executor, max((a - b).abs().max().item() for a, b in zip(model.parameters(),
+                                                                               ref.parameters())))
+"""
+
+
+def test_an_import_path_longer_than_an_argument_may_be_reaches_the_worker() -> None:
+    """The worker got the main process's ``sys.path`` as a command-line argument, which Linux holds to 128 KiB
+    (MAX_ARG_STRLEN): a longer one (a build tool's runfiles tree lists a directory per dependency) made the
+    constructor raise ``OSError: [Errno 7] Argument list too long``. It is read from the worker's stdin now."""
+    out = subprocess.run([sys.executable, "-c", _A_LONG_IMPORT_PATH], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert words[:2] == ["executor", "process"] and float(words[2]) <= 1e-6, out.stdout

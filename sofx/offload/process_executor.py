@@ -84,13 +84,15 @@ EXIT_WAIT_S = 5.0
 #: Only a process the worker started and left running holds the stream open longer; its reader thread ends with it.
 OUTPUT_WAIT_S = 30.0
 _STOP = object()
-#: What the worker's interpreter runs (``python -c``; its arguments: this process's ``sys.path`` as JSON, then the
-#: socket's address): it imports sofx (and torch) from this process's import path, as ``multiprocessing``'s "spawn"
-#: does. ``python -m sofx.offload.process_worker`` imported from the worker's own (its working directory,
-#: PYTHONPATH, site-packages): a main process that imported sofx from a directory added to its ``sys.path`` (a
-#: checkout beside an installed release, a notebook's ``sys.path.append``) got a worker running another sofx, or
-#: none.
-_WORKER_CODE = ("import json, sys; sys.path[:0] = json.loads(sys.argv.pop(1)); "
+#: What the worker's interpreter runs (``python -c``; its argument: the socket's address; the first line of its stdin:
+#: this process's ``sys.path`` as JSON, which an argument could not hold where longer than 128 KiB, Linux's
+#: MAX_ARG_STRLEN; none where this process died before writing it: the worker, with its own path, goes on to find
+#: nobody to connect to and removes the socket's directory): it imports sofx (and torch) from this process's import
+#: path, as ``multiprocessing``'s "spawn" does. ``python -m sofx.offload.process_worker`` imported from the worker's
+#: own (its working directory, PYTHONPATH, site-packages): a main process that imported sofx from a directory added
+#: to its ``sys.path`` (a checkout beside an installed release, a notebook's ``sys.path.append``) got a worker running
+#: another sofx, or none.
+_WORKER_CODE = ("import json, sys; sys.path[:0] = json.loads(sys.stdin.readline() or '[]'); "
                 "from sofx.offload.process_worker import main; sys.exit(main(sys.argv))")
 #: The worker's last stderr lines kept for the error that reports its end (each cut to _TAIL_LINE_CHARS).
 _TAIL_LINES = 40
@@ -134,14 +136,14 @@ class ProcessExecutor(Executor):
             server.listen(1)
             server.settimeout(_POLL_S)
             authkey = os.urandom(32)
-            path = json.dumps(_worker_path())
-            self.process = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, path, address],
+            self.process = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, address],
                                             stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                             errors="replace", close_fds=True, pass_fds=tuple(pass_fds))
             self.pid = self.process.pid
             self._stderr = _StderrTail(self.process.stderr)
             try:
-                self.process.stdin.write(authkey.hex() + "\n")
+                # (JSON: one line of ASCII, whatever the entries hold)
+                self.process.stdin.write(json.dumps(_worker_path()) + "\n" + authkey.hex() + "\n")
                 self.process.stdin.close()
                 self.conn = self._accept(server, authkey, startup_timeout)
                 # connected: the socket's path is not needed any more, so a process group killed at once (SIGKILL,
