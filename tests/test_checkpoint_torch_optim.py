@@ -686,3 +686,18 @@ def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():
     sd["param_groups"][0]["betas"] = (torch.tensor([0.8], dtype=torch.float64, requires_grad=True), 0.99)
     hp = ck.from_torch_optim(sofx.adamw(), sd, params)[1]
     assert (hp.lr, hp.beta1, hp.beta2) == (0.02, 0.8, 0.99)
+
+
+@pytest.mark.parametrize("value", [0.01 + 0j, torch.tensor(0.01 + 0j), np.complex128(0.01), True],
+                         ids=["complex", "complex tensor", "numpy complex", "bool"])
+def test_a_saved_hparam_that_is_no_real_number_is_refused_naming_it(value):
+    """A complex lr (a Python, numpy or tensor one) passed the number check (a complex is a number) and float()
+    raised a bare TypeError; a bool is no number either. A CheckpointError names the entry and the value."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0]["lr"] = value
+    with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['lr'\]: expected a number, "
+                                                 r"got "):
+        ck.from_torch_optim(sofx.adamw(), sd, params)

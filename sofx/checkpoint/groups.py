@@ -26,6 +26,7 @@ parameter order.
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -72,7 +73,7 @@ def one_element(x: Any) -> Any:
 def saved_hparams(group: Any, at: str, missing: str,
                   error: type[CheckpointError] = CheckpointError) -> AdamHParams:
     """A saved param group's lr, betas, eps and weight_decay as floats. Where one is missing or the betas are not
-    a pair: ``error`` with the message ``missing`` and what is wrong. Each is a number (a Python or numpy one, or a
+    a pair: ``error`` with the message ``missing`` and what is wrong. Each is a real number (a Python or numpy one, or a
     tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
     (the group) followed by its key, and its value (a string reached ``float()`` and was parsed; None or a tensor
     of two elements raised bare errors)."""
@@ -85,7 +86,7 @@ def saved_hparams(group: Any, at: str, missing: str,
     values = []
     for name, x in raw:
         v = as_number(one_element(x), f"{at}{name}", error)
-        if not is_number(v):
+        if not (is_number(v) and isinstance(v, numbers.Real)):  # (a complex is a number float() refuses)
             raise error(f"{at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
         values.append(float(v))
     return AdamHParams(*values)
