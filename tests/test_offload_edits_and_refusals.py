@@ -94,6 +94,35 @@ def test_a_backward_refused_in_the_gradient_hook_keeps_the_gradients_it_took_onc
             assert relative_deviation(model, ref) <= TOL, step
 
 
+@pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])
+def test_a_group_missing_an_hparam_is_refused_naming_the_group_and_the_key(key: str) -> None:
+    """A param group whose ``lr``, ``betas``, ``eps`` or ``weight_decay`` was removed (``del g['eps']``, a group
+    dict rebuilt by hand) is refused out of backward (its gradient hook reads the groups) as an HParamError
+    naming the group and the key, where a bare ``KeyError: 'eps'`` named neither; put back, the run goes on as
+    torch.optim's, which never saw the refused backward."""
+    torch.manual_seed(0)
+    model = _MLP()
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=20) as opt:
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        for step in range(3):
+            opt.zero_grad()
+            ropt.zero_grad()
+            batch = _batch(gen)
+            if step == 1:
+                saved = opt.param_groups[0].pop(key)
+                with pytest.raises(HParamError, match=rf"param_groups\[0\] has no '{key}'"):
+                    opt.backward(_loss(model, batch))
+                opt.param_groups[0][key] = saved
+                opt.zero_grad()
+            opt.backward(_loss(model, batch))
+            _loss(ref, batch).backward()
+            opt.step()
+            ropt.step()
+            assert relative_deviation(model, ref) <= TOL, step
+
+
 def _bf16_run(executor: str, edit: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = _MLP().to(torch.bfloat16)

@@ -300,7 +300,12 @@ def check_foreach_tensors(group: Mapping[str, Any], where: str) -> None:
 def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
     """A param group's hparams as Python floats, checked (the message names the group). Its ``betas`` are any two
     numbers torch's step unpacks (``beta1, beta2 = group["betas"]``): a tuple or list, a 2-element tensor or numpy
-    array."""
+    array. A group without one of them (``del g['eps']``, a dict rebuilt by hand) is refused naming it, where
+    ``group[key]`` raised a bare ``KeyError`` (out of backward: the gradient hooks read the groups)."""
+    for key in _HPARAM_KEYS:
+        if key not in group:
+            raise HParamError(f"{where} has no {key!r}: a param group needs "
+                              f"{', '.join(map(repr, _HPARAM_KEYS))} (put it back in the group's dict)")
     lr = _number(group["lr"], f"{where}['lr']")
     betas = torch_betas(group["betas"], f"{where}['betas']")  # (what torch's step unpacks: a tensor pair too)
     b1, b2 = _number(betas[0], f"{where}['betas'][0]"), _number(betas[1], f"{where}['betas'][1]")
