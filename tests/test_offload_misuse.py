@@ -1405,6 +1405,35 @@ def test_a_backward_the_optimizer_did_not_scale_under_loss_scaling_warns_at_step
         assert record[0].filename == __file__, "the warning names the caller's line"
 
 
+def test_a_backward_the_optimizer_did_not_scale_after_a_dropped_step_warns_at_step():
+    """A scaled backward whose step ``zero_grad()`` dropped (a GAN's generator backward reaching the discriminator)
+    no longer counts as this step's: a ``loss.backward()`` after it gives gradients of the unscaled loss, and
+    ``step()`` warns, where the dropped backward's note kept it silent; a scaled backward after the drop does not
+    warn, nor does a ``zero_grad()`` that drops nothing undo a scale read before it."""
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale="dynamic") as opt:
+        opt.zero_grad()
+        opt.backward(model(x).square().mean())
+        opt.zero_grad()  # drops that step
+        model(x).square().mean().backward()
+        with pytest.warns(RuntimeWarning, match="no backward since the last step\\(\\) was scaled"):
+            opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.zero_grad()
+            opt.backward(model(x).square().mean())
+            opt.zero_grad()
+            opt.backward(model(x).square().mean())
+            opt.step()
+            scaled = opt.scale_loss(model(x).square().mean())
+            opt.zero_grad()  # (no gradients held: nothing dropped)
+            scaled.backward()
+            opt.step()
+
+
 @pytest.mark.parametrize("how", ["opt.backward", "scale_loss", "by opt.loss_scale", "no loss scaling"])
 def test_a_backward_scaled_by_the_optimizer_or_without_loss_scaling_does_not_warn(how):
     """What the warning above suggests, scaling by ``opt.loss_scale`` by hand, and a plain ``loss.backward()``

@@ -619,7 +619,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
         Which parameters have had one is this optimizer's, not in :meth:`state_dict` (torch keeps the zero
         ``.grad`` on the parameter, here ``.grad`` is ``None`` after ``step()``): a new optimizer starts without.
         """
+        dropped = self.engine.in_step
         self.engine.discard_gradients(set_to_none)
+        if dropped:  # the scaled backward that fed the dropped step is not the next step's (_warn_unscaled_backward)
+            self._scale_taken = False
 
     @run_eagerly("the speculative optimizer's state_dict() runs eagerly: dynamo cannot trace the offload engine "
                  "(call it outside a fullgraph=True function, or compile without fullgraph)")
@@ -762,11 +765,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
         return self.engine.loss_scale
 
     def _warn_unscaled_backward(self) -> None:
-        """Warn where loss scaling is on and gradients arrived, but no backward since the last step was scaled
-        by this optimizer (nor ``loss_scale`` read to scale one): a ``loss.backward()`` in place of
-        ``opt.backward(loss)`` gives gradients of the unscaled loss, which ``step()`` divides by the scale. A
-        warning, not a refusal: a loss scaled elsewhere by the same factor (another optimizer's
-        ``backward``) is right."""
+        """Warn where loss scaling is on and gradients arrived, but no backward since the last step (or the last
+        ``zero_grad()`` that dropped one) was scaled by this optimizer (nor ``loss_scale`` read to scale one): a
+        ``loss.backward()`` in place of ``opt.backward(loss)`` gives gradients of the unscaled loss, which
+        ``step()`` divides by the scale. A warning, not a refusal: a loss scaled elsewhere by the same factor
+        (another optimizer's ``backward``) is right."""
         scale = self.engine.loss_scale
         if scale == 1.0 or self._scale_taken or not self.engine.tracker.started:
             return
