@@ -1179,15 +1179,20 @@ def test_the_worker_imports_the_sofx_the_main_process_imported(tmp_path: pathlib
     PYTHONPATH, site-packages): a main process that imported sofx from a directory on its ``sys.path`` (a checkout
     beside an installed release, a notebook's ``sys.path.append``) got a worker running another sofx -- an
     installed one, silently, or none ("No module named 'sofx'"). It imports from the main process's path now."""
-    root = pathlib.Path(sofx.__file__).parent
     checkout = tmp_path / "checkout"
-    shutil.copytree(root, checkout / "sofx", ignore=shutil.ignore_patterns("__pycache__"))
-    worker = checkout / "sofx" / "offload" / "process_worker.py"
-    worker.write_text(worker.read_text() + '\nprint("sofx test: worker module", __file__, file=sys.stderr)\n')
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    out = subprocess.run([sys.executable, "-c", _IMPORTED_FROM_ITS_PATH, str(checkout)], capture_output=True,
-                         text=True, timeout=600, cwd=elsewhere)
+    _run_a_script_with_a_marked_checkout(checkout, [_IMPORTED_FROM_ITS_PATH, str(checkout)], elsewhere)
+
+
+def _run_a_script_with_a_marked_checkout(checkout: pathlib.Path, args: list[str], cwd: pathlib.Path) -> None:
+    """Copy sofx into ``checkout`` with a worker module that says it ran, run ``python -c *args`` in ``cwd``, and
+    assert that the script trained with the process executor and that its worker was that copy's."""
+    shutil.copytree(pathlib.Path(sofx.__file__).parent, checkout / "sofx",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    worker = checkout / "sofx" / "offload" / "process_worker.py"
+    worker.write_text(worker.read_text() + '\nprint("sofx test: worker module", __file__, file=sys.stderr)\n')
+    out = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "executor process", out.stdout
     assert f"sofx test: worker module {worker}" in out.stderr, out.stderr
@@ -1236,17 +1241,8 @@ def test_the_worker_imports_the_sofx_of_a_relative_path_entry_after_a_chdir(tmp_
     directory): a main process that imported sofx through one and then changed its working directory gave the
     worker the entry as text, which named another directory there: the worker ran another sofx (an installed one,
     silently) or none. The worker gets the directory the main process's import system resolved it to."""
-    root = pathlib.Path(sofx.__file__).parent
-    checkout = tmp_path / "checkout"
-    shutil.copytree(root, checkout / "sofx", ignore=shutil.ignore_patterns("__pycache__"))
-    worker = checkout / "sofx" / "offload" / "process_worker.py"
-    worker.write_text(worker.read_text() + '\nprint("sofx test: worker module", __file__, file=sys.stderr)\n')
     (tmp_path / "elsewhere").mkdir()
-    out = subprocess.run([sys.executable, "-c", _IMPORTED_FROM_A_RELATIVE_ENTRY], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "executor process", out.stdout
-    assert f"sofx test: worker module {worker}" in out.stderr, out.stderr
+    _run_a_script_with_a_marked_checkout(tmp_path / "checkout", [_IMPORTED_FROM_A_RELATIVE_ENTRY], tmp_path)
 
 
 _A_LONG_IMPORT_PATH = """\
