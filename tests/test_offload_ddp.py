@@ -600,8 +600,13 @@ def _state_rearranged_on_one_rank(rank: int) -> dict:
     return out
 
 
+# What reading a param group without 'lr' raises (the facade's HParamError; a bare KeyError before)
+NO_LR = ("param_groups[0] has no 'lr': a param group needs 'lr', 'betas', 'eps', 'weight_decay' (put it back in the "
+         "group's dict)")
+
+
 def _hparams_unreadable_on_one_rank(rank: int) -> dict:
-    """Rank 1's param group loses its 'lr' (reading its hparams raises a KeyError, not the engine's own error): at
+    """Rank 1's param group loses its 'lr' (reading its hparams raises, :data:`NO_LR`): at
     step 1 before backward (restored before step()); at step 2 before backward too, a step count set the same way
     on both ranks first (so every rank compares its state at that backward), restored before step(); restored,
     zero_grad(), step 3. What each backward and step() raised, and the parameters after."""
@@ -1373,22 +1378,22 @@ def test_a_state_changed_on_one_rank_before_a_step_without_backward_is_refused_o
 
 
 def test_hparams_that_raise_on_one_rank_are_its_own_error_and_no_rank_waits_for_it(ranks) -> None:
-    """Reading rank 1's hparams raised something other than the engine's own error (a group without 'lr': a
-    KeyError). At its backward the hook raised it before the ranks' exchange and the bucket's all-reduce: rank 0
-    waited in the exchange alone (gloo aborted on the mismatched collective, or a hang). Where the ranks compare
-    their states, rank 1 raised it before the comparison's all-reduce (rank 0 waited there alone). Now it is rank
-    1's own error, as a refused hparam is: raised out of its backward (the all-reduces complete on every rank, and
+    """Reading rank 1's hparams raised (a group without 'lr': a KeyError then, the facade's HParamError naming the
+    key now, :data:`NO_LR`). At its backward the hook raised it before the ranks' exchange and the bucket's
+    all-reduce: rank 0 waited in the exchange alone (gloo aborted on the mismatched collective, or a hang). Where
+    the ranks compare their states, rank 1 raised it before the comparison's all-reduce (rank 0 waited there
+    alone). Now it is rank 1's own error, as a refused hparam is: raised out of its backward (the all-reduces complete on every rank, and
     step() after restoring the lr steps as rank 0's), and named as rank 1's refused hparams by the comparison at
     the backward where the ranks compare (nothing is speculated: neither backward raises), raised by step() on
     every rank."""
     said = [res["hparams_unreadable"] for res in ranks]
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
-        assert out["backward"] == ("KeyError: 'lr'" if rank == 1 else "no error"), (rank, out["backward"])
+        assert out["backward"] == (NO_LR if rank == 1 else "no error"), (rank, out["backward"])
         assert out["step"] == out["compared_backward"] == out["then"] == "no error", (rank, out)
         assert out["compared"].startswith("step() under DDP: the hparams of param_groups[0] differs between ranks: "
                                           "lr=0.01, "), (rank, out["compared"])
-        assert "refused (KeyError: 'lr') on rank 1" in out["compared"], (rank, out["compared"])
+        assert f"refused ({NO_LR}) on rank 1" in out["compared"], (rank, out["compared"])
     assert said[0]["compared"] == said[1]["compared"]
     assert torch.equal(said[0]["params"], said[1]["params"])
 
@@ -1433,8 +1438,7 @@ def test_a_step_skipped_on_one_rank_after_a_comparing_backward_leaves_no_rank_wa
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
         for how in ("raised", "own_error"):
-            mine = ("no error" if rank == 0 else "_LoopError: the loop's own error" if how == "raised"
-                    else "KeyError: 'lr'")
+            mine = "no error" if rank == 0 else "_LoopError: the loop's own error" if how == "raised" else NO_LR
             assert out[how] == mine, (rank, how, out[how])
             assert out[f"{how}_s"] < 9.0, (rank, how, out[f"{how}_s"])  # (not the group's 10 s timeout)
             assert out[f"{how}_next"].startswith("step() under DDP: the step count of block 0 (parameter 0 = "
