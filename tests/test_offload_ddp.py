@@ -1382,10 +1382,10 @@ def test_hparams_that_raise_on_one_rank_are_its_own_error_and_no_rank_waits_for_
     key now, :data:`NO_LR`). At its backward the hook raised it before the ranks' exchange and the bucket's
     all-reduce: rank 0 waited in the exchange alone (gloo aborted on the mismatched collective, or a hang). Where
     the ranks compare their states, rank 1 raised it before the comparison's all-reduce (rank 0 waited there
-    alone). Now it is rank 1's own error, as a refused hparam is: raised out of its backward (the all-reduces complete on every rank, and
-    step() after restoring the lr steps as rank 0's), and named as rank 1's refused hparams by the comparison at
-    the backward where the ranks compare (nothing is speculated: neither backward raises), raised by step() on
-    every rank."""
+    alone). Now it is rank 1's own error, as a refused hparam is: raised out of its backward (the all-reduces
+    complete on every rank, and step() after restoring the lr steps as rank 0's), and named as rank 1's refused
+    hparams by the comparison at the backward where the ranks compare (nothing is speculated: neither backward
+    raises), raised by step() on every rank."""
     said = [res["hparams_unreadable"] for res in ranks]
     for rank, out in enumerate(said):
         assert "error" not in out, f"rank {rank}: {out['error']}"
