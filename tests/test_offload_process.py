@@ -1159,12 +1159,8 @@ def test_an_optimizer_used_in_a_forked_child_is_refused_and_leaves_the_parents_s
         opt.close()
 
 
-_IMPORTED_FROM_ITS_PATH = """\
-import sys
-sys.path.insert(0, sys.argv[1])  # (a checkout beside an installed sofx, a notebook's sys.path.append(".."))
-import torch
-import sofx.offload
-assert sofx.__file__.startswith(sys.argv[1]), sofx.__file__
+# A script's step with the process executor, after it imported sofx (from a checkout: see the two tests below)
+_TRAINS_WITH_THE_PROCESS_EXECUTOR = """\
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
 with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process") as opt:
@@ -1172,6 +1168,14 @@ with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="proces
     opt.step()
     print("executor", opt.executor)
 """
+
+_IMPORTED_FROM_ITS_PATH = """\
+import sys
+sys.path.insert(0, sys.argv[1])  # (a checkout beside an installed sofx, a notebook's sys.path.append(".."))
+import torch
+import sofx.offload
+assert sofx.__file__.startswith(sys.argv[1]), sofx.__file__
+""" + _TRAINS_WITH_THE_PROCESS_EXECUTOR
 
 
 def test_the_worker_imports_the_sofx_the_main_process_imported(tmp_path: pathlib.Path) -> None:
@@ -1227,13 +1231,7 @@ import torch
 import sofx.offload
 assert sofx.__file__ == os.path.abspath(os.path.join("checkout", "sofx", "__init__.py")), sofx.__file__
 os.chdir("elsewhere")
-torch.manual_seed(0)
-model = torch.nn.Linear(4, 3)
-with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process") as opt:
-    opt.backward(model(torch.randn(5, 4)).square().mean())
-    opt.step()
-    print("executor", opt.executor)
-"""
+""" + _TRAINS_WITH_THE_PROCESS_EXECUTOR
 
 
 def test_the_worker_imports_the_sofx_of_a_relative_path_entry_after_a_chdir(tmp_path: pathlib.Path) -> None:
