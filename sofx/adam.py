@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections.abc
 import math
 import numbers
-import sys
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -55,10 +54,11 @@ from sofx import memory_order_leaves, skipped_chunks, tree
 from sofx.errors import HParamError, LeafError, SnapshotLimitError, StructureError, UndoError, UnsupportedError
 from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
-from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, HPARAM_RANGES, AdamScalars,
+from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars,
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
                                is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, storage_checked,
                                write_param_copy, zeros_come_back)
+from sofx.kernels.base import check_hparam_range
 from sofx.kernels.base import check_step_size as kernel_check_step_size
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
@@ -1852,16 +1852,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
             if is_traced(value):
                 return
             value = as_number(value, lambda: f"{where}{path}: {name}")
-        if isinstance(value, int) and not -sys.float_info.max <= value <= sys.float_info.max:
-            # an int no float holds: the kernels' float(value) would raise an OverflowError
-            raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {HPARAM_RANGES[name][1]}, a "
-                              "finite number (this int is beyond the float range)")
-    ok, rule = HPARAM_RANGES[name]
-    # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float.
-    if not -math.inf < value < math.inf:  # (inf meets some rules, nan none: say what is wrong with it)
-        raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}, a finite number")
-    if not ok(value):
-        raise HParamError(f"{where}{path}: {name} = {value!r} is invalid; expected {rule}")
+    check_hparam_range(name, value, where, path)
 
 
 def _field_schedule_hint(name: str) -> str:

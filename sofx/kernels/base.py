@@ -296,7 +296,7 @@ def check_scalars(s: AdamScalars, where: str, float64: bool = False, bias_correc
     values = {name: as_number(getattr(s, name)) for name in HPARAM_RANGES}
     for name, x in values.items():
         if is_number(x):
-            _check_hparam_range(name, x, where)
+            check_hparam_range(name, x, where)
     for name in () if float64 else ("lr", "weight_decay", "eps"):
         x = values[name]
         if is_number(x) and (x > FLOAT32_MAX or (name == "eps" and x <= F32_ROUNDS_TO_0)):
@@ -337,18 +337,19 @@ def check_step_size(where: str, lr: Scalar, beta1: Scalar, t: Scalar, float64: b
                           "first steps")
 
 
-def _check_hparam_range(name: str, x: float | int, where: str) -> None:
-    """Refuse (an :class:`HParamError` naming ``where``) a number out of hparam ``name``'s range
-    (:data:`HPARAM_RANGES`), in :meth:`sofx.Adam.update`'s words."""
-    rule = HPARAM_RANGES[name][1]
+def check_hparam_range(name: str, x: float | int, where: str, path: str = "") -> None:
+    """Refuse (an :class:`HParamError` naming ``where + path``) a number out of hparam ``name``'s range
+    (:data:`HPARAM_RANGES`), in :meth:`sofx.Adam.update`'s words (which checks its hparams with it too)."""
+    ok, rule = HPARAM_RANGES[name]
     if isinstance(x, int) and not -sys.float_info.max <= x <= sys.float_info.max:  # float(x) would overflow
-        raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}, a finite number (this int is "
+        raise HParamError(f"{where}{path}: {name} = {x!r} is invalid; expected {rule}, a finite number (this int is "
                           "beyond the float range)")
-    # (nan fails every comparison; inf meets some rules: say what is wrong with it)
+    # A comparison, not math.isfinite: torch.compile traces it for a dynamic (symbolic) float. (nan fails every
+    # comparison; inf meets some rules: say what is wrong with it)
     if not -math.inf < x < math.inf:
-        raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}, a finite number")
-    if not HPARAM_RANGES[name][0](x):
-        raise HParamError(f"{where}: {name} = {x!r} is invalid; expected {rule}")
+        raise HParamError(f"{where}{path}: {name} = {x!r} is invalid; expected {rule}, a finite number")
+    if not ok(x):
+        raise HParamError(f"{where}{path}: {name} = {x!r} is invalid; expected {rule}")
 
 
 def check_grad_scale(grad_scale: Scalar, where: str, float64: bool = False) -> None:
