@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import sys
 
 import numpy as np
@@ -672,6 +673,24 @@ def test_a_saved_group_without_bias_correction_is_refused_naming_it(key):
         ck.from_torch_optim(sofx.adamw(), sd, params)
     sd["param_groups"][0][key] = True
     ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
+@pytest.mark.parametrize("value", ["False", "True", None, 0.0, 2])
+def test_a_saved_bias_correction_flag_that_is_no_bool_is_refused_naming_it(value):
+    """A ``bias_correction``/``correct_bias`` of ``"False"`` (a config read as text) was true to ``not`` and
+    imported into bias-corrected Adam without a word. Anything but True/False (or 1/0) is refused naming the
+    entry and the value; nothing is imported."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0]["bias_correction"] = value
+    with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['bias_correction'\]: "
+                                                 rf"expected True or False, got {re.escape(repr(value))}$"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    for ok in (1, np.bool_(True)):
+        sd["param_groups"][0]["bias_correction"] = ok
+        ck.from_torch_optim(sofx.adamw(), sd, params)
 
 
 def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():

@@ -159,7 +159,12 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
         raise UnsupportedError(f"param_groups[{gi}]: {name}={group[name]!r} is not supported (only torch.optim's "
                                "default, False)")
     for key in ("bias_correction", "correct_bias"):  # DeepSpeed's Adam, Hugging Face's AdamW (as load_zero3 refuses)
-        if key in group and not group[key]:
+        if key not in group:
+            continue
+        if not _is_flag(group[key]):
+            raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
+                                  f"{group[key]!r:.80}")
+        if not group[key]:
             raise UnsupportedError(f"param_groups[{gi}]: {key}={group[key]!r} is not supported (torch.optim's Adam "
                                    "always corrects the bias, and so does the optimizer it imports into)")
     decoupled = group.get("decoupled_weight_decay")
@@ -167,6 +172,13 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
         want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
         raise UnsupportedError(f"param_groups[{gi}] has decoupled_weight_decay={bool(decoupled)}, the optimizer "
                                f"is not: use {want}")
+
+
+def _is_flag(x: Any) -> bool:
+    """Whether ``x`` is a saved on/off option: a bool (Python's or numpy's) or the int 0 or 1 (a string such as
+    ``"False"`` is true to ``not``)."""
+    numpy_bool = type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")
+    return isinstance(x, bool) or numpy_bool or (type(x) is int and x in (0, 1))
 
 
 def _other_torch_optimizer(group: dict) -> str | None:
