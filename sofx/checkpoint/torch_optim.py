@@ -190,7 +190,8 @@ def _other_torch_optimizer(group: dict) -> str | None:
         return "it holds 'momentum_decay' (torch.optim.NAdam's)"
     if "maximize" in group and "amsgrad" not in group:
         return ("it holds torch.optim's options ('maximize') but no 'amsgrad', which torch.optim.Adam and AdamW "
-                "write into every group (torch.optim.RAdam's and NAdam's groups have none)")
+                "write into every group (the other torch optimizers' groups, RAdam's, Adamax's or SparseAdam's, "
+                "have none)")
     return None
 
 
