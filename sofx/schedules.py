@@ -89,8 +89,13 @@ def _finite(schedule: Any, *names: str) -> None:
 
 
 def _span(who: str, name: str, a: float, b: float) -> None:
-    """``b - a`` (a schedule interpolates over it) must be a finite float: ``-1e308 -> 1e308`` gave nan."""
-    if not math.isfinite(b - a):
+    """``b - a`` (a schedule interpolates over it) must be a finite float: ``-1e308 -> 1e308`` gave nan (and
+    ``-2**1023 -> 2**1023``, integers, a raw OverflowError: their difference is an int beyond the float range)."""
+    try:
+        finite = math.isfinite(b - a)
+    except OverflowError:
+        finite = False
+    if not finite:
         raise HParamError(f"{who}: {name} = {b!r} - {a!r} is beyond the float range; expected values whose "
                           "difference is a finite float")
 

@@ -261,6 +261,19 @@ def test_interpolations_beyond_the_float_range_are_refused_at_construction(make,
         make(np)
 
 
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: schedules.linear(-2 ** 1023, 2 ** 1023, 10), r"linear: end - init = 8988\d+ - -8988\d+ is beyond"),
+    (lambda: schedules.linear_warmup(2 ** 1023, 10, init=-2 ** 1023), r"linear: end - init"),
+    (lambda: schedules.warmup_cosine(2 ** 1023, 2, 10, init=-2 ** 1023), r"warmup_cosine: peak - init"),
+    (lambda: schedules.warmup_cosine(2 ** 1023, 2, 10, end=-2 ** 1023), r"warmup_cosine: peak - end")])
+def test_interpolations_of_integer_arguments_beyond_the_float_range_are_refused_at_construction(make, pattern):
+    """Integers within the float range whose difference is not (2**1023 - -2**1023 = 2**1024, an exact int): the
+    check of the span raised a raw OverflowError converting it to a float."""
+    with pytest.raises(HParamError, match=pattern):
+        make()
+    assert schedules.linear(-2 ** 1022, 2 ** 1022, 4)(1) == float(-2 ** 1022) + float(2 ** 1023) * 0.25
+
+
 @pytest.mark.parametrize("sched, step, who", [
     (schedules.cosine_decay(1e200, 10, alpha=1e200), 10, "cosine_decay"),
     (schedules.one_cycle(1e10, 10, div_factor=1e-300), 0, "one_cycle lr")])
