@@ -305,17 +305,19 @@ class OneCycle:
         if ends[0] == 0:
             raise HParamError(f"pct_start * total_steps = {self.pct_start!r} * {self.total_steps} = 1 leaves the "
                               "warm-up phase no steps (it ends at step 0); expected a product other than 1")
-        if ends[-1] == ends[-2]:
+        if ends[-1] - ends[-2] == 0:  # (int - float: torch's divisor, float(total_steps - 1) - the end before)
             raise HParamError(f"pct_start = {self.pct_start!r} with total_steps = {self.total_steps} leaves the "
                               "three-phase cycle's last phase no steps (2 * pct_start * total_steps = "
                               "total_steps + 1)")
 
     def _phases(self) -> list[tuple[float, str, str]]:
+        """(end step, start value, end value) of each phase, as OneCycleLR's: the last ends at the int
+        ``total_steps - 1`` (``float(total_steps) - 1`` is another float for an odd total_steps above 2**53)."""
         n, p = self.total_steps, self.pct_start
         if self.three_phase:
             return [(float(p * n) - 1, "initial", "max"), (float(2 * p * n) - 2, "max", "initial"),
-                    (float(n) - 1, "initial", "min")]
-        return [(float(p * n) - 1, "initial", "max"), (float(n) - 1, "max", "min")]
+                    (n - 1, "initial", "min")]
+        return [(float(p * n) - 1, "initial", "max"), (n - 1, "max", "min")]
 
     def _at(self, step: int) -> tuple[float, float]:
         step = _step(step)

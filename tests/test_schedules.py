@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -634,6 +635,31 @@ def test_one_cycle_total_steps_beyond_the_float_range_is_refused_naming_it():
         schedules.one_cycle(0.1, 10 ** 400)
     big = schedules.one_cycle(0.1, 2 ** 60)  # large but a float: taken, as torch's
     assert big.lr(0) == pytest.approx(0.1 / 25)
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+@pytest.mark.parametrize("anneal", ["cos", "linear"])
+@pytest.mark.parametrize("total", [2 ** 31 + 7, 2 ** 53 + 1, 2 ** 53 + 3, 2 ** 60 + 5])
+def test_one_cycle_is_onecyclelr_bit_for_bit_near_the_end_of_huge_cycles(total: int, anneal: str, three_phase: bool):
+    """OneCycleLR's last phase ends at the int ``total_steps - 1``; sofx's ended at ``float(total_steps) - 1``,
+    another float where total_steps is an odd number above 2**53 (2**53 + 1: 2**53 - 1 against 2**53), so the
+    last steps' lr and beta1 were not torch's bit for bit. Torch's values come from its scheduler moved to each
+    step (``last_epoch``), as it computes them from the step alone."""
+    ours = schedules.one_cycle(0.1, total, pct_start=0.3, anneal=anneal, three_phase=three_phase)
+    p = torch.nn.Parameter(torch.randn(1))
+    opt = torch.optim.Adam([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total, pct_start=0.3,
+                                                anneal_strategy=anneal, three_phase=three_phase)
+    ends = [int(0.3 * total) - 1, int(2 * 0.3 * total) - 2] if three_phase else [int(0.3 * total) - 1]
+    steps = sorted({t for t in [0, 1, total - 3, total - 2, total - 1, total, *[e + d for e in ends
+                                                                                  for d in (-2, -1, 0, 1, 2)]]
+                    if 0 <= t <= total})
+    for t in steps:
+        sched.last_epoch = t
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # get_lr() outside step()
+            lr = sched.get_lr()[0]
+        assert (ours.lr(t), ours.beta1(t)) == (lr, opt.param_groups[0]["betas"][0]), t
 
 
 # optax's schedules as its source and docs define them (optax/schedules/_schedule.py, _join.py; optax is not
