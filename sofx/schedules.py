@@ -223,6 +223,9 @@ class StepDecay:
     def __post_init__(self) -> None:
         _finite(self, "init", "gamma")
         _steps(self, "every", "step_size")
+        if self.gamma < 0:  # the sign flipped every step_size steps: a negative lr, refused mid-run by the optimizer
+            raise HParamError(f"step_decay: gamma = {self.gamma!r} is invalid; expected gamma >= 0 (a negative gamma "
+                              "flips the value's sign every step_size steps)")
 
     def __call__(self, step: int) -> float:
         """``init * gamma ** (step // every)``; a step where that leaves the float range (``|gamma| > 1``) is refused
@@ -484,7 +487,7 @@ def warmup_cosine(peak: float, warmup_steps: int, decay_steps: int, init: float 
 
 
 def step_decay(init: float, step_size: int, gamma: float = 0.1) -> StepDecay:
-    """Multiply by ``gamma`` every ``step_size`` steps (``StepLR``): ``init * gamma ** (step // step_size)``
+    """Multiply by ``gamma >= 0`` every ``step_size`` steps (``StepLR``): ``init * gamma ** (step // step_size)``
     (:class:`StepDecay`)."""
     return StepDecay(init, step_size, gamma)
 

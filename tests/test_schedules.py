@@ -239,6 +239,21 @@ def test_one_cycle_factors_that_divide_by_zero_or_flip_the_lr_are_refused_at_con
         schedules.one_cycle(**args)
 
 
+@pytest.mark.parametrize("gamma", [-0.5, -1.0, -2.0])
+def test_step_decay_with_a_negative_gamma_is_refused_at_construction_naming_it(gamma: float):
+    """A negative gamma flips the value's sign every step_size steps (torch's StepLR sets a negative lr there): it
+    was taken, and the optimizer refused the negative lr mid-run, step_size steps in. A gamma of 0 (the value
+    drops to 0 after step_size steps) is StepLR's closed form as any other."""
+    with pytest.raises(HParamError, match=rf"step_decay: gamma = {gamma!r} is invalid; expected gamma >= 0"):
+        schedules.step_decay(0.1, 3, gamma=gamma)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.StepLR(o, 3, gamma=gamma), 7)
+    assert [lr < 0 for lr, _ in ref] == [False] * 3 + [True] * 3 + [False]
+    sched = schedules.step_decay(0.1, 3, gamma=0.0)
+    assert [sched(t) for t in range(7)] == [0.1] * 3 + [0.0] * 4
+    assert [sched(t) for t in range(7)] == [lr for lr, _ in _torch_lrs(lambda o: torch.optim.lr_scheduler.StepLR(
+        o, 3, gamma=0.0), 7)]
+
+
 def test_step_decay_refuses_the_step_where_its_value_leaves_the_float_range():
     """gamma = 1e308: Python's ** raised a raw OverflowError at step 3 (init * gamma ** k overflowing silently to inf
     for a large init); torch's StepLR gives an inf lr there. The steps before stay as they were."""
