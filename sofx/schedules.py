@@ -462,7 +462,12 @@ def linear_warmup(peak: float, warmup_steps: int, init: float = 0.0) -> Linear:
     """Linear warm-up from ``init`` to ``peak`` over ``warmup_steps``, then ``peak`` (:class:`Linear`)::
 
         init + (peak - init) * min(step, warmup_steps) / warmup_steps     (peak from step 0 if warmup_steps == 0)
+
+    Its arguments are read and refused under their own names (:class:`Linear`'s are ``end`` and ``steps``).
     """
+    peak, init = finite_number("peak", peak), finite_number("init", init)
+    warmup_steps = integer("warmup_steps", warmup_steps, 0)
+    _span("linear_warmup", "peak - init", init, peak)
     return Linear(init, peak, warmup_steps)
 
 

@@ -268,7 +268,7 @@ def test_step_decay_refuses_the_step_where_its_value_leaves_the_float_range():
 
 @pytest.mark.parametrize("make, pattern", [
     (lambda np: schedules.linear(-1e308, 1e308, 10), r"linear: end - init = 1e\+308 - -1e\+308 is beyond the float"),
-    (lambda np: schedules.linear_warmup(1e308, 10, init=-1e308), r"linear: end - init"),
+    (lambda np: schedules.linear_warmup(1e308, 10, init=-1e308), r"linear_warmup: peak - init = 1e\+308 - -1e"),
     (lambda np: schedules.warmup_cosine(1e308, 2, 10, init=-1e308), r"warmup_cosine: peak - init"),
     (lambda np: schedules.warmup_cosine(1e308, 2, 10, end=-1e308), r"warmup_cosine: peak - end")])
 def test_interpolations_beyond_the_float_range_are_refused_at_construction(make, pattern):
@@ -280,7 +280,7 @@ def test_interpolations_beyond_the_float_range_are_refused_at_construction(make,
 
 @pytest.mark.parametrize("make, pattern", [
     (lambda: schedules.linear(-2 ** 1023, 2 ** 1023, 10), r"linear: end - init = 8988\d+ - -8988\d+ is beyond"),
-    (lambda: schedules.linear_warmup(2 ** 1023, 10, init=-2 ** 1023), r"linear: end - init"),
+    (lambda: schedules.linear_warmup(2 ** 1023, 10, init=-2 ** 1023), r"linear_warmup: peak - init"),
     (lambda: schedules.warmup_cosine(2 ** 1023, 2, 10, init=-2 ** 1023), r"warmup_cosine: peak - init"),
     (lambda: schedules.warmup_cosine(2 ** 1023, 2, 10, end=-2 ** 1023), r"warmup_cosine: peak - end")])
 def test_interpolations_of_integer_arguments_beyond_the_float_range_are_refused_at_construction(make, pattern):
@@ -425,6 +425,20 @@ def test_schedule_arguments_that_are_no_numbers_or_no_counts_are_refused_naming_
     np = pytest.importorskip("numpy")
     with pytest.raises(HParamError, match=pattern):
         make(np)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: schedules.linear_warmup(math.nan, 10), r"^peak = nan is invalid; expected a finite number"),
+    (lambda: schedules.linear_warmup(math.inf, 10, init=0.1), r"^peak = inf is invalid"),
+    (lambda: schedules.linear_warmup(1.0, 10, init=-math.inf), r"^init = -inf is invalid"),
+    (lambda: schedules.linear_warmup(1.0, -1), r"^warmup_steps = -1 is invalid; expected an integer >= 0"),
+    (lambda: schedules.linear_warmup(1.0, 4.0), r"^warmup_steps = 4.0 is invalid; expected an integer >= 0"),
+    (lambda: schedules.linear_warmup(1.0, warmup_steps=True), r"^warmup_steps = True is invalid")])
+def test_linear_warmup_refuses_bad_arguments_naming_them_as_it_takes_them(make, pattern):
+    """linear_warmup(peak, warmup_steps, init) is a Linear(init, peak, warmup_steps): its refusals named Linear's
+    fields, ``end = nan`` for a nan peak and ``steps = -1`` for warmup_steps=-1, arguments it does not take."""
+    with pytest.raises(HParamError, match=pattern):
+        make()
 
 
 @given(peak=st.floats(1e-6, 1e308), init=st.floats(0.0, 1e-3), warmup=st.integers(1, 200), data=st.data())
