@@ -346,9 +346,11 @@ class OneCycle:
         """The learning rate after ``step`` steps (as ``OneCycleLR`` after ``step`` scheduler steps)."""
         return self._at(step)[0]
 
-    def beta1(self, step: int) -> float:
-        """beta1 after ``step`` steps: it cycles opposite to the learning rate (``cycle_momentum``)."""
-        return self._at(step)[1]
+    def beta1(self, step: int) -> float | None:
+        """beta1 after ``step`` steps: it cycles opposite to the learning rate (``cycle_momentum``); ``None`` (the
+        optimizer's own, as in ``__call__``) when ``cycle_beta1=False``."""
+        b1 = self._at(step)[1]
+        return b1 if self.cycle_beta1 else None
 
     def __call__(self, step: int) -> AdamHParams:
         lr, b1 = self._at(step)

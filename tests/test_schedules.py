@@ -151,6 +151,24 @@ def test_one_cycle_without_beta1_cycling_leaves_beta1_default():
     assert schedules.one_cycle(1.0, 10, cycle_beta1=False)(3).beta1 is None
 
 
+def test_one_cycle_without_beta1_cycling_gives_no_beta1_field_alone_either():
+    """``lr`` and ``beta1`` give one field of ``__call__``'s hparams: with cycle_beta1=False that beta1 is None (the
+    optimizer's own, as OneCycleLR(cycle_momentum=False) leaves the betas as they are), but ``beta1`` returned a
+    cycling value, so hparams_schedule(lr=s.lr, beta1=s.beta1) cycled beta1 after all."""
+    total = 12
+    s = schedules.one_cycle(0.3, total, cycle_beta1=False)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.3, total_steps=total,
+                                                                   cycle_momentum=False), total + 1, last=True,
+                     betas=(0.87, 0.999))
+    assert [b1 for _, b1 in ref] == [0.87] * (total + 1)
+    by_field = schedules.hparams_schedule(lr=s.lr, beta1=s.beta1)
+    for t, (lr, _) in enumerate(ref):
+        assert s.beta1(t) is None and s(t).beta1 is None and by_field(t) == s(t), t
+        assert s.lr(t) == s(t).lr == lr, t
+    with pytest.raises(HParamError, match="past total_steps"):
+        s.beta1(total + 1)
+
+
 def test_linear_warmup_and_constant():
     s = schedules.linear_warmup(1.0, warmup_steps=4, init=0.2)
     assert [s(t) for t in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
