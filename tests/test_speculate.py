@@ -911,6 +911,45 @@ def test_protocol_errors_are_clear(rng):
         sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2, hparams=[AdamHParams()] * 3)
 
 
+def test_a_tally_of_another_step_or_a_context_that_is_not_one_is_refused_by_the_protocol():
+    """Each protocol function takes the context and the tally :func:`begin_step` made together. Before, a tally of
+    a step with more blocks than the context was validated without its extra blocks (a speculative step there was
+    neither committed nor undone), one with fewer raised a bare IndexError, a tally of an earlier step was
+    validated against a new step's context (its blocks undone and redone with the new hparams), and ``None`` or the
+    two swapped raised an AttributeError. Now a SofxError says what was given, and the tally is not changed."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    config = sp.SpeculationConfig()
+    el = sp.Eligibility(True, "algebraic", "", 0)
+    ctx3, tally3 = sp.begin_step(opt, config, rule, rule.init(), n_blocks=3)
+    ctx2, tally2 = sp.begin_step(opt, config, rule, rule.init(), n_blocks=2)
+    ready3, _ = sp.on_block_ready(ctx3, tally3, 2, 1.0, el)
+    ready2, _ = sp.on_block_ready(ctx2, tally2, 1, 1.0, el)
+    new3, _ = sp.begin_step(opt, config, rule, rule.init(), n_blocks=3, hparams=AdamHParams(lr=0.5))
+    other = "the tally is not of this context's step: begin_step makes a context and its tally together"
+    calls = {
+        "on_block_ready": lambda c, t: sp.on_block_ready(c, t, 1, 1.0, el),
+        "on_late_gradient": lambda c, t: sp.on_late_gradient(c, t, 1, 1.0),
+        "on_speculation_held": lambda c, t: sp.on_speculation_held(c, t, 1, 0),
+        "on_speculation_refused": lambda c, t: sp.on_speculation_refused(c, t, 1, "x"),
+        "plan_validation": lambda c, t: sp.plan_validation(c, t, [1.0] * getattr(c, "n_blocks", 3)),
+    }
+    for name, call in calls.items():
+        for ctx, tally in ((ctx2, ready3), (ctx3, ready2), (new3, ready3)):
+            with pytest.raises(sofx.SofxError, match=f"^{name}: {re.escape(other)}"):
+                call(ctx, tally)
+        with pytest.raises(sofx.SofxError, match=f"^{name}: tally is a NoneType; expected the BackwardTally"):
+            call(ctx3, None)
+        with pytest.raises(sofx.SofxError, match=f"^{name}: ctx is a BackwardTally; expected the StepContext"):
+            call(ready3, ctx3)
+    hook = _RecordingHook()  # (plan_validation tells the reduction hook before it raises)
+    with pytest.raises(sofx.SofxError, match=re.escape(other)) as info:
+        sp.plan_validation(new3, ready3, [1.0] * 3, reduce_sumsq=hook)
+    assert hook.calls == [f"refuse: {info.value}"]
+    # the pairs begin_step made still work together
+    assert [a.kind for a in sp.plan_validation(ctx3, ready3, [None, None, 1.0]).actions] == ["skip", "skip", "commit"]
+
+
 @pytest.mark.parametrize("bad, pattern", [
     (AdamHParams(lr=-1.0), r"hparams for blocks\[1\]: lr = -1\.0 is invalid; expected"),
     (AdamHParams(beta1=1.5), r"hparams for blocks\[1\]: beta1 = 1\.5 is invalid; expected"),

@@ -33,6 +33,7 @@ Decisions (SPECULATION.md section 3):
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ UNDO_SAFE_NORM = 1e18
 # ("refused": speculated, then taken back as it ran, see on_speculation_refused)
 DECISION_KINDS = ("speculate", "disabled", "micro_step", "policy", "vetoed", "ineligible", "budget", "refused")
 ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
+
+# begin_step's numbering of its contexts: a tally carries its context's, so that one of another step is refused
+_CONTEXT_IDS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ class StepContext:
     ``veto_sumsq = (max_norm * assumed_scale)**2`` (inf without clipping).
     ``speculating``/``reason``: whether this step may speculate, and why not.
     ``float64[i]``: block ``i`` is stepped in float64, so its hparams are not held to float32's range (here and
-    in validation; :func:`begin_step`'s ``float64``).
+    in validation; :func:`begin_step`'s ``float64``). ``context_id``: this context's number, which its
+    tally carries (a tally of another step is refused).
     """
 
     n_blocks: int
@@ -157,6 +162,7 @@ class StepContext:
     kind: str
     reason: str
     float64: tuple[bool, ...] = ()
+    context_id: int = 0
 
 
 class Eligibility(NamedTuple):
@@ -201,7 +207,8 @@ class BackwardTally(NamedTuple):
     squares and decision (``None`` until ready). ``late``: blocks that got a
     gradient after being ready. ``snapshot_bytes``: snapshot memory held by the
     speculative steps so far. ``undone``: speculated blocks whose step the caller
-    undid when a late gradient came (``on_late_gradient(undone=True)``).
+    undid when a late gradient came (``on_late_gradient(undone=True)``). ``context_id``: that of the
+    :class:`StepContext` :func:`begin_step` made with it.
     """
 
     sumsq: float
@@ -212,6 +219,7 @@ class BackwardTally(NamedTuple):
     late: frozenset[int]
     snapshot_bytes: int
     undone: frozenset[int] = frozenset()
+    context_id: int = 0
 
 
 class BlockAction(NamedTuple):
@@ -344,9 +352,11 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
                   "step could stand; the blocks are stepped in validation")
     else:
         speculating, kind, reason = True, "speculate", ""
+    context_id = next(_CONTEXT_IDS)
     ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
-                      1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason, wide)
-    tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0)
+                      1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason, wide, context_id)
+    tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0, frozenset(),
+                          context_id)
     return ctx, tally
 
 
@@ -392,6 +402,24 @@ def _veto_sumsq(max_norm: float | None, assumed: float) -> float:
         return math.inf
     threshold = max_norm * assumed
     return threshold * threshold
+
+
+def _check_tally(what: str, ctx: Any, tally: Any) -> None:
+    """Refuse (a :class:`SofxError` naming ``what``, the protocol function) a ``ctx`` that is not a
+    :class:`StepContext`, a ``tally`` that is not a :class:`BackwardTally`, and a tally that is not of ``ctx``'s
+    step (:func:`begin_step` makes them together; a tally carries its context's ``context_id`` and has one entry
+    per block). A tally of a step with more blocks was validated without its extra blocks (a speculative step
+    there neither committed nor undone), one with fewer raised an IndexError, and one of an earlier step was
+    validated against a later step's context."""
+    for name, x, kind in (("ctx", ctx, StepContext), ("tally", tally, BackwardTally)):
+        if not isinstance(x, kind):
+            raise SofxError(f"{what}: {name} is a {type(x).__name__}; expected the {kind.__name__} begin_step made "
+                            "(ctx, tally = begin_step(...))")
+    if (tally.context_id != ctx.context_id or len(tally.decisions) != ctx.n_blocks
+            or len(tally.block_sumsq) != ctx.n_blocks):
+        raise SofxError(f"{what}: the tally is not of this context's step: begin_step makes a context and its tally "
+                        f"together (the context is step #{ctx.context_id}'s, of {ctx.n_blocks} blocks; the tally "
+                        f"#{tally.context_id}'s, of {len(tally.decisions)} blocks)")
 
 
 def _check_block(ctx: StepContext, block: int) -> int:
@@ -441,6 +469,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
     called only when everything else allows speculation. Returns the new tally
     and the decision.
     """
+    _check_tally("on_block_ready", ctx, tally)
     block = _check_block(ctx, block)
     if tally.decisions[block] is not None:
         raise SofxError(f"block {block} was already ready this step; a further gradient for it is a late "
@@ -485,7 +514,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
     decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy, nbytes,
                              ctx.config.snapshot_budget_bytes)
     new = BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq),
-                        _replace(tally.decisions, block, decision), tally.late, snap, tally.undone)
+                        _replace(tally.decisions, block, decision), tally.late, snap, tally.undone, tally.context_id)
     return new, decision
 
 
@@ -496,6 +525,7 @@ def on_speculation_refused(ctx: StepContext, tally: BackwardTally, block: int, r
     Its decision becomes ``"refused"``: validation steps it, the report counts it as ``refused`` (a
     speculative step undone at once, then stepped late), and its snapshot bytes are no longer held.
     """
+    _check_tally("on_speculation_refused", ctx, tally)
     block = _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None or not d.speculate:
@@ -512,6 +542,7 @@ def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snap
     in itself that it keeps chunks (:mod:`sofx.skipped_chunks`). The blocks decided after this see what is
     really left of the budget, rather than have their steps taken back for it.
     """
+    _check_tally("on_speculation_held", ctx, tally)
     block = _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None or not d.speculate:
@@ -535,6 +566,7 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     report them, :func:`on_speculation_held`, before). A non-finite sum vetoes
     speculation of the blocks still to come.
     """
+    _check_tally("on_late_gradient", ctx, tally)
     block = _check_block(ctx, block)
     d = tally.decisions[block]
     if d is None:
@@ -553,7 +585,7 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
         held -= d.snapshot_bytes
         taken_back = taken_back | {block}
     return BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq), tally.decisions,
-                         tally.late | {block}, held, taken_back)
+                         tally.late | {block}, held, taken_back, tally.context_id)
 
 
 def _same_number(a: Any, b: Any) -> bool:
@@ -698,6 +730,7 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     without gradient; (an :class:`HParamError`) hparams a block it would step (``stepped``, by default one with a
     gradient or every block with ``missing_grad="zero"``) cannot take (:func:`_check_stepped_block_hparams`), and a
     ``stepped`` that is not one bool per block."""
+    _check_tally("plan_validation", ctx, tally)
     n = ctx.n_blocks
     if len(sumsq) != n:
         raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
