@@ -950,6 +950,30 @@ def test_a_tally_of_another_step_or_a_context_that_is_not_one_is_refused_by_the_
     assert [a.kind for a in sp.plan_validation(ctx3, ready3, [None, None, 1.0]).actions] == ["skip", "skip", "commit"]
 
 
+def test_an_action_or_decision_that_is_not_one_is_refused_by_the_apply_functions_changing_nothing(rng):
+    """apply_block_action takes one BlockAction (``plan.actions[i]``) and speculative_block_step one BlockDecision.
+    Before, the plan itself, its actions tuple, an action kind as a string or the other function's value raised
+    an AttributeError ("'ValidationPlan' object has no attribute 'kind'"); now a SofxError says what was given,
+    before any tensor is touched."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    plan = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False])
+    before = param.clone()
+    for bad in (plan, plan.actions, "step", decision, None):
+        with pytest.raises(sofx.SofxError, match=rf"^apply_block_action: action is a {type(bad).__name__}; expected "
+                                                 r"one BlockAction of a ValidationPlan \(plan\.actions\[i\]\)"):
+            sp.apply_block_action(opt, bad, param, grad, state, donate=True)
+    for bad in (plan.actions[0], plan, "speculate", None):
+        with pytest.raises(sofx.SofxError, match=rf"^speculative_block_step: decision is a {type(bad).__name__}; "
+                                                 r"expected the BlockDecision on_block_ready returned"):
+            sp.speculative_block_step(opt, param, grad, state, bad, donate=True)
+    assert torch.equal(param, before) and int(state.count) == 0 and not state.mu.any()
+
+
 @pytest.mark.parametrize("bad, pattern", [
     (AdamHParams(lr=-1.0), r"hparams for blocks\[1\]: lr = -1\.0 is invalid; expected"),
     (AdamHParams(beta1=1.5), r"hparams for blocks\[1\]: beta1 = 1\.5 is invalid; expected"),

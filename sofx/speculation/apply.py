@@ -81,6 +81,9 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     finite, or the block would not have been speculated). ``param_copies``: :meth:`sofx.Adam.update`'s
     (second buffers that also receive the new parameters).
     """
+    if not isinstance(decision, BlockDecision):
+        raise SofxError(f"speculative_block_step: decision is a {type(decision).__name__}; expected the BlockDecision "
+                        "on_block_ready returned for the block")
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
     budget = decision.snapshot_budget_bytes
@@ -105,6 +108,9 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
     parameters (not by ``commit`` and ``skip``).
     """
+    if not isinstance(action, BlockAction):
+        raise SofxError(f"apply_block_action: action is a {type(action).__name__}; expected one BlockAction of a "
+                        "ValidationPlan (plan.actions[i])")
     kind = action.kind
     if kind in ("commit", "skip"):
         return param, state
