@@ -950,6 +950,33 @@ def test_a_tally_of_another_step_or_a_context_that_is_not_one_is_refused_by_the_
     assert [a.kind for a in sp.plan_validation(ctx3, ready3, [None, None, 1.0]).actions] == ["skip", "skip", "commit"]
 
 
+def test_reports_of_a_step_undone_for_a_late_gradient_are_refused_keeping_the_budget():
+    """on_speculation_held / on_speculation_refused for a block whose step the caller already undid for a late
+    gradient (on_late_gradient(undone=True), which released its bytes): before, the bytes were taken off the held
+    total a second time, which went negative, and the blocks after it were speculated with snapshots beyond
+    snapshot_budget_bytes. Now both refuse it, saying to report before the undo (as on_late_gradient says)."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), rule, rule.init(), n_blocks=2)
+    tally, d = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "snapshot", "", 60))
+    assert d.speculate and tally.snapshot_bytes == 60
+    tally = sp.on_late_gradient(ctx, tally, 0, 2.0, undone=True)
+    assert tally.snapshot_bytes == 0
+    for call in (lambda: sp.on_speculation_held(ctx, tally, 0, 30),
+                 lambda: sp.on_speculation_refused(ctx, tally, 0, "beyond the budget")):
+        with pytest.raises(sofx.SofxError, match=r"block 0's speculative step was undone for a late gradient "
+                                                 r"\(on_late_gradient\(undone=True\)\), which released its snapshot"):
+            call()
+    # the budget is whole: a block needing more than it is not speculated
+    _, d1 = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "snapshot", "", 120))
+    assert d1.kind == "budget"
+    # reported before the undo, as on_late_gradient says: counted once
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), rule, rule.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "snapshot", "", 60))
+    tally = sp.on_speculation_held(ctx, tally, 0, 30)
+    assert sp.on_late_gradient(ctx, tally, 0, 2.0, undone=True).snapshot_bytes == 0
+
+
 def test_an_action_or_decision_that_is_not_one_is_refused_by_the_apply_functions_changing_nothing(rng):
     """apply_block_action takes one BlockAction (``plan.actions[i]``) and speculative_block_step one BlockDecision.
     Before, the plan itself, its actions tuple, an action kind as a string or the other function's value raised

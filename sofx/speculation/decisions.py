@@ -530,6 +530,7 @@ def on_speculation_refused(ctx: StepContext, tally: BackwardTally, block: int, r
     d = tally.decisions[block]
     if d is None or not d.speculate:
         raise SofxError(f"block {block} was not speculated: there is no speculative step to refuse")
+    _refuse_undone_report(tally, block)
     refused = d._replace(speculate=False, kind="refused", reason=f"taken back as it ran: {reason}",
                          snapshot_bytes=0)
     return tally._replace(decisions=_replace(tally.decisions, block, refused),
@@ -547,10 +548,22 @@ def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snap
     d = tally.decisions[block]
     if d is None or not d.speculate:
         raise SofxError(f"block {block} was not speculated: there is no speculative step holding a snapshot")
+    _refuse_undone_report(tally, block)
     snapshot_bytes = integer("on_speculation_held: snapshot_bytes", snapshot_bytes, 0, SofxError)
     held = d._replace(snapshot_bytes=snapshot_bytes)
     return tally._replace(decisions=_replace(tally.decisions, block, held),
                           snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes + snapshot_bytes)
+
+
+def _refuse_undone_report(tally: BackwardTally, block: int) -> None:
+    """Refuse (a :class:`SofxError`) a report of what block ``block``'s speculative step holds, or that it was
+    taken back, after the caller undid that step for a late gradient (``on_late_gradient(undone=True)``, which
+    released its bytes): taken off the held total a second time, the total went below what the steps hold, and the
+    blocks after it were speculated with snapshots beyond ``snapshot_budget_bytes``."""
+    if block in tally.undone:
+        raise SofxError(f"block {block}'s speculative step was undone for a late gradient (on_late_gradient("
+                        "undone=True)), which released its snapshot: report what the step held "
+                        "(on_speculation_held, on_speculation_refused) before that undo")
 
 
 def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: float, *,
