@@ -977,6 +977,30 @@ def test_reports_of_a_step_undone_for_a_late_gradient_are_refused_keeping_the_bu
     assert sp.on_late_gradient(ctx, tally, 0, 2.0, undone=True).snapshot_bytes == 0
 
 
+def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
+    """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
+    do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object
+    has no attribute 'defaults'", and a torch.optim.Adam made a context whose hparams were its defaults' keys
+    (lr='lr', beta1='betas', ...). Now a SofxError names what was given and what to pass."""
+    inner = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = inner.init(param)
+    ctx, tally = sp.begin_step(inner, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False]).actions
+    before = param.clone()
+    for bad, words in ((sofx.apply_if_finite(inner, 3), "opt is an apply_if_finite(...) wrapper"),
+                       (torch.optim.Adam([torch.nn.Parameter(torch.randn(2))]), "opt is a Adam; expected a sofx.Adam")):
+        for call in (lambda: sp.begin_step(bad, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1),
+                     lambda: sp.block_eligibility(bad, param, grad, state, AdamHParams(), 1.0),
+                     lambda: sp.speculative_block_step(bad, param, grad, state, decision, donate=True),
+                     lambda: sp.apply_block_action(bad, action, param, grad, state, donate=True)):
+            with pytest.raises(sofx.SofxError, match=re.escape(words)):
+                call()
+    assert torch.equal(param, before) and int(state.count) == 0
+
+
 def test_an_action_or_decision_that_is_not_one_is_refused_by_the_apply_functions_changing_nothing(rng):
     """apply_block_action takes one BlockAction (``plan.actions[i]``) and speculative_block_step one BlockDecision.
     Before, the plan itself, its actions tuple, an action kind as a string or the other function's value raised

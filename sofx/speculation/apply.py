@@ -22,6 +22,7 @@ import torch
 
 from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import SofxError, UnsupportedError
+from sofx.serial import check_opt
 from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility
 from sofx.transforms import sumsq
 from sofx.undo_record import UndoRecord, strategy_snapshot_bytes
@@ -50,6 +51,7 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
     :meth:`sofx.Adam.update` (True when the caller knows every element of
     ``grad`` is finite, e.g. from its sum of squares: it is not read again).
     """
+    check_opt(opt)
     try:
         (plan,) = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale, grads_finite=grads_finite)
     except UnsupportedError as exc:
@@ -81,6 +83,7 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     finite, or the block would not have been speculated). ``param_copies``: :meth:`sofx.Adam.update`'s
     (second buffers that also receive the new parameters).
     """
+    check_opt(opt)
     if not isinstance(decision, BlockDecision):
         raise SofxError(f"speculative_block_step: decision is a {type(decision).__name__}; expected the BlockDecision "
                         "on_block_ready returned for the block")
@@ -108,6 +111,7 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
     parameters (not by ``commit`` and ``skip``).
     """
+    check_opt(opt)
     if not isinstance(action, BlockAction):
         raise SofxError(f"apply_block_action: action is a {type(action).__name__}; expected one BlockAction of a "
                         "ValidationPlan (plan.actions[i])")

@@ -47,7 +47,7 @@ from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
-                         check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq,
+                         check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq,
                          refuse_reduce, refuse_unknown_keywords, step_facts, step_settings, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
@@ -311,6 +311,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     :func:`sofx.serial.serial_step` does not read them, and veto nothing
     (default: every block may be stepped).
     """
+    check_opt(opt)  # (a torch.optim optimizer's defaults were read as hparams)
     if not isinstance(config, SpeculationConfig):
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
     n_blocks = integer("n_blocks", n_blocks, 0)
