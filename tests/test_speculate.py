@@ -977,6 +977,30 @@ def test_reports_of_a_step_undone_for_a_late_gradient_are_refused_keeping_the_bu
     assert sp.on_late_gradient(ctx, tally, 0, 2.0, undone=True).snapshot_bytes == 0
 
 
+@pytest.mark.parametrize("bad", ["no", None, 0, 1.0])
+def test_the_protocols_flags_that_are_not_bools_are_refused(rng, bad):
+    """begin_step's last_micro_step and on_late_gradient's undone are bools (as SpeculationConfig's flags). Before,
+    they were read by their truth: last_micro_step="no" speculated during an earlier micro-step's backward, and
+    undone="no" marked a standing speculative step as undone, so that validation stepped the block again from its
+    speculated state (two steps). Now an HParamError names the argument, and nothing is recorded."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    with pytest.raises(sofx.HParamError, match=r"^last_micro_step = .* is invalid; expected a bool"):
+        sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1, last_micro_step=bad)
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    with pytest.raises(sofx.HParamError, match=r"^last_micro_step = .* is invalid; expected a bool"):
+        sp.speculative_step(opt, [param], [grad], opt.init([param]), config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), last_micro_step=bad)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    with pytest.raises(sofx.HParamError, match=r"^on_late_gradient: undone = .* is invalid; expected a bool"):
+        sp.on_late_gradient(ctx, tally, 0, 4.0, undone=bad)
+    np = pytest.importorskip("numpy")  # (numpy bools are bools)
+    assert sp.on_late_gradient(ctx, tally, 0, 4.0, undone=np.bool_(False)).undone == frozenset()
+    assert not sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1,
+                             last_micro_step=np.bool_(False))[0].speculating
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object

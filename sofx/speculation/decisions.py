@@ -315,6 +315,8 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     if not isinstance(config, SpeculationConfig):
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
     n_blocks = integer("n_blocks", n_blocks, 0)
+    # a Python bool ("no" was read as true: speculation during an earlier micro-step's backward)
+    last_micro_step = flag("last_micro_step", last_micro_step)
     policy_state = config.policy.init() if policy_state is None else policy_state
     if type(policy_state) is not type(config.policy.init()):
         raise HParamError(f"policy_state is a {type(policy_state).__name__}; the policy's state is a "
@@ -586,6 +588,8 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
     if d is None:
         raise SofxError(f"block {block} was not ready yet: a gradient before on_block_ready is not late")
     sumsq = _sumsq_value(f"on_late_gradient: block {block}: sumsq", sumsq)
+    # a Python bool ("no" was read as true: a standing step taken as undone, and the block stepped a second time)
+    undone = flag("on_late_gradient: undone", undone)
     old = tally.block_sumsq[block]
     running = tally.sumsq + (sumsq - old if math.isfinite(sumsq) and old is not None and math.isfinite(old)
                              else sumsq)
