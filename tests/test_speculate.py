@@ -1001,6 +1001,29 @@ def test_the_protocols_flags_that_are_not_bools_are_refused(rng, bad):
                              last_micro_step=np.bool_(False))[0].speculating
 
 
+@pytest.mark.parametrize("bad, words", [
+    (sp.Eligibility("no", "snapshot", "", 8), r"eligible = 'no' is invalid; expected a bool"),
+    (sp.Eligibility(True, "snapshot", "", -64), r"snapshot_bytes = -64 is invalid; expected an integer >= 0"),
+    (sp.Eligibility(True, "snapshot", "", "8"), r"snapshot_bytes = '8' is invalid; expected an integer >= 0"),
+])
+def test_an_eligibility_with_fields_of_other_kinds_is_refused_by_on_block_ready(bad, words):
+    """on_block_ready reads an Eligibility's ``eligible`` and ``snapshot_bytes`` (block_eligibility makes one; an
+    engine may make its own). Before, eligible="no" speculated the block, a negative snapshot_bytes lowered the
+    snapshot held, so that later blocks were speculated beyond snapshot_budget_bytes, and a string raised a bare
+    TypeError. Now a SofxError names the block and the field."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), rule, rule.init(), n_blocks=2)
+    with pytest.raises(sofx.SofxError, match=rf"^on_block_ready: block 0: the eligibility's {words}"):
+        sp.on_block_ready(ctx, tally, 0, 1.0, bad)
+    with pytest.raises(sofx.SofxError, match=rf"^on_block_ready: block 0: the eligibility's {words}"):
+        sp.on_block_ready(ctx, tally, 0, 1.0, lambda: bad)
+    np = pytest.importorskip("numpy")  # (numpy bools and integers are read as such)
+    tally, d = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(np.bool_(True), "snapshot", "", np.int64(60)))
+    assert d.speculate and type(d.snapshot_bytes) is int and tally.snapshot_bytes == 60
+    assert sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "snapshot", "", 60))[1].kind == "budget"
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object

@@ -503,17 +503,21 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
         el = eligibility() if callable(eligibility) else eligibility
         if not isinstance(el, Eligibility):
             raise SofxError(f"eligibility must be an Eligibility, got {type(el).__name__}")
+        # read as a Python bool and int (eligible="no" speculated; a negative size lowered the snapshot held)
+        where = f"on_block_ready: block {block}: the eligibility's"
+        eligible = flag(f"{where} eligible", el.eligible, SofxError)
+        el_bytes = integer(f"{where} snapshot_bytes", el.snapshot_bytes, 0, SofxError)
         strategy = el.strategy
         budget = ctx.config.snapshot_budget_bytes
-        if not el.eligible:
+        if not eligible:
             kind, reason = "ineligible", el.reason
-        elif budget is not None and snap + el.snapshot_bytes > budget:
+        elif budget is not None and snap + el_bytes > budget:
             kind = "budget"
-            reason = (f"its {el.strategy} undo needs {el.snapshot_bytes} bytes of snapshot "
+            reason = (f"its {el.strategy} undo needs {el_bytes} bytes of snapshot "
                       f"({el.reason}); {budget - snap} of the budget of {budget} bytes are left")
         else:
-            kind, reason, nbytes = "speculate", "", el.snapshot_bytes
-            snap += el.snapshot_bytes
+            kind, reason, nbytes = "speculate", "", el_bytes
+            snap += el_bytes
     decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy, nbytes,
                              ctx.config.snapshot_budget_bytes)
     new = BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq),
