@@ -1024,6 +1024,25 @@ def test_an_eligibility_with_fields_of_other_kinds_is_refused_by_on_block_ready(
     assert sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "snapshot", "", 60))[1].kind == "budget"
 
 
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_taken_entries_that_are_not_bools_are_refused_through_the_hook(bad):
+    """plan_validation's ``taken[i]`` says whether block i's speculative step ran. Before, it was read by its
+    truth: taken=["no"] for a speculated block whose step did not run committed it (the block was never stepped),
+    and for one not speculated the error said "taken[0] is True". Now a SofxError names the entry, after telling
+    the reduction hook."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    hook = _RecordingHook()
+    with pytest.raises(sofx.SofxError, match=rf"^taken\[0\] = {re.escape(repr(bad))} is invalid; expected a bool"):
+        sp.plan_validation(ctx, tally, [1.0, 1.0], taken=[bad, False], reduce_sumsq=hook)
+    assert len(hook.calls) == 1 and hook.calls[0].startswith("refuse: taken[0]"), hook.calls
+    np = pytest.importorskip("numpy")  # (numpy bools, as an array of them, are bools)
+    plan = sp.plan_validation(ctx, tally, [1.0, 1.0], taken=np.array([False, False]))
+    assert [a.kind for a in plan.actions] == ["step", "step"]
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object

@@ -758,6 +758,8 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
         raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
     if taken is not None and len(taken) != n:
         raise SofxError(f"taken has {len(taken)} entries, the step has {n} blocks")
+    if taken is not None:  # Python bools ("no" was read as true: a step that did not run was committed)
+        taken = [flag(f"taken[{i}]", x, SofxError) for i, x in enumerate(taken)]
     hps = ctx.hparams if hparams is None else resolve_block_hparams(ctx.defaults, hparams, n)
     spec_taken = []
     for i in range(n):
