@@ -47,8 +47,9 @@ from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
-                         check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq,
-                         refuse_reduce, refuse_unknown_keywords, step_facts, step_settings, without_gradients)
+                         check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq,
+                         reduced_sumsq, refuse_reduce, refuse_unknown_keywords, step_facts, step_settings,
+                         without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
