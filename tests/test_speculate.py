@@ -1469,6 +1469,26 @@ def test_block_indices_that_are_not_ints_are_refused_before_any_leaf_is_stepped(
     assert _unchanged(before, params, state)
 
 
+def test_late_grads_that_are_not_a_mapping_are_refused_naming_it(rng):
+    """speculative_step's late_grads maps a leaf index to its further gradient. Before, a list of them (one per
+    leaf, as the grads) went through dict(): "TypeError: cannot convert dictionary update sequence element #0 to a
+    sequence", a ValueError about an element's length, or, for tensors of two elements, each tensor taken as an
+    (index, gradient) pair; a tensor raised "Boolean value of Tensor ... is ambiguous". Now a SofxError says a
+    mapping {leaf index: tensor} is expected, before anything runs."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    params, grads = _params(rng, 2, 2), _grads(rng, 2, 2)
+    state = opt.init(params)
+    for bad in ([None, torch.randn(2)], [torch.randn(2), torch.randn(2)], torch.randn(2), "ab", ((0, torch.randn(2)),)):
+        with pytest.raises(sofx.SofxError, match=rf"^late_grads is a {type(bad).__name__}; expected a mapping "
+                                                 r"\{leaf index: tensor\}"):
+            sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                                scaler_state=rule.init(), late_grads=bad)
+    res = sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                              scaler_state=rule.init(), late_grads={1: grads[0].clone()})
+    assert res.report.actions == ("commit", "undo_redo")
+
+
 def test_numpy_integer_leaf_indices_in_order_and_late_grads_are_read_as_ints(rng):
     """Leaf indices taken from a numpy array (``np.argsort``, ``np.int64``) in ``order`` and as ``late_grads`` keys
     are indices, as the block protocol's ``on_block_ready`` takes them: the step equals the one given Python ints

@@ -157,6 +157,9 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     if not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
         raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {order}")
     order = [int(i) for i in order]
+    if late_grads is not None and not isinstance(late_grads, Mapping):  # (a list went through dict())
+        raise SofxError(f"late_grads is a {type(late_grads).__name__}; expected a mapping {{leaf index: tensor}} "
+                        "(a further gradient for a leaf that already has one), or None")
     late = dict(late_grads or {})
     for i in late:
         if not (_is_index(i) and 0 <= i < n) or g_leaves[int(i)] is None:
