@@ -33,9 +33,9 @@ Decisions (SPECULATION.md section 3):
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
@@ -82,8 +82,11 @@ UNDO_SAFE_NORM = 1e18
 DECISION_KINDS = ("speculate", "disabled", "micro_step", "policy", "vetoed", "ineligible", "budget", "refused")
 ACTION_KINDS = ("commit", "undo_redo", "undo", "step", "skip")
 
-# begin_step's numbering of its contexts: a tally carries its context's, so that one of another step is refused
-_CONTEXT_IDS = itertools.count(1)
+
+def _new_context_id() -> int:
+    """A fresh context's id, which its tally carries (one of another step is refused): 63 random bits from the
+    system (no counter kept in the module, and the user's ``random`` stream left alone)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class StepContext:
     ``veto_sumsq = (max_norm * assumed_scale)**2`` (inf without clipping).
     ``speculating``/``reason``: whether this step may speculate, and why not.
     ``float64[i]``: block ``i`` is stepped in float64, so its hparams are not held to float32's range (here and
-    in validation; :func:`begin_step`'s ``float64``). ``context_id``: this context's number, which its
+    in validation; :func:`begin_step`'s ``float64``). ``context_id``: this context's random id, which its
     tally carries (a tally of another step is refused).
     """
 
@@ -356,7 +359,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
                   "step could stand; the blocks are stepped in validation")
     else:
         speculating, kind, reason = True, "speculate", ""
-    context_id = next(_CONTEXT_IDS)
+    context_id = _new_context_id()
     ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
                       1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason, wide, context_id)
     tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0, frozenset(),
@@ -422,8 +425,8 @@ def _check_tally(what: str, ctx: Any, tally: Any) -> None:
     if (tally.context_id != ctx.context_id or len(tally.decisions) != ctx.n_blocks
             or len(tally.block_sumsq) != ctx.n_blocks):
         raise SofxError(f"{what}: the tally is not of this context's step: begin_step makes a context and its tally "
-                        f"together (the context is step #{ctx.context_id}'s, of {ctx.n_blocks} blocks; the tally "
-                        f"#{tally.context_id}'s, of {len(tally.decisions)} blocks)")
+                        f"together (the context has {ctx.n_blocks} blocks; the tally, of another begin_step, "
+                        f"{len(tally.decisions)})")
 
 
 def _check_block(ctx: StepContext, block: int) -> int:
