@@ -289,11 +289,21 @@ def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float,
     function) is called as ``reduce_sumsq(local)``."""
     if reduce_sumsq is None:
         return local
+    check_reduce_sumsq(reduce_sumsq)
     total = as_number(call_reduce(reduce_sumsq, local, settings))
     if isinstance(total, bool) or not isinstance(total, numbers.Real) or total < 0:
         raise HParamError(f"reduce_sumsq returned {total!r}; expected the sum of squares over ranks, a number >= 0 "
                           "(inf or nan where a gradient is not finite)")
     return float(total)
+
+
+def check_reduce_sumsq(reduce_sumsq: Any) -> None:
+    """Refuse (an :class:`HParamError`) a ``reduce_sumsq`` that is neither ``None`` nor callable (``5`` raised
+    "'int' object is not callable" from the reduction, after a speculative step's blocks had run)."""
+    if reduce_sumsq is not None and not callable(reduce_sumsq):
+        raise HParamError(f"reduce_sumsq is a {type(reduce_sumsq).__name__}; expected a function of this rank's sum "
+                          "of squares that returns the sum over ranks (sofx.distributed.all_reduce_sumsq(group)), "
+                          "or None")
 
 
 def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseException) -> None:
@@ -492,6 +502,7 @@ def serial_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = REQUI
                                 missing=missing, extra=extra, positional=_positional_names(serial_step))
     try:  # everything this rank may refuse, before the reduction (see refuse_reduce)
         check_opt(opt)
+        check_reduce_sumsq(reduce_sumsq)
         check_profile(profile)
         if missing_grad not in MISSING_GRAD_MODES:
             raise HParamError(f"missing_grad={missing_grad!r}; expected one of {MISSING_GRAD_MODES}")

@@ -1489,6 +1489,34 @@ def test_late_grads_that_are_not_a_mapping_are_refused_naming_it(rng):
     assert res.report.actions == ("commit", "undo_redo")
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_an_order_or_reduce_sumsq_of_another_kind_is_refused_before_anything_runs(rng, donate):
+    """``order=5`` raised Python's "'int' object is not iterable"; a ``reduce_sumsq`` that is not callable (5, a
+    string) raised "'int' object is not callable" from the reduction, in speculative_step after its speculative
+    steps had run (undone again) and in serial_step after the local sum. Both steps now refuse it by name
+    before anything runs, and nothing changes."""
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    params, grads = _params(rng, 2, 2), _grads(rng, 2, 2)
+    state = opt.init(params)
+    before = ([p.clone() for p in params], [m.clone() for m in state.mu], [v.clone() for v in state.nu])
+    for bad in (5, 2.5):
+        with pytest.raises(sofx.SofxError, match=rf"^order must be a permutation of the 2 leaf indices \(ints\), "
+                                                 rf"got {bad}$"):
+            sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                                scaler_state=rule.init(), order=bad, donate=donate)
+    for bad in (5, "sum"):
+        with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is a {type(bad).__name__}; expected a "
+                                                   r"function of this rank's sum of squares"):
+            sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                                scaler_state=rule.init(), reduce_sumsq=bad, donate=donate)
+        with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is a {type(bad).__name__}; expected"):
+            serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), reduce_sumsq=bad,
+                        donate=donate)
+    assert all(torch.equal(a, b) for a, b in zip(before[0] + before[1] + before[2],
+                                                 list(params) + list(state.mu) + list(state.nu)))
+
+
 def test_numpy_integer_leaf_indices_in_order_and_late_grads_are_read_as_ints(rng):
     """Leaf indices taken from a numpy array (``np.argsort``, ``np.int64``) in ``order`` and as ``late_grads`` keys
     are indices, as the block protocol's ``on_block_ready`` takes them: the step equals the one given Python ints

@@ -26,8 +26,8 @@ from sofx.kernels.user_numbers import is_bool
 from sofx.loss_scale import LossScaler, LossScaleState
 from sofx.required import REQUIRED
 from sofx.serial import (_FROM_LOOP, LoopState, _keyword_names, _missing, _positional_names, call_reduce,
-                         check_loop, check_opt, hparams_at, refuse_reduce, refuse_unknown_keywords,
-                         with_loop_settings)
+                         check_loop, check_opt, check_reduce_sumsq, hparams_at, refuse_reduce,
+                         refuse_unknown_keywords, with_loop_settings)
 from sofx.speculation.apply import apply_block_action, block_eligibility, speculative_block_step
 from sofx.speculation.decisions import (
     SpeculationConfig,
@@ -104,6 +104,7 @@ def speculative_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = 
         refuse_unknown_keywords("speculative_step", unknown, _keyword_names(speculative_step), reduce_sumsq,
                                 loop=False, missing=missing, extra=extra,
                                 positional=_positional_names(speculative_step))
+    check_reduce_sumsq(reduce_sumsq)
     noted = None if reduce_sumsq is None else _NotedReduce(reduce_sumsq)
     try:
         return _speculative_step(opt, params, grads, state, config=config, scaler=scaler,
@@ -153,9 +154,13 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     input_states = list(block_states)
     hps = opt.resolve_hparams(hparams, spec)
     final_hps = hps if validation_hparams is _SAME else opt.resolve_hparams(validation_hparams, spec)
-    order = list(range(n - 1, -1, -1)) if order is None else list(order)
+    given = order
+    try:
+        order = list(range(n - 1, -1, -1)) if order is None else list(order)
+    except TypeError:  # (not iterable: order=5)
+        order = [given]
     if not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
-        raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {order}")
+        raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {given!r:.80}")
     order = [int(i) for i in order]
     if late_grads is not None and not isinstance(late_grads, Mapping):  # (a list went through dict())
         raise SofxError(f"late_grads is a {type(late_grads).__name__}; expected a mapping {{leaf index: tensor}} "
