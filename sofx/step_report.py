@@ -8,7 +8,9 @@ and by :func:`sofx.speculate.speculative_step`. Block counts:
 ``undone``        speculative steps undone (with or without a redo)
 ``redone``        undone steps taken again with the final gradient, scale and hparams
 ``vetoed``        ready blocks not speculated because of an early veto (clipping
-                  certain, or a non-finite gradient)
+                  certain, a non-finite gradient, an unscaled norm too large to
+                  undo safely) or a step-wide one (hparams a block refuses, a
+                  loss scale that cannot unscale, ``max_norm=0``)
 ``ineligible``    ready blocks not speculated because their step could not be
                   undone within the snapshot budget
 ``refused``       speculative steps taken back as they ran (undone at once: the
