@@ -1055,6 +1055,8 @@ def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     ctx, tally = sp.begin_step(inner, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
     tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
     (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False]).actions
+    assert decision.speculate and action.kind == "step"  # (its reason said "not speculated", of a block that was)
+    assert action.reason == "its speculative step did not run (taken[0] is False): stepped now"
     before = param.clone()
     for bad, words in ((sofx.apply_if_finite(inner, 3), "opt is an apply_if_finite(...) wrapper"),
                        (torch.optim.Adam([torch.nn.Parameter(torch.randn(2))]), "opt is a Adam; expected a sofx.Adam")):

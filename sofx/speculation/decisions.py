@@ -730,7 +730,9 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
                                        "stepped with the sum", facts.grad_scale, hp, False, True))
         elif s is not None:
             why = d.reason if d is not None and d.reason else (
-                "not speculated" if d is not None else "the block was not reported ready during backward")
+                "the block was not reported ready during backward" if d is None
+                else f"its speculative step did not run (taken[{i}] is False): stepped now" if d.speculate
+                else "not speculated")
             actions.append(BlockAction(i, "step", why, facts.grad_scale, hp))
         elif zero:
             actions.append(BlockAction(i, "step", "no gradient: stepped with zeros (missing_grad='zero')",
