@@ -31,6 +31,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
     one_torch_thread,
 )
 
+import sofx.loss_scale
 import sofx.offload
 from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
@@ -79,6 +80,7 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
         assert took < 15.0 and (waited_first or took >= 0.5), took  # (the thread executor's default: 30 s)
     finally:
         release.set()
+    assert opt.state_dict()["state"]["complete"] is False, "the state kept may be changed by what was left running"
     executor._thread.join(30.0)
     assert not executor._thread.is_alive(), "it stops after the operation it ran"
     assert executor._finished == executor._submitted - 1, "the queued operation did not run"
@@ -456,3 +458,83 @@ def test_at_exit_a_step_that_does_not_end_in_time_is_closed_under_with_a_warning
     assert "at interpreter exit, step() was still running in another thread after 0.2 s" in out.stderr, out.stderr
     assert out.stdout.startswith("step failed: ExecutorError('the thread executor is closed')"), out.stdout
     assert took < 20, "not the optimizer's 30 s timeout"
+
+
+def _with_loop(model: torch.nn.Module, executor: str, batches: list, saved: dict | None = None
+               ) -> sofx.offload.SpeculativeAdamW:
+    """Train ``model`` on ``batches`` in a ``with opt:`` block (clipping, a dynamic loss scale that grows every 2
+    clean steps), after loading ``saved`` where given; returns the closed optimizer."""
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100,
+                                       max_grad_norm=0.5, loss_scale=sofx.loss_scale.grad_scaler(
+                                           init_scale=2.0 ** 10, growth_interval=2)) as opt:
+        if saved is not None:
+            opt.load_state_dict(saved)
+        for batch in batches:
+            opt.zero_grad()
+            opt.backward(mlp_loss(model, batch))
+            opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_a_with_block_saves_after_it_ends_and_the_saved_state_resumes_bitwise(executor: str) -> None:
+    """state_dict() after close() was refused ("the optimizer is closed"), though opt.state[p] stays readable: a
+    ``with opt:`` loop could not save its optimizer after the block. Now it saves the state the optimizer kept (the
+    thread executor's last operation, queued by step(), recorded as close() stops the worker), and a run resumed
+    from it in a fresh optimizer is the uninterrupted run bit for bit; the uninterrupted run is torch.optim.AdamW's
+    + clip_grad_norm_ + GradScaler's."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [mlp_batch(gen) for _ in range(8)]
+    torch.manual_seed(0)
+    whole = SharedMLP()
+    ref, model = copy.deepcopy(whole), copy.deepcopy(whole)
+    _with_loop(whole, executor, batches)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    for batch in batches:
+        ropt.zero_grad()
+        scaler.scale(mlp_loss(ref, batch)).backward()
+        scaler.unscale_(ropt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        scaler.step(ropt)
+        scaler.update()
+    for p, q in zip(whole.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+
+    opt = _with_loop(model, executor, batches[:5])
+    saved = copy.deepcopy(opt.state_dict())  # after the block
+    assert saved["state"]["complete"] and saved["state"]["iteration"] == 5
+    for p in model.parameters():  # (the state kept is what opt.state shows)
+        if p.requires_grad:
+            assert int(opt.state[p]["step"]) == 5
+    for entry, t in zip(saved["state"]["blocks"], opt.engine.tensors.values()):
+        assert torch.equal(entry["exp_avg"], t.exp_avg) and torch.equal(entry["master"], t.master)
+    _with_loop(model, executor, batches[5:], saved)
+    for p, q in zip(model.parameters(), whole.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_the_state_dict_of_an_optimizer_closed_mid_step_or_at_exit_is_refused_saying_so(executor: str) -> None:
+    """state_dict() after close() returns the state kept, except where the close came between backward and step()
+    (blocks may hold speculative steps never validated, and no step() nor zero_grad() can come) or at interpreter
+    exit (the process executor's shared blocks are dropped then: it raised a KeyError): refused, saying why."""
+    gen = torch.Generator().manual_seed(0)
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.step()
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.close()
+    with pytest.raises(SofxError, match=r"^state_dict\(\) was called on an optimizer closed between backward and "
+                                        r"step\(\): .*; close it after step\(\) or zero_grad\(\) to save its state"):
+        opt.state_dict()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    opt.backward(mlp_loss(model, mlp_batch(gen)))
+    opt.step()
+    opt.engine._close_for_exit()  # (what the exit handler calls)
+    if executor == "process":
+        with pytest.raises(SofxError, match=r"^state_dict\(\): the optimizer was closed at interpreter exit"):
+            opt.state_dict()
+    else:
+        assert opt.state_dict()["state"]["complete"]

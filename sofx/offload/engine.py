@@ -162,6 +162,11 @@ EXIT_WAIT_S = 5.0
 #: The keys of a parameter's torch.optim-style state (:meth:`OffloadEngine.param_state`), in order.
 PARAM_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 
+# OffloadEngine._kept_state where close() dropped the state (keep_state=False: interpreter exit, collection)
+_STATE_DROPPED = "dropped"
+# ... where it closed the engine between backward and step()
+_STATE_MID_STEP = "closed between backward and step()"
+
 
 def _check_timeout(timeout: Any) -> float:
     """``timeout`` as a Python float of seconds in ``(0, threading.TIMEOUT_MAX]`` (a numpy number or a 1-element
@@ -294,6 +299,9 @@ class OffloadEngine:
         # _grad_mark), for step() to see a change made to it since
         self._reduced_grads: dict[int, tuple[weakref.ReferenceType, int, int] | None] = {}
         self._closed = False
+        # Set by close(): why the state it kept is not whole (operations it left unfinished), or that it dropped the
+        # state (the interpreter's exit, collection: keep_state=False); None: the state kept is the last step's.
+        self._kept_state: str | None = None
         # The process that made the engine (a child forked from it has another id: see _forked_message)
         self._pid = os.getpid()
         self._hook_lock = threading.Lock()  # autograd runs hooks of different devices on different threads
@@ -1545,18 +1553,36 @@ class OffloadEngine:
         steps. After an executor failure it still returns what is in memory
         (the shared tensors survive a dead worker), marked
         ``"complete": False``: blocks of the failed step may be partly stepped.
+        After :meth:`close` it returns the state the engine kept (what ``opt.state[p]`` shows; a ``with opt:``
+        loop saves after the block), marked ``"complete": False`` where the close left block operations unfinished
+        (a worker that did not stop within the timeout); refused where it was closed between backward and
+        ``step()``.
         """
-        if self._closed:
-            raise SofxError("the optimizer is closed")
-        with self._exclusive("state_dict()"):
-            complete = self._failed is None
+        with self._exclusive("state_dict()", closed_ok=True):
+            if self._closed:
+                self._check_kept_state("state_dict()")
+            complete = self._failed is None and self._kept_state is None
             if complete:
                 # Between backward and step() (also mid-accumulation, or with nothing speculated): the held
                 # gradients are not in the state, and blocks may hold speculative steps not validated yet.
                 self._check_between_steps("state_dict()")
-                self._wait_all()
+                if not self._closed:  # (close() recorded the last operations)
+                    self._wait_all()
                 self._adopt_model_edits()  # the saved masters are what the model holds
             return engine_state_dict(self, complete)
+
+    def _check_kept_state(self, what: str) -> None:
+        """Refuse ``what`` (a read of the state a closed engine kept) where the close dropped it (interpreter exit,
+        collection) or came between backward and ``step()`` (the blocks may hold speculative steps never validated,
+        and no ``step()`` nor ``zero_grad()`` can come)."""
+        if self._kept_state == _STATE_DROPPED:
+            raise SofxError(f"{what}: the optimizer was closed at interpreter exit (or as it was collected), "
+                            "dropping its state")
+        if self._kept_state == _STATE_MID_STEP:
+            raise SofxError(f"{what} was called on an optimizer closed between backward and step(): its blocks may "
+                            "hold speculative steps that were never validated, so the state it kept is neither the "
+                            "one before the step nor the one after it; close it after step() or zero_grad() to save "
+                            "its state")
 
     def load_state_dict(self, state: dict[str, Any], where: str = "state") -> None:
         """Restore :meth:`state_dict`'s output (checked whole first: nothing changes on a mismatch, the error
@@ -1722,7 +1748,7 @@ class OffloadEngine:
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop the executor, remove the hooks and release shared memory (idempotent). The state stays readable
-        (``opt.state[p]``): the process executor's blocks are copied out of shared memory first.
+        (``opt.state[p]``, :meth:`state_dict`): the process executor's blocks are copied out of shared memory first.
 
         Safe beside other threads: a ``step()``, ``zero_grad()``, ``wait()``, state call (``state_dict()``,
         ``load_state_dict()``, ``opt.state``, ``reload_params()``) or gradient hook running in another thread is
@@ -1797,8 +1823,13 @@ class OffloadEngine:
         if self._route is not None:
             self._route.unbind(self)
         self._stale_grads = None
+        if not keep_state and isinstance(self._cpu_arena, SharedMemoryArena):  # (see _unmap_shared_blocks)
+            self._kept_state = _STATE_DROPPED
+        elif self.in_step and self._failed is None:  # (a failed engine's state is read as before the close)
+            self._kept_state = _STATE_MID_STEP
         try:
             self.executor.close()
+            self._record_at_close()
         finally:
             # Parameters using shared-memory publish buffers move to private memory; the files are closed.
             try:
@@ -1807,6 +1838,18 @@ class OffloadEngine:
             finally:
                 release_gate(self._interrupts)
                 self._interrupts = NO_GATE
+
+    def _record_at_close(self) -> None:
+        """Record the results of the operations the executor ran as it closed (the thread executor's last
+        ``commit_all``, which ``step()`` queues and does not wait for); where it left some unfinished (a worker that
+        did not stop within the timeout, where one still running may change its blocks; a killed worker process),
+        note in ``_kept_state`` that the state kept is not whole (unless :meth:`_close` noted why already: closed
+        between backward and ``step()``, or the state dropped)."""
+        self._record(self.executor.poll())  # (the process executor's: received before its connection closed)
+        lost = self.executor.pending
+        if lost and self._kept_state is None:
+            self._kept_state = (f"closed with {lost} block operation(s) unfinished (its worker did not stop in "
+                                "time, or was killed)")
 
     def _unmap_shared_blocks(self, keep_state: bool) -> None:
         """Drop every reference to the shared-memory tensors (the worker has stopped), so that their memory goes

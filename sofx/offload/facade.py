@@ -826,9 +826,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.engine.reload_params()
 
     def close(self) -> None:
-        """Stop the worker thread/process and release shared memory (idempotent). An optimizer still open when
-        the interpreter exits is closed then (before finalization, where its threads could no longer run), after a
-        step() still running in a daemon thread (waited for up to ``sofx.offload.engine.EXIT_WAIT_S`` seconds)."""
+        """Stop the worker thread/process and release shared memory (idempotent). The state stays readable
+        (``opt.state[p]``, :meth:`state_dict`: a ``with opt:`` loop saves after the block). An optimizer still open
+        when the interpreter exits is closed then (before finalization, where its threads could no longer run), after
+        a step() still running in a daemon thread (waited for up to ``sofx.offload.engine.EXIT_WAIT_S`` seconds)."""
         if self._engine is not None:
             self._engine.close()
 
