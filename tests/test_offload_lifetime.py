@@ -538,3 +538,39 @@ def test_the_state_dict_of_an_optimizer_closed_mid_step_or_at_exit_is_refused_sa
             opt.state_dict()
     else:
         assert opt.state_dict()["state"]["complete"]
+
+
+_READ_AT_EXIT = """
+import atexit, torch
+import sofx.offload
+
+
+def read():  # registered first: it runs after the optimizer's own exit handler (atexit runs last-in first-out)
+    for what, call in (("state", lambda: opt.state[model.weight]["exp_avg"]), ("state_dict", opt.state_dict)):
+        try:
+            call()
+            print(what, "read", flush=True)
+        except Exception as exc:
+            print(what, "refused:", type(exc).__name__, exc, flush=True)
+
+
+atexit.register(read)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="process")
+opt.backward(model(torch.randn(3, 4)).square().mean())
+opt.step()
+"""
+
+
+def test_reading_the_state_of_a_process_executor_optimizer_after_the_exit_closed_it_is_refused_saying_so() -> None:
+    """An exit handler registered before the optimizer runs after the optimizer's own, which closes it dropping the
+    process executor's shared blocks (no copy at exit): opt.state[p] raised a bare ``KeyError: 0`` there. It and
+    state_dict() now say that the exit closed the optimizer, dropping its state."""
+    out = subprocess.run([sys.executable, "-c", _READ_AT_EXIT], capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    said = "SofxError {}: the optimizer was closed at interpreter exit (or as it was collected), dropping its state"
+    assert out.stdout.splitlines() == ["state refused: " + said.format("opt.state[p]"),
+                                       "state_dict refused: " + said.format("state_dict()")], (out.stdout, out.stderr)
