@@ -323,3 +323,50 @@ def test_ctrl_c_at_every_line_of_the_public_calls_leaves_the_optimizer_usable(tm
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) >= 10, out.stdout
+
+
+@pytest.mark.parametrize("at", ["hooks", "after_hooks"])
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_ctrl_c_after_the_constructor_started_the_worker_stops_it_and_removes_the_gate(executor, at, monkeypatch):
+    """A Ctrl-C (or any error) in the constructor after the executor started -- registering the gradient hooks,
+    which takes a while for a model of many parameters, or after them -- left the worker thread (and process)
+    running for good and the gate installed as SIGINT's handler: the failed engine's ``__del__`` stopped at its
+    missing hooks. The constructor now closes what it started before it raises, as where its earlier steps fail;
+    the gate stays while another optimizer lives (the failed engine releases it once)."""
+    import gc
+    import signal
+    import threading
+
+    import torch
+
+    import sofx.offload
+    import sofx.offload.engine
+    from sofx.offload.interrupts import InterruptGate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+    try:
+        live = sofx.offload.SpeculativeAdamW(torch.nn.Linear(2, 2).parameters(), executor="inline")
+        threads = set(threading.enumerate())
+        if at == "hooks":
+            monkeypatch.setattr(sofx.offload.engine, "GradHooks", interrupted)
+        else:
+            monkeypatch.setattr(sofx.offload.engine.OffloadEngine, "_note_versions", interrupted)
+        model = torch.nn.Linear(4, 3)
+        with pytest.raises(KeyboardInterrupt):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor)
+        monkeypatch.undo()
+        gc.collect()
+        assert isinstance(signal.getsignal(signal.SIGINT), InterruptGate), "the live optimizer's gate stays"
+        live.close()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        left = [t for t in set(threading.enumerate()) - threads if t.name.startswith("sofx-offload")]
+        for t in left:
+            t.join(30)
+        assert not [t.name for t in left if t.is_alive()]
+        model(torch.randn(2, 4)).sum().backward()
+        assert model.weight.grad is not None, "no hook of the failed optimizer takes the gradients"
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -374,47 +374,65 @@ class OffloadEngine:
             # not needed any more; the memory is released when the last mapping goes.
             self._cpu_arena.close()
         except BaseException:
-            try:
-                if "executor" in self.__dict__:  # (only the arena's close() comes after the executor's start)
-                    self.executor.close()
-            finally:
-                self._release_shared_memory()
-                release_gate(self._interrupts)
+            self._undo_construction()
             raise
-        # In-process blocks of large parameters borrow autograd's fp32 gradients instead of copying them into
-        # the buffer (see BORROW_MIN_NUMEL).
-        self._borrowing = [layout.on_device or (self.executor_name != "process"
-                                                and layout.numel >= BORROW_MIN_NUMEL * len(layout.numels))
-                           for layout in self.layouts]
-        # In-process executors decide on speculation in the executor (see the module docstring).
-        self._deferred = self.executor_name != "process"
-        self._stale_grads: list | None = None
-        # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
-        self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
-        # Per block: the snapshot bytes its last speculative steps held or needed (see snapshot_needs).
-        self._snapshot_needs = SnapshotNeeds(len(self.layouts))
-        # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
-        # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
-        self._had_grad = [False] * len(self.params)
-        self._zero_grads = [False] * len(self.params)
-        self._param_kinds = [(p.dtype, p.shape, p.device) for p in self.params]  # what the optimizer was made for
-        # Per block, per slot: where its parameter's gradient goes in the block's buffer (made once: ~1 us a hook).
-        self._grad_views = [tuple(self.tensors[layout.index].views(self.tensors[layout.index].grad, layout))
-                            for layout in self.layouts]
-        # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
-        # which then refuses to step for good (a constructor that raised after that broke it).
-        self.hooks = GradHooks(self.params, self._on_grad, unhooked=self.reduced)
-        if self._route is not None:
-            self._route.bind(self, {id(self.params[i]): i for i in self.reduced})
-        self._reset_step()
-        self._note_versions()
-        # Closed before the interpreter finalizes if the script did not: daemon threads cannot run after it (the
-        # process executor's stop message was never sent, and close() waited 10 s to kill the worker; a thread
-        # executor's worker inside a kernel could abort the exit). The registry holds a weak reference.
-        self._close_at_exit = functools.partial(_close_if_alive, weakref.ref(self))
-        atexit.register(self._close_at_exit)
+        try:  # (a Ctrl-C here -- the hooks of many parameters take a while -- left the worker running for good)
+            # In-process blocks of large parameters borrow autograd's fp32 gradients instead of copying them into
+            # the buffer (see BORROW_MIN_NUMEL).
+            self._borrowing = [layout.on_device or (self.executor_name != "process"
+                                                    and layout.numel >= BORROW_MIN_NUMEL * len(layout.numels))
+                               for layout in self.layouts]
+            # In-process executors decide on speculation in the executor (see the module docstring).
+            self._deferred = self.executor_name != "process"
+            self._stale_grads: list | None = None
+            # Per block: (key, Eligibility) of the last finite-gradient eligibility decision (see _eligibility).
+            self._eligibility_memo: list[tuple[tuple, Any] | None] = [None] * len(self.layouts)
+            # Per block: the snapshot bytes its last speculative steps held or needed (see snapshot_needs).
+            self._snapshot_needs = SnapshotNeeds(len(self.layouts))
+            # Per parameter: it has had a gradient since the last zero_grad(set_to_none=True) / it holds a zeroed
+            # one, as torch's .grad would after zero_grad(set_to_none=False) (see discard_gradients).
+            self._had_grad = [False] * len(self.params)
+            self._zero_grads = [False] * len(self.params)
+            self._param_kinds = [(p.dtype, p.shape, p.device) for p in self.params]  # what the optimizer was made for
+            # Per block, per slot: where its parameter's gradient goes in the block's buffer (made once: ~1 us a hook).
+            self._grad_views = [tuple(self.tensors[layout.index].views(self.tensors[layout.index].grad, layout))
+                                for layout in self.layouts]
+            # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
+            # which then refuses to step for good (a constructor that raised after that broke it).
+            self.hooks = GradHooks(self.params, self._on_grad, unhooked=self.reduced)
+            if self._route is not None:
+                self._route.bind(self, {id(self.params[i]): i for i in self.reduced})
+            self._reset_step()
+            self._note_versions()
+            # Closed before the interpreter finalizes if the script did not: daemon threads cannot run after it (the
+            # process executor's stop message was never sent, and close() waited 10 s to kill the worker; a thread
+            # executor's worker inside a kernel could abort the exit). The registry holds a weak reference.
+            self._close_at_exit = functools.partial(_close_if_alive, weakref.ref(self))
+            atexit.register(self._close_at_exit)
+        except BaseException:
+            self._undo_construction()
+            raise
 
     # ------------------------------------------------------------ setup
+    def _undo_construction(self) -> None:
+        """Where the constructor raises (a refusal, a failed start, a Ctrl-C): remove the hooks it registered, stop
+        the executor it started, release the shared memory and the interrupt gate; the engine is closed (its
+        ``__del__`` does nothing: it released the gate again, another engine's)."""
+        self._closed = True
+        try:
+            if "hooks" in self.__dict__:
+                self.hooks.remove()
+                if self._route is not None:
+                    self._route.unbind(self)
+            if "executor" in self.__dict__:
+                self.executor.close()
+        finally:
+            try:
+                self._release_shared_memory()
+            finally:
+                release_gate(self._interrupts)
+                self._interrupts = NO_GATE
+
     def _check_backend(self, state_dtype: torch.dtype) -> None:
         """Refuse now a backend that cannot step some block (the CPU blocks' or the device blocks' fp32 masters
         and ``state_dtype`` moments), naming the block's first parameter: the executor would fail at the first
