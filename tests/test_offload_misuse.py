@@ -582,6 +582,32 @@ def test_an_optimizer_created_again_while_the_old_one_lives_supersedes_it(execut
     assert sched.optimizer is old
 
 
+def test_closing_a_superseded_process_optimizer_leaves_the_new_ones_parameters_alone():
+    """With the process executor the parameters live in the optimizer's shared publish buffers; one created again
+    over them moves them into its own. Closing (or collecting) the old one moved them to private memory
+    whatever they held: between the new one's backward and step(), that step then refused a parameter "changed in
+    place" although nothing changed it. The old one now moves only the parameters still in its buffers, and the
+    new one steps as torch does."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    old = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    mlp_step_side_by_side(old, ropt, model, ref, gen)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)  # (the new optimizer starts afresh)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100) as opt:
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        batch = mlp_batch(gen)
+        opt.backward(mlp_loss(model, batch))
+        mlp_loss(ref, batch).backward()
+        old.close()  # between the new one's backward and step()
+        assert [p.data_ptr() for p in model.parameters()] == ptrs  # still in the new one's buffers
+        opt.step()
+        ropt.step()
+        ropt.zero_grad()
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+
+
 @pytest.mark.parametrize("executor", ["inline", "process"])
 def test_resetting_the_optimizer_state_as_torch_users_do(executor):
     """Both reset habits act on the engine's state, side by side with torch: zeroing the moments and the step

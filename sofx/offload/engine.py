@@ -399,7 +399,8 @@ class OffloadEngine:
                                 for layout in self.layouts]
             # Last, as nothing can be refused any more: the hooks take the parameters over from an older optimizer,
             # which then refuses to step for good (a constructor that raised after that broke it).
-            self.hooks = GradHooks(self.params, self._on_grad, unhooked=self.reduced)
+            self.hooks = GradHooks(self.params, self._on_grad, unhooked=self.reduced,
+                                   on_superseded=self._move_params_out_of_shared_memory)
             if self._route is not None:
                 self._route.bind(self, {id(self.params[i]): i for i in self.reduced})
             self._reset_step()
@@ -478,16 +479,25 @@ class OffloadEngine:
         self._setup_publish(cpu_layouts, swappable)
 
     def _release_shared_memory(self) -> None:
-        """Move the parameters that live in shared-memory publish buffers back to private memory, then
-        close the arena's files (idempotent; the values are kept)."""
+        """Move the parameters that live in this engine's shared-memory publish buffers back to private memory,
+        then close the arena's files (idempotent; the values are kept)."""
         try:
-            with torch.no_grad():
-                for i in self._shared_params:
-                    p = self.params[i]
-                    p.data = p.detach().clone()
-            self._shared_params.clear()
+            self._move_params_out_of_shared_memory()
         finally:
             self._cpu_arena.close()
+
+    def _move_params_out_of_shared_memory(self) -> None:
+        """Move the parameters that still live in this engine's shared-memory publish buffers to private memory
+        (the values kept; idempotent); one that lives elsewhere now (``p.data = t``) is left where it is. Also
+        called when an optimizer created again over the parameters supersedes this one, during its constructor:
+        moved later (this one closed or collected between the new one's backward and ``step()``), the new one
+        saw its parameters changed in place."""
+        with torch.no_grad():
+            for i in self._shared_params:
+                p = self.params[i]
+                if p.data_ptr() in {t.data_ptr() for t in self._pub_shaped.get(i, ())}:
+                    p.data = p.detach().clone()
+        self._shared_params.clear()
 
     def _load_masters_from_model(self) -> None:
         """Copy the model's parameter values into the fp32 masters."""

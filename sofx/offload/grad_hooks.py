@@ -92,7 +92,8 @@ class GradHooks:
     """Post-accumulate-grad hooks on ``params`` (index ``i`` is ``params[i]``) calling ``callback(i, param)``,
     but on those in ``unhooked`` (their older owners are superseded all the same)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], callback: Callback, unhooked: Collection[int] = ()) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], callback: Callback, unhooked: Collection[int] = (),
+                 on_superseded: Callable[[], None] | None = None) -> None:
         self.params = list(params)
         self.unhooked = frozenset(unhooked)
         #: Set when hooks of a newer owner were registered on one of the parameters (see the module docstring):
@@ -102,6 +103,9 @@ class GradHooks:
         # so that neither keeps a discarded optimizer (and its worker) alive, nor makes a reference cycle with it
         # (the engine holds these hooks): dropping the optimizer's last reference removes its hooks at once.
         self._callback = weakref.WeakMethod(callback) if inspect.ismethod(callback) else (lambda cb=callback: cb)
+        # Called (held as weakly) once a newer owner supersedes this one, after its hooks are removed.
+        self._on_superseded = (weakref.WeakMethod(on_superseded) if inspect.ismethod(on_superseded)
+                               else (lambda f=on_superseded: f))
         self.handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         for i in sorted(self.unhooked):
             self._supersede_older(i)
@@ -124,9 +128,13 @@ class GradHooks:
             older.supersede(next((j for j, q in enumerate(older.params) if q is p), -1))
 
     def supersede(self, index: int) -> None:
-        """Another owner hooked parameter ``index``: remove every hook of this one, for good."""
+        """Another owner hooked parameter ``index``: remove every hook of this one, for good, then call
+        ``on_superseded``."""
         self.superseded_at = index
         self.remove()
+        on_superseded = self._on_superseded()
+        if on_superseded is not None:
+            on_superseded()
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
