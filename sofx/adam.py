@@ -563,8 +563,10 @@ class Adam:
         A leaf with no new gradient is only undone. Returns the new record.
         ``grads_finite`` is the hint of :meth:`update` for the new ``grads``.
         Without it a new gradient is not read again where it is the very
-        tensor the undone step used and found finite (a late clip or a new
-        loss scale redoes with the same gradient and a new ``grad_scale``);
+        tensor the undone step used and found finite, at a ``grad_scale`` no
+        larger in magnitude than that step's (a late clip or a new loss scale
+        redoes with the same gradient and a new ``grad_scale``; a larger one may
+        take ``g * grad_scale`` beyond ``GRADIENT_LIMIT``: read again);
         the CPU and Triton kernels check the others in the fused pass, as :meth:`update`
         does (a leaf whose new gradient has an inf or a nan gets a chunk
         snapshot record of the undone values there); elsewhere they are read before. ``param_copies`` and
@@ -584,8 +586,10 @@ class Adam:
         grad_scale = _checked_grad_scale(grad_scale, leaves)
         _validate_grads_finite(grads_finite)
         # The record's own gradient: its strategy says it was finite (the tensor must not have been modified
-        # since, as the module docstring asks).
+        # since, as the module docstring asks), and within GRADIENT_LIMIT at the undone step's grad_scale: so at
+        # a grad_scale no larger in magnitude (a larger one, checked again, may take it beyond).
         known = [rec is not None and leaf.g is not None and leaf.g is rec.grad and rec.strategy in _INVERTED
+                 and _scale_no_larger(grad_scale, rec.scalars.grad_scale)
                  for leaf, rec in zip(leaves, record.leaves)]
         # The others are checked in the fused kernel where it runs them (redone algebraically, were the gradient
         # finite), else read before.
@@ -1358,6 +1362,12 @@ def _all_finite(x: torch.Tensor, grad_scale: Scalar) -> bool:
         return True
     low, high = torch.aminmax(in_memory_order(x) if is_dense(x) else x)  # (a transposed one: ~15x faster)
     return bool(torch.maximum(low.neg(), high).float() * abs(grad_scale) <= GRADIENT_LIMIT)
+
+
+def _scale_no_larger(grad_scale: Scalar, undone: Scalar) -> bool:
+    """Whether ``|grad_scale| <= |undone|`` (an undone step's ``grad_scale``), both numbers: a gradient found
+    finite and within GRADIENT_LIMIT at ``undone`` is so at ``grad_scale``. False where either cannot be read."""
+    return is_number(grad_scale) and is_number(undone) and abs(grad_scale) <= abs(undone)
 
 
 def _finite_flags(gs: Sequence[torch.Tensor], grad_scale: Scalar, batched: bool) -> list[bool]:

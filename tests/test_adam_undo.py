@@ -1276,3 +1276,40 @@ def test_the_lossiness_test_finds_nothing_in_the_fused_redo_of_a_first_step(back
     assert not bool(any_lossy(p_before, g_new, v1, s_new, c["decoupled"], g_old, s_old, m=m1))
     s_same = s_old._replace(grad_scale=c["grad_scale"] * min(c["clip"], 1.0))
     assert not bool(any_lossy(p_before, g_old, v1, s_same, c["decoupled"], g_old, s_old, m=m1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@settings(max_examples=30, deadline=None)
+@given(n=st.sampled_from([1, 1023, 1024, 1025, 2049]), old_scale=st.sampled_from([1.0, 0.0, 1e-20]),
+       new_scale=st.sampled_from([1e20, 1e30, 3e38]), decoupled=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_redo_with_the_undone_gradient_at_a_larger_grad_scale_is_checked_again(backend, n, old_scale, new_scale,
+                                                                                decoupled, seed):
+    """undo_redo given the undone step's own gradient tensor (a late clip, a loss scale changed) takes it for
+    finite, as the undone record's strategy says; that holds at that step's grad_scale, not at a larger one:
+    ``g * grad_scale`` beyond GRADIENT_LIMIT overflows the second moment. undo='algebraic' must record such a redo
+    as not undoable ("none"), as update does with the same inputs, not as "algebraic" (whose undo wrote nan into
+    v)."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(seed)
+    opt = (sofx.adamw if decoupled else sofx.adam)(weight_decay=0.01, undo="algebraic", backend=backend)
+    params = {"w": torch.randn(n, generator=gen)}
+    grads = {"w": torch.randn(n, generator=gen)}
+    grads["w"][n // 2] = 1.5  # (|g * new_scale| beyond GRADIENT_LIMIT there)
+    state = sofx.AdamState({"w": torch.tensor(3)}, {"w": torch.randn(n, generator=gen) * 0.1},
+                           {"w": torch.rand(n, generator=gen) + 0.5})
+    p1, s1, rec = opt.update(params, grads, state, grad_scale=old_scale)
+    assert rec.strategies() == ["algebraic"]
+    direct = opt.update(params, grads, state, grad_scale=new_scale)
+    assert direct[2].strategies() == ["none"]
+    p2, s2, rec2 = opt.undo_redo(p1, s1, rec, grads, grad_scale=new_scale)
+    assert rec2.strategies() == ["none"]
+    assert torch.equal(s2.count["w"], direct[1].count["w"])
+    for got, want in zip((p2["w"], s2.mu["w"], s2.nu["w"]), (direct[0]["w"], direct[1].mu["w"], direct[1].nu["w"])):
+        # (from the algebraically undone state: within float32 rounding; inf and nan where the gradient overflowed)
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got)) and torch.equal(got[~finite].isnan(), want[~finite].isnan())
+        assert torch.equal(got[want.isinf()], want[want.isinf()])
+        assert _norm_rel(got[finite], want[finite]) <= 1e-6
+    with pytest.raises(sofx.UndoError, match=r"params\['w'\]: this step cannot be undone"):
+        opt.undo(p2, s2, rec2)
