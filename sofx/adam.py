@@ -26,7 +26,9 @@ stepped: its parameter, moments and count stay as they are.
 Undo (SPECULATION.md section 2) is chosen per leaf and step by ``undo=``:
 ``"auto"`` (algebraic where sound, snapshots where not), ``"algebraic"``
 (never snapshot; refuses the configurations where the inverse does not exist
-or divides by less than ``ALGEBRAIC_MIN_DIVISOR``, 2^-12: a beta, ``1 - lr*wd``)
+or divides by less than ``ALGEBRAIC_MIN_DIVISOR``, 2^-12: a beta, ``1 - lr*wd``;
+a leaf's step whose ``g * grad_scale``, or with L2 decay ``weight_decay * p``, is
+not finite or beyond ``GRADIENT_LIMIT`` is taken, its record saying it cannot be undone)
 or ``"exact"`` (always snapshot: bitwise identity). See :mod:`sofx.undo_record`.
 Under ``torch.func`` transforms and ``torch.compile`` the hyperparameters'
 (and ``grad_scale``'s) values cannot be read: ``"auto"`` keeps snapshots there, and ``"algebraic"``
@@ -94,6 +96,10 @@ ALGEBRAIC_MIN_DECAY_FACTOR = 0.5
 L2_FIRST_STEP_REASON = ("L2 decay's first step: a redo from its zero moments takes gh = g + weight_decay * p from "
                         "the parameter (also where this step's weight decay is 0: the redo's may not be), which an "
                         "algebraic inverse restores only to an ulp")
+
+# undo='algebraic', L2 decay: the parameter enters the step's effective gradient (see _decay_term_finite).
+L2_PARAM_NOT_FINITE_REASON = ("L2 decay: the parameter is not finite, or so large that weight_decay * parameter could "
+                              "overflow the second moment (see GRADIENT_LIMIT)")
 
 _UNDO_MODES = ("auto", "algebraic", "exact")
 _NOT_UNDOABLE = "stepped with undoable=False"
@@ -947,7 +953,9 @@ class Adam:
         if steps is None:
             steps = leaf.steps
         key = None
-        if memo is not None and finite is not None and not leaf.traced:
+        # (not shared where the strategy reads the leaf's parameter: undo='algebraic' with L2 decay)
+        if memo is not None and finite is not None and not leaf.traced and not (
+                self.undo_mode == "algebraic" and undoable and not self.variant.decoupled):
             key = (id(leaf.hp), steps, finite, leaf.p.dtype, leaf.m.dtype, undoable)  # the leaves hold the hparams
             plan = memo.get(key)
             if plan is not None:
@@ -1043,6 +1051,8 @@ class Adam:
                                        f"{'; '.join(full_reasons + param_reasons)}; use undo='auto' or 'exact'")
             if not (finite if finite is not None else _all_finite(leaf.g, s.grad_scale)):
                 return "none", NOT_FINITE_REASON
+            if not self.variant.decoupled and wd != 0 and not _decay_term_finite(leaf.p, wd):
+                return "none", L2_PARAM_NOT_FINITE_REASON
             return "algebraic", ""
         # auto: also avoid the cases that are possible but too lossy.
         if 0 < min(b1, b2) < ALGEBRAIC_MIN_BETA:
@@ -1362,6 +1372,17 @@ def _all_finite(x: torch.Tensor, grad_scale: Scalar) -> bool:
         return True
     low, high = torch.aminmax(in_memory_order(x) if is_dense(x) else x)  # (a transposed one: ~15x faster)
     return bool(torch.maximum(low.neg(), high).float() * abs(grad_scale) <= GRADIENT_LIMIT)
+
+
+def _decay_term_finite(p: torch.Tensor, weight_decay: float) -> bool:
+    """Whether L2 decay's term ``weight_decay * p`` of ``gh = g + weight_decay * p`` is finite and within
+    ``GRADIENT_LIMIT`` in every element (as :func:`_all_finite` tests ``g * grad_scale``): with a gradient within
+    it, ``gh^2`` cannot overflow the second moment, whose inverse would then be nan (inf - inf). One pass over
+    ``p`` (not :func:`_all_finite`'s: a parameter, not a gradient, is read)."""
+    if p.numel() == 0:
+        return True
+    low, high = torch.aminmax(in_memory_order(p) if is_dense(p) else p)
+    return bool(torch.maximum(low.neg(), high).float() * abs(weight_decay) <= GRADIENT_LIMIT)
 
 
 def _scale_no_larger(grad_scale: Scalar, undone: Scalar) -> bool:

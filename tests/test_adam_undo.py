@@ -1313,3 +1313,36 @@ def test_redo_with_the_undone_gradient_at_a_larger_grad_scale_is_checked_again(b
         assert _norm_rel(got[finite], want[finite]) <= 1e-6
     with pytest.raises(sofx.UndoError, match=r"params\['w'\]: this step cannot be undone"):
         opt.undo(p2, s2, rec2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "cpu_fast"])
+@pytest.mark.parametrize("big", [float("inf"), -float("inf"), float("nan"), 1e25])
+@pytest.mark.parametrize("n", [7, 1024, 2049])
+def test_forced_algebraic_l2_step_of_a_parameter_beyond_the_gradient_limit_is_not_undoable(backend, big, n):
+    """L2 decay takes ``gh = g + wd * p``: a parameter that is not finite, or whose ``wd * p`` is beyond
+    GRADIENT_LIMIT, makes the step's moments inf or nan, where the algebraic inverse gives nan (inf - inf) in
+    m and v that were finite. undo='algebraic' records such a step as not undoable ("none"), as it records a
+    step of such a gradient, instead of an undo that wrote nan; a decay of 0, or decoupled decay (``gh = g``),
+    is still undone."""
+    if backend != "reference" and not cpu.native_available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(n)
+    params = {"w": torch.randn(n, generator=gen), "ok": torch.randn(5, generator=gen)}
+    params["w"][n // 2] = big
+    grads = {k: torch.randn(x.shape, generator=gen) for k, x in params.items()}
+    state = sofx.AdamState({k: torch.tensor(3) for k in params},
+                           {k: 0.1 * torch.randn(x.shape, generator=gen) for k, x in params.items()},
+                           {k: torch.rand(x.shape, generator=gen) + 0.5 for k, x in params.items()})
+    opt = sofx.adam(weight_decay=0.1, undo="algebraic", backend=backend)
+    p1, s1, rec = opt.update(params, grads, state)
+    assert rec.strategies() == ["algebraic", "none"]  # (leaves in key order: "ok", "w")
+    with pytest.raises(sofx.UndoError, match=r"params\['w'\]: this step cannot be undone \(.*parameter"):
+        opt.undo(p1, s1, rec)
+    assert not rec.used
+    for opt in (sofx.adam(weight_decay=0.0, undo="algebraic", backend=backend),
+                sofx.adamw(weight_decay=0.1, undo="algebraic", backend=backend)):
+        p1, s1, rec = opt.update(params, grads, state)
+        assert rec.strategies() == ["algebraic", "algebraic"]
+        p0, s0 = opt.undo(p1, s1, rec)
+        for t in (s0.mu["w"], s0.nu["w"]):
+            assert not torch.isnan(t).any()
