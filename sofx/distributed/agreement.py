@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
-from sofx.distributed.groups import dist
+from sofx.distributed.groups import _data_failure, dist
 from sofx.errors import SofxError
 
 
@@ -100,7 +100,8 @@ def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, re
             raise refused
         return
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (entries, None if refused is None else str(refused)), group=group)
+    _gather_objects(what, gathered, (entries, None if refused is None else str(refused)), group, refused,
+                    "this call changed nothing on this rank")
     if refused is not None:
         raise refused
     refusing = [(r, text) for r, (_, text) in enumerate(gathered) if text is not None]
@@ -109,6 +110,20 @@ def _agree(what: str, entries: dict[str, str], group: Any, dev: torch.device, re
         raise SofxError(f"{what}: rank{'s' if len(refusing) > 1 else ''} {ranks} refused its input "
                         f"({refusing[0][1]}); nothing was set up")
     raise SofxError(_difference(what, [theirs for theirs, _ in gathered], hint))
+
+
+def _gather_objects(what: str, out: list[Any], mine: Any, group: Any, refused: SofxError | None,
+                    unchanged: str) -> None:
+    """``all_gather_object`` of ``mine`` into ``out``: the exchange, after the ranks' digests differed, that names
+    what differs. Where it fails (a rank exited or failed since the digests' all-reduce), this rank's own
+    ``refused``, the cause of its call's failure, or a :class:`SofxError` naming ``what`` (``unchanged``: what
+    was left as it was), with the backend's error as its cause, not the backend's bare ``RuntimeError``."""
+    try:
+        dist.all_gather_object(out, mine, group=group)
+    except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+        if refused is not None:
+            raise refused from exc
+        raise _data_failure(what, exc, "the exchange that names what differs between the ranks", unchanged) from exc
 
 
 def _difference(what: str, gathered: list[dict[str, str]], hint: str, where: str = "between ranks") -> str:
@@ -176,8 +191,8 @@ def _check_same_layout(what: str, spec: tree.TreeSpec, leaves: Sequence[Any], ro
         return
     paths = tree.leaf_paths(spec, root)
     layouts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(layouts, (paths, mine[1], owners, devices, None if refused is None else str(refused)),
-                           group=group)
+    _gather_objects(what, layouts, (paths, mine[1], owners, devices, None if refused is None else str(refused)),
+                    group, refused, "no data was sent")
     if refused is not None:
         raise refused
     me = dist.get_rank(group)

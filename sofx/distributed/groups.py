@@ -64,3 +64,14 @@ def _collective_device(group: Any, device: torch.device | str | None) -> torch.d
 def _global_rank(group: Any, rank: int) -> int:
     """The global rank of ``group``'s rank ``rank`` (the ``src`` that ``broadcast`` expects)."""
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _data_failure(what: str, exc: BaseException, stage: str, unchanged: str) -> SofxError:
+    """The error of collective ``what`` whose backend call of ``stage`` (after the ranks' first agreement) failed
+    with ``exc``: gloo's bare ``RuntimeError`` (NCCL's ``DistBackendError`` is one too), where a rank exited or
+    failed since that agreement, or stayed in a call of its own past the group's timeout. ``unchanged``: what of
+    this rank's is as it was before the call (nothing was half-written)."""
+    return SofxError(f"{what}: a rank did not take part in {stage} ({type(exc).__name__}: {exc}) within the process "
+                     "group's timeout (it exited or failed after the ranks' agreement, or a call of its own took "
+                     f"longer than the timeout); {unchanged}; the process group may be unusable now (gloo closes its "
+                     "connections on a timeout)")

@@ -9,7 +9,7 @@ import torch
 
 from sofx import tree
 from sofx.distributed.agreement import _check_same_layout, _device_kinds
-from sofx.distributed.groups import _collective_device, dist, require_initialized
+from sofx.distributed.groups import _collective_device, _data_failure, dist, require_initialized
 from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floating_tensors, _check_writable
 
 __all__ = ["all_reduce_mean_"]
@@ -46,7 +46,11 @@ def all_reduce_mean_(grads: Any, group: Any = None, *extra: Any, check_layout: b
     with more, the order of the additions is the backend's. A keyword it
     does not take, or a positional argument too many, is refused as the
     rank's own input too (a ``TypeError`` at the call would leave the other
-    ranks waiting).
+    ranks waiting). Every bucket is reduced before any gradient is written (the
+    reduced buffers, one flat copy of the gradients, live until then): where
+    an all-reduce fails (a rank exited or failed after the layout check, or
+    stayed past the group's timeout) it raises a :class:`SofxError` naming
+    it, the backend's error as its cause, and every gradient is as it was.
     """
     require_initialized(group, "all_reduce_mean_")
     world = dist.get_world_size(group)
@@ -65,11 +69,18 @@ def all_reduce_mean_(grads: Any, group: Any = None, *extra: Any, check_layout: b
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in leaves:
         buckets.setdefault((g.dtype, g.device), []).append(g)
+    sums = []  # every bucket reduced before any is written: a failed all-reduce leaves every gradient as it was
     for (dtype, _), group_leaves in buckets.items():
         flat = _summands(torch.cat([g.reshape(-1) for g in group_leaves]), world)
         if flat.numel() == 0:
             continue
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+            raise _data_failure("all_reduce_mean_", exc, "the all-reduce of the gradients",
+                                "no gradient was written on this rank") from exc
+        sums.append((dtype, group_leaves, flat))
+    for dtype, group_leaves, flat in sums:
         flat = _mean_from_sum(flat, world, dtype)
         offset = 0
         for g in group_leaves:

@@ -17,7 +17,8 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams, hparams_at
 from sofx.distributed.agreement import _agree, _check_same_layout, _dtype_shape
-from sofx.distributed.groups import _collective_device, _global_rank, dist, is_ready, require_initialized
+from sofx.distributed.groups import (_collective_device, _data_failure, _global_rank, dist, is_ready,
+                                     require_initialized)
 from sofx.distributed.mean import _mean_from_sum, _summands
 from sofx.distributed.refusals import _as_refusal, _check_arguments, _check_floating_tensors, _no_data
 from sofx.distributed.setup import _params_entries
@@ -198,7 +199,11 @@ class Shard:
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
             if flat.numel():
-                dist.broadcast(flat, src=_global_rank(group, owner), group=group)
+                try:
+                    dist.broadcast(flat, src=_global_rank(group, owner), group=group)
+                except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError too)
+                    raise _data_failure("Shard.gather", exc, "the broadcast of the owners' leaves",
+                                        "this rank's local leaves are unchanged") from exc
             for i, part in zip(leaves, flat.split(sizes)):
                 out[i] = part.view(templates[i].shape)
         return tree.unflatten(self.spec, out)
@@ -251,7 +256,11 @@ class Shard:
             sizes = [g_leaves[i].numel() for i in leaves]
             flat = _summands(torch.cat([g_leaves[i].detach().reshape(-1).to(dev) for i in leaves]), world)
             if flat.numel():
-                dist.reduce(flat, dst=_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
+                try:
+                    dist.reduce(flat, dst=_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
+                except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError too)
+                    raise _data_failure("Shard.reduce_mean", exc, "the reduction of the gradients onto their owners",
+                                        "grads is unchanged (reduce_mean never writes it)") from exc
             if owner == self.rank:
                 flat = _mean_from_sum(flat, world, dtype)
                 for i, part in zip(leaves, flat.split(sizes)):

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from sofx.distributed.agreement import _difference, _shortened
-from sofx.distributed.groups import _collective_device, dist, require_initialized
+from sofx.distributed.groups import _collective_device, _data_failure, dist, require_initialized
 from sofx.distributed.refusals import RankRefusedError, _as_refusal
 from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _entries, _setup_entries, _setup_hint
 from sofx.errors import SofxError
@@ -147,7 +147,12 @@ class SumsqReduce:
                                    "the error raised there); nothing was stepped on this rank", refusing)
         if any(theirs != digest for _, _, theirs in gathered):  # the same on every rank: each takes this path
             everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, entries, group=group)
+            try:
+                dist.all_gather_object(everyone, entries, group=group)
+            except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+                raise _data_failure("all_reduce_sumsq", exc, "the exchange that names what differs between the ranks",
+                                    "nothing was stepped on this rank (its step's settings differ from another "
+                                    "rank's)") from exc
             raise SofxError(_difference("all_reduce_sumsq", everyone, _STEP_HINT, "between ranks at this step"))
         total = -0.0  # IEEE addition's identity: -0.0 (no gradient) on every rank sums to -0.0, as it should
         for value, _, _ in gathered:
