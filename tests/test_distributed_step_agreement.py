@@ -104,8 +104,17 @@ def _settings_in_another_order(rank: int) -> dict:
     return out
 
 
+def _settings_named_by_other_types(rank: int) -> dict:
+    """The hook's agreed_sum given a setting named ``"1"`` on rank 0 and one named ``1`` on rank BAD (unequal
+    dicts): both names read ``1`` in the digest's text, so the ranks were taken as agreeing, and both returned the
+    sum."""
+    reduce = sd.all_reduce_sumsq()
+    return {"error": error_text(lambda: reduce.agreed_sum(0.5, {1: 1.0} if rank == BAD else {"1": 1.0}))}
+
+
 CASES = {"steps_with_other_settings": _steps_with_other_settings,
-         "settings_in_another_order": _settings_in_another_order}
+         "settings_in_another_order": _settings_in_another_order,
+         "settings_named_by_other_types": _settings_named_by_other_types}
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +156,12 @@ def test_equal_settings_whose_dicts_list_their_keys_in_another_order_agree(ranks
         case = res["settings_in_another_order"]
         assert (case["same_error"], case["same"]) == ("no error", 0.5 + 1.5)
         assert case["other"] == want
+
+
+def test_settings_named_by_other_types_are_not_taken_as_the_same(ranks):
+    """A name that is not a string (1, on rank BAD) is that rank's refusal of the step, told to the other rank."""
+    own = ("all_reduce_sumsq: settings has the name 1 (int); the names of a step's settings must be strings (1 and "
+           "'1' would read the same)")
+    assert ranks[BAD]["settings_named_by_other_types"]["error"] == own
+    assert ranks[0]["settings_named_by_other_types"]["error"].startswith(f"rank {BAD} of the process group refused "
+                                                                         "this step")

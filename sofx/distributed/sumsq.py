@@ -62,11 +62,11 @@ class SumsqReduce:
         ``settings``: what the ranks' steps must share (:func:`sofx.serial.step_settings`: profile,
         ``max_norm``, ``missing_grad``, the loss-scaler state; a loop step adds its step count,
         :func:`sofx.serial.with_loop_settings`; the loops pass it through :func:`sofx.serial.reduced_sumsq`), or
-        ``None``. They travel in the sum's own collective, as a
-        48-bit digest of their text: one more float64 per rank beside its sum and its refusal flag (24 bytes
-        a rank in place of 16; no further round). Only where the digests differ, the error's path, does an
-        ``all_gather_object`` fetch the settings to name what differs; every rank sees the same digests, so
-        every rank takes that path, and raises before it steps anything.
+        ``None``; named by strings (another name is this rank's refusal of the step). They travel in the sum's
+        own collective, as a 48-bit digest of their text: one more float64 per rank beside its sum and its
+        refusal flag (24 bytes a rank in place of 16; no further round). Only where the digests differ, the
+        error's path, does an ``all_gather_object`` fetch the settings to name what differs; every rank sees the
+        same digests, so every rank takes that path, and raises before it steps anything.
         """
         self._refuse_call("the hook's agreed_sum", ("local", "settings"), local is REQUIRED, extra, unknown)
         try:
@@ -162,7 +162,8 @@ class SumsqReduce:
 
 def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
     """A step's settings as entries (name -> text, a record's fields each its own: ``scaler_state.scale``) that
-    are equal on every rank where the settings are (:func:`~sofx.distributed.setup._entries`)."""
+    are equal on every rank where the settings are (:func:`~sofx.distributed.setup._entries`). A name that is not
+    a string is refused (named by its text, ``1`` would read as ``"1"``)."""
     if settings is None:
         return {}
     if not isinstance(settings, Mapping):
@@ -170,7 +171,11 @@ def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
                         "to settings (sofx.serial.step_settings) or None")
     out: dict[str, str] = {}
     for name, value in settings.items():
-        _entries(str(name), value, out)
+        if not isinstance(name, str):  # (str(1) is "1": {1: x} and {"1": x} had one digest, taken as agreeing)
+            raise SofxError(f"all_reduce_sumsq: settings has the name {_shortened(repr(name), 80)} "
+                            f"({type(name).__name__}); the names of a step's settings must be strings "
+                            f"({_shortened(repr(name), 80)} and {_shortened(repr(str(name)), 80)} would read the same)")
+        _entries(name, value, out)
     return out
 
 
