@@ -584,6 +584,8 @@ def _left_before_the_reduction(rank: int, world: int, store: str, outdir: str) -
         out["params"] = loop.params
         out["refused"] = error_text(lambda: serial_loop_step(opt, loop, [torch.ones(4)], scaler=scaler,
                                                              reduce_sumsq=reduce))
+        out["misspelt"] = error_text(lambda: reduce.agreed_sum(1.0, setings={}))
+        out["bare_refuse"] = error_text(lambda: reduce.refuse())
     torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     sys.stdout.flush()
     os._exit(0)  # (the group is unusable after a timeout: no destroy_process_group)
@@ -606,6 +608,12 @@ def test_a_rank_that_left_before_the_reduction_is_a_clear_error_after_the_groups
     assert torch.equal(res["params"][0], torch.ones(3))
     # a rank that refuses its own input raises that error, where the hook's refuse raised gloo's in its place
     assert res["refused"] == "grads[0]: expected shape (3,), got (4,)", res["refused"]
+    # a misspelt call of the hook raises its own error too (gloo's bare RuntimeError before), and a refuse() without
+    # an error a SofxError naming the hook's refusal
+    assert res["misspelt"] == ("all_reduce_sumsq: the hook's agreed_sum got the unknown keyword argument 'setings'; "
+                               "it takes local, settings"), res["misspelt"]
+    assert res["bare_refuse"].startswith("all_reduce_sumsq: this rank's refusal of the step could not be told to "
+                                         "the other ranks (RuntimeError: "), res["bare_refuse"]
 
 
 def _left_before_an_agreement(rank: int, world: int, store: str, outdir: str) -> None:

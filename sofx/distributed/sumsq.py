@@ -88,7 +88,8 @@ class SumsqReduce:
         """Take part in this step's collective as a rank that refuses the step (``error``: why, for the
         record; this rank raises it itself): every other rank's call raises :class:`RankRefusedError`
         instead of waiting for this rank forever. Where the collective fails (the others gone, or the group's
-        timeout), it raises ``error`` itself, the step's cause, not the backend's error. The serial and
+        timeout), it raises ``error`` itself, the step's cause, not the backend's error (without ``error``, a
+        :class:`SofxError` saying the refusal could not be told, the backend's error its cause). The serial and
         speculative loops call it when they raise before reducing. Arguments it does not take are refused after
         it took part, as a :class:`SofxError`."""
         self._refuse_call("the hook's refuse", ("error",), False, extra, unknown)
@@ -97,7 +98,10 @@ class SumsqReduce:
         except RuntimeError as exc:  # (the others gone: this rank's own error is its step's cause, not gloo's)
             if isinstance(error, Exception):
                 raise error from exc
-            raise
+            raise SofxError(f"all_reduce_sumsq: this rank's refusal of the step could not be told to the other ranks "
+                            f"({type(exc).__name__}: {exc}) within the process group's timeout (or they exited); "
+                            "nothing was stepped on this rank, and the process group may be unusable now (gloo "
+                            "closes its connections on a timeout)") from exc
 
     def _refuse_call(self, what: str, takes: Sequence[str], missing: bool, extra: tuple[Any, ...],
                      unknown: dict[str, Any]) -> None:
@@ -116,8 +120,12 @@ class SumsqReduce:
             why = f"no {takes[0]}"
         else:
             return
-        self._gather(math.nan, refused=True)
-        raise SofxError(f"all_reduce_sumsq: {what} got {why}; it takes {', '.join(takes)}")
+        error = SofxError(f"all_reduce_sumsq: {what} got {why}; it takes {', '.join(takes)}")
+        try:
+            self._gather(math.nan, refused=True)
+        except RuntimeError as exc:  # (the others gone: this call's own error is the cause, not gloo's)
+            raise error from exc
+        raise error
 
     def _gather(self, local: float, refused: bool, entries: dict[str, str] | None = None) -> float:
         group = self.group
