@@ -126,9 +126,9 @@ class DDPRoute:
         error before DDP's reduction was done: that rank's backward stopped with buckets left to all-reduce)."""
         engine = self.owner()
         if index == 0 and engine is not None:
-            engine.begin_reduced_backward()
+            _exchanging(engine.begin_reduced_backward)
         elif index == 0 and self._gone():
-            self._closed_exchange()
+            _exchanging(self._closed_exchange)
         if last:
             _queue_after_ddp(self._end)
 
@@ -138,9 +138,9 @@ class DDPRoute:
         (:meth:`ReplicaWatch.exchange`)."""
         engine = self.owner()
         if index == 0 and engine is not None:
-            engine.shadow_reduced_backward()
+            _exchanging(engine.shadow_reduced_backward)
         elif index == 0 and self._gone():
-            self._closed_exchange()
+            _exchanging(self._closed_exchange)
 
     def _end(self) -> None:
         """The end of a backward, after DDP's: the engine raises what it refused during it (see
@@ -148,6 +148,22 @@ class DDPRoute:
         engine = self.owner()
         if engine is not None:
             engine.end_reduced_backward()
+
+
+def _exchanging(exchange: Any) -> None:
+    """``exchange()``, the ranks' exchange at bucket 0 of a synchronized backward (and the comparison it decides):
+    where its collective fails (gloo's bare ``RuntimeError``: a rank that never came to this backward, within the
+    process group's timeout), a :class:`SofxError` naming it and the likely causes, gloo's error its cause."""
+    try:
+        exchange()
+    except SofxError:
+        raise
+    except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+        raise SofxError("backward under DDP: a rank did not take part in the ranks' exchange at this synchronized "
+                        f"backward ({type(exc).__name__}: {exc}) within the process group's timeout (or it exited); "
+                        "likely causes: a rank that raised in its own code before its backward, or skipped it (every "
+                        "rank must run each synchronized backward, as DDP requires); nothing was stepped, and the "
+                        "process group may be unusable now (gloo closes its connections on a timeout)") from exc
 
 
 def _queue_after_ddp(callback: Any) -> None:
