@@ -9,7 +9,7 @@ was left of this rank's input; ``all_reduce_mean_`` had written the buckets redu
 its cause, and nothing of this rank's is changed.
 
 Rank ``BAD`` plays the rank that stopped: its ``torch.distributed`` call of the named kind, after ``passes`` such
-calls went through, sleeps past the group's timeout instead of taking part. One spawned group per case.
+calls went through, sleeps past the group's timeout (twice it) instead of taking part. One spawned group per case.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _stops_after_the_agreement(case: str, rank: int, world: int, store: str, out
                 return real(*args, **kwargs)
             torch.save(out, path)
             sys.stdout.flush()
-            time.sleep(4 * TIMEOUT_S)
+            time.sleep(2 * TIMEOUT_S)  # (past the other rank's wait of TIMEOUT_S)
             os._exit(0)
 
         setattr(dist, name, stop)

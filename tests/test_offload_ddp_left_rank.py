@@ -41,7 +41,7 @@ def _left_before_backward(rank: int, world: int, store: str, outdir: str) -> Non
     if rank == BAD:  # (it raised in its own code before its backward: alive, the other's exchange times out)
         torch.save(out, path)
         sys.stdout.flush()
-        time.sleep(4 * TIMEOUT_S)
+        time.sleep(2 * TIMEOUT_S)  # (past the other rank's wait of TIMEOUT_S)
         os._exit(0)
     out["before"] = [p.detach().clone() for p in model.parameters()]
     loss = model(x).square().sum()  # (no collective in DDP's forward from the third step on)
