@@ -953,9 +953,11 @@ class Adam:
         if steps is None:
             steps = leaf.steps
         key = None
-        # (not shared where the strategy reads the leaf's parameter: undo='algebraic' with L2 decay)
+        # (not shared where the strategy reads the leaf's parameter: undo='algebraic' with an L2 decay not known
+        # to be 0, see _decay_term_finite)
         if memo is not None and finite is not None and not leaf.traced and not (
-                self.undo_mode == "algebraic" and undoable and not self.variant.decoupled):
+                self.undo_mode == "algebraic" and undoable and not self.variant.decoupled
+                and not (is_number(leaf.hp.weight_decay) and leaf.hp.weight_decay == 0)):
             key = (id(leaf.hp), steps, finite, leaf.p.dtype, leaf.m.dtype, undoable)  # the leaves hold the hparams
             plan = memo.get(key)
             if plan is not None:

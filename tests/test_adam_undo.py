@@ -1346,3 +1346,30 @@ def test_forced_algebraic_l2_step_of_a_parameter_beyond_the_gradient_limit_is_no
         p0, s0 = opt.undo(p1, s1, rec)
         for t in (s0.mu["w"], s0.nu["w"]):
             assert not torch.isnan(t).any()
+
+
+def test_forced_algebraic_l2_plan_is_shared_by_leaves_where_the_decay_is_zero(monkeypatch):
+    """The per-parameter check of undo='algebraic' with L2 decay (``weight_decay * p``) reads nothing where the
+    decay is 0: leaves with the same hparams share one plan there (one strategy choice per call, not one per leaf:
+    ~10 us a leaf), as with decoupled decay; the step is still torch.optim.Adam's."""
+    adam_module = importlib.import_module("sofx.adam")
+    gen = torch.Generator().manual_seed(5)
+    params = {f"p{i}": torch.randn(13, generator=gen) for i in range(6)}
+    grads = {k: torch.randn(13, generator=gen) for k in params}
+    calls = []
+    choose = adam_module.Adam._choose_strategy
+    monkeypatch.setattr(adam_module.Adam, "_choose_strategy",
+                        lambda self, *a, **k: calls.append(1) or choose(self, *a, **k))
+    for opt, shared in ((sofx.adam(lr=1e-2, undo="algebraic"), True),
+                        (sofx.adam(lr=1e-2, weight_decay=0.1, undo="algebraic"), False)):
+        calls.clear()
+        p1, s1, rec = opt.update(params, grads, opt.init(params), grads_finite=True)
+        assert len(calls) == (1 if shared else len(params))
+        assert rec.strategies() == ["algebraic"] * len(params)
+        tp = [torch.nn.Parameter(params[k].clone()) for k in sorted(params)]
+        topt = torch.optim.Adam(tp, lr=1e-2, weight_decay=opt.defaults.weight_decay)
+        for t, k in zip(tp, sorted(params)):
+            t.grad = grads[k].clone()
+        topt.step()
+        for t, k in zip(tp, sorted(params)):
+            torch.testing.assert_close(p1[k], t.detach(), rtol=1e-6, atol=1e-7)
