@@ -845,3 +845,39 @@ def test_a_block_undone_when_its_late_gradient_came_is_reported_as_the_step_it_r
                 assert (report.speculated, report.committed, report.undone, report.redone,
                         report.stepped_late) == (2, 1, 1, 1, 0), report.summary()
             assert max(relative_deviation(m, r) for m, r in zip((a, b), ref)) <= TOL
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_forced_algebraic_l2_block_speculated_again_after_its_parameter_became_inf(executor: str) -> None:
+    """undo='algebraic' with L2 decay cannot undo the step of a parameter that is not finite (weight_decay * p
+    enters the second moment): the block's eligibility depends on the parameter's values there, so it is not
+    taken from an earlier step's. An embedding row set to inf between steps (never looked up: its gradient is 0)
+    made the cached eligibility speculate a step recorded as not undoable, and the undo of the late gradient's
+    second backward failed the executor; the block is stepped late instead, as torch.optim.Adam steps it."""
+    idx = torch.tensor([1, 2, 3])
+
+    def run(make):
+        torch.manual_seed(0)
+        emb = nn.Embedding(8, 4)
+        opt = make(emb.parameters())
+        for _ in range(2):
+            opt.zero_grad()
+            emb(idx).square().sum().backward()
+            opt.step()
+        with torch.no_grad():
+            emb.weight[0, 0] = float("inf")
+        opt.zero_grad()
+        for _ in range(2):  # the second backward's gradient is late: a speculative step is undone
+            emb(idx).square().sum().backward()
+        opt.step()
+        return emb, opt
+
+    got, opt = run(lambda ps: sofx.offload.SpeculativeAdam(ps, lr=1e-2, weight_decay=0.1, undo="algebraic",
+                                                          executor=executor))
+    with opt:
+        want, topt = run(lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1))
+        assert opt.last_report.actions == ("step",)
+        torch.testing.assert_close(got.weight[1:], want.weight[1:], rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[got.weight][key][1:], topt.state[want.weight][key][1:],
+                                       rtol=1e-5, atol=1e-9)
