@@ -1507,6 +1507,10 @@ def test_an_order_or_reduce_sumsq_of_another_kind_is_refused_before_anything_run
                                                  rf"got {bad}$"):
             sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
                                 scaler_state=rule.init(), order=bad, donate=donate)
+    one = {"w": params[0]}  # (order=0 is no sequence of one leaf's index)
+    with pytest.raises(sofx.SofxError, match=r"^order must be a permutation of the 1 leaf indices \(ints\), got 0$"):
+        sp.speculative_step(opt, one, {"w": grads[0]}, opt.init(one), config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), order=0, donate=donate)
     for bad in (5, "sum"):
         with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is a {type(bad).__name__}; expected a "
                                                    r"function of this rank's sum of squares"):

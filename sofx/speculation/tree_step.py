@@ -157,9 +157,9 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     given = order
     try:
         order = list(range(n - 1, -1, -1)) if order is None else list(order)
-    except TypeError:  # (not iterable: order=5)
-        order = [given]
-    if not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
+    except TypeError:  # (not iterable: order=5, and order=0 is no permutation of one leaf either)
+        order = None
+    if order is None or not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
         raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {given!r:.80}")
     order = [int(i) for i in order]
     if late_grads is not None and not isinstance(late_grads, Mapping):  # (a list went through dict())
