@@ -236,6 +236,29 @@ def test_donated_update_traces(undo):
     assert all(leaf.owns_kept for leaf in record.leaves)  # (copies made under donation, or nothing kept)
 
 
+def test_donated_update_in_a_loop_compiles_once():
+    """A donated step called with new gradients every step: the identity checks of the donated writes must not
+    guard on the tensors' ids (every step's new gradients recompiled the step)."""
+    torch._dynamo.reset()
+    opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+
+    def step(p, g, s, lr):
+        return opt.update(p, g, s, sofx.AdamHParams(lr=lr), donate=True)
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    pc, sc = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    for t in range(4):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        pc, sc, _ = compiled(pc, grads, sc, _lr(t))
+        pe, se, _ = opt.update(pe, grads, se, sofx.AdamHParams(lr=_lr(t)))
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 4 steps"
+    assert _max_diff(pc, pe) < 1e-6
+
+
 def test_donated_tied_leaves_are_refused_under_compile():
     """One tensor as two leaves, or a gradient that is its parameter, with donation: the eager refusal, by
     identity while tracing, and nothing written."""

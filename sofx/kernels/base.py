@@ -405,8 +405,10 @@ def check_block_tensors(where: str, tensors: Sequence[tuple[str, torch.Tensor | 
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise LeafError(f"{where}: out must be a tuple of three tensors (out[0], out[1], out[2]: the new p, m, v)")
-        seen = {id(t) for _, t in named if t is not None}  # donation: out is the inputs, checked already
-        named += [(f"out[{k}]", o) for k, o in enumerate(out) if id(o) not in seen]
+        # donation: out is the inputs, checked already (by ``is``: Dynamo guards a tensor's id() on its value,
+        # which recompiled a donated step for every step's new gradients)
+        seen = [t for _, t in named if t is not None]
+        named += [(f"out[{k}]", o) for k, o in enumerate(out) if not any(o is t for t in seen)]
         inputs = dict(tensors)
         written += [(role if o is inputs.get(role) else f"out[{k}]", o) for k, (role, o) in enumerate(zip("pmv", out))]
     device, shape = like.device, like.shape
