@@ -51,8 +51,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Union
 
+import torch
+
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX, as_number
+from sofx.kernels.base import FLOAT32_MAX, as_number, is_traced
 from sofx.kernels.user_numbers import as_integer, flag, integer, is_bool, positive_number, real_number
 
 __all__ = [
@@ -177,12 +179,32 @@ def _store(rule: Any, **fields: Any) -> None:
 
 def _overflow(value: Any) -> bool:
     """``overflow`` as a bool: a Python or numpy bool, or a 0-d bool tensor; a string, a number or ``None`` is
-    refused (any non-empty string was taken as an overflow)."""
+    refused (any non-empty string was taken as an overflow).
+
+    A 0-d bool tensor that :func:`~sofx.kernels.base.is_traced` counts as unreadable is read all the same where
+    torch can read it: under ``torch.compile`` (a graph break; with ``fullgraph=True`` Dynamo refuses it) and
+    under ``torch.func.grad`` (a bool carries no gradient). Under ``vmap`` (one flag per member) it cannot be
+    read, and the rules compute on the host: an :class:`HParamError` says so."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0 and is_traced(value):
+        if _vmapped(value):
+            raise HParamError("overflow is a bool tensor that torch.func.vmap batches, whose value cannot be read: "
+                              "a loss scaler's rule computes on the host, one run at a time; update each member's "
+                              "scaler state outside vmap (or keep one scale for the ensemble)")
+        return bool(value)
     x = as_number(value, "overflow")  # a concrete 0-d tensor as its Python value
     if is_bool(x):
         return bool(x)
     raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
                       f"nan), got {type(value).__name__}")
+
+
+def _vmapped(x: torch.Tensor) -> bool:
+    """Whether a ``torch.func.vmap`` level batches ``x`` (at any depth of the transforms that wrap it)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
 
 
 # The least value of each count of the states of the rules here (DeepSpeed's last_overflow_iter is -1 before the

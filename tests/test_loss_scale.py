@@ -280,6 +280,28 @@ def test_update_takes_python_numpy_and_0d_tensor_bools(rule):
 
 
 @pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+def test_update_takes_the_0d_bool_tensor_of_a_compiled_or_differentiated_step(rule):
+    """The overflow flag of a step under ``torch.compile`` (a graph break reads it) or ``torch.func.grad`` is a
+    0-d bool tensor, taken as eagerly; it was refused as "expected a bool" because its value could not be read
+    without a graph break. Under ``vmap`` (one flag per member: the rules compute on the host) the refusal says so."""
+    gen = torch.Generator().manual_seed(8)
+    grads = torch.randn(5, generator=gen)
+    bad = grads.clone()
+    bad[2] = float("nan")
+
+    def overflowed(g: torch.Tensor) -> tuple:
+        return rule.update(rule.init(), ~torch.isfinite(g).all())
+
+    torch._dynamo.reset()
+    compiled = torch.compile(overflowed, backend="eager")
+    for g in (grads, bad):
+        assert compiled(g) == overflowed(g) == rule.update(rule.init(), not bool(torch.isfinite(g).all()))
+    assert torch.func.grad(lambda g: (g * rule.scale(overflowed(g))).sum())(bad).eq(rule.scale(overflowed(bad))).all()
+    with pytest.raises(HParamError, match=r"overflow .*cannot be read.*vmap"):
+        torch.func.vmap(lambda g: torch.tensor(rule.scale(overflowed(g))))(torch.stack([grads, bad]))
+
+
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
 def test_scale_and_update_refuse_a_state_of_another_kind(rule):
     """A plain tuple or another rule's state: an HParamError naming both types (an AttributeError, a ValueError
     from unpacking, or another scaler's scale silently used before)."""
