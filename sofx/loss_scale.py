@@ -185,17 +185,27 @@ def _overflow(value: Any) -> bool:
     torch can read it: under ``torch.compile`` (a graph break; with ``fullgraph=True`` Dynamo refuses it) and
     under ``torch.func.grad`` (a bool carries no gradient). Under ``vmap`` (one flag per member) it cannot be
     read, and the rules compute on the host: an :class:`HParamError` says so."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0 and is_traced(value):
-        if _vmapped(value):
-            raise HParamError("overflow is a bool tensor that torch.func.vmap batches, whose value cannot be read: "
-                              "a loss scaler's rule computes on the host, one run at a time; update each member's "
-                              "scaler state outside vmap (or keep one scale for the ensemble)")
-        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
+        value = _host_value(value, "overflow")
     x = as_number(value, "overflow")  # a concrete 0-d tensor as its Python value
     if is_bool(x):
         return bool(x)
     raise HParamError(f"overflow = {value!r:.80} is invalid; expected a bool (whether a gradient held an inf or a "
                       f"nan), got {type(value).__name__}")
+
+
+def _host_value(x: Any, name: str) -> Any:
+    """A 1-element tensor that :func:`~sofx.kernels.base.is_traced` counts as unreadable, read all the same where
+    torch can read it (its Python value): under ``torch.compile`` (a graph break; with ``fullgraph=True`` Dynamo
+    refuses it) and under ``torch.func.grad``. Under ``vmap`` (one value per member) it cannot be read, and the
+    rules compute on the host: an :class:`HParamError` naming ``name`` says so. Anything else as it is."""
+    if not (isinstance(x, torch.Tensor) and x.numel() == 1 and is_traced(x)):
+        return x
+    if _vmapped(x):
+        raise HParamError(f"{name} is a tensor that torch.func.vmap batches, whose value cannot be read: a loss "
+                          "scaler's rule computes on the host, one run at a time; update each member's scaler state "
+                          "outside vmap (or keep one scale for the ensemble)")
+    return x.item()
 
 
 def _vmapped(x: torch.Tensor) -> bool:
@@ -227,7 +237,8 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return
-    scale = real_number(state.scale, f"{where}['scale']")  # (torch's GradScaler keeps a 0-d tensor; numpy: files)
+    # (torch's GradScaler keeps a 0-d tensor; numpy: files)
+    scale = real_number(_host_value(state.scale, f"{where}['scale']"), f"{where}['scale']")
     try:
         ok = isinstance(scale, numbers.Real) and not is_bool(scale) and math.isfinite(scale) and scale >= 0
     except OverflowError:  # an int beyond the float range
@@ -267,7 +278,7 @@ def plain_state(state: LossScaleState, where: str = "scaler_state") -> LossScale
     least = _LEAST_COUNTS.get(type(state))
     if least is None:
         return state
-    return state._replace(scale=float(real_number(state.scale, f"{where}['scale']")),
+    return state._replace(scale=float(real_number(_host_value(state.scale, f"{where}['scale']"), f"{where}['scale']")),
                           **{name: int(getattr(state, name)) for name in least})
 
 

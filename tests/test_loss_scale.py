@@ -409,6 +409,26 @@ def test_a_state_whose_scale_is_a_tensor_updates_as_the_python_number(rule):
             assert state == want and all(type(x) in (float, int) for x in state), (convert, state, want)
 
 
+@pytest.mark.parametrize("rule", _RULES, ids=lambda r: type(r).__name__)
+def test_a_tensor_scale_of_a_state_is_read_under_compile_as_eagerly(rule):
+    """A state whose scale is a 0-d tensor (torch's GradScaler's), updated inside a compiled step: the scale was
+    refused there ("expected a finite number >= 0, got Tensor") though eagerly it is read as its number; it is read
+    there too (a graph break), and under vmap the refusal says the batched scale cannot be read."""
+    plain = rule.init()
+    state = plain._replace(scale=torch.tensor(plain.scale))
+
+    def step(s: tuple, overflow: bool) -> tuple:
+        return rule.update(s, overflow)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    for overflow in (False, True):
+        assert compiled(state, overflow) == step(state, overflow) == step(plain, overflow)
+    scales = torch.tensor([plain.scale, plain.scale / 2])
+    with pytest.raises(HParamError, match=r"scale.*cannot be read.*vmap"):
+        torch.func.vmap(lambda s: torch.tensor(rule.update(plain._replace(scale=s), False).scale))(scales)
+
+
 def test_a_state_scale_beyond_the_float_range_is_refused_as_invalid():
     """A state whose scale is an int no float holds (a corrupted file's) raised an OverflowError from
     math.isfinite; it is refused as every other invalid scale, naming the field."""
