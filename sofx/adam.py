@@ -864,7 +864,10 @@ class Adam:
         if paths is None:
             paths = tree.leaf_paths(spec)
         out = []
-        filled: dict[int, AdamHParams] = {}  # per group: the leaves of a group share one AdamHParams
+        # Per group (the leaves of a group share one AdamHParams), by identity: ``is``, not ``id()``, which Dynamo
+        # guards on the caller's object, so that hparams made outside a compiled step recompiled it every step.
+        filled: list[tuple[AdamHParams, AdamHParams]] = []
+        compiling = torch.compiler.is_compiling()
         for path, hp in zip(paths, per_leaf):
             if hp is None:
                 hp = _NO_HPARAMS
@@ -873,13 +876,15 @@ class Adam:
                 hint = f"; a number is not taken as the lr: AdamHParams(lr={hp!r:.40})" if is_hparams_number(hp) \
                     else ""
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}{hint}")
-            full = filled.get(id(hp))
+            full = next((f for h, f in filled if h is hp), None)
             if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)
                 # A concrete tensor is read now: the step (and its undo record) must not see later in-place
                 # changes of it (a schedule's lr.fill_()).
                 # A numpy number is read as the Python number it holds (the kernels take Python numbers).
-                full = filled[id(hp)] = hp if all(type(x) is float or type(x) is int for x in hp) else \
+                # While compiling always a new object: the step takes ids of its leaves' hparams.
+                full = hp if not compiling and all(type(x) is float or type(x) is int for x in hp) else \
                     _read_hparams(hp, self.defaults, f"hparams for {path}")
+                filled.append((hp, full))
             out.append(full)
         return out
 

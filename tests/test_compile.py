@@ -259,6 +259,31 @@ def test_donated_update_in_a_loop_compiles_once():
     assert _max_diff(pc, pe) < 1e-6
 
 
+@pytest.mark.parametrize("lr", [torch.tensor, float], ids=["tensor_lr", "float_lr"])
+def test_hparams_made_outside_the_compiled_step_do_not_recompile_it(lr):
+    """An ``AdamHParams`` built outside the compiled step every step (a schedule's value): the update looked it
+    up by ``id()``, which Dynamo guards, so that every step's new object recompiled the step."""
+    torch._dynamo.reset()
+    opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+
+    def step(p, g, s, hp):
+        return opt.update(p, g, s, hp)
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(9)
+    params = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    pc, sc = params, opt.init(params)
+    pe, se = params, opt.init(params)
+    for t in range(5):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        hp = sofx.AdamHParams(lr=lr(float(_lr(t))))
+        pc, sc, _ = compiled(pc, grads, sc, hp)
+        pe, se, _ = opt.update(pe, grads, se, sofx.AdamHParams(lr=lr(float(_lr(t)))))
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles for 5 steps"  # (a float: dynamic after one)
+    assert _max_diff(pc, pe) < 1e-6
+
+
 def test_donated_tied_leaves_are_refused_under_compile():
     """One tensor as two leaves, or a gradient that is its parameter, with donation: the eager refusal, by
     identity while tracing, and nothing written."""
