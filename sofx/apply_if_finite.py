@@ -96,7 +96,7 @@ class ApplyIfFinite:
         finite = True if grads_finite is True else _grads_all_finite(grads)
         opts = dict(grad_scale=grad_scale, grads_finite=grads_finite, undoable=undoable,
                     snapshot_limit_bytes=snapshot_limit_bytes)
-        if is_traced(finite) or any(is_traced(c) for c in before):
+        if not all(_readable(x) for x in (finite, *before)):
             return self._update_selected(params, grads, state, hparams, before, finite, param_copies, opts)
         finite = bool(finite)
         count = 0 if finite else int(before[0]) + 1
@@ -196,6 +196,22 @@ def apply_if_finite(inner: Adam, max_consecutive_errors: int) -> ApplyIfFinite:
                                "sofx.adamw(...))")
     n = integer("apply_if_finite: max_consecutive_errors", max_consecutive_errors, 0)
     return ApplyIfFinite(inner, n)
+
+
+def _readable(x: Any) -> bool:
+    """Whether the decision (or a counter) ``x`` can be read on the host: not traced (:func:`is_traced`), or traced
+    only by ``torch.func.grad``/autograd, where torch reads a value (a bool or a count carries no gradient). Not while
+    ``torch.compile`` traces (reading is a graph break) nor under ``vmap`` (a value per member). (Selecting with
+    ``torch.where`` under ``grad`` gave a nan derivative through a skipped step: its nan gradient's step times 0.)"""
+    if not is_traced(x):
+        return True
+    if torch.compiler.is_compiling() or x.is_meta:  # (a meta tensor holds no value)
+        return False
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return False
+        x = torch._C._functorch.get_unwrapped(x)
+    return True
 
 
 def _flag_option(name: str, value: Any) -> None:

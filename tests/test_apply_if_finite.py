@@ -408,3 +408,31 @@ def test_a_nested_tensor_gradient_is_refused_naming_its_path(rng):
     with pytest.raises(LeafError, match=r"grads\['b'\]: expected a dense \(strided\) tensor, got a nested tensor"):
         opt.update(params, g, state)
     assert _counters(state) == (0, True, 0)
+
+
+def test_hypergradient_through_a_skipped_step_under_func_grad_equals_autograd():
+    """``torch.func.grad`` through a loop whose second step is skipped (a nan gradient): the decision can be read
+    there, as with autograd. It was taken as unreadable, the inner step run on the nan gradient and selected away
+    with ``torch.where``, whose backward multiplied that step's nan derivatives by 0: a nan hypergradient."""
+    p0 = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(11), dtype=torch.float64)}
+    opt = sofx.apply_if_finite(sofx.adamw(lr=0.05, weight_decay=0.1), 3)
+
+    def after(lr: torch.Tensor) -> torch.Tensor:
+        p, s = p0, opt.init(p0)
+        for i in range(3):
+            g = torch.randn(3, 2, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+            if i == 1:
+                g[0, 0] = NAN
+            p, s, _ = opt.update(p, {"w": g}, s, sofx.AdamHParams(lr=lr))
+        assert int(s.total_notfinite) == 1 and int(s.inner_state.count["w"]) == 2
+        return p["w"].square().sum()
+
+    lr = torch.tensor(0.05, dtype=torch.float64)
+    leaf = lr.clone().requires_grad_(True)
+    (by_autograd,) = torch.autograd.grad(after(leaf), [leaf])
+    by_func = torch.func.grad(after)(lr)
+    h = 1e-6
+    by_fd = (after(lr + h) - after(lr - h)) / (2 * h)
+    assert torch.isfinite(by_func)
+    torch.testing.assert_close(by_func, by_autograd, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(by_func, by_fd, rtol=1e-6, atol=1e-9)
