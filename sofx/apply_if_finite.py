@@ -128,7 +128,11 @@ class ApplyIfFinite:
         count = torch.where(finite, torch.zeros_like(torch.as_tensor(count)), torch.as_tensor(count) + 1)
         total = torch.where(finite, torch.as_tensor(total), torch.as_tensor(total) + 1)
         applied = finite | (count > self.max_consecutive_errors)
-        new_params, inner_state, rec = self.inner.update(params, grads, state.inner_state, hparams, donate=False,
+        # A skipped member's inner step runs on zeros: on its inf/nan gradient the step's derivatives were nan,
+        # which the backward of torch.where multiplied by 0 (nan) where the hypergradients are taken.
+        safe = tree.tree_map(lambda g: torch.where(applied, g, torch.zeros_like(g)) if isinstance(g, torch.Tensor)
+                             and g.is_floating_point() else g, grads) if grads is not None else None
+        new_params, inner_state, rec = self.inner.update(params, safe, state.inner_state, hparams, donate=False,
                                                          **opts)
         return (_select(applied, new_params, params),
                 ApplyIfFiniteState(count, finite, total, _select(applied, inner_state, state.inner_state)),

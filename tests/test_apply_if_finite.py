@@ -436,3 +436,26 @@ def test_hypergradient_through_a_skipped_step_under_func_grad_equals_autograd():
     assert torch.isfinite(by_func)
     torch.testing.assert_close(by_func, by_autograd, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(by_func, by_fd, rtol=1e-6, atol=1e-9)
+
+
+def test_hypergradients_through_a_skipped_step_under_vmap_of_grad_are_finite():
+    """``vmap(grad(...))`` over members of which one skips a step (a nan gradient): there the decision is one per
+    member and the step is selected with ``torch.where``; the skipped member's inner step ran on its nan gradient,
+    whose derivatives (times 0 from the select) made its hypergradient nan. Each member equals its own run."""
+    p0 = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(12), dtype=torch.float64)}
+    opt = sofx.apply_if_finite(sofx.adamw(lr=0.05, weight_decay=0.1), 3)
+    poison = torch.tensor([0.0, NAN, 0.0], dtype=torch.float64)  # member 1's second step is skipped
+
+    steps = [torch.randn(3, 2, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(3)]
+
+    def after(lr: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        p, s = p0, opt.init(p0)
+        for i, g in enumerate(steps):
+            p, s, _ = opt.update(p, {"w": g + bad if i == 1 else g}, s, sofx.AdamHParams(lr=lr))
+        return p["w"].square().sum()
+
+    lrs = torch.tensor([0.01, 0.05, 0.1], dtype=torch.float64)
+    batched = vmap(torch.func.grad(after))(lrs, poison)
+    assert torch.isfinite(batched).all(), batched
+    for i in range(3):
+        torch.testing.assert_close(batched[i], torch.func.grad(after)(lrs[i], poison[i]), rtol=1e-12, atol=1e-14)
