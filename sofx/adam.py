@@ -864,9 +864,11 @@ class Adam:
         if paths is None:
             paths = tree.leaf_paths(spec)
         out = []
-        # Per group (the leaves of a group share one AdamHParams), by identity: ``is``, not ``id()``, which Dynamo
-        # guards on the caller's object, so that hparams made outside a compiled step recompiled it every step.
-        filled: list[tuple[AdamHParams, AdamHParams]] = []
+        # Per group (the leaves of a group share one AdamHParams), by identity; while compiling by ``is``, not
+        # ``id()``, which Dynamo guards on the caller's object (hparams made outside a compiled step recompiled it
+        # every step); else by ``id()`` (a search by ``is`` costs a pass over the groups per leaf).
+        filled: dict[int, AdamHParams] = {}
+        traced_filled: list[tuple[AdamHParams, AdamHParams]] = []
         compiling = torch.compiler.is_compiling()
         for path, hp in zip(paths, per_leaf):
             if hp is None:
@@ -876,7 +878,7 @@ class Adam:
                 hint = f"; a number is not taken as the lr: AdamHParams(lr={hp!r:.40})" if is_hparams_number(hp) \
                     else ""
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}{hint}")
-            full = next((f for h, f in filled if h is hp), None)
+            full = next((f for h, f in traced_filled if h is hp), None) if compiling else filled.get(id(hp))
             if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)
                 # A concrete tensor is read now: the step (and its undo record) must not see later in-place
                 # changes of it (a schedule's lr.fill_()).
@@ -884,7 +886,10 @@ class Adam:
                 # While compiling always a new object: the step takes ids of its leaves' hparams.
                 full = hp if not compiling and all(type(x) is float or type(x) is int for x in hp) else \
                     _read_hparams(hp, self.defaults, f"hparams for {path}")
-                filled.append((hp, full))
+                if compiling:
+                    traced_filled.append((hp, full))
+                else:
+                    filled[id(hp)] = full
             out.append(full)
         return out
 
