@@ -14,7 +14,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam
 from sofx.errors import LeafError, SofxError, UndoError, UnsupportedError
-from sofx.kernels.base import is_traced
+from sofx.kernels.base import is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import integer
 from sofx.transforms import GradientTransformation, _check_state
@@ -211,11 +211,7 @@ def _readable(x: Any) -> bool:
         return True
     if torch.compiler.is_compiling() or x.is_meta:  # (a meta tensor holds no value)
         return False
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        if torch._C._functorch.is_batchedtensor(x):
-            return False
-        x = torch._C._functorch.get_unwrapped(x)
-    return True
+    return not vmapped(x)
 
 
 def _flag_option(name: str, value: Any) -> None:

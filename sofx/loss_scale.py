@@ -54,7 +54,7 @@ from typing import Any, NamedTuple, Protocol, Union
 import torch
 
 from sofx.errors import HParamError
-from sofx.kernels.base import FLOAT32_MAX, as_number, is_traced
+from sofx.kernels.base import FLOAT32_MAX, as_number, is_traced, vmapped
 from sofx.kernels.user_numbers import as_integer, flag, integer, is_bool, positive_number, real_number
 
 __all__ = [
@@ -201,20 +201,11 @@ def _host_value(x: Any, name: str) -> Any:
     rules compute on the host: an :class:`HParamError` naming ``name`` says so. Anything else as it is."""
     if not (isinstance(x, torch.Tensor) and x.numel() == 1 and is_traced(x)):
         return x
-    if _vmapped(x):
+    if vmapped(x):
         raise HParamError(f"{name} is a tensor that torch.func.vmap batches, whose value cannot be read: a loss "
                           "scaler's rule computes on the host, one run at a time; update each member's scaler state "
                           "outside vmap (or keep one scale for the ensemble)")
     return x.item()
-
-
-def _vmapped(x: torch.Tensor) -> bool:
-    """Whether a ``torch.func.vmap`` level batches ``x`` (at any depth of the transforms that wrap it)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        if torch._C._functorch.is_batchedtensor(x):
-            return True
-        x = torch._C._functorch.get_unwrapped(x)
-    return False
 
 
 # The least value of each count of the states of the rules here (DeepSpeed's last_overflow_iter is -1 before the

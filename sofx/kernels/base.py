@@ -139,6 +139,16 @@ def scalars_key(s: AdamScalars) -> tuple:
     return s, tuple(type(x) is float and x == 0 and math.copysign(1.0, x) < 0 for x in s)
 
 
+def vmapped(x: torch.Tensor) -> bool:
+    """Whether a ``torch.func.vmap`` level batches ``x`` (at any depth of the transforms that wrap it): its value
+    is one per member, which no host code can read as one number."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        if torch._C._functorch.is_batchedtensor(x):
+            return True
+        x = torch._C._functorch.get_unwrapped(x)
+    return False
+
+
 def is_traced(x: object) -> bool:
     """True for a tensor whose value cannot be read on the host right now.
 
