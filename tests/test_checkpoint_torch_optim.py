@@ -54,6 +54,14 @@ def _torch_steps(torch_opt, params, start, stop):
         torch_opt.step()
 
 
+def _adamw_state_dict() -> tuple[dict, dict]:
+    """``_params()`` after two steps of ``torch.optim.AdamW`` and that optimizer's ``state_dict()``."""
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
+    _torch_steps(torch_opt, params, 0, 2)
+    return params, torch_opt.state_dict()
+
+
 def _clone(t):
     return tree.tree_map(lambda x: x.clone(), t)
 
@@ -613,10 +621,7 @@ def test_a_saved_hparam_that_is_not_a_number_is_refused_naming_it(key, value, wh
     """A param group's lr, beta, eps or weight_decay that is no number (a string, None, a tensor of two elements, a
     list) raised Python's bare ValueError, TypeError or torch's RuntimeError from float(): now a CheckpointError
     names the entry and the value."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     sd["param_groups"][0][key] = value
     with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}: expected a number, "
                                                  rf"got "):
@@ -628,10 +633,7 @@ def test_a_negative_second_moment_is_refused_naming_the_element_and_a_nan_one_im
     offload facade's ``load_state_dict`` refuses it as corrupt). It is refused naming the entry, the leaf, the
     first negative element and its value; nothing is imported. A nan one (a diverged run's) imports, as torch
     loads it."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     key = 3  # params['enc']['w'] (dec[0], dec[1], enc.b, enc.w)
     sd["state"][key]["exp_avg_sq"][4, 2] = -0.5
     saved = copy.deepcopy(sd)
@@ -649,10 +651,7 @@ def test_a_negative_second_moment_is_refused_naming_the_element_and_a_nan_one_im
                                 np.float64(0.02)], ids=["numpy 0-d", "numpy 1 element", "tensor 1 element", "numpy"])
 def test_a_saved_hparam_of_one_element_imports_as_its_number(lr):
     """An lr held as a tensor or numpy array of one element (torch.optim takes one) is its number."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     sd["param_groups"][0]["lr"] = lr
     assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].lr == 0.02
 
@@ -663,10 +662,7 @@ def test_a_saved_group_without_bias_correction_is_refused_naming_it(key):
     a torch-style state dict; a group of theirs that turned bias correction off was imported into sofx's
     bias-corrected Adam without a word (load_zero3 refuses the same group). It is refused naming the group and the
     value; ``True`` imports."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     sd["param_groups"][0][key] = False
     with pytest.raises(UnsupportedError, match=rf"param_groups\[0\]: {key}=False is not supported \(torch\.optim's "
                                                r"Adam always corrects the bias"):
@@ -680,10 +676,7 @@ def test_a_saved_bias_correction_flag_that_is_no_bool_is_refused_naming_it(value
     """A ``bias_correction``/``correct_bias`` of ``"False"`` (a config read as text) was true to ``not`` and
     imported into bias-corrected Adam without a word. Anything but True/False (or 1/0) is refused naming the
     entry and the value; nothing is imported."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     sd["param_groups"][0]["bias_correction"] = value
     with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['bias_correction'\]: "
                                                  rf"expected True or False, got {re.escape(repr(value))}$"):
@@ -697,10 +690,7 @@ def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():
     """A saved lr held as a tensor that requires grad (torch.optim's ``differentiable=True`` with a tensor lr, a
     learned lr) is read as its number, as float() took it before the number checks; they refused it as "not a
     number" (autograd records its uses while grad mode is on)."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     sd["param_groups"][0]["lr"] = torch.tensor(0.02, dtype=torch.float64, requires_grad=True)
     sd["param_groups"][0]["betas"] = (torch.tensor([0.8], dtype=torch.float64, requires_grad=True), 0.99)
     hp = ck.from_torch_optim(sofx.adamw(), sd, params)[1]
@@ -712,10 +702,7 @@ def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():
 def test_a_saved_hparam_that_is_no_real_number_is_refused_naming_it(value):
     """A complex lr (a Python, numpy or tensor one) passed the number check (a complex is a number) and float()
     raised a bare TypeError; a bool is no number either. A CheckpointError names the entry and the value."""
-    params = _params()
-    torch_opt = torch.optim.AdamW(ck.torch_param_groups(sofx.adamw(), params))
-    _torch_steps(torch_opt, params, 0, 2)
-    sd = torch_opt.state_dict()
+    params, sd = _adamw_state_dict()
     sd["param_groups"][0]["lr"] = value
     with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['lr'\]: expected a number, "
                                                  r"got "):
