@@ -1043,18 +1043,26 @@ def test_taken_entries_that_are_not_bools_are_refused_through_the_hook(bad):
     assert [a.kind for a in plan.actions] == ["step", "step"]
 
 
+def _one_speculated_block_not_taken(opt, rng):
+    """A step of one block of 4 random elements through the block protocol: ready and chosen for speculation, its
+    speculative step not taken (``taken=[False]``). Returns the loss-scale rule, the block's param, grad and
+    fresh state, its decision and the validation plan."""
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    return rule, param, grad, state, decision, sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False])
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object
     has no attribute 'defaults'", and a torch.optim.Adam made a context whose hparams were its defaults' keys
     (lr='lr', beta1='betas', ...). Now a SofxError names what was given and what to pass."""
     inner = sofx.adamw()
-    rule = loss_scale.grad_scaler()
-    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
-    state = inner.init(param)
-    ctx, tally = sp.begin_step(inner, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
-    (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False]).actions
+    rule, param, grad, state, decision, plan = _one_speculated_block_not_taken(inner, rng)
+    (action,) = plan.actions
     assert decision.speculate and action.kind == "step"  # (its reason said "not speculated", of a block that was)
     assert action.reason == "its speculative step did not run (taken[0] is False): stepped now"
     before = param.clone()
@@ -1075,12 +1083,7 @@ def test_an_action_or_decision_that_is_not_one_is_refused_by_the_apply_functions
     an AttributeError ("'ValidationPlan' object has no attribute 'kind'"); now a SofxError says what was given,
     before any tensor is touched."""
     opt = sofx.adamw()
-    rule = loss_scale.grad_scaler()
-    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
-    state = opt.init(param)
-    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
-    plan = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False])
+    _, param, grad, state, decision, plan = _one_speculated_block_not_taken(opt, rng)
     before = param.clone()
     for bad in (plan, plan.actions, "step", decision, None):
         with pytest.raises(sofx.SofxError, match=rf"^apply_block_action: action is a {type(bad).__name__}; expected "
