@@ -832,6 +832,15 @@ class Adam:
             for leaf in stepped:
                 self._plan(leaf, 1.0, True, memo)  # raises where update refuses; the gradient is not read
 
+    def strategy_reads_params(self, weight_decay: Any) -> bool:
+        """Whether the undo strategy of a leaf stepped with ``weight_decay`` depends on its parameter's values, not
+        only on the hparams, counts, dtypes and gradients: ``undo='algebraic'`` with an L2 decay not known to be 0
+        (a step of a parameter whose ``weight_decay * p`` is not finite or beyond ``GRADIENT_LIMIT`` cannot be
+        undone: :data:`L2_PARAM_NOT_FINITE_REASON`). Planning shared between leaves or steps must not be reused
+        then."""
+        return (self.undo_mode == "algebraic" and not self.variant.decoupled
+                and not (is_number(weight_decay) and weight_decay == 0))
+
     def undo_strategies(self, params: Any, grads: Any, state: AdamState, hparams: Any = None, *,
                         grad_scale: Scalar = 1.0, grads_finite: bool | None = None) -> list[tuple[str, str] | None]:
         """``(strategy, reason)`` that :meth:`update` would choose per leaf, without stepping.
@@ -963,11 +972,9 @@ class Adam:
         if steps is None:
             steps = leaf.steps
         key = None
-        # (not shared where the strategy reads the leaf's parameter: undo='algebraic' with an L2 decay not known
-        # to be 0, see _decay_term_finite)
+        # (not shared where the strategy reads the leaf's parameter)
         if memo is not None and finite is not None and not leaf.traced and not (
-                self.undo_mode == "algebraic" and undoable and not self.variant.decoupled
-                and not (is_number(leaf.hp.weight_decay) and leaf.hp.weight_decay == 0)):
+                undoable and self.strategy_reads_params(leaf.hp.weight_decay)):
             key = (id(leaf.hp), steps, finite, leaf.p.dtype, leaf.m.dtype, undoable)  # the leaves hold the hparams
             plan = memo.get(key)
             if plan is not None:

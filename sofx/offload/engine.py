@@ -1024,9 +1024,9 @@ class OffloadEngine:
         layout, the dtypes and which parameters take their first step (L2 decay keeps the parameter
         there: ``sofx.adam.L2_FIRST_STEP_REASON``), so the last answer is reused while those are unchanged:
         Adam's planning is Python work that would otherwise run for every block of every step (and hold the
-        GIL against backward). Not with ``undo='algebraic'`` and a nonzero L2 decay, whose strategy also reads
-        the parameters (``sofx.adam.L2_PARAM_NOT_FINITE_REASON``: a step of one that became inf cannot be
-        undone, and the cached answer speculated it).
+        GIL against backward). Not where the strategy also reads the parameters
+        (:meth:`sofx.Adam.strategy_reads_params`: a step of one that became inf cannot be undone, and the cached
+        answer speculated it).
         """
         ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
         hp = ctx.hparams[b]
@@ -1042,9 +1042,7 @@ class OffloadEngine:
                None if grads is None else tuple(None if g is None else g.dtype for g in grads),
                tuple(c == 0 for c in counts))
         memo = self._eligibility_memo[b]
-        reads_params = (self.adam.undo_mode == "algebraic" and not self.adam.variant.decoupled
-                        and (hp.weight_decay is None or float(hp.weight_decay) != 0))
-        if memo is not None and memo[0] == key and not reads_params:
+        if memo is not None and memo[0] == key and not self.adam.strategy_reads_params(hp.weight_decay):
             el = memo[1]
         else:
             el = combined_eligibility(self.adam, t, layout, flat, present, hp, ctx.grad_scale, grads, finite=True)
