@@ -1029,3 +1029,20 @@ def test_a_nested_tensor_is_refused_naming_its_path_and_nothing_is_written(tmp_p
             save(path, {"x": nested})
     assert torch.equal(ck.load(path)["previous"], torch.arange(3))
     assert ck.stale_temporaries(path) == []
+
+
+def test_a_path_ending_in_a_separator_is_refused(tmp_path):
+    """``save("run/ckpt/", tree)`` (a path naming a directory, as its separator at the end says) wrote a file
+    ``run/ckpt``, which ``load("run/ckpt/")`` then said does not exist; ``open`` (and so ``torch.save``) refuses
+    such a path. It is refused before anything is written or snapshotted, by ``save``, ``save_async`` and
+    ``AsyncSaver.save``, also where a file or a link is there."""
+    old = {"x": torch.randn(3, generator=torch.Generator().manual_seed(1))}
+    ck.save(tmp_path / "kept", old)
+    os.symlink(tmp_path / "kept", tmp_path / "link")
+    for name in ("new", "kept", "link"):
+        for path in (f"{tmp_path / name}/", os.fsencode(f"{tmp_path / name}/")):
+            for save in (ck.save, lambda p, t: ck.save_async(p, t).wait(), lambda p, t: ck.AsyncSaver().save(p, t)):
+                with pytest.raises(ck.CheckpointError, match=r"ends in a path separator"):
+                    save(path, {"x": torch.zeros(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "link"]
+    assert torch.equal(ck.load(tmp_path / "kept")["x"], old["x"])

@@ -103,9 +103,14 @@ def system_errno(exc: BaseException) -> int | None:
 def _destination(path: str | os.PathLike) -> tuple[str, str]:
     """``(the absolute path, the file a save to it replaces)``: the second is the first with every symbolic
     link resolved (a link's target, created if the link dangles), after checking that a file can be committed
-    there: its directory exists, it is not itself a directory, and it is not a link that loops
-    (:class:`CheckpointError` otherwise, before anything is written)."""
-    path = os.path.abspath(os.fspath(path))
+    there: it does not end in a path separator, its directory exists, it is not itself a directory, and it is not
+    a link that loops (:class:`CheckpointError` otherwise, before anything is written)."""
+    given = os.fsdecode(path)
+    if given.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        # (abspath drops the separator: "run/ckpt/" wrote a file run/ckpt, which load("run/ckpt/") did not find)
+        raise CheckpointError(f"cannot save {given}: the path ends in a path separator, so it names a directory; "
+                              "expected the path of a file")
+    path = os.path.abspath(given)
     target = os.path.realpath(path)
     if os.path.islink(target):  # realpath leaves unresolved only a link that loops
         raise CheckpointError(f"cannot save {path}: a symbolic link that loops (at {target})")
