@@ -1046,3 +1046,27 @@ def test_a_path_ending_in_a_separator_is_refused(tmp_path):
                     save(path, {"x": torch.zeros(1)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "link"]
     assert torch.equal(ck.load(tmp_path / "kept")["x"], old["x"])
+
+
+def test_a_destination_that_is_not_a_regular_file_is_refused(tmp_path):
+    """A save to a FIFO or a device node (``save("/dev/null", tree)`` for a dry run) renamed its temporary over
+    it: the node was replaced by a regular file (as root, /dev/null itself). Such a destination, or a link to one,
+    is refused before anything is written, by ``save``, ``save_async`` and ``AsyncSaver.save``; the node stays."""
+    import stat
+
+    os.mkfifo(tmp_path / "fifo")
+    nodes = {"fifo": "a FIFO"}
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        nodes["null"] = "a character device"
+    except (PermissionError, AttributeError):  # (not root: the FIFO alone)
+        pass
+    os.symlink(tmp_path / "fifo", tmp_path / "link")
+    nodes["link"] = "a FIFO"
+    before = {name: stat.S_IFMT(os.lstat(tmp_path / name).st_mode) for name in nodes}
+    for name, kind in nodes.items():
+        for save in (ck.save, lambda p, t: ck.save_async(p, t).wait(), lambda p, t: ck.AsyncSaver().save(p, t)):
+            with pytest.raises(ck.CheckpointError, match=rf"{name}.* is {kind}, not a regular file"):
+                save(tmp_path / name, {"x": torch.randn(3)})
+    assert {name: stat.S_IFMT(os.lstat(tmp_path / name).st_mode) for name in nodes} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(nodes)

@@ -12,7 +12,9 @@ A save over a file keeps its permission bits, and one over a file this
 process may not write is refused, as ``open(path, "w")`` (and so
 ``torch.save``) would have it. A save to a symbolic link writes through it,
 as ``open(path, "w")`` would: the link stays, and its target (created if the
-link dangles) is the file replaced, its temporary beside it.
+link dangles) is the file replaced, its temporary beside it. A path that is a
+FIFO or a device node (``/dev/null``) is refused: the rename would replace the
+node itself with a regular file.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ def system_errno(exc: BaseException) -> int | None:
 def _destination(path: str | os.PathLike) -> tuple[str, str]:
     """``(the absolute path, the file a save to it replaces)``: the second is the first with every symbolic
     link resolved (a link's target, created if the link dangles), after checking that a file can be committed
-    there: it does not end in a path separator, its directory exists, it is not itself a directory, and it is not
-    a link that loops (:class:`CheckpointError` otherwise, before anything is written)."""
+    there: it does not end in a path separator, its directory exists, it is not itself a directory nor another file
+    that is not a regular one (a FIFO, a device), and it is not a link that loops (:class:`CheckpointError`
+    otherwise, before anything is written)."""
     given = os.fsdecode(path)
     if given.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
         # (abspath drops the separator: "run/ckpt/" wrote a file run/ckpt, which load("run/ckpt/") did not find)
@@ -121,10 +124,30 @@ def _destination(path: str | os.PathLike) -> tuple[str, str]:
         raise CheckpointError(f"cannot save {named}: the directory {directory} {what}")
     if os.path.isdir(target):
         raise CheckpointError(f"cannot save {named}: it is a directory")
+    kind = _special_kind(target)
+    if kind is not None:  # (the rename replaced the node itself: save("/dev/null") as root, /dev/null)
+        raise CheckpointError(f"cannot save {named}: it is {kind}, not a regular file; a save renames a new file "
+                              "over its path, which would replace it (save to a regular file's path)")
     if os.path.exists(target) and not os.access(target, os.W_OK):  # (open(path, "w") and torch.save refuse it)
         raise CheckpointError(f"cannot save {named}: the file is read-only for this process; the rename of a "
                               "save would replace it all the same (make it writable, or save elsewhere)")
     return path, target
+
+
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                  (stat.S_ISSOCK, "a socket"))
+
+
+def _special_kind(target: str) -> str | None:
+    """What the file ``target`` (links resolved) is where it exists and is neither a regular file nor a directory
+    ("a FIFO", "a character device", ...); ``None`` otherwise."""
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "a special file")
 
 
 def check_destination(path: str | os.PathLike) -> str:
