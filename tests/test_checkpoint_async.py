@@ -423,3 +423,20 @@ def test_max_pending_given_as_numpy_is_an_int_and_a_bool_or_float_is_refused():
         with pytest.raises(ck.CheckpointError, match=r"AsyncSaver: max_pending = .* is invalid; expected an integer "
                                                      r">= 1 .*got " + kind):
             ck.AsyncSaver(max_pending=bad)
+
+
+def test_a_tree_whose_header_is_too_large_is_refused_at_call_time(tmp_path, monkeypatch):
+    """A tree whose file header is larger than safetensors reads (a long string) cannot be saved, and
+    ``save_async`` refuses such trees at the call; it was snapshotted and refused only by ``wait()`` (a loop
+    learnt of it at its next save, after a copy of the model). It is refused before the copy and the thread,
+    by ``save_async`` and ``AsyncSaver.save``; a tree just within the limit is saved."""
+    copied, real_store = [], ck_io._store  # (what copies the tensors)
+    monkeypatch.setattr(ck_io, "_store", lambda encoded, copy: (copied.append(copy), real_store(encoded, copy))[1])
+    tree_ = {"s": "x" * 100_000_000, "w": torch.randn(2, generator=torch.Generator().manual_seed(3))}
+    for save in (ck.save_async, ck.AsyncSaver().save):
+        with pytest.raises(ck.CheckpointError, match=r"cannot save .*h.ckpt: .*header of \d+ bytes.*at most "
+                                                     r"100000000"):
+            save(tmp_path / "h.ckpt", tree_)
+    assert copied == [] and os.listdir(tmp_path) == []
+    tree_["s"] = "x" * 99_999_000
+    assert ck.load(ck.save_async(tmp_path / "h.ckpt", tree_).wait())["s"] == tree_["s"]

@@ -98,9 +98,10 @@ def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None =
     """Snapshot ``tree`` now and write it to ``path`` in a background thread.
 
     Bad input raises here, before anything is written or copied: a tree that
-    cannot be saved, a destination :func:`sofx.checkpoint.save` refuses
-    up front (a directory that does not exist or is a file, a path that is a
-    directory), and an ``after`` that is not a handle. ``after``: a previous
+    cannot be saved (also one whose structure is too large for a file's
+    header), a destination :func:`sofx.checkpoint.save` refuses up front (a
+    directory that does not exist or is a file, a path that is a directory),
+    and an ``after`` that is not a handle. ``after``: a previous
     handle whose save must be committed first (to keep the order of saves to
     one path). The returned handle's
     ``wait()`` re-raises a failed write (a full disk, the directory removed
@@ -111,7 +112,7 @@ def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None =
         raise CheckpointError(f"save_async: after= must be a SaveHandle (a previous save_async's) or None, got "
                               f"{type(after).__name__} {after!r:.80}")
     path = io.check_writable(path)
-    encoded = io.snapshot(tree)
+    encoded = io.snapshot(tree, path)
     return SaveHandle(path, encoded, after)
 
 

@@ -60,8 +60,8 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, Checkpoi
 from sofx.checkpoint.known_types import type_registry
 from sofx.kernels.layout import dims_in_memory_order, is_dense
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", "write", "read", "read_metadata",
-           "nbytes", "structure_checksum"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", "check_header", "write", "read",
+           "read_metadata", "nbytes", "structure_checksum"]
 
 FORMAT = "sofx.checkpoint"
 FORMAT_VERSION = 2  # the newest format, read and written: version 1 and tensor nodes with an "order"
@@ -112,9 +112,14 @@ def prepare(tree: Any) -> EncodedTree:
     return _store(encode(tree), copy=False)
 
 
-def snapshot(tree: Any) -> EncodedTree:
-    """Encode ``tree`` with a private copy of every tensor (for a save that finishes later)."""
-    return _store(encode(tree), copy=True)
+def snapshot(tree: Any, path: str | os.PathLike | None = None) -> EncodedTree:
+    """Encode ``tree`` with a private copy of every tensor (for a save that finishes later; ``path``: the file it
+    is for, where a tree whose header is surely too large is refused before anything is copied:
+    :func:`check_header`)."""
+    encoded = encode(tree)
+    if path is not None:
+        check_header(path, encoded)
+    return _store(encoded, copy=True)
 
 
 def _safetensors() -> ModuleType:
@@ -153,14 +158,19 @@ def _file_header(specs: dict[str, FileTensor], metadata: dict[str, str],
     :data:`_ALIGNMENT` bytes, as safetensors pads it) and the order of the tensors' bytes after it: safetensors'
     own (by dtype, widest first, then by name). A header larger than safetensors reads is a
     :class:`CheckpointError` (naming ``path``, the file to be saved)."""
-    order = sorted(specs, key=lambda k: (_FILE_ORDER[specs[k].dtype], k))
+    return _header_of({key: (spec.dtype, spec.shape, len(spec.data)) for key, spec in specs.items()}, metadata, path)
+
+
+def _header_of(sizes: dict[str, tuple[str, list[int], int]], metadata: dict[str, str],
+               path: str | os.PathLike | None) -> tuple[bytes, list[str]]:
+    """:func:`_file_header` of tensors given as ``{key: (dtype name, shape, bytes)}``."""
+    order = sorted(sizes, key=lambda k: (_FILE_ORDER[sizes[k][0]], k))
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for key in order:
-        spec = specs[key]
-        header[key] = {"dtype": _FILE_DTYPES[spec.dtype], "shape": list(spec.shape),
-                       "data_offsets": [offset, offset + len(spec.data)]}
-        offset += len(spec.data)
+        dtype, shape, size = sizes[key]
+        header[key] = {"dtype": _FILE_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % _ALIGNMENT)
     if len(text) > _MAX_HEADER_BYTES:
@@ -215,12 +225,7 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
         views.append(t)  # keep the buffers alive while they are written
         encoded.nodes[key]["crc32"] = zlib.crc32(data)
         specs[key] = FileTensor(dtype_name(t.dtype), list(t.shape), data)
-    import sofx
-
-    structure = _structure_json(encoded, path)
-    metadata = {"format": FORMAT, "format_version": str(_version_needed(encoded)),
-                "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": structure,
-                "tree_crc32": structure_checksum(structure)}
+    metadata = _metadata(encoded, path)
     header = _file_header(specs, metadata, path)  # one safetensors would not read is refused before any writing
 
     def _write(tmp: str) -> None:
@@ -230,6 +235,26 @@ def write(path: str | os.PathLike, encoded: EncodedTree) -> str:
         return atomic_write(path, _write)
     finally:
         del views
+
+
+def _metadata(encoded: EncodedTree, path: str | os.PathLike) -> dict[str, str]:
+    """The ``__metadata__`` of a file of ``encoded``."""
+    import sofx
+
+    structure = _structure_json(encoded, path)
+    return {"format": FORMAT, "format_version": str(_version_needed(encoded)),
+            "writer": f"sofx {getattr(sofx, '__version__', '?')}", "tree": structure,
+            "tree_crc32": structure_checksum(structure)}
+
+
+def check_header(path: str | os.PathLike, encoded: EncodedTree) -> None:
+    """Refuse now, as :func:`write` would later, a tree whose file header is larger than safetensors reads
+    (:class:`CheckpointError`): ``encoded`` from :func:`~sofx.checkpoint.codec.encode`, before its tensors are
+    copied or checksummed. The header is measured without the tensors' CRC-32s and dimension orders, which only
+    lengthen it: a tree refused here is refused by :func:`write`, and :func:`write` checks the rest."""
+    sizes = {key: (dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
+             for key, t in encoded.tensors.items()}
+    _header_of(sizes, _metadata(encoded, path), path)
 
 
 def _version_needed(encoded: EncodedTree) -> int:
