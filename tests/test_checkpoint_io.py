@@ -1070,3 +1070,21 @@ def test_a_destination_that_is_not_a_regular_file_is_refused(tmp_path):
                 save(tmp_path / name, {"x": torch.randn(3)})
     assert {name: stat.S_IFMT(os.lstat(tmp_path / name).st_mode) for name in nodes} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(nodes)
+
+
+def test_a_file_name_longer_than_the_file_system_allows_is_refused_before_writing(tmp_path, monkeypatch):
+    """A name one byte over the file system's limit (``open`` refuses it: "File name too long") was found out only
+    by the rename, after the whole tree had been written to the temporary (whose name is shortened to fit), and by
+    ``save_async`` only at ``wait()``. It is refused at once, naming both lengths; nothing is written."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    written = []
+    real = ck_io.serialize_file
+    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (written.append(a[1]), real(*a, **k))[1])
+    for name in ("c" * (limit - 4) + ".ckpt", "é" * (limit // 2 + 1)):
+        with pytest.raises(OSError):
+            open(tmp_path / name, "wb")
+        for save in (ck.save, ck.save_async, ck.AsyncSaver().save):
+            with pytest.raises(ck.CheckpointError, match=rf"the file name is {len(os.fsencode(name))} bytes long; "
+                                                         rf"this file system allows at most {limit}"):
+                save(tmp_path / name, {"x": torch.randn(4)})
+    assert written == [] and os.listdir(tmp_path) == []

@@ -41,12 +41,14 @@ _TEMPORARY_EXTRA_BYTES = 1 + len(".tmp-") + 10 + 1 + 12
 _DEFAULT_NAME_MAX = 255  # Linux, macOS and Windows file systems
 
 
-def _name_max(directory: str) -> int:
-    """The longest file name (in bytes) the file system holding ``directory`` allows."""
+def _name_max(directory: str, default: int | None = _DEFAULT_NAME_MAX) -> int | None:
+    """The longest file name (in bytes) the file system holding ``directory`` allows (``default`` where the system
+    does not say)."""
     try:
-        return int(os.pathconf(directory, "PC_NAME_MAX"))
-    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or no limit reported
-        return _DEFAULT_NAME_MAX
+        limit = int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError, TypeError):  # no pathconf (Windows), or no limit reported (None)
+        return default
+    return limit if limit > 0 else default  # (-1: no limit)
 
 
 def _temporary_prefix(path: str) -> str:
@@ -105,9 +107,9 @@ def system_errno(exc: BaseException) -> int | None:
 def _destination(path: str | os.PathLike) -> tuple[str, str]:
     """``(the absolute path, the file a save to it replaces)``: the second is the first with every symbolic
     link resolved (a link's target, created if the link dangles), after checking that a file can be committed
-    there: it does not end in a path separator, its directory exists, it is not itself a directory nor another file
-    that is not a regular one (a FIFO, a device), and it is not a link that loops (:class:`CheckpointError`
-    otherwise, before anything is written)."""
+    there: it does not end in a path separator, its directory exists, its name fits the file system's limit, it is
+    not itself a directory nor another file that is not a regular one (a FIFO, a device), and it is not a link that
+    loops (:class:`CheckpointError` otherwise, before anything is written)."""
     given = os.fsdecode(path)
     if given.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
         # (abspath drops the separator: "run/ckpt/" wrote a file run/ckpt, which load("run/ckpt/") did not find)
@@ -122,6 +124,12 @@ def _destination(path: str | os.PathLike) -> tuple[str, str]:
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise CheckpointError(f"cannot save {named}: the directory {directory} {what}")
+    # A name over the limit: the temporary's name is cut to fit, and only the rename found it out, after the whole
+    # write. (Where the system reports no limit in bytes, Windows, the write's open says it.)
+    name_bytes, name_max = len(os.fsencode(os.path.basename(target))), _name_max(directory, None)
+    if name_max is not None and name_bytes > name_max:
+        raise CheckpointError(f"cannot save {named}: the file name is {name_bytes} bytes long; this file system "
+                              f"allows at most {name_max}")
     if os.path.isdir(target):
         raise CheckpointError(f"cannot save {named}: it is a directory")
     kind = _special_kind(target)
