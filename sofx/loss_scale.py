@@ -199,8 +199,8 @@ def _host_value(x: Any, name: str) -> Any:
     torch can read it (its Python value): under ``torch.compile`` (a graph break; with ``fullgraph=True`` Dynamo
     refuses it) and under ``torch.func.grad``. Under ``vmap`` (one value per member) it cannot be read, and the
     rules compute on the host: an :class:`HParamError` naming ``name`` says so. Anything else as it is."""
-    if not (isinstance(x, torch.Tensor) and x.numel() == 1 and is_traced(x)):
-        return x
+    if not (isinstance(x, torch.Tensor) and x.numel() == 1 and is_traced(x)) or x.is_meta:
+        return x  # (a meta tensor holds no value: the caller's checks refuse it)
     if vmapped(x):
         raise HParamError(f"{name} is a tensor that torch.func.vmap batches, whose value cannot be read: a loss "
                           "scaler's rule computes on the host, one run at a time; update each member's scaler state "

@@ -429,6 +429,16 @@ def test_a_tensor_scale_of_a_state_is_read_under_compile_as_eagerly(rule):
         torch.func.vmap(lambda s: torch.tensor(rule.update(plain._replace(scale=s), False).scale))(scales)
 
 
+def test_a_meta_scale_or_overflow_flag_is_refused_as_no_value():
+    """A meta tensor holds no value: as a state's scale or as the overflow flag it raised torch's bare
+    "Tensor.item() cannot be called on meta tensors" from the read of traced values; it is refused by name."""
+    rule = ls.grad_scaler()
+    with pytest.raises(HParamError, match=r"^scaler_state\['scale'\]"):
+        rule.update(rule.init()._replace(scale=torch.tensor(65536.0, device="meta")), False)
+    with pytest.raises(HParamError, match=r"overflow"):
+        rule.update(rule.init(), torch.tensor(True, device="meta"))
+
+
 def test_a_state_scale_beyond_the_float_range_is_refused_as_invalid():
     """A state whose scale is an int no float holds (a corrupted file's) raised an OverflowError from
     math.isfinite; it is refused as every other invalid scale, naming the field."""
