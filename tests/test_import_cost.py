@@ -11,7 +11,12 @@ lazy way).
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import pytest
+
+import sofx
 
 from helpers import script_prints_ok
 
@@ -97,3 +102,61 @@ def test_after_import_sofx_its_subpackages_and_their_modules_are_attributes() ->
     """``import sofx`` then ``sofx.offload.engine.OffloadEngine``, ``sofx.checkpoint.save``: reached as
     attributes, imported where first reached."""
     script_prints_ok(_SUBMODULES_REACHABLE, timeout=120)
+
+
+# DESIGN.md "Layers (dependencies point downward only)": what the modules of a layer must not import, by module
+# prefix. ``sofx.checkpoint`` and ``sofx.distributed`` import ``sofx.adam`` (the torch.optim / ZeRO-3 interop and
+# the ranks' hparams need it), but never the speculation layer or the offload runtime.
+_HIGHER = ("sofx.speculate", "sofx.speculation", "sofx.offload")
+_NOT_IMPORTED_BY = {
+    "sofx.kernels": ("sofx.tree", "sofx.adam", "sofx.undo_record", "sofx.transforms", "sofx.loss_scale",
+                     "sofx.schedules", "sofx.serial", "sofx.checkpoint", "sofx.distributed", *_HIGHER),
+    "sofx.tree": ("sofx.adam", "sofx.transforms", "sofx.loss_scale", "sofx.schedules", "sofx.serial", *_HIGHER),
+    "sofx.adam": ("sofx.transforms", "sofx.loss_scale", "sofx.schedules", "sofx.serial", "sofx.apply_if_finite",
+                  "sofx.checkpoint", "sofx.distributed", *_HIGHER),
+    "sofx.undo_record": ("sofx.adam", "sofx.transforms", "sofx.serial", *_HIGHER),
+    "sofx.transforms": _HIGHER,
+    "sofx.loss_scale": _HIGHER,
+    "sofx.schedules": _HIGHER,
+    "sofx.serial": _HIGHER,
+    "sofx.speculate": ("sofx.offload",),
+    "sofx.speculation": ("sofx.offload",),
+    "sofx.checkpoint": _HIGHER,
+    "sofx.distributed": _HIGHER,
+}
+
+
+def _imported_modules(path: pathlib.Path, module: str) -> set[str]:
+    """Every module an ``import`` statement of ``path`` (module ``module``) names, function bodies included
+    (relative imports resolved; ``from a import b`` counts as ``a`` and ``a.b``)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _is_under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_the_layers_import_downward_only() -> None:
+    """No module of a layer imports a module of a layer above it (DESIGN.md's layer diagram)."""
+    root = pathlib.Path(sofx.__file__).parent
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for layer, forbidden in _NOT_IMPORTED_BY.items():
+            if _is_under(module, layer):
+                wrong += [f"{module} imports {name}" for name in sorted(_imported_modules(path, module))
+                          if any(_is_under(name, f) for f in forbidden)]
+    assert not wrong, wrong
