@@ -241,6 +241,38 @@ def test_overwrite_replaces_atomically(tmp_path, rng):
     assert ck.stale_temporaries(path) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fsync's file from /proc/self/fd")
+def test_a_save_writes_a_temporary_fsyncs_it_renames_it_and_then_fsyncs_the_directory(tmp_path, monkeypatch, rng):
+    """SPECULATION.md section 6: write to a temporary file, fsync, rename (then the directory, making the rename
+    durable): the order of the system calls of a save over an older checkpoint."""
+    path = tmp_path / "f.ckpt"
+    ck.save(path, {"old": torch.randn(3, generator=rng)})
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tree_ = {"w": torch.randn(4, 3, generator=rng)}
+    ck.save(path, tree_)
+    monkeypatch.undo()
+    replaces = [c for c in calls if c[0] == "replace"]
+    assert len(replaces) == 1 and replaces[0][2] == str(path), calls
+    tmp = replaces[0][1]
+    assert os.path.dirname(tmp) == str(tmp_path) and tmp != str(path), calls
+    at = calls.index(replaces[0])
+    assert ("fsync", tmp) in calls[:at], calls  # the temporary's bytes are on disk before the rename
+    assert ("fsync", str(tmp_path)) in calls[at + 1:], calls  # and the rename itself after it
+    assert trees_equal(ck.load(path), tree_) and ck.stale_temporaries(path) == []
+
+
 def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_path):
     """A temporary is ``.NAME.tmp-PID-RANDOM``: a sibling file that merely starts like one (a user's own file,
     another target's temporary whose name starts with NAME) is not listed."""
