@@ -15,6 +15,13 @@ returned): the snapshot reads the buffers while it copies them.
 Saves to the same path complete in the order they were issued only when
 chained: pass ``after=`` the previous handle, or use one :class:`AsyncSaver`,
 which does that for you.
+
+A failed write is logged when it fails (an ERROR on the ``sofx.checkpoint``
+logger) and raised by the handle's ``wait()`` (or the :class:`AsyncSaver`'s
+next ``save``/``wait``); one that nobody waits for is reported by that log
+line only. The interpreter waits for saves still running at its exit, but a
+save issued inside an ``atexit`` handler is not waited for: call ``wait()``
+there.
 """
 
 from __future__ import annotations
