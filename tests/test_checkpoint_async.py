@@ -156,6 +156,45 @@ def test_a_saver_with_max_pending_waits_for_the_oldest_save(tmp_path, monkeypatc
         ck.AsyncSaver(max_pending=0)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_save_of_the_parent_is_refused_in_a_forked_child_rather_than_waited_for(tmp_path, monkeypatch):
+    """A child forked while a save runs (a fork-based DataLoader worker, multiprocessing) has no thread of its
+    parent's save: its ``wait()`` waited forever (or its timeout), and a save chained ``after=`` it never started.
+    Both are refused in the child, naming the process the save runs in; the parent's save is committed."""
+    release = threading.Event()
+    real = ck_io.serialize_file
+
+    def slow(*args, **kwargs):
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck_io, "serialize_file", slow)
+    handle = ck.save_async(tmp_path / "parent.ckpt", {"x": torch.arange(3.0)})
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what each call raised, then leave at once
+        words = []
+        for call in (lambda: handle.wait(5), lambda: ck.save_async(tmp_path / "child.ckpt", {"y": torch.ones(2)},
+                                                                    after=handle)):
+            try:
+                call()
+                words.append("no error")
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                words.append(f"{type(exc).__name__}: {exc}")
+        os.write(write, "\n".join(words).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        report = f.read().splitlines()
+    os.waitpid(pid, 0)
+    release.set()
+    assert handle.wait(30) == str(tmp_path / "parent.ckpt")
+    for line in report:
+        assert line.startswith(f"CheckpointError: the checkpoint save to {tmp_path / 'parent.ckpt'} runs in "
+                               f"process {os.getpid()}"), report
+    assert not (tmp_path / "child.ckpt").exists()
+
+
 def test_max_pending_holds_for_saves_issued_by_threads_at_once(tmp_path, monkeypatch):
     """Threads saving through one saver at the same moment: each counted the unfinished saves, then started its
     own under a second hold of the lock, so two could both pass a count of max_pending - 1. Here the count's

@@ -55,6 +55,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._error_traceback: Any = None  # the save's own: every raise of the error starts from it
         self._waited = False
+        self._pid = os.getpid()  # (a forked child has no thread of this save: see _refuse_in_child)
         self._thread = threading.Thread(target=self._run, name=f"sofx-save:{os.path.basename(path)}", daemon=False)
         self._thread.start()
 
@@ -77,7 +78,9 @@ class SaveHandle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the save finished; return the path, or raise its error (``TimeoutError`` on timeout)."""
+        """Block until the save finished; return the path, or raise its error (``TimeoutError`` on timeout).
+        In a process forked while it ran, a :class:`CheckpointError` (its thread is in the parent only)."""
+        self._refuse_in_child("wait for it")
         if not self._done.wait(timeout):
             raise TimeoutError(f"the checkpoint save to {self.path} did not finish within {timeout} s")
         self._thread.join()
@@ -86,6 +89,14 @@ class SaveHandle:
         if error is not None:
             raise error
         return self.path
+
+    def _refuse_in_child(self, what: str) -> None:
+        """Refuse (a :class:`CheckpointError`) to ``what`` with this save in a process forked while it ran (a
+        fork-based DataLoader worker): its thread runs in the parent only, and nothing would ever finish it here."""
+        if not self._done.is_set() and os.getpid() != self._pid:
+            raise CheckpointError(f"the checkpoint save to {self.path} runs in process {self._pid}, which forked "
+                                  f"this one ({os.getpid()}) while it ran: its thread is not here; {what} in that "
+                                  "process")
 
     def exception(self) -> BaseException | None:
         """The error of a finished save (``None`` if it succeeded or is still running)."""
@@ -118,6 +129,8 @@ def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None =
     if after is not None and not isinstance(after, SaveHandle):
         raise CheckpointError(f"save_async: after= must be a SaveHandle (a previous save_async's) or None, got "
                               f"{type(after).__name__} {after!r:.80}")
+    if after is not None:
+        after._refuse_in_child("chain a save after it")
     path = io.check_writable(path)
     encoded = io.snapshot(tree, path)
     return SaveHandle(path, encoded, after)
@@ -163,6 +176,7 @@ class AsyncSaver:
                     running = [h for h in self._pending if not h.done()]
                 if len(running) < self.max_pending:
                     break
+                running[0]._refuse_in_child("wait for it")
                 running[0]._done.wait()  # its error, if any, is raised above
             with self._lock:
                 last = self._pending[-1] if self._pending else None
