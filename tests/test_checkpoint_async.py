@@ -38,6 +38,14 @@ def _bits_equal(a, b):
     return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
 
 
+def _hold_writes(monkeypatch, timeout: float) -> threading.Event:
+    """Hold every save's file write until the returned event is set (or ``timeout`` seconds)."""
+    release = threading.Event()
+    real = ck_io.serialize_file
+    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(timeout), real(*a, **k))[1])
+    return release
+
+
 @pytest.mark.parametrize("param_dtype, state_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32)])
 def test_async_save_before_donated_update_holds_pre_step_values(tmp_path, rng, param_dtype, state_dtype):
     opt, params, state = _setup(rng, param_dtype, state_dtype)
@@ -133,14 +141,7 @@ def test_a_failed_save_does_not_keep_its_snapshot(tmp_path, monkeypatch):
 def test_a_saver_with_max_pending_waits_for_the_oldest_save(tmp_path, monkeypatch):
     """Saves issued faster than the disk writes them held a snapshot each (190 at once in a loop); with
     ``max_pending=2`` a third save waits until the first is written, and all commit in order."""
-    release = threading.Event()
-    real = ck_io.serialize_file
-
-    def slow(*args, **kwargs):
-        release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ck_io, "serialize_file", slow)
+    release = _hold_writes(monkeypatch, 30)
     saver = ck.AsyncSaver(max_pending=2)
     saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(3)})
     saver.save(tmp_path / "b.ckpt", {"x": torch.ones(3)})
@@ -161,14 +162,7 @@ def test_a_save_of_the_parent_is_refused_in_a_forked_child_rather_than_waited_fo
     """A child forked while a save runs (a fork-based DataLoader worker, multiprocessing) has no thread of its
     parent's save: its ``wait()`` waited forever (or its timeout), and a save chained ``after=`` it never started.
     Both are refused in the child, naming the process the save runs in; the parent's save is committed."""
-    release = threading.Event()
-    real = ck_io.serialize_file
-
-    def slow(*args, **kwargs):
-        release.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ck_io, "serialize_file", slow)
+    release = _hold_writes(monkeypatch, 30)
     handle = ck.save_async(tmp_path / "parent.ckpt", {"x": torch.arange(3.0)})
     read, write = os.pipe()
     pid = os.fork()
@@ -277,9 +271,7 @@ def test_a_destination_that_save_refuses_is_refused_at_call_time(tmp_path, monke
 
 
 def test_wait_timeout(tmp_path, monkeypatch):
-    release = threading.Event()
-    real = ck_io.serialize_file
-    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(10), real(*a, **k)))
+    release = _hold_writes(monkeypatch, 10)
     handle = ck.save_async(tmp_path / "slow.ckpt", {"x": torch.zeros(1)})
     with pytest.raises(TimeoutError):
         handle.wait(0.05)
@@ -337,9 +329,7 @@ def test_an_interrupted_saver_wait_raises_at_once_and_its_saves_stay_pending(tmp
     held until every other pending save had finished. The saves go on, and a later wait commits them.
 
     The saves are held until the test lets them go (held 3 s, they could end before a loaded machine had looked)."""
-    release = threading.Event()
-    real = ck_io.serialize_file
-    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (release.wait(60), real(*a, **k)))
+    release = _hold_writes(monkeypatch, 60)
 
     def on_alarm(signum, frame):
         raise _Interrupt
