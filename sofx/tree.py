@@ -300,15 +300,25 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
-    """Views of ``flat`` with the given shapes, laid out one after another."""
-    views = []
-    offset = 0
-    for shape in shapes:
+    """Views of ``flat`` (1-d) with the given shapes, laid out one after another; shapes that do not cover its
+    elements exactly (or of a negative size) are refused, a ``ValueError`` naming the sizes, before any view."""
+    if flat.dim() != 1:  # (a row slice of a 2-d buffer was viewed as the leaf: torch's bare view error)
+        raise ValueError(f"unpack: expected a 1-d flat buffer, got shape {tuple(flat.shape)}")
+    sizes = []
+    for i, shape in enumerate(shapes):
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"unpack: shapes[{i}] = {shape} has a negative size")
         k = 1
         for d in shape:
-            k *= int(d)
-        views.append(flat[offset:offset + k].view(tuple(shape)))
+            k *= d
+        sizes.append((shape, k))
+    total = sum(k for _, k in sizes)
+    if total != flat.numel():  # (checked first: the leaf that ran out raised torch's bare view error)
+        raise ValueError(f"unpack: shapes cover {total} elements, flat buffer has {flat.numel()}")
+    views = []
+    offset = 0
+    for shape, k in sizes:
+        views.append(flat[offset:offset + k].view(shape))
         offset += k
-    if offset != flat.numel():
-        raise ValueError(f"unpack: shapes cover {offset} elements, flat buffer has {flat.numel()}")
     return views

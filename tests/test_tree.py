@@ -121,6 +121,19 @@ def test_pack_unpack_roundtrip_views_share_storage():
         tree.unpack(flat, [(3, 4)])
 
 
+@pytest.mark.parametrize("flat, shapes, pattern", [
+    (torch.zeros(5), [(2,), (4,)], r"shapes cover 6 elements, flat buffer has 5"),
+    (torch.zeros(5), [(-1,), (6,)], r"shapes\[0\] = \(-1,\) has a negative size"),
+    (torch.zeros(2, 3), [(3,), (3,)], r"expected a 1-d flat buffer, got shape \(2, 3\)"),
+])
+def test_unpack_refuses_shapes_that_do_not_fit_the_buffer_before_any_view(flat, shapes, pattern):
+    """Shapes covering more elements than the buffer (or of a negative size, or a buffer that is not 1-d)
+    raised torch's bare "shape '[4]' is invalid for input of size 3" from the view of the leaf that ran out;
+    the fewer-elements case alone was named. Each is refused naming the sizes, before any view is made."""
+    with pytest.raises(ValueError, match=pattern):
+        tree.unpack(flat, shapes)
+
+
 
 def test_leaf_paths_write_each_key_as_it_is_where_equal_keys_of_other_types_make_one_spec():
     """``{1: x}``, ``{True: x}`` and ``{1.0: x}`` are one spec to optree (keys compare by ``==``): the memo of
