@@ -53,7 +53,7 @@ import torch
 from sofx import tree
 from sofx.adam import AdamHParams
 from sofx.errors import HParamError, LeafError, SofxError
-from sofx.kernels.base import FLOAT32_MAX, is_traced
+from sofx.kernels.base import FLOAT32_MAX, is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import integer, is_bool, nonnegative_number, positive_number, real_number
 
@@ -117,7 +117,8 @@ def sumsq(x: torch.Tensor) -> float:
     """``sum(x**2)`` as a Python float: finite exactly when every element of ``x`` is (for float64 input: and
     the sum is below float64's largest value, i.e. no element beyond ~1e154, where torch's norm is inf too).
     A tensor whose elements reach past the end of its storage (freed or shrunk:
-    :func:`~sofx.kernels.storage.refuse_short_storage`) is refused, a :class:`LeafError` naming it ``sumsq: x``.
+    :func:`~sofx.kernels.storage.refuse_short_storage`), or without a value to read (a meta tensor, one under
+    ``vmap``), is refused, a :class:`LeafError` naming it ``sumsq: x``.
 
     Rows of 1024 elements are reduced in float32 (float64 for float64 input)
     and the row results summed in float64: one pass at memory speed, no copy,
@@ -131,9 +132,25 @@ def sumsq(x: torch.Tensor) -> float:
     """
     if isinstance(x, torch.Tensor) and x.is_nested:  # (torch's reshape of it raised, naming no argument)
         raise LeafError(f"sumsq: x: expected a dense (strided) tensor, got a nested tensor ({x.layout})")
+    if isinstance(x, torch.Tensor) and _no_value(x):
+        raise LeafError(_no_value_refusal("sumsq", "x", x))
     if not in_storage(x):
         refuse_short_storage(x, "sumsq: x")
     return _sumsq(x)
+
+
+def _no_value(x: torch.Tensor) -> bool:
+    """Whether ``x`` has no value a Python number can be read from: a meta tensor, or one a ``vmap`` batches."""
+    return x.is_meta or vmapped(x)
+
+
+def _no_value_refusal(who: str, path: str, x: torch.Tensor) -> str:
+    """The refusal of :func:`_no_value`'s ``x`` at ``path`` by ``who``, a function that returns a Python number
+    (torch's bare ``item()`` error came from inside it), naming the transformations that take such gradients."""
+    why = "a meta tensor holds no value" if x.is_meta else "a tensor under a torch.func transform (vmap) has one " \
+        "value per member"
+    return (f"{who}: {path}: {why}, and {who} returns a Python number; clip_by_global_norm() and check_finite() "
+            "take such gradients (their results tensors)")
 
 
 def _sumsq(x: torch.Tensor) -> float:
@@ -172,11 +189,13 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
     return total
 
 
-def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
+def _gradient_leaves(grads: Any, who: str = "grads", readable: bool = False) -> list[torch.Tensor]:
     """The leaves of a gradient pytree that are not ``None``, each checked: a dense floating-point tensor whose
     elements lie in its storage (not freed or shrunk, :func:`~sofx.kernels.storage.refuse_short_storage`: torch's
     operations on it crash or read past its end), else a :class:`LeafError` naming ``who`` and the leaf's path.
-    The storage test is :func:`~sofx.kernels.storage.in_storage` a leaf (~0.3 us); not under ``torch.compile``."""
+    The storage test is :func:`~sofx.kernels.storage.in_storage` a leaf (~0.3 us); not under ``torch.compile``.
+    ``readable``: ``who`` returns a Python number, and a leaf without a value to read (:func:`_no_value`) is
+    refused too."""
     leaves, spec = tree.flatten(grads)
     present = [g for g in leaves if g is not None]
     compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
@@ -193,6 +212,8 @@ def _gradient_leaves(grads: Any, who: str = "grads") -> list[torch.Tensor]:
             if g.layout != torch.strided:
                 raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got {g.layout}")
             raise LeafError(f"{who}: {path}: expected a floating-point tensor, got {g.dtype}")
+        if readable and _no_value(g):
+            raise LeafError(_no_value_refusal(who, tree.leaf_paths(spec, root="grads")[i], g))
         if not (compiling or in_storage(g)):
             refuse_short_storage(g, lambda: f"{who}: {tree.leaf_paths(spec, root='grads')[i]}")
     return present
@@ -202,14 +223,16 @@ def global_norm(grads: Any) -> float:
     """The L2 norm over every leaf of a gradient pytree (``None`` leaves are absent).
 
     ``||g|| = sqrt(sum_leaves sum_i g_i^2)``: :func:`sumsq` per leaf, :func:`total_sumsq` over the leaves in
-    tree order, the square root in float64 (a Python float).
+    tree order, the square root in float64 (a Python float). A leaf without a value to read (a meta tensor, one
+    under ``vmap``) is refused, a :class:`LeafError` naming it: :func:`clip_by_global_norm` takes those.
     """
-    return math.sqrt(total_sumsq([_sumsq(g) for g in _gradient_leaves(grads, "global_norm")]))
+    return math.sqrt(total_sumsq([_sumsq(g) for g in _gradient_leaves(grads, "global_norm", readable=True)]))
 
 
 def all_finite(grads: Any) -> bool:
-    """True when every element of every (non-``None``) leaf is finite."""
-    return all(bool(torch.isfinite(g).all()) for g in _gradient_leaves(grads, "all_finite"))
+    """True when every element of every (non-``None``) leaf is finite (a leaf without a value to read, a meta
+    tensor or one under ``vmap``, is refused as by :func:`global_norm`: :func:`check_finite` takes those)."""
+    return all(bool(torch.isfinite(g).all()) for g in _gradient_leaves(grads, "all_finite", readable=True))
 
 
 def _norm_value(who: str, name: str, norm: Any) -> float | torch.Tensor:

@@ -146,6 +146,19 @@ def test_sumsq_and_all_finite(rng):
     assert tx.total_sumsq([1.0, None, 2.0]) == 3.0
 
 
+@pytest.mark.parametrize("call, who", [(tx.global_norm, "global_norm"), (tx.all_finite, "all_finite"),
+                                       (lambda g: tx.sumsq(g["w"]), "sumsq")])
+def test_global_norm_all_finite_and_sumsq_of_gradients_without_a_readable_value_are_refused_naming_them(call, who):
+    """They return a Python number: a meta gradient (shapes only) or one under vmap has no value to read, and
+    torch's bare "item() cannot be called on meta tensors" (or vmap's data-dependent control flow error) came from
+    inside them. Refused as LeafErrors naming the leaf and the transformations that take such gradients."""
+    path = "x" if who == "sumsq" else r"grads\['w'\]"
+    with pytest.raises(LeafError, match=rf"{who}: {path}: a meta tensor .*clip_by_global_norm"):
+        call({"w": torch.ones(3, device="meta"), "b": None})
+    with pytest.raises(LeafError, match=rf"{who}: {path}: .*torch.func transform.*clip_by_global_norm"):
+        torch.func.vmap(lambda g: torch.as_tensor(call({"w": g})))(torch.ones(2, 3))
+
+
 def test_check_finite_counts_nonfinite_steps(rng):
     t = tx.check_finite()
     g = _tree(rng)
