@@ -680,6 +680,8 @@ def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay
     batch_dims = integer("batch_dims", batch_dims, 0)  # numpy's too, as a Python int
 
     def rule(path: str, p: torch.Tensor) -> str:
+        if not isinstance(p, torch.Tensor):  # (an AttributeError from p.dim())
+            raise LeafError(f"no_decay_labels: {path}: expected a tensor, got {type(p).__name__}")
         return no_decay if p.dim() - batch_dims < 2 or _names_bias_or_norm(path) else decay
 
     return label_params(params, rule)

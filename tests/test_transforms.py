@@ -616,6 +616,15 @@ def test_transforms_refuse_a_state_of_another_type(call):
         call(p)
 
 
+def test_no_decay_labels_of_a_leaf_that_is_not_a_tensor_is_refused_naming_it():
+    """A float or a numpy array among the params raised an AttributeError ('float' object has no attribute 'dim')
+    from inside the rule; a LeafError names the leaf and what it is."""
+    np = pytest.importorskip("numpy")
+    for leaf, kind in ((1.0, "float"), (np.zeros((2, 2)), "ndarray")):
+        with pytest.raises(LeafError, match=rf"no_decay_labels: params\['head'\]\[1\]: expected a tensor, got {kind}"):
+            tx.no_decay_labels({"head": [torch.ones(2, 2), leaf]})
+
+
 def test_param_group_helpers_and_scale_tree_refuse_arguments_of_the_wrong_type():
     """A list of pairs as groups raised an AttributeError, a string label_fn a TypeError; scale_tree with a string
     factor a TypeError from torch, with a nan factor gave nan gradients."""
