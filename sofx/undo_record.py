@@ -138,7 +138,9 @@ class LeafUndo(_UsedOnce):
 
     Whether the step was undone (``used``) is shared with every copy (see the module docstring). A LeafUndo
     built here is a new record of its step: one built from another record's tensors could undo that step a
-    second time; re-wrap a record's own LeafUndo objects (or copies of them) instead.
+    second time; re-wrap a record's own LeafUndo objects (or copies of them) instead. Fields no step makes (an
+    unknown strategy, a gradient or count that is not a tensor, scalars that are not :class:`AdamScalars`) are
+    refused when made, an :class:`~sofx.errors.UndoError` naming the field.
     """
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
@@ -149,10 +151,7 @@ class LeafUndo(_UsedOnce):
                  p_old: torch.Tensor | None = None, m_old: torch.Tensor | None = None,
                  v_old: torch.Tensor | None = None, reason: str = "", moments_were_zero: bool = False,
                  chunks: torch.Tensor | None = None, owns_kept: bool = False) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown undo strategy {strategy!r}")
-        if (strategy == "chunk_snapshot") != (chunks is not None):
-            raise ValueError("a chunk_snapshot record, and only one, has the indices of its kept chunks")
+        _check_fields(strategy, grad, scalars, count_before, (p_old, m_old, v_old, chunks))
         self._assign(strategy, grad, scalars, count_before, p_old, m_old, v_old, reason, moments_were_zero, chunks,
                      owns_kept)
         self._used = [False]
@@ -192,6 +191,26 @@ class LeafUndo(_UsedOnce):
 
     def __repr__(self) -> str:
         return f"LeafUndo({self.strategy}, t={self.scalars.step}{', ' + self.reason if self.reason else ''})"
+
+
+def _check_fields(strategy: Any, grad: Any, scalars: Any, count_before: Any, kept: Sequence[Any]) -> None:
+    """Refuse :class:`LeafUndo` fields that no step makes, an :class:`UndoError` naming the field (a None gradient
+    or a tuple of scalars failed deep in undo, a None ``count_before`` was restored as the state's count)."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise UndoError(f"LeafUndo: strategy: expected one of {STRATEGIES}, got {strategy!r:.60}")
+    if not isinstance(grad, torch.Tensor):
+        raise UndoError(f"LeafUndo: grad: expected a tensor (the step's gradient), got {type(grad).__name__}")
+    if not isinstance(scalars, AdamScalars):
+        raise UndoError(f"LeafUndo: scalars: expected a sofx.AdamScalars (the step's), got {type(scalars).__name__}")
+    if not isinstance(count_before, torch.Tensor):
+        raise UndoError("LeafUndo: count_before: expected a tensor (the step count before the step), got "
+                        f"{type(count_before).__name__}")
+    for name, t in zip(("p_old", "m_old", "v_old", "chunks"), kept):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise UndoError(f"LeafUndo: {name}: expected a tensor or None, got {type(t).__name__}")
+    if (strategy == "chunk_snapshot") != (kept[3] is not None):
+        raise UndoError(f"LeafUndo: chunks: a chunk_snapshot record, and only one, has the indices of its kept "
+                        f"chunks (strategy {strategy!r}, chunks {'given' if kept[3] is not None else 'None'})")
 
 
 def _flatten_leaf(leaf: LeafUndo) -> tuple[list[Any], Any]:

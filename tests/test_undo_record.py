@@ -154,3 +154,28 @@ def test_a_record_of_something_other_than_leaf_records_is_refused_naming_the_lea
     with pytest.raises(sofx.UndoError, match=rf"leaves\[1\]: expected a LeafUndo or None, got {type(wrong).__name__}"):
         UndoRecord([rec.leaves[0], wrong], rec.spec, rec.variant)
     assert not rec.used
+
+
+@pytest.mark.parametrize("field, bad, pattern", [
+    ("strategy", "foo", r"strategy: expected one of \('algebraic', .*\), got 'foo'"),
+    ("grad", None, r"grad: expected a tensor \(the step's gradient\), got NoneType"),
+    ("scalars", (1e-2, 0.9), r"scalars: expected a sofx.AdamScalars \(the step's\), got tuple"),
+    ("count_before", None, r"count_before: expected a tensor \(the step count before the step\), got NoneType"),
+    ("p_old", 1.0, r"p_old: expected a tensor or None, got float"),
+    ("chunks", torch.zeros(1, dtype=torch.int64), r"chunks: a chunk_snapshot record, and only one, has the indices"),
+])
+def test_a_leaf_record_of_fields_that_are_not_a_steps_is_refused_when_made_naming_the_field(field, bad, pattern):
+    """``LeafUndo(...)`` built by hand (its docstring says how) took anything: an unknown strategy was a bare
+    ValueError, not a SofxError; a None gradient or a tuple of scalars gave an AttributeError deep in undo, and a
+    None count_before an undo that returned a state whose count was None, without a word. Each is refused when
+    made, an UndoError naming the field."""
+    opt, params, g1, _, state = _problem()
+    _, _, rec = opt.update(params, g1, state)
+    leaf = rec.leaves[0]
+    fields = dict(strategy=leaf.strategy, grad=leaf.grad, scalars=leaf.scalars, count_before=leaf.count_before,
+                  p_old=leaf.p_old, m_old=leaf.m_old, v_old=leaf.v_old, chunks=leaf.chunks)
+    fields[field] = bad
+    with pytest.raises(sofx.UndoError, match=pattern):
+        sofx.LeafUndo(**fields)
+    again = sofx.LeafUndo(**{**fields, field: getattr(leaf, field)})  # (the step's own fields make one)
+    assert again.strategy == leaf.strategy and not again.used
