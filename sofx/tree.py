@@ -251,7 +251,8 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
 
     ``is_leaf`` marks the values of the prefix tree (e.g. ``AdamHParams``
     instances, which would otherwise be walked as NamedTuples); it is applied
-    to the prefix tree only, never to the full structure.
+    to the prefix tree only, never to the full structure. The values come in the order of ``spec``'s leaves; a
+    mapping of the prefix is matched key by key, whatever its order (a dict over an ``OrderedDict``).
     """
     if is_leaf is not None and is_leaf(prefix):
         # One value for every leaf. Also the path torch.compile can trace: its optree
@@ -261,16 +262,20 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
         values_of = is_leaf
         is_leaf = lambda x: x is None or values_of(x)  # noqa: E731
     prefix_values, prefix_spec = optree.tree_flatten(prefix, is_leaf=is_leaf)
-    full = optree.tree_unflatten(spec, [0] * spec.num_leaves)
+    # The full structure with each leaf's index: a mapping of the prefix is matched key by key, and its keys may
+    # come in another order than the params' (a dict, sorted, over an OrderedDict): each value goes to the indices
+    # of its subtree (not in the prefix's order, which gave a leaf another's value).
+    full = optree.tree_unflatten(spec, list(range(spec.num_leaves)))
     try:
         subtrees = prefix_spec.flatten_up_to(full)
     except (ValueError, TypeError) as exc:
         where = _first_difference(spec, prefix, what, is_leaf or (lambda x: False), root)
         raise StructureError(f"{what} is not a prefix of the structure of {root} ({spec_text(spec)}): "
                              f"{where}") from exc
-    out: list[Any] = []
+    out: list[Any] = [None] * spec.num_leaves
     for value, sub in zip(prefix_values, subtrees):
-        out.extend([value] * len(optree.tree_leaves(sub)))
+        for index in optree.tree_leaves(sub):
+            out[index] = value
     return out
 
 

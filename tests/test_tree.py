@@ -107,6 +107,25 @@ def test_broadcast_prefix_gives_one_value_per_leaf():
         tree.broadcast_prefix({"enc": 1}, spec)
 
 
+@pytest.mark.parametrize("params_type, prefix_type", [(collections.OrderedDict, dict),
+                                                       (dict, collections.OrderedDict)])
+def test_a_prefix_of_another_mapping_type_gives_each_leaf_its_own_value(params_type, prefix_type):
+    """A dict prefix over OrderedDict params (``OrderedDict(model.named_parameters())``), or the other way round,
+    matches key by key, but the values came out in the prefix's key order, not the params': where the orders
+    differ (an OrderedDict not sorted) each leaf got another's value, per-group hparams silently swapped
+    (lr 0 stepped the leaf meant for lr 0.1)."""
+    params = params_type([("b", torch.zeros(2)), ("a", {"y": torch.zeros(1), "x": torch.zeros(1)})])
+    prefix = prefix_type([("b", "B"), ("a", prefix_type([("y", "Y"), ("x", "X")]))])
+    spec = tree.flatten(params)[1]
+    by_path = dict(zip(tree.leaf_paths(spec), tree.broadcast_prefix(prefix, spec)))
+    assert by_path == {"params['b']": "B", "params['a']['y']": "Y", "params['a']['x']": "X"}
+    opt = sofx.adam(lr=1e-3)
+    flat = params_type([("b", torch.zeros(2)), ("a", torch.zeros(2))])
+    hparams = prefix_type([("b", sofx.AdamHParams(lr=0.0)), ("a", sofx.AdamHParams(lr=0.1))])
+    stepped, _, _ = opt.update(flat, sofx.tree.tree_map(torch.ones_like, flat), opt.init(flat), hparams)
+    assert torch.equal(stepped["b"], torch.zeros(2)) and torch.allclose(stepped["a"], torch.full((2,), -0.1))
+
+
 def test_pack_unpack_roundtrip_views_share_storage():
     gen = torch.Generator().manual_seed(0)
     leaves = [torch.randn(3, 4, generator=gen), torch.randn(0, generator=gen), torch.randn(5, generator=gen)]
