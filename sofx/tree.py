@@ -194,12 +194,31 @@ def _empty_subtrees_filled(spec: TreeSpec, tree: PyTree) -> PyTree:
     if optree.tree_is_leaf(tree, none_is_leaf=True):
         return tree
     children, metadata, entries, unflatten = optree.tree_flatten_one_level(tree, none_is_leaf=True)
-    if type(tree) is not spec.type or list(entries) != list(spec.entries()):
+    specs = _children_specs(spec, tree, entries)
+    if specs is None:
         return tree
-    filled = [_empty_subtrees_filled(s, c) for s, c in zip(spec.children(), children)]
+    filled = [_empty_subtrees_filled(s, c) for s, c in zip(specs, children)]
     if all(f is c for f, c in zip(filled, children)):
         return tree
     return unflatten(metadata, filled)
+
+
+def _children_specs(spec: TreeSpec, node: Any, entries: Sequence[Any]) -> list[TreeSpec] | None:
+    """The specs of ``node``'s children (its ``entries``, in its order) where ``node`` has ``spec``'s structure one
+    level down: the same type and entries, or, as optree matches them, a mapping of another dict type (an
+    ``OrderedDict`` over a ``dict``, in any key order) with the same keys; else ``None``."""
+    want = list(spec.entries())
+    if type(node) is spec.type and list(entries) == want:
+        return list(spec.children())
+    if _mappings_by_key(spec, node) and len(entries) == len(want) and set(entries) == set(want):
+        by_key = dict(zip(want, spec.children()))
+        return [by_key[k] for k in entries]
+    return None
+
+
+def _mappings_by_key(spec: TreeSpec, node: Any) -> bool:
+    """Whether optree matches ``node`` to ``spec`` key by key: both dicts (dict, OrderedDict, defaultdict)."""
+    return isinstance(node, dict) and isinstance(spec.type, type) and issubclass(spec.type, dict)
 
 
 def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[Any], bool] | None = None,
@@ -224,12 +243,13 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
             if optree.tree_is_leaf(sub, none_is_leaf=True):
                 return f"{path} is a {type(sub).__name__}, expected {spec_text(sub_spec)}"
         children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
-        if type(sub) is not sub_spec.type:
+        if type(sub) is not sub_spec.type and not _mappings_by_key(sub_spec, sub):
             return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__}{as_full}"
         want = list(sub_spec.entries())
-        if list(entries) != want:
+        specs = _children_specs(sub_spec, sub, entries)
+        if specs is None:
             return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}{as_full}"
-        for child_spec, child, entry in zip(sub_spec.children(), children, want):
+        for child_spec, child, entry in zip(specs, children, entries):
             step = _entry_str(entry, sub)
             found = walk(child_spec, child, path + step, full + step)
             if found:

@@ -61,6 +61,26 @@ def test_none_where_params_has_an_empty_subtree_is_taken_as_that_subtree(rng):
     assert torch.equal(sofx.transforms.accumulated(acc, params)["w"], g)
 
 
+def test_a_mapping_of_another_dict_type_is_matched_by_key_where_none_stands_for_an_empty_subtree_or_it_departs():
+    """optree matches a dict, an OrderedDict and a defaultdict key by key (OrderedDict grads over dict params), but
+    a None standing for an empty subtree in such a mapping was refused, and a difference inside one was named as
+    the mapping's type ("grads is a OrderedDict, expected a dict"), not where it is."""
+    od = collections.OrderedDict
+    spec = tree.flatten({"x": {}, "y": torch.zeros(1)})[1]
+    assert tree.flatten_up_to(spec, od([("y", 1), ("x", None)]), "grads") == [1]
+    assert tree.flatten_up_to(spec, collections.defaultdict(int, {"y": 1, "x": None}), "grads") == [1]
+    over_od = tree.flatten(od([("y", torch.zeros(1)), ("x", {})]))[1]
+    assert tree.flatten_up_to(over_od, {"x": None, "y": 1}, "grads") == [1]
+    spec = tree.flatten({"a": [torch.zeros(1), torch.zeros(1)], "b": torch.zeros(1)})[1]
+    with pytest.raises(StructureError, match=r"\(grads\['a'\] has entries \[0\], expected \[0, 1\]\)"):
+        tree.flatten_up_to(spec, od([("b", 1), ("a", [1])]), "grads")
+    with pytest.raises(StructureError, match=r"\(grads has entries \['b', 'c'\], expected \['a', 'b'\]\)"):
+        tree.flatten_up_to(spec, od([("b", 1), ("c", [1, 2])]), "grads")
+    is_hp = lambda x: isinstance(x, sofx.AdamHParams)  # noqa: E731
+    with pytest.raises(StructureError, match=r": hparams\['a'\] is a tuple, expected a list \(as params\['a'\]\)"):
+        tree.broadcast_prefix(od([("b", None), ("a", (None, None))]), spec, is_leaf=is_hp)
+
+
 def test_flatten_up_to_names_the_first_difference():
     spec = tree.flatten({"layers": [{"w": 1, "b": 2}, {"w": 3}]})[1]
     # the path is in the tree that departs (grads), not in params
