@@ -2,7 +2,9 @@
 
 Every error that concerns one leaf of a pytree names that leaf's path
 (``params['layers'][3]['w']``) together with what was expected and what was
-found. Raising one of these guarantees that nothing was modified.
+found. Raising one of these guarantees that nothing was modified, but for a
+:class:`SnapshotLimitError` that a donated update's own step found: its inputs
+were stepped, then taken back, a few ulps off where the inverse ran (see it).
 """
 
 from __future__ import annotations
