@@ -54,9 +54,11 @@ from __future__ import annotations
 import copy
 from typing import Any, Sequence
 
+import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from sofx import tree
 from sofx.errors import UndoError
 from sofx.kernels.base import FINITE_CHUNK, AdamScalars, AdamVariant
 from sofx.kernels.chunked import listed_elements
@@ -245,7 +247,8 @@ class UndoRecord(_UsedOnce):
     leaf had no gradient and was not stepped). ``spec``: the structure of
     the params tree it undoes. ``variant``: the stepping
     optimizer's (decoupled decay, bias correction), which the inverse must
-    share. A record can be used once: it is used once any of its leaves is,
+    share (a spec that is not one, or of another number of leaves, is refused when made, an
+    :class:`~sofx.errors.UndoError`). A record can be used once: it is used once any of its leaves is,
     so a record re-wrapped from another's leaves, or a copy of one, is used
     with it (see the module docstring).
     """
@@ -261,6 +264,12 @@ class UndoRecord(_UsedOnce):
         for i, leaf in enumerate(self.leaves):
             if leaf is not None and not isinstance(leaf, LeafUndo):
                 raise UndoError(f"leaves[{i}]: expected a LeafUndo or None, got {type(leaf).__name__}")
+        if not tree._is_treespec(spec):  # (None: its undo ran as an update, without the structure check)
+            raise UndoError(f"spec: expected the structure of the params (an optree PyTreeSpec), got "
+                            f"{type(spec).__name__}")
+        if isinstance(spec, optree.PyTreeSpec) and spec.num_leaves != len(self.leaves):
+            raise UndoError(f"spec has {spec.num_leaves} leaves, the record {len(self.leaves)}: one LeafUndo (or "
+                            "None) per leaf of the params")
         self.spec = spec
         self.variant = variant
         self._used = [False]

@@ -179,3 +179,17 @@ def test_a_leaf_record_of_fields_that_are_not_a_steps_is_refused_when_made_namin
         sofx.LeafUndo(**fields)
     again = sofx.LeafUndo(**{**fields, field: getattr(leaf, field)})  # (the step's own fields make one)
     assert again.strategy == leaf.strategy and not again.used
+
+
+def test_a_record_whose_spec_is_not_the_params_structure_is_refused_when_made():
+    """``UndoRecord(leaves, None, variant)`` was taken, and its undo ran as an update (the undo's structure check
+    is skipped for a record without a spec, and its step-size check counts as a step's); a spec of another number
+    of leaves than the record's was found only at undo. Both are refused when made, naming the spec."""
+    opt, params, g1, _, state = _problem()
+    _, _, rec = opt.update(params, g1, state)
+    with pytest.raises(sofx.UndoError, match=r"spec: expected the structure of the params \(an optree PyTreeSpec\), "
+                                             r"got NoneType"):
+        UndoRecord(rec.leaves, None, rec.variant)
+    with pytest.raises(sofx.UndoError, match=r"spec has 2 leaves, the record 1"):
+        UndoRecord(rec.leaves[:1], rec.spec, rec.variant)
+    assert not rec.used
