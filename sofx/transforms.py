@@ -297,7 +297,7 @@ def zero_clip_factor(scaled_norm: float | torch.Tensor, scale: float | torch.Ten
 
 def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
     """Every (non-``None``) leaf multiplied by ``factor`` (new tensors); ``factor`` a finite number or a
-    1-element float tensor."""
+    1-element float tensor (on the leaves' device or the CPU; a meta one for meta leaves only)."""
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1 or not factor.is_floating_point():
             # a (3,) factor was broadcast against each leaf: a (5, 3) leaf scaled column by column
@@ -308,10 +308,27 @@ def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
                           "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")
     if isinstance(factor, torch.Tensor):
+        _check_device("scale_tree", "factor", factor, grads)
         if not (is_traced(factor) or in_storage(factor)):  # (freed or shrunk: every leaf times bytes past its end)
             refuse_short_storage(factor, "scale_tree: factor", HParamError)
         return _scale_by_tensor(grads, factor.reshape(()))
     return tree.tree_map(lambda g: g * factor, grads)
+
+
+def _check_device(who: str, name: str, x: Any, grads: Any) -> None:
+    """A tensor ``x`` (a factor, a loss scale) that cannot multiply a gradient of ``grads`` for its device (another
+    device than the gradient's, but for the CPU, whose 0-d tensors torch takes with any: a meta one, which holds
+    no value, for gradients with data) is refused, an :class:`HParamError` naming it and the gradient (torch's bare
+    "Tensor on device meta is not on the expected device cpu!" came from the multiply)."""
+    if not isinstance(x, torch.Tensor) or x.device.type == "cpu":
+        return
+    leaves, spec = tree.flatten(grads)
+    for i, g in enumerate(leaves):
+        if isinstance(g, torch.Tensor) and g.device != x.device:
+            path = tree.leaf_paths(spec, root="grads")[i]
+            raise HParamError(f"{who}: {name} is a tensor on {x.device}{' (no value)' if x.is_meta else ''}, the "
+                              f"gradient {path} on {g.device}: give it on {g.device} (or a float; a meta one goes "
+                              "with meta gradients only)")
 
 
 def _traced(leaves: Sequence[torch.Tensor]) -> bool:
@@ -471,6 +488,7 @@ def unscale() -> GradientTransformation:
     def update(grads: Any, state: EmptyState, params: Any = None, **extra: Any) -> tuple[Any, EmptyState]:
         s = _loss_scale(extra, "unscale")
         _gradient_leaves(grads, "unscale")
+        _check_device("unscale", "loss_scale", s, grads)
         if isinstance(s, torch.Tensor):  # as the float path: 1/S in float64, applied as _scale_by_tensor does
             return _scale_by_tensor(grads, torch.reciprocal(s.double())), state
         return (grads if s == 1.0 else tree.tree_map(lambda g: g * (1.0 / s), grads)), state
@@ -526,6 +544,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         s = _loss_scale(extra, "unscale_and_clip_zero")
         leaves = _gradient_leaves(grads, "unscale_and_clip_zero")
+        _check_device("unscale_and_clip_zero", "loss_scale", s, grads)
         if _traced(leaves) or isinstance(s, torch.Tensor):
             scaled_t = _global_norm_tensor(leaves)
             if max_norm is None:

@@ -542,6 +542,24 @@ def test_transforms_vmap_over_an_ensemble(rng):
         _assert_close(sofx.tree.tree_map(lambda x: x[k], zout), eager)
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda g, x: tx.scale_tree(g, x), "scale_tree: factor"),
+    (lambda g, x: tx.unscale().update(g, tx.EmptyState(), loss_scale=x), "unscale: loss_scale"),
+    (lambda g, x: tx.unscale_and_clip_zero(1.0).update(g, tx.ClipState(), loss_scale=x),
+     "unscale_and_clip_zero: loss_scale")])
+def test_a_meta_factor_or_loss_scale_for_gradients_with_data_is_refused_naming_it(call, name):
+    """A meta tensor (shapes only, no value) as scale_tree's factor or as the loss scale of gradients with data
+    raised torch's bare "Tensor on device meta is not on the expected device cpu!"; refused as an HParamError
+    naming it and the gradient. With meta gradients it still plans the shapes."""
+    meta = torch.tensor(2.0, device="meta")
+    with pytest.raises(HParamError, match=rf"{name} is a tensor on meta \(no value\), the gradient grads\['w'\] "
+                                          r"on cpu"):
+        call({"b": None, "w": torch.ones(3)}, meta)
+    out = call({"w": torch.ones(3, device="meta")}, meta)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out["w"].is_meta and out["w"].shape == (3,)
+
+
 def test_unscale_under_vmap_over_loss_scales_equals_each_scale(rng):
     """A loss scale that vmap wraps cannot be read on the host (it raised on .item()): the same math on the
     tensor, bit for bit the float path's for float32, bfloat16 and float64 leaves."""
