@@ -116,6 +116,8 @@ _SUMSQ_CHUNK = 1 << 20
 def sumsq(x: torch.Tensor) -> float:
     """``sum(x**2)`` as a Python float: finite exactly when every element of ``x`` is (for float64 input: and
     the sum is below float64's largest value, i.e. no element beyond ~1e154, where torch's norm is inf too).
+    ``x``: a dense floating-point tensor, else a :class:`LeafError` naming it ``sumsq: x`` (as the transforms
+    refuse a gradient).
     A tensor whose elements reach past the end of its storage (freed or shrunk:
     :func:`~sofx.kernels.storage.refuse_short_storage`), or without a value to read (a meta tensor, one under
     ``vmap``), is refused, a :class:`LeafError` naming it ``sumsq: x``.
@@ -130,9 +132,9 @@ def sumsq(x: torch.Tensor) -> float:
     mean a non-finite element (or a float64 sum beyond its range): one pass gives both the norm and the overflow
     check.
     """
-    if isinstance(x, torch.Tensor) and x.is_nested:  # (torch's reshape of it raised, naming no argument)
-        raise LeafError(f"sumsq: x: expected a dense (strided) tensor, got a nested tensor ({x.layout})")
-    if isinstance(x, torch.Tensor) and _no_value(x):
+    if not _dense_float(x):  # (a list's storage_offset, torch's vector_norm or reshape raised, naming no argument)
+        raise LeafError(_not_dense_float("sumsq", "x", x))
+    if _no_value(x):
         raise LeafError(_no_value_refusal("sumsq", "x", x))
     if not in_storage(x):
         refuse_short_storage(x, "sumsq: x")
@@ -189,6 +191,22 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
     return total
 
 
+def _dense_float(g: Any) -> bool:
+    """Whether ``g`` is a dense (strided, not nested) floating-point tensor."""
+    return isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided and not g.is_nested
+
+
+def _not_dense_float(who: str, path: str, g: Any) -> str:
+    """The refusal of ``g`` at ``path`` by ``who``, where it is not :func:`_dense_float`: what it is instead."""
+    if not isinstance(g, torch.Tensor):
+        return f"{who}: {path}: expected a tensor, got {type(g).__name__}"
+    if g.is_nested:  # (of strided layout too: torch's operations on it raise, naming no leaf)
+        return f"{who}: {path}: expected a dense (strided) tensor, got a nested tensor ({g.layout})"
+    if g.layout != torch.strided:
+        return f"{who}: {path}: expected a dense (strided) tensor, got {g.layout}"
+    return f"{who}: {path}: expected a floating-point tensor, got {g.dtype}"
+
+
 def _gradient_leaves(grads: Any, who: str = "grads", readable: bool = False) -> list[torch.Tensor]:
     """The leaves of a gradient pytree that are not ``None``, each checked: a dense floating-point tensor whose
     elements lie in its storage (not freed or shrunk, :func:`~sofx.kernels.storage.refuse_short_storage`: torch's
@@ -202,16 +220,8 @@ def _gradient_leaves(grads: Any, who: str = "grads", readable: bool = False) -> 
     for i, g in enumerate(leaves):
         if g is None:
             continue
-        if not (isinstance(g, torch.Tensor) and g.is_floating_point() and g.layout == torch.strided
-                and not g.is_nested):
-            path = tree.leaf_paths(spec, root="grads")[i]
-            if not isinstance(g, torch.Tensor):
-                raise LeafError(f"{who}: {path}: expected a tensor, got {type(g).__name__}")
-            if g.is_nested:  # (of strided layout too: torch's operations on it raise, naming no leaf)
-                raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got a nested tensor ({g.layout})")
-            if g.layout != torch.strided:
-                raise LeafError(f"{who}: {path}: expected a dense (strided) tensor, got {g.layout}")
-            raise LeafError(f"{who}: {path}: expected a floating-point tensor, got {g.dtype}")
+        if not _dense_float(g):
+            raise LeafError(_not_dense_float(who, tree.leaf_paths(spec, root="grads")[i], g))
         if readable and _no_value(g):
             raise LeafError(_no_value_refusal(who, tree.leaf_paths(spec, root="grads")[i], g))
         if not (compiling or in_storage(g)):

@@ -159,6 +159,19 @@ def test_global_norm_all_finite_and_sumsq_of_gradients_without_a_readable_value_
         torch.func.vmap(lambda g: torch.as_tensor(call({"w": g})))(torch.ones(2, 3))
 
 
+@pytest.mark.parametrize("x, pattern", [
+    ([1.0, 2.0], r"expected a tensor, got list"), (None, r"expected a tensor, got NoneType"),
+    (torch.ones(2, dtype=torch.int32), r"expected a floating-point tensor, got torch.int32"),
+    (torch.ones(2, dtype=torch.complex64), r"expected a floating-point tensor, got torch.complex64"),
+    (torch.ones(2).to_sparse(), r"expected a dense \(strided\) tensor, got torch.sparse_coo")])
+def test_sumsq_of_something_other_than_a_dense_float_tensor_is_refused_naming_it(x, pattern):
+    """A list, None or a float raised an AttributeError ('list' object has no attribute 'storage_offset'), an
+    integer or complex tensor torch's vector_norm error, a sparse one its reshape error; refused as the transforms
+    refuse such a gradient, a LeafError naming ``sumsq: x``."""
+    with pytest.raises(LeafError, match=r"sumsq: x: " + pattern):
+        tx.sumsq(x)
+
+
 def test_check_finite_counts_nonfinite_steps(rng):
     t = tx.check_finite()
     g = _tree(rng)
