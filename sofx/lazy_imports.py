@@ -20,11 +20,11 @@ __all__ = ["lazy_attribute"]
 def lazy_attribute(package: str, homes: Mapping[str, str], name: str) -> Any:
     """Module ``__getattr__`` of ``package``: ``name`` from its home submodule (``homes``), else the submodule
     ``name`` itself (as a package's attribute once imported), imported now; ``AttributeError`` where neither
-    exists."""
+    exists (a name that is no identifier, ``"a.b"``, is no submodule: ``hasattr`` is False for it)."""
     home = homes.get(name)
     if home is not None:
         return getattr(importlib.import_module(f"{package}.{home}"), name)
-    if not name.startswith("__"):
+    if not name.startswith("__") and name.isidentifier():
         try:
             return importlib.import_module(f"{package}.{name}")
         except ModuleNotFoundError as e:

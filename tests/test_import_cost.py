@@ -78,6 +78,8 @@ for missing in (offload, sofx):
         assert missing.__name__ in str(e) and "no_such_name" in str(e), str(e)
     else:
         raise AssertionError("no AttributeError")
+    # a name that is no identifier is no submodule (hasattr raised ModuleNotFoundError for "a.b")
+    assert not hasattr(missing, "a.b") and not hasattr(missing, "engine.OffloadEngine"), missing
 print("ok")
 """
 
