@@ -387,6 +387,19 @@ def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing
     assert trees_equal(s1b.count, s1.count)
 
 
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_a_record_of_another_structure_with_a_huge_int_key_is_named():
+    """The structure mismatch names both specs; a dict key whose decimal text Python refuses (more digits than
+    ``sys.get_int_max_str_digits()``) raised that ValueError from the message instead."""
+    opt = sofx.adamw(lr=1e-2)
+    huge = {10 ** 5000: torch.randn(3)}
+    _, _, rec = opt.update(huge, {10 ** 5000: torch.randn(3)}, opt.init(huge))
+    other = {"w": torch.randn(3)}
+    state = opt.init(other)
+    with pytest.raises(sofx.UndoError, match=r"structure PyTreeSpec\(a dict of 1 leaves\), got PyTreeSpec\(\{'w'"):
+        opt.undo(other, state, rec)
+
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("method", ["undo", "undo_redo"])
 def test_a_snapshot_record_of_params_of_another_dtype_raises_and_changes_nothing(donate, method):
