@@ -469,3 +469,23 @@ def test_a_tree_whose_header_is_too_large_is_refused_at_call_time(tmp_path, monk
     assert copied == [] and os.listdir(tmp_path) == []
     tree_["s"] = "x" * 99_999_000
     assert ck.load(ck.save_async(tmp_path / "h.ckpt", tree_).wait())["s"] == tree_["s"]
+
+
+def test_a_saver_with_block_that_raises_keeps_its_exception_when_a_save_failed_too(tmp_path, monkeypatch):
+    """``with AsyncSaver()``'s exit waits for the saves: where the body raised and a save had failed, the save's
+    error replaced the body's (which the user saw only as its context). The body's exception propagates, the
+    save's failure added to it as a note; a body that succeeded gets the save's error, as before."""
+
+    def failing(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ck_io, "serialize_file", failing)
+    with pytest.raises(ValueError, match="the body's own") as info:
+        with ck.AsyncSaver() as saver:
+            saver.save(tmp_path / "a.ckpt", {"x": torch.zeros(1)})
+            raise ValueError("the body's own")
+    assert any("no space left on device" in note and "a.ckpt" in note for note in info.value.__notes__)
+    assert saver._pending == []  # the failure was reported (on the body's exception): not raised again
+    with pytest.raises(OSError, match="no space left"):
+        with ck.AsyncSaver() as saver:
+            saver.save(tmp_path / "b.ckpt", {"x": torch.zeros(1)})

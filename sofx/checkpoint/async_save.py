@@ -149,7 +149,8 @@ class AsyncSaver:
 
     A failed save's error is raised by the next ``save`` (before it snapshots anything: nothing is issued) or
     ``wait``, whichever comes first, once: a loop that saves every so often learns of a full disk at its next
-    save, not at the end of the run.
+    save, not at the end of the run. Leaving a ``with AsyncSaver() as saver:`` block waits for every save; where
+    the block raised, its exception propagates, with a save's error as a note on it.
     """
 
     def __init__(self, max_pending: int | None = None) -> None:
@@ -226,8 +227,22 @@ class AsyncSaver:
     def __enter__(self) -> AsyncSaver:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.wait()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Wait for every save (:meth:`wait`). Where the ``with`` body raised, its exception propagates: a save's
+        error is added to it as a note (Python 3.11+; logged before 3.11, as when the save failed), never raised in
+        its place."""
+        if exc is None:
+            self.wait()
+            return
+        try:
+            self.wait()
+        except Exception as failure:  # noqa: BLE001 - the body's exception is the one raised (an interrupt is not)
+            note = (f"while it propagated, AsyncSaver's wait for its saves failed too: {type(failure).__name__}: "
+                    f"{failure}")
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:
+                _log.error("%s: %s", type(exc).__name__, note)
 
 
 def _drop_locals(exc: BaseException) -> None:
