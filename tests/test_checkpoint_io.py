@@ -273,6 +273,32 @@ def test_a_save_writes_a_temporary_fsyncs_it_renames_it_and_then_fsyncs_the_dire
     assert trees_equal(ck.load(path), tree_) and ck.stale_temporaries(path) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fsync's file from /proc/self/fd")
+def test_a_writer_that_renames_its_own_file_over_the_temporary_has_that_file_fsynced(tmp_path, monkeypatch):
+    """atomic_write creates the temporary (with its mode) and fsyncs it through the descriptor that created it; a
+    writer that writes a file of its own and renames it over the temporary (as safetensors' serialize_file 0.8
+    does) left that descriptor on the empty file it replaced: the file written is the one fsynced, with its mode."""
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    synced, real_fsync = [], os.fsync
+
+    def writer(tmp):
+        with open(tmp + ".own", "wb") as f:
+            f.write(b"new")
+        os.replace(tmp + ".own", tmp)
+        synced.append(os.stat(tmp).st_ino)
+
+    def fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ck_atomic.atomic_write(path, writer)
+    monkeypatch.undo()
+    assert synced[1] == synced[0] and path.read_bytes() == b"new" and os.stat(path).st_mode & 0o777 == 0o640
+
+
 def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_path):
     """A temporary is ``.NAME.tmp-PID-RANDOM``: a sibling file that merely starts like one (a user's own file,
     another target's temporary whose name starts with NAME) is not listed."""
@@ -317,6 +343,43 @@ def test_a_save_over_a_file_keeps_its_permissions_as_torch_save_does(tmp_path):
     fresh = tmp_path / "fresh.ckpt"
     ck.save(fresh, params)
     assert os.stat(fresh).st_mode & 0o777 == default
+
+
+def test_a_saves_temporary_has_the_replaced_files_mode_while_the_data_is_written(tmp_path, monkeypatch):
+    """The temporary was created with the default mode (0644 under umask 022) and given the replaced file's only
+    after the whole tree was written to it: a 0600 checkpoint's data was readable by every user meanwhile, and for
+    good in the temporary a killed save leaves. It has the mode from its creation, before any byte is written."""
+    path = tmp_path / "private.ckpt"
+    ck.save(path, {"w": torch.randn(3)})
+    default = os.stat(path).st_mode & 0o777
+    modes, real = [], ck_io.serialize_file
+
+    def writer(specs, filename, *args, **kwargs):
+        modes.append(os.stat(filename).st_mode & 0o777 if os.path.exists(filename) else None)
+        real(specs, filename, *args, **kwargs)
+        modes.append(os.stat(filename).st_mode & 0o777)
+
+    monkeypatch.setattr(ck_io, "serialize_file", writer)
+    for mode in (0o600, 0o640):
+        os.chmod(path, mode)
+        ck.save(path, {"w": torch.randn(3)})
+        assert modes == [mode, mode] and os.stat(path).st_mode & 0o777 == mode
+        modes.clear()
+    ck.save(tmp_path / "fresh.ckpt", {"w": torch.randn(3)})
+    assert modes == [default, default] and os.stat(tmp_path / "fresh.ckpt").st_mode & 0o777 == default
+    # Its owner (the writer, opening it again by its name) may read and write it meanwhile, where the mode it gets
+    # does not let it: a shared file writable by its group only, a umask taking the owner's write bit.
+    os.chmod(path, 0o464)
+    modes.clear()
+    ck.save(path, {"w": torch.randn(3)})
+    assert modes == [0o664, 0o664] and os.stat(path).st_mode & 0o777 == 0o464
+    modes.clear()
+    umask = os.umask(0o222)
+    try:
+        ck.save(tmp_path / "unwritable.ckpt", {"w": torch.randn(3)})
+    finally:
+        os.umask(umask)
+    assert modes == [0o644, 0o644] and os.stat(tmp_path / "unwritable.ckpt").st_mode & 0o777 == 0o444
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write any file")

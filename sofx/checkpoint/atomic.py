@@ -8,8 +8,9 @@ never read, and :func:`stale_temporaries` lists such files for cleanup. Where
 that name would pass the file system's limit on a name's bytes (``NAME`` near
 it), ``NAME`` is shortened and followed by ``~`` and a hash of the whole name.
 
-A save over a file keeps its permission bits, and one over a file this
-process may not write is refused, as ``open(path, "w")`` (and so
+A save over a file keeps its permission bits (its temporary has them for
+the group and others from its creation, before any data is written), and one
+over a file this process may not write is refused, as ``open(path, "w")`` (and so
 ``torch.save``) would have it. A save to a symbolic link writes through it,
 as ``open(path, "w")`` would: the link stays, and its target (created if the
 link dangles) is the file replaced, its temporary beside it. A path that is a
@@ -164,18 +165,34 @@ def check_destination(path: str | os.PathLike) -> str:
     return _destination(path)[0]
 
 
-def _keep_mode(tmp: str, target: str) -> None:
-    """Give ``tmp`` the permission bits of the file ``target`` it will replace, if there is one: a save over a
-    file keeps its mode, as ``torch.save`` (which truncates it in place) does; a new file has the default one."""
+def _create_temporary(tmp: str, target: str) -> tuple[int, int]:
+    """Create the empty file ``tmp`` (it must not exist); return a descriptor open on it (for its fsync: it needs no
+    permission then) and the permission bits it is to have: those of the file ``target`` it will replace, if there
+    is one (a save over a file keeps its mode, as ``torch.save``, which truncates it in place, does), else the
+    default ones (``0o666`` less the umask, as ``open()`` gives a new file). Until it is written it has those bits
+    for the group and others, before any byte is written (a temporary with the default mode held a 0600
+    checkpoint's data readable by all while it was written, and, left by a killed save, afterwards), and read and
+    write for its owner, the writer (which opens it again by its name)."""
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
+        mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
-        return
-    os.chmod(tmp, mode)
+        mode = None
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if mode is not None else 0o666)
+    try:
+        final = mode if mode is not None else stat.S_IMODE(os.fstat(fd).st_mode)
+        writing = (final & 0o077) | 0o600
+        if writing != stat.S_IMODE(os.fstat(fd).st_mode):
+            os.chmod(tmp, writing)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, final
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
-    """Call ``write(tmp)`` to create a temporary file, then commit it as ``path``; returns the absolute ``path``.
+    """Call ``write(tmp)`` to write a temporary file (created empty: ``write`` opens it by its name and writes into
+    it, as ``open(tmp, "wb")`` does, or renames a file of its own over it), then commit it as ``path``; returns the
+    absolute ``path``.
 
     A symbolic link ``path`` is written through: its target is the file replaced (the temporary beside it), and
     the link stays. On any failure (including ``KeyboardInterrupt``) the temporary file is removed and ``path``
@@ -184,12 +201,24 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
     path, target = _destination(path)
     directory = os.path.dirname(target)
     tmp = _temporary_name(target)
+    fd = None
     try:
-        write(tmp)
-        _keep_mode(tmp, target)
-        _fsync_file(tmp)
+        fd, mode = _create_temporary(tmp, target)
+        write(tmp)  # (into the file created, opened for writing by its name)
+        written, created = os.stat(tmp), os.fstat(fd)
+        if stat.S_IMODE(written.st_mode) != mode:
+            os.chmod(tmp, mode)  # its own mode, before the fsync (which makes it durable with the data)
+        if (written.st_dev, written.st_ino) == (created.st_dev, created.st_ino):
+            os.fsync(fd)
+        else:  # a writer that renamed a file of its own over tmp
+            _fsync_file(tmp)
+        os.close(fd)
+        fd = None
         os.replace(tmp, target)
     except BaseException as exc:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(exc, Exception) and not isinstance(exc, SofxError):
