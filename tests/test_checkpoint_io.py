@@ -650,6 +650,23 @@ def test_corrupted_tree_structure_and_data(tmp_path, rng):
     assert ck.load(path, verify=False)["x"].shape == (8,)
 
 
+def test_a_malformed_structure_is_a_corrupt_checkpoint_error_naming_the_file(tmp_path, rng):
+    """The structure's own errors (an unknown node kind, a tensor node without a key, a bad order: a damaged file
+    read with verify=False, an older file without the structure's checksum, a crafted one) said "corrupted checkpoint
+    structure at tree[...]" without the file, unlike every other CorruptCheckpointError of load."""
+    path = ck.save(tmp_path / "m.ckpt", {"x": torch.randn(3, 2, generator=rng).t()})
+    tree_ = ck.read_metadata(path)["tree"]
+    good = open(path, "rb").read()
+    for node, what in (({"k": "???"}, "unknown node kind"), ({**tree_["items"][0], "key": None}, "without a key"),
+                       ({**tree_["items"][0], "order": [0, 0]}, "bad tensor order")):
+        open(path, "wb").write(good)
+        _rewrite_metadata(path, tree=json.dumps({**tree_, "items": [node]}))
+        for load in (lambda: ck.load(path), lambda: ck.load(path, like={"x": torch.zeros(2, 3)}),
+                     lambda: ck.load(path, verify=False)):
+            with pytest.raises(ck.CorruptCheckpointError, match=rf"^{re.escape(str(path))}: .*{what}"):
+                load()
+
+
 def test_trees_nested_too_deeply_are_refused_and_deep_headers_are_corrupt(tmp_path, rng):
     """A tree nested beyond MAX_NESTING containers is refused when saved (a CheckpointError naming where; the file
     before it kept), so that every file sofx writes reads back (its JSON is read recursively); one at the limit

@@ -49,7 +49,7 @@ import struct
 import sys
 import zlib
 from types import ModuleType
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -489,7 +489,7 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
 
         # Pass 1: check the structure (and the template) before reading any tensor data.
         like_arg = {} if like is None else {"like": like}
-        decode(structure, check_node, types=registry, **like_arg)
+        _decode_file(path, structure, check_node, registry, like_arg)
         extra = file_keys - seen
         if extra:
             raise CorruptCheckpointError(f"{path}: the file holds tensors the structure does not use: "
@@ -514,5 +514,17 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
                 t.requires_grad_(True)
             return t
 
-        return decode(structure, load_node, types=registry, **like_arg)
+        return _decode_file(path, structure, load_node, registry, like_arg)
+
+
+def _decode_file(path: str, structure: Any, load_tensor: Callable[[dict, str, Any], Any],
+                 registry: Mapping[str, type], like_arg: dict) -> Any:
+    """:func:`~sofx.checkpoint.codec.decode` of the structure of the file ``path``: a malformed structure's
+    :class:`CorruptCheckpointError` (the codec's, which names the leaf path only) names the file too."""
+    try:
+        return decode(structure, load_tensor, types=registry, **like_arg)
+    except CorruptCheckpointError as exc:
+        if str(exc).startswith(path):
+            raise
+        raise CorruptCheckpointError(f"{path}: {exc}") from None
 
