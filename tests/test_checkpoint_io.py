@@ -910,6 +910,21 @@ def test_a_bytes_path_saves_and_loads_as_its_text(tmp_path, rng, kind):
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt", "s.ckpt"]
 
 
+@pytest.mark.parametrize("call", ["save", "save_async", "AsyncSaver.save", "load", "read_metadata",
+                                  "stale_temporaries"])
+def test_a_path_with_a_nul_character_is_refused_naming_the_call(tmp_path, call):
+    """A path holding a NUL character (no system takes one) raised the os module's bare "ValueError: embedded null
+    byte" from deep inside; a CheckpointError names the call and the path, and nothing is written."""
+    tree_, bad = {"w": torch.ones(2)}, str(tmp_path / "a\0b.ckpt")
+    runs = {"save": lambda p: ck.save(p, tree_), "save_async": lambda p: ck.save_async(p, tree_),
+            "AsyncSaver.save": lambda p: ck.AsyncSaver().save(p, tree_), "load": ck.load,
+            "read_metadata": ck.read_metadata, "stale_temporaries": ck.stale_temporaries}
+    for given in (bad, os.fsencode(bad)):
+        with pytest.raises(ck.CheckpointError, match=rf"^{re.escape(call)}: the path .*a\\x00b\.ckpt' holds a NUL"):
+            runs[call](given)
+    assert not os.listdir(tmp_path)
+
+
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy pickle"])
 def test_a_torch_save_file_given_to_load_says_to_read_it_with_torch_load(tmp_path, legacy):

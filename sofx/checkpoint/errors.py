@@ -43,9 +43,13 @@ def check_path(who: str, path: Any) -> str:
     """``path`` as text (``os.fsdecode``: a path in bytes, or an ``os.PathLike`` giving bytes, is the path it names;
     safetensors and ``os.path.join`` with text took it for a bare TypeError). A ``path`` that ``os.fspath`` does not
     take is refused with a :class:`CheckpointError` naming ``who`` (a tree passed first, as ``torch.save(obj, f)``
-    takes its arguments, raised a bare TypeError from deep inside)."""
+    takes its arguments, raised a bare TypeError from deep inside). A path holding a NUL character, which no system
+    takes (the os module raised a bare ``ValueError: embedded null byte``), is refused so too."""
     if isinstance(path, (str, bytes, os.PathLike)):
-        return os.fsdecode(path)
+        text = os.fsdecode(path)
+        if "\0" in text:
+            raise CheckpointError(f"{who}: the path {text!r:.200} holds a NUL character, which no file's path can hold")
+        return text
     hint = "" if path is None else f" ({who}'s arguments: the path comes first)"
     raise CheckpointError(f"{who}: path must be a str or os.PathLike, got {type(path).__name__} {path!r:.80}{hint}")
 
