@@ -444,6 +444,25 @@ def test_a_save_to_a_symbolic_link_writes_through_it_to_its_target(tmp_path, mon
     assert sorted(os.listdir(data)) == ["new.ckpt", "real.ckpt"]
 
 
+
+@pytest.mark.skipif(os.name != "posix", reason="the system resolves DIR/.. after DIR's links on POSIX only")
+def test_a_path_through_a_linked_directory_and_dot_dot_saves_where_open_and_load_find_it(tmp_path, monkeypatch):
+    """``run/../latest.ckpt`` with ``run`` a link to ``data/exp1``: the system (open(), load) goes up from the link's
+    target, to ``data/latest.ckpt``, but save dropped ``run/..`` as text (os.path.abspath) and wrote
+    ``./latest.ckpt``, which load then did not find; ``nodir/../x.ckpt`` (no ``nodir``), which open() refuses, was
+    written as ``./x.ckpt``. A save now writes where open() would, and refuses where it would refuse."""
+    work, exp = tmp_path / "work", tmp_path / "data" / "exp1"
+    work.mkdir()
+    exp.mkdir(parents=True)
+    os.symlink(os.path.join("..", "data", "exp1"), work / "run")
+    monkeypatch.chdir(work)
+    for step, save in enumerate((ck.save, lambda p, t: ck.save_async(p, t).wait())):
+        assert save(os.path.join("run", "..", "latest.ckpt"), {"x": step}) == str(tmp_path / "data" / "latest.ckpt")
+        assert ck.load(os.path.join("run", "..", "latest.ckpt")) == {"x": step}
+        with pytest.raises(ck.CheckpointError, match=r"cannot save .*nodir/\.\./x\.ckpt: the directory .*nodir/\.\. "
+                                                     r"does not exist"):
+            save(os.path.join("nodir", "..", "x.ckpt"), {"x": step})
+    assert os.listdir(work) == ["run"] and sorted(os.listdir(tmp_path / "data")) == ["exp1", "latest.ckpt"]
 # ------------------------------------------------------------------ clear errors
 @pytest.mark.parametrize("bad, where", [
     ({"x": object()}, "tree['x']"),

@@ -116,7 +116,11 @@ def _destination(path: str | os.PathLike) -> tuple[str, str]:
         # (abspath drops the separator: "run/ckpt/" wrote a file run/ckpt, which load("run/ckpt/") did not find)
         raise CheckpointError(f"cannot save {given}: the path ends in a path separator, so it names a directory; "
                               "expected the path of a file")
-    path = os.path.abspath(given)
+    path = _absolute(given)
+    if not os.path.isdir(os.path.dirname(path)):  # (the system's answer: realpath drops "nodir/.." as text)
+        directory = os.path.dirname(path)
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise CheckpointError(f"cannot save {path}: the directory {directory} {what}")
     target = os.path.realpath(path)
     if os.path.islink(target):  # realpath leaves unresolved only a link that loops
         raise CheckpointError(f"cannot save {path}: a symbolic link that loops (at {target})")
@@ -141,6 +145,21 @@ def _destination(path: str | os.PathLike) -> tuple[str, str]:
         raise CheckpointError(f"cannot save {named}: the file is read-only for this process; the rename of a "
                               "save would replace it all the same (make it writable, or save elsewhere)")
     return path, target
+
+
+def _absolute(given: str) -> str:
+    """``given`` as an absolute path naming the file the system would open for it. ``os.path.abspath`` also drops
+    ``DIR/..`` as text, where a POSIX system goes up from wherever ``DIR`` leads (a symbolic link's target's parent)
+    or fails (no ``DIR``): ``save("run/../x")``, ``run`` a link, wrote another file than the one ``open`` and
+    ``load`` find. A path with ``..`` is kept as given (made absolute) but for its directory's links, resolved where
+    the directory exists."""
+    if os.name != "posix":  # (Windows itself drops DIR/.. as text, as abspath does)
+        return os.path.abspath(given)
+    joined = os.path.join(os.getcwd(), given)
+    if os.pardir not in joined.split(os.sep):
+        return os.path.abspath(given)
+    directory, name = os.path.split(joined)
+    return os.path.join(os.path.realpath(directory), name) if os.path.isdir(directory) else joined
 
 
 _SPECIAL_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
