@@ -1194,6 +1194,22 @@ def test_a_path_ending_in_a_separator_is_refused(tmp_path):
     assert torch.equal(ck.load(tmp_path / "kept")["x"], old["x"])
 
 
+def test_a_path_ending_in_dot_is_refused_as_naming_a_directory(tmp_path):
+    """``save("run/ckpt/.", tree)`` with ``run/ckpt`` a checkpoint replaced that file (abspath drops the ``/.``),
+    where ``open`` refuses the path (not a directory); ``.`` or ``..`` last names a directory. Refused before
+    anything is written, by ``save``, ``save_async`` and ``AsyncSaver.save``."""
+    old = {"x": torch.randn(3, generator=torch.Generator().manual_seed(1))}
+    ck.save(tmp_path / "kept", old)
+    for path in (f"{tmp_path / 'kept'}{os.sep}.", os.fsencode(os.path.join(tmp_path, "kept", ".")),
+                 os.path.join(tmp_path, "kept", ".."), os.path.join(tmp_path, "new", ".")):
+        for save in (ck.save, lambda p, t: ck.save_async(p, t).wait(), lambda p, t: ck.AsyncSaver().save(p, t)):
+            with pytest.raises(ck.CheckpointError, match=r"cannot save .*: the path ends in '\.\.?', so it names a "
+                                                         r"directory"):
+                save(path, {"x": torch.zeros(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert torch.equal(ck.load(tmp_path / "kept")["x"], old["x"])
+
+
 def test_a_destination_that_is_not_a_regular_file_is_refused(tmp_path):
     """A save to a FIFO or a device node (``save("/dev/null", tree)`` for a dry run) renamed its temporary over
     it: the node was replaced by a regular file (as root, /dev/null itself). Such a destination, or a link to one,

@@ -108,14 +108,18 @@ def system_errno(exc: BaseException) -> int | None:
 def _destination(path: str | os.PathLike) -> tuple[str, str]:
     """``(the absolute path, the file a save to it replaces)``: the second is the first with every symbolic
     link resolved (a link's target, created if the link dangles), after checking that a file can be committed
-    there: it does not end in a path separator, its directory exists, its name fits the file system's limit, it is
-    not itself a directory nor another file that is not a regular one (a FIFO, a device), and it is not a link that
-    loops (:class:`CheckpointError` otherwise, before anything is written)."""
+    there: it does not end in a path separator (nor in ``.`` or ``..``), its directory exists, its name fits the
+    file system's limit, it is not itself a directory nor another file that is not a regular one (a FIFO, a
+    device), and it is not a link that loops (:class:`CheckpointError` otherwise, before anything is written)."""
     given = os.fsdecode(path)
     if given.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
         # (abspath drops the separator: "run/ckpt/" wrote a file run/ckpt, which load("run/ckpt/") did not find)
         raise CheckpointError(f"cannot save {given}: the path ends in a path separator, so it names a directory; "
                               "expected the path of a file")
+    last = re.split("|".join(re.escape(sep) for sep in (os.sep, os.altsep) if sep), given)[-1]
+    if last in (os.curdir, os.pardir):  # (abspath drops "ckpt/." too: it replaced the file ckpt, open() refuses it)
+        raise CheckpointError(f"cannot save {given}: the path ends in {last!r}, so it names a directory; expected the "
+                              "path of a file")
     path = _absolute(given)
     if not os.path.isdir(os.path.dirname(path)):  # (the system's answer: realpath drops "nodir/.." as text)
         directory = os.path.dirname(path)
