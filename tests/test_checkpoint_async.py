@@ -489,3 +489,24 @@ def test_a_saver_with_block_that_raises_keeps_its_exception_when_a_save_failed_t
     with pytest.raises(OSError, match="no space left"):
         with ck.AsyncSaver() as saver:
             saver.save(tmp_path / "b.ckpt", {"x": torch.zeros(1)})
+
+
+def test_a_save_whose_thread_cannot_start_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """Python 3.12 refuses to start a thread in an atexit handler ("can't create new thread at interpreter
+    shutdown"), and a process at its thread limit refuses too: save_async raised threading's bare RuntimeError
+    (the module docstring said such a save is issued and needs its wait()). A CheckpointError names the file and
+    says to save synchronously; nothing is written, and the saver has nothing pending."""
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    saver = ck.AsyncSaver()
+    for save in (ck.save_async, saver.save):
+        with pytest.raises(ck.CheckpointError, match=r"cannot save .*t\.ckpt asynchronously: its writing thread did "
+                                                     r"not start \(RuntimeError: can't create new thread at "
+                                                     r"interpreter shutdown\); save it with sofx\.checkpoint\.save"):
+            save(tmp_path / "t.ckpt", {"x": torch.ones(2)})
+    monkeypatch.undo()
+    assert saver._pending == [] and os.listdir(tmp_path) == []
+    saver.wait()

@@ -21,7 +21,8 @@ logger) and raised by the handle's ``wait()`` (or the :class:`AsyncSaver`'s
 next ``save``/``wait``); one that nobody waits for is reported by that log
 line only. The interpreter waits for saves still running at its exit, but a
 save issued inside an ``atexit`` handler is not waited for: call ``wait()``
-there.
+there (Python 3.12 starts no thread there: such a save raises a
+:class:`CheckpointError`; save with :func:`sofx.checkpoint.save` instead).
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ class SaveHandle:
         self._waited = False
         self._pid = os.getpid()  # (a forked child has no thread of this save: see _refuse_in_child)
         self._thread = threading.Thread(target=self._run, name=f"sofx-save:{os.path.basename(path)}", daemon=False)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # (at interpreter shutdown on Python 3.12; at the process's limit on threads)
+            self._encoded = self._after = None
+            raise CheckpointError(f"cannot save {path} asynchronously: its writing thread did not start "
+                                  f"({type(exc).__name__}: {exc}); save it with sofx.checkpoint.save (an atexit "
+                                  "handler on Python 3.12 cannot start threads)") from exc
 
     def _run(self) -> None:
         try:
