@@ -510,3 +510,27 @@ def test_a_save_whose_thread_cannot_start_is_refused_naming_the_file(tmp_path, m
     monkeypatch.undo()
     assert saver._pending == [] and os.listdir(tmp_path) == []
     saver.wait()
+
+
+def test_a_wait_timeout_of_inf_waits_and_one_that_is_not_a_number_is_refused(tmp_path, monkeypatch):
+    """``wait(math.inf)`` of a save still running raised threading's bare OverflowError ("timestamp out of range"),
+    AsyncSaver.wait's too; ``wait("5")`` a bare TypeError, and a nan was taken as no time. inf (or more than
+    threading.TIMEOUT_MAX) waits without a limit; a value that is not a number of seconds, a bool or a nan is
+    refused naming the call, before anything is waited for or forgotten."""
+    import math
+
+    release = _hold_writes(monkeypatch, 30)
+    saver = ck.AsyncSaver()
+    handle = saver.save(tmp_path / "a.ckpt", {"x": torch.ones(2)})
+    for wait, who in ((handle.wait, "SaveHandle.wait"), (saver.wait, "AsyncSaver.wait")):
+        for bad in ("5", math.nan, True, [1]):
+            with pytest.raises(ck.CheckpointError, match=rf"^{who}: timeout must be None or a number of seconds"):
+                wait(bad)
+    assert not handle.done() and saver._pending == [handle]
+    threading.Timer(0.05, release.set).start()
+    assert handle.wait(math.inf) == str(tmp_path / "a.ckpt")
+    release.clear()
+    second = saver.save(tmp_path / "a.ckpt", {"x": torch.full((2,), 2.0)})
+    threading.Timer(0.05, release.set).start()
+    saver.wait(math.inf)
+    assert second.done() and saver._pending == [] and float(ck.load(tmp_path / "a.ckpt")["x"][0]) == 2.0

@@ -28,6 +28,7 @@ there (Python 3.12 starts no thread there: such a save raises a
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import traceback
@@ -37,7 +38,7 @@ from typing import Any
 from sofx.checkpoint import io
 from sofx.checkpoint.codec import EncodedTree
 from sofx.checkpoint.errors import CheckpointError, check_path
-from sofx.kernels.user_numbers import integer
+from sofx.kernels.user_numbers import integer, is_bool, real_number
 
 __all__ = ["SaveHandle", "save_async", "AsyncSaver"]
 
@@ -85,8 +86,10 @@ class SaveHandle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the save finished; return the path, or raise its error (``TimeoutError`` on timeout).
-        In a process forked while it ran, a :class:`CheckpointError` (its thread is in the parent only)."""
+        """Block until the save finished; return the path, or raise its error (``TimeoutError`` on timeout:
+        ``timeout`` seconds, ``None`` or inf for no limit). In a process forked while it ran, a
+        :class:`CheckpointError` (its thread is in the parent only)."""
+        timeout = _seconds("SaveHandle.wait", timeout)
         self._refuse_in_child("wait for it")
         if not self._done.wait(timeout):
             raise TimeoutError(f"the checkpoint save to {self.path} did not finish within {timeout} s")
@@ -206,6 +209,7 @@ class AsyncSaver:
         (each error once). On a timeout, or an interrupt (Ctrl-C, raised at once), nothing is forgotten but the
         saves committed: a later ``wait`` waits for the saves still running and reports every error not yet
         reported (also of saves that had failed before the wait was cut short)."""
+        timeout = _seconds("AsyncSaver.wait", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
@@ -250,6 +254,20 @@ class AsyncSaver:
                 exc.add_note(note)
             else:
                 _log.error("%s: %s", type(exc).__name__, note)
+
+
+def _seconds(who: str, timeout: Any) -> float | None:
+    """``timeout`` of ``who`` as a Python float of seconds, or ``None`` (no limit): for ``None``, inf and anything
+    beyond ``threading.TIMEOUT_MAX`` (an inf wait raised threading's bare OverflowError); a negative number is 0,
+    as threading takes it. A numpy number or a 1-element tensor is read; anything else (a bool, a nan, a str) is a
+    :class:`CheckpointError` naming ``who``."""
+    if timeout is None:
+        return None
+    t = real_number(timeout, "timeout", CheckpointError)
+    if not isinstance(t, numbers.Real) or is_bool(t) or t != t:  # (t != t: a nan)
+        raise CheckpointError(f"{who}: timeout must be None or a number of seconds (inf: no limit), got "
+                              f"{type(timeout).__name__} {timeout!r:.80}")
+    return None if t > threading.TIMEOUT_MAX else max(0.0, float(t))
 
 
 def _drop_locals(exc: BaseException) -> None:
