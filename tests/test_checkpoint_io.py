@@ -650,6 +650,33 @@ def _rewrite_metadata(path, **changes):
     save_file(tensors, path, metadata=meta)
 
 
+def test_a_load_while_a_save_replaces_the_file_reads_one_whole_file(tmp_path, monkeypatch):
+    """safetensors opens the file twice, by its name: once for the header, once (torch's from_file) for the data. A
+    save committed in between (another process saving every step) gave the old header with the new data: a
+    spurious "fails its checksum", and with verify=False the old structure holding the new tensors. A load holds
+    the file it opened and opens it again where the name no longer names that file: it reads one whole file."""
+    path = tmp_path / "r.ckpt"
+    real, saves = torch.UntypedStorage.from_file, iter(range(1, 100))
+
+    def from_file(*args, **kwargs):  # a concurrent save commits between the two opens (the first ones only)
+        step = next(saves)
+        if step <= 2:
+            ck.save(path, {"step": step, "x": torch.full((4,), float(step)), "y": torch.full((3,), float(step))})
+        return real(*args, **kwargs)
+
+    for verify in (True, False):
+        ck.save(path, {"step": 0, "x": torch.zeros(4), "y": torch.zeros(3)})
+        saves = iter(range(1, 100))
+        monkeypatch.setattr(torch.UntypedStorage, "from_file", from_file)
+        loaded = ck.load(path, verify=verify)
+        monkeypatch.undo()
+        if next(saves) == 1:
+            pytest.skip("this safetensors does not read the data through torch.UntypedStorage.from_file")
+        step = loaded["step"]
+        assert torch.equal(loaded["x"], torch.full((4,), float(step))), (verify, loaded)
+        assert torch.equal(loaded["y"], torch.full((3,), float(step))), (verify, loaded)
+
+
 def test_corrupted_tree_structure_and_data(tmp_path, rng):
     path = ck.save(tmp_path / "c.ckpt", {"x": torch.randn(8, generator=rng)})
     good = open(path, "rb").read()

@@ -49,7 +49,7 @@ import struct
 import sys
 import zlib
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -299,12 +299,12 @@ def _read_error(path: str, exc: OSError) -> CheckpointIOError:
     return error
 
 
-def _check_readable(path: str) -> None:
-    """Open ``path`` for reading and close it: safetensors reports every failure to open a file as "No such file or
-    directory", whatever the system said (no read permission, a socket); this says what it was."""
+def _open_held(path: str) -> BinaryIO:
+    """``path`` opened for reading, held while safetensors opens it (:func:`_open`): safetensors reports every
+    failure to open a file as "No such file or directory", whatever the system said (no read permission, a socket);
+    this says what it was."""
     try:
-        with open(path, "rb"):
-            pass
+        return open(path, "rb")
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist") from None
     except IsADirectoryError:
@@ -318,12 +318,12 @@ def _check_readable(path: str) -> None:
 _TORCH_LEGACY_HEAD = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
-def _torch_save_kind(path: str) -> str | None:
-    """What ``torch.save`` wrote at ``path`` by its first bytes ("a zip archive", or "a pickle" in its legacy
-    format), or ``None``: a file safetensors refused is named so (its bytes are not unpickled)."""
+def _torch_save_kind(held: BinaryIO) -> str | None:
+    """What ``torch.save`` wrote in the open file ``held`` by its first bytes ("a zip archive", or "a pickle" in its
+    legacy format), or ``None``: a file safetensors refused is named so (its bytes are not unpickled)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(_TORCH_LEGACY_HEAD))
+        held.seek(0)
+        head = held.read(len(_TORCH_LEGACY_HEAD))
     except OSError:
         return None
     if head[:4] == b"PK\x03\x04":
@@ -331,21 +331,47 @@ def _torch_save_kind(path: str) -> str | None:
     return "a pickle" if head == _TORCH_LEGACY_HEAD else None
 
 
-def _open(path: str) -> Any:
-    _check_readable(path)
-    st = _safetensors()
+def _still_named(held: BinaryIO, path: str) -> bool:
+    """Whether ``path`` still names the open file ``held`` (not a file a save has renamed over it since)."""
     try:
-        return st.safe_open(path, framework="pt", device="cpu")
-    except st.SafetensorError as exc:
-        kind = _torch_save_kind(path)
-        if kind is not None:
-            raise CorruptCheckpointError(f"{path} is not a sofx checkpoint: it is {kind}, as torch.save writes; read "
-                                         "it with torch.load") from None
-        size = os.path.getsize(path)
-        raise CorruptCheckpointError(f"{path} is not a readable checkpoint ({size} bytes): {exc}; the file is "
-                                     "truncated, corrupted, or not a sofx checkpoint") from None
-    except OSError as exc:
-        raise _read_error(path, exc) from exc
+        now = os.stat(path)
+    except OSError:
+        return False
+    then = os.fstat(held.fileno())
+    return (now.st_dev, now.st_ino) == (then.st_dev, then.st_ino)
+
+
+_OPEN_TRIES = 5  # opens of a file that a save replaced meanwhile, before a load gives up
+
+
+def _open(path: str) -> Any:
+    """``safetensors.safe_open`` of ``path``, of one whole file. safetensors opens the file twice by its name (the
+    header, then the data, through torch's ``UntypedStorage.from_file``): a save committed in between (another
+    process saving every step) gave the old header with the new data (a spurious checksum failure; with
+    ``verify=False``, the old structure holding the new tensors). The file opened first is held meanwhile (its
+    inode cannot be reused), and where ``path`` no longer names it afterwards, the open is made again."""
+    st = _safetensors()
+    for _ in range(_OPEN_TRIES):
+        with _open_held(path) as held:
+            try:
+                f = st.safe_open(path, framework="pt", device="cpu")
+            except st.SafetensorError as exc:
+                if not _still_named(held, path):
+                    continue  # (replaced meanwhile: its header and size may be two files')
+                kind = _torch_save_kind(held)
+                if kind is not None:
+                    raise CorruptCheckpointError(f"{path} is not a sofx checkpoint: it is {kind}, as torch.save "
+                                                 "writes; read it with torch.load") from None
+                size = os.fstat(held.fileno()).st_size
+                raise CorruptCheckpointError(f"{path} is not a readable checkpoint ({size} bytes): {exc}; the file "
+                                             "is truncated, corrupted, or not a sofx checkpoint") from None
+            except OSError as exc:
+                raise _read_error(path, exc) from exc
+            if _still_named(held, path):
+                return f
+            f.__exit__(None, None, None)
+    raise CheckpointError(f"cannot read checkpoint {path}: it was replaced each of the {_OPEN_TRIES} times it was "
+                          "opened (saves to it committing meanwhile); try again")
 
 
 def _header(f: Any, path: str, verify: bool = True) -> dict:
