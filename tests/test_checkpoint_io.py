@@ -10,6 +10,7 @@ import os
 import re
 import struct
 import sys
+import threading
 from typing import NamedTuple
 
 import pytest
@@ -582,6 +583,24 @@ def test_a_checkpoint_that_cannot_be_opened_says_why(tmp_path):
         with pytest.raises(ck.CheckpointIOError, match="Permission denied") as err:
             ck.load(locked)
         assert err.value.errno == errno.EACCES
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_given_to_load_is_refused_at_once_rather_than_waited_on(tmp_path):
+    """load or read_metadata of a FIFO (a named pipe) blocked for ever in open(), waiting for a writer (a checkpoint
+    is read mapped from a regular file: nothing a pipe gives could be read). It is refused at once, as saves refuse
+    it, naming the file and what it is."""
+    fifo = tmp_path / "p.ckpt"
+    os.mkfifo(fifo)
+    for read in (ck.load, ck.read_metadata):
+        errors = []
+        reader = threading.Thread(target=lambda: errors.append(pytest.raises(ck.CheckpointError, read, fifo)),
+                                  daemon=True)  # (where it blocks, left blocked)
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), f"{read.__name__} blocked on the FIFO"
+        assert re.fullmatch(rf"checkpoint {re.escape(str(fifo))} is a FIFO, not a regular file.*",
+                            str(errors[0].value)), errors[0].value
 
 
 def test_truncated_file(tmp_path, rng):

@@ -33,7 +33,7 @@ from sofx.checkpoint.errors import CheckpointError, CheckpointIOError, check_pat
 from sofx.durable import fsync_best_effort
 from sofx.errors import SofxError
 
-__all__ = ["atomic_write", "check_destination", "stale_temporaries", "fsync_directory"]
+__all__ = ["atomic_write", "check_destination", "stale_temporaries", "fsync_directory", "special_kind"]
 
 
 # The bytes a temporary name adds to the target's: the leading ".", ".tmp-", the pid (at most 10 digits), "-" and
@@ -177,6 +177,12 @@ def _special_kind(target: str) -> str | None:
         mode = os.stat(target).st_mode
     except OSError:
         return None
+    return special_kind(mode)
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is where it is neither a regular file nor a directory ("a FIFO", "a
+    character device", ...); ``None`` otherwise."""
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
     return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "a special file")

@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import struct
 import sys
 import zlib
@@ -53,7 +54,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from sofx.checkpoint.atomic import atomic_write, check_destination
+from sofx.checkpoint.atomic import atomic_write, check_destination, special_kind
 from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode, json_int, max_key_digits
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError)
@@ -302,16 +303,29 @@ def _read_error(path: str, exc: OSError) -> CheckpointIOError:
 def _open_held(path: str) -> BinaryIO:
     """``path`` opened for reading, held while safetensors opens it (:func:`_open`): safetensors reports every
     failure to open a file as "No such file or directory", whatever the system said (no read permission, a socket);
-    this says what it was."""
+    this says what it was. A file that is not a regular one is refused: a FIFO's open (without ``O_NONBLOCK``)
+    blocked for ever waiting for a writer, and a checkpoint is read mapped from a regular file."""
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist") from None
-    except IsADirectoryError:
+    except IsADirectoryError:  # (Windows)
         raise CheckpointError(f"checkpoint {path} is a directory, expected a file written by sofx.checkpoint.save") \
             from None
     except OSError as exc:
         raise _read_error(path, exc) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise CheckpointError(f"checkpoint {path} is a directory, expected a file written by sofx.checkpoint.save")
+        kind = special_kind(mode)
+        if kind is not None:
+            raise CheckpointError(f"checkpoint {path} is {kind}, not a regular file; a checkpoint is read from a "
+                                  "file written by sofx.checkpoint.save")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # torch.save's legacy format: a protocol-2 pickle whose first value is torch.serialization.MAGIC_NUMBER
