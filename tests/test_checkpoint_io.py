@@ -565,6 +565,18 @@ def test_missing_file_and_directory(tmp_path):
         ck.load(tmp_path / "file" / "x.ckpt")
 
 
+def test_save_refuses_a_destination_before_it_copies_or_checksums_the_tree(tmp_path, monkeypatch):
+    """save() encoded the tree, copied its tensors that are not contiguous CPU tensors (a GPU model's whole state
+    to host memory) and checksummed every byte before it found that the directory does not exist, as save_async
+    finds it before its snapshot. The destination is checked first."""
+    prepared = []
+    monkeypatch.setattr(ck_io, "prepare", lambda tree: prepared.append(tree))
+    for bad in (tmp_path / "no" / "dir.ckpt", tmp_path, f"{tmp_path}{os.sep}"):
+        with pytest.raises(ck.CheckpointError, match=r"does not exist|is a directory|ends in a path separator"):
+            ck.save(bad, {"x": torch.zeros(1)})
+    assert prepared == [] and os.listdir(tmp_path) == []
+
+
 def test_a_checkpoint_that_cannot_be_opened_says_why(tmp_path):
     """safetensors reports every failure to open a file as "No such file or directory": a checkpoint that
     exists but cannot be read (no read permission, a socket) said that it does not exist. The system's reason

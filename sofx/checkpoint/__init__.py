@@ -94,7 +94,7 @@ def save(path: str | os.PathLike, tree: Any) -> str:
     parameters' layout, which the kernels step without copies. A tensor with
     gaps (a strided slice) is saved as a contiguous copy and loads contiguous.
     """
-    path = check_path("save", path)
+    path = io.check_writable(check_path("save", path))  # (before the tree is encoded, copied and checksummed)
     encoded = io.prepare(tree)
     return io.write(path, encoded)
 
