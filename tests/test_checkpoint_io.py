@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import stat
 import struct
 import sys
 import threading
@@ -299,6 +300,29 @@ def test_a_writer_that_renames_its_own_file_over_the_temporary_has_that_file_fsy
     monkeypatch.undo()
     assert synced[1] == synced[0] and path.read_bytes() == b"new" and os.stat(path).st_mode & 0o777 == 0o640
 
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EINVAL])
+def test_an_io_error_in_the_directorys_fsync_is_raised_and_an_unsupported_one_ignored(tmp_path, monkeypatch, code):
+    """The directory's fsync makes the rename durable. Its EIO (or ENOSPC) was ignored as an fsync the file system
+    does not support is: a save reported done that a crash could take back. It is a CheckpointIOError saying the
+    file is in place; EINVAL (no fsync of directories there) is still nothing."""
+    path, real_fsync = tmp_path / "d.ckpt", os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if code == errno.EIO:
+        with pytest.raises(ck.CheckpointIOError, match=r"saved .*d\.ckpt, but the fsync of its directory .* failed: "
+                                                       r"OSError: .*Input/output error.*the file is in place") as e:
+            ck.save(path, {"x": torch.arange(3)})
+        assert e.value.errno == errno.EIO
+    else:
+        ck.save(path, {"x": torch.arange(3)})
+    monkeypatch.undo()
+    assert torch.equal(ck.load(path)["x"], torch.arange(3)) and ck.stale_temporaries(path) == []
 
 def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_path):
     """A temporary is ``.NAME.tmp-PID-RANDOM``: a sibling file that merely starts like one (a user's own file,

@@ -30,7 +30,7 @@ import uuid
 from typing import Callable
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointIOError, check_path
-from sofx.durable import fsync_best_effort
+from sofx.durable import fsync_where_supported
 from sofx.errors import SofxError
 
 __all__ = ["atomic_write", "check_destination", "stale_temporaries", "fsync_directory", "special_kind"]
@@ -84,8 +84,10 @@ def stale_temporaries(path: str | os.PathLike) -> list[str]:
 
 
 def fsync_directory(directory: str) -> None:
-    """Make a rename inside ``directory`` durable (no-op where directories cannot be opened, e.g. Windows)."""
-    fsync_best_effort(directory)
+    """Make a rename inside ``directory`` durable (no-op where directories cannot be opened, e.g. Windows, or where
+    the file system does not sync them); an I/O error there (``EIO``) is raised: the rename may not survive a power
+    loss. (It was ignored, as an unsupported fsync: a save reported done that a crash could take back.)"""
+    fsync_where_supported(directory)
 
 
 def _fsync_file(path: str) -> None:
@@ -260,5 +262,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
             failure.errno = errno if at_system else None
             raise failure from exc
         raise
-    fsync_directory(directory)
+    try:
+        fsync_directory(directory)
+    except OSError as exc:
+        failure = CheckpointIOError(f"saved {path}, but the fsync of its directory {directory} failed: "
+                                    f"{type(exc).__name__}: {exc}; the file is in place, but a crash or power loss "
+                                    "may still take the save back (to the previous file, if any)")
+        failure.errno = exc.errno
+        raise failure from exc
     return path
