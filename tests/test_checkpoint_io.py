@@ -816,7 +816,7 @@ def test_not_a_sofx_checkpoint(tmp_path):
         ck.load(path)
 
 
-def test_like_mismatch_errors_name_the_leaf(tmp_path, rng):
+def test_like_mismatch_errors_name_the_file_and_the_leaf(tmp_path, rng):
     opt = sofx.adamw()
     params = {"enc": {"w": torch.randn(2, 3, generator=rng)}, "dec": [torch.randn(4, generator=rng)]}
     saved = {"params": params, "state": opt.init(params), "step": 3}
@@ -845,8 +845,9 @@ def test_like_mismatch_errors_name_the_leaf(tmp_path, rng):
          r"tree\['params'\]\['enc'\]\['w'\]: the checkpoint holds a tensor, the template has a NoneType"),
     ]
     for template, message in cases:
-        with pytest.raises(ck.CheckpointMismatchError, match=message):
+        with pytest.raises(ck.CheckpointMismatchError, match=message) as e:
             ck.load(path, like=template)
+        assert str(e.value).startswith(f"{path}: tree["), str(e.value)  # the file is named too
     bad_count = like()
     bad_count["state"] = bad_count["state"]._replace(count={"enc": {"w": torch.zeros((), dtype=torch.int32)},
                                                             "dec": [torch.zeros((), dtype=torch.int64)]})

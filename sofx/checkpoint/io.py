@@ -56,8 +56,8 @@ import torch
 
 from sofx.checkpoint.atomic import atomic_write, check_destination, special_kind
 from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode, json_int, max_key_digits
-from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointNotFoundError,
-                                    CheckpointVersionError, CorruptCheckpointError)
+from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
+                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
 from sofx.checkpoint.known_types import type_registry
 from sofx.kernels.layout import dims_in_memory_order, is_dense
 
@@ -559,12 +559,16 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
 
 def _decode_file(path: str, structure: Any, load_tensor: Callable[[dict, str, Any], Any],
                  registry: Mapping[str, type], like_arg: dict) -> Any:
-    """:func:`~sofx.checkpoint.codec.decode` of the structure of the file ``path``: a malformed structure's
-    :class:`CorruptCheckpointError` (the codec's, which names the leaf path only) names the file too."""
+    """:func:`~sofx.checkpoint.codec.decode` of the structure of the file ``path``: its refusals (a malformed
+    structure's :class:`CorruptCheckpointError`, a template's :class:`CheckpointMismatchError`, a NamedTuple type
+    not allowed), which name the leaf path only, name the file too."""
     try:
         return decode(structure, load_tensor, types=registry, **like_arg)
-    except CorruptCheckpointError as exc:
-        if str(exc).startswith(path):
+    except CheckpointError as exc:
+        if str(exc).startswith(path) or type(exc) not in _NAMED_BY_FILE:
             raise
-        raise CorruptCheckpointError(f"{path}: {exc}") from None
+        raise type(exc)(f"{path}: {exc}") from None
+
+
+_NAMED_BY_FILE = (CorruptCheckpointError, CheckpointMismatchError, CheckpointError)  # (the exact types only)
 
