@@ -58,8 +58,8 @@ from sofx.kernels import reference as reference_kernels
 from sofx.kernels import check_backend_name, load_backend, select_backend
 from sofx.kernels.base import (F32_ROUNDS_TO_0, FINITE_CHUNK, FLOAT32_MAX, GRADIENT_LIMIT, AdamScalars,
                                AdamVariant, MemoryOverlapError, Scalar, StepCall, UndoCall, UndoRedoCall, as_number,
-                               is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy, storage_checked,
-                               write_param_copy, zeros_come_back)
+                               calls_checked, is_number, is_numpy_real, is_traced, leaf_tracer, any_lossy,
+                               storage_checked, write_param_copy, zeros_come_back)
 from sofx.kernels.base import check_hparam_range
 from sofx.kernels.base import check_step_size as kernel_check_step_size
 from sofx.kernels.chunked import ascending_chunks, listed_elements
@@ -195,6 +195,10 @@ class _Leaf(NamedTuple):
     hp: AdamHParams
     traced: bool  # a tensor or hparam of the leaf is traced (vmap, grad, compile): values cannot be read
     steps: Any  # the count as a Python int where it can be read (else the tensor itself)
+    # _gather's proof that p, g, m, v are what the cpu kernels' promise (kernels.base.CALLS_CHECKED) says: plain
+    # tensors alike (g of p's dtype, m and v of one), contiguous, each in its storage, untraced, g given. False
+    # in a leaf made from another with other tensors (_replace).
+    plain: bool = False
 
 
 class Adam:
@@ -357,7 +361,8 @@ class Adam:
             pending.append((k, kernels[k], call))
         calls = {k: call for k, _, call in pending}
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant),
-                                               leaves if covered else None):
+                                               leaves if covered else None,
+                                               checked=all(leaves[k].plain for k, _, _ in pending)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
         flagged = flags.flagged()  # leaves with a chunk the step left alone (see skipped_chunks)
         if flagged and snapshot_limit_bytes is not None:
@@ -672,7 +677,7 @@ class Adam:
             if rec is not None and rec.strategy == "snapshot" and plan is not None:
                 # stepped from the kept values into the leaf's tensors (one pass; no copy back first)
                 undone = leaf._replace(p=rec.p_old, count=rec.count_before, m=rec.m_old, v=rec.v_old,
-                                       steps=as_number(rec.count_before))
+                                       steps=as_number(rec.count_before), plain=False)
                 if undoable:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
                 # (kept values read, not written.) A new snapshot shares them where the used record owns them
@@ -691,7 +696,7 @@ class Adam:
                 new_p[k], new_m[k], new_v[k], new_c[k] = p0, m0, v0, c0
                 write_param_copy(copy, p0)
             else:
-                undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0))
+                undone = leaf._replace(p=p0, count=c0, m=m0, v=v0, steps=as_number(c0), plain=False)
                 if undoable:
                     plan = self._snapshot_lossy([undone], [plan], [False])[0]
                 # (without donation an undo passes a kept old parameter on as the undone one: copied, as above.
@@ -926,7 +931,8 @@ class Adam:
         for path, p, g, c, m, v, hp in zip(paths, p_leaves, g_leaves, counts, mus, nus, hps):
             _check_param(path, p)
             want_state = self.state_dtype or p.dtype
-            if _leaf_alike(p, g, m, v, want_state):  # the common case: what the three checks below accept
+            alike = _leaf_alike(p, g, m, v, want_state)
+            if alike:  # the common case: what the three checks below accept
                 steps = _check_count(path, c, traced)
             else:
                 if g is not None:
@@ -934,7 +940,8 @@ class Adam:
                 steps = _check_count(path, c, traced)
                 _check_like("state.mu", path, m, p, want_state)
                 _check_like("state.nu", path, v, p, want_state)
-            if not (compiling or _in_storage(p, g, m, v)):
+            contiguous = not compiling and _in_storage(p, g, m, v)  # (then each contiguous, in its storage)
+            if not (compiling or contiguous):
                 _check_storage(path, p, g, m, v)  # (a strided view, a wrapper: checked whole; names a bad one)
             if g is not None:
                 _check_stepped_hparams(hp, path, p.dtype, checked, p.is_meta)
@@ -944,7 +951,9 @@ class Adam:
                     check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
-            leaves.append(_Leaf(path, p, g, c, m, v, hp, hp_traced[id(hp)] or traced(p, g, m, v), steps))
+            leaf_traced = hp_traced[id(hp)] or traced(p, g, m, v)
+            leaves.append(_Leaf(path, p, g, c, m, v, hp, leaf_traced, steps,
+                                alike and contiguous and g is not None and not leaf_traced and type(p) is torch.Tensor))
         return spec, leaves
 
     def _kernel(self, leaf: _Leaf) -> Any:
@@ -1538,7 +1547,7 @@ def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags
 
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
                     run: Callable[[Any, list], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
-                    leaves: Sequence[_Leaf] | None = None,
+                    leaves: Sequence[_Leaf] | None = None, checked: bool = False,
                     ) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """``(leaf index, results)`` for every ``(leaf index, backend, call)`` of ``pending``: one
     ``run(backend, calls)`` per backend (its ``*_many`` function, which runs many leaves per launch
@@ -1546,14 +1555,16 @@ def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
     memory was left to the kernel, see :func:`_kernel_checks_memory`). Every tensor of the calls lies in its
     storage (the caller's, checked by :meth:`Adam._gather`, :func:`_check_record_storage` and
     :func:`_param_copies`; the others made here): the kernels run under
-    :func:`~sofx.kernels.base.storage_checked`."""
+    :func:`~sofx.kernels.base.storage_checked`. ``checked``: the calls are :meth:`Adam.update`'s steps of
+    :attr:`_Leaf.plain` leaves (its :func:`_writable_leaves` checked those it writes, its ``skip`` flags are
+    :func:`_chunk_flags`'): run under :func:`~sofx.kernels.base.calls_checked` instead, which promises it."""
     by_backend: dict[int, list[int]] = {}
     for i, (_, backend, _) in enumerate(pending):
         by_backend.setdefault(id(backend), []).append(i)
     out = []
     for members in by_backend.values():
         try:
-            with storage_checked():
+            with calls_checked() if checked else storage_checked():
                 results = run(pending[members[0]][1], [pending[i][2] for i in members])
         except MemoryOverlapError as e:
             if leaves is None:

@@ -30,7 +30,7 @@ def flat_leaf(leaf: Any, copy: torch.Tensor | None) -> tuple[Any, torch.Tensor |
     """``leaf`` (a ``sofx.adam._Leaf`` whose ``p, g, m, v`` and ``copy`` share one dense layout) and ``copy`` as
     the 1-d views of their memory."""
     flat = leaf._replace(p=in_memory_order(leaf.p), g=in_memory_order(leaf.g), m=in_memory_order(leaf.m),
-                         v=in_memory_order(leaf.v))
+                         v=in_memory_order(leaf.v), plain=False)
     return flat, (in_memory_order(copy) if copy is not None else None)
 
 

@@ -155,6 +155,40 @@ def test_the_gradients_are_read_once(donate, rng, monkeypatch):
     assert calls == [2]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast"])
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_kernel_does_not_check_again_the_tensors_update_checked(backend, donate, rng, monkeypatch):
+    """update's plain leaves (contiguous CPU tensors alike, in their storage, untraced; written ones writable) go
+    to the kernel's table without its per-tensor checks (cpu._plain_native), with the same results; a leaf with a
+    parameter copy (update does not vouch for the copy's layout), an empty one, and a call of the kernel's own
+    are checked there as before."""
+    checked = []
+    real = cpu._plain_native
+    monkeypatch.setattr(cpu, "_plain_native", lambda op, b, *a: checked.append(b.p.numel()) or real(op, b, *a))
+    params = {"a": torch.randn(3000, generator=rng), "b": torch.randn(5, 7, generator=rng),
+              "e": torch.randn(0, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+    state = opt.init(params)
+    want = opt.update(_clone(params), grads, _clone(state), grads_finite=True, undoable=False)
+    checked.clear()
+    got = opt.update(_clone(params), grads, _clone(state), donate=donate)
+    assert checked == [0]  # (the empty leaf goes the checked way to its empty results)
+    for k in params:
+        for a, b in ((got[0][k], want[0][k]), (got[1].mu[k], want[1].mu[k]), (got[1].nu[k], want[1].nu[k])):
+            assert torch.equal(a, b)
+    checked.clear()
+    copies = {"a": None, "b": torch.zeros(5, 7, dtype=torch.bfloat16), "e": None}
+    opt.update(_clone(params), grads, _clone(state), donate=donate, param_copies=copies)
+    assert sorted(checked) == [0, 35]
+    assert torch.equal(copies["b"], want[0]["b"].bfloat16())
+    checked.clear()
+    p, g, m, v = (torch.randn(10, generator=rng) for _ in range(4))
+    kernel = cpu if backend == "cpu" else importlib.import_module("sofx.kernels.cpu_fast")
+    kernel.step_many([sofx.kernels.base.StepCall(p, g, m, v, want[2].leaves[0].scalars)], opt.variant)
+    assert checked == [10]
+
+
 def test_undo_redo_after_a_checked_update_with_an_overflow(rng):
     """The speculation's sequence after an overflowing step: the record of the checked update is
     undone and redone with clean gradients, as after an unchecked update."""

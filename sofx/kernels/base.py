@@ -454,6 +454,34 @@ def storage_checked() -> Any:
         STORAGE_CHECKED.reset(token)
 
 
+#: True while :class:`sofx.Adam` runs the list-form step calls of leaves it checked itself, leaf by leaf, naming
+#: their paths (:func:`calls_checked`; not for other callers): in every call, ``p, g, m, v`` are plain
+#: ``torch.Tensor`` objects (no subclass) of one shape and device, contiguous, each in its storage, ``g`` of
+#: ``p``'s dtype and ``v`` of ``m``'s, none wrapped by a ``torch.func`` transform nor requiring grad while grad
+#: mode is on; ``out`` is None or ``(p, m, v)`` themselves, writable (not inference tensors outside inference
+#: mode); ``skip`` is None or a fresh contiguous uint8 vector of one flag per chunk. The cpu backends then build
+#: such a call's table row without testing those again (~4 us a call); what the promise does not cover (a
+#: parameter copy, an empty block, dtypes the native code lacks, the memory overlap between calls) they test as
+#: for any caller.
+CALLS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("sofx_calls_checked", default=False)
+
+
+@contextlib.contextmanager
+def calls_checked() -> Any:
+    """Run kernel calls under :data:`CALLS_CHECKED` (and :data:`STORAGE_CHECKED`, which it implies): for
+    :class:`sofx.Adam` alone, which made the promise true of the calls it runs so. Nothing to set under
+    ``torch.compile`` (as :func:`storage_checked`)."""
+    if torch.compiler.is_compiling():
+        yield
+        return
+    token = CALLS_CHECKED.set(True)
+    try:
+        with storage_checked():
+            yield
+    finally:
+        CALLS_CHECKED.reset(token)
+
+
 def check_float_tensor(where: str, name: str, t: Any, device: torch.device, anchor: str) -> None:
     """Refuse ``t`` (argument ``name`` of the call ``where``) unless it is a floating-point tensor on ``device``,
     the device of the call's ``anchor`` (named in the message: ``"p"``, ``"the gradient"``)."""

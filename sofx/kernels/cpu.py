@@ -78,10 +78,10 @@ from sofx.errors import UnsupportedError
 from sofx.kernels import _cpu_build, reference
 from sofx.kernels import _cpu_source as src
 from sofx.kernels.chunked import ChunkedCall, check_chunked_calls, range_calls
-from sofx.kernels.base import (FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall, Triple, UndoCall,
-                               UndoRedoCall, beyond_limit, check_block_tensors, check_skip, kept_elements,
-                               gradient_limit_bits, is_number, kernel_param_copy, lossy_elements, lossy_factor,
-                               lossy_l2, mark_written, refuse_traced, scalars_key, traced_possible,
+from sofx.kernels.base import (CALLS_CHECKED, FINITE_CHUNK, STORAGE_CHECKED, AdamScalars, AdamVariant, StepCall,
+                               Triple, UndoCall, UndoRedoCall, beyond_limit, check_block_tensors, check_skip,
+                               kept_elements, gradient_limit_bits, is_number, kernel_param_copy, lossy_elements,
+                               lossy_factor, lossy_l2, mark_written, refuse_traced, scalars_key, traced_possible,
                                write_kept_param_copy, write_outputs, write_param_copy)
 from sofx.kernels.donation import blocks_clash, may_refuse_write, overlap_error
 from sofx.kernels.threads import native_thread_request
@@ -343,6 +343,29 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     return _Native(dtypes, ptrs, n, s1, s2, targets, pc is not None)
 
 
+def _checked_native(b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array) -> _Native | None:
+    """:func:`_plain_native` of a step's block under :data:`~sofx.kernels.base.CALLS_CHECKED`, whose caller
+    (:class:`sofx.Adam`) checked what that function tests of ``p, g, m, v``, ``out`` and ``skip``: only what the
+    promise leaves out is tested here (CPU tensors, dtypes ``lib`` reads, at least one element, no parameter
+    copy, nothing of an undo's), else None (the block goes the way of any other caller's)."""
+    p, m, out = b.p, b.m, b.out
+    codes = _codes(lib)
+    if b.p_copy is not None or b.g2 is not None or b.p_old is not None or not p.is_cpu or p.dtype not in codes \
+            or m.dtype not in codes:
+        return None
+    n = p.numel()
+    if n == 0:
+        return None
+    if out is None:
+        targets = [torch.empty_strided(p.shape, p.stride(), dtype=t.dtype) for t in (p, m, b.v)]
+    elif out[0] is p and out[1] is m and out[2] is b.v:
+        targets = [p, m, b.v]
+    else:
+        return None
+    dtypes, ptrs = _table_entry(codes, p, b.g, m, b.v, None, None, targets, None, b.skip)
+    return _Native(dtypes, ptrs, n, s1, None, targets, False)
+
+
 def _table_entry(codes: dict[torch.dtype, int], p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                  g2: torch.Tensor | None, p_old: torch.Tensor | None, targets: Sequence[torch.Tensor],
                  pc: torch.Tensor | None, skip: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -453,6 +476,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
 
     grad, transforms = traced_possible()
     storage = not STORAGE_CHECKED.get()
+    checked = op == src.OP_STEP and CALLS_CHECKED.get()  # (the promise is of step calls)
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
     for b, name, s1, s2 in zip(blocks, where, s1s, s2s):
         c1, c2 = scalar_block(s1), scalar_block(s2)
@@ -464,7 +488,9 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             else:
                 c1 = with_p_kept(c1)
         fast = None
-        if c1 is not None and (s2 is None or c2 is not None):
+        if checked and c1 is not None:
+            fast = _checked_native(b, lib, c1)
+        if fast is None and c1 is not None and (s2 is None or c2 is not None):
             fast = _plain_native(op, b, lib, c1, c2, grad, transforms, storage)
         if fast is None:
             _check(name, _named(op, b), b.p, b.out, backend)
