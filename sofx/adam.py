@@ -409,8 +409,10 @@ class Adam:
         transform's): the test needs its value (:meth:`_snapshot_lossy` keeps a snapshot instead)."""
         if self.undo_mode != "auto" or not is_number(grad_scale):
             return [False] * len(leaves)
+        # (a plain leaf's tensors are contiguous alike, _gather proved it: one dense layout where it has an element)
         return [leaf.g is not None and not leaf.traced and leaf.m.dtype not in _LOW_PRECISION and kernel.CHECKS_FINITE
-                and one_dense_layout(leaf.p, (leaf.g, leaf.m, leaf.v, copy))
+                and ((leaf.plain and copy is None and leaf.p.numel() > 0)
+                     or one_dense_layout(leaf.p, (leaf.g, leaf.m, leaf.v, copy)))
                 for leaf, kernel, copy in zip(leaves, kernels, copies)]
 
     def _snapshot_lossy(self, leaves: Sequence[_Leaf], plans: list, in_step: Sequence[bool],

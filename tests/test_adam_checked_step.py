@@ -189,6 +189,32 @@ def test_the_kernel_does_not_check_again_the_tensors_update_checked(backend, don
     assert checked == [10]
 
 
+def test_the_layout_of_leaves_update_checked_is_not_tested_again(rng, monkeypatch):
+    """Whether a leaf's step is checked in its kernel asks for one dense layout; _gather proved it of plain leaves
+    (contiguous tensors alike), which are not tested again (one_dense_layout); a non-contiguous leaf, one with a
+    parameter copy and an empty one are, and are checked in the kernel or not as before."""
+    tested = []
+    real = _adam.one_dense_layout
+    monkeypatch.setattr(_adam, "one_dense_layout", lambda p, others: tested.append(p.shape) or real(p, others))
+    params = {"a": torch.randn(3000, generator=rng), "b": torch.randn(5, 7, generator=rng),
+              "t": torch.randn(7, 5, generator=rng).t(), "e": torch.randn(0, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    grads["t"] = torch.randn(7, 5, generator=rng).t()
+    grads["b"][2, 3] = float("nan")
+    opt = sofx.adamw(lr=1e-2, backend="cpu")
+    state = opt.init(params)
+    leaves = opt._gather(params, grads, state, None)[1]
+    kernels = opt._kernels(leaves)
+    copies = [None, torch.zeros(5, 7), None, None]
+    assert opt._checked_in_step(leaves, kernels, [None] * 4, 1.0) == [True, True, True, True]
+    assert tested == [(0,), (5, 7)]  # e, t (leaves in the order of the keys)
+    tested.clear()
+    assert opt._checked_in_step(leaves, kernels, copies, 1.0) == [True, True, True, True]
+    assert tested == [(5, 7), (0,), (5, 7)]  # b (a copy), e, t
+    _, _, rec = opt.update(params, grads, state)
+    assert rec.strategies() == ["algebraic", "snapshot", "algebraic", "algebraic"]  # (b: its one chunk flagged)
+
+
 def test_undo_redo_after_a_checked_update_with_an_overflow(rng):
     """The speculation's sequence after an overflowing step: the record of the checked update is
     undone and redone with clean gradients, as after an unchecked update."""
