@@ -927,6 +927,7 @@ class Adam:
         hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
         checked: set[tuple[int, bool, bool]] = set()  # hparams objects checked already (a group's leaves share one)
+        stepped: set[tuple[int, int, torch.dtype, bool]] = set()  # (hparams, count, dtype, meta) checked already
         traced = leaf_tracer()
         compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
         hp_traced: dict[int, bool] = {}  # per hparams object
@@ -946,11 +947,17 @@ class Adam:
             if not (compiling or contiguous):
                 _check_storage(path, p, g, m, v)  # (a strided view, a wrapper: checked whole; names a bad one)
             if g is not None:
-                _check_stepped_hparams(hp, path, p.dtype, checked, p.is_meta)
-                if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
-                    _check_next_count(path, steps)
-                if self.variant.bias_correction:  # (an undo_redo's redo takes the undone step's t: this count)
-                    check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
+                # (these checks depend on the hparams object, the count, the dtype and meta only, and the path
+                # they name: once per such key, the first leaf in order named; a traced count per leaf)
+                key = (id(hp), steps, p.dtype, p.is_meta) if type(steps) is int else None
+                if key is None or key not in stepped:
+                    _check_stepped_hparams(hp, path, p.dtype, checked, p.is_meta)
+                    if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
+                        _check_next_count(path, steps)
+                    if self.variant.bias_correction:  # (an undo_redo's redo takes the undone step's t: this count)
+                        check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
+                    if key is not None:
+                        stepped.add(key)
             if id(hp) not in hp_traced:
                 hp_traced[id(hp)] = traced(*hp)
             leaf_traced = hp_traced[id(hp)] or traced(p, g, m, v)

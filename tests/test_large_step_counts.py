@@ -188,6 +188,36 @@ def test_a_step_size_beyond_float32_is_refused_naming_the_leaf_and_changes_nothi
     assert bool(p2["head"].isfinite().all())
 
 
+def test_the_count_and_step_size_checks_run_once_per_hparams_count_and_dtype(monkeypatch):
+    """A group's leaves at one count share one check of the next count and of the step size (each is a function
+    of the hparams object, the count and the dtype; was once per leaf); a refusal still names the first leaf, in
+    the tree's order, that it refuses."""
+    import importlib
+
+    adam_module = importlib.import_module("sofx.adam")
+    sized = []
+    real = adam_module.check_step_size
+    monkeypatch.setattr(adam_module, "check_step_size", lambda path, *a: sized.append(path) or real(path, *a))
+    params = {f"w{i}": torch.randn(3) for i in range(6)}
+    grads = {k: torch.randn(3) for k in params}
+    opt = sofx.adamw(lr=1e-3)
+    state = opt.init(params)
+    state = state._replace(count={k: torch.tensor(7 if k in ("w4", "w5") else 2) for k in params})
+    p1, s1, _ = opt.update(params, grads, state)
+    assert sized == ["params['w0']", "params['w4']"]
+    sized.clear()
+    hp = {k: sofx.AdamHParams() for k in params}  # one object a leaf: one check each
+    opt.update(params, grads, state, hp)
+    assert sized == [f"params['w{i}']" for i in range(6)]
+    bad = sofx.AdamHParams(lr=1e30, beta1=1 - 2 ** -53)
+    pattern = r"hparams for params\['w1'\]: lr / \(1 - beta1\*\*t\) = .* at step t = 3 is beyond float32's range"
+    with pytest.raises(sofx.HParamError, match=pattern):
+        opt.update(params, grads, state, {k: bad if k != "w0" else sofx.AdamHParams() for k in params})
+    at_max = state._replace(count={k: torch.tensor(INT64_MAX if k in ("w2", "w3") else 2) for k in params})
+    with pytest.raises(sofx.LeafError, match=r"state\.count\['w2'\]: step count 9223372036854775807 is int64's"):
+        opt.update(params, grads, at_max)
+
+
 @pytest.mark.parametrize("speculate", [True, False])
 @pytest.mark.parametrize("executor", ["inline", "thread", "process"])
 def test_the_offload_facade_refuses_a_step_size_beyond_float32_and_keeps_working(executor, speculate):
