@@ -707,3 +707,36 @@ def test_a_saved_hparam_that_is_no_real_number_is_refused_naming_it(value):
     with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['lr'\]: expected a number, "
                                                  r"got "):
         ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
+def test_to_torch_optim_numbers_the_parameters_in_the_params_order_given_params():
+    """torch_param_groups numbers the leaves in the params tree's order, to_torch_optim in state.mu's: an
+    OrderedDict keeps its order where a dict's keys are sorted, so a dict state of OrderedDict params (made from
+    dict(params), or loaded with a dict template) exported the moments (and each group's lr) of 'a' for 'z', both
+    of one shape, without a word. Given params=, the numbering is the params'; the state is matched by key."""
+    from collections import OrderedDict
+    adam = sofx.adam()
+    g = torch.Generator().manual_seed(5)
+    params = OrderedDict([("z", torch.randn(3, generator=g)), ("a", torch.randn(3, generator=g))])
+    grads = OrderedDict((k, torch.randn(3, generator=g)) for k in params)
+    hp = {"z": sofx.AdamHParams(lr=0.1), "a": sofx.AdamHParams(lr=0.001)}
+    stepped, state, _ = adam.update(params, grads, adam.init(params), hp)
+    dict_state = sofx.AdamState(dict(state.count), dict(state.mu), dict(state.nu))
+    torch_params = [p.clone() for p in params.values()]
+    groups = ck.torch_param_groups(adam, params, hp)
+    assert [g["lr"] for g in groups] == [0.1, 0.001]
+    torch_opt = torch.optim.Adam([{**grp, "params": [torch_params[0]] if grp["lr"] == 0.1 else [torch_params[1]]}
+                                  for grp in groups])
+    sd = ck.to_torch_optim(adam, dict_state, hp, params=params)
+    assert [g["lr"] for g in sd["param_groups"]] == [0.1, 0.001]
+    torch_opt.load_state_dict(sd)
+    for key, p in zip(params, torch_params):
+        assert torch.equal(torch_opt.state[p]["exp_avg"], state.mu[key])
+        assert torch.equal(torch_opt.state[p]["exp_avg_sq"], state.nu[key])
+    back, hp_back = ck.from_torch_optim(adam, sd, params, hp)
+    assert all(torch.equal(back.mu[k], state.mu[k]) for k in params)
+    assert {k: h.lr for k, h in hp_back.items()} == {"z": 0.1, "a": 0.001}
+    # a state of other keys than the params' is refused naming the difference
+    with pytest.raises(sofx.StructureError, match=r"state\.mu"):
+        ck.to_torch_optim(adam, sofx.AdamState(dict_state.count, {"a": state.mu["a"]}, dict_state.nu), hp,
+                          params=params)

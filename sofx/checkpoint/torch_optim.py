@@ -64,7 +64,10 @@ def _torch_group(opt: Adam, g: ParamGroup, first: int) -> dict:
 def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
                        groups: Sequence[Sequence[Any]] | None = None) -> list[dict]:
     """Param groups for ``torch.optim.Adam(...)``/``AdamW(...)`` over the leaves of ``params``, in the order
-    :func:`to_torch_optim` numbers them (with each group's lr, betas, eps and weight_decay)."""
+    :func:`to_torch_optim` numbers them given ``params=params`` (with each group's lr, betas, eps and weight_decay).
+    Without it, :func:`to_torch_optim` numbers them in ``state.mu``'s order, which is this one where the state was
+    made or stepped from ``params`` (not where a mapping's type differs: an ``OrderedDict`` keeps its keys' order,
+    a ``dict``'s are sorted)."""
     leaves, spec = tree.flatten(params)
     out = []
     for g in resolve_groups(opt, spec, hparams, groups):
@@ -75,8 +78,15 @@ def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
 
 
 def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
-                   groups: Sequence[Sequence[Any]] | None = None) -> dict:
+                   groups: Sequence[Sequence[Any]] | None = None, params: Any = None) -> dict:
     """A ``torch.optim.Adam``/``AdamW`` ``state_dict()`` holding ``state`` and the hyperparameters.
+
+    The parameters are numbered in the leaf order of ``params`` where it is given (as :func:`torch_param_groups`
+    and :func:`from_torch_optim` number them; the state is matched to it key by key, a
+    :class:`~sofx.errors.StructureError` naming the first difference), else of ``state.mu``: the same where the
+    state was made or stepped from the params, but a mapping of another type orders its leaves otherwise (an
+    ``OrderedDict`` keeps its keys' order, a ``dict``'s are sorted: a dict state of ``OrderedDict`` params puts
+    one leaf's moments where the torch optimizer over ``torch_param_groups(opt, params)`` has another).
 
     The state dict's moments are copies of the state's: torch's ``load_state_dict`` keeps a tensor of its
     parameter's dtype and device as it is, and its steps would then write into ``state``.
@@ -84,7 +94,11 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     _check_opt(opt, "to_torch_optim")
     if not isinstance(state, AdamState):
         raise CheckpointError(f"to_torch_optim: expected an AdamState, got {type(state).__name__}")
-    mus, spec = tree.flatten(state.mu)
+    if params is None:
+        mus, spec = tree.flatten(state.mu)
+    else:  # the params' order (a state whose mappings are of another type: matched key by key)
+        spec = tree.flatten(params)[1]
+        mus = tree.flatten_up_to(spec, state.mu, "state.mu")
     paths = tree.leaf_paths(spec)
     counts = tree.flatten_up_to(spec, state.count, "state.count")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
