@@ -244,7 +244,12 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
                 return f"{path} is a {type(sub).__name__}, expected {spec_text(sub_spec)}"
         children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
         if type(sub) is not sub_spec.type and not _mappings_by_key(sub_spec, sub):
-            return f"{path} is a {type(sub).__name__}, expected a {sub_spec.type.__name__}{as_full}"
+            name = type(sub).__name__
+            if name == sub_spec.type.__name__:  # ("grads is a NT, expected a NT")
+                return (f"{path} is a {name}, another class than the {name} of {full} of the same name (defined "
+                        "again? a notebook cell run twice or a reloaded module makes a new class: make both trees "
+                        "with one)")
+            return f"{path} is a {name}, expected a {sub_spec.type.__name__}{as_full}"
         want = list(sub_spec.entries())
         specs = _children_specs(sub_spec, sub, entries)
         if specs is None:

@@ -234,3 +234,16 @@ def test_a_structure_difference_under_a_huge_int_key_is_named_in_hex():
     spec = tree.flatten({huge: {"w": 1, "b": 2}})[1]
     with pytest.raises(StructureError, match=rf"\(grads\[{hex(huge)}\] has entries \['w'\], expected \['b', 'w'\]"):
         tree.flatten_up_to(spec, {huge: {"w": 1}}, "grads")
+
+
+def test_a_namedtuple_of_another_class_of_the_same_name_is_named_as_another_class():
+    """A NamedTuple class defined again (a notebook cell run twice, a reloaded module) is another class of the same
+    name: the refusal read 'grads is a NT, expected a NT'. It says that the two classes differ."""
+    again = collections.namedtuple("NT", "a b")
+    spec = tree.flatten(NT(torch.ones(1), torch.ones(1)))[1]
+    with pytest.raises(StructureError, match=r"\(grads is a NT, another class than the NT of params of the same "
+                                             r"name \(defined again\?"):
+        tree.flatten_up_to(spec, again(torch.ones(1), torch.ones(1)), "grads")
+    with pytest.raises(StructureError, match=r"hparams is a NT, another class than the NT of params of the same "
+                                             r"name \(defined again\?"):
+        tree.broadcast_prefix(again(1, 2), spec, is_leaf=lambda x: isinstance(x, int))
