@@ -740,3 +740,27 @@ def test_to_torch_optim_numbers_the_parameters_in_the_params_order_given_params(
     with pytest.raises(sofx.StructureError, match=r"state\.mu"):
         ck.to_torch_optim(adam, sofx.AdamState(dict_state.count, {"a": state.mu["a"]}, dict_state.nu), hp,
                           params=params)
+
+
+def test_a_refused_import_into_ordered_dict_params_does_not_blame_sorted_dict_keys():
+    """An OrderedDict keeps its keys' order (a model's state_dict() order): only a dict's keys are sorted. A
+    refused import into OrderedDict params in the model's order (a state dict of another model) was explained as
+    'the params tree's leaves are taken in optree's order, dict keys sorted' and one whose param_names put a leaf
+    elsewhere as 'its flatten order sorts dict keys': neither is so; the order is named as it is."""
+    from collections import OrderedDict
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    torch_opt = torch.optim.Adam(other.parameters())
+    other(torch.randn(3, 4)).sum().backward()
+    torch_opt.step()
+    params = OrderedDict((k, v.detach().clone()) for k, v in model.named_parameters())
+    with pytest.raises(ck.CheckpointMismatchError, match=r"expected shape \(8, 4\), got shape \(6, 4\)$"):
+        ck.from_torch_optim(sofx.adam(), torch_opt.state_dict(), params)
+    named = torch.optim.Adam(model.named_parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    named.step()
+    backwards = OrderedDict(reversed(params.items()))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"but the params tree puts params\['1\.bias'\] there \(its "
+                                                         r"leaf order: dict keys sorted, an OrderedDict's as it "
+                                                         r"holds them\)"):
+        ck.from_torch_optim(sofx.adam(), named.state_dict(), backwards)

@@ -25,6 +25,7 @@ The state dict of another torch optimizer that keeps Adam's state keys
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import optree
@@ -299,8 +300,9 @@ def _leaves_by_name(params: Any) -> dict[str, int]:
 def _check_param_names(saved: dict, g: ParamGroup, gi: int, named: dict[str, int], paths: list[str]) -> None:
     """Refuse a saved group whose ``param_names`` (torch.optim keeps them for an optimizer made from
     ``named_parameters()``) name, at some position, another params leaf than the one the layout puts there: the
-    params tree's flatten order (dict keys sorted) is not the model's, and moments of equal shapes would be
-    imported into each other's leaves. Names of no leaf (another naming, a ``module.`` prefix) say nothing."""
+    params tree's flatten order (dict keys sorted, an ``OrderedDict``'s kept) is not the model's, and moments of
+    equal shapes would be imported into each other's leaves. Names of no leaf (another naming, a ``module.``
+    prefix) say nothing."""
     names = saved.get("param_names")
     if not isinstance(names, (list, tuple)) or len(names) != len(g.leaves):
         return
@@ -309,16 +311,19 @@ def _check_param_names(saved: dict, g: ParamGroup, gi: int, named: dict[str, int
         if other is not None and other != leaf:
             raise CheckpointMismatchError(
                 f"from_torch_optim: param_groups[{gi}]['params'][{j}] is named {name!r}, the params leaf "
-                f"{paths[other]}, but the params tree puts {paths[leaf]} there (its flatten order sorts dict keys); "
+                f"{paths[other]}, but the params tree puts {paths[leaf]} there (its leaf order: dict keys sorted, an "
+                f"OrderedDict's as it holds them); "
                 "pass groups= in the state dict's order (for dict(model.named_parameters()): "
                 "groups=[g['param_names'] for g in state_dict['param_groups']])")
 
 
 def _sorted_keys_hint(params: Any) -> str:
-    """Where ``params`` holds a dict whose keys are not in sorted order, why its leaves can meet another
-    parameter's state (optree takes dict keys sorted, torch.optim numbers parameters in the model's order) and
-    what to pass; else ''."""
+    """Where ``params`` holds a dict (not an ``OrderedDict``: its order is kept) whose keys are not in sorted
+    order, why its leaves can meet another parameter's state (optree takes dict keys sorted, torch.optim numbers
+    parameters in the model's order) and what to pass; else ''."""
     def unsorted(node: Any) -> bool:
+        if isinstance(node, OrderedDict):  # (its leaves come in its keys' order, the model's where made from it)
+            return any(unsorted(v) for v in node.values())
         if isinstance(node, dict):
             keys = list(node)
             try:
