@@ -1732,12 +1732,13 @@ def _check_param(path: str, p: Any) -> None:
 
 
 def _module_params_hint(x: Any) -> str:
-    """What to pass instead of a module or an iterator (``model.parameters()``) given as a params leaf, or ''."""
+    """What to pass instead of a module or an iterator (``model.parameters()``) given as a params leaf, or of a
+    container optree takes as one leaf (a dict subclass: :func:`sofx.tree.unwalked_hint`), or ''."""
     if isinstance(x, torch.nn.Module):
         return f" (a module: {_MODULE_PARAMS_HINT})"
     if isinstance(x, collections.abc.Iterator):
         return f" (an iterator, as model.parameters() gives: {_MODULE_PARAMS_HINT})"
-    return ""
+    return tree.unwalked_hint(x)
 
 
 def _check_dense(path: str, x: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "leaf_paths",
     "key_text",
     "spec_text",
+    "unwalked_hint",
     "flatten_up_to",
     "broadcast_prefix",
     "tree_map",
@@ -241,7 +242,7 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
             if sub is None:
                 return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {spec_text(sub_spec)}"
             if optree.tree_is_leaf(sub, none_is_leaf=True):
-                return f"{path} is a {type(sub).__name__}, expected {spec_text(sub_spec)}"
+                return f"{path} is a {type(sub).__name__}{unwalked_hint(sub)}, expected {spec_text(sub_spec)}"
         children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
         if type(sub) is not sub_spec.type and not _mappings_by_key(sub_spec, sub):
             name = type(sub).__name__
@@ -262,6 +263,19 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
         return None
 
     return walk(spec, tree, root, spec_root) or "structures differ"
+
+
+def unwalked_hint(x: Any) -> str:
+    """Why ``x`` stands as one leaf where it looks like a container: a subclass of ``dict``, ``list`` or
+    ``tuple`` (not a NamedTuple) that optree does not walk (it walks those types themselves, ``OrderedDict`` and
+    ``defaultdict``, not their subclasses), and what to pass; else ''."""
+    if optree.is_namedtuple_instance(x) or not isinstance(x, (dict, list, tuple)):
+        return ""
+    if not optree.tree_is_leaf(x, none_is_leaf=True):
+        return ""
+    base = next(b for b in (dict, list, tuple) if isinstance(x, b)).__name__
+    return (f" (a {base} subclass, which optree takes as one leaf: pass {base}(x) or register {type(x).__name__} "
+            "with optree)")
 
 
 def _entry_str(entry: Any, node: Any) -> str:

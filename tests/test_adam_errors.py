@@ -846,3 +846,23 @@ def test_a_record_whose_count_before_is_a_number_is_undone_as_before():
     record.leaves[0].count_before = 0
     p0, s0 = opt.undo(p1, s1, record)
     assert s0.count["w"] == 0 and torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("call", ["init", "update"])
+def test_params_or_grads_of_a_dict_subclass_say_that_optree_takes_it_as_one_leaf(call):
+    """optree walks dict, OrderedDict and defaultdict, but takes a subclass of them (a user's dict class, an
+    OrderedDict subclass as transformers' outputs are) as one leaf: params of such a class were refused as
+    'params: expected a tensor, got Params', grads as 'grads is a Params, expected PyTreeSpec(...)', which do not say
+    why a dict is not walked. Both now say so and what to pass."""
+    class Params(dict):
+        pass
+
+    params = {"w": torch.randn(2), "b": torch.randn(2)}
+    opt = sofx.adam()
+    state = opt.init(params)
+    run = {"init": lambda: opt.init(Params(params)), "update": lambda: opt.update(Params(params), params, state)}[call]
+    hint = r"\(a dict subclass, which optree takes as one leaf: pass dict\(x\) or register Params with optree\)"
+    with pytest.raises(sofx.LeafError, match=rf"^params: expected a tensor, got Params {hint}"):
+        run()
+    with pytest.raises(sofx.StructureError, match=rf"\(grads is a Params {hint}, expected PyTreeSpec"):
+        opt.update(params, Params(params), state)
