@@ -892,7 +892,7 @@ class Adam:
             if not isinstance(hp, AdamHParams):
                 check_step_hparams(hparams, "hparams", evaluated=False)  # a schedule: how to give its value
                 hint = f"; a number is not taken as the lr: AdamHParams(lr={hp!r:.40})" if is_hparams_number(hp) \
-                    else ""
+                    else tree.unwalked_hint(hp)
                 raise HParamError(f"hparams for {path}: expected an AdamHParams, got {type(hp).__name__}{hint}")
             full = next((f for h, f in traced_filled if h is hp), None) if compiling else filled.get(id(hp))
             if full is None:  # (a group that gives every number, as the offload engine's, is taken as it is)

@@ -866,3 +866,17 @@ def test_params_or_grads_of_a_dict_subclass_say_that_optree_takes_it_as_one_leaf
         run()
     with pytest.raises(sofx.StructureError, match=rf"\(grads is a Params {hint}, expected PyTreeSpec"):
         opt.update(params, Params(params), state)
+
+
+def test_an_hparams_prefix_of_a_dict_subclass_says_that_optree_takes_it_as_one_leaf():
+    """An hparams prefix of a dict subclass (one leaf to optree) stood for every leaf and was refused as 'expected an
+    AdamHParams, got Groups'; it says why the dict was not walked."""
+    class Groups(dict):
+        pass
+
+    params = {"w": torch.randn(2), "b": torch.randn(2)}
+    opt = sofx.adam()
+    hp = Groups(w=AdamHParams(lr=0.1), b=AdamHParams(lr=0.2))
+    with pytest.raises(sofx.HParamError, match=r"expected an AdamHParams, got Groups \(a dict subclass, which optree "
+                                               r"takes as one leaf: pass dict\(x\)"):
+        opt.update(params, params, opt.init(params), hp)
