@@ -6,7 +6,10 @@ has no such numbering, so the mapping is made explicit here:
 
 * ``groups=None`` and ``hparams`` a prefix tree of :class:`~sofx.AdamHParams`
   (sofx's per-group hyperparameters): one group per ``AdamHParams`` of the
-  prefix, in flatten order, holding the params leaves under it in flatten order.
+  prefix, holding the params leaves under it in their flatten order, the groups
+  in the order of their first leaves (the prefix's flatten order, but where a
+  mapping of it is of another type than the params': a ``dict``, keys sorted,
+  over an ``OrderedDict``, which keeps its order, follows the params).
 * ``groups=None`` and ``hparams`` a single ``AdamHParams`` or ``None``: one group
   with every leaf in flatten order.
 * ``groups=[[ref, ...], ...]``: exactly these groups in this order, each leaf
