@@ -1333,3 +1333,19 @@ def test_a_file_name_longer_than_the_file_system_allows_is_refused_before_writin
                                                          rf"this file system allows at most {limit}"):
                 save(tmp_path / name, {"x": torch.randn(4)})
     assert written == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("template", [dict, collections.Counter, lambda d: collections.defaultdict(int, d)],
+                         ids=["dict", "Counter", "defaultdict"])
+def test_a_saved_ordered_dict_keeps_its_order_under_a_template_of_another_dict_type(tmp_path, template):
+    """An OrderedDict's order is its leaf order (optree keeps it; a dict's keys are sorted). Loaded with a template of
+    another dict type, which matches it key by key, it came back an OrderedDict in the template's insertion order:
+    another tree than the one saved (its leaves renumbered: to_torch_optim's numbering, a Shard's owners, leaf
+    indices). It keeps its saved order; an OrderedDict template still orders it."""
+    saved = collections.OrderedDict([("z", torch.ones(2)), ("a", torch.zeros(3))])
+    path = ck.save(tmp_path / "o.ckpt", {"x": saved})
+    back = ck.load(path, like={"x": template({"a": torch.zeros(3), "z": torch.zeros(2)})})["x"]
+    assert type(back) is collections.OrderedDict and list(back) == ["z", "a"]
+    assert torch.equal(back["z"], saved["z"]) and torch.equal(back["a"], saved["a"])
+    reordered = collections.OrderedDict([("a", torch.zeros(3)), ("z", torch.zeros(2))])
+    assert list(ck.load(path, like={"x": reordered})["x"]) == ["a", "z"]

@@ -107,7 +107,10 @@ def load(path: str | os.PathLike, like: Any = None, *,
     ``like``: a template tree (``None``: no template); the checkpoint must have its structure, dict
     keys, NamedTuple types, leaf kinds, tensor shapes and dtypes, or a
     :class:`CheckpointMismatchError` names the first leaf path that differs
-    (before any tensor is read). Tensors are placed on the template's devices (a meta
+    (before any tensor is read). A dict, ``OrderedDict`` or ``Counter`` matches a template of another of these
+    types key by key and comes back of its saved type, its keys in the template's order, but for a saved
+    ``OrderedDict`` under a template of another type: its order is its leaf order, kept as saved. Tensors are
+    placed on the template's devices (a meta
     template's on the CPU: a model built on the meta device loads real data), in the
     layout they were saved with, not the template's (its strides are not compared: a
     contiguous template loads a saved channels_last tensor as channels_last).

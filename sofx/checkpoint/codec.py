@@ -414,7 +414,10 @@ def _decode_dict(node: dict, kind: str, items: list, like: Any, has_like: bool, 
                 f"{path}: the dict keys differ from the template's: "
                 + "; ".join(s for s in (f"missing from the checkpoint: {missing}" if missing else "",
                                         f"not in the template: {extra}" if extra else "") if s))
-        order = list(like.keys())
+        if kind != "odict" or isinstance(like, collections.OrderedDict):
+            # (a saved OrderedDict's order is its leaf order: a template of another dict type, which matches it
+            # key by key, does not reorder it)
+            order = list(like.keys())
     values = [(k, _decode(saved[k], like[k] if has_like else _NO_LIKE, f"{path}[{k!r}]", load_tensor, types))
               for k in order]
     if kind == "dict":
