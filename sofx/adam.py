@@ -914,8 +914,9 @@ class Adam:
         """Flatten and check params, grads, state and hparams against each other."""
         p_leaves, spec = tree.flatten(params)
         if expect_spec is not None and spec != expect_spec:
-            raise UndoError(f"the record was made for params of structure {tree.spec_text(expect_spec)}, "
-                            f"got {tree.spec_text(spec)}")
+            raise UndoError(f"the record was made for params of another structure: "
+                            f"{tree.structure_difference(expect_spec, params)} (the record's: "
+                            f"{tree.spec_text(expect_spec)}, params: {tree.spec_text(spec)})")
         if not isinstance(state, AdamState):
             raise LeafError(not_an_adam_state(state))
         paths = tree.leaf_paths(spec)

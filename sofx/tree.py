@@ -37,6 +37,7 @@ __all__ = [
     "leaf_paths",
     "key_text",
     "spec_text",
+    "structure_difference",
     "unwalked_hint",
     "flatten_up_to",
     "broadcast_prefix",
@@ -276,6 +277,43 @@ def unwalked_hint(x: Any) -> str:
     base = next(b for b in (dict, list, tuple) if isinstance(x, b)).__name__
     return (f" (a {base} subclass, which optree takes as one leaf: pass {base}(x) or register {type(x).__name__} "
             "with optree)")
+
+
+def structure_difference(spec: TreeSpec, tree: PyTree, root: str = "params", other: str = "the record's") -> str:
+    """Where ``tree``'s structure departs from ``spec`` (``other``'s, the structure it must have exactly), the node
+    types and their entries in order: unlike :func:`flatten_up_to`, which matches a mapping of another dict type or
+    key order key by key, such a mapping is a difference here (named as one: its leaves come in another order)."""
+
+    def article(name: str) -> str:
+        return f"an {name}" if name[:1] in "AEIOU" else f"a {name}"
+
+    def walk(sub_spec: TreeSpec, sub: Any, path: str) -> str | None:
+        if sub_spec.is_leaf():
+            return None if optree.tree_structure(sub).is_leaf() else \
+                f"{path} is {article(type(sub).__name__)} where {other} is a leaf"
+        want = list(sub_spec.entries())
+        if optree.tree_is_leaf(sub):
+            return f"{path} is {article(type(sub).__name__)}, {other} is {article(sub_spec.type.__name__)}"
+        children, _, entries, _ = optree.tree_flatten_one_level(sub)
+        name, other_name = type(sub).__name__, sub_spec.type.__name__
+        if type(sub) is not sub_spec.type:
+            if _mappings_by_key(sub_spec, sub) and len(entries) == len(want) and set(entries) == set(want):
+                return f"{path} is {article(name)} where {other} is {article(other_name)} (keys {_keys_text(want)})"
+            if name == other_name:
+                return f"{path} is {article(name)} of another class than {other} of the same name"
+            return f"{path} is {article(name)}, {other} is {article(other_name)}"
+        if list(entries) != want:
+            if len(entries) == len(want) and set(entries) == set(want):
+                return (f"{path} is {article(name)} of keys {_keys_text(entries)} where {other} has them in the "
+                        f"order {_keys_text(want)}")
+            return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}"
+        for child_spec, child, entry in zip(sub_spec.children(), children, entries):
+            found = walk(child_spec, child, path + _entry_str(entry, sub))
+            if found:
+                return found
+        return None
+
+    return walk(spec, tree, root) or "structures differ"
 
 
 def _entry_str(entry: Any, node: Any) -> str:

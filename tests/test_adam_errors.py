@@ -376,7 +376,8 @@ def test_undo_with_a_record_of_another_state_or_twice_raises_and_changes_nothing
     # a record for another structure
     other = {"w": torch.randn(3)}
     _, _, other_rec = opt.update(other, other, opt.init(other))
-    with pytest.raises(sofx.UndoError, match="the record was made for params of structure"):
+    with pytest.raises(sofx.UndoError, match=r"the record was made for params of another structure: params has "
+                                             r"entries \['head', 'layers'\], expected \['w'\]"):
         opt.undo(p2, s2, other_rec)
     with pytest.raises(sofx.UndoError, match="expected an UndoRecord"):
         opt.undo(p2, s2, "not a record")
@@ -397,7 +398,7 @@ def test_a_record_of_another_structure_with_a_huge_int_key_is_named():
     _, _, rec = opt.update(huge, {10 ** 5000: torch.randn(3)}, opt.init(huge))
     other = {"w": torch.randn(3)}
     state = opt.init(other)
-    with pytest.raises(sofx.UndoError, match=r"structure PyTreeSpec\(a dict of 1 leaves\), got PyTreeSpec\(\{'w'"):
+    with pytest.raises(sofx.UndoError, match=r"\(the record's: PyTreeSpec\(a dict of 1 leaves\), params: PyTreeSpec\(\{'w'"):
         opt.undo(other, state, rec)
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -880,3 +881,22 @@ def test_an_hparams_prefix_of_a_dict_subclass_says_that_optree_takes_it_as_one_l
     with pytest.raises(sofx.HParamError, match=r"expected an AdamHParams, got Groups \(a dict subclass, which optree "
                                                r"takes as one leaf: pass dict\(x\)"):
         opt.update(params, params, opt.init(params), hp)
+
+
+def test_undo_of_params_whose_mapping_differs_from_the_records_names_where():
+    """A record made for OrderedDict params undone with a dict of the same leaves (keys sorted: another leaf order),
+    or with params of another key, was refused with both specs only ('made for params of structure
+    PyTreeSpec(...), got PyTreeSpec(...)'), which do not say where they differ. The refusal names the place, and a
+    mapping of another type or order as such."""
+    from collections import OrderedDict
+    opt = sofx.adam()
+    params = OrderedDict([("z", torch.randn(2)), ("a", torch.randn(2))])
+    stepped, state, rec = opt.update(params, params, opt.init(params))
+    with pytest.raises(sofx.UndoError, match=r"the record was made for params of another structure: params is a "
+                                             r"dict where the record's is an OrderedDict \(keys \['z', 'a'\]\)"):
+        opt.undo(dict(stepped), state, rec)
+    with pytest.raises(sofx.UndoError, match=r"params is an OrderedDict of keys \['a', 'z'\] where the record's has "
+                                             r"them in the order \['z', 'a'\]"):
+        opt.undo(OrderedDict(reversed(stepped.items())), state, rec)
+    with pytest.raises(sofx.UndoError, match=r"params has entries \['q', 'z'\], expected \['z', 'a'\]"):
+        opt.undo(OrderedDict([("q", stepped["a"]), ("z", stepped["z"])]), state, rec)
