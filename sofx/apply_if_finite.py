@@ -265,5 +265,9 @@ def _finite_counters(state: Any) -> tuple[Any, Any, Any]:
 
 
 def _select(applied: torch.Tensor, new: Any, old: Any) -> Any:
-    """``torch.where(applied, n, o)`` for every pair of leaves of two trees of one structure."""
-    return tree.tree_map(lambda n, o: torch.where(applied, n, o), new, old)
+    """``torch.where(applied, n, o)`` for every pair of leaves of two trees of one structure: ``old`` matched to
+    ``new``'s as the optimizer matched it (:func:`sofx.tree.flatten_up_to`: a mapping of another dict type key by
+    key, ``None`` for an empty subtree)."""
+    leaves, spec = tree.flatten(new)
+    olds = tree.flatten_up_to(spec, old, "state")
+    return tree.unflatten(spec, [torch.where(applied, n, o) for n, o in zip(leaves, olds)])

@@ -459,3 +459,23 @@ def test_hypergradients_through_a_skipped_step_under_vmap_of_grad_are_finite():
     assert torch.isfinite(batched).all(), batched
     for i in range(3):
         torch.testing.assert_close(batched[i], torch.func.grad(after)(lrs[i], poison[i]), rtol=1e-12, atol=1e-14)
+
+
+def test_vmap_takes_a_state_with_none_for_an_empty_subtree_as_the_eager_step_does():
+    """A state whose moments hold None where the params have an empty subtree (a module without parameters) is
+    taken by the inner optimizer and by the eager step; under vmap the selection of each member's results raised
+    optree's bare 'Expected an instance of dict ..., got None'. It matches the trees as the optimizer does."""
+    opt = sofx.apply_if_finite(sofx.adam(backend="reference"), 1)
+    params = {"w": torch.randn(3, 2), "e": {}}
+    grads = {"w": torch.randn(3, 2), "e": {}}
+    grads["w"][1, 0] = math.inf
+
+    def step(p, g):
+        state = opt.init(p)
+        inner = state.inner_state
+        none_for_empty = sofx.AdamState(*({"w": t["w"], "e": None} for t in inner))
+        return opt.update(p, g, state._replace(inner_state=none_for_empty))[0]
+
+    got = vmap(step)(params, grads)
+    want = vmap(lambda p, g: opt.update(p, g, opt.init(p))[0])(params, grads)
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["w"][1], params["w"][1])
