@@ -16,6 +16,11 @@ as ``open(path, "w")`` would: the link stays, and its target (created if the
 link dangles) is the file replaced, its temporary beside it. A path that is a
 FIFO or a device node (``/dev/null``) is refused: the rename would replace the
 node itself with a regular file.
+
+The new file is a new inode (``torch.save`` truncates the old one in place):
+other hard links to the old file keep the old data, and of the old file's
+metadata only the permission bits carry over (its owner where another user's
+file is replaced as root, ACLs and extended attributes do not).
 """
 
 from __future__ import annotations
