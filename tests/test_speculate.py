@@ -1486,7 +1486,7 @@ def test_late_grads_that_are_not_a_mapping_are_refused_naming_it(rng):
     state = opt.init(params)
     for bad in ([None, torch.randn(2)], [torch.randn(2), torch.randn(2)], torch.randn(2), "ab", ((0, torch.randn(2)),)):
         with pytest.raises(sofx.SofxError, match=rf"^late_grads is a {type(bad).__name__}; expected a mapping "
-                                                 r"\{leaf index: tensor\}"):
+                                                 r"\{leaf index or path: tensor\}"):
             sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
                                 scaler_state=rule.init(), late_grads=bad)
     res = sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
@@ -2239,3 +2239,55 @@ print("ok")
 
 def test_a_late_gradient_whose_storage_was_freed_or_shrunk_is_refused_before_any_leaf_is_stepped():
     script_prints_ok(_FREED_LATE_GRADIENT)
+
+
+def test_leaf_paths_name_leaves_in_order_and_late_grads(rng):
+    """Leaf indices are optree's flatten order: a dict's keys sorted, not inserted (``{"w": .., "b": ..}``: leaf 0
+    is ``b``), so an index counted as ``model.named_parameters()`` lists the parameters names another leaf -- for
+    a late gradient of the same shape, without a word. ``order`` and ``late_grads`` take the leaf paths
+    ``sofx.tree.leaf_paths(params)`` writes (``"params['w']"``) as well: the step equals the one given the right
+    indices, bitwise; a path that is not one of params', and two keys naming one leaf, are refused naming them."""
+    opt = sofx.adamw(lr=1e-2)
+    w, b = _warm(opt, _params(rng, 2), rng)[0]
+    params = {"w": w, "b": b}  # inserted w, b; flattened b, w
+    state = opt.init(params)
+    grads = dict(zip(("w", "b"), _grads(rng, 2)))
+    late = torch.randn(6, generator=rng) * 0.01 * S16
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(), scaler=rule, scaler_state=rule.init())
+    assert sofx.tree.leaf_paths(params) == ["params['b']", "params['w']"]
+    want = sp.speculative_step(opt, params, grads, state, order=[0, 1], late_grads={1: late}, **kw)
+    got = sp.speculative_step(opt, params, grads, state, order=["params['b']", "params['w']"],
+                              late_grads={"params['w']": late}, **kw)
+    assert got.report == want.report and got.report.actions == ("commit", "undo_redo")
+    assert torch.equal(got.params["w"], want.params["w"]) and torch.equal(got.params["b"], want.params["b"])
+    assert not torch.equal(got.params["w"], sp.speculative_step(opt, params, grads, state, **kw).params["w"])
+    mixed = sp.speculative_step(opt, params, grads, state, order=[0, "params['w']"], late_grads={"params['w']": late},
+                                **kw)
+    assert torch.equal(mixed.params["w"], want.params["w"])
+    # a top-level dict key alone names its leaf too (as checkpoint groups name leaves: "0.weight" of a flat dict of
+    # model.named_parameters()); a key that is also another leaf's path is refused
+    by_key = sp.speculative_step(opt, params, grads, state, order=["b", "w"], late_grads={"w": late}, **kw)
+    assert torch.equal(by_key.params["w"], want.params["w"]) and by_key.report == want.report
+    odd = {"w": params["w"], "params['w']": params["b"]}
+    with pytest.raises(sofx.SofxError, match=r"late_grads\[\"params\['w'\]\"\]: .* names 2 leaves of params"):
+        sp.speculative_step(opt, odd, odd, opt.init(odd), late_grads={"params['w']": late}, **kw)
+    leaves = lambda: [t.clone() for t in sofx.tree.flatten((params, state))[0]]  # noqa: E731
+    before = leaves()
+    with pytest.raises(sofx.SofxError, match=r"late_grads\['W'\]: 'W' is not a leaf path of params .*"
+                                             r"\"params\['b'\]\", \"params\['w'\]\"\)$"):
+        sp.speculative_step(opt, params, grads, state, late_grads={"W": late}, donate=True, **kw)
+    with pytest.raises(sofx.SofxError, match=r"late_grads\[\"grads\['w'\]\"\]: .* is not a leaf path of params .*"
+                                             r"did you mean \"params\['w'\]\"\?"):
+        sp.speculative_step(opt, params, grads, state, late_grads={"grads['w']": late}, donate=True, **kw)
+    with pytest.raises(sofx.SofxError, match=r"late_grads\[1\] and late_grads\[\"params\['w'\]\"\] both name "
+                                             r"params\['w'\]"):
+        sp.speculative_step(opt, params, grads, state, late_grads={1: late, "params['w']": late}, donate=True, **kw)
+    with pytest.raises(sofx.SofxError, match=r"order\[1\]: 'params\[\"w\"\]' is not a leaf path of params"):
+        sp.speculative_step(opt, params, grads, state, order=[0, 'params["w"]'], donate=True, **kw)
+    with pytest.raises(sofx.SofxError, match="order must be a permutation of the 2 leaf indices"):
+        sp.speculative_step(opt, params, grads, state, order=[1, "params['w']"], donate=True, **kw)
+    with pytest.raises(sofx.LeafError, match=r"late_grads\[\"params\['w'\]\"\]: expected a tensor like the leaf's "
+                                             r"gradient \(grads of params\['w'\]: shape \(6,\)"):
+        sp.speculative_step(opt, params, grads, state, late_grads={"params['w']": torch.ones(5)}, donate=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(before, leaves()))

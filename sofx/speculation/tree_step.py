@@ -64,18 +64,33 @@ def speculative_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = 
                      scaler: LossScaler = REQUIRED,
                      scaler_state: LossScaleState = REQUIRED, policy_state: PolicyState | None = None,
                      hparams: Any = None, validation_hparams: Any = _SAME, backward_scale: float | None = None,
-                     order: Sequence[int] | None = None, late_grads: Mapping[int, torch.Tensor] | None = None,
-                     last_micro_step: bool = True, reduce_sumsq: Callable[[float], float] | None = None,
+                     order: Sequence[int | str] | None = None,
+                     late_grads: Mapping[int | str, torch.Tensor] | None = None, last_micro_step: bool = True,
+                     reduce_sumsq: Callable[[float], float] | None = None,
                      donate: bool = False, **unknown: Any) -> SpeculativeStepResult:
     """Speculate, validate and apply one step; every leaf of ``params`` is a block.
 
     ``grads``: raw (loss-scaled) gradients with the structure of ``params``
     (``None``: no gradient). ``hparams``: the hparams assumed during backward
     (an :class:`~sofx.AdamHParams` prefix tree); ``validation_hparams``: those
-    in force at validation (default: the same). ``order``: leaf indices in
+    in force at validation (default: the same). ``order``: the leaves in
     arrival order (default: reversed). ``late_grads[i]``: a further gradient
     for leaf ``i`` arriving after the leaf was ready (summed out of place; the
     final gradient of leaf ``i`` is ``grads_i + late_grads[i]``).
+
+    A leaf is named by its index or its path. Leaf ``i`` is the ``i``-th leaf
+    in optree's flatten order, the order of ``sofx.tree.leaf_paths(params)``
+    (and of ``report.actions`` and ``plan.actions``): a dict's keys *sorted*,
+    not in insertion order, so for ``{"w": .., "b": ..}`` (as
+    ``model.named_parameters()`` lists a layer) leaf 0 is ``b``; an
+    ``OrderedDict`` keeps its order. Or name it by its path as
+    ``sofx.tree.leaf_paths(params)`` writes it (``"params['w']"``), in
+    ``order`` and as a key of ``late_grads`` (or, for a leaf at the top of a
+    dict, by its key alone: ``"w"``, ``"0.weight"`` of
+    ``dict(model.named_parameters())``): a string that names no leaf is
+    refused (naming the path it likely meant), and so are two keys naming one
+    leaf and a late gradient of another shape, dtype or device than the leaf's
+    gradient (naming both).
     ``backward_scale``: the scale the loss was multiplied by (default: the
     scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
     every speculative step when DeepSpeed's scaler gives up.
@@ -138,7 +153,7 @@ class _NotedReduce:
 def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, config: SpeculationConfig,
                       scaler: LossScaler, scaler_state: LossScaleState, policy_state: PolicyState | None,
                       hparams: Any, validation_hparams: Any, backward_scale: float | None,
-                      order: Sequence[int] | None, late_grads: Mapping[int, torch.Tensor] | None,
+                      order: Sequence[int | str] | None, late_grads: Mapping[int | str, torch.Tensor] | None,
                       last_micro_step: bool, reduce_sumsq: Callable[[float], float] | None,
                       donate: bool) -> SpeculativeStepResult:
     _check_step_inputs(opt, params, grads, state, config, hparams, validation_hparams, donate)
@@ -155,33 +170,64 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     hps = opt.resolve_hparams(hparams, spec)
     final_hps = hps if validation_hparams is _SAME else opt.resolve_hparams(validation_hparams, spec)
     given = order
+    paths: list[str] | None = None  # (built only where a leaf is named by its path)
+
+    def index_of(key: Any, where: str) -> Any:
+        """``key`` as a leaf index where it names a leaf of params (a str: its path, or the key of a leaf at the
+        top of a dict, ``'w'`` for ``params['w']``, as :func:`sofx.checkpoint.groups.resolve_groups` names leaves), else
+        ``key`` as given."""
+        nonlocal paths
+        if not isinstance(key, str):
+            return key
+        if paths is None:
+            paths = tree.leaf_paths(spec)
+        named = [i for i, path in enumerate(paths) if path in (key, f"params[{key!r}]")]
+        if len(named) > 1:  # (a key written as another leaf's path)
+            listed = ", ".join(f"{i}: {paths[i]}" for i in named)
+            raise SofxError(f"{where}: {key!r:.80} names {len(named)} leaves of params ({listed}); name it by its "
+                            "index")
+        if not named:
+            raise SofxError(f"{where}: {key!r:.80} is not a leaf path of params{_path_hint(key, paths)}")
+        return named[0]
+
     try:
         order = list(range(n - 1, -1, -1)) if order is None else list(order)
     except TypeError:  # (not iterable: order=5, and order=0 is no permutation of one leaf either)
         order = None
+    if order is not None and not isinstance(given, str):  # (a str is no sequence of paths: refused below)
+        order = [index_of(i, f"order[{k}]") for k, i in enumerate(order)]
     if order is None or not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
-        raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {given!r:.80}")
+        raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {given!r:.80}"
+                        + (" (a str as a leaf path names one leaf: pass a list of paths)" if isinstance(given, str)
+                           else ""))
     order = [int(i) for i in order]
     if late_grads is not None and not isinstance(late_grads, Mapping):  # (a list went through dict())
-        raise SofxError(f"late_grads is a {type(late_grads).__name__}; expected a mapping {{leaf index: tensor}} "
-                        "(a further gradient for a leaf that already has one), or None")
-    late = dict(late_grads or {})
-    for i in late:
+        raise SofxError(f"late_grads is a {type(late_grads).__name__}; expected a mapping "
+                        "{leaf index or path: tensor} (a further gradient for a leaf that already has one), or None")
+    late: dict[int, tuple[Any, Any]] = {}  # leaf index -> (the key given, the further gradient)
+    for key, extra in (late_grads or {}).items():
+        i = index_of(key, f"late_grads[{key!r:.80}]")
         if not (_is_index(i) and 0 <= i < n) or g_leaves[int(i)] is None:
-            raise SofxError(f"late_grads[{i!r}]: a late gradient needs a leaf (an int index) that already has "
-                            "a gradient")
-    # (numpy integers hash and compare as the Python ints they are: no two keys name one leaf)
-    late_grads = {int(i): extra for i, extra in late.items()}
-    for i, extra in late_grads.items():
+            raise SofxError(f"late_grads[{key!r}]: a late gradient needs a leaf (an int index or a leaf path) that "
+                            "already has a gradient")
+        # (numpy integers hash and compare as the Python ints they are: no two int keys name one leaf)
+        if int(i) in late:
+            other = late[int(i)][0]
+            raise SofxError(f"late_grads[{other!r}] and late_grads[{key!r}] both name "
+                            f"{tree.leaf_paths(spec)[int(i)]}: give one late gradient per leaf (their sum)")
+        late[int(i)] = (key, extra)
+    late_grads = {i: extra for i, (_, extra) in late.items()}
+    for i, (key, extra) in late.items():
         g = g_leaves[i]
         if not isinstance(extra, torch.Tensor) or extra.shape != g.shape or extra.dtype != g.dtype \
                 or extra.device != g.device:
             got = (f"shape {tuple(extra.shape)}, dtype {extra.dtype}, device {extra.device}"
                    if isinstance(extra, torch.Tensor) else type(extra).__name__)
-            raise LeafError(f"late_grads[{i}]: expected a tensor like the leaf's gradient (shape {tuple(g.shape)}, "
-                            f"dtype {g.dtype}, device {g.device}), got {got}")
+            raise LeafError(f"late_grads[{key!r}]: expected a tensor like the leaf's gradient (grads of "
+                            f"{tree.leaf_paths(spec)[i]}: shape {tuple(g.shape)}, dtype {g.dtype}, device "
+                            f"{g.device}), got {got}")
         if not in_storage(extra):  # (freed or shrunk: added to the gradient after the leaves were stepped)
-            refuse_short_storage(extra, f"late_grads[{i}]")
+            refuse_short_storage(extra, f"late_grads[{key!r}]")
 
     # stepped: a leaf with a gradient, or any with missing_grad="zero" (a leaf without gradient is not stepped
     # otherwise, and its hparams are not read: they veto no other leaf's speculation)
@@ -249,6 +295,20 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                           tree.unflatten(spec, [s.nu for s in block_states]))
     return SpeculativeStepResult(tree.unflatten(spec, new_p), new_state, plan.scaler_state, plan.policy_state,
                                  plan.report, plan)
+
+
+def _path_hint(key: str, paths: Sequence[str]) -> str:
+    """For a str that is not a leaf path of params: the path it most likely meant (a dict key given alone, ``'w'``
+    for ``"params['w']"``; the path with other quotes or root), else the first paths."""
+    def plain(text: str) -> str:
+        return text.replace('"', "'").replace(" ", "")
+
+    meant = [p for p in paths if p.endswith(f"[{key!r}]") or plain(p) == plain(key)
+             or plain(p).partition("[")[1:] == plain(key).partition("[")[1:] != ("", "")]
+    if len(meant) == 1:
+        return f" (as sofx.tree.leaf_paths(params) writes them): did you mean {meant[0]!r}?"
+    listed = ", ".join(repr(p) for p in paths[:4]) + (f", ... ({len(paths)} leaves)" if len(paths) > 4 else "")
+    return f" (as sofx.tree.leaf_paths(params) writes them: {listed})"
 
 
 def _is_index(i: Any) -> bool:
