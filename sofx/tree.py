@@ -60,8 +60,17 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
 
 
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    """``optree.tree_map`` with sofx's conventions (``None`` is an empty subtree)."""
-    return optree.tree_map(fn, tree, *rest)
+    """``optree.tree_map`` with sofx's conventions (``None`` is an empty subtree).
+
+    Each tree of ``rest`` is matched against ``tree``'s structure as :func:`flatten_up_to` matches it (anything,
+    ``None`` included, where ``tree`` has a leaf; ``None`` for a subtree without leaves; a mapping key by key):
+    one that departs is refused, a :class:`StructureError` naming the first place (from ``rest[k]``), before
+    ``fn`` is called."""
+    if not rest:
+        return optree.tree_map(fn, tree)
+    leaves, spec = optree.tree_flatten(tree)
+    others = [flatten_up_to(spec, other, f"rest[{k}]", "tree") for k, other in enumerate(rest)]
+    return optree.tree_unflatten(spec, [fn(*xs) for xs in zip(leaves, *others)])
 
 
 def leaf_paths(spec_or_tree: TreeSpec | PyTree, root: str = "params") -> list[str]:

@@ -247,3 +247,30 @@ def test_a_namedtuple_of_another_class_of_the_same_name_is_named_as_another_clas
     with pytest.raises(StructureError, match=r"hparams is a NT, another class than the NT of params of the same "
                                              r"name \(defined again\?"):
         tree.broadcast_prefix(again(1, 2), spec, is_leaf=lambda x: isinstance(x, int))
+
+
+def test_tree_map_over_trees_of_other_structures_names_the_first_difference():
+    """tree_map(fn, a, b) where b departs from a raised optree's bare ValueError ("Expected an instance of dict
+    ... got list", or the two specs only): a StructureError names the first place, rooted at rest[k], before fn is
+    called. Where they match (a None standing for an empty subtree, a dict in another key order, None at a leaf
+    of the first tree), the result is optree's."""
+    a = {"w": torch.ones(2), "b": torch.zeros(1), "empty": []}
+    calls = []
+
+    def add(x, y):
+        calls.append(1)
+        return x + (0 if y is None else y)
+
+    for bad, where in (({"w": torch.ones(2), "c": torch.ones(1), "empty": []}, r"rest\[0\] has entries"),
+                       ({"w": torch.ones(2), "b": torch.ones(1), "empty": [torch.ones(1)]},
+                        r"rest\[0\]\['empty'\] has entries \[0\], expected \[\]"),
+                       ([torch.ones(2), torch.ones(1)], r"rest\[0\] is a list, expected a dict")):
+        with pytest.raises(StructureError, match=r"^rest\[0\] does not have the structure of tree: .*" + where):
+            tree.tree_map(add, a, bad)
+        with pytest.raises(StructureError, match=r"^rest\[1\] does not have the structure of tree"):
+            tree.tree_map(lambda x, y, z: x, a, a, bad)
+    assert not calls
+    b = collections.OrderedDict([("w", torch.ones(2)), ("b", None), ("empty", None)])
+    got = tree.tree_map(add, a, b)
+    assert list(got) == list(a) and got["empty"] == []
+    assert torch.equal(got["w"], torch.full((2,), 2.0)) and torch.equal(got["b"], torch.zeros(1))
