@@ -2291,3 +2291,27 @@ def test_leaf_paths_name_leaves_in_order_and_late_grads(rng):
                                              r"gradient \(grads of params\['w'\]: shape \(6,\)"):
         sp.speculative_step(opt, params, grads, state, late_grads={"params['w']": torch.ones(5)}, donate=True, **kw)
     assert all(torch.equal(a, b) for a, b in zip(before, leaves()))
+
+
+def test_plan_validation_refuses_sums_or_taken_that_are_not_one_entry_per_block_in_order():
+    """plan_validation's sumsq and taken hold one entry per block, block i at [i]. A dict by block name raised a
+    bare KeyError (0) from sumsq[0], or was read by its keys (taken: "taken[0] = 'w' is invalid"); a generator or
+    a number a bare TypeError ("object of type 'generator' has no len()"). Now a SofxError names the argument and
+    says what it takes, after telling the hook; a tensor or an array of sums is still taken."""
+    import numpy as np
+
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    for kw, name, kind in (({"sumsq": {"w": 1.0, "b": 1.0}}, "sumsq", "dict"),
+                           ({"sumsq": (s for s in (1.0, 1.0))}, "sumsq", "generator"),
+                           ({"sumsq": 5.0}, "sumsq", "float"), ({"sumsq": "ab"}, "sumsq", "str"),
+                           ({"sumsq": [1.0, 1.0], "taken": {"w": False, "b": False}}, "taken", "dict"),
+                           ({"sumsq": [1.0, 1.0], "taken": (t for t in (False, False))}, "taken", "generator")):
+        hook = _RecordingHook()
+        with pytest.raises(sofx.SofxError, match=rf"^plan_validation: {name} is a {kind}; expected a sequence of "
+                                                 r"one .* per block, block i at \[i\]"):
+            sp.plan_validation(ctx, tally, reduce_sumsq=hook, **kw)
+        assert hook.calls and hook.calls[0].startswith("refuse: "), hook.calls
+    for sums in (torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), (1.0, 2.0)):
+        assert sp.plan_validation(ctx, tally, sums, taken=np.array([False, False])).report.grad_norm == 3 ** 0.5 / S16

@@ -37,7 +37,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value, check_step_hparams
@@ -760,6 +760,9 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     ``stepped`` that is not one bool per block."""
     _check_tally("plan_validation", ctx, tally)
     n = ctx.n_blocks
+    _check_per_block("sumsq", sumsq, "sum of squares (or None)")
+    if taken is not None:
+        _check_per_block("taken", taken, "bool")
     if len(sumsq) != n:
         raise SofxError(f"sumsq has {len(sumsq)} entries, the step has {n} blocks")
     if taken is not None and len(taken) != n:
@@ -788,6 +791,17 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
                                  with_gradient if stepped is None else _block_flags("stepped", stepped, n, True))
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]), with_gradient)
     return hps, spec_taken, local
+
+
+def _check_per_block(name: str, x: Any, item: str) -> None:
+    """Refuse (a :class:`SofxError` naming ``name``, an argument of :func:`plan_validation`) an ``x`` that is not
+    a sequence of one ``item`` per block, block ``i`` at ``x[i]`` (a list, a tuple, a tensor or an array): a
+    mapping (by block name or id: its keys were read as the entries, or ``x[0]`` raised a bare KeyError), a str,
+    or what has no length or index (a generator, a number: a bare TypeError)."""
+    if isinstance(x, (Mapping, str, bytes)) or not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
+        hint = " (a mapping is not taken: list its values in block order)" if isinstance(x, Mapping) else ""
+        raise SofxError(f"plan_validation: {name} is a {type(x).__name__}; expected a sequence of one {item} per "
+                        f"block, block i at [i] (a list, a tuple, a tensor){hint}")
 
 
 def _check_stepped_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool],
