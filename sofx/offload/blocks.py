@@ -1,8 +1,9 @@
 """Packing a model's parameters into flat blocks of fp32 master weights.
 
 The offload engine never steps a model parameter directly. It packs the
-parameters of each param group, in model order, into *blocks* of about
-``block_numel`` elements. A block owns five flat tensors:
+parameters of each param group, in the order given (the groups in order, each
+group's parameters in order: the model's order only where the groups follow
+it), into *blocks* of about ``block_numel`` elements. A block owns five flat tensors:
 
 ``master``      the fp32 master weights (the parameters' values, laid end to end)
 ``exp_avg``     Adam's first moment, ``state_dtype``
@@ -39,9 +40,9 @@ Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
 class BlockLayout:
     """Where the parameters of one block lie in its flat tensors.
 
-    ``index``: the block's position in model order; ``group``: its param
+    ``index``: the block's position (in the order the parameters are given); ``group``: its param
     group; ``param_indices``: positions of its parameters in the flat list of
-    all managed parameters (model order); ``numels``/``shapes``: their sizes;
+    all managed parameters (the groups' params one group after the other); ``numels``/``shapes``: their sizes;
     ``on_device``: a *device block*, kept on the model's device and stepped in
     ``step()`` (partial offload) instead of by the executor.
     """
@@ -117,7 +118,7 @@ class BlockTensors:
 
 def plan_blocks(groups: Sequence[Sequence[torch.Tensor]], block_numel: int, n_device_blocks: int = 0,
                 ) -> list[BlockLayout]:
-    """Lay the parameters of ``groups`` (in model order) out in blocks.
+    """Lay the parameters of ``groups`` (in the order given, group after group) out in blocks.
 
     Parameters are numbered across groups in order (``param_indices``). A new
     block starts at each group and whenever adding the next parameter would

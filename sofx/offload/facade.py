@@ -631,7 +631,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
         ``param_groups`` are torch.optim-style: every key but ``params`` (a tensor
         ``lr`` the group's own tensor, as torch's; numpy numbers as Python numbers),
-        and ``params`` as indices in model order. The hooks of
+        and ``params`` as indices numbered across the groups in order, as ``torch.optim`` numbers them. The hooks of
         ``register_state_dict_pre_hook`` / ``_post_hook`` run as in ``torch.optim``. Groups edited as ``step()``
         refuses them (reordered, added or removed; parameters moved, added, removed or held twice) are refused
         here too: their hparams would be saved beside the engine's state in another order than its blocks'.
@@ -943,8 +943,12 @@ class SpeculativeAdamW(_SpeculativeBase):
       it raises, and the most ``close()`` waits for it to finish what was queued (then a worker thread is left
       to finish its operation alone, with a warning; a worker process is killed).
     - ``block_numel``: the most elements of a block (a larger parameter is a block of its own);
-      ``n_device_blocks``: that many first blocks, in model order, stay on the model's device and are
-      stepped there in ``step()``; ``swap_params``: see the module docstring.
+      ``n_device_blocks``: that many first blocks stay on the model's device and are stepped there in
+      ``step()`` -- first in the order the parameters are given (the groups in order, each group's params
+      in order), which is the model's (first layers first, the gradients that arrive last in backward)
+      only where the groups follow it: a decay / no-decay split puts every layer's weights before the
+      first bias (``opt.engine.layouts`` lists each block's ``param_indices`` and ``on_device``);
+      ``swap_params``: see the module docstring.
     - ``missing_grad``: ``"skip"`` or ``"zero"``, for a parameter that got no gradient;
       ``gradient_accumulation_steps``: backward calls (micro-steps) per ``step()`` (a ``step()`` after fewer
       steps on their sum, with a ``RuntimeWarning`` naming the counts).
