@@ -764,3 +764,20 @@ def test_a_refused_import_into_ordered_dict_params_does_not_blame_sorted_dict_ke
                                                          r"leaf order: dict keys sorted, an OrderedDict's as it "
                                                          r"holds them\)"):
         ck.from_torch_optim(sofx.adam(), named.state_dict(), backwards)
+
+
+def test_a_group_member_named_by_a_numpy_integer_is_that_leaf_index():
+    """Leaf indices taken from an array (np.argsort, np.int64) were refused as 'a leaf is named by its index or
+    path, got np.int64(1)', which is one; they are read as the Python ints they are (as speculative_step's order
+    takes them), out of range still refused, numpy's bools too."""
+    import numpy as np
+
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    want = ck.torch_param_groups(adamw, params, groups=[[1], [0]])
+    got = ck.torch_param_groups(adamw, params, groups=[list(np.array([1])), [np.int32(0)]])
+    assert [[p.shape for p in g["params"]] for g in got] == [[p.shape for p in g["params"]] for g in want]
+    with pytest.raises(ck.CheckpointError, match=r"groups: leaf index 2 is out of range"):
+        ck.torch_param_groups(adamw, params, groups=[[np.int64(2)], [0]])
+    with pytest.raises(ck.CheckpointError, match=r"groups: a leaf is named by its index or path"):
+        ck.torch_param_groups(adamw, params, groups=[[np.True_], [0]])

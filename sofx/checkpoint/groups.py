@@ -40,6 +40,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.checkpoint.errors import CheckpointError
 from sofx.kernels.base import as_number, is_number
+from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams"]
 
@@ -96,10 +97,10 @@ def saved_hparams(group: Any, at: str, missing: str,
 
 
 def _leaf_index(ref: Any, paths: list[str]) -> int:
-    if isinstance(ref, int) and not isinstance(ref, bool):
+    if isinstance(ref, numbers.Integral) and not is_bool(ref):  # (numpy's integers too: an index from an array)
         if not 0 <= ref < len(paths):
             raise CheckpointError(f"groups: leaf index {ref} is out of range (the params have {len(paths)} leaves)")
-        return ref
+        return int(ref)
     if isinstance(ref, str):
         named = [i for i, path in enumerate(paths) if path in (ref, f"params[{ref!r}]")]
         if len(named) > 1:  # a key written as another leaf's path, or two keys of equal repr
