@@ -24,6 +24,10 @@ class EngineStepReport(StepReport):
     With an in-process executor (inline, thread) ``"ready"`` and
     ``"speculate"`` are logged where the decision is taken, in the executor,
     in arrival order.
+    A block number ``b`` is the engine's: its parameters are
+    ``engine.layouts[b].param_indices``, positions in the flat list of the
+    parameters in the order they were given (groups in order, then each
+    group's ``params``), not the model's order of layers.
     ``executor``: the executor that ran the CPU blocks; ``iteration``: the
     1-based number of ``step()`` calls.
     """
