@@ -531,9 +531,8 @@ class Adam:
         _validate_donate(donate)
         spec, leaves = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
-        # every leaf's kernel chosen (or refused) before any snapshot is restored
-        kernels = [self._kernel(leaf) if rec is not None and rec.strategy != "snapshot" else None
-                   for leaf, rec in zip(leaves, record.leaves)]
+        # every leaf's kernel chosen (or refused) before any snapshot is restored; once per kind of leaf
+        kernels = self._kernels(leaves, [rec is not None and rec.strategy != "snapshot" for rec in record.leaves])
         _check_writes(leaves, copies, donate, record)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
@@ -1007,13 +1006,14 @@ class Adam:
             memo[key] = scalars, strategy, reason
         return scalars, strategy, reason
 
-    def _kernels(self, leaves: Sequence[_Leaf]) -> list[Any]:
-        """:meth:`_kernel` of each leaf with a gradient (None for the others), chosen once per kind of leaf
-        (untraced kinds once per optimizer: the choice depends on nothing else)."""
+    def _kernels(self, leaves: Sequence[_Leaf], wanted: Sequence[bool] | None = None) -> list[Any]:
+        """:meth:`_kernel` of each leaf with a gradient (``wanted``: of each leaf it flags; an undo's, whose leaves
+        have none), None for the others, chosen once per kind of leaf (untraced kinds once per optimizer: the
+        choice depends on nothing else); a refusal names the first leaf of its kind, as :meth:`_kernel`."""
         chosen: dict[tuple, Any] = {}
         out = []
-        for leaf in leaves:
-            if leaf.g is None:
+        for k, leaf in enumerate(leaves):
+            if (leaf.g is None) if wanted is None else not wanted[k]:
                 out.append(None)
                 continue
             key = (leaf.traced, leaf.p.device, leaf.p.dtype, leaf.m.dtype)

@@ -1373,3 +1373,32 @@ def test_forced_algebraic_l2_plan_is_shared_by_leaves_where_the_decay_is_zero(mo
         topt.step()
         for t, k in zip(tp, sorted(params)):
             torch.testing.assert_close(p1[k], t.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_undo_chooses_each_kind_of_leaf_s_kernel_once(rng, monkeypatch):
+    """undo picks the kernel of each kind of leaf (device, dtypes) once, as update does, not once a leaf (a
+    select_backend each: ~2 us a leaf); the results are a tree of that leaf alone's. A backend that cannot run
+    a leaf is still refused naming the first such leaf, before anything is restored."""
+    adam_module = importlib.import_module("sofx.adam")
+    params = {"a": torch.randn(5, generator=rng), "b": torch.randn(6, generator=rng, dtype=torch.float64),
+              "c": torch.randn(7, generator=rng), "d": torch.randn(3, generator=rng, dtype=torch.float64)}
+    grads = {k: torch.randn(v.shape, generator=rng, dtype=v.dtype) for k, v in params.items()}
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    state = opt.init(params)
+    p1, s1, rec = opt.update(params, grads, state)
+    chosen = []
+    real = adam_module.select_backend
+    monkeypatch.setattr(adam_module, "select_backend", lambda *a: chosen.append(a[2]) or real(*a))
+    p0, s0 = sofx.adamw(lr=1e-2, weight_decay=0.1).undo(p1, s1, rec)
+    assert sorted(chosen, key=str) == [torch.float32, torch.float64]
+    for k in params:
+        one = lambda t: {k: t[k]}  # noqa: E731
+        q1, t1, r1 = opt.update(one(params), one(grads), sofx.AdamState(*(one(x) for x in state)))
+        q0, t0 = opt.undo(q1, t1, r1)
+        for got, want in ((p0, q0), (s0.mu, t0.mu), (s0.nu, t0.nu), (s0.count, t0.count)):
+            assert torch.equal(got[k], want[k]), k
+    p1, s1, rec = opt.update(params, grads, state)
+    before = clone_tree((p1, s1))
+    with pytest.raises(sofx.UnsupportedError, match=r"^params\['b'\]: backend 'cpu' does not support"):
+        sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu").undo(p1, s1, rec, donate=True)
+    assert trees_equal((p1, s1), before) and not rec.used
