@@ -195,8 +195,8 @@ class _Leaf(NamedTuple):
     hp: AdamHParams
     traced: bool  # a tensor or hparam of the leaf is traced (vmap, grad, compile): values cannot be read
     steps: Any  # the count as a Python int where it can be read (else the tensor itself)
-    # _gather's proof that p, g, m, v are what the cpu kernels' promise (kernels.base.CALLS_CHECKED) says: plain
-    # tensors alike (g of p's dtype, m and v of one), contiguous, each in its storage, untraced, g given. False
+    # _gather's proof that p, m, v (and g where given) are what the cpu kernels' promise (kernels.base.CALLS_CHECKED)
+    # says: plain tensors alike (g of p's dtype, m and v of one), contiguous, each in its storage, untraced. False
     # in a leaf made from another with other tensors (_replace).
     plain: bool = False
 
@@ -360,9 +360,9 @@ class Adam:
             new_c[k] = leaf.count + 1
             pending.append((k, kernels[k], call))
         calls = {k: call for k, _, call in pending}
+        plain = all(leaves[k].plain for k, _, _ in pending)
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.step_many(calls, self.variant),
-                                               leaves if covered else None,
-                                               checked=all(leaves[k].plain for k, _, _ in pending)):
+                                               leaves if covered else None, checked="step" if plain else None):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
         flagged = flags.flagged()  # leaves with a chunk the step left alone (see skipped_chunks)
         if flagged and snapshot_limit_bytes is not None:
@@ -529,7 +529,7 @@ class Adam:
         as in :meth:`update` (they receive the restored parameters).
         """
         _validate_donate(donate)
-        spec, leaves = self._check_record(params, state, record)
+        spec, leaves, plain = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
         # every leaf's kernel chosen (or refused) before any snapshot is restored; once per kind of leaf
         kernels = self._kernels(leaves, [rec is not None and rec.strategy != "snapshot" for rec in record.leaves])
@@ -547,7 +547,9 @@ class Adam:
             else:
                 new_c[k] = rec.count_before
                 pending.append((k, kernels[k], _undo_call(leaf, rec, donate, copy)))
-        for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant)):
+        checked = "undo" if all(plain[k] for k, _, _ in pending) else None  # (the kernels' promise: see there)
+        for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant),
+                                               checked=checked):
             if record.leaves[k].strategy == "chunk_snapshot":
                 skipped_chunks.restore_chunks(record.leaves[k], (p0, m0, v0), copies[k])
             m0, v0 = _zero_if_fresh(record.leaves[k], m0, v0, donate)
@@ -593,7 +595,7 @@ class Adam:
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
-        spec, leaves = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
+        spec, leaves, plain = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
         _validate_grads_finite(grads_finite)
@@ -707,8 +709,10 @@ class Adam:
                     undone, plan, donate, copy, copy_snapshots=donate or _keeps_callers(undone, rec),
                     leaf_owned=rec is not None)
         calls = {k: call for k, _, call in pending}
+        # (a leaf stepped as its memory is another, not plain: its record's gradient is another too)
+        checked = "undo_redo" if all(plain[k] and leaves[k].plain for k, _, _ in pending) else None
         for k, (p2, m2, v2) in _run_by_backend(pending, lambda b, calls: b.undo_redo_many(calls, self.variant),
-                                               leaves if covered else None):
+                                               leaves if covered else None, checked=checked):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
         for k, (p2, m2, v2) in _run_by_backend(from_kept, lambda b, calls: b.step_many(calls, self.variant)):
             new_p[k], new_m[k], new_v[k] = p2, m2, v2
@@ -729,9 +733,12 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, self.variant)
 
     def _check_record(self, params: Any, state: AdamState, record: UndoRecord, grads: Any = None,
-                      hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf]]:
+                      hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf], list[bool]]:
         """Check that ``record`` can undo ``(params, state)`` (and, for a redo, the new ``grads`` and
-        ``hparams``, gathered into the leaves); raise :class:`UndoError` otherwise."""
+        ``hparams``, gathered into the leaves); raise :class:`UndoError` otherwise. Also returns, per leaf,
+        whether it and its record's gradient are what the kernels' promise says (``checked`` of
+        :func:`_run_by_backend`): a :attr:`_Leaf.plain` leaf whose record keeps nothing (an algebraic one) and
+        whose gradient is a plain tensor of its shape, dtype and device, contiguous in its storage, untraced."""
         if not isinstance(record, UndoRecord):
             raise UndoError(f"expected an UndoRecord, got {type(record).__name__}")
         if record.used:
@@ -743,13 +750,17 @@ class Adam:
         if len(record.leaves) != len(leaves):
             raise UndoError(f"the record covers {len(record.leaves)} leaves, params have {len(leaves)}")
         compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
-        for leaf, rec in zip(leaves, record.leaves):
+        traced = leaf_tracer()
+        plain = [False] * len(leaves)
+        for k, (leaf, rec) in enumerate(zip(leaves, record.leaves)):
             if rec is None:
                 continue
             if rec.strategy == "none":
                 raise UndoError(f"{leaf.path}: this step cannot be undone ({rec.reason})")
             if not compiling:
-                _check_record_storage(leaf, rec)
+                # (a plain leaf's own gradient, the record's, is plain: a late clip's redo)
+                plain[k] = _check_record_storage(leaf, rec) and leaf.plain and (
+                    rec.grad is leaf.g or (type(rec.grad) is torch.Tensor and not traced(rec.grad)))
             have, want = leaf.steps, as_number(rec.step)
             if is_number(have) and is_number(want) and have != want:
                 raise UndoError(f"{leaf.path}: the state's step count is {have}, the record undoes step {want}: "
@@ -770,7 +781,7 @@ class Adam:
                 # (an algebraic record keeps nothing else to tell: of fp32 params, it inverted bf16 ones silently)
                 raise UndoError(f"{leaf.path}: the record's gradient is {rec.grad.dtype} on {rec.grad.device}, the "
                                 f"parameter {leaf.p.dtype} on {leaf.p.device}: the record is not of these params")
-        return spec, leaves
+        return spec, leaves, plain
 
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -962,7 +973,7 @@ class Adam:
                 hp_traced[id(hp)] = traced(*hp)
             leaf_traced = hp_traced[id(hp)] or traced(p, g, m, v)
             leaves.append(_Leaf(path, p, g, c, m, v, hp, leaf_traced, steps,
-                                alike and contiguous and g is not None and not leaf_traced and type(p) is torch.Tensor))
+                                alike and contiguous and not leaf_traced and type(p) is torch.Tensor))
         return spec, leaves
 
     def _kernel(self, leaf: _Leaf) -> Any:
@@ -1324,20 +1335,21 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
                                  f"{'the step was taken back' if flagged else 'nothing was changed'}", need, limit)
 
 
-def _check_record_storage(leaf: _Leaf, rec: LeafUndo) -> None:
+def _check_record_storage(leaf: _Leaf, rec: LeafUndo) -> bool:
     """Raise :class:`UndoError` where a tensor ``rec`` holds (its gradient and the step count it restores, the
     caller's own tensors unless copied; its kept values and chunk list) reaches past the end of its storage
     (:func:`~sofx.kernels.storage.storage_shortfall`: freed since the step, as FSDP frees gradients). The common
     case, an algebraic record's gradient and count contiguous in their storage, is a test each (not under
-    ``torch.compile``)."""
+    ``torch.compile``); returns whether it was that case (the gradient contiguous in its storage, nothing kept)."""
     count = rec.count_before  # (a number where torch.func rebuilt the record with non-tensor leaves)
     if (rec.p_old is None and rec.m_old is None and rec.v_old is None and rec.chunks is None
             and in_storage(rec.grad) and (not isinstance(count, torch.Tensor) or in_storage(count))):
-        return
+        return True
     for name, t in (("gradient", rec.grad), ("count_before", count), ("kept p", rec.p_old),
                     ("kept m", rec.m_old), ("kept v", rec.v_old), ("kept chunks", rec.chunks)):
         if isinstance(t, torch.Tensor):
             refuse_short_storage(t, lambda: f"{leaf.path}: the record's {name}", UndoError)
+    return False
 
 
 def _check_kept_whole(leaf: _Leaf, rec: LeafUndo) -> None:
@@ -1557,7 +1569,7 @@ def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags
 
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
                     run: Callable[[Any, list], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
-                    leaves: Sequence[_Leaf] | None = None, checked: bool = False,
+                    leaves: Sequence[_Leaf] | None = None, checked: str | None = None,
                     ) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """``(leaf index, results)`` for every ``(leaf index, backend, call)`` of ``pending``: one
     ``run(backend, calls)`` per backend (its ``*_many`` function, which runs many leaves per launch
@@ -1565,16 +1577,19 @@ def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
     memory was left to the kernel, see :func:`_kernel_checks_memory`). Every tensor of the calls lies in its
     storage (the caller's, checked by :meth:`Adam._gather`, :func:`_check_record_storage` and
     :func:`_param_copies`; the others made here): the kernels run under
-    :func:`~sofx.kernels.base.storage_checked`. ``checked``: the calls are :meth:`Adam.update`'s steps of
-    :attr:`_Leaf.plain` leaves (its :func:`_writable_leaves` checked those it writes, its ``skip`` flags are
-    :func:`_chunk_flags`'): run under :func:`~sofx.kernels.base.calls_checked` instead, which promises it."""
+    :func:`~sofx.kernels.base.storage_checked`. ``checked``: the operation (``"step"``, ``"undo"``,
+    ``"undo_redo"``) of calls whose every tensor the promise covers Adam checked: :meth:`Adam.update`'s steps,
+    :meth:`Adam.undo`'s undos and :meth:`Adam.undo_redo`'s fused calls of :attr:`_Leaf.plain` leaves, the
+    undone records' gradients plain too (:meth:`Adam._check_record`), those written checked by
+    :func:`_writable_leaves`, ``skip`` flags :func:`_chunk_flags`': run under
+    :func:`~sofx.kernels.base.calls_checked` of that operation instead, which promises it."""
     by_backend: dict[int, list[int]] = {}
     for i, (_, backend, _) in enumerate(pending):
         by_backend.setdefault(id(backend), []).append(i)
     out = []
     for members in by_backend.values():
         try:
-            with calls_checked() if checked else storage_checked():
+            with calls_checked(checked) if checked is not None else storage_checked():
                 results = run(pending[members[0]][1], [pending[i][2] for i in members])
         except MemoryOverlapError as e:
             if leaves is None:

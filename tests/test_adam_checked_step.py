@@ -189,6 +189,102 @@ def test_the_kernel_does_not_check_again_the_tensors_update_checked(backend, don
     assert checked == [10]
 
 
+def _undone_both_ways(opt, params, state, grads, grads2, donate, copies=None):
+    """``(results, kernel checks)`` of an undo and of an undo_redo (new gradients, a new grad_scale) of an update of
+    ``params``: each a fresh update's record, and the blocks the cpu kernels checked (``_plain_native``'s calls,
+    recorded in ``_checks``) in that call."""
+    out = []
+    for redo in (False, True):
+        p, s, rec = opt.update(_clone(params), grads, _clone(state))
+        _checks.clear()
+        res = opt.undo_redo(p, s, rec, grads2, grad_scale=0.5, donate=donate, param_copies=copies)[:2] if redo \
+            else opt.undo(p, s, rec, donate=donate, param_copies=copies)
+        out.append((res, list(_checks)))
+    return out
+
+
+_checks: list = []
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_fast"])
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_kernel_does_not_check_again_the_tensors_undo_and_undo_redo_checked(backend, donate, rng, monkeypatch):
+    """undo's and undo_redo's fused calls of plain leaves whose records keep nothing (algebraic: the record's
+    gradient a plain tensor of the leaf's shape and dtype, contiguous in its storage, untraced; undo_redo's new
+    gradient a plain leaf's) go to the kernel's table without its per-tensor checks (cpu._plain_native), with the
+    results of the checked way; a record that keeps the parameter (param_snapshot), a leaf with a parameter copy,
+    an empty one, and a call of the kernel's own are checked there as before."""
+    real = cpu._plain_native
+    monkeypatch.setattr(cpu, "_plain_native", lambda op, b, *a: _checks.append((op, b.p.numel())) or real(op, b, *a))
+    params = {"a": torch.randn(3000, generator=rng), "b": torch.randn(5, 7, generator=rng),
+              "e": torch.randn(0, generator=rng)}
+    grads, grads2 = ({k: torch.randn(v.shape, generator=rng) for k, v in params.items()} for _ in range(2))
+    step, undo, redo = cpu.src.OP_STEP, cpu.src.OP_UNDO, cpu.src.OP_UNDO_REDO
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend=backend)
+    l2 = sofx.adam(lr=1e-2, weight_decay=0.1, backend=backend)  # (its first step keeps the parameter)
+    warm = _warm_state(opt, params, rng)  # (a redo that is not lossy: fused, no chunk finished after it)
+    for o, start, promised in ((opt, warm, True), (l2, (params, l2.init(params)), False)):
+        got = _undone_both_ways(o, *start, grads, grads2, donate)
+        with monkeypatch.context() as m:
+            m.setattr(cpu, "_checked_native", lambda *a: None)  # the checked way, every block
+            want = _undone_both_ways(o, *start, grads, grads2, donate)
+        assert [c for _, c in want] == ([[(undo, 3000), (undo, 35), (undo, 0)], [(redo, 3000), (redo, 35), (redo, 0)]]
+                                        if promised else [[(undo, 3000), (undo, 35), (undo, 0)],
+                                                          [(undo, 3000), (step, 3000), (undo, 35), (step, 35),
+                                                           (undo, 0), (step, 0)]])
+        assert [c for _, c in got] == ([[(undo, 0)], [(redo, 0)]] if promised else [c for _, c in want])
+        for (a, _), (b, _) in zip(got, want):
+            assert _same(a, b)
+    copies = {"a": None, "b": torch.zeros(5, 7, dtype=torch.bfloat16), "e": None}
+    got = _undone_both_ways(opt, *warm, grads, grads2, donate, copies)
+    assert [c for _, c in got] == [[(undo, 35), (undo, 0)], [(redo, 35), (redo, 0)]]
+    assert torch.equal(copies["b"], got[1][0][0]["b"].bfloat16())
+    _checks.clear()
+    p, g, m, v = (torch.randn(10, generator=rng) for _ in range(4))
+    kernel = cpu if backend == "cpu" else importlib.import_module("sofx.kernels.cpu_fast")
+    s = sofx.kernels.base.AdamScalars(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, 1.0)
+    kernel.undo_many([sofx.kernels.base.UndoCall(p, g, m, v, s)], opt.variant)
+    kernel.undo_redo_many([sofx.kernels.base.UndoRedoCall(p, m, v, g, s, g.clone(), s)], opt.variant)
+    assert _checks == [(undo, 10), (redo, 10)]
+
+
+@pytest.mark.parametrize("redo", [False, True])
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_record_gradient_undo_cannot_vouch_for_is_checked_in_the_kernel(redo, donate, rng, monkeypatch):
+    """The kernels' promise covers a record's gradient only where undo and undo_redo proved it plain: one that is
+    not contiguous (the step's gradient a transposed view) goes to the kernel's checks, with the results of a
+    contiguous one; one that requires grad (in grad mode) is refused there as before, naming it, nothing
+    changed."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu")
+    params = {"a": torch.randn(300, generator=rng), "b": torch.randn(5, 7, generator=rng)}
+    grads = {"a": torch.randn(300, generator=rng), "b": torch.randn(7, 5, generator=rng).t()}
+    grads2 = {k: torch.randn(v.shape, generator=rng) for k, v in params.items()}
+    p1, s1 = _warm_state(opt, params, rng)  # (the step undone algebraically: its record keeps the gradient alone)
+
+    def undone(grads):
+        p, s, rec = opt.update(_clone(p1), grads, _clone(s1))
+        assert rec.strategies() == ["algebraic", "algebraic"]
+        if redo:
+            return opt.undo_redo(p, s, rec, grads2, grad_scale=0.5, donate=donate)[:2]
+        return opt.undo(p, s, rec, donate=donate)
+
+    real = cpu._plain_native
+    monkeypatch.setattr(cpu, "_plain_native", lambda op, b, *a: _checks.append(b.p.numel()) or real(op, b, *a))
+    _checks.clear()
+    got = undone(grads)
+    assert _checks[-1:] == [35]
+    assert _same(got, undone({k: g.contiguous() for k, g in grads.items()}))
+    p, s, rec = opt.update(_clone(p1), grads2, _clone(s1))
+    rec.leaves[1].grad = rec.leaves[1].grad.clone().requires_grad_()
+    before = _clone((p, s))
+    with pytest.raises(sofx.UnsupportedError, match=r"\[1\]: g(_old)? requires grad"):
+        if redo:
+            opt.undo_redo(p, s, rec, grads2, grad_scale=0.5, donate=donate)
+        else:
+            opt.undo(p, s, rec, donate=donate)
+    assert _same((p, s), before) and not rec.used
+
+
 def test_the_layout_of_leaves_update_checked_is_not_tested_again(rng, monkeypatch):
     """Whether a leaf's step is checked in its kernel asks for one dense layout; _gather proved it of plain leaves
     (contiguous tensors alike), which are not tested again (one_dense_layout); a non-contiguous leaf, one with a

@@ -454,27 +454,35 @@ def storage_checked() -> Any:
         STORAGE_CHECKED.reset(token)
 
 
-#: True while :class:`sofx.Adam` runs the list-form step calls of leaves it checked itself, leaf by leaf, naming
-#: their paths (:func:`calls_checked`; not for other callers): in every call, ``p, g, m, v`` are plain
-#: ``torch.Tensor`` objects (no subclass) of one shape and device, contiguous, each in its storage, ``g`` of
-#: ``p``'s dtype and ``v`` of ``m``'s, none wrapped by a ``torch.func`` transform nor requiring grad while grad
-#: mode is on; ``out`` is None or ``(p, m, v)`` themselves, writable (not inference tensors outside inference
-#: mode); ``skip`` is None or a fresh contiguous uint8 vector of one flag per chunk. The cpu backends then build
-#: such a call's table row without testing those again (~4 us a call); what the promise does not cover (a
-#: parameter copy, an empty block, dtypes the native code lacks, the memory overlap between calls) they test as
-#: for any caller.
-CALLS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("sofx_calls_checked", default=False)
+#: The operations (``"step"``, ``"undo"``, ``"undo_redo"``) whose list-form calls :class:`sofx.Adam` runs now,
+#: having checked every one itself, leaf by leaf, naming their paths (:func:`calls_checked`; not for other
+#: callers). In every call of such an operation, ``p, m, v`` and its gradients (a step's ``g``, an undo's ``g``,
+#: an undo+redo's ``g_old`` and ``g_new``) are plain ``torch.Tensor`` objects (no subclass) of one shape and
+#: device, contiguous, each in its storage, the gradients of ``p``'s dtype and ``v`` of ``m``'s, none wrapped by a
+#: ``torch.func`` transform nor requiring grad while grad mode is on; ``out`` is None or ``(p, m, v)``
+#: themselves, writable (not inference tensors outside inference mode); ``skip`` is None or a fresh contiguous
+#: uint8 vector of one flag per chunk. The cpu backends then build such a call's table row without testing those
+#: again (~4 us a call); what the promise does not cover (a kept ``p_old``, a parameter copy, an empty block,
+#: dtypes the native code lacks, the memory overlap between calls) they test as for any caller, and the calls of
+#: other operations as any caller's.
+CALLS_CHECKED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("sofx_calls_checked",
+                                                                                default=frozenset())
+
+#: The operations :data:`CALLS_CHECKED` may name.
+CHECKED_OPS = frozenset({"step", "undo", "undo_redo"})
 
 
 @contextlib.contextmanager
-def calls_checked() -> Any:
-    """Run kernel calls under :data:`CALLS_CHECKED` (and :data:`STORAGE_CHECKED`, which it implies): for
-    :class:`sofx.Adam` alone, which made the promise true of the calls it runs so. Nothing to set under
-    ``torch.compile`` (as :func:`storage_checked`)."""
+def calls_checked(*ops: str) -> Any:
+    """Run the calls of ``ops`` (of :data:`CHECKED_OPS`) under :data:`CALLS_CHECKED` (and every call under
+    :data:`STORAGE_CHECKED`, which it implies): for :class:`sofx.Adam` alone, which made the promise true of the
+    calls of those operations it runs so. Nothing to set under ``torch.compile`` (as :func:`storage_checked`)."""
+    if not ops or not CHECKED_OPS.issuperset(ops):
+        raise ValueError(f"calls_checked{ops}: expected one or more of {sorted(CHECKED_OPS)}")
     if torch.compiler.is_compiling():
         yield
         return
-    token = CALLS_CHECKED.set(True)
+    token = CALLS_CHECKED.set(frozenset(ops))
     try:
         with storage_checked():
             yield

@@ -343,15 +343,17 @@ def _plain_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Arra
     return _Native(dtypes, ptrs, n, s1, s2, targets, pc is not None)
 
 
-def _checked_native(b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array) -> _Native | None:
-    """:func:`_plain_native` of a step's block under :data:`~sofx.kernels.base.CALLS_CHECKED`, whose caller
-    (:class:`sofx.Adam`) checked what that function tests of ``p, g, m, v``, ``out`` and ``skip``: only what the
-    promise leaves out is tested here (CPU tensors, dtypes ``lib`` reads, at least one element, no parameter
-    copy, nothing of an undo's), else None (the block goes the way of any other caller's)."""
-    p, m, out = b.p, b.m, b.out
+def _checked_native(op: int, b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array, s2: ctypes.Array | None,
+                    ) -> _Native | None:
+    """:func:`_plain_native` of a block of ``op`` under :data:`~sofx.kernels.base.CALLS_CHECKED` (of that
+    operation), whose caller (:class:`sofx.Adam`) checked what that function tests of ``p, m, v``, the gradients
+    (``g``; an undo+redo's ``g2`` too), ``out`` and ``skip``: only what the promise leaves out is tested here (CPU
+    tensors, dtypes ``lib`` reads, at least one element, the second gradient an undo+redo's only, no kept
+    ``p_old``, no parameter copy), else None (the block goes the way of any other caller's)."""
+    p, m, g2, out = b.p, b.m, b.g2, b.out
     codes = _codes(lib)
-    if b.p_copy is not None or b.g2 is not None or b.p_old is not None or not p.is_cpu or p.dtype not in codes \
-            or m.dtype not in codes:
+    if b.p_copy is not None or b.p_old is not None or (g2 is None) == (op == src.OP_UNDO_REDO) or not p.is_cpu \
+            or p.dtype not in codes or m.dtype not in codes:
         return None
     n = p.numel()
     if n == 0:
@@ -362,8 +364,12 @@ def _checked_native(b: _Block, lib: _cpu_build.NativeLib, s1: ctypes.Array) -> _
         targets = [p, m, b.v]
     else:
         return None
-    dtypes, ptrs = _table_entry(codes, p, b.g, m, b.v, None, None, targets, None, b.skip)
-    return _Native(dtypes, ptrs, n, s1, None, targets, False)
+    dtypes, ptrs = _table_entry(codes, p, b.g, m, b.v, g2, None, targets, None, b.skip)
+    return _Native(dtypes, ptrs, n, s1, s2, targets, False)
+
+
+# The operations' names in the kernels' promise (base.CALLS_CHECKED)
+_OP_NAMES = {src.OP_STEP: "step", src.OP_UNDO: "undo", src.OP_UNDO_REDO: "undo_redo"}
 
 
 def _table_entry(codes: dict[torch.dtype, int], p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -476,7 +482,7 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
 
     grad, transforms = traced_possible()
     storage = not STORAGE_CHECKED.get()
-    checked = op == src.OP_STEP and CALLS_CHECKED.get()  # (the promise is of step calls)
+    checked = _OP_NAMES[op] in CALLS_CHECKED.get()  # (the promise names the operations it covers)
     plans: list[tuple[ctypes.Array | None, ctypes.Array | None, _Native | None]] = []
     for b, name, s1, s2 in zip(blocks, where, s1s, s2s):
         c1, c2 = scalar_block(s1), scalar_block(s2)
@@ -488,8 +494,8 @@ def _run_blocks(op: int, blocks: Sequence[_Block], variant: AdamVariant, exact: 
             else:
                 c1 = with_p_kept(c1)
         fast = None
-        if checked and c1 is not None:
-            fast = _checked_native(b, lib, c1)
+        if checked and c1 is not None and (s2 is None or c2 is not None):
+            fast = _checked_native(op, b, lib, c1, c2)
         if fast is None and c1 is not None and (s2 is None or c2 is not None):
             fast = _plain_native(op, b, lib, c1, c2, grad, transforms, storage)
         if fast is None:
