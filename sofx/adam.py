@@ -533,7 +533,14 @@ class Adam:
         copies = _param_copies(spec, leaves, param_copies)
         # every leaf's kernel chosen (or refused) before any snapshot is restored; once per kind of leaf
         kernels = self._kernels(leaves, [rec is not None and rec.strategy != "snapshot" for rec in record.leaves])
-        _check_writes(leaves, copies, donate, record)
+        # (the memory of the call is its kernel's to check where that has every tensor: each leaf inverted in it,
+        # nothing restored from kept values around it; plain leaves, which cannot overlap themselves: the pass names
+        # such a one as before)
+        covered = _kernel_checks_memory(kernels, [rec is not None and rec.strategy in _INVERTED and leaf.plain
+                                                  for leaf, rec in zip(leaves, record.leaves)],
+                                        leaves, copies, donate, record)
+        if not covered:
+            _check_writes(leaves, copies, donate, record)
         new_p = [leaf.p for leaf in leaves]
         new_m = [leaf.m for leaf in leaves]
         new_v = [leaf.v for leaf in leaves]
@@ -549,7 +556,7 @@ class Adam:
                 pending.append((k, kernels[k], _undo_call(leaf, rec, donate, copy)))
         checked = "undo" if all(plain[k] for k, _, _ in pending) else None  # (the kernels' promise: see there)
         for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant),
-                                               checked=checked):
+                                               leaves if covered else None, checked, _UNDO_KERNEL_ROLES):
             if record.leaves[k].strategy == "chunk_snapshot":
                 skipped_chunks.restore_chunks(record.leaves[k], (p0, m0, v0), copies[k])
             m0, v0 = _zero_if_fresh(record.leaves[k], m0, v0, donate)
@@ -1289,6 +1296,8 @@ _ROLES = ("params", "state.mu", "state.nu", "grads", "param_copies", "the undo r
 # A kernel call's roles (base.MemoryOverlapError) as a leaf's
 _KERNEL_ROLES = {"p": 0, "out[0]": 0, "m": 1, "out[1]": 1, "v": 2, "out[2]": 2, "g": _GRAD, "g_new": _GRAD,
                  "g_old": 5, "p_old": 6, "p_copy": _COPY, "skip": 9}
+# An undo call's (its g is the record's gradient)
+_UNDO_KERNEL_ROLES = {**_KERNEL_ROLES, "g": 5}
 
 
 def _role_name(leaf: _Leaf, role: int) -> str:
@@ -1570,11 +1579,13 @@ def _chunk_flags(leaves: Sequence[_Leaf], wanted: Sequence[bool]) -> _ChunkFlags
 def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
                     run: Callable[[Any, list], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
                     leaves: Sequence[_Leaf] | None = None, checked: str | None = None,
+                    roles: Mapping[str, int] = _KERNEL_ROLES,
                     ) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """``(leaf index, results)`` for every ``(leaf index, backend, call)`` of ``pending``: one
     ``run(backend, calls)`` per backend (its ``*_many`` function, which runs many leaves per launch
     where it can). ``leaves``: a backend's refusal of shared memory is named by leaf paths (the call's
-    memory was left to the kernel, see :func:`_kernel_checks_memory`). Every tensor of the calls lies in its
+    memory was left to the kernel, see :func:`_kernel_checks_memory`; ``roles``: the leaf's role of each of the
+    calls' arguments, :data:`_UNDO_KERNEL_ROLES` for undo calls). Every tensor of the calls lies in its
     storage (the caller's, checked by :meth:`Adam._gather`, :func:`_check_record_storage` and
     :func:`_param_copies`; the others made here): the kernels run under
     :func:`~sofx.kernels.base.storage_checked`. ``checked``: the operation (``"step"``, ``"undo"``,
@@ -1594,7 +1605,7 @@ def _run_by_backend(pending: Sequence[tuple[int, Any, Any]],
         except MemoryOverlapError as e:
             if leaves is None:
                 raise
-            a, b = (_role_name(leaves[pending[members[i]][0]], _KERNEL_ROLES[role]) for i, role in (e.first, e.second))
+            a, b = (_role_name(leaves[pending[members[i]][0]], roles[role]) for i, role in (e.first, e.second))
             raise LeafError(overlap_message(a) if e.first == e.second else shared_memory_message(a, b)) from None
         out += [(pending[i][0], r) for i, r in zip(members, results)]
     return out
@@ -1605,8 +1616,9 @@ def _kernel_checks_memory(kernels: Sequence[Any], in_call: Sequence[bool], leave
                           record: UndoRecord | None = None) -> bool:
     """Whether the memory of a call is left to its kernel: every leaf goes to it (``in_call``: in its list
     call; a leaf without a gradient has no kernel), one backend, which checks (``CHECKS_OVERLAP``), and the
-    A parameter copy that requires grad, or a donated inference tensor, is refused here (the kernel writes raw
-    memory; a leaf that requires grad is traced, stepped by the reference)."""
+    call's tensors are each the kernel's to check against the others. A parameter copy that requires grad, or a
+    donated inference tensor, is refused here (the kernel writes raw memory; a leaf that requires grad is
+    traced, stepped by the reference)."""
     first = kernels[0] if kernels else None
     if not (first is not None and getattr(first, "CHECKS_OVERLAP", False) and all(in_call)
             and all(k is first for k in kernels)):
