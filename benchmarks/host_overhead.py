@@ -7,7 +7,8 @@
 Variants, alternating round by round, medians of ``--rounds`` calls: ``torch.optim.AdamW`` ``step()``
 (fused and foreach; the anchors), ``sofx.adamw(backend=...).update`` donated with ``grads_finite=True``
 and without it (the gradients then checked in the kernels' pass), for the ``cpu`` and ``cpu_fast``
-backends, and one-block ``sofx.kernels.cpu.step`` calls (the kernel contract's own host cost). Prints
+backends, one-block ``sofx.kernels.cpu.step`` calls (the kernel contract's own host cost), and the
+``undo`` and late-clip ``undo_redo`` of a hinted update (the update untimed before each call). Prints
 milliseconds per call and microseconds per tensor. Two threads.
 """
 
@@ -42,6 +43,32 @@ def sofx_update(values: list[torch.Tensor], grads: list[torch.Tensor], backend: 
     return step
 
 
+def sofx_undo(values: list[torch.Tensor], grads: list[torch.Tensor], backend: str,
+              redo: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(call, reset)``: ``reset`` (untimed) takes a donated, hinted update; ``call`` undoes it
+    (``undo``), or undoes and redoes it at ``grad_scale=0.5`` with the same gradients (``undo_redo``, a
+    late clip's), donated. Five updates first: the records are those of a running optimizer's steps."""
+    opt = sofx.adamw(lr=1e-3, weight_decay=0.01, backend=backend)
+    box = {"params": [v.clone() for v in values]}
+    box["state"] = opt.init(box["params"])
+
+    def reset() -> None:
+        box["params"], box["state"], box["record"] = opt.update(box["params"], grads, box["state"], donate=True,
+                                                                grads_finite=True)
+
+    for _ in range(5):
+        reset()
+
+    def call() -> None:
+        if redo:
+            box["params"], box["state"], _ = opt.undo_redo(box["params"], box["state"], box["record"], grads,
+                                                           grad_scale=0.5, donate=True, grads_finite=True)
+        else:
+            box["params"], box["state"] = opt.undo(box["params"], box["state"], box["record"], donate=True)
+
+    return call, reset
+
+
 def torch_step(values: list[torch.Tensor], grads: list[torch.Tensor], kind: str) -> Callable[[], None]:
     params = [torch.nn.Parameter(v.clone()) for v in values]
     for p, g in zip(params, grads):
@@ -60,6 +87,10 @@ def kernel_calls(values: list[torch.Tensor], grads: list[torch.Tensor]) -> Calla
             cpu.step(p, g, m, v, s, variant, out=(p, m, v))
 
     return step
+
+
+def _nothing() -> None:
+    pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "sofx update, cpu_fast, checked in the pass": sofx_update(values, grads, "cpu_fast", None),
         "sofx.kernels.cpu.step, one call per tensor": kernel_calls(values, grads),
     }
-    times = time_alternating(steps, rounds)
+    resets: dict[str, Callable[[], None]] = {name: _nothing for name in steps}
+    for name, redo in (("sofx undo of an update, cpu", False), ("sofx undo_redo (late clip), cpu", True)):
+        steps[name], resets[name] = sofx_undo(values, grads, "cpu", redo)
+    times = time_alternating(steps, rounds, resets)
     print(f"{tensors} tensors of {args.numel} float32 elements; {args.threads} threads; median of {rounds} calls; "
           f"native kernels: {cpu.native_available()}")
     print()

@@ -442,7 +442,8 @@ def test_host_overhead_script_runs(scripts):
     assert [row.split(" | ")[0] for row in rows] == [
         "| torch AdamW(fused=True).step()", "| torch AdamW(foreach=True).step()", "| sofx update, cpu, hinted",
         "| sofx update, cpu, checked in the pass", "| sofx update, cpu_fast, hinted",
-        "| sofx update, cpu_fast, checked in the pass", "| sofx.kernels.cpu.step, one call per tensor"]
+        "| sofx update, cpu_fast, checked in the pass", "| sofx.kernels.cpu.step, one call per tensor",
+        "| sofx undo of an update, cpu", "| sofx undo_redo (late clip), cpu"]
     for row in rows:
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
 
