@@ -664,9 +664,11 @@ else:
         check_zero_edges_flagged_alike((tk,), rng)
 
     def test_checked_calls_flag_the_l2_term_alike_in_triton(rng):
-        """test_lossy_undo.py's check_l2_flags_alike on the Triton backend (_chunk_bad's L2 term, p_kept)."""
+        """test_lossy_undo.py's check_l2_flags_alike on the Triton backend (_chunk_bad's L2 term, p_kept), with 4
+        chunks and a partial one per call, not 12 (the interpreter runs a program per chunk, ~30 ms each): its 16
+        draws still flag 13 of 80 chunks, 7 of them by the L2 term alone (where p_kept flags fewer)."""
         from test_lossy_undo import COMBOS, check_l2_flags_alike
-        check_l2_flags_alike((tk,), rng, [c for c in COMBOS if c[0] == c[1]])
+        check_l2_flags_alike((tk,), rng, [c for c in COMBOS if c[0] == c[1]], nc=4)
 
     def test_a_weight_decay_that_rounds_to_0_in_float32_is_l2_decay_in_the_triton_check():
         """test_lossy_undo.py's test on the Triton kernels: their check tests the L2 term wherever the step adds

@@ -904,14 +904,15 @@ L2_SCALARS = [AdamScalars(lr, 0.9, 0.999, 1e-8, wd, t, 0.5) for lr, wd, t in ((1
                                                                                 (0.1, 0.1, 2), (0.3, 0.5, 50))]
 
 
-def check_l2_flags_alike(backends, gen: torch.Generator, combos=COMBOS) -> None:
+def check_l2_flags_alike(backends, gen: torch.Generator, combos=COMBOS, nc: int = 12) -> None:
     """``backends``' checked step and undo+redo (with and without p_old, p_kept or not) flag in L2 mode the
-    chunks lossy_elements finds, and so does the Python form of a checked call (cpu._reference_checked)."""
+    chunks lossy_elements finds, and so does the Python form of a checked call (cpu._reference_checked); ``nc``
+    chunks (and a partial one) per call."""
     variant = AdamVariant(decoupled=False)
     flagged = 0
     for combo in combos:
         for s in L2_SCALARS:
-            p, g, m, v = l2_risky(gen, 12, combo)
+            p, g, m, v = l2_risky(gen, nc, combo)
             s_old = s._replace(step=s.step - 1, grad_scale=1.0, weight_decay=0.05, beta1=0.8)
             g_old = (0.7 * g.float()).to(g.dtype)
             for kept in (False, True):
