@@ -23,6 +23,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import cached_native_build
 from script_runner import ScriptRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,10 +151,11 @@ def test_memory_floor_script_runs(scripts):
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
-def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, tmp_path, monkeypatch):
+def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, monkeypatch):
     """The traffic-only library's loops (the AVX-512 ones, or the AVX2 ones: on an AVX-512 CPU built with
     -mno-avx512f) are patched: a step adds the gradient to each moment, not Adam's update (a patch that missed
-    the loops in use would leave a floor equal to the kernels')."""
+    the loops in use would leave a floor equal to the kernels'). (Built in the library's cache, keyed by the
+    source and flags: once per machine and kernel source, not once per run.)"""
     from sofx.kernels import _cpu_build, cpu_fast
     from sofx.kernels.base import AdamScalars, AdamVariant
 
@@ -167,10 +169,7 @@ def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, tmp_pat
             pytest.skip("the native build is the AVX2 one here")
         flags.append("-mno-avx512f")
     floor = _module(os.path.join(ROOT, "benchmarks", "memory_floor.py"))
-    target = str(tmp_path / "traffic_only.so")
-    err = _cpu_build._compile(cc, flags, target, floor.traffic_only_source(_cpu_build.SOURCE))
-    assert err is None, err
-    traffic = _cpu_build._open(target)
+    traffic = cached_native_build(flags, floor.traffic_only_source(_cpu_build.SOURCE))
     assert traffic.vector_width == (8 if build == "avx2" else lib.vector_width)
     gen = torch.Generator().manual_seed(0)
     n = 3 * 4096 + 37  # a partial last vector too
