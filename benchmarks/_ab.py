@@ -108,7 +108,8 @@ SMOKE_BUILD_FLAGS = ("-Og",)
 
 
 def add_smoke_build_argument(ap: argparse.ArgumentParser) -> None:
-    """``--smoke-build``: the script's kernel builds at -Og (:data:`SMOKE_BUILD_FLAGS`)."""
+    """``--smoke-build``: the script's kernel builds at -Og (:data:`SMOKE_BUILD_FLAGS`; :func:`build_variants` keeps
+    them in the library's cache)."""
     ap.add_argument("--smoke-build", action="store_true",
                     help="build the kernels at -Og: a quarter of the compile time, times that mean nothing "
                          "(a smoke run)")
@@ -122,16 +123,19 @@ def extra_build_flags(args: argparse.Namespace) -> list[str]:
 def build_variants(sources: list[str], extra_flags: Sequence[str] = ()) -> list:
     """The native libraries built from ``sources`` (variants of ``sofx.kernels._cpu_build.SOURCE``; the library's
     flags, ``extra_flags`` after each set), compiled side by side (a compiler per core: one build takes ~25 s),
-    each in a temporary cache of its own, so that the library's cache is left alone; exits with the reason on
-    failure."""
+    each in a temporary cache of its own, so that the library's cache is left alone; but a smoke run's builds
+    (``extra_flags`` :data:`SMOKE_BUILD_FLAGS`: the tests' runs of the scripts, the same few sources each time) are
+    kept in the library's cache (keyed by the source and flags, so apart from its own build), built once per
+    machine and kernel source. Exits with the reason on failure."""
     from concurrent.futures import ThreadPoolExecutor
 
     from sofx.kernels import _cpu_build
 
     flag_sets = [[*flags, *extra_flags] for flags in _cpu_build._FLAG_SETS]
+    keep = tuple(extra_flags) == SMOKE_BUILD_FLAGS
     with tempfile.TemporaryDirectory() as cache, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        libs = list(pool.map(lambda i: _cpu_build._build_and_open(sources[i], os.path.join(cache, str(i)), flag_sets),
-                             range(len(sources))))
+        libs = list(pool.map(lambda i: _cpu_build._build_and_open(
+            sources[i], None if keep else os.path.join(cache, str(i)), flag_sets), range(len(sources))))
     for lib in libs:
         if isinstance(lib, str):
             sys.exit(lib)
