@@ -1,6 +1,7 @@
 """A/B helpers shared by the small benchmark scripts (arena_colouring.py, memory_floor.py, idle_rows.py,
 prefetch_stagger.py, serial_step.py, checked_update.py, host_overhead.py, triton_host.py): alternating
-rounds, timing a step and an undo+redo, a table per tensor, building a variant of the kernels."""
+rounds, timing a step and an undo+redo, a table per tensor, building a variant of the kernels (and, for
+kernel_compute.py and kernel_memory_ab.py, a program on the kernel source)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,38 @@ def build_variants(sources: list[str], extra_flags: Sequence[str] = ()) -> list:
 def build_variant(source: str, extra_flags: Sequence[str] = ()):
     """:func:`build_variants` of one source."""
     return build_variants([source], extra_flags)[0]
+
+
+def compile_program(program: str, directory: str, name: str, source: str | None = None, shared: bool = False,
+                    extra_flags: Sequence[str] = ()) -> str:
+    """``sofx.kernels._cpu_build.compile_program``'s build of ``program`` (in ``directory``), but a smoke run's
+    (``extra_flags`` :data:`SMOKE_BUILD_FLAGS`: the tests' runs of kernel_compute.py and kernel_memory_ab.py, the
+    same programs every run, ~9 s of a core each) is kept in ``programs`` in the library's cache directory, keyed
+    by the program, the kernel source, the compiler and its version, the flags and the CPU (as the library's own
+    build): built once per machine and kernel source (where that directory cannot take it, in ``directory``).
+    Returns its path; raises RuntimeError as that function does."""
+    import hashlib
+
+    from sofx.durable import fsync_best_effort
+    from sofx.kernels import _cpu_build
+
+    cc = _cpu_build._compiler()
+    if tuple(extra_flags) != SMOKE_BUILD_FLAGS or cc is None:
+        return _cpu_build.compile_program(program, directory, name, source, shared, extra_flags)
+    kernels = _cpu_build.SOURCE if source is None else source
+    key = hashlib.sha256("\0".join([program, kernels, cc, _cpu_build._compiler_version(cc), str(shared),
+                                    *extra_flags, *_cpu_build._TUNING, _cpu_build._cpu_fingerprint()])
+                         .encode()).hexdigest()[:24]
+    try:
+        cache = os.path.join(_cpu_build._cache_dir(), "programs")
+        path = os.path.join(cache, f"{name}_{key}{'.so' if shared else ''}")
+        if os.path.isfile(path):
+            return path
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: never a half-written file
+            built = _cpu_build.compile_program(program, tmp, name, source, shared, extra_flags)
+            fsync_best_effort(built)
+            os.replace(built, path)
+        return path
+    except (OSError, _cpu_build._CacheUnusable):  # no cache directory here, read-only, full: built in directory
+        return _cpu_build.compile_program(program, directory, name, source, shared, extra_flags)

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _ab import add_smoke_build_argument, extra_build_flags  # noqa: E402
+from _ab import add_smoke_build_argument, compile_program, extra_build_flags  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
@@ -174,7 +174,7 @@ def build(directory: str, source: str | None = None, extra_flags: Sequence[str] 
     """The harness compiled with the kernels' first flag set that works here (``source``: another kernel
     source than this tree's; ``extra_flags`` after the set's)."""
     try:
-        return _cpu_build.compile_program(HARNESS, directory, "compute", source, extra_flags=extra_flags)
+        return compile_program(HARNESS, directory, "compute", source, extra_flags=extra_flags)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernel_compute import HELPERS, loops_title, replica_kind, source_at, with_define  # noqa: E402
-from _ab import add_smoke_build_argument, extra_build_flags  # noqa: E402
+from _ab import add_smoke_build_argument, compile_program, extra_build_flags  # noqa: E402
 from kernels import cpu_model  # noqa: E402
 
 from sofx.kernels import _cpu_build  # noqa: E402
@@ -122,7 +122,7 @@ def load(directory: str, source: str, extra_flags: Sequence[str] = ()) -> ctypes
     ``extra_flags`` after the kernels' flags)."""
     os.makedirs(directory, exist_ok=True)
     try:
-        path = _cpu_build.compile_program(LIBRARY, directory, "ab", source, shared=True, extra_flags=extra_flags)
+        path = compile_program(LIBRARY, directory, "ab", source, shared=True, extra_flags=extra_flags)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     lib = ctypes.CDLL(path)

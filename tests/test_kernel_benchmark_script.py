@@ -255,6 +255,31 @@ def test_kernel_compute_reads_a_revisions_source():
     assert "sofx_adam_many" in source and not source.lstrip().startswith('"""')
 
 
+def test_a_smoke_builds_program_is_kept_in_the_librarys_cache(tmp_path, monkeypatch):
+    """``_ab.compile_program``: a smoke run's build (-Og) is kept in the library's cache directory and taken from
+    there by the next run (another kernel source or program: another build); other builds go to the directory
+    given, as ``_cpu_build.compile_program`` puts them."""
+    from sofx.kernels import _cpu_build
+
+    if _cpu_build._compiler() is None:
+        pytest.skip("needs a C compiler")
+    ab = _module(os.path.join(ROOT, "benchmarks", "_ab.py"))
+    monkeypatch.setenv("SOFX_CACHE_DIR", str(tmp_path / "cache"))
+    program, smoke = "int main(void) { return 3; }\n", ab.SMOKE_BUILD_FLAGS  # (no kernels: a build in no time)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = ab.compile_program(program, str(tmp_path / "a"), "probe", "/* a */", extra_flags=smoke)
+    assert os.path.dirname(first) == os.path.join(tmp_path, "cache", "kernels", "programs")
+    assert subprocess.run([first]).returncode == 3
+    other = ab.compile_program(program, str(tmp_path / "a"), "probe", "/* b */", extra_flags=smoke)
+    assert other != first and os.path.isfile(other)
+    monkeypatch.setattr(_cpu_build, "compile_program", lambda *a, **k: pytest.fail("built again"))
+    assert ab.compile_program(program, str(tmp_path / "b"), "probe", "/* a */", extra_flags=smoke) == first
+    monkeypatch.undo()
+    plain = ab.compile_program(program, str(tmp_path / "b"), "probe", "/* a */")
+    assert plain == str(tmp_path / "b" / "probe") and subprocess.run([plain]).returncode == 3
+
+
 def test_kernel_memory_ab_script_runs(scripts):
     """``benchmarks/kernel_memory_ab.py`` builds two kernel sources as libraries and times both in one process:
     here this tree's against itself with one of its knobs changed (STEP_WIDTH 2), a row per dtype combination and
