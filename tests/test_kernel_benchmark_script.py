@@ -155,7 +155,8 @@ def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, monkeyp
     """The traffic-only library's loops (the AVX-512 ones, or the AVX2 ones: on an AVX-512 CPU built with
     -mno-avx512f) are patched: a step adds the gradient to each moment, not Adam's update (a patch that missed
     the loops in use would leave a floor equal to the kernels'). (Built in the library's cache, keyed by the
-    source and flags: once per machine and kernel source, not once per run.)"""
+    source and flags: once per machine and kernel source, not once per run; the native one with the library's own
+    flag set, as memory_floor.py's smoke build, so that test_memory_floor_script_runs's build serves it.)"""
     from sofx.kernels import _cpu_build, cpu_fast
     from sofx.kernels.base import AdamScalars, AdamVariant
 
@@ -163,7 +164,8 @@ def test_memory_floor_traffic_only_library_has_no_adam_arithmetic(build, monkeyp
     cc = _cpu_build._compiler()
     if lib is None or cc is None or not lib.vector_width:
         pytest.skip("needs the native vector loops")
-    flags = [*_cpu_build._BASE_FLAG_SETS[0], *_module(os.path.join(ROOT, "benchmarks", "_ab.py")).SMOKE_BUILD_FLAGS]
+    flags = [*(lib.flags or _cpu_build._BASE_FLAG_SETS[0]),
+             *_module(os.path.join(ROOT, "benchmarks", "_ab.py")).SMOKE_BUILD_FLAGS]
     if build == "avx2":
         if not lib.vector_loops:
             pytest.skip("the native build is the AVX2 one here")
