@@ -2293,6 +2293,46 @@ def test_leaf_paths_name_leaves_in_order_and_late_grads(rng):
     assert all(torch.equal(a, b) for a, b in zip(before, leaves()))
 
 
+class _CountedPath(str):
+    """A leaf path whose comparisons are counted (a str subclass's ``__eq__`` is asked first, either side)."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        type(self).compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_leaf_paths_are_found_without_a_pass_over_the_leaves_per_path(rng):
+    """``order`` and ``late_grads`` given as leaf paths were each looked up by comparing it with every leaf's path:
+    a pass over the leaves per path, quadratic in the leaves for an order of paths (measured: 2000 leaves, 1.07 s
+    a step against 0.34 s with indices). A path is looked up at once; the step is the one of indices."""
+    opt = sofx.adamw(lr=1e-2)
+    n = 48
+    params = {f"w{i:02d}": t for i, t in enumerate(_params(rng, n, 2))}
+    grads = dict(zip(params, _grads(rng, n, 2)))
+    state = opt.init(params)
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(), scaler=rule, scaler_state=rule.init())
+    paths = sofx.tree.leaf_paths(params)
+    _CountedPath.compared = 0
+    got = sp.speculative_step(opt, params, grads, state, order=[_CountedPath(p) for p in reversed(paths)],
+                              late_grads={_CountedPath(paths[3]): grads["w03"] * 0.5}, **kw)
+    assert _CountedPath.compared <= 4 * (n + 1)
+    want = sp.speculative_step(opt, params, grads, state, late_grads={3: grads["w03"] * 0.5}, **kw)
+    assert got.report == want.report
+    assert all(torch.equal(got.params[k], want.params[k]) for k in params)
+    # two leaves whose paths read the same (keys of equal repr) are both named by that path: refused as before
+    first, second = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    same = {first: params["w00"], second: params["w01"]}
+    path = sofx.tree.leaf_paths(same)[0]
+    with pytest.raises(sofx.SofxError, match=r"order\[0\]: .* names 2 leaves of params"):
+        sp.speculative_step(opt, same, {first: grads["w00"], second: grads["w01"]}, opt.init(same), order=[path, 1],
+                            **kw)
+
+
 def test_plan_validation_refuses_sums_or_taken_that_are_not_one_entry_per_block_in_order():
     """plan_validation's sumsq and taken hold one entry per block, block i at [i]. A dict by block name raised a
     bare KeyError (0) from sumsq[0], or was read by its keys (taken: "taken[0] = 'w' is invalid"); a generator or
