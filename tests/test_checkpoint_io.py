@@ -324,6 +324,33 @@ def test_an_io_error_in_the_directorys_fsync_is_raised_and_an_unsupported_one_ig
     monkeypatch.undo()
     assert torch.equal(ck.load(path)["x"], torch.arange(3)) and ck.stale_temporaries(path) == []
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names a closed file from /proc/self/fd")
+def test_a_failed_close_of_the_temporary_is_not_closed_again(tmp_path, monkeypatch, rng):
+    """The descriptor that created the temporary is closed before the rename. Where that close failed (EIO, as NFS
+    reports a failed write-back; the descriptor is released all the same), the cleanup closed it a second time: a
+    descriptor number that another thread (an async save's, a DataLoader's) may have been given meanwhile. It is
+    closed once; the save is refused, the old checkpoint kept and the temporary removed."""
+    path = tmp_path / "c.ckpt"
+    old = {"old": torch.randn(3, generator=rng)}
+    ck.save(path, old)
+    closed, real_close = [], os.close
+
+    def close(fd):
+        temporary = ".tmp-" in os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else None
+        closed.append((fd, temporary))
+        real_close(fd)
+        if temporary:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(ck_atomic.os, "close", close)
+    with pytest.raises(ck.CheckpointIOError, match="Input/output error"):
+        ck.save(path, {"new": torch.randn(4, generator=rng)})
+    monkeypatch.undo()
+    fds = [fd for fd, temporary in closed if temporary]
+    assert len(fds) == 1 and [fd for fd, _ in closed].count(fds[0]) == 1, closed
+    assert trees_equal(ck.load(path), old) and ck.stale_temporaries(path) == []
+
+
 def test_stale_temporaries_lists_only_the_temporaries_of_saves_to_that_path(tmp_path):
     """A temporary is ``.NAME.tmp-PID-RANDOM``: a sibling file that merely starts like one (a user's own file,
     another target's temporary whose name starts with NAME) is not listed."""

@@ -248,8 +248,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
             os.fsync(fd)
         else:  # a writer that renamed a file of its own over tmp
             _fsync_file(tmp)
-        os.close(fd)
-        fd = None
+        fd, created_fd = None, fd
+        os.close(created_fd)  # (released even where it fails: never closed again, another thread may have its number)
         os.replace(tmp, target)
     except BaseException as exc:
         if fd is not None:
