@@ -764,6 +764,10 @@ class Adam:
                 continue
             if rec.strategy == "none":
                 raise UndoError(f"{leaf.path}: this step cannot be undone ({rec.reason})")
+            if not isinstance(rec.grad, torch.Tensor):  # (a record is a pytree: a tree_map may replace its tensors)
+                raise UndoError(f"{leaf.path}: the record's gradient is a {type(rec.grad).__name__}, not a tensor: "
+                                "the record's tensors were replaced (a tree_map over it); undo the record the step "
+                                "returned")
             if not compiling:
                 # (a plain leaf's own gradient, the record's, is plain: a late clip's redo)
                 plain[k] = _check_record_storage(leaf, rec) and leaf.plain and (

@@ -432,6 +432,28 @@ def test_a_snapshot_record_of_params_of_another_dtype_raises_and_changes_nothing
         getattr(opt, method)(params, state, rec, *args, donate=donate)
 
 
+@pytest.mark.parametrize("method", ["undo", "undo_redo"])
+@pytest.mark.parametrize("value", [lambda t: None, lambda t: t.tolist()], ids=["None", "list"])
+def test_a_record_whose_gradient_a_transform_replaced_is_refused_by_name(method, value):
+    """A record is a pytree whose tensors a transform may replace by any values (torch's tree_map to None, to
+    lists); undo and undo_redo of such a record raised a bare AttributeError ('NoneType' object has no attribute
+    'storage_offset', 'list' object has no attribute 'shape'). An UndoError names the leaf, and nothing changes."""
+    import torch.utils._pytree as torch_pytree
+
+    gen = torch.Generator().manual_seed(5)
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(8, generator=gen), "b": torch.randn(8, generator=gen)}
+    grads = {k: torch.randn(8, generator=gen) for k in params}
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    mapped = torch_pytree.tree_map(lambda t: value(t) if isinstance(t, torch.Tensor) and t.dim() else t, rec)
+    before = _snapshot(p1, s1)
+    args = (grads, None) if method == "undo_redo" else ()
+    with pytest.raises(sofx.UndoError, match=r"params\['a'\]: the record's gradient is a (NoneType|list), not a "
+                                             r"tensor"):
+        getattr(opt, method)(p1, s1, mapped, *args)
+    _assert_unchanged(before, p1, s1)
+
+
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("method", ["undo", "undo_redo"])
 def test_an_algebraic_record_of_params_of_another_dtype_raises_and_changes_nothing(donate, method):
