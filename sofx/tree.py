@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import optree
 import torch
@@ -35,6 +35,8 @@ __all__ = [
     "flatten",
     "unflatten",
     "leaf_paths",
+    "paths_index",
+    "named_leaves",
     "key_text",
     "spec_text",
     "structure_difference",
@@ -135,6 +137,24 @@ def _codify(accessor: optree.PyTreeAccessor, root: str) -> str:
         else:
             text = entry.codify(text)
     return text
+
+
+def paths_index(paths: Sequence[str]) -> dict[str, list[int]]:
+    """Each path of ``paths`` (:func:`leaf_paths`'s) with the indices of the leaves it is the path of (two where
+    keys of equal ``repr`` give two leaves one path): :func:`named_leaves`' table, built once for many names."""
+    out: dict[str, list[int]] = {}
+    for i, path in enumerate(paths):
+        out.setdefault(path, []).append(i)
+    return out
+
+
+def named_leaves(by_path: Mapping[str, Sequence[int]], name: str) -> list[int]:
+    """The indices (ascending) of the leaves that ``name`` names (``by_path``: :func:`paths_index` of the paths
+    :func:`leaf_paths` writes, root ``params``): the leaf whose path ``name`` is, and the leaf at the top of a dict
+    under the key ``name`` (``"w"`` names ``params['w']``). More than one where a key is written as another leaf's
+    path, or two leaves have one path (the callers refuse that, asking for an index); none where ``name`` names no
+    leaf. A lookup or two, not a pass over the leaves."""
+    return sorted({i for text in (name, f"params[{name!r}]") for i in by_path.get(text, ())})
 
 
 def key_text(key: Any) -> str:

@@ -96,13 +96,15 @@ def saved_hparams(group: Any, at: str, missing: str,
     return AdamHParams(*values)
 
 
-def _leaf_index(ref: Any, paths: list[str]) -> int:
+def _leaf_index(ref: Any, paths: list[str], by_path: dict[str, list[int]]) -> int:
+    """The leaf index of ``ref``, an index or a name (:func:`sofx.tree.named_leaves`; ``by_path``: the
+    :func:`sofx.tree.paths_index` of ``paths``)."""
     if isinstance(ref, numbers.Integral) and not is_bool(ref):  # (numpy's integers too: an index from an array)
         if not 0 <= ref < len(paths):
             raise CheckpointError(f"groups: leaf index {ref} is out of range (the params have {len(paths)} leaves)")
         return int(ref)
     if isinstance(ref, str):
-        named = [i for i, path in enumerate(paths) if path in (ref, f"params[{ref!r}]")]
+        named = tree.named_leaves(by_path, ref)
         if len(named) > 1:  # a key written as another leaf's path, or two keys of equal repr
             listed = ", ".join(f"{i}: {paths[i]}" for i in named)
             raise CheckpointError(f"groups: {ref!r} names {len(named)} params leaves ({listed}); name it by its "
@@ -124,8 +126,9 @@ def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
                                                        for g in groups):
             raise CheckpointError("groups must be a sequence of sequences of leaf indices or paths")
         out, owner = [], {}
+        by_path = tree.paths_index(paths)
         for gi, refs in enumerate(groups):
-            idx = tuple(_leaf_index(r, paths) for r in refs)
+            idx = tuple(_leaf_index(r, paths, by_path) for r in refs)
             for i in idx:
                 if i in owner:
                     raise CheckpointError(f"groups: {paths[i]} is in group {owner[i]} and in group {gi}")

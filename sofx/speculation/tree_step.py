@@ -171,7 +171,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     final_hps = hps if validation_hparams is _SAME else opt.resolve_hparams(validation_hparams, spec)
     given = order
     paths: list[str] | None = None  # (built only where a leaf is named by its path)
-    by_path: dict[str, list[int]] = {}  # each path's leaf indices (a lookup per key, not a pass over the leaves)
+    by_path: dict[str, list[int]] = {}  # each path's leaf indices (tree.named_leaves' table)
 
     def index_of(key: Any, where: str) -> Any:
         """``key`` as a leaf index where it names a leaf of params (a str: its path, or the key of a leaf at the
@@ -182,9 +182,8 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
             return key
         if paths is None:
             paths = tree.leaf_paths(spec)
-            for i, path in enumerate(paths):  # (two leaves may have one path: keys of equal repr)
-                by_path.setdefault(path, []).append(i)
-        named = sorted({i for name in (key, f"params[{key!r}]") for i in by_path.get(name, ())})
+            by_path.update(tree.paths_index(paths))
+        named = tree.named_leaves(by_path, key)
         if len(named) > 1:  # (a key written as another leaf's path)
             listed = ", ".join(f"{i}: {paths[i]}" for i in named)
             raise SofxError(f"{where}: {key!r:.80} names {len(named)} leaves of params ({listed}); name it by its "
