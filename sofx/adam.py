@@ -768,6 +768,11 @@ class Adam:
                 raise UndoError(f"{leaf.path}: the record's gradient is a {type(rec.grad).__name__}, not a tensor: "
                                 "the record's tensors were replaced (a tree_map over it); undo the record the step "
                                 "returned")
+            count = rec.count_before  # (a number where a transform rebuilt the record with non-tensor leaves)
+            if not (isinstance(count, torch.Tensor) or (isinstance(count, numbers.Integral) and not is_bool(count))):
+                raise UndoError(f"{leaf.path}: the record's count_before is a {type(count).__name__}, expected the "
+                                "step count before the step (a 0-d int64 tensor, or a number): the record's tensors "
+                                "were replaced (a tree_map over it); undo the record the step returned")
             if not compiling:
                 # (a plain leaf's own gradient, the record's, is plain: a late clip's redo)
                 plain[k] = _check_record_storage(leaf, rec) and leaf.plain and (

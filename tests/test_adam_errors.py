@@ -454,6 +454,31 @@ def test_a_record_whose_gradient_a_transform_replaced_is_refused_by_name(method,
     _assert_unchanged(before, p1, s1)
 
 
+@pytest.mark.parametrize("method", ["undo", "undo_redo"])
+def test_a_record_whose_count_a_transform_replaced_is_refused_by_name(method):
+    """A record's step count (count_before) that a tree_map replaced by a list was restored as the state's count
+    by undo (state.count['a'] = [1, 2], refused only by the next update) and added to by undo_redo (a bare
+    TypeError). An UndoError names the leaf; a Python int (a transform's number) is still taken by undo."""
+    import torch.utils._pytree as torch_pytree
+
+    gen = torch.Generator().manual_seed(6)
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(8, generator=gen), "b": torch.randn(8, generator=gen)}
+    grads = {k: torch.randn(8, generator=gen) for k in params}
+    p1, s1, rec = opt.update(params, grads, opt.init(params))
+    args = (grads, None) if method == "undo_redo" else ()
+    counts = lambda f: lambda t: f(t) if isinstance(t, torch.Tensor) and t.dtype == torch.int64 else t  # noqa: E731
+    listed = torch_pytree.tree_map(counts(lambda t: [1, 2]), rec)
+    before = _snapshot(p1, s1)
+    with pytest.raises(sofx.UndoError, match=r"params\['a'\]: the record's count_before is a list, expected the "
+                                             r"step count"):
+        getattr(opt, method)(p1, s1, listed, *args)
+    _assert_unchanged(before, p1, s1)
+    if method == "undo":
+        numbers = torch_pytree.tree_map(counts(lambda t: int(t)), rec)
+        assert int(opt.undo(p1, s1, numbers)[1].count["a"]) == 0
+
+
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("method", ["undo", "undo_redo"])
 def test_an_algebraic_record_of_params_of_another_dtype_raises_and_changes_nothing(donate, method):
