@@ -552,7 +552,7 @@ class Adam:
             elif rec.strategy == "snapshot":
                 new_p[k], new_m[k], new_v[k], new_c[k] = _restore_snapshot(leaf, rec, donate, copy)
             else:
-                new_c[k] = rec.count_before
+                new_c[k] = _count_before(rec)
                 pending.append((k, kernels[k], _undo_call(leaf, rec, donate, copy)))
         checked = "undo" if all(plain[k] for k, _, _ in pending) else None  # (the kernels' promise: see there)
         for k, (p0, m0, v0) in _run_by_backend(pending, lambda b, calls: b.undo_many(calls, self.variant),
@@ -680,7 +680,7 @@ class Adam:
                                                             plan[0], rec.p_old, out, copy, flags.views[k],
                                                             plan[1] == "param_snapshot")))
             if fused:
-                new_c[k] = rec.count_before + 1
+                new_c[k] = _count_before(rec) + 1
                 records[k] = _fused_record(leaf, rec, plan) if undoable else \
                     LeafUndo("none", leaf.g, plan[0], rec.count_before, reason=_NOT_UNDOABLE)
                 continue
@@ -698,7 +698,7 @@ class Adam:
                                                       copy_snapshots=_keeps_callers(undone, rec), leaf_owned=True)
                 out = (leaf.p, leaf.m, leaf.v) if donate else None
                 from_kept.append((k, kernels[k], call._replace(out=out)))
-                new_c[k] = rec.count_before + 1
+                new_c[k] = _count_before(rec) + 1
                 continue
             p0, m0, v0, c0 = (leaf.p, leaf.m, leaf.v, leaf.count) if rec is None else \
                 self._undo_leaf(leaf, rec, donate)
@@ -806,7 +806,7 @@ class Adam:
         p0, m0, v0 = self._kernel(leaf).undo_many([_undo_call(leaf, rec, donate, copy)], self.variant)[0]
         if rec.strategy == "chunk_snapshot":
             skipped_chunks.restore_chunks(rec, (p0, m0, v0), copy)
-        return (p0, *_zero_if_fresh(rec, m0, v0, donate), rec.count_before)
+        return (p0, *_zero_if_fresh(rec, m0, v0, donate), _count_before(rec))
 
     def _gradients_finite(self, leaves: Sequence[_Leaf], grads_finite: bool | None, grad_scale: Scalar,
                           skip: Sequence[bool] | None = None) -> list[bool | None]:
@@ -1353,6 +1353,13 @@ def _check_snapshot_limit(leaves: Sequence[_Leaf], plans: Sequence[tuple[AdamSca
                                  f"{'the step was taken back' if flagged else 'nothing was changed'}", need, limit)
 
 
+def _count_before(rec: LeafUndo) -> torch.Tensor:
+    """The step count ``rec`` restores, as the state holds counts (a 0-d int64 tensor): a record a transform rebuilt
+    with numbers holds a Python int there, which restored as it was gave a state the next step refuses."""
+    count = rec.count_before
+    return count if isinstance(count, torch.Tensor) else torch.tensor(int(count), dtype=torch.int64)
+
+
 def _check_record_storage(leaf: _Leaf, rec: LeafUndo) -> bool:
     """Raise :class:`UndoError` where a tensor ``rec`` holds (its gradient and the step count it restores, the
     caller's own tensors unless copied; its kept values and chunk list) reaches past the end of its storage
@@ -1688,8 +1695,8 @@ def _restore_snapshot(leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tens
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     write_param_copy(copy, rec.p_old)
     if donate:
-        return leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old), rec.count_before
-    return rec.p_old, rec.m_old, rec.v_old, rec.count_before
+        return leaf.p.copy_(rec.p_old), leaf.m.copy_(rec.m_old), leaf.v.copy_(rec.v_old), _count_before(rec)
+    return rec.p_old, rec.m_old, rec.v_old, _count_before(rec)
 
 
 def _zero_if_fresh(rec: LeafUndo, m0: torch.Tensor, v0: torch.Tensor, donate: bool,

@@ -52,6 +52,7 @@ cannot be pickled (nor ``torch.save``-d): a loaded copy could not know whether i
 from __future__ import annotations
 
 import copy
+import numbers
 from typing import Any, Sequence
 
 import optree
@@ -204,8 +205,10 @@ def _check_fields(strategy: Any, grad: Any, scalars: Any, count_before: Any, kep
         raise UndoError(f"LeafUndo: grad: expected a tensor (the step's gradient), got {type(grad).__name__}")
     if not isinstance(scalars, AdamScalars):
         raise UndoError(f"LeafUndo: scalars: expected a sofx.AdamScalars (the step's), got {type(scalars).__name__}")
-    if not isinstance(count_before, torch.Tensor):
-        raise UndoError("LeafUndo: count_before: expected a tensor (the step count before the step), got "
+    # (a Python int where a transform rebuilt the step's record with numbers, which undo takes: its redo's too)
+    if not (isinstance(count_before, torch.Tensor)
+            or (isinstance(count_before, numbers.Integral) and not isinstance(count_before, bool))):
+        raise UndoError("LeafUndo: count_before: expected a tensor or an int (the step count before the step), got "
                         f"{type(count_before).__name__}")
     for name, t in zip(("p_old", "m_old", "v_old", "chunks"), kept):
         if t is not None and not isinstance(t, torch.Tensor):

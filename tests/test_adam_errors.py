@@ -894,6 +894,36 @@ def test_a_record_whose_count_before_is_a_number_is_undone_as_before():
     record.leaves[0].count_before = 0
     p0, s0 = opt.undo(p1, s1, record)
     assert s0.count["w"] == 0 and torch.allclose(p0["w"], params["w"], rtol=1e-6, atol=1e-7)
+    # restored as the state holds counts (an int was restored as is: the next step refused the state)
+    assert isinstance(s0.count["w"], torch.Tensor) and s0.count["w"].dtype == torch.int64
+    opt.update(p0, {"w": torch.randn(5, generator=gen)}, s0)
+
+
+def test_a_redo_of_a_record_whose_counts_are_numbers_equals_the_redo_of_the_record():
+    """A record a transform rebuilt with numbers for its 0-d counts (torch's tree_map): undo_redo raised the
+    LeafUndo refusal of its count (an int) and, before, returned a state of int counts the next step refused; it
+    redoes as with the record the step returned, counts as the state holds them."""
+    import torch.utils._pytree as torch_pytree
+
+    gen = torch.Generator().manual_seed(1)
+    params = {"a": torch.randn(5, generator=gen), "b": torch.randn(3, generator=gen)}
+    grads = {"a": torch.randn(5, generator=gen), "b": torch.randn(3, generator=gen)}
+    results = []
+    for as_numbers in (False, True):
+        opt = sofx.adamw(lr=1e-2)
+        p1, s1, _ = opt.update(params, grads, opt.init(params))
+        p2, s2, record = opt.update(p1, grads, s1)
+        if as_numbers:
+            record = torch_pytree.tree_map(
+                lambda x: int(x) if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() else x,
+                record)
+            assert all(type(leaf.count_before) is int for leaf in record.leaves)
+        p3, s3, redone = opt.undo_redo(p2, s2, record, grads, grad_scale=0.5, donate=as_numbers)
+        opt.update(p3, grads, s3)  # (a state the next step takes)
+        p4, s4 = opt.undo(p3, s3, redone)
+        results.append((p3, s3.count, s4.count))
+    assert trees_equal(results[0][0], results[1][0])
+    assert trees_equal(results[0][1], results[1][1]) and trees_equal(results[0][2], results[1][2])
 
 
 @pytest.mark.parametrize("call", ["init", "update"])
