@@ -160,7 +160,8 @@ def test_a_record_of_something_other_than_leaf_records_is_refused_naming_the_lea
     ("strategy", "foo", r"strategy: expected one of \('algebraic', .*\), got 'foo'"),
     ("grad", None, r"grad: expected a tensor \(the step's gradient\), got NoneType"),
     ("scalars", (1e-2, 0.9), r"scalars: expected a sofx.AdamScalars \(the step's\), got tuple"),
-    ("count_before", None, r"count_before: expected a tensor or an int \(the step count before the step\), got NoneType"),
+    ("count_before", None,
+     r"count_before: expected a tensor or an int \(the step count before the step\), got NoneType"),
     ("p_old", 1.0, r"p_old: expected a tensor or None, got float"),
     ("chunks", torch.zeros(1, dtype=torch.int64), r"chunks: a chunk_snapshot record, and only one, has the indices"),
 ])
