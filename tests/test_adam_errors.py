@@ -398,7 +398,8 @@ def test_a_record_of_another_structure_with_a_huge_int_key_is_named():
     _, _, rec = opt.update(huge, {10 ** 5000: torch.randn(3)}, opt.init(huge))
     other = {"w": torch.randn(3)}
     state = opt.init(other)
-    with pytest.raises(sofx.UndoError, match=r"\(the record's: PyTreeSpec\(a dict of 1 leaves\), params: PyTreeSpec\(\{'w'"):
+    with pytest.raises(sofx.UndoError,
+                       match=r"\(the record's: PyTreeSpec\(a dict of 1 leaves\), params: PyTreeSpec\(\{'w'"):
         opt.undo(other, state, rec)
 
 @pytest.mark.parametrize("donate", [False, True])
