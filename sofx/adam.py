@@ -773,6 +773,10 @@ class Adam:
                 raise UndoError(f"{leaf.path}: the record's count_before is a {type(count).__name__}, expected the "
                                 "step count before the step (a 0-d int64 tensor, or a number): the record's tensors "
                                 "were replaced (a tree_map over it); undo the record the step returned")
+            if not leaf.traced and traced(rec.grad):
+                # (a gradient that requires grad, stepped under no_grad, undone in grad mode: the undo is autograd's,
+                # as a step of it is; a native kernel refused it naming its own call, not the leaf)
+                leaf = leaves[k] = leaf._replace(traced=True, plain=False)
             if not compiling:
                 # (a plain leaf's own gradient, the record's, is plain: a late clip's redo)
                 plain[k] = _check_record_storage(leaf, rec) and leaf.plain and (

@@ -186,6 +186,31 @@ def _stepped_state(opt: sofx.Adam) -> sofx.AdamState:
     return opt.update(PARAMS, grad(_loss)(PARAMS), opt.init(PARAMS))[1]
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_record_of_a_gradient_that_requires_grad_undone_in_grad_mode_is_autograds(backend):
+    """A gradient that requires grad, stepped under ``torch.no_grad()`` (plain values, an algebraic record that
+    holds it), undone in grad mode: the undo is autograd's, as a step of that gradient in grad mode is (the
+    reference math, differentiable in the gradient; ``backend='cpu'`` refuses naming the leaf). The cpu kernel
+    refused it naming its own call ('cpu.undo_many[0]: g requires grad'), and suggested sofx.Adam."""
+    gen = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(6, generator=gen)}  # (float32: the cpu backend's)
+    g = {"w": torch.randn(6, generator=gen, requires_grad=True)}
+    opt = sofx.adamw(lr=LR, weight_decay=WD, backend=backend)
+    with torch.no_grad():
+        p1, s1, _ = opt.update(params, g, opt.init(params))
+        p2, s2, record = opt.update(p1, g, s1)
+    assert record.leaves[0].strategy == "algebraic" and record.leaves[0].grad.requires_grad
+    if backend == "cpu":
+        with pytest.raises(UnsupportedError, match=r"params\['w'\]: backend 'cpu' cannot run under"):
+            opt.undo(p2, s2, record)
+        return
+    p0, s0 = opt.undo(p2, s2, record)
+    assert torch.allclose(p0["w"].detach(), p1["w"], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(s0.mu["w"].detach(), s1.mu["w"], rtol=1e-5, atol=1e-6) and int(s0.count["w"]) == 1
+    assert s0.mu["w"].requires_grad  # (m = (m' - (1 - beta1) g) / beta1: a function of the record's gradient)
+    s0.mu["w"].sum().backward()
+    assert g["w"].grad is not None and torch.isfinite(g["w"].grad).all()
+
 @pytest.mark.parametrize("undo", ["auto", "exact", "algebraic"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
 def test_undo_of_a_differentiable_step_gives_back_its_inputs_with_an_identity_jacobian(decoupled, undo):
