@@ -241,10 +241,15 @@ def _children_specs(spec: TreeSpec, node: Any, entries: Sequence[Any]) -> list[T
     want = list(spec.entries())
     if type(node) is spec.type and list(entries) == want:
         return list(spec.children())
-    if _mappings_by_key(spec, node) and len(entries) == len(want) and set(entries) == set(want):
+    if _mappings_by_key(spec, node) and _same_keys(entries, want):
         by_key = dict(zip(want, spec.children()))
         return [by_key[k] for k in entries]
     return None
+
+
+def _same_keys(entries: Sequence[Any], want: Sequence[Any]) -> bool:
+    """Whether a mapping's ``entries`` are the keys ``want`` lists, in any order."""
+    return len(entries) == len(want) and set(entries) == set(want)
 
 
 def _mappings_by_key(spec: TreeSpec, node: Any) -> bool:
@@ -326,13 +331,13 @@ def structure_difference(spec: TreeSpec, tree: PyTree, root: str = "params", oth
         children, _, entries, _ = optree.tree_flatten_one_level(sub)
         name, other_name = type(sub).__name__, sub_spec.type.__name__
         if type(sub) is not sub_spec.type:
-            if _mappings_by_key(sub_spec, sub) and len(entries) == len(want) and set(entries) == set(want):
+            if _mappings_by_key(sub_spec, sub) and _same_keys(entries, want):
                 return f"{path} is {article(name)} where {other} is {article(other_name)} (keys {_keys_text(want)})"
             if name == other_name:
                 return f"{path} is {article(name)} of another class than {other} of the same name"
             return f"{path} is {article(name)}, {other} is {article(other_name)}"
         if list(entries) != want:
-            if len(entries) == len(want) and set(entries) == set(want):
+            if _same_keys(entries, want):
                 return (f"{path} is {article(name)} of keys {_keys_text(entries)} where {other} has them in the "
                         f"order {_keys_text(want)}")
             return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}"
