@@ -160,6 +160,23 @@ def test_pack_unpack_roundtrip_views_share_storage():
         tree.unpack(flat, [(3, 4)])
 
 
+@pytest.mark.parametrize("out_dtype, leaf_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16),
+                                                     (torch.bool, torch.float32), (torch.float32, torch.complex64)])
+def test_pack_refuses_an_out_that_would_truncate_a_leaf_before_writing_it(out_dtype, leaf_dtype):
+    """An integer (or bool, or real) ``out`` for floating-point (or complex) leaves was filled by ``copy_``'s
+    silent cast: 0.7 packed as 0. It is refused naming the leaf and both dtypes, as ``torch.cat(out=)`` refuses
+    it, and ``out`` is left as it was; a cast within a kind (float32 leaves into bfloat16) is still done."""
+    leaves = [torch.ones(2, dtype=out_dtype), torch.full((3,), 0.7, dtype=leaf_dtype)]
+    out = torch.full((5,), 3).to(out_dtype)
+    before = out.clone()
+    with pytest.raises(TypeError, match=rf"pack: leaves\[1\] of dtype {leaf_dtype} cannot be cast to out's "
+                                        rf"dtype {out_dtype} without losing its kind"):
+        tree.pack(leaves, out=out)
+    assert torch.equal(out, before)
+    flat = tree.pack([torch.full((2,), 0.5)], out=torch.zeros(2, dtype=torch.bfloat16))
+    assert flat.dtype == torch.bfloat16 and torch.equal(flat.float(), torch.full((2,), 0.5))
+
+
 @pytest.mark.parametrize("flat, shapes, pattern", [
     (torch.zeros(5), [(2,), (4,)], r"shapes cover 6 elements, flat buffer has 5"),
     (torch.zeros(5), [(-1,), (6,)], r"shapes\[0\] = \(-1,\) has a negative size"),
