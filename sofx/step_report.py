@@ -85,7 +85,7 @@ class StepReport:
                 f"veto {self.vetoed} inelig {self.ineligible}{f' refused {self.refused}' if self.refused else ''} "
                 f"late {self.stepped_late} | "
                 f"norm {self.grad_norm:.4g}{' clipped' if self.clipped else ''} scale {self.scale:g}")
-        if self.scale != self.next_scale:
+        if self.scale != self.next_scale and not (math.isnan(self.scale) and math.isnan(self.next_scale)):
             line += f" -> {self.next_scale:g}"
         if self.policy_reason:
             line += f" | policy: {self.policy_reason}"

@@ -1760,6 +1760,13 @@ def test_report_as_dict_and_summary(rng):
     assert spec.report.summary().startswith("SKIPPED (overflow) spec 3")
 
 
+@pytest.mark.parametrize("scale, next_scale, tail", [(math.nan, math.nan, "scale nan"), (2.0, 2.0, "scale 2"),
+                                                     (2.0, 1.0, "scale 2 -> 1"), (math.nan, 1.0, "scale nan -> 1")])
+def test_report_summary_names_a_scale_change_only_where_the_scale_changed(scale, next_scale, tail):
+    """A nan scale kept (nan != nan) was printed as the change ``scale nan -> nan``."""
+    assert sp.StepReport(blocks=2, scale=scale, next_scale=next_scale).summary().endswith(tail)
+
+
 def test_reduce_sumsq_makes_other_ranks_count(rng):
     """Another rank's overflow skips this rank's step; another rank's large norm clips it."""
     opt = sofx.adamw(lr=1e-2, undo="exact")
