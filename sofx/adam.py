@@ -1273,21 +1273,19 @@ def _check_distinct_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tenso
                            record: UndoRecord | None) -> None:
     """:func:`_check_writes` while ``torch.compile`` traces, where memory cannot be read: a tensor written
     twice (tied weights as two leaves) or written and read by the call (a gradient that is the parameter) is
-    refused by identity; views of one buffer are not seen. Identity is tested with ``is``: Dynamo guards every
-    tensor whose ``id()`` is taken on that id, so that each step's new tensors recompiled the step."""
-    written: list[tuple[torch.Tensor, _Leaf, int]] = []
-
-    def writer(t: torch.Tensor) -> tuple[_Leaf, int] | None:
-        return next(((w_leaf, w_role) for w, w_leaf, w_role in written if w is t), None)
-
+    refused by identity; views of one buffer are not seen. Identity is a dict keyed by the tensors themselves (a
+    tensor hashes by identity; Dynamo hashes a traced one without a guard): not ``id()``, on which Dynamo guards every
+    tensor it is taken of (each step's new tensors recompiled the step), nor a search by ``is`` through the tensors
+    written so far, which Dynamo traces element by element (quadratic in the leaves)."""
+    written: dict[torch.Tensor, tuple[_Leaf, int]] = {}
     for leaf, copy in zip(leaves, copies):
         for role, t in [*((r, t) for r, t in enumerate((leaf.p, leaf.m, leaf.v)) if donate), (_COPY, copy)]:
             if t is None:
                 continue
-            first = writer(t)
+            first = written.get(t)
             if first is not None:
                 raise LeafError(shared_memory_message(_role_name(*first), _role_name(leaf, role)))
-            written.append((t, leaf, role))
+            written[t] = (leaf, role)
     recs = list(record.leaves) if record is not None else [None] * len(leaves)
     for leaf, rec in zip(leaves, recs):
         read = [(_GRAD, leaf.g)]
@@ -1296,7 +1294,7 @@ def _check_distinct_writes(leaves: Sequence[_Leaf], copies: Sequence[torch.Tenso
         if not donate:  # the moments and the parameter are read; param copies are written
             read += list(enumerate((leaf.p, leaf.m, leaf.v)))
         for role, t in read:
-            first = writer(t) if t is not None else None
+            first = written.get(t) if t is not None else None
             if first is not None:
                 raise LeafError(shared_memory_message(_role_name(*first), _role_name(leaf, role)))
 
