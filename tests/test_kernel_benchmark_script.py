@@ -3,6 +3,7 @@
 ``benchmarks/idle_rows.py``,
 ``benchmarks/read_streams.py``, ``benchmarks/param_copy.py``, ``benchmarks/serial_step.py``,
 ``benchmarks/checked_update.py``, ``benchmarks/host_overhead.py``, ``benchmarks/facade_overhead.py``,
+``benchmarks/compile_time.py``,
 ``benchmarks/triton_host.py``, ``benchmarks/overlap.py``, ``benchmarks/spike_records.py``,
 ``benchmarks/dense_layouts.py``, ``benchmarks/redo_paths.py``, ``benchmarks/lossy_l2.py``,
 ``benchmarks/kernel_compute.py``, ``benchmarks/kernel_memory_ab.py`` and ``benchmarks/build_parallel.py`` run.
@@ -472,6 +473,14 @@ def test_host_overhead_script_runs(scripts):
         "| sofx undo of an update, cpu", "| sofx undo_redo (late clip), cpu"]
     for row in rows:
         assert re.fullmatch(r"\| [^|]+( \| \d+\.\d+){2} \|", row), row
+
+
+def test_compile_time_script_runs(scripts):
+    """``benchmarks/compile_time.py --smoke``: the first trace of a donated update, its instructions traced and one
+    compile for a loop of new gradients."""
+    rows = _table_rows(scripts, "compile_time.py", ["--smoke"], ("    4 leaves",))
+    assert len(rows) == 1 and re.fullmatch(r"    4 leaves: first call [\d.]+ s \([\d.]+ CPU-s\), \d+ instructions traced; "
+                                           r"1 compile\(s\) in 2 steps", rows[0]), rows
 
 
 def test_facade_overhead_script_runs(scripts):
