@@ -148,6 +148,29 @@ def build_variant(source: str, extra_flags: Sequence[str] = ()):
     return build_variants([source], extra_flags)[0]
 
 
+_UNUSED_PROGRAM_S = 30 * 86400
+
+
+def _prune_programs(cache: str) -> None:
+    """Before a new build into ``cache``: remove the temporary directories killed builds left there (as the
+    library's cache does) and the programs not used for :data:`_UNUSED_PROGRAM_S` (one is kept per kernel source
+    a developer ran a smoke test with; a program taken from the cache has its time set)."""
+    from sofx.kernels import _cpu_build
+
+    _cpu_build._remove_abandoned_builds(cache)
+    now = time.time()
+    try:
+        entries = list(os.scandir(cache))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime > _UNUSED_PROGRAM_S:
+                os.remove(entry.path)
+        except OSError:
+            pass
+
+
 def compile_program(program: str, directory: str, name: str, source: str | None = None, shared: bool = False,
                     extra_flags: Sequence[str] = ()) -> str:
     """``sofx.kernels._cpu_build.compile_program``'s build of ``program`` (in ``directory``), but a smoke run's
@@ -172,8 +195,13 @@ def compile_program(program: str, directory: str, name: str, source: str | None 
         cache = os.path.join(_cpu_build._cache_dir(), "programs")
         path = os.path.join(cache, f"{name}_{key}{'.so' if shared else ''}")
         if os.path.isfile(path):
+            try:
+                os.utime(path)  # (used: kept by _prune_programs)
+            except OSError:  # (a cache this process may read but not write)
+                pass
             return path
         os.makedirs(cache, exist_ok=True)
+        _prune_programs(cache)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: never a half-written file
             built = _cpu_build.compile_program(program, tmp, name, source, shared, extra_flags)
             fsync_best_effort(built)

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -281,6 +282,32 @@ def test_a_smoke_builds_program_is_kept_in_the_librarys_cache(tmp_path, monkeypa
     monkeypatch.undo()
     plain = ab.compile_program(program, str(tmp_path / "b"), "probe", "/* a */")
     assert plain == str(tmp_path / "b" / "probe") and subprocess.run([plain]).returncode == 3
+
+
+def test_the_smoke_builds_cache_drops_abandoned_builds_and_programs_unused_for_a_month(tmp_path, monkeypatch):
+    """``_ab.compile_program`` kept every smoke build forever (one per kernel source a developer built) and never
+    removed the temporary directory of a build killed midway: a new build removes those (older than the library's
+    own cache keeps them) and programs not used for 30 days; a program taken from the cache counts as used."""
+    from sofx.kernels import _cpu_build
+
+    if _cpu_build._compiler() is None:
+        pytest.skip("needs a C compiler")
+    ab = _module(os.path.join(ROOT, "benchmarks", "_ab.py"))
+    monkeypatch.setenv("SOFX_CACHE_DIR", str(tmp_path / "cache"))
+    program, smoke = "int main(void) { return 3; }\n", ab.SMOKE_BUILD_FLAGS
+    kept = ab.compile_program(program, str(tmp_path), "probe", "/* a */", extra_flags=smoke)
+    programs = os.path.dirname(kept)
+    month_ago = time.time() - 31 * 86400
+    abandoned, fresh_tmp, stale = (os.path.join(programs, n) for n in ("tmpkilled", "tmpbuilding", "probe_stale"))
+    os.mkdir(abandoned)
+    os.mkdir(fresh_tmp)
+    open(stale, "w").close()
+    for path in (abandoned, stale, kept):
+        os.utime(path, (month_ago, month_ago))
+    assert ab.compile_program(program, str(tmp_path), "probe", "/* a */", extra_flags=smoke) == kept  # used
+    ab.compile_program(program, str(tmp_path), "probe", "/* b */", extra_flags=smoke)  # a new build
+    assert not os.path.exists(abandoned) and not os.path.exists(stale)
+    assert os.path.isdir(fresh_tmp) and os.path.isfile(kept)  # (a build running now; a program used just now)
 
 
 def test_kernel_memory_ab_script_runs(scripts):
