@@ -193,3 +193,35 @@ def test_the_facade_in_a_drawn_configuration_is_torchs_bit_for_bit(seed: int) ->
                 assert torch.equal(fp.detach(), tp.detach()), where
                 state = fopt.state[fp]
                 _assert_state_equal(where, state, int(state["step"]), topt, tp)
+
+
+@pytest.mark.parametrize("scale", [None, 4.0])
+def test_without_a_dynamic_loss_scale_the_facade_skips_a_non_finite_step_where_torch_optim_writes_nan(scale) -> None:
+    """The documented difference (the facade's module docstring): with ``loss_scale=None`` or a static number a
+    step whose gradients hold a nan is skipped -- parameters, moments and counts as they were, the scale too --
+    where ``torch.optim.AdamW`` without a ``GradScaler`` steps it into nan; the steps around it are torch's
+    (whose loop skips that step by hand) bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)]
+    fparams, tparams, alone = ([torch.nn.Parameter(v.clone()) for v in init] for _ in range(3))
+    topt = torch.optim.AdamW(tparams, lr=1e-2, foreach=False)
+    alone_opt = torch.optim.AdamW(alone, lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(fparams, lr=1e-2, executor="inline", loss_scale=scale) as fopt:
+        for step in range(4):
+            grads = [torch.randn(p.shape, generator=gen) for p in init]
+            if step == 2:
+                grads[0][1, 1] = math.nan
+            fopt.zero_grad()
+            fopt.backward(sum((p * g).sum() for p, g in zip(fparams, grads)))
+            report = fopt.step()
+            assert report.skipped == (step == 2) and fopt.loss_scale == (scale or 1.0)
+            for p, q, g in zip(tparams, alone, grads):
+                p.grad, q.grad = g.clone(), g.clone()
+            alone_opt.step()
+            if step != 2:
+                topt.step()
+            for fp, tp in zip(fparams, tparams):
+                assert torch.equal(fp.detach(), tp.detach()), step
+                assert int(fopt.state[fp]["step"]) == int(topt.state[tp]["step"]), step
+                assert torch.equal(fopt.state[fp]["exp_avg_sq"], topt.state[tp]["exp_avg_sq"]), step
+    assert torch.isnan(alone[0]).any() and not torch.isnan(fparams[0]).any()

@@ -22,7 +22,10 @@ The Adam steps of the parameter blocks are taken *during* backward (on a
 worker thread or process, from fp32 master weights) and validated in
 ``step()``; the training trajectory is that of ``torch.optim.AdamW`` +
 ``clip_grad_norm_(max_grad_norm)`` + ``torch.amp.GradScaler`` (profile
-``"torch"``) or of DeepSpeed ZeRO-3 (``"deepspeed"``). ``max_grad_norm``:
+``"torch"``) or of DeepSpeed ZeRO-3 (``"deepspeed"``). A step whose gradients hold an inf or a nan is skipped
+(parameters, moments and step counts unchanged; ``report.skipped``) with every ``loss_scale``, ``None`` and a
+static number included (a static scale stays as it is), as ``GradScaler`` skips it: ``torch.optim.AdamW``
+without a ``GradScaler`` steps it and writes nan into the parameters. ``max_grad_norm``:
 ``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_`` takes it: inf
 never clips, and 0 zeroes every gradient under ``"torch"`` (the parameters
 still move through momentum and weight decay; nothing is speculated) but is
@@ -935,7 +938,8 @@ class SpeculativeAdamW(_SpeculativeBase):
 
     - ``max_grad_norm``: ``None`` (no clipping) or a number >= 0, as ``clip_grad_norm_``'s ``max_norm`` (0 is
       no clipping under ``"deepspeed"``); ``loss_scale``: ``None``, ``"dynamic"`` (the profile's dynamic
-      scaler), a number (static) or a :mod:`sofx.loss_scale` rule; ``profile``: ``"torch"`` (``GradScaler`` +
+      scaler), a number (static) or a :mod:`sofx.loss_scale` rule (with each, a step whose gradients are not
+      all finite is skipped, where ``torch.optim`` alone would write nan); ``profile``: ``"torch"`` (``GradScaler`` +
       ``clip_grad_norm_``) or ``"deepspeed"`` (ZeRO-3's order and rules).
     - ``executor``: ``"inline"``, ``"thread"`` or ``"process"`` (a worker process with ``num_threads``
       threads, on shared memory in ``shm_dir``, at most ``shm_limit_bytes`` of it; ``"thread"``, with a
