@@ -387,6 +387,53 @@ def test_a_torch_optim_state_dict_is_refused_naming_how_to_carry_its_moments_ove
             assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+
+def test_a_parameters_whole_state_assigned_as_torch_optim_assigns_it_is_taken_and_bad_entries_change_nothing():
+    """``opt.state[p] = {...}``, torch.optim's way to set (or carry over) a parameter's whole state, raised
+    Python's bare "TypeError: only integer tensors of a single element can be converted to an index" (the view had
+    no item assignment). It takes torch's entry (``step``, ``exp_avg``, ``exp_avg_sq``; ``master`` kept unless
+    given) and goes on with torch's trajectory bit for bit; ``{}`` starts the parameter afresh, as torch's next
+    step after ``opt.state[p] = {}``. Every value is checked before any is written: an entry refused (a negative
+    second moment, a key missing or unknown, no mapping, a tensor that is none of the optimizer's parameters)
+    changes nothing."""
+    model, ref = _models()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        _torch_mlp_step(topt, ref, gen)
+    model.load_state_dict(ref.state_dict())
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        params, refs = list(model.parameters()), list(ref.parameters())
+        for p, q in zip(params, refs):
+            opt.state[p] = topt.state[q]
+        mlp_step_side_by_side(opt, topt, model, ref, gen)
+        assert all(torch.equal(p, q) for p, q in zip(params, refs))
+        opt.state[params[0]], topt.state[refs[0]] = {}, {}
+        assert int(opt.state[params[0]]["step"]) == 0 and not opt.state[params[0]]["exp_avg_sq"].any()
+        assert torch.equal(opt.state[params[0]]["master"], params[0].detach())
+        mlp_step_side_by_side(opt, topt, model, ref, gen)
+        assert all(torch.equal(p, q) for p, q in zip(params, refs))
+        p, good = params[1], topt.state[refs[1]]
+        before = {k: v.clone() for k, v in opt.state[p].items()}
+        for bad, match in (({**good, "step": 9, "exp_avg_sq": -torch.ones_like(p)}, "negative"),
+                           ({"step": 9, "exp_avg": good["exp_avg"]}, "'exp_avg_sq' missing"),
+                           ({**good, "max_exp_avg_sq": good["exp_avg_sq"]}, "max_exp_avg_sq"),
+                           ({**good, "step": 2.5}, "whole number"), (5, "expected a mapping")):
+            with pytest.raises(sofx.UnsupportedError, match=match):
+                opt.state[p] = bad
+        with pytest.raises(sofx.UnsupportedError, match="not one of this optimizer's parameters"):
+            opt.state[torch.nn.Parameter(torch.zeros(2))] = {}
+        assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())
+        mlp_step_side_by_side(opt, topt, model, ref, gen)
+        assert all(torch.equal(p, q) for p, q in zip(params, refs))
+
+
+def _torch_mlp_step(topt: torch.optim.Optimizer, ref: nn.Module, gen: torch.Generator) -> None:
+    mlp_loss(ref, mlp_batch(gen)).backward()
+    topt.step()
+    topt.zero_grad()
+
+
 def test_a_fresh_torch_optim_state_dict_is_refused_saying_it_holds_no_moments_and_what_to_do():
     """torch.optim's state dict before its first step (``state`` empty) was refused as "a torch.optim state
     (per-parameter entries keyed by index: [])". It is still refused (a torch state dict after a step is too: taking

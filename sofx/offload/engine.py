@@ -76,7 +76,7 @@ from collections import Counter, deque
 import warnings
 import weakref
 from dataclasses import fields
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -1702,17 +1702,57 @@ class OffloadEngine:
             self._check_state_change(f"changing the optimizer state ({key!r})")
             self._set_param_state(index, key, value)
 
+    def set_param_states(self, index: int, values: Any) -> None:
+        """Replace parameter ``index``'s state by ``values`` (``opt.state[p] = {...}``, torch.optim's way to set a
+        parameter's whole state): torch.optim's entry (``step``, ``exp_avg``, ``exp_avg_sq``; a ``master`` too,
+        kept where not given), or an empty mapping: the parameter starts afresh (step 0, zero moments), as
+        torch.optim's next step after ``opt.state[p] = {}``. Every value is checked as :meth:`set_param_state`
+        checks it before any is written: nothing changes on a bad one."""
+        where = f"opt.state[p] = ... (parameter {index})"
+        if not isinstance(values, Mapping):
+            raise UnsupportedError(f"{where}: expected a mapping of a parameter's state ('step', 'exp_avg', "
+                                   f"'exp_avg_sq', as torch.optim's), got {type(values).__name__}")
+        self._check_usable()
+        with self._exclusive("opt.state[p] = ..."):
+            self._check_state_change("changing the optimizer state (opt.state[p] = ...)")
+            views = self._param_views(index)
+            if not values:
+                values = {"step": 0, "exp_avg": torch.zeros_like(views["exp_avg"]),
+                          "exp_avg_sq": torch.zeros_like(views["exp_avg_sq"])}
+            unknown = sorted(repr(k) for k in values if not (isinstance(k, str) and k in views))
+            missing = [k for k in PARAM_STATE_KEYS[:3] if k not in values]
+            if unknown or missing:
+                problems = [f"{k!r} missing" for k in missing] + ([f"unknown {', '.join(unknown)}"] if unknown else [])
+                raise UnsupportedError(f"{where}: {'; '.join(problems)}: a parameter's state has "
+                                       f"{list(PARAM_STATE_KEYS)} ('master' kept where not given)")
+            for key, value in values.items():
+                if key == "step":
+                    self._state_count(index, value, views[key])
+                else:
+                    self._check_param_state_value(index, key, value, views[key])
+            if "master" in values:
+                self._refuse_short_params([index])
+            for key in PARAM_STATE_KEYS:
+                if key in values:
+                    self._set_param_state(index, key, values[key])
+
+    @staticmethod
+    def _state_count(index: int, value: Any, target: torch.Tensor) -> int:
+        """``value`` as parameter ``index``'s step count (a whole number that ``target``'s dtype holds)."""
+        count = _whole_number(value, torch.iinfo(target.dtype).max, f"parameter {index}'s state['step']",
+                              UnsupportedError)
+        if count is None:
+            raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0 (at most "
+                                   f"{torch.iinfo(target.dtype).max}), got {value!r}")
+        return count
+
     def _set_param_state(self, index: int, key: str, value: Any) -> None:
         views = self._param_views(index)
         if key not in views:
             raise UnsupportedError(f"optimizer state key {key!r}; a parameter's state has {sorted(views)}")
         target = views[key]
         if key == "step":
-            count = _whole_number(value, torch.iinfo(target.dtype).max, f"parameter {index}'s state['step']",
-                                  UnsupportedError)
-            if count is None:
-                raise UnsupportedError(f"state['step'] of parameter {index} must be a whole number >= 0 (at most "
-                                       f"{torch.iinfo(target.dtype).max}), got {value!r}")
+            count = self._state_count(index, value, target)
             self._wait_all()
             target.fill_(count)
             self._state_changed()

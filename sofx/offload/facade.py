@@ -368,6 +368,17 @@ class _ParamStateView(Mapping):
     def __getitem__(self, p: Any) -> _ParamState:
         return _ParamState(self._engine, self._index(p))
 
+    def __setitem__(self, p: Any, value: Any) -> None:
+        """``opt.state[p] = {...}``: the parameter's whole state, as torch.optim's (``{}``: afresh), checked whole
+        before anything is written (:meth:`~sofx.offload.engine.OffloadEngine.set_param_states`)."""
+        try:
+            index = self._index(p)
+        except KeyError:
+            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+            raise UnsupportedError(f"opt.state[p] = ...: p ({what}) is not one of this optimizer's parameters, "
+                                   "whose state is all it holds") from None
+        self._engine.set_param_states(index, value)
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._engine.params)
 
@@ -476,8 +487,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
     @property  # type: ignore[override]
     def state(self) -> Mapping:
         """``opt.state[p]``: the parameter's ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master`` (live views;
-        assigning a key writes it). ``opt.state = collections.defaultdict(dict)`` (or any empty mapping)
-        resets every parameter's moments and step count, as it does for ``torch.optim``."""
+        assigning a key writes it; ``opt.state[p] = {...}`` sets them as torch.optim's entry, ``{}`` afresh).
+        ``opt.state = collections.defaultdict(dict)`` (or any empty mapping) resets every parameter's moments
+        and step count, as it does for ``torch.optim``."""
         view = self.__dict__.get("_state_view")
         return view if view is not None else self.__dict__["_torch_state"]
 
