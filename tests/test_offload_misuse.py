@@ -428,6 +428,35 @@ def test_a_parameters_whole_state_assigned_as_torch_optim_assigns_it_is_taken_an
         assert all(torch.equal(p, q) for p, q in zip(params, refs))
 
 
+
+def test_del_of_a_parameters_state_and_clear_reset_it_as_torch_optim_does():
+    """``del opt.state[p]`` (torch.optim: the parameter starts afresh at its next step) raised a bare
+    "AttributeError: __delitem__", and ``opt.state.clear()`` (torch: every parameter afresh) "'_ParamStateView'
+    object has no attribute 'clear'". They reset that parameter's (every parameter's) step count and moments,
+    masters kept, as ``opt.state[p] = {}`` and ``opt.state = {}`` do; the run goes on as torch's, bit for bit. A
+    tensor that is none of the optimizer's parameters is refused naming what it is."""
+    model, ref = _models()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        params, refs = list(model.parameters()), list(ref.parameters())
+        for reset in ("del", "clear"):
+            for _ in range(2):
+                mlp_step_side_by_side(opt, topt, model, ref, gen)
+            if reset == "del":
+                del opt.state[params[1]], topt.state[refs[1]]
+                assert int(opt.state[params[1]]["step"]) == 0 and int(opt.state[params[0]]["step"]) > 0
+            else:
+                opt.state.clear()
+                topt.state.clear()
+                assert all(int(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in params)
+            assert all(torch.equal(opt.state[p]["master"], p.detach()) for p in params)
+            mlp_step_side_by_side(opt, topt, model, ref, gen)
+            assert all(torch.equal(p, q) for p, q in zip(params, refs))
+        with pytest.raises(sofx.UnsupportedError, match="not one of this optimizer's parameters"):
+            del opt.state[torch.nn.Parameter(torch.zeros(2))]
+
+
 def _torch_mlp_step(topt: torch.optim.Optimizer, ref: nn.Module, gen: torch.Generator) -> None:
     mlp_loss(ref, mlp_batch(gen)).backward()
     topt.step()

@@ -1702,19 +1702,19 @@ class OffloadEngine:
             self._check_state_change(f"changing the optimizer state ({key!r})")
             self._set_param_state(index, key, value)
 
-    def set_param_states(self, index: int, values: Any) -> None:
+    def set_param_states(self, index: int, values: Any, what: str = "opt.state[p] = ...") -> None:
         """Replace parameter ``index``'s state by ``values`` (``opt.state[p] = {...}``, torch.optim's way to set a
         parameter's whole state): torch.optim's entry (``step``, ``exp_avg``, ``exp_avg_sq``; a ``master`` too,
         kept where not given), or an empty mapping: the parameter starts afresh (step 0, zero moments), as
         torch.optim's next step after ``opt.state[p] = {}``. Every value is checked as :meth:`set_param_state`
-        checks it before any is written: nothing changes on a bad one."""
-        where = f"opt.state[p] = ... (parameter {index})"
+        checks it before any is written: nothing changes on a bad one. ``what``: the call, for the errors."""
+        where = f"{what} (parameter {index})"
         if not isinstance(values, Mapping):
             raise UnsupportedError(f"{where}: expected a mapping of a parameter's state ('step', 'exp_avg', "
                                    f"'exp_avg_sq', as torch.optim's), got {type(values).__name__}")
         self._check_usable()
-        with self._exclusive("opt.state[p] = ..."):
-            self._check_state_change("changing the optimizer state (opt.state[p] = ...)")
+        with self._exclusive(what):
+            self._check_state_change(f"changing the optimizer state ({what})")
             views = self._param_views(index)
             if not values:
                 values = {"step": 0, "exp_avg": torch.zeros_like(views["exp_avg"]),

@@ -371,13 +371,26 @@ class _ParamStateView(Mapping):
     def __setitem__(self, p: Any, value: Any) -> None:
         """``opt.state[p] = {...}``: the parameter's whole state, as torch.optim's (``{}``: afresh), checked whole
         before anything is written (:meth:`~sofx.offload.engine.OffloadEngine.set_param_states`)."""
+        self._engine.set_param_states(self._member(p, "opt.state[p] = ..."), value)
+
+    def __delitem__(self, p: Any) -> None:
+        """``del opt.state[p]``: the parameter starts afresh (step 0, zero moments; its master kept), as
+        torch.optim's next step after deleting its entry; ``opt.state[p] = {}``."""
+        self._engine.set_param_states(self._member(p, "del opt.state[p]"), {}, "del opt.state[p]")
+
+    def clear(self) -> None:
+        """``opt.state.clear()``: every parameter starts afresh, as ``opt.state = {}`` (torch.optim's
+        ``state.clear()``)."""
+        self._engine.reset_state()
+
+    def _member(self, p: Any, what: str) -> int:
+        """The index of ``p``, or an :class:`UnsupportedError` naming ``what`` was done with which tensor."""
         try:
-            index = self._index(p)
+            return self._index(p)
         except KeyError:
-            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-            raise UnsupportedError(f"opt.state[p] = ...: p ({what}) is not one of this optimizer's parameters, "
-                                   "whose state is all it holds") from None
-        self._engine.set_param_states(index, value)
+            kind = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+            raise UnsupportedError(f"{what}: p ({kind}) is not one of this optimizer's parameters, whose state is "
+                                   "all it holds") from None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._engine.params)
@@ -487,9 +500,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
     @property  # type: ignore[override]
     def state(self) -> Mapping:
         """``opt.state[p]``: the parameter's ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master`` (live views;
-        assigning a key writes it; ``opt.state[p] = {...}`` sets them as torch.optim's entry, ``{}`` afresh).
-        ``opt.state = collections.defaultdict(dict)`` (or any empty mapping) resets every parameter's moments
-        and step count, as it does for ``torch.optim``."""
+        assigning a key writes it; ``opt.state[p] = {...}`` sets them as torch.optim's entry, ``{}`` or
+        ``del opt.state[p]`` afresh). ``opt.state = collections.defaultdict(dict)`` (or any empty mapping, or
+        ``opt.state.clear()``) resets every parameter's moments and step count, as it does for ``torch.optim``."""
         view = self.__dict__.get("_state_view")
         return view if view is not None else self.__dict__["_torch_state"]
 
