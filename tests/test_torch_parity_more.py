@@ -11,7 +11,8 @@ sofx's folded multiplier agree to the bit only there, ``sofx.serial``'s "Known d
 - :func:`sofx.serial.serial_loop_step` + ``accumulate`` against ``torch.optim.Adam/AdamW(foreach=False)`` +
   ``GradScaler("cpu")`` + ``clip_grad_norm_`` (torch's ``.grad`` accumulated by autograd); every parameter,
   moment, step count and the loss scale compared bitwise after every step, and the speculative loop (no
-  donation) equal to the serial one bit for bit.
+  donation) equal to the serial one bit for bit; at a drawn step each side may go on from the other's state
+  (``to_torch_optim`` / ``from_torch_optim`` with the groups).
 - The offload facade (inline or thread executor, blocks of 1 to 64 elements or one, device blocks, ``undo=
   "exact"``, ``zero_grad(set_to_none=False)`` or not, ``gradient_accumulation_steps`` the number of backward
   calls or 1: the later backward calls undo and redo the speculated blocks) against the same torch loop,
@@ -30,6 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sofx
+import sofx.checkpoint
 import sofx.offload
 from sofx import AdamHParams, loss_scale, serial, speculate
 
@@ -124,11 +126,19 @@ def test_the_serial_loop_of_a_drawn_configuration_is_torchs_bit_for_bit(seed: in
     loop = serial.init_loop(opt, {k: v.clone() for k, v in zip(keys, init)}, rule)
     spec_loop = loop
     config = sofx.SpeculationConfig(max_norm=c["max_norm"])
+    handover = c["rnd"].choice([None, 2, 5])
+    groups = [[k for k, g in zip(keys, c["group_of"]) if g == n] for n in range(len(c["options"]))]
     for step in range(STEPS):
         _change_hparams(c, topt)
         hp = {k: AdamHParams(lr=o["lr"], beta1=o["betas"][0], beta2=o["betas"][1], eps=o["eps"],
                              weight_decay=o["weight_decay"])
               for k, o in zip(keys, (c["options"][g] for g in c["group_of"]))}
+        if step == handover:  # each side goes on from the other's state, through the state-dict interop
+            theirs = topt.state_dict()
+            topt.load_state_dict(sofx.checkpoint.to_torch_optim(opt, loop.opt_state, hp, groups=groups,
+                                                                params=loop.params))
+            loop = loop._replace(opt_state=sofx.checkpoint.from_torch_optim(opt, theirs, loop.params,
+                                                                             groups=groups)[0])
         scale = rule.scale(loop.scaler_state)
         tscaler.scale(torch.ones(()))  # initialises the scale lazily, as scaler.scale(loss) would
         assert tscaler.get_scale() == scale
