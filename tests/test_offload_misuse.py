@@ -457,6 +457,25 @@ def test_del_of_a_parameters_state_and_clear_reset_it_as_torch_optim_does():
             del opt.state[torch.nn.Parameter(torch.zeros(2))]
 
 
+def test_the_state_of_a_tensor_that_is_no_parameter_is_a_key_error_naming_it_not_printing_it():
+    """``opt.state[q]`` for a tensor that is none of the optimizer's parameters raised ``KeyError(q)``, whose
+    text is the whole tensor's repr (torch's defaultdict gives ``{}``); a KeyError still (``q in opt.state`` and
+    ``opt.state.get(q)`` rely on it), saying what ``q`` is. Each lookup is by a table of the parameters (it searched
+    them one by one: quadratic for a loop over every parameter's state), and finds each parameter's own."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        params = list(model.parameters())
+        stranger = torch.full((1000,), 7.0)
+        with pytest.raises(KeyError, match=r"a tensor of shape \(1000,\) \(float32, cpu\) is not one of this "
+                                           r"optimizer's parameters") as raised:
+            opt.state[stranger]
+        assert "7." not in str(raised.value)
+        assert stranger not in opt.state and opt.state.get(stranger) is None and "w" not in opt.state
+        assert [p in opt.state for p in params] == [True] * len(params)
+        assert [opt.state[p]["exp_avg"].shape for p in params] == [p.shape for p in params]
+        assert list(opt.state) == params
+
+
 def _torch_mlp_step(topt: torch.optim.Optimizer, ref: nn.Module, gen: torch.Generator) -> None:
     mlp_loss(ref, mlp_batch(gen)).backward()
     topt.step()

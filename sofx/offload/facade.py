@@ -358,12 +358,15 @@ class _ParamStateView(Mapping):
 
     def __init__(self, engine: OffloadEngine) -> None:
         self._engine = engine  # (not the optimizer: no reference cycle, see _hparams_of)
+        self._indices = {id(q): i for i, q in enumerate(engine.params)}  # (the engine's parameters are fixed)
 
     def _index(self, p: Any) -> int:
-        for i, q in enumerate(self._engine.params):
-            if q is p:
-                return i
-        raise KeyError(p)
+        i = self._indices.get(id(p))
+        if i is None or self._engine.params[i] is not p:
+            what = (f"a tensor of shape {tuple(p.shape)} ({str(p.dtype).removeprefix('torch.')}, {p.device})"
+                    if isinstance(p, torch.Tensor) else f"{type(p).__name__} {p!r:.60}")
+            raise KeyError(f"{what} is not one of this optimizer's parameters (opt.state holds theirs only)")
+        return i
 
     def __getitem__(self, p: Any) -> _ParamState:
         return _ParamState(self._engine, self._index(p))
