@@ -649,6 +649,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         a later step steps it (with a zero gradient: moment decay, weight decay) when backward gives it none.
         Which parameters have had one is this optimizer's, not in :meth:`state_dict` (torch keeps the zero
         ``.grad`` on the parameter, here ``.grad`` is ``None`` after ``step()``): a new optimizer starts without.
+        So ``model.zero_grad(set_to_none=False)`` in its place does not do this (it finds every ``.grad`` ``None``):
+        where torch.optim steps a parameter without a gradient this step on its zeroed ``.grad``, this optimizer
+        skips it (``missing_grad="skip"``); call ``opt.zero_grad(set_to_none=False)``.
         """
         dropped = self.engine.in_step
         self.engine.discard_gradients(set_to_none)
