@@ -656,6 +656,43 @@ def test_state_dict_hooks_run_as_in_torch_optim():
 
 
 @pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_step_hooks_run_as_in_torch_optim_and_a_pre_hooks_lr_is_stepped(executor):
+    """``register_step_pre_hook`` / ``register_step_post_hook`` (torch.optim's, around ``step()``, a closure's
+    backward inside them) run as on ``torch.optim.AdamW``; an lr a pre-hook sets (after backward, where blocks were
+    speculated with the old one) is the step's, as torch steps with it."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    calls = {id(opt): [], id(ropt): []}
+
+    def note(o, args, kwargs, when="pre"):
+        calls[id(o)].append((when, len(args), o.param_groups[0]["lr"]))
+
+    def halve_lr(o, args, kwargs):
+        o.param_groups[0]["lr"] *= 0.5
+
+    for o in (opt, ropt):
+        o.register_step_pre_hook(note)
+        o.register_step_pre_hook(halve_lr)
+        o.register_step_post_hook(lambda o, args, kwargs: note(o, args, kwargs, "post"))
+    with opt:
+        for _ in range(3):
+            report = mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert report.redone > 0  # (speculated with the lr before the hook)
+        batch = mlp_batch(gen)
+        for o, m in ((opt, model), (ropt, ref)):
+            def closure(o=o, m=m):
+                o.zero_grad()
+                loss = mlp_loss(m, batch)
+                loss.backward()
+                return loss
+            o.step(closure)
+        assert relative_deviation(model, ref) <= TOL
+    assert calls[id(opt)] == calls[id(ropt)] and len(calls[id(opt)]) == 8
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
 def test_an_optimizer_created_again_while_the_old_one_lives_supersedes_it(executor):
     """The first optimizer is still referenced (a scheduler, a notebook's output history): its hooks ran first
     and took every gradient, so the new one stepped nothing, silently. The new one takes the parameters over;
