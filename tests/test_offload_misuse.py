@@ -457,6 +457,82 @@ def test_del_of_a_parameters_state_and_clear_reset_it_as_torch_optim_does():
             del opt.state[torch.nn.Parameter(torch.zeros(2))]
 
 
+def test_the_state_mappings_methods_that_torch_users_call_reset_as_torch_does():
+    """``opt.state.clear()`` (a reset of every parameter's state, as torch.optim's defaultdict clears), and
+    ``pop``, ``popitem``, ``update`` and ``setdefault`` raised a bare AttributeError (the view was a read-only
+    Mapping). They act as on torch's dict: ``clear`` is ``opt.state = {}``, ``pop(p)`` gives ``p``'s state as it was
+    (copies: the view's tensors are the blocks', which the reset zeroes) and forgets it, ``update`` sets states;
+    ``popitem`` (whose entry is never gone) is refused saying so."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with opt:
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        opt.state.clear()
+        ropt.state.clear()
+        assert all(int(s["step"]) == 0 and not s["exp_avg"].any() for s in opt.state.values())
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        (p, rp), (q, rq) = list(zip(model.parameters(), ref.parameters()))[:2]
+        popped, rpopped = opt.state.pop(p), ropt.state.pop(rp)
+        assert int(popped["step"]) == 2 and torch.equal(popped["exp_avg"], rpopped["exp_avg"])
+        assert int(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg_sq"].any()
+        opt.state.update({q: {}})
+        ropt.state.update({rq: {}})
+        assert opt.state.setdefault(q, {})["step"] == 0
+        with pytest.raises(sofx.UnsupportedError, match=r"popitem\(\): .* an entry for every parameter"):
+            opt.state.popitem()
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+
+
+def test_a_parameters_state_updated_with_a_bad_value_changes_nothing():
+    """``opt.state[p].update(state)`` (a torch.optim parameter's state carried over key by key) wrote each key in
+    turn: a bad value after a good one was refused with the good one written (a half-applied state: the step count
+    set, the moments not). Every value is checked before any is written; a good update is taken whole."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        p = model.mid.weight  # parameter 2
+        with pytest.raises(sofx.UnsupportedError, match=r"state\['exp_avg'\] of parameter 2 must be a float tensor"):
+            opt.state[p].update({"step": 3, "exp_avg": torch.zeros(5)})
+        assert int(opt.state[p]["step"]) == 0
+        opt.state[p].update({"step": 4, "exp_avg": torch.full_like(p, 0.5)}, exp_avg_sq=torch.full_like(p, 2.0))
+        assert int(opt.state[p]["step"]) == 4 and bool((opt.state[p]["exp_avg_sq"] == 2.0).all())
+        assert bool((opt.state[p]["exp_avg"] == 0.5).all())
+
+
+def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
+    """``copy.deepcopy(opt.state[p])`` (a snapshot of a parameter's state, to roll back to) and
+    ``copy.deepcopy(opt.state)`` deep-copied the engine behind the view, its worker's locks too, and failed with a
+    bare TypeError "cannot pickle '_thread.lock' object"; ``opt.state[p].copy()`` was an AttributeError. As on
+    torch's dicts: a deep copy is a dict of copies (``opt.state[p] = saved`` takes it back: the run goes on as torch's
+    rolled back the same way), ``copy()`` a dict of the state's own tensors."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="thread", block_numel=100)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with opt:
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        p, rp = model.mid.weight, ref.mid.weight
+        saved, rsaved = copy.deepcopy(opt.state[p]), copy.deepcopy(ropt.state[rp])
+        everything = copy.deepcopy(opt.state)
+        assert type(saved) is dict and torch.equal(saved["exp_avg"], rsaved["exp_avg"])
+        assert opt.state[p].copy()["exp_avg"].data_ptr() == opt.state[p]["exp_avg"].data_ptr()
+        assert len(everything) == len(opt.state) and all(type(s) is dict for s in everything.values())
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert int(saved["step"]) == 2 and not torch.equal(saved["exp_avg"], opt.state[p]["exp_avg"])
+        opt.state[p] = saved
+        ropt.state[rp] = rsaved
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+        assert int(opt.state[p]["step"]) == int(ropt.state[rp]["step"]) == 4
+
+
 def test_the_state_of_a_tensor_that_is_no_parameter_is_a_key_error_naming_it_not_printing_it():
     """``opt.state[q]`` for a tensor that is none of the optimizer's parameters raised ``KeyError(q)``, whose
     text is the whole tensor's repr (torch's defaultdict gives ``{}``); a KeyError still (``q in opt.state`` and

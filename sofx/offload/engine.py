@@ -1702,12 +1702,15 @@ class OffloadEngine:
             self._check_state_change(f"changing the optimizer state ({key!r})")
             self._set_param_state(index, key, value)
 
-    def set_param_states(self, index: int, values: Any, what: str = "opt.state[p] = ...") -> None:
+    def set_param_states(self, index: int, values: Any, what: str = "opt.state[p] = ...",
+                         partial: bool = False) -> None:
         """Replace parameter ``index``'s state by ``values`` (``opt.state[p] = {...}``, torch.optim's way to set a
         parameter's whole state): torch.optim's entry (``step``, ``exp_avg``, ``exp_avg_sq``; a ``master`` too,
         kept where not given), or an empty mapping: the parameter starts afresh (step 0, zero moments), as
-        torch.optim's next step after ``opt.state[p] = {}``. Every value is checked as :meth:`set_param_state`
-        checks it before any is written: nothing changes on a bad one. ``what``: the call, for the errors."""
+        torch.optim's next step after ``opt.state[p] = {}``. ``partial``: the keys given only, the others kept
+        (``opt.state[p].update(...)``; an empty mapping changes nothing). Every value is checked as
+        :meth:`set_param_state` checks it before any is written: nothing changes on a bad one. ``what``: the call,
+        for the errors."""
         where = f"{what} (parameter {index})"
         if not isinstance(values, Mapping):
             raise UnsupportedError(f"{where}: expected a mapping of a parameter's state ('step', 'exp_avg', "
@@ -1716,11 +1719,11 @@ class OffloadEngine:
         with self._exclusive(what):
             self._check_state_change(f"changing the optimizer state ({what})")
             views = self._param_views(index)
-            if not values:
+            if not values and not partial:
                 values = {"step": 0, "exp_avg": torch.zeros_like(views["exp_avg"]),
                           "exp_avg_sq": torch.zeros_like(views["exp_avg_sq"])}
             unknown = sorted(repr(k) for k in values if not (isinstance(k, str) and k in views))
-            missing = [k for k in PARAM_STATE_KEYS[:3] if k not in values]
+            missing = [] if partial else [k for k in PARAM_STATE_KEYS[:3] if k not in values]
             if unknown or missing:
                 problems = [f"{k!r} missing" for k in missing] + ([f"unknown {', '.join(unknown)}"] if unknown else [])
                 raise UnsupportedError(f"{where}: {'; '.join(problems)}: a parameter's state has "

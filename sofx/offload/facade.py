@@ -327,7 +327,9 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
 class _ParamState(MutableMapping):
     """``opt.state[p]``: one parameter's ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq`` and ``master`` as live
     views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``; ``state["master"] = x``
-    also sets the model's parameter to ``x``, rounded to its dtype, as ``load_state_dict`` does)."""
+    also sets the model's parameter to ``x``, rounded to its dtype, as ``load_state_dict`` does; ``update`` checks
+    every value before it writes any). ``copy()`` is a dict of the live views, ``copy.deepcopy`` one of copies of
+    torch.optim's keys (:func:`_state_copy`)."""
 
     def __init__(self, engine: OffloadEngine, index: int) -> None:
         self._engine, self._index = engine, index
@@ -337,6 +339,22 @@ class _ParamState(MutableMapping):
 
     def __setitem__(self, key: str, value: Any) -> None:
         self._engine.set_param_state(self._index, key, value)
+
+    def update(self, *other: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """As ``dict.update``, every value checked before any is written (key by key, a bad value after a good one
+        left the good one written: a step count set, the moments not)."""
+        values = dict(*other, **kwargs)
+        if values:
+            self._engine.set_param_states(self._index, values, "opt.state[p].update(...)", partial=True)
+
+    def copy(self) -> dict[str, torch.Tensor]:
+        """A dict of the state's own tensors (live views), as ``dict.copy`` of a torch.optim parameter's state."""
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, torch.Tensor]:
+        """A snapshot, as ``copy.deepcopy`` of a torch.optim parameter's state (it deep-copied the engine behind
+        the view, its locks too: a bare TypeError): :func:`_state_copy`."""
+        return _state_copy(self._engine, self._index)
 
     def __delitem__(self, key: str) -> None:
         raise UnsupportedError(f"the state of a speculative optimizer's parameter always has {sorted(self)}: "
@@ -353,8 +371,21 @@ class _ParamState(MutableMapping):
         return repr(dict(self))
 
 
-class _ParamStateView(Mapping):
-    """``opt.state``: torch.optim-style per-parameter state (live views of the engine's blocks)."""
+def _state_copy(engine: OffloadEngine, index: int) -> dict[str, torch.Tensor]:
+    """Copies of parameter ``index``'s ``step``, ``exp_avg`` and ``exp_avg_sq``: the state torch.optim keeps
+    (``opt.state[p] = copy`` takes it back, as torch's rolls back its moments and count and leaves the parameter as
+    it is). Not its ``master``, the parameter's own value in float32, which put back would move the parameter too
+    (``opt.state[p]["master"]`` reads it)."""
+    state = engine.param_state(index)
+    return {key: state[key].clone() for key in PARAM_STATE_KEYS[:3]}
+
+
+class _ParamStateView(MutableMapping):
+    """``opt.state``: torch.optim-style per-parameter state (live views of the engine's blocks), an entry for every
+    parameter. ``clear()`` starts every parameter afresh (as ``opt.state = {}``), ``pop(p)`` gives a copy of ``p``'s
+    state and starts it afresh; ``update`` and ``setdefault`` as on a dict; ``popitem`` is refused (an entry is never
+    gone: which parameter it would reset is arbitrary). ``copy.deepcopy`` of it, or of ``opt.state[p]``, copies the
+    states (:func:`_state_copy`), not the engine behind them."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self._engine = engine  # (not the optimizer: no reference cycle, see _hparams_of)
@@ -385,6 +416,30 @@ class _ParamStateView(Mapping):
         """``opt.state.clear()``: every parameter starts afresh, as ``opt.state = {}`` (torch.optim's
         ``state.clear()``)."""
         self._engine.reset_state()
+
+    def pop(self, p: Any, *default: Any) -> Any:  # type: ignore[override]
+        """``p``'s state as it was (:func:`_state_copy`: the views' tensors are the blocks', which the reset
+        zeroes), then ``p`` starts afresh; ``default`` where ``p`` is not one of the parameters."""
+        try:
+            index = self._index(p)
+        except KeyError:
+            if default:
+                return default[0]
+            raise
+        state = _state_copy(self._engine, index)
+        self._engine.set_param_states(index, {}, "opt.state.pop(p)")
+        return state
+
+    def popitem(self) -> tuple[torch.Tensor, Any]:
+        raise UnsupportedError("opt.state.popitem(): the state of a speculative optimizer has an entry for every "
+                               "parameter, always (reset, it starts afresh): use opt.state.pop(p), or "
+                               "opt.state.clear() for all of them")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[Any, dict[str, torch.Tensor]]:
+        """As ``copy.deepcopy`` of torch.optim's ``opt.state``: the parameters deep-copied as keys (the model's own
+        copies where ``memo`` holds them: a deep copy of the model and the state together), each with
+        :func:`_state_copy` of its state."""
+        return {copy.deepcopy(p, memo): _state_copy(self._engine, i) for i, p in enumerate(self._engine.params)}
 
     def _member(self, p: Any, what: str) -> int:
         """The index of ``p``, or an :class:`UnsupportedError` naming ``what`` was done with which tensor."""
