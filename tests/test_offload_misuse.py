@@ -661,6 +661,55 @@ def test_torchs_grad_scaler_as_loss_scale_is_refused_naming_what_equals_it():
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=sofx.loss_scale.grad_scaler)
 
 
+class _FloatStateRule:
+    """A custom loss-scale rule whose state is a plain float (init, scale and update: a rule by the protocol)."""
+
+    def init(self) -> float:
+        return 1024.0
+
+    def scale(self, state: float) -> float:
+        return state
+
+    def update(self, state: float, overflow: bool) -> float:
+        return state / 2 if overflow else state
+
+
+class _CountedScale(collections.namedtuple("_CountedScale", "scale clean")):
+    """A custom rule's state that is a NamedTuple (the state dict saves its fields)."""
+
+
+class _CountedRule:
+    def init(self) -> _CountedScale:
+        return _CountedScale(1024.0, 0)
+
+    def scale(self, state: _CountedScale) -> float:
+        return state.scale
+
+    def update(self, state: _CountedScale, overflow: bool) -> _CountedScale:
+        return _CountedScale(state.scale / 2, 0) if overflow else _CountedScale(state.scale, state.clean + 1)
+
+
+def test_a_custom_loss_scale_rule_whose_state_has_no_fields_is_refused_at_construction():
+    """A custom rule whose state is a float trained, and opt.state_dict() then raised "AttributeError: 'float'
+    object has no attribute '_asdict'" (under ddp each step's replica check did): the state dict saves the
+    loss-scaler state's fields. It is refused at construction, naming the state's type; a custom rule whose state
+    is a NamedTuple trains and round-trips its state."""
+    model, _ = _models()
+    with pytest.raises(SofxError, match=r"loss_scale: the rule's init\(\) returned a float; the optimizer's "
+                                        r"state_dict\(\) saves the loss-scaler state's fields: expected a NamedTuple"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=_FloatStateRule())
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       loss_scale=_CountedRule()) as opt:
+        for _ in range(2):
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.step()
+        saved = opt.state_dict()
+        assert saved["state"]["scaler_state"] == {"type": "_CountedScale", "scale": 1024.0, "clean": 2}
+        opt.load_state_dict(saved)
+        assert opt.engine.scaler_state == _CountedScale(1024.0, 2)
+
+
 def test_numpy_or_tensor_engine_options_are_numbers_and_bad_ones_are_refused_at_construction():
     """block_numel=np.int64(100), gradient_accumulation_steps, num_threads, timeout=np.float32(30.0) were refused
     as no int / no number (gradient_accumulation_steps with a bare ValueError); they are read as Python numbers and

@@ -180,7 +180,7 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
     """The loss-scale rule for ``loss_scale``: ``None`` (no scaling), ``"dynamic"`` (the profile's
     dynamic scaler: GradScaler for "torch", DeepSpeed's for "deepspeed"), a number (static; numpy or a
     1-element tensor too), or a rule object with ``init``/``scale``/``update`` (e.g.
-    :func:`sofx.loss_scale.grad_scaler`)."""
+    :func:`sofx.loss_scale.grad_scaler`; a custom rule's state a NamedTuple, :func:`_check_custom_state`)."""
     if loss_scale is None:
         return static_scale(1.0)
     if isinstance(loss_scale, str):
@@ -192,6 +192,7 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
     if isinstance(number, numbers.Real) and not is_bool(number):
         return static_scale(number)
     if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):
+        _check_custom_state(loss_scale)
         return loss_scale
     kind = type(loss_scale)
     if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):  # torch's habit: a scaler beside
@@ -204,6 +205,18 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
                           f"{loss_scale.__name__}(...)")
     raise HParamError(f"loss_scale={loss_scale!r}; expected None, 'dynamic', a number or a loss-scale rule "
                       "(sofx.loss_scale.grad_scaler(...), deepspeed_scaler(...), static_scale(...))")
+
+
+def _check_custom_state(rule: Any) -> None:
+    """Refuse (an :class:`HParamError`) a rule whose state (``rule.init()``) is not a NamedTuple: the optimizer's
+    ``state_dict()`` saves the loss-scaler state as its type's name and fields, and ``load_state_dict()`` remakes
+    it from them (a float state trained, and ``state_dict()`` raised "'float' object has no attribute
+    '_asdict'"; under ``ddp`` every step's replica check did)."""
+    state = rule.init()
+    if not (isinstance(state, tuple) and hasattr(type(state), "_fields") and callable(getattr(state, "_asdict", None))):
+        raise HParamError(f"loss_scale: the rule's init() returned a {type(state).__name__}; the optimizer's "
+                          "state_dict() saves the loss-scaler state's fields: expected a NamedTuple (as the states "
+                          "of sofx.loss_scale's rules)")
 
 
 def _number(value: Any, what: str) -> float:
