@@ -237,19 +237,18 @@ def check_state(state: LossScaleState, where: str = "scaler_state") -> None:
     if not ok:
         raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number >= 0, got "
                           f"{type(state.scale).__name__}")
-    for name, low in least.items():
-        integer(f"{where}[{name!r}]", getattr(state, name), low)
+    counts = {name: integer(f"{where}[{name!r}]", _host_value(getattr(state, name), f"{where}[{name!r}]"), low)
+              for name, low in least.items()}  # (torch's GradScaler keeps its growth tracker in a 0-d tensor too)
     if isinstance(state, DynamicLossScaleState):
-        _check_deepspeed_state(state, scale, where)
+        _check_deepspeed_state(state, scale, counts["cur_iter"], counts["last_overflow_iter"], where)
 
 
-def _check_deepspeed_state(state: DynamicLossScaleState, scale: float, where: str) -> None:
-    """What no DeepSpeed run holds under any settings (counts already checked integers): a scale of 0 (it stays at
-    or above ``min_scale > 0``), a ``last_overflow_iter`` at or after ``cur_iter``."""
+def _check_deepspeed_state(state: DynamicLossScaleState, scale: float, it: int, last: int, where: str) -> None:
+    """What no DeepSpeed run holds under any settings (``it``, ``last``: its counts, checked integers): a scale of 0
+    (it stays at or above ``min_scale > 0``), a ``last_overflow_iter`` at or after ``cur_iter``."""
     if scale == 0:
         raise HParamError(f"{where}['scale'] = {state.scale!r} is invalid; expected a finite number > 0 (DeepSpeed's "
                           "scale stays at or above its min_scale, > 0)")
-    it, last = as_integer(state.cur_iter), as_integer(state.last_overflow_iter)
     if last >= it:
         raise HParamError(f"{where}['last_overflow_iter'] = {last} is invalid with cur_iter = {it}; expected "
                           "-1 <= last_overflow_iter < cur_iter (DeepSpeed records an overflow at the iteration it "
@@ -270,7 +269,7 @@ def plain_state(state: LossScaleState, where: str = "scaler_state") -> LossScale
     if least is None:
         return state
     return state._replace(scale=float(real_number(_host_value(state.scale, f"{where}['scale']"), f"{where}['scale']")),
-                          **{name: int(getattr(state, name)) for name in least})
+                          **{name: int(_host_value(getattr(state, name), f"{where}[{name!r}]")) for name in least})
 
 
 @dataclass(frozen=True)
@@ -321,7 +320,7 @@ class GradScalerRule:
         the scale when the count *reaches* the interval, so from past it the scale never grew again. No run of
         this rule gets there; a state saved by a scaler with a longer ``growth_interval`` does (torch's state
         dict carries its interval, this state does not). Other invalid counts are :func:`check_state`'s."""
-        count = as_integer(tracker)
+        count = as_integer(_host_value(tracker, "scaler_state['growth_tracker']"))
         if count is not None and count >= self.growth_interval:
             raise HParamError(f"scaler_state['growth_tracker'] = {count} is invalid for growth_interval = "
                               f"{self.growth_interval}; expected 0 <= growth_tracker < {self.growth_interval} (a "

@@ -413,9 +413,13 @@ def test_a_state_whose_scale_is_a_tensor_updates_as_the_python_number(rule):
 def test_a_tensor_scale_of_a_state_is_read_under_compile_as_eagerly(rule):
     """A state whose scale is a 0-d tensor (torch's GradScaler's), updated inside a compiled step: the scale was
     refused there ("expected a finite number >= 0, got Tensor") though eagerly it is read as its number; it is read
-    there too (a graph break), and under vmap the refusal says the batched scale cannot be read."""
+    there too (a graph break), and under vmap the refusal says the batched scale cannot be read. So are its counts:
+    torch's GradScaler keeps its growth tracker as a 0-d int32 tensor too, and a state of
+    ``(scaler._scale, scaler._growth_tracker)`` (or DeepSpeed's counts as tensors) was refused in a compiled step
+    ("scaler_state['growth_tracker'] = tensor(0, dtype=torch.int32) is invalid ... cannot be read here (traced)")."""
     plain = rule.init()
-    state = plain._replace(scale=torch.tensor(plain.scale))
+    counts = {name: torch.tensor(getattr(plain, name), dtype=torch.int32) for name in plain._fields[1:]}
+    state = plain._replace(scale=torch.tensor(plain.scale), **counts)
 
     def step(s: tuple, overflow: bool) -> tuple:
         return rule.update(s, overflow)
