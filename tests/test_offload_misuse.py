@@ -648,6 +648,17 @@ def test_numpy_or_tensor_max_grad_norm_and_static_loss_scale_are_numbers():
             sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=bad)
 
 
+@pytest.mark.parametrize("value, why", [(math.nan, "expected a finite number > 0"), (math.inf, "expected a finite"),
+                                        (0.0, "expected a finite number > 0"), (-8.0, "expected a finite number > 0"),
+                                        (1e39, "a float32 loss times it is inf"), (1e-39, "cannot be unscaled")])
+def test_an_invalid_static_loss_scale_is_refused_naming_loss_scale(value: float, why: str):
+    """SpeculativeAdamW(loss_scale=nan) was refused as "scale = nan is invalid", naming static_scale's argument, not
+    the constructor's the value was given as; the refusal names loss_scale."""
+    model, _ = _models()
+    with pytest.raises(SofxError, match=rf"^loss_scale: scale = {re.escape(repr(value))} is invalid.*{why}"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=value)
+
+
 def test_torchs_grad_scaler_as_loss_scale_is_refused_naming_what_equals_it():
     """torch.amp.GradScaler() as loss_scale (torch's habit: a scaler beside the optimizer) was refused as "expected
     None, 'dynamic', a number or a loss-scale rule" without saying that loss_scale="dynamic" is that scaler's rule,

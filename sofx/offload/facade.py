@@ -190,7 +190,10 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
     # numpy's float32 too, or a 1-element tensor (it was refused as no number)
     number = real_number(loss_scale, "loss_scale")
     if isinstance(number, numbers.Real) and not is_bool(number):
-        return static_scale(number)
+        try:
+            return static_scale(number)
+        except HParamError as exc:  # (it named static_scale's argument, "scale = nan is invalid")
+            raise HParamError(f"loss_scale: {exc}") from None
     if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):
         _check_custom_state(loss_scale)
         return loss_scale
