@@ -60,6 +60,24 @@ def test_grad_scaler_growth_past_float32s_largest_value_rounds_as_torch(growth: 
                                  growth_interval=1)
 
 
+@given(seq=st.lists(st.booleans(), min_size=50, max_size=50), interval=st.sampled_from([1, 2, 3]),
+       init=st.sampled_from([2.0 ** 126, 3.0e38, 1.0e-36, 2.0 ** -140, 0.1]),
+       growth=st.sampled_from([2.0, 1.5, 3.0, 1.0000001]), backoff=st.sampled_from([0.5, 0.3, 0.9, 0.01]))
+def test_grad_scaler_factors_equal_torch_up_to_float32s_limits(seq: list[bool], interval: int, init: float,
+                                                                growth: float, backoff: float):
+    """Other growth and backoff factors (not powers of two: each change rounds to float32), from scales where
+    growth stops at float32's largest value and where backoff goes subnormal and on to 0: the scale and the
+    growth tracker equal those of ``torch._amp_update_scale_`` (GradScaler.update's kernel, on GradScaler's float32
+    scale and int32 tracker) after each of 50 steps."""
+    rule = ls.grad_scaler(init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
+    state = rule.init()
+    scale, tracker = torch.full((), init, dtype=torch.float32), torch.zeros((), dtype=torch.int32)
+    for step, ov in enumerate(seq):
+        state = rule.update(state, ov)
+        torch._amp_update_scale_(scale, tracker, torch.full((), float(ov)), growth, backoff, interval)
+        assert (rule.scale(state), state.growth_tracker) == (scale.item(), tracker.item()), step
+
+
 def test_grad_scaler_defaults_over_a_long_random_sequence():
     rnd = random.Random(0)
     seq = [rnd.random() < 0.0008 for _ in range(4500)]
