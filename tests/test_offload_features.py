@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -693,6 +694,24 @@ def test_a_loaded_static_loss_scale_is_the_saved_one_as_gradscaler_and_torch_opt
                                              "a GradScalerState"):
         with make(_models()[0], "dynamic") as opt4:
             opt4.load_state_dict(_clone_tree(saved))
+
+
+@pytest.mark.parametrize("scale, why", [(0.0, "expected a finite number > 0"),
+                                        (1e39, "a float32 loss times it is inf"),
+                                        (1e-39, "the gradients cannot be unscaled in float32")])
+def test_a_static_loss_scale_every_step_would_overflow_at_is_refused_by_the_load(scale: float, why: str) -> None:
+    """A state dict whose static scale was set (as the load's docs say to resume with another one) to 0, 1e39 or
+    1e-39 was loaded, and every later step was skipped as an overflow (a static scale never backs off):
+    static_scale refuses these values, and so does the load now, naming the entry, before anything is loaded."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       loss_scale=512.0) as opt:
+        bad = _clone_tree(opt.state_dict())
+        bad["state"]["scaler_state"]["scale"] = scale
+        where = re.escape(f"state_dict['state']['scaler_state']: scale = {scale!r} is invalid")
+        with pytest.raises(HParamError, match=rf"{where}.*{why}"):
+            opt.load_state_dict(bad)
+        assert opt.loss_scale == 512.0
 
 
 def test_load_state_dict_checks_before_changing_anything() -> None:

@@ -447,7 +447,8 @@ def _checked_rule(engine: "OffloadEngine", saved: Any, where: str) -> Any:
 def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, at: str) -> tuple[Any, Any]:
     """The loss-scale rule (:func:`_checked_rule`, from ``saved_rule``) and the saved loss-scaler state, of this
     engine's kind, with every field (none missing: its default is not the run's value) and fields any run can reach
-    (see :func:`sofx.loss_scale.check_state`), valid for that rule, and a scale that is a finite number >= 0, held as
+    (see :func:`sofx.loss_scale.check_state`), valid for that rule, and a scale that is a finite number >= 0 (a
+    static rule's: one :func:`~sofx.loss_scale.static_scale` takes, else every step would be skipped), held as
     Python numbers (:func:`sofx.loss_scale.plain_state`). ``at``: what the caller calls the engine state."""
     where = f"{at}['scaler_state']"
     if not isinstance(saved, Mapping):
@@ -476,6 +477,8 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, 
     rule = _checked_rule(engine, saved_rule, f"{at}['scaler']")
     try:
         loss_scale_of(rule, scaler_state)  # (a custom rule's state: its scale at least)
+        if isinstance(rule, StaticScaleRule):  # (never changes: at a scale static_scale refuses, every step skipped)
+            dataclasses.replace(rule, value=scaler_state.scale)
     except HParamError as exc:
         raise HParamError(f"{where}: {exc}") from None
     return rule, scaler_state
