@@ -297,9 +297,11 @@ class GradScalerRule:
         return GradScalerState(_f32(self.init_scale), 0)  # torch keeps its scale in a float32 tensor
 
     def scale(self, state: GradScalerState) -> float:
-        """The current scale ``S`` (a state counting ``growth_interval`` clean steps or more is refused)."""
+        """The current scale ``S`` (a state counting ``growth_interval`` clean steps or more, or whose scale is
+        beyond float32's largest value, is refused)."""
         check_state_kind(state, GradScalerState)
         self._check_tracker(state.growth_tracker)
+        _check_float32_scale(state.scale)
         return state.scale
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
@@ -307,6 +309,7 @@ class GradScalerRule:
         check_state_kind(state, GradScalerState)
         state = plain_state(state)
         self._check_tracker(state.growth_tracker)
+        _check_float32_scale(state.scale)
         if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
@@ -325,6 +328,24 @@ class GradScalerRule:
             raise HParamError(f"scaler_state['growth_tracker'] = {count} is invalid for growth_interval = "
                               f"{self.growth_interval}; expected 0 <= growth_tracker < {self.growth_interval} (a "
                               "state saved with a longer growth_interval: set its growth_tracker below this one's)")
+
+
+def _check_float32_scale(scale: Any) -> None:
+    """Refuse (an :class:`HParamError` naming ``scaler_state['scale']``) a GradScaler state whose scale is a finite
+    number beyond float32's largest value: no run of the rule gets there (growth stops at that value), torch's
+    GradScaler keeps its scale in a float32 tensor and refuses to load a larger one, and an overflow backed it off
+    to ``float32(S * backoff_factor)``, inf, a state the rule then refused. Other invalid scales (nan, a negative
+    one, an int no float holds) are :func:`check_state`'s and :func:`sofx.serial.check_scale`'s."""
+    try:
+        x = real_number(_host_value(scale, "scaler_state['scale']"), "scaler_state['scale']")
+        beyond = isinstance(x, numbers.Real) and not is_bool(x) and FLOAT32_MAX < float(x) < math.inf
+    except (HParamError, OverflowError):  # (an int no float holds, a tensor without its memory: the callers' refusal)
+        return
+    if beyond:
+        raise HParamError(f"scaler_state['scale'] = {scale!r:.80} is invalid for GradScaler's rule: beyond float32's "
+                          f"largest value {FLOAT32_MAX!r} (torch's GradScaler keeps its scale in a float32 tensor and "
+                          "refuses to load a larger one; an overflow would back it off to inf); expected a scale <= "
+                          f"{FLOAT32_MAX!r}")
 
 
 @dataclass(frozen=True)

@@ -469,7 +469,23 @@ def test_a_state_scale_beyond_the_float_range_is_refused_as_invalid():
         with pytest.raises(HParamError, match=r"scaler_state\['scale'\] = \d+ is invalid; expected a finite number "
                                               r">= 0, got int"):
             rule.update(state, False)
-    assert ls.grad_scaler().update(ls.GradScalerState(2 ** 1000, 0), False).scale == 2 ** 1000  # a float holds it
+    assert ls.deepspeed_scaler().update(ls.DynamicLossScaleState(2 ** 1000, 0, -1, 2), False).scale == 2 ** 1000
+
+
+@pytest.mark.parametrize("scale", [1e39, 2.0 ** 1000, torch.tensor(1e39, dtype=torch.float64)])
+def test_grad_scaler_refuses_a_state_scale_float32_cannot_hold(scale):
+    """A GradScaler state whose scale is beyond float32's largest value (a file's, or a DeepSpeed scale: torch's
+    GradScaler keeps its scale in a float32 tensor and refuses to load one) was taken, and its first overflow
+    backed it off to ``float32(scale * 0.5)``, inf: the rule then refused its own state ("scaler_state['scale'] =
+    inf is invalid"). It is refused from the start, by scale and update, naming the field and float32's limit;
+    the largest float32 is taken (growth stops there)."""
+    rule, state = ls.grad_scaler(), ls.GradScalerState(scale, 0)
+    for call in (lambda: rule.scale(state), lambda: rule.update(state, True), lambda: rule.update(state, False)):
+        with pytest.raises(HParamError, match=r"scaler_state\['scale'\] = .* is invalid for GradScaler's rule: "
+                                              r"beyond float32's largest value"):
+            call()
+    top = ls.GradScalerState(ls.FLOAT32_MAX, 0)
+    assert rule.scale(top) == ls.FLOAT32_MAX and rule.update(top, True) == ls.GradScalerState(ls.FLOAT32_MAX / 2, 0)
 
 
 def test_grad_scaler_refuses_a_growth_tracker_its_growth_interval_never_reaches():
