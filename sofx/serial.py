@@ -422,9 +422,12 @@ def can_unscale(scale: float) -> bool:
 
 def _scale_after(profile: str, scaler: LossScaler, scaler_state: LossScaleState,
                  overflow: bool) -> tuple[LossScaleState, float]:
-    """The scaler's next state and the scale the gradients are unscaled with, in the profile's order."""
+    """The scaler's next state and the scale the gradients are unscaled with, in the profile's order, as a float
+    (:func:`check_scale`: a state's 0-d tensor scale, which ``scale`` returns as it is, unscaled and clipped in
+    float32 tensor arithmetic, off the float scale's step)."""
     next_state = scaler.update(scaler_state, overflow)
-    return next_state, scaler.scale(scaler_state if profile == "torch" else next_state)
+    return next_state, check_scale("scaler.scale(scaler_state)",
+                                   scaler.scale(scaler_state if profile == "torch" else next_state))
 
 
 def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, sumsq_total: float,

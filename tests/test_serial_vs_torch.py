@@ -320,6 +320,31 @@ def test_serial_step_takes_a_numpy_or_tensor_max_norm_as_its_float(rng):
         serial_step(opt, params, grads, opt.init(params), max_norm=torch.ones(2), **kw)
 
 
+@pytest.mark.parametrize("rule, plain", [
+    (loss_scale.grad_scaler(), loss_scale.GradScalerState(3.0, 0)),
+    (loss_scale.static_scale(), loss_scale.StaticScaleState(3.0)),
+    (loss_scale.deepspeed_scaler(), loss_scale.DynamicLossScaleState(3.0, 5, 2, 2))], ids=lambda x: type(x).__name__)
+def test_a_tensor_scale_in_the_scaler_state_steps_as_its_float(rng, rule, plain):
+    """A scaler state whose scale is a 0-d tensor (torch's GradScaler keeps one; the rules take it as its number):
+    the "torch" profile unscaled and clipped with the tensor itself, in float32 tensor arithmetic, so a clipped step
+    differed from the one of the float scale (and the facts' and the report's scale, norm and multiplier were
+    tensors). Both loops step as with the float, bit for bit, and the facts hold floats."""
+    opt = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(6, generator=rng), "b": torch.randn(2, 3, generator=rng)}
+    grads = {k: torch.randn(v.shape, generator=rng) * 300.0 for k, v in params.items()}
+    state = plain._replace(scale=torch.tensor(plain.scale))
+    config = sofx.speculate.SpeculationConfig(max_norm=1.0)
+    want = serial_step(opt, params, grads, opt.init(params), scaler=rule, scaler_state=plain, max_norm=1.0)
+    got = serial_step(opt, params, grads, opt.init(params), scaler=rule, scaler_state=state, max_norm=1.0)
+    spec = sofx.speculate.speculative_step(opt, params, grads, opt.init(params), config=config, scaler=rule,
+                                           scaler_state=state)
+    assert want.facts.clipped and got.facts == want.facts
+    assert all(type(x) is float for x in (got.facts.scale, got.facts.grad_norm, got.facts.grad_scale))
+    assert type(spec.report.scale) is float and type(spec.report.grad_norm) is float
+    for k in params:
+        assert torch.equal(got.params[k], want.params[k]) and torch.equal(spec.params[k], want.params[k]), k
+
+
 GROUPS = {  # torch param-group options per subtree of params
     "enc": dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-6),
     "head": dict(lr=3e-2, weight_decay=0.0, betas=(0.8, 0.95), eps=1e-8),

@@ -833,7 +833,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
             policy_state: PolicyState) -> StepReport:
     kinds = [a.kind for a in actions]
     decisions = [d.kind for d in tally.decisions if d is not None]
-    scale = ctx.scaler.scale(ctx.scaler_state)
+    scale = check_scale("scaler.scale(scaler_state)", ctx.scaler.scale(ctx.scaler_state))  # (a tensor's float)
     # speculated, then undone by the caller before validation: a step (redone) or a skip (an overflow)
     redone_before = sum(a.speculated and a.kind == "step" for a in actions)
     undone_before = redone_before + sum(a.speculated and a.kind == "skip" for a in actions)
