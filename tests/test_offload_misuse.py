@@ -659,6 +659,30 @@ def test_an_invalid_static_loss_scale_is_refused_naming_loss_scale(value: float,
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=value)
 
 
+def test_scale_loss_takes_a_list_or_tuple_of_losses_as_gradscaler_and_refuses_what_is_no_loss():
+    """opt.scale_loss takes GradScaler.scale's place, which scales a tensor or an iterable of tensors: a list of
+    losses raised "TypeError: can't multiply sequence by non-int of type 'float'" with loss scaling on (and came back
+    unscaled without), opt.backward(a list, a float, None) a bare TypeError or "AttributeError: 'list' object has no
+    attribute 'backward'". A list or tuple of tensors is scaled element by element (its type kept); anything else
+    is refused naming the argument and what it is, before the scale is taken."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       loss_scale=8.0) as opt:
+        losses = [mlp_loss(model, mlp_batch(gen)), mlp_loss(model, mlp_batch(gen))]
+        for kind in (list, tuple):
+            scaled = opt.scale_loss(kind(losses))
+            assert type(scaled) is kind and all(torch.equal(a, b * 8.0) for a, b in zip(scaled, losses))
+        for bad, what in ((losses, "a list"), (3.0, "a float"), (None, "a NoneType")):
+            with pytest.raises(sofx.StructureError, match=rf"^opt.backward\(loss\): loss is {what}; expected a tensor"):
+                opt.backward(bad)
+        for bad, what in (([losses[0], 2.0], r"loss\[1\] is a float"), ("x", "loss is a str"), (None, "loss is a "
+                                                                                                     "NoneType")):
+            with pytest.raises(sofx.StructureError, match=rf"^opt.scale_loss\(loss\): {what}; expected a tensor"):
+                opt.scale_loss(bad)
+        assert all(p.grad is None for p in model.parameters()) and not opt.engine.tracker.started
+
+
 def test_torchs_grad_scaler_as_loss_scale_is_refused_naming_what_equals_it():
     """torch.amp.GradScaler() as loss_scale (torch's habit: a scaler beside the optimizer) was refused as "expected
     None, 'dynamic', a number or a loss-scale rule" without saying that loss_scale="dynamic" is that scaler's rule,

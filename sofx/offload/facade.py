@@ -222,6 +222,19 @@ def _check_custom_state(rule: Any) -> None:
                           "of sofx.loss_scale's rules)")
 
 
+def _check_losses(loss: Any, who: str, sequence: bool) -> None:
+    """Refuse (a :class:`StructureError` naming ``who``'s ``loss`` and what it is) a ``loss`` that is no tensor
+    (with ``sequence``: nor a list or tuple of tensors, as ``GradScaler.scale`` takes): multiplied by the scale or
+    sent backward it raised a bare TypeError or AttributeError ("'list' object has no attribute 'backward'")."""
+    items = list(enumerate(loss)) if sequence and isinstance(loss, (list, tuple)) else [(None, loss)]
+    for i, x in items:
+        if not isinstance(x, torch.Tensor):
+            name = "loss" if i is None else f"loss[{i}]"
+            several = ("a tensor, or a list or tuple of tensors" if sequence else
+                       "a tensor (several losses: torch.autograd.backward(opt.scale_loss([loss1, loss2])))")
+            raise StructureError(f"{who}: {name} is a {type(x).__name__}; expected {several}")
+
+
 def _number(value: Any, what: str) -> float:
     """A group's hparam as a Python float (:func:`~sofx.kernels.user_numbers.finite_number`: a Python or numpy
     number, numpy's float32 from a LambdaLR included, or a 1-element tensor; finite). A tensor that requires grad
@@ -856,10 +869,15 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """The loss scale the next backward must use (1.0 without loss scaling)."""
         return self._take_loss_scale()
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * loss_scale`` (``loss`` itself without loss scaling)."""
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss * loss_scale`` (``loss`` itself without loss scaling); a list or tuple of losses (tensors), as
+        ``GradScaler.scale`` takes them, each scaled, in a list or tuple (``torch.autograd.backward`` takes it).
+        Anything else is refused (a :class:`StructureError` naming it) before the scale is taken."""
+        _check_losses(loss, "opt.scale_loss(loss)", sequence=True)
         s = self._take_loss_scale()
-        return loss if s == 1.0 else loss * s
+        if s == 1.0:
+            return loss
+        return type(loss)(x * s for x in loss) if isinstance(loss, (list, tuple)) else loss * s
 
     @run_eagerly("the speculative optimizer's loss scale is read eagerly: it notes that a backward is scaled, "
                  "which step() checks (traced, the note was lost), and the scale changes as the run goes")
@@ -905,7 +923,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
                       RuntimeWarning, stacklevel=caller_stacklevel())
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``scale_loss(loss).backward(**kwargs)``."""
+        """``scale_loss(loss).backward(**kwargs)``; ``loss`` a tensor (several losses:
+        ``torch.autograd.backward(opt.scale_loss([loss1, loss2]))``)."""
+        _check_losses(loss, "opt.backward(loss)", sequence=False)
         self.scale_loss(loss).backward(**kwargs)
 
     @property
