@@ -12,6 +12,7 @@ import torch
 from sofx.errors import LeafError, UnsupportedError
 from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS, LocalArena
 from sofx.offload.arrivals import ArrivalTracker
+from sofx.offload.backward_passes import BackwardPasses
 from sofx.offload.blocks import BlockLayout, allocate_block_tensors, block_nbytes, check_params, plan_blocks
 from sofx.offload import shared_memory
 from sofx.offload.shared_memory import SharedMemoryArena, SharedTensorSpec, open_shared_tensor, shm_budget
@@ -69,6 +70,58 @@ def test_arrivals_readiness_accumulation_and_late_gradients() -> None:
     assert tracker.present(0) == (False, False) and not tracker.started
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         ArrivalTracker(layouts, accumulation_steps=0)
+
+
+def _counted_calls(run) -> int:
+    """The backward calls :class:`BackwardPasses` counts while ``run(lin)`` runs, its note taken in a
+    post-accumulate-grad hook of each parameter of ``lin`` (a ``Linear(3, 3)``)."""
+    torch.manual_seed(0)
+    lin, passes = torch.nn.Linear(3, 3), BackwardPasses()
+    for p in lin.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: passes.note())
+    run(lin)
+    return passes.count
+
+
+def _ckpt(f, x):
+    return torch.utils.checkpoint.checkpoint(f, x, use_reentrant=True)
+
+
+def _raising(g: torch.Tensor) -> torch.Tensor:
+    raise ValueError("a backward that raises midway")
+
+
+def _after_a_raise(lin: torch.nn.Linear, x: torch.Tensor) -> None:
+    twice = x * 2
+    twice.register_hook(_raising)
+    with pytest.raises(ValueError, match="midway"):
+        (lin(x).sum() + twice.sum()).backward()  # (lin's gradients are accumulated first: a call that gave some)
+    lin(x).sum().backward()
+
+
+_X = torch.randn(2, 3, requires_grad=True)
+_BACKWARD_CALLS = {
+    "plain": (lambda lin: lin(lin(_X)).sum().backward(), 1),
+    "all checkpointed": (lambda lin: _ckpt(lambda t: lin(lin(t)), _X).sum().backward(), 1),
+    "inside and outside": (lambda lin: lin(_ckpt(lin, _X)).sum().backward(), 1),
+    "two regions": (lambda lin: _ckpt(lin, torch.tanh(_ckpt(lin, _X))).sum().backward(), 1),
+    "nested regions": (lambda lin: _ckpt(lambda t: lin(_ckpt(lin, t)), _X).sum().backward(), 1),
+    "retained graph twice": (lambda lin: [y.backward(retain_graph=True) or y.backward()
+                                          for y in [_ckpt(lin, _X).sum()]], 2),
+    "two calls": (lambda lin: [_ckpt(lin, _X).sum().backward() for _ in range(2)], 2),
+    "autograd.grad": (lambda lin: torch.autograd.grad(lin(_X).sum(), list(lin.parameters())), 0),
+    "after a raise": (lambda lin: _after_a_raise(lin, _X), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(_BACKWARD_CALLS))
+def test_backward_passes_count_backward_calls_and_reentrant_checkpoints_as_one(name: str) -> None:
+    """Each backward call that gave a gradient counts once: the backwards reentrant checkpointing runs inside it
+    (one region, two, nested, a parameter used inside and outside) are the same call; two backwards of a retained
+    graph are two; ``torch.autograd.grad`` (no gradient accumulated, no hook) none; a backward that raised after
+    giving a gradient one."""
+    run, calls = _BACKWARD_CALLS[name]
+    assert _counted_calls(run) == calls
 
 
 def _open_inodes() -> set[int]:

@@ -1060,6 +1060,32 @@ def _step_skipped_on_one_rank(rank: int) -> dict:
     return out
 
 
+def _backward_calls_counted(rank: int) -> dict:
+    """``gradient_accumulation_steps=2`` over :class:`_Checkpointed` in DDP (bucket 0 may be all-reduced in the
+    reentrant checkpoint's nested backward) and a weight outside DDP (its gradient from a gradient hook, in the same
+    backward calls): per step, the backward calls counted before step() and the accumulation warnings step() gave,
+    for two synchronized backwards, one under ``no_sync()`` (the weight outside DDP gets a gradient from it) then one
+    synchronized, and one synchronized."""
+    model = _checkpointed_ddp()
+    scale = nn.Parameter(torch.ones(3))
+    opt = sofx.offload.SpeculativeAdamW([*model.parameters(), scale], lr=LR, ddp=model, executor="inline",
+                                        gradient_accumulation_steps=2)
+    out: dict = {"steps": []}
+    with _reported(out, [opt]):
+        for step, quiet in enumerate(((False, False), (True, False), (False,))):
+            for micro, no_sync in enumerate(quiet):
+                x, y = _batch(step, micro, rank)
+                with model.no_sync() if no_sync else contextlib.nullcontext():
+                    ((model(x) * scale - y) ** 2).mean().backward()
+            counted = opt.engine.micro_steps
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            said = [str(w.message) for w in caught if "gradient_accumulation" in str(w.message)]
+            out["steps"].append((counted, said))
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook,
          "refused_in_hook_checkpointed": functools.partial(_refused_in_hook, make=functools.partial(
@@ -1078,6 +1104,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "speculation_on_one_rank": _speculation_set_on_one_rank,
          "without_backward_beside_closed": _step_without_backward_beside_a_closed_rank,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
+         "backward_calls": _backward_calls_counted,
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
 
@@ -1634,3 +1661,19 @@ def test_a_step_without_synchronized_backward_beside_a_closed_rank_raises_naming
                  "a rank whose optimizer over this DDP module is closed", "Timed out waiting 5000ms"):
         assert said in out["step"], (said, out["step"])
     assert out["seconds"] < 30.0, out["seconds"]  # (the group's 5 s timeout: bounded)
+
+
+def test_accumulation_counts_each_synchronized_backward_call_once(ranks) -> None:
+    """With gradient_accumulation_steps=2 step() warns after fewer backward calls, each counted once although
+    DDP's buckets may come in a reentrant checkpoint's nested backward and a weight outside DDP gets its gradient
+    from a gradient hook in the same call; a backward under no_sync() counts where it gave a gradient (here to the
+    weight outside DDP). The warning says that under DDP a backward inside no_sync() does not count (for DDP's
+    parameters, whose gradients it holds back)."""
+    for res in ranks:
+        out = res["backward_calls"]
+        assert "error" not in out, out.get("error")
+        assert [n for n, _ in out["steps"]] == [2, 2, 1], out["steps"]
+        assert out["steps"][0][1] == out["steps"][1][1] == [], out["steps"]
+        (warned,) = out["steps"][2][1]
+        assert warned.startswith("sofx.offload: step() after 1 backward call (micro-steps)"), warned
+        assert "a backward inside no_sync() does not count" in warned, warned

@@ -1817,3 +1817,110 @@ def test_a_step_before_the_last_micro_step_warns_at_the_caller_and_steps_the_par
                                 str(partial[0].message)), str(partial[0].message)
                 assert partial[0].filename == __file__
             assert relative_deviation(model, ref) <= TOL
+
+
+class _Branches(nn.Module):
+    """Two heads and nothing shared: micro-batch ``i`` goes through head ``i % 2`` (as mixture-of-experts routing or
+    multi-task heads do), so no parameter gets a gradient from every backward call of an accumulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)])
+
+    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return self.heads[i % 2](x)
+
+
+def _partial_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "gradient_accumulation_steps" in str(w.message)]
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_branches_used_alternately_count_every_backward_call_of_an_accumulation(executor):
+    """gradient_accumulation_steps=2 and two backward calls, each through another head: step() warned "after 1
+    backward call" (it counted the most gradient arrivals of any one parameter, 1 here) although both were made.
+    It counts the backward calls that reached the optimizer: no warning; one backward call still warns, and so
+    does one after a zero_grad() that dropped the other. The steps are torch.optim.AdamW's on the summed .grad."""
+    torch.manual_seed(0)
+    model = _Branches()
+    ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor,
+                                       gradient_accumulation_steps=2) as opt:
+        for calls, dropped in ((2, 0), (1, 0), (2, 0), (1, 1)):
+            for i in range(dropped + calls):
+                x = torch.randn(3, 4, generator=gen)
+                opt.backward(model(x, i).square().mean() / 2)
+                if i < dropped:
+                    opt.zero_grad()
+                else:
+                    (ref(x, i).square().mean() / 2).backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            ropt.step()
+            ropt.zero_grad()
+            partial = _partial_warnings(caught)
+            if calls == 2:
+                assert not partial, partial
+            else:
+                assert len(partial) == 1, partial
+                assert partial[0].startswith("sofx.offload: step() after 1 backward call (micro-steps) of "
+                                             "gradient_accumulation_steps=2"), partial
+            assert relative_deviation(model, ref) <= TOL
+
+
+class _Checkpointed(nn.Module):
+    """``inner`` applied inside a reentrant activation checkpoint (its backward runs a backward of its own) and,
+    with ``shared``, ``inner`` again outside it (autograd accumulates its gradient twice in one backward call);
+    micro-batch ``i`` goes through head ``i % 2``."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)])
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        head = self.heads[i % 2]
+        h = torch.utils.checkpoint.checkpoint(lambda t: head(torch.tanh(self.inner(t))), x, use_reentrant=True)
+        return h + self.inner(x)[:, :2] if self.shared else h
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_reentrant_checkpointing_counts_one_backward_call(shared):
+    """Reentrant activation checkpointing runs a backward inside the backward call: it is one backward call of the
+    accumulation (one warns with gradient_accumulation_steps=2, two do not), also where a parameter used inside
+    and outside the checkpoint has its gradient accumulated twice in it (then one call did not warn: its two
+    arrivals were counted as two backward calls). ``backward(retain_graph=True)`` and a second backward of the same
+    graph are two calls; ``torch.autograd.grad`` (it accumulates nothing) is none."""
+    torch.manual_seed(0)
+    model = _Checkpointed(shared)
+    x = torch.randn(3, 4, requires_grad=True)  # (a reentrant checkpoint's output requires grad through its inputs)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline",
+                                       gradient_accumulation_steps=2) as opt:
+
+        def one(i):
+            opt.backward(model(x, i).square().mean())
+
+        def graph_twice(i):
+            loss = model(x, i).square().mean()
+            opt.backward(loss, retain_graph=True)
+            opt.backward(loss)
+
+        def grad_then_one(i):
+            torch.autograd.grad(model(x, i).square().mean(), list(model.parameters()), allow_unused=True)
+            one(i)
+
+        for name, run, calls in (("two calls", lambda: (one(0), one(1)), 2), ("one call", lambda: one(0), 1),
+                                 ("one graph twice", graph_twice, 2), ("autograd.grad", grad_then_one, 1)):
+            run(1) if name in ("one graph twice", "autograd.grad") else run()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            partial = _partial_warnings(caught)
+            if calls == 2:
+                assert not partial, (name, partial)
+            else:
+                assert len(partial) == 1 and "step() after 1 backward call (micro-steps)" in partial[0], (name, partial)

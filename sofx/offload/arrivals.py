@@ -103,8 +103,10 @@ class ArrivalTracker:
 
     @property
     def micro_steps(self) -> int:
-        """The backward calls (micro-steps) seen this step: the most arrivals of any parameter (one that backward
-        reached in some micro-steps only counts fewer)."""
+        """The most arrivals of any parameter this step: the backward calls (micro-steps) seen where some parameter
+        got a gradient from each, fewer where none did (micro-batches through other branches of a model), more
+        where a reentrant checkpoint accumulated one twice in a call. The engine counts the calls themselves
+        (:mod:`sofx.offload.backward_passes`); this is its fallback where a gradient came from outside a backward."""
         return max(self.arrivals, default=0)
 
     @property

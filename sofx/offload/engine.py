@@ -89,6 +89,7 @@ from sofx.kernels.storage import in_storage, refuse_short_storage, short_storage
 from sofx.loss_scale import LossScaler
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
+from sofx.offload.backward_passes import BackwardPasses
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
@@ -291,6 +292,8 @@ class OffloadEngine:
         self._check_backend(getattr(torch, adam.state_dtype))
         self.n_groups = len(groups)
         self.tracker = ArrivalTracker(self.layouts, gradient_accumulation_steps)
+        # The backward calls that gave this step gradients (micro_steps)
+        self.passes = BackwardPasses()
         self.iteration = 0
         self._seq = itertools.count()
         self._failed: BaseException | None = None
@@ -658,6 +661,7 @@ class OffloadEngine:
     # ------------------------------------------------------------ step state
     def _reset_step(self) -> None:
         self.tracker.reset([p.requires_grad for p in self.params])
+        self.passes.reset()
         if self._replicas is not None:
             self._replicas.forget_step()
         self.hooks.refresh()
@@ -750,6 +754,7 @@ class OffloadEngine:
             # a second backward summed it in twice.
             if self.tracker.arrivals[index] != arrivals:
                 param.grad = None
+                self.passes.note()
         self._poll()
 
     def _refuse_averaged_once(self) -> None:
@@ -803,6 +808,7 @@ class OffloadEngine:
         only what none changes is compared (the hparams and the loss scaler: an lr set on one rank between the
         backwards); the state is then compared at the next step's first exchange."""
         self._reduced_error = None
+        self.passes.note()  # (DDP hands the averaged gradients of each bucket of this backward call)
         watch = self._replicas
         whole = watch.decision is None
         watch.exchange(self._hparams_text())
@@ -1566,6 +1572,16 @@ class OffloadEngine:
         if self._replicas is not None:
             self._replicas.drop_step()  # (the other ranks may have taken it: the next backward compares)
         self._reset_step()
+
+    @property
+    def micro_steps(self) -> int:
+        """The backward calls (micro-steps of ``gradient_accumulation_steps``) that gave this step gradients
+        (:mod:`sofx.offload.backward_passes`; under ``ddp`` the synchronized ones, those ``no_sync()`` runs give
+        DDP's parameters none). Where a gradient came from outside any backward, the count of the gradient
+        arrivals of the parameter that had the most, if higher."""
+        if self.passes.untracked:
+            return max(self.passes.count, self.tracker.micro_steps)
+        return self.passes.count
 
     @property
     def in_step(self) -> bool:

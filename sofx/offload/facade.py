@@ -51,8 +51,9 @@ out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``, which counts gradient arrivals per parameter: one
 backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
-validation; a ``step()`` after fewer backward calls steps on their sum, the partial last accumulation of an
-epoch, with a ``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
+validation; a ``step()`` after fewer backward calls (those that gave gradients, whichever parameters each reached:
+:mod:`sofx.offload.backward_passes`) steps on their sum, the partial last accumulation of an epoch, with a
+``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
 bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of fp32 master copies whose
 ``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the module); param groups cannot be
 added after construction, reordered, nor parameters added to, removed from or moved between groups' ``params``
@@ -907,9 +908,12 @@ class _SpeculativeBase(torch.optim.Optimizer):
         taken on the sum of the micro-steps seen (as ``torch.optim`` steps on what ``.grad`` accumulated), which
         the last accumulation of an epoch means, but a forgotten micro-step, or ``no_sync()`` backwards under DDP
         (which do not count), do not. A warning, not a refusal, so that a partial last accumulation steps;
-        DeepSpeed's ``engine.step()`` before the boundary does nothing instead."""
+        DeepSpeed's ``engine.step()`` before the boundary does nothing instead. It counts the backward calls that
+        gave gradients (:attr:`~sofx.offload.engine.OffloadEngine.micro_steps`), not the most gradients of any one
+        parameter: micro-batches through other branches of a model (mixture-of-experts routing, multi-task heads)
+        reach no parameter in all of them, and that warned after a full accumulation."""
         tracker = self.engine.tracker
-        declared, seen = tracker.accumulation_steps, tracker.micro_steps
+        declared, seen = tracker.accumulation_steps, self.engine.micro_steps
         if not tracker.started or seen >= declared:
             return
         ddp = (" (under DDP a backward inside no_sync() does not count: with no_sync(), "

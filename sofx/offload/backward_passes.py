@@ -1,0 +1,99 @@
+"""How many backward calls gave the optimizer gradients this step (``gradient_accumulation_steps``' micro-steps).
+
+Not the most gradient arrivals of any one parameter: where the micro-batches take other branches of the model
+(mixture-of-experts routing, multi-task heads, conditional layers) no parameter need get a gradient from every
+backward call, and a parameter used inside and outside a reentrant activation checkpoint gets two in one. A
+backward call is one top-level autograd graph task, told by ``torch._C._current_graph_task_id()`` where a
+gradient hook (or ``DistributedDataParallel``'s communication hook) runs: :meth:`BackwardPasses.note` counts each
+task the first time it hands the optimizer a gradient. What is and is not counted:
+
+- ``loss.backward()`` and ``opt.backward(loss)`` alike, once each, however many gradients they give; two
+  backward calls of one graph (``retain_graph=True``) twice; a backward that raised midway, where it gave
+  gradients (they are summed into the step);
+- ``torch.autograd.grad`` never (it accumulates into no ``.grad``: the hooks do not fire);
+- a backward that reentrant checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs inside the
+  backward of its region is the same backward call: it is a graph task of its own, counted where it gives the
+  first gradient, and found out as it ends (:meth:`_ended`, a final callback of it, queued with
+  ``queue_callback`` as DDP queues its own): ``torch._C._current_autograd_node()`` is then the node of the
+  enclosing backward that runs it, not ``None``. A post-hook of that node (:meth:`_enclosing`) runs in the
+  enclosing task once the node is done: where that task is counted, the nested one is taken back; where not,
+  the count is carried over to it (and it is watched in turn: nested checkpoints);
+- under ``ddp``, each synchronized backward once, where its first bucket comes to DDP's communication hook (in the
+  same graph task as the gradient hooks of the parameters DDP does not average: once for both); a backward under
+  ``no_sync()`` gives DDP's parameters no gradient, and counts only where it gives another parameter one;
+- under compiled autograd the final callbacks do not run: every graph task counts (a reentrant checkpoint inside
+  one would count twice; too many, never too few: the warning is left out, never given falsely).
+
+Nothing here holds the engine: the callbacks and node hooks keep only this small counter alive.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["BackwardPasses"]
+
+
+class BackwardPasses:
+    """The backward calls (top-level autograd graph tasks) that gave gradients since the last :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # (hooks and callbacks may run on autograd's device threads)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (a new step, or ``zero_grad()``): callbacks of backward calls still running count
+        nothing (their generation is over)."""
+        with self._lock:
+            self._generation = object()
+            self._seen: set[int] = set()
+            #: Graph tasks counted (nested ones not yet taken back included).
+            self.count = 0
+            #: Whether a gradient came from outside any graph task (no backward to count it by).
+            self.untracked = False
+
+    def note(self) -> None:
+        """A gradient hook (or DDP's communication hook) ran: count the backward call it runs in, once."""
+        task = torch._C._current_graph_task_id()
+        if task in self._seen:  # (every later gradient of a backward call: no lock)
+            return
+        with self._lock:
+            if task < 0:
+                self.untracked = True
+                return
+            if task in self._seen:
+                return
+            self._seen.add(task)
+            self.count += 1
+            generation = self._generation
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._ended, generation))
+
+    def _ended(self, generation: object) -> None:
+        """The end of a counted graph task (its final callback): nested in another backward's node, have that
+        node's post-hook merge it into the enclosing task."""
+        node = torch._C._current_autograd_node()
+        if node is None or generation is not self._generation:
+            return  # a top-level backward call ended: it was counted at its first gradient
+        handle: list[Any] = []
+        try:
+            handle.append(node.register_hook(functools.partial(self._enclosing, generation, handle)))
+        except (AttributeError, RuntimeError):  # (a node that takes no hooks: the nested call stays counted, too
+            return                              # many, never raised out of the user's backward)
+
+    def _enclosing(self, generation: object, handle: list[Any], *_: Any) -> None:
+        """The node that ran a nested backward is done, in the enclosing graph task: the nested count is this
+        task's (taken back where this one is counted already)."""
+        handle[0].remove()  # (once: a second backward of a retained graph runs the node again)
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if generation is not self._generation or task < 0:
+                return
+            if task in self._seen:
+                self.count -= 1
+                return
+            self._seen.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._ended, generation))
