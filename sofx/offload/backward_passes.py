@@ -37,6 +37,11 @@ import torch
 
 __all__ = ["BackwardPasses"]
 
+# torch's own (torch.utils.checkpoint reads them); a torch without them: every gradient counts as untracked, and the
+# engine falls back to the most gradient arrivals of any parameter
+_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_current_node = getattr(torch._C, "_current_autograd_node", None)
+
 
 class BackwardPasses:
     """The backward calls (top-level autograd graph tasks) that gave gradients since the last :meth:`reset`."""
@@ -58,7 +63,7 @@ class BackwardPasses:
 
     def note(self) -> None:
         """A gradient hook (or DDP's communication hook) ran: count the backward call it runs in, once."""
-        task = torch._C._current_graph_task_id()
+        task = _task_id() if _task_id is not None else -1
         if task in self._seen:  # (every later gradient of a backward call: no lock)
             return
         with self._lock:
@@ -75,7 +80,7 @@ class BackwardPasses:
     def _ended(self, generation: object) -> None:
         """The end of a counted graph task (its final callback): nested in another backward's node, have that
         node's post-hook merge it into the enclosing task."""
-        node = torch._C._current_autograd_node()
+        node = _current_node() if _current_node is not None else None
         if node is None or generation is not self._generation:
             return  # a top-level backward call ended: it was counted at its first gradient
         handle: list[Any] = []
@@ -88,7 +93,7 @@ class BackwardPasses:
         """The node that ran a nested backward is done, in the enclosing graph task: the nested count is this
         task's (taken back where this one is counted already)."""
         handle[0].remove()  # (once: a second backward of a retained graph runs the node again)
-        task = torch._C._current_graph_task_id()
+        task = _task_id()
         with self._lock:
             if generation is not self._generation or task < 0:
                 return
