@@ -475,10 +475,8 @@ class _ParamStateView(MutableMapping):
         """The index of ``p``, or an :class:`UnsupportedError` naming ``what`` was done with which tensor."""
         try:
             return self._index(p)
-        except KeyError:
-            kind = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-            raise UnsupportedError(f"{what}: p ({kind}) is not one of this optimizer's parameters, whose state is "
-                                   "all it holds") from None
+        except KeyError as exc:
+            raise UnsupportedError(f"{what}: p is {exc.args[0]}") from None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._engine.params)
