@@ -533,6 +533,33 @@ def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
         assert int(opt.state[p]["step"]) == int(ropt.state[rp]["step"]) == 4
 
 
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_grad_scaler_stepping_the_optimizer_is_refused_by_name_and_leaves_it_usable(unscale_first):
+    """``scaler.scale(loss).backward(); scaler.step(opt)``, torch's AMP habit, failed inside the GradScaler with
+    "No inf checks were recorded for this optimizer" (it found no ``.grad``), which says nothing of what to do
+    instead. The optimizer lets the GradScaler call its step (``_step_supports_amp_scaling``), which refuses it
+    naming the GradScaler and ``loss_scale='dynamic'``; after ``zero_grad()`` the optimizer's own loop steps as
+    torch's (nothing the GradScaler set on the optimizer is left behind)."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        scaler = torch.amp.GradScaler("cpu")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(model(torch.randn(4, model.inp.in_features, generator=gen)).square().sum()).backward()
+        if unscale_first:
+            scaler.unscale_(opt)
+        with pytest.raises(sofx.UnsupportedError, match=r"GradScaler.step\(opt\) cannot drive .* opt.zero_grad\(\) .* "
+                                                        r"loss_scale='dynamic'"):
+            scaler.step(opt)
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+        opt.zero_grad()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+
+
 def test_the_state_of_a_tensor_that_is_no_parameter_is_a_key_error_naming_it_not_printing_it():
     """``opt.state[q]`` for a tensor that is none of the optimizer's parameters raised ``KeyError(q)``, whose
     text is the whole tensor's repr (torch's defaultdict gives ``{}``); a KeyError still (``q in opt.state`` and

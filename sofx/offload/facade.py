@@ -520,6 +520,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
     """Shared implementation of :class:`SpeculativeAdamW` and :class:`SpeculativeAdam`."""
 
     _decoupled = True
+    # torch.amp.GradScaler.step(opt) then leaves the step to step(), setting opt.grad_scale and opt.found_inf first
+    # (its own path found no .grad and failed with "No inf checks were recorded for this optimizer"): step() refuses
+    # it by name (_refuse_grad_scaler)
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -710,6 +714,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
         scales the loss when loss scaling is on), and ``step`` returns what
         it returned. Either way the report is also kept in :attr:`last_report`.
         """
+        self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -720,6 +725,22 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self._scale_taken = False
         self.last_report = report
         return report if closure is None else loss
+
+    def _refuse_grad_scaler(self) -> None:
+        """Refuse a step that ``torch.amp.GradScaler.step(opt)`` calls (it set ``grad_scale`` and ``found_inf`` on the
+        optimizer for it; removed here, so that the next ``step()`` is this optimizer's own): the gradients went to
+        this optimizer during backward, scaled by the GradScaler's scale, which it neither knows nor checks."""
+        if "grad_scale" not in self.__dict__ and "found_inf" not in self.__dict__:
+            return
+        self.__dict__.pop("grad_scale", None)
+        self.__dict__.pop("found_inf", None)
+        raise UnsupportedError("torch.amp.GradScaler.step(opt) cannot drive a speculative optimizer: it takes the "
+                               "gradients during backward (never left in .grad for the scaler to unscale and check) "
+                               "and scales the loss itself. Call opt.zero_grad() to drop this step's gradients "
+                               "(scaled by the GradScaler's scale), then use loss_scale='dynamic' (GradScaler's rule; "
+                               "sofx.loss_scale.grad_scaler(init_scale=...) for its settings) with opt.backward(loss) "
+                               "and opt.step() in place of scaler.scale(loss).backward(), scaler.step(opt) and "
+                               "scaler.update()")
 
     @run_eagerly("the speculative optimizer's zero_grad() runs eagerly: dynamo cannot trace the offload engine "
                  "(call it outside a fullgraph=True function, or compile without fullgraph)")
