@@ -53,7 +53,7 @@ from typing import Any, NamedTuple, Protocol, Union
 
 import torch
 
-from sofx.errors import HParamError
+from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, as_number, is_traced, vmapped
 from sofx.kernels.user_numbers import as_integer, flag, integer, is_bool, positive_number, real_number
 
@@ -66,6 +66,8 @@ __all__ = [
     "StaticScaleState",
     "StaticScaleRule",
     "MinLossScaleError",
+    "LossScaleRuleError",
+    "call_rule",
     "grad_scaler",
     "deepspeed_scaler",
     "static_scale",
@@ -81,6 +83,28 @@ GROWTH_RULES = ("stable_interval", "legacy")
 
 class MinLossScaleError(RuntimeError):
     """An overflow happened while the loss scale was already at its minimum (DeepSpeed semantics)."""
+
+
+class LossScaleRuleError(SofxError):
+    """A loss-scale rule's ``init``, ``scale`` or ``update`` raised (a custom rule's failure, its exception the
+    ``__cause__``), or its ``update`` returned a state that cannot be taken, as a step read it (:func:`call_rule`):
+    the step is not taken; a speculative one is undone (the offload engine, :func:`sofx.speculate.speculative_step`)
+    and parameters, moments, step counts and the loss-scaler state are left as before it."""
+
+
+def call_rule(scaler: Any, method: str, *args: Any) -> Any:
+    """``scaler.<method>(*args)`` for a step: an exception it raises that is not sofx's own (a refusal of the state,
+    an :class:`HParamError`; DeepSpeed's :class:`MinLossScaleError`) is raised as a :class:`LossScaleRuleError`
+    naming the rule, the method and the exception (its cause): a custom rule's ``ValueError`` escaped the offload
+    engine's validation as it was, with the step's speculative block steps standing."""
+    try:
+        return getattr(scaler, method)(*args)
+    except (SofxError, MinLossScaleError):
+        raise
+    except Exception as exc:
+        raise LossScaleRuleError(f"the loss-scale rule's {method}() ({type(scaler).__name__}) raised "
+                                 f"{type(exc).__name__}: {exc}; the step is not taken (parameters, moments, step "
+                                 "counts and the loss-scaler state are as before it)") from exc
 
 
 class GradScalerState(NamedTuple):

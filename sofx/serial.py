@@ -70,7 +70,8 @@ from sofx.apply_if_finite import ApplyIfFinite
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import integer, is_bool, real_number
-from sofx.loss_scale import FLOAT32_MAX, LossScaler, LossScaleState, check_scaler, check_state_kind
+from sofx.loss_scale import (FLOAT32_MAX, LossScaler, LossScaleRuleError, LossScaleState, call_rule, check_scaler,
+                             check_state_kind)
 from sofx.required import REQUIRED
 from sofx.transforms import (MISSING_GRAD_MODES, _sumsq, clip_coefficient, max_norm_value, total_sumsq,
                              zero_clip_factor)
@@ -225,8 +226,8 @@ def loss_scale_of(scaler: LossScaler, scaler_state: Any) -> float:
     (:func:`~sofx.loss_scale.check_scaler`: torch's GradScaler, say) and a state of another kind than the scaler's
     own (what ``scaler.init()`` makes) are refused first, as an :class:`HParamError` naming them."""
     check_scaler(scaler)
-    check_state_kind(scaler_state, type(scaler.init()))
-    return check_scale("scaler.scale(scaler_state)", scaler.scale(scaler_state))
+    check_state_kind(scaler_state, type(call_rule(scaler, "init")))
+    return check_scale("scaler.scale(scaler_state)", call_rule(scaler, "scale", scaler_state))
 
 
 def step_settings(profile: str, max_norm: float | None, missing_grad: str, scaler_state: Any) -> dict[str, Any]:
@@ -425,16 +426,24 @@ def _scale_after(profile: str, scaler: LossScaler, scaler_state: LossScaleState,
     """The scaler's next state and the scale the gradients are unscaled with, in the profile's order, as a float
     (:func:`check_scale`: a state's 0-d tensor scale, which ``scale`` returns as it is, unscaled and clipped in
     float32 tensor arithmetic, off the float scale's step)."""
-    next_state = scaler.update(scaler_state, overflow)
+    next_state = call_rule(scaler, "update", scaler_state, overflow)
+    try:  # (the state the next backward scales with: its scale read, as the report and the next step read it)
+        loss_scale_of(scaler, next_state)
+    except SofxError as exc:
+        raise LossScaleRuleError(f"the loss-scale rule's update() ({type(scaler).__name__}) returned a state that "
+                                 f"cannot be taken: {exc}; the step is not taken (parameters, moments, step counts "
+                                 "and the loss-scaler state are as before it)") from exc
     return next_state, check_scale("scaler.scale(scaler_state)",
-                                   scaler.scale(scaler_state if profile == "torch" else next_state))
+                                   call_rule(scaler, "scale", scaler_state if profile == "torch" else next_state))
 
 
 def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, sumsq_total: float,
                max_norm: float | None) -> StepFacts:
     """Overflow, loss-scale update, norm and multiplier of one step (see the module docstring).
 
-    Raises :class:`~sofx.loss_scale.MinLossScaleError` (DeepSpeed rule, overflow at the minimum scale).
+    Raises :class:`~sofx.loss_scale.MinLossScaleError` (DeepSpeed rule, overflow at the minimum scale), and a
+    :class:`~sofx.loss_scale.LossScaleRuleError` where the rule's ``scale`` or ``update`` raises something else (a
+    custom rule's failure, the cause) or ``update`` returns a state whose scale cannot be read.
     """
     check_profile(profile)
     max_norm = clip_max_norm(profile, check_max_norm(max_norm))

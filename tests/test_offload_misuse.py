@@ -43,6 +43,7 @@ import sofx
 import sofx.checkpoint
 import sofx.offload
 from sofx.errors import SofxError
+from sofx.loss_scale import LossScaleRuleError
 from sofx.offload.executor import ExecutorError
 
 TOL = 1e-6
@@ -770,6 +771,81 @@ def test_a_custom_loss_scale_rule_whose_state_has_no_fields_is_refused_at_constr
         assert saved["state"]["scaler_state"] == {"type": "_CountedScale", "scale": 1024.0, "clean": 2}
         opt.load_state_dict(saved)
         assert opt.engine.scaler_state == _CountedScale(1024.0, 2)
+
+
+class _BreakingRule:
+    """torch's GradScaler rule (growth every 2 clean steps, so that a counted step shows) whose ``update`` raises
+    a ValueError at its ``fail_at``-th call: a custom rule's bug."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.rule = sofx.loss_scale.grad_scaler(init_scale=1024.0, growth_interval=2)
+        self.calls, self.fail_at = 0, fail_at
+
+    def init(self):
+        return self.rule.init()
+
+    def scale(self, state) -> float:
+        return self.rule.scale(state)
+
+    def update(self, state, overflow: bool):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("the rule broke")
+        return self.rule.update(state, overflow)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_loss_scale_rule_that_raises_at_validation_undoes_the_step_and_leaves_the_optimizer_usable(executor):
+    """A custom rule whose update raised (a ValueError) in step()'s validation escaped as it was, with the step's
+    speculative block steps standing in the masters and the engine still "in step" (state_dict() refused as between
+    backward and step()). The step's speculative steps are undone, as for DeepSpeed's MinLossScaleError: a
+    SofxError naming the rule's failure (the rule's exception as its cause), parameters, moments, counts and the
+    loss-scaler state as before the step, and the optimizer goes on as if the failed step had never been taken
+    (a run without it, bit for bit with undo="exact")."""
+    model, ref_model = _models()
+    batches = [mlp_batch(torch.Generator().manual_seed(k)) for k in range(5)]
+    kw = dict(lr=1e-2, executor=executor, block_numel=100, undo="exact")
+    with sofx.offload.SpeculativeAdamW(model.parameters(), loss_scale=_BreakingRule(fail_at=3), **kw) as opt, \
+            sofx.offload.SpeculativeAdamW(ref_model.parameters(), loss_scale=_BreakingRule(), **kw) as ref:
+        for k, batch in enumerate(batches):
+            opt.zero_grad()
+            if k == 2:
+                saved = copy.deepcopy(opt.state_dict())
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.backward(mlp_loss(model, batch))
+                with pytest.raises(LossScaleRuleError, match=r"the loss-scale rule's update\(\) \(_BreakingRule\) "
+                                                             r"raised ValueError: the rule broke; the step is not "
+                                                             r"taken") as info:
+                    opt.step()
+                assert isinstance(info.value.__cause__, ValueError)
+                assert not opt.engine.in_step
+                assert_trees_bitwise(opt.state_dict(), saved)
+                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+                continue
+            opt.backward(mlp_loss(model, batch))
+            report = opt.step()
+            ref.zero_grad()
+            ref.backward(mlp_loss(ref_model, batch))
+            expected = ref.step()
+            assert report.speculated > 0 and report.scale == expected.scale
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())), k
+        assert_trees_bitwise(opt.state_dict(), ref.state_dict())
+
+
+def test_a_step_a_failing_loss_scale_rule_dropped_spends_its_scaled_backward():
+    """The scaled backward of a step the rule's failure undid is spent: a loss.backward() (unscaled) after it is
+    warned about at the next step(), as after any step (it was taken as the scaled one, silently)."""
+    model, _ = _models()
+    batch = mlp_batch(torch.Generator().manual_seed(0))
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       loss_scale=_BreakingRule(fail_at=1)) as opt:
+        opt.backward(mlp_loss(model, batch))
+        with pytest.raises(LossScaleRuleError):
+            opt.step()
+        opt.zero_grad()
+        mlp_loss(model, batch).backward()
+        with pytest.warns(RuntimeWarning, match="no backward since the last step"):
+            opt.step()
 
 
 def test_numpy_or_tensor_engine_options_are_numbers_and_bad_ones_are_refused_at_construction():

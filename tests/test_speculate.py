@@ -377,6 +377,73 @@ def test_min_loss_scale_error_undoes_every_speculative_step(rng):
         assert int(state.count[i]) == 2
 
 
+class _BrokenUpdate:
+    """grad_scaler's rule whose update raises a ValueError (a custom rule's bug)."""
+
+    def __init__(self) -> None:
+        self.rule = loss_scale.grad_scaler(init_scale=1.0)
+
+    def init(self):
+        return self.rule.init()
+
+    def scale(self, state):
+        return self.rule.scale(state)
+
+    def update(self, state, overflow):
+        raise ValueError("the rule broke")
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_loss_scale_rule_that_raises_leaves_both_loops_state_as_it_was(rng, donate):
+    """A custom rule whose update raises at validation: both loops raise a LossScaleRuleError naming the rule's
+    failure (its exception the cause; the bare ValueError before), and change nothing: the speculative step's
+    blocks written in place (donate=True) are undone (bitwise with undo='exact'), as serial_step, which asks the rule
+    before it steps, writes none."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    params, state = _warm(opt, _params(rng), rng)
+    rule = _BrokenUpdate()
+    grads = _grads(rng, scale=1.0)
+    before = [t.clone() for t in (*params, *state.mu, *state.nu)]
+    match = (r"the loss-scale rule's update\(\) \(_BrokenUpdate\) raised ValueError: the rule broke; the step is "
+             r"not taken")
+    with pytest.raises(loss_scale.LossScaleRuleError, match=match) as info:
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), donate=donate)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
+    assert [int(c) for c in state.count] == [2] * 4
+    loop = init_loop(opt, params, rule)._replace(opt_state=state)
+    with pytest.raises(loss_scale.LossScaleRuleError, match=match):
+        serial_loop_step(opt, loop, grads, scaler=rule, donate=donate)
+    assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
+    assert [int(c) for c in state.count] == [2] * 4
+
+
+class _NoneUpdate(_BrokenUpdate):
+    """A rule whose update returns None (a custom rule's forgotten return)."""
+
+    def update(self, state, overflow):
+        return None
+
+
+def test_a_loss_scale_rule_whose_update_returns_no_state_is_refused_at_that_step(rng):
+    """A rule whose update returns None: its state was read first by the step's report (a scale() that checks it
+    raised there, past validation, where the offload engine undid nothing; one that does not committed None and the
+    next backward failed). It is refused where update returned it, saying so, and the step undone."""
+    opt = sofx.adamw(lr=1e-2, undo="exact")
+    params, state = _warm(opt, _params(rng), rng)
+    rule = _NoneUpdate()
+    before = [t.clone() for t in (*params, *state.mu, *state.nu)]
+    with pytest.raises(loss_scale.LossScaleRuleError, match=r"the loss-scale rule's update\(\) \(_NoneUpdate\) "
+                                                            r"returned a state that cannot be taken: scaler_state is "
+                                                            r"a NoneType"):
+        sp.speculative_step(opt, params, _grads(rng, scale=1.0), state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), donate=True)
+    assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
+
+
 @pytest.mark.parametrize("undo", ["exact", "auto"])
 def test_a_failing_reduce_sumsq_leaves_the_state_as_it_was(rng, undo):
     """The all-reduce of the sum of squares fails (a timeout, another rank gone) or returns something that is not

@@ -721,7 +721,12 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 loss = closure()
         self._warn_unscaled_backward()
         self._warn_partial_accumulation()
-        report = self.engine.step()
+        try:
+            report = self.engine.step()
+        except BaseException:
+            if not self.engine.in_step:  # (dropped: a failed loss-scale rule's step is undone, its backward spent)
+                self._scale_taken = False
+            raise
         self._scale_taken = False
         self.last_report = report
         return report if closure is None else loss

@@ -248,8 +248,10 @@ class ValidationPlan(NamedTuple):
 
     Apply ``actions`` (one per block), then carry ``scaler_state`` and
     ``policy_state`` to the next step. If ``error`` is not ``None`` (an
-    overflow at DeepSpeed's minimum loss scale), ``actions`` undo every
-    speculative step: apply them, then raise ``error``.
+    overflow at DeepSpeed's minimum loss scale; the loss-scale rule failed, a
+    :class:`~sofx.loss_scale.LossScaleRuleError`), ``actions`` undo every
+    speculative step: apply them, then raise ``error`` (``scaler_state`` and
+    ``policy_state`` are the step's own: nothing moved).
     """
 
     facts: StepFacts | None
@@ -689,8 +691,11 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
     try:
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)
-    except MinLossScaleError as exc:
-        actions = tuple(BlockAction(i, "undo" if spec_taken[i] else "skip", "the run stops: " + str(exc), 1.0,
+    except Exception as exc:
+        # DeepSpeed's rule at its minimum scale, or the loss-scale rule failed (a LossScaleRuleError: a custom
+        # rule's exception): the step is not taken, its speculative steps are undone (they escaped standing)
+        why = ("the run stops: " if isinstance(exc, MinLossScaleError) else "the step is not taken: ") + str(exc)
+        actions = tuple(BlockAction(i, "undo" if spec_taken[i] else "skip", why, 1.0,
                                     hps[i], False, spec_taken[i] or _undone_before(tally, i, spec_taken[i]))
                         for i in range(n))
         report = _report(ctx, tally, None, actions, ctx.policy_state)
@@ -833,7 +838,13 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
             policy_state: PolicyState) -> StepReport:
     kinds = [a.kind for a in actions]
     decisions = [d.kind for d in tally.decisions if d is not None]
-    scale = check_scale("scaler.scale(scaler_state)", ctx.scaler.scale(ctx.scaler_state))  # (a tensor's float)
+    if facts is not None:
+        scale = facts.scale
+    else:  # (a failed validation: where the rule's scale() is what failed, the report's scale is nan)
+        try:
+            scale = check_scale("scaler.scale(scaler_state)", ctx.scaler.scale(ctx.scaler_state))  # (a tensor's float)
+        except Exception:
+            scale = math.nan
     # speculated, then undone by the caller before validation: a step (redone) or a skip (an overflow)
     redone_before = sum(a.speculated and a.kind == "step" for a in actions)
     undone_before = redone_before + sum(a.speculated and a.kind == "skip" for a in actions)
@@ -853,7 +864,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         clipped=facts is not None and facts.clipped,
         clip_coef=1.0 if facts is None else facts.clip_coef,
         grad_norm=math.nan if facts is None else facts.grad_norm,
-        scale=scale if facts is None else facts.scale,
+        scale=scale,
         next_scale=scale if facts is None else ctx.scaler.scale(facts.scaler_state),
         grad_scale=1.0 if facts is None else facts.grad_scale,
         speculating=ctx.speculating,

@@ -93,7 +93,9 @@ def speculative_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = 
     gradient (naming both).
     ``backward_scale``: the scale the loss was multiplied by (default: the
     scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
-    every speculative step when DeepSpeed's scaler gives up.
+    every speculative step when DeepSpeed's scaler gives up, and a
+    :class:`~sofx.loss_scale.LossScaleRuleError` after undoing them where the
+    rule's ``scale`` or ``update`` fails (a custom rule's exception, its cause).
 
     Without ``donate`` the inputs are never modified, so a block validation
     undoes is returned as its input (bitwise) and one it undoes and redoes is
