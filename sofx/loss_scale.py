@@ -41,6 +41,11 @@ DeepSpeed, Megatron): ``(it - last) % scale_window == 0`` -- it grows on the
 ``scale_window``-th clean iteration itself, one iteration earlier.
 
 :func:`static_scale` -- a constant scale (``1.0``: no loss scaling, bf16/fp32).
+
+A ``torch.amp.GradScaler`` run goes on here from :func:`from_torch_grad_scaler` (its rule and state) and back
+through :func:`to_torch_grad_scaler_state` (``GradScaler.load_state_dict``'s input). A custom rule is any object
+with these three methods; what its ``scale`` or ``update`` raises in a step is a :class:`LossScaleRuleError` (the
+step not taken, see :func:`call_rule`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, Mapping, NamedTuple, Protocol, Union
 
 import torch
 
@@ -69,6 +74,8 @@ __all__ = [
     "LossScaleRuleError",
     "call_rule",
     "grad_scaler",
+    "from_torch_grad_scaler",
+    "to_torch_grad_scaler_state",
     "deepspeed_scaler",
     "static_scale",
     "check_scaler",
@@ -178,8 +185,9 @@ def check_scaler(scaler: Any, name: str = "scaler") -> None:
     if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):
         raise HParamError(f"{name} is a torch.amp.GradScaler (GradScaler); sofx keeps the loss scale as immutable "
                           "state beside a rule: sofx.loss_scale.grad_scaler(init_scale=..., growth_factor=..., "
-                          "backoff_factor=..., growth_interval=...) is its rule (GradScaler.state_dict() gives the "
-                          "values; the loop's scaler_state holds the scale)")
+                          "backoff_factor=..., growth_interval=...) is its rule; sofx.loss_scale."
+                          "from_torch_grad_scaler(scaler) gives a used one's rule and state (the loop's "
+                          "scaler_state)")
     if any(scaler is factory for factory in (grad_scaler, deepspeed_scaler, static_scale)):
         raise HParamError(f"{name} is the function {scaler.__name__}; call it for a rule: {scaler.__name__}(...)")
     raise HParamError(f"{name} is a {kind.__name__}; expected a loss-scale rule (init, scale and update: "
@@ -565,6 +573,88 @@ def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backo
     ``init_scale`` is held in float32, as GradScaler holds it: one beyond float32's largest value (torch fails
     at the first ``scale``) or rounding to 0 there is refused (:class:`~sofx.errors.HParamError`)."""
     return GradScalerRule(init_scale, growth_factor, backoff_factor, growth_interval)
+
+
+# GradScaler.state_dict()'s entries (an enabled scaler's; a disabled one's is empty)
+_TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def from_torch_grad_scaler(scaler: Any) -> tuple[GradScalerRule, GradScalerState]:
+    """The rule and state that go on from a ``torch.amp.GradScaler`` (or its ``state_dict()``): the rule with its
+    growth and backoff factors and growth interval, the state with its scale (in float32, as GradScaler holds it)
+    and growth tracker. The rule's ``init_scale`` is that scale, as ``GradScaler.load_state_dict`` makes it the
+    scaler's (2**16, torch's default, where the scale backed off to 0, which no ``init_scale`` may be)::
+
+        rule, state = sofx.loss_scale.from_torch_grad_scaler(scaler)   # after scaler.update()
+        loop = sofx.serial.init_loop(opt, params, rule)._replace(scaler_state=state)
+
+    For the offload optimizer: ``SpeculativeAdamW(..., loss_scale=rule)`` starts at ``rule.init()``, the scale
+    with no clean step counted; where ``state.growth_tracker`` is not 0, put it in through ``load_state_dict``
+    (:class:`~sofx.offload.SpeculativeAdamW`'s docstring). :func:`to_torch_grad_scaler_state` goes back.
+
+    A scaler that was never used carries its ``init_scale`` (torch makes its float32 scale tensor at the first
+    ``scale()``; the state dict gives the number it will hold). Refused (an :class:`HParamError` saying why):
+    a disabled scaler (``enabled=False``, whose state dict is empty: no loss scaling, ``static_scale(1.0)``), a
+    scaler between ``unscale_``/``step`` and ``update()`` (its state dict is not yet the step's), a mapping without
+    GradScaler's entries or with others, and values the rule refuses (a scale beyond float32, a growth tracker at
+    or past the interval), each named."""
+    kind = type(scaler)
+    if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):
+        if not scaler.is_enabled():
+            raise HParamError("from_torch_grad_scaler: the GradScaler is disabled (enabled=False), which does no "
+                              "loss scaling: use sofx.loss_scale.static_scale(1.0) (loss_scale=None)")
+        if getattr(scaler, "_per_optimizer_states", None):  # (an unscale_ or step of this iteration, no update yet)
+            raise HParamError("from_torch_grad_scaler: the GradScaler is between unscale_()/step() and update(): "
+                              "its scale is not yet the step's; call scaler.update() first")
+        saved, where = scaler.state_dict(), "GradScaler.state_dict()"
+    elif isinstance(scaler, Mapping):
+        saved, where = dict(scaler), "the GradScaler state dict"
+    else:
+        raise HParamError(f"from_torch_grad_scaler: expected a torch.amp.GradScaler or its state_dict(), got a "
+                          f"{kind.__name__}")
+    if not saved:
+        raise HParamError(f"from_torch_grad_scaler: {where} is empty: a disabled GradScaler's (enabled=False), which "
+                          "does no loss scaling: use sofx.loss_scale.static_scale(1.0) (loss_scale=None)")
+    missing = [k for k in _TORCH_SCALER_KEYS if k not in saved]
+    unknown = [k for k in saved if k not in _TORCH_SCALER_KEYS]
+    if missing or unknown:
+        raise HParamError(f"from_torch_grad_scaler: {where} has " + "; ".join(
+            part for part in (f"no {', '.join(map(repr, missing))}" if missing else "",
+                              f"entries GradScaler has not: {', '.join(map(repr, unknown))}" if unknown else "")
+            if part) + f" (GradScaler.state_dict()'s entries: {', '.join(_TORCH_SCALER_KEYS)})")
+    try:
+        state = plain_state(GradScalerState(saved["scale"], saved["_growth_tracker"]), "scaler_state")
+        _check_float32_scale(state.scale)
+        state = state._replace(scale=_f32(state.scale))  # (torch's fill_ of its float32 scale tensor)
+        start = state.scale if state.scale > 0 else 2.0 ** 16
+        rule = GradScalerRule(start, saved["growth_factor"], saved["backoff_factor"], saved["growth_interval"])
+        rule.scale(state)  # (a growth tracker at or past the interval: refused, naming both)
+    except HParamError as exc:
+        raise HParamError(f"from_torch_grad_scaler: {where} cannot be carried over: {exc}") from None
+    return rule, state
+
+
+def to_torch_grad_scaler_state(rule: GradScalerRule, state: Any) -> dict[str, Any]:
+    """``GradScaler.state_dict()`` of a scaler that goes on as ``rule`` from ``state`` (a :class:`GradScalerState`,
+    or the offload optimizer's saved ``opt.state_dict()["state"]["scaler_state"]``): load it with
+    ``torch.amp.GradScaler(device).load_state_dict(...)`` (an enabled scaler; a disabled one ignores it). The
+    inverse of :func:`from_torch_grad_scaler`. Another rule than :func:`grad_scaler`'s (DeepSpeed's, a static
+    scale: GradScaler has no equivalent) and a state the rule refuses are refused (an :class:`HParamError`)."""
+    if not isinstance(rule, GradScalerRule):
+        raise HParamError(f"to_torch_grad_scaler_state: rule is a {type(rule).__name__}; GradScaler's rule is "
+                          "sofx.loss_scale.grad_scaler(...) (GradScaler has no equivalent of another)")
+    if isinstance(state, Mapping) and not isinstance(state, tuple):
+        fields = {k: v for k, v in state.items() if k != "type"}
+        if state.get("type", "GradScalerState") != "GradScalerState" or set(fields) - set(GradScalerState._fields) \
+                or "scale" not in fields:
+            raise HParamError(f"to_torch_grad_scaler_state: state {dict(state)!r:.200} is no GradScalerState (scale, "
+                              "growth_tracker)")
+        state = GradScalerState(**fields)
+    check_state_kind(state, GradScalerState)
+    state = plain_state(state)
+    rule.scale(state)  # (checked: the tracker below the interval, the scale a float32's)
+    return {"scale": state.scale, "growth_factor": rule.growth_factor, "backoff_factor": rule.backoff_factor,
+            "growth_interval": rule.growth_interval, "_growth_tracker": state.growth_tracker}
 
 
 def deepspeed_scaler(init_scale: float = 2.0 ** 16, scale_window: int = 1000, hysteresis: int = 2,

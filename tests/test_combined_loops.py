@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple
 
 import pytest
@@ -473,21 +473,20 @@ def _torch_group_names(model: Net) -> list[list[str]]:
 def _serial_from_torch(ref: TorchRun, opt: sofx.Adam, rule: Any, hparams: Callable[[int], Any]
                        ) -> sofx.serial.LoopState:
     """The serial loop that takes the torch run over: its parameters, ``from_torch_optim`` of its optimizer's
-    state dict, GradScaler's scale and growth tracker, its scheduler's position."""
+    state dict, GradScaler's scale and growth tracker (from_torch_grad_scaler), its scheduler's position."""
     params = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
     state, _ = sofx.checkpoint.from_torch_optim(opt, ref.opt.state_dict(), params, hparams(ref.sched.last_epoch),
                                                 groups=_torch_group_names(ref.model))
-    saved = ref.scaler.state_dict()
-    scaler_state = loss_scale.GradScalerState(saved["scale"], saved["_growth_tracker"])
-    assert scaler_state == rule.init()._replace(scale=saved["scale"], growth_tracker=saved["_growth_tracker"])
+    carried, scaler_state = loss_scale.from_torch_grad_scaler(ref.scaler)
+    assert replace(carried, init_scale=rule.init_scale) == rule  # (its settings: the run's rule)
     return sofx.serial.LoopState(params, state, scaler_state, ref.sched.last_epoch)
 
 
-def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, hparams: Callable[[int], Any],
+def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, rule: Any, hparams: Callable[[int], Any],
                        base: dict[str, float]) -> TorchRun:
     """A torch run that takes the serial loop over: a module of its params, ``to_torch_optim`` of its state
-    loaded into AdamW, GradScaler at its scale and growth tracker, a LambdaLR of the base lrs ``base`` at its
-    schedule position."""
+    loaded into AdamW, GradScaler at its scale and growth tracker (to_torch_grad_scaler_state), a LambdaLR of the
+    base lrs ``base`` at its schedule position."""
     run = TorchRun(Net())
     with torch.no_grad():
         for n, p in run.model.named_parameters():
@@ -497,8 +496,7 @@ def _torch_from_serial(loop: sofx.serial.LoopState, opt: sofx.Adam, hparams: Cal
     for group, g in zip(saved["param_groups"], BASE_LR):
         group["initial_lr"] = base[g]  # (LambdaLR's base lr: not an Adam hparam)
     run.opt.load_state_dict(saved)
-    run.scaler.load_state_dict({**run.scaler.state_dict(), "scale": loop.scaler_state.scale,
-                                "_growth_tracker": loop.scaler_state.growth_tracker})
+    run.scaler.load_state_dict(loss_scale.to_torch_grad_scaler_state(rule, loop.scaler_state))
     run.sched = torch.optim.lr_scheduler.LambdaLR(run.opt, lr_factor, last_epoch=loop.step - 1)
     return run
 
@@ -549,7 +547,7 @@ def test_a_run_handed_over_between_torch_optim_and_the_serial_loop_mid_run_stays
                 loop = _serial_from_torch(first, opt, rule, hparams)
                 params = loop.params
             else:
-                first = _torch_from_serial(loop, opt, hparams, base)
+                first = _torch_from_serial(loop, opt, rule, hparams, base)
     if direction == "sofx_then_torch":
         _compare(STEPS, {n: p.detach() for n, p in first.model.named_parameters()},
                  sofx.checkpoint.from_torch_optim(opt, first.opt.state_dict(), params, hparams(first.sched.last_epoch),

@@ -44,6 +44,108 @@ def test_grad_scaler_equals_torch(seq: list[bool], interval: int, init: float):
     assert ours == _torch_scales(seq, init_scale=init, growth_interval=interval)
 
 
+def _torch_steps(scaler: torch.amp.GradScaler, overflows: list[bool]) -> list[tuple[float, int, bool]]:
+    """Step a real GradScaler (SGD, lr 1) over ``overflows``: the scale a step unscaled with, the growth tracker
+    after it, and whether GradScaler.step skipped it (the parameter unchanged)."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    out = []
+    for ov in overflows:
+        before = p.detach().clone()
+        scaler.scale(p.sum()).backward()
+        scale = scaler.get_scale()  # (after scale(): before a first one, the init_scale given, not its float32)
+        if ov:
+            p.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out.append((scale, int(scaler.state_dict()["_growth_tracker"]), torch.equal(p.detach(), before)))
+    return out
+
+
+def _rule_steps(rule: ls.GradScalerRule, state: ls.GradScalerState,
+                overflows: list[bool]) -> tuple[list[tuple[float, int, bool]], ls.GradScalerState]:
+    """:func:`_torch_steps` of the rule from ``state`` (a step is skipped where it overflows), and the last state."""
+    out = []
+    for ov in overflows:
+        scale, state = rule.scale(state), rule.update(state, ov)
+        out.append((scale, state.growth_tracker, ov))
+    return out, state
+
+
+@pytest.mark.parametrize("first, then", [(0, 6), (3, 6), (7, 2)])
+def test_a_grad_scaler_carried_over_to_its_rule_and_back_steps_as_torchs(first: int, then: int):
+    """from_torch_grad_scaler takes a GradScaler over after ``first`` steps (none: a scaler never used carries its
+    init_scale, not yet a float32 tensor there), the rule goes on for ``then`` steps, and to_torch_grad_scaler_state
+    loads it into a fresh GradScaler that goes on: the scales, growth trackers and skipped steps equal the
+    uninterrupted GradScaler's bit for bit (factors that are not powers of two, a scale that is no float32 value,
+    a growth tracker that is not 0 at each handover)."""
+    overflows = [False, True, False, False, False, True, False, False, False, False, True, False]
+    kw = dict(init_scale=1000.3, growth_factor=1.5, backoff_factor=0.3, growth_interval=3)
+    expected = _torch_steps(torch.amp.GradScaler("cpu", **kw), overflows)
+    scaler = torch.amp.GradScaler("cpu", **kw)
+    got = _torch_steps(scaler, overflows[:first])
+    rule, state = ls.from_torch_grad_scaler(scaler)
+    assert (rule, state) == ls.from_torch_grad_scaler(scaler.state_dict())
+    assert (rule.growth_factor, rule.backoff_factor, rule.growth_interval) == (1.5, 0.3, 3)
+    steps, state = _rule_steps(rule, state, overflows[first:first + then])
+    got += steps
+    back = torch.amp.GradScaler("cpu")  # (the defaults: the state dict carries the settings)
+    back.load_state_dict(ls.to_torch_grad_scaler_state(rule, state))
+    got += _torch_steps(back, overflows[first + then:])
+    assert got == expected
+    assert sum(skipped for *_, skipped in got) == 3 and len({scale for scale, *_ in got}) >= 4
+
+
+@pytest.mark.parametrize("given, pattern", [
+    (torch.amp.GradScaler("cpu", enabled=False), r"the GradScaler is disabled \(enabled=False\), which does no "
+                                                  r"loss scaling: use sofx\.loss_scale\.static_scale\(1\.0\)"),
+    ({}, r"the GradScaler state dict is empty: a disabled GradScaler's"),
+    ({"scale": 8.0}, r"the GradScaler state dict has no 'growth_factor', 'backoff_factor', 'growth_interval', "
+                     r"'_growth_tracker'"),
+    ({"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 3},
+     r"the GradScaler state dict cannot be carried over: scaler_state\['growth_tracker'\] = 3 is invalid for "
+     r"growth_interval = 3"),
+    ({"scale": 1e39, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 0},
+     r"the GradScaler state dict cannot be carried over: scaler_state\['scale'\] = 1e\+39 is invalid for "
+     r"GradScaler's rule"),
+    (2.0 ** 16, r"expected a torch\.amp\.GradScaler or its state_dict\(\), got a float"),
+], ids=["disabled", "a disabled one's state dict", "entries missing", "tracker at the interval", "beyond float32",
+        "a number"])
+def test_what_cannot_be_carried_over_from_a_grad_scaler_is_refused_saying_why(given, pattern):
+    with pytest.raises(HParamError, match="from_torch_grad_scaler: " + pattern):
+        ls.from_torch_grad_scaler(given)
+
+
+def test_a_grad_scaler_between_its_step_and_update_is_refused():
+    """GradScaler.state_dict() after unscale_() or step() and before update() holds the scale before the step's
+    update (its docs: call it after update): carried over, the rule would apply that update a second time."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(HParamError, match=r"between unscale_\(\)/step\(\) and update\(\): .*call "
+                                          r"scaler\.update\(\) first"):
+        ls.from_torch_grad_scaler(scaler)
+    scaler.update()
+    assert ls.from_torch_grad_scaler(scaler)[1] == ls.GradScalerState(2.0 ** 16, 1)
+
+
+def test_to_torch_grad_scaler_state_refuses_another_rule_or_state():
+    rule = ls.grad_scaler(growth_interval=3)
+    with pytest.raises(HParamError, match=r"rule is a DynamicLossScaleRule; GradScaler's rule is "
+                                          r"sofx\.loss_scale\.grad_scaler"):
+        ls.to_torch_grad_scaler_state(ls.deepspeed_scaler(), ls.GradScalerState(8.0, 0))
+    with pytest.raises(HParamError, match=r"scaler_state\['growth_tracker'\] = 3 is invalid for growth_interval"):
+        ls.to_torch_grad_scaler_state(rule, ls.GradScalerState(8.0, 3))
+    with pytest.raises(HParamError, match=r"state \{'scale': 8\.0, 'clean': 2\} is no GradScalerState"):
+        ls.to_torch_grad_scaler_state(rule, {"scale": 8.0, "clean": 2})
+    saved = {"type": "GradScalerState", "scale": 8.0, "growth_tracker": 2}  # (the offload optimizer's state dict's)
+    assert ls.to_torch_grad_scaler_state(rule, saved) == {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                                          "growth_interval": 3, "_growth_tracker": 2}
+
+
 @pytest.mark.parametrize("growth", [1.9999999, 1.99999994, 2.0, 1.5])
 def test_grad_scaler_growth_past_float32s_largest_value_rounds_as_torch(growth: float):
     """torch grows the scale to ``float(scale * growth_factor)`` unless that is inf: a product just above float32's

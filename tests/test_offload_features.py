@@ -127,6 +127,62 @@ def test_fp16_model_with_dynamic_loss_scale_equals_grad_scaler_on_fp32_copy() ->
     assert skipped == 3 and len(scales) >= 2  # grows after 3 clean steps, backs off on overflow
 
 
+def test_a_grad_scaler_carried_over_into_the_offload_optimizer_scales_and_skips_as_torchs() -> None:
+    """A torch run's GradScaler, after 3 steps (an overflow among them, its growth tracker at 1), carried into
+    SpeculativeAdamW as the facade's docs say (from_torch_grad_scaler: loss_scale=rule, the state through
+    load_state_dict's scaler_state), and back into a GradScaler (to_torch_grad_scaler_state) after 6 more: each
+    step's scale (the loss's and the unscaling one), the next scale and the skipped steps are the uninterrupted
+    GradScaler's, bit for bit (loss_scale=rule alone starts the growth tracker at 0: the scale grows a step late)."""
+    from sofx.loss_scale import from_torch_grad_scaler, to_torch_grad_scaler_state
+
+    overflow_at = {1, 5, 10}
+    kw = dict(init_scale=1000.3, growth_factor=1.5, backoff_factor=0.3, growth_interval=3)
+    model, twin = _models()
+    ref = torch.amp.GradScaler("cpu", **kw)
+    ropt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def torch_step(scaler: torch.amp.GradScaler, step: int) -> tuple[float, float, bool]:
+        before = [p.detach().clone() for p in twin.parameters()]
+        scaled = scaler.scale(mlp_loss(twin, mlp_batch(gen)))
+        scaled.backward()
+        if step in overflow_at:
+            twin.inp.weight.grad.view(-1)[0] = float("inf")
+        scale = scaler.get_scale()
+        scaler.step(ropt)
+        scaler.update()
+        ropt.zero_grad()
+        return scale, scaler.get_scale(), all(torch.equal(p, q) for p, q in zip(twin.parameters(), before))
+
+    scaler = torch.amp.GradScaler("cpu", **kw)
+    for step in range(3):
+        torch_step(scaler, step)
+    rule, state = from_torch_grad_scaler(scaler)
+    assert state.growth_tracker == 1
+    steps = range(3, 9)
+    reference = copy.deepcopy(scaler)  # (the uninterrupted run from the handover on)
+    expected = [torch_step(reference, step) for step in steps]
+    got = []
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-3, executor="inline", block_numel=100,
+                                       loss_scale=rule) as opt:
+        saved = opt.state_dict()
+        saved["state"]["scaler_state"].update(state._asdict())
+        opt.load_state_dict(saved)
+        for step in steps:
+            handle = model.inp.weight.register_hook(lambda g: g * float("inf")) if step in overflow_at else None
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            if handle is not None:
+                handle.remove()
+            report = opt.step()
+            opt.zero_grad()
+            got.append((report.scale, report.next_scale, report.skipped))
+        back = torch.amp.GradScaler("cpu")
+        back.load_state_dict(to_torch_grad_scaler_state(rule, opt.state_dict()["state"]["scaler_state"]))
+    assert got == expected and sum(skipped for *_, skipped in got) == 1
+    assert back.state_dict() == reference.state_dict()
+    assert [torch_step(back, step) for step in range(9, 12)] == [torch_step(reference, step) for step in range(9, 12)]
+
+
 def test_deepspeed_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
     from sofx.loss_scale import MinLossScaleError
 

@@ -202,8 +202,9 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
     if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):  # torch's habit: a scaler beside
         raise HParamError("loss_scale is a torch.amp.GradScaler; the optimizer scales the loss itself: "
                           "loss_scale='dynamic' is GradScaler's rule (sofx.loss_scale.grad_scaler(init_scale=..., "
-                          "growth_factor=..., backoff_factor=..., growth_interval=...) for other settings), and "
-                          "opt.backward(loss) or opt.scale_loss(loss).backward() take GradScaler.scale's place")
+                          "growth_factor=..., backoff_factor=..., growth_interval=...) for other settings; "
+                          "sofx.loss_scale.from_torch_grad_scaler(scaler) carries a used one's rule and state over), "
+                          "and opt.backward(loss) or opt.scale_loss(loss).backward() take GradScaler.scale's place")
     if any(loss_scale is factory for factory in (grad_scaler, deepspeed_scaler, static_scale)):
         raise HParamError(f"loss_scale is the function {loss_scale.__name__}; call it for a rule: "
                           f"{loss_scale.__name__}(...)")
@@ -1090,7 +1091,16 @@ class SpeculativeAdamW(_SpeculativeBase):
       no clipping under ``"deepspeed"``); ``loss_scale``: ``None``, ``"dynamic"`` (the profile's dynamic
       scaler), a number (static) or a :mod:`sofx.loss_scale` rule (with each, a step whose gradients are not
       all finite is skipped, where ``torch.optim`` alone would write nan); ``profile``: ``"torch"`` (``GradScaler`` +
-      ``clip_grad_norm_``) or ``"deepspeed"`` (ZeRO-3's order and rules).
+      ``clip_grad_norm_``) or ``"deepspeed"`` (ZeRO-3's order and rules). A ``torch.amp.GradScaler`` (after its
+      ``update()``, or never used) is carried over as its rule and state,
+      ``rule, state = sofx.loss_scale.from_torch_grad_scaler(scaler)``: ``loss_scale=rule`` starts at its scale with
+      no clean step counted; its growth tracker goes in through :meth:`load_state_dict`
+      (``saved = opt.state_dict(); saved["state"]["scaler_state"].update(state._asdict());
+      opt.load_state_dict(saved)``, before the first backward), else the scale grows that many steps late. Back:
+      ``GradScaler(device).load_state_dict(sofx.loss_scale.to_torch_grad_scaler_state(rule,
+      opt.state_dict()["state"]["scaler_state"]))``. A rule whose ``scale`` or ``update`` raises in ``step()`` (a
+      custom rule's bug) undoes the step (a :class:`~sofx.loss_scale.LossScaleRuleError`, the rule's exception its
+      cause): nothing of it is taken, and the optimizer goes on from the state before it.
     - ``executor``: ``"inline"``, ``"thread"`` or ``"process"`` (a worker process with ``num_threads``
       threads, on shared memory in ``shm_dir``, at most ``shm_limit_bytes`` of it; ``"thread"``, with a
       warning, where that cannot hold the blocks); ``timeout``: the seconds a wait for it may take before
