@@ -832,6 +832,41 @@ def test_a_loss_scale_rule_that_raises_at_validation_undoes_the_step_and_leaves_
         assert_trees_bitwise(opt.state_dict(), ref.state_dict())
 
 
+class _FlakyScale(_BreakingRule):
+    """A rule whose scale() raises the second time it is asked for the scale of a state after a clean step (its
+    growth tracker at 1): step_facts reads it (a check of the state the next backward scales with), then the
+    step's report did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def scale(self, state) -> float:
+        if state.growth_tracker == 1:
+            self.reads += 1
+            if self.reads == 2:
+                raise ValueError("scale() failed")
+        return self.rule.scale(state)
+
+
+def test_a_loss_scale_rule_whose_scale_fails_as_the_report_reads_it_undoes_the_step():
+    """The step's report reads the rule's scale of the next state (report.next_scale) after the step's facts were
+    taken: a scale() raising there escaped validation, the speculative block steps standing and the engine in its
+    step. It is the failure of a rule at validation: the step is undone, a LossScaleRuleError raised."""
+    model, _ = _models()
+    before = [p.detach().clone() for p in model.parameters()]
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       loss_scale=_FlakyScale()) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        with pytest.raises(LossScaleRuleError, match=r"the loss-scale rule's scale\(\) \(_FlakyScale\) raised "
+                                                     r"ValueError: scale\(\) failed"):
+            opt.step()
+        assert not opt.engine.in_step
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
+        assert opt.state_dict()["state"]["scaler_state"]["growth_tracker"] == 0
+
+
 def test_a_step_a_failing_loss_scale_rule_dropped_spends_its_scaled_backward():
     """The scaled backward of a step the rule's failure undid is spent: a loss.backward() (unscaled) after it is
     warned about at the next step(), as after any step (it was taken as the scaled one, silently)."""

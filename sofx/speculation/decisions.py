@@ -44,7 +44,7 @@ from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_bool, real_number
-from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
+from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError, call_rule
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
                          check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq,
@@ -691,6 +691,11 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
     try:
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)
+        if empty:
+            facts = facts._replace(scaler_state=ctx.scaler_state)
+        # (the report's next scale, read here: a rule's scale() failing there escaped, the step's speculative
+        # steps standing)
+        next_scale = call_rule(ctx.scaler, "scale", facts.scaler_state)
     except Exception as exc:
         # DeepSpeed's rule at its minimum scale, or the loss-scale rule failed (a LossScaleRuleError: a custom
         # rule's exception): the step is not taken, its speculative steps are undone (they escaped standing)
@@ -700,8 +705,6 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
                         for i in range(n))
         report = _report(ctx, tally, None, actions, ctx.policy_state)
         return ValidationPlan(None, actions, ctx.scaler_state, ctx.policy_state, report, exc)
-    if empty:
-        facts = facts._replace(scaler_state=ctx.scaler_state)
     actions = []
     for i in range(n):
         d, s, hp, was = tally.decisions[i], sumsq[i], hps[i], spec_taken[i]
@@ -748,7 +751,7 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     policy_state = ctx.policy_state if empty else cfg.policy.update(ctx.policy_state,
                                                                     None if facts.overflow else facts.clipped)
     actions = tuple(actions)
-    report = _report(ctx, tally, facts, actions, policy_state)
+    report = _report(ctx, tally, facts, actions, policy_state, next_scale)
     return ValidationPlan(facts, actions, facts.scaler_state, policy_state, report)
 
 
@@ -835,7 +838,9 @@ def _undone_before(tally: BackwardTally, block: int, taken: bool) -> bool:
 
 
 def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, actions: Sequence[BlockAction],
-            policy_state: PolicyState) -> StepReport:
+            policy_state: PolicyState, next_scale: Any = None) -> StepReport:
+    """The step's report (``facts`` ``None``: validation failed, nothing taken; ``next_scale``: the rule's scale of
+    ``facts.scaler_state``, read by :func:`plan_validation`)."""
     kinds = [a.kind for a in actions]
     decisions = [d.kind for d in tally.decisions if d is not None]
     if facts is not None:
@@ -865,7 +870,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         clip_coef=1.0 if facts is None else facts.clip_coef,
         grad_norm=math.nan if facts is None else facts.grad_norm,
         scale=scale,
-        next_scale=scale if facts is None else ctx.scaler.scale(facts.scaler_state),
+        next_scale=scale if facts is None else next_scale,
         grad_scale=1.0 if facts is None else facts.grad_scale,
         speculating=ctx.speculating,
         not_speculating_reason=ctx.reason,
