@@ -505,6 +505,26 @@ def test_a_parameters_state_updated_with_a_bad_value_changes_nothing():
         assert bool((opt.state[p]["exp_avg"] == 0.5).all())
 
 
+def test_the_states_updated_with_a_bad_entry_change_no_parameter():
+    """``opt.state.update({p: ..., q: ...})`` (torch.optim's states of several parameters carried over at once) set
+    them one by one: a bad entry for ``q`` after a good one for ``p`` was refused with ``p``'s state written (a
+    half-applied update: ``p`` started afresh, ``q`` not). Every entry is checked before any is written."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        p, q = model.mid.weight, model.mid.bias  # parameters 2 and 3
+        opt.state[p]["step"] = 5
+        with pytest.raises(sofx.UnsupportedError, match=r"state\['step'\] of parameter 3 must be a whole number"):
+            opt.state.update({p: {}, q: {"step": -1, "exp_avg": torch.zeros_like(q),
+                                         "exp_avg_sq": torch.zeros_like(q)}})
+        assert int(opt.state[p]["step"]) == 5
+        with pytest.raises(sofx.UnsupportedError, match=r"opt.state.update\(...\): p is a tensor of shape \(2,\)"):
+            opt.state.update([(p, {}), (torch.zeros(2), {})])
+        assert int(opt.state[p]["step"]) == 5
+        opt.state.update({p: {}, q: {"step": 2, "exp_avg": torch.ones_like(q), "exp_avg_sq": torch.ones_like(q)}})
+        assert int(opt.state[p]["step"]) == 0 and int(opt.state[q]["step"]) == 2
+        assert bool((opt.state[q]["exp_avg"] == 1).all())
+
+
 def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
     """``copy.deepcopy(opt.state[p])`` (a snapshot of a parameter's state, to roll back to) and
     ``copy.deepcopy(opt.state)`` deep-copied the engine behind the view, its worker's locks too, and failed with a

@@ -1727,33 +1727,48 @@ class OffloadEngine:
         (``opt.state[p].update(...)``; an empty mapping changes nothing). Every value is checked as
         :meth:`set_param_state` checks it before any is written: nothing changes on a bad one. ``what``: the call,
         for the errors."""
-        where = f"{what} (parameter {index})"
-        if not isinstance(values, Mapping):
-            raise UnsupportedError(f"{where}: expected a mapping of a parameter's state ('step', 'exp_avg', "
-                                   f"'exp_avg_sq', as torch.optim's), got {type(values).__name__}")
+        self.set_params_states([(index, values)], what, partial)
+
+    def set_params_states(self, entries: Sequence[tuple[int, Any]], what: str, partial: bool = False) -> None:
+        """:meth:`set_param_states` of several parameters (``opt.state.update({p: {...}, q: {...}})``): every
+        entry is checked before any is written (a bad one for ``q`` left ``p``'s written)."""
+        for index, values in entries:
+            if not isinstance(values, Mapping):
+                raise UnsupportedError(f"{what} (parameter {index}): expected a mapping of a parameter's state "
+                                       f"('step', 'exp_avg', 'exp_avg_sq', as torch.optim's), got "
+                                       f"{type(values).__name__}")
         self._check_usable()
         with self._exclusive(what):
             self._check_state_change(f"changing the optimizer state ({what})")
-            views = self._param_views(index)
-            if not values and not partial:
-                values = {"step": 0, "exp_avg": torch.zeros_like(views["exp_avg"]),
-                          "exp_avg_sq": torch.zeros_like(views["exp_avg_sq"])}
-            unknown = sorted(repr(k) for k in values if not (isinstance(k, str) and k in views))
-            missing = [] if partial else [k for k in PARAM_STATE_KEYS[:3] if k not in values]
-            if unknown or missing:
-                problems = [f"{k!r} missing" for k in missing] + ([f"unknown {', '.join(unknown)}"] if unknown else [])
-                raise UnsupportedError(f"{where}: {'; '.join(problems)}: a parameter's state has "
-                                       f"{list(PARAM_STATE_KEYS)} ('master' kept where not given)")
-            for key, value in values.items():
-                if key == "step":
-                    self._state_count(index, value, views[key])
-                else:
-                    self._check_param_state_value(index, key, value, views[key])
-            if "master" in values:
-                self._refuse_short_params([index])
-            for key in PARAM_STATE_KEYS:
-                if key in values:
-                    self._set_param_state(index, key, values[key])
+            checked = [(index, self._checked_param_states(index, values, f"{what} (parameter {index})", partial))
+                       for index, values in entries]
+            for index, values in checked:
+                for key in PARAM_STATE_KEYS:
+                    if key in values:
+                        self._set_param_state(index, key, values[key])
+
+    def _checked_param_states(self, index: int, values: Mapping[Any, Any], where: str,
+                              partial: bool) -> Mapping[Any, Any]:
+        """``values`` for :meth:`set_params_states` (``{}``, not ``partial``: the fresh state), every value checked
+        as :meth:`set_param_state` checks it; nothing is written."""
+        views = self._param_views(index)
+        if not values and not partial:
+            values = {"step": 0, "exp_avg": torch.zeros_like(views["exp_avg"]),
+                      "exp_avg_sq": torch.zeros_like(views["exp_avg_sq"])}
+        unknown = sorted(repr(k) for k in values if not (isinstance(k, str) and k in views))
+        missing = [] if partial else [k for k in PARAM_STATE_KEYS[:3] if k not in values]
+        if unknown or missing:
+            problems = [f"{k!r} missing" for k in missing] + ([f"unknown {', '.join(unknown)}"] if unknown else [])
+            raise UnsupportedError(f"{where}: {'; '.join(problems)}: a parameter's state has "
+                                   f"{list(PARAM_STATE_KEYS)} ('master' kept where not given)")
+        for key, value in values.items():
+            if key == "step":
+                self._state_count(index, value, views[key])
+            else:
+                self._check_param_state_value(index, key, value, views[key])
+        if "master" in values:
+            self._refuse_short_params([index])
+        return values
 
     @staticmethod
     def _state_count(index: int, value: Any, target: torch.Tensor) -> int:

@@ -414,7 +414,8 @@ def _state_copy(engine: OffloadEngine, index: int) -> dict[str, torch.Tensor]:
 class _ParamStateView(MutableMapping):
     """``opt.state``: torch.optim-style per-parameter state (live views of the engine's blocks), an entry for every
     parameter. ``clear()`` starts every parameter afresh (as ``opt.state = {}``), ``pop(p)`` gives a copy of ``p``'s
-    state and starts it afresh; ``update`` and ``setdefault`` as on a dict; ``popitem`` is refused (an entry is never
+    state and starts it afresh; ``update`` (every entry checked before any is written) and ``setdefault`` as on a
+    dict; ``popitem`` is refused (an entry is never
     gone: which parameter it would reset is arbitrary). ``copy.deepcopy`` of it, or of ``opt.state[p]``, copies the
     states (:func:`_state_copy`), not the engine behind them."""
 
@@ -460,6 +461,14 @@ class _ParamStateView(MutableMapping):
         state = _state_copy(self._engine, index)
         self._engine.set_param_states(index, {}, "opt.state.pop(p)")
         return state
+
+    def update(self, *other: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """As ``dict.update``, every entry checked before any is written (one by one, a bad entry for ``q`` after a
+        good one for ``p`` left ``p``'s written): :meth:`~sofx.offload.engine.OffloadEngine.set_params_states`."""
+        what = "opt.state.update(...)"
+        entries = [(self._member(p, what), value) for p, value in dict(*other, **kwargs).items()]
+        if entries:
+            self._engine.set_params_states(entries, what)
 
     def popitem(self) -> tuple[torch.Tensor, Any]:
         raise UnsupportedError("opt.state.popitem(): the state of a speculative optimizer has an entry for every "
