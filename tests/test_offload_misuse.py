@@ -721,6 +721,11 @@ def test_scale_loss_takes_a_list_or_tuple_of_losses_as_gradscaler_and_refuses_wh
         for kind in (list, tuple):
             scaled = opt.scale_loss(kind(losses))
             assert type(scaled) is kind and all(torch.equal(a, b * 8.0) for a, b in zip(scaled, losses))
+        # a named tuple (a tuple) keeps its type too: remade from a generator it raised a bare TypeError
+        # ("Losses.__new__() missing 1 required positional argument: 'aux'")
+        Losses = collections.namedtuple("Losses", "main aux")
+        scaled = opt.scale_loss(Losses(*losses))
+        assert type(scaled) is Losses and torch.equal(scaled.aux, losses[1] * 8.0)
         for bad, what in ((losses, "a list"), (3.0, "a float"), (None, "a NoneType")):
             with pytest.raises(sofx.StructureError, match=rf"^opt.backward\(loss\): loss is {what}; expected a tensor"):
                 opt.backward(bad)

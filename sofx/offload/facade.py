@@ -906,13 +906,17 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     def scale_loss(self, loss: Any) -> Any:
         """``loss * loss_scale`` (``loss`` itself without loss scaling); a list or tuple of losses (tensors), as
-        ``GradScaler.scale`` takes them, each scaled, in a list or tuple (``torch.autograd.backward`` takes it).
+        ``GradScaler.scale`` takes them, each scaled, in a list or tuple of their type (a named tuple's too;
+        ``torch.autograd.backward`` takes it).
         Anything else is refused (a :class:`StructureError` naming it) before the scale is taken."""
         _check_losses(loss, "opt.scale_loss(loss)", sequence=True)
         s = self._take_loss_scale()
         if s == 1.0:
             return loss
-        return type(loss)(x * s for x in loss) if isinstance(loss, (list, tuple)) else loss * s
+        if not isinstance(loss, (list, tuple)):
+            return loss * s
+        scaled = [x * s for x in loss]
+        return type(loss)(*scaled) if hasattr(type(loss), "_fields") else type(loss)(scaled)  # (a named tuple)
 
     @run_eagerly("the speculative optimizer's loss scale is read eagerly: it notes that a backward is scaled, "
                  "which step() checks (traced, the note was lost), and the scale changes as the run goes")
