@@ -645,10 +645,9 @@ def to_torch_grad_scaler_state(rule: GradScalerRule, state: Any) -> dict[str, An
                           "sofx.loss_scale.grad_scaler(...) (GradScaler has no equivalent of another)")
     if isinstance(state, Mapping) and not isinstance(state, tuple):
         fields = {k: v for k, v in state.items() if k != "type"}
-        if state.get("type", "GradScalerState") != "GradScalerState" or set(fields) - set(GradScalerState._fields) \
-                or "scale" not in fields:
+        if state.get("type", "GradScalerState") != "GradScalerState" or set(fields) != set(GradScalerState._fields):
             raise HParamError(f"to_torch_grad_scaler_state: state {dict(state)!r:.200} is no GradScalerState (scale, "
-                              "growth_tracker)")
+                              "growth_tracker: both, a missing one's default is not the run's value)")
         state = GradScalerState(**fields)
     check_state_kind(state, GradScalerState)
     state = plain_state(state)

@@ -141,6 +141,10 @@ def test_to_torch_grad_scaler_state_refuses_another_rule_or_state():
         ls.to_torch_grad_scaler_state(rule, ls.GradScalerState(8.0, 3))
     with pytest.raises(HParamError, match=r"state \{'scale': 8\.0, 'clean': 2\} is no GradScalerState"):
         ls.to_torch_grad_scaler_state(rule, {"scale": 8.0, "clean": 2})
+    # a saved state without its growth tracker was taken with the field's default 0 (the scale then grew that many
+    # steps late), where the offload optimizer's load refuses a missing field (its default is not the run's value)
+    with pytest.raises(HParamError, match=r"state \{'type': 'GradScalerState', 'scale': 8\.0\} is no GradScalerState"):
+        ls.to_torch_grad_scaler_state(rule, {"type": "GradScalerState", "scale": 8.0})
     saved = {"type": "GradScalerState", "scale": 8.0, "growth_tracker": 2}  # (the offload optimizer's state dict's)
     assert ls.to_torch_grad_scaler_state(rule, saved) == {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
                                                           "growth_interval": 3, "_growth_tracker": 2}
