@@ -17,6 +17,7 @@ import copy
 import threading
 import gc
 import importlib
+import io
 import math
 import re
 import sys
@@ -552,6 +553,30 @@ def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
             mlp_step_side_by_side(opt, ropt, model, ref, gen)
         assert relative_deviation(model, ref) <= TOL
         assert int(opt.state[p]["step"]) == int(ropt.state[rp]["step"]) == 4
+
+
+def test_the_state_saved_with_torch_save_is_copies_as_torch_optims():
+    """``torch.save(opt.state)`` and ``torch.save(opt.state[p])`` (torch.optim's are dicts, saved as they are)
+    pickled the engine behind the views and failed with a bare "AttributeError: Can't pickle local object
+    '_hparams_of.<locals>.hparams'". They are saved as their deep copies (dicts of copies of torch.optim's keys);
+    ``copy.copy`` is still a view."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        mlp_loss(model, mlp_batch(gen)).backward()
+        opt.step()
+        p = model.mid.weight
+        for saved, whole in ((opt.state[p], False), (opt.state, True)):
+            buffer = io.BytesIO()
+            torch.save(saved, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+            state = next(s for q, s in loaded.items() if torch.equal(q, p)) if whole else loaded
+            assert type(state) is dict and sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+            assert int(state["step"]) == 1 and torch.equal(state["exp_avg"], opt.state[p]["exp_avg"])
+        assert len(loaded) == len(opt.state)
+        assert copy.copy(opt.state[p])["exp_avg"].data_ptr() == opt.state[p]["exp_avg"].data_ptr()
+        assert copy.copy(opt.state)[p]["exp_avg"].data_ptr() == opt.state[p]["exp_avg"].data_ptr()
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])

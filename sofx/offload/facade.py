@@ -360,7 +360,7 @@ class _ParamState(MutableMapping):
     views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``; ``state["master"] = x``
     also sets the model's parameter to ``x``, rounded to its dtype, as ``load_state_dict`` does; ``update`` checks
     every value before it writes any). ``copy()`` is a dict of the live views, ``copy.deepcopy`` one of copies of
-    torch.optim's keys (:func:`_state_copy`)."""
+    torch.optim's keys (:func:`_state_copy`), as is a pickled one (``torch.save``)."""
 
     def __init__(self, engine: OffloadEngine, index: int) -> None:
         self._engine, self._index = engine, index
@@ -386,6 +386,14 @@ class _ParamState(MutableMapping):
         """A snapshot, as ``copy.deepcopy`` of a torch.optim parameter's state (it deep-copied the engine behind
         the view, its locks too: a bare TypeError): :func:`_state_copy`."""
         return _state_copy(self._engine, self._index)
+
+    def __copy__(self) -> "_ParamState":
+        return _ParamState(self._engine, self._index)  # (a view, as before __reduce_ex__)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """Pickled (``torch.save(opt.state[p])``) as its deep copy, a dict (it pickled the engine behind the view: a
+        bare "AttributeError: Can't pickle local object")."""
+        return dict, (list(_state_copy(self._engine, self._index).items()),)
 
     def __delitem__(self, key: str) -> None:
         raise UnsupportedError(f"the state of a speculative optimizer's parameter always has {sorted(self)}: "
@@ -417,7 +425,7 @@ class _ParamStateView(MutableMapping):
     state and starts it afresh; ``update`` (every entry checked before any is written) and ``setdefault`` as on a
     dict; ``popitem`` is refused (an entry is never
     gone: which parameter it would reset is arbitrary). ``copy.deepcopy`` of it, or of ``opt.state[p]``, copies the
-    states (:func:`_state_copy`), not the engine behind them."""
+    states (:func:`_state_copy`), not the engine behind them; so does a pickle (``torch.save``)."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self._engine = engine  # (not the optimizer: no reference cycle, see _hparams_of)
@@ -480,6 +488,14 @@ class _ParamStateView(MutableMapping):
         copies where ``memo`` holds them: a deep copy of the model and the state together), each with
         :func:`_state_copy` of its state."""
         return {copy.deepcopy(p, memo): _state_copy(self._engine, i) for i, p in enumerate(self._engine.params)}
+
+    def __copy__(self) -> "_ParamStateView":
+        return _ParamStateView(self._engine)  # (a view, as before __reduce_ex__)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """Pickled (``torch.save(opt.state)``) as torch.optim's ``opt.state`` is, a dict of the parameters, each
+        with :func:`_state_copy` of its state (it pickled the engine behind the view: a bare AttributeError)."""
+        return dict, ([(p, _state_copy(self._engine, i)) for i, p in enumerate(self._engine.params)],)
 
     def _member(self, p: Any, what: str) -> int:
         """The index of ``p``, or an :class:`UnsupportedError` naming ``what`` was done with which tensor."""
