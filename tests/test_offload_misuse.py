@@ -491,6 +491,28 @@ def test_the_state_mappings_methods_that_torch_users_call_reset_as_torch_does():
         assert relative_deviation(model, ref) <= TOL
 
 
+def test_a_parameters_state_cleared_starts_it_afresh_as_torch_optims():
+    """``opt.state[p].clear()`` (torch.optim: ``p``'s entry empty, its next step starts it afresh) was refused as a
+    removal of a key, naming only the reset of every parameter; it starts ``p`` afresh (step 0, zero moments, its
+    master kept), as ``del opt.state[p]``. A key's removal is still refused, naming those."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        p, rp, q = model.mid.weight, ref.mid.weight, model.inp.weight
+        opt.state[p].clear()
+        ropt.state[rp].clear()
+        assert int(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() and int(opt.state[q]["step"]) == 2
+        assert torch.equal(opt.state[p]["master"], p.detach())
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        with pytest.raises(sofx.UnsupportedError, match=r"always has .*: assign a key .*; opt\.state\[p\]\.clear\(\) "
+                                                        r"or del opt\.state\[p\] starts p afresh"):
+            opt.state[p].pop("step")
+
+
 def test_a_parameters_state_updated_with_a_bad_value_changes_nothing():
     """``opt.state[p].update(state)`` (a torch.optim parameter's state carried over key by key) wrote each key in
     turn: a bad value after a good one was refused with the good one written (a half-applied state: the step count

@@ -359,8 +359,9 @@ class _ParamState(MutableMapping):
     """``opt.state[p]``: one parameter's ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq`` and ``master`` as live
     views of the engine's blocks; assigning a key writes into them (``state["step"] = 0``; ``state["master"] = x``
     also sets the model's parameter to ``x``, rounded to its dtype, as ``load_state_dict`` does; ``update`` checks
-    every value before it writes any). ``copy()`` is a dict of the live views, ``copy.deepcopy`` one of copies of
-    torch.optim's keys (:func:`_state_copy`), as is a pickled one (``torch.save``)."""
+    every value before it writes any; ``clear()`` starts it afresh). ``copy()`` is a dict of the live views,
+    ``copy.deepcopy`` one of copies of torch.optim's keys (:func:`_state_copy`), as is a pickled one
+    (``torch.save``)."""
 
     def __init__(self, engine: OffloadEngine, index: int) -> None:
         self._engine, self._index = engine, index
@@ -395,10 +396,15 @@ class _ParamState(MutableMapping):
         bare "AttributeError: Can't pickle local object")."""
         return dict, (list(_state_copy(self._engine, self._index).items()),)
 
+    def clear(self) -> None:
+        """``opt.state[p].clear()``: the parameter starts afresh (step 0, zero moments; its master kept), as
+        torch.optim's next step after emptying its entry; ``del opt.state[p]``."""
+        self._engine.set_param_states(self._index, {}, "opt.state[p].clear()")
+
     def __delitem__(self, key: str) -> None:
         raise UnsupportedError(f"the state of a speculative optimizer's parameter always has {sorted(self)}: "
-                               "assign a key (state['step'] = 0) instead, or reset everything with "
-                               "opt.state = collections.defaultdict(dict)")
+                               "assign a key (state['step'] = 0) instead; opt.state[p].clear() or del opt.state[p] "
+                               "starts p afresh, opt.state.clear() every parameter")
 
     def __iter__(self) -> Iterator[str]:
         return iter(PARAM_STATE_KEYS)
