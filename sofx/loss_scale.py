@@ -79,6 +79,7 @@ __all__ = [
     "deepspeed_scaler",
     "static_scale",
     "check_scaler",
+    "is_torch_grad_scaler",
     "check_state",
     "check_state_kind",
     "plain_state",
@@ -173,6 +174,12 @@ def _float32_scale(name: str, value: float) -> float:
 _RULE_HINT = "sofx.loss_scale.grad_scaler(...), deepspeed_scaler(...), static_scale(...)"
 
 
+def is_torch_grad_scaler(x: Any) -> bool:
+    """Whether ``x`` is a ``torch.amp.GradScaler``: of that class or another (``torch.cuda.amp.GradScaler``, FSDP's
+    ``ShardedGradScaler``, a user's subclass; a check of the class's name refused those)."""
+    return isinstance(x, torch.amp.GradScaler)
+
+
 def check_scaler(scaler: Any, name: str = "scaler") -> None:
     """Refuse (an :class:`HParamError` naming ``name``) what is not a loss-scale rule, an object whose ``init``,
     ``scale`` and ``update`` are callable (:class:`LossScaler`), saying what to give: for torch's
@@ -182,8 +189,8 @@ def check_scaler(scaler: Any, name: str = "scaler") -> None:
     if all(callable(getattr(scaler, method, None)) for method in ("init", "scale", "update")):
         return
     kind = type(scaler)
-    if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):
-        raise HParamError(f"{name} is a torch.amp.GradScaler (GradScaler); sofx keeps the loss scale as immutable "
+    if is_torch_grad_scaler(scaler):
+        raise HParamError(f"{name} is a torch.amp.GradScaler ({kind.__name__}); sofx keeps the loss scale as immutable "
                           "state beside a rule: sofx.loss_scale.grad_scaler(init_scale=..., growth_factor=..., "
                           "backoff_factor=..., growth_interval=...) is its rule; sofx.loss_scale."
                           "from_torch_grad_scaler(scaler) gives a used one's rule and state (the loop's "
@@ -599,7 +606,7 @@ def from_torch_grad_scaler(scaler: Any) -> tuple[GradScalerRule, GradScalerState
     GradScaler's entries or with others, and values the rule refuses (a scale beyond float32, a growth tracker at
     or past the interval), each named."""
     kind = type(scaler)
-    if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):
+    if is_torch_grad_scaler(scaler):
         if not scaler.is_enabled():
             raise HParamError("from_torch_grad_scaler: the GradScaler is disabled (enabled=False), which does no "
                               "loss scaling: use sofx.loss_scale.static_scale(1.0) (loss_scale=None)")

@@ -117,6 +117,21 @@ def test_what_cannot_be_carried_over_from_a_grad_scaler_is_refused_saying_why(gi
         ls.from_torch_grad_scaler(given)
 
 
+class _AGradScaler(torch.amp.GradScaler):
+    """A GradScaler of another class (FSDP's ShardedGradScaler, a user's subclass)."""
+
+
+def test_a_grad_scaler_of_a_subclass_is_carried_over_and_refused_as_a_rule_by_name():
+    """FSDP's ``ShardedGradScaler`` (a ``torch.amp.GradScaler``: its state dict is GradScaler's) was refused by
+    from_torch_grad_scaler as "expected a torch.amp.GradScaler or its state_dict(), got a ShardedGradScaler" (the
+    check was of the class's name), and as a scaler without saying what stands for it."""
+    scaler = _AGradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    assert ls.from_torch_grad_scaler(scaler) == (ls.grad_scaler(1024.0, growth_interval=3), ls.GradScalerState(1024.0))
+    with pytest.raises(HParamError, match=r"scaler is a torch\.amp\.GradScaler \(_AGradScaler\); .*"
+                                          r"from_torch_grad_scaler\(scaler\)"):
+        ls.check_scaler(scaler)
+
+
 def test_a_grad_scaler_between_its_step_and_update_is_refused():
     """GradScaler.state_dict() after unscale_() or step() and before update() holds the scale before the step's
     update (its docs: call it after update): carried over, the rule would apply that update a second time."""

@@ -791,6 +791,9 @@ def test_torchs_grad_scaler_as_loss_scale_is_refused_naming_what_equals_it():
     with pytest.raises(SofxError, match=r"loss_scale is a torch\.amp\.GradScaler; the optimizer scales the loss "
                                         r"itself: loss_scale='dynamic' is GradScaler's rule"):
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=torch.amp.GradScaler("cpu"))
+    with pytest.raises(SofxError, match=r"loss_scale is a torch\.amp\.GradScaler; the optimizer scales the loss "):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline",
+                                      loss_scale=type("ShardedGradScaler", (torch.amp.GradScaler,), {})("cpu"))
     with pytest.raises(SofxError, match=r"loss_scale is the function grad_scaler; call it for a rule: "
                                         r"grad_scaler\(\.\.\.\)"):
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=sofx.loss_scale.grad_scaler)

@@ -164,7 +164,7 @@ from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_rang
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import finite_number, flag, is_bool, real_number
-from sofx.loss_scale import deepspeed_scaler, grad_scaler, static_scale
+from sofx.loss_scale import deepspeed_scaler, grad_scaler, is_torch_grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.eager import run_eagerly
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
@@ -198,8 +198,7 @@ def resolve_loss_scale(loss_scale: Any, profile: str) -> Any:
     if all(callable(getattr(loss_scale, name, None)) for name in ("init", "scale", "update")):
         _check_custom_state(loss_scale)
         return loss_scale
-    kind = type(loss_scale)
-    if kind.__name__ == "GradScaler" and kind.__module__.startswith("torch."):  # torch's habit: a scaler beside
+    if is_torch_grad_scaler(loss_scale):  # torch's habit: a scaler beside
         raise HParamError("loss_scale is a torch.amp.GradScaler; the optimizer scales the loss itself: "
                           "loss_scale='dynamic' is GradScaler's rule (sofx.loss_scale.grad_scaler(init_scale=..., "
                           "growth_factor=..., backoff_factor=..., growth_interval=...) for other settings; "
