@@ -827,6 +827,34 @@ class _CountedRule:
         return _CountedScale(state.scale / 2, 0) if overflow else _CountedScale(state.scale, state.clean + 1)
 
 
+class _CheckingRule(_CountedRule):
+    """A custom rule whose scale() refuses a state it never makes (a ValueError of its own)."""
+
+    def scale(self, state: _CountedScale) -> float:
+        if state.scale < 1.0:
+            raise ValueError(f"scale {state.scale} below 1")
+        return state.scale
+
+
+def test_a_loaded_scaler_state_a_custom_rule_refuses_is_refused_naming_it_and_nothing_is_loaded():
+    """A state dict whose scaler state a custom rule's scale() refuses (its ValueError) was refused at
+    load_state_dict() as a LossScaleRuleError saying "the step is not taken", no step there, and not naming the
+    entry; it is a refusal of that entry (state_dict['state']['scaler_state'], the rule's exception its cause), as
+    the state's other refusals, before anything is loaded."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline",
+                                       loss_scale=_CheckingRule()) as opt:
+        saved = opt.state_dict()
+        saved["state"]["scaler_state"]["scale"] = 0.5
+        saved["param_groups"][0]["lr"] = 0.5
+        with pytest.raises(sofx.HParamError, match=r"^state_dict\['state'\]\['scaler_state'\]: the loss-scale "
+                                                   r"rule \(_CheckingRule\) refuses it: ValueError: scale 0\.5 "
+                                                   r"below 1$") as info:
+            opt.load_state_dict(saved)
+        assert isinstance(info.value.__cause__, ValueError) and "step" not in str(info.value)
+        assert opt.param_groups[0]["lr"] == 1e-2 and opt.engine.scaler_state == _CountedScale(1024.0, 0)
+
+
 def test_a_custom_loss_scale_rule_whose_state_has_no_fields_is_refused_at_construction():
     """A custom rule whose state is a float trained, and opt.state_dict() then raised "AttributeError: 'float'
     object has no attribute '_asdict'" (under ddp each step's replica check did): the state dict saves the

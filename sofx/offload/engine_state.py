@@ -40,7 +40,8 @@ import torch
 
 from sofx.errors import HParamError, SofxError, StructureError
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.loss_scale import DynamicLossScaleRule, GradScalerRule, StaticScaleRule, plain_state
+from sofx.loss_scale import (DynamicLossScaleRule, GradScalerRule, LossScaleRuleError, StaticScaleRule,
+                             plain_state)
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
@@ -481,6 +482,10 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, 
             dataclasses.replace(rule, value=scaler_state.scale)
     except HParamError as exc:
         raise HParamError(f"{where}: {exc}") from None
+    except LossScaleRuleError as exc:  # (a custom rule's own exception: its message spoke of a step not taken)
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        raise HParamError(f"{where}: the loss-scale rule ({type(rule).__name__}) refuses it: "
+                          f"{type(cause).__name__}: {cause}") from cause
     return rule, scaler_state
 
 
