@@ -90,6 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.leaves, args.steps = [4], 2
+    if args.steps < 1 or min(args.leaves) < 1:  # (the first call is the trace measured)
+        parser.error("--steps and --leaves must be at least 1")
     counts = count_instructions()
     print(f"torch {torch.__version__}, backend {args.backend}, donate={args.donate}, {args.steps} steps")
     for n in args.leaves:
