@@ -428,13 +428,14 @@ def _scale_after(profile: str, scaler: LossScaler, scaler_state: LossScaleState,
     float32 tensor arithmetic, off the float scale's step)."""
     next_state = call_rule(scaler, "update", scaler_state, overflow)
     try:  # (the state the next backward scales with: its scale read, as the report and the next step read it)
-        loss_scale_of(scaler, next_state)
+        next_scale = loss_scale_of(scaler, next_state)
     except SofxError as exc:
         raise LossScaleRuleError(f"the loss-scale rule's update() ({type(scaler).__name__}) returned a state that "
                                  f"cannot be taken: {exc}; the step is not taken (parameters, moments, step counts "
                                  "and the loss-scaler state are as before it)") from exc
-    return next_state, check_scale("scaler.scale(scaler_state)",
-                                   call_rule(scaler, "scale", scaler_state if profile == "torch" else next_state))
+    if profile != "torch":  # (DeepSpeed's order unscales with the next state's scale, read just above)
+        return next_state, next_scale
+    return next_state, check_scale("scaler.scale(scaler_state)", call_rule(scaler, "scale", scaler_state))
 
 
 def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, sumsq_total: float,
