@@ -84,9 +84,14 @@ class StepReport:
         line = (f"{head}spec {self.speculated} commit {self.committed} undo {self.undone} redo {self.redone} "
                 f"veto {self.vetoed} inelig {self.ineligible}{f' refused {self.refused}' if self.refused else ''} "
                 f"late {self.stepped_late} | "
-                f"norm {self.grad_norm:.4g}{' clipped' if self.clipped else ''} scale {self.scale:g}")
+                f"norm {self.grad_norm:.4g}{' clipped' if self.clipped else ''} scale ")
         if self.scale != self.next_scale and not (math.isnan(self.scale) and math.isnan(self.next_scale)):
-            line += f" -> {self.next_scale:g}"
+            short = f"{self.scale:g}", f"{self.next_scale:g}"
+            if short[0] == short[1]:  # a change below 6 digits: every digit, not ``65536 -> 65536``
+                short = repr(float(self.scale)), repr(float(self.next_scale))
+            line += f"{short[0]} -> {short[1]}"
+        else:
+            line += f"{self.scale:g}"
         if self.policy_reason:
             line += f" | policy: {self.policy_reason}"
         if self.veto_reason:

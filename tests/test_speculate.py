@@ -1828,9 +1828,11 @@ def test_report_as_dict_and_summary(rng):
 
 
 @pytest.mark.parametrize("scale, next_scale, tail", [(math.nan, math.nan, "scale nan"), (2.0, 2.0, "scale 2"),
-                                                     (2.0, 1.0, "scale 2 -> 1"), (math.nan, 1.0, "scale nan -> 1")])
+                                                     (2.0, 1.0, "scale 2 -> 1"), (math.nan, 1.0, "scale nan -> 1"),
+                                                     (65536.0, 65536.01, "scale 65536.0 -> 65536.01")])
 def test_report_summary_names_a_scale_change_only_where_the_scale_changed(scale, next_scale, tail):
-    """A nan scale kept (nan != nan) was printed as the change ``scale nan -> nan``."""
+    """A nan scale kept (nan != nan) was printed as the change ``scale nan -> nan``; a change below 6 digits as
+    ``scale 65536 -> 65536``."""
     assert sp.StepReport(blocks=2, scale=scale, next_scale=next_scale).summary().endswith(tail)
 
 
