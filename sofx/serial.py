@@ -93,7 +93,8 @@ class StepFacts(NamedTuple):
     (unscale and clip folded); ``scale`` the loss scale they were unscaled
     with; ``clip_coef`` the multiplier applied to the unscaled gradients (1.0
     when not clipped); ``grad_norm`` the unscaled global norm (not finite on
-    overflow); ``scaler_state`` the loss-scaler state for the next step.
+    overflow); ``scaler_state`` the loss-scaler state for the next step; ``next_scale`` its scale (the rule's, read
+    once, as a float: the scale the next backward multiplies the loss by).
     """
 
     overflow: bool
@@ -104,6 +105,7 @@ class StepFacts(NamedTuple):
     clip_coef: float
     grad_scale: float
     scaler_state: Any
+    next_scale: float = math.nan
 
     @property
     def skipped(self) -> bool:
@@ -422,8 +424,9 @@ def can_unscale(scale: float) -> bool:
 
 
 def _scale_after(profile: str, scaler: LossScaler, scaler_state: LossScaleState,
-                 overflow: bool) -> tuple[LossScaleState, float]:
-    """The scaler's next state and the scale the gradients are unscaled with, in the profile's order, as a float
+                 overflow: bool) -> tuple[LossScaleState, float, float]:
+    """The scaler's next state, the scale the gradients are unscaled with, in the profile's order, and the next
+    state's scale, as floats
     (:func:`check_scale`: a state's 0-d tensor scale, which ``scale`` returns as it is, unscaled and clipped in
     float32 tensor arithmetic, off the float scale's step)."""
     next_state = call_rule(scaler, "update", scaler_state, overflow)
@@ -434,8 +437,8 @@ def _scale_after(profile: str, scaler: LossScaler, scaler_state: LossScaleState,
                                  f"cannot be taken: {exc}; the step is not taken (parameters, moments, step counts "
                                  "and the loss-scaler state are as before it)") from exc
     if profile != "torch":  # (DeepSpeed's order unscales with the next state's scale, read just above)
-        return next_state, next_scale
-    return next_state, check_scale("scaler.scale(scaler_state)", call_rule(scaler, "scale", scaler_state))
+        return next_state, next_scale, next_scale
+    return next_state, check_scale("scaler.scale(scaler_state)", call_rule(scaler, "scale", scaler_state)), next_scale
 
 
 def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, sumsq_total: float,
@@ -450,11 +453,11 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
     max_norm = clip_max_norm(profile, check_max_norm(max_norm))
     loss_scale_of(scaler, scaler_state)  # checked before it decides anything
     overflow = not math.isfinite(sumsq_total)
-    next_state, scale = _scale_after(profile, scaler, scaler_state, overflow)
+    next_state, scale, next_scale = _scale_after(profile, scaler, scaler_state, overflow)
     if not overflow and not can_unscale(scale):
         # a loss scale of 0 (or so small that 1/S is beyond float32) cannot unscale: an overflow
         overflow = True
-        next_state, scale = _scale_after(profile, scaler, scaler_state, True)
+        next_state, scale, next_scale = _scale_after(profile, scaler, scaler_state, True)
     scaled_norm = math.sqrt(sumsq_total) if not math.isnan(sumsq_total) else math.nan
     norm = scaled_norm / scale if scale > 0 else scaled_norm * math.inf  # x/0 as IEEE: inf, or nan for 0
     if not overflow:
@@ -464,11 +467,11 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
             # and above unscaling cannot, and torch and DeepSpeed step with such gradients; a clipped step
             # multiplies them by a coefficient that brings the norm down to max_norm)
             overflow = True
-            next_state, scale = _scale_after(profile, scaler, scaler_state, True)
+            next_state, scale, next_scale = _scale_after(profile, scaler, scaler_state, True)
     if overflow:
         return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale if scale > 0 else math.inf,
-                         next_state)
-    return StepFacts(False, sumsq_total, scale, norm, clipped, coef, grad_scale, next_state)
+                         next_state, next_scale)
+    return StepFacts(False, sumsq_total, scale, norm, clipped, coef, grad_scale, next_state, next_scale)
 
 
 def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: float,

@@ -936,24 +936,24 @@ def test_a_loss_scale_rule_that_raises_at_validation_undoes_the_step_and_leaves_
 
 
 class _FlakyScale(_BreakingRule):
-    """A rule whose scale() raises the second time it is asked for the scale of a state after a clean step (its
-    growth tracker at 1): step_facts reads it (a check of the state the next backward scales with), then the
-    step's report did."""
+    """A rule whose scale() raises the first time it is asked for the scale of a state after a clean step (its
+    growth tracker at 1): the step reads it (a check of the state the next backward scales with, which the step's
+    report gives). ``reads`` counts the reads of that state."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = True) -> None:
         super().__init__()
-        self.reads = 0
+        self.reads, self.fail = 0, fail
 
     def scale(self, state) -> float:
         if state.growth_tracker == 1:
             self.reads += 1
-            if self.reads == 2:
+            if self.fail:
                 raise ValueError("scale() failed")
         return self.rule.scale(state)
 
 
-def test_a_loss_scale_rule_whose_scale_fails_as_the_report_reads_it_undoes_the_step():
-    """The step's report reads the rule's scale of the next state (report.next_scale) after the step's facts were
+def test_a_loss_scale_rule_whose_scale_fails_on_the_next_state_undoes_the_step():
+    """The step's report read the rule's scale of the next state (report.next_scale) after the step's facts were
     taken: a scale() raising there escaped validation, the speculative block steps standing and the engine in its
     step. It is the failure of a rule at validation: the step is undone, a LossScaleRuleError raised."""
     model, _ = _models()
@@ -968,6 +968,18 @@ def test_a_loss_scale_rule_whose_scale_fails_as_the_report_reads_it_undoes_the_s
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         assert all(int(opt.state[p]["step"]) == 0 for p in model.parameters())
         assert opt.state_dict()["state"]["scaler_state"]["growth_tracker"] == 0
+
+
+def test_a_step_reads_the_next_loss_scale_once():
+    """step() read the rule's scale of the next state twice (checked as the step's facts took it, then again for
+    the report's next_scale): it is read once, and the report gives that value."""
+    model, _ = _models()
+    rule = _FlakyScale(fail=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100,
+                                       loss_scale=rule) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        report = opt.step()
+        assert rule.reads == 1 and report.next_scale == 1024.0 and type(report.next_scale) is float
 
 
 def test_a_step_a_failing_loss_scale_rule_dropped_spends_its_scaled_backward():

@@ -44,7 +44,7 @@ from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_bool, real_number
-from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError, call_rule
+from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
                          check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq,
@@ -691,11 +691,9 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
     try:
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)
-        if empty:
-            facts = facts._replace(scaler_state=ctx.scaler_state)
-        # (the report's next scale, read here: a rule's scale() failing there escaped, the step's speculative
-        # steps standing)
-        next_scale = call_rule(ctx.scaler, "scale", facts.scaler_state)
+        if empty:  # (the state kept: its scale read here, where a rule's failure undoes the step)
+            facts = facts._replace(scaler_state=ctx.scaler_state,
+                                   next_scale=loss_scale_of(ctx.scaler, ctx.scaler_state))
     except Exception as exc:
         # DeepSpeed's rule at its minimum scale, or the loss-scale rule failed (a LossScaleRuleError: a custom
         # rule's exception): the step is not taken, its speculative steps are undone (they escaped standing)
@@ -751,7 +749,7 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     policy_state = ctx.policy_state if empty else cfg.policy.update(ctx.policy_state,
                                                                     None if facts.overflow else facts.clipped)
     actions = tuple(actions)
-    report = _report(ctx, tally, facts, actions, policy_state, next_scale)
+    report = _report(ctx, tally, facts, actions, policy_state)
     return ValidationPlan(facts, actions, facts.scaler_state, policy_state, report)
 
 
@@ -838,9 +836,8 @@ def _undone_before(tally: BackwardTally, block: int, taken: bool) -> bool:
 
 
 def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, actions: Sequence[BlockAction],
-            policy_state: PolicyState, next_scale: Any = None) -> StepReport:
-    """The step's report (``facts`` ``None``: validation failed, nothing taken; ``next_scale``: the rule's scale of
-    ``facts.scaler_state``, read by :func:`plan_validation`)."""
+            policy_state: PolicyState) -> StepReport:
+    """The step's report (``facts`` ``None``: validation failed, nothing taken)."""
     kinds = [a.kind for a in actions]
     decisions = [d.kind for d in tally.decisions if d is not None]
     if facts is not None:
@@ -870,7 +867,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         clip_coef=1.0 if facts is None else facts.clip_coef,
         grad_norm=math.nan if facts is None else facts.grad_norm,
         scale=scale,
-        next_scale=scale if facts is None else next_scale,
+        next_scale=scale if facts is None else facts.next_scale,
         grad_scale=1.0 if facts is None else facts.grad_scale,
         speculating=ctx.speculating,
         not_speculating_reason=ctx.reason,
