@@ -781,3 +781,29 @@ def test_a_group_member_named_by_a_numpy_integer_is_that_leaf_index():
         ck.torch_param_groups(adamw, params, groups=[[np.int64(2)], [0]])
     with pytest.raises(ck.CheckpointError, match=r"groups: a leaf is named by its index or path"):
         ck.torch_param_groups(adamw, params, groups=[[np.True_], [0]])
+
+
+@pytest.mark.parametrize("key, value, where, why", [
+    ("lr", -0.1, r"\['lr'\]: lr = -0\.1 is invalid; expected lr >= 0", None),
+    ("betas", (1.5, 0.9), r"\['betas'\]\[0\]: beta1 = 1\.5 is invalid; expected 0 <= beta1 < 1", None),
+    ("betas", (0.9, 1.0), r"\['betas'\]\[1\]: beta2 = 1\.0 is invalid; expected 0 <= beta2 < 1", None),
+    ("eps", 0.0, r"\['eps'\]: eps = 0\.0 is invalid; expected eps > 0", None),  # (torch takes eps=0)
+    ("weight_decay", float("nan"), r"\['weight_decay'\]: weight_decay = nan is invalid", None),
+    ("eps", 1e-50, r": eps = 1e-50 is beyond float32's range", "float64 leaves take it"),
+    ("lr", 1e39, r": lr = 1e\+39 is beyond float32's range", "float64 leaves take it")])
+def test_a_saved_hparam_no_step_can_take_is_refused_at_import_naming_its_group_and_key(key, value, where, why):
+    """A saved lr, beta, eps or weight_decay out of its range (eps=0, which torch.optim takes; a beta of 1, a nan
+    weight decay) or beyond float32's where a group's leaves are stepped in float32 was imported without a word and
+    refused only at the first update, naming a params leaf and not the state dict's entry. It is refused at import
+    naming the group, the key, the value and what was expected; nothing is imported. Where only float32 cannot hold
+    it, float64 params take it."""
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0][key] = value
+    saved = copy.deepcopy(sd)
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    assert _equal(sd["state"], saved["state"])
+    if why is not None:
+        wide = tree.tree_map(lambda p: p.double(), params)
+        hp = ck.from_torch_optim(sofx.adamw(), sd, wide)[1]
+        assert getattr(hp, key) == value

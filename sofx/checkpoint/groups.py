@@ -39,7 +39,8 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams
 from sofx.checkpoint.errors import CheckpointError
-from sofx.kernels.base import as_number, is_number
+from sofx.errors import HParamError
+from sofx.kernels.base import as_number, check_hparam_range, is_number
 from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams"]
@@ -80,7 +81,9 @@ def saved_hparams(group: Any, at: str, missing: str,
     a pair: ``error`` with the message ``missing`` and what is wrong. Each is a real number (a Python or numpy one, or a
     tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
     (the group) followed by its key, and its value (a string reached ``float()`` and was parsed; None or a tensor
-    of two elements raised bare errors)."""
+    of two elements raised bare errors), within its range as :meth:`~sofx.Adam.update` checks it (``lr >= 0``,
+    ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite: ``error`` naming the entry, the value and the
+    range; torch.optim takes ``eps=0``, which no step here can)."""
     try:
         b1, b2 = group["betas"]
         raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
@@ -88,10 +91,14 @@ def saved_hparams(group: Any, at: str, missing: str,
     except (KeyError, TypeError, ValueError) as exc:
         raise error(f"{missing} ({type(exc).__name__}: {exc})") from None
     values = []
-    for name, x in raw:
+    for (name, x), field in zip(raw, AdamHParams._fields):
         v = as_number(one_element(x), f"{at}{name}", error)
         if not (is_number(v) and isinstance(v, numbers.Real)):  # (a complex is a number float() refuses)
             raise error(f"{at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
+        try:  # (as update() checks it: refused here, naming the entry, not at the first step, naming a leaf)
+            check_hparam_range(field, v, f"{at}{name}")
+        except HParamError as exc:
+            raise error(str(exc)) from None
         values.append(float(v))
     return AdamHParams(*values)
 

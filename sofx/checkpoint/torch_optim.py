@@ -32,11 +32,11 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
+from sofx.adam import Adam, AdamHParams, AdamState, check_float32_range, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups, saved_hparams
 from sofx.checkpoint.io import template_device
-from sofx.errors import UnsupportedError
+from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.stored_values import refuse_negative
@@ -264,8 +264,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                           f"({[paths[i] for i in g.leaves][:4]}...)")
         _check_group_flags(opt, saved, gi)
         _check_param_names(saved, g, gi, named, paths)
-        group_hp.append(saved_hparams(saved, f"from_torch_optim: param_groups[{gi}]",
-                                      f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay"))
+        group_hp.append(_group_hparams(saved, gi, [leaves[i] for i in g.leaves]))
         for j, (pid, leaf) in enumerate(zip(saved["params"], g.leaves)):
             _check_hashable(pid, f"param_groups[{gi}]['params'][{j}]")
             _list_once(used, pid, gi)
@@ -281,6 +280,21 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
                                       "that no param group lists")
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
     return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _group_hparams(saved: dict, gi: int, members: list[Any]) -> AdamHParams:
+    """Saved ``param_groups[gi]``'s hparams (:func:`~sofx.checkpoint.groups.saved_hparams`: numbers in their
+    ranges), refused where float32 cannot hold them and a leaf of the group (``members``) is stepped in float32
+    (every dtype but float64: :func:`~sofx.adam.check_float32_range`), as ``update`` would refuse them at the
+    first step, naming a leaf and not the entry."""
+    at = f"from_torch_optim: param_groups[{gi}]"
+    hp = saved_hparams(saved, at, f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay")
+    if any(not isinstance(p, torch.Tensor) or p.dtype != torch.float64 for p in members):
+        try:
+            check_float32_range(hp, at)
+        except HParamError as exc:
+            raise CheckpointError(f"{exc} (a leaf of the group is not float64)") from None
+    return hp
 
 
 def _leaves_by_name(params: Any) -> dict[str, int]:
