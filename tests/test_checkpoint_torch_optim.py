@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -807,3 +808,72 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_import_naming_its_group_a
         wide = tree.tree_map(lambda p: p.double(), params)
         hp = ck.from_torch_optim(sofx.adamw(), sd, wide)[1]
         assert getattr(hp, key) == value
+
+
+def _one_cycle(torch_opt):
+    return torch.optim.lr_scheduler.OneCycleLR(torch_opt, max_lr=0.05, total_steps=8, cycle_momentum=True,
+                                               base_momentum=0.8, max_momentum=0.9)
+
+
+@pytest.mark.parametrize("like", ["optimizer", "state_dict"])
+def test_a_torch_scheduler_goes_on_after_an_export_that_keeps_the_torch_groups_other_entries(like):
+    """torch's load_state_dict replaces each param group by the saved one: to_torch_optim's groups held no
+    'initial_lr', 'max_lr', 'min_lr', 'base_momentum', 'max_momentum' (what a torch lr scheduler writes into the
+    groups it drives), so a OneCycleLR over the torch optimizer raised KeyError: 'initial_lr' at its next step.
+    ``like=`` (the torch optimizer, its state_dict() or its param_groups; the one from_torch_optim imported, for a
+    round trip) keeps its groups' entries but the hparams and Adam's options, which are the export's: a torch run
+    with OneCycleLR (its betas cycled too) taken into sofx and back goes on as the uninterrupted run, bit for bit."""
+    opt = sofx.adamw(weight_decay=0.1)
+    ref = _params()
+    ref_opt = torch.optim.AdamW(ck.torch_param_groups(opt, ref), foreach=False)
+    ref_sched = _one_cycle(ref_opt)
+    for step in range(5):
+        _torch_steps(ref_opt, ref, step, step + 1)
+        ref_sched.step()
+    params = _params()
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(opt, params), foreach=False)
+    sched = _one_cycle(torch_opt)
+    for step in range(2):
+        _torch_steps(torch_opt, params, step, step + 1)
+        sched.step()
+    saved, saved_sched = torch_opt.state_dict(), sched.state_dict()
+    state, hparams = ck.from_torch_optim(opt, saved, params)
+    params = _clone(params)
+    back = torch.optim.AdamW(ck.torch_param_groups(opt, params, hparams), foreach=False)
+    back_sched = _one_cycle(back)
+    back_sched.load_state_dict(saved_sched)
+    exported = ck.to_torch_optim(opt, state, hparams, like=back if like == "optimizer" else saved)
+    with pytest.raises(KeyError, match="initial_lr"):  # (without like=: torch's groups lose the scheduler's entries)
+        probe = torch.optim.AdamW(ck.torch_param_groups(opt, _clone(params), hparams))
+        probe_sched = _one_cycle(probe)
+        probe.load_state_dict(ck.to_torch_optim(opt, state, hparams))
+        with warnings.catch_warnings():  # ("lr_scheduler.step() before optimizer.step()")
+            warnings.simplefilter("ignore", UserWarning)
+            probe_sched.step()
+    group = exported["param_groups"][0]
+    assert (group["lr"], group["betas"]) == (hparams.lr, (hparams.beta1, hparams.beta2))
+    assert group["max_lr"] == 0.05 and group["max_momentum"] == 0.9 and group["foreach"] is False
+    back.load_state_dict(exported)
+    for step in range(2, 5):
+        _torch_steps(back, params, step, step + 1)
+        back_sched.step()
+    assert _equal(params, ref)
+    assert back.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+
+
+def test_a_like_whose_groups_do_not_match_the_export_is_refused_naming_them():
+    opt = sofx.adamw()
+    params = _params()
+    state = opt.init(params)
+    two = {"enc": sofx.AdamHParams(lr=3e-2), "dec": sofx.AdamHParams()}
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(opt, params))
+    with pytest.raises(ck.CheckpointMismatchError, match=r"to_torch_optim: like has 1 param groups, the export 2"):
+        ck.to_torch_optim(opt, state, two, like=torch_opt)
+    other = torch.optim.AdamW(ck.torch_param_groups(opt, params, two))
+    other.param_groups[1]["params"] = other.param_groups[1]["params"][:1]
+    with pytest.raises(ck.CheckpointMismatchError, match=r"to_torch_optim: like's param_groups\[1\] has 1 "
+                                                         r"parameters, the export's 2"):
+        ck.to_torch_optim(opt, state, two, like=other)
+    with pytest.raises(ck.CheckpointError, match=r"to_torch_optim: like must be a torch optimizer, its "
+                                                 r"state_dict\(\) or its param_groups, got a str"):
+        ck.to_torch_optim(opt, state, like="AdamW")

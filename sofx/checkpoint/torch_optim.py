@@ -20,11 +20,16 @@ moments on import. Step counts travel as torch's float32 ``step`` tensors
 dtype on ``load_state_dict``. Unsupported on either side: ``amsgrad``,
 ``maximize``, and sofx's ``bias_correction=False`` (torch has no such option).
 The state dict of another torch optimizer that keeps Adam's state keys
-(``NAdam``, ``RAdam``) is refused by its param groups.
+(``NAdam``, ``RAdam``) is refused by its param groups. torch's ``load_state_dict``
+replaces the param groups whole: ``to_torch_optim(..., like=torch_opt)`` keeps
+what a torch lr scheduler wrote into them (``initial_lr``, ``OneCycleLR``'s
+``max_lr``...) and torch's implementation options, or, given the state dict
+``from_torch_optim`` imported, carries them through a round trip.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -79,7 +84,7 @@ def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
 
 
 def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
-                   groups: Sequence[Sequence[Any]] | None = None, params: Any = None) -> dict:
+                   groups: Sequence[Sequence[Any]] | None = None, params: Any = None, like: Any = None) -> dict:
     """A ``torch.optim.Adam``/``AdamW`` ``state_dict()`` holding ``state`` and the hyperparameters.
 
     The parameters are numbered in the leaf order of ``params`` where it is given (as :func:`torch_param_groups`
@@ -91,6 +96,17 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
 
     The state dict's moments are copies of the state's: torch's ``load_state_dict`` keeps a tensor of its
     parameter's dtype and device as it is, and its steps would then write into ``state``.
+
+    torch's ``load_state_dict`` replaces each param group by the saved one whole, and these groups hold only the
+    hparams and Adam's options: what a torch lr scheduler wrote into the torch optimizer's groups (``initial_lr``;
+    ``OneCycleLR``'s ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum``) and its implementation choices
+    (``foreach``, ``fused``, ``capturable``) are gone after it, and such a scheduler's next ``step()`` raises
+    ``KeyError: 'initial_lr'``. ``like``: the torch optimizer the state dict is for (or its ``state_dict()``, or
+    its ``param_groups``; for a round trip, the state dict :func:`from_torch_optim` imported): each group keeps
+    the entries of ``like``'s group of its position but ``params``, the hparams (``lr``, ``betas``, ``eps``,
+    ``weight_decay``: the export's) and the options that change the math (``amsgrad``, ``maximize``,
+    ``decoupled_weight_decay``: the optimizer's); ``like`` with another number of groups, or a group of another
+    size, is refused (:class:`~sofx.checkpoint.CheckpointMismatchError`).
     """
     _check_opt(opt, "to_torch_optim")
     if not isinstance(state, AdamState):
@@ -104,11 +120,12 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     counts = tree.flatten_up_to(spec, state.count, "state.count")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
     resolved = resolve_groups(opt, spec, hparams, groups)
+    kept = _like_entries(like, [len(g.leaves) for g in resolved])
     torch_state: dict[int, dict] = {}
     param_groups = []
     index = 0
-    for g in resolved:
-        param_groups.append(_torch_group(opt, g, index))
+    for gi, g in enumerate(resolved):
+        param_groups.append({**_torch_group(opt, g, index), **kept[gi]})
         for leaf in g.leaves:
             c = _export_count(counts[leaf], f"state.count{paths[leaf][len('params'):]}")
             if c > 0:
@@ -118,6 +135,38 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
                                       "exp_avg_sq": nus[leaf].detach().clone()}
             index += 1
     return {"state": torch_state, "param_groups": param_groups}
+
+
+# A param group's entries that to_torch_optim writes itself, whatever like= holds: the hparams and the options that
+# change the math
+_EXPORTED_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+                            "decoupled_weight_decay"})
+
+
+def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
+    """The entries of ``like``'s param groups (a torch optimizer, its ``state_dict()`` or its ``param_groups``) that
+    the exported groups keep (all but :data:`_EXPORTED_KEYS`; deep copies), one dict per group; ``sizes``: the
+    number of parameters of each exported group, which ``like``'s must match. ``None``: nothing kept."""
+    if like is None:
+        return [{} for _ in sizes]
+    if isinstance(like, torch.optim.Optimizer):
+        found = like.param_groups
+    elif isinstance(like, dict) and "param_groups" in like:
+        found = like["param_groups"]
+    else:
+        found = like
+    if not isinstance(found, (list, tuple)) or not all(isinstance(g, dict) for g in found):
+        raise CheckpointError(f"to_torch_optim: like must be a torch optimizer, its state_dict() or its param_groups, "
+                              f"got a {type(like).__name__}")
+    if len(found) != len(sizes):
+        raise CheckpointMismatchError(f"to_torch_optim: like has {len(found)} param groups, the export {len(sizes)}")
+    for gi, (group, size) in enumerate(zip(found, sizes)):
+        members = group.get("params")
+        if isinstance(members, (list, tuple)) and len(members) != size:
+            raise CheckpointMismatchError(f"to_torch_optim: like's param_groups[{gi}] has {len(members)} parameters, "
+                                          f"the export's {size} (torch's load_state_dict refuses groups of other "
+                                          "sizes)")
+    return [{k: copy.deepcopy(v) for k, v in group.items() if k not in _EXPORTED_KEYS} for group in found]
 
 
 def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
