@@ -602,7 +602,9 @@ def from_torch_grad_scaler(scaler: Any) -> tuple[GradScalerRule, GradScalerState
     A scaler that was never used carries its ``init_scale`` (torch makes its float32 scale tensor at the first
     ``scale()``; the state dict gives the number it will hold). Refused (an :class:`HParamError` saying why):
     a disabled scaler (``enabled=False``, whose state dict is empty: no loss scaling, ``static_scale(1.0)``), a
-    scaler between ``unscale_``/``step`` and ``update()`` (its state dict is not yet the step's), a mapping without
+    scaler between ``unscale_``/``step`` and ``update()`` (its state dict is not yet the step's; not one whose step
+    recorded no inf check, ``scaler.step(opt)`` that the offload optimizer refused, which owes no update and whose
+    ``update()`` torch refuses: its scale is carried over), a mapping without
     GradScaler's entries or with others, and values the rule refuses (a scale beyond float32, a growth tracker at
     or past the interval), each named."""
     kind = type(scaler)
@@ -610,7 +612,7 @@ def from_torch_grad_scaler(scaler: Any) -> tuple[GradScalerRule, GradScalerState
         if not scaler.is_enabled():
             raise HParamError("from_torch_grad_scaler: the GradScaler is disabled (enabled=False), which does no "
                               "loss scaling: use sofx.loss_scale.static_scale(1.0) (loss_scale=None)")
-        if getattr(scaler, "_per_optimizer_states", None):  # (an unscale_ or step of this iteration, no update yet)
+        if _update_owed(scaler):
             raise HParamError("from_torch_grad_scaler: the GradScaler is between unscale_()/step() and update(): "
                               "its scale is not yet the step's; call scaler.update() first")
         saved, where = scaler.state_dict(), "GradScaler.state_dict()"
@@ -639,6 +641,16 @@ def from_torch_grad_scaler(scaler: Any) -> tuple[GradScalerRule, GradScalerState
     except HParamError as exc:
         raise HParamError(f"from_torch_grad_scaler: {where} cannot be carried over: {exc}") from None
     return rule, state
+
+
+def _update_owed(scaler: Any) -> bool:
+    """Whether the GradScaler ``scaler`` is between an ``unscale_()``/``step()`` of this iteration that checked
+    gradients for infs and its ``update()``, which its scale still waits for. One whose steps recorded no inf check
+    (``scaler.step(opt)`` of the offload optimizer, which refuses it before anything is stepped; a step without
+    gradients) owes none: its ``update()`` raises "No inf checks were recorded prior to update", and its scale and
+    growth tracker are still the iteration's."""
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    return any(isinstance(s, Mapping) and s.get("found_inf_per_device") for s in states.values())
 
 
 def to_torch_grad_scaler_state(rule: GradScalerRule, state: Any) -> dict[str, Any]:

@@ -628,6 +628,35 @@ def test_a_grad_scaler_stepping_the_optimizer_is_refused_by_name_and_leaves_it_u
         assert relative_deviation(model, ref) <= TOL
 
 
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_grad_scaler_whose_step_of_the_optimizer_was_refused_carries_over_its_scale(unscale_first):
+    """After ``scaler.step(opt)`` was refused (nothing stepped, no inf check recorded), from_torch_grad_scaler(scaler)
+    said "between unscale_()/step() and update(): call scaler.update() first", and torch's update() then raised
+    "No inf checks were recorded prior to update": no way on. The scaler still holds this step's scale and growth
+    tracker (no update is owed): they are carried over, as from its state_dict(); the refusal of the step names
+    from_torch_grad_scaler. A scaler whose step of a torch optimizer is not yet updated is still refused."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1000.3, growth_factor=1.5, growth_interval=3)
+        scaler.scale(model(torch.randn(4, model.inp.in_features, generator=gen)).square().sum()).backward()
+        if unscale_first:
+            scaler.unscale_(opt)
+        with pytest.raises(sofx.UnsupportedError, match=r"from_torch_grad_scaler\(scaler\)"):
+            scaler.step(opt)
+        opt.zero_grad()
+        rule, state = sofx.loss_scale.from_torch_grad_scaler(scaler)
+        assert (rule, state) == sofx.loss_scale.from_torch_grad_scaler(scaler.state_dict())
+        assert state.scale == scaler.get_scale() and (rule.growth_factor, rule.growth_interval) == (1.5, 3)
+    p = torch.nn.Parameter(torch.ones(2))
+    torch_opt = torch.optim.SGD([p], lr=1.0)
+    scaler.scale(p.sum()).backward()
+    scaler.step(torch_opt)
+    with pytest.raises(sofx.HParamError, match=r"between unscale_\(\)/step\(\) and update\(\): .*call "
+                                               r"scaler\.update\(\) first"):
+        sofx.loss_scale.from_torch_grad_scaler(scaler)
+
+
 def test_the_state_of_a_tensor_that_is_no_parameter_is_a_key_error_naming_it_not_printing_it():
     """``opt.state[q]`` for a tensor that is none of the optimizer's parameters raised ``KeyError(q)``, whose
     text is the whole tensor's repr (torch's defaultdict gives ``{}``); a KeyError still (``q in opt.state`` and

@@ -774,9 +774,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
                                "gradients during backward (never left in .grad for the scaler to unscale and check) "
                                "and scales the loss itself. Call opt.zero_grad() to drop this step's gradients "
                                "(scaled by the GradScaler's scale), then use loss_scale='dynamic' (GradScaler's rule; "
-                               "sofx.loss_scale.grad_scaler(init_scale=...) for its settings) with opt.backward(loss) "
-                               "and opt.step() in place of scaler.scale(loss).backward(), scaler.step(opt) and "
-                               "scaler.update()")
+                               "sofx.loss_scale.grad_scaler(init_scale=...) for its settings; to go on from this "
+                               "scaler's scale, rule, state = sofx.loss_scale.from_torch_grad_scaler(scaler) and "
+                               "loss_scale=rule) with opt.backward(loss) and opt.step() in place of "
+                               "scaler.scale(loss).backward(), scaler.step(opt) and scaler.update()")
 
     @run_eagerly("the speculative optimizer's zero_grad() runs eagerly: dynamo cannot trace the offload engine "
                  "(call it outside a fullgraph=True function, or compile without fullgraph)")
