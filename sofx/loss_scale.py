@@ -336,19 +336,23 @@ class GradScalerRule:
         return GradScalerState(_f32(self.init_scale), 0)  # torch keeps its scale in a float32 tensor
 
     def scale(self, state: GradScalerState) -> float:
-        """The current scale ``S`` (a state counting ``growth_interval`` clean steps or more, or whose scale is
-        beyond float32's largest value, is refused)."""
+        """The current scale ``S`` as torch's GradScaler holds it, in float32 (:func:`_as_float32_scale`: a state
+        whose scale is no float32 value, set by hand or read from a file, scales as torch's loaded with it); a state
+        counting ``growth_interval`` clean steps or more, or whose scale is beyond float32's largest value, is
+        refused."""
         check_state_kind(state, GradScalerState)
         self._check_tracker(state.growth_tracker)
         _check_float32_scale(state.scale)
-        return state.scale
+        return _as_float32_scale(state.scale)
 
     def update(self, state: GradScalerState, overflow: bool) -> GradScalerState:
-        """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps."""
+        """``torch._amp_update_scale_``: back off on overflow, grow after ``growth_interval`` clean steps (from the
+        scale in float32, as :meth:`scale` takes it)."""
         check_state_kind(state, GradScalerState)
         state = plain_state(state)
         self._check_tracker(state.growth_tracker)
         _check_float32_scale(state.scale)
+        state = state._replace(scale=_f32(state.scale))
         if _overflow(overflow):
             return GradScalerState(_f32(state.scale * self.backoff_factor), 0)
         successful = state.growth_tracker + 1
@@ -367,6 +371,20 @@ class GradScalerRule:
             raise HParamError(f"scaler_state['growth_tracker'] = {count} is invalid for growth_interval = "
                               f"{self.growth_interval}; expected 0 <= growth_tracker < {self.growth_interval} (a "
                               "state saved with a longer growth_interval: set its growth_tracker below this one's)")
+
+
+def _as_float32_scale(scale: Any) -> Any:
+    """A GradScaler state's scale rounded to float32, as torch's ``GradScaler.load_state_dict`` fills its float32
+    scale tensor with it: a number as a float (:func:`_f32`), a tensor wider than float32 rounded in its own dtype
+    (a traced one too), a float32 (or narrower) tensor or anything else as it is (the callers check it)."""
+    if isinstance(scale, numbers.Real) and not is_bool(scale):
+        try:
+            return _f32(float(scale))
+        except OverflowError:  # (an int no float holds: the callers' refusal)
+            return scale
+    if isinstance(scale, torch.Tensor) and scale.is_floating_point() and scale.dtype.itemsize > 4:
+        return scale.to(torch.float32).to(scale.dtype)
+    return scale
 
 
 def _check_float32_scale(scale: Any) -> None:
@@ -671,7 +689,7 @@ def to_torch_grad_scaler_state(rule: GradScalerRule, state: Any) -> dict[str, An
     check_state_kind(state, GradScalerState)
     state = plain_state(state)
     rule.scale(state)  # (checked: the tracker below the interval, the scale a float32's)
-    return {"scale": state.scale, "growth_factor": rule.growth_factor, "backoff_factor": rule.backoff_factor,
+    return {"scale": _f32(state.scale), "growth_factor": rule.growth_factor, "backoff_factor": rule.backoff_factor,
             "growth_interval": rule.growth_interval, "_growth_tracker": state.growth_tracker}
 
 

@@ -714,3 +714,22 @@ def test_loops_given_no_loss_scale_rule_say_what_to_give(scaler, pattern):
         with pytest.raises(HParamError, match=pattern):
             call()
     assert loop.params["w"].eq(1).all() and int(loop.opt_state.count["w"]) == 0
+
+
+@pytest.mark.parametrize("scale", [1000.1, 0.1, 3.0000001])
+def test_a_hand_set_scale_that_is_no_float32_value_scales_and_steps_as_torchs_loaded_one(scale: float):
+    """A GradScalerState whose scale is no float32 value (set by hand, read from a file) was kept as the double:
+    the rule scaled the loss by 1000.1 where torch's GradScaler, loading that state, fills its float32 scale tensor
+    with it and scales by float32(1000.1), and grew from the double (one ulp off torch's grown scale). The rule
+    takes the scale as torch holds it, float32: the scales, trackers and skipped steps equal the loaded GradScaler's
+    bit for bit; to_torch_grad_scaler_state gives the float32 value."""
+    overflows = [False, False, True, False, False, False]
+    rule = ls.grad_scaler(growth_factor=1.5, backoff_factor=0.3, growth_interval=2)
+    state = ls.GradScalerState(scale, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict({"scale": scale, "growth_factor": 1.5, "backoff_factor": 0.3, "growth_interval": 2,
+                            "_growth_tracker": 1})
+    f32 = torch.tensor(scale, dtype=torch.float32).item()
+    assert f32 != scale and rule.scale(state) == f32
+    assert ls.to_torch_grad_scaler_state(rule, state)["scale"] == f32
+    assert _rule_steps(rule, state, overflows)[0] == _torch_steps(scaler, overflows)
