@@ -491,6 +491,39 @@ def test_the_state_mappings_methods_that_torch_users_call_reset_as_torch_does():
         assert relative_deviation(model, ref) <= TOL
 
 
+def test_the_whole_state_assigned_as_torch_optim_assigns_it_is_taken_and_bad_entries_change_nothing():
+    """``opt.state = defaultdict(dict, {p: saved})`` (torch.optim: the state replaced, ``p`` with its saved entry,
+    every other parameter afresh) was refused as "can only be reset" for any mapping but an empty one. It is taken as
+    torch takes it, bit for bit side by side (a plain dict too: a parameter it leaves out starts afresh, as under
+    torch's defaultdict), every entry checked before anything is written: a bad entry, or a key that is none of the
+    optimizer's parameters, changes nothing."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        params, refs = list(model.parameters()), list(ref.parameters())
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        saved, rsaved = copy.deepcopy(opt.state[params[1]]), copy.deepcopy(ropt.state[refs[1]])
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        before = [{k: v.clone() for k, v in opt.state[q].items()} for q in params]
+        wrong = {**copy.deepcopy(opt.state[params[2]]), "step": -1}
+        for bad, match in (({params[1]: saved, params[2]: wrong}, r"parameter 2 must be a whole number"),
+                           ({params[1]: saved, torch.zeros(2): {}}, r"not one of this optimizer's parameters"),
+                           ({params[1]: 5}, r"expected a mapping")):
+            with pytest.raises(sofx.UnsupportedError, match=match):
+                opt.state = bad
+            assert all(torch.equal(v, b[k]) for q, b in zip(params, before) for k, v in opt.state[q].items())
+        opt.state = {params[1]: saved}
+        ropt.state = collections.defaultdict(dict, {refs[1]: rsaved})
+        assert int(opt.state[params[1]]["step"]) == 2 and int(opt.state[params[0]]["step"]) == 0
+        assert all(torch.equal(opt.state[q]["master"], q.detach()) for q in params)
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert all(torch.equal(a, b) for a, b in zip(params, refs))
+        assert [int(opt.state[q]["step"]) for q in params] == [int(ropt.state[r].get("step", 0)) for r in refs]
+
+
 def test_a_parameters_state_cleared_starts_it_afresh_as_torch_optims():
     """``opt.state[p].clear()`` (torch.optim: ``p``'s entry empty, its next step starts it afresh) was refused as a
     removal of a key, naming only the reset of every parameter; it starts ``p`` afresh (step 0, zero moments, its
@@ -1215,8 +1248,9 @@ def test_resetting_the_optimizer_state_as_torch_users_do(executor):
         for key, bad in (("step", 2.5), ("step", -1), ("exp_avg", torch.zeros(3)), ("nu", torch.zeros(1))):
             with pytest.raises(sofx.UnsupportedError):
                 opt.state[p][key] = bad
-        with pytest.raises(sofx.UnsupportedError, match="can only be reset"):
-            opt.state = {p: {}}
+        with pytest.raises(sofx.UnsupportedError, match=r"opt\.state = \{\.\.\.\} \(parameter 0\): 'exp_avg_sq' "
+                                                        r"missing"):
+            opt.state = {p: {"step": 3, "exp_avg": torch.zeros_like(p)}}
         assert all(torch.equal(v, before[k]) for k, v in opt.state[p].items())
         opt.backward(mlp_loss(model, mlp_batch(gen)))
         with pytest.raises(SofxError, match="between backward and step"):

@@ -623,7 +623,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """``opt.state[p]``: the parameter's ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master`` (live views;
         assigning a key writes it; ``opt.state[p] = {...}`` sets them as torch.optim's entry, ``{}`` or
         ``del opt.state[p]`` afresh). ``opt.state = collections.defaultdict(dict)`` (or any empty mapping, or
-        ``opt.state.clear()``) resets every parameter's moments and step count, as it does for ``torch.optim``."""
+        ``opt.state.clear()``) resets every parameter's moments and step count, as it does for ``torch.optim``;
+        ``opt.state = {p: {...}, ...}`` (a ``defaultdict(dict, ...)`` or a dict) replaces the state as torch's:
+        each parameter it holds takes its entry (as ``opt.state[p] = {...}``), every other one starts afresh,
+        every entry checked before anything is written (a key that is none of the parameters refused)."""
         view = self.__dict__.get("_state_view")
         return view if view is not None else self.__dict__["_torch_state"]
 
@@ -637,9 +640,15 @@ class _SpeculativeBase(torch.optim.Optimizer):
         if isinstance(value, Mapping) and len(value) == 0:
             self.engine.reset_state()
             return
-        raise UnsupportedError("opt.state of a speculative optimizer can only be reset (assign an empty "
-                               "mapping, e.g. collections.defaultdict(dict)); change a parameter's state with "
-                               "opt.state[p][key] = value, or load a state dict")
+        if isinstance(value, Mapping):  # torch.optim's state replaced: the parameters it leaves out start afresh
+            what = "opt.state = {...}"
+            given = {self._state_view._member(p, what): entry for p, entry in value.items()}
+            self.engine.set_params_states([(i, given.get(i, {})) for i in range(len(self.engine.params))], what)
+            return
+        raise UnsupportedError(f"opt.state must be a mapping of parameters to their states, as torch.optim's (an "
+                               f"empty one, e.g. collections.defaultdict(dict), resets every parameter), got a "
+                               f"{type(value).__name__}; change a parameter's state with opt.state[p][key] = value, or "
+                               "load a state dict")
 
     def _hparams(self) -> list[AdamHParams]:
         return self._checked_hparams(self.engine.adam)
