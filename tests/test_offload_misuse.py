@@ -610,6 +610,44 @@ def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
         assert int(opt.state[p]["step"]) == int(ropt.state[rp]["step"]) == 4
 
 
+def test_a_copy_of_a_parameters_state_holds_torchs_float32_step_and_a_foreach_torch_optimizer_takes_it():
+    """``copy.deepcopy(opt.state[p])``, ``opt.state.pop(p)`` and a pickled ``opt.state`` (torch.optim's keys, as a
+    torch user carries a parameter's state over) held the engine's int64 step, where torch.optim.AdamW keeps a
+    float32 0-d tensor: a torch AdamW given it stepped on its for-loop path but its foreach path (CUDA's default)
+    and its fused one raised "Tensors of the same index must be on the same device and the same dtype except `step`
+    tensors that can be CPU and float32/64". The copies hold torch's float32 step; a foreach torch AdamW given them
+    goes on as the offload optimizer, and they come back (``opt.state[p] = copy``). ``opt.state[p]["step"]`` itself
+    stays a live view of the engine's int64 count (zeroing it resets the count)."""
+    model, ref = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=100) as opt:
+        for _ in range(2):
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+            opt.step()
+        params, refs = list(model.parameters()), list(ref.parameters())
+        buffer = io.BytesIO()
+        torch.save(opt.state, buffer)
+        buffer.seek(0)
+        pickled = list(torch.load(buffer, weights_only=False).values())
+        copies = [copy.deepcopy(opt.state[p]) for p in params]
+        counts = [int(opt.state[p]["step"]) for p in params]
+        assert all(c["step"].dtype == torch.float32 and c["step"].dim() == 0 for c in copies + pickled)
+        assert [float(c["step"]) for c in copies] == [float(c["step"]) for c in pickled] == counts and 2 in counts
+        assert opt.state[params[0]]["step"].dtype == torch.int64
+        ref.load_state_dict(model.state_dict())
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+        for r, c in zip(refs, copies):
+            ropt.state[r] = c
+        popped = opt.state.pop(params[0])
+        assert popped["step"].dtype == torch.float32 and int(opt.state[params[0]]["step"]) == 0
+        opt.state[params[0]] = popped
+        for _ in range(2):
+            mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        assert relative_deviation(model, ref) <= TOL
+        assert [int(opt.state[p]["step"]) for p in params] == [int(ropt.state[r]["step"]) for r in refs] \
+            == [c + 2 if c else 0 for c in counts]
+
+
 def test_the_state_saved_with_torch_save_is_copies_as_torch_optims():
     """``torch.save(opt.state)`` and ``torch.save(opt.state[p])`` (torch.optim's are dicts, saved as they are)
     pickled the engine behind the views and failed with a bare "AttributeError: Can't pickle local object

@@ -419,9 +419,13 @@ def _state_copy(engine: OffloadEngine, index: int) -> dict[str, torch.Tensor]:
     """Copies of parameter ``index``'s ``step``, ``exp_avg`` and ``exp_avg_sq``: the state torch.optim keeps
     (``opt.state[p] = copy`` takes it back, as torch's rolls back its moments and count and leaves the parameter as
     it is). Not its ``master``, the parameter's own value in float32, which put back would move the parameter too
-    (``opt.state[p]["master"]`` reads it)."""
+    (``opt.state[p]["master"]`` reads it). The ``step`` is torch.optim's, a float32 0-d tensor (the engine's count
+    is int64, which torch's foreach and fused steps refuse beside float32 moments), float64 beyond ``2**24``, where
+    float32 no longer holds every count (torch takes both)."""
     state = engine.param_state(index)
-    return {key: state[key].clone() for key in PARAM_STATE_KEYS[:3]}
+    out = {key: state[key].clone() for key in PARAM_STATE_KEYS[1:3]}
+    step = state["step"]
+    return {"step": step.to(torch.float32 if int(step) <= 2 ** 24 else torch.float64), **out}
 
 
 class _ParamStateView(MutableMapping):
