@@ -424,6 +424,33 @@ def test_a_saved_parameter_of_another_shape_with_as_many_elements_is_refused_nam
         assert_trees_bitwise(opt.state_dict()["state"], before["state"])
 
 
+@pytest.mark.parametrize("block_numel", [2 ** 22, 8])
+def test_a_saved_parameter_of_another_size_is_refused_naming_it_and_both_shapes(block_numel):
+    """torch.optim's load_state_dict matches the parameters by position and refuses groups of other sizes; the
+    offload optimizer's does too, but a parameter of another size (a state saved for another model, groups of the
+    same sizes) was refused as "the saved blocks do not match this optimizer's blocks (block_numel, parameter sizes
+    or param groups differ)" with every block's sizes, naming no parameter. It names the first parameter that
+    differs (its number, its group and its place there) and both shapes; nothing changes."""
+    torch.manual_seed(0)
+    saved_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3))
+    kwargs = dict(lr=1e-2, executor="inline", block_numel=block_numel)
+
+    def groups(m):
+        return [{"params": list(m[0].parameters())}, {"params": list(m[1].parameters())}]
+
+    with sofx.offload.SpeculativeAdamW(groups(saved_model), **kwargs) as opt:
+        opt.backward(saved_model(torch.randn(4, 4)).square().mean())
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+    with sofx.offload.SpeculativeAdamW(groups(model), **kwargs) as opt:
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(sofx.StructureError, match=r"^state_dict\['state'\]\['layouts'\]: parameter 2 "
+                                                      r"\(param_groups\[1\]\['params'\]\[0\]\) has shape \(2, 3\) in "
+                                                      r"the state, \(3, 3\) here"):
+            opt.load_state_dict(saved)
+        assert_trees_bitwise(opt.state_dict()["state"], before["state"])
+
 def test_a_state_saved_with_another_block_numel_is_refused_saying_so_and_carries_over_per_parameter():
     """A run resumed with another ``block_numel`` (a performance setting) was refused with "the saved blocks do not
     match this optimizer's blocks (block_numel, parameter sizes or param groups differ)", without saying which:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -318,11 +319,31 @@ def _check_layouts(engine: "OffloadEngine", saved: Any, where: str) -> None:
                                  "differs from the saved run's; make it with the saved run's block_numel, or load "
                                  "the state into such an optimizer and carry it over per parameter, with the model's "
                                  "weights: opt.state[p][key] = value for 'step', 'exp_avg', 'exp_avg_sq'")
+        _refuse_other_size(layouts, engine.layouts, where)
         raise StructureError(f"{where}: the saved blocks do not match this optimizer's blocks (block_numel, "
                              f"parameter sizes or param groups differ): saved {[list(b.numels) for b in layouts]}, "
                              f"here {[list(b.numels) for b in engine.layouts]}")
     for b, (was, here) in enumerate(zip(layouts, engine.layouts)):
         _check_shapes(was, here, f"{where}[{b}]")
+
+
+def _refuse_other_size(saved: Sequence[BlockLayout], here: Sequence[BlockLayout], where: str) -> None:
+    """Where the saved layouts hold as many parameters as ``here``, each group as many (the facade checks the groups'
+    sizes first, as torch.optim's ``load_state_dict``) and in the same groups, but one of another size: a
+    :class:`StructureError` naming the first such parameter (its number, as torch.optim numbers parameters across
+    the groups, its group and place there) and both shapes. torch.optim matches the parameters by position too."""
+    def params(layouts: Sequence[BlockLayout]) -> list[tuple[int, int, tuple[int, ...]]]:
+        return sorted((i, b.group, tuple(shape)) for b in layouts for i, shape in zip(b.param_indices, b.shapes))
+
+    was, now = params(saved), params(here)
+    if [(i, g) for i, g, _ in was] != [(i, g) for i, g, _ in now]:
+        return
+    for (_, _, old), (i, g, shape) in zip(was, now):
+        if math.prod(old) != math.prod(shape):
+            place = sum(1 for j, h, _ in now if h == g and j < i)
+            raise StructureError(f"{where}: parameter {i} (param_groups[{g}]['params'][{place}]) has shape {old} in "
+                                 f"the state, {shape} here (a state saved for another model: the parameters are "
+                                 "matched by position, as torch.optim matches them)")
 
 
 def _per_parameter(layouts: Sequence[BlockLayout]) -> list[tuple[int, int]]:
