@@ -83,6 +83,7 @@ __all__ = [
     "check_state",
     "check_state_kind",
     "plain_state",
+    "inverse_scale",
     "FLOAT32_MAX",
 ]
 
@@ -589,6 +590,14 @@ def _f32(x: float) -> float:
     if not math.isfinite(x) or abs(x) >= _F32_OVERFLOW:
         return math.copysign(math.inf, x) if not math.isnan(x) else x
     return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def inverse_scale(scale: float) -> float:
+    """``1/S`` as ``torch.amp.GradScaler`` unscales the gradients with it: its ``inv_scale`` is a float32 tensor,
+    ``_scale.double().reciprocal().float()`` (``1/S`` in double rounded once to float32), and float64 gradients
+    are multiplied by that float32 value too. For every other dtype the kernels round the multiplier to float32
+    anyway: the same bits as the double ``1/S``; float64 ones differed where ``S`` is no power of two."""
+    return _f32(1.0 / scale) if scale != 0 else math.inf
 
 
 def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,

@@ -14,8 +14,9 @@ Profiles (SPECULATION.md section 4), with ``s = sum of squares of the raw
     overflow = ``s`` not finite; unscale with the scale of this backward,
     ``S = scale(state)``; then ``state <- update(state, overflow)`` (the new
     scale applies from the next step). ``norm = sqrt(s)/S``,
-    ``coef = c/(norm + 1e-6)`` if ``< 1`` else 1; multiplier ``coef / S``
-    (``1/S`` exactly when not clipped).
+    ``coef = c/(norm + 1e-6)`` if ``< 1`` else 1; multiplier ``coef * inv``
+    (``inv`` exactly when not clipped), ``inv = float32(1/S)``: GradScaler's
+    ``inv_scale``, a float32 tensor, by which it unscales float64 gradients too.
 
 ``"deepspeed"`` -- ZeRO-3's ``step()``: ``state <- update(state, overflow)``
     first, then unscale with the *new* scale ``S = scale(state)`` (on the step
@@ -71,7 +72,7 @@ from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import integer, is_bool, real_number
 from sofx.loss_scale import (FLOAT32_MAX, LossScaler, LossScaleRuleError, LossScaleState, call_rule, check_scaler,
-                             check_state_kind)
+                             check_state_kind, inverse_scale)
 from sofx.required import REQUIRED
 from sofx.transforms import (MISSING_GRAD_MODES, _sumsq, clip_coefficient, max_norm_value, total_sumsq,
                              zero_clip_factor)
@@ -478,12 +479,12 @@ def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: f
                          max_norm: float | None) -> tuple[bool, float, float]:
     """Whether the step is clipped, the clip coefficient applied to the unscaled gradients (1.0: not clipped)
     and the one multiplier of the raw gradients, in the profile's form: ``"torch"``
-    ``coef = clip_coefficient(norm, max_norm)``, multiplier ``(1/S) * coef`` (``1/S`` exactly when not
-    clipped); ``"deepspeed"`` ``clip = zero_clip_factor(...)``, coefficient ``1/clip``, multiplier
-    ``1/(clip*S)``."""
+    ``coef = clip_coefficient(norm, max_norm)``, multiplier ``inv * coef`` (``inv`` exactly when not clipped),
+    ``inv = float32(1/S)``, GradScaler's (:func:`~sofx.loss_scale.inverse_scale`); ``"deepspeed"``
+    ``clip = zero_clip_factor(...)``, coefficient ``1/clip``, multiplier ``1/(clip*S)``."""
     if profile == "torch":
         coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
-        return coef != 1.0, coef, 1.0 / scale if coef == 1.0 else (1.0 / scale) * coef
+        return coef != 1.0, coef, inverse_scale(scale) if coef == 1.0 else inverse_scale(scale) * coef
     clip = 1.0 if max_norm is None else zero_clip_factor(scaled_norm, scale, max_norm)
     return clip > 1.0, 1.0 / clip, 1.0 / (clip * scale)
 

@@ -46,7 +46,8 @@ checks the block's eligibility (its undo strategy, see
 :meth:`sofx.Adam.undo_strategies`, and the snapshot budget) -- the
 eligibility argument may be a callable, evaluated only when needed -- and
 returns a :class:`BlockDecision`. The speculative step is ``opt.update`` on
-that one block with ``grad_scale = 1/S_assumed`` and the context's hparams.
+that one block with ``grad_scale = 1/S_assumed`` (GradScaler's ``float32(1/S)`` under ``"torch"``) and the
+context's hparams.
 With a ``snapshot_budget_bytes``, ``held`` counts the snapshot bytes the
 speculative steps hold: ``undo="auto"`` may find in the step itself that a
 block needs a snapshot (its gradient dominates its moments), and a step that

@@ -56,6 +56,7 @@ from sofx.errors import HParamError, LeafError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import integer, is_bool, nonnegative_number, positive_number, real_number
+from sofx.loss_scale import inverse_scale
 
 __all__ = [
     "CLIP_EPS",
@@ -492,16 +493,19 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
 
 
 def unscale() -> GradientTransformation:
-    """``g <- g * (1/S)`` with ``S = extra['loss_scale']`` (``GradScaler.unscale_``); a scale whose ``1/S`` is beyond
-    float32's range (every gradient inf) is refused, where the serial loop counts it an overflow."""
+    """``g <- g * float32(1/S)`` with ``S = extra['loss_scale']`` (``GradScaler.unscale_``, whose ``inv_scale`` is a
+    float32 tensor: float64 gradients are multiplied by the float32 value too,
+    :func:`~sofx.loss_scale.inverse_scale`); a scale whose ``1/S`` is beyond float32's range (every gradient inf)
+    is refused, where the serial loop counts it an overflow."""
 
     def update(grads: Any, state: EmptyState, params: Any = None, **extra: Any) -> tuple[Any, EmptyState]:
         s = _loss_scale(extra, "unscale")
         _gradient_leaves(grads, "unscale")
         _check_device("unscale", "loss_scale", s, grads)
-        if isinstance(s, torch.Tensor):  # as the float path: 1/S in float64, applied as _scale_by_tensor does
-            return _scale_by_tensor(grads, torch.reciprocal(s.double())), state
-        return (grads if s == 1.0 else tree.tree_map(lambda g: g * (1.0 / s), grads)), state
+        if isinstance(s, torch.Tensor):  # as the float path: 1/S in float64 rounded to float32 (GradScaler's)
+            return _scale_by_tensor(grads, torch.reciprocal(s.double()).float()), state
+        inv = inverse_scale(s)
+        return (grads if s == 1.0 else tree.tree_map(lambda g: g * inv, grads)), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 

@@ -612,3 +612,44 @@ def test_a_nested_tree_of_mixed_leaves_in_label_groups_steps_as_torch_groups_ser
                 _close(mu, tstate["exp_avg"], f"step {step} mu of {path}")
                 _close(nu, tstate["exp_avg_sq"], f"step {step} nu of {path}")
     assert min(seen.values()) >= 1 and seen["clip"] < 24 - seen["overflow"], seen
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_float64_gradients_are_unscaled_by_grad_scalers_float32_inverse_as_torch(decoupled: bool):
+    """torch's GradScaler unscales with ``inv_scale``, a float32 tensor (``float32(1/S)``), float64 gradients too;
+    sofx multiplied float64 gradients by the double ``1/S``: with a scale that is no power of two (an init_scale of
+    3, a growth factor of 1.5) a float64 run drifted from torch's (1e-9 after a few steps). Unclipped, the serial
+    loop, the speculative loop (committing its speculative steps) and ``transforms.unscale`` equal torch.optim +
+    GradScaler on float64 parameters bit for bit, and the float32 leaf beside them stays bitwise too."""
+    gen = torch.Generator().manual_seed(3)
+    init = {"w": torch.randn(7, 5, generator=gen, dtype=torch.float64), "b": torch.randn(5, generator=gen)}
+    scaling = dict(init_scale=3.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=2)
+    tparams = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    topt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(tparams.values(), lr=1e-2, weight_decay=0.1,
+                                                                  foreach=False)
+    tscaler = torch.amp.GradScaler("cpu", **scaling)
+    opt, rule = (sofx.adamw if decoupled else sofx.adam)(lr=1e-2, weight_decay=0.1), loss_scale.grad_scaler(**scaling)
+    ser = spec_loop = sofx.serial.init_loop(opt, init, rule)
+    unscale = sofx.transforms.unscale()
+    scales = set()
+    for step in range(6):
+        S = rule.scale(ser.scaler_state)
+        scales.add(S)
+        grads = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) * S for k, v in init.items()}
+        for k, p in tparams.items():
+            p.grad = grads[k].clone()
+        tscaler.scale(torch.ones(()))
+        assert tscaler.get_scale() == S
+        tscaler.unscale_(topt)
+        unscaled, _ = unscale.update(grads, unscale.init(init), loss_scale=S)
+        assert all(torch.equal(unscaled[k], p.grad) for k, p in tparams.items())
+        tscaler.step(topt)
+        tscaler.update()
+        ser, facts = sofx.serial.serial_loop_step(opt, ser, grads, scaler=rule)
+        spec_loop, report = sofx.speculate.speculative_loop_step(opt, spec_loop, grads, scaler=rule,
+                                                                 config=sofx.speculate.SpeculationConfig())
+        assert not facts.clipped and report.undone == 0 and report.committed == 2, report
+        for k, p in tparams.items():
+            assert torch.equal(ser.params[k], p.detach()), (step, k)
+            assert torch.equal(spec_loop.params[k], p.detach()), (step, k)
+    assert len(scales) >= 3 and all(math.frexp(s)[0] != 0.5 for s in scales)

@@ -67,7 +67,8 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
                            decision: BlockDecision, *, donate: bool = False, grads_finite: bool | None = None,
                            param_copies: Any = None, held_bytes: int = 0) -> tuple[torch.Tensor, AdamState, UndoRecord]:
-    """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed``.
+    """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed`` (the
+    context's multiplier: GradScaler's ``float32(1/S)`` under ``"torch"``).
 
     Returns ``(param, state, record)``; keep ``record`` (and do not modify
     ``grad`` in place) until validation has applied this block's action.

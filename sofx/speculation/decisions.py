@@ -44,7 +44,7 @@ from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_bool, real_number
-from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError
+from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError, inverse_scale
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
                          check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq,
@@ -143,7 +143,8 @@ class StepContext:
     ``hparams[i]``: block ``i``'s complete hparams for speculative steps.
     ``backward_scale``: the loss scale of this backward. ``assumed_scale``: the
     scale speculative steps unscale with; ``grad_scale = 1/assumed_scale`` is
-    their Adam multiplier (inf for a scale of 0, which never speculates).
+    their Adam multiplier, as validation's for an unclipped step (under ``"torch"`` GradScaler's ``float32(1/S)``,
+    :func:`~sofx.loss_scale.inverse_scale`; inf for a scale of 0, which never speculates).
     ``veto_sumsq = (max_norm * assumed_scale)**2`` (inf without clipping).
     ``speculating``/``reason``: whether this step may speculate, and why not.
     ``float64[i]``: block ``i`` is stepped in float64, so its hparams are not held to float32's range (here and
@@ -363,7 +364,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         speculating, kind, reason = True, "speculate", ""
     context_id = _new_context_id()
     ctx = StepContext(n_blocks, config, scaler, scaler_state, policy_state, opt.defaults, hps, s_back, assumed,
-                      1.0 / assumed if assumed > 0 else math.inf, veto, speculating, kind, reason, wide, context_id)
+                      _assumed_multiplier(config.profile, assumed), veto, speculating, kind, reason, wide, context_id)
     tally = BackwardTally(0.0, False, "", (None,) * n_blocks, (None,) * n_blocks, frozenset(), 0, frozenset(),
                           context_id)
     return ctx, tally
@@ -627,6 +628,15 @@ def _same_number(a: Any, b: Any) -> bool:
 
 def _same_hparams(a: AdamHParams, b: AdamHParams) -> bool:
     return all(_same_number(x, y) for x, y in zip(a, b))
+
+
+def _assumed_multiplier(profile: str, assumed: float) -> float:
+    """The gradient multiplier of a speculative step, the one validation gives an unclipped step of the assumed
+    scale (:func:`sofx.serial.step_facts`): GradScaler's ``float32(1/S)`` under ``"torch"``
+    (:func:`~sofx.loss_scale.inverse_scale`), ``1/S`` under ``"deepspeed"``; inf for a scale of 0."""
+    if not assumed > 0:
+        return math.inf
+    return inverse_scale(assumed) if profile == "torch" else 1.0 / assumed
 
 
 def _changes(d: BlockDecision, late: bool, grad_scale: float, hp: AdamHParams, facts: StepFacts,
