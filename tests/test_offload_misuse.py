@@ -581,6 +581,33 @@ def test_the_states_updated_with_a_bad_entry_change_no_parameter():
         assert bool((opt.state[q]["exp_avg"] == 1).all())
 
 
+def test_states_given_as_other_parameters_live_views_are_read_before_any_is_written():
+    """``opt.state.update({p: opt.state[q], q: {}})`` and a swap of two parameters' moments read the live views of
+    an entry after an earlier entry of the same call had written them (p took q's state already reset; a swap wrote
+    one moment over the other and then copied it back), and an entry that is another parameter's ``opt.state[q]``
+    moved p's weights to q's (its ``master``), where torch.optim's ``opt.state[p] = opt.state[q]`` leaves the
+    parameter alone. Every value is read before any is written; another parameter's entry gives its torch keys."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        batch = mlp_batch(gen)
+        opt.zero_grad()
+        opt.backward(mlp_loss(model, batch))
+        opt.step()
+        q, p = model.inp.bias, model.mid.bias  # (q is parameter 1, p parameter 3)
+        assert q.shape == p.shape
+        q_state = {k: v.clone() for k, v in opt.state[q].items()}
+        p_weight = p.detach().clone()
+        opt.state.update({q: {}, p: opt.state[q]})
+        assert torch.equal(opt.state[p]["exp_avg"], q_state["exp_avg"]) and int(opt.state[p]["step"]) == 1
+        assert torch.equal(opt.state[p]["exp_avg_sq"], q_state["exp_avg_sq"]) and int(opt.state[q]["step"]) == 0
+        assert torch.equal(p, p_weight) and torch.equal(opt.state[p]["master"], p_weight)
+        m, v = opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()
+        view = opt.state[p]
+        opt.state[p] = {"step": 1, "exp_avg": view["exp_avg_sq"], "exp_avg_sq": view["exp_avg"].abs()}
+        assert torch.equal(opt.state[p]["exp_avg"], v) and torch.equal(opt.state[p]["exp_avg_sq"], m.abs())
+
+
 def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
     """``copy.deepcopy(opt.state[p])`` (a snapshot of a parameter's state, to roll back to) and
     ``copy.deepcopy(opt.state)`` deep-copied the engine behind the view, its worker's locks too, and failed with a

@@ -1742,10 +1742,22 @@ class OffloadEngine:
             self._check_state_change(f"changing the optimizer state ({what})")
             checked = [(index, self._checked_param_states(index, values, f"{what} (parameter {index})", partial))
                        for index, values in entries]
+            checked = self._read_before_written(checked)
             for index, values in checked:
                 for key in PARAM_STATE_KEYS:
                     if key in values:
                         self._set_param_state(index, key, values[key])
+
+    def _read_before_written(self, checked: list[tuple[int, Mapping[Any, Any]]]) -> list[tuple[int, dict]]:
+        """The values of :meth:`set_params_states`' entries, copied where they are views of the optimizer's own
+        state (another parameter's, or another key's of the same one: ``opt.state.update({q: {}, p: {"exp_avg":
+        opt.state[q]["exp_avg"], ...}})``, a swap of two moments), so that no write changes a value still to be
+        written: p took q's state already reset, a swap copied one moment over the other and back."""
+        ours = {t.untyped_storage().data_ptr() for bt in self.tensors.values()
+                for t in (bt.master, bt.exp_avg, bt.exp_avg_sq, bt.counts)}
+        return [(index, {key: value.clone() if isinstance(value, torch.Tensor)
+                         and value.untyped_storage().data_ptr() in ours else value for key, value in values.items()})
+                for index, values in checked]
 
     def _checked_param_states(self, index: int, values: Mapping[Any, Any], where: str,
                               partial: bool) -> Mapping[Any, Any]:

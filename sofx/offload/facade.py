@@ -428,6 +428,16 @@ def _state_copy(engine: OffloadEngine, index: int) -> dict[str, torch.Tensor]:
     return {"step": step.to(torch.float32 if int(step) <= 2 ** 24 else torch.float64), **out}
 
 
+def _entry(value: Any) -> Any:
+    """A value assigned as a parameter's whole state: another parameter's ``opt.state[q]`` (a live view, read
+    inside the engine's call it raised "called while another thread is in step()") as its torch.optim keys
+    (``step``, ``exp_avg``, ``exp_avg_sq``; not its ``master``, which would move this parameter to q's weights, where
+    torch.optim's ``opt.state[p] = opt.state[q]`` leaves the parameter alone); anything else as it is."""
+    if isinstance(value, _ParamState):
+        return {key: value[key] for key in PARAM_STATE_KEYS[:3]}
+    return value
+
+
 class _ParamStateView(MutableMapping):
     """``opt.state``: torch.optim-style per-parameter state (live views of the engine's blocks), an entry for every
     parameter. ``clear()`` starts every parameter afresh (as ``opt.state = {}``), ``pop(p)`` gives a copy of ``p``'s
@@ -454,7 +464,7 @@ class _ParamStateView(MutableMapping):
     def __setitem__(self, p: Any, value: Any) -> None:
         """``opt.state[p] = {...}``: the parameter's whole state, as torch.optim's (``{}``: afresh), checked whole
         before anything is written (:meth:`~sofx.offload.engine.OffloadEngine.set_param_states`)."""
-        self._engine.set_param_states(self._member(p, "opt.state[p] = ..."), value)
+        self._engine.set_param_states(self._member(p, "opt.state[p] = ..."), _entry(value))
 
     def __delitem__(self, p: Any) -> None:
         """``del opt.state[p]``: the parameter starts afresh (step 0, zero moments; its master kept), as
@@ -483,7 +493,7 @@ class _ParamStateView(MutableMapping):
         """As ``dict.update``, every entry checked before any is written (one by one, a bad entry for ``q`` after a
         good one for ``p`` left ``p``'s written): :meth:`~sofx.offload.engine.OffloadEngine.set_params_states`."""
         what = "opt.state.update(...)"
-        entries = [(self._member(p, what), value) for p, value in dict(*other, **kwargs).items()]
+        entries = [(self._member(p, what), _entry(value)) for p, value in dict(*other, **kwargs).items()]
         if entries:
             self._engine.set_params_states(entries, what)
 
@@ -646,7 +656,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
             return
         if isinstance(value, Mapping):  # torch.optim's state replaced: the parameters it leaves out start afresh
             what = "opt.state = {...}"
-            given = {self._state_view._member(p, what): entry for p, entry in value.items()}
+            given = {self._state_view._member(p, what): _entry(entry) for p, entry in value.items()}
             self.engine.set_params_states([(i, given.get(i, {})) for i in range(len(self.engine.params))], what)
             return
         raise UnsupportedError(f"opt.state must be a mapping of parameters to their states, as torch.optim's (an "
