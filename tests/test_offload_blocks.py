@@ -72,13 +72,43 @@ def test_arrivals_readiness_accumulation_and_late_gradients() -> None:
         ArrivalTracker(layouts, accumulation_steps=0)
 
 
-def _counted_calls(run) -> int:
+def test_arrivals_in_the_last_backward_call_are_final_whatever_came_before() -> None:
+    """With the backward call of each arrival known (``call``), an arrival in the N-th call is final however many
+    the parameter had before (none, or a micro-step left out); a parameter with none in the N-th call is not, and
+    its block is not ready; a second arrival in the N-th call before the block is ready is summed in (not late,
+    counted final once); after it is ready, late; an arrival of an (N+1)-th call to a ready block is late."""
+    layouts = plan_blocks([_params(2, 2, 2, 2)], block_numel=4)  # blocks: (0, 1), (2, 3)
+    tracker = ArrivalTracker(layouts, accumulation_steps=3)
+    tracker.reset([True] * 4)
+    assert not tracker.arrive(0, call=1).final
+    assert not tracker.arrive(2, call=2).final  # param 2: no gradient in the 3rd call
+    a = tracker.arrive(0, call=3)
+    assert a.final and not a.ready and not a.late and not a.first
+    again = tracker.arrive(0, call=3)  # (a reentrant checkpoint's second accumulation, param 1 still to come)
+    assert not again.final and not again.ready and not again.late
+    b = tracker.arrive(1, call=3)  # its first gradient, in the last call
+    assert b.final and b.ready and b.first
+    assert tracker.arrive(1, call=3).late and tracker.arrive(0, call=4).late
+    assert not tracker.arrive(3, call=3).ready  # param 2 has no final gradient: block 1 is never ready
+    assert tracker.arrivals == [4, 2, 1, 1] and tracker.ready == [True, False]
+    tracker.reset([True] * 4)
+    assert [tracker.arrive(0).final, tracker.arrive(0).final, tracker.arrive(0).final] == [False, False, True]
+
+
+def _counted_calls(run, seen: list | None = None) -> int:
     """The backward calls :class:`BackwardPasses` counts while ``run(lin)`` runs, its note taken in a
-    post-accumulate-grad hook of each parameter of ``lin`` (a ``Linear(3, 3)``)."""
+    post-accumulate-grad hook of each parameter of ``lin`` (a ``Linear(3, 3)``); ``seen`` gets the call each
+    gradient comes from (:meth:`BackwardPasses.call`, asked before the note, as the engine asks it)."""
     torch.manual_seed(0)
     lin, passes = torch.nn.Linear(3, 3), BackwardPasses()
+
+    def hook(p: torch.Tensor) -> None:
+        if seen is not None:
+            seen.append(passes.call())
+        passes.note()
+
     for p in lin.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: passes.note())
+        p.register_post_accumulate_grad_hook(hook)
     run(lin)
     return passes.count
 
@@ -122,6 +152,40 @@ def test_backward_passes_count_backward_calls_and_reentrant_checkpoints_as_one(n
     giving a gradient one."""
     run, calls = _BACKWARD_CALLS[name]
     assert _counted_calls(run) == calls
+
+
+@pytest.mark.parametrize("name", list(_BACKWARD_CALLS))
+def test_backward_passes_number_each_gradient_by_its_backward_call(name: str) -> None:
+    """:meth:`BackwardPasses.call` numbers the gradients of the first backward call 1, of the second 2, as each
+    arrives: a backward that reentrant checkpointing runs inside a call is that call from its first gradient on
+    (one region, two, nested, a parameter used inside and outside: it begins while the enclosing one is still
+    running), also where the enclosing call gave no gradient before it; a backward that raised ended its call."""
+    run, calls = _BACKWARD_CALLS[name]
+    seen: list = []
+    _counted_calls(run, seen)
+    assert seen == sorted(seen) and set(seen) == set(range(1, calls + 1)), seen
+    assert len(seen) >= 2 * calls
+
+
+def test_backward_passes_call_is_unknown_outside_a_graph_task_and_after_an_untracked_gradient() -> None:
+    """Outside any backward :meth:`BackwardPasses.call` is ``None`` (nothing to number a gradient by); so is it
+    for the rest of the step once a gradient came from outside a graph task (the count is not reliable), until
+    :meth:`~BackwardPasses.reset`."""
+    passes = BackwardPasses()
+    lin = torch.nn.Linear(3, 3)
+    seen: list = []
+    for p in lin.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(passes.call()) or passes.note())
+    assert passes.call() is None and passes.last_call is None
+    lin(_X).sum().backward()
+    assert seen == [1, 1] and passes.last_call == 1
+    passes.note()  # (outside a backward: untracked)
+    assert passes.untracked and passes.last_call is None
+    lin(_X).sum().backward()
+    assert seen[2:] == [None, None]
+    passes.reset()
+    lin(_X).sum().backward()
+    assert seen[4:] == [1, 1]
 
 
 def _open_inodes() -> set[int]:

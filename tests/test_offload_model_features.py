@@ -40,6 +40,7 @@ from test_offload_support import (  # noqa: F401 (one_torch_thread is an autouse
 )
 
 import sofx.offload
+import sofx.offload.backward_passes
 import sofx.offload.engine
 from sofx.speculate import AdaptivePolicy
 
@@ -299,13 +300,16 @@ def _checkpointed_models(use_reentrant: bool, shared: bool = False) -> tuple[nn.
     return model, ref
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_activation_checkpointing_trains_bitwise_as_torch_optim(use_reentrant: bool) -> None:
+def test_activation_checkpointing_trains_bitwise_as_torch_optim(use_reentrant: bool, accumulate: int) -> None:
     """Checkpointed blocks recompute their forward during backward (reentrant: in a backward of their own), so
     their gradients arrive then; the hooks fire once per parameter, every block is speculated during backward,
-    and the trajectory is that of torch.optim on the model without checkpointing, bit for bit."""
+    and the trajectory is that of torch.optim on the model without checkpointing, bit for bit. With
+    ``gradient_accumulation_steps=2`` a reentrant checkpoint's own backward is the backward call it runs in: its
+    gradients of the first call are not final (nothing is speculated there, and nothing is late in the second)."""
     model, ref = _checkpointed_models(use_reentrant)
-    run = side_by_side(model, ref, mlp_loss, mlp_batch)
+    run = side_by_side(model, ref, mlp_loss, mlp_batch, micro=accumulate, gradient_accumulation_steps=accumulate)
     assert_speculated_in_backward(run)
     assert all(("late_gradient", b) not in r.events for r in run.reports for b in range(run.n_blocks))
     assert run.deviations == [0.0] * len(run.deviations)
@@ -318,8 +322,8 @@ def test_a_parameter_used_inside_and_outside_a_checkpointed_region_equals_torch_
     """A parameter used inside a checkpointed region and outside it: the non-reentrant checkpoint accumulates its
     gradient once (bit for bit torch's); the reentrant one twice, once in the recomputation's own backward, so its
     hook fires twice and the second call is a late gradient (summed in, its block undone and redone): within
-    1e-6. With ``gradient_accumulation_steps`` (which counts arrivals) its block is ready a micro-step early: the
-    later arrivals are late gradients the same way."""
+    1e-6. With ``gradient_accumulation_steps`` its gradients of the earlier backward calls are summed, and its block
+    is ready in the last call: that call's second arrival is a late gradient the same way."""
     model, ref = _checkpointed_models(use_reentrant, shared=True)
     run = side_by_side(model, ref, mlp_loss, mlp_batch, steps=5, micro=accumulate,
                        gradient_accumulation_steps=accumulate)
@@ -399,8 +403,8 @@ class SometimesUsed(nn.Module):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_parameter_used_in_some_micro_batches_only_accumulates_as_torch(accumulate: int) -> None:
-    """Two micro-batches per step, a parameter used in the first only: it has one arrival of the two that
-    ``gradient_accumulation_steps=2`` expects, so its block is not ready in backward and is stepped in ``step()``
+    """Two micro-batches per step, a parameter used in the first only: it has no gradient in the last backward call
+    of ``gradient_accumulation_steps=2``, so its block is not ready in backward and is stepped in ``step()``
     (with the default 1, its block is speculated at once); either way torch.optim's trajectory on ``.grad``."""
     model, ref = _models(SometimesUsed)
     run = side_by_side(model, ref, mlp_loss, mlp_batch, micro=2, gradient_accumulation_steps=accumulate,
@@ -409,6 +413,117 @@ def test_a_parameter_used_in_some_micro_batches_only_accumulates_as_torch(accumu
     if accumulate == 2:
         assert run.deviations == [0.0] * len(run.deviations)
         assert all(r.stepped_late >= 1 for r in run.reports)
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads: micro-batch ``i`` goes through head ``i % 2`` (multi-task heads; mixture-of-experts
+    routing sends micro-batches through other experts the same way), so a head gets gradients in some micro-steps
+    of an accumulation only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.heads = nn.ModuleList(nn.Linear(8, 3) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return self.heads[i % 2](torch.tanh(self.trunk(x)))
+
+
+def _branched_side_by_side(accumulate: int, executor: str, calls: int | None = None, max_norm: float = 100.0,
+                           steps: int = 3, boost: float = 1.0,
+                           **opt_kwargs) -> tuple[list, list[float], dict[int, str]]:
+    """:class:`TwoHeads` trained by the facade (the reference kernel, a block per parameter) and by
+    torch.optim.AdamW + ``clip_grad_norm_`` on the same micro-batches, ``calls`` backward calls per step (default
+    ``accumulate``, the facade's ``gradient_accumulation_steps``), head 0's weight gradient times ``boost`` (a
+    tensor hook) in both: the reports, the largest relative deviation after each step, and the name of the
+    parameter of each block."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.heads[0].weight.register_hook(lambda g: g * boost)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05,
+                                        executor=executor, block_numel=1, backend="reference", timeout=60.0,
+                                        max_grad_norm=max_norm, gradient_accumulation_steps=accumulate,
+                                        policy=AdaptivePolicy(enabled=False), **opt_kwargs)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.05, foreach=False)
+    names = [name for name, _ in model.named_parameters()]
+    blocks = {layout.index: names[layout.param_indices[0]] for layout in opt.engine.layouts}
+    gen = torch.Generator().manual_seed(1)
+    reports, deviations = [], []
+    with opt:
+        for _ in range(steps):
+            for i in range(accumulate if calls is None else calls):
+                x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+                opt.backward(nn.functional.mse_loss(model(x, i), y) / accumulate)
+                (nn.functional.mse_loss(ref(x, i), y) / accumulate).backward()
+            reports.append(opt.step())
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
+            ropt.step()
+            ropt.zero_grad()
+            deviations.append(relative_deviation(model, ref))
+    return reports, deviations, blocks
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_branches_taken_in_the_last_micro_step_are_speculated_during_its_backward(accumulate: int,
+                                                                                  executor: str) -> None:
+    """``gradient_accumulation_steps=N``, micro-batches through alternating heads: a head's gradient is final in
+    the N-th backward call (its earlier micro-steps summed in), so the blocks of the trunk and of the last
+    micro-step's head are speculated during that backward (each head got fewer than N gradients: they were all
+    stepped late in ``step()``); the other head got no gradient in the last micro-step, so its blocks are not ready
+    in backward and are stepped late. Nothing is undone: the trajectory is torch.optim.AdamW + ``clip_grad_norm_``
+    on the summed ``.grad``, bit for bit."""
+    reports, deviations, blocks = _branched_side_by_side(accumulate, executor)
+    last = f"heads.{(accumulate - 1) % 2}."
+    for report in reports:
+        actions = dict(zip(blocks.values(), report.actions))
+        assert all(action == ("step" if name.startswith("heads.") and not name.startswith(last) else "commit")
+                   for name, action in actions.items()), actions
+        assert report.speculated == report.committed == 4 and report.stepped_late == 2 and not report.clipped
+    assert deviations == [0.0] * len(deviations)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_backward_call_after_the_last_micro_step_is_a_late_gradient_of_the_blocks_it_reaches(executor: str) -> None:
+    """Three backward calls with ``gradient_accumulation_steps=2`` (heads 0, 1, 0): the trunk and head 1 were
+    speculated in the 2nd call; the 3rd's trunk gradients are late (summed in, the trunk's blocks undone at once and
+    stepped in ``step()``), head 1 stands as speculated, and head 0, not ready in the 2nd call, is ready in the 3rd
+    (a call after the N-th is a last micro-step too), speculated on its two micro-steps' sum. The trajectory is
+    torch.optim's on the summed ``.grad``, within 1e-6 (the undone blocks)."""
+    reports, deviations, blocks = _branched_side_by_side(2, executor, calls=3)
+    for report in reports:
+        actions = dict(zip(blocks.values(), report.actions))
+        assert actions == {"trunk.weight": "step", "trunk.bias": "step", "heads.0.weight": "commit",
+                           "heads.0.bias": "commit", "heads.1.weight": "commit", "heads.1.bias": "commit"}, actions
+        late = {blocks[b] for what, b in report.events if what == "late_gradient"}
+        assert late == {"trunk.weight", "trunk.bias"}, report.events
+    assert max(deviations) <= TOL, deviations
+
+
+def test_clipping_after_branches_speculated_in_the_last_micro_step_redoes_them_as_torch() -> None:
+    """The same accumulation with a ``max_grad_norm`` that clips every step, found only in ``step()`` (head 0's
+    weight gradient, boosted, is not ready in backward: no early veto): the blocks speculated in the last
+    micro-step's backward are undone and redone with the clipped gradient, the others stepped late with it; within
+    1e-6 of torch.optim.AdamW + ``clip_grad_norm_``."""
+    reports, deviations, _ = _branched_side_by_side(2, "inline", max_norm=2.0, boost=100.0)
+    assert all(r.clipped and r.speculated == r.redone == 4 and r.stepped_late == 2 for r in reports), reports
+    assert max(deviations) <= TOL, deviations
+
+
+def test_without_a_backward_call_count_the_last_micro_step_is_each_parameter_s_n_th_gradient(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch cannot tell the graph task a gradient comes from (``torch._C._current_graph_task_id`` missing:
+    :mod:`sofx.offload.backward_passes` counts nothing), a parameter's gradient is final at its N-th arrival, as
+    before: the trunk (a gradient from every micro-step) is speculated, the heads (fewer) are stepped late; torch's
+    trajectory bit for bit."""
+    monkeypatch.setattr(sofx.offload.backward_passes, "_task_id", None)
+    reports, deviations, blocks = _branched_side_by_side(2, "inline")
+    for report in reports:
+        actions = dict(zip(blocks.values(), report.actions))
+        assert all(a == ("step" if n.startswith("heads.") else "commit") for n, a in actions.items()), actions
+    assert deviations == [0.0] * len(deviations)
 
 
 def test_a_compiled_function_saving_or_loading_the_state_runs_state_dict_eagerly(

@@ -1,11 +1,24 @@
 """Per-step bookkeeping of gradient arrivals: when is a block *ready*?
 
 A block is ready when every parameter of it that is *expected* this step
-(``requires_grad`` when the step began) has received its gradient of the last
-micro-step. With ``accumulation_steps = N`` a parameter's gradient is final
-at its N-th arrival; earlier arrivals are summed. An arrival after the block
-was ready is a *late* gradient (a parameter whose hook fires twice): it is
-summed, and the block's speculative step must be undone and redone.
+(``requires_grad`` when the step began) has received its *final* gradient:
+that of the last micro-step, the earlier ones summed into it. With
+``accumulation_steps = N`` an arrival is final where it comes during the N-th
+backward call of the step (or a later one), whichever micro-steps gave the
+parameter gradients before: the engine numbers the calls as gradients arrive
+(:meth:`sofx.offload.backward_passes.BackwardPasses.call`). A parameter that
+got gradients in earlier micro-steps but none in the N-th has no final one:
+its block is not ready during backward (micro-batches through other branches
+of a model: mixture-of-experts routing, multi-task heads), and is stepped in
+``step()``. Where the call cannot be told (``call=None``: no graph task to
+number it by, a gradient set by hand and taken in ``step()``), the per-parameter
+count stands in: the N-th arrival of the parameter is final.
+
+An arrival after the block was ready is a *late* gradient (a parameter whose
+hook fires twice in the last call: used inside and outside a reentrant
+checkpoint; or an (N+1)-th backward call): it is summed, and the block's
+speculative step must be undone and redone. A second arrival of a parameter
+whose block is not ready yet is summed in before anything is stepped.
 
 Pure bookkeeping: no tensors, no threads.
 """
@@ -26,7 +39,9 @@ class Arrival(NamedTuple):
 
     ``block``/``slot``: where the parameter lives; ``first``: its first
     gradient this step (copy into the buffer rather than add); ``ready``:
-    this arrival made the block ready; ``late``: the block was ready already.
+    this arrival made the block ready; ``late``: the block was ready already;
+    ``final``: this arrival made the parameter's gradient final (it is
+    expected, and was not final before).
     """
 
     block: int
@@ -34,6 +49,7 @@ class Arrival(NamedTuple):
     first: bool
     ready: bool
     late: bool
+    final: bool = False
 
 
 class ArrivalTracker:
@@ -51,6 +67,7 @@ class ArrivalTracker:
                 self.where[index] = (layout.index, slot)
         self.n_params = len(self.where)
         self.arrivals = [0] * self.n_params
+        self.final = [False] * self.n_params  # per parameter: its gradient was final (counted out of ``pending``)
         self.expected = [True] * self.n_params
         self.pending = [0] * len(self.layouts)
         self.ready = [False] * len(self.layouts)
@@ -59,26 +76,30 @@ class ArrivalTracker:
     def reset(self, expected: Sequence[bool]) -> None:
         """Start a new step; ``expected[i]``: parameter ``i`` requires grad."""
         self.arrivals = [0] * self.n_params
+        self.final = [False] * self.n_params
         self.expected = list(expected)
         self.ready = [False] * len(self.layouts)
         self._started = False
         self.pending = [sum(1 for i in layout.param_indices if self.expected[i]) for layout in self.layouts]
 
-    def upcoming(self, index: int) -> Arrival:
+    def upcoming(self, index: int, call: int | None = None) -> Arrival:
         """What the next :meth:`arrive` of parameter ``index`` records, recording nothing (the engine counts a
-        gradient once it is in the block's buffer)."""
+        gradient once it is in the block's buffer). ``call``: the backward call (1 for the step's first) it comes
+        from, ``None`` where that cannot be told (see the module docstring)."""
         block, slot = self.where[index]
         n = self.arrivals[index] + 1
         late = self.ready[block]
-        final = not late and self.expected[index] and n == self.accumulation_steps
-        return Arrival(block, slot, n == 1, final and self.pending[block] == 1, late)
+        last = n == self.accumulation_steps if call is None else call >= self.accumulation_steps
+        final = not late and self.expected[index] and not self.final[index] and last
+        return Arrival(block, slot, n == 1, final and self.pending[block] == 1, late, final)
 
-    def arrive(self, index: int) -> Arrival:
-        """Record one gradient arrival of parameter ``index``."""
-        arrival = self.upcoming(index)
+    def arrive(self, index: int, call: int | None = None) -> Arrival:
+        """Record one gradient arrival of parameter ``index`` (``call``: as :meth:`upcoming`)."""
+        arrival = self.upcoming(index, call)
         self._started = True
         self.arrivals[index] += 1
-        if not arrival.late and self.expected[index] and self.arrivals[index] == self.accumulation_steps:
+        if arrival.final:
+            self.final[index] = True
             self.pending[arrival.block] -= 1
             self.ready[arrival.block] = arrival.ready
         return arrival

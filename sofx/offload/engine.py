@@ -747,7 +747,7 @@ class OffloadEngine:
             self._adopt_model_edits()  # before any block of this step is stepped from its masters
         arrivals = self.tracker.arrivals[index]
         try:
-            self._take_gradient(index, grad, during_backward=True, owned=True)
+            self._take_gradient(index, grad, during_backward=True, owned=True, call=self.passes.call())
         finally:
             # Once counted, the gradient is the engine's even where its block's decision then raised (an
             # hparam refused when the step's first block is ready): left in .grad too, step() refused it and
@@ -785,7 +785,9 @@ class OffloadEngine:
         try:
             if not self.tracker.started:
                 self._adopt_model_edits()  # before any block of this step is stepped from its masters
-            self._take_gradient(index, grad, during_backward=True, owned=False, replace=True)
+            # (the synchronized backward was counted at its bucket 0, before any bucket's average came)
+            self._take_gradient(index, grad, during_backward=True, owned=False, replace=True,
+                                call=self.passes.last_call)
             self._poll()
         except Exception as exc:
             # Raised out of the hook's future, DDP's reducer wrapped it in a RuntimeError; and DDP must get
@@ -891,17 +893,19 @@ class OffloadEngine:
         refuse_short_storage(grad, lambda: f"{self._describe_param(index)}: .grad")
 
     def _take_gradient(self, index: int, grad: torch.Tensor, during_backward: bool, owned: bool,
-                       replace: bool = False) -> None:
+                       replace: bool = False, call: int | None = None) -> None:
         """Record parameter ``index``'s gradient; ``owned``: nobody else holds ``grad`` (autograd's
         accumulated gradient once ``param.grad`` is cleared), so it may be borrowed and summed into;
-        ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it. The arrival is
+        ``replace``: ``grad`` replaces an earlier arrival of this step instead of adding to it; ``call``: the
+        backward call of the step it comes from, ``None`` where that is not known (its final arrival is then
+        told by the count of its arrivals: :mod:`sofx.offload.arrivals`). The arrival is
         counted once the gradient is in the block's buffer: one that cannot be taken (:meth:`_check_gradient`: a
         ``.grad`` set by hand through ``.data`` to another shape, freed memory) raises with nothing counted, and
         stays the caller's."""
         self._check_gradient(index, grad)
         if not self.tracker.started:
             self._note_expected()
-        arrival = self.tracker.upcoming(index)
+        arrival = self.tracker.upcoming(index, call)
         b = arrival.block
         layout = self.layouts[b]
         view = self._grad_views[b][arrival.slot]
@@ -931,7 +935,7 @@ class OffloadEngine:
             target = self._grads[b][arrival.slot]
             target.add_(grad.reshape(-1).to(target.device))
             self._slot_sumsq[b][arrival.slot] = None
-        self.tracker.arrive(index)
+        self.tracker.arrive(index, call)
         if arrival.late:
             self._events.append(("late_gradient", b))
             if self._tally is not None and self._tally.decisions[b] is not None:

@@ -49,11 +49,12 @@ step with the tensor rounds ``lr * weight_decay`` and ``lr / bias_correction1`` 
 per step). Differences from ``torch.optim``: gradients are moved
 out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
-next step without ``gradient_accumulation_steps``, which counts gradient arrivals per parameter: one
-backward per micro-step, or a block is ready, and speculated, before the last micro-step and redone in
-validation; a ``step()`` after fewer backward calls (those that gave gradients, whichever parameters each reached:
-:mod:`sofx.offload.backward_passes`) steps on their sum, the partial last accumulation of an epoch, with a
-``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
+next step without ``gradient_accumulation_steps``: with N, a block is ready, and speculated, during the N-th
+backward call, where each of its parameters got a gradient in that call (the earlier micro-steps' summed in: a
+parameter of a branch the last micro-batch did not take leaves its block to ``step()``;
+:mod:`sofx.offload.arrivals`); a ``step()`` after fewer backward calls (those that gave gradients, whichever
+parameters each reached: :mod:`sofx.offload.backward_passes`) steps on their sum, the partial last accumulation
+of an epoch, with a ``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
 bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of fp32 master copies whose
 ``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the module); param groups cannot be
 added after construction, reordered, nor parameters added to, removed from or moved between groups' ``params``

@@ -35,9 +35,11 @@ With reentrant activation checkpointing
 both inside and outside a checkpointed region is accumulated twice in one
 backward (once in the recomputation's own backward), so its hook fires twice:
 the second call is a late gradient (summed in, its block undone and redone in
-``step()``; with ``gradient_accumulation_steps``, which counts these calls,
-its block is ready a micro-step early and the later calls are late the same
-way). The non-reentrant checkpoint accumulates it once.
+``step()``; with ``gradient_accumulation_steps`` its block is ready in the
+last backward call only, and that call's second accumulation is late the same
+way: :mod:`sofx.offload.arrivals`; where backward calls cannot be numbered,
+the count of its hook's calls stands in, and its block is ready a micro-step
+early). The non-reentrant checkpoint accumulates it once.
 """
 
 from __future__ import annotations
