@@ -2431,3 +2431,44 @@ def test_plan_validation_refuses_sums_or_taken_that_are_not_one_entry_per_block_
         assert hook.calls and hook.calls[0].startswith("refuse: "), hook.calls
     for sums in (torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), (1.0, 2.0)):
         assert sp.plan_validation(ctx, tally, sums, taken=np.array([False, False])).report.grad_norm == 3 ** 0.5 / S16
+
+
+def test_an_int_that_is_a_dict_key_of_another_leaf_than_its_index_is_refused_in_late_grads_and_order(rng):
+    """An int in ``late_grads`` (or ``order``) is a leaf index, optree's flatten order. Where params are a dict
+    with int keys (``dict(enumerate(layers, 1))``, an ``OrderedDict`` in another order), the int that is one leaf's
+    key is another leaf's index: ``late_grads={1: g}`` for ``{1: a, 2: b}`` was summed into ``params[2]``'s
+    gradient (leaf 1), a late gradient of the same shape given to the wrong leaf without a word. Such an int is
+    refused naming both leaves and their paths, which name the leaf without doubt; an int that is its own key's
+    index (``{0: a, 1: b}``) is taken."""
+    from collections import OrderedDict
+
+    opt = sofx.adamw(lr=1e-2)
+    (a, b), _ = _warm(opt, _params(rng, 2), rng)
+    late = torch.randn(6, generator=rng) * 0.01 * S16
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(), scaler=rule, scaler_state=rule.init())
+    for params, key, other in (({1: a, 2: b}, 1, 1), (OrderedDict([(1, a), (0, b)]), 0, 0),
+                               ({5: a, 7: b}, 5, None)):
+        grads = type(params)((k, torch.randn(6, generator=rng) * 0.02 * S16) for k in params)
+        state = opt.init(params)
+        before = _snapshot(list(params.values()), sofx.AdamState(*(list(x.values()) for x in state)))
+        meant = f"params[{key}]"
+        read = (rf"is no leaf index \(params has 2 leaves\) but" if other is None else
+                rf"is a leaf index \(leaf {other}: {re.escape(sofx.tree.leaf_paths(params)[other])}\) and")
+        with pytest.raises(sofx.SofxError, match=rf"^late_grads\[{key}\]: {key} {read} the key of "
+                                                 rf"{re.escape(meant)} .*name the leaf by its path"):
+            sp.speculative_step(opt, params, grads, state, late_grads={key: late}, donate=True, **kw)
+        with pytest.raises(sofx.SofxError, match=rf"^order\[0\]: {key} {read} the key of "):
+            sp.speculative_step(opt, params, grads, state, order=[key, 1 - key if key < 2 else 0], donate=True,
+                                **kw)
+        assert _unchanged(before, list(params.values()), sofx.AdamState(*(list(x.values()) for x in state)))
+        # the path names the leaf meant: its gradient gets the late one
+        got = sp.speculative_step(opt, params, grads, state, late_grads={meant: late}, **kw)
+        want = sp.speculative_step(opt, params, {k: g + late if k == key else g for k, g in grads.items()}, state,
+                                   **kw)
+        assert all(torch.equal(got.params[k], want.params[k]) for k in params)
+    params = {0: a, 1: b}  # each int key is its own leaf's index: taken
+    grads = {k: torch.randn(6, generator=rng) * 0.02 * S16 for k in params}
+    got = sp.speculative_step(opt, params, grads, opt.init(params), order=[1, 0], late_grads={1: late}, **kw)
+    want = sp.speculative_step(opt, params, grads, opt.init(params), late_grads={"params[1]": late}, **kw)
+    assert torch.equal(got.params[1], want.params[1]) and got.report.actions == ("commit", "undo_redo")

@@ -90,7 +90,10 @@ def speculative_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = 
     ``dict(model.named_parameters())``): a string that names no leaf is
     refused (naming the path it likely meant), and so are two keys naming one
     leaf and a late gradient of another shape, dtype or device than the leaf's
-    gradient (naming both).
+    gradient (naming both). An int is always an index: one that is also the key
+    of another leaf at the top of a dict (``1`` of ``{1: a, 2: b}``, whose leaf 1
+    is ``params[2]``) is refused, naming both; name such a leaf by its path
+    (``"params[1]"``).
     ``backward_scale``: the scale the loss was multiplied by (default: the
     scaler's). Raises :class:`~sofx.loss_scale.MinLossScaleError` after undoing
     every speculative step when DeepSpeed's scaler gives up, and a
@@ -178,13 +181,17 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     def index_of(key: Any, where: str) -> Any:
         """``key`` as a leaf index where it names a leaf of params (a str: its path, or the key of a leaf at the
         top of a dict, ``'w'`` for ``params['w']``, as :func:`sofx.checkpoint.groups.resolve_groups` names leaves), else
-        ``key`` as given."""
+        ``key`` as given. An int is an index; one that is also the key of a leaf at the top of a dict of int keys,
+        another leaf than the one it indexes (``1`` of ``{1: a, 2: b}``), is refused (:func:`_refuse_key_as_index`)."""
         nonlocal paths
-        if not isinstance(key, str):
+        if not isinstance(key, str) and not _is_index(key):
             return key
         if paths is None:
             paths = tree.leaf_paths(spec)
             by_path.update(tree.paths_index(paths))
+        if not isinstance(key, str):
+            _refuse_key_as_index(key, where, paths, by_path)
+            return key
         named = tree.named_leaves(by_path, key)
         if len(named) > 1:  # (a key written as another leaf's path)
             listed = ", ".join(f"{i}: {paths[i]}" for i in named)
@@ -198,7 +205,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
         order = list(range(n - 1, -1, -1)) if order is None else list(order)
     except TypeError:  # (not iterable: order=5, and order=0 is no permutation of one leaf either)
         order = None
-    if order is not None and not isinstance(given, str):  # (a str is no sequence of paths: refused below)
+    if given is not None and order is not None and not isinstance(given, str):  # (a str is no sequence of paths)
         order = [index_of(i, f"order[{k}]") for k, i in enumerate(order)]
     if order is None or not all(_is_index(i) for i in order) or sorted(order) != list(range(n)):
         raise SofxError(f"order must be a permutation of the {n} leaf indices (ints), got {given!r:.80}"
@@ -313,6 +320,26 @@ def _path_hint(key: str, paths: Sequence[str]) -> str:
         return f" (as sofx.tree.leaf_paths(params) writes them): did you mean {meant[0]!r}?"
     listed = ", ".join(repr(p) for p in paths[:4]) + (f", ... ({len(paths)} leaves)" if len(paths) > 4 else "")
     return f" (as sofx.tree.leaf_paths(params) writes them: {listed})"
+
+
+def _refuse_key_as_index(key: Any, where: str, paths: Sequence[str], by_path: Mapping[str, Sequence[int]]) -> None:
+    """Refuse (a :class:`SofxError` naming ``where``, the leaves and their paths) an int ``key`` (a leaf index, in
+    optree's flatten order) that is also the key of a leaf at the top of a dict, another leaf than the one it
+    indexes: ``1`` of ``{1: a, 2: b}`` (leaf 1 is ``params[2]``), ``0`` of ``OrderedDict([(1, a), (0, b)])``. Read as
+    the index, it gave a late gradient of the same shape to the other leaf, without a word."""
+    i = int(key)
+    keyed = tree.named_leaves(by_path, f"params[{i!r}]")
+    if not keyed or keyed == [i]:
+        return
+    named = paths[keyed[0]]
+    if 0 <= i < len(paths):
+        read = f"is a leaf index (leaf {i}: {paths[i]}) and"
+        both = f"{named!r} or {paths[i]!r}"
+    else:
+        read = f"is no leaf index (params has {len(paths)} leaves) but"
+        both = repr(named)
+    raise SofxError(f"{where}: {i} {read} the key of {named} (leaf {keyed[0]}): an int is a leaf index, in the order "
+                    f"of sofx.tree.leaf_paths(params); name the leaf by its path ({both})")
 
 
 def _is_index(i: Any) -> bool:
