@@ -525,11 +525,15 @@ class Adam:
 
         Raises :class:`~sofx.errors.UndoError` (changing nothing) when the
         record was used already, belongs to another state (structure or step
-        counts differ), or a leaf's step cannot be undone. ``param_copies``:
+        counts differ), or a leaf's step cannot be undone. Params whose
+        mappings are of another dict type or key order than the record's (a
+        dict where it was an ``OrderedDict``) are matched to it key by key, as
+        :meth:`update` matches grads and state to params; the result has the
+        params' structure. ``param_copies``:
         as in :meth:`update` (they receive the restored parameters).
         """
         _validate_donate(donate)
-        spec, leaves, plain = self._check_record(params, state, record)
+        spec, leaves, plain, record = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
         # every leaf's kernel chosen (or refused) before any snapshot is restored; once per kind of leaf
         kernels = self._kernels(leaves, [rec is not None and rec.strategy != "snapshot" for rec in record.leaves])
@@ -602,7 +606,8 @@ class Adam:
         """
         _validate_donate(donate)
         _validate_undoable(undoable)
-        spec, leaves, plain = self._check_record(params, state, record, grads, hparams)  # also checks grads, hparams
+        # (also checks grads and hparams; the record laid out as the params, matched to its own key by key)
+        spec, leaves, plain, record = self._check_record(params, state, record, grads, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
         _validate_grads_finite(grads_finite)
@@ -740,12 +745,15 @@ class Adam:
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, self.variant)
 
     def _check_record(self, params: Any, state: AdamState, record: UndoRecord, grads: Any = None,
-                      hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf], list[bool]]:
+                      hparams: Any = None) -> tuple[tree.TreeSpec, list[_Leaf], list[bool], UndoRecord]:
         """Check that ``record`` can undo ``(params, state)`` (and, for a redo, the new ``grads`` and
         ``hparams``, gathered into the leaves); raise :class:`UndoError` otherwise. Also returns, per leaf,
         whether it and its record's gradient are what the kernels' promise says (``checked`` of
         :func:`_run_by_backend`): a :attr:`_Leaf.plain` leaf whose record keeps nothing (an algebraic one) and
-        whose gradient is a plain tensor of its shape, dtype and device, contiguous in its storage, untraced."""
+        whose gradient is a plain tensor of its shape, dtype and device, contiguous in its storage, untraced;
+        and the record laid out as the params (:meth:`UndoRecord.laid_out_as`: params whose mappings are of
+        another dict type or key order than the record's are matched to it key by key, as :meth:`update`
+        matches grads and state to params), which the caller uses in its place."""
         if not isinstance(record, UndoRecord):
             raise UndoError(f"expected an UndoRecord, got {type(record).__name__}")
         if record.used:
@@ -754,6 +762,7 @@ class Adam:
             raise UndoError(f"the record is of a step by an optimizer with {_variant_words(record.variant)}, this "
                             f"one has {_variant_words(self.variant)}: its inverse would restore other values")
         spec, leaves = self._gather(params, grads, state, hparams, expect_spec=record.spec)
+        record = record.laid_out_as(spec)
         if len(record.leaves) != len(leaves):
             raise UndoError(f"the record covers {len(record.leaves)} leaves, params have {len(leaves)}")
         compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
@@ -801,7 +810,7 @@ class Adam:
                 # (an algebraic record keeps nothing else to tell: of fp32 params, it inverted bf16 ones silently)
                 raise UndoError(f"{leaf.path}: the record's gradient is {rec.grad.dtype} on {rec.grad.device}, the "
                                 f"parameter {leaf.p.dtype} on {leaf.p.device}: the record is not of these params")
-        return spec, leaves, plain
+        return spec, leaves, plain, record
 
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -943,7 +952,9 @@ class Adam:
                 expect_spec: tree.TreeSpec | None = None) -> tuple[tree.TreeSpec, list[_Leaf]]:
         """Flatten and check params, grads, state and hparams against each other."""
         p_leaves, spec = tree.flatten(params)
-        if expect_spec is not None and spec != expect_spec:
+        if expect_spec is not None and spec != expect_spec and tree.leaf_order_by_key(expect_spec, spec) is None:
+            # (a mapping of another dict type or key order with the same keys is matched key by key, as update
+            # matches grads and state to params: _check_record lays the record out as these params)
             raise UndoError(f"the record was made for params of another structure: "
                             f"{tree.structure_difference(expect_spec, params)} (the record's: "
                             f"{tree.spec_text(expect_spec)}, params: {tree.spec_text(spec)})")

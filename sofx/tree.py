@@ -40,6 +40,7 @@ __all__ = [
     "key_text",
     "spec_text",
     "structure_difference",
+    "leaf_order_by_key",
     "unwalked_hint",
     "flatten_up_to",
     "broadcast_prefix",
@@ -348,6 +349,35 @@ def structure_difference(spec: TreeSpec, tree: PyTree, root: str = "params", oth
         return None
 
     return walk(spec, tree, root) or "structures differ"
+
+
+def leaf_order_by_key(spec: TreeSpec, other: TreeSpec) -> tuple[int, ...] | None:
+    """Where ``other`` is ``spec``'s structure but for mappings of another dict type or key order (a dict over an
+    ``OrderedDict``, as :func:`flatten_up_to` matches them key by key): for each leaf of ``other``, in its order, the
+    index of ``spec``'s leaf at the same path; else ``None`` (``other`` is ``spec`` itself included: nothing to
+    reorder, or another structure)."""
+    if other == spec or not (isinstance(spec, optree.PyTreeSpec) and isinstance(other, optree.PyTreeSpec)):
+        return None
+    try:
+        return _leaf_order_by_key(spec, other)
+    except TypeError:  # a custom node whose metadata cannot be hashed: not memoized
+        return _leaf_order_by_key.__wrapped__(spec, other)
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_order_by_key(spec: TreeSpec, other: TreeSpec) -> tuple[int, ...] | None:
+    """:func:`leaf_order_by_key`, memoized (an undo of such params asks once per step)."""
+    n = spec.num_leaves
+    if other.num_leaves != n:
+        return None
+    try:
+        entries = other.flatten_up_to(optree.tree_unflatten(spec, list(range(n))))
+    except (ValueError, TypeError):
+        return None
+    # (a subtree of spec where other has a leaf is an entry that is no index)
+    if not all(type(e) is int for e in entries) or sorted(entries) != list(range(n)):
+        return None
+    return tuple(entries)
 
 
 def _entry_str(entry: Any, node: Any) -> str:

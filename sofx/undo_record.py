@@ -290,6 +290,20 @@ class UndoRecord(_UsedOnce):
             if leaf is not None:
                 leaf._used[0] = True
 
+    def laid_out_as(self, spec: Any) -> "UndoRecord":
+        """This record for params of structure ``spec``, which is its own but for mappings of another dict type or
+        key order (:func:`sofx.tree.leaf_order_by_key`): its leaves in ``spec``'s order, whether it was used
+        shared with this record (an undo of it uses this one). Itself where ``spec`` is its own or another
+        structure (an undo refuses that, naming the difference)."""
+        order = tree.leaf_order_by_key(self.spec, spec)
+        if order is None:
+            return self
+        view = UndoRecord.__new__(UndoRecord)
+        view.leaves = tuple(self.leaves[j] for j in order)
+        view.spec, view.variant = spec, self.variant
+        view._used = self._used  # the record's, shared
+        return view
+
     def strategies(self) -> list[str | None]:
         """The strategy of every leaf (``None`` for leaves that were not stepped)."""
         return [None if leaf is None else leaf.strategy for leaf in self.leaves]

@@ -1417,3 +1417,38 @@ def test_undo_chooses_each_kind_of_leaf_s_kernel_once(rng, monkeypatch):
     with pytest.raises(sofx.UnsupportedError, match=r"^params\['b'\]: backend 'cpu' does not support"):
         sofx.adamw(lr=1e-2, weight_decay=0.1, backend="cpu").undo(p1, s1, rec, donate=True)
     assert trees_equal((p1, s1), before) and not rec.used
+
+
+@settings(max_examples=25, deadline=None)
+@given(order=st.permutations(["z", "a", "m"]), redo=st.booleans(), as_dict=st.booleans(), seed=st.integers(0, 99))
+def test_undo_matches_params_to_the_record_key_by_key_as_update_matches_grads(order, redo, as_dict, seed):
+    """update matches grads and state to params key by key (a dict over an OrderedDict, in any key order); undo and
+    undo_redo refused params that differed from the record's only so (a dict where the record's were an
+    OrderedDict, one in another key order), though they hold the same leaves. They are matched key by key too:
+    each leaf's undo is that of its own key, bit for bit the undo of the params as stepped, and the result has the
+    structure of the params given (as update's); the new record of undo_redo undoes them in turn."""
+    from collections import OrderedDict
+
+    gen = torch.Generator().manual_seed(seed)
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    params = OrderedDict((k, torch.randn(3 + i, generator=gen)) for i, k in enumerate(("z", "a", "m")))
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    again = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    stepped, state, rec = opt.update(params, grads, opt.init(params))
+    _, _, rec2 = opt.update(params, grads, opt.init(params))  # (the same step: a record can be used once)
+    given_params = (dict if as_dict else OrderedDict)((k, stepped[k]) for k in order)
+    if redo:
+        want_p, want_s, _ = opt.undo_redo(stepped, state, rec, again)
+        got_p, got_s, new_rec = opt.undo_redo(given_params, state, rec2, again)
+    else:
+        want_p, want_s = opt.undo(stepped, state, rec)
+        got_p, got_s = opt.undo(given_params, state, rec2)
+    assert type(got_p) is type(given_params) and list(got_p) == list(given_params)
+    for k in params:
+        for got, want in ((got_p[k], want_p[k]), (got_s.mu[k], want_s.mu[k]), (got_s.nu[k], want_s.nu[k]),
+                          (got_s.count[k], want_s.count[k])):
+            assert torch.equal(got, want), k
+    assert rec2.used  # (the record given is used, as the undo of the params as stepped uses it)
+    if redo:
+        back_p, _ = opt.undo(got_p, got_s, new_rec)
+        assert all(max_rel_err(back_p[k], params[k]) <= 1e-6 for k in params)
