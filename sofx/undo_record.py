@@ -248,7 +248,10 @@ class UndoRecord(_UsedOnce):
 
     ``leaves[i]`` is the :class:`LeafUndo` of leaf ``i`` (``None`` where the
     leaf had no gradient and was not stepped). ``spec``: the structure of
-    the params tree it undoes. ``variant``: the stepping
+    the params tree it undoes. ``block``: the speculation layer's block whose
+    speculative step this is (set by :func:`sofx.speculate.speculative_block_step`,
+    which :func:`sofx.speculate.apply_block_action` checks against its action's block),
+    else ``None``. ``variant``: the stepping
     optimizer's (decoupled decay, bias correction), which the inverse must
     share (a spec that is not one, or of another number of leaves, is refused when made, an
     :class:`~sofx.errors.UndoError`). A record can be used once: it is used once any of its leaves is,
@@ -256,7 +259,7 @@ class UndoRecord(_UsedOnce):
     with it (see the module docstring).
     """
 
-    __slots__ = ("leaves", "spec", "variant", "_used")
+    __slots__ = ("leaves", "spec", "variant", "block", "_used")
     _what = "an UndoRecord"
 
     def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, variant: AdamVariant) -> None:
@@ -275,6 +278,7 @@ class UndoRecord(_UsedOnce):
                             "None) per leaf of the params")
         self.spec = spec
         self.variant = variant
+        self.block: int | None = None
         self._used = [False]
 
     @property
@@ -300,7 +304,7 @@ class UndoRecord(_UsedOnce):
             return self
         view = UndoRecord.__new__(UndoRecord)
         view.leaves = tuple(self.leaves[j] for j in order)
-        view.spec, view.variant = spec, self.variant
+        view.spec, view.variant, view.block = spec, self.variant, self.block
         view._used = self._used  # the record's, shared
         return view
 
@@ -320,16 +324,16 @@ def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
     # Leaves that were not stepped (None) travel in the context: a None child is a pytree leaf that
     # torch.func.vmap refuses to return.
     present = tuple(leaf is not None for leaf in rec.leaves)
-    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.variant, rec._used, present)
+    return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.variant, rec._used, present, rec.block)
 
 
 def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
-    spec, variant, used, present = context
+    spec, variant, used, present, block = context
     it = iter(children)
     # Not checked as the constructor checks (as a leaf's record: a transform may unflatten any values).
     rec = UndoRecord.__new__(UndoRecord)
     rec.leaves = tuple(next(it) if has else None for has in present)
-    rec.spec, rec.variant = spec, variant
+    rec.spec, rec.variant, rec.block = spec, variant, block
     rec._used = used  # the record's, shared
     return rec
 

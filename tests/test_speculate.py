@@ -2472,3 +2472,48 @@ def test_an_int_that_is_a_dict_key_of_another_leaf_than_its_index_is_refused_in_
     got = sp.speculative_step(opt, params, grads, opt.init(params), order=[1, 0], late_grads={1: late}, **kw)
     want = sp.speculative_step(opt, params, grads, opt.init(params), late_grads={"params[1]": late}, **kw)
     assert torch.equal(got.params[1], want.params[1]) and got.report.actions == ("commit", "undo_redo")
+
+
+def _two_speculated_blocks(opt, rng, late_block: int = 1):
+    """Two blocks of 6 elements, both speculated with donation through the block protocol, a late gradient for
+    ``late_block``: block 0's action is commit, block 1's undo_redo (or the other way). Returns the blocks,
+    their gradients (final), states, records and the plan."""
+    params, state = _warm(opt, _params(rng, 2), rng)
+    blocks = [p.clone() for p in params]
+    states = [sofx.AdamState(state.count[i].clone(), state.mu[i].clone(), state.nu[i].clone()) for i in range(2)]
+    grads = _grads(rng, 2)
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    records = [None, None]
+    for i in (1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]),
+                                     sp.block_eligibility(opt, blocks[i], grads[i], states[i], ctx.hparams[i],
+                                                          ctx.grad_scale))
+        blocks[i], states[i], records[i] = sp.speculative_block_step(opt, blocks[i], grads[i], states[i], d,
+                                                                     donate=True)
+    grads[late_block] = grads[late_block] + torch.randn(6, generator=rng) * 0.01 * S16
+    tally = sp.on_late_gradient(ctx, tally, late_block, sp.grad_sumsq(grads[late_block]))
+    plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq))
+    return blocks, grads, states, records, plan
+
+
+def test_apply_block_action_refuses_the_tensors_and_record_of_another_block(rng):
+    """apply_block_action carries one block's action out on the tensors given. Given another block's tensors and
+    record (a list in arrival order zipped with plan.actions, in block order), it carried the action out on them:
+    block 1's undo_redo on block 0 (block 1's speculative step left standing), block 0's commit on block 1 (its
+    stale step kept), without a word. The record of a speculative step says whose block it is: another block's is
+    refused naming both, before anything is written; the right pairing steps on."""
+    opt = sofx.adamw(lr=1e-2)
+    blocks, grads, states, records, plan = _two_speculated_blocks(opt, rng)
+    assert [a.kind for a in plan.actions] == ["commit", "undo_redo"]
+    before = [t.clone() for t in (*blocks, *(s.mu for s in states), *(s.nu for s in states))]
+    for i, j in ((1, 0), (0, 1)):
+        with pytest.raises(sofx.SofxError, match=rf"^apply_block_action: plan\.actions\[{i}\] is block {i}'s; the "
+                                                 rf"record given is of block {j}'s speculative step"):
+            sp.apply_block_action(opt, plan.actions[i], blocks[j], grads[j], states[j], records[j], donate=True)
+    after = [*blocks, *(s.mu for s in states), *(s.nu for s in states)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before)) and not any(r.used for r in records)
+    for i, a in enumerate(plan.actions):
+        blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], grads[i], states[i], records[i], donate=True)
+    assert records[1].used and [int(s.count) for s in states] == [3, 3]
+

@@ -91,9 +91,12 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
     budget = decision.snapshot_budget_bytes
-    return opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale, donate=donate,
-                      grads_finite=grads_finite, param_copies=param_copies,
-                      snapshot_limit_bytes=None if budget is None else max(0, budget - held_bytes))
+    limit = None if budget is None else max(0, budget - held_bytes)
+    new_param, new_state, record = opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale,
+                                              donate=donate, grads_finite=grads_finite, param_copies=param_copies,
+                                              snapshot_limit_bytes=limit)
+    record.block = decision.block  # (whose step it is: apply_block_action refuses it with another block's action)
+    return new_param, new_state, record
 
 
 def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad: torch.Tensor | None,
@@ -106,7 +109,9 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``opt.undo_redo`` with the final gradient, hparams and multiplier.
     ``undo``: ``opt.undo``. ``step``: ``opt.update`` with the final multiplier
     (a zero gradient when ``action.zero_grad``). ``skip``: nothing.
-    ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``).
+    ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``); one of another
+    block's speculative step (:func:`speculative_block_step` notes the block in it) is refused, naming both
+    blocks, before anything is written: the tensors and record of block ``i`` go with ``plan.actions[i]``.
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -117,6 +122,11 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
         raise SofxError(f"apply_block_action: action is a {type(action).__name__}; expected one BlockAction of a "
                         "ValidationPlan (plan.actions[i])")
     kind = action.kind
+    whose = record.block if isinstance(record, UndoRecord) else None
+    if whose is not None and whose != action.block:
+        raise SofxError(f"apply_block_action: plan.actions[{action.block}] is block {action.block}'s; the record given "
+                        f"is of block {whose}'s speculative step: pass block {action.block}'s tensors and record "
+                        f"with its action (plan.actions[i] goes with block i's), nothing was written")
     if kind in ("commit", "skip"):
         return param, state
     if kind in ("undo", "undo_redo") and record is None:
