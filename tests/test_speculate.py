@@ -2517,3 +2517,28 @@ def test_apply_block_action_refuses_the_tensors_and_record_of_another_block(rng)
         blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], grads[i], states[i], records[i], donate=True)
     assert records[1].used and [int(s.count) for s in states] == [3, 3]
 
+
+
+def test_a_step_or_undo_action_applied_a_second_time_is_refused(rng):
+    """A plan's action is one block's step for this step (SPECULATION.md: one step per block per step). A ``step``
+    action applied again (a loop over plan.actions run twice, a retry) stepped the block a second time, counted
+    twice, without a word; an undo_redo's second application raised the record's "already used". Each action that
+    writes (step, undo, undo_redo) can be applied once, as a record can be used once: a second application is
+    refused naming the block, changing nothing; commit and skip, which write nothing, may be applied again."""
+    opt = sofx.adamw(lr=1e-2)
+    rule, param, grad, state, decision, plan = _one_speculated_block_not_taken(opt, rng)
+    (action,) = plan.actions
+    assert action.kind == "step"
+    p1, s1 = sp.apply_block_action(opt, action, param, grad, state, donate=True)
+    stepped = p1.clone()
+    for again in (action, action._replace(reason="again")):  # (a copy made by _replace is the same action)
+        with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: plan\.actions\[0\] \(step\) was "
+                                                 r"applied already"):
+            sp.apply_block_action(opt, again, p1, grad, s1, donate=True)
+    assert torch.equal(p1, stepped) and int(s1.count) == 1
+    blocks, grads, states, records, plan = _two_speculated_blocks(opt, rng)
+    for i, a in enumerate(plan.actions):
+        blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], grads[i], states[i], records[i], donate=True)
+    with pytest.raises(sofx.SofxError, match=r"block 1: plan\.actions\[1\] \(undo_redo\) was applied already"):
+        sp.apply_block_action(opt, plan.actions[1], blocks[1], grads[1], states[1], records[1], donate=True)
+    assert sp.apply_block_action(opt, plan.actions[0], blocks[0], grads[0], states[0], records[0])[0] is blocks[0]

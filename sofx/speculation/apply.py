@@ -115,7 +115,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
-    parameters (not by ``commit`` and ``skip``).
+    parameters (not by ``commit`` and ``skip``). An action that writes is applied once: a second
+    application (of it or a copy, ``action._replace(...)``) is refused, naming the block, nothing written.
     """
     check_opt(opt)
     if not isinstance(action, BlockAction):
@@ -129,6 +130,20 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
                         f"with its action (plan.actions[i] goes with block i's), nothing was written")
     if kind in ("commit", "skip"):
         return param, state
+    applied = action.applied_cell()
+    if applied[0]:
+        raise SofxError(f"apply_block_action: block {action.block}: plan.actions[{action.block}] ({kind}) was applied "
+                        "already: an action carries its block's step out once (one step per block per step); a "
+                        "second application would step the block again. Nothing was written")
+    new_param, new_state = _apply(opt, action, kind, param, grad, state, record, donate, grads_finite, param_copies)
+    applied[0] = True
+    return new_param, new_state
+
+
+def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad: torch.Tensor | None,
+           state: AdamState, record: UndoRecord | None, donate: bool, grads_finite: bool | None,
+           param_copies: Any) -> tuple[torch.Tensor, AdamState]:
+    """:func:`apply_block_action` of an action that writes (``undo``, ``undo_redo``, ``step``)."""
     if kind in ("undo", "undo_redo") and record is None:
         raise SofxError(f"block {action.block}: {kind} needs the record of its speculative step")
     if kind == "undo":

@@ -227,13 +227,8 @@ class BackwardTally(NamedTuple):
     context_id: int = 0
 
 
-class BlockAction(NamedTuple):
-    """What validation does to one block; ``kind`` is one of :data:`ACTION_KINDS`.
-
-    ``grad_scale``/``hparams``: the final multiplier and hparams for ``step``
-    and ``undo_redo``. ``zero_grad``: step with a zero gradient (missing
-    gradient, ``missing_grad="zero"``). ``speculated``: a speculative step was taken.
-    """
+class _BlockActionFields(NamedTuple):
+    """:class:`BlockAction`'s fields."""
 
     block: int
     kind: str
@@ -242,6 +237,31 @@ class BlockAction(NamedTuple):
     hparams: AdamHParams
     zero_grad: bool = False
     speculated: bool = False
+
+
+class BlockAction(_BlockActionFields):
+    """What validation does to one block; ``kind`` is one of :data:`ACTION_KINDS`.
+
+    ``grad_scale``/``hparams``: the final multiplier and hparams for ``step``
+    and ``undo_redo``. ``zero_grad``: step with a zero gradient (missing
+    gradient, ``missing_grad="zero"``). ``speculated``: a speculative step was taken.
+
+    An action that writes (``step``, ``undo``, ``undo_redo``) is carried out once, as a record is used once
+    (one step per block per step): whether it was is kept with the action (not one of its fields, so that
+    actions compare by their fields), shared with its copies (``_replace``, ``copy.copy``), and
+    :func:`~sofx.speculation.apply.apply_block_action` refuses a second application.
+    """
+
+    # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies)
+
+    def _replace(self, **changes: Any) -> "BlockAction":
+        new = super()._replace(**changes)
+        new.__dict__["_applied"] = self.applied_cell()
+        return new
+
+    def applied_cell(self) -> list[bool]:
+        """``[applied]``: whether the action (or a copy of it) was carried out, shared with its copies."""
+        return self.__dict__.setdefault("_applied", [False])
 
 
 class ValidationPlan(NamedTuple):
