@@ -2542,3 +2542,52 @@ def test_a_step_or_undo_action_applied_a_second_time_is_refused(rng):
     with pytest.raises(sofx.SofxError, match=r"block 1: plan\.actions\[1\] \(undo_redo\) was applied already"):
         sp.apply_block_action(opt, plan.actions[1], blocks[1], grads[1], states[1], records[1], donate=True)
     assert sp.apply_block_action(opt, plan.actions[0], blocks[0], grads[0], states[0], records[0])[0] is blocks[0]
+
+
+def test_the_protocols_per_block_flags_take_bool_tensors_and_arrays_as_taken_does():
+    """The block protocol's flags state facts of the step (a step that ran, a block stepped in float64, one that may
+    be stepped, an undone step, an eligible block), which an engine may compute with torch or numpy: plan_validation
+    took ``taken`` as a numpy array, and said it takes a tensor ("a list, a tuple, a tensor"), but refused each
+    entry of a bool tensor ("taken[0] = tensor(False) is invalid"); begin_step refused ``stepped``/``float64`` as an
+    array or tensor ("must be a sequence"), and undone, last_micro_step and an Eligibility's eligible refused
+    a 0-d bool tensor. Each takes a 0-d bool tensor as its value (and the per-block ones an array or tensor of
+    them), as loss_scale takes its overflow flag, the plan and report equal to those of Python bools; a number,
+    a string or a tensor of another dtype or shape stays refused naming the entry."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    cfg = sp.SpeculationConfig()
+    T, F = torch.tensor(True), torch.tensor(False)
+
+    def run(flags):
+        ctx, tally = sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=3, last_micro_step=flags(True),
+                                   stepped=flags([True, True, False]), float64=flags([False, True, False]))
+        tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(flags(True), "algebraic", "", 0))
+        tally, _ = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(flags(True), "algebraic", "", 0))
+        tally = sp.on_late_gradient(ctx, tally, 1, 2.0, undone=flags(True))
+        return ctx.speculating, ctx.float64, tally.undone, sp.plan_validation(
+            ctx, tally, [1.0, 2.0, None], taken=flags([False, False, False]), stepped=flags([True, True, False]))
+
+    def as_tensor(x):
+        return torch.tensor(x)
+
+    def as_array(x):
+        return np.array(x) if isinstance(x, list) else np.bool_(x)
+
+    want = run(lambda x: x)
+    assert [a.kind for a in want[3].actions] == ["step", "step", "skip"]
+    for flags in (as_tensor, as_array, lambda x: [T if y else F for y in x] if isinstance(x, list) else x):
+        got = run(flags)
+        assert got[:3] == want[:3] and got[3].actions == want[3].actions and got[3].report == want[3].report
+    ctx, tally = sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    for bad in (torch.tensor(1), torch.tensor([True]), torch.tensor(1.0)):
+        with pytest.raises(sofx.SofxError, match=r"^taken\[0\] = .* is invalid; expected a bool"):
+            sp.plan_validation(ctx, tally, [1.0, 1.0], taken=[bad, False])
+        with pytest.raises(sofx.HParamError, match=r"^stepped\[1\] must be a bool, got a torch\.\w+ tensor"):
+            sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=2, stepped=[True, bad])
+        with pytest.raises(sofx.HParamError, match=r"^on_late_gradient: undone = .* is invalid; expected a bool"):
+            sp.on_late_gradient(ctx, tally, 0, 4.0, undone=bad)
+    for bad in ({0: True, 1: True}, "ab", 3):
+        with pytest.raises(sofx.HParamError, match=r"^float64 must be a sequence of one bool per block"):
+            sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=2, float64=bad)

@@ -20,7 +20,7 @@ from sofx.kernels.base import is_traced
 from sofx.kernels.storage import TensorName, in_storage, refuse_short_storage
 
 __all__ = ["is_bool", "real_number", "positive_number", "nonnegative_number", "finite_number", "as_integer", "integer",
-           "flag"]
+           "fact_value", "flag"]
 
 
 def is_bool(x: object) -> bool:
@@ -127,6 +127,19 @@ def integer(name: str, value: Any, minimum: int = 0, error: type[Exception] = HP
         and not isinstance(x, numbers.Integral) else ""
     raise error(f"{name} = {value!r:.80} is invalid; expected an integer >= {minimum} (a Python or numpy integer, or "
                 f"a 1-element integer tensor), got {_described(value)}{hint}")
+
+
+def fact_value(value: Any, name: TensorName = "a 0-d bool tensor", error: type[Exception] = HParamError) -> Any:
+    """``value`` as a Python bool where it is a 0-d bool tensor whose value can be read (not traced), else ``value``
+    itself. For flags that state a fact of a step, which a caller may compute with torch (the speculation
+    protocol's ``taken``, ``undone``, ``eligible``: as loss_scale's ``overflow``); an option (:func:`flag`) is a
+    Python or numpy bool. A tensor whose element lies outside its storage is refused, ``error`` naming it ``name``
+    (:func:`~sofx.kernels.storage.refuse_short_storage`)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0 and not is_traced(value):
+        if not in_storage(value):
+            refuse_short_storage(value, name, error)
+        return bool(value.item())
+    return value
 
 
 def flag(name: str, value: Any, error: type[Exception] = HParamError) -> bool:

@@ -43,7 +43,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value, check_step_hparams
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
-from sofx.kernels.user_numbers import _described, as_integer, flag, integer, is_bool, real_number
+from sofx.kernels.user_numbers import _described, as_integer, fact_value, flag, integer, is_bool, real_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError, inverse_scale
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
@@ -343,7 +343,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         raise HParamError(f"config must be a SpeculationConfig, got {type(config).__name__}")
     n_blocks = integer("n_blocks", n_blocks, 0)
     # a Python bool ("no" was read as true: speculation during an earlier micro-step's backward)
-    last_micro_step = flag("last_micro_step", last_micro_step)
+    last_micro_step = flag("last_micro_step", fact_value(last_micro_step, "last_micro_step"))
     policy_state = config.policy.init() if policy_state is None else policy_state
     if type(policy_state) is not type(config.policy.init()):
         raise HParamError(f"policy_state is a {type(policy_state).__name__}; the policy's state is a "
@@ -392,17 +392,23 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
 
 def _block_flags(name: str, flags: Sequence[bool] | None, n: int, default: bool) -> list[bool]:
     """:func:`begin_step`'s ``float64`` or ``stepped`` (``name``), checked: one bool per block (``None``:
-    ``default`` for every block)."""
+    ``default`` for every block), a sequence (a list, a tuple, an array, a tensor: block ``i`` at ``[i]``, as
+    :func:`plan_validation`'s ``taken``) of Python or numpy bools or 0-d bool tensors
+    (:func:`~sofx.kernels.user_numbers.fact_value`)."""
     if flags is None:
         return [default] * n
-    if isinstance(flags, (str, bytes)) or not isinstance(flags, Sequence):
-        raise HParamError(f"{name} must be a sequence of one bool per block, got {type(flags).__name__}")
+    if isinstance(flags, (Mapping, str, bytes)) or not (hasattr(flags, "__len__") and hasattr(flags, "__getitem__")):
+        raise HParamError(f"{name} must be a sequence of one bool per block (a list, a tuple, an array, a tensor), "
+                          f"got {type(flags).__name__}")
     if len(flags) != n:
         raise HParamError(f"{name} has {len(flags)} entries, the step has {n} blocks")
-    for i, x in enumerate(flags):
+    out = []
+    for i in range(n):
+        x = fact_value(flags[i], f"{name}[{i}]")
         if not is_bool(x):
-            raise HParamError(f"{name}[{i}] must be a bool, got {type(x).__name__}")
-    return [bool(x) for x in flags]
+            raise HParamError(f"{name}[{i}] must be a bool, got {_described(x)}")
+        out.append(bool(x))
+    return out
 
 
 def _refused_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool],
@@ -532,7 +538,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
             raise SofxError(f"eligibility must be an Eligibility, got {type(el).__name__}")
         # read as a Python bool and int (eligible="no" speculated; a negative size lowered the snapshot held)
         where = f"on_block_ready: block {block}: the eligibility's"
-        eligible = flag(f"{where} eligible", el.eligible, SofxError)
+        eligible = flag(f"{where} eligible", fact_value(el.eligible, f"{where} eligible", SofxError), SofxError)
         el_bytes = integer(f"{where} snapshot_bytes", el.snapshot_bytes, 0, SofxError)
         strategy = el.strategy
         budget = ctx.config.snapshot_budget_bytes
@@ -620,7 +626,7 @@ def on_late_gradient(ctx: StepContext, tally: BackwardTally, block: int, sumsq: 
         raise SofxError(f"block {block} was not ready yet: a gradient before on_block_ready is not late")
     sumsq = _sumsq_value(f"on_late_gradient: block {block}: sumsq", sumsq)
     # a Python bool ("no" was read as true: a standing step taken as undone, and the block stepped a second time)
-    undone = flag("on_late_gradient: undone", undone)
+    undone = flag("on_late_gradient: undone", fact_value(undone, "on_late_gradient: undone"))
     old = tally.block_sumsq[block]
     running = tally.sumsq + (sumsq - old if math.isfinite(sumsq) and old is not None and math.isfinite(old)
                              else sumsq)
@@ -804,7 +810,7 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     if taken is not None and len(taken) != n:
         raise SofxError(f"taken has {len(taken)} entries, the step has {n} blocks")
     if taken is not None:  # Python bools ("no" was read as true: a step that did not run was committed)
-        taken = [flag(f"taken[{i}]", x, SofxError) for i, x in enumerate(taken)]
+        taken = [flag(f"taken[{i}]", fact_value(x, f"taken[{i}]", SofxError), SofxError) for i, x in enumerate(taken)]
     hps = ctx.hparams if hparams is None else resolve_block_hparams(ctx.defaults, hparams, n)
     spec_taken = []
     for i in range(n):
