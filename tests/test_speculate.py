@@ -2591,3 +2591,29 @@ def test_the_protocols_per_block_flags_take_bool_tensors_and_arrays_as_taken_doe
     for bad in ({0: True, 1: True}, "ab", 3):
         with pytest.raises(sofx.HParamError, match=r"^float64 must be a sequence of one bool per block"):
             sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=2, float64=bad)
+
+
+def test_a_step_action_given_the_standing_record_of_the_blocks_speculative_step_is_refused(rng):
+    """A ``step`` action is planned for a block whose speculative step did not run or was undone. Given the
+    record of a speculative step of the block that still stands (not undone: ``taken=[False]`` said of a step that
+    ran), apply_block_action stepped the block from its speculated values: two steps, counted twice, without a
+    word. It is refused naming the block and ``taken``, nothing written; the record stays usable (its undo brings
+    the block back)."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    p1, s1, record = sp.speculative_block_step(opt, param.clone(), grad, state, decision, donate=True)
+    (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False]).actions
+    assert action.kind == "step"
+    before = [t.clone() for t in (p1, s1.mu, s1.nu)]
+    with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: a step action, but the record given is "
+                                             r"of the block's speculative step, which stands"):
+        sp.apply_block_action(opt, action, p1, grad, s1, record, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip((p1, s1.mu, s1.nu), before)) and int(s1.count) == 1
+    back, s0 = opt.undo(p1, s1, record)
+    assert int(s0.count) == 0 and _rel(back, param) <= 1e-6
+    p2, s2 = sp.apply_block_action(opt, action, back, grad, s0, record)  # (a used record: the step from the undone)
+    assert int(s2.count) == 1

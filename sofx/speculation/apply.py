@@ -112,6 +112,7 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``); one of another
     block's speculative step (:func:`speculative_block_step` notes the block in it) is refused, naming both
     blocks, before anything is written: the tensors and record of block ``i`` go with ``plan.actions[i]``.
+    So is a ``step`` given a record that was not used (a speculative step that stands would be stepped again).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -130,6 +131,11 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
                         f"with its action (plan.actions[i] goes with block i's), nothing was written")
     if kind in ("commit", "skip"):
         return param, state
+    if kind == "step" and isinstance(record, UndoRecord) and not record.used:
+        raise SofxError(f"apply_block_action: block {action.block}: a step action, but the record given is of the "
+                        "block's speculative step, which stands (it was not undone): the block would be stepped "
+                        f"twice. A step that ran is taken (taken[{action.block}] True, or taken=None): "
+                        "plan_validation then commits it or undoes and redoes it. Nothing was written")
     applied = action.applied_cell()
     if applied[0]:
         raise SofxError(f"apply_block_action: block {action.block}: plan.actions[{action.block}] ({kind}) was applied "
