@@ -146,6 +146,9 @@ def test_undo_restores_the_moments_of_a_decayed_step_in_float64(decoupled):
 @settings(max_examples=200)
 @given(cases())
 @example({"p_dtype": torch.float32, "s_dtype": None, "decoupled": False,
+          "hp": sofx.AdamHParams(lr=0.0625, beta1=0.96875, beta2=0.5, eps=5.960464477539063e-08, weight_decay=0.25),
+          "bias_correction": False, "count": 1, "grad_scale": 1.0, "undo": "auto", "seed": 17, "n": 32})  # L2, t 2
+@example({"p_dtype": torch.float32, "s_dtype": None, "decoupled": False,
           "hp": sofx.AdamHParams(lr=0.0, beta1=0.5, beta2=0.5, eps=0.001, weight_decay=0.5), "bias_correction": False,
           "count": 0, "grad_scale": 1.0, "undo": "auto", "seed": 0, "n": 0})  # L2's first step keeps p
 @example({"p_dtype": torch.float32, "s_dtype": None, "decoupled": False,
@@ -157,7 +160,9 @@ def test_auto_strategy_is_sound(c):
     _, _, record = opt.update(params, grads, state, c["hp"])
     hp = c["hp"]
     s_dtype = c["s_dtype"] or c["p_dtype"]
-    s = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, 1, 1.0)  # (update without grad_scale)
+    # (update without grad_scale; the step t = count + 1, which the L2 terms' bias corrections read: with t = 1 for
+    # every count the oracle flagged elements of an L2 step from count 1 that the step's own check rightly passed)
+    s = AdamScalars(hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, c["count"] + 1, 1.0)
     # a param_snapshot keeps p: its inverse takes no recovered p, so no L2 terms in its test (p_kept); so does a
     # leaf's first step in L2 mode, whatever that step's decay (count 0: adam.py's L2_FIRST_STEP_REASON)
     p_kept = c["p_dtype"] in (torch.bfloat16, torch.float16) or bool(
