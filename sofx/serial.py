@@ -188,6 +188,13 @@ def without_gradients(total: float) -> bool:
     return total == 0.0 and math.copysign(1.0, total) < 0.0
 
 
+def _facts_without_gradients(facts: StepFacts, scaler: LossScaler, scaler_state: LossScaleState) -> StepFacts:
+    """``facts`` of a step without gradients on any rank (:func:`without_gradients`): the loss scaler does not
+    count it, so its state is kept, and with it the scale of the next backward (``next_scale``: the kept state's,
+    not that of the update dropped)."""
+    return facts._replace(scaler_state=scaler_state, next_scale=loss_scale_of(scaler, scaler_state))
+
+
 def check_profile(profile: str) -> str:
     """``profile`` if it is one of ``PROFILES`` (``"torch"``, ``"deepspeed"``), else an :class:`HParamError`."""
     if profile not in PROFILES:
@@ -542,7 +549,7 @@ def serial_step(opt: Adam = REQUIRED, params: Any = REQUIRED, grads: Any = REQUI
     empty = without_gradients(total)
     facts = step_facts(profile, scaler, scaler_state, 0.0 if empty else total, max_norm)
     if empty:
-        facts = facts._replace(scaler_state=scaler_state)
+        facts = _facts_without_gradients(facts, scaler, scaler_state)
     if facts.overflow:
         return SerialStepResult(params, state, facts.scaler_state, facts)
     # No overflow: the sum of squares is finite, so is every gradient element (transforms.sumsq); the

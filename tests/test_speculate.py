@@ -265,6 +265,8 @@ def test_a_step_without_any_gradient_is_not_counted_by_the_scaler(rng, missing: 
                       config=sp.SpeculationConfig(missing_grad=missing))
     grown = scaler.scale(ser.scaler_state) > scaler.scale(sstate)
     assert grown == (missing == "zero")
+    # the facts' next scale is the kept state's (the serial loop's was the scale of the update it dropped)
+    assert ser.facts.next_scale == spec.report.next_scale == scaler.scale(ser.scaler_state)
     assert spec.report.actions == (("skip",) if missing == "skip" else ("step",)) * len(params)
     _compare(spec, ser, spec.report.actions)
 

@@ -46,10 +46,10 @@ from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import _described, as_integer, fact_value, flag, integer, is_bool, real_number
 from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError, inverse_scale
 from sofx.required import REQUIRED
-from sofx.serial import (StepFacts, _keyword_names, _missing, _positional_names, can_unscale, check_max_norm,
-                         check_opt, check_profile, check_scale, clip_max_norm, loss_scale_of, local_sumsq,
-                         reduced_sumsq, refuse_reduce, refuse_unknown_keywords, step_facts, step_settings,
-                         without_gradients)
+from sofx.serial import (StepFacts, _facts_without_gradients, _keyword_names, _missing, _positional_names,
+                         can_unscale, check_max_norm, check_opt, check_profile, check_scale, clip_max_norm,
+                         loss_scale_of, local_sumsq, reduced_sumsq, refuse_reduce, refuse_unknown_keywords, step_facts,
+                         step_settings, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -728,8 +728,7 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     try:
         facts = step_facts(cfg.profile, ctx.scaler, ctx.scaler_state, 0.0 if empty else total, cfg.max_norm)
         if empty:  # (the state kept: its scale read here, where a rule's failure undoes the step)
-            facts = facts._replace(scaler_state=ctx.scaler_state,
-                                   next_scale=loss_scale_of(ctx.scaler, ctx.scaler_state))
+            facts = _facts_without_gradients(facts, ctx.scaler, ctx.scaler_state)
     except Exception as exc:
         # DeepSpeed's rule at its minimum scale, or the loss-scale rule failed (a LossScaleRuleError: a custom
         # rule's exception): the step is not taken, its speculative steps are undone (they escaped standing)
