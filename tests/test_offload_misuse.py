@@ -608,6 +608,27 @@ def test_states_given_as_other_parameters_live_views_are_read_before_any_is_writ
         assert torch.equal(opt.state[p]["exp_avg"], v) and torch.equal(opt.state[p]["exp_avg_sq"], m.abs())
 
 
+def test_masters_given_as_the_model_parameters_are_read_before_any_master_is_written():
+    """A ``master`` given as a model parameter (``opt.state.update({p: {..., "master": q.detach()}, q: {...,
+    "master": p.detach()}})``, a swap of two layers' weights) was read after an earlier entry's master had been
+    written into that parameter (a master is shown to its model parameter at once): both parameters ended with one
+    weight. Every value is read before any is written, the model's parameters too."""
+    model, _ = _models()
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        opt.zero_grad()
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        opt.step()
+        q, p = model.inp.bias, model.mid.bias
+        assert q.shape == p.shape
+        torch_keys = ("step", "exp_avg", "exp_avg_sq")
+        states = {t: {k: opt.state[t][k].clone() for k in torch_keys} for t in (p, q)}
+        old_p, old_q = p.detach().clone(), q.detach().clone()
+        opt.state.update({p: {**states[p], "master": q.detach()}, q: {**states[q], "master": p.detach()}})
+        assert torch.equal(p, old_q) and torch.equal(q, old_p)
+        assert torch.equal(opt.state[p]["master"], old_q) and torch.equal(opt.state[q]["master"], old_p)
+
+
 def test_a_parameters_state_deep_copied_to_roll_back_as_torch_users_do():
     """``copy.deepcopy(opt.state[p])`` (a snapshot of a parameter's state, to roll back to) and
     ``copy.deepcopy(opt.state)`` deep-copied the engine behind the view, its worker's locks too, and failed with a

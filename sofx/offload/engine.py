@@ -1756,9 +1756,13 @@ class OffloadEngine:
         """The values of :meth:`set_params_states`' entries, copied where they are views of the optimizer's own
         state (another parameter's, or another key's of the same one: ``opt.state.update({q: {}, p: {"exp_avg":
         opt.state[q]["exp_avg"], ...}})``, a swap of two moments), so that no write changes a value still to be
-        written: p took q's state already reset, a swap copied one moment over the other and back."""
+        written: p took q's state already reset, a swap copied one moment over the other and back. Where a master
+        is written (shown to its model parameter at once), views of the model's parameters are copied too (a swap
+        of two layers' weights, ``{p: {..., "master": q.detach()}, q: {..., "master": p.detach()}}``)."""
         ours = {t.untyped_storage().data_ptr() for bt in self.tensors.values()
                 for t in (bt.master, bt.exp_avg, bt.exp_avg_sq, bt.counts)}
+        if any("master" in values for _, values in checked):
+            ours |= {p.untyped_storage().data_ptr() for p in self.params}
         return [(index, {key: value.clone() if isinstance(value, torch.Tensor)
                          and value.untyped_storage().data_ptr() in ours else value for key, value in values.items()})
                 for index, values in checked]
