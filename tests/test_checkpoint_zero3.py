@@ -788,6 +788,25 @@ def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_pat
         ck.load_zero3(tmp_path, opt, params, HP)
 
 
+@pytest.mark.parametrize("key, value, where", [
+    ("eps", 0.0, r"\['eps'\]: eps = 0\.0 is invalid; expected eps > 0"),
+    ("eps", 1e-50, r": eps = 1e-50 is beyond float32's range"),
+    ("lr", 1e39, r": lr = 1e\+39 is beyond float32's range")])
+def test_a_saved_hparam_no_step_can_take_is_refused_at_load_naming_its_group(tmp_path, key, value, where):
+    """A file's eps or lr that float32, in which every leaf load_zero3 takes is stepped (float64 ones are refused),
+    cannot hold was loaded without a word and refused only at the first update, naming a params leaf (the range
+    check at import covered from_torch_optim's float32 leaves only): it is refused at load naming the group."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          deepspeed_objects=False)
+    top = torch.load(files[0], weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1][key] = value
+    torch.save(top, files[0])
+    with pytest.raises(ck.CheckpointError, match=rf"block 1 .*param_groups\[1\]{where}"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def test_a_negative_second_moment_in_a_file_is_a_corrupt_checkpoint_error_and_a_nan_one_loads(tmp_path):
     """No run stores a negative ``exp_avg_sq``: one loaded without a word made the next step's parameters nan. It is
     a CorruptCheckpointError naming the file, the block and the element of its flat moment; a nan (a diverged

@@ -37,7 +37,7 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams
+from sofx.adam import Adam, AdamHParams, check_float32_range
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
@@ -75,15 +75,17 @@ def one_element(x: Any) -> Any:
     return x
 
 
-def saved_hparams(group: Any, at: str, missing: str,
-                  error: type[CheckpointError] = CheckpointError) -> AdamHParams:
+def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError] = CheckpointError, *,
+                  float32: str | None = None) -> AdamHParams:
     """A saved param group's lr, betas, eps and weight_decay as floats. Where one is missing or the betas are not
     a pair: ``error`` with the message ``missing`` and what is wrong. Each is a real number (a Python or numpy one, or a
     tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
     (the group) followed by its key, and its value (a string reached ``float()`` and was parsed; None or a tensor
     of two elements raised bare errors), within its range as :meth:`~sofx.Adam.update` checks it (``lr >= 0``,
     ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite: ``error`` naming the entry, the value and the
-    range; torch.optim takes ``eps=0``, which no step here can)."""
+    range; torch.optim takes ``eps=0``, which no step here can). ``float32``: where a leaf of the group is
+    stepped in float32, why (the words ending the refusal): the values float32 cannot hold are refused too
+    (:func:`~sofx.adam.check_float32_range`, as ``update`` refuses them at the first step, naming a leaf)."""
     try:
         b1, b2 = group["betas"]
         raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
@@ -100,7 +102,13 @@ def saved_hparams(group: Any, at: str, missing: str,
         except HParamError as exc:
             raise error(str(exc)) from None
         values.append(float(v))
-    return AdamHParams(*values)
+    hp = AdamHParams(*values)
+    if float32 is not None:
+        try:
+            check_float32_range(hp, at)
+        except HParamError as exc:
+            raise error(f"{exc} ({float32})") from None
+    return hp
 
 
 def _leaf_index(ref: Any, paths: list[str], by_path: dict[str, list[int]]) -> int:

@@ -37,11 +37,11 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState, check_float32_range, refused_torch_option
+from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups, saved_hparams
 from sofx.checkpoint.io import template_device
-from sofx.errors import HParamError, UnsupportedError
+from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.stored_values import refuse_negative
@@ -334,16 +334,11 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
 def _group_hparams(saved: dict, gi: int, members: list[Any]) -> AdamHParams:
     """Saved ``param_groups[gi]``'s hparams (:func:`~sofx.checkpoint.groups.saved_hparams`: numbers in their
     ranges), refused where float32 cannot hold them and a leaf of the group (``members``) is stepped in float32
-    (every dtype but float64: :func:`~sofx.adam.check_float32_range`), as ``update`` would refuse them at the
-    first step, naming a leaf and not the entry."""
-    at = f"from_torch_optim: param_groups[{gi}]"
-    hp = saved_hparams(saved, at, f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay")
-    if any(not isinstance(p, torch.Tensor) or p.dtype != torch.float64 for p in members):
-        try:
-            check_float32_range(hp, at)
-        except HParamError as exc:
-            raise CheckpointError(f"{exc} (a leaf of the group is not float64)") from None
-    return hp
+    (every dtype but float64), as ``update`` would refuse them at the first step, naming a leaf and not the entry."""
+    wide = all(isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in members)
+    return saved_hparams(saved, f"from_torch_optim: param_groups[{gi}]",
+                         f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay",
+                         float32=None if wide else "a leaf of the group is not float64")
 
 
 def _leaves_by_name(params: Any) -> dict[str, int]:

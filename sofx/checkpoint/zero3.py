@@ -832,7 +832,8 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                                    f"this one {opt.variant.decoupled}")
         gi = next(i for i, group in enumerate(saved_groups) if group is saved)
         hp = saved_hparams(saved, f"{where}: param_groups[{gi}]",
-                           f"{where}: the param group lacks lr, betas, eps or weight_decay", CorruptCheckpointError)
+                           f"{where}: the param group lacks lr, betas, eps or weight_decay", CorruptCheckpointError,
+                           float32="a ZeRO-3 checkpoint holds no float64 leaf")
         entry = saved_state.get(b)
         if entry is None:
             steps.append(0)
