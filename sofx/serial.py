@@ -491,7 +491,7 @@ def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: f
     ``clip = zero_clip_factor(...)``, coefficient ``1/clip``, multiplier ``1/(clip*S)``."""
     if profile == "torch":
         coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
-        return coef != 1.0, coef, inverse_scale(scale) if coef == 1.0 else inverse_scale(scale) * coef
+        return coef != 1.0, coef, inverse_scale(scale) * coef  # (exactly inv where not clipped: coef 1.0)
     clip = 1.0 if max_norm is None else zero_clip_factor(scaled_norm, scale, max_norm)
     return clip > 1.0, 1.0 / clip, 1.0 / (clip * scale)
 

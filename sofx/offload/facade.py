@@ -661,8 +661,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
             self.engine.set_params_states([(i, given.get(i, {})) for i in range(len(self.engine.params))], what)
             return
         raise UnsupportedError(f"opt.state must be a mapping of parameters to their states, as torch.optim's (an "
-                               f"empty one, e.g. collections.defaultdict(dict), resets every parameter), got a "
-                               f"{type(value).__name__}; change a parameter's state with opt.state[p][key] = value, or "
+                               f"empty one, e.g. collections.defaultdict(dict), resets every parameter), got "
+                               f"{_described(value)}; change a parameter's state with opt.state[p][key] = value, or "
                                "load a state dict")
 
     def _hparams(self) -> list[AdamHParams]:
