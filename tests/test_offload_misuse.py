@@ -2273,6 +2273,44 @@ def test_branches_used_alternately_count_every_backward_call_of_an_accumulation(
             assert relative_deviation(model, ref) <= TOL
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_more_backward_calls_than_the_accumulation_warn_at_the_caller_and_step_the_sum(executor):
+    """gradient_accumulation_steps=2 and 3 backward calls before step(): the third call's gradients came after
+    their blocks were stepped (late: summed, undone, redone), silently, and the step took 3/2 of a full
+    accumulation (each loss divided by 2). step() warns once at the caller's line, naming the counts, and steps
+    the sum, as torch.optim.AdamW steps on what .grad accumulated; micro-batches through alternating heads count
+    each call. Two calls do not warn, nor do several with gradient_accumulation_steps=1 (the default: torch's
+    accumulation in .grad, nothing declared)."""
+    gen = torch.Generator().manual_seed(0)
+    for steps, plan in ((2, (3, 2, 4)), (1, (2, 3))):
+        torch.manual_seed(0)
+        model = _Branches()
+        ref = copy.deepcopy(model)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor,
+                                           gradient_accumulation_steps=steps) as opt:
+            for calls in plan:
+                for i in range(calls):
+                    x = torch.randn(3, 4, generator=gen)
+                    opt.backward(model(x, i).square().mean() / steps)
+                    (ref(x, i).square().mean() / steps).backward()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()
+                ropt.step()
+                ropt.zero_grad()
+                extra = [w for w in caught if "gradient_accumulation_steps" in str(w.message)]
+                if steps == 1 or calls == steps:
+                    assert not extra, [str(w.message) for w in extra]
+                else:
+                    assert len(extra) == 1 and extra[0].category is RuntimeWarning, [str(w.message) for w in extra]
+                    assert str(extra[0].message).startswith(
+                        f"sofx.offload: step() after {calls} backward calls (micro-steps) of "
+                        f"gradient_accumulation_steps={steps}: "), str(extra[0].message)
+                    assert extra[0].filename == __file__
+                assert relative_deviation(model, ref) <= TOL
+
+
 class _Checkpointed(nn.Module):
     """``inner`` applied inside a reentrant activation checkpoint (its backward runs a backward of its own) and,
     with ``shared``, ``inner`` again outside it (autograd accumulates its gradient twice in one backward call);

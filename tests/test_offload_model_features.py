@@ -491,8 +491,11 @@ def test_a_backward_call_after_the_last_micro_step_is_a_late_gradient_of_the_blo
     speculated in the 2nd call; the 3rd's trunk gradients are late (summed in, the trunk's blocks undone at once and
     stepped in ``step()``), head 1 stands as speculated, and head 0, not ready in the 2nd call, is ready in the 3rd
     (a call after the N-th is a last micro-step too), speculated on its two micro-steps' sum. The trajectory is
-    torch.optim's on the summed ``.grad``, within 1e-6 (the undone blocks)."""
-    reports, deviations, blocks = _branched_side_by_side(2, executor, calls=3)
+    torch.optim's on the summed ``.grad``, within 1e-6 (the undone blocks); each ``step()`` warns of the extra call."""
+    with pytest.warns(RuntimeWarning, match=r"step\(\) after 3 backward calls \(micro-steps\) of "
+                                            r"gradient_accumulation_steps=2") as caught:
+        reports, deviations, blocks = _branched_side_by_side(2, executor, calls=3)
+    assert sum("gradient_accumulation_steps" in str(w.message) for w in caught) == len(reports)
     for report in reports:
         actions = dict(zip(blocks.values(), report.actions))
         assert actions == {"trunk.weight": "step", "trunk.bias": "step", "heads.0.weight": "commit",

@@ -54,9 +54,11 @@ backward call, where each of its parameters got a gradient in that call (the ear
 parameter of a branch the last micro-batch did not take leaves its block to ``step()``;
 :mod:`sofx.offload.arrivals`); a ``step()`` after fewer backward calls (those that gave gradients, whichever
 parameters each reached: :mod:`sofx.offload.backward_passes`) steps on their sum, the partial last accumulation
-of an epoch, with a ``RuntimeWarning`` naming the counts; the sum is taken in float32, the masters' dtype: for a
-bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of fp32 master copies whose
-``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the module); param groups cannot be
+of an epoch, with a ``RuntimeWarning`` naming the counts, and so does one after more (N > 1: the later calls'
+gradients came after their blocks were stepped, each such block undone and redone); the sum is taken in float32,
+the masters' dtype: for a bf16/fp16 module, the float32 sum of its micro-steps' gradients, as torch's recipe of
+fp32 master copies whose ``.grad`` sums them, not the bf16/fp16 ``.grad`` autograd would accumulate on the
+module); param groups cannot be
 added after construction, reordered, nor parameters added to, removed from or moved between groups' ``params``
 (refused at the next step, naming a moved parameter's group, not ignored; their order in a group is free), and a
 group cannot hold a parameter twice (refused at construction, and at the next step where its list was edited so,
@@ -998,7 +1000,10 @@ class _SpeculativeBase(torch.optim.Optimizer):
         reach no parameter in all of them, and that warned after a full accumulation."""
         tracker = self.engine.tracker
         declared, seen = tracker.accumulation_steps, self.engine.micro_steps
-        if not tracker.started or seen >= declared:
+        if not tracker.started:
+            return
+        if seen >= declared:
+            self._warn_extra_accumulation()
             return
         ddp = (" (under DDP a backward inside no_sync() does not count: with no_sync(), "
                "gradient_accumulation_steps=1)" if self.engine.reduced else "")
@@ -1009,6 +1014,26 @@ class _SpeculativeBase(torch.optim.Optimizer):
                       f"the end of an epoch is meant to; otherwise call step() once per {declared} backward calls "
                       f"(DeepSpeed's engine.step() before the boundary does nothing; here it steps){ddp}",
                       RuntimeWarning, stacklevel=caller_stacklevel())
+
+    def _warn_extra_accumulation(self) -> None:
+        """Warn where more backward calls than ``gradient_accumulation_steps`` (N > 1) gave this step gradients: a
+        block was ready, and speculated, during the N-th call, so every later call's gradients are *late* (summed,
+        the block's step undone and redone in ``step()``: right, but each such block is stepped twice), and the step
+        takes more than a full accumulation (each loss divided by N). ``torch.optim`` steps on whatever ``.grad``
+        accumulated, DeepSpeed at each boundary of N: a warning (the sum is stepped), not a refusal. It counts the
+        backward calls numbered (:attr:`sofx.offload.backward_passes.BackwardPasses.calls`: too few where that cannot
+        be told, never too many: a reentrant checkpoint's nested backward is its enclosing call). N = 1 (the
+        default) declares nothing: several backwards accumulate as ``.grad`` does, silently."""
+        declared, seen = self.engine.tracker.accumulation_steps, self.engine.passes.calls
+        if declared == 1 or seen <= declared:
+            return
+        warnings.warn(f"sofx.offload: step() after {seen} backward calls (micro-steps) of "
+                      f"gradient_accumulation_steps={declared}: the step is taken on the sum of those {seen} "
+                      f"micro-steps' gradients (with each loss divided by {declared}, {seen}/{declared} of a full "
+                      f"accumulation's), as torch.optim steps on what .grad accumulated; the later calls' gradients "
+                      f"were late (a block speculated during backward call {declared} that they reached was undone "
+                      f"and redone in step()); call step() once per {declared} backward calls (DeepSpeed steps at "
+                      "each boundary)", RuntimeWarning, stacklevel=caller_stacklevel())
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``scale_loss(loss).backward(**kwargs)``; ``loss`` a tensor (several losses:
@@ -1173,8 +1198,8 @@ class SpeculativeAdamW(_SpeculativeBase):
       first bias (``opt.engine.layouts`` lists each block's ``param_indices`` and ``on_device``);
       ``swap_params``: see the module docstring.
     - ``missing_grad``: ``"skip"`` or ``"zero"``, for a parameter that got no gradient;
-      ``gradient_accumulation_steps``: backward calls (micro-steps) per ``step()`` (a ``step()`` after fewer
-      steps on their sum, with a ``RuntimeWarning`` naming the counts).
+      ``gradient_accumulation_steps``: backward calls (micro-steps) per ``step()`` (a ``step()`` after fewer,
+      or more where it is over 1, steps on their sum, with a ``RuntimeWarning`` naming the counts).
     - ``speculate``: on or off (also settable between steps); ``policy``: the
       :class:`~sofx.speculate.AdaptivePolicy` that pauses it while clipping fires on most steps;
       ``snapshot_budget_bytes``: the most snapshot memory the speculative steps may hold (``None``: no limit).
