@@ -1060,6 +1060,46 @@ def _step_skipped_on_one_rank(rank: int) -> dict:
     return out
 
 
+def _raise_in_backward(g: torch.Tensor) -> torch.Tensor:
+    raise _LoopError("rank 1's own error in backward")
+
+
+def _exchange_failed_at_backward(rank: int) -> dict:
+    """DDP over a group whose collectives time out after 1 s; one step, then a backward in which rank 1 raises
+    (its own tensor hook on the model's output, before any bucket of its is ready): rank 0 waits alone in the
+    ranks' exchange at its bucket 0 and its backward raises. What each rank's backward said; on rank 0, what two
+    step()s said, how long each took and the exchanges each made, then a zero_grad()."""
+    out: dict = {}
+    meet()
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
+    meet()  # (DDP's construction broadcasts over the short-timeout group)
+    model = _ddp({"process_group": group})
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, ddp=model, executor="inline")
+    with _reported(out, [opt]):
+        x, y = _batch(0, 0, rank)
+        meet()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        meet()
+        h = model(x)
+        if rank == 1:
+            h.register_hook(_raise_in_backward)
+        out["backward"] = error_text(lambda: ((h - y) ** 2).mean().backward())
+        if rank == 0:
+            for key in ("step", "again"):
+                calls: list = []
+                start = time.monotonic()
+                with _counted(calls, opt.engine._replicas):
+                    out[key] = error_text(opt.step)
+                out[f"{key}_s"], out[f"{key}_calls"] = time.monotonic() - start, calls
+        opt.zero_grad()
+        out["in_step"] = opt.engine.in_step
+        out["failed"] = opt.engine._replicas.failed is not None  # (dropped with the step)
+    meet()
+    return out
+
+
 class _Heads(nn.Module):
     """A trunk and two heads; ``forward(x, head)`` goes through one head (multi-task heads, expert routing)."""
 
@@ -1164,6 +1204,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "without_backward_beside_closed": _step_without_backward_beside_a_closed_rank,
          "checkpointed_under_join": functools.partial(_steps_under_join, make=_Checkpointed),
          "backward_calls": _backward_calls_counted,
+         "exchange_failed": _exchange_failed_at_backward,
          **{f"heads_{how}_{kind}": functools.partial(_alternating_heads, crossed=how == "crossed",
                                                      exact=kind == "exact")
             for how in ("alternating", "crossed") for kind in ("exact", "clipped")},
@@ -1723,6 +1764,28 @@ def test_a_step_without_synchronized_backward_beside_a_closed_rank_raises_naming
                  "a rank whose optimizer over this DDP module is closed", "Timed out waiting 5000ms"):
         assert said in out["step"], (said, out["step"])
     assert out["seconds"] < 30.0, out["seconds"]  # (the group's 5 s timeout: bounded)
+
+
+def test_a_step_after_a_backward_whose_exchange_failed_raises_at_once_naming_it(ranks) -> None:
+    """A rank raised in its backward before DDP's all-reduce; the other waited alone in the ranks' exchange at its
+    bucket 0, and its backward raised (the group's timeout). Its next step() entered the exchange of a step without
+    synchronized backward, a collective on a group that may be unusable (gloo closed its connections here; where a
+    backend does not, it waited the timeout again at each step()), and said a rank had closed its optimizer or
+    skipped step(). It raises at once, entering no collective, naming the failed exchange of the step's backward
+    and what to do, at each step() until zero_grad() drops the step."""
+    for rank, res in enumerate(ranks):
+        out = res["exchange_failed"]
+        assert "error" not in out, f"rank {rank}: {out['error']}"
+        assert not out["in_step"] and not out["failed"], rank
+    out = ranks[0]["exchange_failed"]
+    assert out["backward"].startswith("backward under DDP: a rank did not take part in the ranks' exchange"), out
+    assert ranks[1]["exchange_failed"]["backward"] == "_LoopError: rank 1's own error in backward"
+    for key in ("step", "again"):
+        assert out[key].startswith("step() under DDP: the ranks' exchange at this step's synchronized backward "
+                                   "failed (RuntimeError: "), (key, out[key])
+        assert "nothing was stepped" in out[key] and "zero_grad()" in out[key], (key, out[key])
+        assert out[f"{key}_calls"] == [], (key, out[f"{key}_calls"])
+        assert out[f"{key}_s"] < 0.5, (key, out[f"{key}_s"])
 
 
 @pytest.mark.parametrize("how", ["alternating", "crossed"])

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from sofx.offload.engine import OffloadEngine
 
 __all__ = ["CONTENT_KEYS", "USED_HPARAMS", "DDPRoute", "Decision", "ReplicaWatch", "check_replicas", "ddp_route",
-           "reduced_indices", "refuse_averaged", "unmatched_step_error"]
+           "failed_exchange_error", "reduced_indices", "refuse_averaged", "unmatched_step_error"]
 
 # The attribute of a DDP module holding its route (the route goes with the module; it holds no reference to it)
 _ROUTE_ATTRIBUTE = "_sofx_ddp_route"
@@ -277,6 +277,7 @@ class ReplicaWatch:
         self.error: SofxError | None = None  # what this step's comparison found (None: nothing differs)
         self.used: str | None = None  # the hparams of this rank's last step() since the last exchange (None: none)
         self.shadowed = False  # this rank shadowed a backward under DDP.join() since the ranks last agreed
+        self.failed: BaseException | None = None  # what the ranks' exchange at this step's backward raised
 
     def changed(self, contents: Sequence[str] = ()) -> None:
         """This rank's state changed (``contents``: the keys of :data:`CONTENT_KEYS` whose values it changed)."""
@@ -341,6 +342,16 @@ class ReplicaWatch:
             self.shadowed = False
         self.decision = self.decision._replace(compare=False, used=None)
 
+    def fail(self, exc: BaseException) -> None:
+        """The ranks' exchange (or the comparison it decided) at a synchronized backward of this step raised ``exc``
+        here (a rank never came to it within the process group's timeout: it raised in its own code before its
+        backward): DDP's reduction of that backward did not complete, and the group may be unusable. ``step()``
+        raises it at once, entering no collective (its own exchange, without a decision, waited the group's
+        timeout again where the backend keeps its connections), until the step is dropped; the next exchange
+        compares the states (the ranks may have parted anywhere)."""
+        self.failed = exc
+        self.changed()
+
     def drop_step(self) -> None:
         """This rank drops the step (``zero_grad()`` before ``step()``): where the ranks had exchanged at it, the
         others may have taken it (a rank that raised between backward and ``step()`` and skipped it), so the
@@ -351,7 +362,7 @@ class ReplicaWatch:
 
     def forget_step(self) -> None:
         """The step ended (or was dropped): the next one decides anew."""
-        self.decision, self.error = None, None
+        self.decision, self.error, self.failed = None, None, None
 
 
 _LIVE = 10  # (the slot of the exchange saying whether a rank's optimizer is live: see ReplicaWatch.exchange)
@@ -390,6 +401,19 @@ def unmatched_step_error(exc: BaseException) -> SofxError:
                      "call step() at the same points on every rank, with the optimizer open on every rank, or end "
                      "each step with a synchronized backward (the last micro-step outside no_sync()), whose exchange "
                      "a closed rank takes part in")
+
+
+def failed_exchange_error(exc: BaseException) -> SofxError:
+    """The error of a ``step()`` whose synchronized backward's exchange with the other ranks raised ``exc``
+    (:meth:`ReplicaWatch.fail`)."""
+    return SofxError("step() under DDP: the ranks' exchange at this step's synchronized backward failed "
+                     f"({type(exc).__name__}: {exc}), so DDP's reduction of that backward did not complete (this "
+                     "rank's gradients are not the ranks' average) and the process group may be unusable now (gloo "
+                     "closes its connections on a timeout; DDP then refuses the next backward); nothing was stepped, "
+                     "and this step() entered no collective; likely cause: a rank that raised in its own code before "
+                     "its backward, or skipped it. Restart the ranks from the last checkpoint (as torchrun "
+                     "--max-restarts does), or, where the group still works, call zero_grad() on every rank and run "
+                     "the step's backwards again")
 
 
 def _differ(high: int, minus_low: int) -> bool:

@@ -94,7 +94,7 @@ from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
 from sofx.offload.ddp import (CONTENT_KEYS, USED_HPARAMS, DDPRoute, Decision, ReplicaWatch, check_replicas, ddp_route,
-                              reduced_indices, refuse_averaged, unmatched_step_error)
+                              failed_exchange_error, reduced_indices, refuse_averaged, unmatched_step_error)
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -813,9 +813,13 @@ class OffloadEngine:
         self.passes.note()  # (DDP hands the averaged gradients of each bucket of this backward call)
         watch = self._replicas
         whole = watch.decision is None
-        watch.exchange(self._hparams_text())
-        if watch.decision.compare:
-            watch.compared(self._compare_replicas(watch.decision, whole), whole)
+        try:
+            watch.exchange(self._hparams_text())
+            if watch.decision.compare:
+                watch.compared(self._compare_replicas(watch.decision, whole), whole)
+        except BaseException as exc:  # (gloo's timeout: step() raises it at once, see ReplicaWatch.fail)
+            watch.fail(exc)
+            raise
 
     def shadow_reduced_backward(self) -> None:
         """This rank joined (``DDP.join()``) and shadows the others' backward: it takes part in their exchange."""
@@ -1200,7 +1204,10 @@ class OffloadEngine:
         collective is entered (a rank that skips this ``step()`` -- an error between backward and ``step()`` caught
         on one rank -- leaves no other waiting; it drops the step at its ``zero_grad()``, and the next backward
         compares the states: see :meth:`~sofx.offload.ddp.ReplicaWatch.drop_step`). The outcome stands until the
-        step ends or is dropped: another ``step()`` raises it again. Where the step had no synchronized backward
+        step ends or is dropped: another ``step()`` raises it again. So does the failure of that exchange (a rank
+        that never came to the backward, within the process group's timeout): ``step()`` raises it at once,
+        entering no collective on a group that may be broken, until ``zero_grad()``
+        (:meth:`~sofx.offload.ddp.ReplicaWatch.fail`). Where the step had no synchronized backward
         the ranks exchange and compare here: that ``step()`` is a collective, and where it raises the step's
         decision is dropped (the next ``step()`` decides anew, with what changed since); a rank that takes no part
         in its exchange (its optimizer closed, a ``step()`` skipped on it) makes the others' raise after the
@@ -1215,6 +1222,8 @@ class OffloadEngine:
         measured with 2 gloo ranks on one machine, 10 blocks to 10^4), one pass over each changed content (a sum
         of its bits), inside backward before its first bucket's all-reduce; the blocks are speculated after it
         where nothing differs."""
+        if watch.failed is not None:  # (the exchange at this step's backward: no collective, the group may be broken)
+            raise failed_exchange_error(watch.failed) from watch.failed
         if watch.error is not None:
             raise watch.error.with_traceback(None)  # (found at backward, on every rank)
         if watch.decision is not None:
