@@ -182,6 +182,33 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() >= 0
 
 
+def _scale_for_average(route: DDPRoute, bucket: Any) -> None:
+    """Scale ``bucket``'s gradients (in its buffer) by ``1 / world_size`` as DDP's reducer does without a hook: it
+    multiplies a gradient by ``1 / world_size`` as it copies it into the bucket, but divides by ``world_size`` in
+    place a ``.grad`` that is its bucket view already (``gradient_as_bucket_view``: made so at an earlier
+    synchronized backward of the step, autograd accumulating into it since). Where the world size is no power of
+    two the two differ in the last bit (a third of the elements, 3 ranks): multiplying them all, the second
+    synchronized backward of an accumulation was not DDP's average. Such a ``.grad`` is the tensor DDP left at the
+    end of the step's last synchronized backward (the engine's :meth:`~sofx.offload.engine.OffloadEngine.
+    grad_kept_since_reduced`) and a view of this bucket."""
+    buffer, world = bucket.buffer(), route.world_size
+    engine = route.owner()
+    if world & (world - 1) == 0 or engine is None:  # (x * (1 / 2**k) is x / 2**k; a closed engine keeps nothing)
+        buffer.mul_(1.0 / world)
+        return
+    views = bucket.gradients()
+    divided = []
+    for p, view in zip(bucket.parameters(), views):
+        index, grad = route._index.get(id(p)), p.grad
+        divided.append(index is not None and grad is not None and grad.data_ptr() == view.data_ptr()
+                       and engine.grad_kept_since_reduced(index))
+    if not any(divided):
+        buffer.mul_(1.0 / world)
+        return
+    for view, divide in zip(views, divided):
+        view.div_(world) if divide else view.mul_(1.0 / world)
+
+
 def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's annotations with its own classes)
     """The communication hook: DDP's reduction of ``bucket`` (its gradients times ``1 / world_size``, summed over
     the ranks, in place), then its averaged gradients to ``route``'s engine, on the thread that completes it.
@@ -196,7 +223,7 @@ def _all_reduce_then_take(route, bucket):  # (unannotated: DDP compares a hook's
     all-reduce of the others: it all-reduces, and hands the engine nothing (the rank has no step, as torch.optim
     on it has none; given the others' averages, its engine was left in a step)."""
     buffer = bucket.buffer()
-    buffer.mul_(1.0 / route.world_size)  # (as DDP's reducer scales each gradient into its bucket without a hook)
+    _scale_for_average(route, bucket)
     mine = _in_backward()  # (not: the zeros of a joined rank, whose optimizer has no step, as torch's)
     if mine:
         route.begin_bucket(bucket.index(), bucket.is_last())

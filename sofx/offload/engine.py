@@ -834,6 +834,14 @@ class OffloadEngine:
         if error is not None:
             raise error
 
+    def grad_kept_since_reduced(self, index: int) -> bool:
+        """Whether ``.grad`` of averaged parameter ``index`` is the tensor DDP left there at the end of the step's
+        last synchronized backward (:meth:`end_reduced_backward`; autograd may have accumulated into it since): DDP
+        divides such a ``.grad`` in place where it is its bucket view (:func:`sofx.offload.ddp._scale_for_average`).
+        False where none was noted this step."""
+        mark = self._reduced_grads.get(index)
+        return mark is not None and mark[0]() is self.params[index].grad
+
     def _reduced_grad_changed(self, index: int) -> bool:
         """Whether ``.grad`` of averaged parameter ``index`` is no longer the tensor DDP left there at the end of the
         step's last synchronized backward (:meth:`end_reduced_backward`): another tensor or none, other storage, or
