@@ -2619,3 +2619,38 @@ def test_a_step_action_given_the_standing_record_of_the_blocks_speculative_step_
     assert int(s0.count) == 0 and _rel(back, param) <= 1e-6
     p2, s2 = sp.apply_block_action(opt, action, back, grad, s0, record)  # (a used record: the step from the undone)
     assert int(s2.count) == 1
+
+
+def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps_action(rng):
+    """A BlockDecision did not say which step it is of: speculative_block_step took one of an earlier step (an
+    engine that kept a stale decision) and stepped with its hparams (lr 1e-2 where this step's is 3e-2), and
+    validation, comparing this step's tally's decision, committed that step without a word. A decision carries its
+    step's context_id, and so do the record of its speculative step and the plan's actions: apply_block_action
+    refuses a record of another step's decision (commit included) naming both steps, before anything is written;
+    the record still undoes the block. A tally whose decision is of another step is refused by plan_validation."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng) * S16
+    state = opt.init(param)
+    el = sp.Eligibility(True, "algebraic", "", 0)
+    ctx1, tally1 = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally1, old = sp.on_block_ready(ctx1, tally1, 0, sp.grad_sumsq(grad), el)
+    hp = sofx.AdamHParams(lr=3e-2)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1, hparams=hp)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), el)
+    assert old.context_id == ctx1.context_id != decision.context_id == ctx.context_id
+    p1, s1, record = sp.speculative_block_step(opt, param.clone(), grad, state, old)
+    (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)]).actions
+    assert action.kind == "commit" and action.context_id == ctx.context_id
+    with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: the record given is of a speculative "
+                                             r"step of another step's decision"):
+        sp.apply_block_action(opt, action, p1, grad, s1, record)
+    back, s0 = opt.undo(p1, s1, record)
+    assert int(s0.count) == 0 and _rel(back, param) <= 1e-6
+    p2, s2, record = sp.speculative_block_step(opt, back, grad, s0, decision)
+    assert sp.apply_block_action(opt, action, p2, grad, s2, record)[0] is p2
+    want, _, _ = opt.update(param, grad, state, hp, grad_scale=ctx.grad_scale)
+    assert torch.equal(p2, want)
+    mixed = tally._replace(decisions=(old,))
+    with pytest.raises(sofx.SofxError, match=r"^plan_validation: the tally's decisions\[0\] is of another step"):
+        sp.plan_validation(ctx, mixed, [sp.grad_sumsq(grad)])

@@ -95,7 +95,8 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     new_param, new_state, record = opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale,
                                               donate=donate, grads_finite=grads_finite, param_copies=param_copies,
                                               snapshot_limit_bytes=limit)
-    record.block = decision.block  # (whose step it is: apply_block_action refuses it with another block's action)
+    # (whose step it is: apply_block_action refuses it with another block's action, or another step's)
+    record.block, record.context_id = decision.block, decision.context_id
     return new_param, new_state, record
 
 
@@ -112,7 +113,10 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     ``record`` is the speculative step's record (needed by ``undo`` and ``undo_redo``); one of another
     block's speculative step (:func:`speculative_block_step` notes the block in it) is refused, naming both
     blocks, before anything is written: the tensors and record of block ``i`` go with ``plan.actions[i]``.
-    So is a ``step`` given a record that was not used (a speculative step that stands would be stepped again).
+    So is the record of a speculative step of another step's decision (:class:`BlockDecision`'s ``context_id``,
+    which its record and the plan's actions carry): validation checked this step's decision, not the one the block
+    was stepped with. So is a ``step`` given a record that was not used (a speculative step that stands would be
+    stepped again).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -129,6 +133,13 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
         raise SofxError(f"apply_block_action: plan.actions[{action.block}] is block {action.block}'s; the record given "
                         f"is of block {whose}'s speculative step: pass block {action.block}'s tensors and record "
                         f"with its action (plan.actions[i] goes with block i's), nothing was written")
+    made = record.context_id if whose is not None else None
+    if made and action.context_id and made != action.context_id:
+        raise SofxError(f"apply_block_action: block {action.block}: the record given is of a speculative step of "
+                        "another step's decision (a BlockDecision of an earlier begin_step, whose hparams and "
+                        "multiplier this step's validation did not check): speculate with the decision "
+                        "on_block_ready returned this step. Nothing was written; the record's opt.undo takes its "
+                        "step back")
     if kind in ("commit", "skip"):
         return param, state
     if kind == "step" and isinstance(record, UndoRecord) and not record.used:

@@ -180,18 +180,25 @@ class Eligibility(NamedTuple):
     snapshot_bytes: int = 0
 
 
-class BlockDecision(NamedTuple):
-    """What :func:`on_block_ready` decided for one block.
+class _OfStep:
+    """The step a decision or action is of: its :class:`StepContext`'s ``context_id``, kept with it (not one of its
+    fields, so that decisions and actions compare by their fields, as before) and carried to its copies (its
+    ``_replace``, ``copy.copy``, a pickled copy). ``0``: not known (one made by hand)."""
 
-    ``speculate``: take the speculative step now, with ``hparams`` and
-    ``grad_scale``. ``kind`` is one of :data:`DECISION_KINDS`; ``reason`` says why.
-    ``snapshot_bytes``: what the block's undo strategy says its snapshot holds.
-    ``snapshot_budget_bytes``: the configuration's. The speculative step may keep
-    what is left of it once the steps before it have kept theirs (``Adam.update``'s
-    ``snapshot_limit_bytes``); a step that finds in itself a need for more (a
-    gradient that dominates the moments) is taken back, and
-    :func:`on_speculation_refused` records that.
-    """
+    __slots__ = ()
+
+    @property
+    def context_id(self) -> int:
+        """The ``context_id`` of the step (:func:`begin_step`'s context) it is of; ``0``: not known."""
+        return self.__dict__.get("_context_id", 0)  # type: ignore[attr-defined]
+
+    def _of_step(self, context_id: int) -> Any:
+        self.__dict__["_context_id"] = context_id  # type: ignore[attr-defined]
+        return self
+
+
+class _BlockDecisionFields(NamedTuple):
+    """:class:`BlockDecision`'s fields."""
 
     block: int
     speculate: bool
@@ -202,6 +209,31 @@ class BlockDecision(NamedTuple):
     strategy: str | None = None
     snapshot_bytes: int = 0
     snapshot_budget_bytes: int | None = None
+
+
+class BlockDecision(_OfStep, _BlockDecisionFields):
+    """What :func:`on_block_ready` decided for one block.
+
+    ``speculate``: take the speculative step now, with ``hparams`` and
+    ``grad_scale``. ``kind`` is one of :data:`DECISION_KINDS`; ``reason`` says why.
+    ``snapshot_bytes``: what the block's undo strategy says its snapshot holds.
+    ``snapshot_budget_bytes``: the configuration's. The speculative step may keep
+    what is left of it once the steps before it have kept theirs (``Adam.update``'s
+    ``snapshot_limit_bytes``); a step that finds in itself a need for more (a
+    gradient that dominates the moments) is taken back, and
+    :func:`on_speculation_refused` records that.
+
+    ``context_id`` (not a field: :class:`_OfStep`): that of the step's :class:`StepContext`; its speculative step's
+    record notes it, and :func:`~sofx.speculation.apply.apply_block_action` refuses the record with an action of
+    another step (validation checked this step's decision, not the one the block was stepped with).
+    """
+
+    # (no __slots__: each decision's __dict__ holds its step's "_context_id")
+
+    def _replace(self, **changes: Any) -> "BlockDecision":
+        new = super()._replace(**changes)
+        new.__dict__.update(self.__dict__)
+        return new
 
 
 class BackwardTally(NamedTuple):
@@ -239,12 +271,13 @@ class _BlockActionFields(NamedTuple):
     speculated: bool = False
 
 
-class BlockAction(_BlockActionFields):
+class BlockAction(_OfStep, _BlockActionFields):
     """What validation does to one block; ``kind`` is one of :data:`ACTION_KINDS`.
 
     ``grad_scale``/``hparams``: the final multiplier and hparams for ``step``
     and ``undo_redo``. ``zero_grad``: step with a zero gradient (missing
-    gradient, ``missing_grad="zero"``). ``speculated``: a speculative step was taken.
+    gradient, ``missing_grad="zero"``). ``speculated``: a speculative step was taken. ``context_id`` (not a
+    field, :class:`_OfStep`): that of the step's :class:`StepContext`, as its decisions'.
 
     An action that writes (``step``, ``undo``, ``undo_redo``) is carried out once, as a record is used once
     (one step per block per step): whether it was is kept with the action (not one of its fields, so that
@@ -252,11 +285,13 @@ class BlockAction(_BlockActionFields):
     :func:`~sofx.speculation.apply.apply_block_action` refuses a second application.
     """
 
-    # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies)
+    # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
+    # and its step's "_context_id")
 
     def _replace(self, **changes: Any) -> "BlockAction":
         new = super()._replace(**changes)
-        new.__dict__["_applied"] = self.applied_cell()
+        self.applied_cell()
+        new.__dict__.update(self.__dict__)
         return new
 
     def applied_cell(self) -> list[bool]:
@@ -552,7 +587,7 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
             kind, reason, nbytes = "speculate", "", el_bytes
             snap += el_bytes
     decision = BlockDecision(block, kind == "speculate", kind, reason, hp, ctx.grad_scale, strategy, nbytes,
-                             ctx.config.snapshot_budget_bytes)
+                             ctx.config.snapshot_budget_bytes)._of_step(ctx.context_id)
     new = BackwardTally(running, vetoed, veto_reason, _replace(tally.block_sumsq, block, sumsq),
                         _replace(tally.decisions, block, decision), tally.late, snap, tally.undone, tally.context_id)
     return new, decision
@@ -722,6 +757,10 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     n = ctx.n_blocks
     cfg = ctx.config
     zero = cfg.missing_grad == "zero"
+
+    def action(*fields: Any) -> BlockAction:  # (of this step: apply_block_action checks it against the record's)
+        return BlockAction(*fields)._of_step(ctx.context_id)
+
     total = reduced_sumsq(reduce_sumsq, local, step_settings(cfg.profile, cfg.max_norm, cfg.missing_grad,
                                                              ctx.scaler_state))
     empty = without_gradients(total)  # no gradient on any rank: the policy skips the step too
@@ -733,8 +772,8 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
         # DeepSpeed's rule at its minimum scale, or the loss-scale rule failed (a LossScaleRuleError: a custom
         # rule's exception): the step is not taken, its speculative steps are undone (they escaped standing)
         why = ("the run stops: " if isinstance(exc, MinLossScaleError) else "the step is not taken: ") + str(exc)
-        actions = tuple(BlockAction(i, "undo" if spec_taken[i] else "skip", why, 1.0,
-                                    hps[i], False, spec_taken[i] or _undone_before(tally, i, spec_taken[i]))
+        actions = tuple(action(i, "undo" if spec_taken[i] else "skip", why, 1.0,
+                               hps[i], False, spec_taken[i] or _undone_before(tally, i, spec_taken[i]))
                         for i in range(n))
         report = _report(ctx, tally, None, actions, ctx.policy_state)
         return ValidationPlan(None, actions, ctx.scaler_state, ctx.policy_state, report, exc)
@@ -744,43 +783,43 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
         undone_before = _undone_before(tally, i, was)
         if facts.overflow:
             if was:
-                actions.append(BlockAction(i, "undo", "overflow: the step is skipped", facts.grad_scale, hp,
-                                           False, True))
+                actions.append(action(i, "undo", "overflow: the step is skipped", facts.grad_scale, hp,
+                                      False, True))
             else:
-                actions.append(BlockAction(i, "skip", "overflow: the step is skipped", facts.grad_scale, hp,
-                                           False, undone_before))
+                actions.append(action(i, "skip", "overflow: the step is skipped", facts.grad_scale, hp,
+                                      False, undone_before))
             continue
         if was:
             why = _changes(d, i in tally.late, facts.grad_scale, hp, facts, ctx)
             if why:
-                actions.append(BlockAction(i, "undo_redo", "; ".join(why), facts.grad_scale, hp, False, True))
+                actions.append(action(i, "undo_redo", "; ".join(why), facts.grad_scale, hp, False, True))
             else:
-                actions.append(BlockAction(i, "commit", "as speculated", facts.grad_scale, hp, False, True))
+                actions.append(action(i, "commit", "as speculated", facts.grad_scale, hp, False, True))
         elif undone_before and s is None:
             # undone by the caller as what arrived was no gradient after all (the offload engine under DDP: a
             # parameter unused on every rank): a block without gradient, whose speculative step is gone
             if zero:
-                actions.append(BlockAction(i, "step", "its speculative step was undone: no gradient is left; "
-                                           "stepped with zeros (missing_grad='zero')", facts.grad_scale, hp, True,
-                                           True))
+                actions.append(action(i, "step", "its speculative step was undone: no gradient is left; "
+                                      "stepped with zeros (missing_grad='zero')", facts.grad_scale, hp, True,
+                                      True))
             else:
-                actions.append(BlockAction(i, "skip", "its speculative step was undone: no gradient is left; not "
-                                           "stepped (missing_grad='skip')", facts.grad_scale, hp, False, True))
+                actions.append(action(i, "skip", "its speculative step was undone: no gradient is left; not "
+                                      "stepped (missing_grad='skip')", facts.grad_scale, hp, False, True))
         elif undone_before:
-            actions.append(BlockAction(i, "step", "its speculative step was undone when a late gradient came; "
-                                       "stepped with the sum", facts.grad_scale, hp, False, True))
+            actions.append(action(i, "step", "its speculative step was undone when a late gradient came; "
+                                  "stepped with the sum", facts.grad_scale, hp, False, True))
         elif s is not None:
             why = d.reason if d is not None and d.reason else (
                 "the block was not reported ready during backward" if d is None
                 else f"its speculative step did not run (taken[{i}] is False): stepped now" if d.speculate
                 else "not speculated")
-            actions.append(BlockAction(i, "step", why, facts.grad_scale, hp))
+            actions.append(action(i, "step", why, facts.grad_scale, hp))
         elif zero:
-            actions.append(BlockAction(i, "step", "no gradient: stepped with zeros (missing_grad='zero')",
-                                       facts.grad_scale, hp, True))
+            actions.append(action(i, "step", "no gradient: stepped with zeros (missing_grad='zero')",
+                                  facts.grad_scale, hp, True))
         else:
-            actions.append(BlockAction(i, "skip", "no gradient: not stepped (missing_grad='skip')",
-                                       facts.grad_scale, hp))
+            actions.append(action(i, "skip", "no gradient: not stepped (missing_grad='skip')",
+                                  facts.grad_scale, hp))
     policy_state = ctx.policy_state if empty else cfg.policy.update(ctx.policy_state,
                                                                     None if facts.overflow else facts.clipped)
     actions = tuple(actions)
@@ -816,6 +855,9 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
         d = tally.decisions[i]
         # (a step the caller undid for a late gradient, on_late_gradient(undone=True), no longer stands)
         was = d is not None and d.speculate and i not in tally.undone and (taken is None or bool(taken[i]))
+        if d is not None and d.context_id != ctx.context_id:
+            raise SofxError(f"plan_validation: the tally's decisions[{i}] is of another step (on_block_ready made it "
+                            "with another begin_step's context): the tally holds the decisions of its own step")
         if taken is not None and taken[i] and not (d is not None and d.speculate):
             raise SofxError(f"block {i}: taken[{i}] is True but the block was not speculated")
         if taken is not None and taken[i] and i in tally.undone:
