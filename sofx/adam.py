@@ -65,7 +65,7 @@ from sofx.kernels.base import check_step_size as kernel_check_step_size
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.kernels.user_numbers import as_integer, flag, is_bool
+from sofx.kernels.user_numbers import _described, as_integer, fact_value, flag, is_bool
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
@@ -270,7 +270,9 @@ class Adam:
         ``grads_finite=True``: the caller guarantees that every element of
         ``grads`` is finite and ``|g * grad_scale| <= GRADIENT_LIMIT`` (e.g. it
         took their sum of squares), so the undo strategy is chosen without
-        reading the gradients again; otherwise the record would be wrong. ``None``/``False``
+        reading the gradients again; otherwise the record would be wrong (a Python or numpy bool, or a readable
+        0-d bool tensor such as ``torch.isfinite(g).all()``, read once as its value; ``donate`` and ``undoable``
+        are Python or numpy bools). ``None``/``False``
         (default): each gradient is checked. The CPU and Triton kernels check a leaf's
         gradient in the step's own pass, a chunk at a time (leaves whose
         tensors share one dense layout, with ``undo="auto"``; a chunk is a
@@ -317,13 +319,13 @@ class Adam:
         (e.g. a model's bf16 weights beside fp32 masters). The CPU and Triton
         kernels write it in the same pass as the step.
         """
-        _validate_donate(donate)
-        _validate_undoable(undoable)
+        donate = _validate_donate(donate)
+        undoable = _validate_undoable(undoable)
         snapshot_limit_bytes = _validate_snapshot_limit(snapshot_limit_bytes)
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
-        _validate_grads_finite(grads_finite)
+        grads_finite = _validate_grads_finite(grads_finite)
         kernels = self._kernels(leaves)
         covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies, donate)
         if not covered:
@@ -532,7 +534,7 @@ class Adam:
         params' structure. ``param_copies``:
         as in :meth:`update` (they receive the restored parameters).
         """
-        _validate_donate(donate)
+        donate = _validate_donate(donate)
         spec, leaves, plain, record = self._check_record(params, state, record)
         copies = _param_copies(spec, leaves, param_copies)
         # every leaf's kernel chosen (or refused) before any snapshot is restored; once per kind of leaf
@@ -604,13 +606,13 @@ class Adam:
         (``LeafUndo.owns_kept``: copies made under donation or by an earlier
         undo_redo) the new record keeps as they are, not copied again.
         """
-        _validate_donate(donate)
-        _validate_undoable(undoable)
+        donate = _validate_donate(donate)
+        undoable = _validate_undoable(undoable)
         # (also checks grads and hparams; the record laid out as the params, matched to its own key by key)
         spec, leaves, plain, record = self._check_record(params, state, record, grads, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
-        _validate_grads_finite(grads_finite)
+        grads_finite = _validate_grads_finite(grads_finite)
         # The record's own gradient: its strategy says it was finite (the tensor must not have been modified
         # since, as the module docstring asks), and within GRADIENT_LIMIT at the undone step's grad_scale: so at
         # a grad_scale no larger in magnitude (a larger one, checked again, may take it beyond).
@@ -859,7 +861,7 @@ class Adam:
         (``missing_grad="zero"``: its hparams and its undo). ``check_undo=False``: the refusals of
         ``undo='algebraic'`` are not checked (a speculation layer does not speculate such a leaf).
         """
-        _validate_donate(donate)
+        donate = _validate_donate(donate)
         spec, leaves = self._gather(params, grads, state, hparams)
         stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
         checked = {_hparams_key(leaf.hp, leaf.p.dtype, leaf.p.is_meta)  # by _gather
@@ -900,7 +902,7 @@ class Adam:
         element, :meth:`update` keeps a snapshot of a leaf said algebraic here.
         ``grads_finite``: as in :meth:`update` (True: the gradients are not read).
         """
-        _validate_grads_finite(grads_finite)
+        grads_finite = _validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
         finite = self._gradients_finite(leaves, grads_finite, grad_scale)
@@ -1328,9 +1330,18 @@ def _role_name(leaf: _Leaf, role: int) -> str:
     return f"{_ROLES[role]} {leaf.path}"
 
 
-def _validate_undoable(undoable: Any) -> None:
-    if not isinstance(undoable, bool):
-        raise UnsupportedError(f"undoable = {undoable!r}; expected True or False")
+def _validate_undoable(undoable: Any) -> bool:
+    """``undoable`` as a Python bool: a Python or numpy bool (an option, :func:`_option`)."""
+    return _option("undoable", undoable)
+
+
+def _option(name: str, value: Any) -> bool:
+    """An on/off option (``donate``, ``undoable``) as a Python bool: a Python or numpy bool; anything else (a string
+    such as ``"no"``, which is true, a number, a tensor) is refused naming ``name``."""
+    if is_bool(value):
+        return bool(value)
+    raise UnsupportedError(f"{name} = {value!r:.80} is invalid; expected True or False (a Python or numpy bool), got "
+                           f"{_described(value)}")
 
 
 def _validate_snapshot_limit(limit: Any) -> int | None:
@@ -1435,15 +1446,23 @@ def _check_kept_chunks(leaf: _Leaf, rec: LeafUndo) -> None:
                             f"{t.dtype} on {t.device}")
 
 
-def _validate_grads_finite(grads_finite: Any) -> None:
-    if not (grads_finite is None or isinstance(grads_finite, bool)):
-        raise UnsupportedError(f"grads_finite = {grads_finite!r}; expected None, True or False")
+def _validate_grads_finite(grads_finite: Any) -> bool | None:
+    """``grads_finite`` as ``None`` or a Python bool: a fact of the gradients the caller may have computed with
+    numpy or torch, so a numpy bool or a readable 0-d bool tensor (``torch.isfinite(g).all()``,
+    :func:`~sofx.kernels.user_numbers.fact_value`) too; a string, a number or another tensor is refused."""
+    if grads_finite is None or grads_finite is True or grads_finite is False:
+        return grads_finite
+    value = fact_value(grads_finite, "grads_finite", UnsupportedError)
+    if is_bool(value):
+        return bool(value)
+    raise UnsupportedError(f"grads_finite = {grads_finite!r:.80} is invalid; expected None, True or False (a Python "
+                           f"or numpy bool, or a 0-d bool tensor whose value can be read), got "
+                           f"{_described(grads_finite)}")
 
 
-def _validate_donate(donate: Any) -> None:
-    """``donate`` must be a bool: a string such as ``"no"`` is true, and would donate."""
-    if not isinstance(donate, bool):
-        raise UnsupportedError(f"donate = {donate!r}; expected True or False")
+def _validate_donate(donate: Any) -> bool:
+    """``donate`` as a Python bool: a Python or numpy bool (a string such as ``"no"`` is true, and would donate)."""
+    return _option("donate", donate)
 
 
 def _rounded(dtype: torch.dtype, what: str) -> list[str]:

@@ -978,3 +978,48 @@ def test_undo_of_params_whose_mapping_differs_from_the_records_names_where():
     assert not rec.used
     undone, _ = opt.undo(dict(stepped), state, rec)  # (the same keys: matched key by key)
     assert type(undone) is dict and all(torch.equal(undone[k], params[k]) for k in params)
+
+
+def test_update_undo_and_undo_redo_take_numpy_bools_and_a_0d_bool_tensor_for_grads_finite():
+    """The speculation protocol takes a step's facts as numpy bools or readable 0-d bool tensors
+    (user_numbers.fact_value) and its options as numpy bools (user_numbers.flag), but Adam refused them:
+    ``grads_finite=torch.isfinite(g).all()`` (a fact computed with torch) and ``donate=np.True_`` raised "expected
+    None, True or False". grads_finite takes a Python or numpy bool or a readable 0-d bool tensor, donate and
+    undoable a Python or numpy bool, each read once as a Python bool, the results bitwise those of Python bools;
+    a string, a number or a tensor of another dtype or shape stays refused naming the argument, nothing written."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw(lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    params, grads = {"w": torch.randn(5, generator=gen)}, {"w": torch.randn(5, generator=gen)}
+    late = {"w": torch.randn(5, generator=gen)}
+    state = opt.init(params)
+
+    def run(finite, yes, no):
+        p1, s1, rec = opt.update(clone_tree(params), grads, clone_tree(state), grads_finite=finite(grads), donate=yes,
+                                 undoable=yes)
+        p2, s2, rec2 = opt.undo_redo(p1, s1, rec, late, grads_finite=finite(late), donate=no, undoable=yes)
+        p3, s3 = opt.undo(p2, s2, rec2, donate=yes)
+        strategies = opt.undo_strategies(params, grads, state, grads_finite=finite(grads))
+        return [p1["w"], s1.mu["w"], p2["w"], s2.nu["w"], p3["w"], s3.mu["w"]], strategies
+
+    want = run(lambda g: True, True, False)
+    for finite, yes, no in ((lambda g: torch.isfinite(g["w"]).all(), np.True_, np.False_),
+                            (lambda g: np.bool_(True), np.bool_(True), np.bool_(False)),
+                            (lambda g: None, True, np.False_)):
+        got = run(finite, yes, no)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and got[1] == want[1]
+    p1, s1, rec = opt.update(clone_tree(params), grads, state)
+    before = _snapshot(p1, s1)
+    for bad in ("yes", 1, torch.tensor(1), torch.tensor([True]), torch.tensor(1.0)):
+        for name, call in (("grads_finite", lambda: opt.update(p1, grads, s1, grads_finite=bad)),
+                           ("grads_finite", lambda: opt.undo_redo(p1, s1, rec, late, grads_finite=bad)),
+                           ("grads_finite", lambda: opt.undo_strategies(p1, grads, s1, grads_finite=bad)),
+                           ("donate", lambda: opt.update(p1, grads, s1, donate=bad)),
+                           ("donate", lambda: opt.undo(p1, s1, rec, donate=bad)),
+                           ("undoable", lambda: opt.undo_redo(p1, s1, rec, late, undoable=bad))):
+            with pytest.raises(sofx.UnsupportedError, match=rf"^{name} = .* is invalid; expected"):
+                call()
+    with pytest.raises(sofx.UnsupportedError, match=r"^donate = tensor\(True\) is invalid; expected True or False"):
+        opt.update(p1, grads, s1, donate=torch.tensor(True))  # (an option, not a fact of the step)
+    _assert_unchanged(before, p1, s1)
+    assert not rec.used
