@@ -251,7 +251,9 @@ class UndoRecord(_UsedOnce):
     the params tree it undoes. ``block``: the speculation layer's block whose
     speculative step this is (set by :func:`sofx.speculate.speculative_block_step`,
     which :func:`sofx.speculate.apply_block_action` checks against its action's block),
-    else ``None``; ``context_id``: that of its decision's step (checked against its action's likewise).
+    else ``None``; ``context_id``: that of its decision's step (checked against its action's likewise);
+    ``param_ptrs``: the sorted data pointers of the params the speculative step left (``None`` where one cannot be
+    read, a tensor of a ``torch.func`` transform), which ``apply_block_action`` checks against the params it is given.
     ``variant``: the stepping optimizer's (decoupled decay, bias correction), which the inverse must
     share (a spec that is not one, or of another number of leaves, is refused when made, an
     :class:`~sofx.errors.UndoError`). A record can be used once: it is used once any of its leaves is,
@@ -259,7 +261,7 @@ class UndoRecord(_UsedOnce):
     with it (see the module docstring).
     """
 
-    __slots__ = ("leaves", "spec", "variant", "block", "context_id", "_used")
+    __slots__ = ("leaves", "spec", "variant", "block", "context_id", "param_ptrs", "_used")
     _what = "an UndoRecord"
 
     def __init__(self, leaves: Sequence[LeafUndo | None], spec: Any, variant: AdamVariant) -> None:
@@ -280,6 +282,7 @@ class UndoRecord(_UsedOnce):
         self.variant = variant
         self.block: int | None = None
         self.context_id: int | None = None
+        self.param_ptrs: tuple[int, ...] | None = None
         self._used = [False]
 
     @property
@@ -306,6 +309,7 @@ class UndoRecord(_UsedOnce):
         view = UndoRecord.__new__(UndoRecord)
         view.leaves = tuple(self.leaves[j] for j in order)
         view.spec, view.variant, view.block, view.context_id = spec, self.variant, self.block, self.context_id
+        view.param_ptrs = self.param_ptrs
         view._used = self._used  # the record's, shared
         return view
 
@@ -326,16 +330,16 @@ def _flatten_record(rec: UndoRecord) -> tuple[list[Any], Any]:
     # torch.func.vmap refuses to return.
     present = tuple(leaf is not None for leaf in rec.leaves)
     return [leaf for leaf in rec.leaves if leaf is not None], (rec.spec, rec.variant, rec._used, present, rec.block,
-                                                               rec.context_id)
+                                                               rec.context_id, rec.param_ptrs)
 
 
 def _unflatten_record(children: Sequence[Any], context: Any) -> UndoRecord:
-    spec, variant, used, present, block, context_id = context
+    spec, variant, used, present, block, context_id, param_ptrs = context
     it = iter(children)
     # Not checked as the constructor checks (as a leaf's record: a transform may unflatten any values).
     rec = UndoRecord.__new__(UndoRecord)
     rec.leaves = tuple(next(it) if has else None for has in present)
-    rec.spec, rec.variant, rec.block, rec.context_id = spec, variant, block, context_id
+    rec.spec, rec.variant, rec.block, rec.context_id, rec.param_ptrs = spec, variant, block, context_id, param_ptrs
     rec._used = used  # the record's, shared
     return rec
 

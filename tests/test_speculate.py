@@ -2476,9 +2476,10 @@ def test_an_int_that_is_a_dict_key_of_another_leaf_than_its_index_is_refused_in_
     assert torch.equal(got.params[1], want.params[1]) and got.report.actions == ("commit", "undo_redo")
 
 
-def _two_speculated_blocks(opt, rng, late_block: int = 1):
+def _two_speculated_blocks(opt, rng, late_block: int = 1, donate: bool = True):
     """Two blocks of 6 elements, both speculated with donation through the block protocol, a late gradient for
-    ``late_block``: block 0's action is commit, block 1's undo_redo (or the other way). Returns the blocks,
+    ``late_block``: block 0's action is commit, block 1's undo_redo (or the other way); ``donate=False``: the
+    speculative steps without donation. Returns the blocks,
     their gradients (final), states, records and the plan."""
     params, state = _warm(opt, _params(rng, 2), rng)
     blocks = [p.clone() for p in params]
@@ -2492,7 +2493,7 @@ def _two_speculated_blocks(opt, rng, late_block: int = 1):
                                      sp.block_eligibility(opt, blocks[i], grads[i], states[i], ctx.hparams[i],
                                                           ctx.grad_scale))
         blocks[i], states[i], records[i] = sp.speculative_block_step(opt, blocks[i], grads[i], states[i], d,
-                                                                     donate=True)
+                                                                     donate=donate)
     grads[late_block] = grads[late_block] + torch.randn(6, generator=rng) * 0.01 * S16
     tally = sp.on_late_gradient(ctx, tally, late_block, sp.grad_sumsq(grads[late_block]))
     plan = sp.plan_validation(ctx, tally, list(tally.block_sumsq))
@@ -2654,3 +2655,28 @@ def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps
     mixed = tally._replace(decisions=(old,))
     with pytest.raises(sofx.SofxError, match=r"^plan_validation: the tally's decisions\[0\] is of another step"):
         sp.plan_validation(ctx, mixed, [sp.grad_sumsq(grad)])
+
+
+def test_apply_block_action_refuses_a_blocks_record_with_another_blocks_tensors(rng):
+    """The record and action of block i given with the tensors of block j of the same shape (tensors listed in
+    arrival order, records in block order): block 1's undo_redo undid block 1's step on block 0's values (block 0's
+    step and a stray inverse mixed, block 1's step left standing), and block 0's commit handed block 1's tensors back
+    as block 0's, without a word. The record notes where its block's params are (their data pointers, as the
+    speculative step left them; none for a traced tensor): other tensors are refused naming the block, nothing
+    written. Views of the same memory pass (the offload engine builds its block views anew); with donation or
+    without it."""
+    opt = sofx.adamw(lr=1e-2)
+    for donate in (True, False):
+        blocks, grads, states, records, plan = _two_speculated_blocks(opt, rng, donate=donate)
+        assert [a.kind for a in plan.actions] == ["commit", "undo_redo"]
+        before = [t.clone() for t in (*blocks, *(s.mu for s in states), *(s.nu for s in states))]
+        for i, j in ((1, 0), (0, 1)):
+            with pytest.raises(sofx.SofxError, match=rf"^apply_block_action: block {i}: the params given are not "
+                                                     rf"those its speculative step left"):
+                sp.apply_block_action(opt, plan.actions[i], blocks[j], grads[j], states[j], records[i])
+        after = [*blocks, *(s.mu for s in states), *(s.nu for s in states)]
+        assert all(torch.equal(a, b) for a, b in zip(after, before)) and not any(r.used for r in records)
+        for i, a in enumerate(plan.actions):
+            view = blocks[i].view(2, 3).view(6)  # (the same memory)
+            blocks[i], states[i] = sp.apply_block_action(opt, a, view, grads[i], states[i], records[i])
+        assert records[1].used and [int(s.count) for s in states] == [3, 3]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import SofxError, UnsupportedError
 from sofx.serial import check_opt
@@ -97,7 +98,26 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
                                               snapshot_limit_bytes=limit)
     # (whose step it is: apply_block_action refuses it with another block's action, or another step's)
     record.block, record.context_id = decision.block, decision.context_id
+    record.param_ptrs = _param_ptrs(new_param)  # (where its params are: apply_block_action refuses other tensors)
     return new_param, new_state, record
+
+
+def _param_ptrs(param: Any) -> tuple[int, ...] | None:
+    """Where ``param``'s tensors lie: their sorted data pointers (a view's includes its offset; sorted, so that the
+    same tensors in another key order match), or ``None`` where one cannot be read (a tensor of a ``torch.func``
+    transform, a meta tensor, a tensor subclass such as a fake tensor, while ``torch.compile`` traces): nothing
+    to check then."""
+    if torch.compiler.is_compiling():
+        return None
+    out = []
+    for leaf in tree.flatten(param)[0] if not isinstance(param, torch.Tensor) else (param,):
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.is_meta:
+            return None
+        try:
+            out.append(leaf.data_ptr())
+        except (RuntimeError, NotImplementedError):  # (no storage: a functorch wrapper, a fake tensor)
+            return None
+    return tuple(sorted(out))
 
 
 def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad: torch.Tensor | None,
@@ -115,8 +135,11 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     blocks, before anything is written: the tensors and record of block ``i`` go with ``plan.actions[i]``.
     So is the record of a speculative step of another step's decision (:class:`BlockDecision`'s ``context_id``,
     which its record and the plan's actions carry): validation checked this step's decision, not the one the block
-    was stepped with. So is a ``step`` given a record that was not used (a speculative step that stands would be
-    stepped again).
+    was stepped with. So are params other than those the speculative step left (the record notes where they lie in
+    memory, ``UndoRecord.param_ptrs``: views of the same memory pass; a record already used is not checked). Where
+    no record is given (a ``step`` or ``skip`` of a block not speculated) nothing tells one block's tensors from
+    another's: the caller passes block ``i``'s with ``plan.actions[i]``. So is a ``step`` given a record that was not
+    used (a speculative step that stands would be stepped again).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -140,6 +163,13 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
                         "multiplier this step's validation did not check): speculate with the decision "
                         "on_block_ready returned this step. Nothing was written; the record's opt.undo takes its "
                         "step back")
+    if whose is not None and record.param_ptrs is not None and not record.used:
+        given = _param_ptrs(param)
+        if given is not None and given != record.param_ptrs:
+            raise SofxError(f"apply_block_action: block {action.block}: the params given are not those its "
+                            "speculative step left (they lie elsewhere in memory): the record goes with the tensors "
+                            f"the step returned or wrote (block {action.block}'s, with plan.actions"
+                            f"[{action.block}]), nothing was written")
     if kind in ("commit", "skip"):
         return param, state
     if kind == "step" and isinstance(record, UndoRecord) and not record.used:
