@@ -71,7 +71,7 @@ from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoReco
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range", "check_step_size", "TORCH_MATH_OPTIONS", "refused_torch_option",
-           "torch_betas", "hparams_at"]
+           "torch_betas", "hparams_at", "validate_grads_finite"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -325,7 +325,7 @@ class Adam:
         spec, leaves = self._gather(params, grads, state, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
-        grads_finite = _validate_grads_finite(grads_finite)
+        grads_finite = validate_grads_finite(grads_finite)
         kernels = self._kernels(leaves)
         covered = _kernel_checks_memory(kernels, [True] * len(leaves), leaves, copies, donate)
         if not covered:
@@ -612,7 +612,7 @@ class Adam:
         spec, leaves, plain, record = self._check_record(params, state, record, grads, hparams)
         copies = _param_copies(spec, leaves, param_copies)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
-        grads_finite = _validate_grads_finite(grads_finite)
+        grads_finite = validate_grads_finite(grads_finite)
         # The record's own gradient: its strategy says it was finite (the tensor must not have been modified
         # since, as the module docstring asks), and within GRADIENT_LIMIT at the undone step's grad_scale: so at
         # a grad_scale no larger in magnitude (a larger one, checked again, may take it beyond).
@@ -902,7 +902,7 @@ class Adam:
         element, :meth:`update` keeps a snapshot of a leaf said algebraic here.
         ``grads_finite``: as in :meth:`update` (True: the gradients are not read).
         """
-        grads_finite = _validate_grads_finite(grads_finite)
+        grads_finite = validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
         finite = self._gradients_finite(leaves, grads_finite, grad_scale)
@@ -1446,7 +1446,7 @@ def _check_kept_chunks(leaf: _Leaf, rec: LeafUndo) -> None:
                             f"{t.dtype} on {t.device}")
 
 
-def _validate_grads_finite(grads_finite: Any) -> bool | None:
+def validate_grads_finite(grads_finite: Any) -> bool | None:
     """``grads_finite`` as ``None`` or a Python bool: a fact of the gradients the caller may have computed with
     numpy or torch, so a numpy bool or a readable 0-d bool tensor (``torch.isfinite(g).all()``,
     :func:`~sofx.kernels.user_numbers.fact_value`) too; a string, a number or another tensor is refused."""

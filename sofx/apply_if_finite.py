@@ -12,11 +12,11 @@ from typing import Any, NamedTuple
 import torch
 
 from sofx import tree
-from sofx.adam import Adam
+from sofx.adam import Adam, validate_grads_finite
 from sofx.errors import LeafError, SofxError, UndoError, UnsupportedError
 from sofx.kernels.base import is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.kernels.user_numbers import integer
+from sofx.kernels.user_numbers import integer, is_bool
 from sofx.transforms import GradientTransformation, _check_state
 from sofx.undo_record import UndoRecord
 
@@ -91,7 +91,8 @@ class ApplyIfFinite:
         Where the decision cannot be read on the host (``vmap``: one per member; ``compile``) the inner step is
         taken and its results selected per member with ``torch.where``; there ``donate`` is not used (a
         skipped member keeps its inputs) and ``param_copies`` is refused."""
-        _flag_option("donate", donate)
+        donate = _flag_option("donate", donate)
+        grads_finite = validate_grads_finite(grads_finite)  # (the inner update's reading: a numpy or 0-d tensor bool)
         before = _finite_counters(state)
         finite = True if grads_finite is True else _grads_all_finite(grads)
         opts = dict(grad_scale=grad_scale, grads_finite=grads_finite, undoable=undoable,
@@ -147,7 +148,7 @@ class ApplyIfFinite:
         nothing); ``donate`` and ``param_copies`` as in :meth:`sofx.Adam.undo`, but where the decision cannot be
         read (``vmap`` of the step's per-member decision, ``compile``): there the inner undo is selected per member
         with ``torch.where``, ``donate`` is not used and ``param_copies`` refused."""
-        _flag_option("donate", donate)
+        donate = _flag_option("donate", donate)
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
@@ -214,10 +215,12 @@ def _readable(x: Any) -> bool:
     return not vmapped(x)
 
 
-def _flag_option(name: str, value: Any) -> None:
-    """A Python bool (a string such as ``"no"`` is true)."""
-    if not isinstance(value, bool):
+def _flag_option(name: str, value: Any) -> bool:
+    """``value`` as a Python bool: a Python or numpy bool, as the inner update takes it (a string such as ``"no"``
+    is true: refused)."""
+    if not is_bool(value):
         raise UnsupportedError(f"apply_if_finite: {name} = {value!r:.60}; expected True or False")
+    return bool(value)
 
 
 def _grads_all_finite(grads: Any) -> bool | torch.Tensor:

@@ -116,10 +116,13 @@ def test_after_max_consecutive_errors_skips_the_next_nonfinite_step_is_applied(r
     assert torch.isfinite(p["w"]).all()
 
 
-def test_grads_finite_true_is_the_callers_word(rng):
+@pytest.mark.parametrize("word", [True, np.True_, torch.tensor(True)])
+def test_grads_finite_true_is_the_callers_word(rng, word):
+    """A numpy True or a 0-d True tensor (which the inner update takes as the caller's word) read the gradients
+    anyway and skipped the step; ``donate=np.True_`` was refused where the inner update takes it."""
     opt = sofx.apply_if_finite(sofx.adam(), 5)
     params = _params(rng)
-    _, s, rec = opt.update(params, _grads(rng, NAN), opt.init(params), grads_finite=True)
+    _, s, rec = opt.update(params, _grads(rng, NAN), opt.init(params), grads_finite=word, donate=np.False_)
     assert bool(rec.applied) is True and _counters(s) == (0, True, 0)
 
 
