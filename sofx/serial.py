@@ -477,8 +477,9 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
             overflow = True
             next_state, scale, next_scale = _scale_after(profile, scaler, scaler_state, True)
     if overflow:
-        return StepFacts(True, sumsq_total, scale, norm, False, 1.0, 1.0 / scale if scale > 0 else math.inf,
-                         next_state, next_scale)
+        # (the unclipped multiplier, as the profile gives it: unused, a skipped step's report shows it)
+        unclipped = _clip_and_multiplier(profile, scaled_norm, scale, norm, None)[2] if scale > 0 else math.inf
+        return StepFacts(True, sumsq_total, scale, norm, False, 1.0, unclipped, next_state, next_scale)
     return StepFacts(False, sumsq_total, scale, norm, clipped, coef, grad_scale, next_state, next_scale)
 
 

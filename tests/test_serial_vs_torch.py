@@ -168,6 +168,11 @@ def test_step_facts_profiles_differ_on_a_growth_step():
     assert clipped.clipped and clipped.grad_scale == pytest.approx(1.0 / ((1.5 + 1e-6) / 1.0 * 8.0))
     over = step_facts("torch", loss_scale.grad_scaler(), loss_scale.grad_scaler().init(), math.inf, 1.0)
     assert over.overflow and over.skipped and over.scaler_state.scale == 2.0 ** 15
+    # a skipped step's (unused) multiplier is the profile's, as an unskipped one's: GradScaler's float32(1/S) under
+    # "torch" (it was the double 1/S there)
+    third = step_facts("torch", loss_scale.grad_scaler(init_scale=3.0), loss_scale.grad_scaler(init_scale=3.0).init(),
+                       math.inf, None)
+    assert third.skipped and third.grad_scale == loss_scale.inverse_scale(3.0) != 1.0 / 3.0
 
 
 @pytest.mark.parametrize("profile", ["torch", "deepspeed"])
