@@ -2680,3 +2680,23 @@ def test_apply_block_action_refuses_a_blocks_record_with_another_blocks_tensors(
             view = blocks[i].view(2, 3).view(6)  # (the same memory)
             blocks[i], states[i] = sp.apply_block_action(opt, a, view, grads[i], states[i], records[i])
         assert records[1].used and [int(s.count) for s in states] == [3, 3]
+
+
+def test_an_int_is_a_leaf_index_over_a_list_or_tuple_whose_positions_are_no_keys(rng):
+    """Only a dict's int keys are keys (see the test above): over a list or tuple with a nested sequence at the top
+    (``[a, [b, c], d]``: leaf 2 is ``params[1][1]``, ``params[2]`` is leaf 3), an int is the leaf index it always
+    was. ``order=[3, 2, 1, 0]`` (the default order, given) and ``late_grads={2: g}`` were refused as 'the key of
+    params[2]': a list's position called a key, a valid permutation of the leaves refused."""
+    opt = sofx.adamw(lr=1e-2)
+    a, b, c, d = _params(rng, 4)
+    late = torch.randn(6, generator=rng) * 0.01 * S16
+    rule = loss_scale.grad_scaler()
+    kw = dict(config=sp.SpeculationConfig(), scaler=rule, scaler_state=rule.init())
+    for params in ([a, [b, c], d], (a, (b, c), d)):
+        grads = sofx.tree.unflatten(sofx.tree.flatten(params)[1],
+                                    [torch.randn(6, generator=rng) * 0.02 * S16 for _ in range(4)])
+        state = opt.init(params)
+        got = sp.speculative_step(opt, params, grads, state, order=[3, 2, 1, 0], late_grads={2: late}, **kw)
+        want = sp.speculative_step(opt, params, grads, state, late_grads={"params[1][1]": late}, **kw)
+        assert torch.equal(got.params[1][1], want.params[1][1]) and torch.equal(got.params[2], want.params[2])
+        assert got.report.actions == want.report.actions

@@ -177,14 +177,16 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
     given = order
     paths: list[str] | None = None  # (built only where a leaf is named by its path)
     by_path: dict[str, list[int]] = {}  # each path's leaf indices (tree.named_leaves' table)
+    keyed_top = isinstance(spec.type, type) and issubclass(spec.type, dict)  # (only a dict's int keys are keys)
 
     def index_of(key: Any, where: str) -> Any:
         """``key`` as a leaf index where it names a leaf of params (a str: its path, or the key of a leaf at the
         top of a dict, ``'w'`` for ``params['w']``, as :func:`sofx.checkpoint.groups.resolve_groups` names leaves), else
         ``key`` as given. An int is an index; one that is also the key of a leaf at the top of a dict of int keys,
-        another leaf than the one it indexes (``1`` of ``{1: a, 2: b}``), is refused (:func:`_refuse_key_as_index`)."""
+        another leaf than the one it indexes (``1`` of ``{1: a, 2: b}``), is refused (:func:`_refuse_key_as_index`);
+        a list's or tuple's position is no key (``2`` of ``[a, [b, c], d]`` is leaf 2, ``params[1][1]``)."""
         nonlocal paths
-        if not isinstance(key, str) and not _is_index(key):
+        if not isinstance(key, str) and not (_is_index(key) and keyed_top):  # (a list's positions are no keys)
             return key
         if paths is None:
             paths = tree.leaf_paths(spec)
