@@ -2700,3 +2700,24 @@ def test_an_int_is_a_leaf_index_over_a_list_or_tuple_whose_positions_are_no_keys
         want = sp.speculative_step(opt, params, grads, state, late_grads={"params[1][1]": late}, **kw)
         assert torch.equal(got.params[1][1], want.params[1][1]) and torch.equal(got.params[2], want.params[2])
         assert got.report.actions == want.report.actions
+
+
+def test_a_0d_tensor_or_array_given_for_the_per_block_flags_or_sums_is_refused_naming_it():
+    """begin_step's ``stepped``/``float64`` and plan_validation's ``sumsq``/``taken`` take a sequence, a tensor or
+    an array of one entry per block. A 0-d tensor or array (``stepped=torch.tensor(True)``, ``sumsq=x.sum()``)
+    passed the check (it has ``__len__`` and ``__getitem__``) and raised Python's bare TypeError ("len() of a 0-d
+    tensor", "len() of unsized object"); it is refused as the other non-sequences are, naming the argument."""
+    np = pytest.importorskip("numpy")
+    opt = sofx.adamw()
+    rule = loss_scale.grad_scaler()
+    cfg = sp.SpeculationConfig()
+    ctx, tally = sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=1)
+    for zero_d in (torch.tensor(True), np.array(True)):
+        for name in ("stepped", "float64"):
+            with pytest.raises(sofx.HParamError, match=rf"^{name} must be a sequence of one bool per block .*0-d"):
+                sp.begin_step(opt, cfg, rule, rule.init(), n_blocks=1, **{name: zero_d})
+        with pytest.raises(sofx.SofxError, match=r"^plan_validation: taken is a .*0-d"):
+            sp.plan_validation(ctx, tally, [1.0], taken=zero_d)
+        with pytest.raises(sofx.SofxError, match=r"^plan_validation: sumsq is a .*0-d"):
+            sp.plan_validation(ctx, tally, zero_d.float() if isinstance(zero_d, torch.Tensor) else np.array(1.0))
+    assert sp.plan_validation(ctx, tally, torch.tensor([1.0]), taken=torch.tensor([False])).actions[0].kind == "step"

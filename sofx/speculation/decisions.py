@@ -432,9 +432,9 @@ def _block_flags(name: str, flags: Sequence[bool] | None, n: int, default: bool)
     (:func:`~sofx.kernels.user_numbers.fact_value`)."""
     if flags is None:
         return [default] * n
-    if isinstance(flags, (Mapping, str, bytes)) or not (hasattr(flags, "__len__") and hasattr(flags, "__getitem__")):
+    if not _is_per_block(flags):
         raise HParamError(f"{name} must be a sequence of one bool per block (a list, a tuple, an array, a tensor), "
-                          f"got {type(flags).__name__}")
+                          f"got {_kind_of(flags)}")
     if len(flags) != n:
         raise HParamError(f"{name} has {len(flags)} entries, the step has {n} blocks")
     out = []
@@ -881,10 +881,24 @@ def _check_per_block(name: str, x: Any, item: str) -> None:
     a sequence of one ``item`` per block, block ``i`` at ``x[i]`` (a list, a tuple, a tensor or an array): a
     mapping (by block name or id: its keys were read as the entries, or ``x[0]`` raised a bare KeyError), a str,
     or what has no length or index (a generator, a number: a bare TypeError)."""
-    if isinstance(x, (Mapping, str, bytes)) or not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
+    if not _is_per_block(x):
         hint = " (a mapping is not taken: list its values in block order)" if isinstance(x, Mapping) else ""
-        raise SofxError(f"plan_validation: {name} is a {type(x).__name__}; expected a sequence of one {item} per "
+        raise SofxError(f"plan_validation: {name} is a {_kind_of(x)}; expected a sequence of one {item} per "
                         f"block, block i at [i] (a list, a tuple, a tensor){hint}")
+
+
+def _is_per_block(x: Any) -> bool:
+    """Whether ``x`` can hold one entry per block, block ``i`` at ``x[i]``: a list, a tuple, or a tensor or array
+    of one dimension or more; not a mapping (its keys would be read as the entries), a str, what has no length or
+    index (a generator, a number), nor a 0-d tensor or array (its ``len()`` raises a bare TypeError)."""
+    if isinstance(x, (Mapping, str, bytes)) or not (hasattr(x, "__len__") and hasattr(x, "__getitem__")):
+        return False
+    return getattr(x, "ndim", 1) != 0
+
+
+def _kind_of(x: Any) -> str:
+    """``x``'s type name for :func:`_is_per_block`'s refusals, with ``(0-d)`` for a 0-d tensor or array."""
+    return type(x).__name__ + (" (0-d)" if getattr(x, "ndim", None) == 0 else "")
 
 
 def _check_stepped_block_hparams(hps: Sequence[AdamHParams], float64: Sequence[bool],
