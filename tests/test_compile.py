@@ -362,3 +362,23 @@ def test_per_group_hparams_tree_does_not_trace():
 
     with pytest.raises(torch._dynamo.exc.Unsupported, match="DictMetaData"):
         torch.compile(step, backend="eager", fullgraph=True)(params, opt.init(params))
+
+
+def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
+    """apply_block_action carries an action that writes out once (BlockAction.applied_cell). The cell was made at
+    the first application: made while tracing, it was not guarded, so the compiled function stepped the block
+    again from the same action (twice, counted twice) where eager code refuses it. It is made with the action, and
+    the compiled function refuses a second application as the eager one does (its guard sees the cell change)."""
+    from sofx import speculate as sp
+
+    torch._dynamo.reset()
+    opt = sofx.adamw(lr=1e-2)
+    param, grad = torch.randn(4), torch.randn(4)
+    apply = torch.compile(lambda a, p, g, s: sp.apply_block_action(opt, a, p, g, s, None), backend="eager")
+    action = sp.BlockAction(0, "step", "stepped late", 1.0, opt.defaults)
+    p1, s1 = apply(action, param, grad, opt.init(param))
+    assert int(s1.count) == 1
+    with pytest.raises(sofx.SofxError, match=r"plan\.actions\[0\] \(step\) was applied already"):
+        apply(action, p1, grad, s1)
+    fresh = sp.BlockAction(0, "step", "stepped late", 1.0, opt.defaults)
+    assert int(apply(fresh, p1, grad, s1)[1].count) == 2

@@ -288,6 +288,13 @@ class BlockAction(_OfStep, _BlockActionFields):
     # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
     # and its step's "_context_id")
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "BlockAction":
+        new = super().__new__(cls, *args, **kwargs)
+        # (made with the action: torch.compile guards a cell it finds, not one made while it traces the first
+        # application, whose compiled code then applied the action again)
+        new.__dict__["_applied"] = [False]
+        return new
+
     def _replace(self, **changes: Any) -> "BlockAction":
         new = super()._replace(**changes)
         self.applied_cell()
