@@ -524,6 +524,21 @@ def test_the_whole_state_assigned_as_torch_optim_assigns_it_is_taken_and_bad_ent
         assert [int(opt.state[q]["step"]) for q in params] == [int(ropt.state[r].get("step", 0)) for r in refs]
 
 
+def test_the_whole_state_assigned_something_that_is_no_mapping_is_refused_naming_it():
+    """``opt.state = 5`` (or a list, a tensor) is refused naming what torch.optim's state is and the value given.
+    Its refusal called a ``_described`` the facade never imported: a bare NameError from inside the library. The
+    state is left as it was."""
+    model = torch.nn.Linear(3, 2)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        p = next(model.parameters())
+        opt.state[p]["step"] = torch.tensor(3.0)
+        for bad, named in ((5, "int"), ([p], "list"), (torch.zeros(2), r"a torch\.float32 tensor of shape \(2,\)")):
+            with pytest.raises(sofx.UnsupportedError, match=rf"^opt\.state must be a mapping of parameters to their "
+                                                            rf"states.*got {named}; "):
+                opt.state = bad
+            assert int(opt.state[p]["step"]) == 3
+
+
 def test_a_parameters_state_cleared_starts_it_afresh_as_torch_optims():
     """``opt.state[p].clear()`` (torch.optim: ``p``'s entry empty, its next step starts it afresh) was refused as a
     removal of a key, naming only the reset of every parameter; it starts ``p`` afresh (step 0, zero moments, its

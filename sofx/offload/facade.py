@@ -166,7 +166,7 @@ from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_rang
                        torch_betas)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.kernels.user_numbers import finite_number, flag, is_bool, real_number
+from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
 from sofx.loss_scale import deepspeed_scaler, grad_scaler, is_torch_grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.eager import run_eagerly
