@@ -793,9 +793,10 @@ def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_pat
     ("eps", 1e-50, r": eps = 1e-50 is beyond float32's range"),
     ("lr", 1e39, r": lr = 1e\+39 is beyond float32's range")])
 def test_a_saved_hparam_no_step_can_take_is_refused_at_load_naming_its_group(tmp_path, key, value, where):
-    """A file's eps or lr that float32, in which every leaf load_zero3 takes is stepped (float64 ones are refused),
-    cannot hold was loaded without a word and refused only at the first update, naming a params leaf (the range
-    check at import covered from_torch_optim's float32 leaves only): it is refused at load naming the group."""
+    """A file's eps or lr that float32, in which a float32 leaf load_zero3 loads is stepped (a block of float64
+    leaves: the next test), cannot hold was loaded without a word and refused only at the first update, naming a
+    params leaf (the range check at import covered from_torch_optim's float32 leaves only): it is refused at load
+    naming the group."""
     opt = sofx.adamw()
     params = _params()
     files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
@@ -805,6 +806,28 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_load_naming_its_group(tmp
     torch.save(top, files[0])
     with pytest.raises(ck.CheckpointError, match=rf"block 1 .*param_groups\[1\]{where}"):
         ck.load_zero3(tmp_path, opt, params, HP)
+
+
+def test_a_saved_eps_float32_cannot_hold_loads_into_float64_leaves_that_can_step_with_it(tmp_path):
+    """load_zero3 loads into a float64 template (the masters cast to float64, stepped in float64), where
+    ``update`` takes an eps of 1e-50. The float32 check at load refused such a file ("a ZeRO-3 checkpoint holds no
+    float64 leaf"), for a block whose leaves are all float64; it applies where a leaf of the block is not."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          deepspeed_objects=False)
+    top = torch.load(files[0], weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1]["eps"] = 1e-50
+    torch.save(top, files[0])
+    wide = _params(torch.float64)
+    p64, s64, hp = ck.load_zero3(tmp_path, opt, wide, HP)
+    assert p64["enc"]["b"].dtype == torch.float64 and hp["enc"].eps == 1e-50
+    p1, _, _ = opt.update(p64, _grads(p64, 2), s64, hp)
+    assert torch.isfinite(p1["enc"]["b"]).all()
+    mixed = {"enc": {**wide["enc"], "b": params["enc"]["b"]}, "dec": wide["dec"]}  # (a float32 leaf in block 1)
+    with pytest.raises(ck.CheckpointError, match=r"block 1 .*param_groups\[1\]: eps = 1e-50 is beyond float32's "
+                                                 r"range.*\(a leaf of the block is not float64\)"):
+        ck.load_zero3(tmp_path, opt, mixed, HP)
 
 
 def test_a_negative_second_moment_in_a_file_is_a_corrupt_checkpoint_error_and_a_nan_one_loads(tmp_path):
