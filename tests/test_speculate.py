@@ -10,6 +10,7 @@ protocol by hand on flat 1-d blocks with donation, as the offload engine does.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -2545,6 +2546,25 @@ def test_a_step_or_undo_action_applied_a_second_time_is_refused(rng):
     with pytest.raises(sofx.SofxError, match=r"block 1: plan\.actions\[1\] \(undo_redo\) was applied already"):
         sp.apply_block_action(opt, plan.actions[1], blocks[1], grads[1], states[1], records[1], donate=True)
     assert sp.apply_block_action(opt, plan.actions[0], blocks[0], grads[0], states[0], records[0])[0] is blocks[0]
+
+
+def test_a_deep_copied_action_shares_whether_it_was_applied_as_a_copy_does(rng):
+    """An action's "applied" cell was shared with its _replace and copy.copy copies but not with copy.deepcopy's
+    (nor a deep-copied plan's), which got a cell of their own: a deep copy of a step action applied after the
+    original stepped the block a second time, counted twice. A deep copy shares the cell, as an undo record's
+    deep copy shares whether it was used; its fields and context_id are the original's."""
+    opt = sofx.adamw(lr=1e-2)
+    rule, param, grad, state, decision, plan = _one_speculated_block_not_taken(opt, rng)
+    (action,) = plan.actions
+    deep, deep_plan = copy.deepcopy(action), copy.deepcopy(plan)
+    assert deep == action and deep.context_id == action.context_id != 0 and deep_plan.actions == plan.actions
+    p1, s1 = sp.apply_block_action(opt, action, param, grad, state, donate=True)
+    stepped = p1.clone()
+    for again in (copy.copy(action), deep, deep_plan.actions[0], copy.deepcopy(action)):
+        with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: plan\.actions\[0\] \(step\) was "
+                                                 r"applied already"):
+            sp.apply_block_action(opt, again, p1, grad, s1, donate=True)
+    assert torch.equal(p1, stepped) and int(s1.count) == 1
 
 
 def test_the_protocols_per_block_flags_take_bool_tensors_and_arrays_as_taken_does():

@@ -33,6 +33,7 @@ Decisions (SPECULATION.md section 3):
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import os
@@ -281,8 +282,9 @@ class BlockAction(_OfStep, _BlockActionFields):
 
     An action that writes (``step``, ``undo``, ``undo_redo``) is carried out once, as a record is used once
     (one step per block per step): whether it was is kept with the action (not one of its fields, so that
-    actions compare by their fields), shared with its copies (``_replace``, ``copy.copy``), and
-    :func:`~sofx.speculation.apply.apply_block_action` refuses a second application.
+    actions compare by their fields), shared with its copies (``_replace``, ``copy.copy``, ``copy.deepcopy``: as an
+    undo record's deep copy shares whether it was used), and :func:`~sofx.speculation.apply.apply_block_action`
+    refuses a second application.
     """
 
     # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
@@ -299,6 +301,16 @@ class BlockAction(_OfStep, _BlockActionFields):
         new = super()._replace(**changes)
         self.applied_cell()
         new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "BlockAction":
+        # (fields and context_id deep-copied; the "_applied" cell shared, or a deep copy applied after the original,
+        # a deep-copied plan's, would step its block again)
+        cell = self.applied_cell()
+        new = type(self).__new__(type(self), *copy.deepcopy(tuple(self), memo))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = cell if key == "_applied" else copy.deepcopy(value, memo)
         return new
 
     def applied_cell(self) -> list[bool]:
