@@ -151,7 +151,8 @@ def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True
         gradient_accumulation_steps=1 if no_sync else accumulate, backend=backend,
         policy=AdaptivePolicy(enabled=False), ddp=model)  # (speculating at every step, clipped or not)
     meet()  # (each rank's process executor started its worker at its own pace)
-    out: dict = {"torch": [], "sofx": [], "reports": [], "outcomes": []}
+    out: dict = {"torch": [], "sofx": [], "reports": [], "outcomes": [],
+                 "bucket_view": vars(model)["_sofx_ddp_route"].bucket_view}
     try:
         for step in range(STEPS):
             ropt.zero_grad()
@@ -1265,6 +1266,7 @@ def test_ddp_modes_equal_ddp_and_torch_adamw(ranks, name: str) -> None:
     synchronized backward per step) and without it (each micro-step's average summed)."""
     reports = _check(ranks, name)
     assert all(sum(r[0] for r in per_rank) > 0 for per_rank in reports)
+    assert [r[name]["bucket_view"] for r in ranks] == [name == "bucket_view"] * 2  # (the hook's route knows it)
 
 
 def test_without_clipping_or_loss_scaling_is_bitwise_torch(ranks) -> None:
@@ -1851,6 +1853,33 @@ def test_the_hook_scales_a_bucket_view_grad_kept_since_the_last_backward_as_ddp_
         expected[0], expected[2] = original[:300] / world, original[600:900] / world
         assert not torch.equal(expected[0], original[:300] * (1.0 / world))  # (the case is telling)
     assert torch.equal(bucket.buffer(), torch.cat(expected))
+
+
+class _Unread(_Bucket):
+    """A :class:`_Bucket` that fails where its parameters or views are read."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        raise AssertionError("the bucket's parameters were read")
+
+    def gradients(self) -> list[torch.Tensor]:
+        raise AssertionError("the bucket's views were read")
+
+
+def test_the_hook_reads_no_parameter_where_ddp_makes_no_bucket_view_grad() -> None:
+    """Only a ``.grad`` that is its bucket view (``gradient_as_bucket_view=True``) is divided in place by DDP; the
+    hook looped over the bucket's parameters at every backward on a world that is no power of two whatever the DDP
+    module's setting. A route of a module without bucket views (``ddp_route`` reads it at construction) multiplies
+    the whole buffer by 1 / world_size at once, reading no parameter (the same bits as the loop's there)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(300)) for _ in range(2)]
+    original = torch.randn(600, generator=gen)
+    bucket = _Unread(original.clone(), params)
+    route = sofx.offload.ddp.DDPRoute(None, 3, bucket_view=False)
+    engine = _Kept({0, 1})
+    route._engine, route._index = (lambda: engine), {id(p): i for i, p in enumerate(params)}
+    sofx.offload.ddp._scale_for_average(route, bucket)
+    assert torch.equal(bucket.buffer(), original * (1.0 / 3))
+    assert sofx.offload.ddp.DDPRoute(None, 3).bucket_view  # (by default, the loop: a view may be a .grad)
 
 
 def test_accumulation_counts_each_synchronized_backward_call_once(ranks) -> None:

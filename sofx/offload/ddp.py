@@ -61,11 +61,13 @@ _ROUTE_ATTRIBUTE = "_sofx_ddp_route"
 
 class DDPRoute:
     """Where one DDP module's averaged gradients go: the engine that takes them (held weakly) and its index of
-    each of the module's parameters it steps."""
+    each of the module's parameters it steps. ``bucket_view``: the module's ``gradient_as_bucket_view`` (where it is
+    off, no ``.grad`` is a view of a bucket, and :func:`_scale_for_average` reads no parameter)."""
 
-    def __init__(self, group: Any, world_size: int) -> None:
+    def __init__(self, group: Any, world_size: int, *, bucket_view: bool = True) -> None:
         self.group = group
         self.world_size = world_size
+        self.bucket_view = bucket_view
         self._engine: weakref.ReferenceType[OffloadEngine] | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
         self._closed = False  # the engine was closed, and another rank's may still take part in the exchanges
@@ -190,10 +192,12 @@ def _scale_for_average(route: DDPRoute, bucket: Any) -> None:
     two the two differ in the last bit (a third of the elements, 3 ranks): multiplying them all, the second
     synchronized backward of an accumulation was not DDP's average. Such a ``.grad`` is the tensor DDP left at the
     end of the step's last synchronized backward (the engine's :meth:`~sofx.offload.engine.OffloadEngine.
-    grad_kept_since_reduced`) and a view of this bucket."""
+    grad_kept_since_reduced`) and a view of this bucket: none where the DDP module makes no bucket views
+    (``route.bucket_view`` false), whose buffer is multiplied at once, its parameters not read."""
     buffer, world = bucket.buffer(), route.world_size
     engine = route.owner()
-    if world & (world - 1) == 0 or engine is None:  # (x * (1 / 2**k) is x / 2**k; a closed engine keeps nothing)
+    # (x * (1 / 2**k) is x / 2**k; a closed engine keeps nothing; without bucket views DDP copies every .grad)
+    if world & (world - 1) == 0 or engine is None or not route.bucket_view:
         buffer.mul_(1.0 / world)
         return
     views = bucket.gradients()
@@ -538,7 +542,8 @@ def ddp_route(ddp: Any) -> DDPRoute:
                                "gradients as they come; wrap the model without mixed_precision: the optimizer keeps "
                                "fp32 masters itself, so train the model in that dtype (model.to(torch.bfloat16)) "
                                "or under torch.autocast")
-    route = DDPRoute(ddp.process_group, torch.distributed.get_world_size(ddp.process_group))
+    route = DDPRoute(ddp.process_group, torch.distributed.get_world_size(ddp.process_group),
+                     bucket_view=bool(getattr(ddp, "gradient_as_bucket_view", True)))
     try:
         ddp.register_comm_hook(route, _all_reduce_then_take)
     except RuntimeError as exc:
