@@ -270,6 +270,45 @@ def test_a_destination_that_save_refuses_is_refused_at_call_time(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_a_directory_the_process_cannot_write_is_refused_at_call_time(tmp_path, monkeypatch):
+    """A directory the process may not write (its permissions, a read-only file system) raised only at ``wait()``,
+    after the snapshot of the whole tree, where torch.save raises PermissionError at once; ``save`` found it only
+    after encoding and checksumming the tree. Both refuse it at the call, with the check ``save`` makes of the
+    destination: a CheckpointIOError (an OSError) with the system's number, naming the directory, nothing copied
+    or written. (os.access answers for the process: root may write any directory, so it is told here.)"""
+    import errno
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(locked)
+                        else real_access(p, mode, **kw))
+    started = []
+    monkeypatch.setattr(ck_io, "snapshot", lambda *args: started.append(args))
+    monkeypatch.setattr(ck_io, "prepare", lambda *args: started.append(args))
+    for save in (ck.save_async, ck.AsyncSaver().save, ck.save):
+        with pytest.raises(ck.CheckpointIOError, match=r"cannot save .*locked.b\.ckpt: the directory .*locked is "
+                                                       r"not writable by this process") as err:
+            save(locked / "b.ckpt", {"x": torch.zeros(1)})
+        assert err.value.errno == errno.EACCES and isinstance(err.value, OSError)
+    assert started == [] and os.listdir(locked) == []
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write any directory")
+def test_a_read_only_directory_is_refused_at_call_time(tmp_path):
+    """As above, with the directory's permissions themselves."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o555)
+    try:
+        for save in (ck.save_async, ck.save):
+            with pytest.raises(ck.CheckpointIOError, match=r"the directory .*locked is not writable"):
+                save(locked / "b.ckpt", {"x": torch.zeros(1)})
+    finally:
+        os.chmod(locked, 0o755)
+    assert os.listdir(locked) == []
+
+
 def test_wait_timeout(tmp_path, monkeypatch):
     release = _hold_writes(monkeypatch, 10)
     handle = ck.save_async(tmp_path / "slow.ckpt", {"x": torch.zeros(1)})

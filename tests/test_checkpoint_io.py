@@ -975,12 +975,17 @@ def test_failed_write_leaves_previous_and_no_temporary(tmp_path, monkeypatch):
 def test_the_writers_own_system_errors_are_checkpoint_io_errors():
     """A real failing write (a directory no file can be created in, even by root) is a CheckpointIOError, an
     OSError with the system's number; a writer that reports the system's errors as its own exception type
-    (not an OSError), the number in its message, as safetensors does, has it read from there."""
+    (not an OSError), the number in its message, as safetensors does, has it read from there. A directory the
+    process may not write (/proc/self: os.access says so, even to root) is refused before the write, with EACCES."""
     if not os.path.isdir("/proc/self"):
         pytest.skip("needs Linux's /proc")
-    with pytest.raises(ck.CheckpointIOError) as err:
+    with pytest.raises(ck.CheckpointIOError, match="/proc/self/f.ckpt: the directory .* is not writable") as err:
         ck.save("/proc/self/f.ckpt", {"x": torch.arange(4)})
-    assert isinstance(err.value, OSError) and err.value.errno == errno.ENOENT and "f.ckpt" in str(err.value)
+    assert isinstance(err.value, OSError) and err.value.errno == errno.EACCES
+    if os.access("/proc", os.W_OK | os.X_OK):  # (root: the write itself fails, with the system's ENOENT)
+        with pytest.raises(ck.CheckpointIOError) as err:
+            ck.save("/proc/f.ckpt", {"x": torch.arange(4)})
+        assert isinstance(err.value, OSError) and err.value.errno == errno.ENOENT and "f.ckpt" in str(err.value)
     assert ck_atomic.system_errno(RuntimeError("I/O error: No space left on device (os error 28)")) == 28
     assert ck_atomic.system_errno(RuntimeError("Error while serializing")) is None
 

@@ -128,10 +128,10 @@ def save_async(path: str | os.PathLike, tree: Any, *, after: SaveHandle | None =
     Bad input raises here, before anything is written or copied: a tree that
     cannot be saved (also one whose structure is too large for a file's
     header), a destination :func:`sofx.checkpoint.save` refuses up front (a
-    directory that does not exist or is a file, a path that is a directory),
-    and an ``after`` that is not a handle. ``after``: a previous
-    handle whose save must be committed first (to keep the order of saves to
-    one path). The returned handle's
+    directory that does not exist or is a file, or that this process may not
+    write; a path that is a directory), and an ``after`` that is not a handle.
+    ``after``: a previous handle whose save must be committed first (to keep
+    the order of saves to one path). The returned handle's
     ``wait()`` re-raises a failed write (a full disk, the directory removed
     meanwhile).
     """

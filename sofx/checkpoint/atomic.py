@@ -32,6 +32,7 @@ import os
 import re
 import stat
 import uuid
+from errno import EACCES, EROFS
 from typing import Callable
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointIOError, check_path
@@ -115,9 +116,10 @@ def system_errno(exc: BaseException) -> int | None:
 def _destination(path: str | os.PathLike) -> tuple[str, str]:
     """``(the absolute path, the file a save to it replaces)``: the second is the first with every symbolic
     link resolved (a link's target, created if the link dangles), after checking that a file can be committed
-    there: it does not end in a path separator (nor in ``.`` or ``..``), its directory exists, its name fits the
-    file system's limit, it is not itself a directory nor another file that is not a regular one (a FIFO, a
-    device), and it is not a link that loops (:class:`CheckpointError` otherwise, before anything is written)."""
+    there: it does not end in a path separator (nor in ``.`` or ``..``), its directory exists and this process may
+    write it (:func:`_check_directory_writable`), its name fits the file system's limit, it is not itself a
+    directory nor another file that is not a regular one (a FIFO, a device), and it is not a link that loops
+    (:class:`CheckpointError` otherwise, before anything is written)."""
     given = os.fsdecode(path)
     if given.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
         # (abspath drops the separator: "run/ckpt/" wrote a file run/ckpt, which load("run/ckpt/") did not find)
@@ -155,7 +157,27 @@ def _destination(path: str | os.PathLike) -> tuple[str, str]:
     if os.path.exists(target) and not os.access(target, os.W_OK):  # (open(path, "w") and torch.save refuse it)
         raise CheckpointError(f"cannot save {named}: the file is read-only for this process; the rename of a "
                               "save would replace it all the same (make it writable, or save elsewhere)")
+    _check_directory_writable(named, directory)
     return path, target
+
+
+def _check_directory_writable(named: str, directory: str) -> None:
+    """:class:`CheckpointIOError` (``EACCES``, or ``EROFS`` on a read-only file system) where this process may not
+    create a file in ``directory``, as ``torch.save``'s ``open()`` raises ``PermissionError`` at once: the save's
+    temporary found it only when created, after ``save`` encoded the tree and ``save_async`` copied it. POSIX only:
+    Windows' read-only attribute on a directory, which ``os.access`` reports, does not keep files out of it."""
+    if os.name != "posix" or os.access(directory, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    where = " (a read-only file system)" if read_only else ""
+    failure = CheckpointIOError(f"cannot save {named}: the directory {directory} is not writable by this "
+                                f"process{where}; a save creates its file there (make it writable, or save "
+                                "elsewhere)")
+    failure.errno = EROFS if read_only else EACCES
+    raise failure
 
 
 def _absolute(given: str) -> str:
