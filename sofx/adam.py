@@ -1331,17 +1331,8 @@ def _role_name(leaf: _Leaf, role: int) -> str:
 
 
 def _validate_undoable(undoable: Any) -> bool:
-    """``undoable`` as a Python bool: a Python or numpy bool (an option, :func:`_option`)."""
-    return _option("undoable", undoable)
-
-
-def _option(name: str, value: Any) -> bool:
-    """An on/off option (``donate``, ``undoable``) as a Python bool: a Python or numpy bool; anything else (a string
-    such as ``"no"``, which is true, a number, a tensor) is refused naming ``name``."""
-    if is_bool(value):
-        return bool(value)
-    raise UnsupportedError(f"{name} = {value!r:.80} is invalid; expected True or False (a Python or numpy bool), got "
-                           f"{_described(value)}")
+    """``undoable`` as a Python bool: a Python or numpy bool (an option, :func:`~sofx.kernels.user_numbers.flag`)."""
+    return flag("undoable", undoable, UnsupportedError)
 
 
 def _validate_snapshot_limit(limit: Any) -> int | None:
@@ -1462,7 +1453,7 @@ def validate_grads_finite(grads_finite: Any) -> bool | None:
 
 def _validate_donate(donate: Any) -> bool:
     """``donate`` as a Python bool: a Python or numpy bool (a string such as ``"no"`` is true, and would donate)."""
-    return _option("donate", donate)
+    return flag("donate", donate, UnsupportedError)
 
 
 def _rounded(dtype: torch.dtype, what: str) -> list[str]:

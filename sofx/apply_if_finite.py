@@ -16,7 +16,7 @@ from sofx.adam import Adam, validate_grads_finite
 from sofx.errors import LeafError, SofxError, UndoError, UnsupportedError
 from sofx.kernels.base import is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.kernels.user_numbers import integer, is_bool
+from sofx.kernels.user_numbers import flag, integer
 from sofx.transforms import GradientTransformation, _check_state
 from sofx.undo_record import UndoRecord
 
@@ -91,7 +91,7 @@ class ApplyIfFinite:
         Where the decision cannot be read on the host (``vmap``: one per member; ``compile``) the inner step is
         taken and its results selected per member with ``torch.where``; there ``donate`` is not used (a
         skipped member keeps its inputs) and ``param_copies`` is refused."""
-        donate = _flag_option("donate", donate)
+        donate = flag("apply_if_finite: donate", donate, UnsupportedError)
         grads_finite = validate_grads_finite(grads_finite)  # (the inner update's reading: a numpy or 0-d tensor bool)
         before = _finite_counters(state)
         finite = True if grads_finite is True else _grads_all_finite(grads)
@@ -148,7 +148,7 @@ class ApplyIfFinite:
         nothing); ``donate`` and ``param_copies`` as in :meth:`sofx.Adam.undo`, but where the decision cannot be
         read (``vmap`` of the step's per-member decision, ``compile``): there the inner undo is selected per member
         with ``torch.where``, ``donate`` is not used and ``param_copies`` refused."""
-        donate = _flag_option("donate", donate)
+        donate = flag("apply_if_finite: donate", donate, UnsupportedError)
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
@@ -213,14 +213,6 @@ def _readable(x: Any) -> bool:
     if torch.compiler.is_compiling() or x.is_meta:  # (a meta tensor holds no value)
         return False
     return not vmapped(x)
-
-
-def _flag_option(name: str, value: Any) -> bool:
-    """``value`` as a Python bool: a Python or numpy bool, as the inner update takes it (a string such as ``"no"``
-    is true: refused)."""
-    if not is_bool(value):
-        raise UnsupportedError(f"apply_if_finite: {name} = {value!r:.60}; expected True or False")
-    return bool(value)
 
 
 def _grads_all_finite(grads: Any) -> bool | torch.Tensor:
