@@ -1770,18 +1770,24 @@ class OffloadEngine:
                         self._set_param_state(index, key, values[key])
 
     def _read_before_written(self, checked: list[tuple[int, Mapping[Any, Any]]]) -> list[tuple[int, dict]]:
-        """The values of :meth:`set_params_states`' entries, copied where they are views of the optimizer's own
-        state (another parameter's, or another key's of the same one: ``opt.state.update({q: {}, p: {"exp_avg":
+        """The values of :meth:`set_params_states`' entries, copied where they lie in storage that the call writes
+        (another parameter's state, or another key's of the same one: ``opt.state.update({q: {}, p: {"exp_avg":
         opt.state[q]["exp_avg"], ...}})``, a swap of two moments), so that no write changes a value still to be
         written: p took q's state already reset, a swap copied one moment over the other and back. Where a master
-        is written (shown to its model parameter at once), views of the model's parameters are copied too (a swap
-        of two layers' weights, ``{p: {..., "master": q.detach()}, q: {..., "master": p.detach()}}``)."""
-        ours = {t.untyped_storage().data_ptr() for bt in self.tensors.values()
-                for t in (bt.master, bt.exp_avg, bt.exp_avg_sq, bt.counts)}
-        if any("master" in values for _, values in checked):
-            ours |= {p.untyped_storage().data_ptr() for p in self.params}
+        is written (shown to its model parameter at once), a value on that parameter's storage is copied too (a
+        swap of two layers' weights, ``{p: {..., "master": q.detach()}, q: {..., "master": p.detach()}}``).
+        The storages written are those of the entries' own views (a block's flat tensors, the parameters whose
+        master is given), not every block's and parameter's: a loop writing each parameter's state in turn was
+        quadratic in the parameters."""
+        written: set[int] = set()
+        for index, values in checked:
+            views = self._param_views(index)
+            written.update(views[key].untyped_storage().data_ptr() for key in values if key in views)
+            if "master" in values:
+                written.add(self.params[index].untyped_storage().data_ptr())
         return [(index, {key: value.clone() if isinstance(value, torch.Tensor)
-                         and value.untyped_storage().data_ptr() in ours else value for key, value in values.items()})
+                         and value.untyped_storage().data_ptr() in written else value
+                         for key, value in values.items()})
                 for index, values in checked]
 
     def _checked_param_states(self, index: int, values: Mapping[Any, Any], where: str,
@@ -1846,9 +1852,9 @@ class OffloadEngine:
         does other storage given to this one since (``p.data = t``: refused at the next step where it is of
         another kind, see :meth:`_take_params_as_masters`)."""
         block, slot = self.tracker.where[index]
-        presents = [tuple(b == block and s == slot for s in range(len(layout.numels)))
-                    for b, layout in enumerate(self.layouts)]
-        self._copy_to_model([block], presents)
+        p = self.params[index]
+        with torch.no_grad():  # (as _copy_to_model for this parameter alone: its one view, not the block's)
+            p.copy_(self.tensors[block].master[self.layouts[block].span(slot)].view(p.shape))
         self._versions[index] = (self.params[index]._version, self._versions[index][1])
 
     @staticmethod
