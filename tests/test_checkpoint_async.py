@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -15,6 +16,8 @@ import sofx
 import sofx.checkpoint as ck
 from sofx import tree
 from sofx.checkpoint import io as ck_io
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _setup(rng, param_dtype=torch.float32, state_dtype=None):
@@ -573,3 +576,54 @@ def test_a_wait_timeout_of_inf_waits_and_one_that_is_not_a_number_is_refused(tmp
     threading.Timer(0.05, release.set).start()
     saver.wait(math.inf)
     assert second.done() and saver._pending == [] and float(ck.load(tmp_path / "a.ckpt")["x"][0]) == 2.0
+
+
+def test_a_save_issued_at_interpreter_exit_is_written_before_the_process_ends(tmp_path):
+    """A ``save_async`` issued in an ``atexit`` handler (a last checkpoint saved as the program ends) was lost: the
+    interpreter joins its non-daemon threads before it runs the atexit handlers, so the thread started there was
+    frozen when the interpreter finalized, and the process exited 0 without the file (its temporary half written),
+    silently (the docstring said to call ``wait()`` there). Issued by the main thread while the interpreter exits,
+    the save is written in the call (the handle is done); one issued before, never waited for, is still written
+    (the interpreter waits for its thread). A real process; the writes are slowed so that a thread would not end
+    before the interpreter."""
+    script = "\n".join([
+        "import atexit, sys, time, torch, sofx.checkpoint as ck",
+        "from sofx.checkpoint import io as ck_io",
+        "real = ck_io.serialize_file",
+        "ck_io.serialize_file = lambda *a, **k: (time.sleep(0.2), real(*a, **k))[1]",
+        "d = sys.argv[1]",
+        "ck.save_async(d + '/before.ckpt', {'x': torch.full((4,), 1.0)})",
+        "def last():",
+        "    print(ck.save_async(d + '/at_exit.ckpt', {'x': torch.full((4,), 2.0)}).done(), flush=True)",
+        "atexit.register(last)",
+    ])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], (out.returncode, out.stdout, out.stderr[-2000:])
+    assert sorted(os.listdir(tmp_path)) == ["at_exit.ckpt", "before.ckpt"]  # (no temporary left)
+    assert [float(ck.load(tmp_path / f"{n}.ckpt")["x"][0]) for n in ("before", "at_exit")] == [1.0, 2.0]
+
+
+def test_a_save_written_in_the_call_at_exit_raises_an_interrupt_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """Written in the call (issued by the main thread while the interpreter exits, above), a save interrupted by
+    Ctrl-C raises the interrupt there (not kept for a ``wait()`` nobody calls at exit), leaving the previous file
+    and no temporary; a failed write is the handle's error, as an asynchronous one's."""
+    ck.save(tmp_path / "a.ckpt", {"x": torch.zeros(2)})
+    monkeypatch.setattr(threading, "_SHUTTING_DOWN", True, raising=False)
+    real = ck_io.serialize_file
+
+    def interrupted(specs, filename, metadata=None, **kwargs):
+        real(specs, filename, metadata=metadata, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck_io, "serialize_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_async(tmp_path / "a.ckpt", {"x": torch.ones(2)})
+    assert os.listdir(tmp_path) == ["a.ckpt"] and float(ck.load(tmp_path / "a.ckpt")["x"][0]) == 0.0
+    monkeypatch.setattr(ck_io, "serialize_file", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    handle = ck.save_async(tmp_path / "a.ckpt", {"x": torch.ones(2)})
+    assert handle.done()
+    with pytest.raises(ck.CheckpointIOError, match="disk full"):
+        handle.wait()
+    assert os.listdir(tmp_path) == ["a.ckpt"]

@@ -19,10 +19,12 @@ which does that for you.
 A failed write is logged when it fails (an ERROR on the ``sofx.checkpoint``
 logger) and raised by the handle's ``wait()`` (or the :class:`AsyncSaver`'s
 next ``save``/``wait``); one that nobody waits for is reported by that log
-line only. The interpreter waits for saves still running at its exit, but a
-save issued inside an ``atexit`` handler is not waited for: call ``wait()``
-there (Python 3.12 starts no thread there: such a save raises a
-:class:`CheckpointError`; save with :func:`sofx.checkpoint.save` instead).
+line only. The interpreter waits for saves still running at its exit. A save
+issued by the main thread while the interpreter exits (in an ``atexit``
+handler: the interpreter joined its threads before it runs them, and would
+not wait for a thread started there) is written in the call, as
+:func:`sofx.checkpoint.save` writes (its handle is done when it returns; a
+failed write is logged and raised by ``wait()``, as an asynchronous one).
 """
 
 from __future__ import annotations
@@ -58,14 +60,20 @@ class SaveHandle:
         self._error_traceback: Any = None  # the save's own: every raise of the error starts from it
         self._waited = False
         self._pid = os.getpid()  # (a forked child has no thread of this save: see _refuse_in_child)
+        self._thread: threading.Thread | None = None
+        if _exiting():
+            self._run()  # (a thread started now would be frozen when the interpreter finalizes: the save lost)
+            if self._error is not None and not isinstance(self._error, Exception):
+                raise self._failure()  # type: ignore[misc]  # an interrupt (Ctrl-C) of the caller: raised at once
+            return
         self._thread = threading.Thread(target=self._run, name=f"sofx-save:{os.path.basename(path)}", daemon=False)
         try:
             self._thread.start()
-        except RuntimeError as exc:  # (at interpreter shutdown on Python 3.12; at the process's limit on threads)
+        except RuntimeError as exc:  # (at the process's limit on threads; a thread at interpreter shutdown)
             self._encoded = self._after = None
             raise CheckpointError(f"cannot save {path} asynchronously: its writing thread did not start "
-                                  f"({type(exc).__name__}: {exc}); save it with sofx.checkpoint.save (an atexit "
-                                  "handler on Python 3.12 cannot start threads)") from exc
+                                  f"({type(exc).__name__}: {exc}); save it with sofx.checkpoint.save (the process "
+                                  "is at its limit on threads, or its interpreter shuts down)") from exc
 
     def _run(self) -> None:
         try:
@@ -93,7 +101,8 @@ class SaveHandle:
         self._refuse_in_child("wait for it")
         if not self._done.wait(timeout):
             raise TimeoutError(f"the checkpoint save to {self.path} did not finish within {timeout} s")
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self._waited = True
         error = self._failure()
         if error is not None:
@@ -254,6 +263,14 @@ class AsyncSaver:
                 exc.add_note(note)
             else:
                 _log.error("%s: %s", type(exc).__name__, note)
+
+
+def _exiting() -> bool:
+    """Whether a save issued now would not be waited for: the main thread calls while the interpreter exits (it
+    runs the ``atexit`` handlers after joining the non-daemon threads, and a thread started then is frozen when it
+    finalizes; Python 3.12 refuses to start one). A thread that another non-daemon thread starts meanwhile is
+    joined, as the interpreter joins threads until none is left."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) and threading.current_thread() is threading.main_thread()
 
 
 def _seconds(who: str, timeout: Any) -> float | None:
