@@ -109,6 +109,21 @@ def test_python_scalars_beyond_json_and_nan_payloads(tmp_path):
     assert struct.pack("<d", back["nan"]) == struct.pack("<d", nan)
 
 
+def test_numpy_scalars_load_under_the_tree_they_were_saved_from_as_template(tmp_path):
+    """numpy scalars are saved as the Python number of their value (a LambdaLR's np.float32 lr in a scheduler's
+    state_dict()); ``like=`` the very tree saved refused them as another kind of leaf ('the checkpoint holds a
+    bool, the template has a bool'). A numpy scalar template is the kind it is saved as; another kind still differs."""
+    np = pytest.importorskip("numpy")
+    tree_ = {"f32": np.float32(0.25), "f64": np.float64(0.5), "i": np.int64(-3), "u": np.uint8(7), "b": np.bool_(True)}
+    path = ck.save(tmp_path / "np.ckpt", tree_)
+    back = ck.load(path, like=tree_)
+    assert back == {"f32": 0.25, "f64": 0.5, "i": -3, "u": 7, "b": True}
+    assert [type(v) for v in back.values()] == [float, float, int, int, bool]
+    with pytest.raises(ck.CheckpointMismatchError, match=r"\['i'\]: the checkpoint holds an int, the template has "
+                                                          r"a numpy\.float32"):
+        ck.load(path, like={**tree_, "i": np.float32(1.0)})
+
+
 def test_lazy_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
     z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
     x = torch.tensor([1.0, -2.0])

@@ -126,7 +126,7 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
         return {"k": "float", "v": x.hex()}
     if type(x) is str:
         return {"k": "str", "v": x}
-    if type(x).__module__ == "numpy" and isinstance(x, (numbers.Real, _NumpyBool)):
+    if _is_numpy_scalar(x):
         # numpy scalars (a LambdaLR of np.cos puts np.float64 in a scheduler's state): stored as the Python
         # number of the same value (np.float32 widened exactly), loaded back as that number
         if isinstance(x, _NumpyBool):
@@ -259,7 +259,15 @@ def _corrupt(path: str, what: str) -> CorruptCheckpointError:
 def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return _article(type_name(type(x)) if _is_namedtuple(x) else type(x).__name__)
+    if _is_namedtuple(x) or _is_numpy_scalar(x):  # (numpy's bool_ is named "bool": named by its module too)
+        return _article(f"{type(x).__module__}.{type(x).__qualname__}")
+    return _article(type(x).__name__)
+
+
+def _is_numpy_scalar(x: Any) -> bool:
+    """Whether ``x`` is a numpy bool or real number, which :func:`encode` stores as the Python number of its
+    value."""
+    return type(x).__module__ == "numpy" and isinstance(x, (numbers.Real, _NumpyBool))
 
 
 def _article(name: str) -> str:
@@ -288,6 +296,8 @@ def _like_kind(x: Any) -> str | None:
         return "str"
     if isinstance(x, torch.dtype):
         return "dtype"
+    if _is_numpy_scalar(x):  # stored as the Python number of its value: a template of the tree saved is one
+        return "bool" if isinstance(x, _NumpyBool) else "int" if isinstance(x, numbers.Integral) else "float"
     if _is_namedtuple(x):
         return "namedtuple"
     if isinstance(x, list):
