@@ -427,6 +427,25 @@ def test_a_meta_params_template_imports_the_moments_onto_the_cpu():
     assert torch.equal(state.mu["b"], torch.zeros(4)) and torch.equal(state.nu["b"], torch.zeros(4))
 
 
+@pytest.mark.parametrize("leaf, why", [(torch.zeros(2, 3, dtype=torch.int64), "a floating-point tensor, got dtype "
+                                                                            "torch.int64"),
+                                       (torch.zeros(2, 3, dtype=torch.complex64), "a floating-point tensor, got "
+                                                                                  "dtype torch.complex64"),
+                                       (torch.zeros(2, 3).to_sparse(), "a dense \\(strided\\) tensor")],
+                         ids=["int64", "complex64", "sparse"])
+def test_a_params_template_leaf_sofx_cannot_step_is_refused_naming_it(leaf, why):
+    """An int64 (or complex, bool) params leaf took the moments cast to its dtype (torch.optim's exp_avg 0.07
+    imported as 0) without a word: a state no update can step (init refuses such params). Refused naming the
+    leaf, as opt.init refuses it."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2, 3), "b": torch.randn(4)}
+    torch_opt = torch.optim.AdamW(ck.torch_param_groups(adamw, params))
+    params["a"].grad = torch.randn(2, 3)
+    torch_opt.step()
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: params\['a'\]: expected {why}"):
+        ck.from_torch_optim(adamw, torch_opt.state_dict(), {**params, "a": leaf})
+
+
 class _Attention(torch.nn.Module):
     """Three projections of one shape, in model order q, k, v (flatten order of their names: k, q, v)."""
 

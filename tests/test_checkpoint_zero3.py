@@ -124,6 +124,24 @@ def test_meta_template_params_load_on_the_cpu(tmp_path):
     assert _bits_equal((p2, s2), (params, state))
 
 
+@pytest.mark.parametrize("leaf, why", [(torch.zeros(7, dtype=torch.int64), "a floating-point tensor, got dtype "
+                                                                         "torch.int64"),
+                                       (torch.zeros(7, dtype=torch.bool), "a floating-point tensor, got dtype "
+                                                                          "torch.bool"),
+                                       (torch.zeros(7).to_sparse(), "a dense \\(strided\\) tensor"),
+                                       (0.5, "a tensor, got float")], ids=["int64", "bool", "sparse", "float"])
+def test_a_params_template_leaf_sofx_cannot_step_is_refused_naming_it(tmp_path, leaf, why):
+    """An int64 or bool template leaf took the fp32 master and moments cast to its dtype (truncated, without a
+    word), a Python number raised a bare AttributeError ('float' object has no attribute 'shape'). Refused naming
+    the leaf, as opt.init refuses such params."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 1)
+    ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, deepspeed_objects=False)
+    template = {**params, "enc": {**params["enc"], "b": leaf}}
+    with pytest.raises(ck.CheckpointError, match=rf"^load_zero3: params\['enc'\]\['b'\]: expected {why}"):
+        ck.load_zero3(tmp_path, opt, template, HP)
+
+
 def test_a_save_into_an_older_checkpoint_directory_leaves_one_checkpoint(tmp_path, monkeypatch):
     """An older save with more dp ranks (or the other bf16_ prefix) in the same directory: its files that the new
     save does not overwrite are removed (loading read them as ranks of the new one, or refused)."""

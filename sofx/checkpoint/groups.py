@@ -37,13 +37,14 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, check_float32_range
+from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range
 from sofx.checkpoint.errors import CheckpointError
-from sofx.errors import HParamError
+from sofx.errors import HParamError, LeafError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
 from sofx.kernels.user_numbers import is_bool
 
-__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams"]
+__all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams",
+           "check_params_template"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,19 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
         except HParamError as exc:
             raise error(f"{exc} ({float32})") from None
     return hp
+
+
+def check_params_template(who: str, leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Refuse a leaf of a params template (what an import unpacks the state into, in its dtype) that no update
+    steps, as ``opt.init`` refuses it: not a tensor, not floating-point (an int64 or bool leaf took the moments and
+    masters cast to it, truncated, without a word), not dense. A :class:`CheckpointError` naming ``who`` and the
+    leaf, before any file or state dict is read."""
+    for path, p in zip(paths, leaves):
+        try:
+            _check_param(path, p)
+        except LeafError as exc:
+            raise CheckpointError(f"{who}: {exc} (params is the template of the parameters and state imported)") \
+                from None
 
 
 def _leaf_index(ref: Any, paths: list[str], by_path: dict[str, list[int]]) -> int:

@@ -39,7 +39,8 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, resolve_groups, saved_hparams
+from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, resolve_groups,
+                                    saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
@@ -292,6 +293,7 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
     _refuse_offload_state(state_dict)
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
+    check_params_template("from_torch_optim", leaves, paths)
     resolved = resolve_groups(opt, spec, hparams, groups)
     named = _leaves_by_name(params)
     saved_groups = state_dict["param_groups"]

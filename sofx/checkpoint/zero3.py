@@ -59,7 +59,8 @@ from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
                                     CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
                                     check_path)
-from sofx.checkpoint.groups import ParamGroup, hparams_tree, prefix_ids, resolve_groups, saved_hparams
+from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, prefix_ids, resolve_groups,
+                                    saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
@@ -539,9 +540,10 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
         raise CheckpointError(f"load_zero3: opt must be a sofx Adam, got {type(opt).__name__}")
     mp_rank = integer("load_zero3: mp_rank", mp_rank, 0, CheckpointError)  # (1.5 raised a ValueError from a format)
     bf16 = _optional_flag("load_zero3: bf16", bf16)
-    files, _ = _find_files(directory, mp_rank, bf16)
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
+    check_params_template("load_zero3", p_leaves, paths)
+    files, _ = _find_files(directory, mp_rank, bf16)
     first = _torch_load(files[0])
     from_file = False
     if groups is None:
