@@ -913,6 +913,18 @@ def test_namedtuples_only_from_allowed_classes(tmp_path):
         ck.load(path, types={f"{Pair.__module__}.{Pair.__qualname__}": Other})
 
 
+def test_types_that_are_not_namedtuple_classes_are_refused_naming_the_argument_before_reading(tmp_path):
+    """types=Pair (the class itself, not a list of it) and types=5 raised Python's bare TypeError ('type' object is
+    not iterable); a mapping keyed by the class instead of its name was taken and ignored, the load then refused the
+    NamedTuple as 'not a sofx type'. Each is a CheckpointError naming types=, before the file is opened."""
+    path = ck.save(tmp_path / "nt.ckpt", {"p": Pair(torch.ones(1), 2)})
+    for bad, what in ((Pair, r"the class .*Pair; pass a list of classes: types=\[Pair\]"), (5, "an int"),
+                      ({Pair: Pair}, r"the mapping's key .*Pair.* is not a str")):
+        with pytest.raises(ck.CheckpointError, match=rf"^types: .*{what}"):
+            ck.load(tmp_path / "missing.ckpt", types=bad)
+    assert type(ck.load(path, types=(Pair,))["p"]) is Pair
+
+
 def _sofx_state_classes():
     """Every NamedTuple class named ``...State`` that a sofx module defines (the states a run checkpoints)."""
     import importlib

@@ -14,7 +14,7 @@ import importlib
 import inspect
 from typing import Iterable, Iterator, Mapping
 
-from sofx.checkpoint.codec import type_name
+from sofx.checkpoint.codec import _article, type_name
 from sofx.checkpoint.errors import CheckpointError
 
 __all__ = ["SOFX_MODULES", "sofx_type", "TypeRegistry", "type_registry"]
@@ -73,10 +73,24 @@ class TypeRegistry(Mapping[str, type]):
 def type_registry(types: Iterable[type] | Mapping[str, type] | None) -> TypeRegistry:
     """A registry of the user's types (NamedTuple classes, or a mapping name -> class) plus sofx's."""
     user: dict[str, type] = {}
-    if types is not None:
-        items = types.items() if isinstance(types, Mapping) else ((None, cls) for cls in types)
-        for name, cls in items:
-            if not _is_namedtuple_class(cls):
-                raise CheckpointError(f"types: {cls!r} is not a NamedTuple class")
-            user[name if name is not None else type_name(cls)] = cls
+    if types is None:
+        return TypeRegistry(user)
+    if _is_namedtuple_class(types):  # (iterated, Python's bare TypeError: 'type' object is not iterable)
+        raise CheckpointError(f"types: expected NamedTuple classes or a mapping of names to them, got the class "
+                              f"{type_name(types)}; pass a list of classes: types=[{types.__qualname__}]")
+    if isinstance(types, Mapping):
+        items = list(types.items())
+    else:
+        try:
+            items = [(None, cls) for cls in types]
+        except TypeError:
+            raise CheckpointError(f"types: expected NamedTuple classes (a list) or a mapping of names to them, got "
+                                  f"{_article(type(types).__name__)} {types!r:.80}") from None
+    for name, cls in items:
+        if name is not None and not isinstance(name, str):  # (looked up by recorded name: never found)
+            raise CheckpointError(f"types: the mapping's key {name!r:.80} is not a str; its keys are the names "
+                                  "classes are recorded under ('module.QualName'), or pass a list of classes")
+        if not _is_namedtuple_class(cls):
+            raise CheckpointError(f"types: {cls!r} is not a NamedTuple class")
+        user[name if name is not None else type_name(cls)] = cls
     return TypeRegistry(user)
