@@ -188,6 +188,22 @@ def test_interop_errors():
         ck.torch_param_groups(adamw, params, groups=[["nope"]])
 
 
+@pytest.mark.parametrize("groups", [5, 1.5, len, "ab", [[0, 1], 2]], ids=["int", "float", "function", "str", "flat"])
+def test_groups_that_are_not_a_sequence_of_sequences_are_refused_naming_the_argument(groups):
+    """groups=5 (or a function) raised Python's bare TypeError ('int' object is not iterable) from every call that
+    lays the params out in groups; it is refused as a str or a list holding a non-sequence is."""
+    params = _params()
+    adamw = sofx.adamw()
+    state = adamw.init(params)
+    sd = torch.optim.AdamW(ck.torch_param_groups(adamw, params)).state_dict()
+    for call in (lambda: ck.to_torch_optim(adamw, state, groups=groups),
+                 lambda: ck.from_torch_optim(adamw, sd, params, groups=groups),
+                 lambda: ck.torch_param_groups(adamw, params, groups=groups)):
+        with pytest.raises(ck.CheckpointError, match=r"^groups must be a sequence of sequences of leaf indices or "
+                                                     r"paths, got "):
+            call()
+
+
 def test_a_parameter_id_listed_twice_in_the_state_dict_is_refused():
     """torch.optim lists each parameter once across its param groups (it refuses one in two groups): an id listed
     twice gave two leaves of the same shape the same saved state (and the leaf of the id it replaced, where that

@@ -151,9 +151,11 @@ def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
     paths = tree.leaf_paths(spec)
     per_leaf = opt.resolve_hparams(hparams, spec)
     if groups is not None:
-        if isinstance(groups, (str, bytes)) or not all(isinstance(g, Sequence) and not isinstance(g, str)
-                                                       for g in groups):
-            raise CheckpointError("groups must be a sequence of sequences of leaf indices or paths")
+        # (not iterable, 5 or a function: Python's bare TypeError from the loop below)
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) \
+                or not all(isinstance(g, Sequence) and not isinstance(g, str) for g in groups):
+            raise CheckpointError(f"groups must be a sequence of sequences of leaf indices or paths, got "
+                                  f"{type(groups).__name__} {groups!r:.80}")
         out, owner = [], {}
         by_path = tree.paths_index(paths)
         for gi, refs in enumerate(groups):
