@@ -171,8 +171,11 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     deepspeed_objects = _optional_flag("save_zero3: deepspeed_objects", deepspeed_objects)
     if not isinstance(state, AdamState):
         raise CheckpointError(f"save_zero3: expected an AdamState, got {type(state).__name__}")
-    if isinstance(loss_scaler, tuple):
+    if isinstance(loss_scaler, tuple) and len(loss_scaler) == 2:
         loss_scaler = deepspeed_loss_scaler(*loss_scaler)
+    if loss_scaler is not None and not isinstance(loss_scaler, dict):  # (5: Python's bare TypeError, merged below)
+        raise CheckpointError(f"save_zero3: loss_scaler must be None, a (rule, state) pair or a dict of DeepSpeed's "
+                              f"loss-scaler attributes, got {type(loss_scaler).__name__} {loss_scaler!r:.80}")
     _check_plain(loss_scaler, "loss_scaler")
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
