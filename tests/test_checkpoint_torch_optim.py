@@ -845,6 +845,23 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_import_naming_its_group_a
         assert getattr(hp, key) == value
 
 
+@pytest.mark.parametrize("hp, where", [
+    (sofx.AdamHParams(lr=-0.1), r"lr = -0\.1 is invalid; expected lr >= 0"),
+    (sofx.AdamHParams(beta1=1.0), r"beta1 = 1\.0 is invalid; expected 0 <= beta1 < 1"),
+    (sofx.AdamHParams(weight_decay=float("nan")), r"weight_decay = nan is invalid")])
+def test_hparams_no_step_can_take_are_refused_on_export_naming_them(hp, where):
+    """to_torch_optim (and torch_param_groups) exported an lr of -0.1, a beta1 of 1 or a nan weight decay into the
+    torch groups, which from_torch_optim refuses to import back and no update steps with: refused on export in
+    update's words, naming the leaf."""
+    params = _params()
+    adamw = sofx.adamw()
+    state = _sofx_steps(adamw, params, adamw.init(params), None, 0, 1)[1]
+    with pytest.raises(ck.CheckpointError, match=rf"^hparams for params\['dec'\]\[0\]: {where}"):
+        ck.to_torch_optim(adamw, state, {"enc": sofx.AdamHParams(), "dec": hp})
+    with pytest.raises(ck.CheckpointError, match=rf"^hparams for params\['dec'\]\[0\]: {where}"):
+        ck.torch_param_groups(adamw, params, {"enc": sofx.AdamHParams(), "dec": hp})
+
+
 def _one_cycle(torch_opt):
     return torch.optim.lr_scheduler.OneCycleLR(torch_opt, max_lr=0.05, total_steps=8, cycle_momentum=True,
                                                base_momentum=0.8, max_momentum=0.9)

@@ -817,6 +817,23 @@ def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_pat
         ck.load_zero3(tmp_path, opt, params, HP)
 
 
+@pytest.mark.parametrize("hp, where", [
+    (sofx.AdamHParams(lr=-0.1), r"lr = -0\.1 is invalid; expected lr >= 0"),
+    (sofx.AdamHParams(beta2=1.0), r"beta2 = 1\.0 is invalid; expected 0 <= beta2 < 1"),
+    (sofx.AdamHParams(eps=1e-50), r"eps = 1e-50 is beyond float32's range")])
+def test_hparams_no_step_can_take_are_refused_before_any_file_is_written(tmp_path, hp, where):
+    """save_zero3 wrote an lr of -0.1, a beta2 of 1 or an eps float32 cannot hold (its flat groups are float32) into
+    every rank's file, which load_zero3 then refused to read back; refused before any file is written, naming the
+    leaf."""
+    opt = sofx.adamw()
+    params = _params()
+    state = _train(opt, params, opt.init(params), 0, 1, hp=None)[1]
+    with pytest.raises(ck.CheckpointError, match=rf"^hparams for params\['dec'\]\[0\]: {where}"):
+        ck.save_zero3(tmp_path / "out", opt, params, state, {"enc": sofx.AdamHParams(), "dec": hp},
+                      deepspeed_objects=False)
+    assert not os.path.exists(tmp_path / "out")
+
+
 @pytest.mark.parametrize("key, value, where", [
     ("eps", 0.0, r"\['eps'\]: eps = 0\.0 is invalid; expected eps > 0"),
     ("eps", 1e-50, r": eps = 1e-50 is beyond float32's range"),

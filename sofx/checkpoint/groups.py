@@ -55,14 +55,29 @@ class ParamGroup:
     leaves: tuple[int, ...]
 
 
-def _numbers(hp: AdamHParams, where: str) -> AdamHParams:
+def _group_numbers(hp: AdamHParams, where: str, exported: bool = False, float32: bool = False) -> AdamHParams:
+    """``hp`` as Python floats. ``exported``: they are written out (a torch optimizer's groups, a ZeRO-3 file), so
+    each is checked in its range as :meth:`~sofx.Adam.update` checks it (an lr of -0.1, a beta of 1, a nan:
+    no step takes them, and the import refuses them back), and, ``float32``, in float32's range
+    (:func:`~sofx.adam.check_float32_range`): a :class:`CheckpointError` naming ``where``."""
     values = []
     for name, x in zip(AdamHParams._fields, hp):
         v = as_number(x)
         if not is_number(v):
             raise CheckpointError(f"{where}: {name} must be a concrete number to be exported, got {x!r}")
+        if exported:
+            try:
+                check_hparam_range(name, v, where)
+            except HParamError as exc:
+                raise CheckpointError(str(exc)) from None
         values.append(float(v))
-    return AdamHParams(*values)
+    out = AdamHParams(*values)
+    if float32:
+        try:
+            check_float32_range(out, where)
+        except HParamError as exc:
+            raise CheckpointError(f"{exc} (the exported values are float32's)") from None
+    return out
 
 
 def one_element(x: Any) -> Any:
@@ -146,9 +161,13 @@ def _leaf_index(ref: Any, paths: list[str], by_path: dict[str, list[int]]) -> in
 
 
 def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
-                   groups: Sequence[Sequence[Any]] | None = None) -> list[ParamGroup]:
-    """The param groups of a params tree of structure ``spec`` (see the module docstring)."""
+                   groups: Sequence[Sequence[Any]] | None = None, *, exported: bool = False,
+                   float32: bool = False) -> list[ParamGroup]:
+    """The param groups of a params tree of structure ``spec`` (see the module docstring). ``exported``: their
+    hparams are written out, checked in their ranges (and, ``float32``, in float32's: :func:`_group_numbers`); else they
+    are a template only (an import's)."""
     paths = tree.leaf_paths(spec)
+
     per_leaf = opt.resolve_hparams(hparams, spec)
     if groups is not None:
         # (not iterable, 5 or a function: Python's bare TypeError from the loop below)
@@ -166,7 +185,7 @@ def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
                 owner[i] = gi
             if not idx:
                 raise CheckpointError(f"groups: group {gi} is empty")
-            hps = [_numbers(per_leaf[i], f"hparams for {paths[i]}") for i in idx]
+            hps = [_group_numbers(per_leaf[i], f"hparams for {paths[i]}", exported, float32) for i in idx]
             for i, hp in zip(idx, hps):
                 if hp != hps[0]:
                     raise CheckpointError(f"groups: group {gi} mixes hyperparameters: {paths[idx[0]]} has {hps[0]}, "
@@ -179,12 +198,12 @@ def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
     if hparams is None or isinstance(hparams, AdamHParams):
         if not paths:
             return []
-        return [ParamGroup(_numbers(per_leaf[0], "hparams"), tuple(range(len(paths))))]
+        return [ParamGroup(_group_numbers(per_leaf[0], "hparams", exported, float32), tuple(range(len(paths))))]
     _, leaf_ids = prefix_ids(hparams, spec)
     order: dict[Any, list[int]] = {}
     for i, gid in enumerate(leaf_ids):
         order.setdefault(gid, []).append(i)
-    return [ParamGroup(_numbers(per_leaf[idx[0]], f"hparams for {paths[idx[0]]}"), tuple(idx))
+    return [ParamGroup(_group_numbers(per_leaf[idx[0]], f"hparams for {paths[idx[0]]}", exported, float32), tuple(idx))
             for idx in order.values()]
 
 

@@ -77,7 +77,7 @@ def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
     a ``dict``'s are sorted)."""
     leaves, spec = tree.flatten(params)
     out = []
-    for g in resolve_groups(opt, spec, hparams, groups):
+    for g in resolve_groups(opt, spec, hparams, groups, exported=True):
         hp = g.hparams
         out.append({"params": [leaves[i] for i in g.leaves], "lr": hp.lr, "betas": (hp.beta1, hp.beta2),
                     "eps": hp.eps, "weight_decay": hp.weight_decay})
@@ -120,7 +120,7 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     paths = tree.leaf_paths(spec)
     counts = tree.flatten_up_to(spec, state.count, "state.count")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
-    resolved = resolve_groups(opt, spec, hparams, groups)
+    resolved = resolve_groups(opt, spec, hparams, groups, exported=True)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
     torch_state: dict[int, dict] = {}
     param_groups = []
