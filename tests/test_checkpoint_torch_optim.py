@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 import sys
 import warnings
@@ -393,6 +394,19 @@ def test_a_negative_step_count_is_refused_on_export_naming_the_leaf():
     bad = state._replace(count={"a": torch.tensor(1), "b": torch.tensor(-1)})
     with pytest.raises(ck.CheckpointError, match=r"^state.count\['b'\]: expected a step count >= 0, got -1"):
         ck.to_torch_optim(adamw, bad)
+
+
+def test_a_negative_second_moment_is_refused_on_export_naming_the_leaf_and_element():
+    """A state's negative exp_avg_sq was exported into the torch state dict, which from_torch_optim then refused to
+    import back as corrupt: refused on export, in the same words (a nan one is exported, as it is imported)."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2), "b": torch.randn(3)}
+    state = adamw.update(params, {"a": torch.ones(2), "b": torch.ones(3)}, adamw.init(params))[1]
+    bad = state._replace(nu={"a": state.nu["a"], "b": state.nu["b"] * torch.tensor([1.0, -1.0, 1.0])})
+    with pytest.raises(ck.CheckpointError, match=r"^state.nu\['b'\]\[1\] = -.*: expected a second moment >= 0"):
+        ck.to_torch_optim(adamw, bad)
+    nan = state._replace(nu={"a": state.nu["a"], "b": state.nu["b"] * torch.tensor([1.0, math.nan, 1.0])})
+    assert ck.to_torch_optim(adamw, nan)["state"][1]["exp_avg_sq"].isnan().any()
 
 
 def test_a_saved_moment_that_is_not_a_dense_floating_point_tensor_with_data_is_refused_naming_it():

@@ -1041,6 +1041,18 @@ def test_a_negative_step_count_is_refused_before_any_file_is_written(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_negative_second_moment_is_refused_before_any_file_is_written(tmp_path):
+    """save_zero3 wrote a state's negative exp_avg_sq into the flat groups, and load_zero3 then refused its own file
+    as corrupt: refused before any file is written, naming the leaf and the element."""
+    opt = sofx.adamw()
+    params = _params()
+    state = _train(opt, params, opt.init(params), 0, 1)[1]
+    bad = state._replace(nu={**state.nu, "dec": [-state.nu["dec"][0]]})
+    with pytest.raises(ck.CheckpointError, match=r"^state.nu\['dec'\]\[0\]\[0\] = -.*: expected a second moment >= 0"):
+        ck.save_zero3(tmp_path / "out", opt, params, bad, HP, deepspeed_objects=False)
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_a_meta_or_sparse_leaf_is_refused_naming_it_before_any_file_is_written(tmp_path):
     """A param or moment on the meta device (no data) raised torch's bare NotImplementedError from the copy into
     the flat groups, a sparse one a bare RuntimeError from reshape; sofx.checkpoint.save names such leaves."""

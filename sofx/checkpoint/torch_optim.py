@@ -172,8 +172,9 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
 
 def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
     """Refuse moments torch's ``load_state_dict`` cannot copy (it fails in its own copy, naming no parameter):
-    not a tensor, or one without dense floating-point data (:func:`_not_a_moment`). ``at``: the leaf's path
-    below the state's root."""
+    not a tensor, or one without dense floating-point data (:func:`_not_a_moment`); and a negative second moment,
+    which no run stores and :func:`from_torch_optim` refuses as corrupt. ``at``: the leaf's path below the state's
+    root."""
     for field, t in (("mu", mu), ("nu", nu)):
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"state.{field}{at}: expected a dense floating-point tensor with data, got a "
@@ -183,6 +184,8 @@ def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
             raise CheckpointError(f"state.{field}{at}: expected a dense floating-point tensor with data, got one {odd}")
         if not in_storage(t):  # (freed or shrunk: its clone read outside its storage)
             refuse_short_storage(t, f"state.{field}{at}", CheckpointError)
+        if field == "nu":  # (from_torch_optim refuses it back as corrupt)
+            refuse_negative(t.detach(), "second moment", f"state.nu{at}", CheckpointError)
 
 
 def _export_count(x: Any, where: str) -> int:

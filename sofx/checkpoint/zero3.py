@@ -195,6 +195,8 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
                 # the layout's flat groups are float32: wider values would be rounded without a word
                 raise UnsupportedError(f"{path}: {name} has dtype {t.dtype}; the ZeRO-3 layout stores float32 (from "
                                        "float32, bfloat16 or float16); use sofx.checkpoint.save for other dtypes")
+            if name == "state.nu":  # (load_zero3 refuses the file back as corrupt)
+                refuse_negative(t.detach(), "second moment", name + path[len("params"):], CheckpointError)
     # (float32: the layout's flat groups are, and load_zero3 refuses what float32 cannot hold for such leaves)
     resolved = resolve_groups(opt, spec, hparams, groups, exported=True, float32=True)
     names = param_names(params) if model_states else []  # (refused before any file is written)
