@@ -792,6 +792,19 @@ def test_to_torch_optim_numbers_the_parameters_in_the_params_order_given_params(
                           params=params)
 
 
+def test_to_torch_optim_given_params_of_other_shapes_than_the_state_refuses_naming_the_leaf():
+    """params= whose leaf has another shape than its moments (the params of another model of the same keys) was
+    taken for its order only: the moments were exported for it, torch's load_state_dict took them, and its next
+    step failed ('The size of tensor a (3) must match the size of tensor b (4)'), naming no parameter."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(3), "b": torch.randn(2, 2)}
+    state = adamw.update(params, {"a": torch.ones(3), "b": torch.ones(2, 2)}, adamw.init(params))[1]
+    with pytest.raises(ck.CheckpointMismatchError, match=r"^to_torch_optim: params\['a'\] has shape \(4,\), its "
+                                                         r"state.mu has shape \(3,\)"):
+        ck.to_torch_optim(adamw, state, params={"a": torch.randn(4), "b": torch.randn(2, 2)})
+    assert ck.to_torch_optim(adamw, state, params=tree.tree_map(lambda p: p.to("meta"), params))["state"]
+
+
 def test_a_refused_import_into_ordered_dict_params_does_not_blame_sorted_dict_keys():
     """An OrderedDict keeps its keys' order (a model's state_dict() order): only a dict's keys are sorted. A
     refused import into OrderedDict params in the model's order (a state dict of another model) was explained as

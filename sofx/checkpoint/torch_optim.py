@@ -115,11 +115,13 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     if params is None:
         mus, spec = tree.flatten(state.mu)
     else:  # the params' order (a state whose mappings are of another type: matched key by key)
-        spec = tree.flatten(params)[1]
+        p_leaves, spec = tree.flatten(params)
         mus = tree.flatten_up_to(spec, state.mu, "state.mu")
     paths = tree.leaf_paths(spec)
     counts = tree.flatten_up_to(spec, state.count, "state.count")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
+    if params is not None:
+        _check_shapes(p_leaves, mus, nus, paths)
     resolved = resolve_groups(opt, spec, hparams, groups, exported=True)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
     torch_state: dict[int, dict] = {}
@@ -136,6 +138,16 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
                                       "exp_avg_sq": nus[leaf].detach().clone()}
             index += 1
     return {"state": torch_state, "param_groups": param_groups}
+
+
+def _check_shapes(p_leaves: list[Any], mus: list[Any], nus: list[Any], paths: list[str]) -> None:
+    """Refuse (a :class:`CheckpointMismatchError` naming the leaf and both shapes) a ``params=`` leaf of another shape
+    than its moments: torch's ``load_state_dict`` takes them, and its next step fails naming no parameter."""
+    for path, p, mu, nu in zip(paths, p_leaves, mus, nus):
+        for field, t in (("mu", mu), ("nu", nu)):
+            if isinstance(p, torch.Tensor) and isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(p.shape):
+                raise CheckpointMismatchError(f"to_torch_optim: {path} has shape {tuple(p.shape)}, its state.{field} "
+                                              f"has shape {tuple(t.shape)}: params= must be the state's parameters")
 
 
 # A param group's entries that to_torch_optim writes itself, whatever like= holds: the hparams and the options that
