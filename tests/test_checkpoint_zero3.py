@@ -765,6 +765,37 @@ def test_a_damaged_zero3_file_is_a_corrupt_checkpoint_error(tmp_path):
             ck.load_zero3_loss_scaler(directory)
 
 
+def test_a_zero3_file_the_system_does_not_let_us_read_is_an_io_error_and_a_model_file_is_named_so(tmp_path,
+                                                                                                  monkeypatch):
+    """A rank file torch.load could not open (no read permission: PermissionError) was a CorruptCheckpointError
+    ('cannot be read safely'), where sofx.checkpoint.load raises a CheckpointIOError with the system's number; and
+    a damaged model states file was called 'a ZeRO-3 optimizer file'."""
+    import errno
+
+    opt = sofx.adamw()
+    params = _params()
+    ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, model_states=True, deepspeed_objects=False)
+    real_load = torch.load
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith("_optim_states.pt"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", denied)
+    for call in (lambda: ck.load_zero3(tmp_path, opt, params, HP), lambda: ck.load_zero3_loss_scaler(tmp_path)):
+        with pytest.raises(ck.CheckpointIOError, match=r"cannot read the ZeRO-3 optimizer file .*Permission denied") \
+                as caught:
+            call()
+        assert caught.value.errno == errno.EACCES
+    monkeypatch.setattr(torch, "load", real_load)
+    model_file = tmp_path / zero3.model_states_file_name(0)
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    with pytest.raises(ck.CorruptCheckpointError, match=r"_model_states\.pt cannot be read safely as a ZeRO-3 model "
+                                                        r"states file"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_path):
     """Fields of the wrong type in a file that unpickles (a param group's id a list, partition counts that are
     not ints, an integer master or moment) raised a raw TypeError or were cast in silently."""

@@ -400,18 +400,32 @@ def _plain(x: Any) -> Any:
 _SAFE_GLOBALS_LOCK = threading.Lock()
 
 
-def _torch_load(path: str) -> Any:
+def _torch_load(path: str, kind: str = "optimizer") -> Any:
+    """The contents of the ZeRO-3 ``kind`` file ("optimizer", "model states") ``path``, read with
+    ``torch.load(weights_only=True)`` and :data:`DEEPSPEED_STAND_INS`: a :class:`CheckpointNotFoundError` where it
+    does not exist, a :class:`CheckpointIOError` (its ``errno`` the system's) where the system does not let this
+    process read it (no read permission), a :class:`CorruptCheckpointError` where it is damaged or holds objects
+    the unpickler refuses."""
     try:
         with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals(list(DEEPSPEED_STAND_INS)):
             return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint file {path} does not exist") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AttributeError,
+    except OSError as exc:
+        if exc.errno is None:  # (not the system's: torch's own reading of a damaged file)
+            raise _corrupt_file(path, kind, exc) from None
+        failure = CheckpointIOError(f"cannot read the ZeRO-3 {kind} file {path}: {exc}")
+        failure.errno = exc.errno
+        raise failure from exc
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError,
             KeyError, IndexError, TypeError) as exc:  # (torch's weights-only unpickler on a damaged pickle)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptCheckpointError(f"{path} cannot be read safely as a ZeRO-3 optimizer file: {first} (files "
-                                     "are read with torch.load(weights_only=True), which refuses arbitrary "
-                                     "objects)") from None
+        raise _corrupt_file(path, kind, exc) from None
+
+
+def _corrupt_file(path: str, kind: str, exc: BaseException) -> CorruptCheckpointError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CorruptCheckpointError(f"{path} cannot be read safely as a ZeRO-3 {kind} file: {first} (files are read "
+                                  "with torch.load(weights_only=True), which refuses arbitrary objects)")
 
 
 def _optional_flag(name: str, value: Any) -> bool | None:
@@ -747,7 +761,7 @@ def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
     path = os.path.join(directory, model_states_file_name(0, mp_rank))
     if not os.path.exists(path):
         return None
-    top = _torch_load(path)
+    top = _torch_load(path, "model states")
     shapes = top.get("param_shapes") if isinstance(top, dict) else None
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
         raise CorruptCheckpointError(f"{path}: expected 'param_shapes', a list of name -> shape dicts per group")
