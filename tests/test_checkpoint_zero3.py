@@ -796,6 +796,29 @@ def test_a_zero3_file_the_system_does_not_let_us_read_is_an_io_error_and_a_model
         ck.load_zero3(tmp_path, opt, params, HP)
 
 
+def test_a_zero3_directory_the_system_does_not_let_us_list_is_an_io_error(tmp_path, monkeypatch):
+    """A checkpoint directory this process may not list (no read permission) raised os.listdir's bare
+    PermissionError from load_zero3 and load_zero3_loss_scaler: a CheckpointIOError naming it, with its errno."""
+    import errno
+
+    opt = sofx.adamw()
+    params = _params()
+    ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False)
+    real_listdir = os.listdir
+
+    def denied(path="."):
+        if os.path.abspath(path) == os.path.abspath(tmp_path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", denied)
+    for call in (lambda: ck.load_zero3(tmp_path, opt, params, HP), lambda: ck.load_zero3_loss_scaler(tmp_path)):
+        with pytest.raises(ck.CheckpointIOError, match=r"cannot list the ZeRO-3 checkpoint directory .*Permission "
+                                                       r"denied") as caught:
+            call()
+        assert caught.value.errno == errno.EACCES
+
+
 def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_path):
     """Fields of the wrong type in a file that unpickles (a param group's id a list, partition counts that are
     not ints, an integer master or moment) raised a raw TypeError or were cast in silently."""

@@ -459,7 +459,13 @@ def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[s
     if not os.path.isdir(directory):
         raise CheckpointNotFoundError(f"ZeRO-3 checkpoint directory {directory} does not exist")
     found: dict[bool, dict[int, list[str]]] = {False: {}, True: {}}
-    for name in sorted(os.listdir(directory)):
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as exc:  # (no read permission: os.listdir's bare PermissionError)
+        failure = CheckpointIOError(f"cannot list the ZeRO-3 checkpoint directory {directory}: {exc}")
+        failure.errno = exc.errno
+        raise failure from exc
+    for name in names:
         m = _FILE_RE.match(name)
         if m and int(m.group(3)) == mp_rank:
             found[m.group(1) is not None].setdefault(int(m.group(2)), []).append(name)
