@@ -18,9 +18,9 @@ is a small dict whose ``"k"`` says what it is::
     {"k": "namedtuple", "type": "sofx.adam.AdamState", "fields": [...], "items": [...]}
 
 numpy scalars (``np.float64`` in a scheduler's state) are stored as the Python bool, int or float of their
-value and load back as that. Tensors are named by their leaf path (``tree['params']['w']``), which is
-also how every error message names them. A NamedTuple is rebuilt only from a
-class the caller allows: the template's own class (``like=``), a class in
+value and load back as that (a ``longdouble`` that no float holds exactly is refused, not rounded). Tensors
+are named by their leaf path (``tree['params']['w']``), which is also how every error message names them.
+A NamedTuple is rebuilt only from a class the caller allows: the template's own class (``like=``), a class in
 ``types=``, or one of sofx's own NamedTuples (:mod:`sofx.checkpoint.known_types`).
 """
 
@@ -131,7 +131,12 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
         # number of the same value (np.float32 widened exactly), loaded back as that number
         if isinstance(x, _NumpyBool):
             return {"k": "bool", "v": bool(x)}
-        return _encode(int(x) if isinstance(x, numbers.Integral) else float(x), path, out)
+        if isinstance(x, numbers.Integral):
+            return _encode(int(x), path, out)
+        if float(x) != x and x == x:  # (a longdouble's extra digits: float() rounded them off without a word)
+            raise CheckpointError(f"{path}: a numpy.{type(x).__name__} {x!r:.60} that no Python float holds exactly "
+                                  "cannot be stored without rounding; store float(x), or its digits as a str")
+        return _encode(float(x), path, out)
     if isinstance(x, torch.dtype):
         name = dtype_name(x)
         if name is None:
