@@ -889,6 +889,26 @@ def test_hparams_no_step_can_take_are_refused_on_export_naming_them(hp, where):
         ck.torch_param_groups(adamw, params, {"enc": sofx.AdamHParams(), "dec": hp})
 
 
+def test_hparams_float32_cannot_hold_are_refused_on_export_where_a_leaf_is_stepped_in_float32():
+    """An eps of 1e-50 (0 in float32) for float32 leaves was exported, and from_torch_optim refused it back for
+    them ('beyond float32's range'); refused on export naming the leaf. float64 leaves take it both ways."""
+    adamw = sofx.adamw()
+    hp = {"enc": sofx.AdamHParams(), "dec": sofx.AdamHParams(eps=1e-50)}
+    for params in (_params(), tree.tree_map(lambda p: p.double(), _params())):
+        state = adamw.init(params)
+        if params["dec"][0].dtype == torch.float64:
+            sd = ck.to_torch_optim(adamw, state, hp)
+            assert ck.from_torch_optim(adamw, sd, params, hp)[1]["dec"].eps == 1e-50
+            assert ck.torch_param_groups(adamw, params, hp)[0]["eps"] == 1e-50  # (dec first: keys sorted)
+            continue
+        for call in (lambda: ck.to_torch_optim(adamw, state, hp), lambda: ck.to_torch_optim(adamw, state, hp,
+                                                                                            params=params),
+                     lambda: ck.torch_param_groups(adamw, params, hp)):
+            with pytest.raises(ck.CheckpointError, match=r"^hparams for params\['dec'\]\[0\]: eps = 1e-50 is "
+                                                         r"beyond float32's range"):
+                call()
+
+
 def _one_cycle(torch_opt):
     return torch.optim.lr_scheduler.OneCycleLR(torch_opt, max_lr=0.05, total_steps=8, cycle_momentum=True,
                                                base_momentum=0.8, max_momentum=0.9)

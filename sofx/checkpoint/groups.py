@@ -44,7 +44,7 @@ from sofx.kernels.base import as_number, check_hparam_range, is_number
 from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams",
-           "check_params_template"]
+           "check_params_template", "check_float32_groups"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,20 @@ def check_params_template(who: str, leaves: Sequence[Any], paths: Sequence[str])
         except LeafError as exc:
             raise CheckpointError(f"{who}: {exc} (params is the template of the parameters and state imported)") \
                 from None
+
+
+def check_float32_groups(resolved: Sequence[ParamGroup], leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Refuse exported hparams that float32 cannot hold (:func:`~sofx.adam.check_float32_range`: an eps that rounds
+    to 0, an lr beyond its largest value) in a group with a leaf that is not float64 (``leaves``: the params, or
+    their moments), which is stepped in float32: no update steps it with them, and :func:`from_torch_optim`
+    refuses them back for such leaves. A :class:`CheckpointError` naming the group's first leaf."""
+    for g in resolved:
+        if all(isinstance(leaves[i], torch.Tensor) and leaves[i].dtype == torch.float64 for i in g.leaves):
+            continue
+        try:
+            check_float32_range(g.hparams, f"hparams for {paths[g.leaves[0]]}")
+        except HParamError as exc:
+            raise CheckpointError(f"{exc} (a leaf of the group is not float64)") from None
 
 
 def _leaf_index(ref: Any, paths: list[str], by_path: dict[str, list[int]]) -> int:

@@ -39,8 +39,8 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, resolve_groups,
-                                    saved_hparams)
+from sofx.checkpoint.groups import (ParamGroup, check_float32_groups, check_params_template, hparams_tree,
+                                    resolve_groups, saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
@@ -77,7 +77,9 @@ def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
     a ``dict``'s are sorted)."""
     leaves, spec = tree.flatten(params)
     out = []
-    for g in resolve_groups(opt, spec, hparams, groups, exported=True):
+    resolved = resolve_groups(opt, spec, hparams, groups, exported=True)
+    check_float32_groups(resolved, leaves, tree.leaf_paths(spec))
+    for g in resolved:
         hp = g.hparams
         out.append({"params": [leaves[i] for i in g.leaves], "lr": hp.lr, "betas": (hp.beta1, hp.beta2),
                     "eps": hp.eps, "weight_decay": hp.weight_decay})
@@ -123,6 +125,7 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     if params is not None:
         _check_shapes(p_leaves, mus, nus, paths)
     resolved = resolve_groups(opt, spec, hparams, groups, exported=True)
+    check_float32_groups(resolved, mus if params is None else p_leaves, paths)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
     torch_state: dict[int, dict] = {}
     param_groups = []
