@@ -1019,7 +1019,8 @@ def test_update_undo_and_undo_redo_take_numpy_bools_and_a_0d_bool_tensor_for_gra
                            ("undoable", lambda: opt.undo_redo(p1, s1, rec, late, undoable=bad))):
             with pytest.raises(sofx.UnsupportedError, match=rf"^{name} = .* is invalid; expected"):
                 call()
-    with pytest.raises(sofx.UnsupportedError, match=r"^donate = tensor\(True\) is invalid; expected a bool \(True or False\)"):
+    with pytest.raises(sofx.UnsupportedError,
+                       match=r"^donate = tensor\(True\) is invalid; expected a bool \(True or False\)"):
         opt.update(p1, grads, s1, donate=torch.tensor(True))  # (an option, not a fact of the step)
     _assert_unchanged(before, p1, s1)
     assert not rec.used
