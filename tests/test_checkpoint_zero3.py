@@ -4,6 +4,7 @@ itself reading and writing it."""
 from __future__ import annotations
 
 import enum
+import errno
 import importlib.util
 import math
 import os
@@ -178,6 +179,24 @@ def test_saves_of_every_rank_into_one_directory_at_once_all_succeed(tmp_path, mo
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(w) for w in written)
     p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
     assert _bits_equal((p2, s2), (params, state))
+
+
+def test_an_older_file_the_system_will_not_remove_is_a_named_io_error(tmp_path, monkeypatch):
+    """The new save's files are written but an older save's file that they do not overwrite cannot be removed
+    (its directory's permissions, a read-only mount): a CheckpointIOError with the system's errno naming the file
+    and saying the directory holds both (loading would refuse or misread it), not a bare PermissionError."""
+    opt = sofx.adam(lr=1e-3)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=4, deepspeed_objects=False)
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(os, "remove", refused)
+    with pytest.raises(ck.CheckpointIOError, match=r"the new save's files are written; an older save's file .*"
+                       r"zero_pp_rank_[23]_mp_rank_00_optim_states\.pt cannot be removed") as info:
+        ck.save_zero3(tmp_path, opt, params, state, HP, dp_world_size=2, deepspeed_objects=False)
+    assert info.value.errno == errno.EACCES
 
 
 def test_the_layout_a_file_records_is_used_and_checked(tmp_path):

@@ -279,13 +279,22 @@ def _make_directory(directory: str | os.PathLike) -> None:
 def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
     """Remove ``mp_rank``'s ZeRO-3 optimizer and model files in ``directory`` other than ``keep`` (an older save
     with more dp ranks or the other prefix: loading would read them as part of the new one, or refuse). A file
-    already gone when it is removed (another rank saving the same checkpoint at once removed it) is fine."""
+    already gone when it is removed (another rank saving the same checkpoint at once removed it) is fine; one the
+    system will not remove is a :class:`CheckpointIOError` (its ``errno`` the system's) naming it."""
     for name in os.listdir(directory):
         m = _FILE_RE.match(name) or _MODEL_FILE_RE.match(name)
         path = os.path.join(directory, name)
         if m and int(m.group("mp")) == mp_rank and path not in keep:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # (the system's refusal: a bare PermissionError after the new files were written)
+                failure = CheckpointIOError(f"save_zero3: the new save's files are written; an older save's file "
+                                            f"{path} cannot be removed ({type(exc).__name__}: {exc}), and a load of "
+                                            f"{directory} reads it as part of the new one or refuses: remove it")
+                failure.errno = exc.errno
+                raise failure from exc
 
 
 def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
