@@ -871,6 +871,34 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
             ck.load_zero3(tmp_path, opt, params, HP)
 
 
+def test_a_step_kept_in_the_param_group_as_deepspeeds_fused_adam_keeps_it_is_read(tmp_path):
+    """DeepSpeed's FusedAdam (ZeRO-3 without CPU offload) kept the step count in its param group
+    (``group['step']``), not in each flat block's state entry, and initializes an entry's step from it: a file
+    whose entries have no ``step`` was refused as corrupt; the group's step is read for its blocks (and a file
+    with neither is still refused)."""
+    opt = sofx.adamw()
+    params = _params()
+    trained, state = _train(opt, params, opt.init(params), 0, 3)
+    files = ck.save_zero3(tmp_path, opt, trained, state, HP, deepspeed_objects=False)
+    for f in files:
+        top = torch.load(f, weights_only=True)
+        inner = top["optimizer_state_dict"]["optimizer_state_dict"]
+        for entry in inner["state"].values():
+            del entry["step"]
+        for group in inner["param_groups"]:
+            group["step"] = 3
+        torch.save(top, f)
+    p2, s2, _ = ck.load_zero3(tmp_path, opt, params, HP)
+    assert _bits_equal((p2, s2), (trained, state))
+    for f in files:
+        top = torch.load(f, weights_only=True)
+        for group in top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]:
+            del group["step"]
+        torch.save(top, f)
+    with pytest.raises(ck.CorruptCheckpointError, match="step must be a non-negative integer"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
+
 @pytest.mark.parametrize("key, value, where", [
     ("lr", "0.01", r"\['lr'\]"), ("eps", None, r"\['eps'\]"), ("lr", torch.tensor([1e-2, 1e-3]), r"\['lr'\]"),
     ("betas", (0.9, "0.99"), r"\['betas'\]\[1\]")])

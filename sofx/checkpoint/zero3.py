@@ -9,7 +9,8 @@ One file per data-parallel rank ``dp`` (model-parallel rank ``mp``)::
          "optimizer_state_dict": {                       # the wrapped Adam's state_dict()
              "state": {i: {"step": int, "exp_avg": flat_i, "exp_avg_sq": flat_i}},
              "param_groups": [{"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad",
-                               "params": [i]}, ...]},
+                               "params": [i]}, ...]},   # (DeepSpeed's FusedAdam: "step" here, read
+                                                                #  where an entry has none)
          "fp32_flat_groups": [flat_0, flat_1, ...]},     # the fp32 master of each block
      "ds_version": ..., "sofx": {...}}                    # "sofx": what sofx needs to check the layout
 
@@ -887,7 +888,9 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                                                   "elements")
             refuse_negative(entry["exp_avg_sq"].reshape(-1), "second moment", f"{where}: exp_avg_sq",
                             CorruptCheckpointError)
-            steps.append(_step_value(entry.get("step"), where))
+            # (DeepSpeed's FusedAdam kept the count in its param group and starts an entry's step from it)
+            step = entry["step"] if "step" in entry else saved.get("step") if isinstance(saved, dict) else None
+            steps.append(_step_value(step, where))
             exp_avg.append(entry["exp_avg"].reshape(-1))
             exp_avg_sq.append(entry["exp_avg_sq"].reshape(-1))
         hps.append(hp)
