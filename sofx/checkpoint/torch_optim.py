@@ -442,9 +442,7 @@ def _list_once(used: dict[Any, int], pid: Any, gi: int) -> None:
 
 def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, leaf: int,
                  counts: list, mus: list, nus: list) -> None:
-    if not isinstance(p, torch.Tensor):
-        raise CheckpointError(f"{path}: expected a tensor, got {type(p).__name__}")
-    dtype = opt.state_dtype or p.dtype
+    dtype = opt.state_dtype or p.dtype  # (p: a floating-point tensor, groups.check_params_template)
     device = template_device(p) or torch.device("cpu")  # (a meta leaf has no storage: its state comes on the CPU)
     where = f"state[{tree.key_text(pid)}]"  # (an int id too long for decimal text: in hex)
     if entry is None or (isinstance(entry, dict) and not entry):  # no state: torch.optim's defaultdict(dict)
