@@ -2132,9 +2132,11 @@ def hparams_at(hparams: Any, step: int, name: str = "hparams") -> Any:
         check_step_hparams(hparams, name)
         return hparams
     value = hparams(step)
+    # (under torch.compile a step that changes is a symbolic int, which no f-string takes: named without its value)
+    shown = "<traced>" if torch.compiler.is_compiling() else step
     if is_hparams_number(value):
         raise HParamError(f"{name}: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
-                          f"step {step}, a number; the hparams of a step are an AdamHParams or a tree of them (one per "
-                          f"param group): {WRAP_HINT}")
-    check_step_hparams(value, f"{name}(step={step})")
+                          f"step {shown}, a number; the hparams of a step are an AdamHParams or a tree of them (one "
+                          f"per param group): {WRAP_HINT}")
+    check_step_hparams(value, f"{name}(step={shown})")
     return value

@@ -25,6 +25,11 @@ from the step, with the same operations), :func:`step_decay` is ``StepLR``'s clo
 from the previous one, which drifts from the closed form by an ulp or so per step (up to a relative 5e-13
 after 10^4 steps): with those the values agree to that rounding, not bit for bit (far below float32's).
 
+Under ``torch.compile(fullgraph=True)`` a schedule may be called inside the compiled step with the step as a Python
+int (symbolic from the second call): its checks are comparisons, guards, and its messages do not format the step.
+That traces for lr, eps and weight_decay; a scheduled beta recompiles per value there (the bias correction's
+``torch.as_tensor(beta)``), and a cosine one fails in torch: give it as a 0-d tensor made outside the compiled step.
+
 A schedule whose value leaves the float range is refused (:class:`~sofx.errors.HParamError`): at construction
 where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), else at the step where it happens
 (``step_decay`` with ``|gamma| > 1``, where torch's StepLR gives an inf lr).
@@ -37,6 +42,8 @@ import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
+
+import torch
 
 from sofx.adam import AdamHParams, check_hparam_value
 from sofx.errors import HParamError
@@ -100,11 +107,21 @@ def _span(who: str, name: str, a: float, b: float) -> None:
                           "difference is a finite float")
 
 
-def _value(who: str, step: int, value: float) -> float:
-    """A schedule's value at ``step``, refused where it left the float range (inf, or nan from inf - inf)."""
-    if not math.isfinite(value):
-        raise HParamError(f"{who}: the value at step {step} is {value!r}, beyond the float range; expected "
-                          "hyperparameters whose schedule stays finite")
+def _shown(step: int) -> int | str:
+    """``step`` as an error message shows it: under ``torch.compile`` a step that changes from call to call is a
+    symbolic int, which no f-string takes (dynamo's "BUILD_STRING type error", or a recompile per value)."""
+    return "<traced>" if torch.compiler.is_compiling() else step
+
+
+def _value(who: str | Callable[[], str], step: int, value: float) -> float:
+    """A schedule's value at ``step``, refused where it left the float range (inf, or nan from inf - inf).
+
+    ``who`` names the schedule (a function making the name where it shows values of the step). A comparison, not
+    ``math.isfinite``: under ``torch.compile`` with a symbolic step the value is a symbolic float, which
+    ``math.isfinite`` does not take (a graph break); the comparison is a guard, true at every finite value."""
+    if not -math.inf < value < math.inf:
+        raise HParamError(f"{who if isinstance(who, str) else who()}: the value at step {_shown(step)} is "
+                          f"{value!r}, beyond the float range; expected hyperparameters whose schedule stays finite")
     return value
 
 
@@ -236,8 +253,8 @@ class StepDecay:
             value = self.init * float(self.gamma) ** k
         except OverflowError:
             value = math.inf
-        return _value(f"step_decay (init * gamma ** (step // step_size) = {self.init!r} * {self.gamma!r} ** {k})",
-                      step, value)
+        return _value(lambda: f"step_decay (init * gamma ** (step // step_size) = {self.init!r} * {self.gamma!r} ** "
+                      f"{_shown(k)})", step, value)
 
 
 def _anneal_cos(start: float, end: float, pct: float) -> float:
@@ -440,12 +457,12 @@ class HParamsSchedule:
             f = getattr(self, name)
             value = current if f is None else f(step) if callable(f) else f
             if callable(f) and isinstance(value, AdamHParams):  # one_cycle(...) given as lr=
-                raise HParamError(f"hparams_schedule at step {step}: the schedule given as {name} "
+                raise HParamError(f"hparams_schedule at step {_shown(step)}: the schedule given as {name} "
                                   f"({type(f).__name__}) returned an AdamHParams, the whole hparams; give it as "
                                   f"base=... (hparams_schedule(base=schedule)), or a schedule of {name} alone"
                                   + (f" ({name}=one_cycle(...).{name})" if name in ("lr", "beta1") else ""))
             if callable(f) and value is not None:
-                check_hparam_value(name, value, "hparams_schedule", f" at step {step}")
+                check_hparam_value(name, value, "hparams_schedule", f" at step {_shown(step)}")
             values.append(as_number(value) if is_numpy_real(value) else value)
         return AdamHParams(*values)
 

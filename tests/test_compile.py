@@ -15,6 +15,14 @@ What works (tested below)
   rounding (inductor fuses and reorders the elementwise math; not bitwise).
 * Python-float hyperparameters that change between calls also stay in one graph: dynamo
   specialises on the first value, then makes the float dynamic (one recompile, then none).
+* A schedule evaluated inside the compiled step (``hparams_at(schedule, t)`` with ``t`` a Python int) traces:
+  from the second call dynamo makes ``t`` a symbolic int and the schedule's values symbolic floats; one graph
+  for the first step, then one per phase of the schedule (a warm-up's or a ``join``'s boundary is a guard).
+  That holds for lr, eps and weight_decay. A scheduled beta does not trace so: the bias correction's
+  ``torch.as_tensor(beta) ** t`` specialises a symbolic beta (a recompile per value, until dynamo's recompile
+  limit), and fails on a cosine (``one_cycle``'s beta1: "Guard failed on the same frame it was created", torch
+  2.13, whose guard evaluates the cosine in sympy, an ulp off ``math.cos``); give a scheduled beta as a 0-d
+  tensor made outside the compiled step, or schedule lr alone (``hparams_schedule(lr=one_cycle(...).lr)``).
 * ``opt.undo`` compiles with ``fullgraph=True`` too, on its own or in the same graph as the
   update (step, then undo). Under compilation ``undo="auto"`` picks the *snapshot* strategy
   for every leaf (values cannot be inspected while tracing); without donation that keeps
@@ -382,3 +390,29 @@ def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
         apply(action, p1, grad, s1)
     fresh = sp.BlockAction(0, "step", "stepped late", 1.0, opt.defaults)
     assert int(apply(fresh, p1, grad, s1)[1].count) == 2
+
+
+def test_a_schedule_evaluated_in_the_compiled_step_traces_at_every_step():
+    """A schedule called inside the compiled step with the step count as a Python int: from the second call dynamo
+    makes the int symbolic, and the schedules' values symbolic floats. Their finiteness check (math.isfinite) and
+    the step in their messages (an f-string: "BUILD_STRING type error") broke the graph at the second step; step_decay
+    recompiled at each of its steps. One graph for the first step, one for all the others, bitwise the eager steps."""
+    torch._dynamo.reset()
+    params = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(6)), "b": torch.linspace(-1, 1, 3)}
+    grads = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in params.items()}
+    opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+    schedule = sofx.schedules.hparams_schedule(lr=sofx.schedules.step_decay(1e-2, 2, 0.5),
+                                               weight_decay=sofx.schedules.linear(0.0, 0.1, 4))
+
+    def step(p, s, t):
+        return opt.update(p, grads, s, sofx.serial.hparams_at(schedule, t))[:2]
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    pc, sc = params, opt.init(params)
+    pe, se = params, opt.init(params)
+    for t in range(7):
+        pc, sc = compiled(pc, sc, t)
+        pe, se = step(pe, se, t)
+        assert all(torch.equal(pc[k], pe[k]) for k in params), t
+    assert counter.frame_count == 2
