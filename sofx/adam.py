@@ -909,13 +909,15 @@ class Adam:
         return [None if leaf.g is None else self._plan(leaf, grad_scale, f)[1:] for leaf, f in zip(leaves, finite)]
 
     def resolve_hparams(self, hparams: Any, spec: tree.TreeSpec, paths: list[str] | None = None,
-                        ) -> list[AdamHParams]:
+                        params: Any = None) -> list[AdamHParams]:
         """One complete :class:`AdamHParams` per leaf of ``spec`` (defaults filled in); ``paths``: the
-        leaves' paths if the caller has them."""
+        leaves' paths if the caller has them; ``params``: the tree ``spec`` is the structure of, where the caller
+        has it (under ``torch.compile`` a per-group hparams tree is broadcast over it:
+        :func:`~sofx.tree.broadcast_prefix`)."""
         if hparams is None:
             hparams = AdamHParams()
         try:
-            per_leaf = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams")
+            per_leaf = tree.broadcast_prefix(hparams, spec, is_leaf=_is_hparams, what="hparams", full_tree=params)
         except StructureError as exc:
             raise StructureError(f"{exc}{_fields_dict_hint(hparams)}") from exc.__cause__
         if paths is None:
@@ -968,7 +970,7 @@ class Adam:
         mus = tree.flatten_up_to(spec, state.mu, "state.mu")
         nus = tree.flatten_up_to(spec, state.nu, "state.nu")
         stepping = expect_spec is None or grads is not None  # an update, or the redo of an undo_redo
-        hps = self.resolve_hparams(hparams, spec, paths) if stepping else [self.defaults] * len(p_leaves)
+        hps = self.resolve_hparams(hparams, spec, paths, params) if stepping else [self.defaults] * len(p_leaves)
         leaves = []
         checked: set[tuple[int, bool, bool]] = set()  # hparams objects checked already (a group's leaves share one)
         stepped: set[tuple[int, int, torch.dtype, bool]] = set()  # (hparams, count, dtype, meta) checked already

@@ -387,21 +387,24 @@ def _entry_str(entry: Any, node: Any) -> str:
 
 
 def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bool] | None = None,
-                     what: str = "hparams", root: str = "params") -> list[Any]:
+                     what: str = "hparams", root: str = "params", full_tree: PyTree = None) -> list[Any]:
     """One value per leaf of ``spec`` from a tree that is a prefix of it.
 
     ``is_leaf`` marks the values of the prefix tree (e.g. ``AdamHParams``
     instances, which would otherwise be walked as NamedTuples); it is applied
     to the prefix tree only, never to the full structure. The values come in the order of ``spec``'s leaves; a
     mapping of the prefix is matched key by key, whatever its order (a dict over an ``OrderedDict``).
+    ``full_tree``: the tree ``spec`` is the structure of, where the caller has it: under ``torch.compile``, where
+    it holds a mapping, the prefix is matched to it leaf path by leaf path (:func:`_broadcast_prefix_traced`).
     """
     if is_leaf is not None and is_leaf(prefix):
-        # One value for every leaf. Also the path torch.compile can trace: its optree
-        # stand-in fails to unflatten a dict spec over constant leaves (the line below).
+        # One value for every leaf (no tree walked: also under torch.compile).
         return [prefix] * spec.num_leaves
     if is_leaf is not None:  # a value tree: None is a value too ("the defaults" for its subtree)
         values_of = is_leaf
         is_leaf = lambda x: x is None or values_of(x)  # noqa: E731
+    if full_tree is not None and is_leaf is not None and torch.compiler.is_compiling() and _holds_mapping(full_tree):
+        return _broadcast_prefix_traced(prefix, spec, full_tree, is_leaf, what, root)
     prefix_values, prefix_spec = optree.tree_flatten(prefix, is_leaf=is_leaf)
     # The full structure with each leaf's index: a mapping of the prefix is matched key by key, and its keys may
     # come in another order than the params' (a dict, sorted, over an OrderedDict): each value goes to the indices
@@ -418,6 +421,58 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
         for index in optree.tree_leaves(sub):
             out[index] = value
     return out
+
+
+def _broadcast_prefix_traced(prefix: PyTree, spec: TreeSpec, full_tree: PyTree, is_leaf: Callable[[Any], bool],
+                             what: str, root: str) -> list[Any]:
+    """:func:`broadcast_prefix` while ``torch.compile`` traces, for a ``full_tree`` holding a mapping. Dynamo's
+    stand-in for optree cannot unflatten a dict spec over constant leaves (``optree.registry.DictMetaData`` is not
+    wrappable: a graph break, and without ``fullgraph`` its stand-in spec reached optree's code in the resumed
+    frame, "ValueError: length mismatch" or "TypeError: unhashable type: 'list'"). Each leaf's path
+    (``spec.paths()``, which it traces) is walked down ``prefix`` and ``full_tree`` together until a value of the
+    prefix: a mapping is matched key by key (its keys those of the tree's mapping there, in any order), a list or
+    tuple position by position (of the tree's type and length there); else a :class:`StructureError` naming the
+    place (as the eager path words it)."""
+    out = []
+    for path in spec.paths():
+        node, full, at = prefix, full_tree, ""
+        for entry in path:
+            if is_leaf(node) or not isinstance(node, (Mapping, list, tuple)):  # a value (a float: the caller's refusal)
+                break
+            if isinstance(node, Mapping) and isinstance(full, Mapping):
+                if set(node) != set(full):
+                    raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} has entries "
+                                         f"{_sorted_keys(node)}, expected {_sorted_keys(full)} (as {root}{at})")
+            elif not (isinstance(node, (list, tuple)) and type(node) is type(full) and len(node) == len(full)):
+                raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is "
+                                     f"{_described_node(node)} where {root}{at} is {_described_node(full)}")
+            node, full, at = node[entry], full[entry], f"{at}[{entry!r}]"
+        if isinstance(node, (Mapping, list, tuple)) and not is_leaf(node):  # (deeper than the tree: at a leaf)
+            raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is "
+                                 f"{_described_node(node)} where {root}{at} is a leaf")
+        out.append(node)
+    return out
+
+
+def _sorted_keys(mapping: Mapping[Any, Any]) -> list[Any]:
+    """The keys of ``mapping`` sorted, or in its order where they do not sort together."""
+    try:
+        return sorted(mapping)
+    except TypeError:
+        return list(mapping)
+
+
+def _described_node(x: Any) -> str:
+    """``x`` as a structure error names it: its type, and a list's or a tuple's length."""
+    kind = type(x).__name__
+    return f"a {kind} of {len(x)}" if isinstance(x, (list, tuple)) else f"a {kind}"
+
+
+def _holds_mapping(x: PyTree) -> bool:
+    """Whether ``x``, walked through its mappings, lists and tuples, is or holds a mapping."""
+    if isinstance(x, Mapping):
+        return True
+    return isinstance(x, (list, tuple)) and any(_holds_mapping(y) for y in x)
 
 
 def numel_of(leaves: Sequence[torch.Tensor]) -> int:

@@ -23,6 +23,12 @@ What works (tested below)
   limit), and fails on a cosine (``one_cycle``'s beta1: "Guard failed on the same frame it was created", torch
   2.13, whose guard evaluates the cosine in sympy, an ulp off ``math.cos``); give a scheduled beta as a 0-d
   tensor made outside the compiled step, or schedule lr alone (``hparams_schedule(lr=one_cycle(...).lr)``).
+* Per-group hyperparameters given as a prefix tree (``group_hparams``' groups, a dict of ``AdamHParams``
+  over dict params, ``None`` for a group's defaults) trace, bitwise the eager step. Eagerly the prefix is
+  broadcast by unflattening the params' spec over leaf indices, which torch's dynamo stand-in for optree
+  (``torch/_dynamo/polyfills/pytree.py``) cannot do for a dict spec (``optree.registry.DictMetaData`` is not
+  wrappable); under compile each leaf's path (``spec.paths()``) is walked down the prefix instead
+  (``sofx.tree.broadcast_prefix``, ``full_tree``), with the same refusals.
 * ``opt.undo`` compiles with ``fullgraph=True`` too, on its own or in the same graph as the
   update (step, then undo). Under compilation ``undo="auto"`` picks the *snapshot* strategy
   for every leaf (values cannot be inspected while tracing); without donation that keeps
@@ -40,21 +46,12 @@ What breaks the graph, and why
   (with ``fullgraph=True`` dynamo reports it as ``Unsupported: Observed exception`` carrying
   sofx's message). Under tracing the library always uses the reference
   kernels (``backend="auto"`` or ``"reference"``), which inductor then fuses itself.
-* Per-group hyperparameters given as a prefix *tree* (a dict of ``AdamHParams``): broadcasting
-  the prefix over the params structure unflattens an optree dict spec over constant leaves,
-  which torch's dynamo stand-in for optree (``torch/_dynamo/polyfills/pytree.py``) cannot do
-  (``optree.registry.DictMetaData`` is not wrappable -> graph break). Without ``fullgraph`` the
-  resumed frame then receives dynamo's stand-in ``PyTreeSpec`` and its dict unflatten fails
-  with ``ValueError: length mismatch``. A single ``AdamHParams`` (one value, or 0-d tensors, for
-  all leaves) has no such problem. This is a torch/optree interaction, documented here and
-  asserted by ``test_per_group_hparams_tree_does_not_trace`` so that a fix is noticed
-  (workaround: one ``update`` call per group, or the same hparams for every leaf).
 * Undo records cross the compile boundary only in compiled code: a record returned by a
   compiled step holds dynamo's stand-in ``PyTreeSpec`` (``record.spec``), which eager
-  ``undo`` does not accept as the params' structure (and whose dict unflatten fails, as
-  above); a record made eagerly holds a real optree spec, whose C comparison dynamo cannot
-  trace (``Untraceable C tp_richcompare``). Undo a compiled step's record with a compiled
-  ``undo`` (or in the same graph), an eager one eagerly.
+  ``undo`` does not accept as the params' structure (and whose dict unflatten fails); a record
+  made eagerly holds a real optree spec, whose C comparison dynamo cannot trace (``Untraceable C
+  tp_richcompare``). Undo a compiled step's record with a compiled ``undo`` (or in the same graph), an eager
+  one eagerly.
 * In general a graph break *inside* ``update`` is unsafe for the same reason (the stand-in
   spec escapes into eager code); the library avoids every construct that would break there
   (no ``importlib`` in the traced path, range checks by comparison, not ``math.isfinite``).
@@ -65,6 +62,7 @@ so the model is tiny and the inductor compiles happen once per module (a module 
 
 from __future__ import annotations
 
+import collections
 import importlib
 from typing import Any, Callable
 
@@ -357,19 +355,55 @@ def test_fast_backend_under_compile_is_a_clear_error():
         torch.compile(step, backend="eager", fullgraph=True)(params, opt.init(params), _lr(0))
 
 
-def test_per_group_hparams_tree_does_not_trace():
-    """Documents the torch/optree limitation of the module docstring; update it when this passes."""
+def _per_group_cases(params: dict[str, torch.Tensor]) -> list[tuple[Any, Any]]:
+    """(params, per-group hparams) pairs: group_hparams' no-decay groups over dict params; a dict prefix over an
+    OrderedDict (the other key order) holding dicts and a list, with a None group (the defaults)."""
+    groups = {"decay": sofx.AdamHParams(lr=1e-2), "no_decay": sofx.AdamHParams(lr=1e-3, weight_decay=0.0)}
+    nested = collections.OrderedDict([("x", [torch.linspace(-1, 1, 3), torch.ones(2)]), ("layer", params)])
+    return [(params, sofx.transforms.group_hparams(sofx.transforms.no_decay_labels(params), groups)),
+            (nested, {"layer": {"0.weight": sofx.AdamHParams(lr=2e-2), "0.bias": None, "2.weight": None,
+                                "2.bias": sofx.AdamHParams(lr=0.5)}, "x": sofx.AdamHParams(lr=1e-3)})]
+
+
+def _compiled_equals_eager(opt: sofx.Adam, cases: list[tuple[Any, Any]], fullgraph: bool) -> int:
+    """Step each case compiled and eagerly, assert the same structure and bits; the number of graphs compiled."""
+    counter = CompileCounter()
+    for p, hp in cases:
+        grads = sofx.tree.tree_map(lambda t: torch.cos(t * 3), p)
+
+        def step(q, s, hp=hp, grads=grads):
+            return opt.update(q, grads, s, hp)[:2]
+
+        (pc, sc), (pe, se) = torch.compile(step, backend=counter, fullgraph=fullgraph)(p, opt.init(p)), \
+            step(p, opt.init(p))
+        assert sofx.tree.flatten(pc)[1] == sofx.tree.flatten(pe)[1]
+        assert all(torch.equal(a, b) for a, b in zip(sofx.tree.flatten(pc)[0], sofx.tree.flatten(pe)[0]))
+    return counter.frame_count
+
+
+def test_per_group_hparams_trees_trace_as_eager():
+    """Per-group hparams as a tree over dict params did not trace: broadcasting the prefix unflattened the params'
+    dict spec over constant leaves, which dynamo's optree stand-in cannot ("DictMetaData" Unsupported). Each
+    leaf's path is walked down the prefix under compile: one graph per case, bitwise the eager steps; a tree that
+    is no prefix is refused as eagerly (dynamo's Unsupported carries sofx's message)."""
     torch._dynamo.reset()
-    model, params, x, y = _problem(5)
+    params = _problem(5)[1]
     opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+    cases = _per_group_cases(params)
+    assert _compiled_equals_eager(opt, cases, fullgraph=True) == len(cases)
+    bad = {"0.weight": sofx.AdamHParams(lr=1e-2)}
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"hparams has entries .*0\.weight.*, expected .*0\.bias"):
+        torch.compile(lambda q, s: opt.update(q, params, s, bad), backend="eager", fullgraph=True)(
+            params, opt.init(params))
 
-    def step(p, s):
-        grads, _ = grad_and_value(lambda q: torch.nn.functional.mse_loss(functional_call(model, q, (x,)), y))(p)
-        groups = {k: sofx.AdamHParams(lr=1e-2 if k.endswith("weight") else 1e-3) for k in p}
-        return opt.update(p, grads, s, groups)
 
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="DictMetaData"):
-        torch.compile(step, backend="eager", fullgraph=True)(params, opt.init(params))
+def test_per_group_hparams_tree_without_fullgraph_steps_as_eager():
+    """Without fullgraph the graph broke in the broadcast and the resumed frame handed dynamo's stand-in spec to
+    optree's code ("ValueError: length mismatch", "TypeError: unhashable type: 'list'"), where eagerly it steps."""
+    torch._dynamo.reset()
+    params = _problem(5)[1]
+    assert _compiled_equals_eager(sofx.adamw(weight_decay=WEIGHT_DECAY), _per_group_cases(params)[:1],
+                                  fullgraph=False) == 1
 
 
 def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
