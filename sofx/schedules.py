@@ -27,8 +27,7 @@ after 10^4 steps): with those the values agree to that rounding, not bit for bit
 
 Under ``torch.compile(fullgraph=True)`` a schedule may be called inside the compiled step with the step as a Python
 int (symbolic from the second call): its checks are comparisons, guards, and its messages do not format the step.
-That traces for lr, eps and weight_decay; a scheduled beta recompiles per value there (the bias correction's
-``torch.as_tensor(beta)``), and a cosine one fails in torch: give it as a 0-d tensor made outside the compiled step.
+One graph for the first step, then one per phase of the schedule (a phase's end is a guard), bitwise the eager steps.
 
 A schedule whose value leaves the float range is refused (:class:`~sofx.errors.HParamError`): at construction
 where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), else at the step where it happens

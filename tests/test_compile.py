@@ -18,11 +18,8 @@ What works (tested below)
 * A schedule evaluated inside the compiled step (``hparams_at(schedule, t)`` with ``t`` a Python int) traces:
   from the second call dynamo makes ``t`` a symbolic int and the schedule's values symbolic floats; one graph
   for the first step, then one per phase of the schedule (a warm-up's or a ``join``'s boundary is a guard).
-  That holds for lr, eps and weight_decay. A scheduled beta does not trace so: the bias correction's
-  ``torch.as_tensor(beta) ** t`` specialises a symbolic beta (a recompile per value, until dynamo's recompile
-  limit), and fails on a cosine (``one_cycle``'s beta1: "Guard failed on the same frame it was created", torch
-  2.13, whose guard evaluates the cosine in sympy, an ulp off ``math.cos``); give a scheduled beta as a 0-d
-  tensor made outside the compiled step, or schedule lr alone (``hparams_schedule(lr=one_cycle(...).lr)``).
+  That holds for every field, betas too (``one_cycle``'s beta1: the bias correction takes a symbolic beta as
+  ``1.0 * beta`` in float64, where ``torch.as_tensor`` specialised it), bitwise the eager steps.
 * Per-group hyperparameters given as a prefix tree (``group_hparams``' groups, a dict of ``AdamHParams``
   over dict params, ``None`` for a group's defaults) trace, bitwise the eager step. Eagerly the prefix is
   broadcast by unflattening the params' spec over leaf indices, which torch's dynamo stand-in for optree
@@ -446,6 +443,32 @@ def test_a_schedule_evaluated_in_the_compiled_step_traces_at_every_step():
     pc, sc = params, opt.init(params)
     pe, se = params, opt.init(params)
     for t in range(7):
+        pc, sc = compiled(pc, sc, t)
+        pe, se = step(pe, se, t)
+        assert all(torch.equal(pc[k], pe[k]) for k in params), t
+    assert counter.frame_count == 2
+
+
+def test_scheduled_betas_evaluated_in_the_compiled_step_trace():
+    """A beta a schedule computes in the compiled step (one_cycle's beta1, a cosine beta2) is a symbolic float
+    from the second call. The bias correction made it a tensor with torch.as_tensor, which specialised it: a
+    recompile per value (until dynamo's limit), and on a cosine torch's "Guard failed on the same frame it was
+    created". It is 1.0 * beta in float64 there: one graph after the first, bitwise the eager steps."""
+    torch._dynamo.reset()
+    params = {"w": torch.linspace(-1, 1, 6).reshape(2, 3), "b": torch.linspace(0.5, 1, 3)}
+    grads = {k: torch.cos(v * 5) for k, v in params.items()}
+    opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
+    schedule = sofx.schedules.hparams_schedule(base=sofx.schedules.one_cycle(1e-2, 10, pct_start=0.5),
+                                               beta2=sofx.schedules.cosine_decay(0.999, 100, 0.99))
+
+    def step(p, s, t):
+        return opt.update(p, grads, s, sofx.serial.hparams_at(schedule, t))[:2]
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    pc, sc = params, opt.init(params)
+    pe, se = params, opt.init(params)
+    for t in range(4):  # (the cycle's first phase: one graph for step 0, one for the others)
         pc, sc = compiled(pc, sc, t)
         pe, se = step(pe, se, t)
         assert all(torch.equal(pc[k], pe[k]) for k in params), t

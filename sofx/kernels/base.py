@@ -811,6 +811,16 @@ def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return x.sqrt()
 
 
+def _float64_tensor(x: Scalar) -> torch.Tensor:
+    """``x`` (a beta) as a 0-d float64 tensor, ``torch.as_tensor(x, dtype=torch.float64)``. A Python number while
+    ``torch.compile`` traces is ``1.0 * x`` in float64 instead, the same value: a beta a schedule computes from a
+    step that changes is a symbolic float there, which ``as_tensor`` specialised (a recompile per value; on a
+    cosine, "Guard failed on the same frame it was created", the guard's sympy cosine an ulp off ``math.cos``)."""
+    if isinstance(x, torch.Tensor) or not torch.compiler.is_compiling():
+        return torch.as_tensor(x, dtype=torch.float64)
+    return torch.ones((), dtype=torch.float64) * x
+
+
 def bias_corrections(s: AdamScalars, variant: AdamVariant) -> tuple[Scalar, Scalar]:
     """``(lr / bc1, sqrt(bc2))`` of the step, in double precision for Python numbers.
 
@@ -821,11 +831,11 @@ def bias_corrections(s: AdamScalars, variant: AdamVariant) -> tuple[Scalar, Scal
     if is_number(s.beta1) and is_number(s.step):
         bc1 = 1 - s.beta1 ** s.step
     else:
-        bc1 = 1 - torch.as_tensor(s.beta1, dtype=torch.float64) ** s.step
+        bc1 = 1 - _float64_tensor(s.beta1) ** s.step
     if is_number(s.beta2) and is_number(s.step):
         bc2_sqrt = (1 - s.beta2 ** s.step) ** 0.5
     else:
-        bc2_sqrt = (1 - torch.as_tensor(s.beta2, dtype=torch.float64) ** s.step).sqrt()
+        bc2_sqrt = (1 - _float64_tensor(s.beta2) ** s.step).sqrt()
     return s.lr / bc1, bc2_sqrt
 
 
