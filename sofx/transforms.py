@@ -446,15 +446,19 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 def _keywords_taken(update: Callable[..., Any]) -> frozenset[str] | None:
     """The keyword arguments ``update`` takes after ``(grads, state, params)``: ``None`` for any (``**extra``, or a
-    signature that cannot be read), else the names of its other parameters."""
+    signature that cannot be read), else the names of its other parameters: its positional-or-keyword ones after
+    the first three, and its keyword-only ones (after ``*args``, which takes params where it comes third or
+    before, they are keywords all the same)."""
     try:
         parameters = list(inspect.signature(update).parameters.values())
     except (TypeError, ValueError):  # a builtin or an object without a readable signature: give it everything
         return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    kind = inspect.Parameter
+    if any(p.kind is kind.VAR_KEYWORD for p in parameters):
         return None
-    named = [p for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-    return frozenset(p.name for p in named[3:] if p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+    positional = [p for p in parameters if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)]
+    return frozenset([p.name for p in positional[3:] if p.kind is kind.POSITIONAL_OR_KEYWORD]
+                     + [p.name for p in parameters if p.kind is kind.KEYWORD_ONLY])
 
 
 def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:

@@ -530,6 +530,20 @@ def test_chain_gives_a_transform_only_the_per_step_values_its_update_takes(rng):
     assert clip == want_clip and seen == [4.0]
 
 
+def test_chain_gives_a_keyword_only_value_to_an_update_with_var_positional_params(rng):
+    """A transform whose update takes ``(grads, state, *args, loss_scale=...)`` (params caught by ``*args``) names
+    ``loss_scale`` as a keyword-only parameter; the chain counted it among the three positional ones it passes
+    (grads, state, params) and left it out: the update ran with its default scale, the gradients not unscaled,
+    without a word."""
+    seen = []
+    star = tx.GradientTransformation(lambda p: tx.EmptyState(),
+                                     lambda g, s, *args, loss_scale=1.0: (seen.append(loss_scale) or g, s))
+    t = tx.chain(star)
+    grads = _tree(rng, 1.0)
+    t.update(grads, t.init(grads), loss_scale=4.0)
+    assert seen == [4.0]
+
+
 def test_transforms_vmap_over_an_ensemble(rng):
     """The chain runs under torch.func.vmap: each member equals the eager result."""
     members = [_tree(rng, s) for s in (0.05, 1.0, 30.0)]
