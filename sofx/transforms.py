@@ -470,7 +470,11 @@ def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:
 
 def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
     """The loss scale ``S`` passed to ``update``: a checked float (finite, > 0, and ``1/S`` within float32's
-    range), or a 0-d tensor as is where its value cannot be read (``vmap`` over loss scales, ``compile``)."""
+    range), or a 0-d tensor as is where its value cannot be read (``vmap`` over loss scales, ``compile``). While
+    ``torch.compile`` traces, a number is checked by comparisons (guards) and given as a 0-d float64 tensor: a
+    scale that changes from call to call (a dynamic loss scale) is a symbolic float there, which ``math.isfinite``
+    and :func:`~sofx.loss_scale.inverse_scale`'s float32 rounding do not take (a graph break at the second
+    step); the tensor path unscales with the same bits."""
     if "loss_scale" not in extra:
         raise SofxError(f"{who}: pass the loss scale of this backward as update(..., loss_scale=S)")
     s = extra["loss_scale"]
@@ -487,12 +491,14 @@ def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
         f = float(s)
     except OverflowError:  # an int beyond the float range
         f = math.inf
-    if not (math.isfinite(f) and f > 0):
+    if not 0 < f < math.inf:  # (a comparison, not math.isfinite: a guard under compile; nan is refused too)
         raise HParamError(f"{who}: loss_scale = {s!r:.80} is invalid; expected a finite number > 0")
     if not 1.0 / f <= FLOAT32_MAX:  # (sofx.serial.can_unscale: such a scale makes the serial loop's step an overflow)
         raise HParamError(f"{who}: loss_scale = {s!r:.80} is invalid: 1/loss_scale = {1.0 / f!r} is beyond float32's "
                           f"range (unscaled gradients would be inf, or 0 * inf = nan); expected a loss scale >= "
                           f"1/{FLOAT32_MAX!r}")
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=torch.float64) * f
     return f
 
 

@@ -473,3 +473,26 @@ def test_scheduled_betas_evaluated_in_the_compiled_step_trace():
         pe, se = step(pe, se, t)
         assert all(torch.equal(pc[k], pe[k]) for k in params), t
     assert counter.frame_count == 2
+
+
+def test_a_python_float_loss_scale_that_changes_traces_in_the_unscaling_transforms():
+    """A dynamic loss scale passed as a Python float (update(..., loss_scale=S), S changing as GradScaler's does)
+    is a symbolic float from the second call: unscale() and unscale_and_clip_zero() checked it with math.isfinite
+    and rounded 1/S to float32 with struct, which dynamo cannot trace (a graph break at the second step). They
+    check it by comparisons and unscale with it as a 0-d tensor there: one graph after the first, bitwise eager."""
+    torch._dynamo.reset()
+    params = {"w": torch.linspace(-1, 1, 6).reshape(2, 3), "b": torch.linspace(0.5, 1, 3)}
+    grads = {k: torch.cos(v * 5) * 300 for k, v in params.items()}
+    chained = sofx.transforms.chain(sofx.transforms.unscale(), sofx.transforms.check_finite())
+    zero = sofx.transforms.unscale_and_clip_zero(None)
+
+    def unscaled(g, scale):
+        return (chained.update(g, chained.init(g), loss_scale=scale)[0],
+                zero.update(g, zero.init(g), loss_scale=scale)[0])
+
+    counter = CompileCounter()
+    compiled = torch.compile(unscaled, backend=counter, fullgraph=True)
+    for scale in (1024.0, 3000.0, 0.75, 65536.0):
+        for got, want in zip(compiled(grads, scale), unscaled(grads, scale)):
+            assert all(torch.equal(got[k], want[k]) for k in params), scale
+    assert counter.frame_count == 2
