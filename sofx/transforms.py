@@ -314,7 +314,9 @@ def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
             # a (3,) factor was broadcast against each leaf: a (5, 3) leaf scaled column by column
             raise HParamError(f"scale_tree: factor is a {factor.dtype} tensor of shape {tuple(factor.shape)}; "
                               "expected a finite number or a 1-element float tensor")
-    elif isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor):
+    elif isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not -math.inf < factor < math.inf:
+        # (a comparison, not math.isfinite: a factor that changes between calls of a compiled step is a symbolic
+        # float there, which math.isfinite breaks the graph on; nan fails it too)
         raise HParamError(f"scale_tree: factor = {factor!r:.60} ({type(factor).__name__}) is invalid; expected a "
                           "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")

@@ -496,3 +496,20 @@ def test_a_python_float_loss_scale_that_changes_traces_in_the_unscaling_transfor
         for got, want in zip(compiled(grads, scale), unscaled(grads, scale)):
             assert all(torch.equal(got[k], want[k]) for k in params), scale
     assert counter.frame_count == 2
+
+
+def test_python_float_factors_that_change_trace_in_scale_tree_and_zero_clip_factor():
+    """scale_tree's factor and zero_clip_factor's loss scale, Python floats that change from call to call (symbolic
+    from the second call), were checked with math.isfinite: a graph break at the second call. Comparisons now."""
+    torch._dynamo.reset()
+    grads = {"w": torch.linspace(-1, 1, 6).reshape(2, 3), "b": torch.linspace(0.5, 1, 3)}
+
+    def scaled(g, x):
+        return sofx.transforms.scale_tree(g, x * sofx.transforms.zero_clip_factor(3.0, x, 1.0))
+
+    counter = CompileCounter()
+    compiled = torch.compile(scaled, backend=counter, fullgraph=True)
+    for x in (0.5, 0.75, 2.0):
+        got, want = compiled(grads, x), scaled(grads, x)
+        assert all(torch.equal(got[k], want[k]) for k in grads), x
+    assert counter.frame_count == 2

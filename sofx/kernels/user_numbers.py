@@ -65,7 +65,7 @@ def positive_number(name: str, value: Any) -> float:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
     except OverflowError:  # an int beyond the float range
         f = math.inf
-    if not (math.isfinite(f) and f > 0):
+    if not 0 < f < math.inf:  # (nan fails it; a comparison, a guard under torch.compile: math.isfinite broke there)
         raise HParamError(f"{name} = {value!r:.80} is invalid; expected a finite number > 0 (a Python or numpy "
                           f"number, or a 1-element tensor), got {_described(value)}")
     return f
