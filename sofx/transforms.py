@@ -314,9 +314,7 @@ def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
             # a (3,) factor was broadcast against each leaf: a (5, 3) leaf scaled column by column
             raise HParamError(f"scale_tree: factor is a {factor.dtype} tensor of shape {tuple(factor.shape)}; "
                               "expected a finite number or a 1-element float tensor")
-    elif isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not -math.inf < factor < math.inf:
-        # (a comparison, not math.isfinite: a factor that changes between calls of a compiled step is a symbolic
-        # float there, which math.isfinite breaks the graph on; nan fails it too)
+    elif isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not _finite_float(factor):
         raise HParamError(f"scale_tree: factor = {factor!r:.60} ({type(factor).__name__}) is invalid; expected a "
                           "finite number or a tensor")
     _gradient_leaves(grads, "scale_tree")
@@ -326,6 +324,16 @@ def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
             refuse_short_storage(factor, "scale_tree: factor", HParamError)
         return _scale_by_tensor(grads, factor.reshape(()))
     return tree.tree_map(lambda g: g * factor, grads)
+
+
+def _finite_float(x: numbers.Real) -> bool:
+    """Whether the real number ``x`` is a finite float (an int beyond the float range is not: its ``float`` raised
+    a bare OverflowError). By comparison, not ``math.isfinite``: a number that changes between calls of a compiled
+    step is a symbolic float there, which ``math.isfinite`` breaks the graph on; nan fails it too."""
+    try:
+        return -math.inf < float(x) < math.inf
+    except OverflowError:
+        return False
 
 
 def _check_device(who: str, name: str, x: Any, grads: Any) -> None:

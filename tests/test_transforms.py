@@ -672,13 +672,14 @@ def test_no_decay_labels_of_a_leaf_that_is_not_a_tensor_is_refused_naming_it():
 
 def test_param_group_helpers_and_scale_tree_refuse_arguments_of_the_wrong_type():
     """A list of pairs as groups raised an AttributeError, a string label_fn a TypeError; scale_tree with a string
-    factor a TypeError from torch, with a nan factor gave nan gradients."""
+    factor a TypeError from torch, with a nan factor gave nan gradients, with an int beyond the float range a bare
+    OverflowError ("int too large to convert to float")."""
     p = {"w": torch.ones(2, 2)}
     with pytest.raises(HParamError, match=r"groups is a list; expected a mapping label -> AdamHParams"):
         tx.group_hparams({"w": "decay"}, [("decay", AdamHParams())])
     with pytest.raises(HParamError, match=r"label_fn = 'decay' \(str\) is invalid; expected a callable"):
         tx.label_params(p, "decay")
-    for factor in ("x", math.nan, math.inf, True, None):
+    for factor in ("x", math.nan, math.inf, True, None, 10 ** 400, -(10 ** 400)):
         with pytest.raises(HParamError, match=r"scale_tree: factor = .* is invalid; expected a finite number"):
             tx.scale_tree(p, factor)
     assert torch.equal(tx.scale_tree(p, torch.tensor(2.0))["w"], torch.full((2, 2), 2.0))
