@@ -14,6 +14,7 @@ import copy
 import math
 import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -533,6 +534,35 @@ def test_states_of_another_kind_are_refused_by_both_loops(rng):
     with pytest.raises(HParamError, match=r"policy_state is a tuple; the policy's state is a"):
         sp.speculative_loop_step(opt, loop._replace(policy_state=(1, 2)), _grads(rng), config=sp.SpeculationConfig(),
                                  scaler=rule)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (sp.PolicyState(paused="no"), r"policy_state.paused = 'no'"),
+    (sp.PolicyState(recent=(True, 2, False)), r"policy_state.recent\[1\] = 2"),
+    (sp.PolicyState(recent=None), r"policy_state.recent = None"),
+    (sp.PolicyState(paused=True, quiet=-1), r"policy_state.quiet = -1"),
+    (sp.PolicyState(reason=5), r"policy_state.reason = 5"),
+])
+def test_a_policy_state_with_fields_the_policy_cannot_read_is_refused_naming_the_field(rng, bad, field):
+    """A PolicyState made by hand with fields of other kinds was taken as it was (paused="no" as paused, a recent
+    entry 2 as two clipped steps), or raised Python's bare TypeError from the validation after the speculative
+    steps (recent=None); now an HParamError naming the field, before any block is stepped (the donated inputs
+    unchanged). A list of Python or numpy bools is taken as its tuple."""
+    from sofx.errors import HParamError
+
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    params, grads = _params(rng), _grads(rng)
+    state = opt.init(params)
+    before = [p.clone() for p in params]
+    with pytest.raises(HParamError, match=field):
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(max_norm=1.0), scaler=rule,
+                            scaler_state=rule.init(), policy_state=bad, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
+    assert all(int(c) == 0 for c in state.count)
+    ctx, _ = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(),
+                           sp.PolicyState(recent=[True, np.bool_(False)]), n_blocks=2)
+    assert ctx.policy_state.recent == (True, False) and type(ctx.policy_state.recent[1]) is bool
 
 
 class _RecordingHook:

@@ -51,7 +51,7 @@ from sofx.serial import (StepFacts, _facts_without_gradients, _keyword_names, _m
                          can_unscale, check_max_norm, check_opt, check_profile, check_scale, clip_max_norm,
                          loss_scale_of, local_sumsq, reduced_sumsq, refuse_reduce, refuse_unknown_keywords, step_facts,
                          step_settings, without_gradients)
-from sofx.speculation.policy import AdaptivePolicy, PolicyState
+from sofx.speculation.policy import AdaptivePolicy, PolicyState, checked_policy_state
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
 
@@ -402,6 +402,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     if type(policy_state) is not type(config.policy.init()):
         raise HParamError(f"policy_state is a {type(policy_state).__name__}; the policy's state is a "
                           f"{type(config.policy.init()).__name__} (as config.policy.init() makes it)")
+    policy_state = checked_policy_state(policy_state)
     hps = resolve_block_hparams(opt.defaults, hparams, n_blocks)
     current = loss_scale_of(scaler, scaler_state)
     s_back = current if backward_scale is None else check_scale("backward_scale", backward_scale)
