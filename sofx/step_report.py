@@ -10,7 +10,8 @@ and by :func:`sofx.speculate.speculative_step`. Block counts:
 ``vetoed``        ready blocks not speculated because of an early veto (clipping
                   certain, a non-finite gradient, an unscaled norm too large to
                   undo safely) or a step-wide one (hparams a block refuses, a
-                  loss scale that cannot unscale, ``max_norm=0``)
+                  loss scale that cannot unscale, ``max_norm=0``, a loss-scale
+                  rule whose ``update`` fails to predict the scale)
 ``ineligible``    ready blocks not speculated because their step could not be
                   undone within the snapshot budget
 ``refused``       speculative steps taken back as they ran (undone at once: the
@@ -30,7 +31,8 @@ were unscaled with), ``next_scale`` (the scale for the next step),
 ``speculating``: whether this step was allowed to speculate
 (``not_speculating_reason`` says why not: disabled, not the last micro-step,
 the adaptive policy, or a step no speculative block could stand: hparams a
-block refuses, a loss scale that cannot unscale, ``max_norm=0``). ``policy_paused``/``policy_reason``: the adaptive
+block refuses, a loss scale that cannot unscale, ``max_norm=0``, a loss-scale rule that cannot predict the scale of a
+clean step). ``policy_paused``/``policy_reason``: the adaptive
 policy's state *after* this step ("paused: clipping fired on 5 of the last 8
 steps ...", "resumed: ..."). ``veto_reason``: why speculation was vetoed
 during backward. ``actions``: the validation action of every block.

@@ -397,12 +397,15 @@ class _BrokenUpdate:
         raise ValueError("the rule broke")
 
 
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
 @pytest.mark.parametrize("donate", [False, True])
-def test_a_loss_scale_rule_that_raises_leaves_both_loops_state_as_it_was(rng, donate):
+def test_a_loss_scale_rule_that_raises_leaves_both_loops_state_as_it_was(rng, donate, profile):
     """A custom rule whose update raises at validation: both loops raise a LossScaleRuleError naming the rule's
     failure (its exception the cause; the bare ValueError before), and change nothing: the speculative step's
     blocks written in place (donate=True) are undone (bitwise with undo='exact'), as serial_step, which asks the rule
-    before it steps, writes none."""
+    before it steps, writes none. Under "deepspeed" (predict_scale) begin_step asks the rule's update for the scale
+    to speculate with, before any block: its ValueError escaped there as it was; now no block is speculated, and
+    validation raises as the serial loop."""
     from sofx.serial import init_loop, serial_loop_step
 
     opt = sofx.adamw(lr=1e-2, undo="exact")
@@ -413,16 +416,51 @@ def test_a_loss_scale_rule_that_raises_leaves_both_loops_state_as_it_was(rng, do
     match = (r"the loss-scale rule's update\(\) \(_BrokenUpdate\) raised ValueError: the rule broke; the step is "
              r"not taken")
     with pytest.raises(loss_scale.LossScaleRuleError, match=match) as info:
-        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(profile=profile), scaler=rule,
                             scaler_state=rule.init(), donate=donate)
     assert isinstance(info.value.__cause__, ValueError)
     assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
     assert [int(c) for c in state.count] == [2] * 4
     loop = init_loop(opt, params, rule)._replace(opt_state=state)
     with pytest.raises(loss_scale.LossScaleRuleError, match=match):
-        serial_loop_step(opt, loop, grads, scaler=rule, donate=donate)
+        serial_loop_step(opt, loop, grads, scaler=rule, donate=donate, profile=profile)
     assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
     assert [int(c) for c in state.count] == [2] * 4
+
+
+class _CleanUpdateBroken(_BrokenUpdate):
+    """A rule whose update raises on a clean step only (an overflow backs the scale off)."""
+
+    def update(self, state, overflow):
+        if not overflow:
+            raise ValueError("the rule broke")
+        return self.rule.update(state, overflow)
+
+
+def test_a_deepspeed_step_whose_rule_cannot_predict_the_clean_scale_follows_the_serial_loop(rng):
+    """predict_scale asks the rule's update(state, False) in begin_step: a rule failing there raised its ValueError
+    out of begin_step, also on a step that overflows, which the serial loop skips without a clean update. Now the
+    step speculates no block (vetoed, saying why) and follows the serial loop: skipped on overflow, a
+    LossScaleRuleError on a clean step."""
+    from sofx.serial import init_loop, serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2)
+    rule = _CleanUpdateBroken()
+    config = sp.SpeculationConfig(profile="deepspeed")
+    loop = init_loop(opt, _params(rng), rule)
+    grads = _grads(rng, scale=1.0)
+    grads[1][2] = float("inf")
+    ser, facts = serial_loop_step(opt, loop, grads, scaler=rule, profile="deepspeed")
+    spec, report = sp.speculative_loop_step(opt, loop, grads, config=config, scaler=rule, donate=True)
+    assert facts.skipped and report.skipped and spec.scaler_state == ser.scaler_state and spec.step == ser.step == 0
+    assert report.speculated == 0 and not report.speculating
+    assert re.search(r"the scale of a clean step cannot be predicted: the loss-scale rule's update\(\) "
+                     r"\(_CleanUpdateBroken\) raised ValueError", report.not_speculating_reason)
+    assert all(torch.equal(a, b) for a, b in zip(spec.params, ser.params))
+    for step in (lambda: serial_loop_step(opt, loop, _grads(rng, scale=1.0), scaler=rule, profile="deepspeed"),
+                 lambda: sp.speculative_loop_step(opt, loop, _grads(rng, scale=1.0), config=config, scaler=rule)):
+        with pytest.raises(loss_scale.LossScaleRuleError, match=r"update\(\) \(_CleanUpdateBroken\) raised"):
+            step()
 
 
 class _NoneUpdate(_BrokenUpdate):
@@ -432,7 +470,8 @@ class _NoneUpdate(_BrokenUpdate):
         return None
 
 
-def test_a_loss_scale_rule_whose_update_returns_no_state_is_refused_at_that_step(rng):
+@pytest.mark.parametrize("profile", ["torch", "deepspeed"])
+def test_a_loss_scale_rule_whose_update_returns_no_state_is_refused_at_that_step(rng, profile):
     """A rule whose update returns None: its state was read first by the step's report (a scale() that checks it
     raised there, past validation, where the offload engine undid nothing; one that does not committed None and the
     next backward failed). It is refused where update returned it, saying so, and the step undone."""
@@ -443,8 +482,8 @@ def test_a_loss_scale_rule_whose_update_returns_no_state_is_refused_at_that_step
     with pytest.raises(loss_scale.LossScaleRuleError, match=r"the loss-scale rule's update\(\) \(_NoneUpdate\) "
                                                             r"returned a state that cannot be taken: scaler_state is "
                                                             r"a NoneType"):
-        sp.speculative_step(opt, params, _grads(rng, scale=1.0), state, config=sp.SpeculationConfig(), scaler=rule,
-                            scaler_state=rule.init(), donate=True)
+        sp.speculative_step(opt, params, _grads(rng, scale=1.0), state, config=sp.SpeculationConfig(profile=profile),
+                            scaler=rule, scaler_state=rule.init(), donate=True)
     assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
 
 

@@ -45,12 +45,12 @@ from sofx.adam import Adam, AdamHParams, check_float32_range, check_hparam_value
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
 from sofx.kernels.user_numbers import _described, as_integer, fact_value, flag, integer, is_bool, real_number
-from sofx.loss_scale import LossScaler, LossScaleState, MinLossScaleError, inverse_scale
+from sofx.loss_scale import LossScaler, LossScaleRuleError, LossScaleState, MinLossScaleError, inverse_scale
 from sofx.required import REQUIRED
 from sofx.serial import (StepFacts, _facts_without_gradients, _keyword_names, _missing, _positional_names,
-                         can_unscale, check_max_norm, check_opt, check_profile, check_scale, clip_max_norm,
-                         loss_scale_of, local_sumsq, reduced_sumsq, refuse_reduce, refuse_unknown_keywords, step_facts,
-                         step_settings, without_gradients)
+                         _scale_after, can_unscale, check_max_norm, check_opt, check_profile, check_scale,
+                         clip_max_norm, loss_scale_of, local_sumsq, reduced_sumsq, refuse_reduce,
+                         refuse_unknown_keywords, step_facts, step_settings, without_gradients)
 from sofx.speculation.policy import AdaptivePolicy, PolicyState, checked_policy_state
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
@@ -406,8 +406,14 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     hps = resolve_block_hparams(opt.defaults, hparams, n_blocks)
     current = loss_scale_of(scaler, scaler_state)
     s_back = current if backward_scale is None else check_scale("backward_scale", backward_scale)
+    unpredicted = None
     if config.profile == "deepspeed" and config.predict_scale:
-        assumed = check_scale("predicted scale", scaler.scale(scaler.update(scaler_state, False)))
+        # (through the rule's calls as a step makes them: a custom rule's failure is a LossScaleRuleError; its own
+        # ValueError escaped begin_step, where the serial loop raises on a clean step only, at validation)
+        try:
+            assumed = _scale_after("deepspeed", scaler, scaler_state, False)[1]
+        except LossScaleRuleError as exc:
+            assumed, unpredicted = s_back, exc
     elif config.profile == "deepspeed":
         assumed = s_back
     else:
@@ -423,6 +429,10 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
         speculating, kind, reason = False, "micro_step", "not the last micro-step (gradients are still accumulating)"
     elif not allowed:
         speculating, kind, reason = False, "policy", why
+    elif unpredicted is not None:
+        speculating, kind = False, "vetoed"
+        reason = (f"the scale of a clean step cannot be predicted: {unpredicted}; no block is speculated (validation "
+                  "asks the rule again: a clean step raises there, an overflow is skipped)")
     elif refused is not None:
         speculating, kind = False, "vetoed"
         reason = (f"{refused}: a speculative step cannot take these hparams, so no block is speculated; "
