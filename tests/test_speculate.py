@@ -1888,6 +1888,25 @@ def test_adaptive_policy_matches_its_rule(outcomes, window, fraction, quiet):
     assert sp.AdaptivePolicy(enabled=False).allows(sp.PolicyState(paused=True))[0]
 
 
+@pytest.mark.parametrize("window, fraction, at", [(90, 0.7, 63), (50, 0.58, 29), (100, 0.29, 29), (8, 0.5, 4)])
+def test_adaptive_policy_does_not_pause_on_exactly_its_fraction_of_the_window(window, fraction, at):
+    """"More than pause_fraction * window": pause_fraction * window rounded below the whole number it is (0.7 * 90
+    is 62.99999999999999), and 63 clipped steps of 90, exactly 70%, paused. n / window is compared: at steps that
+    clipped of the window do not pause, one more does."""
+    policy = sp.AdaptivePolicy(window=window, pause_fraction=fraction)
+    state = policy.init()
+    for k in range(window):
+        state = policy.update(state, k < at)
+    assert not state.paused and sum(state.recent) == at
+    state = policy.update(state, True)  # the oldest step (clipped) leaves the window: still `at` of `window`
+    assert not state.paused and sum(state.recent) == at
+    state = policy.init()
+    for k in range(at + 1):
+        assert not state.paused
+        state = policy.update(state, True)
+    assert state.paused
+
+
 def test_report_as_dict_and_summary(rng):
     opt = sofx.adamw(lr=1e-2)
     params, state = _warm(opt, _params(rng), rng)

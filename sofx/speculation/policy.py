@@ -5,7 +5,8 @@ speculative step costs an undo and a redo, i.e. more work than not
 speculating. The policy watches the clip outcome of validated steps::
 
     pause   when more than ``pause_fraction * window`` of the last ``window``
-            validated steps clipped;
+            validated steps clipped (``n / window > pause_fraction``: exactly
+            70% of a window is not more than ``pause_fraction=0.7``);
     resume  after ``quiet_steps`` consecutive validated steps without clipping
             (the clip outcome is still known while paused: validation always
             computes the global norm); the history then starts afresh.
@@ -102,7 +103,9 @@ class AdaptivePolicy:
                                "quiet steps needed to resume")
         recent = (state.recent + (bool(clipped),))[-self.window:]
         n_clipped = sum(recent)
-        if n_clipped > self.pause_fraction * self.window:
+        # (the fraction n/window, correctly rounded, against pause_fraction: the product pause_fraction * window
+        # rounds below a whole number, 0.7 * 90 to 62.99999999999999, and paused on exactly 70% of the window)
+        if n_clipped / self.window > self.pause_fraction:
             return PolicyState(recent, True, 0,
                                f"paused: clipping fired on {n_clipped} of the last {len(recent)} steps "
                                f"(each would cost an undo and a redo); resuming after {self.quiet_steps} "
