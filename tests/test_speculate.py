@@ -1235,6 +1235,28 @@ def test_an_action_or_decision_that_is_not_one_is_refused_by_the_apply_functions
     assert torch.equal(param, before) and int(state.count) == 0 and not state.mu.any()
 
 
+@pytest.mark.parametrize("held", ["5", None, 5.5, -5, True])
+def test_speculative_block_step_refuses_held_bytes_that_are_no_count_changing_nothing(rng, held):
+    """held_bytes, the snapshot bytes the step's speculative steps hold: a str or None raised Python's bare TypeError
+    where a snapshot budget is set, a float an UnsupportedError naming snapshot_limit_bytes (which the caller did
+    not pass), and a negative count raised the limit past the budget without a word. A SofxError names it,
+    before any tensor is touched."""
+    opt = sofx.adamw()
+    param, grad = _params(rng, 1)[0], _grads(rng, 1, scale=1.0)[0]
+    state = opt.init(param)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), loss_scale.static_scale(),
+                               loss_scale.static_scale().init(), n_blocks=1)
+    _, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad),
+                                    lambda: sp.block_eligibility(opt, param, grad, state, ctx.hparams[0],
+                                                                 ctx.grad_scale))
+    assert decision.speculate
+    before = param.clone()
+    with pytest.raises(sofx.SofxError, match=rf"^speculative_block_step: held_bytes = {re.escape(repr(held))} is "
+                                             r"invalid; expected an integer >= 0"):
+        sp.speculative_block_step(opt, param, grad, state, decision, donate=True, held_bytes=held)
+    assert torch.equal(param, before) and int(state.count) == 0 and not state.mu.any()
+
+
 @pytest.mark.parametrize("bad, pattern", [
     (AdamHParams(lr=-1.0), r"hparams for blocks\[1\]: lr = -1\.0 is invalid; expected"),
     (AdamHParams(beta1=1.5), r"hparams for blocks\[1\]: beta1 = 1\.5 is invalid; expected"),

@@ -23,6 +23,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import SofxError, UnsupportedError
+from sofx.kernels.user_numbers import integer
 from sofx.serial import check_opt
 from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility
 from sofx.transforms import sumsq
@@ -91,6 +92,10 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
                         "on_block_ready returned for the block")
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
+    if not (type(held_bytes) is int and held_bytes >= 0):  # (the common case first: the engine's count)
+        # a Python int >= 0 (a str or None raised Python's bare TypeError where a budget is set, a float an error
+        # naming snapshot_limit_bytes, which the caller did not pass, and a negative count raised the limit past it)
+        held_bytes = integer("speculative_block_step: held_bytes", held_bytes, 0, SofxError)
     budget = decision.snapshot_budget_bytes
     limit = None if budget is None else max(0, budget - held_bytes)
     new_param, new_state, record = opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale,
