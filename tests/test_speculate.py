@@ -1929,6 +1929,21 @@ def test_adaptive_policy_does_not_pause_on_exactly_its_fraction_of_the_window(wi
     assert state.paused
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_adaptive_policy_update_refuses_a_clip_outcome_that_is_no_bool(enabled):
+    """AdaptivePolicy.update took clipped by its truth: "no" and 1.0 as a clipped step (a pause with
+    pause_fraction=0), and a bool tensor of several elements raised torch's bare RuntimeError. An HParamError names
+    it; a Python or numpy bool, a 0-d bool tensor and None (a skipped step) are taken."""
+    from sofx.errors import HParamError
+
+    policy = sp.AdaptivePolicy(enabled=enabled, window=2, pause_fraction=0.0)
+    for bad in ("no", 1.0, 0, torch.tensor([True, False])):
+        with pytest.raises(HParamError, match=r"^AdaptivePolicy.update: clipped = .* is invalid; expected a bool"):
+            policy.update(policy.init(), bad)
+    for clipped, paused in ((np.bool_(False), False), (torch.tensor(True), enabled), (None, False), (True, enabled)):
+        assert policy.update(policy.init(), clipped).paused == paused
+
+
 def test_report_as_dict_and_summary(rng):
     opt = sofx.adamw(lr=1e-2)
     params, state = _warm(opt, _params(rng), rng)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from sofx.errors import HParamError
-from sofx.kernels.user_numbers import _described, finite_number, flag, integer
+from sofx.kernels.user_numbers import _described, fact_value, finite_number, flag, integer
 
 __all__ = ["AdaptivePolicy", "PolicyState", "checked_policy_state"]
 
@@ -92,6 +92,10 @@ class AdaptivePolicy:
 
     def update(self, state: PolicyState, clipped: bool | None) -> PolicyState:
         """The state after a validated step (``clipped=None``: a skipped step, no information)."""
+        if clipped is not None and type(clipped) is not bool:  # (validation's is a Python bool)
+            # a Python or numpy bool, or a 0-d bool tensor (as the loss-scale rules take overflow); "no" and 1.0
+            # were taken by their truth, as clipped, and a tensor of several elements raised torch's bare error
+            clipped = flag("AdaptivePolicy.update: clipped", fact_value(clipped, "AdaptivePolicy.update: clipped"))
         if not self.enabled or clipped is None:
             return state
         if state.paused:
