@@ -46,6 +46,7 @@ from sofx.loss_scale import (DynamicLossScaleRule, GradScalerRule, LossScaleRule
 from sofx.offload.blocks import TENSOR_NAMES, BlockLayout
 from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
+from sofx.speculation.policy import checked_policy_state
 from sofx.stored_values import refuse_negative
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -511,26 +512,19 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, 
 
 
 def _checked_policy_state(saved: Any, where: str) -> PolicyState:
-    """The saved adaptive-policy state: ``recent`` a list of bools, ``paused`` a bool, ``quiet`` an integer
-    >= 0, ``reason`` a str (each missing field takes its default)."""
+    """The saved adaptive-policy state: a dict of :class:`PolicyState`'s fields (each missing field takes its
+    default) read as :func:`~sofx.speculation.policy.checked_policy_state` reads them (``recent`` a list of bools,
+    ``paused`` a bool, ``quiet`` an integer >= 0, ``reason`` a str); a :class:`StructureError` naming the entry."""
     if not isinstance(saved, Mapping):
         raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
     unknown = sorted(set(saved) - set(PolicyState._fields))
     if unknown:
         raise StructureError(f"{where}[{unknown[0]!r}]: a PolicyState has no such field (it has "
                              f"{list(PolicyState._fields)})")
-    out = PolicyState()._replace(**saved)
-    recent, quiet = out.recent, out.quiet
-    checks = (("recent", isinstance(recent, (list, tuple)) and all(isinstance(x, bool) for x in recent),
-               "a list of bools"),
-              ("paused", isinstance(out.paused, bool), "a bool"),
-              ("quiet", not isinstance(quiet, bool) and isinstance(quiet, numbers.Integral) and quiet >= 0,
-               "an integer >= 0"),
-              ("reason", isinstance(out.reason, str), "a str"))
-    for name, ok, expected in checks:
-        if not ok:
-            raise StructureError(f"{where}[{name!r}] = {getattr(out, name)!r}; expected {expected}")
-    return out._replace(recent=tuple(recent), quiet=int(quiet))
+    try:
+        return checked_policy_state(PolicyState()._replace(**saved), where, keyed=True)
+    except HParamError as exc:
+        raise StructureError(str(exc)) from None
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

@@ -35,22 +35,26 @@ class PolicyState(NamedTuple):
     reason: str = ""
 
 
-def checked_policy_state(state: PolicyState, name: str = "policy_state") -> PolicyState:
+def checked_policy_state(state: PolicyState, name: str = "policy_state", keyed: bool = False) -> PolicyState:
     """``state``, a :class:`PolicyState`, with its fields read as the policy reads them, else an
-    :class:`HParamError` naming the field (``policy_state.recent[1]``) and what it got: ``recent`` a tuple of bools
-    (a list is taken as its tuple, numpy bools as Python ones), ``paused`` a bool, ``quiet`` an integer >= 0,
-    ``reason`` a str. A state made by hand with others was taken as it was: ``paused="no"`` as paused, a
-    ``recent`` entry ``2`` as two clipped steps, and a ``recent`` list or ``None`` raised Python's bare TypeError
-    from the validation that followed the speculative steps."""
+    :class:`HParamError` naming the field (``policy_state.recent[1]``; ``keyed``: as a dict's entry,
+    ``policy_state['recent'][1]``, for a saved state) and what it got: ``recent`` a tuple of bools (a list is taken
+    as its tuple, numpy bools as Python ones), ``paused`` a bool, ``quiet`` an integer >= 0, ``reason`` a str. A
+    state made by hand with others was taken as it was: ``paused="no"`` as paused, a ``recent`` entry ``2`` as two
+    clipped steps, and a ``recent`` list or ``None`` raised Python's bare TypeError from the validation that
+    followed the speculative steps."""
+    def field(f: str) -> str:
+        return f"{name}[{f!r}]" if keyed else f"{name}.{f}"
+
     recent = state.recent
     if not isinstance(recent, (tuple, list)):
-        raise HParamError(f"{name}.recent = {recent!r:.80} is invalid; expected a tuple of bools (the clip outcomes "
-                          f"of the last steps, oldest first), got {_described(recent)}")
-    recent = tuple(flag(f"{name}.recent[{k}]", x) for k, x in enumerate(recent))
-    paused = flag(f"{name}.paused", state.paused)
-    quiet = integer(f"{name}.quiet", state.quiet, 0)
+        raise HParamError(f"{field('recent')} = {recent!r:.80} is invalid; expected a list or tuple of bools (the "
+                          f"clip outcomes of the last steps, oldest first), got {_described(recent)}")
+    recent = tuple(flag(f"{field('recent')}[{k}]", x) for k, x in enumerate(recent))
+    paused = flag(field("paused"), state.paused)
+    quiet = integer(field("quiet"), state.quiet, 0)
     if not isinstance(state.reason, str):
-        raise HParamError(f"{name}.reason = {state.reason!r:.80} is invalid; expected a str, got "
+        raise HParamError(f"{field('reason')} = {state.reason!r:.80} is invalid; expected a str, got "
                           f"{_described(state.reason)}")
     return PolicyState(recent, paused, quiet, state.reason)
 
