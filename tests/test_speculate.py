@@ -519,6 +519,30 @@ def test_a_failing_reduce_sumsq_leaves_the_state_as_it_was(rng, undo):
             serial_loop_step(opt, loop, _grads(rng, scale=1.0), scaler=rule, reduce_sumsq=reduce, donate=True)
 
 
+def test_a_reduce_sumsq_that_loses_this_ranks_overflow_is_refused(rng):
+    """This rank's gradients hold an inf (its sum of squares is inf) but the hook returns a finite total (a MAX or
+    nansum reduction, a hook that ignores its argument): the step was taken as a clean one, writing nan into the
+    parameters. Refused (an HParamError naming both sums), nothing changed, serial and speculative alike; a
+    non-finite total from a finite local sum is another rank's overflow, as before."""
+    from sofx.errors import HParamError
+    from sofx.serial import serial_loop_step
+
+    opt = sofx.adamw(lr=1e-2, undo="exact")  # (the blocks speculated before the reduction undone bitwise)
+    params, state = _warm(opt, _params(rng), rng)
+    rule = loss_scale.grad_scaler(init_scale=1.0)
+    grads = _grads(rng, scale=1.0)
+    grads[1][0] = math.inf
+    before = [t.clone() for t in (*params, *state.mu, *state.nu)]
+    with pytest.raises(HParamError, match=r"reduce_sumsq returned 1\.0 where this rank's sum of squares is inf"):
+        sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
+                            scaler_state=rule.init(), reduce_sumsq=lambda total: 1.0, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
+    loop = sofx.serial.init_loop(opt, params, rule)
+    with pytest.raises(HParamError, match="where this rank's sum of squares is inf"):
+        serial_loop_step(opt, loop, grads, scaler=rule, reduce_sumsq=lambda total: 1.0, donate=True)
+    assert all(torch.equal(a, b) for a, b in zip((*params, *state.mu, *state.nu), before))
+
+
 @pytest.mark.parametrize("order", [None, [1, 2, 0]])
 def test_a_leaf_its_backend_cannot_step_is_refused_before_any_block_is_stepped(rng, order):
     """backend='cpu' steps no float64 leaf: the speculative step refused it only when it reached its block,
