@@ -24,7 +24,8 @@ and by :func:`sofx.speculate.speculative_step`. Block counts:
                   gradient with ``missing_grad="skip"``)
 
 Global facts: ``skipped``/``overflow`` (a non-finite gradient: the step was
-skipped), ``clipped``, ``clip_coef`` (multiplier of the unscaled gradients),
+skipped; a step whose loss-scale rule failed is skipped, an overflow only where
+a gradient overflowed), ``clipped``, ``clip_coef`` (multiplier of the unscaled gradients),
 ``grad_norm`` (unscaled global norm), ``scale`` (the loss scale the gradients
 were unscaled with), ``next_scale`` (the scale for the next step),
 ``grad_scale`` (the one multiplier Adam applied to the raw gradients).
@@ -82,7 +83,7 @@ class StepReport:
 
     def summary(self) -> str:
         """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 inelig 0 late 4 | norm 0.93 scale 65536``."""
-        head = "SKIPPED (overflow) " if self.skipped else ""
+        head = "SKIPPED (overflow) " if self.skipped and self.overflow else "SKIPPED " if self.skipped else ""
         line = (f"{head}spec {self.speculated} commit {self.committed} undo {self.undone} redo {self.redone} "
                 f"veto {self.vetoed} inelig {self.ineligible}{f' refused {self.refused}' if self.refused else ''} "
                 f"late {self.stepped_late} | "

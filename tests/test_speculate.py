@@ -428,6 +428,19 @@ def test_a_loss_scale_rule_that_raises_leaves_both_loops_state_as_it_was(rng, do
     assert [int(c) for c in state.count] == [2] * 4
 
 
+def test_the_report_of_a_step_whose_rule_failed_says_overflow_only_where_a_gradient_overflowed():
+    """A validation whose loss-scale rule raised (the step not taken, plan.error a LossScaleRuleError) reported
+    overflow=True on a clean step too; the report's overflow is whether the gradients overflowed (a sum of squares
+    that is not finite), skipped True either way."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = _BrokenUpdate()
+    for sumsq, overflow in ((1.0, False), (math.inf, True)):
+        ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+        plan = sp.plan_validation(ctx, tally, [sumsq])
+        assert isinstance(plan.error, loss_scale.LossScaleRuleError)
+        assert plan.report.skipped and plan.report.overflow is overflow
+
+
 class _CleanUpdateBroken(_BrokenUpdate):
     """A rule whose update raises on a clean step only (an overflow backs the scale off)."""
 

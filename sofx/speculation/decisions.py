@@ -805,7 +805,8 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
         actions = tuple(action(i, "undo" if spec_taken[i] else "skip", why, 1.0,
                                hps[i], False, spec_taken[i] or _undone_before(tally, i, spec_taken[i]))
                         for i in range(n))
-        report = _report(ctx, tally, None, actions, ctx.policy_state)
+        report = _report(ctx, tally, None, actions, ctx.policy_state,
+                         overflow=isinstance(exc, MinLossScaleError) or not math.isfinite(total))
         return ValidationPlan(None, actions, ctx.scaler_state, ctx.policy_state, report, exc)
     actions = []
     for i in range(n):
@@ -957,8 +958,9 @@ def _undone_before(tally: BackwardTally, block: int, taken: bool) -> bool:
 
 
 def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, actions: Sequence[BlockAction],
-            policy_state: PolicyState) -> StepReport:
-    """The step's report (``facts`` ``None``: validation failed, nothing taken)."""
+            policy_state: PolicyState, overflow: bool = True) -> StepReport:
+    """The step's report (``facts`` ``None``: validation failed, nothing taken; ``overflow`` then: whether the
+    gradients overflowed, or DeepSpeed's rule reached its minimum scale)."""
     kinds = [a.kind for a in actions]
     decisions = [d.kind for d in tally.decisions if d is not None]
     if facts is not None:
@@ -983,7 +985,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         stepped_late=kinds.count("step") - redone_before,
         not_stepped=kinds.count("skip") + kinds.count("undo"),
         skipped=facts is None or facts.overflow,
-        overflow=facts is None or facts.overflow,
+        overflow=overflow if facts is None else facts.overflow,
         clipped=facts is not None and facts.clipped,
         clip_coef=1.0 if facts is None else facts.clip_coef,
         grad_norm=math.nan if facts is None else facts.grad_norm,
