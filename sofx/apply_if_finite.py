@@ -152,7 +152,7 @@ class ApplyIfFinite:
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
-        _finite_counters(state)
+        _check_counters_left(record, _finite_counters(state), self.max_consecutive_errors)
         if not is_traced(record.applied):  # a skipped step's inner record is of no leaf: its undo changes nothing
             new_params, inner_state = self.inner.undo(params, state.inner_state, record.inner, donate=donate,
                                                       param_copies=param_copies)
@@ -257,6 +257,26 @@ def _finite_counters(state: Any) -> tuple[Any, Any, Any]:
         raise SofxError(f"apply_if_finite: state.last_finite = {last!r:.60} ({type(last).__name__}); expected a bool "
                         "or a 0-d bool tensor")
     return state.notfinite_count, last, state.total_notfinite
+
+
+def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, Any], limit: int) -> None:
+    """Raise :class:`UndoError` where ``counters`` (the state's ``notfinite_count, last_finite, total_notfinite``)
+    are not those the step of ``record`` left from its counters before, by the rule of :func:`apply_if_finite`
+    (``limit``: ``max_consecutive_errors``): the record does not belong to this state. A skipped step's inner
+    record has no leaf whose step count the inner undo could compare, and an applied one's counts may agree with
+    a later state's (a skipped step after it): undone, the counters went back to another step's, without a word.
+    Not where a value cannot be read (``vmap``, ``compile``)."""
+    values = (*counters, *record[1:])
+    if any(isinstance(x, torch.Tensor) and (is_traced(x) or x.numel() != 1) for x in values):
+        return
+    count, last, total, applied, count0, _, total0 = (x.item() if isinstance(x, torch.Tensor) else x for x in values)
+    want = (0, total0) if last else (count0 + 1, total0 + 1)
+    if (count, total) == want and (bool(applied) == (last or count > limit)):
+        return
+    raise UndoError(f"apply_if_finite: the state's counters (notfinite_count={count}, last_finite={bool(last)}, "
+                    f"total_notfinite={total}) are not those the record's step left (from notfinite_count={count0}, "
+                    f"total_notfinite={total0}, the step {'applied' if applied else 'skipped'}): the record does not "
+                    "belong to this state")
 
 
 def _select(applied: torch.Tensor, new: Any, old: Any) -> Any:

@@ -169,6 +169,21 @@ def test_undo_after_a_finite_step_is_the_inner_undo(rng):
     assert all(int(c) == 1 for c in _leaves(back_s.inner_state.count))
 
 
+def test_undo_refuses_a_record_of_a_step_the_state_did_not_come_from(rng):
+    """A record whose step did not leave these counters (a skipped step's record given the state of a later step:
+    its inner record has no leaf whose count could tell) is refused, changing nothing, the record still usable."""
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 3)
+    params = _params(rng)
+    p1, s1, skipped = opt.update(params, _grads(rng, NAN), opt.init(params))
+    p2, s2, applied = opt.update(p1, _grads(rng), s1)
+    p3, s3, _ = opt.update(p2, _grads(rng, INF), s2)
+    for p, s, rec in ((p2, s2, skipped), (p3, s3, skipped), (p3, s3, applied)):
+        with pytest.raises(UndoError, match="counters"):
+            opt.undo(p, s, rec)
+    back_p, back_s = opt.undo(p1, s1, skipped)  # (unused by the refusals)
+    assert _bitwise(back_p, params) and _counters(back_s) == (0, True, 0)
+
+
 def test_undo_refuses_a_record_of_another_kind(rng):
     inner = sofx.adam()
     opt = sofx.apply_if_finite(inner, 1)
