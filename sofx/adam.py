@@ -982,11 +982,11 @@ class Adam:
             want_state = self.state_dtype or p.dtype
             alike = _leaf_alike(p, g, m, v, want_state)
             if alike:  # the common case: what the three checks below accept
-                steps = _check_count(path, c, traced)
+                steps = _check_count(path, c, traced, p)
             else:
                 if g is not None:
                     _check_like("grads", path, g, p, p.dtype)
-                steps = _check_count(path, c, traced)
+                steps = _check_count(path, c, traced, p)
                 _check_like("state.mu", path, m, p, want_state)
                 _check_like("state.nu", path, v, p, want_state)
             contiguous = not compiling and _in_storage(p, g, m, v)  # (then each contiguous, in its storage)
@@ -1884,15 +1884,21 @@ def _check_storage(param_path: str, *leaf: torch.Tensor | None) -> None:
 _LEAF_TREES = ("params", "grads", "state.mu", "state.nu")
 
 
-def _check_count(param_path: str, c: Any, traced: Callable[..., bool]) -> Any:
-    """The step count ``c`` (of the parameter at ``param_path``) checked, in its storage too
+def _check_count(param_path: str, c: Any, traced: Callable[..., bool], p: torch.Tensor) -> Any:
+    """The step count ``c`` (of the parameter ``p`` at ``param_path``) checked, in its storage too
     (:func:`~sofx.kernels.storage.refuse_short_storage`); its value as an int where it can be read (``traced``:
-    :func:`~sofx.kernels.base.leaf_tracer`'s function, true of every tensor under ``torch.compile``), else ``c``."""
+    :func:`~sofx.kernels.base.leaf_tracer`'s function, true of every tensor under ``torch.compile``), else ``c``.
+    A meta count of a parameter with data is refused (it holds no value: torch's arithmetic raised a device
+    mismatch in the kernel, naming no leaf; an undo restored the record's count without a word)."""
     if not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0:
         desc = f"a tensor of dtype {c.dtype} and shape {tuple(c.shape)}" if isinstance(c, torch.Tensor) \
             else type(c).__name__
         raise LeafError(f"state.count{param_path[len('params'):]}: expected a 0-d int64 tensor, got {desc}")
     if traced(c):
+        if c.is_meta and not p.is_meta and not torch.compiler.is_compiling():
+            raise LeafError(f"state.count{param_path[len('params'):]}: a meta tensor, which holds no value, for a "
+                            "parameter with data (a state made by init under torch.device('meta')?); give the step "
+                            "count as a 0-d int64 tensor with its value (meta counts go with meta parameters only)")
         return c
     if not in_storage(c):  # (read as a number below: a freed one by torch's error, a shrunk one past its end)
         refuse_short_storage(c, lambda: f"state.count{param_path[len('params'):]}")

@@ -193,6 +193,29 @@ def test_a_meta_grad_scale_of_leaves_with_data_is_refused():
     _assert_unchanged(before, params, grads, state)
 
 
+@pytest.mark.parametrize("call", ["update", "check_inputs", "undo_strategies", "undo"])
+def test_a_meta_step_count_of_a_leaf_with_data_is_refused_naming_the_leaf(call):
+    """A meta step count beside a leaf with data (a state made by ``opt.init`` under ``with torch.device("meta")``:
+    its counts meta, its moments like the parameters) was taken as a count whose value cannot be read, and reached
+    torch's arithmetic in the kernel ("RuntimeError: Tensor on device meta is not on the expected device cpu!"),
+    naming no leaf; an undo took it and restored the record's. It is refused naming the count's path, changing
+    nothing; meta parameters still take meta counts."""
+    opt, params, grads, state = _setup(1)
+    new_params, new_state, record = opt.update(params, grads, state)
+    meta_count = lambda s: s._replace(count=sofx.tree.tree_map(lambda c: c.to("meta"), s.count))  # noqa: E731
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.LeafError, match=r"state\.count\[.*\]: .*meta"):
+        if call == "undo":
+            opt.undo(new_params, meta_count(new_state), record, donate=True)
+        else:
+            getattr(opt, call)(params, grads, meta_count(state), **({"donate": True} if call == "update" else {}))
+    _assert_unchanged(before, params, grads, state)
+    assert not record.used
+    meta = {"w": torch.empty(3, device="meta")}
+    _, out, _ = opt.update(meta, {"w": torch.empty(3, device="meta")}, meta_count(opt.init(meta)))
+    assert out.count["w"].is_meta
+
+
 def test_invalid_defaults_and_options_are_refused_at_construction():
     with pytest.raises(sofx.HParamError, match="betas must be a pair"):
         sofx.adamw(betas=(0.9,))
