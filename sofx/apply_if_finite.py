@@ -93,7 +93,7 @@ class ApplyIfFinite:
         skipped member keeps its inputs) and ``param_copies`` is refused."""
         donate = flag("apply_if_finite: donate", donate, UnsupportedError)
         grads_finite = validate_grads_finite(grads_finite)  # (the inner update's reading: a numpy or 0-d tensor bool)
-        before = _finite_counters(state)
+        before = _finite_counters(state, params)
         finite = True if grads_finite is True else _grads_all_finite(grads)
         opts = dict(grad_scale=grad_scale, grads_finite=grads_finite, undoable=undoable,
                     snapshot_limit_bytes=snapshot_limit_bytes)
@@ -152,7 +152,7 @@ class ApplyIfFinite:
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
-        _check_counters_left(record, _finite_counters(state), self.max_consecutive_errors)
+        _check_counters_left(record, _finite_counters(state, params), self.max_consecutive_errors)
         if not is_traced(record.applied):  # a skipped step's inner record is of no leaf: its undo changes nothing
             new_params, inner_state = self.inner.undo(params, state.inner_state, record.inner, donate=donate,
                                                       param_copies=param_copies)
@@ -236,12 +236,20 @@ def _grads_all_finite(grads: Any) -> bool | torch.Tensor:
     return torch.stack([f.to(flags[0].device) for f in flags]).all()
 
 
-def _finite_counters(state: Any) -> tuple[Any, Any, Any]:
+def _finite_counters(state: Any, params: Any) -> tuple[Any, Any, Any]:
     """``(notfinite_count, last_finite, total_notfinite)`` of ``state``, checked: an :class:`ApplyIfFiniteState`
     whose counts are integers >= 0 and whose ``last_finite`` is a bool (Python values or 0-d tensors; a tensor
-    whose value cannot be read, as ``vmap`` gives, of an integer or bool dtype); else a :class:`SofxError`
-    naming the field."""
+    whose value cannot be read, as ``vmap`` gives, of an integer or bool dtype; a meta one only where no leaf of
+    ``params`` has data: it holds no value, and ``torch.where`` with those leaves raised a bare device mismatch);
+    else a :class:`SofxError` naming the field."""
     _check_state("apply_if_finite", state, ApplyIfFiniteState, "apply_if_finite(opt).init(params)")
+    meta = [name for name in ("notfinite_count", "last_finite", "total_notfinite")
+            if isinstance(getattr(state, name), torch.Tensor) and getattr(state, name).is_meta]
+    if meta and not torch.compiler.is_compiling() and any(
+            isinstance(p, torch.Tensor) and not p.is_meta for p in tree.flatten(params)[0]):
+        raise SofxError(f"apply_if_finite: state.{meta[0]} is a meta tensor, which holds no value, beside params "
+                        "with data (a state made by init under torch.device('meta')?); give the counters with their "
+                        "values (meta counters go with meta params only)")
     for name in ("notfinite_count", "total_notfinite"):
         value = getattr(state, name)
         if isinstance(value, torch.Tensor) and is_traced(value):

@@ -184,6 +184,28 @@ def test_undo_refuses_a_record_of_a_step_the_state_did_not_come_from(rng):
     assert _bitwise(back_p, params) and _counters(back_s) == (0, True, 0)
 
 
+@pytest.mark.parametrize("call", ["update", "undo"])
+def test_meta_counters_beside_params_with_data_are_refused_naming_the_counter(rng, call):
+    """Counters that are meta tensors (a state made by init under ``with torch.device("meta")``) beside params with
+    data went the way of counters whose value cannot be read, into ``torch.where`` with the params: torch's bare
+    "RuntimeError: Tensor on device cpu is not on the expected device meta!". Refused naming the counter, changing
+    nothing (meta params still take meta counters)."""
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    params = _params(rng)
+    p1, s1, rec = opt.update(params, _grads(rng), opt.init(params))
+    bad = s1._replace(notfinite_count=s1.notfinite_count.to("meta"))
+    with pytest.raises(SofxError, match=r"state\.notfinite_count .*meta"):
+        if call == "update":
+            opt.update(p1, _grads(rng), bad, donate=True)
+        else:
+            opt.undo(p1, bad, rec)
+    assert not rec.inner.used
+    meta = {"w": torch.empty(3, device="meta")}
+    state = opt.init(meta)
+    meta_state = state._replace(notfinite_count=state.notfinite_count.to("meta"))
+    opt.update(meta, {"w": torch.empty(3, device="meta")}, meta_state)
+
+
 def test_undo_refuses_a_record_of_another_kind(rng):
     inner = sofx.adam()
     opt = sofx.apply_if_finite(inner, 1)
