@@ -812,7 +812,31 @@ class Adam:
                 # (an algebraic record keeps nothing else to tell: of fp32 params, it inverted bf16 ones silently)
                 raise UndoError(f"{leaf.path}: the record's gradient is {rec.grad.dtype} on {rec.grad.device}, the "
                                 f"parameter {leaf.p.dtype} on {leaf.p.device}: the record is not of these params")
+        if grads is not None:
+            self._check_redo_counts(leaves, record)
         return spec, leaves, plain, record
+
+    def _check_redo_counts(self, leaves: Sequence[_Leaf], record: UndoRecord) -> None:
+        """The count checks of an undo_redo's redo, per leaf with a new gradient, from the count its step starts
+        from: the undone step's count before where ``record`` stepped the leaf (its t again), else the state's (a
+        leaf the undone step did not step: its next count, :func:`_check_next_count`); the step size
+        (:func:`check_step_size`) at that step's t. (Checked at the undone step's t for every leaf, such a leaf's
+        step size beyond float32 was refused by the kernel, naming no leaf, after other leaves were written under
+        donation, and one beyond it only at that t was refused though its own step is taken.) Once per hparams
+        object, start count and dtype."""
+        done: set[tuple[int, int, torch.dtype]] = set()
+        for leaf, rec in zip(leaves, record.leaves):
+            if leaf.g is None or type(leaf.steps) is not int:
+                continue
+            start = leaf.steps - 1 if rec is not None else leaf.steps
+            key = (id(leaf.hp), start, leaf.p.dtype)
+            if key in done:
+                continue
+            if rec is None:
+                _check_next_count(leaf.path, start)
+            if self.variant.bias_correction:
+                check_step_size(leaf.path, leaf.hp, start, leaf.p.dtype)
+            done.add(key)
 
     def _undo_leaf(self, leaf: _Leaf, rec: LeafUndo, donate: bool, copy: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -998,10 +1022,12 @@ class Adam:
                 key = (id(hp), steps, p.dtype, p.is_meta) if type(steps) is int else None
                 if key is None or key not in stepped:
                     _check_stepped_hparams(hp, path, p.dtype, checked, p.is_meta)
-                    if expect_spec is None:  # (an undo_redo's redo counts from the undone count: at most this one)
+                    # (an undo_redo's redo counts from the undone count where the record stepped the leaf, else from
+                    # this one: its record knows, _check_redo_counts)
+                    if expect_spec is None:
                         _check_next_count(path, steps)
-                    if self.variant.bias_correction:  # (an undo_redo's redo takes the undone step's t: this count)
-                        check_step_size(path, hp, steps if expect_spec is None else steps - 1, p.dtype)
+                        if self.variant.bias_correction:
+                            check_step_size(path, hp, steps, p.dtype)
                     if key is not None:
                         stepped.add(key)
             if id(hp) not in hp_traced:

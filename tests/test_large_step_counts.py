@@ -188,6 +188,39 @@ def test_a_step_size_beyond_float32_is_refused_naming_the_leaf_and_changes_nothi
     assert bool(p2["head"].isfinite().all())
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_the_redo_of_a_leaf_the_undone_step_did_not_step_is_checked_at_its_own_step(backend):
+    """An undo_redo's redo of a leaf the undone step did not step (no gradient then, one now) is its step from its
+    count, ``t = count + 1``; its step size was checked at ``t = count`` (the undone step's t of a leaf it stepped),
+    and not at all from a count of 0. So a step size beyond float32 at its ``t`` was refused by the kernel, naming
+    no leaf ("reference.step_many[0]"), after the leaves before it were undone and redone in place under donation;
+    and one refused at ``t = count`` only was refused though its step is taken by update. Checked at its own
+    ``t`` before anything is written."""
+    b1 = 1 - 2 ** -53  # 1 - b1**t is t * 2^-53 for small t
+    opt = sofx.adamw(backend=backend, weight_decay=0.0)
+    params, grads, state = _leaves(0)
+    state = state._replace(count={"w": torch.tensor(5), "head": torch.tensor(0)})
+    nan_grads = {"w": grads["w"].clone(), "head": grads["head"]}
+    nan_grads["w"][0, 0] = float("nan")  # (the reference backend then undoes, then steps "w": not fused)
+    bad = {"w": sofx.AdamHParams(lr=1e-3), "head": sofx.AdamHParams(lr=1e30, beta1=b1)}
+    p1, s1, rec = opt.update(params, {"w": grads["w"], "head": None}, state, donate=True)
+    before = [clone_tree(t) for t in (p1, s1)]
+    with pytest.raises(sofx.HParamError, match=r"hparams for params\['head'\]: lr / \(1 - beta1\*\*t\) = .* at step "
+                                               r"t = 1 is beyond float32's range"):
+        opt.undo_redo(p1, s1, rec, nan_grads, bad, donate=True)
+    assert trees_equal(before[0], p1) and trees_equal(before[1], s1) and not rec.used
+    # from a count of 1 its step is t = 2, where lr / (1 - beta1**2) = 5e22 / 2^-52 is within float32
+    ok = {"w": sofx.AdamHParams(lr=1e-3), "head": sofx.AdamHParams(lr=5e22, beta1=b1)}
+    counted = state._replace(count={"w": torch.tensor(5), "head": torch.tensor(1)})
+    p1, s1, rec = opt.update(params, {"w": grads["w"], "head": None}, counted)
+    q0, t0 = opt.undo(p1, s1, rec)
+    want = opt.update(q0, grads, t0, ok)
+    p1, s1, rec = opt.update(params, {"w": grads["w"], "head": None}, counted)
+    got = opt.undo_redo(p1, s1, rec, grads, ok)
+    assert trees_equal(got[0], want[0]) and trees_equal(got[1], want[1])
+    assert int(got[1].count["head"]) == 2
+
+
 def test_the_count_and_step_size_checks_run_once_per_hparams_count_and_dtype(monkeypatch):
     """A group's leaves at one count share one check of the next count and of the step size (each is a function
     of the hparams object, the count and the dtype; was once per leaf); a refusal still names the first leaf, in
