@@ -482,23 +482,24 @@ def numel_of(leaves: Sequence[torch.Tensor]) -> int:
 
 def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
          device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy ``leaves`` one after another into one flat 1-d tensor (``out`` if given). A leaf that ``out``'s dtype
-    cannot hold without changing its kind (floating point into an integer or bool ``out``, complex into a real one)
-    is refused before anything is written, as ``torch.cat(out=)`` refuses it; a cast within a kind is done."""
+    """Copy ``leaves`` one after another into one flat 1-d tensor (``out`` if given, else a new one of ``dtype``,
+    default the first leaf's). A leaf that this dtype cannot hold without changing its kind (floating point into
+    an integer or bool one, complex into a real one) is refused before anything is written, as ``torch.cat(out=)``
+    refuses it; a cast within a kind is done."""
     n = numel_of(leaves)
+    if out is not None and (out.numel() != n or out.dim() != 1):
+        raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")
+    target = out.dtype if out is not None else dtype if dtype is not None else \
+        leaves[0].dtype if leaves else torch.float32
+    for i, t in enumerate(leaves):
+        if not torch.can_cast(t.dtype, target):
+            where = "out's dtype" if out is not None else "the dtype"
+            raise TypeError(f"pack: leaves[{i}] of dtype {t.dtype} cannot be cast to {where} {target} without losing "
+                            "its kind")
     if out is None:
-        if dtype is None:
-            dtype = leaves[0].dtype if leaves else torch.float32
         if device is None:
             device = leaves[0].device if leaves else "cpu"
-        out = torch.empty(n, dtype=dtype, device=device)
-    elif out.numel() != n or out.dim() != 1:
-        raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")
-    else:
-        for i, t in enumerate(leaves):
-            if not torch.can_cast(t.dtype, out.dtype):
-                raise TypeError(f"pack: leaves[{i}] of dtype {t.dtype} cannot be cast to out's dtype {out.dtype} "
-                                f"without losing its kind")
+        out = torch.empty(n, dtype=target, device=device)
     offset = 0
     for t in leaves:
         k = t.numel()

@@ -177,6 +177,22 @@ def test_pack_refuses_an_out_that_would_truncate_a_leaf_before_writing_it(out_dt
     assert flat.dtype == torch.bfloat16 and torch.equal(flat.float(), torch.full((2,), 0.5))
 
 
+@pytest.mark.parametrize("leaves, dtype, bad", [
+    ([torch.full((3,), 0.7)], torch.int64, 0),  # dtype= of another kind
+    ([torch.arange(2), torch.full((3,), 0.7)], None, 1),  # the first leaf's dtype, an integer one
+    ([torch.ones(2), torch.full((3,), 0.5 + 1j)], None, 1),  # complex into a real first leaf's
+])
+def test_pack_refuses_a_dtype_that_would_truncate_a_leaf_without_out(leaves, dtype, bad):
+    """Without ``out`` the buffer is made in ``dtype`` (default: the first leaf's), and a leaf of another kind was
+    cast into it by ``copy_`` without a word (0.7 packed as 0 after an integer first leaf). Refused as an ``out``
+    of that dtype is, naming the leaf and both dtypes; a cast within a kind is still done."""
+    target = dtype or leaves[0].dtype
+    with pytest.raises(TypeError, match=rf"pack: leaves\[{bad}\] of dtype {leaves[bad].dtype} cannot be cast to "
+                                        rf"the dtype {target} without losing its kind"):
+        tree.pack(leaves, dtype=dtype)
+    assert tree.pack([torch.full((2,), 0.5)], dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("flat, shapes, pattern", [
     (torch.zeros(5), [(2,), (4,)], r"shapes cover 6 elements, flat buffer has 5"),
     (torch.zeros(5), [(-1,), (6,)], r"shapes\[0\] = \(-1,\) has a negative size"),
