@@ -929,6 +929,7 @@ class Adam:
         grads_finite = validate_grads_finite(grads_finite)
         _, leaves = self._gather(params, grads, state, hparams)
         grad_scale = _checked_grad_scale(grad_scale, leaves)
+        self._kernels(leaves)  # a leaf the backend does not support refused, as update refuses it
         finite = self._gradients_finite(leaves, grads_finite, grad_scale)
         return [None if leaf.g is None else self._plan(leaf, grad_scale, f)[1:] for leaf, f in zip(leaves, finite)]
 

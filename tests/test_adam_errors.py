@@ -216,6 +216,23 @@ def test_a_meta_step_count_of_a_leaf_with_data_is_refused_naming_the_leaf(call):
     assert out.count["w"].is_meta
 
 
+def test_undo_strategies_refuses_a_leaf_its_backend_does_not_support_as_update_does():
+    """``undo_strategies`` ("checks the inputs as update does and raises the same errors"; the speculation layer
+    plans a block with it) chose a strategy for a leaf the optimizer's backend does not support (float64
+    parameters for backend='cpu'), which update then refused. It raises update's UnsupportedError naming the
+    leaf."""
+    opt = sofx.adamw(backend="cpu")
+    params = {"w": torch.randn(3, dtype=torch.float64)}
+    grads = {"w": torch.randn(3, dtype=torch.float64)}
+    state = opt.init(params)
+    pattern = r"params\['w'\]: backend 'cpu' does not support .* param dtype torch.float64"
+    with pytest.raises(sofx.UnsupportedError, match=pattern):
+        opt.update(params, grads, state)
+    with pytest.raises(sofx.UnsupportedError, match=pattern):
+        opt.undo_strategies(params, grads, state)
+    assert opt.undo_strategies(params, {"w": None}, state) == [None]  # (not stepped: no backend asked)
+
+
 def test_invalid_defaults_and_options_are_refused_at_construction():
     with pytest.raises(sofx.HParamError, match="betas must be a pair"):
         sofx.adamw(betas=(0.9,))
