@@ -100,8 +100,8 @@ class ApplyIfFinite:
         if not all(_readable(x) for x in (finite, *before)):
             return self._update_selected(params, grads, state, hparams, before, finite, param_copies, opts)
         finite = bool(finite)
-        count = 0 if finite else int(before[0]) + 1
-        total = int(before[2]) + (0 if finite else 1)
+        count = 0 if finite else min(int(before[0]) + 1, _COUNT_MAX)  # (saturating, as optax's safe_increment)
+        total = min(int(before[2]) + (0 if finite else 1), _COUNT_MAX)
         applied = finite or count > self.max_consecutive_errors
         if applied:
             new_params, inner_state, rec = self.inner.update(params, grads, state.inner_state, hparams,
@@ -126,8 +126,8 @@ class ApplyIfFinite:
                                    "cannot be read (vmap, compile): a skipped member's copy would receive the step")
         finite = torch.as_tensor(finite, dtype=torch.bool)
         count, _, total = before
-        count = torch.where(finite, torch.zeros_like(torch.as_tensor(count)), torch.as_tensor(count) + 1)
-        total = torch.where(finite, torch.as_tensor(total), torch.as_tensor(total) + 1)
+        count = torch.where(finite, torch.zeros_like(torch.as_tensor(count)), _incremented(count))
+        total = torch.where(finite, torch.as_tensor(total), _incremented(total))
         applied = finite | (count > self.max_consecutive_errors)
         # A skipped member's inner step runs on zeros: on its inf/nan gradient the step's derivatives were nan,
         # which the backward of torch.where multiplied by 0 (nan) where the hypergradients are taken.
@@ -180,6 +180,8 @@ def apply_if_finite(inner: Adam, max_consecutive_errors: int) -> ApplyIfFinite:
         last_finite     <- f
         applied          = f or notfinite_count > N      (the new count)
         params, inner   <- inner.update(...) if applied else (params, inner)
+
+    (the counts saturating at int64's largest value, as optax's ``safe_increment``).
 
     A skipped step leaves the params and the inner state (moments, step counts) bitwise as they were and its
     undo changes nothing; an applied one is the inner step, bit for bit, and its undo the inner undo. Either
@@ -256,8 +258,9 @@ def _finite_counters(state: Any, params: Any) -> tuple[Any, Any, Any]:
             if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool or value.dim() != 0:
                 raise SofxError(f"apply_if_finite: state.{name} is a {value.dtype} tensor of shape "
                                 f"{tuple(value.shape)}; expected a 0-d integer tensor")
-        else:
-            integer(f"apply_if_finite: state.{name}", value, 0, SofxError)
+        elif integer(f"apply_if_finite: state.{name}", value, 0, SofxError) > _COUNT_MAX:
+            raise SofxError(f"apply_if_finite: state.{name} = {value!r:.80} is beyond int64's largest value, "
+                            f"{_COUNT_MAX}, which the state stores its counters as (they saturate there)")
     last = state.last_finite
     ok = (isinstance(last, bool) or isinstance(last, torch.Tensor) and last.dtype == torch.bool
           and (last.numel() == 1 if not is_traced(last) else last.dim() == 0))
@@ -265,6 +268,17 @@ def _finite_counters(state: Any, params: Any) -> tuple[Any, Any, Any]:
         raise SofxError(f"apply_if_finite: state.last_finite = {last!r:.60} ({type(last).__name__}); expected a bool "
                         "or a 0-d bool tensor")
     return state.notfinite_count, last, state.total_notfinite
+
+
+# The counters are stored as int64 (ApplyIfFiniteState): they saturate at its largest value, as optax's
+# safe_increment (a count beyond it raised Python's overflow error, or wrapped to -2^63 under vmap).
+_COUNT_MAX = torch.iinfo(torch.int64).max
+
+
+def _incremented(count: Any) -> torch.Tensor:
+    """``count + 1`` as a tensor, saturating at the largest value of its dtype (a readable or traced counter)."""
+    count = torch.as_tensor(count)
+    return torch.where(count == torch.iinfo(count.dtype).max, count, count + 1)
 
 
 def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, Any], limit: int) -> None:
@@ -278,7 +292,7 @@ def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, 
     if any(isinstance(x, torch.Tensor) and (is_traced(x) or x.numel() != 1) for x in values):
         return
     count, last, total, applied, count0, _, total0 = (x.item() if isinstance(x, torch.Tensor) else x for x in values)
-    want = (0, total0) if last else (count0 + 1, total0 + 1)
+    want = (0, total0) if last else (min(count0 + 1, _COUNT_MAX), min(total0 + 1, _COUNT_MAX))
     if (count, total) == want and (bool(applied) == (last or count > limit)):
         return
     raise UndoError(f"apply_if_finite: the state's counters (notfinite_count={count}, last_finite={bool(last)}, "

@@ -206,6 +206,24 @@ def test_meta_counters_beside_params_with_data_are_refused_naming_the_counter(rn
     opt.update(meta, {"w": torch.empty(3, device="meta")}, meta_state)
 
 
+def test_the_counters_saturate_at_int64s_largest_as_optaxs_safe_increment(rng):
+    """A non-finite step from a counter at int64's largest value raised Python's bare "ValueError: Overflow when
+    unpacking long long" (under vmap the counter wrapped to -2^63 without a word). The counters saturate there, as
+    optax's ``safe_increment``; a Python counter no int64 holds (which the state stores) is refused naming it."""
+    top = torch.iinfo(torch.int64).max
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    params = _params(rng)
+    full = opt.init(params)._replace(notfinite_count=torch.tensor(top), total_notfinite=torch.tensor(top))
+    p1, s1, rec = opt.update(params, _grads(rng, NAN), full)
+    assert _counters(s1) == (top, False, top) and bool(rec.applied)  # (top > max_consecutive_errors: applied)
+    back_p, back_s = opt.undo(p1, s1, rec)
+    assert _counters(back_s) == (top, True, top)
+    batched = vmap(lambda g: opt.update(params, g, full)[1][:3])(_grads(rng, NAN, batch=(2,)))
+    assert [c.tolist() for c in batched] == [[top, 0], [False, True], [top, top]]  # (member 0's gradient: a nan)
+    with pytest.raises(SofxError, match=r"state\.total_notfinite = 1180591620717411303424 is beyond int64's"):
+        opt.update(params, _grads(rng), full._replace(total_notfinite=2 ** 70))
+
+
 def test_undo_refuses_a_record_of_another_kind(rng):
     inner = sofx.adam()
     opt = sofx.apply_if_finite(inner, 1)
