@@ -291,6 +291,9 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
         specs = _children_specs(sub_spec, sub, entries)
         if specs is None:
             return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}{as_full}"
+        metadata = _custom_metadata_difference(sub_spec, sub)
+        if metadata is not None:
+            return f"{path} is a {type(sub).__name__} of metadata {metadata[0]}, expected {metadata[1]}{as_full}"
         for child_spec, child, entry in zip(specs, children, entries):
             step = _entry_str(entry, sub)
             found = walk(child_spec, child, path + step, full + step)
@@ -299,6 +302,22 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
         return None
 
     return walk(spec, tree, root, spec_root) or "structures differ"
+
+
+def _custom_metadata_difference(spec: TreeSpec, node: Any) -> tuple[str, str] | None:
+    """Where ``node`` is a custom (optree-registered) node of ``spec``'s type and entries whose metadata differs from
+    ``spec``'s (which optree compares: another tag, say), the texts of both (``node``'s first); else ``None``."""
+    if spec.kind != optree.PyTreeKind.CUSTOM:
+        return None
+    try:
+        like = optree.tree_unflatten(spec.one_level(), [None] * spec.num_children)
+        want = optree.tree_flatten_one_level(like, none_is_leaf=True)[1]
+        got = optree.tree_flatten_one_level(node, none_is_leaf=True)[1]
+        if got == want:
+            return None
+        return f"{got!r:.80}", f"{want!r:.80}"
+    except Exception:  # (an unflatten that does not take placeholders, metadata that does not compare)
+        return None
 
 
 def unwalked_hint(x: Any) -> str:
@@ -342,6 +361,9 @@ def structure_difference(spec: TreeSpec, tree: PyTree, root: str = "params", oth
                 return (f"{path} is {article(name)} of keys {_keys_text(entries)} where {other} has them in the "
                         f"order {_keys_text(want)}")
             return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}"
+        metadata = _custom_metadata_difference(sub_spec, sub)
+        if metadata is not None:
+            return f"{path} is {article(name)} of metadata {metadata[0]}, {other} has {metadata[1]}"
         for child_spec, child, entry in zip(sub_spec.children(), children, entries):
             found = walk(child_spec, child, path + _entry_str(entry, sub))
             if found:

@@ -1,6 +1,8 @@
 import collections
 import sys
 
+import optree
+import optree.registry
 import pytest
 import torch
 
@@ -90,6 +92,37 @@ def test_flatten_up_to_names_the_first_difference():
         tree.flatten_up_to(spec, {"layers": [{"b": 1, "w": 2}]}, "grads")
     with pytest.raises(StructureError, match=r"\(grads\['layers'\] is a dict, expected a list"):
         tree.flatten_up_to(spec, {"layers": {"b": 1}}, "grads")
+
+
+class _Tagged:
+    """A custom pytree node (registered with optree below) whose metadata is its tag."""
+
+    def __init__(self, x, y, tag):
+        self.x, self.y, self.tag = x, y, tag
+
+
+optree.register_pytree_node(_Tagged, lambda n: ((n.x, n.y), n.tag, ("x", "y")), lambda tag, c: _Tagged(*c, tag),
+                            namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"))
+
+
+def test_a_custom_node_of_other_metadata_is_named_where_it_departs():
+    """A custom node (optree-registered) of the params' type and children whose metadata differs (another tag) was
+    refused as "(structures differ)", naming no place, where every other difference is named. Its path and both
+    metadata are named, in grads, in an hparams prefix and in an undo's params."""
+    params = {"n": _Tagged(torch.zeros(2), torch.zeros(3), "a")}
+    spec = tree.flatten(params)[1]
+    other = {"n": _Tagged(torch.zeros(2), torch.zeros(3), "b")}
+    with pytest.raises(StructureError, match=r"\(grads\['n'\] is a _Tagged of metadata 'b', expected 'a'\)"):
+        tree.flatten_up_to(spec, other, "grads")
+    hp = sofx.AdamHParams()
+    with pytest.raises(StructureError, match=r": hparams\['n'\] is a _Tagged of metadata 'b', expected 'a' \(as "
+                                             r"params\['n'\]\)"):
+        tree.broadcast_prefix({"n": _Tagged(hp, None, "b")}, spec, is_leaf=lambda x: isinstance(x, sofx.AdamHParams))
+    opt = sofx.adamw()
+    new_params, new_state, record = opt.update(params, tree.tree_map(torch.ones_like, params), opt.init(params))
+    moved = {"n": _Tagged(new_params["n"].x, new_params["n"].y, "b")}
+    with pytest.raises(sofx.UndoError, match=r"params\['n'\] is a _Tagged of metadata 'b', the record's has 'a'"):
+        opt.undo(moved, new_state, record)
 
 
 def test_a_prefix_that_departs_is_named_where_it_departs():
