@@ -152,7 +152,7 @@ class ApplyIfFinite:
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
-        _check_counters_left(record, _finite_counters(state, params), self.max_consecutive_errors)
+        _check_counters_left(record, _finite_counters(state, params))
         if not is_traced(record.applied):  # a skipped step's inner record is of no leaf: its undo changes nothing
             new_params, inner_state = self.inner.undo(params, state.inner_state, record.inner, donate=donate,
                                                       param_copies=param_copies)
@@ -281,10 +281,11 @@ def _incremented(count: Any) -> torch.Tensor:
     return torch.where(count == torch.iinfo(count.dtype).max, count, count + 1)
 
 
-def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, Any], limit: int) -> None:
+def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, Any]) -> None:
     """Raise :class:`UndoError` where ``counters`` (the state's ``notfinite_count, last_finite, total_notfinite``)
-    are not those the step of ``record`` left from its counters before, by the rule of :func:`apply_if_finite`
-    (``limit``: ``max_consecutive_errors``): the record does not belong to this state. A skipped step's inner
+    are not those the step of ``record`` left from its counters before, by the rule of :func:`apply_if_finite` (a
+    skipped step's gradients were not finite; whether a non-finite one was applied depends on the
+    ``max_consecutive_errors`` of the optimizer that stepped, not asked): the record does not belong to this state. A skipped step's inner
     record has no leaf whose step count the inner undo could compare, and an applied one's counts may agree with
     a later state's (a skipped step after it): undone, the counters went back to another step's, without a word.
     Not where a value cannot be read (``vmap``, ``compile``)."""
@@ -292,8 +293,11 @@ def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, 
     if any(isinstance(x, torch.Tensor) and (is_traced(x) or x.numel() != 1) for x in values):
         return
     count, last, total, applied, count0, _, total0 = (x.item() if isinstance(x, torch.Tensor) else x for x in values)
+    if not all(isinstance(x, int) for x in (count0, total0)):  # (a record made by hand: no counts of a step)
+        raise UndoError(f"apply_if_finite: the record's counters (notfinite_count={count0!r:.40}, total_notfinite="
+                        f"{total0!r:.40}) are not the counts of a step (integers, as update records them)")
     want = (0, total0) if last else (min(count0 + 1, _COUNT_MAX), min(total0 + 1, _COUNT_MAX))
-    if (count, total) == want and (bool(applied) == (last or count > limit)):
+    if (count, total) == want and (bool(applied) or not last):
         return
     raise UndoError(f"apply_if_finite: the state's counters (notfinite_count={count}, last_finite={bool(last)}, "
                     f"total_notfinite={total}) are not those the record's step left (from notfinite_count={count0}, "

@@ -180,6 +180,8 @@ def test_undo_refuses_a_record_of_a_step_the_state_did_not_come_from(rng):
     for p, s, rec in ((p2, s2, skipped), (p3, s3, skipped), (p3, s3, applied)):
         with pytest.raises(UndoError, match="counters"):
             opt.undo(p, s, rec)
+    with pytest.raises(UndoError, match=r"the record's counters \(notfinite_count=None"):  # (a record made by hand)
+        opt.undo(p2, s2, applied._replace(notfinite_count=None))
     back_p, back_s = opt.undo(p1, s1, skipped)  # (unused by the refusals)
     assert _bitwise(back_p, params) and _counters(back_s) == (0, True, 0)
 
