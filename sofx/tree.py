@@ -17,8 +17,10 @@ grads tree). This module is the only place that knows how trees are walked:
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import itertools
+import operator
 from typing import Any, Callable, Mapping, Sequence
 
 import optree
@@ -508,6 +510,9 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     default the first leaf's). A leaf that this dtype cannot hold without changing its kind (floating point into
     an integer or bool one, complex into a real one) is refused before anything is written, as ``torch.cat(out=)``
     refuses it; a cast within a kind is done."""
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):  # (a bare AttributeError from numel)
+            raise TypeError(f"pack: leaves[{i}] is a {type(t).__name__}, expected a tensor")
     n = numel_of(leaves)
     if out is not None and (out.numel() != n or out.dim() != 1):
         raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")
@@ -531,13 +536,22 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
-    """Views of ``flat`` (1-d) with the given shapes, laid out one after another; shapes that do not cover its
-    elements exactly (or of a negative size) are refused, a ``ValueError`` naming the sizes, before any view."""
+    """Views of ``flat`` (1-d) with the given shapes (a sequence of sizes each, or an int: the 1-d shape of that
+    size, as ``view(3)`` takes it), laid out one after another; shapes that do not cover its elements exactly (or
+    of a negative size) are refused, a ``ValueError`` naming the sizes, before any view (a ``flat`` that is no
+    tensor, or a shape that is no shape, a ``TypeError``)."""
+    if not isinstance(flat, torch.Tensor):
+        raise TypeError(f"unpack: flat is a {type(flat).__name__}, expected a 1-d tensor")
     if flat.dim() != 1:  # (a row slice of a 2-d buffer was viewed as the leaf: torch's bare view error)
         raise ValueError(f"unpack: expected a 1-d flat buffer, got shape {tuple(flat.shape)}")
     sizes = []
     for i, shape in enumerate(shapes):
-        shape = tuple(int(d) for d in shape)
+        try:
+            shape = (operator.index(shape),) if not isinstance(shape, collections.abc.Iterable) else \
+                tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise TypeError(f"unpack: shapes[{i}] = {shape!r:.60} is not a shape (a sequence of int sizes, or an "
+                            "int)") from None
         if any(d < 0 for d in shape):
             raise ValueError(f"unpack: shapes[{i}] = {shape} has a negative size")
         k = 1

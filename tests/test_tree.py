@@ -226,6 +226,21 @@ def test_pack_refuses_a_dtype_that_would_truncate_a_leaf_without_out(leaves, dty
     assert tree.pack([torch.full((2,), 0.5)], dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
+    """A leaf of ``pack`` or the buffer of ``unpack`` that is not a tensor (a list, a number) raised a bare
+    AttributeError ("'list' object has no attribute 'numel'", "'int' object has no attribute 'dim'"), and
+    ``unpack`` of a shape given as an int (``[3]``, as ``view(3)`` takes it) Python's "'int' object is not
+    iterable". Each is a TypeError naming the argument; an int shape is the 1-d shape of that size."""
+    with pytest.raises(TypeError, match=r"pack: leaves\[1\] is a list, expected a tensor"):
+        tree.pack([torch.ones(2), [1.0]])
+    with pytest.raises(TypeError, match=r"unpack: flat is a int, expected a 1-d tensor"):
+        tree.unpack(5, [(1,)])
+    with pytest.raises(TypeError, match=r"unpack: shapes\[1\] = 'ab' is not a shape"):
+        tree.unpack(torch.zeros(3), [(1,), "ab"])
+    views = tree.unpack(torch.arange(5.0), [3, (2,)])
+    assert [tuple(v.shape) for v in views] == [(3,), (2,)] and torch.equal(views[0], torch.arange(3.0))
+
+
 @pytest.mark.parametrize("flat, shapes, pattern", [
     (torch.zeros(5), [(2,), (4,)], r"shapes cover 6 elements, flat buffer has 5"),
     (torch.zeros(5), [(-1,), (6,)], r"shapes\[0\] = \(-1,\) has a negative size"),
