@@ -285,9 +285,10 @@ def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, 
     """Raise :class:`UndoError` where ``counters`` (the state's ``notfinite_count, last_finite, total_notfinite``)
     are not those the step of ``record`` left from its counters before, by the rule of :func:`apply_if_finite` (a
     skipped step's gradients were not finite; whether a non-finite one was applied depends on the
-    ``max_consecutive_errors`` of the optimizer that stepped, not asked): the record does not belong to this state. A skipped step's inner
-    record has no leaf whose step count the inner undo could compare, and an applied one's counts may agree with
-    a later state's (a skipped step after it): undone, the counters went back to another step's, without a word.
+    ``max_consecutive_errors`` of the optimizer that stepped, not asked): the record does not belong to this state.
+    A skipped step's inner record has no leaf whose step count the inner undo could compare, and an applied one's
+    counts may agree with a later state's (a skipped step after it): undone, the counters went back to another
+    step's, without a word.
     Not where a value cannot be read (``vmap``, ``compile``)."""
     values = (*counters, *record[1:])
     if any(isinstance(x, torch.Tensor) and (is_traced(x) or x.numel() != 1) for x in values):
