@@ -1064,3 +1064,13 @@ def test_update_undo_and_undo_redo_take_numpy_bools_and_a_0d_bool_tensor_for_gra
         opt.update(p1, grads, s1, donate=torch.tensor(True))  # (an option, not a fact of the step)
     _assert_unchanged(before, p1, s1)
     assert not rec.used
+
+
+def test_algebraic_refusal_of_something_else_than_hparams_is_named():
+    """``Adam.algebraic_refusal`` (public: the offload facade asks it of its param groups) of a str raised a bare
+    AttributeError, and of an AdamHParams with fields left None (the defaults, as update reads them) a TypeError."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=1e2, undo="algebraic")
+    with pytest.raises(sofx.HParamError, match=r"^algebraic_refusal: expected an AdamHParams, got str"):
+        opt.algebraic_refusal("x")
+    assert "lr * weight_decay == 1" in opt.algebraic_refusal(sofx.AdamHParams())
+    assert opt.algebraic_refusal(sofx.AdamHParams(weight_decay=0.0)) is None
