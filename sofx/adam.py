@@ -1123,11 +1123,11 @@ class Adam:
 
     def algebraic_refusal(self, hparams: AdamHParams, param_dtype: torch.dtype = torch.float32) -> str | None:
         """Why ``undo='algebraic'`` would refuse a step of a ``param_dtype`` leaf with these hparams (a ``None``
-        field: the optimizer's default) (a beta of 0, ``lr * weight_decay == 1`` with decoupled decay, rounded masters or states), or ``None``:
-        what :meth:`update` raises, for callers that know the hparams before the tensors (the offload facade
-        checks its param groups with it before backward steps any block). Values that cannot be read (tensors
-        of a ``torch.func`` transform or that autograd records) are not: only the dtypes are checked, as
-        :meth:`update` checks them."""
+        field: the optimizer's default): a beta of 0, ``lr * weight_decay == 1`` with decoupled decay, rounded
+        masters or states; or ``None``. What :meth:`update` raises, for callers that know the hparams before the
+        tensors (the offload facade checks its param groups with it before backward steps any block). Values that
+        cannot be read (tensors of a ``torch.func`` transform or that autograd records) are not: only the dtypes
+        are checked, as :meth:`update` checks them."""
         if not isinstance(hparams, AdamHParams):  # (a bare AttributeError)
             raise HParamError(f"algebraic_refusal: expected an AdamHParams, got {_described(hparams)}")
         if self.undo_mode != "algebraic":
