@@ -103,8 +103,17 @@ def test_killing_the_worker_mid_step_is_a_clear_error_and_the_state_survives() -
     for saved, now in zip(good["state"]["blocks"], state["blocks"]):
         assert torch.isfinite(now["master"]).all()
         assert now["counts"].min() >= saved["counts"].min()
+    # opt.state[p] is refused naming the failure (it said "read it after step() or zero_grad()", both refused)
+    p = next(model.parameters())
+    for read in (lambda: opt.state[p]["exp_avg"], lambda: copy.deepcopy(opt.state[p])):
+        with pytest.raises(ExecutorError, match=r"failed in the middle of a step.*killed by signal SIGKILL"
+                                                r"(?s:.*)state_dict\(\)"):
+            read()
     opt.close()
     assert _shm_files(opt) == []
+    with pytest.raises(ExecutorError, match=r"failed in the middle of a step.*killed by signal SIGKILL"):
+        opt.state[p]["exp_avg"]
+    assert opt.state_dict()["state"]["complete"] is False
 
 
 def test_too_small_shared_memory_budget_warns_and_falls_back_to_thread() -> None:

@@ -1704,12 +1704,19 @@ class OffloadEngine:
         """torch.optim-style state of parameter ``index``: ``step`` (0-d int64), ``exp_avg``, ``exp_avg_sq``,
         ``master``: live views of the block's tensors (an in-place change, e.g. ``zero_()``, is the state's).
         Refused between backward and ``step()``: blocks may hold speculative steps then (torch.optim would show
-        the state before the step), and a change would be mixed into them; and while another thread is in a call
-        that holds the engine (see :meth:`_exclusive`). Readable after :meth:`close` (the state it keeps; not where
-        the interpreter's exit closed it with the process executor, which drops the state then)."""
+        the state before the step), and a change would be mixed into them (after an executor failure in the
+        middle of a step, when no ``step()`` nor ``zero_grad()`` can come, naming the failure); and while another
+        thread is in a call that holds the engine (see :meth:`_exclusive`). Readable after :meth:`close` (the
+        state it keeps; not where the interpreter's exit closed it with the process executor, which drops the
+        state then)."""
         with self._exclusive("opt.state[p]", closed_ok=True):
             if self._kept_state == _STATE_DROPPED:  # (its blocks are gone: a KeyError)
                 self._check_kept_state("opt.state[p]")
+            if self.in_step and self._failed is not None:  # (no step() nor zero_grad() can come: name the failure)
+                raise ExecutorError(f"opt.state[p] cannot be read: the offload engine failed in the middle of a step "
+                                    f"({self._failed}), so its blocks may be partly stepped; state_dict() returns "
+                                    "what is in memory, marked \"complete\": False; load a checkpoint saved between "
+                                    "steps to continue training") from self._failed
             if self.in_step and self._closed:  # (no step() or zero_grad() can come: say what the state holds)
                 raise SofxError("opt.state[p] was read from an optimizer closed between backward and step(): its "
                                 "blocks may hold speculative steps that were never validated, so the state it kept "
