@@ -92,11 +92,17 @@ def test_killing_the_worker_mid_step_is_a_clear_error_and_the_state_survives() -
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait(timeout=60)  # (a loaded machine slows tearing a process down many times)
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match=r"worker process \(pid \d+\) died \(killed by signal SIGKILL\)"):
+    died = r"worker process \(pid \d+\) died \(killed by signal SIGKILL\)"
+    with pytest.raises(WorkerDiedError, match=died) as raised:
         opt.step()
     assert time.monotonic() - start < 30.0
     with pytest.raises(ExecutorError, match="failed earlier"):
         opt.step()
+    # the way on is said (the error said "reload a checkpoint", and this one's load_state_dict said it again)
+    assert "load a checkpoint saved between steps into a new optimizer" in str(raised.value)
+    with pytest.raises(ExecutorError, match=r"failed earlier and cannot continue \(close\(\) this optimizer; to go on "
+                                            r"training, create a new one"):
+        opt.load_state_dict(good)
     # the state in shared memory is intact and readable; it is marked as taken mid-step
     state = opt.state_dict()["state"]
     assert state["complete"] is False

@@ -1184,7 +1184,9 @@ class OffloadEngine:
                             "now: this optimizer cannot step any more; use the new one, and close() this one (an "
                             "optimizer created again over the same parameters replaces the old)")
         if self._failed is not None:
-            raise ExecutorError(f"the offload engine failed earlier and cannot continue: {self._failed}") \
+            raise ExecutorError(f"the offload engine failed earlier and cannot continue (close() this optimizer; to "
+                                "go on training, create a new one and load a checkpoint saved between steps into "
+                                f"it): {self._failed}") \
                 from self._failed
 
     def step(self) -> EngineStepReport:
@@ -1712,7 +1714,7 @@ class OffloadEngine:
         with self._exclusive("opt.state[p]", closed_ok=True):
             if self._kept_state == _STATE_DROPPED:  # (its blocks are gone: a KeyError)
                 self._check_kept_state("opt.state[p]")
-            if self.in_step and self._failed is not None:  # (no step() nor zero_grad() can come: name the failure)
+            if self.in_step and self._failed is not None:  # (no step() nor zero_grad() can come: name it)
                 raise ExecutorError(f"opt.state[p] cannot be read: the offload engine failed in the middle of a step "
                                     f"({self._failed}), so its blocks may be partly stepped; state_dict() returns "
                                     "what is in memory, marked \"complete\": False; load a checkpoint saved between "

@@ -327,7 +327,8 @@ class ProcessExecutor(Executor):
                     f"the offload worker process (pid {self.pid}) died ({how}) with "
                     f"{self._outstanding()} block operation(s) unfinished. The optimizer state in shared memory is "
                     "intact and readable (state_dict() still works), but blocks of the current step may be partly "
-                    f"stepped: reload a checkpoint to continue training{self._last_output(code)}")
+                    "stepped: load a checkpoint saved between steps into a new optimizer to continue training "
+                    f"(this one cannot step any more: close() it){self._last_output(code)}")
             if time.monotonic() > deadline:
                 self._unanswered = True  # close() does not wait for it again
                 raise ExecutorTimeout(f"process executor: {self._outstanding()} block operations did not finish "
