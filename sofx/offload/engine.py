@@ -115,7 +115,7 @@ from sofx.offload.executor import (
 )
 from sofx.offload.grad_hooks import GradHooks
 from sofx.offload.inline_executor import InlineExecutor
-from sofx.offload.interrupts import NO_GATE, acquire_gate, release_gate
+from sofx.offload.interrupts import NO_GATE, acquire_gate, release_gate, section_breaks
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR, SharedMemoryArena, shm_budget
 from sofx.offload.step_events import EngineStepReport
 from sofx.offload.thread_executor import ThreadExecutor
@@ -727,6 +727,7 @@ class OffloadEngine:
         (:meth:`close` waits for a hook that runs); a :meth:`close` called inside it on this thread (a signal
         handler) is carried out as it ends."""
         with self._hook_lock, self._interrupts:
+            gate, since = self._interrupts, section_breaks(self._interrupts)
             if self._closed or self._forked_message() is not None:  # (a forked child: the gradient stays in .grad)
                 return
             self._hook_owner = threading.get_ident()
@@ -734,6 +735,7 @@ class OffloadEngine:
                 take(index, tensor)
             finally:
                 self._hook_owner = None
+                self._note_break(gate, since, "a gradient hook (during backward)")
                 if self._close_pending:
                     self._close_if_free()
 
@@ -1677,6 +1679,7 @@ class OffloadEngine:
         from before the lock is taken: raised between taking it and the ``try`` that releases it, it kept the lock
         for good (every later call refused)."""
         with self._interrupts:
+            gate, since = self._interrupts, section_breaks(self._interrupts)
             if not self._call_lock.acquire(blocking=False):
                 self._refuse_while_closing(what)
                 raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), wait() or a "
@@ -1690,12 +1693,24 @@ class OffloadEngine:
                 yield
             finally:
                 self._call_owner = self._call_what = None
+                self._note_break(gate, since, what)
                 try:
                     if self._close_pending:  # close() was called on this thread meanwhile (a signal handler)
                         with self._hook_lock:
                             self._close(keep_state=True)
                 finally:
                     self._call_lock.release()
+
+    def _note_break(self, gate: Any, since: int | None, what: str) -> None:
+        """Stop the engine for good where ``what`` (a call or a gradient hook, which entered ``gate``'s section when
+        it had passed ``since`` signals on: :func:`~sofx.offload.interrupts.section_breaks`) was broken into by a
+        second Ctrl-C: its bookkeeping may be half done (a result taken and not counted, a block stepped and still
+        marked speculative), and a later ``zero_grad()`` or ``step()`` would go on from it without a word."""
+        if since is None or section_breaks(gate) == since or self._failed is not None:
+            return
+        self._failed = SofxError(f"{what} was interrupted by a second Ctrl-C (the first is held back until the "
+                                 "optimizer's state is whole again, a second goes through at once), which left its "
+                                 "state changed in part: neither step() nor zero_grad() can tell what it left")
 
     def _refuse_while_closing(self, what: str) -> None:
         if self._closing:

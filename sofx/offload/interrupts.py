@@ -16,7 +16,9 @@ the gate in place, which only passes signals on), unless something else replaced
 handler that was there before, at once outside a section, when the outermost section ends
 inside one. A second SIGINT within one section goes through at once: a section that waits for a
 worker that does not answer (up to the engine's ``timeout``) can still be interrupted by pressing
-Ctrl-C twice, at the price of leaving that step's state undefined (close the optimizer then).
+Ctrl-C twice, at the price of leaving that step's state undefined: the gate counts it
+(:func:`section_breaks`), and the engine whose call or gradient hook it broke into refuses every later
+call, saying so (close the optimizer then).
 While the gate is installed ``asyncio.run`` keeps SIGINT's handler as it finds it (the gate, which
 raises ``KeyboardInterrupt`` in the main thread as Python's default handler does) instead of
 installing its own, which cancels the main task.
@@ -35,7 +37,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable
 
-__all__ = ["InterruptGate", "NO_GATE", "acquire_gate", "release_gate"]
+__all__ = ["InterruptGate", "NO_GATE", "acquire_gate", "release_gate", "section_breaks"]
 
 
 class InterruptGate:
@@ -48,13 +50,24 @@ class InterruptGate:
         self._caught: tuple[int, FrameType | None] | None = None
         self._users = 0  # engines that acquired the gate and have not released it (under _lock)
         self._lock = threading.Lock()  # a release may run on another thread (an engine collected there)
+        #: Signals passed on inside a section (a second Ctrl-C) whose handler raised there (``KeyboardInterrupt``):
+        #: each may have left a section's state half changed (see :func:`section_breaks`). A handler that returns
+        #: (a script's "stop after this step" flag) breaks nothing.
+        self.breaks = 0
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if self._depth and self._caught is None:
             self._caught = (signum, frame)
         else:  # outside a section, or a second Ctrl-C within one: at once
             self._caught = None
-            self._previous(signum, frame)
+            if not self._depth:
+                self._previous(signum, frame)
+                return
+            try:
+                self._previous(signum, frame)
+            except BaseException:
+                self.breaks += 1
+                raise
 
     def __enter__(self) -> InterruptGate:
         if threading.get_ident() == self._main:
@@ -81,6 +94,16 @@ class _NoGate:
 
 
 NO_GATE = _NoGate()
+
+
+def section_breaks(gate: InterruptGate | _NoGate) -> int | None:
+    """How many signals ``gate`` has passed on inside a section so far whose handler raised there (a second Ctrl-C's
+    ``KeyboardInterrupt``, which may leave the section's state half changed), as the calling thread sees it: None
+    outside the main thread or without a gate (nothing is held there, so nothing is broken into). A call compares it
+    at its start and end to know whether it was broken into."""
+    if not isinstance(gate, InterruptGate) or threading.get_ident() != gate._main:
+        return None
+    return gate.breaks
 
 
 def acquire_gate() -> InterruptGate | _NoGate:
