@@ -1170,6 +1170,21 @@ def test_an_optimizer_used_in_a_forked_child_is_refused_and_leaves_the_parents_s
             ropt.step()
             ropt.zero_grad()
             assert relative_deviation(model, ref) <= TOL
+        # A child forked between steps that reads the state (a fork-based asynchronous checkpoint): the thread
+        # executor's is the child's copy, as it was at the fork; the process executor's is the shared memory that
+        # the parent goes on stepping (it read the parent's later steps, or one half-written): refused, saying so.
+        at_fork = opt.state_dict()["state"]["blocks"][0]["master"].clone()
+
+        def read_in_child() -> str:
+            master = opt.state_dict()["state"]["blocks"][0]["master"]
+            return f"read, as at the fork: {torch.equal(master, at_fork)}"
+
+        said = _in_a_forked_child(read_in_child)
+        if executor == "thread":
+            assert said == "read, as at the fork: True", said
+        else:
+            assert said.startswith("SofxError: state_dict() in process") and "shared memory" in said, said
+            assert f"take the state dict in process {os.getpid()} before forking" in said, said
     finally:
         opt.close()
 

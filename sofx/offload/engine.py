@@ -1630,6 +1630,7 @@ class OffloadEngine:
         ``step()``.
         """
         with self._exclusive("state_dict()", closed_ok=True):
+            self._refuse_shared_read_in_fork("state_dict()")
             if self._closed:
                 self._check_kept_state("state_dict()")
             complete = self._failed is None and self._kept_state is None
@@ -1641,6 +1642,19 @@ class OffloadEngine:
                     self._wait_all()
                 self._adopt_model_edits()  # the saved masters are what the model holds
             return engine_state_dict(self, complete)
+
+    def _refuse_shared_read_in_fork(self, what: str) -> None:
+        """Refuse ``what`` (a read of the state) in a child forked from the process that made this engine while its
+        blocks were in shared memory (the process executor's, until :meth:`close` copies them out): the parent goes
+        on stepping them, so the child read neither the state at the fork (as a forked child reads the in-process
+        executors' copy-on-write state: a fork-based asynchronous checkpoint) nor one whole."""
+        if self._pid == os.getpid() or self._closed or not isinstance(self._cpu_arena, SharedMemoryArena):
+            return
+        raise SofxError(f"{what} in process {os.getpid()}, forked from process {self._pid}, which made this "
+                        "optimizer: its process executor keeps the state in shared memory that process goes on "
+                        "stepping, so what this one read would be neither the state at the fork nor whole; take the "
+                        f"state dict in process {self._pid} before forking (a copy: copy.deepcopy of it), or use the "
+                        "thread executor, whose state a forked child reads as it was at the fork")
 
     def _check_kept_state(self, what: str) -> None:
         """Refuse ``what`` (a read of the state a closed engine kept) where the close dropped it (interpreter exit,
@@ -1727,6 +1741,7 @@ class OffloadEngine:
         state it keeps; not where the interpreter's exit closed it with the process executor, which drops the
         state then)."""
         with self._exclusive("opt.state[p]", closed_ok=True):
+            self._refuse_shared_read_in_fork("opt.state[p]")
             if self._kept_state == _STATE_DROPPED:  # (its blocks are gone: a KeyError)
                 self._check_kept_state("opt.state[p]")
             if self.in_step and self._failed is not None:  # (no step() nor zero_grad() can come: name it)
