@@ -950,22 +950,36 @@ def test_an_interrupt_while_waiting_loses_no_result() -> None:
         assert [r.kind for r in ex.wait(30)] == ["commit_all"] * 20
 
 
-def test_close_is_bounded_by_its_timeout_and_kills_a_worker_that_does_not_answer() -> None:
+def test_close_is_bounded_by_its_timeout_and_kills_a_worker_that_does_not_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A stopped worker (SIGSTOP: alive, never answering): close() kills it once its timeout has passed, and at
-    once after a wait() that timed out (it waited another 10 s there); a bad timeout is refused first.
+    once after a wait() that timed out (it waited another 10 s there); a bad timeout is refused first. An optimizer
+    collected without close() (or still open at interpreter exit: the same close, which drops the shared state)
+    gives it EXIT_WAIT_S: that close waited the optimizer's timeout, where nothing reads the blocks again.
 
     The close timeout not given here is the optimizer's 60 s, so a close() that waited it (again, or in place of
     the 0.5 s given) is told apart from one that did not by a bound a loaded machine keeps (it had 1.5 s for the
     kill, the reaping and the threads' ends)."""
     from sofx.errors import UnsupportedError
+    from sofx.offload import engine
     from sofx.offload.executor import ExecutorTimeout
 
-    for waited_first in (True, False):
+    monkeypatch.setattr(engine, "EXIT_WAIT_S", 0.5)
+    for how in ("waited_first", "timeout_given", "collected"):
+        waited_first = how == "waited_first"
         opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="process", block_numel=100,
                                             timeout=60.0)
         ex = opt.engine.executor
         os.kill(ex.pid, signal.SIGSTOP)
         ex.submit(BlockOp(0, "commit_all"))
+        if how == "collected":
+            start = time.monotonic()
+            del opt
+            gc.collect()
+            took = time.monotonic() - start
+            assert 0.5 <= took < 30.0, took
+            assert ex.process.poll() == -signal.SIGKILL
+            continue
         if waited_first:
             with pytest.raises(ExecutorTimeout, match="alive but not answering"):
                 ex.wait(0.2)

@@ -1966,7 +1966,9 @@ class OffloadEngine:
         run: a call or gradient hook running in one is waited for as :meth:`close` waits for it (it completes whole;
         such calls made meanwhile are refused), but at most ``min(timeout, EXIT_WAIT_S)`` seconds in all: past that
         the engine is closed under it all the same (the process must exit and the executor's worker stop), with a
-        ``RuntimeWarning`` naming the call, which then fails in its thread if that thread still gets to run."""
+        ``RuntimeWarning`` naming the call, which then fails in its thread if that thread still gets to run. A
+        worker process is then given as long again to finish what was queued, and killed after that (the state is
+        dropped)."""
         if self._closed:
             return
         waited = min(self.timeout, EXIT_WAIT_S)
@@ -2012,12 +2014,17 @@ class OffloadEngine:
         if self._route is not None:
             self._route.unbind(self)
         self._stale_grads = None
-        if not keep_state and isinstance(self._cpu_arena, SharedMemoryArena):  # (see _unmap_shared_blocks)
+        dropped = not keep_state and isinstance(self._cpu_arena, SharedMemoryArena)
+        if dropped:  # (see _unmap_shared_blocks)
             self._kept_state = _STATE_DROPPED
         elif self.in_step and self._failed is None:  # (a failed engine's state is read as before the close)
             self._kept_state = _STATE_MID_STEP
         try:
-            self.executor.close()
+            if dropped:  # (nothing reads the blocks again: a worker that does not answer is not waited for long,
+                # where the exit, or a garbage collection, waited the optimizer's timeout for it)
+                self.executor.close(timeout=min(self.timeout, EXIT_WAIT_S))
+            else:
+                self.executor.close()
             self._record_at_close()
         finally:
             # Parameters using shared-memory publish buffers move to private memory; the files are closed.
