@@ -7,6 +7,7 @@ holds an inf or a nan, counting those steps (:class:`ApplyIfFiniteState`); the r
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -16,7 +17,7 @@ from sofx.adam import Adam, validate_grads_finite
 from sofx.errors import LeafError, SofxError, UndoError, UnsupportedError
 from sofx.kernels.base import is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.kernels.user_numbers import flag, integer
+from sofx.kernels.user_numbers import flag, integer, is_bool
 from sofx.transforms import GradientTransformation, _check_state
 from sofx.undo_record import UndoRecord
 
@@ -294,9 +295,11 @@ def _check_counters_left(record: ApplyIfFiniteRecord, counters: tuple[Any, Any, 
     if any(isinstance(x, torch.Tensor) and (is_traced(x) or x.numel() != 1) for x in values):
         return
     count, last, total, applied, count0, _, total0 = (x.item() if isinstance(x, torch.Tensor) else x for x in values)
-    if not all(isinstance(x, int) for x in (count0, total0)):  # (a record made by hand: no counts of a step)
+    # (Python or numpy integers, as update takes the counters and records them; a record made by hand: no counts)
+    if not all(isinstance(x, numbers.Integral) and not is_bool(x) for x in (count0, total0)):
         raise UndoError(f"apply_if_finite: the record's counters (notfinite_count={count0!r:.40}, total_notfinite="
                         f"{total0!r:.40}) are not the counts of a step (integers, as update records them)")
+    count0, total0 = int(count0), int(total0)
     want = (0, total0) if last else (min(count0 + 1, _COUNT_MAX), min(total0 + 1, _COUNT_MAX))
     if (count, total) == want and (bool(applied) or not last):
         return

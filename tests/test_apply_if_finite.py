@@ -186,6 +186,17 @@ def test_undo_refuses_a_record_of_a_step_the_state_did_not_come_from(rng):
     assert _bitwise(back_p, params) and _counters(back_s) == (0, True, 0)
 
 
+def test_undo_takes_the_record_of_numpy_integer_counters(rng):
+    """Counters given as numpy integers (which update takes, as every count) are recorded as given: the undo's
+    record check took only Python ints as the counts of a step, refusing the record of a step it just took."""
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    params = _params(rng)
+    state = opt.init(params)._replace(notfinite_count=np.int64(1), total_notfinite=np.int32(4))
+    p1, s1, rec = opt.update(params, _grads(rng, NAN), state)
+    back_p, back_s = opt.undo(p1, s1, rec)
+    assert _bitwise(back_p, params) and back_s[:3] == (1, state.last_finite, 4)
+
+
 @pytest.mark.parametrize("call", ["update", "undo"])
 def test_meta_counters_beside_params_with_data_are_refused_naming_the_counter(rng, call):
     """Counters that are meta tensors (a state made by init under ``with torch.device("meta")``) beside params with
