@@ -909,6 +909,18 @@ def test_hparams_float32_cannot_hold_are_refused_on_export_where_a_leaf_is_stepp
                 call()
 
 
+
+def test_an_export_without_params_takes_hparams_of_float64_params_whose_state_dtype_is_float32():
+    """Without ``params=`` the moments stood for the params' dtype, which ``state_dtype`` sets apart from them: an
+    eps of 1e-50 that update steps float64 params with (float32 moments, float64 arithmetic) was refused as 'stepped
+    in float32'. The moments tell nothing there; the import checks the params."""
+    opt = sofx.adamw(state_dtype=torch.float32)
+    params = tree.tree_map(lambda p: p.double(), _params())
+    hp = {"enc": sofx.AdamHParams(), "dec": sofx.AdamHParams(eps=1e-50)}
+    state = opt.update(params, tree.tree_map(torch.ones_like, params), opt.init(params), hp)[1]
+    sd = ck.to_torch_optim(opt, state, hp)
+    assert ck.from_torch_optim(opt, sd, params, hp)[1]["dec"].eps == 1e-50
+
 def _one_cycle(torch_opt):
     return torch.optim.lr_scheduler.OneCycleLR(torch_opt, max_lr=0.05, total_steps=8, cycle_momentum=True,
                                                base_momentum=0.8, max_momentum=0.9)

@@ -125,7 +125,10 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     if params is not None:
         _check_shapes(p_leaves, mus, nus, paths)
     resolved = resolve_groups(opt, spec, hparams, groups, exported=True)
-    check_float32_groups(resolved, mus if params is None else p_leaves, paths)
+    # (the moments stand for the params' dtype only where the optimizer has no state_dtype: float64 params with
+    # float32 moments are stepped in float64; from_torch_optim checks its params)
+    if params is not None or opt.state_dtype is None:
+        check_float32_groups(resolved, mus if params is None else p_leaves, paths)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
     torch_state: dict[int, dict] = {}
     param_groups = []
