@@ -153,7 +153,9 @@ class ApplyIfFinite:
         if not isinstance(record, ApplyIfFiniteRecord):
             raise UndoError(f"apply_if_finite: expected an ApplyIfFiniteRecord (what its update returns), got "
                             f"{type(record).__name__}")
-        _check_counters_left(record, _finite_counters(state, params))
+        counters = _finite_counters(state, params)
+        if not (isinstance(record.inner, UndoRecord) and record.inner.used):  # (a second undo: the inner one says so)
+            _check_counters_left(record, counters)
         if not is_traced(record.applied):  # a skipped step's inner record is of no leaf: its undo changes nothing
             new_params, inner_state = self.inner.undo(params, state.inner_state, record.inner, donate=donate,
                                                       param_copies=param_copies)

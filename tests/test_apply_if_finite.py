@@ -186,6 +186,20 @@ def test_undo_refuses_a_record_of_a_step_the_state_did_not_come_from(rng):
     assert _bitwise(back_p, params) and _counters(back_s) == (0, True, 0)
 
 
+def test_a_second_undo_of_a_record_is_refused_as_used_from_the_state_the_first_gave(rng):
+    """A record undone a second time, with the state its first undo gave back (the counters before its step), was
+    refused as 'not those the record's step left: the record does not belong to this state', where the inner
+    optimizer and an undo given the stepped state again say what is wrong: the record was already used."""
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    params = _params(rng)
+    for bad in (None, NAN):  # an applied step, a skipped one
+        p1, s1, rec = opt.update(params, _grads(rng, bad), opt.init(params))
+        back_p, back_s = opt.undo(p1, s1, rec)
+        for p, s in ((p1, s1), (back_p, back_s)):
+            with pytest.raises(UndoError, match="already used"):
+                opt.undo(p, s, rec)
+
+
 def test_undo_takes_the_record_of_numpy_integer_counters(rng):
     """Counters given as numpy integers (which update takes, as every count) are recorded as given: the undo's
     record check took only Python ints as the counts of a step, refusing the record of a step it just took."""
