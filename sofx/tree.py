@@ -513,6 +513,8 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor):  # (a bare AttributeError from numel)
             raise TypeError(f"pack: leaves[{i}] is a {type(t).__name__}, expected a tensor")
+    if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
+        raise TypeError(f"pack: out is a {type(out).__name__}, expected a 1-d tensor")
     n = numel_of(leaves)
     if out is not None and (out.numel() != n or out.dim() != 1):
         raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")

@@ -239,6 +239,8 @@ def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
         tree.unpack(torch.zeros(3), [(1,), "ab"])
     views = tree.unpack(torch.arange(5.0), [3, (2,)])
     assert [tuple(v.shape) for v in views] == [(3,), (2,)] and torch.equal(views[0], torch.arange(3.0))
+    with pytest.raises(TypeError, match=r"pack: out is a list, expected a 1-d tensor"):  # (its numel: bare)
+        tree.pack([torch.ones(2)], out=[0.0, 0.0])
 
 
 @pytest.mark.parametrize("flat, shapes, pattern", [
