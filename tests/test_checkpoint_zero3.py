@@ -564,12 +564,13 @@ def test_sofx_goes_on_from_deepspeeds_own_scaler_as_deepspeed_does(tmp_path, mon
             ours = rule.update(ours, overflow)
 
 
-@pytest.mark.parametrize("loss_scaler", [5, 1.5, "dynamic", [1], (1, 2, 3)], ids=["int", "float", "str", "list",
-                                                                                   "triple"])
+@pytest.mark.parametrize("loss_scaler", [5, 1.5, "dynamic", [1], (1, 2, 3), sofx.loss_scale.grad_scaler().init()],
+                         ids=["int", "float", "str", "list", "triple", "a state alone"])
 def test_a_loss_scaler_that_is_no_pair_nor_attributes_is_refused_naming_it(tmp_path, loss_scaler):
     """loss_scaler=5 (or a list, a str) raised Python's bare TypeError ("'int' object is not a mapping") from the
     attributes' merge, a tuple of three one from deepspeed_loss_scaler's call; refused before any file is written,
-    naming what it takes."""
+    naming what it takes. A rule's state alone, a NamedTuple of two fields, was taken as a (rule, state) pair of its
+    fields: 'a float with a int has no DeepSpeed counterpart'."""
     _refused_by_save_zero3(tmp_path / "refused", loss_scaler,
                            r"^save_zero3: loss_scaler must be None, a \(rule, state\) pair or a dict of DeepSpeed's "
                            r"loss-scaler attributes, got ")

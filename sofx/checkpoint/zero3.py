@@ -172,7 +172,8 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     deepspeed_objects = _optional_flag("save_zero3: deepspeed_objects", deepspeed_objects)
     if not isinstance(state, AdamState):
         raise CheckpointError(f"save_zero3: expected an AdamState, got {type(state).__name__}")
-    if isinstance(loss_scaler, tuple) and len(loss_scaler) == 2:
+    # (a pair: a plain tuple; a rule's state alone, a NamedTuple of two fields, is no pair of a rule and a state)
+    if type(loss_scaler) is tuple and len(loss_scaler) == 2:
         loss_scaler = deepspeed_loss_scaler(*loss_scaler)
     if loss_scaler is not None and not isinstance(loss_scaler, dict):  # (5: Python's bare TypeError, merged below)
         raise CheckpointError(f"save_zero3: loss_scaler must be None, a (rule, state) pair or a dict of DeepSpeed's "
