@@ -933,7 +933,8 @@ def test_types_that_are_not_namedtuple_classes_are_refused_naming_the_argument_b
     NamedTuple as 'not a sofx type'. Each is a CheckpointError naming types=, before the file is opened."""
     path = ck.save(tmp_path / "nt.ckpt", {"p": Pair(torch.ones(1), 2)})
     for bad, what in ((Pair, r"the class .*Pair; pass a list of classes: types=\[Pair\]"), (5, "an int"),
-                      ({Pair: Pair}, r"the mapping's key .*Pair.* is not a str")):
+                      ({Pair: Pair}, r"the mapping's key .*Pair.* is not a str"),
+                      (f"{Pair.__module__}.{Pair.__qualname__}", r"a str '.*Pair'")):  # (its letters: "'t' is not")
         with pytest.raises(ck.CheckpointError, match=rf"^types: .*{what}"):
             ck.load(tmp_path / "missing.ckpt", types=bad)
     assert type(ck.load(path, types=(Pair,))["p"]) is Pair

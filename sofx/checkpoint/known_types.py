@@ -80,6 +80,9 @@ def type_registry(types: Iterable[type] | Mapping[str, type] | None) -> TypeRegi
                               f"{type_name(types)}; pass a list of classes: types=[{types.__qualname__}]")
     if isinstance(types, Mapping):
         items = list(types.items())
+    elif isinstance(types, (str, bytes)):  # (iterated: "types: 't' is not a NamedTuple class", of its letters)
+        raise CheckpointError(f"types: expected NamedTuple classes (a list) or a mapping of names to them, got "
+                              f"{_article(type(types).__name__)} {types!r:.80}")
     else:
         try:
             items = [(None, cls) for cls in types]
