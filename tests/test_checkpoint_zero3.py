@@ -199,6 +199,26 @@ def test_an_older_file_the_system_will_not_remove_is_a_named_io_error(tmp_path, 
     assert info.value.errno == errno.EACCES
 
 
+
+def test_a_directory_the_system_will_not_list_after_the_save_is_a_named_io_error(tmp_path, monkeypatch):
+    """A directory this process may write but not list (mode -wx): the new save's files were written, then the
+    listing for an older save's files raised os.listdir's bare PermissionError. A CheckpointIOError with the system's
+    errno naming the directory, as a file it cannot remove."""
+    opt = sofx.adam(lr=1e-3)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    real_listdir = os.listdir
+
+    def denied(path="."):
+        if os.path.abspath(path) == os.path.abspath(tmp_path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", denied)
+    with pytest.raises(ck.CheckpointIOError, match=r"the new save's files are written; the directory .* cannot be "
+                       r"listed") as info:
+        ck.save_zero3(tmp_path, opt, params, state, HP, deepspeed_objects=False)
+    assert info.value.errno == errno.EACCES
+
 def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
     """Saved with groups= (the model's order), loaded without them: the file's recorded layout; loaded with
     groups that put other leaves in a block: refused naming them (the flat sizes alone would agree)."""

@@ -282,8 +282,18 @@ def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
     """Remove ``mp_rank``'s ZeRO-3 optimizer and model files in ``directory`` other than ``keep`` (an older save
     with more dp ranks or the other prefix: loading would read them as part of the new one, or refuse). A file
     already gone when it is removed (another rank saving the same checkpoint at once removed it) is fine; one the
-    system will not remove is a :class:`CheckpointIOError` (its ``errno`` the system's) naming it."""
-    for name in os.listdir(directory):
+    system will not remove is a :class:`CheckpointIOError` (its ``errno`` the system's) naming it, and so is a
+    directory it will not list (written, not read: mode -wx)."""
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:  # (os.listdir's bare PermissionError, after the new files were written)
+        failure = CheckpointIOError(f"save_zero3: the new save's files are written; the directory {directory} "
+                                    f"cannot be listed ({type(exc).__name__}: {exc}) for an older save's files (more "
+                                    "dp ranks, the other prefix), which a load reads as part of the new one or "
+                                    "refuses: remove any there")
+        failure.errno = exc.errno
+        raise failure from exc
+    for name in names:
         m = _FILE_RE.match(name) or _MODEL_FILE_RE.match(name)
         path = os.path.join(directory, name)
         if m and int(m.group("mp")) == mp_rank and path not in keep:
