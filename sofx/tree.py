@@ -510,6 +510,10 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     default the first leaf's). A leaf that this dtype cannot hold without changing its kind (floating point into
     an integer or bool one, complex into a real one) is refused before anything is written, as ``torch.cat(out=)``
     refuses it; a cast within a kind is done."""
+    if isinstance(leaves, torch.Tensor) or not isinstance(leaves, collections.abc.Iterable):
+        # (a tensor: torch's bare "Boolean value of Tensor ... is ambiguous"; an int: 'int' object is not iterable)
+        raise TypeError(f"pack: leaves is a {type(leaves).__name__}, expected a sequence of tensors")
+    leaves = list(leaves)  # (an iterator: 'not subscriptable', or emptied by the checks below: 'leaves need 0')
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor):  # (a bare AttributeError from numel)
             raise TypeError(f"pack: leaves[{i}] is a {type(t).__name__}, expected a tensor")
@@ -546,6 +550,8 @@ def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> 
         raise TypeError(f"unpack: flat is a {type(flat).__name__}, expected a 1-d tensor")
     if flat.dim() != 1:  # (a row slice of a 2-d buffer was viewed as the leaf: torch's bare view error)
         raise ValueError(f"unpack: expected a 1-d flat buffer, got shape {tuple(flat.shape)}")
+    if not isinstance(shapes, collections.abc.Iterable):  # ('int' object is not iterable)
+        raise TypeError(f"unpack: shapes is a {type(shapes).__name__}, expected a sequence of shapes")
     sizes = []
     for i, shape in enumerate(shapes):
         try:

@@ -241,6 +241,11 @@ def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
     assert [tuple(v.shape) for v in views] == [(3,), (2,)] and torch.equal(views[0], torch.arange(3.0))
     with pytest.raises(TypeError, match=r"pack: out is a list, expected a 1-d tensor"):  # (its numel: bare)
         tree.pack([torch.ones(2)], out=[0.0, 0.0])
+    with pytest.raises(TypeError, match=r"^pack: leaves is a Tensor, expected a sequence of tensors"):
+        tree.pack(torch.ones(2))  # (iterated: its elements as 0-d leaves, without a word)
+    with pytest.raises(TypeError, match=r"^unpack: shapes is a int, expected a sequence of shapes"):
+        tree.unpack(torch.zeros(3), 3)  # ('int' object is not iterable)
+    assert torch.equal(tree.pack(t for t in (torch.ones(2), torch.zeros(1))), torch.tensor([1.0, 1.0, 0.0]))
 
 
 @pytest.mark.parametrize("flat, shapes, pattern", [
