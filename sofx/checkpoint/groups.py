@@ -181,7 +181,6 @@ def resolve_groups(opt: Adam, spec: tree.TreeSpec, hparams: Any = None,
     hparams are written out, checked in their ranges (and, ``float32``, in float32's: :func:`_group_numbers`); else they
     are a template only (an import's)."""
     paths = tree.leaf_paths(spec)
-
     per_leaf = opt.resolve_hparams(hparams, spec)
     if groups is not None:
         # (not iterable, 5 or a function: Python's bare TypeError from the loop below)

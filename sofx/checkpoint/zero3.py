@@ -9,8 +9,8 @@ One file per data-parallel rank ``dp`` (model-parallel rank ``mp``)::
          "optimizer_state_dict": {                       # the wrapped Adam's state_dict()
              "state": {i: {"step": int, "exp_avg": flat_i, "exp_avg_sq": flat_i}},
              "param_groups": [{"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad",
-                               "params": [i]}, ...]},   # (DeepSpeed's FusedAdam: "step" here, read
-                                                                #  where an entry has none)
+                               "params": [i]}, ...]},   # (DeepSpeed's FusedAdam: "step" here,
+                                                        #  read where an entry has none)
          "fp32_flat_groups": [flat_0, flat_1, ...]},     # the fp32 master of each block
      "ds_version": ..., "sofx": {...}}                    # "sofx": what sofx needs to check the layout
 
