@@ -379,6 +379,8 @@ class Adam:
             records[k] = skipped_chunks.finish_step(kernels[k], self.variant, (leaf.p, leaf.m, leaf.v), calls[k],
                                                     records[k], (new_p[k], new_m[k], new_v[k]), donate, finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
+        for k in flagged:  # (the chunk steps just run wrote their kept values: the library's own writes)
+            records[k].note_versions()
         memory_order_leaves.put_back(shapes, new_p, new_m, new_v, records)
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
         return tree.unflatten(spec, new_p), new_state, UndoRecord(records, spec, self.variant)
@@ -527,7 +529,19 @@ class Adam:
 
         Raises :class:`~sofx.errors.UndoError` (changing nothing) when the
         record was used already, belongs to another state (structure or step
-        counts differ), or a leaf's step cannot be undone. Params whose
+        counts differ), or a leaf's step cannot be undone. Also where a tensor
+        the record refers to without a copy was written in place since the step
+        (its ``Tensor._version`` moved, :meth:`sofx.LeafUndo.changed_in_place`):
+        the gradient the step took (a ``p.grad.zero_()``, an optimizer's
+        ``zero_grad(set_to_none=False)`` or the next backward accumulating into
+        the ``.grad`` given to :meth:`update`), or the params and moments that a
+        snapshot record of an update without donation keeps (a ``copy_`` of the
+        new values into them): the undo would use the values written since,
+        the error names the leaf and the tensor. Undo before reusing them, set
+        ``.grad`` to None instead of zeroing it, or give :meth:`update` tensors
+        nothing writes (a write through ``.data``, which torch does not count,
+        goes unseen; not checked under ``torch.compile`` nor for a
+        ``torch.func`` transform's or an inference tensor). Params whose
         mappings are of another dict type or key order than the record's (a
         dict where it was an ``OrderedDict``) are matched to it key by key, as
         :meth:`update` matches grads and state to params; the result has the
@@ -599,6 +613,9 @@ class Adam:
         snapshot record of the undone values there); elsewhere they are read before. ``param_copies`` and
         ``undoable`` as in :meth:`update` (the redone step's record is a
         snapshot where its new gradient dominates the undone second moment).
+        ``record`` is refused as :meth:`undo` refuses it, a tensor it refers to
+        written in place since its step included (the gradient that step took,
+        the caller's tensors a snapshot keeps), before anything is written.
         The new record refers to no tensor that ``record`` kept from its own
         caller (the params and state of an update without donation, which
         that caller may reuse once ``record`` is used): a snapshot of those
@@ -741,6 +758,8 @@ class Adam:
                                                          records[k], (new_p[k], new_m[k], new_v[k]), donate,
                                                          recs[k], finishing)
         skipped_chunks.run_chunked(self.variant, finishing)
+        for k in flags.flagged():  # (as update's: the kept values the chunk steps just wrote)
+            records[k].note_versions()
         memory_order_leaves.put_back(shapes, new_p, new_m, new_v, records)
         record.mark_used()
         new_state = AdamState(tree.unflatten(spec, new_c), tree.unflatten(spec, new_m), tree.unflatten(spec, new_v))
@@ -784,6 +803,10 @@ class Adam:
                 raise UndoError(f"{leaf.path}: the record's count_before is a {type(count).__name__}, expected the "
                                 "step count before the step (a 0-d int64 tensor, or a number): the record's tensors "
                                 "were replaced (a tree_map over it); undo the record the step returned")
+            if not compiling:  # (versions are not read under torch.compile: no graph break)
+                changed = rec.changed_in_place()
+                if changed is not None:
+                    raise UndoError(f"{leaf.path}: {changed}")
             if not leaf.traced and traced(rec.grad):
                 # (a gradient that requires grad, stepped under no_grad, undone in grad mode: the undo is autograd's,
                 # as a step of it is; a native kernel refused it naming its own call, not the leaf)

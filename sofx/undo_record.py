@@ -39,6 +39,15 @@ record copies what it keeps of them, and takes over owned ones as they are
 (nothing writes into a record's tensors, and the record it used cannot be used
 again).
 
+A record refers to tensors it does not copy: the gradient the step took (``grad``) and, where its kept values are
+not its own, the caller's (``owns_kept``). Each tensor's version (torch's count of the in-place writes to it,
+``Tensor._version``) is taken when the record is made, and an undo or undo_redo whose tensor was written in place
+since (a ``p.grad.zero_()``, ``zero_grad(set_to_none=False)``, the next backward accumulating into ``.grad``, a
+``copy_`` into the params an update without donation kept) is refused (:meth:`LeafUndo.changed_in_place`): it
+would invert the step with the values written since, without a word. Not for tensors whose version is not theirs to
+read (a ``torch.func`` transform's, an inference tensor's) nor under ``torch.compile``; a write through ``.data``
+(which torch does not count) goes unseen.
+
 A record can be used once, and so can every copy of it: whether a leaf's step was undone is state the
 :class:`LeafUndo` shares with its copies (``copy.copy``; ``copy.deepcopy`` too, whose kept tensors are copies but
 whose step is the same one; a pytree map or unflatten), and a record is used once any of its leaves is, so one
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import weakref
 from typing import Any, Sequence
 
 import optree
@@ -93,9 +103,62 @@ def chunk_snapshot_bytes(chunks: torch.Tensor, p: torch.Tensor, m: torch.Tensor,
 
 _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old", "chunks")
 
+# The fields whose tensors' versions a record takes (LeafUndo._versions, in this order), and how a refusal names them.
+_VERSIONED = {"grad": "the gradient the step took", "p_old": "the old parameter the record keeps",
+              "m_old": "the old first moment the record keeps", "v_old": "the old second moment the record keeps",
+              "chunks": "the indices of the chunks the record keeps"}
+_CHANGED_HINT = {
+    "grad": ("its undo would invert the step with the values written since; a p.grad.zero_(), an optimizer's "
+             "zero_grad(set_to_none=False), the next backward accumulating into .grad or an in-place clip_grad_norm_ "
+             "writes it: undo before that, set .grad to None instead, or give update a gradient nothing writes (a "
+             "clone); to redo the step clipped or unscaled, pass undo_redo a grad_scale"),
+    "kept": ("its undo would restore the values written since; the record of an update without donation keeps the "
+             "params and moments passed in, not copies: leave them unchanged while the record may be undone (copy "
+             "the new values elsewhere), or update with donate=True (its record keeps copies)"),
+}
+
 _NOT_PICKLED = ("cannot be pickled (pickle, torch.save): a loaded copy could not know whether its step was "
                 "undone since, and would undo it a second time; undo the step or drop the record before saving "
                 "(copies in memory, copy.copy and copy.deepcopy, share whether it was used)")
+
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def tensor_version(t: Any) -> int | None:
+    """``t._version`` (torch's count of the in-place writes to ``t``'s memory through it or a view of it), or None
+    where ``t`` has none to read: not a tensor, a tensor of a ``torch.func`` transform (vmap, grad: its wrapper's,
+    not the values'), an inference tensor (which keeps none). The caller asks ``torch.compiler.is_compiling()``
+    (under ``torch.compile`` none is read)."""
+    if t is None or not isinstance(t, torch.Tensor) or _wrapped(t) or t.is_inference():
+        return None
+    return t._version
+
+
+class _FlatVersions:
+    """A flattened :class:`LeafUndo`'s versions (``LeafUndo._versions``) with weak references to the tensors they
+    are of, for its unflatten: a version is kept for a child that is the very tensor (an identity map, a
+    flatten and unflatten), not for another (a tree_map to clones, a transform's output: unchecked there, as a new
+    tensor's version tells nothing of the record's). Equal where the versions are (a pytree context)."""
+
+    __slots__ = ("versions", "refs")
+
+    def __init__(self, versions: tuple[int | None, ...], tensors: Sequence[Any]) -> None:
+        self.versions = versions
+        self.refs = tuple(None if v is None else weakref.ref(t) for v, t in zip(versions, tensors))
+
+    def of(self, tensors: Sequence[Any]) -> tuple[int | None, ...]:
+        """The versions of ``tensors`` (the unflattened leaf's) that are those flattened."""
+        return tuple(None if r is None or r() is not t else v for v, r, t in zip(self.versions, self.refs, tensors))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _FlatVersions) and self.versions == other.versions
+
+    def __hash__(self) -> int:
+        return hash(self.versions)
+
+    def __repr__(self) -> str:
+        return f"_FlatVersions({self.versions})"
 
 
 class _UsedOnce:
@@ -139,6 +202,14 @@ class LeafUndo(_UsedOnce):
     ``owns_kept``: whether ``p_old, m_old, v_old`` are the record's own (see the module docstring; False, the
     default, is always safe: an undo_redo of the record then copies what its new record keeps of them).
 
+    The versions of ``grad, p_old, m_old, v_old, chunks`` (``Tensor._version``) are taken when the record is made
+    (the library takes them again after its own writes into a record's kept values: :meth:`note_versions`); an
+    undo or undo_redo of a record whose tensor was written in place since is refused, an
+    :class:`~sofx.errors.UndoError` naming the leaf and the tensor, before anything is written
+    (:meth:`changed_in_place`; see the module docstring). A copy shares them (``copy.copy``), a deep copy carries
+    what was written before it into its own tensors' versions, a pytree unflatten keeps them for the very tensors
+    flattened.
+
     Whether the step was undone (``used``) is shared with every copy (see the module docstring). A LeafUndo
     built here is a new record of its step: one built from another record's tensors could undo that step a
     second time; re-wrap a record's own LeafUndo objects (or copies of them) instead. Fields no step makes (an
@@ -147,7 +218,7 @@ class LeafUndo(_UsedOnce):
     """
 
     __slots__ = ("strategy", "grad", "scalars", "count_before", "p_old", "m_old", "v_old", "reason",
-                 "moments_were_zero", "chunks", "owns_kept", "_layout", "_used")
+                 "moments_were_zero", "chunks", "owns_kept", "_layout", "_used", "_versions")
     _what = "a LeafUndo"
 
     def __init__(self, strategy: str, grad: torch.Tensor, scalars: AdamScalars, count_before: torch.Tensor,
@@ -158,6 +229,7 @@ class LeafUndo(_UsedOnce):
         self._assign(strategy, grad, scalars, count_before, p_old, m_old, v_old, reason, moments_were_zero, chunks,
                      owns_kept)
         self._used = [False]
+        self.note_versions()
 
     def _assign(self, strategy: str, grad: Any, scalars: AdamScalars, count_before: Any, p_old: Any, m_old: Any,
                 v_old: Any, reason: str, moments_were_zero: bool, chunks: Any, owns_kept: bool) -> None:
@@ -175,6 +247,44 @@ class LeafUndo(_UsedOnce):
         # Which fields are pytree children (tensors); fixed once made, so that the
         # structure survives an unflatten with non-tensor leaves (torch.func does that).
         self._layout: tuple[bool, ...] | None = None
+        # The versions of the _VERSIONED fields' tensors when the record was made (None: not taken, torch.compile).
+        self._versions: tuple[int | None, ...] | None = None
+
+    def note_versions(self) -> None:
+        """Take the versions of the record's tensors as they are now: when it is made, and where the library
+        itself writes into a record's kept values after making it (:mod:`sofx.skipped_chunks` copies the old
+        values of a checked step's flagged chunks out into them), never for a write of its caller's."""
+        # (under torch.compile none is read: no graph break. The fields spelt out: this runs for every leaf of
+        # every step, ~1 us)
+        self._versions = None if torch.compiler.is_compiling() else (
+            tensor_version(self.grad), tensor_version(self.p_old), tensor_version(self.m_old),
+            tensor_version(self.v_old), tensor_version(self.chunks))
+
+    def changed_in_place(self) -> str | None:
+        """Why an undo of this record is refused, or None: the first of its tensors written in place since the
+        record was made (its version moved; see :meth:`note_versions`), named, with both versions. Not under
+        ``torch.compile``, nor for a tensor whose version was not taken or cannot be read now."""
+        if self._versions is None or torch.compiler.is_compiling():
+            return None
+        for (field, what), was in zip(_VERSIONED.items(), self._versions):  # (in note_versions' order)
+            now = None if was is None else tensor_version(getattr(self, field))
+            if now is not None and now != was:
+                hint = _CHANGED_HINT["grad" if field == "grad" else "kept"]
+                return (f"{what} was changed in place since the step (its version {now}, {was} at the step): "
+                        f"{hint}")
+        return None
+
+    def _copied(self, memo: dict[int, Any] | None) -> Any:
+        new = super()._copied(memo)
+        if memo is not None and self._versions is not None:
+            # A deep copy's tensors are new, of their own versions: what was written into this record's before the
+            # copy is carried into the copy's (its own versions less the writes since the record was made).
+            shifted = []
+            for field, was in zip(_VERSIONED, self._versions):
+                now, theirs = tensor_version(getattr(self, field)), tensor_version(getattr(new, field))
+                shifted.append(None if was is None or now is None or theirs is None else theirs - (now - was))
+            new._versions = tuple(shifted)
+        return new
 
     @property
     def step(self) -> Any:
@@ -223,12 +333,14 @@ def _flatten_leaf(leaf: LeafUndo) -> tuple[list[Any], Any]:
     is_tensor = leaf._layout or tuple(isinstance(x, torch.Tensor) for x in values)
     children = [x for x, t in zip(values, is_tensor) if t]
     static = tuple(None if t else x for x, t in zip(values, is_tensor))
+    versions = None if leaf._versions is None or torch.compiler.is_compiling() else \
+        _FlatVersions(leaf._versions, [getattr(leaf, f) for f in _VERSIONED])
     return children, (leaf.strategy, leaf.reason, leaf.moments_were_zero, leaf.owns_kept, is_tensor, static,
-                      leaf._used)
+                      leaf._used, versions)
 
 
 def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
-    strategy, reason, moments_were_zero, owns_kept, is_tensor, static, used = context
+    strategy, reason, moments_were_zero, owns_kept, is_tensor, static, used, versions = context
     it = iter(children)
     values = [next(it) if t else s for t, s in zip(is_tensor, static)]
     n = len(_TENSOR_FIELDS)
@@ -240,6 +352,8 @@ def _unflatten_leaf(children: Sequence[Any], context: Any) -> LeafUndo:
                  owns_kept=owns_kept, **fields)
     leaf._layout = is_tensor
     leaf._used = used  # the step's, shared
+    # (the versions of the very tensors flattened; none for others: a new tensor's tells nothing of the record's)
+    leaf._versions = None if versions is None else versions.of([fields[f] for f in _VERSIONED])
     return leaf
 
 

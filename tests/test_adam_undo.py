@@ -1457,3 +1457,91 @@ def test_undo_matches_params_to_the_record_key_by_key_as_update_matches_grads(or
     if redo:
         back_p, _ = opt.undo(got_p, got_s, new_rec)
         assert all(max_rel_err(back_p[k], params[k]) <= 1e-6 for k in params)
+
+
+# ------------------------------------------------------------------ a record's tensors changed in place since the step
+def _warm_model_step(seed: int, undo: str = "auto", donate: bool = False):
+    """A model stepped a few times (warm moments: the inverse of the moments reads the gradient), then one more
+    step from its ``.grad`` (``torch.optim``'s way: the record refers to the model's gradients themselves), with
+    its params, state and record."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = sofx.adamw(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.1, undo=undo)  # (v follows the gradients: algebraic)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    state = opt.init(params)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        params, state, _ = opt.update(params, {k: p.grad.clone() for k, p in model.named_parameters()}, state,
+                                      undoable=False)
+        model.zero_grad(set_to_none=True)
+    model(torch.randn(2, 4)).sum().backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    new_p, new_s, rec = opt.update(*clone_tree((params,)), grads, clone_tree(state), donate=donate)
+    return model, opt, (params, state), (new_p, new_s), rec, grads
+
+
+_REUSES = {
+    "p.grad.zero_()": lambda model: [p.grad.zero_() for p in model.parameters()],
+    "zero_grad(set_to_none=False)": lambda model: model.zero_grad(set_to_none=False),  # (as torch.optim's)
+    "the next backward": lambda model: model(torch.randn(2, 4)).sum().backward(),
+    "clip_grad_norm_": lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
+}
+
+
+@pytest.mark.parametrize("reuse", list(_REUSES), ids=list(_REUSES))
+@pytest.mark.parametrize("use", ["undo", "undo_redo"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_an_undo_whose_gradient_was_changed_in_place_since_the_step_is_refused(reuse, use, donate):
+    """An algebraic record keeps a reference to the gradient the step took, not a copy. torch's habits write into
+    it after the step (a ``p.grad.zero_()``, an optimizer's ``zero_grad(set_to_none=False)``, the next backward
+    accumulating into it, a late ``clip_grad_norm_`` in place): the undo then inverted the step with those values
+    (zeros, the next gradient, the clipped one), giving the wrong moments without a word. Refused, an UndoError naming the leaf and the gradient, before anything is
+    written."""
+    model, opt, _, (new_p, new_s), rec, grads = _warm_model_step(3, donate=donate)
+    assert rec.strategies() == ["algebraic", "algebraic"]
+    _REUSES[reuse](model)
+    before = clone_tree((new_p, new_s))
+    with pytest.raises(sofx.UndoError, match=r"^params\['bias'\]: the gradient the step took was changed in "
+                                             r"place since the step \(its version"):
+        if use == "undo":
+            opt.undo(new_p, new_s, rec, donate=donate)
+        else:
+            opt.undo_redo(new_p, new_s, rec, grads, grad_scale=0.5, donate=donate)
+    assert trees_equal((new_p, new_s), before) and not rec.used
+
+
+@pytest.mark.parametrize("use", ["undo", "undo_redo"])
+def test_an_undo_whose_untouched_gradient_and_a_fresh_one_are_taken(use):
+    """The check refuses only a gradient written in place: an undo with the model's gradients untouched (or set
+    to None and made anew by the next backward, the record keeping the old tensor) restores the state."""
+    model, opt, (params, state), (new_p, new_s), rec, grads = _warm_model_step(4)
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(2, 4)).sum().backward()
+    assert rec.strategies() == ["algebraic", "algebraic"]
+    if use == "undo":
+        got, want = opt.undo(new_p, new_s, rec), (params, state)
+    else:
+        got, want = opt.undo_redo(new_p, new_s, rec, grads)[:2], (new_p, new_s)  # (the same step again)
+    for a, b in zip(sofx.tree.flatten(got)[0], sofx.tree.flatten(want)[0]):
+        assert torch.equal(a, b) if a.dtype == torch.int64 else max_rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("use", ["undo", "undo_redo"])
+def test_an_undo_whose_kept_parameter_of_the_caller_was_written_since_is_refused(use):
+    """A snapshot record of an update without donation keeps the caller's own params and moments (not copies; the
+    caller keeps them unchanged while the record may be undone). A caller that copies the new values into its
+    model's parameters under ``torch.no_grad()`` (as ``torch.optim`` leaves them) writes the record's old
+    parameter: its undo 'restored' the new values without a word. Refused, naming the leaf and the tensor."""
+    _, opt, _, (new_p, new_s), rec, _ = _warm_model_step(5, undo="exact")
+    assert rec.strategies() == ["snapshot", "snapshot"] and not rec.leaves[0].owns_kept
+    old_p = rec.leaves[1].p_old  # (params['weight'])
+    with torch.no_grad():
+        old_p.copy_(new_p["weight"])
+    before = clone_tree((new_p, new_s))
+    with pytest.raises(sofx.UndoError, match=r"^params\['weight'\]: the old parameter the record keeps was changed "
+                                             r"in place since the step \(its version"):
+        if use == "undo":
+            opt.undo(new_p, new_s, rec)
+        else:
+            opt.undo_redo(new_p, new_s, rec, {k: torch.ones_like(p) for k, p in new_p.items()})
+    assert trees_equal((new_p, new_s), before) and not rec.used

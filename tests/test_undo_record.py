@@ -194,3 +194,67 @@ def test_a_record_whose_spec_is_not_the_params_structure_is_refused_when_made():
     with pytest.raises(sofx.UndoError, match=r"spec has 2 leaves, the record 1"):
         UndoRecord(rec.leaves[:1], rec.spec, rec.variant)
     assert not rec.used
+
+
+@pytest.mark.parametrize("make_copy", list(COPIES.values()), ids=list(COPIES))
+def test_a_copy_of_a_record_whose_kept_tensor_was_written_since_the_step_refuses_the_undo(make_copy):
+    """A record of an update without donation keeps the caller's params themselves (undo="exact": whole
+    snapshots); the caller writing into one since the step makes its undo restore the values written (refused,
+    naming the leaf and the tensor). Every copy of the record made after the write refuses it too (a deep copy's
+    kept tensors are copies of the written ones), and nothing is used up."""
+    opt, params, g1, _, state = _problem()
+    p1, s1, rec = opt.update(params, g1, state)
+    with torch.no_grad():
+        params["w"].copy_(p1["w"])  # (the new values into the model's parameter, as torch.optim leaves them)
+    twin = make_copy(rec)
+    for r in (twin, rec):
+        with pytest.raises(sofx.UndoError, match=r"^params\['w'\]: the old parameter the record keeps was "
+                                                 r"changed in place since the step \(its version (\d+), (?!\1)\d+ "
+                                                 r"at the step\)"):
+            opt.undo(p1, s1, r)
+    assert not rec.used
+
+
+def test_a_deep_copy_made_before_a_write_into_the_kept_tensor_undoes_from_its_own_copies():
+    """A deep copy made before the caller wrote into the tensors the record keeps holds copies of the values the
+    step kept: its undo restores them (bit for bit), though the record's own refuses."""
+    opt, params, g1, _, state = _problem()
+    before = clone_tree((params, state))
+    p1, s1, rec = opt.update(params, g1, state)
+    twin = copy.deepcopy(rec)
+    with torch.no_grad():
+        params["w"].copy_(p1["w"])
+    with pytest.raises(sofx.UndoError, match="the old parameter the record keeps was changed in place"):
+        opt.undo(p1, s1, rec)
+    assert trees_equal(opt.undo(p1, s1, twin), before)
+
+
+def test_a_record_tree_mapped_to_new_tensors_is_not_refused_for_their_versions():
+    """A pytree map of a record to new tensors (clones) gives a record of tensors whose versions tell nothing of
+    the step's (a clone's is 0 where the gradient the step took had been written before the step): not taken as
+    written since. Its undo restores the state bit for bit."""
+    opt, params, g1, _, state = _problem()
+    for g in g1.values():
+        g.mul_(1.0)  # (written before the step: version 1 when the record is made)
+    before = clone_tree((params, state))
+    p1, s1, rec = opt.update(params, g1, state)
+    cloned = torch_pytree.tree_map(torch.clone, rec)
+    assert trees_equal(opt.undo(p1, s1, cloned), before)
+
+
+@pytest.mark.parametrize("written, named", [("params", "the old parameter"), ("mu", "the old first moment"),
+                                            ("nu", "the old second moment"), ("donated update", "the old parameter")])
+def test_each_kept_tensor_of_the_caller_written_since_the_step_is_named(written, named):
+    """The kept tensors of an update without donation are the caller's params and moments: a write into any of
+    them since the step (a moment reset in place, a donated update taken again from the same state) is refused
+    naming the leaf and which tensor, the record unused."""
+    opt, params, g1, g2, state = _problem()
+    p1, s1, rec = opt.update(params, g1, state)
+    if written == "donated update":
+        opt.update(params, g2, state, donate=True)  # (writes the record's kept params and moments)
+    else:
+        target = params if written == "params" else getattr(state, written)
+        target["a"].zero_()
+    with pytest.raises(sofx.UndoError, match=rf"^params\['a'\]: {named} the record keeps was changed in place"):
+        opt.undo_redo(p1, s1, rec, g2)
+    assert not rec.used
