@@ -1495,8 +1495,8 @@ def test_an_undo_whose_gradient_was_changed_in_place_since_the_step_is_refused(r
     """An algebraic record keeps a reference to the gradient the step took, not a copy. torch's habits write into
     it after the step (a ``p.grad.zero_()``, an optimizer's ``zero_grad(set_to_none=False)``, the next backward
     accumulating into it, a late ``clip_grad_norm_`` in place): the undo then inverted the step with those values
-    (zeros, the next gradient, the clipped one), giving the wrong moments without a word. Refused, an UndoError naming the leaf and the gradient, before anything is
-    written."""
+    (zeros, the next gradient, the clipped one), giving the wrong moments without a word. Refused, an UndoError
+    naming the leaf and the gradient, before anything is written."""
     model, opt, _, (new_p, new_s), rec, grads = _warm_model_step(3, donate=donate)
     assert rec.strategies() == ["algebraic", "algebraic"]
     _REUSES[reuse](model)
