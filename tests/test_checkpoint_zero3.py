@@ -1364,3 +1364,17 @@ def test_load_zero3_into_params_of_another_structure_names_the_file_and_its_reco
     assert message.startswith(f"{files[0]}: the layout the file records does not fit params")
     assert "no params leaf is named \"params['b']\"" in message
     assert "it records the leaves [\"params['b']\", \"params['w']\"]" in message and "groups=" in message
+
+
+def test_the_file_name_helpers_refuse_ranks_that_are_not_integers():
+    """zero3_file_name(1.5) named a file 'zero_pp_rank_1.5_...' DeepSpeed never reads, mp_rank=1.5 raised a bare
+    ValueError from a format, bf16='no' named a bf16_ file: each refused, a CheckpointError naming the argument."""
+    from sofx.checkpoint.zero3 import model_states_file_name
+
+    assert ck.zero3_file_name(2, 1, bf16=True) == "bf16_zero_pp_rank_2_mp_rank_01_optim_states.pt"
+    assert model_states_file_name(0) == "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    for call, name in ((lambda: ck.zero3_file_name(1.5), "dp_rank"), (lambda: ck.zero3_file_name(0, 1.5), "mp_rank"),
+                       (lambda: ck.zero3_file_name(-1), "dp_rank"), (lambda: ck.zero3_file_name(0, bf16="no"), "bf16"),
+                       (lambda: model_states_file_name("0"), "dp_rank")):
+        with pytest.raises(ck.CheckpointError, match=rf"^{name} = "):
+            call()

@@ -81,8 +81,17 @@ _MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_model_s
 
 
 def zero3_file_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
-    """``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``."""
+    """``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`` (ranks integers >= 0, else a
+    :class:`CheckpointError` naming the argument)."""
+    dp_rank, mp_rank = _ranks(dp_rank, mp_rank)
+    bf16 = flag("bf16", bf16, CheckpointError)
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def _ranks(dp_rank: Any, mp_rank: Any) -> tuple[int, int]:
+    """``dp_rank, mp_rank`` as Python ints >= 0 (numpy's and 1-element integer tensors too), else a
+    :class:`CheckpointError` naming the argument (1.5 named a file DeepSpeed never reads)."""
+    return integer("dp_rank", dp_rank, 0, CheckpointError), integer("mp_rank", mp_rank, 0, CheckpointError)
 
 
 def partition_numel(numel: int, world_size: int) -> int:
@@ -311,7 +320,9 @@ def _system_error(message: str, exc: OSError) -> CheckpointIOError:
 
 
 def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
-    """``zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed ZeRO-3's per-rank model file)."""
+    """``zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed ZeRO-3's per-rank model file; ranks as
+    :func:`zero3_file_name` takes them)."""
+    dp_rank, mp_rank = _ranks(dp_rank, mp_rank)
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
