@@ -2422,3 +2422,16 @@ def test_reentrant_checkpointing_counts_one_backward_call(shared):
                 assert not partial, (name, partial)
             else:
                 assert len(partial) == 1 and "step() after 1 backward call (micro-steps)" in partial[0], (name, partial)
+
+
+def test_pickling_the_optimizer_is_refused_saying_what_to_use():
+    """pickle/copy.deepcopy of the optimizer: refused (it holds hooks on the model, an executor and locks; the
+    message said "it owns a worker" for the inline executor too), pointing to state_dict()."""
+    import pickle
+
+    model = torch.nn.Linear(3, 2)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        for copy_it in (pickle.dumps, copy.deepcopy):
+            with pytest.raises(TypeError, match=r"cannot be pickled \(it holds gradient hooks on the model, an "
+                                                r"executor and locks\); use state_dict\(\)"):
+                copy_it(opt)

@@ -1078,7 +1078,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(f"{type(self).__name__} cannot be pickled (it owns a worker); use state_dict()")
+        raise TypeError(f"{type(self).__name__} cannot be pickled (it holds gradient hooks on the model, an "
+                        "executor and locks); use state_dict()")
 
 
 # torch.optim.Adam.__setstate__'s defaults of its options, for a loaded group without them (an older state dict)
