@@ -87,6 +87,20 @@ def test_betas_torch_accepts_are_stored_as_torch_stores_them_and_train_as_torch(
     _assert_same_trajectory(got, want, bitwise=not isinstance(group["betas"][0], torch.Tensor))
 
 
+@pytest.mark.parametrize("kwargs", [
+    pytest.param({"lr": torch.tensor(3e-3)}, id="lr"),
+    pytest.param({"betas": (torch.tensor(0.8), torch.tensor(0.95))}, id="betas"),
+])
+def test_tensor_hparams_step_bitwise_as_torch_with_the_floats_they_hold(kwargs):
+    """A tensor ``lr`` or tensor ``betas`` is read as the Python floats it holds: the facade's trajectory is
+    torch.optim.AdamW's with those floats bit for bit (torch's own for-loop step with the tensors computes
+    ``1 - beta``, the bias corrections and ``lr / bias_correction1`` in float32, ~1e-8 apart after a few steps)."""
+    floats = {k: tuple(float(b) for b in v) if isinstance(v, tuple) else float(v) for k, v in kwargs.items()}
+    _, want = _train_torch(foreach=False, **floats)
+    _, got = _train_facade(**kwargs)
+    _assert_same_trajectory(got, want, bitwise=True)
+
+
 @pytest.mark.parametrize("betas, found", [
     pytest.param((0, 0.99), "int, float", id="an int"),
     pytest.param((torch.tensor(0.8), 0.99), "Tensor, float", id="a tensor and a float"),

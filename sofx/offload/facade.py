@@ -43,10 +43,10 @@ are ignored, but what torch refuses of them is refused (a tensor ``lr`` or beta 
 both set); ``amsgrad``, ``maximize`` and
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
 class's, are refused (at construction, at every step, and in
-``load_state_dict``) rather than ignored. A tensor ``lr`` is read as the Python number it holds, as
-:class:`sofx.AdamHParams` reads one: the step is ``torch.optim``'s with that float (torch's own for-loop
-step with the tensor rounds ``lr * weight_decay`` and ``lr / bias_correction1`` to float32, ~1e-7 relative
-per step). Differences from ``torch.optim``: gradients are moved
+``load_state_dict``) rather than ignored. A tensor ``lr`` (or tensor ``betas``) is read as the Python number
+it holds, as :class:`sofx.AdamHParams` reads one: the step is ``torch.optim``'s with that float (torch's own
+for-loop step with the tensor rounds ``lr * weight_decay`` and ``lr / bias_correction1``, or ``1 - beta`` and
+the bias corrections, to float32, ~1e-7 relative per step). Differences from ``torch.optim``: gradients are moved
 out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``: with N, a block is ready, and speculated, during the N-th
