@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import math
 from typing import Any, Iterator
 
@@ -538,3 +539,77 @@ def test_a_state_dict_loaded_into_reordered_groups_is_refused_before_anything_is
         assert_trees_bitwise(opt.state_dict(), before)
         opt.load_state_dict(saved)
         assert [g["lr"] for g in opt.param_groups] == [1e-2, 0.5]
+
+
+_L = torch.optim.lr_scheduler
+_SCHEDULERS = {  # every torch.optim.lr_scheduler a training script uses (CyclicLR and OneCycleLR also cycle beta1)
+    "LambdaLR": lambda o: _L.LambdaLR(o, lambda e: e / 2 if e < 2 else 0.8 ** e),
+    "MultiplicativeLR": lambda o: _L.MultiplicativeLR(o, lambda e: 0.9),
+    "StepLR": lambda o: _L.StepLR(o, 2, 0.5),
+    "MultiStepLR": lambda o: _L.MultiStepLR(o, [2, 4], 0.3),
+    "ConstantLR": lambda o: _L.ConstantLR(o, 0.5, 3),
+    "LinearLR": lambda o: _L.LinearLR(o, 0.2, 1.0, 4),
+    "ExponentialLR": lambda o: _L.ExponentialLR(o, 0.9),
+    "PolynomialLR": lambda o: _L.PolynomialLR(o, 6, 2.0),
+    "CosineAnnealingLR": lambda o: _L.CosineAnnealingLR(o, 5),
+    "CosineAnnealingWarmRestarts": lambda o: _L.CosineAnnealingWarmRestarts(o, 2, 2),
+    "CyclicLR": lambda o: _L.CyclicLR(o, 1e-3, 1e-2, step_size_up=2, cycle_momentum=True, base_momentum=0.8,
+                                      max_momentum=0.9),
+    "OneCycleLR": lambda o: _L.OneCycleLR(o, 1e-2, total_steps=8, cycle_momentum=True),
+    "ReduceLROnPlateau": lambda o: _L.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    "SequentialLR": lambda o: _L.SequentialLR(o, [_L.LinearLR(o, 0.1, 1.0, 2), _L.ExponentialLR(o, 0.8)], [2]),
+    "ChainedScheduler": lambda o: _L.ChainedScheduler([_L.ConstantLR(o, 0.5, 2), _L.ExponentialLR(o, 0.9)]),
+}
+
+
+def _scheduled_run(kind: str, scheduler: str, resume_at: int | None) -> tuple[list[torch.Tensor], list[Any]]:
+    """8 steps of ``kind`` ("torch" or "sofx") with ``scheduler``; with ``resume_at``, the optimizer's and the
+    scheduler's state dicts are saved before that step, through ``torch.save``/``torch.load`` (weights_only), and
+    loaded into a fresh model, optimizer and scheduler that go on. The parameters, and each step's
+    ``get_last_lr()`` with every group's lr and betas."""
+    def make(model: torch.nn.Module) -> tuple[Any, Any]:
+        groups = [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}]
+        opt = (torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False) if kind == "torch" else
+               sofx.offload.SpeculativeAdamW(groups, lr=1e-2, weight_decay=0.1, executor="inline", block_numel=8))
+        return opt, _SCHEDULERS[scheduler](opt)
+
+    model = _model()
+    opt, sched = make(model)
+    seen = []
+    for step in range(8):
+        if step == resume_at:
+            buffer = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(), "model": model.state_dict()}, buffer)
+            if kind == "sofx":
+                opt.close()
+            buffer.seek(0)
+            saved = torch.load(buffer)
+            model = torch.nn.Linear(5, 3)
+            model.load_state_dict(saved["model"])
+            opt, sched = make(model)
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+        loss, _ = _loss(model, step + 100)  # (no overflow)
+        opt.zero_grad()
+        if kind == "torch":
+            loss.backward()
+        else:
+            opt.backward(loss)
+        opt.step()
+        sched.step(loss.item() if step % 3 else 100.0) if scheduler == "ReduceLROnPlateau" else sched.step()
+        seen.append((sched.get_last_lr(), [(g["lr"], tuple(g["betas"])) for g in opt.param_groups]))
+    if kind == "sofx":
+        opt.close()
+    return [p.detach().clone() for p in model.parameters()], seen
+
+
+@pytest.mark.parametrize("scheduler", list(_SCHEDULERS))
+def test_every_lr_scheduler_resumed_through_torch_save_goes_on_as_torch_optims_uninterrupted_run(scheduler):
+    """Each ``torch.optim.lr_scheduler`` (those cycling AdamW's beta1 included) drives the facade as it drives
+    ``torch.optim.AdamW``, bit for bit, with the same ``get_last_lr()``; optimizer and scheduler saved mid-run
+    together through ``torch.save``/``torch.load`` and loaded into fresh objects go on as the uninterrupted run."""
+    want = _scheduled_run("torch", scheduler, None)
+    for resume_at in (None, 3):
+        params, seen = _scheduled_run("sofx", scheduler, resume_at)
+        assert seen == want[1], f"resumed at {resume_at}"
+        assert_trees_bitwise(params, want[0])
