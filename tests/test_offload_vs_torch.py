@@ -598,3 +598,42 @@ def test_a_channels_last_cnn_trained_with_torch_habits_equals_torch(executor: st
                     assert torch.equal(p, q), f"step {step}: {name}"
                 assert p.stride() == q.stride()
     assert not scaled or undone, "the inf gradient must undo speculated blocks"
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_swa_and_ema_averaged_models_with_swalr_equal_torch(executor: str) -> None:
+    """``torch.optim.swa_utils``: an ``AveragedModel`` (equal averages and an EMA) updated after each step, the
+    lr switched to ``SWALR`` halfway, and a frozen parameter that takes no gradient, against torch.optim.AdamW:
+    the model and both averages bit for bit (the averages read the parameters each buffer swap leaves current)."""
+    swa = torch.optim.swa_utils
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, executor=executor,
+                                        block_numel=16)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    runs = []
+    for m, o in ((model, opt), (ref, ropt)):
+        ema = swa.AveragedModel(m, multi_avg_fn=swa.get_ema_multi_avg_fn(0.9))
+        runs.append((m, o, swa.AveragedModel(m), ema, torch.optim.lr_scheduler.CosineAnnealingLR(o, 8),
+                     swa.SWALR(o, swa_lr=5e-3, anneal_epochs=2)))
+    gen = torch.Generator().manual_seed(1)
+    with opt:
+        for step in range(8):
+            x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
+            for m, o, averaged, ema, sched, swa_sched in runs:
+                o.zero_grad()
+                loss = ((m(x) - y) ** 2).mean()
+                o.backward(loss) if o is opt else loss.backward()
+                o.step()
+                ema.update_parameters(m)
+                if step >= 4:
+                    averaged.update_parameters(m)
+                    swa_sched.step()
+                else:
+                    sched.step()
+    for i, what in ((0, "model"), (2, "average"), (3, "ema")):
+        for (name, p), q in zip(runs[0][i].named_parameters(), runs[1][i].parameters()):
+            assert torch.equal(p, q), f"{what}: {name}"
+    assert runs[0][1].param_groups[0]["lr"] == runs[1][1].param_groups[0]["lr"]
