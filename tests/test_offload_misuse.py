@@ -1958,6 +1958,13 @@ def _corrupt(key_path: tuple, value: object) -> object:
     return mutate
 
 
+def _unknown_keys(entry: str) -> object:
+    """A state-dict mutation: two unknown keys, ``1`` and ``'zz'``, added to ``state_dict['state'][entry]``."""
+    def mutate(sd: dict) -> None:
+        sd["state"][entry].update({1: True, "zz": True})
+    return mutate
+
+
 _BAD_STATES = {  # name: (mutation, the error's match)
     "iteration None": (_corrupt(("iteration",), None), r"\['state'\]\['iteration'\] = None; expected an integer"),
     "iteration -5": (_corrupt(("iteration",), -5), r"\['iteration'\] = -5; expected an integer >= 0"),
@@ -1994,6 +2001,11 @@ _BAD_STATES = {  # name: (mutation, the error's match)
                         r"\['recent'\] = 5 is invalid; expected a list or tuple of bools"),
     "policy quiet str": (_corrupt(("policy_state", "quiet"), "x"),
                          r"\['quiet'\] = 'x' is invalid; expected an integer"),
+    # unknown keys of two kinds (an int and a str, which sorted() cannot order): Python's bare TypeError before
+    "policy keys of two kinds": (_unknown_keys("policy_state"), r"\['policy_state'\]\[1\]: a PolicyState has no such"),
+    "scaler state keys of two kinds": (_unknown_keys("scaler_state"),
+                                       r"\['scaler_state'\]\[1\]: a GradScalerState has no such field"),
+    "scaler setting keys of two kinds": (_unknown_keys("scaler"), r"\['scaler'\]\[1\]: a GradScalerRule has no such"),
     "layouts str": (_corrupt(("layouts",), "x"), r"\['layouts'\]: expected a list of block layouts, got str"),
     "layout None": (_corrupt(("layouts", 0), None), r"\['layouts'\]\[0\]: not a block layout"),
     "block None": (_corrupt(("blocks", 0), None), r"\['blocks'\]\[0\]: expected a dict of tensors"),

@@ -458,7 +458,7 @@ def _checked_rule(engine: "OffloadEngine", saved: Any, where: str) -> Any:
         custom = "" if type(rule) in _RULES else " (a custom rule, which keeps its own settings: set the entry to None)"
         raise StructureError(f"{where}: the saved loss-scale rule is a {kind}, this optimizer's is a {here}{custom}")
     names = [f.name for f in dataclasses.fields(rule)]
-    unknown = sorted(set(settings) - set(names))
+    unknown = sorted(set(settings) - set(names), key=str)  # (keys of several kinds: sorted by what they read as)
     if unknown:
         raise StructureError(f"{where}[{unknown[0]!r}]: a {here} has no such setting (it has {names})")
     try:
@@ -481,7 +481,7 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, 
     if kind != expected.__name__:
         raise StructureError(f"{where}: the saved loss-scaler state is a {kind}, this optimizer's is a "
                              f"{expected.__name__}")
-    unknown = sorted(set(fields) - set(expected._fields))
+    unknown = sorted(set(fields) - set(expected._fields), key=str)  # (keys of several kinds, as above)
     if unknown:
         raise StructureError(f"{where}[{unknown[0]!r}]: a {expected.__name__} has no such field (it has "
                              f"{list(expected._fields)})")
@@ -517,7 +517,7 @@ def _checked_policy_state(saved: Any, where: str) -> PolicyState:
     ``paused`` a bool, ``quiet`` an integer >= 0, ``reason`` a str); a :class:`StructureError` naming the entry."""
     if not isinstance(saved, Mapping):
         raise StructureError(f"{where}: expected a dict, got {type(saved).__name__}")
-    unknown = sorted(set(saved) - set(PolicyState._fields))
+    unknown = sorted(set(saved) - set(PolicyState._fields), key=str)  # (keys of several kinds, as above)
     if unknown:
         raise StructureError(f"{where}[{unknown[0]!r}]: a PolicyState has no such field (it has "
                              f"{list(PolicyState._fields)})")
