@@ -534,7 +534,8 @@ class Adam:
         (its ``Tensor._version`` moved, :meth:`sofx.LeafUndo.changed_in_place`):
         the gradient the step took (a ``p.grad.zero_()``, an optimizer's
         ``zero_grad(set_to_none=False)`` or the next backward accumulating into
-        the ``.grad`` given to :meth:`update`), or the params and moments that a
+        the ``.grad`` given to :meth:`update`; not a ``"snapshot"``'s, whose undo
+        does not read it), or the params and moments that a
         snapshot record of an update without donation keeps (a ``copy_`` of the
         new values into them): the undo would use the values written since,
         the error names the leaf and the tensor. Undo before reusing them, set

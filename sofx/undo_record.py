@@ -39,11 +39,12 @@ record copies what it keeps of them, and takes over owned ones as they are
 (nothing writes into a record's tensors, and the record it used cannot be used
 again).
 
-A record refers to tensors it does not copy: the gradient the step took (``grad``) and, where its kept values are
-not its own, the caller's (``owns_kept``). Each tensor's version (torch's count of the in-place writes to it,
-``Tensor._version``) is taken when the record is made, and an undo or undo_redo whose tensor was written in place
-since (a ``p.grad.zero_()``, ``zero_grad(set_to_none=False)``, the next backward accumulating into ``.grad``, a
-``copy_`` into the params an update without donation kept) is refused (:meth:`LeafUndo.changed_in_place`): it
+A record refers to tensors it does not copy: the gradient the step took (``grad``; read by every undo but a
+``"snapshot"``'s, which is not checked) and, where its kept values are not its own, the caller's (``owns_kept``).
+Each tensor's version (torch's count of the in-place writes to it, ``Tensor._version``) is taken when the record is
+made, and an undo or undo_redo whose tensor was written in place since (a ``p.grad.zero_()``,
+``zero_grad(set_to_none=False)``, the next backward accumulating into ``.grad``, a ``copy_`` into the params an
+update without donation kept) is refused (:meth:`LeafUndo.changed_in_place`): it
 would invert the step with the values written since, without a word. Not for tensors whose version is not theirs to
 read (a ``torch.func`` transform's, an inference tensor's) nor under ``torch.compile``; a write through ``.data``
 (which torch does not count) goes unseen.
@@ -263,10 +264,13 @@ class LeafUndo(_UsedOnce):
     def changed_in_place(self) -> str | None:
         """Why an undo of this record is refused, or None: the first of its tensors written in place since the
         record was made (its version moved; see :meth:`note_versions`), named, with both versions. Not under
-        ``torch.compile``, nor for a tensor whose version was not taken or cannot be read now."""
+        ``torch.compile``, nor for a tensor whose version was not taken or cannot be read now, nor for the gradient
+        of a ``"snapshot"`` (its undo restores the kept values and its undo_redo steps from them: neither reads it)."""
         if self._versions is None or torch.compiler.is_compiling():
             return None
         for (field, what), was in zip(_VERSIONED.items(), self._versions):  # (in note_versions' order)
+            if field == "grad" and self.strategy == "snapshot":
+                continue
             now = None if was is None else tensor_version(getattr(self, field))
             if now is not None and now != was:
                 hint = _CHANGED_HINT["grad" if field == "grad" else "kept"]

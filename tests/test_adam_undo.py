@@ -1545,3 +1545,24 @@ def test_an_undo_whose_kept_parameter_of_the_caller_was_written_since_is_refused
         else:
             opt.undo_redo(new_p, new_s, rec, {k: torch.ones_like(p) for k, p in new_p.items()})
     assert trees_equal((new_p, new_s), before) and not rec.used
+
+
+@pytest.mark.parametrize("reuse", list(_REUSES), ids=list(_REUSES))
+@pytest.mark.parametrize("use", ["undo", "undo_redo"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_snapshot_undo_is_taken_after_its_gradient_was_written_in_place(reuse, use, donate):
+    """A ``"snapshot"`` record restores the kept params and moments bit for bit and never reads the gradient its
+    step took (an undo_redo steps from the kept values with the new one): a ``p.grad.zero_()`` or the next backward
+    since the step changes nothing of its undo, which the version check refused as 'the gradient the step took was
+    changed in place'. Taken: the state before the step, bit for bit."""
+    model, opt, (params, state), (new_p, new_s), rec, _ = _warm_model_step(6, undo="exact", donate=donate)
+    assert rec.strategies() == ["snapshot", "snapshot"]
+    _REUSES[reuse](model)
+    if use == "undo":
+        got = opt.undo(new_p, new_s, rec, donate=donate)
+        assert trees_equal(got, (params, state))
+    else:
+        fresh = {k: torch.full_like(p, 0.25) for k, p in new_p.items()}
+        got = opt.undo_redo(new_p, new_s, rec, fresh, donate=donate)[:2]
+        want = opt.update(params, fresh, state)[:2]
+        assert trees_equal(got, want)
