@@ -140,7 +140,10 @@ class _FlatVersions:
     """A flattened :class:`LeafUndo`'s versions (``LeafUndo._versions``) with weak references to the tensors they
     are of, for its unflatten: a version is kept for a child that is the very tensor (an identity map, a
     flatten and unflatten), not for another (a tree_map to clones, a transform's output: unchecked there, as a new
-    tensor's version tells nothing of the record's). Equal where the versions are (a pytree context)."""
+    tensor's version tells nothing of the record's). Any two are equal (a pytree context): the versions are no part
+    of a record's structure, and records of one layout whose tensors were written a different number of times
+    before their steps are one structure (a tree_map over both; its output keeps the first tree's versions for
+    that tree's very tensors)."""
 
     __slots__ = ("versions", "refs")
 
@@ -153,10 +156,10 @@ class _FlatVersions:
         return tuple(None if r is None or r() is not t else v for v, r, t in zip(self.versions, self.refs, tensors))
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _FlatVersions) and self.versions == other.versions
+        return isinstance(other, _FlatVersions)
 
     def __hash__(self) -> int:
-        return hash(self.versions)
+        return hash(_FlatVersions)
 
     def __repr__(self) -> str:
         return f"_FlatVersions({self.versions})"

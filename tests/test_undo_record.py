@@ -258,3 +258,21 @@ def test_each_kept_tensor_of_the_caller_written_since_the_step_is_named(written,
     with pytest.raises(sofx.UndoError, match=rf"^params\['a'\]: {named} the record keeps was changed in place"):
         opt.undo_redo(p1, s1, rec, g2)
     assert not rec.used
+
+
+def test_records_of_one_layout_have_one_structure_whatever_their_tensors_versions():
+    """Records of two steps of the same params (unused) have the same pytree structure, as before versions were
+    taken: a tree_map over both (a batch of records stacked for vmap) raised torch's 'Node context mismatch for
+    custom node type LeafUndo' where one gradient had been written before its step (its version 1, the other's 0).
+    The map keeps the first record's versions for its very tensors only."""
+    opt, params, g1, g2, state = _problem()
+    for g in g2.values():
+        g.mul_(1.0)  # (written before the step: version 1 when the record is made)
+    p1, s1, rec1 = opt.update(params, g1, state)
+    _, _, rec2 = opt.update(params, g2, state)
+    assert torch_pytree.tree_structure(rec1) == torch_pytree.tree_structure(rec2)
+    firsts = torch_pytree.tree_map(lambda a, b: a, rec1, rec2)
+    with torch.no_grad():
+        params["a"].copy_(p1["a"])  # (the caller's params the first record keeps, written since its step)
+    with pytest.raises(sofx.UndoError, match=r"^params\['a'\]: the old parameter the record keeps was changed"):
+        opt.undo_redo(p1, s1, firsts, g2)
