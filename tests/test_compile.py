@@ -434,7 +434,12 @@ def test_a_schedule_evaluated_in_the_compiled_step_traces_at_every_step():
     opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
     schedule = sofx.schedules.hparams_schedule(lr=sofx.schedules.step_decay(1e-2, 2, 0.5),
                                                weight_decay=sofx.schedules.linear(0.0, 0.1, 4))
+    assert _compiled_scheduled_steps_frames(opt, params, grads, schedule, 7) == 2
 
+
+def _compiled_scheduled_steps_frames(opt, params, grads, schedule, steps):
+    """Run ``steps`` updates with ``schedule``'s hparams evaluated inside a ``torch.compile(fullgraph=True)`` step
+    and eagerly side by side, asserting bitwise equal params at each; the frames compiled."""
     def step(p, s, t):
         return opt.update(p, grads, s, sofx.serial.hparams_at(schedule, t))[:2]
 
@@ -442,11 +447,11 @@ def test_a_schedule_evaluated_in_the_compiled_step_traces_at_every_step():
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     pc, sc = params, opt.init(params)
     pe, se = params, opt.init(params)
-    for t in range(7):
+    for t in range(steps):
         pc, sc = compiled(pc, sc, t)
         pe, se = step(pe, se, t)
         assert all(torch.equal(pc[k], pe[k]) for k in params), t
-    assert counter.frame_count == 2
+    return counter.frame_count
 
 
 def test_scheduled_betas_evaluated_in_the_compiled_step_trace():
@@ -460,19 +465,8 @@ def test_scheduled_betas_evaluated_in_the_compiled_step_trace():
     opt = sofx.adamw(weight_decay=WEIGHT_DECAY)
     schedule = sofx.schedules.hparams_schedule(base=sofx.schedules.one_cycle(1e-2, 10, pct_start=0.5),
                                                beta2=sofx.schedules.cosine_decay(0.999, 100, 0.99))
-
-    def step(p, s, t):
-        return opt.update(p, grads, s, sofx.serial.hparams_at(schedule, t))[:2]
-
-    counter = CompileCounter()
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    pc, sc = params, opt.init(params)
-    pe, se = params, opt.init(params)
-    for t in range(4):  # (the cycle's first phase: one graph for step 0, one for the others)
-        pc, sc = compiled(pc, sc, t)
-        pe, se = step(pe, se, t)
-        assert all(torch.equal(pc[k], pe[k]) for k in params), t
-    assert counter.frame_count == 2
+    # (the cycle's first phase: one graph for step 0, one for the others)
+    assert _compiled_scheduled_steps_frames(opt, params, grads, schedule, 4) == 2
 
 
 def test_a_python_float_loss_scale_that_changes_traces_in_the_unscaling_transforms():
