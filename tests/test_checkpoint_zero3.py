@@ -200,20 +200,26 @@ def test_an_older_file_the_system_will_not_remove_is_a_named_io_error(tmp_path, 
 
 
 
+def _refuse_listing(monkeypatch, directory) -> None:
+    """os.listdir of ``directory`` raises the system's PermissionError (EACCES), as for a directory without read
+    permission (root may list any, so the refusal is made here); other directories are listed."""
+    real_listdir = os.listdir
+
+    def denied(path="."):
+        if os.path.abspath(path) == os.path.abspath(directory):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", denied)
+
+
 def test_a_directory_the_system_will_not_list_after_the_save_is_a_named_io_error(tmp_path, monkeypatch):
     """A directory this process may write but not list (mode -wx): the new save's files were written, then the
     listing for an older save's files raised os.listdir's bare PermissionError. A CheckpointIOError with the system's
     errno naming the directory, as a file it cannot remove."""
     opt = sofx.adam(lr=1e-3)
     params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
-    real_listdir = os.listdir
-
-    def denied(path="."):
-        if os.path.abspath(path) == os.path.abspath(tmp_path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_listdir(path)
-
-    monkeypatch.setattr(os, "listdir", denied)
+    _refuse_listing(monkeypatch, tmp_path)
     with pytest.raises(ck.CheckpointIOError, match=r"the new save's files are written; the directory .* cannot be "
                        r"listed") as info:
         ck.save_zero3(tmp_path, opt, params, state, HP, deepspeed_objects=False)
@@ -839,19 +845,10 @@ def test_a_zero3_file_the_system_does_not_let_us_read_is_an_io_error_and_a_model
 def test_a_zero3_directory_the_system_does_not_let_us_list_is_an_io_error(tmp_path, monkeypatch):
     """A checkpoint directory this process may not list (no read permission) raised os.listdir's bare
     PermissionError from load_zero3 and load_zero3_loss_scaler: a CheckpointIOError naming it, with its errno."""
-    import errno
-
     opt = sofx.adamw()
     params = _params()
     ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, deepspeed_objects=False)
-    real_listdir = os.listdir
-
-    def denied(path="."):
-        if os.path.abspath(path) == os.path.abspath(tmp_path):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_listdir(path)
-
-    monkeypatch.setattr(os, "listdir", denied)
+    _refuse_listing(monkeypatch, tmp_path)
     for call in (lambda: ck.load_zero3(tmp_path, opt, params, HP), lambda: ck.load_zero3_loss_scaler(tmp_path)):
         with pytest.raises(ck.CheckpointIOError, match=r"cannot list the ZeRO-3 checkpoint directory .*Permission "
                                                        r"denied") as caught:
