@@ -917,13 +917,9 @@ def test_a_step_kept_in_the_param_group_as_deepspeeds_fused_adam_keeps_it_is_rea
         ck.load_zero3(tmp_path, opt, params, HP)
 
 
-@pytest.mark.parametrize("key, value, where", [
-    ("lr", "0.01", r"\['lr'\]"), ("eps", None, r"\['eps'\]"), ("lr", torch.tensor([1e-2, 1e-3]), r"\['lr'\]"),
-    ("betas", (0.9, "0.99"), r"\['betas'\]\[1\]")])
-def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_path, key, value, where):
-    """A file's lr, beta, eps or weight_decay that is not a number: a string was parsed by float() and loaded, and
-    None or a tensor of two elements was said to be missing ("the param group lacks lr, betas, eps or
-    weight_decay"): each is a CorruptCheckpointError naming the entry and its value."""
+def _saved_with_group_entry(tmp_path, key, value):
+    """``(opt, params)`` of a ZeRO-3 checkpoint saved into ``tmp_path`` after two steps, whose rank-0 file's second
+    param group has ``key`` set to ``value`` (a damaged or foreign file)."""
     opt = sofx.adamw()
     params = _params()
     files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
@@ -931,6 +927,17 @@ def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_pat
     top = torch.load(files[0], weights_only=True)
     top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1][key] = value
     torch.save(top, files[0])
+    return opt, params
+
+
+@pytest.mark.parametrize("key, value, where", [
+    ("lr", "0.01", r"\['lr'\]"), ("eps", None, r"\['eps'\]"), ("lr", torch.tensor([1e-2, 1e-3]), r"\['lr'\]"),
+    ("betas", (0.9, "0.99"), r"\['betas'\]\[1\]")])
+def test_a_saved_hparam_that_is_not_a_number_is_a_corrupt_file_naming_it(tmp_path, key, value, where):
+    """A file's lr, beta, eps or weight_decay that is not a number: a string was parsed by float() and loaded, and
+    None or a tensor of two elements was said to be missing ("the param group lacks lr, betas, eps or
+    weight_decay"): each is a CorruptCheckpointError naming the entry and its value."""
+    opt, params = _saved_with_group_entry(tmp_path, key, value)
     with pytest.raises(ck.CorruptCheckpointError, match=rf"block 1 .*param_groups\[1\]{where}: expected a number, "
                                                         r"got "):
         ck.load_zero3(tmp_path, opt, params, HP)
@@ -962,13 +969,7 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_load_naming_its_group(tmp
     leaves: the next test), cannot hold was loaded without a word and refused only at the first update, naming a
     params leaf (the range check at import covered from_torch_optim's float32 leaves only): it is refused at load
     naming the group."""
-    opt = sofx.adamw()
-    params = _params()
-    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
-                          deepspeed_objects=False)
-    top = torch.load(files[0], weights_only=True)
-    top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1][key] = value
-    torch.save(top, files[0])
+    opt, params = _saved_with_group_entry(tmp_path, key, value)
     with pytest.raises(ck.CheckpointError, match=rf"block 1 .*param_groups\[1\]{where}"):
         ck.load_zero3(tmp_path, opt, params, HP)
 
