@@ -35,7 +35,7 @@ import uuid
 from errno import EACCES, EROFS
 from typing import Callable
 
-from sofx.checkpoint.errors import CheckpointError, CheckpointIOError, check_path
+from sofx.checkpoint.errors import CheckpointError, CheckpointIOError, check_path, system_error
 from sofx.durable import fsync_where_supported
 from sofx.errors import SofxError
 
@@ -173,11 +173,9 @@ def _check_directory_writable(named: str, directory: str) -> None:
     except OSError:
         read_only = False
     where = " (a read-only file system)" if read_only else ""
-    failure = CheckpointIOError(f"cannot save {named}: the directory {directory} is not writable by this "
-                                f"process{where}; a save creates its file there (make it writable, or save "
-                                "elsewhere)")
-    failure.errno = EROFS if read_only else EACCES
-    raise failure
+    raise system_error(f"cannot save {named}: the directory {directory} is not writable by this process{where}; a "
+                       "save creates its file there (make it writable, or save elsewhere)",
+                       EROFS if read_only else EACCES)
 
 
 def _absolute(given: str) -> str:
@@ -292,9 +290,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> str:
     try:
         fsync_directory(directory)
     except OSError as exc:
-        failure = CheckpointIOError(f"saved {path}, but the fsync of its directory {directory} failed: "
-                                    f"{type(exc).__name__}: {exc}; the file is in place, but a crash or power loss "
-                                    "may still take the save back (to the previous file, if any)")
-        failure.errno = exc.errno
-        raise failure from exc
+        raise system_error(f"saved {path}, but the fsync of its directory {directory} failed: "
+                           f"{type(exc).__name__}: {exc}; the file is in place, but a crash or power loss may still "
+                           "take the save back (to the previous file, if any)", exc.errno) from exc
     return path

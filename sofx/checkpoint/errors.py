@@ -39,6 +39,14 @@ class CheckpointIOError(CheckpointError, OSError):
     error); an ``OSError`` too, with the cause chained."""
 
 
+def system_error(message: str, errno: int | None) -> CheckpointIOError:
+    """A :class:`CheckpointIOError` saying ``message``, its ``errno`` the system's (``exc.errno`` of the ``OSError``
+    it stands for, or a number such as ``EACCES``)."""
+    failure = CheckpointIOError(message)
+    failure.errno = errno
+    return failure
+
+
 def check_path(who: str, path: Any) -> str:
     """``path`` as text (``os.fsdecode``: a path in bytes, or an ``os.PathLike`` giving bytes, is the path it names;
     safetensors and ``os.path.join`` with text took it for a bare TypeError). A ``path`` that ``os.fspath`` does not

@@ -57,7 +57,8 @@ import torch
 from sofx.checkpoint.atomic import atomic_write, check_destination, special_kind
 from sofx.checkpoint.codec import EncodedTree, decode, dtype_name, encode, json_int, max_key_digits
 from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError)
+                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
+                                    system_error)
 from sofx.checkpoint.known_types import type_registry
 from sofx.kernels.layout import dims_in_memory_order, is_dense
 
@@ -295,9 +296,7 @@ def _check_structure(meta: dict, text: str, path: str) -> None:
 
 def _read_error(path: str, exc: OSError) -> CheckpointIOError:
     """The :class:`CheckpointIOError` of a checkpoint the system does not let this process read, with its number."""
-    error = CheckpointIOError(f"cannot read checkpoint {path}: {exc}")
-    error.errno = exc.errno
-    return error
+    return system_error(f"cannot read checkpoint {path}: {exc}", exc.errno)
 
 
 def _open_held(path: str) -> BinaryIO:

@@ -57,9 +57,8 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
-from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError,
-                                    CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError,
-                                    check_path)
+from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                                    CheckpointVersionError, CorruptCheckpointError, check_path, system_error)
 from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, prefix_ids, resolve_groups,
                                     saved_hparams)
 from sofx.checkpoint.io import template_device
@@ -281,8 +280,8 @@ def _make_directory(directory: str | os.PathLike) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        raise _system_error(f"save_zero3: cannot create the ZeRO-3 checkpoint directory "
-                            f"{os.fspath(directory)}: {type(exc).__name__}: {exc}", exc) from exc
+        raise system_error(f"save_zero3: cannot create the ZeRO-3 checkpoint directory "
+                           f"{os.fspath(directory)}: {type(exc).__name__}: {exc}", exc.errno) from exc
 
 
 def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
@@ -294,10 +293,10 @@ def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
     try:
         names = os.listdir(directory)
     except OSError as exc:  # (os.listdir's bare PermissionError, after the new files were written)
-        raise _system_error(f"save_zero3: the new save's files are written; the directory {directory} "
-                            f"cannot be listed ({type(exc).__name__}: {exc}) for an older save's files (more "
-                            "dp ranks, the other prefix), which a load reads as part of the new one or "
-                            "refuses: remove any there", exc) from exc
+        raise system_error(f"save_zero3: the new save's files are written; the directory {directory} "
+                           f"cannot be listed ({type(exc).__name__}: {exc}) for an older save's files (more "
+                           "dp ranks, the other prefix), which a load reads as part of the new one or "
+                           "refuses: remove any there", exc.errno) from exc
     for name in names:
         m = _FILE_RE.match(name) or _MODEL_FILE_RE.match(name)
         path = os.path.join(directory, name)
@@ -307,16 +306,10 @@ def _remove_older_files(directory: str, mp_rank: int, keep: set[str]) -> None:
             except FileNotFoundError:
                 pass
             except OSError as exc:  # (the system's refusal: a bare PermissionError after the new files were written)
-                raise _system_error(f"save_zero3: the new save's files are written; an older save's file "
-                                    f"{path} cannot be removed ({type(exc).__name__}: {exc}), and a load of "
-                                    f"{directory} reads it as part of the new one or refuses: remove it", exc) from exc
-
-
-def _system_error(message: str, exc: OSError) -> CheckpointIOError:
-    """A :class:`CheckpointIOError` saying ``message``, its ``errno`` the system's (``exc``'s)."""
-    failure = CheckpointIOError(message)
-    failure.errno = exc.errno
-    return failure
+                raise system_error(f"save_zero3: the new save's files are written; an older save's file "
+                                   f"{path} cannot be removed ({type(exc).__name__}: {exc}), and a load of "
+                                   f"{directory} reads it as part of the new one or refuses: remove it",
+                                   exc.errno) from exc
 
 
 def model_states_file_name(dp_rank: int, mp_rank: int = 0) -> str:
@@ -447,7 +440,7 @@ def _torch_load(path: str, kind: str = "optimizer") -> Any:
     except OSError as exc:
         if exc.errno is None:  # (not the system's: torch's own reading of a damaged file)
             raise _corrupt_file(path, kind, exc) from None
-        raise _system_error(f"cannot read the ZeRO-3 {kind} file {path}: {exc}", exc) from exc
+        raise system_error(f"cannot read the ZeRO-3 {kind} file {path}: {exc}", exc.errno) from exc
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError,
             KeyError, IndexError, TypeError) as exc:  # (torch's weights-only unpickler on a damaged pickle)
         raise _corrupt_file(path, kind, exc) from None
@@ -493,7 +486,7 @@ def _find_files(directory: str, mp_rank: int, bf16: bool | None) -> tuple[list[s
     try:
         names = sorted(os.listdir(directory))
     except OSError as exc:  # (no read permission: os.listdir's bare PermissionError)
-        raise _system_error(f"cannot list the ZeRO-3 checkpoint directory {directory}: {exc}", exc) from exc
+        raise system_error(f"cannot list the ZeRO-3 checkpoint directory {directory}: {exc}", exc.errno) from exc
     for name in names:
         m = _FILE_RE.match(name)
         if m and int(m.group(3)) == mp_rank:
