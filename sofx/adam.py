@@ -2181,6 +2181,13 @@ def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: S
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
 
+def shown_step(step: int) -> int | str:
+    """``step`` as an error message shows it: under ``torch.compile`` a step that changes from call to call is a
+    symbolic int, which no f-string takes (dynamo's "BUILD_STRING type error", or a recompile per value), shown as
+    ``"<traced>"``."""
+    return "<traced>" if torch.compiler.is_compiling() else step
+
+
 def hparams_at(hparams: Any, step: int, name: str = "hparams") -> Any:
     """``hparams(step)`` for a schedule (any callable), ``hparams`` itself otherwise (``name``: the argument's, in
     the errors).
@@ -2194,8 +2201,7 @@ def hparams_at(hparams: Any, step: int, name: str = "hparams") -> Any:
         check_step_hparams(hparams, name)
         return hparams
     value = hparams(step)
-    # (under torch.compile a step that changes is a symbolic int, which no f-string takes: named without its value)
-    shown = "<traced>" if torch.compiler.is_compiling() else step
+    shown = shown_step(step)
     if is_hparams_number(value):
         raise HParamError(f"{name}: the schedule {hparams!r:.80} returned {value!r:.40} ({type(value).__name__}) at "
                           f"step {shown}, a number; the hparams of a step are an AdamHParams or a tree of them (one "

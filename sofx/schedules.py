@@ -42,9 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
-import torch
-
-from sofx.adam import AdamHParams, check_hparam_value
+from sofx.adam import AdamHParams, check_hparam_value, shown_step
 from sofx.errors import HParamError
 from sofx.kernels.base import as_number, is_numpy_real
 from sofx.kernels.user_numbers import finite_number, flag, integer
@@ -106,12 +104,6 @@ def _span(who: str, name: str, a: float, b: float) -> None:
                           "difference is a finite float")
 
 
-def _shown(step: int) -> int | str:
-    """``step`` as an error message shows it: under ``torch.compile`` a step that changes from call to call is a
-    symbolic int, which no f-string takes (dynamo's "BUILD_STRING type error", or a recompile per value)."""
-    return "<traced>" if torch.compiler.is_compiling() else step
-
-
 def _value(who: str | Callable[[], str], step: int, value: float) -> float:
     """A schedule's value at ``step``, refused where it left the float range (inf, or nan from inf - inf).
 
@@ -119,7 +111,7 @@ def _value(who: str | Callable[[], str], step: int, value: float) -> float:
     ``math.isfinite``: under ``torch.compile`` with a symbolic step the value is a symbolic float, which
     ``math.isfinite`` does not take (a graph break); the comparison is a guard, true at every finite value."""
     if not -math.inf < value < math.inf:
-        raise HParamError(f"{who if isinstance(who, str) else who()}: the value at step {_shown(step)} is "
+        raise HParamError(f"{who if isinstance(who, str) else who()}: the value at step {shown_step(step)} is "
                           f"{value!r}, beyond the float range; expected hyperparameters whose schedule stays finite")
     return value
 
@@ -253,7 +245,7 @@ class StepDecay:
         except OverflowError:
             value = math.inf
         return _value(lambda: f"step_decay (init * gamma ** (step // step_size) = {self.init!r} * {self.gamma!r} ** "
-                      f"{_shown(k)})", step, value)
+                      f"{shown_step(k)})", step, value)
 
 
 def _anneal_cos(start: float, end: float, pct: float) -> float:
@@ -456,12 +448,12 @@ class HParamsSchedule:
             f = getattr(self, name)
             value = current if f is None else f(step) if callable(f) else f
             if callable(f) and isinstance(value, AdamHParams):  # one_cycle(...) given as lr=
-                raise HParamError(f"hparams_schedule at step {_shown(step)}: the schedule given as {name} "
+                raise HParamError(f"hparams_schedule at step {shown_step(step)}: the schedule given as {name} "
                                   f"({type(f).__name__}) returned an AdamHParams, the whole hparams; give it as "
                                   f"base=... (hparams_schedule(base=schedule)), or a schedule of {name} alone"
                                   + (f" ({name}=one_cycle(...).{name})" if name in ("lr", "beta1") else ""))
             if callable(f) and value is not None:
-                check_hparam_value(name, value, "hparams_schedule", f" at step {_shown(step)}")
+                check_hparam_value(name, value, "hparams_schedule", f" at step {shown_step(step)}")
             values.append(as_number(value) if is_numpy_real(value) else value)
         return AdamHParams(*values)
 
