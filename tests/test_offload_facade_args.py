@@ -136,7 +136,8 @@ def _assert_left_working(model: torch.nn.Module) -> None:
 def test_a_tensor_hparam_with_foreach_and_without_capturable_is_refused_as_torch_refuses_it(kwargs, what):
     """torch.optim.AdamW refuses a tensor lr or beta with ``foreach=True`` and ``capturable=False`` ("not
     supported for capturable=False and foreach=True"): at construction, and at a step for a group set so later.
-    The facade ignored foreach and took it. With ``capturable=True``, or foreach False or None, both take it."""
+    The facade ignored foreach and took it. With foreach False or None both take it (and torch's constructor with
+    ``capturable=True``, whose step takes no CPU parameters: see the capturable test below)."""
     model = _model()
     with pytest.raises(ValueError, match="foreach=True"):
         torch.optim.AdamW(model.parameters(), foreach=True, **kwargs)
@@ -145,7 +146,7 @@ def test_a_tensor_hparam_with_foreach_and_without_capturable_is_refused_as_torch
     with pytest.raises(sofx.UnsupportedError, match=rf"param_groups\[0\]{what} is a tensor.*foreach=True"):
         sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "foreach": True, **kwargs}], executor="inline")
     _assert_left_working(model)
-    for ok in ({"foreach": True, "capturable": True}, {"foreach": False}, {"foreach": None}):
+    for ok in ({"foreach": False}, {"foreach": None}):
         torch.optim.AdamW(model.parameters(), **ok, **kwargs)
         sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **ok, **kwargs).close()
 
@@ -321,3 +322,31 @@ def test_a_groups_max_grad_norm_is_refused_naming_the_constructors_where_it_was_
         del opt.param_groups[0]["max_grad_norm"]
         opt.backward(((model(x) - y) ** 2).mean())
         assert not opt.step().skipped
+
+
+def test_capturable_with_cpu_parameters_is_refused_as_torch_refuses_its_step():
+    """torch.optim.AdamW(capturable=True) over CPU parameters is made, and its first step with a gradient raises
+    ("params and state_steps must be on supported devices"; ``fused=True`` steps them). The facade took it and
+    trained, ignoring it: refused at construction (nothing made) and, for a group set so later, at the next step
+    (nothing stepped), naming the group and a CPU parameter; with ``fused=True`` it is taken, as torch steps it."""
+    model = _model()
+    torch_opt = torch.optim.AdamW(model.parameters(), capturable=True)
+    x, y = _batch(0)
+    ((model(x) - y) ** 2).mean().backward()
+    with pytest.raises(AssertionError, match="supported devices"):
+        torch_opt.step()
+    for groups in (model.parameters(), [{"params": model.parameters()}]):
+        with pytest.raises(sofx.UnsupportedError, match=r"^param_groups\[0\]\['capturable'\] = True with CPU "
+                                                        r"parameters \(param_groups\[0\]\['params'\]\[0\], shape "
+                                                        r"\(3, 4\)\):.*fused=True"):
+            sofx.offload.SpeculativeAdamW(groups, executor="inline", capturable=True)
+    _assert_left_working(model)
+    torch.optim.AdamW(model.parameters(), capturable=True, fused=True).step()
+    sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", capturable=True, fused=True).close()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        opt.param_groups[0]["capturable"] = True
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(sofx.UnsupportedError, match=r"param_groups\[0\]\['capturable'\] = True with CPU"):
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -40,7 +40,7 @@ with its defaults, so that group dicts (and a state dict's ``param_groups``) rea
 ``foreach``, ``fused`` and ``capturable`` (torch's implementation choices)
 are ignored, but what torch refuses of them is refused (a tensor ``lr`` or beta with
 ``foreach=True`` and ``capturable=False``; the constructor's ``fused`` and ``foreach``
-both set); ``amsgrad``, ``maximize`` and
+both set; ``capturable=True`` without ``fused`` over CPU parameters); ``amsgrad``, ``maximize`` and
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
 class's, are refused (at construction, at every step, and in
 ``load_state_dict``) rather than ignored. A tensor ``lr`` (or tensor ``betas``) is read as the Python number
@@ -269,7 +269,7 @@ def _lambda_lr_of(schedule: Callable[[int], Any]) -> str:
 # torch.optim.Adam/AdamW's options that change the math, and differentiable (the steps are in place, not
 # recorded by autograd): only their default (False) is implemented. (Its other options, foreach / fused /
 # capturable, choose torch's implementation: ignored, but what torch refuses of them is refused, see
-# check_foreach_tensors.)
+# check_foreach_tensors and check_capturable_devices.)
 _REFUSED_FLAGS = (*TORCH_MATH_OPTIONS, "differentiable")
 
 
@@ -278,8 +278,10 @@ def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> 
     ``maximize`` or ``differentiable`` set, or ``decoupled_weight_decay`` other than the class's (AdamW: True,
     Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s --, a
     ``max_grad_norm`` (the optimizer's, not a group's: ignored, the group's gradients were clipped by another),
-    and what ``torch.optim.AdamW`` refuses of its implementation options (:func:`check_foreach_tensors`)."""
+    and what ``torch.optim.AdamW`` refuses of its implementation options (:func:`check_foreach_tensors`,
+    :func:`check_capturable_devices`)."""
     check_foreach_tensors(group, where)
+    check_capturable_devices(group, where)
     if "max_grad_norm" in group:
         kind = "SpeculativeAdamW" if decoupled else "SpeculativeAdam"
         raise UnsupportedError(f"{where}['max_grad_norm'] = {group['max_grad_norm']!r}: a group's max_grad_norm is "
@@ -331,6 +333,24 @@ def check_foreach_tensors(group: Mapping[str, Any], where: str) -> None:
     for i, beta in enumerate(betas):
         if isinstance(beta, torch.Tensor):
             raise UnsupportedError(f"{where}['betas'][{i}] is a tensor with foreach=True and capturable=False, {hint}")
+
+
+def check_capturable_devices(group: Mapping[str, Any], where: str) -> None:
+    """Refuse a group whose ``capturable`` is set, ``fused`` not, holding a CPU parameter: ``torch.optim.AdamW``
+    makes it and its step raises ("If capturable=True, params and state_steps must be on supported devices", the
+    accelerators; its fused step takes CPU parameters). The facade ignored capturable and trained, where the same
+    code stops on torch at its first step. (The constructor's ``defaults`` hold no parameters: their groups are
+    checked.)"""
+    if not group.get("capturable") or group.get("fused"):
+        return
+    params = group.get("params")
+    for j, p in enumerate(params if isinstance(params, (list, tuple)) else ()):
+        if isinstance(p, torch.Tensor) and p.device.type == "cpu":
+            raise UnsupportedError(f"{where}['capturable'] = {group['capturable']!r} with CPU parameters "
+                                   f"({where}['params'][{j}], shape {tuple(p.shape)}): torch.optim.AdamW's "
+                                   "capturable step refuses them (for CUDA graphs, on an accelerator); set "
+                                   "capturable=False (it is ignored here), or fused=True, which torch steps on "
+                                   "the CPU")
 
 
 def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
