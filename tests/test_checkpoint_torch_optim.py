@@ -988,3 +988,23 @@ def test_a_like_whose_groups_do_not_match_the_export_is_refused_naming_them():
     with pytest.raises(ck.CheckpointError, match=r"to_torch_optim: like must be a torch optimizer, its "
                                                  r"state_dict\(\) or its param_groups, got a str"):
         ck.to_torch_optim(opt, state, like="AdamW")
+
+
+def test_an_older_state_dict_without_decoupled_weight_decay_says_which_decay_it_imports_as():
+    """torch.optim before ``decoupled_weight_decay`` wrote the same group keys for Adam and AdamW: such a state
+    dict imported into ``sofx.adam()`` or ``sofx.adamw()`` alike, the other decay taken without a word where its
+    weight decay is not 0. The import warns, naming the group, the decay it assumed and how to say which; with
+    the key, or a weight decay of 0 (both decays the same step), it says nothing."""
+    params, sd = _adamw_state_dict()
+    older = copy.deepcopy(sd)
+    del older["param_groups"][0]["decoupled_weight_decay"]
+    for opt, assumed in ((sofx.adamw(), r"decoupled \(torch\.optim\.AdamW's\)"), (sofx.adam(), r"L2 \(torch\.optim"
+                                                                                               r"\.Adam's\)")):
+        with pytest.warns(UserWarning, match=rf"^from_torch_optim: param_groups\[0\] has weight_decay=0\.01 and no "
+                                             rf"'decoupled_weight_decay'.*imported as {assumed} weight decay"):
+            ck.from_torch_optim(opt, older, params)
+    older["param_groups"][0]["weight_decay"] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.from_torch_optim(sofx.adam(), older, params)
+        ck.from_torch_optim(sofx.adamw(), sd, params)

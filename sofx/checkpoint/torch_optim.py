@@ -30,6 +30,7 @@ what a torch lr scheduler wrote into them (``initial_lr``, ``OneCycleLR``'s
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -46,6 +47,7 @@ from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.stored_values import refuse_negative
+from sofx.warn import caller_stacklevel
 
 __all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
 
@@ -304,7 +306,10 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
     one without either. Nothing is shared with ``state_dict``. A group's saved
     ``param_names`` (torch.optim made from ``named_parameters()``) that name another
     leaf than the one the layout puts at that position are refused (the tree's
-    flatten order sorts dict keys: pass ``groups=`` in the state dict's order).
+    flatten order sorts dict keys: pass ``groups=`` in the state dict's order). A group saved with
+    ``decoupled_weight_decay`` other than ``opt``'s is refused; one without it (an older torch.optim's, whose Adam
+    and AdamW groups hold the same keys) is imported as ``opt``'s decay, with a ``UserWarning`` saying so where its
+    weight decay is not 0.
     """
     _check_opt(opt, "from_torch_optim")
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
@@ -350,8 +355,31 @@ def from_torch_optim(opt: Adam, state_dict: dict, params: Any, hparams: Any = No
         ids = "[" + ", ".join(map(tree.key_text, extra[:8])) + "]"
         raise CheckpointMismatchError(f"from_torch_optim: the state dict has state for parameter ids {ids} "
                                       "that no param group lists")
+    _warn_assumed_decay(opt, saved_groups, group_hp)
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
     return state, hparams_tree(resolved, group_hp, spec, hparams, groups)
+
+
+def _warn_assumed_decay(opt: Adam, saved_groups: Sequence[dict], group_hp: list[AdamHParams]) -> None:
+    """Warn where a saved group with a weight decay other than 0 has no ``decoupled_weight_decay``: torch.optim
+    wrote none before its Adam took that option, and its Adam's and AdamW's groups then held the same keys, so the
+    state dict does not say whether its decay was L2 (``p += wd * p`` in the gradient) or decoupled; it is
+    imported as ``opt``'s, which steps on differently from the other (without decay the two are one step)."""
+    unsaid = [gi for gi, (saved, hp) in enumerate(zip(saved_groups, group_hp))
+              if "decoupled_weight_decay" not in saved and hp.weight_decay != 0]
+    if not unsaid:
+        return
+    gi = unsaid[0]
+    more = f" (and {len(unsaid) - 1} more group{'s' if len(unsaid) > 2 else ''})" if len(unsaid) > 1 else ""
+    if opt.variant.decoupled:
+        assumed, other = "decoupled (torch.optim.AdamW's)", "torch.optim.Adam's L2 decay imports into sofx.adam()"
+    else:
+        assumed, other = "L2 (torch.optim.Adam's)", "torch.optim.AdamW's decoupled decay imports into sofx.adamw()"
+    warnings.warn(f"from_torch_optim: param_groups[{gi}] has weight_decay={group_hp[gi].weight_decay!r} and no "
+                  f"'decoupled_weight_decay'{more} (an older torch.optim's state dict, whose Adam and AdamW groups "
+                  f"hold the same keys): imported as {assumed} weight decay, the optimizer's; {other} (set the "
+                  "groups' 'decoupled_weight_decay' to say which, and nothing is said)",
+                  UserWarning, stacklevel=caller_stacklevel())
 
 
 def _group_hparams(saved: dict, gi: int, members: list[Any]) -> AdamHParams:
