@@ -962,16 +962,21 @@ def test_hparams_no_step_can_take_are_refused_before_any_file_is_written(tmp_pat
 
 @pytest.mark.parametrize("key, value, where", [
     ("eps", 0.0, r"\['eps'\]: eps = 0\.0 is invalid; expected eps > 0"),
+    ("lr", -0.1, r"\['lr'\]: lr = -0\.1 is invalid; expected lr >= 0"),
+    ("betas", (0.9, 1.0), r"\['betas'\]\[1\]: beta2 = 1\.0 is invalid; expected 0 <= beta2 < 1"),
     ("eps", 1e-50, r": eps = 1e-50 is beyond float32's range"),
     ("lr", 1e39, r": lr = 1e\+39 is beyond float32's range")])
 def test_a_saved_hparam_no_step_can_take_is_refused_at_load_naming_its_group(tmp_path, key, value, where):
     """A file's eps or lr that float32, in which a float32 leaf load_zero3 loads is stepped (a block of float64
     leaves: the next test), cannot hold was loaded without a word and refused only at the first update, naming a
     params leaf (the range check at import covered from_torch_optim's float32 leaves only): it is refused at load
-    naming the group."""
+    naming the group. A value out of the range a step takes (an eps of 0, which DeepSpeed's and torch's Adam step)
+    is no damage to the file: a CheckpointError as from_torch_optim raises, not a CorruptCheckpointError (it was
+    one)."""
     opt, params = _saved_with_group_entry(tmp_path, key, value)
-    with pytest.raises(ck.CheckpointError, match=rf"block 1 .*param_groups\[1\]{where}"):
+    with pytest.raises(ck.CheckpointError, match=rf"block 1 .*param_groups\[1\]{where}") as info:
         ck.load_zero3(tmp_path, opt, params, HP)
+    assert not isinstance(info.value, ck.CorruptCheckpointError)
 
 
 def test_a_saved_eps_float32_cannot_hold_loads_into_float64_leaves_that_can_step_with_it(tmp_path):

@@ -92,7 +92,7 @@ def one_element(x: Any) -> Any:
 
 
 def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError] = CheckpointError, *,
-                  float32: str | None = None) -> AdamHParams:
+                  float32: str | None = None, range_error: type[CheckpointError] = CheckpointError) -> AdamHParams:
     """A saved param group's lr, betas, eps and weight_decay as floats. Where one is missing or the betas are not
     a pair: ``error`` with the message ``missing`` and what is wrong. Each is a real number (a Python or numpy one, or a
     tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
@@ -101,7 +101,9 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite: ``error`` naming the entry, the value and the
     range; torch.optim takes ``eps=0``, which no step here can). ``float32``: where a leaf of the group is
     stepped in float32, why (the words ending the refusal): the values float32 cannot hold are refused too
-    (:func:`~sofx.adam.check_float32_range`, as ``update`` refuses them at the first step, naming a leaf)."""
+    (:func:`~sofx.adam.check_float32_range`, as ``update`` refuses them at the first step, naming a leaf). A number
+    out of range is ``range_error`` (a :class:`CheckpointError`: an eps of 0 is torch's and DeepSpeed's to step, no
+    damage to the file, where ``error`` may say the file is corrupt)."""
     try:
         b1, b2 = group["betas"]
         raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
@@ -116,14 +118,14 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
         try:  # (as update() checks it: refused here, naming the entry, not at the first step, naming a leaf)
             check_hparam_range(field, v, f"{at}{name}")
         except HParamError as exc:
-            raise error(str(exc)) from None
+            raise range_error(str(exc)) from None
         values.append(float(v))
     hp = AdamHParams(*values)
     if float32 is not None:
         try:
             check_float32_range(hp, at)
         except HParamError as exc:
-            raise error(f"{exc} ({float32})") from None
+            raise range_error(f"{exc} ({float32})") from None
     return hp
 
 
