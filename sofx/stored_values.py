@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["refuse_negative"]
+__all__ = ["refuse_negative", "refuse_beyond"]
 
 
 def refuse_negative(x: torch.Tensor, what: str, where: str, error: type[Exception]) -> None:
@@ -21,3 +21,19 @@ def refuse_negative(x: torch.Tensor, what: str, where: str, error: type[Exceptio
         index = f"[{', '.join(map(str, at))}]" if at else ""
         raise error(f"{where}{index} = {x[tuple(at)].item()!r}: expected a {what} >= 0 (no run stores a negative "
                     "one: the state is corrupt)")
+
+
+def refuse_beyond(x: torch.Tensor, dtype: torch.dtype, where: str, why: str, error: type[Exception]) -> None:
+    """Refuse ``x`` where a finite element's magnitude is beyond ``dtype``'s largest, which a cast to ``dtype``
+    (``why``: whose dtype it is) stores as inf (a second moment of 4e6 in float16): ``error`` naming ``where``, the
+    first such element's index and its value. An inf or nan in ``x`` is a diverged run's, cast as it is."""
+    largest = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max <= largest:
+        return
+    beyond = (x.abs() > largest) & x.isfinite()
+    if bool(beyond.any()):
+        at = tuple(int(i) for i in beyond.nonzero()[0])
+        index = f"[{', '.join(map(str, at))}]" if at else ""
+        name = str(dtype).removeprefix("torch.")
+        raise error(f"{where}{index} = {x[at].item()!r} is beyond {name}'s range (largest {largest!r}), {why}: it "
+                    "would be inf there")

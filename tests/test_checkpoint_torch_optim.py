@@ -1008,3 +1008,30 @@ def test_an_older_state_dict_without_decoupled_weight_decay_says_which_decay_it_
         warnings.simplefilter("error")
         ck.from_torch_optim(sofx.adam(), older, params)
         ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
+def test_moments_beyond_the_range_of_the_dtype_they_are_cast_to_are_refused_naming_the_element():
+    """torch.optim's ``load_state_dict`` casts the moments to their parameter's dtype: a float32 (or bfloat16)
+    state of float16 params holding a second moment beyond 65504 (a gradient of 300 makes one) was exported and
+    loaded as inf, the parameter then frozen without a word; ``from_torch_optim`` into a float16 ``state_dtype``
+    cast torch's float32 moments as well. Both refused, naming the element, its value and the dtype; without
+    ``params=`` the export cannot know the params' dtype (a state_dtype's moments stand for no dtype)."""
+    for state_dtype in (torch.float32, torch.bfloat16):
+        opt = sofx.adamw(lr=1e-3, state_dtype=state_dtype)
+        params = {"b": torch.ones(2, dtype=torch.float16), "w": torch.ones(3, dtype=torch.float16)}
+        grads = {"b": torch.ones(2, dtype=torch.float16), "w": torch.tensor([1.0, 6e4, 2.0], dtype=torch.float16)}
+        params, state, _ = opt.update(params, grads, opt.init(params))
+        with pytest.raises(UnsupportedError, match=r"^to_torch_optim: state\.nu\['w'\]\[1\] = 36[0-9.]+ is beyond "
+                                                   r"float16's range \(largest 65504\.0\), params\['w'\]'s dtype"):
+            ck.to_torch_optim(opt, state, params=params)
+        torch_params = [torch.nn.Parameter(params[k].clone()) for k in ("b", "w")]
+        torch_opt = torch.optim.AdamW(torch_params)
+        torch_opt.load_state_dict(ck.to_torch_optim(opt, state))  # (no params=: not known, not checked)
+        assert torch_opt.state[torch_params[1]]["exp_avg_sq"][1].isinf()  # (what torch makes of it)
+    params, sd = _adamw_state_dict()
+    sd["state"][3]["exp_avg_sq"][1, 2] = 1e7
+    with pytest.raises(UnsupportedError, match=r"^from_torch_optim: state\[3\]\['exp_avg_sq'\] for "
+                                               r"params\['enc'\]\['w'\]\[1, 2\] = 10000000\.0 is beyond float16's "
+                                               r"range \(largest 65504\.0\), the optimizer's state_dtype"):
+        ck.from_torch_optim(sofx.adamw(state_dtype=torch.float16), sd, params)
+    ck.from_torch_optim(sofx.adamw(state_dtype=torch.bfloat16), sd, params)

@@ -17,7 +17,9 @@ leaves (count 0) are left out on export and come back with count 0 and zero
 moments on import. Step counts travel as torch's float32 ``step`` tensors
 (exact up to 2**24). Moments come back in the optimizer's ``state_dtype``
 (the parameter's dtype when ``None``); torch casts them to the parameter
-dtype on ``load_state_dict``. Unsupported on either side: ``amsgrad``,
+dtype on ``load_state_dict``. A moment beyond the range of the dtype it is cast
+to (a float32 second moment over 65504 for float16) is refused, not made inf:
+on import, and on export where ``params=`` gives the parameters' dtypes. Unsupported on either side: ``amsgrad``,
 ``maximize``, and sofx's ``bias_correction=False`` (torch has no such option).
 The state dict of another torch optimizer that keeps Adam's state keys
 (``NAdam``, ``RAdam``) is refused by its param groups. torch's ``load_state_dict``
@@ -46,7 +48,7 @@ from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.stored_values import refuse_negative
+from sofx.stored_values import refuse_beyond, refuse_negative
 from sofx.warn import caller_stacklevel
 
 __all__ = ["to_torch_optim", "from_torch_optim", "torch_param_groups"]
@@ -140,7 +142,9 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
         for leaf in g.leaves:
             c = _export_count(counts[leaf], f"state.count{paths[leaf][len('params'):]}")
             if c > 0:
-                _check_exported_moments(mus[leaf], nus[leaf], paths[leaf][len('params'):])
+                target = p_leaves[leaf] if params is not None else None
+                _check_exported_moments(mus[leaf], nus[leaf], paths[leaf][len('params'):],
+                                        target.dtype if isinstance(target, torch.Tensor) else None, paths[leaf])
                 torch_state[index] = {"step": torch.tensor(float(c), dtype=torch.float32),
                                       "exp_avg": mus[leaf].detach().clone(),
                                       "exp_avg_sq": nus[leaf].detach().clone()}
@@ -190,11 +194,13 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
     return [{k: copy.deepcopy(v) for k, v in group.items() if k not in _EXPORTED_KEYS} for group in found]
 
 
-def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
+def _check_exported_moments(mu: Any, nu: Any, at: str, dtype: torch.dtype | None, path: str) -> None:
     """Refuse moments torch's ``load_state_dict`` cannot copy (it fails in its own copy, naming no parameter):
-    not a tensor, or one without dense floating-point data (:func:`_not_a_moment`); and a negative second moment,
-    which no run stores and :func:`from_torch_optim` refuses as corrupt. ``at``: the leaf's path below the state's
-    root."""
+    not a tensor, or one without dense floating-point data (:func:`_not_a_moment`); a negative second moment,
+    which no run stores and :func:`from_torch_optim` refuses as corrupt; and, where the parameter's ``dtype`` is
+    known (``params=``), a value beyond its range, which that ``load_state_dict`` casts the moments to (a float32
+    state of float16 params: inf there, the parameter frozen). ``at``: the leaf's path below the state's root,
+    ``path`` the parameter's."""
     for field, t in (("mu", mu), ("nu", nu)):
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"state.{field}{at}: expected a dense floating-point tensor with data, got a "
@@ -206,6 +212,9 @@ def _check_exported_moments(mu: Any, nu: Any, at: str) -> None:
             refuse_short_storage(t, f"state.{field}{at}", CheckpointError)
         if field == "nu":  # (from_torch_optim refuses it back as corrupt)
             refuse_negative(t.detach(), "second moment", f"state.nu{at}", CheckpointError)
+        if dtype is not None and dtype.is_floating_point:
+            refuse_beyond(t.detach(), dtype, f"to_torch_optim: state.{field}{at}",
+                          f"{path}'s dtype, to which torch.optim's load_state_dict casts the moments", UnsupportedError)
 
 
 def _export_count(x: Any, where: str) -> int:
@@ -505,6 +514,9 @@ def _import_leaf(opt: Adam, entry: Any, p: torch.Tensor, path: str, pid: Any, le
         if name == "exp_avg_sq":
             refuse_negative(t.detach(), "second moment", f"from_torch_optim: {where}[{name!r}] for {path}",
                             CheckpointError)
+        refuse_beyond(t.detach(), dtype, f"from_torch_optim: {where}[{name!r}] for {path}",
+                      "the optimizer's state_dtype" if opt.state_dtype is not None else "the parameter's dtype",
+                      UnsupportedError)
         out[leaf] = t.detach().to(device=device, dtype=dtype, copy=True)
 
 
