@@ -1381,3 +1381,29 @@ def test_the_file_name_helpers_refuse_ranks_that_are_not_integers():
                        (lambda: model_states_file_name("0"), "dp_rank")):
         with pytest.raises(ck.CheckpointError, match=rf"^{name} = "):
             call()
+
+
+def test_values_beyond_the_range_of_the_dtype_they_are_loaded_in_are_refused_naming_the_element(tmp_path):
+    """A file's fp32 masters are cast to each template leaf's dtype and its moments to ``opt.state_dtype`` (the
+    leaf's where ``None``): a second moment over 65504 (a DeepSpeed fp16 run's, common) loaded into a float16
+    template came back inf without a word, the parameter then frozen; a master over 65504 too. Refused, naming the
+    block, the leaf, the element and the dtype; a float32 state_dtype takes the moment."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          deepspeed_objects=False)
+    top = torch.load(files[0], weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["exp_avg_sq"][7 + 4] = 1e7
+    torch.save(top, files[0])
+    half = _params(torch.float16)
+    with pytest.raises(sofx.UnsupportedError, match=r"^load_zero3: block 1's exp_avg_sq for params\['enc'\]\['w'\]"
+                                                    r"\[1, 1\] = 10000000\.0 is beyond float16's range \(largest "
+                                                    r"65504\.0\), the leaf's dtype"):
+        ck.load_zero3(tmp_path, opt, half, HP)
+    wide = sofx.adamw(state_dtype=torch.float32)
+    assert ck.load_zero3(tmp_path, wide, half, HP)[1].nu["enc"]["w"][1, 1] == 1e7
+    top["optimizer_state_dict"]["fp32_flat_groups"][1][7 + 5] = -1e5
+    torch.save(top, files[0])
+    with pytest.raises(sofx.UnsupportedError, match=r"^load_zero3: block 1's master for params\['enc'\]\['w'\]"
+                                                    r"\[1, 2\] = -100000\.0 is beyond float16's range"):
+        ck.load_zero3(tmp_path, wide, half, HP)

@@ -68,7 +68,7 @@ from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import flag, integer
 from sofx.loss_scale import (GROWTH_RULES, DynamicLossScaleRule, DynamicLossScaleState, StaticScaleRule,
                              StaticScaleState, deepspeed_scaler, static_scale)
-from sofx.stored_values import refuse_negative
+from sofx.stored_values import refuse_beyond, refuse_negative
 
 __all__ = ["zero3_file_name", "model_states_file_name", "param_names", "save_zero3", "load_zero3",
            "load_zero3_loss_scaler", "partition_numel", "DEEPSPEED_STAND_INS"]
@@ -568,7 +568,8 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
 
     ``params`` is the template: the blocks are unpacked into its leaves'
     shapes, dtypes (the fp32 master is cast to each leaf's dtype) and devices (a meta leaf's: the CPU);
-    moments come back in ``opt.state_dtype`` (the leaf's dtype when ``None``).
+    moments come back in ``opt.state_dtype`` (the leaf's dtype when ``None``); a value beyond the range of the
+    dtype it is cast to (a second moment over 65504 into float16) is refused, naming it, not made inf.
     Block layout: with ``groups``, as given (checked against the layout a sofx-written file records);
     else, when the directory holds
     DeepSpeed's ``zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt`` (DeepSpeed
@@ -629,13 +630,16 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
             pn = partition_numel(p.numel(), world)
             state_dtype = opt.state_dtype or p.dtype
 
-            def gather(key: str, dtype: torch.dtype) -> torch.Tensor:
-                full = torch.cat([rk[key][b][offset:offset + pn] for rk in ranks])[:p.numel()]
-                return full.reshape(p.shape).to(device=template_device(p), dtype=dtype, copy=True)
+            def gather(key: str, dtype: torch.dtype, whose: str) -> torch.Tensor:
+                full = torch.cat([rk[key][b][offset:offset + pn] for rk in ranks])[:p.numel()].reshape(p.shape)
+                # (a value the cast would make inf: a DeepSpeed fp16 run's second moment over 65504)
+                refuse_beyond(full, dtype, f"load_zero3: block {b}'s {key} for {paths[i]}", whose, UnsupportedError)
+                return full.to(device=template_device(p), dtype=dtype, copy=True)
 
-            new_p[i] = gather("master", p.dtype)
-            mus[i] = gather("exp_avg", state_dtype)
-            nus[i] = gather("exp_avg_sq", state_dtype)
+            moments = "the optimizer's state_dtype" if opt.state_dtype is not None else "the leaf's dtype"
+            new_p[i] = gather("master", p.dtype, "the leaf's dtype")
+            mus[i] = gather("exp_avg", state_dtype, moments)
+            nus[i] = gather("exp_avg_sq", state_dtype, moments)
             counts[i] = torch.tensor(steps[b], dtype=torch.int64)
             offset += pn
     state = AdamState(tree.unflatten(spec, counts), tree.unflatten(spec, mus), tree.unflatten(spec, nus))
