@@ -1423,3 +1423,20 @@ def test_a_saved_ordered_dict_keeps_its_order_under_a_template_of_another_dict_t
     assert torch.equal(back["z"], saved["z"]) and torch.equal(back["a"], saved["a"])
     reordered = collections.OrderedDict([("a", torch.zeros(3)), ("z", torch.zeros(2))])
     assert list(ck.load(path, like={"x": reordered})["x"]) == ["a", "z"]
+
+
+@pytest.mark.parametrize("key, kind", [(True, "a bool"), (1.0, "a float")])
+def test_a_template_key_equal_to_a_saved_key_only_by_pythons_equality_is_refused_naming_both(tmp_path, key, kind):
+    """A checkpoint's dict keys are str or int (a bool or float key is refused at save). A template key of
+    another type that Python finds equal (``True == 1 == 1.0``) matched the saved ``1``, and the loaded dict held
+    the template's key, which no save writes: refused, naming the path and both keys. An integer of another type
+    is the int it equals."""
+    path = ck.save(tmp_path / "k.ckpt", {0: torch.zeros(1), 1: torch.ones(2)})
+    shown = re.escape(repr(key))
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"k\.ckpt: tree: the template's dict key {shown} \({kind}\) "
+                                                         r"is the checkpoint's key 1 \(an int\) only by Python's "
+                                                         r"equality"):
+        ck.load(path, like={0: torch.zeros(1), key: torch.ones(2)})
+    assert list(ck.load(path, like={1: torch.zeros(2), 0: torch.zeros(1)})) == [1, 0]
+    np = pytest.importorskip("numpy")  # (a numpy integer is the int it holds, as a numpy scalar template is)
+    assert ck.load(path, like={0: torch.zeros(1), np.int64(1): torch.zeros(2)})[1].shape == (2,)

@@ -429,6 +429,7 @@ def _decode_dict(node: dict, kind: str, items: list, like: Any, has_like: bool, 
                 f"{path}: the dict keys differ from the template's: "
                 + "; ".join(s for s in (f"missing from the checkpoint: {missing}" if missing else "",
                                         f"not in the template: {extra}" if extra else "") if s))
+        _check_key_kinds(like, keys, path)
         if kind != "odict" or isinstance(like, collections.OrderedDict):
             # (a saved OrderedDict's order is its leaf order: a template of another dict type, which matches it
             # key by key, does not reorder it)
@@ -446,6 +447,20 @@ def _decode_dict(node: dict, kind: str, items: list, like: Any, has_like: bool, 
             raise _corrupt(path, "the OrderedDict's _metadata is not a dict")
         out._metadata = meta  # type: ignore[attr-defined]
     return out
+
+
+def _check_key_kinds(like: Mapping[Any, Any], keys: list[str | int], path: str) -> None:
+    """Refuse a template key that is a saved int key only by Python's equality (``True == 1 == 1.0``): a bool, or a
+    number that is no integer (a save refuses such keys; the loaded dict held the template's key, which no save
+    writes). An integer of another type (numpy's, an ``IntEnum``) is the int it equals, as a numpy scalar template
+    is the number it holds."""
+    saved = {k: k for k in keys}
+    for k in like:
+        s = saved.get(k)
+        if type(s) is int and (isinstance(k, (bool, _NumpyBool)) or not isinstance(k, numbers.Integral)):
+            raise CheckpointMismatchError(f"{path}: the template's dict key {k!r} ({_describe(k)}) is the "
+                                          f"checkpoint's key {s!r} (an int) only by Python's equality: a "
+                                          "checkpoint's keys are str or int, the template's must be of their kind")
 
 
 def _decode_namedtuple(node: dict, items: list, like: Any, has_like: bool, path: str,
