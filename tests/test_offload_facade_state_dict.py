@@ -613,3 +613,20 @@ def test_every_lr_scheduler_resumed_through_torch_save_goes_on_as_torch_optims_u
         params, seen = _scheduled_run("sofx", scheduler, resume_at)
         assert seen == want[1], f"resumed at {resume_at}"
         assert_trees_bitwise(params, want[0])
+
+
+def test_a_state_value_of_another_dtype_or_kind_is_refused_naming_what_it_is():
+    """``opt.state[p]["exp_avg"] = value``: an int64 tensor of the right shape was refused as "must be a float
+    tensor of shape (3, 5), got Tensor (3, 5)", the shape it has and no word of its dtype; a list was shown whole.
+    The refusal names the dtype and shape of a tensor, and the type of anything else (shortened)."""
+    model = _model()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        state = opt.state[model.weight]
+        with pytest.raises(sofx.UnsupportedError, match=r"must be a float tensor of shape \(3, 5\), got a "
+                                                        r"torch\.int64 tensor of shape \(3, 5\)$"):
+            state["exp_avg"] = torch.zeros(3, 5, dtype=torch.int64)
+        with pytest.raises(sofx.UnsupportedError, match=r"must be a float tensor of shape \(3, 5\), got a "
+                                                        r"torch\.float32 tensor of shape \(5, 3\)$"):
+            state["exp_avg"] = torch.zeros(5, 3)
+        with pytest.raises(sofx.UnsupportedError, match=r"got a list \[\[0, 0, 0.{0,55}$"):
+            state["exp_avg_sq"] = [[0] * 5] * 300

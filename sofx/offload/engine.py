@@ -83,7 +83,7 @@ import torch
 from sofx.adam import COUNT_MAX, AdamHParams, check_float32_range, check_step_size
 from sofx.errors import HParamError, LeafError, SofxError, StructureError, UnsupportedError
 from sofx.kernels import select_backend
-from sofx.kernels.user_numbers import as_integer, flag, is_bool, real_number
+from sofx.kernels.user_numbers import _described, as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.kernels.storage import in_storage, refuse_short_storage, short_storage_message, storage_shortfall
 from sofx.loss_scale import LossScaler
@@ -1909,7 +1909,8 @@ class OffloadEngine:
             check_dense(value, where, UnsupportedError)
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
                 or tuple(value.shape) != tuple(target.shape):
-            got = f"{type(value).__name__} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            # (a tensor's dtype named: an int64 one of the right shape read "got Tensor (3, 5)")
+            got = _described(value) if isinstance(value, torch.Tensor) else f"a {type(value).__name__} {value!r:.60}"
             raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
                                    f"{tuple(target.shape)}, got {got}")
         check_nonnegative(value.detach(), key, where, UnsupportedError)
