@@ -1816,6 +1816,35 @@ def test_a_groups_params_set_to_other_than_a_list_is_refused_naming_its_type(giv
             p.requires_grad for p in params)
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda opt: opt.param_groups.__setitem__(0, 5), r"param_groups\[0\] is of type int, not a param group \(a dict"),
+    (lambda opt: setattr(opt, "param_groups", None), r"param_groups is None, not a list of param groups"),
+    (lambda opt: setattr(opt, "param_groups", {"params": []}),
+     r"param_groups is of type dict, not a list of param groups")],
+    ids=["a group that is no dict", "none", "a dict"])
+def test_param_groups_or_a_group_that_is_not_what_torch_optim_holds_is_refused_naming_its_type(change, message):
+    """``opt.param_groups[0] = 5`` or ``opt.param_groups = None``: the facade raised Python's bare AttributeError
+    ("'int' object has no attribute 'get'") or TypeError ("object of type 'NoneType' has no len()") out of
+    backward, ``step()``, ``state_dict()`` and ``load_state_dict()``. Refused naming what is there, before any
+    block is stepped; the optimizer works again once the groups are put back."""
+    model, _ = _models()
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
+        groups, group = opt.param_groups, opt.param_groups[0]
+        change(opt)
+        with pytest.raises(sofx.UnsupportedError, match=message):
+            opt.backward(mlp_loss(model, mlp_batch(gen)))
+        with pytest.raises(sofx.UnsupportedError, match=message):
+            opt.state_dict()
+        opt.zero_grad()
+        assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+        groups[:] = [group]
+        opt.param_groups = groups
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        assert not opt.step().skipped
+
+
 def test_a_group_appended_to_or_removed_from_param_groups_directly_is_refused_naming_param_groups():
     """``opt.param_groups.append(group)`` bypasses the refused ``add_param_group`` (and ``pop`` removes a group
     whose parameters are packed into blocks): refused clearly, naming ``param_groups`` and what to do, before any

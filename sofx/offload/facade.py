@@ -715,8 +715,20 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     def _check_group_count(self) -> None:
         """``param_groups`` still holds as many groups as at construction: a group appended to the list directly
-        (bypassing the refused :meth:`add_param_group`) or removed from it is refused, as that method is."""
-        n, made = len(self.param_groups), len(self._group_param_ids)
+        (bypassing the refused :meth:`add_param_group`) or removed from it is refused, as that method is; so is a
+        ``param_groups`` that is no list (``None``, a dict: Python's bare TypeError from ``len``, or its keys read as
+        groups) and a group that is no dict (``param_groups[0] = 5``: a bare AttributeError)."""
+        groups = self.param_groups
+        if not isinstance(groups, (list, tuple)):
+            found = "None" if groups is None else f"of type {type(groups).__name__}"
+            raise UnsupportedError(f"param_groups is {found}, not a list of param groups (dicts) as torch.optim "
+                                   "holds: put back the list it was made with")
+        for i, g in enumerate(groups):
+            if not isinstance(g, Mapping):
+                raise UnsupportedError(f"param_groups[{i}] is of type {type(g).__name__}, not a param group (a dict "
+                                       "with 'params' and the hparams, as torch.optim holds): put back the group it "
+                                       "was made with")
+        n, made = len(groups), len(self._group_param_ids)
         if n != made:
             raise UnsupportedError(f"param_groups has {n} groups, this optimizer was made with {made}: its "
                                    "parameters are packed into blocks at construction, so groups cannot be added "
