@@ -1407,3 +1407,27 @@ def test_values_beyond_the_range_of_the_dtype_they_are_loaded_in_are_refused_nam
     with pytest.raises(sofx.UnsupportedError, match=r"^load_zero3: block 1's master for params\['enc'\]\['w'\]"
                                                     r"\[1, 2\] = -100000\.0 is beyond float16's range"):
         ck.load_zero3(tmp_path, wide, half, HP)
+
+
+def test_ranks_whose_step_counts_or_hparams_differ_are_refused_naming_the_block_and_both_values(tmp_path):
+    """Rank files of two runs (or a rank's file edited) whose step counts or hyperparameters differ were refused
+    as "its step counts or hyperparameters differ from rank 0's", naming neither the block nor the values: the
+    refusal names the rank's file, the first block that differs, what differs and both ranks' values."""
+    opt = sofx.adamw()
+    params = _params()
+    files = ck.save_zero3(tmp_path, opt, params, _train(opt, params, opt.init(params), 0, 2)[1], HP,
+                          dp_world_size=2, deepspeed_objects=False)
+    top = torch.load(files[1], weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["step"] = 5
+    torch.save(top, files[1])
+    with pytest.raises(ck.CorruptCheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: block 1 "
+                                                        r"\(params\['enc'\]\['b'\]\.\.\.\) has step count 5, rank 0's "
+                                                        r"file 2"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["state"][1]["step"] = 2
+    top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][0]["lr"] = 0.5
+    torch.save(top, files[1])
+    pattern = (r"rank_1_mp_rank_00_optim_states\.pt: block 0 \(params\['dec'\]\[0\]\.\.\.\) has hyperparameters "
+               r"AdamHParams\(lr=0\.5, .*\), rank 0's file AdamHParams\(lr=0\.005, ")
+    with pytest.raises(ck.CorruptCheckpointError, match=pattern):
+        ck.load_zero3(tmp_path, opt, params, HP)

@@ -616,9 +616,14 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
     ranks = [_read_rank(f, r, world, resolved, p_leaves, paths, opt, first if r == 0 else None)
              for r, f in enumerate(files)]
     group_hp, steps = ranks[0]["hparams"], ranks[0]["steps"]
-    for r, rk in enumerate(ranks[1:], start=1):
-        if rk["steps"] != steps or rk["hparams"] != group_hp:
-            raise CorruptCheckpointError(f"{files[r]}: its step counts or hyperparameters differ from rank 0's")
+    for r, rk in enumerate(ranks[1:], start=1):  # (each rank's file holds every block's count and hparams)
+        for b, g in enumerate(resolved):
+            for what, mine, first in (("step count", rk["steps"][b], steps[b]),
+                                      ("hyperparameters", rk["hparams"][b], group_hp[b])):
+                if mine != first:
+                    raise CorruptCheckpointError(f"{files[r]}: block {b} ({paths[g.leaves[0]]}...) has {what} "
+                                                 f"{mine}, rank 0's file {first}: the rank files are of different "
+                                                 "runs or steps")
     new_p: list[Any] = [None] * len(p_leaves)
     counts: list[Any] = [None] * len(p_leaves)
     mus: list[Any] = [None] * len(p_leaves)
