@@ -1035,3 +1035,28 @@ def test_moments_beyond_the_range_of_the_dtype_they_are_cast_to_are_refused_nami
                                                r"range \(largest 65504\.0\), the optimizer's state_dtype"):
         ck.from_torch_optim(sofx.adamw(state_dtype=torch.float16), sd, params)
     ck.from_torch_optim(sofx.adamw(state_dtype=torch.bfloat16), sd, params)
+
+
+def test_an_l2_export_like_a_torch_adamw_is_refused_saying_that_adamw_would_decouple_its_decay():
+    """``torch.optim.AdamW.load_state_dict`` makes every group's weight decay decoupled (its ``__setstate__``),
+    whatever the state dict says: ``to_torch_optim(sofx.adam(), ..., like=torch_adamw)`` exported
+    ``decoupled_weight_decay=False``, and the torch optimizer went on as AdamW without a word (0.6e-3 off sofx.adam's
+    next step here). Refused, naming the torch optimizer to load it into; a torch.optim.Adam takes it, so does AdamW
+    where no weight decay is exported (the two the same step), and sofx.adamw's export loads into either."""
+    params = {"w": torch.randn(4, generator=torch.Generator().manual_seed(0))}
+    grads = {"w": torch.randn(4, generator=torch.Generator().manual_seed(1))}
+    adam = sofx.adam(lr=1e-2, weight_decay=0.1)
+    state = adam.update(params, grads, adam.init(params))[1]
+    torch_adamw = torch.optim.AdamW([torch.nn.Parameter(params["w"].clone())], lr=1e-2, weight_decay=0.1)
+    with pytest.raises(UnsupportedError, match=r"^to_torch_optim: like is a torch\.optim\.AdamW, whose "
+                                               r"load_state_dict makes every group's weight decay decoupled.*"
+                                               r"torch\.optim\.Adam"):
+        ck.to_torch_optim(adam, state, like=torch_adamw)
+    torch_adam = torch.optim.Adam([torch.nn.Parameter(params["w"].clone())], lr=1e-2, weight_decay=0.1)
+    torch_adam.load_state_dict(ck.to_torch_optim(adam, state, like=torch_adam))
+    assert torch_adam.param_groups[0]["decoupled_weight_decay"] is False
+    torch_adamw.load_state_dict(ck.to_torch_optim(adam, state, sofx.AdamHParams(weight_decay=0.0), like=torch_adamw))
+    adamw = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    for like in (torch_adam, torch_adamw):
+        like.load_state_dict(ck.to_torch_optim(adamw, adamw.update(params, grads, adamw.init(params))[1], like=like))
+        assert like.param_groups[0]["decoupled_weight_decay"] is True

@@ -113,7 +113,8 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     the entries of ``like``'s group of its position but ``params``, the hparams (``lr``, ``betas``, ``eps``,
     ``weight_decay``: the export's) and the options that change the math (``amsgrad``, ``maximize``,
     ``decoupled_weight_decay``: the optimizer's); ``like`` with another number of groups, or a group of another
-    size, is refused (:class:`~sofx.checkpoint.CheckpointMismatchError`).
+    size, is refused (:class:`~sofx.checkpoint.CheckpointMismatchError`); so is a ``torch.optim.AdamW`` as ``like``
+    of an L2 optimizer's export with weight decay (``sofx.adam``: AdamW's ``load_state_dict`` makes it decoupled).
     """
     _check_opt(opt, "to_torch_optim")
     if not isinstance(state, AdamState):
@@ -133,6 +134,7 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     # float32 moments are stepped in float64; from_torch_optim checks its params)
     if params is not None or opt.state_dtype is None:
         check_float32_groups(resolved, mus if params is None else p_leaves, paths)
+    _refuse_decoupling_like(opt, like, resolved)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
     torch_state: dict[int, dict] = {}
     param_groups = []
@@ -166,6 +168,19 @@ def _check_shapes(p_leaves: list[Any], mus: list[Any], nus: list[Any], paths: li
 # change the math
 _EXPORTED_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
                             "decoupled_weight_decay"})
+
+
+def _refuse_decoupling_like(opt: Adam, like: Any, resolved: list[ParamGroup]) -> None:
+    """Refuse an export of L2 weight decay (``sofx.adam``; a group of ``resolved`` with a decay other than 0) for a
+    ``torch.optim.AdamW`` (``like``): its ``load_state_dict`` makes every group's weight decay decoupled
+    (``AdamW.__setstate__``), whatever the state dict says, and the run would go on as AdamW without a word. (A
+    state dict or groups as ``like`` do not say which torch class they are for: ``torch.optim.Adam`` takes either
+    decay from them.)"""
+    if not opt.variant.decoupled and isinstance(like, torch.optim.AdamW) and \
+            any(g.hparams.weight_decay != 0 for g in resolved):
+        raise UnsupportedError("to_torch_optim: like is a torch.optim.AdamW, whose load_state_dict makes every "
+                               "group's weight decay decoupled: this optimizer's L2 weight decay (sofx.adam) would "
+                               "go on as AdamW's; load the export into a torch.optim.Adam (like=torch.optim.Adam(...))")
 
 
 def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
