@@ -240,6 +240,25 @@ def test_the_layout_a_file_records_is_used_and_checked(tmp_path):
         ck.load_zero3(tmp_path, opt, template, groups=[["params['a']"], ["params['b']"]])
 
 
+@pytest.mark.parametrize("template, pattern", [
+    (5, r"^hparams for params\['dec'\]\[0\]: expected an AdamHParams, got int"),
+    ({"enc": 0.1, "dec": None}, r"^hparams for params\['enc'\]\['b'\]: expected an AdamHParams, got float"),
+    ({"enc": sofx.AdamHParams()}, r"^hparams is not a prefix of the structure of params")],
+    ids=["a number", "a number in a dict", "a dict missing an entry"])
+def test_an_hparams_template_that_is_no_prefix_tree_of_adamhparams_is_refused_where_the_files_give_the_layout(
+        tmp_path, template, pattern):
+    """Where the layout comes from the files (the blocks a sofx file records), the ``hparams`` template was only
+    mapped over: ``{"enc": 0.1, "dec": None}`` came back with an ``AdamHParams`` in the number's place, and
+    ``hparams=5`` was refused as an entry covering blocks of other values, where from_torch_optim and a load
+    without the recorded layout refuse both as update would. Refused alike, naming the leaf (a dict missing an
+    entry was already)."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _train(opt, _params(), opt.init(_params()), 0, 2)
+    ck.save_zero3(tmp_path, opt, params, state, HP, deepspeed_objects=False)
+    with pytest.raises(sofx.SofxError, match=pattern):
+        ck.load_zero3(tmp_path, opt, _params(), template)
+
+
 @pytest.mark.parametrize("model_states", [False, True])
 def test_an_hparams_template_coarser_than_the_files_blocks_is_refused_not_given_one_blocks_values(tmp_path,
                                                                                                   model_states):

@@ -606,6 +606,8 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
             groups = recorded_groups = [[leaf[0] for leaf in block if isinstance(leaf, list) and leaf]
                                         for block in recorded]
             from_file = True
+    if from_file and hparams is not None:  # (a template only, but one update takes: 5 came back as AdamHParams)
+        opt.resolve_hparams(hparams, spec)
     try:
         resolved = resolve_groups(opt, spec, None if from_file else hparams, groups)
     except CheckpointError as exc:
