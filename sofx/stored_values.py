@@ -24,13 +24,13 @@ def refuse_negative(x: torch.Tensor, what: str, where: str, error: type[Exceptio
 
 
 def refuse_beyond(x: torch.Tensor, dtype: torch.dtype, where: str, why: str, error: type[Exception]) -> None:
-    """Refuse ``x`` where a finite element's magnitude is beyond ``dtype``'s largest, which a cast to ``dtype``
-    (``why``: whose dtype it is) stores as inf (a second moment of 4e6 in float16): ``error`` naming ``where``, the
-    first such element's index and its value. An inf or nan in ``x`` is a diverged run's, cast as it is."""
+    """Refuse ``x`` where a finite element becomes inf in a cast to ``dtype`` (``why``: whose dtype it is): a second
+    moment of 4e6 in float16 (one that rounds to its largest, 65510, is taken): ``error`` naming ``where``, the first
+    such element's index and its value. An inf or nan in ``x`` is a diverged run's, cast as it is."""
     largest = torch.finfo(dtype).max
     if torch.finfo(x.dtype).max <= largest:
         return
-    beyond = (x.abs() > largest) & x.isfinite()
+    beyond = x.to(dtype).isinf() & x.isfinite()
     if bool(beyond.any()):
         at = tuple(int(i) for i in beyond.nonzero()[0])
         index = f"[{', '.join(map(str, at))}]" if at else ""

@@ -1035,6 +1035,9 @@ def test_moments_beyond_the_range_of_the_dtype_they_are_cast_to_are_refused_nami
                                                r"range \(largest 65504\.0\), the optimizer's state_dtype"):
         ck.from_torch_optim(sofx.adamw(state_dtype=torch.float16), sd, params)
     ck.from_torch_optim(sofx.adamw(state_dtype=torch.bfloat16), sd, params)
+    sd["state"][3]["exp_avg_sq"][1, 2] = 65519.0  # (the cast rounds it to float16's largest, 65504: taken)
+    state, _ = ck.from_torch_optim(sofx.adamw(state_dtype=torch.float16), sd, params)
+    assert state.nu["enc"]["w"][1, 2].item() == 65504.0
 
 
 def test_an_l2_export_like_a_torch_adamw_is_refused_saying_that_adamw_would_decouple_its_decay():
