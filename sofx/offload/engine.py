@@ -136,6 +136,7 @@ from sofx.speculate import (
     on_speculation_refused,
     plan_validation,
 )
+from sofx.stored_values import refuse_beyond
 from sofx.transforms import total_sumsq
 from sofx.warn import caller_stacklevel
 
@@ -208,21 +209,6 @@ def _whole_number(value: Any, largest: int, name: str, error: type[Exception]) -
         x = float(x)
         x = int(x) if math.isfinite(x) and x.is_integer() else None
     return int(x) if isinstance(x, numbers.Integral) and not is_bool(x) and 0 <= x <= largest else None
-
-
-def _check_in_range(value: torch.Tensor, dtype: torch.dtype, where: str) -> None:
-    """No finite element of ``value`` is beyond ``dtype``'s largest magnitude, where ``copy_`` would store it as
-    inf (a float64 1e39 in float32, 7e4 in float16); else an :class:`UnsupportedError` naming ``where``, the first
-    such element's index and its value. An inf given as such is not refused (a diverged run's state)."""
-    largest = torch.finfo(dtype).max
-    if torch.finfo(value.dtype).max <= largest:
-        return
-    beyond = (value.abs() > largest) & value.isfinite()
-    if bool(beyond.any()):
-        at = tuple(int(i) for i in beyond.nonzero()[0])
-        index = f"[{', '.join(map(str, at))}]" if at else ""
-        raise UnsupportedError(f"{where}{index} = {value[at].item()!r}: beyond the range of the state's {dtype} "
-                               f"(largest {largest!r}): it would be stored as inf")
 
 
 class OffloadEngine:
@@ -1903,7 +1889,7 @@ class OffloadEngine:
         dtype) that :meth:`load_state_dict` would take -- dense, with data, no negative second moment
         (:func:`~sofx.offload.engine_state.check_dense`, :func:`~sofx.offload.engine_state.check_nonnegative`;
         a nan or an inf loads, as a diverged run's state) -- with no finite value that the cast makes inf
-        (:func:`_check_in_range`)."""
+        (:func:`~sofx.stored_values.refuse_beyond`)."""
         where = f"parameter {index}'s state[{key!r}]"
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             check_dense(value, where, UnsupportedError)
@@ -1914,7 +1900,7 @@ class OffloadEngine:
             raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
                                    f"{tuple(target.shape)}, got {got}")
         check_nonnegative(value.detach(), key, where, UnsupportedError)
-        _check_in_range(value.detach(), target.dtype, where)
+        refuse_beyond(value.detach(), target.dtype, where, "the state's dtype", UnsupportedError)
 
     def reset_state(self) -> None:
         """Forget the Adam state (moments and step counts of every parameter; the masters are kept): the next
