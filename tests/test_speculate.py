@@ -1966,6 +1966,31 @@ def test_adaptive_policy_does_not_pause_on_exactly_its_fraction_of_the_window(wi
     assert state.paused
 
 
+@pytest.mark.parametrize("bad, field", [
+    (sp.PolicyState(paused="no"), r"state.paused = 'no'"),
+    (sp.PolicyState(recent=(True, 2, False)), r"state.recent\[1\] = 2"),
+    (sp.PolicyState(recent=None), r"state.recent = None"),
+    (sp.PolicyState(paused=True, quiet="x"), r"state.quiet = 'x'"),
+    (sp.PolicyState(reason=5), r"state.reason = 5"),
+    ((True, False), r"state is a tuple; expected a PolicyState"),
+])
+def test_adaptive_policy_allows_and_update_refuse_a_policy_state_they_cannot_read(bad, field):
+    """AdaptivePolicy.allows and update, called by hand, took a PolicyState made by hand as it was (begin_step
+    checks it, they did not): allows(paused="no") said the step may not speculate, update raised Python's bare
+    TypeError for recent=None or a str quiet, and a tuple raised a bare AttributeError. An HParamError names the
+    method and the field; a list of Python or numpy bools is taken as its tuple, as begin_step takes it."""
+    from sofx.errors import HParamError
+
+    policy = sp.AdaptivePolicy(window=2, pause_fraction=0.0)
+    for call, name in ((lambda: policy.allows(bad), "allows"), (lambda: policy.update(bad, True), "update"),
+                       (lambda: policy.update(bad, None), "update")):
+        with pytest.raises(HParamError, match=rf"^AdaptivePolicy.{name}: {field}"):
+            call()
+    assert policy.allows(sp.PolicyState(recent=[True, np.bool_(False)], paused=np.bool_(False))) == (True, "")
+    assert policy.update(sp.PolicyState(recent=[np.bool_(True)]), False) == policy.update(
+        sp.PolicyState(recent=(True,)), False)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_adaptive_policy_update_refuses_a_clip_outcome_that_is_no_bool(enabled):
     """AdaptivePolicy.update took clipped by its truth: "no" and 1.0 as a clipped step (a pause with

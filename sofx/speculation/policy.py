@@ -18,7 +18,7 @@ State is an immutable :class:`PolicyState`; :meth:`AdaptivePolicy.update` is pur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sofx.errors import HParamError
 from sofx.kernels.user_numbers import _described, fact_value, finite_number, flag, integer
@@ -59,6 +59,23 @@ def checked_policy_state(state: PolicyState, name: str = "policy_state", keyed: 
     return PolicyState(recent, paused, quiet, state.reason)
 
 
+def _read_state(state: Any, where: str) -> PolicyState:
+    """``state`` as :func:`checked_policy_state` reads it, for :meth:`AdaptivePolicy.allows` and
+    :meth:`~AdaptivePolicy.update` (``where``), which run every step: a state of exactly the fields' types (one the
+    policy made) is taken as it is, in a few type checks; anything else is read field by field, else an
+    :class:`HParamError` naming ``where``, the field and what it got. Called by hand they took a state made by hand
+    as it was: ``paused="no"`` as paused, ``recent=None`` or a str ``quiet`` raised Python's bare TypeError, a tuple
+    a bare AttributeError."""
+    if (type(state) is PolicyState and type(state.recent) is tuple and type(state.paused) is bool
+            and type(state.quiet) is int and state.quiet >= 0 and type(state.reason) is str
+            and all(type(x) is bool for x in state.recent)):
+        return state
+    if not isinstance(state, PolicyState):
+        raise HParamError(f"{where}: state is a {type(state).__name__}; expected a PolicyState (as the policy's "
+                          "init() makes it)")
+    return checked_policy_state(state, f"{where}: state")
+
+
 @dataclass(frozen=True)
 class AdaptivePolicy:
     """Pause speculation while clipping fires on most recent steps (see the module docstring).
@@ -89,13 +106,17 @@ class AdaptivePolicy:
         return PolicyState()
 
     def allows(self, state: PolicyState) -> tuple[bool, str]:
-        """Whether this step may speculate, and a sentence saying why not."""
+        """Whether this step may speculate, and a sentence saying why not (``state`` read as
+        :func:`checked_policy_state` reads it: :func:`_read_state`)."""
+        state = _read_state(state, "AdaptivePolicy.allows")
         if not self.enabled or not state.paused:
             return True, ""
         return False, state.reason
 
     def update(self, state: PolicyState, clipped: bool | None) -> PolicyState:
-        """The state after a validated step (``clipped=None``: a skipped step, no information)."""
+        """The state after a validated step (``clipped=None``: a skipped step, no information; ``state`` read as
+        :func:`checked_policy_state` reads it: :func:`_read_state`)."""
+        state = _read_state(state, "AdaptivePolicy.update")
         if clipped is not None and type(clipped) is not bool:  # (validation's is a Python bool)
             # a Python or numpy bool, or a 0-d bool tensor (as the loss-scale rules take overflow); "no" and 1.0
             # were taken by their truth, as clipped, and a tensor of several elements raised torch's bare error
