@@ -35,7 +35,8 @@ the adaptive policy, or a step no speculative block could stand: hparams a
 block refuses, a loss scale that cannot unscale, ``max_norm=0``, a loss-scale rule that cannot predict the scale of a
 clean step). ``policy_paused``/``policy_reason``: the adaptive
 policy's state *after* this step ("paused: clipping fired on 5 of the last 8
-steps ...", "resumed: ..."). ``veto_reason``: why speculation was vetoed
+steps ...", "resumed: ..."; a disabled policy never pauses: ``False`` and ``""``,
+whatever state it was given and carries). ``veto_reason``: why speculation was vetoed
 during backward. ``actions``: the validation action of every block.
 """
 

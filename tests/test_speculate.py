@@ -1947,6 +1947,23 @@ def test_adaptive_policy_matches_its_rule(outcomes, window, fraction, quiet):
     assert sp.AdaptivePolicy(enabled=False).allows(sp.PolicyState(paused=True))[0]
 
 
+def test_a_disabled_policy_reports_no_pause_and_keeps_the_state_it_was_given(rng):
+    """A disabled policy never pauses, but a paused state it was given (a checkpoint of a run with the policy on)
+    showed in every report: policy_paused True and "policy: paused: ..." in the summary of a step that speculated
+    every block. The report says what the policy did (no pause, no reason); the state is carried as it was given
+    (the disabled policy neither reads nor writes it: a checkpoint round-trips it)."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    loaded = sp.PolicyState((True,) * 8, True, 1, "paused: clipping fired on 8 of the last 8 steps")
+    cfg = sp.SpeculationConfig(max_norm=1e9, policy=sp.AdaptivePolicy(enabled=False))
+    spec, ser = _both(opt, params, _grads(rng), state, config=cfg, policy_state=loaded)
+    _compare(spec, ser)
+    report = spec.report
+    assert report.speculating and report.speculated == report.committed == 4
+    assert not report.policy_paused and report.policy_reason == "" and "policy" not in report.summary()
+    assert spec.policy_state == loaded
+
+
 @pytest.mark.parametrize("window, fraction, at", [(90, 0.7, 63), (50, 0.58, 29), (100, 0.29, 29), (8, 0.5, 4)])
 def test_adaptive_policy_does_not_pause_on_exactly_its_fraction_of_the_window(window, fraction, at):
     """"More than pause_fraction * window": pause_fraction * window rounded below the whole number it is (0.7 * 90

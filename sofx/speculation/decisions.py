@@ -994,8 +994,9 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         grad_scale=1.0 if facts is None else facts.grad_scale,
         speculating=ctx.speculating,
         not_speculating_reason=ctx.reason,
-        policy_paused=policy_state.paused,
-        policy_reason=policy_state.reason,
+        # (a disabled policy never pauses: a paused state it was given, and carries, is not what it did)
+        policy_paused=ctx.config.policy.enabled and policy_state.paused,
+        policy_reason=policy_state.reason if ctx.config.policy.enabled else "",
         veto_reason=tally.veto_reason,
         actions=tuple(kinds),
     )
