@@ -1052,6 +1052,37 @@ def test_engine_style_block_protocol_with_donation(rng):
         assert int(states[i].count) == int(ser.state.count[i])
 
 
+def test_a_speculated_block_validated_with_another_sum_of_squares_is_undone_and_redone(rng):
+    """plan_validation did not compare a speculated block's validated sum of squares with the one it was
+    speculated with (on_block_ready's, or on_late_gradient's): a gradient replaced after the speculative step
+    without on_late_gradient was committed, the block stepped with the old gradient while the global norm counted
+    the new one. Such a block is undone and redone with the final gradient, the reason naming both sums: the
+    result is the serial step's on the final gradients."""
+    opt = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    params, state = _warm(opt, _params(rng, 2, 10), rng)
+    grads = _grads(rng, 2, 10)
+    rule = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=2)
+    blocks, states, records = list(params), [sofx.AdamState(state.count[i], state.mu[i], state.nu[i])
+                                             for i in range(2)], [None, None]
+    for i in (1, 0):
+        tally, d = sp.on_block_ready(ctx, tally, i, sp.grad_sumsq(grads[i]),
+                                     sp.block_eligibility(opt, blocks[i], grads[i], states[i], ctx.hparams[i],
+                                                          ctx.grad_scale))
+        blocks[i], states[i], records[i] = sp.speculative_block_step(opt, blocks[i], grads[i], states[i], d)
+    final = [grads[0], grads[1] * 1.5]  # (out of place: the record keeps the gradient its step took)
+    plan = sp.plan_validation(ctx, tally, [sp.grad_sumsq(g) for g in final])
+    assert [a.kind for a in plan.actions] == ["commit", "undo_redo"]
+    assert re.search(r"sum of squares .* differs from the .* it was speculated with", plan.actions[1].reason)
+    assert plan.report.undone == plan.report.redone == 1
+    for i, a in enumerate(plan.actions):
+        blocks[i], states[i] = sp.apply_block_action(opt, a, blocks[i], final[i], states[i], records[i])
+    ser = serial_step(opt, params, final, state, scaler=rule, scaler_state=rule.init())
+    for i in range(2):  # (block 1 undone algebraically: to float32 rounding)
+        for a, b in ((blocks[i], ser.params[i]), (states[i].mu, ser.state.mu[i]), (states[i].nu, ser.state.nu[i])):
+            assert torch.equal(a, b) if i == 0 else _rel(a, b) <= 1e-6
+
+
 def test_protocol_errors_are_clear(rng):
     opt = sofx.adamw()
     rule = loss_scale.grad_scaler()

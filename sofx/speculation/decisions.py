@@ -25,7 +25,8 @@ Decisions (SPECULATION.md section 3):
 * validation derives the global facts exactly as the serial loop does
   (:func:`sofx.serial.step_facts`) and, per block: overflow -> ``undo`` what
   was speculated, ``skip`` the rest; otherwise a speculated block is
-  ``commit``-ted iff its multiplier, hparams and gradient are the final ones,
+  ``commit``-ted iff its multiplier, hparams and gradient (no late one, the same
+  sum of squares) are the final ones,
   else ``undo_redo``; a block that was not speculated is stepped (``step``);
   a block with no gradient is ``skip``-ped (``missing_grad="skip"``) or
   stepped with zeros (``"zero"``).
@@ -731,10 +732,17 @@ def _assumed_multiplier(profile: str, assumed: float) -> float:
 
 
 def _changes(d: BlockDecision, late: bool, grad_scale: float, hp: AdamHParams, facts: StepFacts,
-             ctx: StepContext) -> list[str]:
+             ctx: StepContext, final_sumsq: float | None, speculated_sumsq: float | None) -> list[str]:
+    """Why a speculated block's step cannot stand as it was taken (empty: it is committed): a late gradient, another
+    multiplier or hparams, or a sum of squares at validation (``final_sumsq``) other than the one the block was
+    speculated with (``speculated_sumsq``, its tally's: a gradient changed without :func:`on_late_gradient`)."""
     why = []
     if late:
         why.append("a late gradient was summed in")
+    elif final_sumsq != speculated_sumsq:
+        why.append(f"its gradient's sum of squares at validation, {final_sumsq!r}, differs from the "
+                   f"{speculated_sumsq!r} it was speculated with (a gradient changed since on_block_ready, without "
+                   "on_late_gradient)")
     if d.grad_scale != grad_scale:
         if facts.clipped:
             why.append(f"clipping fired (norm {facts.grad_norm:.6g})")
@@ -757,7 +765,9 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     ``sumsq[i]``: the sum of squares of block ``i``'s final raw gradient
     (``None``: no gradient this step; also for a block the caller undid,
     ``on_late_gradient(undone=True)``, as what arrived was no gradient after
-    all: it is planned as a block without gradient). ``hparams``: the validation-time hparams
+    all: it is planned as a block without gradient; a speculated block's sum other than the one it was speculated
+    with, ``tally.block_sumsq[i]``, is a gradient changed since, and the block is undone and redone with the final
+    one). ``hparams``: the validation-time hparams
     (default: those of the context); blocks speculated with other hparams are
     undone and redone. ``taken[i]``: whether block ``i``'s speculative step
     actually ran and stands (default: every speculated block but those the caller
@@ -780,7 +790,7 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
         refuse_unknown_keywords("plan_validation", unknown, _keyword_names(plan_validation), reduce_sumsq,
                                 loop=False, missing=missing, extra=extra, positional=_positional_names(plan_validation))
     try:  # everything this rank may refuse, before the reduction (the other ranks wait in it for this one)
-        hps, spec_taken, local = _validation_inputs(ctx, tally, sumsq, hparams, taken, stepped)
+        hps, spec_taken, local, values = _validation_inputs(ctx, tally, sumsq, hparams, taken, stepped)
     except Exception as exc:
         refuse_reduce(reduce_sumsq, exc)
         raise
@@ -821,7 +831,7 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
                                       False, undone_before))
             continue
         if was:
-            why = _changes(d, i in tally.late, facts.grad_scale, hp, facts, ctx)
+            why = _changes(d, i in tally.late, facts.grad_scale, hp, facts, ctx, values[i], tally.block_sumsq[i])
             if why:
                 actions.append(action(i, "undo_redo", "; ".join(why), facts.grad_scale, hp, False, True))
             else:
@@ -860,15 +870,17 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
 
 def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[float | None], hparams: Any,
                        taken: Sequence[bool] | None,
-                       stepped: Sequence[bool] | None = None) -> tuple[tuple[AdamHParams, ...], list[bool], float]:
+                       stepped: Sequence[bool] | None = None,
+                       ) -> tuple[tuple[AdamHParams, ...], list[bool], float, list[float | None]]:
     """:func:`plan_validation`'s input, checked: each block's validation hparams, whether its speculative step
     was taken (speculated, not undone by the caller for a late gradient, and ``taken[i]``), and this rank's local
     sum of squares (:func:`sofx.serial.local_sumsq`; a block without gradient counts as zeros under
-    ``missing_grad="zero"``). Refused (a :class:`SofxError`): ``sumsq`` or ``taken`` of another length than the
-    step's blocks, ``taken[i]`` for a block not speculated or undone for a late gradient, a speculated block
-    without gradient; (an :class:`HParamError`) hparams a block it would step (``stepped``, by default one with a
-    gradient or every block with ``missing_grad="zero"``) cannot take (:func:`_check_stepped_block_hparams`), and a
-    ``stepped`` that is not one bool per block."""
+    ``missing_grad="zero"``), and each block's sum of squares as a float (``None``: no gradient). Refused (a
+    :class:`SofxError`): ``sumsq`` or ``taken`` of another length than the step's blocks, ``taken[i]`` for a block
+    not speculated or undone for a late gradient, a speculated block without gradient; (an :class:`HParamError`)
+    hparams a block it would step (``stepped``, by default one with a gradient or every block with
+    ``missing_grad="zero"``) cannot take (:func:`_check_stepped_block_hparams`), and a ``stepped`` that is not one
+    bool per block."""
     _check_tally("plan_validation", ctx, tally)
     n = ctx.n_blocks
     _check_per_block("sumsq", sumsq, "sum of squares (or None)")
@@ -904,7 +916,7 @@ def _validation_inputs(ctx: StepContext, tally: BackwardTally, sumsq: Sequence[f
     _check_stepped_block_hparams(hps, ctx.float64 or (False,) * n,
                                  with_gradient if stepped is None else _block_flags("stepped", stepped, n, True))
     local = local_sumsq(total_sumsq([(0.0 if zero else None) if s is None else s for s in values]), with_gradient)
-    return hps, spec_taken, local
+    return hps, spec_taken, local, values
 
 
 def _check_per_block(name: str, x: Any, item: str) -> None:
