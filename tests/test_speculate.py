@@ -1262,6 +1262,29 @@ def _one_speculated_block_not_taken(opt, rng):
     return rule, param, grad, state, decision, sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False])
 
 
+def test_a_decision_used_for_a_speculative_step_already_is_refused_before_anything_is_written(rng):
+    """A BlockDecision is one block's speculative step of one step. speculative_block_step took it again (a loop that
+    kept last step's decision, a retry) and stepped the block a second time; only apply_block_action refused the
+    record afterwards (another step's), the block already written. A decision (or a copy: _replace, copy.copy,
+    copy.deepcopy) whose speculative step was taken is refused, naming the block, nothing written; one whose step
+    was taken back (SnapshotLimitError, nothing written) was not used."""
+    opt = sofx.adamw(lr=1e-2)
+    rule, param, grad, state, decision, _ = _one_speculated_block_not_taken(opt, rng)
+    p1, s1, record = sp.speculative_block_step(opt, param, grad, state, decision, donate=True)
+    stepped, mu = p1.clone(), s1.mu.clone()
+    for again in (decision, decision._replace(reason="again"), copy.copy(decision), copy.deepcopy(decision)):
+        with pytest.raises(sofx.SofxError, match=r"^speculative_block_step: block 0: its decision was used "
+                                                 r"already"):
+            sp.speculative_block_step(opt, p1, grad, s1, again, donate=True)
+    assert torch.equal(p1, stepped) and torch.equal(s1.mu, mu) and int(s1.count) == 1
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=0), rule, rule.init(), n_blocks=1)
+    tally, d = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "snapshot", "", 0))
+    with pytest.raises(sofx.SnapshotLimitError):  # (undo="exact": a snapshot, beyond a budget of 0)
+        sp.speculative_block_step(sofx.adamw(lr=1e-2, undo="exact"), p1, grad, s1, d, donate=True)
+    assert torch.equal(p1, stepped) and int(s1.count) == 1
+    assert int(sp.speculative_block_step(opt, p1, grad, s1, d, donate=True)[1].count) == 2  # (taken back: not used)
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object

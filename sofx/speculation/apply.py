@@ -81,6 +81,8 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     where it found the need itself); record that with
     :func:`~sofx.speculation.decisions.on_speculation_refused`, and the block is
     stepped in validation.
+    A decision whose speculative step was taken already (by this call or with a copy of it) is refused, nothing
+    written (:class:`~sofx.speculation.decisions.BlockDecision`).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint -- pass ``True`` when the
     decision's sum of squares was taken on these very gradient values (it was
     finite, or the block would not have been speculated). ``param_copies``: :meth:`sofx.Adam.update`'s
@@ -92,6 +94,12 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
                         "on_block_ready returned for the block")
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
+    used = decision.used_cell()
+    if used[0]:
+        raise SofxError(f"speculative_block_step: block {decision.block}: its decision was used already for a "
+                        "speculative step (of its own step: a decision kept from an earlier step, or a retry): a "
+                        "decision is one speculative step of one step; use the one on_block_ready returned this "
+                        "step. Nothing was written")
     if not (type(held_bytes) is int and held_bytes >= 0):  # (the common case first: the engine's count)
         # a Python int >= 0 (a str or None raised Python's bare TypeError where a budget is set, a float an error
         # naming snapshot_limit_bytes, which the caller did not pass, and a negative count raised the limit past it)
@@ -101,6 +109,7 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     new_param, new_state, record = opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale,
                                               donate=donate, grads_finite=grads_finite, param_copies=param_copies,
                                               snapshot_limit_bytes=limit)
+    used[0] = True  # (after the step: one taken back, SnapshotLimitError, wrote nothing)
     # (whose step it is: apply_block_action refuses it with another block's action, or another step's)
     record.block, record.context_id = decision.block, decision.context_id
     record.param_ptrs = _param_ptrs(new_param)  # (where its params are: apply_block_action refuses other tensors)

@@ -228,14 +228,40 @@ class BlockDecision(_OfStep, _BlockDecisionFields):
     ``context_id`` (not a field: :class:`_OfStep`): that of the step's :class:`StepContext`; its speculative step's
     record notes it, and :func:`~sofx.speculation.apply.apply_block_action` refuses the record with an action of
     another step (validation checked this step's decision, not the one the block was stepped with).
+
+    A decision is one block's speculative step of one step: whether that step was taken is kept with the decision
+    (not one of its fields), shared with its copies (``_replace``, ``copy.copy``, ``copy.deepcopy``), and
+    :func:`~sofx.speculation.apply.speculative_block_step` refuses a second one (a decision kept from an earlier
+    step, a retry), before anything is written. A pickled copy (the offload engine's process executor sends the
+    decision to its worker) carries whether the step was taken when it was pickled, and is its own from then on.
     """
 
-    # (no __slots__: each decision's __dict__ holds its step's "_context_id")
+    # (no __slots__: each decision's __dict__ holds its step's "_context_id" and its "_used" cell, a one-element
+    # list shared with its copies)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "BlockDecision":
+        new = super().__new__(cls, *args, **kwargs)
+        new.__dict__["_used"] = [False]
+        return new
 
     def _replace(self, **changes: Any) -> "BlockDecision":
         new = super()._replace(**changes)
+        self.used_cell()
         new.__dict__.update(self.__dict__)
         return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "BlockDecision":
+        # (fields and context_id deep-copied; the "_used" cell shared, or a deep copy would step its block again)
+        cell = self.used_cell()
+        new = type(self).__new__(type(self), *copy.deepcopy(tuple(self), memo))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = cell if key == "_used" else copy.deepcopy(value, memo)
+        return new
+
+    def used_cell(self) -> list[bool]:
+        """``[used]``: whether the decision's speculative step (of it or a copy) was taken, shared with its copies."""
+        return self.__dict__.setdefault("_used", [False])
 
 
 class BackwardTally(NamedTuple):
