@@ -2825,6 +2825,23 @@ def test_a_deep_copied_action_shares_whether_it_was_applied_as_a_copy_does(rng):
     assert torch.equal(p1, stepped) and int(s1.count) == 1
 
 
+def test_a_pickled_copy_of_an_action_carries_whether_it_was_applied_when_pickled(rng):
+    """BlockAction's docstring: a pickled copy (the process executor's worker gets one) carries the applied marker as
+    it was when pickled, and is its own from then on (nothing in memory ties it to the original)."""
+    import pickle
+
+    opt = sofx.adamw(lr=1e-2)
+    rule, param, grad, state, decision, plan = _one_speculated_block_not_taken(opt, rng)
+    (action,) = plan.actions
+    before = pickle.loads(pickle.dumps(action))
+    assert before == action and before.context_id == action.context_id and not before.applied_cell()[0]
+    p1, s1 = sp.apply_block_action(opt, action, param, grad, state, donate=True)
+    after = pickle.loads(pickle.dumps(action))
+    with pytest.raises(sofx.SofxError, match=r"plan\.actions\[0\] \(step\) was applied already"):
+        sp.apply_block_action(opt, after, p1, grad, s1, donate=True)
+    assert not before.applied_cell()[0] and int(s1.count) == 1
+
+
 def test_the_protocols_per_block_flags_take_bool_tensors_and_arrays_as_taken_does():
     """The block protocol's flags state facts of the step (a step that ran, a block stepped in float64, one that may
     be stepped, an undone step, an eligible block), which an engine may compute with torch or numpy: plan_validation

@@ -311,7 +311,10 @@ class BlockAction(_OfStep, _BlockActionFields):
     (one step per block per step): whether it was is kept with the action (not one of its fields, so that
     actions compare by their fields), shared with its copies (``_replace``, ``copy.copy``, ``copy.deepcopy``: as an
     undo record's deep copy shares whether it was used), and :func:`~sofx.speculation.apply.apply_block_action`
-    refuses a second application.
+    refuses a second application. A pickled copy (the offload engine's process executor sends the action to its
+    worker) carries whether the action was applied when it was pickled, and is its own from then on: nothing ties it
+    to the original in another process, so the action is applied where it was sent, and the original is not (an
+    ``undo`` or ``undo_redo`` is guarded by its record too, which cannot be pickled; a ``step`` is not).
     """
 
     # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
