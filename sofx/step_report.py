@@ -28,6 +28,9 @@ skipped; a step whose loss-scale rule failed is skipped, an overflow only where
 a gradient overflowed), ``clipped``, ``clip_coef`` (multiplier of the unscaled gradients),
 ``grad_norm`` (unscaled global norm), ``scale`` (the loss scale the gradients
 were unscaled with), ``next_scale`` (the scale for the next step),
+``backward_scale`` (the scale this step's backward multiplied the loss by: under
+``"deepspeed"``, which updates the scale before unscaling, ``scale`` is already
+the updated one; ``nan``: not known, a report made by hand),
 ``grad_scale`` (the one multiplier Adam applied to the raw gradients).
 ``speculating``: whether this step was allowed to speculate
 (``not_speculating_reason`` says why not: disabled, not the last micro-step,
@@ -77,25 +80,30 @@ class StepReport:
     veto_reason: str = ""
     actions: tuple[str, ...] = field(default=())
     refused: int = 0
+    backward_scale: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict (for logging, dataframes and plots)."""
         return asdict(self)
 
     def summary(self) -> str:
-        """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 inelig 0 late 4 | norm 0.93 scale 65536``."""
+        """One line: ``spec 12 commit 12 undo 0 redo 0 veto 0 inelig 0 late 4 | norm 0.93 scale 65536``; a scale
+        that changed as ``scale 65536 -> 32768``, from the scale of the backward (``backward_scale``, else
+        ``scale``) to ``next_scale``."""
         head = "SKIPPED (overflow) " if self.skipped and self.overflow else "SKIPPED " if self.skipped else ""
         line = (f"{head}spec {self.speculated} commit {self.committed} undo {self.undone} redo {self.redone} "
                 f"veto {self.vetoed} inelig {self.ineligible}{f' refused {self.refused}' if self.refused else ''} "
                 f"late {self.stepped_late} | "
                 f"norm {self.grad_norm:.4g}{' clipped' if self.clipped else ''} scale ")
-        if self.scale != self.next_scale and not (math.isnan(self.scale) and math.isnan(self.next_scale)):
-            short = f"{self.scale:g}", f"{self.next_scale:g}"
+        # (from the backward's: under "deepspeed" scale is the updated one already, and an overflow's 8 -> 4 showed 4)
+        first = self.scale if math.isnan(self.backward_scale) else self.backward_scale
+        if first != self.next_scale and not (math.isnan(first) and math.isnan(self.next_scale)):
+            short = f"{first:g}", f"{self.next_scale:g}"
             if short[0] == short[1]:  # a change below 6 digits: every digit, not ``65536 -> 65536``
-                short = repr(float(self.scale)), repr(float(self.next_scale))
+                short = repr(float(first)), repr(float(self.next_scale))
             line += f"{short[0]} -> {short[1]}"
         else:
-            line += f"{self.scale:g}"
+            line += f"{first:g}"
         if self.policy_reason:
             line += f" | policy: {self.policy_reason}"
         if self.veto_reason:

@@ -2088,6 +2088,30 @@ def test_report_as_dict_and_summary(rng):
     assert spec.report.summary().startswith("SKIPPED (overflow) spec 3")
 
 
+def test_a_deepspeed_report_shows_the_scale_the_backward_used(rng):
+    """Under the "deepspeed" profile the scale is updated before unscaling, so a report's scale and next_scale are
+    both the scale after the update: an overflow step whose backward used 65536 showed "scale 32768", nothing of
+    the 65536 its gradients were scaled by. backward_scale is the scale the backward used, and the summary shows
+    the change from it: "scale 65536 -> 32768" (and a growth "scale 65536 -> 131072")."""
+    opt = sofx.adamw(lr=1e-2)
+    params, state = _warm(opt, _params(rng), rng)
+    cfg = sp.SpeculationConfig(profile="deepspeed")
+    grads = _grads(rng)
+    grads[0][0] = float("inf")
+    rule = loss_scale.deepspeed_scaler(hysteresis=1)
+    spec, _ = _both(opt, params, grads, state, config=cfg, scaler=rule)
+    r = spec.report
+    assert r.skipped and (r.backward_scale, r.scale, r.next_scale) == (S16, S16 / 2, S16 / 2)
+    assert "scale 65536 -> 32768" in r.summary() and r.as_dict()["backward_scale"] == S16
+    rule = loss_scale.deepspeed_scaler(scale_window=1)
+    spec, _ = _both(opt, params, _grads(rng), state, config=cfg, scaler=rule, sstate=rule.update(rule.init(), False))
+    r = spec.report
+    assert not r.skipped and (r.backward_scale, r.scale, r.next_scale) == (S16, 2 * S16, 2 * S16)
+    assert "scale 65536 -> 131072" in r.summary()
+    spec, _ = _both(opt, params, _grads(rng), state, config=sp.SpeculationConfig())  # (torch: unchanged)
+    assert spec.report.backward_scale == spec.report.scale == S16 and spec.report.summary().endswith("scale 65536")
+
+
 @pytest.mark.parametrize("scale, next_scale, tail", [(math.nan, math.nan, "scale nan"), (2.0, 2.0, "scale 2"),
                                                      (2.0, 1.0, "scale 2 -> 1"), (math.nan, 1.0, "scale nan -> 1"),
                                                      (65536.0, 65536.01, "scale 65536.0 -> 65536.01")])

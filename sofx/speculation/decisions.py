@@ -1032,6 +1032,7 @@ def _report(ctx: StepContext, tally: BackwardTally, facts: StepFacts | None, act
         grad_norm=math.nan if facts is None else facts.grad_norm,
         scale=scale,
         next_scale=scale if facts is None else facts.next_scale,
+        backward_scale=ctx.backward_scale,
         grad_scale=1.0 if facts is None else facts.grad_scale,
         speculating=ctx.speculating,
         not_speculating_reason=ctx.reason,
