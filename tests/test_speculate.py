@@ -1285,6 +1285,21 @@ def test_a_decision_used_for_a_speculative_step_already_is_refused_before_anythi
     assert int(sp.speculative_block_step(opt, p1, grad, s1, d, donate=True)[1].count) == 2  # (taken back: not used)
 
 
+@pytest.mark.parametrize("bad", ["x", 1.5, -3, True])
+def test_a_decision_made_by_hand_with_a_budget_that_is_no_count_is_refused_naming_it(rng, bad):
+    """speculative_block_step read a decision's snapshot_budget_bytes as it was: a str raised Python's bare
+    TypeError, 1.5 an error naming snapshot_limit_bytes (which the caller did not pass), -3 and True were taken as
+    budgets of 0 and 1 byte. A SofxError names the decision's field, before anything is written."""
+    opt = sofx.adamw(lr=1e-2)
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state, before = opt.init(param), param.clone()
+    decision = sp.BlockDecision(0, True, "speculate", "", AdamHParams(), 1.0, snapshot_budget_bytes=bad)
+    with pytest.raises(sofx.SofxError, match=r"^speculative_block_step: decision.snapshot_budget_bytes = .* is "
+                                             r"invalid; expected an integer >= 0"):
+        sp.speculative_block_step(opt, param, grad, state, decision, donate=True)
+    assert torch.equal(param, before) and int(state.count) == 0
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object

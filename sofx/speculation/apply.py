@@ -105,6 +105,9 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
         # naming snapshot_limit_bytes, which the caller did not pass, and a negative count raised the limit past it)
         held_bytes = integer("speculative_block_step: held_bytes", held_bytes, 0, SofxError)
     budget = decision.snapshot_budget_bytes
+    if budget is not None and not (type(budget) is int and budget >= 0):
+        # (a decision made by hand: a str raised Python's bare TypeError below, -3 and True were budgets of 0 and 1)
+        budget = integer("speculative_block_step: decision.snapshot_budget_bytes", budget, 0, SofxError)
     limit = None if budget is None else max(0, budget - held_bytes)
     new_param, new_state, record = opt.update(param, grad, state, decision.hparams, grad_scale=decision.grad_scale,
                                               donate=donate, grads_finite=grads_finite, param_copies=param_copies,
