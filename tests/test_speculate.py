@@ -2864,6 +2864,25 @@ def test_a_deep_copied_action_shares_whether_it_was_applied_as_a_copy_does(rng):
     assert torch.equal(p1, stepped) and int(s1.count) == 1
 
 
+def test_a_commit_given_a_record_whose_step_was_undone_is_refused(rng):
+    """A commit keeps the block's speculative step as it stands. Given the record of a step the caller undid since
+    (opt.undo, without telling plan_validation, taken=[False]), it returned the block as it was, without the step,
+    and the report counted it committed. Refused, naming the block: the plan was made for a step that stands (as a
+    step given a record that was not used is refused)."""
+    opt = sofx.adamw(lr=1e-2)
+    rule, param, grad, state, decision, _ = _one_speculated_block_not_taken(opt, rng)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    p1, s1, record = sp.speculative_block_step(opt, param, grad, state, decision)
+    plan = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)])
+    assert plan.actions[0].kind == "commit"
+    assert sp.apply_block_action(opt, plan.actions[0], p1, grad, s1, record)[0] is p1  # (a step that stands)
+    p0, s0 = opt.undo(p1, s1, record)
+    with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: a commit, but the record given was "
+                                             r"used \(its speculative step was undone\)"):
+        sp.apply_block_action(opt, plan.actions[0], p0, grad, s0, record)
+
+
 def test_a_pickled_copy_of_an_action_carries_whether_it_was_applied_when_pickled(rng):
     """BlockAction's docstring: a pickled copy (the process executor's worker gets one) carries the applied marker as
     it was when pickled, and is its own from then on (nothing in memory ties it to the original)."""

@@ -156,7 +156,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     memory, ``UndoRecord.param_ptrs``: views of the same memory pass; a record already used is not checked). Where
     no record is given (a ``step`` or ``skip`` of a block not speculated) nothing tells one block's tensors from
     another's: the caller passes block ``i``'s with ``plan.actions[i]``. So is a ``step`` given a record that was not
-    used (a speculative step that stands would be stepped again).
+    used (a speculative step that stands would be stepped again), and a ``commit`` given one that was (its step
+    was undone: the block would be left without it).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -187,6 +188,11 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
                             "speculative step left (they lie elsewhere in memory): the record goes with the tensors "
                             f"the step returned or wrote (block {action.block}'s, with plan.actions"
                             f"[{action.block}]), nothing was written")
+    if kind == "commit" and isinstance(record, UndoRecord) and record.used:
+        raise SofxError(f"apply_block_action: block {action.block}: a commit, but the record given was used (its "
+                        "speculative step was undone): the block is without the step the plan commits, and the report "
+                        f"counts it committed. A step undone before validation is not taken (taken[{action.block}] "
+                        "False): plan_validation then steps the block. Nothing was written")
     if kind in ("commit", "skip"):
         return param, state
     if kind == "step" and isinstance(record, UndoRecord) and not record.used:
