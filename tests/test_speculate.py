@@ -2883,6 +2883,25 @@ def test_a_commit_given_a_record_whose_step_was_undone_is_refused(rng):
         sp.apply_block_action(opt, plan.actions[0], p0, grad, s0, record)
 
 
+def test_a_skip_given_the_record_of_a_speculative_step_that_stands_is_refused(rng):
+    """A skip leaves the block as it is. Given the record of a speculative step that stands (not undone: the plan was
+    told taken=[False] though the step ran), it kept that step on an overflow step that is skipped (the block
+    stepped, its count advanced, the report saying not stepped). Refused, naming the block, as a step given such
+    a record is."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    p1, s1, record = sp.speculative_block_step(opt, param, grad, opt.init(param), decision)
+    plan = sp.plan_validation(ctx, tally, [math.inf], taken=[False])  # (an overflow elsewhere)
+    assert plan.actions[0].kind == "skip" and plan.report.skipped
+    with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: a skip, but the record given is of the "
+                                             r"block's speculative step, which stands"):
+        sp.apply_block_action(opt, plan.actions[0], p1, grad, s1, record)
+    assert sp.apply_block_action(opt, plan.actions[0], param, grad, opt.init(param))[0] is param
+
+
 def test_a_pickled_copy_of_an_action_carries_whether_it_was_applied_when_pickled(rng):
     """BlockAction's docstring: a pickled copy (the process executor's worker gets one) carries the applied marker as
     it was when pickled, and is its own from then on (nothing in memory ties it to the original)."""

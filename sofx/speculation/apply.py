@@ -156,8 +156,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     memory, ``UndoRecord.param_ptrs``: views of the same memory pass; a record already used is not checked). Where
     no record is given (a ``step`` or ``skip`` of a block not speculated) nothing tells one block's tensors from
     another's: the caller passes block ``i``'s with ``plan.actions[i]``. So is a ``step`` given a record that was not
-    used (a speculative step that stands would be stepped again), and a ``commit`` given one that was (its step
-    was undone: the block would be left without it).
+    used (a speculative step that stands would be stepped again), a ``skip`` given one (the block would keep the
+    step), and a ``commit`` given one that was used (its step was undone: the block would be left without it).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -193,6 +193,11 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
                         "speculative step was undone): the block is without the step the plan commits, and the report "
                         f"counts it committed. A step undone before validation is not taken (taken[{action.block}] "
                         "False): plan_validation then steps the block. Nothing was written")
+    if kind == "skip" and isinstance(record, UndoRecord) and not record.used:
+        raise SofxError(f"apply_block_action: block {action.block}: a skip, but the record given is of the block's "
+                        "speculative step, which stands (it was not undone): the block would keep a step the plan "
+                        f"does not take. A step that ran is taken (taken[{action.block}] True, or taken=None): "
+                        "plan_validation then commits it, undoes it, or undoes and redoes it. Nothing was written")
     if kind in ("commit", "skip"):
         return param, state
     if kind == "step" and isinstance(record, UndoRecord) and not record.used:
