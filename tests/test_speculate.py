@@ -2902,6 +2902,31 @@ def test_a_skip_given_the_record_of_a_speculative_step_that_stands_is_refused(rn
     assert sp.apply_block_action(opt, plan.actions[0], param, grad, opt.init(param))[0] is param
 
 
+def test_the_actions_of_a_step_validated_twice_are_applied_once_per_block(rng):
+    """plan_validation called twice on one step's tally (a retry, a plan made again to inspect it) made actions of
+    their own: a block stepped by the first plan's step action was stepped again by the second's, counted twice.
+    The actions of one step's plans share each block's applied marker: the second is refused, naming the block,
+    nothing written; a plan made again but not applied changes nothing."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(enabled=False), rule, rule.init(), n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    first, again = (sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad), None]) for _ in range(2))
+    assert [a.kind for a in first.actions] == [a.kind for a in again.actions] == ["step", "skip"]
+    p1, s1 = sp.apply_block_action(opt, again.actions[0], param, grad, state, donate=True)
+    stepped = p1.clone()
+    with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: plan\.actions\[0\] \(step\) was "
+                                             r"applied already"):
+        sp.apply_block_action(opt, first.actions[0], p1, grad, s1, donate=True)
+    assert torch.equal(p1, stepped) and int(s1.count) == 1
+    ctx2, tally2 = sp.begin_step(opt, sp.SpeculationConfig(enabled=False), rule, rule.init(), n_blocks=2)
+    tally2, _ = sp.on_block_ready(ctx2, tally2, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    plan = sp.plan_validation(ctx2, tally2, [sp.grad_sumsq(grad), None])  # (another step: its own markers)
+    assert int(sp.apply_block_action(opt, plan.actions[0], p1, grad, s1, donate=True)[1].count) == 2
+
+
 def test_a_pickled_copy_of_an_action_carries_whether_it_was_applied_when_pickled(rng):
     """BlockAction's docstring: a pickled copy (the process executor's worker gets one) carries the applied marker as
     it was when pickled, and is its own from then on (nothing in memory ties it to the original)."""

@@ -151,7 +151,9 @@ class StepContext:
     ``speculating``/``reason``: whether this step may speculate, and why not.
     ``float64[i]``: block ``i`` is stepped in float64, so its hparams are not held to float32's range (here and
     in validation; :func:`begin_step`'s ``float64``). ``context_id``: this context's random id, which its
-    tally carries (a tally of another step is refused).
+    tally carries (a tally of another step is refused). ``applied_cells[i]``: whether block ``i``'s action of this
+    step was carried out, the one marker the actions of every plan of this step share for that block
+    (:class:`BlockAction`: a plan made again applies nothing a first one applied).
     """
 
     n_blocks: int
@@ -170,6 +172,7 @@ class StepContext:
     reason: str
     float64: tuple[bool, ...] = ()
     context_id: int = 0
+    applied_cells: dict[int, list[bool]] = field(default_factory=dict, compare=False, repr=False)
 
 
 class Eligibility(NamedTuple):
@@ -311,10 +314,12 @@ class BlockAction(_OfStep, _BlockActionFields):
     (one step per block per step): whether it was is kept with the action (not one of its fields, so that
     actions compare by their fields), shared with its copies (``_replace``, ``copy.copy``, ``copy.deepcopy``: as an
     undo record's deep copy shares whether it was used), and :func:`~sofx.speculation.apply.apply_block_action`
-    refuses a second application. A pickled copy (the offload engine's process executor sends the action to its
-    worker) carries whether the action was applied when it was pickled, and is its own from then on: nothing ties it
-    to the original in another process, so the action is applied where it was sent, and the original is not (an
-    ``undo`` or ``undo_redo`` is guarded by its record too, which cannot be pickled; a ``step`` is not).
+    refuses a second application. The actions of one block in every plan of one step share it too (the step's
+    :class:`StepContext` keeps it: :func:`plan_validation` called again makes actions that are applied once with the
+    first's). A pickled copy (the offload engine's process executor sends the action to its worker) carries whether
+    the action was applied when it was pickled, and is its own from then on: nothing ties it to the original in
+    another process, so the action is applied where it was sent, and the original is not (an ``undo`` or
+    ``undo_redo`` is guarded by its record too, which cannot be pickled; a ``step`` is not).
     """
 
     # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
@@ -828,7 +833,11 @@ def plan_validation(ctx: StepContext = REQUIRED, tally: BackwardTally = REQUIRED
     zero = cfg.missing_grad == "zero"
 
     def action(*fields: Any) -> BlockAction:  # (of this step: apply_block_action checks it against the record's)
-        return BlockAction(*fields)._of_step(ctx.context_id)
+        new = BlockAction(*fields)._of_step(ctx.context_id)
+        # (the block's marker of this step: a second plan of the step, plan_validation called again, made actions
+        # of their own, and a block stepped by the first plan's was stepped again by the second's)
+        new.__dict__["_applied"] = ctx.applied_cells.setdefault(new.block, [False])
+        return new
 
     total = reduced_sumsq(reduce_sumsq, local, step_settings(cfg.profile, cfg.max_norm, cfg.missing_grad,
                                                              ctx.scaler_state))
