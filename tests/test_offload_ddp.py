@@ -1790,6 +1790,40 @@ def test_a_step_after_a_backward_whose_exchange_failed_raises_at_once_naming_it(
         assert out[f"{key}_s"] < 0.5, (key, out[f"{key}_s"])
 
 
+@pytest.mark.parametrize("where", ["exchange", "comparison"])
+def test_a_failure_at_a_synchronized_backward_is_named_as_the_exchange_or_the_comparison_that_raised(where) -> None:
+    """At a synchronized backward the ranks exchange, then compare their states where they decided so; whatever
+    raised in either, step() raised as "the ranks' exchange at this step's synchronized backward failed", likely
+    "a rank that raised in its own code before its backward", where the exchange had passed and the comparison
+    raised (an interrupt, or an error of its own). The error names the one that raised."""
+    from types import SimpleNamespace
+
+    from sofx.offload.ddp import Decision, DDPRoute, ReplicaWatch
+
+    watch = ReplicaWatch(DDPRoute(None, 2))
+
+    def exchange(hparams, joined=False):
+        if where == "exchange":
+            raise RuntimeError("the exchange's own failure")
+        watch.decision = Decision(True, ())
+
+    def compare(decision, whole):
+        raise RuntimeError("the comparison's own failure")
+
+    watch.exchange = exchange
+    engine = SimpleNamespace(_replicas=watch, passes=SimpleNamespace(note=lambda: None), _reduced_error=None,
+                             _hparams_text=lambda: "", _compare_replicas=compare)
+    with pytest.raises(RuntimeError, match=f"the {where}'s own failure"):
+        sofx.offload.engine.OffloadEngine.begin_reduced_backward(engine)
+    error = str(watch.failure_error())
+    said = ("the ranks' exchange at this step's synchronized backward failed (RuntimeError: the exchange's own "
+            "failure)" if where == "exchange" else
+            "the ranks' comparison of their optimizer states at this step's synchronized backward failed "
+            "(RuntimeError: the comparison's own failure)")
+    assert error.startswith(f"step() under DDP: {said}"), error
+    assert ("a rank that raised in its own code before its backward" in error) == (where == "exchange"), error
+
+
 @pytest.mark.parametrize("how", ["alternating", "crossed"])
 @pytest.mark.parametrize("kind", ["exact", "clipped"])
 def test_micro_batches_through_alternating_heads_equal_ddp_and_torch_adamw(ranks, how: str, kind: str) -> None:

@@ -309,6 +309,7 @@ class ReplicaWatch:
         self.used: str | None = None  # the hparams of this rank's last step() since the last exchange (None: none)
         self.shadowed = False  # this rank shadowed a backward under DDP.join() since the ranks last agreed
         self.failed: BaseException | None = None  # what the ranks' exchange at this step's backward raised
+        self.failed_comparing = False  # whether the comparison it decided raised it, not the exchange
 
     def changed(self, contents: Sequence[str] = ()) -> None:
         """This rank's state changed (``contents``: the keys of :data:`CONTENT_KEYS` whose values it changed)."""
@@ -373,15 +374,20 @@ class ReplicaWatch:
             self.shadowed = False
         self.decision = self.decision._replace(compare=False, used=None)
 
-    def fail(self, exc: BaseException) -> None:
-        """The ranks' exchange (or the comparison it decided) at a synchronized backward of this step raised ``exc``
-        here (a rank never came to it within the process group's timeout: it raised in its own code before its
-        backward): DDP's reduction of that backward did not complete, and the group may be unusable. ``step()``
-        raises it at once, entering no collective (its own exchange, without a decision, waited the group's
-        timeout again where the backend keeps its connections), until the step is dropped; the next exchange
-        compares the states (the ranks may have parted anywhere)."""
-        self.failed = exc
+    def fail(self, exc: BaseException, comparing: bool = False) -> None:
+        """The ranks' exchange (``comparing``: the comparison it decided) at a synchronized backward of this step
+        raised ``exc`` here (a rank never came to it within the process group's timeout: it raised in its own code
+        before its backward; or an interrupt): DDP's reduction of that backward did not complete, and the group may
+        be unusable. ``step()`` raises it at once (:meth:`failure_error`), entering no collective (its own exchange,
+        without a decision, waited the group's timeout again where the backend keeps its connections), until the
+        step is dropped; the next exchange compares the states (the ranks may have parted anywhere)."""
+        self.failed, self.failed_comparing = exc, comparing
         self.changed()
+
+    def failure_error(self) -> SofxError:
+        """The error of a ``step()`` after :meth:`fail`, naming the exchange or the comparison that raised."""
+        assert self.failed is not None
+        return failed_exchange_error(self.failed, self.failed_comparing)
 
     def drop_step(self) -> None:
         """This rank drops the step (``zero_grad()`` before ``step()``): where the ranks had exchanged at it, the
@@ -434,17 +440,20 @@ def unmatched_step_error(exc: BaseException) -> SofxError:
                      "a closed rank takes part in")
 
 
-def failed_exchange_error(exc: BaseException) -> SofxError:
-    """The error of a ``step()`` whose synchronized backward's exchange with the other ranks raised ``exc``
-    (:meth:`ReplicaWatch.fail`)."""
-    return SofxError("step() under DDP: the ranks' exchange at this step's synchronized backward failed "
+def failed_exchange_error(exc: BaseException, comparing: bool = False) -> SofxError:
+    """The error of a ``step()`` whose synchronized backward's exchange with the other ranks (``comparing``: the
+    comparison of the states it decided) raised ``exc`` (:meth:`ReplicaWatch.fail`)."""
+    what, cause = (("the ranks' comparison of their optimizer states", "a rank whose comparison raised (an "
+                    "interrupt, its own error) or that never came to it")
+                   if comparing else
+                   ("the ranks' exchange", "a rank that raised in its own code before its backward, or skipped it"))
+    return SofxError(f"step() under DDP: {what} at this step's synchronized backward failed "
                      f"({type(exc).__name__}: {exc}), so DDP's reduction of that backward did not complete (this "
                      "rank's gradients are not the ranks' average) and the process group may be unusable now (gloo "
                      "closes its connections on a timeout; DDP then refuses the next backward); nothing was stepped, "
-                     "and this step() entered no collective; likely cause: a rank that raised in its own code before "
-                     "its backward, or skipped it. Restart the ranks from the last checkpoint (as torchrun "
-                     "--max-restarts does), or, where the group still works, call zero_grad() on every rank and run "
-                     "the step's backwards again")
+                     f"and this step() entered no collective; likely cause: {cause}. Restart the ranks from the last "
+                     "checkpoint (as torchrun --max-restarts does), or, where the group still works, call zero_grad() "
+                     "on every rank and run the step's backwards again")
 
 
 def _differ(high: int, minus_low: int) -> bool:

@@ -94,7 +94,7 @@ from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.block_runner import AdamConfig, BlockRunner, combined_eligibility, uses_flat_layout
 from sofx.offload.snapshot_needs import SnapshotNeeds
 from sofx.offload.ddp import (CONTENT_KEYS, USED_HPARAMS, DDPRoute, Decision, ReplicaWatch, check_replicas, ddp_route,
-                              failed_exchange_error, reduced_indices, refuse_averaged, unmatched_step_error)
+                              reduced_indices, refuse_averaged, unmatched_step_error)
 from sofx.offload.blocks import (
     BlockLayout,
     BlockTensors,
@@ -803,11 +803,15 @@ class OffloadEngine:
         whole = watch.decision is None
         try:
             watch.exchange(self._hparams_text())
-            if watch.decision.compare:
-                watch.compared(self._compare_replicas(watch.decision, whole), whole)
         except BaseException as exc:  # (gloo's timeout: step() raises it at once, see ReplicaWatch.fail)
             watch.fail(exc)
             raise
+        if watch.decision.compare:
+            try:
+                watch.compared(self._compare_replicas(watch.decision, whole), whole)
+            except BaseException as exc:  # (an interrupt, an error of its own: named as the comparison's)
+                watch.fail(exc, comparing=True)
+                raise
 
     def shadow_reduced_backward(self) -> None:
         """This rank joined (``DDP.join()``) and shadows the others' backward: it takes part in their exchange."""
@@ -1221,7 +1225,7 @@ class OffloadEngine:
         of its bits), inside backward before its first bucket's all-reduce; the blocks are speculated after it
         where nothing differs."""
         if watch.failed is not None:  # (the exchange at this step's backward: no collective, the group may be broken)
-            raise failed_exchange_error(watch.failed) from watch.failed
+            raise watch.failure_error() from watch.failed
         if watch.error is not None:
             raise watch.error.with_traceback(None)  # (found at backward, on every rank)
         if watch.decision is not None:
