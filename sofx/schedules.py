@@ -31,7 +31,10 @@ One graph for the first step, then one per phase of the schedule (a phase's end 
 
 A schedule whose value leaves the float range is refused (:class:`~sofx.errors.HParamError`): at construction
 where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), else at the step where it happens
-(``step_decay`` with ``|gamma| > 1``, where torch's StepLR gives an inf lr).
+(``step_decay`` with ``|gamma| > 1``, where torch's StepLR gives an inf lr). So is, at construction, a schedule
+whose first value is >= 0 and whose arguments take it below 0 later (``cosine_decay(0.1, n, alpha=-0.1)``,
+``linear(0.1, -0.1, n)``: no hparam takes a negative value, and the optimizer refused it mid-run), naming the
+argument.
 """
 
 from __future__ import annotations
@@ -104,6 +107,27 @@ def _span(who: str, name: str, a: float, b: float) -> None:
                           "difference is a finite float")
 
 
+def _stays_nonnegative(who: str, first_name: str, first: float, name: str, value: float) -> None:
+    """A schedule whose first value ``first`` (its argument ``first_name``) is >= 0 must not reach ``value`` (its
+    argument ``name``) below 0: the optimizer took its first steps and refused the negative hparam mid-run, where it
+    got there (no hparam takes a negative value). A schedule negative from its first step is refused at that step."""
+    if first >= 0 > value:
+        raise HParamError(f"{who}: {name} = {value!r} is invalid with {first_name} = {first!r}: the value starts >= 0 "
+                          f"and goes below 0 mid-run (a negative hparam, refused at that step); expected {name} >= 0")
+
+
+def _finite_product(who: str, name: str, a: float, b: float) -> None:
+    """The value ``a * b`` (called ``name``) that a schedule reaches mid-run must be a finite float: it returned inf
+    there (refused at that step), where it is certain from the arguments."""
+    try:
+        finite = -math.inf < float(a) * float(b) < math.inf
+    except OverflowError:  # an int beyond the float range
+        finite = False
+    if not finite:
+        raise HParamError(f"{who}: {name} = {a!r} * {b!r} is beyond the float range; expected arguments whose "
+                          "schedule stays finite")
+
+
 def _value(who: str | Callable[[], str], step: int, value: float) -> float:
     """A schedule's value at ``step``, refused where it left the float range (inf, or nan from inf - inf).
 
@@ -162,6 +186,8 @@ class Linear:
         _finite(self, "init", "end")
         _steps(self, "steps", "steps", minimum=0)
         _span("linear", "end - init", self.init, self.end)
+        if self.steps:  # (of no steps: end from the first step)
+            _stays_nonnegative("linear", "init", self.init, "end", self.end)
 
     def __call__(self, step: int) -> float:
         step = _step(step)
@@ -186,6 +212,11 @@ class CosineDecay:
     def __post_init__(self) -> None:
         _finite(self, "init", "alpha")
         _steps(self, "steps", "decay_steps")
+        if self.alpha < 0:  # from init through 0 to alpha * init: a negative lr mid-run, refused at that step
+            raise HParamError(f"cosine_decay: alpha = {self.alpha!r} is invalid; expected alpha >= 0 (the value goes "
+                              "from init to alpha * init: a negative alpha takes it through 0 to the other sign "
+                              "mid-run)")
+        _finite_product("cosine_decay", "alpha * init", self.alpha, self.init)
 
     def __call__(self, step: int) -> float:
         step = _step(step)
@@ -210,6 +241,9 @@ class WarmupCosine:
         _steps(self, "steps", "decay_steps", self.warmup + 1)
         _span("warmup_cosine", "peak - init", self.init, self.peak)
         _span("warmup_cosine", "peak - end", self.end, self.peak)
+        first, first_name = (self.init, "init") if self.warmup else (self.peak, "peak")
+        for name in ("peak", "end"):  # the warm-up reaches peak, the decay end
+            _stays_nonnegative("warmup_cosine", first_name, first, name, getattr(self, name))
 
     def __call__(self, step: int) -> float:
         step = _step(step)
@@ -310,6 +344,13 @@ class OneCycle:
         for name in ("div_factor", "final_div_factor"):  # lr is divided by them: 0 divides by zero, < 0 flips it
             if not getattr(self, name) > 0:
                 raise HParamError(f"{name} = {getattr(self, name)!r} is invalid; expected a number > 0")
+        initial = self.max_lr / self.div_factor  # the first lr, and the last: inf at a step mid-run where certain here
+        for name, lr, text in (("div_factor", initial, "max_lr / div_factor"),
+                               ("final_div_factor", initial / self.final_div_factor,
+                                "max_lr / (div_factor * final_div_factor)")):
+            if not lr < math.inf:
+                raise HParamError(f"{name} = {getattr(self, name)!r} is invalid with max_lr = {self.max_lr!r}: the lr "
+                                  f"{text} is {lr!r}, beyond the float range; expected a larger {name}")
         # A phase of no steps that a step still reaches (torch's OneCycleLR divides by zero there): the first
         # where it ends at step 0, the last where it ends where the one before it ends.
         ends = [end for end, _, _ in self._phases()]
@@ -478,12 +519,15 @@ def linear_warmup(peak: float, warmup_steps: int, init: float = 0.0) -> Linear:
     peak, init = finite_number("peak", peak), finite_number("init", init)
     warmup_steps = integer("warmup_steps", warmup_steps, 0)
     _span("linear_warmup", "peak - init", init, peak)
+    if warmup_steps:
+        _stays_nonnegative("linear_warmup", "init", init, "peak", peak)
     return Linear(init, peak, warmup_steps)
 
 
 def cosine_decay(init: float, decay_steps: int, alpha: float = 0.0) -> CosineDecay:
     """Cosine from ``init`` to ``alpha * init`` over ``decay_steps``, then held there (``CosineAnnealingLR``
-    with ``eta_min = alpha*init`` up to ``decay_steps``; torch's rises again after it)."""
+    with ``eta_min = alpha*init`` up to ``decay_steps``; torch's rises again after it). ``alpha >= 0``, with
+    ``alpha * init`` a finite float."""
     return CosineDecay(init, decay_steps, alpha)
 
 

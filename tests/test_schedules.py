@@ -309,13 +309,40 @@ def test_interpolations_of_integer_arguments_beyond_the_float_range_are_refused_
     assert schedules.linear(-2 ** 1022, 2 ** 1022, 4)(1) == float(-2 ** 1022) + float(2 ** 1023) * 0.25
 
 
-@pytest.mark.parametrize("sched, step, who", [
-    (schedules.cosine_decay(1e200, 10, alpha=1e200), 10, "cosine_decay"),
-    (schedules.one_cycle(1e10, 10, div_factor=1e-300), 0, "one_cycle lr")])
-def test_schedule_values_beyond_the_float_range_are_refused(sched, step, who):
-    """An inf learning rate was returned silently."""
-    with pytest.raises(HParamError, match=rf"{who}: the value at step {step} is inf, beyond the float range"):
-        sched(step)
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: schedules.cosine_decay(1e200, 10, alpha=1e200),
+     r"^cosine_decay: alpha \* init = 1e\+200 \* 1e\+200 is beyond the float range"),
+    (lambda: schedules.one_cycle(1e10, 10, div_factor=1e-300),
+     r"^div_factor = 1e-300 is invalid with max_lr = 10000000000.0: the lr max_lr / div_factor is inf"),
+    (lambda: schedules.one_cycle(1.0, 10, final_div_factor=1e-310),
+     r"^final_div_factor = 1e-310 is invalid with max_lr = 1.0: the lr max_lr / \(div_factor \* final_div_factor\) "
+     r"is inf")])
+def test_schedule_values_certain_to_leave_the_float_range_are_refused_at_construction(make, pattern):
+    """An inf learning rate was returned silently; then it was refused at the step that reached it (the last of a
+    cosine decay, of a one-cycle), though the arguments made it certain: refused at construction, naming them."""
+    with pytest.raises(HParamError, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: schedules.cosine_decay(0.1, 10, alpha=-0.1),
+     r"^cosine_decay: alpha = -0.1 is invalid; expected alpha >= 0"),
+    (lambda: schedules.linear(0.1, -0.1, 10), r"^linear: end = -0.1 is invalid with init = 0.1: the value starts >= 0 "
+                                              r"and goes below 0 mid-run"),
+    (lambda: schedules.linear_warmup(-0.1, 10), r"^linear_warmup: peak = -0.1 is invalid with init = 0.0"),
+    (lambda: schedules.warmup_cosine(0.1, 2, 10, end=-0.01), r"^warmup_cosine: end = -0.01 is invalid with init = 0.0"),
+    (lambda: schedules.warmup_cosine(0.1, 0, 10, end=-0.01), r"^warmup_cosine: end = -0.01 is invalid with peak = 0.1"),
+    (lambda: schedules.warmup_cosine(-0.1, 2, 10), r"^warmup_cosine: peak = -0.1 is invalid with init = 0.0")])
+def test_schedules_that_go_below_zero_mid_run_are_refused_at_construction_naming_the_argument(make, pattern):
+    """cosine_decay(0.1, 10, alpha=-0.1) went from 0.1 to -0.01: the first steps were taken and the optimizer refused
+    the negative lr mid-run, where it got there (no hparam takes a negative value). As torch refuses a bad lr at
+    construction (and as step_decay refuses a negative gamma), such arguments are refused at once. A schedule
+    negative from its first step (refused at that step) and one that stays >= 0 are taken as before."""
+    with pytest.raises(HParamError, match=pattern):
+        make()
+    assert schedules.linear(-1.0, 1.0, 4)(0) == -1.0 and schedules.linear(0.1, -0.1, 0)(0) == -0.1
+    assert schedules.cosine_decay(0.1, 10, alpha=0.0)(10) == 0.0
+    assert schedules.warmup_cosine(0.1, 2, 10, init=0.0, end=0.0)(10) == 0.0
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
