@@ -357,6 +357,13 @@ def _traced(leaves: Sequence[torch.Tensor]) -> bool:
     return any(is_traced(g) for g in leaves)
 
 
+def _on_tensors(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether a transform computes on tensors: a leaf cannot be read on the host (:func:`_traced`), or there is no
+    leaf while a ``torch.func`` transform runs (``vmap``, ``grad``), whose function must return tensors (``vmap``
+    refused the Python float of an empty tree's norm in the state: "must only return Tensors")."""
+    return _traced(leaves) or (not leaves and torch._C._functorch.maybe_current_level() is not None)
+
+
 def _global_norm_tensor(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`global_norm` as a 0-d float32 (float64 for float64 leaves) tensor, for traced gradients or a traced
     loss scale; 0 without any leaf, as :func:`global_norm` (``torch.stack`` refused an empty list). Reduced in
@@ -552,7 +559,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         leaves = _gradient_leaves(grads, "clip_by_global_norm")
-        if _traced(leaves):  # torch.func (vmap, grad), autograd, compile: the same math on tensors
+        if _on_tensors(leaves):  # torch.func (vmap, grad), autograd, compile: the same math on tensors
             norm_t = _global_norm_tensor(leaves)
             coef_t = torch.clamp(max_norm / (norm_t + CLIP_EPS), max=1.0)
             return _scale_by_tensor(grads, coef_t), ClipState(norm_t, coef_t)
@@ -579,7 +586,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
         s = _loss_scale(extra, "unscale_and_clip_zero")
         leaves = _gradient_leaves(grads, "unscale_and_clip_zero")
         _check_device("unscale_and_clip_zero", "loss_scale", s, grads)
-        if _traced(leaves) or isinstance(s, torch.Tensor):
+        if _on_tensors(leaves) or isinstance(s, torch.Tensor):
             scaled_t = _global_norm_tensor(leaves)
             if max_norm is None:
                 clip_t = torch.ones_like(scaled_t)
@@ -602,8 +609,9 @@ def check_finite() -> GradientTransformation:
     def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
         _check_state("check_finite", state, FiniteState, "check_finite().init(params)")
         leaves = _gradient_leaves(grads, "check_finite")
-        if _traced(leaves):
-            ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all()
+        if _on_tensors(leaves):  # (no leaf: True, as the float path)
+            ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all() if leaves else \
+                torch.ones((), dtype=torch.bool)
             return grads, FiniteState(ok_t, state.nonfinite_steps + (~ok_t).to(torch.int64))
         ok = all(bool(torch.isfinite(g).all()) for g in leaves)
         return grads, FiniteState(ok, state.nonfinite_steps + (0 if ok else 1))

@@ -740,6 +740,29 @@ def test_zero_clip_of_a_tree_without_gradients_under_a_traced_loss_scale_is_a_no
         assert recorded[1].coef.item() == pytest.approx(want.coef, rel=1e-6)
 
 
+@pytest.mark.parametrize("grads", [{}, {"a": None}, [None, {"b": None}]])
+def test_clip_check_finite_and_zero_clip_of_a_tree_without_gradients_under_vmap_and_grad_give_tensor_states(grads):
+    """Without a gradient the norm (0.0), the coefficient (1.0) and the finite flag (True) were Python numbers also
+    under torch.func.vmap, which refused the state ("must only return Tensors, got type <class 'float'>"), where a
+    tree with gradients gives 0-d tensors: they are tensors under vmap and grad, of the eager values."""
+    x = torch.arange(3.0)
+    for t, fields in ((tx.clip_by_global_norm(1.0), ("norm", "coef")),
+                      (tx.check_finite(), ("all_finite", "nonfinite_steps")),
+                      (tx.unscale_and_clip_zero(1.0), ("norm", "coef"))):
+        eager_out, eager = t.update(grads, t.init(grads), loss_scale=2.0)
+        assert eager_out == grads
+
+        def state(x, t=t, fields=fields):
+            s = t.update(grads, t.init(grads), loss_scale=2.0)[1]
+            return tuple(getattr(s, f) for f in fields)
+
+        got = torch.func.vmap(state)(x)
+        for f, v in zip(fields, got):
+            assert isinstance(v, torch.Tensor) and v.tolist() == [getattr(eager, f)] * 3, f
+        last = float(getattr(eager, fields[-1]))
+        assert torch.func.grad(lambda x: (x * state(x)[-1]).sum())(x).tolist() == [last] * 3
+
+
 @pytest.mark.parametrize("max_norm", [0.0, math.inf])
 def test_clip_by_global_norm_of_max_norm_0_or_inf_equals_clip_grad_norm_bitwise(rng, max_norm: float):
     """clip_grad_norm_ takes both: 0 zeroes every gradient (``coef = 0/(norm + 1e-6)``; a negative element
