@@ -364,6 +364,24 @@ def _on_tensors(leaves: Sequence[torch.Tensor]) -> bool:
     return _traced(leaves) or (not leaves and torch._C._functorch.maybe_current_level() is not None)
 
 
+def _check_one_device(who: str, grads: Any, leaves: Sequence[torch.Tensor]) -> None:
+    """The gradients a tensor reduction (:func:`_on_tensors`) combines must lie on one device: ``torch.stack`` of
+    their norms (or finite flags) raised torch's bare "Tensor on device meta is not on the expected device cpu!".
+    Else a :class:`LeafError` naming ``who``, the first gradient on another device than the first one's, both
+    paths and both devices (a meta gradient, which holds no value, among gradients with data included)."""
+    device = leaves[0].device if leaves else None
+    if all(g.device == device for g in leaves):
+        return
+    all_leaves, spec = tree.flatten(grads)
+    paths = tree.leaf_paths(spec, root="grads")
+    present = [(path, g) for path, g in zip(paths, all_leaves) if g is not None]
+    (first, g0), (other, g1) = present[0], next((path, g) for path, g in present if g.device != device)
+    meta = " (a meta tensor holds no value: it goes with meta gradients only)" if g0.is_meta or g1.is_meta else ""
+    raise LeafError(f"{who}: {other} is on {g1.device}, {first} on {g0.device}: the norm of traced gradients (vmap, "
+                    f"grad, autograd, compile, meta) is one tensor, of gradients on one device; give them on one "
+                    f"device{meta}")
+
+
 def _global_norm_tensor(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`global_norm` as a 0-d float32 (float64 for float64 leaves) tensor, for traced gradients or a traced
     loss scale; 0 without any leaf, as :func:`global_norm` (``torch.stack`` refused an empty list). Reduced in
@@ -560,6 +578,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update(grads: Any, state: ClipState, params: Any = None, **extra: Any) -> tuple[Any, ClipState]:
         leaves = _gradient_leaves(grads, "clip_by_global_norm")
         if _on_tensors(leaves):  # torch.func (vmap, grad), autograd, compile: the same math on tensors
+            _check_one_device("clip_by_global_norm", grads, leaves)
             norm_t = _global_norm_tensor(leaves)
             coef_t = torch.clamp(max_norm / (norm_t + CLIP_EPS), max=1.0)
             return _scale_by_tensor(grads, coef_t), ClipState(norm_t, coef_t)
@@ -587,6 +606,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
         leaves = _gradient_leaves(grads, "unscale_and_clip_zero")
         _check_device("unscale_and_clip_zero", "loss_scale", s, grads)
         if _on_tensors(leaves) or isinstance(s, torch.Tensor):
+            _check_one_device("unscale_and_clip_zero", grads, leaves)
             scaled_t = _global_norm_tensor(leaves)
             if max_norm is None:
                 clip_t = torch.ones_like(scaled_t)
@@ -610,6 +630,7 @@ def check_finite() -> GradientTransformation:
         _check_state("check_finite", state, FiniteState, "check_finite().init(params)")
         leaves = _gradient_leaves(grads, "check_finite")
         if _on_tensors(leaves):  # (no leaf: True, as the float path)
+            _check_one_device("check_finite", grads, leaves)
             ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all() if leaves else \
                 torch.ones((), dtype=torch.bool)
             return grads, FiniteState(ok_t, state.nonfinite_steps + (~ok_t).to(torch.int64))

@@ -763,6 +763,24 @@ def test_clip_check_finite_and_zero_clip_of_a_tree_without_gradients_under_vmap_
         assert torch.func.grad(lambda x: (x * state(x)[-1]).sum())(x).tolist() == [last] * 3
 
 
+@pytest.mark.parametrize("t, who", [(tx.clip_by_global_norm(1.0), "clip_by_global_norm"),
+                                     (tx.check_finite(), "check_finite"),
+                                     (tx.unscale_and_clip_zero(1.0), "unscale_and_clip_zero")])
+def test_reductions_over_gradients_on_two_devices_on_tensors_are_refused_naming_both(t, who):
+    """A meta gradient (shapes only) beside one with data, eagerly (a meta leaf takes the tensor path) or under
+    vmap: torch.stack of their norms raised torch's bare "Tensor on device meta is not on the expected device cpu!".
+    A LeafError names the transform, both leaves and both devices; meta gradients alone still plan the shapes."""
+    pattern = rf"{who}: grads\['c'\] is on meta, grads\['a'\] on cpu: .* give them on one device \(a meta tensor"
+    with pytest.raises(LeafError, match=pattern):
+        t.update({"a": torch.ones(3), "b": None, "c": torch.ones(2, device="meta")}, t.init(None), loss_scale=2.0)
+    with pytest.raises(LeafError, match=pattern):
+        torch.func.vmap(lambda a: t.update({"a": a, "b": None, "c": torch.ones(2, device="meta")}, t.init(None),
+                                           loss_scale=2.0)[0]["a"])(torch.ones(2, 3))
+    out, _ = t.update({"a": torch.ones(3, device="meta"), "c": torch.ones(2, device="meta")}, t.init(None),
+                      loss_scale=2.0)
+    assert out["a"].is_meta and out["c"].shape == (2,)
+
+
 @pytest.mark.parametrize("max_norm", [0.0, math.inf])
 def test_clip_by_global_norm_of_max_norm_0_or_inf_equals_clip_grad_norm_bitwise(rng, max_norm: float):
     """clip_grad_norm_ takes both: 0 zeroes every gradient (``coef = 0/(norm + 1e-6)``; a negative element
