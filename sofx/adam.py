@@ -113,7 +113,10 @@ class AdamHParams(NamedTuple):
     their value can be read: a step with ``lr=torch.tensor(1e-3)`` is ``torch.optim``'s with ``lr=float(that
     tensor)``, bit for bit; torch's for-loop Adam(W) given the tensor itself computes ``lr * weight_decay`` and
     ``lr / bias_correction1`` in float32 tensor arithmetic, and differs from its own float-lr step by that
-    rounding, ~1e-7 relative per step)."""
+    rounding, ~1e-7 relative per step). A float16 (numpy's, or a float16 or bfloat16 tensor) lr, beta1, beta2 or
+    weight_decay is refused: torch's for-loop and foreach AdamW compute in that precision with it (an lr *
+    weight_decay below 2**-12 in float16 leaves ``1 - lr * weight_decay`` at 1: no decay), its fused one in
+    float64; an eps of these is taken as the number it holds, as torch adds it)."""
 
     lr: Scalar | None = None
     beta1: Scalar | None = None
@@ -1212,6 +1215,9 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
     concrete 0-d tensor or a numpy number as its Python number); a tensor outside its storage (freed or shrunk) is
     refused, an :class:`HParamError` naming ``where`` and the field (``hparams for params['w']: lr``), or the
     default's field where it came from ``defaults`` (``defaults: lr``, as the optimizer's construction names it)."""
+    for f, x in zip(AdamHParams._fields, hp):  # (read as a Python number, its precision was no longer seen)
+        if x is not None:
+            _refuse_half_precision(f, x, where)
     return AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
                          as_number(x, lambda f=f: f"{where}: {f}")
                          for f, x, d in zip(AdamHParams._fields, hp, defaults)))
@@ -2049,6 +2055,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
         if callable(value) and not isinstance(value, torch.Tensor):  # optax's adam(learning_rate=schedule)
             raise HParamError(f"{where}{path}: {name} is a schedule ({type(value).__name__}), where a value is taken "
                               f"(a float or a 0-d tensor): {_field_schedule_hint(name)}")
+        _refuse_half_precision(name, value, where, path)
         if is_numpy_real(value):  # (read as the Python number it holds where hparams are read: as_number)
             value = as_number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
@@ -2061,6 +2068,31 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
                 return
             value = as_number(value, lambda: f"{where}{path}: {name}")
     check_hparam_range(name, value, where, path)
+
+
+# The hparams torch.optim's for-loop and foreach Adam(W) compute with (1 - beta, beta ** t, lr / bias_correction,
+# 1 - lr * weight_decay): numpy arithmetic keeps a float16 number's precision (NEP 50), a tensor's its dtype.
+# eps is only added (torch converts it to a double): a half-precision eps steps as the number it holds there too.
+_HALF_REFUSED = ("lr", "beta1", "beta2", "weight_decay")
+
+
+def _half_precision(value: Any) -> str:
+    """``"float16"`` or ``"bfloat16"`` for a numpy float16 or a 0-d tensor of either dtype, else ``""``."""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.") if value.dtype in _LOW_PRECISION else ""
+    return "float16" if type(value).__module__ == "numpy" and type(value).__name__ == "float16" else ""
+
+
+def _refuse_half_precision(name: str, value: Any, where: str, path: str = "") -> None:
+    """Refuse (an :class:`HParamError` naming ``where + path``) a value of hparam ``name`` of :data:`_HALF_REFUSED`
+    that is :func:`_half_precision`."""
+    kind = _half_precision(value) if name in _HALF_REFUSED else ""
+    if kind:
+        raise HParamError(f"{where}{path}: {name} = {value!r:.60} is a {kind} number: torch.optim's for-loop and "
+                          f"foreach AdamW compute with it in {kind} (1 - lr * weight_decay rounds to 1 below "
+                          f"lr * weight_decay = {2 ** -12 if kind == 'float16' else 2 ** -9!r}: no decay), its "
+                          f"fused AdamW in float64 as sofx does; give a Python float, float({name}), or a "
+                          "float32/float64 number")
 
 
 def _field_schedule_hint(name: str) -> str:

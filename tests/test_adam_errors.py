@@ -608,6 +608,38 @@ def test_numpy_hparams_are_taken_as_the_python_numbers_they_hold(backend):
             sofx.Adam(hp, decoupled=True)
 
 
+def test_half_precision_hparams_that_torch_computes_with_in_their_precision_are_refused_naming_them():
+    """lr=np.float16(1e-3): numpy keeps float16 in torch's arithmetic (NEP 50), so torch's for-loop AdamW computed
+    1 - lr * weight_decay in float16 (1: no decay) and lr / bias_correction1 in float16, its fused one in float64,
+    as sofx did: the two torch results differ (sofx was 1e-4 off the for-loop's after 3 steps). A float16 or
+    bfloat16 lr, beta1, beta2 or weight_decay (numpy's, or a 0-d tensor) is refused naming it, at construction and
+    at a step, before anything is written; a float16 eps (only added, as a double, by torch) is taken."""
+    np = pytest.importorskip("numpy")
+    lr16 = np.float16(1e-3)
+    stepped = []
+    for kw in ({"foreach": False}, {"fused": True}):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 8))
+        torch_opt = torch.optim.AdamW([p], lr=lr16, weight_decay=1e-2, **kw)
+        p.grad = torch.cos(torch.arange(8.0))
+        torch_opt.step()
+        stepped.append(p.detach().clone())
+    assert not torch.equal(*stepped)
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    for name, value, kind in (("lr", lr16, "float16"), ("beta1", np.float16(0.9), "float16"),
+                              ("weight_decay", torch.tensor(1e-2, dtype=torch.bfloat16), "bfloat16"),
+                              ("beta2", torch.tensor(0.999, dtype=torch.float16), "float16")):
+        pattern = rf"{name} = .* is a {kind} number: torch.optim's for-loop and foreach AdamW compute with it in {kind}"
+        with pytest.raises(sofx.HParamError, match=r"^hparams for params\[.*\]: " + pattern):
+            opt.update(params, grads, state, AdamHParams(**{name: value}))
+        with pytest.raises(sofx.HParamError, match=r"^defaults: " + pattern):
+            sofx.Adam(AdamHParams(**{name: value}), decoupled=True)
+        with pytest.raises(sofx.HParamError, match=r"^hparams_schedule: " + pattern):
+            sofx.schedules.hparams_schedule(**{name: value})
+    _assert_unchanged(before, params, grads, state)
+    assert sofx.adamw(eps=np.float16(1e-3)).defaults.eps == float(np.float16(1e-3))
+
+
 @pytest.mark.parametrize("given", ["parameters", "named_parameters", "module"])
 @pytest.mark.parametrize("call", ["init", "update", "check_inputs"])
 def test_a_module_or_its_parameter_iterator_as_params_says_to_pass_a_tree_of_tensors(given, call):
