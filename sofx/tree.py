@@ -455,27 +455,55 @@ def _broadcast_prefix_traced(prefix: PyTree, spec: TreeSpec, full_tree: PyTree, 
     frame, "ValueError: length mismatch" or "TypeError: unhashable type: 'list'"). Each leaf's path
     (``spec.paths()``, which it traces) is walked down ``prefix`` and ``full_tree`` together until a value of the
     prefix: a mapping is matched key by key (its keys those of the tree's mapping there, in any order), a list or
-    tuple position by position (of the tree's type and length there); else a :class:`StructureError` naming the
-    place (as the eager path words it)."""
+    tuple position by position (of the tree's type and length there), a custom (optree-registered) node entry by
+    entry (of the tree's class, entries and metadata there, as optree matches it eagerly); else a
+    :class:`StructureError` naming the place (as the eager path words it)."""
     out = []
     for path in spec.paths():
         node, full, at = prefix, full_tree, ""
         for entry in path:
-            if is_leaf(node) or not isinstance(node, (Mapping, list, tuple)):  # a value (a float: the caller's refusal)
-                break
+            if is_leaf(node) or not (isinstance(node, (Mapping, list, tuple)) or _custom_node(node)):
+                break  # a value (a float: the caller's refusal)
             if isinstance(node, Mapping) and isinstance(full, Mapping):
                 if set(node) != set(full):
                     raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} has entries "
                                          f"{_sorted_keys(node)}, expected {_sorted_keys(full)} (as {root}{at})")
+            elif _custom_node(node) and type(node) is type(full):  # (an optree-registered class: walked as eagerly)
+                node, full, at = _custom_children(node, full, entry, what, root, at)
+                continue
             elif not (isinstance(node, (list, tuple)) and type(node) is type(full) and len(node) == len(full)):
                 raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is "
                                      f"{_described_node(node)} where {root}{at} is {_described_node(full)}")
             node, full, at = node[entry], full[entry], f"{at}[{entry!r}]"
-        if isinstance(node, (Mapping, list, tuple)) and not is_leaf(node):  # (deeper than the tree: at a leaf)
+        if (isinstance(node, (Mapping, list, tuple)) or _custom_node(node)) and not is_leaf(node):  # (at a leaf)
             raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is "
                                  f"{_described_node(node)} where {root}{at} is a leaf")
         out.append(node)
     return out
+
+
+def _custom_node(x: Any) -> bool:
+    """Whether ``x`` is a node of a class registered with optree (neither a mapping, a list nor a tuple: those are
+    walked by :func:`_broadcast_prefix_traced` itself), which optree flattens into children."""
+    return not isinstance(x, (Mapping, list, tuple, torch.Tensor)) and x is not None and \
+        not optree.tree_is_leaf(x, none_is_leaf=True)
+
+
+def _custom_children(node: Any, full: Any, entry: Any, what: str, root: str, at: str) -> tuple[Any, Any, str]:
+    """The children at ``entry`` of the custom nodes ``node`` (of the prefix) and ``full`` (of the tree), one class,
+    with the path ``at`` one step down; where their entries or metadata differ (which eagerly ``flatten_up_to``
+    refuses) a :class:`StructureError` naming the place."""
+    children, metadata, entries, _ = optree.tree_flatten_one_level(node, none_is_leaf=True)
+    full_children, full_metadata, full_entries, _ = optree.tree_flatten_one_level(full, none_is_leaf=True)
+    name = type(node).__name__
+    if list(entries) != list(full_entries):
+        raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is a {name} of entries "
+                             f"{list(entries)!r}, expected {list(full_entries)!r} (as {root}{at})")
+    if metadata != full_metadata:
+        raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is a {name} of metadata "
+                             f"{metadata!r:.80}, expected {full_metadata!r:.80} (as {root}{at})")
+    i = list(entries).index(entry)
+    return children[i], full_children[i], at + _entry_str(entry, node)
 
 
 def _sorted_keys(mapping: Mapping[Any, Any]) -> list[Any]:

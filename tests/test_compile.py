@@ -63,6 +63,7 @@ import collections
 import importlib
 from typing import Any, Callable
 
+import optree
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
@@ -401,6 +402,43 @@ def test_per_group_hparams_tree_without_fullgraph_steps_as_eager():
     params = _problem(5)[1]
     assert _compiled_equals_eager(sofx.adamw(weight_decay=WEIGHT_DECAY), _per_group_cases(params)[:1],
                                   fullgraph=False) == 1
+
+
+class _Block:
+    """A custom pytree node (registered with optree below): a layer's weight and bias, and a tag as its metadata."""
+
+    def __init__(self, w: Any, b: Any, tag: str = "block") -> None:
+        self.w, self.b, self.tag = w, b, tag
+
+
+optree.register_pytree_node(_Block, lambda n: ((n.w, n.b), n.tag, ("w", "b")), lambda tag, c: _Block(*c, tag),
+                            namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"))
+
+
+def test_per_group_hparams_over_custom_nodes_in_dict_params_trace_as_eager():
+    """Under compile the prefix was walked through mappings, lists and tuples only: a custom (optree-registered)
+    node of the prefix over the same node of dict params was taken as one leaf's value and refused ("expected an
+    AdamHParams, got _Block"), where eagerly optree walks it. It is walked as eagerly (its children by entry): each
+    leaf gets the eager value; a node of other metadata is refused as eagerly, naming the place."""
+    torch._dynamo.reset()
+    params = {"blk": _Block(torch.linspace(-1, 1, 6).reshape(2, 3), torch.ones(3)), "head": torch.ones(4)}
+    a, b = sofx.AdamHParams(lr=0.1), sofx.AdamHParams(lr=1e-3)
+    is_hp = lambda x: isinstance(x, sofx.AdamHParams)  # noqa: E731
+
+    def lrs(q, hp):
+        values = sofx.tree.broadcast_prefix(hp, sofx.tree.flatten(q)[1], is_leaf=is_hp, full_tree=q)
+        return [p * (-1.0 if v is None else v.lr) for p, v in zip(sofx.tree.flatten(q)[0], values)]
+
+    compiled = torch.compile(lrs, backend="eager", fullgraph=True)
+    hp = {"blk": _Block(a, None), "head": b}
+    assert all(torch.equal(x, y) for x, y in zip(compiled(params, hp), lrs(params, hp)))
+    other = {"blk": _Block(a, None, "other"), "head": None}
+    with pytest.raises(sofx.StructureError, match=r"hparams\['blk'\] is a _Block of metadata 'other', expected "
+                                                  r"'block' \(as params\['blk'\]\)"):
+        lrs(params, other)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"hparams\[.*blk.*\] is a _Block of metadata .*other.*, "
+                                                            r"expected .*block.* \(as params\[.*blk.*\]\)"):
+        compiled(params, other)
 
 
 def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
