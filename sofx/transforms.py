@@ -736,11 +736,12 @@ def label_params(params: Any, label_fn: Callable[[str, torch.Tensor], str]) -> A
     labels = [label_fn(path, p) for path, p in zip(paths, leaves)]
     for path, label in zip(paths, labels):
         inner = tree.flatten(label)[0]
-        if len(inner) != 1 or inner[0] is not label:
+        if len(inner) != 1 or inner[0] is not label or not _hashable(label):
             # None is an empty subtree: the leaf dropped out of the labels, and group_hparams gave it the
-            # optimizer's defaults instead of base (a scheduled lr ignored); a tuple or a dict became a subtree
+            # optimizer's defaults instead of base (a scheduled lr ignored); a tuple or a dict became a subtree; a
+            # set or a numpy array names no group (group_hparams' lookup raised a bare "unhashable type")
             raise HParamError(f"label_fn returned {label!r:.60} ({type(label).__name__}) for {path}; expected a "
-                              "label that is neither None nor a container (e.g. a string)")
+                              "label that is neither None nor a container, and hashable (e.g. a string)")
     return tree.unflatten(spec, labels)
 
 
@@ -815,10 +816,22 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
     leaves, spec = tree.flatten(labels)
     out = []
     for path, label in zip(tree.leaf_paths(spec, root="labels"), leaves):
+        if not _hashable(label):  # (the lookup raised a bare TypeError, "unhashable type: 'set'")
+            raise HParamError(f"{path} = {label!r:.60} ({type(label).__name__}) is unhashable and names no group; "
+                              f"expected a hashable label (e.g. a string); groups are {_group_names(groups)}")
         if label not in groups:
             raise HParamError(f"{path} = {label!r} names no group; groups are {_group_names(groups)}")
         out.append(merge_hparams(base, groups[label]))
     return tree.unflatten(spec, out)
+
+
+def _hashable(label: Any) -> bool:
+    """Whether ``label`` can be looked up in a mapping (a set, a numpy array or a bytearray cannot)."""
+    try:
+        hash(label)
+    except TypeError:
+        return False
+    return True
 
 
 def _group_names(groups: Mapping[Any, Any]) -> list[Any]:

@@ -300,6 +300,23 @@ def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
     assert hp["w"].lr == hp["b"].lr == 0.5
 
 
+def test_unhashable_labels_are_refused_naming_the_leaf():
+    """A label that is no dict key (a set, a 0-d numpy array, a bytearray: label_fn's or a hand-written labels
+    tree's) raised Python's bare "TypeError: unhashable type: 'set'" from group_hparams' lookup; label_params and
+    group_hparams refuse it, an HParamError naming the leaf, the label and its type."""
+    np = pytest.importorskip("numpy")
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    groups = {"decay": AdamHParams(), "no_decay": AdamHParams(weight_decay=0.0)}
+    for bad, kind in (({"decay"}, "set"), (np.array("decay"), "ndarray"), (bytearray(b"decay"), "bytearray")):
+        with pytest.raises(HParamError, match=rf"label_fn returned .* \({kind}\) for params\['w'\]; expected a label "
+                                              r"that is neither None nor a container, and hashable"):
+            tx.label_params(params, lambda path, p: "no_decay" if p.dim() < 2 else bad)
+        with pytest.raises(HParamError, match=rf"labels\['w'\] = .* \({kind}\) is unhashable and names no group; "
+                                              r"expected a hashable label \(e.g. a string\); groups are \['decay', "
+                                              r"'no_decay'\]"):
+            tx.group_hparams({"w": bad, "b": "no_decay"}, groups)
+
+
 def test_group_hparams_refuses_a_none_label_naming_the_leaf():
     """A None label (a hand-written "no group") gave that leaf the optimizer's defaults, not ``base`` nor a
     group: None is an empty subtree of the labels, and None in hparams means the defaults. It is refused naming
