@@ -419,7 +419,8 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
     to the prefix tree only, never to the full structure. The values come in the order of ``spec``'s leaves; a
     mapping of the prefix is matched key by key, whatever its order (a dict over an ``OrderedDict``).
     ``full_tree``: the tree ``spec`` is the structure of, where the caller has it: under ``torch.compile``, where
-    it holds a mapping, the prefix is matched to it leaf path by leaf path (:func:`_broadcast_prefix_traced`).
+    it holds a mapping (in a custom node too), the prefix is matched to it leaf path by leaf path
+    (:func:`_broadcast_prefix_traced`).
     """
     if is_leaf is not None and is_leaf(prefix):
         # One value for every leaf (no tree walked: also under torch.compile).
@@ -521,9 +522,12 @@ def _described_node(x: Any) -> str:
 
 
 def _holds_mapping(x: PyTree) -> bool:
-    """Whether ``x``, walked through its mappings, lists and tuples, is or holds a mapping."""
+    """Whether ``x``, walked through its mappings, lists, tuples and custom (optree-registered) nodes, is or holds a
+    mapping (a custom node's mapping was not seen: its params took the eager path, which dynamo cannot trace)."""
     if isinstance(x, Mapping):
         return True
+    if _custom_node(x):
+        return any(_holds_mapping(y) for y in optree.tree_flatten_one_level(x, none_is_leaf=True)[0])
     return isinstance(x, (list, tuple)) and any(_holds_mapping(y) for y in x)
 
 

@@ -441,6 +441,24 @@ def test_per_group_hparams_over_custom_nodes_in_dict_params_trace_as_eager():
         compiled(params, other)
 
 
+def test_per_group_hparams_over_a_custom_node_holding_dict_params_trace_as_eager():
+    """Params whose root is a custom (optree-registered) node holding a dict were not seen to hold a mapping: the
+    prefix took the eager path, which dynamo cannot trace over a dict spec ("DictMetaData" Unsupported, or "length
+    mismatch" from its stand-in spec). The custom node's children are looked into: each leaf gets the eager value."""
+    torch._dynamo.reset()
+    is_hp = lambda x: isinstance(x, sofx.AdamHParams)  # noqa: E731
+
+    def lrs(q, hp):
+        values = sofx.tree.broadcast_prefix(hp, sofx.tree.flatten(q)[1], is_leaf=is_hp, full_tree=q)
+        return [p * (-1.0 if v is None else v.lr) for p, v in zip(sofx.tree.flatten(q)[0], values)]
+
+    a, b = sofx.AdamHParams(lr=0.1), sofx.AdamHParams(lr=1e-3)
+    params = _Block({"u": torch.ones(2), "v": torch.ones(1)}, torch.ones(3))
+    for hp in (_Block({"u": a, "v": None}, b), _Block(a, b)):
+        got = torch.compile(lrs, backend="eager", fullgraph=True)(params, hp)
+        assert all(torch.equal(x, y) for x, y in zip(got, lrs(params, hp)))
+
+
 def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
     """apply_block_action carries an action that writes out once (BlockAction.applied_cell). The cell was made at
     the first application: made while tracing, it was not guarded, so the compiled function stepped the block
