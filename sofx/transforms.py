@@ -679,6 +679,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     micro_steps = _micro_steps("accumulate", state)
     leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
+    _check_params("accumulate", paths, leaves)
     new = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(leaves)
     old = tree.flatten_up_to(spec, state.total, "accumulated gradients")
     for path, p, acc, g in zip(paths, leaves, old, new):
@@ -698,6 +699,7 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     _check_state("accumulated", state, AccumulationState, "accumulation_init(params)")
     _micro_steps("accumulated", state)
     leaves, spec = tree.flatten(params)
+    _check_params("accumulated", tree.leaf_paths(spec), leaves)
     totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
     for path, p, t in zip(tree.leaf_paths(spec), leaves, totals):
         if t is not None:
@@ -705,6 +707,15 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     if missing_grad == "zero":
         totals = [torch.zeros_like(p) if t is None else t for p, t in zip(leaves, totals)]
     return tree.unflatten(spec, totals)
+
+
+def _check_params(who: str, paths: Sequence[str], leaves: Sequence[Any]) -> None:
+    """Every leaf of ``params`` (the gradients' shapes, dtypes and devices are read from them) must be a tensor, else
+    a :class:`LeafError` naming ``who`` and its path (a float raised a bare AttributeError from ``p.shape``, and
+    ``zeros_like`` a TypeError; a numpy array's dtype was compared to the gradient's: "expected dtype float64")."""
+    for path, p in zip(paths, leaves):
+        if not isinstance(p, torch.Tensor):
+            raise LeafError(f"{who}: {path}: expected a tensor, got {type(p).__name__}")
 
 
 def _check_grad(path: str, g: Any, p: torch.Tensor, root: str = "grads") -> None:

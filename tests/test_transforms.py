@@ -243,6 +243,20 @@ def test_accumulate_rejects_bad_leaves_naming_the_path(rng):
     assert state.micro_steps == 0
 
 
+def test_accumulate_and_accumulated_refuse_params_that_are_no_tensors_naming_the_leaf():
+    """The gradients' shapes, dtypes and devices are read from params: a float param raised a bare AttributeError
+    ('float' object has no attribute 'shape'), missing_grad="zero" torch's bare TypeError from zeros_like, and a
+    numpy array's dtype was compared to the gradient's ("grads['w']: expected dtype float64, got torch.float32")."""
+    np = pytest.importorskip("numpy")
+    for bad, kind in ((1.0, "float"), (np.ones(3), "ndarray"), ("name", "str")):
+        params = {"a": torch.ones(3), "w": bad}
+        state = tx.accumulation_init(params)
+        with pytest.raises(LeafError, match=rf"^accumulate: params\['w'\]: expected a tensor, got {kind}$"):
+            tx.accumulate(state, {"a": torch.ones(3), "w": torch.ones(3)}, params)
+        with pytest.raises(LeafError, match=rf"^accumulated: params\['w'\]: expected a tensor, got {kind}$"):
+            tx.accumulated(state, params, missing_grad="zero")
+
+
 def test_accumulation_state_of_other_params_is_refused_naming_the_leaf(rng):
     """A state summed for other params of the same structure (a (1, 2) leaf where params has (3, 2)) was
     broadcast into the new sum, and ``accumulated`` returned it as the (3, 2) leaf's gradient."""
