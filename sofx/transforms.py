@@ -358,10 +358,11 @@ def _traced(leaves: Sequence[torch.Tensor]) -> bool:
 
 
 def _on_tensors(leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether a transform computes on tensors: a leaf cannot be read on the host (:func:`_traced`), or there is no
-    leaf while a ``torch.func`` transform runs (``vmap``, ``grad``), whose function must return tensors (``vmap``
-    refused the Python float of an empty tree's norm in the state: "must only return Tensors")."""
-    return _traced(leaves) or (not leaves and torch._C._functorch.maybe_current_level() is not None)
+    """Whether a transform computes on tensors: a leaf cannot be read on the host (:func:`_traced`), or a
+    ``torch.func`` transform runs (``vmap``, ``grad``), whose function must return tensors, over leaves it does not
+    wrap (none, or gradients made outside it): ``vmap`` refused the Python float of their norm in the state ("must
+    only return Tensors")."""
+    return _traced(leaves) or torch._C._functorch.maybe_current_level() is not None
 
 
 def _check_one_device(who: str, grads: Any, leaves: Sequence[torch.Tensor]) -> None:

@@ -794,6 +794,24 @@ def test_clip_check_finite_and_zero_clip_of_a_tree_without_gradients_under_vmap_
         assert torch.func.grad(lambda x: (x * state(x)[-1]).sum())(x).tolist() == [last] * 3
 
 
+def test_clip_check_finite_and_zero_clip_of_gradients_made_outside_vmap_give_tensor_states(rng):
+    """Gradients vmap does not batch (made outside it: shared by the members) were read on the host, and the state
+    held Python numbers, which vmap refused ("must only return Tensors, got type <class 'float'>"); the same
+    function over batched gradients returns tensors. Under a torch.func transform the state holds 0-d tensors,
+    the eager values to float32 rounding, and the gradients are the eager ones."""
+    grads = _tree(rng, 30.0)
+    for t, fields in ((tx.clip_by_global_norm(1.0), ("norm", "coef")),
+                      (tx.check_finite(), ("all_finite", "nonfinite_steps")),
+                      (tx.unscale_and_clip_zero(1.0), ("norm", "coef"))):
+        eager_out, eager = t.update(grads, t.init(grads), loss_scale=2.0)
+        out, state = torch.func.vmap(lambda x, t=t: t.update(grads, t.init(grads), loss_scale=2.0))(torch.ones(2))
+        for f in fields:
+            got = getattr(state, f)
+            assert isinstance(got, torch.Tensor) and got.shape == (2,), f
+            assert got.tolist() == pytest.approx([float(getattr(eager, f))] * 2, rel=1e-6), f
+        _assert_close(sofx.tree.tree_map(lambda x: x[1], out), eager_out)
+
+
 @pytest.mark.parametrize("t, who", [(tx.clip_by_global_norm(1.0), "clip_by_global_norm"),
                                      (tx.check_finite(), "check_finite"),
                                      (tx.unscale_and_clip_zero(1.0), "unscale_and_clip_zero")])
