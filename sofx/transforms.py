@@ -215,18 +215,19 @@ def _gradient_leaves(grads: Any, who: str = "grads", readable: bool = False) -> 
     The storage test is :func:`~sofx.kernels.storage.in_storage` a leaf (~0.3 us); not under ``torch.compile``.
     ``readable``: ``who`` returns a Python number, and a leaf without a value to read (:func:`_no_value`) is
     refused too."""
-    leaves, spec = tree.flatten(grads)
-    present = [g for g in leaves if g is not None]
+    present = tree.leaves(grads)  # (the structure only for a refusal's path: see tree.leaves)
+
+    def path(i: int) -> str:
+        return tree.leaf_paths(tree.flatten(grads)[1], root="grads")[i]
+
     compiling = torch.compiler.is_compiling()  # (no storage to check: Dynamo traces fake tensors)
-    for i, g in enumerate(leaves):
-        if g is None:
-            continue
+    for i, g in enumerate(present):
         if not _dense_float(g):
-            raise LeafError(_not_dense_float(who, tree.leaf_paths(spec, root="grads")[i], g))
+            raise LeafError(_not_dense_float(who, path(i), g))
         if readable and _no_value(g):
-            raise LeafError(_no_value_refusal(who, tree.leaf_paths(spec, root="grads")[i], g))
+            raise LeafError(_no_value_refusal(who, path(i), g))
         if not (compiling or in_storage(g)):
-            refuse_short_storage(g, lambda: f"{who}: {tree.leaf_paths(spec, root='grads')[i]}")
+            refuse_short_storage(g, lambda: f"{who}: {path(i)}")
     return present
 
 

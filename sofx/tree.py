@@ -35,6 +35,7 @@ __all__ = [
     "PyTree",
     "TreeSpec",
     "flatten",
+    "leaves",
     "unflatten",
     "leaf_paths",
     "paths_index",
@@ -57,6 +58,13 @@ def flatten(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> tuple
     """Leaves of ``tree`` (``None`` is an empty subtree) and its structure."""
     leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
     return leaves, spec
+
+
+def leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` (``None`` is an empty subtree) in :func:`flatten`'s order, without its structure: under
+    ``torch.compile`` dynamo's stand-in for optree flattens a dict whose leaves are no tensors (``{}``,
+    ``{"w": None}``) only so (its structure raised "DictMetaData" Unsupported)."""
+    return optree.tree_leaves(tree)
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:

@@ -459,6 +459,22 @@ def test_per_group_hparams_over_a_custom_node_holding_dict_params_trace_as_eager
         assert all(torch.equal(x, y) for x, y in zip(got, lrs(params, hp)))
 
 
+@pytest.mark.parametrize("grads", [{}, {"w": None, "deep": [None]}])
+def test_gradient_transforms_of_a_dict_without_gradients_compile(grads):
+    """A dict of no tensor (no parameter, or every gradient None) did not trace: flattening it for its structure is
+    what dynamo's stand-in for optree cannot do ("SourcelessBuilder.create does not know how to wrap
+    optree.registry.DictMetaData"), where eagerly such a tree passes unchanged, a norm of 0. Its leaves are taken
+    without its structure (needed only to name a refused leaf): fullgraph, the eager values."""
+    torch._dynamo.reset()
+    tx = sofx.transforms
+    for t in (tx.chain(tx.unscale(), tx.check_finite(), tx.clip_by_global_norm(1.0)), tx.unscale_and_clip_zero(1.0)):
+        out, state = torch.compile(lambda g, s, t=t: t.update(g, s, loss_scale=2.0), backend="eager",
+                                   fullgraph=True)(grads, t.init(grads))
+        want_out, want = t.update(grads, t.init(grads), loss_scale=2.0)
+        assert out == want_out == grads
+        assert [float(x) for x in sofx.tree.flatten(state)[0]] == [float(x) for x in sofx.tree.flatten(want)[0]]
+
+
 def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
     """apply_block_action carries an action that writes out once (BlockAction.applied_cell). The cell was made at
     the first application: made while tracing, it was not guarded, so the compiled function stepped the block
