@@ -630,14 +630,16 @@ def check_finite() -> GradientTransformation:
 
     def update(grads: Any, state: FiniteState, params: Any = None, **extra: Any) -> tuple[Any, FiniteState]:
         _check_state("check_finite", state, FiniteState, "check_finite().init(params)")
+        # (a str raised a bare TypeError at a non-finite step, -1 became 0, 1.5 counted on as 2.5)
+        steps = _state_count("check_finite", "nonfinite_steps", state.nonfinite_steps)
         leaves = _gradient_leaves(grads, "check_finite")
         if _on_tensors(leaves):  # (no leaf: True, as the float path)
             _check_one_device("check_finite", grads, leaves)
             ok_t = torch.stack([torch.isfinite(g).all() for g in leaves]).all() if leaves else \
                 torch.ones((), dtype=torch.bool)
-            return grads, FiniteState(ok_t, state.nonfinite_steps + (~ok_t).to(torch.int64))
+            return grads, FiniteState(ok_t, steps + (~ok_t).to(torch.int64))
         ok = all(bool(torch.isfinite(g).all()) for g in leaves)
-        return grads, FiniteState(ok, state.nonfinite_steps + (0 if ok else 1))
+        return grads, FiniteState(ok, steps + (0 if ok else 1))
 
     return GradientTransformation(lambda params: FiniteState(), update)
 
@@ -658,14 +660,18 @@ def accumulation_init(params: Any) -> AccumulationState:
 
 
 def _micro_steps(who: str, state: AccumulationState) -> int | torch.Tensor:
-    """``state.micro_steps`` as a Python int where it is an integer >= 0 (a Python or numpy integer, or a 1-element
-    integer tensor), an integer tensor whose value cannot be read (vmap, autograd, compile) as it is; else a
-    :class:`SofxError` naming ``who`` and the field (-1 became 0 after a micro-step, 1.0 became 2.0)."""
-    n = state.micro_steps
+    """``state.micro_steps`` read by :func:`_state_count` (-1 became 0 after a micro-step, 1.0 became 2.0)."""
+    return _state_count(who, "micro_steps", state.micro_steps)
+
+
+def _state_count(who: str, field: str, n: Any) -> int | torch.Tensor:
+    """A state's count ``n`` (its ``field``) as a Python int where it is an integer >= 0 (a Python or numpy integer,
+    or a 1-element integer tensor), an integer tensor whose value cannot be read (vmap, autograd, compile) as it is;
+    else a :class:`SofxError` naming ``who`` and ``state.<field>``."""
     if isinstance(n, torch.Tensor) and is_traced(n) and not n.is_floating_point() and not n.is_complex() \
             and n.dtype != torch.bool:
         return n
-    return integer(f"{who}: state.micro_steps", n, 0, SofxError)
+    return integer(f"{who}: state.{field}", n, 0, SofxError)
 
 
 def accumulate(state: AccumulationState, grads: Any, params: Any) -> AccumulationState:

@@ -290,6 +290,23 @@ def test_an_accumulation_state_with_a_micro_step_count_that_is_no_count_is_refus
     assert state.total is total and torch.equal(total["w"], kept)
 
 
+@pytest.mark.parametrize("steps, kind", [(-1, "int"), (1.5, "float"), (True, "bool"), ("2", "str"),
+                                         (None, "NoneType"), (torch.tensor(1.5), "a torch.float32 tensor")])
+def test_a_finite_state_with_a_non_finite_step_count_that_is_no_count_is_refused(steps, kind):
+    """``FiniteState(all_finite, nonfinite_steps)`` built by hand (or loaded) took any count: "2" raised Python's
+    bare TypeError at a non-finite step, -1 came back as 0, 1.5 counted on as 2.5. Refused naming the field and the
+    range (as an AccumulationState's micro_steps); a numpy or 0-d tensor count is counted on as a Python int."""
+    np = pytest.importorskip("numpy")
+    check = tx.check_finite()
+    for grads in ({"w": torch.ones(3)}, {"w": torch.full((3,), math.inf)}):
+        with pytest.raises(SofxError, match=rf"^check_finite: state\.nonfinite_steps = .* is invalid; expected an "
+                                            rf"integer >= 0 .*got {kind}"):
+            check.update(grads, tx.FiniteState(True, steps))
+        for n in (np.int64(2), torch.tensor(2)):
+            out = check.update(grads, tx.FiniteState(True, n))[1].nonfinite_steps
+            assert type(out) is int and out == 2 + math.isinf(grads["w"][0])
+
+
 def test_an_accumulation_state_counts_numpy_and_tensor_micro_steps_as_ints(rng):
     """A count read back from a checkpoint as numpy's int64 or a 0-d int64 tensor is a count: the next state's
     is a Python int."""
