@@ -28,8 +28,11 @@ def test_finite_number_reads_numpy_and_one_element_tensors_as_python_numbers(val
     (True, "bool"), (np.bool_(False), "bool"), (math.nan, "float"), (-math.inf, "float"), (10 ** 400, "int"),
     ("1", "str"), (None, "NoneType"), (np.float32("inf"), "float32"),
     (torch.ones(2), r"a torch.float32 tensor of shape \(2,\)"), (torch.tensor(True), r"a torch.bool tensor"),
-    (torch.ones((), requires_grad=True), r"a torch.float32 tensor of shape \(\) whose value cannot be read here")])
+    (torch.ones((), requires_grad=True), r"a torch.float32 tensor of shape \(\) whose value cannot be read here"),
+    (torch.ones((), device="meta"), r"a torch.float32 tensor of shape \(\) on meta, which holds no value \(shapes "
+                                    r"only\)$")])
 def test_finite_number_refuses_what_is_no_finite_number_naming_it(value, kind):
+    """(A meta tensor was called one "whose value cannot be read here (traced)": it holds no value at all.)"""
     with pytest.raises(HParamError, match=r"x = .* is invalid; expected a finite number .*, got " + kind):
         finite_number("x", value)
 

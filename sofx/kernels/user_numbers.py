@@ -49,8 +49,9 @@ def real_number(value: Any, name: TensorName = "a 1-element tensor", error: type
 def _described(value: Any) -> str:
     """``value``'s type for an error message (a tensor's dtype and shape, and whether it is traced)."""
     if isinstance(value, torch.Tensor):
-        return (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-                + (" whose value cannot be read here (traced)" if is_traced(value) else ""))
+        why = " on meta, which holds no value (shapes only)" if value.is_meta else \
+            " whose value cannot be read here (traced)" if is_traced(value) else ""
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}{why}"
     return type(value).__name__
 
 
