@@ -135,6 +135,34 @@ def _ddp(ddp_kwargs: dict) -> DDP:
     return DDP(_Net(), **ddp_kwargs)
 
 
+def _steps_side_by_side(out: dict, torch_side: tuple, sofx_side: tuple,
+                        backward: Callable[[DDP, int, Callable[[torch.Tensor], torch.Tensor]], None],
+                        max_norm: float | None) -> None:
+    """STEPS steps of DDP + torch.optim.AdamW with its GradScaler and ``clip_grad_norm_`` (``torch_side``: model,
+    optimizer, scaler) and of DDP + SpeculativeAdamW (``sofx_side``: model, optimizer), ``backward(ddp, step,
+    scale)`` the same batches on both: the flat parameters after every step, per step (speculated, redone, clipped,
+    skipped) of the facade's report and its outcomes, then each parameter's step count (torch: none for a
+    parameter never stepped) into ``out``."""
+    (ref, ropt, scaler), (model, opt) = torch_side, sofx_side
+    for step in range(STEPS):
+        ropt.zero_grad()
+        backward(ref, step, scaler.scale)
+        scaler.unscale_(ropt)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
+        scaler.step(ropt)
+        scaler.update()
+        opt.zero_grad()
+        backward(model, step, opt.scale_loss)
+        report = opt.step()
+        out["torch"].append(_flat(ref.module))
+        out["sofx"].append(_flat(model.module))
+        out["reports"].append([report.speculated, report.redone, int(report.clipped), int(report.skipped)])
+        out["outcomes"].append({"actions": report.actions, **{key: getattr(report, key) for key in OUTCOMES}})
+    out["counts"] = [[int(ropt.state[p]["step"]) if p in ropt.state else 0 for p in ref.parameters()],
+                     [int(opt.state[p]["step"]) for p in model.parameters()]]
+
+
 def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True, ddp_kwargs: dict | None = None,
                   scaled: bool = True, accumulate: int = 1, no_sync: bool = False, uses_extra=_always,
                   max_norm: float | None = MAX_NORM, backend: str = "auto") -> dict:
@@ -153,25 +181,12 @@ def _side_by_side(rank: int, *, executor: str = "thread", speculate: bool = True
     meet()  # (each rank's process executor started its worker at its own pace)
     out: dict = {"torch": [], "sofx": [], "reports": [], "outcomes": [],
                  "bucket_view": vars(model)["_sofx_ddp_route"].bucket_view}
+
+    def backward(ddp: DDP, step: int, scale: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        _backward(ddp, step, rank, accumulate, no_sync, uses_extra, scale, scaled)
+
     try:
-        for step in range(STEPS):
-            ropt.zero_grad()
-            _backward(ref, step, rank, accumulate, no_sync, uses_extra, scaler.scale, scaled)
-            scaler.unscale_(ropt)
-            if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
-            scaler.step(ropt)
-            scaler.update()
-            opt.zero_grad()
-            _backward(model, step, rank, accumulate, no_sync, uses_extra, opt.scale_loss, scaled)
-            report = opt.step()
-            out["torch"].append(_flat(ref.module))
-            out["sofx"].append(_flat(model.module))
-            out["reports"].append([report.speculated, report.redone, int(report.clipped), int(report.skipped)])
-            out["outcomes"].append({"actions": report.actions, **{key: getattr(report, key) for key in OUTCOMES}})
-        # each parameter's step count (torch: none for a parameter never stepped)
-        out["counts"] = [[int(ropt.state[p]["step"]) if p in ropt.state else 0 for p in ref.parameters()],
-                         [int(opt.state[p]["step"]) for p in model.parameters()]]
+        _steps_side_by_side(out, (ref, ropt, scaler), (model, opt), backward, max_norm)
     finally:
         opt.close()
     return out
@@ -1140,23 +1155,7 @@ def _alternating_heads(rank: int, crossed: bool, exact: bool) -> dict:
             scale(((ddp(x, (micro + rank) % 2 if crossed else micro % 2) - y) ** 2).mean() / 2).backward()
 
     with _reported(out, [opt]):
-        for step in range(STEPS):
-            ropt.zero_grad()
-            backward(ref, step, scaler.scale)
-            scaler.unscale_(ropt)
-            if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], max_norm)
-            scaler.step(ropt)
-            scaler.update()
-            opt.zero_grad()
-            backward(model, step, opt.scale_loss)
-            report = opt.step()
-            out["torch"].append(_flat(ref.module))
-            out["sofx"].append(_flat(model.module))
-            out["reports"].append([report.speculated, report.redone, int(report.clipped), int(report.skipped)])
-            out["outcomes"].append({"actions": report.actions, **{key: getattr(report, key) for key in OUTCOMES}})
-        out["counts"] = [[int(ropt.state[p]["step"]) if p in ropt.state else 0 for p in ref.parameters()],
-                         [int(opt.state[p]["step"]) for p in model.parameters()]]
+        _steps_side_by_side(out, (ref, ropt, scaler), (model, opt), backward, max_norm)
     return out
 
 
