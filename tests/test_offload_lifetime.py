@@ -86,6 +86,34 @@ def test_closing_a_thread_executor_that_does_not_finish_is_bounded_by_the_timeou
     assert executor._finished == executor._submitted - 1, "the queued operation did not run"
 
 
+def test_collecting_an_optimizer_whose_thread_executor_hangs_waits_as_the_process_executors_exit_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer collected (or closed at interpreter exit) while its thread executor's worker hangs waited the
+    optimizer's whole ``timeout`` for it (its close's), where the process executor's waits ``min(timeout,
+    EXIT_WAIT_S)`` and kills its worker: nothing reads the state again. It now waits as long as the process
+    executor's (a thread cannot be killed: it is left running, with the close's warning)."""
+    import gc
+
+    monkeypatch.setattr(sofx.offload.engine, "EXIT_WAIT_S", 0.2)
+    release = threading.Event()
+    try:
+        opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="thread", block_numel=100,
+                                            timeout=10.0)
+        executor = opt.engine.executor
+        _hang(executor, release)
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"waited 0.2 s, and the thread executor's worker is still running "
+                                                r"the 'ready' operation on block 0"):
+            del opt
+            gc.collect()
+        took = time.monotonic() - start
+        assert took < 5.0, f"waited {took:.1f} s: the optimizer's timeout (10 s), not EXIT_WAIT_S (0.2 s)"
+    finally:
+        release.set()
+    executor._thread.join(30.0)
+    assert not executor._thread.is_alive()
+
+
 def _slowed(opt: sofx.offload.SpeculativeAdamW, executor: str) -> threading.Event:
     """Make the executor's next operations wait until the returned event is set: a real operation queued first
     (thread executor: a "ready" operation whose decision waits), or the worker process stopped (SIGSTOP) and

@@ -1959,7 +1959,7 @@ class OffloadEngine:
         the engine is closed under it all the same (the process must exit and the executor's worker stop), with a
         ``RuntimeWarning`` naming the call, which then fails in its thread if that thread still gets to run. A
         worker process is then given as long again to finish what was queued, and killed after that (the state is
-        dropped)."""
+        dropped); a worker thread as long, and left running after that, with a warning naming its operation."""
         if self._closed:
             return
         waited = min(self.timeout, EXIT_WAIT_S)
@@ -2011,8 +2011,10 @@ class OffloadEngine:
         elif self.in_step and self._failed is None:  # (a failed engine's state is read as before the close)
             self._kept_state = _STATE_MID_STEP
         try:
-            if dropped:  # (nothing reads the blocks again: a worker that does not answer is not waited for long,
-                # where the exit, or a garbage collection, waited the optimizer's timeout for it)
+            if not keep_state and not isinstance(self.executor, InlineExecutor):
+                # (nothing reads the blocks again: a worker that does not answer is not waited for long, where the
+                # exit, or a garbage collection, waited the optimizer's timeout for it; a worker process is killed
+                # then, a worker thread, which cannot be, is left to finish alone, with the close's warning)
                 self.executor.close(timeout=min(self.timeout, EXIT_WAIT_S))
             else:
                 self.executor.close()
