@@ -432,3 +432,44 @@ def test_a_second_ctrl_c_inside_a_section_stops_the_optimizer_saying_so(where, m
         opt.close()
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_second_ctrl_c_as_a_call_ends_neither_keeps_its_lock_nor_goes_unsaid(monkeypatch):
+    """A second Ctrl-C as a call's guard ends (its ``finally``, while the first is still held back), before the
+    guard had noted the break and released its lock: the lock stayed taken for good, every later call was refused as
+    "called while another thread is in step()" (no other thread was) and close() hung. Now the lock is released and
+    the break noted: the later calls are refused naming the interrupt, and close() closes."""
+    import signal
+
+    import torch
+
+    import sofx.offload
+    from sofx.offload import engine
+    from sofx.offload.executor import ExecutorError
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=50)
+        opt.backward(model(torch.randn(4, 8)).square().mean())
+        original = engine.OffloadEngine._note_break
+
+        def twice(self, *args, **kwargs):  # Ctrl-C pressed twice as step()'s guard ends
+            monkeypatch.setattr(engine.OffloadEngine, "_note_break", original)
+            os.kill(os.getpid(), signal.SIGINT)  # held back until the section ends
+            os.kill(os.getpid(), signal.SIGINT)  # goes through at once
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(engine.OffloadEngine, "_note_break", twice)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert not opt.engine._call_lock.locked(), "the guard's lock is released"
+        said = r"interrupted by a second Ctrl-C .*step\(\) nor zero_grad\(\) can tell what it left"
+        for call in (opt.zero_grad, opt.step):
+            with pytest.raises(ExecutorError, match=said):
+                call()
+        opt.close()
+        assert opt.engine._closed
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -721,7 +721,7 @@ class OffloadEngine:
                 take(index, tensor)
             finally:
                 self._hook_owner = None
-                self._note_break(gate, since, "a gradient hook (during backward)")
+                self._note_break_surely(gate, since, "a gradient hook (during backward)")
                 if self._close_pending:
                     self._close_if_free()
 
@@ -1696,9 +1696,9 @@ class OffloadEngine:
                     raise SofxError("the optimizer is closed")
                 yield
             finally:
-                self._call_owner = self._call_what = None
-                self._note_break(gate, since, what)
-                try:
+                try:  # (first: a second Ctrl-C in here kept the lock for good, every later call refused)
+                    self._call_owner = self._call_what = None
+                    self._note_break_surely(gate, since, what)
                     if self._close_pending:  # close() was called on this thread meanwhile (a signal handler)
                         with self._hook_lock:
                             self._close(keep_state=True)
@@ -1715,6 +1715,16 @@ class OffloadEngine:
         self._failed = SofxError(f"{what} was interrupted by a second Ctrl-C (the first is held back until the "
                                  "optimizer's state is whole again, a second goes through at once), which left its "
                                  "state changed in part: neither step() nor zero_grad() can tell what it left")
+
+    def _note_break_surely(self, gate: Any, since: int | None, what: str) -> None:
+        """:meth:`_note_break` as a section ends, where a second Ctrl-C may break into that check itself (the first
+        still held back): it is noted all the same (once the interrupt was raised, the count has moved), and raised
+        on."""
+        try:
+            self._note_break(gate, since, what)
+        except BaseException:
+            self._note_break(gate, since, what)
+            raise
 
     def _refuse_while_closing(self, what: str) -> None:
         if self._closing:
