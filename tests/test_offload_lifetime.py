@@ -114,6 +114,109 @@ def test_collecting_an_optimizer_whose_thread_executor_hangs_waits_as_the_proces
     assert not executor._thread.is_alive()
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_close_broken_into_by_a_second_ctrl_c_is_finished_by_the_next_close(executor: str) -> None:
+    """Ctrl-C twice while close() waits for a worker that hangs (the first is held back, the second goes through):
+    the engine and its executor were marked closed at the start, so the next close() returned at once, leaving the
+    worker process running for good (stopped, or hung in an operation: it never read the stop message, nor the
+    closed connection, and outlived the main process), a worker thread running without the close's warning, and
+    the state kept was said complete where an operation was left running. Now the next close() finishes without
+    waiting again: the worker process is killed, a worker thread is left with the warning (an interrupted join had
+    marked it stopped: CPython's), and the state kept is marked incomplete where operations were left."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+    release = threading.Event()
+    opt = None
+    try:
+        opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor=executor, block_numel=100,
+                                            timeout=20.0)
+        ex = opt.engine.executor
+        if executor == "thread":
+            _hang(ex, release)
+        else:
+            os.kill(ex.pid, signal.SIGSTOP)  # it does not read the stop message
+        pid = os.getpid()
+        twice = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGINT), time.sleep(0.1),
+                                              os.kill(pid, signal.SIGINT)))
+        twice.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            opt.close()
+        twice.join()
+        assert time.monotonic() - start < 15.0
+        start = time.monotonic()
+        if executor == "thread":
+            with pytest.warns(RuntimeWarning, match=r"close\(\) did not wait for it again \(a close was interrupted\), "
+                                                    r"and the thread executor's worker is still running the 'ready' "
+                                                    r"operation on block 0"):
+                opt.close()
+        else:
+            opt.close()
+            assert ex.process.poll() is not None, "the worker process is killed"
+        assert time.monotonic() - start < 10.0, "not waited for again"
+        # (the stopped worker process had no operation left: its state is whole)
+        assert opt.state_dict()["state"]["complete"] is (executor == "process")
+    finally:
+        signal.signal(signal.SIGINT, before)
+        release.set()
+        if executor == "process" and opt is not None and opt.engine.executor.process.poll() is None:
+            opt.engine.executor.process.kill()
+            opt.engine.executor.process.wait()
+
+
+def test_closing_a_thread_executor_optimizer_in_a_forked_child_does_not_wait_for_the_parents_thread() -> None:
+    """A child forked from the process (a DataLoader worker, a fork-based checkpoint) that closes the optimizer, or
+    exits through its exit handlers: the worker thread is the parent's, and does not run in the child; the close
+    does not wait for it (nor warn that it runs)."""
+    import warnings
+
+    opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor="thread", block_numel=100, timeout=30.0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            start = time.monotonic()
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                opt.close()
+            os.write(write, f"{time.monotonic() - start:.1f} {len(record)}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    assert os.waitpid(pid, 0)[1] == 0
+    opt.close()
+    took, warned = said.split()
+    assert float(took) < 5.0 and warned == "0", said
+
+
+def test_an_optimizer_dropped_with_operations_queued_is_closed_on_its_worker_without_waiting_for_it() -> None:
+    """An optimizer dropped between backward and step() lives on in its queued speculative steps; the last of them
+    drops it on the worker thread, whose close must not wait for that very thread (5 s, then a warning that it ran)."""
+    import gc
+    import warnings
+
+    torch.manual_seed(0)
+    model = SharedMLP()
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=100, timeout=20.0)
+    ex = opt.engine.executor
+    release = threading.Event()
+    ex.submit(BlockOp(10 ** 6, "ready", 0, payload=lambda: release.wait(30) and None))  # (the worker is held)
+    opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+    del opt
+    gc.collect()
+    assert ex.pending > 1, "the engine lives on in the queued operations"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        release.set()
+        assert ex._ended.wait(30)
+        took = time.monotonic() - start
+    assert took < 4.0 and not record, (took, [str(w.message) for w in record])
+
+
 def _slowed(opt: sofx.offload.SpeculativeAdamW, executor: str) -> threading.Event:
     """Make the executor's next operations wait until the returned event is set: a real operation queued first
     (thread executor: a "ready" operation whose decision waits), or the worker process stopped (SIGSTOP) and

@@ -288,6 +288,7 @@ class OffloadEngine:
         # _grad_mark), for step() to see a change made to it since
         self._reduced_grads: dict[int, tuple[weakref.ReferenceType, int, int] | None] = {}
         self._closed = False
+        self._close_unfinished = False  # a close() was broken into before its executor closed (see _close)
         # Set by close(): why the state it kept is not whole (operations it left unfinished), or that it dropped the
         # state (the interpreter's exit, collection: keep_state=False); None: the state kept is the last step's.
         self._kept_state: str | None = None
@@ -1945,7 +1946,7 @@ class OffloadEngine:
         waited for (it completes whole; such calls made meanwhile are refused). Called inside one of them
         on the same thread -- a signal handler, which Python runs in the main thread between any two bytecodes,
         also inside ``step()`` -- it cannot wait for it: the close is done as that call ends."""
-        if self._closed:
+        if self._closed and not self._close_unfinished:
             return
         if threading.get_ident() in (self._call_owner, self._hook_owner):
             self._close_pending = True
@@ -1970,7 +1971,7 @@ class OffloadEngine:
         ``RuntimeWarning`` naming the call, which then fails in its thread if that thread still gets to run. A
         worker process is then given as long again to finish what was queued, and killed after that (the state is
         dropped); a worker thread as long, and left running after that, with a warning naming its operation."""
-        if self._closed:
+        if self._closed and not self._close_unfinished:
             return
         waited = min(self.timeout, EXIT_WAIT_S)
         deadline = time.monotonic() + waited
@@ -2006,8 +2007,14 @@ class OffloadEngine:
 
     def _close(self, keep_state: bool) -> None:
         """:meth:`close`; ``keep_state=False`` (the engine is being collected, the interpreter exits): the shared
-        blocks are dropped without a copy."""
-        if self._closed:
+        blocks are dropped without a copy. A close broken into as it waited for the executor (a second Ctrl-C) is
+        finished by the next: the executor's close, which does not wait again (a worker process is killed)."""
+        if self._closed and not self._close_unfinished:
+            return
+        if self._close_unfinished:
+            self.executor.close()
+            self._record_at_close()
+            self._close_unfinished = False
             return
         self._closed = True
         atexit.unregister(getattr(self, "_close_at_exit", None))
@@ -2029,6 +2036,14 @@ class OffloadEngine:
             else:
                 self.executor.close()
             self._record_at_close()
+        except BaseException:
+            # (a second Ctrl-C while the executor's close waited for its worker: the next close finishes it, and the
+            # state kept is not whole where operations were left)
+            self._close_unfinished = True
+            if self.executor.pending and self._kept_state is None:
+                self._kept_state = (f"its close() was interrupted with {self.executor.pending} block operation(s) "
+                                    "unfinished")
+            raise
         finally:
             # Parameters using shared-memory publish buffers move to private memory; the files are closed.
             try:

@@ -125,6 +125,7 @@ class ProcessExecutor(Executor):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # results, then _STOP once the connection ends
         self._received_all = False
         self._unanswered = False  # the last wait() timed out (or its exit): the worker does not answer
+        self._close_done = False  # close() finished (one broken into by a second Ctrl-C is finished by the next)
         self._dir = _socket_dir()  # mode 0700: only this user can connect
         address = os.path.join(self._dir, "socket")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -339,18 +340,21 @@ class ProcessExecutor(Executor):
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker (idempotent): it finishes what was queued and exits, or is killed once ``timeout``
         seconds (``close_timeout`` by default) have passed in all, at once where the last :meth:`wait` timed out (a
-        worker that does not answer is not waited for twice)."""
-        if self._closed:
+        worker that does not answer is not waited for twice). A close broken into as it waited (a second Ctrl-C) is
+        finished by the next, which does not wait again: the worker is killed."""
+        if self._close_done:
             return
         if timeout is None:
             timeout = self.close_timeout
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0):
             raise UnsupportedError(f"process executor: close timeout must be a number of seconds >= 0, got "
                                    f"{timeout!r}")
+        resumed = self._closed
         super().close()
-        deadline = time.monotonic() + (0.0 if self._unanswered else timeout)
-        self._outbox.put(None)  # tells the worker to stop, after everything queued
-        self._outbox.put(_STOP)
+        deadline = time.monotonic() + (0.0 if self._unanswered or resumed else timeout)
+        if not resumed:
+            self._outbox.put(None)  # tells the worker to stop, after everything queued
+            self._outbox.put(_STOP)
         self._sender.join(timeout=_left(deadline))
         if self.process is not None:
             try:
@@ -363,6 +367,7 @@ class ProcessExecutor(Executor):
         if getattr(self, "_receiver", None) is not None:
             self._receiver.join(timeout=_left(deadline))  # (ends with the connection; a daemon thread anyway)
         self._join_stderr()
+        self._close_done = True
 
     def _kill(self) -> None:
         """SIGKILL the worker where it still runs and reap it. One that does not exit within :data:`KILL_WAIT_S`

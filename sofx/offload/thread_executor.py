@@ -54,6 +54,7 @@ class ThreadExecutor(Executor):
         self.runner = runner
         self.close_timeout = close_timeout
         self._unanswered = False  # the last wait() timed out: close() does not wait again
+        self._close_done = False  # close() finished (one broken into by a second Ctrl-C is finished by the next)
         self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._queue: collections.deque = collections.deque()
         self._results: list[OpResult] = []
@@ -62,10 +63,22 @@ class ThreadExecutor(Executor):
         # seq -> (kind, block) of the operations taken from the queue and not finished (worker and helper)
         self._active: dict[int, tuple[str, int]] = {}
         self._crash: BaseException | None = None
+        # Set as the worker's loop ends; close() waits for it, not for the thread's join: a join broken into by a
+        # KeyboardInterrupt marks a thread that still runs as stopped (CPython's bpo-45274 fix releases its lock),
+        # and a close resumed after it found no thread running. (Nothing else joins the thread, so is_alive() is
+        # right: False in a forked child, where the thread does not run and the event is never set.)
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sofx-offload-worker", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._ended.set()
+
+    def _serve(self) -> None:
+        """The worker's loop: run the queued operations until the stop message (or a crash)."""
         torch.set_grad_enabled(False)  # grad mode is thread-local: the worker never records autograd
         while True:
             with self._cond:
@@ -169,21 +182,31 @@ class ThreadExecutor(Executor):
         (``close_timeout`` by default), at once where the last :meth:`wait` timed out (an operation that does not
         finish is not waited for twice). A thread cannot be stopped: one still running an operation then is left
         to finish it alone (a daemon thread), the queued ones are dropped, and a ``RuntimeWarning`` names what
-        runs (it may still change those blocks' tensors)."""
-        if self._closed:
+        runs (it may still change those blocks' tensors). A close broken into as it waited (a second Ctrl-C) is
+        finished by the next, which does not wait again."""
+        if self._close_done:
             return
+        resumed = self._closed
         super().close()
-        with self._cond:
-            self._queue.append(_STOP)
-            self._cond.notify_all()
-        waited = 0.0 if self._unanswered else self.close_timeout if timeout is None else timeout
-        self._thread.join(timeout=min(waited, threading.TIMEOUT_MAX))
-        if self._thread.is_alive():
-            self._abandon(waited)
+        if not resumed:
+            with self._cond:
+                self._queue.append(_STOP)
+                self._cond.notify_all()
+        if threading.current_thread() is self._thread:  # (an engine collected on its worker, which ran the operation
+            # that held the last reference to it: its loop ends after that operation, on the stop message)
+            self._close_done = True
+            return
+        waited = 0.0 if self._unanswered or resumed else self.close_timeout if timeout is None else timeout
+        # (not alive: in a child forked from the process that started it, where it does not run)
+        if not self._thread.is_alive() or self._ended.wait(timeout=min(waited, threading.TIMEOUT_MAX)):
+            self._thread.join()  # (its loop has ended: it returns)
+        else:
+            self._abandon(waited, resumed)
+        self._close_done = True
 
-    def _abandon(self, waited: float) -> None:
-        """The worker thread did not stop within ``waited`` seconds: drop the queued operations (it stops after
-        the one it runs) and say so."""
+    def _abandon(self, waited: float, resumed: bool = False) -> None:
+        """The worker thread did not stop within ``waited`` seconds (``resumed``: not waited for again, by the close
+        that finished one broken into): drop the queued operations (it stops after the one it runs) and say so."""
         with self._cond:
             dropped = sum(op is not _STOP for op in self._queue)
             self._queue.clear()
@@ -191,7 +214,8 @@ class ThreadExecutor(Executor):
             running = sorted(self._active.values(), key=lambda kb: kb[1])
         what = ", ".join(f"the {kind!r} operation on {self.describe(block)}" for kind, block in running) \
             or "an operation"
-        why = ("did not wait for it again (the last wait for it timed out)" if self._unanswered
+        why = ("did not wait for it again (a close was interrupted)" if resumed
+               else "did not wait for it again (the last wait for it timed out)" if self._unanswered
                else f"waited {waited:g} s")
         warnings.warn(f"sofx.offload: close() {why}, and the thread executor's worker is still running {what}; a "
                       f"thread cannot be stopped: it is left to finish alone and may still change those blocks' "
