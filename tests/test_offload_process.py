@@ -634,6 +634,56 @@ def test_a_worker_that_cannot_start_is_a_clear_error_with_what_it_printed(monkey
     assert _resources() == before
 
 
+def _socket_path_taken(tmp_path: pathlib.Path) -> str:
+    """A private directory whose socket's path is taken already (by a file): binding the socket there fails."""
+    path = tempfile.mkdtemp(prefix="sofx-worker-", dir=tmp_path)
+    pathlib.Path(path, "socket").write_text("")
+    return path
+
+
+# What keeps the worker from starting (monkeypatch target, value) and the words the error must have.
+UNSTARTABLE = {
+    "no_executable": ((sys, "executable", ""), r"sys\.executable is '' \(Python could not tell its own "
+                                               r"interpreter"),
+    "no_executable_none": ((sys, "executable", None), r"sys\.executable is None \(Python could not tell"),
+    "missing_executable": ((sys, "executable", "/nonexistent/python3"),
+                           r"running sys\.executable \('/nonexistent/python3'\) failed: FileNotFoundError"),
+    "socket_not_bound": (None, r"binding its unix socket .*/socket failed: OSError: \[Errno 98\] Address already in "
+                               r"use"),
+    "no_temporary_directory": ((tempfile, "tempdir", "/nonexistent/tmp"),
+                               r"making a private directory for its unix socket .* failed: FileNotFoundError"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSTARTABLE))
+def test_a_worker_process_that_cannot_be_started_is_a_clear_error_and_leaves_nothing_behind(
+        case: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty or missing ``sys.executable`` (an embedded interpreter), a socket that cannot be bound, a temporary
+    directory that cannot be used: the constructor raised the bare OSError (or Popen's TypeError for a None
+    executable) from inside the executor. Now an ExecutorError names what failed and says what to do (the thread
+    executor needs none of it), and nothing is left behind: no shared memory mapped, no parameter moved, no hook,
+    thread, descriptor or process."""
+    target, words = UNSTARTABLE[case]
+    gc.collect()
+    before = _resources()
+    model = SharedMLP()
+    values = [p.detach().clone() for p in model.parameters()]
+    if target is None:
+        from sofx.offload import process_executor
+
+        monkeypatch.setattr(process_executor, "_socket_dir", lambda: _socket_path_taken(tmp_path))
+    else:
+        monkeypatch.setattr(*target)
+    with pytest.raises(ExecutorError, match=rf"(?s)the process executor could not start its worker: {words}.*"
+                                            r"executor=\"thread\""):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="process", block_numel=100)
+    monkeypatch.undo()
+    assert _resources() == before
+    assert all(torch.equal(p, v) and not p.is_shared() for p, v in zip(model.parameters(), values))
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert not list(tmp_path.glob("sofx-worker-*")), "the socket's private directory is removed"
+
+
 @pytest.mark.parametrize("when", ["between_steps", "during_backward"])
 def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everything(when: str) -> None:
     """SIGKILL (the OOM killer) between two steps, or while the speculative steps run: step() raises at once

@@ -13,7 +13,9 @@ so an interrupt of the main thread (Ctrl-C in a backward hook or in
 a result or leave a message half read. The worker uses ``num_threads`` torch
 threads and ignores Ctrl-C (the main process decides what it means).
 
-Failures are clear and bounded in time: a failing operation is raised by
+Failures are clear and bounded in time: a worker that cannot be started (``sys.executable`` empty or not runnable, a
+socket that cannot be made) is an :class:`~sofx.offload.executor.ExecutorError` naming what failed and the thread
+executor, which needs none of it; a failing operation is raised by
 :meth:`wait` with the worker's traceback; a worker that died (killed, out of
 memory, crashed) is detected by :meth:`wait` within a fraction of a second
 and raised as :class:`~sofx.offload.executor.WorkerDiedError`, with its exit status (once its connection broke,
@@ -126,20 +128,37 @@ class ProcessExecutor(Executor):
         self._received_all = False
         self._unanswered = False  # the last wait() timed out (or its exit): the worker does not answer
         self._close_done = False  # close() finished (one broken into by a second Ctrl-C is finished by the next)
-        self._dir = _socket_dir()  # mode 0700: only this user can connect
-        address = os.path.join(self._dir, "socket")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn: Connection | None = None
         self.process: subprocess.Popen | None = None
         self._stderr: _StderrTail | None = None
+        executable = sys.executable
+        if not isinstance(executable, str) or not executable:  # (Popen raised a bare PermissionError or TypeError)
+            raise _unstartable(f"sys.executable is {executable!r} (Python could not tell its own interpreter, as "
+                               "in some embedded or frozen Pythons), and the worker is run by it")
         try:
-            server.bind(address)
+            self._dir = _socket_dir()  # mode 0700: only this user can connect
+        except OSError as exc:
+            raise _unstartable(f"making a private directory for its unix socket (in {tempfile.gettempdir()!r}) "
+                               f"failed: {type(exc).__name__}: {exc}", "or set TMPDIR to a writable directory") \
+                from exc
+        address = os.path.join(self._dir, "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                server.bind(address)
+            except OSError as exc:
+                raise _unstartable(f"binding its unix socket {address} failed: {type(exc).__name__}: {exc}",
+                                   "or set TMPDIR to another directory (a short path, on a local file system)") from exc
             server.listen(1)
             server.settimeout(_POLL_S)
             authkey = os.urandom(32)
-            self.process = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, address],
-                                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            errors="replace", close_fds=True, pass_fds=tuple(pass_fds))
+            try:
+                self.process = subprocess.Popen([executable, "-c", _WORKER_CODE, address],
+                                                stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                errors="replace", close_fds=True, pass_fds=tuple(pass_fds))
+            except OSError as exc:
+                raise _unstartable(f"running sys.executable ({executable!r}) failed: {type(exc).__name__}: "
+                                   f"{exc}") from exc
             self.pid = self.process.pid
             self._stderr = _StderrTail(self.process.stderr)
             try:
@@ -424,6 +443,13 @@ class _StderrTail:
     def tail(self) -> str:
         """The last lines read so far (all of them once :meth:`join` said the stream ended)."""
         return "".join(list(self._lines))
+
+
+def _unstartable(what: str, remedy: str = "") -> ExecutorError:
+    """The error of a worker process that could not be started (``what`` failed, said whole); ``remedy``: what else
+    the user may do but use the thread executor."""
+    return ExecutorError(f"the process executor could not start its worker: {what}. Use executor=\"thread\" (a "
+                         f"worker thread in this process, which needs none of this){f', {remedy}' if remedy else ''}")
 
 
 def _unsent(op: Any, exc: BaseException) -> OpResult:
