@@ -684,6 +684,32 @@ def test_a_worker_process_that_cannot_be_started_is_a_clear_error_and_leaves_not
     assert not list(tmp_path.glob("sofx-worker-*")), "the socket's private directory is removed"
 
 
+def test_every_block_on_the_device_starts_no_worker_and_trains_as_torch_optim() -> None:
+    """``executor="process"`` with every block on the device (``n_device_blocks`` all of them): the constructor raised
+    a bare AttributeError ('LocalArena' object has no attribute 'fds': no shared memory was reserved, as nothing
+    lives on the CPU). Now no worker process is started (nothing for it to step) and the optimizer trains as
+    torch.optim.AdamW does, bit for bit."""
+    gc.collect()
+    before = _resources()
+    torch.manual_seed(0)
+    model = SharedMLP()
+    ref = copy.deepcopy(model)
+    n_blocks = len(sofx.offload.SpeculativeAdamW(copy.deepcopy(model).parameters(), executor="inline",
+                                                 block_numel=100).engine.layouts)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="process", block_numel=100,
+                                        n_device_blocks=n_blocks)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    assert opt.executor == "process" and _worker_children() == []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        mlp_step_side_by_side(opt, ropt, model, ref, gen)
+        opt.zero_grad()
+    assert relative_deviation(model, ref) == 0.0
+    opt.close()
+    del opt
+    assert _resources() == before
+
+
 @pytest.mark.parametrize("when", ["between_steps", "during_backward"])
 def test_a_worker_killed_is_reported_at_the_next_step_and_close_releases_everything(when: str) -> None:
     """SIGKILL (the OOM killer) between two steps, or while the speculative steps run: step() raises at once

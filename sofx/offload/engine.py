@@ -442,8 +442,11 @@ class OffloadEngine:
                                        f"{exc}") from None
 
     def _make_executor(self, name: str, cpu_layouts: list[BlockLayout], num_threads: int) -> Executor:
+        """The executor ``name`` over the CPU blocks; the process executor without any (every block on the device:
+        no shared memory reserved, nothing for a worker to step) starts no worker process: an inline executor runs
+        its operations (the steps' ends), ``executor_name`` stays "process"."""
         cpu_tensors = {b.index: self.tensors[b.index] for b in cpu_layouts}
-        if name == "inline":
+        if name == "inline" or (name == "process" and not cpu_layouts):
             return InlineExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self.describe_block)
         if name == "thread":
             return ThreadExecutor(BlockRunner(self.adam, cpu_layouts, cpu_tensors, self._pub), self._interrupts,
