@@ -160,6 +160,20 @@ def test_the_shared_memory_warning_gives_the_sizes_in_bytes_so_that_a_small_shor
     assert available == 1024 and need > available, message
 
 
+def test_a_shared_memory_directory_that_does_not_exist_is_named_as_such_in_the_fallback_warning(
+        tmp_path: pathlib.Path) -> None:
+    """``shm_dir`` misspelt (no such directory): the warning said that only 0 bytes were available there and to
+    enlarge it (docker --shm-size), where nothing can be enlarged. It says the directory does not exist."""
+    missing = tmp_path / "no-such-dir"
+    with pytest.warns(RuntimeWarning, match="falling back to the thread executor") as record:
+        opt = sofx.offload.SpeculativeAdamW(torch.nn.Linear(3, 3).parameters(), executor="process",
+                                            shm_dir=str(missing))
+    opt.close()
+    message = str(record[0].message)
+    assert f"shm_dir {str(missing)!r} is not a directory (it does not exist)" in message, message
+    assert "Enlarge" not in message and "Pass an existing directory as shm_dir" in message, message
+
+
 def _child_candidates(parent: int) -> list[str]:
     """The ``/proc/PID/stat`` files of ``parent``'s children (read from ``/proc/PARENT/task/*/children``: a file per
     thread of it), or of every process where the kernel keeps no such files: a scan of all of them costs ~1.5 ms of

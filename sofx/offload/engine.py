@@ -318,7 +318,16 @@ class OffloadEngine:
                                 for b in cpu_layouts for i in b.param_indices if i in swappable)
             if need + publish_bytes > budget:
                 swappable = set()  # the publish buffers do not fit: copy in step() instead
-            if need > budget:
+            if not os.path.isdir(shm_dir):  # (its budget is 0: the warning below said to enlarge it)
+                what = "it does not exist" if not os.path.exists(shm_dir) else "it is a file"
+                warnings.warn(
+                    f"sofx.offload: the process executor needs {need:,} bytes ({need / 2**20:.1f} MiB) of shared "
+                    f"memory for the optimizer state, but shm_dir {os.fspath(shm_dir)!r} is not a directory "
+                    f"({what}); falling back to the thread executor. Pass an existing directory as shm_dir (the "
+                    f"default is {DEFAULT_SHM_DIR!r}) to use the process executor.",
+                    RuntimeWarning, stacklevel=caller_stacklevel())
+                executor, swappable = "thread", local_swappable
+            elif need > budget:
                 # (the binding limit: the caller's shm_limit_bytes, or the directory's free space)
                 limited = shm_limit_bytes is not None and budget == int(shm_limit_bytes)
                 remedy = ("Raise shm_limit_bytes" if limited else
