@@ -473,3 +473,39 @@ def test_a_second_ctrl_c_as_a_call_ends_neither_keeps_its_lock_nor_goes_unsaid(m
         assert opt.engine._closed
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_close(monkeypatch):
+    """A second Ctrl-C as close() removed the gradient hooks (the first held back; a model of many parameters takes a
+    while there), before it stopped the executor: the optimizer was marked closed, so the next close() returned at
+    once, leaving the worker running, the shared memory mapped and the gate installed as SIGINT's handler for good.
+    The next close() now finishes it."""
+    import signal
+
+    import torch
+
+    import sofx.offload
+    from sofx.offload import grad_hooks
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
+        original = grad_hooks.GradHooks.remove
+
+        def twice(self):  # Ctrl-C pressed twice as close() removes the hooks
+            monkeypatch.setattr(grad_hooks.GradHooks, "remove", original)
+            os.kill(os.getpid(), signal.SIGINT)  # held back until the section ends
+            os.kill(os.getpid(), signal.SIGINT)  # goes through at once
+            return original(self)
+
+        monkeypatch.setattr(grad_hooks.GradHooks, "remove", twice)
+        with pytest.raises(KeyboardInterrupt):
+            opt.close()
+        opt.close()
+        assert opt.engine.executor._ended.wait(30), "the worker thread stopped"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
+        model(torch.randn(2, 8)).sum().backward()
+        assert model[0].weight.grad is not None, "no hook takes the gradients"
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -2019,27 +2019,41 @@ class OffloadEngine:
 
     def _close(self, keep_state: bool) -> None:
         """:meth:`close`; ``keep_state=False`` (the engine is being collected, the interpreter exits): the shared
-        blocks are dropped without a copy. A close broken into as it waited for the executor (a second Ctrl-C) is
-        finished by the next: the executor's close, which does not wait again (a worker process is killed)."""
+        blocks are dropped without a copy. A close broken into before it stopped the executor (a second Ctrl-C as it
+        removed the hooks or waited for the worker) is finished by the next: the rest of :meth:`_stop`, the
+        executor's close not waiting again (a worker process is killed)."""
         if self._closed and not self._close_unfinished:
             return
         if self._close_unfinished:
-            self.executor.close()
-            self._record_at_close()
-            self._close_unfinished = False
+            self._stop(keep_state)
             return
         self._closed = True
-        atexit.unregister(getattr(self, "_close_at_exit", None))
-        self.hooks.remove()
-        if self._route is not None:
-            self._route.unbind(self)
-        self._stale_grads = None
+        self._close_unfinished = True  # (until _stop ends)
         dropped = not keep_state and isinstance(self._cpu_arena, SharedMemoryArena)
         if dropped:  # (see _unmap_shared_blocks)
             self._kept_state = _STATE_DROPPED
         elif self.in_step and self._failed is None:  # (a failed engine's state is read as before the close)
             self._kept_state = _STATE_MID_STEP
         try:
+            self._stop(keep_state)
+        finally:
+            # Parameters using shared-memory publish buffers move to private memory; the files are closed.
+            try:
+                self._release_shared_memory()
+                self._unmap_shared_blocks(keep_state)
+            finally:
+                release_gate(self._interrupts)
+                self._interrupts = NO_GATE
+
+    def _stop(self, keep_state: bool) -> None:
+        """:meth:`_close`'s work that may be done again (where a second Ctrl-C broke into it): remove the hooks,
+        stop the executor and record what it ran; ``_close_unfinished`` is cleared once it is all done."""
+        try:
+            atexit.unregister(getattr(self, "_close_at_exit", None))
+            self.hooks.remove()
+            if self._route is not None:
+                self._route.unbind(self)
+            self._stale_grads = None
             if not keep_state and not isinstance(self.executor, InlineExecutor):
                 # (nothing reads the blocks again: a worker that does not answer is not waited for long, where the
                 # exit, or a garbage collection, waited the optimizer's timeout for it; a worker process is killed
@@ -2049,21 +2063,13 @@ class OffloadEngine:
                 self.executor.close()
             self._record_at_close()
         except BaseException:
-            # (a second Ctrl-C while the executor's close waited for its worker: the next close finishes it, and the
-            # state kept is not whole where operations were left)
-            self._close_unfinished = True
+            # (a second Ctrl-C while the executor's close waited for its worker: the state kept is not whole where
+            # operations were left)
             if self.executor.pending and self._kept_state is None:
                 self._kept_state = (f"its close() was interrupted with {self.executor.pending} block operation(s) "
                                     "unfinished")
             raise
-        finally:
-            # Parameters using shared-memory publish buffers move to private memory; the files are closed.
-            try:
-                self._release_shared_memory()
-                self._unmap_shared_blocks(keep_state)
-            finally:
-                release_gate(self._interrupts)
-                self._interrupts = NO_GATE
+        self._close_unfinished = False
 
     def _record_at_close(self) -> None:
         """Record the results of the operations the executor ran as it closed (the thread executor's last
