@@ -514,6 +514,41 @@ def test_wait_and_the_state_calls_from_another_thread_during_a_step_are_refused(
         assert opt.step().iteration == 2
 
 
+def test_a_state_call_from_a_signal_handler_inside_step_is_refused_naming_the_call_it_is_inside(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler (a "save a checkpoint on SIGUSR1" handler), which Python runs in the main thread between any
+    two bytecodes, calling state_dict() while step() runs there: refused as "called while another thread is in
+    step()", where no other thread was. It says the call is inside step() on the same thread, and the step goes on."""
+    model, opt = _stepped_once("thread")
+    said: list = []
+
+    def save(signum, frame) -> None:
+        try:
+            opt.state_dict()
+        except SofxError as e:
+            said.append(str(e))
+
+    original = OffloadEngine._publish_to_model
+
+    def signalled(self, *args, **kwargs):
+        monkeypatch.setattr(OffloadEngine, "_publish_to_model", original)
+        os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs here, in step())
+        return original(self, *args, **kwargs)
+
+    before = signal.signal(signal.SIGUSR1, save)
+    try:
+        with opt:
+            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+            monkeypatch.setattr(OffloadEngine, "_publish_to_model", signalled)
+            assert opt.step().iteration == 2
+            assert said and said[0].startswith("state_dict() was called inside step() on the same thread (a signal "
+                                               "handler"), said
+            assert "another thread" not in said[0], said
+            assert opt.state_dict()["state"]["complete"]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 _EXIT_DURING_STEP = """
 import atexit, os, sys, threading, time, torch
 import sofx.offload, sofx.offload.engine

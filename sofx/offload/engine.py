@@ -1699,6 +1699,12 @@ class OffloadEngine:
             gate, since = self._interrupts, section_breaks(self._interrupts)
             if not self._call_lock.acquire(blocking=False):
                 self._refuse_while_closing(what)
+                inside = self._call_what
+                if self._call_owner == threading.get_ident() and inside is not None:
+                    raise SofxError(f"{what} was called inside {inside} on the same thread (a signal handler, which "
+                                    "Python runs between any two lines of the main thread, or a hook called from "
+                                    f"it): the optimizer's calls do not nest; call it after {inside} returns (e.g. "
+                                    "set a flag in the handler and act on it in the training loop)")
                 raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), wait() or a "
                                 "state call (state_dict(), load_state_dict(), opt.state, reload_params()) of this "
                                 "optimizer; call them from one thread at a time")
