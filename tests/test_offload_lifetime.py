@@ -217,6 +217,51 @@ def test_an_optimizer_dropped_with_operations_queued_is_closed_on_its_worker_wit
     assert took < 4.0 and not record, (took, [str(w.message) for w in record])
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_after_a_wait_broken_into_by_a_second_ctrl_c_close_does_not_wait_for_the_worker_again(executor: str) -> None:
+    """Ctrl-C twice while step() (here wait()) waits for a worker that hangs: every later call is refused, saying to
+    close the optimizer, and close() then waited the whole timeout for that worker again (as it does not after a wait
+    that timed out). It does not wait again: the worker process is killed at once, a worker thread left with the
+    close's warning saying why."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+    release = threading.Event()
+    opt = None
+    try:
+        opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor=executor, block_numel=100,
+                                            timeout=20.0)
+        ex = opt.engine.executor
+        if executor == "thread":
+            _hang(ex, release)
+        else:
+            os.kill(ex.pid, signal.SIGSTOP)  # it does not answer
+            ex.submit(BlockOp(10 ** 6, "commit_all"))
+        pid = os.getpid()
+        twice = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGINT), time.sleep(0.1),
+                                              os.kill(pid, signal.SIGINT)))
+        twice.start()
+        with pytest.raises(KeyboardInterrupt):
+            opt.engine.wait()
+        twice.join()
+        with pytest.raises(ExecutorError, match="interrupted by a second Ctrl-C"):
+            opt.step()
+        start = time.monotonic()
+        if executor == "thread":
+            with pytest.warns(RuntimeWarning, match=r"close\(\) did not wait for it again \(the last wait for it "
+                                                    r"was interrupted\), and the thread executor's worker is still "
+                                                    r"running"):
+                opt.close()
+        else:
+            opt.close()
+            assert ex.process.poll() is not None, "the worker process is killed"
+        assert time.monotonic() - start < 10.0, "not the timeout (20 s) again"
+    finally:
+        signal.signal(signal.SIGINT, before)
+        release.set()
+        if executor == "process" and opt is not None and opt.engine.executor.process.poll() is None:
+            opt.engine.executor.process.kill()
+            opt.engine.executor.process.wait()
+
+
 def _slowed(opt: sofx.offload.SpeculativeAdamW, executor: str) -> threading.Event:
     """Make the executor's next operations wait until the returned event is set: a real operation queued first
     (thread executor: a "ready" operation whose decision waits), or the worker process stopped (SIGSTOP) and

@@ -327,6 +327,16 @@ class ProcessExecutor(Executor):
 
     def wait(self, timeout: float) -> list[OpResult]:
         self._unanswered = False
+        try:
+            return self._wait(timeout)
+        except ExecutorError:
+            raise
+        except BaseException:  # (a second Ctrl-C: the caller gave up waiting for it; close() does not wait again)
+            self._unanswered = True
+            raise
+
+    def _wait(self, timeout: float) -> list[OpResult]:
+        """:meth:`wait`, but for its handling of an interruption."""
         deadline = time.monotonic() + timeout
         while self._outstanding() > 0:
             if self._drain(_POLL_S):
@@ -358,9 +368,9 @@ class ProcessExecutor(Executor):
     # ------------------------------------------------------------ shutdown
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker (idempotent): it finishes what was queued and exits, or is killed once ``timeout``
-        seconds (``close_timeout`` by default) have passed in all, at once where the last :meth:`wait` timed out (a
-        worker that does not answer is not waited for twice). A close broken into as it waited (a second Ctrl-C) is
-        finished by the next, which does not wait again: the worker is killed."""
+        seconds (``close_timeout`` by default) have passed in all, at once where the last :meth:`wait` timed out or
+        was interrupted (a worker that does not answer is not waited for twice). A close broken into as it waited
+        (a second Ctrl-C) is finished by the next, which does not wait again: the worker is killed."""
         if self._close_done:
             return
         if timeout is None:

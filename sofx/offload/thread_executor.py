@@ -12,8 +12,9 @@ before it has finished.
 
 :meth:`ThreadExecutor.close` lets the worker run what was queued and stop, waiting at most
 its timeout (the engine's ``timeout``), and not at all after a :meth:`~ThreadExecutor.wait`
-that timed out; a thread still running an operation then cannot be stopped: it is left to
-finish that one alone (the queued ones are dropped), with a warning that says so.
+that timed out or was interrupted (a second Ctrl-C); a thread still running an operation then
+cannot be stopped: it is left to finish that one alone (the queued ones are dropped), with a
+warning that says so.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class ThreadExecutor(Executor):
         super().__init__(describe)
         self.runner = runner
         self.close_timeout = close_timeout
-        self._unanswered = False  # the last wait() timed out: close() does not wait again
+        # Why close() does not wait for the worker again (the last wait() timed out or was interrupted), or None
+        self._unanswered: str | None = None
         self._close_done = False  # close() finished (one broken into by a second Ctrl-C is finished by the next)
         self._interrupts = interrupts  # `with` it: Ctrl-C waits (sofx.offload.interrupts)
         self._queue: collections.deque = collections.deque()
@@ -150,7 +152,7 @@ class ThreadExecutor(Executor):
     def wait(self, timeout: float, help: bool = False) -> list[OpResult]:
         """See :meth:`Executor.wait`; ``help``: run queued one-block operations (``"ready"``, ``"apply"``) on this
         thread meanwhile."""
-        self._unanswered = False
+        self._unanswered = None
         deadline = time.monotonic() + timeout
         if help:
             with torch.no_grad():
@@ -169,21 +171,25 @@ class ThreadExecutor(Executor):
             while self._finished < self._submitted and self._crash is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._unanswered = True
+                    self._unanswered = "the last wait for it timed out"
                     raise ExecutorTimeout(f"thread executor: {self._submitted - self._finished} block operations "
                                           f"did not finish within {timeout:g} s")
-                self._cond.wait(left)
+                try:
+                    self._cond.wait(left)
+                except BaseException:  # (a second Ctrl-C: the caller gave up waiting for it)
+                    self._unanswered = "the last wait for it was interrupted"
+                    raise
             if self._crash is not None:
                 raise ExecutorError(f"thread executor: the worker thread died: {self._crash!r}") from self._crash
         return raise_failures(self.poll(), "thread executor", self.describe)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker thread (idempotent) once it has run what was queued, waiting up to ``timeout`` seconds
-        (``close_timeout`` by default), at once where the last :meth:`wait` timed out (an operation that does not
-        finish is not waited for twice). A thread cannot be stopped: one still running an operation then is left
-        to finish it alone (a daemon thread), the queued ones are dropped, and a ``RuntimeWarning`` names what
-        runs (it may still change those blocks' tensors). A close broken into as it waited (a second Ctrl-C) is
-        finished by the next, which does not wait again."""
+        (``close_timeout`` by default), at once where the last :meth:`wait` timed out or was interrupted (an
+        operation that does not finish is not waited for twice). A thread cannot be stopped: one still running an
+        operation then is left to finish it alone (a daemon thread), the queued ones are dropped, and a
+        ``RuntimeWarning`` names what runs (it may still change those blocks' tensors). A close broken into as it
+        waited (a second Ctrl-C) is finished by the next, which does not wait again."""
         if self._close_done:
             return
         resumed = self._closed
@@ -215,7 +221,7 @@ class ThreadExecutor(Executor):
         what = ", ".join(f"the {kind!r} operation on {self.describe(block)}" for kind, block in running) \
             or "an operation"
         why = ("did not wait for it again (a close was interrupted)" if resumed
-               else "did not wait for it again (the last wait for it timed out)" if self._unanswered
+               else f"did not wait for it again ({self._unanswered})" if self._unanswered
                else f"waited {waited:g} s")
         warnings.warn(f"sofx.offload: close() {why}, and the thread executor's worker is still running {what}; a "
                       f"thread cannot be stopped: it is left to finish alone and may still change those blocks' "
