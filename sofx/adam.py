@@ -2085,12 +2085,14 @@ def _half_precision(value: Any) -> str:
     return "float16" if type(value).__module__ == "numpy" and type(value).__name__ == "float16" else ""
 
 
-def _refuse_half_precision(name: str, value: Any, where: str, path: str = "") -> None:
+def _refuse_half_precision(name: str, value: Any, where: str, path: str = "", label: str | None = None) -> None:
     """Refuse (an :class:`HParamError` naming ``where + path``) a value of hparam ``name`` of :data:`_HALF_REFUSED`
-    that is :func:`_half_precision`."""
+    that is :func:`_half_precision`. ``label``: how the value is named instead of ``where + path: name`` (the offload
+    facade's ``param_groups[0]['betas'][0]``, whose groups torch.optim steps with it)."""
     kind = _half_precision(value) if name in _HALF_REFUSED else ""
     if kind:
-        raise HParamError(f"{where}{path}: {name} = {value!r:.60} is a {kind} number: torch.optim's for-loop and "
+        label = f"{where}{path}: {name}" if label is None else label
+        raise HParamError(f"{label} = {value!r:.60} is a {kind} number: torch.optim's for-loop and "
                           f"foreach AdamW compute with it in {kind} (1 - lr * weight_decay rounds to 1 below "
                           f"lr * weight_decay = {2 ** -12 if kind == 'float16' else 2 ** -9!r}: no decay), its "
                           f"fused AdamW in float64 as sofx does; give a Python float, float({name}), or a "

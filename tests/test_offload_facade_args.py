@@ -350,3 +350,35 @@ def test_capturable_with_cpu_parameters_is_refused_as_torch_refuses_its_step():
             opt.backward(((model(x) - y) ** 2).mean())
             opt.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("kwargs, what, name", [
+    pytest.param({"lr": np.float16(1e-3)}, r"\['lr'\]", "lr", id="lr"),
+    pytest.param({"betas": (torch.tensor(0.5, dtype=torch.float16), torch.tensor(0.75, dtype=torch.float16))},
+                 r"\['betas'\]\[0\]", "beta1", id="betas"),
+    pytest.param({"weight_decay": torch.tensor(0.25, dtype=torch.bfloat16)}, r"\['weight_decay'\]", "weight_decay",
+                 id="weight_decay"),
+])
+def test_half_precision_hparams_are_refused_as_sofx_adam_refuses_them(kwargs, what, name):
+    """torch.optim.AdamW's for-loop step computes with a float16 lr, beta or weight decay in float16 (numpy keeps
+    a float16's precision, NEP 50; a tensor its dtype): the facade read it as the Python float it holds and
+    trained otherwise, where :func:`sofx.adam` refuses it. Refused as sofx.adam refuses it (one wording), at
+    construction and -- a LambdaLR whose lambda returns a numpy float16 makes the group's lr one -- at the next
+    step, nothing stepped; a float16 eps (only added, as a double, by torch) is taken."""
+    model = _model()
+    pattern = rf"is a (b?float16) number: torch.optim's for-loop and foreach AdamW compute with it in \1"
+    with pytest.raises(sofx.HParamError, match=rf"^defaults{what} = .* {pattern}"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", **kwargs)
+    with pytest.raises(sofx.HParamError, match=rf"^param_groups\[0\]{what} = .* {pattern}"):
+        sofx.offload.SpeculativeAdamW([{"params": model.parameters(), **kwargs}], executor="inline")
+    _assert_left_working(model)
+    sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", eps=np.float16(1e-3)).close()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda t: np.float16(0.5))
+        assert type(opt.param_groups[0]["lr"]) is np.float16
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0)
+        with pytest.raises(sofx.HParamError, match=rf"^param_groups\[0\]\['lr'\] = .* {pattern}"):
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -46,7 +46,9 @@ class's, are refused (at construction, at every step, and in
 ``load_state_dict``) rather than ignored. A tensor ``lr`` (or tensor ``betas``) is read as the Python number
 it holds, as :class:`sofx.AdamHParams` reads one: the step is ``torch.optim``'s with that float (torch's own
 for-loop step with the tensor rounds ``lr * weight_decay`` and ``lr / bias_correction1``, or ``1 - beta`` and
-the bias corrections, to float32, ~1e-7 relative per step). Differences from ``torch.optim``: gradients are moved
+the bias corrections, to float32, ~1e-7 relative per step); a float16 or bfloat16 one (a LambdaLR's lambda
+returning a numpy float16), which torch's for-loop step computes with in that precision, is refused, as
+:func:`sofx.adam` refuses it. Differences from ``torch.optim``: gradients are moved
 out of ``param.grad`` as they arrive (``param.grad`` is ``None`` after
 backward) and ``step()`` consumes them (gradients do not carry over to the
 next step without ``gradient_accumulation_steps``: with N, a block is ready, and speculated, during the N-th
@@ -162,8 +164,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refused_torch_option,
-                       torch_betas)
+from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, _refuse_half_precision, check_float32_range,
+                       refused_torch_option, torch_betas)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
@@ -239,13 +241,17 @@ def _check_losses(loss: Any, who: str, sequence: bool) -> None:
             raise StructureError(f"{who}: {name} is a {type(x).__name__}; expected {several}")
 
 
-def _number(value: Any, what: str) -> float:
-    """A group's hparam as a Python float (:func:`~sofx.kernels.user_numbers.finite_number`: a Python or numpy
-    number, numpy's float32 from a LambdaLR included, or a 1-element tensor; finite). A tensor that requires grad
-    is its value, as torch.optim reads a group's hparams in its no_grad step (grad mode is on at construction and
-    in load_state_dict, where it read as traced)."""
+def _number(value: Any, what: str, field: str) -> float:
+    """A group's hparam ``field`` (an :class:`AdamHParams` field) as a Python float
+    (:func:`~sofx.kernels.user_numbers.finite_number`: a Python or numpy number, numpy's float32 from a LambdaLR
+    included, or a 1-element tensor; finite). A tensor that requires grad is its value, as torch.optim reads a
+    group's hparams in its no_grad step (grad mode is on at construction and in load_state_dict, where it read as
+    traced). A float16 or bfloat16 lr, beta or weight decay (a LambdaLR whose lambda returns a numpy float16 makes
+    the lr one), which torch.optim's for-loop step computes with in that precision, is refused as
+    :func:`sofx.adam` refuses it (it was read as the Python float it holds: another step than torch's)."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value = value.detach()
+    _refuse_half_precision(field, value, "", label=what)
     if callable(value):  # a sofx schedule (optax's learning_rate=schedule)
         raise HParamError(f"{what} is a schedule ({type(value).__name__}), where the offload optimizer takes a "
                           "number: its lr follows a torch.optim.lr_scheduler; for a sofx schedule, lr=1.0 and "
@@ -362,11 +368,11 @@ def group_hparams(group: Mapping[str, Any], where: str) -> AdamHParams:
         if key not in group:
             raise HParamError(f"{where} has no {key!r}: a param group needs "
                               f"{', '.join(map(repr, _HPARAM_KEYS))} (put it back in the group's dict)")
-    lr = _number(group["lr"], f"{where}['lr']")
+    lr = _number(group["lr"], f"{where}['lr']", "lr")
     betas = torch_betas(group["betas"], f"{where}['betas']")  # (what torch's step unpacks: a tensor pair too)
-    b1, b2 = _number(betas[0], f"{where}['betas'][0]"), _number(betas[1], f"{where}['betas'][1]")
-    eps = _number(group["eps"], f"{where}['eps']")
-    wd = _number(group["weight_decay"], f"{where}['weight_decay']")
+    b1, b2 = _number(betas[0], f"{where}['betas'][0]", "beta1"), _number(betas[1], f"{where}['betas'][1]", "beta2")
+    eps = _number(group["eps"], f"{where}['eps']", "eps")
+    wd = _number(group["weight_decay"], f"{where}['weight_decay']", "weight_decay")
     for name, value, ok, rule in (("['lr']", lr, lr >= 0, ">= 0"), ("['betas'][0]", b1, 0 <= b1 < 1, "in [0, 1)"),
                                   ("['betas'][1]", b2, 0 <= b2 < 1, "in [0, 1)"), ("['eps']", eps, eps > 0, "> 0"),
                                   ("['weight_decay']", wd, wd >= 0, ">= 0")):
