@@ -1270,8 +1270,14 @@ def test_ddp_modes_equal_ddp_and_torch_adamw(ranks, name: str) -> None:
 
 def test_without_clipping_or_loss_scaling_is_bitwise_torch(ranks) -> None:
     """Nothing undone, torch's kernels (backend="reference"): every step is DDP + torch.optim.AdamW's, bit for
-    bit, on both ranks."""
+    bit, on both ranks. Without clipping, overflow or late gradients every speculative step is committed
+    (validation compares each block's sum of squares with the very float it was speculated with: an undo+redo
+    here would be one for nothing)."""
     _check(ranks, "bitwise", tol=0.0)
+    for rank in ranks:
+        outcomes = rank["bitwise"]["outcomes"]
+        assert sum(o["speculated"] for o in outcomes) > 0
+        assert all(o["committed"] == o["speculated"] and o["undone"] == o["redone"] == 0 for o in outcomes), outcomes
 
 
 def test_ddp_that_cannot_be_hooked_is_refused_at_construction(ranks) -> None:
