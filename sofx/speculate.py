@@ -72,7 +72,9 @@ In ``step()``, after every pending speculative step has finished::
     report = plan.report                                     # a StepReport
 
 :func:`plan_validation` is pure: from the per-block sums of squares of the
-final gradients (``None`` for a block that got no gradient) it derives the
+final gradients (``None`` for a block that got no gradient; ``tally.block_sumsq[i]``, the very float
+:func:`on_block_ready` or :func:`on_late_gradient` took, for one that did: a speculated block's sum other than
+the one it was speculated with is a gradient changed since, and the block is undone and redone) it derives the
 step's global facts exactly as the serial loop does
 (:func:`sofx.serial.step_facts`: overflow, loss-scale update in the
 profile's order, global norm, clip coefficient, the one gradient multiplier)
